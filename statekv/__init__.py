@@ -1,0 +1,26 @@
+"""statekv: linear-time long-video encoding for video VLMs (StateKV)."""
+
+from .core import (
+    Candidates,
+    CarryPolicy,
+    ConfigurationError,
+    FullAttention,
+    HorizonError,
+    InputError,
+    Recency,
+    SinksAndRecency,
+    StateKV,
+    StateKVError,
+    StreamingPrefill,
+    UnsupportedModelError,
+    generate_from_cache,
+    scored_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError",
+    "Recency", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
+    "generate_from_cache", "scored_attention",
+]

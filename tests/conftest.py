@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random decoders of the real architectures, saved and loaded via from_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+WEIGHT_STD = 0.15  # the default 0.02 makes attention nearly uniform and hides selection bugs
+
+FAMILIES = {
+    # name: (config class, query heads, KV heads); group sizes 7, 2 and 1
+    "qwen2": (Qwen2Config, 7, 1),
+    "qwen3": (Qwen3Config, 4, 2),
+    "llama": (LlamaConfig, 4, 4),
+}
+
+
+def tiny_config(family: str, *, heads: int | None = None, kv_heads: int | None = None, **overrides):
+    config_class, default_heads, default_kv = FAMILIES[family]
+    heads, kv_heads = heads or default_heads, kv_heads or default_kv
+    head_dim = 8
+    fields = dict(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=1024, tie_word_embeddings=False)
+    fields.update(overrides)
+    return config_class(**fields)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0, std: float = WEIGHT_STD) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1.0 + 0.1 * torch.randn(parameter.shape, generator=generator))
+            else:
+                parameter.copy_(std * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def build_tiny_lm(family: str, path, *, dtype=torch.float32, seed: int = 0, **config_overrides):
+    """Save a tiny random causal LM to ``path`` and load it back through ``from_pretrained``."""
+    config = tiny_config(family, **config_overrides)
+    model = randomize(AutoModelForCausalLM.from_config(config), seed)
+    model.save_pretrained(path)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return loaded.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """``tiny_lm(family, **overrides)``: a cached tiny model per distinct argument set."""
+    cache = {}
+
+    def make(family: str, **kwargs):
+        key = (family, repr(sorted(kwargs.items(), key=lambda kv: kv[0])))
+        if key not in cache:
+            cache[key] = build_tiny_lm(family, tmp_path_factory.mktemp(family), **kwargs)
+        return cache[key]
+
+    return make
+
+
+# A prefix chunk then eleven chunks of unequal lengths: 100 tokens in all.
+CHUNK_LENGTHS = (9, 7, 12, 5, 10, 6, 11, 8, 9, 4, 13, 6)
+
+
+def split(tokens: torch.Tensor, lengths=CHUNK_LENGTHS) -> list[torch.Tensor]:
+    assert sum(lengths) == tokens.shape[1]
+    return list(torch.split(tokens, list(lengths), dim=1))

@@ -1,0 +1,101 @@
+"""Invariant 7: every score backend agrees with a float64 reference; scores are attention mass per KV head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import statekv
+from statekv.core import attention
+
+
+def reference(q, k, v, scale):
+    """float64 brute force with explicit GQA repetition."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    kr, vr = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    logits = q.double() @ kr.transpose(-1, -2) * scale
+    visible = torch.arange(tk) <= (tk - tq + torch.arange(tq))[:, None]
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = (probs @ vr).transpose(1, 2)
+    scores = probs.sum(dim=2).reshape(b, hkv, group, tk).sum(dim=2)
+    return out, scores
+
+
+def contrasted_inputs(b, hq, hkv, tq, carried, d, dtype, seed=0):
+    """Inputs whose attention is far from uniform: a few sink keys plus strong random logits."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=g) * 2.0
+    k = torch.randn(b, hkv, carried + tq, d, generator=g) * 2.0
+    sinks = torch.randint(0, carried + tq, (3,), generator=g)
+    k[:, :, sinks] += 2.0 * q.mean(dim=(1, 2), keepdim=True).squeeze(1)[:, None]
+    v = torch.randn(b, hkv, carried + tq, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+CASES = [  # (batch, query heads, KV heads, queries, carried keys, head dim)
+    (1, 14, 2, 37, 100, 64),
+    (1, 16, 8, 1, 100, 32),
+    (2, 4, 4, 23, 0, 16),
+    (1, 28, 4, 259, 41, 16),
+]
+
+
+@pytest.mark.parametrize("backend", ["eager", "chunked"])
+@pytest.mark.parametrize("case", CASES)
+def test_backends_match_float64_reference_fp32(backend, case):
+    b, hq, hkv, tq, carried, d = case
+    q, k, v = contrasted_inputs(b, hq, hkv, tq, carried, d, torch.float32)
+    scale = d ** -0.5
+    out, scores = statekv.scored_attention(q, k, v, scale=scale, backend=backend)
+    out_ref, scores_ref = reference(q, k, v, scale)
+    assert out.shape == (b, tq, hq, d) and out.dtype == torch.float32
+    assert scores.shape == (b, hkv, carried + tq) and scores.dtype == torch.float32
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores.double(), scores_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores.sum(-1), torch.full((b, hkv), float(tq * hq // hkv)), rtol=1e-5, atol=0)
+    assert scores_ref.max() > 3 * scores_ref.mean()  # the inputs really are contrasted (not near-uniform)
+
+
+def test_chunked_tiles_across_query_and_key_blocks():
+    q, k, v = contrasted_inputs(1, 6, 2, 45, 70, 16, torch.float32, seed=3)
+    out_ref, scores_ref = reference(q, k, v, 0.25)
+    out, scores = attention._chunked(q, k, v, 0.25, block_rows=16, block_keys=32)  # 6 x 4 tiles, ragged
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores.double(), scores_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["eager", "chunked"])
+def test_backends_in_half_precision(backend, dtype):
+    q, k, v = contrasted_inputs(1, 14, 2, 37, 100, 64, dtype, seed=1)
+    out, scores = statekv.scored_attention(q, k, v, scale=0.125, backend=backend)
+    out_ref, scores_ref = reference(q, k, v, 0.125)
+    assert out.dtype == dtype and scores.dtype == torch.float32
+    assert (out.double() - out_ref).norm() / out_ref.norm() < 2e-2
+    assert (scores.double() - scores_ref).norm() / scores_ref.norm() < 2e-2
+
+
+def test_sdpa_output_matches_reference():
+    q, k, v = contrasted_inputs(1, 14, 2, 37, 100, 64, torch.float32, seed=2)
+    out_ref, _ = reference(q, k, v, 0.125)
+    torch.testing.assert_close(attention.chunk_attention(q, k, v, scale=0.125).double(), out_ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_chunked_on_cpu_and_rejects_unknown_backends():
+    assert attention.resolve_backend("auto", torch.device("cpu")) == "chunked"
+    with pytest.raises(statekv.ConfigurationError, match="unknown attention backend 'flash'"):
+        attention.resolve_backend("flash", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((1, 4, 5, 8), (1, 3, 9, 8)), "cannot be grouped"),
+    (((1, 4, 9, 8), (1, 2, 5, 8)), "only 5 keys"),
+    (((1, 4, 5, 8), (1, 2, 9, 16)), "disagree"),
+])
+def test_shape_errors(shapes, message):
+    q, k = torch.randn(*shapes[0]), torch.randn(*shapes[1])
+    with pytest.raises(statekv.InputError, match=message):
+        statekv.scored_attention(q, k, k, scale=1.0, backend="eager")
