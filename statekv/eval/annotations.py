@@ -1,0 +1,96 @@
+"""Read annotation tables (parquet, JSON, JSON Lines) into plain row dicts.
+
+Parquet needs ``pyarrow`` (imported only when a parquet file is read); JSON and JSON Lines need
+nothing, so a layout converted to ``.jsonl`` works with the core install.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from statekv.eval.questions import AnnotationError, MissingFileError
+
+ANNOTATION_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def find_annotation_files(directories: Sequence[Path], stem: str) -> list[Path]:
+    """Files named ``<stem>*.parquet|jsonl|json`` in the first directory that has any.
+
+    Within that directory one format is used, in the order parquet > jsonl > json; several
+    files of it (shards such as ``test-00000-of-00002.parquet``) are all returned, sorted.
+    """
+    for directory in directories:
+        for suffix in ANNOTATION_SUFFIXES:
+            found = sorted(directory.glob(f"{stem}*{suffix}"))
+            if found:
+                return found
+    tried = ", ".join(str(d / f"{stem}*{{{','.join(ANNOTATION_SUFFIXES)}}}") for d in directories)
+    raise MissingFileError(f"no annotation file found; looked for {tried}")
+
+
+def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """All rows of the given files, in order."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        rows.extend(read_table(path))
+    return rows
+
+
+def read_table(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"annotation file not found: {path}")
+    if path.suffix == ".parquet":
+        return _read_parquet(path)
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.suffix == ".json":
+        return _read_json(path)
+    raise AnnotationError(f"{path}: unsupported annotation format (use {', '.join(ANNOTATION_SUFFIXES)})")
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSON Lines") from error
+    return pq.read_table(path).to_pylist()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise AnnotationError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    return _require_objects(path, rows)
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise AnnotationError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, list):
+        raise AnnotationError(f"{path}: expected a JSON list of question objects")
+    return _require_objects(path, data)
+
+
+def _require_objects(path: Path, rows: list[Any]) -> list[dict[str, Any]]:
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise AnnotationError(f"{path}: row {index} is not a JSON object")
+    return rows
+
+
+def require_fields(row: dict[str, Any], fields: Sequence[str], where: str) -> None:
+    missing = [field for field in fields if field not in row]
+    if missing:
+        raise AnnotationError(f"{where}: missing field(s) {', '.join(missing)}")

@@ -1,0 +1,241 @@
+"""Per-question answer records: append-only JSON Lines that survive a crash at any moment.
+
+A run directory holds one evaluation (one benchmark, model, method and budget)::
+
+    <run_dir>/answers.rank000.jsonl   appended by rank 0, one line per answered question
+    <run_dir>/answers.rank001.jsonl   ...
+    <run_dir>/answers.jsonl           merge of the rank files (``merge_rank_files``)
+    <run_dir>/results.json            summary (``statekv.eval.report.write_summary``)
+
+Each line is written whole, flushed and fsynced before ``write`` returns. A line counts only
+once its newline is on disk: an unterminated last line (the process was killed mid-write) is
+ignored when reading and cut off before appending, so a resumed run re-answers that question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statekv.eval.parsing import DEFAULT_PARSER, check_parser, judge
+from statekv.eval.prompts import DEFAULT_PROTOCOL, check_protocol
+from statekv.eval.questions import Question
+
+logger = logging.getLogger(__name__)
+
+MERGED_FILE = "answers.jsonl"
+RANK_FILE_GLOB = "answers.rank*.jsonl"
+
+
+class ResultsFileError(ValueError):
+    """A results file has a corrupt line before its end (not a crash artefact)."""
+
+
+def rank_file(run_dir: Path | str, rank: int) -> Path:
+    return Path(run_dir) / f"answers.rank{rank:03d}.jsonl"
+
+
+@dataclass(frozen=True)
+class AnswerRecord:
+    """One answered question: what was asked, what came back, how it was read and scored.
+
+    ``prediction`` is the raw generated text; ``parsed`` the letter the ``parser`` read from it
+    (``None``: unparsable). ``timings`` holds seconds by phase (e.g. "encode", "answer");
+    ``extra`` anything else the runner wants kept (frame count, FLOPs, ...).
+    """
+
+    benchmark: str
+    qid: str
+    video_id: str
+    prediction: str
+    parsed: str | None
+    correct: bool
+    answer: str
+    letters: str
+    parser: str
+    protocol: str
+    model: str
+    method: str
+    budget: int | None
+    task_type: str
+    duration: str = ""
+    domain: str = ""
+    sub_category: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_answer(
+        cls,
+        question: Question,
+        prediction: str,
+        *,
+        model: str,
+        method: str,
+        budget: int | None = None,
+        protocol: str = DEFAULT_PROTOCOL,
+        parser: str = DEFAULT_PARSER,
+        timings: Mapping[str, float] | None = None,
+        **extra: Any,
+    ) -> AnswerRecord:
+        """Parse and score ``prediction`` for ``question``."""
+        check_protocol(protocol)
+        parsed, correct = judge(
+            question.benchmark, prediction, answer=question.answer, letters=question.letters, parser=parser
+        )
+        return cls(
+            benchmark=question.benchmark,
+            qid=question.qid,
+            video_id=question.video_id,
+            prediction=prediction,
+            parsed=parsed,
+            correct=correct,
+            answer=question.answer,
+            letters=question.letters,
+            parser=parser,
+            protocol=protocol,
+            model=model,
+            method=method,
+            budget=budget,
+            task_type=question.task_type,
+            duration=question.duration,
+            domain=question.domain,
+            sub_category=question.sub_category,
+            timings=dict(timings or {}),
+            extra=extra,
+        )
+
+    def rescored(self, parser: str) -> AnswerRecord:
+        """The same answer read with another parser generation."""
+        check_parser(parser)
+        parsed, correct = judge(
+            self.benchmark, self.prediction, answer=self.answer, letters=self.letters, parser=parser
+        )
+        return dataclasses.replace(self, parser=parser, parsed=parsed, correct=correct)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AnswerRecord:
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        required = [
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise KeyError(f"answer record lacks {', '.join(missing)}")
+        known = {key: value for key, value in data.items() if key in names}
+        unknown = {key: value for key, value in data.items() if key not in names}
+        if unknown:
+            known["extra"] = {**known.get("extra", {}), **unknown}
+        return cls(**known)
+
+
+class ResultsWriter:
+    """Appends one JSON line per record to ``path``; each ``write`` is durable when it returns."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_unterminated_tail(self.path)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: AnswerRecord) -> None:
+        if not isinstance(record, AnswerRecord):
+            raise TypeError(f"ResultsWriter writes AnswerRecord objects, got {type(record).__name__}")
+        self._file.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> ResultsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def drop_unterminated_tail(path: Path) -> None:
+    """Cut a partial last line (left by a killed writer) so appends start on a fresh line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        logger.warning("%s: dropping an unterminated last line (%d bytes)", path, len(data) - keep)
+        with path.open("rb+") as file:
+            file.truncate(keep)
+
+
+def read_records(path: Path | str) -> list[AnswerRecord]:
+    """Records of one results file, in file order; an unterminated last line is dropped."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if lines[-1]:
+        logger.warning("%s: ignoring an unterminated last line", path)
+    records = []
+    for number, line in enumerate(lines[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(AnswerRecord.from_json(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ResultsFileError(f"{path}:{number}: corrupt answer record ({error})") from None
+    return records
+
+
+def latest_per_question(records: Iterable[AnswerRecord]) -> list[AnswerRecord]:
+    """One record per qid (the last written wins, e.g. after a question was re-answered)."""
+    latest: dict[str, AnswerRecord] = {}
+    for record in records:
+        latest[record.qid] = record
+    return list(latest.values())
+
+
+def run_records(run_dir: Path | str) -> list[AnswerRecord]:
+    """Every answered question of a run: the merged file and all rank files, deduplicated."""
+    run_dir = Path(run_dir)
+    paths = sorted(run_dir.glob(RANK_FILE_GLOB))
+    if (run_dir / MERGED_FILE).is_file():
+        paths.insert(0, run_dir / MERGED_FILE)
+    return latest_per_question(record for path in paths for record in read_records(path))
+
+
+def completed_qids(run_dir: Path | str) -> set[str]:
+    """Question ids already answered in ``run_dir`` (what a resumed run skips)."""
+    return {record.qid for record in run_records(run_dir)}
+
+
+def merge_rank_files(run_dir: Path | str) -> list[AnswerRecord]:
+    """Write ``answers.jsonl`` from all rank files (deduplicated, sorted by qid) and return it."""
+    run_dir = Path(run_dir)
+    records = sorted(run_records(run_dir), key=lambda record: _natural_key(record.qid))
+    write_records_atomically(run_dir / MERGED_FILE, records)
+    return records
+
+
+def write_records_atomically(path: Path, records: Iterable[AnswerRecord]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _natural_key(text: str) -> tuple[str | int, ...]:
+    # re.split with a capture group puts the digit runs at the odd positions
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", text)))

@@ -1,0 +1,120 @@
+"""A run's ``results.json`` summary and the paper's accuracy table built from several runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from statekv.eval.parsing import PARSERS
+from statekv.eval.records import AnswerRecord, merge_rank_files
+from statekv.eval.scoring import score, single_value
+
+SUMMARY_FILE = "results.json"
+TABLE_COLUMNS = (("videomme", "VideoMME"), ("mlvu", "MLVU"), ("ovobench", "OVOBench RT"))
+_METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2}
+_OTHER_METHOD = 3
+
+
+def method_label(method: str, budget: int | None) -> str:
+    """The paper's name for a method: "Full SA", "ReKV R=16", "StateKV B=4096", else "name (budget)"."""
+    kind = _method_kind(method)
+    if kind == 0:
+        return "Full SA"
+    if budget is None:
+        return {1: "ReKV", 2: "StateKV"}.get(kind, method)
+    return {1: f"ReKV R={budget}", 2: f"StateKV B={budget}"}.get(kind, f"{method} ({budget})")
+
+
+def _method_kind(method: str) -> int:
+    return _METHOD_KINDS.get(method.lower().replace("_", "").replace(" ", ""), _OTHER_METHOD)
+
+
+def build_summary(records: Sequence[AnswerRecord], expected_qids: Sequence[str] | None = None) -> dict[str, Any]:
+    """Summary of one run: its settings, its score under the parser it used (``score``) and
+    under every parser generation (``scores``), and mean timings per phase."""
+    if not records:
+        raise ValueError("no answer records to summarize")
+    settings = {
+        name: single_value(records, name) for name in ("benchmark", "model", "method", "budget", "protocol", "parser")
+    }
+    # OVOBench scores are the same under both generations (one substring rule); kept for uniformity
+    scores = {parser: score([record.rescored(parser) for record in records], expected_qids) for parser in PARSERS}
+    timings: dict[str, list[float]] = {}
+    for record in records:
+        for phase, seconds in record.timings.items():
+            timings.setdefault(phase, []).append(seconds)
+    return {
+        **settings,
+        "method_label": method_label(settings["method"], settings["budget"]),
+        "score": scores[settings["parser"]].to_json(),
+        "scores": {parser: result.to_json() for parser, result in scores.items()},
+        "mean_seconds": {phase: sum(values) / len(values) for phase, values in sorted(timings.items())},
+    }
+
+
+def write_summary(
+    run_dir: Path | str, records: Sequence[AnswerRecord] | None = None, expected_qids: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Write ``<run_dir>/results.json`` (from the merged rank files unless records are given)."""
+    run_dir = Path(run_dir)
+    summary = build_summary(merge_rank_files(run_dir) if records is None else records, expected_qids)
+    temporary = run_dir / (SUMMARY_FILE + ".tmp")
+    temporary.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    os.replace(temporary, run_dir / SUMMARY_FILE)
+    return summary
+
+
+def read_summary(run_dir: Path | str) -> dict[str, Any]:
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no run summary at {path} (run write_summary first)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
+    """Markdown table like the paper's Table 1: one row per (model, method), one column per
+    benchmark, headline accuracies with two decimals.
+
+    ``parser`` picks which parser generation's score to show (default: the one each run used).
+    A cell notes unparsable answers ("(3 unparsed)") and incomplete runs ("(partial 10/2700)").
+    """
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    sources: dict[tuple[str, str, str], Path | str] = {}
+    row_order: dict[tuple[str, str], tuple] = {}
+    models: list[str] = []
+    for run_dir in run_dirs:
+        summary = read_summary(run_dir)
+        benchmark, model = summary["benchmark"], summary["model"]
+        chosen = summary["scores"].get(parser) if parser else summary["score"]
+        if chosen is None:
+            raise ValueError(f"{run_dir}: no score for parser {parser!r}")
+        row = (model, summary["method_label"])
+        key = (model, row[1], benchmark)
+        if key in sources:
+            raise ValueError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}")
+        sources[key] = run_dir
+        if model not in models:
+            models.append(model)
+        row_order[row] = (models.index(model), _method_kind(summary["method"]), summary["budget"] or 0, row[1])
+        cells.setdefault(row, {})[benchmark] = _cell(chosen)
+    header = "| Model | Method | " + " | ".join(title for _, title in TABLE_COLUMNS) + " |"
+    lines = [header, "|" + "---|" * (2 + len(TABLE_COLUMNS))]
+    for row in sorted(cells, key=row_order.__getitem__):
+        values = [cells[row].get(benchmark, "–") for benchmark, _ in TABLE_COLUMNS]
+        lines.append(f"| {row[0]} | {row[1]} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(result: dict[str, Any]) -> str:
+    headline = result["headline"]
+    text = "nan" if math.isnan(headline) else f"{headline:.2f}"
+    unparsable = result["overall"]["unparsable"]
+    if unparsable:
+        text += f" ({unparsable} unparsed)"
+    if result.get("missing"):
+        text += f" (partial {result['expected'] - result['missing']}/{result['expected']})"
+    return text
