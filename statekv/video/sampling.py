@@ -1,0 +1,59 @@
+"""Which frames to keep: the paper's uniform rule for stored videos, a fixed rate for live streams."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Protocol, TypeVar
+
+
+class _Timed(Protocol):
+    timestamp: float
+
+
+TimedT = TypeVar("TimedT", bound=_Timed)
+
+
+def num_sampled_frames(total_frames: int, avg_fps: float, *, max_fps: float = 1.0, max_frames: int = 512) -> int:
+    """How many frames the paper's protocol keeps from a video.
+
+    ``n = min(max(1, floor(total_frames / avg_fps * max_fps)), max_frames)``: the FPS cap first, then the
+    frame cap.
+    """
+    if total_frames < 1:
+        raise ValueError(f"total_frames must be >= 1, got {total_frames}")
+    if avg_fps <= 0 or max_fps <= 0 or max_frames < 1:
+        raise ValueError(f"avg_fps and max_fps must be > 0 and max_frames >= 1, got {avg_fps}, {max_fps}, {max_frames}")
+    return min(max(1, math.floor(total_frames / avg_fps * max_fps)), max_frames)
+
+
+def uniform_frame_indices(
+    total_frames: int, avg_fps: float, *, max_fps: float = 1.0, max_frames: int = 512
+) -> list[int]:
+    """Frame indices at the centres of ``n`` equal segments of the video (``n`` from `num_sampled_frames`).
+
+    With ``seg = (total_frames - 1) / n`` the k-th index is ``int(seg / 2 + round(seg * k))``, within
+    ``[0, total_frames - 1]``. Indices strictly increase while ``n < total_frames``; when ``max_fps`` reaches
+    the video's own rate some repeat (the rule is kept as published, so the model sees ``n`` frames).
+    """
+    n = num_sampled_frames(total_frames, avg_fps, max_fps=max_fps, max_frames=max_frames)
+    segment = (total_frames - 1) / n
+    return [int(segment / 2 + round(segment * k)) for k in range(n)]
+
+
+def sample_at_rate(frames: Iterable[TimedT], fps: float) -> Iterator[TimedT]:
+    """Keep, from a stream of timestamped frames, each frame that reaches the next ``1 / fps`` tick.
+
+    Ticks lie at ``k / fps`` seconds. A frame is kept when its timestamp is at or past the next pending
+    tick; the pending tick then moves to the first tick after that frame, so a gap in the stream yields
+    one frame, not a burst. Works lazily on any iterable (a live stream never ends).
+    """
+    if fps <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    next_tick = 0
+    for frame in frames:
+        # The small epsilon keeps a timestamp of exactly k / fps (as a float) on tick k.
+        last_tick_reached = math.floor(frame.timestamp * fps + 1e-9)
+        if last_tick_reached >= next_tick:
+            yield frame
+            next_tick = last_tick_reached + 1

@@ -1,0 +1,289 @@
+"""Open a video source and read its frames lazily, in one forward pass.
+
+`open_video` accepts a video file (decoded with PyAV), a folder of images, a sequence of PIL images or
+RGB arrays, or a numpy array ``[N, H, W, 3]`` uint8. Every source becomes a `Video`: metadata up front,
+frames on demand. Frames are yielded as `Frame` objects whose ``image`` is an RGB uint8 numpy array
+``[H, W, 3]``; only the frame being yielded is held, so memory does not grow with the video's length.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import av
+import numpy as np
+from PIL import Image
+
+from .errors import VideoError, VideoNotFoundError
+from .sampling import sample_at_rate, uniform_frame_indices
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
+DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
+
+
+@dataclass(frozen=True, eq=False)
+class Frame:
+    """One decoded frame.
+
+    index: position of the frame among all frames of the source (0-based).
+    timestamp: seconds since the start of the source (from ``pts * time_base`` for files).
+    image: RGB uint8 array ``[H, W, 3]``.
+    """
+
+    index: int
+    timestamp: float
+    image: np.ndarray
+
+
+class _PendingFrame(NamedTuple):
+    """A frame whose position is known but whose pixels are converted only if it is kept."""
+
+    index: int
+    timestamp: float
+    load: Callable[[], np.ndarray]
+
+    def materialize(self) -> Frame:
+        return Frame(self.index, self.timestamp, self.load())
+
+
+class Video(ABC):
+    """A video opened for lazy reading.
+
+    Attributes: ``name`` (for messages), ``num_frames``, ``fps`` (average frame rate), ``duration``
+    (seconds), ``width`` and ``height`` (of the first frame, pixels).
+    Each reading method starts a new single forward pass over the source and returns a generator.
+    """
+
+    name: str
+    num_frames: int
+    fps: float
+    duration: float
+    width: int
+    height: int
+
+    @abstractmethod
+    def _pending_frames(self) -> Iterator[_PendingFrame]:
+        """Every frame of the source, in order, without converting pixels."""
+
+    def frames(self) -> Iterator[Frame]:
+        """Every frame, in order."""
+        decoded = 0
+        for pending in self._pending_frames():
+            decoded += 1
+            yield pending.materialize()
+        if decoded < self.num_frames:
+            raise self._truncated(decoded)
+
+    def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512) -> list[int]:
+        """The frame indices `sample` yields (see `uniform_frame_indices`)."""
+        return uniform_frame_indices(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
+
+    def sample(self, *, max_fps: float = 1.0, max_frames: int = 512) -> Iterator[Frame]:
+        """The frames chosen by the paper's rule: at most ``max_fps`` per second, at most ``max_frames``."""
+        wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames))
+        next_index = next(wanted)
+        decoded = 0
+        for pending in self._pending_frames():
+            decoded += 1
+            if pending.index != next_index:
+                continue
+            frame = pending.materialize()
+            while next_index == pending.index:  # an index repeats when max_fps reaches the video's rate
+                yield frame
+                next_index = next(wanted, None)
+            del frame  # release it before decoding on: at most one frame is alive
+            if next_index is None:
+                return  # nothing more to keep: stop decoding
+        raise self._truncated(decoded)
+
+    def sample_at_rate(self, fps: float) -> Iterator[Frame]:
+        """Frames at a fixed rate, as a live stream would deliver them (see `sample_at_rate`)."""
+        for pending in sample_at_rate(self._pending_frames(), fps):
+            yield pending.materialize()
+
+    def _truncated(self, decoded: int) -> VideoError:
+        return VideoError(
+            f"{self.name}: decoding stopped after {decoded} of {self.num_frames} frames (truncated or corrupt?)"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name!r}, num_frames={self.num_frames}, fps={self.fps:.3f}, "
+            f"duration={self.duration:.3f}, size={self.width}x{self.height})"
+        )
+
+
+class FileVideo(Video):
+    """A video file decoded with PyAV, one forward pass per reading (no seeking, no frame kept).
+
+    ``num_frames`` is the stream's own count when the container stores one (MP4 / MOV sample tables are exact,
+    also at a variable frame rate); otherwise (Matroska, WebM, some AVI) the packets are counted in one demux
+    pass, which reads the file but decodes nothing. ``fps`` is the stream's average rate; timestamps are
+    ``(pts - start_time) * time_base``, so variable frame rates keep their true times. A file that ends
+    before its reported count raises `VideoError` when the reading gets there.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.name = str(path)
+        with self._open() as container:
+            stream = self._video_stream(container)
+            self._stream_index = stream.index
+            self._time_base = stream.time_base or Fraction(1, 1)
+            self._start_pts = stream.start_time or 0
+            self.width = stream.codec_context.width
+            self.height = stream.codec_context.height
+            self.num_frames = stream.frames or self._count_packets(container, stream)
+            if self.num_frames == 0:
+                raise VideoError(f"{self.name}: the video stream has no frames")
+            duration = self._reported_duration(container, stream)
+            self.fps = self._average_rate(stream, duration)
+            self.duration = duration if duration else self.num_frames / self.fps
+
+    def _open(self) -> Any:
+        try:
+            return av.open(str(self.path))
+        except av.FFmpegError as error:
+            raise VideoError(f"{self.name}: not a readable video file ({_short(error)})") from None
+
+    def _video_stream(self, container: Any) -> Any:
+        if not container.streams.video:
+            raise VideoError(f"{self.name}: the file has no video stream")
+        return container.streams.video[0]
+
+    def _count_packets(self, container: Any, stream: Any) -> int:
+        try:
+            return sum(1 for packet in container.demux(stream) if packet.size)
+        except av.FFmpegError as error:
+            raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
+
+    @staticmethod
+    def _reported_duration(container: Any, stream: Any) -> float | None:
+        if stream.duration:
+            return float(stream.duration * stream.time_base)
+        if container.duration:
+            return container.duration / av.time_base
+        return None
+
+    def _average_rate(self, stream: Any, duration: float | None) -> float:
+        rate = stream.average_rate or stream.guessed_rate
+        if rate:
+            return float(rate)
+        if duration:
+            return self.num_frames / duration
+        raise VideoError(f"{self.name}: the frame rate cannot be determined")
+
+    def _timestamp(self, frame: Any, index: int) -> float:
+        if frame.pts is None:
+            return index / self.fps
+        return float((frame.pts - self._start_pts) * self._time_base)
+
+    def _pending_frames(self) -> Iterator[_PendingFrame]:
+        index = -1
+        with self._open() as container:
+            stream = container.streams[self._stream_index]
+            stream.thread_type = "AUTO"
+            try:
+                for index, frame in enumerate(container.decode(stream)):
+                    yield _PendingFrame(index, self._timestamp(frame, index), partial(frame.to_ndarray, format="rgb24"))
+            except av.FFmpegError as error:
+                raise VideoError(
+                    f"{self.name}: decoding failed after {index + 1} frames ({_short(error)}; truncated or corrupt?)"
+                ) from None
+
+
+class ImageSequenceVideo(Video):
+    """Frames held as images (files, PIL images or arrays), spaced ``1 / fps`` seconds apart."""
+
+    def __init__(self, items: Sequence[Any], load: Callable[[Any], np.ndarray], *, fps: float, name: str):
+        if not len(items):
+            raise VideoError(f"{name}: the video has no frames")
+        if not fps > 0:
+            raise VideoError(f"{name}: fps must be > 0, got {fps}")
+        self._items = items
+        self._load = load
+        self.name = name
+        self.num_frames = len(items)
+        self.fps = float(fps)
+        self.duration = self.num_frames / self.fps
+        self.height, self.width = load(items[0]).shape[:2]
+
+    def _pending_frames(self) -> Iterator[_PendingFrame]:
+        for index, item in enumerate(self._items):
+            yield _PendingFrame(index, index / self.fps, partial(self._load, item))
+
+
+def open_video(source: Any, *, fps: float | None = None) -> Video:
+    """Open a video source for lazy reading.
+
+    source: a video file path; a folder of images (read in natural sort order, so ``frame_2`` comes before
+        ``frame_10``); a sequence of PIL images or RGB uint8 arrays ``[H, W, 3]``; a numpy array
+        ``[N, H, W, 3]`` uint8; or an already opened `Video` (returned as is).
+    fps: frame rate of an image source (default 1.0), which sets its timestamps. Files use their own.
+
+    Raises `VideoNotFoundError` for a missing path and `VideoError` for any source that cannot be read.
+    """
+    if isinstance(source, Video):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise VideoNotFoundError(f"{path}: no such file or folder")
+        if path.is_dir():
+            return _open_image_folder(path, fps=fps if fps is not None else DEFAULT_IMAGE_FPS)
+        if fps is not None:
+            raise VideoError(f"{path}: fps= applies to image sources only; a video file has its own timestamps")
+        return FileVideo(path)
+    fps = fps if fps is not None else DEFAULT_IMAGE_FPS
+    if isinstance(source, np.ndarray):
+        if source.ndim != 4 or source.shape[-1] != 3 or source.dtype != np.uint8:
+            raise VideoError(f"array video must be uint8 [N, H, W, 3], got {source.dtype} {list(source.shape)}")
+        return ImageSequenceVideo(source, np.asarray, fps=fps, name=f"array[{source.shape[0]}]")
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        return ImageSequenceVideo(source, _image_to_rgb_array, fps=fps, name=f"images[{len(source)}]")
+    raise VideoError(f"unsupported video source of type {type(source).__name__}")
+
+
+def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
+    paths = sorted(
+        (p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")),
+        key=_natural_key,
+    )
+    if not paths:
+        extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
+        raise VideoError(f"{folder}: folder holds no images ({extensions})")
+    return ImageSequenceVideo(paths, _read_image_file, fps=fps, name=str(folder))
+
+
+def _natural_key(path: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", path.name)]
+
+
+def _read_image_file(path: Path) -> np.ndarray:
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError) as error:
+        raise VideoError(f"{path}: not a readable image ({error})") from None
+
+
+def _image_to_rgb_array(image: Any) -> np.ndarray:
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3 and image.dtype == np.uint8:
+        return image
+    shape = getattr(image, "shape", None)
+    raise VideoError(f"frames must be PIL images or uint8 [H, W, 3] arrays, got {type(image).__name__} {shape or ''}")
+
+
+def _short(error: Exception) -> str:
+    """An FFmpeg error without the file name PyAV appends (the message names the file already)."""
+    return getattr(error, "strerror", None) or str(error)

@@ -1,0 +1,471 @@
+"""statekv.video: frame sampling, lazy decoding of every source kind, errors, preprocessing vs transformers."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import inspect
+import itertools
+import os
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from statekv.testing import draw_test_frame, read_frame_index, synthetic_timestamps, write_test_video
+from statekv.video import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    QWEN_MEAN,
+    QWEN_STD,
+    VideoError,
+    VideoNotFoundError,
+    internvl_pixel_values,
+    num_sampled_frames,
+    open_video,
+    qwen_frame_size,
+    qwen_pixel_values,
+    sample_at_rate,
+    temporal_groups,
+    uniform_frame_indices,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling rule
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "fps", "expected"),
+    [(300, 30, 10), (15, 30, 1), (108_000, 30, 512), (600, 1, 512), (100, 1, 100)],
+)
+def test_num_sampled_frames_fps_cap_then_frame_cap(total, fps, expected):
+    assert num_sampled_frames(total, fps) == expected
+
+
+def test_ten_second_clip_keeps_segment_centres():
+    indices = uniform_frame_indices(300, 30)
+    assert indices == [14, 44, 74, 104, 134, 164, 193, 223, 253, 283]
+    segment = 299 / 10
+    for k, index in enumerate(indices):  # each index is the centre of its segment (int and round: < 1.5 off)
+        assert abs(index - segment * (k + 0.5)) < 1.5
+
+
+def test_half_second_clip_keeps_its_middle_frame():
+    assert uniform_frame_indices(15, 30) == [7]
+
+
+def test_one_hour_keeps_512_frames_about_seven_seconds_apart():
+    indices = uniform_frame_indices(108_000, 30)  # one hour at 30 fps, as indices only
+    assert len(indices) == 512
+    gaps = np.diff(indices)
+    assert set(gaps.tolist()) <= {210, 211}
+    assert abs(gaps.mean() / 30 - 7.03) < 0.01
+    assert indices[0] == 105 and indices[-1] <= 107_999
+
+
+def test_indices_stay_in_range_and_increase_for_many_lengths():
+    for total in range(1, 400, 7):
+        for fps in (1, 2.5, 30):
+            indices = uniform_frame_indices(total, fps, max_fps=1, max_frames=64)
+            assert indices[0] >= 0 and indices[-1] <= total - 1
+            if len(indices) < total:
+                assert all(b > a for a, b in itertools.pairwise(indices))
+
+
+def test_sampling_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="total_frames"):
+        uniform_frame_indices(0, 30)
+    with pytest.raises(ValueError, match="fps"):
+        uniform_frame_indices(10, 0)
+
+
+def _stamped(times):
+    return [SimpleNamespace(index=i, timestamp=t) for i, t in enumerate(times)]
+
+
+def test_fixed_rate_sampler_takes_one_frame_per_tick():
+    frames = _stamped([i / 30 for i in range(95)])
+    assert [f.index for f in sample_at_rate(frames, 1.0)] == [0, 30, 60, 90]
+    assert [f.index for f in sample_at_rate(frames, 2.0)] == [0, 15, 30, 45, 60, 75, 90]
+
+
+def test_fixed_rate_sampler_does_not_burst_after_a_gap():
+    frames = _stamped([0.0, 0.4, 2.7, 2.9, 3.05, 3.5, 4.0])
+    assert [f.timestamp for f in sample_at_rate(frames, 1.0)] == [0.0, 2.7, 3.05, 4.0]
+
+
+def test_fixed_rate_sampler_is_lazy_on_an_endless_stream():
+    endless = (SimpleNamespace(timestamp=i / 10) for i in itertools.count())
+    kept = list(itertools.islice(sample_at_rate(endless, 2.0), 4))
+    assert [f.timestamp for f in kept] == [0.0, 0.5, 1.0, 1.5]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """3 s at 30 fps, 64x64."""
+    return write_test_video(tmp_path_factory.mktemp("video") / "clip.mp4", frames=90, fps=30, size=(64, 64))
+
+
+def test_file_metadata(clip):
+    video = open_video(clip)
+    assert (video.num_frames, video.fps, video.width, video.height) == (90, 30.0, 64, 64)
+    assert video.duration == pytest.approx(3.0, abs=1e-3)
+
+
+def test_file_sample_decodes_the_sampled_frames(clip):
+    video = open_video(clip)
+    frames = list(video.sample())
+    assert [f.index for f in frames] == uniform_frame_indices(90, 30) == [14, 44, 73]
+    for frame in frames:
+        assert frame.image.dtype == np.uint8 and frame.image.shape == (64, 64, 3)
+        assert read_frame_index(frame.image) == frame.index  # the pixels are those of that frame
+        assert frame.timestamp == pytest.approx(frame.index / 30, abs=1e-6)
+
+
+def test_file_frames_reads_every_frame_in_order(clip):
+    frames = list(open_video(clip).frames())
+    assert [f.index for f in frames] == list(range(90))
+    assert [read_frame_index(f.image) for f in frames] == list(range(90))
+
+
+def test_sample_with_max_fps_above_the_video_rate_repeats_frames(clip):
+    video = open_video(clip)
+    frames = list(video.sample(max_fps=60, max_frames=512))
+    assert [f.index for f in frames] == video.sample_indices(max_fps=60) and len(frames) == 180
+
+
+def test_readings_are_independent_passes(clip):
+    video = open_video(clip)
+    first = next(video.sample())
+    assert [f.index for f in video.sample()] == [14, 44, 73]
+    assert first.index == 14
+
+
+def test_variable_frame_rate_timestamps_come_from_pts(tmp_path):
+    path = write_test_video(tmp_path / "vfr.mp4", frames=20, fps=10, vfr=True)
+    video = open_video(path)
+    frames = list(video.frames())
+    expected = synthetic_timestamps(20, 10, vfr=True)
+    assert [f.timestamp for f in frames] == pytest.approx(expected, abs=1e-3)
+    assert [f.timestamp for f in frames] != pytest.approx([i / video.fps for i in range(20)], abs=1e-3)
+    kept = [f.index for f in video.sample_at_rate(2.0)]
+    assert kept == [f.index for f in sample_at_rate(_stamped(expected), 2.0)]
+
+
+def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):
+    path = write_test_video(tmp_path / "clip.mkv", frames=25, fps=25)
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 0  # Matroska stores no count: the fallback is needed
+    video = open_video(path)
+    assert video.num_frames == 25
+    assert [read_frame_index(f.image) for f in video.frames()] == list(range(25))
+
+
+def test_image_folder_in_natural_order(tmp_path):
+    for i in range(12):  # frame_2 must come before frame_10
+        Image.fromarray(draw_test_frame(i, (64, 32))).save(tmp_path / f"frame_{i}.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    video = open_video(tmp_path, fps=2)
+    assert (video.num_frames, video.fps, video.duration, video.width, video.height) == (12, 2.0, 6.0, 64, 32)
+    frames = list(video.frames())
+    assert [read_frame_index(f.image) for f in frames] == list(range(12))
+    assert [f.timestamp for f in frames] == [i / 2 for i in range(12)]
+    assert [f.index for f in video.sample()] == uniform_frame_indices(12, 2.0)
+    assert open_video(tmp_path).fps == 1.0  # default rate of image sources
+
+
+def test_array_and_image_list_sources_agree():
+    array = np.stack([draw_test_frame(i, (48, 16)) for i in range(5)])
+    from_array = list(open_video(array, fps=5).frames())
+    from_images = list(open_video([Image.fromarray(a) for a in array], fps=5).frames())
+    for a, b in zip(from_array, from_images, strict=True):
+        assert (a.index, a.timestamp) == (b.index, b.timestamp)
+        np.testing.assert_array_equal(a.image, b.image)
+    assert [f.timestamp for f in from_array] == [0.0, 0.2, 0.4, 0.6, 0.8]
+
+
+@pytest.mark.parametrize("size", [(16, 16), (400, 40), (40, 400)])
+def test_small_and_odd_aspect_one_frame_videos(tmp_path, size):
+    path = write_test_video(tmp_path / "one.mp4", frames=1, fps=30, size=size)
+    video = open_video(path)
+    frames = list(video.sample())
+    assert video.num_frames == 1 and [f.index for f in frames] == [0]
+    assert frames[0].image.shape == (size[1], size[0], 3)
+
+
+def test_large_frame(tmp_path):
+    path = write_test_video(tmp_path / "big.mp4", frames=1, fps=30, size=(4000, 3000))
+    (frame,) = open_video(path).sample()
+    assert frame.image.shape == (3000, 4000, 3)
+    assert internvl_pixel_values(frame.image, 448).shape == (3, 448, 448)
+    assert qwen_frame_size(3000, 4000, min_pixels=64 * 32 * 32, max_pixels=768 * 32 * 32) == (768, 1024)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors: one clear line each
+# ---------------------------------------------------------------------------------------------------
+
+
+def _error_for(source, **kwargs) -> VideoError:
+    with pytest.raises(VideoError) as info:
+        video = open_video(source, **kwargs)
+        list(video.frames())
+    message = str(info.value)
+    assert message and "\n" not in message
+    return info.value
+
+
+def test_missing_path(tmp_path):
+    error = _error_for(tmp_path / "missing.mp4")
+    assert isinstance(error, VideoNotFoundError) and isinstance(error, FileNotFoundError)
+    assert "no such file" in str(error)
+
+
+def test_folder_without_images(tmp_path):
+    (tmp_path / "readme.txt").write_text("no frames here")
+    assert "no images" in str(_error_for(tmp_path))
+
+
+def test_not_a_video_file(tmp_path):
+    path = tmp_path / "fake.mp4"
+    path.write_bytes(b"this is not a video" * 10)
+    assert "not a readable video file" in str(_error_for(path))
+
+
+def test_truncated_file_without_index(clip, tmp_path):
+    data = clip.read_bytes()  # the index (moov) of a plain mp4 is at the end: cutting loses it
+    path = tmp_path / "cut.mp4"
+    path.write_bytes(data[: len(data) // 2])
+    assert "not a readable video file" in str(_error_for(path))
+
+
+def test_truncated_file_with_index_up_front(tmp_path):
+    path = tmp_path / "faststart.mp4"
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(60):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(draw_test_frame(i, (64, 64)), format="rgb24")))
+        container.mux(stream.encode(None))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert open_video(path).num_frames == 60  # the header still promises every frame
+    assert "decoding stopped after" in str(_error_for(path))
+    with pytest.raises(VideoError, match="truncated"):
+        list(open_video(path).sample(max_fps=30))
+
+
+def test_file_without_video_stream(tmp_path):
+    path = tmp_path / "sound.wav"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    assert "no video stream" in str(_error_for(path))
+
+
+def test_zero_frame_video(tmp_path):
+    path = tmp_path / "empty.mkv"  # a video track with no packets (beside an audio track)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=30)
+        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+        audio = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(audio.encode(frame))
+        container.mux(audio.encode(None))
+    assert "no frames" in str(_error_for(path))
+    assert "no frames" in str(_error_for([]))
+    assert "no frames" in str(_error_for(np.zeros((0, 8, 8, 3), np.uint8)))
+
+
+def test_bad_in_memory_sources():
+    assert "uint8 [N, H, W, 3]" in str(_error_for(np.zeros((2, 8, 8, 3), np.float32)))
+    assert "uint8 [N, H, W, 3]" in str(_error_for(np.zeros((8, 8, 3), np.uint8)))
+    assert "PIL images" in str(_error_for([np.zeros((8, 8), np.uint8)]))
+    assert "unsupported" in str(_error_for(42))
+
+
+def test_fps_is_refused_for_a_file(clip):
+    assert "fps=" in str(_error_for(clip, fps=2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bounded memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_growth_while_reading(path: Path) -> int:
+    """Largest rise of the resident set above its level at the start, while every frame is converted."""
+    video = open_video(path)
+    gc.collect()
+    baseline = peak = _resident_bytes()
+    count = 0
+    for _ in video.sample(max_fps=video.fps, max_frames=10_000):
+        count += 1
+        peak = max(peak, _resident_bytes())
+    assert count == video.num_frames
+    return peak - baseline
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
+def test_memory_does_not_grow_with_video_length(tmp_path):
+    # Decoded pixels live in FFmpeg buffers that tracemalloc cannot see, so this watches the resident set.
+    # Holding the frames of the long video would take 600 x 48 KiB = 28 MiB (x 1.5 with the YUV frames).
+    short = write_test_video(tmp_path / "short.mp4", frames=150, fps=30, size=(128, 128))
+    long = write_test_video(tmp_path / "long.mp4", frames=600, fps=30, size=(128, 128))
+    _rss_growth_while_reading(short)  # warm up: decoder threads, buffer pools
+    growth_short = _rss_growth_while_reading(short)
+    growth_long = _rss_growth_while_reading(long)
+    assert growth_long < growth_short + 8 * 2**20, (growth_short, growth_long)
+
+
+def test_at_most_one_decoded_frame_is_alive(tmp_path):
+    path = write_test_video(tmp_path / "clip.mp4", frames=60, fps=30, size=(64, 64))
+    video = open_video(path)
+    for reading in (video.frames(), video.sample(max_fps=30), video.sample_at_rate(10)):
+        assert inspect.isgenerator(reading)
+        alive: list[weakref.ref] = []
+        for frame in reading:
+            alive.append(weakref.ref(frame.image))
+            del frame  # frames hold no reference cycles: dropping the last reference frees the image
+            # At most the current image (the reader may hold it; a repeated index yields the same one again).
+            assert len({id(ref()) for ref in alive if ref() is not None}) <= 1
+        assert len(alive) >= 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preprocessing
+# ---------------------------------------------------------------------------------------------------
+
+
+def _random_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("size", [448, 112])
+def test_internvl_frame_equals_transformers_pil_image_processor(size):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    image = _random_image(37, 90)
+    processor = GotOcr2ImageProcessorPil(
+        size={"height": size, "width": size}, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, crop_to_patches=False
+    )
+    expected = processor(images=Image.fromarray(image), return_tensors="pt")["pixel_values"][0]
+    ours = internvl_pixel_values(image, size)
+    assert ours.shape == (3, size, size) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(internvl_pixel_values(Image.fromarray(image), size), ours)
+
+
+SIZES = [(16, 16), (64, 64), (100, 150), (480, 640), (3000, 4000), (40, 400), (1000, 33), (720, 1280)]
+
+
+@pytest.mark.parametrize(("height", "width"), SIZES)
+def test_qwen_frame_size_matches_transformers_video_smart_resize(height, width):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    min_pixels, max_pixels = 128 * 32 * 32, 768 * 32 * 32
+    ours = qwen_frame_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    # transformers' budget is over the frames of a temporal patch: two frames hold twice the pixels.
+    expected = smart_resize(
+        2, height, width, temporal_factor=2, factor=32, min_pixels=2 * min_pixels, max_pixels=2 * max_pixels
+    )
+    assert ours == expected
+    h, w = ours
+    assert h % 32 == 0 and w % 32 == 0 and min_pixels <= h * w <= max_pixels
+    if min(height, width) >= 64:
+        assert abs(np.log((h / w) / (height / width))) < 0.35  # aspect ratio kept (up to rounding)
+
+
+def _qwen_pil_image_processor(min_pixels: int, max_pixels: int):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=QWEN_MEAN, image_std=QWEN_STD,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("height", "width"), [(100, 150), (480, 640), (64, 64)])
+def test_qwen_single_frame_equals_transformers_pil_image_processor(height, width):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    min_pixels, max_pixels = 4 * 32 * 32, 64 * 32 * 32
+    image = _random_image(height, width, seed=1)
+    target = smart_resize(height, width, factor=32, min_pixels=min_pixels, max_pixels=max_pixels)
+    expected = _qwen_pil_image_processor(min_pixels, max_pixels)(images=Image.fromarray(image), return_tensors="pt")
+    pixel_values, grid_thw = qwen_pixel_values([image], target)  # a lone frame fills its temporal patch
+    assert grid_thw.tolist() == expected["image_grid_thw"].tolist() == [[1, target[0] // 16, target[1] // 16]]
+    assert pixel_values.shape == (target[0] * target[1] // 256, 3 * 2 * 16 * 16)
+    torch.testing.assert_close(pixel_values, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_qwen_two_frames_follow_transformers_video_patch_order():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    size = (96, 128)
+    frames = [_random_image(70, 90, seed=2), _random_image(70, 90, seed=3)]
+    pixel_values, grid_thw = qwen_pixel_values(frames, size)
+    normalized = torch.stack([internvl_pixel_values(f, size, mean=QWEN_MEAN, std=QWEN_STD) for f in frames])
+    expected, grid_t, grid_h, grid_w = Qwen3VLVideoProcessor().patchify(
+        normalized[None], patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    assert grid_thw.tolist() == [[grid_t, grid_h, grid_w]] == [[1, 6, 8]]
+    torch.testing.assert_close(pixel_values, expected[0], atol=0, rtol=0)
+    # The two frames are distinguishable inside each patch: time is the second axis of (C, T, P, P).
+    per_patch = pixel_values.view(-1, 3, 2, 16, 16)
+    assert not torch.equal(per_patch[:, :, 0], per_patch[:, :, 1])
+
+
+def test_qwen_lone_last_frame_is_duplicated_and_bad_sizes_refused():
+    image = _random_image(64, 64, seed=4)
+    alone, grid = qwen_pixel_values([image], (64, 64))
+    paired, _ = qwen_pixel_values([image, image], (64, 64))
+    torch.testing.assert_close(alone, paired, atol=0, rtol=0)
+    three, grid3 = qwen_pixel_values([image, image, _random_image(64, 64, seed=5)], (64, 64))
+    assert grid.tolist() == [[1, 4, 4]] and grid3.tolist() == [[2, 4, 4]] and three.shape[0] == 32
+    with pytest.raises(ValueError, match="multiple"):
+        qwen_pixel_values([image], (48, 64))
+
+
+def test_temporal_groups_pad_the_last_group_and_stay_lazy():
+    assert list(temporal_groups([1, 2, 3, 4, 5])) == [(1, 2), (3, 4), (5, 5)]
+    assert list(temporal_groups([1, 2])) == [(1, 2)]
+    assert list(itertools.islice(temporal_groups(itertools.count()), 2)) == [(0, 1), (2, 3)]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is None,
+    reason="transformers' video processors need torchvision, which cannot be installed here; "
+    "the patch layout is checked against Qwen3VLVideoProcessor.patchify and the PIL image processor instead",
+)
+def test_qwen_video_equals_transformers_video_processor():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    # Frames already at the target size, so neither side resamples (PIL and torchvision bicubic differ).
+    frames = np.stack([_random_image(64, 96, seed=s) for s in range(4)])
+    processor = Qwen3VLVideoProcessor(size={"shortest_edge": 64 * 96, "longest_edge": 4 * 64 * 96})
+    expected = processor(
+        videos=[frames], do_sample_frames=False, cap_pixels_per_frame=False, do_resize=False, return_tensors="pt"
+    )
+    pixel_values, grid_thw = qwen_pixel_values(list(frames), (64, 96))
+    assert grid_thw.tolist() == expected["video_grid_thw"].tolist()
+    torch.testing.assert_close(pixel_values, expected["pixel_values_videos"].float(), atol=1e-5, rtol=0)
