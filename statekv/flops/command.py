@@ -1,0 +1,102 @@
+"""``statekv flops``: video-prefill FLOPs tables, JSON and the paper's compute figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from statekv.core.errors import ConfigurationError
+
+DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``flops`` subcommand to the ``statekv`` parser."""
+    from .analytic import SCORE_PASSES
+    from .paper import BENCHMARKS
+    from .presets import PRESETS
+
+    parser = subparsers.add_parser(
+        "flops", help="video-prefill FLOPs: tables, JSON, figures",
+        description="Analytic video-prefill FLOPs per frame (vision encoder, projector, LM linears, LM attention, "
+                    "StateKV score pass) for full attention, recency (ReKV) and StateKV, with break-even frames.",
+    )
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME",
+                        help=f"presets, or 'all' (default: {' '.join(DEFAULT_MODELS)}); known: {', '.join(PRESETS)}")
+    parser.add_argument("--budgets", nargs="*", type=int, default=[4096], metavar="B",
+                        help="StateKV budgets in tokens (default: 4096)")
+    parser.add_argument("--recency", nargs="*", type=int, default=[16], metavar="R",
+                        help="recency windows in steps (frames; 2-frame steps for Qwen3-VL) (default: 16)")
+    parser.add_argument("--frames", type=int, default=512, help="horizon in frames (default: 512)")
+    parser.add_argument("--at", nargs="+", type=int, metavar="N",
+                        help="frame numbers to tabulate (default: 1, 64 and the horizon)")
+    parser.add_argument("--score", choices=SCORE_PASSES, default="eager",
+                        help="StateKV score pass: eager (free: sums existing probabilities) or recompute (QK^T again)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", metavar="DIR", type=Path,
+                        help="write flops_vs_frames.png and compute_accuracy_frontier.png into DIR")
+    parser.add_argument("--benchmark", choices=BENCHMARKS, default="videomme",
+                        help="accuracies for the frontier figure (default: videomme)")
+    parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
+                        help="also count the first STEPS steps through the real code on meta tensors and compare")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import report
+    from .presets import PRESETS
+
+    models = list(PRESETS) if args.models == ["all"] else args.models
+    if args.frames <= 0:
+        raise ConfigurationError(f"--frames must be positive, got {args.frames}")
+    at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
+    bad = [f for f in at if not 1 <= f <= args.frames]
+    if bad:
+        raise ConfigurationError(f"--at frames {bad} are outside 1..{args.frames}")
+    curves = report.sweep(models, args.budgets, args.recency, args.frames, args.score)
+    pairs = report.break_even_pairs(curves)
+    output = report.to_json(curves, pairs, at, args.score)
+    if args.measure:
+        output["measured"] = _measure(curves, args.measure, args.score)
+    if args.plot:
+        output["figures"] = _plot(curves, pairs, args)
+    if args.json:
+        print(json.dumps(output, indent=2))
+        return 0
+    print(report.format_tables(curves, pairs, at, args.score))
+    if args.measure:
+        print("\nMeasured (FlopCounterMode, StreamingPrefill + HF vision forward on meta) vs analytic, per step:")
+        for m in output["measured"]:
+            print(f"  {m['label']}: steps {m['steps']}, largest relative difference {m['max_rel_diff']:.2e}")
+    for path in output.get("figures", []):
+        print(f"wrote {path}")
+    return 0
+
+
+def _measure(curves, n_steps: int, score: str) -> list[dict]:
+    from .analytic import step_flops
+    from .measured import measure_prefill
+
+    if score != "eager":
+        raise ConfigurationError("--measure runs the eager score path (the only one meta tensors support); "
+                                 "drop --score recompute")
+    rows = []
+    for c in curves:
+        measured = measure_prefill(c.model, c.method, n_steps)
+        worst = 0.0
+        for step, m in enumerate(measured):
+            expected = sum(step_flops(c.model, c.method, step).values())
+            worst = max(worst, abs(m["total"] - expected) / expected)
+        rows.append({"label": c.label, "steps": n_steps, "max_rel_diff": worst,
+                     "measured_total": [m["total"] for m in measured]})
+    return rows
+
+
+def _plot(curves, pairs, args) -> list[str]:
+    from . import plots, report
+
+    figures = [plots.plot_flops_vs_frames(curves, pairs, args.plot / "flops_vs_frames.png"),
+               plots.plot_frontier(report.frontier(args.benchmark, 512, args.score),
+                                   args.plot / "compute_accuracy_frontier.png", args.benchmark, 512)]
+    return [str(p) for p in figures]
