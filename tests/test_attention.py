@@ -99,3 +99,16 @@ def test_shape_errors(shapes, message):
     q, k = torch.randn(*shapes[0]), torch.randn(*shapes[1])
     with pytest.raises(statekv.InputError, match=message):
         statekv.scored_attention(q, k, k, scale=1.0, backend="eager")
+
+
+@pytest.mark.parametrize("tq", [1, 5, 7])
+def test_largest_query_index_of_a_row_block(tq):
+    for r0 in range(0, 3 * tq):
+        for r1 in range(r0 + 1, 4 * tq):
+            assert attention._largest_query_index(r0, r1, tq) == max(i % tq for i in range(r0, r1))
+
+
+def test_chunked_runs_on_meta_tensors():
+    q, k = torch.empty(1, 4, 9, 8, device="meta"), torch.empty(1, 2, 30, 8, device="meta")
+    out, scores = attention._chunked(q, k, k, 0.3, block_rows=5, block_keys=8)
+    assert out.shape == (1, 9, 4, 8) and scores.shape == (1, 2, 30)

@@ -46,8 +46,9 @@ def test_chunk_errors_name_the_problem(tiny_lm):
         prefill.step(inputs_embeds=torch.zeros(4, hidden))
     with pytest.raises(statekv.ConfigurationError, match="policy must be a CarryPolicy"):
         statekv.StreamingPrefill(model, "statekv")
-    with pytest.raises(statekv.ConfigurationError, match="unknown attention backend"):
-        statekv.StreamingPrefill(model, statekv.StateKV(budget=8), attention="flash")
+    for policy in (statekv.StateKV(budget=8), statekv.FullAttention()):
+        with pytest.raises(statekv.ConfigurationError, match="unknown attention backend 'flash'"):
+            statekv.StreamingPrefill(model, policy, attention="flash")
     assert prefill.seen_tokens == 0
 
 

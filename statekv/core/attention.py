@@ -103,6 +103,12 @@ def _ungrouped(rows: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
     return rows.reshape(b, hq, -1, d).transpose(1, 2).to(dtype)
 
 
+def _largest_query_index(r0: int, r1: int, tq: int) -> int:
+    """``max(i % tq for i in range(r0, r1))`` in host arithmetic (no device sync, works on meta tensors)."""
+    first, last = r0 % tq, (r1 - 1) % tq
+    return last if r1 - r0 < tq and first <= last else tq - 1
+
+
 def _eager(q, k, v, scale):
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -128,7 +134,7 @@ def _chunked(q, k, v, scale, block_rows: int = BLOCK_ROWS, block_keys: int = BLO
         r1 = min(r0 + block_rows, n_rows)
         q_blk = rows[:, :, r0:r1].float()
         query_index = torch.arange(r0, r1, device=q.device) % tq
-        last_visible = carried + int(query_index.max())
+        last_visible = carried + _largest_query_index(r0, r1, tq)
 
         def logits(k0: int, k1: int) -> torch.Tensor:
             blk = q_blk @ k[:, :, k0:k1].float().transpose(-1, -2) * scale

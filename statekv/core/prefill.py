@@ -68,7 +68,7 @@ class StreamingPrefill:
         self.config = self.decoder.config
         _check_supported(self.config)
         device = next(self.decoder.parameters()).device
-        self.attention = resolve_backend(attention, device) if policy.needs_scores else "sdpa"
+        self.attention = resolve_backend(attention, device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
