@@ -50,6 +50,11 @@ def test_chunk_errors_name_the_problem(tiny_lm):
         with pytest.raises(statekv.ConfigurationError, match="unknown attention backend 'flash'"):
             statekv.StreamingPrefill(model, policy, attention="flash")
     assert prefill.seen_tokens == 0
+    assert prefill.detailed_cache.get_seq_length() == 0
+    prefill.step(input_ids=torch.arange(3)[None])
+    with pytest.raises(statekv.InputError, match="batch size 2, but the stream has 1"):
+        prefill.step(input_ids=torch.arange(6).view(2, 3))
+    assert prefill.seen_tokens == 3
 
 
 def test_attention_implementation_is_restored_after_steps_and_after_an_exception(tiny_lm):

@@ -247,8 +247,10 @@ class TwoStateCache(Cache):
         cache = DynamicCache()
         for layer in self.layers:
             exported = DynamicLayer()
+            cache.layers.append(exported)
+            if layer.detailed.keys is None:
+                continue  # nothing streamed yet: an empty layer
             keys, values = layer.detailed.view(0, layer.detailed.length)
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
-            cache.layers.append(exported)
         return cache

@@ -171,6 +171,9 @@ class StreamingPrefill:
             chunk = input_ids
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
+        streamed = self.cache.layers[0].detailed.keys
+        if streamed is not None and chunk.shape[0] != streamed.shape[0]:
+            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed.shape[0]}")
         return chunk.shape[1]
 
     @contextmanager
