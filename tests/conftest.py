@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+# Triton decides at its first import whether to interpret kernels, and transformers imports it: without a GPU,
+# ask for the interpreter before that happens so the kernel tests run in this process.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 WEIGHT_STD = 0.15  # the default 0.02 makes attention nearly uniform and hides selection bugs
 

@@ -201,3 +201,19 @@ def test_bf16_streaming_stays_within_bf16_tolerance(tiny_lm):
         assert hidden.dtype == torch.bfloat16
         error = (hidden.float() - hidden_ref.float()).norm() / hidden_ref.float().norm()
         assert error < 2e-2
+
+
+def test_triton_backend_streams_like_eager(tiny_lm):
+    """Invariant 7 through the whole engine: the Triton kernel (interpreted on CPU) selects like eager."""
+    pytest.importorskip("triton")
+    from statekv.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("Triton can neither compile (no CUDA) nor interpret (TRITON_INTERPRET unset) here")
+    model = tiny_lm("qwen3")
+    chunks = split(tokens(model))[:6]
+    eager, hidden_eager = stream(model, statekv.StateKV(budget=12), chunks, attention="eager")
+    triton, hidden_triton = stream(model, statekv.StateKV(budget=12), chunks, attention="triton")
+    torch.testing.assert_close(hidden_triton, hidden_eager, atol=1e-4, rtol=0)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(triton.carried_positions(layer), eager.carried_positions(layer))
