@@ -93,12 +93,11 @@ def test_vlm_style_model_switches_only_the_text_config(tiny_lm):
     """A composite config switches through the dict form, so a vision tower would keep its attention."""
     from transformers import AutoModelForImageTextToText, InternVLConfig
 
-    text = statekv_config = tiny_lm("qwen2").config.to_dict()
+    text = tiny_lm("qwen2").config.to_dict()
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                   image_size=28, patch_size=14)
     config = InternVLConfig(text_config=text, vision_config=vision, image_token_id=5)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
-    del statekv_config
     seen = {}
 
     def spy(candidates):

@@ -99,9 +99,9 @@ def test_statekv_matches_brute_force_reference(tiny_lm, family, budget):
             positions = prefill.carried_positions(layer)
             assert positions.shape[-1] == min(budget, prefill.seen_tokens)
             assert torch.equal(positions, positions_ref)
-            state = prefill.cache.layers[layer]
-            keys = state.carried_keys if state.window_start is None else state.detailed.keys[:, :, state.window_start:state.detailed.length]
+            keys, values = prefill.cache.layers[layer].carried()
             torch.testing.assert_close(keys, keys_ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(values, values_ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["eager", "chunked"])

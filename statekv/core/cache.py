@@ -131,6 +131,12 @@ class StreamingLayer(CacheLayerMixin):
             return self.detailed.length - self.window_start
         return 0 if self.carried_keys is None else self.carried_keys.shape[2]
 
+    def carried(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The carried keys and values, ``[B, H_kv, K, D]`` each (views while in window form)."""
+        if self.window_start is None:
+            return self.carried_keys, self.carried_values
+        return self.detailed.view(self.window_start, self.detailed.length)
+
     def positions(self) -> torch.Tensor:
         """Logical positions of the carried tokens, ``[B, H_kv, K]`` (``[1, 1, 0]`` before the first step)."""
         if self.window_start is None:

@@ -99,16 +99,16 @@ class StreamingPrefill:
                 Pass them explicitly for M-RoPE (``[3 or 4, B, T]``).
             forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs).
         """
-        chunk_len = self._check_chunk(inputs_embeds, input_ids)
+        chunk = self._check_chunk(inputs_embeds, input_ids)
+        batch, chunk_len = chunk.shape[:2]
         if self.seen_tokens + chunk_len > self.horizon:
             raise HorizonError(
                 f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
                 f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
             )
-        batch = (inputs_embeds if inputs_embeds is not None else input_ids).shape[0]
         if position_ids is None:
             position_ids = torch.arange(self.seen_tokens, self.seen_tokens + chunk_len,
-                                        device=self.cache_device(inputs_embeds, input_ids)).expand(batch, -1)
+                                        device=chunk.device).expand(batch, -1)
         if self.rope is not None:
             self.rope.apply()
         self.cache.begin(chunk_len)
@@ -151,11 +151,8 @@ class StreamingPrefill:
         self.close()
 
     # internals ------------------------------------------------------------------------------------------
-    @staticmethod
-    def cache_device(inputs_embeds, input_ids) -> torch.device:
-        return (inputs_embeds if inputs_embeds is not None else input_ids).device
-
-    def _check_chunk(self, inputs_embeds, input_ids) -> int:
+    def _check_chunk(self, inputs_embeds, input_ids) -> torch.Tensor:
+        """The chunk's ``inputs_embeds [B, T, D]`` or ``input_ids [B, T]``, validated."""
         if (inputs_embeds is None) == (input_ids is None):
             raise InputError("pass exactly one of inputs_embeds [B, T, D] or input_ids [B, T]")
         if inputs_embeds is not None:
@@ -174,7 +171,7 @@ class StreamingPrefill:
         streamed = self.cache.layers[0].detailed.keys
         if streamed is not None and chunk.shape[0] != streamed.shape[0]:
             raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed.shape[0]}")
-        return chunk.shape[1]
+        return chunk
 
     @contextmanager
     def _attention_switched(self):
