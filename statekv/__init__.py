@@ -17,10 +17,12 @@ from .core import (
     scored_attention,
 )
 
+from .pipeline import EncodedVideo, EncodingStats, VideoQA, make_policy
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError",
     "Recency", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
-    "generate_from_cache", "scored_attention",
+    "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy",
 ]

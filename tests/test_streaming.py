@@ -180,10 +180,14 @@ def test_dynamic_rope_is_frozen_for_the_horizon(tiny_lm):
 
 
 def test_horizon_beyond_rope_capacity_fails_before_any_work(tiny_lm):
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    model = tiny_lm("qwen2", max_position_embeddings=64, rope_parameters=rope)
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_lm("qwen2", max_position_embeddings=64, rope_parameters=linear)
     with pytest.raises(statekv.HorizonError, match="beyond the model's RoPE"):
         statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=129)
+    statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=128)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_lm("qwen2", max_position_embeddings=64, rope_parameters=dynamic)
+    statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=100_000).close()  # NTK rescales to any length
     prefill = statekv.StreamingPrefill(model, statekv.FullAttention())  # no horizon: the trained 64 tokens
     prefill.step(input_ids=tokens(model, 60))
     with pytest.raises(statekv.HorizonError, match="beyond the declared horizon"):

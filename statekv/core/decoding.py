@@ -13,12 +13,14 @@ from .errors import InputError, UnsupportedModelError
 
 
 @torch.no_grad()
-def generate_from_cache(prefill, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Module | None = None,
+                        **generate_kwargs) -> torch.Tensor:
     """Greedy (or any ``generate``) decoding of ``input_ids [B, Q]`` after ``prefill``'s context.
 
-    Returns the new tokens only, ``[B, N]``.
+    model: the module whose ``generate`` decodes; default ``prefill.model`` (pass the language model of a
+        wrapper whose own ``generate`` cannot take a cache). Returns the new tokens only, ``[B, N]``.
     """
-    model = prefill.model
+    model = prefill.model if model is None else model
     if not hasattr(model, "generate"):
         raise UnsupportedModelError(f"{type(model).__name__} has no generate(); pass the model with its LM head")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:

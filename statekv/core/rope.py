@@ -30,12 +30,18 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def rope_capacity(config) -> int:
-    """Largest sequence length (in tokens) the configuration's RoPE is meant to represent."""
+def rope_capacity(config) -> int | None:
+    """Largest sequence length (in tokens) the configuration's RoPE is meant to represent; ``None``: no limit.
+
+    Dynamic NTK has no fixed limit: it rescales its base to whatever length it is given (InternVL3 runs
+    512-frame videos, 4x its trained context, this way), so only the horizon has to be known in advance.
+    """
     params = rope_parameters(config)
     max_positions = int(config.max_position_embeddings)
     kind, factor = params["rope_type"], float(params.get("factor", 1.0) or 1.0)
-    if kind in ("linear", "dynamic"):
+    if kind == "dynamic":
+        return None
+    if kind == "linear":
         return int(max_positions * factor)
     if kind in ("yarn", "longrope"):
         original = int(params.get("original_max_position_embeddings", max_positions))
@@ -56,7 +62,7 @@ def check_horizon(config, horizon: int | None) -> int:
         return capacity
     if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon <= 0:
         raise HorizonError(f"horizon must be a positive number of tokens, got {horizon!r}")
-    if horizon > capacity:
+    if capacity is not None and horizon > capacity:
         raise HorizonError(
             f"horizon of {horizon} tokens is beyond the model's RoPE ({rope_parameters(config)['rope_type']}, "
             f"at most {capacity} tokens); sample fewer frames or use a model with a longer context"

@@ -1,0 +1,12 @@
+"""Model-family adapters: frames + text -> streaming chunks, and the decoding call after them."""
+
+from .base import Chunk, LayoutState, VideoAdapter
+from .registry import adapter_for, checkpoint_model_type, load_adapter, register_adapter, supported_model_types
+
+__all__ = [
+    "Chunk", "InternVLAdapter", "LayoutState", "VideoAdapter", "adapter_for", "checkpoint_model_type", "load_adapter",
+    "register_adapter", "supported_model_types",
+]
+
+# Importing a family module registers its adapter.
+from .internvl import InternVLAdapter  # noqa: E402

@@ -1,0 +1,185 @@
+"""The contract between a model family and the streaming pipeline.
+
+An adapter turns a video into the chunks `StreamingPrefill` steps through, and a question into the prompt
+that is decoded after them. It owns everything family-specific: the prompt layout, the vision encoder call,
+RoPE positions and the decoding call. The pipeline owns everything else (sampling, carry policy, timing).
+
+A video is streamed as::
+
+    state = adapter.start(num_frames)                # LayoutState: where the prompt stands
+    chunk = adapter.prefix(state)                     # text before the first frame, or None
+    for frames in groups of adapter.frames_per_chunk:
+        chunk = adapter.frames_chunk(frames, state)   # one step: vision-encode these frames now, embed
+        prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
+        state = state.after(chunk)
+    ids = adapter.question_ids(question, state)       # what follows the video, [1, Q]
+    new_tokens = adapter.generate(prefill, state, ids, max_new_tokens=...)
+
+Every method is a pure function of its arguments and the (frozen) model, so one adapter serves any number
+of videos and streams at once, and a `LayoutState` is all that must be saved to resume a stream.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..core import InputError, StreamingPrefill
+from ..video import Frame
+
+
+@dataclass
+class Chunk:
+    """One streaming step.
+
+    input_ids: LongTensor ``[1, T]``: the chunk's token ids, with the family's placeholder id at each visual
+        token (what the model's own processor would have produced for this span of the prompt).
+    inputs_embeds: ``[1, T, D]`` in the language model's dtype and device, visual features already in place.
+    position_ids: ``[1, T]`` for 1-D RoPE, ``[3 or 4, 1, T]`` for M-RoPE; ``None`` continues from the
+        stream's length.
+    next_position: the first RoPE position after this chunk (equals the token count for 1-D RoPE).
+    frames: how many sampled frames the chunk holds (0 for text).
+    forward_kwargs: extra keyword arguments for the decoder's forward (e.g. DeepStack features).
+    state_update: family-specific `LayoutState.extra` fields this chunk fixes (e.g. the frame resolution
+        chosen at the first frame), merged into the state by `LayoutState.after`.
+    """
+
+    input_ids: torch.Tensor
+    inputs_embeds: torch.Tensor
+    position_ids: torch.Tensor | None
+    next_position: int
+    frames: int = 0
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)
+    state_update: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[-1]
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    """Where one video's prompt stands after the chunks streamed so far (small and JSON-serialisable).
+
+    frames: sampled frames encoded. tokens: tokens streamed. next_position: next RoPE position (differs from
+    ``tokens`` under M-RoPE, where a frame's tokens share temporal positions). extra: family-specific fields.
+    """
+
+    frames: int = 0
+    tokens: int = 0
+    next_position: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def after(self, chunk: Chunk) -> "LayoutState":
+        """The state once ``chunk`` has been streamed."""
+        return replace(self, frames=self.frames + chunk.frames, tokens=self.tokens + chunk.num_tokens,
+                       next_position=chunk.next_position, extra={**self.extra, **chunk.state_update})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayoutState":
+        return cls(**data)
+
+
+class VideoAdapter(ABC):
+    """One model family: prompt layout, per-chunk vision encoding, positions and decoding.
+
+    Class attributes a subclass sets:
+        family: short name shown to users (``"internvl"``).
+        model_types: the ``config.model_type`` values it serves (the registry key).
+        layouts: prompt layouts it offers; the first is the default.
+        frames_per_chunk: sampled frames per streaming step (2 for Qwen3-VL's temporal patches).
+        needs_remote_code: the checkpoints load only with ``trust_remote_code=True``.
+    """
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    layouts: ClassVar[tuple[str, ...]] = ("default",)
+    frames_per_chunk: ClassVar[int] = 1
+    needs_remote_code: ClassVar[bool] = False
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, layout: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.layout = self.check_layout(layout)
+
+    @classmethod
+    def check_layout(cls, layout: str | None) -> str:
+        if layout is None:
+            return cls.layouts[0]
+        if layout not in cls.layouts:
+            raise InputError(f"{cls.family} has no prompt layout {layout!r}; choose one of {', '.join(cls.layouts)}")
+        return layout
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, path: str | Path, *, layout: str | None = None, dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None, trust_remote_code: bool = False,
+                        **model_kwargs: Any) -> "VideoAdapter":
+        """Load the model, tokenizer and preprocessing settings from a checkpoint folder or hub id."""
+
+    # -- planning ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def max_video_tokens(self, num_frames: int) -> int:
+        """An upper bound on the tokens that ``num_frames`` sampled frames (prefix included) stream."""
+
+    # -- streaming --------------------------------------------------------------------------------------
+    def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:
+        """The state before anything of a video has been streamed.
+
+        num_frames: how many sampled frames the video will have (``None`` for an open-ended live stream).
+        fps: the sampling rate (frames per second of video time), for layouts that state it.
+        """
+        return LayoutState()
+
+    @abstractmethod
+    def prefix(self, state: LayoutState) -> Chunk | None:
+        """The text chunk streamed before the first frame (system prompt, user turn opening...), or None."""
+
+    @abstractmethod
+    def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
+        """Vision-encode ``frames`` (at most ``frames_per_chunk``, in time order) and lay them out as one chunk."""
+
+    @abstractmethod
+    def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
+        """The prompt that follows the streamed video: LongTensor ``[1, Q]`` on the model's device."""
+
+    def generate(self, prefill: StreamingPrefill, state: LayoutState, prompt_ids: torch.Tensor,
+                 **generate_kwargs: Any) -> torch.Tensor:
+        """Decode after ``prompt_ids`` from the detailed cache; returns the new tokens ``[1, N]``."""
+        return prefill.generate(prompt_ids, **generate_kwargs)
+
+    def decode(self, new_tokens: torch.Tensor) -> str:
+        """New tokens ``[1, N]`` -> answer text (special tokens dropped, whitespace stripped)."""
+        return self.tokenizer.decode(new_tokens[0], skip_special_tokens=True).strip()
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.language_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_embeddings.weight.dtype
+
+    @property
+    def language_embeddings(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def tokenize(self, text: str) -> torch.Tensor:
+        """Text -> LongTensor ``[1, T]`` on the model's device (no BOS or other added tokens)."""
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return ids.to(self.device)
+
+    def text_chunk(self, text: str, state: LayoutState) -> Chunk:
+        """A chunk of plain text at 1-D positions continuing from ``state``."""
+        ids = self.tokenize(text)
+        return Chunk(input_ids=ids, inputs_embeds=self.language_embeddings(ids), position_ids=None,
+                     next_position=state.next_position + ids.shape[1])

@@ -1,0 +1,70 @@
+"""Which adapter serves a checkpoint: looked up by the ``model_type`` of its config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from ..core import InputError, UnsupportedModelError
+from .base import VideoAdapter
+
+_ADAPTERS: dict[str, type[VideoAdapter]] = {}
+
+
+def register_adapter(adapter: type[VideoAdapter]) -> type[VideoAdapter]:
+    """Class decorator: serve every ``adapter.model_types`` with ``adapter``."""
+    for model_type in adapter.model_types:
+        _ADAPTERS[model_type] = adapter
+    return adapter
+
+
+def supported_model_types() -> dict[str, str]:
+    """``{model_type: family}`` for every registered adapter."""
+    return {model_type: adapter.family for model_type, adapter in sorted(_ADAPTERS.items())}
+
+
+def adapter_for(model_type: str) -> type[VideoAdapter]:
+    """The adapter class for ``model_type``; a one-line error listing the supported families otherwise."""
+    try:
+        return _ADAPTERS[model_type]
+    except KeyError:
+        families = sorted({adapter.family for adapter in _ADAPTERS.values()})
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; supported families: {', '.join(families)} "
+            f"(model types {', '.join(sorted(_ADAPTERS))})"
+        ) from None
+
+
+def checkpoint_model_type(path: str | Path) -> str:
+    """``model_type`` from a checkpoint's ``config.json`` (local folder or hub id), without running its code."""
+    if isinstance(path, Path) or Path(str(path)).exists() or _looks_like_a_path(str(path)):
+        if not Path(path).exists():
+            raise InputError(f"{path}: no such checkpoint folder")
+        if not Path(path).is_dir():
+            raise InputError(f"{path}: a checkpoint must be a folder (or a hub id), not a file")
+        if not (Path(path) / "config.json").exists():
+            raise InputError(f"{path}: no config.json; not a transformers checkpoint folder")
+    try:
+        config, _ = PretrainedConfig.get_config_dict(str(path))
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot read the config of {path}: {str(error).splitlines()[0]}") from None
+    if "model_type" not in config:
+        raise UnsupportedModelError(f"{path}: its config.json names no model_type")
+    return config["model_type"]
+
+
+def load_adapter(path: str | Path, **kwargs) -> VideoAdapter:
+    """Load ``path`` with the adapter its ``model_type`` calls for (keyword arguments: see ``from_pretrained``)."""
+    adapter = adapter_for(checkpoint_model_type(path))
+    if adapter.needs_remote_code and not kwargs.get("trust_remote_code", False):
+        raise UnsupportedModelError(
+            f"{path} ships its own modelling code ({adapter.family}); pass trust_remote_code=True "
+            "(--trust-remote-code) if you trust it"
+        )
+    return adapter.from_pretrained(path, **kwargs)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Hub ids are ``name`` or ``owner/name``; anything else is meant as a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name

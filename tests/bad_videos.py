@@ -1,0 +1,67 @@
+"""Broken and unusual video files for error-path tests (pipeline, CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+
+from statekv.testing import write_test_video
+
+
+def _silent_audio(container, stream) -> None:
+    frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+    frame.sample_rate = 8000
+    container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
+
+
+def not_a_video(folder: Path) -> Path:
+    path = folder / "fake.mp4"
+    path.write_bytes(b"this is not a video" * 10)
+    return path
+
+
+def truncated(folder: Path) -> Path:
+    """A plain mp4 cut in half: its index (at the end) is lost."""
+    whole = write_test_video(folder / "whole.mp4", frames=20, fps=10)
+    path = folder / "cut.mp4"
+    data = whole.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def audio_only(folder: Path) -> Path:
+    path = folder / "sound.wav"
+    with av.open(str(path), "w") as container:
+        _silent_audio(container, container.add_stream("pcm_s16le", rate=8000))
+    return path
+
+
+def zero_frames(folder: Path) -> Path:
+    """A Matroska file whose video track has no packets (beside an audio track)."""
+    path = folder / "empty.mkv"
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=30)
+        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+        _silent_audio(container, container.add_stream("pcm_s16le", rate=8000))
+    return path
+
+
+def empty_folder(folder: Path) -> Path:
+    path = folder / "no_images"
+    path.mkdir()
+    (path / "readme.txt").write_text("no frames here")
+    return path
+
+
+# name -> (maker, a phrase the one-line error must contain)
+BAD_VIDEOS = {
+    "missing": (lambda folder: folder / "missing.mp4", "no such file"),
+    "no_images": (empty_folder, "no images"),
+    "not_a_video": (not_a_video, "not a readable video file"),
+    "truncated": (truncated, "not a readable video file"),
+    "audio_only": (audio_only, "no video stream"),
+    "zero_frames": (zero_frames, "no frames"),
+}
