@@ -10,6 +10,10 @@ exactly as it was.
 While a layer's carried state is a suffix of its detailed cache (always for full attention and recency; for
 StateKV until the budget is first exceeded) it is kept as a view of the detailed buffer, so carrying costs no
 copy. Once a policy picks tokens per head, the layer keeps its own carried tensors.
+
+With ``storage_device`` set (offload), the detailed cache lives there (e.g. CPU memory) while the carried
+state stays with the model, so accelerator memory does not grow with the stream; the carried state is then
+always kept in its own tensors.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ class DetailedBuffer:
 
     GROWTH = 2.0
 
-    def __init__(self, capacity_hint: int | None = None):
+    def __init__(self, capacity_hint: int | None = None, device: torch.device | str | None = None):
         self.capacity_hint = capacity_hint
+        self.device = torch.device(device) if device is not None else None  # None: where the chunks come from
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.steps: torch.Tensor | None = None  # LongTensor [capacity]: the step that produced each token
@@ -57,9 +62,10 @@ class DetailedBuffer:
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         capacity = max(needed, math.ceil(self.capacity * self.GROWTH), self.capacity_hint or 0)
         b, h, _, d = like.shape
-        keys = like.new_empty(b, h, capacity, d)
-        values = like.new_empty(b, h, capacity, d)
-        steps = torch.empty(capacity, dtype=torch.long, device=like.device)
+        device = self.device or like.device
+        keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device)
+        values = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device)
+        steps = torch.empty(capacity, dtype=torch.long, device=device)
         if self.keys is not None:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
@@ -68,6 +74,18 @@ class DetailedBuffer:
 
     def view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, start:end], self.values[:, :, start:end]
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor, steps: torch.Tensor) -> None:
+        """Replace the contents with ``length`` committed tokens: keys/values ``[B, H_kv, length, D]``, steps
+        ``[length]``."""
+        self.keys = self.values = self.steps = None
+        self.length = 0
+        if keys.shape[2]:
+            self._grow(keys, keys.shape[2])
+            self.keys[:, :, : keys.shape[2]] = keys
+            self.values[:, :, : keys.shape[2]] = values
+            self.steps[: keys.shape[2]] = steps
+            self.length = keys.shape[2]
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -81,10 +99,11 @@ class StreamingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, capacity_hint: int | None = None):
+    def __init__(self, capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
         super().__init__()
-        self.detailed = DetailedBuffer(capacity_hint)
-        self.window_start: int | None = 0
+        self.detailed = DetailedBuffer(capacity_hint, storage_device)
+        self.offloaded = storage_device is not None
+        self.window_start: int | None = None if self.offloaded else 0
         self.carried_keys = self.carried_values = None
         self.carried_positions = self.carried_steps = None
         self.step = 0  # index of the step being staged; set by TwoStateCache.begin
@@ -99,6 +118,12 @@ class StreamingLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        if self.window_start is None and self.carried_keys is None:  # offloaded: start with an empty carried state
+            b, h, _, d = key_states.shape
+            self.carried_keys = key_states.new_empty(b, h, 0, d)
+            self.carried_values = value_states.new_empty(b, h, 0, d)
+            self.carried_positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
+            self.carried_steps = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
@@ -155,7 +180,7 @@ class StreamingLayer(CacheLayerMixin):
             positions = torch.arange(self.window_start, n + t, device=self.pending_keys.device)
             return positions.expand(b, h, -1), self.detailed.steps[self.window_start : n + t].expand(b, h, -1)
         chunk_positions = torch.arange(n, n + t, device=self.pending_keys.device).expand(b, h, -1)
-        chunk_steps = self.detailed.steps[n : n + t].expand(b, h, -1)
+        chunk_steps = self.detailed.steps[n : n + t].to(self.pending_keys.device).expand(b, h, -1)
         return (torch.cat([self.carried_positions, chunk_positions], dim=-1),
                 torch.cat([self.carried_steps, chunk_steps], dim=-1))
 
@@ -185,6 +210,35 @@ class StreamingLayer(CacheLayerMixin):
         self._clear_pending()
 
 
+    def export(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
+        keys, values = self.detailed.view(0, self.detailed.length)
+        tensors = {"keys": keys, "values": values, "steps": self.detailed.steps[: self.detailed.length]}
+        if self.window_start is None:
+            tensors.update(carried_keys=self.carried_keys, carried_values=self.carried_values,
+                           carried_positions=self.carried_positions, carried_steps=self.carried_steps)
+        return tensors, self.window_start
+
+    def restore(self, tensors: dict[str, torch.Tensor], window_start: int | None, device: torch.device) -> None:
+        """Install a state saved by :meth:`export`; the carried state goes to ``device`` (the model's)."""
+        storage = self.detailed.device or device
+        self.detailed.load(*(tensors[name].to(storage) for name in ("keys", "values", "steps")))
+        if self.detailed.length:
+            self.lazy_initialization(tensors["keys"].to(device), tensors["values"].to(device))
+        if window_start is not None and self.offloaded:  # saved without offload: make the window explicit
+            keys, values = self.detailed.view(window_start, self.detailed.length)
+            b, h = keys.shape[:2]
+            positions = torch.arange(window_start, self.detailed.length, device=device).expand(b, h, -1)
+            tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions,
+                           carried_steps=self.detailed.steps[window_start : self.detailed.length].expand(b, h, -1))
+            window_start = None
+        self.window_start = window_start
+        if window_start is None and "carried_keys" in tensors:  # else: nothing streamed yet, lazily initialised
+            for name in ("carried_keys", "carried_values", "carried_positions", "carried_steps"):
+                setattr(self, name, tensors[name].to(device).contiguous())
+        self._clear_pending()
+
+
 class TwoStateCache(Cache):
     """A transformers ``Cache`` of :class:`StreamingLayer` s, driven one step at a time by a carry policy.
 
@@ -193,11 +247,12 @@ class TwoStateCache(Cache):
         policy: the carry rule.
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
+        storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
-                 capacity_hint: int | None = None):
-        super().__init__(layers=[StreamingLayer(capacity_hint) for _ in range(num_layers)])
+                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
+        super().__init__(layers=[StreamingLayer(capacity_hint, storage_device) for _ in range(num_layers)])
         self.policy = policy
         self.backend = backend
         self.chunk_lengths: list[int] = []
@@ -244,8 +299,31 @@ class TwoStateCache(Cache):
         for layer in self.layers:
             layer._clear_pending()
 
-    def to_dynamic_cache(self) -> DynamicCache:
-        """Every token's keys/values as a ``DynamicCache`` of views (no copy).
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata."""
+        tensors, window_starts = {}, []
+        for index, layer in enumerate(self.layers):
+            layer_tensors, window_start = layer.export()
+            tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
+            window_starts.append(window_start)
+        return tensors, {"chunk_lengths": list(self.chunk_lengths), "seen_tokens": self.seen_tokens,
+                         "window_starts": window_starts}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
+        """Install a state from :meth:`state_dict`; carried tensors go to ``device``."""
+        if len(metadata["window_starts"]) != len(self.layers):
+            raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
+                             f"{len(self.layers)}")
+        for index, (layer, window_start) in enumerate(zip(self.layers, metadata["window_starts"])):
+            prefix = f"layers.{index}."
+            layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            layer.restore(layer_tensors, window_start, device)
+        self.chunk_lengths = list(metadata["chunk_lengths"])
+        self.seen_tokens = int(metadata["seen_tokens"])
+
+    def to_dynamic_cache(self, device: torch.device | None = None) -> DynamicCache:
+        """Every token's keys/values as a ``DynamicCache`` of views (no copy), or copies on ``device`` when the
+        detailed cache is stored elsewhere (offload).
 
         ``DynamicCache.update`` concatenates into new tensors, so decoding from it never writes into the
         detailed buffers.
@@ -257,6 +335,8 @@ class TwoStateCache(Cache):
             if layer.detailed.keys is None:
                 continue  # nothing streamed yet: an empty layer
             keys, values = layer.detailed.view(0, layer.detailed.length)
+            if device is not None:
+                keys, values = keys.to(device), values.to(device)
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache

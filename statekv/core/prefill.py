@@ -55,10 +55,12 @@ class StreamingPrefill:
             buffers and fixes the RoPE rotation (required beyond the model's trained length for dynamic RoPE).
         freeze_rope: keep True; False leaves dynamic RoPE recomputing per chunk (only to study why freezing is
             needed).
+        offload: keep the detailed cache on this device (``True`` means ``"cpu"``) instead of the model's, so
+            accelerator memory stays constant as the stream grows; it is copied back for decoding.
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
-                 horizon: int | None = None, freeze_rope: bool = True):
+                 horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -67,12 +69,13 @@ class StreamingPrefill:
         self.decoder = _language_decoder(model)
         self.config = self.decoder.config
         _check_supported(self.config)
-        device = next(self.decoder.parameters()).device
-        self.attention = resolve_backend(attention, device)  # used whenever the policy needs scores
+        self.device = next(self.decoder.parameters()).device
+        self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
+        self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
-                                   capacity_hint=horizon)
+                                   capacity_hint=horizon, storage_device=self.storage_device)
 
     @property
     def seen_tokens(self) -> int:
@@ -81,8 +84,9 @@ class StreamingPrefill:
 
     @property
     def detailed_cache(self) -> DynamicCache:
-        """Every token's keys/values, in order, as a fresh ``DynamicCache`` of views (decoding never mutates it)."""
-        return self.cache.to_dynamic_cache()
+        """Every token's keys/values, in order, as a fresh ``DynamicCache`` of views (decoding never mutates it);
+        copies on the model's device when the detailed cache is offloaded."""
+        return self.cache.to_dynamic_cache(self.device if self.storage_device is not None else None)
 
     def carried_positions(self, layer: int) -> torch.Tensor:
         """Logical positions carried by ``layer`` into the next step, LongTensor ``[B, H_kv, K]``."""
