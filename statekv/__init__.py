@@ -18,11 +18,12 @@ from .core import (
 )
 
 from .pipeline import EncodedVideo, EncodingStats, VideoQA, make_policy
+from .stream import Stream
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError",
     "Recency", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
-    "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy",
+    "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy", "Stream",
 ]

@@ -97,18 +97,19 @@ class EncodedVideo:
     """
 
     def __init__(self, qa: "VideoQA", horizon: int, *, num_frames: int | None = None, fps: float | None = None,
-                 name: str = "video"):
+                 name: str = "video", stream_prefix: bool = True):
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
         self.horizon = horizon
-        self.prefill = StreamingPrefill(self.adapter.model, qa.policy, attention=qa.attention, horizon=horizon)
+        self.prefill = StreamingPrefill(self.adapter.model, qa.policy, attention=qa.attention, horizon=horizon,
+                                        offload=qa.offload)
         self.state: LayoutState = self.adapter.start(num_frames, fps)
         self.stats = EncodingStats()
         self._device = self.adapter.device
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        prefix = self.adapter.prefix(self.state)
+        prefix = self.adapter.prefix(self.state) if stream_prefix else None
         if prefix is not None:
             self._stream_chunk(prefix)
 
@@ -156,12 +157,14 @@ class EncodedVideo:
                 f"carried={self.stats.carried_tokens})")
 
     # -- streaming --------------------------------------------------------------------------------------
+    @torch.no_grad()
     def _append(self, frames: Sequence[Frame]) -> None:
         """Stream one step's frames (at most ``frames_per_chunk``), timing the whole step."""
         start = time.perf_counter()
         chunk = self.adapter.frames_chunk(frames, self.state)
         self._stream_chunk(chunk, started=start)
 
+    @torch.no_grad()
     def _stream_chunk(self, chunk, started: float | None = None) -> None:
         if chunk.next_position > self.horizon or self.prefill.seen_tokens + chunk.num_tokens > self.horizon:
             raise HorizonError(
@@ -198,10 +201,12 @@ class VideoQA:
         attention: scoring backend: ``auto`` (Triton on CUDA, else chunked), ``eager``, ``chunked``, ``triton``.
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
+        offload: keep each video's detailed cache in CPU memory while it streams (accelerator memory then stays
+            constant as the video grows); it is copied back to the model's device to answer.
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
-                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None):
+                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool = False):
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens <= 0:
             raise ConfigurationError(f"reserve_tokens must be a positive integer, got {reserve_tokens!r}")
         self.adapter = adapter
@@ -209,12 +214,14 @@ class VideoQA:
         self.attention = attention
         self.reserve_tokens = reserve_tokens
         self.method = method or type(policy).__name__
+        self.offload = offload
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, method: str = "statekv", budget: int = 4096, frames: int = 16,
                         layout: str | None = None, attention: str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, trust_remote_code: bool = False,
-                        reserve_tokens: int = DEFAULT_RESERVE_TOKENS, **model_kwargs: Any) -> "VideoQA":
+                        reserve_tokens: int = DEFAULT_RESERVE_TOKENS, offload: bool = False,
+                        **model_kwargs: Any) -> "VideoQA":
         """Load ``model`` (a checkpoint folder or hub id) and set up ``method``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)) or
@@ -229,7 +236,8 @@ class VideoQA:
         adapter = load_adapter(model, layout=layout, dtype=_dtype(dtype), device=device,
                                trust_remote_code=trust_remote_code, **model_kwargs)
         policy = make_policy(method, budget=budget, frames=frames, frames_per_chunk=adapter.frames_per_chunk)
-        return cls(adapter, policy, attention=attention, reserve_tokens=reserve_tokens, method=method)
+        return cls(adapter, policy, attention=attention, reserve_tokens=reserve_tokens, method=method,
+                   offload=offload)
 
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
                progress: ProgressCallback | bool = False) -> EncodedVideo:
@@ -242,7 +250,9 @@ class VideoQA:
         _check_sampling(max_fps, max_frames)
         video = open_video(source)
         num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames))
-        encoded = self._new_encoding(num_frames, fps=min(max_fps, video.fps), name=video.name)
+        sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
+        horizon = self.horizon_for(num_frames, (video.height, video.width))
+        encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate), name=video.name)
         frames = video.sample(max_fps=max_fps, max_frames=max_frames)
         with _progress(progress, num_frames, video.name) as report:
             for group in _batched(frames, self.adapter.frames_per_chunk):
@@ -263,12 +273,19 @@ class VideoQA:
             answers = [video.ask(text, **ask_kwargs) for text in questions]
         return answers[0] if isinstance(question, str) else answers
 
-    def horizon_for(self, num_frames: int) -> int:
-        """The planned length in tokens for ``num_frames`` sampled frames plus the reserve."""
-        return self.adapter.max_video_tokens(num_frames) + self.reserve_tokens
+    def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream") -> "Stream":
+        """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
 
-    def _new_encoding(self, num_frames: int, *, fps: float | None, name: str) -> EncodedVideo:
-        return EncodedVideo(self, self.horizon_for(num_frames), num_frames=num_frames, fps=fps, name=name)
+        max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
+        """
+        from .stream import Stream
+
+        return Stream(self, horizon_frames, max_fps=max_fps, name=name)
+
+    def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None) -> int:
+        """The planned length in tokens for ``num_frames`` sampled frames (of ``frame_size`` (height, width),
+        if known) plus the reserve."""
+        return self.adapter.max_video_tokens(num_frames, frame_size=frame_size) + self.reserve_tokens
 
     def __repr__(self) -> str:
         return (f"VideoQA({self.adapter.family}, layout={self.adapter.layout!r}, policy={self.policy}, "

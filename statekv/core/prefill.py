@@ -206,12 +206,17 @@ def _check_supported(config) -> None:
 
 
 def _set_language_attention(model: torch.nn.Module, implementation: str) -> None:
-    """Switch the attention of the language model only (a VLM's vision tower keeps its own)."""
+    """Switch the attention of the language model only (a VLM's vision tower keeps its own).
+
+    transformers VLMs declare a ``text_config`` sub-config and take the dict form. Remote-code VLMs without one
+    (the original InternVL release) would switch every sub-model with the string form, so there the decoder
+    alone is switched.
+    """
     has_text_config = "text_config" in (getattr(model.config, "sub_configs", None) or {})
+    target = model if has_text_config or _language_decoder(model) is model else _language_decoder(model)
     try:
-        model.set_attn_implementation({"text_config": implementation} if has_text_config else implementation)
+        target.set_attn_implementation({"text_config": implementation} if has_text_config else implementation)
     except (ValueError, ImportError) as error:
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot use a custom attention function: {str(error).splitlines()[0]}"
         ) from None
-

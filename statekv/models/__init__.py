@@ -4,9 +4,11 @@ from .base import Chunk, LayoutState, VideoAdapter
 from .registry import adapter_for, checkpoint_model_type, load_adapter, register_adapter, supported_model_types
 
 __all__ = [
-    "Chunk", "InternVLAdapter", "LayoutState", "VideoAdapter", "adapter_for", "checkpoint_model_type", "load_adapter",
+    "Chunk", "InternVLAdapter", "LayoutState", "Qwen3VLAdapter", "RemoteInternVLAdapter", "VideoAdapter", "adapter_for", "checkpoint_model_type", "load_adapter",
     "register_adapter", "supported_model_types",
 ]
 
 # Importing a family module registers its adapter.
 from .internvl import InternVLAdapter  # noqa: E402
+from .qwen3_vl import Qwen3VLAdapter  # noqa: E402
+from .remote_internvl import RemoteInternVLAdapter  # noqa: E402

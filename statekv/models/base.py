@@ -127,8 +127,11 @@ class VideoAdapter(ABC):
 
     # -- planning ---------------------------------------------------------------------------------------
     @abstractmethod
-    def max_video_tokens(self, num_frames: int) -> int:
-        """An upper bound on the tokens that ``num_frames`` sampled frames (prefix included) stream."""
+    def max_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
+        """An upper bound on the tokens that ``num_frames`` sampled frames (prefix included) stream.
+
+        frame_size: the source's (height, width), when known, for families whose token count depends on it.
+        """
 
     # -- streaming --------------------------------------------------------------------------------------
     def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:

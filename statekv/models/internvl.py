@@ -17,18 +17,17 @@ across), so tokenizing chunk by chunk gives the same ids as tokenizing the whole
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
-from transformers.utils import cached_file
 
 from ..core import InputError
 from ..video import IMAGENET_MEAN, IMAGENET_STD, Frame, internvl_pixel_values
 from .base import Chunk, LayoutState, VideoAdapter
+from .checkpoint_files import normalisation, square_side
 from .registry import register_adapter
 
 _QUESTION_SENTINEL = "\x00statekv-question\x00"
@@ -66,8 +65,8 @@ class InternVLAdapter(VideoAdapter):
         if device is not None:
             model = model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        mean, std = _normalisation(path)
-        return cls(model, tokenizer, layout=layout, image_size=_square_side(model.config.vision_config.image_size),
+        mean, std = normalisation(path, default=(IMAGENET_MEAN, IMAGENET_STD))
+        return cls(model, tokenizer, layout=layout, image_size=square_side(model.config.vision_config.image_size),
                    image_mean=mean, image_std=std)
 
     @property
@@ -77,6 +76,7 @@ class InternVLAdapter(VideoAdapter):
     def _image_token_id(self) -> int:
         return int(self.model.config.image_token_id)
 
+    @torch.no_grad()
     def visual_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values [N, 3, S, S]`` -> visual tokens ``[N, tokens_per_image, D]`` (vision tower + projector)."""
         config = self.model.config
@@ -87,7 +87,7 @@ class InternVLAdapter(VideoAdapter):
         ).pooler_output
 
     # -- layout -----------------------------------------------------------------------------------------
-    def max_video_tokens(self, num_frames: int) -> int:
+    def max_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
         widest = self.frame_text(max(num_frames - 1, 0), 0.0)
         return self._count(self._prefix_text() or "") + num_frames * self._count(widest)
 
@@ -102,6 +102,7 @@ class InternVLAdapter(VideoAdapter):
         separator = "\n" if index else ""
         return f"{separator}Frame{index + 1}: {self.image_block}"
 
+    @torch.no_grad()
     def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
         if len(frames) != 1:
             raise InputError(f"{self.family} streams one frame per chunk, got {len(frames)}")
@@ -141,21 +142,3 @@ class InternVLAdapter(VideoAdapter):
 
     def _count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def _square_side(image_size: int | Sequence[int]) -> int:
-    if isinstance(image_size, int):
-        return image_size
-    height, width = image_size
-    if height != width:
-        raise InputError(f"InternVL vision towers take square frames, this one is {height}x{width}")
-    return int(height)
-
-
-def _normalisation(path: str | Path) -> tuple[Sequence[float], Sequence[float]]:
-    """Mean and std from the checkpoint's ``preprocessor_config.json`` (ImageNet's when it has none)."""
-    config_file = cached_file(str(path), "preprocessor_config.json", _raise_exceptions_for_missing_entries=False)
-    if config_file is None:
-        return IMAGENET_MEAN, IMAGENET_STD
-    config = json.loads(Path(config_file).read_text())
-    return config.get("image_mean", IMAGENET_MEAN), config.get("image_std", IMAGENET_STD)

@@ -1,0 +1,214 @@
+"""Live streams: push frames as they arrive, ask at any time, save and resume.
+
+    stream = qa.stream(horizon_frames=3600, max_fps=1)    # the RoPE horizon is fixed up front
+    for image, t in camera:
+        stream.push(image, t)                              # constant cost per kept frame
+        if t > 60 and not asked:
+            stream.ask("What has the person picked up so far?")   # the stream is not changed; keep pushing
+    stream.save("desk.safetensors")                        # carried state + detailed cache + metadata
+    stream = Stream.load("desk.safetensors", qa)           # continues bit-exactly
+
+Families that put several frames in one step (Qwen3-VL: two) hold a pushed frame until its step is complete;
+`ask` answers from the frames encoded so far, and `flush` encodes a waiting frame on its own (as the last
+step of a finished video would be).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .core import HorizonError, InputError
+from .models import LayoutState
+from .pipeline import EncodedVideo, EncodingStats
+from .video import Frame
+
+if TYPE_CHECKING:
+    from .pipeline import VideoQA
+
+FORMAT = "statekv-stream"
+FORMAT_VERSION = 1
+
+
+class Stream(EncodedVideo):
+    """A video encoded as it arrives (see the module docstring). Create it with `VideoQA.stream`.
+
+    Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
+    ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step).
+    """
+
+    def __init__(self, qa: "VideoQA", horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+                 _restoring: bool = False):
+        if isinstance(horizon_frames, bool) or not isinstance(horizon_frames, int) or horizon_frames <= 0:
+            raise InputError(f"horizon_frames must be a positive integer, got {horizon_frames!r}")
+        if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
+                                    or not max_fps > 0):
+            raise InputError(f"max_fps must be > 0 (or None to keep every frame), got {max_fps!r}")
+        self.horizon_frames = horizon_frames
+        self.max_fps = None if max_fps is None else float(max_fps)
+        self.pushed = 0
+        self.pending: list[Frame] = []
+        self._next_tick = 0
+        self._last_timestamp: float | None = None
+        super().__init__(qa, qa.horizon_for(horizon_frames), num_frames=horizon_frames, fps=self.max_fps,
+                         name=name, stream_prefix=not _restoring)
+
+    # -- pushing ----------------------------------------------------------------------------------------
+    def push(self, image: Any, timestamp: float | None = None) -> bool:
+        """Offer one frame; return whether it was kept (``max_fps`` drops frames between its ticks).
+
+        image: RGB uint8 array ``[H, W, 3]``, a PIL image, or a `Frame` (whose timestamp is used).
+        timestamp: seconds since the stream began, non-decreasing; default: one ``1 / max_fps`` (or 1 s)
+            after the previous frame.
+        """
+        if isinstance(image, Frame):
+            timestamp = image.timestamp if timestamp is None else timestamp
+            image = image.image
+        timestamp = self._check_timestamp(timestamp)
+        pixels = _rgb_array(image)
+        if self.max_fps is not None:
+            tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
+            if tick < self._next_tick:
+                self.pushed += 1
+                self._last_timestamp = timestamp
+                return False
+        kept = self.state.frames + len(self.pending)
+        if kept + 1 > self.horizon_frames:
+            raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
+                               "with a larger horizon_frames to push more")
+        self.pending.append(Frame(self.pushed, timestamp, pixels))
+        if len(self.pending) == self.adapter.frames_per_chunk:
+            try:
+                self._encode_pending()
+            except BaseException:
+                self.pending.pop()  # a failed push leaves the stream as it was
+                raise
+        # Only now, with the frame encoded or safely queued, does the stream advance.
+        self.pushed += 1
+        self._last_timestamp = timestamp
+        if self.max_fps is not None:
+            self._next_tick = math.floor(timestamp * self.max_fps + 1e-9) + 1
+        return True
+
+    def push_many(self, frames: Any) -> int:
+        """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
+        kept = 0
+        for item in frames:
+            kept += self.push(item) if isinstance(item, Frame) else self.push(*item)
+        return kept
+
+    def flush(self) -> None:
+        """Encode frames still waiting for their step (their step is then completed by repetition)."""
+        if self.pending:
+            self._encode_pending()
+
+    def _encode_pending(self) -> None:
+        frames, self.pending = self.pending, []
+        try:
+            self._append(frames)
+        except BaseException:
+            self.pending = frames  # the step rolled back: the frames still wait
+            raise
+
+    def _check_timestamp(self, timestamp: float | None) -> float:
+        if timestamp is None:
+            step = 1.0 / self.max_fps if self.max_fps else 1.0
+            return 0.0 if self._last_timestamp is None else self._last_timestamp + step
+        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
+            raise InputError(f"timestamp must be a finite number of seconds, got {timestamp!r}")
+        if timestamp < 0 or (self._last_timestamp is not None and timestamp < self._last_timestamp):
+            raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
+                             f"{self._last_timestamp}")
+        return float(timestamp)
+
+    # -- saving -----------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the stream (carried state, detailed cache, pending frames, metadata) to one safetensors file."""
+        path = Path(path)
+        tensors, cache_metadata = self.prefill.cache.state_dict()
+        tensors = {f"cache.{name}": tensor.contiguous() for name, tensor in tensors.items()}
+        for index, frame in enumerate(self.pending):
+            tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
+        metadata = {
+            "format": FORMAT, "version": FORMAT_VERSION, "name": self.name,
+            "model": _model_identity(self.qa), "policy": repr(self.qa.policy),
+            "horizon": self.horizon, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
+            "pushed": self.pushed, "next_tick": self._next_tick, "last_timestamp": self._last_timestamp,
+            "pending": [[frame.index, frame.timestamp] for frame in self.pending],
+            "state": self.state.to_dict(), "stats": {k: v for k, v in self.stats.to_dict().items()
+                                                     if k in EncodingStats.__dataclass_fields__},
+            "cache": cache_metadata,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        save_file(tensors, str(partial), metadata={"statekv": json.dumps(metadata)})
+        partial.replace(path)  # never leave a half-written stream under the real name
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, qa: "VideoQA") -> "Stream":
+        """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with)."""
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"{path}: no such saved stream")
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as handle:
+                metadata = json.loads((handle.metadata() or {}).get("statekv", "null"))
+        except (SafetensorError, OSError, json.JSONDecodeError) as error:
+            raise InputError(f"{path}: not a saved statekv stream ({str(error).splitlines()[0]})") from None
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+            raise InputError(f"{path}: not a saved statekv stream")
+        if metadata["version"] != FORMAT_VERSION:
+            raise InputError(f"{path}: saved in stream format {metadata['version']}, this statekv reads "
+                             f"{FORMAT_VERSION}")
+        _check_same_setup(path, metadata, qa)
+        stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
+                     _restoring=True)
+        cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
+        stream.prefill.cache.load_state_dict(cache, metadata["cache"], stream.prefill.device)
+        stream.state = LayoutState.from_dict(metadata["state"])
+        stream.stats = EncodingStats(**metadata["stats"])
+        stream.pushed, stream._next_tick = metadata["pushed"], metadata["next_tick"]
+        stream._last_timestamp = metadata["last_timestamp"]
+        stream.pending = [Frame(index, timestamp, tensors[f"pending.{i}"].numpy())
+                          for i, (index, timestamp) in enumerate(metadata["pending"])]
+        return stream
+
+
+def _model_identity(qa: "VideoQA") -> dict[str, Any]:
+    config = qa.adapter.model.config
+    text = config.get_text_config()
+    return {"family": qa.adapter.family, "layout": qa.adapter.layout, "model_type": config.model_type,
+            "name_or_path": str(getattr(config, "_name_or_path", "")), "layers": text.num_hidden_layers,
+            "hidden_size": text.hidden_size, "reserve_tokens": qa.reserve_tokens}
+
+
+def _check_same_setup(path: Path, metadata: dict[str, Any], qa: "VideoQA") -> None:
+    saved, current = metadata["model"], _model_identity(qa)
+    for key in ("family", "model_type", "layout", "layers", "hidden_size", "reserve_tokens"):
+        if saved[key] != current[key]:
+            raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+    if metadata["policy"] != repr(qa.policy):
+        raise InputError(f"{path}: saved with {metadata['policy']}, but this VideoQA uses {qa.policy!r}")
+
+
+def _rgb_array(image: Any) -> np.ndarray:
+    """A pushed frame as an RGB uint8 array ``[H, W, 3]``."""
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
+        raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {array.dtype} "
+                         f"{list(array.shape)}")
+    return array
