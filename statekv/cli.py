@@ -13,17 +13,27 @@ import importlib
 import sys
 
 COMMANDS = (
-    "statekv.demo",
+    "statekv.commands.demo",
+    "statekv.commands.answer",
+    "statekv.commands.stream",
+    "statekv.analysis.command",
     "statekv.flops.command",
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes get one line (``statekv answer: error: ...``), like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="statekv",
         description="Linear-time long-video encoding for video VLMs (StateKV).",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         importlib.import_module(module).register(subparsers)
     return parser
@@ -35,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except (ValueError, FileNotFoundError) as error:  # statekv's own input errors subclass these
-        print(f"statekv {args.command}: error: {error}", file=sys.stderr)
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"statekv {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"statekv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ class VideoQA:
             raise ConfigurationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         make_policy(method, budget=budget, frames=frames)  # validate before the (slow) load
         device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        adapter = load_adapter(model, layout=layout, dtype=_dtype(dtype), device=device,
+        adapter = load_adapter(model, layout=layout, dtype=resolve_dtype(dtype), device=device,
                                trust_remote_code=trust_remote_code, **model_kwargs)
         policy = make_policy(method, budget=budget, frames=frames, frames_per_chunk=adapter.frames_per_chunk)
         return cls(adapter, policy, attention=attention, reserve_tokens=reserve_tokens, method=method,
@@ -305,7 +305,7 @@ def _check_sampling(max_fps: float, max_frames: int) -> None:
         raise InputError(f"max_frames must be a positive integer, got {max_frames!r}")
 
 
-def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None``/``"auto"`` (the checkpoint's dtype), a torch dtype, or its name (``"bfloat16"``)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype

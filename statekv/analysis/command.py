@@ -1,0 +1,112 @@
+"""``statekv analyze``: measure the attention structure StateKV relies on, on any supported video VLM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from statekv.commands.common import positive_float, positive_int, quiet_libraries
+
+DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+DEFAULT_WINDOWS = [1, 4, 16, 64]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``analyze`` subcommand to the ``statekv`` parser."""
+    parser = subparsers.add_parser(
+        "analyze", help="attention-structure analysis of a model on videos (paper appendix A), with plots",
+        description="Stream videos frame by frame under exact full attention and measure, per layer: the "
+                    "concentration of historical attention C(B), the oracle state's recall, retention and churn, "
+                    "recency vs attention-based selection, where historical mass lands by frame distance, and the "
+                    "error StateKV and recency actually incur against full attention. Writes analysis.json, "
+                    "analysis.md (side by side with the paper) and analysis_*.png into --out.",
+    )
+    parser.add_argument("videos", nargs="+", metavar="VIDEO", help="video files or folders of frames")
+    parser.add_argument("--model", required=True, help="checkpoint folder or hub id of a supported video VLM")
+    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument("--frames", type=positive_int, default=128, help="frames sampled per video (default 128, the paper's)")
+    parser.add_argument("--max-fps", type=positive_float, default=1.0, help="at most this many frames per second (default 1)")
+    parser.add_argument("--budgets", nargs="+", type=positive_int, default=DEFAULT_BUDGETS, metavar="B",
+                        help=f"token budgets (default {' '.join(map(str, DEFAULT_BUDGETS))})")
+    parser.add_argument("--recency", nargs="+", type=positive_int, default=DEFAULT_WINDOWS, metavar="R",
+                        help="recency windows in streaming steps: frames, or 2-frame temporal patches for Qwen3-VL "
+                             f"(default {' '.join(map(str, DEFAULT_WINDOWS))})")
+    parser.add_argument("--max-distance", type=positive_int, default=128,
+                        help="frame distances shown apart in the distance heatmap; farther ones share a column")
+    parser.add_argument("--per-head", action="store_true", help="also report every statistic per KV head")
+    parser.add_argument("--error-budgets", nargs="*", type=positive_int, metavar="B",
+                        help="StateKV budgets for the approximation error (default: --budgets; none: skip)")
+    parser.add_argument("--error-recency", nargs="*", type=positive_int, metavar="R",
+                        help="recency windows for the approximation error (default: --recency; none: skip)")
+    parser.add_argument("--no-errors", action="store_true", help="skip the approximation-error runs")
+    parser.add_argument("--label", default="", help="title of the report (default: the model's folder name)")
+    parser.add_argument("--note", default="", help="a line quoted at the top of the markdown summary")
+    parser.add_argument("--layout", help="the family's prompt layout (default: the paper's)")
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto (the checkpoint's), bfloat16, float32...")
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--attention", default="auto", choices=("auto", "eager", "chunked", "triton"),
+                        help="scoring backend of the full-attention run (default auto)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with their own code")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from statekv.core import Recency, StateKV
+    from statekv.models import load_adapter
+    from statekv.pipeline import resolve_dtype
+    from statekv.video import open_video
+
+    from . import plots, report
+    from .accumulator import AnalysisSettings, AttentionStatistics, positive_integers
+    from .runner import ApproximationErrors, measure_attention, stream_tokens
+    from .video import video_steps
+
+    settings = AnalysisSettings(budgets=tuple(args.budgets), windows=tuple(args.recency),
+                                max_distance=args.max_distance, per_head=args.per_head)
+    policies = []
+    if not args.no_errors:
+        error_budgets = positive_integers("error budgets", args.budgets if args.error_budgets is None
+                                          else args.error_budgets)
+        error_windows = positive_integers("error recency windows", args.recency if args.error_recency is None
+                                          else args.error_recency)
+        policies = [StateKV(budget=b) for b in error_budgets] + [Recency(frames=r) for r in error_windows]
+    for video in args.videos:
+        open_video(video)  # a missing or unreadable video fails here, before the model loads
+
+    quiet_libraries()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    adapter = load_adapter(args.model, layout=args.layout, dtype=resolve_dtype(args.dtype), device=device,
+                           trust_remote_code=args.trust_remote_code)
+    statistics = AttentionStatistics(adapter.model.config.get_text_config().num_hidden_layers, settings)
+    errors = ApproximationErrors(adapter.model, policies, attention=args.attention) if policies else None
+    tokens = []
+    for index, video in enumerate(args.videos, 1):
+        steps = video_steps(adapter, video, max_frames=args.frames, max_fps=args.max_fps)
+        tokens.append(stream_tokens(steps))
+        _progress(f"[{index}/{len(args.videos)}] {video}: {len(steps)} steps, {tokens[-1]} tokens; full attention")
+        measure_attention(adapter.model, steps, statistics, attention=args.attention)
+        if errors is not None:
+            _progress(f"[{index}/{len(args.videos)}] {video}: {len(policies)} approximation runs")
+            errors.measure(steps)
+        del steps
+
+    label = args.label or Path(str(args.model).rstrip("/")).name
+    document = report.build_report(statistics.result(), errors.result() if errors else None, model=str(args.model),
+                                   videos=[str(v) for v in args.videos], tokens=tokens, label=label, note=args.note)
+    args.out.mkdir(parents=True, exist_ok=True)
+    figures = plots.plot_all(document, args.out)
+    document["figures"] = [p.name for p in figures]
+    json_path = report.write_json(document, args.out / "analysis.json")
+    markdown_path = args.out / "analysis.md"
+    markdown_path.write_text(report.markdown_summary(document, figures=[p.name for p in figures]))
+    print(markdown_path.read_text())
+    for path in (json_path, markdown_path, *figures):
+        print(f"wrote {path}")
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

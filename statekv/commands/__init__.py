@@ -1,0 +1,1 @@
+"""The ``statekv`` sub-commands that work on videos: ``answer``, ``stream`` and ``demo``."""

@@ -1,0 +1,44 @@
+"""``statekv answer``: encode a video once and answer every question given."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import (add_model_options, add_output_options, add_sampling_options, describe_method, interactive,
+                     load_qa, print_json)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "answer", help="answer questions about a video (encoded once)",
+        description="Encode VIDEO once with the chosen method, then answer each QUESTION from that encoding.",
+    )
+    parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
+    parser.add_argument("questions", metavar="QUESTION", nargs="+", help="one or more questions")
+    add_model_options(parser)
+    add_sampling_options(parser)
+    add_output_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..core import InputError
+    from ..video import open_video
+
+    if not all(question.strip() for question in args.questions):
+        raise InputError("a question is empty")
+    open_video(args.video)  # a bad video fails before the model loads
+    qa = load_qa(args)
+    video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
+    answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
+    stats = video.stats
+    if args.json:
+        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
+                    "frames_window": args.frames, "stats": stats.to_dict(),
+                    "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
+        return 0
+    print(f"{args.video}: {stats.frames} frames, {stats.tokens} tokens, {describe_method(args)}, carried "
+          f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
+    for question, answer in zip(args.questions, answers):
+        print(f"\nQ: {question}\nA: {answer}")
+    return 0

@@ -1,0 +1,152 @@
+"""The ``statekv`` command: answer, stream and demo end to end on tiny checkpoints; one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import statekv
+from bad_videos import BAD_VIDEOS
+from statekv.cli import main
+from statekv.testing import make_tiny_checkpoint, write_test_video
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return {
+        "root": root,
+        "model": make_tiny_checkpoint("internvl", root / "internvl"),
+        "video": write_test_video(root / "clip.mp4", frames=40, fps=8),  # 5 s
+    }
+
+
+def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "statekv.cli", *map(str, argv)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def _one_line_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr and "error:" in lines[0]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end, in a fresh process
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_answer_encodes_once_and_answers_every_question(files):
+    result = _run("answer", files["video"], "What is shown?", "Why?", "--model", files["model"], "--budget", "20",
+                  "--max-new-tokens", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert [a["question"] for a in document["answers"]] == ["What is shown?", "Why?"]
+    assert all(isinstance(a["answer"], str) for a in document["answers"])
+    stats = document["stats"]
+    assert stats["frames"] == 5 and stats["tokens"] == 5 * 19 and stats["carried_tokens"] == 20
+    assert len(stats["frame_seconds"]) == 5 and "Traceback" not in result.stderr
+
+
+def test_stream_asks_each_question_when_the_stream_reaches_its_time(files):
+    saved = files["root"] / "stream.safetensors"
+    result = _run("stream", files["video"], "--model", files["model"], "--method", "recency", "--frames", "2",
+                  "--ask", "1.5:What now?", "--ask", "0:First?", "--ask", "99:At the end?", "--max-new-tokens", "2",
+                  "--save", saved, "--json")
+    assert result.returncode == 0, result.stderr
+    answers = json.loads(result.stdout)["answers"]
+    assert [(a["time"], a["frames"]) for a in answers] == [(0.0, 1), (1.5, 2), (99.0, 5)]
+    qa = statekv.VideoQA.from_pretrained(files["model"], method="recency", frames=2)
+    assert statekv.Stream.load(saved, qa).frames == 5
+
+
+def test_demo_runs_offline_on_its_built_in_model(files):
+    env = {"STATEKV_CACHE": str(files["root"] / "cache")}
+    result = _run("demo", "--max-frames", "6", "--budget", "100", "--frames", "2", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    rows = {row["method"]: row for row in document["rows"]}
+    assert document["random_weights"] and set(rows) == {"full", "recency", "statekv"}
+    tokens = rows["full"]["tokens"]
+    assert tokens == 6 * 67 and all(row["frames"] == 6 and row["tokens"] == tokens for row in rows.values())
+    assert (rows["full"]["carried"], rows["recency"]["carried"], rows["statekv"]["carried"]) == (tokens, 2 * 67, 100)
+    text = _run("demo", "--max-frames", "3", env=env)  # the second run reuses the cached model and video
+    assert text.returncode == 0 and "meaningless" in text.stdout and "statekv" in text.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: exit code 2 and one line on stderr
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_bad_video_in_a_fresh_process(files):
+    result = _run("answer", files["root"] / "missing.mp4", "Why?", "--model", files["model"])
+    assert result.returncode == 2 and "no such file" in _one_line_error(result.stderr)
+
+
+@pytest.mark.parametrize("name", BAD_VIDEOS)
+def test_bad_videos(files, tmp_path, capsys, name):
+    make, phrase = BAD_VIDEOS[name]
+    for command, extra in (("answer", ["Why?"]), ("stream", ["--ask", "1:Why?"])):
+        folder = tmp_path / command
+        folder.mkdir()
+        assert main([command, str(make(folder)), *extra, "--model", str(files["model"])]) == 2
+        assert phrase in _one_line_error(capsys.readouterr().err)
+
+
+def _usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*map(str, argv)])
+    assert info.value.code == 2
+    return _one_line_error(capsys.readouterr().err)
+
+
+def test_bad_options(files, capsys):
+    base = ["answer", files["video"], "Why?", "--model", files["model"]]
+    assert "positive integer" in _usage_error(capsys, [*base, "--budget", "0"])
+    assert "positive integer" in _usage_error(capsys, [*base, "--frames", "-2"])
+    assert "positive number" in _usage_error(capsys, [*base, "--max-fps", "0"])
+    assert "invalid choice" in _usage_error(capsys, [*base, "--method", "sliding"])
+    assert "SECONDS:QUESTION" in _usage_error(capsys, ["stream", files["video"], "--model", files["model"],
+                                                        "--ask", "soon:Why?"])
+    assert "required" in _usage_error(capsys, ["answer", files["video"], "Why?"])
+
+
+def test_bad_questions_and_models(files, tmp_path, capsys):
+    assert main(["answer", str(files["video"]), "  ", "--model", str(files["model"])]) == 2
+    assert "question is empty" in _one_line_error(capsys.readouterr().err)
+
+    plain = tmp_path / "plain"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(plain)
+    capsys.readouterr()  # drop the progress bars of writing the checkpoint
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(plain)]) == 2
+    message = _one_line_error(capsys.readouterr().err)
+    assert "not supported" in message and "internvl" in message and "qwen3_vl" in message
+
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "no such checkpoint" in _one_line_error(capsys.readouterr().err)
+
+    static_rope = {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    short = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=static_rope)
+    capsys.readouterr()
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(short), "--reserve-tokens", "16"]) == 2
+    assert "beyond the model's RoPE" in _one_line_error(capsys.readouterr().err)
+
+
+def test_help_reads_well(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("answer", "stream", "demo", "flops"))
+    with pytest.raises(SystemExit):
+        main(["stream", "--help"])
+    assert "SECONDS:QUESTION" in capsys.readouterr().out
