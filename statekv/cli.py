@@ -17,6 +17,7 @@ COMMANDS = (
     "statekv.commands.answer",
     "statekv.commands.stream",
     "statekv.analysis.command",
+    "statekv.eval.command",
     "statekv.flops.command",
 )
 

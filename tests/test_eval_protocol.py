@@ -381,7 +381,9 @@ def test_generated_text_is_cut_at_the_first_stop_string():
 
 LONG_NO_LETTER = "the video shows a small cat sitting quietly on a mat near the window all day"
 
-# (response, lmms-eval 0.7 ranked extractor, paper-era VideoMME parser)
+# (response, lmms-eval 0.7 ranked extractor, paper-era VideoMME parser); the 0.7 column was checked
+# against lmms-eval 0.7.3's extract_mcq_answer. Rules by rank: start > end > phrase > "(X)" > "X." >
+# "X:" > "X)" > "X " > any (only when nothing else matched); within a rule the last position wins.
 VIDEOMME_TABLE = [
     ("Based on the video, C", "C", "B"),  # paper: the B of "Based"; 0.7: letter at the end
     ("I think it's c", None, None),  # lowercase is not a letter choice
@@ -393,23 +395,25 @@ VIDEOMME_TABLE = [
     ("The answer is B", "B", "B"),
     ("The answer: C", "C", "C"),  # paper deletes "The answer", leaving ": C"
     ("The best answer is: D", "D", "D"),
-    ("Answer: (B) dogs", "B", "A"),  # paper: the A of "Answer"; 0.7: after "Answer:"
+    ("Answer: (B) dogs", "B", "A"),  # paper: the A of "Answer"; 0.7: "(X)"
     ("Correct: D", "D", "C"),  # paper: the C of "Correct"
-    ("C. The man is cooking.", "C", "C"),  # rank 1: letter at the start
+    ("C. The man is cooking.", "C", "C"),  # start
     ("B) the dog", "B", "B"),
-    ("(A) or (C)", "A", "A"),  # rank 1 beats the later "(C)"
-    ("A man is riding a horse", "A", "A"),  # only rank 8 ("X ") fires
-    ("Options A and B are wrong; D.", "D", "A"),  # rank 2: letter at the end
-    ("The answer is C because A is wrong", "C", "C"),  # rank 3: after "answer is"
-    ("the correct option is (C), not A", "A", "C"),  # rank 2 (end) outranks rank 3 (phrase)
-    ("I choose B and then C", "C", "B"),
-    ("Option D seems right.", "D", "D"),
-    ("Both (A) and (B) fit here somewhat", "B", "B"),  # rank 4, tie -> last; paper: the B of "Both"
-    ("The first person, A, B... hmm D: no", "B", "A"),  # rank 5 "X." outranks rank 6 "X:"
-    ("Maybe D: tall, or C: short, right", "C", "D"),  # rank 6, tie -> last
-    ("Pick A) here or B) there then", "B", "A"),  # rank 7, tie -> last
-    ("ABCD", None, "A"),  # 0.7 wants a stand-alone letter
-    ("I would say A, then again B, hmm", "B", "A"),  # rank 9, tie -> last
+    ("(A) or (C)", "C", "A"),  # "(" first is no start: "(X)", the last one
+    ("A man is riding a horse", "A", "A"),  # start: "A" then a space
+    ("Options A and B are wrong; D.", "D", "A"),  # end, once the final "." is stripped
+    ("The answer is C because A is wrong", "A", "C"),  # phrase: every later letter counts, the last wins
+    ("the correct option is (C), not A", "A", "C"),  # end outranks phrase
+    ("I choose B and then C", "C", "B"),  # end
+    ("Option D seems right.", "D", "D"),  # "X "
+    ("Both (A) and (B) fit here somewhat", "B", "B"),  # "(X)", the last; paper: the B of "Both"
+    ("The first person, A, B... hmm D: no", "B", "A"),  # "X." outranks "X:"
+    ("Maybe D: tall, or C: short, right", "C", "D"),  # "X:", the last
+    ("Pick A) here or B) there then", "B", "A"),  # "X)", the last
+    ("ABCD", "D", "A"),  # padded with a space, "D " matches "X "
+    ("I would say A, then again B, hmm", "B", "A"),  # nothing marked: any, the last
+    ("Dogs", "D", "D"),  # any: even inside a word, when nothing else matched
+    ('"B."', "B", "B"),  # quotes, then the period, are stripped
     ("This is E", None, None),  # outside the four options
 ]
 
@@ -419,6 +423,17 @@ def test_videomme_parsers(response, ranked, paper):
     assert ev.parse_answer("videomme", response) == ranked
     assert ev.parse_answer("videomme", response, parser="lmms-eval-0.7") == ranked
     assert ev.parse_answer("videomme", response, parser="paper") == paper
+
+
+def test_ranked_extractor_equals_lmms_eval_when_installed():
+    mcq = pytest.importorskip("lmms_eval.tasks._task_utils.mcq_extract", reason="lmms-eval is an optional extra")
+    rng = random.Random(7)
+    atoms = ["A", "B", "C", "D", "E", "a", "c", " ", "(", ")", ".", ":", ",", "!", ";", "'", '"', "\n",
+             "The answer is ", "I choose ", "correct option is ", "Based", "Dog", "AB", "word"]
+    responses = [row[0] for row in VIDEOMME_TABLE]
+    responses += ["".join(rng.choice(atoms) for _ in range(rng.randint(0, 8))) for _ in range(3000)]
+    for response in responses:
+        assert ev.ranked_letter(response) == (mcq.extract_mcq_answer(response, choices=list("ABCD")) or None)
 
 
 # (response, paper-era MLVU parser): the character before the first ")", else the whole answer
@@ -444,8 +459,8 @@ def test_mlvu_paper_parser(response, expected):
 def test_mlvu_default_parser_is_the_ranked_extractor():
     assert ev.parse_answer("mlvu", "A) The man runs away") == "A"
     assert ev.parse_answer("mlvu", "Based on the video, C") == "C"
-    assert ev.parse_answer("mlvu", "E) five", letters="ABCDE") == "E"
-    assert ev.parse_answer("mlvu", "E) five", letters="ABCD") is None
+    assert ev.parse_answer("mlvu", "E) five", letters="ABCDE") is None  # lmms-eval extracts A-D only
+    assert ev.parse_answer("mlvu", "E) five", letters="ABCDE", parser="paper") == "E"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,16 @@
 """Benchmarks for long-video QA: VideoMME, MLVU (dev), OVOBench real-time.
 
-Everything a runner needs below the model: datasets, prompts, generation settings, answer
-parsing, scoring, crash-safe per-question records, sharding and reports. A runner for one
-(benchmark, model, method) on rank ``rank`` of ``world`` does::
+The runner (`statekv.eval.runner`, ``statekv eval`` on the command line) evaluates one model and
+method on one benchmark, resumably and data-parallel::
+
+    from statekv.eval.runner import EvalConfig, run_evaluation
+
+    summary = run_evaluation(EvalConfig("videomme", "OpenGVLab/InternVL3-1B-hf", data_root="data",
+                                        out="runs/videomme/internvl3-1b-statekv", method="statekv"))
+
+This package holds everything it uses below the model: datasets, prompts, generation settings,
+answer parsing, scoring, crash-safe per-question records, sharding and reports. On rank ``rank``
+of ``world`` the runner does::
 
     import statekv.eval as ev
 
@@ -22,7 +30,9 @@ parsing, scoring, crash-safe per-question records, sharding and reports. A runne
     print(ev.paper_table([run_dir, ...]))
 
 Parsing defaults to lmms-eval 0.7's extractor; ``parser="paper"`` selects the paper-era one,
-and ``results.json`` holds the score under both.
+and ``results.json`` holds the score under both. `statekv.eval.lmms_plugin` makes the same
+models available inside lmms-eval (``lmms-eval --model statekv``); `statekv.eval.fabricate`
+writes mini benchmarks in the published layouts for tests and smoke runs.
 """
 
 from statekv.eval.loaders import (

@@ -2,15 +2,22 @@
 
 Two parser generations, selected by name:
 
-``"lmms-eval-0.7"`` (default), for VideoMME and MLVU: a ranked extractor. Only capital option
-letters count. Candidates are found by the rules below; the highest-ranked rule that finds one
-decides, and among several finds of that rule the last one wins::
+``"lmms-eval-0.7"`` (default), for VideoMME and MLVU: lmms-eval 0.7's ranked extractor
+(``lmms_eval/tasks/_task_utils/mcq_extract.py``, checked against 0.7.3), which both tasks call with
+the choices A-D. The answer is stripped of whitespace, then of leading/trailing ``, . ! ? ; : ' "``
+(one character kind after another, in that order) and padded with a space on each side. Every rule
+below proposes candidates (a letter and a position); the highest-ranked rule wins, and within it the
+largest position::
 
-    1 start    the answer opens with the letter, alone or marked: "B", "B.", "(B) ...", "B: ..."
-    2 end      the answer closes with a stand-alone letter: "... so the answer is C."
-    3 phrase   after "answer", "option" or "choice" (+ "is"/":"): "The correct option is (D) ..."
-    4 "(X)"    5 "X."    6 "X:"    7 "X)"    8 "X "  anywhere
-    9 any      a stand-alone letter anywhere (not a letter inside a word)
+    10 start        the stripped answer opens with the letter, not followed by a letter: "B", "B) ..."
+     9 end          it closes with the letter, not preceded by a letter: "... so it is C"
+     7 phrase       for each answer phrase ("the answer is", "i choose", ...) found (its first
+                    occurrence, case-insensitive): the first occurrence of each letter after it
+     6 "(X)"   5 "X."   4 "X:"   3 "X)"   2 "X "   the last occurrence of each, even inside words
+     0 any          only when nothing else matched: the last occurrence of each letter anywhere
+
+Only capital letters count ("I think it's c" -> nothing). The rules' quirks are kept: after "the
+answer is" every later letter is a candidate, so "The answer is C because A is wrong" -> "A".
 
 ``"paper"``, the parsers of the paper's release era:
   - VideoMME: strip, delete the phrases "The best answer is", "The correct answer is",
@@ -25,12 +32,23 @@ in the stripped answer, in both generations (see ``ovobench_letter``).
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 
 PARSERS = ("lmms-eval-0.7", "paper")
 DEFAULT_PARSER = "lmms-eval-0.7"
 
 PAPER_VIDEOMME_PHRASES = ("The best answer is", "The correct answer is", "The answer is", "The answer")
+
+LMMS_EVAL_CHOICES = "ABCD"  # what lmms-eval 0.7's videomme and mlvu tasks pass to the extractor
+# lmms-eval 0.7's answer phrases, matched in the lower-cased answer
+ANSWER_PHRASES = (
+    "the answer is", "answer is", "the correct answer is", "correct answer is", "the best answer is",
+    "best answer is", "the correct option is", "correct option is", "the best option is", "best option is",
+    "the choice is", "choice is", "the correct choice is", "correct choice is", "i choose", "i select", "i pick",
+    "my answer is", "my choice is", "옵션", "정답은", "답은", "답:", "答案是", "答案为", "选", "答えは",
+)
+_EDGE_PUNCTUATION = (",", ".", "!", "?", ";", ":", "'", '"')
+_MARKED = ((6, "({})"), (5, "{}."), (4, "{}:"), (3, "{})"), (2, "{} "))  # rank, pattern
+_RANK_PHRASE, _RANK_START, _RANK_END = 7, 10, 9
 
 
 def check_parser(parser: str) -> str:
@@ -40,47 +58,55 @@ def check_parser(parser: str) -> str:
 
 
 def parse_answer(benchmark: str, response: str, parser: str = DEFAULT_PARSER, letters: str = "ABCD") -> str | None:
-    """The option letter ``response`` chose under ``parser``, for VideoMME or MLVU."""
+    """The option letter ``response`` chose under ``parser``, for VideoMME or MLVU.
+
+    ``letters`` are the question's option letters (the paper-era MLVU parser checks against them);
+    lmms-eval 0.7 always extracts one of A-D, as its tasks do.
+    """
     check_parser(parser)
     if benchmark not in ("videomme", "mlvu"):
         raise ValueError(f"parse_answer handles videomme and mlvu, not {benchmark!r} (see ovobench_letter)")
     if parser == "lmms-eval-0.7":
-        return ranked_letter(response, letters)
+        return ranked_letter(response, LMMS_EVAL_CHOICES)
     if benchmark == "videomme":
         return paper_videomme_letter(response)
     return paper_mlvu_letter(response, letters)
 
 
-def ranked_letter(response: str, letters: str = "ABCD") -> str | None:
-    """lmms-eval 0.7's ranked extractor (see the module docstring for the ranks)."""
-    text = response.strip()
-    for pattern in _ranked_patterns(letters):
-        matches = list(pattern.finditer(text))
-        if matches:
-            return matches[-1].group(1)
-    return None
-
-
-@lru_cache(maxsize=32)
-def _ranked_patterns(letters: str) -> tuple[re.Pattern[str], ...]:
+def ranked_letter(response: str, letters: str = LMMS_EVAL_CHOICES) -> str | None:
+    """lmms-eval 0.7's ranked extractor over the choices ``letters`` (see the module docstring)."""
     if not re.fullmatch(r"[A-Z]+", letters):
         raise ValueError(f"letters must be capital A-Z, got {letters!r}")
-    x = f"([{letters}])"
-    alone_before, alone_after = r"(?<![A-Za-z0-9])", r"(?![A-Za-z0-9])"
-    return tuple(
-        re.compile(pattern)
-        for pattern in (
-            rf"^[(\[]?\s*{x}\s*(?:[)\].:,\n]|$)",  # 1 start
-            rf"{alone_before}[(\[]?{x}[)\]]?[.!]?$",  # 2 end
-            rf"(?i:\b(?:answer|option|choice)\b(?:\s+is)?\s*[:=]?\s*)[(\[]?{x}{alone_after}",  # 3 phrase
-            rf"\({x}\)",  # 4 (X)
-            rf"{alone_before}{x}\.",  # 5 X.
-            rf"{alone_before}{x}:",  # 6 X:
-            rf"{alone_before}{x}\)",  # 7 X)
-            rf"{alone_before}{x} ",  # 8 "X "
-            rf"{alone_before}{x}{alone_after}",  # 9 any stand-alone occurrence
-        )
-    )
+    text = response.strip()
+    if not text:
+        return None
+    for mark in _EDGE_PUNCTUATION:
+        text = text.strip(mark)
+    text = f" {text} "
+    candidates: list[tuple[int, int, str]] = []  # (rank, position, letter)
+    for rank, pattern in _MARKED:
+        for letter in letters:
+            position = text.rfind(pattern.format(letter))
+            if position >= 0:
+                candidates.append((rank, position, letter))
+    lowered = text.lower()
+    for phrase in ANSWER_PHRASES:
+        found = lowered.find(phrase)
+        if found >= 0:
+            for letter in letters:
+                position = text.find(letter, found + len(phrase))
+                if position >= 0:
+                    candidates.append((_RANK_PHRASE, position, letter))
+    core = text.strip()
+    if core and core[0] in letters and (len(core) == 1 or not core[1].isalpha()):
+        candidates.append((_RANK_START, 0, core[0]))
+    if core and core[-1] in letters and (len(core) == 1 or not core[-2].isalpha()):
+        candidates.append((_RANK_END, len(text) - 1, core[-1]))
+    if not candidates:
+        candidates = [(0, text.rfind(letter), letter) for letter in letters if letter in text]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda candidate: candidate[:2])[2]
 
 
 def paper_videomme_letter(response: str) -> str | None:

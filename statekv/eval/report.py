@@ -57,11 +57,17 @@ def build_summary(records: Sequence[AnswerRecord], expected_qids: Sequence[str] 
 
 
 def write_summary(
-    run_dir: Path | str, records: Sequence[AnswerRecord] | None = None, expected_qids: Sequence[str] | None = None
+    run_dir: Path | str,
+    records: Sequence[AnswerRecord] | None = None,
+    expected_qids: Sequence[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``<run_dir>/results.json`` (from the merged rank files unless records are given)."""
+    """Write ``<run_dir>/results.json`` (from the merged rank files unless records are given).
+
+    ``extra`` adds top-level entries (e.g. the run's settings) next to the scores."""
     run_dir = Path(run_dir)
     summary = build_summary(merge_rank_files(run_dir) if records is None else records, expected_qids)
+    summary.update(extra or {})
     temporary = run_dir / (SUMMARY_FILE + ".tmp")
     temporary.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
     os.replace(temporary, run_dir / SUMMARY_FILE)

@@ -1,0 +1,162 @@
+"""``statekv eval``: run VideoMME, MLVU or OVOBench real-time for one model and method; merge runs into a table.
+
+    statekv eval videomme --model OpenGVLab/InternVL3-1B-hf --method statekv --budget 4096 \\
+        --data-root data --out runs/videomme/internvl3-1b-statekv
+    torchrun --nproc-per-node 8 -m statekv.eval.command videomme ...     # data parallel, one GPU per rank
+    statekv eval table runs/*/*                                          # the paper's Table 1 from many runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv.eval.parsing / prompts)
+BENCHMARK_HELP = {
+    "videomme": "VideoMME without subtitles (2,700 questions, 900 videos)",
+    "mlvu": "MLVU dev, the seven multiple-choice tasks",
+    "ovobench": "OVOBench real-time visual perception (six subtasks)",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` subcommand to the ``statekv`` parser."""
+    parser = subparsers.add_parser(
+        "eval", help="evaluate on VideoMME / MLVU / OVOBench, or merge runs into the paper's table",
+        description="Evaluate a video VLM under full attention, recency (ReKV) or StateKV with the benchmarks' "
+                    "lmms-eval protocol, resumably and data-parallel; or merge run directories into a table.",
+    )
+    benchmarks = parser.add_subparsers(dest="eval_command", required=True, metavar="BENCHMARK|table")
+    for benchmark, help_text in BENCHMARK_HELP.items():
+        _add_benchmark_parser(benchmarks, benchmark, help_text)
+    table = benchmarks.add_parser("table", help="merge run directories into the paper's table (markdown)",
+                                  description="Print the paper's Table 1 layout (model x method rows, benchmark "
+                                              "columns) from run directories.")
+    table.add_argument("runs", nargs="+", type=Path, metavar="OUT_DIR", help="run directories (their --out)")
+    table.add_argument("--parser", choices=PARSERS,
+                       help="show scores under this parser generation (default: the one each run used)")
+    table.add_argument("--output", type=Path, help="also write the table to this file")
+    table.set_defaults(run=run_table)
+
+
+def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
+    from statekv.commands.common import add_sampling_options, positive_int
+
+    parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
+    parser.add_argument("--data-root", required=True, type=Path, help="folder holding the benchmark's layout")
+    parser.add_argument("--out", required=True, type=Path, help="run directory (rerun the command to resume)")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N questions")
+    parser.add_argument("--parser", choices=PARSERS, default=PARSERS[0],
+                        help="answer parser generation (default lmms-eval-0.7; results.json holds both)")
+    parser.add_argument("--protocol", choices=PARSERS, default=PARSERS[0],
+                        help="prompts and generation settings (paper: VideoMME without the 0.7 post-prompt and "
+                             "up to 1024 new tokens; MLVU and OVOBench are the same under both)")
+    if benchmark == "ovobench":
+        parser.add_argument("--videos", choices=("stream", "clips"), default="stream",
+                            help="stream (default): one live stream per source video, each question asked when "
+                                 "it reaches ceil(realtime); clips: the released per-question clips, as lmms-eval")
+    else:
+        parser.add_argument("--from-hub", action="store_true",
+                            help="read the annotations with the datasets library (videos still from --data-root)")
+    model = parser.add_argument_group("model and method")
+    model.add_argument("--model", required=True, metavar="M", help="checkpoint folder or hub id")
+    model.add_argument("--name", help="the model's name in tables (default: from --model, e.g. InternVL3-1B)")
+    model.add_argument("--method", choices=("statekv", "full", "recency"), default="statekv",
+                       help="carry rule (default: statekv)")
+    model.add_argument("--budget", type=positive_int, default=4096, metavar="B",
+                       help="StateKV: tokens carried per layer and KV head (default: 4096)")
+    model.add_argument("--frames", type=positive_int, default=16, metavar="R",
+                       help="recency: frames carried (default: 16)")
+    model.add_argument("--layout", help="prompt layout of the model family (default: the paper's)")
+    model.add_argument("--attention", choices=("auto", "eager", "chunked", "triton"), default="auto",
+                       help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
+    model.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
+    model.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    model.add_argument("--offload", action="store_true", help="keep the detailed cache in CPU memory while encoding")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="allow checkpoints that ship their own modelling code (Eagle2.5)")
+    add_sampling_options(parser)
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="K",
+                        help="override the protocol's answer length (smoke tests only: it changes the protocol)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
+    parser.set_defaults(run=run_benchmark, benchmark=benchmark)
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    from statekv.commands.common import quiet_libraries
+    from statekv.eval.distributed import RankContext
+    from statekv.eval.runner import EvalConfig, run_evaluation
+
+    context = RankContext.from_env()
+    _configure_logging(context.rank)
+    quiet_libraries()
+    config = EvalConfig(
+        benchmark=args.benchmark, model=args.model, data_root=args.data_root, out=args.out, method=args.method,
+        budget=args.budget, frames=args.frames, name=args.name, parser=args.parser, protocol=args.protocol,
+        limit=args.limit, max_fps=args.max_fps, max_frames=args.max_frames, layout=args.layout,
+        attention=args.attention, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+        offload=args.offload, ovobench_videos=getattr(args, "videos", "stream"),
+        from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+    )
+    summary = run_evaluation(config, context=context)
+    if summary is None:  # not rank 0
+        return 0
+    score = summary["score"]
+    line = f"{summary['model']} {summary['method_label']} on {config.benchmark}: {score['headline']:.2f} " \
+           f"({score['metric']}, parser {score['parser']}; {score['overall']['questions']} answered"
+    if score.get("missing"):
+        line += f", {score['missing']} of {score['expected']} missing"
+    print(line + f", {score['overall']['unparsable']} unparsable)")
+    if summary.get("errors"):
+        print(f"{len(summary['errors'])} video(s) could not be read; see {config.out}/errors.rank*.jsonl")
+    print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}")
+    return 0
+
+
+def run_table(args: argparse.Namespace) -> int:
+    from statekv.eval.records import completed_qids
+    from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
+    from statekv.eval.runner import read_expected_qids
+
+    for run_dir in args.runs:
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"no run directory {run_dir}")
+        if not (run_dir / SUMMARY_FILE).is_file():  # still running, or killed: score what is there
+            if not completed_qids(run_dir):
+                raise FileNotFoundError(f"{run_dir} holds no answers yet")
+            write_summary(run_dir, expected_qids=read_expected_qids(run_dir))
+    table = paper_table(args.runs, parser=args.parser)
+    print(table, end="")
+    if args.output:
+        args.output.write_text(table, encoding="utf-8")
+    return 0
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only ``eval`` (what ``python -m statekv.eval.command`` runs)."""
+    parser = argparse.ArgumentParser(prog="statekv")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m statekv.eval.command BENCHMARK ...``: the same as ``statekv eval BENCHMARK ...``, for
+    launchers that start a module (``torchrun -m``, ``accelerate launch -m``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(["eval", *argv])
+    try:
+        return args.run(args) or 0
+    except (ValueError, FileNotFoundError) as error:  # statekv's input errors subclass these
+        print(f"statekv eval: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

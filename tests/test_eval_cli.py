@@ -1,0 +1,132 @@
+"""``statekv eval``: the benchmark subcommands, ``statekv eval table``, and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import statekv.eval as ev
+from statekv import cli
+from statekv.eval import command
+from statekv.eval.annotations import find_annotation_files, read_rows
+from statekv.eval.fabricate import write_mini_mlvu, write_mini_videomme
+from statekv.eval.runner import EvalConfig, check_run_file
+from statekv.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("benchmarks")
+    write_mini_videomme(root, videos=1)
+    write_mini_mlvu(root, tasks=("count", "ego"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("models") / "InternVL3-1B-hf")
+
+
+def arguments(benchmark, checkpoint, data_root, out, *extra) -> list[str]:
+    return [benchmark, "--model", str(checkpoint), "--data-root", str(data_root), "--out", str(out),
+            "--max-new-tokens", "2", "--no-progress", *extra]
+
+
+@pytest.fixture
+def statekv_with_eval(monkeypatch):
+    """``statekv.cli.main`` with the eval command registered (as the package's COMMANDS list does)."""
+    if "statekv.eval.command" not in cli.COMMANDS:
+        monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, "statekv.eval.command"))
+    return cli.main
+
+
+def test_benchmark_subcommand_runs_and_reports(checkpoint, data_root, tmp_path, capsys, statekv_with_eval):
+    out = tmp_path / "run"
+    argv = ["eval", *arguments("mlvu", checkpoint, data_root, out, "--method", "recency", "--frames", "2",
+                               "--name", "Tiny-1B")]
+    assert statekv_with_eval(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Tiny-1B ReKV R=2 on mlvu:" in printed and "3 answered" in printed and "unparsable" in printed
+    assert f"wrote {out / 'results.json'} and {out / 'table.md'}" in printed
+    run = json.loads((out / "run.json").read_text())
+    assert run["settings"]["method"] == "recency" and run["settings"]["budget"] == 2
+    assert sorted(run["expected_qids"]) == ["count_0", "count_1", "ego_0"]
+    assert "| Tiny-1B | ReKV R=2 |" in (out / "table.md").read_text()
+
+
+def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_path, capsys):
+    finished = tmp_path / "videomme-statekv"
+    assert command.main(arguments("videomme", checkpoint, data_root, finished, "--budget", "32")) == 0
+    # a run killed after one answer: no results.json yet, but run.json says what it was asked
+    killed = tmp_path / "mlvu-statekv"
+    config = EvalConfig("mlvu", str(checkpoint), data_root, killed, budget=32, max_new_tokens=2)
+    questions = ev.load_benchmark("mlvu", data_root)
+    check_run_file(config, [q.qid for q in questions], write=True)
+    with ev.ResultsWriter(ev.rank_file(killed, 0)) as out:
+        out.write(ev.AnswerRecord.for_answer(questions[0], "C", model="InternVL3-1B", method="statekv", budget=32))
+    capsys.readouterr()
+    table_file = tmp_path / "table.md"
+    assert command.main(["table", str(killed), str(finished), "--output", str(table_file)]) == 0
+    printed = capsys.readouterr().out
+    cell = "100.00" if questions[0].answer == "C" else "0.00"
+    assert printed == table_file.read_text() == (
+        "| Model | Method | VideoMME | MLVU | OVOBench RT |\n"
+        "|---|---|---|---|---|\n"
+        f"| InternVL3-1B | StateKV B=32 | {_cell(finished)} | {cell} (partial 1/3) | – |\n"
+    )
+    assert command.main(["table", str(finished), "--parser", "paper"]) == 0
+    assert "| InternVL3-1B | StateKV B=32 |" in capsys.readouterr().out
+
+
+def _cell(run_dir: Path) -> str:
+    score = json.loads((run_dir / "results.json").read_text())["score"]
+    text = f"{score['headline']:.2f}"
+    return text + (f" ({score['overall']['unparsable']} unparsed)" if score["overall"]["unparsable"] else "")
+
+
+def test_annotations_from_the_hub(checkpoint, data_root, tmp_path, monkeypatch, capsys):
+    folder = data_root / "videomme" / "videomme"
+    rows = read_rows(find_annotation_files([folder], "test"))
+    calls = []
+    fake = types.SimpleNamespace(load_dataset=lambda *args, **kw: calls.append((args, kw)) or rows)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    out = tmp_path / "hub"
+    assert command.main(arguments("videomme", checkpoint, data_root, out, "--from-hub", "--limit", "1")) == 0
+    assert calls == [(("lmms-lab/Video-MME", "videomme"), {"split": "test"})]
+    assert [r.qid for r in ev.run_records(out)] == ["001-1"]
+
+
+def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
+    assert command.main(arguments("videomme", checkpoint, tmp_path / "nowhere", tmp_path / "o")) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("statekv eval: error: no annotation file found") and error.count("\n") == 1
+
+    out = tmp_path / "run"
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1")) == 0
+    capsys.readouterr()
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", "--method", "full")) == 2
+    error = capsys.readouterr().err
+    assert "holds a run with method='statekv', not 'full'; use another --out" in error and error.count("\n") == 1
+
+    assert command.main(["table", str(tmp_path / "missing")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert command.main(["table", str(tmp_path / "empty")]) == 2
+    assert "holds no answers yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(arguments("mlvu", checkpoint, data_root, out, "--budget", "0"))
+    assert exit_info.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+
+
+def test_help_lists_the_benchmarks_and_the_table(capsys):
+    with pytest.raises(SystemExit):
+        command.main(["--help"])
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("videomme", "mlvu", "ovobench", "table"))
+    with pytest.raises(SystemExit):
+        command.main(["ovobench", "--help"])
+    assert "--videos {stream,clips}" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""The lmms-eval plugin: lmms-eval 0.7's chat request contract, with and without lmms-eval installed.
+
+Requests are built the way lmms-eval 0.7 builds them for a chat model (``Instance.args = (context,
+doc_to_messages, gen_kwargs, doc_id, task, split)``, the messages as ``ConfigurableMessagesTask``'s
+automatic ``doc_to_messages`` writes them: the video path, then the prompt text).
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+import statekv.eval as ev
+from statekv.core.errors import InputError
+from statekv.eval import lmms_plugin
+from statekv.eval.fabricate import write_mini_videomme
+from statekv.eval.lmms_plugin import StateKV, video_and_prompt
+from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.pipeline import VideoQA
+from statekv.testing import make_tiny_checkpoint
+
+# lmms-eval 0.7's videomme task: its generation_kwargs, plus the default stop string it adds
+VIDEOMME_GEN_KWARGS = {"max_new_tokens": 16, "temperature": 0, "top_p": 1.0, "num_beams": 1, "do_sample": False,
+                       "until": ["\n\n"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl"))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("benchmarks")
+    write_mini_videomme(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def qa(checkpoint) -> VideoQA:
+    return VideoQA.from_pretrained(checkpoint, method="statekv", budget=32)
+
+
+def doc_to_messages(doc: dict) -> list[dict]:
+    content = [{"type": "video", "url": doc["video"]}, {"type": "text", "text": doc["text"]}]
+    return [{"role": "user", "content": content}]
+
+
+def chat_requests(questions, gen_kwargs=VIDEOMME_GEN_KWARGS, make=None):
+    """``(requests, task_dict)`` for ``questions`` as lmms-eval hands them to a chat model."""
+    docs = [{"video": str(q.video_path), "text": ev.build_prompt(q)} for q in questions]
+    make = make or (lambda arguments, doc_id: types.SimpleNamespace(args=arguments))
+    requests = [make(("<context>", doc_to_messages, dict(gen_kwargs), doc_id, "videomme", "test"), doc_id)
+                for doc_id in range(len(docs))]
+    return requests, {"videomme": {"test": docs}}
+
+
+def test_answers_equal_the_statekv_eval_runner_and_share_one_encoding_per_video(checkpoint, data_root, qa, tmp_path,
+                                                                                monkeypatch):
+    run_evaluation(EvalConfig("videomme", str(checkpoint), data_root, tmp_path / "run", budget=32, limit=4,
+                              max_new_tokens=4, progress=False), qa=qa)
+    expected = {r.qid: r.prediction for r in ev.run_records(tmp_path / "run")}
+    questions = ev.load_benchmark("videomme", data_root)[:4]
+    order = [questions[i] for i in (0, 3, 1, 2)]  # the two videos interleaved
+    requests, task_dict = chat_requests(order, {**VIDEOMME_GEN_KWARGS, "max_new_tokens": 4})
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = task_dict
+    encodes = []
+    real_encode = qa.encode
+    monkeypatch.setattr(qa, "encode", lambda *a, **k: encodes.append(a[0]) or real_encode(*a, **k))
+    answers = model.generate_until(requests)
+    assert answers == [expected[q.qid] for q in order]
+    assert sorted(encodes) == sorted({str(q.video_path) for q in questions})  # each video once
+    assert model.is_simple is False and (model.rank, model.world_size) == (0, 1)
+
+
+class RecordingVideo:
+    """Stands in for an encoded video: returns ``reply`` and records what ``ask`` was given."""
+
+    def __init__(self, reply: str):
+        self.reply, self.calls = reply, []
+
+    def ask(self, prompt, **options):
+        self.calls.append((prompt, options))
+        return self.reply
+
+
+def test_generation_kwargs_map_to_ask(checkpoint, qa):
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    video = RecordingVideo("B. A car passes.\n\nBecause")
+    assert model._answer(video, "Q?", VIDEOMME_GEN_KWARGS) == "B. A car passes."
+    options = video.calls[-1][1]
+    assert options["max_new_tokens"] == 16 and options["stop_strings"] == ["\n\n"] and "do_sample" not in options
+    assert options["tokenizer"] is qa.adapter.tokenizer
+    assert model._answer(video, "Q?", {"until": "car", "temperature": 0.7, "top_p": 0.9}) == "B. A "
+    assert video.calls[-1][1] == {"max_new_tokens": lmms_plugin.DEFAULT_MAX_NEW_TOKENS, "do_sample": True,
+                                  "temperature": 0.7, "top_p": 0.9, "stop_strings": ["car"],
+                                  "tokenizer": qa.adapter.tokenizer}
+    assert model._answer(video, "Q?", {"max_new_tokens": 128}) == video.reply
+    assert video.calls[-1][1] == {"max_new_tokens": 128}
+
+
+def test_messages_must_hold_one_video_and_text():
+    video = {"type": "video", "url": "/v.mp4"}
+    text = {"type": "text", "text": "Which? "}
+    system = {"role": "system", "content": [{"type": "text", "text": "You are helpful."}]}
+    assert video_and_prompt([system, {"role": "user", "content": [video, text, {"type": "text", "text": "A or B"}]}]) \
+        == ("/v.mp4", "Which? A or B")
+    with pytest.raises(InputError, match="exactly one video"):
+        video_and_prompt([{"role": "user", "content": [video, video, text]}])
+    with pytest.raises(InputError, match="exactly one video"):
+        video_and_prompt([{"role": "user", "content": [text]}])
+    with pytest.raises(InputError, match="not 'image' content"):
+        video_and_prompt([{"role": "user", "content": [{"type": "image", "url": "x.png"}, text]}])
+    with pytest.raises(InputError, match="no question text"):
+        video_and_prompt([{"role": "user", "content": [video]}])
+    with pytest.raises(InputError, match="expected a chat request"):
+        StateKV._prepare(types.SimpleNamespace(task_dict={}), types.SimpleNamespace(args=("ctx", {"until": []})))
+
+
+def test_model_args_as_lmms_eval_passes_them(checkpoint):
+    # lmms-eval parses --model_args strings: numbers become int/float, "None" stays a string
+    model = StateKV(pretrained=str(checkpoint), method="recency", frames=2, max_num_frames=8, max_fps=1,
+                    layout="None", attention="auto", dtype="float32", device="cpu", batch_size=1, max_batch_size=None)
+    assert model.qa.method == "recency" and model.qa.policy.frames == 2 and model.qa.adapter.layout == "paper"
+    assert (model.max_num_frames, model.max_fps) == (8, 1.0)
+    with pytest.raises(InputError, match="batch_size=1"):
+        StateKV(pretrained=str(checkpoint), batch_size=2)
+
+
+def test_registered_and_run_through_lmms_eval_itself(checkpoint, data_root, qa):
+    pytest.importorskip("lmms_eval.api.model", reason="lmms-eval is an optional extra")
+    from lmms_eval.api.instance import Instance
+    from lmms_eval.api.model import lmms
+    from lmms_eval.models.registry_v2 import ModelRegistryV2
+
+    assert lmms_plugin.LMMS_EVAL_AVAILABLE and issubclass(StateKV, lmms)
+    registry = ModelRegistryV2()
+    registry.register_manifest(lmms_plugin.manifest())
+    assert registry.get_model_class("statekv") is StateKV  # resolved as a chat model (is_simple False)
+
+    model = StateKV.create_from_arg_string(f"pretrained={checkpoint},method=statekv,budget=32,max_fps=1",
+                                           {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+    questions = ev.load_benchmark("videomme", data_root)[:2]
+    requests, model.task_dict = chat_requests(questions, make=lambda arguments, doc_id: Instance(
+        request_type="generate_until", arguments=arguments, idx=0,
+        metadata={"task": "videomme", "doc_id": doc_id, "repeats": 1}))
+    answers = model.generate_until(requests)
+    model.qa = qa  # the same weights, set up like the runner's
+    assert answers == model.generate_until(requests) and all(isinstance(a, str) for a in answers)
