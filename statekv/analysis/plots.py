@@ -5,21 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from statekv.core.errors import ConfigurationError
+from statekv.plotting import pyplot
 
 TRANSITION_LABELS = {"recall": "recall", "weighted_recall": "weighted recall", "retention": "retention",
                      "churn": "churn"}
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigurationError("plotting needs matplotlib: pip install 'statekv[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -27,7 +16,7 @@ def _save(fig, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -42,7 +31,7 @@ def _nan(values):
 
 def plot_concentration(stats: dict, path: str | Path, title: str = "") -> Path:
     """C(B) against B: one line per layer (dark = first layer, light = last), the layer mean in black."""
-    plt = _pyplot()
+    plt = pyplot()
     layer = stats["layer"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     per_layer = layer["concentration"]["per_layer"]
@@ -61,7 +50,7 @@ def plot_concentration(stats: dict, path: str | Path, title: str = "") -> Path:
 def plot_oracle(stats: dict, path: str | Path, title: str = "") -> Path:
     """Candidate-pool recall, weighted recall, retention and churn of the oracle state against B (mean over
     layers; the band spans the layers)."""
-    plt = _pyplot()
+    plt = pyplot()
     oracle = stats["layer"].get("oracle")
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     if oracle:
@@ -81,7 +70,7 @@ def plot_oracle(stats: dict, path: str | Path, title: str = "") -> Path:
 def plot_recency(stats: dict, path: str | Path, title: str = "") -> Path:
     """Historical mass kept: top-B selection (curve, and at each window's exact token count) vs the last R
     frames (squares), mean over layers and frames."""
-    plt = _pyplot()
+    plt = pyplot()
     layer = stats["layer"]
     recency = layer["recency"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -103,7 +92,7 @@ def plot_recency(stats: dict, path: str | Path, title: str = "") -> Path:
 def plot_distance(stats: dict, path: str | Path, title: str = "") -> Path:
     """Heatmap layer x step distance: share of historical mass on the step that many steps back (averaged
     over the steps that have such a distance); the last column pools the distances beyond ``max_distance``."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [_nan(v) for v in stats["layer"]["distance"]["per_layer"]]
     labels = stats["distance_labels"]
     # Drop trailing columns that no step reached (a short video never has the far distances).
@@ -123,7 +112,7 @@ def plot_distance(stats: dict, path: str | Path, title: str = "") -> Path:
 def plot_errors(errors: dict, path: str | Path, title: str = "") -> Path:
     """Relative error against full attention vs the carried budget in tokens: detailed-cache keys and values
     (mean over layers) and last hidden states, StateKV (B) and recency (R frames)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), sharex=True)
     styles = {"statekv": ("tab:blue", "o", "StateKV (top-B)"), "recency": ("tab:red", "s", "recency (last R)")}
     for kind, (color, marker, label) in styles.items():

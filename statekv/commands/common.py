@@ -28,8 +28,12 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
-    """--model and the method settings every video command takes."""
+def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
+                      device_help: str = "e.g. cuda, cuda:1, cpu (default: cuda if available)"):
+    """--model and the method settings every video command takes; returns the argument group.
+
+    reserve: offer --reserve-tokens (commands that size the room for questions themselves do not).
+    """
     group = parser.add_argument_group("model and method")
     group.add_argument("--model", required=model_required, metavar="M",
                        help="checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5)")
@@ -43,13 +47,15 @@ def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool =
     group.add_argument("--attention", choices=("auto", "eager", "chunked", "triton"), default="auto",
                        help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
     group.add_argument("--dtype", default=None, help="e.g. bfloat16, float32 (default: the checkpoint's)")
-    group.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda if available)")
+    group.add_argument("--device", default=None, help=device_help)
     group.add_argument("--offload", action="store_true",
                        help="keep the detailed cache in CPU memory while encoding")
-    group.add_argument("--reserve-tokens", type=positive_int, default=1024, metavar="N",
-                       help="tokens kept after the video for question and answer (default: 1024)")
+    if reserve:
+        group.add_argument("--reserve-tokens", type=positive_int, default=1024, metavar="N",
+                           help="tokens kept after the video for question and answer (default: 1024)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="allow checkpoints that ship their own modelling code (Eagle2.5)")
+    return group
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

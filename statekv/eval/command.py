@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
-    from statekv.commands.common import add_sampling_options, positive_int
+    from statekv.commands.common import add_model_options, add_sampling_options, positive_int
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
     parser.add_argument("--data-root", required=True, type=Path, help="folder holding the benchmark's layout")
@@ -60,23 +60,9 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     else:
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
-    model = parser.add_argument_group("model and method")
-    model.add_argument("--model", required=True, metavar="M", help="checkpoint folder or hub id")
+    model = add_model_options(parser, reserve=False,
+                              device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     model.add_argument("--name", help="the model's name in tables (default: from --model, e.g. InternVL3-1B)")
-    model.add_argument("--method", choices=("statekv", "full", "recency"), default="statekv",
-                       help="carry rule (default: statekv)")
-    model.add_argument("--budget", type=positive_int, default=4096, metavar="B",
-                       help="StateKV: tokens carried per layer and KV head (default: 4096)")
-    model.add_argument("--frames", type=positive_int, default=16, metavar="R",
-                       help="recency: frames carried (default: 16)")
-    model.add_argument("--layout", help="prompt layout of the model family (default: the paper's)")
-    model.add_argument("--attention", choices=("auto", "eager", "chunked", "triton"), default="auto",
-                       help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
-    model.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
-    model.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
-    model.add_argument("--offload", action="store_true", help="keep the detailed cache in CPU memory while encoding")
-    model.add_argument("--trust-remote-code", action="store_true",
-                       help="allow checkpoints that ship their own modelling code (Eagle2.5)")
     add_sampling_options(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, metavar="K",
                         help="override the protocol's answer length (smoke tests only: it changes the protocol)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from statekv.core.errors import ConfigurationError
+from statekv.plotting import pyplot
 
 from .analytic import PrefillFlops
 from .report import TERA, BreakEven
@@ -13,17 +13,6 @@ from .report import TERA, BreakEven
 LINESTYLES = {"full": ":", "recency": "--", "statekv": "-"}
 MARKERS = {"full": "o", "recency": "s", "statekv": "^"}
 BENCHMARK_NAMES = {"videomme": "VideoMME", "mlvu": "MLVU (M-avg)", "ovobench": "OVOBench real-time"}
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigurationError("plotting needs matplotlib: pip install 'statekv[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _colors(names: list[str]) -> dict[str, str]:
@@ -39,7 +28,7 @@ def plot_flops_vs_frames(curves: list[PrefillFlops], pairs: list[BreakEven], pat
     Full attention is dotted, StateKV solid (thicker for larger budgets), recency dashed. Only break-even
     points between different models are marked (same-model ones are in the tables).
     """
-    plt = _pyplot()
+    plt = pyplot()
     colors = _colors([c.model.name for c in curves])
     budgets = sorted({c.method.budget for c in curves if c.method.kind == "statekv"})
     fig, axes = plt.subplots(2, 2, figsize=(13, 9.5), sharex=True)
@@ -73,7 +62,7 @@ def plot_flops_vs_frames(curves: list[PrefillFlops], pairs: list[BreakEven], pat
 
 def plot_frontier(points: list[dict], path: str | Path, benchmark: str = "videomme", n_frames: int = 512) -> Path:
     """Accuracy vs total prefill FLOPs at ``n_frames`` (log x): colour = model, marker = method."""
-    plt = _pyplot()
+    plt = pyplot()
     colors = _colors([p["model"] for p in points])
     fig, ax = plt.subplots(figsize=(8.5, 6))
     for p in points:
