@@ -180,8 +180,7 @@ class EncodedVideo:
             seconds = time.perf_counter() - started if started is not None else 0.0
             stats.frames += chunk.frames
             stats.frame_seconds.extend([seconds / chunk.frames] * chunk.frames)
-        stats.carried_tokens = max(int(self.prefill.carried_positions(layer).shape[-1])
-                                   for layer in range(len(self.prefill.cache.layers)))
+        stats.carried_tokens = max(layer.carried_length for layer in self.prefill.cache.layers)
         stats.cache_bytes = _cache_bytes(self.prefill)
         if self._device.type == "cuda":
             stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from PIL import Image
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from .core import HorizonError, InputError
 from .models import LayoutState
@@ -160,11 +160,9 @@ class Stream(EncodedVideo):
         if not path.is_file():
             raise InputError(f"{path}: no such saved stream")
         try:
-            tensors = load_file(str(path))
-            from safetensors import safe_open
-
             with safe_open(str(path), "pt") as handle:
                 metadata = json.loads((handle.metadata() or {}).get("statekv", "null"))
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
         except (SafetensorError, OSError, json.JSONDecodeError) as error:
             raise InputError(f"{path}: not a saved statekv stream ({str(error).splitlines()[0]})") from None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+import bad_videos
 from statekv.testing import draw_test_frame, read_frame_index, synthetic_timestamps, write_test_video
 from statekv.video import (
     IMAGENET_MEAN,
@@ -238,9 +239,7 @@ def test_folder_without_images(tmp_path):
 
 
 def test_not_a_video_file(tmp_path):
-    path = tmp_path / "fake.mp4"
-    path.write_bytes(b"this is not a video" * 10)
-    assert "not a readable video file" in str(_error_for(path))
+    assert "not a readable video file" in str(_error_for(bad_videos.not_a_video(tmp_path)))
 
 
 def test_truncated_file_without_index(clip, tmp_path):
@@ -267,27 +266,11 @@ def test_truncated_file_with_index_up_front(tmp_path):
 
 
 def test_file_without_video_stream(tmp_path):
-    path = tmp_path / "sound.wav"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    assert "no video stream" in str(_error_for(path))
+    assert "no video stream" in str(_error_for(bad_videos.audio_only(tmp_path)))
 
 
 def test_zero_frame_video(tmp_path):
-    path = tmp_path / "empty.mkv"  # a video track with no packets (beside an audio track)
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("mpeg4", rate=30)
-        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
-        audio = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        container.mux(audio.encode(frame))
-        container.mux(audio.encode(None))
-    assert "no frames" in str(_error_for(path))
+    assert "no frames" in str(_error_for(bad_videos.zero_frames(tmp_path)))
     assert "no frames" in str(_error_for([]))
     assert "no frames" in str(_error_for(np.zeros((0, 8, 8, 3), np.uint8)))
 
