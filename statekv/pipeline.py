@@ -166,11 +166,6 @@ class EncodedVideo:
 
     @torch.no_grad()
     def _stream_chunk(self, chunk, started: float | None = None) -> None:
-        if chunk.next_position > self.horizon or self.prefill.seen_tokens + chunk.num_tokens > self.horizon:
-            raise HorizonError(
-                f"{self.name}: frame {self.state.frames + chunk.frames} would bring the stream past its "
-                f"horizon of {self.horizon} tokens; declare more frames up front"
-            )
         self.prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
         self.state = self.state.after(chunk)
         stats = self.stats
