@@ -82,8 +82,8 @@ def append_costs(chunks: int, chunk_len: int, kv_heads: int, head_dim: int, repe
 
     def buffered():
         buffer = DetailedBuffer()
-        for step, block in enumerate(blocks):
-            buffer.stage(block, block, step)
+        for block in blocks:
+            buffer.write(buffer.length, block, block)
             buffer.length += block.shape[2]
         return buffer.keys[:, :, : buffer.length]
 

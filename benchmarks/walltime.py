@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"benchmarks/walltime.py measures GPU latency; device {args.device!r} is not an available CUDA device"
         )
+    if device.index is None:  # set_device needs an index: "cuda" means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     indices = frame_indices(args.frames, args.points)
     stopwatch = Stopwatch(device)

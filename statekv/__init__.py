@@ -7,7 +7,9 @@ from .core import (
     FullAttention,
     HorizonError,
     InputError,
+    KeyNorm,
     Recency,
+    ScoredPolicy,
     SinksAndRecency,
     StateKV,
     StateKVError,
@@ -23,7 +25,7 @@ from .stream import Stream
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError",
-    "Recency", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
+    "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError", "KeyNorm",
+    "Recency", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
     "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy", "Stream",
 ]

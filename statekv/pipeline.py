@@ -103,7 +103,7 @@ class EncodedVideo:
         self.name = name
         self.horizon = horizon
         self.prefill = StreamingPrefill(self.adapter.model, qa.policy, attention=qa.attention, horizon=horizon,
-                                        offload=qa.offload)
+                                        offload=qa.offload, cuda_graph=qa.cuda_graph)
         self.state: LayoutState = self.adapter.start(num_frames, fps)
         self.stats = EncodingStats()
         self._device = self.adapter.device
@@ -197,10 +197,12 @@ class VideoQA:
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
         offload: keep each video's detailed cache in CPU memory while it streams (accelerator memory then stays
             constant as the video grows); it is copied back to the model's device to answer.
+        cuda_graph: on CUDA, replay each steady streaming step from a CUDA graph (see `StreamingPrefill`).
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
-                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool = False):
+                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool = False,
+                 cuda_graph: bool = True):
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens <= 0:
             raise ConfigurationError(f"reserve_tokens must be a positive integer, got {reserve_tokens!r}")
         self.adapter = adapter
@@ -209,13 +211,14 @@ class VideoQA:
         self.reserve_tokens = reserve_tokens
         self.method = method or type(policy).__name__
         self.offload = offload
+        self.cuda_graph = cuda_graph
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, method: str = "statekv", budget: int = 4096, frames: int = 16,
                         layout: str | None = None, attention: str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, trust_remote_code: bool = False,
                         reserve_tokens: int = DEFAULT_RESERVE_TOKENS, offload: bool = False,
-                        **model_kwargs: Any) -> "VideoQA":
+                        cuda_graph: bool = True, **model_kwargs: Any) -> "VideoQA":
         """Load ``model`` (a checkpoint folder or hub id) and set up ``method``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)) or
@@ -231,7 +234,7 @@ class VideoQA:
                                trust_remote_code=trust_remote_code, **model_kwargs)
         policy = make_policy(method, budget=budget, frames=frames, frames_per_chunk=adapter.frames_per_chunk)
         return cls(adapter, policy, attention=attention, reserve_tokens=reserve_tokens, method=method,
-                   offload=offload)
+                   offload=offload, cuda_graph=cuda_graph)
 
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
                progress: ProgressCallback | bool = False) -> EncodedVideo:

@@ -59,7 +59,7 @@ def reference_stream(model, chunks, rule, **rule_args):
                 positions = chunk_positions if carried[index] is None else torch.cat(
                     [carried[index][2], chunk_positions], dim=-1)
                 steps = torch.cat([steps_of[index], torch.full((1, hkv, t), step)], dim=-1)
-                keep = rule(scores=scores, positions=positions, steps=steps, step=step, **rule_args)
+                keep = rule(scores=scores, positions=positions, steps=steps, step=step, keys=keys, **rule_args)
                 if keep is not None:
                     keys = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
                     values = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))

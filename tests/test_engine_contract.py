@@ -172,3 +172,39 @@ def test_generate_needs_a_streamed_context_and_a_prompt(tiny_lm):
     prefill.step(input_ids=tokens(model, 4))
     with pytest.raises(statekv.InputError, match="non-empty"):
         prefill.generate(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_the_cache_reports_lengths_as_transformers_sliding_window_layers_do(tiny_lm):
+    """get_seq_length: logical tokens seen (what positions count); get_mask_sizes: (carried + T, offset) with
+    the chunk causal at the end, whatever the carried state holds."""
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=12))
+    for chunk in split(tokens(model))[:6]:
+        prefill.step(input_ids=chunk)
+    seen = prefill.seen_tokens
+    assert prefill.cache.get_seq_length() == seen and prefill.cache.get_query_offset() == seen
+    assert prefill.cache.get_mask_sizes(5, 0) == (12 + 5, seen - 12)
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([[1, 1, 0]]), torch.ones(1, 1, 3, 3)])
+def test_an_attention_mask_that_is_not_plain_causal_is_refused(tiny_lm, mask):
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=12))
+    with pytest.raises(statekv.InputError, match="cannot apply an attention mask"):
+        prefill.step(input_ids=tokens(model, 3), attention_mask=mask)
+    assert prefill.seen_tokens == 0
+    hidden = prefill.step(input_ids=tokens(model, 3), attention_mask=torch.ones(1, 3, dtype=torch.long))
+    assert torch.equal(hidden, stream(model, statekv.StateKV(budget=12), [tokens(model, 3)])[1])
+
+
+def test_chunks_of_the_wrong_dtype_device_or_vocabulary_are_refused(tiny_lm):
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=12))
+    hidden = model.config.hidden_size
+    with pytest.raises(statekv.InputError, match="inputs_embeds are float64, but the model runs in float32"):
+        prefill.step(inputs_embeds=torch.zeros(1, 3, hidden, dtype=torch.float64))
+    with pytest.raises(statekv.InputError, match=r"outside the vocabulary \[0, 96\)"):
+        prefill.step(input_ids=torch.tensor([[1, 96]]))
+    with pytest.raises(statekv.InputError, match="on meta, but the model is on cpu"):
+        prefill.step(inputs_embeds=torch.zeros(1, 3, hidden, device="meta"))
+    assert prefill.seen_tokens == 0

@@ -124,10 +124,16 @@ def _tiny_spec() -> ModelSpec:
     return ModelSpec("tiny", "internvl", LanguageSpec(64, 2, 4, 2, 16, 96), vision, text_tokens_per_step=7)
 
 
-@pytest.mark.parametrize(("backend", "score"), [("eager", "eager"), ("chunked", "recompute")])
-def test_score_pass_convention_matches_each_backend_on_real_tensors(backend, score):
-    """The eager backend's scores are free; the two-pass chunked backend pays one more QK^T."""
+@pytest.mark.parametrize(("backend", "max_keys", "score"), [("eager", None, "eager"), ("chunked", None, "eager"),
+                                                             ("chunked", 4, "recompute")])
+def test_score_pass_convention_matches_each_backend_on_real_tensors(backend, max_keys, score, monkeypatch):
+    """Scores from materialised probabilities are free (eager, and chunked while the keys fit one tile); the
+    two-pass chunked backend (beyond ``MAX_KEYS`` keys) pays one more QK^T."""
     from transformers import InternVLForConditionalGeneration
+
+    if max_keys is not None:
+        monkeypatch.setattr("statekv.core.attention.MAX_KEYS", max_keys)
+        monkeypatch.setattr("statekv.core.attention.BLOCK_KEYS", max_keys)
 
     torch.manual_seed(0)
     spec = _tiny_spec()

@@ -160,7 +160,7 @@ def test_offload_keeps_the_detailed_cache_in_cpu_memory_and_answers_the_same(ada
     resident = _qa(adapters["chat"]).encode(frames)
     offloaded = _qa(adapters["chat"], offload=True).encode(frames)
     for layer in offloaded.prefill.cache.layers:
-        assert layer.detailed.keys.device.type == "cpu" and layer.carried_keys.device == offloaded.adapter.device
+        assert layer.detailed.keys.device.type == "cpu" and layer.carried()[0].device == offloaded.adapter.device
     assert torch.equal(offloaded.ask_tokens(QUESTION, max_new_tokens=6), resident.ask_tokens(QUESTION, max_new_tokens=6))
 
 

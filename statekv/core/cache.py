@@ -3,28 +3,43 @@
 During a step the model's attention modules call :meth:`StreamingLayer.update` with the chunk's keys and
 values, which returns ``[carried; chunk]``; the registered attention function then scores those keys and
 asks the policy what to carry (:meth:`TwoStateCache.attend`). Nothing becomes visible until the whole forward
-succeeded: :meth:`TwoStateCache.commit` appends every layer's chunk to its detailed cache and installs the new
-carried state, :meth:`TwoStateCache.rollback` forgets the step. A failed step therefore leaves the cache
-exactly as it was.
+succeeded: :meth:`TwoStateCache.commit_device` installs the new carried state and :meth:`TwoStateCache.commit_host`
+advances the committed lengths; :meth:`TwoStateCache.rollback` forgets the step. Writes a step makes before
+its commit land only in scratch space (past the committed end of the detailed cache, in the chunk slots of the
+carried buffer), so a failed step leaves the cache exactly as it was.
 
-While a layer's carried state is a suffix of its detailed cache (always for full attention and recency; for
-StateKV until the budget is first exceeded) it is kept as a view of the detailed buffer, so carrying costs no
-copy. Once a policy picks tokens per head, the layer keeps its own carried tensors.
+A layer keeps its carried state in one of three forms:
+
+* **window**: the suffix ``detailed[window_start : length]`` of its own detailed cache (full attention,
+  recency, and scored rules until their budget first overflows). Carrying costs no copy, but the view moves
+  every step.
+* **slots**: one buffer ``[carried K; chunk T]`` (:class:`CarriedSlots`). The chunk is written into the last
+  T slots, attention reads the whole buffer, and the selection is gathered back into the first K. Once K and
+  T stop changing (a scored rule at its budget), every step touches the same memory with the same shapes.
+* **ring**: for recency once its window holds R steps of equal length T: the slots buffer holds the window as
+  a ring of R steps (step ``s`` in ring slot ``s mod R``) and each commit overwrites the oldest step with the
+  chunk.
+
+In the slots and ring forms, everything that changes from step to step (where the chunk goes in the detailed
+cache, its positions, the ring slot) lives in device tensors (:attr:`TwoStateCache.write_index`, the ring
+counter) that the step itself advances, so a steady step is static and can be captured as a CUDA graph.
 
 With ``storage_device`` set (offload), the detailed cache lives there (e.g. CPU memory) while the carried
-state stays with the model, so accelerator memory does not grow with the stream; the carried state is then
-always kept in its own tensors.
+state stays with the model, so accelerator memory does not grow with the stream; such layers never use the
+window form, and their chunk is copied to storage after the device part of each step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .attention import chunk_attention, scored_attention
+from .attention import ChunkMask, chunk_attention, scored_attention
 from .errors import InputError
 from .policies import Candidates, CarryPolicy
 
@@ -38,205 +53,372 @@ class DetailedBuffer:
 
     GROWTH = 2.0
 
-    def __init__(self, capacity_hint: int | None = None, device: torch.device | str | None = None):
+    def __init__(self, capacity_hint: int | None = None, device: torch.device | str | None = None,
+                 on_replace: Callable[[], None] | None = None):
         self.capacity_hint = capacity_hint
         self.device = torch.device(device) if device is not None else None  # None: where the chunks come from
+        self.on_replace = on_replace  # told whenever keys/values move to new memory
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.steps: torch.Tensor | None = None  # LongTensor [capacity]: the step that produced each token
         self.length = 0
 
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def stage(self, keys: torch.Tensor, values: torch.Tensor, step: int) -> None:
-        """Write a chunk ``[B, H_kv, T, D]`` just past the committed tokens, without committing it."""
-        end = self.length + keys.shape[2]
-        if end > self.capacity:
-            self._grow(keys, end)
-        self.keys[:, :, self.length : end] = keys
-        self.values[:, :, self.length : end] = values
-        self.steps[self.length : end] = step
-
-    def _grow(self, like: torch.Tensor, needed: int) -> None:
+    def reserve(self, like: torch.Tensor, needed: int) -> bool:
+        """Make room for ``needed`` tokens shaped like ``like`` ``[B, H_kv, *, D]``; True if it reallocated."""
+        if needed <= self.capacity:
+            return False
         capacity = max(needed, math.ceil(self.capacity * self.GROWTH), self.capacity_hint or 0)
         b, h, _, d = like.shape
         device = self.device or like.device
-        keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device)
-        values = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device)
-        steps = torch.empty(capacity, dtype=torch.long, device=device)
+        pin = device.type == "cpu" and like.is_cuda  # offloaded from a GPU: asynchronous copies need pinned memory
+        keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
+        values = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
         if self.keys is not None:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
-            steps[: self.length] = self.steps[: self.length]
-        self.keys, self.values, self.steps = keys, values, steps
+        self.keys, self.values = keys, values
+        if self.on_replace is not None:
+            self.on_replace()
+        return True
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``[B, H_kv, T, D]`` keys/values to ``[start, start + T)`` (from any device)."""
+        self.reserve(keys, start + keys.shape[2])
+        end = start + keys.shape[2]
+        non_blocking = self.keys.is_pinned()
+        self.keys[:, :, start:end].copy_(keys, non_blocking=non_blocking)
+        self.values[:, :, start:end].copy_(values, non_blocking=non_blocking)
+
+    def write_at(self, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``[B, H_kv, T, D]`` keys/values to the token slots ``index`` (LongTensor ``[T]`` on this
+        buffer's device, so the offset never passes through the host)."""
+        self.keys.index_copy_(2, index, keys)
+        self.values.index_copy_(2, index, values)
 
     def view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, start:end], self.values[:, :, start:end]
 
-    def load(self, keys: torch.Tensor, values: torch.Tensor, steps: torch.Tensor) -> None:
-        """Replace the contents with ``length`` committed tokens: keys/values ``[B, H_kv, length, D]``, steps
-        ``[length]``."""
-        self.keys = self.values = self.steps = None
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the contents with ``length`` committed tokens: keys/values ``[B, H_kv, length, D]``."""
+        self.keys = self.values = None
         self.length = 0
         if keys.shape[2]:
-            self._grow(keys, keys.shape[2])
-            self.keys[:, :, : keys.shape[2]] = keys
-            self.values[:, :, : keys.shape[2]] = values
-            self.steps[: keys.shape[2]] = steps
+            self.write(0, keys, values)
             self.length = keys.shape[2]
+
+    def synchronize(self) -> None:
+        """Wait for asynchronous copies into this (pinned) buffer before the host reads it."""
+        if self.keys is not None and self.keys.is_pinned() and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+class CarriedSlots:
+    """The carried state and the current chunk in one buffer, so attention reads them without concatenating.
+
+    ``kv`` ``[2, B, H_kv, K + T, D]`` holds keys then values; the first ``carried`` (K) slots are the carried
+    state, the last T the chunk being streamed. ``positions`` LongTensor ``[B, H_kv, K + T]`` (None in a
+    ring, whose positions follow from the step count) gives each slot's logical position.
+    """
+
+    def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int):
+        self.kv, self.positions, self.carried = kv, positions, carried
+
+    @classmethod
+    def holding(cls, kv: torch.Tensor, positions: torch.Tensor | None, chunk_len: int) -> "CarriedSlots":
+        """A new buffer whose carried part is ``kv`` ``[2, B, H_kv, K, D]`` (and ``positions [B, H_kv, K]``),
+        with room for a chunk of ``chunk_len`` tokens."""
+        two, b, h, k, d = kv.shape
+        slots = cls(kv.new_empty(two, b, h, k + chunk_len, d),
+                    None if positions is None else positions.new_empty(b, h, k + chunk_len), k)
+        slots.kv[:, :, :, :k] = kv
+        if positions is not None:
+            slots.positions[..., :k] = positions
+        return slots
+
+    @property
+    def size(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def chunk_len(self) -> int:
+        return self.size - self.carried
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[1]
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The carried part: ``kv [2, B, H_kv, K, D]`` and positions ``[B, H_kv, K]`` (views)."""
+        positions = None if self.positions is None else self.positions[..., : self.carried]
+        return self.kv[:, :, :, : self.carried], positions
+
+    def tail(self) -> torch.Tensor:
+        """The chunk part, ``[2, B, H_kv, T, D]`` (a view)."""
+        return self.kv[:, :, :, self.carried:]
+
+    def with_chunk_len(self, chunk_len: int) -> "CarriedSlots":
+        """This buffer, or a new one holding the same carried state, with room for ``chunk_len`` tokens."""
+        return self if chunk_len == self.chunk_len else CarriedSlots.holding(*self.head(), chunk_len)
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` into the last T slots."""
+        self.kv[0, :, :, self.carried:] = keys
+        self.kv[1, :, :, self.carried:] = values
+        if self.positions is not None:
+            self.positions[..., self.carried:] = positions
+
+    def suffix(self, start: int) -> "CarriedSlots":
+        """A new buffer carrying slots ``start:`` (e.g. everything, or a recency window), with room for a chunk
+        as long as this one."""
+        positions = None if self.positions is None else self.positions[..., start:]
+        return CarriedSlots.holding(self.kv[:, :, :, start:], positions, self.chunk_len)
+
+    def keep(self, selection: torch.Tensor) -> "CarriedSlots":
+        """Carry the slots ``selection`` (LongTensor ``[B, H_kv, K']``, ascending) into the next step: in place
+        when K' equals the carried size, else into a new buffer with room for a chunk as long as this one."""
+        kv = self.kv.gather(3, selection[None, ..., None].expand(2, -1, -1, -1, self.kv.shape[-1]))
+        positions = None if self.positions is None else self.positions.gather(2, selection)
+        if selection.shape[-1] != self.carried:
+            return CarriedSlots.holding(kv, positions, self.chunk_len)
+        self.kv[:, :, :, : self.carried] = kv
+        if positions is not None:
+            self.positions[..., : self.carried] = positions
+        return self
+
+
+@dataclass
+class Ring:
+    """A recency window of ``steps`` equal-length steps of ``chunk_len`` tokens held as a ring.
+
+    ``slot`` (a device LongTensor ``[1]``) is the ring slot the current step's chunk will overwrite: that of
+    the oldest step, ``step_index mod steps``. ``index`` ``[steps, chunk_len]`` maps a slot to its tokens.
+    """
+
+    steps: int
+    chunk_len: int
+    slot: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def starting_at(cls, step_index: int, steps: int, chunk_len: int, device: torch.device) -> "Ring":
+        slot = torch.tensor([step_index % steps], device=device)
+        return cls(steps, chunk_len, slot, torch.arange(steps * chunk_len, device=device).view(steps, chunk_len))
+
+    def target(self) -> torch.Tensor:
+        """Token slots ``[chunk_len]`` the current chunk goes to (read on the device: no host sync)."""
+        return self.index.index_select(0, self.slot).view(-1)
+
+    def advance(self) -> None:
+        self.slot.add_(1).remainder_(self.steps)
+
+    def time_order(self, step_index: int) -> torch.Tensor:
+        """Token slots of the ring in time order (oldest step first), before step ``step_index`` runs."""
+        first = step_index % self.steps
+        return torch.cat([self.index[first:], self.index[:first]]).flatten()
 
 
 class StreamingLayer(CacheLayerMixin):
-    """One decoder layer's two states.
-
-    The carried state is either the window ``detailed[window_start : length]`` (``window_start`` not None)
-    or explicit tensors: ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with the logical positions
-    and step indices of what they hold, ``carried_positions``/``carried_steps`` ``[B, H_kv, K]``.
-    """
+    """One decoder layer's two states (see the module docstring for the window, slots and ring forms)."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
+    def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
+                 storage_device: torch.device | str | None = None):
         super().__init__()
-        self.detailed = DetailedBuffer(capacity_hint, storage_device)
+        self.cache, self.index = cache, index
+        self.detailed = DetailedBuffer(capacity_hint, storage_device, on_replace=cache.buffers_replaced)
         self.offloaded = storage_device is not None
         self.window_start: int | None = None if self.offloaded else 0
-        self.carried_keys = self.carried_values = None
-        self.carried_positions = self.carried_steps = None
-        self.step = 0  # index of the step being staged; set by TwoStateCache.begin
-        self._clear_pending()
-
-    def _clear_pending(self) -> None:
-        self.pending_keys = self.pending_values = None  # [carried; chunk] as handed to attention
+        self._slots: CarriedSlots | None = None
         self.pending_selection: slice | torch.Tensor | None = None
-        self.pending_chunk_len = 0
+        self.staged: torch.Tensor | None = None  # offloaded: the chunk [2, B, H_kv, T, D] to copy to storage
+
+    @property
+    def slots(self) -> CarriedSlots | None:
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots: CarriedSlots | None) -> None:
+        if slots is not self._slots:
+            self.cache.buffers_replaced()
+        self._slots = slots
 
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
-        if self.window_start is None and self.carried_keys is None:  # offloaded: start with an empty carried state
-            b, h, _, d = key_states.shape
-            self.carried_keys = key_states.new_empty(b, h, 0, d)
-            self.carried_values = value_states.new_empty(b, h, 0, d)
-            self.carried_positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
-            self.carried_steps = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
+        if self.window_start is None and self.slots is None:  # offloaded: start with an empty carried state
+            b, h, t, d = key_states.shape
+            positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
+            self.slots = CarriedSlots.holding(key_states.new_empty(2, b, h, 0, d), positions, t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.detailed.stage(key_states, value_states, self.step)
-        n, t = self.detailed.length, key_states.shape[2]
         if self.window_start is not None:
-            keys, values = self.detailed.view(self.window_start, n + t)
-        else:
-            keys = torch.cat([self.carried_keys, key_states], dim=2)
-            values = torch.cat([self.carried_values, value_states], dim=2)
-        self.pending_keys, self.pending_values, self.pending_chunk_len = keys, values, t
-        return keys, values
+            self.detailed.write(self.detailed.length, key_states, value_states)
+            return self.detailed.view(self.window_start, self.detailed.length + key_states.shape[2])
+        self.slots.stage(key_states, value_states, self.cache.write_index)
+        if not self.offloaded:  # room was made by prepare()
+            self.detailed.write_at(self.cache.write_index, key_states, value_states)
+        return self.slots.keys, self.slots.values
 
     def get_seq_length(self) -> int:
-        return self.carried_length
+        """Logical tokens committed (what the model's positions count), as transformers' sliding layers."""
+        return self.detailed.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Physical sizes: the carried keys come first, the chunk is causal after them.
-        return self.carried_length + query_length, 0
+        """``(carried + query_length, offset)``: the keys handed to attention and the logical position the
+        first of them would have if they were contiguous (so the chunk is causal at the end)."""
+        return self.carried_length + query_length, self.detailed.length - self.carried_length
 
     def get_max_length(self) -> int:
         return -1
 
     # two-state bookkeeping -------------------------------------------------------------------------------
     @property
+    def form(self) -> str:
+        if self.window_start is not None:
+            return "window"
+        return "ring" if self.cache.ring is not None else "slots"
+
+    @property
     def carried_length(self) -> int:
         if self.window_start is not None:
             return self.detailed.length - self.window_start
-        return 0 if self.carried_keys is None else self.carried_keys.shape[2]
+        return 0 if self.slots is None else self.slots.carried
 
     def carried(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The carried keys and values, ``[B, H_kv, K, D]`` each (views while in window form)."""
-        if self.window_start is None:
-            return self.carried_keys, self.carried_values
-        return self.detailed.view(self.window_start, self.detailed.length)
+        """The carried keys and values, ``[B, H_kv, K, D]`` each, in time order."""
+        if self.window_start is not None:
+            return self.detailed.view(self.window_start, self.detailed.length)
+        kv, _ = self.slots.head()
+        if self.cache.ring is not None:
+            kv = kv.index_select(3, self.cache.ring.time_order(self.cache.step_index))
+        return kv[0], kv[1]
 
     def positions(self) -> torch.Tensor:
         """Logical positions of the carried tokens, ``[B, H_kv, K]`` (``[1, 1, 0]`` before the first step)."""
-        if self.window_start is None:
-            return self.carried_positions
-        if self.detailed.keys is None:
+        reference = self.detailed.keys if self.window_start is not None else getattr(self.slots, "keys", None)
+        if reference is None:
             return torch.empty(1, 1, 0, dtype=torch.long)
+        if self.window_start is None and self.cache.ring is None:
+            return self.slots.head()[1]
+        start = self.detailed.length - self.carried_length
+        return torch.arange(start, self.detailed.length, device=reference.device).expand(*reference.shape[:2], -1)
+
+    def candidate_positions(self) -> torch.Tensor:
+        """Positions ``[B, H_kv, K + T]`` of the tokens handed to attention this step."""
+        if self.window_start is None:
+            return self.slots.positions
         b, h = self.detailed.keys.shape[:2]
-        window = torch.arange(self.window_start, self.detailed.length, device=self.detailed.keys.device)
-        return window.expand(b, h, -1)
+        end = self.detailed.length + self.cache.chunk_len
+        return torch.arange(self.window_start, end, device=self.detailed.keys.device).expand(b, h, -1)
 
-    def candidate_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions and steps ``[B, H_kv, K + T]`` of the tokens handed to attention this step."""
-        b, h = self.pending_keys.shape[:2]
-        n, t = self.detailed.length, self.pending_chunk_len
-        if self.window_start is not None:
-            positions = torch.arange(self.window_start, n + t, device=self.pending_keys.device)
-            return positions.expand(b, h, -1), self.detailed.steps[self.window_start : n + t].expand(b, h, -1)
-        chunk_positions = torch.arange(n, n + t, device=self.pending_keys.device).expand(b, h, -1)
-        chunk_steps = self.detailed.steps[n : n + t].to(self.pending_keys.device).expand(b, h, -1)
-        return (torch.cat([self.carried_positions, chunk_positions], dim=-1),
-                torch.cat([self.carried_steps, chunk_steps], dim=-1))
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[carried; chunk]`` keys and values ``[B, H_kv, K + T, D]`` as handed to attention this step."""
+        if self.window_start is None:
+            return self.slots.keys, self.slots.values
+        return self.detailed.view(self.window_start, self.detailed.length + self.cache.chunk_len)
 
-    def commit(self) -> None:
-        """Append the staged chunk to the detailed cache and carry what the policy selected."""
-        selection = self.pending_selection
-        n_candidates = self.pending_keys.shape[2]
-        if isinstance(selection, slice):
-            start, stop, stride = selection.indices(n_candidates)
-            if stride != 1:
-                raise InputError("a carry policy returned a strided slice; return indices instead")
-            if self.window_start is not None and stop == n_candidates:
-                self.window_start += start
-                self.detailed.length += self.pending_chunk_len
-                self._clear_pending()
-                return
-            index = torch.arange(start, stop, device=self.pending_keys.device)
-            selection = index.expand(*self.pending_keys.shape[:2], -1)
-        positions, steps = self.candidate_positions()
-        gather_kv = selection[..., None].expand(-1, -1, -1, self.pending_keys.shape[-1])
-        self.carried_keys = self.pending_keys.gather(2, gather_kv)
-        self.carried_values = self.pending_values.gather(2, gather_kv)
-        self.carried_positions = positions.gather(2, selection)
-        self.carried_steps = steps.gather(2, selection)
+    def prepare(self, chunk_len: int) -> None:
+        """Host-side preparation of a step (before the forward): buffers sized for a chunk of ``chunk_len``."""
+        if self.slots is None or self.window_start is not None:
+            return
+        self.slots = self.slots.with_chunk_len(chunk_len)
+        if self.is_initialized and not self.offloaded:
+            self.detailed.reserve(self.slots.keys, self.detailed.length + chunk_len)
+
+    def enter_ring(self, ring: Ring) -> None:
+        """Hold the carried window (the last ``ring.steps`` steps, in time order) as ``ring``."""
+        keys, values = self.carried()
+        kv = torch.stack([keys, values])
+        order = ring.time_order(self.cache.step_index)
+        ring_kv = kv.new_empty(kv.shape).index_copy_(3, order, kv)
+        self.slots = CarriedSlots.holding(ring_kv, None, ring.chunk_len)
         self.window_start = None
-        self.detailed.length += self.pending_chunk_len
-        self._clear_pending()
 
+    def leave_ring(self) -> None:
+        """Back to the window form (or, offloaded, to slots in time order with explicit positions)."""
+        keys, values = self.carried()
+        positions = self.positions()
+        if self.offloaded:
+            self.slots = CarriedSlots.holding(torch.stack([keys, values]), positions, self.cache.chunk_len)
+        else:
+            self.window_start, self.slots = self.detailed.length - keys.shape[2], None
+
+    def commit_device(self, ring_target: torch.Tensor | None) -> None:
+        """Install the carried state the policy selected, or in a ring put the chunk in ``ring_target`` (its
+        token slots). Device work; host state changes only outside steady steps (window form, a carried size
+        that changes)."""
+        selection, self.pending_selection = self.pending_selection, None
+        if self.offloaded:
+            self.staged = self.slots.tail()
+        if ring_target is not None:
+            self.slots.kv.index_copy_(3, ring_target, self.slots.tail())
+            return
+        size = self.carried_length + self.cache.chunk_len
+        if isinstance(selection, slice):
+            start, stop, _ = selection.indices(size)
+            if stop == size and self.window_start is not None:
+                self.window_start += start
+                return
+            if stop == size:
+                self.slots = self.slots.suffix(start)
+                return
+            selection = torch.arange(start, stop, device=self.candidates()[0].device)
+            selection = selection.expand(*self.candidates()[0].shape[:2], -1)
+        if self.window_start is not None:
+            keys, values = self.candidates()
+            self.slots = CarriedSlots(torch.stack([keys, values]), self.candidate_positions().contiguous(),
+                                      size - self.cache.chunk_len)
+            self.window_start = None
+        self.slots = self.slots.keep(selection)
+
+    def commit_host(self, chunk_len: int) -> None:
+        """Advance the committed length (host work, after the device part; also after a graph replay)."""
+        if self.offloaded:
+            self.detailed.write(self.detailed.length, self.staged[0], self.staged[1])
+        self.detailed.length += chunk_len
 
     def export(self) -> tuple[dict[str, torch.Tensor], int | None]:
         """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
         keys, values = self.detailed.view(0, self.detailed.length)
-        tensors = {"keys": keys, "values": values, "steps": self.detailed.steps[: self.detailed.length]}
-        if self.window_start is None:
-            tensors.update(carried_keys=self.carried_keys, carried_values=self.carried_values,
-                           carried_positions=self.carried_positions, carried_steps=self.carried_steps)
-        return tensors, self.window_start
+        tensors = {"keys": keys, "values": values}
+        if self.window_start is not None or self.slots is None:
+            return tensors, self.window_start
+        if self.cache.ring is not None and not self.offloaded:
+            return tensors, self.detailed.length - self.carried_length
+        carried_keys, carried_values = self.carried()
+        tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=self.positions())
+        return tensors, None
 
     def restore(self, tensors: dict[str, torch.Tensor], window_start: int | None, device: torch.device) -> None:
         """Install a state saved by :meth:`export`; the carried state goes to ``device`` (the model's)."""
-        storage = self.detailed.device or device
-        self.detailed.load(*(tensors[name].to(storage) for name in ("keys", "values", "steps")))
-        if self.detailed.length:
-            self.lazy_initialization(tensors["keys"].to(device), tensors["values"].to(device))
+        self.detailed.load(tensors["keys"].to(self.detailed.device or device),
+                           tensors["values"].to(self.detailed.device or device))
+        self.slots, self.window_start = None, window_start
         if window_start is not None and self.offloaded:  # saved without offload: make the window explicit
             keys, values = self.detailed.view(window_start, self.detailed.length)
             b, h = keys.shape[:2]
-            positions = torch.arange(window_start, self.detailed.length, device=device).expand(b, h, -1)
-            tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions,
-                           carried_steps=self.detailed.steps[window_start : self.detailed.length].expand(b, h, -1))
-            window_start = None
-        self.window_start = window_start
-        if window_start is None and "carried_keys" in tensors:  # else: nothing streamed yet, lazily initialised
-            for name in ("carried_keys", "carried_values", "carried_positions", "carried_steps"):
-                setattr(self, name, tensors[name].to(device).contiguous())
-        self._clear_pending()
+            positions = torch.arange(window_start, self.detailed.length).expand(b, h, -1)
+            tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
+            self.window_start = None
+        if self.window_start is None and "carried_keys" in tensors:
+            kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
+            self.slots = CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0)
+        self.is_initialized = self.detailed.length > 0
+        if self.is_initialized:
+            self.dtype, self.device = self.detailed.keys.dtype, device
 
 
 class TwoStateCache(Cache):
@@ -248,59 +430,131 @@ class TwoStateCache(Cache):
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
+
+    A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
+    -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay.
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
-        super().__init__(layers=[StreamingLayer(capacity_hint, storage_device) for _ in range(num_layers)])
+        super().__init__(layers=[])
+        self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
+        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device) for i in range(num_layers)]
         self.policy = policy
         self.backend = backend
         self.chunk_lengths: list[int] = []
         self.seen_tokens = 0
-        self._attended: set[int] = set()
+        self.chunk_len = 0
+        self.ring: Ring | None = None
+        self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
+        self.write_index: torch.Tensor | None = None  # LongTensor [T]: the current chunk's logical positions
+        self.read_host_state = False  # a policy read per-step host values during the current step
+        self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._attended: list[bool] = []
 
     @property
     def step_index(self) -> int:
         """Index of the step being run (or about to run)."""
         return len(self.chunk_lengths)
 
-    def begin(self, chunk_len: int) -> None:
+    # one step ----------------------------------------------------------------------------------------------
+    def begin(self, chunk_len: int, device: torch.device) -> None:
+        """Host-side preparation of a step of ``chunk_len`` tokens on ``device``: buffers sized for it, the ring
+        entered or left. Nothing the stream has committed changes."""
+        self.chunk_len = chunk_len
+        self.read_host_state = False
+        self._attended = [False] * len(self.layers)
+        if self.seen_device is None or self.seen_device.device != device:
+            self.seen_device = torch.tensor(self.seen_tokens, device=device)
+            self.buffers_replaced()
+        if (chunk_len, device) not in self._aranges:
+            self._aranges[chunk_len, device] = torch.arange(chunk_len, device=device)
+        self._update_ring(chunk_len, device)
         for layer in self.layers:
-            layer.step = self.step_index
-        self._chunk_len = chunk_len
-        self._attended.clear()
+            layer.prepare(chunk_len)
+
+    def buffers_replaced(self) -> None:
+        """Some buffer a captured step reads moved: recorded steps are no longer valid."""
+        self.layout_version += 1
+
+    def _update_ring(self, chunk_len: int, device: torch.device) -> None:
+        steps = self.policy.recent_steps
+        history = self.chunk_lengths[-steps:] if steps else []
+        wanted = bool(steps) and len(history) == steps and all(length == chunk_len for length in history)
+        if wanted == (self.ring is not None):
+            return
+        if wanted:
+            ring = Ring.starting_at(self.step_index, steps, chunk_len, device)
+            for layer in self.layers:
+                layer.enter_ring(ring)
+            self.ring = ring
+        else:
+            for layer in self.layers:
+                layer.leave_ring()
+            self.ring = None
+
+    def is_steady(self) -> bool:
+        """Whether the step just begun has the static form a CUDA graph can replay: every layer in a ring, or
+        in slots holding a scored rule's full budget."""
+        if self.ring is not None:
+            return True
+        budget = getattr(self.policy, "budget", None)
+        return budget is not None and all(layer.window_start is None and layer.slots is not None
+                                          and layer.slots.carried == budget for layer in self.layers)
+
+    def begin_device(self) -> torch.Tensor:
+        """Device-side start of the step: the chunk's logical positions ``[T]`` (also where it goes in the
+        detailed cache), computed from the device copy of ``seen_tokens``."""
+        self.write_index = torch.add(self._aranges[self.chunk_len, self.seen_device.device], self.seen_device)
+        return self.write_index
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
         stages the policy's selection for this layer and returns ``[B, T, Hq, D]``."""
         layer = self.layers[layer_idx]
+        self._attended[layer_idx] = True
+        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+        if self.ring is not None:
+            return chunk_attention(q, k, v, scale=scale, mask=mask)
         if self.policy.scores_needed(k.shape[2]):
-            out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend)
+            out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
         else:
-            out, scores = chunk_attention(q, k, v, scale=scale), None
-        candidates = Candidates(size=k.shape[2], scores=scores, step=self.step_index,
-                                chunk_lengths=(*self.chunk_lengths, q.shape[2]), layer=layer_idx,
-                                locate=layer.candidate_positions)
-        layer.pending_selection = self.policy.select(candidates)
-        self._attended.add(layer_idx)
+            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+        candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
+                                positions=layer.candidate_positions, history=self._history)
+        layer.pending_selection = _checked(self.policy.select(candidates), candidates)
+        self.read_host_state |= candidates.read_host_state
         return out
+
+    def _history(self) -> tuple[int, ...]:
+        return (*self.chunk_lengths, self.chunk_len)
 
     def missing_layers(self) -> list[int]:
         """Layers whose attention did not run through :meth:`attend` during the current step."""
-        return [i for i in range(len(self.layers)) if i not in self._attended]
+        return [i for i, attended in enumerate(self._attended) if not attended]
 
-    def commit(self) -> None:
+    def commit_device(self) -> None:
+        ring_target = None if self.ring is None else self.ring.target()
         for layer in self.layers:
-            layer.commit()
-        self.chunk_lengths.append(self._chunk_len)
-        self.seen_tokens += self._chunk_len
+            layer.commit_device(ring_target)
+        if self.ring is not None:
+            self.ring.advance()
+        self.seen_device.add_(self.chunk_len)
+
+    def commit_host(self) -> None:
+        for layer in self.layers:
+            layer.commit_host(self.chunk_len)
+        self.chunk_lengths.append(self.chunk_len)
+        self.seen_tokens += self.chunk_len
 
     def rollback(self) -> None:
         for layer in self.layers:
-            layer._clear_pending()
+            layer.pending_selection = None
 
+    # saving and exporting -----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata."""
+        self.layers[0].detailed.synchronize()
         tensors, window_starts = {}, []
         for index, layer in enumerate(self.layers):
             layer_tensors, window_start = layer.export()
@@ -314,12 +568,15 @@ class TwoStateCache(Cache):
         if len(metadata["window_starts"]) != len(self.layers):
             raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                              f"{len(self.layers)}")
+        self.ring = None
         for index, (layer, window_start) in enumerate(zip(self.layers, metadata["window_starts"])):
             prefix = f"layers.{index}."
             layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
             layer.restore(layer_tensors, window_start, device)
         self.chunk_lengths = list(metadata["chunk_lengths"])
         self.seen_tokens = int(metadata["seen_tokens"])
+        self.seen_device = None
+        self.buffers_replaced()
 
     def to_dynamic_cache(self, device: torch.device | None = None) -> DynamicCache:
         """Every token's keys/values as a ``DynamicCache`` of views (no copy), or copies on ``device`` when the
@@ -340,3 +597,19 @@ class TwoStateCache(Cache):
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache
+
+
+def _checked(selection: slice | torch.Tensor, candidates: Candidates) -> slice | torch.Tensor:
+    """A policy's selection, refused (one line, before anything is committed) if it is malformed."""
+    if isinstance(selection, slice):
+        if selection.indices(candidates.size)[2] != 1:
+            raise InputError("a carry policy returned a strided slice; return indices instead")
+        return selection
+    expected = (*candidates.keys.shape[:2], "K")
+    if (not isinstance(selection, torch.Tensor) or selection.dtype != torch.long or selection.dim() != 3
+            or tuple(selection.shape[:2]) != tuple(candidates.keys.shape[:2])
+            or selection.shape[2] > candidates.size):
+        got = tuple(selection.shape) if isinstance(selection, torch.Tensor) else type(selection).__name__
+        raise InputError(f"a carry policy must return a slice or a LongTensor of indices {expected} with "
+                         f"K <= {candidates.size}; got {got}")
+    return selection

@@ -1,18 +1,19 @@
 """Carry rules: which tokens a layer keeps in its carried state after each step.
 
 A policy sees the candidates of one layer after one step (the tokens it carried into the step, then the
-step's own tokens, in time order) and returns which of them to carry into the next step. Everything else
-about streaming (the detailed cache, positions, attention) is shared, so a new rule is one small class:
+step's own tokens) and returns which of them to carry into the next step. Everything else about streaming
+(the detailed cache, positions, attention) is shared, so a new rule is one small class. Most rules score
+tokens and keep the best ones; they subclass :class:`ScoredPolicy` and return one score per candidate:
 
     @dataclass(frozen=True)
-    class FirstTokens(CarryPolicy):
-        count: int
-        def select(self, c):
-            return slice(0, min(self.count, c.size))   # slices are fine when the kept set is contiguous
+    class ValueNorm(ScoredPolicy):
+        def score(self, c):
+            return c.values.float().norm(dim=-1)      # [B, H_kv, N]: carry the largest values
 
-`select` returns either a ``slice`` over the candidate axis (the same for every head: cheap, and lets the
-cache keep the carried state as a view of the detailed cache) or a LongTensor ``[B, H_kv, K]`` of
-candidate indices per (batch, KV head), sorted ascending so the carried state stays in time order.
+The base keeps the ``budget`` best per (batch, KV head), in time order, and its steady steps can be captured
+as a CUDA graph. Any other rule overrides :meth:`CarryPolicy.select`, returning a ``slice`` over the
+candidate axis (the same for every head) or a LongTensor ``[B, H_kv, K]`` of candidate indices sorted
+ascending (see :class:`SinksAndRecency`).
 """
 
 from __future__ import annotations
@@ -34,63 +35,76 @@ class Candidates:
 
     Attributes:
         size: number of candidates N.
+        layer: decoder layer index.
         scores: float32 ``[B, H_kv, N]``: attention mass each candidate received from the step's queries,
             summed over those queries and the query heads of its KV group (each row sums to ``T * G``);
-            ``None`` unless the policy sets ``needs_scores``.
-        step: index of the current step (0 for the first chunk).
-        chunk_lengths: host-side token count of every step so far, the current one last.
-        layer: decoder layer index.
-        positions: LongTensor ``[B, H_kv, N]``: logical sequence position of each candidate, ascending.
+            ``None`` unless the policy needs them (:meth:`CarryPolicy.scores_needed`).
+        keys, values: ``[B, H_kv, N, D]`` the candidates' keys (post-RoPE) and values.
+        positions: LongTensor ``[B, H_kv, N]``: logical sequence position of each candidate.
         steps: LongTensor ``[B, H_kv, N]``: index of the step that produced each candidate.
+        step: index of the current step (0 for the first chunk).
+        chunk_lengths: token count of every step so far, the current one last.
 
-    ``positions`` and ``steps`` are computed on first access, so rules that do not read them cost nothing.
+    Candidates are in time order, except that a carried state may hold its tokens in any order (positions
+    say which is which). ``step``, ``chunk_lengths`` and ``steps`` are host-side facts that change every step:
+    a rule that reads them cannot be captured as a CUDA graph, and a step that reads them is never captured.
     """
 
-    def __init__(self, *, size: int, scores: torch.Tensor | None, step: int,
-                 chunk_lengths: tuple[int, ...], layer: int,
-                 locate: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
-        self.size, self.scores, self.step = size, scores, step
-        self.chunk_lengths, self.layer = chunk_lengths, layer
-        self._locate = locate
-
-    @classmethod
-    def from_tensors(cls, positions: torch.Tensor, steps: torch.Tensor, scores: torch.Tensor | None,
-                     step: int, chunk_lengths: tuple[int, ...], layer: int = 0) -> "Candidates":
-        return cls(size=positions.shape[-1], scores=scores, step=step, chunk_lengths=chunk_lengths,
-                   layer=layer, locate=lambda: (positions, steps))
+    def __init__(self, *, layer: int, scores: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                 positions: Callable[[], torch.Tensor] | torch.Tensor,
+                 history: Callable[[], tuple[int, ...]] | tuple[int, ...]):
+        self.size, self.layer = keys.shape[2], layer
+        self.scores, self.keys, self.values = scores, keys, values
+        self._positions, self._history = positions, history
+        self.read_host_state = False
 
     @cached_property
-    def _located(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._locate()
-
-    @property
     def positions(self) -> torch.Tensor:
-        return self._located[0]
+        return self._positions() if callable(self._positions) else self._positions
 
     @property
+    def chunk_lengths(self) -> tuple[int, ...]:
+        self.read_host_state = True
+        return self._history() if callable(self._history) else self._history
+
+    @property
+    def step(self) -> int:
+        return len(self.chunk_lengths) - 1
+
+    @cached_property
     def steps(self) -> torch.Tensor:
-        return self._located[1]
+        starts = torch.tensor(self.chunk_lengths, device=self.positions.device).cumsum(0)
+        return torch.searchsorted(starts, self.positions, right=True)
 
     def last_steps(self, count: int) -> slice:
         """The candidates produced by the ``count`` most recent steps, as a slice.
 
-        Valid when the carried state already holds every token of the previous ``count - 1`` steps (true for
-        any rule that never drops a recent token before an older one, such as recency).
+        Valid when the carried state already holds every token of the previous ``count - 1`` steps, in time
+        order (true for any rule that never drops a recent token before an older one, such as recency).
         """
         recent = sum(self.chunk_lengths[-count:])
         return slice(max(self.size - recent, 0), None)
 
 
-def _positive_int(owner: str, name: str, value: object) -> None:
+def positive_int(owner: str, name: str, value: object) -> int:
+    """``value`` if it is a positive integer (not a bool), else a one-line ConfigurationError."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigurationError(f"{owner}: {name} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
 class CarryPolicy:
-    """Base class of carry rules. Subclasses override :meth:`select`."""
+    """Base class of carry rules. Subclasses override :meth:`select` (or use :class:`ScoredPolicy`).
+
+    Class attributes:
+        needs_scores: ``select`` reads ``candidates.scores`` (the attention must then compute them).
+        capturable: ``select`` is a function of the candidate tensors alone (no host values that change per
+            step), so a steady step may be recorded once as a CUDA graph and replayed.
+    """
 
     needs_scores: ClassVar[bool] = False
+    capturable: ClassVar[bool] = False
 
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
         """Which candidates to carry: a slice over the candidate axis, or indices ``[B, H_kv, K]``."""
@@ -99,6 +113,12 @@ class CarryPolicy:
     def scores_needed(self, size: int) -> bool:
         """Whether :meth:`select` will read scores for ``size`` candidates (lets attention skip scoring)."""
         return self.needs_scores
+
+    @property
+    def recent_steps(self) -> int | None:
+        """If this rule carries exactly the tokens of its last N steps, N (the cache then keeps them in a ring
+        buffer once steps have equal lengths); else None."""
+        return None
 
     @property
     def name(self) -> str:
@@ -115,35 +135,68 @@ class FullAttention(CarryPolicy):
 
 @dataclass(frozen=True)
 class Recency(CarryPolicy):
-    """Carry the tokens of the ``frames`` most recent steps (sliding window; the ReKV baseline)."""
+    """Carry the tokens of the ``frames`` most recent steps (the sliding-window prefill of ReKV's paper
+    baseline): each step attends to its own tokens and those of the ``frames`` steps before it."""
 
     frames: int
+    capturable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _positive_int("Recency", "frames", self.frames)
+        positive_int("Recency", "frames", self.frames)
 
     def select(self, candidates: Candidates) -> slice:
         return candidates.last_steps(self.frames)
 
+    @property
+    def recent_steps(self) -> int:
+        return self.frames
+
 
 @dataclass(frozen=True)
-class StateKV(CarryPolicy):
-    """Carry the top-``budget`` candidates by attention mass, per layer and per KV head, in time order."""
+class ScoredPolicy(CarryPolicy):
+    """Carry the ``budget`` highest-scoring candidates, per layer and per (batch, KV head), in time order.
+
+    Subclasses implement :meth:`score`; top-k and time ordering happen here, once. While every candidate fits
+    the budget, everything is carried (and no score is computed).
+    """
 
     budget: int
-    needs_scores: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _positive_int("StateKV", "budget", self.budget)
+        positive_int(type(self).__name__, "budget", self.budget)
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        """One score per candidate, ``[B, H_kv, N]``; higher is kept."""
+        raise NotImplementedError
 
     def scores_needed(self, size: int) -> bool:
-        return size > self.budget
+        return self.needs_scores and size > self.budget
 
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
         if candidates.size <= self.budget:
             return KEEP_ALL
-        top = candidates.scores.topk(self.budget, dim=-1, sorted=False).indices
+        top = self.score(candidates).topk(self.budget, dim=-1, sorted=False).indices
         return top.sort(dim=-1).values
+
+
+@dataclass(frozen=True)
+class StateKV(ScoredPolicy):
+    """Carry the top-``budget`` candidates by the attention mass they received from the step's queries."""
+
+    needs_scores: ClassVar[bool] = True
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        return candidates.scores
+
+
+@dataclass(frozen=True)
+class KeyNorm(ScoredPolicy):
+    """Carry the ``budget`` candidates whose keys have the smallest L2 norm (low-norm keys tend to draw
+    attention; the KNorm baseline of the KV-compression literature)."""
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        return -candidates.keys.float().norm(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -158,8 +211,8 @@ class SinksAndRecency(CarryPolicy):
     frames: int
 
     def __post_init__(self) -> None:
-        _positive_int("SinksAndRecency", "sinks", self.sinks)
-        _positive_int("SinksAndRecency", "frames", self.frames)
+        positive_int("SinksAndRecency", "sinks", self.sinks)
+        positive_int("SinksAndRecency", "frames", self.frames)
 
     def select(self, candidates: Candidates) -> torch.Tensor:
         first_recent_step = candidates.step - self.frames + 1

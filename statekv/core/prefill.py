@@ -10,6 +10,7 @@ when the forward raises.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -18,22 +19,26 @@ from transformers import AttentionInterface, DynamicCache
 from .attention import resolve_backend
 from .cache import TwoStateCache
 from .errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
+from .graphs import StepGraphs
 from .policies import CarryPolicy
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 
 ATTENTION_NAME = "statekv"
-CACHE_KWARG = "statekv_cache"  # how the attention function finds the running cache (must not start with image_/video_)
+_streaming = threading.local()  # the cache of the step running in this thread, for the attention function
 
 
 def statekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``query [B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, K+T, D]``."""
-    cache: TwoStateCache | None = kwargs.get(CACHE_KWARG)
+    cache: TwoStateCache | None = getattr(_streaming, "cache", None)
     if cache is None:
         raise UnsupportedModelError(
             f"the {ATTENTION_NAME!r} attention runs only inside StreamingPrefill.step; switch the model back "
             "to 'sdpa' before calling it directly"
         )
+    if attention_mask is not None:
+        raise InputError("the streaming engine attends causally over [carried; chunk] and cannot apply an "
+                         "attention mask (padding or a custom mask); pass none")
     if kwargs.get("sliding_window"):
         raise UnsupportedModelError("sliding-window attention layers are not supported by the streaming engine")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -57,25 +62,33 @@ class StreamingPrefill:
             needed).
         offload: keep the detailed cache on this device (``True`` means ``"cpu"``) instead of the model's, so
             accelerator memory stays constant as the stream grows; it is copied back for decoding.
+        cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
+            for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
-                 horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False):
+                 horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
+                 cuda_graph: bool = True):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
+        if not isinstance(cuda_graph, bool):
+            raise ConfigurationError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self.model = model
         self.policy = policy
         self.decoder = _language_decoder(model)
         self.config = self.decoder.config
         _check_supported(self.config)
         self.device = next(self.decoder.parameters()).device
+        self.dtype = next(self.decoder.parameters()).dtype
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
         self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device)
+        self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable
+        self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
 
     @property
     def seen_tokens(self) -> int:
@@ -101,37 +114,30 @@ class StreamingPrefill:
             inputs_embeds: ``[B, T, D]`` chunk embeddings (or pass ``input_ids`` ``[B, T]`` for text).
             position_ids: RoPE positions; default ``arange(seen_tokens, seen_tokens + T)`` as ``[B, T]``.
                 Pass them explicitly for M-RoPE (``[3 or 4, B, T]``).
-            forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs).
+            forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs). An
+                ``attention_mask`` is accepted only if it is all ones (plain causal attention).
         """
         chunk = self._check_chunk(inputs_embeds, input_ids)
-        batch, chunk_len = chunk.shape[:2]
+        _check_plain_causal(forward_kwargs.pop("attention_mask", None))
+        chunk_len = chunk.shape[1]
         if self.seen_tokens + chunk_len > self.horizon:
             raise HorizonError(
                 f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
                 f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
             )
-        if position_ids is None:
-            position_ids = torch.arange(self.seen_tokens, self.seen_tokens + chunk_len,
-                                        device=chunk.device).expand(batch, -1)
-        if self.rope is not None:
-            self.rope.apply()
-        self.cache.begin(chunk_len)
+        inputs = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **forward_kwargs)
+        self.cache.begin(chunk_len, chunk.device)
         try:
-            with self._attention_switched():
-                output = self.decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                      past_key_values=self.cache, use_cache=True,
-                                      **{CACHE_KWARG: self.cache}, **forward_kwargs)
-            missing = self.cache.missing_layers()
-            if missing:
-                raise UnsupportedModelError(
-                    f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
-                    "transformers' AttentionInterface, so they cannot be streamed"
-                )
+            hidden = None
+            if self.cuda_graph and self.cache.is_steady():
+                hidden = self.graphs.run(inputs, self.cache.layout_version)
+            if hidden is None:
+                hidden = self._streamed_device_step(inputs)
         except BaseException:
             self.cache.rollback()
             raise
-        self.cache.commit()
-        return output.last_hidden_state
+        self.cache.commit_host()
+        return hidden
 
     def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
         """Decode after ``input_ids`` (the prompt that follows the streamed context) from the detailed cache.
@@ -147,6 +153,7 @@ class StreamingPrefill:
         if self.rope is not None:
             self.rope.restore()
             self.rope = None
+        self.graphs.clear()
 
     def __enter__(self) -> "StreamingPrefill":
         return self
@@ -155,21 +162,55 @@ class StreamingPrefill:
         self.close()
 
     # internals ------------------------------------------------------------------------------------------
+    def _streamed_device_step(self, inputs: dict) -> torch.Tensor:
+        with self._streaming():
+            return self._device_step(inputs)
+
+    def _device_step(self, inputs: dict) -> torch.Tensor:
+        """The device part of a step: the decoder's forward over the chunk, then the new carried state
+        (the language model's attention already switched). Everything here runs eagerly or is what a CUDA
+        graph records."""
+        positions = self.cache.begin_device()
+        if inputs["position_ids"] is None:
+            batch = (inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]).shape[0]
+            inputs = dict(inputs, position_ids=positions.expand(batch, -1))
+        output = self.decoder(**inputs, past_key_values=self.cache, use_cache=True)
+        missing = self.cache.missing_layers()
+        if missing:
+            raise UnsupportedModelError(
+                f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
+                "transformers' AttentionInterface, so they cannot be streamed"
+            )
+        self.cache.commit_device()
+        return output.last_hidden_state
+
     def _check_chunk(self, inputs_embeds, input_ids) -> torch.Tensor:
         """The chunk's ``inputs_embeds [B, T, D]`` or ``input_ids [B, T]``, validated."""
         if (inputs_embeds is None) == (input_ids is None):
             raise InputError("pass exactly one of inputs_embeds [B, T, D] or input_ids [B, T]")
+        chunk = inputs_embeds if inputs_embeds is not None else input_ids
+        name = "inputs_embeds" if inputs_embeds is not None else "input_ids"
+        if not isinstance(chunk, torch.Tensor):
+            raise InputError(f"{name} must be a tensor, got {type(chunk).__name__}")
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3:
                 raise InputError(f"inputs_embeds must be [B, T, D], got shape {tuple(inputs_embeds.shape)}")
             if inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise InputError(f"inputs_embeds has hidden size {inputs_embeds.shape[-1]}, but the model's is "
                                  f"{self.config.hidden_size}")
-            chunk = inputs_embeds
+            if inputs_embeds.dtype != self.dtype:
+                raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
+                                 f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
         else:
             if input_ids.dim() != 2:
                 raise InputError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-            chunk = input_ids
+            if input_ids.dtype not in (torch.long, torch.int32):
+                raise InputError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+            vocab = self.config.vocab_size
+            if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+                raise InputError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+        if chunk.device != self.device:
+            raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
         streamed = self.cache.layers[0].detailed.keys
@@ -178,13 +219,24 @@ class StreamingPrefill:
         return chunk
 
     @contextmanager
-    def _attention_switched(self):
+    def _streaming(self):
+        """The language model's attention switched to the streaming function, which finds this cache."""
         previous = self.config._attn_implementation
         _set_language_attention(self.model, ATTENTION_NAME)
+        _streaming.cache = self.cache
         try:
             yield
         finally:
+            _streaming.cache = None
             _set_language_attention(self.model, previous)
+
+
+def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or not bool(attention_mask.all()):
+        raise InputError("the streaming engine attends causally over [carried; chunk] and cannot apply an "
+                         "attention mask (padding or a custom mask); pass none, or an all-ones [B, T] mask")
 
 
 def _language_decoder(model: torch.nn.Module) -> torch.nn.Module:

@@ -70,9 +70,14 @@ def check_horizon(config, horizon: int | None) -> int:
     return horizon
 
 
-@dataclass
+_INSTALLED: dict[int, "FrozenRope"] = {}  # id(rotary module) -> the frozen rotation it currently holds
+
+
+@dataclass(eq=False)
 class FrozenRope:
-    """The frozen rotation of every rotary module of a decoder; :meth:`apply` is idempotent and cheap."""
+    """The frozen rotation of the rotary modules of a decoder whose RoPE is recomputed per call (``dynamic``,
+    ``longrope``; static types need nothing and are not listed). :meth:`apply` is idempotent and costs nothing
+    when this rotation is already installed."""
 
     horizon: int
     modules: list[nn.Module]
@@ -80,14 +85,22 @@ class FrozenRope:
     saved: list[tuple[str, torch.Tensor, object]] = field(default_factory=list)
 
     def apply(self) -> None:
-        """Install the frozen frequencies (again): call before each chunk and before decoding."""
+        """Install the frozen frequencies, unless they already are: call before each chunk and before decoding
+        (another stream on the same model may have installed its own)."""
         for module, inv_freq in zip(self.modules, self.frozen):
+            if _INSTALLED.get(id(module)) is self:
+                continue
             module.inv_freq.copy_(inv_freq.to(module.inv_freq.device))
             module.rope_type = "default"  # the decorator's per-call update is keyed on this name
+            _INSTALLED[id(module)] = self
 
     def restore(self) -> None:
-        """Give the modules back their own behaviour."""
+        """Give the modules back their own behaviour (those where another open stream's rotation is installed
+        keep it: that stream restores them when it closes)."""
         for module, (rope_type, inv_freq, max_cached) in zip(self.modules, self.saved):
+            if _INSTALLED.get(id(module)) is not self:
+                continue
+            del _INSTALLED[id(module)]
             module.rope_type = rope_type
             module.inv_freq.copy_(inv_freq)
             if max_cached is not None:
@@ -98,15 +111,21 @@ def freeze_rope(decoder: nn.Module, horizon: int) -> FrozenRope:
     """Fix the rotation of ``decoder``'s rotary modules for sequences of up to ``horizon`` tokens.
 
     For ``dynamic`` the frequencies are those the model itself would use for a ``horizon``-token sequence;
-    for ``longrope`` the long or short factors, whichever that length selects. Static types are recorded but
-    unchanged.
+    for ``longrope`` the long or short factors, whichever that length selects. Static types need nothing and
+    are left alone.
     """
     modules, frozen, saved = [], [], []
     for module in decoder.modules():
-        rope_type = getattr(module, "rope_type", None)
-        if not isinstance(rope_type, str) or not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
             continue
-        saved.append((rope_type, module.inv_freq.detach().clone(), getattr(module, "max_seq_len_cached", None)))
+        owner = _INSTALLED.get(id(module))  # frozen by another stream that is still open: its original state
+        original = owner.saved[owner.modules.index(module)] if owner is not None else (
+            getattr(module, "rope_type", None), module.inv_freq.detach().clone(),
+            getattr(module, "max_seq_len_cached", None))
+        rope_type = original[0]
+        if rope_type not in RECOMPUTED_PER_CALL:
+            continue
+        saved.append(original)
         modules.append(module)
         frozen.append(_frequencies_for(module, rope_type, horizon))
     rope = FrozenRope(horizon, modules, frozen, saved)
@@ -116,8 +135,6 @@ def freeze_rope(decoder: nn.Module, horizon: int) -> FrozenRope:
 
 def _frequencies_for(module: nn.Module, rope_type: str, horizon: int) -> torch.Tensor:
     original = getattr(module, "original_inv_freq", module.inv_freq).detach().clone()
-    if rope_type not in RECOMPUTED_PER_CALL:
-        return module.inv_freq.detach().clone()
     config = module.config
     if rope_type == "dynamic":
         if horizon <= module.original_max_seq_len:

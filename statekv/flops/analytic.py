@@ -18,7 +18,7 @@ A step sees ``history + T`` keys, ``T`` = tokens per step:
 
 StateKV needs each key's attention mass. With ``score="eager"`` the probabilities the attention already
 materialised are summed over queries: no extra matrix product (0 FLOPs under this convention). With
-``score="recompute"`` (the two-pass chunked backend and the Triton kernel) ``QK^T`` is computed a second
+``score="recompute"`` (the Triton kernel, and the chunked backend past 16,384 keys) ``QK^T`` is computed a second
 time: ``2 * Hq * T * K * d`` per layer. Either way StateKV scores only once its candidates exceed the budget
 (``K > B``); before that it carries everything and attends like full attention.
 """

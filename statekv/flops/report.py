@@ -20,7 +20,7 @@ CONVENTION = {
     "causal": "in-chunk attention is counted over the full queries x keys tile (dense kernels compute it)",
     "lm_head": "excluded: prefill needs hidden states and the KV cache, not logits",
     "score": {"eager": "StateKV sums probabilities the attention already computed: no extra matrix product",
-              "recompute": "StateKV recomputes QK^T for the per-key mass (two-pass chunked / Triton)"},
+              "recompute": "StateKV recomputes QK^T for the per-key mass (Triton; chunked past 16,384 keys)"},
     "tokens": "video tokens only: the prompt prefix and the question are not counted",
 }
 

@@ -1,0 +1,221 @@
+"""Steady streaming steps are static (same ops, shapes and arguments every step), sync-free and cheap, so a GPU
+can replay them from one CUDA graph; and the ring and slot forms that make them static give the right answers.
+
+Streams here are a 9-token prefix then chunks of equal length, as a video's frames are.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import statekv
+from statekv.core.graphs import StepGraphs, signature
+from statekv.core.op_trace import OpTrace
+from reference import last_steps, reference_stream, top_budget
+
+PREFIX, T, STEPS = 9, 6, 16
+LENGTHS = (PREFIX,) + (T,) * STEPS
+BUDGET, WINDOW = 20, 3  # reached after 2 and 3 chunks: most steps are steady
+
+
+def embeddings(model, lengths=LENGTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, model.config.hidden_size, generator=generator) for n in lengths]
+
+
+def traced_steps(prefill, chunks) -> list[OpTrace]:
+    traces = []
+    for chunk in chunks:
+        with OpTrace() as trace:
+            prefill.step(inputs_embeds=chunk)
+        traces.append(trace)
+    return traces
+
+
+STEADY_CASES = [(statekv.StateKV(budget=BUDGET), "eager"), (statekv.StateKV(budget=BUDGET), "chunked"),
+                (statekv.KeyNorm(budget=BUDGET), "chunked"), (statekv.Recency(frames=WINDOW), "chunked")]
+
+
+@pytest.mark.parametrize("policy, backend", STEADY_CASES, ids=lambda x: repr(x) if not isinstance(x, str) else x)
+def test_steady_steps_are_static_and_sync_free(tiny_lm, policy, backend):
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, policy, attention=backend, horizon=sum(LENGTHS))
+    chunks = embeddings(model)
+    traces = traced_steps(prefill, chunks[:6])
+    addresses = {(layer.slots.kv.data_ptr(), layer.detailed.keys.data_ptr()) for layer in prefill.cache.layers}
+    traces += traced_steps(prefill, chunks[6:])
+    assert prefill.cache.is_steady()
+    steady = traces[5:]
+    assert all(trace.ops == steady[0].ops for trace in steady)  # (op, shapes, scalar arguments), step after step
+    assert all(not trace.syncs for trace in traces[1:])
+    assert addresses == {(layer.slots.kv.data_ptr(), layer.detailed.keys.data_ptr())
+                         for layer in prefill.cache.layers}  # the same buffers, written in place
+
+
+def test_a_growing_window_is_not_static(tiny_lm):
+    """The check above can fail: full attention's window moves every step."""
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=sum(LENGTHS))
+    traces = traced_steps(prefill, embeddings(model)[:6])
+    assert traces[4].ops != traces[5].ops and not prefill.cache.is_steady()
+
+
+def test_statekv_adds_at_most_12_compute_ops_per_layer_over_recency(tiny_lm):
+    model = tiny_lm("qwen3")
+    chunks = embeddings(model)
+    counts = {}
+    for name, policy in (("statekv", statekv.StateKV(budget=BUDGET)), ("recency", statekv.Recency(frames=WINDOW))):
+        prefill = statekv.StreamingPrefill(model, policy, attention="eager", horizon=sum(LENGTHS))
+        counts[name] = collections.Counter(traced_steps(prefill, chunks)[-1].compute)
+    extra = (sum(counts["statekv"].values()) - sum(counts["recency"].values())) / model.config.num_hidden_layers
+    assert 0 < extra <= 12, counts
+    layers = model.config.num_hidden_layers
+    assert counts["statekv"]["topk.default"] == layers and counts["statekv"]["sort.default"] == layers
+
+
+def test_before_its_budget_fills_statekv_runs_exactly_the_ops_of_full_attention(tiny_lm):
+    model = tiny_lm("qwen3")
+    chunks = embeddings(model, lengths=(PREFIX, T, T))
+    budget = sum(len_ for len_ in (PREFIX, T, T))
+    full = traced_steps(statekv.StreamingPrefill(model, statekv.FullAttention()), chunks)
+    state = traced_steps(statekv.StreamingPrefill(model, statekv.StateKV(budget=budget)), chunks)
+    assert [trace.ops for trace in state] == [trace.ops for trace in full]
+
+
+@pytest.mark.parametrize("policy", [statekv.StateKV(budget=BUDGET), statekv.Recency(frames=WINDOW)], ids=repr)
+def test_the_steady_decoder_step_compiles_once(tiny_lm, policy):
+    """torch.compile(fullgraph=True) traces the device part of a step (forward, selection, commit) without a
+    graph break, and 20 steady steps reuse that one graph: nothing the step reads changes between steps."""
+    import torch._dynamo
+
+    model = tiny_lm("qwen3")
+    chunks = embeddings(model, lengths=(PREFIX,) + (T,) * 26)
+    eager = statekv.StreamingPrefill(model, policy, attention="eager", horizon=sum(c.shape[1] for c in chunks))
+    compiled = statekv.StreamingPrefill(model, policy, attention="eager", horizon=eager.horizon)
+    for chunk in chunks[:6]:
+        eager.step(inputs_embeds=chunk)
+        compiled.step(inputs_embeds=chunk)
+    torch._dynamo.reset()
+    compiled._device_step = torch.compile(compiled._device_step, fullgraph=True, backend="eager")  # switched
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for chunk in chunks[6:]:
+            assert torch.equal(compiled.step(inputs_embeds=chunk), eager.step(inputs_embeds=chunk))
+    torch._dynamo.reset()
+
+
+# The ring and slot forms give the reference's answers ------------------------------------------------------
+@pytest.mark.parametrize("rule, policy", [(top_budget, statekv.StateKV(budget=BUDGET)),
+                                          (last_steps, statekv.Recency(frames=WINDOW))], ids=["statekv", "recency"])
+def test_steady_forms_match_the_reference_through_a_shorter_chunk(tiny_lm, rule, policy):
+    """Equal chunks (ring / in-place slots), then a shorter one (the forms are left and rebuilt), then equal."""
+    model = tiny_lm("llama")
+    lengths = (PREFIX,) + (T,) * 6 + (T - 2,) + (T,) * 6
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    chunks = list(torch.split(ids, list(lengths), dim=1))
+    prefill = statekv.StreamingPrefill(model, policy, attention="eager")
+    reference = reference_stream(model, chunks, rule, budget=BUDGET, frames=WINDOW)
+    forms = set()
+    for chunk, (hidden_ref, carried_ref) in zip(chunks, reference):
+        hidden = prefill.step(input_ids=chunk)
+        forms.add(prefill.cache.layers[0].form)
+        torch.testing.assert_close(hidden, hidden_ref, atol=1e-4, rtol=0)
+        for layer, (keys_ref, values_ref, positions_ref) in enumerate(carried_ref):
+            assert torch.equal(prefill.carried_positions(layer), positions_ref)
+            keys, values = prefill.cache.layers[layer].carried()
+            torch.testing.assert_close(keys, keys_ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(values, values_ref, atol=1e-4, rtol=0)
+    assert forms == ({"window", "ring"} if isinstance(policy, statekv.Recency) else {"window", "slots"})
+
+
+def test_key_norm_carries_the_smallest_keys(tiny_lm):
+    model = tiny_lm("qwen2")
+    chunks = list(torch.split(torch.arange(PREFIX + 5 * T)[None] % model.config.vocab_size,
+                              [PREFIX] + [T] * 5, dim=1))
+
+    def smallest_keys(scores, positions, keys, budget, **_):
+        return None if keys.shape[2] <= budget else (-keys.norm(dim=-1)).topk(budget).indices.sort().values
+
+    prefill = statekv.StreamingPrefill(model, statekv.KeyNorm(budget=BUDGET))
+    for chunk, (hidden_ref, carried_ref) in zip(chunks, reference_stream(model, chunks, smallest_keys,
+                                                                         budget=BUDGET)):
+        torch.testing.assert_close(prefill.step(input_ids=chunk), hidden_ref, atol=1e-4, rtol=0)
+        for layer, (_, _, positions_ref) in enumerate(carried_ref):
+            assert torch.equal(prefill.carried_positions(layer), positions_ref)
+
+
+# CUDA graphs: the plumbing on CPU, the real thing where a GPU is present -----------------------------------
+def test_graph_signatures_tell_shapes_and_values_apart():
+    x = torch.zeros(1, 4, 8)
+    base = signature({"inputs_embeds": x, "position_ids": None, "flag": True})
+    assert base == signature({"inputs_embeds": torch.ones(1, 4, 8), "position_ids": None, "flag": True})
+    assert base != signature({"inputs_embeds": torch.zeros(1, 5, 8), "position_ids": None, "flag": True})
+    assert base != signature({"inputs_embeds": x, "position_ids": None, "flag": False})
+    assert base != signature({"inputs_embeds": x.transpose(1, 2).contiguous().transpose(1, 2), "position_ids": None,
+                              "flag": True})
+    assert signature({"inputs_embeds": x, "extra": bytearray(b"unhashable")}) is None
+
+
+class FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: counts replays (the plumbing, not the recording)."""
+
+    replays = 0
+
+    def replay(self):
+        FakeGraph.replays += 1
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    FakeGraph.replays = 0
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def test_graphs_are_recorded_on_second_sight_and_dropped_when_buffers_move(fake_cuda_graphs):
+    graphs = StepGraphs(lambda inputs: inputs["x"] * 2, host_dependent=lambda: False)
+    assert graphs.run({"x": torch.ones(2)}, layout=0) is None  # first sight: the eager warm-up
+    assert torch.equal(graphs.run({"x": torch.ones(2)}, layout=0), torch.full((2,), 2.0))  # recorded, replayed
+    graphs.run({"x": torch.full((2,), 5.0)}, layout=0)
+    assert FakeGraph.replays == 2 and torch.equal(graphs.captured[signature({"x": torch.ones(2)})].inputs[0],
+                                                  torch.full((2,), 5.0))  # inputs copied into the graph's own
+    assert graphs.run({"x": torch.ones(3)}, layout=0) is None  # another shape: its own warm-up
+    assert graphs.run({"x": torch.ones(2)}, layout=1) is None and not graphs.captured  # buffers moved
+
+
+def test_a_step_that_reads_host_values_is_refused_with_one_warning(fake_cuda_graphs):
+    graphs = StepGraphs(lambda inputs: inputs["x"] + 1, host_dependent=lambda: True)
+    inputs = {"x": torch.zeros(2)}
+    assert graphs.run(inputs, 0) is None  # first sight: the eager warm-up
+    with pytest.warns(RuntimeWarning, match="per-step host values"):
+        assert graphs.run(inputs, 0) is None
+    assert graphs.run(inputs, 0) is None and not graphs.captured and FakeGraph.replays == 0  # refused for good
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("policy", [statekv.StateKV(budget=BUDGET), statekv.Recency(frames=WINDOW)], ids=repr)
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offload):
+    model = tiny_lm("qwen3").to("cuda")
+    chunks = [c.to("cuda") for c in embeddings(model, lengths=(PREFIX,) + (T,) * 24)]
+    horizon = sum(c.shape[1] for c in chunks)
+    runs = {}
+    for graphed in (False, True):
+        prefill = statekv.StreamingPrefill(model, policy, attention="eager", horizon=horizon, offload=offload,
+                                           cuda_graph=graphed)
+        runs[graphed] = prefill, [prefill.step(inputs_embeds=chunk) for chunk in chunks]
+    assert runs[True][0].graphs.replays >= 15
+    for got, expected in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(got, expected)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(runs[True][0].carried_positions(layer), runs[False][0].carried_positions(layer))
+    prompt = torch.arange(4, device="cuda")[None]
+    assert torch.equal(runs[True][0].generate(prompt, max_new_tokens=4), runs[False][0].generate(prompt,
+                                                                                                 max_new_tokens=4))
