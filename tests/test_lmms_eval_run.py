@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from statekv.eval.answering import room_for_prompts
-from statekv.eval.fabricate import LMMS_TASK, write_lmms_task
+from statekv.eval.fabricate import LMMS_TASK, write_lmms_task, write_still_seconds_video
 from statekv.pipeline import VideoQA
-from statekv.testing import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint, read_frame_index
 
 if os.environ.get("CI"):
     import lmms_eval  # noqa: F401  (CI must run these tests, not skip them)
@@ -112,3 +112,15 @@ def test_a_failing_rank_fails_the_launch(checkpoint, task, tmp_path):
     run = lmms_eval(broken_task, tmp_path / "out", f"pretrained={checkpoint},{MODEL_ARGS}", processes=2)
     assert run.returncode != 0
     assert "statekv (lmms-eval model): error while answering" in run.stderr and "missing.mp4" in run.stderr
+
+
+def test_lmms_evals_own_pyav_reader_works_with_this_pyav(tmp_path):
+    """lmms-eval 0.7.3 declares av<16; statekv runs it beside a newer PyAV (its model never uses lmms-eval's
+    readers, but lmms-eval's own models do). Its PyAV reader decodes the right frames with the installed one."""
+    import av
+    from lmms_eval.models.model_utils.load_video import read_video_pyav
+
+    video = write_still_seconds_video(tmp_path / "clip.mp4", 4, offset=5)  # second k shows picture 5 + k
+    frames = read_video_pyav(str(video), num_frm=4)
+    assert frames.shape == (4, 64, 64, 3), av.__version__
+    assert [read_frame_index(frame) for frame in frames] == [5, 6, 7, 8]
