@@ -76,10 +76,7 @@ def integer(value: Any, name: str, *, minimum: int | None = None) -> int:
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
     elif isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            pass
+        number = _from_text(value, int)
     if number is None:
         raise ConfigurationError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and number < minimum:
@@ -97,10 +94,7 @@ def positive_float(value: Any, name: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            pass
+        number = _from_text(value, float)
     if number is None or not math.isfinite(number):
         raise ConfigurationError(f"{name} must be a number, got {value!r}")
     if number <= 0:
@@ -133,3 +127,11 @@ def choice(choices: Sequence[str]) -> Parser:
         raise ConfigurationError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
     return parse
+
+
+def _from_text(text: str, convert: Callable[[str], Any]) -> Any:
+    """``convert(text)`` without surrounding spaces, or None when it refuses the text."""
+    try:
+        return convert(text.strip())
+    except ValueError:
+        return None
