@@ -55,7 +55,7 @@ def lmms_eval(task: Path, out: Path, model_args: str, *, processes: int = 1) -> 
 
 def logged_run(out: Path) -> tuple[dict, dict[int, dict]]:
     """``(results.json, {doc_id: sample line})`` of the one run under ``out``."""
-    results = list(out.glob(f"*/*_results.json"))
+    results = list(out.glob("*/*_results.json"))
     samples = list(out.glob(f"*/*_samples_{LMMS_TASK}.jsonl"))
     assert len(results) == 1 and len(samples) == 1, sorted(out.rglob("*"))
     lines = [json.loads(line) for line in samples[0].read_text(encoding="utf-8").splitlines()]

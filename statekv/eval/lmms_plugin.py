@@ -37,7 +37,6 @@ same request contract), so the request handling is usable and testable on its ow
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import traceback
@@ -63,8 +62,6 @@ from statekv.eval.options import (
 from statekv.pipeline import METHODS
 from statekv.video.errors import VideoError
 
-logger = logging.getLogger(__name__)
-
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
 PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
@@ -84,7 +81,7 @@ MODEL_ARGS = (
     Option("offload", boolean, False),
     # lmms-eval's own --batch_size and --max_batch_size arrive as model args too
     Option("batch_size", integer, 1),
-    Option("max_batch_size", lambda value, name: value, None),
+    Option("max_batch_size", lambda value, name: value, None),  # only for --batch_size auto: unused
 )
 
 
