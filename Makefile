@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# lmms-eval's metadata pins av<16 and pulls a torchvision that replaces the installed torch; statekv[lmms]
+# brings what it imports, and lmms-eval itself goes in without its dependencies (docs/evaluation.md)
+LMMS_EVAL ?= lmms-eval==0.7.3
 
-.PHONY: demo test env clean
+.PHONY: demo test env lmms clean
 
 $(BIN)/statekv: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,12 +15,19 @@ $(BIN)/statekv: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	touch $(BIN)/statekv
 
+$(VENV)/.lmms-eval: $(BIN)/statekv
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,lmms]"
+	$(BIN)/pip install -q -c constraints.txt --no-deps "$(LMMS_EVAL)"
+	touch $@
+
 env: $(BIN)/statekv
+
+lmms: $(VENV)/.lmms-eval
 
 demo: env
 	$(BIN)/statekv demo
 
-test: env
+test: env lmms
 	$(BIN)/python -m pytest -q
 
 clean:

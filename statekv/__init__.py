@@ -1,6 +1,10 @@
 """statekv: linear-time long-video encoding for video VLMs (StateKV)."""
 
-from .core import (
+from ._torchvision_check import check_torchvision
+
+check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
+
+from .core import (  # noqa: E402
     Candidates,
     CarryPolicy,
     ConfigurationError,
@@ -19,8 +23,8 @@ from .core import (
     scored_attention,
 )
 
-from .pipeline import EncodedVideo, EncodingStats, VideoQA, make_policy
-from .stream import Stream
+from .pipeline import EncodedVideo, EncodingStats, VideoQA, make_policy  # noqa: E402
+from .stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 

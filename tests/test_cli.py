@@ -150,3 +150,18 @@ def test_help_reads_well(capsys):
     with pytest.raises(SystemExit):
         main(["stream", "--help"])
     assert "SECONDS:QUESTION" in capsys.readouterr().out
+
+
+def test_a_torchvision_built_for_another_torch_is_named(tmp_path):
+    """PyPI's torchvision beside a CPU torch fails to load its operators; transformers would then report an
+    unrelated import error. statekv names torchvision and the fix."""
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", "import statekv"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])})
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: torchvision is installed but does not load with torch ")
+    assert "operator torchvision::nms does not exist" in last and "pip uninstall torchvision" in last

@@ -7,16 +7,19 @@ automatic ``doc_to_messages`` writes them: the video path, then the prompt text)
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import statekv.eval as ev
 from statekv.core.errors import InputError
 from statekv.eval import lmms_plugin
-from statekv.eval.fabricate import write_mini_videomme
-from statekv.eval.lmms_plugin import StateKV, video_and_prompt
+from statekv.eval.distributed import RankContext
+from statekv.eval.fabricate import write_lmms_task, write_mini_videomme
+from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
 from statekv.pipeline import VideoQA
 from statekv.testing import make_tiny_checkpoint
@@ -118,16 +121,111 @@ def test_messages_must_hold_one_video_and_text():
         video_and_prompt([{"role": "user", "content": [video]}])
     with pytest.raises(InputError, match="expected a chat request"):
         StateKV._prepare(types.SimpleNamespace(task_dict={}), types.SimpleNamespace(args=("ctx", {"until": []})))
+    with pytest.raises(InputError, match="expected a chat request"):
+        lmms_plugin._chat_args(types.SimpleNamespace(args=None))
 
 
-def test_model_args_as_lmms_eval_passes_them(checkpoint):
-    # lmms-eval parses --model_args strings: numbers become int/float, "None" stays a string
+def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
+    # lmms-eval parses --model_args strings: true/false become bools, digits ints, "None", "no", "off" stay strings
     model = StateKV(pretrained=str(checkpoint), method="recency", frames=2, max_num_frames=8, max_fps=1,
-                    layout="None", attention="auto", dtype="float32", device="cpu", batch_size=1, max_batch_size=None)
+                    layout="None", attention="auto", dtype="float32", device="cpu", batch_size="1", max_batch_size=None,
+                    trust_remote_code="no", offload="OFF")
     assert model.qa.method == "recency" and model.qa.policy.frames == 2 and model.qa.adapter.layout == "paper"
-    assert (model.max_num_frames, model.max_fps) == (8, 1.0)
-    with pytest.raises(InputError, match="batch_size=1"):
-        StateKV(pretrained=str(checkpoint), batch_size=2)
+    assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.offload is False
+    loads = []
+    monkeypatch.setattr(VideoQA, "from_pretrained", lambda path, **kwargs: loads.append(kwargs) or "qa")
+    StateKV(pretrained="m", trust_remote_code="Yes", offload=1, budget="64", max_fps="0.5")
+    assert loads[-1] == {"method": "statekv", "budget": 64, "frames": 16, "layout": None, "attention": "auto",
+                         "dtype": None, "device": None, "trust_remote_code": True, "offload": True}
+
+
+@pytest.mark.parametrize(("model_args", "message"), [
+    ({"trust_remote_code": "nein"}, "trust_remote_code must be a boolean (true/false, 1/0, yes/no, on/off), got 'nein'"),
+    ({"offload": 2}, "offload must be a boolean"),
+    ({"budget": 0}, "budget must be at least 1, got 0"),
+    ({"budget": "4k"}, "budget must be an integer, got '4k'"),
+    ({"max_fps": "fast"}, "max_fps must be a number"),
+    ({"method": "fulll"}, "method must be one of statekv, full, recency, got 'fulll'"),
+    ({"bugdet": 64}, "unknown statekv model arg bugdet; known: pretrained, method, budget, frames,"),
+    ({"batch_size": 2}, "answers one request at a time; use --batch_size 1, not 2"),
+    ({"pretrained": "None"}, "the statekv model needs pretrained=<checkpoint folder or hub id>"),
+])
+def test_bad_model_args_end_the_run_with_one_line(model_args, message, monkeypatch, capsys):
+    monkeypatch.setattr(VideoQA, "from_pretrained", lambda path, **kwargs: pytest.fail("loaded despite bad args"))
+    with pytest.raises(SystemExit) as exit_info:
+        StateKV(**{"pretrained": "m", **model_args})
+    assert exit_info.value.code == 2  # lmms-eval would log an exception and exit 0
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1 and "Traceback" not in error
+
+
+def test_rank_world_size_and_device_come_from_the_launcher(checkpoint, qa, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model = StateKV(qa=qa)
+    assert (model.rank, model.world_size, model.device) == (3, 4, torch.device("cpu"))
+    assert model.tokenizer is qa.adapter.tokenizer
+    context = RankContext(rank=3, world_size=4, local_rank=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [lmms_plugin._device(device, context) for device in (None, "cuda", "cpu", "cuda:0")] \
+        == ["cuda:1", "cuda:1", "cpu", "cuda:0"]
+    assert lmms_plugin._device(None, RankContext()) is None  # one process: VideoQA's own default
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(SystemExit):
+        StateKV(qa=qa)
+
+
+def test_ranks_answer_their_share_exactly_as_one_process_would(qa, tmp_path, monkeypatch):
+    """lmms-eval deals every world_size-th document to a rank, so a video's questions (here of different
+    lengths) land on different ranks; each rank must still plan the video's encoding as one process does."""
+    # the tiny InternVL has dynamic RoPE, so the planned horizon changes its answers
+    task_file = write_lmms_task(tmp_path, videos=2)
+    docs = [json.loads(line) for line in (task_file.parent / "docs.jsonl").read_text().splitlines()]
+    task_dict = {"smoke": {"test": [{"video": d["video"], "text": d["question"]} for d in docs]}}
+    gen_kwargs = {"max_new_tokens": 4, "until": ["\n\n"]}
+
+    def requests_of(doc_ids, pad=0):
+        made = [types.SimpleNamespace(args=("<ctx>", doc_to_messages, dict(gen_kwargs), i, "smoke", "test"),
+                                      metadata={}) for i in doc_ids]
+        padding = [types.SimpleNamespace(args=made[-1].args, metadata={PADDING_KEY: True}) for _ in range(pad)]
+        return made + padding
+
+    model = StateKV(qa=qa)
+    model.task_dict = task_dict
+    single = model.generate_until(requests_of(range(len(docs))))
+    encodes = []
+    real_encode = qa.encode
+    monkeypatch.setattr(qa, "encode", lambda *a, **k: encodes.append(a[0]) or real_encode(*a, **k))
+    shares = {}
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ranked = StateKV(qa=qa)
+        ranked.task_dict = task_dict
+        mine = range(rank, len(docs), 2)
+        answers = ranked.generate_until(requests_of(mine, pad=rank))  # rank 1 gets one padding request
+        assert answers[len(mine):] == [""] * rank
+        shares.update(zip(mine, answers))
+    assert [shares[i] for i in range(len(docs))] == single
+    assert len(encodes) == 2 * len({d["video"] for d in docs})  # each rank encodes each of its videos once
+
+
+def test_errors_while_answering_end_the_process(qa, capsys, monkeypatch):
+    model = StateKV(qa=qa)
+    model.task_dict = {"t": {"test": [{"video": "/no/such/video.mp4", "text": "Q?"}]}}
+    request = types.SimpleNamespace(args=("<ctx>", doc_to_messages, {}, 0, "t", "test"), metadata={})
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until([request])
+    assert exit_info.value.code == 2 and "error while answering" in capsys.readouterr().err
+    monkeypatch.setattr(qa, "encode", lambda *a, **k: 1 / 0)
+    model.task_dict = {"t": {"test": [{"video": "/v.mp4", "text": "Q?"}]}}
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until([request])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" in error and "ZeroDivisionError" in error
+    with pytest.raises(SystemExit):
+        model.loglikelihood([request])
 
 
 def test_registered_and_run_through_lmms_eval_itself(checkpoint, data_root, qa):

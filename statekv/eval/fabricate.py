@@ -122,6 +122,47 @@ def write_mini_benchmarks(root: Path | str) -> Path:
     return Path(root)
 
 
+LMMS_TASK = "statekv_smoke"
+# of different lengths, so that a video's planned room depends on which of its questions are counted
+LMMS_QUESTIONS = ("Which picture comes first ({})? A or B?",
+                  "Watching the whole clip from its first second to its last, which picture comes last ({})? "
+                  "Answer with A or B only.")
+
+
+def write_lmms_task(root: Path | str, *, videos: int = 3, questions: int = 2, seconds: int = 3,
+                    max_new_tokens: int = 4) -> Path:
+    """A tiny lmms-eval video task, fully local: ``videos`` synthetic videos with ``questions`` questions each.
+
+    Writes ``root/videos/*.mp4``, ``root/docs.jsonl`` (``video``: absolute path, ``question``, ``answer``) and
+    ``root/statekv_smoke.yaml``, an lmms-eval task (``--include_path root --tasks statekv_smoke``) that reads the docs with the ``json`` dataset builder, gives the model the
+    video and the question (lmms-eval's automatic chat messages) and scores exact match. Needs no network.
+    Returns the task file.
+    """
+    root = Path(root).resolve()
+    docs = []
+    for v in range(videos):
+        video = write_still_seconds_video(root / "videos" / f"clip{v}.mp4", seconds + v % 2, offset=9 * v)
+        for q in range(questions):
+            docs.append({"video": str(video), "question": LMMS_QUESTIONS[q % 2].format(f"{v}.{q}"),
+                         "answer": "AB"[(v + q) % 2]})
+    (root / "docs.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+    task = {
+        "task": LMMS_TASK,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(root / "docs.jsonl")}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "doc_to_visual": "video",
+        "doc_to_text": "{{question}}",
+        "doc_to_target": "answer",
+        "generation_kwargs": {"max_new_tokens": max_new_tokens, "until": ["\n\n"], "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+    }
+    path = root / f"{LMMS_TASK}.yaml"
+    path.write_text(json.dumps(task, indent=2) + "\n", encoding="utf-8")  # JSON is YAML
+    return path
+
+
 def _write_table(directory: Path, stem: str, rows: list[dict[str, Any]], fmt: str | None) -> Path:
     """Parquet (the published format) when pyarrow is installed or ``fmt="parquet"``, else JSON Lines."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """lmms-eval plugin: ``lmms-eval --model statekv --model_args pretrained=...,method=statekv,budget=4096``.
 
 statekv registers itself in lmms-eval's entry-point group ``lmms_eval.models`` (see `manifest`) as the chat
-model ``statekv``. Model args (``--model_args key=value,...``)::
+model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly by `MODEL_ARGS`)::
 
     pretrained       checkpoint folder or hub id (required)
     method           statekv | full | recency                       (default statekv)
@@ -11,14 +11,25 @@ model ``statekv``. Model args (``--model_args key=value,...``)::
     max_fps          at most this many frames per second            (default 1)
     layout           the family's prompt layout                     (default: the paper's)
     attention        auto | eager | chunked | triton                (default auto)
-    dtype, device, trust_remote_code, offload                       as `statekv.VideoQA.from_pretrained`
+    dtype            e.g. bfloat16                                  (default: the checkpoint's)
+    device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
+    trust_remote_code, offload   booleans: true/false, 1/0, yes/no, on/off (default false)
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
 task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives the chat messages: one
 user turn holding one video (``{"type": "video", "url": path}``) and the prompt text. Requests about the same
 video are answered from one encoding. ``gen_kwargs`` give ``max_new_tokens``, ``until`` (stop strings) and
-``temperature`` (0: greedy). Under ``accelerate launch`` each process places its model on
-``cuda:<LOCAL_RANK>``; lmms-eval itself splits the documents and gathers the answers.
+``temperature`` (0: greedy).
+
+Multi-process runs (``torchrun``, ``accelerate launch``): lmms-eval gives each rank every ``world_size``-th
+document; each rank loads its own model (on ``cuda:<LOCAL_RANK>`` when CUDA is available) and encodes the
+videos of its own requests; lmms-eval gathers the answers on rank 0. The model reports ``rank``,
+``world_size`` and ``device`` (lmms-eval's collectives put tensors on it) and answers the padding requests
+lmms-eval adds to even out the ranks with nothing (lmms-eval discards them).
+
+lmms-eval logs an exception raised by a model and still exits 0 (and in a multi-process run the other
+ranks then wait at the next collective). The statekv model therefore ends the process itself on an error:
+exit status 2 with one line for bad model args, requests or videos, 1 with the traceback for anything else.
 
 lmms-eval is optional: without it this module still imports (the class then has a stand-in base with the
 same request contract), so the request handling is usable and testable on its own.
@@ -26,18 +37,52 @@ same request contract), so the request handling is usable and testable on its ow
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Sequence
+import sys
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from statekv.core.errors import InputError
+from statekv.core.attention import BACKENDS
+from statekv.core.errors import ConfigurationError, InputError, StateKVError
 from statekv.eval.answering import room_for_prompts
-
-logger = logging.getLogger(__name__)
+from statekv.eval.distributed import RankContext
+from statekv.eval.options import (
+    Option,
+    boolean,
+    choice,
+    integer,
+    optional_text,
+    parse_options,
+    positive_float,
+    positive_int,
+    required_text,
+)
+from statekv.pipeline import METHODS
+from statekv.video.errors import VideoError
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
+PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
+
+MODEL_ARGS = (
+    Option("pretrained", required_text, None, "checkpoint folder or hub id"),
+    Option("method", choice(METHODS), "statekv"),
+    Option("budget", positive_int, 4096, "StateKV budget B in tokens"),
+    Option("frames", positive_int, 16, "recency window R in frames"),
+    Option("max_num_frames", positive_int, 512),
+    Option("max_fps", positive_float, 1.0),
+    Option("layout", optional_text, None),
+    Option("attention", choice(BACKENDS), "auto"),
+    Option("dtype", optional_text, None),
+    Option("device", optional_text, None),
+    Option("trust_remote_code", boolean, False),
+    Option("offload", boolean, False),
+    # lmms-eval's own --batch_size and --max_batch_size arrive as model args too
+    Option("batch_size", integer, 1),
+    Option("max_batch_size", lambda value, name: value, None),  # only for --batch_size auto: unused
+)
 
 
 def manifest():
@@ -72,49 +117,96 @@ except ImportError:  # the optional dependency is absent: keep the same contract
         def world_size(self) -> int:
             return self._world_size
 
+        def clean(self) -> None:
+            pass
+
+
+@contextmanager
+def exit_on_error(what: str) -> Iterator[None]:
+    """End the process when the body raises: lmms-eval would log the error and exit 0 (see the module
+    docstring). statekv's own errors (bad model args, malformed requests, unreadable videos) give one line
+    and status 2, anything else its traceback and status 1."""
+    try:
+        yield
+    except (StateKVError, VideoError) as error:
+        print(f"statekv (lmms-eval model): error while {what}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from error
+    except Exception as error:
+        traceback.print_exc()
+        print(f"statekv (lmms-eval model): failed while {what}: {type(error).__name__}: {error}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from error
+
 
 class StateKV(_Base):
-    """A statekv `VideoQA` as an lmms-eval chat model (see the module docstring)."""
+    """A statekv `VideoQA` as an lmms-eval chat model (see the module docstring).
+
+    ``qa`` (an already loaded `VideoQA`) replaces loading ``pretrained``; model args are then still checked.
+    """
 
     is_simple = False
 
-    def __init__(self, pretrained: str, method: str = "statekv", budget: int = 4096, frames: int = 16,
-                 max_num_frames: int = 512, max_fps: float = 1.0, layout: str | None = None, attention: str = "auto",
-                 dtype: str | None = None, device: str | None = None, trust_remote_code: bool = False,
-                 offload: bool = False, batch_size: int | str = 1, qa=None, **unused: Any) -> None:
+    def __init__(self, qa=None, **model_args: Any) -> None:
         super().__init__()
+        with exit_on_error("loading the model"):
+            self._setup(qa, model_args)
+
+    def _setup(self, qa, model_args: dict[str, Any]) -> None:
         from statekv.pipeline import VideoQA
 
-        if int(batch_size) != 1:
-            raise InputError(f"the statekv model answers one request at a time; use batch_size=1, not {batch_size}")
-        for name in unused:
-            if name != "max_batch_size":
-                logger.warning("statekv: ignoring unknown model arg %r", name)
-        self.max_num_frames = int(max_num_frames)
-        self.max_fps = float(max_fps)
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self._rank, self._world_size = int(os.environ.get("RANK", 0)), world_size
+        if qa is not None:
+            model_args.setdefault("pretrained", "<given VideoQA>")
+        elif optional_text(model_args.get("pretrained"), "pretrained") is None:
+            raise ConfigurationError("the statekv model needs pretrained=<checkpoint folder or hub id>")
+        args = parse_options(model_args, MODEL_ARGS, what="statekv model arg")
+        if args["batch_size"] != 1:
+            raise ConfigurationError(f"the statekv model answers one request at a time; use --batch_size 1, not "
+                                     f"{model_args['batch_size']}")
+        context = RankContext.from_env()
+        self._rank, self._world_size = context.rank, context.world_size
+        self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
         self.qa = qa if qa is not None else VideoQA.from_pretrained(
-            pretrained, method=method, budget=int(budget), frames=int(frames), layout=_none(layout),
-            attention=attention, dtype=_none(dtype), device=_device(device, world_size),
-            trust_remote_code=bool(trust_remote_code), offload=bool(offload),
+            args["pretrained"], method=args["method"], budget=args["budget"], frames=args["frames"],
+            layout=args["layout"], attention=args["attention"], dtype=args["dtype"],
+            device=_device(args["device"], context), trust_remote_code=args["trust_remote_code"],
+            offload=args["offload"],
         )
+
+    @property
+    def device(self):
+        """The model's ``torch.device`` (lmms-eval places the tensors of its cross-rank collectives on it)."""
+        return self.qa.adapter.device
+
+    @property
+    def tokenizer(self):
+        return self.qa.adapter.tokenizer
+
+    def clean(self) -> None:
+        """lmms-eval's hook to free the model's memory once all requests are answered."""
+        self.qa = None
+        super().clean()
 
     # -- lmms-eval's request entry points ---------------------------------------------------------------
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
-        """Answer chat requests, in their order; requests about one video share one encoding."""
+        """Answer chat requests, in their order; requests about one video share one encoding.
+
+        lmms-eval's rank-padding requests get ``""`` without any work."""
+        with exit_on_error("answering"):
+            return self._generate_until(requests)
+
+    def _generate_until(self, requests: Sequence[Any]) -> list[str]:
         from tqdm.auto import tqdm
 
-        prepared = [self._prepare(request) for request in requests]
-        answers: list[str | None] = [None] * len(prepared)
+        answers: list[str | None] = ["" if _is_padding(request) else None for request in requests]
+        prepared = {index: self._prepare(request) for index, request in enumerate(requests)
+                    if answers[index] is None}
         by_video: dict[str, list[int]] = {}
-        for index, (video, _, _) in enumerate(prepared):
+        for index, (video, _, _) in prepared.items():
             by_video.setdefault(video, []).append(index)
+        rooms = self._rooms(requests, prepared.values())
         with tqdm(total=len(prepared), disable=self.rank != 0, desc="statekv answering") as bar:
             for video, indices in by_video.items():
-                prompts = [prepared[index][1] for index in indices]
-                longest_answer = max(_max_new_tokens(prepared[index][2]) for index in indices)
-                with room_for_prompts(self.qa, prompts, longest_answer):
+                with room_for_prompts(self.qa, *rooms[video]):
                     encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames)
                 with encoded:
                     for index in indices:
@@ -126,22 +218,53 @@ class StateKV(_Base):
                         bar.update(1)
         return answers  # type: ignore[return-value]
 
+    def _rooms(self, requests: Sequence[Any], prepared: Iterable[tuple[str, str, dict[str, Any]]]
+               ) -> dict[str, tuple[list[str], int]]:
+        """``video -> (prompts, longest answer)`` to plan each encoding with: every question about the video in
+        the requests' tasks, not only this call's.
+
+        The room after a video sets its RoPE horizon (`room_for_prompts`), which changes the answers of models
+        with dynamic RoPE. lmms-eval gives each rank every ``world_size``-th document, so a video's questions
+        are spread over the ranks; planning from the whole task keeps every rank's encoding (and so every
+        answer) identical to a single-process run's, as `statekv eval` plans from all of a video's questions.
+        """
+        rooms: dict[str, tuple[list[str], int]] = {}
+        for video, prompt, gen_kwargs in prepared:
+            prompts, longest = rooms.get(video, ([], 0))
+            rooms[video] = ([*prompts, prompt], max(longest, _max_new_tokens(gen_kwargs)))
+        if not rooms:
+            return rooms
+        tasks: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
+        for request in requests:  # padding requests too: they name a task this rank may have no other doc of
+            doc_to_messages, gen_kwargs, _, task, split = _chat_args(request)
+            tasks.setdefault((task, split), (doc_to_messages, gen_kwargs))
+        for (task, split), (doc_to_messages, gen_kwargs) in tasks.items():
+            for doc in self.task_dict[task][split]:
+                try:
+                    video, prompt = video_and_prompt(doc_to_messages(doc))
+                except InputError:  # such a document fails where it is asked; it plans nothing
+                    continue
+                if video in rooms:
+                    prompts, longest = rooms[video]
+                    prompts.append(prompt)
+                    rooms[video] = (prompts, max(longest, _max_new_tokens(gen_kwargs)))
+        return rooms
+
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
-        raise NotImplementedError("the statekv model generates answers; it does not score log-likelihoods")
+        with exit_on_error("scoring log-likelihoods"):
+            raise InputError("the statekv model generates answers; it does not score log-likelihoods "
+                             "(use generate_until tasks)")
 
     def generate_until_multi_round(self, requests: Sequence[Any]) -> list[str]:
-        raise NotImplementedError("the statekv model answers single-turn requests only")
+        with exit_on_error("answering multi-round requests"):
+            raise InputError("the statekv model answers single-turn requests only")
 
     # -- internals --------------------------------------------------------------------------------------
     def _prepare(self, request: Any) -> tuple[str, str, dict[str, Any]]:
         """``(video path, prompt text, generation kwargs)`` of one chat request."""
-        try:
-            _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
-        except (TypeError, ValueError):
-            raise InputError("expected a chat request: args = (context, doc_to_messages, gen_kwargs, doc_id, task, "
-                             "split); is the model registered as a chat model?") from None
+        doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
         messages = doc_to_messages(self.task_dict[task][split][doc_id])
-        return (*video_and_prompt(messages, where=f"{task} doc {doc_id}"), dict(gen_kwargs or {}))
+        return (*video_and_prompt(messages, where=f"{task} doc {doc_id}"), gen_kwargs)
 
     def _answer(self, encoded, prompt: str, gen_kwargs: dict[str, Any]) -> str:
         until = gen_kwargs.get("until") or []
@@ -190,19 +313,29 @@ def video_and_prompt(messages: Any, *, where: str = "request") -> tuple[str, str
     return os.fspath(videos[0]), prompt
 
 
+def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:
+    """``(doc_to_messages, gen_kwargs, doc_id, task, split)`` of an lmms-eval 0.7 chat request."""
+    try:
+        _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
+    except (TypeError, ValueError):
+        raise InputError("expected a chat request: args = (context, doc_to_messages, gen_kwargs, doc_id, task, "
+                         "split); is the model registered as a chat model?") from None
+    return doc_to_messages, dict(gen_kwargs or {}), doc_id, task, split
+
+
 def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
     return int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
 
 
-def _none(value: Any) -> Any:
-    return None if value in (None, "", "None", "none") else value
+def _is_padding(request: Any) -> bool:
+    metadata = getattr(request, "metadata", None)
+    return isinstance(metadata, dict) and bool(metadata.get(PADDING_KEY))
 
 
-def _device(device: str | None, world_size: int) -> str | None:
+def _device(device: str | None, context: RankContext) -> str | None:
     """The model's device: this process's GPU under a multi-process launch, else the requested one."""
     import torch
 
-    device = _none(device)
-    if world_size > 1 and torch.cuda.is_available() and (device is None or str(device) == "cuda"):
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if context.distributed and torch.cuda.is_available() and (device is None or device == "cuda"):
+        return f"cuda:{context.local_rank}"
     return device
