@@ -13,6 +13,8 @@ from .core import (  # noqa: E402
     InputError,
     KeyNorm,
     Recency,
+    ReKV,
+    Retrieval,
     ScoredPolicy,
     SinksAndRecency,
     StateKV,
@@ -30,6 +32,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError", "KeyNorm",
-    "Recency", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
+    "Recency", "ReKV", "Retrieval", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
     "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy", "Stream",
 ]

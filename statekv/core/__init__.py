@@ -1,17 +1,18 @@
 """The model-agnostic engine: carry policies, scored attention, the two-state cache and streaming prefill."""
 
+from .answering import Retrieval
 from .attention import chunk_attention, scored_attention
 from .cache import TwoStateCache
 from .decoding import generate_from_cache
 from .errors import ConfigurationError, HorizonError, InputError, StateKVError, UnsupportedModelError
-from .policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, Recency, ScoredPolicy, SinksAndRecency,
-                       StateKV)
+from .policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, ScoredPolicy,
+                       SinksAndRecency, StateKV)
 from .prefill import StreamingPrefill
 from .rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
 
 __all__ = [
     "Candidates", "CarryPolicy", "ConfigurationError", "FrozenRope", "FullAttention", "HorizonError",
-    "InputError", "KeyNorm", "Recency", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill",
+    "InputError", "KeyNorm", "Recency", "ReKV", "Retrieval", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill",
     "TwoStateCache", "UnsupportedModelError", "check_horizon", "chunk_attention", "freeze_rope",
     "generate_from_cache", "rope_capacity", "scored_attention",
 ]

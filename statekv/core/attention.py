@@ -98,8 +98,12 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                     mask: ChunkMask | None = None) -> torch.Tensor:
     """The same attention without scores, through PyTorch SDPA. Returns ``[B, Tq, Hq, D]``."""
     _check_shapes(q, k, v)
-    mask = mask or ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.sdpa(q.dtype), scale=scale,
+    if q.shape[2] == 1:  # one query sees every key
+        attn_mask = None
+    else:
+        mask = mask or ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+        attn_mask = mask.sdpa(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 

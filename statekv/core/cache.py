@@ -16,216 +16,42 @@ A layer keeps its carried state in one of three forms:
 * **slots**: one buffer ``[carried K; chunk T]`` (:class:`CarriedSlots`). The chunk is written into the last
   T slots, attention reads the whole buffer, and the selection is gathered back into the first K. Once K and
   T stop changing (a scored rule at its budget), every step touches the same memory with the same shapes.
-* **ring**: for recency once its window holds R steps of equal length T: the slots buffer holds the window as
-  a ring of R steps (step ``s`` in ring slot ``s mod R``) and each commit overwrites the oldest step with the
-  chunk.
+* **ring**: for recency (and ReKV) once its window holds R steps of equal length T: the slots buffer holds
+  the sink tokens, then the window as a ring of R steps (step ``s`` in ring slot ``s mod R``), and each commit
+  overwrites the oldest step with the chunk (:class:`Ring`).
 
 In the slots and ring forms, everything that changes from step to step (where the chunk goes in the detailed
-cache, its positions, the ring slot) lives in device tensors (:attr:`TwoStateCache.write_index`, the ring
-counter) that the step itself advances, so a steady step is static and can be captured as a CUDA graph.
+cache, its positions, the ring slot, the step's index) lives in device tensors that the step itself advances,
+so a steady step is static and can be captured as a CUDA graph.
 
-With ``storage_device`` set (offload), the detailed cache lives there (e.g. CPU memory) while the carried
-state stays with the model, so accelerator memory does not grow with the stream; such layers never use the
-window form, and their chunk is copied to storage after the device part of each step.
+Every step also leaves the mean of its keys per layer and KV head (``block_keys``): what question-time
+retrieval ranks steps by (:mod:`statekv.core.answering`).
+
+With ``storage_device`` set (offload), the detailed cache and the step means live there (e.g. CPU memory)
+while the carried state stays with the model, so accelerator memory does not grow with the stream; such
+layers never use the window form, and their chunk is copied to storage after the device part of each step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .attention import ChunkMask, chunk_attention, scored_attention
+from .buffers import CarriedSlots, Ring, TokenBuffer
 from .errors import InputError
 from .policies import Candidates, CarryPolicy
 
 
-class DetailedBuffer:
-    """Every token's keys and values of one layer, in order, in a buffer that grows geometrically.
-
-    ``keys``/``values`` are ``[B, H_kv, capacity, D]``; the first ``length`` slots are committed. Appends
-    write in place, so a stream of N chunks copies O(N) bytes in total (amortised), not O(N^2).
-    """
-
-    GROWTH = 2.0
-
-    def __init__(self, capacity_hint: int | None = None, device: torch.device | str | None = None,
-                 on_replace: Callable[[], None] | None = None):
-        self.capacity_hint = capacity_hint
-        self.device = torch.device(device) if device is not None else None  # None: where the chunks come from
-        self.on_replace = on_replace  # told whenever keys/values move to new memory
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def reserve(self, like: torch.Tensor, needed: int) -> bool:
-        """Make room for ``needed`` tokens shaped like ``like`` ``[B, H_kv, *, D]``; True if it reallocated."""
-        if needed <= self.capacity:
-            return False
-        capacity = max(needed, math.ceil(self.capacity * self.GROWTH), self.capacity_hint or 0)
-        b, h, _, d = like.shape
-        device = self.device or like.device
-        pin = device.type == "cpu" and like.is_cuda  # offloaded from a GPU: asynchronous copies need pinned memory
-        keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
-        values = torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
-        if self.keys is not None:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
-        if self.on_replace is not None:
-            self.on_replace()
-        return True
-
-    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``[B, H_kv, T, D]`` keys/values to ``[start, start + T)`` (from any device)."""
-        self.reserve(keys, start + keys.shape[2])
-        end = start + keys.shape[2]
-        non_blocking = self.keys.is_pinned()
-        self.keys[:, :, start:end].copy_(keys, non_blocking=non_blocking)
-        self.values[:, :, start:end].copy_(values, non_blocking=non_blocking)
-
-    def write_at(self, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``[B, H_kv, T, D]`` keys/values to the token slots ``index`` (LongTensor ``[T]`` on this
-        buffer's device, so the offset never passes through the host)."""
-        self.keys.index_copy_(2, index, keys)
-        self.values.index_copy_(2, index, values)
-
-    def view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, start:end], self.values[:, :, start:end]
-
-    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the contents with ``length`` committed tokens: keys/values ``[B, H_kv, length, D]``."""
-        self.keys = self.values = None
-        self.length = 0
-        if keys.shape[2]:
-            self.write(0, keys, values)
-            self.length = keys.shape[2]
-
-    def synchronize(self) -> None:
-        """Wait for asynchronous copies into this (pinned) buffer before the host reads it."""
-        if self.keys is not None and self.keys.is_pinned() and torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-
-class CarriedSlots:
-    """The carried state and the current chunk in one buffer, so attention reads them without concatenating.
-
-    ``kv`` ``[2, B, H_kv, K + T, D]`` holds keys then values; the first ``carried`` (K) slots are the carried
-    state, the last T the chunk being streamed. ``positions`` LongTensor ``[B, H_kv, K + T]`` (None in a
-    ring, whose positions follow from the step count) gives each slot's logical position.
-    """
-
-    def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int):
-        self.kv, self.positions, self.carried = kv, positions, carried
-
-    @classmethod
-    def holding(cls, kv: torch.Tensor, positions: torch.Tensor | None, chunk_len: int) -> "CarriedSlots":
-        """A new buffer whose carried part is ``kv`` ``[2, B, H_kv, K, D]`` (and ``positions [B, H_kv, K]``),
-        with room for a chunk of ``chunk_len`` tokens."""
-        two, b, h, k, d = kv.shape
-        slots = cls(kv.new_empty(two, b, h, k + chunk_len, d),
-                    None if positions is None else positions.new_empty(b, h, k + chunk_len), k)
-        slots.kv[:, :, :, :k] = kv
-        if positions is not None:
-            slots.positions[..., :k] = positions
-        return slots
-
-    @property
-    def size(self) -> int:
-        return self.kv.shape[3]
-
-    @property
-    def chunk_len(self) -> int:
-        return self.size - self.carried
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.kv[0]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.kv[1]
-
-    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The carried part: ``kv [2, B, H_kv, K, D]`` and positions ``[B, H_kv, K]`` (views)."""
-        positions = None if self.positions is None else self.positions[..., : self.carried]
-        return self.kv[:, :, :, : self.carried], positions
-
-    def tail(self) -> torch.Tensor:
-        """The chunk part, ``[2, B, H_kv, T, D]`` (a view)."""
-        return self.kv[:, :, :, self.carried:]
-
-    def with_chunk_len(self, chunk_len: int) -> "CarriedSlots":
-        """This buffer, or a new one holding the same carried state, with room for ``chunk_len`` tokens."""
-        return self if chunk_len == self.chunk_len else CarriedSlots.holding(*self.head(), chunk_len)
-
-    def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` into the last T slots."""
-        self.kv[0, :, :, self.carried:] = keys
-        self.kv[1, :, :, self.carried:] = values
-        if self.positions is not None:
-            self.positions[..., self.carried:] = positions
-
-    def suffix(self, start: int) -> "CarriedSlots":
-        """A new buffer carrying slots ``start:`` (e.g. everything, or a recency window), with room for a chunk
-        as long as this one."""
-        positions = None if self.positions is None else self.positions[..., start:]
-        return CarriedSlots.holding(self.kv[:, :, :, start:], positions, self.chunk_len)
-
-    def keep(self, selection: torch.Tensor) -> "CarriedSlots":
-        """Carry the slots ``selection`` (LongTensor ``[B, H_kv, K']``, ascending) into the next step: in place
-        when K' equals the carried size, else into a new buffer with room for a chunk as long as this one."""
-        kv = self.kv.gather(3, selection[None, ..., None].expand(2, -1, -1, -1, self.kv.shape[-1]))
-        positions = None if self.positions is None else self.positions.gather(2, selection)
-        if selection.shape[-1] != self.carried:
-            return CarriedSlots.holding(kv, positions, self.chunk_len)
-        self.kv[:, :, :, : self.carried] = kv
-        if positions is not None:
-            self.positions[..., : self.carried] = positions
-        return self
-
-
-@dataclass
-class Ring:
-    """A recency window of ``steps`` equal-length steps of ``chunk_len`` tokens held as a ring.
-
-    ``slot`` (a device LongTensor ``[1]``) is the ring slot the current step's chunk will overwrite: that of
-    the oldest step, ``step_index mod steps``. ``index`` ``[steps, chunk_len]`` maps a slot to its tokens.
-    """
-
-    steps: int
-    chunk_len: int
-    slot: torch.Tensor
-    index: torch.Tensor
-
-    @classmethod
-    def starting_at(cls, step_index: int, steps: int, chunk_len: int, device: torch.device) -> "Ring":
-        slot = torch.tensor([step_index % steps], device=device)
-        return cls(steps, chunk_len, slot, torch.arange(steps * chunk_len, device=device).view(steps, chunk_len))
-
-    def target(self) -> torch.Tensor:
-        """Token slots ``[chunk_len]`` the current chunk goes to (read on the device: no host sync)."""
-        return self.index.index_select(0, self.slot).view(-1)
-
-    def advance(self) -> None:
-        self.slot.add_(1).remainder_(self.steps)
-
-    def time_order(self, step_index: int) -> torch.Tensor:
-        """Token slots of the ring in time order (oldest step first), before step ``step_index`` runs."""
-        first = step_index % self.steps
-        return torch.cat([self.index[first:], self.index[:first]]).flatten()
-
-
 class StreamingLayer(CacheLayerMixin):
-    """One decoder layer's two states (see the module docstring for the window, slots and ring forms)."""
+    """One decoder layer's two states (see the module docstring for the window, slots and ring forms).
+
+    ``detailed``: every token's keys and values (a :class:`TokenBuffer` of 2 parts, length = tokens);
+    ``block_keys``: every step's mean key ``[B, H_kv, steps, D]`` (1 part, length = steps).
+    """
 
     is_compileable = False
     is_sliding = False
@@ -234,12 +60,14 @@ class StreamingLayer(CacheLayerMixin):
                  storage_device: torch.device | str | None = None):
         super().__init__()
         self.cache, self.index = cache, index
-        self.detailed = DetailedBuffer(capacity_hint, storage_device, on_replace=cache.buffers_replaced)
+        self.detailed = TokenBuffer(2, capacity_hint, storage_device, on_replace=cache.buffers_replaced)
+        self.block_keys = TokenBuffer(1, None, storage_device, on_replace=cache.buffers_replaced)
         self.offloaded = storage_device is not None
         self.window_start: int | None = None if self.offloaded else 0
         self._slots: CarriedSlots | None = None
         self.pending_selection: slice | torch.Tensor | None = None
         self.staged: torch.Tensor | None = None  # offloaded: the chunk [2, B, H_kv, T, D] to copy to storage
+        self.staged_mean: torch.Tensor | None = None  # offloaded: the step's mean key [B, H_kv, 1, D]
 
     @property
     def slots(self) -> CarriedSlots | None:
@@ -247,28 +75,36 @@ class StreamingLayer(CacheLayerMixin):
 
     @slots.setter
     def slots(self, slots: CarriedSlots | None) -> None:
-        if slots is not self._slots:
+        replaced, self._slots = slots is not self._slots, slots
+        if replaced:
             self.cache.buffers_replaced()
-        self._slots = slots
 
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        b, h, t, d = key_states.shape
         if self.window_start is None and self.slots is None:  # offloaded: start with an empty carried state
-            b, h, t, d = key_states.shape
             positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
             self.slots = CarriedSlots.holding(key_states.new_empty(2, b, h, 0, d), positions, t)
+        if self.offloaded and self.staged_mean is None:
+            self.staged_mean = key_states.new_empty(b, h, 1, d)
+        self.block_keys.reserve(key_states, self.block_keys.length + 1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        mean = key_states.mean(dim=2, keepdim=True)
+        if self.offloaded:
+            self.staged_mean.copy_(mean)
+        else:  # room was made by prepare()
+            self.block_keys.write_at(self.cache.step_device, mean)
         if self.window_start is not None:
             self.detailed.write(self.detailed.length, key_states, value_states)
             return self.detailed.view(self.window_start, self.detailed.length + key_states.shape[2])
         self.slots.stage(key_states, value_states, self.cache.write_index)
-        if not self.offloaded:  # room was made by prepare()
+        if not self.offloaded:
             self.detailed.write_at(self.cache.write_index, key_states, value_states)
         return self.slots.keys, self.slots.values
 
@@ -297,6 +133,13 @@ class StreamingLayer(CacheLayerMixin):
             return self.detailed.length - self.window_start
         return 0 if self.slots is None else self.slots.carried
 
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of this layer's cache on the model's device."""
+        total = (0 if self.slots is None else self.slots.nbytes) + (
+            0 if self.staged_mean is None else self.staged_mean.numel() * self.staged_mean.element_size())
+        return total if self.offloaded else total + self.detailed.nbytes + self.block_keys.nbytes
+
     def carried(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The carried keys and values, ``[B, H_kv, K, D]`` each, in time order."""
         if self.window_start is not None:
@@ -311,10 +154,12 @@ class StreamingLayer(CacheLayerMixin):
         reference = self.detailed.keys if self.window_start is not None else getattr(self.slots, "keys", None)
         if reference is None:
             return torch.empty(1, 1, 0, dtype=torch.long)
-        if self.window_start is None and self.cache.ring is None:
-            return self.slots.head()[1]
-        start = self.detailed.length - self.carried_length
-        return torch.arange(start, self.detailed.length, device=reference.device).expand(*reference.shape[:2], -1)
+        shape = reference.shape[:2]
+        if self.window_start is not None:
+            return torch.arange(self.window_start, self.detailed.length, device=reference.device).expand(*shape, -1)
+        if self.cache.ring is not None:
+            return self.cache.ring.positions(self.detailed.length, reference.device).expand(*shape, -1)
+        return self.slots.head()[1]
 
     def candidate_positions(self) -> torch.Tensor:
         """Positions ``[B, H_kv, K + T]`` of the tokens handed to attention this step."""
@@ -332,26 +177,30 @@ class StreamingLayer(CacheLayerMixin):
 
     def prepare(self, chunk_len: int) -> None:
         """Host-side preparation of a step (before the forward): buffers sized for a chunk of ``chunk_len``."""
+        if not self.is_initialized:
+            return
+        horizon = self.detailed.capacity_hint  # steps of this length until the horizon: room for all of them
+        expected = 0 if horizon is None else self.block_keys.length + math.ceil(
+            max(horizon - self.detailed.length, 0) / chunk_len) + 1
+        self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
         if self.slots is None or self.window_start is not None:
             return
         self.slots = self.slots.with_chunk_len(chunk_len)
-        if self.is_initialized and not self.offloaded:
+        if not self.offloaded:
             self.detailed.reserve(self.slots.keys, self.detailed.length + chunk_len)
 
     def enter_ring(self, ring: Ring) -> None:
-        """Hold the carried window (the last ``ring.steps`` steps, in time order) as ``ring``."""
-        keys, values = self.carried()
-        kv = torch.stack([keys, values])
+        """Hold the carried state (the sinks and the last ``ring.steps`` steps, in time order) as ``ring``."""
+        kv = torch.stack(self.carried())
         order = ring.time_order(self.cache.step_index)
-        ring_kv = kv.new_empty(kv.shape).index_copy_(3, order, kv)
-        self.slots = CarriedSlots.holding(ring_kv, None, ring.chunk_len)
+        self.slots = CarriedSlots.holding(kv.new_empty(kv.shape).index_copy_(3, order, kv), None, ring.chunk_len)
         self.window_start = None
 
     def leave_ring(self) -> None:
-        """Back to the window form (or, offloaded, to slots in time order with explicit positions)."""
+        """Back to the window form (or, offloaded or with sinks, to slots in time order with positions)."""
         keys, values = self.carried()
         positions = self.positions()
-        if self.offloaded:
+        if self.offloaded or self.cache.ring.sinks:
             self.slots = CarriedSlots.holding(torch.stack([keys, values]), positions, self.cache.chunk_len)
         else:
             self.window_start, self.slots = self.detailed.length - keys.shape[2], None
@@ -375,8 +224,8 @@ class StreamingLayer(CacheLayerMixin):
             if stop == size:
                 self.slots = self.slots.suffix(start)
                 return
-            selection = torch.arange(start, stop, device=self.candidates()[0].device)
-            selection = selection.expand(*self.candidates()[0].shape[:2], -1)
+            keys = self.candidates()[0]
+            selection = torch.arange(start, stop, device=keys.device).expand(*keys.shape[:2], -1)
         if self.window_start is not None:
             keys, values = self.candidates()
             self.slots = CarriedSlots(torch.stack([keys, values]), self.candidate_positions().contiguous(),
@@ -385,27 +234,37 @@ class StreamingLayer(CacheLayerMixin):
         self.slots = self.slots.keep(selection)
 
     def commit_host(self, chunk_len: int) -> None:
-        """Advance the committed length (host work, after the device part; also after a graph replay)."""
+        """Advance the committed lengths (host work, after the device part; also after a graph replay)."""
         if self.offloaded:
             self.detailed.write(self.detailed.length, self.staged[0], self.staged[1])
+            self.block_keys.write(self.block_keys.length, self.staged_mean)
         self.detailed.length += chunk_len
+        self.block_keys.length += 1
 
     def export(self) -> tuple[dict[str, torch.Tensor], int | None]:
         """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
         keys, values = self.detailed.view(0, self.detailed.length)
         tensors = {"keys": keys, "values": values}
+        if self.block_keys.length:
+            tensors["block_keys"] = self.block_keys.view(0, self.block_keys.length)[0]
         if self.window_start is not None or self.slots is None:
             return tensors, self.window_start
-        if self.cache.ring is not None and not self.offloaded:
+        ring = self.cache.ring
+        if ring is not None and not self.offloaded and not ring.sinks:
             return tensors, self.detailed.length - self.carried_length
         carried_keys, carried_values = self.carried()
         tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=self.positions())
         return tensors, None
 
-    def restore(self, tensors: dict[str, torch.Tensor], window_start: int | None, device: torch.device) -> None:
-        """Install a state saved by :meth:`export`; the carried state goes to ``device`` (the model's)."""
-        self.detailed.load(tensors["keys"].to(self.detailed.device or device),
-                           tensors["values"].to(self.detailed.device or device))
+    def restore(self, tensors: dict[str, torch.Tensor], window_start: int | None, steps: list[int],
+                device: torch.device) -> None:
+        """Install a state saved by :meth:`export` (``steps``: the token count of every step); the carried
+        state goes to ``device`` (the model's)."""
+        storage = self.detailed.device or device
+        self.detailed.load(tensors["keys"].to(storage), tensors["values"].to(storage))
+        if "block_keys" not in tensors:  # saved before step means were kept: recompute them
+            tensors = dict(tensors, block_keys=_step_means(tensors["keys"], steps))
+        self.block_keys.load(tensors["block_keys"].to(storage))
         self.slots, self.window_start = None, window_start
         if window_start is not None and self.offloaded:  # saved without offload: make the window explicit
             keys, values = self.detailed.view(window_start, self.detailed.length)
@@ -419,6 +278,14 @@ class StreamingLayer(CacheLayerMixin):
         self.is_initialized = self.detailed.length > 0
         if self.is_initialized:
             self.dtype, self.device = self.detailed.keys.dtype, device
+            b, h, _, d = self.detailed.keys.shape
+            if self.offloaded:
+                self.staged_mean = torch.empty(b, h, 1, d, dtype=self.dtype, device=device)
+
+
+def _step_means(keys: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    """Mean key of every step: ``keys [B, H_kv, N, D]`` split by ``steps`` -> ``[B, H_kv, len(steps), D]``."""
+    return torch.cat([part.mean(dim=2, keepdim=True) for part in keys.split(steps, dim=2)], dim=2)
 
 
 class TwoStateCache(Cache):
@@ -439,6 +306,7 @@ class TwoStateCache(Cache):
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
         super().__init__(layers=[])
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
+        self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
         self.layers = [StreamingLayer(self, i, capacity_hint, storage_device) for i in range(num_layers)]
         self.policy = policy
         self.backend = backend
@@ -447,6 +315,7 @@ class TwoStateCache(Cache):
         self.chunk_len = 0
         self.ring: Ring | None = None
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
+        self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
         self.write_index: torch.Tensor | None = None  # LongTensor [T]: the current chunk's logical positions
         self.read_host_state = False  # a policy read per-step host values during the current step
         self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -466,6 +335,7 @@ class TwoStateCache(Cache):
         self._attended = [False] * len(self.layers)
         if self.seen_device is None or self.seen_device.device != device:
             self.seen_device = torch.tensor(self.seen_tokens, device=device)
+            self.step_device = torch.tensor([self.step_index], device=device)
             self.buffers_replaced()
         if (chunk_len, device) not in self._aranges:
             self._aranges[chunk_len, device] = torch.arange(chunk_len, device=device)
@@ -476,15 +346,27 @@ class TwoStateCache(Cache):
     def buffers_replaced(self) -> None:
         """Some buffer a captured step reads moved: recorded steps are no longer valid."""
         self.layout_version += 1
+        self.note_device_bytes()
+
+    def device_bytes(self) -> int:
+        """Bytes of cache held on the model's device now (carried state, and the detailed cache unless it is
+        offloaded)."""
+        return sum(layer.device_nbytes for layer in self.layers)
+
+    def note_device_bytes(self, extra: int = 0) -> None:
+        """Record the device cache in use now, plus ``extra`` bytes held for answering, in the peak."""
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes() + extra)
 
     def _update_ring(self, chunk_len: int, device: torch.device) -> None:
-        steps = self.policy.recent_steps
+        steps, sinks = self.policy.recent_steps, self.policy.sink_tokens
         history = self.chunk_lengths[-steps:] if steps else []
-        wanted = bool(steps) and len(history) == steps and all(length == chunk_len for length in history)
+        wanted = (bool(steps) and len(history) == steps and all(length == chunk_len for length in history)
+                  and self.seen_tokens - steps * chunk_len >= sinks
+                  and all(layer.carried_length == sinks + steps * chunk_len for layer in self.layers))
         if wanted == (self.ring is not None):
             return
         if wanted:
-            ring = Ring.starting_at(self.step_index, steps, chunk_len, device)
+            ring = Ring.starting_at(self.step_index, steps, chunk_len, sinks, device)
             for layer in self.layers:
                 layer.enter_ring(ring)
             self.ring = ring
@@ -540,6 +422,7 @@ class TwoStateCache(Cache):
         if self.ring is not None:
             self.ring.advance()
         self.seen_device.add_(self.chunk_len)
+        self.step_device.add_(1)
 
     def commit_host(self) -> None:
         for layer in self.layers:
@@ -572,7 +455,7 @@ class TwoStateCache(Cache):
         for index, (layer, window_start) in enumerate(zip(self.layers, metadata["window_starts"])):
             prefix = f"layers.{index}."
             layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-            layer.restore(layer_tensors, window_start, device)
+            layer.restore(layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
         self.chunk_lengths = list(metadata["chunk_lengths"])
         self.seen_tokens = int(metadata["seen_tokens"])
         self.seen_device = None

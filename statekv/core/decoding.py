@@ -1,24 +1,30 @@
 """Decoding after a streamed prefill: transformers' ``generate`` over the detailed cache.
 
-``generate`` receives a fresh ``DynamicCache`` of views into the detailed buffers, the new prompt ids and an
-all-ones attention mask over context plus prompt, so its positions continue from the streamed length. Its
-cache grows by concatenation into new tensors, so the stream itself is never written to.
+``generate`` receives an :class:`AnswerCache` (each layer's context from the detailed cache, with room for the
+prompt and the answer), the new prompt ids and an all-ones attention mask over context plus prompt, so its
+positions continue from the streamed length. The language model's attention goes through the engine's
+attention function, which chooses each layer's context when the prompt's queries reach it (all of it, or the
+steps a :class:`Retrieval` picks). The stream itself is never changed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .answering import AnswerCache, Retrieval
 from .errors import InputError, UnsupportedModelError
+
+DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
 
 
 @torch.no_grad()
 def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Module | None = None,
-                        **generate_kwargs) -> torch.Tensor:
+                        retrieve: Retrieval | None = None, **generate_kwargs) -> torch.Tensor:
     """Greedy (or any ``generate``) decoding of ``input_ids [B, Q]`` after ``prefill``'s context.
 
     model: the module whose ``generate`` decodes; default ``prefill.model`` (pass the language model of a
-        wrapper whose own ``generate`` cannot take a cache). Returns the new tokens only, ``[B, N]``.
+        wrapper whose own ``generate`` cannot take a cache). retrieve: answer from retrieved steps only.
+    Returns the new tokens only, ``[B, N]``.
     """
     model = prefill.model if model is None else model
     if not hasattr(model, "generate"):
@@ -27,12 +33,16 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
         raise InputError(f"the prompt must be non-empty input_ids [B, Q], got shape {tuple(input_ids.shape)}")
     if prefill.seen_tokens == 0:
         raise InputError("nothing has been streamed yet; call step() before generate()")
+    if retrieve is not None and not isinstance(retrieve, Retrieval):
+        raise InputError(f"retrieve must be a Retrieval (or None), got {type(retrieve).__name__}")
     if prefill.rope is not None:
         prefill.rope.apply()
     context = prefill.seen_tokens
     mask = torch.ones(input_ids.shape[0], context + input_ids.shape[1], dtype=torch.long,
                       device=input_ids.device)
     generate_kwargs.setdefault("do_sample", False)
-    output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=prefill.detailed_cache,
-                            **generate_kwargs)
+    room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+    cache = AnswerCache(prefill.cache, room, prefill.device, retrieve)
+    with prefill.streaming(cache):
+        output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     return output[:, input_ids.shape[1]:]

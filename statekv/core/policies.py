@@ -19,7 +19,7 @@ ascending (see :class:`SinksAndRecency`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import ClassVar
 
@@ -116,9 +116,18 @@ class CarryPolicy:
 
     @property
     def recent_steps(self) -> int | None:
-        """If this rule carries exactly the tokens of its last N steps, N (the cache then keeps them in a ring
-        buffer once steps have equal lengths); else None."""
+        """If this rule carries exactly the tokens of its last N steps (after its sink tokens), N: the cache
+        then keeps them in a ring buffer once steps have equal lengths. Else None."""
         return None
+
+    @property
+    def sink_tokens(self) -> int:
+        """How many leading tokens of the stream this rule always carries (with ``recent_steps``)."""
+        return 0
+
+    def for_prefix(self, tokens: int) -> "CarryPolicy":
+        """This rule for a stream whose prompt prefix (text before the first frame) has ``tokens`` tokens."""
+        return self
 
     @property
     def name(self) -> str:
@@ -150,6 +159,42 @@ class Recency(CarryPolicy):
     @property
     def recent_steps(self) -> int:
         return self.frames
+
+
+@dataclass(frozen=True)
+class ReKV(Recency):
+    """ReKV's prefill (Di et al., ICLR 2025): attention sinks -- the prompt prefix and the first ``sinks``
+    tokens after it -- plus the tokens of the ``frames`` most recent steps. Answering from retrieved frames
+    (the other half of ReKV) is a question-time option of every method (`Retrieval`).
+
+    ``prefix_tokens`` is set per stream by :meth:`for_prefix` (the pipeline knows the prompt's prefix).
+    """
+
+    sinks: int = 4
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("sinks", "prefix_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigurationError(f"ReKV: {name} must be a non-negative integer, got {value!r}")
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.prefix_tokens + self.sinks
+
+    def for_prefix(self, tokens: int) -> "ReKV":
+        return replace(self, prefix_tokens=tokens)
+
+    def select(self, candidates: Candidates) -> slice | torch.Tensor:
+        recent = candidates.last_steps(self.frames).start
+        sinks = min(self.sink_tokens, candidates.size)
+        if recent <= sinks:
+            return KEEP_ALL
+        device = candidates.keys.device
+        keep = torch.cat([torch.arange(sinks, device=device), torch.arange(recent, candidates.size, device=device)])
+        return keep.expand(*candidates.keys.shape[:2], -1)
 
 
 @dataclass(frozen=True)

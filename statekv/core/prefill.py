@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface, DynamicCache
 
+from .answering import Retrieval
 from .attention import resolve_backend
 from .cache import TwoStateCache
 from .errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
@@ -139,14 +140,22 @@ class StreamingPrefill:
         self.cache.commit_host()
         return hidden
 
-    def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
-        """Decode after ``input_ids`` (the prompt that follows the streamed context) from the detailed cache.
+    def generate(self, input_ids: torch.Tensor, *, retrieve: Retrieval | None = None,
+                 **generate_kwargs) -> torch.Tensor:
+        """Decode after ``input_ids`` (the prompt that follows the streamed context) from the detailed cache,
+        or from the steps ``retrieve`` picks per layer.
 
         Returns only the new tokens ``[B, N]``. The stream is not changed: ask again, or keep streaming.
         """
         from .decoding import generate_from_cache
 
-        return generate_from_cache(self, input_ids, **generate_kwargs)
+        return generate_from_cache(self, input_ids, retrieve=retrieve, **generate_kwargs)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """The most bytes of cache (carried state, the detailed cache unless offloaded, what answering brought)
+        this stream held on the model's device at once."""
+        return self.cache.peak_device_bytes
 
     def close(self) -> None:
         """Give the model its own RoPE behaviour back (the frozen rotation stays until then, for decoding)."""
@@ -163,7 +172,7 @@ class StreamingPrefill:
 
     # internals ------------------------------------------------------------------------------------------
     def _streamed_device_step(self, inputs: dict) -> torch.Tensor:
-        with self._streaming():
+        with self.streaming(self.cache):
             return self._device_step(inputs)
 
     def _device_step(self, inputs: dict) -> torch.Tensor:
@@ -219,11 +228,12 @@ class StreamingPrefill:
         return chunk
 
     @contextmanager
-    def _streaming(self):
-        """The language model's attention switched to the streaming function, which finds this cache."""
+    def streaming(self, cache):
+        """The language model's attention switched to the engine's function, which attends through ``cache``
+        (this stream's `TwoStateCache` while stepping, an `AnswerCache` while answering)."""
         previous = self.config._attn_implementation
         _set_language_attention(self.model, ATTENTION_NAME)
-        _streaming.cache = self.cache
+        _streaming.cache = cache
         try:
             yield
         finally:

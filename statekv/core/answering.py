@@ -1,0 +1,186 @@
+"""Answering from a stream: the question and the answer attend to a context taken from the detailed cache.
+
+The context of every layer is either the whole detailed cache or, with a :class:`Retrieval`, the steps (frames)
+whose mean key best matches the question's mean query at that layer, plus the first ``keep_tokens`` tokens (the
+prompt prefix and any sinks), in time order. ReKV (Di et al., ICLR 2025) answers this way; here every method
+can, since every stream keeps each step's mean key (``StreamingLayer.block_keys``).
+
+The context is chosen when the question's queries reach a layer's attention, one layer at a time, so a
+layer's retrieved tokens are the only part of an offloaded detailed cache brought to the model's device. The
+prompt and the answer are written after the context into room reserved up front: decoding never copies the
+cache per generated token. Without retrieval and with the detailed cache on the model's device, the context is
+the detailed buffer itself and the answer goes into its free room past the stream's end, which the stream
+treats as scratch: the stream itself never changes.
+
+Retrieving at least as many steps as the stream has reproduces the whole detailed cache, in order: answers are
+then identical to answering without retrieval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import ChunkMask, chunk_attention
+from .errors import InputError
+from .policies import positive_int
+
+if TYPE_CHECKING:
+    from .cache import StreamingLayer, TwoStateCache
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """Answer from the ``steps`` steps per layer whose mean key best matches the question's mean query (summed
+    over KV heads), plus the first ``keep_tokens`` tokens of the stream, which are always kept."""
+
+    steps: int
+    keep_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        positive_int("Retrieval", "steps", self.steps)
+        if isinstance(self.keep_tokens, bool) or not isinstance(self.keep_tokens, int) or self.keep_tokens < 0:
+            raise InputError(f"Retrieval: keep_tokens must be a non-negative integer, got {self.keep_tokens!r}")
+
+    def tokens(self, step_means: torch.Tensor, question: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Token indices ``[M]`` (ascending) of the context for one layer.
+
+        step_means: ``[1, H_kv, S, D]`` mean key of each of the stream's ``S`` steps; question: ``[1, Hq, Q, D]``
+        the question's queries at this layer; steps: the token count of each step.
+        """
+        hkv, dim = step_means.shape[1], step_means.shape[-1]
+        mean_query = question.float().reshape(1, hkv, -1, dim).mean(dim=2).to(step_means.device)
+        relevance = torch.einsum("bhsd,bhd->bs", step_means.float(), mean_query)[0]  # [S]
+        ends = list(accumulate(steps))
+        starts = [end - length for end, length in zip(ends, steps)]
+        outside = [s for s, end in enumerate(ends) if end > self.keep_tokens]  # steps not wholly kept anyway
+        if len(outside) <= self.steps:
+            chosen = outside
+        else:
+            best = relevance[torch.tensor(outside, device=relevance.device)].topk(self.steps).indices.tolist()
+            chosen = sorted(outside[i] for i in best)
+        keep = torch.zeros(ends[-1] if ends else 0, dtype=torch.bool)
+        keep[: self.keep_tokens] = True
+        for s in chosen:
+            keep[starts[s]: ends[s]] = True
+        return keep.nonzero().squeeze(1).to(step_means.device)
+
+
+class AnswerLayer(CacheLayerMixin):
+    """One layer's keys and values while answering: the context, then the prompt and the answer so far.
+
+    ``keys``/``values`` ``[B, H_kv, capacity, D]`` on the model's device; slots ``[0, context)`` hold the
+    context, the next ``answered`` slots the prompt and answer tokens.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device):
+        super().__init__()
+        self.stream, self.room, self.model_device = stream, room, device
+        self.keys = self.values = None
+        self.context = self.answered = 0
+        self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stage the prompt's keys/values ``[B, H_kv, T, D]`` until the context is chosen, then append."""
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+            self._pending = key_states, value_states
+            return key_states, value_states
+        self._append(key_states, value_states)
+        return self.view()
+
+    def open(self, question: torch.Tensor, retrieval: Retrieval | None) -> None:
+        """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt."""
+        detailed, length = self.stream.detailed, self.stream.detailed.length
+        keys, values = self._pending
+        need = length + self.room
+        if retrieval is None and not self.stream.offloaded:
+            detailed.reserve(keys, need)  # answer in the free room past the stream's end: no copy
+            self.keys, self.values, self.context = detailed.keys, detailed.values, length
+        else:
+            if retrieval is None:
+                index = torch.arange(length, device=detailed.keys.device)
+            else:
+                if question.shape[0] != 1:
+                    raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
+                steps = self.stream.cache.chunk_lengths
+                index = retrieval.tokens(self.stream.block_keys.view(0, len(steps))[0], question, steps)
+            self._allocate(keys, index.shape[0] + self.room)
+            for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
+                mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
+            self.context = index.shape[0]
+        self._pending = None
+        self._append(keys, values)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.context + self.answered
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        start = self.context + self.answered
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2]:  # more answer than planned: grow once (a copy), then carry on in place
+            old_keys, old_values = self.view()
+            self._allocate(keys, 2 * end)
+            self.keys[:, :, :start], self.values[:, :, :start] = old_keys, old_values
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.answered += keys.shape[2]
+
+    def _allocate(self, like: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = like.shape
+        self.keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=self.model_device)
+        self.values = torch.empty_like(self.keys)
+        self.owned_bytes = 2 * self.keys.numel() * self.keys.element_size()
+
+    def get_seq_length(self) -> int:
+        """Logical tokens before the next one: the stream's, then the prompt and answer so far."""
+        return self.stream.detailed.length + self.answered
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.context + self.answered + query_length, self.get_seq_length() - self.context - self.answered
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class AnswerCache(Cache):
+    """The transformers ``Cache`` that ``generate`` decodes with after a stream (see the module docstring).
+
+    Args:
+        stream: the stream's cache. room: prompt plus answer tokens to make room for. device: the model's.
+        retrieval: how to choose each layer's context (None: the whole detailed cache).
+    """
+
+    def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None):
+        super().__init__(layers=[])
+        self.layers = [AnswerLayer(layer, room, device) for layer in stream.layers]
+        self.stream, self.retrieval = stream, retrieval
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Attention of the prompt's (or a new token's) queries ``q [B, Hq, T, D]`` over the layer's context and
+        the answer so far; returns ``[B, T, Hq, D]``."""
+        layer = self.layers[layer_idx]
+        if layer.keys is None:
+            layer.open(q, self.retrieval)
+            self.stream.note_device_bytes(self.device_bytes)
+        keys, values = layer.view()
+        mask = None if q.shape[2] == 1 else ChunkMask(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1],
+                                                      q.device)
+        return chunk_attention(q, keys, values, scale=scale, mask=mask)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes this cache allocated on the model's device (retrieved contexts, copies, answer room)."""
+        return sum(layer.owned_bytes for layer in self.layers)
