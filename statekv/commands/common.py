@@ -50,6 +50,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool =
     group.add_argument("--device", default=None, help=device_help)
     group.add_argument("--offload", action="store_true",
                        help="keep the detailed cache in CPU memory while encoding")
+    group.add_argument("--vision-batch", type=positive_int, default=None, metavar="N",
+                       help="frames per vision-tower call, run ahead of the language model (default: 16 on CUDA, "
+                            "4 on CPU)")
     if reserve:
         group.add_argument("--reserve-tokens", type=positive_int, default=1024, metavar="N",
                            help="tokens kept after the video for question and answer (default: 1024)")
@@ -94,7 +97,7 @@ def load_qa(args: argparse.Namespace):
     return statekv.VideoQA.from_pretrained(
         args.model, method=args.method, budget=args.budget, frames=args.frames, layout=args.layout,
         attention=args.attention, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-        reserve_tokens=args.reserve_tokens, offload=args.offload,
+        reserve_tokens=args.reserve_tokens, offload=args.offload, vision_batch=args.vision_batch,
     )
 
 

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..video import open_video
+    from ..video import FrameDecodeError, open_video
 
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
@@ -62,12 +62,18 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"[{time:7.2f} s, {stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
 
-    for frame in video.sample_at_rate(args.max_fps):
-        if stream.frames:  # a question before the first frame waits for it
-            ask_due(frame.timestamp - 1e-9)
-        if stream.frames + len(stream.pending) >= horizon:
-            break
-        stream.push(frame)
+    try:
+        for frame in video.sample_at_rate(args.max_fps):
+            if stream.frames:  # a question before the first frame waits for it
+                ask_due(frame.timestamp - 1e-9)
+            if stream.frames + len(stream.pending) >= horizon:
+                break
+            stream.push(frame)
+    except FrameDecodeError as error:
+        if args.save:  # keep what was streamed before the broken frame
+            stream.save(args.save)
+            error.args = (f"{error}; the {stream.frames} frames before it were saved to {args.save}",)
+        raise
     stream.flush()
     ask_due(math.inf)  # questions at or after the end see the whole video
     if args.save:

@@ -81,10 +81,15 @@ class Video(ABC):
 
     def frames(self) -> Iterator[Frame]:
         """Every frame, in order."""
+        for pending in self._every_pending_frame():
+            yield pending.materialize(self.name)
+
+    def _every_pending_frame(self) -> Iterator[_PendingFrame]:
+        """`_pending_frames`, raising `FrameDecodeError` if the source ends before its ``num_frames``."""
         decoded = 0
         for pending in self._pending_frames():
             decoded += 1
-            yield pending.materialize(self.name)
+            yield pending
         if decoded < self.num_frames:
             raise self._truncated(decoded)
 
@@ -112,7 +117,7 @@ class Video(ABC):
 
     def sample_at_rate(self, fps: float) -> Iterator[Frame]:
         """Frames at a fixed rate, as a live stream would deliver them (see `sample_at_rate`)."""
-        for pending in sample_at_rate(self._pending_frames(), fps):
+        for pending in sample_at_rate(self._every_pending_frame(), fps):
             yield pending.materialize(self.name)
 
     def _truncated(self, decoded: int) -> FrameDecodeError:
