@@ -19,6 +19,7 @@ per-token cost that grows with the context shows decoding copying the cache per 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -72,7 +73,7 @@ def render(args, rows: list[tuple[int, dict[str, dict]]], command: str, device: 
                f"torch {torch.__version__}")
     lines = [
         f"Command: `{command.strip()}`  ",
-        f"Machine: {machine}; device {device}.  ",
+        f"Machine: {machine}; device {device}; load average {os.getloadavg()[0]:.1f} at the end (shared machine).  ",
         f"Model: tiny random InternVL (the demo's, {args.dtype}); one stream per method over the same frames; "
         f"question of {args.question_tokens} tokens, {args.new_tokens} answer tokens forced; median of "
         f"{args.repeats} rotating repeats after a warm-up.",

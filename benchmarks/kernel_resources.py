@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
                                      f"| {registers_per_thread(tile, pass_name, head_dim, size)} |")
                         print(lines[-1], f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     command = "python benchmarks/kernel_resources.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = "\n".join([f"Command: `{command.strip()}` (Triton {triton.__version__}, compiled on the CPU)", "", *lines])
+    report = "\n".join([
+        f"Command: `{command.strip()}` (Triton {triton.__version__}, compiled on the CPU, specialised as a call "
+        "with contiguous head dims).  ",
+        "Registers per thread and spill stack from `cuobjdump -res-usage`; shared memory from Triton's metadata; "
+        "the estimates are `shared_memory_bytes` and `registers_per_thread`, which the pruning compares with the "
+        "device's shared memory and 255 registers.", "", *lines])
     print(report)
     if args.out:
         write_section(args.out, "Compiled resources per tile", report)

@@ -19,6 +19,7 @@ overlapped <= slowest stage alone + 15%.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -136,7 +137,7 @@ def render(args, times: dict[str, float], stats: statekv.EncodingStats, command:
             ("serial per-frame loop (before)", times["serial"]), ("overlapped `VideoQA.encode`", times["overlapped"])]
     lines = [
         f"Command: `{command.strip()}`  ",
-        f"Machine: {machine}; device {args.device}.  ",
+        f"Machine: {machine}; device {args.device}; load average {os.getloadavg()[0]:.1f} at the end (shared machine).  ",
         f"Model: tiny random InternVL (the demo's: 224 px, 64 visual tokens per frame, 4-layer language model, "
         f"{args.dtype}), method {args.method}; video {frames} frames at {args.width}x{args.height} "
         f"({args.codec}), vision batch {args.vision_batch}; median of {args.repeats} interleaved runs.",

@@ -68,9 +68,10 @@ class EncodingStats:
     frame_seconds: wall time per frame: the time from one step's end to the next's divided by its frames, so
         they add up to the encoding's wall time (stages overlap, so this is the slowest stage's pace).
     decode_seconds, vision_seconds, language_seconds: per frame, the time each stage spent on it: reading and
-        preprocessing; its share of its vision-tower batch; its share of its step's language-model forward.
-        On CUDA, vision is timed to the end of its kernels, the language model as its step returns.
-    vision_batch: frames per vision-tower call (``None`` before any frame).
+        preprocessing; its share of its vision-tower batch; its share of its step's layout (ids, embeddings,
+        positions) and language-model forward. On CUDA, vision is timed to the end of its kernels, the language
+        model as its step returns.
+    vision_batch: frames per vision-tower call asked for (``None`` before any frame).
     cache_bytes: memory held by the detailed cache (keys and values, all layers).
     peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
     """
@@ -193,12 +194,13 @@ class EncodedVideo:
     @torch.no_grad()
     def _append(self, frames: Sequence[Frame]) -> None:
         """Stream one step's frames (at most ``frames_per_chunk``) on this thread."""
-        self._append_steps([frames])
+        self._append_steps([frames], vision_batch=len(frames))
 
     @torch.no_grad()
-    def _append_steps(self, groups: Sequence[Sequence[Frame]]) -> None:
-        """Stream several steps on this thread, their frames vision-encoded in one call. A failure leaves the
-        steps before it streamed (``stats.chunks`` tells how many)."""
+    def _append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
+        """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
+        batch size asked for, for the stats). A failure leaves the steps before it streamed (``stats.chunks``
+        tells how many)."""
         started = time.perf_counter()
         steps, state = [], self.state
         for frames in groups:
@@ -208,12 +210,13 @@ class EncodedVideo:
         shares = [(prepared - started) * len(step.frames) / sum(len(s.frames) for s in steps) for step in steps]
         self._step_started = started
         for encoded in encode_batch(self.adapter, steps, shares):
-            self._stream_encoded(encoded, vision_batch=sum(len(step.frames) for step in steps))
+            self._stream_encoded(encoded, vision_batch=vision_batch)
 
     def _stream_encoded(self, encoded: EncodedStep, *, vision_batch: int) -> None:
-        """Lay out one vision-encoded step and stream it through the language model, timing each stage."""
-        chunk = self.adapter.features_chunk(encoded.step, encoded.features, self.state)
+        """Lay out one vision-encoded step and stream it through the language model, timing each stage (the
+        language model's time includes the layout: token ids, embeddings, positions)."""
         started = time.perf_counter()
+        chunk = self.adapter.features_chunk(encoded.step, encoded.features, self.state)
         self._stream_chunk(chunk)
         finished = time.perf_counter()
         stats = self.stats

@@ -136,7 +136,7 @@ class Stream(EncodedVideo):
             return
         steps_before = self.stats.chunks
         try:
-            self._append_steps(groups)
+            self._append_steps(groups, vision_batch=self.vision_batch)
         finally:
             streamed = self.stats.chunks - steps_before
             self.pending = self.pending[sum(len(group) for group in groups[:streamed]):]

@@ -89,11 +89,15 @@ def shared_memory_bytes(tile: Tile, pass_name: str, head_dim: int, element_size:
 def registers_per_thread(tile: Tile, pass_name: str, head_dim: int, element_size: int) -> int:
     """An estimate of the 32-bit registers one thread needs: `BASE_REGISTERS` for addresses, masks and loop
     state, plus its share of the fp32 scores and probabilities ``[M, N]``, the fp32 accumulator ``[M, D]`` and
-    Q (flash), or the K tile and Q (mass). Above 255 the compiler spills to local memory."""
+    Q (flash), or the K tile and Q (mass); twice that share in fp32, whose IEEE dots run without tensor cores
+    and keep their operands in registers. Above 255 the compiler spills to local memory. Fitted to the
+    registers and spills of compiled kernels (docs/kernel.md)."""
     d = head_block(head_dim)
     m, n = tile.block_m, tile.block_n
     words = element_size / 4
     held = 2 * m * n + (m * d + words * m * d if pass_name == "flash" else words * (n * d + m * d))
+    if element_size >= 4:
+        held *= 2
     return BASE_REGISTERS + math.ceil(held / (32 * tile.num_warps))
 
 
