@@ -168,9 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run, seconds (default: Python's, 0.005)")
     parser.add_argument("--out", type=Path, help="markdown file to write (replaces this benchmark's section)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
