@@ -14,6 +14,8 @@ ratios to full attention are the issue's target (ask after StateKV <= 1.1x ask a
 per-token cost that grows with the context shows decoding copying the cache per token.
 
     python benchmarks/ask_latency.py --out docs/benchmarks.md
+    python benchmarks/ask_latency.py --model internvl3-1b --device cuda --dtype bfloat16 --budget 4096 \
+        --frames-window 16 --checkpoints 64 256 1024 --out docs/benchmarks.md                     # the GPU target
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import statekv
 from statekv.testing import draw_test_frame, make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_overlap import TINY_INTERNVL  # noqa: E402
+from pipeline_overlap import MODEL_NAMES, MODELS  # noqa: E402
 from report import write_section  # noqa: E402
 
 QUESTION = "What happens in this video, and what colour is the moving square?"
@@ -74,7 +76,7 @@ def render(args, rows: list[tuple[int, dict[str, dict]]], command: str, device: 
     lines = [
         f"Command: `{command.strip()}`  ",
         f"Machine: {machine}; device {device}; load average {os.getloadavg()[0]:.1f} at the end (shared machine).  ",
-        f"Model: tiny random InternVL (the demo's, {args.dtype}); one stream per method over the same frames; "
+        f"Model: {MODEL_NAMES[args.model]}, {args.dtype}; one stream per method over the same frames; "
         f"question of {args.question_tokens} tokens, {args.new_tokens} answer tokens forced; median of "
         f"{args.repeats} rotating repeats after a warm-up.",
         "",
@@ -101,6 +103,8 @@ def render(args, rows: list[tuple[int, dict[str, dict]]], command: str, device: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny (the demo's; CPU) or internvl3-1b (real shapes, random weights; GPU)")
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[16, 64, 256],
                         help="frames streamed when the methods are asked")
     parser.add_argument("--budget", type=int, default=256, help="StateKV budget B")
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = sorted(args.checkpoints)
 
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = make_tiny_checkpoint("internvl", Path(scratch) / "tiny", **TINY_INTERNVL)
+        checkpoint = make_tiny_checkpoint("internvl", Path(scratch) / "model", dtype=getattr(torch, args.dtype),
+                                          **MODELS[args.model])
         qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", dtype=args.dtype, device=args.device,
                                              reserve_tokens=256)
     policies = {"full": statekv.FullAttention(), f"recency R={args.frames_window}": statekv.Recency(args.frames_window),
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     report = render(args, rows, command, args.device)
     print(report)
     if args.out:
-        write_section(args.out, "Ask latency by method", report)
+        device = "CPU" if args.device == "cpu" else "GPU"
+        write_section(args.out, f"Ask latency by method ({device}, {args.model})", report)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool =
                        help="keep the detailed cache in CPU memory while encoding")
     group.add_argument("--vision-batch", type=positive_int, default=None, metavar="N",
                        help="frames per vision-tower call, run ahead of the language model (default: 16 on CUDA, "
-                            "4 on CPU)")
+                            "4 on CPU; statekv stream: 1, each frame encoded as it arrives)")
     if reserve:
         group.add_argument("--reserve-tokens", type=positive_int, default=1024, metavar="N",
                            help="tokens kept after the video for question and answer (default: 1024)")

@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
     qa = load_qa(args)
-    stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name)
+    # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
+    stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
+                       vision_batch=args.vision_batch or 1)
     questions = sorted(args.ask, key=lambda item: item[0])
     results = []
 
