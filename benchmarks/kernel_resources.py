@@ -1,8 +1,7 @@
 """Shared memory, registers and spills of every candidate tile, compiled ahead of time (no GPU needed).
 
 Each tile of both scored-attention passes is compiled with Triton for a GPU architecture (``--arch 80``:
-A100, ``90``: H100) as a real call specialises it: 16-byte-aligned pointers, contiguous head dims (stride 1
-is a compile-time constant), other strides multiples of 16. The cubin's resource usage (``cuobjdump
+A100, ``90``: H100) as a real call specialises it (`statekv.kernels.ahead_of_time.compile_tile`). The cubin's resource usage (``cuobjdump
 -res-usage``, bundled with Triton) gives registers per thread and stack bytes (spills); Triton's metadata
 gives the shared memory, printed beside `statekv.kernels.tuning.shared_memory_bytes`, the estimate the
 pruning uses. Compiling takes seconds per tile (minutes in fp32); Triton caches the results.
@@ -25,46 +24,15 @@ if os.environ.get("TRITON_INTERPRET"):
     raise SystemExit("unset TRITON_INTERPRET: this script compiles the kernels")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from statekv.kernels.flash_forward import flash_forward_kernel  # noqa: E402
-from statekv.kernels.key_mass import key_mass_kernel  # noqa: E402
-from statekv.kernels.tuning import PASSES, Tile, head_block, registers_per_thread, shared_memory_bytes  # noqa: E402
+from statekv.kernels.ahead_of_time import compile_tile  # noqa: E402
+from statekv.kernels.tuning import PASSES, registers_per_thread, shared_memory_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402
 
-KERNELS = {"flash": flash_forward_kernel, "mass": key_mass_kernel}
-POINTERS = {"flash": ("Q", "K", "V", "Out"), "mass": ("Q", "K")}
 ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-
-
-def compile_tile(pass_name: str, tile: Tile, dtype: str, head_dim: int, arch: int):
-    """The compiled kernel of one tile, specialised as a call with contiguous [B, H, T, D] tensors is."""
-    kernel = KERNELS[pass_name]
-    names = kernel.arg_names
-    constants = {"HEAD_DIM": head_dim, "BLOCK_D": head_block(head_dim), "UPCAST_DOT": False,
-                 "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": tile.block_m,
-                 "BLOCK_N": tile.block_n}
-    constants.update({name: 1 for name in names if name.startswith("stride_") and name.endswith("d")})
-    signature, attrs = {}, {}
-    for index, name in enumerate(names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in POINTERS[pass_name] or name in ("Lse", "Scores"):
-            signature[name] = f"*{dtype}" if name in POINTERS[pass_name] else "*fp32"
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale_log2":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
 
 
 def resources(compiled) -> dict[str, int]:

@@ -140,37 +140,23 @@ def test_the_cache_lives_under_statekv_cache(tmp_path, monkeypatch):
 
 
 AOT_CHECK = textwrap.dedent("""
-    import sys
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-    from statekv.kernels.flash_forward import flash_forward_kernel
-    from statekv.kernels.key_mass import key_mass_kernel
-    from statekv.kernels.tuning import fitting_tiles, head_block, shared_memory_bytes
+    from statekv.kernels.ahead_of_time import compile_tile
+    from statekv.kernels.tuning import fitting_tiles, shared_memory_bytes
 
-    POINTERS = {"flash": ("Q", "K", "V", "Out"), "mass": ("Q", "K")}
     for arch, limit in ((80, 166912), (90, 232448)):
-        for pass_name, kernel in (("flash", flash_forward_kernel), ("mass", key_mass_kernel)):
-            for head_dim, dtype, size in ((128, "bf16", 2),):  # a real frame; fp32 compiles take minutes
-                tile = fitting_tiles(pass_name, q_len=259, k_len=4355, head_dim=head_dim, element_size=size,
-                                     shared_memory=limit)[0]  # the largest candidate
-                constants = dict(HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim), UPCAST_DOT=False,
-                                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
-                names = kernel.arg_names
-                signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in POINTERS[pass_name]
-                             else "*fp32" if name in ("Lse", "Scores") else "fp32" if name == "qk_scale_log2"
-                             else "i32" for name in names}
-                compiled = compile(ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}),
-                                   target=GPUTarget("cuda", arch, 32),
-                                   options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
-                estimate = shared_memory_bytes(tile, pass_name, head_dim, size)
-                print(arch, pass_name, dtype, head_dim, tuple(tile), compiled.metadata.shared, estimate)
-                assert compiled.metadata.shared <= estimate <= limit, (compiled.metadata.shared, estimate)
+        for pass_name in ("flash", "mass"):
+            tile = fitting_tiles(pass_name, q_len=259, k_len=4355, head_dim=128, element_size=2,
+                                 shared_memory=limit)[0]  # the largest candidate for a frame, bf16
+            shared = compile_tile(pass_name, tile, "bf16", 128, arch).metadata.shared
+            estimate = shared_memory_bytes(tile, pass_name, 128, 2)
+            print(arch, pass_name, tuple(tile), shared, estimate)
+            assert shared <= estimate <= limit, (shared, estimate)
 """)
 
 
 def test_the_estimate_bounds_what_triton_compiles_for_ampere_and_hopper():
-    """Compile the largest candidate tiles ahead of time (no GPU needed) and read their shared memory."""
+    """Compile the largest candidate tiles for a frame ahead of time (no GPU needed; fp32 would take minutes)
+    and read their shared memory."""
     pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", AOT_CHECK], capture_output=True, text=True, env=env,
