@@ -11,6 +11,9 @@
 Families that put several frames in one step (Qwen3-VL: two) hold a pushed frame until its step is complete;
 `ask` answers from the frames encoded so far, and `flush` encodes a waiting frame on its own (as the last
 step of a finished video would be).
+
+With ``vision_batch`` frames per vision-tower call (`VideoQA.stream`, default 1), pushed frames wait until a
+batch is complete, so a frame waits for at most one batch; `ask` first encodes every complete step waiting.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from safetensors.torch import save_file
 
 from .core import HorizonError, InputError
 from .models import LayoutState
+from .overlap import check_vision_batch, steps_per_batch
 from .pipeline import EncodedVideo, EncodingStats
 from .video import Frame
 
@@ -42,11 +46,11 @@ class Stream(EncodedVideo):
     """A video encoded as it arrives (see the module docstring). Create it with `VideoQA.stream`.
 
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
-    ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step).
+    ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch).
     """
 
     def __init__(self, qa: "VideoQA", horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
-                 _restoring: bool = False):
+                 vision_batch: int = 1, _restoring: bool = False):
         if isinstance(horizon_frames, bool) or not isinstance(horizon_frames, int) or horizon_frames <= 0:
             raise InputError(f"horizon_frames must be a positive integer, got {horizon_frames!r}")
         if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
@@ -54,6 +58,7 @@ class Stream(EncodedVideo):
             raise InputError(f"max_fps must be > 0 (or None to keep every frame), got {max_fps!r}")
         self.horizon_frames = horizon_frames
         self.max_fps = None if max_fps is None else float(max_fps)
+        self.vision_batch = check_vision_batch(vision_batch)
         self.pushed = 0
         self.pending: list[Frame] = []
         self._next_tick = 0
@@ -85,11 +90,11 @@ class Stream(EncodedVideo):
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
         self.pending.append(Frame(self.pushed, timestamp, pixels))
-        if len(self.pending) == self.adapter.frames_per_chunk:
+        if len(self.pending) == self._batch_frames:
             try:
                 self._encode_pending()
             except BaseException:
-                self.pending.pop()  # a failed push leaves the stream as it was
+                self.pending.pop()  # a failed push does not take its frame (earlier ones stay encoded or pending)
                 raise
         # Only now, with the frame encoded or safely queued, does the stream advance.
         self.pushed += 1
@@ -106,17 +111,35 @@ class Stream(EncodedVideo):
         return kept
 
     def flush(self) -> None:
-        """Encode frames still waiting for their step (their step is then completed by repetition)."""
+        """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition)."""
         if self.pending:
             self._encode_pending()
 
-    def _encode_pending(self) -> None:
-        frames, self.pending = self.pending, []
+    def ask_tokens(self, question: str, *, max_new_tokens: int = 64, **generate_kwargs: Any) -> torch.Tensor:
+        """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
+        self._encode_pending(complete_steps_only=True)
+        return super().ask_tokens(question, max_new_tokens=max_new_tokens, **generate_kwargs)
+
+    @property
+    def _batch_frames(self) -> int:
+        """Pending frames that make a batch: whole steps, at least one."""
+        per_step = self.adapter.frames_per_chunk
+        return steps_per_batch(self.vision_batch, per_step) * per_step
+
+    def _encode_pending(self, complete_steps_only: bool = False) -> None:
+        """Encode the pending frames, one vision call for all; steps streamed before a failure stay streamed,
+        the frames of the others keep waiting."""
+        per_step = self.adapter.frames_per_chunk
+        count = len(self.pending) // per_step * per_step if complete_steps_only else len(self.pending)
+        groups = [self.pending[start:start + per_step] for start in range(0, count, per_step)]
+        if not groups:
+            return
+        steps_before = self.stats.chunks
         try:
-            self._append(frames)
-        except BaseException:
-            self.pending = frames  # the step rolled back: the frames still wait
-            raise
+            self._append_steps(groups, vision_batch=self.vision_batch)
+        finally:
+            streamed = self.stats.chunks - steps_before
+            self.pending = self.pending[sum(len(group) for group in groups[:streamed]):]
 
     def _check_timestamp(self, timestamp: float | None) -> float:
         if timestamp is None:
@@ -141,6 +164,7 @@ class Stream(EncodedVideo):
             "format": FORMAT, "version": FORMAT_VERSION, "name": self.name,
             "model": _model_identity(self.qa), "policy": repr(self.qa.policy),
             "horizon": self.horizon, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
+            "vision_batch": self.vision_batch,
             "pushed": self.pushed, "next_tick": self._next_tick, "last_timestamp": self._last_timestamp,
             "pending": [[frame.index, frame.timestamp] for frame in self.pending],
             "state": self.state.to_dict(), "stats": {k: v for k, v in self.stats.to_dict().items()
@@ -172,7 +196,7 @@ class Stream(EncodedVideo):
                              f"{FORMAT_VERSION}")
         _check_same_setup(path, metadata, qa)
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
-                     _restoring=True)
+                     vision_batch=metadata.get("vision_batch", 1), _restoring=True)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
         stream.prefill.cache.load_state_dict(cache, metadata["cache"], stream.prefill.device)
         stream.state = LayoutState.from_dict(metadata["state"])

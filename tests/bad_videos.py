@@ -7,7 +7,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from statekv.testing import write_test_video
+from statekv.testing import draw_test_frame, write_test_video
 
 
 def _silent_audio(container, stream) -> None:
@@ -29,6 +29,21 @@ def truncated(folder: Path) -> Path:
     path = folder / "cut.mp4"
     data = whole.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def cut_after_header(folder: Path, frames: int = 60, fps: int = 30, keep: float = 0.5) -> Path:
+    """An mp4 with its index up front (faststart), cut after ``keep`` of its bytes: the header still promises
+    every frame, so it opens, and decoding stops in the middle."""
+    path = folder / "faststart.mp4"
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(draw_test_frame(i, (64, 64)), format="rgb24")))
+        container.mux(stream.encode(None))
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
     return path
 
 

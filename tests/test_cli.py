@@ -12,6 +12,7 @@ import pytest
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import statekv
+import bad_videos
 from bad_videos import BAD_VIDEOS
 from statekv.cli import main
 from statekv.testing import make_tiny_checkpoint, write_test_video
@@ -118,6 +119,27 @@ def test_bad_options(files, capsys):
     assert "SECONDS:QUESTION" in _usage_error(capsys, ["stream", files["video"], "--model", files["model"],
                                                         "--ask", "soon:Why?"])
     assert "required" in _usage_error(capsys, ["answer", files["video"], "Why?"])
+    assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "0"])
+    assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "1.5"])
+
+
+def test_answer_stats_print_each_stage(files, capsys):
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
+                 "--vision-batch", "2", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "5 frames" in out and "frames/s" in out and "vision in batches of 2 frames" in out
+    assert all(f"{stage} " in out for stage in ("decode", "vision", "language"))
+
+
+def test_stream_saves_what_it_streamed_before_a_broken_frame(files, tmp_path, capsys):
+    broken = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
+    saved = tmp_path / "kept.safetensors"
+    assert main(["stream", str(broken), "--ask", "100:Why?", "--model", str(files["model"]), "--max-fps", "4",
+                 "--save", str(saved)]) == 2
+    message = _one_line_error(capsys.readouterr().err)
+    assert "cannot be decoded" in message and "saved to" in message
+    qa = statekv.VideoQA.from_pretrained(files["model"])
+    assert statekv.Stream.load(saved, qa).frames > 0
 
 
 def test_bad_questions_and_models(files, tmp_path, capsys):

@@ -242,7 +242,7 @@ def test_horizon_beyond_the_models_rope_fails_before_any_frame(tmp_path, monkeyp
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=static_rope)
     qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", reserve_tokens=16)
     encoded_frames = []
-    monkeypatch.setattr(qa.adapter, "frames_chunk", lambda *args: encoded_frames.append(args))
+    monkeypatch.setattr(qa.adapter, "prepare_frames", lambda *args: encoded_frames.append(args))
     with pytest.raises(statekv.HorizonError, match="beyond the model's RoPE") as info:
         qa.encode(_video(8), max_frames=8)
     _one_line(info.value)

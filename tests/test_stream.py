@@ -185,10 +185,12 @@ def test_two_frame_steps_wait_for_their_pair_and_survive_save_load(tmp_path):
     assert _identical(_observe(resumed), _observe(whole)) and resumed.state == whole.state
 
 
+    # Pushed with the offline encoding's vision batches (two steps per vision call), a stream is bit-identical
     video = open_video(_frames(14), fps=2)  # sampled at 1 fps: 7 distinct frames
-    offline = qa.encode(video, max_fps=1)
-    live = qa.stream(horizon_frames=7)
+    offline = qa.encode(video, max_fps=1, vision_batch=4)
+    live = qa.stream(horizon_frames=7, vision_batch=4)
     live.push_many(video.sample(max_fps=1))
+    assert (live.frames, len(live.pending)) == (4, 3)  # the second batch waits for its fourth frame
     live.flush()
     assert offline.frames == live.frames == 7 and _identical(_observe(live), _observe(offline))
     assert torch.equal(live.ask_tokens(QUESTION, max_new_tokens=4), offline.ask_tokens(QUESTION, max_new_tokens=4))

@@ -24,6 +24,7 @@ from statekv.video import (
     IMAGENET_STD,
     QWEN_MEAN,
     QWEN_STD,
+    FrameDecodeError,
     VideoError,
     VideoNotFoundError,
     internvl_pixel_values,
@@ -250,19 +251,14 @@ def test_truncated_file_without_index(clip, tmp_path):
 
 
 def test_truncated_file_with_index_up_front(tmp_path):
-    path = tmp_path / "faststart.mp4"
-    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
-        stream = container.add_stream("mpeg4", rate=30)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
-        for i in range(60):
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(draw_test_frame(i, (64, 64)), format="rgb24")))
-        container.mux(stream.encode(None))
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    path = bad_videos.cut_after_header(tmp_path)
     assert open_video(path).num_frames == 60  # the header still promises every frame
     assert "decoding stopped after" in str(_error_for(path))
-    with pytest.raises(VideoError, match="truncated"):
+    with pytest.raises(FrameDecodeError, match="truncated") as info:
         list(open_video(path).sample(max_fps=30))
+    error = info.value  # names the frame that could not be decoded, and its time
+    assert 0 < error.index < 60 and f"frame {error.index} (at about {error.timestamp:.2f} s)" in str(error)
+    assert error.timestamp == pytest.approx(error.index / 30)
 
 
 def test_file_without_video_stream(tmp_path):

@@ -18,6 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_options(parser)
     add_sampling_options(parser)
     add_output_options(parser)
+    parser.add_argument("--stats", action="store_true",
+                        help="also print the encoding's statistics: frames per second, decode / vision / "
+                             "language-model time per frame, memory")
     parser.set_defaults(run=run)
 
 
@@ -39,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.video}: {stats.frames} frames, {stats.tokens} tokens, {describe_method(args)}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
+    if args.stats:
+        print(stats.summary())
     for question, answer in zip(args.questions, answers):
         print(f"\nQ: {question}\nA: {answer}")
     return 0

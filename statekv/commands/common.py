@@ -52,6 +52,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, model_required: bool =
                        help="keep the detailed cache in CPU memory while encoding")
     group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                        help="run every streaming step eagerly (default on CUDA: replay steady steps from a graph)")
+    group.add_argument("--vision-batch", type=positive_int, default=None, metavar="N",
+                       help="frames per vision-tower call, run ahead of the language model (default: 16 on CUDA, "
+                            "4 on CPU; statekv stream: 1, each frame encoded as it arrives)")
     if reserve:
         group.add_argument("--reserve-tokens", type=positive_int, default=1024, metavar="N",
                            help="tokens kept after the video for question and answer (default: 1024)")
@@ -97,6 +100,7 @@ def load_qa(args: argparse.Namespace):
         args.model, method=args.method, budget=args.budget, frames=args.frames, layout=args.layout,
         attention=args.attention, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
         reserve_tokens=args.reserve_tokens, offload=args.offload, cuda_graph=args.cuda_graph,
+        vision_batch=args.vision_batch,
     )
 
 

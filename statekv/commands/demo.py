@@ -10,21 +10,15 @@ is a real run.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
+from ..user_cache import cache_dir  # where the demo keeps its checkpoint and video
 from .common import add_output_options, interactive, positive_float, positive_int, print_json, quiet_libraries
 
 DEMO_CHECKPOINT = "demo-internvl-v1"
 DEMO_VIDEO = "demo-video-v1.mp4"
-
-
-def cache_dir() -> Path:
-    """Where the demo keeps its checkpoint and video: ``$STATEKV_CACHE`` or ``~/.cache/statekv``."""
-    root = os.environ.get("STATEKV_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "statekv"
-    return Path(root)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -44,12 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..video import open_video
+    from ..video import FrameDecodeError, open_video
 
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
     qa = load_qa(args)
-    stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name)
+    # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
+    stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
+                       vision_batch=args.vision_batch or 1)
     questions = sorted(args.ask, key=lambda item: item[0])
     results = []
 
@@ -62,12 +64,18 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"[{time:7.2f} s, {stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
 
-    for frame in video.sample_at_rate(args.max_fps):
-        if stream.frames:  # a question before the first frame waits for it
-            ask_due(frame.timestamp - 1e-9)
-        if stream.frames + len(stream.pending) >= horizon:
-            break
-        stream.push(frame)
+    try:
+        for frame in video.sample_at_rate(args.max_fps):
+            if stream.frames:  # a question before the first frame waits for it
+                ask_due(frame.timestamp - 1e-9)
+            if stream.frames + len(stream.pending) >= horizon:
+                break
+            stream.push(frame)
+    except FrameDecodeError as error:
+        if args.save:  # keep what was streamed before the broken frame
+            stream.save(args.save)
+            error.args = (f"{error}; the {stream.frames} frames before it were saved to {args.save}",)
+        raise
     stream.flush()
     ask_due(math.inf)  # questions at or after the end see the whole video
     if args.save:

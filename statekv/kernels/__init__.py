@@ -45,6 +45,17 @@ def triton_scored_attention(
         TritonUnavailableError: CPU tensors, but Triton was imported before ``TRITON_INTERPRET=1``.
     """
     validate_scored_attention_inputs(q, k, v, scale)
-    from .scored_attention import scored_attention  # imports Triton: only when actually used
+    launcher = _LAUNCHER or _load_launcher()
+    return launcher(q, k, v, scale=float(scale))
 
-    return scored_attention(q, k, v, scale=float(scale))
+
+_LAUNCHER = None
+
+
+def _load_launcher():
+    """The launcher module imports Triton: only when the kernel is first used."""
+    global _LAUNCHER
+    from .scored_attention import scored_attention
+
+    _LAUNCHER = scored_attention
+    return scored_attention

@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from .tiles import load_tile, matmul
-from .tuning import AUTOTUNE_KEY, FLASH_FORWARD_TILES, prune_tiles, tile_configs
 
 
 @triton.jit
@@ -48,12 +47,7 @@ def _attend_key_range(
     return acc, row_max, row_sum
 
 
-@triton.autotune(
-    configs=tile_configs(FLASH_FORWARD_TILES),
-    key=AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": prune_tiles},
-)
-@triton.jit(do_not_specialize=["TQ_BUCKET", "TK_BUCKET"])
+@triton.jit(do_not_specialize=["q_len", "k_len"])  # lengths change every step: no recompiles
 def flash_forward_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -61,7 +55,6 @@ def flash_forward_kernel(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_ot, stride_oh, stride_od,
     num_q_heads, group_size, q_len, k_len, qk_scale_log2,
-    TQ_BUCKET, TK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -10,21 +10,14 @@ import triton
 import triton.language as tl
 
 from .tiles import load_tile, matmul
-from .tuning import AUTOTUNE_KEY, KEY_MASS_TILES, prune_tiles, tile_configs
 
 
-@triton.autotune(
-    configs=tile_configs(KEY_MASS_TILES),
-    key=AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": prune_tiles},
-)
-@triton.jit(do_not_specialize=["TQ_BUCKET", "TK_BUCKET"])
+@triton.jit(do_not_specialize=["q_len", "k_len"])  # lengths change every step: no recompiles
 def key_mass_kernel(
     Q, K, Lse, Scores,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     num_kv_heads, group_size, q_len, k_len, qk_scale_log2,
-    TQ_BUCKET, TK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -1,11 +1,11 @@
 """Model-family adapters: frames + text -> streaming chunks, and the decoding call after them."""
 
-from .base import Chunk, LayoutState, VideoAdapter
+from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .registry import adapter_for, checkpoint_model_type, load_adapter, register_adapter, supported_model_types
 
 __all__ = [
-    "Chunk", "InternVLAdapter", "LayoutState", "Qwen3VLAdapter", "RemoteInternVLAdapter", "VideoAdapter", "adapter_for", "checkpoint_model_type", "load_adapter",
-    "register_adapter", "supported_model_types",
+    "Chunk", "InternVLAdapter", "LayoutState", "PreparedFrames", "Qwen3VLAdapter", "RemoteInternVLAdapter", "VideoAdapter",
+    "VisualFeatures", "adapter_for", "checkpoint_model_type", "load_adapter", "register_adapter", "supported_model_types",
 ]
 
 # Importing a family module registers its adapter.

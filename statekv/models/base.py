@@ -12,6 +12,13 @@ A video is streamed as::
         chunk = adapter.frames_chunk(frames, state)   # one step: vision-encode these frames now, embed
         prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
         state = state.after(chunk)
+
+`frames_chunk` is three calls that the overlapped pipeline (`statekv.overlap`) runs on three threads, so the
+vision tower sees batches of steps while the language model streams one step at a time::
+
+    step = adapter.prepare_frames(frames, state)      # CPU only (resize, normalise): PreparedFrames
+    features = adapter.encode_vision([step, ...])     # one vision-tower call for several steps
+    chunk = adapter.features_chunk(step, features[0], state)   # token ids, embeddings, positions
     ids = adapter.question_ids(question, state)       # what follows the video, [1, Q]
     new_tokens = adapter.generate(prefill, state, ids, max_new_tokens=...)
 
@@ -62,6 +69,35 @@ class Chunk:
         return self.input_ids.shape[-1]
 
 
+@dataclass
+class PreparedFrames:
+    """One step's frames, preprocessed on the CPU and ready for the vision tower (no model call made yet).
+
+    frames: the step's `Frame` objects (1 to ``frames_per_chunk``, in time order).
+    pixel_values: float32 CPU tensor in the family's layout (InternVL: ``[F, 3, S, S]``; Qwen3-VL:
+        ``[patches, C * 2 * p * p]``, one temporal patch).
+    grid_thw: LongTensor ``[1, 3]`` for families whose vision tower takes a patch grid (Qwen3-VL), else None.
+    state_update: `LayoutState.extra` fields this step fixes (e.g. Qwen3-VL's resolution at the first frame).
+    """
+
+    frames: tuple[Frame, ...]
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor | None = None
+    state_update: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VisualFeatures:
+    """The vision tower's output for one step, on the model's device.
+
+    embeds: ``[n, D]``: the step's n visual tokens, in prompt order (vision tower + projector).
+    deepstack: one ``[n, D]`` per DeepStack layer (Qwen3-VL), else empty.
+    """
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class LayoutState:
     """Where one video's prompt stands after the chunks streamed so far (small and JSON-serialisable).
@@ -79,6 +115,10 @@ class LayoutState:
         """The state once ``chunk`` has been streamed."""
         return replace(self, frames=self.frames + chunk.frames, tokens=self.tokens + chunk.num_tokens,
                        next_position=chunk.next_position, extra={**self.extra, **chunk.state_update})
+
+    def updated(self, extra: dict[str, Any]) -> "LayoutState":
+        """This state with ``extra`` merged in (what `prepare_frames` needs of a step not yet streamed)."""
+        return replace(self, extra={**self.extra, **extra}) if extra else self
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,9 +186,29 @@ class VideoAdapter(ABC):
     def prefix(self, state: LayoutState) -> Chunk | None:
         """The text chunk streamed before the first frame (system prompt, user turn opening...), or None."""
 
-    @abstractmethod
+    @torch.no_grad()
     def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
         """Vision-encode ``frames`` (at most ``frames_per_chunk``, in time order) and lay them out as one chunk."""
+        step = self.prepare_frames(frames, state)
+        return self.features_chunk(step, self.encode_vision([step])[0], state)
+
+    @abstractmethod
+    def prepare_frames(self, frames: Sequence[Frame], state: LayoutState) -> PreparedFrames:
+        """Preprocess one step's ``frames`` on the CPU (no model call, safe on any thread).
+
+        Only ``state.extra`` is read (what earlier steps fixed), so it can run ahead of the language model.
+        """
+
+    @abstractmethod
+    def encode_vision(self, steps: Sequence[PreparedFrames]) -> list[VisualFeatures]:
+        """Run the vision tower (and projector) once over every step of ``steps``; one result per step.
+
+        Gives the features of one call per step (steps never attend to each other), up to float rounding.
+        """
+
+    @abstractmethod
+    def features_chunk(self, step: PreparedFrames, features: VisualFeatures, state: LayoutState) -> Chunk:
+        """Lay ``step`` out as the chunk that follows ``state``, its visual tokens taken from ``features``."""
 
     @abstractmethod
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:

@@ -26,7 +26,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from ..core import InputError
 from ..video import IMAGENET_MEAN, IMAGENET_STD, Frame, internvl_pixel_values
-from .base import Chunk, LayoutState, VideoAdapter
+from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .checkpoint_files import normalisation, square_side
 from .registry import register_adapter
 
@@ -102,17 +102,26 @@ class InternVLAdapter(VideoAdapter):
         separator = "\n" if index else ""
         return f"{separator}Frame{index + 1}: {self.image_block}"
 
-    @torch.no_grad()
-    def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
+    def prepare_frames(self, frames: Sequence[Frame], state: LayoutState) -> PreparedFrames:
+        """One frame resized and normalised: ``pixel_values [1, 3, S, S]``."""
         if len(frames) != 1:
             raise InputError(f"{self.family} streams one frame per chunk, got {len(frames)}")
-        frame = frames[0]
-        ids = self.tokenize(self.frame_text(state.frames, frame.timestamp))
-        pixels = internvl_pixel_values(frame.image, self.image_size, mean=self.image_mean, std=self.image_std)
-        features = self.visual_features(pixels.unsqueeze(0)).reshape(-1, self.language_embeddings.embedding_dim)
+        pixels = internvl_pixel_values(frames[0].image, self.image_size, mean=self.image_mean, std=self.image_std)
+        return PreparedFrames(frames=tuple(frames), pixel_values=pixels.unsqueeze(0))
+
+    @torch.no_grad()
+    def encode_vision(self, steps: Sequence[PreparedFrames]) -> list[VisualFeatures]:
+        """Every step's frames in one batch ``[N, 3, S, S]``; each step gets its ``[tokens_per_image, D]``."""
+        features = self.visual_features(torch.cat([step.pixel_values for step in steps]))
+        features = features.reshape(len(steps), -1, features.shape[-1])
+        return [VisualFeatures(embeds=step_features) for step_features in features]
+
+    @torch.no_grad()
+    def features_chunk(self, step: PreparedFrames, features: VisualFeatures, state: LayoutState) -> Chunk:
+        ids = self.tokenize(self.frame_text(state.frames, step.frames[0].timestamp))
         embeds = self.language_embeddings(ids)
         slots = (ids == self.image_token_id).unsqueeze(-1)
-        embeds = embeds.masked_scatter(slots, features.to(embeds.dtype))
+        embeds = embeds.masked_scatter(slots, features.embeds.to(embeds.device, embeds.dtype))
         return Chunk(input_ids=ids, inputs_embeds=embeds, position_ids=None,
                      next_position=state.next_position + ids.shape[1], frames=1)
 

@@ -36,7 +36,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from ..core import ConfigurationError, InputError, StreamingPrefill, UnsupportedModelError, generate_from_cache
 from ..video import Frame, qwen_frame_size, qwen_pixel_values
-from .base import Chunk, LayoutState, VideoAdapter
+from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .checkpoint_files import checkpoint_json, processor_chat_template
 from .registry import checkpoint_model_type, register_adapter
 
@@ -231,13 +231,12 @@ class Qwen3VLAdapter(VideoAdapter):
                      position_ids=self.text_positions(state, ids.shape[1]),
                      next_position=state.next_position + ids.shape[1])
 
-    @torch.no_grad()
-    def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
-        """One temporal patch: ``<t seconds><|vision_start|>`` + n video pads + ``<|vision_end|>``.
+    def prepare_frames(self, frames: Sequence[Frame], state: LayoutState) -> PreparedFrames:
+        """One temporal patch: ``pixel_values [gh*gw*..., C*2*p*p]`` and ``grid_thw [1, 3]``.
 
         frames: one or two `Frame` (a lone frame is repeated to fill the patch; it counts as one sampled
-            frame, as does the same Frame twice, which is how `temporal_groups` pads). The first chunk of a
-            video fixes the resolution from its first frame (``state_update["frame_size"]``); later chunks
+            frame, as does the same Frame twice, which is how `temporal_groups` pads). The first step of a
+            video fixes the resolution from its first frame (``state_update["frame_size"]``); later steps
             reuse it.
         """
         if not 1 <= len(frames) <= self.frames_per_chunk or not all(isinstance(f, Frame) for f in frames):
@@ -245,23 +244,38 @@ class Qwen3VLAdapter(VideoAdapter):
                              f"{len(frames)} {', '.join(sorted({type(f).__name__ for f in frames}))}")
         size, update = self._frame_size(frames[0], state)
         pixel_values, grid_thw = self.pixel_values(frames, size)
-        grid_thw = grid_thw.to(self.device)
-        features, deepstack = self.video_features(pixel_values, grid_thw)
+        return PreparedFrames(frames=tuple(frames), pixel_values=pixel_values, grid_thw=grid_thw,
+                              state_update=update)
 
+    @torch.no_grad()
+    def encode_vision(self, steps: Sequence[PreparedFrames]) -> list[VisualFeatures]:
+        """Every step's temporal patch as one grid of the same vision-tower call (the tower attends within a
+        grid only): visual tokens ``[n, D]`` and DeepStack features per step."""
+        pixel_values = torch.cat([step.pixel_values for step in steps])
+        grid_thw = torch.cat([step.grid_thw for step in steps])
+        output = self.model.model.get_video_features(pixel_values.to(self.device), grid_thw.to(self.device))
+        deepstack = list(zip(*output.deepstack_features)) or [()] * len(steps)  # per step: one tensor per layer
+        return [VisualFeatures(embeds=embeds, deepstack=list(layers))
+                for embeds, layers in zip(output.pooler_output, deepstack)]
+
+    @torch.no_grad()
+    def features_chunk(self, step: PreparedFrames, features: VisualFeatures, state: LayoutState) -> Chunk:
+        """``<t seconds><|vision_start|>`` + n video pads + ``<|vision_end|>``, M-RoPE positions, DeepStack."""
+        frames, embeds_in = step.frames, features.embeds
         timestamp = (frames[0].timestamp + frames[-1].timestamp) / 2
-        pads = torch.full((1, features.shape[0]), self.video_token_id, device=self.device)
+        pads = torch.full((1, embeds_in.shape[0]), self.video_token_id, device=self.device)
         ids = torch.cat([self.tokenize(f"<{timestamp:.1f} seconds>"), self._id(self.vision_start_id), pads,
                          self._id(self.vision_end_id)], dim=1)
         slots = ids == self.video_token_id
         embeds = self.language_embeddings(ids)
-        embeds = embeds.masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
-        positions = self.rope_positions(ids, grid_thw, state)
+        embeds = embeds.masked_scatter(slots.unsqueeze(-1), embeds_in.to(embeds.device, embeds.dtype))
+        positions = self.rope_positions(ids, step.grid_thw.to(self.device), state)
         # temporal_groups pads a lone last frame by repeating the same Frame: it is one sampled frame
         sampled = 1 if frames[-1] is frames[0] else len(frames)
         return Chunk(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
                      next_position=int(positions[1:].max()) + 1, frames=sampled,
-                     forward_kwargs={"visual_pos_masks": slots, "deepstack_visual_embeds": deepstack},
-                     state_update=update)
+                     forward_kwargs={"visual_pos_masks": slots, "deepstack_visual_embeds": features.deepstack},
+                     state_update=step.state_update)
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         """The outer ``<|vision_end|>``, the question, the end of the user turn and the assistant opening."""

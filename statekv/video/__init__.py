@@ -6,7 +6,7 @@
         ...
 """
 
-from .errors import VideoError, VideoNotFoundError
+from .errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -27,6 +27,7 @@ __all__ = [
     "QWEN_MEAN",
     "QWEN_STD",
     "FileVideo",
+    "FrameDecodeError",
     "Frame",
     "ImageSequenceVideo",
     "Video",

@@ -22,7 +22,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from .errors import VideoError, VideoNotFoundError
+from .errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
@@ -50,8 +50,14 @@ class _PendingFrame(NamedTuple):
     timestamp: float
     load: Callable[[], np.ndarray]
 
-    def materialize(self) -> Frame:
-        return Frame(self.index, self.timestamp, self.load())
+    def materialize(self, video_name: str) -> Frame:
+        try:
+            return Frame(self.index, self.timestamp, self.load())
+        except FrameDecodeError:
+            raise
+        except VideoError as error:  # e.g. an unreadable image in the middle of a folder
+            raise FrameDecodeError(f"{video_name}: frame {self.index} (at {self.timestamp:.2f} s) cannot be read: "
+                                   f"{error}", index=self.index, timestamp=self.timestamp) from None
 
 
 class Video(ABC):
@@ -75,10 +81,15 @@ class Video(ABC):
 
     def frames(self) -> Iterator[Frame]:
         """Every frame, in order."""
+        for pending in self._every_pending_frame():
+            yield pending.materialize(self.name)
+
+    def _every_pending_frame(self) -> Iterator[_PendingFrame]:
+        """`_pending_frames`, raising `FrameDecodeError` if the source ends before its ``num_frames``."""
         decoded = 0
         for pending in self._pending_frames():
             decoded += 1
-            yield pending.materialize()
+            yield pending
         if decoded < self.num_frames:
             raise self._truncated(decoded)
 
@@ -95,7 +106,7 @@ class Video(ABC):
             decoded += 1
             if pending.index != next_index:
                 continue
-            frame = pending.materialize()
+            frame = pending.materialize(self.name)
             while next_index == pending.index:  # an index repeats when max_fps reaches the video's rate
                 yield frame
                 next_index = next(wanted, None)
@@ -106,12 +117,14 @@ class Video(ABC):
 
     def sample_at_rate(self, fps: float) -> Iterator[Frame]:
         """Frames at a fixed rate, as a live stream would deliver them (see `sample_at_rate`)."""
-        for pending in sample_at_rate(self._pending_frames(), fps):
-            yield pending.materialize()
+        for pending in sample_at_rate(self._every_pending_frame(), fps):
+            yield pending.materialize(self.name)
 
-    def _truncated(self, decoded: int) -> VideoError:
-        return VideoError(
-            f"{self.name}: decoding stopped after {decoded} of {self.num_frames} frames (truncated or corrupt?)"
+    def _truncated(self, decoded: int) -> FrameDecodeError:
+        timestamp = decoded / self.fps
+        return FrameDecodeError(
+            f"{self.name}: frame {decoded} (at about {timestamp:.2f} s) cannot be decoded: decoding stopped after "
+            f"{decoded} of {self.num_frames} frames (truncated or corrupt?)", index=decoded, timestamp=timestamp,
         )
 
     def __repr__(self) -> str:
@@ -187,16 +200,19 @@ class FileVideo(Video):
         return float((frame.pts - self._start_pts) * self._time_base)
 
     def _pending_frames(self) -> Iterator[_PendingFrame]:
-        index = -1
+        index, timestamp = -1, -1 / self.fps
         with self._open() as container:
             stream = container.streams[self._stream_index]
             stream.thread_type = "AUTO"
             try:
                 for index, frame in enumerate(container.decode(stream)):
-                    yield _PendingFrame(index, self._timestamp(frame, index), partial(frame.to_ndarray, format="rgb24"))
+                    timestamp = self._timestamp(frame, index)
+                    yield _PendingFrame(index, timestamp, partial(frame.to_ndarray, format="rgb24"))
             except av.FFmpegError as error:
-                raise VideoError(
-                    f"{self.name}: decoding failed after {index + 1} frames ({_short(error)}; truncated or corrupt?)"
+                failed, at = index + 1, timestamp + 1 / self.fps  # the frame after the last good one
+                raise FrameDecodeError(
+                    f"{self.name}: frame {failed} (at about {at:.2f} s) cannot be decoded: decoding failed after "
+                    f"{failed} frames ({_short(error)}; truncated or corrupt?)", index=failed, timestamp=at,
                 ) from None
 
 
