@@ -124,14 +124,13 @@ def main(argv: list[str] | None = None) -> None:
                                           **MODELS[args.model])
         qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", dtype=args.dtype, device=args.device,
                                              reserve_tokens=256)
-    policies = {"full": statekv.FullAttention(), f"recency R={args.frames_window}": statekv.Recency(args.frames_window),
-                f"statekv B={args.budget}": statekv.StateKV(budget=args.budget)}
     streams = {}
-    for name, policy in policies.items():
-        qa.policy = policy
-        streams[name] = qa.stream(horizon_frames=checkpoints[-1], name=name)
-    streams = {"full": streams.pop("full"), **streams}
-    args.question_tokens = streams["full"].adapter.question_ids(QUESTION, streams["full"].state).shape[1]
+    for method in ("full", "recency", "statekv"):
+        variant = qa.with_options(method=method, budget=args.budget, frames=args.frames_window, reserve_tokens=256)
+        name = variant.options.label
+        streams[name] = variant.stream(horizon_frames=checkpoints[-1], name=name)
+    full = next(iter(streams.values()))
+    args.question_tokens = full.adapter.question_ids(QUESTION, full.state).shape[1]
 
     images = [draw_test_frame(i, (224, 224)) for i in range(checkpoints[-1])]
     rows, pushed = [], 0

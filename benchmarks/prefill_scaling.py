@@ -13,7 +13,6 @@ Expected: StateKV and recency flat in the chunk index, full attention linear.
 from __future__ import annotations
 
 import argparse
-import copy
 import platform
 import statistics
 import sys
@@ -25,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import statekv
-from statekv.core.cache import DetailedBuffer
+from statekv.core.buffers import TokenBuffer
+from statekv.methods import labelled_policies
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402
@@ -62,9 +62,9 @@ def stream_costs(model, policy, chunks: list[torch.Tensor], flops_every: int):
     seconds, flops = [], []
     for index, chunk in enumerate(chunks):
         if index % flops_every == flops_every - 1:
-            # Count on a throwaway copy of the cache so the measured chunk itself runs uninstrumented.
-            probe = copy.copy(prefill)
-            probe.cache = copy.deepcopy(prefill.cache)
+            # Count on a throwaway copy of the stream so the measured chunk itself runs uninstrumented.
+            probe = statekv.StreamingPrefill(model, policy, attention="chunked", horizon=horizon)
+            probe.load_state_dict(*prefill.state_dict())
             with FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS) as counter:
                 probe.step(inputs_embeds=chunk)
             flops.append(counter.get_total_flops())
@@ -81,7 +81,7 @@ def append_costs(chunks: int, chunk_len: int, kv_heads: int, head_dim: int, repe
     blocks = [torch.randn(1, kv_heads, chunk_len, head_dim) for _ in range(chunks)]
 
     def buffered():
-        buffer = DetailedBuffer()
+        buffer = TokenBuffer()
         for block in blocks:
             buffer.write(buffer.length, block, block)
             buffer.length += block.shape[2]
@@ -133,8 +133,7 @@ def main(argv=None) -> None:
     model = build_model(args.layers, args.hidden, args.heads, args.kv_heads)
     generator = torch.Generator().manual_seed(1)
     chunks = [torch.randn(1, args.chunk_len, args.hidden, generator=generator) for _ in range(args.chunks)]
-    policies = {"full": statekv.FullAttention(), f"recency R={args.frames}": statekv.Recency(frames=args.frames),
-                f"statekv B={args.budget}": statekv.StateKV(budget=args.budget)}
+    policies = labelled_policies(budget=args.budget, frames=args.frames)
     window = max(4, args.chunks // 16)
     results, curves = [], {}
     for name, policy in policies.items():

@@ -14,7 +14,6 @@ a CUDA graph needs. Steady means: StateKV's carried state is full, recency's win
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
 from statekv.core.op_trace import OpTrace  # noqa: E402
+from statekv.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402
 
 PREFIX_TOKENS = 9
@@ -43,8 +43,7 @@ def tiny_language_model():
 
 def methods(tokens: int, budget_frames: int) -> dict[str, statekv.CarryPolicy]:
     """StateKV at ``budget_frames`` frames' worth of tokens, and recency at the same number of frames."""
-    return {f"statekv B={budget_frames * tokens}": statekv.StateKV(budget=budget_frames * tokens),
-            f"recency R={budget_frames}": statekv.Recency(frames=budget_frames)}
+    return labelled_policies(("statekv", "recency"), budget=budget_frames * tokens, frames=budget_frames)
 
 
 def frames(model, tokens: int, count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -147,8 +146,9 @@ def gpu_tables(device: torch.device, budget: int, window: int, prefill_frames: i
     config = internvl3_8b_language_config(max_positions=(prefill_frames + 2) * FRAME_TOKENS)
     model = random_model(config, device, torch.bfloat16)
     chunks = frames(model, FRAME_TOKENS, 64)
-    policies = {f"statekv B={budget} (triton)": (statekv.StateKV(budget=budget), "triton"),
-                f"recency R={window}": (statekv.Recency(frames=window), "auto")}
+    statekv_policy, recency_policy = labelled_policies(("statekv", "recency"), budget=budget, frames=window).items()
+    policies = {f"{statekv_policy[0]} (triton)": (statekv_policy[1], "triton"),
+                recency_policy[0]: (recency_policy[1], "auto")}
     steady_from = max(budget // FRAME_TOKENS + 3, window + 3)
     lines = ["| method | graph | ms / frame | host launches / step | graph replays |", "|---|---|---|---|---|"]
     for name, (policy, backend) in policies.items():
@@ -161,7 +161,7 @@ def gpu_tables(device: torch.device, budget: int, window: int, prefill_frames: i
     video = frames(model, FRAME_TOKENS, prefill_frames, seed=1)
     one_shot_seconds(model, video[:8])  # warm-up
     one_shot = one_shot_seconds(model, video)
-    statekv_policy, backend = policies[f"statekv B={budget} (triton)"]
+    statekv_policy, backend = next(iter(policies.values()))
     streamed = prefill_seconds(model, statekv_policy, backend, video)
     del model
     torch.cuda.empty_cache()

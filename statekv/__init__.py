@@ -7,10 +7,7 @@ check_torchvision()  # before transformers is imported: it would report a broken
 from .core import (  # noqa: E402
     Candidates,
     CarryPolicy,
-    ConfigurationError,
     FullAttention,
-    HorizonError,
-    InputError,
     KeyNorm,
     Recency,
     ReKV,
@@ -18,20 +15,28 @@ from .core import (  # noqa: E402
     ScoredPolicy,
     SinksAndRecency,
     StateKV,
-    StateKVError,
     StreamingPrefill,
-    UnsupportedModelError,
     generate_from_cache,
     scored_attention,
 )
-
-from .pipeline import EncodedVideo, EncodingStats, VideoQA, make_policy  # noqa: E402
+from .encoded import EncodedVideo, EncodingStats  # noqa: E402
+from .errors import (  # noqa: E402
+    ConfigurationError,
+    HorizonError,
+    InputError,
+    StateKVError,
+    UnsupportedModelError,
+)
+from .methods import MethodSpec, register_method  # noqa: E402
+from .options import ModelOptions  # noqa: E402
+from .pipeline import VideoQA, make_policy  # noqa: E402
 from .stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidates", "CarryPolicy", "ConfigurationError", "FullAttention", "HorizonError", "InputError", "KeyNorm",
-    "Recency", "ReKV", "Retrieval", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill", "UnsupportedModelError",
-    "generate_from_cache", "scored_attention", "EncodedVideo", "EncodingStats", "VideoQA", "make_policy", "Stream",
+    "Candidates", "CarryPolicy", "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
+    "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
+    "UnsupportedModelError", "VideoQA", "generate_from_cache", "make_policy", "register_method", "scored_attention",
 ]

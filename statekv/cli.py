@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from .console import run_command
+
 COMMANDS = (
     "statekv.commands.demo",
     "statekv.commands.answer",
@@ -43,15 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``statekv`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as error:  # statekv's own input errors subclass these
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"statekv {args.command}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"statekv {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(args.command, lambda: args.run(args))
 
 
 if __name__ == "__main__":

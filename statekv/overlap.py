@@ -21,9 +21,9 @@ from functools import partial
 
 import torch
 
-from .core import ConfigurationError
 from .models import LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .background import ThreadStages
+from .values import check_int
 from .video import Frame
 
 QUEUED_BATCHES = 2  # batches each queue may hold ahead of its consumer
@@ -52,10 +52,7 @@ def default_vision_batch(device: torch.device | str) -> int:
 
 def check_vision_batch(vision_batch: object) -> int:
     """``vision_batch`` if it is a positive integer; a one-line `ConfigurationError` otherwise."""
-    if isinstance(vision_batch, bool) or not isinstance(vision_batch, int) or vision_batch <= 0:
-        raise ConfigurationError(f"vision_batch must be a positive integer (frames per vision-tower call), "
-                                 f"got {vision_batch!r}")
-    return vision_batch
+    return check_int(vision_batch, "vision_batch")
 
 
 def steps_per_batch(vision_batch: int, frames_per_chunk: int) -> int:

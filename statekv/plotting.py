@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .core.errors import ConfigurationError
+from .errors import ConfigurationError
 
 
 def pyplot():

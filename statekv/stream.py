@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,14 +29,12 @@ from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .core import HorizonError, InputError
+from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
-from .pipeline import EncodedVideo, EncodingStats
+from .encoded import EncodedVideo, EncodingStats
+from .values import check_int, check_number
 from .video import Frame
-
-if TYPE_CHECKING:
-    from .pipeline import VideoQA
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 1
@@ -49,13 +47,12 @@ class Stream(EncodedVideo):
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch).
     """
 
-    def __init__(self, qa: "VideoQA", horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
-                 vision_batch: int = 1, _restoring: bool = False):
-        if isinstance(horizon_frames, bool) or not isinstance(horizon_frames, int) or horizon_frames <= 0:
-            raise InputError(f"horizon_frames must be a positive integer, got {horizon_frames!r}")
-        if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
-                                    or not max_fps > 0):
-            raise InputError(f"max_fps must be > 0 (or None to keep every frame), got {max_fps!r}")
+    def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+                 vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None):
+        """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None streams it."""
+        check_int(horizon_frames, "horizon_frames", error=InputError)
+        if max_fps is not None:
+            check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
         self.horizon_frames = horizon_frames
         self.max_fps = None if max_fps is None else float(max_fps)
         self.vision_batch = check_vision_batch(vision_batch)
@@ -63,8 +60,8 @@ class Stream(EncodedVideo):
         self.pending: list[Frame] = []
         self._next_tick = 0
         self._last_timestamp: float | None = None
-        super().__init__(qa, qa.horizon_for(horizon_frames), num_frames=horizon_frames, fps=self.max_fps,
-                         name=name, stream_prefix=not _restoring)
+        super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
+                         num_frames=horizon_frames, fps=self.max_fps, name=name, prefix_tokens=prefix_tokens)
 
     # -- pushing ----------------------------------------------------------------------------------------
     def push(self, image: Any, timestamp: float | None = None) -> bool:
@@ -115,10 +112,10 @@ class Stream(EncodedVideo):
         if self.pending:
             self._encode_pending()
 
-    def ask_tokens(self, question: str, *, max_new_tokens: int = 64, **generate_kwargs: Any) -> torch.Tensor:
+    def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
         self._encode_pending(complete_steps_only=True)
-        return super().ask_tokens(question, max_new_tokens=max_new_tokens, **generate_kwargs)
+        return super().ask_tokens(question, **ask_kwargs)
 
     @property
     def _batch_frames(self) -> int:
@@ -145,8 +142,7 @@ class Stream(EncodedVideo):
         if timestamp is None:
             step = 1.0 / self.max_fps if self.max_fps else 1.0
             return 0.0 if self._last_timestamp is None else self._last_timestamp + step
-        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
-            raise InputError(f"timestamp must be a finite number of seconds, got {timestamp!r}")
+        check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
         if timestamp < 0 or (self._last_timestamp is not None and timestamp < self._last_timestamp):
             raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
                              f"{self._last_timestamp}")
@@ -156,7 +152,7 @@ class Stream(EncodedVideo):
     def save(self, path: str | Path) -> Path:
         """Write the stream (carried state, detailed cache, pending frames, metadata) to one safetensors file."""
         path = Path(path)
-        tensors, cache_metadata = self.prefill.cache.state_dict()
+        tensors, cache_metadata = self.prefill.state_dict()
         tensors = {f"cache.{name}": tensor.contiguous() for name, tensor in tensors.items()}
         for index, frame in enumerate(self.pending):
             tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
@@ -164,6 +160,7 @@ class Stream(EncodedVideo):
             "format": FORMAT, "version": FORMAT_VERSION, "name": self.name,
             "model": _model_identity(self.qa), "policy": repr(self.qa.policy),
             "horizon": self.horizon, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
+            "prefix_tokens": self.prefix_tokens,
             "vision_batch": self.vision_batch,
             "pushed": self.pushed, "next_tick": self._next_tick, "last_timestamp": self._last_timestamp,
             "pending": [[frame.index, frame.timestamp] for frame in self.pending],
@@ -178,7 +175,7 @@ class Stream(EncodedVideo):
         return path
 
     @classmethod
-    def load(cls, path: str | Path, qa: "VideoQA") -> "Stream":
+    def load(cls, path: str | Path, qa: Any) -> "Stream":
         """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with)."""
         path = Path(path)
         if not path.is_file():
@@ -195,10 +192,12 @@ class Stream(EncodedVideo):
             raise InputError(f"{path}: saved in stream format {metadata['version']}, this statekv reads "
                              f"{FORMAT_VERSION}")
         _check_same_setup(path, metadata, qa)
+        reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
-                     vision_batch=metadata.get("vision_batch", 1), _restoring=True)
+                     vision_batch=metadata.get("vision_batch", 1), reserve_tokens=reserve,
+                     prefix_tokens=metadata.get("prefix_tokens", 0))
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
-        stream.prefill.cache.load_state_dict(cache, metadata["cache"], stream.prefill.device)
+        stream.prefill.load_state_dict(cache, metadata["cache"])
         stream.state = LayoutState.from_dict(metadata["state"])
         stream.stats = EncodingStats(**metadata["stats"])
         stream.pushed, stream._next_tick = metadata["pushed"], metadata["next_tick"]
@@ -208,17 +207,17 @@ class Stream(EncodedVideo):
         return stream
 
 
-def _model_identity(qa: "VideoQA") -> dict[str, Any]:
+def _model_identity(qa: Any) -> dict[str, Any]:
     config = qa.adapter.model.config
     text = config.get_text_config()
     return {"family": qa.adapter.family, "layout": qa.adapter.layout, "model_type": config.model_type,
             "name_or_path": str(getattr(config, "_name_or_path", "")), "layers": text.num_hidden_layers,
-            "hidden_size": text.hidden_size, "reserve_tokens": qa.reserve_tokens}
+            "hidden_size": text.hidden_size}
 
 
-def _check_same_setup(path: Path, metadata: dict[str, Any], qa: "VideoQA") -> None:
+def _check_same_setup(path: Path, metadata: dict[str, Any], qa: Any) -> None:
     saved, current = metadata["model"], _model_identity(qa)
-    for key in ("family", "model_type", "layout", "layers", "hidden_size", "reserve_tokens"):
+    for key in ("family", "model_type", "layout", "layers", "hidden_size"):
         if saved[key] != current[key]:
             raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
     if metadata["policy"] != repr(qa.policy):

@@ -13,7 +13,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from statekv import FullAttention, StateKV, StreamingPrefill
-from statekv.core import ConfigurationError, InputError, UnsupportedModelError
+from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.models.qwen3_vl import Qwen3VLAdapter, QwenVideoSettings
 from statekv.testing import make_tiny_checkpoint, write_test_video

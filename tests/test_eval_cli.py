@@ -50,12 +50,12 @@ def test_benchmark_subcommand_runs_and_reports(checkpoint, data_root, tmp_path, 
                                "--name", "Tiny-1B")]
     assert statekv_with_eval(argv) == 0
     printed = capsys.readouterr().out
-    assert "Tiny-1B ReKV R=2 on mlvu:" in printed and "3 answered" in printed and "unparsable" in printed
+    assert "Tiny-1B Recency R=2 on mlvu:" in printed and "3 answered" in printed and "unparsable" in printed
     assert f"wrote {out / 'results.json'} and {out / 'table.md'}" in printed
     run = json.loads((out / "run.json").read_text())
     assert run["settings"]["method"] == "recency" and run["settings"]["budget"] == 2
     assert sorted(run["expected_qids"]) == ["count_0", "count_1", "ego_0"]
-    assert "| Tiny-1B | ReKV R=2 |" in (out / "table.md").read_text()
+    assert "| Tiny-1B | Recency R=2 |" in (out / "table.md").read_text()
 
 
 def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_path, capsys):
@@ -63,7 +63,7 @@ def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_pa
     assert command.main(arguments("videomme", checkpoint, data_root, finished, "--budget", "32")) == 0
     # a run killed after one answer: no results.json yet, but run.json says what it was asked
     killed = tmp_path / "mlvu-statekv"
-    config = EvalConfig("mlvu", str(checkpoint), data_root, killed, budget=32, max_new_tokens=2)
+    config = EvalConfig.for_model("mlvu", str(checkpoint), data_root, killed, budget=32, max_new_tokens=2)
     questions = ev.load_benchmark("mlvu", data_root)
     check_run_file(config, [q.qid for q in questions], write=True)
     with ev.ResultsWriter(ev.rank_file(killed, 0)) as out:

@@ -756,7 +756,7 @@ def test_results_json_and_paper_table(tmp_path):
         "|---|---|---|---|---|\n"
         "| Qwen3-VL-2B | StateKV B=4096 | – | – | 100.00 |\n"
         "| InternVL3-1B | Full SA | 66.67 | – | – |\n"
-        "| InternVL3-1B | ReKV R=16 | – | 25.00 (1 unparsed) | – |\n"
+        "| InternVL3-1B | Recency R=16 | – | 25.00 (1 unparsed) | – |\n"
         "| InternVL3-1B | StateKV B=4096 | 75.00 (partial 4/5) | – | – |\n"
     )
     assert "| Qwen3-VL-2B | StateKV B=4096 | – | – | 100.00 |" in ev.paper_table([tmp_path / "d"], parser="paper")
@@ -767,6 +767,7 @@ def test_results_json_and_paper_table(tmp_path):
 def test_method_labels():
     assert ev.method_label("full", None) == "Full SA"
     assert ev.method_label("FullAttention", None) == "Full SA"
-    assert ev.method_label("recency", 16) == "ReKV R=16"
+    assert ev.method_label("recency", 16) == "Recency R=16"
+    assert ev.method_label("rekv", 16) == "ReKV R=16"
     assert ev.method_label("statekv", 4096) == "StateKV B=4096"
     assert ev.method_label("snapkv", 1024) == "snapkv (1024)"

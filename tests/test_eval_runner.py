@@ -22,11 +22,11 @@ import pytest
 import statekv.eval as ev
 from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_videomme
 from statekv.eval.runner import EvalConfig, display_name, run_evaluation
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 from statekv.pipeline import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
-METHODS = {"statekv": {"budget": 32}, "recency": {"frames": 2}, "full": {}}
+METHODS = {"statekv": {"budget": 32}, "recency": {"frames": 2}, "full": {}, "rekv": {"frames": 2, "retrieve": 2}}
 FAST = {"max_new_tokens": 3, "progress": False}  # tiny answers keep the tests fast; the protocol is tested apart
 
 
@@ -58,8 +58,8 @@ def models(checkpoint):
 
 
 def config(benchmark, checkpoint, data_root, out, method="statekv", **overrides) -> EvalConfig:
-    return EvalConfig(benchmark, str(checkpoint), data_root, out, method=method, **{**METHODS[method], **FAST,
-                                                                                    **overrides})
+    return EvalConfig.for_model(benchmark, str(checkpoint), data_root, out, method=method,
+                                **{**METHODS[method], **FAST, **overrides})
 
 
 def rank_lines(run_dir: Path) -> list[dict]:
@@ -79,7 +79,7 @@ def test_every_method_completes_and_writes_records_results_and_table(benchmark, 
         records = ev.read_records(out / "answers.jsonl")
         assert sorted(r.qid for r in records) == sorted(expected)  # each question once
         assert len(rank_lines(out)) == len(expected)
-        budget = {"statekv": 32, "recency": 2, "full": None}[method]
+        budget = {"statekv": 32, "recency": 2, "full": None, "rekv": 2}[method]
         for record in records:
             assert (record.benchmark, record.method, record.budget, record.model) == (
                 benchmark, method, budget, checkpoint.name)
@@ -197,13 +197,13 @@ def test_display_names():
 
 def test_bad_configurations_are_one_line_errors(checkpoint, data_root, tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark 'mvbench'"):
-        EvalConfig("mvbench", "m", data_root, tmp_path)
+        EvalConfig.for_model("mvbench", "m", data_root, tmp_path)
     with pytest.raises(ValueError, match="unknown method 'snapkv'"):
-        EvalConfig("mlvu", "m", data_root, tmp_path, method="snapkv")
+        EvalConfig.for_model("mlvu", "m", data_root, tmp_path, method="snapkv")
     with pytest.raises(ValueError, match="limit must be a positive integer"):
-        EvalConfig("mlvu", "m", data_root, tmp_path, limit=0)
+        EvalConfig.for_model("mlvu", "m", data_root, tmp_path, limit=0)
     with pytest.raises(ValueError, match="ovobench_videos must be one of stream, clips"):
-        EvalConfig("ovobench", "m", data_root, tmp_path, ovobench_videos="frames")
+        EvalConfig.for_model("ovobench", "m", data_root, tmp_path, ovobench_videos="frames")
     with pytest.raises(FileNotFoundError, match="chunked_videos"):
         root = tmp_path / "noclips"
         write_mini_ovobench(root, clips=False)

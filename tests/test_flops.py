@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 from statekv.flops import (
     PRESETS,
     LanguageSpec,
@@ -25,7 +25,7 @@ from statekv.flops import (
     step_flops,
     to_config,
 )
-from statekv.flops.measured import measure_language, measure_prefill
+from statekv.flops.measured import measure_language, measure_prefill, meta_model
 
 N_STEPS = 4
 
@@ -82,7 +82,7 @@ def test_from_config_reads_a_checkpoint_style_qwen3_vl_config():
 def test_bad_inputs_raise_one_line_configuration_errors():
     with pytest.raises(ConfigurationError, match="unknown model preset"):
         get_preset("internvl9-1b")
-    with pytest.raises(ConfigurationError, match="needs a positive integer budget"):
+    with pytest.raises(ConfigurationError, match="statekv.s budget must be a positive integer"):
         prefill_flops("internvl3-1b", "statekv")
     with pytest.raises(ConfigurationError, match="takes no budget"):
         prefill_flops("internvl3-1b", "full", budget=16)
@@ -229,8 +229,8 @@ def test_cli_json_parses_and_holds_curves_and_break_even(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     labels = [c["label"] for c in out["curves"]]
-    assert labels == ["internvl3-1b Full SA", "internvl3-1b ReKV R=2", "internvl3-1b StateKV B=256",
-                      "qwen3-vl-2b Full SA", "qwen3-vl-2b ReKV R=2", "qwen3-vl-2b StateKV B=256"]
+    assert labels == ["internvl3-1b Full SA", "internvl3-1b Recency R=2", "internvl3-1b StateKV B=256",
+                      "qwen3-vl-2b Full SA", "qwen3-vl-2b Recency R=2", "qwen3-vl-2b StateKV B=256"]
     first = out["curves"][0]["at"]["64"]
     assert first["cumulative"] == pytest.approx(prefill_flops("internvl3-1b", "full", n_frames=64).cumulative[-1])
     assert {p["a"] for p in out["break_even"]} <= set(labels)
@@ -256,3 +256,19 @@ def test_cli_module_entry_point_and_plots(tmp_path):
     for path in out["figures"]:
         with open(path, "rb") as png:
             assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_recency_window_is_counted_in_frames_wherever_it_is_used():
+    """R = 16 frames is 8 two-frame steps for Qwen3-VL: in the engine's policy, in the analytic FLOPs and in
+    the FLOPs measured on the engine itself (one definition, `MethodSettings.window_steps`)."""
+    import statekv
+
+    qwen = PRESETS["qwen3-vl-2b"]
+    assert qwen.frames_per_step == 2
+    assert statekv.make_policy("recency", frames=16, frames_per_chunk=2) == statekv.Recency(frames=8)
+    recency = Method("recency", frames=16)
+    assert int(recency.history_tokens(100, qwen.tokens_per_step, qwen.frames_per_step)) == 8 * qwen.tokens_per_step
+    spec = qwen.with_layers(language=1, vision=3)
+    window = Method("recency", frames=4)  # two steps
+    for step, measured in enumerate(measure_language(meta_model(spec), spec, window, 5)):
+        _assert_step_agrees(spec, window, step, measured)

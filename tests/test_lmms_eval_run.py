@@ -91,9 +91,8 @@ def test_one_and_two_processes_give_the_answers_statekv_gives(checkpoint, task, 
     expected = []
     for video in dict.fromkeys(doc["video"] for doc in docs):
         questions = [doc["question"] for doc in docs if doc["video"] == video]
-        with room_for_prompts(qa, questions, 4):
-            encoded = qa.encode(video, max_fps=1, max_frames=512)
-        with encoded:
+        with qa.encode(video, max_fps=1, max_frames=512,
+                       reserve_tokens=room_for_prompts(qa, questions, 4)) as encoded:
             expected += [encoded.ask(question, max_new_tokens=4).split("\n\n")[0] for question in questions]
     assert predictions[0] == expected
 

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import statekv.eval as ev
-from statekv.core.errors import InputError
+from statekv.errors import InputError
 from statekv.eval import lmms_plugin
 from statekv.eval.distributed import RankContext
 from statekv.eval.fabricate import write_lmms_task, write_mini_videomme
 from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.options import ModelOptions
 from statekv.pipeline import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
@@ -62,7 +63,7 @@ def chat_requests(questions, gen_kwargs=VIDEOMME_GEN_KWARGS, make=None):
 
 def test_answers_equal_the_statekv_eval_runner_and_share_one_encoding_per_video(checkpoint, data_root, qa, tmp_path,
                                                                                 monkeypatch):
-    run_evaluation(EvalConfig("videomme", str(checkpoint), data_root, tmp_path / "run", budget=32, limit=4,
+    run_evaluation(EvalConfig.for_model("videomme", str(checkpoint), data_root, tmp_path / "run", budget=32, limit=4,
                               max_new_tokens=4, progress=False), qa=qa)
     expected = {r.qid: r.prediction for r in ev.run_records(tmp_path / "run")}
     questions = ev.load_benchmark("videomme", data_root)[:4]
@@ -133,10 +134,10 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
     assert model.qa.method == "recency" and model.qa.policy.frames == 2 and model.qa.adapter.layout == "paper"
     assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.offload is False
     loads = []
-    monkeypatch.setattr(VideoQA, "from_pretrained", lambda path, **kwargs: loads.append(kwargs) or "qa")
-    StateKV(pretrained="m", trust_remote_code="Yes", offload=1, budget="64", max_fps="0.5")
-    assert loads[-1] == {"method": "statekv", "budget": 64, "frames": 16, "layout": None, "attention": "auto",
-                         "dtype": None, "device": None, "trust_remote_code": True, "offload": True}
+    monkeypatch.setattr(VideoQA, "from_options", lambda options: loads.append(options) or "qa")
+    StateKV(pretrained="m", trust_remote_code="Yes", offload=1, budget="64", max_fps="0.5", retrieve="8")
+    assert loads[-1] == ModelOptions(model="m", budget=64, trust_remote_code=True, offload=True, retrieve=8,
+                                     device=loads[-1].device)
 
 
 @pytest.mark.parametrize(("model_args", "message"), [
@@ -145,7 +146,7 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
     ({"budget": 0}, "budget must be at least 1, got 0"),
     ({"budget": "4k"}, "budget must be an integer, got '4k'"),
     ({"max_fps": "fast"}, "max_fps must be a number"),
-    ({"method": "fulll"}, "method must be one of statekv, full, recency, got 'fulll'"),
+    ({"method": "fulll"}, "method must be one of statekv, full, recency, rekv, keynorm, got 'fulll'"),
     ({"bugdet": 64}, "unknown statekv model arg bugdet; known: pretrained, method, budget, frames,"),
     ({"batch_size": 2}, "answers one request at a time; use --batch_size 1, not 2"),
     ({"pretrained": "None"}, "the statekv model needs pretrained=<checkpoint folder or hub id>"),

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
+from statekv.values import check_int
 
 from . import statistics as st
 
@@ -25,8 +26,8 @@ TRANSITIONS = ("recall", "weighted_recall", "retention", "churn")
 def positive_integers(name: str, values) -> tuple[int, ...]:
     """``values`` sorted and deduplicated; a one-line error unless every one is a positive integer."""
     values = tuple(values)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
-        raise ConfigurationError(f"{name} must be positive integers, got {list(values)}")
+    for value in values:
+        check_int(value, f"every one of {name} {list(values)}")
     return tuple(sorted(set(values)))
 
 
@@ -50,8 +51,7 @@ class AnalysisSettings:
             setattr(self, name, positive_integers(name, getattr(self, name)))
             if not getattr(self, name):
                 raise ConfigurationError(f"{name}: give at least one")
-        if isinstance(self.max_distance, bool) or not isinstance(self.max_distance, int) or self.max_distance <= 0:
-            raise ConfigurationError(f"max_distance must be a positive integer, got {self.max_distance!r}")
+        check_int(self.max_distance, "max_distance")
 
 
 @dataclass

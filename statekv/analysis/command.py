@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from statekv.commands.common import positive_float, positive_int, quiet_libraries
+from statekv.console import quiet_libraries
+from statekv.values import POSITIVE_FLOAT, POSITIVE_INT
+
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 DEFAULT_WINDOWS = [1, 4, 16, 64]
@@ -25,19 +27,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("videos", nargs="+", metavar="VIDEO", help="video files or folders of frames")
     parser.add_argument("--model", required=True, help="checkpoint folder or hub id of a supported video VLM")
     parser.add_argument("--out", required=True, type=Path, help="output folder")
-    parser.add_argument("--frames", type=positive_int, default=128, help="frames sampled per video (default 128, the paper's)")
-    parser.add_argument("--max-fps", type=positive_float, default=1.0, help="at most this many frames per second (default 1)")
-    parser.add_argument("--budgets", nargs="+", type=positive_int, default=DEFAULT_BUDGETS, metavar="B",
+    parser.add_argument("--frames", type=POSITIVE_INT, default=128, help="frames sampled per video (default 128, the paper's)")
+    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, help="at most this many frames per second (default 1)")
+    parser.add_argument("--budgets", nargs="+", type=POSITIVE_INT, default=DEFAULT_BUDGETS, metavar="B",
                         help=f"token budgets (default {' '.join(map(str, DEFAULT_BUDGETS))})")
-    parser.add_argument("--recency", nargs="+", type=positive_int, default=DEFAULT_WINDOWS, metavar="R",
+    parser.add_argument("--recency", nargs="+", type=POSITIVE_INT, default=DEFAULT_WINDOWS, metavar="R",
                         help="recency windows in streaming steps: frames, or 2-frame temporal patches for Qwen3-VL "
                              f"(default {' '.join(map(str, DEFAULT_WINDOWS))})")
-    parser.add_argument("--max-distance", type=positive_int, default=128,
+    parser.add_argument("--max-distance", type=POSITIVE_INT, default=128,
                         help="frame distances shown apart in the distance heatmap; farther ones share a column")
     parser.add_argument("--per-head", action="store_true", help="also report every statistic per KV head")
-    parser.add_argument("--error-budgets", nargs="*", type=positive_int, metavar="B",
+    parser.add_argument("--error-budgets", nargs="*", type=POSITIVE_INT, metavar="B",
                         help="StateKV budgets for the approximation error (default: --budgets; none: skip)")
-    parser.add_argument("--error-recency", nargs="*", type=positive_int, metavar="R",
+    parser.add_argument("--error-recency", nargs="*", type=POSITIVE_INT, metavar="R",
                         help="recency windows for the approximation error (default: --recency; none: skip)")
     parser.add_argument("--no-errors", action="store_true", help="skip the approximation-error runs")
     parser.add_argument("--label", default="", help="title of the report (default: the model's folder name)")

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from statekv.core.errors import InputError
+from statekv.errors import InputError
 from statekv.core.policies import KEEP_ALL, Candidates, CarryPolicy
 
 ScoreListener = Callable[[int, torch.Tensor, tuple[int, ...]], None]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from statekv.core import CarryPolicy, FullAttention, Recency, StateKV, StreamingPrefill
-from statekv.core.errors import InputError
+from statekv.errors import InputError
 
 from .accumulator import AnalysisSettings, AttentionStatistics
 from .recording import RecordScores

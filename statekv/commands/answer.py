@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (add_model_options, add_output_options, add_sampling_options, describe_method, interactive,
-                     load_qa, print_json)
+from ..console import add_output_arguments, add_sampling_arguments, interactive, print_json, quiet_libraries
+from ..options import ModelOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,9 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("questions", metavar="QUESTION", nargs="+", help="one or more questions")
-    add_model_options(parser)
-    add_sampling_options(parser)
-    add_output_options(parser)
+    ModelOptions.add_arguments(parser)
+    add_sampling_arguments(parser)
+    add_output_arguments(parser)
     parser.add_argument("--stats", action="store_true",
                         help="also print the encoding's statistics: frames per second, decode / vision / "
                              "language-model time per frame, memory")
@@ -25,22 +25,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..core import InputError
+    from ..pipeline import VideoQA
+    from ..errors import InputError
     from ..video import open_video
 
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
-    open_video(args.video)  # a bad video fails before the model loads
-    qa = load_qa(args)
+    options = ModelOptions.from_args(args)  # bad settings fail before the video is opened or the model loads
+    open_video(args.video)
+    quiet_libraries()
+    qa = VideoQA.from_options(options)
     video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
     answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
     stats = video.stats
     if args.json:
         print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
-                    "frames_window": args.frames, "stats": stats.to_dict(),
+                    "frames_window": args.frames, "label": options.label, "stats": stats.to_dict(),
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return 0
-    print(f"{args.video}: {stats.frames} frames, {stats.tokens} tokens, {describe_method(args)}, carried "
+    print(f"{args.video}: {stats.frames} frames, {stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:
         print(stats.summary())

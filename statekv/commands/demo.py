@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 
 from ..user_cache import cache_dir  # where the demo keeps its checkpoint and video
-from .common import add_output_options, interactive, positive_float, positive_int, print_json, quiet_libraries
+from ..console import add_output_arguments, interactive, print_json, quiet_libraries
+from ..values import POSITIVE_FLOAT, POSITIVE_INT
+
 
 DEMO_CHECKPOINT = "demo-internvl-v1"
 DEMO_VIDEO = "demo-video-v1.mp4"
@@ -30,16 +32,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a real checkpoint instead of the built-in tiny random one")
     parser.add_argument("--video", default=None, help="a video instead of the built-in synthetic one")
     parser.add_argument("--question", default="What happens in this video?", help="the question to answer")
-    parser.add_argument("--budget", type=positive_int, default=256, metavar="B",
+    parser.add_argument("--budget", type=POSITIVE_INT, default=256, metavar="B",
                         help="StateKV budget in tokens (default: 256)")
-    parser.add_argument("--frames", type=positive_int, default=4, metavar="R",
+    parser.add_argument("--frames", type=POSITIVE_INT, default=4, metavar="R",
                         help="recency window in frames (default: 4)")
-    parser.add_argument("--max-fps", type=positive_float, default=1.0, metavar="F", help="(default: 1)")
-    parser.add_argument("--max-frames", type=positive_int, default=64, metavar="N", help="(default: 64)")
+    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="(default: 1)")
+    parser.add_argument("--max-frames", type=POSITIVE_INT, default=64, metavar="N", help="(default: 64)")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--trust-remote-code", action="store_true")
-    add_output_options(parser)
+    add_output_arguments(parser)
     parser.set_defaults(run=run, max_new_tokens=16)
 
 
@@ -49,15 +51,12 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     model = args.model or str(demo_checkpoint())
     video = args.video or str(demo_video())
-    qa = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
-                                         trust_remote_code=args.trust_remote_code)
-    policies = {"full": ("exact", statekv.FullAttention()),
-                "recency": (f"R={args.frames}", statekv.make_policy("recency", frames=args.frames,
-                                                                    frames_per_chunk=qa.adapter.frames_per_chunk)),
-                "statekv": (f"B={args.budget}", statekv.StateKV(budget=args.budget))}
+    loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
+                                             trust_remote_code=args.trust_remote_code)
+    settings = {"full": "exact", "recency": f"R={args.frames}", "statekv": f"B={args.budget}"}
     rows = []
-    for method, (setting, policy) in policies.items():
-        qa.policy, qa.method = policy, method
+    for method, setting in settings.items():
+        qa = loaded.with_options(method=method, budget=args.budget, frames=args.frames)
         with qa.encode(video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive()) as encoded:
             answer = encoded.ask(args.question, max_new_tokens=args.max_new_tokens)
             stats = encoded.stats

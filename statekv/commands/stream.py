@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from .common import (add_model_options, add_output_options, describe_method, load_qa, positive_float,
-                     positive_int, print_json)
+from ..console import add_output_arguments, print_json, quiet_libraries
+from ..options import ModelOptions
+from ..values import POSITIVE_FLOAT, POSITIVE_INT
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -32,23 +33,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("--ask", type=timed_question, action="append", required=True, metavar="SECONDS:QUESTION",
                         help="ask QUESTION when the stream reaches SECONDS (repeatable)")
-    add_model_options(parser)
-    parser.add_argument("--max-fps", type=positive_float, default=1.0, metavar="F",
+    ModelOptions.add_arguments(parser)
+    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
                         help="frames kept per second of stream (default: 1)")
-    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
                         help="declare the stream for at most N frames (default: the video's length at --max-fps)")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="save the stream at the end (resume with statekv.Stream.load)")
-    add_output_options(parser)
+    add_output_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..pipeline import VideoQA
     from ..video import FrameDecodeError, open_video
 
+    options = ModelOptions.from_args(args)
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
-    qa = load_qa(args)
+    quiet_libraries()
+    qa = VideoQA.from_options(options)
     # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
     stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
                        vision_batch=args.vision_batch or 1)
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                     "frames_window": args.frames, "stats": stream.stats.to_dict(), "answers": results,
                     "saved": args.save})
     else:
-        print(f"\n{stream.frames} frames, {stream.tokens} tokens, {describe_method(args)}, carried "
+        print(f"\n{stream.frames} frames, {stream.tokens} tokens, {options.label}, carried "
               f"{stream.stats.carried_tokens} tokens, {1e3 * stream.stats.mean_frame_seconds:.1f} ms per frame"
               + (f"; saved to {args.save}" if args.save else ""))
     return 0

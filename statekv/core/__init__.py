@@ -4,15 +4,13 @@ from .answering import Retrieval
 from .attention import chunk_attention, scored_attention
 from .cache import TwoStateCache
 from .decoding import generate_from_cache
-from .errors import ConfigurationError, HorizonError, InputError, StateKVError, UnsupportedModelError
 from .policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, ScoredPolicy,
                        SinksAndRecency, StateKV)
 from .prefill import StreamingPrefill
 from .rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
 
 __all__ = [
-    "Candidates", "CarryPolicy", "ConfigurationError", "FrozenRope", "FullAttention", "HorizonError",
-    "InputError", "KeyNorm", "Recency", "ReKV", "Retrieval", "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "StreamingPrefill",
-    "TwoStateCache", "UnsupportedModelError", "check_horizon", "chunk_attention", "freeze_rope",
-    "generate_from_cache", "rope_capacity", "scored_attention",
+    "Candidates", "CarryPolicy", "FrozenRope", "FullAttention", "KeyNorm", "Recency", "ReKV", "Retrieval",
+    "ScoredPolicy", "SinksAndRecency", "StateKV", "StreamingPrefill", "TwoStateCache", "check_horizon",
+    "chunk_attention", "freeze_rope", "generate_from_cache", "rope_capacity", "scored_attention",
 ]

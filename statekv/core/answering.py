@@ -26,8 +26,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ChunkMask, chunk_attention
-from .errors import InputError
-from .policies import positive_int
+from ..errors import InputError
+from ..values import check_int
 
 if TYPE_CHECKING:
     from .cache import StreamingLayer, TwoStateCache
@@ -42,9 +42,8 @@ class Retrieval:
     keep_tokens: int = 0
 
     def __post_init__(self) -> None:
-        positive_int("Retrieval", "steps", self.steps)
-        if isinstance(self.keep_tokens, bool) or not isinstance(self.keep_tokens, int) or self.keep_tokens < 0:
-            raise InputError(f"Retrieval: keep_tokens must be a non-negative integer, got {self.keep_tokens!r}")
+        check_int(self.steps, "Retrieval: steps")
+        check_int(self.keep_tokens, "Retrieval: keep_tokens", minimum=0)
 
     def tokens(self, step_means: torch.Tensor, question: torch.Tensor, steps: list[int]) -> torch.Tensor:
         """Token indices ``[M]`` (ascending) of the context for one layer.

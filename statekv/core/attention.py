@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .errors import ConfigurationError, InputError
+from ..errors import ConfigurationError, InputError
 
 BACKENDS = ("auto", "eager", "chunked", "triton")
 

@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .buffers import CarriedSlots, Ring, TokenBuffer
-from .errors import InputError
+from ..errors import InputError
 from .policies import Candidates, CarryPolicy
 
 

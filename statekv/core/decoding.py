@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .answering import AnswerCache, Retrieval
-from .errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 
 DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
 

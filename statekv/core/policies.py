@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from .errors import ConfigurationError
+from ..values import check_int
 
 KEEP_ALL = slice(0, None)
 
@@ -86,13 +86,6 @@ class Candidates:
         return slice(max(self.size - recent, 0), None)
 
 
-def positive_int(owner: str, name: str, value: object) -> int:
-    """``value`` if it is a positive integer (not a bool), else a one-line ConfigurationError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigurationError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class CarryPolicy:
     """Base class of carry rules. Subclasses override :meth:`select` (or use :class:`ScoredPolicy`).
@@ -151,7 +144,7 @@ class Recency(CarryPolicy):
     capturable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        positive_int("Recency", "frames", self.frames)
+        check_int(self.frames, "Recency: frames")
 
     def select(self, candidates: Candidates) -> slice:
         return candidates.last_steps(self.frames)
@@ -176,9 +169,7 @@ class ReKV(Recency):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("sinks", "prefix_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigurationError(f"ReKV: {name} must be a non-negative integer, got {value!r}")
+            check_int(getattr(self, name), f"ReKV: {name}", minimum=0)
 
     @property
     def sink_tokens(self) -> int:
@@ -209,7 +200,7 @@ class ScoredPolicy(CarryPolicy):
     capturable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        positive_int(type(self).__name__, "budget", self.budget)
+        check_int(self.budget, f"{type(self).__name__}: budget")
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """One score per candidate, ``[B, H_kv, N]``; higher is kept."""
@@ -256,8 +247,8 @@ class SinksAndRecency(CarryPolicy):
     frames: int
 
     def __post_init__(self) -> None:
-        positive_int("SinksAndRecency", "sinks", self.sinks)
-        positive_int("SinksAndRecency", "frames", self.frames)
+        check_int(self.sinks, "SinksAndRecency: sinks")
+        check_int(self.frames, "SinksAndRecency: frames")
 
     def select(self, candidates: Candidates) -> torch.Tensor:
         first_recent_step = candidates.step - self.frames + 1

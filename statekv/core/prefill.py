@@ -11,6 +11,7 @@ when the forward raises.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -19,11 +20,12 @@ from transformers import AttentionInterface, DynamicCache
 from .answering import Retrieval
 from .attention import resolve_backend
 from .cache import TwoStateCache
-from .errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
+from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
 from .graphs import StepGraphs
 from .policies import CarryPolicy
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
+from .stats import StepRecord, StreamStats, kept_fraction
 
 ATTENTION_NAME = "statekv"
 _streaming = threading.local()  # the cache of the step running in this thread, for the attention function
@@ -65,11 +67,13 @@ class StreamingPrefill:
             accelerator memory stays constant as the stream grows; it is copied back for decoding.
         cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
             for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
+        track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
+            carried positions after every step: a host sync on a GPU; for analysis, not for speed).
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
                  horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, track_overlap: bool = False):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -90,6 +94,8 @@ class StreamingPrefill:
                                    capacity_hint=horizon, storage_device=self.storage_device)
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
+        self.track_overlap = track_overlap
+        self._history: list[StepRecord] = []
 
     @property
     def seen_tokens(self) -> int:
@@ -105,6 +111,29 @@ class StreamingPrefill:
     def carried_positions(self, layer: int) -> torch.Tensor:
         """Logical positions carried by ``layer`` into the next step, LongTensor ``[B, H_kv, K]``."""
         return self.cache.layers[layer].positions()
+
+    def carried(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values carried by ``layer`` into the next step, ``[B, H_kv, K, D]`` each, in time order."""
+        return self.cache.layers[layer].carried()
+
+    @property
+    def stats(self) -> StreamStats:
+        """What the stream holds now and what its steps cost (host bookkeeping: never waits for the device)."""
+        layers = self.cache.layers
+        return StreamStats(
+            steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
+            carried_tokens=tuple(layer.carried_length for layer in layers),
+            detailed_bytes=sum(layer.detailed.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
+            history=tuple(self._history))
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a resumed stream needs: tensors and JSON-able metadata (see `TwoStateCache.state_dict`)."""
+        return self.cache.state_dict()
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+        """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device)."""
+        self.cache.load_state_dict(tensors, metadata, self.device)
 
     @torch.no_grad()
     def step(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
@@ -127,6 +156,8 @@ class StreamingPrefill:
                 f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
             )
         inputs = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **forward_kwargs)
+        started = time.perf_counter()
+        carried_before = self._carried_positions() if self.track_overlap else None
         self.cache.begin(chunk_len, chunk.device)
         try:
             hidden = None
@@ -138,6 +169,9 @@ class StreamingPrefill:
             self.cache.rollback()
             raise
         self.cache.commit_host()
+        overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
+        self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
+                                        max(layer.carried_length for layer in self.cache.layers), overlap))
         return hidden
 
     def generate(self, input_ids: torch.Tensor, *, retrieve: Retrieval | None = None,
@@ -171,6 +205,9 @@ class StreamingPrefill:
         self.close()
 
     # internals ------------------------------------------------------------------------------------------
+    def _carried_positions(self) -> list[torch.Tensor]:
+        return [layer.positions().clone() for layer in self.cache.layers]
+
     def _streamed_device_step(self, inputs: dict) -> torch.Tensor:
         with self.streaming(self.cache):
             return self._device_step(inputs)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .errors import HorizonError, UnsupportedModelError
+from ..errors import HorizonError, UnsupportedModelError
+from ..values import check_int
 
 RECOMPUTED_PER_CALL = ("dynamic", "longrope")
 
@@ -60,8 +61,7 @@ def check_horizon(config, horizon: int | None) -> int:
         if rope_parameters(config)["rope_type"] in RECOMPUTED_PER_CALL:
             return int(config.max_position_embeddings)
         return capacity
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon <= 0:
-        raise HorizonError(f"horizon must be a positive number of tokens, got {horizon!r}")
+    check_int(horizon, "horizon (tokens)", error=HorizonError)
     if capacity is not None and horizon > capacity:
         raise HorizonError(
             f"horizon of {horizon} tokens is beyond the model's RoPE ({rope_parameters(config)['rope_type']}, "

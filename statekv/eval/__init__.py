@@ -64,9 +64,9 @@ from statekv.eval.questions import (
     MLVU_TASKS,
     OVOBENCH_REALTIME_TASKS,
     AnnotationError,
-    MissingFileError,
     Question,
 )
+from statekv.errors import MissingFileError
 from statekv.eval.records import (
     AnswerRecord,
     ResultsFileError,

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from statekv.eval.questions import AnnotationError, MissingFileError
+from statekv.errors import MissingFileError
+from statekv.eval.questions import AnnotationError
 
 ANNOTATION_SUFFIXES = (".parquet", ".jsonl", ".json")
 

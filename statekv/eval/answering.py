@@ -15,7 +15,6 @@ make it durable before the next one starts.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -67,15 +66,15 @@ class Asker:
         text = video.ask(build_prompt(question, self.protocol), max_new_tokens=self.max_new_tokens, **stop)
         return self.settings.cut(text), time.perf_counter() - start
 
-    def room_for(self, questions: Sequence[Question]):
-        """A context in which encodings are planned with room for the longest of ``questions`` and its answer."""
+    def room_for(self, questions: Sequence[Question]) -> int:
+        """Tokens to reserve after a video for the longest of ``questions`` and its answer."""
         prompts = [build_prompt(question, self.protocol) for question in questions]
         return room_for_prompts(self.qa, prompts, self.max_new_tokens)
 
 
-@contextlib.contextmanager
-def room_for_prompts(qa, prompts: Sequence[str], max_new_tokens: int) -> Iterator[None]:
-    """Inside, ``qa`` plans each new encoding with room for the longest of ``prompts`` plus its answer.
+def room_for_prompts(qa, prompts: Sequence[str], max_new_tokens: int) -> int:
+    """Tokens to reserve after a video (``reserve_tokens=`` of `VideoQA.encode`/`stream`) for the longest of
+    ``prompts`` plus its answer.
 
     The room after the video sets the planned length, the RoPE horizon that dynamic scaling is frozen at:
     sizing it from the video's own questions (not a fixed reserve) keeps it close to what the model's
@@ -83,13 +82,7 @@ def room_for_prompts(qa, prompts: Sequence[str], max_new_tokens: int) -> Iterato
     """
     adapter = qa.adapter
     state = adapter.start()
-    longest = max(adapter.question_ids(prompt, state).shape[-1] for prompt in prompts)
-    saved = qa.reserve_tokens
-    qa.reserve_tokens = longest + max_new_tokens
-    try:
-        yield
-    finally:
-        qa.reserve_tokens = saved
+    return max(adapter.question_ids(prompt, state).shape[-1] for prompt in prompts) + max_new_tokens
 
 
 def answer_encoded(asker: Asker, video: VideoQuestions, *, max_fps: float, max_frames: int,
@@ -139,8 +132,8 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     # planned for all of the video's questions, so a resumed run plans (and answers) the same way
     last_second = max(question.query_seconds for question in room)
     horizon_frames = max(1, math.ceil(min(last_second, source.duration) * max_fps)) + 1
-    with asker.room_for(room):
-        stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name)
+    stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name,
+                             reserve_tokens=asker.room_for(room))
     encode_seconds = 0.0
     with stream:
         started = time.perf_counter()
@@ -163,8 +156,7 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
 
 def _encode(asker: Asker, path, room: Sequence[Question], max_fps: float, max_frames: int):
     start = time.perf_counter()
-    with asker.room_for(room):
-        encoded = asker.qa.encode(path, max_fps=max_fps, max_frames=max_frames)
+    encoded = asker.qa.encode(path, max_fps=max_fps, max_frames=max_frames, reserve_tokens=asker.room_for(room))
     return encoded, time.perf_counter() - start
 
 

@@ -42,12 +42,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
-    from statekv.commands.common import add_model_options, add_sampling_options, positive_int
+    from statekv.console import add_sampling_arguments
+    from statekv.options import ModelOptions
+    from statekv.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
     parser.add_argument("--data-root", required=True, type=Path, help="folder holding the benchmark's layout")
     parser.add_argument("--out", required=True, type=Path, help="run directory (rerun the command to resume)")
-    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N questions")
+    parser.add_argument("--limit", type=POSITIVE_INT, metavar="N",
+                        help="only the first N questions")
     parser.add_argument("--parser", choices=PARSERS, default=PARSERS[0],
                         help="answer parser generation (default lmms-eval-0.7; results.json holds both)")
     parser.add_argument("--protocol", choices=PARSERS, default=PARSERS[0],
@@ -60,18 +63,19 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     else:
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
-    model = add_model_options(parser, reserve=False,
-                              device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    model = ModelOptions.add_arguments(parser, reserve=False,
+                                       device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     model.add_argument("--name", help="the model's name in tables (default: from --model, e.g. InternVL3-1B)")
-    add_sampling_options(parser)
-    parser.add_argument("--max-new-tokens", type=positive_int, metavar="K",
+    add_sampling_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, metavar="K",
                         help="override the protocol's answer length (smoke tests only: it changes the protocol)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
     parser.set_defaults(run=run_benchmark, benchmark=benchmark)
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from statekv.commands.common import quiet_libraries
+    from statekv.console import quiet_libraries
+    from statekv.options import ModelOptions
     from statekv.eval.distributed import RankContext
     from statekv.eval.runner import EvalConfig, run_evaluation
 
@@ -79,11 +83,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     _configure_logging(context.rank)
     quiet_libraries()
     config = EvalConfig(
-        benchmark=args.benchmark, model=args.model, data_root=args.data_root, out=args.out, method=args.method,
-        budget=args.budget, frames=args.frames, name=args.name, parser=args.parser, protocol=args.protocol,
-        limit=args.limit, max_fps=args.max_fps, max_frames=args.max_frames, layout=args.layout,
-        attention=args.attention, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-        offload=args.offload, ovobench_videos=getattr(args, "videos", "stream"),
+        benchmark=args.benchmark, options=ModelOptions.from_args(args), data_root=args.data_root, out=args.out,
+        name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,
+        max_frames=args.max_frames, ovobench_videos=getattr(args, "videos", "stream"),
         from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
     )
     summary = run_evaluation(config, context=context)
@@ -102,16 +104,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
 
 def run_table(args: argparse.Namespace) -> int:
+    from statekv.errors import MissingFileError
     from statekv.eval.records import completed_qids
     from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
     from statekv.eval.runner import read_expected_qids
 
     for run_dir in args.runs:
         if not run_dir.is_dir():
-            raise FileNotFoundError(f"no run directory {run_dir}")
+            raise MissingFileError(f"no run directory {run_dir}")
         if not (run_dir / SUMMARY_FILE).is_file():  # still running, or killed: score what is there
             if not completed_qids(run_dir):
-                raise FileNotFoundError(f"{run_dir} holds no answers yet")
+                raise MissingFileError(f"{run_dir} holds no answers yet")
             write_summary(run_dir, expected_qids=read_expected_qids(run_dir))
     table = paper_table(args.runs, parser=args.parser)
     print(table, end="")
@@ -135,13 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``python -m statekv.eval.command BENCHMARK ...``: the same as ``statekv eval BENCHMARK ...``, for
     launchers that start a module (``torchrun -m``, ``accelerate launch -m``)."""
+    from statekv.console import run_command
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["eval", *argv])
-    try:
-        return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as error:  # statekv's input errors subclass these
-        print(f"statekv eval: error: {error}", file=sys.stderr)
-        return 2
+    return run_command("eval", lambda: args.run(args))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
 

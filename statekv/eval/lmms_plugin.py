@@ -4,16 +4,12 @@ statekv registers itself in lmms-eval's entry-point group ``lmms_eval.models`` (
 model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly by `MODEL_ARGS`)::
 
     pretrained       checkpoint folder or hub id (required)
-    method           statekv | full | recency                       (default statekv)
-    budget           StateKV budget B in tokens                     (default 4096)
-    frames           recency window R in frames                     (default 16)
     max_num_frames   at most this many frames per video             (default 512)
     max_fps          at most this many frames per second            (default 1)
-    layout           the family's prompt layout                     (default: the paper's)
-    attention        auto | eager | chunked | triton                (default auto)
-    dtype            e.g. bfloat16                                  (default: the checkpoint's)
     device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
-    trust_remote_code, offload   booleans: true/false, 1/0, yes/no, on/off (default false)
+    and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
+    full, recency, rekv, keynorm), budget, frames, sinks, retrieve, layout, attention, dtype, offload,
+    reserve_tokens, trust_remote_code, cuda_graph, vision_batch; booleans are true/false, 1/0, yes/no, on/off
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
 task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives the chat messages: one
@@ -44,45 +40,27 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from statekv.core.attention import BACKENDS
-from statekv.core.errors import ConfigurationError, InputError, StateKVError
+from statekv.errors import ConfigurationError, InputError, StateKVError
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
-from statekv.eval.options import (
-    Option,
-    boolean,
-    choice,
-    integer,
-    optional_text,
-    parse_options,
-    positive_float,
-    positive_int,
-    required_text,
-)
-from statekv.pipeline import METHODS
-from statekv.video.errors import VideoError
+from statekv.options import ModelOptions
+from statekv.values import Option, integer, optional_text, parse_options, positive_float, positive_int, required_text
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
 PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
 
-MODEL_ARGS = (
+# lmms-eval's own names; every other model arg is a `statekv.ModelOptions` field (``model`` is ``pretrained``)
+PLUGIN_ARGS = (
     Option("pretrained", required_text, None, "checkpoint folder or hub id"),
-    Option("method", choice(METHODS), "statekv"),
-    Option("budget", positive_int, 4096, "StateKV budget B in tokens"),
-    Option("frames", positive_int, 16, "recency window R in frames"),
     Option("max_num_frames", positive_int, 512),
     Option("max_fps", positive_float, 1.0),
-    Option("layout", optional_text, None),
-    Option("attention", choice(BACKENDS), "auto"),
-    Option("dtype", optional_text, None),
-    Option("device", optional_text, None),
-    Option("trust_remote_code", boolean, False),
-    Option("offload", boolean, False),
     # lmms-eval's own --batch_size and --max_batch_size arrive as model args too
     Option("batch_size", integer, 1),
     Option("max_batch_size", lambda value, name: value, None),  # only for --batch_size auto: unused
 )
+MODEL_ARGS = PLUGIN_ARGS[:1] + tuple(option for option in ModelOptions.string_options()
+                                     if option.name != "model") + PLUGIN_ARGS[1:]
 
 
 def manifest():
@@ -128,7 +106,7 @@ def exit_on_error(what: str) -> Iterator[None]:
     and status 2, anything else its traceback and status 1."""
     try:
         yield
-    except (StateKVError, VideoError) as error:
+    except StateKVError as error:
         print(f"statekv (lmms-eval model): error while {what}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from error
     except Exception as error:
@@ -159,18 +137,17 @@ class StateKV(_Base):
         elif optional_text(model_args.get("pretrained"), "pretrained") is None:
             raise ConfigurationError("the statekv model needs pretrained=<checkpoint folder or hub id>")
         args = parse_options(model_args, MODEL_ARGS, what="statekv model arg")
+        plugin = {option.name for option in PLUGIN_ARGS}
         if args["batch_size"] != 1:
             raise ConfigurationError(f"the statekv model answers one request at a time; use --batch_size 1, not "
                                      f"{model_args['batch_size']}")
         context = RankContext.from_env()
         self._rank, self._world_size = context.rank, context.world_size
         self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
-        self.qa = qa if qa is not None else VideoQA.from_pretrained(
-            args["pretrained"], method=args["method"], budget=args["budget"], frames=args["frames"],
-            layout=args["layout"], attention=args["attention"], dtype=args["dtype"],
-            device=_device(args["device"], context), trust_remote_code=args["trust_remote_code"],
-            offload=args["offload"],
-        )
+        options = ModelOptions(model=args["pretrained"], **{name: value for name, value in args.items()
+                                                             if name not in plugin})
+        self.qa = qa if qa is not None else VideoQA.from_options(
+            options.with_changes(device=_device(options.device, context)))
 
     @property
     def device(self):
@@ -206,8 +183,8 @@ class StateKV(_Base):
         rooms = self._rooms(requests, prepared.values())
         with tqdm(total=len(prepared), disable=self.rank != 0, desc="statekv answering") as bar:
             for video, indices in by_video.items():
-                with room_for_prompts(self.qa, *rooms[video]):
-                    encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames)
+                encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
+                                         reserve_tokens=room_for_prompts(self.qa, *rooms[video]))
                 with encoded:
                     for index in indices:
                         _, prompt, gen_kwargs = prepared[index]

@@ -30,13 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from statekv.errors import MissingFileError
 from statekv.eval.annotations import find_annotation_files, read_rows, require_fields
 from statekv.eval.questions import (
     BENCHMARKS,
     MLVU_TASKS,
     OVOBENCH_REALTIME_TASKS,
     AnnotationError,
-    MissingFileError,
     Question,
 )
 

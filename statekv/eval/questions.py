@@ -6,17 +6,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from statekv.errors import DataError
+
 BENCHMARKS = ("videomme", "mlvu", "ovobench")
 
 MLVU_TASKS = ("anomaly_reco", "count", "ego", "needle", "order", "plotQA", "topic_reasoning")
 OVOBENCH_REALTIME_TASKS = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
 
 
-class MissingFileError(FileNotFoundError):
-    """An annotation file or a video the layout promises is not on disk."""
-
-
-class AnnotationError(ValueError):
+class AnnotationError(DataError):
     """An annotation row is malformed (missing field, answer outside the options, ...)."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statekv.errors import DataError
 from statekv.eval.parsing import DEFAULT_PARSER, check_parser, judge
 from statekv.eval.prompts import DEFAULT_PROTOCOL, check_protocol
 from statekv.eval.questions import Question
@@ -34,7 +35,7 @@ MERGED_FILE = "answers.jsonl"
 RANK_FILE_GLOB = "answers.rank*.jsonl"
 
 
-class ResultsFileError(ValueError):
+class ResultsFileError(DataError):
     """A results file has a corrupt line before its end (not a crash artefact)."""
 
 

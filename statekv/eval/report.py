@@ -6,10 +6,12 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from statekv.eval.parsing import PARSERS
+from statekv.methods import METHODS, MethodSettings
 from statekv.eval.records import AnswerRecord, merge_rank_files
 from statekv.eval.scoring import score, single_value
 
@@ -17,16 +19,19 @@ SUMMARY_FILE = "results.json"
 TABLE_COLUMNS = (("videomme", "VideoMME"), ("mlvu", "MLVU"), ("ovobench", "OVOBench RT"))
 _METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2}
 _OTHER_METHOD = 3
+_ALIASES = {"fullattention": "full", "fullsa": "full"}  # the policy class's name, the paper's
 
 
-def method_label(method: str, budget: int | None) -> str:
-    """The paper's name for a method: "Full SA", "ReKV R=16", "StateKV B=4096", else "name (budget)"."""
-    kind = _method_kind(method)
-    if kind == 0:
-        return "Full SA"
-    if budget is None:
-        return {1: "ReKV", 2: "StateKV"}.get(kind, method)
-    return {1: f"ReKV R={budget}", 2: f"StateKV B={budget}"}.get(kind, f"{method} ({budget})")
+def method_label(method: str, size: int | None) -> str:
+    """A method's name in tables ("Full SA", "Recency R=16", "StateKV B=4096"), from the method registry; a
+    method not registered here shows as "name (size)"."""
+    method = _ALIASES.get(method.lower().replace("_", "").replace(" ", ""), method)
+    if method not in METHODS:
+        return method if size is None else f"{method} ({size})"
+    spec = METHODS[method]
+    if size is None or spec.size is None:
+        return spec.display
+    return spec.label(replace(MethodSettings(), **{spec.size: size}))
 
 
 def _method_kind(method: str) -> int:

@@ -2,8 +2,8 @@
 
     from statekv.eval.runner import EvalConfig, run_evaluation
 
-    summary = run_evaluation(EvalConfig("videomme", "OpenGVLab/InternVL3-1B-hf", data_root="data",
-                                        out="runs/videomme-internvl3-1b-statekv", method="statekv", budget=4096))
+    summary = run_evaluation(EvalConfig.for_model("videomme", "OpenGVLab/InternVL3-1B-hf", data_root="data",
+                                                  out="runs/videomme-internvl3-1b-statekv", budget=4096))
 
 The run directory ``out`` holds one (benchmark, model, method, budget) run::
 
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
@@ -42,54 +42,47 @@ from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question
 from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids, rank_file
-from statekv.eval.report import method_label, paper_table, write_summary
+from statekv.eval.report import paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
-from statekv.pipeline import METHODS
-from statekv.video import VideoError
+from statekv.errors import VideoError
+from statekv.options import ModelOptions
+from statekv.values import check_int
 
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 TABLE_FILE = "table.md"
 OVOBENCH_VIDEO_MODES = ("stream", "clips")
-# Settings that change the answers: a run directory must not mix them.
+# Settings that change the answers: a run directory must not mix them (settings a run.json written before
+# one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
-                "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens")
+                "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks")
+IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None}
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """One evaluation run.
 
-    model: checkpoint folder or hub id; name: its name in tables (default: derived from ``model``, e.g.
-    "OpenGVLab/InternVL3-1B-hf" -> "InternVL3-1B"). method/budget/frames: as `statekv.VideoQA`
-    (``frames`` is the recency window R). limit: only the first ``limit`` questions (annotation order).
-    ovobench_videos: ``stream`` (one stream per source video) or ``clips`` (the released per-question
-    clips, lmms-eval's protocol). max_new_tokens: override the protocol's (for quick smoke runs only).
-    encode_once: False re-encodes the video for every question (a reference for the encode-once claim).
-    offload: keep detailed caches in CPU memory while encoding. progress: a bar on a terminal, else a log
-    line with the ETA about once a minute.
+    options: the model and method (`statekv.ModelOptions`; its ``device`` defaults to this rank's). name: the
+    model's name in tables (default: derived from the checkpoint, e.g. "OpenGVLab/InternVL3-1B-hf" ->
+    "InternVL3-1B"). limit: only the first ``limit`` questions (annotation order). ovobench_videos: ``stream``
+    (one stream per source video) or ``clips`` (the released per-question clips, lmms-eval's protocol).
+    max_new_tokens: override the protocol's (for quick smoke runs only). encode_once: False re-encodes the video
+    for every question (a reference for the encode-once claim). progress: a bar on a terminal, else a log line
+    with the ETA about once a minute.
     """
 
     benchmark: str
-    model: str
+    options: ModelOptions
     data_root: Path
     out: Path
-    method: str = "statekv"
-    budget: int = 4096
-    frames: int = 16
     name: str | None = None
     parser: str = "lmms-eval-0.7"
     protocol: str = "lmms-eval-0.7"
     limit: int | None = None
     max_fps: float = 1.0
     max_frames: int = 512
-    layout: str | None = None
-    attention: str = "auto"
-    dtype: str | None = None
-    device: str | None = None
-    trust_remote_code: bool = False
-    offload: bool = False
     ovobench_videos: str = "stream"
     from_hub: bool = False
     max_new_tokens: int | None = None
@@ -101,19 +94,36 @@ class EvalConfig:
         object.__setattr__(self, "out", Path(self.out))
         if self.benchmark not in BENCHMARKS:
             raise ConfigurationError(f"unknown benchmark {self.benchmark!r}; choose one of {', '.join(BENCHMARKS)}")
-        if self.method not in METHODS:
-            raise ConfigurationError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.options, ModelOptions) or self.options.model is None:
+            raise ConfigurationError("an evaluation needs ModelOptions naming a model")
         check_parser(self.parser)
         check_protocol(self.protocol)
         if self.ovobench_videos not in OVOBENCH_VIDEO_MODES:
             raise ConfigurationError(f"ovobench_videos must be one of {', '.join(OVOBENCH_VIDEO_MODES)}, "
                                      f"got {self.ovobench_videos!r}")
         for name in ("limit", "max_new_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name)
         if self.from_hub and self.benchmark == "ovobench":
             raise ConfigurationError("OVOBench annotations are read from --data-root only (no hub loading)")
+
+    @classmethod
+    def for_model(cls, benchmark: str, model: str | Path, data_root: Path | str, out: Path | str,
+                  **settings: Any) -> "EvalConfig":
+        """A config from a checkpoint and flat settings: `ModelOptions` fields go to the options, the rest to the
+        config (``EvalConfig.for_model("mlvu", "ckpt", "data", "runs/x", method="recency", limit=10)``)."""
+        known = set(ModelOptions.__dataclass_fields__)
+        options = ModelOptions(model=str(model), **{k: v for k, v in settings.items() if k in known})
+        return cls(benchmark, options, Path(data_root), Path(out),
+                   **{k: v for k, v in settings.items() if k not in known})
+
+    @property
+    def model(self) -> str:
+        return self.options.model
+
+    @property
+    def method(self) -> str:
+        return self.options.method
 
     @property
     def model_name(self) -> str:
@@ -121,12 +131,15 @@ class EvalConfig:
 
     @property
     def recorded_budget(self) -> int | None:
-        """The method's size as the tables show it: B for StateKV, R for recency, none for full attention."""
-        return {"statekv": self.budget, "recency": self.frames}.get(self.method)
+        """The method's size as the tables show it: B (tokens) or R (frames), none for full attention."""
+        return self.options.spec.size_value(self.options.settings)
 
     def identity(self) -> dict[str, Any]:
         """The settings that decide the answers (what `run.json` pins)."""
-        values = {**asdict(self), "model": str(self.model), "name": self.model_name, "budget": self.recorded_budget}
+        options = self.options
+        values = {**asdict(self), **asdict(options), "model": str(self.model), "name": self.model_name,
+                  "budget": self.recorded_budget, "retrieve": options.retrieve_frames,
+                  "sinks": options.sinks if "sinks" in options.spec.uses else None}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         return {key: values[key] for key in RUN_IDENTITY}
 
@@ -189,14 +202,10 @@ def load_model(config: EvalConfig, context: RankContext):
 
     from statekv.pipeline import VideoQA
 
-    device = config.device or context.default_device()
+    device = config.options.device or context.default_device()
     if str(device).startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))  # kernels launch on the current device
-    return VideoQA.from_pretrained(
-        config.model, method=config.method, budget=config.budget, frames=config.frames, layout=config.layout,
-        attention=config.attention, dtype=config.dtype, device=device,
-        trust_remote_code=config.trust_remote_code, offload=config.offload,
-    )
+    return VideoQA.from_options(config.options.with_changes(device=device))
 
 
 def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, all_questions: Sequence[Question],
@@ -208,7 +217,7 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
     asker = Asker(qa, generation_settings(config.benchmark, config.protocol), config.protocol,
                   max_new_tokens=config.max_new_tokens)
     every_question = {group.video_id: group.questions for group in group_by_video(all_questions)}
-    label = method_label(config.method, config.recorded_budget)
+    label = config.options.label
     with ResultsWriter(rank_file(config.out, context.rank)) as out, \
             _progress(config, len(questions), f"{config.benchmark} {label}", context) as bar:
         for video in group_by_video(questions):
@@ -258,7 +267,7 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], *, write: bool) 
     path = config.out / RUN_FILE
     identity = config.identity()
     if path.is_file():
-        recorded = json.loads(path.read_text(encoding="utf-8")).get("settings", {})
+        recorded = {**IDENTITY_DEFAULTS, **json.loads(path.read_text(encoding="utf-8")).get("settings", {})}
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
         if changed:
             first = changed[0]

@@ -10,7 +10,6 @@ The counting convention is documented in :mod:`statekv.flops.analytic` and ``doc
 
 from .analytic import (
     COMPONENTS,
-    METHODS,
     SCORE_PASSES,
     Method,
     PrefillFlops,
@@ -25,7 +24,7 @@ from .analytic import (
 from .presets import PRESETS, LanguageSpec, ModelSpec, VisionSpec, from_config, get_preset, to_config
 
 __all__ = [
-    "COMPONENTS", "METHODS", "PRESETS", "SCORE_PASSES", "LanguageSpec", "Method", "ModelSpec", "PrefillFlops",
+    "COMPONENTS", "PRESETS", "SCORE_PASSES", "LanguageSpec", "Method", "ModelSpec", "PrefillFlops",
     "VisionSpec", "break_even", "from_config", "get_preset", "lm_attention_flops", "lm_linear_flops",
     "prefill_flops", "projector_flops", "step_flops", "to_config", "vision_encoder_flops",
 ]

@@ -12,9 +12,10 @@ measured numbers agree):
 * the LM head is not counted: prefill only needs hidden states (and the KV cache), never logits;
 * embedding lookups, the one-time prompt prefix and the question are not part of *video* prefill.
 
-A step sees ``history + T`` keys, ``T`` = tokens per step:
-``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last ``R`` steps
-(``min(s, R) * T``), ``statekv`` at most ``B`` tokens (``min(s * T, B)``).
+A step sees ``history + T`` keys, ``T`` = tokens per step, with the history each registered method declares
+(`statekv.methods`): ``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last
+``R`` frames (``min(s, ceil(R / frames per step)) * T``), ``rekv`` its sinks and that window, ``statekv`` and
+``keynorm`` at most ``B`` tokens (``min(s * T, B)``).
 
 StateKV needs each key's attention mass. With ``score="eager"`` the probabilities the attention already
 materialised are summed over queries: no extra matrix product (0 FLOPs under this convention). With
@@ -26,59 +27,71 @@ time: ``2 * Hq * T * K * d`` per layer. Either way StateKV scores only once its 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import numpy as np
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
+from statekv.methods import MethodSettings, MethodSpec, method_names
+from statekv.methods import method as method_spec
+from statekv.values import check_int
 
 from .presets import LanguageSpec, ModelSpec, VisionSpec, from_config, get_preset
 
 COMPONENTS = ("vision", "projector", "lm_linear", "lm_attention", "score")
-METHODS = ("full", "recency", "statekv")
 SCORE_PASSES = ("eager", "recompute")
 
 
 @dataclass(frozen=True)
 class Method:
-    """How much history a step may attend to.
+    """A registered method (`statekv.methods`) with its size: how much history each step attends to.
 
     Attributes:
-        kind: ``full``, ``recency`` or ``statekv``.
-        budget: StateKV's carried tokens per layer and KV head (``B``).
-        frames: recency's window in steps (``R``; a step is one frame, or two for Qwen3-VL), as in
-            :class:`statekv.Recency`.
+        kind: the method's name (``full``, ``recency``, ``statekv``, ``rekv``, ``keynorm``...).
+        budget: carried tokens per layer and KV head (``B``), for budget-sized methods.
+        frames: the recency window ``R`` in frames, for window-sized methods; a family with several frames per
+            step (Qwen3-VL: 2) carries ``ceil(R / frames_per_step)`` steps, as the engine and evaluation do.
+        sinks: ReKV's attention-sink tokens (default: the registry's).
     """
 
     kind: str
     budget: int | None = None
     frames: int | None = None
+    sinks: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in METHODS:
-            raise ConfigurationError(f"unknown method {self.kind!r}; expected one of {', '.join(METHODS)}")
-        needed = {"statekv": "budget", "recency": "frames"}.get(self.kind)
+        spec = method_spec(self.kind)
         for name in ("budget", "frames"):
             value = getattr(self, name)
-            if name == needed:
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ConfigurationError(f"{self.kind} needs a positive integer {name}, got {value!r}")
+            if name == spec.size:
+                check_int(value, f"{self.kind}'s {name}")
             elif value is not None:
                 raise ConfigurationError(f"{self.kind} takes no {name} (got {value!r})")
+        if self.sinks is not None and "sinks" not in spec.uses:
+            raise ConfigurationError(f"{self.kind} takes no sinks (got {self.sinks!r})")
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method_spec(self.kind)
+
+    @property
+    def settings(self) -> MethodSettings:
+        given = {name: getattr(self, name) for name in ("budget", "frames", "sinks") if getattr(self, name)}
+        return replace(MethodSettings(), **given)
 
     @property
     def label(self) -> str:
-        return {"full": "Full SA", "recency": f"ReKV R={self.frames}", "statekv": f"StateKV B={self.budget}"}[self.kind]
+        return self.spec.label(self.settings)
 
-    def history_tokens(self, step: np.ndarray | int, tokens_per_step: int) -> np.ndarray:
+    @property
+    def scores(self) -> bool:
+        """Whether it scores tokens by attention mass (the score pass of the ``recompute`` convention)."""
+        return self.spec.policy(self.settings, 1).needs_scores
+
+    def history_tokens(self, step: np.ndarray | int, tokens_per_step: int, frames_per_step: int = 1) -> np.ndarray:
         """Earlier tokens visible to step ``step`` (0-based), elementwise over an array of steps."""
-        seen = np.asarray(step, dtype=np.int64) * tokens_per_step
-        if self.kind == "full":
-            return seen
-        if self.kind == "recency":
-            return np.minimum(np.asarray(step, dtype=np.int64), self.frames) * tokens_per_step
-        return np.minimum(seen, self.budget)
+        return self.spec.history(self.settings, np.asarray(step, dtype=np.int64), tokens_per_step, frames_per_step)
 
 
 def make_method(method: str | Method, budget: int | None = None, frames: int | None = None) -> Method:
@@ -88,7 +101,7 @@ def make_method(method: str | Method, budget: int | None = None, frames: int | N
             raise ConfigurationError("pass budget/frames either inside the Method or as arguments, not both")
         return method
     if not isinstance(method, str):
-        raise ConfigurationError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        raise ConfigurationError(f"method must be one of {', '.join(method_names())}, got {method!r}")
     return Method(method.lower(), budget=budget, frames=frames)
 
 
@@ -140,10 +153,9 @@ def step_flops(model, method: str | Method, step: int, *, budget: int | None = N
     """Exact FLOPs of step ``step`` (0-based) per component (see :data:`COMPONENTS`), as Python ints."""
     spec, method = resolve_model(model), make_method(method, budget, frames)
     _check_score(score)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
+    check_int(step, "step", minimum=0)
     tokens = spec.tokens_per_step
-    keys = int(method.history_tokens(step, tokens)) + tokens
+    keys = int(method.history_tokens(step, tokens, spec.frames_per_step)) + tokens
     attention = lm_attention_flops(spec.language, tokens, keys)
     return {
         "vision": vision_encoder_flops(spec.vision),
@@ -159,7 +171,7 @@ def _scores(method: Method, score: str, keys):
 
     StateKV scores only when its candidates (``keys``) exceed the budget; until then it carries everything.
     """
-    if method.kind != "statekv" or score != "recompute":
+    if not method.scores or score != "recompute":
         return np.zeros_like(keys, dtype=bool) if isinstance(keys, np.ndarray) else False
     return keys > method.budget
 
@@ -222,18 +234,18 @@ def prefill_flops(model, method: str | Method, budget: int | None = None, frames
 
     Args:
         model: a preset name (``"internvl3-8b"``), a :class:`ModelSpec`, or an InternVL / Qwen3-VL config.
-        method: ``"full"``, ``"recency"`` (needs ``frames`` = R steps) or ``"statekv"`` (needs ``budget`` = B).
+        method: a registered method name (``"full"``, ``"recency"`` with ``frames`` = R frames, ``"statekv"``
+            with ``budget`` = B, ...) or a :class:`Method`.
         n_frames: horizon in frames.
         score: StateKV's score pass, ``"eager"`` (free) or ``"recompute"`` (one more ``QK^T``).
     """
     spec, method = resolve_model(model), make_method(method, budget, frames)
     _check_score(score)
-    if isinstance(n_frames, bool) or not isinstance(n_frames, int) or n_frames <= 0:
-        raise ConfigurationError(f"n_frames must be a positive integer, got {n_frames!r}")
+    check_int(n_frames, "n_frames")
     per_step = spec.frames_per_step
     steps = np.arange(math.ceil(n_frames / per_step), dtype=np.int64)
     tokens = spec.tokens_per_step
-    keys = method.history_tokens(steps, tokens) + tokens
+    keys = method.history_tokens(steps, tokens, spec.frames_per_step) + tokens
     attention = lm_attention_flops(spec.language, tokens, keys)  # int64 [n_steps]
     constant = {"vision": vision_encoder_flops(spec.vision), "projector": projector_flops(spec.vision),
                 "lm_linear": lm_linear_flops(spec.language, tokens)}

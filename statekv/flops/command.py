@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 
@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--budgets", nargs="*", type=int, default=[4096], metavar="B",
                         help="StateKV budgets in tokens (default: 4096)")
     parser.add_argument("--recency", nargs="*", type=int, default=[16], metavar="R",
-                        help="recency windows in steps (frames; 2-frame steps for Qwen3-VL) (default: 16)")
+                        help="recency windows R in frames (Qwen3-VL carries ceil(R/2) 2-frame steps, as in "
+                             "evaluation) (default: 16)")
     parser.add_argument("--frames", type=int, default=512, help="horizon in frames (default: 512)")
     parser.add_argument("--at", nargs="+", type=int, metavar="N",
                         help="frame numbers to tabulate (default: 1, 64 and the horizon)")

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 
 from .analytic import Method, make_method, resolve_model
 from .presets import ModelSpec, to_config
@@ -112,15 +112,9 @@ def _qwen3_vl_vision_inputs(visual: torch.nn.Module, spec: ModelSpec) -> dict:
                 position_ids=positions.to("meta"))
 
 
-def policy_for(method: Method):
-    """The engine's carry policy for ``method``."""
-    import statekv
-
-    if method.kind == "full":
-        return statekv.FullAttention()
-    if method.kind == "recency":
-        return statekv.Recency(frames=method.frames)
-    return statekv.StateKV(budget=method.budget)
+def policy_for(method: Method, frames_per_step: int = 1):
+    """The engine's carry policy for ``method`` (the registry's, as every other part of statekv uses)."""
+    return method.spec.policy(method.settings, frames_per_step)
 
 
 def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_steps: int,
@@ -142,12 +136,13 @@ def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_
         raise ConfigurationError(f"score backend {attention!r} cannot run on meta tensors; use 'eager' "
                                  "('chunked' reads tensor values to skip key blocks, 'triton' needs CUDA)")
     tokens = spec.tokens_per_step
-    if device.type == "cpu" and not (method.kind == "statekv" and method.budget < tokens):
+    if device.type == "cpu" and not (method.scores and method.budget < tokens):
         # Only a StateKV step with more candidates than its budget avoids SDPA (it scores explicitly).
         raise ConfigurationError(f"{method.label} runs PyTorch's fused CPU SDPA at some step, which FlopCounterMode "
                                  f"counts as 0 FLOPs; measure on a meta-device model, or use StateKV with a budget "
                                  f"below the {tokens} tokens per step")
-    stream = statekv.StreamingPrefill(model, policy_for(method), attention=attention, horizon=n_steps * tokens)
+    stream = statekv.StreamingPrefill(model, policy_for(method, spec.frames_per_step), attention=attention,
+                                      horizon=n_steps * tokens)
     # Vision-tower modules may match too; they never run during a language step, so they count nothing.
     linear = [m for name, m in model.named_modules() if LINEAR_MODULE.search(name)]
     generator = torch.Generator().manual_seed(seed)

@@ -30,15 +30,15 @@ def plot_flops_vs_frames(curves: list[PrefillFlops], pairs: list[BreakEven], pat
     """
     plt = pyplot()
     colors = _colors([c.model.name for c in curves])
-    budgets = sorted({c.method.budget for c in curves if c.method.kind == "statekv"})
+    budgets = sorted({c.method.budget for c in curves if c.method.budget is not None})
     fig, axes = plt.subplots(2, 2, figsize=(13, 9.5), sharex=True)
     for row, scale in enumerate(("linear", "log")):
         for col, kind in enumerate(("marginal", "cumulative")):
             ax = axes[row, col]
             for c in curves:
-                width = 1.2 + (budgets.index(c.method.budget) if c.method.kind == "statekv" else 0) * 0.8
-                ax.plot(c.frames, getattr(c, kind) / TERA, LINESTYLES[c.method.kind], color=colors[c.model.name],
-                        linewidth=width, label=c.label)
+                width = 1.2 + (budgets.index(c.method.budget) if c.method.budget is not None else 0) * 0.8
+                ax.plot(c.frames, getattr(c, kind) / TERA, LINESTYLES.get(c.method.kind, "-."),
+                        color=colors[c.model.name], linewidth=width, label=c.label)
             for p in pairs:
                 frame = getattr(p, kind)
                 if frame is None or p.cheaper.model.name == p.baseline.model.name:

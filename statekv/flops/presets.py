@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
+from statekv.values import check_int
 
 FAMILIES = ("internvl", "qwen3_vl", "eagle")
 
@@ -136,8 +137,8 @@ class ModelSpec:
 
 def _check_positive(spec, skip: tuple[str, ...] = ()) -> None:
     for name, value in vars(spec).items():
-        if name not in skip and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ConfigurationError(f"{type(spec).__name__}.{name} must be a positive integer, got {value!r}")
+        if name not in skip:
+            check_int(value, f"{type(spec).__name__}.{name}")
 
 
 # -- the seven models --------------------------------------------------------------------------------------

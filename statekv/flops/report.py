@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from statekv.core.errors import ConfigurationError
+from statekv.errors import ConfigurationError
 
 from .analytic import COMPONENTS, Method, PrefillFlops, break_even, prefill_flops, resolve_model
 from .paper import ACCURACY, BENCHMARKS, REPORTED_METHODS

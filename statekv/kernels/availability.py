@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from statekv.core.errors import StateKVError
+from statekv.errors import StateKVError
 
 _TRUTHY = {"1", "true", "on", "yes"}
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from statekv.core.errors import InputError
+from statekv.errors import InputError
 
 from .availability import interpreter_requested
 

@@ -36,7 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core import InputError, StreamingPrefill
+from ..core import StreamingPrefill
+
+from ..errors import InputError
 from ..video import Frame
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers.utils import cached_file
 
-from ..core import InputError
+from ..errors import InputError
 
 
 def checkpoint_json(path: str | Path, *names: str) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from ..core import InputError
+from ..errors import InputError
 from ..video import IMAGENET_MEAN, IMAGENET_STD, Frame, internvl_pixel_values
 from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .checkpoint_files import normalisation, square_side

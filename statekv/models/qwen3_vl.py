@@ -34,7 +34,9 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 
-from ..core import ConfigurationError, InputError, StreamingPrefill, UnsupportedModelError, generate_from_cache
+from ..core import StreamingPrefill, generate_from_cache
+
+from ..errors import ConfigurationError, InputError, UnsupportedModelError
 from ..video import Frame, qwen_frame_size, qwen_pixel_values
 from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .checkpoint_files import checkpoint_json, processor_chat_template

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from ..core import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from .base import VideoAdapter
 
 _ADAPTERS: dict[str, type[VideoAdapter]] = {}

@@ -29,7 +29,6 @@ byte-level BPE attaches to the following word. So tokenizing chunk by chunk give
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,10 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ..core import InputError, UnsupportedModelError, generate_from_cache
+from ..core import generate_from_cache
+
+from ..errors import InputError, UnsupportedModelError
+from ..values import check_int, check_number
 from ..core.prefill import StreamingPrefill
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .base import Chunk, LayoutState
@@ -143,12 +145,10 @@ class RemoteInternVLAdapter(InternVLAdapter):
     def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:
         """``fps``: the rate frames were sampled at, stated by the ``eagle`` layout's prefix (None: unknown).
         Eagle's processor states the effective rate, sampled frames / video frames * video fps."""
-        if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int)
-                                       or num_frames < 1):
-            raise InputError(f"num_frames must be a positive integer, got {num_frames!r}")
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
-                                or not math.isfinite(fps) or fps <= 0):
-            raise InputError(f"fps must be a positive number, got {fps!r}")
+        if num_frames is not None:
+            check_int(num_frames, "num_frames", error=InputError)
+        if fps is not None:
+            check_number(fps, "fps", error=InputError)
         return LayoutState(extra={"fps": None if fps is None else float(fps)})
 
     def prefix(self, state: LayoutState) -> Chunk | None:
@@ -164,8 +164,7 @@ class RemoteInternVLAdapter(InternVLAdapter):
     def max_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
         """The prefix (at the widest sampling rate) plus, per frame, the UTF-8 bytes of its text (a byte-level
         tokenizer never needs more tokens) around the ``<img>…</img>`` block, at the widest timestamp."""
-        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
-            raise InputError(f"num_frames must be a positive integer, got {num_frames!r}")
+        check_int(num_frames, "num_frames", error=InputError)
         text = self.frame_text(num_frames - 1, _WIDEST_TIMESTAMP).replace(self.image_block, "")
         per_frame = len(text.encode()) + 1 + self.tokens_per_image + 2  # +1: the first eagle frame's space
         return self._count(self._prefix_text(_WIDEST_FPS) or "") + num_frames * per_frame

@@ -6,7 +6,7 @@
         ...
 """
 
-from .errors import FrameDecodeError, VideoError, VideoNotFoundError
+from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -22,7 +22,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from .errors import FrameDecodeError, VideoError, VideoNotFoundError
+from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})

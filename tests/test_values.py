@@ -1,4 +1,4 @@
-"""Strict option parsing (statekv.eval.options): what lmms-eval's --model_args strings may say, and refusals."""
+"""Strict option parsing (statekv.values): what lmms-eval's --model_args strings may say, and refusals."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from statekv.core.errors import ConfigurationError
-from statekv.eval.options import (
+from statekv.errors import ConfigurationError
+from statekv.values import (
     Option,
     boolean,
     choice,

@@ -1,9 +1,13 @@
-"""Strict parsing of ``name=value`` options such as lmms-eval's ``--model_args``.
+"""Checking settings: one place for every "must be a positive integer" and every text-to-value conversion.
 
-Values arrive as strings, or already converted by the caller (lmms-eval turns ``true``/``false`` into
-booleans and digit strings into ints, but leaves ``yes``, ``off`` or ``None`` as strings). Each parser
-accepts both and refuses anything else with a `ConfigurationError` whose one-line message names the
-option and the value::
+Two kinds of check, each raising a `ConfigurationError` whose one-line message names the setting and the value:
+
+* ``check_*`` for values given in Python (``StateKV(budget=...)``, ``VideoQA.from_pretrained(...)``): the
+  value must already have the right type (``True`` is not an integer, ``2.0`` is not a frame count).
+* parsers ``(value, name) -> value`` for values that arrive as text (command-line flags, lmms-eval's
+  ``--model_args``, which sometimes converts ``true`` or ``12`` itself): they accept the text or the converted
+  value. :func:`parse_options` applies them to a ``name=value`` mapping and refuses unknown names;
+  :func:`argparse_type` turns one into an ``argparse`` type.
 
     spec = [Option("budget", positive_int, 4096), Option("offload", boolean, False)]
     parse_options({"budget": "1024", "offload": "off"}, spec)   # {"budget": 1024, "offload": False}
@@ -12,12 +16,13 @@ option and the value::
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from statekv.core.errors import ConfigurationError
+from .errors import ConfigurationError, StateKVError
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -26,6 +31,39 @@ NONE_WORDS = ("", "none", "null")
 Parser = Callable[[Any, str], Any]
 
 
+# values given in Python -------------------------------------------------------------------------------------
+def check_int(value: object, name: str, *, minimum: int = 1,
+              error: type[StateKVError] = ConfigurationError) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum`` (1: "a positive integer", 0: "a
+    non-negative integer"); else ``error`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+        raise error(f"{name} must be {kind}, got {value!r}")
+    return value
+
+
+def check_number(value: object, name: str, *, minimum: float = 0.0,
+                 error: type[StateKVError] = ConfigurationError) -> float:
+    """``value`` if it is a finite number (not a bool) greater than ``minimum`` (0: "> 0")."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= minimum):
+        raise error(f"{name} must be a finite number > {minimum:g}, got {value!r}")
+    return value
+
+
+def check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigurationError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+# values given as text -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
     """One accepted option: its name, the parser applied to a given value, and the value when not given."""
@@ -51,6 +89,20 @@ def parse_options(given: Mapping[str, Any], options: Iterable[Option], *, what: 
                                  f"known: {', '.join(known)}")
     return {option.name: option.parse(given[option.name], option.name) if option.name in given else option.default
             for option in options}
+
+
+def argparse_type(parse: Parser, expected: str) -> Callable[[str], Any]:
+    """``parse`` as an ``argparse`` type: a refused value becomes argparse's one-line usage error
+    ("argument --budget: expected a positive integer, got '0'")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text, "value")
+        except ConfigurationError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+    convert.__name__ = expected
+    return convert
 
 
 def boolean(value: Any, name: str) -> bool:
@@ -88,6 +140,15 @@ def positive_int(value: Any, name: str) -> int:
     return integer(value, name, minimum=1)
 
 
+def non_negative_int(value: Any, name: str) -> int:
+    return integer(value, name, minimum=0)
+
+
+def optional_positive_int(value: Any, name: str) -> int | None:
+    """A positive integer, or None for None, ``""``, ``none``, ``null``."""
+    return None if _is_none(value) else positive_int(value, name)
+
+
 def positive_float(value: Any, name: str) -> float:
     """A finite number greater than zero (int, float or a string of one)."""
     number: float | None = None
@@ -108,7 +169,7 @@ def optional_text(value: Any, name: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ConfigurationError(f"{name} must be a string, got {value!r}")
-    return None if value.strip().lower() in NONE_WORDS else value.strip()
+    return None if _is_none(value) else value.strip()
 
 
 def required_text(value: Any, name: str) -> str:
@@ -126,7 +187,12 @@ def choice(choices: Sequence[str]) -> Parser:
             return value.strip()
         raise ConfigurationError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
+    parse.__name__ = "choice"
     return parse
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in NONE_WORDS)
 
 
 def _from_text(text: str, convert: Callable[[str], Any]) -> Any:
@@ -135,3 +201,9 @@ def _from_text(text: str, convert: Callable[[str], Any]) -> Any:
         return convert(text.strip())
     except ValueError:
         return None
+
+
+# command-line types (argparse)
+POSITIVE_INT = argparse_type(positive_int, "a positive integer")
+NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer")
+POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")

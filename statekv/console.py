@@ -1,0 +1,66 @@
+"""What every ``statekv`` command shares: sampling and output options, quiet libraries, JSON output, and turning
+statekv's own errors into one line.
+
+A `statekv.StateKVError` (anything a user can cause) becomes ``statekv COMMAND: error: <one line>`` and exit
+status 2; Ctrl-C exits 130; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .errors import StateKVError
+from .values import POSITIVE_FLOAT, POSITIVE_INT
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("frame sampling")
+    group.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
+                       help="at most F frames per second of video (default: 1)")
+    group.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N",
+                       help="at most N frames in all (default: 512)")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128,
+                        metavar="K", help="longest answer in tokens (default: 128)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+
+def interactive() -> bool:
+    """Progress bars only when a person watches stderr."""
+    return sys.stderr.isatty()
+
+
+def quiet_libraries() -> None:
+    """Keep transformers' loading bars and advice out of the output unless stderr is a terminal."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    if not interactive():
+        logging.disable_progress_bar()
+
+
+def print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2), flush=True)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def run_command(name: str, run: Callable[[], int | None]) -> int:
+    """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130."""
+    try:
+        return run() or 0
+    except StateKVError as error:
+        print(f"statekv {name}: error: {one_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"statekv {name}: interrupted", file=sys.stderr)
+        return 130

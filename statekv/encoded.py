@@ -1,0 +1,277 @@
+"""A video encoded through the model: its detailed cache, its prompt state, what it cost, and answering from it.
+
+`VideoQA.encode` makes one for a video file; `VideoQA.stream` makes a `Stream` (a subclass fed frame by frame).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .core import Retrieval, StreamingPrefill
+from .errors import HorizonError, InputError
+from .models import LayoutState, VideoAdapter
+from .overlap import EncodedStep, encode_batch
+from .values import check_int
+from .video import Frame
+
+ProgressCallback = Callable[[int, int | None], None]  # (frames done, frames planned or None)
+METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting
+
+
+@dataclass
+class EncodingStats:
+    """What encoding a video cost.
+
+    frames: sampled frames streamed. tokens: tokens streamed (the detailed cache's length). chunks: steps.
+    carried_tokens: the largest carried state over layers and KV heads after the last step.
+    frame_seconds: wall time per frame: the time from one step's end to the next's divided by its frames, so
+        they add up to the encoding's wall time (stages overlap, so this is the slowest stage's pace).
+    decode_seconds, vision_seconds, language_seconds: per frame, the time each stage spent on it: reading and
+        preprocessing; its share of its vision-tower batch; its share of its step's layout (ids, embeddings,
+        positions) and language-model forward. On CUDA, vision is timed to the end of its kernels, the language
+        model as its step returns.
+    vision_batch: frames per vision-tower call asked for (``None`` before any frame).
+    cache_bytes: memory held by the detailed cache (keys and values, all layers, wherever they are stored).
+    peak_cache_device_bytes: the most cache the engine held on the model's device at once (carried state, the
+        detailed cache unless offloaded, what answering brought there), encoding and questions included.
+    peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
+    """
+
+    frames: int = 0
+    tokens: int = 0
+    chunks: int = 0
+    carried_tokens: int = 0
+    frame_seconds: list[float] = field(default_factory=list)
+    decode_seconds: list[float] = field(default_factory=list)
+    vision_seconds: list[float] = field(default_factory=list)
+    language_seconds: list[float] = field(default_factory=list)
+    vision_batch: int | None = None
+    cache_bytes: int = 0
+    peak_cache_device_bytes: int = 0
+    peak_memory_bytes: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(self.frame_seconds))
+
+    @property
+    def mean_frame_seconds(self) -> float:
+        return self.seconds / len(self.frame_seconds) if self.frame_seconds else 0.0
+
+    @property
+    def frames_per_second(self) -> float:
+        return len(self.frame_seconds) / self.seconds if self.seconds > 0 else 0.0
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Mean seconds per frame of each stage: ``{"decode": ..., "vision": ..., "language": ...}``."""
+        stages = {"decode": self.decode_seconds, "vision": self.vision_seconds, "language": self.language_seconds}
+        return {name: sum(values) / len(values) if values else 0.0 for name, values in stages.items()}
+
+    def summary(self) -> str:
+        """Lines for people: throughput, the stages' time per frame, memory."""
+        stages = self.stage_seconds()
+        lines = [f"encoded {self.frames} frames ({self.tokens} tokens, {self.chunks} steps) in {self.seconds:.2f} s: "
+                 f"{self.frames_per_second:.1f} frames/s, {1e3 * self.mean_frame_seconds:.1f} ms per frame",
+                 "per frame: " + ", ".join(f"{name} {1e3 * value:.1f} ms" for name, value in stages.items())
+                 + (f" (vision in batches of {self.vision_batch} frames)" if self.vision_batch else ""),
+                 f"carried {self.carried_tokens} tokens; detailed cache {self.cache_bytes / 2**20:.1f} MiB"
+                 + ("" if self.peak_memory_bytes is None else
+                    f"; peak accelerator memory {self.peak_memory_bytes / 2**30:.2f} GiB")]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "seconds": self.seconds, "mean_frame_seconds": self.mean_frame_seconds,
+                "frames_per_second": self.frames_per_second,
+                "mean_stage_seconds": self.stage_seconds()}
+
+
+class EncodedVideo:
+    """A video streamed through the model: its detailed cache, its prompt state and its stats.
+
+    ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked.
+    """
+
+    def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
+                 name: str = "video", prefix_tokens: int | None = None):
+        """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then nothing is
+        streamed here); None streams the adapter's prefix now."""
+        self.qa = qa
+        self.adapter: VideoAdapter = qa.adapter
+        self.name = name
+        self.horizon = horizon
+        self.state: LayoutState = self.adapter.start(num_frames, fps)
+        prefix = self.adapter.prefix(self.state) if prefix_tokens is None else None
+        self.prefix_tokens = prefix.num_tokens if prefix is not None else prefix_tokens or 0
+        self.prefill = StreamingPrefill(self.adapter.model, qa.policy.for_prefix(self.prefix_tokens),
+                                        attention=qa.attention, horizon=horizon, offload=qa.offload,
+                                        cuda_graph=qa.cuda_graph)
+        self.stats = EncodingStats()
+        self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
+        self._device = self.adapter.device
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        if prefix is not None:
+            self._stream_chunk(prefix)
+
+    # -- answering --------------------------------------------------------------------------------------
+    def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
+            **generate_kwargs: Any) -> str:
+        """Answer ``question`` from everything encoded so far (greedy unless ``generate_kwargs`` say otherwise).
+
+        retrieve: answer from the ``retrieve`` frames per layer that best match the question (plus the prompt
+            prefix and any sinks) instead of the whole detailed cache; None: the whole cache; by default, the
+            VideoQA's setting (the method's own for ``rekv``).
+        """
+        tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, **generate_kwargs)
+        return self.adapter.decode(tokens)
+
+    def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
+                   **generate_kwargs: Any) -> torch.Tensor:
+        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
+        if self.state.frames == 0:
+            raise InputError(f"{self.name}: no frame has been encoded yet")
+        prompt = self._question_ids(question)
+        check_int(max_new_tokens, "max_new_tokens")
+        retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve)
+        room = self.horizon - self.prefill.seen_tokens
+        if prompt.shape[1] + max_new_tokens > room:
+            raise HorizonError(
+                f"the question ({prompt.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
+                f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
+            )
+        answer = self.adapter.generate(self.prefill, self.state, prompt, max_new_tokens=max_new_tokens,
+                                       retrieve=retrieval, **generate_kwargs)
+        self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
+        return answer
+
+    def retrieval(self, frames: int | None) -> Retrieval | None:
+        """How a question retrieving ``frames`` frames per layer is answered (None: from the whole cache).
+
+        The prompt prefix and the policy's sinks are always kept; frames become steps (two per step for
+        Qwen3-VL)."""
+        if frames is None:
+            return None
+        check_int(frames, "retrieve (frames per layer)")
+        keep = max(self.prefix_tokens, self.prefill.policy.sink_tokens)
+        return Retrieval(math.ceil(frames / self.adapter.frames_per_chunk), keep_tokens=keep)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill.seen_tokens
+
+    @property
+    def frames(self) -> int:
+        return self.state.frames
+
+    def close(self) -> None:
+        """Release the caches and give the model back its own RoPE."""
+        self.prefill.close()
+
+    def __enter__(self) -> "EncodedVideo":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, frames={self.frames}, tokens={self.tokens}, "
+                f"carried={self.stats.carried_tokens})")
+
+    # -- streaming --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _append(self, frames: Sequence[Frame]) -> None:
+        """Stream one step's frames (at most ``frames_per_chunk``) on this thread."""
+        self._append_steps([frames], vision_batch=len(frames))
+
+    @torch.no_grad()
+    def _append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
+        """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
+        batch size asked for, for the stats). A failure leaves the steps before it streamed (``stats.chunks``
+        tells how many)."""
+        started = time.perf_counter()
+        steps, state = [], self.state
+        for frames in groups:
+            steps.append(self.adapter.prepare_frames(frames, state))
+            state = state.updated(steps[-1].state_update)
+        prepared = time.perf_counter()
+        shares = [(prepared - started) * len(step.frames) / sum(len(s.frames) for s in steps) for step in steps]
+        self._step_started = started
+        for encoded in encode_batch(self.adapter, steps, shares):
+            self._stream_encoded(encoded, vision_batch=vision_batch)
+
+    def _stream_encoded(self, encoded: EncodedStep, *, vision_batch: int) -> None:
+        """Lay out one vision-encoded step and stream it through the language model, timing each stage (the
+        language model's time includes the layout: token ids, embeddings, positions)."""
+        started = time.perf_counter()
+        chunk = self.adapter.features_chunk(encoded.step, encoded.features, self.state)
+        self._stream_chunk(chunk)
+        finished = time.perf_counter()
+        stats = self.stats
+        per_frame = 1 / chunk.frames
+        stats.frame_seconds.extend([(finished - self._step_started) * per_frame] * chunk.frames)
+        stats.decode_seconds.extend([encoded.decode_seconds * per_frame] * chunk.frames)
+        stats.vision_seconds.extend([encoded.vision_seconds * per_frame] * chunk.frames)
+        stats.language_seconds.extend([(finished - started) * per_frame] * chunk.frames)
+        stats.vision_batch = vision_batch
+        self._step_started = finished
+
+    @torch.no_grad()
+    def _stream_chunk(self, chunk) -> None:
+        self.prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
+        self.state = self.state.after(chunk)
+        stats = self.stats
+        stats.chunks += 1
+        stats.tokens = self.prefill.seen_tokens
+        stats.frames += chunk.frames
+        engine = self.prefill.stats
+        stats.carried_tokens = engine.max_carried_tokens
+        stats.cache_bytes = engine.detailed_bytes
+        stats.peak_cache_device_bytes = engine.peak_device_bytes
+        if self._device.type == "cuda":
+            stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
+
+    def _question_ids(self, question: str) -> torch.Tensor:
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        return self.adapter.question_ids(question, self.state)
+
+
+class progress_reporter:
+    """A context manager yielding ``report(done, planned)``: a tqdm bar, a user callback, or nothing.
+
+    The bar shows frames per second (tqdm's rate) and, after it, each stage's time per frame from ``stats``.
+    """
+
+    def __init__(self, progress: ProgressCallback | bool, total: int | None, name: str,
+                 stats: EncodingStats | None = None):
+        self.progress, self.total, self.name, self.stats = progress, total, name, stats
+        self.bar = None
+
+    def __enter__(self) -> ProgressCallback:
+        if callable(self.progress):
+            return self.progress
+        if not self.progress:
+            return lambda done, planned: None
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total, desc=Path(self.name).name, unit="frame", leave=False)
+
+        def report(done: int, planned: int | None) -> None:
+            if self.stats is not None:
+                stages = self.stats.stage_seconds()
+                self.bar.set_postfix_str(" ".join(f"{name} {1e3 * seconds:.0f}ms" for name, seconds in stages.items())
+                                         + " per frame", refresh=False)
+            self.bar.update(done - self.bar.n)
+
+        return report
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,63 @@
+"""Every error statekv raises on purpose, each with a one-line message that names the problem.
+
+Everything a user can cause (a bad argument, a malformed input, a model or file that cannot be used) is a
+:class:`StateKVError`; the command line turns exactly these into one line on stderr and exit status 2. Any
+other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class StateKVError(Exception):
+    """Base class of every error statekv raises on purpose."""
+
+
+class ConfigurationError(StateKVError, ValueError):
+    """An argument or setting is invalid (for example a budget that is not a positive integer)."""
+
+
+class InputError(StateKVError, ValueError):
+    """A chunk, prompt, question or saved stream given to statekv is malformed."""
+
+
+class UnsupportedModelError(StateKVError, ValueError):
+    """The model cannot be used (unknown family, or attention that bypasses transformers' AttentionInterface)."""
+
+
+class HorizonError(StateKVError, ValueError):
+    """The planned or reached sequence length is beyond what the model's RoPE or the declared horizon allows."""
+
+
+class VideoError(StateKVError, ValueError):
+    """A video source cannot be read: wrong type, corrupt, truncated, without frames."""
+
+
+class VideoNotFoundError(VideoError, FileNotFoundError):
+    """The path given as a video source does not exist."""
+
+
+class FrameDecodeError(VideoError):
+    """A frame in the middle of a source cannot be decoded or read.
+
+    index: the frame's index in the source; timestamp: its time in seconds (estimated from the frame rate
+    when the decoder stopped before it). encoded: set by `statekv.VideoQA.encode` to the `EncodedVideo` of
+    every sampled frame before this one, which can still be asked; None elsewhere.
+    """
+
+    def __init__(self, message: str, *, index: int, timestamp: float):
+        super().__init__(message)
+        self.index = index
+        self.timestamp = timestamp
+        self.encoded = None
+
+
+class DataError(StateKVError, ValueError):
+    """A benchmark's data (annotations, a results file, a question file) is missing or malformed."""
+
+
+class MissingFileError(DataError, FileNotFoundError):
+    """A file a benchmark needs does not exist."""
+
+
+class OutputError(StateKVError, OSError):
+    """An output (a saved stream, a run directory, a report) cannot be written where it was asked to go."""

@@ -1,0 +1,154 @@
+"""The methods, named once: what ``--method statekv`` means to the CLI, the evaluation harness, the lmms-eval
+plugin, the benchmarks and the FLOPs accounting.
+
+A method is a carry policy plus how it is described and sized:
+
+    register_method(MethodSpec("valuenorm", "carry the tokens with the largest values", size="budget",
+                               policy=lambda settings, frames_per_step: ValueNorm(budget=settings.budget),
+                               history=at_most_budget, display="ValueNorm"))
+
+and from then on every command and the evaluation harness accept it (``--method valuenorm``).
+
+Sizes are in the units people set them in: ``budget`` in tokens (per layer and KV head), ``frames`` (the
+recency window R) in sampled frames. A family that puts several frames in one streaming step (Qwen3-VL: 2) has
+a window of ``ceil(R / frames_per_step)`` steps -- the same definition in evaluation and in FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
+from .errors import ConfigurationError
+from .values import check_int
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """The sizes a method may read: ``budget`` (tokens carried per layer and KV head), ``frames`` (the recency
+    window R, in frames) and ``sinks`` (ReKV's attention sinks after the prompt prefix, in tokens)."""
+
+    budget: int = 4096
+    frames: int = 16
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        check_int(self.budget, "budget")
+        check_int(self.frames, "frames (the recency window R)")
+        check_int(self.sinks, "sinks", minimum=0)
+
+    def window_steps(self, frames_per_step: int) -> int:
+        """The recency window in streaming steps."""
+        return math.ceil(self.frames / frames_per_step)
+
+
+# How many earlier tokens step ``s`` (0-based, elementwise over an array) may attend to, with ``t`` tokens and
+# ``f`` frames per step: what the FLOPs accounting counts.
+History = Callable[[MethodSettings, np.ndarray, int, int], np.ndarray]
+
+
+def every_earlier_token(settings: MethodSettings, step: np.ndarray, t: int, f: int) -> np.ndarray:
+    return step * t
+
+
+def at_most_budget(settings: MethodSettings, step: np.ndarray, t: int, f: int) -> np.ndarray:
+    return np.minimum(step * t, settings.budget)
+
+
+def last_window(settings: MethodSettings, step: np.ndarray, t: int, f: int) -> np.ndarray:
+    return np.minimum(step, settings.window_steps(f)) * t
+
+
+def sinks_and_last_window(settings: MethodSettings, step: np.ndarray, t: int, f: int) -> np.ndarray:
+    return np.minimum(step * t, settings.sinks + settings.window_steps(f) * t)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method.
+
+    name: what users type. summary: one line for help texts. size: the setting that sizes its carried state
+    (``"budget"``, ``"frames"`` or None). policy: ``(settings, frames per step) -> CarryPolicy``. history: the
+    tokens a step attends to besides its own (see `History`); it is how methods are matched for compute.
+    retrieve: frames retrieved per question by default (None: the whole detailed cache). offload: keeps the
+    detailed cache off the model's device by design. also_uses: settings it reads besides its size.
+    """
+
+    name: str
+    summary: str
+    size: str | None
+    policy: Callable[[MethodSettings, int], CarryPolicy]
+    history: History
+    display: str
+    retrieve: int | None = None
+    offload: bool = False
+    also_uses: tuple[str, ...] = ()
+
+    @property
+    def uses(self) -> tuple[str, ...]:
+        """Every `MethodSettings` field the method reads."""
+        return ((self.size,) if self.size else ()) + self.also_uses
+
+    def label(self, settings: MethodSettings | None = None) -> str:
+        """The name tables use: "StateKV B=4096", "Recency R=16", "Full SA"."""
+        settings = settings or MethodSettings()
+        if self.size == "budget":
+            return f"{self.display} B={settings.budget}"
+        if self.size == "frames":
+            return f"{self.display} R={settings.frames}"
+        return self.display
+
+    def size_value(self, settings: MethodSettings) -> int | None:
+        """The value of its size setting (B or R), or None."""
+        return None if self.size is None else getattr(settings, self.size)
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add (or replace) a method; every command and the evaluation harness accept it from then on."""
+    METHODS[spec.name] = spec
+    return spec
+
+
+def method(name: str) -> MethodSpec:
+    """The registered method ``name``; a one-line ConfigurationError listing the others if there is none."""
+    if name not in METHODS:
+        raise ConfigurationError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def labelled_policies(names: tuple[str, ...] = ("full", "recency", "statekv"), frames_per_step: int = 1,
+                      **sizes: int) -> dict[str, CarryPolicy]:
+    """``{label: policy}`` of registered methods at the given sizes (``budget=``, ``frames=``, ``sinks=``): the
+    methods a benchmark compares, named as tables name them."""
+    settings = MethodSettings(**sizes)
+    return {method(name).label(settings): method(name).policy(settings, frames_per_step) for name in names}
+
+
+register_method(MethodSpec(
+    "statekv", "carry the top-B tokens by attention mass, per layer and KV head", "budget",
+    lambda s, f: StateKV(budget=s.budget), at_most_budget, "StateKV"))
+register_method(MethodSpec(
+    "full", "carry everything: exact, quadratic in length", None,
+    lambda s, f: FullAttention(), every_earlier_token, "Full SA"))
+register_method(MethodSpec(
+    "recency", "carry the last R frames (a sliding window: the paper's ReKV baseline)", "frames",
+    lambda s, f: Recency(frames=s.window_steps(f)), last_window, "Recency"))
+register_method(MethodSpec(
+    "rekv", "ReKV: sinks + the last R frames while encoding; questions answered from the 64 frames per layer that "
+            "best match them, the detailed cache kept in CPU memory", "frames",
+    lambda s, f: ReKV(frames=s.window_steps(f), sinks=s.sinks), sinks_and_last_window, "ReKV",
+    retrieve=64, offload=True, also_uses=("sinks",)))
+register_method(MethodSpec(
+    "keynorm", "carry the B tokens with the smallest key norm, per layer and KV head", "budget",
+    lambda s, f: KeyNorm(budget=s.budget), at_most_budget, "KeyNorm"))

@@ -1,0 +1,193 @@
+"""One object for how a `VideoQA` is built, shared by the Python API, the command line, the evaluation harness,
+the lmms-eval plugin and the benchmarks.
+
+    options = ModelOptions(model="OpenGVLab/InternVL3-1B-hf", method="statekv", budget=4096, dtype="bfloat16")
+    qa = VideoQA.from_options(options)
+    ModelOptions.add_arguments(parser); ModelOptions.from_args(parser.parse_args())     # --model --method ...
+    ModelOptions.from_strings({"model": "ckpt", "offload": "off"})                      # lmms-eval model args
+
+Every field is checked when the object is made, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from .core.attention import BACKENDS
+from .methods import MethodSettings, MethodSpec, method, method_names
+from .values import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    Option,
+    boolean,
+    check_bool,
+    check_choice,
+    check_int,
+    choice,
+    non_negative_int,
+    optional_positive_int,
+    optional_text,
+    parse_options,
+    positive_int,
+)
+
+DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build a `VideoQA`.
+
+    model: checkpoint folder or hub id. method: a registered method (`statekv.methods`); budget (tokens), frames
+    (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
+    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). layout: the
+    family's prompt layout. attention: the scoring backend. dtype, device: where the model runs (default: the
+    checkpoint's dtype; CUDA when available). offload: keep the detailed cache in CPU memory (None: the
+    method's default). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
+    steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
+    """
+
+    model: str | None = None
+    method: str = "statekv"
+    budget: int = 4096
+    frames: int = 16
+    sinks: int = 4
+    retrieve: int | None = None
+    layout: str | None = None
+    attention: str = "auto"
+    dtype: str | None = None
+    device: str | None = None
+    offload: bool | None = None
+    reserve_tokens: int = DEFAULT_RESERVE_TOKENS
+    trust_remote_code: bool = False
+    cuda_graph: bool = True
+    vision_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        method(self.method)
+        check_int(self.budget, "budget")
+        check_int(self.frames, "frames (the recency window R)")
+        check_int(self.sinks, "sinks", minimum=0)
+        check_int(self.reserve_tokens, "reserve_tokens")
+        for name in ("retrieve", "vision_batch"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name)
+        check_choice(self.attention, "attention backend", BACKENDS)
+        for name in ("trust_remote_code", "cuda_graph"):
+            check_bool(getattr(self, name), name)
+        if self.offload is not None:
+            check_bool(self.offload, "offload")
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method(self.method)
+
+    @property
+    def settings(self) -> MethodSettings:
+        return MethodSettings(budget=self.budget, frames=self.frames, sinks=self.sinks)
+
+    @property
+    def label(self) -> str:
+        """The method as tables name it ("StateKV B=4096"), with the retrieval if it is not the default."""
+        label = self.spec.label(self.settings)
+        retrieve = self.retrieve_frames
+        return label if retrieve == self.spec.retrieve else f"{label} k={retrieve}"
+
+    @property
+    def retrieve_frames(self) -> int | None:
+        return self.retrieve if self.retrieve is not None else self.spec.retrieve
+
+    @property
+    def offloaded(self) -> bool:
+        return self.spec.offload if self.offload is None else self.offload
+
+    def with_changes(self, **changes: Any) -> "ModelOptions":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # -- from text: the command line and lmms-eval's model args -------------------------------------------------
+    @classmethod
+    def from_strings(cls, given: Mapping[str, Any], *, what: str = "option") -> "ModelOptions":
+        """Options from ``name=value`` settings whose values may be strings (``offload=off``); unknown names
+        are refused, naming the known ones."""
+        return cls(**parse_options(given, cls.string_options(), what=what))
+
+    @staticmethod
+    def string_options() -> list[Option]:
+        """How each field is read from text (see `statekv.values.parse_options`)."""
+        return _string_options()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
+        """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
+                      device_help: str = "e.g. cuda, cuda:1, cpu (default: cuda if available)"):
+        """--model and the method settings every video command takes; returns the argument group.
+
+        reserve: offer --reserve-tokens (commands that size the room for questions themselves do not).
+        """
+        group = parser.add_argument_group("model and method")
+        methods = "; ".join(f"{name}: {method(name).summary}" for name in method_names())
+        group.add_argument("--model", required=model_required, metavar="M",
+                           help="checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5)")
+        group.add_argument("--method", choices=method_names(), default="statekv", help=f"(default: statekv) {methods}")
+        group.add_argument("--budget", type=POSITIVE_INT, default=4096, metavar="B",
+                           help="statekv, keynorm: tokens carried per layer and KV head (default: 4096)")
+        group.add_argument("--frames", type=POSITIVE_INT, default=16, metavar="R",
+                           help="recency, rekv: the window of frames carried (default: 16)")
+        group.add_argument("--sinks", type=NON_NEGATIVE_INT, default=4, metavar="N",
+                           help="rekv: attention-sink tokens kept after the prompt prefix (default: 4)")
+        group.add_argument("--retrieve", type=POSITIVE_INT, default=None, metavar="K",
+                           help="answer from the K frames per layer that best match the question (default: the "
+                                "whole detailed cache; rekv: 64)")
+        group.add_argument("--layout", default=None, help="prompt layout of the model family (default: the paper's)")
+        group.add_argument("--attention", choices=BACKENDS, default="auto",
+                           help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
+        group.add_argument("--dtype", default=None, help="e.g. bfloat16, float32 (default: the checkpoint's)")
+        group.add_argument("--device", default=None, help=device_help)
+        group.add_argument("--offload", action="store_true", default=None,
+                           help="keep the detailed cache in CPU memory while encoding (rekv always does)")
+        group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                           help="run every streaming step eagerly (default on CUDA: replay steady steps from a graph)")
+        group.add_argument("--vision-batch", type=POSITIVE_INT, default=None,
+                           metavar="N", help="frames per vision-tower call, run ahead of the language model "
+                                             "(default: 16 on CUDA, 4 on CPU; statekv stream: 1)")
+        if reserve:
+            group.add_argument("--reserve-tokens", type=POSITIVE_INT,
+                               default=DEFAULT_RESERVE_TOKENS, metavar="N",
+                               help=f"tokens kept after the video for question and answer (default: "
+                                    f"{DEFAULT_RESERVE_TOKENS})")
+        group.add_argument("--trust-remote-code", action="store_true",
+                           help="allow checkpoints that ship their own modelling code (Eagle2.5)")
+        return group
+
+
+def _string_options() -> list[Option]:
+    """How each field is read from text (lmms-eval model args and similar)."""
+    defaults = ModelOptions.__dataclass_fields__
+    parsers = {"model": optional_text, "method": _registered_method, "budget": positive_int,
+               "frames": positive_int, "sinks": non_negative_int, "retrieve": optional_positive_int,
+               "layout": optional_text, "attention": choice(BACKENDS), "dtype": optional_text,
+               "device": optional_text, "offload": _optional_boolean, "reserve_tokens": positive_int,
+               "trust_remote_code": boolean, "cuda_graph": boolean, "vision_batch": optional_positive_int}
+    return [Option(name, parsers[name], defaults[name].default) for name in parsers]
+
+
+def _registered_method(value: Any, name: str) -> str:
+    """A method registered now (looked up at parse time: methods registered later are accepted too)."""
+    return choice(method_names())(value, name)
+
+
+def _optional_boolean(value: Any, name: str) -> bool | None:
+    """A boolean, or None (the method's default) for None, ``""``, ``none``, ``null``."""
+    if isinstance(value, str) and optional_text(value, name) is None:
+        return None
+    return None if value is None else boolean(value, name)
