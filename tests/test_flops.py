@@ -272,3 +272,15 @@ def test_a_recency_window_is_counted_in_frames_wherever_it_is_used():
     window = Method("recency", frames=4)  # two steps
     for step, measured in enumerate(measure_language(meta_model(spec), spec, window, 5)):
         _assert_step_agrees(spec, window, step, measured)
+
+
+def test_rekv_prefill_and_the_cost_of_answering_from_retrieved_frames():
+    spec = PRESETS["internvl3-1b"].with_layers(language=2, vision=1)
+    rekv = Method("rekv", frames=2)  # 4 sinks and two frames
+    for step, measured in enumerate(measure_language(meta_model(spec), spec, rekv, 5)):
+        _assert_step_agrees(spec, rekv, step, measured)
+    assert int(rekv.history_tokens(10, spec.tokens_per_step)) == 4 + 2 * spec.tokens_per_step
+    from statekv.flops.analytic import lm_attention_flops, question_flops
+
+    whole, retrieved = question_flops(spec, 100_000), question_flops(spec, 64 * 259)
+    assert whole - retrieved == lm_attention_flops(spec.language, 32 + 16, 100_000 - 64 * 259)

@@ -166,6 +166,18 @@ def step_flops(model, method: str | Method, step: int, *, budget: int | None = N
     }
 
 
+def question_flops(model, context_tokens: int, question_tokens: int = 32, answer_tokens: int = 16) -> int:
+    """Exact FLOPs of answering one question over ``context_tokens`` cached tokens: the question's tokens and
+    each generated token through the LM's linears, and their attention over the context and what precedes them
+    (the question's tile counted whole, as in prefill). Retrieval changes only ``context_tokens``."""
+    language = resolve_model(model).language
+    total = lm_linear_flops(language, question_tokens + answer_tokens)
+    total += lm_attention_flops(language, question_tokens, context_tokens + question_tokens)
+    for i in range(answer_tokens):
+        total += lm_attention_flops(language, 1, context_tokens + question_tokens + i + 1)
+    return total
+
+
 def _scores(method: Method, score: str, keys):
     """Whether a step with ``keys`` keys pays a recomputed score pass (elementwise over an array of keys).
 

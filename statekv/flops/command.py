@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--recency", nargs="*", type=int, default=[16], metavar="R",
                         help="recency windows R in frames (Qwen3-VL carries ceil(R/2) 2-frame steps, as in "
                              "evaluation) (default: 16)")
+    parser.add_argument("--rekv", nargs="*", type=int, default=[], metavar="R",
+                        help="ReKV windows R in frames to add (its sinks and window while encoding)")
+    parser.add_argument("--retrieve", type=int, default=64, metavar="K",
+                        help="frames retrieved per question, for the cost of answering (default: 64, ReKV's)")
     parser.add_argument("--frames", type=int, default=512, help="horizon in frames (default: 512)")
     parser.add_argument("--at", nargs="+", type=int, metavar="N",
                         help="frame numbers to tabulate (default: 1, 64 and the horizon)")
@@ -55,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:
         raise ConfigurationError(f"--at frames {bad} are outside 1..{args.frames}")
-    curves = report.sweep(models, args.budgets, args.recency, args.frames, args.score)
+    curves = report.sweep(models, args.budgets, args.recency, args.frames, args.score, args.rekv)
     pairs = report.break_even_pairs(curves)
     output = report.to_json(curves, pairs, at, args.score)
+    output["questions"] = report.question_costs(models, args.frames, args.retrieve)
     if args.measure:
         output["measured"] = _measure(curves, args.measure, args.score)
     if args.plot:
@@ -66,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(output, indent=2))
         return 0
     print(report.format_tables(curves, pairs, at, args.score))
+    print(f"\nAnswering one question (32 tokens, 16 generated) after {args.frames} frames, TFLOPs:")
+    for row in output["questions"]:
+        print(f"  {row['model']}: whole detailed cache {row['whole_cache'] / 1e12:.3f}, {row['retrieve']} retrieved "
+              f"frames {row['retrieved'] / 1e12:.3f}")
     if args.measure:
         print("\nMeasured (FlopCounterMode, StreamingPrefill + HF vision forward on meta) vs analytic, per step:")
         for m in output["measured"]:

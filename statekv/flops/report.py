@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from statekv.errors import ConfigurationError
 
-from .analytic import COMPONENTS, Method, PrefillFlops, break_even, prefill_flops, resolve_model
+from .analytic import (COMPONENTS, Method, PrefillFlops, break_even, prefill_flops, question_flops,
+                       resolve_model)
 from .paper import ACCURACY, BENCHMARKS, REPORTED_METHODS
 
 TERA = 1e12
@@ -26,10 +27,10 @@ CONVENTION = {
 
 
 def sweep(models: list[str], budgets: list[int], windows: list[int], n_frames: int,
-          score: str = "eager") -> list[PrefillFlops]:
-    """Curves for every model x (full, each recency window R, each StateKV budget B)."""
+          score: str = "eager", rekv_windows: list[int] = ()) -> list[PrefillFlops]:
+    """Curves for every model x (full, each recency window R, each ReKV window, each StateKV budget B)."""
     methods = [Method("full"), *(Method("recency", frames=r) for r in windows),
-               *(Method("statekv", budget=b) for b in budgets)]
+               *(Method("rekv", frames=r) for r in rekv_windows), *(Method("statekv", budget=b) for b in budgets)]
     return [prefill_flops(resolve_model(m), method, n_frames=n_frames, score=score)
             for m in models for method in methods]
 
@@ -77,6 +78,20 @@ def frontier(benchmark: str = "videomme", n_frames: int = 512, score: str = "eag
             points.append({"model": model, "method": kind, "label": curve.label,
                            "flops": float(curve.cumulative[-1]), "accuracy": scores[benchmark]})
     return points
+
+
+def question_costs(models: list[str], n_frames: int, retrieve: int) -> list[dict]:
+    """Per model: FLOPs of answering one question after ``n_frames`` frames from the whole detailed cache and
+    from ``retrieve`` retrieved frames (what every method's answer costs, and ReKV's)."""
+    rows = []
+    for name in models:
+        spec = resolve_model(name)
+        per_frame = spec.tokens_per_step / spec.frames_per_step
+        whole = question_flops(spec, round(n_frames * per_frame))
+        retrieved = question_flops(spec, round(min(retrieve, n_frames) * per_frame))
+        rows.append({"model": spec.name, "frames": n_frames, "retrieve": retrieve, "whole_cache": whole,
+                     "retrieved": retrieved})
+    return rows
 
 
 def to_json(curves: list[PrefillFlops], pairs: list[BreakEven], at: list[int], score: str) -> dict:
