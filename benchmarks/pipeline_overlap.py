@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import statekv
-from statekv.testing import make_tiny_checkpoint, write_test_video
+from statekv.tiny import make_tiny_checkpoint, write_test_video
 from statekv.video import open_video
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -18,7 +18,7 @@ import statekv.models.remote_internvl  # noqa: F401  (registers the adapter)
 from statekv import InputError, UnsupportedModelError
 from statekv.models import adapter_for, load_adapter
 from statekv.models.remote_internvl import RemoteInternVLAdapter
-from statekv.testing import draw_test_frame, make_tiny_checkpoint
+from statekv.tiny import draw_test_frame, make_tiny_checkpoint
 from statekv.video import Frame, internvl_pixel_values
 
 LAYOUTS = ("eagle", "paper", "chat")

@@ -11,7 +11,7 @@ import statekv
 from statekv.cli import main
 from statekv.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
 from statekv.options import ModelOptions
-from statekv.testing import make_tiny_checkpoint, write_test_video
+from statekv.tiny import make_tiny_checkpoint, write_test_video
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ import torch
 from PIL import Image
 
 import bad_videos
-from statekv.testing import draw_test_frame, read_frame_index, synthetic_timestamps, write_test_video
+from statekv.tiny import draw_test_frame, synthetic_timestamps, write_test_video
+from frames import read_frame_index
 from statekv.video import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -92,7 +92,7 @@ def _print_table(model: str, video: str, rows: list[dict]) -> None:
 
 def demo_checkpoint() -> Path:
     """The built-in tiny InternVL checkpoint (64 visual tokens per frame), created on first use."""
-    from ..testing import make_tiny_checkpoint
+    from ..tiny import make_tiny_checkpoint
 
     return _cached(DEMO_CHECKPOINT, lambda path: make_tiny_checkpoint(
         "internvl", path, vision_config={"image_size": 224},
@@ -102,7 +102,7 @@ def demo_checkpoint() -> Path:
 
 def demo_video() -> Path:
     """The built-in synthetic video: 64 s at 4 fps (64 frames at the default 1 fps)."""
-    from ..testing import write_test_video
+    from ..tiny import write_test_video
 
     return _cached(DEMO_VIDEO, lambda path: write_test_video(path, frames=256, fps=4, size=(224, 224)))
 

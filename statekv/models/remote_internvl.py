@@ -8,7 +8,7 @@ and a ``template`` name for their own conversation code. The visual tokens are `
 chunking and only changes how the model is reached and how prompts are laid out.
 
 Model types: ``eagle_2_5_vl`` (Eagle2.5), ``internvl_chat`` (InternVL3 before the ``-hf`` conversion) and
-``statekv_tiny_eagle`` (the test stand-in `statekv.testing.TinyEagleForConditionalGeneration`).
+``statekv_tiny_eagle`` (the test stand-in `statekv.tiny.TinyEagleForConditionalGeneration`).
 
 Layouts (each frame is one chunk; the user turn comes from the tokenizer's chat template):
 

@@ -1,8 +1,9 @@
-"""Test fixtures made locally: synthetic videos and tiny random checkpoints of the supported families.
+"""Tiny random checkpoints of the supported families and numbered synthetic videos, made locally.
 
-No weights can be downloaded here, so tests run on *tiny random models of the real architectures*, saved
-and loaded back through the real ``from_pretrained`` path, with a tokenizer built locally (a byte-level
-BPE from the ``tokenizers`` library behind transformers' ``Qwen2Tokenizer``, as the real families use).
+For trying statekv offline, for the benchmarks and for the tests: *tiny random models of the real
+architectures*, saved and loaded back through the real ``from_pretrained`` path, with a tokenizer built
+locally (a byte-level BPE from the ``tokenizers`` library behind transformers' ``Qwen2Tokenizer``, as the real
+families use), and videos whose frames carry their index (`draw_test_frame`).
 
 Tiny checkpoints (defaults; everything can be overridden, see `make_tiny_checkpoint`):
 
@@ -72,7 +73,7 @@ def draw_test_frame(index: int, size: tuple[int, int]) -> np.ndarray:
     """A distinguishable RGB uint8 frame [h, w, 3] for ``size = (w, h)``.
 
     The top half shows ``index`` in binary as `FRAME_INDEX_BITS` vertical stripes (white = 1, most significant
-    bit first), readable back with `read_frame_index` after lossy coding when w >= 48 and h >= 8; the bottom
+    bit first), readable back after lossy coding (the tests' ``read_frame_index``) when w >= 48 and h >= 8; the bottom
     half is a colour that changes with ``index`` and a square that moves with it.
     """
     width, height = size
@@ -87,20 +88,6 @@ def draw_test_frame(index: int, size: tuple[int, int]) -> np.ndarray:
     x = (5 * index) % max(1, width - side)
     frame[top : top + side, x : x + side] = (255, 255, 0)
     return frame
-
-
-def read_frame_index(image: np.ndarray) -> int:
-    """The index drawn by `draw_test_frame` into ``image`` (RGB [h, w, 3], w >= 48)."""
-    height, width = image.shape[:2]
-    stripe = width // FRAME_INDEX_BITS
-    if stripe < 4:
-        raise ValueError(f"frame index stripes need a width of at least {4 * FRAME_INDEX_BITS}, got {width}")
-    top = image[: max(1, height // 2 - 1)].astype(np.float32).mean(axis=2)
-    index = 0
-    for bit in range(FRAME_INDEX_BITS):
-        inner = top[:, bit * stripe + 1 : (bit + 1) * stripe - 1]  # stay clear of blurred stripe edges
-        index = (index << 1) | int(inner.mean() > 127.5)
-    return index
 
 
 def synthetic_timestamps(frames: int, fps: float, vfr: bool = False) -> list[float]:
@@ -345,9 +332,9 @@ class TinyEagleForConditionalGeneration(PreTrainedModel):
 
 # The file written next to an eagle checkpoint for ``trust_remote_code``: it re-exports the classes above.
 _EAGLE_REMOTE_MODULE = "modeling_tiny_eagle"
-_EAGLE_REMOTE_CODE = '''"""Remote code of a statekv tiny Eagle checkpoint; the classes live in statekv.testing."""
+_EAGLE_REMOTE_CODE = '''"""Remote code of a statekv tiny Eagle checkpoint; the classes live in statekv.tiny."""
 
-from statekv.testing import TinyEagleConfig, TinyEagleForConditionalGeneration
+from statekv.tiny import TinyEagleConfig, TinyEagleForConditionalGeneration
 
 __all__ = ["TinyEagleConfig", "TinyEagleForConditionalGeneration"]
 '''
