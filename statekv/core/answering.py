@@ -107,14 +107,15 @@ class AnswerLayer(CacheLayerMixin):
         if retrieval is None and not self.stream.offloaded:
             detailed.reserve(keys, need)  # answer in the free room past the stream's end: no copy
             self.keys, self.values, self.context = detailed.keys, detailed.values, length
+        elif retrieval is None:  # offloaded: the whole detailed cache comes back to the model's device
+            self._allocate(keys, need)
+            self.keys[:, :, :length], self.values[:, :, :length] = detailed.view(0, length)
+            self.context = length
         else:
-            if retrieval is None:
-                index = torch.arange(length, device=detailed.keys.device)
-            else:
-                if question.shape[0] != 1:
-                    raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
-                steps = self.stream.cache.chunk_lengths
-                index = retrieval.tokens(self.stream.block_keys.view(0, len(steps))[0], question, steps)
+            if question.shape[0] != 1:
+                raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
+            steps = self.stream.cache.chunk_lengths
+            index = retrieval.tokens(self.stream.block_keys.view(0, len(steps))[0], question, steps)
             self._allocate(keys, index.shape[0] + self.room)
             for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
                 mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
