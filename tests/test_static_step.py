@@ -171,7 +171,8 @@ class FakeGraph:
 def fake_cuda_graphs(monkeypatch):
     FakeGraph.replays = 0
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, capture_error_mode="global":
+                        __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 

@@ -111,7 +111,8 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.device_step(tree_unflatten(static, spec))
         except Exception as error:  # the step does something a graph cannot hold (a host sync, say)
             return self._refuse(key, f"capturing it failed: {str(error).splitlines()[0] if str(error) else error!r}")
