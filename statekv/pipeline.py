@@ -29,7 +29,7 @@ from .models import VideoAdapter, load_adapter
 from .options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .stream import Stream
-from .values import check_bool, check_int, check_number
+from .values import check_bool, check_int, check_number, torch_dtype
 from .video import open_video
 
 
@@ -198,13 +198,4 @@ def _check_sampling(max_fps: float, max_frames: int) -> None:
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None``/``"auto"`` (the checkpoint's dtype), a torch dtype, or its name (``"bfloat16"``)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    resolved = getattr(torch, str(dtype), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ConfigurationError(f"unknown dtype {dtype!r}; use e.g. bfloat16, float16 or float32")
-    return resolved
-
-
+    return torch_dtype(dtype)
