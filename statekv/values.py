@@ -119,7 +119,7 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
     Nothing is left behind by the check."""
     path = Path(path).expanduser()
     if str(path).endswith(os.sep) or path.is_dir():
-        raise OutputError(f"{name} {path} names a folder; give a file name (e.g. {path / 'stream.safetensors'})")
+        raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
     if path.exists() and not path.is_file():
         raise OutputError(f"{name} {path} is not a regular file")
     _check_creatable_in(path.parent, name, path)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import math
+import os
+import sys
+import tempfile
+from pathlib import Path
 
-from ..console import add_output_arguments, print_json, quiet_libraries
+from ..console import add_output_arguments, one_line, quiet_libraries
+from ..errors import OutputError, StateKVError
 from ..options import ModelOptions
-from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from ..user_cache import cache_dir
+from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -38,17 +46,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="frames kept per second of stream (default: 1)")
     parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
                         help="declare the stream for at most N frames (default: the video's length at --max-fps)")
-    parser.add_argument("--save", metavar="PATH", default=None,
-                        help="save the stream at the end (resume with statekv.Stream.load)")
-    add_output_arguments(parser)
+    parser.add_argument("--save", metavar="FILE", default=None,
+                        help="save the stream at the end, or when it stops early (resume with statekv.Stream.load); "
+                             "checked before the model loads")
+    add_output_arguments(parser, json_help="print one JSON object per line: each answer as it is made, then a "
+                                           "summary (stats, every answer, where the stream was saved)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..pipeline import VideoQA
-    from ..video import FrameDecodeError, open_video
+    from ..video import open_video
 
     options = ModelOptions.from_args(args)
+    save = check_output_file(args.save, "--save") if args.save else None  # before hours of encoding, not after
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
     quiet_libraries()
@@ -65,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
             answer = stream.ask(question, max_new_tokens=args.max_new_tokens)
             results.append({"time": time, "frames": stream.frames, "tokens": stream.tokens,
                             "question": question, "answer": answer})
-            if not args.json:
+            if args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
+                print(json.dumps({"event": "answer", **results[-1]}), flush=True)
+            else:
                 print(f"[{time:7.2f} s, {stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
 
     try:
@@ -75,21 +88,50 @@ def run(args: argparse.Namespace) -> int:
             if stream.frames + len(stream.pending) >= horizon:
                 break
             stream.push(frame)
-    except FrameDecodeError as error:
-        if args.save:  # keep what was streamed before the broken frame
-            stream.save(args.save)
-            error.args = (f"{error}; the {stream.frames} frames before it were saved to {args.save}",)
+        stream.flush()
+        ask_due(math.inf)  # questions at or after the end see the whole video
+    except (Exception, KeyboardInterrupt) as error:
+        if save is not None:  # keep what was streamed before the failure
+            try:
+                where, problem = save_or_rescue(stream, save)
+                kept = f"the {stream.frames} frames streamed before it were saved to {where}" + (
+                    f" (not to {save}: {problem})" if problem else "")
+            except OutputError as save_error:
+                kept = f"and the {stream.frames} frames streamed before it were lost: {one_line(save_error)}"
+            if isinstance(error, StateKVError):
+                error.args = (f"{one_line(error)}; {kept}",)
+            else:
+                print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
         raise
-    stream.flush()
-    ask_due(math.inf)  # questions at or after the end see the whole video
-    if args.save:
-        stream.save(args.save)
+    where, problem = save_or_rescue(stream, save) if save is not None else (None, None)
+    stats = stream.stats
     if args.json:
-        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
-                    "frames_window": args.frames, "stats": stream.stats.to_dict(), "answers": results,
-                    "saved": args.save})
+        print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
+                          "budget": args.budget, "frames_window": args.frames, "label": options.label,
+                          "stats": stats.to_dict(), "answers": results, "saved": where and str(where),
+                          "save_error": problem}), flush=True)
     else:
         print(f"\n{stream.frames} frames, {stream.tokens} tokens, {options.label}, carried "
-              f"{stream.stats.carried_tokens} tokens, {1e3 * stream.stats.mean_frame_seconds:.1f} ms per frame"
-              + (f"; saved to {args.save}" if args.save else ""))
+              f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
+              + (f"; saved to {where}" if where else ""), flush=True)
+    if problem:
+        raise OutputError(f"could not save the stream to {save} ({problem}); it was saved to {where} instead")
     return 0
+
+
+def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
+    """Save ``stream`` to ``target`` or, if that fails, to a rescue file; returns where it went and, when it is
+    not ``target``, why. Raises `OutputError` (naming every place tried) only when nothing could be written."""
+    try:
+        return stream.save(target), None
+    except OutputError as error:
+        problem = one_line(error).removeprefix(f"cannot save the stream to {target}: ")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"{target.stem}-{stamp}-{os.getpid()}{target.suffix or '.safetensors'}"
+    tried = []
+    for folder in (cache_dir() / "rescued", Path(tempfile.gettempdir())):
+        try:
+            return stream.save(folder / name), problem
+        except OutputError as error:
+            tried.append(one_line(error))
+    raise OutputError(f"could not save the stream to {target} ({problem}), nor to a rescue file ({'; '.join(tried)})")

@@ -68,8 +68,8 @@ def check_cache_fits(geometry: CacheGeometry, horizon: int, device: torch.device
     available = available_bytes(device)
     if available is not None and needed > available:
         raise HorizonError(
-            f"a horizon of {horizon} tokens needs {needed / GIB:.3g} GiB of detailed cache "
-            f"({geometry.describe(horizon)}), but {device} has {available / GIB:.3g} GiB available; declare "
+            f"a horizon of {horizon} tokens needs {needed / GIB:,.1f} GiB of detailed cache "
+            f"({geometry.describe(horizon)}), but {device} has {available / GIB:,.1f} GiB available; declare "
             "fewer frames" + (", keep the detailed cache in CPU memory (offload)" if device.type != "cpu" else "")
             + " or use a smaller dtype")
 

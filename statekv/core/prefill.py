@@ -191,7 +191,11 @@ class StreamingPrefill:
         """
         from .decoding import generate_from_cache
 
-        self._check_open()
+        self.check_open()
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids (the prompt) must be a tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() == 2:
+            self._check_ids(input_ids, "input_ids (the prompt)")
         return generate_from_cache(self, input_ids, retrieve=retrieve, **generate_kwargs)
 
     @property
@@ -241,14 +245,25 @@ class StreamingPrefill:
         self.cache.commit_device()
         return output.last_hidden_state
 
-    def _check_open(self) -> None:
+    def _check_ids(self, input_ids: torch.Tensor, name: str) -> None:
+        """Token ids ``[B, T]``: integers within the vocabulary (reading them: a host sync)."""
+        if input_ids.dim() != 2:
+            raise InputError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int32):
+            raise InputError(f"{name} must be integer token ids, got {input_ids.dtype}")
+        vocab = self.config.vocab_size
+        if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+            raise InputError(f"{name} hold token ids outside the vocabulary [0, {vocab})")
+
+    def check_open(self) -> None:
+        """A one-line `InputError` once the stream is closed."""
         if self._closed:
             raise InputError("this stream was closed (its RoPE rotation given back to the model); it can no "
                              "longer step or decode")
 
     def _check_chunk(self, inputs_embeds, input_ids) -> torch.Tensor:
         """The chunk's ``inputs_embeds [B, T, D]`` or ``input_ids [B, T]``, validated."""
-        self._check_open()
+        self.check_open()
         if (inputs_embeds is None) == (input_ids is None):
             raise InputError("pass exactly one of inputs_embeds [B, T, D] or input_ids [B, T]")
         chunk = inputs_embeds if inputs_embeds is not None else input_ids
@@ -265,13 +280,7 @@ class StreamingPrefill:
                 raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
                                  f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
         else:
-            if input_ids.dim() != 2:
-                raise InputError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-            if input_ids.dtype not in (torch.long, torch.int32):
-                raise InputError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-            vocab = self.config.vocab_size
-            if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
-                raise InputError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+            self._check_ids(input_ids, "input_ids")
         if chunk.device != self.device:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
