@@ -124,6 +124,8 @@ def _check_format(path: Path, metadata: Any) -> None:
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise InputError(f"{path}: not a saved statekv stream")
     version = metadata.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InputError(f"{path}: malformed stream metadata: no format version (got {version!r})")
     if version == 1:
         raise InputError(f"{path}: saved in stream format 1 by an earlier statekv, which records no checksums or "
                          f"weights fingerprint, so it cannot be verified; this statekv reads format "

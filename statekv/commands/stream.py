@@ -67,56 +67,82 @@ def run(args: argparse.Namespace) -> int:
     # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
     stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
                        vision_batch=args.vision_batch or 1)
-    questions = sorted(args.ask, key=lambda item: item[0])
-    results = []
-
-    def ask_due(now: float) -> None:
-        while questions and questions[0][0] <= now:
-            time, question = questions.pop(0)
-            answer = stream.ask(question, max_new_tokens=args.max_new_tokens)
-            results.append({"time": time, "frames": stream.frames, "tokens": stream.tokens,
-                            "question": question, "answer": answer})
-            if args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
-                print(json.dumps({"event": "answer", **results[-1]}), flush=True)
-            else:
-                print(f"[{time:7.2f} s, {stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
-
+    replay = _Replay(args, options, stream, save)
     try:
-        for frame in video.sample_at_rate(args.max_fps):
+        replay.run(video, horizon)
+    except (Exception, KeyboardInterrupt) as error:
+        replay.stopped(error)
+        raise
+    replay.finish()
+    return 0
+
+
+class _Replay:
+    """A video replayed into ``stream``: answers printed as they are made, the stream saved (or rescued) at the
+    end or when something stops it, and a summary."""
+
+    def __init__(self, args: argparse.Namespace, options: ModelOptions, stream, save: Path | None):
+        self.args, self.options, self.stream, self.save = args, options, stream, save
+        self.questions = sorted(args.ask, key=lambda item: item[0])
+        self.answers: list[dict] = []
+
+    def run(self, video, horizon: int) -> None:
+        stream = self.stream
+        for frame in video.sample_at_rate(self.args.max_fps):
             if stream.frames:  # a question before the first frame waits for it
-                ask_due(frame.timestamp - 1e-9)
+                self.ask_due(frame.timestamp - 1e-9)
             if stream.frames + len(stream.pending) >= horizon:
                 break
             stream.push(frame)
         stream.flush()
-        ask_due(math.inf)  # questions at or after the end see the whole video
-    except (Exception, KeyboardInterrupt) as error:
-        if save is not None:  # keep what was streamed before the failure
+        self.ask_due(math.inf)  # questions at or after the end see the whole video
+
+    def ask_due(self, now: float) -> None:
+        while self.questions and self.questions[0][0] <= now:
+            time, question = self.questions.pop(0)
+            answer = self.stream.ask(question, max_new_tokens=self.args.max_new_tokens)
+            self.answers.append({"time": time, "frames": self.stream.frames, "tokens": self.stream.tokens,
+                                 "question": question, "answer": answer})
+            if self.args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
+                print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
+            else:
+                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
+
+    def stopped(self, error: BaseException) -> None:
+        """Keep what was streamed before ``error`` (with --save) and say where, in its message or on stderr."""
+        where, problem = None, None
+        if self.save is not None:
             try:
-                where, problem = save_or_rescue(stream, save)
-                kept = f"the {stream.frames} frames streamed before it were saved to {where}" + (
-                    f" (not to {save}: {problem})" if problem else "")
+                where, problem = save_or_rescue(self.stream, self.save)
+                kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
+                    f" (not to {self.save}: {problem})" if problem else "")
             except OutputError as save_error:
-                kept = f"and the {stream.frames} frames streamed before it were lost: {one_line(save_error)}"
+                kept = f"and the {self.stream.frames} frames streamed before it were lost: {one_line(save_error)}"
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
             else:
                 print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
-        raise
-    where, problem = save_or_rescue(stream, save) if save is not None else (None, None)
-    stats = stream.stats
-    if args.json:
-        print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                          "budget": args.budget, "frames_window": args.frames, "label": options.label,
-                          "stats": stats.to_dict(), "answers": results, "saved": where and str(where),
-                          "save_error": problem}), flush=True)
-    else:
-        print(f"\n{stream.frames} frames, {stream.tokens} tokens, {options.label}, carried "
-              f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
-              + (f"; saved to {where}" if where else ""), flush=True)
-    if problem:
-        raise OutputError(f"could not save the stream to {save} ({problem}); it was saved to {where} instead")
-    return 0
+        self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)
+
+    def finish(self) -> None:
+        where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
+        self.summary(where, problem)
+        if problem:
+            raise OutputError(f"could not save the stream to {self.save} ({problem}); it was saved to {where} "
+                              "instead")
+
+    def summary(self, where: Path | None, problem: str | None, error: str | None = None) -> None:
+        stats, args = self.stream.stats, self.args
+        if args.json:  # the last line, also when the stream stopped early
+            print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
+                              "budget": args.budget, "frames_window": args.frames, "label": self.options.label,
+                              "stats": stats.to_dict(), "answers": self.answers,
+                              "saved": None if where is None else str(where), "save_error": problem,
+                              "error": error}), flush=True)
+        elif error is None:
+            print(f"\n{self.stream.frames} frames, {self.stream.tokens} tokens, {self.options.label}, carried "
+                  f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
+                  + (f"; saved to {where}" if where else ""), flush=True)
 
 
 def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
