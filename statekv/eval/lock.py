@@ -48,12 +48,17 @@ class RunLock:
         file = self.path.open("a+", encoding="utf-8")
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # held by another process
             file.seek(0)
-            holder = file.read().strip() or "another process"
+            holder = file.readline(200).strip() or "another process"
             file.close()
             raise OutputError(f"{self.folder} is in use by another evaluation ({holder}); wait for it to finish, "
                               "or give this one another --out") from None
+        except OSError as error:  # a file system without locks: run, but say so
+            file.close()
+            logger.warning("%s: cannot lock the run folder (%s); do not start two runs on it", self.folder,
+                           error.strerror or error)
+            return
         file.truncate(0)
         started = datetime.datetime.now().isoformat(timespec="seconds")
         file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
