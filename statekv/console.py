@@ -25,10 +25,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                        help="at most N frames in all (default: 512)")
 
 
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+def add_output_arguments(parser: argparse.ArgumentParser, *,
+                         json_help: str = "print one JSON document instead of text") -> None:
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128,
                         metavar="K", help="longest answer in tokens (default: 128)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    parser.add_argument("--json", action="store_true", help=json_help)
 
 
 def interactive() -> bool:

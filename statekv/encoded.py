@@ -135,6 +135,7 @@ class EncodedVideo:
     def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
                    **generate_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
+        self.prefill.check_open()
         if self.state.frames == 0:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         prompt = self._question_ids(question)

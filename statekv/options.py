@@ -25,6 +25,7 @@ from .values import (
     boolean,
     check_bool,
     check_choice,
+    check_device,
     check_int,
     choice,
     non_negative_int,
@@ -32,6 +33,7 @@ from .values import (
     optional_text,
     parse_options,
     positive_int,
+    torch_dtype,
 )
 
 DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
@@ -76,6 +78,9 @@ class ModelOptions:
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
         check_choice(self.attention, "attention backend", BACKENDS)
+        torch_dtype(self.dtype)
+        if self.device is not None:
+            check_device(self.device)
         for name in ("trust_remote_code", "cuda_graph"):
             check_bool(getattr(self, name), name)
         if self.offload is not None:

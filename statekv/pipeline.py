@@ -29,7 +29,7 @@ from .models import VideoAdapter, load_adapter
 from .options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .stream import Stream
-from .values import check_bool, check_int, check_number
+from .values import check_bool, check_int, check_number, torch_dtype
 from .video import open_video
 
 
@@ -96,8 +96,16 @@ class VideoQA:
         if options.model is None:
             raise ConfigurationError("no model given: pass a checkpoint folder or hub id")
         device = options.device if options.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        adapter = load_adapter(options.model, layout=options.layout, dtype=resolve_dtype(options.dtype),
-                               device=device, trust_remote_code=options.trust_remote_code, **model_kwargs)
+        try:
+            adapter = load_adapter(options.model, layout=options.layout, dtype=resolve_dtype(options.dtype),
+                                   device=device, trust_remote_code=options.trust_remote_code, **model_kwargs)
+        except TypeError as error:  # a misspelt option reaches the model's from_pretrained, which refuses it
+            refused = [name for name in model_kwargs if f"'{name}'" in str(error)]
+            if not refused or "unexpected keyword argument" not in str(error):
+                raise
+            raise ConfigurationError(f"unknown option {refused[0]!r}: not a statekv option "
+                                     f"({', '.join(ModelOptions.__dataclass_fields__)}), and the model's "
+                                     "from_pretrained does not take it") from None
         return cls.with_adapter(adapter, options)
 
     @classmethod
@@ -113,6 +121,10 @@ class VideoQA:
     def with_options(self, **changes: Any) -> "VideoQA":
         """This VideoQA's model under other settings (another method, budget...), without loading it again."""
         base = self.options or ModelOptions(method=self.method if self.method in method_names() else "statekv")
+        unknown = sorted(set(changes) - set(ModelOptions.__dataclass_fields__) - {"model"})
+        if unknown:
+            raise ConfigurationError(f"unknown option {unknown[0]!r} for with_options; known: "
+                                     f"{', '.join(name for name in ModelOptions.__dataclass_fields__ if name != 'model')}")
         return VideoQA.with_adapter(self.adapter, replace(base, **changes))
 
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
@@ -198,13 +210,4 @@ def _check_sampling(max_fps: float, max_frames: int) -> None:
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None``/``"auto"`` (the checkpoint's dtype), a torch dtype, or its name (``"bfloat16"``)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    resolved = getattr(torch, str(dtype), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ConfigurationError(f"unknown dtype {dtype!r}; use e.g. bfloat16, float16 or float32")
-    return resolved
-
-
+    return torch_dtype(dtype)

@@ -18,7 +18,6 @@ batch is complete, so a frame waits for at most one batch; `ask` first encodes e
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,18 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from .core.cache import check_state_dict
+from .core.prefill import cache_geometry
 from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
 from .encoded import EncodedVideo, EncodingStats
-from .values import check_int, check_number
+from .stream_file import FORMAT, FORMAT_VERSION, read_verified, weights_fingerprint, write_verified
+from .values import check_bool, check_int, check_number
 from .video import Frame
-
-FORMAT = "statekv-stream"
-FORMAT_VERSION = 1
 
 
 class Stream(EncodedVideo):
@@ -150,60 +147,68 @@ class Stream(EncodedVideo):
 
     # -- saving -----------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the stream (carried state, detailed cache, pending frames, metadata) to one safetensors file."""
-        path = Path(path)
+        """Write the stream (carried state, detailed cache, pending frames, metadata, checksums, the weights'
+        fingerprint) to one safetensors file (see `statekv.stream_file`); an `OutputError` when it cannot be
+        written there (a folder, an unwritable place, a full disk), leaving nothing behind."""
         tensors, cache_metadata = self.prefill.state_dict()
-        tensors = {f"cache.{name}": tensor.contiguous() for name, tensor in tensors.items()}
+        tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
         for index, frame in enumerate(self.pending):
             tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
         metadata = {
             "format": FORMAT, "version": FORMAT_VERSION, "name": self.name,
-            "model": _model_identity(self.qa), "policy": repr(self.qa.policy),
+            "model": {**_model_identity(self.qa), "weights": weights_fingerprint(self.adapter.model)},
+            "engine": {"method": self.qa.method, "policy": repr(self.qa.policy), "attention": self.prefill.attention,
+                       "offload": bool(self.qa.offload), "cuda_graph": bool(self.qa.cuda_graph),
+                       "reserve_tokens": self.horizon - self.adapter.max_video_tokens(self.horizon_frames)},
             "horizon": self.horizon, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
-            "prefix_tokens": self.prefix_tokens,
-            "vision_batch": self.vision_batch,
+            "prefix_tokens": self.prefix_tokens, "vision_batch": self.vision_batch,
             "pushed": self.pushed, "next_tick": self._next_tick, "last_timestamp": self._last_timestamp,
             "pending": [[frame.index, frame.timestamp] for frame in self.pending],
             "state": self.state.to_dict(), "stats": {k: v for k, v in self.stats.to_dict().items()
                                                      if k in EncodingStats.__dataclass_fields__},
             "cache": cache_metadata,
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        save_file(tensors, str(partial), metadata={"statekv": json.dumps(metadata)})
-        partial.replace(path)  # never leave a half-written stream under the real name
-        return path
+        return write_verified(path, tensors, metadata)
 
     @classmethod
-    def load(cls, path: str | Path, qa: Any) -> "Stream":
-        """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with)."""
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"{path}: no such saved stream")
-        try:
-            with safe_open(str(path), "pt") as handle:
-                metadata = json.loads((handle.metadata() or {}).get("statekv", "null"))
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        except (SafetensorError, OSError, json.JSONDecodeError) as error:
-            raise InputError(f"{path}: not a saved statekv stream ({str(error).splitlines()[0]})") from None
-        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-            raise InputError(f"{path}: not a saved statekv stream")
-        if metadata["version"] != FORMAT_VERSION:
-            raise InputError(f"{path}: saved in stream format {metadata['version']}, this statekv reads "
-                             f"{FORMAT_VERSION}")
-        _check_same_setup(path, metadata, qa)
-        reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
-        stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
-                     vision_batch=metadata.get("vision_batch", 1), reserve_tokens=reserve,
-                     prefix_tokens=metadata.get("prefix_tokens", 0))
+    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False) -> "Stream":
+        """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with).
+
+        The whole file is verified first (schema, every tensor's presence, dtype, shape and checksum, the model
+        and method), so a damaged or foreign file is refused with a one-line `InputError` before anything is
+        built. A stream saved with other weights (another checkpoint of the same architecture) is refused unless
+        ``allow_other_weights=True``: its cache would not be what this model computes.
+        """
+        check_bool(allow_other_weights, "allow_other_weights")
+        metadata, tensors = read_verified(path)
+        _check_same_setup(path, metadata, qa, allow_other_weights)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
-        stream.prefill.load_state_dict(cache, metadata["cache"])
+        pending = _pending_images(path, tensors, metadata["pending"], set(cache))
+        try:
+            check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model))
+        except InputError as error:
+            raise InputError(f"{path}: {error}") from None
+        reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
+        if reserve < 1:
+            raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} leaves no room "
+                             f"after {metadata['horizon_frames']} frames (horizon_frames)")
+        try:
+            stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
+                         vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
+                         prefix_tokens=metadata["prefix_tokens"])
+        except HorizonError as error:
+            raise InputError(f"{path}: {error}") from None
+        try:
+            stream.prefill.load_state_dict(cache, metadata["cache"])
+        except BaseException:
+            stream.close()
+            raise
         stream.state = LayoutState.from_dict(metadata["state"])
         stream.stats = EncodingStats(**metadata["stats"])
         stream.pushed, stream._next_tick = metadata["pushed"], metadata["next_tick"]
         stream._last_timestamp = metadata["last_timestamp"]
-        stream.pending = [Frame(index, timestamp, tensors[f"pending.{i}"].numpy())
-                          for i, (index, timestamp) in enumerate(metadata["pending"])]
+        stream.pending = [Frame(index, timestamp, image)
+                          for (index, timestamp), image in zip(metadata["pending"], pending)]
         return stream
 
 
@@ -212,16 +217,39 @@ def _model_identity(qa: Any) -> dict[str, Any]:
     text = config.get_text_config()
     return {"family": qa.adapter.family, "layout": qa.adapter.layout, "model_type": config.model_type,
             "name_or_path": str(getattr(config, "_name_or_path", "")), "layers": text.num_hidden_layers,
-            "hidden_size": text.hidden_size}
+            "hidden_size": text.hidden_size, "dtype": str(qa.adapter.dtype).removeprefix("torch.")}
 
 
-def _check_same_setup(path: Path, metadata: dict[str, Any], qa: Any) -> None:
+def _check_same_setup(path: str | Path, metadata: dict[str, Any], qa: Any, allow_other_weights: bool) -> None:
     saved, current = metadata["model"], _model_identity(qa)
-    for key in ("family", "model_type", "layout", "layers", "hidden_size"):
+    for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
         if saved[key] != current[key]:
             raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
-    if metadata["policy"] != repr(qa.policy):
-        raise InputError(f"{path}: saved with {metadata['policy']}, but this VideoQA uses {qa.policy!r}")
+    policy = metadata["engine"]["policy"]
+    if policy != repr(qa.policy):
+        raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")
+    if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
+        raise InputError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'}) "
+                         "than this model's, whose cache would differ; pass allow_other_weights=True to load "
+                         "it anyway")
+
+
+def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str]) -> list:
+    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors."""
+    expected = {f"pending.{index}" for index in range(len(pending))}
+    unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
+    if unexpected:
+        raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")
+    images = []
+    for index in range(len(pending)):
+        image = tensors.get(f"pending.{index}")
+        if image is None:
+            raise InputError(f"{path}: the stream file lacks pending.{index}, the image of a pending frame")
+        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3 or 0 in image.shape:
+            raise InputError(f"{path}: pending.{index} is {image.dtype} {list(image.shape)}, not an RGB uint8 image "
+                             "[H, W, 3]")
+        images.append(image.numpy())
+    return images
 
 
 def _rgb_array(image: Any) -> np.ndarray:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, StateKVError
+from .errors import ConfigurationError, OutputError, StateKVError
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -61,6 +64,96 @@ def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ConfigurationError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
     return value
+
+
+def check_device(value: object, name: str = "device") -> str:
+    """``value`` if it names a device this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``...); else a
+    one-line error saying what is missing (no CUDA at all, or fewer devices than the index)."""
+    import torch
+
+    if not isinstance(value, (str, torch.device)):
+        raise ConfigurationError(f"{name} must be a device name such as cpu, cuda or cuda:1, got {value!r}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ConfigurationError(f"{name} {str(value)!r} is not a device name (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cpu":
+        return str(value)
+    backend = getattr(torch, device.type, None)
+    if device.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+    if backend is None or not hasattr(backend, "is_available"):
+        raise ConfigurationError(f"{name} {str(value)!r}: statekv runs on cpu, cuda or another accelerator "
+                                 f"torch can use, not {device.type}")
+    if not backend.is_available():
+        raise ConfigurationError(f"{name} {str(value)!r} is not available: this machine (torch {torch.__version__}) "
+                                 f"has no {device.type} device")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ConfigurationError(f"{name} {str(value)!r} does not exist: this machine has {count} {device.type} "
+                                 f"device{'s' if count != 1 else ''} ({device.type}:0"
+                                 f"{f' to {device.type}:{count - 1}' if count > 1 else ''})")
+    return str(value)
+
+
+def torch_dtype(value: object, name: str = "dtype"):
+    """A floating-point ``torch.dtype`` from itself or its name (``"bfloat16"``); None for None or ``"auto"``
+    (the checkpoint's own)."""
+    import torch
+
+    if value is None or value == "auto":
+        return None
+    resolved = value if isinstance(value, torch.dtype) else getattr(torch, value, None) if isinstance(value, str) \
+        else None
+    if not isinstance(resolved, torch.dtype):
+        raise ConfigurationError(f"unknown {name} {value!r}; use e.g. bfloat16, float16 or float32")
+    if not resolved.is_floating_point:
+        raise ConfigurationError(f"{name} must be a floating-point type (bfloat16, float16, float32), got {value!r}")
+    return resolved
+
+
+# output paths -----------------------------------------------------------------------------------------------
+def check_output_file(path: str | os.PathLike, name: str) -> Path:
+    """``path`` as a `Path` if a file can be written there (it may exist; missing folders are made when it is
+    written); else an `OutputError` saying why: it is a folder, or no file can be created where it would go.
+    Nothing is left behind by the check."""
+    path = Path(path).expanduser()
+    if str(path).endswith(os.sep) or path.is_dir():
+        raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
+    if path.exists() and not path.is_file():
+        raise OutputError(f"{name} {path} is not a regular file")
+    _check_creatable_in(path.parent, name, path)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{name} {path}: the file exists and is not writable")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, name: str) -> Path:
+    """``path`` as a `Path` if it is, or can be made, a folder where files can be written; else an `OutputError`
+    (it is a file, or nothing can be created there). Nothing is left behind by the check."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{name} {path} exists and is not a folder")
+    _check_creatable_in(path, name, path)
+    return path
+
+
+def _check_creatable_in(folder: Path, name: str, target: Path) -> None:
+    """Whether files can be created in ``folder`` (or, while it does not exist, in its nearest existing parent):
+    tried for real with a temporary file, since permissions alone do not tell (read-only mounts, root)."""
+    existing = folder
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"{name} {target}: {existing} is a file, so no folder can be made there")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise OutputError(f"{name} {target}: cannot write in {existing} ({reason})") from None
 
 
 # values given as text -----------------------------------------------------------------------------------------

@@ -63,8 +63,12 @@ def test_stream_asks_each_question_when_the_stream_reaches_its_time(files):
                   "--ask", "1.5:What now?", "--ask", "0:First?", "--ask", "99:At the end?", "--max-new-tokens", "2",
                   "--save", saved, "--json")
     assert result.returncode == 0, result.stderr
-    answers = json.loads(result.stdout)["answers"]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]  # each answer as made, then a summary
+    assert [line["event"] for line in lines] == ["answer"] * 3 + ["summary"]
+    answers = lines[-1]["answers"]
     assert [(a["time"], a["frames"]) for a in answers] == [(0.0, 1), (1.5, 2), (99.0, 5)]
+    assert [{k: v for k, v in line.items() if k != "event"} for line in lines[:3]] == answers
+    assert lines[-1]["saved"] == str(saved) and lines[-1]["save_error"] is None
     qa = statekv.VideoQA.from_pretrained(files["model"], method="recency", frames=2)
     assert statekv.Stream.load(saved, qa).frames == 5
 

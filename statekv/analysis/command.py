@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from statekv.console import quiet_libraries
-from statekv.values import POSITIVE_FLOAT, POSITIVE_INT
+from statekv.values import POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -65,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     from .accumulator import AnalysisSettings, AttentionStatistics, positive_integers
     from .runner import ApproximationErrors, measure_attention, stream_tokens
     from .video import video_steps
+
+    check_output_dir(args.out, "--out")  # before the model loads, not after the whole analysis
+    if args.device is not None:
+        check_device(args.device, "--device")
+    resolve_dtype(args.dtype)
 
     settings = AnalysisSettings(budgets=tuple(args.budgets), windows=tuple(args.recency),
                                 max_distance=args.max_distance, per_head=args.per_head)

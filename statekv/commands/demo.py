@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import statekv
 
+    statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before the built-in model is made
     quiet_libraries()
     model = args.model or str(demo_checkpoint())
     video = args.video or str(demo_video())

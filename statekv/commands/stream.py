@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import math
+import os
+import sys
+import tempfile
+from pathlib import Path
 
-from ..console import add_output_arguments, print_json, quiet_libraries
+from ..console import add_output_arguments, one_line, quiet_libraries
+from ..errors import OutputError, StateKVError
 from ..options import ModelOptions
-from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from ..user_cache import cache_dir
+from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -38,17 +46,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="frames kept per second of stream (default: 1)")
     parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
                         help="declare the stream for at most N frames (default: the video's length at --max-fps)")
-    parser.add_argument("--save", metavar="PATH", default=None,
-                        help="save the stream at the end (resume with statekv.Stream.load)")
-    add_output_arguments(parser)
+    parser.add_argument("--save", metavar="FILE", default=None,
+                        help="save the stream at the end, or when it stops early (resume with statekv.Stream.load); "
+                             "checked before the model loads")
+    add_output_arguments(parser, json_help="print one JSON object per line: each answer as it is made, then a "
+                                           "summary (stats, every answer, where the stream was saved)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..pipeline import VideoQA
-    from ..video import FrameDecodeError, open_video
+    from ..video import open_video
 
     options = ModelOptions.from_args(args)
+    save = check_output_file(args.save, "--save") if args.save else None  # before hours of encoding, not after
+    if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
+        raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
     quiet_libraries()
@@ -56,40 +69,97 @@ def run(args: argparse.Namespace) -> int:
     # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
     stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
                        vision_batch=args.vision_batch or 1)
-    questions = sorted(args.ask, key=lambda item: item[0])
-    results = []
-
-    def ask_due(now: float) -> None:
-        while questions and questions[0][0] <= now:
-            time, question = questions.pop(0)
-            answer = stream.ask(question, max_new_tokens=args.max_new_tokens)
-            results.append({"time": time, "frames": stream.frames, "tokens": stream.tokens,
-                            "question": question, "answer": answer})
-            if not args.json:
-                print(f"[{time:7.2f} s, {stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
-
+    replay = _Replay(args, options, stream, save)
     try:
-        for frame in video.sample_at_rate(args.max_fps):
+        replay.run(video, horizon)
+    except (Exception, KeyboardInterrupt) as error:
+        replay.stopped(error)
+        raise
+    replay.finish()
+    return 0
+
+
+class _Replay:
+    """A video replayed into ``stream``: answers printed as they are made, the stream saved (or rescued) at the
+    end or when something stops it, and a summary."""
+
+    def __init__(self, args: argparse.Namespace, options: ModelOptions, stream, save: Path | None):
+        self.args, self.options, self.stream, self.save = args, options, stream, save
+        self.questions = sorted(args.ask, key=lambda item: item[0])
+        self.answers: list[dict] = []
+
+    def run(self, video, horizon: int) -> None:
+        stream = self.stream
+        for frame in video.sample_at_rate(self.args.max_fps):
             if stream.frames:  # a question before the first frame waits for it
-                ask_due(frame.timestamp - 1e-9)
+                self.ask_due(frame.timestamp - 1e-9)
             if stream.frames + len(stream.pending) >= horizon:
                 break
             stream.push(frame)
-    except FrameDecodeError as error:
-        if args.save:  # keep what was streamed before the broken frame
-            stream.save(args.save)
-            error.args = (f"{error}; the {stream.frames} frames before it were saved to {args.save}",)
-        raise
-    stream.flush()
-    ask_due(math.inf)  # questions at or after the end see the whole video
-    if args.save:
-        stream.save(args.save)
-    if args.json:
-        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
-                    "frames_window": args.frames, "stats": stream.stats.to_dict(), "answers": results,
-                    "saved": args.save})
-    else:
-        print(f"\n{stream.frames} frames, {stream.tokens} tokens, {options.label}, carried "
-              f"{stream.stats.carried_tokens} tokens, {1e3 * stream.stats.mean_frame_seconds:.1f} ms per frame"
-              + (f"; saved to {args.save}" if args.save else ""))
-    return 0
+        stream.flush()
+        self.ask_due(math.inf)  # questions at or after the end see the whole video
+
+    def ask_due(self, now: float) -> None:
+        while self.questions and self.questions[0][0] <= now:
+            time, question = self.questions.pop(0)
+            answer = self.stream.ask(question, max_new_tokens=self.args.max_new_tokens)
+            self.answers.append({"time": time, "frames": self.stream.frames, "tokens": self.stream.tokens,
+                                 "question": question, "answer": answer})
+            if self.args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
+                print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
+            else:
+                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
+
+    def stopped(self, error: BaseException) -> None:
+        """Keep what was streamed before ``error`` (with --save) and say where, in its message or on stderr."""
+        where, problem = None, None
+        if self.save is not None:
+            try:
+                where, problem = save_or_rescue(self.stream, self.save)
+                kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
+                    f" (not to {self.save}: {problem})" if problem else "")
+            except OutputError as save_error:
+                kept = f"and the {self.stream.frames} frames streamed before it were lost: {one_line(save_error)}"
+            if isinstance(error, StateKVError):
+                error.args = (f"{one_line(error)}; {kept}",)
+            else:
+                print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
+        self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)
+
+    def finish(self) -> None:
+        where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
+        self.summary(where, problem)
+        if problem:
+            raise OutputError(f"could not save the stream to {self.save} ({problem}); it was saved to {where} "
+                              "instead")
+
+    def summary(self, where: Path | None, problem: str | None, error: str | None = None) -> None:
+        stats, args = self.stream.stats, self.args
+        if args.json:  # the last line, also when the stream stopped early
+            print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
+                              "budget": args.budget, "frames_window": args.frames, "label": self.options.label,
+                              "stats": stats.to_dict(), "answers": self.answers,
+                              "saved": None if where is None else str(where), "save_error": problem,
+                              "error": error}), flush=True)
+        elif error is None:
+            print(f"\n{self.stream.frames} frames, {self.stream.tokens} tokens, {self.options.label}, carried "
+                  f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
+                  + (f"; saved to {where}" if where else ""), flush=True)
+
+
+def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
+    """Save ``stream`` to ``target`` or, if that fails, to a rescue file; returns where it went and, when it is
+    not ``target``, why. Raises `OutputError` (naming every place tried) only when nothing could be written."""
+    try:
+        return stream.save(target), None
+    except OutputError as error:
+        problem = one_line(error).removeprefix(f"cannot save the stream to {target}: ")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"{target.stem}-{stamp}-{os.getpid()}{target.suffix or '.safetensors'}"
+    tried = []
+    for folder in (cache_dir() / "rescued", Path(tempfile.gettempdir())):
+        try:
+            return stream.save(folder / name), problem
+        except OutputError as error:
+            tried.append(one_line(error))
+    raise OutputError(f"could not save the stream to {target} ({problem}), nor to a rescue file ({'; '.join(tried)})")

@@ -43,6 +43,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .buffers import CarriedSlots, Ring, TokenBuffer
 from ..errors import InputError
+from ..values import check_int
+from .memory import CacheGeometry
 from .policies import Candidates, CarryPolicy
 
 
@@ -447,7 +449,8 @@ class TwoStateCache(Cache):
                          "window_starts": window_starts}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
-        """Install a state from :meth:`state_dict`; carried tensors go to ``device``."""
+        """Install a state from :meth:`state_dict` (checked first with `check_state_dict` by
+        `StreamingPrefill.load_state_dict`); carried tensors go to ``device``."""
         if len(metadata["window_starts"]) != len(self.layers):
             raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                              f"{len(self.layers)}")
@@ -480,6 +483,65 @@ class TwoStateCache(Cache):
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache
+
+
+def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry) -> None:
+    """Refuse (one-line `InputError`) a state that :meth:`TwoStateCache.state_dict` of a stream over a model of
+    ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
+    and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
+    and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
+    ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
+    if not isinstance(metadata, dict):
+        raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
+    for key in ("chunk_lengths", "seen_tokens", "window_starts"):
+        if key not in metadata:
+            raise InputError(f"the cache metadata lacks {key!r}")
+    lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
+    if not isinstance(lengths, list) or not isinstance(starts, list):
+        raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
+    for length in lengths:
+        check_int(length, "a saved step length", error=InputError)
+    seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
+    if seen != sum(lengths):
+        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
+    if len(starts) != geometry.layers:
+        raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
+    expected = {}
+    batch = None
+    for index, start in enumerate(starts):
+        prefix = f"layers.{index}."
+        if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
+                                           error=InputError) > seen:
+            raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
+        keys = tensors.get(prefix + "keys")
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            raise InputError(f"the saved state lacks {prefix}keys [B, H_kv, tokens, D]")
+        batch = keys.shape[0] if batch is None else batch
+        head = (batch, geometry.kv_heads)
+        expected[prefix + "keys"] = expected[prefix + "values"] = ((*head, seen, geometry.head_dim), geometry.dtype)
+        if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
+            expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
+        if start is None and seen:
+            carried = tensors.get(prefix + "carried_positions")
+            size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1
+            if not 0 <= size <= seen:
+                raise InputError(f"the saved state lacks {prefix}carried_positions [B, H_kv, K] with K <= {seen}")
+            expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
+                (*head, size, geometry.head_dim), geometry.dtype)
+            expected[prefix + "carried_positions"] = ((*head, size), torch.long)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
+    for name, (shape, dtype) in expected.items():
+        tensor = tensors.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"the saved state lacks {name} {list(shape)}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise InputError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}, expected "
+                             f"{str(dtype).removeprefix('torch.')} {list(shape)} for this model")
+        if name.endswith("carried_positions") and tensor.numel() and not (
+                int(tensor.min()) >= 0 and int(tensor.max()) < seen):
+            raise InputError(f"{name} holds positions outside the {seen} tokens saved")
 
 
 def _checked(selection: slice | torch.Tensor, candidates: Candidates) -> slice | torch.Tensor:

@@ -19,9 +19,10 @@ from transformers import AttentionInterface, DynamicCache
 
 from .answering import Retrieval
 from .attention import resolve_backend
-from .cache import TwoStateCache
+from .cache import TwoStateCache, check_state_dict
 from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
 from .graphs import StepGraphs
+from .memory import CacheGeometry, check_cache_fits
 from .policies import CarryPolicy
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
@@ -89,6 +90,9 @@ class StreamingPrefill:
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
         self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
+        self.geometry = cache_geometry(model)
+        if horizon is not None:  # the detailed buffers are sized for it up front
+            check_cache_fits(self.geometry, horizon, self.storage_device or self.device)
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device)
@@ -96,6 +100,7 @@ class StreamingPrefill:
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
         self._history: list[StepRecord] = []
+        self._closed = False
 
     @property
     def seen_tokens(self) -> int:
@@ -132,7 +137,9 @@ class StreamingPrefill:
         return self.cache.state_dict()
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
-        """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device)."""
+        """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
+        could not have written is refused with an `InputError` before anything changes."""
+        check_state_dict(tensors, metadata, self.geometry)
         self.cache.load_state_dict(tensors, metadata, self.device)
 
     @torch.no_grad()
@@ -148,6 +155,7 @@ class StreamingPrefill:
                 ``attention_mask`` is accepted only if it is all ones (plain causal attention).
         """
         chunk = self._check_chunk(inputs_embeds, input_ids)
+        _check_positions(position_ids, chunk, self.device)
         _check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
         if self.seen_tokens + chunk_len > self.horizon:
@@ -183,6 +191,11 @@ class StreamingPrefill:
         """
         from .decoding import generate_from_cache
 
+        self.check_open()
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids (the prompt) must be a tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() == 2:
+            self._check_ids(input_ids, "input_ids (the prompt)")
         return generate_from_cache(self, input_ids, retrieve=retrieve, **generate_kwargs)
 
     @property
@@ -192,7 +205,9 @@ class StreamingPrefill:
         return self.cache.peak_device_bytes
 
     def close(self) -> None:
-        """Give the model its own RoPE behaviour back (the frozen rotation stays until then, for decoding)."""
+        """Give the model its own RoPE behaviour back (the frozen rotation stays until then, for decoding); the
+        stream can no longer step or decode."""
+        self._closed = True
         if self.rope is not None:
             self.rope.restore()
             self.rope = None
@@ -230,8 +245,25 @@ class StreamingPrefill:
         self.cache.commit_device()
         return output.last_hidden_state
 
+    def _check_ids(self, input_ids: torch.Tensor, name: str) -> None:
+        """Token ids ``[B, T]``: integers within the vocabulary (reading them: a host sync)."""
+        if input_ids.dim() != 2:
+            raise InputError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int32):
+            raise InputError(f"{name} must be integer token ids, got {input_ids.dtype}")
+        vocab = self.config.vocab_size
+        if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+            raise InputError(f"{name} hold token ids outside the vocabulary [0, {vocab})")
+
+    def check_open(self) -> None:
+        """A one-line `InputError` once the stream is closed."""
+        if self._closed:
+            raise InputError("this stream was closed (its RoPE rotation given back to the model); it can no "
+                             "longer step or decode")
+
     def _check_chunk(self, inputs_embeds, input_ids) -> torch.Tensor:
         """The chunk's ``inputs_embeds [B, T, D]`` or ``input_ids [B, T]``, validated."""
+        self.check_open()
         if (inputs_embeds is None) == (input_ids is None):
             raise InputError("pass exactly one of inputs_embeds [B, T, D] or input_ids [B, T]")
         chunk = inputs_embeds if inputs_embeds is not None else input_ids
@@ -248,13 +280,7 @@ class StreamingPrefill:
                 raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
                                  f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
         else:
-            if input_ids.dim() != 2:
-                raise InputError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-            if input_ids.dtype not in (torch.long, torch.int32):
-                raise InputError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-            vocab = self.config.vocab_size
-            if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
-                raise InputError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+            self._check_ids(input_ids, "input_ids")
         if chunk.device != self.device:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
@@ -276,6 +302,27 @@ class StreamingPrefill:
         finally:
             _streaming.cache = None
             _set_language_attention(self.model, previous)
+
+
+def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
+    """What one token costs in the cache of ``model``'s language decoder (layers, KV heads, head dim, dtype)."""
+    decoder = _language_decoder(model)
+    return CacheGeometry.of(decoder.config, next(decoder.parameters()).dtype)
+
+
+def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device) -> None:
+    """Explicit RoPE positions must be integer ``[B, T]`` (or ``[3 or 4, B, T]``) on the model's device."""
+    if position_ids is None:
+        return
+    expected = f"[B, T] (or [3 or 4, B, T] for M-RoPE) with B={chunk.shape[0]}, T={chunk.shape[1]}"
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.long, torch.int32):
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise InputError(f"position_ids must be an integer tensor {expected}, got {got}")
+    if (position_ids.dim() not in (2, 3) or position_ids.shape[-1] != chunk.shape[1]
+            or position_ids.shape[-2] not in (1, chunk.shape[0])):
+        raise InputError(f"position_ids must be {expected}, got shape {tuple(position_ids.shape)}")
+    if position_ids.device != device:
+        raise InputError(f"position_ids are on {position_ids.device}, but the model is on {device}")
 
 
 def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:

@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+FAILED_RECORDS = 1  # exit status of a run that finished with questions left unanswered (unreadable videos)
 PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv.eval.parsing / prompts)
 BENCHMARK_HELP = {
     "videomme": "VideoMME without subtitles (2,700 questions, 900 videos)",
@@ -97,9 +98,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if score.get("missing"):
         line += f", {score['missing']} of {score['expected']} missing"
     print(line + f", {score['overall']['unparsable']} unparsable)")
-    if summary.get("errors"):
-        print(f"{len(summary['errors'])} video(s) could not be read; see {config.out}/errors.rank*.jsonl")
-    print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}")
+    print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}", flush=True)
+    errors = summary.get("errors") or []
+    if errors:  # the scores above are partial: say so, and end non-zero so no script takes them as complete
+        unanswered = len({qid for entry in errors for qid in entry["qids"]})
+        print(f"statekv eval: {unanswered} question(s) unanswered: {len(errors)} video(s) could not be read "
+              f"(errors logged in {config.out}/errors.rank*.jsonl); rerun the same command to retry them",
+              file=sys.stderr, flush=True)
+        return FAILED_RECORDS
     return 0
 
 
@@ -108,7 +114,10 @@ def run_table(args: argparse.Namespace) -> int:
     from statekv.eval.records import completed_qids
     from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
     from statekv.eval.runner import read_expected_qids
+    from statekv.values import check_output_file
 
+    if args.output:
+        check_output_file(args.output, "--output")
     for run_dir in args.runs:
         if not run_dir.is_dir():
             raise MissingFileError(f"no run directory {run_dir}")

@@ -81,8 +81,24 @@ class RankContext:
 
         self.connect()
         # a group someone else initialised (e.g. NCCL) gets a gloo side group for this one wait
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=BARRIER_TIMEOUT)
-        dist.barrier(group=group)
+        dist.barrier(group=self._gloo_group())
+
+    def share_from_main(self, value):
+        """Rank 0's ``value`` on every rank (``value`` itself in a single process); a small picklable object."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        self.connect()
+        objects = [value if self.is_main else None]
+        dist.broadcast_object_list(objects, src=0, group=self._gloo_group())
+        return objects[0]
+
+    def _gloo_group(self):
+        """None (the default group) when it runs gloo, else a gloo side group (waits without NCCL's watchdog)."""
+        import torch.distributed as dist
+
+        return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=BARRIER_TIMEOUT)
 
     def close(self) -> None:
         """Tear down the process group if `barrier` created it."""

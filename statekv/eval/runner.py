@@ -8,6 +8,7 @@
 The run directory ``out`` holds one (benchmark, model, method, budget) run::
 
     run.json                  the settings (a rerun with different ones is refused) and the question ids
+    run.lock                  held by the run going on (a second run on the folder is refused; `lock`)
     answers.rank000.jsonl     one line per answered question, flushed and fsynced (see `records`)
     errors.rank000.jsonl      videos that could not be read (their questions stay unanswered)
     answers.jsonl             rank 0's merge of the rank files, sorted by question id
@@ -37,6 +38,7 @@ from typing import Any
 from statekv.errors import ConfigurationError
 from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
+from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
@@ -44,9 +46,9 @@ from statekv.eval.questions import BENCHMARKS, Question
 from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids, rank_file
 from statekv.eval.report import paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
-from statekv.errors import VideoError
+from statekv.errors import OutputError, VideoError
 from statekv.options import ModelOptions
-from statekv.values import check_int
+from statekv.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_root", Path(self.data_root))
-        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "out", check_output_dir(self.out, "out (the run folder)"))
         if self.benchmark not in BENCHMARKS:
             raise ConfigurationError(f"unknown benchmark {self.benchmark!r}; choose one of {', '.join(BENCHMARKS)}")
         if not isinstance(self.options, ModelOptions) or self.options.model is None:
@@ -161,9 +163,11 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     every_question = load_questions(config)
     questions = every_question[: config.limit] if config.limit else every_question
     expected = [question.qid for question in questions]
-    check_run_file(config, expected, write=context.is_main)
+    lock = RunLock(config.out)
     try:
         context.connect()
+        _lock_for_every_rank(lock, context)
+        check_run_file(config, expected, write=context.is_main)
         done = completed_qids(config.out)
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
@@ -179,7 +183,22 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
             return None
         return finish(config, expected)
     finally:
+        lock.release()
         context.close()
+
+
+def _lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
+    """Rank 0 takes the run folder's lock; every rank of the launch stops if it could not (another run holds
+    it), so none of them repeats that run's work."""
+    refusal = None
+    if context.is_main:
+        try:
+            lock.acquire()
+        except OutputError as error:
+            refusal = str(error)
+    refusal = context.share_from_main(refusal)
+    if refusal is not None:
+        raise OutputError(refusal)
 
 
 def load_questions(config: EvalConfig) -> list[Question]:

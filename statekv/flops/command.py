@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from statekv.errors import ConfigurationError
+from statekv.values import NON_NEGATIVE_INT, POSITIVE_INT, check_output_dir
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 
@@ -24,17 +25,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME",
                         help=f"presets, or 'all' (default: {' '.join(DEFAULT_MODELS)}); known: {', '.join(PRESETS)}")
-    parser.add_argument("--budgets", nargs="*", type=int, default=[4096], metavar="B",
+    parser.add_argument("--budgets", nargs="*", type=POSITIVE_INT, default=[4096], metavar="B",
                         help="StateKV budgets in tokens (default: 4096)")
-    parser.add_argument("--recency", nargs="*", type=int, default=[16], metavar="R",
+    parser.add_argument("--recency", nargs="*", type=POSITIVE_INT, default=[16], metavar="R",
                         help="recency windows R in frames (Qwen3-VL carries ceil(R/2) 2-frame steps, as in "
                              "evaluation) (default: 16)")
-    parser.add_argument("--rekv", nargs="*", type=int, default=[], metavar="R",
+    parser.add_argument("--rekv", nargs="*", type=POSITIVE_INT, default=[], metavar="R",
                         help="ReKV windows R in frames to add (its sinks and window while encoding)")
-    parser.add_argument("--retrieve", type=int, default=64, metavar="K",
+    parser.add_argument("--retrieve", type=POSITIVE_INT, default=64, metavar="K",
                         help="frames retrieved per question, for the cost of answering (default: 64, ReKV's)")
-    parser.add_argument("--frames", type=int, default=512, help="horizon in frames (default: 512)")
-    parser.add_argument("--at", nargs="+", type=int, metavar="N",
+    parser.add_argument("--frames", type=POSITIVE_INT, default=512, help="horizon in frames (default: 512)")
+    parser.add_argument("--at", nargs="+", type=POSITIVE_INT, metavar="N",
                         help="frame numbers to tabulate (default: 1, 64 and the horizon)")
     parser.add_argument("--score", choices=SCORE_PASSES, default="eager",
                         help="StateKV score pass: eager (free: sums existing probabilities) or recompute (QK^T again)")
@@ -43,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write flops_vs_frames.png and compute_accuracy_frontier.png into DIR")
     parser.add_argument("--benchmark", choices=BENCHMARKS, default="videomme",
                         help="accuracies for the frontier figure (default: videomme)")
-    parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
+    parser.add_argument("--measure", type=NON_NEGATIVE_INT, default=0, metavar="STEPS",
                         help="also count the first STEPS steps through the real code on meta tensors and compare")
     parser.set_defaults(run=run)
 
@@ -53,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from .presets import PRESETS
 
     models = list(PRESETS) if args.models == ["all"] else args.models
-    if args.frames <= 0:
-        raise ConfigurationError(f"--frames must be positive, got {args.frames}")
+    if args.plot:
+        check_output_dir(args.plot, "--plot")
     at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:

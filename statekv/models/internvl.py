@@ -61,10 +61,11 @@ class InternVLAdapter(VideoAdapter):
                         device: str | torch.device | None = None, trust_remote_code: bool = False,
                         **model_kwargs: Any) -> "InternVLAdapter":
         layout = cls.check_layout(layout)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype or "auto", **model_kwargs)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype or "auto",
+                                                            trust_remote_code=trust_remote_code, **model_kwargs)
         if device is not None:
             model = model.to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         mean, std = normalisation(path, default=(IMAGENET_MEAN, IMAGENET_STD))
         return cls(model, tokenizer, layout=layout, image_size=square_side(model.config.vision_config.image_size),
                    image_mean=mean, image_std=std)

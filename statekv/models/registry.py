@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import PretrainedConfig
 
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, StateKVError, UnsupportedModelError
 from .base import VideoAdapter
 
 _ADAPTERS: dict[str, type[VideoAdapter]] = {}
@@ -62,7 +64,12 @@ def load_adapter(path: str | Path, **kwargs) -> VideoAdapter:
             f"{path} ships its own modelling code ({adapter.family}); pass trust_remote_code=True "
             "(--trust-remote-code) if you trust it"
         )
-    return adapter.from_pretrained(path, **kwargs)
+    try:
+        return adapter.from_pretrained(path, **kwargs)
+    except StateKVError:
+        raise
+    except (OSError, json.JSONDecodeError, SafetensorError) as error:  # missing, unreadable or corrupt files
+        raise InputError(f"cannot load {path}: {str(error).strip().splitlines()[0]}") from None
 
 
 def _looks_like_a_path(name: str) -> bool:

@@ -1,0 +1,259 @@
+"""The file a `Stream` is saved to: safetensors tensors and JSON metadata, every part verified before it is used.
+
+Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two strings:
+
+    statekv          the stream's metadata as JSON (fields: `SCHEMA`)
+    statekv_sha256   the SHA-256 of that JSON text
+
+and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
+with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
+settings (``engine``). `read_verified` checks the header, the checksums and the schema, and `check_schema` every
+field's presence, type and range, so a damaged or hand-edited file is refused with one line before anything is
+built from it. Format 1 (written before verification existed) is refused with a message saying so.
+
+A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .encoded import EncodingStats
+from .errors import InputError, OutputError
+from .models import LayoutState
+from .values import check_int, check_output_file
+
+FORMAT = "statekv-stream"
+FORMAT_VERSION = 2
+FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
+
+Check = Callable[[Any, str], Any]
+
+
+# -- checksums and fingerprints ---------------------------------------------------------------------------------
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes (row-major; the dtype and shape are checked apart)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A SHA-256 over every parameter's name, shape, dtype and `FINGERPRINT_SAMPLES` evenly spaced elements.
+
+    Two checkpoints of one architecture (a fine-tune, another size's sibling) differ in almost every element of
+    their trained matrices, so the samples tell them apart; reading a few hundred bytes per tensor keeps it
+    cheap for an 8B model (milliseconds). Independent of the device the weights are on."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype};".encode())
+        if parameter.device.type == "meta":
+            continue
+        flat = parameter.detach().reshape(-1)
+        if flat.numel() > FINGERPRINT_SAMPLES:
+            index = torch.arange(FINGERPRINT_SAMPLES) * flat.numel() // FINGERPRINT_SAMPLES
+            flat = flat.index_select(0, index.to(flat.device))
+        digest.update(tensor_sha256(flat.to("cpu")).encode())
+    return digest.hexdigest()
+
+
+# -- writing and reading --------------------------------------------------------------------------------------
+def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """Write ``tensors`` and ``metadata`` (with the tensors' checksums added) to ``path`` through a ``.partial``
+    file beside it; an `OutputError` naming the reason when it cannot be written (nothing is left behind)."""
+    path = check_output_file(path, "stream file")
+    on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
+    text = json.dumps(metadata, allow_nan=False)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
+        os.replace(partial, path)
+    except (OSError, SafetensorError) as error:
+        partial.unlink(missing_ok=True)
+        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}") from None
+    return path
+
+
+def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a stream file, once the header, every tensor's checksum and the schema
+    (`check_schema`) are verified; a one-line `InputError` naming the first problem otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such saved stream")
+    try:
+        with safe_open(str(path), "pt") as handle:
+            header = handle.metadata() or {}
+            text = header.get("statekv")
+            if not isinstance(text, str):
+                raise InputError(f"{path}: not a saved statekv stream (no statekv metadata)")
+            metadata = json.loads(text)
+            _check_format(path, metadata)
+            if header.get("statekv_sha256") != _sha256(text):
+                raise InputError(f"{path}: the stream's metadata is corrupt (its checksum does not match)")
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        if isinstance(error, InputError):
+            raise
+        raise InputError(f"{path}: not a saved statekv stream ({_reason(error)})") from None
+    check_schema(metadata, where=str(path))
+    checksums = metadata["checksums"]
+    missing, unlisted = sorted(set(checksums) - set(tensors)), sorted(set(tensors) - set(checksums))
+    if missing or unlisted:
+        what = f"lacks tensor {missing[0]}" if missing else f"holds a tensor it does not list, {unlisted[0]}"
+        raise InputError(f"{path}: the stream file {what}")
+    for name, tensor in tensors.items():
+        if tensor_sha256(tensor) != checksums[name]:
+            raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
+                             "damaged after it was saved")
+    return metadata, tensors
+
+
+def _check_format(path: Path, metadata: Any) -> None:
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise InputError(f"{path}: not a saved statekv stream")
+    version = metadata.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InputError(f"{path}: malformed stream metadata: no format version (got {version!r})")
+    if version == 1:
+        raise InputError(f"{path}: saved in stream format 1 by an earlier statekv, which records no checksums or "
+                         f"weights fingerprint, so it cannot be verified; this statekv reads format "
+                         f"{FORMAT_VERSION}: encode the video again")
+    if version != FORMAT_VERSION:
+        raise InputError(f"{path}: saved in stream format {version!r}; this statekv reads format {FORMAT_VERSION}")
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _reason(error: BaseException) -> str:
+    text = getattr(error, "strerror", None) or str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+# -- the schema -----------------------------------------------------------------------------------------------
+def _integer(minimum: int = 0) -> Check:
+    return lambda value, name: check_int(value, name, minimum=minimum, error=InputError)
+
+
+def _number(*, positive: bool = False) -> Check:
+    def check(value: Any, name: str) -> float:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0 or (positive and value == 0)):
+            raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+        return value
+    return check
+
+
+def _of_type(kind: type, description: str) -> Check:
+    def check(value: Any, name: str) -> Any:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InputError(f"{name} must be {description}, got {value!r}"[:200])
+        return value
+    return check
+
+
+def _optional(check: Check) -> Check:
+    return lambda value, name: None if value is None else check(value, name)
+
+
+def _list_of(check: Check, *, length: int | None = None) -> Check:
+    def check_list(value: Any, name: str) -> list:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            size = f" of {length}" if length is not None else ""
+            raise InputError(f"{name} must be a list{size}, got {value!r}"[:200])
+        return [check(item, f"{name}[{index}]") for index, item in enumerate(value)]
+    return check_list
+
+
+def _record(fields: Mapping[str, Check]) -> Check:
+    """A JSON object with exactly ``fields``, each checked."""
+    def check(value: Any, name: str) -> dict:
+        if not isinstance(value, dict):
+            raise InputError(f"{name} must be an object, got {value!r}"[:200])
+        missing = [key for key in fields if key not in value]
+        unknown = [key for key in value if key not in fields]
+        if missing or unknown:
+            raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
+        return {key: fields[key](value[key], f"{name}.{key}") for key in fields}
+    return check
+
+
+def _dataclass_record(cls: type) -> Check:
+    """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
+    mappings."""
+    checks: dict[str, Check] = {}
+    for field in dataclasses.fields(cls):
+        factory = field.default_factory
+        if factory is list:
+            checks[field.name] = _list_of(_number())
+        elif factory is dict:
+            checks[field.name] = _of_type(dict, "an object")
+        elif field.default is None:
+            checks[field.name] = _optional(_integer())
+        else:
+            checks[field.name] = _integer()
+    return _record(checks)
+
+
+TEXT = _of_type(str, "a string")
+BOOLEAN = _of_type(bool, "true or false")
+
+SCHEMA = _record({
+    "format": TEXT, "version": _integer(1), "name": TEXT,
+    "model": _record({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
+                      "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
+    "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
+                       "cuda_graph": BOOLEAN, "reserve_tokens": _integer(1)}),
+    "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
+    "prefix_tokens": _integer(0), "vision_batch": _integer(1),
+    "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
+    "pending": _list_of(_list_of(_number(), length=2)),
+    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats),
+    "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
+                      "window_starts": _list_of(_optional(_integer(0)))}),
+    "checksums": _of_type(dict, "an object"),
+})
+
+
+def check_schema(metadata: dict[str, Any], *, where: str) -> None:
+    """Every field of `SCHEMA` present with its type and range, and the counts consistent with each other."""
+    try:
+        SCHEMA(metadata, "metadata")
+        for name, checksum in metadata["checksums"].items():
+            TEXT(checksum, f"metadata.checksums[{name!r}]")
+        _check_counts(metadata)
+    except InputError as error:
+        raise InputError(f"{where}: malformed stream metadata: {error}") from None
+
+
+def _check_counts(metadata: dict[str, Any]) -> None:
+    state, stats, cache = metadata["state"], metadata["stats"], metadata["cache"]
+    seen, kept = cache["seen_tokens"], state["frames"] + len(metadata["pending"])
+    agreements = {"state.tokens": (state["tokens"], seen), "stats.tokens": (stats["tokens"], seen),
+                  "stats.frames": (stats["frames"], state["frames"]),
+                  "stats.chunks": (stats["chunks"], len(cache["chunk_lengths"])),
+                  "cache.seen_tokens": (seen, sum(cache["chunk_lengths"]))}
+    for name, (value, expected) in agreements.items():
+        if value != expected:
+            raise InputError(f"{name} is {value}, inconsistent with the rest ({expected})")
+    if kept > metadata["pushed"]:
+        raise InputError(f"pushed is {metadata['pushed']}, fewer than the {kept} frames kept")
+    if kept > metadata["horizon_frames"]:
+        raise InputError(f"horizon_frames is {metadata['horizon_frames']}, fewer than the {kept} frames kept")
+    if seen > metadata["horizon"]:
+        raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
+    if metadata["prefix_tokens"] > seen:
+        raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")

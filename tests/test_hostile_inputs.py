@@ -1,0 +1,646 @@
+"""What a hostile or careless user can throw at statekv: every bad input is one line (a `StateKVError`; the command
+line exits 2), nothing is silently wrong, and no encoded video is lost.
+
+Sections: the command line (refused before any model loads, then after), work kept when a stream stops or
+cannot be saved, the Python API and the engine's inputs, saved streams (damaged, hand-edited, foreign), and
+evaluation runs (failed records, a second run on the same folder). Everything shares one tiny InternVL
+checkpoint and runs in this process unless a real second process matters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import statekv
+from bad_videos import cut_after_header
+from statekv import Stream
+from statekv.cli import main
+from statekv.core import rope as rotary
+from statekv.errors import OutputError
+from statekv.eval.fabricate import write_mini_videomme
+from statekv.eval.lock import RunLock
+from statekv.eval.runner import EvalConfig, _lock_for_every_rank, run_evaluation
+from statekv.stream_file import write_verified
+from statekv.tiny import make_tiny_checkpoint, write_test_video
+
+UNWRITABLE = "/sys/statekv-hostile/x.safetensors"  # not even root can create files in sysfs
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    (root / "folder").mkdir()
+    (root / "notes.txt").write_text("not a video, not a checkpoint")
+    data = root / "data"
+    write_mini_videomme(data, videos=2, seconds=3)
+    return {
+        "root": root, "folder": root / "folder", "file": root / "notes.txt", "data": data,
+        "model": make_tiny_checkpoint("internvl", root / "internvl"),
+        "video": write_test_video(root / "clip.mp4", frames=40, fps=8),  # 5 s
+    }
+
+
+@pytest.fixture(scope="module")
+def qa(files):
+    return statekv.VideoQA.from_pretrained(files["model"], budget=20, attention="eager", reserve_tokens=64)
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _cli(capsys, argv) -> tuple[int, str, str]:
+    """``statekv ARGV`` in this process: (exit status, stdout, stderr)."""
+    try:
+        code = main([str(arg) for arg in argv])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails the test if any command gets as far as loading a model's weights."""
+    from statekv.models.registry import _ADAPTERS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    for adapter in set(_ADAPTERS.values()):
+        monkeypatch.setattr(adapter, "from_pretrained", refuse)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line: refused before any model is loaded or any frame decoded
+# ---------------------------------------------------------------------------------------------------------------
+ANSWER = ["answer", "{video}", "What is shown?", "--model", "{model}"]
+STREAM = ["stream", "{video}", "--ask", "1:Why?", "--model", "{model}"]
+EVAL = ["eval", "videomme", "--model", "{model}", "--data-root", "{data}", "--no-progress"]
+BEFORE_LOADING = {
+    "max-fps inf": (ANSWER + ["--max-fps", "inf"], "expected a positive number, got 'inf'"),
+    "max-fps nan": (ANSWER + ["--max-fps", "nan"], "expected a positive number, got 'nan'"),
+    "max-fps negative": (ANSWER + ["--max-fps=-1"], "expected a positive number"),
+    "max-frames 0": (ANSWER + ["--max-frames", "0"], "expected a positive integer, got '0'"),
+    "budget 0": (ANSWER + ["--budget", "0"], "expected a positive integer"),
+    "budget fraction": (ANSWER + ["--budget", "1.5"], "expected a positive integer, got '1.5'"),
+    "frames negative": (ANSWER + ["--frames=-2"], "expected a positive integer"),
+    "sinks negative": (ANSWER + ["--sinks=-1"], "expected a non-negative integer"),
+    "retrieve 0": (ANSWER + ["--retrieve", "0"], "expected a positive integer"),
+    "vision-batch 0": (ANSWER + ["--vision-batch", "0"], "expected a positive integer"),
+    "reserve-tokens 0": (ANSWER + ["--reserve-tokens", "0"], "expected a positive integer"),
+    "max-new-tokens 0": (ANSWER + ["--max-new-tokens", "0"], "expected a positive integer"),
+    "unknown method": (ANSWER + ["--method", "sliding"], "invalid choice: 'sliding'"),
+    "unknown attention": (ANSWER + ["--attention", "flash"], "invalid choice: 'flash'"),
+    "device that does not exist": (ANSWER + ["--device", "cuda:3"], "'cuda:3'"),
+    "device that is not one": (ANSWER + ["--device", "gpu"], "'gpu' is not a device name"),
+    "meta device": (ANSWER + ["--device", "meta"], "not meta"),
+    "integer dtype": (ANSWER + ["--dtype", "int8"], "must be a floating-point type"),
+    "unknown dtype": (ANSWER + ["--dtype", "float17"], "unknown dtype 'float17'"),
+    "empty question": (["answer", "{video}", "  ", "--model", "{model}"], "a question is empty"),
+    "missing video": (["answer", "{root}/missing.mp4", "Why?", "--model", "{model}"], "no such file"),
+    "text file as video": (["answer", "{file}", "Why?", "--model", "{model}"], "not a readable video file"),
+    "stream save to a folder": (STREAM + ["--save", "{folder}"], "names a folder"),
+    "stream save unwritable": (STREAM + ["--save", UNWRITABLE], "cannot write in /sys"),
+    "stream save under a file": (STREAM + ["--save", "{file}/x.safetensors"], "is a file, so no folder"),
+    "stream ask without time": (["stream", "{video}", "--ask", "soon:Why?", "--model", "{model}"], "SECONDS:QUESTION"),
+    "stream ask at infinity": (["stream", "{video}", "--ask", "inf:Why?", "--model", "{model}"], "SECONDS:QUESTION"),
+    "stream ask nothing": (["stream", "{video}", "--ask", "3:", "--model", "{model}"], "SECONDS:QUESTION"),
+    "stream max-frames 0": (STREAM + ["--max-frames", "0"], "expected a positive integer"),
+    "stream save over the video": (STREAM + ["--save", "{video}"], "is the video itself"),
+    "analyze out is a file": (["analyze", "{video}", "--model", "{model}", "--out", "{file}"], "is not a folder"),
+    "analyze out unwritable": (["analyze", "{video}", "--model", "{model}", "--out", UNWRITABLE],
+                               "cannot write in /sys"),
+    "analyze device": (["analyze", "{video}", "--model", "{model}", "--out", "{root}/a", "--device", "cuda:3"],
+                       "'cuda:3'"),
+    "eval out is a file": (EVAL + ["--out", "{file}"], "is not a folder"),
+    "eval device": (EVAL + ["--out", "{root}/e", "--device", "cuda:3"], "'cuda:3'"),
+    "eval limit 0": (EVAL + ["--out", "{root}/e", "--limit", "0"], "expected a positive integer"),
+    "eval table output folder": (["eval", "table", "{root}", "--output", "{folder}"], "names a folder"),
+    "eval table missing run": (["eval", "table", "{root}/no-run"], "no run directory"),
+    "demo device": (["demo", "--device", "cuda:3"], "'cuda:3'"),
+    "demo dtype": (["demo", "--dtype", "nope"], "unknown dtype 'nope'"),
+    "flops frames 0": (["flops", "--frames", "0"], "expected a positive integer"),
+    "flops budget 0": (["flops", "--budgets", "0"], "expected a positive integer"),
+    "flops plot into a file": (["flops", "--plot", "{file}"], "is not a folder"),
+    "missing checkpoint": (["answer", "{video}", "Why?", "--model", "{root}/no-model"], "no such checkpoint folder"),
+    "checkpoint is a file": (["answer", "{video}", "Why?", "--model", "{file}"], "must be a folder"),
+    "checkpoint without config": (["answer", "{video}", "Why?", "--model", "{folder}"], "no config.json"),
+}
+
+
+@pytest.mark.parametrize("case", BEFORE_LOADING)
+def test_bad_command_lines_are_refused_before_any_model_loads(case, files, capsys, no_model_loads):
+    argv, phrase = BEFORE_LOADING[case]
+    if "cuda:3" in argv and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")
+    code, out, err = _cli(capsys, [arg.format(**files) for arg in argv])
+    assert code == 2 and not out
+    assert phrase in _one_line(err)
+    assert not list(files["root"].glob("*.partial")) and not list(files["folder"].iterdir())
+
+
+def _broken_checkpoint(files, name: str, damage) -> Path:
+    folder = files["root"] / name
+    if not folder.exists():
+        folder.mkdir()
+        for item in files["model"].iterdir():
+            (folder / item.name).write_bytes(item.read_bytes())
+        damage(folder)
+    return folder
+
+
+def _half_the_weights(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+AFTER_LOADING = {
+    "horizon too large for memory": (STREAM + ["--max-frames", "100000000"], "GiB of detailed cache"),
+    "no room for the question": (ANSWER + ["--reserve-tokens", "1"], "do not fit"),
+    "answer longer than the room": (ANSWER + ["--max-new-tokens", "100000"], "do not fit"),
+    "unknown layout": (ANSWER + ["--layout", "weird"], "no prompt layout 'weird'"),
+    "checkpoint without weights": (["answer", "{video}", "Why?", "--model", "@no-weights"], "cannot load"),
+    "checkpoint with cut weights": (["answer", "{video}", "Why?", "--model", "@cut-weights"], "cannot load"),
+    "checkpoint with broken json": (["answer", "{video}", "Why?", "--model", "@bad-json"], "cannot load"),
+}
+DAMAGES = {"@no-weights": lambda folder: (folder / "model.safetensors").unlink(),
+           "@cut-weights": _half_the_weights,
+           "@bad-json": lambda folder: (folder / "tokenizer_config.json").write_text("{oops")}
+
+
+@pytest.mark.parametrize("case", AFTER_LOADING)
+def test_bad_command_lines_found_at_loading_or_planning_are_one_line(case, files, capsys):
+    argv, phrase = AFTER_LOADING[case]
+    argv = [str(_broken_checkpoint(files, arg[1:], DAMAGES[arg])) if arg in DAMAGES else arg.format(**files)
+            for arg in argv]
+    code, out, err = _cli(capsys, argv)
+    assert code == 2 and phrase in _one_line(err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# No encode is ever lost
+# ---------------------------------------------------------------------------------------------------------------
+def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, capsys, tmp_path):
+    saved = tmp_path / "deep" / "er" / "s.safetensors"
+    code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
+                                   "--ask", "1:First?", "--ask", "3:Then?", "--max-new-tokens", "2",
+                                   "--save", saved, "--json"])
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["event"] for line in lines] == ["answer", "answer", "summary"]
+    assert [(line["time"], line["frames"]) for line in lines[:2]] == [(1.0, 2), (3.0, 4)]
+    assert lines[-1]["saved"] == str(saved) and lines[-1]["stats"]["frames"] == 5
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["s.safetensors"]  # no .partial left
+
+
+def test_a_save_that_fails_at_the_end_is_rescued_and_said(files, capsys, tmp_path, monkeypatch, qa):
+    target = tmp_path / "out" / "talk.safetensors"
+    target.parent.mkdir()
+    import statekv.stream_file as stream_file
+
+    real_save = stream_file.save_file
+
+    def disk_full_there(tensors, filename, metadata=None):
+        if Path(filename).parent == target.parent:
+            raise OSError(28, "No space left on device")
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(stream_file, "save_file", disk_full_there)
+    monkeypatch.setenv("STATEKV_CACHE", str(tmp_path / "cache"))
+    code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
+                                   "--ask", "2:Why?", "--max-new-tokens", "2", "--save", target, "--json"])
+    line = _one_line(err)
+    assert code == 2 and f"could not save the stream to {target} (No space left on device)" in line
+    rescued = Path(line.rsplit("saved to ", 1)[1].removesuffix(" instead"))
+    assert rescued.parent == tmp_path / "cache" / "rescued" and not list(target.parent.iterdir())
+    lines = [json.loads(text) for text in out.splitlines()]
+    assert lines[0]["event"] == "answer" and lines[-1]["save_error"] == "No space left on device"
+    resumed = Stream.load(rescued, qa)
+    assert resumed.frames == 5 and resumed.tokens == lines[-1]["stats"]["tokens"]
+    resumed.close()
+
+
+def test_a_frame_that_cannot_be_decoded_keeps_the_frames_before_it(files, capsys, tmp_path, qa):
+    video = cut_after_header(tmp_path)
+    saved = tmp_path / "kept.safetensors"
+    code, out, err = _cli(capsys, ["stream", video, "--model", files["model"], "--budget", "20", "--max-fps", "10",
+                                   "--ask", "0.2:Why?", "--max-new-tokens", "2", "--save", saved, "--json"])
+    line = _one_line(err)
+    assert code == 2 and "cannot be decoded" in line and f"frames streamed before it were saved to {saved}" in line
+    answer, summary = [json.loads(text) for text in out.splitlines()]  # the answer came before the failure
+    assert answer["event"] == "answer" and summary["event"] == "summary" and summary["saved"] == str(saved)
+    assert summary["error"] == line.removeprefix("statekv stream: error: ")
+    resumed = Stream.load(saved, qa)
+    assert resumed.frames == summary["stats"]["frames"] > answer["frames"]
+    resumed.close()
+
+
+def test_ctrl_c_while_streaming_saves_what_was_streamed(files, capsys, tmp_path, monkeypatch, qa):
+    real_push, pushes = Stream.push, []
+
+    def push_then_interrupt(self, *args, **kwargs):
+        pushes.append(1)
+        if len(pushes) == 3:
+            raise KeyboardInterrupt
+        return real_push(self, *args, **kwargs)
+
+    monkeypatch.setattr(Stream, "push", push_then_interrupt)
+    saved = tmp_path / "interrupted.safetensors"
+    code, _, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
+                                 "--ask", "4:Why?", "--save", saved])
+    assert code == 130 and f"the 2 frames streamed before it were saved to {saved}" in err
+    assert err.strip().splitlines()[-1] == "statekv stream: interrupted"
+    monkeypatch.undo()
+    resumed = Stream.load(saved, qa)
+    assert resumed.frames == 2
+    resumed.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Python API and the engine's inputs
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stream(qa):
+    live = qa.stream(horizon_frames=4)
+    live.push(_frames(1)[0], 0.0)
+    return live
+
+
+def _api_cases():
+    frames = _frames(2)
+    ids = torch.tensor([[1, 2]])
+    return {
+        "encode max_fps inf": (lambda qa, s: qa.encode(frames, max_fps=math.inf), statekv.InputError, "max_fps"),
+        "encode max_fps nan": (lambda qa, s: qa.encode(frames, max_fps=math.nan), statekv.InputError, "max_fps"),
+        "encode max_frames True": (lambda qa, s: qa.encode(frames, max_frames=True), statekv.InputError, "max_frames"),
+        "encode float frames": (lambda qa, s: qa.encode(frames.astype(np.float32)), statekv.StateKVError, "uint8"),
+        "encode no frames": (lambda qa, s: qa.encode(frames[:0]), statekv.StateKVError, "no frames"),
+        "encode None": (lambda qa, s: qa.encode(None), statekv.StateKVError, "unsupported video source"),
+        "answer without question": (lambda qa, s: qa.answer(frames, []), statekv.InputError, "no question"),
+        "answer a number": (lambda qa, s: qa.answer(frames, ["Why?", 3]), statekv.InputError, "empty"),
+        "stream horizon True": (lambda qa, s: qa.stream(horizon_frames=True), statekv.InputError, "horizon_frames"),
+        "stream horizon beyond memory": (lambda qa, s: qa.stream(horizon_frames=10**9), statekv.HorizonError,
+                                         "GiB of detailed cache"),
+        "stream vision_batch 0": (lambda qa, s: qa.stream(2, vision_batch=0), statekv.ConfigurationError,
+                                  "vision_batch"),
+        "push a float image": (lambda qa, s: s.push(frames.astype(float)[0], 5.0), statekv.InputError, "RGB uint8"),
+        "push a file name": (lambda qa, s: s.push("frame.png", 5.0), statekv.InputError, "RGB uint8"),
+        "push at nan seconds": (lambda qa, s: s.push(frames[0], math.nan), statekv.InputError, "timestamp"),
+        "push back in time": (lambda qa, s: s.push(frames[0], -1.0), statekv.InputError, "non-decreasing"),
+        "ask nothing": (lambda qa, s: s.ask("  "), statekv.InputError, "empty"),
+        "ask None": (lambda qa, s: s.ask(None), statekv.InputError, "empty"),
+        "ask too long an answer": (lambda qa, s: s.ask("Why?", max_new_tokens=10**6), statekv.HorizonError,
+                                   "do not fit"),
+        "ask retrieve 0": (lambda qa, s: s.ask("Why?", retrieve=0), statekv.ConfigurationError, "retrieve"),
+        "ask max_new_tokens 0": (lambda qa, s: s.ask("Why?", max_new_tokens=0), statekv.ConfigurationError,
+                                 "max_new_tokens"),
+        "save into a folder": (lambda qa, s: s.save(Path(".")), OutputError, "names a folder"),
+        "save unwritable": (lambda qa, s: s.save(UNWRITABLE), OutputError, "cannot write"),
+        "load a string flag": (lambda qa, s: Stream.load("x", qa, allow_other_weights="yes"),
+                               statekv.ConfigurationError, "allow_other_weights"),
+        "misspelt option": (lambda qa, s: qa.with_options(bugdet=3), statekv.ConfigurationError, "'bugdet'"),
+        "options budget text": (lambda qa, s: statekv.ModelOptions(budget="12"), statekv.ConfigurationError,
+                                "budget"),
+        "options offload maybe": (lambda qa, s: statekv.ModelOptions.from_strings({"offload": "maybe"}),
+                                  statekv.ConfigurationError, "offload"),
+        "options device": (lambda qa, s: statekv.ModelOptions(device="cuda:7"), statekv.ConfigurationError,
+                           "'cuda:7'"),
+        "step float64 embeddings": (lambda qa, s: s.prefill.step(torch.zeros(1, 2, 64, dtype=torch.float64)),
+                                    statekv.InputError, "float64"),
+        "step embeddings on another device": (lambda qa, s: s.prefill.step(torch.zeros(1, 2, 64, device="meta")),
+                                              statekv.InputError, "is on meta"),
+        "step ids outside the vocabulary": (lambda qa, s: s.prefill.step(input_ids=torch.tensor([[10**6]])),
+                                            statekv.InputError, "outside the vocabulary"),
+        "step float ids": (lambda qa, s: s.prefill.step(input_ids=ids.float()), statekv.InputError, "integer"),
+        "step positions of another length": (lambda qa, s: s.prefill.step(
+            input_ids=ids, position_ids=torch.tensor([[0, 1, 2]])), statekv.InputError, "position_ids"),
+        "step float positions": (lambda qa, s: s.prefill.step(input_ids=ids, position_ids=ids.float()),
+                                 statekv.InputError, "position_ids"),
+        "step a padding mask": (lambda qa, s: s.prefill.step(input_ids=ids, attention_mask=torch.tensor([[0, 1]])),
+                                statekv.InputError, "attention mask"),
+        "step a numpy array": (lambda qa, s: s.prefill.step(np.zeros((1, 2, 64), np.float32)), statekv.InputError,
+                               "tensor"),
+        "generate ids outside the vocabulary": (lambda qa, s: s.prefill.generate(torch.tensor([[10**6]])),
+                                                statekv.InputError, "outside the vocabulary"),
+        "generate float ids": (lambda qa, s: s.prefill.generate(ids.float()), statekv.InputError, "integer"),
+        "prefill horizon beyond memory": (lambda qa, s: statekv.StreamingPrefill(
+            qa.adapter.model, statekv.StateKV(budget=4), horizon=10**12), statekv.HorizonError, "GiB"),
+    }
+
+
+API_CASES = _api_cases()
+
+
+@pytest.mark.parametrize("case", API_CASES)
+def test_bad_python_calls_raise_one_line_errors_and_change_nothing(case, qa, stream):
+    call, error, phrase = API_CASES[case]
+    before = (stream.frames, stream.tokens, stream.pushed, [t.clone() for t in stream.prefill.carried(0)])
+    with pytest.raises(error, match=None) as info:
+        call(qa, stream)
+    assert isinstance(info.value, statekv.StateKVError) and phrase in str(info.value)
+    assert "\n" not in str(info.value)
+    after = (stream.frames, stream.tokens, stream.pushed, stream.prefill.carried(0))
+    assert before[:3] == after[:3] and all(torch.equal(a, b) for a, b in zip(before[3], after[3]))
+
+
+def test_a_misspelt_option_is_named_before_it_reaches_the_model(files):
+    with pytest.raises(statekv.ConfigurationError, match="unknown option 'bugdet'"):
+        statekv.VideoQA.from_pretrained(files["model"], bugdet=3)
+
+
+def test_a_closed_stream_refuses_to_answer_or_continue(qa):
+    closed = qa.stream(horizon_frames=3)
+    closed.push(_frames(1)[0], 0.0)
+    closed.close()
+    for attempt in (lambda: closed.ask("Why?"), lambda: closed.push(_frames(1)[0], 1.0)):
+        with pytest.raises(statekv.InputError, match="closed"):
+            attempt()
+
+
+def test_the_internvl_adapter_passes_trust_remote_code_on(files, monkeypatch):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    seen = []
+    for cls in (AutoModelForImageTextToText, AutoTokenizer):
+        real = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(
+            lambda c, *a, _real=real, **k: seen.append(k.get("trust_remote_code")) or _real(c, *a, **k)))
+    statekv.VideoQA.from_pretrained(files["model"], trust_remote_code=True)
+    assert seen == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saved streams
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(qa, tmp_path_factory):
+    """A stream of 3 frames saved to a file, and its answer to a question (to compare after loading)."""
+    live = qa.stream(horizon_frames=6, max_fps=1)
+    live.push_many((image, float(t)) for t, image in enumerate(_frames(3)))
+    path = live.save(tmp_path_factory.mktemp("saved") / "stream.safetensors")
+    answer = live.ask_tokens("Why?", max_new_tokens=4)
+    live.close()
+    return path, answer
+
+
+def _contents(path: Path) -> tuple[dict, dict]:
+    with safe_open(str(path), "pt") as handle:
+        return json.loads(handle.metadata()["statekv"]), {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def _edited(saved_path: Path, out: Path, metadata=None, tensors=None) -> Path:
+    """A copy of a saved stream with ``metadata(m)`` / ``tensors(t)`` applied to its parts, written with fresh
+    checksums (as a careful forger would)."""
+    meta, tens = _contents(saved_path)
+    meta.pop("checksums")
+    if metadata:
+        metadata(meta)
+    if tensors:
+        tensors(tens)
+    return write_verified(out, tens, meta)
+
+
+def test_a_saved_stream_resumes_exactly(saved, qa):
+    path, answer = saved
+    resumed = Stream.load(path, qa)
+    assert resumed.frames == 3 and torch.equal(resumed.ask_tokens("Why?", max_new_tokens=4), answer)
+    resumed.close()
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _flip_a_tensor_byte(path: Path, out: Path) -> Path:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # inside the last tensor's data
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _flip_a_header_byte(path: Path, out: Path) -> Path:
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"pushed\\":') + len(b'"pushed\\":')  # the JSON inside the header is escaped there
+    data[at] = ord("7") if data[at] != ord("7") else ord("8")
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _drop_tensor(name):
+    return lambda tensors: tensors.pop(name)
+
+
+def _set(path, value):
+    def edit(metadata):
+        *parents, key = path.split(".")
+        target = metadata
+        for parent in parents:
+            target = target[parent]
+        if value is KeyError:
+            del target[key]
+        else:
+            target[key] = value
+    return edit
+
+
+FILE_DAMAGE = {
+    "a flipped byte in a tensor": (_flip_a_tensor_byte, "checksum does not match"),
+    "a flipped digit in the metadata": (_flip_a_header_byte, "metadata is corrupt"),
+    "cut in half": (lambda p, o: _write(o, p.read_bytes()[: p.stat().st_size // 2]), "not a saved statekv stream"),
+    "not safetensors": (lambda p, o: _write(o, b"hello"), "not a saved statekv stream"),
+    "empty": (lambda p, o: _write(o, b""), "not a saved statekv stream"),
+}
+
+
+@pytest.mark.parametrize("case", FILE_DAMAGE)
+def test_damaged_stream_files_are_refused(case, saved, qa, tmp_path):
+    damage, phrase = FILE_DAMAGE[case]
+    with pytest.raises(statekv.InputError, match=phrase) as info:
+        Stream.load(damage(saved[0], tmp_path / "damaged.safetensors"), qa)
+    assert "\n" not in str(info.value)
+
+
+METADATA_EDITS = {
+    "format 1 (earlier statekv)": (_set("version", 1), "stream format 1 by an earlier statekv"),
+    "a future format": (_set("version", 99), "stream format 99"),
+    "no version": (_set("version", KeyError), "no format version"),
+    "not a statekv stream": (_set("format", "other"), "not a saved statekv stream"),
+    "no model": (_set("model", KeyError), "lacks 'model'"),
+    "pushed as text": (_set("pushed", "3"), "metadata.pushed must be a non-negative integer"),
+    "negative pushed": (_set("pushed", -1), "metadata.pushed must be a non-negative integer"),
+    "fewer pushed than kept": (_set("pushed", 1), "fewer than the 3 frames kept"),
+    "absurd horizon_frames": (_set("horizon_frames", 10**15), "leaves no room"),
+    "horizon_frames below the frames kept": (_set("horizon_frames", 2), "fewer than the 3 frames kept"),
+    "a float horizon": (_set("horizon", 1e3), "metadata.horizon must be a positive integer"),
+    "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),
+    "a timestamp as text": (_set("last_timestamp", "2"), "metadata.last_timestamp"),
+    "an unknown field": (_set("state.colour", "red"), "has unknown field 'colour'"),
+    "steps that do not add up": (_set("cache.seen_tokens", 5), "inconsistent"),
+    "window starts for other layers": (_set("cache.window_starts", [None]), "layers"),
+    "seconds as text": (_set("stats.frame_seconds", ["fast"]), "metadata.stats.frame_seconds[0]"),
+    "pending frame in the future": (_set("pending", [[0, -1]]), "metadata.pending[0][1]"),
+    "another policy": (_set("engine.policy", "Recency(steps=2)"), "saved with Recency(steps=2)"),
+    "another layout": (_set("model.layout", "chat"), "saved with layout 'chat'"),
+    "another dtype": (_set("model.dtype", "bfloat16"), "saved with dtype 'bfloat16'"),
+    "another checkpoint": (_set("model.weights", "0" * 64), "saved with other weights"),
+}
+
+
+@pytest.mark.parametrize("case", METADATA_EDITS)
+def test_hand_edited_metadata_is_refused_in_one_line_before_anything_changes(case, saved, qa, tmp_path):
+    edit, phrase = METADATA_EDITS[case]
+    path = _edited(saved[0], tmp_path / "edited.safetensors", metadata=edit)
+    installed = dict(rotary._INSTALLED)
+    with pytest.raises(statekv.InputError) as info:
+        Stream.load(path, qa)
+    assert phrase in str(info.value) and "\n" not in str(info.value)
+    assert rotary._INSTALLED == installed  # no stream was set up: the model's RoPE is as it was
+
+
+def _absurd_but_consistent_horizon(metadata):
+    metadata["horizon_frames"] = 10**9
+    metadata["horizon"] = 10**9 * 19 + 64
+
+
+TENSOR_EDITS = {
+    "a missing detailed cache tensor": (None, _drop_tensor("cache.layers.0.values"), "lacks layers.0.values"),
+    "keys of the wrong length": (None, lambda t: t.update({"cache.layers.1.keys": t["cache.layers.1.keys"][:, :, 1:]}),
+                                 "layers.1.keys is float32"),
+    "values of the wrong dtype": (None, lambda t: t.update({"cache.layers.2.values": t["cache.layers.2.values"].half()}),
+                                  "layers.2.values is float16"),
+    "an unexpected tensor": (None, lambda t: t.update({"cache.layers.9.keys": torch.zeros(1)}), "unexpected"),
+    "a stray tensor": (None, lambda t: t.update({"payload": torch.zeros(3)}), "unexpected tensor payload"),
+    "carried positions out of range": (None, lambda t: t.update({
+        "cache.layers.0.carried_positions": t["cache.layers.0.carried_positions"] + 10**6}), "outside the"),
+    "a pending frame without its image": (lambda m: (_set("pending", [[3, 3.0]])(m), _set("pushed", 4)(m)), None,
+                                          "lacks pending.0"),
+    "a horizon too large for memory": (_absurd_but_consistent_horizon, None, "GiB of detailed cache"),
+}
+
+
+@pytest.mark.parametrize("case", TENSOR_EDITS)
+def test_missing_malformed_or_unexpected_tensors_are_refused(case, saved, qa, tmp_path):
+    edit_metadata, edit_tensors, phrase = TENSOR_EDITS[case]
+    path = _edited(saved[0], tmp_path / "edited.safetensors", metadata=edit_metadata, tensors=edit_tensors)
+    with pytest.raises(statekv.InputError) as info:
+        Stream.load(path, qa)
+    assert phrase in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_checksum_without_its_tensor_is_refused(saved, qa, tmp_path):
+    meta, tensors = _contents(saved[0])
+    tensors.pop("cache.layers.0.block_keys")
+    from safetensors.torch import save_file
+    import hashlib
+
+    text = json.dumps(meta)
+    path = tmp_path / "short.safetensors"
+    save_file(tensors, str(path), metadata={"statekv": text, "statekv_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    with pytest.raises(statekv.InputError, match="lacks tensor cache.layers.0.block_keys"):
+        Stream.load(path, qa)
+
+
+def test_another_checkpoint_is_refused_unless_allowed(saved, files, tmp_path):
+    other = statekv.VideoQA.from_pretrained(make_tiny_checkpoint("internvl", tmp_path / "other", seed=1),
+                                            budget=20, attention="eager", reserve_tokens=64)
+    with pytest.raises(statekv.InputError, match="saved with other weights"):
+        Stream.load(saved[0], other)
+    resumed = Stream.load(saved[0], other, allow_other_weights=True)  # the user vouches for it
+    assert resumed.frames == 3
+    resumed.close()
+
+
+def test_a_stream_saved_in_another_dtype_is_refused(saved, files):
+    half = statekv.VideoQA.from_pretrained(files["model"], budget=20, attention="eager", reserve_tokens=64,
+                                           dtype="bfloat16")
+    with pytest.raises(statekv.InputError, match="saved with dtype 'float32', but this VideoQA has 'bfloat16'"):
+        Stream.load(saved[0], half)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation runs
+# ---------------------------------------------------------------------------------------------------------------
+def _eval_argv(files, out, *extra) -> list:
+    return ["eval", "videomme", "--model", files["model"], "--data-root", files["data"], "--out", out,
+            "--budget", "20", "--max-new-tokens", "2", "--no-progress", *extra]
+
+
+def test_a_run_with_an_unreadable_video_ends_non_zero_with_a_summary(files, capsys, tmp_path):
+    data = tmp_path / "data"
+    folder = write_mini_videomme(data, videos=2, seconds=3)
+    (folder / "data" / "fab001.mp4").write_bytes(b"not a video")
+    out = tmp_path / "run"
+    code, stdout, err = _cli(capsys, _eval_argv(files, out, "--data-root", data))
+    assert code == 1 and "3 answered, 3 of 6 missing" in stdout
+    last = err.strip().splitlines()[-1]
+    assert last == (f"statekv eval: 3 question(s) unanswered: 1 video(s) could not be read (errors logged in "
+                    f"{out}/errors.rank*.jsonl); rerun the same command to retry them")
+    assert json.loads((out / "errors.rank000.jsonl").read_text())["video_id"] == "fab001"
+
+
+def test_a_second_run_on_a_busy_folder_is_refused(files, tmp_path):
+    out = tmp_path / "run"
+    config = EvalConfig.for_model("videomme", files["model"], files["data"], out, budget=20, max_new_tokens=2,
+                                  progress=False, limit=1)
+    with RunLock(out):
+        with pytest.raises(OutputError, match=f"{out} is in use by another evaluation \\(pid {os.getpid()} on"):
+            run_evaluation(config)
+    assert not list(out.glob("answers*"))
+    run_evaluation(config)  # the lock went with the run holding it
+    RunLock(out).acquire()  # and this run gave it back
+
+
+def test_a_run_held_by_another_process_is_refused(files, capsys, tmp_path):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 1 on elsewhere'); f.flush(); "
+                               "print('held', flush=True); time.sleep(120)", str(out / "run.lock")],
+        stdout=subprocess.PIPE, text=True) if out.mkdir() is None else None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, _, err = _cli(capsys, _eval_argv(files, out, "--limit", "1"))
+        assert code == 2 and "is in use by another evaluation (pid 1 on elsewhere)" in err.strip().splitlines()[-1]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+class _Rank:
+    """A rank of a launch whose rank 0 said ``refusal`` (what `RankContext.share_from_main` returns)."""
+
+    def __init__(self, is_main: bool, refusal: str | None):
+        self.is_main, self.refusal = is_main, refusal
+
+    def share_from_main(self, value):
+        return value if self.is_main else self.refusal
+
+
+def test_the_ranks_of_one_launch_share_the_folder_and_stop_together(tmp_path):
+    lock = RunLock(tmp_path)
+    _lock_for_every_rank(lock, _Rank(is_main=False, refusal=None))  # rank 0 holds it for the launch
+    assert lock._file is None  # other ranks never lock
+    with pytest.raises(OutputError, match="in use"):
+        _lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=False, refusal="x is in use by another evaluation"))
+    _lock_for_every_rank(lock, _Rank(is_main=True, refusal=None))
+    with pytest.raises(OutputError, match="in use"):  # a second launch's rank 0
+        _lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=True, refusal=None))
+    lock.release()
