@@ -105,7 +105,7 @@ def render(args, rows: list[tuple[int, dict[str, dict]]], command: str, device: 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                        help="tiny (the demo's; CPU) or internvl3-1b (real shapes, random weights; GPU)")
+                        help="tiny (random weights; CPU) or internvl3-1b (real shapes, random weights; GPU)")
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[16, 64, 256],
                         help="frames streamed when the methods are asked")
     parser.add_argument("--budget", type=int, default=256, help="StateKV budget B")

@@ -41,7 +41,7 @@ from report import write_section  # noqa: E402
 
 TARGET = 1.15  # overlapped / slowest stage
 
-# The demo's tiny InternVL (statekv demo): 64 visual tokens per frame, a 4-layer language model.
+# A tiny random InternVL: 64 visual tokens per frame, a 4-layer language model.
 TINY_INTERNVL = dict(vision_config={"image_size": 224},
                      text_config={"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
                                   "num_attention_heads": 4, "num_key_value_heads": 2})
@@ -53,7 +53,7 @@ INTERNVL3_1B = dict(std=0.02,
                                  "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 4864,
                                  "max_position_embeddings": 32768})
 MODELS = {"tiny": TINY_INTERNVL, "internvl3-1b": INTERNVL3_1B}
-MODEL_NAMES = {"tiny": "tiny random InternVL (the demo's: 224 px, 64 visual tokens per frame, 4-layer language model)",
+MODEL_NAMES = {"tiny": "tiny random InternVL (224 px, 64 visual tokens per frame, 4-layer language model)",
                "internvl3-1b": "random InternVL3-1B shapes (448 px, 256 visual tokens per frame, 24 + 24 layers)"}
 
 
@@ -181,7 +181,7 @@ def render(args, times: dict[str, float], cores: dict[str, float], stats: statek
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                        help="tiny (the demo's; CPU) or internvl3-1b (real shapes, random weights; GPU)")
+                        help="tiny (random weights; CPU) or internvl3-1b (real shapes, random weights; GPU)")
     parser.add_argument("--frames", type=int, default=64)
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--height", type=int, default=360)

@@ -21,6 +21,8 @@ COMMANDS = (
     "statekv.analysis.command",
     "statekv.eval.command",
     "statekv.flops.command",
+    "statekv.synthetic.command",
+    "statekv.builtin.command",
 )
 
 

@@ -142,7 +142,8 @@ class ModelOptions:
         group = parser.add_argument_group("model and method")
         methods = "; ".join(f"{name}: {method(name).summary}" for name in method_names())
         group.add_argument("--model", required=model_required, metavar="M",
-                           help="checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5)")
+                           help="checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or builtin: the small "
+                                "InternVL3 trained here on synthetic videos")
         group.add_argument("--method", choices=method_names(), default="statekv", help=f"(default: statekv) {methods}")
         group.add_argument("--budget", type=POSITIVE_INT, default=4096, metavar="B",
                            help="statekv, keynorm: tokens carried per layer and KV head (default: 4096)")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .builtin import resolve_model
 from .core import CarryPolicy
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
 from .errors import ConfigurationError, FrameDecodeError, InputError
@@ -96,8 +97,9 @@ class VideoQA:
         if options.model is None:
             raise ConfigurationError("no model given: pass a checkpoint folder or hub id")
         device = options.device if options.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        checkpoint, layout = resolve_model(options.model, options.layout)
         try:
-            adapter = load_adapter(options.model, layout=options.layout, dtype=resolve_dtype(options.dtype),
+            adapter = load_adapter(checkpoint, layout=layout, dtype=resolve_dtype(options.dtype),
                                    device=device, trust_remote_code=options.trust_remote_code, **model_kwargs)
         except TypeError as error:  # a misspelt option reaches the model's from_pretrained, which refuses it
             refused = [name for name in model_kwargs if f"'{name}'" in str(error)]

@@ -75,16 +75,20 @@ def test_stream_asks_each_question_when_the_stream_reaches_its_time(files):
 
 def test_demo_runs_offline_on_its_built_in_model(files):
     env = {"STATEKV_CACHE": str(files["root"] / "cache")}
-    result = _run("demo", "--max-frames", "6", "--budget", "100", "--frames", "2", "--json", env=env)
+    result = _run("demo", "--json", env=env)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     rows = {row["method"]: row for row in document["rows"]}
-    assert document["random_weights"] and set(rows) == {"full", "recency", "statekv"}
+    assert document["builtin"] and set(rows) == {"full", "recency", "statekv"}
     tokens = rows["full"]["tokens"]
-    assert tokens == 6 * 67 and all(row["frames"] == 6 and row["tokens"] == tokens for row in rows.values())
-    assert (rows["full"]["carried"], rows["recency"]["carried"], rows["statekv"]["carried"]) == (tokens, 2 * 67, 100)
-    text = _run("demo", "--max-frames", "3", env=env)  # the second run reuses the cached model and video
-    assert text.returncode == 0 and "meaningless" in text.stdout and "statekv" in text.stdout
+    assert all(row["frames"] == 96 and row["tokens"] == tokens for row in rows.values())
+    per_frame = 4  # Frame{i}: <img> visual token </img>
+    assert (rows["full"]["carried"], rows["recency"]["carried"], rows["statekv"]["carried"]) == (tokens, 16 * per_frame, 64)
+    questions = document["questions"]
+    assert len(questions) == 6 and all(set(q["answers"]) == set(rows) for q in questions)
+    assert all(0 <= row["correct"] <= 6 for row in rows.values())
+    text = _run("demo", "--max-frames", "40", env=env)  # the second run reuses the cached video
+    assert text.returncode == 0 and "truth:" in text.stdout and "statekv" in text.stdout
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from statekv.builtin import resolve_model
     from statekv.core import Recency, StateKV
     from statekv.models import load_adapter
     from statekv.pipeline import resolve_dtype
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    adapter = load_adapter(args.model, layout=args.layout, dtype=resolve_dtype(args.dtype), device=device,
+    checkpoint, layout = resolve_model(args.model, args.layout)
+    adapter = load_adapter(checkpoint, layout=layout, dtype=resolve_dtype(args.dtype), device=device,
                            trust_remote_code=args.trust_remote_code)
     statistics = AttentionStatistics(adapter.model.config.get_text_config().num_hidden_layers, settings)
     errors = ApproximationErrors(adapter.model, policies, attention=args.attention) if policies else None

@@ -1,10 +1,10 @@
-"""``statekv demo``: a video through a VLM under full attention, recency and StateKV, offline by default.
+"""``statekv demo``: questions about a video answered under full attention, recency and StateKV, offline.
 
-Without ``--model`` it builds, on first use, a tiny random InternVL checkpoint (real architecture, random
-weights) and renders a synthetic video, both kept in the cache folder; it then encodes the video under the
-three methods and prints frames, tokens, carried size and per-frame time. Random weights make the answers
-meaningless: the demo shows the mechanics and the cost. With ``--model`` (and ``--video``) the same command
-is a real run.
+Without ``--model`` and ``--video`` it uses the built-in model (a small InternVL3 trained here on synthetic
+long videos, see docs/accuracy.md) and a held-out synthetic video written once to the cache folder: each
+method encodes the video and answers its six questions, and every question, its options, each method's
+answer and the truth (with the seconds of the video that show it) are printed, so the answers can be checked
+against the video. With ``--model`` or ``--video`` it answers ``--question`` about that video instead.
 """
 
 from __future__ import annotations
@@ -14,30 +14,34 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ..user_cache import cache_dir  # where the demo keeps its checkpoint and video
 from ..console import add_output_arguments, interactive, print_json, quiet_libraries
+from ..user_cache import cache_dir  # where the demo keeps its video
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 
-
-DEMO_CHECKPOINT = "demo-internvl-v1"
-DEMO_VIDEO = "demo-video-v1.mp4"
+DEMO_SET = "demo-synthetic-v2"
+DEMO_SEED = 0  # an evaluation seed: the demo video was never trained on
+BUILTIN_BUDGET, BUILTIN_WINDOW = 64, 16  # compute-matched: 16 frames of 4 tokens carry 64 tokens
+OTHER_BUDGET, OTHER_WINDOW = 256, 4
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="encode a video under all three methods (offline tiny model by default)",
+        "demo", help="answer questions about a video under all three methods (offline built-in model by default)",
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument("--model", default=None, metavar="M",
-                        help="a real checkpoint instead of the built-in tiny random one")
+                        help="a checkpoint folder or hub id instead of the built-in model")
     parser.add_argument("--video", default=None, help="a video instead of the built-in synthetic one")
-    parser.add_argument("--question", default="What happens in this video?", help="the question to answer")
-    parser.add_argument("--budget", type=POSITIVE_INT, default=256, metavar="B",
-                        help="StateKV budget in tokens (default: 256)")
-    parser.add_argument("--frames", type=POSITIVE_INT, default=4, metavar="R",
-                        help="recency window in frames (default: 4)")
+    parser.add_argument("--question", default="What happens in this video?",
+                        help="the question to answer about --video (with --model or --video)")
+    parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
+                        help=f"StateKV budget in tokens (default: {BUILTIN_BUDGET} for the built-in model, "
+                             f"else {OTHER_BUDGET})")
+    parser.add_argument("--frames", type=POSITIVE_INT, default=None, metavar="R",
+                        help=f"recency window in frames (default: {BUILTIN_WINDOW} for the built-in model, "
+                             f"else {OTHER_WINDOW})")
     parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="(default: 1)")
-    parser.add_argument("--max-frames", type=POSITIVE_INT, default=64, metavar="N", help="(default: 64)")
+    parser.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N", help="(default: 512)")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -47,65 +51,90 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import statekv
+    from statekv.builtin import BUILTIN_NAME
 
-    statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before the built-in model is made
+    statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
     quiet_libraries()
-    model = args.model or str(demo_checkpoint())
-    video = args.video or str(demo_video())
+    model = args.model or BUILTIN_NAME
+    builtin = model == BUILTIN_NAME
+    budget = args.budget or (BUILTIN_BUDGET if builtin else OTHER_BUDGET)
+    window = args.frames or (BUILTIN_WINDOW if builtin else OTHER_WINDOW)
+    synthetic = args.video is None
+    video, questions = demo_set() if synthetic else (args.video, [{"question": args.question}])
     loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
                                              trust_remote_code=args.trust_remote_code)
-    settings = {"full": "exact", "recency": f"R={args.frames}", "statekv": f"B={args.budget}"}
+    settings = {"full": "exact", "recency": f"R={window}", "statekv": f"B={budget}"}
     rows = []
     for method, setting in settings.items():
-        qa = loaded.with_options(method=method, budget=args.budget, frames=args.frames)
+        qa = loaded.with_options(method=method, budget=budget, frames=window)
         with qa.encode(video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive()) as encoded:
-            answer = encoded.ask(args.question, max_new_tokens=args.max_new_tokens)
+            for question in questions:
+                question.setdefault("answers", {})[method] = encoded.ask(
+                    _prompt(question), max_new_tokens=args.max_new_tokens)
             stats = encoded.stats
-        quarter = max(1, len(stats.frame_seconds) // 4)
-        rows.append({"method": method, "setting": setting, "frames": stats.frames, "tokens": stats.tokens,
-                     "carried": stats.carried_tokens,
-                     # medians, so the first frame's one-time warm-up does not dominate the first quarter
-                     "ms_per_frame_first_quarter": 1e3 * statistics.median(stats.frame_seconds[:quarter]),
-                     "ms_per_frame_last_quarter": 1e3 * statistics.median(stats.frame_seconds[-quarter:]),
-                     "answer": answer})
+        rows.append(_row(method, setting, stats, questions))
     if args.json:
-        print_json({"model": model, "video": video, "random_weights": args.model is None, "rows": rows})
+        print_json({"model": model, "video": str(video), "builtin": builtin, "rows": rows, "questions": questions})
         return 0
-    _print_table(model if args.model else "a tiny random InternVL (built-in)", video, rows)
-    if args.model is None:
-        print("\nThe built-in model has random weights, so its answers are meaningless; the table shows the "
-              "mechanics and the cost. Run with --model OpenGVLab/InternVL3-1B-hf --video your.mp4 for real answers.")
+    _print_table(model, str(video), rows, questions, synthetic)
     return 0
 
 
-def _print_table(model: str, video: str, rows: list[dict]) -> None:
-    print(f"model: {model}\nvideo: {video}\n")
+def demo_set() -> tuple[Path, list[dict]]:
+    """The demo video (video 0 of the held-out set made with `DEMO_SEED`) and its questions (rows of the
+    question file), written to the cache folder on first use."""
+    from statekv.eval.annotations import read_table
+    from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+
+    folder = _cached(DEMO_SET, lambda path: make_benchmark(path, videos=1, seed=DEMO_SEED))
+    rows = read_table(folder / QUESTIONS_FILE)
+    return folder / rows[0]["video"], rows
+
+
+def _prompt(question: dict) -> str:
+    if "options" not in question:
+        return question["question"]
+    from statekv.synthetic.prompts import question_prompt
+
+    return question_prompt(question["question"], question["options"])
+
+
+def _row(method: str, setting: str, stats, questions: list[dict]) -> dict:
+    from statekv.eval.parsing import ranked_letter
+
+    quarter = max(1, len(stats.frame_seconds) // 4)
+    row = {"method": method, "setting": setting, "frames": stats.frames, "tokens": stats.tokens,
+           "carried": stats.carried_tokens,
+           # medians, so the first frame's one-time warm-up does not dominate the first quarter
+           "ms_per_frame_first_quarter": 1e3 * statistics.median(stats.frame_seconds[:quarter]),
+           "ms_per_frame_last_quarter": 1e3 * statistics.median(stats.frame_seconds[-quarter:])}
+    if "answer" in questions[0]:
+        row["correct"] = sum(ranked_letter(q["answers"][method]) == q["answer"] for q in questions)
+    return row
+
+
+def _print_table(model: str, video: str, rows: list[dict], questions: list[dict], synthetic: bool) -> None:
+    name = "the built-in InternVL3 (trained on synthetic videos; see docs/accuracy.md)" if model == "builtin" else model
+    print(f"model: {name}\nvideo: {video}" + (" (one picture per second, never seen in training)" if synthetic else ""))
+    print()
     header = (f"{'method':<8} {'setting':<8} {'frames':>6} {'tokens':>7} {'carried':>8} {'ms/frame, 1st 1/4':>18} "
-              f"{'ms/frame, last 1/4':>19}  answer")
+              f"{'ms/frame, last 1/4':>19}" + ("  correct" if synthetic else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
-        answer = r["answer"] if len(r["answer"]) <= 32 else r["answer"][:31] + "…"
-        print(f"{r['method']:<8} {r['setting']:<8} {r['frames']:>6} {r['tokens']:>7} {r['carried']:>8} "
-              f"{r['ms_per_frame_first_quarter']:>18.1f} {r['ms_per_frame_last_quarter']:>19.1f}  {answer!r}")
-    print("(median wall time per frame over the first and the last quarter of the video)")
-
-
-def demo_checkpoint() -> Path:
-    """The built-in tiny InternVL checkpoint (64 visual tokens per frame), created on first use."""
-    from ..tiny import make_tiny_checkpoint
-
-    return _cached(DEMO_CHECKPOINT, lambda path: make_tiny_checkpoint(
-        "internvl", path, vision_config={"image_size": 224},
-        text_config={"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-                     "num_attention_heads": 4, "num_key_value_heads": 2}))
-
-
-def demo_video() -> Path:
-    """The built-in synthetic video: 64 s at 4 fps (64 frames at the default 1 fps)."""
-    from ..tiny import write_test_video
-
-    return _cached(DEMO_VIDEO, lambda path: write_test_video(path, frames=256, fps=4, size=(224, 224)))
+        line = (f"{r['method']:<8} {r['setting']:<8} {r['frames']:>6} {r['tokens']:>7} {r['carried']:>8} "
+                f"{r['ms_per_frame_first_quarter']:>18.1f} {r['ms_per_frame_last_quarter']:>19.1f}")
+        print(line + (f"  {r['correct']}/{len(questions)}" if synthetic else ""))
+    print("(median wall time per frame over the first and the last quarter of the video)\n")
+    methods = [r["method"] for r in rows]
+    for q in questions:
+        print(q["question"])
+        for letter, option in zip("ABCD", q.get("options", ()), strict=False):
+            print(f"  {letter}. {option}")
+        if synthetic:
+            seconds = ", ".join(f"{frame}s" for frame in q["evidence_frames"])
+            print(f"  truth: {q['answer']} (seen at {seconds})")
+        print("  " + "   ".join(f"{method}: {q['answers'][method]!r}" for method in methods) + "\n")
 
 
 def _cached(name: str, build) -> Path:

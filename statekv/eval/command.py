@@ -1,7 +1,9 @@
-"""``statekv eval``: run VideoMME, MLVU or OVOBench real-time for one model and method; merge runs into a table.
+"""``statekv eval``: run VideoMME, MLVU, OVOBench real-time or the synthetic set for one model and method;
+merge runs into a table.
 
     statekv eval videomme --model OpenGVLab/InternVL3-1B-hf --method statekv --budget 4096 \\
         --data-root data --out runs/videomme/internvl3-1b-statekv
+    statekv eval synthetic --model builtin --method full --data-root data/synthetic --out runs/synthetic/full
     torchrun --nproc-per-node 8 -m statekv.eval.command videomme ...     # data parallel, one GPU per rank
     statekv eval table runs/*/*                                          # the paper's Table 1 from many runs
 """
@@ -19,13 +21,14 @@ BENCHMARK_HELP = {
     "videomme": "VideoMME without subtitles (2,700 questions, 900 videos)",
     "mlvu": "MLVU dev, the seven multiple-choice tasks",
     "ovobench": "OVOBench real-time visual perception (six subtasks)",
+    "synthetic": "a synthetic long-video set written by `statekv synthetic make` (--data-root: its folder)",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``eval`` subcommand to the ``statekv`` parser."""
     parser = subparsers.add_parser(
-        "eval", help="evaluate on VideoMME / MLVU / OVOBench, or merge runs into the paper's table",
+        "eval", help="evaluate on VideoMME / MLVU / OVOBench / the synthetic set, or merge runs into a table",
         description="Evaluate a video VLM under full attention, recency (ReKV) or StateKV with the benchmarks' "
                     "lmms-eval protocol, resumably and data-parallel; or merge run directories into a table.",
     )
@@ -61,7 +64,7 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
         parser.add_argument("--videos", choices=("stream", "clips"), default="stream",
                             help="stream (default): one live stream per source video, each question asked when "
                                  "it reaches ceil(realtime); clips: the released per-question clips, as lmms-eval")
-    else:
+    elif benchmark != "synthetic":
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
     model = ModelOptions.add_arguments(parser, reserve=False,

@@ -12,6 +12,7 @@ which avoids the ``pyarrow`` dependency of parquet)::
                   or  ovobench/realtime/data.json               or lmms-eval's real-time subset
     <data_root>/ovobench/src_videos/<video>                     source videos (video is relative)
     <data_root>/ovobench/chunked_videos/<id>.mp4                released clips, cut at ceil(realtime)
+    <data_root>/questions.jsonl, <data_root>/videos/*.mp4       a synthetic set (``statekv synthetic make``)
 
 For VideoMME and MLVU, any ``test*.parquet`` / ``test*.jsonl`` / ``test*.json`` in the inner
 folder (or directly in the benchmark folder) is accepted; pass ``annotation=`` to name files
@@ -39,6 +40,7 @@ from statekv.eval.questions import (
     AnnotationError,
     Question,
 )
+from statekv.synthetic.benchmark import QUESTIONS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +57,9 @@ AnnotationArg = Path | str | Sequence[Path | str] | None
 def load_benchmark(
     benchmark: str, data_root: Path | str, *, annotation: AnnotationArg = None, check_videos: bool = True, **options
 ) -> list[Question]:
-    """Questions of ``benchmark`` ("videomme", "mlvu" or "ovobench"), in annotation order."""
-    loaders = {"videomme": load_videomme, "mlvu": load_mlvu, "ovobench": load_ovobench_realtime}
+    """Questions of ``benchmark`` ("videomme", "mlvu", "ovobench" or "synthetic"), in annotation order."""
+    loaders = {"videomme": load_videomme, "mlvu": load_mlvu, "ovobench": load_ovobench_realtime,
+               "synthetic": load_synthetic}
     if benchmark not in loaders:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {', '.join(BENCHMARKS)}")
     return loaders[benchmark](data_root, annotation=annotation, check_videos=check_videos, **options)
@@ -98,6 +101,14 @@ def load_ovobench_realtime(
     return ovobench_questions(
         read_rows(paths), folder, check_videos=check_videos, videos=videos, source=_describe(paths)
     )
+
+
+def load_synthetic(data_root: Path | str, *, annotation: AnnotationArg = None,
+                   check_videos: bool = True) -> list[Question]:
+    """A set written by ``statekv synthetic make``: ``<data_root>/questions.jsonl``, videos relative to it."""
+    folder = Path(data_root)
+    paths = _annotation_paths(annotation, [], stem="") if annotation is not None else [folder / QUESTIONS_FILE]
+    return synthetic_questions(read_rows(paths), folder, check_videos=check_videos, source=_describe(paths))
 
 
 def load_benchmark_from_hub(benchmark: str, data_root: Path | str, *, check_videos: bool = True) -> list[Question]:
@@ -236,6 +247,25 @@ def ovobench_questions(
     return questions
 
 
+def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool,
+                        source: str) -> list[Question]:
+    fields = ("qid", "video_id", "video", "task_type", "question", "options", "answer")
+    questions = []
+    for index, row in enumerate(rows):
+        where = f"{source} row {index}"
+        require_fields(row, fields, where)
+        video_path = folder / str(row["video"])
+        if check_videos and not video_path.is_file():
+            raise MissingFileError(f"{where}: video not found: {video_path}")
+        questions.append(_checked(Question(
+            benchmark="synthetic", qid=str(row["qid"]), video_id=str(row["video_id"]), video_path=video_path,
+            question=str(row["question"]), options=_options(row["options"], where), answer=str(row["answer"]).strip(),
+            task_type=str(row["task_type"])), where))
+    if len({question.qid for question in questions}) != len(questions):
+        raise AnnotationError(f"{source}: question ids repeat")
+    return questions
+
+
 # ---------------------------------------------------------------------------------- helpers
 
 
@@ -291,5 +321,6 @@ __all__ = [
     "load_benchmark_from_hub",
     "load_mlvu",
     "load_ovobench_realtime",
+    "load_synthetic",
     "load_videomme",
 ]

@@ -25,6 +25,9 @@ answer is" every later letter is a candidate, so "The answer is C because A is w
     ("Based on the video, C" -> "B"); nothing when the rest has more than 10 words and no A-D.
   - MLVU: the character before the first ")", else the whole stripped answer.
 
+The synthetic set (`statekv.synthetic`) reads answers with lmms-eval 0.7's extractor over the question's
+letters under both generations.
+
 OVOBench uses neither: it counts an answer correct when the ground-truth letter occurs anywhere
 in the stripped answer, in both generations (see ``ovobench_letter``).
 """
@@ -147,6 +150,8 @@ def judge(
     check_parser(parser)
     if benchmark == "ovobench":
         letter = ovobench_letter(response, answer, letters)
+    elif benchmark == "synthetic":
+        letter = ranked_letter(response, letters)
     else:
         letter = parse_answer(benchmark, response, parser, letters)
     return letter, letter == answer

@@ -2,7 +2,8 @@
 
 Two protocols exist. ``"lmms-eval-0.7"`` (the default) is lmms-eval 0.7.x. ``"paper"`` is the
 paper's released code, which covers VideoMME only: the same instruction without the 0.7
-post-prompt, and up to 1024 new tokens. For MLVU and OVOBench both protocols are lmms-eval's.
+post-prompt, and up to 1024 new tokens. For MLVU and OVOBench both protocols are lmms-eval's; the
+synthetic set (`statekv.synthetic`) has one protocol of its own under both names.
 The strings below are load-bearing, quirks included: VideoMME's instruction mentions "the
 subtitles" in the no-subtitle setting, MLVU's prompt ends on an open parenthesis, OVOBench's
 has a space before a newline.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from statekv.eval.questions import Question
+from statekv.synthetic.prompts import question_prompt
 
 PROTOCOLS = ("lmms-eval-0.7", "paper")
 DEFAULT_PROTOCOL = "lmms-eval-0.7"
@@ -52,6 +54,9 @@ _GENERATION = {
     ("mlvu", "paper"): GenerationSettings(max_new_tokens=16, stop_strings=("\n\n",)),
     ("ovobench", "lmms-eval-0.7"): GenerationSettings(max_new_tokens=128),
     ("ovobench", "paper"): GenerationSettings(max_new_tokens=128),
+    # statekv's own set: one letter is asked for; a few tokens leave room for a real model's "B." or "(B)"
+    ("synthetic", "lmms-eval-0.7"): GenerationSettings(max_new_tokens=8),
+    ("synthetic", "paper"): GenerationSettings(max_new_tokens=8),
 }
 
 
@@ -83,4 +88,6 @@ def build_prompt(question: Question, protocol: str = DEFAULT_PROTOCOL) -> str:
             + ";"
         )
         return OVOBENCH_TEMPLATE.format(question=question.question, options=options)
+    if question.benchmark == "synthetic":
+        return question_prompt(question.question, question.options)
     raise ValueError(f"unknown benchmark {question.benchmark!r}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from statekv.errors import DataError
 
-BENCHMARKS = ("videomme", "mlvu", "ovobench")
+BENCHMARKS = ("videomme", "mlvu", "ovobench", "synthetic")
 
 MLVU_TASKS = ("anomaly_reco", "count", "ego", "needle", "order", "plotQA", "topic_reasoning")
 OVOBENCH_REALTIME_TASKS = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
@@ -26,7 +26,8 @@ class Question:
     MLVU's are the bare ``candidates`` (its ``question`` text embeds them again), OVOBench's are
     bare texts. ``answer`` is always a letter; ``letters`` are the valid ones ("ABCD" for four
     options). ``video_id`` is the key questions are grouped and sharded by: VideoMME's
-    ``videoID``, MLVU's ``video_name``, OVOBench's source ``video`` path.
+    ``videoID``, MLVU's ``video_name``, OVOBench's source ``video`` path, the synthetic set's
+    ``video_id``. Synthetic options are bare texts, like OVOBench's.
 
     OVOBench only: ``realtime`` is the query time in seconds (the model may see the video up to
     ``query_seconds`` = ceil(realtime), capped at the video's duration) and ``clip_path`` the

@@ -17,6 +17,7 @@ from statekv.eval.scoring import score, single_value
 
 SUMMARY_FILE = "results.json"
 TABLE_COLUMNS = (("videomme", "VideoMME"), ("mlvu", "MLVU"), ("ovobench", "OVOBench RT"))
+EXTRA_COLUMNS = (("synthetic", "Synthetic"),)  # shown only when a run of that benchmark is in the table
 _METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2}
 _OTHER_METHOD = 3
 _ALIASES = {"fullattention": "full", "fullsa": "full"}  # the policy class's name, the paper's
@@ -112,10 +113,12 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
             models.append(model)
         row_order[row] = (models.index(model), _method_kind(summary["method"]), summary["budget"] or 0, row[1])
         cells.setdefault(row, {})[benchmark] = _cell(chosen)
-    header = "| Model | Method | " + " | ".join(title for _, title in TABLE_COLUMNS) + " |"
-    lines = [header, "|" + "---|" * (2 + len(TABLE_COLUMNS))]
+    present = {benchmark for _, _, benchmark in sources}
+    columns = TABLE_COLUMNS + tuple(column for column in EXTRA_COLUMNS if column[0] in present)
+    header = "| Model | Method | " + " | ".join(title for _, title in columns) + " |"
+    lines = [header, "|" + "---|" * (2 + len(columns))]
     for row in sorted(cells, key=row_order.__getitem__):
-        values = [cells[row].get(benchmark, "–") for benchmark, _ in TABLE_COLUMNS]
+        values = [cells[row].get(benchmark, "–") for benchmark, _ in columns]
         lines.append(f"| {row[0]} | {row[1]} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
 

@@ -106,8 +106,8 @@ class EvalConfig:
         for name in ("limit", "max_new_tokens"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
-        if self.from_hub and self.benchmark == "ovobench":
-            raise ConfigurationError("OVOBench annotations are read from --data-root only (no hub loading)")
+        if self.from_hub and self.benchmark in ("ovobench", "synthetic"):
+            raise ConfigurationError(f"{self.benchmark} annotations are read from --data-root only (no hub loading)")
 
     @classmethod
     def for_model(cls, benchmark: str, model: str | Path, data_root: Path | str, out: Path | str,

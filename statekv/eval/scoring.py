@@ -4,6 +4,7 @@
   and task type.
 - MLVU: M-avg, the unweighted mean of the seven per-task accuracies.
 - OVOBench real-time: the unweighted mean of the six subtask accuracies.
+- Synthetic (`statekv.synthetic`): micro accuracy over all questions; breakdown by question family.
 
 Every score carries question counts and how many answers the parser could not read. Accuracies
 are percentages.
@@ -22,11 +23,13 @@ HEADLINE_METRIC = {
     "videomme": "micro accuracy",
     "mlvu": "M-avg (mean of the 7 task accuracies)",
     "ovobench": "mean of the 6 real-time subtask accuracies",
+    "synthetic": "micro accuracy",
 }
 BREAKDOWNS = {
     "videomme": ("duration", "domain", "sub_category", "task_type"),
     "mlvu": ("task_type",),
     "ovobench": ("task_type",),
+    "synthetic": ("task_type",),
 }
 EXPECTED_GROUPS = {"mlvu": MLVU_TASKS, "ovobench": OVOBENCH_REALTIME_TASKS}
 
@@ -95,7 +98,7 @@ def score(records: Iterable[AnswerRecord], expected_qids: Sequence[str] | None =
     overall = _tally(records)
     groups = {name: _tally_by(records, name) for name in BREAKDOWNS[benchmark]}
     missing_tasks: tuple[str, ...] = ()
-    if benchmark == "videomme":
+    if benchmark in ("videomme", "synthetic"):
         headline = overall.accuracy
     else:
         tasks = groups["task_type"]

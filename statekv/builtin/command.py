@@ -1,0 +1,47 @@
+"""``statekv train-builtin``: train the built-in model from scratch on CPU (resumable), optionally install it.
+
+    statekv train-builtin --out runs/builtin             # rerun the same command to resume after a stop
+    statekv train-builtin --out runs/builtin --install   # then copy the weights into the package
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from statekv.values import POSITIVE_INT
+
+    parser = subparsers.add_parser(
+        "train-builtin", help="train the built-in model on synthetic videos (CPU, resumable)",
+        description="Train the built-in InternVL3 model from scratch on synthetic videos with full attention, "
+                    "following the recipe in statekv.builtin.training (seeded). Writes log.jsonl, "
+                    "checkpoint.pt, model/ and loss.png to --out; rerun the same command to resume.")
+    parser.add_argument("--out", required=True, type=Path, help="run folder (log, checkpoint, final model)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=2, metavar="T", help="CPU threads (default: 2)")
+    parser.add_argument("--stop-after", type=POSITIVE_INT, metavar="STEPS",
+                        help="stop once this many steps are done (rerun to go on)")
+    parser.add_argument("--install", action="store_true",
+                        help="when training is complete, copy model/ into the package as the built-in model")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from statekv.builtin.install import install_weights
+    from statekv.builtin.plots import plot_log
+    from statekv.builtin.training import LOG_FILE, Recipe, train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    recipe = Recipe()
+    model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after)
+    plot_log(args.out / LOG_FILE, args.out / "loss.png")
+    if not model_dir.is_dir():
+        print(f"stopped at step {args.stop_after} of {recipe.steps}; rerun to go on")
+        return 0
+    print(f"wrote {model_dir} and {args.out / 'loss.png'}")
+    if args.install:
+        print(f"installed the weights in {install_weights(model_dir)}")
+    return 0

@@ -1,0 +1,254 @@
+"""Training the built-in model on synthetic videos, on CPU, with full attention.
+
+    from statekv.builtin.training import Recipe, train
+    train(Recipe(), "runs/builtin")        # resumable: rerun the same call after an interruption
+
+The recipe (`Recipe`): AdamW, linear warm-up then cosine decay, gradient clipping. The loss is the
+cross-entropy of the answer letter and of the end-of-turn token after it, plus auxiliary targets, all at
+positions where nothing is ever decoded, so the prompt layout is untouched (`statekv.builtin.batches.Batch`):
+
+* still: every still's visual token, read through the (tied) output embedding, names the still's colour and
+  shape, so a frame's visual token comes to look like the words a question names it by;
+* frame: after the second decoder layer, each frame's visual token names its colour and how many times its object has
+  been shown so far, and its ``</img>`` its shape and the quarter of the video it lies in;
+* word: at each question's ``?``, the first word of the right option (the question alone decides it);
+* evidence: the word naming what a question asks about (the one before its ``?``) attends, in two supervised
+  heads (layers 0 and 2), to the frames that decide the answer, and the position that says the letter
+  attends to that word (layer 3).
+
+They split an answer into steps a small model learns one at a time (see a frame, keep count and time, find
+the frames a question names, read them, say the letter). Without the evidence target the model never learns
+to find frames by colour within this budget (attribute, count and position stay at chance), and without the
+frame targets it cannot read counts and times back.
+
+The curriculum starts with vision steps (frames 0: the still targets alone, a few milliseconds each), then
+trains on videos that grow from 3 frames (two objects, where attention finds the evidence at once) to the
+benchmark's 96; trained on long videos from the start the model stays at chance. Each step draws
+``videos_per_batch`` fresh videos from the training seed range and asks every question family about each.
+
+The run directory holds ``log.jsonl`` (one line per ``log_every`` steps: loss, answer accuracy per family,
+learning rate, time), ``checkpoint.pt`` (model, optimiser and step; written atomically every
+``checkpoint_every`` steps) and, at the end, ``model/``: the checkpoint folder (``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import ConfigurationError
+from ..models import InternVLAdapter
+from ..synthetic.seeds import TRAINING_SEEDS, training_rng
+from ..video import IMAGENET_MEAN, IMAGENET_STD
+from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
+from .checkpoint import save_checkpoint
+from .batches import BatchMaker, FrameBank, forward_targets, still_logits
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE = "log.jsonl"
+STATE_FILE = "checkpoint.pt"
+MODEL_DIR = "model"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the trained weights (with the code): see the module docstring.
+
+    curriculum: ``(frames, steps)`` stages, run in order. seed: the training seed (in `TRAINING_SEEDS`); it
+    also seeds the initialisation.
+    """
+
+    seed: int = TRAINING_SEEDS.start
+    videos_per_batch: int = 16
+    curriculum: tuple[tuple[int, int], ...] = ((0, 300), (3, 300), (6, 200), (9, 300), (12, 500), (24, 500), (48, 500),
+                                               (96, 1000))
+    learning_rate: float = 2e-3
+    warmup_steps: int = 100
+    final_learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    end_token_weight: float = 0.1
+    frame_loss_weight: float = 0.2
+    still_loss_weight: float = 1.0
+    word_loss_weight: float = 0.5
+    evidence_loss_weight: float = 0.2
+    log_every: int = 25
+    checkpoint_every: int = 100
+
+    @property
+    def steps(self) -> int:
+        return sum(steps for _, steps in self.curriculum)
+
+    def frames_at(self, step: int) -> int:
+        """The video length of step ``step`` (0-based)."""
+        for frames, steps in self.curriculum:
+            if step < steps:
+                return frames
+            step -= steps
+        raise ValueError(f"step {step} is past the curriculum")
+
+    def learning_rate_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.final_learning_rate + (self.learning_rate - self.final_learning_rate) * cosine
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "curriculum": [list(stage) for stage in self.curriculum]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+        data = dict(data)
+        data["curriculum"] = tuple(tuple(stage) for stage in data["curriculum"])
+        return cls(**data)
+
+
+def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int | None = None) -> Path:
+    """Train (or resume) ``recipe`` in ``out``; returns the exported checkpoint folder ``out/model``.
+
+    stop_after: stop once this many steps are done in all (to split a run; rerun to go on).
+    """
+    if recipe.seed not in TRAINING_SEEDS:
+        raise ConfigurationError(f"the training seed must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # tiny gradients and Adam moments would otherwise take the slow path
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=recipe.seed)
+    adapter = InternVLAdapter(model, tokenizer, layout=LAYOUT, image_size=IMAGE_SIZE, image_mean=IMAGENET_MEAN,
+                              image_std=IMAGENET_STD)
+    model.train()  # the adapter put it in eval mode
+    model.set_attn_implementation("eager")  # training reads attention probabilities (the evidence loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
+    step, elapsed = _resume(out, recipe, model, optimizer)
+    logger.info("%d parameters; training %d steps from step %d", count_parameters(model.parameters()),
+                recipe.steps, step)
+    bank, maker = FrameBank(adapter), BatchMaker(adapter)
+    window = _Window()
+    last = min(recipe.steps, stop_after) if stop_after is not None else recipe.steps
+    started = time.monotonic() - elapsed
+    while step < last:
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.learning_rate_at(step)
+        loss, parts, answers = _step_loss(recipe, model, bank, maker, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+        optimizer.step()
+        step += 1
+        window.add(parts, answers)
+        if step % recipe.log_every == 0 or step == last:
+            _log(out, window.flush(step, recipe, time.monotonic() - started))
+        if step % recipe.checkpoint_every == 0 or step == last:
+            _save_state(out, recipe, model, optimizer, step, time.monotonic() - started)
+    if step >= recipe.steps:
+        save_checkpoint(model.eval(), tokenizer, out / MODEL_DIR, recipe=recipe.to_dict())
+    return out / MODEL_DIR
+
+
+def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: int):
+    """Step ``step``'s loss, its named parts (floats) and, unless it is a vision step, the answers
+    ``(correct [B * Q] bool, families)``."""
+    words = still_logits(model, bank).flatten(0, 1).float()  # [S, vocab]: one visual token per still
+    still_loss = F.cross_entropy(words, maker.still_words[:, 0]) + F.cross_entropy(words, maker.still_words[:, 1])
+    frames = recipe.frames_at(step)
+    if frames == 0:  # a vision step: the stills alone
+        return still_loss, {"still_loss": still_loss.item()}, None
+    batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
+    logits, frame_logits, word_logits, evidence_mass = forward_targets(model, bank, batch)
+    losses = {"loss": F.cross_entropy(logits[:, 0].float(), batch.targets[:, 0]),
+              "end_loss": F.cross_entropy(logits[:, 1].float(), batch.targets[:, 1]),
+              "frame_loss": F.cross_entropy(frame_logits.unsqueeze(3).expand(*batch.frame_targets.shape, -1)
+                                            .flatten(0, 3).float(), batch.frame_targets.flatten()),
+              "word_loss": F.cross_entropy(word_logits.float(), batch.word_targets),
+              "evidence_loss": -torch.log(evidence_mass.float() + 1e-6).mean(),
+              "still_loss": still_loss}
+    loss = (losses["loss"] + recipe.end_token_weight * losses["end_loss"]
+            + recipe.frame_loss_weight * losses["frame_loss"] + recipe.word_loss_weight * losses["word_loss"]
+            + recipe.evidence_loss_weight * losses["evidence_loss"]
+            + recipe.still_loss_weight * still_loss)
+    correct = logits[:, 0].argmax(-1) == batch.targets[:, 0]
+    return loss, {name: value.item() for name, value in losses.items()}, (correct, batch.families)
+
+
+class _Window:
+    """Losses and answer accuracy per family over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = defaultdict(list)
+        self.right: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.cpu = time.process_time()
+
+    def add(self, parts: dict[str, float], answers: tuple[torch.Tensor, list[str]] | None) -> None:
+        for name, value in parts.items():
+            self.parts[name].append(value)
+        if answers is not None:
+            correct, families = answers
+            for family, ok in zip(families, correct.tolist(), strict=True):
+                self.right[family][0] += int(ok)
+                self.right[family][1] += 1
+
+    def flush(self, step: int, recipe: Recipe, seconds: float) -> dict[str, Any]:
+        answered = sum(total for _, total in self.right.values())
+        line = {"step": step, "frames": recipe.frames_at(step - 1),
+                **{name: sum(values) / len(values) for name, values in self.parts.items()},
+                "accuracy": sum(right for right, _ in self.right.values()) / answered if answered else None,
+                "family_accuracy": {family: right / total for family, (right, total) in sorted(self.right.items())},
+                "learning_rate": recipe.learning_rate_at(step - 1), "seconds": round(seconds, 1),
+                "cpu_seconds_since_last": round(time.process_time() - self.cpu, 1)}
+        self.__init__()
+        return line
+
+
+def _log(out: Path, line: dict[str, Any]) -> None:
+    if line["accuracy"] is None:
+        logger.info("step %d (stills): still loss %.3f", line["step"], line["still_loss"])
+    else:
+        logger.info("step %d (%d frames): loss %.3f, accuracy %.3f", line["step"], line["frames"], line["loss"],
+                    line["accuracy"])
+    with (out / LOG_FILE).open("a", encoding="utf-8") as file:
+        file.write(json.dumps(line) + "\n")
+
+
+def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
+    temporary = out / (STATE_FILE + ".tmp")
+    torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict()}, temporary)
+    os.replace(temporary, out / STATE_FILE)
+
+
+def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:
+    """Load ``out/checkpoint.pt`` if there is one; returns (steps done, seconds spent)."""
+    path = out / STATE_FILE
+    if not path.is_file():
+        (out / LOG_FILE).unlink(missing_ok=True)
+        return 0, 0.0
+    state = torch.load(path, weights_only=True)
+    if state["recipe"] != recipe.to_dict():
+        raise ConfigurationError(f"{out} holds a run of another recipe; use another output folder")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _truncate_log(out / LOG_FILE, state["step"])
+    return int(state["step"]), float(state["seconds"])
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after the checkpoint (their steps are trained again)."""
+    if path.is_file():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

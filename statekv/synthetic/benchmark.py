@@ -1,0 +1,110 @@
+"""A synthetic long-video QA set on disk: video files and a question file.
+
+    make_benchmark("data/synthetic", videos=24, seed=0)
+
+writes::
+
+    data/synthetic/videos/v0000.mp4 ...   one still per second, lossless H.264 (RGB), 4 fps
+    data/synthetic/questions.jsonl         one question per line (see `QUESTION_FIELDS`)
+    data/synthetic/benchmark.json          how the set was made (seed, videos, frames, families, version)
+
+Sampled at 1 frame per second (``statekv``'s default), a video gives exactly its ``num_frames`` stills. The
+question file is written last, so an interrupted ``make`` leaves no file that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError
+from .plans import MIN_FRAMES, VideoPlan, plan_video
+from .scenes import render
+from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
+from .tasks import FAMILIES, QuestionSpec, ask_all
+from .videos import write_stills_video
+
+QUESTIONS_FILE = "questions.jsonl"
+MANIFEST_FILE = "benchmark.json"
+VIDEO_DIR = "videos"
+FORMAT_VERSION = 1
+DEFAULT_FRAMES = 96
+QUESTION_FIELDS = ("qid", "video_id", "video", "task_type", "question", "options", "answer", "evidence_frames",
+                   "num_frames")
+
+
+def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int = DEFAULT_FRAMES,
+                   families: Sequence[str] = tuple(FAMILIES), overwrite: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write ``videos`` videos of ``num_frames`` frames with one question per family each to ``out``.
+
+    seed: in `EVALUATION_SEEDS` (the training range is refused). overwrite: replace the set a folder already
+    holds (its ``videos/``, question file and ``benchmark.json``); without it a non-empty folder is refused.
+    progress: called as ``progress(videos done, videos)``. Returns the path of the question file.
+    """
+    _check_arguments(videos, seed, num_frames, families)
+    out = Path(out)
+    _prepare_folder(out, overwrite)
+    rows: list[dict[str, Any]] = []
+    for index in range(videos):
+        video_id = f"v{index:04d}"
+        rng = video_rng(seed, index)
+        plan = plan_video(rng, num_frames)
+        specs = ask_all(plan, rng, families)
+        relative = f"{VIDEO_DIR}/{video_id}.mp4"
+        write_video(plan, out / relative)
+        rows += [question_row(spec, video_id, relative, num_frames) for spec in specs]
+        if progress is not None:
+            progress(index + 1, videos)
+    manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
+                "num_frames": num_frames, "families": list(families), "questions": len(rows)}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return _write_rows(out / QUESTIONS_FILE, rows)
+
+
+def write_video(plan: VideoPlan, path: Path) -> Path:
+    """The video of ``plan``: each frame's still for one second."""
+    return write_stills_video(path, (render(still) for still in plan.stills))
+
+
+def question_row(spec: QuestionSpec, video_id: str, video: str, num_frames: int) -> dict[str, Any]:
+    """One line of the question file."""
+    return {"qid": f"{video_id}-{spec.family}", "video_id": video_id, "video": video, "task_type": spec.family,
+            "question": spec.question, "options": list(spec.options), "answer": spec.answer_letter,
+            "evidence_frames": list(spec.evidence), "num_frames": num_frames}
+
+
+def _check_arguments(videos: int, seed: int, num_frames: int, families: Sequence[str]) -> None:
+    for name, value, least in (("videos", videos, 1), ("num_frames", num_frames, MIN_FRAMES), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigurationError(f"{name} must be an integer of at least {least}, got {value!r}")
+    if seed in TRAINING_SEEDS:
+        raise ConfigurationError(f"seed {seed} is in the range reserved for training ({TRAINING_SEEDS.start} and "
+                                 f"up); evaluation seeds are {EVALUATION_SEEDS.start} to {EVALUATION_SEEDS.stop - 1}")
+    unknown = [name for name in families if name not in FAMILIES]
+    if unknown or not families:
+        raise ConfigurationError(f"unknown question family {unknown[0] if unknown else ''!r}; "
+                                 f"choose from {', '.join(FAMILIES)}")
+
+
+def _prepare_folder(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigurationError(f"{out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
+        shutil.rmtree(out / VIDEO_DIR, ignore_errors=True)
+        for name in (QUESTIONS_FILE, MANIFEST_FILE):
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(temporary, path)
+    return path

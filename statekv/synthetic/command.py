@@ -1,0 +1,59 @@
+"""``statekv synthetic make``: write a synthetic long-video QA set (videos and a question file).
+
+    statekv synthetic make --out data/synthetic --videos 24 --seed 0
+    statekv eval synthetic --model builtin --method statekv --budget 64 --data-root data/synthetic --out runs/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("synthetic", help="make a synthetic long-video QA set",
+                                   description="Synthetic long-video question answering (see docs/accuracy.md).")
+    commands = parser.add_subparsers(dest="synthetic_command", required=True, metavar="make")
+    from statekv.values import POSITIVE_INT
+
+    make = commands.add_parser(
+        "make", help="write videos and a question file",
+        description="Write N videos (one still per second, lossless H.264) with one four-option question of "
+                    "each family per video, deterministically from the seed.")
+    make.add_argument("--out", required=True, type=Path, help="folder to write (must be empty or new)")
+    make.add_argument("--videos", required=True, type=POSITIVE_INT, metavar="N", help="how many videos")
+    make.add_argument("--seed", required=True, type=_seed, metavar="S",
+                      help="evaluation seed, 0 to 999999 (larger seeds are reserved for training)")
+    make.add_argument("--frames", type=POSITIVE_INT, default=96, metavar="F",
+                      help="frames (seconds) per video, at least 12 (default: 96)")
+    make.add_argument("--families", default=None, metavar="A,B",
+                      help="comma-separated question families (default: all)")
+    make.add_argument("--overwrite", action="store_true", help="replace the set the folder already holds")
+    make.set_defaults(run=run_make)
+
+
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+
+
+def run_make(args: argparse.Namespace) -> int:
+    from statekv.synthetic.benchmark import make_benchmark
+    from statekv.synthetic.tasks import FAMILIES
+
+    families = tuple(FAMILIES) if args.families is None else tuple(name.strip() for name in args.families.split(","))
+    started = time.monotonic()
+    path = make_benchmark(args.out, videos=args.videos, seed=args.seed, num_frames=args.frames, families=families,
+                          overwrite=args.overwrite, progress=_progress)
+    print(f"wrote {args.videos} videos and {args.videos * len(families)} questions to {args.out} "
+          f"({path.name}) in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def _progress(done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        print(f"\r{done}/{total} videos", end="\n" if done == total else "", file=sys.stderr, flush=True)

@@ -1,0 +1,110 @@
+"""The built-in model: shipped weights load through from_pretrained and answer held-out questions; training
+lays prompts out exactly as streaming does, and resumes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer, InternVLForConditionalGeneration
+
+import statekv
+from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
+from statekv.builtin.architecture import build_tokenizer
+from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
+from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
+from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.synthetic.benchmark import make_benchmark, write_video
+from statekv.synthetic.plans import plan_video
+from statekv.synthetic.prompts import question_prompt
+from statekv.synthetic.scenes import COLOURS, SHAPES
+from statekv.synthetic.seeds import TRAINING_SEEDS, training_rng
+from statekv.synthetic.tasks import FAMILIES, ask_all
+
+HELD_OUT = dict(videos=8, seed=424242)  # an evaluation seed: never trained on
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin", method="full")
+
+
+def test_shipped_weights_are_a_small_internvl3_loaded_by_from_pretrained(qa):
+    folder = builtin_checkpoint()
+    assert folder == WEIGHTS_DIR and (folder / "model.safetensors").stat().st_size <= 20 * 2**20
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert isinstance(model, InternVLForConditionalGeneration) and model.config.model_type == "internvl"
+    assert qa.adapter.family == "internvl" and qa.adapter.layout == "chat"  # the layout it was trained on
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "Frame7: What shape was the red object?\nA. circle\nB. cross"
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    for word in [*COLOURS, *SHAPES, "video", "shown", "quarter"]:  # the questions' words are single tokens
+        assert len(tokenizer.tokenize(" " + word)) == 1, word
+
+
+def test_shipped_weights_answer_held_out_questions_under_full_attention(qa, tmp_path):
+    data = tmp_path / "heldout"
+    make_benchmark(data, **HELD_OUT)
+    summary = run_evaluation(EvalConfig.for_model("synthetic", "builtin", data, tmp_path / "run", method="full",
+                                        progress=False), qa=qa)
+    overall = summary["score"]["overall"]
+    assert overall["questions"] == 8 * len(FAMILIES) and overall["unparsable"] == 0
+    assert overall["accuracy"] > 80, summary["score"]["groups"]["task_type"]
+
+
+def test_training_batches_equal_the_streamed_prompt(tmp_path):
+    """The one-shot batched forward used for training gives the logits statekv's streamed full attention gives."""
+    qa = statekv.VideoQA.from_pretrained("builtin", method="full")
+    adapter, model = qa.adapter, qa.adapter.model
+    maker, bank = BatchMaker(adapter), FrameBank(adapter)
+    batch = maker.make(np.random.default_rng(5), videos=1, num_frames=20)
+    model.set_attn_implementation("eager")  # as in training, which reads attention probabilities
+    with torch.no_grad():
+        logits, _, word_logits, evidence_mass = forward_targets(model, bank, batch)
+    assert word_logits.shape[0] == evidence_mass.shape[0] == len(FAMILIES)
+    assert bool(((evidence_mass > 0) & (evidence_mass <= 1 + 1e-5)).all())
+    rng = np.random.default_rng(5)
+    plan = plan_video(rng, 20)
+    specs = ask_all(plan, rng)
+    with qa.encode(write_video(plan, tmp_path / "video.mp4")) as video:  # the file, as evaluation reads it
+        assert video.tokens == batch.video_ids.shape[1]
+        for row, spec in enumerate(specs):
+            prompt = adapter.question_ids(question_prompt(spec.question, spec.options), video.state)
+            with torch.no_grad():
+                streamed = model(input_ids=prompt, past_key_values=video.prefill.detailed_cache).logits[0, -1]
+            torch.testing.assert_close(streamed, logits[row, 0], atol=2e-4, rtol=1e-4)
+            answer = video.ask_tokens(question_prompt(spec.question, spec.options), max_new_tokens=1)
+            assert int(answer[0, 0]) == int(logits[row, 0].argmax())
+
+
+def test_training_runs_and_resumes(tmp_path):
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), warmup_steps=1, log_every=1,
+                    checkpoint_every=1)
+    assert not train(recipe, tmp_path, stop_after=2).exists()  # stopped half way: no model yet
+    assert torch.load(tmp_path / STATE_FILE, weights_only=True)["step"] == 2
+    model_dir = train(recipe, tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / LOG_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert lines[0]["accuracy"] is None and lines[0]["family_accuracy"] == {}  # a vision step: stills only
+    assert set(lines[2]["family_accuracy"]) == set(FAMILIES) and lines[2]["loss"] > 0
+    assert AutoModelForImageTextToText.from_pretrained(model_dir).config.image_seq_length == 1
+    assert json.loads((model_dir / "statekv_recipe.json").read_text())["curriculum"] == [[0, 1], [16, 2]]
+
+
+def test_tokenizer_is_deterministic():
+    first, second = build_tokenizer(), build_tokenizer()
+    assert first.get_vocab() == second.get_vocab()
+    assert len(first.tokenize("\nFrame96: ")) == 1 and len(first.tokenize("Frame1: ")) == 1
+
+
+def test_frame_targets_count_each_object_and_place_each_frame():
+    plan = plan_video(training_rng(TRAINING_SEEDS.start, 0), 12)
+    words = frame_words(plan)  # per frame: (colour, shown so far) at its visual token, (shape, quarter) at </img>
+    assert [(visual[0], end[0]) for visual, end in words] == [still_words(still) for still in plan.stills]
+    for frames in plan.appearances:
+        assert [words[frame][0][1] for frame in frames] == [f" {times}" for times in range(1, len(frames) + 1)]
+    shown = {frame for frames in plan.appearances for frame in frames}
+    assert all(words[frame][0][1] == " nothing" for frame in range(12) if frame not in shown)
+    assert [end[1] for _, end in words] == [" first"] * 3 + [" second"] * 3 + [" third"] * 3 + [" last"] * 3

@@ -1,0 +1,118 @@
+"""``statekv eval synthetic``: the ordinary runner on a synthetic set; resuming; one-line errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import statekv.eval as ev
+from statekv.cli import main
+from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.pipeline import EncodedVideo, VideoQA
+from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+from statekv.synthetic.tasks import FAMILIES
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic-eval") / "set"
+    make_benchmark(root, videos=2, seed=31, num_frames=16)
+    return root
+
+
+def _eval(data, out, *extra: str) -> int:
+    return main(["eval", "synthetic", "--model", "builtin", "--data-root", str(data), "--out", str(out),
+                 "--method", "statekv", "--budget", "16", "--no-progress", *extra])
+
+
+def _qids(out) -> list[str]:
+    return [json.loads(line)["qid"] for line in (out / "answers.rank000.jsonl").read_text().splitlines()]
+
+
+def test_eval_synthetic_runs_resumes_and_scores_per_family(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "5") == 0
+    assert len(_qids(out)) == 5
+    assert _eval(data, out) == 0  # the rest, nothing twice
+    expected = [q.qid for q in ev.load_benchmark("synthetic", data)]
+    assert sorted(_qids(out)) == sorted(expected) and len(expected) == 2 * len(FAMILIES)
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["benchmark"] == "synthetic" and summary["method_label"] == "StateKV B=16"
+    assert set(summary["score"]["groups"]["task_type"]) == set(FAMILIES) and summary["score"]["missing"] == 0
+    assert "| Synthetic |" in (out / "table.md").read_text()
+    assert "on synthetic:" in capsys.readouterr().out
+
+
+def test_an_interrupted_evaluation_loses_and_repeats_nothing(data, tmp_path, monkeypatch):
+    qa = VideoQA.from_pretrained("builtin", method="recency", frames=4)
+    interrupted, fresh = tmp_path / "interrupted", tmp_path / "fresh"
+    ask, calls = EncodedVideo.ask, []
+
+    def ask_then_stop(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # as if the run were stopped while answering its fourth question
+        return ask(self, *args, **kwargs)
+
+    monkeypatch.setattr(EncodedVideo, "ask", ask_then_stop)
+    config = EvalConfig.for_model("synthetic", "builtin", data, interrupted, method="recency", frames=4,
+                        progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_evaluation(config, qa=qa)
+    assert len(_qids(interrupted)) == 3
+    monkeypatch.setattr(EncodedVideo, "ask", ask)
+    run_evaluation(config, qa=qa)
+    run_evaluation(EvalConfig.for_model("synthetic", "builtin", data, fresh, method="recency", frames=4,
+                              progress=False), qa=qa)
+    assert len(_qids(interrupted)) == len(set(_qids(interrupted))) == 2 * len(FAMILIES)
+    answers = {r.qid: r.prediction for r in ev.run_records(interrupted)}
+    assert answers == {r.qid: r.prediction for r in ev.run_records(fresh)}
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_missing_or_malformed_question_files_are_one_line_errors_naming_the_file(data, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _eval(empty, tmp_path / "o1") == 2
+    assert str(empty / QUESTIONS_FILE) in _one_line(capsys.readouterr().err)
+
+    broken = tmp_path / "broken"
+    make_benchmark(broken, videos=1, seed=32, num_frames=16)
+    questions = broken / QUESTIONS_FILE
+    lines = questions.read_text().splitlines()
+    questions.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    assert _eval(broken, tmp_path / "o2") == 2
+    assert f"{questions}:2" in _one_line(capsys.readouterr().err)
+
+    row = json.loads(lines[0])
+    del row["answer"]
+    questions.write_text(json.dumps(row) + "\n")
+    assert _eval(broken, tmp_path / "o3") == 2
+    assert str(questions) in (message := _one_line(capsys.readouterr().err)) and "answer" in message
+
+    (broken / "videos" / "v0000.mp4").unlink()
+    questions.write_text(lines[0] + "\n")
+    assert _eval(broken, tmp_path / "o4") == 2
+    assert "v0000.mp4" in _one_line(capsys.readouterr().err)
+
+
+def test_an_undecodable_video_is_named_in_one_line(tmp_path, capsys, caplog):
+    root = tmp_path / "set"
+    make_benchmark(root, videos=2, seed=33, num_frames=16)
+    (root / "videos" / "v0001.mp4").write_bytes(b"not a video at all")
+    with caplog.at_level(logging.ERROR, logger="statekv.eval.runner"):
+        assert _eval(root, tmp_path / "run") == 1  # the other video's questions are answered; the run says so
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "v0001.mp4" in errors[0] and "\n" not in errors[0]
+    assert "1 video(s) could not be read" in _one_line(capsys.readouterr().err)
+    assert len(_qids(tmp_path / "run")) == len(FAMILIES)
+    (root / "videos" / "v0000.mp4").write_bytes(b"")
+    assert _eval(root, tmp_path / "run2") == 2  # nothing readable: the run fails with one line
+    assert "no question was answered" in _one_line(capsys.readouterr().err)
