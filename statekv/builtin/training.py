@@ -17,9 +17,9 @@ positions where nothing is ever decoded, so the prompt layout is untouched (`sta
   attends to that word (layer 3).
 
 They split an answer into steps a small model learns one at a time (see a frame, keep count and time, find
-the frames a question names, read them, say the letter). Without the evidence target the model never learns
+the frames a question names, read them, say the letter). Without the evidence target the model does not learn
 to find frames by colour within this budget (attribute, count and position stay at chance), and without the
-frame targets it cannot read counts and times back.
+last-layer head trained to read the subject word, position stays at chance (docs/accuracy.md).
 
 The curriculum starts with vision steps (frames 0: the still targets alone, a few milliseconds each), then
 trains on videos that grow from 3 frames (two objects, where attention finds the evidence at once) to the
