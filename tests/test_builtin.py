@@ -62,9 +62,9 @@ def test_training_batches_equal_the_streamed_prompt(tmp_path):
     batch = maker.make(np.random.default_rng(5), videos=1, num_frames=20)
     model.set_attn_implementation("eager")  # as in training, which reads attention probabilities
     with torch.no_grad():
-        logits, _, word_logits, evidence_mass = forward_targets(model, bank, batch)
+        logits, _, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch)
     assert word_logits.shape[0] == evidence_mass.shape[0] == len(FAMILIES)
-    assert bool(((evidence_mass > 0) & (evidence_mass <= 1 + 1e-5)).all())
+    assert bool(((evidence_mass > 0) & (evidence_mass <= 1 + 1e-5)).all()) and float(counting_loss) > 0
     rng = np.random.default_rng(5)
     plan = plan_video(rng, 20)
     specs = ask_all(plan, rng)

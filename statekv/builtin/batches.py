@@ -31,6 +31,10 @@ FRAME_TARGET_LAYER = 1
 # frames: one in the first layer, whose values are what the frames show, and one after `FRAME_TARGET_LAYER`,
 # whose values also hold each frame's count and time; the last layer is left to carry the answer on
 SUPERVISED_HEADS = ((0, 0), (FRAME_TARGET_LAYER + 1, 0))
+# (layer, head) whose attention from each object frame's visual token is spread evenly over the visual tokens
+# of that object's appearances so far and the first token of the prompt: the share left on that first token,
+# 1 / (appearances + 1), is the running count the frame targets name
+COUNTING_HEAD = (0, 1)
 # (layer, head) whose attention from the position that says the answer letter is drawn to that subject word,
 # after the second supervised head has brought the frames' counts and times there
 READING_HEAD = (FRAME_TARGET_LAYER + 2, 0)
@@ -62,7 +66,8 @@ class Batch:
     evidence ``[B * Q, Lv]`` bool: the visual tokens and ``</img>`` of the frames that decide each question;
     the word just before its ``?`` (the one naming what it asks about) is trained to attend to them
     (`SUPERVISED_HEADS`), and the position that says the answer letter attends to that word (`READING_HEAD`).
-    All are auxiliary targets, at positions where nothing is ever decoded."""
+    counting ``[B, Lv, Lv]``: the attention `COUNTING_HEAD` is trained towards, a row per object frame's visual
+    token (all-zero rows elsewhere). All are auxiliary targets, at positions where nothing is ever decoded."""
 
     video_ids: torch.Tensor
     still_ids: torch.Tensor
@@ -75,6 +80,7 @@ class Batch:
     word_positions: torch.Tensor
     word_targets: torch.Tensor
     evidence: torch.Tensor
+    counting: torch.Tensor
 
     @property
     def questions_per_video(self) -> int:
@@ -100,6 +106,19 @@ def frame_words(plan: VideoPlan) -> list[tuple[tuple[str, str], tuple[str, str]]
     quarters = [" " + QUARTERS[quarter_of(frame, plan.num_frames)].split()[0] for frame in range(plan.num_frames)]
     return [((colour, times), (shape, quarter)) for (colour, shape), times, quarter
             in zip(map(still_words, plan.stills), shown, quarters, strict=True)]
+
+
+def counting_targets(plans: list[VideoPlan], visual: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, Lv, Lv]``: for the visual token of each appearance of an object, an even spread over the visual
+    tokens of that object's appearances so far and the prompt's first token (see `COUNTING_HEAD`)."""
+    targets = torch.zeros((len(plans), length, length))
+    for video, plan in enumerate(plans):
+        for frames in plan.appearances:
+            for times, frame in enumerate(frames, start=1):
+                row = targets[video, visual[frame]]
+                row[visual[list(frames[:times])]] = 1 / (times + 1)
+                row[0] = 1 / (times + 1)
+    return targets
 
 
 class BatchMaker:
@@ -167,7 +186,8 @@ class BatchMaker:
         frame_targets = torch.tensor([[[[self._word(word) for word in words] for words in frame]
                                        for frame in frame_words(plan)] for plan in plans])
         return Batch(video_ids, still_ids, question_ids, target_positions, targets, families, positions,
-                     frame_targets, *torch.tensor(words).unbind(1), evidence_mask)
+                     frame_targets, *torch.tensor(words).unbind(1), evidence_mask,
+                     counting_targets(plans, positions[:, 0], video_ids.shape[1]))
 
     @lru_cache(maxsize=64)
     def frame_positions(self, num_frames: int) -> torch.Tensor:
@@ -181,7 +201,7 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
     ``[B * Q, 2, vocab]``, at the frame positions ``[B, N, 2, vocab]`` and at the question marks
     ``[B * Q, vocab]``, and the attention masses ``[B * Q, len(SUPERVISED_HEADS) + 1]`` that the subject words
     give the evidence frames in `SUPERVISED_HEADS` and that the answer position gives the subject word in
-    `READING_HEAD`.
+    `READING_HEAD`; and the cross-entropy of `COUNTING_HEAD`'s attention against ``batch.counting`` (a scalar).
 
     The videos go through the decoder once (``[B, Lv]``, visual features in place of the image tokens); the
     key/value cache is repeated for each video's questions, which then run as one batch ``[B * Q, Lq]``. With
@@ -199,7 +219,12 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
     embeds = inner.get_input_embeddings()(video_ids)
     slots = (video_ids == config.image_token_id).unsqueeze(-1).expand_as(embeds)
     embeds = embeds.masked_scatter(slots, features.reshape(-1, embeds.shape[-1]).to(embeds.dtype))
-    video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True)
+    video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True,
+                                 output_attentions=True)
+    layer, head = COUNTING_HEAD
+    attention = video.attentions[layer][:, head]  # [B, Lv, Lv]
+    counted = batch.counting.sum(-1) > 0
+    counting_loss = -(batch.counting * torch.log(attention + 1e-9)).sum(-1)[counted].mean()
     frames_hidden = inner.language_model.norm(video.hidden_states[FRAME_TARGET_LAYER + 1][:, batch.frame_positions])
     frame_logits = model.lm_head(frames_hidden)  # [B, N, 2, vocab]
     cache = video.past_key_values
@@ -216,7 +241,8 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
         for layer, head in SUPERVISED_HEADS], dim=-1)
     layer, head = READING_HEAD
     reading_mass = questions.attentions[layer][rows, head, batch.target_positions[:, 0], length + batch.word_positions - 1]
-    return model.lm_head(picked), frame_logits, model.lm_head(words), torch.cat([evidence_mass, reading_mass[:, None]], -1)
+    return (model.lm_head(picked), frame_logits, model.lm_head(words),
+            torch.cat([evidence_mass, reading_mass[:, None]], -1), counting_loss)
 
 
 def still_logits(model, bank: FrameBank) -> torch.Tensor:

@@ -14,7 +14,10 @@ positions where nothing is ever decoded, so the prompt layout is untouched (`sta
 * word: at each question's ``?``, the first word of the right option (the question alone decides it);
 * evidence: the word naming what a question asks about (the one before its ``?``) attends, in two supervised
   heads (layers 0 and 2), to the frames that decide the answer, and the position that says the letter
-  attends to that word (layer 3).
+  attends to that word (layer 3);
+* counting: while the video is encoded, a head of layer 0 spreads the attention of each object frame evenly
+  over that object's appearances so far and the prompt's first token, so the share left on that token says
+  how many times the object has been shown.
 
 They split an answer into steps a small model learns one at a time (see a frame, keep count and time, find
 the frames a question names, read them, say the letter). Without the evidence target the model does not learn
@@ -169,17 +172,18 @@ def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: 
     if frames == 0:  # a vision step: the stills alone
         return still_loss, {"still_loss": still_loss.item()}, None
     batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
-    logits, frame_logits, word_logits, evidence_mass = forward_targets(model, bank, batch)
+    logits, frame_logits, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch)
     losses = {"loss": F.cross_entropy(logits[:, 0].float(), batch.targets[:, 0]),
               "end_loss": F.cross_entropy(logits[:, 1].float(), batch.targets[:, 1]),
               "frame_loss": F.cross_entropy(frame_logits.unsqueeze(3).expand(*batch.frame_targets.shape, -1)
                                             .flatten(0, 3).float(), batch.frame_targets.flatten()),
               "word_loss": F.cross_entropy(word_logits.float(), batch.word_targets),
               "evidence_loss": -torch.log(evidence_mass.float() + 1e-6).mean(),
+              "counting_loss": counting_loss,
               "still_loss": still_loss}
     loss = (losses["loss"] + recipe.end_token_weight * losses["end_loss"]
             + recipe.frame_loss_weight * losses["frame_loss"] + recipe.word_loss_weight * losses["word_loss"]
-            + recipe.evidence_loss_weight * losses["evidence_loss"]
+            + recipe.evidence_loss_weight * (losses["evidence_loss"] + losses["counting_loss"])
             + recipe.still_loss_weight * still_loss)
     correct = logits[:, 0].argmax(-1) == batch.targets[:, 0]
     return loss, {name: value.item() for name, value in losses.items()}, (correct, batch.families)
