@@ -63,9 +63,6 @@ class VideoPlan:
         """``(frame, thing index)`` of every appearance, in time order."""
         return sorted((frame, thing) for thing, frames in enumerate(self.appearances) for frame in frames)
 
-    def thing_of_colour(self, colour: str) -> int:
-        return next(index for index, thing in enumerate(self.things) if thing.colour == colour)
-
 
 def quiet_tail(num_frames: int) -> int:
     """Frames at the end of a video in which no object appears (16 of 96)."""
