@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from statekv.errors import ConfigurationError
-from statekv.values import NON_NEGATIVE_INT, POSITIVE_INT, check_output_dir
+from statekv.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--score", choices=SCORE_PASSES, default="eager",
                         help="StateKV score pass: eager (free: sums existing probabilities) or recompute (QK^T again)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--plot", metavar="DIR", type=Path,
+    parser.add_argument("--plot", metavar="DIR", type=PATH,
                         help="write flops_vs_frames.png and compute_accuracy_frontier.png into DIR")
     parser.add_argument("--benchmark", choices=BENCHMARKS, default="videomme",
                         help="accuracies for the frontier figure (default: videomme)")
