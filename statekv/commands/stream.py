@@ -118,8 +118,8 @@ class _Replay:
                 where, problem = save_or_rescue(self.stream, self.save)
                 kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
                     f" (not to {self.save}: {problem})" if problem else "")
-            except OutputError as save_error:
-                kept = f"and the {self.stream.frames} frames streamed before it were lost: {one_line(save_error)}"
+            except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
+                kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
             else:

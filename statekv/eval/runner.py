@@ -64,7 +64,7 @@ RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "pro
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks")
 IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
-CONTENT_IDENTITY = {"data": "the questions or videos", "answer_key": "the answer key", "weights": "the weights"}
+CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
 
 @dataclass(frozen=True)
@@ -326,8 +326,9 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
                 continue  # nothing answered yet: nothing to protect
             if run["content"].get(key) != value:
                 what = CONTENT_IDENTITY[key]
-                found = "records no fingerprint of" if run["content"].get(key) is None else "was answered with other"
-                raise ConfigurationError(f"{config.out} holds answers whose run {found} {what} "
+                found = f"whose {RUN_FILE} records no fingerprint of the {what}" if run["content"].get(key) is None \
+                    else f"made with other {what}"
+                raise ConfigurationError(f"{config.out} holds answers {found} "
                                          f"({key}: recorded {str(run['content'].get(key))[:12]}, now {value[:12]}); "
                                          f"{redo}")
     if write:

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
-from .sampling import sample_at_rate, uniform_frame_indices
+from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
@@ -93,13 +93,16 @@ class Video(ABC):
         if decoded < self.num_frames:
             raise self._truncated(decoded)
 
-    def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512) -> list[int]:
-        """The frame indices `sample` yields (see `uniform_frame_indices`)."""
-        return uniform_frame_indices(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
+    def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> list[int]:
+        """The frame indices `sample` yields (see `source_frame_indices`; ``protocol``: `uniform_frame_indices`)."""
+        rule = uniform_frame_indices if protocol else source_frame_indices
+        return rule(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
 
-    def sample(self, *, max_fps: float = 1.0, max_frames: int = 512) -> Iterator[Frame]:
-        """The frames chosen by the paper's rule: at most ``max_fps`` per second, at most ``max_frames``."""
-        wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames))
+    def sample(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> Iterator[Frame]:
+        """At most ``max_fps`` frames per second, at most ``max_frames``: every frame at most once, the last one
+        included at or above the source's rate (`source_frame_indices`); ``protocol=True``: the benchmarks'
+        published rule (`uniform_frame_indices`, which may repeat a frame), for evaluations."""
+        wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         next_index = next(wanted)
         decoded = 0
         for pending in self._pending_frames():
