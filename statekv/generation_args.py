@@ -17,6 +17,13 @@ ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_va
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
 
 
+# what ``generate`` takes besides generation settings (its parameters, and ``tokenizer`` for ``stop_strings``)
+GENERATE_ARGUMENTS = frozenset({"generation_config", "logits_processor", "stopping_criteria", "streamer",
+                                "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
+                                "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
+                                "tokenizer", "assistant_tokenizer"})
+
+
 def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -56,5 +63,5 @@ def check_generation_arguments(arguments: Mapping[str, Any], generation_config: 
             test, expected = RULES[name]
             if not test(value):
                 raise InputError(f"ask(): {name} must be {expected}, got {value!r}"[:200])
-        elif not hasattr(known, name) and name not in ("streamer", "logits_processor", "stopping_criteria"):
+        elif not hasattr(known, name) and name not in GENERATE_ARGUMENTS:
             raise InputError(f"ask(): unknown generation argument {name!r} (see transformers' GenerationConfig)")

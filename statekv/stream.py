@@ -38,7 +38,8 @@ from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
 from .encoded import EncodedVideo, EncodingStats
-from .stream_file import FORMAT, FORMAT_VERSION, read_verified, weights_fingerprint, write_verified
+from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, read_verified, weights_fingerprint,
+                          write_verified)
 from .values import check_bool, check_int, check_number
 from .video import Frame
 
@@ -213,6 +214,7 @@ class Stream(EncodedVideo):
         check_bool(allow_other_weights, "allow_other_weights")
         metadata, tensors = read_verified(path)
         _check_same_setup(path, metadata, qa, allow_other_weights)
+        check_against_model(path, metadata, qa.adapter)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
         pending = _pending_images(path, tensors, metadata["pending"], set(cache))
         try:

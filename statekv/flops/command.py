@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+MAX_FRAMES = 100_000
+
+
 def run(args: argparse.Namespace) -> int:
     from . import report
     from .presets import PRESETS
@@ -56,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     models = list(PRESETS) if args.models == ["all"] else args.models
     if args.plot:
         check_output_dir(args.plot, "--plot")
+    if args.frames > MAX_FRAMES:  # the curves hold per-frame arrays for every model and method
+        raise ConfigurationError(f"--frames {args.frames} is more than the {MAX_FRAMES} frames this report "
+                                 "covers (over 27 hours at 1 frame per second)")
     at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:

@@ -258,6 +258,7 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
             raise VideoNotFoundError(f"{path}: no such file or folder")
         if path.is_dir():
             return _open_image_folder(path, fps=fps if fps is not None else DEFAULT_IMAGE_FPS)
+        _check_regular_file(path)
         if fps is not None:
             raise VideoError(f"{path}: fps= applies to image sources only; a video file has its own timestamps")
         return FileVideo(path)
@@ -279,7 +280,16 @@ def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
     if not paths:
         extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
         raise VideoError(f"{folder}: folder holds no images ({extensions})")
+    for path in paths:
+        _check_regular_file(path)
     return ImageSequenceVideo(paths, _read_image_file, fps=fps, name=str(folder))
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse a named pipe, a device or a socket: reading one would wait forever or never end."""
+    if not path.is_file():
+        raise VideoError(f"{path}: not a regular file (a named pipe, device or socket); give a video file or a "
+                         "folder of images")
 
 
 def _natural_key(path: Path) -> list[Any]:
