@@ -38,8 +38,8 @@ from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
 from .encoded import EncodedVideo, EncodingStats
-from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, read_verified, weights_fingerprint,
-                          write_verified)
+from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, check_values, read_verified,
+                          weights_fingerprint, write_verified)
 from .values import check_bool, check_int, check_number
 from .video import Frame
 
@@ -214,7 +214,6 @@ class Stream(EncodedVideo):
         check_bool(allow_other_weights, "allow_other_weights")
         metadata, tensors = read_verified(path)
         _check_same_setup(path, metadata, qa, allow_other_weights)
-        check_against_model(path, metadata, qa.adapter)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
         pending = _pending_images(path, tensors, metadata["pending"], set(cache))
         try:
@@ -225,6 +224,8 @@ class Stream(EncodedVideo):
         if reserve < 1:
             raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} leaves no room "
                              f"after {metadata['horizon_frames']} frames (horizon_frames)")
+        check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
+        check_against_model(path, metadata, qa.adapter)
         try:
             stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                          vision_batch=metadata["vision_batch"], reserve_tokens=reserve,

@@ -8,8 +8,10 @@ Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two 
 and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
 with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
 settings (``engine``). `read_verified` checks the header, the checksums and the schema, and `check_schema` every
-field's presence, type and range, so a damaged or hand-edited file is refused with one line before anything is
-built from it. Format 1 (written before verification existed) is refused with a message saying so.
+field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
+(finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
+written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
+with one line before anything is built from it. Format 1 (written before verification existed) is refused with a message saying so.
 
 A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
 """
@@ -124,7 +126,6 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
         if tensor_sha256(tensor) != checksums[name]:
             raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
                              "damaged after it was saved")
-    check_values(path, metadata, tensors)
     return metadata, tensors
 
 

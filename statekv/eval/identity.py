@@ -3,8 +3,10 @@
 A run folder is resumed only when these match what it holds (`statekv.eval.runner.check_run_file`), so answers
 made for other data, another answer key or other weights are never scored as this run's.
 
-    data_fingerprint(questions)     the questions (text, options, videos and their bytes' fingerprints)
+    data_fingerprint(questions)     the questions (text, options, task, which video)
     answer_key_fingerprint(...)     every question's answer letter
+    video_fingerprints(questions)   each video's size and first and last bytes, by video id (a video may change
+                                    while none of its questions is answered: a damaged file repaired)
     model_fingerprint(qa)           the weights (`statekv.stream_file.weights_fingerprint`)
 """
 
@@ -23,18 +25,27 @@ VIDEO_BYTES_READ = 1 << 16  # from each end of a video: enough to tell two encod
 
 
 def data_fingerprint(questions: Sequence[Question]) -> str:
-    """SHA-256 over every question's text, options, task and video, and each video file's size and first and
-    last bytes (so a folder whose videos were regenerated under the same names differs)."""
+    """SHA-256 over every question's id, text, options, task, time and video names."""
     digest = hashlib.sha256()
-    files: dict[str, str] = {}
     for question in questions:
         paths = [path for path in (question.video_path, question.clip_path) if path is not None]
-        for path in paths:
-            files.setdefault(str(path), _file_fingerprint(Path(path)))
         digest.update(_canonical([question.qid, question.video_id, question.question, list(question.options),
-                                  question.task_type, question.realtime,
-                                  [Path(path).name for path in paths], [files[str(path)] for path in paths]]))
+                                  question.task_type, question.realtime, [Path(path).name for path in paths]]))
     return digest.hexdigest()
+
+
+def video_fingerprints(questions: Sequence[Question]) -> dict[str, str]:
+    """Each question's video file(s) (its clip too) by question id: size and first and last bytes, so a video
+    regenerated under the same name differs."""
+    files: dict[str, str] = {}
+    fingerprints = {}
+    for question in questions:
+        paths = [str(path) for path in (question.video_path, question.clip_path) if path is not None]
+        for path in paths:
+            if path not in files:
+                files[path] = _file_fingerprint(Path(path))
+        fingerprints[question.qid] = hashlib.sha256(_canonical([files[path] for path in paths])).hexdigest()
+    return fingerprints
 
 
 def answer_key_fingerprint(questions: Sequence[Question]) -> str:

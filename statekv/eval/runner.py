@@ -39,7 +39,7 @@ from typing import Any
 from statekv.errors import ConfigurationError, DataError
 from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
-from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint
+from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
 from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
@@ -169,7 +169,8 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     every_question = load_questions(config)
     questions = every_question[: config.limit] if config.limit else every_question
     expected = [question.qid for question in questions]
-    content = {"data": data_fingerprint(every_question), "answer_key": answer_key_fingerprint(every_question)}
+    content = {"data": data_fingerprint(every_question), "answer_key": answer_key_fingerprint(every_question),
+               "videos": video_fingerprints(every_question)}
     lock = RunLock(config.out)
     try:
         context.connect()
@@ -320,8 +321,11 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             first = changed[0]
             raise ConfigurationError(
                 f"{config.out} holds a run with {first}={recorded.get(first)!r}, not {identity[first]!r}; {redo}")
-        answered = bool(completed_qids(config.out))
+        answered = completed_qids(config.out)
+        _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
         for key, value in content.items():
+            if key == "videos":
+                continue
             if run["content"].get(key) is None and not answered:
                 continue  # nothing answered yet: nothing to protect
             if run["content"].get(key) != value:
@@ -337,6 +341,20 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected)}
         temporary.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         os.replace(temporary, path)
+
+
+def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str]) -> None:
+    """Refuse when a video changed after some of its questions were answered (a video whose questions are all
+    unanswered may change: a damaged file replaced)."""
+    if not answered:
+        return
+    if not isinstance(recorded, dict):
+        raise ConfigurationError(f"{out} holds answers whose {RUN_FILE} records no fingerprint of the videos; use "
+                                 "another --out, or --overwrite to answer again")
+    changed = sorted(qid for qid in answered if qid in current and recorded.get(qid) != current[qid])
+    if changed:
+        raise ConfigurationError(f"{out} holds answers made from other videos (question {changed[0]}'s video "
+                                 "changed since it was answered); use another --out, or --overwrite to answer again")
 
 
 def read_run_file(run_dir: Path | str) -> dict[str, Any] | None:
