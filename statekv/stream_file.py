@@ -11,7 +11,8 @@ settings (``engine``). `read_verified` checks the header, the checksums and the 
 field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
 (finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
 written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
-with one line before anything is built from it. Format 1 (written before verification existed) is refused with a message saying so.
+with one line before anything is built from it. Format 1 (written before verification existed) is refused with
+a message saying so.
 
 A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
 """
@@ -38,8 +39,8 @@ from .values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
-FINGERPRINT_SAMPLES = 256
-MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below  # elements read from each parameter for the weights fingerprint
+FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
+MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below
 
 Check = Callable[[Any, str], Any]
 

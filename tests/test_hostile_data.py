@@ -90,7 +90,8 @@ def test_damaged_question_files_are_one_line_naming_the_file_and_the_row(case, d
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_a_question_file_that_is_not_utf8_names_its_line(suffix, tmp_path):
     path = tmp_path / f"questions{suffix}"
-    path.write_bytes(b'[{"qid": "a"},\n {"qid": "caf\xe9"}]\n' if suffix == ".json" else b'{"qid": "a"}\n{"q": "\xff"}\n')
+    latin1 = b'[{"qid": "a"},\n {"qid": "caf\xe9"}]\n' if suffix == ".json" else b'{"qid": "a"}\n{"q": "\xff"}\n'
+    path.write_bytes(latin1)
     with pytest.raises(AnnotationError, match=f"{path}:2: not UTF-8 text"):
         ev.load_benchmark("synthetic", tmp_path, annotation=path)
 
@@ -115,7 +116,8 @@ def test_a_damaged_parquet_file_is_one_line(tmp_path):
 SIZE_CASES = {
     "a training seed": (["synthetic", "make", "--videos", "1", "--seed", "1000000"], "reserved for training"),
     "a seed past every range": (["synthetic", "make", "--videos", "1", "--seed", str(2**40)], "outside the evaluation"),
-    "a negative seed": (["synthetic", "make", "--videos", "1", "--seed", "-1"], "seed must be an integer of at least 0"),
+    "a negative seed": (["synthetic", "make", "--videos", "1", "--seed", "-1"],
+                        "seed must be an integer of at least 0"),
     "absurdly many videos": (["synthetic", "make", "--videos", str(10**12), "--seed", "1"], "at most 100000"),
     "absurdly long videos": (["synthetic", "make", "--videos", "1", "--seed", "1", "--frames", str(10**9)],
                              "at most 36000"),

@@ -32,7 +32,8 @@ benchmark's 96; trained on long videos from the start the model stays at chance.
 The run directory holds ``log.jsonl`` (one line per ``log_every`` steps: loss, answer accuracy per family,
 learning rate, time), ``checkpoint.pt`` (model, optimiser and step; written atomically every
 ``checkpoint_every`` steps, and when a stop (Ctrl-C, SIGTERM, SIGHUP) ends the run; the one before it is kept as
-``checkpoint.previous.pt``, so a damaged latest checkpoint resumes from the one before) and, at the end, ``model/``: the checkpoint folder (``save_pretrained``).
+``checkpoint.previous.pt``, so a damaged latest checkpoint resumes from the one before) and, at the end,
+``model/``: the checkpoint folder (``save_pretrained``).
 """
 
 from __future__ import annotations

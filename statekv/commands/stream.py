@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from ..video import open_video
 
     options = ModelOptions.from_args(args)
-    save = check_output_file(args.save, "--save") if args.save is not None else None  # before hours of encoding, not after
+    # before hours of encoding, not after
+    save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
         raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
