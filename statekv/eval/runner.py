@@ -306,12 +306,14 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ run.json
 
 
-def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, str], *, write: bool) -> None:
+def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, Any] | None = None, *,
+                   write: bool) -> None:
     """Refuse to mix settings, data, answer keys or weights in one run directory (``content``: the fingerprints
     known so far, see `statekv.eval.identity`); rank 0 (re)writes ``run.json``. A run folder holding answers
     whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too."""
     path = config.out / RUN_FILE
     identity = config.identity()
+    content = dict(content or {})
     run = read_run_file(config.out)
     if run is not None:
         recorded = {**IDENTITY_DEFAULTS, **run["settings"]}
@@ -322,7 +324,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             raise ConfigurationError(
                 f"{config.out} holds a run with {first}={recorded.get(first)!r}, not {identity[first]!r}; {redo}")
         answered = completed_qids(config.out)
-        _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
+        if "videos" in content:
+            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
         for key, value in content.items():
             if key == "videos":
                 continue
