@@ -254,7 +254,9 @@ def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_i
         assert 1 <= resumed.frames == summary["stats"]["frames"] < 150
 
 
-def test_a_signal_during_an_evaluation_keeps_its_answers_and_a_rerun_finishes(data, tmp_path):
+def test_a_signal_during_an_evaluation_keeps_its_answers_and_a_rerun_finishes(tmp_path):
+    # 96-frame videos take seconds each to encode, so the signal lands while the run is answering
+    data = make_benchmark(tmp_path / "set", videos=2, seed=42, num_frames=96).parent
     out = tmp_path / "run"
     child = _child(["eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", out, "--budget", "16",
                     "--no-progress", "--max-new-tokens", "2"], tmp_path)
