@@ -16,6 +16,7 @@ import torch
 
 from .core import Retrieval, StreamingPrefill
 from .errors import HorizonError, InputError
+from .generation_args import check_generation_arguments
 from .models import LayoutState, VideoAdapter
 from .overlap import EncodedStep, encode_batch
 from .values import check_int
@@ -147,8 +148,17 @@ class EncodedVideo:
                 f"the question ({prompt.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
                 f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
             )
-        answer = self.adapter.generate(self.prefill, self.state, prompt, max_new_tokens=max_new_tokens,
-                                       retrieve=retrieval, **generate_kwargs)
+        check_generation_arguments(generate_kwargs, getattr(self.adapter.model, "generation_config", None))
+        try:
+            answer = self.adapter.generate(self.prefill, self.state, prompt, max_new_tokens=max_new_tokens,
+                                           retrieve=retrieval, **generate_kwargs)
+        except (ValueError, TypeError) as error:
+            if not generate_kwargs or isinstance(error, InputError):
+                raise
+            # transformers refuses a combination the checks above do not know (e.g. a flag needing another)
+            raise InputError(f"ask(): generate refused {', '.join(generate_kwargs)}: "
+                             f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
+                             ) from None
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         return answer
 
