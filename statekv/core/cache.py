@@ -405,7 +405,7 @@ class TwoStateCache(Cache):
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
         candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
-                                positions=layer.candidate_positions, history=self._history)
+                                positions=layer.candidate_positions, history=self._history, queries=q)
         layer.pending_selection = _checked(self.policy.select(candidates), candidates)
         self.read_host_state |= candidates.read_host_state
         return out
