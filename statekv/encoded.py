@@ -117,8 +117,8 @@ class EncodedVideo:
         self._device = self.adapter.device
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        if prefix is not None:
-            self._stream_chunk(prefix)
+        if prefix is not None:  # called on this class, not the instance: a subclass's constructor may not have run
+            EncodedVideo._stream_chunk(self, prefix)
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
