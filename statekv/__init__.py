@@ -9,6 +9,7 @@ from .core import (  # noqa: E402
     CarryPolicy,
     FullAttention,
     KeyNorm,
+    PerLayerBudget,
     Recency,
     ReKV,
     Retrieval,
@@ -16,6 +17,7 @@ from .core import (  # noqa: E402
     SinksAndRecency,
     StateKV,
     StreamingPrefill,
+    WithSinks,
     generate_from_cache,
     scored_attention,
 )
@@ -38,5 +40,5 @@ __all__ = [
     "Candidates", "CarryPolicy", "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
-    "UnsupportedModelError", "VideoQA", "generate_from_cache", "make_policy", "register_method", "scored_attention",
+    "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",
 ]

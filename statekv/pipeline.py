@@ -13,7 +13,6 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -160,10 +159,8 @@ class VideoQA:
         try:
             with progress_reporter(progress, num_frames, video.name, encoded.stats) as report, \
                     overlapped_steps(self.adapter, frames, encoded.state, vision_batch=vision_batch) as steps:
-                encoded._step_started = time.perf_counter()
-                for step in steps:
-                    encoded._stream_encoded(step, vision_batch=vision_batch)
-                    report(encoded.frames, num_frames)
+                encoded.stream_steps(steps, vision_batch=vision_batch,
+                                     on_step=lambda: report(encoded.frames, num_frames))
         except FrameDecodeError as error:
             error.encoded = encoded
             error.args = (f"{error}; the {encoded.frames} sampled frames before it are encoded "

@@ -22,7 +22,7 @@ from statekv.builtin import training
 from statekv.cli import main
 from statekv.console import Stopped
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 
 CHILD_TIMEOUT = 240  # seconds: a child that neither finishes nor stops fails the test instead of hanging it
 

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import bad_videos
-from statekv.tiny import draw_test_frame, synthetic_timestamps, write_test_video
+from statekv.testing import draw_test_frame, synthetic_timestamps, write_test_video
 from frames import read_frame_index
 from statekv.video import (
     IMAGENET_MEAN,
