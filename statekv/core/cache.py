@@ -11,9 +11,6 @@ means, with the model or offloaded) and its ``carry``, the form of its carried s
 (:mod:`statekv.core.forms`: a window of the detailed cache, slots, or a ring). In the slots and ring forms,
 everything that changes from step to step lives in device tensors that the step itself advances
 (:class:`~statekv.core.transaction.StepContext`), so a steady step is static and can be captured as a CUDA graph.
-
-Every step also leaves the mean of its keys per layer and KV head (``block_keys``): what question-time
-retrieval ranks steps by (:mod:`statekv.core.answering`).
 """
 
 from __future__ import annotations
@@ -23,10 +20,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from . import forms, persistence
+from .attention import ChunkMask, chunk_attention, scored_attention
 from .persistence import check_state_dict  # noqa: F401  (its historical home)
-from .policies import CarryPolicy
+from .policies import Candidates, CarryPolicy
 from .storage import LayerStorage, OffloadedStorage
-from .transaction import StepContext, StepTransaction, checked as _checked  # noqa: F401  (historical name)
+from .transaction import StepContext, StepTransaction
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -43,7 +41,7 @@ class StreamingLayer(CacheLayerMixin):
     def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
                  storage_device: torch.device | str | None = None):
         super().__init__()
-        self.index, self._on_replace = index, cache.buffers_replaced
+        self.cache, self.index, self._on_replace = cache, index, cache.buffers_replaced  # cache: for callers
         kind = LayerStorage if storage_device is None else OffloadedStorage
         self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
         self._carry = forms.initial(self.storage)
@@ -90,7 +88,7 @@ class StreamingLayer(CacheLayerMixin):
         first of them would have if they were contiguous (so the chunk is causal at the end)."""
         return self.carried_length + query_length, self.detailed.length - self.carried_length
 
-    def get_max_length(self) -> int:
+    def get_max_length(self) -> int:  # no maximum
         return -1
 
     # two-state bookkeeping -------------------------------------------------------------------------------
@@ -184,10 +182,6 @@ class TwoStateCache(Cache):
         return self.recency.ring
 
     @property
-    def write_index(self) -> torch.Tensor | None:
-        return None if self.transaction is None else self.transaction.context.write_index
-
-    @property
     def read_host_state(self) -> bool:
         """Whether the policy read per-step host values during the current step (it cannot be captured)."""
         return self.transaction is not None and self.transaction.read_host_state
@@ -238,7 +232,19 @@ class TwoStateCache(Cache):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
         stages the policy's selection for this layer and returns ``[B, T, Hq, D]``."""
-        return self.transaction.attend(layer_idx, self.policy, self.backend, self._history, q, k, v, scale)
+        layer, step = self.layers[layer_idx], self.transaction
+        step.attended[layer_idx] = True
+        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+        if not layer.carry.selects:
+            return chunk_attention(q, k, v, scale=scale, mask=mask)
+        if self.policy.scores_needed(k.shape[2]):
+            out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
+        else:
+            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+        step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
+                                                       positions=layer.candidate_positions, history=self._history,
+                                                       queries=q))
+        return out
 
     def _history(self) -> tuple[int, ...]:
         return (*self.chunk_lengths, self.chunk_len)

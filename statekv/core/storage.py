@@ -2,7 +2,8 @@
 (:class:`OffloadedStorage`).
 
 The detailed cache holds every token's keys and values (``detailed``, a :class:`TokenBuffer` of 2 parts,
-length = tokens) and every step's mean key (``block_keys`` ``[B, H_kv, steps, D]``, 1 part, length = steps).
+length = tokens) and every step's mean key (``block_keys`` ``[B, H_kv, steps, D]``, 1 part, length = steps:
+what question-time retrieval ranks steps by, :mod:`statekv.core.answering`).
 Storage is not a carried form: any form (:mod:`statekv.core.forms`) works over either storage, except that an
 offloaded layer cannot carry a window of its detailed cache (it is not where attention runs).
 """

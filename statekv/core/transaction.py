@@ -1,9 +1,9 @@
 """One streaming step as a transaction over a cache's layers: stage, attend, check the selection, commit or
 roll back.
 
-The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and call
-:meth:`StepTransaction.attend`, which scores the candidates, asks the policy what to carry and keeps its
-checked selection pending. Nothing becomes visible until the whole forward succeeded: :meth:`commit_device`
+The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and attend through
+the cache (:meth:`TwoStateCache.attend`), which asks the policy what to carry; :meth:`StepTransaction.select`
+keeps that selection pending, checked. Nothing becomes visible until the whole forward succeeded: :meth:`commit_device`
 installs every layer's new carried state (device work: a CUDA graph replays it) and :meth:`commit_host`
 advances the committed lengths; :meth:`rollback` forgets the step. A step's writes before its commit land
 only in scratch space, so a failed step leaves the cache exactly as it was.
@@ -11,13 +11,11 @@ only in scratch space, so a failed step leaves the cache exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
-from .attention import ChunkMask, chunk_attention, scored_attention
 from .policies import Candidates, CarryPolicy
 
 
@@ -48,25 +46,10 @@ class StepTransaction:
         self.attended = [False] * len(layers)
         self.read_host_state = False  # the policy read per-step host values: the step cannot be captured
 
-    def attend(self, layer_idx: int, policy: CarryPolicy, backend: str, history: Callable[[], tuple[int, ...]],
-               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
-        keeps the policy's checked selection for this layer pending and returns ``[B, T, Hq, D]``."""
-        layer = self.layers[layer_idx]
-        self.attended[layer_idx] = True
-        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
-        if not layer.carry.selects:
-            return chunk_attention(q, k, v, scale=scale, mask=mask)
-        if policy.scores_needed(k.shape[2]):
-            out, scores = scored_attention(q, k, v, scale=scale, backend=backend, mask=mask)
-        else:
-            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
-        candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
-                                positions=lambda: layer.carry.candidate_positions(layer.storage, self.context),
-                                history=history, queries=q)
+    def select(self, layer_idx: int, policy: CarryPolicy, candidates: Candidates) -> None:
+        """Keep the policy's selection among ``candidates`` pending for this layer, checked."""
         self.pending[layer_idx] = checked(policy.select(candidates), candidates)
         self.read_host_state |= candidates.read_host_state
-        return out
 
     def missing_layers(self) -> list[int]:
         """Layers whose attention did not run through :meth:`attend`."""
