@@ -24,15 +24,16 @@ from .storage import LayerStorage
 from .transaction import StepContext
 
 
-def _as_indices(selection: slice | torch.Tensor, size: int, like: torch.Tensor) -> slice | torch.Tensor:
+def _as_indices(selection: slice | torch.Tensor, size: int, like) -> slice | torch.Tensor:
     """A slice that does not reach the end of the ``size`` candidates, as indices ``[B, H_kv, K']`` (shaped
-    as ``like`` ``[B, H_kv, ...]``); a slice to the end, or indices, unchanged."""
+    as the keys ``like()`` returns, ``[B, H_kv, ...]``); a slice to the end, or indices, unchanged."""
     if not isinstance(selection, slice):
         return selection
     start, stop, _ = selection.indices(size)
     if stop == size:
         return slice(start, stop)
-    return torch.arange(start, stop, device=like.device).expand(*like.shape[:2], -1)
+    keys = like()
+    return torch.arange(start, stop, device=keys.device).expand(*keys.shape[:2], -1)
 
 
 class Window:
@@ -85,7 +86,7 @@ class Window:
     def commit(self, storage: LayerStorage, selection, step: StepContext):
         """``(next form, selection left for it)``: a suffix moves the window; other tokens become slots."""
         size = self.carried_length(storage) + step.chunk_len
-        selection = _as_indices(selection, size, storage.detailed.keys)
+        selection = _as_indices(selection, size, lambda: self.candidates(storage, step)[0])
         if isinstance(selection, slice):
             return Window(self.start + selection.start), None
         keys, values = self.candidates(storage, step)
@@ -164,9 +165,9 @@ class Slots:
 
     def commit(self, storage: LayerStorage, selection, step: StepContext):
         """``(next form, None)``: the selected slots carried on (in place when their count is unchanged)."""
-        storage.keep_chunk(self.buffer.tail())
+        storage.keep_chunk(self.buffer)
         size = self.buffer.carried + step.chunk_len
-        selection = _as_indices(selection, size, self.buffer.keys)
+        selection = _as_indices(selection, size, lambda: self.buffer.keys)
         if isinstance(selection, slice):
             return Slots(self.buffer.suffix(selection.start)), None
         return self._with(self.buffer.keep(selection)), None
@@ -222,7 +223,7 @@ class RingForm(Slots):
 
     def commit(self, storage: LayerStorage, selection, step: StepContext):
         """The chunk over the oldest step, at the token slots ``step.ring_target`` (read on the device)."""
-        storage.keep_chunk(self.buffer.tail())
+        storage.keep_chunk(self.buffer)
         self.buffer.kv.index_copy_(3, step.ring_target, self.buffer.tail())
         return self, None
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .buffers import TokenBuffer
+from .buffers import CarriedSlots, TokenBuffer
 
 
 class LayerStorage:
@@ -56,9 +56,9 @@ class LayerStorage:
         """The chunk ``[B, H_kv, T, D]`` written at its logical positions ``write_index`` ``[T]``."""
         self.detailed.write_at(write_index, keys, values)
 
-    def keep_chunk(self, chunk: torch.Tensor) -> None:
-        """Device part of the commit: the chunk ``[2, B, H_kv, T, D]`` as the carried form holds it (already
-        written here by :meth:`stage_chunk`)."""
+    def keep_chunk(self, slots: CarriedSlots) -> None:
+        """Device part of the commit: the chunk as the carried form's ``slots`` hold it (already written here
+        by :meth:`stage_chunk`)."""
 
     def commit_host(self, chunk_len: int) -> None:
         self.detailed.length += chunk_len
@@ -99,8 +99,8 @@ class OffloadedStorage(LayerStorage):
     def stage_chunk(self, write_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         pass  # copied from the carried form at commit
 
-    def keep_chunk(self, chunk: torch.Tensor) -> None:
-        self.staged = chunk
+    def keep_chunk(self, slots: CarriedSlots) -> None:
+        self.staged = slots.tail()
 
     def commit_host(self, chunk_len: int) -> None:
         self.detailed.write(self.detailed.length, self.staged[0], self.staged[1])
