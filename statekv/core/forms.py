@@ -138,7 +138,7 @@ class Slots:
     def reserve(self, storage: LayerStorage, chunk_len: int) -> None:
         """Room in the storage for the chunk the step writes at device-held indices."""
         if self.buffer is not None:
-            storage.reserve_chunk(self.buffer.keys, chunk_len)
+            storage.reserve_chunk(self.buffer, chunk_len)
 
     def _with(self, slots: CarriedSlots) -> "Slots":
         return self if slots is self.buffer else Slots(slots)

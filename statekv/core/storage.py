@@ -44,9 +44,10 @@ class LayerStorage:
             max(horizon - self.detailed.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
 
-    def reserve_chunk(self, like: torch.Tensor, chunk_len: int) -> None:
-        """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device."""
-        self.detailed.reserve(like, self.detailed.length + chunk_len)
+    def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
+        """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
+        carried form's ``slots``)."""
+        self.detailed.reserve(slots.keys, self.detailed.length + chunk_len)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         """The step's mean key ``[B, H_kv, 1, D]``, written at the step's index ``step_device`` ``[1]``."""
@@ -90,7 +91,7 @@ class OffloadedStorage(LayerStorage):
             self.staged_mean = key_states.new_empty(b, h, 1, d)
         super().start(key_states)
 
-    def reserve_chunk(self, like: torch.Tensor, chunk_len: int) -> None:
+    def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         pass  # the detailed cache grows when the chunk is copied in
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
