@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                          max_body_bytes=int(args.max_body_mb * 2**20), save_every_frames=args.save_every_frames,
                          save_every_seconds=args.save_every_seconds, page=args.page)
     quiet_libraries()
+    logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=10))

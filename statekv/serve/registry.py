@@ -78,6 +78,7 @@ class StreamRegistry:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.entries: dict[str, StreamEntry] = {}
         self._models: dict[tuple, Any] = {}
+        self._default_horizon: int | None = None
 
     # -- settings ------------------------------------------------------------------------------------------
     def qa_for(self, settings: dict[str, Any]) -> Any:
@@ -94,7 +95,7 @@ class StreamRegistry:
         defaults = self.qa.options
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
         defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
-        horizon = body.get("horizon_frames", self.config.default_horizon_frames)
+        horizon = body.get("horizon_frames", self.default_horizon_frames)
         if isinstance(horizon, bool) or not isinstance(horizon, int) or not 1 <= horizon <= 10**7:
             raise ServiceError(400, f"horizon_frames must be a positive integer, got {horizon!r}")
         max_fps = body.get("max_fps", self.config.default_max_fps)
@@ -105,6 +106,23 @@ class StreamRegistry:
         if not isinstance(name, str) or len(name) > 200:
             raise ServiceError(400, "name must be a string of at most 200 characters")
         return settings, horizon, None if max_fps is None else float(max_fps), name
+
+    @property
+    def default_horizon_frames(self) -> int:
+        """``default_horizon_frames``, or fewer when the model's RoPE cannot hold that many."""
+        if self._default_horizon is None:
+            from ..core.rope import rope_capacity
+
+            wanted = self.config.default_horizon_frames
+            capacity = rope_capacity(self.qa.adapter.model.config.get_text_config())
+            low, high = 1, wanted
+            if capacity is not None and self.qa.horizon_for(wanted) > capacity:
+                while low < high:  # the most frames whose horizon fits
+                    middle = (low + high + 1) // 2
+                    low, high = (middle, high) if self.qa.horizon_for(middle) <= capacity else (low, middle - 1)
+                wanted = low
+            self._default_horizon = wanted
+        return self._default_horizon
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
