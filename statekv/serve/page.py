@@ -23,6 +23,7 @@ from .errors import ServiceError
 
 log = logging.getLogger("statekv.serve")
 MAX_UPLOAD_BYTES = 512 * 2**20
+PAGE_NEW_TOKENS = 16
 
 # Captures the camera into the <video> element and posts one JPEG per second to the stream (the page's only script).
 CAMERA_SCRIPT = """
@@ -84,11 +85,12 @@ def mount_page(app: FastAPI, service: Any) -> None:
                 ui.notify(str(error), type="negative")
                 return
             status.set_text(f"stream {entry.id}: feeding {event.file.name}")
-            asyncio.create_task(feed(entry, path))
+            asyncio.create_task(feed(entry, path, event.file.name))
 
-        async def feed(entry, path: Path) -> None:
+        async def feed(entry, path: Path, name: str) -> None:
             try:
-                await service.registry.feed(entry, path, None)
+                fed = await service.registry.feed(entry, path, None)
+                status.set_text(f"stream {entry.id}: {fed['kept']} frames of {name} fed and saved")
             except StateKVError as error:
                 log.warning("page upload %s: %s", path.name, error)
             finally:
@@ -113,14 +115,14 @@ def mount_page(app: FastAPI, service: Any) -> None:
                 return
             try:
                 async with service.ask_slots.hold():
-                    result = await service.registry.ask(entry, text, 64, METHOD_DEFAULT)
+                    result = await service.registry.ask(entry, text, PAGE_NEW_TOKENS, METHOD_DEFAULT)
             except StateKVError as error:
                 ui.notify(str(error), type="negative")
                 return
             when = "no frame" if result["seconds"] is None else f"{result['seconds']:.1f} s"
             with answers:
                 with ui.card().classes("w-full").props("flat bordered"):
-                    ui.label(f"at {when} ({result['frames']} frames) - {text}").classes("text-caption")
+                    ui.label(f"at {when} ({result['frames']} frames): {text}").classes("text-caption statekv-answer-time")
                     ui.label(result["answer"]).classes("text-body1 statekv-answer")
 
         def refresh() -> None:
