@@ -32,7 +32,7 @@ from statekv.video import open_video  # noqa: E402
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 KEY, OTHER_KEY = "test-key-one", "test-key-two"
-QUESTION = "What colour was the triangle?"
+QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
 NEW_TOKENS = 6
 START_SECONDS = 180
 CHROMIUM = shutil.which("chromium")

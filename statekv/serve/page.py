@@ -165,8 +165,8 @@ def mount_page(app: FastAPI, service: Any) -> None:
                            {"name": "frames", "type": "line", "data": [], "showSymbol": False}],
             }).classes("w-full h-64")
             with ui.row().classes("w-full items-center"):
-                question = ui.input("Question", placeholder="What colour was the triangle?").classes("grow")
-                question.on("keydown.enter", ask)
+                question = ui.textarea("Question", placeholder="What colour was the triangle?").props(
+                    "autogrow").classes("grow")
                 ui.button("Ask", on_click=ask)
             answers = ui.column().classes("w-full gap-2")
         ui.timer(0.5, refresh)
