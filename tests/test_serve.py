@@ -76,6 +76,7 @@ class Server:
     def kill(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
+        self.log.close()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -419,3 +420,10 @@ def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, q
             answer = client.post(f"/v1/streams/{ids[seed]}/ask",
                                  json={"question": QUESTION, "max_new_tokens": NEW_TOKENS}).json()["answer"]
             assert answer == _alone(qa.with_options(budget=64), images)
+            assert client.get(f"/v1/streams/{ids[seed]}").json()["saved"]["frames"] == 2  # the third is unsaved
+    server.stop()  # SIGTERM: a graceful shutdown saves every stream
+    server.start()
+    with server.client() as client:
+        for seed in frames:
+            stats = client.get(f"/v1/streams/{ids[seed]}").json()
+            assert stats["frames"] == stats["saved"]["frames"] == stats["resume_from"] == 3

@@ -85,11 +85,22 @@ class Slots:
         self.limit, self.what, self.retry_after = limit, what, retry_after
         self.held = 0
 
-    @asynccontextmanager
-    async def hold(self):
+    def check(self) -> None:
+        """Refuse (429) when every slot is held."""
         if self.held >= self.limit:
             raise ServiceError(429, f"too many {self.what} at once (limit {self.limit}); retry shortly",
                                headers={"Retry-After": str(self.retry_after)})
+
+    @asynccontextmanager
+    async def hold(self):
+        self.check()
+        async with self.occupy():
+            yield
+
+    @asynccontextmanager
+    async def occupy(self):
+        """Hold a slot without the check: for a response checked (`check`) before it started streaming, where
+        a slot taken before the body starts could never be given back if the client left first."""
         self.held += 1
         try:
             yield

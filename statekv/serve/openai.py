@@ -86,9 +86,8 @@ def build_openai_router(service) -> APIRouter:
         completion = f"chatcmpl-{secrets.token_hex(12)}"
         model = body.get("model") or service.model_id
         if body.get("stream"):
-            slot = service.ask_slots.hold()
-            await slot.__aenter__()
-            return StreamingResponse(_chunks(service, work, completion, model, slot), media_type="text/event-stream")
+            service.ask_slots.check()
+            return StreamingResponse(_chunks(service, work, completion, model), media_type="text/event-stream")
         async with service.ask_slots.hold():
             started = time.perf_counter()
             result = await work(None)
@@ -112,7 +111,7 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
         return {"answer": answer, "frames": video.frames, "tokens": video.tokens, "seconds": None, "id": None}
 
 
-async def _chunks(service, work, completion: str, model: str, slot):
+async def _chunks(service, work, completion: str, model: str):
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None) -> str:
@@ -120,7 +119,7 @@ async def _chunks(service, work, completion: str, model: str, slot):
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     started = time.perf_counter()
-    try:
+    async with service.ask_slots.occupy():
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(work(streamer))
         yield chunk({"role": "assistant", "content": ""})
@@ -135,5 +134,3 @@ async def _chunks(service, work, completion: str, model: str, slot):
         service.answered("chat", time.perf_counter() - started)
         yield chunk({}, "stop")
         yield event("[DONE]")
-    finally:
-        await slot.__aexit__(None, None, None)

@@ -114,17 +114,16 @@ def build_router(service) -> APIRouter:
                 answer = await registry.ask(entry, question, max_new, retrieve)
                 service.answered("ask", time.perf_counter() - started)
             return JSONResponse(answer)
-        slot = service.ask_slots.hold()
-        await slot.__aenter__()  # refused here (429) before the event stream starts
-        return StreamingResponse(_sse_answer(service, entry, question, max_new, retrieve, slot),
+        service.ask_slots.check()  # refused here (429), before the event stream starts
+        return StreamingResponse(_sse_answer(service, entry, question, max_new, retrieve),
                                  media_type="text/event-stream")
 
     return router
 
 
-async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any, slot) -> Any:
+async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
     started = time.perf_counter()
-    try:
+    async with service.ask_slots.occupy():
         streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(service.registry.ask(entry, question, max_new, retrieve, streamer))
         async for piece in _pieces_until(streamer, task):
@@ -137,8 +136,6 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
             return
         service.answered("ask", time.perf_counter() - started)
         yield event(answer, "answer")
-    finally:
-        await slot.__aexit__(None, None, None)
 
 
 async def _pieces_until(streamer: TokenStreamer, task: asyncio.Future):
