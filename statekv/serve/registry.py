@@ -67,8 +67,7 @@ class StreamEntry:
                 "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
                 "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
-                "saved": dict(self.saved), "resume_from": self.saved["pushed"] if self.dirty else stream.pushed,
-                "resume_after_seconds": self.saved["seconds"] if self.dirty else self.last_seconds}
+                "saved": dict(self.saved), "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds}
 
 
 class StreamRegistry:
