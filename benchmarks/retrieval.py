@@ -288,6 +288,25 @@ def markdown(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], co
     return "\n".join(lines)
 
 
+def accuracy_section(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], command: str,
+                     data_note: str) -> str:
+    """Rows for docs/accuracy.md: each rule at each k per method, with intervals, beside the whole cache."""
+    total = len(next(iter(results.values()))["questions"])
+    lines = [f"Command: `{command}`  ",
+             f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} (CPU).  ",
+             f"{data_note} ({total} questions; not the set of the table above).  ",
+             "Cells: accuracy in % [95% Wilson interval], answering from k frames per layer chosen by each rule "
+             "(`--retrieve k --retrieval RULE`); `whole` answers from the whole detailed cache.", "",
+             "| method | rule | whole | " + " | ".join(f"k={k}" for k in ks) + " |",
+             "|---|---|---:|" + "---:|" * len(ks)]
+    for name, result in results.items():
+        whole = cell(*accuracy(result["questions"], "whole"))
+        for rule in rules:
+            cells = [cell(*accuracy(result["questions"], f"{rule}@{k}")) for k in ks]
+            lines.append(f"| {LABELS[name]} | {rule} | {whole} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], path: Path) -> Path:
     from statekv.plotting import pyplot
 
@@ -328,8 +347,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write a ## Measured section to")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the per-question results here")
+    parser.add_argument("--accuracy-out", type=Path, default=None,
+                        help="markdown file (docs/accuracy.md) to write the accuracy rows to")
+    parser.add_argument("--accuracy-ks", default="8,16,32", help="the k of those rows")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="no runs: write --accuracy-out from the per-question results of an earlier --json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text(encoding="utf-8"))
+        results = {name: {"questions": questions} for name, questions in saved["results"].items()}
+        write_section(args.accuracy_out, "Answering from retrieved frames",
+                      accuracy_section(results, saved["rules"], tuple(int(k) for k in args.accuracy_ks.split(",")),
+                                       saved["command"], saved["note"]))
+        return
     if not (args.data / "questions.jsonl").is_file():
         from statekv.cli import main as statekv_main
 
@@ -350,9 +381,15 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({name: r["questions"] for name, r in results.items()}), encoding="utf-8")
+        args.json.write_text(json.dumps({"command": command, "note": note, "rules": rules, "ks": ks,
+                                         "results": {name: r["questions"] for name, r in results.items()}}),
+                             encoding="utf-8")
     if args.plot:
         plot(results, rules, ks, args.plot)
+    if args.accuracy_out:
+        accuracy_ks = tuple(int(k) for k in args.accuracy_ks.split(","))
+        write_section(args.accuracy_out, "Answering from retrieved frames",
+                      accuracy_section(results, rules, accuracy_ks, command, note))
     if args.out:
         figure = ""
         if args.plot:

@@ -149,3 +149,18 @@ def test_the_rule_is_part_of_an_evaluation_runs_identity(tmp_path):
     assert identity(method="full", retrieve=16)["retrieval"] == "attention"
     assert identity(method="full", retrieve=16, retrieval="recent")["retrieval"] == "recent"
     assert identity(method="rekv")["retrieval"] == "rekv"
+
+
+def test_attention_share_represents_long_steps_by_evenly_spaced_keys():
+    long = seen(steps=(3, 8, 8, 8), prompt=4)
+    rule = AttentionShare(keys_per_step=4)
+    keys, steps = rule.sampled_keys(long)
+    assert steps == (3, 4, 4, 4)
+    index = [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25]
+    assert torch.equal(keys, long.keys[0, :, index])
+    sampled = LayerQuestion(0, long.queries, long.keys[:, :, index], long.step_means, steps, long.scale, {})
+    torch.testing.assert_close(rule.scores(long).double(), attention_shares(sampled))
+    torch.testing.assert_close(AttentionShare(keys_per_step=8).scores(seen(steps=(3, 8, 8, 8), prompt=4)).double(),
+                               attention_shares(long))  # short enough: every key
+    with pytest.raises(statekv.ConfigurationError, match="keys_per_step"):
+        AttentionShare(keys_per_step=0)

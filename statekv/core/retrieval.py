@@ -97,35 +97,51 @@ class AttentionShare(RetrievalRule):
     """Each step's share of the question's whole-cache attention, accumulated over layers (module docstring).
 
     Per query head ``h`` and prompt token ``i``, ``a[h, i, s]`` is the softmax weight the step's tokens get
-    among all the detailed cache's keys; a layer scores ``sum_h max_i a[h, i, s]``, normalised to sum to 1,
-    and the score returned adds the layers before it. One pass of the prompt's queries over the keys: linear in
-    the stream's length.
+    among the detailed cache's keys; a layer scores ``sum_h max_i a[h, i, s]``, normalised to sum to 1, and the
+    score returned adds the layers before it. A step longer than ``keys_per_step`` tokens is represented by
+    that many of its keys, evenly spaced, so one question costs ``O(prompt x steps x keys_per_step)`` per
+    layer: linear in the number of frames whatever a frame's token count.
     """
 
     name: ClassVar[str] = "attention"
+    keys_per_step: int = 16
+
+    def __post_init__(self) -> None:
+        check_int(self.keys_per_step, "AttentionShare: keys_per_step")
 
     def scores(self, seen: LayerQuestion) -> torch.Tensor:
-        keys = seen.keys[0].float()  # [H_kv, T, D]
+        keys, steps = self.sampled_keys(seen)
         hkv, tokens, dim = keys.shape
         queries = seen.queries[0].float().to(keys.device)
-        group = queries.shape[0] // hkv
-        queries = queries.reshape(hkv, group * queries.shape[1], dim)  # rows: (head in group, prompt token)
-        owner = seen.step_of_token
-        layer = torch.zeros(len(seen.steps), device=keys.device)
-        rows = max(1, SCORE_BLOCK // max(tokens, 1))
-        for h in range(hkv):
-            shares = []
-            for start in range(0, queries.shape[1], rows):
-                weights = (queries[h, start:start + rows] @ keys[h].T * seen.scale).softmax(-1)  # [r, T]
-                shares.append(torch.zeros(weights.shape[0], len(seen.steps), device=keys.device)
-                              .index_add_(1, owner, weights))
-            best = torch.cat(shares).reshape(group, -1, len(seen.steps)).amax(1)  # [group, S]
-            layer += best.sum(0)
+        group, prompt = queries.shape[0] // hkv, queries.shape[1]
+        queries = queries.reshape(hkv, group * prompt, dim)  # rows: (query head in the group, prompt token)
+        ends = torch.tensor(list(accumulate(steps)), device=keys.device) - 1
+        rows = max(1, SCORE_BLOCK // max(hkv * tokens, 1))
+        shares = []
+        for start in range(0, group * prompt, rows):
+            weights = torch.baddbmm(keys.new_zeros(()), queries[:, start:start + rows], keys.transpose(1, 2),
+                                    beta=0, alpha=seen.scale).softmax(-1)  # [H_kv, r, T]
+            at_ends = weights.cumsum(-1, dtype=torch.float64)[..., ends]  # share of the tokens up to each step's end
+            shares.append(torch.diff(at_ends, dim=-1, prepend=at_ends.new_zeros(*at_ends.shape[:2], 1)))
+        layer = torch.cat(shares, 1).reshape(hkv, group, prompt, -1).amax(2).sum((0, 1)).float()  # [S]
         layer = layer / layer.sum().clamp_min(torch.finfo(layer.dtype).tiny)
         total = seen.memory.get(self.name)
         total = layer if total is None else total.to(layer.device) + layer
         seen.memory[self.name] = total
         return total
+
+    def sampled_keys(self, seen: LayerQuestion) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``([H_kv, T', D] float keys, the token count of each step among them)``: every key of a step of at
+        most ``keys_per_step`` tokens, else ``keys_per_step`` of them evenly spaced."""
+        most = self.keys_per_step
+        if max(seen.steps, default=0) <= most:
+            return seen.keys[0].float(), seen.steps
+        picks, start = [], 0
+        for length in seen.steps:
+            picks.append(start + torch.arange(min(length, most)) * length // min(length, most))
+            start += length
+        index = torch.cat(picks).to(seen.keys.device)
+        return seen.keys[0].index_select(1, index).float(), tuple(min(length, most) for length in seen.steps)
 
 
 RETRIEVAL_RULES: dict[str, RetrievalRule] = {rule.name: rule for rule in (AttentionShare(), MeanKeyMatch(),
