@@ -327,6 +327,8 @@ def plot(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], path: 
                 ylabel="accuracy (%)", title="accuracy (lines: whole cache)")
     axes[1].set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], xlabel="frames retrieved per layer (k)",
                 ylabel="recall, worst layer (%)", title="evidence recall@k (at least one frame)")
+    for ax in axes:
+        ax.minorticks_off()
     axes[1].legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -351,15 +353,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="markdown file (docs/accuracy.md) to write the accuracy rows to")
     parser.add_argument("--accuracy-ks", default="8,16,32", help="the k of those rows")
     parser.add_argument("--from-json", type=Path, default=None,
-                        help="no runs: write --accuracy-out from the per-question results of an earlier --json")
+                        help="no runs: write --accuracy-out and --plot from the results an earlier --json saved")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.from_json:
         saved = json.loads(args.from_json.read_text(encoding="utf-8"))
         results = {name: {"questions": questions} for name, questions in saved["results"].items()}
-        write_section(args.accuracy_out, "Answering from retrieved frames",
-                      accuracy_section(results, saved["rules"], tuple(int(k) for k in args.accuracy_ks.split(",")),
-                                       saved["command"], saved["note"]))
+        if args.accuracy_out:
+            write_section(args.accuracy_out, "Answering from retrieved frames",
+                          accuracy_section(results, saved["rules"], tuple(int(k) for k in args.accuracy_ks.split(",")),
+                                           saved["command"], saved["note"]))
+        if args.plot:
+            plot(results, saved["rules"], tuple(saved["ks"]), args.plot)
         return
     if not (args.data / "questions.jsonl").is_file():
         from statekv.cli import main as statekv_main
