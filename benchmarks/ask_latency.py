@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import statekv
-from statekv.tiny import draw_test_frame, make_tiny_checkpoint
+from statekv.testing import draw_test_frame, make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_overlap import MODEL_NAMES, MODELS  # noqa: E402

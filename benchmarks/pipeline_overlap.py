@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import statekv
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import open_video
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,7 +101,7 @@ class Stages:
         encoded = self._empty()
         with torch.no_grad():
             for step, features in zip(self.steps, self.features):
-                encoded._stream_chunk(self.adapter.features_chunk(step, features, encoded.state))
+                encoded.stream_chunk(self.adapter.features_chunk(step, features, encoded.state))
         return encoded
 
     def overlapped(self):
@@ -114,10 +114,10 @@ class Stages:
         for frame in self.sampled():
             group.append(frame)
             if len(group) == self.adapter.frames_per_chunk:
-                encoded._append(group)
+                encoded.append(group)
                 group = []
         if group:
-            encoded._append(group)
+            encoded.append(group)
         return encoded
 
     def _empty(self) -> statekv.EncodedVideo:

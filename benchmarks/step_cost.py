@@ -2,7 +2,7 @@
 also kernel launches per step, ms per frame with and without the CUDA graph, and a long prefill against the
 model's own one-shot forward.
 
-The op counts come from :class:`statekv.core.op_trace.OpTrace` (a ``TorchDispatchMode``): compute ops are ops
+The op counts come from :class:`statekv.testing.op_trace.OpTrace` (a ``TorchDispatchMode``): compute ops are ops
 that are neither views nor bare allocations, host syncs are ops whose result a GPU host would wait for, and
 a stream is *static* when its steady steps dispatch identical (op, shapes, scalar arguments) sequences -- what
 a CUDA graph needs. Steady means: StateKV's carried state is full, recency's window holds R frames.
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
-from statekv.core.op_trace import OpTrace  # noqa: E402
+from statekv.testing.op_trace import OpTrace  # noqa: E402
 from statekv.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402
 

@@ -12,6 +12,7 @@ from .core import (  # noqa: E402
     KeyNorm,
     MeanKeyMatch,
     MostRecent,
+    PerLayerBudget,
     Recency,
     ReKV,
     Retrieval,
@@ -20,6 +21,7 @@ from .core import (  # noqa: E402
     SinksAndRecency,
     StateKV,
     StreamingPrefill,
+    WithSinks,
     generate_from_cache,
     scored_attention,
 )
@@ -39,8 +41,9 @@ from .stream import Stream  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy", "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
+    "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
-    "UnsupportedModelError", "VideoQA", "generate_from_cache", "make_policy", "register_method", "scored_attention",
+    "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",
 ]

@@ -2,15 +2,20 @@
 statekv's own errors into one line.
 
 A `statekv.StateKVError` (anything a user can cause) becomes ``statekv COMMAND: error: <one line>`` and exit
-status 2; Ctrl-C exits 130; any other exception is a bug and keeps its traceback.
+status 2; Ctrl-C exits 130; SIGTERM (``timeout``, schedulers, systemd) and SIGHUP (a closed terminal) stop a
+command the way Ctrl-C does (a `Stopped`, so whatever keeps work on Ctrl-C keeps it on them too) and exit
+128 + the signal's number; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import StateKVError
@@ -55,13 +60,56 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def run_command(name: str, run: Callable[[], int | None]) -> int:
-    """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130."""
+STOPPING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal other than Ctrl-C (SIGTERM, SIGHUP): handled wherever Ctrl-C is, so the
+    work a command keeps on Ctrl-C is kept; ``signal_number`` says which."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signal_number
+
+
+def _raise_stopped(signal_number: int, frame: object) -> None:
+    # a second signal while the first one's work is being saved must not cut that save short
+    for number in STOPPING_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    raise Stopped(signal_number)
+
+
+@contextlib.contextmanager
+def signals_stop_like_ctrl_c() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread (a no-op on other threads, where
+    Python cannot install handlers); the previous handlers come back on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, _raise_stopped) for number in STOPPING_SIGNALS}
     try:
-        return run() or 0
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def run_command(name: str, run: Callable[[], int | None]) -> int:
+    """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130,
+    SIGTERM / SIGHUP 128 + their number (after the command kept its work, as on Ctrl-C)."""
+    try:
+        with signals_stop_like_ctrl_c():
+            return run() or 0
     except StateKVError as error:
         print(f"statekv {name}: error: {one_line(error)}", file=sys.stderr)
         return 2
+    except Stopped as stop:
+        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}", file=sys.stderr)
+        return stop.exit_status
     except KeyboardInterrupt:
         print(f"statekv {name}: interrupted", file=sys.stderr)
         return 130

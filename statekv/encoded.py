@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import torch
 from .core import Retrieval, StreamingPrefill
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .errors import HorizonError, InputError
+from .generation_args import check_generation_arguments
 from .models import LayoutState, VideoAdapter
 from .overlap import EncodedStep, encode_batch
 from .values import check_int
@@ -118,8 +119,8 @@ class EncodedVideo:
         self._device = self.adapter.device
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        if prefix is not None:
-            self._stream_chunk(prefix)
+        if prefix is not None:  # called on this class, not the instance: a subclass's constructor may not have run
+            EncodedVideo._stream_chunk(self, prefix)
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
@@ -151,8 +152,17 @@ class EncodedVideo:
                 f"the question ({prompt.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
                 f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
             )
-        answer = self.adapter.generate(self.prefill, self.state, prompt, max_new_tokens=max_new_tokens,
-                                       retrieve=retrieval, **generate_kwargs)
+        check_generation_arguments(generate_kwargs, getattr(self.adapter.model, "generation_config", None))
+        try:
+            answer = self.adapter.generate(self.prefill, self.state, prompt, max_new_tokens=max_new_tokens,
+                                           retrieve=retrieval, **generate_kwargs)
+        except (ValueError, TypeError) as error:
+            if not generate_kwargs or isinstance(error, InputError):
+                raise
+            # transformers refuses a combination the checks above do not know (e.g. a flag needing another)
+            raise InputError(f"ask(): generate refused {', '.join(generate_kwargs)}: "
+                             f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
+                             ) from None
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         return answer
 
@@ -193,12 +203,12 @@ class EncodedVideo:
 
     # -- streaming --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _append(self, frames: Sequence[Frame]) -> None:
+    def append(self, frames: Sequence[Frame]) -> None:
         """Stream one step's frames (at most ``frames_per_chunk``) on this thread."""
-        self._append_steps([frames], vision_batch=len(frames))
+        self.append_steps([frames], vision_batch=len(frames))
 
     @torch.no_grad()
-    def _append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
+    def append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
         """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
         batch size asked for, for the stats). A failure leaves the steps before it streamed (``stats.chunks``
         tells how many)."""
@@ -212,6 +222,27 @@ class EncodedVideo:
         self._step_started = started
         for encoded in encode_batch(self.adapter, steps, shares):
             self._stream_encoded(encoded, vision_batch=vision_batch)
+
+    @torch.no_grad()
+    def stream_steps(self, steps: Iterable[EncodedStep], *, vision_batch: int,
+                     on_step: Callable[[], None] | None = None) -> None:
+        """Stream steps already vision-encoded elsewhere (`statekv.overlap.overlapped_steps`), in order; each
+        frame's time runs from when the previous step finished (the first: from this call). ``on_step`` is
+        called after each step (for progress)."""
+        self._step_started = time.perf_counter()
+        for encoded in steps:
+            self._stream_encoded(encoded, vision_batch=vision_batch)
+            if on_step is not None:
+                on_step()
+
+    @torch.no_grad()
+    def stream_chunk(self, chunk) -> None:
+        """Stream one chunk already laid out by the adapter (`VideoAdapter.features_chunk` or ``prefix``)."""
+        self._stream_chunk(chunk)
+
+    # the names these had before they were public
+    _append = append
+    _append_steps = append_steps
 
     def _stream_encoded(self, encoded: EncodedStep, *, vision_batch: int) -> None:
         """Lay out one vision-encoded step and stream it through the language model, timing each stage (the

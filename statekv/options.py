@@ -57,9 +57,9 @@ class ModelOptions:
 
     model: str | None = None
     method: str = "statekv"
-    budget: int = 4096
-    frames: int = 16
-    sinks: int = 4
+    budget: int = MethodSettings.budget  # the method's sizes: defaults and checks live in MethodSettings
+    frames: int = MethodSettings.frames
+    sinks: int = MethodSettings.sinks
     retrieve: int | None = None
     retrieval: str | None = None
     layout: str | None = None
@@ -74,9 +74,7 @@ class ModelOptions:
 
     def __post_init__(self) -> None:
         method(self.method)
-        check_int(self.budget, "budget")
-        check_int(self.frames, "frames (the recency window R)")
-        check_int(self.sinks, "sinks", minimum=0)
+        _ = self.settings  # MethodSettings checks budget, frames and sinks
         check_int(self.reserve_tokens, "reserve_tokens")
         for name in ("retrieve", "vision_batch"):
             if getattr(self, name) is not None:
@@ -165,12 +163,13 @@ class ModelOptions:
                            help="checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or builtin: the small "
                                 "InternVL3 trained here on synthetic videos")
         group.add_argument("--method", choices=method_names(), default="statekv", help=f"(default: statekv) {methods}")
-        group.add_argument("--budget", type=POSITIVE_INT, default=4096, metavar="B",
-                           help="statekv, keynorm: tokens carried per layer and KV head (default: 4096)")
-        group.add_argument("--frames", type=POSITIVE_INT, default=16, metavar="R",
-                           help="recency, rekv: the window of frames carried (default: 16)")
-        group.add_argument("--sinks", type=NON_NEGATIVE_INT, default=4, metavar="N",
-                           help="rekv: attention-sink tokens kept after the prompt prefix (default: 4)")
+        sizes = MethodSettings()
+        group.add_argument("--budget", type=POSITIVE_INT, default=sizes.budget, metavar="B",
+                           help=f"statekv, keynorm: tokens carried per layer and KV head (default: {sizes.budget})")
+        group.add_argument("--frames", type=POSITIVE_INT, default=sizes.frames, metavar="R",
+                           help=f"recency, rekv: the window of frames carried (default: {sizes.frames})")
+        group.add_argument("--sinks", type=NON_NEGATIVE_INT, default=sizes.sinks, metavar="N",
+                           help=f"rekv: attention-sink tokens kept after the prompt prefix (default: {sizes.sinks})")
         group.add_argument("--retrieve", type=POSITIVE_INT, default=None, metavar="K",
                            help="answer from the K frames per layer that best match the question (default: the "
                                 "whole detailed cache; rekv: 64)")

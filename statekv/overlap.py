@@ -27,7 +27,8 @@ from .values import check_int
 from .video import Frame
 
 QUEUED_BATCHES = 2  # batches each queue may hold ahead of its consumer
-CUDA_VISION_BATCH = 16  # frames per vision-tower call on CUDA (batched cost ~1.9 vs 10.6 ms/frame, InternVL3-1B)
+# Frames per vision-tower call on CUDA: batching amortizes the per-call cost (see benchmarks/pipeline_overlap.py).
+CUDA_VISION_BATCH = 16
 CPU_VISION_BATCH = 4  # on CPU, larger batches gain little and only delay the first frame
 
 

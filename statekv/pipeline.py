@@ -13,7 +13,6 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -137,9 +136,11 @@ class VideoQA:
 
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
                progress: ProgressCallback | bool = False, vision_batch: int | None = None,
-               reserve_tokens: int | None = None) -> EncodedVideo:
-        """Sample ``source`` by the paper's rule (at most ``max_fps`` frames per second, at most ``max_frames``)
-        and stream it through the model one chunk at a time.
+               reserve_tokens: int | None = None, protocol: bool = False) -> EncodedVideo:
+        """Sample ``source`` (at most ``max_fps`` frames per second, at most ``max_frames``, every frame at most
+        once, the last one included at or above the source's rate) and stream it through the model one chunk at
+        a time. protocol: True samples by the benchmarks' published rule instead (which may repeat a frame; what
+        ``statekv eval`` uses, see docs/evaluation.md).
 
         Frames are decoded on a background thread and vision-encoded in batches of ``vision_batch`` frames
         (default: this VideoQA's) on another, ahead of the language model (see `statekv.overlap`).
@@ -155,18 +156,17 @@ class VideoQA:
         _check_sampling(max_fps, max_frames)
         vision_batch = self.vision_batch if vision_batch is None else check_vision_batch(vision_batch)
         video = open_video(source)
-        num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames))
+        check_bool(protocol, "protocol")
+        num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
         encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate), name=video.name)
-        frames = video.sample(max_fps=max_fps, max_frames=max_frames)
+        frames = video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol)
         try:
             with progress_reporter(progress, num_frames, video.name, encoded.stats) as report, \
                     overlapped_steps(self.adapter, frames, encoded.state, vision_batch=vision_batch) as steps:
-                encoded._step_started = time.perf_counter()
-                for step in steps:
-                    encoded._stream_encoded(step, vision_batch=vision_batch)
-                    report(encoded.frames, num_frames)
+                encoded.stream_steps(steps, vision_batch=vision_batch,
+                                     on_step=lambda: report(encoded.frames, num_frames))
         except FrameDecodeError as error:
             error.encoded = encoded
             error.args = (f"{error}; the {encoded.frames} sampled frames before it are encoded "

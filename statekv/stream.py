@@ -14,11 +14,17 @@ step of a finished video would be).
 
 With ``vision_batch`` frames per vision-tower call (`VideoQA.stream`, default 1), pushed frames wait until a
 batch is complete, so a frame waits for at most one batch; `ask` first encodes every complete step waiting.
+
+`push` copies a frame that waits, so a camera loop may reuse one buffer. One stream is used by one thread at a
+time: `push`, `flush`, `ask` and `save` from different threads take turns (a per-stream lock), each seeing the
+stream as the previous call left it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +38,21 @@ from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
 from .encoded import EncodedVideo, EncodingStats
-from .stream_file import FORMAT, FORMAT_VERSION, read_verified, weights_fingerprint, write_verified
+from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, check_values, read_verified,
+                          weights_fingerprint, write_verified)
 from .values import check_bool, check_int, check_number
 from .video import Frame
+
+
+def _one_at_a_time(method):
+    """Run ``method`` holding the stream's lock, so calls from different threads take turns."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class Stream(EncodedVideo):
@@ -50,6 +68,7 @@ class Stream(EncodedVideo):
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
+        self._lock = threading.RLock()
         self.horizon_frames = horizon_frames
         self.max_fps = None if max_fps is None else float(max_fps)
         self.vision_batch = check_vision_batch(vision_batch)
@@ -61,6 +80,7 @@ class Stream(EncodedVideo):
                          num_frames=horizon_frames, fps=self.max_fps, name=name, prefix_tokens=prefix_tokens)
 
     # -- pushing ----------------------------------------------------------------------------------------
+    @_one_at_a_time
     def push(self, image: Any, timestamp: float | None = None) -> bool:
         """Offer one frame; return whether it was kept (``max_fps`` drops frames between its ticks).
 
@@ -83,7 +103,8 @@ class Stream(EncodedVideo):
         if kept + 1 > self.horizon_frames:
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
-        self.pending.append(Frame(self.pushed, timestamp, pixels))
+        # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
+        self.pending.append(Frame(self.pushed, timestamp, np.array(pixels, copy=True)))
         if len(self.pending) == self._batch_frames:
             try:
                 self._encode_pending()
@@ -104,11 +125,13 @@ class Stream(EncodedVideo):
             kept += self.push(item) if isinstance(item, Frame) else self.push(*item)
         return kept
 
+    @_one_at_a_time
     def flush(self) -> None:
         """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition)."""
         if self.pending:
             self._encode_pending()
 
+    @_one_at_a_time
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
         self._encode_pending(complete_steps_only=True)
@@ -135,6 +158,10 @@ class Stream(EncodedVideo):
             streamed = self.stats.chunks - steps_before
             self.pending = self.pending[sum(len(group) for group in groups[:streamed]):]
 
+    @_one_at_a_time
+    def close(self) -> None:
+        super().close()
+
     def _check_timestamp(self, timestamp: float | None) -> float:
         if timestamp is None:
             step = 1.0 / self.max_fps if self.max_fps else 1.0
@@ -146,10 +173,15 @@ class Stream(EncodedVideo):
         return float(timestamp)
 
     # -- saving -----------------------------------------------------------------------------------------
+    @_one_at_a_time
     def save(self, path: str | Path) -> Path:
         """Write the stream (carried state, detailed cache, pending frames, metadata, checksums, the weights'
         fingerprint) to one safetensors file (see `statekv.stream_file`); an `OutputError` when it cannot be
         written there (a folder, an unwritable place, a full disk), leaving nothing behind."""
+        self.prefill.check_open()
+        if self.prefill.seen_tokens == 0:
+            raise InputError(f"{self.name}: nothing is encoded yet to save (the {len(self.pending)} frame(s) pushed "
+                             f"wait for a batch of {self._batch_frames}); push more frames or flush() first")
         tensors, cache_metadata = self.prefill.state_dict()
         tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
         for index, frame in enumerate(self.pending):
@@ -192,6 +224,8 @@ class Stream(EncodedVideo):
         if reserve < 1:
             raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} leaves no room "
                              f"after {metadata['horizon_frames']} frames (horizon_frames)")
+        check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
+        check_against_model(path, metadata, qa.adapter)
         try:
             stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                          vision_batch=metadata["vision_batch"], reserve_tokens=reserve,

@@ -8,8 +8,11 @@ Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two 
 and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
 with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
 settings (``engine``). `read_verified` checks the header, the checksums and the schema, and `check_schema` every
-field's presence, type and range, so a damaged or hand-edited file is refused with one line before anything is
-built from it. Format 1 (written before verification existed) is refused with a message saying so.
+field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
+(finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
+written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
+with one line before anything is built from it. Format 1 (written before verification existed) is refused with
+a message saying so.
 
 A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
 """
@@ -37,6 +40,7 @@ from .values import check_int, check_output_file
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
 FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
+MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below
 
 Check = Callable[[Any, str], Any]
 
@@ -98,7 +102,13 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
             text = header.get("statekv")
             if not isinstance(text, str):
                 raise InputError(f"{path}: not a saved statekv stream (no statekv metadata)")
-            metadata = json.loads(text)
+            if len(text) > MAX_METADATA_CHARS:
+                raise InputError(f"{path}: the stream's metadata is {len(text)} characters, more than a saved "
+                                 f"stream holds ({MAX_METADATA_CHARS})")
+            try:
+                metadata = json.loads(text)
+            except RecursionError:
+                raise InputError(f"{path}: malformed stream metadata (JSON nested too deeply)") from None
             _check_format(path, metadata)
             if header.get("statekv_sha256") != _sha256(text):
                 raise InputError(f"{path}: the stream's metadata is corrupt (its checksum does not match)")
@@ -118,6 +128,77 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
             raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
                              "damaged after it was saved")
     return metadata, tensors
+
+
+def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    """What checksums cannot vouch for (a file edited and its checksums recomputed): the values themselves.
+
+    Every floating-point tensor finite; each layer's carried positions strictly increasing (each token carried
+    once, in order) with the carried keys and values those of the detailed cache at those positions; the
+    pending frames in push order before the last timestamp. The model-dependent checks (horizon, prompt
+    prefix, step lengths) are `check_against_model`'s."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{path}: tensor {name} holds NaN or infinite values")
+    for name, positions in tensors.items():
+        if not name.endswith(".carried_positions") or positions.shape[-1] < 1:
+            continue
+        if positions.shape[-1] > 1 and not bool((positions[..., 1:] > positions[..., :-1]).all()):
+            raise InputError(f"{path}: {name} must list each carried token once, in increasing order")
+        layer = name[: -len("carried_positions")]
+        keys, values = tensors.get(layer + "keys"), tensors.get(layer + "values")
+        if keys is None or values is None or keys.dim() != 4 or int(positions.max()) >= keys.shape[2] \
+                or int(positions.min()) < 0:
+            continue  # `check_state_dict` names the missing or malformed tensor
+        index = positions.unsqueeze(-1).expand(*positions.shape, keys.shape[-1])
+        for kind, detailed in (("keys", keys), ("values", values)):
+            carried = tensors.get(f"{layer}carried_{kind}")
+            if carried is not None and carried.shape == index.shape and \
+                    not torch.equal(detailed.gather(2, index), carried):
+                raise InputError(f"{path}: {layer}carried_{kind} are not the detailed cache's {kind} at the carried "
+                                 "positions")
+    pending, pushed, last = metadata["pending"], metadata["pushed"], metadata["last_timestamp"]
+    if (last is None) != (pushed == 0):
+        raise InputError(f"{path}: malformed stream metadata: last_timestamp {last!r} after {pushed} pushed frames")
+    for number, (index, timestamp) in enumerate(pending):
+        previous = pending[number - 1] if number else None
+        if (index != int(index) or index >= pushed or timestamp > (last or 0.0)
+                or (previous is not None and (index <= previous[0] or timestamp < previous[1]))):
+            raise InputError(f"{path}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
+                             f"frame pushed in order before the last timestamp {last}")
+
+
+def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
+    """The fields that depend on the model, recomputed from it: the horizon (the frames' tokens plus the
+    reserve), the prompt prefix's length, and every step's length and count."""
+    frames_per_step = adapter.frames_per_chunk
+    video_tokens = adapter.max_video_tokens(metadata["horizon_frames"])
+    reserve = metadata["engine"]["reserve_tokens"]
+    if metadata["horizon"] != video_tokens + reserve:
+        raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} is not the "
+                         f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
+                         f"{reserve} for this model")
+    state = adapter.start(metadata["horizon_frames"], metadata["max_fps"])
+    prefix = adapter.prefix(state)
+    expected_prefix = 0 if prefix is None else prefix.num_tokens
+    if metadata["prefix_tokens"] != expected_prefix:
+        raise InputError(f"{path}: malformed stream metadata: prefix_tokens is {metadata['prefix_tokens']}, this "
+                         f"model's prompt prefix is {expected_prefix} tokens")
+    lengths = list(metadata["cache"]["chunk_lengths"])
+    if expected_prefix:
+        if not lengths or lengths[0] != expected_prefix:
+            raise InputError(f"{path}: malformed stream metadata: the first step must be the {expected_prefix}-token "
+                             f"prompt prefix, got {lengths[:1]}")
+        lengths = lengths[1:]
+    longest = adapter.max_video_tokens(frames_per_step)
+    for number, length in enumerate(lengths):
+        if not 1 <= length <= longest:
+            raise InputError(f"{path}: malformed stream metadata: step {number} holds {length} tokens; a step of "
+                             f"this model holds 1 to {longest}")
+    frames = metadata["state"]["frames"]
+    if len(lengths) != math.ceil(frames / frames_per_step):
+        raise InputError(f"{path}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
+                         f"({frames_per_step} per step)")
 
 
 def _check_format(path: Path, metadata: Any) -> None:

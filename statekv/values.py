@@ -117,7 +117,7 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
     """``path`` as a `Path` if a file can be written there (it may exist; missing folders are made when it is
     written); else an `OutputError` saying why: it is a folder, or no file can be created where it would go.
     Nothing is left behind by the check."""
-    path = Path(path).expanduser()
+    path = _given_path(path, name)
     if str(path).endswith(os.sep) or path.is_dir():
         raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
     if path.exists() and not path.is_file():
@@ -131,11 +131,26 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
 def check_output_dir(path: str | os.PathLike, name: str) -> Path:
     """``path`` as a `Path` if it is, or can be made, a folder where files can be written; else an `OutputError`
     (it is a file, or nothing can be created there). Nothing is left behind by the check."""
-    path = Path(path).expanduser()
+    path = _given_path(path, name)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{name} {path} exists and is not a folder")
     _check_creatable_in(path, name, path)
     return path
+
+
+def _given_path(path: str | os.PathLike, name: str) -> Path:
+    """``path`` as a `Path`, refusing what names no place: an empty or blank string (``Path("")`` would be the
+    current folder), a NUL byte, a value that is not a path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise OutputError(f"{name} must be a path, got {path!r}")
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise OutputError(f"{name} is empty; give the path to write")
+    if "\0" in text:
+        raise OutputError(f"{name} {text!r} holds a NUL byte")
+    return Path(text).expanduser()
 
 
 def _check_creatable_in(folder: Path, name: str, target: Path) -> None:
@@ -300,3 +315,16 @@ def _from_text(text: str, convert: Callable[[str], Any]) -> Any:
 POSITIVE_INT = argparse_type(positive_int, "a positive integer")
 NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer")
 POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
+
+
+def _path_text(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (a NUL byte)")
+    return Path(text).expanduser()
+
+
+_path_text.__name__ = "path"
+PATH = _path_text  # a command-line path: an empty string would otherwise be the current folder
+

@@ -7,7 +7,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from statekv.tiny import draw_test_frame, write_test_video
+from statekv.testing import draw_test_frame, write_test_video
 
 
 def _silent_audio(container, stream) -> None:

@@ -1,10 +1,10 @@
-"""Reading back what `statekv.tiny.draw_test_frame` drew: which frame a decoded image is."""
+"""Reading back what `statekv.testing.draw_test_frame` drew: which frame a decoded image is."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from statekv.tiny import FRAME_INDEX_BITS
+from statekv.testing import FRAME_INDEX_BITS
 
 
 def read_frame_index(image: np.ndarray) -> int:

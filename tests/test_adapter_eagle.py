@@ -18,7 +18,7 @@ import statekv.models.remote_internvl  # noqa: F401  (registers the adapter)
 from statekv import InputError, UnsupportedModelError
 from statekv.models import adapter_for, load_adapter
 from statekv.models.remote_internvl import RemoteInternVLAdapter
-from statekv.tiny import draw_test_frame, make_tiny_checkpoint
+from statekv.testing import draw_test_frame, make_tiny_checkpoint
 from statekv.video import Frame, internvl_pixel_values
 
 LAYOUTS = ("eagle", "paper", "chat")
@@ -73,8 +73,10 @@ def _pixels(adapter, frames):
 
 
 def test_registered_for_the_remote_model_types():
-    for model_type in ("eagle_2_5_vl", "internvl_chat", "statekv_tiny_eagle"):
+    for model_type in ("eagle_2_5_vl", "internvl_chat"):
         assert adapter_for(model_type) is RemoteInternVLAdapter
+    legacy = adapter_for("statekv_tiny_eagle")  # tiny Eagles of earlier releases, registered by statekv.testing
+    assert issubclass(legacy, RemoteInternVLAdapter) and legacy.default_layout("statekv_tiny_eagle") == "eagle"
     assert RemoteInternVLAdapter.default_layout("eagle_2_5_vl") == "eagle"
     assert RemoteInternVLAdapter.default_layout("internvl_chat") == "paper"
 

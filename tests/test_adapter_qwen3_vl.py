@@ -16,7 +16,7 @@ from statekv import FullAttention, StateKV, StreamingPrefill
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.models.qwen3_vl import Qwen3VLAdapter, QwenVideoSettings
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import Frame, open_video, temporal_groups
 
 QUESTION = "What happens in the video?"

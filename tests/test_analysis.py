@@ -332,7 +332,7 @@ def test_memory_stays_bounded_as_the_stream_grows(lm, text_stream):
 
 @pytest.fixture(scope="module")
 def tiny_video_model(tmp_path_factory):
-    from statekv.tiny import make_tiny_checkpoint, write_test_video
+    from statekv.testing import make_tiny_checkpoint, write_test_video
 
     root = tmp_path_factory.mktemp("analysis")
     return make_tiny_checkpoint("internvl", root / "internvl"), write_test_video(root / "clip.mp4", frames=12, fps=4.0)

@@ -15,7 +15,7 @@ import statekv
 import bad_videos
 from bad_videos import BAD_VIDEOS
 from statekv.cli import main
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 
 
 @pytest.fixture(scope="module")

@@ -57,13 +57,17 @@ def test_chunk_errors_name_the_problem(tiny_lm):
     assert prefill.seen_tokens == 3
 
 
-def test_attention_implementation_is_restored_after_steps_and_after_an_exception(tiny_lm):
+def test_attention_is_switched_once_and_ordinary_calls_keep_the_original(tiny_lm):
     model = tiny_lm("qwen2")
     chunks = split(tokens(model))
+    prompt = tokens(model, 9, seed=5)
+    plain = model(prompt).logits
     prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=10))
+    assert model.config._attn_implementation == "statekv+sdpa"  # switched once, when the stream was made
     for chunk in chunks[:4]:
         prefill.step(input_ids=chunk)
-        assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == "statekv+sdpa"
+        assert torch.equal(model(prompt).logits, plain)  # an ordinary call between steps: sdpa, its own mask
     before = [layer.detailed.length for layer in prefill.cache.layers], prefill.carried_positions(1).clone()
 
     class Boom(RuntimeError):
@@ -76,7 +80,8 @@ def test_attention_implementation_is_restored_after_steps_and_after_an_exception
     object.__setattr__(prefill.cache.policy, "select", explode)
     with pytest.raises(Boom):
         prefill.step(input_ids=chunks[4])
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "statekv+sdpa"
+    assert torch.equal(model(prompt).logits, plain)
     # The failed step left no trace: same length, same carried state, and streaming goes on as if it never ran.
     assert prefill.seen_tokens == sum(c.shape[1] for c in chunks[:4])
     assert [layer.detailed.length for layer in prefill.cache.layers] == before[0]
@@ -109,8 +114,9 @@ def test_vlm_style_model_switches_only_the_text_config(tiny_lm):
     object.__setattr__(policy, "select", spy)
     prefill = statekv.StreamingPrefill(model, policy)
     prefill.step(inputs_embeds=torch.randn(1, 5, config.text_config.hidden_size))
-    assert seen == {"vision": "sdpa", "text": "statekv"}
-    assert model.config.text_config._attn_implementation == "sdpa"
+    assert seen == {"vision": "sdpa", "text": "statekv+sdpa"}
+    assert model.config.text_config._attn_implementation == "statekv+sdpa"
+    assert model.config.vision_config._attn_implementation == "sdpa"
 
 
 class HandWrittenAttention(nn.Module):

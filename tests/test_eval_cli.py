@@ -15,7 +15,7 @@ from statekv.eval import command
 from statekv.eval.annotations import find_annotation_files, read_rows
 from statekv.eval.fabricate import write_mini_mlvu, write_mini_videomme
 from statekv.eval.runner import EvalConfig, check_run_file
-from statekv.tiny import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -760,8 +761,11 @@ def test_results_json_and_paper_table(tmp_path):
         "| InternVL3-1B | StateKV B=4096 | 75.00 (partial 4/5) | – | – |\n"
     )
     assert "| Qwen3-VL-2B | StateKV B=4096 | – | – | 100.00 |" in ev.paper_table([tmp_path / "d"], parser="paper")
-    with pytest.raises(ValueError, match="two runs give InternVL3-1B / StateKV B=4096 on videomme"):
+    with pytest.raises(ValueError, match="is named twice"):
         ev.paper_table([tmp_path / "a", tmp_path / "a"])
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")
+    with pytest.raises(ValueError, match="two runs give InternVL3-1B / StateKV B=4096 on videomme"):
+        ev.paper_table([tmp_path / "a", tmp_path / "a-copy"])
 
 
 def test_method_labels():

@@ -24,7 +24,7 @@ from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_m
 from statekv.eval.runner import EvalConfig, display_name, run_evaluation
 from statekv.errors import ConfigurationError
 from statekv.pipeline import VideoQA
-from statekv.tiny import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint
 
 METHODS = {"statekv": {"budget": 32}, "recency": {"frames": 2}, "full": {}, "rekv": {"frames": 2, "retrieve": 2}}
 FAST = {"max_new_tokens": 3, "progress": False}  # tiny answers keep the tests fast; the protocol is tested apart

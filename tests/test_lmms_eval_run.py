@@ -18,7 +18,7 @@ import pytest
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.fabricate import LMMS_TASK, write_lmms_task, write_still_seconds_video
 from statekv.pipeline import VideoQA
-from statekv.tiny import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint
 from frames import read_frame_index
 
 if os.environ.get("CI"):

@@ -23,7 +23,7 @@ from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
 from statekv.options import ModelOptions
 from statekv.pipeline import VideoQA
-from statekv.tiny import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint
 
 # lmms-eval 0.7's videomme task: its generation_kwargs, plus the default stop string it adds
 VIDEOMME_GEN_KWARGS = {"max_new_tokens": 16, "temperature": 0, "top_p": 1.0, "num_beams": 1, "do_sample": False,

@@ -11,7 +11,7 @@ import statekv
 from statekv.cli import main
 from statekv.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
 from statekv.options import ModelOptions
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,41 @@ def test_the_command_line_turns_only_statekv_errors_into_one_line(files, capsys,
     monkeypatch.setattr(answer, "run", bug)
     with pytest.raises(KeyError):  # a bug keeps its traceback
         main(["answer", str(files["video"]), "q?", "--model", str(files["model"])])
+
+
+@dataclass(frozen=True)
+class QueryWindow(statekv.ScoredPolicy):
+    """SnapKV-style: keep the keys the step's last ``window`` queries attend to most (a rule written here)."""
+
+    window: int = 4
+
+    def score(self, candidates):
+        queries = candidates.queries[:, :, -self.window:].float()  # [B, Hq, W, D]
+        b, hq, w, d = queries.shape
+        keys = candidates.keys.float()  # [B, Hkv, N, D]
+        grouped = queries.reshape(b, keys.shape[1], -1, d)  # each KV head's query heads, stacked
+        return (grouped @ keys.transpose(-1, -2) * d ** -0.5).softmax(-1).sum(2)  # [B, Hkv, N]
+
+
+@pytest.fixture
+def querywindow():
+    spec = statekv.register_method(MethodSpec(
+        "querywindow", "keep what the step's last queries attend to", "budget",
+        lambda settings, frames_per_step: statekv.WithSinks(QueryWindow(budget=settings.budget), settings.sinks),
+        at_most_budget, "QueryWindow"))
+    yield spec
+    METHODS.pop("querywindow")
+
+
+def test_a_query_window_rule_written_here_composes_with_sinks_and_runs_through_the_command_line(querywindow, files,
+                                                                                                 capsys, monkeypatch):
+    seen = []
+    original = QueryWindow.score
+    monkeypatch.setattr(QueryWindow, "score", lambda self, c: seen.append(c.queries.shape) or original(self, c))
+    code = main(["answer", str(files["video"]), "What is shown?", "--model", str(files["model"]), "--method",
+                 "querywindow", "--budget", "12", "--sinks", "3", "--max-new-tokens", "2", "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["method"] == "querywindow" and document["label"] == "QueryWindow B=12"
+    assert document["stats"]["carried_tokens"] >= 12 + 3 and seen  # the prefix and sinks, then the rule's 12
+    assert all(len(shape) == 4 and shape[2] >= 4 for shape in seen)  # it read the step's queries

@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import statekv
 from bad_videos import BAD_VIDEOS
 from statekv.models import InternVLAdapter, load_adapter
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import VideoError, internvl_pixel_values, open_video
 
 QUESTION = "Why?"

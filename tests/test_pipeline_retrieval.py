@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 
 QUESTION = "What is shown?"
 FAMILIES = {"internvl": {}, "qwen3_vl": {}, "eagle": {"trust_remote_code": True}}

@@ -13,7 +13,7 @@ import torch
 
 import statekv
 from statekv.core.graphs import StepGraphs, signature
-from statekv.core.op_trace import OpTrace
+from statekv.testing.op_trace import OpTrace
 from reference import last_steps, reference_stream, top_budget
 
 PREFIX, T, STEPS = 9, 6, 16

@@ -10,7 +10,7 @@ import torch
 import statekv
 from statekv import Stream
 from statekv.models import load_adapter
-from statekv.tiny import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint
 from statekv.video import open_video
 
 QUESTION = "Why?"

@@ -146,6 +146,32 @@ def test_sinks_and_recency_keeps_sinks_and_recent_steps(tiny_lm):
         assert torch.equal(prefill.carried_positions(layer)[0, 0], expected)
 
 
+def test_rules_compose_rekv_is_sinks_around_recency(tiny_lm):
+    model = tiny_lm("qwen2")
+    chunks = split(tokens(model))
+    rekv, hidden_rekv = stream(model, statekv.ReKV(frames=2, sinks=3, prefix_tokens=4), chunks)
+    composed, hidden = stream(model, statekv.WithSinks(statekv.Recency(frames=2), sinks=3).for_prefix(4), chunks)
+    assert torch.equal(hidden, hidden_rekv)
+    expected = torch.cat([torch.arange(7), torch.arange(TOTAL - sum(CHUNK_LENGTHS[-2:]), TOTAL)])
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(composed.carried_positions(layer)[0, 0], expected)
+        assert torch.equal(rekv.carried_positions(layer), composed.carried_positions(layer))
+    sinks_and_top, _ = stream(model, statekv.WithSinks(statekv.StateKV(budget=10), sinks=5), chunks)
+    for layer in range(model.config.num_hidden_layers):
+        positions = sinks_and_top.carried_positions(layer)
+        assert positions.shape[-1] == 15 and bool((positions[..., :5] == torch.arange(5)).all())
+
+
+def test_a_per_layer_budget_gives_each_layer_its_own(tiny_lm):
+    model = tiny_lm("qwen3")
+    chunks = split(tokens(model))
+    budgets = (6, 20, 11)
+    prefill, _ = stream(model, statekv.PerLayerBudget(statekv.StateKV(budget=1), budgets), chunks)
+    assert [prefill.carried_positions(layer).shape[-1] for layer in range(3)] == list(budgets)
+    alone, _ = stream(model, statekv.StateKV(budget=6), chunks)  # layer 0 sees the same hidden states
+    assert torch.equal(prefill.carried_positions(0), alone.carried_positions(0))
+
+
 def test_detailed_cache_grows_geometrically_and_not_at_all_with_a_horizon(tiny_lm):
     model = tiny_lm("qwen3")
     chunks = split(tokens(model))

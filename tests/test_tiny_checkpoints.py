@@ -1,4 +1,4 @@
-"""statekv.tiny.make_tiny_checkpoint: tiny random checkpoints that load through the real from_pretrained path."""
+"""statekv.testing.make_tiny_checkpoint: tiny random checkpoints that load through the real from_pretrained path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoModelForImageTextToText, AutoTokenizer
 
-from statekv.tiny import make_tiny_checkpoint, write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import internvl_pixel_values, open_video, qwen_frame_size, qwen_pixel_values, temporal_groups
 
 FAMILIES = ["internvl", "qwen3_vl", "eagle"]

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import bad_videos
-from statekv.tiny import draw_test_frame, synthetic_timestamps, write_test_video
+from statekv.testing import draw_test_frame, synthetic_timestamps, write_test_video
 from frames import read_frame_index
 from statekv.video import (
     IMAGENET_MEAN,
@@ -34,6 +34,7 @@ from statekv.video import (
     qwen_frame_size,
     qwen_pixel_values,
     sample_at_rate,
+    source_frame_indices,
     temporal_groups,
     uniform_frame_indices,
 )
@@ -129,8 +130,10 @@ def test_file_metadata(clip):
 def test_file_sample_decodes_the_sampled_frames(clip):
     video = open_video(clip)
     frames = list(video.sample())
-    assert [f.index for f in frames] == uniform_frame_indices(90, 30) == [14, 44, 73]
-    for frame in frames:
+    assert [f.index for f in frames] == source_frame_indices(90, 30) == [15, 45, 75]
+    protocol = list(video.sample(protocol=True))
+    assert [f.index for f in protocol] == uniform_frame_indices(90, 30) == [14, 44, 73]
+    for frame in frames + protocol:
         assert frame.image.dtype == np.uint8 and frame.image.shape == (64, 64, 3)
         assert read_frame_index(frame.image) == frame.index  # the pixels are those of that frame
         assert frame.timestamp == pytest.approx(frame.index / 30, abs=1e-6)
@@ -142,17 +145,20 @@ def test_file_frames_reads_every_frame_in_order(clip):
     assert [read_frame_index(f.image) for f in frames] == list(range(90))
 
 
-def test_sample_with_max_fps_above_the_video_rate_repeats_frames(clip):
+def test_sample_above_the_video_rate_sees_every_frame_once_the_protocol_repeats_them(clip):
     video = open_video(clip)
     frames = list(video.sample(max_fps=60, max_frames=512))
-    assert [f.index for f in frames] == video.sample_indices(max_fps=60) and len(frames) == 180
+    assert [f.index for f in frames] == list(range(90))
+    assert [read_frame_index(f.image) for f in frames] == list(range(90))
+    protocol = list(video.sample(max_fps=60, max_frames=512, protocol=True))
+    assert [f.index for f in protocol] == video.sample_indices(max_fps=60, protocol=True) and len(protocol) == 180
 
 
 def test_readings_are_independent_passes(clip):
     video = open_video(clip)
     first = next(video.sample())
-    assert [f.index for f in video.sample()] == [14, 44, 73]
-    assert first.index == 14
+    assert [f.index for f in video.sample()] == [15, 45, 75]
+    assert first.index == 15
 
 
 def test_variable_frame_rate_timestamps_come_from_pts(tmp_path):
@@ -184,7 +190,8 @@ def test_image_folder_in_natural_order(tmp_path):
     frames = list(video.frames())
     assert [read_frame_index(f.image) for f in frames] == list(range(12))
     assert [f.timestamp for f in frames] == [i / 2 for i in range(12)]
-    assert [f.index for f in video.sample()] == uniform_frame_indices(12, 2.0)
+    assert [f.index for f in video.sample()] == source_frame_indices(12, 2.0) == [1, 3, 5, 7, 9, 11]
+    assert [f.index for f in video.sample(protocol=True)] == uniform_frame_indices(12, 2.0)
     assert open_video(tmp_path).fps == 1.0  # default rate of image sources
 
 

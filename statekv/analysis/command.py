@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from statekv.console import quiet_libraries
-from statekv.values import POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
+from statekv.values import PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("videos", nargs="+", metavar="VIDEO", help="video files or folders of frames")
     parser.add_argument("--model", required=True, help="checkpoint folder or hub id of a supported video VLM")
-    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument("--out", required=True, type=PATH, help="output folder")
     parser.add_argument("--frames", type=POSITIVE_INT, default=128, help="frames sampled per video (default 128, the paper's)")
     parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, help="at most this many frames per second (default 1)")
     parser.add_argument("--budgets", nargs="+", type=POSITIVE_INT, default=DEFAULT_BUDGETS, metavar="B",

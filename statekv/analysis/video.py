@@ -14,7 +14,7 @@ from statekv.video import open_video
 
 def video_steps(adapter: VideoAdapter, source: str | Path | Any, *, max_frames: int = 128,
                 max_fps: float = 1.0) -> list[Chunk]:
-    """Sample ``source`` by the paper's rule (at most ``max_fps`` frames per second, at most ``max_frames``,
+    """Sample ``source`` as `VideoQA.encode` does (at most ``max_fps`` frames per second, at most ``max_frames``,
     uniformly over the video) and lay it out as the adapter streams it.
 
     Returns the chunks in stream order (the prefix, if the layout has one, first). Each frame is decoded and

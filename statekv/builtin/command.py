@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from statekv.values import POSITIVE_INT
+    from statekv.values import PATH, POSITIVE_INT
 
     parser = subparsers.add_parser(
         "train-builtin", help="train the built-in model on synthetic videos (CPU, resumable)",
         description="Train the built-in InternVL3 model from scratch on synthetic videos with full attention, "
                     "following the recipe in statekv.builtin.training (seeded). Writes log.jsonl, "
                     "checkpoint.pt, model/ and loss.png to --out; rerun the same command to resume.")
-    parser.add_argument("--out", required=True, type=Path, help="run folder (log, checkpoint, final model)")
+    parser.add_argument("--out", required=True, type=PATH, help="run folder (log, checkpoint, final model)")
     parser.add_argument("--threads", type=POSITIVE_INT, default=2, metavar="T", help="CPU threads (default: 2)")
     parser.add_argument("--stop-after", type=POSITIVE_INT, metavar="STEPS",
                         help="stop once this many steps are done (rerun to go on)")
@@ -34,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin.plots import plot_log
     from statekv.builtin.training import LOG_FILE, Recipe, train
 
+    from statekv.errors import ConfigurationError
+    from statekv.values import check_output_dir
+
+    cores = os.cpu_count() or 1
+    if args.threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory
+        raise ConfigurationError(f"--threads {args.threads} is more than this machine's {cores} CPU cores")
+    check_output_dir(args.out, "--out")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     recipe = Recipe()
     model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..plotting import pyplot
 
 
 def read_log(path: Path | str) -> list[dict]:
-    """The lines of a training log (see `statekv.builtin.training`)."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The lines of a training log (see `statekv.builtin.training`); damaged lines are left out (training drops
+    them, naming each, when it resumes)."""
+    from .training import _log_entry
+
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    return [entry for line in text.splitlines() if line.strip() and (entry := _log_entry(line)) is not None]
 
 
 def plot_log(log: Path | str, path: Path | str) -> Path:
     """Two panels: the answer loss, and answer accuracy per question family, against the step; the video
     length of each curriculum stage is written along the top."""
-    lines = [line for line in read_log(log) if line.get("accuracy") is not None]  # vision steps answer nothing
+    lines = [line for line in read_log(log) if line.get("accuracy") is not None  # vision steps answer nothing
+             and isinstance(line.get("loss"), (int, float)) and isinstance(line.get("frames"), int)
+             and isinstance(line.get("family_accuracy"), dict)]
     plt = pyplot()
     fig, (loss_ax, accuracy_ax) = plt.subplots(1, 2, figsize=(12, 4.2))
     steps = [line["step"] for line in lines]

@@ -31,7 +31,9 @@ benchmark's 96; trained on long videos from the start the model stays at chance.
 
 The run directory holds ``log.jsonl`` (one line per ``log_every`` steps: loss, answer accuracy per family,
 learning rate, time), ``checkpoint.pt`` (model, optimiser and step; written atomically every
-``checkpoint_every`` steps) and, at the end, ``model/``: the checkpoint folder (``save_pretrained``).
+``checkpoint_every`` steps, and when a stop (Ctrl-C, SIGTERM, SIGHUP) ends the run; the one before it is kept as
+``checkpoint.previous.pt``, so a damaged latest checkpoint resumes from the one before) and, at the end,
+``model/``: the checkpoint folder (``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DataError
 from ..models import InternVLAdapter
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
 from ..video import IMAGENET_MEAN, IMAGENET_STD
@@ -62,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 LOG_FILE = "log.jsonl"
 STATE_FILE = "checkpoint.pt"
+PREVIOUS_STATE_FILE = "checkpoint.previous.pt"
+STATE_KEYS = ("recipe", "step", "seconds", "model", "optimizer")
 MODEL_DIR = "model"
 
 
@@ -144,20 +148,29 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     window = _Window()
     last = min(recipe.steps, stop_after) if stop_after is not None else recipe.steps
     started = time.monotonic() - elapsed
-    while step < last:
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.learning_rate_at(step)
-        loss, parts, answers = _step_loss(recipe, model, bank, maker, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-        optimizer.step()
-        step += 1
-        window.add(parts, answers)
-        if step % recipe.log_every == 0 or step == last:
-            _log(out, window.flush(step, recipe, time.monotonic() - started))
-        if step % recipe.checkpoint_every == 0 or step == last:
+    saved = step
+    try:
+        while step < last:
+            for group in optimizer.param_groups:
+                group["lr"] = recipe.learning_rate_at(step)
+            loss, parts, answers = _step_loss(recipe, model, bank, maker, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+            optimizer.step()
+            step += 1
+            window.add(parts, answers)
+            if step % recipe.log_every == 0 or step == last:
+                _log(out, window.flush(step, recipe, time.monotonic() - started))
+            if step % recipe.checkpoint_every == 0 or step == last:
+                _save_state(out, recipe, model, optimizer, step, time.monotonic() - started)
+                saved = step
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: keep every step finished (an interrupted one is redone)
+        if step > saved:
             _save_state(out, recipe, model, optimizer, step, time.monotonic() - started)
+        logger.info("stopped after step %d of %d; checkpoint saved to %s (rerun to go on)", step, recipe.steps,
+                    out / STATE_FILE)
+        raise
     if step >= recipe.steps:
         save_checkpoint(model.eval(), tokenizer, out / MODEL_DIR, recipe=recipe.to_dict())
     return out / MODEL_DIR
@@ -229,30 +242,97 @@ def _log(out: Path, line: dict[str, Any]) -> None:
 
 
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
+    """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``."""
     temporary = out / (STATE_FILE + ".tmp")
     torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
                 "optimizer": optimizer.state_dict()}, temporary)
+    if (out / STATE_FILE).is_file():
+        os.replace(out / STATE_FILE, out / PREVIOUS_STATE_FILE)
     os.replace(temporary, out / STATE_FILE)
 
 
 def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:
-    """Load ``out/checkpoint.pt`` if there is one; returns (steps done, seconds spent)."""
-    path = out / STATE_FILE
-    if not path.is_file():
+    """Load the last good checkpoint (``checkpoint.pt``, else ``checkpoint.previous.pt``) if there is one;
+    returns (steps done, seconds spent). A damaged checkpoint is skipped with a warning naming it; when none
+    is usable, a one-line `DataError` says so."""
+    paths = [path for path in (out / STATE_FILE, out / PREVIOUS_STATE_FILE) if path.is_file()]
+    if not paths:
         (out / LOG_FILE).unlink(missing_ok=True)
         return 0, 0.0
-    state = torch.load(path, weights_only=True)
+    problems = []
+    for path in paths:
+        try:
+            state = _read_state(path, recipe, model, optimizer)
+        except DataError as error:
+            logger.warning("%s", error)
+            problems.append(str(error))
+            continue
+        _truncate_log(out / LOG_FILE, state["step"])
+        return int(state["step"]), float(state["seconds"])
+    raise DataError(f"{problems[0]}; no usable checkpoint in {out}: delete {STATE_FILE} (and "
+                    f"{PREVIOUS_STATE_FILE}) to start over")
+
+
+def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
+    """A checkpoint's contents, installed in ``model`` and ``optimizer`` only once all of it is readable."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:  # truncated, not a zip, pickled objects: torch raises many kinds
+        raise DataError(f"{path}: damaged training checkpoint ({one_line_reason(error)})") from None
+    if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
+        missing = next((key for key in STATE_KEYS if not isinstance(state, dict) or key not in state), "?")
+        raise DataError(f"{path}: damaged training checkpoint (no field {missing!r})")
     if state["recipe"] != recipe.to_dict():
-        raise ConfigurationError(f"{out} holds a run of another recipe; use another output folder")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    _truncate_log(out / LOG_FILE, state["step"])
-    return int(state["step"]), float(state["seconds"])
+        raise ConfigurationError(f"{path.parent} holds a run of another recipe; use another output folder")
+    step, seconds = state["step"], state["seconds"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= recipe.steps:
+        raise DataError(f"{path}: damaged training checkpoint (field 'step' is {step!r}, not 1 to {recipe.steps})")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds < 0:
+        raise DataError(f"{path}: damaged training checkpoint (field 'seconds' is {seconds!r})")
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    try:
+        for name, tensor in state["model"].items():
+            if not torch.isfinite(tensor).all():
+                raise DataError(f"{path}: damaged training checkpoint (weight {name} holds NaN or inf)")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except DataError:
+        model.load_state_dict(weights)
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        model.load_state_dict(weights)
+        raise DataError(f"{path}: damaged training checkpoint ({one_line_reason(error)})") from None
+    return state
+
+
+def one_line_reason(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint (their steps are trained again)."""
-    if path.is_file():
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
-                 if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    """Drop log lines written after the checkpoint (their steps are trained again), and damaged lines (each
+    named in a warning)."""
+    if not path.is_file():
+        return
+    kept = []
+    for number, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        entry = _log_entry(line)
+        if entry is None:
+            logger.warning("%s:%d: dropping a damaged log line", path, number)
+        elif entry["step"] <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _log_entry(line: str) -> dict[str, Any] | None:
+    """A log line's entry, or None when it is not a JSON object with an integer step."""
+    try:
+        entry = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    step = entry.get("step") if isinstance(entry, dict) else None
+    return entry if isinstance(step, int) and not isinstance(step, bool) else None

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, print_json, quiet_libraries
+from ..errors import OutputError
 from ..user_cache import cache_dir  # where the demo keeps its video
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 
@@ -142,7 +143,12 @@ def _cached(name: str, build) -> Path:
     target = cache_dir() / name
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=target.parent).close()
+    except OSError as error:
+        raise OutputError(f"cannot write statekv's cache in {target.parent} ({error.strerror or error}); set "
+                          "STATEKV_CACHE to a writable folder") from None
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / name
         build(built)

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from ..video import open_video
 
     options = ModelOptions.from_args(args)
-    save = check_output_file(args.save, "--save") if args.save else None  # before hours of encoding, not after
+    # before hours of encoding, not after
+    save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
         raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
@@ -118,8 +119,8 @@ class _Replay:
                 where, problem = save_or_rescue(self.stream, self.save)
                 kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
                     f" (not to {self.save}: {problem})" if problem else "")
-            except OutputError as save_error:
-                kept = f"and the {self.stream.frames} frames streamed before it were lost: {one_line(save_error)}"
+            except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
+                kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
             else:

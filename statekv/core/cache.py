@@ -40,11 +40,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from . import persistence
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .buffers import CarriedSlots, Ring, TokenBuffer
 from ..errors import InputError
-from ..values import check_int
-from .memory import CacheGeometry
+from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
 
 
@@ -244,50 +244,13 @@ class StreamingLayer(CacheLayerMixin):
         self.block_keys.length += 1
 
     def export(self) -> tuple[dict[str, torch.Tensor], int | None]:
-        """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
-        keys, values = self.detailed.view(0, self.detailed.length)
-        tensors = {"keys": keys, "values": values}
-        if self.block_keys.length:
-            tensors["block_keys"] = self.block_keys.view(0, self.block_keys.length)[0]
-        if self.window_start is not None or self.slots is None:
-            return tensors, self.window_start
-        ring = self.cache.ring
-        if ring is not None and not self.offloaded and not ring.sinks:
-            return tensors, self.detailed.length - self.carried_length
-        carried_keys, carried_values = self.carried()
-        tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=self.positions())
-        return tensors, None
+        """The committed state as tensors and the window start (see :func:`persistence.export_layer`)."""
+        return persistence.export_layer(self)
 
     def restore(self, tensors: dict[str, torch.Tensor], window_start: int | None, steps: list[int],
                 device: torch.device) -> None:
-        """Install a state saved by :meth:`export` (``steps``: the token count of every step); the carried
-        state goes to ``device`` (the model's)."""
-        storage = self.detailed.device or device
-        self.detailed.load(tensors["keys"].to(storage), tensors["values"].to(storage))
-        if "block_keys" not in tensors:  # saved before step means were kept: recompute them
-            tensors = dict(tensors, block_keys=_step_means(tensors["keys"], steps))
-        self.block_keys.load(tensors["block_keys"].to(storage))
-        self.slots, self.window_start = None, window_start
-        if window_start is not None and self.offloaded:  # saved without offload: make the window explicit
-            keys, values = self.detailed.view(window_start, self.detailed.length)
-            b, h = keys.shape[:2]
-            positions = torch.arange(window_start, self.detailed.length).expand(b, h, -1)
-            tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
-            self.window_start = None
-        if self.window_start is None and "carried_keys" in tensors:
-            kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
-            self.slots = CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0)
-        self.is_initialized = self.detailed.length > 0
-        if self.is_initialized:
-            self.dtype, self.device = self.detailed.keys.dtype, device
-            b, h, _, d = self.detailed.keys.shape
-            if self.offloaded:
-                self.staged_mean = torch.empty(b, h, 1, d, dtype=self.dtype, device=device)
-
-
-def _step_means(keys: torch.Tensor, steps: list[int]) -> torch.Tensor:
-    """Mean key of every step: ``keys [B, H_kv, N, D]`` split by ``steps`` -> ``[B, H_kv, len(steps), D]``."""
-    return torch.cat([part.mean(dim=2, keepdim=True) for part in keys.split(steps, dim=2)], dim=2)
+        """Install a state saved by :meth:`export` (see :func:`persistence.restore_layer`)."""
+        persistence.restore_layer(self, tensors, window_start, steps, device)
 
 
 class TwoStateCache(Cache):
@@ -405,7 +368,7 @@ class TwoStateCache(Cache):
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
         candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
-                                positions=layer.candidate_positions, history=self._history)
+                                positions=layer.candidate_positions, history=self._history, queries=q)
         layer.pending_selection = _checked(self.policy.select(candidates), candidates)
         self.read_host_state |= candidates.read_host_state
         return out
@@ -436,33 +399,15 @@ class TwoStateCache(Cache):
         for layer in self.layers:
             layer.pending_selection = None
 
-    # saving and exporting -----------------------------------------------------------------------------------
+    # saving and resuming (see persistence) -----------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata."""
-        self.layers[0].detailed.synchronize()
-        tensors, window_starts = {}, []
-        for index, layer in enumerate(self.layers):
-            layer_tensors, window_start = layer.export()
-            tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
-            window_starts.append(window_start)
-        return tensors, {"chunk_lengths": list(self.chunk_lengths), "seen_tokens": self.seen_tokens,
-                         "window_starts": window_starts}
+        return persistence.state_dict(self)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
-        """Install a state from :meth:`state_dict` (checked first with `check_state_dict` by
-        `StreamingPrefill.load_state_dict`); carried tensors go to ``device``."""
-        if len(metadata["window_starts"]) != len(self.layers):
-            raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
-                             f"{len(self.layers)}")
-        self.ring = None
-        for index, (layer, window_start) in enumerate(zip(self.layers, metadata["window_starts"])):
-            prefix = f"layers.{index}."
-            layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-            layer.restore(layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
-        self.chunk_lengths = list(metadata["chunk_lengths"])
-        self.seen_tokens = int(metadata["seen_tokens"])
-        self.seen_device = None
-        self.buffers_replaced()
+        """Install a state from :meth:`state_dict` (checked first with `check_state_dict`); carried tensors go
+        to ``device``."""
+        persistence.load_state_dict(self, tensors, metadata, device)
 
     def to_dynamic_cache(self, device: torch.device | None = None) -> DynamicCache:
         """Every token's keys/values as a ``DynamicCache`` of views (no copy), or copies on ``device`` when the
@@ -483,65 +428,6 @@ class TwoStateCache(Cache):
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache
-
-
-def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry) -> None:
-    """Refuse (one-line `InputError`) a state that :meth:`TwoStateCache.state_dict` of a stream over a model of
-    ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
-    and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
-    and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
-    ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
-    if not isinstance(metadata, dict):
-        raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
-    for key in ("chunk_lengths", "seen_tokens", "window_starts"):
-        if key not in metadata:
-            raise InputError(f"the cache metadata lacks {key!r}")
-    lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
-    if not isinstance(lengths, list) or not isinstance(starts, list):
-        raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
-    for length in lengths:
-        check_int(length, "a saved step length", error=InputError)
-    seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
-    if seen != sum(lengths):
-        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
-    if len(starts) != geometry.layers:
-        raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
-    expected = {}
-    batch = None
-    for index, start in enumerate(starts):
-        prefix = f"layers.{index}."
-        if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
-                                           error=InputError) > seen:
-            raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
-        keys = tensors.get(prefix + "keys")
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-            raise InputError(f"the saved state lacks {prefix}keys [B, H_kv, tokens, D]")
-        batch = keys.shape[0] if batch is None else batch
-        head = (batch, geometry.kv_heads)
-        expected[prefix + "keys"] = expected[prefix + "values"] = ((*head, seen, geometry.head_dim), geometry.dtype)
-        if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
-            expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
-        if start is None and seen:
-            carried = tensors.get(prefix + "carried_positions")
-            size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1
-            if not 0 <= size <= seen:
-                raise InputError(f"the saved state lacks {prefix}carried_positions [B, H_kv, K] with K <= {seen}")
-            expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
-                (*head, size, geometry.head_dim), geometry.dtype)
-            expected[prefix + "carried_positions"] = ((*head, size), torch.long)
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
-    for name, (shape, dtype) in expected.items():
-        tensor = tensors.get(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise InputError(f"the saved state lacks {name} {list(shape)}")
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise InputError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}, expected "
-                             f"{str(dtype).removeprefix('torch.')} {list(shape)} for this model")
-        if name.endswith("carried_positions") and tensor.numel() and not (
-                int(tensor.min()) >= 0 and int(tensor.max()) < seen):
-            raise InputError(f"{name} holds positions outside the {seen} tokens saved")
 
 
 def _checked(selection: slice | torch.Tensor, candidates: Candidates) -> slice | torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .answering import AnswerCache, Retrieval
+from .model_attention import share_language_attention
 from ..errors import InputError, UnsupportedModelError
 
 DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
@@ -35,14 +36,13 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
         raise InputError("nothing has been streamed yet; call step() before generate()")
     if retrieve is not None and not isinstance(retrieve, Retrieval):
         raise InputError(f"retrieve must be a Retrieval (or None), got {type(retrieve).__name__}")
-    if prefill.rope is not None:
-        prefill.rope.apply()
     context = prefill.seen_tokens
     mask = torch.ones(input_ids.shape[0], context + input_ids.shape[1], dtype=torch.long,
                       device=input_ids.device)
     generate_kwargs.setdefault("do_sample", False)
     room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     cache = AnswerCache(prefill.cache, room, prefill.device, retrieve)
+    share_language_attention(prefill.model)
     with prefill.streaming(cache):
         output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     return output[:, input_ids.shape[1]:]

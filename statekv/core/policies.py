@@ -14,6 +14,11 @@ The base keeps the ``budget`` best per (batch, KV head), in time order, and its 
 as a CUDA graph. Any other rule overrides :meth:`CarryPolicy.select`, returning a ``slice`` over the
 candidate axis (the same for every head) or a LongTensor ``[B, H_kv, K]`` of candidate indices sorted
 ascending (see :class:`SinksAndRecency`).
+
+Rules compose: :class:`WithSinks` always carries a protected prefix (the prompt prefix and attention sinks) and
+lets another rule choose among the rest; :class:`PerLayerBudget` gives a scored rule its own budget in each
+layer. ReKV is ``WithSinks(Recency(frames), sinks)``. A rule may read the step's queries
+(``candidates.queries``), for example to score keys by the attention of the step's last queries alone.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class Candidates:
             summed over those queries and the query heads of its KV group (each row sums to ``T * G``);
             ``None`` unless the policy needs them (:meth:`CarryPolicy.scores_needed`).
         keys, values: ``[B, H_kv, N, D]`` the candidates' keys (post-RoPE) and values.
+        queries: ``[B, Hq, T, D]`` the step's queries (post-RoPE), query head ``h`` reading KV head ``h // G``;
+            the tensor the attention already used, so reading it costs nothing until a rule computes with it.
         positions: LongTensor ``[B, H_kv, N]``: logical sequence position of each candidate.
         steps: LongTensor ``[B, H_kv, N]``: index of the step that produced each candidate.
         step: index of the current step (0 for the first chunk).
@@ -52,11 +59,27 @@ class Candidates:
 
     def __init__(self, *, layer: int, scores: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                  positions: Callable[[], torch.Tensor] | torch.Tensor,
-                 history: Callable[[], tuple[int, ...]] | tuple[int, ...]):
+                 history: Callable[[], tuple[int, ...]] | tuple[int, ...],
+                 queries: Callable[[], torch.Tensor] | torch.Tensor | None = None):
         self.size, self.layer = keys.shape[2], layer
         self.scores, self.keys, self.values = scores, keys, values
-        self._positions, self._history = positions, history
+        self._positions, self._history, self._queries = positions, history, queries
         self.read_host_state = False
+
+    @cached_property
+    def queries(self) -> torch.Tensor:
+        if self._queries is None:
+            raise NotImplementedError("these candidates were made without the step's queries")
+        return self._queries() if callable(self._queries) else self._queries
+
+    def after(self, count: int) -> "Candidates":
+        """The candidates past the first ``count`` (views; indices in the result count from ``count``)."""
+        parent = self
+        view = Candidates(layer=self.layer, scores=None if self.scores is None else self.scores[..., count:],
+                          keys=self.keys[:, :, count:], values=self.values[:, :, count:],
+                          positions=lambda: parent.positions[..., count:], history=self._history,
+                          queries=lambda: parent.queries)
+        return view
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -155,10 +178,71 @@ class Recency(CarryPolicy):
 
 
 @dataclass(frozen=True)
+class WithSinks(CarryPolicy):
+    """Always carry the protected prefix -- the stream's first ``prefix_tokens`` (the prompt before the first
+    frame) and the ``sinks`` tokens after them -- and let ``rule`` choose among the other candidates.
+
+    ``prefix_tokens`` is set per stream by :meth:`for_prefix` (the pipeline knows the prompt's prefix). The
+    protected tokens are the earliest of the stream, so a carried state that keeps them holds them first.
+    """
+
+    rule: CarryPolicy
+    sinks: int = 4
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, CarryPolicy):
+            raise TypeError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
+        for name in ("sinks", "prefix_tokens"):
+            check_int(getattr(self, name), f"{type(self).__name__}: {name}", minimum=0)
+
+    @property
+    def capturable(self) -> bool:
+        return self.rule.capturable
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.rule.needs_scores
+
+    def scores_needed(self, size: int) -> bool:
+        return self.rule.scores_needed(max(size - self.sink_tokens, 0))
+
+    @property
+    def recent_steps(self) -> int | None:
+        return self.rule.recent_steps
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.prefix_tokens + self.sinks
+
+    def for_prefix(self, tokens: int) -> "WithSinks":
+        return replace(self, prefix_tokens=tokens)
+
+    def select(self, candidates: Candidates) -> slice | torch.Tensor:
+        protected = min(self.sink_tokens, candidates.size)
+        if protected == 0:
+            return self.rule.select(candidates)
+        rest = candidates.after(protected)
+        chosen = self.rule.select(rest)
+        candidates.read_host_state |= rest.read_host_state
+        device = candidates.keys.device
+        if isinstance(chosen, slice):
+            start, stop = chosen.indices(rest.size)[:2]
+            if start == 0 and stop == rest.size:
+                return KEEP_ALL
+            keep = torch.cat([torch.arange(protected, device=device),
+                              torch.arange(protected + start, protected + stop, device=device)])
+            return keep.expand(*candidates.keys.shape[:2], -1)
+        sinks = torch.arange(protected, device=device).expand(*chosen.shape[:2], -1)
+        return torch.cat([sinks, chosen + protected], dim=-1)
+
+
+@dataclass(frozen=True)
 class ReKV(Recency):
     """ReKV's prefill (Di et al., ICLR 2025): attention sinks -- the prompt prefix and the first ``sinks``
-    tokens after it -- plus the tokens of the ``frames`` most recent steps. Answering from retrieved frames
-    (the other half of ReKV) is a question-time option of every method (`Retrieval`).
+    tokens after it -- plus the tokens of the ``frames`` most recent steps, that is
+    ``WithSinks(Recency(frames), sinks, prefix_tokens)``. Answering from retrieved frames (the other half of
+    ReKV) is a question-time option of every method (`Retrieval`).
 
     ``prefix_tokens`` is set per stream by :meth:`for_prefix` (the pipeline knows the prompt's prefix).
     """
@@ -178,14 +262,13 @@ class ReKV(Recency):
     def for_prefix(self, tokens: int) -> "ReKV":
         return replace(self, prefix_tokens=tokens)
 
+    @cached_property
+    def composed(self) -> WithSinks:
+        """The rule as a composition: ``WithSinks(Recency(frames), sinks, prefix_tokens)``."""
+        return WithSinks(Recency(self.frames), self.sinks, self.prefix_tokens)
+
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
-        recent = candidates.last_steps(self.frames).start
-        sinks = min(self.sink_tokens, candidates.size)
-        if recent <= sinks:
-            return KEEP_ALL
-        device = candidates.keys.device
-        keep = torch.cat([torch.arange(sinks, device=device), torch.arange(recent, candidates.size, device=device)])
-        return keep.expand(*candidates.keys.shape[:2], -1)
+        return self.composed.select(candidates)
 
 
 @dataclass(frozen=True)
@@ -233,6 +316,43 @@ class KeyNorm(ScoredPolicy):
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         return -candidates.keys.float().norm(dim=-1)
+
+
+@dataclass(frozen=True)
+class PerLayerBudget(CarryPolicy):
+    """``rule`` (a :class:`ScoredPolicy`) with its own budget in each layer: ``budgets[layer]`` tokens."""
+
+    rule: ScoredPolicy
+    budgets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, ScoredPolicy):
+            raise TypeError(f"PerLayerBudget: rule must be a ScoredPolicy, got {type(self.rule).__name__}")
+        object.__setattr__(self, "budgets", tuple(self.budgets))
+        if not self.budgets:
+            raise ValueError("PerLayerBudget: give one budget per layer")
+        for budget in self.budgets:
+            check_int(budget, "PerLayerBudget: budgets")
+
+    @property
+    def capturable(self) -> bool:
+        return self.rule.capturable
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.rule.needs_scores
+
+    def scores_needed(self, size: int) -> bool:  # the layer is not known here: scores as soon as one layer needs them
+        return self.rule.needs_scores and size > min(self.budgets)
+
+    @cached_property
+    def rules(self) -> tuple[ScoredPolicy, ...]:
+        return tuple(replace(self.rule, budget=budget) for budget in self.budgets)
+
+    def select(self, candidates: Candidates) -> slice | torch.Tensor:
+        if candidates.layer >= len(self.rules):
+            raise ValueError(f"PerLayerBudget has {len(self.rules)} budgets, but layer {candidates.layer} streams")
+        return self.rules[candidates.layer].select(candidates)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,21 @@
 """StreamingPrefill: feed a frozen Hugging Face decoder one chunk at a time under a carry policy.
 
-Each :meth:`StreamingPrefill.step` is one ordinary forward of the model's own decoder. The only things
-swapped in are a transformers ``Cache`` (:class:`TwoStateCache`) and, for the duration of the call, the
-attention function registered under the name ``"statekv"``, which computes the chunk's attention over
-``[carried; chunk]`` and lets the policy choose what to carry. The language model alone is switched (the
-vision tower of a VLM keeps its own attention), and the previous implementation is restored afterwards, also
-when the forward raises.
+Each :meth:`StreamingPrefill.step` is one ordinary forward of the model's own decoder. The only thing swapped in
+for it is a transformers ``Cache`` (:class:`TwoStateCache`). The language model's attention implementation is
+switched once per model (never per step, so streams and ordinary calls can share one model from several
+threads) to the engine's function, registered through transformers' ``AttentionInterface`` as
+``statekv+<original>``: inside a stream's call it computes the chunk's attention over ``[carried; chunk]`` and
+lets the policy choose what to carry; any other call falls through to the model's original implementation
+(``sdpa``, ``eager``...) with the original's mask. The vision tower of a VLM keeps its own attention.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 from .answering import Retrieval
 from .attention import resolve_backend
@@ -23,34 +23,12 @@ from .cache import TwoStateCache, check_state_dict
 from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
 from .graphs import StepGraphs
 from .memory import CacheGeometry, check_cache_fits
+from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
+                              share_language_attention, statekv_attention, streaming_through)
 from .policies import CarryPolicy
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
-
-ATTENTION_NAME = "statekv"
-_streaming = threading.local()  # the cache of the step running in this thread, for the attention function
-
-
-def statekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: ``query [B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, K+T, D]``."""
-    cache: TwoStateCache | None = getattr(_streaming, "cache", None)
-    if cache is None:
-        raise UnsupportedModelError(
-            f"the {ATTENTION_NAME!r} attention runs only inside StreamingPrefill.step; switch the model back "
-            "to 'sdpa' before calling it directly"
-        )
-    if attention_mask is not None:
-        raise InputError("the streaming engine attends causally over [carried; chunk] and cannot apply an "
-                         "attention mask (padding or a custom mask); pass none")
-    if kwargs.get("sliding_window"):
-        raise UnsupportedModelError("sliding-window attention layers are not supported by the streaming engine")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache.attend(module.layer_idx, query, key, value, scale), None
-
-
-AttentionInterface.register(ATTENTION_NAME, statekv_attention)
-
 
 class StreamingPrefill:
     """Stream chunks through ``model`` under ``policy``, building a detailed cache of every token.
@@ -85,8 +63,10 @@ class StreamingPrefill:
         self.decoder = _language_decoder(model)
         self.config = self.decoder.config
         _check_supported(self.config)
+        share_language_attention(model)
         self.device = next(self.decoder.parameters()).device
         self.dtype = next(self.decoder.parameters()).dtype
+        self._prepared_mask = prepared_mask(self.device)
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
         self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
@@ -205,12 +185,10 @@ class StreamingPrefill:
         return self.cache.peak_device_bytes
 
     def close(self) -> None:
-        """Give the model its own RoPE behaviour back (the frozen rotation stays until then, for decoding); the
-        stream can no longer step or decode."""
+        """Release the stream's recorded graphs; it can no longer step or decode (the model was never changed
+        by it, beyond the attention switched once per model)."""
         self._closed = True
-        if self.rope is not None:
-            self.rope.restore()
-            self.rope = None
+        self.rope = None
         self.graphs.clear()
 
     def __enter__(self) -> "StreamingPrefill":
@@ -224,6 +202,7 @@ class StreamingPrefill:
         return [layer.positions().clone() for layer in self.cache.layers]
 
     def _streamed_device_step(self, inputs: dict) -> torch.Tensor:
+        share_language_attention(self.model)  # a no-op unless someone switched the model's attention since
         with self.streaming(self.cache):
             return self._device_step(inputs)
 
@@ -235,7 +214,7 @@ class StreamingPrefill:
         if inputs["position_ids"] is None:
             batch = (inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]).shape[0]
             inputs = dict(inputs, position_ids=positions.expand(batch, -1))
-        output = self.decoder(**inputs, past_key_values=self.cache, use_cache=True)
+        output = self.decoder(**inputs, attention_mask=self._prepared_mask, past_key_values=self.cache, use_cache=True)
         missing = self.cache.missing_layers()
         if missing:
             raise UnsupportedModelError(
@@ -292,16 +271,11 @@ class StreamingPrefill:
 
     @contextmanager
     def streaming(self, cache):
-        """The language model's attention switched to the engine's function, which attends through ``cache``
-        (this stream's `TwoStateCache` while stepping, an `AnswerCache` while answering)."""
-        previous = self.config._attn_implementation
-        _set_language_attention(self.model, ATTENTION_NAME)
-        _streaming.cache = cache
-        try:
+        """Calls of the model made in this thread inside the block attend through ``cache`` (this stream's
+        `TwoStateCache` while stepping, an `AnswerCache` while answering) and rotate with this stream's RoPE.
+        Nothing of the model is changed: other threads' calls are unaffected."""
+        with streaming_through(cache), self.rope.active() if self.rope is not None else nullcontext():
             yield
-        finally:
-            _streaming.cache = None
-            _set_language_attention(self.model, previous)
 
 
 def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
@@ -333,36 +307,6 @@ def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:
                          "attention mask (padding or a custom mask); pass none, or an all-ones [B, T] mask")
 
 
-def _language_decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack whose forward takes ``inputs_embeds`` and returns ``last_hidden_state``."""
-    if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
-        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model")
-    decoder = model.get_decoder()
-    # Some wrappers answer with a causal-LM head around the decoder (for example a VLM's language model).
-    while decoder is not decoder.get_decoder():
-        decoder = decoder.get_decoder()
-    if not hasattr(decoder, "layers") or not hasattr(decoder.config, "num_hidden_layers"):
-        raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
-    return decoder
-
-
 def _check_supported(config) -> None:
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise UnsupportedModelError("models with sliding-window attention layers are not supported")
-
-
-def _set_language_attention(model: torch.nn.Module, implementation: str) -> None:
-    """Switch the attention of the language model only (a VLM's vision tower keeps its own).
-
-    transformers VLMs declare a ``text_config`` sub-config and take the dict form. Remote-code VLMs without one
-    (the original InternVL release) would switch every sub-model with the string form, so there the decoder
-    alone is switched.
-    """
-    has_text_config = "text_config" in (getattr(model.config, "sub_configs", None) or {})
-    target = model if has_text_config or _language_decoder(model) is model else _language_decoder(model)
-    try:
-        target.set_attn_implementation({"text_config": implementation} if has_text_config else implementation)
-    except (ValueError, ImportError) as error:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} cannot use a custom attention function: {str(error).splitlines()[0]}"
-        ) from None

@@ -1,4 +1,4 @@
-"""RoPE for a whole streaming run: one rotation, fixed before the first chunk, kept through decoding.
+"""RoPE for a whole streaming run: one rotation per stream, fixed before its first step, kept through decoding.
 
 Static RoPE types (``default``, ``linear``, ``yarn``, ``llama3``, M-RoPE) rotate a position the same way
 whatever else is in the batch, so streaming needs nothing from them. ``dynamic`` (NTK) and ``longrope``
@@ -10,7 +10,10 @@ turns the per-call update off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import warnings
+from contextlib import contextmanager
+from types import MethodType
 
 import torch
 from torch import nn
@@ -70,67 +73,94 @@ def check_horizon(config, horizon: int | None) -> int:
     return horizon
 
 
-_INSTALLED: dict[int, "FrozenRope"] = {}  # id(rotary module) -> the frozen rotation it currently holds
-
-
-@dataclass(eq=False)
 class FrozenRope:
-    """The frozen rotation of the rotary modules of a decoder whose RoPE is recomputed per call (``dynamic``,
-    ``longrope``; static types need nothing and are not listed). :meth:`apply` is idempotent and costs nothing
-    when this rotation is already installed."""
+    """One stream's rotation: the frequencies of a decoder's rotary modules whose RoPE is recomputed per call
+    (``dynamic``, ``longrope``; static types need nothing and are not listed), fixed for ``horizon`` tokens.
 
-    horizon: int
-    modules: list[nn.Module]
-    frozen: list[torch.Tensor]
-    saved: list[tuple[str, torch.Tensor, object]] = field(default_factory=list)
+    The model's modules are never changed: :func:`freeze_rope` makes each of them consult the rotation active in
+    the calling thread (:meth:`active`), so streams with different horizons share one model, each rotating with
+    its own frequencies, and ordinary calls of the model keep its own RoPE.
+    """
+
+    def __init__(self, horizon: int, modules: list[nn.Module], frozen: list[torch.Tensor]):
+        self.horizon, self.modules, self.frozen = horizon, modules, frozen
+        self._by_module = {id(module): inv_freq for module, inv_freq in zip(modules, frozen)}
+
+    def frequencies(self, module: nn.Module) -> torch.Tensor | None:
+        """The frozen ``inv_freq [D/2]`` of ``module`` (None: not one of this rotation's modules)."""
+        return self._by_module.get(id(module))
+
+    @contextmanager
+    def active(self):
+        """This rotation used by the rotary modules for calls made in this thread inside the block."""
+        previous = getattr(_active, "rope", None)
+        _active.rope = self
+        try:
+            yield
+        finally:
+            _active.rope = previous
 
     def apply(self) -> None:
-        """Install the frozen frequencies, unless they already are: call before each chunk and before decoding
-        (another stream on the same model may have installed its own)."""
-        for module, inv_freq in zip(self.modules, self.frozen):
-            if _INSTALLED.get(id(module)) is self:
-                continue
-            module.inv_freq.copy_(inv_freq.to(module.inv_freq.device))
-            module.rope_type = "default"  # the decorator's per-call update is keyed on this name
-            _INSTALLED[id(module)] = self
+        """Deprecated: the rotation is per stream and active only during its calls; nothing to install."""
+        warnings.warn("FrozenRope.apply() is no longer needed (each stream's rotation is active only during its "
+                      "own calls) and will be removed", DeprecationWarning, stacklevel=2)
 
     def restore(self) -> None:
-        """Give the modules back their own behaviour (those where another open stream's rotation is installed
-        keep it: that stream restores them when it closes)."""
-        for module, (rope_type, inv_freq, max_cached) in zip(self.modules, self.saved):
-            if _INSTALLED.get(id(module)) is not self:
-                continue
-            del _INSTALLED[id(module)]
-            module.rope_type = rope_type
-            module.inv_freq.copy_(inv_freq)
-            if max_cached is not None:
-                module.max_seq_len_cached = max_cached
+        """Nothing to give back: the model's modules keep their own behaviour for every other call."""
+
+
+_active = threading.local()  # the FrozenRope of the stream whose call runs in this thread, if any
+_install_lock = threading.Lock()
+
+
+class _WithFrequencies:
+    """A rotary module seen with other frequencies and no per-call update, for its own forward code."""
+
+    rope_type = "default"  # the decorator's per-call update is keyed on this name
+
+    def __init__(self, module: nn.Module, inv_freq: torch.Tensor):
+        self._module, self.inv_freq = module, inv_freq
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _stream_aware_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+    """The module's own forward, with the frozen frequencies of the stream calling from this thread, if any."""
+    rope: FrozenRope | None = getattr(_active, "rope", None)
+    inv_freq = rope.frequencies(module) if rope is not None else None
+    target = module if inv_freq is None else _WithFrequencies(module, inv_freq)
+    return type(module).forward(target, x, position_ids, *args, **kwargs)
+
+
+def _make_stream_aware(module: nn.Module) -> None:
+    """Once per module: route its forward through :func:`_stream_aware_forward` (an instance attribute, so the
+    class and other models are untouched)."""
+    with _install_lock:
+        if getattr(module, "_statekv_stream_aware", False):
+            return
+        module.forward = MethodType(_stream_aware_forward, module)
+        module._statekv_stream_aware = True
 
 
 def freeze_rope(decoder: nn.Module, horizon: int) -> FrozenRope:
-    """Fix the rotation of ``decoder``'s rotary modules for sequences of up to ``horizon`` tokens.
+    """The rotation of ``decoder``'s rotary modules for sequences of up to ``horizon`` tokens, for one stream.
 
     For ``dynamic`` the frequencies are those the model itself would use for a ``horizon``-token sequence;
     for ``longrope`` the long or short factors, whichever that length selects. Static types need nothing and
-    are left alone.
+    are left alone. The rotation is used only inside :meth:`FrozenRope.active`.
     """
-    modules, frozen, saved = [], [], []
+    modules, frozen = [], []
     for module in decoder.modules():
         if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
             continue
-        owner = _INSTALLED.get(id(module))  # frozen by another stream that is still open: its original state
-        original = owner.saved[owner.modules.index(module)] if owner is not None else (
-            getattr(module, "rope_type", None), module.inv_freq.detach().clone(),
-            getattr(module, "max_seq_len_cached", None))
-        rope_type = original[0]
+        rope_type = getattr(module, "rope_type", None)
         if rope_type not in RECOMPUTED_PER_CALL:
             continue
-        saved.append(original)
+        _make_stream_aware(module)
         modules.append(module)
         frozen.append(_frequencies_for(module, rope_type, horizon))
-    rope = FrozenRope(horizon, modules, frozen, saved)
-    rope.apply()
-    return rope
+    return FrozenRope(horizon, modules, frozen)
 
 
 def _frequencies_for(module: nn.Module, rope_type: str, horizon: int) -> torch.Tensor:

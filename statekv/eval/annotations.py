@@ -58,27 +58,42 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
     except ImportError as error:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSON Lines") from error
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as error:  # pyarrow raises its own kinds for a damaged file
+        reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+        raise AnnotationError(f"{path}: not a readable parquet file ({reason})") from None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise AnnotationError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise AnnotationError(f"{path}:{number}: not UTF-8 text") from None
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise AnnotationError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        except RecursionError:
+            raise AnnotationError(f"{path}:{number}: JSON nested too deeply") from None
     return _require_objects(path, rows)
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
+    data_bytes = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(data_bytes.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        line = data_bytes[: error.start].count(b"\n") + 1
+        raise AnnotationError(f"{path}:{line}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
         raise AnnotationError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    except RecursionError:
+        raise AnnotationError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, list):
         raise AnnotationError(f"{path}: expected a JSON list of question objects")
     return _require_objects(path, data)
@@ -92,6 +107,19 @@ def _require_objects(path: Path, rows: list[Any]) -> list[dict[str, Any]]:
 
 
 def require_fields(row: dict[str, Any], fields: Sequence[str], where: str) -> None:
+    """Every field present; text fields (all but options, answers given as indices, times) must be non-empty
+    strings or integers, not null, lists or objects."""
     missing = [field for field in fields if field not in row]
     if missing:
         raise AnnotationError(f"{where}: missing field(s) {', '.join(missing)}")
+    for field in fields:
+        if field in NOT_TEXT:
+            continue
+        value = row[field]
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or (isinstance(value, str)
+                                                                            and not value.strip()):
+            shown = "empty" if isinstance(value, str) else f"{type(value).__name__} {str(value)[:40]!r}"
+            raise AnnotationError(f"{where}: field {field!r} must be a non-empty text, got {shown}")
+
+
+NOT_TEXT = frozenset({"options", "candidates", "gt", "realtime", "evidence_frames", "num_frames"})

@@ -15,6 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+from statekv.values import PATH
+
 FAILED_RECORDS = 1  # exit status of a run that finished with questions left unanswered (unreadable videos)
 PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv.eval.parsing / prompts)
 BENCHMARK_HELP = {
@@ -38,10 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     table = benchmarks.add_parser("table", help="merge run directories into the paper's table (markdown)",
                                   description="Print the paper's Table 1 layout (model x method rows, benchmark "
                                               "columns) from run directories.")
-    table.add_argument("runs", nargs="+", type=Path, metavar="OUT_DIR", help="run directories (their --out)")
+    table.add_argument("runs", nargs="+", type=PATH, metavar="OUT_DIR", help="run directories (their --out)")
     table.add_argument("--parser", choices=PARSERS,
                        help="show scores under this parser generation (default: the one each run used)")
-    table.add_argument("--output", type=Path, help="also write the table to this file")
+    table.add_argument("--output", type=PATH, help="also write the table to this file")
     table.set_defaults(run=run_table)
 
 
@@ -51,10 +53,13 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     from statekv.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
-    parser.add_argument("--data-root", required=True, type=Path, help="folder holding the benchmark's layout")
-    parser.add_argument("--out", required=True, type=Path, help="run directory (rerun the command to resume)")
+    parser.add_argument("--data-root", required=True, type=PATH, help="folder holding the benchmark's layout")
+    parser.add_argument("--out", required=True, type=PATH, help="run directory (rerun the command to resume)")
     parser.add_argument("--limit", type=POSITIVE_INT, metavar="N",
-                        help="only the first N questions")
+                        help="only the first N questions (a resume scores the first N of this run)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="answer every question again, replacing the answers --out holds (a resume with "
+                             "other settings, data, answer key or weights is refused without it)")
     parser.add_argument("--parser", choices=PARSERS, default=PARSERS[0],
                         help="answer parser generation (default lmms-eval-0.7; results.json holds both)")
     parser.add_argument("--protocol", choices=PARSERS, default=PARSERS[0],
@@ -91,6 +96,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,
         max_frames=args.max_frames, ovobench_videos=getattr(args, "videos", "stream"),
         from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     summary = run_evaluation(config, context=context)
     if summary is None:  # not rank 0

@@ -4,7 +4,7 @@
 exactly where `statekv.eval.loaders` looks for the real ones (parquet annotations when ``pyarrow`` is
 installed, else JSON Lines), so ``statekv eval ... --data-root root`` runs end to end in seconds.
 
-Videos show one still picture per second (`statekv.tiny.draw_test_frame` of the second's index) and are
+Videos show one still picture per second (`statekv.video.patterns.draw_test_frame` of the second's index) and are
 coded losslessly, so any frame of a second decodes to the same pixels: sampling one frame per second by
 the paper's uniform rule, by a stream's fixed rate or from a cut clip shows the model the same images.
 """
@@ -28,7 +28,7 @@ def write_still_seconds_video(path: Path | str, seconds: int, *, fps: int = FPS,
     """A lossless H.264 (RGB) video of ``seconds`` seconds at ``fps``; second ``k`` shows picture ``offset + k``."""
     import av
 
-    from statekv.tiny import draw_test_frame
+    from statekv.video.patterns import draw_test_frame
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -184,7 +184,7 @@ class StateKV(_Base):
         with tqdm(total=len(prepared), disable=self.rank != 0, desc="statekv answering") as bar:
             for video, indices in by_video.items():
                 encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
-                                         reserve_tokens=room_for_prompts(self.qa, *rooms[video]))
+                                         reserve_tokens=room_for_prompts(self.qa, *rooms[video]), protocol=True)
                 with encoded:
                     for index in indices:
                         _, prompt, gen_kwargs = prepared[index]

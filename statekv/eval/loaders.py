@@ -62,7 +62,20 @@ def load_benchmark(
                "synthetic": load_synthetic}
     if benchmark not in loaders:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {', '.join(BENCHMARKS)}")
-    return loaders[benchmark](data_root, annotation=annotation, check_videos=check_videos, **options)
+    return one_path_per_video(loaders[benchmark](data_root, annotation=annotation, check_videos=check_videos,
+                                                 **options))
+
+
+def one_path_per_video(questions: list[Question]) -> list[Question]:
+    """``questions`` if each video id names one video file; else a one-line `AnnotationError` (questions are
+    grouped by video id, so two files under one id would be answered from one of them)."""
+    paths: dict[str, tuple[Path, str]] = {}
+    for question in questions:
+        first = paths.setdefault(question.video_id, (question.video_path, question.qid))
+        if first[0] != question.video_path:
+            raise AnnotationError(f"video id {question.video_id!r} names two videos: {first[0]} (question "
+                                  f"{first[1]}) and {question.video_path} (question {question.qid})")
+    return questions
 
 
 def load_videomme(
@@ -125,7 +138,7 @@ def load_benchmark_from_hub(benchmark: str, data_root: Path | str, *, check_vide
     rows = [dict(row) for row in datasets.load_dataset(repo, config, split=split)]
     folder = Path(data_root) / benchmark
     build = videomme_questions if benchmark == "videomme" else mlvu_questions
-    return build(rows, folder, check_videos=check_videos, source=f"hub:{repo}")
+    return one_path_per_video(build(rows, folder, check_videos=check_videos, source=f"hub:{repo}"))
 
 
 # ---------------------------------------------------------------------------------- row -> Question
@@ -225,6 +238,9 @@ def ovobench_questions(
         gt = row["gt"]
         if not isinstance(gt, int) or not 0 <= gt < len(options):
             raise AnnotationError(f"{where}: gt={gt!r} is not an index into its {len(options)} options")
+        realtime = row["realtime"]
+        if isinstance(realtime, bool) or not isinstance(realtime, (int, float)) or not 0 <= realtime < float("inf"):
+            raise AnnotationError(f"{where}: field 'realtime' must be a number of seconds >= 0, got {realtime!r}")
         video_path = folder / "src_videos" / str(row["video"])
         clip_path = folder / "chunked_videos" / f"{row['id']}.mp4"
         required = video_path if videos == "source" else clip_path
@@ -292,11 +308,21 @@ def _question_ids(rows: list[dict[str, Any]], field: str) -> list[str]:
 
 
 def _options(value: Any, where: str) -> tuple[str, ...]:
-    if isinstance(value, str) or not hasattr(value, "__iter__"):
+    """A list of 2 to 26 distinct, non-empty option texts (numbers are taken as their text)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise AnnotationError(f"{where}: options must be a list, got {type(value).__name__}")
+    value = list(value)
+    for index, option in enumerate(value):
+        if isinstance(option, bool) or not isinstance(option, (str, int, float)) or not str(option).strip():
+            shown = "empty" if isinstance(option, str) else f"{type(option).__name__} {str(option)[:40]!r}"
+            raise AnnotationError(f"{where}: option {index} must be a non-empty text, got {shown}")
     options = tuple(str(option) for option in value)
     if not 2 <= len(options) <= 26:
         raise AnnotationError(f"{where}: expected 2 to 26 options, got {len(options)}")
+    repeated = next((option for index, option in enumerate(options) if option.strip() in
+                     {other.strip() for other in options[:index]}), None)
+    if repeated is not None:
+        raise AnnotationError(f"{where}: option {repeated!r} appears twice")
     return options
 
 

@@ -126,6 +126,10 @@ class AnswerRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> AnswerRecord:
+        """A record from its JSON object; a `KeyError` for a missing field, a `TypeError` for a field of the wrong
+        type (`read_records` turns both into one line naming the file and the line)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"an answer record is a JSON object, not {type(data).__name__}")
         fields = dataclasses.fields(cls)
         names = {f.name for f in fields}
         required = [
@@ -136,9 +140,22 @@ class AnswerRecord:
             raise KeyError(f"answer record lacks {', '.join(missing)}")
         known = {key: value for key, value in data.items() if key in names}
         unknown = {key: value for key, value in data.items() if key not in names}
+        for name, value in known.items():
+            kinds = _FIELD_TYPES.get(name, (str,))
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise TypeError(f"field {name!r} is {str(value)[:40]!r}")
+        for name in ("timings",):
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in known.get(name, {}).values()):
+                raise TypeError(f"field {name!r} must map phases to seconds")
         if unknown:
             known["extra"] = {**known.get("extra", {}), **unknown}
         return cls(**known)
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {  # fields not named here are strings
+    "parsed": (str, type(None)), "correct": (bool,), "budget": (int, type(None)), "timings": (dict,),
+    "extra": (dict,),
+}
 
 
 class ResultsWriter:
@@ -182,7 +199,11 @@ def drop_unterminated_tail(path: Path) -> None:
 def read_records(path: Path | str) -> list[AnswerRecord]:
     """Records of one results file, in file order; an unterminated last line is dropped."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise ResultsFileError(f"{path}:{line}: corrupt answer record (not UTF-8 text)") from None
     lines = text.split("\n")
     if lines[-1]:
         logger.warning("%s: ignoring an unterminated last line", path)
@@ -192,7 +213,7 @@ def read_records(path: Path | str) -> list[AnswerRecord]:
             continue
         try:
             records.append(AnswerRecord.from_json(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as error:
             raise ResultsFileError(f"{path}:{number}: corrupt answer record ({error})") from None
     return records
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from statekv.errors import DataError
 from statekv.eval.parsing import PARSERS
 from statekv.methods import METHODS, MethodSettings
 from statekv.eval.records import AnswerRecord, merge_rank_files
@@ -81,10 +82,40 @@ def write_summary(
 
 
 def read_summary(run_dir: Path | str) -> dict[str, Any]:
+    """A run's ``results.json``, checked field by field (what the table reads); a one-line `DataError` naming the
+    file and the field otherwise."""
     path = Path(run_dir) / SUMMARY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no run summary at {path} (run write_summary first)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        summary = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise DataError(f"{path}: damaged results file ({str(error)[:80]}); delete it and run `statekv eval "
+                        "table` again to score the answers") from None
+    _check_summary(path, summary)
+    return summary
+
+
+def _check_summary(path: Path, summary: Any) -> None:
+    def field(container: Any, name: str, kinds: tuple[type, ...], where: str) -> Any:
+        value = container.get(name) if isinstance(container, dict) else None
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+            raise DataError(f"{path}: damaged results file (field {where}{name!r} is {str(value)[:40]!r})")
+        return value
+
+    for name in ("benchmark", "model", "method", "method_label"):
+        field(summary, name, (str,), "")
+    if summary.get("budget") is not None:
+        field(summary, "budget", (int,), "")
+    results = [("score", field(summary, "score", (dict,), ""))]
+    results += list(field(summary, "scores", (dict,), "").items())
+    for name, result in results:
+        where = f"{name}." if name == "score" else f"scores.{name}."
+        field(result, "headline", (int, float), where)
+        field(field(result, "overall", (dict,), where), "unparsable", (int,), where + "overall.")
+        for optional in ("missing", "expected"):
+            if isinstance(result, dict) and result.get(optional) is not None:
+                field(result, optional, (int,), where)
 
 
 def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
@@ -98,16 +129,21 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
     sources: dict[tuple[str, str, str], Path | str] = {}
     row_order: dict[tuple[str, str], tuple] = {}
     models: list[str] = []
+    named: dict[Path, Path | str] = {}
     for run_dir in run_dirs:
+        real = Path(run_dir).resolve()
+        if real in named:
+            raise DataError(f"the run {run_dir} is named twice (also as {named[real]}); name each run once")
+        named[real] = run_dir
         summary = read_summary(run_dir)
         benchmark, model = summary["benchmark"], summary["model"]
         chosen = summary["scores"].get(parser) if parser else summary["score"]
         if chosen is None:
-            raise ValueError(f"{run_dir}: no score for parser {parser!r}")
+            raise DataError(f"{run_dir}: no score for parser {parser!r}")
         row = (model, summary["method_label"])
         key = (model, row[1], benchmark)
         if key in sources:
-            raise ValueError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}")
+            raise DataError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}")
         sources[key] = run_dir
         if model not in models:
             models.append(model)

@@ -7,7 +7,8 @@
 
 The run directory ``out`` holds one (benchmark, model, method, budget) run::
 
-    run.json                  the settings (a rerun with different ones is refused) and the question ids
+    run.json                  the settings, the fingerprints of the data, the answer key and the weights (a rerun
+                              that differs in any is refused, or redone with ``overwrite``), the limit, the ids
     run.lock                  held by the run going on (a second run on the folder is refused; `lock`)
     answers.rank000.jsonl     one line per answered question, flushed and fsynced (see `records`)
     errors.rank000.jsonl      videos that could not be read (their questions stay unanswered)
@@ -35,16 +36,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from statekv.errors import ConfigurationError
+from statekv.errors import ConfigurationError, DataError
 from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
+from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
 from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question
-from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids, rank_file
-from statekv.eval.report import paper_table, write_summary
+from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
+                                  merge_rank_files, rank_file)
+from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, VideoError
 from statekv.options import ModelOptions
@@ -61,6 +64,8 @@ RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "pro
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
                 "retrieval")
 IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None}
+# What was answered: compared before anything is reused ("weights" once the model is loaded).
+CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class EvalConfig:
     max_new_tokens: int | None = None
     encode_once: bool = True
     progress: bool = True
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_root", Path(self.data_root))
@@ -165,21 +171,34 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     every_question = load_questions(config)
     questions = every_question[: config.limit] if config.limit else every_question
     expected = [question.qid for question in questions]
+    content = {"data": data_fingerprint(every_question), "answer_key": answer_key_fingerprint(every_question),
+               "videos": video_fingerprints(every_question)}
     lock = RunLock(config.out)
     try:
         context.connect()
         _lock_for_every_rank(lock, context)
-        check_run_file(config, expected, write=context.is_main)
+        if config.overwrite and context.is_main:
+            clear_run(config.out)
+        context.barrier()
+        check_run_file(config, expected, content, write=False)  # before the model loads: settings and data
+        qa = qa if qa is not None else load_model(config, context)
+        if qa.method != config.method:
+            raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")
+        content["weights"] = model_fingerprint(qa)
+        check_run_file(config, expected, content, write=context.is_main)
         done = completed_qids(config.out)
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
         logger.info("rank %d/%d: %d questions to answer (%d of its %d already done)", context.rank,
                     context.world_size, len(todo), len(assigned) - len(todo), len(assigned))
         if todo:
-            qa = qa if qa is not None else load_model(config, context)
-            if qa.method != config.method:
-                raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")
-            answer_questions(config, qa, todo, all_questions=every_question, context=context)
+            try:
+                answer_questions(config, qa, todo, all_questions=every_question, context=context)
+            except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
+                answered = len(completed_qids(config.out) & set(expected))
+                print(f"statekv eval: stopped with {answered} of {len(expected)} questions answered in "
+                      f"{config.out}; rerun the same command to resume", file=sys.stderr, flush=True)
+                raise
         context.barrier()
         if not context.is_main:
             return None
@@ -275,7 +294,13 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
     if not completed_qids(config.out):
         raise ConfigurationError(f"{config.out}: no question was answered ({len(errors)} unreadable video(s), see "
                                  "errors.rank*.jsonl)")
-    summary = write_summary(config.out, expected_qids=expected, extra={"run": config.identity(), "errors": errors})
+    wanted = set(expected)  # a run resumed with a smaller --limit scores only its own questions
+    records = [record for record in merge_rank_files(config.out) if record.qid in wanted]
+    if not records:
+        raise ConfigurationError(f"{config.out}: none of the {len(expected)} questions asked was answered "
+                                 f"({len(errors)} unreadable video(s), see errors.rank*.jsonl)")
+    summary = write_summary(config.out, records, expected_qids=expected,
+                            extra={"run": config.identity(), "errors": errors})
     (config.out / TABLE_FILE).write_text(paper_table([config.out]), encoding="utf-8")
     return summary
 
@@ -283,32 +308,102 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ run.json
 
 
-def check_run_file(config: EvalConfig, expected: Sequence[str], *, write: bool) -> None:
-    """Refuse to mix settings in one run directory; rank 0 (re)writes ``run.json``."""
+def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, Any] | None = None, *,
+                   write: bool) -> None:
+    """Refuse to mix settings, data, answer keys or weights in one run directory (``content``: the fingerprints
+    known so far, see `statekv.eval.identity`); rank 0 (re)writes ``run.json``. A run folder holding answers
+    whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too."""
     path = config.out / RUN_FILE
     identity = config.identity()
-    if path.is_file():
-        recorded = {**IDENTITY_DEFAULTS, **json.loads(path.read_text(encoding="utf-8")).get("settings", {})}
+    content = dict(content or {})
+    run = read_run_file(config.out)
+    if run is not None:
+        recorded = {**IDENTITY_DEFAULTS, **run["settings"]}
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
+        redo = "use another --out for different settings, or --overwrite to answer again"
         if changed:
             first = changed[0]
             raise ConfigurationError(
-                f"{config.out} holds a run with {first}={recorded.get(first)!r}, not {identity[first]!r}; "
-                "use another --out for different settings")
+                f"{config.out} holds a run with {first}={recorded.get(first)!r}, not {identity[first]!r}; {redo}")
+        answered = completed_qids(config.out)
+        if "videos" in content:
+            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
+        for key, value in content.items():
+            if key == "videos":
+                continue
+            if run["content"].get(key) is None and not answered:
+                continue  # nothing answered yet: nothing to protect
+            if run["content"].get(key) != value:
+                what = CONTENT_IDENTITY[key]
+                found = f"whose {RUN_FILE} records no fingerprint of the {what}" if run["content"].get(key) is None \
+                    else f"made with other {what}"
+                raise ConfigurationError(f"{config.out} holds answers {found} "
+                                         f"({key}: recorded {str(run['content'].get(key))[:12]}, now {value[:12]}); "
+                                         f"{redo}")
     if write:
         config.out.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(RUN_FILE + ".tmp")
-        temporary.write_text(json.dumps({"settings": identity, "expected_qids": list(expected)}, indent=1) + "\n",
-                             encoding="utf-8")
+        document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected)}
+        temporary.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         os.replace(temporary, path)
+
+
+def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str]) -> None:
+    """Refuse when a video changed after some of its questions were answered (a video whose questions are all
+    unanswered may change: a damaged file replaced)."""
+    if not answered:
+        return
+    if not isinstance(recorded, dict):
+        raise ConfigurationError(f"{out} holds answers whose {RUN_FILE} records no fingerprint of the videos; use "
+                                 "another --out, or --overwrite to answer again")
+    changed = sorted(qid for qid in answered if qid in current and recorded.get(qid) != current[qid])
+    if changed:
+        raise ConfigurationError(f"{out} holds answers made from other videos (question {changed[0]}'s video "
+                                 "changed since it was answered); use another --out, or --overwrite to answer again")
+
+
+def read_run_file(run_dir: Path | str) -> dict[str, Any] | None:
+    """``run.json`` checked: ``settings`` and ``content`` objects and ``expected_qids`` a list of ids (None when
+    the folder has none); a one-line `DataError` naming the file and the field otherwise."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise DataError(f"{path} is not a regular file")
+    try:
+        run = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: damaged run file (not UTF-8 text); delete it or use --overwrite") from None
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise DataError(f"{path}: damaged run file (not JSON: {str(error)[:80]}); delete it or use --overwrite") \
+            from None
+    if not isinstance(run, dict):
+        raise DataError(f"{path}: damaged run file (not a JSON object)")
+    run.setdefault("content", {})
+    for field, kind, description in (("settings", dict, "an object"), ("content", dict, "an object"),
+                                     ("expected_qids", list, "a list of question ids")):
+        value = run.get(field)
+        if not isinstance(value, kind) or (field == "expected_qids" and not all(isinstance(q, str) for q in value)):
+            raise DataError(f"{path}: damaged run file (field {field!r} must be {description}); delete it or use "
+                            "--overwrite")
+    return run
 
 
 def read_expected_qids(run_dir: Path | str) -> list[str] | None:
     """The question ids a run was asked to answer (``None`` when the directory has no ``run.json``)."""
-    path = Path(run_dir) / RUN_FILE
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))["expected_qids"]
+    run = read_run_file(run_dir)
+    return None if run is None else run["expected_qids"]
+
+
+def clear_run(run_dir: Path) -> None:
+    """Remove what a run wrote in ``run_dir`` (answers, errors, merge, summary, table, ``run.json``), nothing
+    else: ``overwrite`` answers every question again."""
+    if not run_dir.is_dir():
+        return
+    for pattern in (RANK_FILE_GLOB, "errors.rank*.jsonl", MERGED_FILE, SUMMARY_FILE, TABLE_FILE, RUN_FILE):
+        for path in run_dir.glob(pattern):
+            if path.is_file():
+                path.unlink()
 
 
 # ------------------------------------------------------------------------------------ unreadable videos
@@ -328,11 +423,31 @@ def unresolved_errors(run_dir: Path) -> list[dict[str, Any]]:
     answered = completed_qids(run_dir)
     latest: dict[str, dict[str, Any]] = {}
     for path in sorted(run_dir.glob("errors.rank*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                entry = json.loads(line)
-                latest[entry["video_id"]] = entry
+        for entry in _error_entries(path):
+            latest[entry["video_id"]] = entry
     return [entry for entry in latest.values() if not set(entry["qids"]) <= answered]
+
+
+def _error_entries(path: Path) -> list[dict[str, Any]]:
+    """The entries of an error log; an unterminated last line (a killed writer) is ignored, any other damaged
+    line is a one-line `DataError` naming the file and the line."""
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    entries = []
+    for number, line in enumerate(lines[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            entry = None
+        if not (isinstance(entry, dict) and isinstance(entry.get("video_id"), str)
+                and isinstance(entry.get("qids"), list) and all(isinstance(q, str) for q in entry["qids"])
+                and isinstance(entry.get("error", ""), str)):
+            raise DataError(f"{path}:{number}: damaged error log line (expected an object with video_id, qids and "
+                            "error); delete the line to retry that video")
+        entries.append(entry)
+    return entries
 
 
 # ------------------------------------------------------------------------------------ progress

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from statekv.errors import ConfigurationError
-from statekv.values import NON_NEGATIVE_INT, POSITIVE_INT, check_output_dir
+from statekv.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 
@@ -40,13 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--score", choices=SCORE_PASSES, default="eager",
                         help="StateKV score pass: eager (free: sums existing probabilities) or recompute (QK^T again)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--plot", metavar="DIR", type=Path,
+    parser.add_argument("--plot", metavar="DIR", type=PATH,
                         help="write flops_vs_frames.png and compute_accuracy_frontier.png into DIR")
     parser.add_argument("--benchmark", choices=BENCHMARKS, default="videomme",
                         help="accuracies for the frontier figure (default: videomme)")
     parser.add_argument("--measure", type=NON_NEGATIVE_INT, default=0, metavar="STEPS",
                         help="also count the first STEPS steps through the real code on meta tensors and compare")
     parser.set_defaults(run=run)
+
+
+MAX_FRAMES = 100_000
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     models = list(PRESETS) if args.models == ["all"] else args.models
     if args.plot:
         check_output_dir(args.plot, "--plot")
+    if args.frames > MAX_FRAMES:  # the curves hold per-frame arrays for every model and method
+        raise ConfigurationError(f"--frames {args.frames} is more than the {MAX_FRAMES} frames this report "
+                                 "covers (over 27 hours at 1 frame per second)")
     at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:

@@ -7,8 +7,8 @@ and a ``template`` name for their own conversation code. The visual tokens are `
 ``<img>…</img>``, exactly as in transformers' native InternVL, so this adapter reuses `InternVLAdapter`'s
 chunking and only changes how the model is reached and how prompts are laid out.
 
-Model types: ``eagle_2_5_vl`` (Eagle2.5), ``internvl_chat`` (InternVL3 before the ``-hf`` conversion) and
-``statekv_tiny_eagle`` (the test stand-in `statekv.tiny.TinyEagleForConditionalGeneration`).
+Model types: ``eagle_2_5_vl`` (Eagle2.5, and the test stand-in `statekv.testing.TinyEagleForConditionalGeneration`)
+and ``internvl_chat`` (InternVL3 before the ``-hf`` conversion).
 
 Layouts (each frame is one chunk; the user turn comes from the tokenizer's chat template):
 
@@ -48,7 +48,6 @@ from .internvl import InternVLAdapter
 from .registry import register_adapter
 
 _VIDEO_SENTINEL = "\x00statekv-video\x00"
-_EAGLE_MODEL_TYPES = ("eagle_2_5_vl", "statekv_tiny_eagle")
 _SIGLIP_NORMALISATION = (0.5, 0.5, 0.5)  # mean = std for SigLIP vision towers
 # The widest texts max_video_tokens allows for: timestamps up to 11 days, sampling rates up to 1000 fps.
 _WIDEST_TIMESTAMP = 999_999.99
@@ -60,7 +59,8 @@ class RemoteInternVLAdapter(InternVLAdapter):
     """Remote-code Eagle2.5 / InternVL3 checkpoints; see the module docstring for the layouts."""
 
     family = "remote_internvl"
-    model_types = ("eagle_2_5_vl", "internvl_chat", "statekv_tiny_eagle")
+    model_types = ("eagle_2_5_vl", "internvl_chat")
+    eagle_model_types = ("eagle_2_5_vl",)  # SigLIP tower, the eagle layout by default
     layouts = ("eagle", "paper", "chat")
     needs_remote_code = True
     context_image_token = "<IMG_CONTEXT>"
@@ -77,10 +77,10 @@ class RemoteInternVLAdapter(InternVLAdapter):
             raise InputError(f"this {model_type} checkpoint has no chat template (its remote code formats prompts "
                              f"with its own {name!r} conversation template); add a chat_template to its tokenizer")
 
-    @staticmethod
-    def default_layout(model_type: str) -> str:
+    @classmethod
+    def default_layout(cls, model_type: str) -> str:
         """``eagle`` for Eagle checkpoints, ``paper`` for the InternVL3 release."""
-        return "eagle" if model_type in _EAGLE_MODEL_TYPES else "paper"
+        return "eagle" if model_type in cls.eagle_model_types else "paper"
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, layout: str | None = None, dtype: torch.dtype | None = None,
@@ -102,7 +102,7 @@ class RemoteInternVLAdapter(InternVLAdapter):
         if device is not None:
             model = model.to(device)
         config = model.config
-        eagle = config.model_type in _EAGLE_MODEL_TYPES  # SigLIP tower: 0.5 / 0.5 unless the checkpoint says
+        eagle = config.model_type in cls.eagle_model_types  # SigLIP tower: 0.5 / 0.5 unless the checkpoint says
         mean, std = normalisation(path, default=(_SIGLIP_NORMALISATION,) * 2 if eagle else (IMAGENET_MEAN, IMAGENET_STD))
         image_size = square_side(getattr(config, "force_image_size", None) or config.vision_config.image_size)
         return cls(model, tokenizer, layout=layout, image_size=image_size, image_mean=mean, image_std=std,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, OutputError
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
 from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
@@ -33,6 +33,10 @@ MANIFEST_FILE = "benchmark.json"
 VIDEO_DIR = "videos"
 FORMAT_VERSION = 1
 DEFAULT_FRAMES = 96
+MAX_VIDEOS = 100_000   # ids are v0000..v99999; more is a typo, not a benchmark
+MAX_FRAMES = 36_000    # ten hours of stills per video
+BYTES_PER_FRAME = 2048  # lossless stills take about a quarter of this: room to spare for the disk check
+BYTES_PER_VIDEO = 4096  # its questions, the container's header
 QUESTION_FIELDS = ("qid", "video_id", "video", "task_type", "question", "options", "answer", "evidence_frames",
                    "num_frames")
 
@@ -48,6 +52,7 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     """
     _check_arguments(videos, seed, num_frames, families)
     out = Path(out)
+    _check_room(out, videos, num_frames)
     _prepare_folder(out, overwrite)
     rows: list[dict[str, Any]] = []
     for index in range(videos):
@@ -82,13 +87,32 @@ def _check_arguments(videos: int, seed: int, num_frames: int, families: Sequence
     for name, value, least in (("videos", videos, 1), ("num_frames", num_frames, MIN_FRAMES), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigurationError(f"{name} must be an integer of at least {least}, got {value!r}")
-    if seed in TRAINING_SEEDS:
-        raise ConfigurationError(f"seed {seed} is in the range reserved for training ({TRAINING_SEEDS.start} and "
-                                 f"up); evaluation seeds are {EVALUATION_SEEDS.start} to {EVALUATION_SEEDS.stop - 1}")
+    if seed not in EVALUATION_SEEDS:
+        reserved = " (reserved for training)" if seed in TRAINING_SEEDS or seed >= TRAINING_SEEDS.start else ""
+        raise ConfigurationError(f"seed {seed} is outside the evaluation seeds {EVALUATION_SEEDS.start} to "
+                                 f"{EVALUATION_SEEDS.stop - 1}{reserved}")
+    if videos > MAX_VIDEOS:
+        raise ConfigurationError(f"videos must be at most {MAX_VIDEOS}, got {videos}")
+    if num_frames > MAX_FRAMES:
+        raise ConfigurationError(f"num_frames must be at most {MAX_FRAMES} (ten hours of stills), got {num_frames}")
     unknown = [name for name in families if name not in FAMILIES]
     if unknown or not families:
         raise ConfigurationError(f"unknown question family {unknown[0] if unknown else ''!r}; "
                                  f"choose from {', '.join(FAMILIES)}")
+
+
+def _check_room(out: Path, videos: int, num_frames: int) -> None:
+    """Refuse, before writing anything, a set the disk under ``out`` has no room for."""
+    existing = out
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return  # `_prepare_folder` says what is wrong with the path
+    needed = videos * (num_frames * BYTES_PER_FRAME + BYTES_PER_VIDEO)
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise OutputError(f"{out}: {videos} videos of {num_frames} frames need about {needed / 2**20:.0f} MiB, but "
+                          f"only {free / 2**20:.0f} MiB are free there")
 
 
 def _prepare_folder(out: Path, overwrite: bool) -> None:

@@ -16,13 +16,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("synthetic", help="make a synthetic long-video QA set",
                                    description="Synthetic long-video question answering (see docs/accuracy.md).")
     commands = parser.add_subparsers(dest="synthetic_command", required=True, metavar="make")
-    from statekv.values import POSITIVE_INT
+    from statekv.values import PATH, POSITIVE_INT
 
     make = commands.add_parser(
         "make", help="write videos and a question file",
         description="Write N videos (one still per second, lossless H.264) with one four-option question of "
                     "each family per video, deterministically from the seed.")
-    make.add_argument("--out", required=True, type=Path, help="folder to write (must be empty or new)")
+    make.add_argument("--out", required=True, type=PATH, help="folder to write (must be empty or new)")
     make.add_argument("--videos", required=True, type=POSITIVE_INT, metavar="N", help="how many videos")
     make.add_argument("--seed", required=True, type=_seed, metavar="S",
                       help="evaluation seed, 0 to 999999 (larger seeds are reserved for training)")

@@ -17,7 +17,7 @@ from .preprocess import (
     qwen_pixel_values,
     temporal_groups,
 )
-from .sampling import num_sampled_frames, sample_at_rate, uniform_frame_indices
+from .sampling import num_sampled_frames, sample_at_rate, source_frame_indices, uniform_frame_indices
 from .sources import DEFAULT_IMAGE_FPS, FileVideo, Frame, ImageSequenceVideo, Video, open_video
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "qwen_frame_size",
     "qwen_pixel_values",
     "sample_at_rate",
+    "source_frame_indices",
     "temporal_groups",
     "uniform_frame_indices",
 ]

@@ -1,4 +1,6 @@
-"""Which frames to keep: the paper's uniform rule for stored videos, a fixed rate for live streams."""
+"""Which frames to keep: for a user's stored video every frame at most once, the last one near the end
+(`source_frame_indices`); the benchmarks' published uniform rule (`uniform_frame_indices`) where their protocol
+uses it; a fixed rate for live streams (`sample_at_rate`)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,24 @@ def uniform_frame_indices(
     n = num_sampled_frames(total_frames, avg_fps, max_fps=max_fps, max_frames=max_frames)
     segment = (total_frames - 1) / n
     return [int(segment / 2 + round(segment * k)) for k in range(n)]
+
+
+def source_frame_indices(
+    total_frames: int, avg_fps: float, *, max_fps: float = 1.0, max_frames: int = 512
+) -> list[int]:
+    """The frames statekv keeps from a user's video: ``n`` (from `num_sampled_frames`) frames at the centres of
+    ``n`` equal parts of the whole video, ``floor((k + 1/2) * total_frames / n)``.
+
+    Each frame is kept at most once; at or above the video's own rate (``n == total_frames``) every frame is
+    kept, the last one included; the last kept frame lies within half a part of the end. The benchmarks'
+    published rule (`uniform_frame_indices`) differs only in where the parts start and end and repeats frames
+    at or above the source's rate (see docs/evaluation.md).
+    """
+    n = num_sampled_frames(total_frames, avg_fps, max_fps=max_fps, max_frames=max_frames)
+    if max_fps >= avg_fps:  # at or above the source's rate: all of it (T / fps * fps can round below T)
+        n = min(total_frames, max_frames)
+    n = min(n, total_frames)
+    return [(2 * k + 1) * total_frames // (2 * n) for k in range(n)]
 
 
 def sample_at_rate(frames: Iterable[TimedT], fps: float) -> Iterator[TimedT]:

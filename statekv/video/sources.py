@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
-from .sampling import sample_at_rate, uniform_frame_indices
+from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
@@ -93,13 +93,16 @@ class Video(ABC):
         if decoded < self.num_frames:
             raise self._truncated(decoded)
 
-    def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512) -> list[int]:
-        """The frame indices `sample` yields (see `uniform_frame_indices`)."""
-        return uniform_frame_indices(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
+    def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> list[int]:
+        """The frame indices `sample` yields (see `source_frame_indices`; ``protocol``: `uniform_frame_indices`)."""
+        rule = uniform_frame_indices if protocol else source_frame_indices
+        return rule(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
 
-    def sample(self, *, max_fps: float = 1.0, max_frames: int = 512) -> Iterator[Frame]:
-        """The frames chosen by the paper's rule: at most ``max_fps`` per second, at most ``max_frames``."""
-        wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames))
+    def sample(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> Iterator[Frame]:
+        """At most ``max_fps`` frames per second, at most ``max_frames``: every frame at most once, the last one
+        included at or above the source's rate (`source_frame_indices`); ``protocol=True``: the benchmarks'
+        published rule (`uniform_frame_indices`, which may repeat a frame), for evaluations."""
+        wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         next_index = next(wanted)
         decoded = 0
         for pending in self._pending_frames():
@@ -255,6 +258,7 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
             raise VideoNotFoundError(f"{path}: no such file or folder")
         if path.is_dir():
             return _open_image_folder(path, fps=fps if fps is not None else DEFAULT_IMAGE_FPS)
+        _check_regular_file(path)
         if fps is not None:
             raise VideoError(f"{path}: fps= applies to image sources only; a video file has its own timestamps")
         return FileVideo(path)
@@ -276,7 +280,16 @@ def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
     if not paths:
         extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
         raise VideoError(f"{folder}: folder holds no images ({extensions})")
+    for path in paths:
+        _check_regular_file(path)
     return ImageSequenceVideo(paths, _read_image_file, fps=fps, name=str(folder))
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse a named pipe, a device or a socket: reading one would wait forever or never end."""
+    if not path.is_file():
+        raise VideoError(f"{path}: not a regular file (a named pipe, device or socket); give a video file or a "
+                         "folder of images")
 
 
 def _natural_key(path: Path) -> list[Any]:

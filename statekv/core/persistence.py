@@ -1,0 +1,155 @@
+"""Saving and resuming a two-state cache: its tensors and metadata, and the checks a saved state must pass.
+
+A layer saves its detailed cache, its step means and, unless its carried state is a window of the detailed
+cache (then only where the window starts), the carried keys, values and positions. Resuming installs them in
+whatever form fits the resumed stream (a window saved without offload becomes explicit slots when offloaded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffers import CarriedSlots
+from ..errors import InputError
+from ..values import check_int
+from .memory import CacheGeometry
+
+# The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
+# this module.
+
+
+def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
+    """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata
+    (``chunk_lengths``, ``seen_tokens``, ``window_starts``)."""
+    cache.layers[0].detailed.synchronize()
+    tensors, window_starts = {}, []
+    for index, layer in enumerate(cache.layers):
+        layer_tensors, window_start = export_layer(layer)
+        tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
+        window_starts.append(window_start)
+    return tensors, {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
+                     "window_starts": window_starts}
+
+
+def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
+    """Install a state from :func:`state_dict` (checked first with `check_state_dict` by
+    `StreamingPrefill.load_state_dict`); carried tensors go to ``device``."""
+    if len(metadata["window_starts"]) != len(cache.layers):
+        raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
+                         f"{len(cache.layers)}")
+    cache.ring = None
+    for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
+        prefix = f"layers.{index}."
+        layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        restore_layer(layer, layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
+    cache.chunk_lengths = list(metadata["chunk_lengths"])
+    cache.seen_tokens = int(metadata["seen_tokens"])
+    cache.seen_device = None
+    cache.buffers_replaced()
+
+
+def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int | None]:
+    """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
+    keys, values = layer.detailed.view(0, layer.detailed.length)
+    tensors = {"keys": keys, "values": values}
+    if layer.block_keys.length:
+        tensors["block_keys"] = layer.block_keys.view(0, layer.block_keys.length)[0]
+    if layer.window_start is not None or layer.slots is None:
+        return tensors, layer.window_start
+    ring = layer.cache.ring
+    if ring is not None and not layer.offloaded and not ring.sinks:
+        return tensors, layer.detailed.length - layer.carried_length
+    carried_keys, carried_values = layer.carried()
+    tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=layer.positions())
+    return tensors, None
+
+
+def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], window_start: int | None,
+                  steps: list[int], device: torch.device) -> None:
+    """Install a state saved by :func:`export_layer` (``steps``: the token count of every step); the carried
+    state goes to ``device`` (the model's)."""
+    storage = layer.detailed.device or device
+    layer.detailed.load(tensors["keys"].to(storage), tensors["values"].to(storage))
+    if "block_keys" not in tensors:  # saved before step means were kept: recompute them
+        tensors = dict(tensors, block_keys=_step_means(tensors["keys"], steps))
+    layer.block_keys.load(tensors["block_keys"].to(storage))
+    layer.slots, layer.window_start = None, window_start
+    if window_start is not None and layer.offloaded:  # saved without offload: make the window explicit
+        keys, values = layer.detailed.view(window_start, layer.detailed.length)
+        b, h = keys.shape[:2]
+        positions = torch.arange(window_start, layer.detailed.length).expand(b, h, -1)
+        tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
+        layer.window_start = None
+    if layer.window_start is None and "carried_keys" in tensors:
+        kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
+        layer.slots = CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0)
+    layer.is_initialized = layer.detailed.length > 0
+    if layer.is_initialized:
+        layer.dtype, layer.device = layer.detailed.keys.dtype, device
+        b, h, _, d = layer.detailed.keys.shape
+        if layer.offloaded:
+            layer.staged_mean = torch.empty(b, h, 1, d, dtype=layer.dtype, device=device)
+
+
+def _step_means(keys: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    """Mean key of every step: ``keys [B, H_kv, N, D]`` split by ``steps`` -> ``[B, H_kv, len(steps), D]``."""
+    return torch.cat([part.mean(dim=2, keepdim=True) for part in keys.split(steps, dim=2)], dim=2)
+
+
+def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry) -> None:
+    """Refuse (one-line `InputError`) a state that :func:`state_dict` of a stream over a model of
+    ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
+    and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
+    and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
+    ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
+    if not isinstance(metadata, dict):
+        raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
+    for key in ("chunk_lengths", "seen_tokens", "window_starts"):
+        if key not in metadata:
+            raise InputError(f"the cache metadata lacks {key!r}")
+    lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
+    if not isinstance(lengths, list) or not isinstance(starts, list):
+        raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
+    for length in lengths:
+        check_int(length, "a saved step length", error=InputError)
+    seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
+    if seen != sum(lengths):
+        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
+    if len(starts) != geometry.layers:
+        raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
+    expected = {}
+    batch = None
+    for index, start in enumerate(starts):
+        prefix = f"layers.{index}."
+        if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
+                                           error=InputError) > seen:
+            raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
+        keys = tensors.get(prefix + "keys")
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            raise InputError(f"the saved state lacks {prefix}keys [B, H_kv, tokens, D]")
+        batch = keys.shape[0] if batch is None else batch
+        head = (batch, geometry.kv_heads)
+        expected[prefix + "keys"] = expected[prefix + "values"] = ((*head, seen, geometry.head_dim), geometry.dtype)
+        if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
+            expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
+        if start is None and seen:
+            carried = tensors.get(prefix + "carried_positions")
+            size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1
+            if not 0 <= size <= seen:
+                raise InputError(f"the saved state lacks {prefix}carried_positions [B, H_kv, K] with K <= {seen}")
+            expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
+                (*head, size, geometry.head_dim), geometry.dtype)
+            expected[prefix + "carried_positions"] = ((*head, size), torch.long)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
+    for name, (shape, dtype) in expected.items():
+        tensor = tensors.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"the saved state lacks {name} {list(shape)}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise InputError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}, expected "
+                             f"{str(dtype).removeprefix('torch.')} {list(shape)} for this model")
+        if name.endswith("carried_positions") and tensor.numel() and not (
+                int(tensor.min()) >= 0 and int(tensor.max()) < seen):
+            raise InputError(f"{name} holds positions outside the {seen} tokens saved")

@@ -1,0 +1,373 @@
+"""Hostile uses of evaluation runs, tables and training: a score is right or refused, a damaged run file is one
+line naming it, and a signal (SIGTERM, SIGHUP) keeps the work Ctrl-C keeps.
+
+Signals are sent to real child processes, each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import statekv.eval as ev
+from statekv.builtin import training
+from statekv.cli import main
+from statekv.console import Stopped
+from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+from statekv.testing import make_tiny_checkpoint, write_test_video
+
+CHILD_TIMEOUT = 240  # seconds: a child that neither finishes nor stops fails the test instead of hanging it
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile-runs") / "set"
+    make_benchmark(root, videos=2, seed=41, num_frames=12)
+    return root
+
+
+def _copy_set(data: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(data, to)
+    return to
+
+
+def _eval(capsys, data, out, *extra) -> tuple[int, str, str]:
+    try:
+        code = main(["eval", "synthetic", "--model", "builtin", "--data-root", str(data), "--out", str(out),
+                     "--method", "statekv", "--budget", "16", "--no-progress", "--max-new-tokens", "2",
+                     *map(str, extra)])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip() and "INFO" not in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _rewrite_questions(root: Path, edit) -> None:
+    path = root / QUESTIONS_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    edit(rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An evaluation reports a right score or refuses
+# ---------------------------------------------------------------------------------------------------------------
+def _flip_first_answer(rows):
+    rows[0]["answer"] = "B" if rows[0]["answer"] != "B" else "C"
+
+
+def _reword_first_question(rows):
+    rows[0]["question"] += " (reworded)"
+
+
+def _swap_the_videos(root):
+    first, second = root / "videos" / "v0000.mp4", root / "videos" / "v0001.mp4"
+    data = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(data)
+
+
+DIFFERENT_DATA = {
+    "another answer key": (lambda root: _rewrite_questions(root, _flip_first_answer), "answer key"),
+    "other questions": (lambda root: _rewrite_questions(root, _reword_first_question), "questions or videos"),
+    "other videos under the same names": (_swap_the_videos, "other videos"),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERENT_DATA)
+def test_a_resume_on_other_data_is_refused_and_overwrite_redoes_it(case, data, tmp_path, capsys):
+    edit, phrase = DIFFERENT_DATA[case]
+    root = _copy_set(data, tmp_path / "set")
+    out = tmp_path / "run"
+    assert _eval(capsys, root, out, "--limit", "2")[0] == 0
+    before = (out / "answers.rank000.jsonl").read_text()
+    edit(root)
+    code, _, err = _eval(capsys, root, out)
+    assert code == 2 and phrase in _one_line(err) and "--overwrite" in err
+    assert (out / "answers.rank000.jsonl").read_text() == before  # nothing reused, nothing lost
+    code, out_text, _ = _eval(capsys, root, out, "--overwrite", "--limit", "2")
+    assert code == 0 and "2 answered" in out_text
+    questions = {q.qid: q for q in ev.load_benchmark("synthetic", root)}
+    for record in ev.read_records(out / "answers.jsonl"):  # scored against the answer key now in the set
+        assert record.answer == questions[record.qid].answer
+
+
+def test_a_resume_with_other_weights_is_refused(data, tmp_path, capsys):
+    model = make_tiny_checkpoint("internvl", tmp_path / "model", seed=0)
+    out = tmp_path / "run"
+    argv = ["eval", "synthetic", "--model", str(model), "--data-root", str(data), "--out", str(out), "--budget",
+            "20", "--no-progress", "--max-new-tokens", "2", "--limit", "1", "--attention", "eager"]
+    assert main(argv) == 0
+    make_tiny_checkpoint("internvl", model, seed=1)  # the same path and name, other weights
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "made with other weights" in _one_line(capsys.readouterr().err)
+
+
+def test_a_smaller_limit_on_resume_scores_only_its_questions(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _eval(capsys, data, out, "--limit", "4")[0] == 0
+    code, text, _ = _eval(capsys, data, out, "--limit", "1")
+    assert code == 0 and "1 answered" in text
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["score"]["overall"]["questions"] == 1 and summary["score"]["expected"] == 1
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_out_is_refused_before_anything_is_written(value, data, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _eval(capsys, data, value)
+    assert code == 2 and "--out" in _one_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def a_finished_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(data), "--out", str(out), "--method",
+                 "statekv", "--budget", "16", "--no-progress", "--max-new-tokens", "2", "--limit", "2"]) == 0
+    return out
+
+
+@pytest.fixture
+def finished_run(a_finished_run, tmp_path):
+    """A copy of a run of two answered questions, for this test to damage."""
+    return _copy_set(a_finished_run, tmp_path / "run")
+
+
+RUN_FILE_DAMAGE = {
+    "run.json not JSON": ("run.json", b"{not json", "run.json: damaged run file"),
+    "run.json not UTF-8": ("run.json", b"\xff\xfe{}", "run.json: damaged run file (not UTF-8"),
+    "run.json a list": ("run.json", b"[1, 2]", "run.json: damaged run file (not a JSON object)"),
+    "run.json settings as text": ("run.json", b'{"settings": "x", "expected_qids": []}', "field 'settings'"),
+    "run.json ids not a list": ("run.json", b'{"settings": {}, "expected_qids": 3}', "field 'expected_qids'"),
+    "an answer line that is a list": ("answers.rank000.jsonl", b"[1, 2]\n", "answers.rank000.jsonl:3"),
+    "an answer line of wrong types": ("answers.rank000.jsonl", None, "answers.rank000.jsonl:1"),
+    "an answer log not UTF-8": ("answers.rank000.jsonl", b"\xff\xff\n", "answers.rank000.jsonl:3"),
+    "an error log line not JSON": ("errors.rank000.jsonl", b"{oops\n", "errors.rank000.jsonl:1"),
+    "an error log line without qids": ("errors.rank000.jsonl", b'{"video_id": "v0000"}\n', "errors.rank000.jsonl:1"),
+}
+
+
+@pytest.mark.parametrize("case", RUN_FILE_DAMAGE)
+def test_damaged_run_files_are_one_line_naming_the_file(case, finished_run, data, capsys):
+    name, content, phrase = RUN_FILE_DAMAGE[case]
+    path = finished_run / name
+    if content is None:  # the first record with "correct" as text
+        lines = path.read_text().splitlines()
+        record = json.loads(lines[0])
+        record["correct"] = "yes"
+        path.write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
+    elif name.startswith("answers"):
+        path.write_bytes(path.read_bytes() + content)
+    else:
+        path.write_bytes(content)
+    code, _, err = _eval(capsys, data, finished_run, "--limit", "3")
+    assert code == 2 and phrase in _one_line(err)
+
+
+RESULTS_DAMAGE = {
+    "not JSON": (lambda s: "{", "results.json: damaged results file"),
+    "no score": (lambda s: json.dumps({k: v for k, v in s.items() if k != "score"}), "field 'score'"),
+    "a headline as text": (lambda s: json.dumps({**s, "score": {**s["score"], "headline": "high"}}),
+                           "field score.'headline'"),
+    "a model as a number": (lambda s: json.dumps({**s, "model": 3}), "field 'model'"),
+}
+
+
+@pytest.mark.parametrize("case", RESULTS_DAMAGE)
+def test_a_damaged_results_file_in_a_table_is_one_line(case, finished_run, capsys):
+    damage, phrase = RESULTS_DAMAGE[case]
+    path = finished_run / "results.json"
+    path.write_text(damage(json.loads(path.read_text())))
+    code = main(["eval", "table", str(finished_run)])
+    err = capsys.readouterr().err
+    assert code == 2 and phrase in _one_line(err) and str(path) in err
+
+
+def test_the_same_run_named_twice_in_a_table_is_refused(finished_run, capsys):
+    code = main(["eval", "table", str(finished_run), str(finished_run / ".." / finished_run.name)])
+    assert code == 2 and "named twice" in _one_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals keep the work Ctrl-C keeps
+# ---------------------------------------------------------------------------------------------------------------
+def _child(argv: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "statekv.cli", *map(str, argv)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _signal_after(child: subprocess.Popen, marker: str, number: int) -> tuple[str, str]:
+    """Read the child's stdout until a line holding ``marker``, send ``number``, return (stdout, stderr)."""
+    seen, deadline = [], time.monotonic() + CHILD_TIMEOUT
+    while time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            child.send_signal(number)
+            break
+    try:
+        out, err = child.communicate(timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        pytest.fail("the child did not stop after the signal")
+    return "".join(seen) + out, err
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_it_stopped(name, tmp_path):
+    number = getattr(signal, name)
+    video = write_test_video(tmp_path / "long.mp4", frames=600, fps=4)  # 150 frames at 1 fps
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    saved = tmp_path / "kept.safetensors"
+    child = _child(["stream", video, "--model", model, "--budget", "20", "--attention", "eager", "--json",
+                    "--ask", "1:What?", "--ask", "149:And now?", "--save", saved], tmp_path)
+    out, err = _signal_after(child, '"event": "answer"', number)
+    assert child.returncode == 128 + number, err
+    assert err.strip().splitlines()[-1] == f"statekv stream: stopped by {name}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["event"] == "summary" and summary["saved"] == str(saved) and summary["error"] == name
+    import statekv
+
+    qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")
+    with statekv.Stream.load(saved, qa) as resumed:
+        assert 1 <= resumed.frames == summary["stats"]["frames"] < 150
+
+
+def test_a_signal_during_an_evaluation_keeps_its_answers_and_a_rerun_finishes(tmp_path):
+    # 96-frame videos take seconds each to encode, so the signal lands while the run is answering
+    data = make_benchmark(tmp_path / "set", videos=2, seed=42, num_frames=96).parent
+    out = tmp_path / "run"
+    child = _child(["eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", out, "--budget", "16",
+                    "--no-progress", "--max-new-tokens", "2"], tmp_path)
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    answers = out / "answers.rank000.jsonl"
+    while time.monotonic() < deadline and not (answers.is_file() and answers.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    try:
+        _, err = child.communicate(timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        pytest.fail("the evaluation did not stop after SIGTERM")
+    assert child.returncode == 128 + signal.SIGTERM, err
+    assert "stopped with" in err and "stopped by SIGTERM" in err.strip().splitlines()[-1]
+    kept = answers.read_text().count("\n")
+    assert kept >= 1  # and the lock went with the process: the rerun below is not refused
+    assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(data), "--out", str(out),
+                 "--budget", "16", "--no-progress", "--max-new-tokens", "2"]) == 0
+    qids = [json.loads(line)["qid"] for line in answers.read_text().splitlines()]
+    assert len(qids) == len(set(qids)) == len(ev.load_benchmark("synthetic", data))
+
+
+def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
+    script = ("import os, signal, sys, time\n"
+              "from statekv.console import run_command\n"
+              "def body():\n"
+              "    try:\n"
+              "        print('ready', flush=True)\n"
+              "        while True: time.sleep(0.01)\n"
+              "    except KeyboardInterrupt:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)  # a second signal while saving\n"
+              "        time.sleep(0.2)\n"
+              "        print('saved', flush=True)\n"
+              "        raise\n"
+              "sys.exit(run_command('x', body))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    out, err = _signal_after(child, "ready", signal.SIGHUP)
+    assert child.returncode == 128 + signal.SIGHUP and out == "ready\nsaved\n" and "stopped by SIGHUP" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: stopped, damaged, resumed
+# ---------------------------------------------------------------------------------------------------------------
+TINY_RECIPE = training.Recipe(videos_per_batch=2, curriculum=((0, 2), (3, 4)), log_every=1, checkpoint_every=2,
+                              warmup_steps=1)
+
+
+def _stop_at(monkeypatch, step_to_stop: int, number: int = signal.SIGTERM):
+    real = training._step_loss
+
+    def step_loss(recipe, model, bank, maker, step):
+        if step == step_to_stop:
+            raise Stopped(number)
+        return real(recipe, model, bank, maker, step)
+
+    monkeypatch.setattr(training, "_step_loss", step_loss)
+
+
+def test_a_stopped_training_saves_its_last_step_and_resumes_from_it(tmp_path, monkeypatch):
+    _stop_at(monkeypatch, 3)
+    with pytest.raises(Stopped):
+        training.train(TINY_RECIPE, tmp_path, threads=1)
+    state = torch.load(tmp_path / training.STATE_FILE, weights_only=True)
+    assert state["step"] == 3  # steps 0-2 done; the checkpoint of step 2 kept as the previous one
+    assert torch.load(tmp_path / training.PREVIOUS_STATE_FILE, weights_only=True)["step"] == 2
+    monkeypatch.undo()
+    training.train(TINY_RECIPE, tmp_path, threads=1)
+    steps = [json.loads(line)["step"] for line in (tmp_path / training.LOG_FILE).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+TRAINING_DAMAGE = {
+    "cut in half": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "not a checkpoint": lambda p: p.write_bytes(b"hello"),
+    "a step as text": lambda p: torch.save({**torch.load(p, weights_only=True), "step": "3"}, p),
+    "no optimizer": lambda p: torch.save({k: v for k, v in torch.load(p, weights_only=True).items()
+                                          if k != "optimizer"}, p),
+    "NaN weights": lambda p: torch.save({**(s := torch.load(p, weights_only=True)), "model": {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in s["model"].items()}}, p),
+}
+
+
+@pytest.mark.parametrize("case", TRAINING_DAMAGE)
+def test_a_damaged_training_checkpoint_resumes_from_the_one_before(case, tmp_path, monkeypatch, caplog):
+    _stop_at(monkeypatch, 5)
+    with pytest.raises(Stopped):
+        training.train(TINY_RECIPE, tmp_path, threads=1)
+    monkeypatch.undo()
+    TRAINING_DAMAGE[case](tmp_path / training.STATE_FILE)  # step 5's checkpoint; step 4's is the previous
+    log = tmp_path / training.LOG_FILE
+    log.write_text(log.read_text() + "{damaged\n")
+    model = training.build_model(training.build_tokenizer(), seed=TINY_RECIPE.seed)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step, _ = training._resume(tmp_path, TINY_RECIPE, model, optimizer)
+    assert step == 4
+    assert any(str(tmp_path / training.STATE_FILE) in message for message in caplog.messages)
+    assert any(f"{log}:" in message and "damaged log line" in message for message in caplog.messages)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_no_usable_training_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / training.STATE_FILE).write_bytes(b"hello")
+    code = main(["train-builtin", "--out", str(tmp_path), "--threads", "1", "--stop-after", "1"])
+    assert code == 2 and "no usable checkpoint" in _one_line(capsys.readouterr().err)
+
+
+def test_training_threads_beyond_the_cores_are_refused(tmp_path, capsys):
+    code = main(["train-builtin", "--out", str(tmp_path / "t"), "--threads", str(10**6)])
+    assert code == 2 and "CPU cores" in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "t").exists()
+
