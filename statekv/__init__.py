@@ -5,14 +5,18 @@ from ._torchvision_check import check_torchvision
 check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
 
 from .core import (  # noqa: E402
+    AttentionShare,
     Candidates,
     CarryPolicy,
     FullAttention,
     KeyNorm,
+    MeanKeyMatch,
+    MostRecent,
     PerLayerBudget,
     Recency,
     ReKV,
     Retrieval,
+    RetrievalRule,
     ScoredPolicy,
     SinksAndRecency,
     StateKV,
@@ -37,7 +41,8 @@ from .stream import Stream  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidates", "CarryPolicy", "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
+    "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
     "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",

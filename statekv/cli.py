@@ -18,6 +18,7 @@ COMMANDS = (
     "statekv.commands.demo",
     "statekv.commands.answer",
     "statekv.commands.stream",
+    "statekv.commands.serve",
     "statekv.analysis.command",
     "statekv.eval.command",
     "statekv.flops.command",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .core import Retrieval, StreamingPrefill
+from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .errors import HorizonError, InputError
 from .generation_args import check_generation_arguments
 from .models import LayoutState, VideoAdapter
@@ -123,25 +124,28 @@ class EncodedVideo:
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
-            **generate_kwargs: Any) -> str:
+            retrieval: str | None = None, **generate_kwargs: Any) -> str:
         """Answer ``question`` from everything encoded so far (greedy unless ``generate_kwargs`` say otherwise).
 
         retrieve: answer from the ``retrieve`` frames per layer that best match the question (plus the prompt
             prefix and any sinks) instead of the whole detailed cache; None: the whole cache; by default, the
             VideoQA's setting (the method's own for ``rekv``).
+        retrieval: the rule that picks the frames (``attention``, ``rekv``, ``recent``; see
+            `statekv.core.retrieval`); None: the VideoQA's.
         """
-        tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, **generate_kwargs)
+        tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                                 **generate_kwargs)
         return self.adapter.decode(tokens)
 
     def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
-                   **generate_kwargs: Any) -> torch.Tensor:
+                   retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
         self.prefill.check_open()
         if self.state.frames == 0:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         prompt = self._question_ids(question)
         check_int(max_new_tokens, "max_new_tokens")
-        retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve)
+        retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
         room = self.horizon - self.prefill.seen_tokens
         if prompt.shape[1] + max_new_tokens > room:
             raise HorizonError(
@@ -162,16 +166,18 @@ class EncodedVideo:
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         return answer
 
-    def retrieval(self, frames: int | None) -> Retrieval | None:
-        """How a question retrieving ``frames`` frames per layer is answered (None: from the whole cache).
+    def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
+        """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered
+        (None: from the whole cache).
 
         The prompt prefix and the policy's sinks are always kept; frames become steps (two per step for
         Qwen3-VL)."""
         if frames is None:
             return None
         check_int(frames, "retrieve (frames per layer)")
+        chosen = retrieval_rule(getattr(self.qa, "retrieval", DEFAULT_RETRIEVAL) if rule is None else rule)
         keep = max(self.prefix_tokens, self.prefill.policy.sink_tokens)
-        return Retrieval(math.ceil(frames / self.adapter.frames_per_chunk), keep_tokens=keep)
+        return Retrieval(math.ceil(frames / self.adapter.frames_per_chunk), keep_tokens=keep, rule=chosen)
 
     @property
     def tokens(self) -> int:

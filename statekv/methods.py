@@ -74,7 +74,9 @@ class MethodSpec:
     name: what users type. summary: one line for help texts. size: the setting that sizes its carried state
     (``"budget"``, ``"frames"`` or None). policy: ``(settings, frames per step) -> CarryPolicy``. history: the
     tokens a step attends to besides its own (see `History`); it is how methods are matched for compute.
-    retrieve: frames retrieved per question by default (None: the whole detailed cache). offload: keeps the
+    retrieve: frames retrieved per question by default (None: the whole detailed cache). retrieval: the rule
+    that retrieves them by default (a name in `statekv.core.retrieval.RETRIEVAL_RULES`; None: the library's
+    default rule). offload: keeps the
     detailed cache off the model's device by design. also_uses: settings it reads besides its size.
     """
 
@@ -86,6 +88,7 @@ class MethodSpec:
     display: str
     retrieve: int | None = None
     offload: bool = False
+    retrieval: str | None = None
     also_uses: tuple[str, ...] = ()
 
     @property
@@ -148,7 +151,7 @@ register_method(MethodSpec(
     "rekv", "ReKV: sinks + the last R frames while encoding; questions answered from the 64 frames per layer that "
             "best match them, the detailed cache kept in CPU memory", "frames",
     lambda s, f: ReKV(frames=s.window_steps(f), sinks=s.sinks), sinks_and_last_window, "ReKV",
-    retrieve=64, offload=True, also_uses=("sinks",)))
+    retrieve=64, offload=True, also_uses=("sinks",), retrieval="rekv"))
 register_method(MethodSpec(
     "keynorm", "carry the B tokens with the smallest key norm, per layer and KV head", "budget",
     lambda s, f: KeyNorm(budget=s.budget), at_most_budget, "KeyNorm"))

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .core.attention import BACKENDS
+from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from .methods import MethodSettings, MethodSpec, method, method_names
 from .values import (
     NON_NEGATIVE_INT,
@@ -45,7 +46,9 @@ class ModelOptions:
 
     model: checkpoint folder or hub id. method: a registered method (`statekv.methods`); budget (tokens), frames
     (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
-    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). layout: the
+    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the
+    rule that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for
+    ``rekv`` and ``attention`` for the others). layout: the
     family's prompt layout. attention: the scoring backend. dtype, device: where the model runs (default: the
     checkpoint's dtype; CUDA when available). offload: keep the detailed cache in CPU memory (None: the
     method's default). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
@@ -58,6 +61,7 @@ class ModelOptions:
     frames: int = MethodSettings.frames
     sinks: int = MethodSettings.sinks
     retrieve: int | None = None
+    retrieval: str | None = None
     layout: str | None = None
     attention: str = "auto"
     dtype: str | None = None
@@ -76,6 +80,8 @@ class ModelOptions:
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
         check_choice(self.attention, "attention backend", BACKENDS)
+        if self.retrieval is not None:
+            retrieval_rule(self.retrieval)
         torch_dtype(self.dtype)
         if self.device is not None:
             check_device(self.device)
@@ -96,12 +102,26 @@ class ModelOptions:
     def label(self) -> str:
         """The method as tables name it ("StateKV B=4096"), with the retrieval if it is not the default."""
         label = self.spec.label(self.settings)
-        retrieve = self.retrieve_frames
-        return label if retrieve == self.spec.retrieve else f"{label} k={retrieve}"
+        retrieve, rule = self.retrieve_frames, self.retrieval_rule
+        if retrieve != self.spec.retrieve:
+            label = f"{label} k={retrieve}"
+        if retrieve is not None and rule != self.spec_retrieval:
+            label = f"{label} ({rule})"
+        return label
 
     @property
     def retrieve_frames(self) -> int | None:
         return self.retrieve if self.retrieve is not None else self.spec.retrieve
+
+    @property
+    def spec_retrieval(self) -> str:
+        """The method's own retrieval rule."""
+        return self.spec.retrieval or DEFAULT_RETRIEVAL
+
+    @property
+    def retrieval_rule(self) -> str:
+        """The name of the rule questions retrieve frames by (when they retrieve)."""
+        return self.retrieval if self.retrieval is not None else self.spec_retrieval
 
     @property
     def offloaded(self) -> bool:
@@ -153,6 +173,10 @@ class ModelOptions:
         group.add_argument("--retrieve", type=POSITIVE_INT, default=None, metavar="K",
                            help="answer from the K frames per layer that best match the question (default: the "
                                 "whole detailed cache; rekv: 64)")
+        group.add_argument("--retrieval", choices=tuple(RETRIEVAL_RULES), default=None, metavar="RULE",
+                           help="how --retrieve picks the frames: attention (each frame's share of the question's "
+                                "attention, over the layers so far), rekv (ReKV's mean key . mean query), recent "
+                                "(the last K frames) (default: attention; rekv: rekv)")
         group.add_argument("--layout", default=None, help="prompt layout of the model family (default: the paper's)")
         group.add_argument("--attention", choices=BACKENDS, default="auto",
                            help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
@@ -180,10 +204,17 @@ def _string_options() -> list[Option]:
     defaults = ModelOptions.__dataclass_fields__
     parsers = {"model": optional_text, "method": _registered_method, "budget": positive_int,
                "frames": positive_int, "sinks": non_negative_int, "retrieve": optional_positive_int,
+               "retrieval": _optional_rule,
                "layout": optional_text, "attention": choice(BACKENDS), "dtype": optional_text,
                "device": optional_text, "offload": _optional_boolean, "reserve_tokens": positive_int,
                "trust_remote_code": boolean, "cuda_graph": boolean, "vision_batch": optional_positive_int}
     return [Option(name, parsers[name], defaults[name].default) for name in parsers]
+
+
+def _optional_rule(value: Any, name: str) -> str | None:
+    """A retrieval rule's name, or None (the method's default)."""
+    text = optional_text(value, name)
+    return None if text is None else choice(tuple(RETRIEVAL_RULES))(text, name)
 
 
 def _registered_method(value: Any, name: str) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from .builtin import resolve_model
 from .core import CarryPolicy
+from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
 from .errors import ConfigurationError, FrameDecodeError, InputError
 from .methods import MethodSettings, method, method_names
@@ -64,11 +65,14 @@ class VideoQA:
         vision_batch: frames per vision-tower call when encoding a video (``None``: 16 on CUDA, 4 on CPU; see
             `statekv.overlap`). Batched vision gives the per-frame features up to float rounding.
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
+        retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
+            `statekv.core.retrieval`).
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
                  reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool = False,
-                 cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None):
+                 cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None,
+                 retrieval: str = DEFAULT_RETRIEVAL):
         self.adapter = adapter
         self.policy = policy
         self.attention = attention
@@ -79,12 +83,13 @@ class VideoQA:
         self.vision_batch = (default_vision_batch(adapter.device) if vision_batch is None
                              else check_vision_batch(vision_batch))
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
+        self.retrieval = retrieval_rule(retrieval).name
         self.options: ModelOptions | None = None  # set by from_options
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
         """Load ``model`` (a checkpoint folder or hub id) under a method; ``options`` are `ModelOptions`
-        fields (method, budget, frames, sinks, retrieve, layout, attention, dtype, device, offload,
+        fields (method, budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, device, offload,
         reserve_tokens, trust_remote_code, cuda_graph, vision_batch); anything else goes to the model's own
         ``from_pretrained``.
 
@@ -122,7 +127,8 @@ class VideoQA:
         spec = options.spec
         qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_chunk), attention=options.attention,
                  reserve_tokens=options.reserve_tokens, method=options.method, offload=options.offloaded,
-                 cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames)
+                 cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
+                 retrieval=options.retrieval_rule)
         qa.options = options
         return qa
 

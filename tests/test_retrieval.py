@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import statekv
+from statekv.core.retrieval import RETRIEVAL_RULES
 from reference import reference_stream
 from test_static_step import PREFIX, T, embeddings
 
@@ -32,24 +33,9 @@ def test_retrieving_every_step_answers_exactly_as_the_whole_cache(tiny_lm, famil
     prefill = streamed(model, policy, steps=10)
     prompt = ids(model, 5, seed=1)
     whole = prefill.generate(prompt, max_new_tokens=6)
-    for steps in (11, 50):  # 11 steps in all (the prefix and 10 chunks)
-        assert torch.equal(prefill.generate(prompt, max_new_tokens=6, retrieve=statekv.Retrieval(steps)), whole)
-
-
-def test_retrieval_keeps_the_best_matching_steps_and_the_kept_tokens():
-    """Per layer: steps ranked by (mean key . mean query) summed over KV heads; kept tokens always in."""
-    generator = torch.Generator().manual_seed(0)
-    step_means = torch.randn(1, 2, 6, 4, generator=generator)
-    question = torch.randn(1, 4, 3, 4, generator=generator)  # 2 query heads per KV head
-    steps = [3, 2, 2, 2, 2, 2]
-    relevance = (step_means * question.reshape(1, 2, 6, 4).mean(2)[:, :, None]).sum(-1).sum(1)[0]
-    best = sorted(int(s) for s in relevance[1:].topk(2).indices + 1)  # step 0 (3 tokens) is kept
-    starts = [0, 3, 5, 7, 9, 11]
-    expected = list(range(3)) + [t for s in best for t in range(starts[s], starts[s] + 2)]
-    chosen = statekv.Retrieval(2, keep_tokens=3).tokens(step_means, question, steps)
-    assert chosen.tolist() == sorted(expected)
-    partial = statekv.Retrieval(1, keep_tokens=4).tokens(step_means, question, steps)  # a step partly kept
-    assert partial.tolist()[:4] == [0, 1, 2, 3] and len(partial) in (5, 6)
+    for steps, rule in zip((11, 11, 50), RETRIEVAL_RULES.values()):  # 11 steps in all (the prefix, 10 chunks)
+        retrieval = statekv.Retrieval(steps, rule=rule)
+        assert torch.equal(prefill.generate(prompt, max_new_tokens=6, retrieve=retrieval), whole)
 
 
 def test_answers_from_few_steps_differ_but_never_change_the_stream(tiny_lm):

@@ -1,9 +1,10 @@
 """Answering from a stream: the question and the answer attend to a context taken from the detailed cache.
 
 The context of every layer is either the whole detailed cache or, with a :class:`Retrieval`, the steps (frames)
-whose mean key best matches the question's mean query at that layer, plus the first ``keep_tokens`` tokens (the
-prompt prefix and any sinks), in time order. ReKV (Di et al., ICLR 2025) answers this way; here every method
-can, since every stream keeps each step's mean key (``StreamingLayer.block_keys``).
+its rule scores highest for the question at that layer (:mod:`statekv.core.retrieval`), plus the first
+``keep_tokens`` tokens (the prompt prefix and any sinks), in time order. ReKV (Di et al., ICLR 2025) answers
+this way; here every method can, since every stream keeps its detailed keys and each step's mean key
+(``StreamingLayer.block_keys``).
 
 The context is chosen when the question's queries reach a layer's attention, one layer at a time, so a
 layer's retrieved tokens are the only part of an offloaded detailed cache brought to the model's device. The
@@ -18,55 +19,17 @@ then identical to answering without retrieval.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ChunkMask, chunk_attention
+from .retrieval import LayerQuestion, Retrieval
 from ..errors import InputError
-from ..values import check_int
 
 if TYPE_CHECKING:
     from .cache import StreamingLayer, TwoStateCache
-
-
-@dataclass(frozen=True)
-class Retrieval:
-    """Answer from the ``steps`` steps per layer whose mean key best matches the question's mean query (summed
-    over KV heads), plus the first ``keep_tokens`` tokens of the stream, which are always kept."""
-
-    steps: int
-    keep_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        check_int(self.steps, "Retrieval: steps")
-        check_int(self.keep_tokens, "Retrieval: keep_tokens", minimum=0)
-
-    def tokens(self, step_means: torch.Tensor, question: torch.Tensor, steps: list[int]) -> torch.Tensor:
-        """Token indices ``[M]`` (ascending) of the context for one layer.
-
-        step_means: ``[1, H_kv, S, D]`` mean key of each of the stream's ``S`` steps; question: ``[1, Hq, Q, D]``
-        the question's queries at this layer; steps: the token count of each step.
-        """
-        hkv, dim = step_means.shape[1], step_means.shape[-1]
-        mean_query = question.float().reshape(1, hkv, -1, dim).mean(dim=2).to(step_means.device)
-        relevance = torch.einsum("bhsd,bhd->bs", step_means.float(), mean_query)[0]  # [S]
-        ends = list(accumulate(steps))
-        starts = [end - length for end, length in zip(ends, steps)]
-        outside = [s for s, end in enumerate(ends) if end > self.keep_tokens]  # steps not wholly kept anyway
-        if len(outside) <= self.steps:
-            chosen = outside
-        else:
-            best = relevance[torch.tensor(outside, device=relevance.device)].topk(self.steps).indices.tolist()
-            chosen = sorted(outside[i] for i in best)
-        keep = torch.zeros(ends[-1] if ends else 0, dtype=torch.bool)
-        keep[: self.keep_tokens] = True
-        for s in chosen:
-            keep[starts[s]: ends[s]] = True
-        return keep.nonzero().squeeze(1).to(step_means.device)
 
 
 class AnswerLayer(CacheLayerMixin):
@@ -99,8 +62,11 @@ class AnswerLayer(CacheLayerMixin):
         self._append(key_states, value_states)
         return self.view()
 
-    def open(self, question: torch.Tensor, retrieval: Retrieval | None) -> None:
-        """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt."""
+    def open(self, question: torch.Tensor, retrieval: Retrieval | None, layer: int = 0, scale: float = 1.0,
+             memory: dict | None = None) -> None:
+        """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt.
+
+        layer, scale, memory: what the retrieval rule sees (`LayerQuestion`)."""
         detailed, length = self.stream.detailed, self.stream.detailed.length
         keys, values = self._pending
         need = length + self.room
@@ -114,8 +80,11 @@ class AnswerLayer(CacheLayerMixin):
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
-            steps = self.stream.cache.chunk_lengths
-            index = retrieval.tokens(self.stream.block_keys.view(0, len(steps))[0], question, steps)
+            steps = tuple(self.stream.cache.chunk_lengths)
+            seen = LayerQuestion(layer, question, detailed.view(0, length)[0],
+                                 self.stream.block_keys.view(0, len(steps))[0], steps, scale,
+                                 {} if memory is None else memory)
+            index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
                 mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
@@ -167,13 +136,14 @@ class AnswerCache(Cache):
         super().__init__(layers=[])
         self.layers = [AnswerLayer(layer, room, device) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
+        self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the prompt's (or a new token's) queries ``q [B, Hq, T, D]`` over the layer's context and
         the answer so far; returns ``[B, T, Hq, D]``."""
         layer = self.layers[layer_idx]
         if layer.keys is None:
-            layer.open(q, self.retrieval)
+            layer.open(q, self.retrieval, layer_idx, scale, self.memory)
             self.stream.note_device_bytes(self.device_bytes)
         keys, values = layer.view()
         mask = None if q.shape[2] == 1 else ChunkMask(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1],

@@ -8,7 +8,7 @@ model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly b
     max_fps          at most this many frames per second            (default 1)
     device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
     and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
-    full, recency, rekv, keynorm), budget, frames, sinks, retrieve, layout, attention, dtype, offload,
+    full, recency, rekv, keynorm), budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, offload,
     reserve_tokens, trust_remote_code, cuda_graph, vision_batch; booleans are true/false, 1/0, yes/no, on/off
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,

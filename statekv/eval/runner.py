@@ -61,8 +61,9 @@ OVOBENCH_VIDEO_MODES = ("stream", "clips")
 # Settings that change the answers: a run directory must not mix them (settings a run.json written before
 # one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
-                "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks")
-IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None}
+                "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
+                "retrieval")
+IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
@@ -147,6 +148,7 @@ class EvalConfig:
         options = self.options
         values = {**asdict(self), **asdict(options), "model": str(self.model), "name": self.model_name,
                   "budget": self.recorded_budget, "retrieve": options.retrieve_frames,
+                  "retrieval": options.retrieval_rule if options.retrieve_frames is not None else None,
                   "sinks": options.sinks if "sinks" in options.spec.uses else None}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         return {key: values[key] for key in RUN_IDENTITY}

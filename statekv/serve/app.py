@@ -1,0 +1,136 @@
+"""The FastAPI application: the model, its worker, the streams, the routes, errors as one-line JSON, and the
+saving loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException
+
+from ..errors import HorizonError, StateKVError
+from .auth import KeyRing
+from .config import ServeConfig
+from .errors import ServiceError, error_body
+from .limits import Slots
+from .metrics import Metrics
+from .openai import build_openai_router
+from .registry import StreamRegistry
+from .routes import build_router
+from .worker import ModelExecutor, ModelWorker
+
+log = logging.getLogger("statekv.serve")
+SAVE_CHECK_SECONDS = 1.0
+
+
+class Service:
+    """Everything the routes share."""
+
+    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor):
+        self.config, self.qa, self.worker = config, qa, worker
+        self.keys = KeyRing(config.api_keys)
+        self.model_id = config.options.model or "statekv"
+        self.started = int(time.time())
+        self.registry = StreamRegistry(config, qa, worker)
+        self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes)
+        self.registry.metrics = self.metrics
+        self.ask_slots = Slots(config.max_asks, "questions")
+
+    def answered(self, route: str, seconds: float) -> None:
+        self.metrics.asks.labels(route).inc()
+        self.metrics.ask_seconds.observe(seconds)
+
+
+def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None = None) -> FastAPI:
+    """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
+    app. Model work runs on ``worker`` (default: one `ModelWorker` thread)."""
+    if qa is None:
+        from ..pipeline import VideoQA
+
+        qa = VideoQA.from_options(config.options)
+    service = Service(config, qa, worker or ModelWorker())
+    restored = service.registry.restore()
+    if restored:
+        log.info("restored %d streams from %s", restored, config.state_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        saver = asyncio.create_task(_save_loop(service))
+        try:
+            yield
+        finally:
+            saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await saver
+            await asyncio.to_thread(service.registry.save_all)
+            service.worker.close()
+
+    app = FastAPI(title="statekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    _error_handlers(app, service)
+    app.include_router(build_router(service))
+    app.include_router(build_openai_router(service))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    if config.page:
+        from .page import mount_page
+
+        mount_page(app, service)
+
+        @app.get("/", include_in_schema=False)
+        async def root(request: Request) -> RedirectResponse:
+            query = f"?{request.url.query}" if request.url.query else ""
+            return RedirectResponse(f"/ui/{query}", status_code=307)
+
+    return app
+
+
+async def _save_loop(service: Service) -> None:
+    while True:
+        await asyncio.sleep(SAVE_CHECK_SECONDS)
+        try:
+            await service.registry.save_due()
+        except Exception:  # the loop must outlive one bad save; the error is logged
+            log.exception("saving streams failed")
+
+
+def _error_handlers(app: FastAPI, service: Service) -> None:
+    def answer(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+        service.metrics.errors.labels(str(status)).inc()
+        return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, error: ServiceError) -> JSONResponse:
+        return answer(error.status, str(error), error.kind, error.headers)
+
+    @app.exception_handler(StateKVError)
+    async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
+        status = 409 if isinstance(error, HorizonError) else 400
+        return answer(status, str(error), "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = (error.errors() or [{}])[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return answer(400, f"invalid request: {where} {first.get('msg', '')}".strip(), "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        message = error.detail if isinstance(error.detail, str) else "request refused"
+        if error.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return answer(error.status_code, message, "invalid_request_error", getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return answer(500, f"internal error ({type(error).__name__}); the server log has the details", "server_error")

@@ -1,0 +1,39 @@
+"""The settings of one `statekv serve` process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..options import ModelOptions
+
+SAVE_EVERY_FRAMES = 256
+SAVE_EVERY_SECONDS = 30.0
+
+
+@dataclass
+class ServeConfig:
+    """options: the model and the default method settings (streams may choose their own method settings).
+    state_dir: where streams are kept (created). media_root: the only folder server-side sources may be read
+    from (None: no server-side sources). api_keys: the keys accepted (at least one). max_streams: streams held
+    at once, all keys together. max_asks: questions answered or waiting at once. max_body_bytes: the largest
+    request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
+    stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
+    default_horizon_frames, default_max_fps: for streams created without them.
+    """
+
+    options: ModelOptions
+    state_dir: Path
+    api_keys: tuple[str, ...]
+    media_root: Path | None = None
+    max_streams: int = 64
+    max_asks: int = 32
+    max_body_bytes: int = 16 * 2**20
+    max_image_pixels: int = 4096 * 4096
+    save_every_frames: int = SAVE_EVERY_FRAMES
+    save_every_seconds: float = SAVE_EVERY_SECONDS
+    default_horizon_frames: int = 3600
+    default_max_fps: float | None = 1.0
+    max_chat_frames: int = 512
+    page: bool = True
+    extra: dict = field(default_factory=dict)

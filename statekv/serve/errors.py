@@ -1,0 +1,25 @@
+"""Errors the service answers with: a status, a one-line message, and any headers (Retry-After)."""
+
+from __future__ import annotations
+
+from ..errors import StateKVError
+
+
+class ServiceError(StateKVError):
+    """A request the service refuses: ``status`` (HTTP), a one-line message, optional ``headers``."""
+
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+        self.kind = kind or _KINDS.get(status, "invalid_request_error")
+
+
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+          415: "unsupported_media_type", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, kind: str, status: int) -> dict:
+    """The JSON body of every error (OpenAI's shape, so its clients read it): one line of message."""
+    line = (message.strip().splitlines() or [kind])[0]
+    return {"error": {"message": line, "type": kind, "code": status}}

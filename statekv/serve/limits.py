@@ -1,0 +1,108 @@
+"""Limits on what one request may bring or hold: body size, decoded image size, questions at once."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from PIL import Image
+
+from .errors import ServiceError
+
+IMAGE_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG"}
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes (declared or actually sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ServiceError(400, "malformed Content-Length")
+        if int(declared) > limit:
+            raise ServiceError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ServiceError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """A JSON object body (``application/json``), or a one-line 400/413/415."""
+    if media_type(request) != "application/json":
+        raise ServiceError(415, f"expected Content-Type application/json, got {media_type(request) or 'none'}")
+    body = await read_body(request, limit)
+    try:
+        document = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ServiceError(400, f"malformed JSON body: {error}") from None
+    if not isinstance(document, dict):
+        raise ServiceError(400, "the JSON body must be an object")
+    return document
+
+
+def decode_image(data: bytes, content_type: str, max_pixels: int) -> np.ndarray:
+    """A JPEG or PNG body -> RGB uint8 ``[H, W, 3]``; 415 for another format, 413 over ``max_pixels``."""
+    expected = IMAGE_TYPES.get(content_type)
+    if expected is None:
+        raise ServiceError(415, f"a frame is image/jpeg or image/png, got {content_type or 'no Content-Type'}")
+    if not data:
+        raise ServiceError(400, "empty image body")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.format != expected:
+                raise ServiceError(415, f"the body is {image.format or 'not an image'}, not {content_type}")
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ServiceError(413, f"image of {width}x{height} pixels is over the limit of {max_pixels} pixels")
+            image.load()
+            return np.asarray(image.convert("RGB"))
+    except ServiceError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise ServiceError(413, f"image too large: {error}") from None
+    except (OSError, ValueError, SyntaxError) as error:
+        raise ServiceError(400, f"cannot decode the {content_type} body: {error}") from None
+
+
+class Slots:
+    """At most ``limit`` holders at once; one more is refused with 429 and ``Retry-After``."""
+
+    def __init__(self, limit: int, what: str, retry_after: int = 1):
+        self.limit, self.what, self.retry_after = limit, what, retry_after
+        self.held = 0
+
+    def check(self) -> None:
+        """Refuse (429) when every slot is held."""
+        if self.held >= self.limit:
+            raise ServiceError(429, f"too many {self.what} at once (limit {self.limit}); retry shortly",
+                               headers={"Retry-After": str(self.retry_after)})
+
+    @asynccontextmanager
+    async def hold(self):
+        self.check()
+        async with self.occupy():
+            yield
+
+    @asynccontextmanager
+    async def occupy(self):
+        """Hold a slot without the check: for a response checked (`check`) before it started streaming, where
+        a slot taken before the body starts could never be given back if the client left first."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1

@@ -1,0 +1,40 @@
+"""Server-side sources: files under ``--media-root`` only (no ``..``, no symlink that leads out)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from .errors import ServiceError
+
+
+def resolve_source(media_root: Path | None, source: object) -> Path:
+    """``source`` (a path relative to the media root, or absolute inside it) as a real file inside the root."""
+    if media_root is None:
+        raise ServiceError(403, "server-side sources are off: start the server with --media-root DIR")
+    if not isinstance(source, str) or not source.strip() or "\x00" in source:
+        raise ServiceError(400, "source must be a non-empty path (a file under the server's --media-root)")
+    root = Path(os.path.realpath(media_root))
+    given = Path(source)
+    if ".." in given.parts:
+        raise ServiceError(403, f"source {source!r} leaves the media root ('..' is not allowed)")
+    candidate = given if given.is_absolute() else root / given
+    real = Path(os.path.realpath(candidate))
+    if real != root and root not in real.parents:
+        raise ServiceError(403, f"source {source!r} is outside the media root")
+    if not real.is_file():
+        raise ServiceError(404, f"source {source!r}: no such file under the media root")
+    return real
+
+
+def resolve_file_url(media_root: Path | None, url: object) -> Path:
+    """A ``file://`` URL of a file under the media root (as vLLM's --allowed-local-media-path)."""
+    if not isinstance(url, str):
+        raise ServiceError(400, "video_url.url must be a string")
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        raise ServiceError(400, f"only file:// video URLs under the server's --media-root are read, got {parsed.scheme or 'no'} scheme")
+    if parsed.netloc not in ("", "localhost"):
+        raise ServiceError(400, f"file URL with a host ({parsed.netloc}) is not a local file")
+    return resolve_source(media_root, unquote(parsed.path))

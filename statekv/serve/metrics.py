@@ -1,0 +1,42 @@
+"""Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+RATE_WINDOW_SECONDS = 10.0
+
+
+class Metrics:
+    def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
+        self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
+        self.errors = Counter("statekv_errors", "requests answered with an error", ["status"], registry=self.registry)
+        self.ask_seconds = Histogram("statekv_ask_seconds", "time from a question's arrival to its full answer",
+                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=self.registry)
+        streams_gauge = Gauge("statekv_streams", "streams held", registry=self.registry)
+        streams_gauge.set_function(lambda: float(streams()))
+        cache_gauge = Gauge("statekv_cache_bytes", "bytes of detailed cache held by all streams", registry=self.registry)
+        cache_gauge.set_function(lambda: float(cache_bytes()))
+        rate = Gauge("statekv_frames_per_second", f"frames encoded per second over the last {RATE_WINDOW_SECONDS:g} s",
+                     registry=self.registry)
+        rate.set_function(self.frames_per_second)
+        self._recent: deque[float] = deque()
+
+    def frame_done(self) -> None:
+        self.frames.inc()
+        self._recent.append(time.monotonic())
+
+    def frames_per_second(self) -> float:
+        now = time.monotonic()
+        while self._recent and self._recent[0] < now - RATE_WINDOW_SECONDS:
+            self._recent.popleft()
+        return len(self._recent) / RATE_WINDOW_SECONDS
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

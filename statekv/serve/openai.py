@@ -1,0 +1,136 @@
+"""OpenAI-compatible routes: ``GET /v1/models`` and ``POST /v1/chat/completions``.
+
+A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``) is encoded with the server's
+default method settings and answered; ``"statekv": {"stream_id": ID}`` asks one of the caller's live streams
+instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..encoded import METHOD_DEFAULT
+from ..errors import StateKVError
+from .errors import ServiceError, error_body
+from .limits import read_json
+from .media import resolve_file_url
+from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, _pieces_until
+from .sse import TokenStreamer, event
+
+
+def parse_messages(messages: Any) -> tuple[str, list[str]]:
+    """The question (text of the last user message) and its video URLs."""
+    if not isinstance(messages, list) or not messages:
+        raise ServiceError(400, "messages must be a non-empty list")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise ServiceError(400, "no user message")
+    content = users[-1].get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(parts, list):
+        raise ServiceError(400, "a message's content is a string or a list of parts")
+    texts, videos = [], []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "video_url" and isinstance(part.get("video_url"), dict):
+            videos.append(part["video_url"].get("url"))
+        else:
+            raise ServiceError(400, f"unsupported content part {str(kind or part)[:60]!r}: give text and video_url parts")
+    question = " ".join(text.strip() for text in texts if text.strip())
+    if not question:
+        raise ServiceError(400, "the user message has no question text")
+    return question, videos
+
+
+def build_openai_router(service) -> APIRouter:
+    router = APIRouter()
+    registry, config = service.registry, service.config
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> dict:
+        service.keys.require(request)
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": service.started,
+                                            "owned_by": "statekv"}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request):
+        owner = service.keys.require(request)
+        body = await read_json(request, config.max_body_bytes)
+        question, videos = parse_messages(body.get("messages"))
+        max_new = body.get("max_completion_tokens", body.get("max_tokens")) or DEFAULT_NEW_TOKENS
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
+            raise ServiceError(400, f"max_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
+        extension = body.get("statekv") or {}
+        if not isinstance(extension, dict):
+            raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
+        stream_id = extension.get("stream_id")
+        if stream_id is not None:
+            if videos:
+                raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
+            entry = registry.get(owner, stream_id)
+            work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
+        else:
+            if len(videos) != 1:
+                raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
+                                        "or statekv.stream_id")
+            path = resolve_file_url(config.media_root, videos[0])
+            work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
+        completion = f"chatcmpl-{secrets.token_hex(12)}"
+        model = body.get("model") or service.model_id
+        if body.get("stream"):
+            service.ask_slots.check()
+            return StreamingResponse(_chunks(service, work, completion, model), media_type="text/event-stream")
+        async with service.ask_slots.hold():
+            started = time.perf_counter()
+            result = await work(None)
+            service.answered("chat", time.perf_counter() - started)
+        return JSONResponse({
+            "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": result.get("tokens", 0), "completion_tokens": 0, "total_tokens": result.get("tokens", 0)},
+            "statekv": {key: result.get(key) for key in ("id", "frames", "seconds")},
+        })
+
+    return router
+
+
+def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:
+    """Encode a file with the server's default settings and answer (on the model's thread)."""
+    kwargs = {"max_new_tokens": max_new} | ({"streamer": streamer} if streamer is not None else {})
+    with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
+        answer = video.ask(question, **kwargs)
+        return {"answer": answer, "frames": video.frames, "tokens": video.tokens, "seconds": None, "id": None}
+
+
+async def _chunks(service, work, completion: str, model: str):
+    created = int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    started = time.perf_counter()
+    async with service.ask_slots.occupy():
+        streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
+        task = asyncio.ensure_future(work(streamer))
+        yield chunk({"role": "assistant", "content": ""})
+        async for piece in _pieces_until(streamer, task):
+            yield chunk({"content": piece})
+        try:
+            await task
+        except StateKVError as error:
+            yield event(error_body(str(error), getattr(error, "kind", "invalid_request_error"),
+                                   getattr(error, "status", 400)))
+            return
+        service.answered("chat", time.perf_counter() - started)
+        yield chunk({}, "stop")
+        yield event("[DONE]")

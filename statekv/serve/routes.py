@@ -1,0 +1,170 @@
+"""The stream API: /health, /v1/streams (create, list, stats, delete), frames and questions."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..encoded import METHOD_DEFAULT
+from ..errors import StateKVError
+from .errors import ServiceError, error_body
+from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
+from .media import resolve_source
+from .sse import TokenStreamer, event
+
+DEFAULT_NEW_TOKENS = 64
+MAX_NEW_TOKENS = 1024
+
+
+def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
+    """(question, max_new_tokens, retrieve) from an ask body, checked."""
+    question = body.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ServiceError(400, "question must be a non-empty string")
+    if len(question) > 8000:
+        raise ServiceError(413, "question is over 8000 characters")
+    max_new = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
+        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {max_new!r}")
+    retrieve = body.get("retrieve", METHOD_DEFAULT)
+    if retrieve is not METHOD_DEFAULT and retrieve is not None and (
+            isinstance(retrieve, bool) or not isinstance(retrieve, int) or retrieve < 1):
+        raise ServiceError(400, f"retrieve must be a positive integer (frames per layer) or null, got {retrieve!r}")
+    return question.strip(), max_new, retrieve
+
+
+def build_router(service) -> APIRouter:
+    router = APIRouter()
+    registry, config = service.registry, service.config
+
+    @router.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": service.model_id, "streams": len(registry.entries),
+                "queued": getattr(service.worker, "queued", 0)}
+
+    @router.post("/v1/streams", status_code=201)
+    async def create_stream(request: Request) -> dict:
+        owner = service.keys.require(request)
+        body = await read_json(request, config.max_body_bytes)
+        entry = await registry.create(owner, body)
+        return entry.describe()
+
+    @router.get("/v1/streams")
+    async def list_streams(request: Request) -> dict:
+        owner = service.keys.require(request)
+        return {"object": "list", "data": [entry.describe() for entry in registry.owned(owner)]}
+
+    @router.get("/v1/streams/{stream_id}")
+    async def stream_stats(stream_id: str, request: Request) -> dict:
+        return registry.get(service.keys.require(request), stream_id).describe()
+
+    @router.get("/v1/streams/{stream_id}/history")
+    async def stream_history(stream_id: str, request: Request) -> dict:
+        entry = registry.get(service.keys.require(request), stream_id)
+        return {"id": entry.id, "history": list(entry.history)}
+
+    @router.delete("/v1/streams/{stream_id}")
+    async def delete_stream(stream_id: str, request: Request) -> dict:
+        entry = registry.get(service.keys.require(request), stream_id)
+        await registry.delete(entry)
+        return {"id": entry.id, "object": "stream", "deleted": True}
+
+    @router.post("/v1/streams/{stream_id}/frames")
+    async def push_frames(stream_id: str, request: Request) -> dict:
+        entry = registry.get(service.keys.require(request), stream_id)
+        kind = media_type(request)
+        if kind == "application/json":
+            body = await read_json(request, config.max_body_bytes)
+            unknown = sorted(set(body) - {"source", "t"})
+            if unknown or "source" not in body:
+                raise ServiceError(400, "a JSON frames body is {\"source\": PATH} (and optionally \"t\": the "
+                                   "stream time of its first frame)")
+            start = _seconds(body.get("t"))
+            path = resolve_source(config.media_root, body["source"])
+            fed = await registry.feed(entry, path, start)
+            return {**fed, **entry.describe()}
+        if kind not in IMAGE_TYPES:
+            raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
+                                    f"{{\"source\": PATH}}; got {kind or 'no Content-Type'}")
+        seconds = _seconds(request.query_params.get("t"))
+        data = await read_body(request, config.max_body_bytes)
+        image = decode_image(data, kind, config.max_image_pixels)
+        kept = await registry.push(entry, image, seconds)
+        return {"kept": kept, **entry.describe()}
+
+    @router.post("/v1/streams/{stream_id}/ask")
+    async def ask(stream_id: str, request: Request) -> Response:
+        entry = registry.get(service.keys.require(request), stream_id)
+        body = await read_json(request, config.max_body_bytes)
+        stream_answer = body.pop("stream", False)
+        if not isinstance(stream_answer, bool):
+            raise ServiceError(400, "stream must be true or false")
+        unknown = sorted(set(body) - {"question", "max_new_tokens", "retrieve"})
+        if unknown:
+            raise ServiceError(400, f"unknown ask field {unknown[0]!r}; known: question, max_new_tokens, retrieve, stream")
+        question, max_new, retrieve = question_settings(body)
+        if not stream_answer:
+            async with service.ask_slots.hold():
+                started = time.perf_counter()
+                answer = await registry.ask(entry, question, max_new, retrieve)
+                service.answered("ask", time.perf_counter() - started)
+            return JSONResponse(answer)
+        service.ask_slots.check()  # refused here (429), before the event stream starts
+        return StreamingResponse(_sse_answer(service, entry, question, max_new, retrieve),
+                                 media_type="text/event-stream")
+
+    return router
+
+
+async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
+    started = time.perf_counter()
+    async with service.ask_slots.occupy():
+        streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
+        task = asyncio.ensure_future(service.registry.ask(entry, question, max_new, retrieve, streamer))
+        async for piece in _pieces_until(streamer, task):
+            yield event({"token": piece})
+        try:
+            answer = await task
+        except StateKVError as error:
+            yield event(error_body(str(error), getattr(error, "kind", "invalid_request_error"),
+                                   getattr(error, "status", 400)), "error")
+            return
+        service.answered("ask", time.perf_counter() - started)
+        yield event(answer, "answer")
+
+
+async def _pieces_until(streamer: TokenStreamer, task: asyncio.Future):
+    """The streamer's pieces, stopping also when the task fails before generating (no end() then)."""
+    while True:
+        getter = asyncio.ensure_future(streamer.queue.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            piece = getter.result()
+            if piece is None:
+                return
+            yield piece
+        else:
+            getter.cancel()
+            while not streamer.queue.empty():
+                piece = streamer.queue.get_nowait()
+                if piece is None:
+                    return
+                yield piece
+            return
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ServiceError(400, f"t must be seconds since the stream began, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise ServiceError(400, f"t must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
