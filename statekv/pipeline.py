@@ -13,6 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -34,12 +35,18 @@ from .values import check_bool, check_int, check_number, torch_dtype
 from .video import open_video
 
 
-def make_policy(method_name: str, *, budget: int = 4096, frames: int = 16, sinks: int = 4,
-                frames_per_chunk: int = 1) -> CarryPolicy:
+def make_policy(method_name: str, *, budget: int = MethodSettings.budget, frames: int = MethodSettings.frames,
+                sinks: int = MethodSettings.sinks, frames_per_step: int = 1,
+                frames_per_chunk: int | None = None) -> CarryPolicy:
     """The carry policy of a registered method (`statekv.methods`), sized in tokens (``budget``) or frames
     (``frames``: recency windows are given in frames, as in the paper, and become ``ceil(frames /
-    frames_per_chunk)`` streaming steps)."""
-    return method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_chunk)
+    frames_per_step)`` streaming steps). Defaults are `MethodSettings`'. ``frames_per_chunk``: deprecated
+    name of ``frames_per_step``."""
+    if frames_per_chunk is not None:
+        warnings.warn("make_policy: frames_per_chunk is deprecated; pass frames_per_step", DeprecationWarning,
+                      stacklevel=2)
+        frames_per_step = frames_per_chunk
+    return method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_step)
 
 
 class VideoQA:

@@ -265,7 +265,7 @@ def test_a_recency_window_is_counted_in_frames_wherever_it_is_used():
 
     qwen = PRESETS["qwen3-vl-2b"]
     assert qwen.frames_per_step == 2
-    assert statekv.make_policy("recency", frames=16, frames_per_chunk=2) == statekv.Recency(frames=8)
+    assert statekv.make_policy("recency", frames=16, frames_per_step=2) == statekv.Recency(frames=8)
     recency = Method("recency", frames=16)
     assert int(recency.history_tokens(100, qwen.tokens_per_step, qwen.frames_per_step)) == 8 * qwen.tokens_per_step
     spec = qwen.with_layers(language=1, vision=3)

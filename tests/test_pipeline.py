@@ -148,7 +148,9 @@ def test_stats_describe_the_encoding(adapters):
 
 def test_recency_window_is_given_in_frames():
     assert statekv.make_policy("recency", frames=16).frames == 16
-    assert statekv.make_policy("recency", frames=3, frames_per_chunk=2).frames == 2
+    assert statekv.make_policy("recency", frames=3, frames_per_step=2).frames == 2
+    with pytest.warns(DeprecationWarning, match="frames_per_step"):  # the old name still works
+        assert statekv.make_policy("recency", frames=3, frames_per_chunk=2).frames == 2
 
 
 def test_from_pretrained_loads_the_family_and_method(checkpoint):

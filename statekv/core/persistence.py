@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import forms
 from .buffers import CarriedSlots
 from ..errors import InputError
 from ..values import check_int
@@ -37,7 +38,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     if len(metadata["window_starts"]) != len(cache.layers):
         raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                          f"{len(cache.layers)}")
-    cache.ring = None
+    cache.recency.reset()
     for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
         prefix = f"layers.{index}."
         layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
@@ -54,11 +55,9 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
     tensors = {"keys": keys, "values": values}
     if layer.block_keys.length:
         tensors["block_keys"] = layer.block_keys.view(0, layer.block_keys.length)[0]
-    if layer.window_start is not None or layer.slots is None:
-        return tensors, layer.window_start
-    ring = layer.cache.ring
-    if ring is not None and not layer.offloaded and not ring.sinks:
-        return tensors, layer.detailed.length - layer.carried_length
+    start = layer.carry.saved_start(layer.storage)
+    if start is not None or layer.slots is None:
+        return tensors, start
     carried_keys, carried_values = layer.carried()
     tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=layer.positions())
     return tensors, None
@@ -73,22 +72,20 @@ def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], win
     if "block_keys" not in tensors:  # saved before step means were kept: recompute them
         tensors = dict(tensors, block_keys=_step_means(tensors["keys"], steps))
     layer.block_keys.load(tensors["block_keys"].to(storage))
-    layer.slots, layer.window_start = None, window_start
-    if window_start is not None and layer.offloaded:  # saved without offload: make the window explicit
+    layer.carry = forms.Slots(None) if window_start is None else forms.Window(window_start)
+    if window_start is not None and not layer.storage.holds_window:  # saved without offload: make it explicit
         keys, values = layer.detailed.view(window_start, layer.detailed.length)
         b, h = keys.shape[:2]
         positions = torch.arange(window_start, layer.detailed.length).expand(b, h, -1)
         tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
-        layer.window_start = None
-    if layer.window_start is None and "carried_keys" in tensors:
+        window_start, layer.carry = None, forms.Slots(None)
+    if window_start is None and "carried_keys" in tensors:
         kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
-        layer.slots = CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0)
+        layer.carry = forms.Slots(CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0))
     layer.is_initialized = layer.detailed.length > 0
     if layer.is_initialized:
         layer.dtype, layer.device = layer.detailed.keys.dtype, device
-        b, h, _, d = layer.detailed.keys.shape
-        if layer.offloaded:
-            layer.staged_mean = torch.empty(b, h, 1, d, dtype=layer.dtype, device=device)
+        layer.storage.restored(layer.dtype, device)
 
 
 def _step_means(keys: torch.Tensor, steps: list[int]) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""One streaming step as a transaction over a cache's layers: stage, attend, check the selection, commit or
+roll back.
+
+The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and attend through
+the cache (:meth:`TwoStateCache.attend`), which asks the policy what to carry; :meth:`StepTransaction.select`
+keeps that selection pending, checked. Nothing becomes visible until the whole forward succeeded: :meth:`commit_device`
+installs every layer's new carried state (device work: a CUDA graph replays it) and :meth:`commit_host`
+advances the committed lengths; :meth:`rollback` forgets the step. A step's writes before its commit land
+only in scratch space, so a failed step leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .policies import Candidates, CarryPolicy
+
+
+@dataclass
+class StepContext:
+    """What a layer needs to know about the step being run (handed to each layer when the step begins).
+
+    ``step_device`` (LongTensor ``[1]``, the step's index) and ``write_index`` (LongTensor ``[T]``, the chunk's
+    logical positions, also where it goes in the detailed cache; set by the device part of the step) live on
+    the model's device and are advanced by the step itself, so a steady step reads no host value;
+    ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one.
+    """
+
+    chunk_len: int
+    step_index: int
+    step_device: torch.Tensor
+    write_index: torch.Tensor | None = None
+    ring_target: torch.Tensor | None = None
+
+
+class StepTransaction:
+    """The pending part of one step over ``layers`` (objects with ``carry`` and ``storage``, see
+    :mod:`statekv.core.forms`)."""
+
+    def __init__(self, context: StepContext, layers: list):
+        self.context, self.layers = context, layers
+        self.pending: list[slice | torch.Tensor | None] = [None] * len(layers)
+        self.attended = [False] * len(layers)
+        self.read_host_state = False  # the policy read per-step host values: the step cannot be captured
+
+    def select(self, layer_idx: int, policy: CarryPolicy, candidates: Candidates) -> None:
+        """Keep the policy's selection among ``candidates`` pending for this layer, checked."""
+        self.pending[layer_idx] = checked(policy.select(candidates), candidates)
+        self.read_host_state |= candidates.read_host_state
+
+    def missing_layers(self) -> list[int]:
+        """Layers whose attention did not run through :meth:`attend`."""
+        return [i for i, attended in enumerate(self.attended) if not attended]
+
+    def commit_device(self) -> None:
+        """Every layer's form commits its pending selection (a form may hand it on to the next form)."""
+        for index, layer in enumerate(self.layers):
+            selection, self.pending[index] = self.pending[index], None
+            while True:
+                layer.carry, selection = layer.carry.commit(layer.storage, selection, self.context)
+                if selection is None:
+                    break
+
+    def commit_host(self) -> None:
+        for layer in self.layers:
+            layer.storage.commit_host(self.context.chunk_len)
+            layer.carry.commit_host()
+
+    def rollback(self) -> None:
+        self.pending = [None] * len(self.layers)
+
+
+def checked(selection: slice | torch.Tensor, candidates: Candidates) -> slice | torch.Tensor:
+    """A policy's selection, refused (one line, before anything is committed) if it is malformed."""
+    if isinstance(selection, slice):
+        if selection.indices(candidates.size)[2] != 1:
+            raise InputError("a carry policy returned a strided slice; return indices instead")
+        return selection
+    expected = (*candidates.keys.shape[:2], "K")
+    if (not isinstance(selection, torch.Tensor) or selection.dtype != torch.long or selection.dim() != 3
+            or tuple(selection.shape[:2]) != tuple(candidates.keys.shape[:2])
+            or selection.shape[2] > candidates.size):
+        got = tuple(selection.shape) if isinstance(selection, torch.Tensor) else type(selection).__name__
+        raise InputError(f"a carry policy must return a slice or a LongTensor of indices {expected} with "
+                         f"K <= {candidates.size}; got {got}")
+    return selection
