@@ -178,23 +178,10 @@ class Recency(CarryPolicy):
 
 
 @dataclass(frozen=True)
-class WithSinks(CarryPolicy):
-    """Always carry the protected prefix -- the stream's first ``prefix_tokens`` (the prompt before the first
-    frame) and the ``sinks`` tokens after them -- and let ``rule`` choose among the other candidates.
-
-    ``prefix_tokens`` is set per stream by :meth:`for_prefix` (the pipeline knows the prompt's prefix). The
-    protected tokens are the earliest of the stream, so a carried state that keeps them holds them first.
-    """
+class WrappedPolicy(CarryPolicy):
+    """A rule around another ``rule``: captured and scored as that rule is; subclasses change what it chooses."""
 
     rule: CarryPolicy
-    sinks: int = 4
-    prefix_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rule, CarryPolicy):
-            raise TypeError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
-        for name in ("sinks", "prefix_tokens"):
-            check_int(getattr(self, name), f"{type(self).__name__}: {name}", minimum=0)
 
     @property
     def capturable(self) -> bool:
@@ -203,6 +190,25 @@ class WithSinks(CarryPolicy):
     @property
     def needs_scores(self) -> bool:
         return self.rule.needs_scores
+
+
+@dataclass(frozen=True)
+class WithSinks(WrappedPolicy):
+    """Always carry the protected prefix -- the stream's first ``prefix_tokens`` (the prompt before the first
+    frame) and the ``sinks`` tokens after them -- and let ``rule`` choose among the other candidates.
+
+    ``prefix_tokens`` is set per stream by :meth:`for_prefix` (the pipeline knows the prompt's prefix). The
+    protected tokens are the earliest of the stream, so a carried state that keeps them holds them first.
+    """
+
+    sinks: int = 4
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, CarryPolicy):
+            raise TypeError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
+        for name in ("sinks", "prefix_tokens"):
+            check_int(getattr(self, name), f"{type(self).__name__}: {name}", minimum=0)
 
     def scores_needed(self, size: int) -> bool:
         return self.rule.scores_needed(max(size - self.sink_tokens, 0))
@@ -319,10 +325,9 @@ class KeyNorm(ScoredPolicy):
 
 
 @dataclass(frozen=True)
-class PerLayerBudget(CarryPolicy):
+class PerLayerBudget(WrappedPolicy):
     """``rule`` (a :class:`ScoredPolicy`) with its own budget in each layer: ``budgets[layer]`` tokens."""
 
-    rule: ScoredPolicy
     budgets: tuple[int, ...]
 
     def __post_init__(self) -> None:
@@ -333,14 +338,6 @@ class PerLayerBudget(CarryPolicy):
             raise ValueError("PerLayerBudget: give one budget per layer")
         for budget in self.budgets:
             check_int(budget, "PerLayerBudget: budgets")
-
-    @property
-    def capturable(self) -> bool:
-        return self.rule.capturable
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.rule.needs_scores
 
     def scores_needed(self, size: int) -> bool:  # the layer is not known here: scores as soon as one layer needs them
         return self.rule.needs_scores and size > min(self.budgets)
