@@ -77,7 +77,7 @@ class Stages:
         return open_video(self.path).sample(max_fps=1e9, max_frames=self.frames)
 
     def decode(self):
-        steps, state, per_step = [], self.adapter.start(self.frames), self.adapter.frames_per_chunk
+        steps, state, per_step = [], self.adapter.start(self.frames), self.adapter.frames_per_step
         group = []
         for frame in self.sampled():
             group.append(frame)
@@ -90,7 +90,7 @@ class Stages:
         return steps
 
     def vision(self):
-        per_call = max(1, self.vision_batch // self.adapter.frames_per_chunk)
+        per_call = max(1, self.vision_batch // self.adapter.frames_per_step)
         features = []
         with torch.no_grad():
             for start in range(0, len(self.steps), per_call):
@@ -113,7 +113,7 @@ class Stages:
         group = []
         for frame in self.sampled():
             group.append(frame)
-            if len(group) == self.adapter.frames_per_chunk:
+            if len(group) == self.adapter.frames_per_step:
                 encoded.append(group)
                 group = []
         if group:

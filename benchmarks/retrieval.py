@@ -90,7 +90,7 @@ def run_method(name: str, data: Path, rules: list[str], ks: tuple[int, ...], cau
         prompts = [build_prompt(q) for q in questions]
         encoded = qa.encode(str(questions[0].video_path),
                             reserve_tokens=room_for_prompts(qa, prompts, settings.max_new_tokens))
-        per_step = encoded.adapter.frames_per_chunk
+        per_step = encoded.adapter.frames_per_step
         first_frame_step = 1  # step 0 is the prompt prefix
         for question, prompt in zip(questions, prompts):
             evidence = sorted({first_frame_step + f // per_step for f in rows[question.qid]["evidence_frames"]})

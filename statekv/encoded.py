@@ -177,7 +177,7 @@ class EncodedVideo:
         check_int(frames, "retrieve (frames per layer)")
         chosen = retrieval_rule(getattr(self.qa, "retrieval", DEFAULT_RETRIEVAL) if rule is None else rule)
         keep = max(self.prefix_tokens, self.prefill.policy.sink_tokens)
-        return Retrieval(math.ceil(frames / self.adapter.frames_per_chunk), keep_tokens=keep, rule=chosen)
+        return Retrieval(math.ceil(frames / self.adapter.frames_per_step), keep_tokens=keep, rule=chosen)
 
     @property
     def tokens(self) -> int:
@@ -204,7 +204,7 @@ class EncodedVideo:
     # -- streaming --------------------------------------------------------------------------------------
     @torch.no_grad()
     def append(self, frames: Sequence[Frame]) -> None:
-        """Stream one step's frames (at most ``frames_per_chunk``) on this thread."""
+        """Stream one step's frames (at most ``frames_per_step``) on this thread."""
         self.append_steps([frames], vision_batch=len(frames))
 
     @torch.no_grad()

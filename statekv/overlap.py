@@ -56,9 +56,9 @@ def check_vision_batch(vision_batch: object) -> int:
     return check_int(vision_batch, "vision_batch")
 
 
-def steps_per_batch(vision_batch: int, frames_per_chunk: int) -> int:
+def steps_per_batch(vision_batch: int, frames_per_step: int) -> int:
     """Steps per vision-tower call: ``vision_batch`` frames, at least one step (Qwen3-VL steps are 2 frames)."""
-    return max(1, vision_batch // frames_per_chunk)
+    return max(1, vision_batch // frames_per_step)
 
 
 def encode_batch(adapter: VideoAdapter, steps: Sequence[PreparedFrames], decode_seconds: Sequence[float]
@@ -77,11 +77,11 @@ def encode_batch(adapter: VideoAdapter, steps: Sequence[PreparedFrames], decode_
 def overlapped_steps(adapter: VideoAdapter, frames: Iterable[Frame], state: LayoutState, *,
                      vision_batch: int) -> Iterator[Iterator[EncodedStep]]:
     """``with overlapped_steps(...) as steps: for encoded in steps: ...``: the steps of ``frames`` (grouped by
-    ``adapter.frames_per_chunk``, the first following ``state``), vision-encoded ahead of the caller.
+    ``adapter.frames_per_step``, the first following ``state``), vision-encoded ahead of the caller.
 
     Leaving the block stops and joins both threads, also on an exception or Ctrl-C in the caller.
     """
-    batch_steps = steps_per_batch(check_vision_batch(vision_batch), adapter.frames_per_chunk)
+    batch_steps = steps_per_batch(check_vision_batch(vision_batch), adapter.frames_per_step)
     with ThreadStages("statekv-encode") as stages:
         prepared = stages.add(partial(_decode_stage, adapter, frames, state), None,
                               maxsize=QUEUED_BATCHES * batch_steps, name="decode")
@@ -96,7 +96,7 @@ def _decode_stage(adapter: VideoAdapter, frames: Iterable[Frame], state: LayoutS
     try:
         while True:
             started = time.perf_counter()
-            group = [frame for _, frame in zip(range(adapter.frames_per_chunk), source)]
+            group = [frame for _, frame in zip(range(adapter.frames_per_step), source)]
             if not group:
                 return
             step = adapter.prepare_frames(group, state)

@@ -125,7 +125,7 @@ class VideoQA:
     def with_adapter(cls, adapter: VideoAdapter, options: ModelOptions) -> "VideoQA":
         """A VideoQA over an adapter already loaded (several methods can share one model)."""
         spec = options.spec
-        qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_chunk), attention=options.attention,
+        qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), attention=options.attention,
                  reserve_tokens=options.reserve_tokens, method=options.method, offload=options.offloaded,
                  cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
                  retrieval=options.retrieval_rule)

@@ -140,13 +140,13 @@ class Stream(EncodedVideo):
     @property
     def _batch_frames(self) -> int:
         """Pending frames that make a batch: whole steps, at least one."""
-        per_step = self.adapter.frames_per_chunk
+        per_step = self.adapter.frames_per_step
         return steps_per_batch(self.vision_batch, per_step) * per_step
 
     def _encode_pending(self, complete_steps_only: bool = False) -> None:
         """Encode the pending frames, one vision call for all; steps streamed before a failure stay streamed,
         the frames of the others keep waiting."""
-        per_step = self.adapter.frames_per_chunk
+        per_step = self.adapter.frames_per_step
         count = len(self.pending) // per_step * per_step if complete_steps_only else len(self.pending)
         groups = [self.pending[start:start + per_step] for start in range(0, count, per_step)]
         if not groups:

@@ -171,7 +171,7 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
 def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
     """The fields that depend on the model, recomputed from it: the horizon (the frames' tokens plus the
     reserve), the prompt prefix's length, and every step's length and count."""
-    frames_per_step = adapter.frames_per_chunk
+    frames_per_step = adapter.frames_per_step
     video_tokens = adapter.max_video_tokens(metadata["horizon_frames"])
     reserve = metadata["engine"]["reserve_tokens"]
     if metadata["horizon"] != video_tokens + reserve:

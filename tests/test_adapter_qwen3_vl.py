@@ -54,7 +54,7 @@ def stream(adapter, frames, policy=None, **start):
     prefill = StreamingPrefill(adapter.model, policy or FullAttention())
     state = adapter.start(len(frames), **start)
     chunks, hidden = [], []
-    for group in [None, *temporal_groups(frames, adapter.frames_per_chunk)]:
+    for group in [None, *temporal_groups(frames, adapter.frames_per_step)]:
         chunk = adapter.prefix(state) if group is None else adapter.frames_chunk(group, state)
         hidden.append(prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs))
         chunks.append(chunk)

@@ -66,7 +66,7 @@ def _one_line(error: BaseException) -> str:
 def test_batched_vision_equals_per_step_vision(adapters, family):
     adapter = adapters[family]
     frames = [Frame(i, i / 2, image) for i, image in enumerate(_video(7))]  # odd: Qwen3-VL's last step is alone
-    per_step = adapter.frames_per_chunk
+    per_step = adapter.frames_per_step
     state, steps = adapter.start(len(frames)), []
     for start in range(0, len(frames), per_step):
         steps.append(adapter.prepare_frames(frames[start:start + per_step], state))
@@ -91,11 +91,11 @@ def test_batched_encoding_gives_the_per_frame_answers(adapters, family, monkeypa
     monkeypatch.setattr(adapter, "encode_vision", lambda steps: calls.append(len(steps)) or encode_vision(steps))
     video = _video(9)
     one_by_one = qa.encode(video, vision_batch=1)
-    assert calls == [1] * (-(-9 // adapter.frames_per_chunk))
+    assert calls == [1] * (-(-9 // adapter.frames_per_step))
     calls.clear()
     batched = qa.encode(video, vision_batch=4)
     # Batches of 4 frames: 4 + 4 + 1 InternVL frames; 2 + 2 + 1 Qwen3-VL steps of 2 frames (the last alone)
-    assert calls == ([4, 4, 1] if adapter.frames_per_chunk == 1 else [2, 2, 1])
+    assert calls == ([4, 4, 1] if adapter.frames_per_step == 1 else [2, 2, 1])
     assert (batched.frames, batched.tokens) == (one_by_one.frames, one_by_one.tokens) and batched.stats.vision_batch == 4
     for a, b in zip(batched.prefill.detailed_cache.layers, one_by_one.prefill.detailed_cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ def video_steps(adapter: VideoAdapter, source: str | Path | Any, *, max_frames: 
             chunks.append(prefix)
             state = state.after(prefix)
         frames = iter(video.sample(max_fps=max_fps, max_frames=max_frames))
-        while group := list(itertools.islice(frames, adapter.frames_per_chunk)):
+        while group := list(itertools.islice(frames, adapter.frames_per_step)):
             chunk = adapter.frames_chunk(group, state)
             chunks.append(chunk)
             state = state.after(chunk)

@@ -8,7 +8,7 @@ A video is streamed as::
 
     state = adapter.start(num_frames)                # LayoutState: where the prompt stands
     chunk = adapter.prefix(state)                     # text before the first frame, or None
-    for frames in groups of adapter.frames_per_chunk:
+    for frames in groups of adapter.frames_per_step:
         chunk = adapter.frames_chunk(frames, state)   # one step: vision-encode these frames now, embed
         prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
         state = state.after(chunk)
@@ -28,6 +28,7 @@ of videos and streams at once, and a `LayoutState` is all that must be saved to 
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -75,7 +76,7 @@ class Chunk:
 class PreparedFrames:
     """One step's frames, preprocessed on the CPU and ready for the vision tower (no model call made yet).
 
-    frames: the step's `Frame` objects (1 to ``frames_per_chunk``, in time order).
+    frames: the step's `Frame` objects (1 to ``frames_per_step``, in time order).
     pixel_values: float32 CPU tensor in the family's layout (InternVL: ``[F, 3, S, S]``; Qwen3-VL:
         ``[patches, C * 2 * p * p]``, one temporal patch).
     grid_thw: LongTensor ``[1, 3]`` for families whose vision tower takes a patch grid (Qwen3-VL), else None.
@@ -137,15 +138,28 @@ class VideoAdapter(ABC):
         family: short name shown to users (``"internvl"``).
         model_types: the ``config.model_type`` values it serves (the registry key).
         layouts: prompt layouts it offers; the first is the default.
-        frames_per_chunk: sampled frames per streaming step (2 for Qwen3-VL's temporal patches).
+        frames_per_step: sampled frames per streaming step (2 for Qwen3-VL's temporal patches).
         needs_remote_code: the checkpoints load only with ``trust_remote_code=True``.
     """
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     layouts: ClassVar[tuple[str, ...]] = ("default",)
-    frames_per_chunk: ClassVar[int] = 1
+    frames_per_step: ClassVar[int] = 1
     needs_remote_code: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "frames_per_chunk" in cls.__dict__:  # adapters written before the word was "step"
+            warnings.warn(f"{cls.__name__}.frames_per_chunk is deprecated; set frames_per_step",
+                          DeprecationWarning, stacklevel=2)
+            cls.frames_per_step = cls.__dict__["frames_per_chunk"]
+
+    @property
+    def frames_per_chunk(self) -> int:
+        warnings.warn("VideoAdapter.frames_per_chunk is deprecated; read frames_per_step", DeprecationWarning,
+                      stacklevel=2)
+        return self.frames_per_step
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, layout: str | None = None):
         self.model = model.eval()
@@ -190,7 +204,7 @@ class VideoAdapter(ABC):
 
     @torch.no_grad()
     def frames_chunk(self, frames: Sequence[Frame], state: LayoutState) -> Chunk:
-        """Vision-encode ``frames`` (at most ``frames_per_chunk``, in time order) and lay them out as one chunk."""
+        """Vision-encode ``frames`` (at most ``frames_per_step``, in time order) and lay them out as one chunk."""
         step = self.prepare_frames(frames, state)
         return self.features_chunk(step, self.encode_vision([step])[0], state)
 

@@ -6,7 +6,7 @@ Prompt layout (what ``Qwen3VLProcessor`` makes of the chat template's video item
     chunk i     <{t:.1f} seconds> <|vision_start|> <|video_pad|> x n <|vision_end|>   (one temporal patch)
     question    <|vision_end|> question <end of the user turn, assistant opening>      (the outer end)
 
-One chunk is one temporal patch of ``frames_per_chunk = 2`` sampled frames (a lone last frame is repeated,
+One chunk is one temporal patch of ``frames_per_step = 2`` sampled frames (a lone last frame is repeated,
 as the processor pads the last patch); ``t`` is the mean of the patch's first and last frame timestamps.
 Chunk boundaries sit next to special tokens, so tokenizing chunk by chunk gives the ids of the whole prompt.
 
@@ -153,14 +153,14 @@ class Qwen3VLAdapter(VideoAdapter):
 
     family = "qwen3_vl"
     model_types = ("qwen3_vl",)
-    frames_per_chunk = 2
+    frames_per_step = 2
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, settings: QwenVideoSettings, *,
                  layout: str | None = None, tokens_per_frame: int | None = None,
                  chat_template: str | None = None):
         super().__init__(model, tokenizer, layout=layout)
-        if settings.temporal_patch_size != self.frames_per_chunk:
-            raise UnsupportedModelError(f"{self.family} streams {self.frames_per_chunk} frames per chunk, but this "
+        if settings.temporal_patch_size != self.frames_per_step:
+            raise UnsupportedModelError(f"{self.family} streams {self.frames_per_step} frames per chunk, but this "
                                         f"checkpoint's temporal patch is {settings.temporal_patch_size} frames")
         if tokens_per_frame is not None and not _positive_int(tokens_per_frame):
             raise ConfigurationError(f"tokens_per_frame must be a positive integer, got {tokens_per_frame!r}")
@@ -203,7 +203,7 @@ class Qwen3VLAdapter(VideoAdapter):
             (the bound otherwise allows for any aspect ratio, up to about twice the typical count).
         """
         _check_frame_count(num_frames, allow_none=False)
-        chunks = math.ceil(num_frames / self.frames_per_chunk)
+        chunks = math.ceil(num_frames / self.frames_per_step)
         timestamp = len(f"<{_MAX_TIMESTAMP} seconds>".encode())
         if frame_size is None:
             patch = self.settings.max_patch_tokens(num_frames, self.tokens_per_frame)
@@ -241,8 +241,8 @@ class Qwen3VLAdapter(VideoAdapter):
             video fixes the resolution from its first frame (``state_update["frame_size"]``); later steps
             reuse it.
         """
-        if not 1 <= len(frames) <= self.frames_per_chunk or not all(isinstance(f, Frame) for f in frames):
-            raise InputError(f"{self.family} takes 1 or {self.frames_per_chunk} Frame objects per chunk, got "
+        if not 1 <= len(frames) <= self.frames_per_step or not all(isinstance(f, Frame) for f in frames):
+            raise InputError(f"{self.family} takes 1 or {self.frames_per_step} Frame objects per chunk, got "
                              f"{len(frames)} {', '.join(sorted({type(f).__name__ for f in frames}))}")
         size, update = self._frame_size(frames[0], state)
         pixel_values, grid_thw = self.pixel_values(frames, size)
