@@ -14,6 +14,7 @@ Steps are batched only when their shapes and everything the forward computes wit
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -210,6 +211,7 @@ class StepBatcher:
         self.batched_steps = 0  # forwards that stepped more than one stream
         self.batched_rows = 0  # stream steps taken in them
         self._graphs: OrderedDict[tuple, tuple[BatchCache, StepGraphs]] = OrderedDict()
+        self._graphs_lock = threading.Lock()  # forget() may come from another thread (a stream closing)
 
     @torch.no_grad()
     def step(self, requests: Sequence[StepRequest]) -> list[torch.Tensor | Exception]:
@@ -226,6 +228,14 @@ class StepBatcher:
         return outcomes
 
     def _wave(self, requests, indices, outcomes) -> None:
+        if len(indices) == 1:  # nothing to batch with: the stream's own step
+            request = requests[indices[0]]
+            try:
+                outcomes[indices[0]] = request.prefill.step(request.inputs_embeds, request.position_ids,
+                                                            input_ids=request.input_ids, **request.forward_kwargs)
+            except Exception as error:
+                outcomes[indices[0]] = error
+            return
         groups: dict[tuple, list[tuple[int, dict]]] = {}
         alone: list[tuple[int, dict]] = []
         for index in indices:
@@ -290,6 +300,10 @@ class StepBatcher:
         if not all(prefill.cuda_graph for prefill in prefills):
             return BatchCache([prefill.cache for prefill in prefills]), None
         key = tuple(id(prefill) for prefill in prefills)
+        with self._graphs_lock:
+            return self._held(key, prefills)
+
+    def _held(self, key: tuple, prefills: list[StreamingPrefill]) -> tuple[BatchCache, StepGraphs]:
         held = self._graphs.get(key)
         if held is None or any(a is not b for a, b in zip(held[0].caches, (p.cache for p in prefills))):
             batch = BatchCache([prefill.cache for prefill in prefills])
@@ -303,8 +317,9 @@ class StepBatcher:
 
     def forget(self, prefill: StreamingPrefill) -> None:
         """Drop the recorded batches that hold ``prefill`` (it closed or left)."""
-        for key in [key for key, (batch, _) in self._graphs.items() if prefill.cache in batch.caches]:
-            self._graphs.pop(key)[1].clear()
+        with self._graphs_lock:
+            for key in [key for key, (batch, _) in self._graphs.items() if prefill.cache in batch.caches]:
+                self._graphs.pop(key)[1].clear()
 
 
 def _streamed(prefills: list[StreamingPrefill], batch: BatchCache, inputs: dict) -> torch.Tensor:
