@@ -250,7 +250,11 @@ class EncodedVideo:
         started = time.perf_counter()
         chunk = self.adapter.features_chunk(encoded.step, encoded.features, self.state)
         self._stream_chunk(chunk)
-        finished = time.perf_counter()
+        self._record_step_times(encoded, chunk, started, time.perf_counter(), vision_batch=vision_batch)
+
+    def _record_step_times(self, encoded: EncodedStep, chunk, started: float, finished: float, *,
+                           vision_batch: int) -> None:
+        """Each stage's time per frame of a step streamed from ``started`` (its layout) to ``finished``."""
         stats = self.stats
         per_frame = 1 / chunk.frames
         stats.frame_seconds.extend([(finished - self._step_started) * per_frame] * chunk.frames)
@@ -263,6 +267,10 @@ class EncodedVideo:
     @torch.no_grad()
     def _stream_chunk(self, chunk) -> None:
         self.prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
+        self._chunk_streamed(chunk)
+
+    def _chunk_streamed(self, chunk) -> None:
+        """Bookkeeping after ``chunk`` went through the language model (here or in a batch of streams)."""
         self.state = self.state.after(chunk)
         stats = self.stats
         stats.chunks += 1

@@ -28,6 +28,7 @@ from .encoded import EncodedVideo, ProgressCallback, progress_reporter
 from .errors import ConfigurationError, FrameDecodeError, InputError
 from .methods import MethodSettings, method, method_names
 from .models import VideoAdapter, load_adapter
+from .multistream import StepScheduler, push_together
 from .options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .stream import Stream
@@ -85,6 +86,7 @@ class VideoQA:
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
         self.retrieval = retrieval_rule(retrieval).name
         self.options: ModelOptions | None = None  # set by from_options
+        self.step_scheduler = StepScheduler()  # batches the steps of this VideoQA's streams pushed at once
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
@@ -205,6 +207,26 @@ class VideoQA:
         """
         return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
                       reserve_tokens=reserve_tokens)
+
+    def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
+                  return_exceptions: bool = False) -> list[bool | Exception]:
+        """Push one frame to each of several streams of this VideoQA and step them together: one vision-tower
+        call for their frames, one batched language-model forward for their steady steps (`statekv.core.batching`).
+
+        items: ``(stream, frame, seconds)`` as `Stream.push` takes them (a stream may appear more than once: its
+            frames go in order). Returns per item whether its frame was kept. A stream that fails (a bad frame)
+            fails alone: the others are pushed, then the first error is raised (or, with
+            ``return_exceptions=True``, returned in that item's place).
+
+        Each stream ends exactly as if its frames had been pushed alone (in float32, the same carried positions
+        and answers; hidden states within float rounding).
+        """
+        check_bool(return_exceptions, "return_exceptions")
+        for item in items if isinstance(items, Sequence) else ():
+            stream = item[0] if isinstance(item, (tuple, list)) and item else None
+            if isinstance(stream, Stream) and stream.qa is not self:
+                raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
+        return push_together(self.step_scheduler, list(items), return_exceptions=return_exceptions)
 
     def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int:

@@ -87,7 +87,23 @@ class Stream(EncodedVideo):
         image: RGB uint8 array ``[H, W, 3]``, a PIL image, or a `Frame` (whose timestamp is used).
         timestamp: seconds since the stream began, non-decreasing; default: one ``1 / max_fps`` (or 1 s)
             after the previous frame.
+
+        Pushes to several streams of one `VideoQA` from different threads share batched steps (see
+        `VideoQA.push_many`); this call still returns once its frame is streamed or safely pending.
         """
+        kept, timestamp, ready = self._offer(image, timestamp)
+        if ready:
+            try:
+                self._encode_pending()
+            except BaseException:
+                self.pending.pop()  # a failed push does not take its frame (earlier ones stay encoded or pending)
+                raise
+        self._accepted(kept, timestamp)
+        return kept
+
+    def _offer(self, image: Any, timestamp: float | None) -> tuple[bool, float, bool]:
+        """The checks of `push` and, for a kept frame, its place in ``pending``: ``(kept, timestamp, a batch is
+        ready to encode)``. Nothing else changes until `_accepted`."""
         if isinstance(image, Frame):
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image
@@ -96,27 +112,21 @@ class Stream(EncodedVideo):
         if self.max_fps is not None:
             tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
             if tick < self._next_tick:
-                self.pushed += 1
-                self._last_timestamp = timestamp
-                return False
+                return False, timestamp, False
         kept = self.state.frames + len(self.pending)
         if kept + 1 > self.horizon_frames:
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
         self.pending.append(Frame(self.pushed, timestamp, np.array(pixels, copy=True)))
-        if len(self.pending) == self._batch_frames:
-            try:
-                self._encode_pending()
-            except BaseException:
-                self.pending.pop()  # a failed push does not take its frame (earlier ones stay encoded or pending)
-                raise
-        # Only now, with the frame encoded or safely queued, does the stream advance.
+        return True, timestamp, len(self.pending) == self._batch_frames
+
+    def _accepted(self, kept: bool, timestamp: float) -> None:
+        """Only now, with the frame encoded, safely queued or dropped, does the stream advance."""
         self.pushed += 1
         self._last_timestamp = timestamp
-        if self.max_fps is not None:
+        if kept and self.max_fps is not None:
             self._next_tick = math.floor(timestamp * self.max_fps + 1e-9) + 1
-        return True
 
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
@@ -152,14 +162,21 @@ class Stream(EncodedVideo):
         if not groups:
             return
         steps_before = self.stats.chunks
+        scheduler = getattr(self.qa, "step_scheduler", None)  # batches steps pushed from other threads meanwhile
         try:
-            self._append_steps(groups, vision_batch=self.vision_batch)
+            if scheduler is None:
+                self._append_steps(groups, vision_batch=self.vision_batch)
+            else:
+                scheduler.stream(self, groups)
         finally:
             streamed = self.stats.chunks - steps_before
             self.pending = self.pending[sum(len(group) for group in groups[:streamed]):]
 
     @_one_at_a_time
     def close(self) -> None:
+        scheduler = getattr(self.qa, "step_scheduler", None)
+        if scheduler is not None:
+            scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 
     def _check_timestamp(self, timestamp: float | None) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEY, OTHER_KEY = "test-key-one", "test-key-two"
 QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
 NEW_TOKENS = 6
+BATCHED_BUDGET = 4  # tokens: one frame of the built-in model
 OPEN_QUESTION = "What colour was the triangle?"  # answered at length (the letter question ends after one token)
 START_SECONDS = 180
 CHROMIUM = shutil.which("chromium")
@@ -303,10 +305,12 @@ def test_a_slow_client_does_not_hold_up_others(server):
 
 
 def test_sixteen_concurrent_clients_get_the_answers_of_streams_alone(server, qa):
+    """With a budget of one frame the streams are steady from their second frame: concurrent pushes share
+    batched steps, and every answer is still that of its stream alone."""
     def client_run(seed: int) -> tuple[list[np.ndarray], str]:
-        frames = _frames(seed, 2)
+        frames = _frames(seed, 4)
         with server.client() as client:
-            stream_id = _create(client)
+            stream_id = _create(client, budget=BATCHED_BUDGET)
             for index, image in enumerate(frames):
                 pushed = client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
                                      headers={"Content-Type": "image/png"})
@@ -320,10 +324,13 @@ def test_sixteen_concurrent_clients_get_the_answers_of_streams_alone(server, qa)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(client_run, range(100, 116)))  # any error fails here
     answers = [answer for _, answer in results]
-    assert answers == [_alone(qa, frames) for frames, _ in results]
+    small = qa.with_options(budget=BATCHED_BUDGET)
+    assert answers == [_alone(small, frames) for frames, _ in results]
     with server.client() as client:
         metrics = client.get("/metrics").text
     assert "statekv_frames_total" in metrics and "statekv_ask_seconds_bucket" in metrics
+    batched = re.search(r"^statekv_batched_steps_total (\S+)$", metrics, re.MULTILINE)
+    assert batched and float(batched.group(1)) > 0  # some streams' steps ran in one forward
 
 
 def test_limits_answer_429_with_retry_after(server):

@@ -134,19 +134,11 @@ class StreamingPrefill:
             forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs). An
                 ``attention_mask`` is accepted only if it is all ones (plain causal attention).
         """
-        chunk = self._check_chunk(inputs_embeds, input_ids)
-        _check_positions(position_ids, chunk, self.device)
-        _check_plain_causal(forward_kwargs.pop("attention_mask", None))
-        chunk_len = chunk.shape[1]
-        if self.seen_tokens + chunk_len > self.horizon:
-            raise HorizonError(
-                f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
-                f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
-            )
-        inputs = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **forward_kwargs)
+        inputs = self.checked_inputs(inputs_embeds, position_ids, input_ids=input_ids, **forward_kwargs)
+        chunk_len = _chunk_of(inputs).shape[1]
         started = time.perf_counter()
         carried_before = self._carried_positions() if self.track_overlap else None
-        self.cache.begin(chunk_len, chunk.device)
+        self.cache.begin(chunk_len, _chunk_of(inputs).device)
         try:
             hidden = None
             if self.cuda_graph and self.cache.is_steady():
@@ -156,11 +148,30 @@ class StreamingPrefill:
         except BaseException:
             self.cache.rollback()
             raise
+        self.finish_step(chunk_len, started, carried_before)
+        return hidden
+
+    def checked_inputs(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                       input_ids: torch.Tensor | None = None, **forward_kwargs) -> dict:
+        """The decoder's inputs for one step as :meth:`step` takes them, validated (one-line `StateKVError` s),
+        without running anything (`statekv.core.batching` checks every stream of a batch first)."""
+        chunk = self._check_chunk(inputs_embeds, input_ids)
+        _check_positions(position_ids, chunk, self.device)
+        _check_plain_causal(forward_kwargs.pop("attention_mask", None))
+        chunk_len = chunk.shape[1]
+        if self.seen_tokens + chunk_len > self.horizon:
+            raise HorizonError(
+                f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
+                f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
+            )
+        return dict(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **forward_kwargs)
+
+    def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None) -> None:
+        """Host end of a step whose device part succeeded: commit its lengths and record it."""
         self.cache.commit_host()
         overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
         self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
-        return hidden
 
     def generate(self, input_ids: torch.Tensor, *, retrieve: Retrieval | None = None,
                  **generate_kwargs) -> torch.Tensor:
@@ -276,6 +287,10 @@ class StreamingPrefill:
         Nothing of the model is changed: other threads' calls are unaffected."""
         with streaming_through(cache), self.rope.active() if self.rope is not None else nullcontext():
             yield
+
+
+def _chunk_of(inputs: dict) -> torch.Tensor:
+    return inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]
 
 
 def cache_geometry(model: torch.nn.Module) -> CacheGeometry:

@@ -38,7 +38,8 @@ class Service:
         self.model_id = config.options.model or "statekv"
         self.started = int(time.time())
         self.registry = StreamRegistry(config, qa, worker)
-        self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes)
+        self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
+                               self.registry.batched_steps)
         self.registry.metrics = self.metrics
         self.ask_slots = Slots(config.max_asks, "questions")
 

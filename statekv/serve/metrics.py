@@ -7,13 +7,17 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 RATE_WINDOW_SECONDS = 10.0
 
 
 class Metrics:
-    def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int]):
+    def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
+                 batched_steps: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
+        if batched_steps is not None:
+            self.registry.register(_BatchedSteps(batched_steps))
         self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
         self.errors = Counter("statekv_errors", "requests answered with an error", ["status"], registry=self.registry)
@@ -40,3 +44,21 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BatchedSteps:
+    """``statekv_batched_steps_total``: language-model forwards that stepped several streams together (read from
+    the models' step schedulers when scraped)."""
+
+    def __init__(self, count: Callable[[], int]):
+        self.count = count
+
+    def describe(self):
+        return [CounterMetricFamily("statekv_batched_steps", "language-model forwards that stepped several "
+                                    "streams together")]
+
+    def collect(self):
+        family = CounterMetricFamily("statekv_batched_steps", "language-model forwards that stepped several "
+                                     "streams together")
+        family.add_metric([], float(self.count()))
+        yield family

@@ -166,10 +166,15 @@ class StreamRegistry:
     # -- model work ----------------------------------------------------------------------------------------
     def push_now(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         """Push one frame (on the model's thread); save when enough frames are unsaved."""
+        frames = self._before_push(entry)
+        return self._after_push(entry, seconds, frames, entry.stream.push(image, seconds))
+
+    def _before_push(self, entry: StreamEntry) -> int:
         if entry.deleted:
             raise ServiceError(404, f"no stream {entry.id!r}")
-        frames = entry.stream.frames
-        kept = entry.stream.push(image, seconds)
+        return entry.stream.frames
+
+    def _after_push(self, entry: StreamEntry, seconds: float | None, frames: int, kept: bool) -> bool:
         entry.last_seconds = seconds if seconds is not None else _next_time(entry)
         for _ in range(entry.stream.frames - frames):
             if self.metrics:
@@ -184,8 +189,19 @@ class StreamRegistry:
         return kept
 
     async def push(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
+        """Push one frame; on a worker that batches pushes (`ModelWorker.push`), with the other streams' pushes
+        waiting meanwhile."""
         async with entry.lock:
-            return await self.worker.run(self.push_now, entry, image, seconds)
+            batched = getattr(self.worker, "push", None)
+            if batched is None:
+                return await self.worker.run(self.push_now, entry, image, seconds)
+            return await batched(entry.stream, image, seconds, before=lambda: self._before_push(entry),
+                                 after=lambda frames, kept: self._after_push(entry, seconds, frames, kept))
+
+    def batched_steps(self) -> int:
+        """Language-model forwards that stepped several streams together, over the server's models."""
+        models = [self.qa, *list(self._models.values())]
+        return sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0) for qa in models)
 
     async def feed(self, entry: StreamEntry, path: Path, start: float | None) -> dict[str, Any]:
         """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from

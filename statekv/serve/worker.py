@@ -1,12 +1,16 @@
-"""Where model work runs. Today every push, encode, question and save of one `VideoQA` runs on one thread, in
-arrival order, so concurrent requests never step the model at once; a scheduler that batches streams' steps can
-replace `ModelWorker` behind the same two methods."""
+"""Where model work runs: every push, encode, question and save of the server's models runs on one thread, in
+arrival order, so concurrent requests never step a model at once. Pushes are the exception that proves it:
+pushes queued while the thread is busy are taken together, and the streams of one `VideoQA` among them step
+together (`VideoQA.push_many`: one vision call, batched language-model steps)."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol, TypeVar
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -23,12 +27,29 @@ class ModelExecutor(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class _Push:
+    stream: Any
+    image: Any
+    seconds: float | None
+    before: Callable[[], Any]
+    after: Callable[[Any, bool], Any]
+    future: Future = field(default_factory=Future)
+    context: Any = None
+
+
 class ModelWorker:
-    """One thread for all model work, first come first served."""
+    """One thread for all model work, first come first served; pushes that wait together step together.
+
+    ``batches``: times the thread took more than one queued push at once."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="statekv-model")
         self.queued = 0
+        self.batches = 0
+        self._pushes: list[_Push] = []
+        self._drain_queued = False
+        self._lock = threading.Lock()
 
     async def run(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self.queued += 1
@@ -39,6 +60,52 @@ class ModelWorker:
 
     def run_blocking(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return self._pool.submit(work, *args, **kwargs).result()
+
+    async def push(self, stream: Any, image: Any, seconds: float | None, *, before: Callable[[], Any],
+                   after: Callable[[Any, bool], T]) -> T:
+        """Push a frame to ``stream`` on the model's thread, with the pushes that wait with it: ``before()`` runs
+        first (its error fails this push only), then the push, then ``after(before's result, kept)``, whose
+        result is returned."""
+        push = _Push(stream, image, seconds, before, after)
+        with self._lock:
+            self._pushes.append(push)
+            if not self._drain_queued:  # one queued drain takes every push that arrives until it starts
+                self._drain_queued = True
+                self._pool.submit(self._drain)
+        self.queued += 1
+        try:
+            return await asyncio.wrap_future(push.future)
+        finally:
+            self.queued -= 1
+
+    def _drain(self) -> None:
+        with self._lock:
+            pushes, self._pushes, self._drain_queued = self._pushes, [], False
+        if len(pushes) > 1:
+            self.batches += 1
+        ready: dict[int, list[_Push]] = {}
+        for push in pushes:
+            try:
+                push.context = push.before()
+            except BaseException as error:
+                push.future.set_exception(error)
+                continue
+            ready.setdefault(id(push.stream.qa), []).append(push)
+        for group in ready.values():
+            qa = group[0].stream.qa
+            try:
+                results = qa.push_many([(push.stream, push.image, push.seconds) for push in group],
+                                       return_exceptions=True)
+            except BaseException as error:
+                results = [error] * len(group)
+            for push, result in zip(group, results):
+                if isinstance(result, BaseException):
+                    push.future.set_exception(result)
+                    continue
+                try:
+                    push.future.set_result(push.after(push.context, result))
+                except BaseException as error:
+                    push.future.set_exception(error)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

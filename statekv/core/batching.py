@@ -1,0 +1,349 @@
+"""Steps of several streams on one model in one forward of its decoder.
+
+A steady StateKV step (slots holding the full budget) or recency step (a ring) has the same shapes every time,
+whichever stream takes it. :class:`StepBatcher` runs such steps of S streams as one batch of S rows: inputs
+``[S, T, D]``, positions ``[S, T]`` (``[3, S, T]`` for M-RoPE), and a :class:`BatchCache` whose layers hand each
+row to its own stream's :class:`~statekv.core.cache.StreamingLayer` (its carried state, detailed cache and
+step transaction), so every stream keeps its own positions, state and horizon; the attention (and the
+attention mass a scored rule reads, and the rule's top-k) runs once for all rows, and every stream's
+transaction keeps its own row of the selection.
+
+Steps are batched only when their shapes and everything the forward computes with agree (see
+:func:`batch_key`); the others run alone, through :meth:`StreamingPrefill.step`. docs/engine.md says which.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import UnsupportedModelError
+from .attention import ChunkMask, chunk_attention, scored_attention
+from .graphs import StepGraphs
+from .model_attention import share_language_attention, streaming_through
+from .policies import Candidates
+from .prefill import StreamingPrefill, _chunk_of
+from .transaction import checked
+
+# Forward arguments with one row per stream: how S streams' values become one batch's.
+ROW_ARGUMENTS = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+@dataclass
+class StepRequest:
+    """One stream's next step, as :meth:`StreamingPrefill.step` takes it (``B == 1``)."""
+
+    prefill: StreamingPrefill
+    inputs_embeds: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class NotBatchable(Exception):
+    """Raised inside a batched forward when it turns out the rows cannot share it (the batch then runs alone)."""
+
+
+class BatchLayer(CacheLayerMixin):
+    """Layer ``index`` of a :class:`BatchCache`: row ``s`` of a step is stream ``s``'s own layer's step."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, batch: "BatchCache", index: int):
+        super().__init__()
+        self.batch, self.index = batch, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stage row ``s`` of the chunk ``[S, H_kv, T, D]`` in stream ``s``'s layer; return every stream's
+        ``[carried; chunk]`` keys and values stacked, ``[S, H_kv, K + T, D]``."""
+        keys, values = [], []
+        for row, cache in enumerate(self.batch.caches):
+            k, v = cache.layers[self.index].update(key_states[row:row + 1], value_states[row:row + 1])
+            keys.append(k)
+            values.append(v)
+        return torch.cat(keys), torch.cat(values)
+
+    def get_seq_length(self) -> int:
+        return self.batch.caches[0].layers[self.index].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.caches[0].layers[self.index].get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BatchCache(Cache):
+    """A transformers ``Cache`` over the :class:`~statekv.core.cache.TwoStateCache` s of S streams whose steps
+    have equal shapes (row ``s`` is stream ``s``); each stream's step was begun (``TwoStateCache.begin``)."""
+
+    def __init__(self, caches: Sequence):
+        super().__init__(layers=[])
+        self.caches = list(caches)
+        self.layers = [BatchLayer(self, index) for index in range(len(self.caches[0].layers))]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Attention of every row's chunk ``q [S, Hq, T, D]`` over its ``[carried; chunk]`` ``k``/``v``, computed
+        once; the policy selects once for all rows and each stream's transaction keeps its row."""
+        first = self.caches[0]
+        for cache in self.caches:
+            cache.transaction.attended[layer_idx] = True
+        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+        if not first.layers[layer_idx].carry.selects:
+            return chunk_attention(q, k, v, scale=scale, mask=mask)
+        policy = first.policy
+        if policy.scores_needed(k.shape[2]):
+            out, scores = scored_attention(q, k, v, scale=scale, backend=first.backend, mask=mask)
+        else:
+            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+        caches = self.caches
+        candidates = Candidates(
+            layer=layer_idx, scores=scores, keys=k, values=v, queries=q, history=_no_history,
+            positions=lambda: torch.cat([cache.layers[layer_idx].candidate_positions() for cache in caches]))
+        selection = checked(policy.select(candidates), candidates)
+        if candidates.read_host_state:
+            raise NotBatchable("the carry policy read per-stream host values")
+        for row, cache in enumerate(caches):
+            cache.transaction.pending[layer_idx] = selection if isinstance(selection, slice) else selection[row:row + 1]
+        return out
+
+
+def _no_history() -> tuple[int, ...]:
+    raise NotBatchable("the carry policy reads each stream's step history")
+
+
+_rope_keys: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def rope_key(prefill: StreamingPrefill) -> tuple:
+    """What a stream's rotation is, comparable across streams: streams with equal keys rotate a position the
+    same way (static RoPE types: all; ``dynamic``/``longrope``: equal frozen frequencies). Read once per stream."""
+    rope = prefill.rope
+    if rope is None:
+        return ("unfrozen", id(prefill))  # recomputed per call: never shared
+    key = _rope_keys.get(rope)
+    if key is None:
+        key = tuple((id(module), tuple(inv_freq.tolist())) for module, inv_freq in zip(rope.modules, rope.frozen))
+        _rope_keys[rope] = key
+    return key
+
+
+def _argument_key(name: str, value: Any) -> Any:
+    """How a forward argument enters the batch key (raises NotBatchable for what cannot be stacked)."""
+    if name in ("input_ids", "inputs_embeds"):
+        return None if value is None else (tuple(value.shape), value.dtype)
+    if name == "position_ids":
+        return None if value is None else (tuple(value.shape), value.dtype)
+    if name == "visual_pos_masks":
+        return None if value is None else tuple(value.shape)
+    if name == "deepstack_visual_embeds":
+        return None if value is None else tuple((t.shape[1:], t.dtype) for t in value)
+    if isinstance(value, torch.Tensor):
+        raise NotBatchable(f"forward argument {name} has no known batch layout")
+    try:
+        hash(value)
+    except TypeError:
+        raise NotBatchable(f"forward argument {name} cannot be compared") from None
+    return value
+
+
+def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
+    """What must be equal for steps to share a forward (None: this step runs alone). Read after the step was
+    begun. A step is batched when it is steady (every layer in a ring, or in slots holding a scored rule's full
+    budget: the carried length is the same at every step) under a capturable rule (one that reads no per-step
+    host values), its chunk has one row, and it is not tracking overlap (a host read per step)."""
+    cache = prefill.cache
+    chunk = _chunk_of(inputs)
+    if (prefill.track_overlap or chunk.shape[0] != 1 or not prefill.policy.capturable or not cache.is_steady()):
+        return None
+    try:
+        arguments = tuple((name, _argument_key(name, value)) for name, value in sorted(inputs.items()))
+        hash(prefill.policy)
+    except (NotBatchable, TypeError):
+        return None
+    layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
+    return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
+            rope_key(prefill), arguments)
+
+
+def stack_inputs(inputs: Sequence[dict]) -> dict:
+    """S streams' decoder inputs (one row each, equal :func:`batch_key`) as one batch's."""
+    first, stacked = inputs[0], {}
+    for name, value in first.items():
+        values = [each[name] for each in inputs]
+        if value is None:
+            stacked[name] = None
+        elif name == "position_ids":
+            stacked[name] = torch.cat(values, dim=-2)  # [S, T] or [3, S, T]
+        elif name in ("input_ids", "inputs_embeds", "visual_pos_masks"):
+            stacked[name] = torch.cat(values)
+        elif name == "deepstack_visual_embeds":  # per layer, the visual tokens of every row in row order
+            stacked[name] = [torch.cat(layer) for layer in zip(*values)]
+        else:
+            stacked[name] = value
+    return stacked
+
+
+class StepBatcher:
+    """Steps streams of one model together (see the module doc); keeps the CUDA graphs of the batches it ran
+    (``keep`` of them, by the streams they hold).
+
+    ``step(requests)`` -> one outcome per request, in order: the step's hidden states ``[1, T, D]``, or the
+    exception that step raised (the others went on). A stream given twice takes its steps in order.
+    """
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self.batched_steps = 0  # forwards that stepped more than one stream
+        self.batched_rows = 0  # stream steps taken in them
+        self._graphs: OrderedDict[tuple, tuple[BatchCache, StepGraphs]] = OrderedDict()
+        self._graphs_lock = threading.Lock()  # forget() may come from another thread (a stream closing)
+
+    @torch.no_grad()
+    def step(self, requests: Sequence[StepRequest]) -> list[torch.Tensor | Exception]:
+        outcomes: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        remaining = list(range(len(requests)))
+        while remaining:  # waves: each stream's first remaining step
+            wave, seen, later = [], set(), []
+            for index in remaining:
+                prefill = requests[index].prefill
+                (later if id(prefill) in seen else wave).append(index)
+                seen.add(id(prefill))
+            self._wave(requests, wave, outcomes)
+            remaining = later
+        return outcomes
+
+    def _wave(self, requests, indices, outcomes) -> None:
+        if len(indices) == 1:  # nothing to batch with: the stream's own step
+            request = requests[indices[0]]
+            try:
+                outcomes[indices[0]] = request.prefill.step(request.inputs_embeds, request.position_ids,
+                                                            input_ids=request.input_ids, **request.forward_kwargs)
+            except Exception as error:
+                outcomes[indices[0]] = error
+            return
+        groups: dict[tuple, list[tuple[int, dict]]] = {}
+        alone: list[tuple[int, dict]] = []
+        for index in indices:
+            request = requests[index]
+            prefill = request.prefill
+            try:
+                inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
+                                                input_ids=request.input_ids, **request.forward_kwargs)
+                prefill.cache.begin(_chunk_of(inputs).shape[1], _chunk_of(inputs).device)
+            except Exception as error:
+                prefill.cache.rollback()
+                outcomes[index] = error
+                continue
+            key = batch_key(prefill, inputs)
+            if key is None:
+                alone.append((index, inputs))
+            else:
+                groups.setdefault(key, []).append((index, inputs))
+        for members in groups.values():
+            if len(members) == 1:
+                alone.extend(members)
+                continue
+            try:
+                hidden = self._batched(requests, members)
+            except Exception:
+                for index, _ in members:  # every stream as it was; each retried on its own below
+                    requests[index].prefill.cache.rollback()
+                alone.extend(members)
+                continue
+            for row, (index, _) in enumerate(members):
+                outcomes[index] = hidden[row:row + 1]
+        for index, inputs in sorted(alone):
+            prefill = requests[index].prefill
+            prefill.cache.rollback()
+            try:
+                outcomes[index] = prefill.step(**inputs)
+            except Exception as error:
+                outcomes[index] = error
+
+    def _batched(self, requests, members) -> torch.Tensor:
+        """One forward for ``members`` ``[(request index, checked inputs)]`` (steps begun): hidden ``[S, T, D]``;
+        commits every stream's step."""
+        prefills = [requests[index].prefill for index, _ in members]
+        inputs = stack_inputs([each for _, each in members])
+        started = time.perf_counter()
+        batch, graphs = self._batch_for(prefills)
+        hidden = None
+        if graphs is not None:
+            hidden = graphs.run(inputs, tuple(prefill.cache.layout_version for prefill in prefills))
+        if hidden is None:
+            hidden = _streamed(prefills, batch, inputs)
+        chunk_len = _chunk_of(inputs).shape[1]
+        for prefill in prefills:
+            prefill.finish_step(chunk_len, started)
+        self.batched_steps += 1
+        self.batched_rows += len(prefills)
+        return hidden
+
+    def _batch_for(self, prefills: list[StreamingPrefill]) -> tuple[BatchCache, StepGraphs | None]:
+        """The batch cache of these streams, and on CUDA the graphs recorded for them (kept for the next step
+        of the same streams in the same rows)."""
+        if not all(prefill.cuda_graph for prefill in prefills):
+            return BatchCache([prefill.cache for prefill in prefills]), None
+        key = tuple(id(prefill) for prefill in prefills)
+        with self._graphs_lock:
+            return self._held(key, prefills)
+
+    def _held(self, key: tuple, prefills: list[StreamingPrefill]) -> tuple[BatchCache, StepGraphs]:
+        held = self._graphs.get(key)
+        if held is None or any(a is not b for a, b in zip(held[0].caches, (p.cache for p in prefills))):
+            batch = BatchCache([prefill.cache for prefill in prefills])
+            graphs = StepGraphs(lambda inputs: _streamed(prefills, batch, inputs),
+                                lambda: any(prefill.cache.read_host_state for prefill in prefills))
+            held = self._graphs[key] = (batch, graphs)
+            while len(self._graphs) > self.keep:
+                self._graphs.popitem(last=False)[1][1].clear()
+        self._graphs.move_to_end(key)
+        return held
+
+    def forget(self, prefill: StreamingPrefill) -> None:
+        """Drop the recorded batches that hold ``prefill`` (it closed or left)."""
+        with self._graphs_lock:
+            for key in [key for key, (batch, _) in self._graphs.items() if prefill.cache in batch.caches]:
+                self._graphs.pop(key)[1].clear()
+
+
+def _streamed(prefills: list[StreamingPrefill], batch: BatchCache, inputs: dict) -> torch.Tensor:
+    """The device part of a batched step (what a CUDA graph records): positions, the decoder's forward over
+    every row, every stream's commit."""
+    first = prefills[0]
+    share_language_attention(first.model)
+    rope = first.rope.active() if first.rope is not None else nullcontext()
+    with streaming_through(batch), rope:
+        positions = [prefill.cache.begin_device() for prefill in prefills]
+        if inputs["position_ids"] is None:
+            inputs = dict(inputs, position_ids=torch.stack(positions))
+        output = first.decoder(**inputs, attention_mask=first._prepared_mask, past_key_values=batch, use_cache=True)
+        for prefill in prefills:
+            missing = prefill.cache.missing_layers()
+            if missing:
+                raise UnsupportedModelError(
+                    f"{type(first.decoder).__name__} layers {missing} did not run their attention through "
+                    "transformers' AttentionInterface, so they cannot be streamed")
+        for prefill in prefills:
+            prefill.cache.commit_device()
+    return output.last_hidden_state
+
+
+def step_together(requests: Sequence[StepRequest]) -> list[torch.Tensor | Exception]:
+    """:meth:`StepBatcher.step` with a batcher of its own (no CUDA graphs kept between calls)."""
+    return StepBatcher().step(requests)

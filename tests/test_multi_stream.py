@@ -1,0 +1,147 @@
+"""Many streams of one VideoQA stepped together (`VideoQA.push_many`, pushes from threads): every stream ends
+exactly as it does pushed alone (carried positions and greedy answers identical, float32 tensors within
+rounding), for StateKV, recency and ReKV on tiny InternVL and Qwen3-VL checkpoints; a bad frame fails alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv.errors import InputError
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+QUESTION = "Why?"
+FRAMES = 12
+POLICIES = {"statekv": lambda: statekv.StateKV(budget=12), "recency": lambda: statekv.Recency(frames=2),
+            "rekv": lambda: statekv.ReKV(frames=2, sinks=2)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return {family: load_adapter(make_tiny_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt"))
+            for family in ("internvl", "qwen3_vl")}
+
+
+def _frames(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def _qa(adapter, method: str) -> statekv.VideoQA:
+    return statekv.VideoQA(adapter, POLICIES[method](), attention="eager", reserve_tokens=40)
+
+
+def _observe(stream) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(float tensors: the detailed cache and carried keys/values; integer tensors: carried positions)."""
+    prefill = stream.prefill
+    floats = [t for layer in prefill.detailed_cache.layers for t in (layer.keys, layer.values)]
+    floats += [t for layer in prefill.cache.layers for t in layer.carried()]
+    return [t.clone() for t in floats], [layer.positions().clone() for layer in prefill.cache.layers]
+
+
+def _assert_same(stream, alone) -> None:
+    (floats, positions), (floats_alone, positions_alone) = _observe(stream), _observe(alone)
+    assert (stream.frames, stream.tokens, stream.state) == (alone.frames, alone.tokens, alone.state)
+    assert len(positions) == len(positions_alone)
+    assert all(torch.equal(a, b) for a, b in zip(positions, positions_alone))
+    for a, b in zip(floats, floats_alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6), alone.ask_tokens(QUESTION, max_new_tokens=6))
+
+
+def _alone(qa, frames) -> statekv.Stream:
+    stream = qa.stream(horizon_frames=FRAMES)
+    for second, image in enumerate(frames):
+        stream.push(image, float(second))
+    stream.flush()
+    return stream
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen3_vl"])
+@pytest.mark.parametrize("method", ["statekv", "recency", "rekv"])
+def test_push_many_steps_streams_together_and_each_ends_as_alone(adapters, family, method):
+    """Four streams; the third joins at frame 2, the first leaves after frame 7."""
+    qa = _qa(adapters[family], method)
+    videos = [_frames(FRAMES, seed) for seed in range(4)]
+    joins, leaves = [0, 0, 2, 0], [8, FRAMES, FRAMES, FRAMES]
+    streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
+    for tick in range(FRAMES):
+        items = [(streams[s], videos[s][tick - joins[s]], float(tick - joins[s]))
+                 for s in range(4) if joins[s] <= tick < leaves[s]]
+        assert qa.push_many(items) == [True] * len(items)
+    for stream in streams:
+        stream.flush()
+    assert qa.step_scheduler.batched_steps >= 2  # steady steps were shared
+    for s, stream in enumerate(streams):
+        _assert_same(stream, _alone(qa, videos[s][:leaves[s] - joins[s]]))
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen3_vl"])
+def test_pushes_from_threads_share_steps_and_each_stream_ends_as_alone(adapters, family):
+    qa = _qa(adapters[family], "statekv")
+    videos = [_frames(FRAMES, 10 + seed) for seed in range(4)]
+    streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
+    errors = []
+    start = threading.Barrier(len(streams))
+
+    def push(index: int) -> None:
+        try:
+            for second, image in enumerate(videos[index]):
+                start.wait()
+                assert streams[index].push(image, float(second))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=push, args=(index,)) for index in range(len(streams))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert qa.step_scheduler.batched_steps >= 1  # some pushes from different threads shared a forward
+    for stream, frames in zip(streams, videos):
+        stream.flush()
+        _assert_same(stream, _alone(qa, frames))
+
+
+def test_a_bad_frame_fails_alone_and_the_other_streams_go_on(adapters, monkeypatch):
+    adapter = adapters["internvl"]
+    qa = _qa(adapter, "statekv")
+    videos = [_frames(FRAMES, 20 + seed) for seed in range(3)]
+    streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
+    prepare = adapter.prepare_frames
+
+    def refusing(frames, state):  # a frame the model cannot take (say, a corrupt one): all black here
+        if any(not frame.image.any() for frame in frames):
+            raise InputError("this frame cannot be read")
+        return prepare(frames, state)
+
+    monkeypatch.setattr(adapter, "prepare_frames", refusing)
+    black = np.zeros_like(videos[0][0])
+    for tick in range(FRAMES):
+        bad = tick == 5
+        items = [(stream, black if bad and s == 1 else frames[tick], float(tick))
+                 for s, (stream, frames) in enumerate(zip(streams, videos))]
+        results = qa.push_many(items, return_exceptions=True)
+        assert [isinstance(result, InputError) for result in results] == [False, bad, False]
+        if bad:
+            with pytest.raises(InputError, match="cannot be read"):
+                qa.push_many([(streams[1], black, float(tick))])
+            assert (streams[1].frames, streams[1].pushed, streams[1].pending) == (5, 5, [])  # untouched
+            qa.push_many([(streams[1], videos[1][tick], float(tick))])  # the stream goes on
+    monkeypatch.undo()
+    for stream, frames in zip(streams, videos):
+        _assert_same(stream, _alone(qa, frames))
+
+
+def test_push_many_refuses_what_is_not_an_item(adapters):
+    qa = _qa(adapters["internvl"], "statekv")
+    with pytest.raises(InputError, match="stream, frame, seconds"):
+        qa.push_many([np.zeros((4, 4, 3), np.uint8)])
+    other = _qa(adapters["internvl"], "statekv").stream(horizon_frames=2)
+    with pytest.raises(InputError, match="another VideoQA"):
+        qa.push_many([(other, _frames(1, 0)[0], 0.0)])
