@@ -123,7 +123,7 @@ class Stages:
     def _empty(self) -> statekv.EncodedVideo:
         video = open_video(self.path)
         horizon = self.qa.horizon_for(self.frames, (video.height, video.width))
-        return statekv.EncodedVideo(self.qa, horizon, num_frames=self.frames, name=video.name)
+        return statekv.EncodedVideo(self.qa, horizon, num_frames=self.frames, name=video.name).start()
 
 
 def measure(stages: Stages, repeats: int) -> tuple[dict[str, float], dict[str, float]]:

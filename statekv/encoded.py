@@ -97,13 +97,17 @@ class EncodingStats:
 class EncodedVideo:
     """A video streamed through the model: its detailed cache, its prompt state and its stats.
 
+    Making one streams nothing: `start` streams the adapter's prompt prefix (`VideoQA.encode` and
+    `VideoQA.stream` return videos already started; the streaming calls and `ask` start one that is not yet).
+    Read ``state`` to lay out a step only after `start`.
+
     ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked.
     """
 
     def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
                  name: str = "video", prefix_tokens: int | None = None):
-        """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then nothing is
-        streamed here); None streams the adapter's prefix now."""
+        """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
+        has nothing to stream); None: `start` streams the adapter's prefix."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -119,8 +123,19 @@ class EncodedVideo:
         self._device = self.adapter.device
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        if prefix is not None:  # called on this class, not the instance: a subclass's constructor may not have run
-            EncodedVideo._stream_chunk(self, prefix)
+        self._prefix = prefix  # streamed by start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the prompt prefix is streamed (or there was none to stream)."""
+        return self._prefix is None
+
+    def start(self) -> "EncodedVideo":
+        """Stream the prompt prefix, once (later calls do nothing); returns the video itself."""
+        if self._prefix is not None:
+            self._stream_chunk(self._prefix)
+            self._prefix = None
+        return self
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
@@ -141,6 +156,7 @@ class EncodedVideo:
                    retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
         self.prefill.check_open()
+        self.start()
         if self.state.frames == 0:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         prompt = self._question_ids(question)
@@ -212,6 +228,7 @@ class EncodedVideo:
         """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
         batch size asked for, for the stats). A failure leaves the steps before it streamed (``stats.chunks``
         tells how many)."""
+        self.start()
         started = time.perf_counter()
         steps, state = [], self.state
         for frames in groups:
@@ -229,6 +246,7 @@ class EncodedVideo:
         """Stream steps already vision-encoded elsewhere (`statekv.overlap.overlapped_steps`), in order; each
         frame's time runs from when the previous step finished (the first: from this call). ``on_step`` is
         called after each step (for progress)."""
+        self.start()
         self._step_started = time.perf_counter()
         for encoded in steps:
             self._stream_encoded(encoded, vision_batch=vision_batch)
@@ -237,7 +255,9 @@ class EncodedVideo:
 
     @torch.no_grad()
     def stream_chunk(self, chunk) -> None:
-        """Stream one chunk already laid out by the adapter (`VideoAdapter.features_chunk` or ``prefix``)."""
+        """Stream one chunk already laid out by the adapter (`VideoAdapter.features_chunk` or ``prefix``; lay
+        it out from ``state`` after `start`)."""
+        self.start()
         self._stream_chunk(chunk)
 
     # the names these had before they were public

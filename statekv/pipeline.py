@@ -169,7 +169,8 @@ class VideoQA:
         num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
-        encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate), name=video.name)
+        encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate),
+                               name=video.name).start()
         frames = video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol)
         try:
             with progress_reporter(progress, num_frames, video.name, encoded.stats) as report, \
@@ -206,7 +207,7 @@ class VideoQA:
         reserve_tokens: room for questions and answers after the stream (default: the VideoQA's).
         """
         return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                      reserve_tokens=reserve_tokens)
+                      reserve_tokens=reserve_tokens).start()
 
     def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
                   return_exceptions: bool = False) -> list[bool | Exception]:

@@ -64,20 +64,27 @@ class Stream(EncodedVideo):
 
     def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None):
-        """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None streams it."""
+        """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
+        it (`VideoQA.stream` returns a started stream)."""
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
+        vision_batch = check_vision_batch(vision_batch)
+        max_fps = None if max_fps is None else float(max_fps)
+        super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
+                         num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens)
         self._lock = threading.RLock()
         self.horizon_frames = horizon_frames
-        self.max_fps = None if max_fps is None else float(max_fps)
-        self.vision_batch = check_vision_batch(vision_batch)
+        self.max_fps = max_fps
+        self.vision_batch = vision_batch
         self.pushed = 0
         self.pending: list[Frame] = []
         self._next_tick = 0
         self._last_timestamp: float | None = None
-        super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
-                         num_frames=horizon_frames, fps=self.max_fps, name=name, prefix_tokens=prefix_tokens)
+
+    @_one_at_a_time
+    def start(self) -> "Stream":
+        return super().start()
 
     # -- pushing ----------------------------------------------------------------------------------------
     @_one_at_a_time
@@ -196,6 +203,7 @@ class Stream(EncodedVideo):
         fingerprint) to one safetensors file (see `statekv.stream_file`); an `OutputError` when it cannot be
         written there (a folder, an unwritable place, a full disk), leaving nothing behind."""
         self.prefill.check_open()
+        self.start()
         if self.prefill.seen_tokens == 0:
             raise InputError(f"{self.name}: nothing is encoded yet to save (the {len(self.pending)} frame(s) pushed "
                              f"wait for a batch of {self._batch_frames}); push more frames or flush() first")

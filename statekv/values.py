@@ -12,6 +12,10 @@ Two kinds of check, each raising a `ConfigurationError` whose one-line message n
     spec = [Option("budget", positive_int, 4096), Option("offload", boolean, False)]
     parse_options({"budget": "1024", "offload": "off"}, spec)   # {"budget": 1024, "offload": False}
     parse_options({"bugdet": 1024}, spec)                       # ConfigurationError: unknown option bugdet; ...
+
+A `Kind` pairs the two for one kind of value (``POSITIVE``, ``NON_NEGATIVE``, ``BOOLEAN``, ``TEXT``, ``DTYPE``,
+``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type: what `statekv.options` declares
+each option with.
 """
 
 from __future__ import annotations

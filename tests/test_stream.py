@@ -44,6 +44,22 @@ def _identical(a, b) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_making_a_stream_streams_nothing_until_it_starts(adapters):
+    qa = _qa(adapters["chat"])  # the chat layout has a prompt prefix before the first frame
+    made = Stream(qa, 3)  # every attribute is set by the time anything is streamed
+    assert (made.started, made.tokens, made.stats.chunks, made.pushed) == (False, 0, 0, 0)
+    started = qa.stream(horizon_frames=3)
+    assert started.started and started.tokens == started.prefix_tokens > 0
+    assert made.start() is made and made.start() is made  # the prefix is streamed once
+    assert (made.tokens, made.stats.chunks) == (started.tokens, 1)
+    lazy = Stream(qa, 3)  # pushing starts it
+    for stream in (lazy, started):
+        for frame in _frames(2):
+            stream.push(frame)
+    assert _identical(_observe(lazy), _observe(started))
+    assert torch.equal(lazy.ask_tokens(QUESTION, max_new_tokens=4), started.ask_tokens(QUESTION, max_new_tokens=4))
+
+
 @pytest.mark.parametrize("layout", ["paper", "chat"])
 @pytest.mark.parametrize("method", ["statekv", "recency"])
 def test_pushing_frames_equals_offline_encoding(adapters, layout, method):

@@ -42,9 +42,10 @@ class AnswerLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device):
+    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = ()):
+        """steps: the stream's step lengths, in tokens (what retrieval scores)."""
         super().__init__()
-        self.stream, self.room, self.model_device = stream, room, device
+        self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
         self.keys = self.values = None
         self.context = self.answered = 0
         self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
@@ -80,7 +81,7 @@ class AnswerLayer(CacheLayerMixin):
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
-            steps = tuple(self.stream.cache.chunk_lengths)
+            steps = self.steps
             seen = LayerQuestion(layer, question, detailed.view(0, length)[0],
                                  self.stream.block_keys.view(0, len(steps))[0], steps, scale,
                                  {} if memory is None else memory)
@@ -134,7 +135,8 @@ class AnswerCache(Cache):
 
     def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None):
         super().__init__(layers=[])
-        self.layers = [AnswerLayer(layer, room, device) for layer in stream.layers]
+        steps = tuple(stream.chunk_lengths)
+        self.layers = [AnswerLayer(layer, room, device, steps) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
 

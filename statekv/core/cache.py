@@ -15,6 +15,8 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
@@ -38,12 +40,12 @@ class StreamingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
+    def __init__(self, on_replace: Callable[[], None], index: int, capacity_hint: int | None = None,
                  storage_device: torch.device | str | None = None):
         super().__init__()
-        self.cache, self.index, self._on_replace = cache, index, cache.buffers_replaced  # cache: for callers
+        self.index, self._on_replace = index, on_replace  # called when a buffer a captured step reads is replaced
         kind = LayerStorage if storage_device is None else OffloadedStorage
-        self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
+        self.storage = kind(capacity_hint, storage_device, on_replace)
         self._carry = forms.initial(self.storage)
         self.step: StepContext | None = None  # the step being run, handed in by begin()
 
@@ -67,8 +69,7 @@ class StreamingLayer(CacheLayerMixin):
 
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
         self.carry = self.carry.begin(self.storage, key_states)
         self.storage.start(key_states)
 
@@ -155,11 +156,10 @@ class TwoStateCache(Cache):
         super().__init__(layers=[])
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device) for i in range(num_layers)]
-        self.policy = policy
-        self.backend = backend
-        self.chunk_lengths: list[int] = []
-        self.seen_tokens = 0
+        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device)
+                       for i in range(num_layers)]
+        self.policy, self.backend = policy, backend
+        self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self.recency = forms.Recency()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
