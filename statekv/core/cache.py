@@ -76,17 +76,17 @@ class StreamingLayer(CacheLayerMixin):
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.storage.stage_mean(key_states.mean(dim=2, keepdim=True), self.step.step_device)
+        self.storage.stage_summaries(key_states, self.step.step_device)
         return self.carry.stage(self.storage, key_states, value_states, self.step)
 
     def get_seq_length(self) -> int:
         """Logical tokens committed (what the model's positions count), as transformers' sliding layers."""
-        return self.detailed.length
+        return self.storage.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(carried + query_length, offset)``: the keys handed to attention and the logical position the
         first of them would have if they were contiguous (so the chunk is causal at the end)."""
-        return self.carried_length + query_length, self.detailed.length - self.carried_length
+        return self.carried_length + query_length, self.storage.length - self.carried_length
 
     def get_max_length(self) -> int:  # no maximum
         return -1
@@ -290,11 +290,9 @@ class TwoStateCache(Cache):
         for layer in self.layers:
             exported = DynamicLayer()
             cache.layers.append(exported)
-            if layer.detailed.keys is None:
+            if not layer.is_initialized:
                 continue  # nothing streamed yet: an empty layer
-            keys, values = layer.detailed.view(0, layer.detailed.length)
-            if device is not None:
-                keys, values = keys.to(device), values.to(device)
+            keys, values = layer.storage.read_range(0, layer.storage.length, device, layer.dtype)
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache

@@ -108,7 +108,7 @@ class StreamingPrefill:
         return StreamStats(
             steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
             carried_tokens=tuple(layer.carried_length for layer in layers),
-            detailed_bytes=sum(layer.detailed.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self._history))
 
@@ -264,9 +264,9 @@ class StreamingPrefill:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
-        streamed = self.cache.layers[0].detailed.keys
-        if streamed is not None and chunk.shape[0] != streamed.shape[0]:
-            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed.shape[0]}")
+        streamed = self.cache.layers[0].storage.batch_heads
+        if streamed is not None and chunk.shape[0] != streamed[0]:
+            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed[0]}")
         return chunk
 
     @contextmanager
