@@ -23,6 +23,7 @@ from . import forms, persistence
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
+from .quantized import QuantizedStorage, check_kv_cache_dtype
 from .storage import LayerStorage, OffloadedStorage
 from .transaction import StepContext, StepTransaction
 
@@ -39,11 +40,14 @@ class StreamingLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
-                 storage_device: torch.device | str | None = None):
+                 storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None):
         super().__init__()
         self.cache, self.index, self._on_replace = cache, index, cache.buffers_replaced  # cache: for callers
-        kind = LayerStorage if storage_device is None else OffloadedStorage
-        self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
+        if kv_cache_dtype is not None:
+            self.storage = QuantizedStorage(kv_cache_dtype, capacity_hint, storage_device, cache.buffers_replaced)
+        else:
+            kind = LayerStorage if storage_device is None else OffloadedStorage
+            self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
         self._carry = forms.initial(self.storage)
         self.step: StepContext | None = None  # the step being run, handed in by begin()
 
@@ -145,17 +149,22 @@ class TwoStateCache(Cache):
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
+        kv_cache_dtype: ``"int8"`` or ``"int4"`` to store the detailed cache quantized
+            (:mod:`statekv.core.quantized`); None: in the model's dtype.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
     -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay.
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
-                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
+                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
+                 kv_cache_dtype: str | None = None):
         super().__init__(layers=[])
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device) for i in range(num_layers)]
+        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device, self.kv_cache_dtype)
+                       for i in range(num_layers)]
         self.policy = policy
         self.backend = backend
         self.chunk_lengths: list[int] = []

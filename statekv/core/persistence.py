@@ -14,6 +14,7 @@ from .buffers import CarriedSlots
 from ..errors import InputError
 from ..values import check_int
 from .memory import CacheGeometry
+from .quantized import expected_tensors
 from .storage import SAMPLES_PER_STEP
 
 # The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
@@ -28,8 +29,11 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
         layer_tensors, window_start = export_layer(layer)
         tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
         window_starts.append(window_start)
-    return tensors, {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
-                     "window_starts": window_starts}
+    metadata = {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
+                "window_starts": window_starts}
+    if cache.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
+        metadata["kv_cache_dtype"] = cache.kv_cache_dtype
+    return tensors, metadata
 
 
 def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
@@ -83,7 +87,8 @@ def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], win
         storage.restored(layer.dtype, device)
 
 
-def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry) -> None:
+def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry,
+                     kv_cache_dtype: str | None = None) -> None:
     """Refuse (one-line `InputError`) a state that :func:`state_dict` of a stream over a model of
     ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
     and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
@@ -95,6 +100,10 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     for key in ("chunk_lengths", "seen_tokens", "window_starts"):
         if key not in metadata:
             raise InputError(f"the cache metadata lacks {key!r}")
+    saved = metadata.get("kv_cache_dtype")
+    if saved != kv_cache_dtype:
+        raise InputError(f"the saved detailed cache is stored as kv_cache_dtype={saved or 'auto'}, this stream's "
+                         f"as {kv_cache_dtype or 'auto'}; resume it with kv_cache_dtype={saved or 'auto'}")
     lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
     if not isinstance(lengths, list) or not isinstance(starts, list):
         raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
@@ -112,12 +121,14 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
                                            error=InputError) > seen:
             raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
-        keys = tensors.get(prefix + "keys")
+        first = "keys" if kv_cache_dtype is None else "key_codes"
+        keys = tensors.get(prefix + first)
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-            raise InputError(f"the saved state lacks {prefix}keys [B, H_kv, tokens, D]")
+            raise InputError(f"the saved state lacks {prefix}{first} [B, H_kv, tokens, D]")
         batch = keys.shape[0] if batch is None else batch
         head = (batch, geometry.kv_heads)
-        expected[prefix + "keys"] = expected[prefix + "values"] = ((*head, seen, geometry.head_dim), geometry.dtype)
+        expected.update({prefix + name: shaped for name, shaped in expected_tensors(
+            kv_cache_dtype, head, seen, len(lengths), geometry.head_dim, geometry.dtype).items()})
         if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
             expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
         if prefix + "step_samples" in tensors:  # absent in states saved before sampled keys were kept

@@ -70,10 +70,13 @@ class LayerStorage:
     def __init__(self, capacity_hint: int | None, device: torch.device | str | None,
                  on_replace: Callable[[], None], make_buffer: BufferFactory | None = None):
         make_buffer = make_buffer or memory_buffers(device, on_replace)
-        self.detailed = make_buffer("detailed", 2, capacity_hint)
+        self._make_detailed(make_buffer, capacity_hint)
         self.block_keys = make_buffer("step_means", 1, None)
         self.step_samples = make_buffer("step_samples", 1, None)
         self._samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
+
+    def _make_detailed(self, make_buffer: BufferFactory, capacity_hint: int | None) -> None:
+        self.detailed = make_buffer("detailed", 2, capacity_hint)
 
     # what the layer and the forms read -------------------------------------------------------------------
     @property
