@@ -140,6 +140,8 @@ class QuantizedStorage(OffloadedStorage):
             raise ConfigurationError(f"kv_cache_dtype int4 packs two channels per byte: the head dimension "
                                      f"{key_states.shape[-1]} must be even")
         self.dtype = key_states.dtype
+        b, h, _, d = key_states.shape
+        self._scales_like = torch.empty(b, h, 1, 2 * d, dtype=scale_dtype(self.dtype), device=key_states.device)
         super().start(key_states)
 
     def prepare(self, chunk_len: int) -> None:
@@ -148,6 +150,7 @@ class QuantizedStorage(OffloadedStorage):
             max(horizon - self.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 
     def commit_host(self, chunk_len: int) -> None:
         keys, values = self.staged[0], self.staged[1]
@@ -237,6 +240,7 @@ class QuantizedStorage(OffloadedStorage):
         if "block_keys" in tensors:
             self._load_summaries(tensors, tensors["block_keys"], steps, storage)
             self.dtype = tensors["block_keys"].dtype
+            self._scales_like = tensors["key_scales"][:, :, :1]
 
 
 def expected_tensors(kv_cache_dtype: str | None, head: tuple[int, int], tokens: int, steps: int, head_dim: int,
