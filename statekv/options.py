@@ -192,7 +192,8 @@ class ModelOptions:
             label = f"{label} k={retrieve}"
         if retrieve is not None and rule != self.spec_retrieval:
             label = f"{label} ({rule})"
-        return label
+        stored = check_kv_cache_dtype(self.kv_cache_dtype)
+        return label if stored is None else f"{label} {stored} cache"
 
     @property
     def retrieve_frames(self) -> int | None:
