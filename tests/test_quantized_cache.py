@@ -244,3 +244,23 @@ def test_per_stream_kv_cache_dtype_and_the_cli_flag(adapter):
     assert ModelOptions.from_args(parser.parse_args(["--model", "x", "--kv-cache-dtype", "int4"])).kv_cache_dtype == "int4"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "x", "--kv-cache-dtype", "int3"])
+
+
+def test_flops_cache_bytes_per_frame_and_hour():
+    from statekv.flops.memory import cache_bytes, cache_table, format_cache_table
+    from statekv.flops.presets import PRESETS
+    plain = cache_bytes("internvl3-8b")  # 28 layers x 2 x 4 KV heads x 128 x 2 bytes x (256 + 3) tokens
+    assert plain.detailed_per_frame == 28 * 2 * 4 * 128 * 2 * 259
+    assert plain.summaries_per_frame == 28 * 4 * 17 * 128 * 2
+    int8, int4 = cache_bytes("internvl3-8b", "int8"), cache_bytes("internvl3-8b", "int4")
+    # codes, a float16 scale and zero point per token (values) and per channel over the 259-token step (keys)
+    assert int8.detailed_per_frame == pytest.approx(28 * 4 * (259 * (256 + 4) + 2 * 128 * 2))
+    assert int4.detailed_per_frame == pytest.approx(28 * 4 * (259 * (128 + 4) + 2 * 128 * 2))
+    assert 0.5 < int8.detailed_per_frame / plain.detailed_per_frame < 0.52
+    assert 0.25 < int4.detailed_per_frame / plain.detailed_per_frame < 0.27
+    assert plain.per_hour == 3600 * (plain.detailed_per_frame + plain.summaries_per_frame)
+    qwen = cache_bytes("qwen3-vl-8b")  # two frames per step
+    spec = PRESETS["qwen3-vl-8b"]
+    assert qwen.detailed_per_frame == 36 * 2 * 8 * 128 * 2 * spec.tokens_per_step / 2
+    text = format_cache_table(cache_table(list(PRESETS)))
+    assert len(text.splitlines()) == 4 + 3 * len(PRESETS) and "internvl3-8b    int4" in text
