@@ -15,6 +15,7 @@ with 95% Wilson intervals, the difference to the unquantized run and how many an
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -89,8 +90,7 @@ def main() -> None:
     body = (f"Command: `python benchmarks/quantized_accuracy.py --data {args.data} --seed {args.seed} --runs "
             f"{args.runs} --out {args.out}` (runs `statekv eval synthetic --model builtin --method full|statekv "
             "--budget 64 [--retrieve 16] --kv-cache-dtype auto|int8|int4`)  \n"
-            f"Machine: {platform.machine()} ({platform.processor() or 'cpu'}), torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads (CPU).  \n"
+            f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}.  \n"
             f"Held-out set: `statekv synthetic make --videos 24 --seed {args.seed}` "
             f"({len(answers(args.runs / run_name('full', 'whole', 'auto')))} questions).  \n"
             "The built-in model runs in float32; int8/int4 store its detailed cache quantized (keys per channel "
