@@ -105,9 +105,10 @@ class EncodedVideo:
     """
 
     def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
-                 name: str = "video", prefix_tokens: int | None = None):
+                 name: str = "video", prefix_tokens: int | None = None, kv_cache_dtype: str | None = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
-        has nothing to stream); None: `start` streams the adapter's prefix."""
+        has nothing to stream); None: `start` streams the adapter's prefix. kv_cache_dtype: how the detailed
+        cache is stored (see `VideoQA.stream`)."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -117,7 +118,8 @@ class EncodedVideo:
         self.prefix_tokens = prefix.num_tokens if prefix is not None else prefix_tokens or 0
         self.prefill = StreamingPrefill(self.adapter.model, qa.policy.for_prefix(self.prefix_tokens),
                                         attention=qa.attention, horizon=horizon, offload=qa.offload,
-                                        cuda_graph=qa.cuda_graph)
+                                        cuda_graph=qa.cuda_graph,
+                                        kv_cache_dtype=kv_cache_dtype or getattr(qa, "kv_cache_dtype", None))
         self.stats = EncodingStats()
         self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
         self._device = self.adapter.device

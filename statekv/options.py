@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
 from .core.attention import BACKENDS
+from .core.quantized import KV_CACHE_BITS, check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from .methods import MethodSettings, MethodSpec, method, method_names
 from .values import (
@@ -122,6 +123,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", None, DEVICE.optional, "e.g. cuda, cuda:1, cpu (default: cuda if available)"),
     Setting("offload", None, BOOLEAN.optional,
             "keep the detailed cache in CPU memory while encoding (rekv always does)"),
+    Setting("kv_cache_dtype", None, one_of(lambda: ("auto", *KV_CACHE_BITS),
+                                           lambda value, name: check_kv_cache_dtype(value, name)).optional,
+            "store the detailed cache quantized: int8 or int4 (keys per channel, values per token; the carried "
+            "state stays in the model's dtype) (default: auto = the model's dtype)", "DTYPE"),
     Setting("reserve_tokens", DEFAULT_RESERVE_TOKENS, POSITIVE,
             "tokens kept after the video for question and answer (default: %(default)s)", "N", offered_by="reserve"),
     Setting("trust_remote_code", False, BOOLEAN,
@@ -159,7 +164,8 @@ class ModelOptions:
     ``rekv`` and ``attention`` for the others). layout: the
     family's prompt layout. attention: the scoring backend. dtype, device: where the model runs (default: the
     checkpoint's dtype; CUDA when available). offload: keep the detailed cache in CPU memory (None: the
-    method's default). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
+    method's default). kv_cache_dtype: store the detailed cache quantized, ``int8`` or ``int4`` (None or ``auto``:
+    the model's dtype). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
     steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
     """
 
@@ -186,7 +192,8 @@ class ModelOptions:
             label = f"{label} k={retrieve}"
         if retrieve is not None and rule != self.spec_retrieval:
             label = f"{label} ({rule})"
-        return label
+        stored = check_kv_cache_dtype(self.kv_cache_dtype)
+        return label if stored is None else f"{label} {stored} cache"
 
     @property
     def retrieve_frames(self) -> int | None:

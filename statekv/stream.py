@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from .core.cache import check_state_dict
+from .core.quantized import check_kv_cache_dtype
 from .core.prefill import cache_geometry
 from .errors import HorizonError, InputError
 from .models import LayoutState
@@ -63,16 +64,19 @@ class Stream(EncodedVideo):
     """
 
     def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
-                 vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None):
+                 vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
+                 kv_cache_dtype: str | None = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
-        it (`VideoQA.stream` returns a started stream)."""
+        it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
+        detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's)."""
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
         vision_batch = check_vision_batch(vision_batch)
         max_fps = None if max_fps is None else float(max_fps)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
-                         num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens)
+                         num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
+                         kv_cache_dtype=kv_cache_dtype)
         self._lock = threading.RLock()
         self.horizon_frames = horizon_frames
         self.max_fps = max_fps
@@ -228,21 +232,25 @@ class Stream(EncodedVideo):
         return write_verified(path, tensors, metadata)
 
     @classmethod
-    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False) -> "Stream":
+    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
+             kv_cache_dtype: str | None = None) -> "Stream":
         """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with).
 
         The whole file is verified first (schema, every tensor's presence, dtype, shape and checksum, the model
         and method), so a damaged or foreign file is refused with a one-line `InputError` before anything is
         built. A stream saved with other weights (another checkpoint of the same architecture) is refused unless
-        ``allow_other_weights=True``: its cache would not be what this model computes.
+        ``allow_other_weights=True``: its cache would not be what this model computes. kv_cache_dtype: how the
+        saved detailed cache is stored (default: the VideoQA's); a file stored otherwise is refused.
         """
         check_bool(allow_other_weights, "allow_other_weights")
         metadata, tensors = read_verified(path)
-        _check_same_setup(path, metadata, qa, allow_other_weights)
+        stored_as = (getattr(qa, "kv_cache_dtype", None) if kv_cache_dtype is None
+                     else check_kv_cache_dtype(kv_cache_dtype))
+        _check_same_setup(path, metadata, qa, allow_other_weights, stored_as)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
         pending = _pending_images(path, tensors, metadata["pending"], set(cache))
         try:
-            check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model))
+            check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), stored_as)
         except InputError as error:
             raise InputError(f"{path}: {error}") from None
         reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
@@ -254,7 +262,7 @@ class Stream(EncodedVideo):
         try:
             stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                          vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                         prefix_tokens=metadata["prefix_tokens"])
+                         prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=stored_as or "auto")
         except HorizonError as error:
             raise InputError(f"{path}: {error}") from None
         try:
@@ -279,11 +287,16 @@ def _model_identity(qa: Any) -> dict[str, Any]:
             "hidden_size": text.hidden_size, "dtype": str(qa.adapter.dtype).removeprefix("torch.")}
 
 
-def _check_same_setup(path: str | Path, metadata: dict[str, Any], qa: Any, allow_other_weights: bool) -> None:
+def _check_same_setup(path: str | Path, metadata: dict[str, Any], qa: Any, allow_other_weights: bool,
+                      kv_cache_dtype: str | None) -> None:
     saved, current = metadata["model"], _model_identity(qa)
     for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
         if saved[key] != current[key]:
             raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+    stored = metadata["cache"].get("kv_cache_dtype")
+    if stored != kv_cache_dtype:
+        raise InputError(f"{path}: saved with kv_cache_dtype={stored or 'auto'}, but it is being loaded as "
+                         f"{kv_cache_dtype or 'auto'}; load it with kv_cache_dtype={stored or 'auto'}")
     policy = metadata["engine"]["policy"]
     if policy != repr(qa.policy):
         raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")

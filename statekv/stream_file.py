@@ -259,16 +259,18 @@ def _list_of(check: Check, *, length: int | None = None) -> Check:
     return check_list
 
 
-def _record(fields: Mapping[str, Check]) -> Check:
-    """A JSON object with exactly ``fields``, each checked."""
+def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+    """A JSON object with exactly ``fields``, and any of ``optional``, each checked."""
+    optional = optional or {}
     def check(value: Any, name: str) -> dict:
         if not isinstance(value, dict):
             raise InputError(f"{name} must be an object, got {value!r}"[:200])
         missing = [key for key in fields if key not in value]
-        unknown = [key for key in value if key not in fields]
+        unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
             raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
-        return {key: fields[key](value[key], f"{name}.{key}") for key in fields}
+        every = {**fields, **{key: check for key, check in optional.items() if key in value}}
+        return {key: every[key](value[key], f"{name}.{key}") for key in every}
     return check
 
 
@@ -304,7 +306,8 @@ SCHEMA = _record({
     "pending": _list_of(_list_of(_number(), length=2)),
     "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
-                      "window_starts": _list_of(_optional(_integer(0)))}),
+                      "window_starts": _list_of(_optional(_integer(0)))},
+                     optional={"kv_cache_dtype": _of_type(str, "a string")}),  # absent: the model's dtype
     "checksums": _of_type(dict, "an object"),
 })
 

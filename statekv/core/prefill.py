@@ -26,6 +26,7 @@ from .memory import CacheGeometry, check_cache_fits
 from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
                               share_language_attention, statekv_attention, streaming_through)
 from .policies import CarryPolicy
+from .quantized import check_kv_cache_dtype
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
@@ -46,13 +47,16 @@ class StreamingPrefill:
             accelerator memory stays constant as the stream grows; it is copied back for decoding.
         cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
             for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
+        kv_cache_dtype: store the detailed cache quantized, ``"int8"`` or ``"int4"`` (keys per channel, values
+            per token; see :mod:`statekv.core.quantized`); None or ``"auto"``: in the model's dtype. The carried
+            state and each step's attention stay in the model's dtype; a question dequantizes what it reads.
         track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
             carried positions after every step: a host sync on a GPU; for analysis, not for speed).
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
                  horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
-                 cuda_graph: bool = True, track_overlap: bool = False):
+                 cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -69,13 +73,15 @@ class StreamingPrefill:
         self._prepared_mask = prepared_mask(self.device)
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
         self.geometry = cache_geometry(model)
         if horizon is not None:  # the detailed buffers are sized for it up front
-            check_cache_fits(self.geometry, horizon, self.storage_device or self.device)
+            check_cache_fits(self.geometry, horizon, self.storage_device or self.device, self.kv_cache_dtype)
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
-                                   capacity_hint=horizon, storage_device=self.storage_device)
+                                   capacity_hint=horizon, storage_device=self.storage_device,
+                                   kv_cache_dtype=self.kv_cache_dtype)
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
@@ -108,7 +114,7 @@ class StreamingPrefill:
         return StreamStats(
             steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
             carried_tokens=tuple(layer.carried_length for layer in layers),
-            detailed_bytes=sum(layer.detailed.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self._history))
 
@@ -119,7 +125,7 @@ class StreamingPrefill:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
         could not have written is refused with an `InputError` before anything changes."""
-        check_state_dict(tensors, metadata, self.geometry)
+        check_state_dict(tensors, metadata, self.geometry, self.kv_cache_dtype)
         self.cache.load_state_dict(tensors, metadata, self.device)
 
     @torch.no_grad()
@@ -275,9 +281,9 @@ class StreamingPrefill:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
-        streamed = self.cache.layers[0].detailed.keys
-        if streamed is not None and chunk.shape[0] != streamed.shape[0]:
-            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed.shape[0]}")
+        streamed = self.cache.layers[0].storage.batch_heads
+        if streamed is not None and chunk.shape[0] != streamed[0]:
+            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed[0]}")
         return chunk
 
     @contextmanager
