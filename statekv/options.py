@@ -17,9 +17,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .core.attention import BACKENDS
+from .core.limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT
+from .errors import ConfigurationError
 from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from .methods import MethodSettings, MethodSpec, method, method_names
 from .values import (
+    BYTE_SIZE,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     Option,
@@ -28,8 +31,10 @@ from .values import (
     check_choice,
     check_device,
     check_int,
+    check_output_dir,
     choice,
     non_negative_int,
+    optional_byte_size,
     optional_positive_int,
     optional_text,
     parse_options,
@@ -51,8 +56,11 @@ class ModelOptions:
     ``rekv`` and ``attention`` for the others). layout: the
     family's prompt layout. attention: the scoring backend. dtype, device: where the model runs (default: the
     checkpoint's dtype; CUDA when available). offload: keep the detailed cache in CPU memory (None: the
-    method's default). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
-    steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
+    method's default; ``"disk"``: in an append-only, memory-mapped file set per stream under ``offload_dir``,
+    only the retrieval summaries in RAM). reserve_tokens: room for the question and answer after the video.
+    cuda_graph: replay steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on
+    CUDA, 4 on CPU). max_cache_bytes: a hard cap on each stream's detailed cache (None: none); cache_limit: what
+    happens at the cap (``refuse``, ``evict-oldest``, ``evict-least-attended``; see `statekv.core.limits`).
     """
 
     model: str | None = None
@@ -66,11 +74,14 @@ class ModelOptions:
     attention: str = "auto"
     dtype: str | None = None
     device: str | None = None
-    offload: bool | None = None
+    offload: bool | str | None = None
     reserve_tokens: int = DEFAULT_RESERVE_TOKENS
     trust_remote_code: bool = False
     cuda_graph: bool = True
     vision_batch: int | None = None
+    offload_dir: str | None = None
+    max_cache_bytes: int | None = None
+    cache_limit: str = DEFAULT_CACHE_LIMIT
 
     def __post_init__(self) -> None:
         method(self.method)
@@ -87,8 +98,7 @@ class ModelOptions:
             check_device(self.device)
         for name in ("trust_remote_code", "cuda_graph"):
             check_bool(getattr(self, name), name)
-        if self.offload is not None:
-            check_bool(self.offload, "offload")
+        check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
 
     @property
     def spec(self) -> MethodSpec:
@@ -182,8 +192,18 @@ class ModelOptions:
                            help="scoring backend (default: auto = triton on CUDA, chunked on CPU)")
         group.add_argument("--dtype", default=None, help="e.g. bfloat16, float32 (default: the checkpoint's)")
         group.add_argument("--device", default=None, help=device_help)
-        group.add_argument("--offload", action="store_true", default=None,
-                           help="keep the detailed cache in CPU memory while encoding (rekv always does)")
+        group.add_argument("--offload", nargs="?", const=True, default=None, type=_offload_argument,
+                           metavar="disk",
+                           help="keep the detailed cache in CPU memory while encoding (rekv always does); "
+                                "--offload disk: in a memory-mapped file set per stream under --offload-dir, only "
+                                "the retrieval summaries in RAM")
+        group.add_argument("--offload-dir", default=None, metavar="DIR",
+                           help="with --offload disk: the folder each stream's file set is made in")
+        group.add_argument("--max-cache-bytes", type=BYTE_SIZE, default=None, metavar="SIZE",
+                           help="a hard cap on each stream's detailed cache, e.g. 512M, 20G (default: none)")
+        group.add_argument("--cache-limit", choices=CACHE_LIMITS, default=DEFAULT_CACHE_LIMIT,
+                           help="at --max-cache-bytes: refuse further frames (default; nothing is lost), or "
+                                "evict the oldest or the least attended frames")
         group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                            help="run every streaming step eagerly (default on CUDA: replay steady steps from a graph)")
         group.add_argument("--vision-batch", type=POSITIVE_INT, default=None,
@@ -206,8 +226,10 @@ def _string_options() -> list[Option]:
                "frames": positive_int, "sinks": non_negative_int, "retrieve": optional_positive_int,
                "retrieval": _optional_rule,
                "layout": optional_text, "attention": choice(BACKENDS), "dtype": optional_text,
-               "device": optional_text, "offload": _optional_boolean, "reserve_tokens": positive_int,
-               "trust_remote_code": boolean, "cuda_graph": boolean, "vision_batch": optional_positive_int}
+               "device": optional_text, "offload": _optional_offload, "reserve_tokens": positive_int,
+               "trust_remote_code": boolean, "cuda_graph": boolean, "vision_batch": optional_positive_int,
+               "offload_dir": optional_text, "max_cache_bytes": optional_byte_size,
+               "cache_limit": choice(CACHE_LIMITS)}
     return [Option(name, parsers[name], defaults[name].default) for name in parsers]
 
 
@@ -220,6 +242,49 @@ def _optional_rule(value: Any, name: str) -> str | None:
 def _registered_method(value: Any, name: str) -> str:
     """A method registered now (looked up at parse time: methods registered later are accepted too)."""
     return choice(method_names())(value, name)
+
+
+def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, cache_limit: Any) -> None:
+    """Where the detailed cache goes and its cap, checked together (one-line `ConfigurationError`)."""
+    if offload is not None and offload != "disk" and not isinstance(offload, bool):
+        raise ConfigurationError(f"offload must be True, False or 'disk', got {offload!r}")
+    if offload == "disk":
+        if offload_dir is None:
+            raise ConfigurationError("offload='disk' needs offload_dir (the folder for each stream's files)")
+        check_output_dir(offload_dir, "offload_dir")
+    elif offload_dir is not None:
+        raise ConfigurationError(f"offload_dir={offload_dir!r} is only used with offload='disk'")
+    if max_cache_bytes is not None:
+        check_int(max_cache_bytes, "max_cache_bytes")
+    check_choice(cache_limit, "cache_limit", CACHE_LIMITS)
+    if cache_limit != DEFAULT_CACHE_LIMIT and max_cache_bytes is None:
+        raise ConfigurationError(f"cache_limit={cache_limit} needs max_cache_bytes (the cap it acts at)")
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """``--offload`` followed by anything but a tier name becomes ``--offload=memory``, so the plain flag never
+    takes the next argument (a video path) as its value."""
+    return [f"{arg}=memory" if arg == "--offload" and (i + 1 == len(argv) or argv[i + 1] not in OFFLOAD_TIERS)
+            else arg for i, arg in enumerate(argv)]
+
+
+OFFLOAD_TIERS = ("disk", "memory")
+
+
+def _offload_argument(text: str) -> bool | str:
+    """``--offload``'s value: ``memory`` (CPU memory, as the plain flag) or ``disk``."""
+    if text not in OFFLOAD_TIERS:
+        raise argparse.ArgumentTypeError(f"expected disk or memory, got {text!r}")
+    return True if text == "memory" else text
+
+
+def _optional_offload(value: Any, name: str) -> bool | str | None:
+    """``disk``, a boolean (on: CPU memory), or None (the method's default)."""
+    if isinstance(value, str) and value.strip().lower() == "disk":
+        return "disk"
+    if isinstance(value, str) and value.strip().lower() == "memory":
+        return True
+    return _optional_boolean(value, name)
 
 
 def _optional_boolean(value: Any, name: str) -> bool | None:

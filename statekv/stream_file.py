@@ -259,22 +259,25 @@ def _list_of(check: Check, *, length: int | None = None) -> Check:
     return check_list
 
 
-def _record(fields: Mapping[str, Check]) -> Check:
-    """A JSON object with exactly ``fields``, each checked."""
+def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+    """A JSON object with exactly ``fields``, each checked, and any of the ``optional`` ones (fields added
+    since format 2 began, absent from the files written before)."""
+    optional = optional or {}
     def check(value: Any, name: str) -> dict:
         if not isinstance(value, dict):
             raise InputError(f"{name} must be an object, got {value!r}"[:200])
         missing = [key for key in fields if key not in value]
-        unknown = [key for key in value if key not in fields]
+        unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
             raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
-        return {key: fields[key](value[key], f"{name}.{key}") for key in fields}
+        checks = {**fields, **{key: check for key, check in optional.items() if key in value}}
+        return {key: checks[key](value[key], f"{name}.{key}") for key in checks}
     return check
 
 
-def _dataclass_record(cls: type) -> Check:
+def _dataclass_record(cls: type, optional: tuple[str, ...] = ()) -> Check:
     """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
-    mappings."""
+    mappings; those named in ``optional`` may be absent."""
     checks: dict[str, Check] = {}
     for field in dataclasses.fields(cls):
         factory = field.default_factory
@@ -286,7 +289,8 @@ def _dataclass_record(cls: type) -> Check:
             checks[field.name] = _optional(_integer())
         else:
             checks[field.name] = _integer()
-    return _record(checks)
+    return _record({k: v for k, v in checks.items() if k not in optional},
+                   {k: v for k, v in checks.items() if k in optional})
 
 
 TEXT = _of_type(str, "a string")
@@ -302,9 +306,10 @@ SCHEMA = _record({
     "prefix_tokens": _integer(0), "vision_batch": _integer(1),
     "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
     "pending": _list_of(_list_of(_number(), length=2)),
-    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats),
+    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames",)),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
-                      "window_starts": _list_of(_optional(_integer(0)))}),
+                      "window_starts": _list_of(_optional(_integer(0)))},
+                     {"evicted_steps": _list_of(_integer(0))}),
     "checksums": _of_type(dict, "an object"),
 })
 

@@ -19,6 +19,7 @@ then identical to answering without retrieval.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,20 +71,27 @@ class AnswerLayer(CacheLayerMixin):
         detailed, length = self.stream.detailed, self.stream.detailed.length
         keys, values = self._pending
         need = length + self.room
+        evicted = self.stream.cache.evicted_steps
         if retrieval is None and not self.stream.offloaded:
             detailed.reserve(keys, need)  # answer in the free room past the stream's end: no copy
             self.keys, self.values, self.context = detailed.keys, detailed.values, length
-        elif retrieval is None:  # offloaded: the whole detailed cache comes back to the model's device
+        elif retrieval is None and not evicted:  # offloaded: the whole detailed cache comes back to the model's device
             self._allocate(keys, need)
             self.keys[:, :, :length], self.values[:, :, :length] = detailed.view(0, length)
             self.context = length
+        elif retrieval is None:  # every token still held, in order
+            index = _held_tokens(self.stream.cache.chunk_lengths, evicted)
+            self._allocate(keys, index.shape[0] + self.room)
+            for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
+                mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
+            self.context = index.shape[0]
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
             steps = tuple(self.stream.cache.chunk_lengths)
             seen = LayerQuestion(layer, question, detailed.view(0, length)[0],
                                  self.stream.block_keys.view(0, len(steps))[0], steps, scale,
-                                 {} if memory is None else memory)
+                                 {} if memory is None else memory, frozenset(evicted))
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
@@ -122,6 +130,15 @@ class AnswerLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:
+    """Token indices ``[M]`` of the steps not evicted, ascending."""
+    held = torch.ones(sum(steps), dtype=torch.bool)
+    starts = [0, *accumulate(steps)]
+    for step in evicted:
+        held[starts[step]: starts[step + 1]] = False
+    return held.nonzero().squeeze(1)
 
 
 class AnswerCache(Cache):

@@ -15,6 +15,8 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
@@ -39,11 +41,14 @@ class StreamingLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
-                 storage_device: torch.device | str | None = None):
+                 storage_device: torch.device | str | None = None, make_storage=None):
         super().__init__()
         self.cache, self.index, self._on_replace = cache, index, cache.buffers_replaced  # cache: for callers
-        kind = LayerStorage if storage_device is None else OffloadedStorage
-        self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
+        if make_storage is not None:  # e.g. a DiskTier's: (layer index, capacity_hint, on_replace) -> storage
+            self.storage = make_storage(index, capacity_hint, cache.buffers_replaced)
+        else:
+            kind = LayerStorage if storage_device is None else OffloadedStorage
+            self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
         self._carry = forms.initial(self.storage)
         self.step: StepContext | None = None  # the step being run, handed in by begin()
 
@@ -145,17 +150,27 @@ class TwoStateCache(Cache):
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
+        make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace)``; the disk
+            tier's, :class:`statekv.core.disk.DiskTier`).
+
+    ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
+    (:mod:`statekv.core.limits`); answers never read them. ``attention_by_step``: when kept, the attention mass
+    each step's tokens received from the stream's own scored steps, summed over layers and heads.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
     -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay.
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
-                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None):
+                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
+                 make_storage=None):
         super().__init__(layers=[])
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device) for i in range(num_layers)]
+        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device, make_storage)
+                       for i in range(num_layers)]
+        self.evicted_steps: set[int] = set()
+        self.attention_by_step: torch.Tensor | None = None  # float64 [steps], kept only when asked for
         self.policy = policy
         self.backend = backend
         self.chunk_lengths: list[int] = []
@@ -241,10 +256,23 @@ class TwoStateCache(Cache):
             out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+        if scores is not None and self.attention_by_step is not None:
+            self._tally(layer.candidate_positions(), scores)
         step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
                                                        positions=layer.candidate_positions, history=self._history,
                                                        queries=q))
         return out
+
+    def _tally(self, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """Add the attention mass ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their
+        steps' totals (``attention_by_step``, grown to hold the current step)."""
+        ends = torch.tensor([*itertools.accumulate(self.chunk_lengths), self.seen_tokens + self.chunk_len])
+        if self.attention_by_step.numel() < ends.numel():
+            grown = torch.zeros(max(2 * self.attention_by_step.numel(), ends.numel()), dtype=torch.float64)
+            grown[: self.attention_by_step.numel()] = self.attention_by_step
+            self.attention_by_step = grown
+        steps = torch.searchsorted(ends, positions.reshape(-1).cpu(), right=True)
+        self.attention_by_step.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
     def _history(self) -> tuple[int, ...]:
         return (*self.chunk_lengths, self.chunk_len)

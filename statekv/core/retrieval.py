@@ -40,7 +40,8 @@ class LayerQuestion:
     ``[1, H_kv, T, D]`` the stream's detailed keys (RoPE applied; wherever the cache keeps them). step_means:
     ``[1, H_kv, S, D]`` each step's mean key. steps: the token count of each of the ``S`` steps. scale: the
     attention's softmax scale. memory: scratch shared by the layers of one question (rules that look across
-    layers keep their running state there, under their own name).
+    layers keep their running state there, under their own name). evicted: steps given up under a cache limit
+    (never chosen).
     """
 
     layer: int
@@ -50,6 +51,7 @@ class LayerQuestion:
     steps: tuple[int, ...]
     scale: float
     memory: dict[str, Any] = field(default_factory=dict, compare=False)
+    evicted: frozenset[int] = frozenset()
 
     @property
     def step_of_token(self) -> torch.Tensor:
@@ -174,7 +176,8 @@ class Retrieval:
     def choose(self, seen: LayerQuestion) -> list[int]:
         """The steps (ascending) answered from at ``seen``'s layer, besides the kept tokens."""
         ends = list(accumulate(seen.steps))
-        outside = [s for s, end in enumerate(ends) if end > self.keep_tokens]  # steps not wholly kept anyway
+        outside = [s for s, end in enumerate(ends)  # steps not wholly kept anyway, and still held
+                   if end > self.keep_tokens and s not in seen.evicted]
         if len(outside) <= self.steps:
             return outside
         scores = self.rule.scores(seen).float()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .buffers import CarriedSlots, TokenBuffer
+from .limits import release_host_rows
 
 
 class LayerStorage:
@@ -71,6 +72,10 @@ class LayerStorage:
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's."""
 
+    def release(self, start: int, end: int) -> None:
+        """Tokens ``[start, end)`` were evicted (:mod:`statekv.core.limits`): give back what can be. One buffer
+        on the model's device cannot give part of itself back (evicting is refused there)."""
+
 
 class OffloadedStorage(LayerStorage):
     """The detailed cache and step means in ``device`` memory other than the model's: a step stages its chunk
@@ -111,6 +116,9 @@ class OffloadedStorage(LayerStorage):
     def device_nbytes(self) -> int:
         mean = self.staged_mean
         return 0 if mean is None else mean.numel() * mean.element_size()
+
+    def release(self, start: int, end: int) -> None:
+        release_host_rows(self.detailed.tensors, start, end)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h, _, d = self.detailed.keys.shape

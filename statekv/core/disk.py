@@ -1,0 +1,483 @@
+"""The disk tier of the detailed cache: one stream's keys and values in an append-only, memory-mapped file set.
+
+A stream streamed with ``offload="disk"`` owns a folder (`DiskTier`) holding, per layer, its keys and values
+(``layer{i}.kv.0.bin``, ``layer{i}.kv.1.bin``) and its step means (``layer{i}.means.0.bin``), each a
+`MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token order, so the files only grow and nothing written is
+rewritten. A step stages its chunk on the model's device and its data is appended when it commits
+(`DiskStorage`); only the step means (what retrieval ranks steps by) are also kept in RAM. Reads map the files
+afresh each time, so what a question reads is resident only while the question holds it.
+
+Durability: after each step a line is appended to ``journal`` (its CRC-32, then JSON: the step's length, the
+CRC-32 of every byte it appended, where its carried positions were written and what the layers above record,
+e.g. the stream's layout state). The carried positions of every layer go to ``carry.{step % 2}.bin`` (two slots
+written in turn, so the last journaled step's slot is intact whatever a kill interrupts). Data is written
+before the line that vouches for it: a process killed at any point leaves a file set whose last complete line
+names a state that can be resumed (`read_file_set`), and anything after it counts as lost. Written data
+reaches the kernel at once (a kill loses none of it); `DiskTier.sync` forces it to the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import math
+import os
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InputError, OutputError
+from .buffers import CarriedSlots, TokenBuffer
+from .storage import OffloadedStorage
+
+FORMAT = "statekv-disk-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+JOURNAL = "journal"
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class MappedTokenBuffer:
+    """`TokenBuffer`'s interface over files: ``parts`` files ``{prefix}.{p}.bin`` of rows ``[B, H_kv, X]``.
+
+    ``tensors`` maps the files (copy-on-write, so nothing written through a view reaches them) as
+    ``[B, H_kv, capacity, X]`` views; writes append rows with ``pwrite``. ``nbytes`` counts the committed
+    rows. The capacity grows geometrically by extending the files (sparse until written).
+    """
+
+    GROWTH = 2.0
+    MIN_CAPACITY = 64
+
+    def __init__(self, parts: int, capacity_hint: int | None, prefix: Path,
+                 on_replace: Callable[[], None] | None = None):
+        self.parts, self.capacity_hint, self.on_replace = parts, capacity_hint, on_replace
+        self.device = torch.device("cpu")
+        self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]
+        self.length = 0
+        self.row: tuple[int, int, int] | None = None  # (B, H_kv, X)
+        self.dtype: torch.dtype | None = None
+        self._capacity = 0
+        self._fds: list[int] = []
+        self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
+
+    # -- TokenBuffer's interface ----------------------------------------------------------------------------
+    @property
+    def tensors(self) -> list[torch.Tensor] | None:
+        if self.row is None or not self._capacity:
+            return None
+        b, h, x = self.row
+        return [torch.from_file(str(path), shared=False, size=self._capacity * b * h * x, dtype=self.dtype)
+                .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        tensors = self.tensors
+        return None if tensors is None else tensors[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        tensors = self.tensors
+        return None if tensors is None else tensors[1]
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row in one part."""
+        return 0 if self.row is None else math.prod(self.row) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.row_bytes * self.parts
+
+    def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
+        if self.row is None:
+            self.open(tuple(like.shape[:2]) + (like.shape[3],), like.dtype)
+        if needed <= self._capacity:
+            return False
+        self._grow(max(needed, expected, math.ceil(self._capacity * self.GROWTH), self.MIN_CAPACITY))
+        if self.on_replace is not None:
+            self.on_replace()
+        return True
+
+    def write(self, start: int, *parts: torch.Tensor) -> None:
+        """Append ``[B, H_kv, T, X]`` tensors (from any device) as rows ``[start, start + T)``."""
+        self.reserve(parts[0], start + parts[0].shape[2])
+        for fd, part in zip(self._fds, parts):
+            rows = part.detach().to("cpu").permute(2, 0, 1, 3).contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = memoryview(rows)
+            self.crc = zlib.crc32(data, self.crc)
+            _pwrite_all(fd, data, start * self.row_bytes)
+
+    def write_at(self, index: torch.Tensor, *parts: torch.Tensor) -> None:
+        raise NotImplementedError("a disk-tier buffer is written by appending (write), never on the device")
+
+    def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, :, start:end] for t in self.tensors)
+
+    def load(self, *parts: torch.Tensor) -> None:
+        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty)."""
+        if self.row is not None:
+            for fd in self._fds:
+                os.ftruncate(fd, 0)
+            self._capacity = 0
+        self.length = 0
+        self.crc = 0
+        if parts[0].shape[2]:
+            self.write(0, *parts)
+            self.length = parts[0].shape[2]
+
+    def synchronize(self) -> None:
+        """Writes are synchronous (``pwrite``): nothing to wait for."""
+
+    # -- the disk's own ---------------------------------------------------------------------------------------
+    def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0) -> None:
+        """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
+        committed (resuming)."""
+        self.row, self.dtype, self.length = tuple(int(n) for n in row), dtype, length
+        try:
+            self._fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.paths]
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
+        sizes = [os.fstat(fd).st_size for fd in self._fds]
+        self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
+        if self._capacity < length:
+            raise InputError(f"{self.paths[0]}: holds {self._capacity} rows, fewer than the {length} its journal "
+                             "lists")
+
+    def _grow(self, capacity: int) -> None:
+        try:
+            for fd in self._fds:
+                os.ftruncate(fd, capacity * self.row_bytes)
+        except OSError as error:
+            raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
+        self._capacity = capacity
+
+    def read_rows(self, start: int, end: int) -> list[bytes]:
+        """The raw bytes of rows ``[start, end)`` of each part (for verifying checksums)."""
+        return [os.pread(fd, (end - start) * self.row_bytes, start * self.row_bytes) for fd in self._fds]
+
+    def release(self, start: int, end: int) -> None:
+        """Give rows ``[start, end)`` back to the file system (they then read as zeros)."""
+        size = (end - start) * self.row_bytes
+        for fd in self._fds:
+            if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(start * self.row_bytes),
+                               ctypes.c_long(size)) != 0:
+                _pwrite_all(fd, memoryview(bytes(size)), start * self.row_bytes)  # no hole punching: zeros
+
+    def sync(self) -> None:
+        for fd in self._fds:
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+class DiskStorage(OffloadedStorage):
+    """A layer's detailed cache in a `DiskTier`: staged on the model's device during the step, appended to the
+    layer's files when it commits. The step means stay in RAM (``block_keys``, what retrieval scores steps by)
+    and are appended to a file too, so a resumed stream reads them back without touching the keys."""
+
+    def __init__(self, capacity_hint: int | None, prefix: Path, on_replace: Callable[[], None]):
+        super().__init__(capacity_hint, "cpu", on_replace)
+        self.detailed = MappedTokenBuffer(2, capacity_hint, Path(f"{prefix}.kv"), on_replace)
+        self.means = MappedTokenBuffer(1, None, Path(f"{prefix}.means"))
+
+    def commit_host(self, chunk_len: int) -> None:
+        self.means.write(self.means.length, self.staged_mean)
+        self.means.length += 1
+        super().commit_host(chunk_len)
+
+    def release(self, start: int, end: int) -> None:
+        self.detailed.release(start, end)
+
+    def take_crc(self) -> int:
+        """CRC-32 of what this layer appended since the last call (keys, values, then the mean)."""
+        crc = zlib.crc32(self.means.crc.to_bytes(4, "little"), self.detailed.crc)
+        self.detailed.crc = self.means.crc = 0
+        return crc
+
+    def resume(self, row: tuple[int, int, int], dtype: torch.dtype, tokens: int, steps: int) -> None:
+        """Adopt ``tokens`` committed rows and ``steps`` step means already in the files; the means come back
+        to RAM."""
+        self.detailed.open(row, dtype, tokens)
+        self.means.open(row, dtype, steps)
+        if steps:
+            self.block_keys.load(self.means.view(0, steps)[0].clone())
+
+    def restored(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().restored(dtype, device)
+        steps = self.block_keys.length  # a saved state was loaded: its step means go to their file too
+        if steps:
+            self.means.load(*self.block_keys.view(0, steps))
+
+    def sync(self) -> None:
+        self.detailed.sync()
+        self.means.sync()
+
+    def close(self) -> None:
+        self.detailed.close()
+        self.means.close()
+
+
+@dataclass
+class Journaled:
+    """What a file set's journal says: the committed ``steps`` (one record each, in order), the ``evicted``
+    steps, and the records written after the last step (e.g. frames pushed but not streamed)."""
+
+    manifest: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    after: list[dict[str, Any]] = field(default_factory=list)
+    end: int = 0  # byte offset of the journal just after the last step's record
+
+
+class DiskTier:
+    """One stream's file set in ``folder`` (see the module docstring): the layers' `DiskStorage`, the journal,
+    the carried-positions slots.
+
+    Create a new one with `create`; `open` adopts an existing one (resuming, after `read_file_set`).
+    """
+
+    def __init__(self, folder: Path, manifest: dict[str, Any]):
+        self.folder, self.manifest = folder, manifest
+        self.storages: list[DiskStorage] = []
+        self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
+        self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    @classmethod
+    def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
+        """A new, empty file set in a folder of its own under ``offload_dir`` (created if needed)."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(str(name)).name)[:40] or "stream"
+        folder = Path(offload_dir) / f"{safe}-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir(parents=True)
+            _write_json(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+        except OSError as error:
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+        return cls(folder, manifest)
+
+    def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None]) -> DiskStorage:
+        """The storage of layer ``index`` (the cache's storage factory)."""
+        storage = DiskStorage(capacity_hint, self.folder / f"layer{index}", on_replace)
+        self.storages.append(storage)
+        return storage
+
+    def describe(self, name: str, fields: dict[str, Any]) -> None:
+        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically."""
+        _write_json(self.folder / f"{name}.json", fields)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one journal record (a JSON object) after its CRC-32."""
+        text = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        os.write(self._journal, f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+
+    def commit_step(self, step: int, tokens: int, carried: list[torch.Tensor], extra: dict[str, Any]) -> None:
+        """Journal step ``step`` (``tokens`` long), once its data is appended: its CRC, then the carried
+        positions ``[B, H_kv, K]`` of every layer in slot ``step % 2``, then the record vouching for both."""
+        crc = self._take_crc()
+        positions = torch.cat([p.reshape(-1) for p in carried]).to("cpu", torch.int64).numpy().tobytes()
+        slot = step % 2
+        fd = os.open(self.folder / f"carry.{slot}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(positions), 0)
+        finally:
+            os.close(fd)
+        self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot,
+                     "carried": [list(p.shape) for p in carried], "carry_crc": zlib.crc32(positions), **extra})
+
+    def journal_loaded(self, cache: Any) -> None:
+        """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
+        file set can itself be resumed."""
+        os.ftruncate(self._journal, 0)
+        if cache.evicted_steps:
+            self.append({"evict": sorted(cache.evicted_steps)})
+        start = 0
+        for step, length in enumerate(cache.chunk_lengths):
+            for storage in self.storages:
+                storage.detailed.crc = _rows_crc(storage.detailed, start, start + length)
+                storage.means.crc = _rows_crc(storage.means, step, step + 1)
+            if step == len(cache.chunk_lengths) - 1:
+                self.commit_step(step, length, [layer.positions() for layer in cache.layers], {})
+            else:
+                self.append({"step": step, "tokens": length, "crc": self._take_crc()})
+            start += length
+
+    def _take_crc(self) -> int:
+        crc = 0
+        for storage in self.storages:
+            crc = zlib.crc32(storage.take_crc().to_bytes(4, "little"), crc)
+        return crc
+
+    def sync(self) -> None:
+        """Force everything written so far to the storage device."""
+        for storage in self.storages:
+            storage.sync()
+        os.fsync(self._journal)
+
+    def truncate_journal(self, end: int) -> None:
+        """Drop what the journal holds after byte ``end`` (resuming after the last durable step)."""
+        os.ftruncate(self._journal, end)
+
+    def close(self) -> None:
+        if self._journal >= 0:
+            os.close(self._journal)
+            self._journal = -1
+        for storage in self.storages:
+            storage.close()
+
+
+def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
+    crc = 0
+    for part in buffer.read_rows(start, end):
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def _write_json(path: Path, fields: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(fields, allow_nan=False))
+    os.replace(partial, path)
+
+
+def read_file_set(folder: str | os.PathLike) -> Journaled:
+    """The manifest and journal of the file set in ``folder``; a one-line `InputError` if it is not one, or if a
+    record before the last is damaged (a torn last line, what a kill leaves, is dropped)."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        raise InputError(f"{folder}: not a statekv disk cache (no readable {MANIFEST})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InputError(f"{folder}: not a statekv disk cache")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise InputError(f"{folder}: disk cache format {manifest.get('version')!r}; this statekv reads "
+                         f"{FORMAT_VERSION}")
+    try:
+        data = (folder / JOURNAL).read_bytes()
+    except OSError:
+        raise InputError(f"{folder}: the disk cache has no journal") from None
+    journal, offset = Journaled(manifest), 0
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines):
+        last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
+        record = None if last else _record(line)
+        if record is None:
+            if last or all(not rest for rest in lines[number + 1:]):
+                break
+            raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}")
+        offset += len(line) + 1
+        if "step" in record:
+            if record["step"] != len(journal.steps):
+                raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after "
+                                 f"{len(journal.steps)} steps")
+            journal.steps.append(record)
+            journal.after, journal.end = [], offset
+        elif "evict" in record:
+            journal.evicted.extend(int(s) for s in record["evict"])
+        else:
+            journal.after.append(record)
+    return journal
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    crc, _, text = line.partition(b" ")
+    try:
+        if int(crc, 16) != zlib.crc32(text):
+            return None
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def verify_and_adopt(tier: DiskTier, journal: Journaled, row: tuple[int, int, int], dtype: torch.dtype,
+                     layers: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Adopt the journal's steps into ``tier``'s layers (``layers`` storages made already), checking every step's
+    CRC (evicted steps excepted) and the last step's carried positions; returns the step lengths and each
+    layer's carried positions ``[B, H_kv, K]``. A one-line `InputError` names the first damage."""
+    steps = journal.steps
+    lengths = [int(record["tokens"]) for record in steps]
+    tokens, evicted = sum(lengths), set(journal.evicted)
+    where = tier.folder
+    for storage in tier.storages[:layers]:
+        storage.resume(row, dtype, tokens, len(steps))
+    start = 0
+    for record, length in zip(steps, lengths):
+        if record["step"] not in evicted:
+            crc = 0
+            for storage in tier.storages:
+                means = _rows_crc(storage.means, record["step"], record["step"] + 1)
+                layer = zlib.crc32(means.to_bytes(4, "little"), _rows_crc(storage.detailed, start, start + length))
+                crc = zlib.crc32(layer.to_bytes(4, "little"), crc)
+            if crc != record["crc"]:
+                raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
+                                 "its checksum")
+        start += length
+    if not steps:
+        return lengths, []
+    last = steps[-1]
+    try:
+        data = (where / f"carry.{last['slot']}.bin").read_bytes()
+    except OSError:
+        data = b""
+    if zlib.crc32(data) != last["carry_crc"]:
+        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
+                         "match its checksum")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    carried, offset = [], 0
+    for shape in last["carried"]:
+        size = math.prod(shape)
+        carried.append(flat[offset:offset + size].view(*shape).clone())
+        offset += size
+    if offset != flat.numel() or len(carried) != layers:
+        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    for positions in carried:
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
+            raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
+    return lengths, carried
+
+
+def install(cache: Any, lengths: list[int], carried: list[torch.Tensor], evicted: list[int],
+            device: torch.device) -> None:
+    """Install an adopted file set into ``cache`` (a `TwoStateCache` whose layers are the tier's storages): the
+    carried keys and values are read back from the detailed cache at the carried positions."""
+    from . import forms
+
+    cache.recency.reset()
+    for layer, positions in zip(cache.layers, carried):
+        keys, values = layer.detailed.tensors
+        index = positions.unsqueeze(-1).expand(*positions.shape, keys.shape[-1])
+        kv = torch.stack([keys.gather(2, index), values.gather(2, index)]).to(device)
+        layer.carry = forms.Slots(CarriedSlots.holding(kv, positions.to(device), 0))
+        layer.is_initialized = True
+        layer.dtype, layer.device = keys.dtype, device
+        layer.storage.restored(keys.dtype, device)
+    cache.chunk_lengths = list(lengths)
+    cache.seen_tokens = sum(lengths)
+    cache.evicted_steps = set(evicted)
+    cache.seen_device = None
+    cache.buffers_replaced()
+
+
+__all__ = ["DiskStorage", "DiskTier", "Journaled", "MappedTokenBuffer", "TokenBuffer", "install",
+           "read_file_set", "verify_and_adopt"]
