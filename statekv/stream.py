@@ -282,7 +282,27 @@ class Stream(EncodedVideo):
         stream._last_timestamp = metadata["last_timestamp"]
         stream.pending = [Frame(index, timestamp, image)
                           for (index, timestamp), image in zip(metadata["pending"], pending)]
+        stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,
+                                          stream.state.frames, stream.adapter.frames_per_step)
+        if stream.prefill.disk is not None:  # loaded into the disk tier: its new file set can itself be resumed
+            encoded = [frame for frame in metadata["pending"]]
+            last = [stream.pushed - 1, stream._last_timestamp or 0.0]
+            if encoded:  # the last frame streamed comes before the pending ones
+                last = [int(encoded[0][0]) - 1, float(encoded[0][1])]
+            stream.prefill.disk.journal_loaded(stream.prefill.cache, stream.step_frames, {
+                "state": stream.state.to_dict(), "last_frame": last})
+            for frame in stream.pending:  # waiting in the file, not in the file set
+                stream.prefill.disk.append({"push": frame.index, "t": frame.timestamp})
         return stream
+
+
+def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:
+    """Frames of each step of a saved stream: none in the prompt prefix, ``per_step`` in the others (fewer in a
+    last step completed by repetition) adding up to ``frames``."""
+    counts = [0 if index == 0 and prefix_tokens else per_step for index in range(len(lengths))]
+    if counts and counts[-1]:
+        counts[-1] -= sum(counts) - frames
+    return counts
 
 
 def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) -> "Stream":

@@ -227,7 +227,7 @@ class DiskStorage(OffloadedStorage):
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         super().restored(dtype, device)
         steps = self.block_keys.length  # a saved state was loaded: its step means go to their file too
-        if steps:
+        if steps and steps != self.means.length:
             self.means.load(*self.block_keys.view(0, steps))
 
     def sync(self) -> None:
@@ -305,9 +305,10 @@ class DiskTier:
         self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot,
                      "carried": [list(p.shape) for p in carried], "carry_crc": zlib.crc32(positions), **extra})
 
-    def journal_loaded(self, cache: Any) -> None:
+    def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any]) -> None:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
-        file set can itself be resumed."""
+        file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
+        record adds (see `commit_step`)."""
         os.ftruncate(self._journal, 0)
         if cache.evicted_steps:
             self.append({"evict": sorted(cache.evicted_steps)})
@@ -317,9 +318,10 @@ class DiskTier:
                 storage.detailed.crc = _rows_crc(storage.detailed, start, start + length)
                 storage.means.crc = _rows_crc(storage.means, step, step + 1)
             if step == len(cache.chunk_lengths) - 1:
-                self.commit_step(step, length, [layer.positions() for layer in cache.layers], {})
+                self.commit_step(step, length, [layer.positions() for layer in cache.layers],
+                                 {**extra, "frames": step_frames[step]})
             else:
-                self.append({"step": step, "tokens": length, "crc": self._take_crc()})
+                self.append({"step": step, "tokens": length, "crc": self._take_crc(), "frames": step_frames[step]})
             start += length
 
     def _take_crc(self) -> int:

@@ -168,8 +168,6 @@ class StreamingPrefill:
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.evicted_tokens = sum(self.cache.chunk_lengths[s] for s in self.cache.evicted_steps)
-        if self.disk is not None:
-            self.disk.journal_loaded(self.cache)
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""
