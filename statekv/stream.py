@@ -342,7 +342,7 @@ def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) ->
         stream.close()
         raise
     if stream.prefill.keeper is not None:
-        stream.prefill.keeper.evicted_tokens = sum(lengths[s] for s in set(journal.evicted))
+        stream.prefill.keeper.adopt()
     stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]
     engine = stream.prefill.stats
     stream.stats = EncodingStats(frames=stream.state.frames, tokens=engine.tokens, chunks=engine.steps,

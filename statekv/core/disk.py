@@ -34,6 +34,7 @@ import torch
 
 from ..errors import InputError, OutputError
 from .buffers import CarriedSlots, TokenBuffer
+from .limits import runs
 from .storage import OffloadedStorage
 
 FORMAT = "statekv-disk-cache"
@@ -207,8 +208,9 @@ class DiskStorage(OffloadedStorage):
         self.means.length += 1
         super().commit_host(chunk_len)
 
-    def release(self, start: int, end: int) -> None:
-        self.detailed.release(start, end)
+    def release_tokens(self, tokens: torch.Tensor) -> None:
+        for start, end in runs(tokens):
+            self.detailed.release(start, end)
 
     def take_crc(self) -> int:
         """CRC-32 of what this layer appended since the last call (keys, values, then the mean)."""

@@ -11,12 +11,13 @@
     The steps whose tokens received the least attention from the stream's own scored steps (summed over
     layers and heads, as the carry policy computed it) are evicted first; ties go to the oldest.
 
-Evicting a step gives its detailed keys and values back (the disk tier punches them out of its files; host
-memory returns their whole pages) and marks it in ``TwoStateCache.evicted_steps``: answers from the whole cache
-skip it and retrieval never chooses it. Positions do not move: the remaining tokens keep their RoPE and the
-stream's length counts every token streamed. Never evicted: the first ``protect_tokens`` tokens (the prompt
-prefix and the sinks), and any step some layer still carries a token of (the carried state stays the detailed
-cache's own tokens, as saved and resumed streams require). The first eviction is stated in one log line.
+Evicting a step marks it in ``TwoStateCache.evicted_steps`` (answers from the whole cache skip it, retrieval never
+chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory
+returns their whole pages), except the tokens a layer still carries: those are kept until it no longer does, so
+the carried state stays the detailed cache's own tokens, as saved and resumed streams require. Positions do not
+move: the remaining tokens keep their RoPE and the stream's length counts every token streamed. Never evicted:
+the first ``protect_tokens`` tokens (the prompt prefix and the sinks). The first eviction is stated in one log
+line.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class CacheKeeper:
         self.limit, self.cache, self.bytes_per_token = limit, cache, bytes_per_token
         self.protect_tokens, self.name = protect_tokens, name
         self.evicted_tokens = 0
+        self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
         self.batch = 1
         self.announced = False
         if limit.when_full == "evict-least-attended":
@@ -99,7 +101,8 @@ class CacheKeeper:
             freed += length * self.bytes_per_token * self.batch
         if freed < needed:
             raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) does not fit under {cap} even after "
-                                  "evicting every frame that is neither protected nor carried; nothing was streamed")
+                                  "evicting every frame but the protected prompt prefix and sinks; nothing was "
+                                  "streamed")
         if not self.announced:
             self.announced = True
             rule = "oldest" if self.limit.when_full == "evict-oldest" else "least attended"
@@ -108,36 +111,50 @@ class CacheKeeper:
         return chosen
 
     def evict(self, steps: list[int]) -> None:
-        """Give the detailed keys and values of ``steps`` back and never read them again."""
-        starts = [0, *itertools.accumulate(self.cache.chunk_lengths)]
+        """Never read ``steps`` again and give their detailed keys and values back, except the tokens a layer
+        still carries (kept until it no longer does, so the carried state stays the detailed cache's own)."""
+        cache = self.cache
+        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
+        for layer in cache.layers:
+            carried = _carried_tokens(layer)
+            gone = torch.cat([tokens, self.retained.get(layer.index, tokens[:0])])
+            held = torch.isin(gone, carried)
+            self.retained[layer.index] = gone[held]
+            layer.storage.release_tokens(gone[~held].sort().values)
         for step in steps:
-            for layer in self.cache.layers:
-                layer.storage.release(starts[step], starts[step + 1])
-            self.cache.evicted_steps.add(step)
-            self.evicted_tokens += self.cache.chunk_lengths[step]
+            cache.evicted_steps.add(step)
+            self.evicted_tokens += cache.chunk_lengths[step]
+
+    def adopt(self) -> None:
+        """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones."""
+        cache = self.cache
+        self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
+        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
+        for step in cache.evicted_steps:
+            evicted[starts[step]: starts[step + 1]] = True
+        self.retained = {}
+        for layer in cache.layers:
+            if layer.is_initialized:
+                carried = _carried_tokens(layer)
+                self.retained[layer.index] = carried[evicted[carried]]
 
     def _candidates(self) -> list[tuple[int, int]]:
         """``(step, length)`` of the evictable steps, in the order to evict them."""
         cache = self.cache
-        ends = list(itertools.accumulate(cache.chunk_lengths))
-        carried = _carried_steps(cache, ends)
+        ends = itertools.accumulate(cache.chunk_lengths)
         steps = [(s, length) for s, (length, end) in enumerate(zip(cache.chunk_lengths, ends))
-                 if s not in cache.evicted_steps and s not in carried and end - length >= self.protect_tokens]
+                 if s not in cache.evicted_steps and end - length >= self.protect_tokens]
         if self.limit.when_full == "evict-least-attended":
             tally = cache.attention_by_step
             steps.sort(key=lambda item: (float(tally[item[0]]) if item[0] < tally.numel() else 0.0, item[0]))
         return steps
 
 
-def _carried_steps(cache, ends: list[int]) -> set[int]:
-    """Steps any layer carries a token of into the next step."""
-    boundaries = torch.tensor(ends)
-    carried: set[int] = set()
-    for layer in cache.layers:
-        if layer.is_initialized:
-            positions = layer.positions().reshape(-1).cpu().unique()
-            carried.update(torch.searchsorted(boundaries, positions, right=True).tolist())
-    return carried
+def _carried_tokens(layer) -> torch.Tensor:
+    """The token positions ``[K']`` (ascending, CPU) the layer carries into the next step, any head."""
+    return layer.positions().reshape(-1).cpu().unique()
 
 
 def check_evicting_storage(limit: CacheLimit | None, offloaded: bool) -> None:
@@ -162,3 +179,12 @@ def release_host_rows(tensors: list[torch.Tensor] | None, start: int, end: int) 
                 last = (rows.data_ptr() + rows.numel() * rows.element_size()) // page * page
                 if last > first:
                     _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:
+    """Ascending token positions ``[N]`` as ``[start, end)`` runs of consecutive ones."""
+    if not tokens.numel():
+        return []
+    breaks = (torch.diff(tokens) != 1).nonzero().squeeze(1) + 1
+    edges = [0, *breaks.tolist(), tokens.numel()]
+    return [(int(tokens[a]), int(tokens[b - 1]) + 1) for a, b in zip(edges, edges[1:])]

@@ -167,7 +167,7 @@ class StreamingPrefill:
         check_state_dict(tensors, metadata, self.geometry)
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
-            self.keeper.evicted_tokens = sum(self.cache.chunk_lengths[s] for s in self.cache.evicted_steps)
+            self.keeper.adopt()
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .buffers import CarriedSlots, TokenBuffer
-from .limits import release_host_rows
+from .limits import release_host_rows, runs
 
 
 class LayerStorage:
@@ -72,9 +72,10 @@ class LayerStorage:
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's."""
 
-    def release(self, start: int, end: int) -> None:
-        """Tokens ``[start, end)`` were evicted (:mod:`statekv.core.limits`): give back what can be. One buffer
-        on the model's device cannot give part of itself back (evicting is refused there)."""
+    def release_tokens(self, tokens: torch.Tensor) -> None:
+        """Tokens ``tokens`` (ascending positions ``[N]``) were evicted (:mod:`statekv.core.limits`): give back
+        what can be. One buffer on the model's device cannot give part of itself back (evicting is refused
+        there)."""
 
 
 class OffloadedStorage(LayerStorage):
@@ -117,8 +118,10 @@ class OffloadedStorage(LayerStorage):
         mean = self.staged_mean
         return 0 if mean is None else mean.numel() * mean.element_size()
 
-    def release(self, start: int, end: int) -> None:
-        release_host_rows(self.detailed.tensors, start, end)
+    def release_tokens(self, tokens: torch.Tensor) -> None:
+        tensors = self.detailed.tensors
+        for start, end in runs(tokens):
+            release_host_rows(tensors, start, end)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h, _, d = self.detailed.keys.shape
