@@ -119,7 +119,8 @@ class EncodedVideo:
     """
 
     def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
-                 name: str = "video", prefix_tokens: int | None = None, disk_tier: Any = None):
+                 name: str = "video", prefix_tokens: int | None = None, kv_cache_dtype: str | None = None,
+                 disk_tier: Any = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then nothing is
         streamed here); None streams the adapter's prefix now. disk_tier: the file set a resumed disk-tier stream
         continues in (`statekv.core.disk.DiskTier`)."""
@@ -133,6 +134,7 @@ class EncodedVideo:
         policy = qa.policy.for_prefix(self.prefix_tokens)
         self.prefill = StreamingPrefill(self.adapter.model, policy, attention=qa.attention, horizon=horizon,
                                         offload=qa.offload, cuda_graph=qa.cuda_graph,
+                                        kv_cache_dtype=kv_cache_dtype or getattr(qa, "kv_cache_dtype", None),
                                         offload_dir=getattr(qa, "offload_dir", None),
                                         cache_limit=getattr(qa, "cache_limit", None),
                                         protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,

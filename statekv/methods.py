@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from .core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
 from .errors import ConfigurationError
-from .values import check_int
+from .values import NON_NEGATIVE, POSITIVE, Kind
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,18 @@ class MethodSettings:
     """The sizes a method may read: ``budget`` (tokens carried per layer and KV head), ``frames`` (the recency
     window R, in frames) and ``sinks`` (ReKV's attention sinks after the prompt prefix, in tokens)."""
 
-    budget: int = 4096
-    frames: int = 16
-    sinks: int = 4
+    budget: int = field(default=4096, metadata={"kind": POSITIVE})
+    frames: int = field(default=16, metadata={"kind": POSITIVE, "what": "frames (the recency window R)"})
+    sinks: int = field(default=4, metadata={"kind": NON_NEGATIVE})
 
     def __post_init__(self) -> None:
-        check_int(self.budget, "budget")
-        check_int(self.frames, "frames (the recency window R)")
-        check_int(self.sinks, "sinks", minimum=0)
+        for size in fields(self):
+            size.metadata["kind"].check(getattr(self, size.name), size.metadata.get("what", size.name))
+
+    @staticmethod
+    def kind(name: str) -> Kind:
+        """The values the size ``name`` takes (how `ModelOptions` and the command line read it)."""
+        return MethodSettings.__dataclass_fields__[name].metadata["kind"]
 
     def window_steps(self, frames_per_step: int) -> int:
         """The recency window in streaming steps."""

@@ -24,6 +24,7 @@ import torch
 from .builtin import resolve_model
 from .core import CarryPolicy
 from .core.limits import DEFAULT_CACHE_LIMIT, CacheLimit
+from .core.quantized import check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
 from .errors import ConfigurationError, FrameDecodeError, InputError
@@ -68,6 +69,8 @@ class VideoQA:
         max_cache_bytes: a hard cap on each video's or stream's detailed cache (None: none).
         cache_limit: what happens at the cap: ``refuse`` further frames (a one-line `CacheLimitError`, nothing
             lost), ``evict-oldest`` or ``evict-least-attended`` frames (see `statekv.core.limits`).
+        kv_cache_dtype: store each video's detailed cache quantized, ``"int8"`` or ``"int4"`` (None or ``"auto"``:
+            the model's dtype); see `statekv.core.quantized`.
         cuda_graph: on CUDA, replay each steady streaming step from a CUDA graph (see `StreamingPrefill`).
         vision_batch: frames per vision-tower call when encoding a video (``None``: 16 on CUDA, 4 on CPU; see
             `statekv.overlap`). Batched vision gives the per-frame features up to float rounding.
@@ -79,8 +82,9 @@ class VideoQA:
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
                  reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool | str = False,
                  cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None,
-                 retrieval: str = DEFAULT_RETRIEVAL, offload_dir: str | Path | None = None,
-                 max_cache_bytes: int | None = None, cache_limit: str = DEFAULT_CACHE_LIMIT):
+                 retrieval: str = DEFAULT_RETRIEVAL, kv_cache_dtype: str | None = None,
+                 offload_dir: str | Path | None = None, max_cache_bytes: int | None = None,
+                 cache_limit: str = DEFAULT_CACHE_LIMIT):
         self.adapter = adapter
         self.policy = policy
         self.attention = attention
@@ -90,6 +94,7 @@ class VideoQA:
         self.offload = offload
         self.offload_dir = None if offload_dir is None else Path(offload_dir)
         self.cache_limit = None if max_cache_bytes is None else CacheLimit(max_cache_bytes, cache_limit)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.cuda_graph = check_bool(cuda_graph, "cuda_graph")
         self.vision_batch = (default_vision_batch(adapter.device) if vision_batch is None
                              else check_vision_batch(vision_batch))
@@ -101,9 +106,8 @@ class VideoQA:
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
         """Load ``model`` (a checkpoint folder or hub id) under a method; ``options`` are `ModelOptions`
         fields (method, budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, device, offload,
-        offload_dir, max_cache_bytes, cache_limit, reserve_tokens, trust_remote_code, cuda_graph, vision_batch);
-        anything else goes to the model's own
-        ``from_pretrained``.
+        kv_cache_dtype, offload_dir, max_cache_bytes, cache_limit, reserve_tokens, trust_remote_code, cuda_graph,
+        vision_batch); anything else goes to the model's own ``from_pretrained``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
@@ -140,8 +144,9 @@ class VideoQA:
         qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), attention=options.attention,
                  reserve_tokens=options.reserve_tokens, method=options.method, offload=options.offloaded,
                  cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
-                 retrieval=options.retrieval_rule, offload_dir=options.offload_dir,
-                 max_cache_bytes=options.max_cache_bytes, cache_limit=options.cache_limit)
+                 retrieval=options.retrieval_rule, kv_cache_dtype=options.kv_cache_dtype,
+                 offload_dir=options.offload_dir, max_cache_bytes=options.max_cache_bytes,
+                 cache_limit=options.cache_limit)
         qa.options = options
         return qa
 
@@ -208,16 +213,19 @@ class VideoQA:
         return answers[0] if isinstance(question, str) else answers
 
     def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
-               vision_batch: int = 1, reserve_tokens: int | None = None) -> Stream:
+               vision_batch: int = 1, reserve_tokens: int | None = None,
+               kv_cache_dtype: str | None = None) -> Stream:
         """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
 
         max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
         vision_batch: frames vision-encoded together (default 1: each frame is encoded as it is pushed; with
             more, a frame waits for at most one batch, and `Stream.ask` first encodes every complete step).
         reserve_tokens: room for questions and answers after the stream (default: the VideoQA's).
+        kv_cache_dtype: how the stream stores its detailed cache, ``"int8"``, ``"int4"`` or ``"auto"`` (the
+            model's dtype) (default: the VideoQA's).
         """
         return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                      reserve_tokens=reserve_tokens)
+                      reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype)
 
     def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int:

@@ -34,7 +34,8 @@ import torch
 from PIL import Image
 
 from .core.cache import check_state_dict
-from .core.disk import DiskTier, install, read_file_set, verify_and_adopt
+from .core.disk import DiskTier, read_file_set, resume
+from .core.quantized import check_kv_cache_dtype
 from .core.prefill import _geometry_fields, cache_geometry
 from .errors import HorizonError, InputError
 from .models import LayoutState
@@ -70,9 +71,10 @@ class Stream(EncodedVideo):
 
     def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
-                 disk_tier: Any = None):
+                 kv_cache_dtype: str | None = None, disk_tier: Any = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None streams it.
-        disk_tier: when resuming a disk-tier stream, its file set."""
+        kv_cache_dtype: ``"int8"``/``"int4"`` to store the detailed cache quantized, ``"auto"`` the model's dtype
+        (default: the VideoQA's). disk_tier: when resuming a disk-tier stream, its file set."""
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
@@ -89,7 +91,7 @@ class Stream(EncodedVideo):
         self._steps_before = 0
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=self.max_fps, name=name, prefix_tokens=prefix_tokens,
-                         disk_tier=disk_tier)
+                         kv_cache_dtype=kv_cache_dtype, disk_tier=disk_tier)
         if self.prefill.disk is not None and disk_tier is None:
             self.prefill.disk.describe(SETUP, stream_setup(
                 name, {**_model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
@@ -97,7 +99,8 @@ class Stream(EncodedVideo):
                  "cuda_graph": bool(qa.cuda_graph), "reserve_tokens": self.horizon - self.adapter.max_video_tokens(
                      horizon_frames)},
                 horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
-                prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch))
+                prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
+                kv_cache_dtype=self.prefill.kv_cache_dtype))
 
     # -- pushing ----------------------------------------------------------------------------------------
     @_one_at_a_time
@@ -235,13 +238,15 @@ class Stream(EncodedVideo):
         return write_verified(path, tensors, metadata)
 
     @classmethod
-    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False) -> "Stream":
+    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
+             kv_cache_dtype: str | None = None) -> "Stream":
         """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with).
 
         The whole file is verified first (schema, every tensor's presence, dtype, shape and checksum, the model
         and method), so a damaged or foreign file is refused with a one-line `InputError` before anything is
         built. A stream saved with other weights (another checkpoint of the same architecture) is refused unless
-        ``allow_other_weights=True``: its cache would not be what this model computes.
+        ``allow_other_weights=True``: its cache would not be what this model computes. kv_cache_dtype: how the
+        saved detailed cache is stored (default: the VideoQA's); a file stored otherwise is refused.
 
         ``path`` may also be the folder of a disk-tier stream's file set (``offload="disk"``), e.g. after its
         process was killed: the stream resumes in it from the last step whose data is durable, every step's
@@ -252,11 +257,13 @@ class Stream(EncodedVideo):
         if Path(path).is_dir():
             return _resume_disk(cls, Path(path), qa, allow_other_weights)
         metadata, tensors = read_verified(path)
-        _check_same_setup(path, metadata, qa, allow_other_weights)
+        stored_as = (getattr(qa, "kv_cache_dtype", None) if kv_cache_dtype is None
+                     else check_kv_cache_dtype(kv_cache_dtype))
+        _check_same_setup(path, metadata, qa, allow_other_weights, stored_as)
         cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
         pending = _pending_images(path, tensors, metadata["pending"], set(cache))
         try:
-            check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model))
+            check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), stored_as)
         except InputError as error:
             raise InputError(f"{path}: {error}") from None
         reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
@@ -268,7 +275,7 @@ class Stream(EncodedVideo):
         try:
             stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                          vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                         prefix_tokens=metadata["prefix_tokens"])
+                         prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=stored_as or "auto")
         except HorizonError as error:
             raise InputError(f"{path}: {error}") from None
         try:
@@ -309,7 +316,8 @@ def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) ->
     """`Stream.load` of a disk-tier stream's file set (see there)."""
     journal = read_file_set(folder)
     setup = read_stream_setup(folder)
-    _check_same_setup(folder, setup, qa, allow_other_weights)
+    _check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
+                      allow_other_weights, check_kv_cache_dtype(getattr(qa, "kv_cache_dtype", None)))
     geometry = cache_geometry(qa.adapter.model)
     made = journal.manifest.get("geometry")
     if made != _geometry_fields(geometry):
@@ -317,7 +325,7 @@ def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) ->
     if not journal.steps:
         raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
     last = journal.steps[-1]
-    if not isinstance(last.get("state"), dict) or not isinstance(last.get("carried"), list) or not last["carried"]:
+    if not isinstance(last.get("state"), dict):
         raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
     check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
                                  "engine": setup["engine"], "max_fps": setup["max_fps"],
@@ -328,14 +336,13 @@ def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) ->
     try:
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
-                     prefix_tokens=setup["prefix_tokens"], disk_tier=tier)
+                     prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
+                     disk_tier=tier)
     except BaseException:
         tier.close()
         raise
     try:
-        row = (int(last["carried"][0][0]), geometry.kv_heads, geometry.head_dim)
-        lengths, carried = verify_and_adopt(tier, journal, row, geometry.dtype, geometry.layers)
-        install(stream.prefill.cache, lengths, carried, journal.evicted, stream.prefill.device)
+        resume(tier, journal, stream.prefill.cache, stream.prefill.device)
         tier.truncate_journal(journal.end)
         stream.state = LayoutState.from_dict(last["state"])
     except BaseException:
@@ -368,11 +375,16 @@ def _model_identity(qa: Any) -> dict[str, Any]:
             "hidden_size": text.hidden_size, "dtype": str(qa.adapter.dtype).removeprefix("torch.")}
 
 
-def _check_same_setup(path: str | Path, metadata: dict[str, Any], qa: Any, allow_other_weights: bool) -> None:
+def _check_same_setup(path: str | Path, metadata: dict[str, Any], qa: Any, allow_other_weights: bool,
+                      kv_cache_dtype: str | None) -> None:
     saved, current = metadata["model"], _model_identity(qa)
     for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
         if saved[key] != current[key]:
             raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+    stored = metadata["cache"].get("kv_cache_dtype")
+    if stored != kv_cache_dtype:
+        raise InputError(f"{path}: saved with kv_cache_dtype={stored or 'auto'}, but it is being loaded as "
+                         f"{kv_cache_dtype or 'auto'}; load it with kv_cache_dtype={stored or 'auto'}")
     policy = metadata["engine"]["policy"]
     if policy != repr(qa.policy):
         raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")

@@ -27,7 +27,7 @@ SCHEMA = _record({
     "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
                        "reserve_tokens": _integer(1)}),
     "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
-    "prefix_tokens": _integer(0), "vision_batch": _integer(1),
+    "prefix_tokens": _integer(0), "vision_batch": _integer(1), "kv_cache_dtype": _optional(TEXT),
 })
 
 

@@ -260,8 +260,7 @@ def _list_of(check: Check, *, length: int | None = None) -> Check:
 
 
 def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
-    """A JSON object with exactly ``fields``, each checked, and any of the ``optional`` ones (fields added
-    since format 2 began, absent from the files written before)."""
+    """A JSON object with exactly ``fields``, and any of ``optional``, each checked."""
     optional = optional or {}
     def check(value: Any, name: str) -> dict:
         if not isinstance(value, dict):
@@ -270,8 +269,8 @@ def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = 
         unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
             raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
-        checks = {**fields, **{key: check for key, check in optional.items() if key in value}}
-        return {key: checks[key](value[key], f"{name}.{key}") for key in checks}
+        every = {**fields, **{key: check for key, check in optional.items() if key in value}}
+        return {key: every[key](value[key], f"{name}.{key}") for key in every}
     return check
 
 
@@ -309,7 +308,8 @@ SCHEMA = _record({
     "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames",)),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
                       "window_starts": _list_of(_optional(_integer(0)))},
-                     {"evicted_steps": _list_of(_integer(0))}),
+                     optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype
+                               "evicted_steps": _list_of(_integer(0))}),
     "checksums": _of_type(dict, "an object"),
 })
 

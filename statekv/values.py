@@ -354,6 +354,61 @@ POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
 BYTE_SIZE = argparse_type(byte_size, "a size in bytes such as 512M or 20G")
 
 
+# kinds of value: one object for how a setting is checked in Python, read from text and typed on the command line
+@dataclass(frozen=True)
+class Kind:
+    """The values a setting takes.
+
+    annotation: the Python type, as a dataclass field declares it (``"int | None"``). check ``(value, name)``: a
+    value given in Python, of the right type already (raises, naming ``name``). parse ``(value, name)``: a value
+    that may arrive as text, converted (a converted value is still checked with ``check``). cli: the ``argparse``
+    type (None: the text itself). choices: the accepted names, asked for when they are needed (a registry may
+    grow), or None.
+    """
+
+    annotation: str
+    check: Parser
+    parse: Parser
+    cli: Callable[[str], Any] | None = None
+    choices: Callable[[], Sequence[str]] | None = None
+
+    @property
+    def optional(self) -> "Kind":
+        """The same values or None (from text: ``""``, ``none``, ``null``)."""
+        if self.annotation.endswith("| None"):
+            return self
+        return Kind(f"{self.annotation} | None", lambda value, name: None if value is None else self.check(value, name),
+                    lambda value, name: None if _is_none(value) else self.parse(value, name), self.cli, self.choices)
+
+
+def check_dtype(value: object, name: str = "dtype") -> object:
+    """``value`` if it names a floating-point dtype (see `torch_dtype`: a name, ``"auto"`` or a ``torch.dtype``)."""
+    torch_dtype(value, name)
+    return value
+
+
+def check_text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def one_of(choices: Callable[[], Sequence[str]], check: Parser | None = None) -> Kind:
+    """Names from ``choices()`` (looked up when a value is checked: names registered later are accepted too);
+    ``check``: the registry's own lookup, whose message names the known ones (default: `check_choice`)."""
+    return Kind("str", check or (lambda value, name: check_choice(value, name, choices())),
+                lambda value, name: choice(choices())(value, name), choices=choices)
+
+
+POSITIVE = Kind("int", check_int, positive_int, POSITIVE_INT)
+NON_NEGATIVE = Kind("int", lambda value, name: check_int(value, name, minimum=0), non_negative_int, NON_NEGATIVE_INT)
+BOOLEAN = Kind("bool", check_bool, boolean)
+TEXT = Kind("str", check_text, required_text)
+DTYPE = Kind("str", lambda value, name: check_dtype(value, name), required_text)
+DEVICE = Kind("str", check_device, required_text)
+BYTES = Kind("int", check_int, byte_size, BYTE_SIZE)  # a size in bytes; from text also 512M, 20G
+
+
 def _path_text(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got an empty string")

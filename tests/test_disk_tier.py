@@ -87,7 +87,7 @@ def test_nothing_of_the_detailed_cache_is_held_in_ram(adapters, tmp_path):
         # every token's keys and values are in the layer's files, appended in token order
         on_disk = sum(os.path.getsize(path) for path in detailed.paths)
         assert on_disk >= detailed.nbytes == 2 * stream.tokens * detailed.row_bytes
-        assert [p.name for p in detailed.paths] == [f"layer{index}.kv.0.bin", f"layer{index}.kv.1.bin"]
+        assert [p.name for p in detailed.paths] == [f"layer{index}.detailed.0.bin", f"layer{index}.detailed.1.bin"]
         # in RAM: only the step means, one [B, H_kv, D] row per step
         means = layer.storage.block_keys
         assert means.length == steps and means.keys.device.type == "cpu"
@@ -151,9 +151,9 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
     adapter = adapters["paper"]
     qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
     folder = _disk_stream(adapter, tmp_path / "a")
-    data = bytearray((folder / "layer1.kv.0.bin").read_bytes())
+    data = bytearray((folder / "layer1.detailed.0.bin").read_bytes())
     data[5] ^= 0xFF
-    (folder / "layer1.kv.0.bin").write_bytes(bytes(data))
+    (folder / "layer1.detailed.0.bin").write_bytes(bytes(data))
     _refused(folder, qa, "damaged: step 0's data")
 
     folder = _disk_stream(adapter, tmp_path / "b")
@@ -263,3 +263,26 @@ def test_kill_9_mid_stream_then_load_resumes_from_the_last_durable_frame(adapter
         reference.push(frame)
     assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=3),
                        reference.ask_tokens(QUESTION, max_new_tokens=6, retrieve=3))
+
+
+def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path):
+    frames = _frames(6)
+    memory = _qa(adapters["chat"], offload=True, kv_cache_dtype="int4").stream(horizon_frames=6)
+    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path, kv_cache_dtype="int4")
+    disk = qa.stream(horizon_frames=6)
+    for frame in frames[:4]:
+        memory.push(frame)
+        disk.push(frame)
+    names = sorted(path.name for path in disk.prefill.disk.folder.glob("layer0.*.bin"))
+    assert names == ["layer0.key_codes.0.bin", "layer0.key_scales.0.bin", "layer0.step_means.0.bin",
+                     "layer0.step_samples.0.bin", "layer0.value_codes.0.bin", "layer0.value_scales.0.bin"]
+    resumed = Stream.load(disk.prefill.disk.folder, qa)
+    with pytest.raises(InputError, match="kv_cache_dtype"):  # a file set is resumed as it was stored
+        Stream.load(disk.prefill.disk.folder, _qa(adapters["chat"], offload="disk", offload_dir=tmp_path))
+    for frame in frames[4:]:
+        memory.push(frame)
+        resumed.push(frame)
+    assert _same(_carried(resumed), _carried(memory))
+    for retrieve in (None, 2):
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
+                           memory.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))

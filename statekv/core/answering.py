@@ -3,8 +3,9 @@
 The context of every layer is either the whole detailed cache or, with a :class:`Retrieval`, the steps (frames)
 its rule scores highest for the question at that layer (:mod:`statekv.core.retrieval`), plus the first
 ``keep_tokens`` tokens (the prompt prefix and any sinks), in time order. ReKV (Di et al., ICLR 2025) answers
-this way; here every method can, since every stream keeps its detailed keys and each step's mean key
-(``StreamingLayer.block_keys``).
+this way; here every method can, since every stream keeps its detailed cache and each step's summaries
+(:attr:`statekv.core.storage.LayerStorage.summaries`). The detailed cache is read only through its storage
+(``read_range``, ``read_tokens``), which may keep it elsewhere or quantized.
 
 The context is chosen when the question's queries reach a layer's attention, one layer at a time, so a
 layer's retrieved tokens are the only part of an offloaded detailed cache brought to the model's device. The
@@ -68,34 +69,38 @@ class AnswerLayer(CacheLayerMixin):
         """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt.
 
         layer, scale, memory: what the retrieval rule sees (`LayerQuestion`)."""
-        detailed, length = self.stream.detailed, self.stream.detailed.length
+        storage = self.stream.storage
+        length = storage.length
         keys, values = self._pending
         need = length + self.room
         evicted = self.stream.cache.evicted_steps
-        if retrieval is None and not self.stream.offloaded:
-            detailed.reserve(keys, need)  # answer in the free room past the stream's end: no copy
-            self.keys, self.values, self.context = detailed.keys, detailed.values, length
-        elif retrieval is None and not evicted:  # offloaded: the whole detailed cache comes back to the model's device
+        in_place = storage.answer_in_place(keys, need - length) if retrieval is None and not evicted else None
+        if in_place is not None:  # answer in the free room past the stream's end: no copy
+            (self.keys, self.values), self.context = in_place, length
+        elif retrieval is None and not evicted:  # stored elsewhere or otherwise: the whole cache to the model's device
             self._allocate(keys, need)
-            self.keys[:, :, :length], self.values[:, :, :length] = detailed.view(0, length)
+            self.keys[:, :, :length], self.values[:, :, :length] = storage.read_range(
+                0, length, self.model_device, keys.dtype)
             self.context = length
         elif retrieval is None:  # every token still held, in order
             index = _held_tokens(self.stream.cache.chunk_lengths, evicted)
             self._allocate(keys, index.shape[0] + self.room)
-            for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
-                mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
+            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
+                index, self.model_device, keys.dtype)
             self.context = index.shape[0]
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
             steps = tuple(self.stream.cache.chunk_lengths)
-            seen = LayerQuestion(layer, question, detailed.view(0, length)[0],
-                                 self.stream.block_keys.view(0, len(steps))[0], steps, scale,
-                                 {} if memory is None else memory, frozenset(evicted))
+            means, samples = storage.summaries
+            seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
+                                 {} if memory is None else memory, samples=samples[:, :, :len(steps)],
+                                 read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
+                                 evicted=frozenset(evicted))
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
-            for mine, theirs in ((self.keys, detailed.keys), (self.values, detailed.values)):
-                mine[:, :, : index.shape[0]] = theirs.index_select(2, index).to(self.model_device)
+            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
+                index, self.model_device, keys.dtype)
             self.context = index.shape[0]
         self._pending = None
         self._append(keys, values)
@@ -123,7 +128,7 @@ class AnswerLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Logical tokens before the next one: the stream's, then the prompt and answer so far."""
-        return self.stream.detailed.length + self.answered
+        return self.stream.storage.length + self.answered
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.context + self.answered + query_length, self.get_seq_length() - self.context - self.answered

@@ -25,6 +25,7 @@ from . import forms, persistence
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
+from .quantized import QuantizedStorage, check_kv_cache_dtype
 from .storage import LayerStorage, OffloadedStorage
 from .transaction import StepContext, StepTransaction
 
@@ -41,11 +42,14 @@ class StreamingLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: "TwoStateCache", index: int, capacity_hint: int | None = None,
-                 storage_device: torch.device | str | None = None, make_storage=None):
+                 storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None,
+                 make_storage=None):
         super().__init__()
         self.cache, self.index, self._on_replace = cache, index, cache.buffers_replaced  # cache: for callers
-        if make_storage is not None:  # e.g. a DiskTier's: (layer index, capacity_hint, on_replace) -> storage
-            self.storage = make_storage(index, capacity_hint, cache.buffers_replaced)
+        if make_storage is not None:  # a DiskTier's: (index, capacity_hint, on_replace, kv_cache_dtype) -> storage
+            self.storage = make_storage(index, capacity_hint, cache.buffers_replaced, kv_cache_dtype)
+        elif kv_cache_dtype is not None:
+            self.storage = QuantizedStorage(kv_cache_dtype, capacity_hint, storage_device, cache.buffers_replaced)
         else:
             kind = LayerStorage if storage_device is None else OffloadedStorage
             self.storage = kind(capacity_hint, storage_device, cache.buffers_replaced)
@@ -81,17 +85,17 @@ class StreamingLayer(CacheLayerMixin):
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.storage.stage_mean(key_states.mean(dim=2, keepdim=True), self.step.step_device)
+        self.storage.stage_summaries(key_states, self.step.step_device)
         return self.carry.stage(self.storage, key_states, value_states, self.step)
 
     def get_seq_length(self) -> int:
         """Logical tokens committed (what the model's positions count), as transformers' sliding layers."""
-        return self.detailed.length
+        return self.storage.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(carried + query_length, offset)``: the keys handed to attention and the logical position the
         first of them would have if they were contiguous (so the chunk is causal at the end)."""
-        return self.carried_length + query_length, self.detailed.length - self.carried_length
+        return self.carried_length + query_length, self.storage.length - self.carried_length
 
     def get_max_length(self) -> int:  # no maximum
         return -1
@@ -150,8 +154,10 @@ class TwoStateCache(Cache):
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
-        make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace)``; the disk
-            tier's, :class:`statekv.core.disk.DiskTier`).
+        kv_cache_dtype: ``"int8"`` or ``"int4"`` to store the detailed cache quantized
+            (:mod:`statekv.core.quantized`); None: in the model's dtype.
+        make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace,
+            kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.DiskTier`).
 
     ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
     (:mod:`statekv.core.limits`); answers never read them. ``attention_by_step``: when kept, the attention mass
@@ -163,11 +169,12 @@ class TwoStateCache(Cache):
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
-                 make_storage=None):
+                 kv_cache_dtype: str | None = None, make_storage=None):
         super().__init__(layers=[])
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device, make_storage)
+        self.layers = [StreamingLayer(self, i, capacity_hint, storage_device, self.kv_cache_dtype, make_storage)
                        for i in range(num_layers)]
         self.evicted_steps: set[int] = set()
         self.attention_by_step: torch.Tensor | None = None  # float64 [steps], kept only when asked for
@@ -318,11 +325,9 @@ class TwoStateCache(Cache):
         for layer in self.layers:
             exported = DynamicLayer()
             cache.layers.append(exported)
-            if layer.detailed.keys is None:
+            if not layer.is_initialized:
                 continue  # nothing streamed yet: an empty layer
-            keys, values = layer.detailed.view(0, layer.detailed.length)
-            if device is not None:
-                keys, values = keys.to(device), values.to(device)
+            keys, values = layer.storage.read_range(0, layer.storage.length, device, layer.dtype)
             exported.lazy_initialization(keys, values)
             exported.keys, exported.values = keys, values
         return cache

@@ -1,18 +1,21 @@
 """The disk tier of the detailed cache: one stream's keys and values in an append-only, memory-mapped file set.
 
 A stream streamed with ``offload="disk"`` owns a folder (`DiskTier`) holding, per layer, its keys and values
-(``layer{i}.kv.0.bin``, ``layer{i}.kv.1.bin``) and its step means (``layer{i}.means.0.bin``), each a
-`MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token order, so the files only grow and nothing written is
-rewritten. A step stages its chunk on the model's device and its data is appended when it commits
-(`DiskStorage`); only the step means (what retrieval ranks steps by) are also kept in RAM. Reads map the files
-afresh each time, so what a question reads is resident only while the question holds it.
+(``layer{i}.detailed.0.bin``, ``layer{i}.detailed.1.bin``; quantized: its codes and scales) and its step
+summaries (``layer{i}.step_means.0.bin``, ``layer{i}.step_samples.0.bin``), each a `MappedTokenBuffer`: rows of
+``[B, H_kv, X]`` in token (or step) order, so the files only grow and nothing written is rewritten. The layer's
+storage is the usual offloaded (or quantized) one over these buffers (the storages' ``make_buffer`` factory): a
+step stages its chunk on the model's device and its data is appended when it commits. Only the step summaries
+(what retrieval scores steps by) are also kept in RAM (`MirroredTokenBuffer`). Reads map the files afresh each
+time, so what a question reads is resident only while the question holds it.
 
 Durability: after each step a line is appended to ``journal`` (its CRC-32, then JSON: the step's length, the
 CRC-32 of every byte it appended, where its carried positions were written and what the layers above record,
-e.g. the stream's layout state). The carried positions of every layer go to ``carry.{step % 2}.bin`` (two slots
+e.g. the stream's layout state). The carried state of every layer (positions, keys and values in the model's
+dtype) goes to ``carry.{step % 2}.bin`` (two slots
 written in turn, so the last journaled step's slot is intact whatever a kill interrupts). Data is written
 before the line that vouches for it: a process killed at any point leaves a file set whose last complete line
-names a state that can be resumed (`read_file_set`), and anything after it counts as lost. Written data
+names a state that can be resumed (`read_file_set`, `resume`), and anything after it counts as lost. Written data
 reaches the kernel at once (a kill loses none of it); `DiskTier.sync` forces it to the device.
 """
 
@@ -33,8 +36,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
-from .buffers import CarriedSlots, TokenBuffer
-from .limits import runs
+from . import persistence
+from .buffers import TokenBuffer
 from .storage import OffloadedStorage
 
 FORMAT = "statekv-disk-cache"
@@ -61,12 +64,14 @@ class MappedTokenBuffer:
         self.parts, self.capacity_hint, self.on_replace = parts, capacity_hint, on_replace
         self.device = torch.device("cpu")
         self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]
+        self.prefix = Path(prefix)
         self.length = 0
         self.row: tuple[int, int, int] | None = None  # (B, H_kv, X)
         self.dtype: torch.dtype | None = None
         self._capacity = 0
         self._fds: list[int] = []
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
+        self.adopted = False  # opened over rows already there (see load)
 
     # -- TokenBuffer's interface ----------------------------------------------------------------------------
     @property
@@ -126,7 +131,11 @@ class MappedTokenBuffer:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
     def load(self, *parts: torch.Tensor) -> None:
-        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty)."""
+        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty),
+        except just after `open` adopted that many rows already there (resuming: ``parts`` are their views)."""
+        if self.adopted and parts[0].shape[2] == self.length:
+            self.adopted = False
+            return
         if self.row is not None:
             for fd in self._fds:
                 os.ftruncate(fd, 0)
@@ -144,8 +153,11 @@ class MappedTokenBuffer:
     def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0) -> None:
         """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
         committed (resuming)."""
-        self.row, self.dtype, self.length = tuple(int(n) for n in row), dtype, length
+        self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
         try:
+            if not length:  # what a resumed stream reopens the files as
+                _write_json(Path(f"{self.paths[0]}.json"), {"row": list(self.row),
+                                                            "dtype": str(dtype).removeprefix("torch.")})
             self._fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.paths]
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
@@ -193,52 +205,49 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-class DiskStorage(OffloadedStorage):
-    """A layer's detailed cache in a `DiskTier`: staged on the model's device during the step, appended to the
-    layer's files when it commits. The step means stay in RAM (``block_keys``, what retrieval scores steps by)
-    and are appended to a file too, so a resumed stream reads them back without touching the keys."""
+class MirroredTokenBuffer(TokenBuffer):
+    """A `TokenBuffer` in RAM (what is read) whose writes are also appended to a `MappedTokenBuffer` (what a
+    resumed stream reads back): the step summaries."""
 
-    def __init__(self, capacity_hint: int | None, prefix: Path, on_replace: Callable[[], None]):
-        super().__init__(capacity_hint, "cpu", on_replace)
-        self.detailed = MappedTokenBuffer(2, capacity_hint, Path(f"{prefix}.kv"), on_replace)
-        self.means = MappedTokenBuffer(1, None, Path(f"{prefix}.means"))
+    def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None):
+        self.mirror = MappedTokenBuffer(parts, None, prefix)
+        self._ram_only = False  # while loading: the file has the rows already
+        super().__init__(parts, None, "cpu", on_replace=on_replace)
 
-    def commit_host(self, chunk_len: int) -> None:
-        self.means.write(self.means.length, self.staged_mean)
-        self.means.length += 1
-        super().commit_host(chunk_len)
+    @property
+    def length(self) -> int:
+        return self._length
 
-    def release_tokens(self, tokens: torch.Tensor) -> None:
-        for start, end in runs(tokens):
-            self.detailed.release(start, end)
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        if not self._ram_only:
+            self.mirror.length = value
 
-    def take_crc(self) -> int:
-        """CRC-32 of what this layer appended since the last call (keys, values, then the mean)."""
-        crc = zlib.crc32(self.means.crc.to_bytes(4, "little"), self.detailed.crc)
-        self.detailed.crc = self.means.crc = 0
-        return crc
+    def write(self, start: int, *parts: torch.Tensor) -> None:
+        super().write(start, *parts)
+        if not self._ram_only:
+            self.mirror.write(start, *parts)
 
-    def resume(self, row: tuple[int, int, int], dtype: torch.dtype, tokens: int, steps: int) -> None:
-        """Adopt ``tokens`` committed rows and ``steps`` step means already in the files; the means come back
-        to RAM."""
-        self.detailed.open(row, dtype, tokens)
-        self.means.open(row, dtype, steps)
-        if steps:
-            self.block_keys.load(self.means.view(0, steps)[0].clone())
+    def load(self, *parts: torch.Tensor) -> None:
+        self.mirror.load(*parts)
+        self._ram_only = True
+        try:
+            super().load(*(part.clone() for part in parts))
+        finally:
+            self._ram_only = False
 
-    def restored(self, dtype: torch.dtype, device: torch.device) -> None:
-        super().restored(dtype, device)
-        steps = self.block_keys.length  # a saved state was loaded: its step means go to their file too
-        if steps and steps != self.means.length:
-            self.means.load(*self.block_keys.view(0, steps))
+    @property
+    def crc(self) -> int:
+        return self.mirror.crc
 
-    def sync(self) -> None:
-        self.detailed.sync()
-        self.means.sync()
+    @crc.setter
+    def crc(self, value: int) -> None:
+        self.mirror.crc = value
 
-    def close(self) -> None:
-        self.detailed.close()
-        self.means.close()
+
+PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
+SUMMARIES = ("step_means", "step_samples")  # kept in RAM too (what retrieval scores from)
 
 
 @dataclass
@@ -254,15 +263,16 @@ class Journaled:
 
 
 class DiskTier:
-    """One stream's file set in ``folder`` (see the module docstring): the layers' `DiskStorage`, the journal,
-    the carried-positions slots.
+    """One stream's file set in ``folder`` (see the module docstring): the layers' buffers, the journal, the
+    carried-state slots.
 
     Create a new one with `create`; `open` adopts an existing one (resuming, after `read_file_set`).
     """
 
     def __init__(self, folder: Path, manifest: dict[str, Any]):
         self.folder, self.manifest = folder, manifest
-        self.storages: list[DiskStorage] = []
+        self.storages: list[OffloadedStorage] = []
+        self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
         self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
@@ -278,11 +288,29 @@ class DiskTier:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
         return cls(folder, manifest)
 
-    def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None]) -> DiskStorage:
-        """The storage of layer ``index`` (the cache's storage factory)."""
-        storage = DiskStorage(capacity_hint, self.folder / f"layer{index}", on_replace)
+    def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
+                kv_cache_dtype: str | None = None) -> OffloadedStorage:
+        """The storage of layer ``index`` (the cache's storage factory): the usual offloaded or quantized storage
+        over this tier's buffers (the summaries mirrored in RAM, everything else only in the files)."""
+        from .quantized import QuantizedStorage
+
+        buffers: dict[str, MappedTokenBuffer | MirroredTokenBuffer] = {}
+        self.buffers.append(buffers)
+
+        def make_buffer(name: str, parts: int, hint: int | None):
+            prefix = self.folder / f"layer{index}.{name}"
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace) if name in SUMMARIES
+                             else MappedTokenBuffer(parts, hint, prefix, on_replace))
+            return buffers[name]
+
+        storage = (QuantizedStorage(kv_cache_dtype, capacity_hint, "cpu", on_replace, make_buffer) if kv_cache_dtype
+                   else OffloadedStorage(capacity_hint, "cpu", on_replace, make_buffer))
         self.storages.append(storage)
         return storage
+
+    def _mapped(self, layer: int) -> list[tuple[str, MappedTokenBuffer]]:
+        """Layer ``layer``'s files, by name in a fixed order."""
+        return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
 
     def describe(self, name: str, fields: dict[str, Any]) -> None:
         """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically."""
@@ -293,19 +321,24 @@ class DiskTier:
         text = json.dumps(record, separators=(",", ":"), allow_nan=False)
         os.write(self._journal, f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
 
-    def commit_step(self, step: int, tokens: int, carried: list[torch.Tensor], extra: dict[str, Any]) -> None:
-        """Journal step ``step`` (``tokens`` long), once its data is appended: its CRC, then the carried
-        positions ``[B, H_kv, K]`` of every layer in slot ``step % 2``, then the record vouching for both."""
+    def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
+        """Journal step ``step`` (``tokens`` long), once its data is appended: its CRC, then the carried state of
+        every layer (``layers``: the cache's; positions ``[B, H_kv, K]``, keys and values ``[B, H_kv, K, D]``)
+        in slot ``step % 2``, then the record vouching for both."""
         crc = self._take_crc()
-        positions = torch.cat([p.reshape(-1) for p in carried]).to("cpu", torch.int64).numpy().tobytes()
+        carried = [(layer.positions(), *layer.carried()) for layer in layers]
+        data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                        for parts in carried for t in parts)
         slot = step % 2
         fd = os.open(self.folder / f"carry.{slot}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(fd, memoryview(positions), 0)
+            _pwrite_all(fd, memoryview(data), 0)
         finally:
             os.close(fd)
-        self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot,
-                     "carried": [list(p.shape) for p in carried], "carry_crc": zlib.crc32(positions), **extra})
+        lengths = {name: buffer.length for name, buffer in self._mapped(0)}
+        self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot, "lengths": lengths,
+                     "carried": [list(parts[1].shape) for parts in carried], "carry_crc": zlib.crc32(data),
+                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch."), **extra})
 
     def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any]) -> None:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
@@ -316,26 +349,30 @@ class DiskTier:
             self.append({"evict": sorted(cache.evicted_steps)})
         start = 0
         for step, length in enumerate(cache.chunk_lengths):
-            for storage in self.storages:
-                storage.detailed.crc = _rows_crc(storage.detailed, start, start + length)
-                storage.means.crc = _rows_crc(storage.means, step, step + 1)
+            for layer in range(len(self.buffers)):
+                for name, buffer in self._mapped(layer):
+                    buffer.crc = _rows_crc(buffer, *((step, step + 1) if name in PER_STEP else
+                                                     (start, start + length)))
             if step == len(cache.chunk_lengths) - 1:
-                self.commit_step(step, length, [layer.positions() for layer in cache.layers],
-                                 {**extra, "frames": step_frames[step]})
+                self.commit_step(step, length, cache.layers, {**extra, "frames": step_frames[step]})
             else:
                 self.append({"step": step, "tokens": length, "crc": self._take_crc(), "frames": step_frames[step]})
             start += length
 
     def _take_crc(self) -> int:
+        """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
         crc = 0
-        for storage in self.storages:
-            crc = zlib.crc32(storage.take_crc().to_bytes(4, "little"), crc)
+        for layer in range(len(self.buffers)):
+            for _, buffer in self._mapped(layer):
+                crc = zlib.crc32(buffer.crc.to_bytes(4, "little"), crc)
+                buffer.crc = 0
         return crc
 
     def sync(self) -> None:
         """Force everything written so far to the storage device."""
-        for storage in self.storages:
-            storage.sync()
+        for layer in range(len(self.buffers)):
+            for _, buffer in self._mapped(layer):
+                buffer.sync()
         os.fsync(self._journal)
 
     def truncate_journal(self, end: int) -> None:
@@ -346,8 +383,9 @@ class DiskTier:
         if self._journal >= 0:
             os.close(self._journal)
             self._journal = -1
-        for storage in self.storages:
-            storage.close()
+        for layer in range(len(self.buffers)):
+            for _, buffer in self._mapped(layer):
+                buffer.close()
 
 
 def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
@@ -414,74 +452,83 @@ def _record(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def verify_and_adopt(tier: DiskTier, journal: Journaled, row: tuple[int, int, int], dtype: torch.dtype,
-                     layers: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Adopt the journal's steps into ``tier``'s layers (``layers`` storages made already), checking every step's
-    CRC (evicted steps excepted) and the last step's carried positions; returns the step lengths and each
-    layer's carried positions ``[B, H_kv, K]``. A one-line `InputError` names the first damage."""
-    steps = journal.steps
+def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device) -> None:
+    """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) from the journal's last step:
+    every step's CRC is checked first (evicted steps excepted) and the last step's carried state; a one-line
+    `InputError` names the first damage. Nothing is rewritten: the files are adopted as they are."""
+    where, steps = tier.folder, journal.steps
+    last = steps[-1]
     lengths = [int(record["tokens"]) for record in steps]
-    tokens, evicted = sum(lengths), set(journal.evicted)
-    where = tier.folder
-    for storage in tier.storages[:layers]:
-        storage.resume(row, dtype, tokens, len(steps))
-    start = 0
+    sizes = last.get("lengths")
+    if not isinstance(sizes, dict) or len(tier.buffers) != len(cache.layers):
+        raise InputError(f"{where}: the disk cache's journal is damaged: its last step lacks its files' lengths")
+    for layer in range(len(tier.buffers)):
+        for name, buffer in tier.buffers[layer].items():
+            mapped = getattr(buffer, "mirror", buffer)
+            try:
+                shape = json.loads(Path(f"{mapped.paths[0]}.json").read_text())
+                mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
+                                 "reopened") from None
+    evicted, start = set(journal.evicted), 0
     for record, length in zip(steps, lengths):
         if record["step"] not in evicted:
             crc = 0
-            for storage in tier.storages:
-                means = _rows_crc(storage.means, record["step"], record["step"] + 1)
-                layer = zlib.crc32(means.to_bytes(4, "little"), _rows_crc(storage.detailed, start, start + length))
-                crc = zlib.crc32(layer.to_bytes(4, "little"), crc)
+            for layer in range(len(tier.buffers)):
+                for name, buffer in tier._mapped(layer):
+                    rows = (record["step"], record["step"] + 1) if name in PER_STEP else (start, start + length)
+                    crc = zlib.crc32(_rows_crc(buffer, *rows).to_bytes(4, "little"), crc)
             if crc != record["crc"]:
                 raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
                                  "its checksum")
         start += length
-    if not steps:
-        return lengths, []
-    last = steps[-1]
-    try:
-        data = (where / f"carry.{last['slot']}.bin").read_bytes()
-    except OSError:
-        data = b""
-    if zlib.crc32(data) != last["carry_crc"]:
-        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
-                         "match its checksum")
-    flat = torch.frombuffer(bytearray(data), dtype=torch.int64)
-    carried, offset = [], 0
-    for shape in last["carried"]:
-        size = math.prod(shape)
-        carried.append(flat[offset:offset + size].view(*shape).clone())
-        offset += size
-    if offset != flat.numel() or len(carried) != layers:
-        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
-    for positions in carried:
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
-            raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
-    return lengths, carried
-
-
-def install(cache: Any, lengths: list[int], carried: list[torch.Tensor], evicted: list[int],
-            device: torch.device) -> None:
-    """Install an adopted file set into ``cache`` (a `TwoStateCache` whose layers are the tier's storages): the
-    carried keys and values are read back from the detailed cache at the carried positions."""
-    from . import forms
-
+    carried = _carried_slot(where, last, len(cache.layers), start)
+    for index, (layer, (positions, keys, values)) in enumerate(zip(cache.layers, carried)):
+        tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
+        for name, buffer in tier.buffers[index].items():
+            mapped = getattr(buffer, "mirror", buffer)
+            views = mapped.view(0, mapped.length)
+            if name == "detailed":
+                tensors.update(keys=views[0], values=views[1])
+            else:
+                tensors["block_keys" if name == "step_means" else name] = views[0]
+        persistence.restore_layer(layer, tensors, None, lengths, device)
     cache.recency.reset()
-    for layer, positions in zip(cache.layers, carried):
-        keys, values = layer.detailed.tensors
-        index = positions.unsqueeze(-1).expand(*positions.shape, keys.shape[-1])
-        kv = torch.stack([keys.gather(2, index), values.gather(2, index)]).to(device)
-        layer.carry = forms.Slots(CarriedSlots.holding(kv, positions.to(device), 0))
-        layer.is_initialized = True
-        layer.dtype, layer.device = keys.dtype, device
-        layer.storage.restored(keys.dtype, device)
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
-    cache.evicted_steps = set(evicted)
+    cache.evicted_steps = set(journal.evicted)
     cache.seen_device = None
     cache.buffers_replaced()
 
 
-__all__ = ["DiskStorage", "DiskTier", "Journaled", "MappedTokenBuffer", "TokenBuffer", "install",
-           "read_file_set", "verify_and_adopt"]
+def _carried_slot(where: Path, last: dict[str, Any], layers: int, tokens: int) -> list[tuple[torch.Tensor, ...]]:
+    """The carried state the last step wrote: per layer, positions ``[B, H_kv, K]``, keys and values."""
+    try:
+        data = (where / f"carry.{last['slot']}.bin").read_bytes()
+    except OSError:
+        data = b""
+    if zlib.crc32(data) != last.get("carry_crc"):
+        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
+                         "match its checksum")
+    dtype = getattr(torch, str(last.get("carried_dtype")), None)
+    shapes = last.get("carried")
+    if not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers:
+        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    buffer, offset, carried = bytearray(data), 0, []
+    for shape in shapes:
+        parts = []
+        for kind, size in ((torch.int64, math.prod(shape[:3])), (dtype, math.prod(shape)), (dtype, math.prod(shape))):
+            nbytes = size * kind.itemsize
+            parts.append(torch.frombuffer(buffer, dtype=kind, count=size, offset=offset).clone())
+            offset += nbytes
+        carried.append((parts[0].view(*shape[:3]), parts[1].view(*shape), parts[2].view(*shape)))
+        positions = carried[-1][0]
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
+            raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
+    if offset != len(data):
+        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    return carried
+
+
+__all__ = ["DiskTier", "Journaled", "MappedTokenBuffer", "MirroredTokenBuffer", "read_file_set", "resume"]

@@ -204,7 +204,7 @@ class RingForm(Slots):
         positions = self.positions(storage)
         if not storage.holds_window or self.ring.sinks:
             return Slots(CarriedSlots.holding(torch.stack([keys, values]), positions, chunk_len))
-        return Window(storage.detailed.length - keys.shape[2])
+        return Window(storage.length - keys.shape[2])
 
     def is_static(self, budget: int | None) -> bool:
         return True
@@ -219,7 +219,7 @@ class RingForm(Slots):
 
     def positions(self, storage: LayerStorage) -> torch.Tensor:
         keys = self.buffer.keys
-        return self.ring.positions(storage.detailed.length, keys.device).expand(*keys.shape[:2], -1)
+        return self.ring.positions(storage.length, keys.device).expand(*keys.shape[:2], -1)
 
     def commit(self, storage: LayerStorage, selection, step: StepContext):
         """The chunk over the oldest step, at the token slots ``step.ring_target`` (read on the device)."""

@@ -7,12 +7,14 @@ first step or, worse, when the stream reaches it hours later.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import HorizonError
+from .quantized import stored_bytes_per_token
 
 GIB = 2**30
 
@@ -39,9 +41,13 @@ class CacheGeometry:
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def detailed_bytes(self, tokens: int, batch: int = 1) -> int:
-        """Bytes of the detailed cache (keys and values of every layer) for ``tokens`` tokens."""
-        return self.bytes_per_token * tokens * batch
+    def detailed_bytes(self, tokens: int, batch: int = 1, kv_cache_dtype: str | None = None) -> int:
+        """Bytes of the detailed cache (keys and values of every layer) for ``tokens`` tokens, stored in the
+        model's dtype or quantized (codes and per-token scales; the keys' per-step scales grow as steps come)."""
+        if kv_cache_dtype is None:
+            return self.bytes_per_token * tokens * batch
+        per_token = stored_bytes_per_token(self.kv_heads, self.head_dim, self.dtype, kv_cache_dtype, tokens or 1)
+        return math.ceil(self.layers * per_token * tokens * batch)
 
     def describe(self, tokens: int) -> str:
         return (f"{self.layers} layers x 2 x {self.kv_heads} KV heads x {self.head_dim} x {self.dtype.itemsize} "
@@ -61,17 +67,18 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_cache_fits(geometry: CacheGeometry, horizon: int, device: torch.device) -> None:
-    """A one-line `HorizonError` with the figures when ``horizon`` tokens of detailed cache cannot be held on
-    ``device``."""
-    needed = geometry.detailed_bytes(horizon)
+def check_cache_fits(geometry: CacheGeometry, horizon: int, device: torch.device,
+                     kv_cache_dtype: str | None = None) -> None:
+    """A one-line `HorizonError` with the figures when ``horizon`` tokens of detailed cache (quantized if
+    ``kv_cache_dtype`` says so) cannot be held on ``device``."""
+    needed = geometry.detailed_bytes(horizon, kv_cache_dtype=kv_cache_dtype)
     available = available_bytes(device)
     if available is not None and needed > available:
         raise HorizonError(
             f"a horizon of {horizon} tokens needs {needed / GIB:,.1f} GiB of detailed cache "
             f"({geometry.describe(horizon)}), but {device} has {available / GIB:,.1f} GiB available; declare "
             "fewer frames" + (", keep the detailed cache in CPU memory (offload)" if device.type != "cpu" else "")
-            + " or use a smaller dtype")
+            + " or use a smaller dtype" + ("" if kv_cache_dtype else " (kv_cache_dtype int8 or int4)"))
 
 
 def _host_available_bytes() -> int | None:

@@ -1,6 +1,6 @@
 """Saving and resuming a two-state cache: its tensors and metadata, and the checks a saved state must pass.
 
-A layer saves its detailed cache, its step means and, unless its carried state is a window of the detailed
+A layer saves its detailed cache, its step summaries (means and sampled keys) and, unless its carried state is a window of the detailed
 cache (then only where the window starts), the carried keys, values and positions. Resuming installs them in
 whatever form fits the resumed stream (a window saved without offload becomes explicit slots when offloaded).
 """
@@ -14,6 +14,8 @@ from .buffers import CarriedSlots
 from ..errors import InputError
 from ..values import check_int
 from .memory import CacheGeometry
+from .quantized import expected_tensors
+from .storage import SAMPLES_PER_STEP
 
 # The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
 # this module.
@@ -22,7 +24,6 @@ from .memory import CacheGeometry
 def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
     """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata
     (``chunk_lengths``, ``seen_tokens``, ``window_starts``)."""
-    cache.layers[0].detailed.synchronize()
     tensors, window_starts = {}, []
     for index, layer in enumerate(cache.layers):
         layer_tensors, window_start = export_layer(layer)
@@ -32,6 +33,8 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
                 "window_starts": window_starts}
     if cache.evicted_steps:  # absent unless a cache limit evicted steps (so states without any read as before)
         metadata["evicted_steps"] = sorted(cache.evicted_steps)
+    if cache.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
+        metadata["kv_cache_dtype"] = cache.kv_cache_dtype
     return tensors, metadata
 
 
@@ -55,10 +58,8 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
 
 def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int | None]:
     """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
-    keys, values = layer.detailed.view(0, layer.detailed.length)
-    tensors = {"keys": keys, "values": values}
-    if layer.block_keys.length:
-        tensors["block_keys"] = layer.block_keys.view(0, layer.block_keys.length)[0]
+    layer.storage.synchronize()
+    tensors = layer.storage.export()
     start = layer.carry.saved_start(layer.storage)
     if start is not None or layer.slots is None:
         return tensors, start
@@ -71,36 +72,30 @@ def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], win
                   steps: list[int], device: torch.device) -> None:
     """Install a state saved by :func:`export_layer` (``steps``: the token count of every step); the carried
     state goes to ``device`` (the model's)."""
-    storage = layer.detailed.device or device
-    layer.detailed.load(tensors["keys"].to(storage), tensors["values"].to(storage))
-    if "block_keys" not in tensors:  # saved before step means were kept: recompute them
-        tensors = dict(tensors, block_keys=_step_means(tensors["keys"], steps))
-    layer.block_keys.load(tensors["block_keys"].to(storage))
+    storage = layer.storage
+    storage.load(tensors, steps, device)
     layer.carry = forms.Slots(None) if window_start is None else forms.Window(window_start)
-    if window_start is not None and not layer.storage.holds_window:  # saved without offload: make it explicit
-        keys, values = layer.detailed.view(window_start, layer.detailed.length)
+    if window_start is not None and not storage.holds_window:  # saved without offload: make it explicit
+        keys, values = storage.read_range(window_start, storage.length)
         b, h = keys.shape[:2]
-        positions = torch.arange(window_start, layer.detailed.length).expand(b, h, -1)
+        positions = torch.arange(window_start, storage.length).expand(b, h, -1)
         tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
         window_start, layer.carry = None, forms.Slots(None)
     if window_start is None and "carried_keys" in tensors:
         kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
         layer.carry = forms.Slots(CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0))
-    layer.is_initialized = layer.detailed.length > 0
+    layer.is_initialized = storage.length > 0
     if layer.is_initialized:
-        layer.dtype, layer.device = layer.detailed.keys.dtype, device
-        layer.storage.restored(layer.dtype, device)
+        layer.dtype, layer.device = storage.summaries.means.dtype, device
+        storage.restored(layer.dtype, device)
 
 
-def _step_means(keys: torch.Tensor, steps: list[int]) -> torch.Tensor:
-    """Mean key of every step: ``keys [B, H_kv, N, D]`` split by ``steps`` -> ``[B, H_kv, len(steps), D]``."""
-    return torch.cat([part.mean(dim=2, keepdim=True) for part in keys.split(steps, dim=2)], dim=2)
-
-
-def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry) -> None:
+def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry,
+                     kv_cache_dtype: str | None = None) -> None:
     """Refuse (one-line `InputError`) a state that :func:`state_dict` of a stream over a model of
     ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
     and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
+    ``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``,
     and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
     ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
     if not isinstance(metadata, dict):
@@ -108,6 +103,10 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     for key in ("chunk_lengths", "seen_tokens", "window_starts"):
         if key not in metadata:
             raise InputError(f"the cache metadata lacks {key!r}")
+    saved = metadata.get("kv_cache_dtype")
+    if saved != kv_cache_dtype:
+        raise InputError(f"the saved detailed cache is stored as kv_cache_dtype={saved or 'auto'}, this stream's "
+                         f"as {kv_cache_dtype or 'auto'}; resume it with kv_cache_dtype={saved or 'auto'}")
     lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
     if not isinstance(lengths, list) or not isinstance(starts, list):
         raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
@@ -129,14 +128,19 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
                                            error=InputError) > seen:
             raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
-        keys = tensors.get(prefix + "keys")
+        first = "keys" if kv_cache_dtype is None else "key_codes"
+        keys = tensors.get(prefix + first)
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-            raise InputError(f"the saved state lacks {prefix}keys [B, H_kv, tokens, D]")
+            raise InputError(f"the saved state lacks {prefix}{first} [B, H_kv, tokens, D]")
         batch = keys.shape[0] if batch is None else batch
         head = (batch, geometry.kv_heads)
-        expected[prefix + "keys"] = expected[prefix + "values"] = ((*head, seen, geometry.head_dim), geometry.dtype)
+        expected.update({prefix + name: shaped for name, shaped in expected_tensors(
+            kv_cache_dtype, head, seen, len(lengths), geometry.head_dim, geometry.dtype).items()})
         if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
             expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
+        if prefix + "step_samples" in tensors:  # absent in states saved before sampled keys were kept
+            expected[prefix + "step_samples"] = ((*head, len(lengths), SAMPLES_PER_STEP * geometry.head_dim),
+                                                 geometry.dtype)
         if start is None and seen:
             carried = tensors.get(prefix + "carried_positions")
             size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1

@@ -11,6 +11,7 @@ lets the policy choose what to carry; any other call falls through to the model'
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -29,6 +30,7 @@ from .memory import CacheGeometry, check_cache_fits
 from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
                               share_language_attention, statekv_attention, streaming_through)
 from .policies import CarryPolicy
+from .quantized import check_kv_cache_dtype, stored_bytes_per_token
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
@@ -59,15 +61,18 @@ class StreamingPrefill:
             a new one.
         cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
             for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
+        kv_cache_dtype: store the detailed cache quantized, ``"int8"`` or ``"int4"`` (keys per channel, values
+            per token; see :mod:`statekv.core.quantized`); None or ``"auto"``: in the model's dtype. The carried
+            state and each step's attention stay in the model's dtype; a question dequantizes what it reads.
         track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
             carried positions after every step: a host sync on a GPU; for analysis, not for speed).
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
                  horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
-                 cuda_graph: bool = True, track_overlap: bool = False, *, offload_dir: str | os.PathLike | None = None,
-                 cache_limit: CacheLimit | None = None, protect_tokens: int = 0, name: str = "stream",
-                 disk_tier: DiskTier | None = None):
+                 cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None, *,
+                 offload_dir: str | os.PathLike | None = None, cache_limit: CacheLimit | None = None,
+                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -84,6 +89,7 @@ class StreamingPrefill:
         self._prepared_mask = prepared_mask(self.device)
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
         make_storage = None
@@ -92,7 +98,8 @@ class StreamingPrefill:
                 raise ConfigurationError("offload='disk' needs offload_dir= (the folder for the streams' files)")
             self.storage_device = torch.device("cpu")
             self.disk = disk_tier or DiskTier.create(offload_dir, name, {
-                "geometry": _geometry_fields(self.geometry), "policy": repr(policy), "horizon": horizon})
+                "geometry": _geometry_fields(self.geometry), "policy": repr(policy), "horizon": horizon,
+                "kv_cache_dtype": self.kv_cache_dtype})
             make_storage = self.disk.storage
         else:
             if offload_dir is not None:
@@ -107,17 +114,19 @@ class StreamingPrefill:
                 and not policy.scores_needed(1 << 30):
             raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
                                      "computes; choose evict-oldest or a scoring method (statekv)")
+        self.bytes_per_token = math.ceil(self.geometry.layers * stored_bytes_per_token(
+            self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, self.kv_cache_dtype,
+            tokens_per_step=1 << 30))  # the detailed cache's bytes per token as stored (per-step scales aside)
         if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
-            tokens = horizon if cache_limit is None else min(
-                horizon, cache_limit.max_bytes // max(self.geometry.bytes_per_token, 1))
-            check_cache_fits(self.geometry, tokens, self.storage_device or self.device)
+            tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
+            check_cache_fits(self.geometry, tokens, self.storage_device or self.device, self.kv_cache_dtype)
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device,
-                                   make_storage=make_storage)
+                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage)
         self.keeper = None if cache_limit is None else CacheKeeper(
-            cache_limit, self.cache, self.geometry.bytes_per_token, check_int(protect_tokens, "protect_tokens",
-                                                                             minimum=0), name)
+            cache_limit, self.cache, self.bytes_per_token, check_int(protect_tokens, "protect_tokens", minimum=0),
+            name)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
@@ -152,7 +161,7 @@ class StreamingPrefill:
         return StreamStats(
             steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
             carried_tokens=tuple(layer.carried_length for layer in layers),
-            detailed_bytes=sum(layer.detailed.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self._history), evicted_steps=len(self.cache.evicted_steps),
             evicted_tokens=sum(self.cache.chunk_lengths[s] for s in self.cache.evicted_steps))
@@ -164,7 +173,7 @@ class StreamingPrefill:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
         could not have written is refused with an `InputError` before anything changes."""
-        check_state_dict(tensors, metadata, self.geometry)
+        check_state_dict(tensors, metadata, self.geometry, self.kv_cache_dtype)
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
@@ -222,8 +231,7 @@ class StreamingPrefill:
             raise
         self.cache.commit_host()
         if self.disk is not None:
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len,
-                                  [layer.positions() for layer in self.cache.layers], durable_record or {})
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record or {})
         overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
         self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
@@ -333,9 +341,9 @@ class StreamingPrefill:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
-        streamed = self.cache.layers[0].detailed.keys
-        if streamed is not None and chunk.shape[0] != streamed.shape[0]:
-            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed.shape[0]}")
+        streamed = self.cache.layers[0].storage.batch_heads
+        if streamed is not None and chunk.shape[0] != streamed[0]:
+            raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed[0]}")
         return chunk
 
     @contextmanager

@@ -1,7 +1,9 @@
 """Question-time retrieval: which steps (frames) of the detailed cache a question is answered from.
 
 A rule scores every step of the stream at one layer from what any model gives: the question's queries at that
-layer, the detailed cache's keys, each step's mean key and the step boundaries. :class:`Retrieval` keeps the
+layer, each step's summaries (its mean key and a few of its keys, kept beside the detailed cache in the model's
+dtype, :class:`statekv.core.storage.StepSummaries`) and the step boundaries; scoring never reads the detailed
+cache itself. :class:`Retrieval` keeps the
 first ``keep_tokens`` tokens and the ``steps`` best-scored steps (top-k taken once, here), in time order.
 
 Rules (``RETRIEVAL_RULES``, chosen by name with ``retrieval=``):
@@ -19,6 +21,7 @@ Rules (``RETRIEVAL_RULES``, chosen by name with ``retrieval=``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, ClassVar
@@ -37,27 +40,45 @@ class LayerQuestion:
     """What a rule sees at one layer when a question's queries reach it.
 
     layer: the layer's index. queries: ``[1, Hq, Q, D]`` the prompt's queries (RoPE applied). keys:
-    ``[1, H_kv, T, D]`` the stream's detailed keys (RoPE applied; wherever the cache keeps them). step_means:
-    ``[1, H_kv, S, D]`` each step's mean key. steps: the token count of each of the ``S`` steps. scale: the
-    attention's softmax scale. memory: scratch shared by the layers of one question (rules that look across
-    layers keep their running state there, under their own name). evicted: steps given up under a cache limit
-    (never chosen).
+    ``[1, H_kv, T, D]`` the stream's detailed keys (RoPE applied), or None when answering (rules score from the
+    summaries; :meth:`detailed_keys` reads the keys if a rule needs them). step_means: ``[1, H_kv, S, D]`` each
+    step's mean key. steps: the token count of each of the ``S`` steps. scale: the attention's softmax scale.
+    memory: scratch shared by the layers of one question (rules that look across layers keep their running
+    state there, under their own name). samples: ``[1, H_kv, S, N, D]`` keys of each step, evenly spaced
+    (the first ``min(tokens, N)`` of a step are real; see :func:`statekv.core.storage.sample_index`), or None.
+    read_keys: reads the detailed keys of tokens ``[M]`` -> ``[1, H_kv, M, D]`` (when ``keys`` is None).
+    evicted: steps given up under a cache limit (never chosen).
     """
 
     layer: int
     queries: torch.Tensor
-    keys: torch.Tensor
+    keys: torch.Tensor | None
     step_means: torch.Tensor
     steps: tuple[int, ...]
     scale: float
     memory: dict[str, Any] = field(default_factory=dict, compare=False)
+    samples: torch.Tensor | None = field(default=None, compare=False)
+    read_keys: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stream's keys (and their summaries) are."""
+        return (self.keys if self.keys is not None else self.step_means).device
+
+    def detailed_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """``[1, H_kv, M, D]`` the detailed keys of tokens ``index`` (LongTensor ``[M]``; None: every token)."""
+        if index is None:
+            index = torch.arange(sum(self.steps), device=self.device)
+        if self.keys is not None:
+            return self.keys.index_select(2, index.to(self.keys.device))
+        return self.read_keys(index)
     evicted: frozenset[int] = frozenset()
 
     @property
     def step_of_token(self) -> torch.Tensor:
         """``[T]`` the step each token of the detailed cache belongs to."""
-        return torch.repeat_interleave(torch.arange(len(self.steps), device=self.keys.device),
-                                       torch.tensor(self.steps, device=self.keys.device))
+        return torch.repeat_interleave(torch.arange(len(self.steps), device=self.device),
+                                       torch.tensor(self.steps, device=self.device))
 
 
 @dataclass(frozen=True)
@@ -134,16 +155,24 @@ class AttentionShare(RetrievalRule):
 
     def sampled_keys(self, seen: LayerQuestion) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``([H_kv, T', D] float keys, the token count of each step among them)``: every key of a step of at
-        most ``keys_per_step`` tokens, else ``keys_per_step`` of them evenly spaced."""
+        most ``keys_per_step`` tokens, else ``keys_per_step`` of them evenly spaced (from the steps' summaries
+        when they hold these keys, else from the detailed keys)."""
         most = self.keys_per_step
-        if max(seen.steps, default=0) <= most:
+        counts = tuple(min(length, most) for length in seen.steps)
+        samples = seen.samples
+        if samples is not None and samples.shape[3] == most:
+            index = torch.cat([step * most + torch.arange(count) for step, count in enumerate(counts)]
+                              or [torch.zeros(0, dtype=torch.long)])
+            flat = samples[0].flatten(1, 2)  # [H_kv, S * most, D]
+            return flat.index_select(1, index.to(flat.device)).float(), counts
+        if seen.keys is not None and max(seen.steps, default=0) <= most:
             return seen.keys[0].float(), seen.steps
         picks, start = [], 0
-        for length in seen.steps:
-            picks.append(start + torch.arange(min(length, most)) * length // min(length, most))
+        for length, count in zip(seen.steps, counts):
+            picks.append(start + torch.arange(count) * length // count)
             start += length
-        index = torch.cat(picks).to(seen.keys.device)
-        return seen.keys[0].index_select(1, index).float(), tuple(min(length, most) for length in seen.steps)
+        index = torch.cat(picks or [torch.zeros(0, dtype=torch.long)]).to(seen.device)
+        return seen.detailed_keys(index)[0].float(), counts
 
 
 RETRIEVAL_RULES: dict[str, RetrievalRule] = {rule.name: rule for rule in (AttentionShare(), MeanKeyMatch(),
@@ -191,4 +220,4 @@ class Retrieval:
         keep[: self.keep_tokens] = True
         for s in self.choose(seen):
             keep[ends[s] - seen.steps[s]: ends[s]] = True
-        return keep.nonzero().squeeze(1).to(seen.keys.device)
+        return keep.nonzero().squeeze(1).to(seen.device)

@@ -1,57 +1,164 @@
 """Where a layer's detailed cache lives: with the model (:class:`LayerStorage`) or elsewhere, e.g. CPU memory
-(:class:`OffloadedStorage`).
+(:class:`OffloadedStorage`); :mod:`statekv.core.quantized` stores it quantized.
 
-The detailed cache holds every token's keys and values (``detailed``, a :class:`TokenBuffer` of 2 parts,
-length = tokens) and every step's mean key (``block_keys`` ``[B, H_kv, steps, D]``, 1 part, length = steps:
-what question-time retrieval ranks steps by, :mod:`statekv.core.answering`).
-Storage is not a carried form: any form (:mod:`statekv.core.forms`) works over either storage, except that an
-offloaded layer cannot carry a window of its detailed cache (it is not where attention runs).
+The detailed cache holds every token's keys and values (``detailed``, a buffer of 2 parts, length = tokens).
+Beside it, every step's summaries (:class:`StepSummaries`, kept in the model's dtype, what question-time
+retrieval scores steps by, :mod:`statekv.core.retrieval`): its mean key (``block_keys`` ``[B, H_kv, steps, D]``)
+and ``SAMPLES_PER_STEP`` of its keys evenly spaced (``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``).
+Answering and retrieval read the detailed cache only through :meth:`LayerStorage.read_range`,
+:meth:`LayerStorage.read_tokens` and :attr:`LayerStorage.summaries`, so a storage may keep it in any form.
+
+Every buffer comes from a ``make_buffer(name, parts, capacity_hint)`` factory (default: a :class:`TokenBuffer` on
+the storage's device), so a storage can keep its tensors in any buffer with TokenBuffer's API.
+Storage is not a carried form: any form (:mod:`statekv.core.forms`) works over any storage, except that only a
+storage that ``holds_window`` (the detailed cache with the model, in its dtype) can carry a window of it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
 from .buffers import CarriedSlots, TokenBuffer
 from .limits import release_host_rows, runs
 
+SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
+
+
+class BufferFactory(Protocol):
+    def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer: ...
+
+
+def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None]) -> BufferFactory:
+    """The default ``make_buffer``: a :class:`TokenBuffer` in ``device`` memory (None: where the first write
+    comes from) that tells ``on_replace`` when it moves."""
+    def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer:
+        return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace)
+    return make_buffer
+
+
+def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[SAMPLES_PER_STEP]`` token offsets of a step's sampled keys: ``min(chunk_len, SAMPLES_PER_STEP)`` evenly
+    spaced offsets first (the `attention` rule's picks), then the last offset repeated as padding."""
+    count = min(chunk_len, SAMPLES_PER_STEP)
+    picks = torch.arange(SAMPLES_PER_STEP, device=device).clamp(max=count - 1)
+    return picks * chunk_len // count
+
+
+class StepSummaries(NamedTuple):
+    """What retrieval rules score steps from, in the model's dtype: ``means`` ``[B, H_kv, S, D]`` each step's mean
+    key; ``samples`` ``[B, H_kv, S, SAMPLES_PER_STEP, D]`` its sampled keys (the first ``min(tokens,
+    SAMPLES_PER_STEP)`` of each step are real, the rest padding)."""
+
+    means: torch.Tensor
+    samples: torch.Tensor
+
 
 class LayerStorage:
-    """The detailed cache and step means of one layer, on the model's device.
+    """The detailed cache and step summaries of one layer, on the model's device.
 
-    A step writes its chunk and mean key in place, past the committed ends (scratch space until
+    A step writes its chunk and summaries in place, past the committed ends (scratch space until
     :meth:`commit_host` advances the lengths), at indices the step advances on the device.
     """
 
     offloaded = False
     holds_window = True  # a carried window can be a view of this storage
+    kv_cache_dtype = None  # stored in the model's dtype
 
     def __init__(self, capacity_hint: int | None, device: torch.device | str | None,
-                 on_replace: Callable[[], None]):
-        self.detailed = TokenBuffer(2, capacity_hint, device, on_replace=on_replace)
-        self.block_keys = TokenBuffer(1, None, device, on_replace=on_replace)
+                 on_replace: Callable[[], None], make_buffer: BufferFactory | None = None):
+        make_buffer = make_buffer or memory_buffers(device, on_replace)
+        self._make_detailed(make_buffer, capacity_hint)
+        self.block_keys = make_buffer("step_means", 1, None)
+        self.step_samples = make_buffer("step_samples", 1, None)
+        self._samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
 
+    def _make_detailed(self, make_buffer: BufferFactory, capacity_hint: int | None) -> None:
+        self.detailed = make_buffer("detailed", 2, capacity_hint)
+
+    # what the layer and the forms read -------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens committed."""
+        return self.detailed.length
+
+    @property
+    def batch_heads(self) -> tuple[int, int] | None:
+        keys = self.block_keys.keys
+        return None if keys is None else tuple(keys.shape[:2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the detailed cache takes where it is stored (summaries excluded)."""
+        return self.detailed.nbytes
+
+    @property
+    def summary_nbytes(self) -> int:
+        return self.block_keys.nbytes + self.step_samples.nbytes
+
+    # the read path -----------------------------------------------------------------------------------------
+    def read_range(self, start: int, end: int, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``[start, end)``, ``[B, H_kv, end - start, D]`` each, on ``device`` in
+        ``dtype`` (None: where and as stored; views when nothing changes)."""
+        keys, values = self.detailed.view(start, end)
+        return _moved(keys, device, dtype), _moved(values, device, dtype)
+
+    def read_tokens(self, index: torch.Tensor, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the tokens ``index`` (LongTensor ``[N]``), ``[B, H_kv, N, D]`` each."""
+        index = index.to(self.detailed.keys.device)
+        return tuple(_moved(t.index_select(2, index), device, dtype) for t in (self.detailed.keys,
+                                                                              self.detailed.values))
+
+    @property
+    def summaries(self) -> StepSummaries:
+        """The committed steps' summaries (views)."""
+        steps = self.block_keys.length
+        means = self.block_keys.view(0, steps)[0]
+        samples = self.step_samples.view(0, steps)[0]
+        return StepSummaries(means, samples.unflatten(-1, (SAMPLES_PER_STEP, means.shape[-1])))
+
+    def answer_in_place(self, like: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Buffers ``[B, H_kv, capacity, D]`` holding the whole detailed cache with ``room`` free slots after it, on
+        the model's device, for answering without a copy (the slots past the stream's end are scratch); None if
+        this storage cannot (the whole cache is then read with :meth:`read_range`)."""
+        self.detailed.reserve(like, self.length + room)
+        return self.detailed.keys, self.detailed.values
+
+    # one step ----------------------------------------------------------------------------------------------
     def start(self, key_states: torch.Tensor) -> None:
-        """First chunk ``[B, H_kv, T, D]`` seen: room for its mean key."""
+        """First chunk ``[B, H_kv, T, D]`` seen: room for its summaries."""
+        b, h, _, d = key_states.shape
+        self._samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
+        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1)
 
     def prepare(self, chunk_len: int) -> None:
-        """Room for the next step's mean key (and every later one's until the horizon, if it is known)."""
+        """Room for the next step's summaries (and every later one's until the horizon, if it is known)."""
         horizon = self.detailed.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
-            max(horizon - self.detailed.length, 0) / chunk_len) + 1
+            max(horizon - self.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
+        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
         carried form's ``slots``)."""
         self.detailed.reserve(slots.keys, self.detailed.length + chunk_len)
 
+    def stage_summaries(self, keys: torch.Tensor, step_device: torch.Tensor) -> None:
+        """The step's summaries from its chunk's keys ``[B, H_kv, T, D]``, written at the step's index
+        ``step_device`` ``[1]``."""
+        mean, samples = _summaries(keys)
+        self.block_keys.write_at(step_device, mean)
+        self.step_samples.write_at(step_device, samples)
+
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
-        """The step's mean key ``[B, H_kv, 1, D]``, written at the step's index ``step_device`` ``[1]``."""
+        """The step's mean key ``[B, H_kv, 1, D]`` only (kept for callers of the former interface)."""
         self.block_keys.write_at(step_device, mean)
 
     def stage_chunk(self, write_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -65,9 +172,46 @@ class LayerStorage:
     def commit_host(self, chunk_len: int) -> None:
         self.detailed.length += chunk_len
         self.block_keys.length += 1
+        self.step_samples.length += 1
 
     def device_nbytes(self) -> int:
-        return self.detailed.nbytes + self.block_keys.nbytes
+        return self.detailed.nbytes + self.summary_nbytes
+
+    def synchronize(self) -> None:
+        """Wait for asynchronous copies into this storage before the host reads it."""
+        self.detailed.synchronize()
+
+    # saving and resuming (see persistence) -----------------------------------------------------------------
+    def export(self) -> dict[str, torch.Tensor]:
+        """The committed detailed cache and summaries as tensors (views where possible)."""
+        keys, values = self.read_range(0, self.length)
+        tensors = {"keys": keys, "values": values}
+        if self.block_keys.length:
+            tensors["block_keys"] = self.block_keys.view(0, self.block_keys.length)[0]
+            tensors["step_samples"] = self.step_samples.view(0, self.step_samples.length)[0]
+        return tensors
+
+    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
+        """Install what :meth:`export` saved (``steps``: every step's token count; summaries missing from older
+        saves are recomputed from the keys)."""
+        storage = self.detailed.device or device
+        keys = tensors["keys"]
+        self.detailed.load(keys.to(storage), tensors["values"].to(storage))
+        self._load_summaries(tensors, keys, steps, storage)
+
+    def _load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
+                        storage: torch.device) -> None:
+        means, samples = tensors.get("block_keys"), tensors.get("step_samples")
+        if (means is None or samples is None) and steps:  # saved before these were kept: recompute them
+            parts = [_summaries(part) for part in keys.split(steps, dim=2)]
+            means = torch.cat([m for m, _ in parts], dim=2) if means is None else means
+            samples = torch.cat([s for _, s in parts], dim=2) if samples is None else samples
+        if means is None:
+            means = keys[:, :, :0]
+            samples = keys.new_empty(*keys.shape[:2], 0, SAMPLES_PER_STEP * keys.shape[-1])
+        self.block_keys.load(means.to(storage))
+        self.step_samples.load(samples.to(storage))
+        self._samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's."""
@@ -79,26 +223,37 @@ class LayerStorage:
 
 
 class OffloadedStorage(LayerStorage):
-    """The detailed cache and step means in ``device`` memory other than the model's: a step stages its chunk
-    and mean key on the model's device and copies them here when it commits, so the model's memory does not
-    grow with the stream."""
+    """The detailed cache and step summaries in ``device`` memory other than the model's: a step stages its
+    chunk and summaries on the model's device and copies them here when it commits, so the model's memory does
+    not grow with the stream."""
 
     offloaded = True
     holds_window = False
 
-    def __init__(self, capacity_hint: int | None, device: torch.device | str, on_replace: Callable[[], None]):
-        super().__init__(capacity_hint, device, on_replace)
+    def __init__(self, capacity_hint: int | None, device: torch.device | str | None,
+                 on_replace: Callable[[], None], make_buffer: BufferFactory | None = None):
+        super().__init__(capacity_hint, device, on_replace, make_buffer)
         self.staged: torch.Tensor | None = None  # the chunk [2, B, H_kv, T, D] to copy here
         self.staged_mean: torch.Tensor | None = None  # the step's mean key [B, H_kv, 1, D]
+        self.staged_samples: torch.Tensor | None = None  # its sampled keys [B, H_kv, 1, SAMPLES_PER_STEP * D]
 
     def start(self, key_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         if self.staged_mean is None:
             self.staged_mean = key_states.new_empty(b, h, 1, d)
+            self.staged_samples = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
         super().start(key_states)
+
+    def answer_in_place(self, like: torch.Tensor, room: int) -> None:
+        return None
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         pass  # the detailed cache grows when the chunk is copied in
+
+    def stage_summaries(self, keys: torch.Tensor, step_device: torch.Tensor) -> None:
+        mean, samples = _summaries(keys)
+        self.staged_mean.copy_(mean)
+        self.staged_samples.copy_(samples)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         self.staged_mean.copy_(mean)
@@ -110,19 +265,42 @@ class OffloadedStorage(LayerStorage):
         self.staged = slots.tail()
 
     def commit_host(self, chunk_len: int) -> None:
-        self.detailed.write(self.detailed.length, self.staged[0], self.staged[1])
+        self.store_chunk(self.staged[0], self.staged[1])
         self.block_keys.write(self.block_keys.length, self.staged_mean)
+        self.step_samples.write(self.step_samples.length, self.staged_samples)
         super().commit_host(chunk_len)
 
+    def store_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the committed chunk ``[B, H_kv, T, D]`` (on the model's device) past the detailed cache's end
+        (the length is advanced by :meth:`commit_host`)."""
+        self.detailed.write(self.detailed.length, keys, values)
+
     def device_nbytes(self) -> int:
-        mean = self.staged_mean
-        return 0 if mean is None else mean.numel() * mean.element_size()
+        staged = (self.staged_mean, self.staged_samples)
+        return sum(0 if t is None else t.numel() * t.element_size() for t in staged)
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
-        tensors = self.detailed.tensors
-        for start, end in runs(tokens):
-            release_host_rows(tensors, start, end)
+        per_token = (self.detailed,) if self.detailed is not None else tuple(
+            getattr(self, name) for name in ("key_codes", "value_codes", "value_scales"))  # quantized
+        for buffer in per_token:
+            release = getattr(buffer, "release", None)  # a disk buffer gives rows back to the file system
+            tensors = None if release is not None else buffer.tensors
+            for start, end in runs(tokens):
+                release(start, end) if release is not None else release_host_rows(tensors, start, end)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
-        b, h, _, d = self.detailed.keys.shape
+        b, h = self.batch_heads
+        d = self.block_keys.keys.shape[-1]
         self.staged_mean = torch.empty(b, h, 1, d, dtype=dtype, device=device)
+        self.staged_samples = torch.empty(b, h, 1, SAMPLES_PER_STEP * d, dtype=dtype, device=device)
+
+
+def _summaries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's chunk keys ``[B, H_kv, T, D]`` -> its mean key ``[B, H_kv, 1, D]`` and sampled keys
+    ``[B, H_kv, 1, SAMPLES_PER_STEP * D]``."""
+    samples = keys.index_select(2, sample_index(keys.shape[2], keys.device))
+    return keys.mean(dim=2, keepdim=True), samples.flatten(2).unsqueeze(2)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(device=device or tensor.device, dtype=dtype or tensor.dtype)

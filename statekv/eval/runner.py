@@ -39,6 +39,7 @@ from typing import Any
 from statekv.errors import ConfigurationError, DataError
 from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
+from statekv.core.quantized import check_kv_cache_dtype
 from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
 from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
@@ -62,8 +63,8 @@ OVOBENCH_VIDEO_MODES = ("stream", "clips")
 # one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
-                "retrieval")
-IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None}
+                "retrieval", "kv_cache_dtype")
+IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
@@ -149,7 +150,8 @@ class EvalConfig:
         values = {**asdict(self), **asdict(options), "model": str(self.model), "name": self.model_name,
                   "budget": self.recorded_budget, "retrieve": options.retrieve_frames,
                   "retrieval": options.retrieval_rule if options.retrieve_frames is not None else None,
-                  "sinks": options.sinks if "sinks" in options.spec.uses else None}
+                  "sinks": options.sinks if "sinks" in options.spec.uses else None,
+                  "kv_cache_dtype": check_kv_cache_dtype(options.kv_cache_dtype)}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         return {key: values[key] for key in RUN_IDENTITY}
 

@@ -27,7 +27,7 @@ time: ``2 * Hq * T * K * d`` per layer. Either way StateKV scores only once its 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from itertools import pairwise
 
 import numpy as np
@@ -62,14 +62,13 @@ class Method:
 
     def __post_init__(self) -> None:
         spec = method_spec(self.kind)
-        for name in ("budget", "frames"):
-            value = getattr(self, name)
-            if name == spec.size:
-                check_int(value, f"{self.kind}'s {name}")
-            elif value is not None:
-                raise ConfigurationError(f"{self.kind} takes no {name} (got {value!r})")
-        if self.sinks is not None and "sinks" not in spec.uses:
-            raise ConfigurationError(f"{self.kind} takes no sinks (got {self.sinks!r})")
+        for size in fields(MethodSettings):
+            value = getattr(self, size.name)
+            if size.name == spec.size:  # required; checked as MethodSettings checks it
+                MethodSettings.kind(size.name).check(value, f"{self.kind}'s {size.name}")
+            elif value is not None and size.name not in spec.uses:
+                raise ConfigurationError(f"{self.kind} takes no {size.name} (got {value!r})")
+        _ = self.settings  # MethodSettings checks the sizes given
 
     @property
     def spec(self) -> MethodSpec:
@@ -77,8 +76,9 @@ class Method:
 
     @property
     def settings(self) -> MethodSettings:
-        given = {name: getattr(self, name) for name in ("budget", "frames", "sinks") if getattr(self, name)}
-        return replace(MethodSettings(), **given)
+        given = {size.name: getattr(self, size.name) for size in fields(MethodSettings)
+                 if getattr(self, size.name) is not None}
+        return MethodSettings(**given)
 
     @property
     def label(self) -> str:

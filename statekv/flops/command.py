@@ -54,6 +54,7 @@ MAX_FRAMES = 100_000
 
 def run(args: argparse.Namespace) -> int:
     from . import report
+    from .memory import cache_table, format_cache_table
     from .presets import PRESETS
 
     models = list(PRESETS) if args.models == ["all"] else args.models
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     pairs = report.break_even_pairs(curves)
     output = report.to_json(curves, pairs, at, args.score)
     output["questions"] = report.question_costs(models, args.frames, args.retrieve)
+    cache = cache_table(models)
+    output["cache_bytes"] = [row.as_dict() for row in cache]
     if args.measure:
         output["measured"] = _measure(curves, args.measure, args.score)
     if args.plot:
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for row in output["questions"]:
         print(f"  {row['model']}: whole detailed cache {row['whole_cache'] / 1e12:.3f}, {row['retrieve']} retrieved "
               f"frames {row['retrieved'] / 1e12:.3f}")
+    print()
+    print(format_cache_table(cache))
     if args.measure:
         print("\nMeasured (FlopCounterMode, StreamingPrefill + HF vision forward on meta) vs analytic, per step:")
         for m in output["measured"]:
