@@ -1,7 +1,7 @@
 """Ten hours of live video on a CPU: a 36,000-frame stream (1 fps) with its detailed cache on disk, stored int4.
 
 A tiny InternVL of the real architecture with a million-position context (`statekv.testing.
-make_long_context_checkpoint`, 64 visual tokens per 224x224 frame) streams frames through `VideoQA.stream` (the
+make_long_context_checkpoint`, 16 visual tokens per 112x112 frame) streams frames through `VideoQA.stream` (the
 whole pipeline: preprocessing, vision tower, language model) under StateKV. Each configuration runs in a child
 process of its own, which records its resident memory (RSS, split into anonymous and file-backed pages), the disk
 its file set takes, ms per frame, and the latency of a question answered from 16 retrieved frames per layer.
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, default=36000, help="frames of the disk int4 run (default: 10 h)")
     parser.add_argument("--compare-frames", type=int, default=10000,
                         help="frames of the disk vs host-memory comparison")
-    parser.add_argument("--budget", type=int, default=256, help="StateKV's carried tokens per layer and KV head")
-    parser.add_argument("--image-size", type=int, default=224, help="frame side (224: 64 visual tokens)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=64, help="StateKV's carried tokens per layer and KV head")
+    parser.add_argument("--image-size", type=int, default=112, help="frame side (112: 16 visual tokens, 224: 64)")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the results into this markdown file")
     parser.add_argument("--plot", type=Path, help="save the memory/disk plot here")
     parser.add_argument("--json", type=Path, help="save every sample here")

@@ -275,6 +275,7 @@ class DiskTier:
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
         self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._slots: list[int] = []
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -330,11 +331,9 @@ class DiskTier:
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                         for parts in carried for t in parts)
         slot = step % 2
-        fd = os.open(self.folder / f"carry.{slot}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _pwrite_all(fd, memoryview(data), 0)
-        finally:
-            os.close(fd)
+        if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
+            self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+        _pwrite_all(self._slots[slot], memoryview(data), 0)
         lengths = {name: buffer.length for name, buffer in self._mapped(0)}
         self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot, "lengths": lengths,
                      "carried": [list(parts[1].shape) for parts in carried], "carry_crc": zlib.crc32(data),
@@ -373,7 +372,8 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self._mapped(layer):
                 buffer.sync()
-        os.fsync(self._journal)
+        for fd in (*self._slots, self._journal):
+            os.fsync(fd)
 
     def truncate_journal(self, end: int) -> None:
         """Drop what the journal holds after byte ``end`` (resuming after the last durable step)."""
@@ -383,6 +383,9 @@ class DiskTier:
         if self._journal >= 0:
             os.close(self._journal)
             self._journal = -1
+        for fd in self._slots:
+            os.close(fd)
+        self._slots = []
         for layer in range(len(self.buffers)):
             for _, buffer in self._mapped(layer):
                 buffer.close()
@@ -504,17 +507,18 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
 
 def _carried_slot(where: Path, last: dict[str, Any], layers: int, tokens: int) -> list[tuple[torch.Tensor, ...]]:
     """The carried state the last step wrote: per layer, positions ``[B, H_kv, K]``, keys and values."""
-    try:
-        data = (where / f"carry.{last['slot']}.bin").read_bytes()
-    except OSError:
-        data = b""
-    if zlib.crc32(data) != last.get("carry_crc"):
-        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
-                         "match its checksum")
     dtype = getattr(torch, str(last.get("carried_dtype")), None)
     shapes = last.get("carried")
     if not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers:
         raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    size = sum(math.prod(shape[:3]) * 8 + 2 * math.prod(shape) * dtype.itemsize for shape in shapes)
+    try:
+        data = (where / f"carry.{last['slot']}.bin").read_bytes()[:size]
+    except (OSError, TypeError):
+        data = b""
+    if zlib.crc32(data) != last.get("carry_crc"):
+        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
+                         "match its checksum")
     buffer, offset, carried = bytearray(data), 0, []
     for shape in shapes:
         parts = []
