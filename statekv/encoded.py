@@ -44,6 +44,8 @@ class EncodingStats:
     peak_cache_device_bytes: the most cache the engine held on the model's device at once (carried state, the
         detailed cache unless offloaded, what answering brought there), encoding and questions included.
     peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
+    evicted_frames: frames whose detailed cache was given up under ``max_cache_bytes`` (answers no longer see
+        them; see `statekv.core.limits`).
     """
 
     frames: int = 0
@@ -58,6 +60,7 @@ class EncodingStats:
     cache_bytes: int = 0
     peak_cache_device_bytes: int = 0
     peak_memory_bytes: int | None = None
+    evicted_frames: int = 0
 
     @property
     def seconds(self) -> float:
@@ -94,6 +97,21 @@ class EncodingStats:
                 "mean_stage_seconds": self.stage_seconds()}
 
 
+@dataclass(frozen=True)
+class AnswerInfo:
+    """What an answer could see (`EncodedVideo.answer_info` after `ask`): the ``frames`` encoded, the
+    ``evicted_frames`` among them it could no longer see (given up under ``max_cache_bytes``) and their share
+    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache)."""
+
+    frames: int
+    evicted_frames: int
+    unseen_fraction: float
+    retrieved_frames: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class EncodedVideo:
     """A video streamed through the model: its detailed cache, its prompt state and its stats.
 
@@ -105,10 +123,12 @@ class EncodedVideo:
     """
 
     def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
-                 name: str = "video", prefix_tokens: int | None = None, kv_cache_dtype: str | None = None):
+                 name: str = "video", prefix_tokens: int | None = None, kv_cache_dtype: str | None = None,
+                 disk_tier: Any = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
         has nothing to stream); None: `start` streams the adapter's prefix. kv_cache_dtype: how the detailed
-        cache is stored (see `VideoQA.stream`)."""
+        cache is stored (see `VideoQA.stream`). disk_tier: the file set a resumed disk-tier stream continues in
+        (`statekv.core.disk.DiskTier`)."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -116,11 +136,17 @@ class EncodedVideo:
         self.state: LayoutState = self.adapter.start(num_frames, fps)
         prefix = self.adapter.prefix(self.state) if prefix_tokens is None else None
         self.prefix_tokens = prefix.num_tokens if prefix is not None else prefix_tokens or 0
-        self.prefill = StreamingPrefill(self.adapter.model, qa.policy.for_prefix(self.prefix_tokens),
-                                        attention=qa.attention, horizon=horizon, offload=qa.offload,
-                                        cuda_graph=qa.cuda_graph,
-                                        kv_cache_dtype=kv_cache_dtype or getattr(qa, "kv_cache_dtype", None))
+        policy = qa.policy.for_prefix(self.prefix_tokens)
+        self.prefill = StreamingPrefill(self.adapter.model, policy, attention=qa.attention, horizon=horizon,
+                                        offload=qa.offload, cuda_graph=qa.cuda_graph,
+                                        kv_cache_dtype=kv_cache_dtype or getattr(qa, "kv_cache_dtype", None),
+                                        offload_dir=getattr(qa, "offload_dir", None),
+                                        cache_limit=getattr(qa, "cache_limit", None),
+                                        protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,
+                                        disk_tier=disk_tier)
         self.stats = EncodingStats()
+        self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
+        self.answer_info: AnswerInfo | None = None  # what the last answer could see
         self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
         self._device = self.adapter.device
         if self._device.type == "cuda":
@@ -182,6 +208,11 @@ class EncodedVideo:
                              f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
                              ) from None
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
+        evicted = self.stats.evicted_frames
+        self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
+                                      unseen_fraction=evicted / self.frames if self.frames else 0.0,
+                                      retrieved_frames=None if retrieval is None else
+                                      retrieval.steps * self.adapter.frames_per_step)
         return answer
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
@@ -288,13 +319,20 @@ class EncodedVideo:
 
     @torch.no_grad()
     def _stream_chunk(self, chunk) -> None:
-        self.prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
+        self.prefill.step(chunk.inputs_embeds, chunk.position_ids, durable_record=self.durable_record(chunk),
+                          **chunk.forward_kwargs)
         self._chunk_streamed(chunk)
+
+    def durable_record(self, chunk) -> dict[str, Any] | None:
+        """What the disk tier journals with ``chunk``'s step (None: not on the disk tier)."""
+        return None if self.prefill.disk is None else self._durable_record(self.state.after(chunk), chunk)
 
     def _chunk_streamed(self, chunk) -> None:
         """Bookkeeping after ``chunk`` went through the language model (here or in a batch of streams)."""
         self.state = self.state.after(chunk)
+        self.step_frames.append(chunk.frames)
         stats = self.stats
+        stats.evicted_frames = sum(self.step_frames[s] for s in self.prefill.cache.evicted_steps)
         stats.chunks += 1
         stats.tokens = self.prefill.seen_tokens
         stats.frames += chunk.frames
@@ -304,6 +342,11 @@ class EncodedVideo:
         stats.peak_cache_device_bytes = engine.peak_device_bytes
         if self._device.type == "cuda":
             stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
+
+    def _durable_record(self, after: LayoutState, chunk) -> dict[str, Any]:
+        """What the disk tier journals with a step so the stream can resume after it: the layout state once the
+        step is streamed and its frame count."""
+        return {"state": after.to_dict(), "frames": chunk.frames}
 
     def _question_ids(self, question: str) -> torch.Tensor:
         if not isinstance(question, str) or not question.strip():

@@ -61,3 +61,7 @@ class MissingFileError(DataError, FileNotFoundError):
 
 class OutputError(StateKVError, OSError):
     """An output (a saved stream, a run directory, a report) cannot be written where it was asked to go."""
+
+
+class CacheLimitError(StateKVError, ValueError):
+    """A stream reached its ``max_cache_bytes`` and was set to refuse further frames (nothing was lost)."""

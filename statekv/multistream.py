@@ -68,7 +68,8 @@ def stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
                 continue
             chunks.append(chunk)
             requests.append(StepRequest(video.prefill, chunk.inputs_embeds, chunk.position_ids,
-                                        forward_kwargs=dict(chunk.forward_kwargs)))
+                                        forward_kwargs=dict(chunk.forward_kwargs),
+                                        durable_record=video.durable_record(chunk)))
         outcomes = batcher.step(requests)
         finished = time.perf_counter()
         following = []
@@ -251,6 +252,7 @@ def _push_wave(scheduler: StepScheduler, items, wave: list[int], results: list) 
 def _pending_job(stream) -> StepJob:
     per_step = stream.adapter.frames_per_step
     groups = [stream.pending[start:start + per_step] for start in range(0, len(stream.pending), per_step)]
+    stream.streaming_groups(groups)
     return StepJob(stream, groups, chunks_before=stream.stats.chunks)
 
 

@@ -15,16 +15,20 @@ sinks) take their defaults and checks from `MethodSettings`.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
 from .core.attention import BACKENDS
+from .core.limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT
 from .core.quantized import KV_CACHE_BITS, check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from .methods import MethodSettings, MethodSpec, method, method_names
+from .errors import ConfigurationError
 from .values import (
     BOOLEAN,
+    BYTES,
     DEVICE,
     DTYPE,
     POSITIVE,
@@ -32,7 +36,10 @@ from .values import (
     Kind,
     Option,
     Parser,
+    boolean,
     check_choice,
+    check_int,
+    check_output_dir,
     one_of,
     parse_options,
 )
@@ -102,6 +109,56 @@ def _method_help() -> str:
     return "(default: %(default)s) " + methods.replace("%", "%%")
 
 
+def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, cache_limit: Any) -> None:
+    """Where the detailed cache goes and its cap, checked together (one-line `ConfigurationError`)."""
+    if offload is not None and offload != "disk" and not isinstance(offload, bool):
+        raise ConfigurationError(f"offload must be True, False or 'disk', got {offload!r}")
+    if offload == "disk":
+        if offload_dir is None:
+            raise ConfigurationError("offload='disk' needs offload_dir (the folder for each stream's files)")
+        check_output_dir(offload_dir, "offload_dir")
+    elif offload_dir is not None:
+        raise ConfigurationError(f"offload_dir={offload_dir!r} is only used with offload='disk'")
+    if max_cache_bytes is not None:
+        check_int(max_cache_bytes, "max_cache_bytes")
+    check_choice(cache_limit, "cache_limit", CACHE_LIMITS)
+    if cache_limit != DEFAULT_CACHE_LIMIT and max_cache_bytes is None:
+        raise ConfigurationError(f"cache_limit={cache_limit} needs max_cache_bytes (the cap it acts at)")
+
+
+OFFLOAD_TIERS = ("disk", "memory")
+
+
+def _check_folder(value: Any, name: str) -> Any:
+    """None, or a folder's path as text or a path object."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigurationError(f"{name} must be a folder's path, got {value!r}")
+    return value
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """``--offload`` followed by anything but a tier name becomes ``--offload=memory``, so the plain flag never
+    takes the next argument (a video path) as its value."""
+    return [f"{arg}=memory" if arg == "--offload" and (i + 1 == len(argv) or argv[i + 1] not in OFFLOAD_TIERS)
+            else arg for i, arg in enumerate(argv)]
+
+
+def _offload_argument(text: str) -> bool | str:
+    """``--offload``'s value: ``memory`` (CPU memory, as the plain flag) or ``disk``."""
+    if text not in OFFLOAD_TIERS:
+        raise argparse.ArgumentTypeError(f"expected disk or memory, got {text!r}")
+    return True if text == "memory" else text
+
+
+def _optional_offload(value: Any, name: str) -> bool | str | None:
+    """``disk``, ``memory`` or a boolean (on: CPU memory), or None (the method's default) from text."""
+    if isinstance(value, str) and value.strip().lower() in ("disk", "memory"):
+        return "disk" if value.strip().lower() == "disk" else True
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    return boolean(value, name)
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("model", None, TEXT.optional, "checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or "
             "builtin: the small InternVL3 trained here on synthetic videos", "M"),
@@ -121,8 +178,17 @@ SETTINGS: tuple[Setting, ...] = (
             "scoring backend (default: auto = triton on CUDA, chunked on CPU)"),
     Setting("dtype", None, DTYPE.optional, "e.g. bfloat16, float32 (default: the checkpoint's)"),
     Setting("device", None, DEVICE.optional, "e.g. cuda, cuda:1, cpu (default: cuda if available)"),
-    Setting("offload", None, BOOLEAN.optional,
-            "keep the detailed cache in CPU memory while encoding (rekv always does)"),
+    Setting("offload", None, Kind("str | bool | None", lambda value, name: value, lambda value, name:
+                                  _optional_offload(value, name), _offload_argument),
+            "keep the detailed cache in CPU memory while encoding (rekv always does); --offload disk: in a "
+            "memory-mapped file set per stream under --offload-dir, only the retrieval summaries in RAM", "disk"),
+    Setting("offload_dir", None, Kind("str | None", _check_folder, lambda value, name: TEXT.optional.parse(value, name)),
+            "with --offload disk: the folder each stream's file set is made in", "DIR"),
+    Setting("max_cache_bytes", None, BYTES.optional, "a hard cap on each stream's detailed cache, e.g. 512M, 20G "
+            "(default: none)", "SIZE"),
+    Setting("cache_limit", DEFAULT_CACHE_LIMIT, one_of(lambda: CACHE_LIMITS),
+            "at --max-cache-bytes: refuse further frames (default; nothing is lost), or evict the oldest or the "
+            "least attended frames"),
     Setting("kv_cache_dtype", None, one_of(lambda: ("auto", *KV_CACHE_BITS),
                                            lambda value, name: check_kv_cache_dtype(value, name)).optional,
             "store the detailed cache quantized: int8 or int4 (keys per channel, values per token; the carried "
@@ -164,7 +230,10 @@ class ModelOptions:
     ``rekv`` and ``attention`` for the others). layout: the
     family's prompt layout. attention: the scoring backend. dtype, device: where the model runs (default: the
     checkpoint's dtype; CUDA when available). offload: keep the detailed cache in CPU memory (None: the
-    method's default). kv_cache_dtype: store the detailed cache quantized, ``int8`` or ``int4`` (None or ``auto``:
+    method's default; ``"disk"``: in an append-only, memory-mapped file set per stream under ``offload_dir``, only
+    the retrieval summaries in RAM). max_cache_bytes: a hard cap on each stream's detailed cache (None: none);
+    cache_limit: what happens at the cap (``refuse``, ``evict-oldest``, ``evict-least-attended``; see
+    `statekv.core.limits`). kv_cache_dtype: store the detailed cache quantized, ``int8`` or ``int4`` (None or ``auto``:
     the model's dtype). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
     steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
     """
@@ -174,6 +243,7 @@ class ModelOptions:
     def __post_init__(self) -> None:
         for setting in self.SETTINGS:
             setting.validate(getattr(self, setting.name))
+        check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
 
     @property
     def spec(self) -> MethodSpec:
@@ -210,7 +280,7 @@ class ModelOptions:
         return self.retrieval if self.retrieval is not None else self.spec_retrieval
 
     @property
-    def offloaded(self) -> bool:
+    def offloaded(self) -> bool | str:
         return self.spec.offload if self.offload is None else self.offload
 
     def with_changes(self, **changes: Any) -> "ModelOptions":
@@ -247,8 +317,10 @@ class ModelOptions:
         """
         group = parser.add_argument_group("model and method")
         switches = {"reserve": reserve}
-        overrides = {"model": {"required": model_required}, "device": {"help": device_help} if device_help else {}}
+        overrides = {"model": {"required": model_required}, "device": {"help": device_help} if device_help else {},
+                     "offload": {"nargs": "?", "const": True}}  # --offload alone: CPU memory (see normalize_argv)
         for setting in cls.SETTINGS:
             if setting.offered_by is None or switches[setting.offered_by]:
                 setting.add_to(group, **overrides.get(setting.name, {}))
         return group
+

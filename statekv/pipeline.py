@@ -23,6 +23,7 @@ import torch
 
 from .builtin import resolve_model
 from .core import CarryPolicy
+from .core.limits import DEFAULT_CACHE_LIMIT, CacheLimit
 from .core.quantized import check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
@@ -30,7 +31,7 @@ from .errors import ConfigurationError, FrameDecodeError, InputError
 from .methods import MethodSettings, method, method_names
 from .models import VideoAdapter, load_adapter
 from .multistream import StepScheduler, push_together
-from .options import DEFAULT_RESERVE_TOKENS, ModelOptions
+from .options import DEFAULT_RESERVE_TOKENS, ModelOptions, check_cache_options
 from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .stream import Stream
 from .values import check_bool, check_int, check_number, torch_dtype
@@ -62,7 +63,13 @@ class VideoQA:
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
         method: the method's registered name (for reports; default: the policy's class name).
         offload: keep each video's detailed cache in CPU memory while it streams (accelerator memory then stays
-            constant as the video grows); answering brings back what it needs.
+            constant as the video grows); answering brings back what it needs. ``"disk"``: in an append-only,
+            memory-mapped file set per video or stream under ``offload_dir`` (RAM then holds only the retrieval
+            summaries; a question reads the frames it retrieves), which `Stream.load` resumes after a crash.
+        offload_dir: the folder of the disk tier's file sets (``offload="disk"`` only).
+        max_cache_bytes: a hard cap on each video's or stream's detailed cache (None: none).
+        cache_limit: what happens at the cap: ``refuse`` further frames (a one-line `CacheLimitError`, nothing
+            lost), ``evict-oldest`` or ``evict-least-attended`` frames (see `statekv.core.limits`).
         kv_cache_dtype: store each video's detailed cache quantized, ``"int8"`` or ``"int4"`` (None or ``"auto"``:
             the model's dtype); see `statekv.core.quantized`.
         cuda_graph: on CUDA, replay each steady streaming step from a CUDA graph (see `StreamingPrefill`).
@@ -74,15 +81,20 @@ class VideoQA:
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
-                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool = False,
+                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool | str = False,
                  cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None,
-                 retrieval: str = DEFAULT_RETRIEVAL, kv_cache_dtype: str | None = None):
+                 retrieval: str = DEFAULT_RETRIEVAL, kv_cache_dtype: str | None = None,
+                 offload_dir: str | Path | None = None, max_cache_bytes: int | None = None,
+                 cache_limit: str = DEFAULT_CACHE_LIMIT):
         self.adapter = adapter
         self.policy = policy
         self.attention = attention
         self.reserve_tokens = check_int(reserve_tokens, "reserve_tokens")
         self.method = method or type(policy).__name__
-        self.offload = check_bool(offload, "offload")
+        check_cache_options(offload, offload_dir, max_cache_bytes, cache_limit)
+        self.offload = offload
+        self.offload_dir = None if offload_dir is None else Path(offload_dir)
+        self.cache_limit = None if max_cache_bytes is None else CacheLimit(max_cache_bytes, cache_limit)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.cuda_graph = check_bool(cuda_graph, "cuda_graph")
         self.vision_batch = (default_vision_batch(adapter.device) if vision_batch is None
@@ -96,8 +108,8 @@ class VideoQA:
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
         """Load ``model`` (a checkpoint folder or hub id) under a method; ``options`` are `ModelOptions`
         fields (method, budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, device, offload,
-        kv_cache_dtype, reserve_tokens, trust_remote_code, cuda_graph, vision_batch); anything else goes to the
-        model's own ``from_pretrained``.
+        kv_cache_dtype, offload_dir, max_cache_bytes, cache_limit, reserve_tokens, trust_remote_code, cuda_graph,
+        vision_batch); anything else goes to the model's own ``from_pretrained``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
@@ -134,7 +146,9 @@ class VideoQA:
         qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), attention=options.attention,
                  reserve_tokens=options.reserve_tokens, method=options.method, offload=options.offloaded,
                  cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
-                 retrieval=options.retrieval_rule, kv_cache_dtype=options.kv_cache_dtype)
+                 retrieval=options.retrieval_rule, kv_cache_dtype=options.kv_cache_dtype,
+                 offload_dir=options.offload_dir, max_cache_bytes=options.max_cache_bytes,
+                 cache_limit=options.cache_limit)
         qa.options = options
         return qa
 

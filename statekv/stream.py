@@ -23,6 +23,7 @@ stream as the previous call left it.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from pathlib import Path
@@ -33,16 +34,21 @@ import torch
 from PIL import Image
 
 from .core.cache import check_state_dict
+from .core.disk import DiskTier, read_file_set, resume
 from .core.quantized import check_kv_cache_dtype
-from .core.prefill import cache_geometry
+from .core.prefill import _geometry_fields, cache_geometry
 from .errors import HorizonError, InputError
 from .models import LayoutState
 from .overlap import check_vision_batch, steps_per_batch
 from .encoded import EncodedVideo, EncodingStats
 from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, check_values, read_verified,
                           weights_fingerprint, write_verified)
+from .stream_disk import SETUP, frames_lost, read_stream_setup, stream_setup
 from .values import check_bool, check_int, check_number
 from .video import Frame
+
+
+log = logging.getLogger("statekv")
 
 
 def _one_at_a_time(method):
@@ -65,10 +71,11 @@ class Stream(EncodedVideo):
 
     def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, disk_tier: Any = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
         it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
-        detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's)."""
+        detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
+        a disk-tier stream, its file set."""
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
@@ -85,10 +92,27 @@ class Stream(EncodedVideo):
         self.pending: list[Frame] = []
         self._next_tick = 0
         self._last_timestamp: float | None = None
+        self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
+        self._groups: list[list[Frame]] = []  # the steps being encoded (for the disk tier's journal)
+        self._steps_before = 0
+        self._resumed_disk = disk_tier is not None
 
     @_one_at_a_time
     def start(self) -> "Stream":
-        return super().start()
+        if self.started:
+            return self
+        super().start()
+        if self.prefill.disk is not None and not self._resumed_disk:
+            qa, horizon_frames = self.qa, self.horizon_frames
+            self.prefill.disk.describe(SETUP, stream_setup(
+                self.name, {**_model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
+                {"method": qa.method, "policy": repr(qa.policy), "attention": self.prefill.attention,
+                 "cuda_graph": bool(qa.cuda_graph), "reserve_tokens": self.horizon - self.adapter.max_video_tokens(
+                     horizon_frames)},
+                horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
+                prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
+                kv_cache_dtype=self.prefill.kv_cache_dtype))
+        return self
 
     # -- pushing ----------------------------------------------------------------------------------------
     @_one_at_a_time
@@ -130,6 +154,8 @@ class Stream(EncodedVideo):
                                "with a larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
         self.pending.append(Frame(self.pushed, timestamp, np.array(pixels, copy=True)))
+        if self.prefill.disk is not None:  # kept: a resumed stream counts it lost unless a step journals it
+            self.prefill.disk.append({"push": self.pushed, "t": timestamp})
         return True, timestamp, len(self.pending) == self._batch_frames
 
     def _accepted(self, kept: bool, timestamp: float) -> None:
@@ -173,6 +199,7 @@ class Stream(EncodedVideo):
         if not groups:
             return
         steps_before = self.stats.chunks
+        self.streaming_groups(groups)
         scheduler = getattr(self.qa, "step_scheduler", None)  # batches steps pushed from other threads meanwhile
         try:
             if scheduler is None:
@@ -189,6 +216,18 @@ class Stream(EncodedVideo):
         if scheduler is not None:
             scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
+
+    def streaming_groups(self, groups: list[list[Frame]]) -> None:
+        """The steps about to be streamed (each a list of frames): what the disk tier journals with them."""
+        self._groups, self._steps_before = groups, self.stats.chunks
+
+    def _durable_record(self, after: LayoutState, chunk: Any) -> dict[str, Any]:
+        record = super()._durable_record(after, chunk)
+        groups = getattr(self, "_groups", None)  # unset while the constructor streams the prompt prefix
+        if groups:
+            last = groups[self.stats.chunks - self._steps_before][-1]
+            record["last_frame"] = [last.index, last.timestamp]
+        return record
 
     def _check_timestamp(self, timestamp: float | None) -> float:
         if timestamp is None:
@@ -211,6 +250,7 @@ class Stream(EncodedVideo):
         if self.prefill.seen_tokens == 0:
             raise InputError(f"{self.name}: nothing is encoded yet to save (the {len(self.pending)} frame(s) pushed "
                              f"wait for a batch of {self._batch_frames}); push more frames or flush() first")
+        self.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
         tensors, cache_metadata = self.prefill.state_dict()
         tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
         for index, frame in enumerate(self.pending):
@@ -241,8 +281,15 @@ class Stream(EncodedVideo):
         built. A stream saved with other weights (another checkpoint of the same architecture) is refused unless
         ``allow_other_weights=True``: its cache would not be what this model computes. kv_cache_dtype: how the
         saved detailed cache is stored (default: the VideoQA's); a file stored otherwise is refused.
+
+        ``path`` may also be the folder of a disk-tier stream's file set (``offload="disk"``), e.g. after its
+        process was killed: the stream resumes in it from the last step whose data is durable, every step's
+        checksum verified first, and ``frames_lost`` (also stated in one log line) counts the frames pushed
+        after that step. A damaged or foreign file set is refused with one line.
         """
         check_bool(allow_other_weights, "allow_other_weights")
+        if Path(path).is_dir():
+            return _resume_disk(cls, Path(path), qa, allow_other_weights)
         metadata, tensors = read_verified(path)
         stored_as = (getattr(qa, "kv_cache_dtype", None) if kv_cache_dtype is None
                      else check_kv_cache_dtype(kv_cache_dtype))
@@ -276,7 +323,82 @@ class Stream(EncodedVideo):
         stream._last_timestamp = metadata["last_timestamp"]
         stream.pending = [Frame(index, timestamp, image)
                           for (index, timestamp), image in zip(metadata["pending"], pending)]
+        stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,
+                                          stream.state.frames, stream.adapter.frames_per_step)
+        if stream.prefill.disk is not None:  # loaded into the disk tier: its new file set can itself be resumed
+            encoded = [frame for frame in metadata["pending"]]
+            last = [stream.pushed - 1, stream._last_timestamp or 0.0]
+            if encoded:  # the last frame streamed comes before the pending ones
+                last = [int(encoded[0][0]) - 1, float(encoded[0][1])]
+            stream.prefill.disk.journal_loaded(stream.prefill.cache, stream.step_frames, {
+                "state": stream.state.to_dict(), "last_frame": last})
+            for frame in stream.pending:  # waiting in the file, not in the file set
+                stream.prefill.disk.append({"push": frame.index, "t": frame.timestamp})
         return stream
+
+
+def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:
+    """Frames of each step of a saved stream: none in the prompt prefix, ``per_step`` in the others (fewer in a
+    last step completed by repetition) adding up to ``frames``."""
+    counts = [0 if index == 0 and prefix_tokens else per_step for index in range(len(lengths))]
+    if counts and counts[-1]:
+        counts[-1] -= sum(counts) - frames
+    return counts
+
+
+def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) -> "Stream":
+    """`Stream.load` of a disk-tier stream's file set (see there)."""
+    journal = read_file_set(folder)
+    setup = read_stream_setup(folder)
+    _check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
+                      allow_other_weights, check_kv_cache_dtype(getattr(qa, "kv_cache_dtype", None)))
+    geometry = cache_geometry(qa.adapter.model)
+    made = journal.manifest.get("geometry")
+    if made != _geometry_fields(geometry):
+        raise InputError(f"{folder}: made for a cache of {made}, but this model's is {_geometry_fields(geometry)}")
+    if not journal.steps:
+        raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
+    last = journal.steps[-1]
+    if not isinstance(last.get("state"), dict):
+        raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
+    check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
+                                 "engine": setup["engine"], "max_fps": setup["max_fps"],
+                                 "prefix_tokens": setup["prefix_tokens"],
+                                 "cache": {"chunk_lengths": [r["tokens"] for r in journal.steps]},
+                                 "state": {"frames": last["state"].get("frames")}}, qa.adapter)
+    tier = DiskTier(folder, journal.manifest)
+    try:
+        stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
+                     vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
+                     prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
+                     disk_tier=tier)
+    except BaseException:
+        tier.close()
+        raise
+    try:
+        resume(tier, journal, stream.prefill.cache, stream.prefill.device)
+        tier.truncate_journal(journal.end)
+        stream.state = LayoutState.from_dict(last["state"])
+    except BaseException:
+        stream.close()
+        raise
+    if stream.prefill.keeper is not None:
+        stream.prefill.keeper.adopt()
+    stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]
+    engine = stream.prefill.stats
+    stream.stats = EncodingStats(frames=stream.state.frames, tokens=engine.tokens, chunks=engine.steps,
+                                 carried_tokens=engine.max_carried_tokens, cache_bytes=engine.detailed_bytes,
+                                 evicted_frames=sum(stream.step_frames[s] for s in set(journal.evicted)))
+    framed = [record["last_frame"] for record in journal.steps if isinstance(record.get("last_frame"), list)]
+    if framed:
+        index, timestamp = framed[-1]
+        stream.pushed, stream._last_timestamp = int(index) + 1, float(timestamp)
+        if stream.max_fps is not None:
+            stream._next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
+    stream.frames_lost = frames_lost(journal.after, stream.pushed)
+    log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
+                stream.name, folder, stream.frames, stream.frames_lost)
+    return stream
 
 
 def _model_identity(qa: Any) -> dict[str, Any]:

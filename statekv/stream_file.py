@@ -274,9 +274,9 @@ def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = 
     return check
 
 
-def _dataclass_record(cls: type) -> Check:
+def _dataclass_record(cls: type, optional: tuple[str, ...] = ()) -> Check:
     """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
-    mappings."""
+    mappings; those named in ``optional`` may be absent."""
     checks: dict[str, Check] = {}
     for field in dataclasses.fields(cls):
         factory = field.default_factory
@@ -288,7 +288,8 @@ def _dataclass_record(cls: type) -> Check:
             checks[field.name] = _optional(_integer())
         else:
             checks[field.name] = _integer()
-    return _record(checks)
+    return _record({k: v for k, v in checks.items() if k not in optional},
+                   {k: v for k, v in checks.items() if k in optional})
 
 
 TEXT = _of_type(str, "a string")
@@ -304,10 +305,11 @@ SCHEMA = _record({
     "prefix_tokens": _integer(0), "vision_batch": _integer(1),
     "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
     "pending": _list_of(_list_of(_number(), length=2)),
-    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats),
+    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames",)),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
                       "window_starts": _list_of(_optional(_integer(0)))},
-                     optional={"kv_cache_dtype": _of_type(str, "a string")}),  # absent: the model's dtype
+                     optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype
+                               "evicted_steps": _list_of(_integer(0))}),
     "checksums": _of_type(dict, "an object"),
 })
 

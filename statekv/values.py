@@ -315,10 +315,47 @@ def _from_text(text: str, convert: Callable[[str], Any]) -> Any:
         return None
 
 
+BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(value: Any, name: str) -> int:
+    """A size in bytes: a positive int, or text like ``512M``, ``20G``, ``1.5T``, ``4096`` (K, M, G, T are powers of
+    1024; an optional ``B``/``iB`` after them is accepted)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().upper()
+        text = text.removesuffix("IB") if text.endswith("IB") else text.removesuffix("B")
+        unit = text[-1:] if text[-1:] in BYTE_UNITS else ""
+        amount = _from_text(text[: len(text) - len(unit)], float)
+        number = None if amount is None or not math.isfinite(amount) else int(amount * BYTE_UNITS[unit])
+    else:
+        number = None
+    if number is None:
+        raise ConfigurationError(f"{name} must be a size in bytes such as 512M or 20G, got {value!r}")
+    if number < 1:
+        raise ConfigurationError(f"{name} must be at least 1 byte, got {value!r}")
+    return number
+
+
+def optional_byte_size(value: Any, name: str) -> int | None:
+    """A size in bytes (`byte_size`), or None for None, ``""``, ``none``, ``null``."""
+    return None if _is_none(value) else byte_size(value, name)
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes for people: ``20 GiB``, ``1.5 MiB``, ``300 B``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.4g} {unit}"
+    return f"{count} B"
+
+
 # command-line types (argparse)
 POSITIVE_INT = argparse_type(positive_int, "a positive integer")
 NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer")
 POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
+BYTE_SIZE = argparse_type(byte_size, "a size in bytes such as 512M or 20G")
 
 
 # kinds of value: one object for how a setting is checked in Python, read from text and typed on the command line
@@ -373,6 +410,7 @@ BOOLEAN = Kind("bool", check_bool, boolean)
 TEXT = Kind("str", check_text, required_text)
 DTYPE = Kind("str", lambda value, name: check_dtype(value, name), required_text)
 DEVICE = Kind("str", check_device, required_text)
+BYTES = Kind("int", check_int, byte_size, BYTE_SIZE)  # a size in bytes; from text also 512M, 20G
 
 
 def _path_text(text: str) -> Path:

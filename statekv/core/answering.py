@@ -20,6 +20,7 @@ then identical to answering without retrieval.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,10 +44,13 @@ class AnswerLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = ()):
-        """steps: the stream's step lengths, in tokens (what retrieval scores)."""
+    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
+                 evicted: frozenset[int] = frozenset()):
+        """steps: the stream's step lengths, in tokens (what retrieval scores); evicted: the steps given up under
+        a cache limit (never read)."""
         super().__init__()
         self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
+        self.evicted = evicted
         self.keys = self.values = None
         self.context = self.answered = 0
         self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
@@ -73,14 +77,21 @@ class AnswerLayer(CacheLayerMixin):
         length = storage.length
         keys, values = self._pending
         need = length + self.room
-        in_place = storage.answer_in_place(keys, need - length) if retrieval is None else None
+        evicted = self.evicted
+        in_place = storage.answer_in_place(keys, need - length) if retrieval is None and not evicted else None
         if in_place is not None:  # answer in the free room past the stream's end: no copy
             (self.keys, self.values), self.context = in_place, length
-        elif retrieval is None:  # stored elsewhere or otherwise: the whole detailed cache comes to the model's device
+        elif retrieval is None and not evicted:  # stored elsewhere or otherwise: the whole cache to the model's device
             self._allocate(keys, need)
             self.keys[:, :, :length], self.values[:, :, :length] = storage.read_range(
                 0, length, self.model_device, keys.dtype)
             self.context = length
+        elif retrieval is None:  # every token still held, in order
+            index = _held_tokens(self.steps, evicted)
+            self._allocate(keys, index.shape[0] + self.room)
+            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
+                index, self.model_device, keys.dtype)
+            self.context = index.shape[0]
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
@@ -88,7 +99,8 @@ class AnswerLayer(CacheLayerMixin):
             means, samples = storage.summaries
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
-                                 read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0])
+                                 read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
+                                 evicted=frozenset(evicted))
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
@@ -129,6 +141,15 @@ class AnswerLayer(CacheLayerMixin):
         return -1
 
 
+def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:
+    """Token indices ``[M]`` of the steps not evicted, ascending."""
+    held = torch.ones(sum(steps), dtype=torch.bool)
+    starts = [0, *accumulate(steps)]
+    for step in evicted:
+        held[starts[step]: starts[step + 1]] = False
+    return held.nonzero().squeeze(1)
+
+
 class AnswerCache(Cache):
     """The transformers ``Cache`` that ``generate`` decodes with after a stream (see the module docstring).
 
@@ -140,7 +161,8 @@ class AnswerCache(Cache):
     def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None):
         super().__init__(layers=[])
         steps = tuple(stream.chunk_lengths)
-        self.layers = [AnswerLayer(layer, room, device, steps) for layer in stream.layers]
+        evicted = frozenset(stream.evicted_steps)
+        self.layers = [AnswerLayer(layer, room, device, steps, evicted) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
 

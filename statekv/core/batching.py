@@ -47,6 +47,7 @@ class StepRequest:
     position_ids: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
+    durable_record: dict | None = None  # what the disk tier journals with the step (see StreamingPrefill.step)
 
 
 class NotBatchable(Exception):
@@ -232,7 +233,9 @@ class StepBatcher:
             request = requests[indices[0]]
             try:
                 outcomes[indices[0]] = request.prefill.step(request.inputs_embeds, request.position_ids,
-                                                            input_ids=request.input_ids, **request.forward_kwargs)
+                                                            input_ids=request.input_ids,
+                                                            durable_record=request.durable_record,
+                                                            **request.forward_kwargs)
             except Exception as error:
                 outcomes[indices[0]] = error
             return
@@ -244,6 +247,7 @@ class StepBatcher:
             try:
                 inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
                                                 input_ids=request.input_ids, **request.forward_kwargs)
+                prefill.make_room(_chunk_of(inputs).shape[1], _chunk_of(inputs).shape[0])
                 prefill.cache.begin(_chunk_of(inputs).shape[1], _chunk_of(inputs).device)
             except Exception as error:
                 prefill.cache.rollback()
@@ -271,7 +275,7 @@ class StepBatcher:
             prefill = requests[index].prefill
             prefill.cache.rollback()
             try:
-                outcomes[index] = prefill.step(**inputs)
+                outcomes[index] = prefill.step(**inputs, durable_record=requests[index].durable_record)
             except Exception as error:
                 outcomes[index] = error
 
@@ -288,8 +292,8 @@ class StepBatcher:
         if hidden is None:
             hidden = _streamed(prefills, batch, inputs)
         chunk_len = _chunk_of(inputs).shape[1]
-        for prefill in prefills:
-            prefill.finish_step(chunk_len, started)
+        for (index, _), prefill in zip(members, prefills):
+            prefill.finish_step(chunk_len, started, durable_record=requests[index].durable_record)
         self.batched_steps += 1
         self.batched_rows += len(prefills)
         return hidden

@@ -15,6 +15,7 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -42,10 +43,13 @@ class StreamingLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, on_replace: Callable[[], None], index: int, capacity_hint: int | None = None,
-                 storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None):
+                 storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None,
+                 make_storage=None):
         super().__init__()
         self.index, self._on_replace = index, on_replace  # called when a buffer a captured step reads is replaced
-        if kv_cache_dtype is not None:
+        if make_storage is not None:  # a DiskTier's: (index, capacity_hint, on_replace, kv_cache_dtype) -> storage
+            self.storage = make_storage(index, capacity_hint, on_replace, kv_cache_dtype)
+        elif kv_cache_dtype is not None:
             self.storage = QuantizedStorage(kv_cache_dtype, capacity_hint, storage_device, on_replace)
         else:
             kind = LayerStorage if storage_device is None else OffloadedStorage
@@ -152,6 +156,12 @@ class TwoStateCache(Cache):
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
         kv_cache_dtype: ``"int8"`` or ``"int4"`` to store the detailed cache quantized
             (:mod:`statekv.core.quantized`); None: in the model's dtype.
+        make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace,
+            kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.DiskTier`).
+
+    ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
+    (:mod:`statekv.core.limits`); answers never read them. ``attention_by_step``: when kept, the attention mass
+    each step's tokens received from the stream's own scored steps, summed over layers and heads.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
     -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay.
@@ -159,13 +169,15 @@ class TwoStateCache(Cache):
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, make_storage=None):
         super().__init__(layers=[])
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype)
-                       for i in range(num_layers)]
+        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype,
+                                      make_storage) for i in range(num_layers)]
+        self.evicted_steps: set[int] = set()
+        self.attention_by_step: torch.Tensor | None = None  # float64 [steps], kept only when asked for
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self.recency = forms.Recency()
@@ -249,10 +261,23 @@ class TwoStateCache(Cache):
             out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+        if scores is not None and self.attention_by_step is not None:
+            self._tally(layer.candidate_positions(), scores)
         step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
                                                        positions=layer.candidate_positions, history=self._history,
                                                        queries=q))
         return out
+
+    def _tally(self, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """Add the attention mass ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their
+        steps' totals (``attention_by_step``, grown to hold the current step)."""
+        ends = torch.tensor([*itertools.accumulate(self.chunk_lengths), self.seen_tokens + self.chunk_len])
+        if self.attention_by_step.numel() < ends.numel():
+            grown = torch.zeros(max(2 * self.attention_by_step.numel(), ends.numel()), dtype=torch.float64)
+            grown[: self.attention_by_step.numel()] = self.attention_by_step
+            self.attention_by_step = grown
+        steps = torch.searchsorted(ends, positions.reshape(-1).cpu(), right=True)
+        self.attention_by_step.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
     def _history(self) -> tuple[int, ...]:
         return (*self.chunk_lengths, self.chunk_len)

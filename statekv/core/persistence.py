@@ -31,6 +31,8 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
         window_starts.append(window_start)
     metadata = {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
                 "window_starts": window_starts}
+    if cache.evicted_steps:  # absent unless a cache limit evicted steps (so states without any read as before)
+        metadata["evicted_steps"] = sorted(cache.evicted_steps)
     if cache.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
         metadata["kv_cache_dtype"] = cache.kv_cache_dtype
     return tensors, metadata
@@ -49,6 +51,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
         restore_layer(layer, layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
     cache.chunk_lengths = list(metadata["chunk_lengths"])
     cache.seen_tokens = int(metadata["seen_tokens"])
+    cache.evicted_steps = set(metadata.get("evicted_steps", ()))
     cache.seen_device = None
     cache.buffers_replaced()
 
@@ -112,6 +115,10 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
     if seen != sum(lengths):
         raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
+    evicted = metadata.get("evicted_steps", [])
+    if not isinstance(evicted, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                and 0 <= s < len(lengths) for s in evicted):
+        raise InputError(f"the cache metadata's evicted_steps must list steps among its {len(lengths)}")
     if len(starts) != geometry.layers:
         raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
     expected = {}

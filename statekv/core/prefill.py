@@ -11,6 +11,8 @@ lets the policy choose what to carry; any other call falls through to the model'
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -20,16 +22,19 @@ from transformers import DynamicCache
 from .answering import Retrieval
 from .attention import resolve_backend
 from .cache import TwoStateCache, check_state_dict
+from .disk import DiskTier
+from .limits import CacheKeeper, CacheLimit, check_evicting_storage
 from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
 from .graphs import StepGraphs
 from .memory import CacheGeometry, check_cache_fits
 from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
                               share_language_attention, statekv_attention, streaming_through)
 from .policies import CarryPolicy
-from .quantized import check_kv_cache_dtype
+from .quantized import check_kv_cache_dtype, stored_bytes_per_token
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
+from ..values import check_int
 
 class StreamingPrefill:
     """Stream chunks through ``model`` under ``policy``, building a detailed cache of every token.
@@ -44,7 +49,16 @@ class StreamingPrefill:
         freeze_rope: keep True; False leaves dynamic RoPE recomputing per chunk (only to study why freezing is
             needed).
         offload: keep the detailed cache on this device (``True`` means ``"cpu"``) instead of the model's, so
-            accelerator memory stays constant as the stream grows; it is copied back for decoding.
+            accelerator memory stays constant as the stream grows; it is copied back for decoding. ``"disk"``:
+            in an append-only, memory-mapped file set of its own under ``offload_dir`` (only the step means stay
+            in RAM; see :mod:`statekv.core.disk`).
+        offload_dir: the folder the disk tier makes this stream's file set in (``offload="disk"`` only).
+        cache_limit: a hard cap on the detailed cache and what to do when a step would pass it
+            (:class:`~statekv.core.limits.CacheLimit`); None: no cap.
+        protect_tokens: leading tokens (the prompt prefix, sinks) a cache limit never evicts.
+        name: how messages and the disk tier's folder name this stream.
+        disk_tier: resume in this existing file set (:func:`statekv.core.disk.read_file_set`) instead of making
+            a new one.
         cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
             for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
         kv_cache_dtype: store the detailed cache quantized, ``"int8"`` or ``"int4"`` (keys per channel, values
@@ -56,7 +70,9 @@ class StreamingPrefill:
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
                  horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
-                 cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None):
+                 cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None, *,
+                 offload_dir: str | os.PathLike | None = None, cache_limit: CacheLimit | None = None,
+                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -74,15 +90,46 @@ class StreamingPrefill:
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
         self.horizon = check_horizon(self.config, horizon)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
         self.geometry = cache_geometry(model)
-        if horizon is not None:  # the detailed buffers are sized for it up front
-            check_cache_fits(self.geometry, horizon, self.storage_device or self.device, self.kv_cache_dtype)
+        self.disk: DiskTier | None = None
+        make_storage = None
+        if offload == "disk" or disk_tier is not None:
+            if disk_tier is None and offload_dir is None:
+                raise ConfigurationError("offload='disk' needs offload_dir= (the folder for the streams' files)")
+            self.storage_device = torch.device("cpu")
+            self.disk = disk_tier or DiskTier.create(offload_dir, name, {
+                "geometry": _geometry_fields(self.geometry), "policy": repr(policy), "horizon": horizon,
+                "kv_cache_dtype": self.kv_cache_dtype})
+            make_storage = self.disk.storage
+        else:
+            if offload_dir is not None:
+                raise ConfigurationError("offload_dir is only used with offload='disk'")
+            if isinstance(offload, str) and offload not in ("cpu",) and not offload.startswith(("cuda", "mps")):
+                raise ConfigurationError(f"offload must be True/False, 'disk' or a device, got {offload!r}")
+            self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
+        if cache_limit is not None and not isinstance(cache_limit, CacheLimit):
+            raise ConfigurationError(f"cache_limit must be a CacheLimit, got {type(cache_limit).__name__}")
+        check_evicting_storage(cache_limit, self.storage_device is not None)
+        if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
+                and not policy.scores_needed(1 << 30):
+            raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
+                                     "computes; choose evict-oldest or a scoring method (statekv)")
+        self.bytes_per_token = math.ceil(self.geometry.layers * stored_bytes_per_token(
+            self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, self.kv_cache_dtype,
+            tokens_per_step=1 << 30))  # the detailed cache's bytes per token as stored (per-step scales aside)
+        if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
+            tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
+            check_cache_fits(self.geometry, tokens, self.storage_device or self.device, self.kv_cache_dtype)
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device,
-                                   kv_cache_dtype=self.kv_cache_dtype)
-        self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable
+                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage)
+        self.keeper = None if cache_limit is None else CacheKeeper(
+            cache_limit, self.cache, self.bytes_per_token, check_int(protect_tokens, "protect_tokens", minimum=0),
+            name)
+        # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
+        tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
+        self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
         self._history: list[StepRecord] = []
@@ -116,7 +163,8 @@ class StreamingPrefill:
             carried_tokens=tuple(layer.carried_length for layer in layers),
             detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
-            history=tuple(self._history))
+            history=tuple(self._history), evicted_steps=len(self.cache.evicted_steps),
+            evicted_tokens=sum(self.cache.chunk_lengths[s] for s in self.cache.evicted_steps))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and JSON-able metadata (see `TwoStateCache.state_dict`)."""
@@ -127,21 +175,35 @@ class StreamingPrefill:
         could not have written is refused with an `InputError` before anything changes."""
         check_state_dict(tensors, metadata, self.geometry, self.kv_cache_dtype)
         self.cache.load_state_dict(tensors, metadata, self.device)
+        if self.keeper is not None:
+            self.keeper.adopt()
+
+    def sync(self) -> None:
+        """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""
+        if self.disk is not None:
+            self.disk.sync()
 
     @torch.no_grad()
     def step(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
-             input_ids: torch.Tensor | None = None, **forward_kwargs) -> torch.Tensor:
+             input_ids: torch.Tensor | None = None, durable_record: dict | None = None,
+             **forward_kwargs) -> torch.Tensor:
         """Run one chunk; return its last hidden states ``[B, T, D]``.
 
         Args:
             inputs_embeds: ``[B, T, D]`` chunk embeddings (or pass ``input_ids`` ``[B, T]`` for text).
             position_ids: RoPE positions; default ``arange(seen_tokens, seen_tokens + T)`` as ``[B, T]``.
                 Pass them explicitly for M-RoPE (``[3 or 4, B, T]``).
+            durable_record: JSON-able fields the disk tier journals with this step (what a caller needs to
+                resume after it, e.g. a stream's layout state).
             forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs). An
                 ``attention_mask`` is accepted only if it is all ones (plain causal attention).
+
+        Under a cache limit, a step that would pass it first evicts (``evict-*``) or is refused with a one-line
+        `CacheLimitError`, the stream unchanged (``refuse``).
         """
         inputs = self.checked_inputs(inputs_embeds, position_ids, input_ids=input_ids, **forward_kwargs)
         chunk_len = _chunk_of(inputs).shape[1]
+        self.make_room(chunk_len, _chunk_of(inputs).shape[0])
         started = time.perf_counter()
         carried_before = self._carried_positions() if self.track_overlap else None
         self.cache.begin(chunk_len, _chunk_of(inputs).device)
@@ -154,7 +216,7 @@ class StreamingPrefill:
         except BaseException:
             self.cache.rollback()
             raise
-        self.finish_step(chunk_len, started, carried_before)
+        self.finish_step(chunk_len, started, carried_before, durable_record)
         return hidden
 
     def checked_inputs(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
@@ -172,9 +234,25 @@ class StreamingPrefill:
             )
         return dict(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **forward_kwargs)
 
-    def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None) -> None:
-        """Host end of a step whose device part succeeded: commit its lengths and record it."""
+    def make_room(self, chunk_len: int, batch: int) -> None:
+        """Under a cache limit, room for a chunk of ``chunk_len`` tokens (``batch`` rows): the frames evicted now
+        (``evict-*``), or a one-line `CacheLimitError` with the stream unchanged (``refuse``). Before the step
+        begins."""
+        if self.keeper is None:
+            return
+        evicting = self.keeper.make_room(chunk_len, batch)
+        if evicting:
+            if self.disk is not None:  # journaled first: a kill while punching leaves them evicted, not damaged
+                self.disk.append({"evict": evicting})
+            self.keeper.evict(evicting)
+
+    def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None,
+                    durable_record: dict | None = None) -> None:
+        """Host end of a step whose device part succeeded: commit its lengths (journaled with
+        ``durable_record`` on the disk tier) and record it."""
         self.cache.commit_host()
+        if self.disk is not None:
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record or {})
         overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
         self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
@@ -207,6 +285,8 @@ class StreamingPrefill:
         self._closed = True
         self.rope = None
         self.graphs.clear()
+        if self.disk is not None:
+            self.disk.close()  # the files stay: Stream.load resumes from them
 
     def __enter__(self) -> "StreamingPrefill":
         return self
@@ -303,6 +383,11 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     """What one token costs in the cache of ``model``'s language decoder (layers, KV heads, head dim, dtype)."""
     decoder = _language_decoder(model)
     return CacheGeometry.of(decoder.config, next(decoder.parameters()).dtype)
+
+
+def _geometry_fields(geometry: CacheGeometry) -> dict:
+    return {"layers": geometry.layers, "kv_heads": geometry.kv_heads, "head_dim": geometry.head_dim,
+            "dtype": str(geometry.dtype).removeprefix("torch.")}
 
 
 def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device) -> None:

@@ -47,6 +47,7 @@ class LayerQuestion:
     state there, under their own name). samples: ``[1, H_kv, S, N, D]`` keys of each step, evenly spaced
     (the first ``min(tokens, N)`` of a step are real; see :func:`statekv.core.storage.sample_index`), or None.
     read_keys: reads the detailed keys of tokens ``[M]`` -> ``[1, H_kv, M, D]`` (when ``keys`` is None).
+    evicted: steps given up under a cache limit (never chosen).
     """
 
     layer: int
@@ -71,6 +72,7 @@ class LayerQuestion:
         if self.keys is not None:
             return self.keys.index_select(2, index.to(self.keys.device))
         return self.read_keys(index)
+    evicted: frozenset[int] = frozenset()
 
     @property
     def step_of_token(self) -> torch.Tensor:
@@ -203,7 +205,8 @@ class Retrieval:
     def choose(self, seen: LayerQuestion) -> list[int]:
         """The steps (ascending) answered from at ``seen``'s layer, besides the kept tokens."""
         ends = list(accumulate(seen.steps))
-        outside = [s for s, end in enumerate(ends) if end > self.keep_tokens]  # steps not wholly kept anyway
+        outside = [s for s, end in enumerate(ends)  # steps not wholly kept anyway, and still held
+                   if end > self.keep_tokens and s not in seen.evicted]
         if len(outside) <= self.steps:
             return outside
         scores = self.rule.scores(seen).float()

@@ -30,7 +30,8 @@ class StreamStats:
     steps, tokens: streamed so far. carried_tokens: per layer, tokens carried into the next step (per KV head).
     detailed_bytes: keys and values of every token, all layers, wherever they are stored. device_bytes: cache
     bytes on the model's device now; peak_device_bytes: the most at once, answering included. graph_replays:
-    steps replayed from a CUDA graph. history: one `StepRecord` per step.
+    steps replayed from a CUDA graph. history: one `StepRecord` per step. evicted_steps, evicted_tokens: given up
+    under a cache limit (:mod:`statekv.core.limits`; answers no longer see them).
     """
 
     steps: int
@@ -41,6 +42,8 @@ class StreamStats:
     peak_device_bytes: int
     graph_replays: int
     history: tuple[StepRecord, ...] = field(repr=False)
+    evicted_steps: int = 0
+    evicted_tokens: int = 0
 
     @property
     def max_carried_tokens(self) -> int:

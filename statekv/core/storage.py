@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .buffers import CarriedSlots, TokenBuffer
+from .limits import release_host_rows, runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
 
@@ -215,6 +216,11 @@ class LayerStorage:
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's."""
 
+    def release_tokens(self, tokens: torch.Tensor) -> None:
+        """Tokens ``tokens`` (ascending positions ``[N]``) were evicted (:mod:`statekv.core.limits`): give back
+        what can be. One buffer on the model's device cannot give part of itself back (evicting is refused
+        there)."""
+
 
 class OffloadedStorage(LayerStorage):
     """The detailed cache and step summaries in ``device`` memory other than the model's: a step stages its
@@ -272,6 +278,15 @@ class OffloadedStorage(LayerStorage):
     def device_nbytes(self) -> int:
         staged = (self.staged_mean, self.staged_samples)
         return sum(0 if t is None else t.numel() * t.element_size() for t in staged)
+
+    def release_tokens(self, tokens: torch.Tensor) -> None:
+        per_token = (self.detailed,) if self.detailed is not None else tuple(
+            getattr(self, name) for name in ("key_codes", "value_codes", "value_scales"))  # quantized
+        for buffer in per_token:
+            release = getattr(buffer, "release", None)  # a disk buffer gives rows back to the file system
+            tensors = None if release is not None else buffer.tensors
+            for start, end in runs(tokens):
+                release(start, end) if release is not None else release_host_rows(tensors, start, end)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads

@@ -13,13 +13,13 @@ from statekv.models.registry import register_adapter
 from statekv.models.remote_internvl import RemoteInternVLAdapter
 
 from .checkpoints import (CHAT_TOKENS, FAMILIES, TinyEagleConfig, TinyEagleForConditionalGeneration, build_tokenizer,
-                          chatml_template, make_tiny_checkpoint)
+                          chatml_template, make_long_context_checkpoint, make_tiny_checkpoint)
 from .op_trace import OpTrace
 from .videos import FRAME_INDEX_BITS, draw_test_frame, synthetic_timestamps, write_test_video
 
 __all__ = ["CHAT_TOKENS", "FAMILIES", "FRAME_INDEX_BITS", "OpTrace", "TinyEagleConfig",
            "TinyEagleForConditionalGeneration", "build_tokenizer", "chatml_template", "draw_test_frame",
-           "make_tiny_checkpoint", "synthetic_timestamps", "write_test_video"]
+           "make_long_context_checkpoint", "make_tiny_checkpoint", "synthetic_timestamps", "write_test_video"]
 
 
 @register_adapter

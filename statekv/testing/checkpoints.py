@@ -358,6 +358,16 @@ def make_tiny_checkpoint(
     return path
 
 
+def make_long_context_checkpoint(path: str | Path, *, image_size: int = 224, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny InternVL checkpoint (the real InternVL architecture, `make_tiny_checkpoint`'s sizes) whose language
+    model takes a million positions with plain RoPE, for streams of many hours: ``image_size`` sets the tokens per
+    frame (``(image_size / 14 / 2)^2``: 64 at 224, 16 at 112). ``overrides`` as `make_tiny_checkpoint`'s."""
+    text = {"max_position_embeddings": 1 << 20, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            **overrides.pop("text_config", {})}
+    vision = {"image_size": image_size, **overrides.pop("vision_config", {})}
+    return make_tiny_checkpoint("internvl", path, seed=seed, text_config=text, vision_config=vision, **overrides)
+
+
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")

@@ -1,0 +1,190 @@
+"""A hard cap on a stream's detailed cache (``max_cache_bytes``) and what happens when a step would pass it.
+
+``cache_limit`` (`CACHE_LIMITS`), chosen up front:
+
+``refuse`` (the default)
+    The step is refused with a one-line `CacheLimitError` naming the cap before anything changes: nothing
+    streamed is lost and the stream still answers.
+``evict-oldest``
+    The oldest steps (frames) are evicted until the step fits.
+``evict-least-attended``
+    The steps whose tokens received the least attention from the stream's own scored steps (summed over
+    layers and heads, as the carry policy computed it) are evicted first; ties go to the oldest.
+
+Evicting a step marks it in ``TwoStateCache.evicted_steps`` (answers from the whole cache skip it, retrieval never
+chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory
+returns their whole pages), except the tokens a layer still carries: those are kept until it no longer does, so
+the carried state stays the detailed cache's own tokens, as saved and resumed streams require. Positions do not
+move: the remaining tokens keep their RoPE and the stream's length counts every token streamed. Never evicted:
+the first ``protect_tokens`` tokens (the prompt prefix and the sinks). The first eviction is stated in one log
+line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import logging
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CacheLimitError, ConfigurationError
+from ..values import check_choice, check_int, format_bytes
+
+CACHE_LIMITS = ("refuse", "evict-oldest", "evict-least-attended")
+DEFAULT_CACHE_LIMIT = "refuse"
+log = logging.getLogger("statekv")
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+@dataclass(frozen=True)
+class CacheLimit:
+    """At most ``max_bytes`` of detailed cache per stream; ``when_full`` one of `CACHE_LIMITS`."""
+
+    max_bytes: int
+    when_full: str = DEFAULT_CACHE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_int(self.max_bytes, "max_cache_bytes")
+        check_choice(self.when_full, "cache_limit", CACHE_LIMITS)
+
+    @property
+    def evicts(self) -> bool:
+        return self.when_full != "refuse"
+
+
+class CacheKeeper:
+    """Holds one stream's detailed cache under a `CacheLimit`.
+
+    Args:
+        cache: the stream's `TwoStateCache`. bytes_per_token: detailed bytes one token costs (all layers).
+        protect_tokens: leading tokens never evicted. name: how messages name the stream.
+    """
+
+    def __init__(self, limit: CacheLimit, cache, bytes_per_token: int, protect_tokens: int = 0,
+                 name: str = "stream"):
+        self.limit, self.cache, self.bytes_per_token = limit, cache, bytes_per_token
+        self.protect_tokens, self.name = protect_tokens, name
+        self.evicted_tokens = 0
+        self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
+        self.batch = 1
+        self.announced = False
+        if limit.when_full == "evict-least-attended":
+            cache.attention_by_step = torch.zeros(64, dtype=torch.float64)
+
+    @property
+    def held_bytes(self) -> int:
+        """Detailed bytes held now: every token streamed and not evicted."""
+        return (self.cache.seen_tokens - self.evicted_tokens) * self.bytes_per_token * self.batch
+
+    def make_room(self, chunk_len: int, batch: int = 1) -> list[int]:
+        """The steps to evict so that a step of ``chunk_len`` tokens (of ``batch`` streams) fits, or a
+        `CacheLimitError` refusing it."""
+        self.batch = batch
+        needed = self.held_bytes + chunk_len * self.bytes_per_token * batch - self.limit.max_bytes
+        if needed <= 0:
+            return []
+        cap = f"max_cache_bytes={format_bytes(self.limit.max_bytes)}"
+        if not self.limit.evicts:
+            raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) would take the detailed cache past "
+                                  f"{cap} (holding {format_bytes(self.held_bytes)}); nothing was streamed, and "
+                                  "what was still answers (choose an evicting cache_limit to keep streaming)")
+        chosen, freed = [], 0
+        for step, length in self._candidates():
+            if freed >= needed:
+                break
+            chosen.append(step)
+            freed += length * self.bytes_per_token * self.batch
+        if freed < needed:
+            raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) does not fit under {cap} even after "
+                                  "evicting every frame but the protected prompt prefix and sinks; nothing was "
+                                  "streamed")
+        if not self.announced:
+            self.announced = True
+            rule = "oldest" if self.limit.when_full == "evict-oldest" else "least attended"
+            log.warning("%s: the detailed cache reached %s; evicting the %s frames from now on", self.name, cap,
+                        rule)
+        return chosen
+
+    def evict(self, steps: list[int]) -> None:
+        """Never read ``steps`` again and give their detailed keys and values back, except the tokens a layer
+        still carries (kept until it no longer does, so the carried state stays the detailed cache's own)."""
+        cache = self.cache
+        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
+        for layer in cache.layers:
+            carried = _carried_tokens(layer)
+            gone = torch.cat([tokens, self.retained.get(layer.index, tokens[:0])])
+            held = torch.isin(gone, carried)
+            self.retained[layer.index] = gone[held]
+            layer.storage.release_tokens(gone[~held].sort().values)
+        for step in steps:
+            cache.evicted_steps.add(step)
+            self.evicted_tokens += cache.chunk_lengths[step]
+
+    def adopt(self) -> None:
+        """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones."""
+        cache = self.cache
+        self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
+        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
+        for step in cache.evicted_steps:
+            evicted[starts[step]: starts[step + 1]] = True
+        self.retained = {}
+        for layer in cache.layers:
+            if layer.is_initialized:
+                carried = _carried_tokens(layer)
+                self.retained[layer.index] = carried[evicted[carried]]
+
+    def _candidates(self) -> list[tuple[int, int]]:
+        """``(step, length)`` of the evictable steps, in the order to evict them."""
+        cache = self.cache
+        ends = itertools.accumulate(cache.chunk_lengths)
+        steps = [(s, length) for s, (length, end) in enumerate(zip(cache.chunk_lengths, ends))
+                 if s not in cache.evicted_steps and end - length >= self.protect_tokens]
+        if self.limit.when_full == "evict-least-attended":
+            tally = cache.attention_by_step
+            steps.sort(key=lambda item: (float(tally[item[0]]) if item[0] < tally.numel() else 0.0, item[0]))
+        return steps
+
+
+def _carried_tokens(layer) -> torch.Tensor:
+    """The token positions ``[K']`` (ascending, CPU) the layer carries into the next step, any head."""
+    return layer.positions().reshape(-1).cpu().unique()
+
+
+def check_evicting_storage(limit: CacheLimit | None, offloaded: bool) -> None:
+    """Evicting needs the detailed cache off the model's device (one contiguous buffer there cannot give part
+    of itself back)."""
+    if limit is not None and limit.evicts and not offloaded:
+        raise ConfigurationError(f"cache_limit={limit.when_full} needs the detailed cache offloaded (offload=True "
+                                 "or offload='disk'); with the model it can only refuse")
+
+
+def release_host_rows(tensors: list[torch.Tensor] | None, start: int, end: int) -> None:
+    """Return to the OS the whole pages of rows ``[start, end)`` of CPU tensors ``[B, H_kv, capacity, X]``
+    (pinned memory excepted); those pages then read as zeros."""
+    page = mmap.PAGESIZE
+    for tensor in tensors or ():
+        if tensor.device.type != "cpu" or tensor.is_pinned():
+            continue
+        for b in range(tensor.shape[0]):
+            for h in range(tensor.shape[1]):
+                rows = tensor[b, h, start:end]
+                first = -(-rows.data_ptr() // page) * page
+                last = (rows.data_ptr() + rows.numel() * rows.element_size()) // page * page
+                if last > first:
+                    _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:
+    """Ascending token positions ``[N]`` as ``[start, end)`` runs of consecutive ones."""
+    if not tokens.numel():
+        return []
+    breaks = (torch.diff(tokens) != 1).nonzero().squeeze(1) + 1
+    edges = [0, *breaks.tolist(), tokens.numel()]
+    return [(int(tokens[a]), int(tokens[b - 1]) + 1) for a, b in zip(edges, edges[1:])]

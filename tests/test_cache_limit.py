@@ -1,0 +1,177 @@
+"""A hard cap on the detailed cache (max_cache_bytes): refuse (nothing lost, the stream still answers), evict the
+oldest or the least attended frames (counted, never read again, positions unchanged), on every offloaded tier."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.core.limits import CacheLimit
+from statekv.core.prefill import cache_geometry
+from statekv.core.retrieval import LayerQuestion, MostRecent, Retrieval
+from statekv.errors import CacheLimitError, ConfigurationError
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+QUESTION = "Why?"
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"), layout="chat")
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def _qa(adapter, method="recency", **kwargs) -> statekv.VideoQA:
+    policy = {"statekv": statekv.StateKV(budget=12), "recency": statekv.Recency(frames=2)}[method]
+    return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
+
+
+def _steps(adapter, frames: int) -> tuple[list[int], int]:
+    """(each step's tokens for ``frames`` frames, the prompt prefix's step first; bytes per token)."""
+    probe = _qa(adapter).stream(horizon_frames=frames)
+    for frame in _frames(frames):
+        probe.push(frame)
+    assert probe.prefix_tokens and probe.prefill.cache.chunk_lengths[0] == probe.prefix_tokens
+    return list(probe.prefill.cache.chunk_lengths), cache_geometry(adapter.model).bytes_per_token
+
+
+def _oldest_evicted(lengths: list[int], cap_tokens: int) -> list[int]:
+    """The steps evict-oldest gives up, simulated: before each step, the oldest frames go until it fits (the
+    prefix stays; a 2-frame recency window carries only the newest frames)."""
+    held, evicted = [0], []
+    for step in range(1, len(lengths)):
+        while sum(lengths[s] for s in held) + lengths[step] > cap_tokens:
+            evicted.append(held.pop(1))
+        held.append(step)
+    return evicted
+
+
+def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
+    lengths, per_token = _steps(adapter, 4)
+    stream = _qa(adapter, max_cache_bytes=sum(lengths[:4]) * per_token).stream(horizon_frames=6)
+    for frame in _frames(3):
+        stream.push(frame)
+    before = (stream.frames, stream.tokens, stream.ask_tokens(QUESTION, max_new_tokens=4))
+    with pytest.raises(CacheLimitError) as error:
+        stream.push(_frames(4)[3])
+    message = str(error.value)
+    assert "\n" not in message and "max_cache_bytes=" in message and "nothing was streamed" in message
+    assert (stream.frames, stream.tokens) == before[:2] and not stream.pending
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), before[2])
+    assert stream.stats.evicted_frames == 0 and stream.prefill.stats.evicted_steps == 0
+
+
+@pytest.mark.parametrize("offload", [True, "disk"])
+def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path, caplog):
+    lengths, per_token = _steps(adapter, 7)
+    cap_tokens = lengths[0] + max(lengths[1:]) * 3
+    evicted = _oldest_evicted(lengths, cap_tokens)
+    kept_frames = 7 - len(evicted)
+    disk = {"offload_dir": tmp_path} if offload == "disk" else {}
+    settings = dict(offload=offload, max_cache_bytes=cap_tokens * per_token, cache_limit="evict-oldest", **disk)
+    capped = _qa(adapter, **settings).stream(horizon_frames=7)
+    whole = _qa(adapter).stream(horizon_frames=7)
+    with caplog.at_level(logging.WARNING, logger="statekv"):
+        for frame in _frames(7):
+            capped.push(frame)
+            whole.push(frame)
+    said = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
+    assert len(said) == 1 and "evicting the oldest frames" in said[0]  # stated once, when it first happened
+    assert evicted and capped.prefill.cache.evicted_steps == set(evicted)  # the prompt prefix is protected
+    assert capped.stats.evicted_frames == capped.prefill.stats.evicted_steps == len(evicted)
+    assert capped.prefill.stats.evicted_tokens == sum(lengths[s] for s in evicted)
+    # positions never move: the kept frames answer exactly as the same frames retrieved from the whole cache
+    kept = whole.ask_tokens(QUESTION, max_new_tokens=6, retrieve=kept_frames, retrieval="recent")
+    assert torch.equal(capped.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
+    info = capped.answer_info
+    assert (info.frames, info.evicted_frames, info.unseen_fraction) == (7, len(evicted), len(evicted) / 7)
+    assert torch.equal(capped.ask_tokens(QUESTION, max_new_tokens=6, retrieve=7, retrieval="recent"), kept)
+    if offload == "disk":  # given back to the file system: the evicted rows read as zeros
+        starts = np.cumsum([0, *lengths])
+        for layer in capped.prefill.cache.layers:
+            for s in evicted:
+                keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
+                assert not keys.any() and not values.any()
+        resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
+        assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
+
+
+def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adapter, tmp_path):
+    lengths, per_token = _steps(adapter, 4)
+    stream = _qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=sum(lengths) * per_token,
+                 cache_limit="evict-least-attended").stream(horizon_frames=8)
+    evictions = []
+    keeper = stream.prefill.keeper
+    original = keeper.evict
+
+    def record(steps):
+        cache = stream.prefill.cache
+        candidates = [s for s, _ in keeper._candidates()]
+        evictions.append((steps, candidates, cache.attention_by_step.clone()))
+        original(steps)
+
+    keeper.evict = record
+    for frame in _frames(8):
+        stream.push(frame)
+    assert evictions and stream.stats.evicted_frames == sum(len(steps) for steps, _, _ in evictions)
+    for steps, candidates, tally in evictions:
+        others = [s for s in candidates if s not in steps]
+        assert max(float(tally[s]) for s in steps) <= min([float(tally[s]) for s in others] or [float("inf")])
+        assert float(tally.sum()) > 0
+    # what a layer still carries of an evicted frame is kept: the carried state stays the detailed cache's own
+    for layer in stream.prefill.cache.layers:
+        positions = layer.positions()
+        index = positions.unsqueeze(-1).expand(*positions.shape, layer.detailed.keys.shape[-1])
+        for carried, detailed in zip(layer.carried(), layer.detailed.tensors):
+            assert torch.equal(detailed.gather(2, index), carried)
+    stream.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2)
+
+
+def test_retrieval_never_chooses_an_evicted_step():
+    steps = (4, 2, 2, 2, 2)
+    seen = LayerQuestion(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 12, 4), torch.zeros(1, 1, 5, 4), steps, 1.0,
+                         evicted=frozenset({3, 4}))
+    assert Retrieval(2, keep_tokens=4, rule=MostRecent()).choose(seen) == [1, 2]
+    assert Retrieval(9, keep_tokens=4, rule=MostRecent()).choose(seen) == [1, 2]
+
+
+def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
+    lengths, per_token = _steps(adapter, 5)
+    cap_tokens = lengths[0] + max(lengths[1:]) * 2
+    qa = _qa(adapter, offload=True, max_cache_bytes=cap_tokens * per_token, cache_limit="evict-oldest")
+    stream = qa.stream(horizon_frames=5)
+    for frame in _frames(5):
+        stream.push(frame)
+    evicted = _oldest_evicted(lengths, cap_tokens)
+    loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
+    assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps == set(evicted)
+    assert loaded.stats.evicted_frames == len(evicted)
+    assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
+
+
+def test_bad_cache_limits_are_refused_with_one_line(adapter):
+    cases = [(dict(max_cache_bytes=1 << 20, cache_limit="evict-oldest"), "needs the detailed cache offloaded"),
+             (dict(offload=True, max_cache_bytes=1 << 20, cache_limit="evict-least-attended"),
+              "needs attention scores"),
+             (dict(max_cache_bytes=0), "max_cache_bytes"), (dict(max_cache_bytes="20G"), "max_cache_bytes"),
+             (dict(cache_limit="evict-oldest"), "needs max_cache_bytes"), (dict(cache_limit="drop"), "cache_limit")]
+    for kwargs, needle in cases:
+        with pytest.raises(ConfigurationError) as error:
+            _qa(adapter, **kwargs).stream(horizon_frames=2)
+        assert "\n" not in str(error.value) and needle in str(error.value), str(error.value)
+    with pytest.raises(ConfigurationError, match="cache_limit"):
+        CacheLimit(100, "sometimes")
+    options = statekv.ModelOptions.from_strings({"max_cache_bytes": "512M", "cache_limit": "evict-oldest"})
+    assert options.max_cache_bytes == 512 << 20
+    with pytest.raises(ConfigurationError, match="max_cache_bytes must be a size"):
+        statekv.ModelOptions.from_strings({"max_cache_bytes": "lots"})

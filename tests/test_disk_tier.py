@@ -1,0 +1,288 @@
+"""The disk tier of the detailed cache (offload="disk"): answers identical to the in-memory cache, nothing of the
+detailed cache in RAM, durability (a real kill -9, then Stream.load), damaged and foreign file sets refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.core.disk import MappedTokenBuffer
+from statekv.errors import ConfigurationError, InputError, OutputError
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+QUESTION = "Why?"
+CHILD_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint):
+    return {layout: load_adapter(checkpoint, layout=layout) for layout in ("paper", "chat")}
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def _qa(adapter, method="statekv", **kwargs) -> statekv.VideoQA:
+    policy = {"statekv": statekv.StateKV(budget=12), "recency": statekv.Recency(frames=2),
+              "full": statekv.FullAttention()}[method]
+    return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
+
+
+def _carried(stream) -> list[torch.Tensor]:
+    out = []
+    for layer in stream.prefill.cache.layers:
+        out += [t.cpu() for t in layer.carried()] + [layer.positions().cpu()]
+    return out
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", ["paper", "chat"])
+@pytest.mark.parametrize("method", ["statekv", "recency"])
+def test_disk_tier_answers_as_the_in_memory_cache(adapters, layout, method, tmp_path):
+    memory = _qa(adapters[layout], method).stream(horizon_frames=6)
+    disk = _qa(adapters[layout], method, offload="disk", offload_dir=tmp_path).stream(horizon_frames=6)
+    for frame in _frames(6):
+        memory.push(frame)
+        disk.push(frame)
+    assert _same(_carried(disk), _carried(memory))
+    for layer_disk, layer_memory in zip(disk.prefill.cache.layers, memory.prefill.cache.layers):
+        length = layer_memory.detailed.length
+        assert _same(layer_disk.detailed.view(0, length), layer_memory.detailed.view(0, length))
+    for retrieve in (None, 2):  # the whole cache, and 2 retrieved frames per layer
+        assert torch.equal(disk.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
+                           memory.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
+
+
+def test_nothing_of_the_detailed_cache_is_held_in_ram(adapters, tmp_path):
+    stream = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path).stream(horizon_frames=4)
+    for frame in _frames(4):
+        stream.push(frame)
+    folder = stream.prefill.disk.folder
+    assert folder.parent == tmp_path and (folder / "journal").is_file() and (folder / "stream.json").is_file()
+    steps = len(stream.prefill.cache.chunk_lengths)
+    for index, layer in enumerate(stream.prefill.cache.layers):
+        detailed = layer.storage.detailed
+        assert isinstance(detailed, MappedTokenBuffer) and detailed.length == stream.tokens
+        # every token's keys and values are in the layer's files, appended in token order
+        on_disk = sum(os.path.getsize(path) for path in detailed.paths)
+        assert on_disk >= detailed.nbytes == 2 * stream.tokens * detailed.row_bytes
+        assert [p.name for p in detailed.paths] == [f"layer{index}.detailed.0.bin", f"layer{index}.detailed.1.bin"]
+        # in RAM: only the step means, one [B, H_kv, D] row per step
+        means = layer.storage.block_keys
+        assert means.length == steps and means.keys.device.type == "cpu"
+        b, h, _, d = means.keys.shape
+        assert means.nbytes <= 2 * max(steps, 1) * b * h * d * means.keys.element_size()
+
+
+def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identically(adapters, tmp_path):
+    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    frames = _frames(7)
+    stream = qa.stream(horizon_frames=7, vision_batch=3)
+    for frame in frames[:5]:
+        stream.push(frame)  # 3 encoded in one batch, 2 pending
+    folder = stream.prefill.disk.folder
+    resumed = Stream.load(folder, qa)  # as after a crash: the pending frames were never durable
+    assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (3, 2, 3)
+    reference = _qa(adapters["chat"]).stream(horizon_frames=7)
+    for frame in frames[:3]:
+        reference.push(frame)
+    assert _same(_carried(resumed), _carried(reference))
+    for frame in frames[3:]:
+        resumed.push(frame)
+        reference.push(frame)
+    resumed.flush()
+    assert _same(_carried(resumed), _carried(reference))
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6), reference.ask_tokens(QUESTION, max_new_tokens=6))
+    again = Stream.load(folder, qa)  # the resumed stream journals into the same file set
+    assert (again.frames, again.frames_lost) == (7, 0)
+
+
+def test_a_saved_disk_tier_stream_loads_with_nothing_lost(adapters, tmp_path):
+    qa = _qa(adapters["paper"], offload="disk", offload_dir=tmp_path / "cache")
+    stream = qa.stream(horizon_frames=4)
+    for frame in _frames(3):
+        stream.push(frame)
+    saved = stream.save(tmp_path / "s.safetensors")
+    for loaded in (Stream.load(saved, qa), Stream.load(stream.prefill.disk.folder, qa)):
+        assert (loaded.frames, loaded.frames_lost) == (3, 0)
+        assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=6), stream.ask_tokens(QUESTION, max_new_tokens=6))
+    # the file loaded into the disk tier got a file set of its own, which resumes too
+    from_file = Stream.load(saved, qa)
+    assert (Stream.load(from_file.prefill.disk.folder, qa).frames, from_file.prefill.disk.folder.exists()) == (3, True)
+
+
+def _disk_stream(adapter, folder, frames=3):
+    stream = _qa(adapter, offload="disk", offload_dir=folder).stream(horizon_frames=4)
+    for frame in _frames(frames):
+        stream.push(frame)
+    stream.close()
+    return stream.prefill.disk.folder
+
+
+def _refused(folder, qa, needle):
+    with pytest.raises(InputError) as error:
+        Stream.load(folder, qa)
+    message = str(error.value)
+    assert "\n" not in message and needle in message, message
+
+
+def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
+    adapter = adapters["paper"]
+    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    folder = _disk_stream(adapter, tmp_path / "a")
+    data = bytearray((folder / "layer1.detailed.0.bin").read_bytes())
+    data[5] ^= 0xFF
+    (folder / "layer1.detailed.0.bin").write_bytes(bytes(data))
+    _refused(folder, qa, "damaged: step 0's data")
+
+    folder = _disk_stream(adapter, tmp_path / "b")
+    (folder / "carry.0.bin").write_bytes(b"\0" * 8)
+    (folder / "carry.1.bin").write_bytes(b"\0" * 8)
+    _refused(folder, qa, "carried state")
+
+    folder = _disk_stream(adapter, tmp_path / "c")
+    lines = (folder / "journal").read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"tokens":', b'"tokens": ')  # its CRC no longer matches
+    (folder / "journal").write_bytes(b"\n".join(lines))
+    _refused(folder, qa, "journal is damaged at line 2")
+
+    folder = _disk_stream(adapter, tmp_path / "d")
+    with open(folder / "journal", "ab") as journal:  # what a kill mid-write leaves: a torn last line
+        journal.write(b'1234abcd {"step": 3, "tok')
+    assert Stream.load(folder, qa).frames == 3
+
+    folder = _disk_stream(adapter, tmp_path / "e")
+    (folder / "manifest.json").write_text("{}")
+    _refused(folder, qa, "not a statekv disk cache")
+    _refused(tmp_path, qa, "not a statekv disk cache")
+
+
+def test_foreign_file_sets_are_refused_with_one_line(adapters, checkpoint, tmp_path):
+    folder = _disk_stream(adapters["paper"], tmp_path / "a")
+    _refused(folder, _qa(adapters["paper"], "recency"), "this VideoQA uses Recency")
+    _refused(folder, _qa(adapters["chat"]), "layout")
+    other = load_adapter(make_tiny_checkpoint("internvl", tmp_path / "other", seed=1))
+    _refused(folder, _qa(other), "other weights")
+
+
+def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
+    adapter = adapters["paper"]
+    (tmp_path / "file").write_text("x")
+    cases = [(dict(offload="disk"), ConfigurationError, "offload_dir"),
+             (dict(offload_dir=tmp_path), ConfigurationError, "only used with offload='disk'"),
+             (dict(offload="tape"), ConfigurationError, "offload"),
+             (dict(offload="disk", offload_dir=tmp_path / "file"), OutputError, "not a folder")]
+    for kwargs, kind, needle in cases:
+        with pytest.raises(kind) as error:
+            _qa(adapter, **kwargs)
+        assert "\n" not in str(error.value) and needle in str(error.value), str(error.value)
+    with pytest.raises(ConfigurationError, match="offload_dir"):
+        statekv.StreamingPrefill(adapter.model, statekv.StateKV(budget=4), offload="disk")
+
+
+def test_cli_offload_takes_disk_and_stays_a_plain_flag():
+    from statekv.options import ModelOptions, normalize_argv
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ModelOptions.add_arguments(parser)
+    parser.add_argument("video")
+    parse = lambda *argv: ModelOptions.from_args(parser.parse_args(normalize_argv(["--model", "m", *argv])))
+    assert parse("--offload", "v.mp4").offload is True  # the flag never takes the video as its value
+    assert parse("v.mp4", "--offload").offload is True
+    options = parse("--offload", "disk", "--offload-dir", "/tmp/x", "--max-cache-bytes", "20G", "v.mp4")
+    assert (options.offload, options.offload_dir, options.max_cache_bytes) == ("disk", "/tmp/x", 20 << 30)
+    with pytest.raises(SystemExit):
+        parse("--max-cache-bytes", "twenty", "v.mp4")
+
+
+KILLED_CHILD = """
+import sys, numpy as np, statekv
+from statekv.models import load_adapter
+adapter = load_adapter(sys.argv[1])
+qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, offload="disk",
+                     offload_dir=sys.argv[2])
+frames = np.random.default_rng(0).integers(0, 256, (60, 24, 32, 3), dtype=np.uint8)
+stream = qa.stream(horizon_frames=60)
+print("folder", stream.prefill.disk.folder, flush=True)
+for index, frame in enumerate(frames):
+    stream.push(frame)
+    print("pushed", index, flush=True)
+"""
+
+
+def test_kill_9_mid_stream_then_load_resumes_from_the_last_durable_frame(adapters, checkpoint, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_CHILD), str(checkpoint), str(tmp_path)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder, last, deadline = None, -1, time.monotonic() + CHILD_TIMEOUT
+    while time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        if line.startswith("folder "):
+            folder = Path(line.split(" ", 1)[1].strip())
+        if line.startswith("pushed "):
+            last = int(line.split()[1])
+            if last == 6:
+                child.send_signal(signal.SIGKILL)  # lands wherever the child is: between or inside steps
+                break
+    child.communicate(timeout=CHILD_TIMEOUT)
+    assert child.returncode == -signal.SIGKILL and folder is not None, child.stderr
+    qa = _qa(adapters["paper"], offload="disk", offload_dir=tmp_path)
+    resumed = Stream.load(folder, qa)
+    assert resumed.frames >= 7 and resumed.frames_lost in (0, 1) and resumed.pushed == resumed.frames
+    frames = _frames(60)
+    reference = _qa(adapters["paper"]).stream(horizon_frames=60)
+    for frame in frames[: resumed.frames]:
+        reference.push(frame)
+    assert _same(_carried(resumed), _carried(reference))
+    for frame in frames[resumed.frames: resumed.frames + 2]:  # and it goes on as if it had never stopped
+        resumed.push(frame)
+        reference.push(frame)
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=3),
+                       reference.ask_tokens(QUESTION, max_new_tokens=6, retrieve=3))
+
+
+def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path):
+    frames = _frames(6)
+    memory = _qa(adapters["chat"], offload=True, kv_cache_dtype="int4").stream(horizon_frames=6)
+    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path, kv_cache_dtype="int4")
+    disk = qa.stream(horizon_frames=6)
+    for frame in frames[:4]:
+        memory.push(frame)
+        disk.push(frame)
+    names = sorted(path.name for path in disk.prefill.disk.folder.glob("layer0.*.bin"))
+    assert names == ["layer0.key_codes.0.bin", "layer0.key_scales.0.bin", "layer0.step_means.0.bin",
+                     "layer0.step_samples.0.bin", "layer0.value_codes.0.bin", "layer0.value_scales.0.bin"]
+    resumed = Stream.load(disk.prefill.disk.folder, qa)
+    with pytest.raises(InputError, match="kv_cache_dtype"):  # a file set is resumed as it was stored
+        Stream.load(disk.prefill.disk.folder, _qa(adapters["chat"], offload="disk", offload_dir=tmp_path))
+    for frame in frames[4:]:
+        memory.push(frame)
+        resumed.push(frame)
+    assert _same(_carried(resumed), _carried(memory))
+    for retrieve in (None, 2):
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
+                           memory.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
