@@ -166,10 +166,12 @@ def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
     """What must be equal for steps to share a forward (None: this step runs alone). Read after the step was
     begun. A step is batched when it is steady (every layer in a ring, or in slots holding a scored rule's full
     budget: the carried length is the same at every step) under a capturable rule (one that reads no per-step
-    host values), its chunk has one row, and it is not tracking overlap (a host read per step)."""
+    host values), its chunk has one row, and it is neither tracking overlap nor tallying attention per frame
+    for ``evict-least-attended`` (host reads per step)."""
     cache = prefill.cache
     chunk = _chunk_of(inputs)
-    if (prefill.track_overlap or chunk.shape[0] != 1 or not prefill.policy.capturable or not cache.is_steady()):
+    if (prefill.track_overlap or cache.attention_by_step is not None or chunk.shape[0] != 1
+            or not prefill.policy.capturable or not cache.is_steady()):
         return None
     try:
         arguments = tuple((name, _argument_key(name, value)) for name, value in sorted(inputs.items()))

@@ -15,19 +15,18 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import forms, persistence
+from . import forms, persistence, tiers
+from .limits import tally_attention
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
-from .quantized import QuantizedStorage, check_kv_cache_dtype
-from .storage import LayerStorage, OffloadedStorage
+from .quantized import check_kv_cache_dtype
 from .transaction import StepContext, StepTransaction
 
 
@@ -47,13 +46,8 @@ class StreamingLayer(CacheLayerMixin):
                  make_storage=None):
         super().__init__()
         self.index, self._on_replace = index, on_replace  # called when a buffer a captured step reads is replaced
-        if make_storage is not None:  # a DiskTier's: (index, capacity_hint, on_replace, kv_cache_dtype) -> storage
-            self.storage = make_storage(index, capacity_hint, on_replace, kv_cache_dtype)
-        elif kv_cache_dtype is not None:
-            self.storage = QuantizedStorage(kv_cache_dtype, capacity_hint, storage_device, on_replace)
-        else:
-            kind = LayerStorage if storage_device is None else OffloadedStorage
-            self.storage = kind(capacity_hint, storage_device, on_replace)
+        self.storage = tiers.layer_storage(index, capacity_hint, storage_device, kv_cache_dtype, on_replace,
+                                           make_storage)
         self._carry = forms.initial(self.storage)
         self.step: StepContext | None = None  # the step being run, handed in by begin()
 
@@ -262,22 +256,11 @@ class TwoStateCache(Cache):
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
         if scores is not None and self.attention_by_step is not None:
-            self._tally(layer.candidate_positions(), scores)
+            tally_attention(self, layer.candidate_positions(), scores)
         step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
                                                        positions=layer.candidate_positions, history=self._history,
                                                        queries=q))
         return out
-
-    def _tally(self, positions: torch.Tensor, scores: torch.Tensor) -> None:
-        """Add the attention mass ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their
-        steps' totals (``attention_by_step``, grown to hold the current step)."""
-        ends = torch.tensor([*itertools.accumulate(self.chunk_lengths), self.seen_tokens + self.chunk_len])
-        if self.attention_by_step.numel() < ends.numel():
-            grown = torch.zeros(max(2 * self.attention_by_step.numel(), ends.numel()), dtype=torch.float64)
-            grown[: self.attention_by_step.numel()] = self.attention_by_step
-            self.attention_by_step = grown
-        steps = torch.searchsorted(ends, positions.reshape(-1).cpu(), right=True)
-        self.attention_by_step.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
     def _history(self) -> tuple[int, ...]:
         return (*self.chunk_lengths, self.chunk_len)
@@ -313,19 +296,5 @@ class TwoStateCache(Cache):
         persistence.load_state_dict(self, tensors, metadata, device)
 
     def to_dynamic_cache(self, device: torch.device | None = None) -> DynamicCache:
-        """Every token's keys/values as a ``DynamicCache`` of views (no copy), or copies on ``device`` when the
-        detailed cache is stored elsewhere (offload).
-
-        ``DynamicCache.update`` concatenates into new tensors, so decoding from it never writes into the
-        detailed buffers.
-        """
-        cache = DynamicCache()
-        for layer in self.layers:
-            exported = DynamicLayer()
-            cache.layers.append(exported)
-            if not layer.is_initialized:
-                continue  # nothing streamed yet: an empty layer
-            keys, values = layer.storage.read_range(0, layer.storage.length, device, layer.dtype)
-            exported.lazy_initialization(keys, values)
-            exported.keys, exported.values = keys, values
-        return cache
+        """Every token's keys/values as a ``DynamicCache`` (see :func:`persistence.to_dynamic_cache`)."""
+        return persistence.to_dynamic_cache(self, device)

@@ -152,6 +152,19 @@ class CacheKeeper:
         return steps
 
 
+def tally_attention(cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
+    """Add the attention mass ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their steps'
+    totals in ``cache.attention_by_step`` (grown to hold the current step); a host read: such streams are
+    neither captured nor batched."""
+    ends = torch.tensor([*itertools.accumulate(cache.chunk_lengths), cache.seen_tokens + cache.chunk_len])
+    if cache.attention_by_step.numel() < ends.numel():
+        grown = torch.zeros(max(2 * cache.attention_by_step.numel(), ends.numel()), dtype=torch.float64)
+        grown[: cache.attention_by_step.numel()] = cache.attention_by_step
+        cache.attention_by_step = grown
+    steps = torch.searchsorted(ends, positions.reshape(-1).cpu(), right=True)
+    cache.attention_by_step.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
+
+
 def _carried_tokens(layer) -> torch.Tensor:
     """The token positions ``[K']`` (ascending, CPU) the layer carries into the next step, any head."""
     return layer.positions().reshape(-1).cpu().unique()

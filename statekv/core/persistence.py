@@ -8,6 +8,8 @@ whatever form fits the resumed stream (a window saved without offload becomes ex
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from . import forms
 from .buffers import CarriedSlots
@@ -162,3 +164,23 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if name.endswith("carried_positions") and tensor.numel() and not (
                 int(tensor.min()) >= 0 and int(tensor.max()) < seen):
             raise InputError(f"{name} holds positions outside the {seen} tokens saved")
+
+
+def to_dynamic_cache(cache, device: torch.device | None = None) -> DynamicCache:
+    """Every token's keys/values of ``cache`` (a `TwoStateCache`) as a ``DynamicCache``: views (no copy) of a
+    detailed cache held in the model's dtype, or copies on ``device`` when it is stored elsewhere (offloaded,
+    quantized, on disk).
+
+    ``DynamicCache.update`` concatenates into new tensors, so decoding from it never writes into the detailed
+    buffers.
+    """
+    exported_cache = DynamicCache()
+    for layer in cache.layers:
+        exported = DynamicLayer()
+        exported_cache.layers.append(exported)
+        if not layer.is_initialized:
+            continue  # nothing streamed yet: an empty layer
+        keys, values = layer.storage.read_range(0, layer.storage.length, device, layer.dtype)
+        exported.lazy_initialization(keys, values)
+        exported.keys, exported.values = keys, values
+    return exported_cache
