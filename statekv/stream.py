@@ -83,7 +83,7 @@ class Stream(EncodedVideo):
         max_fps = None if max_fps is None else float(max_fps)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, disk_tier=disk_tier)
         self._lock = threading.RLock()
         self.horizon_frames = horizon_frames
         self.max_fps = max_fps
@@ -95,24 +95,19 @@ class Stream(EncodedVideo):
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self._groups: list[list[Frame]] = []  # the steps being encoded (for the disk tier's journal)
         self._steps_before = 0
-        self._resumed_disk = disk_tier is not None
-
-    @_one_at_a_time
-    def start(self) -> "Stream":
-        if self.started:
-            return self
-        super().start()
-        if self.prefill.disk is not None and not self._resumed_disk:
-            qa, horizon_frames = self.qa, self.horizon_frames
+        if self.prefill.disk is not None and disk_tier is None:
             self.prefill.disk.describe(SETUP, stream_setup(
-                self.name, {**_model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
+                name, {**_model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
                 {"method": qa.method, "policy": repr(qa.policy), "attention": self.prefill.attention,
                  "cuda_graph": bool(qa.cuda_graph), "reserve_tokens": self.horizon - self.adapter.max_video_tokens(
                      horizon_frames)},
                 horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
                 prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
                 kv_cache_dtype=self.prefill.kv_cache_dtype))
-        return self
+
+    @_one_at_a_time
+    def start(self) -> "Stream":
+        return super().start()
 
     # -- pushing ----------------------------------------------------------------------------------------
     @_one_at_a_time

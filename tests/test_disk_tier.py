@@ -286,3 +286,21 @@ def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path):
     for retrieve in (None, 2):
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
                            memory.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
+
+
+def test_disk_tier_streams_stepped_together_journal_every_step_and_resume(adapters, tmp_path):
+    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    streams = [qa.stream(horizon_frames=10, name=f"s{i}") for i in range(3)]
+    frames = [_frames(8, seed=i) for i in range(3)]
+    for t in range(8):
+        qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)])
+    assert qa.step_scheduler.batched_steps > 0  # steady steps shared forwards
+    for i, stream in enumerate(streams):
+        resumed = Stream.load(stream.prefill.disk.folder, qa)
+        assert (resumed.frames, resumed.frames_lost) == (8, 0)
+        reference = _qa(adapters["chat"]).stream(horizon_frames=10)
+        for frame in frames[i]:
+            reference.push(frame)
+        assert _same(_carried(resumed), _carried(reference))
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6),
+                           reference.ask_tokens(QUESTION, max_new_tokens=6))
