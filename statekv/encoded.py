@@ -147,6 +147,7 @@ class EncodedVideo:
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
         self.answer_info: AnswerInfo | None = None  # what the last answer could see
+        self._evictions_counted = 0  # of prefill.evictions, the steps already in stats.evicted_frames
         self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
         self._device = self.adapter.device
         if self._device.type == "cuda":
@@ -332,7 +333,10 @@ class EncodedVideo:
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         stats = self.stats
-        stats.evicted_frames = sum(self.step_frames[s] for s in self.prefill.cache.evicted_steps)
+        evicted = self.prefill.evictions[self._evictions_counted:]
+        if evicted:  # only the steps evicted since: a long capped stream never walks its history per step
+            stats.evicted_frames += sum(self.step_frames[s] for s in evicted)
+            self._evictions_counted += len(evicted)
         stats.chunks += 1
         stats.tokens = self.prefill.seen_tokens
         stats.frames += chunk.frames

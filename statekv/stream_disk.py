@@ -9,10 +9,10 @@ line before anything is built from it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from .core.disk import read_description
 from .errors import InputError
 from .stream_file import BOOLEAN, TEXT, _integer, _number, _optional, _record
 
@@ -38,20 +38,11 @@ def stream_setup(name: str, model: dict[str, Any], engine: dict[str, Any], **fie
 
 def read_stream_setup(folder: str | Path) -> dict[str, Any]:
     """The verified ``stream.json`` of a disk-tier stream's file set; a one-line `InputError` otherwise."""
-    path = Path(folder) / f"{SETUP}.json"
-    try:
-        setup = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise InputError(f"{folder}: not a disk-tier stream (no readable {path.name})") from None
-    if not isinstance(setup, dict) or setup.get("format") != FORMAT:
-        raise InputError(f"{folder}: not a disk-tier stream")
-    if setup.get("version") != FORMAT_VERSION:
-        raise InputError(f"{folder}: disk-tier stream format {setup.get('version')!r}; this statekv reads "
-                         f"{FORMAT_VERSION}")
+    setup = read_description(Path(folder), f"{SETUP}.json", FORMAT, FORMAT_VERSION, "disk-tier stream")
     try:
         SCHEMA(setup, "stream")
     except InputError as error:
-        raise InputError(f"{folder}: malformed {path.name}: {error}") from None
+        raise InputError(f"{folder}: malformed {SETUP}.json: {error}") from None
     return setup
 
 

@@ -117,7 +117,7 @@ def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adap
     def record(steps):
         cache = stream.prefill.cache
         candidates = [s for s, _ in keeper._candidates()]
-        evictions.append((steps, candidates, cache.attention_by_step.clone()))
+        evictions.append((steps, candidates, cache.tally.totals.clone()))
         original(steps)
 
     keeper.evict = record

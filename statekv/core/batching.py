@@ -170,7 +170,7 @@ def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
     for ``evict-least-attended`` (host reads per step)."""
     cache = prefill.cache
     chunk = _chunk_of(inputs)
-    if (prefill.track_overlap or cache.attention_by_step is not None or chunk.shape[0] != 1
+    if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
             or not prefill.policy.capturable or not cache.is_steady()):
         return None
     try:

@@ -22,7 +22,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import forms, persistence, tiers
-from .limits import tally_attention
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
@@ -154,7 +153,7 @@ class TwoStateCache(Cache):
             kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.DiskTier`).
 
     ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
-    (:mod:`statekv.core.limits`); answers never read them. ``attention_by_step``: when kept, the attention mass
+    (:mod:`statekv.core.limits`); answers never read them. ``tally``: when kept, the attention mass
     each step's tokens received from the stream's own scored steps, summed over layers and heads.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
@@ -171,7 +170,7 @@ class TwoStateCache(Cache):
         self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype,
                                       make_storage) for i in range(num_layers)]
         self.evicted_steps: set[int] = set()
-        self.attention_by_step: torch.Tensor | None = None  # float64 [steps], kept only when asked for
+        self.tally = None  # a limits.AttentionTally, only under evict-least-attended
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self.recency = forms.Recency()
@@ -255,8 +254,8 @@ class TwoStateCache(Cache):
             out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
         else:
             out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
-        if scores is not None and self.attention_by_step is not None:
-            tally_attention(self, layer.candidate_positions(), scores)
+        if scores is not None and self.tally is not None:
+            self.tally.add(self, layer.candidate_positions(), scores)
         step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
                                                        positions=layer.candidate_positions, history=self._history,
                                                        queries=q))

@@ -404,19 +404,25 @@ def _write_json(path: Path, fields: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def read_description(folder: Path, file: str, form: str, version: int, what: str) -> dict[str, Any]:
+    """The JSON object ``folder/file`` if it declares ``form`` at ``version``; a one-line `InputError` naming
+    ``what`` it is not otherwise."""
+    try:
+        described = json.loads((folder / file).read_text())
+    except (OSError, ValueError):
+        raise InputError(f"{folder}: not a {what} (no readable {file})") from None
+    if not isinstance(described, dict) or described.get("format") != form:
+        raise InputError(f"{folder}: not a {what}")
+    if described.get("version") != version:
+        raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads {version}")
+    return described
+
+
 def read_file_set(folder: str | os.PathLike) -> Journaled:
     """The manifest and journal of the file set in ``folder``; a one-line `InputError` if it is not one, or if a
     record before the last is damaged (a torn last line, what a kill leaves, is dropped)."""
     folder = Path(folder)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        raise InputError(f"{folder}: not a statekv disk cache (no readable {MANIFEST})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise InputError(f"{folder}: not a statekv disk cache")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise InputError(f"{folder}: disk cache format {manifest.get('version')!r}; this statekv reads "
-                         f"{FORMAT_VERSION}")
+    manifest = read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")
     try:
         data = (folder / JOURNAL).read_bytes()
     except OSError:

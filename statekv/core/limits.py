@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import itertools
 import logging
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,11 @@ class CacheKeeper:
         self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
         self.batch = 1
         self.announced = False
+        self._starts = [0]  # each step's first token (and the end of the last), extended as steps commit
+        self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
+        self._registered = 0  # steps looked at for _held
         if limit.when_full == "evict-least-attended":
-            cache.attention_by_step = torch.zeros(64, dtype=torch.float64)
+            cache.tally = AttentionTally()
 
     @property
     def held_bytes(self) -> int:
@@ -114,7 +117,7 @@ class CacheKeeper:
         """Never read ``steps`` again and give their detailed keys and values back, except the tokens a layer
         still carries (kept until it no longer does, so the carried state stays the detailed cache's own)."""
         cache = self.cache
-        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        starts = self._step_starts()
         tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
         for layer in cache.layers:
             carried = _carried_tokens(layer)
@@ -124,13 +127,15 @@ class CacheKeeper:
             layer.storage.release_tokens(gone[~held].sort().values)
         for step in steps:
             cache.evicted_steps.add(step)
+            self._held.pop(step, None)
             self.evicted_tokens += cache.chunk_lengths[step]
 
     def adopt(self) -> None:
         """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones."""
         cache = self.cache
         self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
-        starts = [0, *itertools.accumulate(cache.chunk_lengths)]
+        self._starts, self._held, self._registered = [0], {}, 0
+        starts = self._step_starts()
         evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
         for step in cache.evicted_steps:
             evicted[starts[step]: starts[step + 1]] = True
@@ -140,29 +145,53 @@ class CacheKeeper:
                 carried = _carried_tokens(layer)
                 self.retained[layer.index] = carried[evicted[carried]]
 
-    def _candidates(self) -> list[tuple[int, int]]:
-        """``(step, length)`` of the evictable steps, in the order to evict them."""
-        cache = self.cache
-        ends = itertools.accumulate(cache.chunk_lengths)
-        steps = [(s, length) for s, (length, end) in enumerate(zip(cache.chunk_lengths, ends))
-                 if s not in cache.evicted_steps and end - length >= self.protect_tokens]
+    def _step_starts(self) -> list[int]:
+        """Each committed step's first token, then the end of the last (extended by the steps committed since
+        the last call: a long stream never walks its whole history per step)."""
+        starts, lengths = self._starts, self.cache.chunk_lengths
+        for length in lengths[len(starts) - 1:]:
+            starts.append(starts[-1] + length)
+        return starts
+
+    def _candidates(self) -> Iterator[tuple[int, int]]:
+        """``(step, length)`` of the evictable steps (not evicted, after the protected tokens), in the order to
+        evict them."""
+        cache, starts = self.cache, self._step_starts()
+        for step in range(self._registered, len(cache.chunk_lengths)):
+            if step not in cache.evicted_steps and starts[step] >= self.protect_tokens:
+                self._held[step] = None
+        self._registered = len(cache.chunk_lengths)
+        steps = list(self._held)
         if self.limit.when_full == "evict-least-attended":
-            tally = cache.attention_by_step
-            steps.sort(key=lambda item: (float(tally[item[0]]) if item[0] < tally.numel() else 0.0, item[0]))
-        return steps
+            totals = cache.tally.totals
+            steps.sort(key=lambda s: (float(totals[s]) if s < totals.numel() else 0.0, s))
+        return ((s, cache.chunk_lengths[s]) for s in steps)
 
 
-def tally_attention(cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
-    """Add the attention mass ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their steps'
-    totals in ``cache.attention_by_step`` (grown to hold the current step); a host read: such streams are
-    neither captured nor batched."""
-    ends = torch.tensor([*itertools.accumulate(cache.chunk_lengths), cache.seen_tokens + cache.chunk_len])
-    if cache.attention_by_step.numel() < ends.numel():
-        grown = torch.zeros(max(2 * cache.attention_by_step.numel(), ends.numel()), dtype=torch.float64)
-        grown[: cache.attention_by_step.numel()] = cache.attention_by_step
-        cache.attention_by_step = grown
-    steps = torch.searchsorted(ends, positions.reshape(-1).cpu(), right=True)
-    cache.attention_by_step.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
+class AttentionTally:
+    """Per step, the attention mass its tokens received from the stream's own scored steps, summed over layers
+    and heads (``totals``, float64 on the host): what ``evict-least-attended`` ranks by. Told every scored layer
+    of every step (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched."""
+
+    def __init__(self):
+        self.totals = torch.zeros(64, dtype=torch.float64)
+        self._ends = torch.zeros(64, dtype=torch.long)  # each committed step's end, then the current step's
+        self._steps = 0  # committed steps whose end is in _ends
+
+    def add(self, cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """Add ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their steps' totals."""
+        lengths = cache.chunk_lengths
+        needed = len(lengths) + 1
+        if self._ends.numel() < needed:
+            self._ends = torch.cat([self._ends, torch.zeros(max(self._ends.numel(), needed), dtype=torch.long)])
+            self.totals = torch.cat([self.totals, torch.zeros(self._ends.numel() - self.totals.numel(),
+                                                              dtype=torch.float64)])
+        for step in range(self._steps, len(lengths)):  # only the steps committed since the last call
+            self._ends[step] = (self._ends[step - 1] if step else 0) + lengths[step]
+        self._steps = len(lengths)
+        self._ends[self._steps] = cache.seen_tokens + cache.chunk_len
+        steps = torch.searchsorted(self._ends[: self._steps + 1], positions.reshape(-1).cpu(), right=True)
+        self.totals.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
 
 def _carried_tokens(layer) -> torch.Tensor:

@@ -127,6 +127,7 @@ class StreamingPrefill:
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, check_int(protect_tokens, "protect_tokens", minimum=0),
             name)
+        self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
@@ -164,7 +165,8 @@ class StreamingPrefill:
             detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self._history), evicted_steps=len(self.cache.evicted_steps),
-            evicted_tokens=sum(self.cache.chunk_lengths[s] for s in self.cache.evicted_steps))
+            evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else sum(
+                self.cache.chunk_lengths[s] for s in self.cache.evicted_steps))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and JSON-able metadata (see `TwoStateCache.state_dict`)."""
@@ -245,6 +247,7 @@ class StreamingPrefill:
             if self.disk is not None:  # journaled first: a kill while punching leaves them evicted, not damaged
                 self.disk.append({"evict": evicting})
             self.keeper.evict(evicting)
+            self.evictions.extend(evicting)
 
     def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None,
                     durable_record: dict | None = None) -> None:
