@@ -8,7 +8,7 @@ LOCK_VENV := .lock-venv
 # brings what it imports, and lmms-eval itself goes in without its dependencies (docs/evaluation.md)
 LMMS_EVAL ?= lmms-eval
 
-.PHONY: demo test env lmms lock clean
+.PHONY: demo test env lmms lock clean gpu-wheels gpu-suite
 
 $(BIN)/statekv: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,3 +50,12 @@ lock:
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache
+
+# The GPU suite (docs/benchmarks.md, "GPU suite"): `make gpu-wheels` here, with network, downloads what a CUDA
+# machine without network lacks into .whl/; `make gpu-suite` runs the suite on the CUDA machine, after
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` and `export PYTHONPATH=/tmp/site:$$PWD` there.
+gpu-wheels:
+	$(PYTHON) benchmarks/gpu_suite.py --prepare-wheels .whl
+
+gpu-suite:
+	$(PYTHON) benchmarks/gpu_suite.py --out runs/gpu_suite

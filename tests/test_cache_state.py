@@ -111,6 +111,7 @@ def test_restoring_into_a_different_model_depth_is_refused(tiny_lm):
                                                                                        torch.device("cpu"))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to offload from")
 def test_offload_keeps_the_detailed_cache_off_the_gpu(tiny_lm):
     model = tiny_lm("qwen2").to("cuda")

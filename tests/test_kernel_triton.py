@@ -128,6 +128,7 @@ CASES = [
 ]
 
 
+@pytest.mark.cuda
 @runs_kernels
 @pytest.mark.parametrize("batch, num_q_heads, num_kv_heads, q_len, carried, head_dim, dtype", CASES)
 def test_matches_float64_reference(batch, num_q_heads, num_kv_heads, q_len, carried, head_dim, dtype):
@@ -135,6 +136,7 @@ def test_matches_float64_reference(batch, num_q_heads, num_kv_heads, q_len, carr
     check_against_reference(q, k, v)
 
 
+@pytest.mark.cuda
 @runs_kernels
 def test_strided_inputs():
     """q as a transposed [B, Tq, Hq, D] view, k as a slice of a longer cache, v transposed."""

@@ -200,6 +200,7 @@ def test_a_step_that_reads_host_values_is_refused_with_one_warning(fake_cuda_gra
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("policy", [statekv.StateKV(budget=BUDGET), statekv.Recency(frames=WINDOW)], ids=repr)
 @pytest.mark.parametrize("offload", [False, True])

@@ -20,7 +20,7 @@ from .availability import TritonUnavailableError
 from .flash_forward import flash_forward_kernel
 from .key_mass import key_mass_kernel
 from .tile_cache import TileCache, default_path, source_hash
-from .tuning import INTERPRETER_TILE, Tile, choose_tile, fitting_tiles, head_block, shape_bucket
+from .tuning import INTERPRETER_TILE, Tile, choose_tile, fitting_tiles, head_block, shape_bucket, tile_candidates
 
 LOG2_E = 1.4426950408889634
 TUNING_WARMUP_MS, TUNING_REP_MS = 5, 20  # per candidate tile: brief, a shape bucket tunes in well under a second
@@ -135,9 +135,10 @@ def _tune(launch: _Launch, shared_memory: int) -> tuple[Tile, Tile]:
                                     if hasattr(errors, name)))
     shape = dict(q_len=launch.q_len, k_len=launch.k_len, head_dim=launch.constants["HEAD_DIM"],
                  element_size=launch.q.element_size(), shared_memory=shared_memory)
-    flash = choose_tile(fitting_tiles("flash", **shape), _timer(launch.forward), failures)
+    candidates = tile_candidates()
+    flash = choose_tile(fitting_tiles("flash", **shape, max_candidates=candidates), _timer(launch.forward), failures)
     launch.forward(flash)  # pass 2 reads the LSE of the chosen tile
-    mass = choose_tile(fitting_tiles("mass", **shape), _timer(launch.mass), failures)
+    mass = choose_tile(fitting_tiles("mass", **shape, max_candidates=candidates), _timer(launch.mass), failures)
     return flash, mass
 
 

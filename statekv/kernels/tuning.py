@@ -12,8 +12,11 @@ candidate, skipping those that fail. Under Triton's interpreter every pass uses 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from ..errors import ConfigurationError
 
 
 class Tile(NamedTuple):
@@ -55,6 +58,17 @@ BASE_REGISTERS = 64  # what a thread holds besides its share of the tiles (fitte
 Q_BUCKETS = (16, 64, 256)  # chunk lengths up to each, then "longer" (`LONGER`)
 K_BUCKETS = (256, 1024, 4096, 16384)  # key counts up to each (powers of 4), then "longer"
 LONGER = 1 << 30
+
+
+def tile_candidates() -> int:
+    """How many tiles first-use tuning tries per pass: ``STATEKV_TILE_CANDIDATES`` (1: one tile per pass
+    compiled, for correctness checks that must not spend minutes tuning), else `MAX_CANDIDATES`."""
+    text = os.environ.get("STATEKV_TILE_CANDIDATES", "").strip()
+    if not text:
+        return MAX_CANDIDATES
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigurationError(f"STATEKV_TILE_CANDIDATES must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def head_block(head_dim: int) -> int:

@@ -1,0 +1,145 @@
+"""What only a CUDA device can check: batched steps replayed as CUDA graphs, the Triton kernels at the real
+models' shapes, and the quantized and disk-tier caches of streams whose model runs on the GPU.
+
+Marked ``cuda``: ``benchmarks/gpu_suite.py`` runs every test so marked (with the static step's graph tests and the
+kernel's float64 checks); without a CUDA device they skip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv.core.batching import StepBatcher, StepRequest
+from statekv.testing import make_tiny_checkpoint
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PREFIX, T, STEPS = 9, 6, 14
+
+
+def chunks(model, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, model.config.hidden_size, generator=generator).to("cuda")
+            for n in (PREFIX,) + (T,) * STEPS]
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts CUDA-graph replays made while the test runs."""
+    counted = {"replays": 0}
+    original = torch.cuda.CUDAGraph.replay
+
+    def counting(graph):
+        counted["replays"] += 1
+        return original(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    return counted
+
+
+@pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
+                         ids=["statekv", "recency"])
+def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_lm, policy, replays):
+    model = tiny_lm("qwen3").to("cuda")
+    data = [chunks(model, seed) for seed in range(3)]
+    horizon = PREFIX + STEPS * T
+    together = [statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon) for _ in data]
+    batcher = StepBatcher()
+    hidden = [[] for _ in data]
+    for step in range(len(data[0])):
+        outcomes = batcher.step([StepRequest(prefill, stream[step]) for prefill, stream in zip(together, data)])
+        for collected, outcome in zip(hidden, outcomes):
+            assert isinstance(outcome, torch.Tensor), outcome
+            collected.append(outcome)
+    assert batcher.batched_steps >= STEPS - 4 and replays["replays"] >= STEPS - 6
+    for prefill, stream, collected in zip(together, data, hidden):
+        alone = statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon, cuda_graph=False)
+        expected = [alone.step(inputs_embeds=chunk) for chunk in stream]
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(prefill.carried_positions(layer), alone.carried_positions(layer))
+        for got, want in zip(collected, expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        prompt = torch.arange(4, device="cuda")[None]
+        assert torch.equal(prefill.generate(prompt, max_new_tokens=4), alone.generate(prompt, max_new_tokens=4))
+
+
+def reference_scored_attention(q, k, v, scale):
+    """Float64 attention of a chunk over ``[carried; chunk]``: out ``[B, Tq, Hq, D]``, key mass ``[B, Hkv, Tk]``."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    logits = (q.double() @ keys.transpose(-1, -2)) * scale
+    carried = k_len - q_len
+    visible = torch.arange(k_len, device=q.device)[None, :] <= carried + torch.arange(q_len, device=q.device)[:, None]
+    probs = logits.masked_fill(~visible, -math.inf).softmax(-1)
+    return (probs @ values).transpose(1, 2), probs.view(batch, kv_heads, group, q_len, k_len).sum((2, 3))
+
+
+@pytest.mark.parametrize("heads, kv_heads, carried, head_dim", [(28, 4, 4096, 128), (14, 2, 1024, 64)],
+                         ids=["internvl3-8b", "internvl3-1b"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 3e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_triton_kernel_at_the_real_shapes_matches_float64(heads, kv_heads, carried, head_dim, dtype, tolerance):
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q = (1.5 * torch.randn(1, heads, 259, head_dim, device="cuda", generator=generator)).to(dtype)
+    k = (1.5 * torch.randn(1, kv_heads, carried + 259, head_dim, device="cuda", generator=generator)).to(dtype)
+    v = torch.randn(1, kv_heads, carried + 259, head_dim, device="cuda", generator=generator).to(dtype)
+    out, mass = statekv.scored_attention(q, k, v, scale=head_dim ** -0.5, backend="triton")
+    expected_out, expected_mass = reference_scored_attention(q, k, v, head_dim ** -0.5)
+    assert float((out.double() - expected_out).abs().max() / expected_out.abs().max()) < tolerance
+    assert float((mass.double() - expected_mass).abs().max() / expected_mass.abs().max()) < tolerance
+
+
+@pytest.mark.parametrize("kv_cache_dtype, bits", [("int8", 8), ("int4", 4)])
+def test_a_quantized_cache_on_cuda_stays_within_a_step_of_its_range_and_answers(tiny_lm, kv_cache_dtype, bits):
+    model = tiny_lm("qwen3").to("cuda")
+    data = chunks(model, 7)
+    horizon = PREFIX + STEPS * T
+    plain = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), horizon=horizon)
+    quantized = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), horizon=horizon,
+                                         kv_cache_dtype=kv_cache_dtype)
+    for chunk in data:
+        plain.step(inputs_embeds=chunk)
+        quantized.step(inputs_embeds=chunk)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(plain.carried_positions(layer), quantized.carried_positions(layer))
+    for exact, read in zip(plain.detailed_cache.layers, quantized.detailed_cache.layers):
+        assert read.keys.device.type == "cuda"
+        for want, got in ((exact.keys, read.keys), (exact.values, read.values)):
+            step = float(want.max() - want.min()) / (2 ** bits - 1)
+            assert float((got - want).abs().max()) <= step + 1e-5
+    prompt = torch.arange(5, device="cuda")[None]
+    whole = quantized.generate(prompt, max_new_tokens=5)
+    every = statekv.Retrieval(len(data))  # every step retrieved: the whole cache, in order
+    assert torch.equal(quantized.generate(prompt, max_new_tokens=5, retrieve=every), whole)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int4"])
+def test_a_disk_tier_stream_on_cuda_answers_as_host_memory_and_resumes(checkpoint, tmp_path, kv_cache_dtype):
+    options = dict(method="statekv", budget=12, attention="eager", device="cuda", reserve_tokens=40,
+                   kv_cache_dtype=kv_cache_dtype)
+    memory = statekv.VideoQA.from_pretrained(checkpoint, offload=True, **options)
+    disk = statekv.VideoQA.from_pretrained(checkpoint, offload="disk", offload_dir=tmp_path / "tier", **options)
+    frames = np.random.default_rng(0).integers(0, 256, (8, 24, 32, 3), dtype=np.uint8)
+    streams = [qa.stream(horizon_frames=12) for qa in (memory, disk)]
+    for frame in frames:
+        for stream in streams:
+            stream.push(frame)
+    for retrieve in (None, 2):
+        answers = [stream.ask_tokens("Why?", max_new_tokens=6, retrieve=retrieve) for stream in streams]
+        assert torch.equal(answers[0], answers[1])
+    saved = streams[1].save(tmp_path / "disk.stream")
+    streams[1].close()
+    resumed = statekv.Stream.load(saved, disk)
+    assert torch.equal(resumed.ask_tokens("Why?", max_new_tokens=6), streams[0].ask_tokens("Why?", max_new_tokens=6))
