@@ -118,7 +118,7 @@ def gpu_step_figures(model, policy, backend: str, chunks: list[torch.Tensor], st
             prefill.step(inputs_embeds=chunk)
         torch.cuda.synchronize()
     launches = sum(1 for event in trace.events() if event.name in LAUNCHES) / 5
-    return {"ms": ms, "launches": launches, "replays": prefill.graphs.replays}
+    return {"ms": ms, "launches": launches, "replays": prefill.stats.graph_replays}
 
 
 @torch.no_grad()

@@ -25,7 +25,9 @@ from .core import (  # noqa: E402
     generate_from_cache,
     scored_attention,
 )
-from .encoded import EncodedVideo, EncodingStats  # noqa: E402
+from .core.settings import EngineSettings  # noqa: E402
+from .encoded import EncodedVideo  # noqa: E402
+from .encoding_stats import EncodingStats  # noqa: E402
 from .errors import (  # noqa: E402
     ConfigurationError,
     HorizonError,
@@ -42,7 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
-    "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
     "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",

@@ -1,11 +1,14 @@
-"""Several streams of one `VideoQA` stepped together: one vision-tower call for all their frames, one language
-model forward per round of their steps (`statekv.core.batching`).
+"""Steps of one or several videos streamed: their frames planned, vision-encoded in one call, laid out, and taken
+in rounds of one step per video through the engine's batcher (`statekv.core.batching.StepBatcher`).
 
-`StepScheduler` (owned by each `VideoQA`, ``qa.step_scheduler``) batches `Stream.push` calls that arrive from
+A video takes part through its step protocol (`statekv.encoded.EncodedVideo`): ``plan_steps`` (its frames
+prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`) and
+``record_step`` (its bookkeeping once the step is streamed). One video's steps go through exactly the code
+several videos' do: with one video, every round is a batch of one (the engine's `step_alone`).
+
+`StepScheduler` (owned by each `VideoQA`, ``qa.step_scheduler``) batches the steps of streams pushed from
 different threads: a pushing thread queues its stream's steps; the thread that finds no batch running leads,
-takes every queued job and streams them together, and each caller gets its own result or error in its own
-thread. With one pushing thread a job runs exactly as it did before (`EncodedVideo.append_steps`).
-`push_together` is `VideoQA.push_many`: frames for several streams, stepped together explicitly.
+takes every queued job and streams them together, and each caller gets its own result or error in its own thread.
 """
 
 from __future__ import annotations
@@ -17,94 +20,102 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .core.batching import StepBatcher, StepRequest
-from .encoded import EncodedVideo
-from .errors import InputError, StateKVError
+from .errors import StateKVError
 from .overlap import EncodedStep, encode_batch
 from .video import Frame
 
 
 @dataclass
-class StepJob:
-    """One stream's steps to stream (each a list of frames); ``error`` is set if they failed (the steps before
-    the failure stay streamed: ``video.stats.chunks`` counts them)."""
+class LaidOutStep:
+    """One video's step ready for the language model: ``encoded`` (its frames and visual features; None for a text
+    chunk), ``chunk`` (the adapter's layout of it) and ``request`` (what the engine steps)."""
 
-    video: EncodedVideo
-    groups: list[list[Frame]]
+    chunk: Any
+    request: StepRequest
+    encoded: EncodedStep | None = None
+
+
+@dataclass
+class StepJob:
+    """One video's steps to stream: ``groups`` (each a list of frames) to plan and vision-encode, or ``encoded``
+    steps already vision-encoded elsewhere (`statekv.overlap`). ``vision_batch``: the frames per vision call asked
+    for (for its statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps
+    before it stay streamed)."""
+
+    video: Any
+    groups: list[list[Frame]] = field(default_factory=list)
+    vision_batch: int = 1
+    encoded: list[EncodedStep] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False
-    encoded: list[EncodedStep] = field(default_factory=list)
-    chunks_before: int = 0  # the stream's steps before this job
+    streamed: int = 0
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
-    """Stream every job's steps: frames prepared per stream, vision-encoded in one call for all streams (each
-    stream on its own if that call fails), then rounds of one step per stream through ``batcher``. A job that
-    fails stops there with its ``error``; the others go on."""
-    live = []
+    """Stream every job's steps: frames planned per video, vision-encoded in one call for all videos (each video on
+    its own if that call fails), then rounds of one step per video through ``batcher``. A job that fails stops
+    there with its ``error``; the others go on."""
+    planned = []
     for job in jobs:
+        if job.encoded:
+            continue  # vision-encoded already
         started = time.perf_counter()
         try:
-            steps, state = [], job.video.state
-            for frames in job.groups:
-                steps.append(job.video.adapter.prepare_frames(frames, state))
-                state = state.updated(steps[-1].state_update)
+            steps = job.video.plan_steps(job.groups)
         except Exception as error:
             job.error = error
             continue
-        job.video._step_started = started
-        live.append((job, steps, time.perf_counter() - started))
-    _encode_vision(live)
-    live = [(job, 0) for job, _, _ in live if job.error is None]
+        planned.append((job, steps, time.perf_counter() - started))
+    encode_vision(planned)
+    live = [(job, 0) for job in jobs if job.error is None and job.encoded]
     while live:
         started = time.perf_counter()
-        requests, chunks = [], []
-        for job, index in list(live):
-            video, encoded = job.video, job.encoded[index]
+        laid_out, stepping = [], []
+        for job, index in live:
             try:
-                chunk = video.adapter.features_chunk(encoded.step, encoded.features, video.state)
+                laid_out.append(job.video.lay_out(job.encoded[index]))
             except Exception as error:
                 job.error = error
-                live.remove((job, index))
                 continue
-            chunks.append(chunk)
-            requests.append(StepRequest(video.prefill, chunk.inputs_embeds, chunk.position_ids,
-                                        forward_kwargs=dict(chunk.forward_kwargs),
-                                        durable_record=video.durable_record(chunk)))
-        outcomes = batcher.step(requests)
+            stepping.append((job, index))
+        outcomes = batcher.step([step.request for step in laid_out])
         finished = time.perf_counter()
         following = []
-        for (job, index), chunk, outcome in zip(live, chunks, outcomes):
+        for (job, index), step, outcome in zip(stepping, laid_out, outcomes):
             if isinstance(outcome, Exception):
                 job.error = outcome
                 continue
-            job.video._chunk_streamed(chunk)
-            job.video._record_step_times(job.encoded[index], chunk, started, finished,
-                                         vision_batch=getattr(job.video, "vision_batch", 1))
+            job.video.record_step(step, started, finished, vision_batch=job.vision_batch)
+            job.streamed += 1
             if index + 1 < len(job.encoded):
                 following.append((job, index + 1))
         live = following
 
 
-def _encode_vision(live: list[tuple[StepJob, list, float]]) -> None:
-    """Every live job's steps through the vision tower in one call; if it fails, each job's alone (so a frame
-    the tower refuses fails only its stream)."""
-    if not live:
+def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:
+    """Every planned job's steps through the vision tower in one call (each job's ``encoded``); if it fails, each
+    job's alone (so a frame the tower refuses fails only its video)."""
+    if not planned:
         return
-    adapter = live[0][0].video.adapter
-    steps = [step for _, job_steps, _ in live for step in job_steps]
+    adapter = planned[0][0].video.adapter
+    steps = [step for _, job_steps, _ in planned for step in job_steps]
     shares = [seconds * len(step.frames) / sum(len(s.frames) for s in job_steps)
-              for _, job_steps, seconds in live for step in job_steps]
-    if len(live) > 1:
+              for _, job_steps, seconds in planned for step in job_steps]
+    if len(planned) > 1:
         try:
             encoded = encode_batch(adapter, steps, shares)
         except Exception:
             encoded = None
         if encoded is not None:
-            for job, job_steps, _ in live:
+            for job, job_steps, _ in planned:
                 job.encoded, encoded = encoded[:len(job_steps)], encoded[len(job_steps):]
             return
     start = 0
-    for job, job_steps, _ in live:
+    for job, job_steps, _ in planned:
         try:
             job.encoded = encode_batch(adapter, job_steps, shares[start:start + len(job_steps)])
         except Exception as error:
@@ -120,9 +131,9 @@ class StepScheduler:
 
     def __init__(self):
         self.batcher = StepBatcher()
-        self._changed = threading.Condition()
-        self._queue: list[StepJob] = []
-        self._running = False
+        self.changed = threading.Condition()
+        self.queue: list[StepJob] = []
+        self.running = False
 
     @property
     def batched_steps(self) -> int:
@@ -132,42 +143,29 @@ class StepScheduler:
     def batched_rows(self) -> int:
         return self.batcher.batched_rows
 
-    def stream(self, video: EncodedVideo, groups: list[list[Frame]]) -> None:
-        """Stream ``groups`` (lists of frames, one per step) for ``video``, batched with whatever other threads
-        queue meanwhile; returns when they are streamed, or raises this stream's error in this thread."""
-        job = StepJob(video, groups)
-        self.run([job])
-        if job.error is not None:
-            raise job.error
-
     def run(self, jobs: Sequence[StepJob]) -> None:
-        """Queue ``jobs`` and return once each is done (its ``error`` set if it failed)."""
-        with self._changed:
-            self._queue.extend(jobs)
+        """Queue ``jobs`` and return once each is done (its ``error`` set if it failed), batched with whatever
+        other threads queue meanwhile."""
+        with self.changed:
+            self.queue.extend(jobs)
             while not all(job.done for job in jobs):
-                if self._running:
-                    self._changed.wait()
+                if self.running:
+                    self.changed.wait()
                     continue
-                self._running = True
-                batch, self._queue = self._queue, []
-                self._changed.release()
+                self.running = True
+                batch, self.queue = self.queue, []
+                self.changed.release()
                 try:
-                    self._run_batch(batch)
+                    self.run_batch(batch)
                 finally:
-                    self._changed.acquire()
-                    self._running = False
-                    self._changed.notify_all()
+                    self.changed.acquire()
+                    self.running = False
+                    self.changed.notify_all()
 
-    def _run_batch(self, batch: list[StepJob]) -> None:
+    def run_batch(self, batch: list[StepJob]) -> None:
+        """Stream ``batch`` on this thread (one job: exactly the single-video path)."""
         try:
-            if len(batch) == 1:
-                job = batch[0]  # alone: exactly the single-stream path
-                try:
-                    job.video._append_steps(job.groups, vision_batch=getattr(job.video, "vision_batch", 1))
-                except Exception as error:
-                    job.error = error
-            else:
-                stream_jobs(batch, self.batcher)
+            stream_jobs(batch, self.batcher)
         except BaseException as error:  # an interrupt in this thread: the other callers must not wait forever
             for job in batch:
                 if not job.done and job.error is None:
@@ -177,84 +175,6 @@ class StepScheduler:
             for job in batch:
                 job.done = True
 
-    def forget(self, video: EncodedVideo) -> None:
+    def forget(self, video: Any) -> None:
         """``video`` closed: drop the batches recorded with it."""
         self.batcher.forget(video.prefill)
-
-
-def push_together(scheduler: StepScheduler, items: Sequence[Any], *, return_exceptions: bool = False) -> list:
-    """`VideoQA.push_many`: push ``(stream, frame, seconds)`` items; streams whose frame completes a step (or a
-    vision batch) step together. Returns, per item, whether its frame was kept, or (``return_exceptions``) the
-    error that item raised; otherwise the first error is raised after every other item was pushed."""
-    items = [_checked_item(item) for item in items]
-    results: list[Any] = [None] * len(items)
-    remaining = list(range(len(items)))
-    while remaining:  # waves: each stream's first remaining frame
-        wave, seen, later = [], set(), []
-        for index in remaining:
-            stream = items[index][0]
-            (later if id(stream) in seen else wave).append(index)
-            seen.add(id(stream))
-        _push_wave(scheduler, items, wave, results)
-        remaining = later
-    if not return_exceptions:
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-    return results
-
-
-def _checked_item(item: Any) -> tuple:
-    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3) or not hasattr(item[0], "_offer"):
-        raise InputError("push_many takes (stream, frame, seconds) items (seconds may be None, or left out for a "
-                         f"Frame), got {type(item).__name__}")
-    stream, frame, seconds = (*item, None) if len(item) == 2 else item
-    return stream, frame, seconds
-
-
-def _push_wave(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
-    streams = sorted({id(items[index][0]): items[index][0] for index in wave}.values(), key=id)
-    for stream in streams:  # one order for every caller: no two callers wait on each other's locks
-        stream._lock.acquire()
-    try:
-        offers, jobs = {}, []
-        for index in wave:
-            stream, frame, seconds = items[index]
-            try:
-                stream.prefill.check_open()
-                offers[index] = stream._offer(frame, seconds)
-            except Exception as error:
-                results[index] = error
-                continue
-            if offers[index][2]:
-                jobs.append((index, _pending_job(stream)))
-        scheduler.run([job for _, job in jobs])
-        failed = {}
-        for index, job in jobs:
-            stream = job.video
-            streamed = sum(len(group) for group in job.groups[:_streamed(job)])
-            stream.pending = stream.pending[streamed:]
-            if job.error is not None:
-                stream.pending.pop()  # as a failed push: the frame is not taken
-                failed[index] = job.error
-        for index, offer in offers.items():
-            if index in failed:
-                results[index] = failed[index]
-                continue
-            kept, timestamp, _ = offer
-            items[index][0]._accepted(kept, timestamp)
-            results[index] = kept
-    finally:
-        for stream in streams:
-            stream._lock.release()
-
-
-def _pending_job(stream) -> StepJob:
-    per_step = stream.adapter.frames_per_step
-    groups = [stream.pending[start:start + per_step] for start in range(0, len(stream.pending), per_step)]
-    stream.streaming_groups(groups)
-    return StepJob(stream, groups, chunks_before=stream.stats.chunks)
-
-
-def _streamed(job: StepJob) -> int:
-    return job.video.stats.chunks - job.chunks_before

@@ -2,7 +2,7 @@
 
 The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk`'s. Beside
 it a stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix,
-the model (family, layout, dtype, the weights' fingerprint) and the method. Resuming checks that setup against
+the model (family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup against
 the `VideoQA` given, as a saved stream's is (`statekv.stream_file`), so a foreign file set is refused with one
 line before anything is built from it.
 """
@@ -14,20 +14,22 @@ from typing import Any
 
 from .core.disk import read_description
 from .errors import InputError
-from .stream_file import BOOLEAN, TEXT, _integer, _number, _optional, _record
+from .stream_file import BOOLEAN, SETTINGS, TEXT, integer_check, number_check, optional_check, record_check
 
 FORMAT = "statekv-disk-stream"
 FORMAT_VERSION = 1
 SETUP = "stream"  # the file's name in the file set: stream.json
 
-SCHEMA = _record({
-    "format": TEXT, "version": _integer(1), "name": TEXT,
-    "model": _record({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
-                      "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
-    "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
-                       "reserve_tokens": _integer(1)}),
-    "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
-    "prefix_tokens": _integer(0), "vision_batch": _integer(1), "kv_cache_dtype": _optional(TEXT),
+SCHEMA = record_check({
+    "format": TEXT, "version": integer_check(1), "name": TEXT,
+    "model": record_check({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
+                           "layers": integer_check(1), "hidden_size": integer_check(1), "dtype": TEXT,
+                           "weights": TEXT}),
+    "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
+                            "reserve_tokens": integer_check(1)}, optional={"settings": SETTINGS}),
+    "horizon": integer_check(1), "horizon_frames": integer_check(1),
+    "max_fps": optional_check(number_check(positive=True)), "prefix_tokens": integer_check(0),
+    "vision_batch": integer_check(1), "kv_cache_dtype": optional_check(TEXT),
 })
 
 

@@ -730,7 +730,7 @@ def test_calls_from_two_threads_take_turns(qa):
     live = qa.stream(4)
     live.push(_frames(1)[0])
     done = threading.Event()
-    with live._lock:  # as if another thread were in the middle of ask()
+    with live.lock:  # as if another thread were in the middle of ask()
         worker = threading.Thread(target=lambda: (live.push(_frames(1, seed=1)[0]), done.set()))
         worker.start()
         assert not done.wait(0.5) and live.frames == 1  # the push waits for its turn
