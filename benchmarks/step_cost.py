@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
 from statekv.testing.op_trace import OpTrace  # noqa: E402
-from statekv.methods import labelled_policies  # noqa: E402
+from statekv.settings.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402
 
 PREFIX_TOKENS = 9

@@ -1,6 +1,6 @@
 """statekv: linear-time long-video encoding for video VLMs (StateKV)."""
 
-from ._torchvision_check import check_torchvision
+from .torchvision_check import check_torchvision
 
 check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
 
@@ -26,8 +26,8 @@ from .core import (  # noqa: E402
     scored_attention,
 )
 from .core.settings import EngineSettings  # noqa: E402
-from .encoded import EncodedVideo  # noqa: E402
-from .encoding_stats import EncodingStats  # noqa: E402
+from .api.encoded import EncodedVideo  # noqa: E402
+from .api.stats import EncodingStats  # noqa: E402
 from .errors import (  # noqa: E402
     ConfigurationError,
     HorizonError,
@@ -35,10 +35,10 @@ from .errors import (  # noqa: E402
     StateKVError,
     UnsupportedModelError,
 )
-from .methods import MethodSpec, register_method  # noqa: E402
-from .options import ModelOptions  # noqa: E402
-from .pipeline import VideoQA, make_policy  # noqa: E402
-from .stream import Stream  # noqa: E402
+from .settings.methods import MethodSpec, register_method  # noqa: E402
+from .settings.options import ModelOptions  # noqa: E402
+from .api.videoqa import VideoQA, make_policy  # noqa: E402
+from .api.stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ from statekv.core.decoding import Prompt
 from statekv.core.settings import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
-from statekv.options import ModelOptions, options_table
+from statekv.settings.options import ModelOptions, options_table
 from statekv.testing import make_tiny_checkpoint
 from statekv.values import Setting, one_of, settings_class
 
@@ -50,7 +50,7 @@ class NotedEngine(EngineSettings):
 
 @settings_class(options_table(ENGINE_SETTINGS + (NOTE,)))
 class NotedOptions(ModelOptions):
-    """ModelOptions made the way `statekv.options` makes them, from the longer engine table."""
+    """ModelOptions made the way `statekv.settings.options` makes them, from the longer engine table."""
 
     ENGINE = NotedEngine
 
@@ -126,7 +126,6 @@ def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypa
 # -- one path for answers ---------------------------------------------------------------------------------------
 def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
     from statekv.models.base import VideoAdapter
-    from statekv.models.registry import supported_model_types  # noqa: F401  (every family registered)
 
     families = [cls for cls in _subclasses(VideoAdapter) if not inspect.isabstract(cls)]
     assert len(families) >= 3

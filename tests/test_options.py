@@ -10,8 +10,8 @@ import pytest
 
 from statekv.errors import ConfigurationError
 from statekv.flops import Method
-from statekv.methods import MethodSettings
-from statekv.options import SETTINGS, ModelOptions
+from statekv.settings.methods import MethodSettings
+from statekv.settings.options import SETTINGS, ModelOptions
 from statekv.values import POSITIVE, Setting, settings_class
 
 

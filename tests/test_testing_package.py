@@ -4,12 +4,9 @@ test model type, even once it is imported."""
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import statekv
 

@@ -3,7 +3,7 @@
 The disk tier's file set (`statekv.core.disk.DiskTier`: the layers' files, the journal, the carried-state slots)
 is the engine's; the engine journals each step once its data is written, with the record the video gives it.
 `Durability` is the one object through which a video (`EncodedVideo`, `Stream`) writes into the file set: its
-setup (``stream.json``, `statekv.stream_disk`), each frame pushed (so a resumed stream can count the frames it
+setup (``stream.json``, `statekv.api.stream_disk`), each frame pushed (so a resumed stream can count the frames it
 lost), each step's record (the layout state after it, its frames and, for a stream, its last frame), and the
 state of a saved stream loaded into the tier. `resume_stream` is `Stream.load` of a file set.
 """
@@ -15,14 +15,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .core.disk import DiskTier, read_file_set, resume
-from .core.prefill import cache_geometry
-from .encoding_stats import EncodingStats
-from .errors import InputError
-from .models import LayoutState
+from ..core.disk import DiskTier, read_file_set
+from ..core.prefill import cache_geometry
+from .stats import EncodingStats
+from ..errors import InputError
+from ..models import LayoutState
 from .stream_disk import SETUP, frames_lost, read_stream_setup
 from .stream_file import check_against_model, check_same_setup
-from .video import Frame
+from ..video import Frame
 
 log = logging.getLogger("statekv")
 
@@ -65,14 +65,14 @@ class Durability:
             record["last_frame"] = [last.index, last.timestamp]
         return record
 
-    def loaded(self, cache: Any, step_frames: list[int], state: LayoutState, last_frame: list,
+    def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
                pending: list[Frame]) -> None:
-        """Journal a saved stream just loaded into this tier (its state ``cache``, the frames of each of its
+        """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
         steps, its layout ``state`` and the last frame it streamed), and its ``pending`` frames as pushed, so the
         file set can itself be resumed."""
         if self.tier is None:
             return
-        self.tier.journal_loaded(cache, step_frames, {"state": state.to_dict(), "last_frame": last_frame})
+        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
 
@@ -107,14 +107,11 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool) -
         tier.close()
         raise
     try:
-        resume(tier, journal, stream.prefill.cache, stream.prefill.device)
-        tier.truncate_journal(journal.end)
+        stream.prefill.resume(journal)
         stream.state = LayoutState.from_dict(last["state"])
     except BaseException:
         stream.close()
         raise
-    if stream.prefill.keeper is not None:
-        stream.prefill.keeper.adopt()
     stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]
     engine = stream.prefill.stats
     stream.stats = EncodingStats(frames=stream.state.frames, tokens=engine.tokens, chunks=engine.steps,

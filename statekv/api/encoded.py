@@ -3,7 +3,7 @@
 `VideoQA.encode` makes one for a video file; `VideoQA.stream` makes a `Stream` (a subclass fed frame by frame).
 
 A step goes through one protocol, whoever drives it (`append_steps` on this thread, `VideoQA.encode`'s overlapped
-threads, or several streams stepped together, `statekv.multistream`): ``plan_steps`` prepares its frames after the
+threads, or several streams stepped together, `statekv.steps.jobs`): ``plan_steps`` prepares its frames after the
 layout state, ``lay_out`` makes a vision-encoded step the engine's request, and ``record_step`` books it once the
 engine has streamed it. A question is laid out by the adapter (``VideoAdapter.prompt``) and generated, checked,
 by the engine (`StreamingPrefill.generate`).
@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from .core import Retrieval, StreamingPrefill
-from .core.batching import StepBatcher, StepRequest, step_alone
-from .core.retrieval import retrieval_rule
-from .core.settings import EngineSettings
+from ..core import Retrieval, StreamingPrefill
+from ..core.batching import StepBatcher, StepRequest, step_alone
+from ..core.retrieval import retrieval_rule
+from ..core.settings import EngineSettings
 from .durability import Durability
-from .encoding_stats import AnswerInfo, EncodingStats
-from .errors import HorizonError, InputError
-from .models import Chunk, LayoutState, PreparedFrames, VideoAdapter
-from .multistream import LaidOutStep, StepJob, stream_jobs
-from .overlap import EncodedStep
-from .values import check_int
-from .video import Frame
+from .stats import AnswerInfo, EncodingStats
+from ..errors import HorizonError, InputError
+from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
+from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
+from ..steps.overlap import EncodedStep
+from ..values import check_int
+from ..video import Frame
 
 METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting
 
@@ -174,7 +174,7 @@ class EncodedVideo:
     @torch.no_grad()
     def append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
         """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
-        batch size asked for, for the stats): a job of one video through `statekv.multistream.stream_jobs`. A
+        batch size asked for, for the stats): a job of one video through `statekv.steps.jobs.stream_jobs`. A
         failure leaves the steps before it streamed (``stats.chunks`` tells how many)."""
         self.start()
         job = StepJob(self, [list(frames) for frames in groups], vision_batch)
@@ -184,7 +184,7 @@ class EncodedVideo:
     @torch.no_grad()
     def stream_steps(self, steps: Iterable[EncodedStep], *, vision_batch: int,
                      on_step: Callable[[], None] | None = None) -> None:
-        """Stream steps already vision-encoded elsewhere (`statekv.overlap.overlapped_steps`), in order, each as
+        """Stream steps already vision-encoded elsewhere (`statekv.steps.overlap.overlapped_steps`), in order, each as
         a job of one step; each frame's time runs from when the previous step finished (the first: from this
         call). ``on_step`` is called after each step (for progress)."""
         self.start()

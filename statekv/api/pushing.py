@@ -3,7 +3,7 @@
 Each stream takes the steps of `Stream.push` (`offer`, its ready steps as a job, `settle`, `accept`), holding its
 lock; the jobs of every stream whose frame completes a step (or a vision batch) go to the `VideoQA`'s step
 scheduler at once, so they share one vision-tower call and batched language-model forwards
-(`statekv.multistream`).
+(`statekv.steps.jobs`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import InputError
-from .multistream import StepScheduler
+from ..errors import InputError
+from ..steps.jobs import StepScheduler
 from .stream import Stream
 
 

@@ -1,5 +1,5 @@
-"""`Stream.save` and `Stream.load`: a stream to its file (`statekv.stream_file`) and back, or resumed from its
-disk-tier file set (`statekv.durability.resume_stream`).
+"""`Stream.save` and `Stream.load`: a stream to its file (`statekv.api.stream_file`) and back, or resumed from its
+disk-tier file set (`statekv.api.durability.resume_stream`).
 
 A stream's file records its engine state (`StreamingPrefill.state_dict`), its pending frames, its push clock and
 layout state, the model and the engine (`EngineSettings`, whole); loading checks all of it, and that the
@@ -14,15 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .core.persistence import check_state_dict
-from .core.prefill import cache_geometry
+from ..core.persistence import check_state_dict
+from ..core.prefill import cache_geometry
 from .durability import resume_stream
-from .encoding_stats import EncodingStats
-from .errors import HorizonError, InputError
-from .models import LayoutState
+from .stats import EncodingStats
+from ..errors import HorizonError, InputError
+from ..models import LayoutState
 from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, check_same_setup, check_values, model_identity,
                           read_verified, weights_fingerprint, write_verified)
-from .video import Frame
+from ..video import Frame
 
 
 def save_stream(stream: Any, path: str | Path) -> Path:
@@ -100,7 +100,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     if metadata["pending"]:  # the last frame streamed comes before the pending ones
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
-    stream.durability.loaded(stream.prefill.cache, stream.step_frames, stream.state, last, stream.pending)
+    stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
     return stream
 
 

@@ -35,14 +35,14 @@ import torch
 from PIL import Image
 
 from .encoded import EncodedVideo
-from .errors import HorizonError, InputError
-from .multistream import StepJob
-from .overlap import check_vision_batch, steps_per_batch
+from ..errors import HorizonError, InputError
+from ..steps.jobs import StepJob
+from ..steps.overlap import check_vision_batch, steps_per_batch
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
 from .stream_file import model_identity, weights_fingerprint
-from .values import check_bool, check_int, check_number
-from .video import Frame
+from ..values import check_bool, check_int, check_number
+from ..video import Frame
 
 
 def one_at_a_time(method):
@@ -236,7 +236,7 @@ class Stream(EncodedVideo):
     @one_at_a_time
     def save(self, path: str | Path) -> Path:
         """Write the stream (carried state, detailed cache, pending frames, metadata, checksums, the weights'
-        fingerprint, the engine settings) to one safetensors file (see `statekv.stream_file`); an `OutputError`
+        fingerprint, the engine settings) to one safetensors file (see `statekv.api.stream_file`); an `OutputError`
         when it cannot be written there (a folder, an unwritable place, a full disk), leaving nothing behind."""
         self.prefill.check_open()
         self.start()

@@ -3,7 +3,7 @@
 The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk`'s. Beside
 it a stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix,
 the model (family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup against
-the `VideoQA` given, as a saved stream's is (`statekv.stream_file`), so a foreign file set is refused with one
+the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`), so a foreign file set is refused with one
 line before anything is built from it.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .core.disk import read_description
-from .errors import InputError
+from ..core.disk import read_description
+from ..errors import InputError
 from .stream_file import BOOLEAN, SETTINGS, TEXT, integer_check, number_check, optional_check, record_check
 
 FORMAT = "statekv-disk-stream"

@@ -34,11 +34,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .core.settings import EngineSettings
-from .encoding_stats import EncodingStats
-from .errors import InputError, OutputError
-from .models import LayoutState
-from .values import check_int, check_output_file
+from ..core.settings import EngineSettings
+from .stats import EncodingStats
+from ..errors import InputError, OutputError
+from ..models import LayoutState
+from ..values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2

@@ -20,27 +20,27 @@ from typing import Any
 
 import torch
 
-from .builtin import resolve_model
-from .core import CarryPolicy
-from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
-from .core.settings import EngineSettings
+from ..builtin import resolve_model
+from ..core import CarryPolicy
+from ..core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
+from ..core.settings import EngineSettings
 from .encoded import EncodedVideo
-from .encoding_stats import ProgressCallback, progress_reporter
-from .errors import ConfigurationError, FrameDecodeError, InputError
-from .methods import MethodSettings, method, method_names
-from .models import VideoAdapter, load_adapter
-from .multistream import StepScheduler
-from .options import DEFAULT_RESERVE_TOKENS, ModelOptions
-from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
+from .stats import ProgressCallback, progress_reporter
+from ..errors import ConfigurationError, FrameDecodeError, InputError
+from ..settings.methods import MethodSettings, method, method_names
+from ..models import VideoAdapter, load_adapter
+from ..steps.jobs import StepScheduler
+from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
+from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .pushing import push_together
 from .stream import Stream
-from .values import check_bool, check_int, check_number, torch_dtype
-from .video import open_video
+from ..values import check_bool, check_int, check_number, torch_dtype
+from ..video import open_video
 
 
 def make_policy(method_name: str, *, budget: int = MethodSettings.budget, frames: int = MethodSettings.frames,
                 sinks: int = MethodSettings.sinks, frames_per_step: int = 1) -> CarryPolicy:
-    """The carry policy of a registered method (`statekv.methods`), sized in tokens (``budget``) or frames
+    """The carry policy of a registered method (`statekv.settings.methods`), sized in tokens (``budget``) or frames
     (``frames``: recency windows are given in frames, as in the paper, and become ``ceil(frames /
     frames_per_step)`` streaming steps). Defaults are `MethodSettings`'."""
     return method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_step)
@@ -63,7 +63,7 @@ class VideoQA:
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
         method: the method's registered name (for reports; default: the policy's class name).
         vision_batch: frames per vision-tower call when encoding a video (``None``: 16 on CUDA, 4 on CPU; see
-            `statekv.overlap`). Batched vision gives the per-frame features up to float rounding.
+            `statekv.steps.overlap`). Batched vision gives the per-frame features up to float rounding.
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
         retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
             `statekv.core.retrieval`).
@@ -94,7 +94,7 @@ class VideoQA:
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
-            from retrieved frames), ``keynorm``, or any method registered in `statekv.methods`.
+            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`.
         """
         known = set(ModelOptions.__dataclass_fields__) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
@@ -148,7 +148,7 @@ class VideoQA:
         ``statekv eval`` uses, see docs/evaluation.md).
 
         Frames are decoded on a background thread and vision-encoded in batches of ``vision_batch`` frames
-        (default: this VideoQA's) on another, ahead of the language model (see `statekv.overlap`).
+        (default: this VideoQA's) on another, ahead of the language model (see `statekv.steps.overlap`).
 
         source: a video file, a folder of images, a list of PIL images or RGB arrays, an array ``[N, H, W, 3]``.
         progress: True for a progress bar (frames per second and each stage's time per frame), or a callback

@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -34,8 +34,7 @@ from .graphs import StepGraphs
 from .model_attention import share_language_attention
 from .transaction import NotBatchable
 
-if TYPE_CHECKING:  # the engine's stream is named in annotations only: prefill steps through this module
-    from .prefill import StreamingPrefill
+# A stream (`statekv.core.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
 
 # Forward arguments with one row per stream: how S streams' values become one batch's.
 ROW_ARGUMENTS = ("visual_pos_masks", "deepstack_visual_embeds")

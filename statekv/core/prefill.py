@@ -22,13 +22,13 @@ from transformers import DynamicCache
 from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
 from ..values import check_int
 from . import rope as rotary
-from ..generation_args import check_generation_arguments
+from .generation_args import check_generation_arguments
 from .answering import Retrieval
 from .attention import resolve_backend
 from .batching import StepRequest, device_step, step_alone
 from .cache import TwoStateCache
 from .decoding import Prompt, generate_from_cache
-from .disk import DiskTier
+from .disk import DiskTier, Journaled, resume
 from .graphs import StepGraphs
 from .limits import CacheKeeper, check_evicting_storage
 from .memory import CacheGeometry, check_cache_fits
@@ -176,6 +176,22 @@ class StreamingPrefill:
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
+
+    def resume(self, journal: Journaled) -> None:
+        """Resume from this stream's disk tier (made with ``disk_tier=``) at the last step its ``journal``
+        (:func:`statekv.core.disk.read_file_set`) vouches for, every step's checksum verified first; what the
+        journal holds after it is dropped."""
+        resume(self.disk, journal, self.cache, self.device)
+        self.disk.truncate_journal(journal.end)
+        if self.keeper is not None:
+            self.keeper.adopt()
+
+    def journal_loaded(self, step_frames: list[int], record: dict) -> None:
+        """On the disk tier, journal every step of the state just loaded (:meth:`load_state_dict`), so the file
+        set can itself be resumed: ``step_frames`` the frames of each step, ``record`` what the last step's
+        record adds (see ``durable_record``)."""
+        if self.disk is not None:
+            self.disk.journal_loaded(self.cache, step_frames, record)
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""

@@ -13,7 +13,7 @@ A video is streamed as::
         prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
         state = state.after(chunk)
 
-`frames_chunk` is three calls that the overlapped pipeline (`statekv.overlap`) runs on three threads, so the
+`frames_chunk` is three calls that the overlapped pipeline (`statekv.steps.overlap`) runs on three threads, so the
 vision tower sees batches of steps while the language model streams one step at a time::
 
     step = adapter.prepare_frames(frames, state)      # CPU only (resize, normalise): PreparedFrames

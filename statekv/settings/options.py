@@ -21,11 +21,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
-from .core.quantized import check_kv_cache_dtype
-from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
-from .core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
+from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from .methods import MethodSettings, MethodSpec, method, method_names
-from .values import (
+from ..values import (
     BOOLEAN,
     DEVICE,
     DTYPE,
@@ -99,7 +98,7 @@ SETTINGS = options_table()
 class ModelOptions:
     """How to build a `VideoQA`; its fields are `SETTINGS`.
 
-    model: checkpoint folder or hub id. method: a registered method (`statekv.methods`); budget (tokens), frames
+    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens), frames
     (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
     answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the
     rule that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for
@@ -136,7 +135,7 @@ class ModelOptions:
             label = f"{label} k={retrieve}"
         if retrieve is not None and rule != self.spec_retrieval:
             label = f"{label} ({rule})"
-        stored = check_kv_cache_dtype(self.kv_cache_dtype)
+        stored = self.engine.kv_cache_dtype
         return label if stored is None else f"{label} {stored} cache"
 
     @property

@@ -1,7 +1,7 @@
 """Steps of one or several videos streamed: their frames planned, vision-encoded in one call, laid out, and taken
 in rounds of one step per video through the engine's batcher (`statekv.core.batching.StepBatcher`).
 
-A video takes part through its step protocol (`statekv.encoded.EncodedVideo`): ``plan_steps`` (its frames
+A video takes part through its step protocol (`statekv.api.encoded.EncodedVideo`): ``plan_steps`` (its frames
 prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`) and
 ``record_step`` (its bookkeeping once the step is streamed). One video's steps go through exactly the code
 several videos' do: with one video, every round is a batch of one (the engine's `step_alone`).
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.batching import StepBatcher, StepRequest
-from .errors import StateKVError
+from ..core.batching import StepBatcher, StepRequest
+from ..errors import StateKVError
 from .overlap import EncodedStep, encode_batch
-from .video import Frame
+from ..video import Frame
 
 
 @dataclass
@@ -38,7 +38,7 @@ class LaidOutStep:
 @dataclass
 class StepJob:
     """One video's steps to stream: ``groups`` (each a list of frames) to plan and vision-encode, or ``encoded``
-    steps already vision-encoded elsewhere (`statekv.overlap`). ``vision_batch``: the frames per vision call asked
+    steps already vision-encoded elsewhere (`statekv.steps.overlap`). ``vision_batch``: the frames per vision call asked
     for (for its statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps
     before it stay streamed)."""
 
