@@ -391,7 +391,8 @@ def without_prompt_check(reference: list[str], new: list[str]) -> list[str] | No
         return None
     first = next((i for i, (a, b) in enumerate(zip(reference, new)) if a != b), len(reference))
     inserted = new[first:first + len(PROMPT_CHECK)]
-    if [op.split("'")[1] for op in inserted] != list(PROMPT_CHECK) or new[first + len(PROMPT_CHECK):] != reference[first:]:
+    names = [op.split("'")[1] for op in inserted]
+    if names != list(PROMPT_CHECK) or new[first + len(PROMPT_CHECK):] != reference[first:]:
         return None
     return new[:first] + new[first + len(PROMPT_CHECK):]
 

@@ -18,7 +18,8 @@ POLICIES = {"statekv": lambda: statekv.StateKV(budget=BUDGET), "recency": lambda
             "rekv": lambda: statekv.ReKV(frames=WINDOW, sinks=2).for_prefix(PREFIX),
             "full": lambda: statekv.FullAttention(),
             "withsinks": lambda: statekv.WithSinks(statekv.StateKV(budget=BUDGET), sinks=3),
-            "perlayer": lambda: statekv.PerLayerBudget(statekv.StateKV(budget=BUDGET), (BUDGET, BUDGET + 2, BUDGET + 4))}
+            "perlayer": lambda: statekv.PerLayerBudget(statekv.StateKV(budget=BUDGET),
+                                                       (BUDGET, BUDGET + 2, BUDGET + 4))}
 
 
 def chunks(model, seed: int, steps: int = STEPS, chunk_len: int = T) -> list[torch.Tensor]:

@@ -45,7 +45,7 @@ from ..values import check_bool, check_int, check_number
 from ..video import Frame
 
 
-def one_at_a_time(method):
+def _one_at_a_time(method):
     """Run ``method`` holding the stream's lock, so calls from different threads take turns."""
 
     @functools.wraps(method)
@@ -112,12 +112,12 @@ class Stream(EncodedVideo):
                 prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
                 kv_cache_dtype=self.prefill.kv_cache_dtype))
 
-    @one_at_a_time
+    @_one_at_a_time
     def start(self) -> "Stream":
         return super().start()
 
     # -- pushing ----------------------------------------------------------------------------------------
-    @one_at_a_time
+    @_one_at_a_time
     def push(self, image: Any, timestamp: float | None = None) -> bool:
         """Offer one frame; return whether it was kept (``max_fps`` drops frames between its ticks).
 
@@ -169,13 +169,13 @@ class Stream(EncodedVideo):
             kept += self.push(item) if isinstance(item, Frame) else self.push(*item)
         return kept
 
-    @one_at_a_time
+    @_one_at_a_time
     def flush(self) -> None:
         """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition)."""
         if self.pending:
             self.encode_pending()
 
-    @one_at_a_time
+    @_one_at_a_time
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
         self.encode_pending(complete_steps_only=True)
@@ -217,7 +217,7 @@ class Stream(EncodedVideo):
         self.settle(job, failed=job.error is not None, offered=offered)
         job.raise_error()
 
-    @one_at_a_time
+    @_one_at_a_time
     def close(self) -> None:
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
@@ -233,7 +233,7 @@ class Stream(EncodedVideo):
         return float(timestamp)
 
     # -- saving -----------------------------------------------------------------------------------------
-    @one_at_a_time
+    @_one_at_a_time
     def save(self, path: str | Path) -> Path:
         """Write the stream (carried state, detailed cache, pending frames, metadata, checksums, the weights'
         fingerprint, the engine settings) to one safetensors file (see `statekv.api.stream_file`); an `OutputError`

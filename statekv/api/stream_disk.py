@@ -1,10 +1,10 @@
 """A disk-tier stream's own description in its file set (``stream.json``), what `Stream.load` resumes it from.
 
-The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk`'s. Beside
-it a stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix,
-the model (family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup against
-the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`), so a foreign file set is refused with one
-line before anything is built from it.
+The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk`'s. Beside it a
+stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix, the model
+(family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup
+against the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`), so a foreign file set is refused
+with one line before anything is built from it.
 """
 
 from __future__ import annotations

@@ -5,16 +5,16 @@ Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two 
     statekv          the stream's metadata as JSON (fields: `SCHEMA`)
     statekv_sha256   the SHA-256 of that JSON text
 
-and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
-with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
-(``engine``: the method, its policy and, whole, the `EngineSettings` it streamed with, ``engine.settings``;
-files saved before it was recorded lack it). `check_same_setup` refuses a file whose model, policy or binding
-settings (those its state depends on) differ from the `VideoQA` loading it. `read_verified` checks the header, the checksums and the schema, and `check_schema` every
-field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
-(finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
-written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
-with one line before anything is built from it. Format 1 (written before verification existed) is refused with
-a message saying so.
+and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved with
+(``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
+(``engine``: the method, its policy and, whole, the `EngineSettings` it streamed with, ``engine.settings``; files
+saved before it was recorded lack it). `check_same_setup` refuses a file whose model, policy or binding settings
+(those its state depends on) differ from the `VideoQA` loading it. `read_verified` checks the header, the checksums
+and the schema, and `check_schema` every field's presence, type and range; `check_values` and `check_against_model`
+then check the values themselves (finite tensors, carried tokens that are the cache's own, a horizon, prefix and
+steps this model would have written), since checksums recomputed after an edit vouch for nothing. A damaged or
+hand-edited file is refused with one line before anything is built from it. Format 1 (written before verification
+existed) is refused with a message saying so.
 
 A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
 """
@@ -271,13 +271,14 @@ def record_check(fields: Mapping[str, Check], optional: Mapping[str, Check] | No
         missing = [key for key in fields if key not in value]
         unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
-            raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
+            problem = f"lacks {missing[0]!r}" if missing else f"has unknown field {unknown[0]!r}"
+            raise InputError(f"{name} {problem}")
         every = {**fields, **{key: check for key, check in optional.items() if key in value}}
         return {key: every[key](value[key], f"{name}.{key}") for key in every}
     return check
 
 
-def _dataclassrecord_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
+def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
     """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
     mappings; those named in ``optional`` may be absent."""
     checks: dict[str, Check] = {}
@@ -307,11 +308,13 @@ SCHEMA = record_check({
     "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
                             "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
                            optional={"settings": SETTINGS}),
-    "horizon": integer_check(1), "horizon_frames": integer_check(1), "max_fps": optional_check(number_check(positive=True)),
+    "horizon": integer_check(1), "horizon_frames": integer_check(1),
+    "max_fps": optional_check(number_check(positive=True)),
     "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
     "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
     "pending": list_check(list_check(number_check(), length=2)),
-    "state": _dataclassrecord_check(LayoutState), "stats": _dataclassrecord_check(EncodingStats, optional=("evicted_frames",)),
+    "state": dataclass_check(LayoutState),
+    "stats": dataclass_check(EncodingStats, optional=("evicted_frames",)),
     "cache": record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
                       "window_starts": list_check(optional_check(integer_check(0)))},
                      optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype

@@ -1,9 +1,9 @@
 """The two-state cache: a small carried state per layer and KV head, and a detailed cache of every token.
 
-During a step the model's attention modules call :meth:`StreamingLayer.update` with the chunk's keys and
-values, which returns ``[carried; chunk]``; the registered attention function then scores those keys and
-asks the policy what to carry (:func:`attend`, for one stream's cache or the rows of several streams' batch). The step is a transaction
-(:mod:`statekv.core.transaction`): :meth:`TwoStateCache.commit_device` installs the new carried state,
+During a step the model's attention modules call :meth:`StreamingLayer.update` with the chunk's keys and values,
+which returns ``[carried; chunk]``; the registered attention function then scores those keys and asks the policy
+what to carry (:func:`attend`, for one stream's cache or the rows of several streams' batch). The step is a
+transaction (:mod:`statekv.core.transaction`): :meth:`TwoStateCache.commit_device` installs the new carried state,
 :meth:`TwoStateCache.commit_host` advances the committed lengths, :meth:`TwoStateCache.rollback` forgets it.
 
 Each layer holds two objects: its ``storage`` (:mod:`statekv.core.storage`: the detailed cache and step

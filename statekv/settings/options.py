@@ -98,16 +98,15 @@ SETTINGS = options_table()
 class ModelOptions:
     """How to build a `VideoQA`; its fields are `SETTINGS`.
 
-    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens), frames
-    (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
-    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the
-    rule that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for
-    ``rekv`` and ``attention`` for the others). layout: the
-    family's prompt layout. dtype, device: where the model runs (default: the checkpoint's dtype; CUDA when
-    available). The engine's settings (`EngineSettings`: attention, offload, offload_dir, max_cache_bytes,
-    cache_limit, kv_cache_dtype, cuda_graph, positions); offload None is the method's default. reserve_tokens:
-    room for the question and answer after the video. vision_batch: frames per vision-tower call (None: 16 on
-    CUDA, 4 on CPU).
+    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens),
+    frames (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
+    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the rule
+    that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for ``rekv``
+    and ``attention`` for the others). layout: the family's prompt layout. dtype, device: where the model runs
+    (default: the checkpoint's dtype; CUDA when available). The engine's settings (`EngineSettings`: attention,
+    offload, offload_dir, max_cache_bytes, cache_limit, kv_cache_dtype, cuda_graph, positions); offload None is the
+    method's default. reserve_tokens: room for the question and answer after the video. vision_batch: frames per
+    vision-tower call (None: 16 on CUDA, 4 on CPU).
     """
 
     SETTINGS: ClassVar[tuple[Setting, ...]]
