@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
     qa = statekv.VideoQA.from_pretrained(args.checkpoint, **settings)
     pool = np.random.default_rng(0).integers(0, 256, (32, args.image_size, args.image_size, 3), dtype=np.uint8)
     stream = qa.stream(horizon_frames=args.frames, vision_batch=16)
-    folder = None if stream.prefill.disk is None else stream.prefill.disk.folder
+    folder = stream.durability.folder
     geometry = stream.prefill.geometry
     report = {"kind": "setup", "tokens_per_frame": None, "layers": geometry.layers, "kv_heads": geometry.kv_heads,
               "head_dim": geometry.head_dim, "dtype": str(geometry.dtype), **resident()}
@@ -79,8 +79,7 @@ def child(args: argparse.Namespace) -> None:
             stats = stream.prefill.stats
             print(json.dumps({"kind": "sample", "frames": done, "ms_per_frame": 1e3 * (now - window) / count,
                               "tokens": stats.tokens, "detailed_bytes": stats.detailed_bytes,
-                              "summary_bytes": sum(layer.storage.summary_nbytes
-                                                   for layer in stream.prefill.cache.layers),
+                              "summary_bytes": stats.summary_bytes,
                               "disk_bytes": disk_bytes(folder), **resident()}), flush=True)
             window = time.perf_counter()
         if done in asks:

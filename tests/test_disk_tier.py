@@ -202,7 +202,7 @@ def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
 
 
 def test_cli_offload_takes_disk_and_stays_a_plain_flag():
-    from statekv.options import ModelOptions, normalize_argv
+    from statekv.settings.options import ModelOptions, normalize_argv
     import argparse
 
     parser = argparse.ArgumentParser()

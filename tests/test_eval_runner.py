@@ -23,7 +23,7 @@ import statekv.eval as ev
 from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_videomme
 from statekv.eval.runner import EvalConfig, display_name, run_evaluation
 from statekv.errors import ConfigurationError
-from statekv.pipeline import VideoQA
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
 METHODS = {"statekv": {"budget": 32}, "recency": {"frames": 2}, "full": {}, "rekv": {"frames": 2, "retrieve": 2}}

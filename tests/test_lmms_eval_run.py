@@ -17,7 +17,7 @@ import pytest
 
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.fabricate import LMMS_TASK, write_lmms_task, write_still_seconds_video
-from statekv.pipeline import VideoQA
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 from frames import read_frame_index
 

@@ -21,8 +21,8 @@ from statekv.eval.distributed import RankContext
 from statekv.eval.fabricate import write_lmms_task, write_mini_videomme
 from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
-from statekv.options import ModelOptions
-from statekv.pipeline import VideoQA
+from statekv.settings.options import ModelOptions
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
 # lmms-eval 0.7's videomme task: its generation_kwargs, plus the default stop string it adds
@@ -132,7 +132,7 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
                     layout="None", attention="auto", dtype="float32", device="cpu", batch_size="1", max_batch_size=None,
                     trust_remote_code="no", offload="OFF")
     assert model.qa.method == "recency" and model.qa.policy.frames == 2 and model.qa.adapter.layout == "paper"
-    assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.offload is False
+    assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.engine.offload is False
     loads = []
     monkeypatch.setattr(VideoQA, "from_options", lambda options: loads.append(options) or "qa")
     StateKV(pretrained="m", trust_remote_code="Yes", offload=1, budget="64", max_fps="0.5", retrieve="8")

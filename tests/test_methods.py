@@ -9,8 +9,8 @@ import pytest
 
 import statekv
 from statekv.cli import main
-from statekv.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
-from statekv.options import ModelOptions
+from statekv.settings.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
+from statekv.settings.options import ModelOptions
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
 

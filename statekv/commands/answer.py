@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..console import add_output_arguments, add_sampling_arguments, interactive, print_json, quiet_libraries
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline import VideoQA
+    from ..api.videoqa import VideoQA
     from ..errors import InputError
     from ..video import open_video
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..console import add_output_arguments, one_line, quiet_libraries
 from ..errors import OutputError, StateKVError
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file
 
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline import VideoQA
+    from ..api.videoqa import VideoQA
     from ..video import open_video
 
     options = ModelOptions.from_args(args)

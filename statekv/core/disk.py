@@ -503,7 +503,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
             else:
                 tensors["block_keys" if name == "step_means" else name] = views[0]
         persistence.restore_layer(layer, tensors, None, lengths, device)
-    cache.recency.reset()
+    cache.shared_ring.reset()
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
     cache.evicted_steps = set(journal.evicted)

@@ -149,7 +149,7 @@ class QuantizedStorage(OffloadedStorage):
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
         self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 
     def commit_host(self, chunk_len: int) -> None:
@@ -238,7 +238,7 @@ class QuantizedStorage(OffloadedStorage):
         self._starts = [sum(steps[:i]) for i in range(len(steps))]
         self._starts_tensor = None
         if "block_keys" in tensors:
-            self._load_summaries(tensors, tensors["block_keys"], steps, storage)
+            self.load_summaries(tensors, tensors["block_keys"], steps, storage)
             self.dtype = tensors["block_keys"].dtype
             self._scales_like = tensors["key_scales"][:, :, :1]
 

@@ -31,7 +31,9 @@ class StreamStats:
     detailed_bytes: keys and values of every token, all layers, wherever they are stored. device_bytes: cache
     bytes on the model's device now; peak_device_bytes: the most at once, answering included. graph_replays:
     steps replayed from a CUDA graph. history: one `StepRecord` per step. evicted_steps, evicted_tokens: given up
-    under a cache limit (:mod:`statekv.core.limits`; answers no longer see them).
+    under a cache limit (:mod:`statekv.core.limits`; answers no longer see them). summary_bytes: every step's
+    summaries (mean key and sampled keys, what retrieval scores from), all layers. forms: per layer, the form
+    its carried state is in (``window``, ``slots`` or ``ring``; see :mod:`statekv.core.forms`).
     """
 
     steps: int
@@ -44,6 +46,8 @@ class StreamStats:
     history: tuple[StepRecord, ...] = field(repr=False)
     evicted_steps: int = 0
     evicted_tokens: int = 0
+    summary_bytes: int = 0
+    forms: tuple[str, ...] = ()
 
     @property
     def max_carried_tokens(self) -> int:

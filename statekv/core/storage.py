@@ -74,7 +74,7 @@ class LayerStorage:
         self._make_detailed(make_buffer, capacity_hint)
         self.block_keys = make_buffer("step_means", 1, None)
         self.step_samples = make_buffer("step_samples", 1, None)
-        self._samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
+        self.samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
 
     def _make_detailed(self, make_buffer: BufferFactory, capacity_hint: int | None) -> None:
         self.detailed = make_buffer("detailed", 2, capacity_hint)
@@ -133,9 +133,9 @@ class LayerStorage:
     def start(self, key_states: torch.Tensor) -> None:
         """First chunk ``[B, H_kv, T, D]`` seen: room for its summaries."""
         b, h, _, d = key_states.shape
-        self._samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
+        self.samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1)
 
     def prepare(self, chunk_len: int) -> None:
         """Room for the next step's summaries (and every later one's until the horizon, if it is known)."""
@@ -143,7 +143,7 @@ class LayerStorage:
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
@@ -197,10 +197,12 @@ class LayerStorage:
         storage = self.detailed.device or device
         keys = tensors["keys"]
         self.detailed.load(keys.to(storage), tensors["values"].to(storage))
-        self._load_summaries(tensors, keys, steps, storage)
+        self.load_summaries(tensors, keys, steps, storage)
 
-    def _load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
-                        storage: torch.device) -> None:
+    def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
+                       storage: torch.device) -> None:
+        """Install saved step summaries (``block_keys``, ``step_samples``), recomputed from ``keys`` for a state
+        saved before they were kept (a subclass's `load` calls it too)."""
         means, samples = tensors.get("block_keys"), tensors.get("step_samples")
         if (means is None or samples is None) and steps:  # saved before these were kept: recompute them
             parts = [_summaries(part) for part in keys.split(steps, dim=2)]
@@ -211,7 +213,7 @@ class LayerStorage:
             samples = keys.new_empty(*keys.shape[:2], 0, SAMPLES_PER_STEP * keys.shape[-1])
         self.block_keys.load(means.to(storage))
         self.step_samples.load(samples.to(storage))
-        self._samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
+        self.samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's."""

@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
     from statekv.console import add_sampling_arguments
-    from statekv.options import ModelOptions
+    from statekv.settings.options import ModelOptions
     from statekv.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
@@ -84,7 +84,7 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
 
 def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.console import quiet_libraries
-    from statekv.options import ModelOptions
+    from statekv.settings.options import ModelOptions
     from statekv.eval.distributed import RankContext
     from statekv.eval.runner import EvalConfig, run_evaluation
 

@@ -43,7 +43,7 @@ from typing import Any
 from statekv.errors import ConfigurationError, InputError, StateKVError
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
-from statekv.options import ModelOptions
+from statekv.settings.options import ModelOptions
 from statekv.values import Option, integer, optional_text, parse_options, positive_float, positive_int, required_text
 
 MODEL_ID = "statekv"
@@ -130,7 +130,7 @@ class StateKV(_Base):
             self._setup(qa, model_args)
 
     def _setup(self, qa, model_args: dict[str, Any]) -> None:
-        from statekv.pipeline import VideoQA
+        from statekv.api.videoqa import VideoQA
 
         if qa is not None:
             model_args.setdefault("pretrained", "<given VideoQA>")

@@ -12,7 +12,7 @@ from typing import Any
 
 from statekv.errors import DataError
 from statekv.eval.parsing import PARSERS
-from statekv.methods import METHODS, MethodSettings
+from statekv.settings.methods import METHODS, MethodSettings
 from statekv.eval.records import AnswerRecord, merge_rank_files
 from statekv.eval.scoring import score, single_value
 

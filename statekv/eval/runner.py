@@ -51,7 +51,7 @@ from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, Res
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, VideoError
-from statekv.options import ModelOptions
+from statekv.settings.options import ModelOptions
 from statekv.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def load_model(config: EvalConfig, context: RankContext):
     """The `VideoQA` of the config, on ``config.device`` or this rank's default device."""
     import torch
 
-    from statekv.pipeline import VideoQA
+    from statekv.api.videoqa import VideoQA
 
     device = config.options.device or context.default_device()
     if str(device).startswith("cuda:"):

@@ -13,7 +13,7 @@ measured numbers agree):
 * embedding lookups, the one-time prompt prefix and the question are not part of *video* prefill.
 
 A step sees ``history + T`` keys, ``T`` = tokens per step, with the history each registered method declares
-(`statekv.methods`): ``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last
+(`statekv.settings.methods`): ``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last
 ``R`` frames (``min(s, ceil(R / frames per step)) * T``), ``rekv`` its sinks and that window, ``statekv`` and
 ``keynorm`` at most ``B`` tokens (``min(s * T, B)``).
 
@@ -33,8 +33,8 @@ from itertools import pairwise
 import numpy as np
 
 from statekv.errors import ConfigurationError
-from statekv.methods import MethodSettings, MethodSpec, method_names
-from statekv.methods import method as method_spec
+from statekv.settings.methods import MethodSettings, MethodSpec, method_names
+from statekv.settings.methods import method as method_spec
 from statekv.values import check_int
 
 from .presets import LanguageSpec, ModelSpec, VisionSpec, from_config, get_preset
@@ -45,7 +45,7 @@ SCORE_PASSES = ("eager", "recompute")
 
 @dataclass(frozen=True)
 class Method:
-    """A registered method (`statekv.methods`) with its size: how much history each step attends to.
+    """A registered method (`statekv.settings.methods`) with its size: how much history each step attends to.
 
     Attributes:
         kind: the method's name (``full``, ``recency``, ``statekv``, ``rekv``, ``keynorm``...).

@@ -52,7 +52,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
     app. Model work runs on ``worker`` (default: one `ModelWorker` thread)."""
     if qa is None:
-        from ..pipeline import VideoQA
+        from ..api.videoqa import VideoQA
 
         qa = VideoQA.from_options(config.options)
     service = Service(config, qa, worker or ModelWorker())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 
 SAVE_EVERY_FRAMES = 256
 SAVE_EVERY_SECONDS = 30.0

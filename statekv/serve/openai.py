@@ -15,12 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..encoded import METHOD_DEFAULT
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import read_json
 from .media import resolve_file_url
-from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, _pieces_until
+from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, pieces_until
 from .sse import TokenStreamer, event
 
 
@@ -123,7 +123,7 @@ async def _chunks(service, work, completion: str, model: str):
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(work(streamer))
         yield chunk({"role": "assistant", "content": ""})
-        async for piece in _pieces_until(streamer, task):
+        async for piece in pieces_until(streamer, task):
             yield chunk({"content": piece})
         try:
             await task

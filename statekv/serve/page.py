@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from ..encoded import METHOD_DEFAULT
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StateKVError
-from ..stream import Stream
+from ..api.stream import Stream
 from .config import ServeConfig
 from .errors import ServiceError
 from .metrics import Metrics

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..encoded import METHOD_DEFAULT
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
@@ -126,7 +126,7 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
     async with service.ask_slots.occupy():
         streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(service.registry.ask(entry, question, max_new, retrieve, streamer))
-        async for piece in _pieces_until(streamer, task):
+        async for piece in pieces_until(streamer, task):
             yield event({"token": piece})
         try:
             answer = await task
@@ -138,7 +138,7 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
         yield event(answer, "answer")
 
 
-async def _pieces_until(streamer: TokenStreamer, task: asyncio.Future):
+async def pieces_until(streamer: TokenStreamer, task: asyncio.Future):
     """The streamer's pieces, stopping also when the task fails before generating (no end() then)."""
     while True:
         getter = asyncio.ensure_future(streamer.queue.get())

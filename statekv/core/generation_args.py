@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
-from .errors import ConfigurationError
-from .values import NON_NEGATIVE, POSITIVE, Kind
+from ..core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
+from ..errors import ConfigurationError
+from ..values import NON_NEGATIVE, POSITIVE, Kind
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,16 @@ Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two 
     statekv          the stream's metadata as JSON (fields: `SCHEMA`)
     statekv_sha256   the SHA-256 of that JSON text
 
-and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
-with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
-settings (``engine``). `read_verified` checks the header, the checksums and the schema, and `check_schema` every
-field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
-(finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
-written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
-with one line before anything is built from it. Format 1 (written before verification existed) is refused with
-a message saying so.
+and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved with
+(``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
+(``engine``: the method, its policy and, whole, the `EngineSettings` it streamed with, ``engine.settings``; files
+saved before it was recorded lack it). `check_same_setup` refuses a file whose model, policy or binding settings
+(those its state depends on) differ from the `VideoQA` loading it. `read_verified` checks the header, the checksums
+and the schema, and `check_schema` every field's presence, type and range; `check_values` and `check_against_model`
+then check the values themselves (finite tensors, carried tokens that are the cache's own, a horizon, prefix and
+steps this model would have written), since checksums recomputed after an edit vouch for nothing. A damaged or
+hand-edited file is refused with one line before anything is built from it. Format 1 (written before verification
+existed) is refused with a message saying so.
 
 A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
 """
@@ -32,10 +34,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .encoded import EncodingStats
-from .errors import InputError, OutputError
-from .models import LayoutState
-from .values import check_int, check_output_file
+from ..core.settings import EngineSettings
+from .stats import EncodingStats
+from ..errors import InputError, OutputError
+from ..models import LayoutState
+from ..values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
@@ -225,11 +228,11 @@ def _reason(error: BaseException) -> str:
 
 
 # -- the schema -----------------------------------------------------------------------------------------------
-def _integer(minimum: int = 0) -> Check:
+def integer_check(minimum: int = 0) -> Check:
     return lambda value, name: check_int(value, name, minimum=minimum, error=InputError)
 
 
-def _number(*, positive: bool = False) -> Check:
+def number_check(*, positive: bool = False) -> Check:
     def check(value: Any, name: str) -> float:
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or value < 0 or (positive and value == 0)):
@@ -238,7 +241,7 @@ def _number(*, positive: bool = False) -> Check:
     return check
 
 
-def _of_type(kind: type, description: str) -> Check:
+def type_check(kind: type, description: str) -> Check:
     def check(value: Any, name: str) -> Any:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise InputError(f"{name} must be {description}, got {value!r}"[:200])
@@ -246,11 +249,11 @@ def _of_type(kind: type, description: str) -> Check:
     return check
 
 
-def _optional(check: Check) -> Check:
+def optional_check(check: Check) -> Check:
     return lambda value, name: None if value is None else check(value, name)
 
 
-def _list_of(check: Check, *, length: int | None = None) -> Check:
+def list_check(check: Check, *, length: int | None = None) -> Check:
     def check_list(value: Any, name: str) -> list:
         if not isinstance(value, list) or (length is not None and len(value) != length):
             size = f" of {length}" if length is not None else ""
@@ -259,7 +262,7 @@ def _list_of(check: Check, *, length: int | None = None) -> Check:
     return check_list
 
 
-def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+def record_check(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
     """A JSON object with exactly ``fields``, and any of ``optional``, each checked."""
     optional = optional or {}
     def check(value: Any, name: str) -> dict:
@@ -268,49 +271,55 @@ def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = 
         missing = [key for key in fields if key not in value]
         unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
-            raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
+            problem = f"lacks {missing[0]!r}" if missing else f"has unknown field {unknown[0]!r}"
+            raise InputError(f"{name} {problem}")
         every = {**fields, **{key: check for key, check in optional.items() if key in value}}
         return {key: every[key](value[key], f"{name}.{key}") for key in every}
     return check
 
 
-def _dataclass_record(cls: type, optional: tuple[str, ...] = ()) -> Check:
+def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
     """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
     mappings; those named in ``optional`` may be absent."""
     checks: dict[str, Check] = {}
     for field in dataclasses.fields(cls):
         factory = field.default_factory
         if factory is list:
-            checks[field.name] = _list_of(_number())
+            checks[field.name] = list_check(number_check())
         elif factory is dict:
-            checks[field.name] = _of_type(dict, "an object")
+            checks[field.name] = type_check(dict, "an object")
         elif field.default is None:
-            checks[field.name] = _optional(_integer())
+            checks[field.name] = optional_check(integer_check())
         else:
-            checks[field.name] = _integer()
-    return _record({k: v for k, v in checks.items() if k not in optional},
+            checks[field.name] = integer_check()
+    return record_check({k: v for k, v in checks.items() if k not in optional},
                    {k: v for k, v in checks.items() if k in optional})
 
 
-TEXT = _of_type(str, "a string")
-BOOLEAN = _of_type(bool, "true or false")
+TEXT = type_check(str, "a string")
+BOOLEAN = type_check(bool, "true or false")
+# the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
+SETTINGS = type_check(dict, "an object")
 
-SCHEMA = _record({
-    "format": TEXT, "version": _integer(1), "name": TEXT,
-    "model": _record({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
-                      "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
-    "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
-                       "cuda_graph": BOOLEAN, "reserve_tokens": _integer(1)}),
-    "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
-    "prefix_tokens": _integer(0), "vision_batch": _integer(1),
-    "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
-    "pending": _list_of(_list_of(_number(), length=2)),
-    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames",)),
-    "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
-                      "window_starts": _list_of(_optional(_integer(0)))},
-                     optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": _list_of(_integer(0))}),
-    "checksums": _of_type(dict, "an object"),
+SCHEMA = record_check({
+    "format": TEXT, "version": integer_check(1), "name": TEXT,
+    "model": record_check({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
+                      "layers": integer_check(1), "hidden_size": integer_check(1), "dtype": TEXT, "weights": TEXT}),
+    "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
+                            "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
+                           optional={"settings": SETTINGS}),
+    "horizon": integer_check(1), "horizon_frames": integer_check(1),
+    "max_fps": optional_check(number_check(positive=True)),
+    "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
+    "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
+    "pending": list_check(list_check(number_check(), length=2)),
+    "state": dataclass_check(LayoutState),
+    "stats": dataclass_check(EncodingStats, optional=("evicted_frames",)),
+    "cache": record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
+                      "window_starts": list_check(optional_check(integer_check(0)))},
+                     optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
+                               "evicted_steps": list_check(integer_check(0))}),
+    "checksums": type_check(dict, "an object"),
 })
 
 
@@ -343,3 +352,39 @@ def _check_counts(metadata: dict[str, Any]) -> None:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")
+
+
+# -- the model and the engine a file was saved with ---------------------------------------------------------------
+def model_identity(qa: Any) -> dict[str, Any]:
+    """What a saved stream records of ``qa``'s model (without the weights' fingerprint)."""
+    config = qa.adapter.model.config
+    text = config.get_text_config()
+    return {"family": qa.adapter.family, "layout": qa.adapter.layout, "model_type": config.model_type,
+            "name_or_path": str(getattr(config, "_name_or_path", "")), "layers": text.num_hidden_layers,
+            "hidden_size": text.hidden_size, "dtype": str(qa.adapter.dtype).removeprefix("torch.")}
+
+
+def recorded_settings(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings a saved stream records (an older file: the only one it recorded, ``kv_cache_dtype``)."""
+    recorded = metadata["engine"].get("settings")
+    return recorded if recorded is not None else {"kv_cache_dtype": metadata["cache"].get("kv_cache_dtype")}
+
+
+def check_same_setup(path: str | os.PathLike, metadata: dict[str, Any], qa: Any, allow_other_weights: bool,
+                     engine: EngineSettings) -> None:
+    """Refuse (one line) a saved stream whose model, binding engine settings or policy differ from ``qa``'s
+    (``engine``: the settings it is being loaded with), or whose weights do unless ``allow_other_weights``."""
+    saved, current = metadata["model"], model_identity(qa)
+    for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
+        if saved[key] != current[key]:
+            raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+    refusal = engine.refusal(recorded_settings(metadata), str(path))
+    if refusal is not None:
+        raise InputError(refusal)
+    policy = metadata["engine"]["policy"]
+    if policy != repr(qa.policy):
+        raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")
+    if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
+        raise InputError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'}) "
+                         "than this model's, whose cache would differ; pass allow_other_weights=True to load "
+                         "it anyway")
