@@ -36,13 +36,14 @@ from .errors import (  # noqa: E402
 from .methods import MethodSpec, register_method  # noqa: E402
 from .options import ModelOptions  # noqa: E402
 from .pipeline import VideoQA, make_policy  # noqa: E402
+from .recent import RecentFrames  # noqa: E402
 from .stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
-    "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "ConfigurationError", "EncodedVideo", "RecentFrames", "EncodingStats", "FullAttention",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
     "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",
