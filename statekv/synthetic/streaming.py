@@ -12,8 +12,8 @@ needle_past   backward  What colour was the <shape>?             at least `PAST_
                                                                  of the object seen once
 order_past    backward  Which came first, <colour> or <colour>?  at least `PAST_GAP` seconds after both first
                                                                  appearances
-last_now      realtime  Which colour was shown last?             just after an object frame (the evidence is
-                                                                 the last frame seen)
+needle_now    realtime  What colour was the <shape>?             just after the frame of the object seen once
+                                                                 (the evidence is the last frame seen)
 shape_now     realtime  What shape was shown in <colour>?        just after that object's first appearance
 count_ahead   forward   How many times did the video show        just after the object's first appearance,
                         <colour>?                                then polled after each later one: each poll's
@@ -35,7 +35,7 @@ import numpy as np
 from .plans import VideoPlan
 from .tasks import COLOUR_OPTIONS, COUNT_OPTIONS, SHAPE_OPTIONS
 
-GROUPS = {"needle_past": "backward", "order_past": "backward", "last_now": "realtime", "shape_now": "realtime",
+GROUPS = {"needle_past": "backward", "order_past": "backward", "needle_now": "realtime", "shape_now": "realtime",
           "count_ahead": "forward"}
 PAST_GAP = 17  # backward evidence lies outside a 16-frame window of the frames seen last
 EARLIEST = 3  # no question before 3 frames are seen (the built-in model never trained on shorter videos)
@@ -66,10 +66,8 @@ def streaming_rows(plan: VideoPlan, rng: np.random.Generator, video: str, first_
         COLOUR_OPTIONS, realtime=_draw(rng, max(starts) + PAST_GAP, end),
         gt=COLOUR_OPTIONS.index(plan.things[earlier].colour), evidence=sorted(starts))
 
-    events = _late([(frame, thing) for frame, thing in plan.events()], lambda event: event[0])
-    frame, thing = events[int(rng.integers(len(events)))]
-    row("last_now", "Which colour was shown last?", COLOUR_OPTIONS, realtime=frame + 1,
-        gt=COLOUR_OPTIONS.index(plan.things[thing].colour), evidence=[frame])
+    row("needle_now", f"What colour was the {single.shape}?", COLOUR_OPTIONS, realtime=needle_frame + 1,
+        gt=COLOUR_OPTIONS.index(single.colour), evidence=[needle_frame])
 
     things = _late(list(range(len(plan.things))), lambda index: plan.appearances[index][0])
     thing = things[int(rng.integers(len(things)))]
