@@ -26,7 +26,7 @@ from statekv.synthetic.plans import plan_video
 from statekv.synthetic.seeds import video_rng
 from statekv.synthetic.streaming import EARLIEST, GROUPS, PAST_GAP, streaming_rows
 from statekv.testing import make_tiny_checkpoint
-from statekv.video import internvl_pixel_values, open_video
+from statekv.video import internvl_pixel_values
 from frames import read_frame_index
 
 
