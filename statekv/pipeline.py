@@ -27,7 +27,7 @@ from .core.limits import DEFAULT_CACHE_LIMIT, CacheLimit
 from .core.quantized import check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
-from .errors import ConfigurationError, FrameDecodeError, InputError
+from .errors import ConfigurationError, FrameDecodeError, InputError, StateKVError
 from .methods import MethodSettings, method, method_names
 from .models import VideoAdapter, load_adapter
 from .multistream import StepScheduler, push_together
@@ -264,9 +264,28 @@ class VideoQA:
         check_bool(return_exceptions, "return_exceptions")
         for item in items if isinstance(items, Sequence) else ():
             stream = item[0] if isinstance(item, (tuple, list)) and item else None
-            if isinstance(stream, Stream) and stream.qa is not self:
+            if isinstance(stream, (Stream, RecentFrames)) and stream.qa is not self:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
-        return push_together(self.step_scheduler, list(items), return_exceptions=return_exceptions)
+        items = list(items)
+        recent = [i for i, item in enumerate(items) if isinstance(item, (tuple, list)) and item
+                  and isinstance(item[0], RecentFrames)]
+        if not recent:
+            return push_together(self.step_scheduler, items, return_exceptions=return_exceptions)
+        results: list[bool | Exception] = [False] * len(items)  # a simplestream stream encodes nothing: push alone
+        for i in recent:
+            try:
+                results[i] = items[i][0].push(*items[i][1:])
+            except StateKVError as error:
+                results[i] = error
+        others = [i for i in range(len(items)) if i not in set(recent)]
+        for i, result in zip(others, push_together(self.step_scheduler, [items[i] for i in others],
+                                                   return_exceptions=True), strict=True):
+            results[i] = result
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
 
     def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int:

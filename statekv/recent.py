@@ -48,6 +48,7 @@ class RecentFrames:
         self.stats = EncodingStats()
         self.answer_info: AnswerInfo | None = None
         self.pushed = 0
+        self.pending: list[Frame] = []  # nothing ever waits to be encoded (`Stream`'s attribute)
         self._next_tick = 0
         self._last_timestamp: float | None = None
         self._closed = False

@@ -294,3 +294,20 @@ def test_streamingbench_reads_the_first_character_and_times_proactive_outputs():
                        record(p, "3", answered_at=29, expected_at=29.0)])
     assert result.headline == pytest.approx(200 / 3) and result.group_scores == {"contextual": 100.0,
                                                                                   "realtime": 50.0}
+
+
+def test_the_table_shows_ovobench_real_time_its_overall_and_streamingbench(tmp_path):
+    import dataclasses
+
+    runs = {"ovo": [record(question("ovobench", "0", "EPM", "backward", "A"), "B"),
+                    record(question("ovobench", "1", "OCR", "realtime", "A"), "A")],
+            "sb": [record(question("streamingbench", "r", "Counting", "realtime", "B"), "B")]}
+    for name, records in runs.items():
+        with ev.ResultsWriter(ev.rank_file(tmp_path / name, 0)) as out:
+            for answer in records:
+                out.write(dataclasses.replace(answer, model="Qwen3-VL-8B", method="simplestream", budget=4))
+        ev.write_summary(tmp_path / name)
+    assert ev.paper_table([tmp_path / "ovo", tmp_path / "sb"]) == (
+        "| Model | Method | VideoMME | MLVU | OVOBench RT | OVO-Bench | StreamingBench |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| Qwen3-VL-8B | SimpleStream N=4 | – | – | 100.00 | 50.00 | 100.00 |\n")

@@ -179,6 +179,9 @@ def test_simplestream_answers_from_the_last_n_frames_exactly_as_the_model_does_o
     assert stream.held_bytes == 3 * pictures[0].nbytes  # the last frames' pixels, whatever the stream's length
     encoded = qa.encode(np.stack(pictures))  # a stored video: its last 3 sampled frames
     assert torch.equal(encoded.ask_tokens("Why?", max_new_tokens=6), expected)
+    other = qa.stream(10)  # pushed beside other streams (statekv serve's worker does): alone, nothing to batch
+    assert qa.push_many([(other, pictures[0], 0.0), (other, pictures[1], 1.0)]) == [True, True]
+    assert other.frames == 2 and other.pending == []
     with pytest.raises(StateKVError, match="no cache to save"):
         stream.save("s.safetensors")
     with pytest.raises(InputError, match="RGB uint8"):
@@ -281,3 +284,22 @@ def test_modes_are_checked_and_recorded(tmp_path):
     assert main(["eval", "synthetic", "--mode", "streaming", "--model", "builtin", "--method", "simplestream",
                  "--data-root", str(data), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["method_label"] == "SimpleStream N=4"
+
+
+@pytest.mark.slow
+def test_streamingbench_runs_streaming_and_offline(internvl, tmp_path):
+    from statekv.eval.fabricate import write_mini_streamingbench
+
+    write_mini_streamingbench(tmp_path / "data")
+    qa = statekv.VideoQA.from_pretrained(internvl, method="statekv", budget=32)
+    for mode in ("streaming", "offline"):
+        summary = run_evaluation(EvalConfig.for_model("streamingbench", str(internvl), tmp_path / "data",
+                                                      tmp_path / mode, budget=32, mode=mode, max_new_tokens=3,
+                                                      progress=False), qa=qa)
+        assert summary["score"]["overall"]["questions"] == 6 and summary["score"]["missing"] == 0
+        assert set(summary["score"]["group_scores"]) == {"realtime", "contextual"}
+        proactive = next(r for r in ev.run_records(tmp_path / mode) if r.kind == "proactive")
+        assert proactive.extra["expected_at"] == 6.0 and 1 <= proactive.extra["polls"] <= 8
+        assert proactive.extra["answered_at"] in (None, *range(3, 11))
+    streamed = {r.qid: r.extra["frames"] for r in ev.run_records(tmp_path / "streaming") if r.kind == "choice"}
+    assert streamed == {"real-0": 2, "real-1": 5, "real-2": 5, "sqa-0": 3, "sqa-1": 7}
