@@ -303,3 +303,16 @@ def test_streamingbench_runs_streaming_and_offline(internvl, tmp_path):
         assert proactive.extra["answered_at"] in (None, *range(3, 11))
     streamed = {r.qid: r.extra["frames"] for r in ev.run_records(tmp_path / "streaming") if r.kind == "choice"}
     assert streamed == {"real-0": 2, "real-1": 5, "real-2": 5, "sqa-0": 3, "sqa-1": 7}
+
+
+def test_a_real_time_ovobench_run_of_an_earlier_statekv_resumes_with_groups_realtime(tmp_path):
+    from statekv.eval.runner import RUN_FILE, check_run_file
+
+    earlier = EvalConfig.for_model("ovobench", "m", tmp_path, tmp_path / "run", groups=("realtime",))
+    settings = {key: value for key, value in earlier.identity().items() if key not in ("mode", "groups")}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"settings": settings, "content": {},
+                                                          "expected_qids": []}))
+    check_run_file(earlier, [], write=False)  # the same run: it read the real-time group, streaming
+    with pytest.raises(ConfigurationError, match="holds a run with groups=\\['realtime'\\], not None"):
+        check_run_file(EvalConfig.for_model("ovobench", "m", tmp_path, tmp_path / "run"), [], write=False)

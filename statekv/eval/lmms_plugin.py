@@ -8,7 +8,7 @@ model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly b
     max_fps          at most this many frames per second            (default 1)
     device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
     and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
-    full, recency, rekv, keynorm), budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, offload,
+    full, recency, rekv, keynorm, simplestream), budget, frames, sinks, window, retrieve, retrieval, layout, attention, dtype, offload,
     kv_cache_dtype (auto, int8, int4), reserve_tokens, trust_remote_code, cuda_graph, vision_batch; booleans are true/false, 1/0, yes/no, on/off
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
@@ -59,6 +59,7 @@ from statekv.values import Option, integer, optional_text, parse_options, positi
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
 PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
+MAX_ROUNDS = 10_000  # a multi-round document that never ends is refused
 
 # lmms-eval's own names; every other model arg is a `statekv.ModelOptions` field (``model`` is ``pretrained``)
 PLUGIN_ARGS = (
@@ -261,7 +262,7 @@ class StateKV(_Base):
         plans = self._stream_plans(requests, set(by_source))
         for source, source_asks in by_source.items():
             last_second, prompts, longest = plans[source]
-            frames = max(1, math.ceil(last_second * self.max_fps)) + 1
+            frames = max(1, math.ceil(math.ceil(last_second) * self.max_fps)) + 1  # clips end at ceil(time)
             stream = self.qa.stream(frames, max_fps=self.max_fps, name=source,
                                     reserve_tokens=room_for_prompts(self.qa, prompts, longest))
             pushed = -math.inf
@@ -427,7 +428,7 @@ def task_rounds(doc_to_messages: Any, doc: Any, *, where: str = "request") -> li
     previous_output=..., previous_round_info=...)``, which returns ``(messages, terminal, output, info)``)."""
     rounds = [video_and_prompt(doc_to_messages(doc), where=f"{where} round 0")]
     info = None
-    while True:
+    while len(rounds) <= MAX_ROUNDS:
         payload = doc_to_messages(doc, round_idx=len(rounds), previous_output=[], previous_round_info=info)
         if not (isinstance(payload, tuple) and len(payload) == 4):
             raise InputError(f"{where}: round {len(rounds)} of a multi-round task must give (messages, terminal, "
@@ -436,6 +437,7 @@ def task_rounds(doc_to_messages: Any, doc: Any, *, where: str = "request") -> li
         if terminal:
             return rounds
         rounds.append(video_and_prompt(messages, where=f"{where} round {len(rounds)}"))
+    raise InputError(f"{where}: a multi-round task gave more than {MAX_ROUNDS} rounds without ending")
 
 
 def _feed(stream: Any, clip: str, pushed: float, max_fps: float) -> float:
