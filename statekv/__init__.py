@@ -38,13 +38,14 @@ from .errors import (  # noqa: E402
 from .settings.methods import MethodSpec, register_method  # noqa: E402
 from .settings.options import ModelOptions  # noqa: E402
 from .api.videoqa import VideoQA, make_policy  # noqa: E402
+from .api.recent import RecentFrames  # noqa: E402
 from .api.stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
-    "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention",
+    "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention", "RecentFrames",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
     "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",

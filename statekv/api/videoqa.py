@@ -26,13 +26,14 @@ from ..core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from ..core.settings import EngineSettings
 from .encoded import EncodedVideo
 from .stats import ProgressCallback, progress_reporter
-from ..errors import ConfigurationError, FrameDecodeError, InputError
+from ..errors import ConfigurationError, FrameDecodeError, InputError, StateKVError
 from ..settings.methods import MethodSettings, method, method_names
 from ..models import VideoAdapter, load_adapter
 from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .pushing import push_together
+from .recent import RecentFrames
 from .stream import Stream
 from ..values import check_bool, check_int, check_number, torch_dtype
 from ..video import open_video
@@ -139,9 +140,17 @@ class VideoQA:
                                      f"{', '.join(name for name in ModelOptions.__dataclass_fields__ if name != 'model')}")
         return VideoQA.with_adapter(self.adapter, replace(base, **changes))
 
+    @property
+    def recent_window(self) -> int | None:
+        """N when the method answers from its last N frames alone (``simplestream``: `statekv.recent`), else None."""
+        spec = method(self.method) if self.method in method_names() else None
+        if spec is None or not spec.recent_window:
+            return None
+        return (self.options.settings if self.options is not None else MethodSettings()).window
+
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
                progress: ProgressCallback | bool = False, vision_batch: int | None = None,
-               reserve_tokens: int | None = None, protocol: bool = False) -> EncodedVideo:
+               reserve_tokens: int | None = None, protocol: bool = False) -> EncodedVideo | RecentFrames:
         """Sample ``source`` (at most ``max_fps`` frames per second, at most ``max_frames``, every frame at most
         once, the last one included at or above the source's rate) and stream it through the model one chunk at
         a time. protocol: True samples by the benchmarks' published rule instead (which may repeat a frame; what
@@ -157,11 +166,17 @@ class VideoQA:
 
         Raises `statekv.video.FrameDecodeError` when a frame in the middle cannot be decoded; its ``encoded``
         holds every frame before it, encoded, and can still be asked.
+
+        Under ``simplestream`` the sampled frames are read and only the last N kept: a `RecentFrames`.
         """
         _check_sampling(max_fps, max_frames)
         vision_batch = self.vision_batch if vision_batch is None else check_vision_batch(vision_batch)
         video = open_video(source)
         check_bool(protocol, "protocol")
+        if self.recent_window is not None:
+            recent = RecentFrames(self, self.recent_window, name=video.name, reserve_tokens=reserve_tokens)
+            recent.push_many(video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
+            return recent
         num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
@@ -195,8 +210,9 @@ class VideoQA:
 
     def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
-               kv_cache_dtype: str | None = None) -> Stream:
+               kv_cache_dtype: str | None = None) -> Stream | RecentFrames:
         """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
+        Under ``simplestream``: a `RecentFrames`, which keeps the last N frames and no cache.
 
         max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
         vision_batch: frames vision-encoded together (default 1: each frame is encoded as it is pushed; with
@@ -205,6 +221,8 @@ class VideoQA:
         kv_cache_dtype: how the stream stores its detailed cache, ``"int8"``, ``"int4"`` or ``"auto"`` (the
             model's dtype) (default: the VideoQA's).
         """
+        if self.recent_window is not None:
+            return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
         return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
                       reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype).start()
 
@@ -224,9 +242,28 @@ class VideoQA:
         check_bool(return_exceptions, "return_exceptions")
         for item in items if isinstance(items, Sequence) else ():
             stream = item[0] if isinstance(item, (tuple, list)) and item else None
-            if isinstance(stream, Stream) and stream.qa is not self:
+            if isinstance(stream, (Stream, RecentFrames)) and stream.qa is not self:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
-        return push_together(self.step_scheduler, list(items), return_exceptions=return_exceptions)
+        items = list(items)
+        recent = [i for i, item in enumerate(items) if isinstance(item, (tuple, list)) and item
+                  and isinstance(item[0], RecentFrames)]
+        if not recent:
+            return push_together(self.step_scheduler, items, return_exceptions=return_exceptions)
+        results: list[bool | Exception] = [False] * len(items)  # a simplestream stream encodes nothing: push alone
+        for i in recent:
+            try:
+                results[i] = items[i][0].push(*items[i][1:])
+            except StateKVError as error:
+                results[i] = error
+        others = [i for i in range(len(items)) if i not in set(recent)]
+        for i, result in zip(others, push_together(self.step_scheduler, [items[i] for i in others],
+                                                   return_exceptions=True), strict=True):
+            results[i] = result
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
 
     def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int:

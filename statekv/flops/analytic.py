@@ -53,12 +53,14 @@ class Method:
         frames: the recency window ``R`` in frames, for window-sized methods; a family with several frames per
             step (Qwen3-VL: 2) carries ``ceil(R / frames_per_step)`` steps, as the engine and evaluation do.
         sinks: ReKV's attention-sink tokens (default: the registry's).
+        window: SimpleStream's N, the last frames each question is answered from (encoded afresh with it).
     """
 
     kind: str
     budget: int | None = None
     frames: int | None = None
     sinks: int | None = None
+    window: int | None = None
 
     def __post_init__(self) -> None:
         spec = method_spec(self.kind)

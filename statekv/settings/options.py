@@ -65,6 +65,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
     method_size("budget", "B", "statekv, keynorm: tokens carried per layer and KV head (default: %(default)s)"),
     method_size("frames", "R", "recency, rekv: the window of frames carried (default: %(default)s)"),
     method_size("sinks", "N", "rekv: attention-sink tokens kept after the prompt prefix (default: %(default)s)"),
+    method_size("window", "N", "simplestream: each question sees the last N frames only, encoded afresh with it "
+                "(default: %(default)s)"),
     Setting("retrieve", None, POSITIVE.optional, "answer from the K frames per layer that best match the question "
             "(default: the whole detailed cache; rekv: 64)", "K"),
     Setting("retrieval", None, one_of(lambda: tuple(RETRIEVAL_RULES), lambda value, _: retrieval_rule(value)).optional,
@@ -123,7 +125,7 @@ class ModelOptions:
 
     @property
     def settings(self) -> MethodSettings:
-        return MethodSettings(budget=self.budget, frames=self.frames, sinks=self.sinks)
+        return MethodSettings(**{size.name: getattr(self, size.name) for size in fields(MethodSettings)})
 
     @property
     def label(self) -> str:
