@@ -170,19 +170,19 @@ def _print_held_out(model, builtin, videos, questions, scored, growths, families
     print(f"videos: {len(videos)} held-out synthetic videos (96 s each, one picture per second, never trained on), "
           f"{len(questions)} questions; the last 16 s of each show nothing a question asks about\n")
     width = 22
-    print("accuracy".ljust(24) + "".join(run.label.ljust(width) for run in scored))
+    print(("accuracy".ljust(24) + "".join(run.label.ljust(width) for run in scored)).rstrip())
     overall = ""
     for run in scored:
         low, high = wilson(run.correct, len(run.answers))
         overall += f"{100 * run.correct / len(run.answers):.0f}% [{100 * low:.0f}, {100 * high:.0f}]".ljust(width)
-    print(f"all {len(questions)} questions".ljust(24) + overall)
+    print((f"all {len(questions)} questions".ljust(24) + overall).rstrip())
     same = []
     for family in families:
         counts = [run.family(family) for run in scored]
         if len({correct for correct, _ in counts}) == 1:
             same.append(f"{family} {counts[0][0]}/{counts[0][1]}")
             continue
-        print(f"  {family}".ljust(24) + "".join(f"{c}/{n}".ljust(width) for c, n in counts))
+        print((f"  {family}".ljust(24) + "".join(f"{c}/{n}".ljust(width) for c, n in counts)).rstrip())
     if same:
         print(f"  (the same under every method: {', '.join(same)})")
     print("(95% Wilson intervals; chance is 25%)\n")
@@ -191,7 +191,8 @@ def _print_held_out(model, builtin, videos, questions, scored, growths, families
     print(f"one stream of {len(growth.tokens)} frames ({min(GROWTH_VIDEOS, len(videos))} of the videos back to "
           "back), frame after frame:")
     names = ["full" if g.method == "full" else g.label.split(" ")[0] for g in growths]
-    print(f"{'':<10}{'tokens':>7}   {'carried state: tokens | KiB':^{15 * len(growths)}}   {'ms per frame':^{9 * len(growths)}}")
+    print(f"{'':<10}{'tokens':>7}   {'carried state: tokens | KiB':^{15 * len(growths)}}   "
+          f"{'ms per frame':^{9 * len(growths)}}".rstrip())
     header = (f"{'frames':<10}{'seen':>7}   " + "".join(f"{name:>15}" for name in names) + "   "
               + "".join(f"{name:>9}" for name in names))
     print(header + "\n" + "-" * len(header))

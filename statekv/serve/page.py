@@ -108,10 +108,10 @@ def mount_page(app: FastAPI, service: Any) -> None:
         ui.add_body_html(PAGE_SCRIPT)
         StreamPage(service, Path(service.config.state_dir) / "uploads").build()
 
-    with warnings.catch_warnings():  # NiceGUI looks through every live object for a server, torch's deprecated ones too
-        warnings.simplefilter("ignore", FutureWarning)
-        ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False, reconnect_timeout=10.0,
-                    storage_secret=None)
+    # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
+    ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False, reconnect_timeout=10.0,
+                storage_secret=None)
 
 
 class ErrorNote:
