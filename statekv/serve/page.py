@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from ..errors import StateKVError
 from .errors import ServiceError
+from .registry import frames_at_rate
 from .routes import MAX_QUESTION_CHARS, question_settings
 
 log = logging.getLogger("statekv.serve")
@@ -274,7 +275,7 @@ class StreamPage:
             try:
                 self.open(self.registry.get(self.owner, stream_id))
             except ServiceError:
-                self.remember()  # the stream is gone (deleted, or another key's)
+                self.close(f"The stream {stream_id} you had open was deleted (or belongs to another key).")
 
     async def use_key(self) -> None:
         key = (self.key_input.value or "").strip()
@@ -334,8 +335,8 @@ class StreamPage:
         with ui.dialog() as dialog, ui.card():
             ui.label(f"Delete the stream {entry.name} ({entry.stream.frames} frames) and its saved state?")
             with ui.row():
-                ui.button("delete", on_click=lambda: dialog.submit(True)).props("color=negative")
-                ui.button("keep", on_click=lambda: dialog.submit(False)).props("flat")
+                ui.button("delete it", on_click=lambda: dialog.submit(True)).props("color=negative")
+                ui.button("keep it", on_click=lambda: dialog.submit(False)).props("flat")
         if not await dialog:
             return
         if self.entry is entry:
@@ -383,12 +384,12 @@ class StreamPage:
         try:
             await event.file.save(path)
             video = await self.registry.open_source(path, name)
-            rate = (entry.max_fps if entry is not None else self.service.config.default_max_fps) or video.fps
-            frames = min(video.num_frames, int(video.duration * rate) + 1)
+            rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
+            frames = frames_at_rate(video, rate)
             room = (entry.horizon_frames - entry.stream.frames) if entry is not None else \
                 self.registry.default_horizon_frames
             if frames > room:
-                raise ServiceError(409, f"{name} gives about {frames} frames at {rate:g} per second, more than the "
+                raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "
                                    f"{room} {'left in this stream' if entry else 'a stream of this model holds'}")
             if entry is not None and entry.feeding:
                 raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done")

@@ -292,8 +292,7 @@ class StreamRegistry:
         if video is None:
             video = await self.open_source(path, shown)
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        total = min(video.num_frames, math.floor(video.duration * rate + 1e-9) + 1) if entry.max_fps else video.num_frames
-        entry.feed = feed = Feed(shown, total)
+        entry.feed = feed = Feed(shown, frames_at_rate(video, entry.max_fps))
         try:
             async with entry.lock:
                 if start is None:
@@ -423,6 +422,13 @@ class StreamRegistry:
         return StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                            data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                            answers=answers)
+
+
+def frames_at_rate(video: Any, max_fps: float | None) -> int:
+    """About how many frames a video file gives at ``max_fps`` (None: all), from its length: one per tick."""
+    if max_fps is None:
+        return video.num_frames
+    return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
 
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
