@@ -59,7 +59,10 @@ def parse_with_cli(argv: list[str]) -> None:
     from statekv.cli import build_parser
     from statekv.options import normalize_argv
 
-    build_parser().parse_args(normalize_argv(argv))  # a drifted flag exits here
+    try:
+        build_parser().parse_args(normalize_argv(argv))  # a drifted flag exits here, with status 2
+    except SystemExit as exit:
+        assert exit.code == 0 and "--help" in argv, f"statekv {shlex.join(argv)}: refused by the CLI"
 
 
 def check_pip_line(line: str) -> None:

@@ -257,6 +257,11 @@ def test_the_openai_client_works_unchanged(server, qa, media):
     reply = client.chat.completions.create(model="builtin", messages=messages, max_tokens=NEW_TOKENS)
     expected = qa.answer(_video(media), QUESTION, max_new_tokens=NEW_TOKENS)
     assert reply.choices[0].message.content == expected
+    with qa.encode(_video(media)) as encoded:  # usage: the tokens the answer read and generated
+        generated = encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS).shape[1]
+        read = encoded.tokens + qa.adapter.question_ids(QUESTION, encoded.state).shape[1]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (read, generated) and generated >= 1
+    assert reply.choices[0].finish_reason == ("length" if generated == NEW_TOKENS else "stop")
     chunks = client.chat.completions.create(model="builtin", messages=messages, max_tokens=NEW_TOKENS, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks).strip() == expected
 
@@ -372,7 +377,7 @@ def _refusal_in_the_docs() -> str:
 
 def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_stop_a_start(tmp_path, media):
     state = tmp_path / "state"
-    first = Server(state, media, keys=()).start()
+    first = Server(state, media, "--no-page", keys=()).start()
     try:
         key = re.search(r"API key (\S+) \(made for", first.printed()).group(1)
         assert f"/?key={key}" in first.printed()
@@ -384,7 +389,7 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
                         headers={"Content-Type": "image/png"}).raise_for_status()
     finally:
         first.stop()
-    again = Server(state, media, keys=()).start()  # the same folder, no key given: the made key is reused
+    again = Server(state, media, "--no-page", keys=()).start()  # the same folder, no key given: the made key is reused
     try:
         assert key not in again.printed() and "using the API key made for" in again.printed()
         with again.client(key) as client:
@@ -392,7 +397,7 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
         assert [(s["id"], s["frames"], s["state"]) for s in listed] == [(made_stream, 1, "ready")]
     finally:
         again.stop()
-    flagged = Server(state, media, keys=("flag-key",)).start()  # a key given: the made one stays valid too
+    flagged = Server(state, media, "--no-page", keys=("flag-key",)).start()  # a key given: the made one stays valid too
     try:
         with flagged.client(key) as client:
             assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [made_stream]
@@ -407,7 +412,7 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
                "--api-key", "flag-key"]
     refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode == 2 and refused.stderr.strip() == _refusal_in_the_docs(), refused.stderr
-    dropped = Server(state, media, "--drop-unowned-streams", keys=("flag-key",)).start()
+    dropped = Server(state, media, "--no-page", "--drop-unowned-streams", keys=("flag-key",)).start()
     try:
         with dropped.client("flag-key") as client:
             assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [flag_stream]
@@ -591,8 +596,7 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
                                    "document.querySelectorAll('.statekv-answer').length == 2", timeout=120_000)
             assert page.inner_text(".statekv-title") == "v0000.mp4" and f"stream={stream_id}" in page.url
             other.reload()
-            row = other.locator(".statekv-stream", has=other.locator(".statekv-stream-line:has-text('12 frames')"))
-            row.get_by_role("button", name="delete").click()
+            other.locator(f".statekv-stream-{stream_id}").get_by_role("button", name="delete").click()
             other.get_by_role("button", name="delete it").click()
             _shown(page, ".statekv-status:has-text('was deleted')")  # the first tab is told
         finally:

@@ -552,7 +552,8 @@ class StreamPage:
             self.rows = {}
             with self.list_box:
                 for entry in entries:
-                    with ui.card().classes("w-full p-2 statekv-stream").props("flat bordered") as card:
+                    with ui.card().classes(f"w-full p-2 statekv-stream statekv-stream-{entry.id}").props(
+                            "flat bordered") as card:
                         with ui.row().classes("w-full items-center no-wrap gap-1"):
                             name = ui.label(entry.name).classes("grow text-body2 ellipsis statekv-stream-name")
                             ui.button(icon="open_in_new", on_click=lambda e=entry: self.open(e)).props(
