@@ -51,11 +51,12 @@ class Service:
         self.metrics.ask_seconds.observe(seconds)
 
     def public(self, message: str) -> str:
-        """A message as a client may see it: paths under the state folder or the media root made relative."""
+        """A message as a client may see it: paths under the state folder or the media root made relative to
+        it (their absolute forms: a relative one says nothing of the server's layout)."""
         folders = [self.config.state_dir] + ([self.config.media_root] if self.config.media_root else [])
         replacements = {}
         for folder in folders:
-            for form in (str(folder), os.path.abspath(folder), os.path.realpath(folder)):
+            for form in (os.path.abspath(folder), os.path.realpath(folder)):
                 replacements[form.rstrip("/") + "/"] = ""
         return public_message(message, replacements)
 

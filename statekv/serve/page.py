@@ -487,7 +487,7 @@ class StreamPage:
         self.show_feed(info["feed"])
         self.show("frame", info["frames"], lambda _: self.show_frame(entry, info))
         self.show("chart", len(entry.history) and entry.history[-1]["tokens"], lambda _: self.show_chart(entry))
-        self.show("answers", (len(entry.answers), entry.answers[-1]["at"] if entry.answers else 0),
+        self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
                   lambda _: self.show_answers(entry))
 
     def show(self, what: str, value: Any, update) -> None:
