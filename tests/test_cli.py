@@ -75,13 +75,13 @@ def test_stream_asks_each_question_when_the_stream_reaches_its_time(files):
 
 def test_demo_runs_offline_on_its_built_in_model(files):
     env = {"STATEKV_CACHE": str(files["root"] / "cache")}
-    result = _run("demo", "--videos", "2", "--json", env=env)
+    result = _run("demo", "--videos", "1", "--json", env=env)  # tests/test_docs.py runs it as the README shows
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     rows = {row["method"]: row for row in document["rows"]}
-    assert document["builtin"] and set(rows) == {"full", "recency", "statekv"} and len(document["videos"]) == 2
+    assert document["builtin"] and set(rows) == {"full", "recency", "statekv"} and len(document["videos"]) == 1
     questions = document["questions"]
-    assert len(questions) == 12 and all(row["questions"] == 12 for row in rows.values())
+    assert len(questions) == 6 and all(row["questions"] == 6 for row in rows.values())
     for row in rows.values():  # every answer is checked against its question's truth
         truth = {q["qid"]: q["answer"] for q in questions}
         from statekv.eval.parsing import ranked_letter
@@ -89,17 +89,14 @@ def test_demo_runs_offline_on_its_built_in_model(files):
         assert row["correct"] == sum(ranked_letter(a["answer"]) == truth[a["qid"]] for a in row["answers"])
         assert sum(family["correct"] for family in row["families"].values()) == row["correct"]
         low, high = row["interval"]
-        assert low <= row["correct"] / 12 <= high
+        assert low <= row["correct"] / 6 <= high
     per_frame = 4  # Frame{i}: <img> visual token </img>
     stream = {run["method"]: run for run in document["stream"]}
-    assert all(len(run["tokens"]) == 192 for run in stream.values())  # the two videos back to back
+    assert all(len(run["tokens"]) == 96 for run in stream.values())
     assert stream["full"]["carried"] == stream["full"]["tokens"]  # every earlier token
     assert max(stream["recency"]["carried"]) == 16 * per_frame and max(stream["statekv"]["carried"]) == 64
     assert stream["statekv"]["carried"][-1] == 64 and stream["statekv"]["token_bytes"] > 0
     assert Path(document["plot"]).stat().st_size > 10_000
-    text = _run("demo", "--videos", "2", "--no-plot", env=env)  # the second run reuses the cached videos
-    assert text.returncode == 0 and "truth:" in text.stdout and "StateKV B=64" in text.stdout
-    assert "plot:" not in text.stdout and "carried state" in text.stdout
 
 
 # ---------------------------------------------------------------------------------------------------
