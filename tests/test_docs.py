@@ -89,7 +89,8 @@ stop_server() { if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; wa
 trap stop_server EXIT
 serve() {
   stop_server; SERVERS=$((SERVERS + 1)); local log="server-$SERVERS.log"
-  "$@" > "$log" 2>&1 & SERVER=$!
+  shift  # "statekv": the server runs as its own process (not a function in a subshell), so it can be stopped
+  "$STATEKV_PYTHON" -m statekv.cli "$@" > "$log" 2>&1 & SERVER=$!
   for _ in $(seq 1500); do
     if grep -q "ready (pid" "$log"; then
       if [ -z "${KEY:-}" ]; then export KEY=$(grep -o 'key=[^ ]*' "$log" | head -1 | cut -d= -f2); fi
