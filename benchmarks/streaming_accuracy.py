@@ -131,7 +131,7 @@ def answer_times(data: Path, videos: int) -> dict[Setting, list[list[float]]]:
     from statekv.eval.loaders import load_benchmark
     from statekv.eval.prompts import DEFAULT_PROTOCOL, generation_settings
     from statekv.eval.sharding import group_by_video
-    from statekv.pipeline import VideoQA
+    from statekv import VideoQA
 
     settings = generation_settings("synthetic")
     askers = {setting: Asker(VideoQA.from_pretrained("builtin", method=setting.method, **setting.options()),
@@ -146,7 +146,7 @@ def answer_times(data: Path, videos: int) -> dict[Setting, list[list[float]]]:
 
 def memory_per_hour(setting: Setting, video: Path) -> tuple[float, float]:
     """``(MB per stream-hour, MB held after the 96 frames)`` of ``setting``'s stream over ``video``'s frames."""
-    from statekv.pipeline import VideoQA
+    from statekv import VideoQA
     from statekv.video import open_video
 
     # placed on the model's device so the engine's device bytes count all of it (ReKV keeps its cache in host
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from statekv.options import ModelOptions
+    from statekv import ModelOptions
     from statekv.synthetic.benchmark import STREAMING_FILE, make_benchmark
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
