@@ -101,6 +101,7 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
             for s in evicted:
                 keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
                 assert not keys.any() and not values.any()
+        capped.close()  # one owner at a time
         resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)

@@ -28,6 +28,7 @@ from ..errors import HorizonError, InputError
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
+from ..stopping import whole
 from ..values import check_int
 from ..video import Frame
 
@@ -105,7 +106,14 @@ class EncodedVideo:
 
     def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
                    retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
-        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
+        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded). A
+        stopping signal waits for the answer (`statekv.stopping.whole`)."""
+        with whole():
+            return self._answer(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                                **generate_kwargs)
+
+    def _answer(self, question: str, *, max_new_tokens: int, retrieve: int | None | object,
+                retrieval: str | None, **generate_kwargs: Any) -> torch.Tensor:
         self.prefill.check_open()
         self.start()
         if self.state.frames == 0:
@@ -207,9 +215,10 @@ class EncodedVideo:
     @torch.no_grad()
     def _stream_chunk(self, chunk: Chunk) -> None:
         """Stream ``chunk`` (laid out after ``state``) on this thread, as a batch of one step."""
-        step = self.step_of(chunk)
-        step_alone(step.request)
-        self.record_step(step)
+        with whole():
+            step = self.step_of(chunk)
+            step_alone(step.request)
+            self.record_step(step)
 
     # -- the step protocol ------------------------------------------------------------------------------
     def plan_steps(self, groups: Sequence[Sequence[Frame]]) -> list[PreparedFrames]:

@@ -210,7 +210,8 @@ class VideoQA:
 
     def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
-               kv_cache_dtype: str | None = None) -> Stream | RecentFrames:
+               kv_cache_dtype: str | None = None, stream_id: str | None = None,
+               owner: str | None = None) -> Stream | RecentFrames:
         """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
         Under ``simplestream``: a `RecentFrames`, which keeps the last N frames and no cache.
 
@@ -220,11 +221,19 @@ class VideoQA:
         reserve_tokens: room for questions and answers after the stream (default: the VideoQA's).
         kv_cache_dtype: how the stream stores its detailed cache, ``"int8"``, ``"int4"`` or ``"auto"`` (the
             model's dtype) (default: the VideoQA's).
+        stream_id, owner: who the stream is (default: a new random id, no owner), recorded in its saved file and
+            disk-tier file set; `Stream.load` refuses a file of another id or owner when given them.
         """
         if self.recent_window is not None:
             return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
-        return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                      reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype).start()
+        stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
+                        reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype, stream_id=stream_id,
+                        owner=owner)
+        try:
+            return stream.start()
+        except BaseException:  # nothing half made is left holding its files
+            stream.close()
+            raise
 
     def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
                   return_exceptions: bool = False) -> list[bool | Exception]:
