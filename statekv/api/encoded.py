@@ -120,8 +120,10 @@ class EncodedVideo:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
-        prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         check_int(max_new_tokens, "max_new_tokens")
+        if retrieval is not None:  # checked whether or not this question retrieves
+            retrieval_rule(retrieval)
+        prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
         room = self.horizon - self.prefill.seen_tokens
         if prompt.input_ids.shape[1] + max_new_tokens > room:
@@ -134,9 +136,15 @@ class EncodedVideo:
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
-                                      retrieved_frames=None if retrieval is None else
-                                      retrieval.steps * self.adapter.frames_per_step)
+                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps))
         return answer
+
+    def retrievable(self, steps: int) -> int:
+        """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
+        no more steps than that, every frame it still holds (evicted ones read nothing)."""
+        evicted = set(self.prefill.evicted_steps)
+        held = [frames for step, frames in enumerate(self.step_frames) if frames and step not in evicted]
+        return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered

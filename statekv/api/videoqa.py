@@ -13,7 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -249,11 +249,13 @@ class VideoQA:
         and answers; hidden states within float rounding).
         """
         check_bool(return_exceptions, "return_exceptions")
-        for item in items if isinstance(items, Sequence) else ():
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise InputError(f"push_many takes a list of (stream, frame, seconds) items, got {type(items).__name__}")
+        items = list(items)  # a generator is checked as a list is, before anything is pushed
+        for item in items:
             stream = item[0] if isinstance(item, (tuple, list)) and item else None
             if isinstance(stream, (Stream, RecentFrames)) and stream.qa is not self:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
-        items = list(items)
         recent = [i for i, item in enumerate(items) if isinstance(item, (tuple, list)) and item
                   and isinstance(item[0], RecentFrames)]
         if not recent:

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, print_json, quiet_libraries
-from ..errors import OutputError
+from ..errors import ConfigurationError, OutputError
 from ..user_cache import cache_dir  # where the demo keeps its video
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 
@@ -23,6 +23,7 @@ DEMO_SET = "demo-synthetic-v2"
 DEMO_SEED = 0  # an evaluation seed: the demo video was never trained on
 BUILTIN_BUDGET, BUILTIN_WINDOW = 64, 16  # compute-matched: 16 frames of 4 tokens carry 64 tokens
 OTHER_BUDGET, OTHER_WINDOW = 256, 4
+DEFAULT_QUESTION = "What happens in this video?"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, metavar="M",
                         help="a checkpoint folder or hub id instead of the built-in model")
     parser.add_argument("--video", default=None, help="a video instead of the built-in synthetic one")
-    parser.add_argument("--question", default="What happens in this video?",
-                        help="the question to answer about --video (with --model or --video)")
+    parser.add_argument("--question", default=None,
+                        help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}); without "
+                             "--video the demo asks the built-in video's own questions")
     parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
                         help=f"StateKV budget in tokens (default: {BUILTIN_BUDGET} for the built-in model, "
                              f"else {OTHER_BUDGET})")
@@ -55,13 +57,22 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin import BUILTIN_NAME
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
+    if args.question is not None and args.video is None:
+        raise ConfigurationError("--question asks about --video; without --video the demo asks the built-in video's "
+                                 "own questions: give --video too, or leave --question out")
+    if args.question is not None and not args.question.strip():
+        raise ConfigurationError("--question is empty")
+    if args.video is not None:
+        from statekv.video import open_video
+
+        open_video(args.video)  # before the model loads
     quiet_libraries()
     model = args.model or BUILTIN_NAME
     builtin = model == BUILTIN_NAME
     budget = args.budget or (BUILTIN_BUDGET if builtin else OTHER_BUDGET)
     window = args.frames or (BUILTIN_WINDOW if builtin else OTHER_WINDOW)
     synthetic = args.video is None
-    video, questions = demo_set() if synthetic else (args.video, [{"question": args.question}])
+    video, questions = demo_set() if synthetic else (args.video, [{"question": args.question or DEFAULT_QUESTION}])
     loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
                                              trust_remote_code=args.trust_remote_code)
     settings = {"full": "exact", "recency": f"R={window}", "statekv": f"B={budget}"}
@@ -85,9 +96,11 @@ def demo_set() -> tuple[Path, list[dict]]:
     """The demo video (video 0 of the held-out set made with `DEMO_SEED`) and its questions (rows of the
     question file), written to the cache folder on first use."""
     from statekv.eval.annotations import read_table
+    from statekv.eval.loaders import load_synthetic
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
     folder = _cached(DEMO_SET, lambda path: make_benchmark(path, videos=1, seed=DEMO_SEED))
+    load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)
     rows = read_table(folder / QUESTIONS_FILE)
     return folder / rows[0]["video"], rows
 

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..video import open_video
 
     options = ModelOptions.from_args(args)
+    options.check_all_used()
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):

@@ -177,6 +177,11 @@ class StreamingPrefill:
         if self.keeper is not None:
             self.keeper.adopt()
 
+    @property
+    def evicted_steps(self) -> frozenset[int]:
+        """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
+        return frozenset(self.cache.evicted_steps)
+
     def resume(self, journal: Journaled) -> None:
         """Resume from this stream's disk tier (made with ``disk_tier=``) at the last step its ``journal``
         (:func:`statekv.core.disk.read_file_set`) vouches for, every step's checksum verified first; what the
@@ -194,13 +199,20 @@ class StreamingPrefill:
             self.cache.commit_host()
             self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
         except OutputError as error:
+            folder = self.disk.folder
             try:
-                resume(self.disk, read_file_set(self.disk.folder), self.cache, self.device, verify=False)
-            except Exception as failure:  # the files cannot be read back, or hold no step yet: nothing to continue from
+                journal = read_file_set(folder)
+                if journal.steps:
+                    resume(self.disk, journal, self.cache, self.device, verify=False)
+            except Exception as failure:  # the files cannot even be read back
                 self.close()
-                raise OutputError(f"{error}; the stream could not be restored ({failure}) and was closed; "
-                                  f"Stream.load({str(self.disk.folder)!r}) resumes it at its last durable "
-                                  "step") from None
+                reason = (str(failure).strip() or type(failure).__name__).splitlines()[0]
+                raise OutputError(f"{error}; the stream could not be restored ({reason}) and was closed; "
+                                  f"Stream.load({str(folder)!r}) resumes it at its last durable step") from None
+            if not journal.steps:  # its first step: there is no earlier state to go back to
+                self.close()
+                raise OutputError(f"{error}; this was the stream's first step, so nothing of it is kept: it was "
+                                  "closed; make it again") from None
             if self.keeper is not None:
                 self.keeper.adopt()
             raise OutputError(f"{error}; the step was not taken: the stream holds its {self.seen_tokens} tokens "
