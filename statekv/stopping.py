@@ -62,11 +62,6 @@ def request_stop(number: int, frame: object = None) -> None:
     raise _stop(number)
 
 
-def stop_requested() -> int | None:
-    """The signal waiting for the current `whole` region to end (None: none)."""
-    return _pending
-
-
 @contextlib.contextmanager
 def whole() -> Iterator[None]:
     """A region no stop cuts: a stopping signal received inside it is raised as it ends (also when it ends with

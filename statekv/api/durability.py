@@ -78,9 +78,10 @@ class Durability:
 
 
 def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *, stream_id: str | None = None,
-                  owner: str | None = None) -> Any:
+                  owner: str | None = None, engine: Any = None) -> Any:
     """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`): its lock
-    taken first (a file set another stream lives in is refused, naming it), then everything checked."""
+    taken first (a file set another stream lives in is refused, naming it), then everything checked, against
+    ``engine`` (default: the VideoQA's settings)."""
     read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")  # before a lock file is made
     setup = read_stream_setup(folder)
     check_ownership(folder, setup, stream_id, owner)
@@ -88,7 +89,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     try:
         journal = read_file_set(folder)
         check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
-                         allow_other_weights, qa.engine)
+                         allow_other_weights, qa.engine if engine is None else engine)
         geometry = cache_geometry(qa.adapter.model)
         made = journal.manifest.get("geometry")
         if made != geometry.to_dict():

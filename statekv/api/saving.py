@@ -65,11 +65,12 @@ def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
 def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
                 kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> Any:
     """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder."""
+    engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
     if Path(path).is_dir():
-        return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner)
+        return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
+                             engine=engine)
     metadata, tensors = read_verified(path)
     check_ownership(path, metadata, stream_id, owner)
-    engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
     check_same_setup(path, metadata, qa, allow_other_weights, engine)
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
     pending = _pending_images(path, tensors, metadata["pending"], set(cache))

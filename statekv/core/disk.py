@@ -557,7 +557,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             mapped = getattr(buffer, "mirror", buffer)
             shape = read_checked(Path(f"{mapped.paths[0]}.json"))
             try:
-                mapped.close()  # reopened as the journal says (also after a failed step: see restore)
+                mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
