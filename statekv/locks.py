@@ -49,7 +49,7 @@ class ExclusiveLock:
         path = Path(path)
         if fcntl is None:
             return cls(path, -1, False)
-        while True:
+        for _ in range(100):  # another owner may remove or replace the file between our open and our lock
             fd = _open(path, what, error)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,6 +62,8 @@ class ExclusiveLock:
             if _same_file(path, fd):  # not replaced or removed between the open and the lock
                 break
             os.close(fd)
+        else:
+            raise error(f"cannot lock {what}: it keeps being replaced")
         if holder is not None:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")
             text = f"{holder} (process {os.getpid()} on {socket.gethostname()}, since {stamp})"[:MAX_HOLDER_CHARS]
@@ -98,7 +100,7 @@ def describe_holder(path: Path, fd: int | None = None) -> str:
         note = note.decode("utf-8", "replace").strip().splitlines()
     except (OSError, ValueError):
         note = []
-    if note and note[0].strip() and not note[0].startswith(("\x00", "{")) and note[0].isprintable():
+    if note and note[0].strip() and note[0].isprintable():
         return note[0].strip()
     pid = _locking_pid(path)
     return f"process {pid} on {socket.gethostname()}" if pid is not None else "another process"

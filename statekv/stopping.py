@@ -90,7 +90,7 @@ def _leave(swapped: bool) -> int | None:
     """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet)."""
     global _depth, _pending
     _depth -= 1
-    if swapped:
+    if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if _depth:
         return None

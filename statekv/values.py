@@ -145,10 +145,12 @@ def check_output_dir(path: str | os.PathLike, name: str) -> Path:
 
 def _exists(path: Path, name: str, target: Path) -> bool:
     """Whether ``path`` exists; an `OutputError` for what can be neither used nor made there: a symbolic link loop,
-    a link to nothing, a name too long, a component that is not a folder or cannot be entered."""
+    a link to nothing, a name too long, a folder that cannot be entered."""
     try:
         os.stat(path)
         return True
+    except NotADirectoryError:  # a file on the way: said where a folder would have to be made
+        return False
     except FileNotFoundError:
         if os.path.lexists(path):
             raise OutputError(f"{name} {target}: {path} is a symbolic link to nothing") from None

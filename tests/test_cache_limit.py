@@ -164,7 +164,7 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
     cases = [(dict(max_cache_bytes=1 << 20, cache_limit="evict-oldest"), "needs the detailed cache offloaded"),
              (dict(offload=True, max_cache_bytes=1 << 20, cache_limit="evict-least-attended"),
               "needs attention scores"),
-             (dict(max_cache_bytes=0), "max_cache_bytes"), (dict(max_cache_bytes="20G"), "max_cache_bytes"),
+             (dict(max_cache_bytes=0), "max_cache_bytes"), (dict(max_cache_bytes="20 gigs"), "max_cache_bytes"),
              (dict(cache_limit="evict-oldest"), "needs max_cache_bytes"), (dict(cache_limit="drop"), "cache_limit")]
     for kwargs, needle in cases:
         with pytest.raises(ConfigurationError) as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -217,13 +218,21 @@ DESCRIPTION_EDITS = {
 }
 
 
+@pytest.fixture(scope="module")
+def file_set(adapter, tmp_path_factory):
+    """A closed disk-tier stream's folder (each test edits a copy)."""
+    stream = _pushed(_qa(adapter, offload="disk", offload_dir=tmp_path_factory.mktemp("sets")).stream(
+        horizon_frames=8, max_fps=1), 3)
+    stream.close()
+    return stream.prefill.disk.folder
+
+
 @pytest.mark.parametrize("case", DESCRIPTION_EDITS)
-def test_an_edited_description_of_a_file_set_is_refused(case, adapter, tmp_path):
+def test_an_edited_description_of_a_file_set_is_refused(case, adapter, file_set, tmp_path):
     name, change = DESCRIPTION_EDITS[case]
     qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
-    stream = _pushed(qa.stream(horizon_frames=8, max_fps=1), 3)
-    stream.close()
-    folder = stream.prefill.disk.folder
+    folder = Path(shutil.copytree(file_set, tmp_path / file_set.name))
+    Stream.load(folder, qa).close()  # the copy loads as it is
     _edit_json(folder / name, change)
     with pytest.raises(InputError) as error:
         Stream.load(folder, qa)
@@ -258,14 +267,23 @@ CLOCK_FORGERIES = {
 }
 
 
-@pytest.mark.parametrize("case", CLOCK_FORGERIES)
-def test_a_forged_push_clock_with_fresh_checksums_is_refused(case, adapter, tmp_path):
+@pytest.fixture(scope="module")
+def clocked(adapter, tmp_path_factory):
+    """A saved stream at max_fps 1 whose frames came every 0.75 s (some dropped between ticks)."""
     stream = _qa(adapter).stream(horizon_frames=8, max_fps=1)
     for index, frame in enumerate(_frames(6)):
-        stream.push(frame, index * 0.75)  # some frames dropped between ticks
-    path = _resigned(stream.save(tmp_path / "s.safetensors"), CLOCK_FORGERIES[case])
+        stream.push(frame, index * 0.75)
+    return stream.save(tmp_path_factory.mktemp("clocked") / "s.safetensors")
+
+
+@pytest.mark.parametrize("case", CLOCK_FORGERIES)
+def test_a_forged_push_clock_with_fresh_checksums_is_refused(case, adapter, clocked, tmp_path):
+    qa = _qa(adapter)
+    path = _resigned(Path(shutil.copy(clocked, tmp_path / "s.safetensors")), lambda metadata: None)
+    assert Stream.load(path, qa).frames == 4  # re-signed as it was, it loads: 4 of the 6 frames kept
+    path = _resigned(path, CLOCK_FORGERIES[case])
     with pytest.raises(InputError) as error:
-        Stream.load(path, stream.qa)
+        Stream.load(path, qa)
     assert "push clock does not hold" in _one_line(error)
 
 

@@ -23,7 +23,7 @@ from statekv.console import Stopped, signals_stop_like_ctrl_c
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
 
-STRESS_SECONDS = 5.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
+STRESS_SECONDS = 3.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
 MIN_TRIALS = 3
 
 
