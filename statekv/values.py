@@ -123,7 +123,7 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
     written); else an `OutputError` saying why: it is a folder, or no file can be created where it would go.
     Nothing is left behind by the check."""
     path = _given_path(path, name)
-    if str(path).endswith(os.sep) or path.is_dir():
+    if str(path).endswith(os.sep) or (_exists(path, name, path) and path.is_dir()):
         raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
     if path.exists() and not path.is_file():
         raise OutputError(f"{name} {path} is not a regular file")
@@ -137,10 +137,26 @@ def check_output_dir(path: str | os.PathLike, name: str) -> Path:
     """``path`` as a `Path` if it is, or can be made, a folder where files can be written; else an `OutputError`
     (it is a file, or nothing can be created there). Nothing is left behind by the check."""
     path = _given_path(path, name)
-    if path.exists() and not path.is_dir():
+    if _exists(path, name, path) and not path.is_dir():
         raise OutputError(f"{name} {path} exists and is not a folder")
     _check_creatable_in(path, name, path)
     return path
+
+
+def _exists(path: Path, name: str, target: Path) -> bool:
+    """Whether ``path`` exists; an `OutputError` for what can be neither used nor made there: a symbolic link loop,
+    a link to nothing, a name too long, a folder that cannot be entered."""
+    try:
+        os.stat(path)
+        return True
+    except NotADirectoryError:  # a file on the way: said where a folder would have to be made
+        return False
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise OutputError(f"{name} {target}: {path} is a symbolic link to nothing") from None
+        return False
+    except OSError as error:
+        raise OutputError(f"{name} {target}: {error.strerror or type(error).__name__} ({path})") from None
 
 
 def _given_path(path: str | os.PathLike, name: str) -> Path:
@@ -162,7 +178,7 @@ def _check_creatable_in(folder: Path, name: str, target: Path) -> None:
     """Whether files can be created in ``folder`` (or, while it does not exist, in its nearest existing parent):
     tried for real with a temporary file, since permissions alone do not tell (read-only mounts, root)."""
     existing = folder
-    while not existing.exists():
+    while not _exists(existing, name, target):
         if existing.parent == existing:
             break
         existing = existing.parent
@@ -411,7 +427,9 @@ BOOLEAN = Kind("bool", check_bool, boolean)
 TEXT = Kind("str", check_text, required_text)
 DTYPE = Kind("str", lambda value, name: check_dtype(value, name), required_text)
 DEVICE = Kind("str", check_device, required_text)
-BYTES = Kind("int", check_int, byte_size, BYTE_SIZE)  # a size in bytes; from text also 512M, 20G
+# a size in bytes; also as text (512M, 20G), in Python as on the command line (see `byte_size`)
+BYTES = Kind("int", lambda value, name: byte_size(value, name) if isinstance(value, str) else check_int(value, name),
+             byte_size, BYTE_SIZE)
 
 
 def _path_text(text: str) -> Path:

@@ -132,13 +132,18 @@ def saved_file(path: Path) -> dict:
 
 
 def file_set(folder: Path) -> dict:
-    """Every file of a disk-tier file set, by name (stream.json parsed)."""
+    """Every file of a disk-tier file set, by name (stream.json parsed), but what differs from run to run: the lock's
+    note of its holder, the stream's random id and the checksums over it."""
     import json
 
     files = {}
     for path in sorted(folder.iterdir()):
+        if path.name == "lock":
+            continue
         data = path.read_bytes()
-        files[path.name] = json.loads(data) if path.suffix == ".json" else data
+        if path.suffix == ".json":
+            data = {key: value for key, value in json.loads(data).items() if key not in ("stream_id", "checksum")}
+        files[path.name] = data
     return files
 
 

@@ -117,7 +117,7 @@ def querywindow():
     spec = statekv.register_method(MethodSpec(
         "querywindow", "keep what the step's last queries attend to", "budget",
         lambda settings, frames_per_step: statekv.WithSinks(QueryWindow(budget=settings.budget), settings.sinks),
-        at_most_budget, "QueryWindow"))
+        at_most_budget, "QueryWindow", also_uses=("sinks",)))  # what it reads besides its size: --sinks is taken
     yield spec
     METHODS.pop("querywindow")
 

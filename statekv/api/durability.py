@@ -15,13 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.disk import DiskTier, read_file_set
+from ..core.disk import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
 from ..core.prefill import cache_geometry
 from .stats import EncodingStats
 from ..errors import InputError
 from ..models import LayoutState
 from .stream_disk import SETUP, frames_lost, read_stream_setup
-from .stream_file import check_against_model, check_same_setup
+from .stream_file import check_against_model, check_ownership, check_same_setup
 from ..video import Frame
 
 log = logging.getLogger("statekv")
@@ -77,32 +77,42 @@ class Durability:
             self.pushed(frame)
 
 
-def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool) -> Any:
-    """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`)."""
-    journal = read_file_set(folder)
+def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *, stream_id: str | None = None,
+                  owner: str | None = None, engine: Any = None) -> Any:
+    """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`): its lock
+    taken first (a file set another stream lives in is refused, naming it), then everything checked, against
+    ``engine`` (default: the VideoQA's settings)."""
+    read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")  # before a lock file is made
     setup = read_stream_setup(folder)
-    check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
-                     allow_other_weights, qa.engine)
-    geometry = cache_geometry(qa.adapter.model)
-    made = journal.manifest.get("geometry")
-    if made != geometry.to_dict():
-        raise InputError(f"{folder}: made for a cache of {made}, but this model's is {geometry.to_dict()}")
-    if not journal.steps:
-        raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
-    last = journal.steps[-1]
-    if not isinstance(last.get("state"), dict):
-        raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
-    check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
-                                 "engine": setup["engine"], "max_fps": setup["max_fps"],
-                                 "prefix_tokens": setup["prefix_tokens"],
-                                 "cache": {"chunk_lengths": [r["tokens"] for r in journal.steps]},
-                                 "state": {"frames": last["state"].get("frames")}}, qa.adapter)
-    tier = DiskTier(folder, journal.manifest)
+    check_ownership(folder, setup, stream_id, owner)
+    lock = hold(folder, f"stream {setup['name'][:80]!r}")
+    try:
+        journal = read_file_set(folder)
+        check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
+                         allow_other_weights, qa.engine if engine is None else engine)
+        geometry = cache_geometry(qa.adapter.model)
+        made = journal.manifest.get("geometry")
+        if made != geometry.to_dict():
+            raise InputError(f"{folder}: made for a cache of {made}, but this model's is {geometry.to_dict()}")
+        if not journal.steps:
+            raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
+        last = journal.steps[-1]
+        if not isinstance(last.get("state"), dict):
+            raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
+        check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
+                                     "engine": setup["engine"], "max_fps": setup["max_fps"],
+                                     "prefix_tokens": setup["prefix_tokens"],
+                                     "cache": {"chunk_lengths": [r["tokens"] for r in journal.steps]},
+                                     "state": {"frames": last["state"].get("frames")}}, qa.adapter)
+        tier = DiskTier(folder, journal.manifest, lock)
+    except BaseException:
+        lock.release()
+        raise
     try:
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
                      prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
-                     disk_tier=tier)
+                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner)
     except BaseException:
         tier.close()
         raise

@@ -28,6 +28,7 @@ from ..errors import HorizonError, InputError
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
+from ..stopping import whole
 from ..values import check_int
 from ..video import Frame
 
@@ -105,15 +106,24 @@ class EncodedVideo:
 
     def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
                    retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
-        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded)."""
+        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded). A
+        stopping signal waits for the answer (`statekv.stopping.whole`)."""
+        with whole():
+            return self._answer(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                                **generate_kwargs)
+
+    def _answer(self, question: str, *, max_new_tokens: int, retrieve: int | None | object,
+                retrieval: str | None, **generate_kwargs: Any) -> torch.Tensor:
         self.prefill.check_open()
         self.start()
         if self.state.frames == 0:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
-        prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         check_int(max_new_tokens, "max_new_tokens")
+        if retrieval is not None:  # checked whether or not this question retrieves
+            retrieval_rule(retrieval)
+        prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
         room = self.horizon - self.prefill.seen_tokens
         if prompt.input_ids.shape[1] + max_new_tokens > room:
@@ -126,9 +136,15 @@ class EncodedVideo:
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
-                                      retrieved_frames=None if retrieval is None else
-                                      retrieval.steps * self.adapter.frames_per_step)
+                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps))
         return answer
+
+    def retrievable(self, steps: int) -> int:
+        """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
+        no more steps than that, every frame it still holds (evicted ones read nothing)."""
+        evicted = set(self.prefill.evicted_steps)
+        held = [frames for step, frames in enumerate(self.step_frames) if frames and step not in evicted]
+        return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered
@@ -207,9 +223,10 @@ class EncodedVideo:
     @torch.no_grad()
     def _stream_chunk(self, chunk: Chunk) -> None:
         """Stream ``chunk`` (laid out after ``state``) on this thread, as a batch of one step."""
-        step = self.step_of(chunk)
-        step_alone(step.request)
-        self.record_step(step)
+        with whole():
+            step = self.step_of(chunk)
+            step_alone(step.request)
+            self.record_step(step)
 
     # -- the step protocol ------------------------------------------------------------------------------
     def plan_steps(self, groups: Sequence[Sequence[Frame]]) -> list[PreparedFrames]:

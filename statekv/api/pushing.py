@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..steps.jobs import StepScheduler
+from ..stopping import whole
 from .stream import Stream
 
 
@@ -47,6 +48,11 @@ def _checked_item(item: Any) -> tuple:
 
 
 def _push_wave(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
+    with whole():  # a stopping signal waits for every stream's push of this wave
+        _push_streams(scheduler, items, wave, results)
+
+
+def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
     streams = sorted({id(items[index][0]): items[index][0] for index in wave}.values(), key=id)
     for stream in streams:  # one order for every caller: no two callers wait on each other's locks
         stream.lock.acquire()

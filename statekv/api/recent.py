@@ -22,6 +22,7 @@ from PIL import Image
 from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError, StateKVError
+from ..stopping import whole
 from ..values import check_int, check_number
 from ..video import Frame
 
@@ -68,16 +69,17 @@ class RecentFrames:
         if pixels.ndim != 3 or pixels.shape[-1] != 3 or pixels.dtype != np.uint8 or 0 in pixels.shape:
             raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {pixels.dtype} "
                              f"{list(pixels.shape)}")
-        self.pushed += 1
-        self._last_timestamp = timestamp
-        if self.max_fps is not None:
-            tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
-            if tick < self._next_tick:
-                return False
-            self._next_tick = tick + 1
-        self.recent.append(Frame(self.stats.frames, timestamp, pixels))
-        self.stats.frames += 1
-        return True
+        with whole():  # the frame is taken with its counts, or not at all
+            self.pushed += 1
+            self._last_timestamp = timestamp
+            if self.max_fps is not None:
+                tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
+                if tick < self._next_tick:
+                    return False
+                self._next_tick = tick + 1
+            self.recent.append(Frame(self.stats.frames, timestamp, pixels))
+            self.stats.frames += 1
+            return True
 
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""

@@ -18,22 +18,27 @@ from ..core.persistence import check_state_dict
 from ..core.prefill import cache_geometry
 from .durability import resume_stream
 from .stats import EncodingStats
-from ..errors import HorizonError, InputError
+from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
-from .stream_file import (FORMAT, FORMAT_VERSION, check_against_model, check_same_setup, check_values, model_identity,
-                          read_verified, weights_fingerprint, write_verified)
+from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
+                          check_values, model_identity, read_verified, weights_fingerprint, write_verified)
 from ..video import Frame
 
 
 def save_stream(stream: Any, path: str | Path) -> Path:
-    """Write ``stream`` (a `Stream` with something encoded) to ``path`` (see `Stream.save`)."""
-    stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
+    """Write ``stream`` (a `Stream` with something encoded) to ``path`` (see `Stream.save`); the stream is not
+    changed, whether the save succeeds or not."""
+    try:
+        stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
+    except OutputError as error:
+        raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
     tensors, cache_metadata = stream.prefill.state_dict()
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
     metadata = {
-        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name,
+        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, "stream_id": stream.id,
+        "owner_digest": stream.owner_digest,
         "model": {**model_identity(stream.qa), "weights": weights_fingerprint(stream.adapter.model)},
         "engine": engine_record(stream, offload=bool(stream.engine.offload)),
         "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
@@ -58,12 +63,14 @@ def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
 
 
 def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
-                kv_cache_dtype: str | None = None) -> Any:
+                kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> Any:
     """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder."""
-    if Path(path).is_dir():
-        return resume_stream(cls, Path(path), qa, allow_other_weights)
-    metadata, tensors = read_verified(path)
     engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+    if Path(path).is_dir():
+        return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
+                             engine=engine)
+    metadata, tensors = read_verified(path)
+    check_ownership(path, metadata, stream_id, owner)
     check_same_setup(path, metadata, qa, allow_other_weights, engine)
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
     pending = _pending_images(path, tensors, metadata["pending"], set(cache))
@@ -80,7 +87,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                     prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto")
+                     prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto",
+                     stream_id=metadata.get("stream_id"), owner=owner)
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None
     try:

@@ -35,22 +35,24 @@ import torch
 from PIL import Image
 
 from .encoded import EncodedVideo
-from ..errors import HorizonError, InputError
+from ..errors import HorizonError, InputError, OutputError
 from ..steps.jobs import StepJob
 from ..steps.overlap import check_vision_batch, steps_per_batch
+from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
-from .stream_file import model_identity, weights_fingerprint
+from .stream_file import check_stream_id, model_identity, new_stream_id, owner_digest, weights_fingerprint
 from ..values import check_bool, check_int, check_number
 from ..video import Frame
 
 
 def _one_at_a_time(method):
-    """Run ``method`` holding the stream's lock, so calls from different threads take turns."""
+    """Run ``method`` holding the stream's lock, so calls from different threads take turns, as one `whole`
+    region: a signal arriving meanwhile stops the program only once the call is done."""
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self.lock:
+        with whole(), self.lock:
             return method(self, *args, **kwargs)
 
     return locked
@@ -71,7 +73,8 @@ class Stream(EncodedVideo):
 
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
-    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns).
+    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns), ``id`` and
+    ``owner_digest`` (who it is, recorded in its files and checked when they are loaded).
 
     A push is `offer` (checks; a kept frame joins ``pending``), the encoding of a ready batch (`pending_job`, run
     by the `VideoQA`'s step scheduler, then `settle`), then `accept` (the push clock advances). `VideoQA.push_many`
@@ -82,11 +85,16 @@ class Stream(EncodedVideo):
 
     def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
-                 kv_cache_dtype: str | None = None, disk_tier: Any = None):
+                 kv_cache_dtype: str | None = None, disk_tier: Any = None, stream_id: str | None = None,
+                 owner: str | None = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
         it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
         detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
-        a disk-tier stream, its file set."""
+        a disk-tier stream, its file set. stream_id: the stream's id, recorded in its files (default: a new
+        random one). owner: who owns it (any text, e.g. an API key's id; its digest is recorded, `load` checks
+        it)."""
+        self.id = new_stream_id() if stream_id is None else check_stream_id(stream_id)
+        self.owner_digest = owner_digest(owner)
         check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
@@ -106,11 +114,15 @@ class Stream(EncodedVideo):
         self.last_timestamp: float | None = None
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         if disk_tier is None:  # a new file set: what `load` resumes it from
-            self.durability.describe(stream_setup(
-                name, {**model_identity(qa), "weights": weights_fingerprint(self.adapter.model)}, engine_record(self),
-                horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
-                prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
-                kv_cache_dtype=self.prefill.kv_cache_dtype))
+            try:
+                self.durability.describe(stream_setup(
+                    name, {**model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
+                    engine_record(self), horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
+                    prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
+                    kv_cache_dtype=self.prefill.kv_cache_dtype, stream_id=self.id, owner_digest=self.owner_digest))
+            except BaseException:
+                self.close()
+                raise
 
     @_one_at_a_time
     def start(self) -> "Stream":
@@ -151,8 +163,12 @@ class Stream(EncodedVideo):
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
-        self.pending.append(Frame(self.pushed, timestamp, np.array(pixels, copy=True)))
-        self.durability.pushed(self.pending[-1])
+        frame = Frame(self.pushed, timestamp, np.array(pixels, copy=True))
+        try:
+            self.durability.pushed(frame)  # journaled first: a frame is pending only once a crash would count it
+        except OutputError as error:
+            raise OutputError(f"{error}; the frame was not taken: the stream is as it was") from None
+        self.pending.append(frame)
         return Offer(True, timestamp, len(self.pending) == self.batch_frames)
 
     def accept(self, offer: Offer) -> None:
@@ -247,7 +263,7 @@ class Stream(EncodedVideo):
 
     @classmethod
     def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
-             kv_cache_dtype: str | None = None) -> "Stream":
+             kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> "Stream":
         """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with).
 
         The whole file is verified first (schema, every tensor's presence, dtype, shape and checksum, the model,
@@ -260,10 +276,19 @@ class Stream(EncodedVideo):
         ``path`` may also be the folder of a disk-tier stream's file set (``offload="disk"``), e.g. after its
         process was killed: the stream resumes in it from the last step whose data is durable, every step's
         checksum verified first, and ``frames_lost`` (also stated in one log line) counts the frames pushed
-        after that step. A damaged or foreign file set is refused with one line.
+        after that step. A damaged or foreign file set is refused with one line, and so is a file set another live
+        stream holds (naming it): the resumed stream holds its folder's lock until it is closed.
+
+        stream_id: refuse a file that is not this stream's (None: any). owner: refuse a file that is not this
+        owner's (None: a file saved with no owner). The stream keeps the id and owner it was saved with.
         """
         check_bool(allow_other_weights, "allow_other_weights")
-        return load_stream(cls, path, qa, allow_other_weights=allow_other_weights, kv_cache_dtype=kv_cache_dtype)
+        if stream_id is not None:
+            check_stream_id(stream_id)
+        owner_digest(owner)  # checked before any file is read
+        with whole():
+            return load_stream(cls, path, qa, allow_other_weights=allow_other_weights, kv_cache_dtype=kv_cache_dtype,
+                               stream_id=stream_id, owner=owner)
 
 
 def _rgb_array(image: Any) -> np.ndarray:

@@ -4,7 +4,8 @@ The file set itself (the layers' files, the journal, the carried-state slots) is
 stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix, the model
 (family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup
 against the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`), so a foreign file set is refused
-with one line before anything is built from it.
+with one line before anything is built from it; and who the stream is (its id and owner's digest). The file
+records the SHA-256 of its fields (`statekv.core.disk.read_checked`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from ..core.disk import read_description
 from ..errors import InputError
-from .stream_file import BOOLEAN, SETTINGS, TEXT, integer_check, number_check, optional_check, record_check
+from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
+                          record_check)
 
 FORMAT = "statekv-disk-stream"
 FORMAT_VERSION = 1
@@ -30,7 +32,7 @@ SCHEMA = record_check({
     "horizon": integer_check(1), "horizon_frames": integer_check(1),
     "max_fps": optional_check(number_check(positive=True)), "prefix_tokens": integer_check(0),
     "vision_batch": integer_check(1), "kv_cache_dtype": optional_check(TEXT),
-})
+}, optional=OWNERSHIP)
 
 
 def stream_setup(name: str, model: dict[str, Any], engine: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -50,5 +52,6 @@ def read_stream_setup(folder: str | Path) -> dict[str, Any]:
 
 def frames_lost(records: list[dict[str, Any]], pushed: int) -> int:
     """Frames pushed at or after index ``pushed`` according to the journal's ``push`` records: kept but not
-    streamed when the process stopped."""
-    return sum(1 for record in records if isinstance(record.get("push"), int) and record["push"] >= pushed)
+    streamed when the process stopped (a frame journaled twice, as after a push that failed and was retried,
+    counts once)."""
+    return len({record["push"] for record in records if isinstance(record.get("push"), int) and record["push"] >= pushed})

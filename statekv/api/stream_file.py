@@ -16,7 +16,18 @@ steps this model would have written), since checksums recomputed after an edit v
 hand-edited file is refused with one line before anything is built from it. Format 1 (written before verification
 existed) is refused with a message saying so.
 
-A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
+The push clock is checked against itself too: ``max_fps``, ``next_tick``, ``last_timestamp``, the pending frames'
+times and the frames kept must be what pushing at that rate leaves, and the layout state must be what the model
+starts a stream of that rate with. (Checksums are recomputable, so a field no other field is checked against can
+be forged: ``max_fps`` was one.)
+
+Who a stream is: ``stream_id`` (kept for its life, across saves and loads) and ``owner_digest`` (the SHA-256 of
+its owner's name, `owner_digest`; None: no owner), checked on load by `check_ownership`, so a file moved under
+another stream's name or owner is refused.
+
+A file is written to ``<name>.partial`` beside the target and renamed over it only once complete, under the
+exclusive lock of ``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is
+refused with one line naming the holder.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +48,8 @@ from safetensors.torch import save_file
 
 from ..core.settings import EngineSettings
 from .stats import EncodingStats
-from ..errors import InputError, OutputError
+from ..errors import ConfigurationError, InputError, OutputError
+from ..locks import ExclusiveLock
 from ..models import LayoutState
 from ..values import check_int, check_output_file
 
@@ -85,12 +98,23 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     partial = path.with_name(path.name + ".partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
+    lock = ExclusiveLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
+                                 error=OutputError, advice="wait for that save to end, or save elsewhere",
+                                 remove=True)
+    try:
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
         os.replace(partial, path)
     except (OSError, SafetensorError) as error:
-        partial.unlink(missing_ok=True)
-        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}") from None
+        partial.unlink(missing_ok=True)  # ours: the lock is held
+        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
+    finally:
+        lock.release()
     return path
+
+
+UNCHANGED = "nothing was written there (a file already there is as it was) and the stream is unchanged"
 
 
 def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -169,6 +193,30 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
                 or (previous is not None and (index <= previous[0] or timestamp < previous[1]))):
             raise InputError(f"{path}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
                              f"frame pushed in order before the last timestamp {last}")
+    check_clock(path, metadata)
+
+
+def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
+    """The push clock as pushing leaves it: without ``max_fps`` every frame pushed is kept and ``next_tick`` stays
+    0; at ``max_fps`` every kept frame has a tick (``floor(seconds * max_fps)``) of its own, the pending ones in
+    increasing order, and ``next_tick`` follows the tick of the last frame pushed."""
+    fps, tick, last, pushed = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"], metadata["pushed"]
+    kept = metadata["state"]["frames"] + len(metadata["pending"])
+    clock = f"max_fps {fps}, next_tick {tick}, last_timestamp {last}, {pushed} pushed and {kept} kept"
+    if fps is None:
+        expected = 0
+        if kept != pushed:
+            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): without "
+                             "max_fps every frame pushed is kept")
+    else:
+        expected = 0 if last is None else math.floor(last * fps + 1e-9) + 1
+        ticks = [math.floor(seconds * fps + 1e-9) for _, seconds in metadata["pending"]]
+        if kept > expected or any(b <= a for a, b in zip(ticks, ticks[1:])) or (ticks and ticks[-1] >= expected):
+            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): at max_fps "
+                             "each kept frame has a tick of its own")
+    if tick != expected:
+        raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): next_tick "
+                         f"would be {expected}")
 
 
 def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
@@ -182,6 +230,12 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
                          f"{reserve} for this model")
     state = adapter.start(metadata["horizon_frames"], metadata["max_fps"])
+    saved = metadata["state"].get("extra")
+    for key, value in state.extra.items() if saved is not None else ():
+        if saved.get(key) != value:  # what a stream of these frames at this rate starts with (Eagle states its rate)
+            raise InputError(f"{path}: malformed stream metadata: state.extra.{key} is {saved.get(key)!r}, but this "
+                             f"model starts a stream of {metadata['horizon_frames']} frames at max_fps "
+                             f"{metadata['max_fps']} with {value!r}")
     prefix = adapter.prefix(state)
     expected_prefix = 0 if prefix is None else prefix.num_tokens
     if metadata["prefix_tokens"] != expected_prefix:
@@ -298,6 +352,8 @@ def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
 
 TEXT = type_check(str, "a string")
 BOOLEAN = type_check(bool, "true or false")
+# who a stream is: its id and its owner's digest (files saved before they were recorded lack them)
+OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT)}
 # the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
 SETTINGS = type_check(dict, "an object")
 
@@ -320,7 +376,7 @@ SCHEMA = record_check({
                      optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
                                "evicted_steps": list_check(integer_check(0))}),
     "checksums": type_check(dict, "an object"),
-})
+}, optional=OWNERSHIP)
 
 
 def check_schema(metadata: dict[str, Any], *, where: str) -> None:
@@ -352,6 +408,48 @@ def _check_counts(metadata: dict[str, Any]) -> None:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")
+
+
+# -- who a stream is -----------------------------------------------------------------------------------------------
+MAX_ID_CHARS = 200
+
+
+def new_stream_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_stream_id(value: Any, name: str = "stream_id") -> str:
+    """A stream's id: non-empty printable text of at most `MAX_ID_CHARS` characters."""
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise ConfigurationError(f"{name} must be non-empty printable text of at most {MAX_ID_CHARS} characters, "
+                                 f"got {value!r}"[:300])
+    return value
+
+
+def owner_digest(owner: str | None) -> str | None:
+    """What a saved stream records of its ``owner`` (any text naming who owns it, e.g. an API key's id): its SHA-256,
+    never the text itself. None: no owner."""
+    if owner is None:
+        return None
+    if not isinstance(owner, str) or not owner:
+        raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
+    return hashlib.sha256(f"statekv-owner:{owner}".encode()).hexdigest()
+
+
+def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id: str | None,
+                    owner: str | None) -> None:
+    """Refuse (one line) a saved stream that is not ``stream_id`` (None: any) or not ``owner``'s (None: one with no
+    owner); ``recorded``: its ``stream_id`` and ``owner_digest`` (absent in files saved before they were)."""
+    saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
+    if stream_id is not None and saved_id != check_stream_id(stream_id):
+        held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
+        raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
+    digest = owner_digest(owner)
+    if saved_owner != digest:
+        if digest is None:
+            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it")
+        raise InputError(f"{path}: the stream belongs to {'another owner' if saved_owner else 'no owner'}, not to the "
+                         "owner given")
 
 
 # -- the model and the engine a file was saved with ---------------------------------------------------------------

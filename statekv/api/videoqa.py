@@ -13,7 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -210,7 +210,8 @@ class VideoQA:
 
     def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
-               kv_cache_dtype: str | None = None) -> Stream | RecentFrames:
+               kv_cache_dtype: str | None = None, stream_id: str | None = None,
+               owner: str | None = None) -> Stream | RecentFrames:
         """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
         Under ``simplestream``: a `RecentFrames`, which keeps the last N frames and no cache.
 
@@ -220,11 +221,19 @@ class VideoQA:
         reserve_tokens: room for questions and answers after the stream (default: the VideoQA's).
         kv_cache_dtype: how the stream stores its detailed cache, ``"int8"``, ``"int4"`` or ``"auto"`` (the
             model's dtype) (default: the VideoQA's).
+        stream_id, owner: who the stream is (default: a new random id, no owner), recorded in its saved file and
+            disk-tier file set; `Stream.load` refuses a file of another id or owner when given them.
         """
         if self.recent_window is not None:
             return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
-        return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                      reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype).start()
+        stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
+                        reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype, stream_id=stream_id,
+                        owner=owner)
+        try:
+            return stream.start()
+        except BaseException:  # nothing half made is left holding its files
+            stream.close()
+            raise
 
     def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
                   return_exceptions: bool = False) -> list[bool | Exception]:
@@ -240,11 +249,13 @@ class VideoQA:
         and answers; hidden states within float rounding).
         """
         check_bool(return_exceptions, "return_exceptions")
-        for item in items if isinstance(items, Sequence) else ():
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise InputError(f"push_many takes a list of (stream, frame, seconds) items, got {type(items).__name__}")
+        items = list(items)  # a generator is checked as a list is, before anything is pushed
+        for item in items:
             stream = item[0] if isinstance(item, (tuple, list)) and item else None
             if isinstance(stream, (Stream, RecentFrames)) and stream.qa is not self:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
-        items = list(items)
         recent = [i for i, item in enumerate(items) if isinstance(item, (tuple, list)) and item
                   and isinstance(item[0], RecentFrames)]
         if not recent:

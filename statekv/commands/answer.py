@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
     options = ModelOptions.from_args(args)  # bad settings fail before the video is opened or the model loads
+    options.check_all_used()
     open_video(args.video)
     quiet_libraries()
     qa = VideoQA.from_options(options)

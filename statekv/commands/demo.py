@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, print_json, quiet_libraries
-from ..errors import OutputError
+from ..errors import ConfigurationError, OutputError
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 from .defaults import BUILTIN_WINDOW, builtin_budget
@@ -30,6 +30,7 @@ DEMO_VIDEOS = 12
 GROWTH_VIDEOS = 4  # videos fed back to back into the stream whose per-frame cost is shown
 OTHER_BUDGET, OTHER_WINDOW = 256, 4
 METHOD_NAMES = {"full": "full attention", "recency": "recency", "statekv": "StateKV"}
+DEFAULT_QUESTION = "What happens in this video?"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--videos", type=POSITIVE_INT, default=DEMO_VIDEOS, metavar="N",
                         help=f"held-out synthetic videos to answer about (default: {DEMO_VIDEOS})")
     parser.add_argument("--video", default=None, help="a video of your own instead of the synthetic ones")
-    parser.add_argument("--question", default="What happens in this video?",
-                        help="the question to answer about --video")
+    parser.add_argument("--question", default=None,
+                        help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}); without "
+                             "--video the demo asks the held-out videos' own questions")
     parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
                         help="StateKV budget in tokens (default: 64 for the built-in model, "
                              f"else {OTHER_BUDGET})")
@@ -68,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin import BUILTIN_NAME, is_builtin
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
+    if args.question is not None and args.video is None:
+        raise ConfigurationError("--question asks about --video; without --video the demo asks the held-out videos' "
+                                 "own questions: give --video too, or leave --question out")
+    if args.question is not None and not args.question.strip():
+        raise ConfigurationError("--question is empty")
+    if args.video is not None:
+        from statekv.video import open_video
+
+        open_video(args.video)  # before the model loads
     quiet_libraries()
     model = args.model or BUILTIN_NAME
     builtin = is_builtin(model)
@@ -119,9 +130,11 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
     """The first ``count`` videos of the held-out set made with `DEMO_SEED`, each with its questions (rows of the
     question file), written to the cache folder on first use (a larger ``count`` writes a larger set)."""
     from statekv.eval.annotations import read_table
+    from statekv.eval.loaders import load_synthetic
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
     folder = _cached(f"{DEMO_SET}-{count}", lambda path: make_benchmark(path, videos=count, seed=DEMO_SEED))
+    load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)
     rows = read_table(folder / QUESTIONS_FILE)
     videos: dict[str, list[dict]] = {}
     for row in rows:
@@ -130,11 +143,12 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
 
 
 def _own_video(args, loaded, methods: dict, model: str) -> int:
+    question = args.question or DEFAULT_QUESTION
     rows, answers = [], {}
     for method, (label, sizes) in methods.items():
         qa = loaded.with_options(method=method, **sizes)
         with qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames) as encoded:
-            answers[method] = encoded.ask(args.question, max_new_tokens=args.max_new_tokens)
+            answers[method] = encoded.ask(question, max_new_tokens=args.max_new_tokens)
             stats = encoded.stats
         quarter = max(1, len(stats.frame_seconds) // 4)
         rows.append({"method": method, "setting": label, "frames": stats.frames, "tokens": stats.tokens,
@@ -144,9 +158,9 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
                      "ms_per_frame_last_quarter": 1e3 * statistics.median(stats.frame_seconds[-quarter:]),
                      "answer": answers[method]})
     if args.json:
-        print_json({"model": model, "video": str(args.video), "question": args.question, "rows": rows})
+        print_json({"model": model, "video": str(args.video), "question": question, "rows": rows})
         return 0
-    print(f"model: {model}\nvideo: {args.video}\nquestion: {args.question}\n")
+    print(f"model: {model}\nvideo: {args.video}\nquestion: {question}\n")
     header = f"{'method':<20} {'frames':>6} {'tokens':>7} {'carried':>8} {'ms/frame, 1st 1/4':>18} {'last 1/4':>9}  answer"
     print(header + "\n" + "-" * len(header))
     for row in rows:

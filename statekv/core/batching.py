@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..errors import UnsupportedModelError
+from ..errors import OutputError, UnsupportedModelError
 from .cache import attend
 from .graphs import StepGraphs
 from .model_attention import share_language_attention
@@ -254,6 +254,12 @@ class StepBatcher:
                 hidden = run_rows(prefills, batch, graphs, inputs,
                                   [requests[index].durable_record for index, _ in members],
                                   replay=all(prefill.cuda_graph for prefill in prefills))
+            except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
+                self.batched_steps += 1
+                self.batched_rows += len(prefills)
+                for row, (index, _) in enumerate(members):
+                    outcomes[index] = partly.errors.get(row, partly.hidden[row:row + 1])
+                continue
             except Exception:
                 for prefill in prefills:  # every stream as it was; each retried on its own below
                     prefill.cache.rollback()
@@ -331,9 +337,27 @@ def run_rows(prefills: Sequence["StreamingPrefill"], cache: Cache, graphs: StepG
         if hidden is None:
             hidden = graphs.device_step(inputs)
     chunk_len = chunk_of(inputs).shape[1]
-    for prefill, record in zip(prefills, durable_records):
-        prefill.finish_step(chunk_len, started, carried_before, durable_record=record)
+    failed: dict[int, OutputError] = {}
+    for row, (prefill, record) in enumerate(zip(prefills, durable_records)):
+        try:
+            prefill.finish_step(chunk_len, started, carried_before, durable_record=record)
+        except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
+            failed[row] = error
+    if failed:
+        if len(prefills) == 1:
+            raise failed[0]
+        raise RowsFailed(failed, hidden)
     return hidden
+
+
+class RowsFailed(Exception):
+    """Raised by :func:`run_rows` when some streams of a batch could not finish their step (their disk tier could
+    not write it: each is restored as it was before the step); the others took it. ``errors`` by row, ``hidden``
+    ``[S, T, D]`` every row's hidden states."""
+
+    def __init__(self, errors: dict[int, Exception], hidden: torch.Tensor):
+        super().__init__(f"{len(errors)} of {hidden.shape[0]} streams could not finish their step")
+        self.errors, self.hidden = errors, hidden
 
 
 def batch_graphs(prefills: Sequence["StreamingPrefill"]) -> tuple[BatchCache, StepGraphs]:

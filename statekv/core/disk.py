@@ -17,12 +17,18 @@ written in turn, so the last journaled step's slot is intact whatever a kill int
 before the line that vouches for it: a process killed at any point leaves a file set whose last complete line
 names a state that can be resumed (`read_file_set`, `resume`), and anything after it counts as lost. Written data
 reaches the kernel at once (a kill loses none of it); `DiskTier.sync` forces it to the device.
+
+One owner: a `DiskTier` holds the exclusive lock of its folder (``lock``, `statekv.locks`) from the moment it is
+made or opened until it is closed, so a second opener is refused with one line naming the holder. Every
+descriptive file of the set (``manifest.json``, each layer file's ``.json``, the stream's ``stream.json``) records
+the SHA-256 of its own fields (``checksum``), checked whenever it is read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import math
 import os
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
+from ..locks import ExclusiveLock
 from . import persistence
 from .buffers import TokenBuffer
 from .storage import OffloadedStorage
@@ -44,6 +51,8 @@ FORMAT = "statekv-disk-cache"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
+LOCK = "lock"  # held by the one stream living in the file set
+CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -200,9 +209,13 @@ class MappedTokenBuffer:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    """Write ``data`` at ``offset``; an `OutputError` naming the reason (a full disk...) when it cannot be."""
+    try:
+        while len(data):
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
+    except OSError as error:
+        raise OutputError(f"cannot write the disk cache: {error.strerror or error}") from None
 
 
 class MirroredTokenBuffer(TokenBuffer):
@@ -269,7 +282,11 @@ class DiskTier:
     Create a new one with `create`; `open` adopts an existing one (resuming, after `read_file_set`).
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any]):
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: ExclusiveLock | None = None, *,
+                 holder: str = "a stream"):
+        """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
+        second opener)."""
+        self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
@@ -284,10 +301,15 @@ class DiskTier:
         folder = Path(offload_dir) / f"{safe}-{uuid.uuid4().hex[:8]}"
         try:
             folder.mkdir(parents=True)
-            _write_json(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
         except OSError as error:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        return cls(folder, manifest)
+        lock = hold(folder, f"stream {str(name)[:80]!r}")
+        try:
+            _write_json(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+        except OSError as error:
+            lock.release()
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+        return cls(folder, manifest, lock)
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
                 kv_cache_dtype: str | None = None) -> OffloadedStorage:
@@ -314,13 +336,28 @@ class DiskTier:
         return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
 
     def describe(self, name: str, fields: dict[str, Any]) -> None:
-        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically."""
-        _write_json(self.folder / f"{name}.json", fields)
+        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically; an
+        `OutputError` when it cannot be written."""
+        try:
+            _write_json(self.folder / f"{name}.json", fields)
+        except OSError as error:
+            raise OutputError(f"cannot describe the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one journal record (a JSON object) after its CRC-32."""
+        """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
+        disk) not at all."""
         text = json.dumps(record, separators=(",", ":"), allow_nan=False)
-        os.write(self._journal, f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        end = os.fstat(self._journal).st_size
+        try:
+            while len(data):
+                data = data[os.write(self._journal, data):]
+        except OSError as error:
+            try:
+                os.ftruncate(self._journal, end)  # no torn line for the next record to follow
+            except OSError:
+                pass
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
         """Journal step ``step`` (``tokens`` long), once its data is appended: its CRC, then the carried state of
@@ -332,7 +369,10 @@ class DiskTier:
                         for parts in carried for t in parts)
         slot = step % 2
         if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
-            self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+            try:
+                self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         _pwrite_all(self._slots[slot], memoryview(data), 0)
         lengths = {name: buffer.length for name, buffer in self._mapped(0)}
         self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot, "lengths": lengths,
@@ -368,12 +408,15 @@ class DiskTier:
         return crc
 
     def sync(self) -> None:
-        """Force everything written so far to the storage device."""
-        for layer in range(len(self.buffers)):
-            for _, buffer in self._mapped(layer):
-                buffer.sync()
-        for fd in (*self._slots, self._journal):
-            os.fsync(fd)
+        """Force everything written so far to the storage device (an `OutputError` when the device fails it)."""
+        try:
+            for layer in range(len(self.buffers)):
+                for _, buffer in self._mapped(layer):
+                    buffer.sync()
+            for fd in (*self._slots, self._journal):
+                os.fsync(fd)
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def truncate_journal(self, end: int) -> None:
         """Drop what the journal holds after byte ``end`` (resuming after the last durable step)."""
@@ -389,6 +432,7 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self._mapped(layer):
                 buffer.close()
+        self.lock.release()  # the files stay, for the next owner
 
 
 def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
@@ -398,24 +442,60 @@ def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
     return crc
 
 
+# -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
+def hold(folder: Path, holder: str) -> ExclusiveLock:
+    """The exclusive lock of the file set in ``folder`` for ``holder``; a one-line `InputError` naming whoever
+    holds it already."""
+    return ExclusiveLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
+                                 error=InputError)
+
+
+def _fields_sha256(fields: dict[str, Any]) -> str:
+    text = json.dumps({k: v for k, v in fields.items() if k != CHECKSUM}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _write_json(path: Path, fields: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(fields, allow_nan=False))
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False))
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def read_checked(path: Path) -> dict[str, Any]:
+    """The fields of a description written by this module (its ``checksum`` removed); a one-line `InputError`
+    naming the file when it is unreadable, not a JSON object, or its checksum does not match."""
+    try:
+        described = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} cannot be read") from None
+    if not isinstance(described, dict):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} is not a JSON object")
+    recorded = described.pop(CHECKSUM, None)
+    if recorded is None:
+        raise InputError(f"{path.parent}: {path.name} records no checksum (made by an earlier statekv, or edited); "
+                         "it cannot be verified")
+    if recorded != _fields_sha256(described):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} does not match its checksum")
+    return described
 
 
 def read_description(folder: Path, file: str, form: str, version: int, what: str) -> dict[str, Any]:
-    """The JSON object ``folder/file`` if it declares ``form`` at ``version``; a one-line `InputError` naming
-    ``what`` it is not otherwise."""
+    """The JSON object ``folder/file`` if it declares ``form`` at ``version`` and matches its checksum; a one-line
+    `InputError` naming ``what`` it is not otherwise."""
     try:
         described = json.loads((folder / file).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raise InputError(f"{folder}: not a {what} (no readable {file})") from None
     if not isinstance(described, dict) or described.get("format") != form:
         raise InputError(f"{folder}: not a {what}")
     if described.get("version") != version:
         raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads {version}")
-    return described
+    return read_checked(folder / file)
 
 
 def read_file_set(folder: str | os.PathLike) -> Journaled:
@@ -461,10 +541,11 @@ def _record(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device) -> None:
+def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True) -> None:
     """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) from the journal's last step:
-    every step's CRC is checked first (evicted steps excepted) and the last step's carried state; a one-line
-    `InputError` names the first damage. Nothing is rewritten: the files are adopted as they are."""
+    every step's CRC is checked first (evicted steps excepted; ``verify=False``: not, for a stream restoring the
+    files it has just written) and the last step's carried state; a one-line `InputError` names the first damage.
+    Nothing is rewritten: the files are adopted as they are."""
     where, steps = tier.folder, journal.steps
     last = steps[-1]
     lengths = [int(record["tokens"]) for record in steps]
@@ -474,15 +555,16 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
     for layer in range(len(tier.buffers)):
         for name, buffer in tier.buffers[layer].items():
             mapped = getattr(buffer, "mirror", buffer)
+            shape = read_checked(Path(f"{mapped.paths[0]}.json"))
             try:
-                shape = json.loads(Path(f"{mapped.paths[0]}.json").read_text())
+                mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None
     evicted, start = set(journal.evicted), 0
     for record, length in zip(steps, lengths):
-        if record["step"] not in evicted:
+        if verify and record["step"] not in evicted:
             crc = 0
             for layer in range(len(tier.buffers)):
                 for name, buffer in tier._mapped(layer):
@@ -541,4 +623,5 @@ def _carried_slot(where: Path, last: dict[str, Any], layers: int, tokens: int) -
     return carried
 
 
-__all__ = ["DiskTier", "Journaled", "MappedTokenBuffer", "MirroredTokenBuffer", "read_file_set", "resume"]
+__all__ = ["DiskTier", "Journaled", "MappedTokenBuffer", "MirroredTokenBuffer", "hold", "read_checked", "read_file_set",
+           "resume"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
+from ..errors import ConfigurationError, HorizonError, InputError, OutputError, StateKVError, UnsupportedModelError
 from ..values import check_int
 from . import rope as rotary
 from .generation_args import check_generation_arguments
@@ -28,7 +28,7 @@ from .attention import resolve_backend
 from .batching import StepRequest, device_step, step_alone
 from .cache import TwoStateCache
 from .decoding import Prompt, generate_from_cache
-from .disk import DiskTier, Journaled, resume
+from .disk import DiskTier, Journaled, read_file_set, resume
 from .graphs import StepGraphs
 from .limits import CacheKeeper, check_evicting_storage
 from .memory import CacheGeometry, check_cache_fits
@@ -177,6 +177,11 @@ class StreamingPrefill:
         if self.keeper is not None:
             self.keeper.adopt()
 
+    @property
+    def evicted_steps(self) -> frozenset[int]:
+        """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
+        return frozenset(self.cache.evicted_steps)
+
     def resume(self, journal: Journaled) -> None:
         """Resume from this stream's disk tier (made with ``disk_tier=``) at the last step its ``journal``
         (:func:`statekv.core.disk.read_file_set`) vouches for, every step's checksum verified first; what the
@@ -185,6 +190,33 @@ class StreamingPrefill:
         self.disk.truncate_journal(journal.end)
         if self.keeper is not None:
             self.keeper.adopt()
+
+    def commit_durably(self, chunk_len: int, durable_record: dict) -> None:
+        """On the disk tier, the host end of a step: its data appended and journaled. If the tier cannot write it
+        (a full disk, a folder made read-only), the step is not taken: the stream is restored as its journal's
+        last step left it (the state before this step), and an `OutputError` says so."""
+        try:
+            self.cache.commit_host()
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
+        except OutputError as error:
+            folder = self.disk.folder
+            try:
+                journal = read_file_set(folder)
+                if journal.steps:
+                    resume(self.disk, journal, self.cache, self.device, verify=False)
+            except Exception as failure:  # the files cannot even be read back
+                self.close()
+                reason = (str(failure).strip() or type(failure).__name__).splitlines()[0]
+                raise OutputError(f"{error}; the stream could not be restored ({reason}) and was closed; "
+                                  f"Stream.load({str(folder)!r}) resumes it at its last durable step") from None
+            if not journal.steps:  # its first step: there is no earlier state to go back to
+                self.close()
+                raise OutputError(f"{error}; this was the stream's first step, so nothing of it is kept: it was "
+                                  "closed; make it again") from None
+            if self.keeper is not None:
+                self.keeper.adopt()
+            raise OutputError(f"{error}; the step was not taken: the stream holds its {self.seen_tokens} tokens "
+                              "as before it") from None
 
     def journal_loaded(self, step_frames: list[int], record: dict) -> None:
         """On the disk tier, journal every step of the state just loaded (:meth:`load_state_dict`), so the file
@@ -251,9 +283,10 @@ class StreamingPrefill:
                     durable_record: dict | None = None) -> None:
         """Host end of a step whose device part succeeded: commit its lengths (journaled with
         ``durable_record`` on the disk tier) and record it."""
-        self.cache.commit_host()
-        if self.disk is not None:
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record or {})
+        if self.disk is None:
+            self.cache.commit_host()
+        else:
+            self.commit_durably(chunk_len, durable_record or {})
         overlap = None if carried_before is None else kept_fraction(carried_before, self.positions_snapshot())
         self.history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))

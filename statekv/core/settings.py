@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigurationError
-from ..values import BOOLEAN, BYTES, Kind, Setting, TEXT, boolean, check_choice, check_int, check_output_dir, \
-    one_of, settings_class
+from ..values import BOOLEAN, BYTES, Kind, Setting, TEXT, boolean, byte_size, check_choice, check_int, \
+    check_output_dir, one_of, settings_class
 from .attention import BACKENDS
 from .limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT, CacheLimit
 from .quantized import KV_CACHE_BITS, check_kv_cache_dtype
@@ -121,6 +121,8 @@ class EngineSettings:
         for setting in self.SETTINGS:
             setting.validate(getattr(self, setting.name))
         object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
+            object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
         check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
 
     @classmethod

@@ -261,6 +261,7 @@ def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_video
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
         require_fields(row, fields, where)
+        check_evidence(row, where)
         video_path = folder / str(row["video"])
         if check_videos and not video_path.is_file():
             raise MissingFileError(f"{where}: video not found: {video_path}")
@@ -271,6 +272,28 @@ def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_video
     if len({question.qid for question in questions}) != len(questions):
         raise AnnotationError(f"{source}: question ids repeat")
     return questions
+
+
+def check_evidence(row: dict[str, Any], where: str) -> None:
+    """A synthetic question's ``num_frames`` (the video's frames: a positive integer) and ``evidence_frames`` (the
+    frames that decide its answer: a non-empty list of distinct frame indices in ``[0, num_frames)``), when the
+    row has them (what `benchmarks/retrieval.py` and ``statekv demo`` read)."""
+    frames = row.get("num_frames")
+    if "num_frames" in row and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+        raise AnnotationError(f"{where}: field 'num_frames' must be a positive integer, got {str(frames)[:40]!r}")
+    if "evidence_frames" not in row:
+        return
+    evidence = row["evidence_frames"]
+    if not isinstance(evidence, list) or not evidence:
+        raise AnnotationError(f"{where}: field 'evidence_frames' must be a non-empty list of frame indices, got "
+                              f"{str(evidence)[:40]!r}")
+    limit = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
+    for frame in evidence:
+        if isinstance(frame, bool) or not isinstance(frame, int) or frame < 0 or (limit is not None and frame >= limit):
+            within = f" of the video's {limit}" if limit is not None else ""
+            raise AnnotationError(f"{where}: evidence_frames holds {str(frame)[:40]}, not a frame{within} (0-based)")
+    if len(set(evidence)) != len(evidence):
+        raise AnnotationError(f"{where}: evidence_frames names a frame twice")
 
 
 def synthetic_streaming_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool,

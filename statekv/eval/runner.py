@@ -50,7 +50,7 @@ from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, Res
                                   merge_rank_files, rank_file)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
-from statekv.errors import OutputError, VideoError
+from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.settings.options import ModelOptions
 from statekv.values import check_int, check_output_dir
 
@@ -237,9 +237,26 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         if not context.is_main:
             return None
         return finish(config, expected)
+    except OSError as error:
+        if isinstance(error, StateKVError) or not _in_folder(error, config.out):
+            raise
+        answered = len(completed_qids(config.out) & set(expected))
+        raise OutputError(f"cannot write the run folder {config.out} ({error.strerror or error}); the {answered} of "
+                          f"{len(expected)} answers written before are kept there: rerun the same command to resume "
+                          "once it can be written") from None
     finally:
         lock.release()
         context.close()
+
+
+def _in_folder(error: OSError, folder: Path) -> bool:
+    """Whether ``error`` came from writing in ``folder`` (an error without a file name: from an open one)."""
+    if error.filename is None:
+        return True
+    try:
+        return Path(os.path.abspath(error.filename)).is_relative_to(os.path.abspath(folder))
+    except (TypeError, ValueError):
+        return False
 
 
 def _lock_for_every_rank(lock: RunLock, context: RankContext) -> None:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from ..errors import ConfigurationError
 from .methods import MethodSettings, MethodSpec, method, method_names
 from ..values import (
     BOOLEAN,
@@ -32,6 +33,7 @@ from ..values import (
     TEXT,
     Option,
     Setting,
+    byte_size,
     one_of,
     parse_options,
     settings_class,
@@ -117,6 +119,8 @@ class ModelOptions:
     def __post_init__(self) -> None:
         for setting in self.SETTINGS:
             setting.validate(getattr(self, setting.name))
+        if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
+            object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
         check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
 
     @property
@@ -162,6 +166,23 @@ class ModelOptions:
         """The engine's settings these options name (offload: the method's default when not given)."""
         given = {setting.name: getattr(self, setting.name) for setting in self.ENGINE.SETTINGS}
         return self.ENGINE(**{**given, "offload": self.offloaded})
+
+    def unused(self) -> list[str]:
+        """The settings given values this setup never reads: a method's size other than its default for a method
+        that does not use it (``budget`` under ``recency``), a ``retrieval`` rule when nothing is retrieved."""
+        sizes = [size.name for size in fields(MethodSettings) if size.name not in self.spec.uses
+                 and getattr(self, size.name) != getattr(MethodSettings, size.name)]
+        return sizes + (["retrieval"] if self.retrieval is not None and self.retrieve_frames is None else [])
+
+    def check_all_used(self) -> None:
+        """Refuse (one line) what `unused` finds: on a command line, a flag that changes nothing is a mistake."""
+        for name in self.unused():
+            if name == "retrieval":
+                raise ConfigurationError(f"--retrieval {self.retrieval} picks the frames --retrieve answers from, and "
+                                         f"--method {self.method} retrieves none: give --retrieve K too")
+            uses = ", ".join(f"--{used}" for used in self.spec.uses) or "no size"
+            raise ConfigurationError(f"--{name} {getattr(self, name)} is not used by --method {self.method} (it "
+                                     f"takes {uses}); leave it out")
 
     def with_changes(self, **changes: Any) -> "ModelOptions":
         return replace(self, **changes)

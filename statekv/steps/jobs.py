@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.batching import StepBatcher, StepRequest
 from ..errors import StateKVError
+from ..stopping import whole
 from .overlap import EncodedStep, encode_batch
 from ..video import Frame
 
@@ -58,7 +59,12 @@ class StepJob:
 def stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
     """Stream every job's steps: frames planned per video, vision-encoded in one call for all videos (each video on
     its own if that call fails), then rounds of one step per video through ``batcher``. A job that fails stops
-    there with its ``error``; the others go on."""
+    there with its ``error``; the others go on. A stopping signal waits for the call to end (`whole`)."""
+    with whole():
+        _stream_jobs(jobs, batcher)
+
+
+def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
     planned = []
     for job in jobs:
         if job.encoded:
@@ -145,8 +151,9 @@ class StepScheduler:
 
     def run(self, jobs: Sequence[StepJob]) -> None:
         """Queue ``jobs`` and return once each is done (its ``error`` set if it failed), batched with whatever
-        other threads queue meanwhile."""
-        with self.changed:
+        other threads queue meanwhile. A stopping signal waits for the call to end (`whole`): a stop raised while
+        this thread holds the queue's condition would leave it unreleased, or another caller's job unfinished."""
+        with whole(), self.changed:
             self.queue.extend(jobs)
             while not all(job.done for job in jobs):
                 if self.running:
