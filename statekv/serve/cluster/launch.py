@@ -1,0 +1,61 @@
+"""``statekv serve --ray ADDRESS``: connect to a Ray cluster, run the service on it with Ray Serve until Ctrl-C or
+SIGTERM, then delete the application (each replica saves its streams and lets them go) and disconnect."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from ...errors import ConfigurationError
+from ..config import ServeConfig
+from .deployment import ClusterSettings, application
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at ``address`` (``auto``: the one this machine belongs to) as a driver."""
+    import ray
+
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, ValueError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigurationError(f"--ray {address}: cannot join a Ray cluster there ({reason}); start one with "
+                                 "`ray start --head` (or give the address of its head)") from None
+
+
+def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host: str, port: int,
+               ready: Callable[[str], None]) -> None:
+    """Serve on the cluster at ``address`` behind Ray Serve's HTTP proxies on ``host:port``; ``ready(url)`` is called
+    once every replica is up. Returns after Ctrl-C or SIGTERM, the application deleted."""
+    import ray
+    from ray import serve
+
+    if not 1 <= port <= 65535:
+        raise ConfigurationError(f"--port {port}: with --ray, give the port Ray Serve's proxies listen on")
+    connect(address)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(application(config, cluster), name=cluster.name, route_prefix="/")
+        except RuntimeError as error:
+            raise ConfigurationError(f"the replicas did not start on the Ray cluster: {str(error).splitlines()[0]}; "
+                                     "their logs are in the cluster's session folder") from None
+        shown = f"[{host}]" if ":" in host else host
+        ready(f"http://{shown}:{port}")
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
+        except Exception as error:  # noqa: BLE001 - the driver disconnects whatever happened
+            logging.getLogger("statekv.serve").error("deleting the application failed: %s", error)
+        finally:
+            ray.shutdown()
