@@ -43,7 +43,7 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def _start(args, state: Path) -> tuple[subprocess.Popen, str]:
+def _start(args, state: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -52,7 +52,7 @@ def _start(args, state: Path) -> tuple[subprocess.Popen, str]:
     if args.device:
         command += ["--device", args.device]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                               env={**(env or os.environ), "PYTHONPATH": str(Path(__file__).parents[1])})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

@@ -281,7 +281,7 @@ def test_the_deployment_options_follow_the_flags(tmp_path):
             ClusterSettings(**wrong)
 
 
-def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(tmp_path, capsys):
+def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(tmp_path, capsys, monkeypatch):
     from ray.serve._private.build_app import build_app
     from ray.serve.schema import ServeDeploySchema
 
@@ -309,5 +309,11 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
     schema = ServeDeploySchema.model_validate(yaml.safe_load(documented[0].split("```")[0]))
     application = schema.applications[0]
     assert application.import_path == "statekv.commands.serve:ray_app"
-    args = {**application.args, "state_dir": str(tmp_path / "documented")}
-    assert build_app(ray_app(args), name=application.name).deployments[0].name == "statekv"
+    for name, value in application.runtime_env["env_vars"].items():  # as the application's runtime_env sets them
+        monkeypatch.setenv(name, value)
+    args = {**application.args, "state_dir": str(tmp_path / "documented"), "media_root": str(tmp_path)}
+    documented = build_app(ray_app(args), name=application.name).deployments[0]
+    config, cluster = documented.init_args
+    assert documented.name == "statekv" and config.api_keys == ("replace-with-your-key",)
+    assert (cluster.replicas, cluster.max_replicas, cluster.scale_on) == (2, 8, "streams")
+    assert documented._deployment_config.autoscaling_config.max_replicas == 8

@@ -216,18 +216,23 @@ class StreamRegistry:
         try:
             self.files.claim(stream_id)
             self.files.write_record(entry.record())  # the creation is durable before it is answered
-        except OSError as error:
+        except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
+            self.files.release(stream_id)
+            if isinstance(error, StateKVError):
+                raise
             raise ServiceError(503, f"cannot record the stream in the state folder ({error.strerror or error})") from None
         self.entries[stream_id] = entry
         return entry
 
     async def delete(self, entry: StreamEntry) -> None:
-        entry.deleted = True
+        entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
-            self.entries.pop(entry.id, None)
-            await self.worker.run(entry.stream.close)
-            self.files.remove(entry.id)
+            try:
+                await self.worker.run(entry.stream.close)
+                self.files.remove(entry.id)
+            finally:
+                self.entries.pop(entry.id, None)
 
     def dismiss(self, entry: StreamEntry) -> None:
         """Forget why the stream's last feed failed (the page's "dismiss")."""

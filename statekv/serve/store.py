@@ -48,6 +48,9 @@ class StreamFiles:
     def claim(self, stream_id: str) -> None:
         """Make a new stream's files this server's to write (one server alone owns its folder: nothing to do)."""
 
+    def release(self, stream_id: str) -> None:
+        """Let another server write the stream's files (one server alone: nothing to do)."""
+
     def save_state(self, stream_id: str, write: Callable[[Path], Any]) -> None:
         """Save a stream's state: ``write(path)`` writes it (`statekv.Stream.save`, atomic itself)."""
         write(self.state_path(stream_id))

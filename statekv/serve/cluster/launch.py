@@ -37,8 +37,10 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
     connect(address)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    started = not _serve_running()
     try:
         serve.start(http_options={"host": host, "port": port})
+        host, port = _listening(host, port)
         try:
             serve.run(application(config, cluster), name=cluster.name, route_prefix="/")
         except RuntimeError as error:
@@ -55,7 +57,29 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
         signal.signal(signal.SIGTERM, previous)
         try:
             serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
+            if started:
+                serve.shutdown()  # Ray Serve was started here: leave the cluster as it was found
         except Exception as error:  # noqa: BLE001 - the driver disconnects whatever happened
-            logging.getLogger("statekv.serve").error("deleting the application failed: %s", error)
+            logging.getLogger("statekv.serve").error("stopping the application failed: %s", error)
         finally:
             ray.shutdown()
+
+
+def _serve_running() -> bool:
+    from ray.serve.context import _get_global_client  # Ray Serve's public API has no "is it running?"
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def _listening(host: str, port: int) -> tuple[str, int]:
+    """Where Ray Serve's proxies listen: ``host:port``, unless Ray Serve already ran on the cluster with other
+    HTTP options (they are kept; a note says so)."""
+    from ray.serve.context import _get_global_client  # the public API does not say where the proxies listen
+    from ray.serve.schema import ServeInstanceDetails
+
+    options = ServeInstanceDetails(**_get_global_client().get_serve_details()).http_options
+    if options is not None and (options.host, options.port) != (host, port):
+        print(f"statekv serve: Ray Serve already runs on this cluster with its proxies on {options.host}:"
+              f"{options.port}; --host/--port are not applied", flush=True)
+        return options.host, options.port
+    return host, port

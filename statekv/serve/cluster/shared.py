@@ -410,10 +410,7 @@ class SharedRegistry(StreamRegistry):
                     log.warning("lost the lease of stream %s to another replica; dropped here", stream_id)
                     await self._drop(entry)
                 continue
-            lock = self._taking.get(stream_id)
-            if entry is None and not (lock is not None and lock.locked()):
-                await asyncio.to_thread(self.files.release, stream_id)  # a creation that failed after its claim
-            elif entry is not None and lease.handoff and not entry.lock.locked() and not entry.feeding:
+            if entry is not None and lease.handoff and not entry.lock.locked() and not entry.feeding:
                 await self.hand_over(entry)
 
     async def hand_over(self, entry: StreamEntry) -> None:
