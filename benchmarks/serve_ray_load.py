@@ -31,11 +31,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402
-from serve_load import KEY, _client, _percentile, _start  # noqa: E402
+from serve_load import KEY, percentile, run_client, start_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = """
@@ -76,11 +75,11 @@ def _load(url: str, args, count: int) -> tuple[float, float, float, int]:
     """(aggregate frames/s, ask p50 ms, ask p99 ms, asks) of ``count`` clients at once."""
     started = time.perf_counter()
     with ThreadPoolExecutor(count) as pool:
-        results = list(pool.map(lambda seed: _client(url, seed, args.frames, args.ask_every, args.new_tokens),
+        results = list(pool.map(lambda seed: run_client(url, seed, args.frames, args.ask_every, args.new_tokens),
                                 range(1, count + 1)))
     wall = time.perf_counter() - started
     latencies = [value for result in results for value in result]
-    return (count * args.frames / wall, 1e3 * statistics.median(latencies), 1e3 * _percentile(latencies, 0.99),
+    return (count * args.frames / wall, 1e3 * statistics.median(latencies), 1e3 * percentile(latencies, 0.99),
             len(latencies))
 
 
@@ -107,9 +106,9 @@ def main() -> None:
         threads = str(max(1, int(args.replica_cpus)))
         alone = dict(os.environ, OMP_NUM_THREADS=threads, PYTHONPATH=str(REPO))
         with tempfile.TemporaryDirectory() as folder:
-            process, url = _start(args, Path(folder), alone)
+            process, url = start_server(args, Path(folder), alone)
             try:
-                _client(url, 0, args.ask_every, args.ask_every, args.new_tokens)  # warm-up
+                run_client(url, 0, args.ask_every, args.ask_every, args.new_tokens)  # warm-up
                 for count in args.streams:
                     rows.append(("alone", count, *_load(url, args, count)))
                     print(f"alone, {count:2d} streams: {rows[-1][2]:.1f} frames/s", flush=True)
@@ -122,7 +121,7 @@ def main() -> None:
                 process, url = _serve(args, env, address, replicas, Path(folder) / "state")
                 try:
                     with ThreadPoolExecutor(replicas) as pool:  # warm-up: a stream on every replica
-                        list(pool.map(lambda seed: _client(url, seed, args.ask_every, args.ask_every,
+                        list(pool.map(lambda seed: run_client(url, seed, args.ask_every, args.ask_every,
                                                            args.new_tokens), range(replicas)))
                     for count in args.streams:
                         rows.append((replicas, count, *_load(url, args, count)))

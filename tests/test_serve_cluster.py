@@ -7,8 +7,7 @@ file's). tests/test_serve_ray.py runs the whole on a real local Ray cluster."""
 from __future__ import annotations
 
 import asyncio
-import io
-import json
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -290,6 +289,14 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
 
     assert main(["serve", "--replicas", "2", "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
     assert "--replicas is for a Ray cluster: add --ray auto" in capsys.readouterr().err
+    assert main(["serve", "--ray", "auto", "--store", "nosuch://bucket", "--state-dir", str(tmp_path),
+                 "--api-key", "k"]) == 2
+    assert "--store nosuch://bucket: fsspec cannot open it" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nothing listens on: refused at once, not waited for
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert main(["serve", "--ray", address, "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
+    assert f"--ray {address}: no Ray cluster answers there" in capsys.readouterr().err
     built = build_app(ray_app({"state_dir": str(tmp_path), "api_key": ["k1", "k2"], "replicas": 2,
                                "lease_seconds": 4, "no_page": True}), name="statekv")
     deployment = built.deployments[0]

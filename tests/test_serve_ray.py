@@ -276,8 +276,8 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
                 try:
                     page = browser.new_page()
                     page.goto(f"{url}/?key={key}")
-                    page.wait_for_function(f"() => document.querySelectorAll('.statekv-stream').length == "
-                                           f"{len(listed)}", timeout=60_000)  # every stream of the key, on both replicas
+                    page.wait_for_function(  # every stream of the key, on both replicas
+                        f"() => document.querySelectorAll('.statekv-stream').length == {len(listed)}", timeout=60_000)
                     page.locator(f".statekv-stream-{elsewhere}").get_by_role("button", name="open").click()
                     page.wait_for_selector(f".statekv-stats:has-text('{half} frames ·')", timeout=60_000)
                     page.get_by_label("Question").fill(QUESTION)
@@ -297,8 +297,10 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         survivor = next(name for name in replicas if name != victim)
         pid = _replica_processes(state)[victim]
         acknowledged: dict[str, int] = {}
-        feeders = [threading.Thread(target=lambda stream_id=stream_id, seed=seed: acknowledged.__setitem__(
-            stream_id, owners[stream_id].feed(stream_id, _frames(seed), pause=0.2))) for stream_id, seed in seeds.items()]
+        def feed(stream_id: str, seed: int) -> None:
+            acknowledged[stream_id] = owners[stream_id].feed(stream_id, _frames(seed), pause=0.2)
+
+        feeders = [threading.Thread(target=feed, args=item) for item in seeds.items()]
         for feeder in feeders:
             feeder.start()
         time.sleep(0.5)

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="the folder server-side sources (JSON {\"source\": PATH}, file:// video URLs) may be "
                             "read from (default: none; server-side sources are refused)")
     group.add_argument("--max-streams", type=POSITIVE_INT, default=64, metavar="N",
-                       help="streams held at once, all keys together (default: 64)")
+                       help="streams held at once, all keys together; with --ray, by each replica (default: 64)")
     group.add_argument("--max-asks", type=POSITIVE_INT, default=32, metavar="N",
                        help="questions answered or waiting at once; more get 429 (default: 32)")
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -157,7 +157,13 @@ def cluster_settings(args: argparse.Namespace):
             raise ConfigurationError(f"--{given[0].replace('_', '-')} is for a Ray cluster: add --ray auto (or the "
                                      "cluster's address)")
         return None
-    from ..serve.cluster.deployment import ClusterSettings
+    try:
+        from ..serve.cluster.deployment import ClusterSettings
+    except ImportError as error:
+        raise ConfigurationError(f"--ray needs Ray Serve ({error.name or error} is missing): pip install -c "
+                                 "constraints.txt -e \".[ray]\"") from None
+    if args.store is not None:
+        _check_store(args.store)
 
     gpus = args.replica_gpus
     if gpus is None:
@@ -166,6 +172,16 @@ def cluster_settings(args: argparse.Namespace):
         replicas=args.replicas or 1, max_replicas=args.max_replicas, scale_on=args.scale_on or "streams",
         scale_target=args.scale_target, lease_seconds=args.lease_seconds or LEASE_SECONDS, store=args.store,
         replica_cpus=args.replica_cpus or 1.0, replica_gpus=gpus)
+
+
+def _check_store(url: str) -> None:
+    """``--store``: a URL fsspec can open (its filesystem's package installed)."""
+    try:
+        import fsspec
+
+        fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError, OSError) as error:
+        raise ConfigurationError(f"--store {url}: fsspec cannot open it ({str(error).splitlines()[0]})") from None
 
 
 def _run_on_ray(args: argparse.Namespace, config, cluster, key: str | None, key_note: str | None) -> int:

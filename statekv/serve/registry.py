@@ -221,7 +221,8 @@ class StreamRegistry:
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
-            raise ServiceError(503, f"cannot record the stream in the state folder ({error.strerror or error})") from None
+            raise ServiceError(503, "cannot record the stream in the state folder "
+                               f"({error.strerror or error})") from None
         self.entries[stream_id] = entry
         return entry
 

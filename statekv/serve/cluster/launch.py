@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable
 
@@ -12,11 +13,20 @@ from ...errors import ConfigurationError
 from ..config import ServeConfig
 from .deployment import ClusterSettings, application
 
+CONNECT_SECONDS = 5.0
+
 
 def connect(address: str) -> None:
     """Join the Ray cluster at ``address`` (``auto``: the one this machine belongs to) as a driver."""
     import ray
 
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and "://" not in address:  # a head's host:port: Ray would wait minutes for it
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+        except OSError as error:
+            raise ConfigurationError(f"--ray {address}: no Ray cluster answers there ({error.strerror or error}); "
+                                     "give the address of its head (ray start --head prints it)") from None
     try:
         ray.init(address=address, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as error:
