@@ -7,6 +7,7 @@ file's). tests/test_serve_ray.py runs the whole on a real local Ray cluster."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,7 +153,10 @@ def _frames(count: int) -> list[np.ndarray]:
     return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
 
 
-def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_lost(tmp_path, qa):
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_lost(tmp_path, qa, tier):
+    if tier == "disk":  # each replica's streams keep their detailed cache in file sets of its own folder
+        qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
     config = ServeConfig(options=qa.options, state_dir=tmp_path, save_every_frames=1000, max_streams=4)
     owner, frames = owner_of("key"), _frames(3)
 
@@ -181,6 +185,8 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
         await first.keep_leases()
         taken = await asyncio.wait_for(taking, 10)
         assert entry.moved and entry.id not in first.entries
+        if tier == "disk":  # the file set it had here is gone; the stream has a new one where it went
+            assert not entry.stream.durability.folder.exists() and taken.stream.durability.folder.exists()
         assert taken.replica == "second" and taken.stream.frames == 3 and taken.stream.pushed == 3
         answer = await second.ask(taken, QUESTION, 6, None)
         for registry in replicas:
@@ -194,6 +200,25 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
         assert answer["answer"] == alone.ask(QUESTION, max_new_tokens=6)
     assert [(line["event"], line["holder"], line["token"]) for line in history] == [
         ("taken", "first", 1), ("let go", "first", 1), ("taken", "second", 2)]
+
+
+def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(tmp_path):
+    from statekv.serve.cluster.board import FORGET_SECONDS, ReplicaBoard
+    from statekv.serve.cluster.deployment import own_tier
+
+    options = statekv.ModelOptions(model="builtin", offload="disk", offload_dir=str(tmp_path / "tier"))
+    config, root = own_tier(ServeConfig(options=options, state_dir=tmp_path), "abc")
+    assert config.options.offload_dir == str(tmp_path / "tier" / "abc") and root == tmp_path / "tier"
+    plain = ServeConfig(options=statekv.ModelOptions(model="builtin"), state_dir=tmp_path)
+    assert own_tier(plain, "abc") == (plain, None)
+    board, gone = ReplicaBoard(tmp_path, "live"), ReplicaBoard(tmp_path, "gone")
+    board.post(1, b"")
+    gone.post(2, b"")
+    assert [posted["replica"] for posted in board.replicas()] == ["gone", "live"] and board.forget_silent() == []
+    stale = json.loads(gone.path.read_text())
+    gone.path.write_text(json.dumps({**stale, "updated": stale["updated"] - FORGET_SECONDS - 1}))
+    assert [posted["replica"] for posted in board.replicas()] == ["live"]
+    assert board.forget_silent() == ["gone"] and not gone.path.exists()
 
 
 # -- the router, autoscaling, metrics ----------------------------------------------------------------------------

@@ -45,18 +45,26 @@ class ReplicaBoard:
                     "updated": time.time(), "streams": streams, "metrics": exposition.decode()}).encode())
 
     def replicas(self) -> list[dict[str, Any]]:
-        """Every replica that posted within `STALE_SECONDS`, by id (one silent for `FORGET_SECONDS` is removed)."""
+        """Every replica that posted within `STALE_SECONDS`, by id."""
+        return [posted for posted, age in self._posts() if age < STALE_SECONDS]
+
+    def forget_silent(self) -> list[str]:
+        """Remove the posts of replicas silent for `FORGET_SECONDS` (killed, their node gone); returns their ids."""
+        forgotten = []
+        for posted, age in self._posts():
+            if age > FORGET_SECONDS and posted.get("replica") not in (None, self.replica):
+                (self.folder / f"{posted['replica']}.json").unlink(missing_ok=True)
+                forgotten.append(posted["replica"])
+        return forgotten
+
+    def _posts(self) -> list[tuple[dict[str, Any], float]]:
         found, now = [], time.time()
         for path in sorted(self.folder.glob("*.json")):
             try:
                 posted = json.loads(path.read_text())
-                age = now - float(posted["updated"])
+                found.append((posted, now - float(posted["updated"])))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced, or removed at shutdown
-            if age < STALE_SECONDS:
-                found.append(posted)
-            elif age > FORGET_SECONDS:
-                path.unlink(missing_ok=True)
         return found
 
     def exposition(self, own: bytes) -> bytes:

@@ -100,7 +100,8 @@ class StreamReplica:
         quiet_libraries()
         logging.getLogger("statekv").setLevel(logging.INFO)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store)
+        config, tier_root = own_tier(config, replica)
+        self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root)
         self.service_app = create_app(config, hosting=self.hosting)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -115,6 +116,18 @@ class StreamReplica:
 
     def check_health(self) -> None:
         self.hosting.check()
+
+
+def own_tier(config: ServeConfig, replica: str) -> tuple[ServeConfig, Path | None]:
+    """With ``--offload disk``: the settings with the replica's own subfolder of ``--offload-dir`` for its
+    streams' file sets, and that folder's parent; otherwise the settings as they are and None."""
+    from dataclasses import replace
+
+    options = config.options
+    if options.offload != "disk":
+        return config, None
+    root = Path(options.offload_dir)
+    return replace(config, options=options.with_changes(offload_dir=str(root / replica))), root
 
 
 def application(config: ServeConfig, cluster: ClusterSettings) -> Any:

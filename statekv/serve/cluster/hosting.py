@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from ..app import Hosting
@@ -20,11 +22,13 @@ log = logging.getLogger("statekv.serve")
 
 class ReplicaHosting(Hosting):
     """Replica ``replica`` (its id among the deployment's replicas) over ``config.state_dir``; ``store``: an
-    fsspec URL for the saved streams (None: the state folder)."""
+    fsspec URL for the saved streams (None: the state folder); ``tier_root``: with ``--offload disk``, the
+    folder whose subfolder per replica holds its streams' disk-tier file sets (that of a replica gone from the
+    board is removed)."""
 
     def __init__(self, config: ServeConfig, replica: str, lease_seconds: float = LEASE_SECONDS,
-                 store: str | None = None):
-        self.replica = replica
+                 store: str | None = None, tier_root: Path | None = None):
+        self.replica, self.tier_root = replica, tier_root
         self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds), store)
         self.board = ReplicaBoard(config.state_dir, replica)
         self.check_seconds = min(1.0, lease_seconds / 5)
@@ -56,6 +60,9 @@ class ReplicaHosting(Hosting):
         while True:
             try:
                 await asyncio.to_thread(self.board.post, self.streams, service.metrics.exposition())
+                for gone in await asyncio.to_thread(self.board.forget_silent):
+                    if self.tier_root is not None:  # its streams came back elsewhere, from their saves
+                        await asyncio.to_thread(shutil.rmtree, self.tier_root / gone, True)
             except OSError as error:
                 log.error("cannot post to the replicas' board: %s", error)
             await asyncio.sleep(POST_SECONDS)

@@ -393,11 +393,6 @@ class SharedRegistry(StreamRegistry):
         lease = self.files.leases.peek(stream_id)
         return lease.holder if lease is not None and lease.live(self.files.leases.clock()) else None
 
-    async def delete(self, entry: Any) -> None:
-        if isinstance(entry, HeldElsewhere):
-            entry = await self.find(entry.owner, entry.id)
-        await super().delete(entry)
-
     # -- keeping and letting go ---------------------------------------------------------------------------------
     async def keep_leases(self) -> None:
         """One pass over the leases held: renew those due, drop streams whose lease was lost, and hand over those
@@ -429,10 +424,19 @@ class SharedRegistry(StreamRegistry):
             await asyncio.to_thread(self.files.release, entry.id)
             log.info("handed stream %s over", entry.id)
 
+    async def delete(self, entry: Any) -> None:
+        if isinstance(entry, HeldElsewhere):
+            entry = await self.find(entry.owner, entry.id)
+        await super().delete(entry)
+        _remove_tier(entry)
+
     async def _drop(self, entry: StreamEntry) -> None:
+        """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since
+        whoever holds it now loaded it from its save."""
         entry.moved = True
         self.entries.pop(entry.id, None)
         await self.worker.run(entry.stream.close)
+        _remove_tier(entry)
 
     def let_all_go(self) -> None:
         """At shutdown, once every stream is saved: release every lease, so the streams come back at once
@@ -442,6 +446,12 @@ class SharedRegistry(StreamRegistry):
                 self.files.release(stream_id)
             except (OSError, StateKVError) as error:
                 log.error("cannot release the lease of stream %s: %s", stream_id, error)
+
+
+def _remove_tier(entry: StreamEntry) -> None:
+    folder = getattr(getattr(entry.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sync(path: Path) -> None:
