@@ -318,8 +318,8 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         assert {holders[stream_id] for stream_id in seeds if stream_id not in moved} <= {survivor}
         resumed = [entry for client_ in (client, other) for entry in client_.resumed]
         assert {stream_id for stream_id, _, _ in resumed} == moved  # only the killed replica's streams were retried
-        for stream_id, acknowledged, resume_from in resumed:  # and lost at most their unsaved tail
-            assert 0 <= acknowledged - resume_from < SAVE_EVERY and resume_from % SAVE_EVERY == 0
+        for stream_id, acknowledged, resume_from in resumed:  # and lost at most their unsaved tail (a push cut
+            assert acknowledged - resume_from < SAVE_EVERY and resume_from % SAVE_EVERY == 0  # off may have landed)
 
         # -- nothing lost but the unsaved tail; no stream written by two replicas ------------------------------
         from statekv.serve.cluster.leases import Leases
