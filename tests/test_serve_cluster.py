@@ -163,7 +163,7 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
     async def scenario():
         replicas = []
         for name in ("first", "second"):
-            files = SharedStreamFiles(tmp_path, Leases(tmp_path, name, seconds=5))
+            files = SharedStreamFiles(tmp_path, Leases(tmp_path, name, seconds=60))  # no loop renews them here
             registry = SharedRegistry(config, qa, ModelWorker(), files)
             registry.metrics = Metrics(lambda: 0, lambda: 0)
             replicas.append(registry)

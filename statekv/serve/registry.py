@@ -261,8 +261,7 @@ class StreamRegistry:
         return self._after_push(entry, image, seconds, frames, entry.stream.push(image, seconds))
 
     def _before_push(self, entry: StreamEntry) -> int:
-        if entry.deleted:
-            raise ServiceError(404, f"no stream {entry.id!r}")
+        _check_here(entry)
         return entry.stream.frames
 
     def _after_push(self, entry: StreamEntry, image: Any, seconds: float | None, frames: int, kept: bool) -> bool:
@@ -365,6 +364,7 @@ class StreamRegistry:
     def _ask_now(entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer with the frames and the stream time it refers to (read on the model's thread, before any
         later push). A question that does not fit the room left in the stream's horizon is refused first."""
+        _check_here(entry)
         stream = entry.stream
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
@@ -459,6 +459,15 @@ def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
                            f"the {room} tokens kept for them; ask a shorter question")
     return prompt
+
+
+def _check_here(entry: StreamEntry) -> None:
+    """Refuse work on a stream deleted (404) or gone to another replica (503: the retry reaches it there) while
+    the request waited."""
+    if entry.deleted:
+        raise ServiceError(404, f"no stream {entry.id!r}")
+    if entry.moved:
+        raise ServiceError(503, f"stream {entry.id} moved to another replica; retry", headers={"Retry-After": "1"})
 
 
 def _next_time(entry: StreamEntry) -> float:

@@ -298,6 +298,7 @@ class SharedRegistry(StreamRegistry):
         self.replica = files.holder
         self._taking: dict[str, asyncio.Lock] = {}
         self._resumed: set[str] = set()  # streams taken after their replica stopped, not yet pushed to
+        self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
 
     def restore(self, owners: Any = None) -> int:
@@ -318,6 +319,12 @@ class SharedRegistry(StreamRegistry):
         """Bring a stream here: its lease (asking its holder to let it go, or waiting for the lease to lapse when
         the holder died), then its last save."""
         lock = self._taking.setdefault(stream_id, asyncio.Lock())
+        try:
+            await self._take_locked(stream_id, lock)
+        finally:
+            self._taking.pop(stream_id, None)  # whoever still waits holds the lock itself
+
+    async def _take_locked(self, stream_id: str, lock: asyncio.Lock) -> None:
         async with lock:
             if stream_id in self.entries:
                 return
@@ -339,7 +346,6 @@ class SharedRegistry(StreamRegistry):
                 self._resumed.add(stream_id)
             log.info("took stream %s (%d frames saved%s)", stream_id, entry.stream.pushed,
                      ", its replica having stopped" if lease.lapsed else "")
-        self._taking.pop(stream_id, None)
 
     async def _wait_for_lease(self, stream_id: str) -> Lease:
         deadline = time.monotonic() + self.files.leases.seconds + TAKE_MARGIN_SECONDS
@@ -405,11 +411,15 @@ class SharedRegistry(StreamRegistry):
                     log.warning("lost the lease of stream %s to another replica; dropped here", stream_id)
                     await self._drop(entry)
                 continue
-            if entry is not None and lease.handoff and not entry.lock.locked() and not entry.feeding:
-                await self.hand_over(entry)
+            if entry is not None and lease.handoff and not entry.feeding and stream_id not in self._handing:
+                # beside the pass: a long save must not hold up the other leases' renewals
+                task = asyncio.ensure_future(self.hand_over(entry))
+                self._handing[stream_id] = task
+                task.add_done_callback(lambda _, stream_id=stream_id: self._handing.pop(stream_id, None))
 
     async def hand_over(self, entry: StreamEntry) -> None:
-        """Save the stream and let it go, for the replica that asked for it (kept if the save fails)."""
+        """Save the stream and let it go, for the replica that asked for it (kept if the save fails), once the
+        request under way on it (a push, a question) is done."""
         async with entry.lock:
             if entry.deleted or entry.moved or entry.feeding:
                 return
