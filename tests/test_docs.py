@@ -99,9 +99,13 @@ def check_cluster_block(text: str, parsed: list[list[str]]) -> None:
         if stripped.startswith("pip install"):
             check_pip_line(stripped)
             continue
-        commands = [stripped] if not stripped.startswith("export ") else re.findall(r"\$\(([^)]*)\)", stripped)
+        if stripped.startswith("export "):  # only the values it computes with Ray's CLI are checked
+            commands = [found for found in re.findall(r"\$\(([^)]*)\)", stripped) if found.startswith("ray ")]
+        else:
+            commands = [stripped]
         for command in commands:
             argv = shlex.split(command, comments=True)
+            argv = argv[:argv.index(">")] if ">" in argv else argv  # where its output goes is the shell's business
             if argv[0] == "statekv":
                 parsed.append(argv[1:])
             else:
