@@ -36,14 +36,14 @@ KEY = "benchmark-key"
 QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
 
 
-def _png(seed: int) -> bytes:
+def png_frame(seed: int) -> bytes:
     image = np.random.default_rng(seed).integers(0, 256, (224, 224, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _start(args, state: Path) -> tuple[subprocess.Popen, str]:
+def start_server(args, state: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -52,7 +52,7 @@ def _start(args, state: Path) -> tuple[subprocess.Popen, str]:
     if args.device:
         command += ["--device", args.device]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                               env={**(env or os.environ), "PYTHONPATH": str(Path(__file__).parents[1])})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -64,12 +64,12 @@ def _start(args, state: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start")
 
 
-def _client(url: str, seed: int, frames: int, ask_every: int, new_tokens: int) -> list[float]:
+def run_client(url: str, seed: int, frames: int, ask_every: int, new_tokens: int) -> list[float]:
     latencies = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
         stream = client.post("/v1/streams", json={"horizon_frames": frames, "max_fps": None}).json()["id"]
         for index in range(frames):
-            client.post(f"/v1/streams/{stream}/frames?t={index}", content=_png(seed * 1000 + index),
+            client.post(f"/v1/streams/{stream}/frames?t={index}", content=png_frame(seed * 1000 + index),
                         headers={"Content-Type": "image/png"}).raise_for_status()
             if (index + 1) % ask_every == 0:
                 started = time.perf_counter()
@@ -80,7 +80,7 @@ def _client(url: str, seed: int, frames: int, ask_every: int, new_tokens: int) -
     return latencies
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
@@ -96,19 +96,19 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="markdown file whose 'Measured load' section is replaced")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as state:
-        process, url = _start(args, Path(state))
+        process, url = start_server(args, Path(state))
         try:
-            _client(url, 0, args.ask_every, args.ask_every, args.new_tokens)  # warm-up
+            run_client(url, 0, args.ask_every, args.ask_every, args.new_tokens)  # warm-up
             rows = []
             for count in args.streams:
                 started = time.perf_counter()
                 with ThreadPoolExecutor(count) as pool:
-                    results = list(pool.map(lambda seed: _client(url, seed, args.frames, args.ask_every,
+                    results = list(pool.map(lambda seed: run_client(url, seed, args.frames, args.ask_every,
                                                                   args.new_tokens), range(1, count + 1)))
                 wall = time.perf_counter() - started
                 latencies = [value for result in results for value in result]
                 rows.append((count, count * args.frames / wall, 1e3 * statistics.median(latencies),
-                             1e3 * _percentile(latencies, 0.99), len(latencies)))
+                             1e3 * percentile(latencies, 0.99), len(latencies)))
                 print(f"{count:2d} streams: {rows[-1][1]:.1f} frames/s, ask p50 {rows[-1][2]:.0f} ms, "
                       f"p99 {rows[-1][3]:.0f} ms ({len(latencies)} asks)", flush=True)
         finally:

@@ -4,9 +4,12 @@ built-in model, and README.md's commands (each parsed by the CLI's own parser; t
 docs/serving.md becomes one bash script: bash blocks as written (``statekv`` and ``python`` are this
 checkout's), python blocks as files run where they stand, ``statekv serve`` started in the background until it
 is ready (stopped before the next one), a comment line right after a command checked against its output (JSON
-compared as JSON). Only three things are not run as written: port 8000 becomes a free port, ``pip install``
-(what it installs is checked here instead), and a ``statekv serve`` of a checkpoint that must be downloaded
-(parsed with the CLI's own parser instead). Text blocks are output the server must print.
+compared as JSON). Only four things are not run as written: port 8000 becomes a free port, ``pip install``
+(what it installs is checked here instead), a ``statekv serve`` of a checkpoint that must be downloaded (parsed
+with the CLI's own parser instead), and the blocks for a cluster of several machines (``ray start``, ``serve run``,
+``statekv serve --ray``: each command parsed by its own CLI, Ray's or statekv's; tests/test_serve_ray.py runs
+``statekv serve --ray`` on a local cluster, and tests/test_serve_cluster.py builds the Serve config file, the
+yaml block). Text blocks are output the server must print.
 """
 
 from __future__ import annotations
@@ -63,6 +66,51 @@ def parse_with_cli(argv: list[str]) -> None:
         build_parser().parse_args(normalize_argv(argv))  # a drifted flag exits here, with status 2
     except SystemExit as exit:
         assert exit.code == 0 and "--help" in argv, f"statekv {shlex.join(argv)}: refused by the CLI"
+
+
+def parse_with_ray_cli(argv: list[str]) -> None:
+    """A ``ray ...`` or ``serve ...`` command, parsed by Ray's own CLI (click): a drifted option raises."""
+    import click
+
+    if argv[0] == "ray":
+        from ray.scripts.scripts import cli
+    else:
+        from ray.serve.scripts import cli
+    try:
+        context = cli.make_context(argv[0], list(argv[1:]))
+        name, command, rest = cli.resolve_command(context, list(argv[1:]))
+        command.make_context(name, rest, parent=context)
+    except click.UsageError as error:
+        raise AssertionError(f"{shlex.join(argv)}: refused by Ray's CLI ({error.format_message()})") from None
+
+
+def cluster_block(text: str) -> bool:
+    """A block for a cluster of several machines (Ray's commands, or ``statekv serve --ray``)."""
+    return any(line.strip().startswith(("ray ", "serve ")) or re.match(r"\s*statekv serve .*--ray", line)
+               for line in logical_lines(text))
+
+
+def check_cluster_block(text: str, parsed: list[list[str]]) -> None:
+    """Parse every command of a cluster block: statekv's later with the CLI's parser (``parsed``), Ray's now."""
+    for line in logical_lines(text):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.startswith("pip install"):
+            check_pip_line(stripped)
+            continue
+        if stripped.startswith("export "):  # only the values it computes with Ray's CLI are checked
+            commands = [found for found in re.findall(r"\$\(([^)]*)\)", stripped) if found.startswith("ray ")]
+        else:
+            commands = [stripped]
+        for command in commands:
+            argv = shlex.split(command, comments=True)
+            argv = argv[:argv.index(">")] if ">" in argv else argv  # where its output goes is the shell's business
+            if argv[0] == "statekv":
+                parsed.append(argv[1:])
+            else:
+                assert argv[0] in ("ray", "serve"), f"what runs {command!r} in a cluster block of docs/serving.md?"
+                parse_with_ray_cli(argv)
 
 
 def check_pip_line(line: str) -> None:
@@ -123,7 +171,12 @@ def serving_script(port: int, folder: Path) -> tuple[str, list[list[str]], list[
         if language == "text":
             texts.append(text)
             continue
+        if language == "yaml":  # the Serve config file: tests/test_serve_cluster.py builds it
+            continue
         assert language == "bash", f"a block of docs/serving.md in {language or 'no language'}: what runs it?"
+        if cluster_block(text):
+            check_cluster_block(text, parsed)
+            continue
         lines = logical_lines(text)
         for position, line in enumerate(lines):
             stripped = line.strip()

@@ -8,11 +8,16 @@ import os
 import sys
 from pathlib import Path
 
+from typing import Any
+
 from ..errors import ConfigurationError
+from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.methods import MethodSettings
 from ..settings.options import ModelOptions
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
 from .defaults import BUILTIN_BUDGET, builtin_budget
+
+SCALE_ON = ("streams", "requests")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="the folder server-side sources (JSON {\"source\": PATH}, file:// video URLs) may be "
                             "read from (default: none; server-side sources are refused)")
     group.add_argument("--max-streams", type=POSITIVE_INT, default=64, metavar="N",
-                       help="streams held at once, all keys together (default: 64)")
+                       help="streams held at once, all keys together; with --ray, by each replica (default: 64)")
     group.add_argument("--max-asks", type=POSITIVE_INT, default=32, metavar="N",
                        help="questions answered or waiting at once; more get 429 (default: 32)")
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -55,14 +60,64 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--save-every-seconds", type=POSITIVE_FLOAT, default=30.0, metavar="S",
                        help="save a stream whose frames have been unsaved for S seconds (default: 30)")
     group.add_argument("--no-page", dest="page", action="store_false", help="serve the API only, no page at /")
+    ray = parser.add_argument_group("on a Ray cluster (Ray Serve; see docs/serving.md)")
+    ray.add_argument("--ray", default=None, metavar="ADDRESS",
+                     help="run on the Ray cluster at ADDRESS (auto: the one this machine joined with `ray start`): "
+                          "replicas behind Ray Serve's HTTP proxies on --host/--port, each stream's requests routed "
+                          "to the replica holding it; --state-dir must be a folder every node reaches")
+    ray.add_argument("--replicas", type=POSITIVE_INT, default=None, metavar="N",
+                     help="replicas, each one model with its streams (default: 1; the least, with --max-replicas)")
+    ray.add_argument("--max-replicas", type=POSITIVE_INT, default=None, metavar="M",
+                     help="autoscale between --replicas and M replicas (default: a fixed number)")
+    ray.add_argument("--scale-on", choices=SCALE_ON, default=None,
+                     help="what autoscaling follows: streams held (default) or requests under way per replica")
+    ray.add_argument("--scale-target", type=POSITIVE_FLOAT, default=None, metavar="X",
+                     help="streams per replica (default: half of --max-streams), or requests under way per replica "
+                          "(default: Ray Serve's, 2), that autoscaling aims at")
+    ray.add_argument("--lease-seconds", type=POSITIVE_FLOAT, default=None, metavar="S",
+                     help="how long a replica's hold on a stream lasts unrenewed: a dead replica's streams come back "
+                          f"on another after at most this (default: {LEASE_SECONDS:g})")
+    ray.add_argument("--store", default=None, metavar="URL",
+                     help="save streams to object storage at this fsspec URL (s3://bucket/prefix, gs://..., "
+                          "file://...) instead of --state-dir, which still holds keys, records and leases")
+    ray.add_argument("--replica-cpus", type=POSITIVE_FLOAT, default=None, metavar="C",
+                     help="CPUs each replica reserves from Ray (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=None, metavar="G",
+                     help="GPUs each replica reserves from Ray (default: 1 with --device cuda, else 0)")
     parser.set_defaults(run=run)
+
+
+RAY_FLAGS = ("replicas", "max_replicas", "scale_on", "scale_target", "lease_seconds", "store", "replica_cpus",
+             "replica_gpus")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..console import quiet_libraries
-    from ..serve import ServeConfig, create_app
+    from ..serve import create_app
+
+    config, made, keys = serve_config(args)
+    cluster = cluster_settings(args)
+    key_note = None if made or keys else (
+        f"statekv serve: using the API key made for {config.state_dir} when it was first served (shown then); the "
+        "page remembers it, or pass --api-key to choose one")
+    if cluster is not None:
+        return _run_on_ray(args, config, cluster, made or (keys[0] if keys else None), key_note)
+    quiet_libraries()
+    logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=10))
+    _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
+    server.run()
+    return 0
+
+
+def serve_config(args: argparse.Namespace):
+    """The service's settings from the command line (``--budget`` defaulted for the built-in model), with the key
+    made for the state folder (printed at once) if it has none and none was given: ``(config, made, keys)``."""
+    from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys
 
     args.budget = builtin_budget(args.model, args.budget, MethodSettings.budget)
@@ -90,17 +145,97 @@ def run(args: argparse.Namespace) -> int:
                          max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
                          page=args.page)
-    quiet_libraries()
-    logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
-    key_note = None if made or keys else (
-        f"statekv serve: using the API key made for {state_dir} when it was first served (shown then); the page "
-        "remembers it, or pass --api-key to choose one")
-    _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
-    server.run()
+    return config, made, keys
+
+
+def cluster_settings(args: argparse.Namespace):
+    """The Ray settings (`statekv.serve.cluster.ClusterSettings`) with ``--ray``; None without it (then no Ray
+    flag may be given)."""
+    given = [name for name in RAY_FLAGS if getattr(args, name, None) is not None]
+    if args.ray is None:
+        if given:
+            raise ConfigurationError(f"--{given[0].replace('_', '-')} is for a Ray cluster: add --ray auto (or the "
+                                     "cluster's address)")
+        return None
+    try:
+        from ..serve.cluster.deployment import ClusterSettings
+    except ImportError as error:
+        raise ConfigurationError(f"--ray needs Ray Serve ({error.name or error} is missing): pip install -c "
+                                 "constraints.txt -e \".[ray]\"") from None
+    if args.store is not None:
+        _check_store(args.store)
+
+    gpus = args.replica_gpus
+    if gpus is None:
+        gpus = 1.0 if str(args.device or "").startswith("cuda") else 0.0
+    return ClusterSettings(
+        replicas=args.replicas or 1, max_replicas=args.max_replicas, scale_on=args.scale_on or "streams",
+        scale_target=args.scale_target, lease_seconds=args.lease_seconds or LEASE_SECONDS, store=args.store,
+        replica_cpus=args.replica_cpus or 1.0, replica_gpus=gpus)
+
+
+def _check_store(url: str) -> None:
+    """``--store``: a URL fsspec can open (its filesystem's package installed)."""
+    try:
+        import fsspec
+
+        fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError, OSError) as error:
+        raise ConfigurationError(f"--store {url}: fsspec cannot open it ({str(error).splitlines()[0]})") from None
+
+
+def _run_on_ray(args: argparse.Namespace, config, cluster, key: str | None, key_note: str | None) -> int:
+    from ..serve.app import check_owners
+    from ..serve.auth import KeyRing
+    from ..serve.cluster.launch import run_on_ray
+
+    check_owners(config, KeyRing.for_folder(config.state_dir, config.api_keys))  # before any replica starts
+
+    def ready(url: str) -> None:
+        replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)
+        print(f"statekv serve: listening on {url} (Ray Serve, {replicas} replica{'s' * (replicas != '1')})",
+              flush=True)
+        if key_note:
+            print(key_note, flush=True)
+        print(f"statekv serve: open {url}/" + (f"?key={key}" if key else ""), flush=True)
+        print(f"statekv serve: ready (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+    run_on_ray(config, cluster, args.ray, args.host, args.port, ready)
     return 0
+
+
+def ray_app(args: dict[str, Any]) -> Any:
+    """The service as a Ray Serve application, for Ray's own tools: ``serve run statekv.commands.serve:ray_app
+    state_dir=/shared/statekv replicas=2``, or a Serve config file's ``import_path`` with these ``args``. Every
+    option of ``statekv serve`` is an argument (its flag's name with underscores; a list for one given several
+    times, true for a switch); ``ray``, ``host`` and ``port`` are Ray Serve's own business (``http_options``)."""
+    from ..serve.cluster.deployment import application
+
+    argv = ["serve"]
+    for name, value in (args or {}).items():
+        flag = "--" + str(name).replace("_", "-")
+        if name in ("ray", "host", "port"):
+            raise ConfigurationError(f"{name} is set by Ray Serve (http_options, the cluster's address), not here")
+        for item in value if isinstance(value, list) else [value]:
+            if item is True:
+                argv.append(flag)
+            elif item not in (False, None):
+                argv += [flag, str(item)]
+    from ..settings.options import normalize_argv
+
+    parser = _Refusing(prog="statekv")
+    register(parser.add_subparsers(dest="command", required=True, parser_class=_Refusing))
+    parsed = parser.parse_args(normalize_argv([*argv, "--ray", "auto"]))
+    config, _, _ = serve_config(parsed)  # a key made for the folder is printed where the application is built
+    return application(config, cluster_settings(parsed))
+
+
+class _Refusing(argparse.ArgumentParser):
+    """A parser whose refusal is a `ConfigurationError` (raised where a Ray Serve application is built)."""
+
+    def error(self, message: str):
+        raise ConfigurationError(f"the application's args are not options of statekv serve: {message} (see "
+                                 "statekv serve --help)")
 
 
 def _announce_when_up(server, host: str, key: str | None, key_note: str | None) -> None:

@@ -31,15 +31,41 @@ log = logging.getLogger("statekv.serve")
 SAVE_CHECK_SECONDS = 1.0
 
 
+class Hosting:
+    """How a server holds its streams: alone over its state folder (this class: every stream loaded at start), or
+    as one replica of several sharing the folder (`statekv.serve.cluster.hosting.ReplicaHosting`)."""
+
+    replica: str | None = None  # this server's name among replicas (None: alone)
+
+    def registry(self, config: ServeConfig, qa: Any, worker: ModelExecutor) -> StreamRegistry:
+        return StreamRegistry(config, qa, worker)
+
+    def restore(self, registry: StreamRegistry, owners: Any) -> int:
+        """Bring back the state folder's streams at start; returns how many."""
+        return registry.restore(owners)
+
+    async def run(self, service: "Service") -> None:
+        """Work that runs beside the server for its whole life (cancelled at shutdown)."""
+
+    def exposition(self, service: "Service") -> bytes:
+        """What ``GET /metrics`` answers."""
+        return service.metrics.exposition()
+
+    def close(self, service: "Service") -> None:
+        """At shutdown, once every stream is saved."""
+
+
 class Service:
     """Everything the routes share."""
 
-    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, keys: KeyRing | None = None):
+    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, keys: KeyRing | None = None,
+                 hosting: Hosting | None = None):
         self.config, self.qa, self.worker = config, qa, worker
+        self.hosting = hosting or Hosting()
         self.keys = keys or KeyRing.for_folder(config.state_dir, config.api_keys)
         self.model_id = config.options.model or "statekv"
         self.started = int(time.time())
-        self.registry = StreamRegistry(config, qa, worker)
+        self.registry = self.hosting.registry(config, qa, worker)
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.batched_steps)
         self.registry.metrics = self.metrics
@@ -81,30 +107,34 @@ def check_owners(config: ServeConfig, keys: KeyRing) -> None:
     log.warning("deleted %d streams no accepted key owned (--drop-unowned-streams)", count)
 
 
-def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None = None) -> FastAPI:
+def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None = None,
+               hosting: Hosting | None = None) -> FastAPI:
     """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
-    app. Model work runs on ``worker`` (default: one `ModelWorker` thread)."""
+    app. Model work runs on ``worker`` (default: one `ModelWorker` thread); ``hosting``: how the streams are held
+    (default: alone, `Hosting`)."""
     keys = KeyRing.for_folder(config.state_dir, config.api_keys)
     check_owners(config, keys)  # before the model loads: a refusal costs nothing
     if qa is None:
         from ..api.videoqa import VideoQA
 
         qa = VideoQA.from_options(config.options)
-    service = Service(config, qa, worker or ModelWorker(), keys)
-    restored = service.registry.restore(keys.owners)
+    service = Service(config, qa, worker or ModelWorker(), keys, hosting)
+    restored = service.hosting.restore(service.registry, keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        saver = asyncio.create_task(_save_loop(service))
+        beside = [asyncio.create_task(_save_loop(service)), asyncio.create_task(service.hosting.run(service))]
         try:
             yield
         finally:
-            saver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await saver
+            for task in beside:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await asyncio.to_thread(service.registry.save_all)
+            service.hosting.close(service)
             service.worker.close()
 
     app = FastAPI(title="statekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -115,7 +145,8 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        return Response(await asyncio.to_thread(service.hosting.exposition, service),
+                        media_type="text/plain; version=0.0.4")
 
     if config.page:
         from .page import mount_page

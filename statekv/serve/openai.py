@@ -79,7 +79,7 @@ def build_openai_router(service) -> APIRouter:
         if stream_id is not None:
             if videos:
                 raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
-            entry = registry.get(owner, stream_id)
+            entry = await registry.find(owner, stream_id)
             work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
         else:
             if len(videos) != 1:

@@ -176,7 +176,7 @@ class StreamPage:
         stream_id = query.get("stream") or remembered.get("stream")
         if self.owner and stream_id:
             try:
-                self.open(self.registry.get(self.owner, stream_id))
+                self.open(await self.registry.find(self.owner, stream_id))
             except ServiceError:
                 self.close(f"The stream {stream_id} you had open was deleted (or belongs to another key).")
 
@@ -224,6 +224,13 @@ class StreamPage:
         self.remember()
         self.refresh()
 
+    async def open_listed(self, listed) -> None:
+        """Open a stream of the list (when replicas share the state folder, it is brought to this one first)."""
+        try:
+            self.open(await self.registry.find(self.owner, listed.id))
+        except StateKVError as failure:
+            self.close(self.service.public(str(failure)))
+
     def close(self, note: str | None = None) -> None:
         self.entry = None
         self.shown = {}
@@ -236,17 +243,20 @@ class StreamPage:
         from nicegui import ui
 
         with ui.dialog() as dialog, ui.card():
-            ui.label(f"Delete the stream {entry.name} ({entry.stream.frames} frames) and its saved state?")
+            ui.label(f"Delete the stream {entry.name} ({entry.frames} frames) and its saved state?")
             with ui.row():
                 ui.button("delete it", on_click=lambda: dialog.submit(True)).props("color=negative")
                 ui.button("keep it", on_click=lambda: dialog.submit(False)).props("flat")
         if not await dialog:
             return
-        if self.entry is entry:
+        if self.entry is not None and self.entry.id == entry.id:
             self.stop_camera()
             self.close(f"The stream {entry.name} was deleted.")
         if not entry.deleted:
-            await self.registry.delete(entry)
+            try:
+                await self.registry.delete(entry)
+            except StateKVError as failure:
+                self.close(self.service.public(str(failure)))
         self.refresh_list()
 
     async def create(self, name: str, error: ErrorNote):
@@ -381,6 +391,9 @@ class StreamPage:
         if entry.deleted:
             self.close(f"The stream {entry.name} was deleted.")
             return
+        if entry.moved:
+            self.close(f"The stream {entry.name} moved to another replica: open it again from the list.")
+            return
         info = entry.describe()
         self.show("state", info["state"], lambda state: self.state_badge.set_text(state))
         seconds = "no frame yet" if info["seconds"] is None else f"stream time {info['seconds']:.1f} s"
@@ -459,7 +472,7 @@ class StreamPage:
                             "flat bordered") as card:
                         with ui.row().classes("w-full items-center no-wrap gap-1"):
                             name = ui.label(entry.name).classes("grow text-body2 ellipsis statekv-stream-name")
-                            ui.button(icon="open_in_new", on_click=lambda e=entry: self.open(e)).props(
+                            ui.button(icon="open_in_new", on_click=lambda e=entry: self.open_listed(e)).props(
                                 "flat dense round size=sm aria-label=open").tooltip("open")
                             ui.button(icon="delete", on_click=lambda e=entry: self.delete(e)).props(
                                 "flat dense round size=sm aria-label=delete").tooltip("delete")
@@ -469,5 +482,5 @@ class StreamPage:
         now = time.time()
         for entry in entries:
             card, _, line = self.rows[entry.id]
-            line.set_text(f"{entry.stream.frames} frames · {age_text(now - entry.created)} · {entry.state}")
+            line.set_text(f"{entry.frames} frames · {age_text(now - entry.created)} · {entry.state}")
             card.classes(add="bg-blue-1" if entry is self.entry else "", remove="" if entry is self.entry else "bg-blue-1")

@@ -30,7 +30,7 @@ log = logging.getLogger("statekv.serve")
 
 METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
 STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
-_ID = re.compile(r"^st_[0-9a-f]{24}$")
+STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
 
@@ -74,6 +74,12 @@ class StreamEntry:
     last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
     updated: float | None = None  # when a frame last arrived (unix time)
     deleted: bool = False
+    moved: bool = False  # let go to another replica sharing the state folder
+    replica: str | None = None  # the replica holding it, when several share the state folder
+
+    @property
+    def frames(self) -> int:
+        return self.stream.frames
 
     @property
     def dirty(self) -> bool:
@@ -101,7 +107,8 @@ class StreamEntry:
                 "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
                 "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
-                "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds}
+                "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
+                **({"replica": self.replica} if self.replica else {})}
 
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself)."""
@@ -114,9 +121,10 @@ class StreamRegistry:
     """Every stream of one server: creating, finding (per owner), pushing, feeding files, asking, saving and
     bringing back. Model work goes through ``worker``; files through `StreamFiles`."""
 
-    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, metrics: Metrics | None = None):
+    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, metrics: Metrics | None = None,
+                 files: StreamFiles | None = None):
         self.config, self.qa, self.worker, self.metrics = config, qa, worker, metrics
-        self.files = StreamFiles(config.state_dir)
+        self.files = files or StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
@@ -178,10 +186,14 @@ class StreamRegistry:
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
         """The caller's stream; 404 for an unknown id and for another key's (which must not be told apart)."""
-        entry = self.entries.get(stream_id) if isinstance(stream_id, str) and _ID.match(stream_id) else None
+        entry = self.entries.get(stream_id) if isinstance(stream_id, str) and STREAM_ID.match(stream_id) else None
         if entry is None or entry.owner != owner or entry.deleted:
             raise ServiceError(404, f"no stream {_shown(str(stream_id)[:80])}")
         return entry
+
+    async def find(self, owner: str, stream_id: str) -> StreamEntry:
+        """The caller's stream, as `get` (a registry that shares its state folder brings it here first)."""
+        return self.get(owner, stream_id)
 
     def owned(self, owner: str) -> list[StreamEntry]:
         """The owner's streams, newest first."""
@@ -202,19 +214,26 @@ class StreamRegistry:
         stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name)
         entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream)
         try:
+            self.files.claim(stream_id)
             self.files.write_record(entry.record())  # the creation is durable before it is answered
-        except OSError as error:
+        except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
-            raise ServiceError(503, f"cannot record the stream in the state folder ({error.strerror or error})") from None
+            self.files.release(stream_id)
+            if isinstance(error, StateKVError):
+                raise
+            raise ServiceError(503, "cannot record the stream in the state folder "
+                               f"({error.strerror or error})") from None
         self.entries[stream_id] = entry
         return entry
 
     async def delete(self, entry: StreamEntry) -> None:
-        entry.deleted = True
+        entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
-            self.entries.pop(entry.id, None)
-            await self.worker.run(entry.stream.close)
-            self.files.remove(entry.id)
+            try:
+                await self.worker.run(entry.stream.close)
+                self.files.remove(entry.id)
+            finally:
+                self.entries.pop(entry.id, None)
 
     def dismiss(self, entry: StreamEntry) -> None:
         """Forget why the stream's last feed failed (the page's "dismiss")."""
@@ -242,8 +261,7 @@ class StreamRegistry:
         return self._after_push(entry, image, seconds, frames, entry.stream.push(image, seconds))
 
     def _before_push(self, entry: StreamEntry) -> int:
-        if entry.deleted:
-            raise ServiceError(404, f"no stream {entry.id!r}")
+        _check_here(entry)
         return entry.stream.frames
 
     def _after_push(self, entry: StreamEntry, image: Any, seconds: float | None, frames: int, kept: bool) -> bool:
@@ -338,7 +356,7 @@ class StreamRegistry:
         if not entry.deleted:
             try:
                 await asyncio.to_thread(self.files.write_record, entry.record())
-            except OSError as error:  # the answer is given; only its note in the record is lost
+            except (OSError, StateKVError) as error:  # the answer is given; only its note in the record is lost
                 log.error("cannot record an answer of stream %s: %s", entry.id, error)
         return result
 
@@ -346,6 +364,7 @@ class StreamRegistry:
     def _ask_now(entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer with the frames and the stream time it refers to (read on the model's thread, before any
         later push). A question that does not fit the room left in the stream's horizon is refused first."""
+        _check_here(entry)
         stream = entry.stream
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
@@ -360,9 +379,9 @@ class StreamRegistry:
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
         """Save the stream (on the model's thread) and note what was saved in its record."""
-        if entry.deleted or not entry.dirty and self.files.state_path(entry.id).exists():
+        if entry.deleted or not entry.dirty and self.files.has_state(entry.id):
             return
-        entry.stream.save(self.files.state_path(entry.id))
+        self.files.save_state(entry.id, entry.stream.save)
         entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
         entry.saved_at = time.monotonic()
         self.files.write_record(entry.record())
@@ -404,19 +423,19 @@ class StreamRegistry:
 
     def _restore_one(self, data: dict[str, Any]) -> StreamEntry:
         qa = self.qa_for(data["settings"])
-        state, stream = self.files.state_path(data["id"]), None
-        saved = {"pushed": 0, "frames": 0, "seconds": None}
-        if state.exists():
+        stream, saved = None, {"pushed": 0, "frames": 0, "seconds": None}
+        with self.files.local_state(data["id"]) as state:
             try:
-                stream = Stream.load(state, qa)
-                recorded = data.get("saved") or {}
-                saved = {"pushed": stream.pushed, "frames": stream.frames,
-                         "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
+                stream = None if state is None else Stream.load(state, qa)
             except StateKVError as error:
                 aside = self.files.set_aside(data["id"])
                 log.error("stream %s could not be loaded (%s); it starts again empty, its file kept as %s",
                           data["id"], error, aside)
-        if stream is None:
+        if stream is not None:
+            recorded = data.get("saved") or {}
+            saved = {"pushed": stream.pushed, "frames": stream.frames,
+                     "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
+        else:
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"])
         answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
         return StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
@@ -440,6 +459,15 @@ def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
                            f"the {room} tokens kept for them; ask a shorter question")
     return prompt
+
+
+def _check_here(entry: StreamEntry) -> None:
+    """Refuse work on a stream deleted (404) or gone to another replica (503: the retry reaches it there) while
+    the request waited."""
+    if entry.deleted:
+        raise ServiceError(404, f"no stream {entry.id!r}")
+    if entry.moved:
+        raise ServiceError(503, f"stream {entry.id} moved to another replica; retry", headers={"Retry-After": "1"})
 
 
 def _next_time(entry: StreamEntry) -> float:

@@ -44,8 +44,9 @@ def build_router(service) -> APIRouter:
 
     @router.get("/health")
     async def health() -> dict:
+        replica = service.hosting.replica
         return {"status": "ok", "model": service.model_id, "streams": len(registry.entries),
-                "queued": getattr(service.worker, "queued", 0)}
+                "queued": getattr(service.worker, "queued", 0), **({"replica": replica} if replica else {})}
 
     @router.post("/v1/streams", status_code=201)
     async def create_stream(request: Request) -> dict:
@@ -61,22 +62,22 @@ def build_router(service) -> APIRouter:
 
     @router.get("/v1/streams/{stream_id}")
     async def stream_stats(stream_id: str, request: Request) -> dict:
-        return registry.get(service.keys.require(request), stream_id).describe()
+        return (await registry.find(service.keys.require(request), stream_id)).describe()
 
     @router.get("/v1/streams/{stream_id}/history")
     async def stream_history(stream_id: str, request: Request) -> dict:
-        entry = registry.get(service.keys.require(request), stream_id)
+        entry = await registry.find(service.keys.require(request), stream_id)
         return {"id": entry.id, "history": list(entry.history)}
 
     @router.delete("/v1/streams/{stream_id}")
     async def delete_stream(stream_id: str, request: Request) -> dict:
-        entry = registry.get(service.keys.require(request), stream_id)
+        entry = await registry.find(service.keys.require(request), stream_id)
         await registry.delete(entry)
         return {"id": entry.id, "object": "stream", "deleted": True}
 
     @router.post("/v1/streams/{stream_id}/frames")
     async def push_frames(stream_id: str, request: Request) -> dict:
-        entry = registry.get(service.keys.require(request), stream_id)
+        entry = await registry.find(service.keys.require(request), stream_id)
         kind = media_type(request)
         if kind == "application/json":
             body = await read_json(request, config.max_body_bytes)
@@ -99,7 +100,7 @@ def build_router(service) -> APIRouter:
 
     @router.post("/v1/streams/{stream_id}/ask")
     async def ask(stream_id: str, request: Request) -> Response:
-        entry = registry.get(service.keys.require(request), stream_id)
+        entry = await registry.find(service.keys.require(request), stream_id)
         body = await read_json(request, config.max_body_bytes)
         stream_answer = body.pop("stream", False)
         if not isinstance(stream_answer, bool):

@@ -9,10 +9,12 @@ any moment leaves either the old file or the new one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,33 @@ class StreamFiles:
 
     def write_record(self, record: dict[str, Any]) -> None:
         write_atomic(self.record_path(record["id"]), json.dumps(record, indent=1).encode())
+
+    def read_record(self, stream_id: str) -> dict[str, Any] | None:
+        """One stream's record; None when there is none (or it cannot be read)."""
+        try:
+            record = json.loads(self.record_path(stream_id).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and all(name in record for name in RECORD_FIELDS) else None
+
+    def claim(self, stream_id: str) -> None:
+        """Make a new stream's files this server's to write (one server alone owns its folder: nothing to do)."""
+
+    def release(self, stream_id: str) -> None:
+        """Let another server write the stream's files (one server alone: nothing to do)."""
+
+    def save_state(self, stream_id: str, write: Callable[[Path], Any]) -> None:
+        """Save a stream's state: ``write(path)`` writes it (`statekv.Stream.save`, atomic itself)."""
+        write(self.state_path(stream_id))
+
+    def has_state(self, stream_id: str) -> bool:
+        return self.state_path(stream_id).exists()
+
+    @contextlib.contextmanager
+    def local_state(self, stream_id: str) -> Iterator[Path | None]:
+        """The saved state as a local file to load (None when the stream was never saved)."""
+        path = self.state_path(stream_id)
+        yield path if path.exists() else None
 
     def records(self) -> list[tuple[Path, dict[str, Any] | Exception]]:
         """Every record, read (or the error that kept it from being read), in id order."""

@@ -1,0 +1,127 @@
+"""`StreamRouter`: Ray Serve's request router for the statekv deployment (run by Ray Serve's proxies and handles;
+a `ray.serve.request_router.RequestRouter`).
+
+Each HTTP request is sent to a replica chosen by what it is about:
+
+- one stream (``/v1/streams/ID...``, or Ray Serve's ``serve_multiplexed_model_id`` header naming the stream, which
+  an OpenAI client can send with a chat completion about a live stream): the replica holding the stream's lease in
+  the shared state folder; when no live replica holds it (new, let go, or its replica died), the least-loaded one,
+  which takes it from its last save;
+- a new stream (``POST /v1/streams``): the least-loaded replica (fewest streams held, as each replica reports in
+  its routing stats, plus the streams this router sent it since), replicas at their stream limit last;
+- the page (``/`` and ``/ui/...``): one replica, the same for every tab (the page's live connection is kept by the
+  replica that served it), which brings a stream to itself when a tab opens it;
+- anything else: Ray Serve's choice among all replicas (the shortest queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from ..registry import STREAM_ID
+from .leases import Leases
+
+STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
+PLACING_KEPT = 10_000  # requests remembered between their routing and Ray's callback, at most
+
+
+def request_target(pending_request: PendingRequest) -> tuple[str, str | None]:
+    """What a request is about: ``("stream", ID)``, ``("create", None)``, ``("page", None)`` or ``("any", None)``."""
+    scope = http_scope(pending_request)
+    path, method = scope.get("path", ""), scope.get("method", "")
+    match = STREAM_PATH.match(path)
+    if match and STREAM_ID.match(match.group(1)):
+        return "stream", match.group(1)
+    named = pending_request.metadata.multiplexed_model_id
+    if named and STREAM_ID.match(named):
+        return "stream", named
+    if path == "/v1/streams" and method == "POST":
+        return "create", None
+    if path == "/" or path == "/ui" or path.startswith("/ui/"):
+        return "page", None
+    return "any", None
+
+
+def http_scope(pending_request: PendingRequest) -> dict[str, Any]:
+    """The ASGI scope of an HTTP request as Ray Serve's proxy hands it on (its first argument: the pickled request
+    it built itself); {} for anything else (a call through a handle)."""
+    arguments = pending_request.args
+    if not arguments or not isinstance(arguments[0], bytes):
+        return {}
+    try:
+        scope = getattr(pickle.loads(arguments[0]), "asgi_scope", None)
+    except Exception:  # not a request the proxy built
+        return {}
+    return scope if isinstance(scope, dict) else {}
+
+
+class StreamRouter(RequestRouter):
+    """Routes each stream's requests to the replica holding it (see the module). ``state_dir``: the shared state
+    folder (its leases are read, never written); ``max_streams``: each replica's stream limit."""
+
+    def initialize_state(self, state_dir: str = "", max_streams: int = 0, **_: Any) -> None:
+        self.leases = Leases(state_dir) if state_dir else None
+        self.max_streams = max_streams
+        self.placed: dict[str, list[float]] = defaultdict(list)  # replica -> when streams were sent there to start
+        self.placing: dict[str, bool] = {}  # requests routed to start a stream, until Ray reports where they went
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True  # a full replica is waited for, not looped over
+        kind, stream_id = request_target(pending_request)
+        if kind == "stream":
+            holder = await asyncio.to_thread(self.leases.holder_of, stream_id) if self.leases else None
+            holding = [replica for replica in candidate_replicas if replica.replica_id.unique_id == holder]
+            if holding:
+                return [holding]
+            self._placing(pending_request)
+            return self.by_load(candidate_replicas)
+        if kind == "create":
+            self._placing(pending_request)
+            return self.by_load(candidate_replicas)
+        if kind == "page":
+            return [[min(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)]]
+        return [candidate_replicas]
+
+    def load(self, replica: RunningReplica) -> int:
+        """Streams the replica holds: as it last reported, plus those sent there since."""
+        stats = replica.routing_stats or {}
+        name = replica.replica_id.unique_id
+        since = [when for when in self.placed.get(name, []) if when > float(stats.get("at", 0.0))]
+        self.placed[name] = since
+        return int(stats.get("streams", 0)) + len(since)
+
+    def by_load(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Ranks of replicas, least-loaded first; replicas at their stream limit last."""
+        loads = {replica.replica_id.unique_id: self.load(replica) for replica in replicas}
+
+        def rank(replica: RunningReplica) -> tuple[bool, int]:
+            load = loads[replica.replica_id.unique_id]
+            return bool(self.max_streams) and load >= self.max_streams, load
+
+        ranks: list[list[RunningReplica]] = []
+        for replica in sorted(replicas, key=rank):
+            if ranks and rank(ranks[-1][0]) == rank(replica):
+                ranks[-1].append(replica)
+            else:
+                ranks.append([replica])
+        return ranks
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        if self.placing.pop(pending_request.metadata.internal_request_id, False):
+            self.placed[replica_id.unique_id].append(time.time())
+
+    def _placing(self, pending_request: PendingRequest) -> None:
+        if len(self.placing) > PLACING_KEPT:
+            self.placing.clear()
+        self.placing[pending_request.metadata.internal_request_id] = True

@@ -1,0 +1,351 @@
+"""The pieces of `statekv serve --ray` without a Ray cluster: leases and their fencing (a replica that lost a
+stream writes nothing of it), two replicas in one process handing a stream over through the shared folder with
+nothing lost, saves in object storage through fsspec, the request router's choices, autoscaling on streams, the
+metrics of several replicas as one exposition, and the options Ray Serve is given (the CLI's and a Serve config
+file's). tests/test_serve_ray.py runs the whole on a real local Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve", reason="statekv[ray] is part of .[test]")
+
+import statekv  # noqa: E402
+from statekv.errors import ConfigurationError  # noqa: E402
+from statekv.serve.auth import owner_of  # noqa: E402
+from statekv.serve.cluster.board import merged  # noqa: E402
+from statekv.serve.cluster.deployment import ClusterSettings, deployment_options  # noqa: E402
+from statekv.serve.cluster.leases import LeaseLost, Leases  # noqa: E402
+from statekv.serve.cluster.router import StreamRouter, request_target  # noqa: E402
+from statekv.serve.cluster.scaling import StreamsPolicy  # noqa: E402
+from statekv.serve.cluster.shared import SharedRegistry, SharedStreamFiles  # noqa: E402
+from statekv.serve.config import ServeConfig  # noqa: E402
+from statekv.serve.errors import ServiceError  # noqa: E402
+from statekv.serve.metrics import Metrics  # noqa: E402
+from statekv.serve.worker import ModelWorker  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STREAM = "st_" + "0" * 24
+QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
+
+
+class Clock:
+    """Wall time that a test moves on."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _record(stream_id: str = STREAM, owner: str = "owner") -> dict:
+    return {"id": stream_id, "owner": owner, "settings": {}, "horizon_frames": 4, "max_fps": 1.0, "name": "s",
+            "created": 0.0}
+
+
+# -- leases ---------------------------------------------------------------------------------------------------
+def test_a_lease_is_held_by_one_replica_and_each_taking_raises_its_token(tmp_path):
+    clock = Clock()
+    first, second = (Leases(tmp_path, name, seconds=10, clock=clock) for name in ("first", "second"))
+    held = first.acquire(STREAM)
+    assert held.token == 1 and held.holder == "first" and second.acquire(STREAM) is None
+    assert Leases(tmp_path, clock=clock).holder_of(STREAM) == "first"  # what a router reads
+    second.ask_handoff(STREAM)
+    assert first.renew(held, extend=False).handoff == "second"  # the holder sees who asks
+    clock.now += 9
+    assert first.renew(held).expires == clock.now + 10 and second.acquire(STREAM) is None
+    clock.now += 10.5  # the holder stalled (or died) past its lease
+    taken = second.acquire(STREAM)
+    assert taken.token == 2 and taken.holder == "second" and taken.lapsed  # frames since its last save: lost
+    assert first.renew(held) is None  # the stale holder finds its token gone
+    with pytest.raises(LeaseLost, match="moved to another replica; retry"):
+        with first.fenced(held):
+            pass
+    second.release(taken)
+    assert Leases(tmp_path, clock=clock).holder_of(STREAM) is None
+    again = first.acquire(STREAM)
+    assert again.token == 3 and not again.lapsed  # let go: saved first, nothing lost
+    history = first.history(STREAM)
+    assert [(line["event"], line["holder"], line["token"]) for line in history] == [
+        ("taken", "first", 1), ("taken", "second", 2), ("let go", "second", 2), ("taken", "first", 3)]
+    assert history[1]["at"] >= history[1]["before"]["expires"]  # taken only once the first lease had lapsed
+
+
+def test_an_unreadable_lease_is_refused_rather_than_restarted_at_token_one(tmp_path):
+    leases = Leases(tmp_path, "first")
+    leases.path(STREAM).write_bytes(b"{garbage")
+    with pytest.raises(ServiceError, match="lease in the shared state folder is unreadable"):
+        leases.acquire(STREAM)
+
+
+def test_a_replica_that_lost_a_stream_writes_nothing_of_it(tmp_path):
+    clock = Clock()
+    stale = SharedStreamFiles(tmp_path, Leases(tmp_path, "stale", seconds=10, clock=clock))
+    fresh = SharedStreamFiles(tmp_path, Leases(tmp_path, "fresh", seconds=10, clock=clock))
+    stale.claim(STREAM)
+    stale.write_record(_record())
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"saved by stale"))
+    assert stale.read_record(STREAM)["lease"] == {"holder": "stale", "token": 1}
+    assert not fresh.take(STREAM)  # held: nobody else may
+    clock.now += 11
+    assert fresh.take(STREAM)
+    fresh.save_state(STREAM, lambda path: path.write_bytes(b"saved by fresh"))
+    fresh.write_record({**_record(), "name": "fresh"})
+    for write in (lambda: stale.write_record({**_record(), "name": "stale"}),
+                  lambda: stale.save_state(STREAM, lambda path: path.write_bytes(b"late write")),
+                  lambda: stale.remove(STREAM)):
+        with pytest.raises(LeaseLost):
+            write()
+    assert fresh.state_path(STREAM).read_bytes() == b"saved by fresh"
+    assert fresh.read_record(STREAM)["name"] == "fresh"
+    assert fresh.read_record(STREAM)["lease"] == {"holder": "fresh", "token": 2}
+    assert not list(tmp_path.glob("streams/*.partial"))  # nothing left half-written
+    assert stale.renew(STREAM) is None and STREAM not in stale.held
+    with pytest.raises(LeaseLost):
+        stale.check(STREAM)
+
+
+def test_saves_in_object_storage_are_found_through_the_fenced_pointer(tmp_path):
+    pytest.importorskip("fsspec")
+    clock = Clock()
+    url = (tmp_path / "bucket").as_uri()
+    stale = SharedStreamFiles(tmp_path / "state", Leases(tmp_path / "state", "stale", 10, clock), store=url)
+    fresh = SharedStreamFiles(tmp_path / "state", Leases(tmp_path / "state", "fresh", 10, clock), store=url)
+    stale.claim(STREAM)
+    assert not stale.has_state(STREAM)
+    with stale.local_state(STREAM) as path:
+        assert path is None
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"one"))
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"two"))
+    assert len(list((tmp_path / "bucket").iterdir())) == 1  # each save a new object; the older one pruned
+    clock.now += 11
+    assert fresh.take(STREAM)
+    with fresh.local_state(STREAM) as path:
+        assert path.read_bytes() == b"two"
+    with pytest.raises(LeaseLost):
+        stale.save_state(STREAM, lambda path: path.write_bytes(b"stale"))  # uploaded, but never pointed at
+    fresh.save_state(STREAM, lambda path: path.write_bytes(b"three"))
+    with fresh.local_state(STREAM) as path:
+        assert path.read_bytes() == b"three"
+    assert not (tmp_path / "state" / "streams" / f"{STREAM}.safetensors").exists()
+    fresh.write_record(_record())
+    fresh.remove(STREAM)
+    assert list((tmp_path / "bucket").iterdir()) == [] and not fresh.has_state(STREAM)
+
+
+# -- two replicas in one process ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin", budget=64)
+
+
+def _frames(count: int) -> list[np.ndarray]:
+    generator = np.random.default_rng(31)
+    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_lost(tmp_path, qa, tier):
+    if tier == "disk":  # each replica's streams keep their detailed cache in file sets of its own folder
+        qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
+    config = ServeConfig(options=qa.options, state_dir=tmp_path, save_every_frames=1000, max_streams=4)
+    owner, frames = owner_of("key"), _frames(3)
+
+    async def scenario():
+        replicas = []
+        for name in ("first", "second"):
+            files = SharedStreamFiles(tmp_path, Leases(tmp_path, name, seconds=60))  # no loop renews them here
+            registry = SharedRegistry(config, qa, ModelWorker(), files)
+            registry.metrics = Metrics(lambda: 0, lambda: 0)
+            replicas.append(registry)
+        first, second = replicas
+        entry = await first.create(owner, {"horizon_frames": 16, "max_fps": None})
+        for index, image in enumerate(frames):
+            await first.push(entry, image, float(index))
+        assert not first.files.has_state(entry.id)  # nothing saved yet: all three frames are unsaved
+
+        with pytest.raises(ServiceError, match="no stream"):
+            await second.find(owner_of("another key"), entry.id)  # another key's request moves nothing
+        assert first.files.leases.peek(entry.id).handoff is None
+        listed = second.owned(owner)
+        assert [(item.id, item.describe()["replica"]) for item in listed] == [(entry.id, "first")]
+
+        taking = asyncio.ensure_future(second.find(owner, entry.id))
+        await asyncio.sleep(0.5)
+        assert not taking.done()  # asked: the holder lets go at its next pass over its leases
+        await first.keep_leases()
+        taken = await asyncio.wait_for(taking, 10)
+        assert entry.moved and entry.id not in first.entries
+        if tier == "disk":  # the file set it had here is gone; the stream has a new one where it went
+            assert not entry.stream.durability.folder.exists() and taken.stream.durability.folder.exists()
+        assert taken.replica == "second" and taken.stream.frames == 3 and taken.stream.pushed == 3
+        answer = await second.ask(taken, QUESTION, 6, None)
+        for registry in replicas:
+            registry.worker.close()
+        return answer, second.files.leases.history(entry.id)
+
+    answer, history = asyncio.run(scenario())
+    with qa.stream(horizon_frames=16, max_fps=None) as alone:
+        for index, image in enumerate(frames):
+            alone.push(image, float(index))
+        assert answer["answer"] == alone.ask(QUESTION, max_new_tokens=6)
+    assert [(line["event"], line["holder"], line["token"]) for line in history] == [
+        ("taken", "first", 1), ("let go", "first", 1), ("taken", "second", 2)]
+
+
+def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(tmp_path):
+    from statekv.serve.cluster.board import FORGET_SECONDS, ReplicaBoard
+    from statekv.serve.cluster.deployment import own_tier
+
+    options = statekv.ModelOptions(model="builtin", offload="disk", offload_dir=str(tmp_path / "tier"))
+    config, root = own_tier(ServeConfig(options=options, state_dir=tmp_path), "abc")
+    assert config.options.offload_dir == str(tmp_path / "tier" / "abc") and root == tmp_path / "tier"
+    plain = ServeConfig(options=statekv.ModelOptions(model="builtin"), state_dir=tmp_path)
+    assert own_tier(plain, "abc") == (plain, None)
+    board, gone = ReplicaBoard(tmp_path, "live"), ReplicaBoard(tmp_path, "gone")
+    board.post(1, b"")
+    gone.post(2, b"")
+    assert [posted["replica"] for posted in board.replicas()] == ["gone", "live"] and board.forget_silent() == []
+    stale = json.loads(gone.path.read_text())
+    gone.path.write_text(json.dumps({**stale, "updated": stale["updated"] - FORGET_SECONDS - 1}))
+    assert [posted["replica"] for posted in board.replicas()] == ["live"]
+    assert board.forget_silent() == ["gone"] and not gone.path.exists()
+
+
+# -- the router, autoscaling, metrics ----------------------------------------------------------------------------
+def _pending(path: str, method: str = "GET", model: str = "") -> SimpleNamespace:
+    from ray.serve._private.proxy_request_response import ASGIProxyRequest  # how Ray Serve's proxy sends it on
+
+    request = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
+    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=f"{method} {path} {model}")
+    return SimpleNamespace(args=[request.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
+                           routing_context=SimpleNamespace(should_backoff=False))
+
+
+def _replica(name: str, streams: int, at: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats={"streams": streams, "at": at})
+
+
+def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_loaded(tmp_path):
+    assert request_target(_pending(f"/v1/streams/{STREAM}/frames", "POST")) == ("stream", STREAM)
+    assert request_target(_pending("/v1/chat/completions", "POST", model=STREAM)) == ("stream", STREAM)
+    assert request_target(_pending("/v1/streams", "POST")) == ("create", None)
+    assert request_target(_pending("/v1/streams")) == ("any", None)
+    assert request_target(_pending("/ui/_nicegui_ws/socket.io/")) == ("page", None)
+    assert request_target(_pending("/v1/streams/../../etc")) == ("any", None)
+    assert request_target(SimpleNamespace(args=[b"not a pickle"], metadata=SimpleNamespace(
+        multiplexed_model_id=""))) == ("any", None)
+
+    router = StreamRouter.__new__(StreamRouter)  # its state alone: Ray builds the rest when it serves
+    router.initialize_state(state_dir=str(tmp_path), max_streams=3)
+    busy, idle, full = _replica("busy", 2), _replica("idle", 0), _replica("full", 3)
+    replicas = [busy, idle, full]
+    choose = lambda request: asyncio.run(router.choose_replicas(replicas, request))  # noqa: E731
+    assert choose(_pending("/v1/streams", "POST")) == [[idle], [busy], [full]]
+    assert choose(_pending("/v1/streams", "POST"))[0] == [idle]
+    router.on_request_routed(_pending("/v1/streams", "POST"), idle.replica_id, None)
+    assert router.load(idle) == 1  # placed since its last report
+    Leases(tmp_path, "busy").acquire(STREAM)
+    stream = _pending(f"/v1/streams/{STREAM}/ask", "POST")
+    assert choose(stream) == [[busy]] and stream.routing_context.should_backoff
+    assert choose(_pending(f"/v1/streams/{'st_' + '1' * 24}")) == [[idle], [busy], [full]]  # no holder
+    page = choose(_pending("/ui/"))
+    assert page == [[min(replicas, key=lambda replica: replica.replica_id.unique_id)]] == choose(_pending("/"))
+    assert choose(_pending("/health")) == [replicas]
+
+
+def test_autoscaling_on_streams_asks_for_the_replicas_the_streams_need():
+    policy = StreamsPolicy(target=8)
+    context = lambda held: SimpleNamespace(aggregated_metrics={"streams": held}, current_num_replicas=2)  # noqa: E731
+    assert policy(context({"a": 8.0, "b": 9.0}))[0] == 3
+    assert policy(context({"a": 3.0, "b": 0.0}))[0] == 1
+    assert policy(SimpleNamespace(aggregated_metrics=None, current_num_replicas=1))[0] == 0  # Ray keeps the least
+    with pytest.raises(ValueError):
+        StreamsPolicy(target=0)
+
+
+def test_metrics_of_several_replicas_are_one_exposition_labelled_by_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    expositions = []
+    for name, streams in (("one", 2), ("two", 5)):
+        metrics = Metrics(lambda streams=streams: streams, lambda: 0)
+        metrics.frame_done()
+        expositions.append((name, metrics.exposition().decode()))
+    families = {family.name: family for family in text_string_to_metric_families(merged(expositions).decode())}
+    streams = {sample.labels["replica"]: sample.value for sample in families["statekv_streams"].samples}
+    assert streams == {"one": 2.0, "two": 5.0}
+    assert sum(sample.value for sample in families["statekv_frames"].samples
+               if sample.name == "statekv_frames_total") == 2.0
+
+
+# -- what Ray Serve is given -------------------------------------------------------------------------------------
+def test_the_deployment_options_follow_the_flags(tmp_path):
+    config = ServeConfig(options=statekv.ModelOptions(model="builtin"), state_dir=tmp_path, max_streams=10)
+    fixed = deployment_options(config, ClusterSettings(replicas=2))
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["request_router_config"].request_router_kwargs == {"state_dir": str(tmp_path), "max_streams": 10}
+    streams = deployment_options(config, ClusterSettings(replicas=1, max_replicas=4))["autoscaling_config"]
+    assert (streams["min_replicas"], streams["max_replicas"]) == (1, 4)
+    assert streams["policy"]["policy_kwargs"] == {"target": 5.0}
+    requests = deployment_options(config, ClusterSettings(max_replicas=3, scale_on="requests", scale_target=4))
+    assert requests["autoscaling_config"]["target_ongoing_requests"] == 4
+    for wrong, message in (({"replicas": 0}, "--replicas"), ({"replicas": 3, "max_replicas": 2}, "fewer than"),
+                           ({"scale_on": "cpu"}, "--scale-on"), ({"lease_seconds": 0.5}, "--lease-seconds")):
+        with pytest.raises(ConfigurationError, match=message):
+            ClusterSettings(**wrong)
+
+
+def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(tmp_path, capsys, monkeypatch):
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from statekv.cli import main
+    from statekv.commands.serve import ray_app
+
+    assert main(["serve", "--replicas", "2", "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
+    assert "--replicas is for a Ray cluster: add --ray auto" in capsys.readouterr().err
+    assert main(["serve", "--ray", "auto", "--store", "nosuch://bucket", "--state-dir", str(tmp_path),
+                 "--api-key", "k"]) == 2
+    assert "--store nosuch://bucket: fsspec cannot open it" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nothing listens on: refused at once, not waited for
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert main(["serve", "--ray", address, "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
+    assert f"--ray {address}: no Ray cluster answers there" in capsys.readouterr().err
+    built = build_app(ray_app({"state_dir": str(tmp_path), "api_key": ["k1", "k2"], "replicas": 2,
+                               "lease_seconds": 4, "no_page": True}), name="statekv")
+    deployment = built.deployments[0]
+    assert deployment._deployment_config.num_replicas == 2
+    config, cluster = deployment.init_args
+    assert config.api_keys == ("k1", "k2") and not config.page and cluster.lease_seconds == 4
+    assert config.state_dir == tmp_path.resolve() and config.options.budget == 64  # the built-in model's default
+    with pytest.raises(ConfigurationError, match="not options of statekv serve"):
+        ray_app({"state_dir": str(tmp_path), "replicaz": 2})
+    with pytest.raises(ConfigurationError, match="set by Ray Serve"):
+        ray_app({"state_dir": str(tmp_path), "port": 9000})
+
+    serving = (REPO / "docs" / "serving.md").read_text()
+    yaml = pytest.importorskip("yaml")
+    documented = [block for block in serving.split("```yaml\n")[1:]]
+    assert documented, "docs/serving.md shows a Serve config file"
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(documented[0].split("```")[0]))
+    application = schema.applications[0]
+    assert application.import_path == "statekv.commands.serve:ray_app"
+    for name, value in application.runtime_env["env_vars"].items():  # as the application's runtime_env sets them
+        monkeypatch.setenv(name, value)
+    args = {**application.args, "state_dir": str(tmp_path / "documented"), "media_root": str(tmp_path)}
+    documented = build_app(ray_app(args), name=application.name).deployments[0]
+    config, cluster = documented.init_args
+    assert documented.name == "statekv" and config.api_keys == ("replace-with-your-key",)
+    assert (cluster.replicas, cluster.max_replicas, cluster.scale_on) == (2, 8, "streams")
+    assert documented._deployment_config.autoscaling_config.max_replicas == 8
