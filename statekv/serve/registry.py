@@ -414,14 +414,14 @@ class StreamRegistry:
             if owners is not None and record["owner"] not in owners:
                 continue
             try:
-                entry = self.worker.run_blocking(self._restore_one, record)
+                entry = self.worker.run_blocking(self.restore_one, record)
             except (OSError, ValueError, KeyError, TypeError, StateKVError) as error:
                 log.error("cannot restore %s: %s", path.name, error)
                 continue
             self.entries[entry.id] = entry
         return len(self.entries)
 
-    def _restore_one(self, data: dict[str, Any]) -> StreamEntry:
+    def restore_one(self, data: dict[str, Any]) -> StreamEntry:
         qa = self.qa_for(data["settings"])
         stream, saved = None, {"pushed": 0, "frames": 0, "seconds": None}
         with self.files.local_state(data["id"]) as state:

@@ -336,7 +336,7 @@ class SharedRegistry(StreamRegistry):
                 record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
                 if record is None:
                     raise ServiceError(404, f"no stream {stream_id!r}")
-                entry = await self.worker.run(self._restore_one, record)
+                entry = await self.worker.run(self.restore_one, record)
             except BaseException:
                 await asyncio.to_thread(self.files.release, stream_id)
                 raise
