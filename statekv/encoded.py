@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .core import Retrieval, StreamingPrefill
+from .core.positions import choose_positions
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .errors import HorizonError, InputError
 from .generation_args import check_generation_arguments
@@ -101,12 +102,15 @@ class EncodingStats:
 class AnswerInfo:
     """What an answer could see (`EncodedVideo.answer_info` after `ask`): the ``frames`` encoded, the
     ``evicted_frames`` among them it could no longer see (given up under ``max_cache_bytes``) and their share
-    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache)."""
+    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache);
+    ``context``: what it read, ``"whole"`` (the whole detailed cache) or ``"retrieved"`` (retrieved frames: asked
+    for, or under bounded positions because the whole cache does not fit in the model's range)."""
 
     frames: int
     evicted_frames: int
     unseen_fraction: float
     retrieved_frames: int | None
+    context: str = "whole"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +126,7 @@ class EncodedVideo:
     ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked.
     """
 
-    def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
+    def __init__(self, qa: Any, horizon: int | None, *, num_frames: int | None = None, fps: float | None = None,
                  name: str = "video", prefix_tokens: int | None = None, kv_cache_dtype: str | None = None,
                  disk_tier: Any = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
@@ -143,7 +147,9 @@ class EncodedVideo:
                                         offload_dir=getattr(qa, "offload_dir", None),
                                         cache_limit=getattr(qa, "cache_limit", None),
                                         protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,
-                                        disk_tier=disk_tier)
+                                        disk_tier=disk_tier, positions=choose_positions(
+                                            getattr(qa, "positions", None),
+                                            self.adapter.model.config.get_text_config(), horizon))
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
         self.answer_info: AnswerInfo | None = None  # what the last answer could see
@@ -190,9 +196,13 @@ class EncodedVideo:
             raise InputError(f"{self.name}: no frame has been encoded yet")
         prompt = self._question_ids(question)
         check_int(max_new_tokens, "max_new_tokens")
+        rule = retrieval
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
-        room = self.horizon - self.prefill.seen_tokens
-        if prompt.shape[1] + max_new_tokens > room:
+        plan = self.prefill.question_plan(prompt.shape[1] + max_new_tokens, retrieval)  # bounded positions only
+        if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
+            retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
+        room = None if plan is not None else self.horizon - self.prefill.seen_tokens
+        if room is not None and prompt.shape[1] + max_new_tokens > room:
             raise HorizonError(
                 f"the question ({prompt.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
                 f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
@@ -213,7 +223,8 @@ class EncodedVideo:
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
                                       retrieved_frames=None if retrieval is None else
-                                      retrieval.steps * self.adapter.frames_per_step)
+                                      retrieval.steps * self.adapter.frames_per_step,
+                                      context="whole" if retrieval is None else "retrieved")
         return answer
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from .core.attention import BACKENDS
 from .core.limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT
+from .core.positions import POSITIONS
 from .core.quantized import KV_CACHE_BITS, check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from .methods import MethodSettings, MethodSpec, method, method_names
@@ -193,6 +194,11 @@ SETTINGS: tuple[Setting, ...] = (
                                            lambda value, name: check_kv_cache_dtype(value, name)).optional,
             "store the detailed cache quantized: int8 or int4 (keys per channel, values per token; the carried "
             "state stays in the model's dtype) (default: auto = the model's dtype)", "DTYPE"),
+    Setting("positions", None, one_of(lambda: POSITIONS).optional,
+            "RoPE positions: stream (each token at its index in the whole stream: exactly the model's one-shot "
+            "forward, for a horizon inside the model's range) or bounded (kept inside the range the model was "
+            "trained on: no horizon, a stream never ends; a question reads the whole cache when it fits, else "
+            "retrieved frames) (default: stream where the horizon fits, else bounded)", "P"),
     Setting("reserve_tokens", DEFAULT_RESERVE_TOKENS, POSITIVE,
             "tokens kept after the video for question and answer (default: %(default)s)", "N", offered_by="reserve"),
     Setting("trust_remote_code", False, BOOLEAN,
@@ -234,7 +240,9 @@ class ModelOptions:
     the retrieval summaries in RAM). max_cache_bytes: a hard cap on each stream's detailed cache (None: none);
     cache_limit: what happens at the cap (``refuse``, ``evict-oldest``, ``evict-least-attended``; see
     `statekv.core.limits`). kv_cache_dtype: store the detailed cache quantized, ``int8`` or ``int4`` (None or ``auto``:
-    the model's dtype). reserve_tokens: room for the question and answer after the video. cuda_graph: replay
+    the model's dtype). positions: ``stream`` or ``bounded`` RoPE positions (None: stream where the horizon fits
+    in the model's range, else bounded; see `statekv.core.positions`). reserve_tokens: room for the question and
+    answer after the video. cuda_graph: replay
     steady steps from a CUDA graph. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
     """
 

@@ -24,6 +24,7 @@ import torch
 from .builtin import resolve_model
 from .core import CarryPolicy
 from .core.limits import DEFAULT_CACHE_LIMIT, CacheLimit
+from .core.positions import check_positions
 from .core.quantized import check_kv_cache_dtype
 from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from .encoded import EncodedVideo, ProgressCallback, progress_reporter
@@ -78,6 +79,9 @@ class VideoQA:
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
         retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
             `statekv.core.retrieval`).
+        positions: ``"stream"`` or ``"bounded"`` RoPE positions (None: ``stream`` where a video's or stream's
+            horizon fits the model's range, else ``bounded``; a stream without a horizon is bounded; see
+            `statekv.core.positions`).
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
@@ -85,7 +89,7 @@ class VideoQA:
                  cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None,
                  retrieval: str = DEFAULT_RETRIEVAL, kv_cache_dtype: str | None = None,
                  offload_dir: str | Path | None = None, max_cache_bytes: int | None = None,
-                 cache_limit: str = DEFAULT_CACHE_LIMIT):
+                 cache_limit: str = DEFAULT_CACHE_LIMIT, positions: str | None = None):
         self.adapter = adapter
         self.policy = policy
         self.attention = attention
@@ -101,6 +105,7 @@ class VideoQA:
                              else check_vision_batch(vision_batch))
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
         self.retrieval = retrieval_rule(retrieval).name
+        self.positions = None if positions is None else check_positions(positions)
         self.options: ModelOptions | None = None  # set by from_options
         self.step_scheduler = StepScheduler()  # batches the steps of this VideoQA's streams pushed at once
 
@@ -148,7 +153,7 @@ class VideoQA:
                  cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
                  retrieval=options.retrieval_rule, kv_cache_dtype=options.kv_cache_dtype,
                  offload_dir=options.offload_dir, max_cache_bytes=options.max_cache_bytes,
-                 cache_limit=options.cache_limit)
+                 cache_limit=options.cache_limit, positions=options.positions)
         qa.options = options
         return qa
 
@@ -215,10 +220,14 @@ class VideoQA:
             answers = [video.ask(text, **ask_kwargs) for text in questions]
         return answers[0] if isinstance(question, str) else answers
 
-    def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+    def stream(self, horizon_frames: int | None = None, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
                kv_cache_dtype: str | None = None) -> Stream:
-        """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
+        """A live stream: `Stream.push` frames as they arrive, ask any time.
+
+        horizon_frames: the most frames it will take (its positions are then the stream's where they fit the
+            model's range); None: no horizon, the stream never ends (bounded positions: every position kept
+            inside the model's trained range, see `statekv.core.positions`).
 
         max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
         vision_batch: frames vision-encoded together (default 1: each frame is encoded as it is pushed; with
@@ -250,11 +259,13 @@ class VideoQA:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
         return push_together(self.step_scheduler, list(items), return_exceptions=return_exceptions)
 
-    def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
-                    reserve_tokens: int | None = None) -> int:
+    def horizon_for(self, num_frames: int | None, frame_size: tuple[int, int] | None = None,
+                    reserve_tokens: int | None = None) -> int | None:
         """The planned length in tokens for ``num_frames`` sampled frames (of ``frame_size`` (height, width),
-        if known) plus the reserve (default: the VideoQA's)."""
+        if known) plus the reserve (default: the VideoQA's); None for no horizon."""
         reserve = self.reserve_tokens if reserve_tokens is None else check_int(reserve_tokens, "reserve_tokens")
+        if num_frames is None:
+            return None
         return self.adapter.max_video_tokens(num_frames, frame_size=frame_size) + reserve
 
     def __repr__(self) -> str:

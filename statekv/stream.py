@@ -65,18 +65,20 @@ def _one_at_a_time(method):
 class Stream(EncodedVideo):
     """A video encoded as it arrives (see the module docstring). Create it with `VideoQA.stream`.
 
-    Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
-    ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch).
+    Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take; None: no horizon, it never
+    ends), ``max_fps``, ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step
+    or batch), ``reserve_tokens`` (room for a question and its answer).
     """
 
-    def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+    def __init__(self, qa: Any, horizon_frames: int | None, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
                  kv_cache_dtype: str | None = None, disk_tier: Any = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
         it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
         detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
         a disk-tier stream, its file set."""
-        check_int(horizon_frames, "horizon_frames", error=InputError)
+        if horizon_frames is not None:
+            check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
         vision_batch = check_vision_batch(vision_batch)
@@ -86,6 +88,7 @@ class Stream(EncodedVideo):
                          kv_cache_dtype=kv_cache_dtype, disk_tier=disk_tier)
         self._lock = threading.RLock()
         self.horizon_frames = horizon_frames
+        self.reserve_tokens = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self.max_fps = max_fps
         self.vision_batch = vision_batch
         self.pushed = 0
@@ -99,11 +102,10 @@ class Stream(EncodedVideo):
             self.prefill.disk.describe(SETUP, stream_setup(
                 name, {**_model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
                 {"method": qa.method, "policy": repr(qa.policy), "attention": self.prefill.attention,
-                 "cuda_graph": bool(qa.cuda_graph), "reserve_tokens": self.horizon - self.adapter.max_video_tokens(
-                     horizon_frames)},
+                 "cuda_graph": bool(qa.cuda_graph), "reserve_tokens": self.reserve_tokens},
                 horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
                 prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
-                kv_cache_dtype=self.prefill.kv_cache_dtype))
+                kv_cache_dtype=self.prefill.kv_cache_dtype, positions=self.prefill.positions.mode))
 
     @_one_at_a_time
     def start(self) -> "Stream":
@@ -144,7 +146,7 @@ class Stream(EncodedVideo):
             if tick < self._next_tick:
                 return False, timestamp, False
         kept = self.state.frames + len(self.pending)
-        if kept + 1 > self.horizon_frames:
+        if self.horizon_frames is not None and kept + 1 > self.horizon_frames:
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
@@ -255,7 +257,7 @@ class Stream(EncodedVideo):
             "model": {**_model_identity(self.qa), "weights": weights_fingerprint(self.adapter.model)},
             "engine": {"method": self.qa.method, "policy": repr(self.qa.policy), "attention": self.prefill.attention,
                        "offload": bool(self.qa.offload), "cuda_graph": bool(self.qa.cuda_graph),
-                       "reserve_tokens": self.horizon - self.adapter.max_video_tokens(self.horizon_frames)},
+                       "reserve_tokens": self.reserve_tokens},
             "horizon": self.horizon, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
             "prefix_tokens": self.prefix_tokens, "vision_batch": self.vision_batch,
             "pushed": self.pushed, "next_tick": self._next_tick, "last_timestamp": self._last_timestamp,
@@ -295,10 +297,7 @@ class Stream(EncodedVideo):
             check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), stored_as)
         except InputError as error:
             raise InputError(f"{path}: {error}") from None
-        reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
-        if reserve < 1:
-            raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} leaves no room "
-                             f"after {metadata['horizon_frames']} frames (horizon_frames)")
+        reserve = metadata["engine"]["reserve_tokens"]  # check_against_model holds it to the horizon
         check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
         check_against_model(path, metadata, qa.adapter)
         try:
@@ -326,7 +325,7 @@ class Stream(EncodedVideo):
             if encoded:  # the last frame streamed comes before the pending ones
                 last = [int(encoded[0][0]) - 1, float(encoded[0][1])]
             stream.prefill.disk.journal_loaded(stream.prefill.cache, stream.step_frames, {
-                "state": stream.state.to_dict(), "last_frame": last})
+                "state": stream.state.to_dict(), "last_frame": last}, stream.prefill.positions.export().get("steps"))
             for frame in stream.pending:  # waiting in the file, not in the file set
                 stream.prefill.disk.append({"push": frame.index, "t": frame.timestamp})
         return stream
@@ -372,7 +371,6 @@ def _resume_disk(cls: type, folder: Path, qa: Any, allow_other_weights: bool) ->
         raise
     try:
         resume(tier, journal, stream.prefill.cache, stream.prefill.device)
-        tier.truncate_journal(journal.end)
         stream.state = LayoutState.from_dict(last["state"])
     except BaseException:
         stream.close()

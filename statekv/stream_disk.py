@@ -26,9 +26,10 @@ SCHEMA = _record({
                       "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
     "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
                        "reserve_tokens": _integer(1)}),
-    "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
-    "prefix_tokens": _integer(0), "vision_batch": _integer(1), "kv_cache_dtype": _optional(TEXT),
-})
+    "horizon": _optional(_integer(1)), "horizon_frames": _optional(_integer(1)),  # null: no horizon
+    "max_fps": _optional(_number(positive=True)), "prefix_tokens": _integer(0), "vision_batch": _integer(1),
+    "kv_cache_dtype": _optional(TEXT),
+}, optional={"positions": TEXT})  # absent: stream positions (file sets made before bounded positions)
 
 
 def stream_setup(name: str, model: dict[str, Any], engine: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -172,13 +172,17 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
     """The fields that depend on the model, recomputed from it: the horizon (the frames' tokens plus the
     reserve), the prompt prefix's length, and every step's length and count."""
     frames_per_step = adapter.frames_per_step
-    video_tokens = adapter.max_video_tokens(metadata["horizon_frames"])
+    horizon_frames, frames = metadata["horizon_frames"], metadata["state"]["frames"]
+    if (horizon_frames is None) != (metadata["horizon"] is None):
+        raise InputError(f"{path}: malformed stream metadata: horizon and horizon_frames must both be null (no "
+                         "horizon) or both be set")
+    video_tokens = adapter.max_video_tokens(horizon_frames if horizon_frames is not None else frames)
     reserve = metadata["engine"]["reserve_tokens"]
-    if metadata["horizon"] != video_tokens + reserve:
+    if horizon_frames is not None and metadata["horizon"] != video_tokens + reserve:
         raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} is not the "
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
                          f"{reserve} for this model")
-    state = adapter.start(metadata["horizon_frames"], metadata["max_fps"])
+    state = adapter.start(horizon_frames, metadata["max_fps"])
     prefix = adapter.prefix(state)
     expected_prefix = 0 if prefix is None else prefix.num_tokens
     if metadata["prefix_tokens"] != expected_prefix:
@@ -190,12 +194,11 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
             raise InputError(f"{path}: malformed stream metadata: the first step must be the {expected_prefix}-token "
                              f"prompt prefix, got {lengths[:1]}")
         lengths = lengths[1:]
-    longest = adapter.max_video_tokens(frames_per_step)
+    longest = adapter.max_video_tokens(frames_per_step if horizon_frames is not None else max(frames, frames_per_step))
     for number, length in enumerate(lengths):
         if not 1 <= length <= longest:
             raise InputError(f"{path}: malformed stream metadata: step {number} holds {length} tokens; a step of "
                              f"this model holds 1 to {longest}")
-    frames = metadata["state"]["frames"]
     if len(lengths) != math.ceil(frames / frames_per_step):
         raise InputError(f"{path}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
                          f"({frames_per_step} per step)")
@@ -301,15 +304,16 @@ SCHEMA = _record({
                       "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
     "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
                        "cuda_graph": BOOLEAN, "reserve_tokens": _integer(1)}),
-    "horizon": _integer(1), "horizon_frames": _integer(1), "max_fps": _optional(_number(positive=True)),
-    "prefix_tokens": _integer(0), "vision_batch": _integer(1),
+    "horizon": _optional(_integer(1)), "horizon_frames": _optional(_integer(1)),  # null: no horizon
+    "max_fps": _optional(_number(positive=True)), "prefix_tokens": _integer(0), "vision_batch": _integer(1),
     "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
     "pending": _list_of(_list_of(_number(), length=2)),
     "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames",)),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
                       "window_starts": _list_of(_optional(_integer(0)))},
                      optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": _list_of(_integer(0))}),
+                               "evicted_steps": _list_of(_integer(0)),
+                               "positions": _of_type(dict, "an object")}),  # absent: stream positions
     "checksums": _of_type(dict, "an object"),
 })
 
@@ -337,9 +341,9 @@ def _check_counts(metadata: dict[str, Any]) -> None:
             raise InputError(f"{name} is {value}, inconsistent with the rest ({expected})")
     if kept > metadata["pushed"]:
         raise InputError(f"pushed is {metadata['pushed']}, fewer than the {kept} frames kept")
-    if kept > metadata["horizon_frames"]:
+    if metadata["horizon_frames"] is not None and kept > metadata["horizon_frames"]:
         raise InputError(f"horizon_frames is {metadata['horizon_frames']}, fewer than the {kept} frames kept")
-    if seen > metadata["horizon"]:
+    if metadata["horizon"] is not None and seen > metadata["horizon"]:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")

@@ -30,6 +30,8 @@ from .memory import CacheGeometry, check_cache_fits
 from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
                               share_language_attention, statekv_attention, streaming_through)
 from .policies import CarryPolicy
+from . import positions as placing
+from .positions import QuestionPlan, StreamPositions, check_positions, model_frequencies, trained_range
 from .quantized import check_kv_cache_dtype, stored_bytes_per_token
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
@@ -46,6 +48,10 @@ class StreamingPrefill:
         attention: scoring backend for policies that need scores: ``auto``, ``eager``, ``chunked``, ``triton``.
         horizon: the most tokens the run will hold, question and answer included. It sizes the detailed
             buffers and fixes the RoPE rotation (required beyond the model's trained length for dynamic RoPE).
+            Under ``positions="bounded"`` it is optional (None: the stream never ends).
+        positions: ``"stream"`` (a token's RoPE position is its index in the whole stream: exactly the model's
+            one-shot forward, within the RoPE's range) or ``"bounded"`` (every position kept inside the range the
+            model was trained on, so the stream needs no horizon; see :mod:`statekv.core.positions`).
         freeze_rope: keep True; False leaves dynamic RoPE recomputing per chunk (only to study why freezing is
             needed).
         offload: keep the detailed cache on this device (``True`` means ``"cpu"``) instead of the model's, so
@@ -72,7 +78,8 @@ class StreamingPrefill:
                  horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
                  cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None, *,
                  offload_dir: str | os.PathLike | None = None, cache_limit: CacheLimit | None = None,
-                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None):
+                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None,
+                 positions: str = "stream"):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
@@ -88,7 +95,9 @@ class StreamingPrefill:
         self.dtype = next(self.decoder.parameters()).dtype
         self._prepared_mask = prepared_mask(self.device)
         self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
-        self.horizon = check_horizon(self.config, horizon)
+        bounded = check_positions(positions) == "bounded"
+        self.horizon = (check_horizon(self.config, horizon) if not bounded else
+                        None if horizon is None else check_int(horizon, "horizon (tokens)", error=HorizonError))
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
@@ -120,19 +129,25 @@ class StreamingPrefill:
         if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
             tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
             check_cache_fits(self.geometry, tokens, self.storage_device or self.device, self.kv_cache_dtype)
-        self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
+        limit = trained_range(self.config)
+        frozen_for = limit if bounded else self.horizon
+        self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
+        self.positions = StreamPositions(positions, limit, placing.DEFAULT_LAYOUT,
+                                         model_frequencies(self.decoder, self.rope) if bounded else None)
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device,
-                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage)
+                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage,
+                                   positions=self.positions)
+        self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
         self.keeper = None if cache_limit is None else CacheKeeper(
-            cache_limit, self.cache, self.bytes_per_token, check_int(protect_tokens, "protect_tokens", minimum=0),
-            name)
+            cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
+        self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
         self._history: list[StepRecord] = []
         self._closed = False
 
@@ -208,7 +223,7 @@ class StreamingPrefill:
         self.make_room(chunk_len, _chunk_of(inputs).shape[0])
         started = time.perf_counter()
         carried_before = self._carried_positions() if self.track_overlap else None
-        self.cache.begin(chunk_len, _chunk_of(inputs).device)
+        self.cache.begin(chunk_len, _chunk_of(inputs).device, inputs["position_ids"])
         try:
             hidden = None
             if self.cuda_graph and self.cache.is_steady():
@@ -229,7 +244,7 @@ class StreamingPrefill:
         _check_positions(position_ids, chunk, self.device)
         _check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
-        if self.seen_tokens + chunk_len > self.horizon:
+        if self.horizon is not None and self.seen_tokens + chunk_len > self.horizon:
             raise HorizonError(
                 f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
                 f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
@@ -255,7 +270,11 @@ class StreamingPrefill:
         ``durable_record`` on the disk tier) and record it."""
         self.cache.commit_host()
         if self.disk is not None:
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record or {})
+            record = durable_record or {}
+            if self.positions.bounded:  # where the step was placed: resuming needs it
+                positions = self.positions
+                record = {**record, "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, record)
         overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
         self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
@@ -267,14 +286,39 @@ class StreamingPrefill:
 
         Returns only the new tokens ``[B, N]``. The stream is not changed: ask again, or keep streaming.
         """
-        from .decoding import generate_from_cache
+        from .decoding import DEFAULT_NEW_TOKENS, generate_from_cache
 
         self.check_open()
         if not isinstance(input_ids, torch.Tensor):
             raise InputError(f"input_ids (the prompt) must be a tensor, got {type(input_ids).__name__}")
         if input_ids.dim() == 2:
             self._check_ids(input_ids, "input_ids (the prompt)")
-        return generate_from_cache(self, input_ids, retrieve=retrieve, **generate_kwargs)
+        plan = None
+        if self.positions.bounded and input_ids.dim() == 2:
+            answer = int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+            plan = self.question_plan(input_ids.shape[1] + answer, retrieve)
+            if not plan.whole and retrieve is None:
+                retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
+        self.last_context = "whole" if retrieve is None else "retrieved"
+        return generate_from_cache(self, input_ids, retrieve=retrieve, plan=plan, **generate_kwargs)
+
+    def question_plan(self, room: int, retrieve: Retrieval | None = None) -> QuestionPlan | None:
+        """Under bounded positions, how a question whose prompt and answer take ``room`` tokens reads the stream:
+        the whole detailed cache when it fits in the model's range (and ``retrieve`` is None), else retrieved
+        steps (``retrieve``'s, or as many as fit); a one-line `HorizonError` when nothing fits. None under
+        ``stream`` positions (the context is the whole cache, or what ``retrieve`` picks)."""
+        if not self.positions.bounded:
+            return None
+        keep = self.protect_tokens if retrieve is None else retrieve.keep_tokens
+        keep_steps, start = 0, 0
+        for length in self.cache.chunk_lengths:
+            if start >= keep:
+                break
+            keep_steps, start = keep_steps + 1, start + length
+        plan = self.positions.question(self.positions.held_span(self.cache.evicted_steps),
+                                       self.positions.keep_end(keep_steps), room,
+                                       None if retrieve is None else retrieve.steps)
+        return QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps)
 
     @property
     def peak_device_bytes(self) -> int:
@@ -310,10 +354,12 @@ class StreamingPrefill:
         """The device part of a step: the decoder's forward over the chunk, then the new carried state
         (the language model's attention already switched). Everything here runs eagerly or is what a CUDA
         graph records."""
-        positions = self.cache.begin_device()
+        positions = self.cache.begin_device(inputs["position_ids"])
         if inputs["position_ids"] is None:
             batch = (inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]).shape[0]
             inputs = dict(inputs, position_ids=positions.expand(batch, -1))
+        elif positions is not inputs["position_ids"]:  # bounded: moved to where the chunk is placed
+            inputs = dict(inputs, position_ids=positions)
         output = self.decoder(**inputs, attention_mask=self._prepared_mask, past_key_values=self.cache, use_cache=True)
         missing = self.cache.missing_layers()
         if missing:

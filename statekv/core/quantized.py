@@ -153,6 +153,7 @@ class QuantizedStorage(OffloadedStorage):
         self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 
     def commit_host(self, chunk_len: int) -> None:
+        self._commit_segment()
         keys, values = self.staged[0], self.staged[1]
         width = scale_dtype(keys.dtype)
         key_codes, key_scale, key_zero = quantize(keys, 2, self.bits, width)
@@ -228,6 +229,7 @@ class QuantizedStorage(OffloadedStorage):
         if steps:
             tensors["block_keys"] = self.block_keys.view(0, steps)[0]
             tensors["step_samples"] = self.step_samples.view(0, steps)[0]
+        tensors.update(self.export_segments())
         return tensors
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
@@ -241,6 +243,7 @@ class QuantizedStorage(OffloadedStorage):
             self._load_summaries(tensors, tensors["block_keys"], steps, storage)
             self.dtype = tensors["block_keys"].dtype
             self._scales_like = tensors["key_scales"][:, :, :1]
+            self._load_segments(tensors, None, steps, storage)
 
 
 def expected_tensors(kv_cache_dtype: str | None, head: tuple[int, int], tokens: int, steps: int, head_dim: int,
