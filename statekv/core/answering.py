@@ -101,10 +101,11 @@ class AnswerLayer(CacheLayerMixin):
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
             steps = self.steps
             means, samples = storage.summaries
+            segments = storage.segments
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
                                  read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
-                                 evicted=frozenset(evicted))
+                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps)
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
