@@ -293,6 +293,8 @@ class DiskTier:
         self.checkpointed: int | None = None  # the step of the last checkpoint
         self.last_step: int | None = None  # the last step journaled
         self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
+        self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
+        self._size_before = 0
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -348,6 +350,8 @@ class DiskTier:
         self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
         if step == 0 or (step + 1) % self.checkpoint_steps == 0:
             self.checkpoint()
+        size = os.fstat(self._journal).st_size
+        self.growth, self._size_before = size - self._size_before, size
 
     def checkpoint(self) -> None:
         """Write the carried state after the last step journaled (per layer: positions ``[B, H_kv, K]``, keys and

@@ -32,7 +32,8 @@ from .model_attention import (ATTENTION_NAME, language_decoder as _language_deco
 from .policies import CarryPolicy
 from . import positions as placing
 from .positions import QuestionPlan, StreamPositions, check_positions, model_frequencies, trained_range
-from .quantized import check_kv_cache_dtype, stored_bytes_per_token
+from .quantized import (check_kv_cache_dtype, scale_bytes_per_step, stored_bytes_per_token,
+                        summary_bytes_per_step)
 from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
@@ -139,8 +140,13 @@ class StreamingPrefill:
                                    kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage,
                                    positions=self.positions)
         self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
+        geometry = self.geometry
+        self.bytes_per_step = geometry.layers * (  # what each step adds besides its tokens: summaries, key scales
+            summary_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype)
+            + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, self.kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
-            cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name)
+            cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
+            self._other_bytes)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
@@ -174,10 +180,16 @@ class StreamingPrefill:
     def stats(self) -> StreamStats:
         """What the stream holds now and what its steps cost (host bookkeeping: never waits for the device)."""
         layers = self.cache.layers
+        detailed = sum(layer.storage.nbytes for layer in layers)
+        summaries = sum(layer.storage.summary_nbytes for layer in layers)
+        journal = 0 if self.disk is None else self.disk.nbytes
         return StreamStats(
             steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
             carried_tokens=tuple(layer.carried_length for layer in layers),
-            detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            detailed_bytes=detailed, summary_bytes=summaries,
+            scale_bytes=sum(layer.storage.scale_nbytes for layer in layers), journal_bytes=journal,
+            held_bytes=detailed + summaries + journal if self.keeper is None else self.keeper.held_bytes,
+            device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self._history), evicted_steps=len(self.cache.evicted_steps),
             evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else sum(
@@ -194,6 +206,19 @@ class StreamingPrefill:
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
+
+    def _other_bytes(self) -> tuple[int, int]:
+        """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
+        journal and checkpoints), and what the next step adds to it (a segment row, the journal's growth over the
+        last step)."""
+        layers = self.cache.layers
+        index = sum(layer.storage.segment_index.nbytes for layer in layers)
+        completes = (len(self.cache.chunk_lengths) + 1) % layers[0].storage.segment_steps == 0
+        row = sum(layer.storage.segment_partial.numel() * layer.storage.segment_partial.element_size()
+                  for layer in layers if completes and layer.storage.segment_partial is not None)
+        if self.disk is None:
+            return index, row
+        return index + self.disk.nbytes, row + self.disk.growth
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""

@@ -86,6 +86,11 @@ def stored_bytes_per_token(kv_heads: int, head_dim: int, model_dtype: torch.dtyp
     return kv_heads * (codes + 2 * width + 2 * head_dim * width / tokens_per_step)
 
 
+def scale_bytes_per_step(kv_heads: int, head_dim: int, model_dtype: torch.dtype, kv_cache_dtype: str | None) -> int:
+    """Bytes of one step's key scales and zero points in one layer (per channel over the step's tokens)."""
+    return 0 if kv_cache_dtype is None else kv_heads * 2 * head_dim * scale_dtype(model_dtype).itemsize
+
+
 def summary_bytes_per_step(kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> int:
     """Bytes one step's summaries take in one layer (its mean key and ``SAMPLES_PER_STEP`` keys)."""
     return kv_heads * (1 + SAMPLES_PER_STEP) * head_dim * model_dtype.itemsize
@@ -134,6 +139,11 @@ class QuantizedStorage(OffloadedStorage):
     @property
     def nbytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.buffers)
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the scales and zero points (part of `nbytes`)."""
+        return self.key_scales.nbytes + self.value_scales.nbytes
 
     def start(self, key_states: torch.Tensor) -> None:
         if self.bits == 4 and key_states.shape[-1] % 2:

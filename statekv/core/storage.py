@@ -111,6 +111,8 @@ class LayerStorage:
         """Bytes the detailed cache takes where it is stored (summaries excluded)."""
         return self.detailed.nbytes
 
+    scale_nbytes = 0  # bytes of quantization scales (a quantized storage's)
+
     @property
     def summary_nbytes(self) -> int:
         """Bytes of the step summaries and the segment index."""
@@ -331,6 +333,9 @@ class LayerStorage:
         what can be. One buffer on the model's device cannot give part of itself back (evicting is refused
         there)."""
 
+    def release_steps(self, steps: torch.Tensor) -> None:
+        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries, where that can be."""
+
 
 class OffloadedStorage(LayerStorage):
     """The detailed cache and step summaries in ``device`` memory other than the model's: a step stages its
@@ -394,10 +399,12 @@ class OffloadedStorage(LayerStorage):
         per_token = (self.detailed,) if self.detailed is not None else tuple(
             getattr(self, name) for name in ("key_codes", "value_codes", "value_scales"))  # quantized
         for buffer in per_token:
-            release = getattr(buffer, "release", None)  # a disk buffer gives rows back to the file system
-            tensors = None if release is not None else buffer.tensors
-            for start, end in runs(tokens):
-                release(start, end) if release is not None else release_host_rows(tensors, start, end)
+            _release(buffer, tokens)
+
+    def release_steps(self, steps: torch.Tensor) -> None:
+        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries (never read again)."""
+        for buffer in (self.block_keys, self.step_samples):
+            _release(buffer, steps)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads
@@ -405,6 +412,15 @@ class OffloadedStorage(LayerStorage):
         self.staged_mean = torch.empty(b, h, 1, d, dtype=dtype, device=device)
         self.staged_samples = torch.empty(b, h, 1, SAMPLES_PER_STEP * d, dtype=dtype, device=device)
         super().restored(dtype, device)
+
+
+def _release(buffer, rows: torch.Tensor) -> None:
+    """Give rows ``rows`` (ascending ``[N]``) of ``buffer`` back: a disk buffer to the file system, host memory's
+    whole pages to the OS."""
+    release = getattr(buffer, "release", None)
+    tensors = None if release is not None else buffer.tensors
+    for start, end in runs(rows):
+        release(start, end) if release is not None else release_host_rows(tensors, start, end)
 
 
 def _summaries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
