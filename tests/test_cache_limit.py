@@ -125,6 +125,7 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
                     continue  # carried when it was evicted: given back at a later eviction
                 keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
                 assert not keys.any() and not values.any()
+        capped.prefill.sync()  # checkpointed: it resumes where it is
         resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
