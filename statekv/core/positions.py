@@ -105,9 +105,13 @@ class BoundedLayout:
         """The highest base a chunk is placed at (room for a chunk of ``limit / 8`` positions after it)."""
         return limit - math.ceil(limit / 8)
 
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        """The highest position a chunk of ``span`` positions after ``carried`` carried tokens is placed at."""
+        raise NotImplementedError
+
     def base(self, first: int, span: int, carried: int, limit: int) -> int:
         """The rotary position of the chunk's first token: its own position while the stream fits."""
-        raise NotImplementedError
+        return max(0, min(first, self.ceiling(span, carried, limit)))
 
     def targets(self, anchors: torch.Tensor, first: torch.Tensor, base: torch.Tensor, carried: int,
                 limit: int) -> torch.Tensor:
@@ -125,8 +129,8 @@ class GroupedDistances(BoundedLayout):
     name: ClassVar[str] = "grouped"
     window: float = 0.5
 
-    def base(self, first: int, span: int, carried: int, limit: int) -> int:
-        return max(0, min(first, self.cap(limit), limit - span))
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        return min(self.cap(limit), limit - span)
 
     def targets(self, anchors, first, base, carried, limit):
         cap = self.cap(limit)
@@ -145,12 +149,12 @@ class CacheOrder(BoundedLayout):
     name: ClassVar[str] = "cache"
     one_dimensional: ClassVar[bool] = True
 
-    def base(self, first: int, span: int, carried: int, limit: int) -> int:
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
         if carried + span > limit:
             raise HorizonError(f"positions='bounded' with the cache layout places the {carried} carried tokens and "
                                f"a {span}-token chunk in the model's {limit} positions, which they do not fit; "
                                "use the grouped layout or a method that carries fewer tokens")
-        return min(first, carried)
+        return carried
 
     def targets(self, anchors, first, base, carried, limit):
         b, h, size = anchors.shape
@@ -219,6 +223,7 @@ class StreamPositions:
         self.widest = 0  # the largest step span so far
         self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending: StepPlan | None = None
+        self.ceiling = 0  # the step's highest base (set by plan)
 
     @property
     def bounded(self) -> bool:
@@ -232,8 +237,8 @@ class StreamPositions:
     # -- one step ----------------------------------------------------------------------------------------------
     def plan(self, chunk_len: int, seen_tokens: int, position_ids: torch.Tensor | None, carried: int,
              device: torch.device) -> StepPlan:
-        """Place the step about to run (host; reads explicit M-RoPE positions: a sync) and set the device
-        scalars it reads (``first``, ``base``, ``shift``)."""
+        """Place the step about to run (host; explicit M-RoPE positions are read: a sync). Its device part finds
+        the same place on the device (`chunk`), so a steady step reads no host value."""
         if position_ids is None:
             first, span = seen_tokens, chunk_len
         else:
@@ -244,17 +249,14 @@ class StreamPositions:
             first = int(temporal[0, 0])
             rows = position_ids if position_ids.dim() == 2 else position_ids[-3:]
             span = int(rows.max()) + 1 - first
-        plan = StepPlan(first, span, self.layout.base(first, span, carried, self.limit))
-        first_t, base_t, shift_t = self.device_scalars(device)
-        first_t.fill_(plan.first)
-        base_t.fill_(plan.base)
-        shift_t.fill_(plan.shift)
+        self.ceiling = self.layout.ceiling(span, carried, self.limit)
+        plan = StepPlan(first, span, max(0, min(first, self.ceiling)))
         self.pending = plan
         return plan
 
     def device_scalars(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the step's device part reads (kept: a
-        recorded step reads the same memory)."""
+        """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the step's device part sets and reads (kept:
+        a recorded step reads the same memory)."""
         if device not in self.devices:
             self.devices[device] = tuple(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3))
         return self.devices[device]
@@ -262,16 +264,20 @@ class StreamPositions:
     def chunk(self, write_index: torch.Tensor, position_ids: torch.Tensor | None
               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Device part: ``(position_ids for the decoder, anchors [T], rotations [T])`` of the chunk: its positions
-        in the stream (``write_index`` for 1-D, else the given ones) shifted to its base."""
-        _, _, shift = self.device_scalars(write_index.device)
+        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device."""
+        first, base, shift = self.device_scalars(write_index.device)
+        anchors = write_index if position_ids is None else _temporal(position_ids)[0]
+        first.copy_(anchors[:1])
+        torch.clamp(first, 0, self.ceiling, out=base)
+        torch.sub(first, base, out=shift)
         if position_ids is None:
-            return write_index - shift, write_index, write_index - shift
-        moved = position_ids.clone()
-        if moved.dim() == 2:
-            moved = moved - shift
+            moved = anchors - shift
         else:
-            moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
-        anchors = _temporal(position_ids)[0]
+            moved = position_ids.clone()
+            if moved.dim() == 2:
+                moved = moved - shift
+            else:
+                moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
         return moved, anchors, anchors - shift
 
     def rotated(self, keys: torch.Tensor, anchors: torch.Tensor, rotations: torch.Tensor, carried: int

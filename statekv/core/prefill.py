@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -38,6 +39,9 @@ from . import rope as rotary
 from .rope import FrozenRope, check_horizon
 from .stats import StepRecord, StreamStats, kept_fraction
 from ..values import check_int
+
+HISTORY_STEPS = 1024  # step records `stats` keeps (the last ones): a stream that never ends keeps a bounded history
+
 
 class StreamingPrefill:
     """Stream chunks through ``model`` under ``policy``, building a detailed cache of every token.
@@ -154,7 +158,7 @@ class StreamingPrefill:
         self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
-        self._history: list[StepRecord] = []
+        self._history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
         self._closed = False
 
     @property

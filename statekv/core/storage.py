@@ -168,6 +168,7 @@ class LayerStorage:
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1)
         self._start_segments(key_states)
+        self.segment_index.reserve(self.segment_partial, self.segment_index.length + 1)
 
     def _start_segments(self, like: torch.Tensor) -> None:
         """The open segment's accumulators ``[B, H_kv, 1, 3 * D]`` on the model's device, like ``like``."""
@@ -195,10 +196,11 @@ class LayerStorage:
 
     def _commit_segment(self) -> None:
         """After a step's commit: its segment accumulators kept, and a segment it completes added to the index
-        (``block_keys.length`` is the step's index here)."""
+        (``block_keys.length`` is the step's index here; with the model, the step wrote the row already)."""
         self.segment_partial.copy_(self._segment_staged)
         if (self.block_keys.length + 1) % self.segment_steps == 0:
-            self.segment_index.write(self.segment_index.length, self.segment_partial)
+            if self.offloaded:
+                self.segment_index.write(self.segment_index.length, self.segment_partial)
             self.segment_index.length += 1
 
     def prepare(self, chunk_len: int) -> None:
@@ -208,6 +210,8 @@ class LayerStorage:
             max(horizon - self.length, 0) / chunk_len) + 1
         self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        rows = expected // self.segment_steps + 1 if expected else 0  # every row until the horizon, at once
+        self.segment_index.reserve(self.segment_partial, max(self.segment_index.length + 1, rows))
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
@@ -221,6 +225,9 @@ class LayerStorage:
         self.block_keys.write_at(step_device, mean)
         self.step_samples.write_at(step_device, samples)
         self._stage_segment(keys, step_device)
+        # the open segment's row, rewritten every step (the same ops each step: a steady step stays static)
+        self.segment_index.write_at(torch.div(step_device, self.segment_steps, rounding_mode="floor"),
+                                    self._segment_staged)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         """The step's mean key ``[B, H_kv, 1, D]`` only (kept for callers of the former interface)."""

@@ -43,7 +43,7 @@ class StreamEntry:
     id: str
     owner: str
     settings: dict[str, Any]
-    horizon_frames: int
+    horizon_frames: int | None
     max_fps: float | None
     name: str
     created: float
@@ -95,8 +95,9 @@ class StreamRegistry:
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
         defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
         horizon = body.get("horizon_frames", self.default_horizon_frames)
-        if isinstance(horizon, bool) or not isinstance(horizon, int) or not 1 <= horizon <= 10**7:
-            raise ServiceError(400, f"horizon_frames must be a positive integer, got {horizon!r}")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
+                                    or not 1 <= horizon <= 10**7):
+            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got {horizon!r}")
         max_fps = body.get("max_fps", self.config.default_max_fps)
         if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
                                     or not math.isfinite(max_fps) or max_fps <= 0):
@@ -107,8 +108,10 @@ class StreamRegistry:
         return settings, horizon, None if max_fps is None else float(max_fps), name
 
     @property
-    def default_horizon_frames(self) -> int:
-        """``default_horizon_frames``, or fewer when the model's RoPE cannot hold that many."""
+    def default_horizon_frames(self) -> int | None:
+        """``default_horizon_frames`` (None: no horizon), or fewer when the model's RoPE cannot hold that many."""
+        if self.config.default_horizon_frames is None:
+            return None
         if self._default_horizon is None:
             from ..core.rope import rope_capacity
 
