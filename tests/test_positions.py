@@ -209,3 +209,22 @@ def test_bounded_steady_steps_past_the_range_are_static_and_sync_free(model):
     steady = traces[10:]  # past the cap of 56 positions: every chunk at the same base
     assert all(trace.ops == steady[0].ops for trace in steady)
     assert all(not trace.syncs for trace in steady)
+
+
+def test_bounded_streams_stepped_together_end_as_alone(model):
+    """Bounded streams share batched forwards past the range, each placing its own chunk and carried keys."""
+    from statekv.core.batching import StepBatcher, StepRequest
+
+    embed = model.get_input_embeddings()
+    chunks = [[embed(tokens(8, 100 * s + i)).detach() for i in range(14)] for s in range(2)]
+    alone = []
+    for own in chunks:
+        prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+        alone.append([prefill.step(inputs_embeds=chunk) for chunk in own])
+    together = [StreamingPrefill(model, StateKV(16), positions="bounded") for _ in chunks]
+    batcher = StepBatcher()
+    for step in range(14):
+        hidden = batcher.step([StepRequest(prefill, own[step]) for prefill, own in zip(together, chunks)])
+        for s in range(2):
+            torch.testing.assert_close(hidden[s], alone[s][step], rtol=1e-4, atol=1e-5)
+    assert batcher.batched_steps > 0 and together[0].seen_tokens > LIMIT

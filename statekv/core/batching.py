@@ -171,7 +171,8 @@ def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
     cache = prefill.cache
     chunk = _chunk_of(inputs)
     if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
-            or not prefill.policy.capturable or not cache.is_steady()):
+            or not prefill.policy.capturable or not cache.is_steady()
+            or (cache.positions.bounded and inputs["position_ids"] is not None)):  # M-RoPE moved: on its own
         return None
     try:
         arguments = tuple((name, _argument_key(name, value)) for name, value in sorted(inputs.items()))
@@ -180,7 +181,7 @@ def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), arguments)
+            rope_key(prefill), cache.positions.mode, arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
@@ -250,7 +251,7 @@ class StepBatcher:
                 inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
                                                 input_ids=request.input_ids, **request.forward_kwargs)
                 prefill.make_room(_chunk_of(inputs).shape[1], _chunk_of(inputs).shape[0])
-                prefill.cache.begin(_chunk_of(inputs).shape[1], _chunk_of(inputs).device)
+                prefill.cache.begin(_chunk_of(inputs).shape[1], _chunk_of(inputs).device, inputs["position_ids"])
             except Exception as error:
                 prefill.cache.rollback()
                 outcomes[index] = error

@@ -194,13 +194,15 @@ class StepPlan:
 @dataclass(frozen=True)
 class QuestionPlan:
     """How a bounded stream's question reads its context: ``whole`` (every held step) or ``retrieve`` steps per
-    layer; the prompt starts at rotary position ``start``; the first ``keep_steps`` steps (the prompt prefix and
-    sinks) stay at their own positions."""
+    layer; the prompt starts at rotary position ``start``. ``packed``: the steps are laid out one after another
+    before the prompt (the stream does not fit the range); else each at its own position in the stream, as under
+    ``stream`` positions. The first ``keep_steps`` steps (the prompt prefix and sinks) always stay at their own."""
 
     whole: bool
     start: int
     retrieve: int | None = None
     keep_steps: int = 0
+    packed: bool = True
 
 
 class StreamPositions:
@@ -314,6 +316,8 @@ class StreamPositions:
         if room > limit - keep_end - 1:
             raise HorizonError(f"the question and answer ({room} tokens) do not fit in the model's {limit} positions "
                                "after the prompt prefix; ask a shorter question or fewer answer tokens")
+        if self.next_first + room <= limit:  # the stream fits: everything at its own position, as `stream` does
+            return QuestionPlan(retrieve is None, self.next_first, retrieve, packed=False)
         if retrieve is None and held_span + room <= limit:
             return QuestionPlan(True, held_span)
         widest = max(self.widest, 1)
@@ -333,7 +337,7 @@ class StreamPositions:
         """Per step of ``steps`` (ascending), the rotation that moves its stored keys to where the question reads
         them: the first ``plan.keep_steps`` steps of the stream at their own positions, the others one after another
         (the whole cache) or ending right before the prompt (retrieved). LongTensor ``[len(steps)]``."""
-        keep_steps = plan.keep_steps
+        keep_steps = plan.keep_steps if plan.packed else len(self.firsts)  # unpacked: every step at its own place
         later = [s for s in steps if s >= keep_steps]
         placed, spans = {}, self.spans
         if plan.whole:

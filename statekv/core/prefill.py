@@ -347,7 +347,7 @@ class StreamingPrefill:
         plan = self.positions.question(self.positions.held_span(self.cache.evicted_steps),
                                        self.positions.keep_end(keep_steps), room,
                                        None if retrieve is None else retrieve.steps)
-        return QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps)
+        return QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps, plan.packed)
 
     @property
     def peak_device_bytes(self) -> int:
