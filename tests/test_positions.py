@@ -228,3 +228,38 @@ def test_bounded_streams_stepped_together_end_as_alone(model):
         for s in range(2):
             torch.testing.assert_close(hidden[s], alone[s][step], rtol=1e-4, atol=1e-5)
     assert batcher.batched_steps > 0 and together[0].seen_tokens > LIMIT
+
+
+def test_a_stream_without_a_horizon_saves_and_resumes_past_the_range(tmp_path, monkeypatch):
+    """`qa.stream()` (no horizon: bounded) past a short model's range: saved to a file and resumed from its disk
+    tier's file set, each goes on exactly as the stream itself."""
+    import numpy as np
+
+    import statekv
+    from statekv import Stream
+    from statekv.testing import make_tiny_checkpoint
+
+    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 1)
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    frames = np.random.default_rng(0).integers(0, 256, (20, 32, 32, 3), dtype=np.uint8)
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, offload="disk",
+                                         offload_dir=tmp_path / "disk", reserve_tokens=24)
+    stream = qa.stream()
+    assert stream.horizon is None and stream.prefill.positions.mode == "bounded"
+    for frame in frames[:12]:
+        stream.push(frame)
+    assert stream.tokens > 128
+    saved = stream.save(tmp_path / "s.safetensors")
+    from_file, from_disk = Stream.load(saved, qa), Stream.load(stream.prefill.disk.folder, qa)
+    for frame in frames[12:]:
+        for each in (stream, from_file, from_disk):
+            each.push(frame)
+    expected = stream.ask_tokens("Why?", max_new_tokens=4)
+    assert stream.answer_info.context == "retrieved"
+    for each in (from_file, from_disk):
+        assert each.horizon_frames is None and each.tokens == stream.tokens
+        assert torch.equal(each.ask_tokens("Why?", max_new_tokens=4), expected)
+    with pytest.raises(InputError, match="positions"):
+        Stream.load(saved, qa.with_options(positions="stream"))

@@ -175,6 +175,33 @@ def test_a_held_out_video_under_the_media_root_answers_as_videoqa(server, qa, me
     assert stats["saved"]["frames"] == 12 and stats["resume_from"] == 12  # a source fed in full is saved
 
 
+def test_a_stream_made_without_a_horizon_runs_past_the_models_range(tmp_path, media):
+    """No horizon by default: a stream outlives the model's positional range (a tiny model of 256 positions, fed
+    three times as many) and still answers; nothing answers 409 for its age."""
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    (tmp_path / "state").mkdir()
+    running = Server(tmp_path / "state", media, "--model", str(checkpoint), "--save-every-frames", "1000").start()
+    try:
+        with running.client() as client:
+            reply = client.post("/v1/streams", json={"max_fps": None})
+            assert reply.status_code == 201, reply.text
+            stream_id = reply.json()["id"]
+            for image in _frames(7, 50):
+                pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(image),
+                                     headers={"Content-Type": "image/png"})
+                assert pushed.status_code == 200, pushed.text
+            stats = client.get(f"/v1/streams/{stream_id}").json()
+            assert stats["horizon_frames"] is None and stats["tokens"] > 3 * 256
+            answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 4})
+            assert answer.status_code == 200, answer.text
+    finally:
+        running.stop()
+
+
 def test_answers_stream_token_by_token(server):
     with server.client() as client:
         stream_id = _create(client)

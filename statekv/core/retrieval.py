@@ -19,9 +19,9 @@ Rules (``RETRIEVAL_RULES``, chosen by name with ``retrieval=``):
     The last steps only: SimpleStream's baseline (answer from the last N frames).
 
 Hierarchical retrieval: a question's cost must not grow with the stream's age, so once a stream holds more
-segments (``SEGMENT_STEPS`` steps each, :attr:`statekv.core.storage.LayerStorage.segments`) than the steps asked
-for, a rule that allows it (``hierarchical``) scores only the steps of a few segments: the ``steps`` segments whose
-keys could match the question best (Quest's bound, Tang et al., ICML 2024: per channel, the query times the
+segments (``SEGMENT_STEPS`` steps each, :attr:`statekv.core.storage.LayerStorage.segments`) than twice the steps
+asked for, a rule that allows it (``hierarchical``) scores only the steps of a few segments: the ``2 x steps``
+segments whose keys could match the question best (Quest's bound, Tang et al., ICML 2024: per channel, the query times the
 segment's smallest or largest key, whichever is larger, summed: no key of the segment scores above it; normalised
 over the segments per query head and token, the largest over the question's tokens, summed over heads), the
 segments of the steps earlier layers chose, and the open segment (the latest steps). ``attention`` then shares
@@ -45,6 +45,7 @@ from ..values import check_int
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22
+SEGMENTS_PER_STEP = 2  # segments a hierarchical question scores the steps of, per step it retrieves
 
 
 @dataclass(frozen=True)
@@ -289,14 +290,15 @@ class Retrieval:
         return sorted(candidates[best].tolist())
 
     def candidates(self, seen: LayerQuestion, first: int) -> torch.Tensor | None:
-        """The steps scored at this layer when the stream holds more complete segments than ``steps`` (None: every
-        step): those of the ``steps`` best segments, of the segments earlier layers' best steps lie in, and of
-        the open segment, from step ``first`` on (LongTensor ``[C]``, ascending, on the host)."""
+        """The steps scored at this layer when the stream holds more complete segments than `SEGMENTS_PER_STEP` x
+        ``steps`` (None: every step): those of that many best segments, of the segments earlier layers' best steps
+        lie in, and of the open segment, from step ``first`` on (LongTensor ``[C]``, ascending, on the host)."""
         index, per_segment = seen.segments, seen.segment_steps
-        if not self.rule.hierarchical or index is None or per_segment < 1 or index.shape[2] <= self.steps:
+        expanded = SEGMENTS_PER_STEP * self.steps
+        if not self.rule.hierarchical or index is None or per_segment < 1 or index.shape[2] <= expanded:
             return None
         complete = index.shape[2]
-        best = set(self.rule.segment_scores(seen).topk(self.steps).indices.tolist())
+        best = set(self.rule.segment_scores(seen).topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)
         if isinstance(total, torch.Tensor) and total.shape[0] == len(seen.steps):
             earlier = total.topk(min(self.steps, total.shape[0])).indices.tolist()
