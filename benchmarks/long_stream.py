@@ -22,6 +22,7 @@ Configurations:
 ``ten-hours``: ``offload="disk", kv_cache_dtype="int4"``, 36,000 frames (10 h at 1 fps); questions at 1 h and 10 h.
 ``tiers``: the disk tier (model dtype) and host memory (``offload=True``), two streams pushed in turn in one
     process (the same load for both), 10,000 frames each: the disk tier's ms per frame against host memory's.
+``memory``: host memory alone, 10,000 frames (its resident memory and time per frame without another stream).
 ``week``: disk, int4, 100,800 frames (28 h); questions at 1 h, 10 h, 24 h and at the end.
 """
 
@@ -46,6 +47,7 @@ CONFIGS = {
                   "asks": (HOUR, 36_000)},
     "tiers": {"streams": {"disk": {"offload": "disk"}, "memory": {"offload": True}}, "frames": 10_000,
               "asks": (HOUR, 10_000)},
+    "memory": {"streams": {"memory": {"offload": True}}, "frames": 10_000, "asks": (HOUR, 10_000)},
     "week": {"streams": {"disk int4": {"offload": "disk", "kv_cache_dtype": "int4"}}, "frames": 100_800,
              "asks": (HOUR, 36_000, 86_400, 100_800)},
 }

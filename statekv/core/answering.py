@@ -46,12 +46,14 @@ class AnswerLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
-                 evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None):
-        """steps: the stream's step lengths, in tokens (what retrieval scores); evicted: the steps given up under
-        a cache limit (never read); placing: under bounded positions, where the context's keys go."""
+                 evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None,
+                 starts: torch.Tensor | None = None):
+        """steps: the stream's step lengths, in tokens (what retrieval scores), and starts their first tokens
+        (``[steps + 1]``, then the end); evicted: the steps given up under a cache limit (never read); placing:
+        under bounded positions, where the context's keys go."""
         super().__init__()
         self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
-        self.evicted = evicted
+        self.evicted, self.starts = evicted, starts
         self.placing = placing
         self.keys = self.values = None
         self.context = self.answered = 0
@@ -105,7 +107,8 @@ class AnswerLayer(CacheLayerMixin):
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
                                  read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
-                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps)
+                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
+                                 starts=self.starts)
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
@@ -166,9 +169,8 @@ class ContextPlacing:
     """Under bounded positions, where a question's context goes (:mod:`statekv.core.positions`): each step's
     keys rotated from the rotation they were stored at to the place ``plan`` gives them."""
 
-    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan):
-        self.stream, self.plan = stream, plan
-        self.starts = torch.tensor([0, *accumulate(stream.chunk_lengths)], dtype=torch.long)
+    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: torch.Tensor):
+        self.stream, self.plan, self.starts = stream, plan, starts
 
     def placed(self, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``keys`` ``[B, H_kv, M, D]`` of the tokens ``index`` ``[M]`` (ascending) rotated to their places."""
@@ -192,9 +194,10 @@ class AnswerCache(Cache):
                  plan: QuestionPlan | None = None):
         super().__init__(layers=[])
         steps = tuple(stream.chunk_lengths)
+        starts = stream.step_starts()
         evicted = frozenset(stream.evicted_steps)
-        placing = None if plan is None else ContextPlacing(stream, plan)
-        self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing) for layer in stream.layers]
+        placing = None if plan is None else ContextPlacing(stream, plan, starts)
+        self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
 

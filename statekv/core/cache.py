@@ -15,7 +15,9 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 from transformers import DynamicCache
@@ -184,6 +186,7 @@ class TwoStateCache(Cache):
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
+        self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
         self.recency = forms.Recency()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
@@ -229,7 +232,7 @@ class TwoStateCache(Cache):
         context = StepContext(chunk_len, self.step_index, self.step_device)
         if self.positions.bounded:
             carried = max(layer.carried_length for layer in self.layers)
-            self.positions.plan(chunk_len, self.seen_tokens, position_ids, carried, device)
+            self.positions.plan(chunk_len, self.seen_tokens, position_ids, carried)
             context.positions = self.positions
         self.transaction = StepTransaction(context, self.layers)
         self.recency.update(self.layers, self.policy, self.chunk_lengths, self.seen_tokens, context, device)
@@ -307,6 +310,15 @@ class TwoStateCache(Cache):
         self.chunk_lengths.append(self.chunk_len)
         self.seen_tokens += self.chunk_len
         self.positions.commit()
+        if len(self._starts) == len(self.chunk_lengths):
+            self._starts.append(self.seen_tokens)
+
+    def step_starts(self) -> torch.Tensor:
+        """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
+        as the steps commit, so a question never walks the stream's history to find them)."""
+        if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed
+            self._starts = array("q", [0, *accumulate(self.chunk_lengths)])
+        return torch.frombuffer(self._starts, dtype=torch.long).clone()
 
     def rollback(self) -> None:
         if self.transaction is not None:

@@ -179,16 +179,12 @@ def bounded_layout(name: str | BoundedLayout) -> BoundedLayout:
 @dataclass(frozen=True)
 class StepPlan:
     """Where one step's chunk goes: ``first`` its first position in the stream (temporal row for M-RoPE),
-    ``span`` the positions it takes, ``base`` the rotary position it is placed at (``first - base`` is the
-    shift its positions get)."""
+    ``span`` the positions it takes, ``base`` the rotary position it is placed at (its positions are moved by
+    ``first - base``)."""
 
     first: int
     span: int
     base: int
-
-    @property
-    def shift(self) -> int:
-        return self.first - self.base
 
 
 @dataclass(frozen=True)
@@ -237,8 +233,7 @@ class StreamPositions:
         return self.firsts[-1] + self.spans[-1] if self.firsts else 0
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def plan(self, chunk_len: int, seen_tokens: int, position_ids: torch.Tensor | None, carried: int,
-             device: torch.device) -> StepPlan:
+    def plan(self, chunk_len: int, seen_tokens: int, position_ids: torch.Tensor | None, carried: int) -> StepPlan:
         """Place the step about to run (host; explicit M-RoPE positions are read: a sync). Its device part finds
         the same place on the device (`chunk`), so a steady step reads no host value."""
         if position_ids is None:

@@ -215,14 +215,14 @@ class StreamingPrefill:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
         journal and checkpoints), and what the next step adds to it (a segment row, the journal's growth over the
         last step)."""
-        layers = self.cache.layers
-        index = sum(layer.storage.segment_index.nbytes for layer in layers)
-        completes = (len(self.cache.chunk_lengths) + 1) % layers[0].storage.segment_steps == 0
-        row = sum(layer.storage.segment_partial.numel() * layer.storage.segment_partial.element_size()
-                  for layer in layers if completes and layer.storage.segment_partial is not None)
+        storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_partial is not None]
+        row = sum(s.segment_partial.numel() * s.segment_partial.element_size() for s in storages)  # all layers
+        index = row * (storages[0].segment_index.length if storages else 0)
+        completes = (len(self.cache.chunk_lengths) + 1) % self.cache.layers[0].storage.segment_steps == 0
+        growth = row if completes else 0
         if self.disk is None:
-            return index, row
-        return index + self.disk.nbytes, row + self.disk.growth
+            return index, growth
+        return index + self.disk.nbytes, growth + self.disk.growth
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""

@@ -13,7 +13,9 @@ attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -116,7 +118,7 @@ class QuantizedStorage(OffloadedStorage):
         self.bits = KV_CACHE_BITS[self.kv_cache_dtype]
         self.offloaded = device is not None
         self._length = 0
-        self._starts: list[int] = []  # each committed step's first token
+        self._starts = array("q")  # each committed step's first token (8 bytes a step)
         self._starts_tensor: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # the model's
         super().__init__(capacity_hint, device, on_replace, make_buffer or memory_buffers(device, on_replace))
@@ -217,7 +219,9 @@ class QuantizedStorage(OffloadedStorage):
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""
         if self._starts_tensor is None or self._starts_tensor.device != index.device:
-            self._starts_tensor = torch.tensor(self._starts, dtype=torch.long, device=index.device)
+            starts = torch.frombuffer(self._starts, dtype=torch.long).clone() if self._starts else torch.zeros(
+                0, dtype=torch.long)
+            self._starts_tensor = starts.to(index.device)
         return torch.searchsorted(self._starts_tensor, index, right=True) - 1
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +251,7 @@ class QuantizedStorage(OffloadedStorage):
         for name in ("key_codes", "value_codes", "value_scales", "key_scales"):
             getattr(self, name).load(tensors[name].to(storage))
         self._length = tensors["key_codes"].shape[2]
-        self._starts = [sum(steps[:i]) for i in range(len(steps))]
+        self._starts = array("q", [0, *accumulate(steps)][: len(steps)])
         self._starts_tensor = None
         if "block_keys" in tensors:
             self._load_summaries(tensors, tensors["block_keys"], steps, storage)

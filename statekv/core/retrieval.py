@@ -32,7 +32,6 @@ layer instead of ``O(steps of the stream)``.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -93,6 +92,17 @@ class LayerQuestion:
     segment_steps: int = 0
     candidates: torch.Tensor | None = field(default=None, compare=False)
     others: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
+    starts: torch.Tensor | None = field(default=None, compare=False)
+
+    @property
+    def step_starts(self) -> torch.Tensor:
+        """LongTensor ``[S + 1]`` on the host: each step's first token, then the end (given, or from ``steps``)."""
+        if self.starts is not None:
+            return self.starts
+        cached = self.memory.get("starts")
+        if cached is None or cached.shape[0] != len(self.steps) + 1:
+            cached = self.memory["starts"] = torch.tensor([0, *accumulate(self.steps)], dtype=torch.long)
+        return cached
 
     @property
     def scored(self) -> int:
@@ -142,7 +152,7 @@ class MeanKeyMatch(RetrievalRule):
         """The same score of each segment's mean key (its keys' sum over its tokens)."""
         index = seen.segments.float()
         hkv, dim = index.shape[1], index.shape[-1] // 3
-        starts = torch.tensor([0, *_ends(seen)], dtype=torch.long)
+        starts = seen.step_starts
         groups = torch.arange(index.shape[2] + 1) * seen.segment_steps
         tokens = (starts[groups[1:]] - starts[groups[:-1]]).float().to(index.device)
         means = index[..., 2 * dim:] / tokens[None, None, :, None]
@@ -228,8 +238,8 @@ class AttentionShare(RetrievalRule):
         if samples is not None and samples.shape[3] == most:
             if seen.candidates is not None:
                 samples = samples.index_select(2, seen.candidates.to(samples.device))
-            index = torch.cat([step * most + torch.arange(count) for step, count in enumerate(counts)]
-                              or [torch.zeros(0, dtype=torch.long)])
+            slots = torch.arange(len(counts) * most).view(-1, most)
+            index = slots[torch.arange(most) < torch.tensor(counts, dtype=torch.long).view(-1, 1)]  # real keys only
             flat = samples[0].flatten(1, 2)  # [H_kv, scored * most, D]
             return flat.index_select(1, index.to(flat.device)).float(), counts
         if seen.candidates is None and seen.keys is not None and max(seen.steps, default=0) <= most:
@@ -271,14 +281,14 @@ class Retrieval:
 
     def choose(self, seen: LayerQuestion) -> list[int]:
         """The steps (ascending) answered from at ``seen``'s layer, besides the kept tokens."""
-        ends = _ends(seen)
-        first = bisect_right(ends, self.keep_tokens)  # the steps before it are wholly kept anyway
-        held = len(ends) - first - sum(1 for s in seen.evicted if s >= first)
+        count = len(seen.steps)
+        first = int(torch.searchsorted(seen.step_starts[1:], self.keep_tokens, right=True))  # before: wholly kept
+        held = count - first - sum(1 for s in seen.evicted if s >= first)
         if held <= self.steps:
-            return [s for s in range(first, len(ends)) if s not in seen.evicted]
+            return [s for s in range(first, count) if s not in seen.evicted]
         candidates = self.candidates(seen, first)
         if candidates is None:  # every step scored
-            outside = [s for s in range(first, len(ends)) if s not in seen.evicted]
+            outside = [s for s in range(first, count) if s not in seen.evicted]
             scores = self.rule.scores(seen).float()
             best = scores[torch.tensor(outside, device=scores.device)].topk(self.steps).indices.tolist()
             return sorted(outside[i] for i in best)
@@ -315,7 +325,7 @@ class Retrieval:
         count (log weights)."""
         if not isinstance(self.rule, AttentionShare) or seen.segments is None:
             return None
-        ends, per_segment, most = _ends(seen), seen.segment_steps, self.rule.keys_per_step
+        per_segment, most = seen.segment_steps, self.rule.keys_per_step
         index = seen.segments[0]  # [H_kv, G, 3 D]
         dim = index.shape[-1] // 3
         expanded = torch.zeros(index.shape[1], dtype=torch.bool)
@@ -323,7 +333,7 @@ class Retrieval:
         rest = (~expanded).nonzero().squeeze(1)
         keys, weights = [], []
         if rest.numel():
-            starts = torch.tensor([0, *ends], dtype=torch.long)
+            starts = seen.step_starts
             tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
             means = index[:, rest.to(index.device), 2 * dim:].float() / tokens.to(index.device)[None, :, None]
             keys.append(means)
@@ -342,21 +352,12 @@ class Retrieval:
 
     def tokens(self, seen: LayerQuestion) -> torch.Tensor:
         """Token indices ``[M]`` (ascending, on the keys' device) of the context at ``seen``'s layer."""
-        ends = _ends(seen)
-        keep = min(self.keep_tokens, ends[-1] if ends else 0)
+        starts = seen.step_starts
+        keep = min(self.keep_tokens, int(starts[-1]))
         parts = [torch.arange(keep)]
         for s in self.choose(seen):
-            start = max(ends[s] - seen.steps[s], keep)
-            parts.append(torch.arange(start, ends[s]))
+            parts.append(torch.arange(max(int(starts[s]), keep), int(starts[s + 1])))
         return torch.cat(parts).to(seen.device)
-
-
-def _ends(seen: LayerQuestion) -> list[int]:
-    """Each step's end (tokens), computed once per question (kept in its scratch)."""
-    ends = seen.memory.get("ends")
-    if ends is None or len(ends) != len(seen.steps):
-        ends = seen.memory["ends"] = list(accumulate(seen.steps))
-    return ends
 
 
 def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch.Tensor:
@@ -364,8 +365,8 @@ def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch
     key = ("sampled per segment", most)
     counts = seen.memory.get(key)
     if counts is None or counts.shape[0] < segments:
-        per_step = torch.tensor(seen.steps[: segments * seen.segment_steps], dtype=torch.float64).clamp(max=most)
-        counts = seen.memory[key] = per_step.reshape(segments, seen.segment_steps).sum(1)
+        lengths = torch.diff(seen.step_starts[: segments * seen.segment_steps + 1]).double().clamp(max=most)
+        counts = seen.memory[key] = lengths.reshape(segments, seen.segment_steps).sum(1)
     return counts[:segments]
 
 
