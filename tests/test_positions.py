@@ -8,8 +8,8 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from statekv.core import FullAttention, Retrieval, StateKV, StreamingPrefill
 from statekv.core.policies import CarryPolicy
-from statekv.core.positions import (CacheOrder, GroupedDistances, StreamPositions, choose_positions, rotate,
-                                    trained_range)
+from statekv.core.positions import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions, choose_positions,
+                                    rotate, trained_range)
 from statekv.errors import ConfigurationError, HorizonError, InputError
 
 from conftest import split
@@ -80,9 +80,11 @@ def grouped_target(distance: int, first: int, base: int, limit: int) -> int:
     return base - min(mapped, base)
 
 
-def test_bounded_places_keys_inside_the_range_past_it(model):
+def test_bounded_places_keys_inside_the_range_past_it(model, monkeypatch):
     """Past the range every rotary position stays inside it: the chunk at its base, each carried key rotated
-    from the rotation it was stored at to the layout's place for it (checked against a direct computation)."""
+    from the rotation it was stored at to the layout's place for it (the grouped layout, checked against a
+    direct computation)."""
+    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", GroupedDistances.name)
     policy = Recording(16)
     prefill = StreamingPrefill(model, policy, positions="bounded")
     seen_positions = []
@@ -140,23 +142,38 @@ def test_question_past_the_range_reads_retrieved_frames(model):
         prefill.generate(torch.tensor([[1] * 50]), max_new_tokens=20)
 
 
-def test_cache_layout_keeps_the_carried_state_in_cache_order(model):
+def test_cache_layout_keeps_the_carried_state_in_cache_order(model, monkeypatch):
     """The cache layout: carried keys at consecutive positions right before the chunk (StreamingLLM); full
     attention, whose carried state outgrows the range, is refused with one line."""
-    positions_module = pytest.importorskip("statekv.core.positions")
-    previous = positions_module.DEFAULT_LAYOUT
-    positions_module.DEFAULT_LAYOUT = CacheOrder.name
-    try:
-        prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
-        for chunk in split(tokens(100)) * 2:
-            prefill.step(input_ids=chunk)
-        assert max(prefill.positions.bases) == 16 and prefill.positions.layout == CacheOrder()
-        full = StreamingPrefill(model, FullAttention(), positions="bounded")
-        with pytest.raises(HorizonError, match="grouped layout"):
-            for chunk in split(tokens(100)):
-                full.step(input_ids=chunk)
-    finally:
-        positions_module.DEFAULT_LAYOUT = previous
+    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", CacheOrder.name)
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+    for chunk in split(tokens(100)) * 2:
+        prefill.step(input_ids=chunk)
+    assert max(prefill.positions.bases) == 16 and prefill.positions.layout == CacheOrder()
+    full = StreamingPrefill(model, FullAttention(), positions="bounded")
+    with pytest.raises(HorizonError, match="grouped layout"):
+        for chunk in split(tokens(100)):
+            full.step(input_ids=chunk)
+
+
+def test_the_default_layout_keeps_own_positions_then_the_cache_order_past_the_range(model):
+    """The default layout (own-then-cache): the stream's own positions while it fits (so StateKV is exactly
+    `stream`), past the range StateKV's carried state in cache order right before its chunk, and full attention,
+    whose carried state cannot be, grouped; every position inside the range."""
+    assert StreamPositions("bounded", LIMIT).layout == OwnThenCache()
+    policy = Recording(16)
+    prefill = StreamingPrefill(model, policy, positions="bounded")
+    chunks = split(tokens(100)) + split(tokens(100, seed=1))
+    for chunk in chunks:
+        prefill.step(input_ids=chunk)
+    positions, cap = prefill.positions, LIMIT - LIMIT // 8
+    own = [s for s, first in enumerate(positions.firsts) if first + positions.spans[s] <= cap]
+    assert own and all(positions.bases[s] == positions.firsts[s] for s in own)
+    assert positions.bases[-1] == 16 < positions.firsts[-1]  # past the range: the chunk right after 16 carried
+    full = StreamingPrefill(model, FullAttention(), positions="bounded")
+    for chunk in chunks:
+        full.step(input_ids=chunk)
+    assert full.positions.bases[-1] == min(cap, LIMIT - full.positions.spans[-1])  # grouped, at its ceiling
 
 
 def test_bounded_stream_saves_and_resumes_exactly(model):
@@ -263,3 +280,19 @@ def test_a_stream_without_a_horizon_saves_and_resumes_past_the_range(tmp_path, m
         assert torch.equal(each.ask_tokens("Why?", max_new_tokens=4), expected)
     with pytest.raises(InputError, match="positions"):
         Stream.load(saved, qa.with_options(positions="stream"))
+
+
+def test_a_stream_keeps_a_bounded_record_of_its_steps(monkeypatch):
+    """Per-frame times and step records stay bounded however long a stream runs, their totals kept."""
+    import statekv.encoded
+
+    monkeypatch.setattr(statekv.encoded, "TIMES_KEPT", 4)
+    stats = statekv.encoded.EncodingStats()
+    for frame in range(11):
+        for times in (stats.frame_seconds, stats.decode_seconds, stats.vision_seconds, stats.language_seconds):
+            times.append(0.5 + frame)
+        stats.trim()
+    assert len(stats.frame_seconds) < 8 and stats.earlier_frames + len(stats.frame_seconds) == 11
+    assert stats.seconds == pytest.approx(sum(0.5 + f for f in range(11)))
+    assert stats.mean_frame_seconds == pytest.approx(stats.seconds / 11)
+    assert statekv.core.prefill.HISTORY_STEPS == 1024

@@ -96,7 +96,9 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class BoundedLayout:
-    """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions."""
+    """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions.
+
+    ``flat``: the model's RoPE is 1-D (False: M-RoPE, whose steps move as a whole)."""
 
     name: ClassVar[str] = ""
     one_dimensional: ClassVar[bool] = False  # needs 1-D RoPE (refused for M-RoPE)
@@ -109,12 +111,16 @@ class BoundedLayout:
         """The highest position a chunk of ``span`` positions after ``carried`` carried tokens is placed at."""
         raise NotImplementedError
 
-    def base(self, first: int, span: int, carried: int, limit: int) -> int:
-        """The rotary position of the chunk's first token: its own position while the stream fits."""
+    def base(self, first: int, span: int, carried: int, limit: int, flat: bool = True) -> int:
+        """The rotary position of the chunk's first token (host): its own position while the stream fits."""
         return max(0, min(first, self.ceiling(span, carried, limit)))
 
+    def base_on(self, first: torch.Tensor, span: int, carried: int, limit: int, flat: bool = True) -> torch.Tensor:
+        """`base` on the device, from the chunk's first position ``first`` ``[1]`` (what a steady step computes)."""
+        return first.clamp(0, self.ceiling(span, carried, limit))
+
     def targets(self, anchors: torch.Tensor, first: torch.Tensor, base: torch.Tensor, carried: int,
-                limit: int) -> torch.Tensor:
+                limit: int, flat: bool = True) -> torch.Tensor:
         """Rotary positions ``[B, H, K + T]`` of ``[carried; chunk]`` whose positions in the stream (temporal row
         for M-RoPE) are ``anchors``, for a chunk starting at ``first`` placed at ``base`` (device ``[1]``)."""
         raise NotImplementedError
@@ -132,7 +138,7 @@ class GroupedDistances(BoundedLayout):
     def ceiling(self, span: int, carried: int, limit: int) -> int:
         return min(self.cap(limit), limit - span)
 
-    def targets(self, anchors, first, base, carried, limit):
+    def targets(self, anchors, first, base, carried, limit, flat=True):
         cap = self.cap(limit)
         window = int(self.window * cap)
         group = torch.div(first - window + cap - window - 1, cap - window, rounding_mode="floor").clamp_min(1)
@@ -156,15 +162,51 @@ class CacheOrder(BoundedLayout):
                                "use the grouped layout or a method that carries fewer tokens")
         return carried
 
-    def targets(self, anchors, first, base, carried, limit):
+    def targets(self, anchors, first, base, carried, limit, flat=True):
         b, h, size = anchors.shape
         order = torch.arange(size, device=anchors.device).expand(b, h, -1)
         chunk = base + (anchors - first)
         return torch.where(order < carried, base - carried + order, chunk)
 
 
-BOUNDED_LAYOUTS: dict[str, BoundedLayout] = {layout.name: layout for layout in (GroupedDistances(), CacheOrder())}
-DEFAULT_LAYOUT = GroupedDistances.name
+@dataclass(frozen=True)
+class OwnThenCache(BoundedLayout):
+    """Every token at its own position while the stream fits the range; past it, the carried state in cache order
+    (`CacheOrder`) where it fits the range with the chunk (1-D RoPE), else `GroupedDistances`."""
+
+    name: ClassVar[str] = "own-then-cache"
+    grouped: GroupedDistances = GroupedDistances()
+    cache: CacheOrder = CacheOrder()
+
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        return self.grouped.ceiling(span, carried, limit)
+
+    def compacts(self, span: int, carried: int, limit: int, flat: bool) -> bool:
+        return flat and carried + span <= limit
+
+    def base(self, first, span, carried, limit, flat=True):
+        ceiling = self.ceiling(span, carried, limit)
+        if first <= ceiling:
+            return max(first, 0)
+        return carried if self.compacts(span, carried, limit, flat) else ceiling
+
+    def base_on(self, first, span, carried, limit, flat=True):
+        ceiling = self.ceiling(span, carried, limit)
+        past = carried if self.compacts(span, carried, limit, flat) else ceiling
+        return torch.where(first <= ceiling, first.clamp_min(0), torch.full_like(first, past))
+
+    def targets(self, anchors, first, base, carried, limit, flat=True):
+        grouped = self.grouped.targets(anchors, first, base, carried, limit)
+        span = anchors.shape[-1] - carried
+        if not self.compacts(span, carried, limit, flat):
+            return grouped
+        past = first > self.ceiling(span, carried, limit)
+        return torch.where(past, self.cache.targets(anchors, first, base, carried, limit), grouped)
+
+
+BOUNDED_LAYOUTS: dict[str, BoundedLayout] = {layout.name: layout for layout in (
+    OwnThenCache(), GroupedDistances(), CacheOrder())}
+DEFAULT_LAYOUT = OwnThenCache.name
 
 
 def bounded_layout(name: str | BoundedLayout) -> BoundedLayout:
@@ -221,7 +263,7 @@ class StreamPositions:
         self.widest = 0  # the largest step span so far
         self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending: StepPlan | None = None
-        self.ceiling = 0  # the step's highest base (set by plan)
+        self._placing = (0, 0, True)  # the step's span, carried tokens, and whether its RoPE is 1-D (set by plan)
 
     @property
     def bounded(self) -> bool:
@@ -246,8 +288,8 @@ class StreamPositions:
             first = int(temporal[0, 0])
             rows = position_ids if position_ids.dim() == 2 else position_ids[-3:]
             span = int(rows.max()) + 1 - first
-        self.ceiling = self.layout.ceiling(span, carried, self.limit)
-        plan = StepPlan(first, span, max(0, min(first, self.ceiling)))
+        self._placing = (span, carried, position_ids is None or position_ids.dim() == 2)  # for the device part
+        plan = StepPlan(first, span, self.layout.base(first, span, carried, self.limit, self._placing[2]))
         self.pending = plan
         return plan
 
@@ -265,7 +307,8 @@ class StreamPositions:
         first, base, shift = self.device_scalars(write_index.device)
         anchors = write_index if position_ids is None else _temporal(position_ids)[0]
         first.copy_(anchors[:1])
-        torch.clamp(first, 0, self.ceiling, out=base)
+        span, carried, flat = self._placing
+        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat))
         torch.sub(first, base, out=shift)
         if position_ids is None:
             moved = anchors - shift
@@ -282,7 +325,7 @@ class StreamPositions:
         """``[carried; chunk]`` keys ``[B, H, K + T, D]`` (each at its stored rotation ``rotations``) rotated to
         where the layout puts them for this step."""
         first, base, _ = self.device_scalars(keys.device)
-        targets = self.layout.targets(anchors, first, base, carried, self.limit)
+        targets = self.layout.targets(anchors, first, base, carried, self.limit, self._placing[2])
         return rotate(keys, targets - rotations, self.frequencies(keys.device))
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
