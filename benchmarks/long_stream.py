@@ -41,6 +41,7 @@ from pathlib import Path
 
 QUESTION = "What happened first?"
 RETRIEVE = 16
+REPEATS = 3  # timed questions at each age (after a warm-up); the median is reported
 HOUR = 3600  # frames of an hour at 1 fps
 CONFIGS = {
     "ten-hours": {"streams": {"disk int4": {"offload": "disk", "kv_cache_dtype": "int4"}}, "frames": 36_000,
@@ -99,11 +100,13 @@ def child(args: argparse.Namespace) -> None:
                limit=stream.prefill.positions.limit, **resident())
     pool = np.random.default_rng(0).integers(0, 256, (32, args.image_size, args.image_size, 3), dtype=np.uint8)
     spent = {label: 0.0 for label in streams}
+    cpu = {label: 0.0 for label in streams}
     for index in range(frames):
         for label, stream in streams.items():
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             stream.push(pool[index % len(pool)])
             spent[label] += time.perf_counter() - started
+            cpu[label] += time.process_time() - started_cpu
         done = index + 1
         if done % args.sample_every == 0 or done == frames:
             count = done % args.sample_every or args.sample_every
@@ -111,19 +114,24 @@ def child(args: argparse.Namespace) -> None:
                 stats = stream.prefill.stats
                 folder = None if stream.prefill.disk is None else stream.prefill.disk.folder
                 record(kind="sample", stream=label, frames=done, ms_per_frame=1e3 * spent[label] / count,
+                       cpu_ms_per_frame=1e3 * cpu[label] / count,
                        tokens=stats.tokens, detailed_bytes=stats.detailed_bytes, summary_bytes=stats.summary_bytes,
                        journal_bytes=stats.journal_bytes, disk_bytes=disk_bytes(folder), **resident())
-                spent[label] = 0.0
+                spent[label] = cpu[label] = 0.0
         if done in asks:
             for label, stream in streams.items():
                 stream.flush()
                 stream.ask_tokens(QUESTION, max_new_tokens=8, retrieve=RETRIEVE)  # warm-up (first-call allocations)
                 before = resident()
-                started = time.perf_counter()
-                stream.ask_tokens(QUESTION, max_new_tokens=8, retrieve=RETRIEVE)
-                seconds = time.perf_counter() - started
-                record(kind="ask", stream=label, frames=done, seconds=seconds, retrieve=RETRIEVE,
-                       context=stream.answer_info.context, rss_before=before["VmRSS"], rss_after=resident()["VmRSS"])
+                walls, cpus = [], []
+                for _ in range(REPEATS):
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    stream.ask_tokens(QUESTION, max_new_tokens=8, retrieve=RETRIEVE)
+                    walls.append(time.perf_counter() - started)
+                    cpus.append(time.process_time() - started_cpu)
+                record(kind="ask", stream=label, frames=done, seconds=statistics.median(walls),
+                       cpu_seconds=statistics.median(cpus), retrieve=RETRIEVE, context=stream.answer_info.context,
+                       rss_before=before["VmRSS"], rss_after=resident()["VmRSS"])
     for stream in streams.values():
         stream.close()
     record(kind="done", frames=frames)
@@ -155,12 +163,12 @@ def run(name: str, args: argparse.Namespace, checkpoint: Path, workdir: Path) ->
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def tenths(samples: list[dict]) -> tuple[float, float]:
-    """Mean ms per frame over the first tenth of the stream (its first window, the warm-up, left out) and over the
-    last tenth, from the samples (each a window of frames)."""
+def tenths(samples: list[dict], key: str = "ms_per_frame") -> tuple[float, float]:
+    """Mean ms per frame (``key``: wall or process CPU time) over the first tenth of the stream (its first window,
+    the warm-up, left out) and over the last tenth, from the samples (each a window of frames)."""
     frames = samples[-1]["frames"]
-    first = [s["ms_per_frame"] for s in samples[1:] if s["frames"] <= frames / 10] or [samples[1]["ms_per_frame"]]
-    last = [s["ms_per_frame"] for s in samples if s["frames"] > frames * 0.9]
+    first = [s[key] for s in samples[1:] if s["frames"] <= frames / 10] or [samples[1][key]]
+    last = [s[key] for s in samples if s["frames"] > frames * 0.9]
     return statistics.fmean(first), statistics.fmean(last)
 
 
@@ -173,31 +181,35 @@ def hours(frames: int) -> str:
 
 
 def table(results: dict[str, list[dict]]) -> list[str]:
-    lines = ["| configuration | stream | frames | ms/frame, first tenth | ms/frame, last tenth | last / first | "
-             "RSS at start MiB | RSS at end MiB | RSS growth per frame B | disk at end MiB | question, 16 frames "
-             "retrieved (s) | last / first question |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| configuration | stream | frames | CPU ms/frame, first tenth | last tenth | last / first | wall ms/frame, "
+             "first tenth | last tenth | last / first | RSS at start MiB | RSS at end MiB | RSS growth per frame B | "
+             "disk at end MiB | question, 16 frames retrieved: CPU s (wall s) | last / first question, CPU |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, records in results.items():
         for label in [r["stream"] for r in records if r["kind"] == "stream"]:
             samples = [r for r in records if r["kind"] == "sample" and r["stream"] == label]
             asks = [r for r in records if r["kind"] == "ask" and r["stream"] == label]
+            first_cpu, last_cpu = tenths(samples, "cpu_ms_per_frame")
             first_ms, last_ms = tenths(samples)
             after = [s for s in samples if asks and s["frames"] > asks[0]["frames"]] or samples
             growth = (after[-1]["VmRSS"] - after[0]["VmRSS"]) / max(after[-1]["frames"] - after[0]["frames"], 1)
-            questions = "; ".join(f"{r['seconds']:.3f} at {hours(r['frames'])} ({r['context']})" for r in asks)
-            ratio = f"{asks[-1]['seconds'] / asks[0]['seconds']:.2f}" if len(asks) > 1 else ""
-            lines.append(f"| {name} | {label} | {samples[-1]['frames']} | {first_ms:.1f} | {last_ms:.1f} | "
-                         f"{last_ms / first_ms:.3f} | {mib(samples[0]['VmRSS'])} | {mib(samples[-1]['VmRSS'])} | "
-                         f"{growth:.0f} | {mib(samples[-1]['disk_bytes'])} | {questions} | {ratio} |")
+            questions = "; ".join(f"{r['cpu_seconds']:.3f} ({r['seconds']:.3f}) at {hours(r['frames'])}"
+                                  for r in asks)
+            ratio = f"{asks[-1]['cpu_seconds'] / asks[0]['cpu_seconds']:.2f}" if len(asks) > 1 else ""
+            lines.append(f"| {name} | {label} | {samples[-1]['frames']} | {first_cpu:.2f} | {last_cpu:.2f} | "
+                         f"{last_cpu / first_cpu:.3f} | {first_ms:.1f} | {last_ms:.1f} | {last_ms / first_ms:.3f} | "
+                         f"{mib(samples[0]['VmRSS'])} | {mib(samples[-1]['VmRSS'])} | {growth:.0f} | "
+                         f"{mib(samples[-1]['disk_bytes'])} | {questions} | {ratio} |")
     return lines
 
 
-def tier_ratio(records: list[dict]) -> str:
-    """The disk tier's ms per frame over host memory's, window by window in the one run (median)."""
+def tier_ratio(records: list[dict], key: str = "ms_per_frame") -> str:
+    """The disk tier's ms per frame (``key``: wall or CPU) over host memory's, window by window in the one run
+    (median)."""
     by_frames: dict[int, dict[str, float]] = {}
     for r in records:
         if r["kind"] == "sample":
-            by_frames.setdefault(r["frames"], {})[r["stream"]] = r["ms_per_frame"]
+            by_frames.setdefault(r["frames"], {})[r["stream"]] = r[key]
     ratios = [v["disk"] / v["memory"] for v in by_frames.values() if "disk" in v and "memory" in v]
     return f"{statistics.median(ratios):.2f}" if ratios else "n/a"
 
@@ -213,13 +225,14 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
             samples = [r for r in records if r["kind"] == "sample" and r["stream"] == label]
             ages = [r["frames"] / HOUR for r in samples]
             tag = f"{name}: {label}"
-            time_panel.plot(ages, [r["ms_per_frame"] for r in samples], label=tag)
+            time_panel.plot(ages, [r["cpu_ms_per_frame"] for r in samples], label=f"{tag} (CPU)")
+            time_panel.plot(ages, [r["ms_per_frame"] for r in samples], alpha=0.4, label=f"{tag} (wall)")
             memory.plot(ages, [r["VmRSS"] / 2**20 for r in samples], label=tag)
             if any(r["disk_bytes"] for r in samples):
                 disk.plot(ages, [r["disk_bytes"] / 2**20 for r in samples], label=tag)
             questions = [r for r in records if r["kind"] == "ask" and r["stream"] == label]
-            asks.plot([r["frames"] / HOUR for r in questions], [r["seconds"] for r in questions], marker="o",
-                      label=tag)
+            asks.plot([r["frames"] / HOUR for r in questions], [r["cpu_seconds"] for r in questions], marker="o",
+                      label=f"{tag} (CPU)")
     time_panel.set(xlabel="age of the stream (hours at 1 fps)", ylabel="ms per frame", title="time per frame")
     memory.set(xlabel="age of the stream (hours at 1 fps)", ylabel="MiB", title="resident memory")
     disk.set(xlabel="age of the stream (hours at 1 fps)", ylabel="MiB", title="disk taken by the file set")
@@ -281,7 +294,8 @@ def main(argv: list[str] | None = None) -> str:
              *table(results)]
     if "tiers" in results:
         lines += ["", f"The disk tier against host memory, window by window in the one run (median of disk / memory "
-                      f"ms per frame): {tier_ratio(results['tiers'])}."]
+                      f"ms per frame): {tier_ratio(results['tiers'], 'cpu_ms_per_frame')} in CPU time, "
+                      f"{tier_ratio(results['tiers'])} in wall time."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.plot:

@@ -19,7 +19,11 @@ is that same rotation; distances are measured on the temporal row.
 
 Layouts (``BOUNDED_LAYOUTS``), compared in docs/benchmarks.md ("Bounded positions"):
 
-``grouped`` (`GroupedDistances`, the default)
+``own-then-cache`` (`OwnThenCache`, the default)
+    Every token at its own position while the stream fits the range (exactly ``stream``); past it, the carried
+    state in cache order (as ``cache``) where it fits the range with the chunk, else grouped distances (as
+    ``grouped``: full attention, M-RoPE). Chosen from the comparison: see docs/engine.md, "Positions".
+``grouped`` (`GroupedDistances`)
     Self-Extend's rule with a group that grows with the stream: distances up to ``window`` are kept exactly and
     farther ones grouped, ``g`` to a position, ``g`` the smallest that fits the whole stream inside the range.
     Works for every method, full attention included (however much it carries). While the stream fits in the
