@@ -310,7 +310,8 @@ SCHEMA = _record({
     "max_fps": _optional(_number(positive=True)), "prefix_tokens": _integer(0), "vision_batch": _integer(1),
     "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
     "pending": _list_of(_list_of(_number(), length=2)),
-    "state": _dataclass_record(LayoutState), "stats": _dataclass_record(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
+    "state": _dataclass_record(LayoutState),
+    "stats": _dataclass_record(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
     "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
                       "window_starts": _list_of(_optional(_integer(0)))},
                      optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype

@@ -623,7 +623,8 @@ def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dic
     return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit, "steps": placed}
 
 
-def _carried_slot(where: Path, carry: dict[str, Any], layers: int, tokens: int) -> list[tuple[torch.Tensor | None, ...]]:
+def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
+                  tokens: int) -> list[tuple[torch.Tensor | None, ...]]:
     """The carried state the checkpoint ``carry`` wrote: per layer, positions ``[B, H_kv, K]``, keys, values,
     placements (or None) and the open segment (or None)."""
     dtype = getattr(torch, str(carry.get("carried_dtype")), None)

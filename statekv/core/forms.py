@@ -260,7 +260,8 @@ class Recency:
         ``recent_steps`` and ``sink_tokens``) and the stream so far (``history``: every step's tokens) say."""
         steps, sinks, chunk_len = policy.recent_steps, policy.sink_tokens, step.chunk_len
         recent = history[-steps:] if steps else []
-        wanted = (self.allowed and bool(steps) and len(recent) == steps and all(length == chunk_len for length in recent)
+        wanted = (self.allowed and bool(steps) and len(recent) == steps
+                  and all(length == chunk_len for length in recent)
                   and seen_tokens - steps * chunk_len >= sinks
                   and all(layer.carried_length == sinks + steps * chunk_len for layer in layers))
         if wanted == (self.ring is not None):

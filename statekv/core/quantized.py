@@ -160,7 +160,7 @@ class QuantizedStorage(OffloadedStorage):
         horizon = self.key_codes.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
+        self.block_keys.reserve(self._means_like, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
         self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 

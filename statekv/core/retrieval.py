@@ -21,13 +21,14 @@ Rules (``RETRIEVAL_RULES``, chosen by name with ``retrieval=``):
 Hierarchical retrieval: a question's cost must not grow with the stream's age, so once a stream holds more
 segments (``SEGMENT_STEPS`` steps each, :attr:`statekv.core.storage.LayerStorage.segments`) than twice the steps
 asked for, a rule that allows it (``hierarchical``) scores only the steps of a few segments: the ``2 x steps``
-segments whose keys could match the question best (Quest's bound, Tang et al., ICML 2024: per channel, the query times the
-segment's smallest or largest key, whichever is larger, summed: no key of the segment scores above it; normalised
-over the segments per query head and token, the largest over the question's tokens, summed over heads), the
-segments of the steps earlier layers chose, and the open segment (the latest steps). ``attention`` then shares
-the question's attention among those steps' keys, the other segments each standing in its softmax for its sampled
-keys by its mean key (weighted by their count): one question costs ``O(segments + steps x SEGMENT_STEPS)`` per
-layer instead of ``O(steps of the stream)``.
+segments whose keys could match the question best (Quest's bound, Tang et al., ICML 2024: per channel, the query
+times the segment's smallest or largest key, whichever is larger, summed: no key of the segment scores above it;
+normalised over the segments per query head and token, the largest over the question's tokens, summed over
+heads; ``rekv`` ranks segments by its own score of their mean key), the segments of the steps earlier layers chose,
+and the open segment (the latest steps). ``attention`` then shares the question's attention among those steps'
+keys, the other segments each standing in its softmax for its sampled keys by its mean key (weighted by their
+count): one question costs ``O(segments + steps x SEGMENT_STEPS)`` per layer instead of ``O(steps of the
+stream)``.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ class LayerStorage:
         self.segment_index = make_buffer("segment_index", 1, None)
         self.segment_steps = SEGMENT_STEPS
         self._samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
+        self._means_like: torch.Tensor | None = None  # [B, H_kv, 1, D]
         self.segment_partial: torch.Tensor | None = None  # [B, H_kv, 1, 3 * D]: the open segment so far
         self._segment_staged: torch.Tensor | None = None  # the same, with the step being run
 
@@ -103,8 +104,8 @@ class LayerStorage:
 
     @property
     def batch_heads(self) -> tuple[int, int] | None:
-        keys = self.block_keys.keys
-        return None if keys is None else tuple(keys.shape[:2])
+        like = self._samples_like  # not the step means: on disk, reading their shape would map their file
+        return None if like is None else tuple(like.shape[:2])
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +166,7 @@ class LayerStorage:
         """First chunk ``[B, H_kv, T, D]`` seen: room for its summaries."""
         b, h, _, d = key_states.shape
         self._samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
+        self._means_like = key_states.new_empty(b, h, 1, d)
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1)
         self._start_segments(key_states)
@@ -208,7 +210,7 @@ class LayerStorage:
         horizon = self.detailed.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
+        self.block_keys.reserve(self._means_like, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
         rows = expected // self.segment_steps + 1 if expected else 0  # every row until the horizon, at once
         self.segment_index.reserve(self.segment_partial, max(self.segment_index.length + 1, rows))
@@ -248,7 +250,8 @@ class LayerStorage:
         self.step_samples.length += 1
 
     def device_nbytes(self) -> int:
-        partial = 0 if self.segment_partial is None else 2 * self.segment_partial.numel() * self.segment_partial.element_size()
+        partial = self.segment_partial
+        partial = 0 if partial is None else 2 * partial.numel() * partial.element_size()  # and its staged twin
         return self.detailed.nbytes + self.summary_nbytes + partial
 
     def synchronize(self) -> None:
@@ -294,6 +297,7 @@ class LayerStorage:
         self.block_keys.load(means.to(storage))
         self.step_samples.load(samples.to(storage))
         self._samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
+        self._means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
 
     def _load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
                        storage: torch.device) -> None:
@@ -415,7 +419,7 @@ class OffloadedStorage(LayerStorage):
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads
-        d = self.block_keys.keys.shape[-1]
+        d = self._means_like.shape[-1]
         self.staged_mean = torch.empty(b, h, 1, d, dtype=dtype, device=device)
         self.staged_samples = torch.empty(b, h, 1, SAMPLES_PER_STEP * d, dtype=dtype, device=device)
         super().restored(dtype, device)
