@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from statekv.pipeline import VideoQA
+    from statekv.api.videoqa import VideoQA
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 

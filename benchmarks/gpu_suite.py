@@ -686,7 +686,7 @@ def markdown(record: dict, embedded: bool = False) -> str:
     """The report; ``embedded``: as the body of a docs section (no title, sub-headings one level down)."""
     environment = record["environment"]
     sub = "###" if embedded else "##"
-    lines = [] if embedded else ["# statekv GPU suite"]
+    lines = [] if embedded else ["# statekv GPU suite", ""]
     lines += [("Smoke run on CPU: tiny shapes, no figure is a GPU figure." if record["smoke"] else
                "Command: `python benchmarks/gpu_suite.py` on the device below, from a bare machine."), "",
              f"Device: {environment.get('device')} ({environment.get('device_memory_gib')} GiB)  ",

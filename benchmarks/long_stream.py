@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
             count = done % args.sample_every or args.sample_every
             for label, stream in streams.items():
                 stats = stream.prefill.stats
-                folder = None if stream.prefill.disk is None else stream.prefill.disk.folder
+                folder = stream.durability.folder
                 record(kind="sample", stream=label, frames=done, ms_per_frame=1e3 * spent[label] / count,
                        cpu_ms_per_frame=1e3 * cpu[label] / count,
                        tokens=stats.tokens, detailed_bytes=stats.detailed_bytes, summary_bytes=stats.summary_bytes,

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
-from statekv.methods import MethodSettings, method  # noqa: E402
+from statekv.settings.methods import MethodSettings, method  # noqa: E402
 from walltime import internvl3_8b_language_config, random_model  # noqa: E402
 
 PREFIX_TOKENS = 16

@@ -71,8 +71,7 @@ def measure(qa, count: int, args) -> dict[str, float]:
     horizon = args.warmup + args.frames * args.repeats
     serial_streams = make_streams(qa, count, horizon, warmup)
     batch_streams = make_streams(qa, count, horizon, warmup)
-    steady = all(stream.prefill.cache.is_steady() or stream.prefill.cache.layers[0].form != "window"
-                 for stream in batch_streams)
+    steady = all(stream.prefill.stats.forms[0] != "window" for stream in batch_streams)
     times: dict[str, list[float]] = {"serial": [], "batched": []}
     before = qa.step_scheduler.batched_rows
     for repeat in range(args.repeats):

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--height", type=int, default=360)
     parser.add_argument("--codec", default="libx264", help="codec of the synthetic video")
     parser.add_argument("--vision-batch", type=int, default=4)
-    parser.add_argument("--method", choices=statekv.pipeline.METHODS, default="statekv")
+    parser.add_argument("--method", choices=statekv.settings.methods.method_names(), default="statekv")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")

@@ -25,7 +25,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import statekv
 from statekv.core.buffers import TokenBuffer
-from statekv.methods import labelled_policies
+from statekv.settings.methods import labelled_policies
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402

@@ -392,9 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.segment_steps is not None:
-        import statekv.core.storage
+        from statekv.core import storage as segmented
 
-        statekv.core.storage.SEGMENT_STEPS = args.segment_steps
+        segmented.SEGMENT_STEPS = args.segment_steps
     if args.from_json:
         saved = json.loads(args.from_json.read_text(encoding="utf-8"))
         results = {name: {"questions": questions} for name, questions in saved["results"].items()}

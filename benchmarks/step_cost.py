@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
 from statekv.testing.op_trace import OpTrace  # noqa: E402
-from statekv.methods import labelled_policies  # noqa: E402
+from statekv.settings.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402
 
 PREFIX_TOKENS = 9
@@ -118,7 +118,7 @@ def gpu_step_figures(model, policy, backend: str, chunks: list[torch.Tensor], st
             prefill.step(inputs_embeds=chunk)
         torch.cuda.synchronize()
     launches = sum(1 for event in trace.events() if event.name in LAUNCHES) / 5
-    return {"ms": ms, "launches": launches, "replays": prefill.graphs.replays}
+    return {"ms": ms, "launches": launches, "replays": prefill.stats.graph_replays}
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """statekv: linear-time long-video encoding for video VLMs (StateKV)."""
 
-from ._torchvision_check import check_torchvision
+from .torchvision_check import check_torchvision
 
 check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
 
@@ -25,7 +25,9 @@ from .core import (  # noqa: E402
     generate_from_cache,
     scored_attention,
 )
-from .encoded import EncodedVideo, EncodingStats  # noqa: E402
+from .core.settings import EngineSettings  # noqa: E402
+from .api.encoded import EncodedVideo  # noqa: E402
+from .api.stats import EncodingStats  # noqa: E402
 from .errors import (  # noqa: E402
     ConfigurationError,
     HorizonError,
@@ -33,16 +35,17 @@ from .errors import (  # noqa: E402
     StateKVError,
     UnsupportedModelError,
 )
-from .methods import MethodSpec, register_method  # noqa: E402
-from .options import ModelOptions  # noqa: E402
-from .pipeline import VideoQA, make_policy  # noqa: E402
-from .stream import Stream  # noqa: E402
+from .settings.methods import MethodSpec, register_method  # noqa: E402
+from .settings.options import ModelOptions  # noqa: E402
+from .api.videoqa import VideoQA, make_policy  # noqa: E402
+from .api.recent import RecentFrames  # noqa: E402
+from .api.stream import Stream  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
-    "ConfigurationError", "EncodedVideo", "EncodingStats", "FullAttention",
+    "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention", "RecentFrames",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
     "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``statekv`` console script; returns the exit status."""
-    from .options import normalize_argv
+    from .settings.options import normalize_argv
 
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
     return run_command(args.command, lambda: args.run(args))

@@ -4,21 +4,21 @@ statekv's own errors into one line.
 A `statekv.StateKVError` (anything a user can cause) becomes ``statekv COMMAND: error: <one line>`` and exit
 status 2; Ctrl-C exits 130; SIGTERM (``timeout``, schedulers, systemd) and SIGHUP (a closed terminal) stop a
 command the way Ctrl-C does (a `Stopped`, so whatever keeps work on Ctrl-C keeps it on them too) and exit
-128 + the signal's number; any other exception is a bug and keeps its traceback.
+128 + the signal's number; any other exception is a bug and keeps its traceback. Every one of these signals
+only asks to stop: the stop happens where no step, save or answer is half done (`statekv.stopping`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from .errors import StateKVError
+from .stopping import Stopped, signals_stop_like_ctrl_c  # Stopped: what commands catch
 from .values import POSITIVE_FLOAT, POSITIVE_INT
 
 
@@ -58,44 +58,6 @@ def print_json(document: Any) -> None:
 def one_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-STOPPING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class Stopped(KeyboardInterrupt):
-    """A command stopped by a signal other than Ctrl-C (SIGTERM, SIGHUP): handled wherever Ctrl-C is, so the
-    work a command keeps on Ctrl-C is kept; ``signal_number`` says which."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(signal.Signals(signal_number).name)
-        self.signal_number = signal_number
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + self.signal_number
-
-
-def _raise_stopped(signal_number: int, frame: object) -> None:
-    # a second signal while the first one's work is being saved must not cut that save short
-    for number in STOPPING_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-    raise Stopped(signal_number)
-
-
-@contextlib.contextmanager
-def signals_stop_like_ctrl_c() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread (a no-op on other threads, where
-    Python cannot install handlers); the previous handlers come back on exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {number: signal.signal(number, _raise_stopped) for number in STOPPING_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def run_command(name: str, run: Callable[[], int | None]) -> int:

@@ -14,8 +14,9 @@ Two kinds of check, each raising a `ConfigurationError` whose one-line message n
     parse_options({"bugdet": 1024}, spec)                       # ConfigurationError: unknown option bugdet; ...
 
 A `Kind` pairs the two for one kind of value (``POSITIVE``, ``NON_NEGATIVE``, ``BOOLEAN``, ``TEXT``, ``DTYPE``,
-``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type: what `statekv.options` declares
-each option with.
+``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type. A `Setting` names one setting
+with its kind, default and help, and `settings_class` makes a frozen, checked dataclass from a table of them: the
+engine's settings (`statekv.core.settings.EngineSettings`) and `statekv.settings.options.ModelOptions`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
     written); else an `OutputError` saying why: it is a folder, or no file can be created where it would go.
     Nothing is left behind by the check."""
     path = _given_path(path, name)
-    if str(path).endswith(os.sep) or path.is_dir():
+    if str(path).endswith(os.sep) or (_exists(path, name, path) and path.is_dir()):
         raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
     if path.exists() and not path.is_file():
         raise OutputError(f"{name} {path} is not a regular file")
@@ -136,10 +137,26 @@ def check_output_dir(path: str | os.PathLike, name: str) -> Path:
     """``path`` as a `Path` if it is, or can be made, a folder where files can be written; else an `OutputError`
     (it is a file, or nothing can be created there). Nothing is left behind by the check."""
     path = _given_path(path, name)
-    if path.exists() and not path.is_dir():
+    if _exists(path, name, path) and not path.is_dir():
         raise OutputError(f"{name} {path} exists and is not a folder")
     _check_creatable_in(path, name, path)
     return path
+
+
+def _exists(path: Path, name: str, target: Path) -> bool:
+    """Whether ``path`` exists; an `OutputError` for what can be neither used nor made there: a symbolic link loop,
+    a link to nothing, a name too long, a folder that cannot be entered."""
+    try:
+        os.stat(path)
+        return True
+    except NotADirectoryError:  # a file on the way: said where a folder would have to be made
+        return False
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise OutputError(f"{name} {target}: {path} is a symbolic link to nothing") from None
+        return False
+    except OSError as error:
+        raise OutputError(f"{name} {target}: {error.strerror or type(error).__name__} ({path})") from None
 
 
 def _given_path(path: str | os.PathLike, name: str) -> Path:
@@ -161,7 +178,7 @@ def _check_creatable_in(folder: Path, name: str, target: Path) -> None:
     """Whether files can be created in ``folder`` (or, while it does not exist, in its nearest existing parent):
     tried for real with a temporary file, since permissions alone do not tell (read-only mounts, root)."""
     existing = folder
-    while not existing.exists():
+    while not _exists(existing, name, target):
         if existing.parent == existing:
             break
         existing = existing.parent
@@ -410,7 +427,9 @@ BOOLEAN = Kind("bool", check_bool, boolean)
 TEXT = Kind("str", check_text, required_text)
 DTYPE = Kind("str", lambda value, name: check_dtype(value, name), required_text)
 DEVICE = Kind("str", check_device, required_text)
-BYTES = Kind("int", check_int, byte_size, BYTE_SIZE)  # a size in bytes; from text also 512M, 20G
+# a size in bytes; also as text (512M, 20G), in Python as on the command line (see `byte_size`)
+BYTES = Kind("int", lambda value, name: byte_size(value, name) if isinstance(value, str) else check_int(value, name),
+             byte_size, BYTE_SIZE)
 
 
 def _path_text(text: str) -> Path:
@@ -424,3 +443,75 @@ def _path_text(text: str) -> Path:
 _path_text.__name__ = "path"
 PATH = _path_text  # a command-line path: an empty string would otherwise be the current folder
 
+
+
+# settings declared once ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One setting, declared once: a field of the class `settings_class` makes, its check, its flag and its text
+    form.
+
+    name: the field (the flag is ``--name`` with dashes; a boolean that defaults to True is ``--no-name``).
+    default: its value when not given. kind: the values it takes (`Kind`: the Python check, the text parser, the
+    command-line type and choices). help: the flag's help (argparse expands ``%(default)s``), or a function making
+    it when the parser is built. metavar: the flag's placeholder. check: instead of the kind's check. offered_by:
+    a switch of the command that must be on for the flag to be offered (``"reserve"``). binding: a saved stream
+    made under one value cannot be resumed under another (its state depends on it).
+    """
+
+    name: str
+    default: Any
+    kind: Kind
+    help: str | Callable[[], str]
+    metavar: str | None = None
+    check: Parser | None = None
+    offered_by: str | None = None
+    binding: bool = False
+
+    def validate(self, value: Any) -> None:
+        """Raise a one-line `ConfigurationError` naming the setting if ``value`` is not one it takes."""
+        (self.check or self.kind.check)(value, self.name)
+
+    @property
+    def text_option(self) -> Option:
+        """How the setting is read from text (see `parse_options`)."""
+        return Option(self.name, self.kind.parse, self.default)
+
+    @property
+    def flag(self) -> str:
+        dashed = self.name.replace("_", "-")
+        return f"--no-{dashed}" if self.default is True else f"--{dashed}"
+
+    def with_changes(self, **changes: Any) -> "Setting":
+        return replace(self, **changes)
+
+    def add_to(self, group: argparse._ArgumentGroup, **overrides: Any) -> None:
+        """Add the setting's flag to ``group`` (``overrides``: argparse keywords replacing the derived ones)."""
+        arguments: dict[str, Any] = {"help": self.help() if callable(self.help) else self.help}
+        if self.kind.annotation.startswith("bool"):  # a switch: on (or, by default on, off) when given
+            arguments.update(action="store_false" if self.default is True else "store_true", dest=self.name)
+            if self.default is None:
+                arguments["default"] = None
+        else:
+            arguments.update(default=self.default, metavar=self.metavar)
+            if self.kind.cli is not None:
+                arguments["type"] = self.kind.cli
+            if self.kind.choices is not None:
+                arguments["choices"] = tuple(self.kind.choices())
+        arguments.update(overrides)
+        group.add_argument(self.flag, **arguments)
+
+
+def settings_class(settings: tuple[Setting, ...]) -> Callable[[type], type]:
+    """A class decorator making a frozen dataclass whose fields are ``settings`` (names, defaults and types, in
+    order); the class reads its checks, flags and text forms from ``cls.SETTINGS``."""
+
+    def build(cls: type) -> type:
+        cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}),
+                               **{setting.name: setting.kind.annotation for setting in settings}}
+        for setting in settings:
+            setattr(cls, setting.name, setting.default)
+        cls.SETTINGS = settings
+        return dataclass(frozen=True)(cls)
+
+    return build

@@ -75,8 +75,6 @@ def _pixels(adapter, frames):
 def test_registered_for_the_remote_model_types():
     for model_type in ("eagle_2_5_vl", "internvl_chat"):
         assert adapter_for(model_type) is RemoteInternVLAdapter
-    legacy = adapter_for("statekv_tiny_eagle")  # tiny Eagles of earlier releases, registered by statekv.testing
-    assert issubclass(legacy, RemoteInternVLAdapter) and legacy.default_layout("statekv_tiny_eagle") == "eagle"
     assert RemoteInternVLAdapter.default_layout("eagle_2_5_vl") == "eagle"
     assert RemoteInternVLAdapter.default_layout("internvl_chat") == "paper"
 
@@ -138,7 +136,7 @@ def test_streaming_equals_one_shot_generate(adapters, frames, layout):
         prefill, state, ids = _stream(adapter, frames, policy)
         assert prefill.decoder is adapter.model.language_model.model
         question = adapter.question_ids(QUESTION, state)
-        new = adapter.generate(prefill, state, question, **greedy)
+        new = prefill.generate(adapter.prompt(question, state), **greedy)
         if reference is None:
             prompt = torch.cat(ids + [question], dim=1)
             assert prompt.shape[1] < 1024  # well inside the tiny LM's RoPE
@@ -182,15 +180,15 @@ def test_asking_twice_gives_the_same_answer_and_keeps_the_cache(adapters, frames
     prefill, state, _ = _stream(adapter, frames, statekv.StateKV(budget=48))
     before = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.detailed_cache.layers]
     question = adapter.question_ids(QUESTION, state)
-    first = adapter.generate(prefill, state, question, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-    other = adapter.generate(prefill, state, adapter.question_ids("Why?", state), max_new_tokens=3)
-    second = adapter.generate(prefill, state, question, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    first = prefill.generate(adapter.prompt(question, state), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    other = prefill.generate(adapter.prompt(adapter.question_ids("Why?", state), state), max_new_tokens=3)
+    second = prefill.generate(adapter.prompt(question, state), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     assert torch.equal(first, second) and other.shape[1] >= 1
     assert prefill.seen_tokens == state.tokens
     for (keys, values), layer in zip(before, prefill.detailed_cache.layers):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
     with pytest.raises(InputError, match="layout state"):
-        adapter.generate(prefill, adapter.start(4), question, max_new_tokens=1)
+        prefill.generate(adapter.prompt(question, adapter.start(4)), max_new_tokens=1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_full_attention_streaming_equals_one_shot_forward_and_generate(adapter, 
     expected = model.generate(**video_inputs(adapter, full_run.prompt, frames, full_run.state),
                               max_new_tokens=NEW_TOKENS, do_sample=False)[:, full_run.prompt.shape[1]:]
     model.model.rope_deltas = None  # what generate left for this very video must not be needed
-    answer = adapter.generate(full_run.prefill, full_run.state, full_run.question, max_new_tokens=NEW_TOKENS)
+    answer = full_run.prefill.generate(adapter.prompt(full_run.question, full_run.state), max_new_tokens=NEW_TOKENS)
     assert answer.tolist() == expected.tolist()
     assert answer.shape[1] > 1  # decoding ran past the first token, so later M-RoPE steps were exercised
 
@@ -130,8 +130,8 @@ def test_full_attention_streaming_equals_one_shot_forward_and_generate(adapter, 
 def test_statekv_with_room_for_everything_equals_full_attention(adapter, frames, full_run):
     prefill, state, _, hidden = stream(adapter, frames, StateKV(budget=full_run.state.tokens))
     assert torch.equal(hidden, full_run.hidden)
-    answer = adapter.generate(prefill, state, full_run.question, max_new_tokens=NEW_TOKENS)
-    expected = adapter.generate(full_run.prefill, full_run.state, full_run.question, max_new_tokens=NEW_TOKENS)
+    answer = prefill.generate(adapter.prompt(full_run.question, state), max_new_tokens=NEW_TOKENS)
+    expected = full_run.prefill.generate(adapter.prompt(full_run.question, full_run.state), max_new_tokens=NEW_TOKENS)
     assert answer.tolist() == expected.tolist()
 
 
@@ -141,7 +141,7 @@ def test_statekv_with_a_small_budget_streams_and_answers(adapter, frames, full_r
     assert state.tokens == full_run.state.tokens and state.next_position == full_run.state.next_position
     for layer in range(adapter.model.config.text_config.num_hidden_layers):
         assert prefill.carried_positions(layer).shape[-1] == budget  # full, but never more
-    answer = adapter.generate(prefill, state, full_run.question, max_new_tokens=NEW_TOKENS)
+    answer = prefill.generate(adapter.prompt(full_run.question, state), max_new_tokens=NEW_TOKENS)
     assert answer.dtype == torch.long and 1 <= answer.shape[1] <= NEW_TOKENS
 
 
@@ -268,13 +268,13 @@ def test_asking_twice_gives_the_same_answer_and_leaves_model_and_cache_as_found(
     before = [(layer.keys.clone(), layer.values.clone()) for layer in full_run.prefill.detailed_cache.layers]
     sticky = torch.tensor([[12345]])
     adapter.model.model.rope_deltas = sticky
-    first = adapter.generate(full_run.prefill, full_run.state, full_run.question, max_new_tokens=NEW_TOKENS)
+    first = full_run.prefill.generate(adapter.prompt(full_run.question, full_run.state), max_new_tokens=NEW_TOKENS)
     assert adapter.model.model.rope_deltas is sticky
     # the model's own generate on another prompt leaves other rope_deltas behind: no effect on the answer
     one_patch = torch.cat([chunk.input_ids for chunk in full_run.chunks[:2]], dim=1)
     adapter.model.generate(**video_inputs(adapter, one_patch, frames[:2], full_run.state), max_new_tokens=2)
     assert adapter.model.model.rope_deltas is not sticky
-    second = adapter.generate(full_run.prefill, full_run.state, full_run.question, max_new_tokens=NEW_TOKENS)
+    second = full_run.prefill.generate(adapter.prompt(full_run.question, full_run.state), max_new_tokens=NEW_TOKENS)
     assert first.tolist() == second.tolist()
     assert full_run.prefill.seen_tokens == full_run.state.tokens
     for (keys, values), layer in zip(before, full_run.prefill.detailed_cache.layers):
@@ -309,7 +309,7 @@ def test_bad_inputs_raise_one_line_errors(adapter, frames, full_run, tmp_path):
         (InputError, lambda: adapter.start(0)),
         (InputError, lambda: adapter.max_video_tokens(-1)),
         (InputError, lambda: adapter.question_ids("  ", state)),
-        (InputError, lambda: adapter.generate(full_run.prefill, state, full_run.question)),
+        (InputError, lambda: full_run.prefill.generate(adapter.prompt(full_run.question, state))),
         (ConfigurationError, lambda: Qwen3VLAdapter(adapter.model, adapter.tokenizer, adapter.settings,
                                                     tokens_per_frame=0)),
     ]

@@ -16,7 +16,10 @@ PREFIX, T, STEPS = 9, 6, 10
 BUDGET, WINDOW = 20, 3
 POLICIES = {"statekv": lambda: statekv.StateKV(budget=BUDGET), "recency": lambda: statekv.Recency(frames=WINDOW),
             "rekv": lambda: statekv.ReKV(frames=WINDOW, sinks=2).for_prefix(PREFIX),
-            "full": lambda: statekv.FullAttention()}
+            "full": lambda: statekv.FullAttention(),
+            "withsinks": lambda: statekv.WithSinks(statekv.StateKV(budget=BUDGET), sinks=3),
+            "perlayer": lambda: statekv.PerLayerBudget(statekv.StateKV(budget=BUDGET),
+                                                       (BUDGET, BUDGET + 2, BUDGET + 4))}
 
 
 def chunks(model, seed: int, steps: int = STEPS, chunk_len: int = T) -> list[torch.Tensor]:
@@ -41,7 +44,7 @@ def run_alone(model, method, stream_chunks):
     return prefill, [prefill.step(inputs_embeds=chunk) for chunk in stream_chunks]
 
 
-@pytest.mark.parametrize("method", ["statekv", "recency", "rekv", "full"])
+@pytest.mark.parametrize("method", ["statekv", "recency", "rekv", "full", "withsinks", "perlayer"])
 def test_streams_stepped_together_get_what_they_get_alone(tiny_lm, method):
     """Four streams, two joining late and one leaving early: positions and carried tokens identical, hidden
     states within float32 rounding."""

@@ -125,7 +125,7 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
                     continue  # carried when it was evicted: given back at a later eviction
                 keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
                 assert not keys.any() and not values.any()
-        capped.prefill.sync()  # checkpointed: it resumes where it is
+        capped.close()  # one owner at a time (closing checkpoints it: it resumes where it is)
         resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
@@ -188,7 +188,7 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
     cases = [(dict(max_cache_bytes=1 << 20, cache_limit="evict-oldest"), "needs the detailed cache offloaded"),
              (dict(offload=True, max_cache_bytes=1 << 20, cache_limit="evict-least-attended"),
               "needs attention scores"),
-             (dict(max_cache_bytes=0), "max_cache_bytes"), (dict(max_cache_bytes="20G"), "max_cache_bytes"),
+             (dict(max_cache_bytes=0), "max_cache_bytes"), (dict(max_cache_bytes="20 gigs"), "max_cache_bytes"),
              (dict(cache_limit="evict-oldest"), "needs max_cache_bytes"), (dict(cache_limit="drop"), "cache_limit")]
     for kwargs, needle in cases:
         with pytest.raises(ConfigurationError) as error:

@@ -5,6 +5,7 @@ last checkpoint of the carried state; a real kill -9, then Stream.load), damaged
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +110,7 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
     for frame in frames[:5]:
         stream.push(frame)  # 3 encoded in one batch, 2 pending
     folder = stream.prefill.disk.folder
+    stream.close()  # one owner at a time: its lock goes (as with a crash), nothing more is written
     resumed = Stream.load(folder, qa)  # as after a crash: the pending frames were never durable
     assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (3, 2, 3)
     reference = _qa(adapters["chat"]).stream(horizon_frames=7)
@@ -121,6 +123,7 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
     resumed.flush()
     assert _same(_carried(resumed), _carried(reference))
     assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6), reference.ask_tokens(QUESTION, max_new_tokens=6))
+    resumed.close()
     again = Stream.load(folder, qa)  # the resumed stream journals into the same file set
     assert (again.frames, again.frames_lost) == (7, 0)
 
@@ -131,11 +134,14 @@ def test_a_saved_disk_tier_stream_loads_with_nothing_lost(adapters, tmp_path):
     for frame in _frames(3):
         stream.push(frame)
     saved = stream.save(tmp_path / "s.safetensors")
+    expected = stream.ask_tokens(QUESTION, max_new_tokens=6)
+    stream.close()
     for loaded in (Stream.load(saved, qa), Stream.load(stream.prefill.disk.folder, qa)):
         assert (loaded.frames, loaded.frames_lost) == (3, 0)
-        assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=6), stream.ask_tokens(QUESTION, max_new_tokens=6))
+        assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=6), expected)
     # the file loaded into the disk tier got a file set of its own, which resumes too
     from_file = Stream.load(saved, qa)
+    from_file.close()
     assert (Stream.load(from_file.prefill.disk.folder, qa).frames, from_file.prefill.disk.folder.exists()) == (3, True)
 
 
@@ -209,7 +215,7 @@ def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
 
 
 def test_cli_offload_takes_disk_and_stays_a_plain_flag():
-    from statekv.options import ModelOptions, normalize_argv
+    from statekv.settings.options import ModelOptions, normalize_argv
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -289,7 +295,8 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     folder = stream.prefill.disk.folder
     carries = [line for line in (folder / "journal").read_text().splitlines() if '"carry"' in line]
     assert len(carries) == 3
-    resumed = Stream.load(folder, qa)  # as after a kill: nothing was saved
+    killed = shutil.copytree(folder, tmp_path / "killed")  # the files as a kill leaves them: nothing was saved
+    resumed = Stream.load(killed, qa)
     assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (7, 3, 7)
     reference = _qa(adapters["chat"]).stream(horizon_frames=12)
     for frame in frames[:7]:
@@ -301,7 +308,8 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     assert _same(_carried(resumed), _carried(reference))
     assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6), reference.ask_tokens(QUESTION, max_new_tokens=6))
     resumed.prefill.sync()  # a sync checkpoints: nothing lost
-    assert (Stream.load(folder, qa).frames, Stream.load(folder, qa).frames_lost) == (12, 0)
+    synced = Stream.load(shutil.copytree(killed, tmp_path / "synced"), qa)
+    assert (synced.frames, synced.frames_lost) == (12, 0)
 
 
 def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, every_step):
@@ -315,9 +323,10 @@ def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, 
     names = sorted(path.name for path in disk.prefill.disk.folder.glob("layer0.*.bin"))
     assert names == ["layer0.key_codes.0.bin", "layer0.key_scales.0.bin", "layer0.step_means.0.bin",
                      "layer0.step_samples.0.bin", "layer0.value_codes.0.bin", "layer0.value_scales.0.bin"]
-    resumed = Stream.load(disk.prefill.disk.folder, qa)
+    disk.close()
     with pytest.raises(InputError, match="kv_cache_dtype"):  # a file set is resumed as it was stored
         Stream.load(disk.prefill.disk.folder, _qa(adapters["chat"], offload="disk", offload_dir=tmp_path))
+    resumed = Stream.load(disk.prefill.disk.folder, qa)
     for frame in frames[4:]:
         memory.push(frame)
         resumed.push(frame)
@@ -335,6 +344,7 @@ def test_disk_tier_streams_stepped_together_journal_every_step_and_resume(adapte
         qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)])
     assert qa.step_scheduler.batched_steps > 0  # steady steps shared forwards
     for i, stream in enumerate(streams):
+        stream.close()
         resumed = Stream.load(stream.prefill.disk.folder, qa)
         assert (resumed.frames, resumed.frames_lost) == (8, 0)
         reference = _qa(adapters["chat"]).stream(horizon_frames=10)

@@ -3,6 +3,9 @@ answering without mutation (invariant 6)."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -15,8 +18,10 @@ from test_streaming import TOTAL, stream, tokens
 def test_public_names_of_the_design_exist():
     for name in ("FullAttention", "Recency", "StateKV", "StreamingPrefill", "scored_attention"):
         assert hasattr(statekv, name)
-    prefill = statekv.StreamingPrefill.__init__.__code__.co_varnames
-    assert {"model", "policy", "attention", "horizon"} <= set(prefill)
+    prefill = inspect.signature(statekv.StreamingPrefill).parameters
+    assert {"model", "policy", "settings", "horizon"} <= set(prefill)
+    assert {"attention", "offload", "kv_cache_dtype", "cuda_graph", "positions"} <= {
+        field.name for field in dataclasses.fields(statekv.EngineSettings)}  # settings, also given as keywords
 
 
 @pytest.mark.parametrize("make, message", [

@@ -23,7 +23,7 @@ import statekv.eval as ev
 from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_videomme
 from statekv.eval.runner import EvalConfig, display_name, run_evaluation
 from statekv.errors import ConfigurationError
-from statekv.pipeline import VideoQA
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
 METHODS = {"statekv": {"budget": 32}, "recency": {"frames": 2}, "full": {}, "rekv": {"frames": 2, "retrieve": 2}}
@@ -35,7 +35,7 @@ def data_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("benchmarks")
     write_mini_videomme(root)  # two videos, three questions each
     write_mini_mlvu(root, tasks=("count", "needle", "order"))  # three videos, four questions
-    write_mini_ovobench(root)  # two source videos, five questions (four of them on the first video)
+    write_mini_ovobench(root)  # two source videos, seven questions (six on the first, one of them polled twice)
     return root
 
 
@@ -71,7 +71,8 @@ def rank_lines(run_dir: Path) -> list[dict]:
 def test_every_method_completes_and_writes_records_results_and_table(benchmark, checkpoint, data_root, models,
                                                                     tmp_path):
     limit = 3 if benchmark == "videomme" else None  # one VideoMME video; the other tests cover both
-    expected = [q.qid for q in ev.load_benchmark(benchmark, data_root)][:limit]
+    questions = ev.load_benchmark(benchmark, data_root)[:limit]
+    expected = [q.qid for q in questions]
     for method in METHODS:
         out = tmp_path / method
         summary = run_evaluation(config(benchmark, checkpoint, data_root, out, method, limit=limit),
@@ -87,9 +88,10 @@ def test_every_method_completes_and_writes_records_results_and_table(benchmark, 
             assert record.extra["frames"] > 0 and record.extra["tokens"] > 0
             question = next(q for q in ev.load_benchmark(benchmark, data_root) if q.qid == record.qid)
             assert (record.parsed, record.correct) == ev.judge(benchmark, record.prediction, answer=question.answer,
-                                                              letters=question.letters)
+                                                              letters=question.letters, kind=question.kind)
         assert summary == json.loads((out / "results.json").read_text())
-        assert summary["score"]["overall"]["questions"] == len(expected) and summary["score"]["missing"] == 0
+        items = {q.item_id for q in questions}  # OVO-Bench's forward question is polled twice: one question
+        assert summary["score"]["overall"]["questions"] == len(items) and summary["score"]["missing"] == 0
         assert set(summary["scores"]) == set(ev.PARSERS) and summary["errors"] == []
         assert summary["run"]["method"] == method and summary["run"]["max_new_tokens"] == 3
         label = ev.method_label(method, budget)
@@ -163,12 +165,13 @@ def test_rerun_answers_only_what_is_missing_and_refuses_other_settings(checkpoin
 
 
 def test_a_resumed_stream_answers_as_an_uninterrupted_one(checkpoint, data_root, models, tmp_path):
-    # the first source video has four questions at 2, 4, 4 and 6 s; stop after the first two
+    # the first source video has real-time questions at 2, 4, 4 and 6 s, a backward one at 2 s and a forward one
+    # polled at 3 and 6 s; stop after the first two
     resumed, fresh = tmp_path / "resumed", tmp_path / "fresh"
     run_evaluation(config("ovobench", checkpoint, data_root, resumed, limit=2), qa=models("statekv"))
     run_evaluation(config("ovobench", checkpoint, data_root, resumed), qa=models("statekv"))
     run_evaluation(config("ovobench", checkpoint, data_root, fresh), qa=models("statekv"))
-    assert len(rank_lines(resumed)) == 5
+    assert len(rank_lines(resumed)) == 8
     answers = {r.qid: (r.prediction, r.extra["horizon"]) for r in ev.run_records(resumed)}
     assert answers == {r.qid: (r.prediction, r.extra["horizon"]) for r in ev.run_records(fresh)}
 

@@ -29,7 +29,7 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert [row["streams"] for row in sections["batched streams"]["rows"]] == [1, 4, 16]
     assert [row["tier"] for row in sections["cache tiers"]["rows"]] == ["model dtype", "int4", "disk", "disk int4"]
     report = (tmp_path / "gpu_suite.md").read_text()
-    assert "smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report
+    assert "Smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report
 
 
 def test_a_missing_device_is_one_line_and_nothing_runs(tmp_path):

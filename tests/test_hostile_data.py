@@ -67,6 +67,13 @@ QUESTION_DAMAGE = {
     "a null option": (_row_edit("options", ["red", None, "blue", "green"]), "row 1: option 1 must be a non-empty"),
     "an answer as a list": (_row_edit("answer", ["A"]), "row 1: field 'answer'"),
     "one video id for two videos": (_second_video_under_the_first_id, "names two videos"),
+    "evidence past the video's end": (_row_edit("evidence_frames", [3, 10**6]), "evidence_frames holds 1000000"),
+    "a negative evidence frame": (_row_edit("evidence_frames", [-1]), "evidence_frames holds -1"),
+    "evidence as text": (_row_edit("evidence_frames", "3"), "field 'evidence_frames' must be a non-empty list"),
+    "no evidence": (_row_edit("evidence_frames", []), "field 'evidence_frames' must be a non-empty list"),
+    "evidence twice": (_row_edit("evidence_frames", [2, 2]), "names a frame twice"),
+    "num_frames zero": (_row_edit("num_frames", 0), "field 'num_frames' must be a positive integer"),
+    "num_frames as text": (_row_edit("num_frames", "12"), "field 'num_frames' must be a positive integer"),
 }
 
 

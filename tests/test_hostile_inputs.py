@@ -29,7 +29,7 @@ from statekv.errors import OutputError
 from statekv.eval.fabricate import write_mini_videomme
 from statekv.eval.lock import RunLock
 from statekv.eval.runner import EvalConfig, _lock_for_every_rank, run_evaluation
-from statekv.stream_file import write_verified
+from statekv.api.stream_file import write_verified
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
 UNWRITABLE = "/sys/statekv-hostile/x.safetensors"  # not even root can create files in sysfs
@@ -212,7 +212,7 @@ def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, caps
 def test_a_save_that_fails_at_the_end_is_rescued_and_said(files, capsys, tmp_path, monkeypatch, qa):
     target = tmp_path / "out" / "talk.safetensors"
     target.parent.mkdir()
-    import statekv.stream_file as stream_file
+    import statekv.api.stream_file as stream_file
 
     real_save = stream_file.save_file
 
@@ -486,7 +486,7 @@ METADATA_EDITS = {
     "pushed as text": (_set("pushed", "3"), "metadata.pushed must be a non-negative integer"),
     "negative pushed": (_set("pushed", -1), "metadata.pushed must be a non-negative integer"),
     "fewer pushed than kept": (_set("pushed", 1), "fewer than the 3 frames kept"),
-    "absurd horizon_frames": (_set("horizon_frames", 10**15), "leaves no room"),
+    "absurd horizon_frames": (_set("horizon_frames", 10**15), "plus its reserve"),
     "horizon_frames below the frames kept": (_set("horizon_frames", 2), "fewer than the 3 frames kept"),
     "a float horizon": (_set("horizon", 1e3), "metadata.horizon must be a positive integer"),
     "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),
@@ -730,7 +730,7 @@ def test_calls_from_two_threads_take_turns(qa):
     live = qa.stream(4)
     live.push(_frames(1)[0])
     done = threading.Event()
-    with live._lock:  # as if another thread were in the middle of ask()
+    with live.lock:  # as if another thread were in the middle of ask()
         worker = threading.Thread(target=lambda: (live.push(_frames(1, seed=1)[0]), done.set()))
         worker.start()
         assert not done.wait(0.5) and live.frames == 1  # the push waits for its turn

@@ -7,6 +7,7 @@ Signals are sent to real child processes, each bounded by a timeout.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -252,6 +253,24 @@ def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_i
     qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")
     with statekv.Stream.load(saved, qa) as resumed:
         assert 1 <= resumed.frames == summary["stats"]["frames"] < 150
+        assert _equal_states(resumed, _restreamed(qa, video, resumed.frames))  # the stream up to its last push
+
+
+def _restreamed(qa, video, frames: int):
+    """What `statekv stream VIDEO` holds after ``frames`` pushes, never stopped."""
+    from statekv.video import open_video
+
+    source = open_video(video)
+    stream = qa.stream(horizon_frames=math.floor(source.duration) + 1, max_fps=1.0, name=source.name)
+    for frame, _ in zip(source.sample_at_rate(1.0), range(frames)):
+        stream.push(frame)
+    return stream
+
+
+def _equal_states(a, b) -> bool:
+    (tensors_a, meta_a), (tensors_b, meta_b) = a.prefill.state_dict(), b.prefill.state_dict()
+    return (meta_a == meta_b and sorted(tensors_a) == sorted(tensors_b) and (a.pushed, a.next_tick) == (
+        b.pushed, b.next_tick) and all(torch.equal(tensors_a[name], tensors_b[name]) for name in tensors_a))
 
 
 def test_a_signal_during_an_evaluation_keeps_its_answers_and_a_rerun_finishes(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.fabricate import LMMS_TASK, write_lmms_task, write_still_seconds_video
-from statekv.pipeline import VideoQA
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 from frames import read_frame_index
 
@@ -124,3 +124,39 @@ def test_lmms_evals_own_pyav_reader_works_with_this_pyav(tmp_path):
     frames = read_video_pyav(str(video), num_frm=4)
     assert frames.shape == (4, 64, 64, 3), av.__version__
     assert [read_frame_index(frame) for frame in frames] == [5, 6, 7, 8]
+
+
+def test_ovo_tasks_run_in_lmms_eval_on_one_stream_per_video(tmp_path):
+    """lmms-eval's own OVO-Bench task code (``ovo_realtime``, and ``ovo_forward`` through
+    ``generate_until_multi_round``) on local clips: every document and round answered, as `statekv eval ovobench`
+    answers them streaming."""
+    from statekv.eval.fabricate import LMMS_OVO_TASKS, write_lmms_ovobench_tasks
+    from statekv.eval.records import run_records
+    from statekv.eval.runner import EvalConfig, run_evaluation
+
+    root = write_lmms_ovobench_tasks(tmp_path / "task")
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "ckpt", text_config={"max_position_embeddings": 8192})
+    command = [sys.executable, "-m", "lmms_eval", "--model", "statekv", "--model_args",
+               f"pretrained={checkpoint},budget=32,max_fps=1", "--include_path", str(root), "--tasks",
+               ",".join(LMMS_OVO_TASKS), "--batch_size", "1", "--output_path", str(tmp_path / "out"),
+               "--log_samples", "--verbosity", "WARNING"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    logged = {task: [json.loads(line) for path in (tmp_path / "out").glob(f"*/*_samples_{task}.jsonl")
+                     for line in path.read_text(encoding="utf-8").splitlines()] for task in LMMS_OVO_TASKS}
+
+    qa = VideoQA.from_pretrained(checkpoint, method="statekv", budget=32)
+    run_evaluation(EvalConfig.for_model("ovobench", str(checkpoint), root, tmp_path / "run", budget=32,
+                                        max_new_tokens=4, progress=False, groups=("realtime", "forward")), qa=qa)
+    expected = {r.qid: r.prediction for r in run_records(tmp_path / "run")}
+    realtime = sorted(logged["statekv_ovo_realtime"], key=lambda line: line["doc_id"])
+    assert [line["back_real_acc"]["id"] for line in realtime] == [100, 101, 102, 103, 104]
+    assert [line["back_real_acc"]["response"] for line in realtime] == [
+        expected[str(line["back_real_acc"]["id"])].split("\n\n")[0].strip() for line in realtime]
+    (forward,) = logged["statekv_ovo_forward"]
+    polls = forward["forward_acc"]["test_info"]
+    assert [poll["response"] for poll in polls] == [expected["2_0"].split("\n\n")[0],
+                                                    expected["2_1"].split("\n\n")[0]]

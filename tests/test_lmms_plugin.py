@@ -18,11 +18,11 @@ import statekv.eval as ev
 from statekv.errors import InputError
 from statekv.eval import lmms_plugin
 from statekv.eval.distributed import RankContext
-from statekv.eval.fabricate import write_lmms_task, write_mini_videomme
+from statekv.eval.fabricate import write_lmms_task, write_mini_ovobench, write_mini_videomme
 from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
-from statekv.options import ModelOptions
-from statekv.pipeline import VideoQA
+from statekv.settings.options import ModelOptions
+from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
 
 # lmms-eval 0.7's videomme task: its generation_kwargs, plus the default stop string it adds
@@ -132,7 +132,7 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
                     layout="None", attention="auto", dtype="float32", device="cpu", batch_size="1", max_batch_size=None,
                     trust_remote_code="no", offload="OFF")
     assert model.qa.method == "recency" and model.qa.policy.frames == 2 and model.qa.adapter.layout == "paper"
-    assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.offload is False
+    assert (model.max_num_frames, model.max_fps) == (8, 1.0) and model.qa.engine.offload is False
     loads = []
     monkeypatch.setattr(VideoQA, "from_options", lambda options: loads.append(options) or "qa")
     StateKV(pretrained="m", trust_remote_code="Yes", offload=1, budget="64", max_fps="0.5", retrieve="8")
@@ -146,7 +146,7 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
     ({"budget": 0}, "budget must be at least 1, got 0"),
     ({"budget": "4k"}, "budget must be an integer, got '4k'"),
     ({"max_fps": "fast"}, "max_fps must be a number"),
-    ({"method": "fulll"}, "method must be one of statekv, full, recency, rekv, keynorm, got 'fulll'"),
+    ({"method": "fulll"}, "method must be one of statekv, full, recency, rekv, keynorm, simplestream, got 'fulll'"),
     ({"bugdet": 64}, "unknown statekv model arg bugdet; known: pretrained, method, budget, frames,"),
     ({"batch_size": 2}, "answers one request at a time; use --batch_size 1, not 2"),
     ({"pretrained": "None"}, "the statekv model needs pretrained=<checkpoint folder or hub id>"),
@@ -249,3 +249,82 @@ def test_registered_and_run_through_lmms_eval_itself(checkpoint, data_root, qa):
     answers = model.generate_until(requests)
     model.qa = qa  # the same weights, set up like the runner's
     assert answers == model.generate_until(requests) and all(isinstance(a, str) for a in answers)
+
+
+# -- streaming benchmarks: lmms-eval's ovo_* tasks -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def steady_checkpoint(tmp_path_factory) -> Path:
+    """A tiny InternVL whose RoPE does not depend on the planned length (max_position 8192), so a stream planned
+    for one task's questions answers as one planned for all of a video's."""
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("steady"),
+                                text_config={"max_position_embeddings": 8192})
+
+
+def ovo_requests(folder: Path) -> tuple[list, list, dict]:
+    """lmms-eval's ``ovo_realtime`` (single round) and ``ovo_forward`` (multi-round) chat requests on the mini
+    OVO-Bench, the messages as lmms-eval's automatic ``doc_to_messages`` builds them from the task's functions
+    (the clip of the question, or of round ``i``: ``<id>_<i>.mp4``; OVO-Bench's prompts)."""
+    rows = json.loads((folder / "ovo_bench_new.json").read_text())
+    questions = {q.qid: q for q in ev.load_benchmark("ovobench", folder.parent)}
+    realtime = [row for row in rows if row["task"] in ev.OVOBENCH_REALTIME_TASKS]
+    forward = [row for row in rows if "test_info" in row]
+
+    def turn(clip: str, text: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "video", "url": str(folder / "chunked_videos" / clip)},
+                                             {"type": "text", "text": text}]}]
+
+    def single(doc):
+        return turn(f"{doc['id']}.mp4", ev.build_prompt(questions[str(doc["id"])]))
+
+    def rounds(doc, round_idx=None, previous_output=None, previous_round_info=None):
+        index = round_idx or 0
+        if index == len(doc["test_info"]):
+            return (None, True, previous_output, None)
+        messages = turn(f"{doc['id']}_{index}.mp4", ev.build_prompt(questions[f"{doc['id']}_{index}"]))
+        return messages if round_idx is None else (messages, False, previous_output, None)
+
+    gen_kwargs = {"max_new_tokens": 4, "temperature": 0, "do_sample": False}
+    single_requests = [types.SimpleNamespace(args=("", single, dict(gen_kwargs), i, "ovo_realtime", "test"),
+                                             request_type="generate_until") for i in range(len(realtime))]
+    multi_requests = [types.SimpleNamespace(args=("", rounds, dict(gen_kwargs), i, "ovo_forward", "test"),
+                                            request_type="generate_until_multi_round") for i in range(len(forward))]
+    return single_requests, multi_requests, {"ovo_realtime": {"test": realtime}, "ovo_forward": {"test": forward}}
+
+
+def test_ovo_tasks_are_asked_on_one_stream_per_source_video_as_statekv_eval_streams(steady_checkpoint, tmp_path,
+                                                                                     monkeypatch):
+    root = tmp_path / "data"
+    folder = write_mini_ovobench(root)
+    qa = VideoQA.from_pretrained(steady_checkpoint, method="statekv", budget=32)
+    run_evaluation(EvalConfig.for_model("ovobench", str(steady_checkpoint), root, tmp_path / "run", budget=32,
+                                        max_new_tokens=4, progress=False, groups=("realtime", "forward")), qa=qa)
+    expected = {r.qid: r.prediction for r in ev.run_records(tmp_path / "run")}
+    single, multi, task_dict = ovo_requests(folder)
+    model = StateKV(pretrained=str(steady_checkpoint), qa=qa)
+    model.task_dict = task_dict
+    streams, encodes = [], []
+    real_stream = qa.stream
+    monkeypatch.setattr(qa, "stream", lambda *a, **k: streams.append(k["name"]) or real_stream(*a, **k))
+    monkeypatch.setattr(qa, "encode", lambda *a, **k: encodes.append(a[0]))
+    answers = model.generate_until(single)
+    docs = task_dict["ovo_realtime"]["test"]
+    assert answers == [expected[str(doc["id"])] for doc in docs]
+    assert sorted(streams) == ["Fabricated/source0.mp4", "Fabricated/source1.mp4"] and encodes == []
+    rounds = model.generate_until_multi_round(multi)
+    assert rounds == [[expected["2_0"], expected["2_1"]]]  # round order, though asked at 3 s before 5.5 s
+    assert streams[2:] == ["Fabricated/source0.mp4"] and encodes == []
+
+
+def test_multi_round_tasks_must_follow_the_round_protocol(checkpoint, qa, tmp_path, capsys):
+    folder = write_mini_ovobench(tmp_path / "data")
+    _, multi, task_dict = ovo_requests(folder)
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = task_dict
+    broken = types.SimpleNamespace(args=("", lambda doc, **rounds: ovo_requests(folder)[0][0].args[1](
+        task_dict["ovo_realtime"]["test"][0]), {}, 0, "ovo_forward", "test"))
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until_multi_round([broken])
+    assert exit_info.value.code == 2
+    assert "round 1 of a multi-round task must give (messages, terminal, output, info)" in capsys.readouterr().err

@@ -9,8 +9,8 @@ import pytest
 
 import statekv
 from statekv.cli import main
-from statekv.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
-from statekv.options import ModelOptions
+from statekv.settings.methods import METHODS, MethodSettings, MethodSpec, at_most_budget, method
+from statekv.settings.options import ModelOptions
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
 
@@ -117,7 +117,7 @@ def querywindow():
     spec = statekv.register_method(MethodSpec(
         "querywindow", "keep what the step's last queries attend to", "budget",
         lambda settings, frames_per_step: statekv.WithSinks(QueryWindow(budget=settings.budget), settings.sinks),
-        at_most_budget, "QueryWindow"))
+        at_most_budget, "QueryWindow", also_uses=("sinks",)))  # what it reads besides its size: --sinks is taken
     yield spec
     METHODS.pop("querywindow")
 

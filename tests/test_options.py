@@ -10,12 +10,12 @@ import pytest
 
 from statekv.errors import ConfigurationError
 from statekv.flops import Method
-from statekv.methods import MethodSettings
-from statekv.options import SETTINGS, ModelOptions, Setting, options_class
-from statekv.values import POSITIVE
+from statekv.settings.methods import MethodSettings
+from statekv.settings.options import SETTINGS, ModelOptions
+from statekv.values import POSITIVE, Setting, settings_class
 
 
-@options_class(SETTINGS + (Setting("beams", 1, POSITIVE, "answers searched per question (default: %(default)s)",
+@settings_class(SETTINGS + (Setting("beams", 1, POSITIVE, "answers searched per question (default: %(default)s)",
                                    "K"),))
 class WithBeams(ModelOptions):
     """ModelOptions plus one option, added as one table entry."""

@@ -19,7 +19,7 @@ import statekv
 import bad_videos
 from statekv.background import ThreadStages
 from statekv.models import load_adapter
-from statekv.overlap import default_vision_batch
+from statekv.steps.overlap import default_vision_batch
 from statekv.testing import draw_test_frame, make_tiny_checkpoint
 from statekv.video import Frame, FrameDecodeError, open_video
 

@@ -149,18 +149,6 @@ def test_stats_describe_the_encoding(adapters):
 def test_recency_window_is_given_in_frames():
     assert statekv.make_policy("recency", frames=16).frames == 16
     assert statekv.make_policy("recency", frames=3, frames_per_step=2).frames == 2
-    with pytest.warns(DeprecationWarning, match="frames_per_step"):  # the old name still works
-        assert statekv.make_policy("recency", frames=3, frames_per_chunk=2).frames == 2
-
-
-def test_an_adapter_that_sets_the_old_frames_per_chunk_still_streams_pairs(checkpoint):
-    with pytest.warns(DeprecationWarning, match="frames_per_step"):
-        class Legacy(InternVLAdapter):
-            frames_per_chunk = 2
-    assert Legacy.frames_per_step == 2 and InternVLAdapter.frames_per_step == 1
-    qa = statekv.VideoQA.from_pretrained(checkpoint, dtype="float32", device="cpu")
-    with pytest.warns(DeprecationWarning, match="frames_per_step"):
-        assert qa.adapter.frames_per_chunk == 1
 
 
 def test_from_pretrained_loads_the_family_and_method(checkpoint):

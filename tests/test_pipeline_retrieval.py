@@ -45,7 +45,7 @@ def test_retrieving_every_frame_answers_exactly_as_the_whole_cache(files, loaded
 def test_rekv_keeps_its_cache_in_cpu_memory_and_answers_from_few_frames(files):
     qa = statekv.VideoQA.from_pretrained(files["internvl"], method="rekv", frames=2, sinks=2, retrieve=2,
                                          reserve_tokens=64)  # also: from_pretrained takes every method option
-    assert qa.offload and qa.retrieve == 2 and isinstance(qa.policy, statekv.ReKV)
+    assert qa.engine.offload and qa.retrieve == 2 and isinstance(qa.policy, statekv.ReKV)
     tokens, encoded = answer(qa, files["video"])
     assert tokens.shape[1] > 0 and encoded.stats.peak_cache_device_bytes > 0
     keep = encoded.prefill.policy.sink_tokens

@@ -15,7 +15,7 @@ from statekv import Stream
 from statekv.core.quantized import (KV_CACHE_BITS, QuantizedStorage, check_kv_cache_dtype, dequantize, pack_int4,
                                     quantize, scale_dtype, unpack_int4)
 from statekv.models import load_adapter
-from statekv.options import ModelOptions
+from statekv.settings.options import ModelOptions
 from statekv.testing import make_tiny_checkpoint
 from test_static_step import embeddings
 

@@ -1,7 +1,9 @@
 """`statekv serve` with real parts: the server as a process on a loopback port, the built-in model, the official
-`openai` client, concurrent clients, kill -9 and restart, and a real browser on the page.
+`openai` client, concurrent clients, kill -9 and restart, keys across restarts, and a real browser on the page
+(Debian's Chromium through Playwright), driven as a new user would.
 
-Every answer the server gives is compared with the same stream run alone through the Python API.
+Every answer the server gives is compared with the same stream run alone through the Python API (the server's
+default for the built-in model is StateKV with a budget of 64 tokens, so the streams alone use the same).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ NEW_TOKENS = 6
 BATCHED_BUDGET = 4  # tokens: one frame of the built-in model
 OPEN_QUESTION = "What colour was the triangle?"  # answered at length (the letter question ends after one token)
 START_SECONDS = 180
+SERVER_BUDGET = 64  # `statekv serve`'s default for the built-in model
 CHROMIUM = shutil.which("chromium")
 
 
@@ -49,20 +52,22 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, state: Path, media: Path, *extra: str):
-        self.state, self.media, self.extra = state, media, extra
+    def __init__(self, state: Path, media: Path, *extra: str, keys: tuple[str, ...] = (KEY, OTHER_KEY)):
+        self.state, self.media, self.extra, self.keys = state, media, extra, keys
         self.process: subprocess.Popen | None = None
-        self.url = ""
+        self.url, self.port = "", None
 
     def start(self) -> "Server":
-        port = _free_port()
+        """Start (a restart comes back on the same port, as a person's bookmarks expect)."""
+        port = self.port = self.port or _free_port()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("STATEKV_API_KEYS", None)
         self.log = open(self.state.parent / f"server-{port}.log", "w")
+        keys = [argument for key in self.keys for argument in ("--api-key", key)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "statekv.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--state-dir", str(self.state), "--media-root", str(self.media), "--api-key", KEY,
-             "--api-key", OTHER_KEY, *self.extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+             "--state-dir", str(self.state), "--media-root", str(self.media), *keys, *self.extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
@@ -89,6 +94,9 @@ class Server:
                 self.kill()
         self.log.close()
 
+    def printed(self) -> str:
+        return Path(self.log.name).read_text()
+
     def client(self, key: str | None = KEY) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
@@ -99,8 +107,10 @@ def media(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("media")
     from statekv.cli import main
 
-    assert main(["synthetic", "make", "--out", str(root / "held-out"), "--videos", "1", "--seed", "4242",
-                 "--frames", "12"]) == 0
+    for folder, videos, seed, frames in (("held-out", 1, 4242, 12), ("pair", 2, 4243, 40), ("long", 1, 4244, 120)):
+        assert main(["synthetic", "make", "--out", str(root / folder), "--videos", str(videos), "--seed", str(seed),
+                     "--frames", str(frames)]) == 0
+    (root / "not-a-video.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 200)
     return root
 
 
@@ -115,7 +125,7 @@ def server(tmp_path_factory, media):
 
 @pytest.fixture(scope="module")
 def qa():
-    return statekv.VideoQA.from_pretrained("builtin")
+    return statekv.VideoQA.from_pretrained("builtin", budget=SERVER_BUDGET)
 
 
 def _video(media: Path) -> Path:
@@ -169,7 +179,13 @@ def test_a_held_out_video_under_the_media_root_answers_as_videoqa(server, qa, me
         for frame in open_video(_video(media)).sample_at_rate(1.0):
             alone.push(frame)
         expected = alone.ask(QUESTION, max_new_tokens=NEW_TOKENS)
-    assert answer.json() == {"answer": expected, "frames": 12, "seconds": 11.0, "id": stream_id}
+        generated = alone.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS).shape[1]
+        read = alone.tokens + qa.adapter.question_ids(QUESTION, alone.state).shape[1]
+    reply = answer.json()
+    assert {key: reply[key] for key in ("answer", "frames", "seconds", "id")} == {
+        "answer": expected, "frames": 12, "seconds": 11.0, "id": stream_id}
+    assert reply["usage"] == {"prompt_tokens": read, "completion_tokens": generated, "total_tokens": read + generated}
+    assert generated >= 1 and 0 < reply["latency"] < 60
     assert expected == qa.answer(_video(media), QUESTION, max_new_tokens=NEW_TOKENS)  # VideoQA.encode's answer
     assert stats["frames"] == 12 and stats["tokens"] > 12 and stats["carried"] > 0 and stats["cache_bytes"] > 0
     assert stats["saved"]["frames"] == 12 and stats["resume_from"] == 12  # a source fed in full is saved
@@ -215,7 +231,8 @@ def test_answers_stream_token_by_token(server):
             lines = [line for line in events.iter_lines() if line.startswith("data: ")]
     pieces = [json.loads(line[6:]) for line in lines]
     tokens = [piece["token"] for piece in pieces[:-1]]
-    assert len(tokens) >= 2 and pieces[-1] == whole.json()
+    final, expected = pieces[-1], whole.json()
+    assert len(tokens) >= 2 and final.pop("latency") > 0 and expected.pop("latency") > 0 and final == expected
     assert "".join(tokens).strip() == whole.json()["answer"]
 
 
@@ -267,6 +284,11 @@ def test_the_openai_client_works_unchanged(server, qa, media):
     reply = client.chat.completions.create(model="builtin", messages=messages, max_tokens=NEW_TOKENS)
     expected = qa.answer(_video(media), QUESTION, max_new_tokens=NEW_TOKENS)
     assert reply.choices[0].message.content == expected
+    with qa.encode(_video(media)) as encoded:  # usage: the tokens the answer read and generated
+        generated = encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS).shape[1]
+        read = encoded.tokens + qa.adapter.question_ids(QUESTION, encoded.state).shape[1]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (read, generated) and generated >= 1
+    assert reply.choices[0].finish_reason == ("length" if generated == NEW_TOKENS else "stop")
     chunks = client.chat.completions.create(model="builtin", messages=messages, max_tokens=NEW_TOKENS, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks).strip() == expected
 
@@ -303,7 +325,8 @@ def test_bad_requests_get_one_line_json_errors(server):
         assert beyond.status_code == 201, beyond.text
         client.delete(f"/v1/streams/{beyond.json()['id']}").raise_for_status()
         _error(client.post(frames, content=b"hello", headers={"Content-Type": "text/plain"}), 415)
-        _error(client.post(frames, content=b"\x89PNG\r\n\x1a\nbroken", headers={"Content-Type": "image/png"}), 400)
+        broken = _error(client.post(frames, content=b"\x89PNG\r\n\x1a\nbroken", headers={"Content-Type": "image/png"}), 400)
+        assert "0x" not in broken and "<" not in broken  # no repr of PIL's in-memory file
         jpeg = io.BytesIO()
         Image.fromarray(_frames(1, 1)[0]).save(jpeg, format="JPEG")
         _error(client.post(frames, content=jpeg.getvalue(), headers={"Content-Type": "image/png"}), 415)
@@ -312,7 +335,7 @@ def test_bad_requests_get_one_line_json_errors(server):
         huge = io.BytesIO()
         Image.new("L", (5000, 5000)).save(huge, format="PNG")  # small file, 25 million pixels decoded
         _error(client.post(frames, content=huge.getvalue(), headers={"Content-Type": "image/png"}), 413)
-        _error(client.post(ask, json={"question": QUESTION}), 400)  # no frame yet
+        assert "no frame yet" in _error(client.post(ask, json={"question": QUESTION}), 409)
         _error(client.post(ask, json={"question": ""}), 400)
         _error(client.post(ask, json={"question": QUESTION, "max_new_tokens": 0}), 400)
         _error(client.post(ask, json={"question": QUESTION, "temperature": 2}), 400)
@@ -320,6 +343,114 @@ def test_bad_requests_get_one_line_json_errors(server):
         _error(client.get("/v1/nothing-here"), 404)
         _error(client.put("/v1/streams"), 405)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
+
+
+def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, media):
+    with server.client() as client:
+        past = client.post("/v1/streams", json={"horizon_frames": 600})  # past the RoPE's 519: bounded positions
+        assert past.status_code == 201 and past.json()["horizon_frames"] == 600, past.text
+        client.delete(f"/v1/streams/{past.json()['id']}").raise_for_status()
+        message = _error(client.post("/v1/streams", json={"horizon_frames": 0}), 400)
+        assert "positive integer or null (no horizon), got 0" in message
+        empty = client.post("/v1/streams")  # no body at all: every field is optional
+        assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text
+        assert empty.json()["horizon_frames"] is None and empty.json()["settings"]["budget"] == SERVER_BUDGET
+        client.delete(f"/v1/streams/{empty.json()['id']}").raise_for_status()
+        stream_id = _create(client, horizon_frames=4)  # room for about 1000 tokens of question and answer
+        frames, ask = f"/v1/streams/{stream_id}/frames", f"/v1/streams/{stream_id}/ask"
+        bad = _error(client.post(frames, json={"source": "not-a-video.mp4"}), 400)
+        assert "not-a-video.mp4" in bad and str(media) not in bad and os.path.realpath(media) not in bad
+        stats = client.get(f"/v1/streams/{stream_id}").json()
+        assert stats["frames"] == 0 and stats["state"] == "empty"
+        client.post(frames, content=_png(_frames(5, 1)[0]), headers={"Content-Type": "image/png"}).raise_for_status()
+        assert "over the limit of 8000" in _error(client.post(ask, json={"question": "x" * 20_000}), 413)
+        wordy = " ".join(["red"] * 1300)  # under 8000 characters, over the room kept for question and answer
+        message = _error(client.post(ask, json={"question": wordy}), 413)
+        assert re.search(r"the question is \d+ tokens and its answer up to 64: more than the \d+ tokens", message)
+        assert "reserve_tokens" not in message
+        client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+
+
+def test_files_fed_at_once_step_together_and_answer_as_alone(server, qa, media):
+    """Two clients each feed a file into a stream (budget 64 tokens: steady from the 17th frame): their pushes
+    share batched steps, counted in statekv_batched_steps_total, and each answer is its stream's alone."""
+    def batched() -> float:
+        with server.client() as client:
+            text = client.get("/metrics").text
+        return float(re.search(r"^statekv_batched_steps_total (\S+)$", text, re.MULTILINE).group(1))
+
+    before = batched()
+    videos = sorted((media / "pair" / "videos").glob("*.mp4"))
+
+    def feed(video: Path) -> str:
+        with server.client() as client:
+            stream_id = _create(client, horizon_frames=64, max_fps=1.0)
+            fed = client.post(f"/v1/streams/{stream_id}/frames", json={"source": str(video.relative_to(media))})
+            assert fed.status_code == 200 and fed.json()["kept"] == 40, fed.text
+            answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
+                                                                       "max_new_tokens": NEW_TOKENS})
+            client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+            return answer.json()["answer"]
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(feed, videos))
+    for video, answer in zip(videos, answers):
+        with qa.stream(horizon_frames=64, max_fps=1.0) as alone:
+            for frame in open_video(video).sample_at_rate(1.0):
+                alone.push(frame)
+            assert answer == alone.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+    assert batched() > before
+
+
+def _refusal_in_the_docs() -> str:
+    serving = (REPO / "docs" / "serving.md").read_text()
+    return re.search(r"```text\n(statekv serve: error: the state folder .*?)\n```", serving, re.DOTALL).group(1)
+
+
+def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_stop_a_start(tmp_path, media):
+    state = tmp_path / "state"
+    first = Server(state, media, "--no-page", keys=()).start()
+    try:
+        key = re.search(r"API key (\S+) \(made for", first.printed()).group(1)
+        assert f"/?key={key}" in first.printed()
+        stored = (state / "keys.json").read_text()
+        assert key not in stored and json.loads(stored)["keys"][0]["owner"]  # only its digest is kept
+        with first.client(key) as client:
+            made_stream = _create(client)
+            client.post(f"/v1/streams/{made_stream}/frames", content=_png(_frames(3, 1)[0]),
+                        headers={"Content-Type": "image/png"}).raise_for_status()
+    finally:
+        first.stop()
+    again = Server(state, media, "--no-page", keys=()).start()  # the same folder, no key given: the made key is reused
+    try:
+        assert key not in again.printed() and "using the API key made for" in again.printed()
+        with again.client(key) as client:
+            listed = client.get("/v1/streams").json()["data"]
+        assert [(s["id"], s["frames"], s["state"]) for s in listed] == [(made_stream, 1, "ready")]
+    finally:
+        again.stop()
+    flagged = Server(state, media, "--no-page", keys=("flag-key",)).start()  # a key given: the made one stays valid too
+    try:
+        with flagged.client(key) as client:
+            assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [made_stream]
+        with flagged.client("flag-key") as client:
+            flag_stream = _create(client)
+    finally:
+        flagged.stop()
+    (state / "keys.json").unlink()  # the made key retired: its stream has no key any more
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("STATEKV_API_KEYS", None)
+    command = [sys.executable, "-m", "statekv.cli", "serve", "--port", "0", "--state-dir", "state",
+               "--api-key", "flag-key"]
+    refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip() == _refusal_in_the_docs(), refused.stderr
+    dropped = Server(state, media, "--no-page", "--drop-unowned-streams", keys=("flag-key",)).start()
+    try:
+        with dropped.client("flag-key") as client:
+            assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [flag_stream]
+        assert not list((state / "streams").glob(f"{made_stream}*"))
+    finally:
+        dropped.stop()
 
 
 def test_a_slow_client_does_not_hold_up_others(server):
@@ -388,29 +519,123 @@ def test_limits_answer_429_with_retry_after(server):
             client.delete(f"/v1/streams/{other}").raise_for_status()
 
 
+def _shown(page, selector: str) -> str:
+    page.wait_for_selector(selector, state="visible", timeout=60_000)
+    return page.inner_text(selector)
+
+
+def _note(page, name: str, containing: str) -> str:
+    """The text of the page's error note ``name`` once it says ``containing``."""
+    selector = f".statekv-error-{name}:visible .statekv-error-message"
+    page.wait_for_selector(f"{selector}:has-text({json.dumps(containing)})", timeout=60_000)
+    return page.inner_text(selector)
+
+
+def _frames_fed(page) -> int:
+    found = re.search(r": (\d+) of", page.inner_text(".statekv-progress"))
+    return int(found.group(1)) if found else 0
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
-def test_the_page_in_a_real_browser(server, qa, media):
+def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
+    """A wrong key, bad files, no camera, a long file fed with its progress, a question with its busy state and
+    latency, a question over the limit, a reload, a second tab, a restart, a delete: each state photographed
+    (``STATEKV_SCREENSHOTS=docs/figures`` writes the docs' pictures)."""
+    from statekv.serve.page import PAGE_NEW_TOKENS
+
     sync_api = pytest.importorskip("playwright.sync_api")
+    shots = Path(os.environ.get("STATEKV_SCREENSHOTS") or tmp_path)
+    with server.client() as client:
+        before = {s["id"] for s in client.get("/v1/streams").json()["data"]}
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--no-first-run"])
         try:
-            page = browser.new_page()
-            page.goto(f"{server.url}/?key={KEY}")
-            page.set_input_files("input[type=file]", str(_video(media)))
-            page.wait_for_selector(".statekv-stats:has-text('frames 12 ')", timeout=90_000)
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            page = context.new_page()
+            uploader = ".statekv-upload-new input[type=file]"
+            page.goto(f"{server.url}/?key=not-a-key")  # a wrong key is refused at once, before any upload
+            assert "unknown API key" in _note(page, "key", "unknown API key")
+            assert "disabled" in page.get_attribute(".statekv-upload-new", "class")
+            page.get_by_label("API key").fill(KEY)
+            page.get_by_role("button", name="use key").click()
+            _shown(page, ".statekv-key-status:has-text('key accepted')")
+            assert not page.is_visible(".statekv-error-key")
+
+            page.set_input_files(uploader, str(media / "not-a-video.mp4"))  # undecodable: no stream is made
+            message = _note(page, "upload", "not-a-video.mp4")
+            assert "not a readable video file" in message and str(media) not in message
+            notes = tmp_path / "notes.txt"
+            notes.write_text("not a video")
+            page.set_input_files(uploader, str(notes))  # refused in the browser, with its type
+            assert "notes.txt is not a video (text/plain)" in _note(page, "upload", "notes.txt")
+            page.get_by_role("button", name="from the camera").click()  # headless Chromium has no camera
+            assert "no camera" in _note(page, "camera", "no camera")
+            page.screenshot(path=str(shots / "serve-errors.png"))
+            with server.client() as client:
+                assert {s["id"] for s in client.get("/v1/streams").json()["data"]} == before
+            page.click(".statekv-error-camera button")  # dismissed, it goes; the others stay
+            assert not page.is_visible(".statekv-error-camera") and page.is_visible(".statekv-error-upload")
+
+            page.set_input_files(uploader, str(media / "long" / "videos" / "v0000.mp4"))  # 120 frames
+            _shown(page, ".statekv-progress:has-text('of 120 frames')")
+            page.wait_for_function("() => /: ([3-9]\\d|\\d{3}) of/.test("
+                                   "document.querySelector('.statekv-progress').innerText)", timeout=60_000)
+            assert page.get_attribute(".statekv-frame img", "src").startswith("data:image/jpeg")
+            assert 30 <= _frames_fed(page) < 120 and "feeding" in page.inner_text(".statekv-state")
+            page.screenshot(path=str(shots / "serve-feeding.png"))
+            _shown(page, ".statekv-stats:has-text('120 frames ·')")
+
+            page.set_input_files(uploader, str(_video(media)))  # a second stream; the first stays listed
+            _shown(page, ".statekv-stats:has-text('12 frames ·')")
+            assert page.locator(".statekv-stream").count() == len(before) + 2
+            stream_id = re.search(r"stream=(st_[0-9a-f]+)", page.url).group(1)
+            page.evaluate("""() => { window.busySeen = false;
+                const box = document.querySelector('.statekv-asking');
+                new MutationObserver(() => { if (box.offsetParent !== null) window.busySeen = true; })
+                    .observe(box, {attributes: true, attributeFilter: ['style', 'class']}); }""")
             page.get_by_label("Question").fill(QUESTION)
             page.get_by_role("button", name="Ask").click()
-            page.wait_for_selector(".statekv-answer", timeout=60_000)
-            shown = page.inner_text(".statekv-answer")
+            shown = _shown(page, ".statekv-answer")
             when = page.inner_text(".statekv-answer-time")
+            assert page.evaluate("window.busySeen")  # "answering..." was shown while it was answered
+            assert shown == qa.answer(_video(media), QUESTION, max_new_tokens=PAGE_NEW_TOKENS)
+            assert re.fullmatch(r"at 11\.0 s \(12 frames\) · answered in \d+\.\d\d s", when), when
+            page.screenshot(path=str(shots / "serve-page.png"), full_page=True)
+
+            page.get_by_label("Question").fill("x" * 20_000)  # the page's limits are the API's
+            page.get_by_role("button", name="Ask").click()
+            assert "20000 characters, over the limit of 8000" in _note(page, "ask", "over the limit")
+
+            page.reload()  # lands back on the stream, with its answer
+            assert _shown(page, ".statekv-answer") == shown and f"stream={stream_id}" in page.url
+            other = context.new_page()  # a second tab: the browser remembers the key and the stream
+            other.goto(f"{server.url}/")
+            assert _shown(other, ".statekv-answer") == shown
+            other.get_by_label("Question").fill(OPEN_QUESTION)
+            other.get_by_role("button", name="Ask").click()
+            page.wait_for_function("() => document.querySelectorAll('.statekv-answer').length == 2",
+                                   timeout=60_000)  # the first tab sees it too
+
+            with server.client() as client:
+                metrics = client.get("/metrics").text
+            asked = re.search(r'^statekv_asks_total\{route="page"\} (\S+)$', metrics, re.MULTILINE)
+            page.evaluate("window.beforeRestart = true")
+            server.stop()  # a restart: the page reconnects, reloads and finds its stream again
+            server.start()
+            page.wait_for_function("() => window.beforeRestart === undefined && "
+                                   "document.querySelectorAll('.statekv-answer').length == 2", timeout=120_000)
+            assert page.inner_text(".statekv-title") == "v0000.mp4" and f"stream={stream_id}" in page.url
+            other.reload()
+            other.locator(f".statekv-stream-{stream_id}").get_by_role("button", name="delete").click()
+            other.get_by_role("button", name="delete it").click()
+            _shown(page, ".statekv-status:has-text('was deleted')")  # the first tab is told
         finally:
             browser.close()
-    from statekv.serve.page import PAGE_NEW_TOKENS
-
-    assert shown == qa.answer(_video(media), QUESTION, max_new_tokens=PAGE_NEW_TOKENS)
-    assert when.startswith("at 11.0 s (12 frames)")
+    with server.client() as client:
+        assert stream_id not in {s["id"] for s in client.get("/v1/streams").json()["data"]}
+    assert asked and float(asked.group(1)) == 2  # the page's two questions, counted before the restart
 
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):

@@ -36,7 +36,10 @@ def traced_steps(prefill, chunks) -> list[OpTrace]:
 
 
 STEADY_CASES = [(statekv.StateKV(budget=BUDGET), "eager"), (statekv.StateKV(budget=BUDGET), "chunked"),
-                (statekv.KeyNorm(budget=BUDGET), "chunked"), (statekv.Recency(frames=WINDOW), "chunked")]
+                (statekv.KeyNorm(budget=BUDGET), "chunked"), (statekv.Recency(frames=WINDOW), "chunked"),
+                # wrapped rules say their steady budget (the protected prefix plus the rule's, or the layer's own)
+                (statekv.WithSinks(statekv.StateKV(budget=BUDGET), sinks=3), "eager"),
+                (statekv.PerLayerBudget(statekv.StateKV(budget=BUDGET), (BUDGET, BUDGET + 2, BUDGET + 4)), "eager")]
 
 
 @pytest.mark.parametrize("policy, backend", STEADY_CASES, ids=lambda x: repr(x) if not isinstance(x, str) else x)
@@ -99,7 +102,7 @@ def test_the_steady_decoder_step_compiles_once(tiny_lm, policy):
         eager.step(inputs_embeds=chunk)
         compiled.step(inputs_embeds=chunk)
     torch._dynamo.reset()
-    compiled._device_step = torch.compile(compiled._device_step, fullgraph=True, backend="eager")  # switched
+    compiled.device_step = torch.compile(compiled.device_step, fullgraph=True, backend="eager")  # switched
     with torch._dynamo.config.patch(error_on_recompile=True):
         for chunk in chunks[6:]:
             assert torch.equal(compiled.step(inputs_embeds=chunk), eager.step(inputs_embeds=chunk))

@@ -115,7 +115,7 @@ def test_max_fps_keeps_one_frame_per_tick(adapters):
 
 def test_default_timestamps_follow_max_fps(adapters):
     stream = _qa(adapters["paper"]).stream(horizon_frames=3, max_fps=2)
-    assert all(stream.push(image) for image in _frames(3)) and stream._last_timestamp == 1.0
+    assert all(stream.push(image) for image in _frames(3)) and stream.last_timestamp == 1.0
 
 
 def test_pushing_past_the_horizon_fails_before_touching_the_stream(adapters):

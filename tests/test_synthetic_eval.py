@@ -10,7 +10,7 @@ import pytest
 import statekv.eval as ev
 from statekv.cli import main
 from statekv.eval.runner import EvalConfig, run_evaluation
-from statekv.pipeline import EncodedVideo, VideoQA
+from statekv.api.videoqa import EncodedVideo, VideoQA
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 from statekv.synthetic.tasks import FAMILIES
 

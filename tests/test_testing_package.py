@@ -1,20 +1,16 @@
-"""Test scaffolding lives in statekv.testing: no production module imports it, the production registry holds no
-test model type, and the old names still work with a warning."""
+"""Test scaffolding lives in statekv.testing: no production module imports it and the production registry holds no
+test model type, even once it is imported."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import statekv
 
 PACKAGE = Path(statekv.__file__).parent
-DEPRECATED_ALIASES = {"statekv.tiny"}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -39,29 +35,17 @@ def test_no_production_module_imports_the_test_scaffolding():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        if module.startswith("statekv.testing") or module in DEPRECATED_ALIASES:
+        if module.startswith("statekv.testing"):
             continue
-        if any(name == "statekv.testing" or name.startswith("statekv.testing.") or name in DEPRECATED_ALIASES
-               for name in _imported_modules(path)):
+        if any(name == "statekv.testing" or name.startswith("statekv.testing.") for name in _imported_modules(path)):
             offenders.append(module)
     assert offenders == []
 
 
 def test_the_production_registry_holds_no_test_model_type():
     code = ("import statekv, statekv.cli, sys; from statekv.models import supported_model_types; "
-            "types = supported_model_types(); "
-            "print(sorted(types)); sys.exit('statekv_tiny_eagle' in types or 'statekv.testing' in sys.modules)")
+            "types = supported_model_types(); product = 'statekv.testing' in sys.modules; import statekv.testing; "
+            "print(sorted(types)); sys.exit(product or 'statekv_tiny_eagle' in supported_model_types())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "eagle_2_5_vl" in done.stdout  # the tiny Eagle declares Eagle2.5's own type, served by production
-
-
-@pytest.mark.parametrize("old, new", [("statekv.tiny", "statekv.testing")])
-def test_the_old_module_names_still_work_and_warn(old, new):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        module = importlib.import_module(old)
-    target = importlib.import_module(new)
-    for name in ("make_tiny_checkpoint", "write_test_video", "draw_test_frame", "OpTrace"):
-        if hasattr(target, name):
-            assert getattr(module, name) is getattr(target, name)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin import resolve_model
     from statekv.core import Recency, StateKV
     from statekv.models import load_adapter
-    from statekv.pipeline import resolve_dtype
+    from statekv.api.videoqa import resolve_dtype
     from statekv.video import open_video
 
     from . import plots, report

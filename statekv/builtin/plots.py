@@ -10,10 +10,10 @@ from ..plotting import pyplot
 def read_log(path: Path | str) -> list[dict]:
     """The lines of a training log (see `statekv.builtin.training`); damaged lines are left out (training drops
     them, naming each, when it resumes)."""
-    from .training import _log_entry
+    from .training import log_entry
 
     text = Path(path).read_bytes().decode("utf-8", errors="replace")
-    return [entry for line in text.splitlines() if line.strip() and (entry := _log_entry(line)) is not None]
+    return [entry for line in text.splitlines() if line.strip() and (entry := log_entry(line)) is not None]
 
 
 def plot_log(log: Path | str, path: Path | str) -> Path:

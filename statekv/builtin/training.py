@@ -320,7 +320,7 @@ def _truncate_log(path: Path, step: int) -> None:
     for number, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
-        entry = _log_entry(line)
+        entry = log_entry(line)
         if entry is None:
             logger.warning("%s:%d: dropping a damaged log line", path, number)
         elif entry["step"] <= step:
@@ -328,7 +328,7 @@ def _truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
-def _log_entry(line: str) -> dict[str, Any] | None:
+def log_entry(line: str) -> dict[str, Any] | None:
     """A log line's entry, or None when it is not a JSON object with an integer step."""
     try:
         entry = json.loads(line)

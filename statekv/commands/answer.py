@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..console import add_output_arguments, add_sampling_arguments, interactive, print_json, quiet_libraries
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,13 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline import VideoQA
+    from ..api.videoqa import VideoQA
     from ..errors import InputError
     from ..video import open_video
 
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
     options = ModelOptions.from_args(args)  # bad settings fail before the video is opened or the model loads
+    options.check_all_used()
     open_video(args.video)
     quiet_libraries()
     qa = VideoQA.from_options(options)

@@ -1,48 +1,63 @@
-"""``statekv demo``: questions about a video answered under full attention, recency and StateKV, offline.
+"""``statekv demo``: full attention, recency and StateKV side by side, offline, in about a minute.
 
-Without ``--model`` and ``--video`` it uses the built-in model (a small InternVL3 trained here on synthetic
-long videos, see docs/accuracy.md) and a held-out synthetic video written once to the cache folder: each
-method encodes the video and answers its six questions, and every question, its options, each method's
-answer and the truth (with the seconds of the video that show it) are printed, so the answers can be checked
-against the video. With ``--model`` or ``--video`` it answers ``--question`` about that video instead.
+Without ``--video`` it runs on held-out synthetic videos (never trained on; written once to the cache folder)
+with the built-in model (a small InternVL3 trained here, see docs/accuracy.md) unless ``--model`` names
+another: each method encodes every video and answers its six questions, and the demo prints the accuracy of
+each method (overall with a 95% interval, and per question family where the methods differ), a few questions
+with their truth and each method's answer, and, for one stream made of several of the videos back to back,
+what a new frame attends to (the carried state, in tokens and bytes) and what it costs (milliseconds per frame)
+as the stream grows; a plot of both is written. With ``--video`` it answers ``--question`` about that video
+under each method instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from ..console import add_output_arguments, interactive, print_json, quiet_libraries
-from ..errors import OutputError
-from ..user_cache import cache_dir  # where the demo keeps its video
+from ..console import add_output_arguments, print_json, quiet_libraries
+from ..errors import ConfigurationError, OutputError
+from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from .defaults import BUILTIN_WINDOW, builtin_budget
 
-DEMO_SET = "demo-synthetic-v2"
-DEMO_SEED = 0  # an evaluation seed: the demo video was never trained on
-BUILTIN_BUDGET, BUILTIN_WINDOW = 64, 16  # compute-matched: 16 frames of 4 tokens carry 64 tokens
+DEMO_SET = "demo-synthetic-v3"
+DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
+DEMO_VIDEOS = 12
+GROWTH_VIDEOS = 4  # videos fed back to back into the stream whose per-frame cost is shown
 OTHER_BUDGET, OTHER_WINDOW = 256, 4
+METHOD_NAMES = {"full": "full attention", "recency": "recency", "statekv": "StateKV"}
+DEFAULT_QUESTION = "What happens in this video?"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="answer questions about a video under all three methods (offline built-in model by default)",
+        "demo", help="full attention, recency and StateKV side by side on held-out videos (offline built-in model)",
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument("--model", default=None, metavar="M",
                         help="a checkpoint folder or hub id instead of the built-in model")
-    parser.add_argument("--video", default=None, help="a video instead of the built-in synthetic one")
-    parser.add_argument("--question", default="What happens in this video?",
-                        help="the question to answer about --video (with --model or --video)")
+    parser.add_argument("--videos", type=POSITIVE_INT, default=DEMO_VIDEOS, metavar="N",
+                        help=f"held-out synthetic videos to answer about (default: {DEMO_VIDEOS})")
+    parser.add_argument("--video", default=None, help="a video of your own instead of the synthetic ones")
+    parser.add_argument("--question", default=None,
+                        help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}); without "
+                             "--video the demo asks the held-out videos' own questions")
     parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
-                        help=f"StateKV budget in tokens (default: {BUILTIN_BUDGET} for the built-in model, "
+                        help="StateKV budget in tokens (default: 64 for the built-in model, "
                              f"else {OTHER_BUDGET})")
     parser.add_argument("--frames", type=POSITIVE_INT, default=None, metavar="R",
                         help=f"recency window in frames (default: {BUILTIN_WINDOW} for the built-in model, "
                              f"else {OTHER_WINDOW})")
-    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="(default: 1)")
-    parser.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N", help="(default: 512)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="where to write the plot (default: demo.png in statekv's cache folder)")
+    parser.add_argument("--no-plot", dest="draw", action="store_false", help="write no plot")
+    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="with --video (default: 1)")
+    parser.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N",
+                        help="with --video (default: 512)")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -52,90 +67,197 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import statekv
-    from statekv.builtin import BUILTIN_NAME
+    from statekv.builtin import BUILTIN_NAME, is_builtin
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
+    if args.question is not None and args.video is None:
+        raise ConfigurationError("--question asks about --video; without --video the demo asks the held-out videos' "
+                                 "own questions: give --video too, or leave --question out")
+    if args.question is not None and not args.question.strip():
+        raise ConfigurationError("--question is empty")
+    if args.video is not None:
+        from statekv.video import open_video
+
+        open_video(args.video)  # before the model loads
     quiet_libraries()
     model = args.model or BUILTIN_NAME
-    builtin = model == BUILTIN_NAME
-    budget = args.budget or (BUILTIN_BUDGET if builtin else OTHER_BUDGET)
+    builtin = is_builtin(model)
+    budget = builtin_budget(model, args.budget, OTHER_BUDGET)
     window = args.frames or (BUILTIN_WINDOW if builtin else OTHER_WINDOW)
-    synthetic = args.video is None
-    video, questions = demo_set() if synthetic else (args.video, [{"question": args.question}])
+    plot_path = Path(args.plot) if args.plot else cache_dir() / "demo.png"
+    videos = None if args.video else demo_set(args.videos)
+    if builtin and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # its matrices are too small to gain from more threads, and on a shared CPU one thread keeps the
+        # per-frame times steady (threads that wait for each other can make a step 100 times slower)
+        torch.set_num_threads(1)
     loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
                                              trust_remote_code=args.trust_remote_code)
-    settings = {"full": "exact", "recency": f"R={window}", "statekv": f"B={budget}"}
-    rows = []
-    for method, setting in settings.items():
-        qa = loaded.with_options(method=method, budget=budget, frames=window)
-        with qa.encode(video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive()) as encoded:
-            for question in questions:
-                question.setdefault("answers", {})[method] = encoded.ask(
-                    _prompt(question), max_new_tokens=args.max_new_tokens)
-            stats = encoded.stats
-        rows.append(_row(method, setting, stats, questions))
+    methods = {"full": ("full attention", {}), "recency": (f"recency R={window}", {"frames": window}),
+               "statekv": (f"StateKV B={budget}", {"budget": budget})}
+    if videos is None:
+        return _own_video(args, loaded, methods, model)
+    return _held_out(args, loaded, methods, model, builtin, videos, plot_path)
+
+
+def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: list, plot_path: Path) -> int:
+    from statekv.synthetic.tasks import FAMILIES
+
+    from .demo_runs import grow, plot, score
+
+    scored, growths = [], []
+    for method, (label, sizes) in methods.items():
+        qa = loaded.with_options(method=method, **sizes)
+        scored.append(score(qa, method, label, videos, max_new_tokens=args.max_new_tokens))
+        growths.append(grow(qa, method, label, [video for video, _ in videos[:GROWTH_VIDEOS]]))
+    families = [name for name in FAMILIES if any(run.family(name)[1] for run in scored)]
+    drawn = None
+    if args.draw:
+        try:
+            drawn = plot(growths, scored, families, plot_path)
+        except OSError as error:
+            raise OutputError(f"cannot write the plot {plot_path} ({error.strerror or error})") from None
+    questions = [row for _, rows in videos for row in rows]
     if args.json:
-        print_json({"model": model, "video": str(video), "builtin": builtin, "rows": rows, "questions": questions})
+        print_json(_document(model, builtin, videos, questions, scored, growths, families, drawn))
         return 0
-    _print_table(model, str(video), rows, questions, synthetic)
+    _print_held_out(model, builtin, videos, questions, scored, growths, families, drawn)
     return 0
 
 
-def demo_set() -> tuple[Path, list[dict]]:
-    """The demo video (video 0 of the held-out set made with `DEMO_SEED`) and its questions (rows of the
-    question file), written to the cache folder on first use."""
+def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
+    """The first ``count`` videos of the held-out set made with `DEMO_SEED`, each with its questions (rows of the
+    question file), written to the cache folder on first use (a larger ``count`` writes a larger set)."""
     from statekv.eval.annotations import read_table
+    from statekv.eval.loaders import load_synthetic
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
-    folder = _cached(DEMO_SET, lambda path: make_benchmark(path, videos=1, seed=DEMO_SEED))
+    folder = _cached(f"{DEMO_SET}-{count}", lambda path: make_benchmark(path, videos=count, seed=DEMO_SEED))
+    load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)
     rows = read_table(folder / QUESTIONS_FILE)
-    return folder / rows[0]["video"], rows
+    videos: dict[str, list[dict]] = {}
+    for row in rows:
+        videos.setdefault(row["video"], []).append(row)
+    return [(folder / video, questions) for video, questions in videos.items()]
 
 
-def _prompt(question: dict) -> str:
-    if "options" not in question:
-        return question["question"]
-    from statekv.synthetic.prompts import question_prompt
+def _own_video(args, loaded, methods: dict, model: str) -> int:
+    question = args.question or DEFAULT_QUESTION
+    rows, answers = [], {}
+    for method, (label, sizes) in methods.items():
+        qa = loaded.with_options(method=method, **sizes)
+        with qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames) as encoded:
+            answers[method] = encoded.ask(question, max_new_tokens=args.max_new_tokens)
+            stats = encoded.stats
+        quarter = max(1, len(stats.frame_seconds) // 4)
+        rows.append({"method": method, "setting": label, "frames": stats.frames, "tokens": stats.tokens,
+                     "carried": stats.carried_tokens,
+                     # medians, so the first frame's one-time warm-up does not dominate the first quarter
+                     "ms_per_frame_first_quarter": 1e3 * statistics.median(stats.frame_seconds[:quarter]),
+                     "ms_per_frame_last_quarter": 1e3 * statistics.median(stats.frame_seconds[-quarter:]),
+                     "answer": answers[method]})
+    if args.json:
+        print_json({"model": model, "video": str(args.video), "question": question, "rows": rows})
+        return 0
+    print(f"model: {model}\nvideo: {args.video}\nquestion: {question}\n")
+    header = f"{'method':<20} {'frames':>6} {'tokens':>7} {'carried':>8} {'ms/frame, 1st 1/4':>18} {'last 1/4':>9}  answer"
+    print(header + "\n" + "-" * len(header))
+    for row in rows:
+        print(f"{row['setting']:<20} {row['frames']:>6} {row['tokens']:>7} {row['carried']:>8} "
+              f"{row['ms_per_frame_first_quarter']:>18.1f} {row['ms_per_frame_last_quarter']:>9.1f}  {row['answer']!r}")
+    return 0
 
-    return question_prompt(question["question"], question["options"])
+
+def _windows(growth, videos: int) -> list[tuple[int, int]]:
+    frames = len(growth.tokens)
+    size = max(1, frames // videos)
+    return [(start, min(frames, start + size)) for start in range(0, frames, size)]
 
 
-def _row(method: str, setting: str, stats, questions: list[dict]) -> dict:
-    from statekv.eval.parsing import ranked_letter
+def _print_held_out(model, builtin, videos, questions, scored, growths, families, drawn) -> None:
+    from .demo_runs import wilson
 
-    quarter = max(1, len(stats.frame_seconds) // 4)
-    row = {"method": method, "setting": setting, "frames": stats.frames, "tokens": stats.tokens,
-           "carried": stats.carried_tokens,
-           # medians, so the first frame's one-time warm-up does not dominate the first quarter
-           "ms_per_frame_first_quarter": 1e3 * statistics.median(stats.frame_seconds[:quarter]),
-           "ms_per_frame_last_quarter": 1e3 * statistics.median(stats.frame_seconds[-quarter:])}
-    if "answer" in questions[0]:
-        row["correct"] = sum(ranked_letter(q["answers"][method]) == q["answer"] for q in questions)
-    return row
+    name = ("the built-in InternVL3 (1.3 M parameters, trained here on synthetic videos; see docs/accuracy.md)"
+            if builtin else model)
+    print(f"model: {name}")
+    print(f"videos: {len(videos)} held-out synthetic videos (96 s each, one picture per second, never trained on), "
+          f"{len(questions)} questions; the last 16 s of each show nothing a question asks about\n")
+    width = 22
+    print(("accuracy".ljust(24) + "".join(run.label.ljust(width) for run in scored)).rstrip())
+    overall = ""
+    for run in scored:
+        low, high = wilson(run.correct, len(run.answers))
+        overall += f"{100 * run.correct / len(run.answers):.0f}% [{100 * low:.0f}, {100 * high:.0f}]".ljust(width)
+    print((f"all {len(questions)} questions".ljust(24) + overall).rstrip())
+    same = []
+    for family in families:
+        counts = [run.family(family) for run in scored]
+        if len({correct for correct, _ in counts}) == 1:
+            same.append(f"{family} {counts[0][0]}/{counts[0][1]}")
+            continue
+        print((f"  {family}".ljust(24) + "".join(f"{c}/{n}".ljust(width) for c, n in counts)).rstrip())
+    if same:
+        print(f"  (the same under every method: {', '.join(same)})")
+    print("(95% Wilson intervals; chance is 25%)\n")
+
+    growth = growths[0]
+    print(f"one stream of {len(growth.tokens)} frames ({min(GROWTH_VIDEOS, len(videos))} of the videos back to "
+          "back), frame after frame:")
+    names = ["full" if g.method == "full" else g.label.split(" ")[0] for g in growths]
+    print(f"{'':<10}{'tokens':>7}   {'carried state: tokens | KiB':^{15 * len(growths)}}   "
+          f"{'ms per frame':^{9 * len(growths)}}".rstrip())
+    header = (f"{'frames':<10}{'seen':>7}   " + "".join(f"{name:>15}" for name in names) + "   "
+              + "".join(f"{name:>9}" for name in names))
+    print(header + "\n" + "-" * len(header))
+    for start, end in _windows(growth, min(GROWTH_VIDEOS, len(videos))):
+        cells = [g.window(start, end) for g in growths]
+        carried = "".join(f"{c['carried']:>8} |{c['carried_kib']:>5.0f}" for c in cells)
+        times = "".join(f"{c['ms_per_frame']:>9.1f}" for c in cells)
+        print(f"{f'{start + 1}-{end}':<10}{cells[0]['tokens']:>7}   {carried}   {times}")
+    print("carried state: what a new frame attends to at the end of each stretch (tokens per layer and KV head;\n"
+          "KiB of keys and values over all layers); ms per frame: the median wall time. Every method also keeps\n"
+          "every frame in its detailed cache, which questions are answered from.\n")
+
+    _print_examples(questions, scored)
+    if drawn is not None:
+        print(f"plot: {drawn}")
 
 
-def _print_table(model: str, video: str, rows: list[dict], questions: list[dict], synthetic: bool) -> None:
-    name = "the built-in InternVL3 (trained on synthetic videos; see docs/accuracy.md)" if model == "builtin" else model
-    print(f"model: {name}\nvideo: {video}" + (" (one picture per second, never seen in training)" if synthetic else ""))
-    print()
-    header = (f"{'method':<8} {'setting':<8} {'frames':>6} {'tokens':>7} {'carried':>8} {'ms/frame, 1st 1/4':>18} "
-              f"{'ms/frame, last 1/4':>19}" + ("  correct" if synthetic else ""))
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        line = (f"{r['method']:<8} {r['setting']:<8} {r['frames']:>6} {r['tokens']:>7} {r['carried']:>8} "
-                f"{r['ms_per_frame_first_quarter']:>18.1f} {r['ms_per_frame_last_quarter']:>19.1f}")
-        print(line + (f"  {r['correct']}/{len(questions)}" if synthetic else ""))
-    print("(median wall time per frame over the first and the last quarter of the video)\n")
-    methods = [r["method"] for r in rows]
-    for q in questions:
-        print(q["question"])
-        for letter, option in zip("ABCD", q.get("options", ()), strict=False):
-            print(f"  {letter}. {option}")
-        if synthetic:
-            seconds = ", ".join(f"{frame}s" for frame in q["evidence_frames"])
-            print(f"  truth: {q['answer']} (seen at {seconds})")
-        print("  " + "   ".join(f"{method}: {q['answers'][method]!r}" for method in methods) + "\n")
+def _print_examples(questions, scored, count: int = 2) -> None:
+    """A few questions where StateKV and recency answered differently, with the truth, to check by eye."""
+    by_method = {run.method: {answer["qid"]: answer for answer in run.answers} for run in scored}
+    shown = 0
+    for row in questions:
+        answers = {method: by_method[method][row["qid"]] for method in by_method}
+        if shown == count or answers["statekv"]["correct"] == answers["recency"]["correct"]:
+            continue
+        if shown == 0:
+            print("where StateKV and recency answered differently, for instance:")
+        print(f"  {row['video_id']}: {row['question']}  " + " / ".join(
+            f"{letter}. {option}" for letter, option in zip("ABCD", row["options"], strict=False)))
+        seconds = ", ".join(f"{frame}s" for frame in row["evidence_frames"])
+        print(f"    truth: {row['answer']} (seen at {seconds});  " + "   ".join(
+            f"{METHOD_NAMES[method]}: {answer['answer']!r}" for method, answer in answers.items()))
+        shown += 1
+    if shown:
+        print()
+
+
+def _document(model, builtin, videos, questions, scored, growths, families, drawn) -> dict:
+    from .demo_runs import wilson
+
+    rows = []
+    for run in scored:
+        low, high = wilson(run.correct, len(run.answers))
+        rows.append({"method": run.method, "setting": run.label, "correct": run.correct, "questions": len(run.answers),
+                     "interval": [low, high], "seconds": run.seconds,
+                     "families": {name: dict(zip(("correct", "questions"), run.family(name))) for name in families},
+                     "answers": run.answers})
+    stream = [{"method": g.method, "setting": g.label, "tokens": g.tokens, "carried": g.carried,
+               "frame_ms": g.frame_ms, "token_bytes": g.token_bytes} for g in growths]
+    return {"model": model, "builtin": builtin, "videos": [str(video) for video, _ in videos], "rows": rows,
+            "questions": questions, "stream": stream, "plot": None if drawn is None else str(drawn)}
 
 
 def _cached(name: str, build) -> Path:

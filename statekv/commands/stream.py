@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..console import add_output_arguments, one_line, quiet_libraries
 from ..errors import OutputError, StateKVError
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file
 
@@ -55,10 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline import VideoQA
+    from ..api.videoqa import VideoQA
     from ..video import open_video
 
     options = ModelOptions.from_args(args)
+    options.check_all_used()
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
@@ -151,10 +152,12 @@ class _Replay:
 def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
     """Save ``stream`` to ``target`` or, if that fails, to a rescue file; returns where it went and, when it is
     not ``target``, why. Raises `OutputError` (naming every place tried) only when nothing could be written."""
+    from ..api.stream_file import UNCHANGED
+
     try:
         return stream.save(target), None
     except OutputError as error:
-        problem = one_line(error).removeprefix(f"cannot save the stream to {target}: ")
+        problem = one_line(error).removeprefix(f"cannot save the stream to {target}: ").removesuffix(f"; {UNCHANGED}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"{target.stem}-{stamp}-{os.getpid()}{target.suffix or '.safetensors'}"
     tried = []

@@ -9,7 +9,10 @@ attention mass a scored rule reads, and the rule's top-k) runs once for all rows
 transaction keeps its own row of the selection.
 
 Steps are batched only when their shapes and everything the forward computes with agree (see
-:func:`batch_key`); the others run alone, through :meth:`StreamingPrefill.step`. docs/engine.md says which.
+:func:`batch_key`); the others run alone (:func:`step_alone`, which is also :meth:`StreamingPrefill.step`): a
+batch of one row through the same code (:func:`run_rows`, :func:`device_step`), its cache the stream's own
+:class:`~statekv.core.cache.TwoStateCache`. Both caches attend through one function
+(:func:`statekv.core.cache.attend`). docs/engine.md says which steps batch.
 """
 
 from __future__ import annotations
@@ -19,20 +22,19 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..errors import UnsupportedModelError
-from .attention import ChunkMask, chunk_attention, scored_attention
+from ..errors import OutputError, UnsupportedModelError
+from .cache import attend
 from .graphs import StepGraphs
-from .model_attention import share_language_attention, streaming_through
-from .policies import Candidates
-from .prefill import StreamingPrefill, _chunk_of
-from .transaction import checked
+from .model_attention import share_language_attention
+from .transaction import NotBatchable
+
+# A stream (`statekv.core.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
 
 # Forward arguments with one row per stream: how S streams' values become one batch's.
 ROW_ARGUMENTS = ("visual_pos_masks", "deepstack_visual_embeds")
@@ -49,9 +51,18 @@ class StepRequest:
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
     durable_record: dict | None = None  # what the disk tier journals with the step (see StreamingPrefill.step)
 
+    @classmethod
+    def of(cls, prefill: "StreamingPrefill", inputs: dict, durable_record: dict | None = None) -> "StepRequest":
+        """The request of ``prefill``'s step whose checked inputs (`StreamingPrefill.checked_inputs`) are
+        ``inputs``."""
+        rest = dict(inputs)
+        return cls(prefill, rest.pop("inputs_embeds"), rest.pop("position_ids"), rest.pop("input_ids"), rest,
+                   durable_record)
 
-class NotBatchable(Exception):
-    """Raised inside a batched forward when it turns out the rows cannot share it (the batch then runs alone)."""
+
+def chunk_of(inputs: dict) -> torch.Tensor:
+    """The chunk of a step's checked inputs: ``inputs_embeds [B, T, D]`` or ``input_ids [B, T]``."""
+    return inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]
 
 
 class BatchLayer(CacheLayerMixin):
@@ -100,37 +111,13 @@ class BatchCache(Cache):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of every row's chunk ``q [S, Hq, T, D]`` over its ``[carried; chunk]`` ``k``/``v``, computed
         once; the policy selects once for all rows and each stream's transaction keeps its row."""
-        first = self.caches[0]
-        for cache in self.caches:
-            cache.transaction.attended[layer_idx] = True
-        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
-        if not first.layers[layer_idx].carry.selects:
-            return chunk_attention(q, k, v, scale=scale, mask=mask)
-        policy = first.policy
-        if policy.scores_needed(k.shape[2]):
-            out, scores = scored_attention(q, k, v, scale=scale, backend=first.backend, mask=mask)
-        else:
-            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
-        caches = self.caches
-        candidates = Candidates(
-            layer=layer_idx, scores=scores, keys=k, values=v, queries=q, history=_no_history,
-            positions=lambda: torch.cat([cache.layers[layer_idx].candidate_positions() for cache in caches]))
-        selection = checked(policy.select(candidates), candidates)
-        if candidates.read_host_state:
-            raise NotBatchable("the carry policy read per-stream host values")
-        for row, cache in enumerate(caches):
-            cache.transaction.pending[layer_idx] = selection if isinstance(selection, slice) else selection[row:row + 1]
-        return out
-
-
-def _no_history() -> tuple[int, ...]:
-    raise NotBatchable("the carry policy reads each stream's step history")
+        return attend(self.caches, layer_idx, q, k, v, scale)
 
 
 _rope_keys: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
-def rope_key(prefill: StreamingPrefill) -> tuple:
+def rope_key(prefill: "StreamingPrefill") -> tuple:
     """What a stream's rotation is, comparable across streams: streams with equal keys rotate a position the
     same way (static RoPE types: all; ``dynamic``/``longrope``: equal frozen frequencies). Read once per stream."""
     rope = prefill.rope
@@ -162,14 +149,14 @@ def _argument_key(name: str, value: Any) -> Any:
     return value
 
 
-def batch_key(prefill: StreamingPrefill, inputs: dict) -> tuple | None:
+def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
     """What must be equal for steps to share a forward (None: this step runs alone). Read after the step was
     begun. A step is batched when it is steady (every layer in a ring, or in slots holding a scored rule's full
     budget: the carried length is the same at every step) under a capturable rule (one that reads no per-step
     host values), its chunk has one row, and it is neither tracking overlap nor tallying attention per frame
     for ``evict-least-attended`` (host reads per step)."""
     cache = prefill.cache
-    chunk = _chunk_of(inputs)
+    chunk = chunk_of(inputs)
     if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
             or not prefill.policy.capturable or not cache.is_steady()
             or (cache.positions.bounded and inputs["position_ids"] is not None)):  # M-RoPE moved: on its own
@@ -233,12 +220,8 @@ class StepBatcher:
 
     def _wave(self, requests, indices, outcomes) -> None:
         if len(indices) == 1:  # nothing to batch with: the stream's own step
-            request = requests[indices[0]]
             try:
-                outcomes[indices[0]] = request.prefill.step(request.inputs_embeds, request.position_ids,
-                                                            input_ids=request.input_ids,
-                                                            durable_record=request.durable_record,
-                                                            **request.forward_kwargs)
+                outcomes[indices[0]] = step_alone(requests[indices[0]])
             except Exception as error:
                 outcomes[indices[0]] = error
             return
@@ -250,8 +233,8 @@ class StepBatcher:
             try:
                 inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
                                                 input_ids=request.input_ids, **request.forward_kwargs)
-                prefill.make_room(_chunk_of(inputs).shape[1], _chunk_of(inputs).shape[0])
-                prefill.cache.begin(_chunk_of(inputs).shape[1], _chunk_of(inputs).device, inputs["position_ids"])
+                prefill.make_room(chunk_of(inputs).shape[1], chunk_of(inputs).shape[0])
+                prefill.cache.begin(chunk_of(inputs).shape[1], chunk_of(inputs).device, inputs["position_ids"])
             except Exception as error:
                 prefill.cache.rollback()
                 outcomes[index] = error
@@ -265,89 +248,147 @@ class StepBatcher:
             if len(members) == 1:
                 alone.extend(members)
                 continue
+            prefills = [requests[index].prefill for index, _ in members]
             try:
-                hidden = self._batched(requests, members)
+                inputs = stack_inputs([each for _, each in members])
+                batch, graphs = self._graphs_for(prefills)
+                hidden = run_rows(prefills, batch, graphs, inputs,
+                                  [requests[index].durable_record for index, _ in members],
+                                  replay=all(prefill.cuda_graph for prefill in prefills))
+            except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
+                self.batched_steps += 1
+                self.batched_rows += len(prefills)
+                for row, (index, _) in enumerate(members):
+                    outcomes[index] = partly.errors.get(row, partly.hidden[row:row + 1])
+                continue
             except Exception:
-                for index, _ in members:  # every stream as it was; each retried on its own below
-                    requests[index].prefill.cache.rollback()
+                for prefill in prefills:  # every stream as it was; each retried on its own below
+                    prefill.cache.rollback()
                 alone.extend(members)
                 continue
+            self.batched_steps += 1
+            self.batched_rows += len(prefills)
             for row, (index, _) in enumerate(members):
                 outcomes[index] = hidden[row:row + 1]
         for index, inputs in sorted(alone):
             prefill = requests[index].prefill
             prefill.cache.rollback()
             try:
-                outcomes[index] = prefill.step(**inputs, durable_record=requests[index].durable_record)
+                outcomes[index] = step_alone(StepRequest.of(prefill, inputs, requests[index].durable_record))
             except Exception as error:
                 outcomes[index] = error
 
-    def _batched(self, requests, members) -> torch.Tensor:
-        """One forward for ``members`` ``[(request index, checked inputs)]`` (steps begun): hidden ``[S, T, D]``;
-        commits every stream's step."""
-        prefills = [requests[index].prefill for index, _ in members]
-        inputs = stack_inputs([each for _, each in members])
-        started = time.perf_counter()
-        batch, graphs = self._batch_for(prefills)
-        hidden = None
-        if graphs is not None:
-            hidden = graphs.run(inputs, tuple(prefill.cache.layout_version for prefill in prefills))
-        if hidden is None:
-            hidden = _streamed(prefills, batch, inputs)
-        chunk_len = _chunk_of(inputs).shape[1]
-        for (index, _), prefill in zip(members, prefills):
-            prefill.finish_step(chunk_len, started, durable_record=requests[index].durable_record)
-        self.batched_steps += 1
-        self.batched_rows += len(prefills)
-        return hidden
-
-    def _batch_for(self, prefills: list[StreamingPrefill]) -> tuple[BatchCache, StepGraphs | None]:
-        """The batch cache of these streams, and on CUDA the graphs recorded for them (kept for the next step
-        of the same streams in the same rows)."""
+    def _graphs_for(self, prefills: list["StreamingPrefill"]) -> tuple[BatchCache, StepGraphs]:
+        """The device step of these streams over one batch cache, with, on CUDA, the graphs recorded for it (kept
+        for the next step of the same streams in the same rows)."""
         if not all(prefill.cuda_graph for prefill in prefills):
-            return BatchCache([prefill.cache for prefill in prefills]), None
+            return batch_graphs(prefills)
         key = tuple(id(prefill) for prefill in prefills)
         with self._graphs_lock:
-            return self._held(key, prefills)
+            held = self._graphs.get(key)
+            if held is None or any(a is not b for a, b in zip(held[0].caches, (p.cache for p in prefills))):
+                held = self._graphs[key] = batch_graphs(prefills)
+                while len(self._graphs) > self.keep:
+                    self._graphs.popitem(last=False)[1][1].clear()
+            self._graphs.move_to_end(key)
+            return held
 
-    def _held(self, key: tuple, prefills: list[StreamingPrefill]) -> tuple[BatchCache, StepGraphs]:
-        held = self._graphs.get(key)
-        if held is None or any(a is not b for a, b in zip(held[0].caches, (p.cache for p in prefills))):
-            batch = BatchCache([prefill.cache for prefill in prefills])
-            graphs = StepGraphs(lambda inputs: _streamed(prefills, batch, inputs),
-                                lambda: any(prefill.cache.read_host_state for prefill in prefills))
-            held = self._graphs[key] = (batch, graphs)
-            while len(self._graphs) > self.keep:
-                self._graphs.popitem(last=False)[1][1].clear()
-        self._graphs.move_to_end(key)
-        return held
-
-    def forget(self, prefill: StreamingPrefill) -> None:
+    def forget(self, prefill: "StreamingPrefill") -> None:
         """Drop the recorded batches that hold ``prefill`` (it closed or left)."""
         with self._graphs_lock:
             for key in [key for key, (batch, _) in self._graphs.items() if prefill.cache in batch.caches]:
                 self._graphs.pop(key)[1].clear()
 
 
-def _streamed(prefills: list[StreamingPrefill], batch: BatchCache, inputs: dict) -> torch.Tensor:
-    """The device part of a batched step (what a CUDA graph records): positions, the decoder's forward over
-    every row, every stream's commit."""
+@torch.no_grad()
+def step_alone(request: StepRequest) -> torch.Tensor:
+    """One stream's step, a batch of one row (what :meth:`StreamingPrefill.step` runs): its inputs checked, room
+    made under a cache limit, the step begun, then :func:`run_rows` with the stream's own graphs (its own cache;
+    replayed once steady on CUDA); any failure rolls the stream back."""
+    prefill = request.prefill
+    inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids, input_ids=request.input_ids,
+                                    **request.forward_kwargs)
+    chunk = chunk_of(inputs)
+    prefill.make_room(chunk.shape[1], chunk.shape[0])
+    started = time.perf_counter()
+    carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
+    prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
+    try:
+        return run_rows([prefill], prefill.cache, prefill.graphs, inputs, [request.durable_record],
+                        replay=prefill.cuda_graph and prefill.cache.is_steady(), started=started,
+                        carried_before=carried_before)
+    except BaseException:
+        prefill.cache.rollback()
+        raise
+
+
+def run_rows(prefills: Sequence["StreamingPrefill"], cache: Cache, graphs: StepGraphs, inputs: dict,
+             durable_records: Sequence[dict | None], *, replay: bool, started: float | None = None,
+             carried_before: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The steps of ``prefills`` (each begun; one row each of ``inputs``, stacked) through ``cache`` (one stream's
+    own cache, or a `BatchCache`): inside the streams' call (their attention through ``cache``, their RoPE), the
+    device part (``graphs.device_step``, :func:`device_step`) replayed from ``graphs`` when ``replay`` and it
+    holds it, else run eagerly; then each stream's host end (`StreamingPrefill.finish_step`). Returns the hidden
+    states ``[S, T, D]``."""
+    started = time.perf_counter() if started is None else started
     first = prefills[0]
-    share_language_attention(first.model)
-    rope = first.rope.active() if first.rope is not None else nullcontext()
-    with streaming_through(batch), rope:
-        positions = [prefill.cache.begin_device() for prefill in prefills]
-        if inputs["position_ids"] is None:
-            inputs = dict(inputs, position_ids=torch.stack(positions))
-        output = first.decoder(**inputs, attention_mask=first._prepared_mask, past_key_values=batch, use_cache=True)
-        for prefill in prefills:
-            missing = prefill.cache.missing_layers()
-            if missing:
-                raise UnsupportedModelError(
-                    f"{type(first.decoder).__name__} layers {missing} did not run their attention through "
-                    "transformers' AttentionInterface, so they cannot be streamed")
-        for prefill in prefills:
-            prefill.cache.commit_device()
+    share_language_attention(first.model)  # a no-op unless someone switched the model's attention since
+    with first.streaming(cache):
+        hidden = graphs.run(inputs, tuple(prefill.cache.layout_version for prefill in prefills)) if replay else None
+        if hidden is None:
+            hidden = graphs.device_step(inputs)
+    chunk_len = chunk_of(inputs).shape[1]
+    failed: dict[int, OutputError] = {}
+    for row, (prefill, record) in enumerate(zip(prefills, durable_records)):
+        try:
+            prefill.finish_step(chunk_len, started, carried_before, durable_record=record)
+        except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
+            failed[row] = error
+    if failed:
+        if len(prefills) == 1:
+            raise failed[0]
+        raise RowsFailed(failed, hidden)
+    return hidden
+
+
+class RowsFailed(Exception):
+    """Raised by :func:`run_rows` when some streams of a batch could not finish their step (their disk tier could
+    not write it: each is restored as it was before the step); the others took it. ``errors`` by row, ``hidden``
+    ``[S, T, D]`` every row's hidden states."""
+
+    def __init__(self, errors: dict[int, Exception], hidden: torch.Tensor):
+        super().__init__(f"{len(errors)} of {hidden.shape[0]} streams could not finish their step")
+        self.errors, self.hidden = errors, hidden
+
+
+def batch_graphs(prefills: Sequence["StreamingPrefill"]) -> tuple[BatchCache, StepGraphs]:
+    """One `BatchCache` over S streams' caches, and the device step of their rows over it as graphs record it."""
+    batch = BatchCache([prefill.cache for prefill in prefills])
+    return batch, StepGraphs(lambda inputs: device_step(prefills, batch, inputs),
+                             lambda: any(prefill.cache.read_host_state for prefill in prefills))
+
+
+def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: dict) -> torch.Tensor:
+    """The device part of a step of ``prefills`` through ``cache`` (what a CUDA graph records; run inside the
+    streams' call, see :func:`run_rows`): positions, the decoder's forward over every row, every stream's
+    commit. Rows continue from each stream's own length."""
+    first = prefills[0]
+    explicit = inputs["position_ids"]  # bounded streams with explicit positions never batch (see batch_key)
+    positions = [prefill.cache.begin_device(explicit if len(prefills) == 1 else None) for prefill in prefills]
+    if explicit is None:
+        rows = positions[0].expand(chunk_of(inputs).shape[0], -1) if len(prefills) == 1 else torch.stack(positions)
+        inputs = dict(inputs, position_ids=rows)
+    elif len(prefills) == 1 and positions[0] is not explicit:  # bounded: moved to where the chunk is placed
+        inputs = dict(inputs, position_ids=positions[0])
+    output = first.decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
+    for prefill in prefills:
+        missing = prefill.cache.missing_layers()
+        if missing:
+            raise UnsupportedModelError(
+                f"{type(first.decoder).__name__} layers {missing} did not run their attention through "
+                "transformers' AttentionInterface, so they cannot be streamed")
+    for prefill in prefills:
+        prefill.cache.commit_device()
     return output.last_hidden_state
 
 

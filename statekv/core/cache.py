@@ -1,9 +1,9 @@
 """The two-state cache: a small carried state per layer and KV head, and a detailed cache of every token.
 
-During a step the model's attention modules call :meth:`StreamingLayer.update` with the chunk's keys and
-values, which returns ``[carried; chunk]``; the registered attention function then scores those keys and
-asks the policy what to carry (:meth:`TwoStateCache.attend`). The step is a transaction
-(:mod:`statekv.core.transaction`): :meth:`TwoStateCache.commit_device` installs the new carried state,
+During a step the model's attention modules call :meth:`StreamingLayer.update` with the chunk's keys and values,
+which returns ``[carried; chunk]``; the registered attention function then scores those keys and asks the policy
+what to carry (:func:`attend`, for one stream's cache or the rows of several streams' batch). The step is a
+transaction (:mod:`statekv.core.transaction`): :meth:`TwoStateCache.commit_device` installs the new carried state,
 :meth:`TwoStateCache.commit_host` advances the committed lengths, :meth:`TwoStateCache.rollback` forgets it.
 
 Each layer holds two objects: its ``storage`` (:mod:`statekv.core.storage`: the detailed cache and step
@@ -16,20 +16,19 @@ everything that changes from step to step lives in device tensors that the step 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..errors import UnsupportedModelError
 from . import forms, persistence, tiers
 from .attention import ChunkMask, chunk_attention, scored_attention
-from .persistence import check_state_dict  # noqa: F401  (its historical home)
 from .policies import Candidates, CarryPolicy
 from .positions import StreamPositions
-from .quantized import check_kv_cache_dtype
-from .transaction import StepContext, StepTransaction
+from .transaction import NotBatchable, StepContext, StepTransaction, checked
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -41,7 +40,9 @@ class StreamingLayer(CacheLayerMixin):
     """
 
     is_compileable = False
+    is_croppable = False
     is_sliding = False
+    supports_early_init = False
 
     def __init__(self, on_replace: Callable[[], None], index: int, capacity_hint: int | None = None,
                  storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None,
@@ -102,6 +103,22 @@ class StreamingLayer(CacheLayerMixin):
     def get_max_length(self) -> int:  # no maximum
         return -1
 
+    # The rest of the mixin acts on ``keys``/``values`` fields this layer never sets: its detailed cache is
+    # offloaded by its storage (the ``offload`` setting), never reset in place, and one stream is one sequence.
+    def offload(self):
+        raise UnsupportedModelError("a streaming layer is offloaded by its storage (the offload setting), not by "
+                                    "transformers' layer offloading")
+
+    def prefetch(self):
+        raise UnsupportedModelError("a streaming layer is offloaded by its storage (the offload setting), not by "
+                                    "transformers' layer offloading")
+
+    def reset(self) -> None:
+        raise UnsupportedModelError("a stream's cache is never reset in place; make a new stream")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedModelError("a stream's cache holds one sequence and cannot be reordered (beam search)")
+
     # two-state bookkeeping -------------------------------------------------------------------------------
     @property
     def carried_length(self) -> int:
@@ -157,7 +174,7 @@ class TwoStateCache(Cache):
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
         storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
         kv_cache_dtype: ``"int8"`` or ``"int4"`` to store the detailed cache quantized
-            (:mod:`statekv.core.quantized`); None: in the model's dtype.
+            (:mod:`statekv.core.quantized`); None: in the model's dtype (checked by `EngineSettings`).
         make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace,
             kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.DiskTier`).
         positions: the stream's RoPE positions (:class:`~statekv.core.positions.StreamPositions`; default: the
@@ -169,14 +186,15 @@ class TwoStateCache(Cache):
     each step's tokens received from the stream's own scored steps, summed over layers and heads.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
-    -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay.
+    -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay. The steps of several
+    streams may share one forward (:class:`statekv.core.batching.BatchCache`): each cache is then one row.
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
                  kv_cache_dtype: str | None = None, make_storage=None, positions: StreamPositions | None = None):
         super().__init__(layers=[])
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
         self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype,
@@ -187,13 +205,13 @@ class TwoStateCache(Cache):
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
-        self.recency = forms.Recency()
+        self.shared_ring = forms.SharedRing()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
         self.transaction: StepTransaction | None = None  # the step being run
         self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
         if self.positions.bounded:  # each carried slot is rotated on its own: slots in every layer
-            self.recency.allowed = False
+            self.shared_ring.allowed = False
             for layer in self.layers:
                 layer.storage.holds_window = False
                 layer.carry = forms.initial(layer.storage)
@@ -211,7 +229,7 @@ class TwoStateCache(Cache):
     @property
     def ring(self):
         """The ring every layer holds its carried state in, if any (:class:`~statekv.core.buffers.Ring`)."""
-        return self.recency.ring
+        return self.shared_ring.ring
 
     @property
     def read_host_state(self) -> bool:
@@ -235,7 +253,7 @@ class TwoStateCache(Cache):
             self.positions.plan(chunk_len, self.seen_tokens, position_ids, carried)
             context.positions = self.positions
         self.transaction = StepTransaction(context, self.layers)
-        self.recency.update(self.layers, self.policy, self.chunk_lengths, self.seen_tokens, context, device)
+        self.shared_ring.update(self.layers, self.policy, self.chunk_lengths, self.seen_tokens, context, device)
         for layer in self.layers:
             layer.prepare(context)
 
@@ -255,9 +273,8 @@ class TwoStateCache(Cache):
 
     def is_steady(self) -> bool:
         """Whether the step just begun has the static form a CUDA graph can replay: every layer in a ring, or
-        in slots holding a scored rule's full budget."""
-        budget = getattr(self.policy, "budget", None)
-        return all(layer.carry.is_static(budget) for layer in self.layers)
+        in slots holding the tokens its rule carries once steady (`CarryPolicy.steady_budget`)."""
+        return all(layer.carry.is_static(self.policy.steady_budget(layer.index)) for layer in self.layers)
 
     def begin_device(self, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Device-side start of the step: the chunk's RoPE positions for the decoder (``position_ids`` if given,
@@ -274,24 +291,11 @@ class TwoStateCache(Cache):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
-        stages the policy's selection for this layer and returns ``[B, T, Hq, D]``."""
-        layer, step = self.layers[layer_idx], self.transaction
-        step.attended[layer_idx] = True
-        mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
-        if not layer.carry.selects:
-            return chunk_attention(q, k, v, scale=scale, mask=mask)
-        if self.policy.scores_needed(k.shape[2]):
-            out, scores = scored_attention(q, k, v, scale=scale, backend=self.backend, mask=mask)
-        else:
-            out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
-        if scores is not None and self.tally is not None:
-            self.tally.add(self, layer.candidate_positions(), scores)
-        step.select(layer_idx, self.policy, Candidates(layer=layer_idx, scores=scores, keys=k, values=v,
-                                                       positions=layer.candidate_positions, history=self._history,
-                                                       queries=q))
-        return out
+        stages the policy's selection for this layer and returns ``[B, T, Hq, D]`` (see :func:`attend`)."""
+        return attend([self], layer_idx, q, k, v, scale)
 
-    def _history(self) -> tuple[int, ...]:
+    def history(self) -> tuple[int, ...]:
+        """Every step's length, the step being run last (what a rule reading ``chunk_lengths`` sees)."""
         return (*self.chunk_lengths, self.chunk_len)
 
     def missing_layers(self) -> list[int]:
@@ -299,9 +303,9 @@ class TwoStateCache(Cache):
         return self.transaction.missing_layers()
 
     def commit_device(self) -> None:
-        self.transaction.context.ring_target = self.recency.target()
+        self.transaction.context.ring_target = self.shared_ring.target()
         self.transaction.commit_device()
-        self.recency.advance()
+        self.shared_ring.advance()
         self.seen_device.add_(self.chunk_len)
         self.step_device.add_(1)
 
@@ -337,3 +341,51 @@ class TwoStateCache(Cache):
     def to_dynamic_cache(self, device: torch.device | None = None) -> DynamicCache:
         """Every token's keys/values as a ``DynamicCache`` (see :func:`persistence.to_dynamic_cache`)."""
         return persistence.to_dynamic_cache(self, device)
+
+
+def attend(caches: Sequence[TwoStateCache], layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """The attention of a step and its carry selection, for one stream's cache or S streams stepped together.
+
+    Row ``s`` of ``q [S, Hq, T, D]`` and of the ``[carried; chunk]`` keys and values ``k``/``v [S, H_kv, K + T, D]``
+    is stream ``caches[s]``'s. The attention (and the attention mass, when the policy needs it) is computed once
+    for every row, the policy selects once, and each stream's transaction keeps its row of the selection, checked.
+    A policy that reads per-step host values, or a stream tallying attention per frame, cannot share its step
+    (`NotBatchable`: the batch then runs alone). Returns ``[S, T, Hq, D]``.
+    """
+    first, alone = caches[0], len(caches) == 1
+    for cache in caches:
+        cache.transaction.attended[layer_idx] = True
+    mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+    layer = first.layers[layer_idx]
+    if not layer.carry.selects:
+        return chunk_attention(q, k, v, scale=scale, mask=mask)
+    policy = first.policy
+    if policy.scores_needed(k.shape[2]):
+        out, scores = scored_attention(q, k, v, scale=scale, backend=first.backend, mask=mask)
+    else:
+        out, scores = chunk_attention(q, k, v, scale=scale, mask=mask), None
+    if alone:
+        positions, history = layer.candidate_positions, first.history
+        if scores is not None and first.tally is not None:
+            first.tally.add(first, layer.candidate_positions(), scores)
+    else:
+        if any(cache.tally is not None for cache in caches):
+            raise NotBatchable("a stream tallies the attention of its own steps")
+        positions = lambda: torch.cat([cache.layers[layer_idx].candidate_positions() for cache in caches])  # noqa: E731
+        history = _no_history
+    candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v, positions=positions, history=history,
+                            queries=q)
+    selection = checked(policy.select(candidates), candidates)
+    if alone:
+        first.transaction.keep(layer_idx, selection, candidates.read_host_state)
+        return out
+    if candidates.read_host_state:
+        raise NotBatchable("the carry policy read per-stream host values")
+    for row, cache in enumerate(caches):
+        cache.transaction.keep(layer_idx, selection if isinstance(selection, slice) else selection[row:row + 1], False)
+    return out
+
+
+def _no_history() -> tuple[int, ...]:
+    raise NotBatchable("the carry policy reads each stream's step history")

@@ -5,9 +5,15 @@ prompt and the answer), the new prompt ids and an all-ones attention mask over c
 positions continue from the streamed length. The language model's attention goes through the engine's
 attention function, which chooses each layer's context when the prompt's queries reach it (all of it, or the
 steps a :class:`Retrieval` picks). The stream itself is never changed.
+
+`StreamingPrefill.generate` is the one caller: it takes a :class:`Prompt` as a model family's adapter lays it out
+(``VideoAdapter.prompt``) and checks it against the stream first.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +23,25 @@ from .model_attention import share_language_attention
 from ..errors import InputError, UnsupportedModelError
 
 DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What generation needs of the text that follows a stream, as a model family lays it out.
+
+    input_ids: LongTensor ``[B, Q]``. position_ids: its RoPE positions when they do not simply continue from the
+    stream's length (M-RoPE: ``[3 or 4, B, Q]``), else None. follows: the stream length, in tokens, it was laid out
+    after (the engine refuses it after any other; None: unchecked). model: the module whose ``generate`` decodes
+    (None: the stream's model; a wrapper whose own ``generate`` takes no cache names its language model).
+    restores: ``(object, attribute)`` pairs that the model's ``generate`` may change and that are put back after
+    it (Qwen3-VL's ``rope_deltas``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    follows: int | None = None
+    model: torch.nn.Module | None = None
+    restores: tuple[tuple[Any, str], ...] = ()
 
 
 @torch.no_grad()

@@ -23,12 +23,18 @@ at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps (those after the c
 stream saved, synced or closed loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
 to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
 paid once per checkpoint.
+
+One owner: a `DiskTier` holds the exclusive lock of its folder (``lock``, `statekv.locks`) from the moment it is
+made or opened until it is closed, so a second opener is refused with one line naming the holder. Every
+descriptive file of the set (``manifest.json``, each layer file's ``.json``, the stream's ``stream.json``) records
+the SHA-256 of its own fields (``checksum``), checked whenever it is read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import math
 import os
@@ -42,6 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
+from ..locks import ExclusiveLock
 from . import persistence
 from .buffers import TokenBuffer
 from .storage import OffloadedStorage
@@ -51,6 +58,8 @@ FORMAT_VERSION = 2  # 1: the carried state journaled with every step, summaries 
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
+LOCK = "lock"  # held by the one stream living in the file set
+CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -207,9 +216,13 @@ class MappedTokenBuffer:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    """Write ``data`` at ``offset``; an `OutputError` naming the reason (a full disk...) when it cannot be."""
+    try:
+        while len(data):
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
+    except OSError as error:
+        raise OutputError(f"cannot write the disk cache: {error.strerror or error}") from None
 
 
 class MirroredTokenBuffer(TokenBuffer):
@@ -281,7 +294,11 @@ class DiskTier:
     ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any]):
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: ExclusiveLock | None = None, *,
+                 holder: str = "a stream"):
+        """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
+        second opener)."""
+        self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
@@ -294,6 +311,7 @@ class DiskTier:
         self.last_step: int | None = None  # the last step journaled
         self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
         self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
+        self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
 
     @classmethod
@@ -303,10 +321,15 @@ class DiskTier:
         folder = Path(offload_dir) / f"{safe}-{uuid.uuid4().hex[:8]}"
         try:
             folder.mkdir(parents=True)
-            _write_json(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
         except OSError as error:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        return cls(folder, manifest)
+        lock = hold(folder, f"stream {str(name)[:80]!r}")
+        try:
+            _write_json(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+        except OSError as error:
+            lock.release()
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+        return cls(folder, manifest, lock)
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
                 kv_cache_dtype: str | None = None) -> OffloadedStorage:
@@ -333,25 +356,62 @@ class DiskTier:
         return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
 
     def describe(self, name: str, fields: dict[str, Any]) -> None:
-        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically."""
-        _write_json(self.folder / f"{name}.json", fields)
+        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically; an
+        `OutputError` when it cannot be written."""
+        try:
+            _write_json(self.folder / f"{name}.json", fields)
+        except OSError as error:
+            raise OutputError(f"cannot describe the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one journal record (a JSON object) after its CRC-32."""
+        """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
+        disk) not at all."""
         text = json.dumps(record, separators=(",", ":"), allow_nan=False)
-        os.write(self._journal, f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        end = os.fstat(self._journal).st_size
+        try:
+            while len(data):
+                data = data[os.write(self._journal, data):]
+        except OSError as error:
+            try:
+                os.ftruncate(self._journal, end)  # no torn line for the next record to follow
+            except OSError:
+                pass
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
         """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
         files' lengths; then, at the first step and every ``checkpoint_steps`` steps, the carried state of every
-        layer (``layers``: the cache's) as a checkpoint."""
-        self._layers, self.last_step = layers, step
-        lengths = {name: buffer.length for name, buffer in self._mapped(0)}
-        self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
-        if step == 0 or (step + 1) % self.checkpoint_steps == 0:
-            self.checkpoint()
+        layer (``layers``: the cache's) as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
+        then as before the step, and `remembered` still holds the carried state the step before left."""
+        end, last = os.fstat(self._journal).st_size, self.last_step
+        try:
+            self._layers, self.last_step = layers, step
+            lengths = {name: buffer.length for name, buffer in self._mapped(0)}
+            self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
+            if step == 0 or (step + 1) % self.checkpoint_steps == 0:
+                self.checkpoint()
+        except OutputError:
+            self.last_step = last
+            try:
+                os.ftruncate(self._journal, end)  # the step's record goes too, with its checkpoint's
+            except OSError:
+                pass
+            raise
+        self.remember(layers)
         size = os.fstat(self._journal).st_size
         self.growth, self._size_before = size - self._size_before, size
+
+    def remember(self, layers: list[Any]) -> None:
+        """Keep a copy of the carried state the last step journaled left (`remembered`: per layer what a
+        checkpoint writes), so a step the disk cannot take is undone exactly without a checkpoint per step."""
+        self.remembered = [tuple(None if t is None else t.clone() for t in _carried_parts(layer)) for layer in layers]
+
+    def adopt(self, layers: list[Any], last_step: int) -> None:
+        """The cache's ``layers`` as resumed or restored at ``last_step`` (what the next step and checkpoint
+        follow)."""
+        self._layers, self.last_step = layers, last_step
+        self.remember(layers)
 
     def checkpoint(self) -> None:
         """Write the carried state after the last step journaled (per layer: positions ``[B, H_kv, K]``, keys and
@@ -365,7 +425,10 @@ class DiskTier:
                         for parts in carried for t in parts if t is not None)
         slot = self.checkpoints % 2
         if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
-            self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+            try:
+                self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         _pwrite_all(self._slots[slot], memoryview(data), 0)
         self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
                      "placed": carried[0][3] is not None if carried else False,
@@ -400,6 +463,7 @@ class DiskTier:
             self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
             start += length
         self.checkpoint()
+        self.remember(cache.layers)
 
     def _take_crc(self) -> int:
         """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
@@ -418,13 +482,16 @@ class DiskTier:
 
     def sync(self) -> None:
         """Checkpoint the carried state (if the last step is not yet) and force everything written so far to the
-        storage device: a kill after this loses nothing."""
+        storage device: a kill after this loses nothing (an `OutputError` when the device fails it)."""
         self.checkpoint()
-        for layer in range(len(self.buffers)):
-            for _, buffer in self._mapped(layer):
-                buffer.sync()
-        for fd in (*self._slots, self._journal):
-            os.fsync(fd)
+        try:
+            for layer in range(len(self.buffers)):
+                for _, buffer in self._mapped(layer):
+                    buffer.sync()
+            for fd in (*self._slots, self._journal):
+                os.fsync(fd)
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def truncate_journal(self, end: int) -> None:
         """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
@@ -441,6 +508,7 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self._mapped(layer):
                 buffer.close()
+        self.lock.release()  # the files stay, for the next owner
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
@@ -466,30 +534,67 @@ def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
     return crc
 
 
+# -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
+def hold(folder: Path, holder: str) -> ExclusiveLock:
+    """The exclusive lock of the file set in ``folder`` for ``holder``; a one-line `InputError` naming whoever
+    holds it already."""
+    return ExclusiveLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
+                                 error=InputError)
+
+
+def _fields_sha256(fields: dict[str, Any]) -> str:
+    text = json.dumps({k: v for k, v in fields.items() if k != CHECKSUM}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _write_json(path: Path, fields: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(fields, allow_nan=False))
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False))
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def read_checked(path: Path) -> dict[str, Any]:
+    """The fields of a description written by this module (its ``checksum`` removed); a one-line `InputError`
+    naming the file when it is unreadable, not a JSON object, or its checksum does not match."""
+    try:
+        described = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} cannot be read") from None
+    if not isinstance(described, dict):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} is not a JSON object")
+    recorded = described.pop(CHECKSUM, None)
+    if recorded is None:
+        raise InputError(f"{path.parent}: {path.name} records no checksum (made by an earlier statekv, or edited); "
+                         "it cannot be verified")
+    if recorded != _fields_sha256(described):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} does not match its checksum")
+    return described
 
 
 def read_description(folder: Path, file: str, form: str, version: int, what: str) -> dict[str, Any]:
-    """The JSON object ``folder/file`` if it declares ``form`` at ``version``; a one-line `InputError` naming
-    ``what`` it is not otherwise."""
+    """The JSON object ``folder/file`` if it declares ``form`` at ``version`` and matches its checksum; a one-line
+    `InputError` naming ``what`` it is not otherwise."""
     try:
         described = json.loads((folder / file).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raise InputError(f"{folder}: not a {what} (no readable {file})") from None
     if not isinstance(described, dict) or described.get("format") != form:
         raise InputError(f"{folder}: not a {what}")
     if described.get("version") != version:
         raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads {version}")
-    return described
+    return read_checked(folder / file)
 
 
-def read_file_set(folder: str | os.PathLike) -> Journaled:
+def read_file_set(folder: str | os.PathLike, *, latest: bool = False) -> Journaled:
     """The manifest and journal of the file set in ``folder``, up to its last checkpoint; a one-line `InputError`
     if it is not one, if a record before the last is damaged (a torn last line, what a kill leaves, is dropped), or
-    if no checkpoint was written yet."""
+    if no checkpoint was written yet. ``latest``: up to its last step instead (the live stream restoring itself,
+    which holds that step's carried state; see `resume`)."""
     folder = Path(folder)
     manifest = read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")
     try:
@@ -513,6 +618,11 @@ def read_file_set(folder: str | os.PathLike) -> Journaled:
             steps.append(record)
         records.append((offset, record))
     journal = Journaled(manifest)
+    if latest:
+        journal.steps = steps
+        for record in (record for _, record in records if "evict" in record):
+            journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
+        return journal
     checkpoint = next((i for i in range(len(records) - 1, -1, -1) if "carry" in records[i][1]
                        and isinstance(records[i][1]["carry"], int) and records[i][1]["carry"] < len(steps)), None)
     if checkpoint is None:
@@ -544,12 +654,18 @@ def _record(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device) -> None:
+def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True,
+           carried: list[tuple[torch.Tensor | None, ...]] | None = None) -> None:
     """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) at the journal's last checkpoint:
-    every step's CRC up to it is checked first (evicted steps excepted) and the checkpoint's carried state; a
-    one-line `InputError` names the first damage. Nothing is rewritten: the files are adopted as they are (rows
-    after the checkpoint's lengths are written over as the stream goes on). The journal is then cut after the
-    checkpoint (`DiskTier.truncate_journal`), keeping the evictions recorded since."""
+    every step's CRC up to it is checked first (evicted steps excepted; ``verify=False``: not, for a stream
+    restoring the files it has just written) and the checkpoint's carried state; a one-line `InputError` names the
+    first damage. Nothing is rewritten: the files are adopted as they are (rows after the checkpoint's lengths are
+    written over as the stream goes on). The journal is then cut after the checkpoint
+    (`DiskTier.truncate_journal`), keeping the evictions recorded since.
+
+    ``carried``: a stream restoring itself after a step its disk could not take (``journal`` read with
+    ``latest=True``) passes the carried state its last journaled step left (`DiskTier.remembered`): the journal
+    is then kept as it is and no checkpoint is read."""
     where, steps = tier.folder, journal.steps
     last = steps[-1]
     lengths = [int(record["tokens"]) for record in steps]
@@ -559,12 +675,13 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
     for layer in range(len(tier.buffers)):
         for name, buffer in tier.buffers[layer].items():
             mapped = getattr(buffer, "mirror", buffer)
+            described = Path(f"{mapped.paths[0]}.json")
+            if not described.exists() and not int(sizes.get(name, 0) or 0):
+                continue  # never written (the segment index before its first segment)
+            shape = read_checked(described)
             try:
-                shape = json.loads(Path(f"{mapped.paths[0]}.json").read_text())
+                mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
-            except FileNotFoundError:
-                if int(sizes.get(name, 0)):
-                    raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} is missing") from None
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None
@@ -572,7 +689,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
     per_segment = cache.layers[0].storage.segment_steps
     start = 0
     for record, length in zip(steps, lengths):
-        if record["step"] not in evicted:
+        if verify and record["step"] not in evicted:
             crc = 0
             for layer in range(len(tier.buffers)):
                 for name, buffer in tier._mapped(layer):
@@ -582,7 +699,9 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
                 raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
                                  "its checksum")
         start += length
-    carried = _carried_slot(where, journal.carry, len(cache.layers), start)
+    restoring = carried is not None
+    if not restoring:
+        carried = _carried_slot(where, journal.carry, len(cache.layers), start)
     cache.positions.load(_placements(where, cache.positions, steps), len(steps))
     for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
@@ -599,14 +718,16 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device)
             elif views is not None:
                 tensors["block_keys" if name == "step_means" else name] = views[0]
         persistence.restore_layer(layer, tensors, None, lengths, device)
-    cache.recency.reset()
+    cache.shared_ring.reset()
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
     cache.evicted_steps = evicted
     cache.seen_device = None
     cache.buffers_replaced()
-    tier.last_step = tier.checkpointed = len(steps) - 1
-    tier._layers = cache.layers
+    tier.adopt(cache.layers, len(steps) - 1)
+    if restoring:
+        return
+    tier.checkpointed = len(steps) - 1
     tier.checkpoints = int(journal.carry["slot"]) + 1
     tier.truncate_journal(journal.end)
     if journal.later_evictions:  # their rows are punched: they stay evicted
@@ -666,4 +787,5 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
     return carried
 
 
-__all__ = ["DiskTier", "Journaled", "MappedTokenBuffer", "MirroredTokenBuffer", "read_file_set", "resume"]
+__all__ = ["DiskTier", "Journaled", "MappedTokenBuffer", "MirroredTokenBuffer", "hold", "read_checked", "read_file_set",
+           "resume"]

@@ -10,7 +10,7 @@
   tokens, then the window as a ring of R steps (:class:`Ring`); each commit overwrites the oldest step.
 
 Transitions are explicit and return the next form: :meth:`Window.commit` becomes :class:`Slots` when a
-selection is not a suffix (a scored rule's budget first overflows); :class:`Recency` moves every layer of a
+selection is not a suffix (a scored rule's budget first overflows); :class:`SharedRing` moves every layer of a
 cache between window (or slots) and ring. Each form's ``stage`` is the write of a step's chunk, ``commit`` the
 device part of installing what carries on (host-side changes only outside steady steps).
 """
@@ -247,9 +247,9 @@ def initial(storage: LayerStorage) -> Window | Slots:
     return Window(0) if storage.holds_window else Slots(None)
 
 
-class Recency:
-    """When every layer of a cache holds a recency rule's full window of equal steps, the ring form for all of
-    them (and back when the steps stop being equal); the shared :class:`Ring` the step advances."""
+class SharedRing:
+    """The :class:`Ring` every layer of a cache shares: entered, for all layers together, when every layer holds a
+    recency rule's full window of equal steps, and left when the steps stop being equal; the step advances it."""
 
     def __init__(self):
         self.ring: Ring | None = None

@@ -37,6 +37,11 @@ class CacheGeometry:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
+    def to_dict(self) -> dict:
+        """The geometry as JSON-able fields (what the disk tier's manifest records)."""
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
     @property
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize

@@ -49,7 +49,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
         raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                          f"{len(cache.layers)}")
     cache.positions.load(metadata.get("positions"), len(metadata["chunk_lengths"]))
-    cache.recency.reset()
+    cache.shared_ring.reset()
     for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
         prefix = f"layers.{index}."
         layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}

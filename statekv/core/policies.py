@@ -136,6 +136,12 @@ class CarryPolicy:
         then keeps them in a ring buffer once steps have equal lengths. Else None."""
         return None
 
+    def steady_budget(self, layer: int) -> int | None:
+        """How many tokens ``layer`` carries once this rule's steps stop changing shape (a scored rule at its
+        budget: its steps can then be replayed as a CUDA graph and batched with other streams'); None when the
+        rule never settles at a fixed count of its own (full attention; recency settles in its ring instead)."""
+        return None
+
     @property
     def sink_tokens(self) -> int:
         """How many leading tokens of the stream this rule always carries (with ``recent_steps``)."""
@@ -191,6 +197,9 @@ class WrappedPolicy(CarryPolicy):
     def needs_scores(self) -> bool:
         return self.rule.needs_scores
 
+    def steady_budget(self, layer: int) -> int | None:
+        return self.rule.steady_budget(layer)
+
 
 @dataclass(frozen=True)
 class WithSinks(WrappedPolicy):
@@ -220,6 +229,10 @@ class WithSinks(WrappedPolicy):
     @property
     def sink_tokens(self) -> int:
         return self.prefix_tokens + self.sinks
+
+    def steady_budget(self, layer: int) -> int | None:
+        budget = self.rule.steady_budget(layer)
+        return None if budget is None else self.sink_tokens + budget
 
     def for_prefix(self, tokens: int) -> "WithSinks":
         return replace(self, prefix_tokens=tokens)
@@ -298,6 +311,9 @@ class ScoredPolicy(CarryPolicy):
     def scores_needed(self, size: int) -> bool:
         return self.needs_scores and size > self.budget
 
+    def steady_budget(self, layer: int) -> int:
+        return self.budget
+
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
         if candidates.size <= self.budget:
             return KEEP_ALL
@@ -341,6 +357,9 @@ class PerLayerBudget(WrappedPolicy):
 
     def scores_needed(self, size: int) -> bool:  # the layer is not known here: scores as soon as one layer needs them
         return self.rule.needs_scores and size > min(self.budgets)
+
+    def steady_budget(self, layer: int) -> int | None:
+        return self.budgets[layer] if layer < len(self.budgets) else None
 
     @cached_property
     def rules(self) -> tuple[ScoredPolicy, ...]:

@@ -12,33 +12,37 @@ lets the policy choose what to carry; any other call falls through to the model'
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from ..errors import ConfigurationError, HorizonError, InputError, OutputError, StateKVError, UnsupportedModelError
+from ..values import check_int
+from . import rope as rotary
+from .generation_args import check_generation_arguments
 from .answering import Retrieval
 from .attention import resolve_backend
-from .cache import TwoStateCache, check_state_dict
-from .disk import DiskTier
-from .limits import CacheKeeper, CacheLimit, check_evicting_storage
-from ..errors import ConfigurationError, HorizonError, InputError, UnsupportedModelError
+from .batching import StepRequest, device_step, step_alone
+from .cache import TwoStateCache
+from .decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
+from .disk import DiskTier, Journaled, read_file_set, resume
 from .graphs import StepGraphs
+from .limits import CacheKeeper, check_evicting_storage
 from .memory import CacheGeometry, check_cache_fits
-from .model_attention import (ATTENTION_NAME, language_decoder as _language_decoder, prepared_mask,
-                              share_language_attention, statekv_attention, streaming_through)
+from .model_attention import language_decoder, prepared_mask, share_language_attention, streaming_through
+from .persistence import check_state_dict
 from .policies import CarryPolicy
 from . import positions as placing
-from .positions import QuestionPlan, StreamPositions, check_positions, model_frequencies, trained_range
-from .quantized import (check_kv_cache_dtype, scale_bytes_per_step, stored_bytes_per_token,
-                        summary_bytes_per_step)
-from . import rope as rotary
+from .positions import QuestionPlan, StreamPositions, model_frequencies, trained_range
+from .quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from .rope import FrozenRope, check_horizon
+from .settings import EngineSettings
 from .stats import StepRecord, StreamStats, kept_fraction
-from ..values import check_int
+
 
 HISTORY_STEPS = 1024  # step records `stats` keeps (the last ones): a stream that never ends keeps a bounded history
 
@@ -50,79 +54,71 @@ class StreamingPrefill:
         model: a transformers causal LM or decoder (Qwen2, Qwen3, Llama...) or a VLM whose language model is
             such a decoder. It is used as is: no weights or modules are replaced.
         policy: the carry rule (:class:`FullAttention`, :class:`Recency`, :class:`StateKV`, ...).
-        attention: scoring backend for policies that need scores: ``auto``, ``eager``, ``chunked``, ``triton``.
+        settings: how the engine runs (:class:`~statekv.core.settings.EngineSettings`: the attention backend,
+            where the detailed cache lives and its cap, its dtype, CUDA graphs, positions); ``changes`` are
+            settings to change in it by name (``StreamingPrefill(model, policy, offload=True)``).
         horizon: the most tokens the run will hold, question and answer included. It sizes the detailed
             buffers and fixes the RoPE rotation (required beyond the model's trained length for dynamic RoPE).
             Under ``positions="bounded"`` it is optional (None: the stream never ends).
-        positions: ``"stream"`` (a token's RoPE position is its index in the whole stream: exactly the model's
-            one-shot forward, within the RoPE's range) or ``"bounded"`` (every position kept inside the range the
-            model was trained on, so the stream needs no horizon; see :mod:`statekv.core.positions`).
         freeze_rope: keep True; False leaves dynamic RoPE recomputing per chunk (only to study why freezing is
             needed).
-        offload: keep the detailed cache on this device (``True`` means ``"cpu"``) instead of the model's, so
-            accelerator memory stays constant as the stream grows; it is copied back for decoding. ``"disk"``:
-            in an append-only, memory-mapped file set of its own under ``offload_dir`` (only the step means stay
-            in RAM; see :mod:`statekv.core.disk`).
-        offload_dir: the folder the disk tier makes this stream's file set in (``offload="disk"`` only).
-        cache_limit: a hard cap on the detailed cache and what to do when a step would pass it
-            (:class:`~statekv.core.limits.CacheLimit`); None: no cap.
+        track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
+            carried positions after every step: a host sync on a GPU; for analysis, not for speed).
         protect_tokens: leading tokens (the prompt prefix, sinks) a cache limit never evicts.
         name: how messages and the disk tier's folder name this stream.
         disk_tier: resume in this existing file set (:func:`statekv.core.disk.read_file_set`) instead of making
             a new one.
-        cuda_graph: on CUDA, record the first steady step of each input shape as a CUDA graph and replay it
-            for the following ones (see :mod:`statekv.core.graphs`); results are those of the eager step.
-        kv_cache_dtype: store the detailed cache quantized, ``"int8"`` or ``"int4"`` (keys per channel, values
-            per token; see :mod:`statekv.core.quantized`); None or ``"auto"``: in the model's dtype. The carried
-            state and each step's attention stay in the model's dtype; a question dequantizes what it reads.
-        track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
-            carried positions after every step: a host sync on a GPU; for analysis, not for speed).
+
+    What the settings mean here: ``offload`` keeps the detailed cache on another device (``True``: CPU memory),
+    so accelerator memory stays constant as the stream grows (it is copied back for decoding); ``"disk"`` keeps
+    it in an append-only, memory-mapped file set of its own under ``offload_dir`` (only the step summaries stay
+    in RAM; see :mod:`statekv.core.disk`). ``max_cache_bytes``/``cache_limit``: a hard cap on the detailed cache
+    (:mod:`statekv.core.limits`). ``kv_cache_dtype``: ``"int8"``/``"int4"`` store it quantized (keys per
+    channel, values per token; :mod:`statekv.core.quantized`); the carried state and each step's attention stay
+    in the model's dtype. ``cuda_graph``: on CUDA, record the first steady step of each input shape as a CUDA
+    graph and replay it for the following ones (:mod:`statekv.core.graphs`); results are those of the eager step.
+    ``positions``: ``"stream"`` (a token's RoPE position is its index in the whole stream: exactly the model's
+    one-shot forward, within the RoPE's range; the engine's default, None) or ``"bounded"`` (every position kept
+    inside the range the model was trained on, so the stream needs no horizon; see :mod:`statekv.core.positions`).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: CarryPolicy, attention: str = "auto",
-                 horizon: int | None = None, freeze_rope: bool = True, offload: bool | str | torch.device = False,
-                 cuda_graph: bool = True, track_overlap: bool = False, kv_cache_dtype: str | None = None, *,
-                 offload_dir: str | os.PathLike | None = None, cache_limit: CacheLimit | None = None,
-                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None,
-                 positions: str = "stream"):
+    def __init__(self, model: torch.nn.Module, policy: CarryPolicy, settings: EngineSettings | None = None, *,
+                 horizon: int | None = None, freeze_rope: bool = True, track_overlap: bool = False,
+                 protect_tokens: int = 0, name: str = "stream", disk_tier: DiskTier | None = None, **changes: Any):
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
-        if not isinstance(cuda_graph, bool):
-            raise ConfigurationError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        settings = EngineSettings.of(settings, **changes)
+        if settings.positions is None:  # the engine's default; the front door decides per stream (choose_positions)
+            settings = settings.with_changes(positions="stream")
+        self.settings = settings
         self.model = model
         self.policy = policy
-        self.decoder = _language_decoder(model)
+        self.decoder = language_decoder(model)
         self.config = self.decoder.config
         _check_supported(self.config)
         share_language_attention(model)
         self.device = next(self.decoder.parameters()).device
         self.dtype = next(self.decoder.parameters()).dtype
-        self._prepared_mask = prepared_mask(self.device)
-        self.attention = resolve_backend(attention, self.device)  # used whenever the policy needs scores
-        bounded = check_positions(positions) == "bounded"
+        self.step_mask = prepared_mask(self.device)  # the 4D mask every step passes (see model_attention)
+        self.attention = resolve_backend(settings.attention, self.device)  # used whenever the policy needs scores
+        bounded = settings.positions == "bounded"
         self.horizon = (check_horizon(self.config, horizon) if not bounded else
                         None if horizon is None else check_int(horizon, "horizon (tokens)", error=HorizonError))
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = settings.kv_cache_dtype
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
         make_storage = None
-        if offload == "disk" or disk_tier is not None:
-            if disk_tier is None and offload_dir is None:
-                raise ConfigurationError("offload='disk' needs offload_dir= (the folder for the streams' files)")
+        if settings.offload == "disk" or disk_tier is not None:
             self.storage_device = torch.device("cpu")
-            self.disk = disk_tier or DiskTier.create(offload_dir, name, {
-                "geometry": _geometry_fields(self.geometry), "policy": repr(policy), "horizon": horizon,
+            self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
+                "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
                 "kv_cache_dtype": self.kv_cache_dtype})
             make_storage = self.disk.storage
         else:
-            if offload_dir is not None:
-                raise ConfigurationError("offload_dir is only used with offload='disk'")
-            if isinstance(offload, str) and offload not in ("cpu",) and not offload.startswith(("cuda", "mps")):
-                raise ConfigurationError(f"offload must be True/False, 'disk' or a device, got {offload!r}")
+            offload = settings.offload
             self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
-        if cache_limit is not None and not isinstance(cache_limit, CacheLimit):
-            raise ConfigurationError(f"cache_limit must be a CacheLimit, got {type(cache_limit).__name__}")
+        cache_limit = settings.cache_cap
         check_evicting_storage(cache_limit, self.storage_device is not None)
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
                 and not policy.scores_needed(1 << 30):
@@ -137,7 +133,7 @@ class StreamingPrefill:
         limit = trained_range(self.config)
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
-        self.positions = StreamPositions(positions, limit, placing.DEFAULT_LAYOUT,
+        self.positions = StreamPositions(settings.positions, limit, placing.DEFAULT_LAYOUT,
                                          model_frequencies(self.decoder, self.rope) if bounded else None)
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device,
@@ -154,12 +150,12 @@ class StreamingPrefill:
         self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
-        self.cuda_graph = cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
-        self.graphs = StepGraphs(self._streamed_device_step, lambda: self.cache.read_host_state)
+        self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
+        self.graphs = StepGraphs(lambda inputs: self.device_step(inputs), lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
-        self._history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
-        self._closed = False
+        self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
+        self.closed = False
 
     @property
     def seen_tokens(self) -> int:
@@ -195,9 +191,10 @@ class StreamingPrefill:
             held_bytes=detailed + summaries + journal if self.keeper is None else self.keeper.held_bytes,
             device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
-            history=tuple(self._history), evicted_steps=len(self.cache.evicted_steps),
+            history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
             evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else sum(
-                self.cache.chunk_lengths[s] for s in self.cache.evicted_steps))
+                self.cache.chunk_lengths[s] for s in self.cache.evicted_steps),
+            forms=tuple(layer.form for layer in layers))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and JSON-able metadata (see `TwoStateCache.state_dict`)."""
@@ -224,6 +221,57 @@ class StreamingPrefill:
             return index, growth
         return index + self.disk.nbytes, growth + self.disk.growth
 
+    @property
+    def evicted_steps(self) -> frozenset[int]:
+        """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
+        return frozenset(self.cache.evicted_steps)
+
+    def resume(self, journal: Journaled) -> None:
+        """Resume from this stream's disk tier (made with ``disk_tier=``) at the last checkpoint its ``journal``
+        (:func:`statekv.core.disk.read_file_set`) vouches for, every step's checksum verified first; what the
+        journal holds after it is dropped (the evictions recorded after it kept)."""
+        resume(self.disk, journal, self.cache, self.device)
+        if self.keeper is not None:
+            self.keeper.adopt()
+
+    def commit_durably(self, chunk_len: int, durable_record: dict) -> None:
+        """On the disk tier, the host end of a step: its data appended and journaled. If the tier cannot write it
+        (a full disk, a folder made read-only), the step is not taken: the stream is restored as its journal's
+        last step left it (the state before this step), and an `OutputError` says so."""
+        try:
+            self.cache.commit_host()
+            if self.positions.bounded:  # where the step was placed: resuming needs it
+                positions = self.positions
+                durable_record = {**durable_record,
+                                  "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
+        except OutputError as error:
+            folder = self.disk.folder
+            try:
+                journal = read_file_set(folder, latest=True)
+                if journal.steps:  # the carried state its last step left is kept in memory (checkpoints are rarer)
+                    resume(self.disk, journal, self.cache, self.device, verify=False, carried=self.disk.remembered)
+            except Exception as failure:  # the files cannot even be read back
+                self.close()
+                reason = (str(failure).strip() or type(failure).__name__).splitlines()[0]
+                raise OutputError(f"{error}; the stream could not be restored ({reason}) and was closed; "
+                                  f"Stream.load({str(folder)!r}) resumes it at its last durable step") from None
+            if not journal.steps:  # its first step: there is no earlier state to go back to
+                self.close()
+                raise OutputError(f"{error}; this was the stream's first step, so nothing of it is kept: it was "
+                                  "closed; make it again") from None
+            if self.keeper is not None:
+                self.keeper.adopt()
+            raise OutputError(f"{error}; the step was not taken: the stream holds its {self.seen_tokens} tokens "
+                              "as before it") from None
+
+    def journal_loaded(self, step_frames: list[int], record: dict) -> None:
+        """On the disk tier, journal every step of the state just loaded (:meth:`load_state_dict`), so the file
+        set can itself be resumed: ``step_frames`` the frames of each step, ``record`` what the last step's
+        record adds (see ``durable_record``)."""
+        if self.disk is not None:
+            self.disk.journal_loaded(self.cache, step_frames, record, self.positions.export().get("steps"))
+
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""
         if self.disk is not None:
@@ -245,25 +293,10 @@ class StreamingPrefill:
                 ``attention_mask`` is accepted only if it is all ones (plain causal attention).
 
         Under a cache limit, a step that would pass it first evicts (``evict-*``) or is refused with a one-line
-        `CacheLimitError`, the stream unchanged (``refuse``).
+        `CacheLimitError`, the stream unchanged (``refuse``). The step is a batch of one stream run by the code
+        that runs several streams' steps together (:func:`statekv.core.batching.step_alone`).
         """
-        inputs = self.checked_inputs(inputs_embeds, position_ids, input_ids=input_ids, **forward_kwargs)
-        chunk_len = _chunk_of(inputs).shape[1]
-        self.make_room(chunk_len, _chunk_of(inputs).shape[0])
-        started = time.perf_counter()
-        carried_before = self._carried_positions() if self.track_overlap else None
-        self.cache.begin(chunk_len, _chunk_of(inputs).device, inputs["position_ids"])
-        try:
-            hidden = None
-            if self.cuda_graph and self.cache.is_steady():
-                hidden = self.graphs.run(inputs, self.cache.layout_version)
-            if hidden is None:
-                hidden = self._streamed_device_step(inputs)
-        except BaseException:
-            self.cache.rollback()
-            raise
-        self.finish_step(chunk_len, started, carried_before, durable_record)
-        return hidden
+        return step_alone(StepRequest(self, inputs_embeds, position_ids, input_ids, forward_kwargs, durable_record))
 
     def checked_inputs(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
                        input_ids: torch.Tensor | None = None, **forward_kwargs) -> dict:
@@ -297,39 +330,60 @@ class StreamingPrefill:
                     durable_record: dict | None = None) -> None:
         """Host end of a step whose device part succeeded: commit its lengths (journaled with
         ``durable_record`` on the disk tier) and record it."""
-        self.cache.commit_host()
-        if self.disk is not None:
-            record = durable_record or {}
-            if self.positions.bounded:  # where the step was placed: resuming needs it
-                positions = self.positions
-                record = {**record, "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, record)
-        overlap = None if carried_before is None else kept_fraction(carried_before, self._carried_positions())
-        self._history.append(StepRecord(chunk_len, time.perf_counter() - started,
+        if self.disk is None:
+            self.cache.commit_host()
+        else:
+            self.commit_durably(chunk_len, durable_record or {})
+        overlap = None if carried_before is None else kept_fraction(carried_before, self.positions_snapshot())
+        self.history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
 
-    def generate(self, input_ids: torch.Tensor, *, retrieve: Retrieval | None = None,
+    def generate(self, prompt: torch.Tensor | Prompt, *, retrieve: Retrieval | None = None,
                  **generate_kwargs) -> torch.Tensor:
-        """Decode after ``input_ids`` (the prompt that follows the streamed context) from the detailed cache,
-        or from the steps ``retrieve`` picks per layer.
+        """Decode after ``prompt`` from the detailed cache, or from the steps ``retrieve`` picks per layer.
+
+        prompt: the ids ``[B, Q]`` that follow the streamed context (positions continue from its length), or a
+            `Prompt` as a model family's adapter lays it out (its own positions, the module that decodes, the
+            stream length it follows). generate_kwargs: transformers ``generate`` settings (``max_new_tokens``,
+            sampling...), checked first; a combination ``generate`` refuses is a one-line `InputError`.
 
         Returns only the new tokens ``[B, N]``. The stream is not changed: ask again, or keep streaming.
         """
-        from .decoding import DEFAULT_NEW_TOKENS, generate_from_cache
-
         self.check_open()
-        if not isinstance(input_ids, torch.Tensor):
-            raise InputError(f"input_ids (the prompt) must be a tensor, got {type(input_ids).__name__}")
-        if input_ids.dim() == 2:
-            self._check_ids(input_ids, "input_ids (the prompt)")
+        if not isinstance(prompt, Prompt):
+            if not isinstance(prompt, torch.Tensor):
+                raise InputError(f"input_ids (the prompt) must be a tensor, got {type(prompt).__name__}")
+            prompt = Prompt(prompt)
+        if prompt.follows is not None and self.seen_tokens != prompt.follows:
+            raise InputError(f"the stream holds {self.seen_tokens} tokens but the layout state {prompt.follows}; "
+                             "pass the state of the video that was streamed")
+        if prompt.position_ids is not None and "position_ids" in generate_kwargs:
+            raise InputError("position_ids are set by the adapter (M-RoPE continues from the streamed video)")
+        if prompt.input_ids.dim() == 2:
+            self.check_ids(prompt.input_ids, "input_ids (the prompt)")
+        model = self.model if prompt.model is None else prompt.model
+        check_generation_arguments(generate_kwargs, getattr(model, "generation_config", None))
         plan = None
-        if self.positions.bounded and input_ids.dim() == 2:
+        if self.positions.bounded and prompt.input_ids.dim() == 2:
             answer = int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-            plan = self.question_plan(input_ids.shape[1] + answer, retrieve)
+            plan = self.question_plan(prompt.input_ids.shape[1] + answer, retrieve)
             if not plan.whole and retrieve is None:
                 retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
         self.last_context = "whole" if retrieve is None else "retrieved"
-        return generate_from_cache(self, input_ids, retrieve=retrieve, plan=plan, **generate_kwargs)
+        positions = {} if prompt.position_ids is None else {"position_ids": prompt.position_ids}
+        kept = [(owner, name, getattr(owner, name)) for owner, name in prompt.restores]
+        try:
+            return generate_from_cache(self, prompt.input_ids, model=prompt.model, retrieve=retrieve,
+                                       plan=plan, **generate_kwargs, **positions)
+        except (ValueError, TypeError) as error:
+            if not generate_kwargs or isinstance(error, InputError):
+                raise
+            # transformers refuses a combination the checks do not know (e.g. a flag needing another)
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(f"ask(): generate refused {', '.join(generate_kwargs)}: {first}") from None
+        finally:
+            for owner, name, value in kept:
+                setattr(owner, name, value)
 
     def question_plan(self, room: int, retrieve: Retrieval | None = None) -> QuestionPlan | None:
         """Under bounded positions, how a question whose prompt and answer take ``room`` tokens reads the stream:
@@ -358,7 +412,7 @@ class StreamingPrefill:
     def close(self) -> None:
         """Release the stream's recorded graphs; it can no longer step or decode (the model was never changed
         by it, beyond the attention switched once per model)."""
-        self._closed = True
+        self.closed = True
         self.rope = None
         self.graphs.clear()
         if self.disk is not None:
@@ -370,36 +424,16 @@ class StreamingPrefill:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # internals ------------------------------------------------------------------------------------------
-    def _carried_positions(self) -> list[torch.Tensor]:
+    def device_step(self, inputs: dict) -> torch.Tensor:
+        """The device part of one of this stream's steps, begun (what its CUDA graphs record): positions, the
+        decoder's forward, the new carried state (:func:`statekv.core.batching.device_step` with one row)."""
+        return device_step([self], self.cache, inputs)
+
+    def positions_snapshot(self) -> list[torch.Tensor]:
+        """A copy of every layer's carried positions (what ``track_overlap`` compares a step against)."""
         return [layer.positions().clone() for layer in self.cache.layers]
 
-    def _streamed_device_step(self, inputs: dict) -> torch.Tensor:
-        share_language_attention(self.model)  # a no-op unless someone switched the model's attention since
-        with self.streaming(self.cache):
-            return self._device_step(inputs)
-
-    def _device_step(self, inputs: dict) -> torch.Tensor:
-        """The device part of a step: the decoder's forward over the chunk, then the new carried state
-        (the language model's attention already switched). Everything here runs eagerly or is what a CUDA
-        graph records."""
-        positions = self.cache.begin_device(inputs["position_ids"])
-        if inputs["position_ids"] is None:
-            batch = (inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]).shape[0]
-            inputs = dict(inputs, position_ids=positions.expand(batch, -1))
-        elif positions is not inputs["position_ids"]:  # bounded: moved to where the chunk is placed
-            inputs = dict(inputs, position_ids=positions)
-        output = self.decoder(**inputs, attention_mask=self._prepared_mask, past_key_values=self.cache, use_cache=True)
-        missing = self.cache.missing_layers()
-        if missing:
-            raise UnsupportedModelError(
-                f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
-                "transformers' AttentionInterface, so they cannot be streamed"
-            )
-        self.cache.commit_device()
-        return output.last_hidden_state
-
-    def _check_ids(self, input_ids: torch.Tensor, name: str) -> None:
+    def check_ids(self, input_ids: torch.Tensor, name: str) -> None:
         """Token ids ``[B, T]``: integers within the vocabulary (reading them: a host sync)."""
         if input_ids.dim() != 2:
             raise InputError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -411,7 +445,7 @@ class StreamingPrefill:
 
     def check_open(self) -> None:
         """A one-line `InputError` once the stream is closed."""
-        if self._closed:
+        if self.closed:
             raise InputError("this stream was closed (its RoPE rotation given back to the model); it can no "
                              "longer step or decode")
 
@@ -434,7 +468,7 @@ class StreamingPrefill:
                 raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
                                  f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
         else:
-            self._check_ids(input_ids, "input_ids")
+            self.check_ids(input_ids, "input_ids")
         if chunk.device != self.device:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
@@ -453,19 +487,10 @@ class StreamingPrefill:
             yield
 
 
-def _chunk_of(inputs: dict) -> torch.Tensor:
-    return inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]
-
-
 def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     """What one token costs in the cache of ``model``'s language decoder (layers, KV heads, head dim, dtype)."""
-    decoder = _language_decoder(model)
+    decoder = language_decoder(model)
     return CacheGeometry.of(decoder.config, next(decoder.parameters()).dtype)
-
-
-def _geometry_fields(geometry: CacheGeometry) -> dict:
-    return {"layers": geometry.layers, "kv_heads": geometry.kv_heads, "head_dim": geometry.head_dim,
-            "dtype": str(geometry.dtype).removeprefix("torch.")}
 
 
 def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device) -> None:

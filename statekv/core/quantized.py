@@ -160,12 +160,12 @@ class QuantizedStorage(OffloadedStorage):
         horizon = self.key_codes.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self._means_like, self.block_keys.length + 1, expected)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        self.block_keys.reserve(self.means_like, self.block_keys.length + 1, expected)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
         self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 
     def commit_host(self, chunk_len: int) -> None:
-        self._commit_segment()
+        self.commit_segment()
         keys, values = self.staged[0], self.staged[1]
         width = scale_dtype(keys.dtype)
         key_codes, key_scale, key_zero = quantize(keys, 2, self.bits, width)
@@ -254,10 +254,10 @@ class QuantizedStorage(OffloadedStorage):
         self._starts = array("q", [0, *accumulate(steps)][: len(steps)])
         self._starts_tensor = None
         if "block_keys" in tensors:
-            self._load_summaries(tensors, tensors["block_keys"], steps, storage)
+            self.load_summaries(tensors, tensors["block_keys"], steps, storage)
             self.dtype = tensors["block_keys"].dtype
             self._scales_like = tensors["key_scales"][:, :, :1]
-            self._load_segments(tensors, None, steps, storage)
+            self.load_segments(tensors, None, steps, storage)
 
 
 def expected_tensors(kv_cache_dtype: str | None, head: tuple[int, int], tokens: int, steps: int, head_dim: int,

@@ -11,7 +11,6 @@ turns the per-call update off.
 from __future__ import annotations
 
 import threading
-import warnings
 from contextlib import contextmanager
 from types import MethodType
 
@@ -99,11 +98,6 @@ class FrozenRope:
             yield
         finally:
             _active.rope = previous
-
-    def apply(self) -> None:
-        """Deprecated: the rotation is per stream and active only during its calls; nothing to install."""
-        warnings.warn("FrozenRope.apply() is no longer needed (each stream's rotation is active only during its "
-                      "own calls) and will be removed", DeprecationWarning, stacklevel=2)
 
     def restore(self) -> None:
         """Nothing to give back: the model's modules keep their own behaviour for every other call."""

@@ -35,7 +35,8 @@ class StreamStats:
     device_bytes: cache bytes on the model's device now; peak_device_bytes: the most at once, answering included.
     graph_replays: steps replayed from a CUDA graph. history: a `StepRecord` for each of the last
     ``HISTORY_STEPS`` steps. evicted_steps, evicted_tokens: given up under a cache limit
-    (:mod:`statekv.core.limits`; answers no longer see them).
+    (:mod:`statekv.core.limits`; answers no longer see them). forms: per layer, the form
+    its carried state is in (``window``, ``slots`` or ``ring``; see :mod:`statekv.core.forms`).
     """
 
     steps: int
@@ -52,6 +53,7 @@ class StreamStats:
     scale_bytes: int = 0
     journal_bytes: int = 0
     held_bytes: int = 0
+    forms: tuple[str, ...] = ()
 
     @property
     def max_carried_tokens(self) -> int:

@@ -88,8 +88,8 @@ class LayerStorage:
         self.step_samples = make_buffer("step_samples", 1, None)
         self.segment_index = make_buffer("segment_index", 1, None)
         self.segment_steps = SEGMENT_STEPS
-        self._samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
-        self._means_like: torch.Tensor | None = None  # [B, H_kv, 1, D]
+        self.samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
+        self.means_like: torch.Tensor | None = None  # [B, H_kv, 1, D]
         self.segment_partial: torch.Tensor | None = None  # [B, H_kv, 1, 3 * D]: the open segment so far
         self._segment_staged: torch.Tensor | None = None  # the same, with the step being run
 
@@ -104,7 +104,7 @@ class LayerStorage:
 
     @property
     def batch_heads(self) -> tuple[int, int] | None:
-        like = self._samples_like  # not the step means: on disk, reading their shape would map their file
+        like = self.samples_like  # not the step means: on disk, reading their shape would map their file
         return None if like is None else tuple(like.shape[:2])
 
     @property
@@ -165,10 +165,10 @@ class LayerStorage:
     def start(self, key_states: torch.Tensor) -> None:
         """First chunk ``[B, H_kv, T, D]`` seen: room for its summaries."""
         b, h, _, d = key_states.shape
-        self._samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
-        self._means_like = key_states.new_empty(b, h, 1, d)
+        self.samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
+        self.means_like = key_states.new_empty(b, h, 1, d)
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1)
         self._start_segments(key_states)
         self.segment_index.reserve(self.segment_partial, self.segment_index.length + 1)
 
@@ -196,7 +196,7 @@ class LayerStorage:
         fresh = torch.remainder(step_device, self.segment_steps) == 0
         self._segment_staged.copy_(torch.where(fresh, chunk, joined))
 
-    def _commit_segment(self) -> None:
+    def commit_segment(self) -> None:
         """After a step's commit: its segment accumulators kept, and a segment it completes added to the index
         (``block_keys.length`` is the step's index here; with the model, the step wrote the row already)."""
         self.segment_partial.copy_(self._segment_staged)
@@ -210,8 +210,8 @@ class LayerStorage:
         horizon = self.detailed.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self._means_like, self.block_keys.length + 1, expected)
-        self.step_samples.reserve(self._samples_like, self.step_samples.length + 1, expected)
+        self.block_keys.reserve(self.means_like, self.block_keys.length + 1, expected)
+        self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
         rows = expected // self.segment_steps + 1 if expected else 0  # every row until the horizon, at once
         self.segment_index.reserve(self.segment_partial, max(self.segment_index.length + 1, rows))
 
@@ -244,7 +244,7 @@ class LayerStorage:
         by :meth:`stage_chunk`)."""
 
     def commit_host(self, chunk_len: int) -> None:
-        self._commit_segment()
+        self.commit_segment()
         self.detailed.length += chunk_len
         self.block_keys.length += 1
         self.step_samples.length += 1
@@ -281,11 +281,13 @@ class LayerStorage:
         storage = self.detailed.device or device
         keys = tensors["keys"]
         self.detailed.load(keys.to(storage), tensors["values"].to(storage))
-        self._load_summaries(tensors, keys, steps, storage)
-        self._load_segments(tensors, keys, steps, storage)
+        self.load_summaries(tensors, keys, steps, storage)
+        self.load_segments(tensors, keys, steps, storage)
 
-    def _load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
-                        storage: torch.device) -> None:
+    def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
+                       storage: torch.device) -> None:
+        """Install saved step summaries (``block_keys``, ``step_samples``), recomputed from ``keys`` for a state
+        saved before they were kept (a subclass's `load` calls it too)."""
         means, samples = tensors.get("block_keys"), tensors.get("step_samples")
         if (means is None or samples is None) and steps:  # saved before these were kept: recompute them
             parts = [_summaries(part) for part in keys.split(steps, dim=2)]
@@ -296,10 +298,10 @@ class LayerStorage:
             samples = keys.new_empty(*keys.shape[:2], 0, SAMPLES_PER_STEP * keys.shape[-1])
         self.block_keys.load(means.to(storage))
         self.step_samples.load(samples.to(storage))
-        self._samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
-        self._means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
+        self.samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
+        self.means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
 
-    def _load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
+    def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
                        storage: torch.device) -> None:
         """The segment index saved, or (saved before it was kept) recomputed from ``keys`` (all tokens' keys in
         the model's dtype, on any device; None: what `read_range` gives)."""
@@ -419,7 +421,7 @@ class OffloadedStorage(LayerStorage):
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads
-        d = self._means_like.shape[-1]
+        d = self.means_like.shape[-1]
         self.staged_mean = torch.empty(b, h, 1, d, dtype=dtype, device=device)
         self.staged_samples = torch.empty(b, h, 1, SAMPLES_PER_STEP * d, dtype=dtype, device=device)
         super().restored(dtype, device)

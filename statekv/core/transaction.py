@@ -1,12 +1,12 @@
 """One streaming step as a transaction over a cache's layers: stage, attend, check the selection, commit or
 roll back.
 
-The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and attend through
-the cache (:meth:`TwoStateCache.attend`), which asks the policy what to carry; :meth:`StepTransaction.select`
-keeps that selection pending, checked. Nothing becomes visible until the whole forward succeeded: :meth:`commit_device`
-installs every layer's new carried state (device work: a CUDA graph replays it) and :meth:`commit_host`
-advances the committed lengths; :meth:`rollback` forgets the step. A step's writes before its commit land
-only in scratch space, so a failed step leaves the cache exactly as it was.
+The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and attend through the
+cache (:func:`statekv.core.cache.attend`), which asks the policy what to carry; :meth:`StepTransaction.keep` keeps
+that selection pending, checked (:func:`checked`). Nothing becomes visible until the whole forward succeeded:
+:meth:`commit_device` installs every layer's new carried state (device work: a CUDA graph replays it) and
+:meth:`commit_host` advances the committed lengths; :meth:`rollback` forgets the step. A step's writes before its
+commit land only in scratch space, so a failed step leaves the cache exactly as it was.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .policies import Candidates, CarryPolicy
+from .policies import Candidates
 
 
 @dataclass
@@ -40,6 +40,10 @@ class StepContext:
     positions: object = None
 
 
+class NotBatchable(Exception):
+    """Raised inside a batched forward when it turns out the rows cannot share it (the batch then runs alone)."""
+
+
 class StepTransaction:
     """The pending part of one step over ``layers`` (objects with ``carry`` and ``storage``, see
     :mod:`statekv.core.forms`)."""
@@ -50,10 +54,11 @@ class StepTransaction:
         self.attended = [False] * len(layers)
         self.read_host_state = False  # the policy read per-step host values: the step cannot be captured
 
-    def select(self, layer_idx: int, policy: CarryPolicy, candidates: Candidates) -> None:
-        """Keep the policy's selection among ``candidates`` pending for this layer, checked."""
-        self.pending[layer_idx] = checked(policy.select(candidates), candidates)
-        self.read_host_state |= candidates.read_host_state
+    def keep(self, layer_idx: int, selection: slice | torch.Tensor, read_host_state: bool) -> None:
+        """Keep ``selection`` (checked) pending for this layer; ``read_host_state``: the policy read per-step host
+        values to make it (the step cannot be captured)."""
+        self.pending[layer_idx] = selection
+        self.read_host_state |= read_host_state
 
     def missing_layers(self) -> list[int]:
         """Layers whose attention did not run through :meth:`attend`."""

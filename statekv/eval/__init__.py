@@ -1,4 +1,5 @@
-"""Benchmarks for long-video QA: VideoMME, MLVU (dev), OVOBench real-time.
+"""Benchmarks for long and streaming video QA: VideoMME, MLVU (dev), OVO-Bench, StreamingBench and the synthetic
+sets, each streaming (one live stream per video, questions asked at their times) or offline.
 
 The runner (`statekv.eval.runner`, ``statekv eval`` on the command line) evaluates one model and
 method on one benchmark, resumably and data-parallel::
@@ -39,7 +40,9 @@ from statekv.eval.loaders import (
     load_benchmark,
     load_benchmark_from_hub,
     load_mlvu,
+    load_ovobench,
     load_ovobench_realtime,
+    load_streamingbench,
     load_videomme,
 )
 from statekv.eval.parsing import (
@@ -111,7 +114,9 @@ __all__ = [
     "load_benchmark",
     "load_benchmark_from_hub",
     "load_mlvu",
+    "load_ovobench",
     "load_ovobench_realtime",
+    "load_streamingbench",
     "load_videomme",
     "merge_rank_files",
     "method_label",

@@ -84,9 +84,21 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
+    data = read_json_document(path)
+    if not isinstance(data, list):
+        raise AnnotationError(f"{path}: expected a JSON list of question objects")
+    return _require_objects(path, data)
+
+
+def read_json_document(path: Path) -> Any:
+    """The JSON value a file holds; a one-line `AnnotationError` naming the file (and line) when it is not
+    UTF-8 JSON, a `MissingFileError` when there is no such file."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"annotation file not found: {path}")
     data_bytes = path.read_bytes()
     try:
-        data = json.loads(data_bytes.decode("utf-8"))
+        return json.loads(data_bytes.decode("utf-8"))
     except UnicodeDecodeError as error:
         line = data_bytes[: error.start].count(b"\n") + 1
         raise AnnotationError(f"{path}:{line}: not UTF-8 text") from None
@@ -94,9 +106,6 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         raise AnnotationError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
     except RecursionError:
         raise AnnotationError(f"{path}: JSON nested too deeply") from None
-    if not isinstance(data, list):
-        raise AnnotationError(f"{path}: expected a JSON list of question objects")
-    return _require_objects(path, data)
 
 
 def _require_objects(path: Path, rows: list[Any]) -> list[dict[str, Any]]:
@@ -122,4 +131,24 @@ def require_fields(row: dict[str, Any], fields: Sequence[str], where: str) -> No
             raise AnnotationError(f"{where}: field {field!r} must be a non-empty text, got {shown}")
 
 
-NOT_TEXT = frozenset({"options", "candidates", "gt", "realtime", "evidence_frames", "num_frames"})
+NOT_TEXT = frozenset({"options", "candidates", "gt", "realtime", "evidence_frames", "num_frames", "test_info",
+                      "questions"})
+
+
+def parse_options(value: Any, where: str) -> tuple[str, ...]:
+    """A list of 2 to 26 distinct, non-empty option texts (numbers are taken as their text)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise AnnotationError(f"{where}: options must be a list, got {type(value).__name__}")
+    value = list(value)
+    for index, option in enumerate(value):
+        if isinstance(option, bool) or not isinstance(option, (str, int, float)) or not str(option).strip():
+            shown = "empty" if isinstance(option, str) else f"{type(option).__name__} {str(option)[:40]!r}"
+            raise AnnotationError(f"{where}: option {index} must be a non-empty text, got {shown}")
+    options = tuple(str(option) for option in value)
+    if not 2 <= len(options) <= 26:
+        raise AnnotationError(f"{where}: expected 2 to 26 options, got {len(options)}")
+    repeated = next((option for index, option in enumerate(options) if option.strip() in
+                     {other.strip() for other in options[:index]}), None)
+    if repeated is not None:
+        raise AnnotationError(f"{where}: option {repeated!r} appears twice")
+    return options

@@ -1,13 +1,21 @@
-"""Answer one video's benchmark questions with a `VideoQA`, in the three ways a benchmark needs.
+"""Answer one video's benchmark questions with a `VideoQA`, streaming or offline.
 
-``encoded``  VideoMME, MLVU: the video is sampled by the paper's rule (≤ ``max_fps``, ≤ ``max_frames``),
-             streamed through the model once, and every question is asked of that one encoding
-             (``once=False`` re-encodes it for each question: the reference the claim is tested against).
-``streamed`` OVOBench: the source video is pushed into a live stream at ``max_fps`` and each question is
-             asked when the stream reaches ``ceil(realtime)`` seconds, i.e. from the frames before that
-             time, which is what the released clip of that question holds.
-``clips``    OVOBench: each question's released clip ``<id>.mp4`` (cut at ``ceil(realtime)``) is encoded
-             by the paper's rule and asked about, as lmms-eval does.
+``streamed``  (``--mode streaming``) one live stream per video: the source is pushed into it at ``max_fps``, and
+              each question is asked when the stream reaches its time (``ceil(realtime)`` seconds: it sees the
+              frames before that second), the video's questions in time order on the same stream, its cache
+              reused and never re-encoded. A polled question (OVO-Bench's forward tasks: one `Question` per
+              poll) is asked at each of its times; a proactive output (StreamingBench) is polled every second
+              until the model says its time has come. Questions without a time are asked once the video has
+              ended.
+``afresh``    (``--mode offline``, timed questions) each question is answered from an encoding of the frames
+              before its time, made for it alone (questions at the same time share it): the offline protocol,
+              on the same frames as ``streamed``.
+``clips``     (``--mode offline`` on OVO-Bench) each question's released clip ``<id>.mp4`` (``<id>_<j>.mp4`` for a
+              poll), cut at ``ceil(realtime)``, encoded by the paper's rule: lmms-eval's and the release's way.
+``encoded``   (``--mode offline``, VideoMME, MLVU, the synthetic set) the video is sampled by the paper's rule
+              (≤ ``max_fps``, ≤ ``max_frames``), streamed through the model once, and every question is asked of
+              that one encoding (``once=False`` re-encodes it for each question: the reference the claim is
+              tested against).
 
 Each function is a generator of `Answer`s, yielded as soon as a question is answered so the caller can
 make it durable before the next one starts.
@@ -15,12 +23,14 @@ make it durable before the next one starts.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statekv.eval import streamingbench
 from statekv.eval.prompts import GenerationSettings, build_prompt
 from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
@@ -35,8 +45,11 @@ class Answer:
 
     timings: ``encode`` (seconds spent encoding what the model saw: the whole video for an encoding shared
     by several questions, the stream up to the question for a stream) and ``answer`` (this question's
-    decoding). info: ``mode``, ``frames``, ``tokens`` and ``carried_tokens`` of the encoding it was asked of,
-    and its ``horizon`` (the planned length in tokens, which fixes the RoPE scaling of dynamic-RoPE models).
+    decoding; under ``simplestream`` the encoding of its last frames too; a proactive output: all its polls).
+    info: ``mode``, ``frames``, ``tokens``, ``carried_tokens`` and ``cache_bytes`` of the encoding it was asked
+    of, ``held_bytes`` (what the stream holds between questions: its cache, or a simplestream's frames), its
+    ``horizon`` (the planned length in tokens, which fixes the RoPE scaling of dynamic-RoPE models), ``second``
+    (when a stream asked it); a proactive output's ``answered_at`` (None: never), ``expected_at`` and ``polls``.
     """
 
     question: Question
@@ -59,16 +72,21 @@ class Asker:
 
     def __call__(self, video, question: Question) -> tuple[str, float]:
         """``(answer text cut at the first stop string, seconds)`` for ``question`` about ``video``."""
+        return self.ask(video, build_prompt(question, self.protocol))
+
+    def ask(self, video, prompt: str) -> tuple[str, float]:
+        """``(answer text cut at the first stop string, seconds)`` for the text ``prompt`` about ``video``."""
         stop = {}
         if self.settings.stop_strings:  # generate() stops early; the text is still cut below
             stop = {"stop_strings": list(self.settings.stop_strings), "tokenizer": self.qa.adapter.tokenizer}
         start = time.perf_counter()
-        text = video.ask(build_prompt(question, self.protocol), max_new_tokens=self.max_new_tokens, **stop)
+        text = video.ask(prompt, max_new_tokens=self.max_new_tokens, **stop)
         return self.settings.cut(text), time.perf_counter() - start
 
     def room_for(self, questions: Sequence[Question]) -> int:
-        """Tokens to reserve after a video for the longest of ``questions`` and its answer."""
+        """Tokens to reserve after a video for the longest of ``questions`` (and of their polls) and its answer."""
         prompts = [build_prompt(question, self.protocol) for question in questions]
+        prompts += [streamingbench.poll_prompt(question) for question in questions if question.kind == "proactive"]
         return room_for_prompts(self.qa, prompts, self.max_new_tokens)
 
 
@@ -120,38 +138,137 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     """Push the source video into one live stream and ask each question when the stream reaches its time.
 
     A question with query time ``S = ceil(realtime)`` is answered from the frames whose timestamps are
-    before ``S`` (at least one frame); questions past the video's end are answered once it has ended.
-    Streaming stops after the last question, so the rest of the video is never decoded. room: as for
-    `answer_encoded`; it also sets the planned number of frames.
+    before ``S`` (at least one frame); questions past the video's end, or without a time, are answered once
+    it has ended. Streaming stops after the last question, so the rest of the video is never decoded. room:
+    the questions to plan room for (default: ``video.questions``; pass all of the video's questions when only
+    some are left to answer, so a resumed run plans the same encoding); it also sets the planned number of
+    frames.
     """
     from statekv.video import open_video
 
     room = room or video.questions
-    pending = video.checkpoints()
     source = open_video(video.video_path)
-    # planned for all of the video's questions, so a resumed run plans (and answers) the same way
-    last_second = max(question.query_seconds for question in room)
+    last_second = max(_last_second(question, source.duration) for question in room)
     horizon_frames = max(1, math.ceil(min(last_second, source.duration) * max_fps)) + 1
     stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name,
                              reserve_tokens=asker.room_for(room))
-    encode_seconds = 0.0
+    due = _Schedule(video.questions)
+    clock = _Clock()
     with stream:
-        started = time.perf_counter()
+        clock.start()
         for frame in source.sample_at_rate(max_fps):
-            while pending and stream.frames and frame.timestamp + TIME_TOLERANCE >= pending[0][0]:
-                encode_seconds += time.perf_counter() - started
-                for question in pending.pop(0)[1]:
-                    yield _answer(asker, stream, question, encode_seconds, mode="stream")
-                started = time.perf_counter()
-            if not pending:
+            while due and stream.frames and frame.timestamp + TIME_TOLERANCE >= due.next_second:
+                clock.stop()
+                yield from due.ask_next(asker, stream, clock.seconds, mode="stream")
+                clock.start()
+            if not due:
                 return
             stream.push(frame)
-        encode_seconds += time.perf_counter() - started
-        if pending:  # asked after the end of the video: let a frame still waiting for its pair in
+        clock.stop()
+        stream.flush()  # asked after the end of the video: let a frame still waiting for its pair in
+        while due:
+            yield from due.ask_next(asker, stream, clock.seconds, mode="stream")
+
+
+def answer_afresh(asker: Asker, video: VideoQuestions, *, max_fps: float,
+                  room: Sequence[Question] | None = None) -> Iterator[Answer]:
+    """Answer each question from a stream of the frames before its time made for it alone (the offline protocol
+    on the frames `answer_streamed` sees; a proactive output's every poll gets its own)."""
+    from statekv.video import open_video
+
+    room = room or video.questions
+    source = open_video(video.video_path)
+    due = _Schedule(video.questions)
+    while due:
+        second = due.next_second
+        limit = min(second, source.duration + 1)
+        frames = max(1, math.ceil(min(second, source.duration) * max_fps)) + 1
+        clock = _Clock()
+        with asker.qa.stream(horizon_frames=frames, max_fps=max_fps, name=source.name,
+                             reserve_tokens=asker.room_for(room)) as stream:
+            clock.start()
+            for frame in source.sample_at_rate(max_fps):
+                if stream.frames and frame.timestamp + TIME_TOLERANCE >= limit:
+                    break
+                stream.push(frame)
             stream.flush()
-            for _, questions in pending:
-                for question in questions:
-                    yield _answer(asker, stream, question, encode_seconds, mode="stream")
+            clock.stop()
+            yield from due.ask_next(asker, stream, clock.seconds, mode="afresh")
+
+
+def _last_second(question: Question, duration: float) -> float:
+    """The last second ``question`` may be asked at (a proactive output's last poll; the end without a time)."""
+    if question.kind == "proactive":
+        return streamingbench.poll_times(question)[-1]
+    return duration if question.realtime is None else question.query_seconds
+
+
+class _Schedule:
+    """A video's asks in time order: each question at its second (at the end without one); a proactive output
+    at each poll second until the model says its time has come."""
+
+    def __init__(self, questions: Sequence[Question]):
+        self.heap: list[tuple[float, int, Question, int]] = []
+        self.polls: dict[str, list[tuple[str, float]]] = {}  # a proactive output's (poll answer, seconds) so far
+        for order, question in enumerate(questions):
+            if question.kind == "proactive":
+                second: float = streamingbench.poll_times(question)[0]
+            else:
+                second = math.inf if question.realtime is None else question.query_seconds
+            heapq.heappush(self.heap, (second, order, question, 0))
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    @property
+    def next_second(self) -> float:
+        return self.heap[0][0]
+
+    def ask_next(self, asker: Asker, video, encode_seconds: float, *, mode: str) -> Iterator[Answer]:
+        """Ask every question due at the next second; yield those answered."""
+        second = self.next_second
+        while self.heap and self.heap[0][0] == second:
+            _, order, question, poll = heapq.heappop(self.heap)
+            if question.kind != "proactive":
+                yield _answer(asker, video, question, encode_seconds, mode=mode, second=second)
+                continue
+            answer = self._poll(asker, video, question, poll, encode_seconds, mode, second)
+            if answer is None:
+                heapq.heappush(self.heap, (streamingbench.poll_times(question)[poll + 1], order, question, poll + 1))
+            else:
+                yield answer
+
+    def _poll(self, asker: Asker, video, question: Question, poll: int, encode_seconds: float, mode: str,
+              second: float) -> Answer | None:
+        """One poll of a proactive output: its answer once the model says yes (or the polls run out), else None."""
+        text, seconds = asker.ask(video, streamingbench.poll_prompt(question))
+        history = self.polls.setdefault(question.qid, [])
+        history.append((text, seconds))
+        answered = streamingbench.said_yes(text)
+        if answered:
+            text, asked = asker.ask(video, build_prompt(question, asker.protocol))
+            history.append(("", asked))
+        elif poll + 1 < len(streamingbench.poll_times(question)):
+            return None
+        info = _info(video, mode, second)
+        info.update(answered_at=second if answered else None, expected_at=question.expected_time, polls=poll + 1,
+                    poll_answers=[answer for answer, _ in history[:poll + 1]])
+        return Answer(question, text, {"encode": encode_seconds, "answer": sum(spent for _, spent in history)}, info)
+
+
+class _Clock:
+    """Seconds spent encoding, between `start` and `stop` calls."""
+
+    def __init__(self) -> None:
+        self.seconds, self.started = 0.0, None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.started is not None:
+            self.seconds += time.perf_counter() - self.started
+            self.started = None
 
 
 def _encode(asker: Asker, path, room: Sequence[Question], max_fps: float, max_frames: int):
@@ -161,9 +278,17 @@ def _encode(asker: Asker, path, room: Sequence[Question], max_fps: float, max_fr
     return encoded, time.perf_counter() - start
 
 
-def _answer(asker: Asker, encoded, question: Question, encode_seconds: float, *, mode: str) -> Answer:
+def _answer(asker: Asker, encoded, question: Question, encode_seconds: float, *, mode: str,
+            second: float | None = None) -> Answer:
     text, seconds = asker(encoded, question)
+    return Answer(question, text, {"encode": encode_seconds, "answer": seconds}, _info(encoded, mode, second))
+
+
+def _info(encoded, mode: str, second: float | None) -> dict[str, Any]:
     stats = encoded.stats
     info = {"mode": mode, "frames": stats.frames, "tokens": stats.tokens, "carried_tokens": stats.carried_tokens,
-            "horizon": encoded.horizon}
-    return Answer(question, text, {"encode": encode_seconds, "answer": seconds}, info)
+            "horizon": encoded.horizon, "cache_bytes": stats.cache_bytes,
+            "held_bytes": getattr(encoded, "held_bytes", stats.cache_bytes)}
+    if second is not None:
+        info["second"] = second if math.isfinite(second) else None
+    return info

@@ -1,8 +1,9 @@
-"""``statekv eval``: run VideoMME, MLVU, OVOBench real-time or the synthetic set for one model and method;
-merge runs into a table.
+"""``statekv eval``: run VideoMME, MLVU, OVO-Bench, StreamingBench or the synthetic set for one model and method,
+streaming or offline; merge runs into a table.
 
     statekv eval videomme --model OpenGVLab/InternVL3-1B-hf --method statekv --budget 4096 \\
         --data-root data --out runs/videomme/internvl3-1b-statekv
+    statekv eval ovobench --mode streaming --model Qwen/Qwen3-VL-8B-Instruct --method simplestream ...
     statekv eval synthetic --model builtin --method full --data-root data/synthetic --out runs/synthetic/full
     torchrun --nproc-per-node 8 -m statekv.eval.command videomme ...     # data parallel, one GPU per rank
     statekv eval table runs/*/*                                          # the paper's Table 1 from many runs
@@ -22,17 +23,21 @@ PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv
 BENCHMARK_HELP = {
     "videomme": "VideoMME without subtitles (2,700 questions, 900 videos)",
     "mlvu": "MLVU dev, the seven multiple-choice tasks",
-    "ovobench": "OVOBench real-time visual perception (six subtasks)",
+    "ovobench": "OVO-Bench: backward tracing, real-time visual perception, forward active responding",
+    "streamingbench": "StreamingBench: real-time visual understanding and the contextual tasks (no audio)",
     "synthetic": "a synthetic long-video set written by `statekv synthetic make` (--data-root: its folder)",
 }
+GROUP_NAMES = {"ovobench": "backward, realtime, forward", "streamingbench": "realtime, contextual"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``eval`` subcommand to the ``statekv`` parser."""
     parser = subparsers.add_parser(
-        "eval", help="evaluate on VideoMME / MLVU / OVOBench / the synthetic set, or merge runs into a table",
-        description="Evaluate a video VLM under full attention, recency (ReKV) or StateKV with the benchmarks' "
-                    "lmms-eval protocol, resumably and data-parallel; or merge run directories into a table.",
+        "eval", help="evaluate on VideoMME / MLVU / OVO-Bench / StreamingBench / the synthetic set, or merge runs "
+                     "into a table",
+        description="Evaluate a video VLM under any method (full attention, recency, ReKV, StateKV, SimpleStream) "
+                    "with the benchmarks' protocols, streaming or offline, resumably and data-parallel; or merge run "
+                    "directories into a table.",
     )
     benchmarks = parser.add_subparsers(dest="eval_command", required=True, metavar="BENCHMARK|table")
     for benchmark, help_text in BENCHMARK_HELP.items():
@@ -49,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
     from statekv.console import add_sampling_arguments
-    from statekv.options import ModelOptions
+    from statekv.settings.options import ModelOptions
     from statekv.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
@@ -65,11 +70,22 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     parser.add_argument("--protocol", choices=PARSERS, default=PARSERS[0],
                         help="prompts and generation settings (paper: VideoMME without the 0.7 post-prompt and "
                              "up to 1024 new tokens; MLVU and OVOBench are the same under both)")
+    default = "streaming" if benchmark in ("ovobench", "streamingbench") else "offline"
+    parser.add_argument("--mode", choices=("streaming", "offline"), default=None,
+                        help=f"streaming: one live stream per video, each question asked at its time having seen "
+                             f"only the frames up to then, the video's questions in time order on the same stream; "
+                             f"offline: each question answered from an encoding made for it (VideoMME, MLVU: of "
+                             f"the whole video{'; OVO-Bench: the released clips' if benchmark == 'ovobench' else ''}"
+                             f") (default: {default})")
+    if benchmark in GROUP_NAMES:
+        parser.add_argument("--groups", type=_groups, metavar="G,G",
+                            help=f"only these groups ({GROUP_NAMES[benchmark]}; default: all)")
     if benchmark == "ovobench":
-        parser.add_argument("--videos", choices=("stream", "clips"), default="stream",
-                            help="stream (default): one live stream per source video, each question asked when "
-                                 "it reaches ceil(realtime); clips: the released per-question clips, as lmms-eval")
-    elif benchmark != "synthetic":
+        parser.add_argument("--videos", choices=("stream", "clips"), default=None,
+                            help="the same as --mode: stream = streaming (one live stream per source video, each "
+                                 "question asked when it reaches ceil(realtime)), clips = offline (the released "
+                                 "per-question clips, as lmms-eval)")
+    elif benchmark not in ("synthetic", "streamingbench"):
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
     model = ModelOptions.add_arguments(parser, reserve=False,
@@ -84,17 +100,20 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
 
 def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.console import quiet_libraries
-    from statekv.options import ModelOptions
+    from statekv.settings.options import ModelOptions
     from statekv.eval.distributed import RankContext
     from statekv.eval.runner import EvalConfig, run_evaluation
 
     context = RankContext.from_env()
     _configure_logging(context.rank)
     quiet_libraries()
+    options = ModelOptions.from_args(args)
+    options.check_all_used()  # a flag that changes nothing is refused, not recorded as if it did
     config = EvalConfig(
-        benchmark=args.benchmark, options=ModelOptions.from_args(args), data_root=args.data_root, out=args.out,
+        benchmark=args.benchmark, options=options, data_root=args.data_root, out=args.out,
         name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,
-        max_frames=args.max_frames, ovobench_videos=getattr(args, "videos", "stream"),
+        max_frames=args.max_frames, ovobench_videos=getattr(args, "videos", None), mode=args.mode,
+        groups=getattr(args, "groups", None),
         from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
         overwrite=args.overwrite,
     )
@@ -107,6 +126,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if score.get("missing"):
         line += f", {score['missing']} of {score['expected']} missing"
     print(line + f", {score['overall']['unparsable']} unparsable)")
+    if score.get("group_scores"):
+        groups = ", ".join(f"{group} {value:.2f}" for group, value in score["group_scores"].items())
+        official = f"; the release's own scoring: {score['official']:.2f}" if score.get("official") is not None else ""
+        print(f"groups: {groups}{official}")
     print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}", flush=True)
     errors = summary.get("errors") or []
     if errors:  # the scores above are partial: say so, and end non-zero so no script takes them as complete
@@ -116,6 +139,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return FAILED_RECORDS
     return 0
+
+
+def _groups(text: str) -> tuple[str, ...]:
+    groups = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not groups:
+        raise argparse.ArgumentTypeError(f"expected group names separated by commas, got {text!r}")
+    return groups
 
 
 def run_table(args: argparse.Namespace) -> int:

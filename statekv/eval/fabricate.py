@@ -1,8 +1,10 @@
 """Mini benchmarks in the published layouts, with synthetic videos: for tests and for checking a setup.
 
-``write_mini_benchmarks(root)`` writes small VideoMME, MLVU and OVOBench real-time copies under ``root``
+``write_mini_benchmarks(root)`` writes small VideoMME, MLVU, OVO-Bench and StreamingBench copies under ``root``
 exactly where `statekv.eval.loaders` looks for the real ones (parquet annotations when ``pyarrow`` is
 installed, else JSON Lines), so ``statekv eval ... --data-root root`` runs end to end in seconds.
+``write_lmms_ovobench_tasks(root)`` writes a local copy of lmms-eval's ``ovo_realtime`` and ``ovo_forward`` tasks
+(lmms-eval's own task code, local documents and clips).
 
 Videos show one still picture per second (`statekv.video.patterns.draw_test_frame` of the second's index) and are
 coded losslessly, so any frame of a second decodes to the same pixels: sampling one frame per second by
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.eval.questions import MLVU_TASKS, OVOBENCH_REALTIME_TASKS
+from statekv.eval.streamingbench import REALTIME_TASKS as STREAMINGBENCH_REALTIME_TASKS
 
 SIZE = (64, 64)
 FPS = 4
@@ -88,11 +91,13 @@ def write_mini_mlvu(root: Path | str, *, tasks: Sequence[str] = MLVU_TASKS, seco
 
 def write_mini_ovobench(root: Path | str, *, realtimes: Sequence[Sequence[float]] = ((1.5, 3.2, 3.7, 6.0), (2.0,)),
                         seconds: Sequence[int] = (6, 3), clips: bool = True) -> Path:
-    """Source videos of ``seconds`` seconds with questions at ``realtimes`` (per video), and, with ``clips``,
-    the released-style clip ``<id>.mp4`` of each question: the source's first ``ceil(realtime)`` seconds
-    (capped at its duration). Returns the benchmark folder."""
+    """Source videos of ``seconds`` seconds with real-time questions at ``realtimes`` (per video), a backward
+    question (EPM, at 2 s) and a forward one (REC, polled at 3 and 5.5 s) on the first video, and, with ``clips``,
+    the released-style clip of each question (``<id>.mp4``) and poll (``<id>_<j>.mp4``): the source's first
+    ``ceil(realtime)`` seconds (capped at its duration). Returns the benchmark folder."""
     folder = Path(root) / "ovobench"
     rows: list[dict[str, Any]] = []
+    cuts: list[tuple[str, int, float]] = []  # (clip name, video index, time)
     for v, (length, times) in enumerate(zip(seconds, realtimes, strict=True)):
         video = f"Fabricated/source{v}.mp4"
         write_still_seconds_video(folder / "src_videos" / video, length, offset=20 * v)
@@ -104,21 +109,67 @@ def write_mini_ovobench(root: Path | str, *, realtimes: Sequence[Sequence[float]
                 "video": video, "realtime": realtime, "question": f"What is shown now ({qid})?",
                 "answer": f"picture {gt}", "options": [f"picture {i}" for i in range(4)], "gt": gt,
             })
-            if clips:
-                clip_seconds = min(math.ceil(realtime), length)
-                write_still_seconds_video(folder / "chunked_videos" / f"{qid}.mp4", clip_seconds, offset=20 * v)
-    # the full release also holds backward and forward tasks, which the real-time loader skips
-    rows.append({"id": 1, "task": "EPM", "video": "Fabricated/source0.mp4", "realtime": 2.0, "question": "?",
-                 "answer": "x", "options": ["x", "y"], "gt": 0})
+            cuts.append((f"{qid}.mp4", v, realtime))
+    # the other groups: a backward question and a forward one polled twice, on the first video
+    rows.append({"id": 1, "task": "EPM", "video": "Fabricated/source0.mp4", "realtime": 2.0,
+                 "question": "What was shown first?", "answer": "y", "options": ["x", "y"], "gt": 1})
+    cuts.append(("1.mp4", 0, 2.0))
+    rows.append({"id": 2, "task": "REC", "video": "Fabricated/source0.mp4", "activity": "show a picture",
+                 "start_times": [0], "end_times": [5],
+                 "test_info": [{"realtime": 5.5, "count": 2}, {"realtime": 3, "count": 1}]})
+    cuts += [("2_0.mp4", 0, 5.5), ("2_1.mp4", 0, 3)]
+    if clips:
+        for name, v, realtime in cuts:
+            length = min(math.ceil(realtime), seconds[v])
+            write_still_seconds_video(folder / "chunked_videos" / name, length, offset=20 * v)
     (folder / "ovo_bench_new.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return folder
 
 
+def write_mini_streamingbench(root: Path | str, *, seconds: int = 8) -> Path:
+    """Two videos of ``seconds`` seconds: real-time questions at 2, 5 and 5 s on the first, two sequential
+    questions and a proactive output (due at 6 s) on the second, an omni-source question (left out by the
+    loader), in the release's question files. Returns the benchmark folder."""
+    folder = Path(root) / "streamingbench"
+    write_still_seconds_video(folder / "videos" / "sample_1_real.mp4", seconds, offset=0)
+    write_still_seconds_video(folder / "videos" / "sample_2_sqa.mp4", seconds, offset=30)
+
+    def choice(task: str, clock: str, answer: str, prefixed: bool = True) -> dict[str, Any]:
+        options = [f"picture {i}" for i in range(4)]
+        return {"task_type": task, "question": f"What is shown at {clock}?", "time_stamp": clock, "answer": answer,
+                "options": [f"{chr(65 + i)}. {text}" for i, text in enumerate(options)] if prefixed else options,
+                "required_ability": "perception"}
+
+    real = [{"time": "[0:00:00 - 0:00:03]", "questions": [choice(STREAMINGBENCH_REALTIME_TASKS[0], "00:00:02", "C")],
+             "video_categories": "fabricated", "video_path": "./videos/sample_1_real.mp4"},
+            {"time": "[0:00:03 - 0:00:06]", "questions": [choice(STREAMINGBENCH_REALTIME_TASKS[1], "00:00:05", "B"),
+                                                         choice(STREAMINGBENCH_REALTIME_TASKS[2], "00:00:05", "A")],
+             "video_categories": "fabricated", "video_path": "./videos/sample_1_real.mp4"}]
+    sqa = [[{"time": "[0:00:00 - 0:00:04]", "questions": [choice("Sequential Question Answering", "00:00:03", "D",
+                                                                 prefixed=False)],
+             "video_categories": "fabricated", "video_path": "./videos/sample_2_sqa.mp4"},
+            {"time": "[0:00:04 - 0:00:08]", "questions": [choice("Sequential Question Answering", "00:00:07", "A",
+                                                                 prefixed=False)],
+             "video_categories": "fabricated", "video_path": "./videos/sample_2_sqa.mp4"}]]
+    proactive = [{"time": "[0:00:00 - 0:00:08]", "questions": [
+        {"task_type": "Proactive Output", "question": 'When picture 36 is shown, output "36".',
+         "time_stamp": "00:00:02", "ground_truth_time_stamp": "00:00:06", "ground_truth_output": "36",
+         "required_ability": "working memory"}],
+        "video_categories": "fabricated", "video_path": "./videos/sample_2_sqa.mp4"}]
+    omni = [{"time": "[0:00:00 - 0:00:03]", "questions": [choice("Emotion Recognition", "00:00:02", "A")],
+             "video_categories": "fabricated", "video_path": "./videos/sample_1_real.mp4"}]
+    for name, data in (("questions_real.json", real), ("questions_sqa.json", sqa),
+                       ("questions_proactive.json", proactive), ("questions_omni.json", omni)):
+        (folder / name).write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return folder
+
+
 def write_mini_benchmarks(root: Path | str) -> Path:
-    """All three mini benchmarks under ``root``; returns ``root``."""
+    """All four mini benchmarks under ``root``; returns ``root``."""
     write_mini_videomme(root)
     write_mini_mlvu(root)
     write_mini_ovobench(root)
+    write_mini_streamingbench(root)
     return Path(root)
 
 
@@ -185,3 +236,65 @@ def _write_table(directory: Path, stem: str, rows: list[dict[str, Any]], fmt: st
     path = directory / f"{stem}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+LMMS_OVO_TASKS = ("statekv_ovo_realtime", "statekv_ovo_forward")
+# lmms-eval's own ovobench task functions, imported into the local task folder (`!function utils.<name>`)
+LMMS_OVO_UTILS = """from lmms_eval.tasks.ovobench.utils import (  # noqa: F401  lmms-eval's own OVO-Bench task code
+    ovo_back_real_acc, ovo_back_real_doc_to_text, ovo_back_real_process_results, ovo_doc_to_visual, ovo_forward_acc,
+    ovo_forward_doc_to_text, ovo_forward_process_results)
+"""
+LMMS_OVO_TASK = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: {output_type}
+doc_to_text: !function utils.{doc_to_text}
+doc_to_visual: !function utils.ovo_doc_to_visual
+doc_to_target: "answer"
+process_results: !function utils.{process_results}
+generation_kwargs:
+  max_new_tokens: {max_new_tokens}
+  temperature: 0
+  do_sample: false
+metric_list:
+  - metric: {metric}
+    aggregation: !function utils.{aggregation}
+    higher_is_better: true
+lmms_eval_specific_kwargs:
+  default:
+    data_dir: {clips}
+metadata:
+  version: 0.0
+"""
+
+
+def write_lmms_ovobench_tasks(root: Path | str, *, max_new_tokens: int = 4) -> Path:
+    """lmms-eval's ``ovo_realtime`` and ``ovo_forward`` tasks on `write_mini_ovobench`'s data, fully local.
+
+    Writes the mini OVO-Bench under ``root``, its real-time questions and its forward question as documents in the
+    layout of lmms-eval's dataset (``realtime.jsonl``, ``forward.jsonl``), and the tasks ``statekv_ovo_realtime``
+    (``generate_until``) and ``statekv_ovo_forward`` (``generate_until_multi_round``) whose task functions are
+    lmms-eval's own (``utils.py`` imports them) and whose clips are the mini benchmark's. Run with
+    ``--include_path root``. Returns ``root``.
+    """
+    root = Path(root).resolve()
+    folder = write_mini_ovobench(root)
+    rows = json.loads((folder / "ovo_bench_new.json").read_text(encoding="utf-8"))
+    documents = {"realtime": [row for row in rows if row["task"] in OVOBENCH_REALTIME_TASKS],
+                 "forward": [row for row in rows if "test_info" in row]}
+    for name, docs in documents.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+    (root / "utils.py").write_text(LMMS_OVO_UTILS, encoding="utf-8")
+    for task, name, output_type, doc_to_text, process, metric, aggregation in (
+            ("statekv_ovo_realtime", "realtime", "generate_until", "ovo_back_real_doc_to_text",
+             "ovo_back_real_process_results", "back_real_acc", "ovo_back_real_acc"),
+            ("statekv_ovo_forward", "forward", "generate_until_multi_round", "ovo_forward_doc_to_text",
+             "ovo_forward_process_results", "forward_acc", "ovo_forward_acc")):
+        (root / f"{task}.yaml").write_text(LMMS_OVO_TASK.format(
+            task=task, docs=json.dumps(str(root / f"{name}.jsonl")), output_type=output_type,
+            doc_to_text=doc_to_text, process_results=process, max_new_tokens=max_new_tokens, metric=metric,
+            aggregation=aggregation, clips=json.dumps(str(folder / "chunked_videos"))), encoding="utf-8")
+    return root

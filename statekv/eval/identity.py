@@ -7,7 +7,7 @@ made for other data, another answer key or other weights are never scored as thi
     answer_key_fingerprint(...)     every question's answer letter
     video_fingerprints(questions)   each video's size and first and last bytes, by video id (a video may change
                                     while none of its questions is answered: a damaged file repaired)
-    model_fingerprint(qa)           the weights (`statekv.stream_file.weights_fingerprint`)
+    model_fingerprint(qa)           the weights (`statekv.api.stream_file.weights_fingerprint`)
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def answer_key_fingerprint(questions: Sequence[Question]) -> str:
 
 def model_fingerprint(qa: Any) -> str:
     """The loaded model's weights fingerprint (the one saved streams record)."""
-    from statekv.stream_file import weights_fingerprint
+    from statekv.api.stream_file import weights_fingerprint
 
     return weights_fingerprint(qa.adapter.model)
 

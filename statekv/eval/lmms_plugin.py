@@ -8,7 +8,7 @@ model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly b
     max_fps          at most this many frames per second            (default 1)
     device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
     and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
-    full, recency, rekv, keynorm), budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, offload,
+    full, recency, rekv, keynorm, simplestream), budget, frames, sinks, window, retrieve, retrieval, layout, attention, dtype, offload,
     kv_cache_dtype (auto, int8, int4), reserve_tokens, trust_remote_code, cuda_graph, vision_batch; booleans are true/false, 1/0, yes/no, on/off
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
@@ -16,6 +16,14 @@ task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives 
 user turn holding one video (``{"type": "video", "url": path}``) and the prompt text. Requests about the same
 video are answered from one encoding. ``gen_kwargs`` give ``max_new_tokens``, ``until`` (stop strings) and
 ``temperature`` (0: greedy).
+
+Streaming benchmarks (lmms-eval's ``ovo_*`` tasks): a document naming its source ``video`` and a query time
+(``realtime``; a multi-round document: one per round in ``test_info``) is asked on one live stream per source
+video, at its time, the source's questions (and rounds) in time order on the same stream, its cache reused.
+The stream is fed from the documents' own clips, which are prefixes of the source cut at the query time: each
+question pushes the frames of its clip the stream has not seen yet. `generate_until_multi_round` (``ovo_forward``)
+takes each document's rounds from the task up front (``doc_to_messages(doc, round_idx=i, ...)``, until it says
+the rounds have ended; OVO-Bench's do not depend on earlier answers) and returns one answer per round.
 
 Multi-process runs (``torchrun``, ``accelerate launch``): lmms-eval gives each rank every ``world_size``-th
 document; each rank loads its own model (on ``cuda:<LOCAL_RANK>`` when CUDA is available) and encodes the
@@ -33,22 +41,25 @@ same request contract), so the request handling is usable and testable on its ow
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from statekv.errors import ConfigurationError, InputError, StateKVError
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
-from statekv.options import ModelOptions
+from statekv.settings.options import ModelOptions
 from statekv.values import Option, integer, optional_text, parse_options, positive_float, positive_int, required_text
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
 PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
+MAX_ROUNDS = 10_000  # a multi-round document that never ends is refused
 
 # lmms-eval's own names; every other model arg is a `statekv.ModelOptions` field (``model`` is ``pretrained``)
 PLUGIN_ARGS = (
@@ -130,7 +141,7 @@ class StateKV(_Base):
             self._setup(qa, model_args)
 
     def _setup(self, qa, model_args: dict[str, Any]) -> None:
-        from statekv.pipeline import VideoQA
+        from statekv.api.videoqa import VideoQA
 
         if qa is not None:
             model_args.setdefault("pretrained", "<given VideoQA>")
@@ -177,10 +188,13 @@ class StateKV(_Base):
         answers: list[str | None] = ["" if _is_padding(request) else None for request in requests]
         prepared = {index: self._prepare(request) for index, request in enumerate(requests)
                     if answers[index] is None}
+        timed = {index: ask for index, request in enumerate(requests) if index in prepared
+                 for ask in [self._timed_ask(index, request, prepared[index])] if ask is not None}
         by_video: dict[str, list[int]] = {}
         for index, (video, _, _) in prepared.items():
-            by_video.setdefault(video, []).append(index)
-        rooms = self._rooms(requests, prepared.values())
+            if index not in timed:
+                by_video.setdefault(video, []).append(index)
+        rooms = self._rooms(requests, [prepared[index] for index in prepared if index not in timed])
         with tqdm(total=len(prepared), disable=self.rank != 0, desc="statekv answering") as bar:
             for video, indices in by_video.items():
                 encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
@@ -193,7 +207,95 @@ class StateKV(_Base):
                             self.cache_hook.add_partial("generate_until", (requests[index].args[0], gen_kwargs),
                                                         answers[index])
                         bar.update(1)
+            for index, text in self._stream_asks(requests, list(timed.values())):
+                answers[index] = text
+                bar.update(1)
         return answers  # type: ignore[return-value]
+
+    def generate_until_multi_round(self, requests: Sequence[Any]) -> list[list[str]]:
+        """Answer multi-round chat requests (lmms-eval's ``ovo_forward``): one answer per round, in round order.
+
+        A document with a source ``video`` and a ``realtime`` per round (``test_info``) is asked on its source's
+        stream at each round's time; any other document's rounds are each answered from their own video."""
+        with exit_on_error("answering multi-round requests"):
+            return self._generate_until_multi_round(requests)
+
+    def _generate_until_multi_round(self, requests: Sequence[Any]) -> list[list[str]]:
+        answers: list[list[str | None]] = [[] for _ in requests]
+        asks: list[_Ask] = []
+        for index, request in enumerate(requests):
+            if _is_padding(request):
+                continue
+            doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
+            doc = self.task_dict[task][split][doc_id]
+            rounds = task_rounds(doc_to_messages, doc, where=f"{task} doc {doc_id}")
+            times = round_times(doc, len(rounds))
+            answers[index] = [None] * len(rounds)
+            for number, (video, prompt) in enumerate(rounds):
+                if times is None:
+                    with self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
+                                        reserve_tokens=room_for_prompts(self.qa, [prompt], _max_new_tokens(gen_kwargs)),
+                                        protocol=True) as encoded:
+                        answers[index][number] = self._answer(encoded, prompt, gen_kwargs)
+                else:
+                    asks.append(_Ask((index, number), str(doc["video"]), times[number], video, prompt, gen_kwargs))
+        for (index, number), text in self._stream_asks(requests, asks):
+            answers[index][number] = text
+        return answers  # type: ignore[return-value]
+
+    # -- streaming ----------------------------------------------------------------------------------------
+    def _timed_ask(self, index: int, request: Any, prepared: tuple[str, str, dict[str, Any]]) -> "_Ask | None":
+        """Request ``index`` as an ask on its source's stream, when its document names a source and a query time."""
+        _, _, doc_id, task, split = _chat_args(request)
+        seconds = query_time(self.task_dict[task][split][doc_id])
+        if seconds is None:
+            return None
+        video, prompt, gen_kwargs = prepared
+        return _Ask(index, str(self.task_dict[task][split][doc_id]["video"]), seconds, video, prompt, gen_kwargs)
+
+    def _stream_asks(self, requests: Sequence[Any], asks: Sequence["_Ask"]) -> Iterator[tuple[Any, str]]:
+        """``(key, answer)`` of every ask: one stream per source video, its asks in time order, each after the
+        frames of its clip up to its time."""
+        by_source: dict[str, list[_Ask]] = {}
+        for ask in asks:
+            by_source.setdefault(ask.source, []).append(ask)
+        plans = self._stream_plans(requests, set(by_source))
+        for source, source_asks in by_source.items():
+            last_second, prompts, longest = plans[source]
+            frames = max(1, math.ceil(math.ceil(last_second) * self.max_fps)) + 1  # clips end at ceil(time)
+            stream = self.qa.stream(frames, max_fps=self.max_fps, name=source,
+                                    reserve_tokens=room_for_prompts(self.qa, prompts, longest))
+            pushed = -math.inf
+            with stream:
+                for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
+                    pushed = _feed(stream, ask.video, pushed, self.max_fps)
+                    yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
+
+    def _stream_plans(self, requests: Sequence[Any], sources: set[str]) -> dict[str, tuple[float, list[str], int]]:
+        """``source -> (last query time, prompts, longest answer)`` over every document of the requests' tasks
+        about it, so a stream is planned the same on every rank (see `_rooms`)."""
+        plans: dict[str, tuple[float, list[str], int]] = {}
+        tasks: dict[tuple[str, str], tuple[Any, dict[str, Any], bool]] = {}
+        for request in requests:
+            doc_to_messages, gen_kwargs, _, task, split = _chat_args(request)
+            multi_round = getattr(request, "request_type", None) == "generate_until_multi_round"
+            tasks.setdefault((task, split), (doc_to_messages, gen_kwargs, multi_round))
+        for (task, split), (doc_to_messages, gen_kwargs, multi_round) in tasks.items():
+            for doc in self.task_dict[task][split]:
+                source = doc.get("video") if isinstance(doc, dict) else None
+                if source not in sources:
+                    continue
+                try:
+                    rounds = task_rounds(doc_to_messages, doc) if multi_round else \
+                        [video_and_prompt(doc_to_messages(doc))]
+                except (InputError, AssertionError, OSError):  # fails where it is asked (a missing clip: lmms-eval's
+                    continue                                      # ovobench task asserts); it plans nothing
+                times = round_times(doc, len(rounds)) if multi_round else [query_time(doc)]
+                last, prompts, longest = plans.get(source, (0.0, [], 0))
+                plans[source] = (max([last, *(t for t in times or [] if t is not None)]),
+                                 prompts + [prompt for _, prompt in rounds],
+                                 max(longest, _max_new_tokens(gen_kwargs)))
+        return plans
 
     def _rooms(self, requests: Sequence[Any], prepared: Iterable[tuple[str, str, dict[str, Any]]]
                ) -> dict[str, tuple[list[str], int]]:
@@ -231,10 +333,6 @@ class StateKV(_Base):
         with exit_on_error("scoring log-likelihoods"):
             raise InputError("the statekv model generates answers; it does not score log-likelihoods "
                              "(use generate_until tasks)")
-
-    def generate_until_multi_round(self, requests: Sequence[Any]) -> list[str]:
-        with exit_on_error("answering multi-round requests"):
-            raise InputError("the statekv model answers single-turn requests only")
 
     # -- internals --------------------------------------------------------------------------------------
     def _prepare(self, request: Any) -> tuple[str, str, dict[str, Any]]:
@@ -288,6 +386,70 @@ def video_and_prompt(messages: Any, *, where: str = "request") -> tuple[str, str
     if not prompt.strip():
         raise InputError(f"{where}: the request has no question text")
     return os.fspath(videos[0]), prompt
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One question (or round) to ask on its source's stream: ``key`` says where its answer goes."""
+
+    key: Any
+    source: str
+    seconds: float
+    video: str
+    prompt: str
+    gen_kwargs: dict[str, Any]
+
+
+def query_time(doc: Any) -> float | None:
+    """A streaming document's query time (its ``realtime``, seconds), when it also names its source ``video``."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("video"), str):
+        return None
+    seconds = doc.get("realtime")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+        return None
+    return float(seconds)
+
+
+def round_times(doc: Any, rounds: int) -> list[float] | None:
+    """A multi-round document's query time for each of its ``rounds`` (``test_info[i].realtime``), or None."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("video"), str):
+        return None
+    polls = doc.get("test_info")
+    if not isinstance(polls, list) or len(polls) != rounds:
+        return None
+    times = [query_time({"video": doc["video"], "realtime": poll.get("realtime")}) if isinstance(poll, dict) else None
+             for poll in polls]
+    return None if None in times else times  # type: ignore[return-value]
+
+
+def task_rounds(doc_to_messages: Any, doc: Any, *, where: str = "request") -> list[tuple[str, str]]:
+    """``[(video, prompt)]`` of every round of a multi-round document, asking the task round by round (lmms-eval
+    0.7's protocol: round 0 is ``doc_to_messages(doc)``, round ``i`` ``doc_to_messages(doc, round_idx=i,
+    previous_output=..., previous_round_info=...)``, which returns ``(messages, terminal, output, info)``)."""
+    rounds = [video_and_prompt(doc_to_messages(doc), where=f"{where} round 0")]
+    info = None
+    while len(rounds) <= MAX_ROUNDS:
+        payload = doc_to_messages(doc, round_idx=len(rounds), previous_output=[], previous_round_info=info)
+        if not (isinstance(payload, tuple) and len(payload) == 4):
+            raise InputError(f"{where}: round {len(rounds)} of a multi-round task must give (messages, terminal, "
+                             f"output, info), got {type(payload).__name__}")
+        messages, terminal, _, info = payload
+        if terminal:
+            return rounds
+        rounds.append(video_and_prompt(messages, where=f"{where} round {len(rounds)}"))
+    raise InputError(f"{where}: a multi-round task gave more than {MAX_ROUNDS} rounds without ending")
+
+
+def _feed(stream: Any, clip: str, pushed: float, max_fps: float) -> float:
+    """Push the frames of ``clip`` (a prefix of the stream's source) after the one pushed last (at ``pushed``
+    seconds); return the timestamp of the last frame pushed."""
+    from statekv.video import open_video
+
+    for frame in open_video(clip).sample_at_rate(max_fps):
+        if frame.timestamp > pushed + 1e-6:
+            stream.push(frame)
+            pushed = frame.timestamp
+    return pushed
 
 
 def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:

@@ -1,4 +1,4 @@
-"""Load VideoMME, MLVU (dev, multiple choice) and OVOBench (real-time) from local copies.
+"""Load VideoMME, MLVU (dev, multiple choice), OVO-Bench, StreamingBench and the synthetic sets from local copies.
 
 Expected layout under ``data_root`` (each benchmark folder is a snapshot of its published
 release; annotation files may also be converted to ``.jsonl``/``.json`` with the same fields,
@@ -12,7 +12,13 @@ which avoids the ``pyarrow`` dependency of parquet)::
                   or  ovobench/realtime/data.json               or lmms-eval's real-time subset
     <data_root>/ovobench/src_videos/<video>                     source videos (video is relative)
     <data_root>/ovobench/chunked_videos/<id>.mp4                released clips, cut at ceil(realtime)
+                                 <id>_<j>.mp4                   (forward tasks: one per poll)
+    <data_root>/streamingbench/questions_real.json              StreamingBench's question files (and, when
+                  questions_omni.json, questions_sqa.json,      present, the contextual ones)
+                  questions_proactive.json
+    <data_root>/streamingbench/<video_path>                     e.g. ./videos/sample_1_real.mp4
     <data_root>/questions.jsonl, <data_root>/videos/*.mp4       a synthetic set (``statekv synthetic make``)
+    <data_root>/streaming.json, <data_root>/videos/*.mp4        a streaming synthetic set (``--streaming``)
 
 For VideoMME and MLVU, any ``test*.parquet`` / ``test*.jsonl`` / ``test*.json`` in the inner
 folder (or directly in the benchmark folder) is accepted; pass ``annotation=`` to name files
@@ -29,18 +35,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Literal
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import find_annotation_files, read_rows, require_fields
-from statekv.eval.questions import (
-    BENCHMARKS,
-    MLVU_TASKS,
-    OVOBENCH_REALTIME_TASKS,
-    AnnotationError,
-    Question,
-)
-from statekv.synthetic.benchmark import QUESTIONS_FILE
+from statekv.eval.annotations import find_annotation_files, parse_options, read_rows, require_fields
+from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
+from statekv.eval.ovobench import ovobench_questions, seconds
+from statekv.eval.streamingbench import streamingbench_questions
+from statekv.synthetic.benchmark import QUESTIONS_FILE, STREAMING_FILE
+from statekv.synthetic.streaming import GROUPS as STREAMING_GROUPS
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +61,10 @@ AnnotationArg = Path | str | Sequence[Path | str] | None
 def load_benchmark(
     benchmark: str, data_root: Path | str, *, annotation: AnnotationArg = None, check_videos: bool = True, **options
 ) -> list[Question]:
-    """Questions of ``benchmark`` ("videomme", "mlvu", "ovobench" or "synthetic"), in annotation order."""
-    loaders = {"videomme": load_videomme, "mlvu": load_mlvu, "ovobench": load_ovobench_realtime,
-               "synthetic": load_synthetic}
+    """Questions of ``benchmark`` ("videomme", "mlvu", "ovobench", "streamingbench" or "synthetic"), in annotation
+    order. ``groups=`` (OVO-Bench, StreamingBench) keeps those groups only."""
+    loaders = {"videomme": load_videomme, "mlvu": load_mlvu, "ovobench": load_ovobench,
+               "streamingbench": load_streamingbench, "synthetic": load_synthetic}
     if benchmark not in loaders:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {', '.join(BENCHMARKS)}")
     return one_path_per_video(loaders[benchmark](data_root, annotation=annotation, check_videos=check_videos,
@@ -92,16 +97,17 @@ def load_mlvu(data_root: Path | str, *, annotation: AnnotationArg = None, check_
     return mlvu_questions(read_rows(paths), folder, check_videos=check_videos, source=_describe(paths))
 
 
-def load_ovobench_realtime(
+def load_ovobench(
     data_root: Path | str,
     *,
     annotation: AnnotationArg = None,
     check_videos: bool = True,
     videos: Literal["source", "clips"] = "source",
+    groups: Sequence[str] | None = None,
 ) -> list[Question]:
-    """The six real-time subtasks. ``videos`` says which files must exist when checking:
-    the source videos (a streaming run asks each question when the stream reaches its time)
-    or the released per-question clips."""
+    """OVO-Bench's questions in ``groups`` (default: backward, realtime and forward; see `statekv.eval.ovobench`).
+    ``videos`` says which files must exist when checking: the source videos (a streaming run asks each question
+    when the stream reaches its time) or the released per-question clips."""
     folder = Path(data_root) / "ovobench"
     if annotation is None:
         candidates = [folder / name for name in OVOBENCH_ANNOTATIONS]
@@ -111,16 +117,48 @@ def load_ovobench_realtime(
         paths = [found]
     else:
         paths = _annotation_paths(annotation, [], stem="")
-    return ovobench_questions(
-        read_rows(paths), folder, check_videos=check_videos, videos=videos, source=_describe(paths)
-    )
+    return ovobench_questions(read_rows(paths), folder, check_videos=check_videos, videos=videos,
+                              source=_describe(paths), groups=groups)
+
+
+def load_ovobench_realtime(data_root: Path | str, *, annotation: AnnotationArg = None, check_videos: bool = True,
+                           videos: Literal["source", "clips"] = "source") -> list[Question]:
+    """OVO-Bench's six real-time subtasks (the paper's Table 1 column)."""
+    return load_ovobench(data_root, annotation=annotation, check_videos=check_videos, videos=videos,
+                         groups=("realtime",))
+
+
+def load_streamingbench(data_root: Path | str, *, annotation: AnnotationArg = None, check_videos: bool = True,
+                        groups: Sequence[str] | None = None) -> list[Question]:
+    """StreamingBench's real-time and contextual groups from ``<data_root>/streamingbench`` (see
+    `statekv.eval.streamingbench`); ``annotation``: another folder holding the question files."""
+    folder = Path(data_root) / "streamingbench"
+    files = folder if annotation is None else Path(annotation)
+    if not files.is_dir():
+        raise MissingFileError(f"no StreamingBench folder {files}")
+    questions = streamingbench_questions(files, check_videos=False, groups=groups)
+    if files != folder:  # videos stay under the data root
+        questions = [replace(q, video_path=folder / q.video_id) for q in questions]
+    if check_videos:
+        for question in questions:
+            if not question.video_path.is_file():
+                raise MissingFileError(f"StreamingBench video not found: {question.video_path} (question "
+                                       f"{question.qid})")
+    return questions
 
 
 def load_synthetic(data_root: Path | str, *, annotation: AnnotationArg = None,
                    check_videos: bool = True) -> list[Question]:
-    """A set written by ``statekv synthetic make``: ``<data_root>/questions.jsonl``, videos relative to it."""
+    """A set written by ``statekv synthetic make``: ``<data_root>/questions.jsonl``, videos relative to it; made
+    with ``--streaming``: ``<data_root>/streaming.json`` (OVO-Bench's format, see `statekv.synthetic.streaming`)."""
     folder = Path(data_root)
+    if annotation is None and not (folder / QUESTIONS_FILE).exists() and (folder / STREAMING_FILE).is_file():
+        path = folder / STREAMING_FILE
+        return synthetic_streaming_questions(read_rows([path]), folder, check_videos=check_videos, source=str(path))
     paths = _annotation_paths(annotation, [], stem="") if annotation is not None else [folder / QUESTIONS_FILE]
+    if len(paths) == 1 and paths[0].name == STREAMING_FILE:
+        return synthetic_streaming_questions(read_rows(paths), folder, check_videos=check_videos,
+                                             source=str(paths[0]))
     return synthetic_questions(read_rows(paths), folder, check_videos=check_videos, source=_describe(paths))
 
 
@@ -170,7 +208,7 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
                     video_id=video_id,
                     video_path=_videomme_video(folder / "data", video_id, check_videos),
                     question=str(row["question"]),
-                    options=_options(row["options"], where),
+                    options=parse_options(row["options"], where),
                     answer=str(row["answer"]).strip(),
                     task_type=str(row["task_type"]),
                     duration=str(row["duration"]),
@@ -204,7 +242,7 @@ def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bo
                     video_id=str(row["video_name"]),
                     video_path=video_path,
                     question=str(row["question"]),
-                    options=_options(row["candidates"], where),
+                    options=parse_options(row["candidates"], where),
                     answer=str(row["answer"]).strip(),
                     task_type=str(row["task_type"]),
                 ),
@@ -216,53 +254,6 @@ def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bo
     return questions
 
 
-def ovobench_questions(
-    rows: list[dict[str, Any]],
-    folder: Path,
-    *,
-    check_videos: bool,
-    videos: Literal["source", "clips"] = "source",
-    source: str,
-) -> list[Question]:
-    if videos not in ("source", "clips"):
-        raise ValueError(f"videos must be 'source' or 'clips', got {videos!r}")
-    fields = ("id", "task", "video", "realtime", "question", "options", "gt")
-    qids = _question_ids(rows, "id")
-    questions = []
-    for index, row in enumerate(rows):
-        where = f"{source} row {index}"
-        if row.get("task") not in OVOBENCH_REALTIME_TASKS:
-            continue
-        require_fields(row, fields, where)
-        options = _options(row["options"], where)
-        gt = row["gt"]
-        if not isinstance(gt, int) or not 0 <= gt < len(options):
-            raise AnnotationError(f"{where}: gt={gt!r} is not an index into its {len(options)} options")
-        realtime = row["realtime"]
-        if isinstance(realtime, bool) or not isinstance(realtime, (int, float)) or not 0 <= realtime < float("inf"):
-            raise AnnotationError(f"{where}: field 'realtime' must be a number of seconds >= 0, got {realtime!r}")
-        video_path = folder / "src_videos" / str(row["video"])
-        clip_path = folder / "chunked_videos" / f"{row['id']}.mp4"
-        required = video_path if videos == "source" else clip_path
-        if check_videos and not required.is_file():
-            raise MissingFileError(f"OVOBench {'source video' if videos == 'source' else 'clip'} not found: {required}")
-        questions.append(
-            Question(
-                benchmark="ovobench",
-                qid=qids[index],
-                video_id=str(row["video"]),
-                video_path=video_path,
-                question=str(row["question"]),
-                options=options,
-                answer=chr(ord("A") + gt),
-                task_type=str(row["task"]),
-                realtime=float(row["realtime"]),
-                clip_path=clip_path,
-            )
-        )
-    return questions
-
-
 def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool,
                         source: str) -> list[Question]:
     fields = ("qid", "video_id", "video", "task_type", "question", "options", "answer")
@@ -270,16 +261,82 @@ def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_video
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
         require_fields(row, fields, where)
+        check_evidence(row, where)
         video_path = folder / str(row["video"])
         if check_videos and not video_path.is_file():
             raise MissingFileError(f"{where}: video not found: {video_path}")
         questions.append(_checked(Question(
             benchmark="synthetic", qid=str(row["qid"]), video_id=str(row["video_id"]), video_path=video_path,
-            question=str(row["question"]), options=_options(row["options"], where), answer=str(row["answer"]).strip(),
+            question=str(row["question"]), options=parse_options(row["options"], where), answer=str(row["answer"]).strip(),
             task_type=str(row["task_type"])), where))
     if len({question.qid for question in questions}) != len(questions):
         raise AnnotationError(f"{source}: question ids repeat")
     return questions
+
+
+def check_evidence(row: dict[str, Any], where: str) -> None:
+    """A synthetic question's ``num_frames`` (the video's frames: a positive integer) and ``evidence_frames`` (the
+    frames that decide its answer: a non-empty list of distinct frame indices in ``[0, num_frames)``), when the
+    row has them (what `benchmarks/retrieval.py` and ``statekv demo`` read)."""
+    frames = row.get("num_frames")
+    if "num_frames" in row and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+        raise AnnotationError(f"{where}: field 'num_frames' must be a positive integer, got {str(frames)[:40]!r}")
+    if "evidence_frames" not in row:
+        return
+    evidence = row["evidence_frames"]
+    if not isinstance(evidence, list) or not evidence:
+        raise AnnotationError(f"{where}: field 'evidence_frames' must be a non-empty list of frame indices, got "
+                              f"{str(evidence)[:40]!r}")
+    limit = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
+    for frame in evidence:
+        if isinstance(frame, bool) or not isinstance(frame, int) or frame < 0 or (limit is not None and frame >= limit):
+            within = f" of the video's {limit}" if limit is not None else ""
+            raise AnnotationError(f"{where}: evidence_frames holds {str(frame)[:40]}, not a frame{within} (0-based)")
+    if len(set(evidence)) != len(evidence):
+        raise AnnotationError(f"{where}: evidence_frames names a frame twice")
+
+
+def synthetic_streaming_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool,
+                                  source: str) -> list[Question]:
+    """A streaming synthetic set's rows (OVO-Bench's layout; a forward question's polls carry their own ``gt``)."""
+    questions: list[Question] = []
+    for index, row in enumerate(rows):
+        where = f"{source} row {index}"
+        require_fields(row, ("id", "task", "video", "question", "options"), where)
+        task = str(row["task"])
+        if task not in STREAMING_GROUPS:
+            raise AnnotationError(f"{where}: unknown task {task!r}; expected one of {', '.join(STREAMING_GROUPS)}")
+        options = parse_options(row["options"], where)
+        video_path = folder / str(row["video"])
+        if check_videos and not video_path.is_file():
+            raise MissingFileError(f"{where}: video not found: {video_path}")
+        common = dict(benchmark="synthetic", video_id=str(row["video"]), video_path=video_path,
+                      question=str(row["question"]), options=options, task_type=task, group=STREAMING_GROUPS[task])
+        if STREAMING_GROUPS[task] == "forward":
+            require_fields(row, ("test_info",), where)
+            polls = row["test_info"]
+            if not isinstance(polls, list) or not polls or not all(isinstance(poll, dict) for poll in polls):
+                raise AnnotationError(f"{where}: field 'test_info' must be a non-empty list of polls")
+            for j, poll in enumerate(polls):
+                at = f"{where} test_info[{j}]"
+                require_fields(poll, ("realtime", "gt"), at)
+                questions.append(_checked(Question(
+                    **common, qid=f"{row['id']}_{j}", item=str(row["id"]), answer=_letter(poll["gt"], options, at),
+                    realtime=seconds(poll["realtime"], f"{at}: field 'realtime'")), at))
+        else:
+            require_fields(row, ("realtime", "gt"), where)
+            questions.append(_checked(Question(
+                **common, qid=str(row["id"]), answer=_letter(row["gt"], options, where),
+                realtime=seconds(row["realtime"], f"{where}: field 'realtime'")), where))
+    if len({question.qid for question in questions}) != len(questions):
+        raise AnnotationError(f"{source}: question ids repeat")
+    return questions
+
+
+def _letter(gt: Any, options: tuple[str, ...], where: str) -> str:
+    if isinstance(gt, bool) or not isinstance(gt, int) or not 0 <= gt < len(options):
+        raise AnnotationError(f"{where}: gt={gt!r} is not an index into its {len(options)} options")
+    return chr(ord("A") + gt)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -307,25 +364,6 @@ def _question_ids(rows: list[dict[str, Any]], field: str) -> list[str]:
     return [str(index) for index in range(len(rows))]
 
 
-def _options(value: Any, where: str) -> tuple[str, ...]:
-    """A list of 2 to 26 distinct, non-empty option texts (numbers are taken as their text)."""
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise AnnotationError(f"{where}: options must be a list, got {type(value).__name__}")
-    value = list(value)
-    for index, option in enumerate(value):
-        if isinstance(option, bool) or not isinstance(option, (str, int, float)) or not str(option).strip():
-            shown = "empty" if isinstance(option, str) else f"{type(option).__name__} {str(option)[:40]!r}"
-            raise AnnotationError(f"{where}: option {index} must be a non-empty text, got {shown}")
-    options = tuple(str(option) for option in value)
-    if not 2 <= len(options) <= 26:
-        raise AnnotationError(f"{where}: expected 2 to 26 options, got {len(options)}")
-    repeated = next((option for index, option in enumerate(options) if option.strip() in
-                     {other.strip() for other in options[:index]}), None)
-    if repeated is not None:
-        raise AnnotationError(f"{where}: option {repeated!r} appears twice")
-    return options
-
-
 def _checked(question: Question, where: str) -> Question:
     if len(question.answer) != 1 or question.answer not in question.letters:
         raise AnnotationError(f"{where}: answer {question.answer!r} is not one of {question.letters}")
@@ -346,7 +384,9 @@ __all__ = [
     "load_benchmark",
     "load_benchmark_from_hub",
     "load_mlvu",
+    "load_ovobench",
     "load_ovobench_realtime",
+    "load_streamingbench",
     "load_synthetic",
     "load_videomme",
 ]

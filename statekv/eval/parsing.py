@@ -29,12 +29,16 @@ The synthetic set (`statekv.synthetic`) reads answers with lmms-eval 0.7's extra
 letters under both generations.
 
 OVOBench uses neither: it counts an answer correct when the ground-truth letter occurs anywhere
-in the stripped answer, in both generations (see ``ovobench_letter``).
+in the stripped answer, in both generations (see ``ovobench_letter``); its forward polls are read as counts or
+Yes/No (`statekv.eval.ovobench.judge`). StreamingBench reads the first character of the answer, and a proactive
+output by its text and time (`statekv.eval.streamingbench.judge`), in both generations.
 """
 
 from __future__ import annotations
 
 import re
+
+from statekv.eval import ovobench, streamingbench
 
 PARSERS = ("lmms-eval-0.7", "paper")
 DEFAULT_PARSER = "lmms-eval-0.7"
@@ -144,10 +148,17 @@ def ovobench_letter(response: str, answer: str, letters: str) -> str | None:
 
 
 def judge(
-    benchmark: str, response: str, *, answer: str, letters: str, parser: str = DEFAULT_PARSER
+    benchmark: str, response: str, *, answer: str, letters: str, parser: str = DEFAULT_PARSER, kind: str = "choice",
+    answered_at: float | None = None, expected_at: float | None = None,
 ) -> tuple[str | None, bool]:
-    """``(letter read from response or None, whether the answer is correct)`` for any benchmark."""
+    """``(what was read from response (a letter for a choice) or None, whether the answer is correct)`` for any
+    benchmark. ``kind``: how the answer is read (`statekv.eval.questions.ANSWER_KINDS`); ``answered_at`` and
+    ``expected_at``: when a proactive output was given and was due (seconds)."""
     check_parser(parser)
+    if benchmark == "streamingbench":
+        return streamingbench.judge(kind, response, answer, letters, answered_at, expected_at)
+    if benchmark == "ovobench" and kind != "choice":
+        return ovobench.judge(kind, response, answer, letters)
     if benchmark == "ovobench":
         letter = ovobench_letter(response, answer, letters)
     elif benchmark == "synthetic":

@@ -2,8 +2,9 @@
 
 Two protocols exist. ``"lmms-eval-0.7"`` (the default) is lmms-eval 0.7.x. ``"paper"`` is the
 paper's released code, which covers VideoMME only: the same instruction without the 0.7
-post-prompt, and up to 1024 new tokens. For MLVU and OVOBench both protocols are lmms-eval's; the
-synthetic set (`statekv.synthetic`) has one protocol of its own under both names.
+post-prompt, and up to 1024 new tokens. For MLVU and OVOBench both protocols are lmms-eval's (OVO-Bench's
+own prompts, `statekv.eval.ovobench`); StreamingBench's are its release's (`statekv.eval.streamingbench`) and
+the synthetic set (`statekv.synthetic`) has one protocol of its own, under both names.
 The strings below are load-bearing, quirks included: VideoMME's instruction mentions "the
 subtitles" in the no-subtitle setting, MLVU's prompt ends on an open parenthesis, OVOBench's
 has a space before a newline.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from statekv.eval import ovobench, streamingbench
 from statekv.eval.questions import Question
 from statekv.synthetic.prompts import question_prompt
 
@@ -25,11 +27,7 @@ VIDEOMME_INSTRUCTION = (
 )
 VIDEOMME_POST_PROMPT = "\nAnswer with the option's letter from the given choices directly."
 MLVU_POST_PROMPT = "\nOnly give the best option.\nBest option: ("
-OVOBENCH_TEMPLATE = (
-    "\nQuestion: {question}\nOptions:\n{options}\n\n"
-    "Respond only with the letter corresponding to your chosen option (e.g., A, B, C). \n"
-    "Do not include any additional text or explanation in your response.\n"
-)
+OVOBENCH_TEMPLATE = ovobench.CHOICE_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -54,6 +52,10 @@ _GENERATION = {
     ("mlvu", "paper"): GenerationSettings(max_new_tokens=16, stop_strings=("\n\n",)),
     ("ovobench", "lmms-eval-0.7"): GenerationSettings(max_new_tokens=128),
     ("ovobench", "paper"): GenerationSettings(max_new_tokens=128),
+    # its release lets each model decide; the answer is read from its first character (a proactive output: a
+    # short text), so a few tokens are enough
+    ("streamingbench", "lmms-eval-0.7"): GenerationSettings(max_new_tokens=32),
+    ("streamingbench", "paper"): GenerationSettings(max_new_tokens=32),
     # statekv's own set: one letter is asked for; a few tokens leave room for a real model's "B." or "(B)"
     ("synthetic", "lmms-eval-0.7"): GenerationSettings(max_new_tokens=8),
     ("synthetic", "paper"): GenerationSettings(max_new_tokens=8),
@@ -83,11 +85,9 @@ def build_prompt(question: Question, protocol: str = DEFAULT_PROTOCOL) -> str:
     if question.benchmark == "mlvu":
         return question.question + MLVU_POST_PROMPT
     if question.benchmark == "ovobench":
-        options = (
-            "; ".join(f"{letter}. {text}" for letter, text in zip(question.letters, question.options, strict=True))
-            + ";"
-        )
-        return OVOBENCH_TEMPLATE.format(question=question.question, options=options)
+        return ovobench.prompt(question)
+    if question.benchmark == "streamingbench":
+        return streamingbench.prompt(question)
     if question.benchmark == "synthetic":
         return question_prompt(question.question, question.options)
     raise ValueError(f"unknown benchmark {question.benchmark!r}")

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from statekv.errors import DataError
 
-BENCHMARKS = ("videomme", "mlvu", "ovobench", "synthetic")
+BENCHMARKS = ("videomme", "mlvu", "ovobench", "streamingbench", "synthetic")
 
 MLVU_TASKS = ("anomaly_reco", "count", "ego", "needle", "order", "plotQA", "topic_reasoning")
 OVOBENCH_REALTIME_TASKS = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
+# How an answer is read: an option letter, a count (OVO-Bench REC), Yes/No (OVO-Bench SSR, CRR), or an output
+# given when the model says the time has come (StreamingBench's proactive output).
+ANSWER_KINDS = ("choice", "count", "yesno", "proactive")
 
 
 class AnnotationError(DataError):
@@ -29,9 +32,16 @@ class Question:
     ``videoID``, MLVU's ``video_name``, OVOBench's source ``video`` path, the synthetic set's
     ``video_id``. Synthetic options are bare texts, like OVOBench's.
 
-    OVOBench only: ``realtime`` is the query time in seconds (the model may see the video up to
-    ``query_seconds`` = ceil(realtime), capped at the video's duration) and ``clip_path`` the
-    released pre-cut clip ``<id>.mp4`` holding exactly that prefix.
+    Streaming benchmarks (OVO-Bench, StreamingBench, a synthetic set made with ``--streaming``): ``realtime`` is
+    the query time in seconds (the model may see the video up to ``query_seconds`` = ceil(realtime), capped at
+    the video's duration), ``group`` the benchmark's group of the task (OVO-Bench: backward, realtime, forward;
+    StreamingBench: realtime, contextual) and ``clip_path`` the released pre-cut clip holding exactly that prefix
+    (OVO-Bench). A question asked several times (OVO-Bench's forward tasks poll at preset times) is one
+    `Question` per poll, each with its own time and answer, sharing ``item`` (the annotation's question id).
+    ``kind`` says how the answer is read (`ANSWER_KINDS`); for kinds other than ``choice`` there are no options
+    and ``answer`` is the expected text ("3", "Yes", an output). ``context``: text the prompt carries before
+    the question (StreamingBench's sequential questions: the earlier questions and their answers).
+    ``expected_time``: when a proactive output is due (seconds).
     """
 
     benchmark: str
@@ -45,12 +55,22 @@ class Question:
     duration: str = ""  # VideoMME bucket: short | medium | long
     domain: str = ""  # VideoMME
     sub_category: str = ""  # VideoMME
-    realtime: float | None = None  # OVOBench
-    clip_path: Path | None = None  # OVOBench
+    realtime: float | None = None  # streaming benchmarks
+    clip_path: Path | None = None  # OVO-Bench
+    group: str = ""
+    item: str = ""
+    kind: str = "choice"
+    context: str = ""
+    expected_time: float | None = None  # StreamingBench's proactive output
 
     @property
     def letters(self) -> str:
         return "".join(chr(ord("A") + i) for i in range(len(self.options)))
+
+    @property
+    def item_id(self) -> str:
+        """The question this one is a poll of (its own id when it is asked once)."""
+        return self.item or self.qid
 
     @property
     def query_seconds(self) -> int | None:

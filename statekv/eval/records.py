@@ -48,8 +48,10 @@ class AnswerRecord:
     """One answered question: what was asked, what came back, how it was read and scored.
 
     ``prediction`` is the raw generated text; ``parsed`` the letter the ``parser`` read from it
-    (``None``: unparsable). ``timings`` holds seconds by phase (e.g. "encode", "answer");
-    ``extra`` anything else the runner wants kept (frame count, FLOPs, ...).
+    (``None``: unparsable; for other answer kinds what was read: a count, Yes/No, an output). ``timings`` holds
+    seconds by phase (e.g. "encode", "answer"); ``extra`` anything else the runner wants kept (frame count,
+    FLOPs, ...; a proactive output's ``answered_at`` and ``expected_at``). ``group``, ``item`` and ``kind`` are
+    the question's (`statekv.eval.questions.Question`): a poll's record names the question it polls.
     """
 
     benchmark: str
@@ -71,6 +73,14 @@ class AnswerRecord:
     sub_category: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    group: str = ""
+    item: str = ""
+    kind: str = "choice"
+
+    @property
+    def item_id(self) -> str:
+        """The question this record answers a poll of (its own id when asked once)."""
+        return self.item or self.qid
 
     @classmethod
     def for_answer(
@@ -89,7 +99,8 @@ class AnswerRecord:
         """Parse and score ``prediction`` for ``question``."""
         check_protocol(protocol)
         parsed, correct = judge(
-            question.benchmark, prediction, answer=question.answer, letters=question.letters, parser=parser
+            question.benchmark, prediction, answer=question.answer, letters=question.letters, parser=parser,
+            kind=question.kind, answered_at=extra.get("answered_at"), expected_at=extra.get("expected_at"),
         )
         return cls(
             benchmark=question.benchmark,
@@ -111,13 +122,17 @@ class AnswerRecord:
             sub_category=question.sub_category,
             timings=dict(timings or {}),
             extra=extra,
+            group=question.group,
+            item=question.item,
+            kind=question.kind,
         )
 
     def rescored(self, parser: str) -> AnswerRecord:
         """The same answer read with another parser generation."""
         check_parser(parser)
         parsed, correct = judge(
-            self.benchmark, self.prediction, answer=self.answer, letters=self.letters, parser=parser
+            self.benchmark, self.prediction, answer=self.answer, letters=self.letters, parser=parser, kind=self.kind,
+            answered_at=self.extra.get("answered_at"), expected_at=self.extra.get("expected_at"),
         )
         return dataclasses.replace(self, parser=parser, parsed=parsed, correct=correct)
 

@@ -12,15 +12,17 @@ from typing import Any
 
 from statekv.errors import DataError
 from statekv.eval.parsing import PARSERS
-from statekv.methods import METHODS, MethodSettings
+from statekv.settings.methods import METHODS, MethodSettings
 from statekv.eval.records import AnswerRecord, merge_rank_files
 from statekv.eval.scoring import score, single_value
 
 SUMMARY_FILE = "results.json"
 TABLE_COLUMNS = (("videomme", "VideoMME"), ("mlvu", "MLVU"), ("ovobench", "OVOBench RT"))
-EXTRA_COLUMNS = (("synthetic", "Synthetic"),)  # shown only when a run of that benchmark is in the table
-_METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2}
-_OTHER_METHOD = 3
+# shown only when a run of that benchmark (OVO-Bench: with more groups than real-time) is in the table
+EXTRA_COLUMNS = (("ovobench-all", "OVO-Bench"), ("streamingbench", "StreamingBench"), ("synthetic", "Synthetic"))
+_METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2,
+                 "simplestream": 3}
+_OTHER_METHOD = 4
 _ALIASES = {"fullattention": "full", "fullsa": "full"}  # the policy class's name, the paper's
 
 
@@ -120,7 +122,8 @@ def _check_summary(path: Path, summary: Any) -> None:
 
 def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
     """Markdown table like the paper's Table 1: one row per (model, method), one column per
-    benchmark, headline accuracies with two decimals.
+    benchmark, headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a
+    run has other groups: its overall score).
 
     ``parser`` picks which parser generation's score to show (default: the one each run used).
     A cell notes unparsable answers ("(3 unparsed)") and incomplete runs ("(partial 10/2700)").
@@ -148,8 +151,15 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
         if model not in models:
             models.append(model)
         row_order[row] = (models.index(model), _method_kind(summary["method"]), summary["budget"] or 0, row[1])
-        cells.setdefault(row, {})[benchmark] = _cell(chosen)
-    present = {benchmark for _, _, benchmark in sources}
+        if benchmark == "ovobench":
+            group_scores = chosen.get("group_scores") or {"realtime": chosen["headline"]}  # written before groups
+            if "realtime" in group_scores:
+                cells.setdefault(row, {})["ovobench"] = _cell(chosen, group_scores["realtime"])
+            if set(group_scores) - {"realtime"}:
+                cells.setdefault(row, {})["ovobench-all"] = _cell(chosen)
+        else:
+            cells.setdefault(row, {})[benchmark] = _cell(chosen)
+    present = {column for row in cells.values() for column in row}
     columns = TABLE_COLUMNS + tuple(column for column in EXTRA_COLUMNS if column[0] in present)
     header = "| Model | Method | " + " | ".join(title for _, title in columns) + " |"
     lines = [header, "|" + "---|" * (2 + len(columns))]
@@ -159,8 +169,8 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-def _cell(result: dict[str, Any]) -> str:
-    headline = result["headline"]
+def _cell(result: dict[str, Any], headline: float | None = None) -> str:
+    headline = result["headline"] if headline is None else headline
     text = "nan" if math.isnan(headline) else f"{headline:.2f}"
     unparsable = result["overall"]["unparsable"]
     if unparsable:

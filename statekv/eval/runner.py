@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import ConfigurationError, DataError
-from statekv.eval.answering import Answer, Asker, answer_clips, answer_encoded, answer_streamed
+from statekv.eval.answering import Answer, Asker, answer_afresh, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
 from statekv.core.quantized import check_kv_cache_dtype
 from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
@@ -50,8 +50,8 @@ from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, Res
                                   merge_rank_files, rank_file)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
-from statekv.errors import OutputError, VideoError
-from statekv.options import ModelOptions
+from statekv.errors import OutputError, StateKVError, VideoError
+from statekv.settings.options import ModelOptions
 from statekv.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,15 @@ logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 TABLE_FILE = "table.md"
 OVOBENCH_VIDEO_MODES = ("stream", "clips")
+MODES = ("streaming", "offline")
+STREAMING_BENCHMARKS = ("ovobench", "streamingbench")  # streamed by default; the others are encoded offline
+GROUPED_BENCHMARKS = ("ovobench", "streamingbench")  # --groups applies
 # Settings that change the answers: a run directory must not mix them (settings a run.json written before
 # one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
-                "retrieval", "kv_cache_dtype")
-IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None}
+                "retrieval", "kv_cache_dtype", "mode", "groups")
+IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None, "groups": None}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
@@ -75,8 +78,12 @@ class EvalConfig:
 
     options: the model and method (`statekv.ModelOptions`; its ``device`` defaults to this rank's). name: the
     model's name in tables (default: derived from the checkpoint, e.g. "OpenGVLab/InternVL3-1B-hf" ->
-    "InternVL3-1B"). limit: only the first ``limit`` questions (annotation order). ovobench_videos: ``stream``
-    (one stream per source video) or ``clips`` (the released per-question clips, lmms-eval's protocol).
+    "InternVL3-1B"). limit: only the first ``limit`` questions (annotation order). mode: ``streaming`` (one live
+    stream per video, each question asked at its time) or ``offline`` (each question from an encoding made for
+    it; VideoMME and MLVU: one encoding of the whole video) (default: streaming for OVO-Bench and
+    StreamingBench, offline for the others; see `statekv.eval.answering`). ovobench_videos: ``stream`` (one
+    stream per source video) or ``clips`` (the released per-question clips, lmms-eval's protocol: OVO-Bench's
+    offline mode). groups: only these groups of OVO-Bench or StreamingBench (default: all it takes).
     max_new_tokens: override the protocol's (for quick smoke runs only). encode_once: False re-encodes the video
     for every question (a reference for the encode-once claim). progress: a bar on a terminal, else a log line
     with the ETA about once a minute.
@@ -92,7 +99,9 @@ class EvalConfig:
     limit: int | None = None
     max_fps: float = 1.0
     max_frames: int = 512
-    ovobench_videos: str = "stream"
+    ovobench_videos: str | None = None
+    mode: str | None = None
+    groups: tuple[str, ...] | None = None
     from_hub: bool = False
     max_new_tokens: int | None = None
     encode_once: bool = True
@@ -108,13 +117,27 @@ class EvalConfig:
             raise ConfigurationError("an evaluation needs ModelOptions naming a model")
         check_parser(self.parser)
         check_protocol(self.protocol)
-        if self.ovobench_videos not in OVOBENCH_VIDEO_MODES:
+        if self.ovobench_videos is not None and self.ovobench_videos not in OVOBENCH_VIDEO_MODES:
             raise ConfigurationError(f"ovobench_videos must be one of {', '.join(OVOBENCH_VIDEO_MODES)}, "
                                      f"got {self.ovobench_videos!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ConfigurationError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        clips = self.ovobench_videos == "clips"
+        if self.mode is not None and self.ovobench_videos is not None and clips != (self.mode == "offline"):
+            raise ConfigurationError(f"ovobench_videos={self.ovobench_videos} contradicts mode={self.mode} (the "
+                                     "released clips are OVO-Bench's offline mode)")
+        mode = self.mode or default_mode(self.benchmark, self.ovobench_videos)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "ovobench_videos", "clips" if mode == "offline" else "stream")
+        if self.groups is not None:
+            if self.benchmark not in GROUPED_BENCHMARKS:
+                raise ConfigurationError(f"{self.benchmark} has no groups to choose (--groups applies to "
+                                         f"{' and '.join(GROUPED_BENCHMARKS)})")
+            object.__setattr__(self, "groups", tuple(self.groups))
         for name in ("limit", "max_new_tokens"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
-        if self.from_hub and self.benchmark in ("ovobench", "synthetic"):
+        if self.from_hub and self.benchmark in ("ovobench", "streamingbench", "synthetic"):
             raise ConfigurationError(f"{self.benchmark} annotations are read from --data-root only (no hub loading)")
 
     @classmethod
@@ -153,7 +176,16 @@ class EvalConfig:
                   "sinks": options.sinks if "sinks" in options.spec.uses else None,
                   "kv_cache_dtype": check_kv_cache_dtype(options.kv_cache_dtype)}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
+        values["groups"] = list(self.groups) if self.groups is not None else None
         return {key: values[key] for key in RUN_IDENTITY}
+
+
+def default_mode(benchmark: str, ovobench_videos: str | None = None) -> str:
+    """A benchmark's mode when none is asked for: the streaming benchmarks stream (OVO-Bench's released clips
+    are its offline mode), the others are encoded offline."""
+    if benchmark == "ovobench" and ovobench_videos == "clips":
+        return "offline"
+    return "streaming" if benchmark in STREAMING_BENCHMARKS else "offline"
 
 
 def display_name(model: str | Path) -> str:
@@ -205,9 +237,26 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         if not context.is_main:
             return None
         return finish(config, expected)
+    except OSError as error:
+        if isinstance(error, StateKVError) or not _in_folder(error, config.out):
+            raise
+        answered = len(completed_qids(config.out) & set(expected))
+        raise OutputError(f"cannot write the run folder {config.out} ({error.strerror or error}); the {answered} of "
+                          f"{len(expected)} answers written before are kept there: rerun the same command to resume "
+                          "once it can be written") from None
     finally:
         lock.release()
         context.close()
+
+
+def _in_folder(error: OSError, folder: Path) -> bool:
+    """Whether ``error`` came from writing in ``folder`` (an error without a file name: from an open one)."""
+    if error.filename is None:
+        return True
+    try:
+        return Path(os.path.abspath(error.filename)).is_relative_to(os.path.abspath(folder))
+    except (TypeError, ValueError):
+        return False
 
 
 def _lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
@@ -230,7 +279,9 @@ def load_questions(config: EvalConfig) -> list[Question]:
         questions = load_benchmark_from_hub(config.benchmark, config.data_root)
     elif config.benchmark == "ovobench":
         videos = "source" if config.ovobench_videos == "stream" else "clips"
-        questions = load_benchmark("ovobench", config.data_root, videos=videos)
+        questions = load_benchmark("ovobench", config.data_root, videos=videos, groups=config.groups)
+    elif config.benchmark == "streamingbench":
+        questions = load_benchmark("streamingbench", config.data_root, groups=config.groups)
     else:
         questions = load_benchmark(config.benchmark, config.data_root)
     if not questions:
@@ -242,7 +293,7 @@ def load_model(config: EvalConfig, context: RankContext):
     """The `VideoQA` of the config, on ``config.device`` or this rank's default device."""
     import torch
 
-    from statekv.pipeline import VideoQA
+    from statekv.api.videoqa import VideoQA
 
     device = config.options.device or context.default_device()
     if str(device).startswith("cuda:"):
@@ -275,12 +326,14 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
 
 
 def _answers(config: EvalConfig, asker: Asker, video: VideoQuestions, room: Sequence[Question]) -> Iterator[Answer]:
-    if config.benchmark != "ovobench":
-        return answer_encoded(asker, video, max_fps=config.max_fps, max_frames=config.max_frames,
-                              once=config.encode_once, room=room)
-    if config.ovobench_videos == "clips":
+    if config.mode == "streaming":
+        return answer_streamed(asker, video, max_fps=config.max_fps, room=room)
+    if config.benchmark == "ovobench":
         return answer_clips(asker, video, max_fps=config.max_fps, max_frames=config.max_frames)
-    return answer_streamed(asker, video, max_fps=config.max_fps, room=room)
+    if video.questions[0].realtime is not None:
+        return answer_afresh(asker, video, max_fps=config.max_fps, room=room)
+    return answer_encoded(asker, video, max_fps=config.max_fps, max_frames=config.max_frames,
+                          once=config.encode_once, room=room)
 
 
 def _record(config: EvalConfig, answer: Answer) -> AnswerRecord:
@@ -321,6 +374,9 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
     run = read_run_file(config.out)
     if run is not None:
         recorded = {**IDENTITY_DEFAULTS, **run["settings"]}
+        recorded.setdefault("mode", default_mode(str(recorded.get("benchmark")), recorded.get("ovobench_videos")))
+        if recorded.get("benchmark") == "ovobench" and "groups" not in run["settings"]:
+            recorded["groups"] = ["realtime"]  # written when statekv read OVO-Bench's real-time group only
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
         redo = "use another --out for different settings, or --overwrite to answer again"
         if changed:

@@ -7,6 +7,7 @@ of work is a video: sharding never splits one, and ``group_by_video`` yields eac
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,9 @@ from statekv.eval.questions import Question
 class VideoQuestions:
     """All questions about one video, in the order they should be asked.
 
-    OVOBench questions are sorted by ``query_seconds`` (ceil of their query time), so a stream
-    over the source video can ask each one as soon as it has reached that second.
+    Timed questions (the streaming benchmarks) are sorted by ``query_seconds`` (ceil of their query time; those
+    without a time last), so a stream over the source video can ask each one as soon as it has reached that
+    second.
     """
 
     video_id: str
@@ -46,10 +48,14 @@ def group_by_video(questions: Iterable[Question]) -> list[VideoQuestions]:
         paths = {question.video_path for question in video_questions}
         if len(paths) != 1:
             raise ValueError(f"video {video_id!r} resolves to several paths: {sorted(map(str, paths))}")
-        if video_questions[0].realtime is not None:
-            video_questions = sorted(video_questions, key=lambda question: question.query_seconds)  # stable
+        if any(question.realtime is not None for question in video_questions):
+            video_questions = sorted(video_questions, key=_asked_at)  # stable: ties keep annotation order
         groups.append(VideoQuestions(video_id, paths.pop(), tuple(video_questions)))
     return groups
+
+
+def _asked_at(question: Question) -> float:
+    return math.inf if question.realtime is None else question.query_seconds
 
 
 def shard_by_video(

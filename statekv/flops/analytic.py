@@ -13,7 +13,7 @@ measured numbers agree):
 * embedding lookups, the one-time prompt prefix and the question are not part of *video* prefill.
 
 A step sees ``history + T`` keys, ``T`` = tokens per step, with the history each registered method declares
-(`statekv.methods`): ``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last
+(`statekv.settings.methods`): ``full`` carries everything (``history = s * T`` at step ``s``), ``recency`` the last
 ``R`` frames (``min(s, ceil(R / frames per step)) * T``), ``rekv`` its sinks and that window, ``statekv`` and
 ``keynorm`` at most ``B`` tokens (``min(s * T, B)``).
 
@@ -33,8 +33,8 @@ from itertools import pairwise
 import numpy as np
 
 from statekv.errors import ConfigurationError
-from statekv.methods import MethodSettings, MethodSpec, method_names
-from statekv.methods import method as method_spec
+from statekv.settings.methods import MethodSettings, MethodSpec, method_names
+from statekv.settings.methods import method as method_spec
 from statekv.values import check_int
 
 from .presets import LanguageSpec, ModelSpec, VisionSpec, from_config, get_preset
@@ -45,7 +45,7 @@ SCORE_PASSES = ("eager", "recompute")
 
 @dataclass(frozen=True)
 class Method:
-    """A registered method (`statekv.methods`) with its size: how much history each step attends to.
+    """A registered method (`statekv.settings.methods`) with its size: how much history each step attends to.
 
     Attributes:
         kind: the method's name (``full``, ``recency``, ``statekv``, ``rekv``, ``keynorm``...).
@@ -53,12 +53,14 @@ class Method:
         frames: the recency window ``R`` in frames, for window-sized methods; a family with several frames per
             step (Qwen3-VL: 2) carries ``ceil(R / frames_per_step)`` steps, as the engine and evaluation do.
         sinks: ReKV's attention-sink tokens (default: the registry's).
+        window: SimpleStream's N, the last frames each question is answered from (encoded afresh with it).
     """
 
     kind: str
     budget: int | None = None
     frames: int | None = None
     sinks: int | None = None
+    window: int | None = None
 
     def __post_init__(self) -> None:
         spec = method_spec(self.kind)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from ..methods import MethodSettings
+from ..settings.methods import MethodSettings
 from .analytic import Method
 
 PAPER_SETTINGS = MethodSettings()  # the registry's defaults are the paper's settings (B = 4096, R = 16)

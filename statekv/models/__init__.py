@@ -1,4 +1,4 @@
-"""Model-family adapters: frames + text -> streaming chunks, and the decoding call after them."""
+"""Model-family adapters: frames + text -> streaming chunks, and the prompt a question decodes from after them."""
 
 from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .registry import adapter_for, checkpoint_model_type, load_adapter, register_adapter, supported_model_types

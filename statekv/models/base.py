@@ -2,7 +2,7 @@
 
 An adapter turns a video into the chunks `StreamingPrefill` steps through, and a question into the prompt
 that is decoded after them. It owns everything family-specific: the prompt layout, the vision encoder call,
-RoPE positions and the decoding call. The pipeline owns everything else (sampling, carry policy, timing).
+RoPE positions and what generation needs (`prompt`). The pipeline owns everything else (sampling, carry policy, timing).
 
 A video is streamed as::
 
@@ -13,14 +13,15 @@ A video is streamed as::
         prefill.step(chunk.inputs_embeds, chunk.position_ids, **chunk.forward_kwargs)
         state = state.after(chunk)
 
-`frames_chunk` is three calls that the overlapped pipeline (`statekv.overlap`) runs on three threads, so the
+`frames_chunk` is three calls that the overlapped pipeline (`statekv.steps.overlap`) runs on three threads, so the
 vision tower sees batches of steps while the language model streams one step at a time::
 
     step = adapter.prepare_frames(frames, state)      # CPU only (resize, normalise): PreparedFrames
     features = adapter.encode_vision([step, ...])     # one vision-tower call for several steps
     chunk = adapter.features_chunk(step, features[0], state)   # token ids, embeddings, positions
     ids = adapter.question_ids(question, state)       # what follows the video, [1, Q]
-    new_tokens = adapter.generate(prefill, state, ids, max_new_tokens=...)
+    prompt = adapter.prompt(ids, state)                # what generation needs: ids, positions, the decoding model
+    new_tokens = prefill.generate(prompt, max_new_tokens=...)   # the engine checks and generates
 
 Every method is a pure function of its arguments and the (frozen) model, so one adapter serves any number
 of videos and streams at once, and a `LayoutState` is all that must be saved to resume a stream.
@@ -28,7 +29,6 @@ of videos and streams at once, and a `LayoutState` is all that must be saved to 
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -37,8 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core import StreamingPrefill
-
+from ..core.decoding import Prompt
 from ..errors import InputError
 from ..video import Frame
 
@@ -148,19 +147,6 @@ class VideoAdapter(ABC):
     frames_per_step: ClassVar[int] = 1
     needs_remote_code: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "frames_per_chunk" in cls.__dict__:  # adapters written before the word was "step"
-            warnings.warn(f"{cls.__name__}.frames_per_chunk is deprecated; set frames_per_step",
-                          DeprecationWarning, stacklevel=2)
-            cls.frames_per_step = cls.__dict__["frames_per_chunk"]
-
-    @property
-    def frames_per_chunk(self) -> int:
-        warnings.warn("VideoAdapter.frames_per_chunk is deprecated; read frames_per_step", DeprecationWarning,
-                      stacklevel=2)
-        return self.frames_per_step
-
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, layout: str | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -230,10 +216,11 @@ class VideoAdapter(ABC):
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         """The prompt that follows the streamed video: LongTensor ``[1, Q]`` on the model's device."""
 
-    def generate(self, prefill: StreamingPrefill, state: LayoutState, prompt_ids: torch.Tensor,
-                 **generate_kwargs: Any) -> torch.Tensor:
-        """Decode after ``prompt_ids`` from the detailed cache; returns the new tokens ``[1, N]``."""
-        return prefill.generate(prompt_ids, **generate_kwargs)
+    def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
+        """What generation needs of ``prompt_ids [B, Q]`` after the video streamed to ``state``: the ids, their
+        positions (None: they continue from the stream's length), the module that decodes (None: the model) and
+        the stream length they follow; `StreamingPrefill.generate` checks it and decodes."""
+        return Prompt(prompt_ids, follows=state.tokens)
 
     def decode(self, new_tokens: torch.Tensor) -> str:
         """New tokens ``[1, N]`` -> answer text (special tokens dropped, whitespace stripped)."""

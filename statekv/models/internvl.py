@@ -90,7 +90,7 @@ class InternVLAdapter(VideoAdapter):
     # -- layout -----------------------------------------------------------------------------------------
     def max_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
         widest = self.frame_text(max(num_frames - 1, 0), 0.0)
-        return self._count(self._prefix_text() or "") + num_frames * self._count(widest)
+        return self.count_tokens(self._prefix_text() or "") + num_frames * self.count_tokens(widest)
 
     def prefix(self, state: LayoutState) -> Chunk | None:
         text = self._prefix_text()
@@ -150,5 +150,6 @@ class InternVLAdapter(VideoAdapter):
                              "video; use layout='paper'")
         return before, after
 
-    def _count(self, text: str) -> int:
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes (no special tokens added)."""
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 
-from ..core import StreamingPrefill, generate_from_cache
+from ..core.decoding import Prompt
 
 from ..errors import ConfigurationError, InputError, UnsupportedModelError
 from ..video import Frame, qwen_frame_size, qwen_pixel_values
@@ -285,24 +285,13 @@ class Qwen3VLAdapter(VideoAdapter):
             raise InputError(f"the question must be a non-empty string, got {question!r}")
         return self.tokenize(self.question_open + question + self.question_close)
 
-    def generate(self, prefill: StreamingPrefill, state: LayoutState, prompt_ids: torch.Tensor,
-                 **generate_kwargs: Any) -> torch.Tensor:
-        """Decode after ``prompt_ids [B, Q]`` at M-RoPE positions continuing from ``state.next_position``."""
-        if prompt_ids.dim() != 2:
-            raise InputError(f"the prompt must be input_ids [B, Q], got shape {tuple(prompt_ids.shape)}")
-        if prefill.seen_tokens != state.tokens:
-            raise InputError(f"the stream holds {prefill.seen_tokens} tokens but the layout state "
-                             f"{state.tokens}; pass the state of the video that was streamed")
-        if "position_ids" in generate_kwargs:
-            raise InputError("position_ids are set by the adapter (M-RoPE continues from the streamed video)")
+    def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
+        """``prompt_ids [B, Q]`` at M-RoPE positions continuing from ``state.next_position``, decoded by the whole
+        model; its ``rope_deltas``, which ``generate`` rewrites, are put back after (explicit positions keep the
+        answer independent of them)."""
         positions = self.text_positions(state, prompt_ids.shape[1]).expand(-1, prompt_ids.shape[0], -1)
-        language = self.model.model
-        found = language.rope_deltas
-        try:  # explicit positions keep generate off rope_deltas; restore it whatever happens
-            return generate_from_cache(prefill, prompt_ids, model=self.model, position_ids=positions,
-                                       **generate_kwargs)
-        finally:
-            language.rope_deltas = found
+        return Prompt(prompt_ids, position_ids=positions, follows=state.tokens, model=self.model,
+                      restores=((self.model.model, "rope_deltas"),))
 
     # -- preprocessing and model calls -----------------------------------------------------------------
     def pixel_values(self, frames: Sequence[Frame], size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,11 +36,10 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ..core import generate_from_cache
+from ..core.decoding import Prompt
 
 from ..errors import InputError, UnsupportedModelError
 from ..values import check_int, check_number
-from ..core.prefill import StreamingPrefill
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .base import Chunk, LayoutState
 from .checkpoint_files import normalisation, processor_chat_template, square_side
@@ -167,20 +166,16 @@ class RemoteInternVLAdapter(InternVLAdapter):
         check_int(num_frames, "num_frames", error=InputError)
         text = self.frame_text(num_frames - 1, _WIDEST_TIMESTAMP).replace(self.image_block, "")
         per_frame = len(text.encode()) + 1 + self.tokens_per_image + 2  # +1: the first eagle frame's space
-        return self._count(self._prefix_text(_WIDEST_FPS) or "") + num_frames * per_frame
+        return self.count_tokens(self._prefix_text(_WIDEST_FPS) or "") + num_frames * per_frame
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         if self.layout == "paper":
             return self.tokenize(self._render_user_turn(question))
         return self.tokenize(self._chat_turn_around_video(question)[1])
 
-    def generate(self, prefill: StreamingPrefill, state: LayoutState, prompt_ids: torch.Tensor,
-                 **generate_kwargs: Any) -> torch.Tensor:
-        """Decode with the language model itself: the remote ``generate`` embeds its own prompt and takes no cache."""
-        if prefill.seen_tokens != state.tokens:
-            raise InputError(f"the stream holds {prefill.seen_tokens} tokens but the layout state "
-                             f"{state.tokens}; pass the state of the video that was streamed")
-        return generate_from_cache(prefill, prompt_ids, model=self.model.language_model, **generate_kwargs)
+    def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
+        """Decoded by the language model itself: the remote ``generate`` embeds its own prompt and takes no cache."""
+        return Prompt(prompt_ids, follows=state.tokens, model=self.model.language_model)
 
     # -- internals --------------------------------------------------------------------------------------
     def _prefix_text(self, fps: float | None = None) -> str | None:

@@ -1,12 +1,15 @@
 """``statekv serve``: live video question answering over HTTP (FastAPI + uvicorn), with durable per-key streams
 and a page for people.
 
-    app = create_app(ServeConfig(options=ModelOptions(model="builtin"), state_dir=Path("state"), ...))
+    app = create_app(ServeConfig(options=ModelOptions(model="builtin", budget=64), state_dir=Path("state"),
+                                 api_keys=("a-key",)))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Modules: `config` (settings), `auth` (API keys), `media` (paths under --media-root), `limits` (body, image and
-concurrency limits), `worker` (where model work runs), `registry` (streams and their durability), `metrics`
-(Prometheus), `routes` and `openai` (the HTTP API), `page` (the page at /), `app` (putting them together).
+Modules: `config` (settings), `auth` (API keys: those given and the key made for the state folder), `media`
+(paths under --media-root), `limits` (body, image and concurrency limits), `worker` (where model work runs),
+`registry` (the streams: per owner, pushing, feeding files, asking, saving), `store` (their files in the state
+folder), `metrics` (Prometheus), `routes` and `openai` (the HTTP API), `page` and `page_parts` (the page at /),
+`app` (putting them together; `create_app` refuses a state folder holding streams no accepted key owns).
 """
 
 from .config import ServeConfig

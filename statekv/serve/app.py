@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -14,15 +15,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..errors import HorizonError, StateKVError
+from ..errors import ConfigurationError, HorizonError, StateKVError
 from .auth import KeyRing
 from .config import ServeConfig
-from .errors import ServiceError, error_body
+from .errors import ServiceError, error_body, public_message
 from .limits import Slots
 from .metrics import Metrics
 from .openai import build_openai_router
 from .registry import StreamRegistry
 from .routes import build_router
+from .store import StreamFiles
 from .worker import ModelExecutor, ModelWorker
 
 log = logging.getLogger("statekv.serve")
@@ -32,9 +34,9 @@ SAVE_CHECK_SECONDS = 1.0
 class Service:
     """Everything the routes share."""
 
-    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor):
+    def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, keys: KeyRing | None = None):
         self.config, self.qa, self.worker = config, qa, worker
-        self.keys = KeyRing(config.api_keys)
+        self.keys = keys or KeyRing.for_folder(config.state_dir, config.api_keys)
         self.model_id = config.options.model or "statekv"
         self.started = int(time.time())
         self.registry = StreamRegistry(config, qa, worker)
@@ -44,19 +46,52 @@ class Service:
         self.ask_slots = Slots(config.max_asks, "questions")
 
     def answered(self, route: str, seconds: float) -> None:
+        """Count a question answered through ``route`` (``ask``, ``chat`` or ``page``) and its latency."""
         self.metrics.asks.labels(route).inc()
         self.metrics.ask_seconds.observe(seconds)
+
+    def public(self, message: str) -> str:
+        """A message as a client may see it: paths under the state folder or the media root made relative to
+        it (their absolute forms: a relative one says nothing of the server's layout)."""
+        folders = [self.config.state_dir] + ([self.config.media_root] if self.config.media_root else [])
+        replacements = {}
+        for folder in folders:
+            for form in (os.path.abspath(folder), os.path.realpath(folder)):
+                replacements[form.rstrip("/") + "/"] = ""
+        return public_message(message, replacements)
+
+
+def check_owners(config: ServeConfig, keys: KeyRing) -> None:
+    """Refuse to start over streams that no accepted key owns (nobody could reach or delete them), unless
+    ``config.drop_unowned_streams`` says to delete them."""
+    files = StreamFiles(config.state_dir)
+    unowned = {owner: count for owner, count in files.owners().items() if owner not in keys.owners}
+    if not unowned:
+        return
+    count = sum(unowned.values())
+    if not config.drop_unowned_streams:
+        raise ConfigurationError(
+            f"the state folder {config.state_dir} holds {count} stream{'s' * (count > 1)} of "
+            f"{'a key' if len(unowned) == 1 else f'{len(unowned)} keys'} this server was not given; pass "
+            f"{'it' if len(unowned) == 1 else 'them'} with --api-key (repeatable, or STATEKV_API_KEYS), or start "
+            "with --drop-unowned-streams to delete those streams")
+    for path, record in files.records():
+        if isinstance(record, dict) and record["owner"] in unowned:
+            files.remove(record["id"])
+    log.warning("deleted %d streams no accepted key owned (--drop-unowned-streams)", count)
 
 
 def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None = None) -> FastAPI:
     """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
     app. Model work runs on ``worker`` (default: one `ModelWorker` thread)."""
+    keys = KeyRing.for_folder(config.state_dir, config.api_keys)
+    check_owners(config, keys)  # before the model loads: a refusal costs nothing
     if qa is None:
-        from ..pipeline import VideoQA
+        from ..api.videoqa import VideoQA
 
         qa = VideoQA.from_options(config.options)
-    service = Service(config, qa, worker or ModelWorker())
-    restored = service.registry.restore()
+    service = Service(config, qa, worker or ModelWorker(), keys)
+    restored = service.registry.restore(keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)
 
@@ -107,7 +142,7 @@ async def _save_loop(service: Service) -> None:
 def _error_handlers(app: FastAPI, service: Service) -> None:
     def answer(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
         service.metrics.errors.labels(str(status)).inc()
-        return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
+        return JSONResponse(error_body(service.public(message), kind, status), status_code=status, headers=headers)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:

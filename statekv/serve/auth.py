@@ -1,17 +1,29 @@
-"""API keys: ``Authorization: Bearer KEY``. A stream belongs to the key that created it; the key itself is never
-written down, only a digest of it (its owner id)."""
+"""API keys: ``Authorization: Bearer KEY``. A stream belongs to the key that created it; no key is ever written
+down, only its digest (the stream's owner id).
+
+The keys a server accepts (`KeyRing`) are the keys it was given (``--api-key``, else ``STATEKV_API_KEYS``) and
+the key made for its state folder (`KeyFile`: ``DIR/keys.json``, the digest of a key made the first time a
+server started on that folder without a key, shown once then). Several servers (replicas) sharing one state
+folder read the same file, and only one of them can make the key.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
+import time
+from collections.abc import Iterable
+from pathlib import Path
 
 from fastapi import Request
 
+from ..errors import ConfigurationError
 from .errors import ServiceError
 
 KEYS_VARIABLE = "STATEKV_API_KEYS"
+KEYS_FILE = "keys.json"
 
 
 def owner_of(key: str) -> str:
@@ -19,31 +31,72 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def configured_keys(given: list[str] | None) -> tuple[list[str], bool]:
-    """The keys from ``--api-key`` (or, without any, ``STATEKV_API_KEYS``); a fresh key when none is given.
-    Returns (keys, whether one was made)."""
+def configured_keys(given: list[str] | None) -> list[str]:
+    """The keys from ``--api-key``, or, without any, from ``STATEKV_API_KEYS`` (comma-separated); maybe none."""
     keys = [key.strip() for key in (given or []) if key.strip()]
     if not keys:
         keys = [key.strip() for key in os.environ.get(KEYS_VARIABLE, "").split(",") if key.strip()]
-    if keys:
-        return keys, False
-    return [secrets.token_urlsafe(24)], True
+    return keys
+
+
+class KeyFile:
+    """``DIR/keys.json``: the digests of the keys made for a state folder, with when each was made."""
+
+    def __init__(self, state_dir: Path | str):
+        self.path = Path(state_dir) / KEYS_FILE
+
+    def stored(self) -> list[dict]:
+        """``[{"owner": digest, "made": unix time}]``; [] when no key was made here."""
+        try:
+            document = json.loads(self.path.read_text())
+            keys = document["keys"]
+            if not all(isinstance(k, dict) and isinstance(k.get("owner"), str) for k in keys):
+                raise ValueError("malformed key entry")
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigurationError(f"{self.path.name} in the state folder is unreadable ({type(error).__name__}); "
+                                     "remove it to have a new key made, or pass --api-key") from None
+        return keys
+
+    def make(self) -> str | None:
+        """Make a key and store its digest, unless a key was made here already (by another server too): returns
+        the new key (to show once), or None."""
+        key = secrets.token_urlsafe(24)
+        document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
+        partial = self.path.with_name(f"{KEYS_FILE}.{secrets.token_hex(4)}.partial")
+        partial.write_text(json.dumps(document, indent=1) + "\n")
+        try:
+            os.chmod(partial, 0o600)
+            os.link(partial, self.path)  # fails when the file exists: one key per folder, whoever is first
+        except FileExistsError:
+            return None
+        finally:
+            partial.unlink(missing_ok=True)
+        return key
 
 
 class KeyRing:
-    """Which owner a request's key belongs to."""
+    """Which owner a request's key belongs to: keys are compared by digest, in constant time."""
 
-    def __init__(self, keys: tuple[str, ...] | list[str]):
-        if not keys:
-            raise ValueError("at least one API key is needed")
-        self._owners = {owner_of(key): key for key in keys}
+    def __init__(self, owners: Iterable[str]):
+        self.owners = frozenset(owners)
+        if not self.owners:
+            raise ConfigurationError("no API key: pass --api-key KEY (or set STATEKV_API_KEYS), or start without "
+                                     "one to have a key made for the state folder")
+
+    @classmethod
+    def for_folder(cls, state_dir: Path | str, keys: Iterable[str]) -> "KeyRing":
+        """The ``keys`` given and the key made for ``state_dir`` (if any)."""
+        stored = [entry["owner"] for entry in KeyFile(state_dir).stored()]
+        return cls([*map(owner_of, keys), *stored])
 
     def owner(self, key: str | None) -> str | None:
         if not key:
             return None
-        owner = owner_of(key)
-        known = self._owners.get(owner)
-        return owner if known is not None and secrets.compare_digest(known, key) else None
+        digest = owner_of(key)
+        known = any(secrets.compare_digest(digest, owner) for owner in self.owners)
+        return digest if known else None
 
     def require(self, request: Request) -> str:
         """The owner of the request's bearer key; 401 when it has none or an unknown one."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..options import ModelOptions
+from ..settings.options import ModelOptions
 
 SAVE_EVERY_FRAMES = 256
 SAVE_EVERY_SECONDS = 30.0
@@ -15,7 +15,9 @@ SAVE_EVERY_SECONDS = 30.0
 class ServeConfig:
     """options: the model and the default method settings (streams may choose their own method settings).
     state_dir: where streams are kept (created). media_root: the only folder server-side sources may be read
-    from (None: no server-side sources). api_keys: the keys accepted (at least one). max_streams: streams held
+    from (None: no server-side sources). api_keys: the keys accepted besides the key made for the state folder
+    (`auth.KeyFile`); at least one of the two. drop_unowned_streams: delete, at start, the streams of keys not
+    accepted (otherwise the server refuses to start over them). max_streams: streams held
     at once, all keys together. max_asks: questions answered or waiting at once. max_body_bytes: the largest
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
@@ -25,7 +27,8 @@ class ServeConfig:
 
     options: ModelOptions
     state_dir: Path
-    api_keys: tuple[str, ...]
+    api_keys: tuple[str, ...] = ()
+    drop_unowned_streams: bool = False
     media_root: Path | None = None
     max_streams: int = 64
     max_asks: int = 32

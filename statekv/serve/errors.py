@@ -23,3 +23,12 @@ def error_body(message: str, kind: str, status: int) -> dict:
     """The JSON body of every error (OpenAI's shape, so its clients read it): one line of message."""
     line = (message.strip().splitlines() or [kind])[0]
     return {"error": {"message": line, "type": kind, "code": status}}
+
+
+def public_message(message: str, replacements: dict[str, str]) -> str:
+    """``message`` with each server path in ``replacements`` replaced by what a client may see (a file's name,
+    a path relative to the folder it was given under); longer paths first, so a folder never cuts a file's."""
+    for path in sorted(replacements, key=len, reverse=True):
+        if path:
+            message = message.replace(path, replacements[path])
+    return message

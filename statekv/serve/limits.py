@@ -38,15 +38,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """A JSON object body (``application/json``), or a one-line 400/413/415."""
-    if media_type(request) != "application/json":
-        raise ServiceError(415, f"expected Content-Type application/json, got {media_type(request) or 'none'}")
+async def read_json(request: Request, limit: int, *, optional: bool = False) -> dict[str, Any]:
+    """A JSON object body (``application/json``), or a one-line 400/413/415. ``optional``: no body at all is
+    read as ``{}`` (every field it could hold is optional)."""
+    kind = media_type(request)
+    if kind not in ("application/json", "") or not kind and not optional:
+        raise ServiceError(415, f"expected Content-Type application/json, got {kind or 'none'}")
     body = await read_body(request, limit)
+    if optional and not body.strip():
+        return {}
+    if not kind:
+        raise ServiceError(415, "expected Content-Type application/json with a body, got none")
     try:
         document = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as error:
-        raise ServiceError(400, f"malformed JSON body: {error}") from None
+        raise ServiceError(400, f"malformed JSON body: {str(error).splitlines()[0]}") from None
     if not isinstance(document, dict):
         raise ServiceError(400, "the JSON body must be an object")
     return document
@@ -72,10 +78,12 @@ def decode_image(data: bytes, content_type: str, max_pixels: int) -> np.ndarray:
             return np.asarray(image.convert("RGB"))
     except ServiceError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise ServiceError(413, f"image too large: {error}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ServiceError(413, f"the image is over the limit of {max_pixels} pixels") from None
     except (OSError, ValueError, SyntaxError) as error:
-        raise ServiceError(400, f"cannot decode the {content_type} body: {error}") from None
+        # PIL's messages name its in-memory file object (a repr); say what failed instead
+        why = "truncated" if "truncated" in str(error) else "not a readable image"
+        raise ServiceError(400, f"cannot decode the {content_type} body ({why}, {len(data)} bytes)") from None
 
 
 class Slots:

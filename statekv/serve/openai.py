@@ -2,7 +2,8 @@
 
 A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``) is encoded with the server's
 default method settings and answered; ``"statekv": {"stream_id": ID}`` asks one of the caller's live streams
-instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``.
+instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the
+tokens the answer read (the video's tokens and the prompt's) and the tokens it generated.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..encoded import METHOD_DEFAULT
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import read_json
 from .media import resolve_file_url
-from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, _pieces_until
+from .registry import prompt_tokens
+from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, pieces_until
 from .sse import TokenStreamer, event
 
 
@@ -47,6 +49,8 @@ def parse_messages(messages: Any) -> tuple[str, list[str]]:
     question = " ".join(text.strip() for text in texts if text.strip())
     if not question:
         raise ServiceError(400, "the user message has no question text")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
     return question, videos
 
 
@@ -87,7 +91,10 @@ def build_openai_router(service) -> APIRouter:
         model = body.get("model") or service.model_id
         if body.get("stream"):
             service.ask_slots.check()
-            return StreamingResponse(_chunks(service, work, completion, model), media_type="text/event-stream")
+            options = body.get("stream_options") or {}
+            include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+            return StreamingResponse(_chunks(service, work, completion, model, max_new, include_usage),
+                                     media_type="text/event-stream")
         async with service.ask_slots.hold():
             started = time.perf_counter()
             result = await work(None)
@@ -95,8 +102,8 @@ def build_openai_router(service) -> APIRouter:
         return JSONResponse({
             "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": result.get("tokens", 0), "completion_tokens": 0, "total_tokens": result.get("tokens", 0)},
+                         "finish_reason": _finish(result, max_new)}],
+            "usage": result["usage"],
             "statekv": {key: result.get(key) for key in ("id", "frames", "seconds")},
         })
 
@@ -107,11 +114,20 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
     """Encode a file with the server's default settings and answer (on the model's thread)."""
     kwargs = {"max_new_tokens": max_new} | ({"streamer": streamer} if streamer is not None else {})
     with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
-        answer = video.ask(question, **kwargs)
-        return {"answer": answer, "frames": video.frames, "tokens": video.tokens, "seconds": None, "id": None}
+        prompt = prompt_tokens(video, question, max_new)
+        tokens = video.ask_tokens(question, **kwargs)
+        context, completion = video.tokens + prompt, int(tokens.shape[1])
+        return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
+                "usage": {"prompt_tokens": context, "completion_tokens": completion,
+                          "total_tokens": context + completion}}
 
 
-async def _chunks(service, work, completion: str, model: str):
+def _finish(result: dict[str, Any], max_new: int) -> str:
+    """OpenAI's finish_reason: ``length`` when the answer used every token it was allowed."""
+    return "length" if result["usage"]["completion_tokens"] >= max_new else "stop"
+
+
+async def _chunks(service, work, completion: str, model: str, max_new: int, include_usage: bool):
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None) -> str:
@@ -123,14 +139,17 @@ async def _chunks(service, work, completion: str, model: str):
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(work(streamer))
         yield chunk({"role": "assistant", "content": ""})
-        async for piece in _pieces_until(streamer, task):
+        async for piece in pieces_until(streamer, task):
             yield chunk({"content": piece})
         try:
-            await task
+            result = await task
         except StateKVError as error:
-            yield event(error_body(str(error), getattr(error, "kind", "invalid_request_error"),
+            yield event(error_body(service.public(str(error)), getattr(error, "kind", "invalid_request_error"),
                                    getattr(error, "status", 400)))
             return
         service.answered("chat", time.perf_counter() - started)
-        yield chunk({}, "stop")
+        yield chunk({}, _finish(result, max_new))
+        if include_usage:
+            yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": [], "usage": result["usage"]})
         yield event("[DONE]")

@@ -1,7 +1,12 @@
-"""The page at ``/`` (served under ``/ui/``), built with NiceGUI (Vue + Quasar components driven from Python):
-open a video file or the browser's camera, watch frames go in, ask at any moment, see each answer with the stream
-time it refers to, and what the carried state holds over time. The key comes from ``?key=`` (the address the
-server prints) or is typed in.
+"""The page at ``/`` (served under ``/ui/``), built with NiceGUI (Vue + Quasar components driven from Python).
+
+The key comes from ``?key=`` (the address the server prints) or is typed in; the browser remembers it. The
+key's streams are listed (frames, age, state): open one to feed it more or ask it, delete one. A video file or
+the camera starts a new stream. The open stream shows its feeding progress, its current frame, what it holds
+and a chart of its carried state against the tokens it has seen; each answer comes with the stream time and
+frames it refers to and how long it took. The open stream's id is kept in the address (``?stream=``), so a
+reload or a restarted server lands back on it. Every failure is shown beside what caused it and stays until
+dismissed; the page checks questions exactly as the API does.
 
 The page works on the same `StreamRegistry` as the API; the camera's frames are posted to the API itself
 (``POST /v1/streams/{id}/frames``) by a few lines of script, since no component captures the camera.
@@ -12,164 +17,457 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
-from ..encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError
+from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal
+from .registry import frames_at_rate
+from .routes import MAX_QUESTION_CHARS, question_settings
 
 log = logging.getLogger("statekv.serve")
 MAX_UPLOAD_BYTES = 512 * 2**20
 PAGE_NEW_TOKENS = 16
-
-# Captures the camera into the <video> element and posts one JPEG per second to the stream (the page's only script).
-CAMERA_SCRIPT = """
-<script>
-window.statekvCamera = {
-  timer: null, media: null,
-  async start(streamId, key) {
-    const video = document.getElementById('statekv-camera');
-    this.media = await navigator.mediaDevices.getUserMedia({video: true});
-    video.srcObject = this.media; await video.play();
-    const canvas = document.createElement('canvas'), began = performance.now();
-    this.timer = setInterval(() => {
-      canvas.width = video.videoWidth; canvas.height = video.videoHeight;
-      canvas.getContext('2d').drawImage(video, 0, 0);
-      const t = (performance.now() - began) / 1000;
-      canvas.toBlob(blob => fetch(`/v1/streams/${streamId}/frames?t=${t.toFixed(3)}`, {method: 'POST',
-        headers: {'Authorization': `Bearer ${key}`, 'Content-Type': 'image/jpeg'}, body: blob}), 'image/jpeg', 0.85);
-    }, 1000);
-  },
-  stop() {
-    clearInterval(this.timer); this.timer = null;
-    if (this.media) this.media.getTracks().forEach(track => track.stop());
-  },
-};
-</script>
-"""
+REFRESH_SECONDS = 0.5
+CHART_POINTS = 500
 
 
 def mount_page(app: FastAPI, service: Any) -> None:
     from nicegui import ui
 
-    uploads = Path(service.config.state_dir) / "uploads"
-
     @ui.page("/", title="statekv")
-    def index(request: Request) -> None:
-        ui.add_body_html(CAMERA_SCRIPT)
-        current: dict[str, Any] = {"entry": None, "key": request.query_params.get("key", "")}
+    def index() -> None:
+        ui.add_body_html(PAGE_SCRIPT)
+        StreamPage(service, Path(service.config.state_dir) / "uploads").build()
 
-        def owner() -> str:
-            found = service.keys.owner(key.value.strip())
-            if found is None:
-                raise ServiceError(401, "enter a valid API key (the server prints an address with one)")
-            return found
-
-        async def new_stream(name: str):
-            if current["entry"] is not None:
-                stop_camera()
-            current["entry"] = await service.registry.create(owner(), {"name": name[:200]})
-            answers.clear()
-            return current["entry"]
-
-        async def on_upload(event) -> None:
-            try:
-                entry = await new_stream(event.file.name)
-                uploads.mkdir(parents=True, exist_ok=True)
-                path = uploads / f"{entry.id}-{secrets.token_hex(4)}{Path(event.file.name).suffix[:8]}"
-                await event.file.save(path)
-            except StateKVError as error:
-                ui.notify(str(error), type="negative")
-                return
-            status.set_text(f"stream {entry.id}: feeding {event.file.name}")
-            asyncio.create_task(feed(entry, path, event.file.name))
-
-        async def feed(entry, path: Path, name: str) -> None:
-            try:
-                fed = await service.registry.feed(entry, path, None)
-                status.set_text(f"stream {entry.id}: {fed['kept']} frames of {name} fed and saved")
-            except StateKVError as error:
-                log.warning("page upload %s: %s", path.name, error)
-            finally:
-                path.unlink(missing_ok=True)
-
-        async def start_camera() -> None:
-            try:
-                entry = await new_stream("camera")
-            except StateKVError as error:
-                ui.notify(str(error), type="negative")
-                return
-            ui.run_javascript(f"statekvCamera.start({entry.id!r}, {key.value.strip()!r})")
-            status.set_text(f"stream {entry.id}: camera")
-
-        def stop_camera() -> None:
-            ui.run_javascript("statekvCamera.stop()")
-
-        async def ask() -> None:
-            entry, text = current["entry"], question.value.strip()
-            if entry is None or not text:
-                ui.notify("start a stream and type a question first", type="warning")
-                return
-            try:
-                async with service.ask_slots.hold():
-                    result = await service.registry.ask(entry, text, PAGE_NEW_TOKENS, METHOD_DEFAULT)
-            except StateKVError as error:
-                ui.notify(str(error), type="negative")
-                return
-            when = "no frame" if result["seconds"] is None else f"{result['seconds']:.1f} s"
-            with answers:
-                with ui.card().classes("w-full").props("flat bordered"):
-                    ui.label(f"at {when} ({result['frames']} frames): {text}").classes("text-caption statekv-answer-time")
-                    ui.label(result["answer"]).classes("text-body1 statekv-answer")
-
-        def refresh() -> None:
-            entry = current["entry"]
-            if entry is None:
-                return
-            info = entry.describe()
-            seconds = "-" if info["seconds"] is None else f"{info['seconds']:.1f} s"
-            stats.set_text(f"frames {info['frames']} | stream time {seconds} | tokens {info['tokens']} | carried "
-                           f"{info['carried']} | cache {info['cache_bytes'] / 2**20:.1f} MiB"
-                           + (" | feeding" if info["feeding"] else ""))
-            points = entry.history[-500:]
-            chart.options["xAxis"]["data"] = [round(point["seconds"], 1) for point in points]
-            chart.options["series"][0]["data"] = [point["carried"] for point in points]
-            chart.options["series"][1]["data"] = [point["frames"] for point in points]
-            chart.update()
-
-        with ui.column().classes("w-full max-w-5xl mx-auto gap-3 p-4"):
-            ui.label("statekv: ask a live video").classes("text-h5")
-            key = ui.input("API key", value=current["key"], password=True).classes("w-96")
-            with ui.row().classes("items-start gap-6"):
-                with ui.column():
-                    ui.label("A video file").classes("text-subtitle2")
-                    ui.upload(label="open a video", auto_upload=True, max_file_size=MAX_UPLOAD_BYTES,
-                              on_upload=on_upload).props('accept="video/*" flat bordered').classes("w-72")
-                with ui.column():
-                    ui.label("Or the camera").classes("text-subtitle2")
-                    ui.html('<video id="statekv-camera" muted playsinline style="width:288px;background:#eee"></video>',
-                            sanitize=False)
-                    with ui.row():
-                        ui.button("start camera", on_click=start_camera)
-                        ui.button("stop", on_click=stop_camera).props("outline")
-            status = ui.label("no stream yet").classes("text-caption")
-            stats = ui.label("").classes("text-body2 statekv-stats")
-            chart = ui.echart({
-                "tooltip": {"trigger": "axis"}, "legend": {"data": ["carried tokens", "frames"]},
-                "xAxis": {"type": "category", "name": "stream time (s)", "data": []},
-                "yAxis": {"type": "value"},
-                "series": [{"name": "carried tokens", "type": "line", "data": [], "showSymbol": False},
-                           {"name": "frames", "type": "line", "data": [], "showSymbol": False}],
-            }).classes("w-full h-64")
-            with ui.row().classes("w-full items-center"):
-                question = ui.textarea("Question", placeholder="What colour was the triangle?").props(
-                    "autogrow").classes("grow")
-                ui.button("Ask", on_click=ask)
-            answers = ui.column().classes("w-full gap-2")
-        ui.timer(0.5, refresh)
-
+    # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
     ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False, reconnect_timeout=10.0,
                 storage_secret=None)
+
+
+class StreamPage:
+    """One browser tab: its key, the stream it has open, and the elements that show them."""
+
+    def __init__(self, service: Any, uploads: Path):
+        self.service, self.registry, self.uploads = service, service.registry, uploads
+        self.key, self.owner = "", None
+        self.entry = None
+        self.shown: dict[str, Any] = {}  # what the elements last showed, so a refresh changes only what changed
+        self.rows: dict[str, Any] = {}
+
+    # -- layout ----------------------------------------------------------------------------------------------
+    def build(self) -> None:
+        from nicegui import ui
+
+        ui.on("statekv-camera", self.on_camera)
+        with ui.column().classes("w-full max-w-6xl mx-auto gap-3 p-4"):
+            with ui.row().classes("w-full items-center gap-4"):
+                ui.label("statekv: ask a live video").classes("text-h5")
+                ui.space()
+                self.key_input = ui.input("API key", password=True, password_toggle_button=True).props(
+                    "dense outlined").classes("w-80 statekv-key").on("keydown.enter", self.use_key)
+                ui.button("use key", on_click=self.use_key).props("outline")
+                self.key_status = ui.label("").classes("text-caption statekv-key-status")
+            self.key_error = ErrorNote("key")
+            with ui.row().classes("w-full items-start no-wrap gap-6"):
+                with ui.column().classes("w-80 shrink-0 gap-2"):
+                    self.build_sources()
+                    ui.label("Your streams").classes("text-subtitle1 mt-2")
+                    self.list_box = ui.column().classes("w-full gap-1 statekv-streams")
+                    self.list_empty = ui.label("none yet").classes("text-caption text-grey-7")
+                with ui.column().classes("grow gap-3 min-w-0"):
+                    self.placeholder = ui.label(
+                        "No stream open: enter your key, then open a video file or the camera, or open one of "
+                        "your streams.").classes("text-body1 text-grey-8 statekv-status")
+                    self.panel = ui.column().classes("w-full gap-3 statekv-panel")
+                    with self.panel:
+                        self.build_panel()
+                    self.panel.set_visibility(False)
+        self.set_enabled(False)
+        ui.timer(REFRESH_SECONDS, self.refresh)
+        ui.timer(0, self.restore, once=True)
+
+    def build_sources(self) -> None:
+        from nicegui import ui
+
+        ui.label("New stream").classes("text-subtitle1")
+        self.new_upload = self.uploader("a video file", self.on_new_upload, "new")
+        self.new_upload_error = ErrorNote("upload")
+        self.camera_button = ui.button("from the camera", icon="videocam", on_click=self.open_camera).props(
+            "outline").classes("w-full")
+        self.camera_error = ErrorNote("camera")
+
+    def uploader(self, label: str, handler, name: str):
+        from nicegui import ui
+
+        upload = ui.upload(label=label, auto_upload=True, max_file_size=MAX_UPLOAD_BYTES, on_upload=handler).props(
+            'accept="video/*" flat bordered').classes(f"w-full statekv-upload-{name}")
+        upload.on("rejected", lambda event: self.on_rejected(event, name),
+                  js_handler="(entries) => emit(entries.map(e => ({name: e.file.name, type: e.file.type, "
+                             "size: e.file.size, why: e.failedPropValidation})))")
+        return upload
+
+    def build_panel(self) -> None:
+        from nicegui import ui
+
+        with ui.row().classes("w-full items-center gap-3"):
+            self.title = ui.label("").classes("text-h6 statekv-title")
+            self.state_badge = ui.badge("").classes("statekv-state")
+            ui.space()
+            self.stop_camera_button = ui.button("stop camera", icon="stop", on_click=self.stop_camera).props("outline")
+            self.stop_camera_button.set_visibility(False)
+        with ui.row().classes("w-full items-start no-wrap gap-4"):
+            with ui.column().classes("shrink-0 gap-1"):
+                self.frame = ui.image("").classes("w-80 rounded bg-grey-3 statekv-frame").props(
+                    'fit=contain no-spinner no-transition ratio=1.333')
+                ui.html('<video id="statekv-camera" muted playsinline style="display:none"></video>', sanitize=False)
+                self.frame_caption = ui.label("no frame yet").classes("text-caption text-grey-7 statekv-frame-caption")
+            with ui.column().classes("grow gap-2 min-w-0"):
+                self.stats = ui.label("").classes("text-body2 statekv-stats")
+                self.progress_box = ui.column().classes("w-full gap-1")
+                with self.progress_box:
+                    self.progress_label = ui.label("").classes("text-body2 statekv-progress")
+                    self.progress = ui.linear_progress(value=0, show_value=False).props("rounded size=10px")
+                self.feed_error = ErrorNote("feed", on_dismiss=self.dismiss_feed_error)  # forgotten on the server too
+                self.more_upload = self.uploader("add a video to this stream", self.on_more_upload, "more")
+                self.more_upload_error = ErrorNote("more")
+        self.chart = ui.echart({
+            "animation": False, "tooltip": {"trigger": "axis"}, "grid": {"left": 60, "right": 20, "top": 35, "bottom": 45},
+            "legend": {"top": 0, "data": ["carried state", "every token (full attention)"]},
+            "xAxis": {"type": "value", "name": "tokens seen", "nameLocation": "middle", "nameGap": 28, "min": 0},
+            "yAxis": {"type": "value", "name": "tokens a new frame attends to", "nameLocation": "middle",
+                      "nameGap": 42, "min": 0},
+            "series": [{"name": "carried state", "type": "line", "data": [], "showSymbol": False},
+                       {"name": "every token (full attention)", "type": "line", "data": [], "showSymbol": False,
+                        "lineStyle": {"type": "dashed"}}],
+        }).classes("w-full h-64 statekv-chart")
+        with ui.row().classes("w-full items-start no-wrap gap-2"):
+            self.question = ui.textarea("Question", placeholder="What colour was the triangle?", validation={
+                f"over the limit of {MAX_QUESTION_CHARS} characters": lambda text: len(text or "") <= MAX_QUESTION_CHARS,
+            }).props('autogrow outlined counter input-style="max-height: 12rem; overflow-y: auto"').classes(
+                "grow statekv-question")
+            self.ask_button = ui.button("Ask", on_click=self.ask).classes("mt-2 statekv-ask")
+        self.asking = ui.row().classes("items-center gap-2 statekv-asking")
+        with self.asking:
+            ui.spinner(size="sm")
+            ui.label("answering…").classes("text-body2")
+        self.asking.set_visibility(False)
+        self.ask_error = ErrorNote("ask")
+        self.answers = ui.column().classes("w-full gap-2 statekv-answers")
+
+    # -- the key ---------------------------------------------------------------------------------------------
+    async def restore(self) -> None:
+        """On load: the key from ``?key=`` or the browser's memory, and the stream from ``?stream=`` or it."""
+        from nicegui import ui
+
+        remembered = await ui.run_javascript("statekvPage.remembered()", timeout=5.0) or {}
+        query = await ui.run_javascript("Object.fromEntries(new URLSearchParams(window.location.search))",
+                                        timeout=5.0) or {}
+        key = query.get("key") or remembered.get("key") or ""
+        if key:
+            self.key_input.set_value(key)
+            await self.use_key()
+        stream_id = query.get("stream") or remembered.get("stream")
+        if self.owner and stream_id:
+            try:
+                self.open(self.registry.get(self.owner, stream_id))
+            except ServiceError:
+                self.close(f"The stream {stream_id} you had open was deleted (or belongs to another key).")
+
+    async def use_key(self) -> None:
+        key = (self.key_input.value or "").strip()
+        owner = self.service.keys.owner(key)
+        if owner is None:
+            self.key, self.owner = "", None
+            self.key_error.show("unknown API key: use the key the server printed (or one given with --api-key)"
+                                if key else "enter the API key the server printed")
+            self.key_status.set_text("")
+            self.set_enabled(False)
+            self.close()
+            return
+        changed = owner != self.owner
+        self.key, self.owner = key, owner
+        self.key_error.clear()
+        self.key_status.set_text("key accepted")
+        self.set_enabled(True)
+        if changed:
+            self.close()
+        self.remember()
+        self.refresh_list()
+
+    def set_enabled(self, enabled: bool) -> None:
+        for element in (self.new_upload, self.camera_button, self.more_upload, self.ask_button):
+            element.set_enabled(enabled)
+
+    def remember(self) -> None:
+        from nicegui import ui
+
+        stream = self.entry.id if self.entry is not None else ""
+        ui.run_javascript(f"statekvPage.remember({js_literal(self.key)}, {js_literal(stream)})")
+
+    # -- streams ---------------------------------------------------------------------------------------------
+    def open(self, entry) -> None:
+        self.entry = entry
+        self.shown = {}
+        self.answers.clear()
+        self.ask_error.clear()
+        self.more_upload_error.clear()
+        self.title.set_text(entry.name)
+        self.panel.set_visibility(True)
+        self.placeholder.set_visibility(False)
+        self.remember()
+        self.refresh()
+
+    def close(self, note: str | None = None) -> None:
+        self.entry = None
+        self.shown = {}
+        self.panel.set_visibility(False)
+        self.placeholder.set_text(note or "No stream open: open a video file or the camera, or one of your streams.")
+        self.placeholder.set_visibility(True)
+        self.remember()
+
+    async def delete(self, entry) -> None:
+        from nicegui import ui
+
+        with ui.dialog() as dialog, ui.card():
+            ui.label(f"Delete the stream {entry.name} ({entry.stream.frames} frames) and its saved state?")
+            with ui.row():
+                ui.button("delete it", on_click=lambda: dialog.submit(True)).props("color=negative")
+                ui.button("keep it", on_click=lambda: dialog.submit(False)).props("flat")
+        if not await dialog:
+            return
+        if self.entry is entry:
+            self.stop_camera()
+            self.close(f"The stream {entry.name} was deleted.")
+        if not entry.deleted:
+            await self.registry.delete(entry)
+        self.refresh_list()
+
+    async def create(self, name: str, error: ErrorNote):
+        try:
+            if self.owner is None:
+                raise ServiceError(401, "enter a valid API key first")
+            return await self.registry.create(self.owner, {"name": name[:200]})
+        except StateKVError as failure:
+            error.show(self.service.public(str(failure)))
+            return None
+
+    # -- feeding a file --------------------------------------------------------------------------------------
+    def on_rejected(self, event, name: str) -> None:
+        error = self.new_upload_error if name == "new" else self.more_upload_error
+        files = event.args if isinstance(event.args, list) else []
+        reasons = []
+        for file in files[:3]:
+            if file.get("why") == "max-file-size":
+                reasons.append(f"{file.get('name')} is {file.get('size', 0) / 2**20:.0f} MiB, over the limit of "
+                               f"{MAX_UPLOAD_BYTES // 2**20} MiB")
+            else:
+                reasons.append(f"{file.get('name')} is not a video ({file.get('type') or 'unknown type'}); "
+                               "open a video file (MP4, WebM, MKV, MOV...)")
+        error.show("; ".join(reasons) or "the file was refused")
+
+    async def on_new_upload(self, event) -> None:
+        await self.feed_upload(event, None, self.new_upload_error, self.new_upload)
+
+    async def on_more_upload(self, event) -> None:
+        await self.feed_upload(event, self.entry, self.more_upload_error, self.more_upload)
+
+    async def feed_upload(self, event, entry, error: ErrorNote, upload) -> None:
+        """Check the file, then feed it into ``entry`` (None: a new stream named after it) in the background."""
+        name = event.file.name
+        upload.reset()
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        path = self.uploads / f"{secrets.token_hex(8)}{Path(name).suffix[:8]}"
+        try:
+            await event.file.save(path)
+            video = await self.registry.open_source(path, name)
+            rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
+            frames = frames_at_rate(video, rate)
+            horizon = entry.horizon_frames if entry is not None else self.registry.default_horizon_frames
+            room = None if horizon is None else horizon - (entry.stream.frames if entry is not None else 0)
+            if room is not None and frames > room:  # None: no horizon, any length
+                raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "
+                                   f"{room} {'left in this stream' if entry else 'a stream of this model holds'}")
+            if entry is not None and entry.feeding:
+                raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done")
+        except StateKVError as failure:
+            path.unlink(missing_ok=True)
+            error.show(self.service.public(str(failure)))
+            return
+        if entry is None:
+            entry = await self.create(name, error)
+            if entry is None:
+                path.unlink(missing_ok=True)
+                return
+        self.open(entry)
+        asyncio.create_task(self.feed(entry, path, name, video))
+
+    async def feed(self, entry, path: Path, name: str, video) -> None:
+        try:
+            await self.registry.feed(entry, path, None, shown=name, video=video)
+        except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
+            log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def dismiss_feed_error(self) -> None:
+        if self.entry is not None:
+            self.registry.dismiss(self.entry)
+
+    # -- the camera ------------------------------------------------------------------------------------------
+    def open_camera(self) -> None:
+        from nicegui import ui
+
+        self.camera_error.clear()
+        ui.run_javascript("statekvCamera.open()")  # answers with a statekv-camera event
+
+    async def on_camera(self, event) -> None:
+        from nicegui import ui
+
+        if not event.args.get("ok"):
+            self.camera_error.show(str(event.args.get("message", "the camera failed"))[:300])
+            self.stop_camera_button.set_visibility(False)
+            return
+        entry = await self.create("camera", self.camera_error)
+        if entry is None:
+            ui.run_javascript("statekvCamera.stop()")
+            return
+        self.open(entry)
+        self.stop_camera_button.set_visibility(True)
+        ui.run_javascript(f"statekvCamera.start({js_literal(entry.id)}, {js_literal(self.key)})")
+
+    def stop_camera(self) -> None:
+        from nicegui import ui
+
+        ui.run_javascript("statekvCamera.stop()")
+        self.stop_camera_button.set_visibility(False)
+
+    # -- asking ----------------------------------------------------------------------------------------------
+    async def ask(self) -> None:
+        entry = self.entry
+        if entry is None:
+            return
+        self.ask_button.props("loading")
+        self.ask_button.set_enabled(False)
+        self.asking.set_visibility(True)
+        try:
+            question, max_new, retrieve = question_settings({"question": self.question.value or "",
+                                                              "max_new_tokens": PAGE_NEW_TOKENS})
+            async with self.service.ask_slots.hold():
+                result = await self.registry.ask(entry, question, max_new, retrieve)
+            self.service.answered("page", result["latency"])
+        except StateKVError as failure:
+            self.ask_error.show(self.service.public(str(failure)))
+        finally:
+            self.ask_button.props(remove="loading")
+            self.ask_button.set_enabled(self.owner is not None)
+            self.asking.set_visibility(False)
+        self.refresh()
+
+    # -- showing ---------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        if self.owner is None:
+            return
+        self.refresh_list()
+        entry = self.entry
+        if entry is None:
+            return
+        if entry.deleted:
+            self.close(f"The stream {entry.name} was deleted.")
+            return
+        info = entry.describe()
+        self.show("state", info["state"], lambda state: self.state_badge.set_text(state))
+        seconds = "no frame yet" if info["seconds"] is None else f"stream time {info['seconds']:.1f} s"
+        self.show("stats", (f"{info['frames']} frames · {seconds} · {info['tokens']} tokens seen · carried state "
+                            f"{info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
+                  self.stats.set_text)
+        self.show_feed(info["feed"])
+        self.show("frame", info["frames"], lambda _: self.show_frame(entry, info))
+        self.show("chart", len(entry.history) and entry.history[-1]["tokens"], lambda _: self.show_chart(entry))
+        self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
+                  lambda _: self.show_answers(entry))
+
+    def show(self, what: str, value: Any, update) -> None:
+        if self.shown.get(what, object()) != value:
+            self.shown[what] = value
+            update(value)
+
+    def show_feed(self, feed: dict | None) -> None:
+        running = bool(feed and feed["running"])
+        self.progress_box.set_visibility(running)
+        if running:
+            total = feed["total"]
+            self.progress_label.set_text(f"feeding {feed['source']}: {feed['offered']} of "
+                                         f"{total if total is not None else '?'} frames")
+            self.progress.set_value(min(1.0, feed["offered"] / total) if total else 0)
+        error = feed["error"] if feed and not running else None
+        if error and self.shown.get("feed_error") != error:
+            self.feed_error.show(f"feeding {feed['source']} stopped: {error}")
+        elif not error and self.feed_error.message:
+            self.feed_error.clear()
+        self.shown["feed_error"] = error
+
+    def show_frame(self, entry, info: dict) -> None:
+        image = entry.last_frame
+        if image is None:
+            self.frame.set_source("")
+            self.frame_caption.set_text("no frame yet" if not info["frames"] else
+                                        f"{info['frames']} frames held; the next one pushed shows here")
+            return
+        self.frame.set_source(jpeg_data_url(image))
+        when = "" if info["seconds"] is None else f" at {info['seconds']:.1f} s"
+        self.frame_caption.set_text(f"frame {info['frames']}{when}")
+
+    def show_chart(self, entry) -> None:
+        points = entry.history[-CHART_POINTS:]
+        self.chart.options["series"][0]["data"] = [[point["tokens"], point["carried"]] for point in points]
+        self.chart.options["series"][1]["data"] = [[point["tokens"], point["tokens"]] for point in points]
+        self.chart.update()
+
+    def show_answers(self, entry) -> None:
+        from nicegui import ui
+
+        self.answers.clear()
+        with self.answers:
+            for answer in reversed(entry.answers):
+                when = "no frame" if answer["seconds"] is None else f"{answer['seconds']:.1f} s"
+                with ui.card().classes("w-full statekv-answer-card").props("flat bordered"):
+                    ui.label(answer["question"]).classes("text-body2 text-grey-8 whitespace-pre-wrap "
+                                                         "statekv-answer-question")
+                    ui.label(answer["answer"] or "(an empty answer)").classes("text-body1 statekv-answer")
+                    ui.label(f"at {when} ({answer['frames']} frames) · answered in {answer['latency']:.2f} s").classes(
+                        "text-caption text-grey-7 statekv-answer-time")
+
+    def refresh_list(self) -> None:
+        from nicegui import ui
+
+        entries = self.registry.owned(self.owner) if self.owner else []
+        ids = [entry.id for entry in entries]
+        if self.shown.get("list") != ids:
+            self.shown["list"] = ids
+            self.list_box.clear()
+            self.rows = {}
+            with self.list_box:
+                for entry in entries:
+                    with ui.card().classes(f"w-full p-2 statekv-stream statekv-stream-{entry.id}").props(
+                            "flat bordered") as card:
+                        with ui.row().classes("w-full items-center no-wrap gap-1"):
+                            name = ui.label(entry.name).classes("grow text-body2 ellipsis statekv-stream-name")
+                            ui.button(icon="open_in_new", on_click=lambda e=entry: self.open(e)).props(
+                                "flat dense round size=sm aria-label=open").tooltip("open")
+                            ui.button(icon="delete", on_click=lambda e=entry: self.delete(e)).props(
+                                "flat dense round size=sm aria-label=delete").tooltip("delete")
+                        line = ui.label("").classes("text-caption text-grey-7 statekv-stream-line")
+                    self.rows[entry.id] = (card, name, line)
+        self.list_empty.set_visibility(not entries)
+        now = time.time()
+        for entry in entries:
+            card, _, line = self.rows[entry.id]
+            line.set_text(f"{entry.stream.frames} frames · {age_text(now - entry.created)} · {entry.state}")
+            card.classes(add="bg-blue-1" if entry is self.entry else "", remove="" if entry is self.entry else "bg-blue-1")

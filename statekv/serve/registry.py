@@ -1,19 +1,16 @@
-"""The streams a server holds, who owns each, and keeping them on disk.
+"""The streams a server holds, who owns each, what each is doing, and keeping them on disk (`store.StreamFiles`).
 
-Layout of ``--state-dir``: ``streams/ID.json`` (id, owner digest, settings, what was last saved), written before
-the stream's creation is answered, and ``streams/ID.safetensors``, the stream in the verified saved-stream format
-(`statekv.Stream.save`), replaced atomically. A stream is saved after ``save_every_frames`` unsaved frames or
-``save_every_seconds`` with unsaved frames, when a file source has been fed in full, and on shutdown. A restarted
-server loads every stream back; one whose file cannot be loaded starts again empty, its file kept aside.
+A stream is saved after ``save_every_frames`` unsaved frames or ``save_every_seconds`` with unsaved frames, when
+a file source has been fed in full, and on shutdown. A restarted server loads every stream back; one whose file
+cannot be loaded starts again empty, its file kept aside.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import math
-import os
 import re
 import secrets
 import time
@@ -21,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import StateKVError
-from ..stream import Stream
+from ..errors import HorizonError, StateKVError
+from ..api.stream import Stream
 from .config import ServeConfig
-from .errors import ServiceError
+from .errors import ServiceError, public_message
 from .metrics import Metrics
+from .store import StreamFiles
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -34,11 +32,29 @@ METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
 STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
 _ID = re.compile(r"^st_[0-9a-f]{24}$")
 HISTORY = 2000  # points of a stream's history kept for the page
+ANSWERS = 50  # a stream's last answers, kept in its record
+
+
+@dataclass
+class Feed:
+    """A video file being fed into a stream: how far it got (``total``: the frames it should give at the
+    stream's rate, estimated from its length) and, once it stopped early, why."""
+
+    source: str
+    total: int | None
+    offered: int = 0
+    kept: int = 0
+    running: bool = True
+    error: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
+                "running": self.running, "error": self.error}
 
 
 @dataclass
 class StreamEntry:
-    """One stream: its owner (a key digest), settings, the live `Stream`, and what is on disk."""
+    """One stream: its owner (a key digest), settings, the live `Stream`, what is on disk, what it is doing."""
 
     id: str
     owner: str
@@ -52,32 +68,58 @@ class StreamEntry:
     saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
     saved_at: float = field(default_factory=time.monotonic)
     history: list[dict[str, float]] = field(default_factory=list)
+    answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    feeding: bool = False
+    feed: Feed | None = None
+    last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
+    updated: float | None = None  # when a frame last arrived (unix time)
     deleted: bool = False
 
     @property
     def dirty(self) -> bool:
         return self.stream.pushed != self.saved["pushed"]
 
+    @property
+    def feeding(self) -> bool:
+        return self.feed is not None and self.feed.running
+
+    @property
+    def state(self) -> str:
+        """``feeding``, ``failed`` (its last feed stopped on an error), ``empty`` (no frame yet) or ``ready``."""
+        if self.feeding:
+            return "feeding"
+        if self.feed is not None and self.feed.error:
+            return "failed"
+        return "ready" if self.stream.frames else "empty"
+
     def describe(self) -> dict[str, Any]:
         stream, stats = self.stream, self.stream.stats
         return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created),
+                "updated": None if self.updated is None else int(self.updated), "state": self.state,
                 "settings": self.settings, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
                 "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
                 "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
-                "saved": dict(self.saved), "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds}
+                "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
+                "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds}
+
+    def record(self) -> dict[str, Any]:
+        """What the state folder keeps of it (besides the saved stream itself)."""
+        return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
+                "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
+                "answers": self.answers}
 
 
 class StreamRegistry:
+    """Every stream of one server: creating, finding (per owner), pushing, feeding files, asking, saving and
+    bringing back. Model work goes through ``worker``; files through `StreamFiles`."""
+
     def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, metrics: Metrics | None = None):
         self.config, self.qa, self.worker, self.metrics = config, qa, worker, metrics
-        self.folder = Path(config.state_dir) / "streams"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.files = StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
         self._models: dict[tuple, Any] = {}
-        self._default_horizon: int | None = None
+        self._max_horizon: int | None = None
 
     # -- settings ------------------------------------------------------------------------------------------
     def qa_for(self, settings: dict[str, Any]) -> Any:
@@ -97,45 +139,60 @@ class StreamRegistry:
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
                                     or not 1 <= horizon <= 10**7):
-            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got {horizon!r}")
+            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got "
+                               f"{_shown(horizon)}")
+        if horizon is not None and self.qa.engine.positions == "stream" and horizon > self.max_horizon_frames:
+            raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold at positions=stream: "
+                               f"at most {self.max_horizon_frames} frames (its RoPE covers {self._rope_tokens()} "
+                               f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
+                               "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
         if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
                                     or not math.isfinite(max_fps) or max_fps <= 0):
-            raise ServiceError(400, f"max_fps must be a positive number or null, got {max_fps!r}")
+            raise ServiceError(400, f"max_fps must be a positive number or null, got {_shown(max_fps)}")
         name = body.get("name", "stream")
         if not isinstance(name, str) or len(name) > 200:
             raise ServiceError(400, "name must be a string of at most 200 characters")
         return settings, horizon, None if max_fps is None else float(max_fps), name
 
     @property
-    def default_horizon_frames(self) -> int | None:
-        """``default_horizon_frames`` (None: no horizon), or fewer when the model's RoPE cannot hold that many."""
-        if self.config.default_horizon_frames is None:
-            return None
-        if self._default_horizon is None:
-            from ..core.rope import rope_capacity
-
-            wanted = self.config.default_horizon_frames
-            capacity = rope_capacity(self.qa.adapter.model.config.get_text_config())
-            low, high = 1, wanted
-            if capacity is not None and self.qa.horizon_for(wanted) > capacity:
+    def max_horizon_frames(self) -> int:
+        """The most frames a stream's horizon may hold: those whose tokens (plus the reserve for questions) fit
+        the model's RoPE (10**7 when it has no limit)."""
+        if self._max_horizon is None:
+            capacity, low, high = self._rope_tokens(), 0, 10**7
+            if capacity is not None and self.qa.horizon_for(high) > capacity:
                 while low < high:  # the most frames whose horizon fits
                     middle = (low + high + 1) // 2
                     low, high = (middle, high) if self.qa.horizon_for(middle) <= capacity else (low, middle - 1)
-                wanted = low
-            self._default_horizon = wanted
-        return self._default_horizon
+            self._max_horizon = max(high, 1)
+        return self._max_horizon
+
+    @property
+    def default_horizon_frames(self) -> int | None:
+        """``default_horizon_frames`` (None: no horizon, the stream never ends), or fewer when the model's RoPE
+        cannot hold that many."""
+        if self.config.default_horizon_frames is None:
+            return None
+        return min(self.config.default_horizon_frames, self.max_horizon_frames)
+
+    def _rope_tokens(self) -> int | None:
+        from ..core.rope import rope_capacity
+
+        return rope_capacity(self.qa.adapter.model.config.get_text_config())
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
         """The caller's stream; 404 for an unknown id and for another key's (which must not be told apart)."""
         entry = self.entries.get(stream_id) if isinstance(stream_id, str) and _ID.match(stream_id) else None
         if entry is None or entry.owner != owner or entry.deleted:
-            raise ServiceError(404, f"no stream {str(stream_id)[:80]!r}")
+            raise ServiceError(404, f"no stream {_shown(str(stream_id)[:80])}")
         return entry
 
     def owned(self, owner: str) -> list[StreamEntry]:
-        return [entry for entry in self.entries.values() if entry.owner == owner and not entry.deleted]
+        """The owner's streams, newest first."""
+        entries = [entry for entry in self.entries.values() if entry.owner == owner and not entry.deleted]
+        return sorted(entries, key=lambda entry: entry.created, reverse=True)
 
     def cache_bytes(self) -> int:
         return sum(entry.stream.stats.cache_bytes for entry in list(self.entries.values()))
@@ -151,10 +208,10 @@ class StreamRegistry:
         stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name)
         entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream)
         try:
-            self._write_record(entry)  # the creation is durable before it is answered
+            self.files.write_record(entry.record())  # the creation is durable before it is answered
         except OSError as error:
             await self.worker.run(stream.close)
-            raise ServiceError(503, f"cannot record the stream in the state folder: {error}") from None
+            raise ServiceError(503, f"cannot record the stream in the state folder ({error.strerror or error})") from None
         self.entries[stream_id] = entry
         return entry
 
@@ -163,96 +220,158 @@ class StreamRegistry:
         async with entry.lock:
             self.entries.pop(entry.id, None)
             await self.worker.run(entry.stream.close)
-            for path in (self._record(entry.id), self._state(entry.id)):
-                path.unlink(missing_ok=True)
+            self.files.remove(entry.id)
 
-    # -- model work ----------------------------------------------------------------------------------------
+    def dismiss(self, entry: StreamEntry) -> None:
+        """Forget why the stream's last feed failed (the page's "dismiss")."""
+        if entry.feed is not None and not entry.feed.running:
+            entry.feed = None
+
+    # -- pushing -------------------------------------------------------------------------------------------
+    async def push(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
+        """Push one frame. Pushes to several streams that wait together step together (`ModelWorker.push`)."""
+        if entry.feeding:
+            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source}; push after it is done")
+        async with entry.lock:
+            return await self._push_held(entry, image, seconds)
+
+    async def _push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
+        batched = getattr(self.worker, "push", None)
+        if batched is None:
+            return await self.worker.run(self.push_now, entry, image, seconds)
+        return await batched(entry.stream, image, seconds, before=lambda: self._before_push(entry),
+                             after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
+
     def push_now(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         """Push one frame (on the model's thread); save when enough frames are unsaved."""
         frames = self._before_push(entry)
-        return self._after_push(entry, seconds, frames, entry.stream.push(image, seconds))
+        return self._after_push(entry, image, seconds, frames, entry.stream.push(image, seconds))
 
     def _before_push(self, entry: StreamEntry) -> int:
         if entry.deleted:
             raise ServiceError(404, f"no stream {entry.id!r}")
         return entry.stream.frames
 
-    def _after_push(self, entry: StreamEntry, seconds: float | None, frames: int, kept: bool) -> bool:
+    def _after_push(self, entry: StreamEntry, image: Any, seconds: float | None, frames: int, kept: bool) -> bool:
         entry.last_seconds = seconds if seconds is not None else _next_time(entry)
+        entry.updated = time.time()
         for _ in range(entry.stream.frames - frames):
             if self.metrics:
                 self.metrics.frame_done()
         if kept:
             stats = entry.stream.stats
+            entry.last_frame = image
             entry.history.append({"seconds": entry.last_seconds, "frames": entry.stream.frames,
-                                  "carried": stats.carried_tokens, "cache_bytes": stats.cache_bytes})
+                                  "tokens": entry.stream.tokens, "carried": stats.carried_tokens,
+                                  "cache_bytes": stats.cache_bytes})
             del entry.history[:-HISTORY]
         if entry.stream.pushed - entry.saved["pushed"] >= self.config.save_every_frames:
             self.save_now(entry)
         return kept
-
-    async def push(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
-        """Push one frame; on a worker that batches pushes (`ModelWorker.push`), with the other streams' pushes
-        waiting meanwhile."""
-        async with entry.lock:
-            batched = getattr(self.worker, "push", None)
-            if batched is None:
-                return await self.worker.run(self.push_now, entry, image, seconds)
-            return await batched(entry.stream, image, seconds, before=lambda: self._before_push(entry),
-                                 after=lambda frames, kept: self._after_push(entry, seconds, frames, kept))
 
     def batched_steps(self) -> int:
         """Language-model forwards that stepped several streams together, over the server's models."""
         models = [self.qa, *list(self._models.values())]
         return sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0) for qa in models)
 
-    async def feed(self, entry: StreamEntry, path: Path, start: float | None) -> dict[str, Any]:
-        """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
-        ``start`` (default: just after the stream's last frame)."""
+    # -- feeding a file ------------------------------------------------------------------------------------
+    async def open_source(self, path: Path, shown: str) -> Any:
+        """Open a video file (off the model's thread); a one-line 400 naming it as ``shown`` if it is not one."""
         from ..video import open_video
 
-        video = await self.worker.run(open_video, str(path))
-        rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        async with entry.lock:
-            if start is None:
-                start = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
-            entry.feeding, kept, offered = True, 0, 0
-            try:
-                frames = iter(video.sample_at_rate(rate))
-                while True:
-                    frame = await self.worker.run(next, frames, None)
-                    if frame is None:
-                        break
-                    kept += await self.worker.run(self.push_now, entry, frame.image, start + frame.timestamp)
-                    offered += 1
-                await self.worker.run(self.save_now, entry)
-            finally:
-                entry.feeding = False
-        return {"source": path.name, "offered": offered, "kept": kept}
+        try:
+            return await asyncio.to_thread(open_video, str(path))
+        except StateKVError as error:
+            raise ServiceError(400, public_message(str(error), {str(path): shown})) from None
 
-    async def ask(self, entry: StreamEntry, question: Any, max_new_tokens: int, retrieve: Any,
+    async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
+                   video: Any = None) -> dict[str, Any]:
+        """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
+        ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
+        the server's path); ``video``: the file already opened with `open_source`.
+
+        Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
+        streams step together. Progress and any error stay in ``entry.feed``."""
+        shown = shown or path.name
+        if entry.feeding:
+            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
+        if video is None:
+            video = await self.open_source(path, shown)
+        rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
+        entry.feed = feed = Feed(shown, frames_at_rate(video, entry.max_fps))
+        try:
+            async with entry.lock:
+                if start is None:
+                    start = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
+                frames = iter(video.sample_at_rate(rate))
+                upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
+                try:
+                    while (frame := await upcoming) is not None:
+                        # the next frame decodes while this one is pushed, so its push follows at once
+                        upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
+                        feed.kept += await self._push_held(entry, frame.image, start + frame.timestamp)
+                        feed.offered += 1
+                finally:
+                    with contextlib.suppress(BaseException):
+                        await upcoming  # never leave the decoder running on another thread
+                feed.total = feed.offered
+                await self.worker.run(self.save_now, entry)
+        except StateKVError as error:
+            feed.error = public_message(str(error), {str(path): shown})
+            status = getattr(error, "status", 409 if isinstance(error, HorizonError) else 400)
+            raise ServiceError(status, f"{feed.error} ({feed.kept} frames fed)") from None
+        except BaseException as error:
+            feed.error = f"feeding stopped ({type(error).__name__}); {feed.kept} frames fed"
+            raise
+        finally:
+            feed.running = False
+        return {"source": shown, "offered": feed.offered, "kept": feed.kept}
+
+    # -- asking --------------------------------------------------------------------------------------------
+    async def ask(self, entry: StreamEntry, question: str, max_new_tokens: int, retrieve: Any,
                   streamer: Any = None) -> dict[str, Any]:
+        """Answer from everything the stream holds; the result also names the frames and stream time it refers
+        to, the tokens it read and wrote (``usage``) and how long it took (``latency``, queueing included)."""
         kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "retrieve": retrieve}
         if streamer is not None:
             kwargs["streamer"] = streamer
-        return await self.worker.run(self._ask_now, entry, question, kwargs)
+        started = time.perf_counter()
+        result = await self.worker.run(self._ask_now, entry, question, kwargs)
+        result["latency"] = round(time.perf_counter() - started, 4)
+        entry.answers.append({"question": question, "at": int(time.time()),
+                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency")}})
+        del entry.answers[:-ANSWERS]
+        if not entry.deleted:
+            try:
+                await asyncio.to_thread(self.files.write_record, entry.record())
+            except OSError as error:  # the answer is given; only its note in the record is lost
+                log.error("cannot record an answer of stream %s: %s", entry.id, error)
+        return result
 
     @staticmethod
     def _ask_now(entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer with the frames and the stream time it refers to (read on the model's thread, before any
-        later push)."""
-        answer = entry.stream.ask(question, **kwargs)
-        return {"answer": answer, "frames": entry.stream.frames, "seconds": entry.last_seconds, "id": entry.id}
+        later push). A question that does not fit the room left in the stream's horizon is refused first."""
+        stream = entry.stream
+        if stream.frames == 0 and not stream.pending:
+            raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
+        prompt = prompt_tokens(stream, question, kwargs["max_new_tokens"])
+        tokens = stream.ask_tokens(question, **kwargs)
+        completion = int(tokens.shape[1])
+        context = stream.tokens + prompt
+        return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
+                "id": entry.id, "usage": {"prompt_tokens": context, "completion_tokens": completion,
+                                          "total_tokens": context + completion}}
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
         """Save the stream (on the model's thread) and note what was saved in its record."""
-        if entry.deleted or not entry.dirty and self._state(entry.id).exists():
+        if entry.deleted or not entry.dirty and self.files.state_path(entry.id).exists():
             return
-        entry.stream.save(self._state(entry.id))
+        entry.stream.save(self.files.state_path(entry.id))
         entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
         entry.saved_at = time.monotonic()
-        self._write_record(entry)
+        self.files.write_record(entry.record())
 
     async def save_due(self) -> None:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``."""
@@ -272,21 +391,26 @@ class StreamRegistry:
             except StateKVError as error:
                 log.error("cannot save stream %s: %s", entry.id, error)
 
-    def restore(self) -> int:
-        """Load every stream recorded in the state folder (at startup); returns how many."""
-        for record in sorted(self.folder.glob("st_*.json")):
+    def restore(self, owners: Any = None) -> int:
+        """Load every stream recorded in the state folder (at startup); returns how many. ``owners``: load only
+        streams of these owner digests (the others are left on disk untouched)."""
+        for path, record in self.files.records():
+            if isinstance(record, Exception):
+                log.error("cannot restore %s: %s", path.name, record)
+                continue
+            if owners is not None and record["owner"] not in owners:
+                continue
             try:
-                data = json.loads(record.read_text())
-                entry = self.worker.run_blocking(self._restore_one, data)
+                entry = self.worker.run_blocking(self._restore_one, record)
             except (OSError, ValueError, KeyError, TypeError, StateKVError) as error:
-                log.error("cannot restore %s: %s", record.name, error)
+                log.error("cannot restore %s: %s", path.name, error)
                 continue
             self.entries[entry.id] = entry
         return len(self.entries)
 
     def _restore_one(self, data: dict[str, Any]) -> StreamEntry:
         qa = self.qa_for(data["settings"])
-        state, stream = self._state(data["id"]), None
+        state, stream = self.files.state_path(data["id"]), None
         saved = {"pushed": 0, "frames": 0, "seconds": None}
         if state.exists():
             try:
@@ -295,28 +419,33 @@ class StreamRegistry:
                 saved = {"pushed": stream.pushed, "frames": stream.frames,
                          "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
             except StateKVError as error:
-                aside = state.with_name(f"{state.name}.unreadable-{int(time.time())}")
-                os.replace(state, aside)
+                aside = self.files.set_aside(data["id"])
                 log.error("stream %s could not be loaded (%s); it starts again empty, its file kept as %s",
-                          data["id"], error, aside.name)
+                          data["id"], error, aside)
         if stream is None:
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"])
-        entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
-                            data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved)
-        return entry
+        answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
+        return StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
+                           data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
+                           answers=answers)
 
-    # -- files ---------------------------------------------------------------------------------------------
-    def _record(self, stream_id: str) -> Path:
-        return self.folder / f"{stream_id}.json"
 
-    def _state(self, stream_id: str) -> Path:
-        return self.folder / f"{stream_id}.safetensors"
+def frames_at_rate(video: Any, max_fps: float | None) -> int:
+    """About how many frames a video file gives at ``max_fps`` (None: all), from its length: one per tick."""
+    if max_fps is None:
+        return video.num_frames
+    return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
 
-    def _write_record(self, entry: StreamEntry) -> None:
-        record = {"id": entry.id, "owner": entry.owner, "settings": entry.settings,
-                  "horizon_frames": entry.horizon_frames, "max_fps": entry.max_fps, "name": entry.name,
-                  "created": entry.created, "saved": entry.saved}
-        _write_atomic(self._record(entry.id), json.dumps(record, indent=1).encode())
+
+def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
+    """The question's prompt length in tokens, refused (413) when it and the answer do not fit the room the
+    video (an `EncodedVideo` or `Stream`) has left before its horizon (a stream without one: its reserve)."""
+    prompt = int(video.adapter.question_ids(question, video.state).shape[1])
+    room = video.horizon - video.tokens if video.horizon is not None else video.reserve_tokens
+    if prompt + max_new_tokens > room:
+        raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
+                           f"the {room} tokens kept for them; ask a shorter question")
+    return prompt
 
 
 def _next_time(entry: StreamEntry) -> float:
@@ -324,10 +453,12 @@ def _next_time(entry: StreamEntry) -> float:
     return 0.0 if entry.last_seconds is None else entry.last_seconds + step
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+def _shown(value: Any) -> str:
+    """A client's value in a message: as JSON would write it (no Python repr), cut short."""
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..encoded import METHOD_DEFAULT
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
@@ -19,6 +18,7 @@ from .sse import TokenStreamer, event
 
 DEFAULT_NEW_TOKENS = 64
 MAX_NEW_TOKENS = 1024
+MAX_QUESTION_CHARS = 8000
 
 
 def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
@@ -26,8 +26,8 @@ def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
     question = body.get("question")
     if not isinstance(question, str) or not question.strip():
         raise ServiceError(400, "question must be a non-empty string")
-    if len(question) > 8000:
-        raise ServiceError(413, "question is over 8000 characters")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
     max_new = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
         raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {max_new!r}")
@@ -50,7 +50,7 @@ def build_router(service) -> APIRouter:
     @router.post("/v1/streams", status_code=201)
     async def create_stream(request: Request) -> dict:
         owner = service.keys.require(request)
-        body = await read_json(request, config.max_body_bytes)
+        body = await read_json(request, config.max_body_bytes, optional=True)
         entry = await registry.create(owner, body)
         return entry.describe()
 
@@ -86,7 +86,7 @@ def build_router(service) -> APIRouter:
                                    "stream time of its first frame)")
             start = _seconds(body.get("t"))
             path = resolve_source(config.media_root, body["source"])
-            fed = await registry.feed(entry, path, start)
+            fed = await registry.feed(entry, path, start, shown=body["source"])
             return {**fed, **entry.describe()}
         if kind not in IMAGE_TYPES:
             raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
@@ -110,9 +110,8 @@ def build_router(service) -> APIRouter:
         question, max_new, retrieve = question_settings(body)
         if not stream_answer:
             async with service.ask_slots.hold():
-                started = time.perf_counter()
                 answer = await registry.ask(entry, question, max_new, retrieve)
-                service.answered("ask", time.perf_counter() - started)
+                service.answered("ask", answer["latency"])
             return JSONResponse(answer)
         service.ask_slots.check()  # refused here (429), before the event stream starts
         return StreamingResponse(_sse_answer(service, entry, question, max_new, retrieve),
@@ -122,23 +121,22 @@ def build_router(service) -> APIRouter:
 
 
 async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
-    started = time.perf_counter()
     async with service.ask_slots.occupy():
         streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
         task = asyncio.ensure_future(service.registry.ask(entry, question, max_new, retrieve, streamer))
-        async for piece in _pieces_until(streamer, task):
+        async for piece in pieces_until(streamer, task):
             yield event({"token": piece})
         try:
             answer = await task
         except StateKVError as error:
-            yield event(error_body(str(error), getattr(error, "kind", "invalid_request_error"),
+            yield event(error_body(service.public(str(error)), getattr(error, "kind", "invalid_request_error"),
                                    getattr(error, "status", 400)), "error")
             return
-        service.answered("ask", time.perf_counter() - started)
+        service.answered("ask", answer["latency"])
         yield event(answer, "answer")
 
 
-async def _pieces_until(streamer: TokenStreamer, task: asyncio.Future):
+async def pieces_until(streamer: TokenStreamer, task: asyncio.Future):
     """The streamer's pieces, stopping also when the task fails before generating (no end() then)."""
     while True:
         getter = asyncio.ensure_future(streamer.queue.get())

@@ -10,6 +10,9 @@ writes::
 
 Sampled at 1 frame per second (``statekv``'s default), a video gives exactly its ``num_frames`` stills. The
 question file is written last, so an interrupted ``make`` leaves no file that looks complete.
+
+``make_benchmark(..., streaming=True)`` writes ``streaming.json`` instead of ``questions.jsonl``: timestamped
+questions asked while the video plays, in OVO-Bench's format (`statekv.synthetic.streaming`).
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from ..errors import ConfigurationError, OutputError
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
 from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
+from .streaming import GROUPS as STREAMING_TASKS
+from .streaming import streaming_rows
 from .tasks import FAMILIES, QuestionSpec, ask_all
 from .videos import write_stills_video
 
 QUESTIONS_FILE = "questions.jsonl"
+STREAMING_FILE = "streaming.json"
 MANIFEST_FILE = "benchmark.json"
 VIDEO_DIR = "videos"
 FORMAT_VERSION = 1
@@ -43,12 +49,14 @@ QUESTION_FIELDS = ("qid", "video_id", "video", "task_type", "question", "options
 
 def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int = DEFAULT_FRAMES,
                    families: Sequence[str] = tuple(FAMILIES), overwrite: bool = False,
-                   progress: Callable[[int, int], None] | None = None) -> Path:
+                   progress: Callable[[int, int], None] | None = None, streaming: bool = False) -> Path:
     """Write ``videos`` videos of ``num_frames`` frames with one question per family each to ``out``.
 
     seed: in `EVALUATION_SEEDS` (the training range is refused). overwrite: replace the set a folder already
     holds (its ``videos/``, question file and ``benchmark.json``); without it a non-empty folder is refused.
-    progress: called as ``progress(videos done, videos)``. Returns the path of the question file.
+    progress: called as ``progress(videos done, videos)``. streaming: timestamped questions of the streaming
+    tasks instead (`statekv.synthetic.streaming`; ``families`` is then unused), in ``streaming.json``. Returns the
+    path of the question file.
     """
     _check_arguments(videos, seed, num_frames, families)
     out = Path(out)
@@ -59,15 +67,23 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
         video_id = f"v{index:04d}"
         rng = video_rng(seed, index)
         plan = plan_video(rng, num_frames)
-        specs = ask_all(plan, rng, families)
         relative = f"{VIDEO_DIR}/{video_id}.mp4"
+        if streaming:
+            rows += streaming_rows(plan, rng, relative, first_id=len(rows))
+        else:
+            rows += [question_row(spec, video_id, relative, num_frames) for spec in ask_all(plan, rng, families)]
         write_video(plan, out / relative)
-        rows += [question_row(spec, video_id, relative, num_frames) for spec in specs]
         if progress is not None:
             progress(index + 1, videos)
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
-                "num_frames": num_frames, "families": list(families), "questions": len(rows)}
+                "num_frames": num_frames, "questions": len(rows), "streaming": streaming,
+                **({"tasks": STREAMING_TASKS} if streaming else {"families": list(families)})}
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    if streaming:
+        temporary = out / (STREAMING_FILE + ".tmp")
+        temporary.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        os.replace(temporary, out / STREAMING_FILE)
+        return out / STREAMING_FILE
     return _write_rows(out / QUESTIONS_FILE, rows)
 
 
@@ -122,7 +138,7 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
         if not overwrite:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
         shutil.rmtree(out / VIDEO_DIR, ignore_errors=True)
-        for name in (QUESTIONS_FILE, MANIFEST_FILE):
+        for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE):
             (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -2,6 +2,8 @@
 
     statekv synthetic make --out data/synthetic --videos 24 --seed 0
     statekv eval synthetic --model builtin --method statekv --budget 64 --data-root data/synthetic --out runs/s
+    statekv synthetic make --streaming --out data/streaming --videos 24 --seed 1     # questions asked while it plays
+    statekv eval synthetic --mode streaming --model builtin --method simplestream --data-root data/streaming ...
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="frames (seconds) per video, at least 12 (default: 96)")
     make.add_argument("--families", default=None, metavar="A,B",
                       help="comma-separated question families (default: all)")
+    make.add_argument("--streaming", action="store_true",
+                      help="timestamped questions asked while the video plays, whose evidence comes before, at or "
+                           "after their time (backward, real-time and forward groups), in OVO-Bench's format "
+                           "(streaming.json); --families does not apply")
     make.add_argument("--overwrite", action="store_true", help="replace the set the folder already holds")
     make.set_defaults(run=run_make)
 
@@ -45,11 +51,17 @@ def run_make(args: argparse.Namespace) -> int:
     from statekv.synthetic.benchmark import make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 
+    from statekv.errors import ConfigurationError
+
+    if args.streaming and args.families is not None:
+        raise ConfigurationError("--families does not apply to --streaming (its tasks are fixed: see "
+                                 "docs/accuracy.md)")
     families = tuple(FAMILIES) if args.families is None else tuple(name.strip() for name in args.families.split(","))
     started = time.monotonic()
     path = make_benchmark(args.out, videos=args.videos, seed=args.seed, num_frames=args.frames, families=families,
-                          overwrite=args.overwrite, progress=_progress)
-    print(f"wrote {args.videos} videos and {args.videos * len(families)} questions to {args.out} "
+                          overwrite=args.overwrite, progress=_progress, streaming=args.streaming)
+    questions = args.videos * (5 if args.streaming else len(families))
+    print(f"wrote {args.videos} videos and {questions} questions to {args.out} "
           f"({path.name}) in {time.monotonic() - started:.1f} s")
     return 0
 

@@ -17,6 +17,7 @@ from .preprocess import (
     qwen_pixel_values,
     temporal_groups,
 )
+from .images import ImageError, decode_image
 from .sampling import num_sampled_frames, sample_at_rate, source_frame_indices, uniform_frame_indices
 from .sources import DEFAULT_IMAGE_FPS, FileVideo, Frame, ImageSequenceVideo, Video, open_video
 
@@ -24,6 +25,7 @@ __all__ = [
     "DEFAULT_IMAGE_FPS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "ImageError",
     "QWEN_MEAN",
     "QWEN_STD",
     "FileVideo",
@@ -33,6 +35,7 @@ __all__ = [
     "Video",
     "VideoError",
     "VideoNotFoundError",
+    "decode_image",
     "internvl_pixel_values",
     "num_sampled_frames",
     "open_video",

@@ -22,6 +22,7 @@ import av
 import numpy as np
 from PIL import Image
 
+from .images import decode_image
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
@@ -253,9 +254,16 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
     if isinstance(source, Video):
         return source
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.exists():
-            raise VideoNotFoundError(f"{path}: no such file or folder")
+        text = os.fsdecode(os.fspath(source))
+        if not text.strip():  # Path("") would be the current folder
+            raise VideoError("the video path is empty; give a video file or a folder of images")
+        path = Path(text)
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise VideoNotFoundError(f"{_shown(path)}: no such file or folder") from None
+        except OSError as error:  # a name too long, a symbolic link loop, a folder that cannot be entered
+            raise VideoError(f"{_shown(path)}: {error.strerror or type(error).__name__}") from None
         if path.is_dir():
             return _open_image_folder(path, fps=fps if fps is not None else DEFAULT_IMAGE_FPS)
         _check_regular_file(path)
@@ -270,6 +278,12 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         return ImageSequenceVideo(source, _image_to_rgb_array, fps=fps, name=f"images[{len(source)}]")
     raise VideoError(f"unsupported video source of type {type(source).__name__}")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a message shows it: a very long one cut in its middle."""
+    text = str(path)
+    return text if len(text) <= 200 else f"{text[:120]}...{text[-60:]} ({len(text)} characters)"
 
 
 def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
@@ -298,10 +312,10 @@ def _natural_key(path: Path) -> list[Any]:
 
 def _read_image_file(path: Path) -> np.ndarray:
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-    except (OSError, ValueError) as error:
-        raise VideoError(f"{path}: not a readable image ({error})") from None
+        data = path.read_bytes()
+    except OSError as error:
+        raise VideoError(f"{path}: not a readable image ({error.strerror or error})") from None
+    return decode_image(data, name=str(path))
 
 
 def _image_to_rgb_array(image: Any) -> np.ndarray:

@@ -22,19 +22,21 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
-from .errors import ConfigurationError
-from .values import NON_NEGATIVE, POSITIVE, Kind
+from ..core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
+from ..errors import ConfigurationError
+from ..values import NON_NEGATIVE, POSITIVE, Kind
 
 
 @dataclass(frozen=True)
 class MethodSettings:
     """The sizes a method may read: ``budget`` (tokens carried per layer and KV head), ``frames`` (the recency
-    window R, in frames) and ``sinks`` (ReKV's attention sinks after the prompt prefix, in tokens)."""
+    window R, in frames), ``sinks`` (ReKV's attention sinks after the prompt prefix, in tokens) and ``window``
+    (SimpleStream's N: a question sees the last N frames only)."""
 
     budget: int = field(default=4096, metadata={"kind": POSITIVE})
     frames: int = field(default=16, metadata={"kind": POSITIVE, "what": "frames (the recency window R)"})
     sinks: int = field(default=4, metadata={"kind": NON_NEGATIVE})
+    window: int = field(default=4, metadata={"kind": POSITIVE, "what": "window (the last N frames a question sees)"})
 
     def __post_init__(self) -> None:
         for size in fields(self):
@@ -71,6 +73,11 @@ def sinks_and_last_window(settings: MethodSettings, step: np.ndarray, t: int, f:
     return np.minimum(step * t, settings.sinks + settings.window_steps(f) * t)
 
 
+def within_recent_window(settings: MethodSettings, step: np.ndarray, t: int, f: int) -> np.ndarray:
+    """A fresh encoding of the last N frames: a step sees the steps before it within those N frames."""
+    return np.minimum(step, math.ceil(settings.window / f) - 1) * t
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One method.
@@ -82,6 +89,8 @@ class MethodSpec:
     that retrieves them by default (a name in `statekv.core.retrieval.RETRIEVAL_RULES`; None: the library's
     default rule). offload: keeps the
     detailed cache off the model's device by design. also_uses: settings it reads besides its size.
+    recent_window: keeps no cache at all, only the last ``window`` frames, and answers each question from a fresh
+    encoding of those frames under ``policy`` (SimpleStream; see `statekv.recent`).
     """
 
     name: str
@@ -94,6 +103,7 @@ class MethodSpec:
     offload: bool = False
     retrieval: str | None = None
     also_uses: tuple[str, ...] = ()
+    recent_window: bool = False
 
     @property
     def uses(self) -> tuple[str, ...]:
@@ -101,16 +111,18 @@ class MethodSpec:
         return ((self.size,) if self.size else ()) + self.also_uses
 
     def label(self, settings: MethodSettings | None = None) -> str:
-        """The name tables use: "StateKV B=4096", "Recency R=16", "Full SA"."""
+        """The name tables use: "StateKV B=4096", "Recency R=16", "SimpleStream N=4", "Full SA"."""
         settings = settings or MethodSettings()
         if self.size == "budget":
             return f"{self.display} B={settings.budget}"
         if self.size == "frames":
             return f"{self.display} R={settings.frames}"
+        if self.size == "window":
+            return f"{self.display} N={settings.window}"
         return self.display
 
     def size_value(self, settings: MethodSettings) -> int | None:
-        """The value of its size setting (B or R), or None."""
+        """The value of its size setting (B, R or N), or None."""
         return None if self.size is None else getattr(settings, self.size)
 
 
@@ -159,3 +171,7 @@ register_method(MethodSpec(
 register_method(MethodSpec(
     "keynorm", "carry the B tokens with the smallest key norm, per layer and KV head", "budget",
     lambda s, f: KeyNorm(budget=s.budget), at_most_budget, "KeyNorm"))
+register_method(MethodSpec(
+    "simplestream", "SimpleStream: no cache; each question is answered by the unmodified model from the last N frames "
+                    "and the prompt alone, encoded afresh", "window",
+    lambda s, f: FullAttention(), within_recent_window, "SimpleStream", recent_window=True))

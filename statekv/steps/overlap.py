@@ -21,10 +21,10 @@ from functools import partial
 
 import torch
 
-from .models import LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
-from .background import ThreadStages
-from .values import check_int
-from .video import Frame
+from ..models import LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
+from ..background import ThreadStages
+from ..values import check_int
+from ..video import Frame
 
 QUEUED_BATCHES = 2  # batches each queue may hold ahead of its consumer
 # Frames per vision-tower call on CUDA: batching amortizes the per-call cost (see benchmarks/pipeline_overlap.py).

@@ -13,43 +13,37 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .builtin import resolve_model
-from .core import CarryPolicy
-from .core.limits import DEFAULT_CACHE_LIMIT, CacheLimit
-from .core.positions import check_positions
-from .core.quantized import check_kv_cache_dtype
-from .core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
-from .encoded import EncodedVideo, ProgressCallback, progress_reporter
-from .errors import ConfigurationError, FrameDecodeError, InputError
-from .methods import MethodSettings, method, method_names
-from .models import VideoAdapter, load_adapter
-from .multistream import StepScheduler, push_together
-from .options import DEFAULT_RESERVE_TOKENS, ModelOptions, check_cache_options
-from .overlap import check_vision_batch, default_vision_batch, overlapped_steps
+from ..builtin import resolve_model
+from ..core import CarryPolicy
+from ..core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
+from ..core.settings import EngineSettings
+from .encoded import EncodedVideo
+from .stats import ProgressCallback, progress_reporter
+from ..errors import ConfigurationError, FrameDecodeError, InputError, StateKVError
+from ..settings.methods import MethodSettings, method, method_names
+from ..models import VideoAdapter, load_adapter
+from ..steps.jobs import StepScheduler
+from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
+from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
+from .pushing import push_together
+from .recent import RecentFrames
 from .stream import Stream
-from .values import check_bool, check_int, check_number, torch_dtype
-from .video import open_video
+from ..values import check_bool, check_int, check_number, torch_dtype
+from ..video import open_video
 
 
 def make_policy(method_name: str, *, budget: int = MethodSettings.budget, frames: int = MethodSettings.frames,
-                sinks: int = MethodSettings.sinks, frames_per_step: int = 1,
-                frames_per_chunk: int | None = None) -> CarryPolicy:
-    """The carry policy of a registered method (`statekv.methods`), sized in tokens (``budget``) or frames
+                sinks: int = MethodSettings.sinks, frames_per_step: int = 1) -> CarryPolicy:
+    """The carry policy of a registered method (`statekv.settings.methods`), sized in tokens (``budget``) or frames
     (``frames``: recency windows are given in frames, as in the paper, and become ``ceil(frames /
-    frames_per_step)`` streaming steps). Defaults are `MethodSettings`'. ``frames_per_chunk``: deprecated
-    name of ``frames_per_step``."""
-    if frames_per_chunk is not None:
-        warnings.warn("make_policy: frames_per_chunk is deprecated; pass frames_per_step", DeprecationWarning,
-                      stacklevel=2)
-        frames_per_step = frames_per_chunk
+    frames_per_step)`` streaming steps). Defaults are `MethodSettings`'."""
     return method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_step)
 
 
@@ -59,53 +53,38 @@ class VideoQA:
     Args:
         adapter: the model family adapter (see `statekv.models`); `from_pretrained` picks it.
         policy: the carry rule (`make_policy` builds the registered methods' own).
-        attention: scoring backend: ``auto`` (Triton on CUDA, else chunked), ``eager``, ``chunked``, ``triton``.
+        engine: the engine's settings every video and stream of this VideoQA streams with
+            (`statekv.core.settings.EngineSettings`: the attention backend, ``offload`` (CPU memory, or
+            ``"disk"``: an append-only, memory-mapped file set per video or stream under ``offload_dir``, which
+            `Stream.load` resumes after a crash), ``max_cache_bytes`` and ``cache_limit`` (a cap on each detailed
+            cache and what happens at it: ``refuse``, ``evict-oldest``, ``evict-least-attended``),
+            ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``positions``: ``"stream"``
+            or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's horizon fits the model's
+            range, else ``bounded``, so a stream without a horizon is bounded; see `statekv.core.positions`);
+            ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
         method: the method's registered name (for reports; default: the policy's class name).
-        offload: keep each video's detailed cache in CPU memory while it streams (accelerator memory then stays
-            constant as the video grows); answering brings back what it needs. ``"disk"``: in an append-only,
-            memory-mapped file set per video or stream under ``offload_dir`` (RAM then holds only the retrieval
-            summaries; a question reads the frames it retrieves), which `Stream.load` resumes after a crash.
-        offload_dir: the folder of the disk tier's file sets (``offload="disk"`` only).
-        max_cache_bytes: a hard cap on each video's or stream's detailed cache (None: none).
-        cache_limit: what happens at the cap: ``refuse`` further frames (a one-line `CacheLimitError`, nothing
-            lost), ``evict-oldest`` or ``evict-least-attended`` frames (see `statekv.core.limits`).
-        kv_cache_dtype: store each video's detailed cache quantized, ``"int8"`` or ``"int4"`` (None or ``"auto"``:
-            the model's dtype); see `statekv.core.quantized`.
-        cuda_graph: on CUDA, replay each steady streaming step from a CUDA graph (see `StreamingPrefill`).
         vision_batch: frames per vision-tower call when encoding a video (``None``: 16 on CUDA, 4 on CPU; see
-            `statekv.overlap`). Batched vision gives the per-frame features up to float rounding.
+            `statekv.steps.overlap`). Batched vision gives the per-frame features up to float rounding.
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
         retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
             `statekv.core.retrieval`).
-        positions: ``"stream"`` or ``"bounded"`` RoPE positions (None: ``stream`` where a video's or stream's
-            horizon fits the model's range, else ``bounded``; a stream without a horizon is bounded; see
-            `statekv.core.positions`).
     """
 
-    def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, *, attention: str = "auto",
-                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None, offload: bool | str = False,
-                 cuda_graph: bool = True, vision_batch: int | None = None, retrieve: int | None = None,
-                 retrieval: str = DEFAULT_RETRIEVAL, kv_cache_dtype: str | None = None,
-                 offload_dir: str | Path | None = None, max_cache_bytes: int | None = None,
-                 cache_limit: str = DEFAULT_CACHE_LIMIT, positions: str | None = None):
+    def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, engine: EngineSettings | None = None, *,
+                 reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None,
+                 vision_batch: int | None = None, retrieve: int | None = None, retrieval: str = DEFAULT_RETRIEVAL,
+                 **engine_changes: Any):
         self.adapter = adapter
         self.policy = policy
-        self.attention = attention
+        self.engine = EngineSettings.of(engine, **engine_changes)
         self.reserve_tokens = check_int(reserve_tokens, "reserve_tokens")
         self.method = method or type(policy).__name__
-        check_cache_options(offload, offload_dir, max_cache_bytes, cache_limit)
-        self.offload = offload
-        self.offload_dir = None if offload_dir is None else Path(offload_dir)
-        self.cache_limit = None if max_cache_bytes is None else CacheLimit(max_cache_bytes, cache_limit)
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        self.cuda_graph = check_bool(cuda_graph, "cuda_graph")
         self.vision_batch = (default_vision_batch(adapter.device) if vision_batch is None
                              else check_vision_batch(vision_batch))
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
         self.retrieval = retrieval_rule(retrieval).name
-        self.positions = None if positions is None else check_positions(positions)
         self.options: ModelOptions | None = None  # set by from_options
         self.step_scheduler = StepScheduler()  # batches the steps of this VideoQA's streams pushed at once
 
@@ -118,7 +97,7 @@ class VideoQA:
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
-            from retrieved frames), ``keynorm``, or any method registered in `statekv.methods`.
+            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`.
         """
         known = set(ModelOptions.__dataclass_fields__) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
@@ -148,12 +127,9 @@ class VideoQA:
     def with_adapter(cls, adapter: VideoAdapter, options: ModelOptions) -> "VideoQA":
         """A VideoQA over an adapter already loaded (several methods can share one model)."""
         spec = options.spec
-        qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), attention=options.attention,
-                 reserve_tokens=options.reserve_tokens, method=options.method, offload=options.offloaded,
-                 cuda_graph=options.cuda_graph, vision_batch=options.vision_batch, retrieve=options.retrieve_frames,
-                 retrieval=options.retrieval_rule, kv_cache_dtype=options.kv_cache_dtype,
-                 offload_dir=options.offload_dir, max_cache_bytes=options.max_cache_bytes,
-                 cache_limit=options.cache_limit, positions=options.positions)
+        qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), options.engine,
+                 reserve_tokens=options.reserve_tokens, method=options.method, vision_batch=options.vision_batch,
+                 retrieve=options.retrieve_frames, retrieval=options.retrieval_rule)
         qa.options = options
         return qa
 
@@ -166,16 +142,24 @@ class VideoQA:
                                      f"{', '.join(name for name in ModelOptions.__dataclass_fields__ if name != 'model')}")
         return VideoQA.with_adapter(self.adapter, replace(base, **changes))
 
+    @property
+    def recent_window(self) -> int | None:
+        """N when the method answers from its last N frames alone (``simplestream``: `statekv.recent`), else None."""
+        spec = method(self.method) if self.method in method_names() else None
+        if spec is None or not spec.recent_window:
+            return None
+        return (self.options.settings if self.options is not None else MethodSettings()).window
+
     def encode(self, source: Any, *, max_fps: float = 1.0, max_frames: int = 512,
                progress: ProgressCallback | bool = False, vision_batch: int | None = None,
-               reserve_tokens: int | None = None, protocol: bool = False) -> EncodedVideo:
+               reserve_tokens: int | None = None, protocol: bool = False) -> EncodedVideo | RecentFrames:
         """Sample ``source`` (at most ``max_fps`` frames per second, at most ``max_frames``, every frame at most
         once, the last one included at or above the source's rate) and stream it through the model one chunk at
         a time. protocol: True samples by the benchmarks' published rule instead (which may repeat a frame; what
         ``statekv eval`` uses, see docs/evaluation.md).
 
         Frames are decoded on a background thread and vision-encoded in batches of ``vision_batch`` frames
-        (default: this VideoQA's) on another, ahead of the language model (see `statekv.overlap`).
+        (default: this VideoQA's) on another, ahead of the language model (see `statekv.steps.overlap`).
 
         source: a video file, a folder of images, a list of PIL images or RGB arrays, an array ``[N, H, W, 3]``.
         progress: True for a progress bar (frames per second and each stage's time per frame), or a callback
@@ -184,11 +168,17 @@ class VideoQA:
 
         Raises `statekv.video.FrameDecodeError` when a frame in the middle cannot be decoded; its ``encoded``
         holds every frame before it, encoded, and can still be asked.
+
+        Under ``simplestream`` the sampled frames are read and only the last N kept: a `RecentFrames`.
         """
         _check_sampling(max_fps, max_frames)
         vision_batch = self.vision_batch if vision_batch is None else check_vision_batch(vision_batch)
         video = open_video(source)
         check_bool(protocol, "protocol")
+        if self.recent_window is not None:
+            recent = RecentFrames(self, self.recent_window, name=video.name, reserve_tokens=reserve_tokens)
+            recent.push_many(video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
+            return recent
         num_frames = len(video.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
@@ -222,8 +212,10 @@ class VideoQA:
 
     def stream(self, horizon_frames: int | None = None, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
-               kv_cache_dtype: str | None = None) -> Stream:
-        """A live stream: `Stream.push` frames as they arrive, ask any time.
+               kv_cache_dtype: str | None = None, stream_id: str | None = None,
+               owner: str | None = None) -> Stream | RecentFrames:
+        """A live stream: `Stream.push` frames as they arrive, ask any time. Under ``simplestream``: a
+        `RecentFrames`, which keeps the last N frames and no cache.
 
         horizon_frames: the most frames it will take (its positions are then the stream's where they fit the
             model's range); None: no horizon, the stream never ends (bounded positions: every position kept
@@ -235,9 +227,19 @@ class VideoQA:
         reserve_tokens: room for questions and answers after the stream (default: the VideoQA's).
         kv_cache_dtype: how the stream stores its detailed cache, ``"int8"``, ``"int4"`` or ``"auto"`` (the
             model's dtype) (default: the VideoQA's).
+        stream_id, owner: who the stream is (default: a new random id, no owner), recorded in its saved file and
+            disk-tier file set; `Stream.load` refuses a file of another id or owner when given them.
         """
-        return Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                      reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype).start()
+        if self.recent_window is not None:
+            return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
+        stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
+                        reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype, stream_id=stream_id,
+                        owner=owner)
+        try:
+            return stream.start()
+        except BaseException:  # nothing half made is left holding its files
+            stream.close()
+            raise
 
     def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
                   return_exceptions: bool = False) -> list[bool | Exception]:
@@ -253,11 +255,32 @@ class VideoQA:
         and answers; hidden states within float rounding).
         """
         check_bool(return_exceptions, "return_exceptions")
-        for item in items if isinstance(items, Sequence) else ():
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise InputError(f"push_many takes a list of (stream, frame, seconds) items, got {type(items).__name__}")
+        items = list(items)  # a generator is checked as a list is, before anything is pushed
+        for item in items:
             stream = item[0] if isinstance(item, (tuple, list)) and item else None
-            if isinstance(stream, Stream) and stream.qa is not self:
+            if isinstance(stream, (Stream, RecentFrames)) and stream.qa is not self:
                 raise InputError(f"push_many: {stream.name} belongs to another VideoQA")
-        return push_together(self.step_scheduler, list(items), return_exceptions=return_exceptions)
+        recent = [i for i, item in enumerate(items) if isinstance(item, (tuple, list)) and item
+                  and isinstance(item[0], RecentFrames)]
+        if not recent:
+            return push_together(self.step_scheduler, items, return_exceptions=return_exceptions)
+        results: list[bool | Exception] = [False] * len(items)  # a simplestream stream encodes nothing: push alone
+        for i in recent:
+            try:
+                results[i] = items[i][0].push(*items[i][1:])
+            except StateKVError as error:
+                results[i] = error
+        others = [i for i in range(len(items)) if i not in set(recent)]
+        for i, result in zip(others, push_together(self.step_scheduler, [items[i] for i in others],
+                                                   return_exceptions=True), strict=True):
+            results[i] = result
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        return results
 
     def horizon_for(self, num_frames: int | None, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int | None:
@@ -270,7 +293,7 @@ class VideoQA:
 
     def __repr__(self) -> str:
         return (f"VideoQA({self.adapter.family}, layout={self.adapter.layout!r}, policy={self.policy}, "
-                f"attention={self.attention!r})")
+                f"attention={self.engine.attention!r})")
 
 
 def _check_sampling(max_fps: float, max_frames: int) -> None:

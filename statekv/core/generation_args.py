@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
@@ -37,7 +37,10 @@ RULES = {  # name: (test, what it must be)
     "top_p": (lambda v: _positive_number(v) and v <= 1, "a number in (0, 1]"),
     "min_p": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1, "a number in [0, 1]"),
     "top_k": (_integer(0), "a non-negative integer"),
-    "num_beams": (_integer(1), "a positive integer"),
+    # a stream's cache holds one sequence: beams would each need their own copy of it
+    "num_beams": (lambda v: v == 1 and not isinstance(v, bool), "1 (a stream's cache holds one sequence: no beam "
+                  "search; greedy or do_sample=True)"),
+    "num_beam_groups": (lambda v: v == 1 and not isinstance(v, bool), "1 (no beam search over a stream's cache)"),
     "num_return_sequences": (lambda v: v == 1 and not isinstance(v, bool), "1 (ask returns one answer)"),
     "repetition_penalty": (_positive_number, "a finite number > 0"),
     "length_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),

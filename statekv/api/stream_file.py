@@ -5,16 +5,29 @@ Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two 
     statekv          the stream's metadata as JSON (fields: `SCHEMA`)
     statekv_sha256   the SHA-256 of that JSON text
 
-and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved
-with (``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
-settings (``engine``). `read_verified` checks the header, the checksums and the schema, and `check_schema` every
-field's presence, type and range; `check_values` and `check_against_model` then check the values themselves
-(finite tensors, carried tokens that are the cache's own, a horizon, prefix and steps this model would have
-written), since checksums recomputed after an edit vouch for nothing. A damaged or hand-edited file is refused
-with one line before anything is built from it. Format 1 (written before verification existed) is refused with
-a message saying so.
+and the metadata records ``checksums`` (the SHA-256 of every tensor's bytes, by name), the model it was saved with
+(``model``: family, layout, dtype and a fingerprint of its weights, `weights_fingerprint`) and the engine
+(``engine``: the method, its policy and, whole, the `EngineSettings` it streamed with, ``engine.settings``; files
+saved before it was recorded lack it). `check_same_setup` refuses a file whose model, policy or binding settings
+(those its state depends on) differ from the `VideoQA` loading it. `read_verified` checks the header, the checksums
+and the schema, and `check_schema` every field's presence, type and range; `check_values` and `check_against_model`
+then check the values themselves (finite tensors, carried tokens that are the cache's own, a horizon, prefix and
+steps this model would have written), since checksums recomputed after an edit vouch for nothing. A damaged or
+hand-edited file is refused with one line before anything is built from it. Format 1 (written before verification
+existed) is refused with a message saying so.
 
-A file is written to ``<name>.partial`` beside the target and renamed over it only once complete.
+The push clock is checked against itself too: ``max_fps``, ``next_tick``, ``last_timestamp``, the pending frames'
+times and the frames kept must be what pushing at that rate leaves, and the layout state must be what the model
+starts a stream of that rate with. (Checksums are recomputable, so a field no other field is checked against can
+be forged: ``max_fps`` was one.)
+
+Who a stream is: ``stream_id`` (kept for its life, across saves and loads) and ``owner_digest`` (the SHA-256 of
+its owner's name, `owner_digest`; None: no owner), checked on load by `check_ownership`, so a file moved under
+another stream's name or owner is refused.
+
+A file is written to ``<name>.partial`` beside the target and renamed over it only once complete, under the
+exclusive lock of ``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is
+refused with one line naming the holder.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,10 +46,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .encoded import EncodingStats
-from .errors import InputError, OutputError
-from .models import LayoutState
-from .values import check_int, check_output_file
+from ..core.settings import EngineSettings
+from .stats import EncodingStats
+from ..errors import ConfigurationError, InputError, OutputError
+from ..locks import ExclusiveLock
+from ..models import LayoutState
+from ..values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
@@ -82,12 +98,23 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     partial = path.with_name(path.name + ".partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
+    lock = ExclusiveLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
+                                 error=OutputError, advice="wait for that save to end, or save elsewhere",
+                                 remove=True)
+    try:
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
         os.replace(partial, path)
     except (OSError, SafetensorError) as error:
-        partial.unlink(missing_ok=True)
-        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}") from None
+        partial.unlink(missing_ok=True)  # ours: the lock is held
+        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
+    finally:
+        lock.release()
     return path
+
+
+UNCHANGED = "nothing was written there (a file already there is as it was) and the stream is unchanged"
 
 
 def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -166,6 +193,30 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
                 or (previous is not None and (index <= previous[0] or timestamp < previous[1]))):
             raise InputError(f"{path}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
                              f"frame pushed in order before the last timestamp {last}")
+    check_clock(path, metadata)
+
+
+def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
+    """The push clock as pushing leaves it: without ``max_fps`` every frame pushed is kept and ``next_tick`` stays
+    0; at ``max_fps`` every kept frame has a tick (``floor(seconds * max_fps)``) of its own, the pending ones in
+    increasing order, and ``next_tick`` follows the tick of the last frame pushed."""
+    fps, tick, last, pushed = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"], metadata["pushed"]
+    kept = metadata["state"]["frames"] + len(metadata["pending"])
+    clock = f"max_fps {fps}, next_tick {tick}, last_timestamp {last}, {pushed} pushed and {kept} kept"
+    if fps is None:
+        expected = 0
+        if kept != pushed:
+            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): without "
+                             "max_fps every frame pushed is kept")
+    else:
+        expected = 0 if last is None else math.floor(last * fps + 1e-9) + 1
+        ticks = [math.floor(seconds * fps + 1e-9) for _, seconds in metadata["pending"]]
+        if kept > expected or any(b <= a for a, b in zip(ticks, ticks[1:])) or (ticks and ticks[-1] >= expected):
+            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): at max_fps "
+                             "each kept frame has a tick of its own")
+    if tick != expected:
+        raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): next_tick "
+                         f"would be {expected}")
 
 
 def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
@@ -183,6 +234,12 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
                          f"{reserve} for this model")
     state = adapter.start(horizon_frames, metadata["max_fps"])
+    saved = metadata["state"].get("extra")
+    for key, value in state.extra.items() if saved is not None else ():
+        if saved.get(key) != value:  # what a stream of these frames at this rate starts with (Eagle states its rate)
+            raise InputError(f"{path}: malformed stream metadata: state.extra.{key} is {saved.get(key)!r}, but this "
+                             f"model starts a stream of {metadata['horizon_frames']} frames at max_fps "
+                             f"{metadata['max_fps']} with {value!r}")
     prefix = adapter.prefix(state)
     expected_prefix = 0 if prefix is None else prefix.num_tokens
     if metadata["prefix_tokens"] != expected_prefix:
@@ -228,11 +285,11 @@ def _reason(error: BaseException) -> str:
 
 
 # -- the schema -----------------------------------------------------------------------------------------------
-def _integer(minimum: int = 0) -> Check:
+def integer_check(minimum: int = 0) -> Check:
     return lambda value, name: check_int(value, name, minimum=minimum, error=InputError)
 
 
-def _number(*, positive: bool = False) -> Check:
+def number_check(*, positive: bool = False) -> Check:
     def check(value: Any, name: str) -> float:
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or value < 0 or (positive and value == 0)):
@@ -241,7 +298,7 @@ def _number(*, positive: bool = False) -> Check:
     return check
 
 
-def _of_type(kind: type, description: str) -> Check:
+def type_check(kind: type, description: str) -> Check:
     def check(value: Any, name: str) -> Any:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise InputError(f"{name} must be {description}, got {value!r}"[:200])
@@ -249,11 +306,11 @@ def _of_type(kind: type, description: str) -> Check:
     return check
 
 
-def _optional(check: Check) -> Check:
+def optional_check(check: Check) -> Check:
     return lambda value, name: None if value is None else check(value, name)
 
 
-def _list_of(check: Check, *, length: int | None = None) -> Check:
+def list_check(check: Check, *, length: int | None = None) -> Check:
     def check_list(value: Any, name: str) -> list:
         if not isinstance(value, list) or (length is not None and len(value) != length):
             size = f" of {length}" if length is not None else ""
@@ -262,7 +319,7 @@ def _list_of(check: Check, *, length: int | None = None) -> Check:
     return check_list
 
 
-def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+def record_check(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
     """A JSON object with exactly ``fields``, and any of ``optional``, each checked."""
     optional = optional or {}
     def check(value: Any, name: str) -> dict:
@@ -271,54 +328,61 @@ def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = 
         missing = [key for key in fields if key not in value]
         unknown = [key for key in value if key not in fields and key not in optional]
         if missing or unknown:
-            raise InputError(f"{name} {'lacks ' + repr(missing[0]) if missing else 'has unknown field ' + repr(unknown[0])}")
+            problem = f"lacks {missing[0]!r}" if missing else f"has unknown field {unknown[0]!r}"
+            raise InputError(f"{name} {problem}")
         every = {**fields, **{key: check for key, check in optional.items() if key in value}}
         return {key: every[key](value[key], f"{name}.{key}") for key in every}
     return check
 
 
-def _dataclass_record(cls: type, optional: tuple[str, ...] = ()) -> Check:
+def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
     """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
     mappings; those named in ``optional`` may be absent."""
     checks: dict[str, Check] = {}
     for field in dataclasses.fields(cls):
         factory = field.default_factory
         if factory is list:
-            checks[field.name] = _list_of(_number())
+            checks[field.name] = list_check(number_check())
         elif factory is dict:
-            checks[field.name] = _of_type(dict, "an object")
+            checks[field.name] = type_check(dict, "an object")
         elif field.default is None:
-            checks[field.name] = _optional(_integer())
+            checks[field.name] = optional_check(integer_check())
         elif isinstance(field.default, float):
-            checks[field.name] = _number()
+            checks[field.name] = number_check()
         else:
-            checks[field.name] = _integer()
-    return _record({k: v for k, v in checks.items() if k not in optional},
+            checks[field.name] = integer_check()
+    return record_check({k: v for k, v in checks.items() if k not in optional},
                    {k: v for k, v in checks.items() if k in optional})
 
 
-TEXT = _of_type(str, "a string")
-BOOLEAN = _of_type(bool, "true or false")
+TEXT = type_check(str, "a string")
+BOOLEAN = type_check(bool, "true or false")
+# who a stream is: its id and its owner's digest (files saved before they were recorded lack them)
+OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT)}
+# the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
+SETTINGS = type_check(dict, "an object")
 
-SCHEMA = _record({
-    "format": TEXT, "version": _integer(1), "name": TEXT,
-    "model": _record({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
-                      "layers": _integer(1), "hidden_size": _integer(1), "dtype": TEXT, "weights": TEXT}),
-    "engine": _record({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
-                       "cuda_graph": BOOLEAN, "reserve_tokens": _integer(1)}),
-    "horizon": _optional(_integer(1)), "horizon_frames": _optional(_integer(1)),  # null: no horizon
-    "max_fps": _optional(_number(positive=True)), "prefix_tokens": _integer(0), "vision_batch": _integer(1),
-    "pushed": _integer(0), "next_tick": _integer(0), "last_timestamp": _optional(_number()),
-    "pending": _list_of(_list_of(_number(), length=2)),
-    "state": _dataclass_record(LayoutState),
-    "stats": _dataclass_record(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
-    "cache": _record({"chunk_lengths": _list_of(_integer(1)), "seen_tokens": _integer(0),
-                      "window_starts": _list_of(_optional(_integer(0)))},
-                     optional={"kv_cache_dtype": _of_type(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": _list_of(_integer(0)),
-                               "positions": _of_type(dict, "an object")}),  # absent: stream positions
-    "checksums": _of_type(dict, "an object"),
-})
+SCHEMA = record_check({
+    "format": TEXT, "version": integer_check(1), "name": TEXT,
+    "model": record_check({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
+                      "layers": integer_check(1), "hidden_size": integer_check(1), "dtype": TEXT, "weights": TEXT}),
+    "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
+                            "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
+                           optional={"settings": SETTINGS}),
+    "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
+    "max_fps": optional_check(number_check(positive=True)),
+    "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
+    "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
+    "pending": list_check(list_check(number_check(), length=2)),
+    "state": dataclass_check(LayoutState),
+    "stats": dataclass_check(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
+    "cache": record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
+                      "window_starts": list_check(optional_check(integer_check(0)))},
+                     optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
+                               "evicted_steps": list_check(integer_check(0)),
+                               "positions": type_check(dict, "an object")}),  # absent: stream positions
+    "checksums": type_check(dict, "an object"),
+}, optional=OWNERSHIP)
 
 
 def check_schema(metadata: dict[str, Any], *, where: str) -> None:
@@ -350,3 +414,81 @@ def _check_counts(metadata: dict[str, Any]) -> None:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")
+
+
+# -- who a stream is -----------------------------------------------------------------------------------------------
+MAX_ID_CHARS = 200
+
+
+def new_stream_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_stream_id(value: Any, name: str = "stream_id") -> str:
+    """A stream's id: non-empty printable text of at most `MAX_ID_CHARS` characters."""
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise ConfigurationError(f"{name} must be non-empty printable text of at most {MAX_ID_CHARS} characters, "
+                                 f"got {value!r}"[:300])
+    return value
+
+
+def owner_digest(owner: str | None) -> str | None:
+    """What a saved stream records of its ``owner`` (any text naming who owns it, e.g. an API key's id): its SHA-256,
+    never the text itself. None: no owner."""
+    if owner is None:
+        return None
+    if not isinstance(owner, str) or not owner:
+        raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
+    return hashlib.sha256(f"statekv-owner:{owner}".encode()).hexdigest()
+
+
+def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id: str | None,
+                    owner: str | None) -> None:
+    """Refuse (one line) a saved stream that is not ``stream_id`` (None: any) or not ``owner``'s (None: one with no
+    owner); ``recorded``: its ``stream_id`` and ``owner_digest`` (absent in files saved before they were)."""
+    saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
+    if stream_id is not None and saved_id != check_stream_id(stream_id):
+        held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
+        raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
+    digest = owner_digest(owner)
+    if saved_owner != digest:
+        if digest is None:
+            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it")
+        raise InputError(f"{path}: the stream belongs to {'another owner' if saved_owner else 'no owner'}, not to the "
+                         "owner given")
+
+
+# -- the model and the engine a file was saved with ---------------------------------------------------------------
+def model_identity(qa: Any) -> dict[str, Any]:
+    """What a saved stream records of ``qa``'s model (without the weights' fingerprint)."""
+    config = qa.adapter.model.config
+    text = config.get_text_config()
+    return {"family": qa.adapter.family, "layout": qa.adapter.layout, "model_type": config.model_type,
+            "name_or_path": str(getattr(config, "_name_or_path", "")), "layers": text.num_hidden_layers,
+            "hidden_size": text.hidden_size, "dtype": str(qa.adapter.dtype).removeprefix("torch.")}
+
+
+def recorded_settings(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings a saved stream records (an older file: the only one it recorded, ``kv_cache_dtype``)."""
+    recorded = metadata["engine"].get("settings")
+    return recorded if recorded is not None else {"kv_cache_dtype": metadata["cache"].get("kv_cache_dtype")}
+
+
+def check_same_setup(path: str | os.PathLike, metadata: dict[str, Any], qa: Any, allow_other_weights: bool,
+                     engine: EngineSettings) -> None:
+    """Refuse (one line) a saved stream whose model, binding engine settings or policy differ from ``qa``'s
+    (``engine``: the settings it is being loaded with), or whose weights do unless ``allow_other_weights``."""
+    saved, current = metadata["model"], model_identity(qa)
+    for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
+        if saved[key] != current[key]:
+            raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+    refusal = engine.refusal(recorded_settings(metadata), str(path))
+    if refusal is not None:
+        raise InputError(refusal)
+    policy = metadata["engine"]["policy"]
+    if policy != repr(qa.policy):
+        raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")
+    if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
+        raise InputError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'}) "
+                         "than this model's, whose cache would differ; pass allow_other_weights=True to load "
+                         "it anyway")

@@ -1,0 +1,140 @@
+"""What a video on the disk tier journals so that it can resume after its process is killed, and resuming it.
+
+The disk tier's file set (`statekv.core.disk.DiskTier`: the layers' files, the journal, the carried-state slots)
+is the engine's; the engine journals each step once its data is written, with the record the video gives it.
+`Durability` is the one object through which a video (`EncodedVideo`, `Stream`) writes into the file set: its
+setup (``stream.json``, `statekv.api.stream_disk`), each frame pushed (so a resumed stream can count the frames it
+lost), each step's record (the layout state after it, its frames and, for a stream, its last frame), and the
+state of a saved stream loaded into the tier. `resume_stream` is `Stream.load` of a file set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from ..core.disk import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
+from ..core.prefill import cache_geometry
+from .stats import EncodingStats
+from ..errors import InputError
+from ..models import LayoutState
+from .stream_disk import SETUP, frames_lost, read_stream_setup
+from .stream_file import check_against_model, check_ownership, check_same_setup
+from ..video import Frame
+
+log = logging.getLogger("statekv")
+
+
+class Durability:
+    """The journal records of one video's disk tier (``tier``; None: not on the disk tier, nothing is written).
+
+    records_frames: a step's record names its last frame (a `Stream`, which resumes after it).
+    """
+
+    def __init__(self, tier: DiskTier | None, *, records_frames: bool = False):
+        self.tier, self.records_frames = tier, records_frames
+
+    @property
+    def enabled(self) -> bool:
+        return self.tier is not None
+
+    @property
+    def folder(self) -> Path | None:
+        """The file set's folder (None: not on the disk tier)."""
+        return None if self.tier is None else self.tier.folder
+
+    def describe(self, setup: dict[str, Any]) -> None:
+        """Write the stream's setup (``stream.json``) into the file set."""
+        if self.tier is not None:
+            self.tier.describe(SETUP, setup)
+
+    def pushed(self, frame: Frame) -> None:
+        """Journal a kept frame: a resumed stream counts it lost unless a step journals it."""
+        if self.tier is not None:
+            self.tier.append({"push": frame.index, "t": frame.timestamp})
+
+    def step_record(self, after: LayoutState, frames: int, last: Frame | None) -> dict[str, Any] | None:
+        """What the engine journals with a step of ``frames`` frames (``last`` the step's last frame, None for
+        text) so the video can resume after it: the layout state ``after`` it (None: not on the disk tier)."""
+        if self.tier is None:
+            return None
+        record: dict[str, Any] = {"state": after.to_dict(), "frames": frames}
+        if self.records_frames and last is not None:
+            record["last_frame"] = [last.index, last.timestamp]
+        return record
+
+    def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
+               pending: list[Frame]) -> None:
+        """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
+        steps, its layout ``state`` and the last frame it streamed), and its ``pending`` frames as pushed, so the
+        file set can itself be resumed."""
+        if self.tier is None:
+            return
+        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})  # with placements
+        for frame in pending:  # waiting in the file, not in the file set
+            self.pushed(frame)
+
+
+def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *, stream_id: str | None = None,
+                  owner: str | None = None, engine: Any = None) -> Any:
+    """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`): its lock
+    taken first (a file set another stream lives in is refused, naming it), then everything checked, against
+    ``engine`` (default: the VideoQA's settings)."""
+    read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")  # before a lock file is made
+    setup = read_stream_setup(folder)
+    check_ownership(folder, setup, stream_id, owner)
+    lock = hold(folder, f"stream {setup['name'][:80]!r}")
+    try:
+        journal = read_file_set(folder)
+        check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
+                         allow_other_weights, qa.engine if engine is None else engine)
+        geometry = cache_geometry(qa.adapter.model)
+        made = journal.manifest.get("geometry")
+        if made != geometry.to_dict():
+            raise InputError(f"{folder}: made for a cache of {made}, but this model's is {geometry.to_dict()}")
+        if not journal.steps:
+            raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
+        last = journal.steps[-1]
+        if not isinstance(last.get("state"), dict):
+            raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
+        check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
+                                     "engine": setup["engine"], "max_fps": setup["max_fps"],
+                                     "prefix_tokens": setup["prefix_tokens"],
+                                     "cache": {"chunk_lengths": [r["tokens"] for r in journal.steps]},
+                                     "state": {"frames": last["state"].get("frames")}}, qa.adapter)
+        tier = DiskTier(folder, journal.manifest, lock)
+    except BaseException:
+        lock.release()
+        raise
+    try:
+        stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
+                     vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
+                     prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
+                     positions=setup["engine"].get("settings", {}).get("positions") or "stream",
+                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner)
+    except BaseException:
+        tier.close()
+        raise
+    try:
+        stream.prefill.resume(journal)
+        stream.state = LayoutState.from_dict(last["state"])
+    except BaseException:
+        stream.close()
+        raise
+    stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]
+    engine = stream.prefill.stats
+    stream.stats = EncodingStats(frames=stream.state.frames, tokens=engine.tokens, chunks=engine.steps,
+                                 carried_tokens=engine.max_carried_tokens, cache_bytes=engine.detailed_bytes,
+                                 evicted_frames=sum(stream.step_frames[s] for s in set(journal.evicted)))
+    framed = [record["last_frame"] for record in journal.steps if isinstance(record.get("last_frame"), list)]
+    if framed:
+        index, timestamp = framed[-1]
+        stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
+        if stream.max_fps is not None:
+            stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
+    stream.frames_lost = frames_lost(journal.after, stream.pushed)
+    log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
+                stream.name, folder, stream.frames, stream.frames_lost)
+    return stream

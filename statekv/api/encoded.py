@@ -1,0 +1,296 @@
+"""A video encoded through the model: its steps streamed into its engine, and answers from what it holds.
+
+`VideoQA.encode` makes one for a video file; `VideoQA.stream` makes a `Stream` (a subclass fed frame by frame).
+
+A step goes through one protocol, whoever drives it (`append_steps` on this thread, `VideoQA.encode`'s overlapped
+threads, or several streams stepped together, `statekv.steps.jobs`): ``plan_steps`` prepares its frames after the
+layout state, ``lay_out`` makes a vision-encoded step the engine's request, and ``record_step`` books it once the
+engine has streamed it. A question is laid out by the adapter (``VideoAdapter.prompt``) and generated, checked,
+by the engine (`StreamingPrefill.generate`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..core import Retrieval, StreamingPrefill
+from ..core.batching import StepBatcher, StepRequest, step_alone
+from ..core.positions import choose_positions
+from ..core.retrieval import retrieval_rule
+from ..core.settings import EngineSettings
+from .durability import Durability
+from .stats import AnswerInfo, EncodingStats
+from ..errors import HorizonError, InputError
+from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
+from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
+from ..steps.overlap import EncodedStep
+from ..stopping import whole
+from ..values import check_int
+from ..video import Frame
+
+METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting
+
+
+class EncodedVideo:
+    """A video streamed through the model: its detailed cache, its prompt state and its stats.
+
+    Making one streams nothing: `start` streams the adapter's prompt prefix (`VideoQA.encode` and
+    `VideoQA.stream` return videos already started; the streaming calls and `ask` start one that is not yet).
+    Read ``state`` to lay out a step only after `start`.
+
+    ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked.
+    """
+
+    RECORDS_FRAMES = False  # whether a step's durable record names its last frame (what a stream resumes after)
+
+    def __init__(self, qa: Any, horizon: int | None, *, num_frames: int | None = None, fps: float | None = None,
+                 name: str = "video", prefix_tokens: int | None = None, engine: EngineSettings | None = None,
+                 disk_tier: Any = None):
+        """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
+        has nothing to stream); None: `start` streams the adapter's prefix. engine: the engine's settings
+        (default: the VideoQA's; positions None: decided here for ``horizon``, see
+        `statekv.core.positions.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
+        (`statekv.core.disk.DiskTier`)."""
+        self.qa = qa
+        self.adapter: VideoAdapter = qa.adapter
+        self.name = name
+        self.horizon = horizon
+        self.state: LayoutState = self.adapter.start(num_frames, fps)
+        prefix = self.adapter.prefix(self.state) if prefix_tokens is None else None
+        self.prefix_tokens = prefix.num_tokens if prefix is not None else prefix_tokens or 0
+        policy = qa.policy.for_prefix(self.prefix_tokens)
+        engine = qa.engine if engine is None else engine
+        positions = choose_positions(engine.positions, self.adapter.model.config.get_text_config(), horizon)
+        self.engine = engine if engine.positions == positions else engine.with_changes(positions=positions)
+        self.prefill = StreamingPrefill(self.adapter.model, policy, self.engine, horizon=horizon,
+                                        protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,
+                                        disk_tier=disk_tier)
+        self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
+        self.stats = EncodingStats()
+        self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
+        self.answer_info: AnswerInfo | None = None  # what the last answer could see
+        self._evictions_counted = 0  # of prefill.evictions, the steps already in stats.evicted_frames
+        self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
+        self._device = self.adapter.device
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._prefix = prefix  # streamed by start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the prompt prefix is streamed (or there was none to stream)."""
+        return self._prefix is None
+
+    def start(self) -> "EncodedVideo":
+        """Stream the prompt prefix, once (later calls do nothing); returns the video itself."""
+        if self._prefix is not None:
+            self._stream_chunk(self._prefix)
+            self._prefix = None
+        return self
+
+    # -- answering --------------------------------------------------------------------------------------
+    def ask(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
+            retrieval: str | None = None, **generate_kwargs: Any) -> str:
+        """Answer ``question`` from everything encoded so far (greedy unless ``generate_kwargs`` say otherwise).
+
+        retrieve: answer from the ``retrieve`` frames per layer that best match the question (plus the prompt
+            prefix and any sinks) instead of the whole detailed cache; None: the whole cache; by default, the
+            VideoQA's setting (the method's own for ``rekv``).
+        retrieval: the rule that picks the frames (``attention``, ``rekv``, ``recent``; see
+            `statekv.core.retrieval`); None: the VideoQA's.
+        """
+        tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                                 **generate_kwargs)
+        return self.adapter.decode(tokens)
+
+    def ask_tokens(self, question: str, *, max_new_tokens: int = 64, retrieve: int | None | object = METHOD_DEFAULT,
+                   retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
+        """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded). A
+        stopping signal waits for the answer (`statekv.stopping.whole`)."""
+        with whole():
+            return self._answer(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                                **generate_kwargs)
+
+    def _answer(self, question: str, *, max_new_tokens: int, retrieve: int | None | object,
+                retrieval: str | None, **generate_kwargs: Any) -> torch.Tensor:
+        self.prefill.check_open()
+        self.start()
+        if self.state.frames == 0:
+            raise InputError(f"{self.name}: no frame has been encoded yet")
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        check_int(max_new_tokens, "max_new_tokens")
+        if retrieval is not None:  # checked whether or not this question retrieves
+            retrieval_rule(retrieval)
+        prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
+        rule = retrieval
+        retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
+        plan = self.prefill.question_plan(prompt.input_ids.shape[1] + max_new_tokens, retrieval)  # bounded only
+        if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
+            retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
+        room = None if plan is not None else self.horizon - self.prefill.seen_tokens
+        if room is not None and prompt.input_ids.shape[1] + max_new_tokens > room:
+            raise HorizonError(
+                f"the question ({prompt.input_ids.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
+                f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
+            )
+        answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
+        self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
+        evicted = self.stats.evicted_frames
+        self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
+                                      unseen_fraction=evicted / self.frames if self.frames else 0.0,
+                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps),
+                                      context="whole" if retrieval is None else "retrieved")
+        return answer
+
+    def retrievable(self, steps: int) -> int:
+        """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
+        no more steps than that, every frame it still holds (evicted ones read nothing)."""
+        per_step = self.adapter.frames_per_step
+        if steps * per_step < self.frames - self.stats.evicted_frames:  # fewer than the steps held: no walk
+            return steps * per_step
+        evicted = set(self.prefill.evicted_steps)
+        held = [frames for step, frames in enumerate(self.step_frames) if frames and step not in evicted]
+        return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
+
+    def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
+        """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered
+        (None: from the whole cache).
+
+        The prompt prefix and the policy's sinks are always kept; frames become steps (two per step for
+        Qwen3-VL)."""
+        if frames is None:
+            return None
+        check_int(frames, "retrieve (frames per layer)")
+        chosen = retrieval_rule(self.qa.retrieval if rule is None else rule)
+        keep = max(self.prefix_tokens, self.prefill.policy.sink_tokens)
+        return Retrieval(math.ceil(frames / self.adapter.frames_per_step), keep_tokens=keep, rule=chosen)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill.seen_tokens
+
+    @property
+    def frames(self) -> int:
+        return self.state.frames
+
+    def close(self) -> None:
+        """Release the caches and give the model back its own RoPE."""
+        self.prefill.close()
+
+    def __enter__(self) -> "EncodedVideo":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, frames={self.frames}, tokens={self.tokens}, "
+                f"carried={self.stats.carried_tokens})")
+
+    # -- streaming --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def append(self, frames: Sequence[Frame]) -> None:
+        """Stream one step's frames (at most ``frames_per_step``) on this thread."""
+        self.append_steps([frames], vision_batch=len(frames))
+
+    @torch.no_grad()
+    def append_steps(self, groups: Sequence[Sequence[Frame]], *, vision_batch: int) -> None:
+        """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
+        batch size asked for, for the stats): a job of one video through `statekv.steps.jobs.stream_jobs`. A
+        failure leaves the steps before it streamed (``stats.chunks`` tells how many)."""
+        self.start()
+        job = StepJob(self, [list(frames) for frames in groups], vision_batch)
+        stream_jobs([job], StepBatcher())
+        job.raise_error()
+
+    @torch.no_grad()
+    def stream_steps(self, steps: Iterable[EncodedStep], *, vision_batch: int,
+                     on_step: Callable[[], None] | None = None) -> None:
+        """Stream steps already vision-encoded elsewhere (`statekv.steps.overlap.overlapped_steps`), in order, each as
+        a job of one step; each frame's time runs from when the previous step finished (the first: from this
+        call). ``on_step`` is called after each step (for progress)."""
+        self.start()
+        self._step_started = time.perf_counter()
+        batcher = StepBatcher()
+        for encoded in steps:
+            job = StepJob(self, vision_batch=vision_batch, encoded=[encoded])
+            stream_jobs([job], batcher)
+            job.raise_error()
+            if on_step is not None:
+                on_step()
+
+    @torch.no_grad()
+    def stream_chunk(self, chunk: Chunk) -> None:
+        """Stream one chunk already laid out by the adapter (`VideoAdapter.features_chunk` or ``prefix``; lay
+        it out from ``state`` after `start`)."""
+        self.start()
+        self._stream_chunk(chunk)
+
+    @torch.no_grad()
+    def _stream_chunk(self, chunk: Chunk) -> None:
+        """Stream ``chunk`` (laid out after ``state``) on this thread, as a batch of one step."""
+        with whole():
+            step = self.step_of(chunk)
+            step_alone(step.request)
+            self.record_step(step)
+
+    # -- the step protocol ------------------------------------------------------------------------------
+    def plan_steps(self, groups: Sequence[Sequence[Frame]]) -> list[PreparedFrames]:
+        """Each group's frames prepared for the vision tower (CPU only), each after the state the previous
+        one leaves; the time of these steps runs from now."""
+        self._step_started = time.perf_counter()
+        steps, state = [], self.state
+        for frames in groups:
+            steps.append(self.adapter.prepare_frames(frames, state))
+            state = state.updated(steps[-1].state_update)
+        return steps
+
+    def lay_out(self, encoded: EncodedStep) -> LaidOutStep:
+        """The vision-encoded step that follows ``state``, laid out by the adapter as the engine's request."""
+        return self.step_of(self.adapter.features_chunk(encoded.step, encoded.features, self.state), encoded)
+
+    def step_of(self, chunk: Chunk, encoded: EncodedStep | None = None) -> LaidOutStep:
+        """``chunk`` (laid out after ``state``) as the engine's request, with what the disk tier journals."""
+        last = encoded.step.frames[-1] if encoded is not None else None
+        record = self.durability.step_record(self.state.after(chunk), chunk.frames, last)
+        return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,
+                                              forward_kwargs=dict(chunk.forward_kwargs), durable_record=record),
+                           encoded)
+
+    def record_step(self, step: LaidOutStep, started: float | None = None, finished: float | None = None, *,
+                    vision_batch: int | None = None) -> None:
+        """Book ``step`` once the engine streamed it: the layout state, the step's frames and evictions, the
+        engine's figures and, for a step of frames laid out at ``started`` and streamed by ``finished``, each
+        stage's time per frame."""
+        chunk, stats = step.chunk, self.stats
+        self.state = self.state.after(chunk)
+        self.step_frames.append(chunk.frames)
+        evicted = self.prefill.evictions[self._evictions_counted:]
+        if evicted:  # only the steps evicted since: a long capped stream never walks its history per step
+            stats.evicted_frames += sum(self.step_frames[s] for s in evicted)
+            self._evictions_counted += len(evicted)
+        stats.chunks += 1
+        stats.tokens = self.prefill.seen_tokens
+        stats.frames += chunk.frames
+        engine = self.prefill.stats
+        stats.carried_tokens = engine.max_carried_tokens
+        stats.cache_bytes = engine.detailed_bytes
+        stats.peak_cache_device_bytes = engine.peak_device_bytes
+        if self._device.type == "cuda":
+            stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
+        if step.encoded is None or started is None or finished is None:
+            return
+        per_frame = 1 / chunk.frames
+        stats.frame_seconds.extend([(finished - self._step_started) * per_frame] * chunk.frames)
+        stats.decode_seconds.extend([step.encoded.decode_seconds * per_frame] * chunk.frames)
+        stats.vision_seconds.extend([step.encoded.vision_seconds * per_frame] * chunk.frames)
+        stats.language_seconds.extend([(finished - started) * per_frame] * chunk.frames)
+        stats.trim()
+        stats.vision_batch = vision_batch
+        self._step_started = finished

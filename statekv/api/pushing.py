@@ -1,0 +1,85 @@
+"""`VideoQA.push_many`: one frame to each of several streams of one `VideoQA`, their steps taken together.
+
+Each stream takes the steps of `Stream.push` (`offer`, its ready steps as a job, `settle`, `accept`), holding its
+lock; the jobs of every stream whose frame completes a step (or a vision batch) go to the `VideoQA`'s step
+scheduler at once, so they share one vision-tower call and batched language-model forwards
+(`statekv.steps.jobs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import InputError
+from ..steps.jobs import StepScheduler
+from ..stopping import whole
+from .stream import Stream
+
+
+def push_together(scheduler: StepScheduler, items: Sequence[Any], *, return_exceptions: bool = False) -> list:
+    """Push ``(stream, frame, seconds)`` items; streams whose frame completes a step (or a vision batch) step
+    together. Returns, per item, whether its frame was kept, or (``return_exceptions``) the error that item
+    raised; otherwise the first error is raised after every other item was pushed."""
+    items = [_checked_item(item) for item in items]
+    results: list[Any] = [None] * len(items)
+    remaining = list(range(len(items)))
+    while remaining:  # waves: each stream's first remaining frame
+        wave, seen, later = [], set(), []
+        for index in remaining:
+            stream = items[index][0]
+            (later if id(stream) in seen else wave).append(index)
+            seen.add(id(stream))
+        _push_wave(scheduler, items, wave, results)
+        remaining = later
+    if not return_exceptions:
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+    return results
+
+
+def _checked_item(item: Any) -> tuple:
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3) or not isinstance(item[0], Stream):
+        raise InputError("push_many takes (stream, frame, seconds) items (seconds may be None, or left out for a "
+                         f"Frame), got {type(item).__name__}")
+    stream, frame, seconds = (*item, None) if len(item) == 2 else item
+    return stream, frame, seconds
+
+
+def _push_wave(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
+    with whole():  # a stopping signal waits for every stream's push of this wave
+        _push_streams(scheduler, items, wave, results)
+
+
+def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
+    streams = sorted({id(items[index][0]): items[index][0] for index in wave}.values(), key=id)
+    for stream in streams:  # one order for every caller: no two callers wait on each other's locks
+        stream.lock.acquire()
+    try:
+        offers, jobs = {}, []
+        for index in wave:
+            stream, frame, seconds = items[index]
+            try:
+                stream.prefill.check_open()
+                offers[index] = stream.offer(frame, seconds)
+            except Exception as error:
+                results[index] = error
+                continue
+            if offers[index].ready:
+                jobs.append((index, stream.pending_job()))
+        scheduler.run([job for _, job in jobs])
+        failed = {}
+        for index, job in jobs:
+            job.video.settle(job, failed=job.error is not None, offered=True)
+            if job.error is not None:
+                failed[index] = job.error
+        for index, offer in offers.items():
+            if index in failed:
+                results[index] = failed[index]
+                continue
+            items[index][0].accept(offer)
+            results[index] = offer.kept
+    finally:
+        for stream in streams:
+            stream.lock.release()

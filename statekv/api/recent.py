@@ -1,0 +1,161 @@
+"""SimpleStream's way of answering: keep only a stream's last N frames and answer each question from a fresh
+encoding of those frames and the prompt by the unmodified model, nothing else (Shen et al., "A Simple Baseline
+for Streaming Video Understanding", 2026).
+
+`VideoQA.stream` and `VideoQA.encode` return a `RecentFrames` under a method registered with ``recent_window``
+(``method="simplestream"``, N = ``window``, 4 by default). Nothing is encoded while frames arrive, and nothing of
+one question's encoding is kept for the next: what the model attends to when it answers is exactly the prompt
+prefix, the N frames (numbered from the first of them, as a clip of N frames would be) and the question, in
+the model's own video layout, under full attention. A stream holds N frames of pixels, whatever its length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .encoded import EncodedVideo
+from .stats import AnswerInfo, EncodingStats
+from ..errors import InputError, StateKVError
+from ..stopping import whole
+from ..values import check_int, check_number
+from ..video import Frame
+
+
+class RecentFrames:
+    """The last ``window`` frames pushed, answered from afresh (see the module docstring). Create it with
+    `VideoQA.stream` (or `VideoQA.encode`, which pushes a video's sampled frames) under ``simplestream``.
+
+    Attributes like `Stream`'s: ``name``, ``max_fps``, ``pushed`` (frames offered), ``frames`` (frames kept so
+    far), ``stats`` (frames counted; no cache is held, so its cache sizes stay 0), ``answer_info`` (what the last
+    answer saw), ``horizon`` (the planned length of one question's encoding, in tokens).
+    """
+
+    def __init__(self, qa: Any, window: int, *, max_fps: float | None = None, name: str = "stream",
+                 reserve_tokens: int | None = None):
+        self.qa = qa
+        self.window = check_int(window, "window (the last N frames a question sees)")
+        if max_fps is not None:
+            check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
+        self.max_fps = None if max_fps is None else float(max_fps)
+        self.name = name
+        self.reserve_tokens = reserve_tokens
+        self.horizon = qa.horizon_for(self.window, reserve_tokens=reserve_tokens)
+        self.recent: deque[Frame] = deque(maxlen=self.window)
+        self.stats = EncodingStats()
+        self.answer_info: AnswerInfo | None = None
+        self.pushed = 0
+        self.pending: list[Frame] = []  # nothing ever waits to be encoded (`Stream`'s attribute)
+        self._next_tick = 0
+        self._last_timestamp: float | None = None
+        self._closed = False
+
+    # -- pushing ----------------------------------------------------------------------------------------
+    def push(self, image: Any, timestamp: float | None = None) -> bool:
+        """Offer one frame (an RGB uint8 array ``[H, W, 3]``, a PIL image or a `Frame`); return whether it was
+        kept (``max_fps`` drops frames between its ticks, as `Stream.push` does). Only the last ``window`` kept
+        frames are held."""
+        self._check_open()
+        if isinstance(image, Frame):
+            timestamp = image.timestamp if timestamp is None else timestamp
+            image = image.image
+        timestamp = self._timestamp(timestamp)
+        pixels = np.array(image.convert("RGB") if isinstance(image, Image.Image) else image, copy=True)
+        if pixels.ndim != 3 or pixels.shape[-1] != 3 or pixels.dtype != np.uint8 or 0 in pixels.shape:
+            raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {pixels.dtype} "
+                             f"{list(pixels.shape)}")
+        with whole():  # the frame is taken with its counts, or not at all
+            self.pushed += 1
+            self._last_timestamp = timestamp
+            if self.max_fps is not None:
+                tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
+                if tick < self._next_tick:
+                    return False
+                self._next_tick = tick + 1
+            self.recent.append(Frame(self.stats.frames, timestamp, pixels))
+            self.stats.frames += 1
+            return True
+
+    def push_many(self, frames: Any) -> int:
+        """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
+        return sum(self.push(item) if isinstance(item, Frame) else self.push(*item) for item in frames)
+
+    def flush(self) -> None:
+        """Nothing waits to be encoded (kept for `Stream`'s interface)."""
+
+    # -- answering --------------------------------------------------------------------------------------
+    def ask(self, question: str, **ask_kwargs: Any) -> str:
+        """Answer ``question`` from the last ``window`` frames alone (`EncodedVideo.ask`'s options)."""
+        return self.qa.adapter.decode(self.ask_tokens(question, **ask_kwargs))
+
+    @torch.no_grad()
+    def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
+        """As `ask`, but return the answer's token ids ``[1, N]``."""
+        self._check_open()
+        if not self.recent:
+            raise InputError(f"{self.name}: no frame has been pushed yet")
+        rate = self.max_fps or 1.0
+        frames = [Frame(index, index / rate, frame.image) for index, frame in enumerate(self.recent)]
+        height, width = frames[0].image.shape[:2]
+        per_step = self.qa.adapter.frames_per_step
+        with EncodedVideo(self.qa, self.qa.horizon_for(len(frames), (height, width), self.reserve_tokens),
+                          num_frames=len(frames), fps=rate, name=self.name) as clip:
+            clip.append_steps([frames[i:i + per_step] for i in range(0, len(frames), per_step)],
+                              vision_batch=len(frames))
+            tokens = clip.ask_tokens(question, **ask_kwargs)
+            self.horizon = clip.horizon
+            self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes,
+                                                     clip.stats.peak_cache_device_bytes)
+            self.answer_info = clip.answer_info
+        return tokens
+
+    # -- the rest of a stream's surface ---------------------------------------------------------------
+    @property
+    def frames(self) -> int:
+        return self.stats.frames
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held between questions: none."""
+        return 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held between questions: the pixels of the last ``window`` frames."""
+        return sum(frame.image.nbytes for frame in self.recent)
+
+    def save(self, path: Any) -> None:
+        raise StateKVError(f"{self.name}: a simplestream stream holds only its last {self.window} frames; there is "
+                           "no cache to save")
+
+    def close(self) -> None:
+        self.recent.clear()
+        self._closed = True
+
+    def __enter__(self) -> "RecentFrames":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RecentFrames({self.name!r}, window={self.window}, frames={self.frames})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError(f"{self.name}: the stream is closed")
+
+    def _timestamp(self, timestamp: float | None) -> float:
+        if timestamp is None:
+            step = 1.0 / self.max_fps if self.max_fps else 1.0
+            return 0.0 if self._last_timestamp is None else self._last_timestamp + step
+        check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
+        if timestamp < 0 or (self._last_timestamp is not None and timestamp < self._last_timestamp):
+            raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
+                             f"{self._last_timestamp}")
+        return float(timestamp)

@@ -1,0 +1,138 @@
+"""`Stream.save` and `Stream.load`: a stream to its file (`statekv.api.stream_file`) and back, or resumed from its
+disk-tier file set (`statekv.api.durability.resume_stream`).
+
+A stream's file records its engine state (`StreamingPrefill.state_dict`), its pending frames, its push clock and
+layout state, the model and the engine (`EngineSettings`, whole); loading checks all of it, and that the
+`VideoQA` given could have written it, before anything is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.persistence import check_state_dict
+from ..core.prefill import cache_geometry
+from .durability import resume_stream
+from .stats import EncodingStats
+from ..errors import HorizonError, InputError, OutputError
+from ..models import LayoutState
+from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
+                          recorded_settings,
+                          check_values, model_identity, read_verified, weights_fingerprint, write_verified)
+from ..video import Frame
+
+
+def save_stream(stream: Any, path: str | Path) -> Path:
+    """Write ``stream`` (a `Stream` with something encoded) to ``path`` (see `Stream.save`); the stream is not
+    changed, whether the save succeeds or not."""
+    try:
+        stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
+    except OutputError as error:
+        raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
+    tensors, cache_metadata = stream.prefill.state_dict()
+    tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
+    for index, frame in enumerate(stream.pending):
+        tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
+    metadata = {
+        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, "stream_id": stream.id,
+        "owner_digest": stream.owner_digest,
+        "model": {**model_identity(stream.qa), "weights": weights_fingerprint(stream.adapter.model)},
+        "engine": engine_record(stream, offload=bool(stream.engine.offload)),
+        "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
+        "prefix_tokens": stream.prefix_tokens, "vision_batch": stream.vision_batch,
+        "pushed": stream.pushed, "next_tick": stream.next_tick, "last_timestamp": stream.last_timestamp,
+        "pending": [[frame.index, frame.timestamp] for frame in stream.pending],
+        "state": stream.state.to_dict(), "stats": {k: v for k, v in stream.stats.to_dict().items()
+                                                   if k in EncodingStats.__dataclass_fields__},
+        "cache": cache_metadata,
+    }
+    return write_verified(path, tensors, metadata)
+
+
+def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
+    """What a stream's file and its disk tier's ``stream.json`` record of its engine: the method, its policy,
+    the attention backend it ran, ``more``, CUDA graphs, the reserve after the video, and the engine settings
+    whole."""
+    return {"method": stream.qa.method, "policy": repr(stream.qa.policy), "attention": stream.prefill.attention,
+            **more, "cuda_graph": bool(stream.engine.cuda_graph),
+            "reserve_tokens": stream.reserve_tokens,
+            "settings": stream.engine.to_dict()}
+
+
+def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
+                kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> Any:
+    """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder."""
+    engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+    if Path(path).is_dir():
+        return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
+                             engine=engine)
+    metadata, tensors = read_verified(path)
+    check_ownership(path, metadata, stream_id, owner)
+    check_same_setup(path, metadata, qa, allow_other_weights, engine)
+    cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
+    pending = _pending_images(path, tensors, metadata["pending"], set(cache))
+    try:
+        check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
+    except InputError as error:
+        raise InputError(f"{path}: {error}") from None
+    reserve = metadata["engine"]["reserve_tokens"]  # check_against_model holds it to the horizon
+    check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
+    check_against_model(path, metadata, qa.adapter)
+    try:
+        stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
+                     vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
+                     prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto",
+                     positions=recorded_settings(metadata).get("positions") or "stream",
+                     stream_id=metadata.get("stream_id"), owner=owner)
+    except HorizonError as error:
+        raise InputError(f"{path}: {error}") from None
+    try:
+        stream.prefill.load_state_dict(cache, metadata["cache"])
+    except BaseException:
+        stream.close()
+        raise
+    stream.state = LayoutState.from_dict(metadata["state"])
+    stream.stats = EncodingStats(**metadata["stats"])
+    stream.pushed, stream.next_tick = metadata["pushed"], metadata["next_tick"]
+    stream.last_timestamp = metadata["last_timestamp"]
+    stream.pending = [Frame(index, timestamp, image)
+                      for (index, timestamp), image in zip(metadata["pending"], pending)]
+    stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,
+                                      stream.state.frames, stream.adapter.frames_per_step)
+    last = [stream.pushed - 1, stream.last_timestamp or 0.0]
+    if metadata["pending"]:  # the last frame streamed comes before the pending ones
+        last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
+    # loaded into the disk tier: its new file set can itself be resumed
+    stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    return stream
+
+
+def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:
+    """Frames of each step of a saved stream: none in the prompt prefix, ``per_step`` in the others (fewer in a
+    last step completed by repetition) adding up to ``frames``."""
+    counts = [0 if index == 0 and prefix_tokens else per_step for index in range(len(lengths))]
+    if counts and counts[-1]:
+        counts[-1] -= sum(counts) - frames
+    return counts
+
+
+def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str]) -> list:
+    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors."""
+    expected = {f"pending.{index}" for index in range(len(pending))}
+    unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
+    if unexpected:
+        raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")
+    images = []
+    for index in range(len(pending)):
+        image = tensors.get(f"pending.{index}")
+        if image is None:
+            raise InputError(f"{path}: the stream file lacks pending.{index}, the image of a pending frame")
+        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3 or 0 in image.shape:
+            raise InputError(f"{path}: pending.{index} is {image.dtype} {list(image.shape)}, not an RGB uint8 image "
+                             "[H, W, 3]")
+        images.append(image.numpy())
+    return images

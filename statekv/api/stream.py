@@ -1,0 +1,307 @@
+"""Live streams: push frames as they arrive, ask at any time, save and resume.
+
+    stream = qa.stream(horizon_frames=3600, max_fps=1)    # the RoPE horizon is fixed up front
+    for image, t in camera:
+        stream.push(image, t)                              # constant cost per kept frame
+        if t > 60 and not asked:
+            stream.ask("What has the person picked up so far?")   # the stream is not changed; keep pushing
+    stream.save("desk.safetensors")                        # carried state + detailed cache + metadata
+    stream = Stream.load("desk.safetensors", qa)           # continues bit-exactly
+
+Families that put several frames in one step (Qwen3-VL: two) hold a pushed frame until its step is complete;
+`ask` answers from the frames encoded so far, and `flush` encodes a waiting frame on its own (as the last
+step of a finished video would be).
+
+With ``vision_batch`` frames per vision-tower call (`VideoQA.stream`, default 1), pushed frames wait until a
+batch is complete, so a frame waits for at most one batch; `ask` first encodes every complete step waiting.
+
+`push` copies a frame that waits, so a camera loop may reuse one buffer. One stream is used by one thread at a
+time: `push`, `flush`, `ask` and `save` from different threads take turns (a per-stream lock), each seeing the
+stream as the previous call left it.
+"""
+
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .encoded import EncodedVideo
+from ..errors import HorizonError, InputError, OutputError
+from ..steps.jobs import StepJob
+from ..steps.overlap import check_vision_batch, steps_per_batch
+from ..stopping import whole
+from .saving import engine_record, load_stream, save_stream
+from .stream_disk import stream_setup
+from .stream_file import check_stream_id, model_identity, new_stream_id, owner_digest, weights_fingerprint
+from ..values import check_bool, check_int, check_number
+from ..video import Frame
+
+
+def _one_at_a_time(method):
+    """Run ``method`` holding the stream's lock, so calls from different threads take turns, as one `whole`
+    region: a signal arriving meanwhile stops the program only once the call is done."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with whole(), self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What `Stream.offer` made of a frame: whether it was ``kept`` (``max_fps`` drops frames between its ticks),
+    its ``timestamp``, and whether the pending frames now make a batch ``ready`` to encode."""
+
+    kept: bool
+    timestamp: float
+    ready: bool
+
+
+class Stream(EncodedVideo):
+    """A video encoded as it arrives (see the module docstring). Create it with `VideoQA.stream`.
+
+    Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
+    ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
+    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns), ``id`` and
+    ``owner_digest`` (who it is, recorded in its files and checked when they are loaded).
+
+    A push is `offer` (checks; a kept frame joins ``pending``), the encoding of a ready batch (`pending_job`, run
+    by the `VideoQA`'s step scheduler, then `settle`), then `accept` (the push clock advances). `VideoQA.push_many`
+    takes several streams through the same steps at once.
+    """
+
+    RECORDS_FRAMES = True
+
+    def __init__(self, qa: Any, horizon_frames: int | None, *, max_fps: float | None = None, name: str = "stream",
+                 vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
+                 kv_cache_dtype: str | None = None, disk_tier: Any = None, stream_id: str | None = None,
+                 owner: str | None = None, positions: str | None = None):
+        """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
+        it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
+        detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
+        a disk-tier stream, its file set. stream_id: the stream's id, recorded in its files (default: a new
+        random one). owner: who owns it (any text, e.g. an API key's id; its digest is recorded, `load` checks
+        it). horizon_frames: None: no horizon, the stream never ends (bounded positions). positions: ``"stream"`` or
+        ``"bounded"`` (default: the VideoQA's; resuming: as the stream was made)."""
+        self.id = new_stream_id() if stream_id is None else check_stream_id(stream_id)
+        self.owner_digest = owner_digest(owner)
+        if horizon_frames is not None:
+            check_int(horizon_frames, "horizon_frames", error=InputError)
+        if max_fps is not None:
+            check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
+        vision_batch = check_vision_batch(vision_batch)
+        max_fps = None if max_fps is None else float(max_fps)
+        engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+        if positions is not None:
+            engine = engine.with_changes(positions=positions)
+        super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
+                         num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
+                         engine=engine, disk_tier=disk_tier)
+        self.lock = threading.RLock()
+        self.horizon_frames = horizon_frames
+        self.reserve_tokens = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
+        self.max_fps = max_fps
+        self.vision_batch = vision_batch
+        self.pushed = 0
+        self.pending: list[Frame] = []
+        self.next_tick = 0
+        self.last_timestamp: float | None = None
+        self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
+        if disk_tier is None:  # a new file set: what `load` resumes it from
+            try:
+                self.durability.describe(stream_setup(
+                    name, {**model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
+                    engine_record(self), horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
+                    prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
+                    kv_cache_dtype=self.prefill.kv_cache_dtype, stream_id=self.id, owner_digest=self.owner_digest))
+            except BaseException:
+                self.close()
+                raise
+
+    @_one_at_a_time
+    def start(self) -> "Stream":
+        return super().start()
+
+    # -- pushing ----------------------------------------------------------------------------------------
+    @_one_at_a_time
+    def push(self, image: Any, timestamp: float | None = None) -> bool:
+        """Offer one frame; return whether it was kept (``max_fps`` drops frames between its ticks).
+
+        image: RGB uint8 array ``[H, W, 3]``, a PIL image, or a `Frame` (whose timestamp is used).
+        timestamp: seconds since the stream began, non-decreasing; default: one ``1 / max_fps`` (or 1 s)
+            after the previous frame.
+
+        Pushes to several streams of one `VideoQA` from different threads share batched steps (see
+        `VideoQA.push_many`); this call still returns once its frame is streamed or safely pending.
+        """
+        offer = self.offer(image, timestamp)
+        if offer.ready:
+            self.encode_pending(offered=True)
+        self.accept(offer)
+        return offer.kept
+
+    def offer(self, image: Any, timestamp: float | None) -> Offer:
+        """The checks of `push` and, for a kept frame, its place in ``pending`` (journaled on the disk tier).
+        Nothing else changes until `accept`."""
+        if isinstance(image, Frame):
+            timestamp = image.timestamp if timestamp is None else timestamp
+            image = image.image
+        timestamp = self._check_timestamp(timestamp)
+        pixels = _rgb_array(image)
+        if self.max_fps is not None:
+            tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
+            if tick < self.next_tick:
+                return Offer(False, timestamp, False)
+        kept = self.state.frames + len(self.pending)
+        if self.horizon_frames is not None and kept + 1 > self.horizon_frames:
+            raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
+                               "with a larger horizon_frames to push more")
+        # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
+        frame = Frame(self.pushed, timestamp, np.array(pixels, copy=True))
+        try:
+            self.durability.pushed(frame)  # journaled first: a frame is pending only once a crash would count it
+        except OutputError as error:
+            raise OutputError(f"{error}; the frame was not taken: the stream is as it was") from None
+        self.pending.append(frame)
+        return Offer(True, timestamp, len(self.pending) == self.batch_frames)
+
+    def accept(self, offer: Offer) -> None:
+        """Only now, with the offered frame encoded, safely queued or dropped, does the stream advance."""
+        self.pushed += 1
+        self.last_timestamp = offer.timestamp
+        if offer.kept and self.max_fps is not None:
+            self.next_tick = math.floor(offer.timestamp * self.max_fps + 1e-9) + 1
+
+    def push_many(self, frames: Any) -> int:
+        """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
+        kept = 0
+        for item in frames:
+            kept += self.push(item) if isinstance(item, Frame) else self.push(*item)
+        return kept
+
+    @_one_at_a_time
+    def flush(self) -> None:
+        """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition)."""
+        if self.pending:
+            self.encode_pending()
+
+    @_one_at_a_time
+    def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
+        """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
+        self.encode_pending(complete_steps_only=True)
+        return super().ask_tokens(question, **ask_kwargs)
+
+    @property
+    def batch_frames(self) -> int:
+        """Pending frames that make a batch: whole steps, at least one."""
+        per_step = self.adapter.frames_per_step
+        return steps_per_batch(self.vision_batch, per_step) * per_step
+
+    def pending_job(self, complete_steps_only: bool = False) -> StepJob | None:
+        """The pending frames as a job of steps (None: no step to encode); ``complete_steps_only`` leaves an
+        incomplete last step waiting."""
+        per_step = self.adapter.frames_per_step
+        count = len(self.pending) // per_step * per_step if complete_steps_only else len(self.pending)
+        groups = [self.pending[start:start + per_step] for start in range(0, count, per_step)]
+        return StepJob(self, groups, self.vision_batch) if groups else None
+
+    def settle(self, job: StepJob, *, failed: bool, offered: bool = False) -> None:
+        """After ``job`` ran: its streamed steps' frames leave ``pending``; if it ``failed`` and the frame just
+        ``offered`` made it ready, that frame is not taken (earlier ones stay encoded or pending)."""
+        self.pending = self.pending[sum(len(group) for group in job.groups[:job.streamed]):]
+        if failed and offered:
+            self.pending.pop()
+
+    def encode_pending(self, complete_steps_only: bool = False, *, offered: bool = False) -> None:
+        """Encode the pending frames (see `pending_job`), one vision call for all, batched by the `VideoQA`'s
+        step scheduler with other threads' pushes; steps streamed before a failure stay streamed."""
+        job = self.pending_job(complete_steps_only)
+        if job is None:
+            return
+        self.start()
+        try:
+            self.qa.step_scheduler.run([job])
+        except BaseException:
+            self.settle(job, failed=True, offered=offered)
+            raise
+        self.settle(job, failed=job.error is not None, offered=offered)
+        job.raise_error()
+
+    @_one_at_a_time
+    def close(self) -> None:
+        self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
+        super().close()
+
+    def _check_timestamp(self, timestamp: float | None) -> float:
+        if timestamp is None:
+            step = 1.0 / self.max_fps if self.max_fps else 1.0
+            return 0.0 if self.last_timestamp is None else self.last_timestamp + step
+        check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
+        if timestamp < 0 or (self.last_timestamp is not None and timestamp < self.last_timestamp):
+            raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
+                             f"{self.last_timestamp}")
+        return float(timestamp)
+
+    # -- saving -----------------------------------------------------------------------------------------
+    @_one_at_a_time
+    def save(self, path: str | Path) -> Path:
+        """Write the stream (carried state, detailed cache, pending frames, metadata, checksums, the weights'
+        fingerprint, the engine settings) to one safetensors file (see `statekv.api.stream_file`); an `OutputError`
+        when it cannot be written there (a folder, an unwritable place, a full disk), leaving nothing behind."""
+        self.prefill.check_open()
+        self.start()
+        if self.prefill.seen_tokens == 0:
+            raise InputError(f"{self.name}: nothing is encoded yet to save (the {len(self.pending)} frame(s) pushed "
+                             f"wait for a batch of {self.batch_frames}); push more frames or flush() first")
+        return save_stream(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
+             kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> "Stream":
+        """Resume a stream saved by `save` with ``qa`` (the same model, layout and method it was saved with).
+
+        The whole file is verified first (schema, every tensor's presence, dtype, shape and checksum, the model,
+        method and binding engine settings), so a damaged or foreign file is refused with a one-line `InputError`
+        before anything is built. A stream saved with other weights (another checkpoint of the same
+        architecture) is refused unless ``allow_other_weights=True``: its cache would not be what this model
+        computes. kv_cache_dtype: how the saved detailed cache is stored (default: the VideoQA's); a file stored
+        otherwise is refused.
+
+        ``path`` may also be the folder of a disk-tier stream's file set (``offload="disk"``), e.g. after its
+        process was killed: the stream resumes in it from the last step whose data is durable, every step's
+        checksum verified first, and ``frames_lost`` (also stated in one log line) counts the frames pushed
+        after that step. A damaged or foreign file set is refused with one line, and so is a file set another live
+        stream holds (naming it): the resumed stream holds its folder's lock until it is closed.
+
+        stream_id: refuse a file that is not this stream's (None: any). owner: refuse a file that is not this
+        owner's (None: a file saved with no owner). The stream keeps the id and owner it was saved with.
+        """
+        check_bool(allow_other_weights, "allow_other_weights")
+        if stream_id is not None:
+            check_stream_id(stream_id)
+        owner_digest(owner)  # checked before any file is read
+        with whole():
+            return load_stream(cls, path, qa, allow_other_weights=allow_other_weights, kv_cache_dtype=kv_cache_dtype,
+                               stream_id=stream_id, owner=owner)
+
+
+def _rgb_array(image: Any) -> np.ndarray:
+    """A pushed frame as an RGB uint8 array ``[H, W, 3]``."""
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
+        raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {array.dtype} "
+                         f"{list(array.shape)}")
+    return array

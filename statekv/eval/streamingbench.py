@@ -1,0 +1,227 @@
+"""StreamingBench (Lin et al., 2024): the groups a model that sees frames can take, read from the release's
+question files, prompted and scored as its code does.
+
+===========  =====================================================================  ===========================
+group        tasks (the release's ``task_type``)                                    file
+===========  =====================================================================  ===========================
+realtime     Object Recognition, Action Recognition, Text-Rich Understanding,       ``questions_real.json``
+             Clips Summarize, Attribute Recognition, Spatial Understanding,
+             Counting, Event Understanding, Causal Reasoning, Prospective Reasoning
+contextual   Misleading Context Understanding, Anomaly Context Understanding        ``questions_omni.json``
+             Sequential Question Answering                                          ``questions_sqa.json``
+             Proactive Output                                                       ``questions_proactive.json``
+===========  =====================================================================  ===========================
+
+Left out: the omni-source group (Emotion Recognition, Scene Understanding, Source Discrimination, Multimodal
+Alignment, the rest of ``questions_omni.json``), whose questions are about the sound track; statekv's models
+see frames only. The two contextual tasks of the omni file are taken from their frames alone.
+
+Each entry of a file is a video and a time window holding questions with a ``time_stamp`` (``HH:MM:SS``); the
+five questions of a video come at different times. Question ids are ``<file stem>-<n>`` in file order.
+Prompts are the release's (``src/benchmark/StreamingBench*.py``). A multiple-choice answer is right when its
+first character (after leading white space) is the answer letter (``src/data/count.py`` takes the first
+character). A sequential question's prompt carries the earlier questions of its video with their correct
+answers. A proactive output is polled every second from one second after the question: "Is it the right time
+to output ...? yes or no"; at the first answer containing "yes" the question itself is asked and polling stops
+(at the latest four seconds after the expected time); it is right when that second is within 2 s of the
+expected one and the expected output occurs in the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from statekv.errors import MissingFileError
+from statekv.eval.annotations import parse_options, read_json_document, require_fields
+from statekv.eval.questions import AnnotationError, Question
+
+REALTIME_TASKS = ("Object Recognition", "Action Recognition", "Text-Rich Understanding", "Clips Summarize",
+                  "Attribute Recognition", "Spatial Understanding", "Counting", "Event Understanding",
+                  "Causal Reasoning", "Prospective Reasoning")
+CONTEXTUAL_TASKS = ("Misleading Context Understanding", "Anomaly Context Understanding",
+                    "Sequential Question Answering", "Proactive Output")
+OMNI_SOURCE_TASKS = ("Emotion Recognition", "Scene Understanding", "Source Discrimination", "Multimodal Alignment")
+GROUPS = {"realtime": REALTIME_TASKS, "contextual": CONTEXTUAL_TASKS}
+GROUP_OF = {task: group for group, tasks in GROUPS.items() for task in tasks}
+FILES = {"questions_real.json": "realtime", "questions_omni.json": "contextual", "questions_sqa.json": "contextual",
+         "questions_proactive.json": "contextual"}
+POLL_SECONDS = 1  # a proactive output is polled every second
+POLL_AFTER = 4  # ... until this many seconds after the expected time
+ON_TIME = 2  # an output within this many seconds of the expected time is on time
+
+CHOICE_TEMPLATE = (
+    "You are an advanced video question-answering AI assistant. You have been provided with some frames from the "
+    "video and a multiple-choice question related to the video. Your task is to carefully analyze the video and "
+    "provide the best answer to question, choosing from the four options provided. Respond with only the letter "
+    "(A, B, C, or D) of the correct option.\n\nQuestion: {question}\n\nOptions:\n{options}\n\nThe best option is:"
+)
+SEQUENTIAL_TEMPLATE = (
+    "You are an advanced video question-answering AI assistant. You have been provided with a video and a "
+    "multiple-choice question related to the video. Your task is to carefully analyze the video and the provided "
+    "context to answer the question, choosing from the four options provided. Respond with only the letter (A, B, "
+    "C, or D) of the correct option.\n\n{context}\n\nHere is the question. Answer it and don't confuse it with the "
+    "previous conversation.\nQuestion: {question}\n\nOptions:\n{options}\n\nThe best option is:"
+)
+PROACTIVE_TEMPLATE = (
+    "You are an advanced image question-answering AI assistant. You have been provided with images and a question "
+    "related to the images. Your task is to carefully analyze the images and provide the answer to the question. "
+    "You need to carefully confirm whether the images content meet the conditions of the question, and then output "
+    "the correct content.\n\nQuestion: {question}\n\nThe answer is:\n"
+)
+CONTEXT_OPENING = ("Here are the contextual information related to the video. Please answer the questions based on "
+                   "the contextual information: ")
+
+
+def lettered(options: Iterable[str]) -> list[str]:
+    """The options as the release shows them: ``"A. text"`` unless they already start so."""
+    options = list(options)
+    return options if options[0].startswith("A.") else [f"{chr(65 + i)}. {text}" for i, text in enumerate(options)]
+
+
+def prompt(question: Question) -> str:
+    """The text that follows the video (for a proactive output: the question asked once it is due)."""
+    if question.kind == "proactive":
+        return PROACTIVE_TEMPLATE.format(question=question.question)
+    options = "\n".join(lettered(question.options))
+    if question.context:
+        return SEQUENTIAL_TEMPLATE.format(context=question.context, question=question.question, options=options)
+    return CHOICE_TEMPLATE.format(question=question.question, options=options)
+
+
+def poll_prompt(question: Question) -> str:
+    """A proactive output's poll: is it the time to give the output?"""
+    return PROACTIVE_TEMPLATE.format(question=f'{question.question} Is it the right time to output '
+                                              f'"{question.answer}"? You can only answer yes or no.')
+
+
+def poll_times(question: Question) -> list[int]:
+    """The seconds a proactive output is polled at: from one second after the question until four seconds after
+    the expected time (at least once)."""
+    first = int(question.realtime) + POLL_SECONDS
+    last = int(question.expected_time) + POLL_AFTER
+    return list(range(first, max(first, last) + 1, POLL_SECONDS))
+
+
+def said_yes(response: str) -> bool:
+    return "yes" in response.strip().lower()
+
+
+def judge(kind: str, response: str, answer: str, letters: str, answered_at: float | None = None,
+          expected_at: float | None = None) -> tuple[str | None, bool]:
+    """``(what was read, correct)``: the first character for a choice; for a proactive output, the output when
+    it was given on time."""
+    if kind == "proactive":
+        on_time = answered_at is not None and expected_at is not None and abs(answered_at - expected_at) <= ON_TIME
+        given = answer if answer in response else None
+        return given, on_time and given is not None
+    first = response.lstrip()[:1]
+    return (first if first in letters else None), first == answer
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterable[str] | None = None
+                             ) -> list[Question]:
+    """Questions of the files under ``folder`` (``questions_real.json`` is required when the real-time group is
+    wanted; each contextual file is read when present), in file order."""
+    wanted = check_groups(groups)
+    files = [name for name, group in FILES.items() if group in wanted and (folder / name).is_file()]
+    if "realtime" in wanted and "questions_real.json" not in files:
+        raise MissingFileError(f"StreamingBench questions not found: {folder / 'questions_real.json'}")
+    if not files:
+        raise MissingFileError(f"no StreamingBench question file found in {folder} (looked for "
+                               f"{', '.join(name for name, group in FILES.items() if group in wanted)})")
+    questions: list[Question] = []
+    for name in files:
+        path = folder / name
+        questions += _file_questions(path, _entries(path, read_json_document(path)), folder)
+    if check_videos:
+        for question in questions:
+            if not question.video_path.is_file():
+                raise MissingFileError(f"StreamingBench video not found: {question.video_path} (question "
+                                       f"{question.qid})")
+    return questions
+
+
+def check_groups(groups: Iterable[str] | None) -> tuple[str, ...]:
+    """``groups`` checked against the groups taken (None: all of them)."""
+    if groups is None:
+        return tuple(GROUPS)
+    groups = tuple(groups)
+    unknown = [group for group in groups if group not in GROUPS]
+    if unknown or not groups:
+        left_out = " (omni-source is left out: it needs the sound track)" if "omni" in "".join(unknown) else ""
+        raise AnnotationError(f"unknown StreamingBench group {unknown[0] if unknown else ''!r}; choose from "
+                              f"{', '.join(GROUPS)}{left_out}")
+    return groups
+
+
+def _entries(path: Path, data: Any) -> list[tuple[int, dict[str, Any]]]:
+    """``(index, entry)`` of a question file: a list of entries, or (sequential questions) a list of one list of
+    entries per video."""
+    if not isinstance(data, list):
+        raise AnnotationError(f"{path}: expected a JSON list of entries")
+    entries = []
+    for index, row in enumerate(data):
+        for entry in row if isinstance(row, list) else [row]:
+            if not isinstance(entry, dict):
+                raise AnnotationError(f"{path} entry {index}: expected an object, got {type(entry).__name__}")
+            entries.append((index, entry))
+    return entries
+
+
+def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folder: Path) -> list[Question]:
+    stem = path.stem.removeprefix("questions_")
+    questions: list[Question] = []
+    contexts: dict[str, str] = {}
+    for index, entry in entries:
+        where = f"{path} entry {index}"
+        require_fields(entry, ("questions", "video_path"), where)
+        if not isinstance(entry["questions"], list):
+            raise AnnotationError(f"{where}: field 'questions' must be a list")
+        video = str(entry["video_path"])
+        video_path = folder / video
+        for number, row in enumerate(entry["questions"]):
+            at = f"{where} question {number}"
+            if not isinstance(row, dict):
+                raise AnnotationError(f"{at}: expected an object, got {type(row).__name__}")
+            require_fields(row, ("task_type", "question", "time_stamp"), at)
+            task = str(row["task_type"])
+            if task not in GROUP_OF:
+                continue  # the omni-source tasks (see the module docstring)
+            qid = f"{stem}-{len(questions)}"
+            common = dict(benchmark="streamingbench", qid=qid, video_id=video, video_path=video_path,
+                          question=str(row["question"]), task_type=task, group=GROUP_OF[task],
+                          realtime=clock_seconds(row["time_stamp"], f"{at}: field 'time_stamp'"))
+            if task == "Proactive Output":
+                require_fields(row, ("ground_truth_time_stamp", "ground_truth_output"), at)
+                question = Question(**common, options=(), answer=str(row["ground_truth_output"]), kind="proactive",
+                                    expected_time=clock_seconds(row["ground_truth_time_stamp"],
+                                                                f"{at}: field 'ground_truth_time_stamp'"))
+            else:
+                require_fields(row, ("options", "answer"), at)
+                options = parse_options(row["options"], at)
+                if len(options) != 4:
+                    raise AnnotationError(f"{at}: expected 4 options (the prompt lists A to D), got {len(options)}")
+                answer = str(row["answer"]).strip()
+                if answer not in "ABCD" or len(answer) != 1:
+                    raise AnnotationError(f"{at}: answer {answer!r} is not one of ABCD")
+                context = contexts.get(video, "") if task == "Sequential Question Answering" else ""
+                question = Question(**common, options=options, answer=answer, context=context)
+                if task == "Sequential Question Answering":
+                    contexts[video] = (contexts.get(video) or CONTEXT_OPENING) + (
+                        f"At timestamp {row['time_stamp']}, the following question and answer occurred: Question: "
+                        f"{row['question']}; Options: {', '.join(lettered(options))}; Answer: {answer}; ")
+            questions.append(question)
+    return questions
+
+
+def clock_seconds(value: Any, what: str) -> float:
+    """Seconds from the release's ``HH:MM:SS`` (or ``MM:SS``) time; a one-line `AnnotationError` otherwise."""
+    parts = str(value).strip().split(":")
+    if not 1 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
+        raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {value!r}")
+    return float(sum(int(part) * 60 ** power for power, part in enumerate(reversed(parts))))

@@ -1,0 +1,140 @@
+"""One owner at a time: exclusive locks on the files a stream writes.
+
+A live stream on the disk tier holds the lock of its file set (``lock`` in its folder) for as long as it lives,
+and a stream being saved holds the lock of the ``.partial`` file it writes until it is renamed into place. A
+second owner (another `Stream.load` of the same file set, in this process or another; a second save to the same
+file at the same time) is refused with one line naming the holder: the process, its host and, for a file set,
+the stream.
+
+The locks are the operating system's (``flock``, per open file): they go away with their process, so a killed
+stream never leaves a stale lock, and two opens in one process exclude each other as two processes do. Where
+``fcntl`` does not exist (Windows) nothing is locked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import weakref
+from pathlib import Path
+
+from .errors import StateKVError
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system
+    fcntl = None
+
+MAX_HOLDER_CHARS = 300
+
+
+class ExclusiveLock:
+    """An exclusive ``flock`` on ``path``, held until `release` (or until the object is collected, or its process
+    ends)."""
+
+    def __init__(self, path: Path, fd: int, remove: bool = False):
+        self.path, self.fd, self.remove = path, fd, remove
+        self._finalizer = weakref.finalize(self, os.close, fd) if fd >= 0 else None
+
+    @classmethod
+    def acquire(cls, path: str | os.PathLike, *, what: str, holder: str | None = None,
+                error: type[StateKVError] = StateKVError,
+                advice: str = "one stream has one owner: close it there first",
+                remove: bool = False) -> "ExclusiveLock":
+        """Lock ``path`` (created if missing), writing ``holder`` (who holds it) into it when given; ``error``
+        naming ``what``, the holder and ``advice`` when another open holds it. ``remove``: the file is removed
+        when the lock is released (a lock file of its own, not a file others read). A file system without locks
+        locks nothing."""
+        path = Path(path)
+        if fcntl is None:
+            return cls(path, -1, False)
+        for _ in range(100):  # another owner may remove or replace the file between our open and our lock
+            fd = _open(path, what, error)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = describe_holder(path, fd)
+                os.close(fd)
+                raise error(f"{what} is in use by {held}; {advice}") from None
+            except OSError:  # no locks on this file system
+                return cls(path, fd, remove)
+            if _same_file(path, fd):  # not replaced or removed between the open and the lock
+                break
+            os.close(fd)
+        else:
+            raise error(f"cannot lock {what}: it keeps being replaced")
+        if holder is not None:
+            stamp = datetime.datetime.now().isoformat(timespec="seconds")
+            text = f"{holder} (process {os.getpid()} on {socket.gethostname()}, since {stamp})"[:MAX_HOLDER_CHARS]
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{text}\n".encode(), 0)
+            except OSError:
+                pass  # the lock holds without the note
+        return cls(path, fd, remove)
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    def release(self) -> None:
+        if self._finalizer is None or not self._finalizer.alive:
+            return
+        if self.remove and _same_file(self.path, self.fd):
+            try:  # removed while held: whoever opened it meanwhile finds it gone once it locks, and retries
+                self.path.unlink()
+            except OSError:
+                pass
+        self._finalizer()  # closes the file: the lock goes with it
+
+
+def describe_holder(path: Path, fd: int | None = None) -> str:
+    """Who holds the lock of ``path``: the note its holder wrote in it, else the process the system names
+    (Linux), else "another process"."""
+    try:
+        if fd is not None:
+            note = os.pread(fd, MAX_HOLDER_CHARS, 0)
+        else:
+            note = path.read_bytes()[:MAX_HOLDER_CHARS]
+        note = note.decode("utf-8", "replace").strip().splitlines()
+    except (OSError, ValueError):
+        note = []
+    if note and note[0].strip() and note[0].isprintable():
+        return note[0].strip()
+    pid = _locking_pid(path)
+    return f"process {pid} on {socket.gethostname()}" if pid is not None else "another process"
+
+
+def _open(path: Path, what: str, error: type[StateKVError]) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as failure:
+        problem = failure
+    try:  # a read-only file (or folder) can still be locked
+        return os.open(path, os.O_RDONLY)
+    except OSError:
+        raise error(f"cannot lock {what}: {problem.strerror or problem}") from None
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        given, opened = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (given.st_dev, given.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _locking_pid(path: Path) -> int | None:
+    """The process holding an exclusive flock on ``path``, from /proc/locks (None where it cannot be told)."""
+    try:
+        info = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    wanted = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted and fields[4].isdigit():
+            return int(fields[4])
+    return None

@@ -1,0 +1,134 @@
+"""The page's parts that are not its layout: its script, the note that shows a failure in place, and the small
+conversions it shows values with."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+THUMBNAIL_WIDTH = 320
+
+# The page's only script: the browser's memory of the key and the open stream, and the camera, which is asked
+# for before any stream is made; it posts one JPEG per second to the stream and reports any refusal.
+PAGE_SCRIPT = """
+<script>
+window.statekvPage = {
+  remembered() {
+    return {key: localStorage.getItem('statekv-key') || '', stream: localStorage.getItem('statekv-stream') || ''};
+  },
+  remember(key, stream) {
+    if (key === null) localStorage.removeItem('statekv-key'); else if (key) localStorage.setItem('statekv-key', key);
+    if (stream) localStorage.setItem('statekv-stream', stream); else localStorage.removeItem('statekv-stream');
+    const address = new URL(window.location.href);
+    address.searchParams.delete('key');
+    if (stream) address.searchParams.set('stream', stream); else address.searchParams.delete('stream');
+    window.history.replaceState(null, '', address.toString());
+  },
+};
+window.statekvCamera = {
+  timer: null, media: null,
+  async open() {
+    try {
+      if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia)
+        throw new Error('this browser offers no camera to this page (it needs https or localhost)');
+      this.media = await navigator.mediaDevices.getUserMedia({video: true});
+    } catch (error) {
+      emitEvent('statekv-camera', {ok: false, message: `no camera: ${error.message || error.name}`});
+      return;
+    }
+    emitEvent('statekv-camera', {ok: true});
+  },
+  async start(streamId, key) {
+    const video = document.getElementById('statekv-camera');
+    video.srcObject = this.media; await video.play();
+    const canvas = document.createElement('canvas'), began = performance.now();
+    this.timer = setInterval(() => {
+      canvas.width = video.videoWidth; canvas.height = video.videoHeight;
+      canvas.getContext('2d').drawImage(video, 0, 0);
+      const t = (performance.now() - began) / 1000;
+      canvas.toBlob(async blob => {
+        try {
+          const reply = await fetch(`/v1/streams/${streamId}/frames?t=${t.toFixed(3)}`, {method: 'POST',
+            headers: {'Authorization': `Bearer ${key}`, 'Content-Type': 'image/jpeg'}, body: blob});
+          if (!reply.ok) {
+            const body = await reply.json().catch(() => ({}));
+            throw new Error((body.error && body.error.message) || `HTTP ${reply.status}`);
+          }
+        } catch (error) {
+          this.stop();
+          emitEvent('statekv-camera', {ok: false, message: `the camera stopped: ${error.message}`});
+        }
+      }, 'image/jpeg', 0.85);
+    }, 1000);
+  },
+  stop() {
+    clearInterval(this.timer); this.timer = null;
+    if (this.media) this.media.getTracks().forEach(track => track.stop());
+    this.media = null;
+  },
+};
+</script>
+"""
+
+
+class ErrorNote:
+    """A failure shown beside what caused it, until its close button is pressed (or it is replaced).
+    ``on_dismiss``: called when the person dismisses it."""
+
+    def __init__(self, name: str, on_dismiss=None):
+        from nicegui import ui
+
+        self.on_dismiss = on_dismiss
+        with ui.row().classes(f"w-full items-start no-wrap gap-2 rounded p-2 bg-red-1 text-negative statekv-error "
+                              f"statekv-error-{name}") as self.box:
+            ui.icon("error_outline").classes("mt-0.5")
+            self.label = ui.label("").classes("grow text-body2 statekv-error-message")
+            ui.button(icon="close", on_click=self.dismiss).props("flat dense round size=sm aria-label=dismiss")
+        self.box.set_visibility(False)
+
+    def show(self, message: str) -> None:
+        self.label.set_text(message)
+        self.box.set_visibility(True)
+
+    def clear(self) -> None:
+        self.label.set_text("")
+        self.box.set_visibility(False)
+
+    def dismiss(self) -> None:
+        self.clear()
+        if self.on_dismiss is not None:
+            self.on_dismiss()
+
+    @property
+    def message(self) -> str:
+        return self.label.text if self.box.visible else ""
+
+
+def age_text(seconds: float) -> str:
+    """A stream's age for its line in the list: ``just made``, ``5 min old``, ``2 h old``, ``3 days old``."""
+    if seconds < 60:
+        return "just made"
+    for unit, size in (("day", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            count = int(seconds // size)
+            return f"{count} {unit}{'s' if unit == 'day' and count > 1 else ''} old"
+    return "just made"
+
+
+def jpeg_data_url(image: Any) -> str:
+    """A small JPEG of an RGB uint8 frame ``[H, W, 3]`` as a data URL."""
+    from PIL import Image
+
+    picture = Image.fromarray(image)
+    if picture.width > THUMBNAIL_WIDTH:
+        picture = picture.resize((THUMBNAIL_WIDTH, max(1, round(picture.height * THUMBNAIL_WIDTH / picture.width))))
+    buffer = io.BytesIO()
+    picture.convert("RGB").save(buffer, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def js_literal(text: str | None) -> str:
+    """A Python string as a JavaScript literal."""
+    return "null" if text is None else json.dumps(text)

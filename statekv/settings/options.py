@@ -1,0 +1,227 @@
+"""One object for how a `VideoQA` is built, shared by the Python API, the command line, the evaluation harness,
+the lmms-eval plugin and the benchmarks.
+
+    options = ModelOptions(model="OpenGVLab/InternVL3-1B-hf", method="statekv", budget=4096, dtype="bfloat16")
+    qa = VideoQA.from_options(options)
+    ModelOptions.add_arguments(parser); ModelOptions.from_args(parser.parse_args())     # --model --method ...
+    ModelOptions.from_strings({"model": "ckpt", "offload": "off"})                      # lmms-eval model args
+
+Every option is declared once, as a `statekv.values.Setting` in `SETTINGS` (its name, default, kind of value,
+help): the dataclass field, its check when the object is made (before any model is loaded), its command-line flag
+and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
+entries of `statekv.core.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
+`EngineSettings` a `VideoQA` hands to every stream. A method's sizes (budget, frames, sinks) take their defaults
+and checks from `MethodSettings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import asdict, fields, replace
+from typing import Any, ClassVar
+
+from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
+from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from ..errors import ConfigurationError
+from .methods import MethodSettings, MethodSpec, method, method_names
+from ..values import (
+    BOOLEAN,
+    DEVICE,
+    DTYPE,
+    POSITIVE,
+    TEXT,
+    Option,
+    Setting,
+    byte_size,
+    one_of,
+    parse_options,
+    settings_class,
+)
+
+DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
+
+
+def method_size(name: str, metavar: str, help: str) -> Setting:
+    """A method's size as an option: its default, kind and check are `MethodSettings`' own."""
+    return Setting(name, getattr(MethodSettings, name), MethodSettings.kind(name), help, metavar,
+                   check=lambda value, _: MethodSettings(**{name: value}))
+
+
+def _method_help() -> str:
+    methods = "; ".join(f"{name}: {method(name).summary}" for name in method_names())
+    return "(default: %(default)s) " + methods.replace("%", "%%")
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """``--offload`` followed by anything but a tier name becomes ``--offload=memory``, so the plain flag never
+    takes the next argument (a video path) as its value."""
+    return [f"{arg}=memory" if arg == "--offload" and (i + 1 == len(argv) or argv[i + 1] not in OFFLOAD_TIERS)
+            else arg for i, arg in enumerate(argv)]
+
+
+MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
+    Setting("model", None, TEXT.optional, "checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or "
+            "builtin: the small InternVL3 trained here on synthetic videos", "M"),
+    Setting("method", "statekv", one_of(method_names), _method_help),
+    method_size("budget", "B", "statekv, keynorm: tokens carried per layer and KV head (default: %(default)s)"),
+    method_size("frames", "R", "recency, rekv: the window of frames carried (default: %(default)s)"),
+    method_size("sinks", "N", "rekv: attention-sink tokens kept after the prompt prefix (default: %(default)s)"),
+    method_size("window", "N", "simplestream: each question sees the last N frames only, encoded afresh with it "
+                "(default: %(default)s)"),
+    Setting("retrieve", None, POSITIVE.optional, "answer from the K frames per layer that best match the question "
+            "(default: the whole detailed cache; rekv: 64)", "K"),
+    Setting("retrieval", None, one_of(lambda: tuple(RETRIEVAL_RULES), lambda value, _: retrieval_rule(value)).optional,
+            "how --retrieve picks the frames: attention (each frame's share of the question's attention, over the "
+            "layers so far), rekv (ReKV's mean key . mean query), recent (the last K frames) (default: attention; "
+            "rekv: rekv)", "RULE"),
+    Setting("layout", None, TEXT.optional, "prompt layout of the model family (default: the paper's)"),
+    Setting("dtype", None, DTYPE.optional, "e.g. bfloat16, float32 (default: the checkpoint's)"),
+    Setting("device", None, DEVICE.optional, "e.g. cuda, cuda:1, cpu (default: cuda if available)"),
+)
+VIDEO_SETTINGS: tuple[Setting, ...] = (  # how videos are planned and vision-encoded
+    Setting("reserve_tokens", DEFAULT_RESERVE_TOKENS, POSITIVE,
+            "tokens kept after the video for question and answer (default: %(default)s)", "N", offered_by="reserve"),
+    Setting("trust_remote_code", False, BOOLEAN,
+            "allow checkpoints that ship their own modelling code (Eagle2.5)"),
+    Setting("vision_batch", None, POSITIVE.optional, "frames per vision-tower call, run ahead of the language model "
+            "(default: 16 on CUDA, 4 on CPU; statekv stream: 1)", "N"),
+)
+
+
+def options_table(engine: tuple[Setting, ...] = ENGINE_SETTINGS) -> tuple[Setting, ...]:
+    """`ModelOptions`' settings: the model and the method, the ``engine``'s settings (`ENGINE_SETTINGS`: an
+    entry added there is an option everywhere), then the video's."""
+    return MODEL_SETTINGS + engine + VIDEO_SETTINGS
+
+
+SETTINGS = options_table()
+
+
+@settings_class(SETTINGS)
+class ModelOptions:
+    """How to build a `VideoQA`; its fields are `SETTINGS`.
+
+    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens),
+    frames (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
+    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the rule
+    that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for ``rekv``
+    and ``attention`` for the others). layout: the family's prompt layout. dtype, device: where the model runs
+    (default: the checkpoint's dtype; CUDA when available). The engine's settings (`EngineSettings`: attention,
+    offload, offload_dir, max_cache_bytes, cache_limit, kv_cache_dtype, cuda_graph, positions); offload None is the
+    method's default. reserve_tokens: room for the question and answer after the video. vision_batch: frames per
+    vision-tower call (None: 16 on CUDA, 4 on CPU).
+    """
+
+    SETTINGS: ClassVar[tuple[Setting, ...]]
+    ENGINE: ClassVar[type[EngineSettings]] = EngineSettings  # the settings class `engine` makes
+
+    def __post_init__(self) -> None:
+        for setting in self.SETTINGS:
+            setting.validate(getattr(self, setting.name))
+        if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
+            object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
+        check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method(self.method)
+
+    @property
+    def settings(self) -> MethodSettings:
+        return MethodSettings(**{size.name: getattr(self, size.name) for size in fields(MethodSettings)})
+
+    @property
+    def label(self) -> str:
+        """The method as tables name it ("StateKV B=4096"), with the retrieval if it is not the default."""
+        label = self.spec.label(self.settings)
+        retrieve, rule = self.retrieve_frames, self.retrieval_rule
+        if retrieve != self.spec.retrieve:
+            label = f"{label} k={retrieve}"
+        if retrieve is not None and rule != self.spec_retrieval:
+            label = f"{label} ({rule})"
+        stored = self.engine.kv_cache_dtype
+        return label if stored is None else f"{label} {stored} cache"
+
+    @property
+    def retrieve_frames(self) -> int | None:
+        return self.retrieve if self.retrieve is not None else self.spec.retrieve
+
+    @property
+    def spec_retrieval(self) -> str:
+        """The method's own retrieval rule."""
+        return self.spec.retrieval or DEFAULT_RETRIEVAL
+
+    @property
+    def retrieval_rule(self) -> str:
+        """The name of the rule questions retrieve frames by (when they retrieve)."""
+        return self.retrieval if self.retrieval is not None else self.spec_retrieval
+
+    @property
+    def offloaded(self) -> bool | str:
+        return self.spec.offload if self.offload is None else self.offload
+
+    @property
+    def engine(self) -> EngineSettings:
+        """The engine's settings these options name (offload: the method's default when not given)."""
+        given = {setting.name: getattr(self, setting.name) for setting in self.ENGINE.SETTINGS}
+        return self.ENGINE(**{**given, "offload": self.offloaded})
+
+    def unused(self) -> list[str]:
+        """The settings given values this setup never reads: a method's size other than its default for a method
+        that does not use it (``budget`` under ``recency``), a ``retrieval`` rule when nothing is retrieved."""
+        sizes = [size.name for size in fields(MethodSettings) if size.name not in self.spec.uses
+                 and getattr(self, size.name) != getattr(MethodSettings, size.name)]
+        return sizes + (["retrieval"] if self.retrieval is not None and self.retrieve_frames is None else [])
+
+    def check_all_used(self) -> None:
+        """Refuse (one line) what `unused` finds: on a command line, a flag that changes nothing is a mistake."""
+        for name in self.unused():
+            if name == "retrieval":
+                raise ConfigurationError(f"--retrieval {self.retrieval} picks the frames --retrieve answers from, and "
+                                         f"--method {self.method} retrieves none: give --retrieve K too")
+            uses = ", ".join(f"--{used}" for used in self.spec.uses) or "no size"
+            raise ConfigurationError(f"--{name} {getattr(self, name)} is not used by --method {self.method} (it "
+                                     f"takes {uses}); leave it out")
+
+    def with_changes(self, **changes: Any) -> "ModelOptions":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # -- from text: the command line and lmms-eval's model args -------------------------------------------------
+    @classmethod
+    def from_strings(cls, given: Mapping[str, Any], *, what: str = "option") -> "ModelOptions":
+        """Options from ``name=value`` settings whose values may be strings (``offload=off``); unknown names
+        are refused, naming the known ones."""
+        return cls(**parse_options(given, cls.string_options(), what=what))
+
+    @classmethod
+    def string_options(cls) -> list[Option]:
+        """How each field is read from text (see `statekv.values.parse_options`)."""
+        return [setting.text_option for setting in cls.SETTINGS]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
+        """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
+                      device_help: str | None = None):
+        """A flag for every setting (--model, --method, --budget ...); returns the argument group.
+
+        model_required: --model must be given. reserve: offer --reserve-tokens (commands that size the room for
+        questions themselves do not). device_help: the --device help, for commands that place the model
+        themselves.
+        """
+        group = parser.add_argument_group("model and method")
+        switches = {"reserve": reserve}
+        overrides = {"model": {"required": model_required}, "device": {"help": device_help} if device_help else {},
+                     "offload": {"nargs": "?", "const": True}}  # --offload alone: CPU memory (see normalize_argv)
+        for setting in cls.SETTINGS:
+            if setting.offered_by is None or switches[setting.offered_by]:
+                setting.add_to(group, **overrides.get(setting.name, {}))
+        return group
+

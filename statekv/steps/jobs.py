@@ -1,0 +1,187 @@
+"""Steps of one or several videos streamed: their frames planned, vision-encoded in one call, laid out, and taken
+in rounds of one step per video through the engine's batcher (`statekv.core.batching.StepBatcher`).
+
+A video takes part through its step protocol (`statekv.api.encoded.EncodedVideo`): ``plan_steps`` (its frames
+prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`) and
+``record_step`` (its bookkeeping once the step is streamed). One video's steps go through exactly the code
+several videos' do: with one video, every round is a batch of one (the engine's `step_alone`).
+
+`StepScheduler` (owned by each `VideoQA`, ``qa.step_scheduler``) batches the steps of streams pushed from
+different threads: a pushing thread queues its stream's steps; the thread that finds no batch running leads,
+takes every queued job and streams them together, and each caller gets its own result or error in its own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.batching import StepBatcher, StepRequest
+from ..errors import StateKVError
+from ..stopping import whole
+from .overlap import EncodedStep, encode_batch
+from ..video import Frame
+
+
+@dataclass
+class LaidOutStep:
+    """One video's step ready for the language model: ``encoded`` (its frames and visual features; None for a text
+    chunk), ``chunk`` (the adapter's layout of it) and ``request`` (what the engine steps)."""
+
+    chunk: Any
+    request: StepRequest
+    encoded: EncodedStep | None = None
+
+
+@dataclass
+class StepJob:
+    """One video's steps to stream: ``groups`` (each a list of frames) to plan and vision-encode, or ``encoded``
+    steps already vision-encoded elsewhere (`statekv.steps.overlap`). ``vision_batch``: the frames per vision call asked
+    for (for its statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps
+    before it stay streamed)."""
+
+    video: Any
+    groups: list[list[Frame]] = field(default_factory=list)
+    vision_batch: int = 1
+    encoded: list[EncodedStep] = field(default_factory=list)
+    error: BaseException | None = None
+    done: bool = False
+    streamed: int = 0
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
+    """Stream every job's steps: frames planned per video, vision-encoded in one call for all videos (each video on
+    its own if that call fails), then rounds of one step per video through ``batcher``. A job that fails stops
+    there with its ``error``; the others go on. A stopping signal waits for the call to end (`whole`)."""
+    with whole():
+        _stream_jobs(jobs, batcher)
+
+
+def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
+    planned = []
+    for job in jobs:
+        if job.encoded:
+            continue  # vision-encoded already
+        started = time.perf_counter()
+        try:
+            steps = job.video.plan_steps(job.groups)
+        except Exception as error:
+            job.error = error
+            continue
+        planned.append((job, steps, time.perf_counter() - started))
+    encode_vision(planned)
+    live = [(job, 0) for job in jobs if job.error is None and job.encoded]
+    while live:
+        started = time.perf_counter()
+        laid_out, stepping = [], []
+        for job, index in live:
+            try:
+                laid_out.append(job.video.lay_out(job.encoded[index]))
+            except Exception as error:
+                job.error = error
+                continue
+            stepping.append((job, index))
+        outcomes = batcher.step([step.request for step in laid_out])
+        finished = time.perf_counter()
+        following = []
+        for (job, index), step, outcome in zip(stepping, laid_out, outcomes):
+            if isinstance(outcome, Exception):
+                job.error = outcome
+                continue
+            job.video.record_step(step, started, finished, vision_batch=job.vision_batch)
+            job.streamed += 1
+            if index + 1 < len(job.encoded):
+                following.append((job, index + 1))
+        live = following
+
+
+def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:
+    """Every planned job's steps through the vision tower in one call (each job's ``encoded``); if it fails, each
+    job's alone (so a frame the tower refuses fails only its video)."""
+    if not planned:
+        return
+    adapter = planned[0][0].video.adapter
+    steps = [step for _, job_steps, _ in planned for step in job_steps]
+    shares = [seconds * len(step.frames) / sum(len(s.frames) for s in job_steps)
+              for _, job_steps, seconds in planned for step in job_steps]
+    if len(planned) > 1:
+        try:
+            encoded = encode_batch(adapter, steps, shares)
+        except Exception:
+            encoded = None
+        if encoded is not None:
+            for job, job_steps, _ in planned:
+                job.encoded, encoded = encoded[:len(job_steps)], encoded[len(job_steps):]
+            return
+    start = 0
+    for job, job_steps, _ in planned:
+        try:
+            job.encoded = encode_batch(adapter, job_steps, shares[start:start + len(job_steps)])
+        except Exception as error:
+            job.error = error
+        start += len(job_steps)
+
+
+class StepScheduler:
+    """Batches the steps of streams pushed from different threads (see the module doc).
+
+    ``batched_steps``: language-model forwards that stepped more than one stream; ``batched_rows``: the stream
+    steps taken in them."""
+
+    def __init__(self):
+        self.batcher = StepBatcher()
+        self.changed = threading.Condition()
+        self.queue: list[StepJob] = []
+        self.running = False
+
+    @property
+    def batched_steps(self) -> int:
+        return self.batcher.batched_steps
+
+    @property
+    def batched_rows(self) -> int:
+        return self.batcher.batched_rows
+
+    def run(self, jobs: Sequence[StepJob]) -> None:
+        """Queue ``jobs`` and return once each is done (its ``error`` set if it failed), batched with whatever
+        other threads queue meanwhile. A stopping signal waits for the call to end (`whole`): a stop raised while
+        this thread holds the queue's condition would leave it unreleased, or another caller's job unfinished."""
+        with whole(), self.changed:
+            self.queue.extend(jobs)
+            while not all(job.done for job in jobs):
+                if self.running:
+                    self.changed.wait()
+                    continue
+                self.running = True
+                batch, self.queue = self.queue, []
+                self.changed.release()
+                try:
+                    self.run_batch(batch)
+                finally:
+                    self.changed.acquire()
+                    self.running = False
+                    self.changed.notify_all()
+
+    def run_batch(self, batch: list[StepJob]) -> None:
+        """Stream ``batch`` on this thread (one job: exactly the single-video path)."""
+        try:
+            stream_jobs(batch, self.batcher)
+        except BaseException as error:  # an interrupt in this thread: the other callers must not wait forever
+            for job in batch:
+                if not job.done and job.error is None:
+                    job.error = StateKVError(f"{job.video.name}: its step was interrupted ({type(error).__name__})")
+            raise
+        finally:
+            for job in batch:
+                job.done = True
+
+    def forget(self, video: Any) -> None:
+        """``video`` closed: drop the batches recorded with it."""
+        self.batcher.forget(video.prefill)

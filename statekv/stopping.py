@@ -1,0 +1,115 @@
+"""Stopping between whole steps: a signal asks to stop, and the stop happens where no step, save or answer is half
+done.
+
+Python runs a signal's handler in the main thread between two bytecodes, wherever that thread is; a handler
+that raises there can cut a streaming step after its carried state changed and before its lengths did, or a
+save between its data and its metadata. So statekv's handlers never raise inside a `whole` region (a push, a
+step, a save, an answer, a record written): they note the signal, and the region raises it as it ends, the
+work inside it done. Outside every region a stop is raised at once, as before.
+
+    with whole():              # e.g. around Stream.push: a signal here waits for the push to end
+        stream.step(...)
+
+`signals_stop_like_ctrl_c` installs the handlers for a command (``statekv ...``): SIGTERM and SIGHUP raise
+`Stopped` (a `KeyboardInterrupt`, so whatever keeps work on Ctrl-C keeps it on them too), Ctrl-C raises
+`KeyboardInterrupt`. In a program that installed nothing, a `whole` region defers Ctrl-C while Python's own
+handler is in place. Only the main thread receives signals; regions on other threads defer nothing (nothing
+is raised there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+STOPPING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal other than Ctrl-C (SIGTERM, SIGHUP): handled wherever Ctrl-C is, so the
+    work a command keeps on Ctrl-C is kept; ``signal_number`` says which."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signal_number
+
+
+_depth = 0  # whole regions the main thread is inside
+_pending: int | None = None  # a signal received inside one, raised when the outermost ends
+
+
+def _stop(number: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if number == signal.SIGINT else Stopped(number)
+
+
+def request_stop(number: int, frame: object = None) -> None:
+    """The handler of a stopping signal: raise the stop now, or, inside a `whole` region, when it ends. After a
+    first SIGTERM or SIGHUP the others are ignored, so a second one cannot cut short the work the first keeps."""
+    global _pending
+    if number in STOPPING_SIGNALS:
+        for other in STOPPING_SIGNALS:
+            signal.signal(other, signal.SIG_IGN)
+    if _depth:
+        if _pending is None or _pending == signal.SIGINT:
+            _pending = number
+        return
+    raise _stop(number)
+
+
+@contextlib.contextmanager
+def whole() -> Iterator[None]:
+    """A region no stop cuts: a stopping signal received inside it is raised as it ends (also when it ends with
+    an error: the stop, asked for, wins). Nested regions end with the outermost."""
+    global _depth, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    swapped = _depth == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if swapped:
+        signal.signal(signal.SIGINT, request_stop)
+    _depth += 1
+    try:
+        yield
+    except BaseException as error:
+        number = _leave(swapped)
+        if number is not None and not isinstance(error, KeyboardInterrupt):
+            raise _stop(number) from error
+        raise
+    number = _leave(swapped)
+    if number is not None:
+        raise _stop(number)
+
+
+def _leave(swapped: bool) -> int | None:
+    """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet)."""
+    global _depth, _pending
+    _depth -= 1
+    if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _depth:
+        return None
+    number, _pending = _pending, None
+    return number
+
+
+@contextlib.contextmanager
+def signals_stop_like_ctrl_c() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise `Stopped` and Ctrl-C `KeyboardInterrupt` in the main thread, at the
+    end of the `whole` region they arrive in (a no-op on other threads, where Python cannot install handlers);
+    the previous handlers come back on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    numbers = (*STOPPING_SIGNALS, signal.SIGINT)
+    previous = {number: signal.signal(number, request_stop) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

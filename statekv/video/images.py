@@ -1,0 +1,97 @@
+"""Decoding one image (a pushed frame's bytes, a file in a folder of frames) whole, or refusing it in one line.
+
+PIL decodes a PNG whose header promises more rows than its image data holds without a word: the missing rows
+come out black. `decode_image` checks a PNG's data against its header first (`png_rows`), and refuses a
+truncated image of any format, one in a format not asked for and one over a pixel limit, each with a one-line
+`VideoError` (its ``reason`` says which: ``"format"``, ``"size"`` or ``"data"``).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+import zlib
+
+import numpy as np
+from PIL import Image
+
+from ..errors import VideoError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+class ImageError(VideoError):
+    """An image that cannot be used; ``reason``: ``"format"`` (not one asked for), ``"size"`` (over the pixel
+    limit) or ``"data"`` (unreadable, truncated, or holding less than its header promises)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pixels: int | None = None,
+                 name: str = "the image") -> np.ndarray:
+    """``data`` (a whole image file's bytes) as RGB uint8 ``[H, W, 3]``.
+
+    formats: PIL format names accepted (``("JPEG", "PNG")``; None: any). max_pixels: the most pixels accepted,
+    checked from the header before decoding. name: what messages call it. Raises `ImageError`."""
+    if not data:
+        raise ImageError(f"{name}: not a readable image (empty)", "data")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                if formats is not None and image.format not in formats:
+                    raise ImageError(f"{name} is {image.format or 'not an image'}, not {' or '.join(formats)}",
+                                     "format")
+                width, height = image.size
+                if max_pixels is not None and width * height > max_pixels:
+                    raise ImageError(f"{name} is {width}x{height} pixels, over the limit of {max_pixels}", "size")
+                if image.format == "PNG":
+                    promised, held = png_rows(data)
+                    if held < promised:
+                        raise ImageError(f"{name}: not a readable image (truncated: its PNG header promises {promised} "
+                                         f"rows of {width} pixels, its image data holds {held})", "data")
+                image.load()
+                return np.asarray(image.convert("RGB"))
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise ImageError(f"{name} is too large to decode: {error}", "size") from None
+    except (OSError, ValueError, SyntaxError, struct.error, zlib.error) as error:
+        raise ImageError(f"{name}: not a readable image ({str(error).strip() or type(error).__name__})", "data") from None
+
+
+def png_rows(data: bytes) -> tuple[int, int]:
+    """``(rows its header promises, rows its image data holds)`` of a PNG file's bytes (for an interlaced one, the
+    rows of the full image the data would fill in order); a `ValueError` when it is no PNG."""
+    if not data.startswith(PNG_SIGNATURE):
+        raise ValueError("not a PNG")
+    header, chunks, position = None, [], len(PNG_SIGNATURE)
+    while position + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[position:position + 8])
+        body = data[position + 8:position + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body[:13])
+        elif kind == b"IDAT":
+            chunks.append(body)
+        elif kind == b"IEND":
+            break
+        position += 12 + length
+    if header is None or header[3] not in _CHANNELS:
+        raise ValueError("a PNG without a valid IHDR chunk")
+    width, height, depth, colour, _, _, interlaced = header
+    bits = depth * _CHANNELS[colour]
+    if interlaced:
+        passes = [((width - x + dx - 1) // dx, (height - y + dy - 1) // dy) for x, y, dx, dy in _ADAM7]
+    else:
+        passes = [(width, height)]
+    strides = [(1 + (w * bits + 7) // 8, h) for w, h in passes if w and h]
+    expected = sum(stride * rows for stride, rows in strides)
+    raw = zlib.decompressobj().decompress(b"".join(chunks), expected + 1)  # never more than the header promises
+    if len(raw) >= expected:
+        return height, height
+    return height, int(height * len(raw) / expected) if interlaced else len(raw) // strides[0][0]

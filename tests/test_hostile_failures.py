@@ -1,0 +1,284 @@
+"""A failed call changes nothing: every push, save and ask of a stream either completes or leaves the stream as it
+was, whichever of its writes fails (a full disk, a folder made read-only, a device error) or however it is
+killed, and the error says, in one line, what was kept.
+
+Each write a disk-tier push makes (the journal, every layer's files, the carried-state slot) is made to fail in
+turn; after each failure the stream is checked to be exactly as before, and after all of them it must still be
+exactly the stream a clean run makes, in memory and when resumed from its files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.errors import OutputError
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+QUESTION = "Why?"
+CHILD_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint)
+
+
+def _qa(adapter, **kwargs) -> statekv.VideoQA:
+    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, **kwargs)
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def _snapshot(stream) -> dict:
+    """Everything a failed call must leave as it was."""
+    layers = stream.prefill.cache.layers
+    return {
+        "carried": [t.clone() for layer in layers if layer.carried_length
+                    for t in (*layer.carried(), layer.positions())],
+        "lengths": [layer.storage.length for layer in layers],
+        "steps": list(stream.prefill.cache.chunk_lengths),
+        "counts": (stream.frames, stream.pushed, len(stream.pending), stream.tokens, stream.next_tick,
+                   stream.last_timestamp, stream.stats.chunks, stream.stats.frames),
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["lengths"] == b["lengths"] and a["steps"] == b["steps"] and a["counts"] == b["counts"]
+            and len(a["carried"]) == len(b["carried"])
+            and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a["carried"], b["carried"])))
+
+
+class FailingWrites:
+    """Makes the ``fail_at``-th of the next writes (``os.write``, ``os.pwrite``) raise ``number``; counts them."""
+
+    def __init__(self, monkeypatch, number: int = errno.ENOSPC):
+        self.number, self.count, self.fail_at = number, 0, None
+        for name in ("write", "pwrite"):
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, self._wrap(real))
+
+    def _wrap(self, real):
+        def write(*args):
+            self.count += 1
+            if self.fail_at is not None and self.count == self.fail_at:
+                raise OSError(self.number, os.strerror(self.number))
+            return real(*args)
+        return write
+
+    def arm(self, fail_at: int | None) -> None:
+        self.count, self.fail_at = 0, fail_at
+
+
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
+def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(adapter, tmp_path, monkeypatch,
+                                                                               number):
+    frames = _frames(5)
+    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=5, max_fps=1)
+    stream.push(frames[0], 0.0)
+    writes = FailingWrites(monkeypatch, number)
+    writes.arm(None)
+    stream.push(frames[1], 1.0)
+    per_push = writes.count  # the journal's push record, every layer's files, the carried-state slot, the step
+    assert per_push >= 3 + 2 * len(stream.prefill.cache.layers)
+    reason = os.strerror(number)
+    for fail_at in range(1, per_push + 1):
+        before = _snapshot(stream)
+        writes.arm(fail_at)
+        with pytest.raises(OutputError) as error:
+            stream.push(frames[2], 2.0)
+        message = str(error.value)
+        assert "\n" not in message and reason in message and ("as it was" in message or "as before" in message)
+        writes.arm(None)
+        assert _same(_snapshot(stream), before), f"write {fail_at} of {per_push} changed the stream"
+    for t in (2, 3, 4):  # the same frames again, now that the disk takes them
+        stream.push(frames[t], float(t))
+    reference = _qa(adapter).stream(horizon_frames=5, max_fps=1)
+    for t in range(5):
+        reference.push(frames[t], float(t))
+    assert _same(_snapshot(stream), _snapshot(reference))
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), reference.ask_tokens(QUESTION, max_new_tokens=4))
+    stream.close()
+    resumed = Stream.load(stream.prefill.disk.folder, qa)  # and its files say the same: nothing lost, nothing twice
+    assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
+def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch):
+    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    streams = [qa.stream(horizon_frames=6, name=f"s{i}") for i in range(3)]
+    frames = [_frames(6, seed=i) for i in range(3)]
+    for t in range(3):
+        qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)])
+    before = [_snapshot(stream) for stream in streams]
+    sick = streams[1].prefill.disk.folder
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == sick:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    results = qa.push_many([(stream, frames[i][3], 3.0) for i, stream in enumerate(streams)], return_exceptions=True)
+    assert isinstance(results[1], OutputError) and results[0] is True and results[2] is True
+    assert _same(_snapshot(streams[1]), before[1])
+    monkeypatch.undo()
+    for t in range(3, 6):
+        results = qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)
+                                if t > 3 or i == 1])
+    for i, stream in enumerate(streams):
+        reference = _qa(adapter).stream(horizon_frames=6)
+        for t in range(6):
+            reference.push(frames[i][t], float(t))
+        assert _same(_snapshot(stream), _snapshot(reference)), stream.name
+
+
+def test_a_failed_save_leaves_the_stream_and_the_file_there_as_they_were(adapter, tmp_path, monkeypatch):
+    import statekv.api.stream_file as stream_file
+
+    stream = _qa(adapter).stream(horizon_frames=4)
+    for frame in _frames(2):
+        stream.push(frame)
+    target = stream.save(tmp_path / "s.safetensors")
+    saved = target.read_bytes()
+    stream.push(_frames(3)[2])
+    before = _snapshot(stream)
+    real = stream_file.save_file
+
+    def half_written(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as file:  # the disk filled up half way
+            file.truncate(os.path.getsize(filename) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(stream_file, "save_file", half_written)
+    with pytest.raises(OutputError) as error:
+        stream.save(target)
+    assert "\n" not in str(error.value) and "No space left on device" in str(error.value)
+    assert "stream is unchanged" in str(error.value)
+    assert target.read_bytes() == saved and sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+    assert _same(_snapshot(stream), before)
+    monkeypatch.undo()
+    assert Stream.load(stream.save(target), stream.qa).frames == 3
+
+
+def test_a_disk_that_fails_a_sync_fails_the_save_in_one_line(adapter, tmp_path, monkeypatch):
+    stream = _qa(adapter, offload="disk", offload_dir=tmp_path / "cache").stream(horizon_frames=4)
+    for frame in _frames(2):
+        stream.push(frame)
+    before = _snapshot(stream)
+
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OutputError) as error:
+        stream.save(tmp_path / "s.safetensors")
+    assert "\n" not in str(error.value) and "Input/output error" in str(error.value)
+    assert not (tmp_path / "s.safetensors").exists() and _same(_snapshot(stream), before)
+
+
+def test_an_ask_whose_waiting_steps_cannot_be_written_keeps_every_frame(adapter, tmp_path, monkeypatch):
+    frames = _frames(8)
+    stream = _qa(adapter, offload="disk", offload_dir=tmp_path).stream(horizon_frames=8, vision_batch=4)
+    for frame in frames[:7]:
+        stream.push(frame)  # a batch of 4 encoded, 3 waiting for the next: ask encodes them first
+    before = _snapshot(stream)
+    writes = FailingWrites(monkeypatch)
+    writes.arm(2)
+    with pytest.raises(OutputError) as error:
+        stream.ask(QUESTION, max_new_tokens=2)
+    writes.arm(None)
+    assert "\n" not in str(error.value)
+    after = _snapshot(stream)  # the same frames: some may now be encoded, none lost
+    assert after["counts"][0] + after["counts"][2] == before["counts"][0] + before["counts"][2] == 7
+    assert after["counts"][1] == before["counts"][1]
+    stream.push(frames[7])
+    reference = _qa(adapter).stream(horizon_frames=8)
+    for frame in frames:
+        reference.push(frame)
+    stream.flush()
+    assert _same(_snapshot(stream), _snapshot(reference))
+
+
+def test_a_stream_on_a_full_tmpfs_fails_its_push_in_one_line_and_keeps_going_once_there_is_room(adapter, tmp_path):
+    """A real full disk (a tmpfs of a few hundred KiB), where the system allows mounting one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (the monkeypatched failures above cover every write)")
+    try:
+        frames = _frames(40)
+        stream = _qa(adapter, offload="disk", offload_dir=mount).stream(horizon_frames=40)
+        pushed = 0
+        with pytest.raises(OutputError) as error:
+            for frame in frames:
+                before = _snapshot(stream)
+                stream.push(frame)
+                pushed += 1
+        assert "No space left on device" in str(error.value) and "\n" not in str(error.value)
+        assert _same(_snapshot(stream), before) and stream.frames == pushed
+        subprocess.run(["mount", "-o", "remount,size=4m", str(mount)], check=True)  # room: it goes on from there
+        for frame in frames[pushed:pushed + 3]:
+            stream.push(frame)
+        reference = _qa(adapter).stream(horizon_frames=40)
+        for frame in frames[:pushed + 3]:
+            reference.push(frame)
+        assert _same(_snapshot(stream), _snapshot(reference))
+        stream.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+KILLED_SAVER = """
+import sys, numpy as np, statekv
+from statekv.models import load_adapter
+adapter = load_adapter(sys.argv[1])
+qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40)
+stream = qa.stream(horizon_frames=400)
+for index, frame in enumerate(np.random.default_rng(0).integers(0, 256, (400, 24, 32, 3), dtype=np.uint8)):
+    stream.push(frame)
+    stream.save(sys.argv[2])
+    print("saved", index, flush=True)
+"""
+
+
+def test_a_save_killed_at_any_moment_leaves_the_file_before_it_loadable(adapter, checkpoint, tmp_path):
+    target = tmp_path / "s.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_SAVER), str(checkpoint), str(target)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, saved = time.monotonic() + CHILD_TIMEOUT, -1
+    while time.monotonic() < deadline and saved < 4:
+        line = child.stdout.readline()
+        if not line:
+            break
+        saved = int(line.split()[1]) if line.startswith("saved ") else saved
+    time.sleep(np.random.default_rng().uniform(0, 0.05))  # lands inside a save, or between two
+    child.send_signal(signal.SIGKILL)
+    child.communicate(timeout=CHILD_TIMEOUT)
+    assert saved >= 4, child.stderr
+    resumed = Stream.load(target, _qa(adapter))
+    assert resumed.frames >= saved + 1

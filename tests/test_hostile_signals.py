@@ -1,0 +1,199 @@
+"""A signal only asks to stop: the stop happens where a push, a step, a save or an answer is whole, so what a
+stream holds (and saves) when it stops always loads and equals the stream up to its last whole push.
+
+Each test delivers a real signal to this process at a chosen point inside the work (the handler runs there, as
+it would if the signal arrived at that bytecode), then checks the stream against one that pushed the same frames
+and never stopped; a bounded loop delivers them at random moments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.console import Stopped, signals_stop_like_ctrl_c
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+STRESS_SECONDS = 3.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
+MIN_TRIALS = 3
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
+
+
+def _qa(adapter) -> statekv.VideoQA:
+    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40)
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+FRAMES = _frames(32)
+
+
+def _state(stream) -> list[torch.Tensor]:
+    counts = [torch.tensor([stream.frames, stream.pushed, len(stream.pending), stream.next_tick])]
+    if not stream.prefill.seen_tokens:
+        return counts
+    tensors, metadata = stream.prefill.state_dict()
+    return [tensors[name].clone() for name in sorted(tensors)] + [torch.tensor(metadata["chunk_lengths"])] + counts
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference(adapter):
+    """The state of an unstopped stream after each number of pushes."""
+    stream = _qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
+    states = [_state(stream)]
+    for index, frame in enumerate(FRAMES):
+        stream.push(frame, index / 2)
+        states.append(_state(stream))
+    return states
+
+
+def _stopped_stream(adapter, number=signal.SIGTERM, *, install=True, prepare=None) -> Stream:
+    """A stream pushed until a signal stops it (under the command line's handlers when ``install``); ``prepare``
+    is given its VideoQA first."""
+    qa = _qa(adapter)
+    if prepare is not None:
+        prepare(qa)
+    stream = qa.stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
+    handlers = signals_stop_like_ctrl_c() if install else _nothing()
+    with pytest.raises(KeyboardInterrupt) as stop, handlers:
+        for index, frame in enumerate(FRAMES):
+            stream.push(frame, index / 2)
+        os.kill(os.getpid(), number)  # not stopped inside: stop now
+    assert isinstance(stop.value, Stopped) == (number != signal.SIGINT)
+    return stream
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check_whole(stream, reference, tmp_path) -> None:
+    """The stream as its last whole push left it, in memory and saved."""
+    assert 1 <= stream.pushed <= len(FRAMES)
+    assert _equal(_state(stream), reference[stream.pushed]), f"stopped after {stream.pushed} pushes, cut"
+    if not stream.tokens:  # nothing encoded yet to save: the first frame waits for its batch
+        return
+    loaded = Stream.load(stream.save(tmp_path / "stopped.safetensors"), stream.qa)
+    assert _equal(_state(loaded), reference[stream.pushed])
+
+
+def _signal_inside(monkeypatch, owner, name: str, number=signal.SIGTERM, after: int = 5) -> None:
+    """Deliver ``number`` to this process from inside ``owner.name`` on its ``after``-th call (the handler runs
+    right there)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == after:
+            os.kill(os.getpid(), number)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("where", ["a step's commit, after its device part",
+                                   "a push, its frame pending but not accepted",
+                                   "the step scheduler, just after it released its condition"])
+def test_a_signal_inside_a_push_stops_after_it(where, adapter, reference, monkeypatch, tmp_path):
+    from statekv.api.durability import Durability
+    from statekv.core.cache import TwoStateCache
+
+    if where.startswith("a step's"):
+        _signal_inside(monkeypatch, TwoStateCache, "commit_host")
+    elif where.startswith("a push"):
+        _signal_inside(monkeypatch, Durability, "pushed")
+    prepare = None
+    if where.startswith("the step scheduler"):  # where a stop raised at once released the condition twice
+        def prepare(qa):
+            condition = qa.step_scheduler.changed
+            release, calls = condition.release, []
+
+            def signalled_release():  # `run` releases it by this name while a batch runs (`with` does not)
+                release()
+                calls.append(1)
+                if len(calls) == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            condition.release = signalled_release
+    stream = _stopped_stream(adapter, prepare=prepare)
+    monkeypatch.undo()
+    _check_whole(stream, reference, tmp_path)
+    assert stream.pushed < len(FRAMES)  # it did stop early, right after the push the signal came in
+
+
+def test_a_signal_inside_a_save_stops_after_the_file_is_whole(adapter, reference, monkeypatch, tmp_path):
+    import statekv.api.stream_file as stream_file
+
+    stream = _qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
+    for index, frame in enumerate(FRAMES[:5]):
+        stream.push(frame, index / 2)
+    _signal_inside(monkeypatch, stream_file, "save_file", signal.SIGHUP, after=1)
+    target = tmp_path / "s.safetensors"
+    with pytest.raises(Stopped), signals_stop_like_ctrl_c():
+        stream.save(target)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]  # whole, nothing left beside it
+    assert _equal(_state(Stream.load(target, stream.qa)), reference[5])
+
+
+def test_ctrl_c_in_a_program_that_installed_no_handler_also_waits_for_the_push(adapter, reference, monkeypatch,
+                                                                              tmp_path):
+    from statekv.core.cache import TwoStateCache
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _signal_inside(monkeypatch, TwoStateCache, "commit_host", signal.SIGINT)
+    stream = _stopped_stream(adapter, signal.SIGINT, install=False)
+    monkeypatch.undo()
+    _check_whole(stream, reference, tmp_path)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_signals_at_random_moments_always_stop_between_whole_pushes(number, adapter, reference, tmp_path):
+    """Many signals in a row, each at a random moment of a stream's pushes (bounded in time)."""
+    rng = np.random.default_rng()
+    push_seconds = _push_seconds(adapter)
+    trials, started = 0, time.monotonic()
+    while trials < MIN_TRIALS or time.monotonic() - started < STRESS_SECONDS:
+        delay = rng.uniform(0.05, 0.6) * push_seconds * len(FRAMES)
+        timer = threading.Timer(delay, os.kill, (os.getpid(), number))
+        timer.start()
+        try:
+            stream = _stopped_stream(adapter, number, install=number != signal.SIGINT)
+        finally:
+            timer.cancel()
+            timer.join()
+        _check_whole(stream, reference, tmp_path)
+        stream.close()
+        trials += 1
+
+
+def _push_seconds(adapter) -> float:
+    stream = _qa(adapter).stream(horizon_frames=8, vision_batch=2)
+    started = time.perf_counter()
+    for frame in FRAMES[:8]:
+        stream.push(frame)
+    return (time.perf_counter() - started) / 8

@@ -1,0 +1,243 @@
+"""One way through the engine: an engine setting is one table entry (it reaches every stream and its saved
+file), a single stream's step is a batch of one through the batcher's code with one attention function, every
+family's question goes through the engine's checks, the cache layers keep or refuse transformers' whole layer
+contract, and no private name or deprecated alias is left in the product or the benchmarks."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+import statekv
+import statekv.core.batching as batching
+import statekv.core.cache as cache_module
+from statekv.core.cache import StreamingLayer
+from statekv.core.decoding import Prompt
+from statekv.core.settings import ENGINE_SETTINGS, EngineSettings
+from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
+from statekv.models import load_adapter
+from statekv.settings.options import ModelOptions, options_table
+from statekv.testing import make_tiny_checkpoint
+from statekv.values import Setting, one_of, settings_class
+
+ROOT = Path(statekv.__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+
+
+def _frames(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+# -- an engine setting is one entry of the table ---------------------------------------------------------------
+NOTE = Setting("step_note", "plain", one_of(lambda: ("plain", "noted")), "a note every step carries", binding=True)
+
+
+@settings_class(ENGINE_SETTINGS + (NOTE,))
+class NotedEngine(EngineSettings):
+    """The engine's settings plus one, added as one table entry."""
+
+
+@settings_class(options_table(ENGINE_SETTINGS + (NOTE,)))
+class NotedOptions(ModelOptions):
+    """ModelOptions made the way `statekv.settings.options` makes them, from the longer engine table."""
+
+    ENGINE = NotedEngine
+
+
+def test_an_engine_setting_added_to_the_table_reaches_every_stream_and_its_saved_file(checkpoint, tmp_path):
+    options = NotedOptions.from_strings({"model": str(checkpoint), "step_note": "noted", "budget": "12",
+                                         "attention": "eager", "reserve_tokens": "40"})
+    with pytest.raises(ConfigurationError, match="unknown step_note 'loud'"):
+        NotedOptions(step_note="loud")
+    qa = statekv.VideoQA.from_options(options)
+    assert qa.engine == NotedEngine(attention="eager", offload=False, step_note="noted")
+    stream = qa.stream(horizon_frames=6)
+    assert stream.prefill.settings.step_note == "noted"  # VideoQA -> EncodedVideo -> StreamingPrefill, whole
+    for second, image in enumerate(_frames(3)):
+        stream.push(image, float(second))
+    answer = stream.ask_tokens("Why?", max_new_tokens=4)
+    saved = stream.save(tmp_path / "noted.safetensors")
+    resumed = statekv.Stream.load(saved, qa)
+    assert resumed.prefill.settings == stream.prefill.settings
+    assert torch.equal(resumed.ask_tokens("Why?", max_new_tokens=4), answer)
+    plain = statekv.VideoQA.from_options(options.with_changes(step_note="plain"))
+    with pytest.raises(InputError, match="saved with step_note=noted, but it is being loaded as plain"):
+        statekv.Stream.load(saved, plain)  # a binding setting: the saved state depends on it
+
+
+def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
+    with pytest.raises(ConfigurationError, match="kv_cache_dtype must be auto, int8 or int4"):
+        EngineSettings(kv_cache_dtype="int3")
+    with pytest.raises(ConfigurationError, match="unknown positions 'relative'; choose one of stream, bounded"):
+        EngineSettings(positions="relative")
+    with pytest.raises(ConfigurationError, match="unknown engine setting 'budget'"):
+        EngineSettings().with_changes(budget=3)
+    assert EngineSettings(kv_cache_dtype="auto").kv_cache_dtype is None
+    assert ModelOptions(method="rekv").engine.offload is True  # the method's default, resolved
+    adapter = load_adapter(checkpoint)
+    qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), kv_cache_dtype="int8", attention="eager")
+    video = statekv.EncodedVideo(qa, 200)
+    assert video.prefill.settings is video.engine  # decided once for this video (positions), then whole
+    assert video.engine.positions == "stream" and video.engine.with_changes(positions=None) == qa.engine
+    unbounded = statekv.EncodedVideo(qa, None)
+    assert unbounded.prefill.settings.positions == "bounded" and unbounded.prefill.horizon is None
+    assert video.prefill.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
+
+
+# -- one step protocol -------------------------------------------------------------------------------------------
+def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypatch):
+    rows, attended = [], []
+    run_rows, attend = batching.run_rows, cache_module.attend
+
+    def counted_rows(prefills, *args, **kwargs):
+        rows.append(len(prefills))
+        return run_rows(prefills, *args, **kwargs)
+
+    def counted_attend(caches, *args):
+        attended.append(len(caches))
+        return attend(caches, *args)
+
+    monkeypatch.setattr(batching, "run_rows", counted_rows)
+    monkeypatch.setattr(cache_module, "attend", counted_attend)  # one stream's cache
+    monkeypatch.setattr(batching, "attend", counted_attend)  # a batch's
+    model = tiny_lm("qwen3")
+    layers = model.config.num_hidden_layers
+    chunks = [torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    alone = statekv.StreamingPrefill(model, statekv.StateKV(budget=8), attention="eager")
+    for chunk in chunks:
+        alone.step(input_ids=chunk)
+    assert rows == [1] * 6 and attended == [1] * layers * 6
+    rows.clear(), attended.clear()
+    pair = [statekv.StreamingPrefill(model, statekv.StateKV(budget=8), attention="eager") for _ in range(2)]
+    batcher = batching.StepBatcher()
+    for chunk in chunks:
+        batcher.step([batching.StepRequest(prefill, input_ids=chunk) for prefill in pair])
+    assert batcher.batched_steps > 0 and 2 in rows and 2 in attended  # steady steps: both rows at once
+
+
+# -- one path for answers ---------------------------------------------------------------------------------------
+def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
+    from statekv.models.base import VideoAdapter
+
+    families = [cls for cls in _subclasses(VideoAdapter) if not inspect.isabstract(cls)]
+    assert len(families) >= 3
+    assert all("generate" not in vars(cls) for cls in families)  # no adapter decodes by itself
+    adapter = load_adapter(checkpoint)
+    qa = statekv.VideoQA(adapter, statekv.FullAttention(), attention="eager", reserve_tokens=40)
+    video = qa.stream(horizon_frames=3)
+    video.push(_frames(1)[0])
+    prompt = adapter.prompt(adapter.question_ids("Why?", video.state), video.state)
+    assert isinstance(prompt, Prompt) and prompt.follows == video.tokens
+    with pytest.raises(InputError, match="the stream holds .* tokens but the layout state"):
+        video.prefill.generate(adapter.prompt(prompt.input_ids, adapter.start(3)), max_new_tokens=2)
+    with pytest.raises(InputError, match="token ids outside the vocabulary"):
+        video.prefill.generate(Prompt(prompt.input_ids + 10_000, follows=video.tokens), max_new_tokens=2)
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+# -- contracts kept or refused -----------------------------------------------------------------------------------
+def test_a_streaming_layer_implements_or_refuses_every_layer_method():
+    mixin = {name for name, value in vars(CacheLayerMixin).items()
+             if callable(value) and not name.startswith("__")}
+    assert mixin <= set(vars(StreamingLayer)), sorted(mixin - set(vars(StreamingLayer)))
+    layer = StreamingLayer(lambda: None, 0)
+    for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
+        with pytest.raises(UnsupportedModelError):
+            call()
+
+
+def test_wrapped_rules_say_their_steady_budget():
+    assert statekv.StateKV(budget=8).steady_budget(0) == 8
+    assert statekv.WithSinks(statekv.StateKV(budget=8), sinks=3).for_prefix(5).steady_budget(1) == 16
+    assert statekv.PerLayerBudget(statekv.StateKV(budget=8), (8, 12)).steady_budget(1) == 12
+    assert statekv.Recency(frames=2).steady_budget(0) is None  # settles in its ring instead
+    assert statekv.FullAttention().steady_budget(0) is None
+
+
+# -- nothing private crosses a module; no deprecated alias ----------------------------------------------------
+def _sources() -> list[Path]:
+    return sorted((ROOT / "statekv").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assignments, attributes set on anything."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {name for name in names if _private(name)}
+
+
+def test_nothing_private_crosses_a_module():
+    trees = {path: ast.parse(path.read_text()) for path in _sources()}
+    defined = {path: _defined(tree) for path, tree in trees.items()}
+    ours = set().union(*defined.values())
+    crossing = []
+    for path, tree in trees.items():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("statekv")):
+                crossing += [f"{where}: imports {alias.name}" for alias in node.names if _private(alias.name)]
+                if node.module and any(_private(part) for part in node.module.split(".")):
+                    crossing.append(f"{where}: imports from {node.module}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ours \
+                    and node.attr not in defined[path]:
+                crossing.append(f"{where}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str) and _private(node.args[1].value) \
+                    and node.args[1].value in ours and node.args[1].value not in defined[path]:
+                crossing.append(f"{where}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    assert crossing == [], "\n".join(crossing)
+
+
+def test_the_deprecated_aliases_are_gone():
+    assert not (ROOT / "statekv" / "tiny.py").exists()
+    with pytest.raises(TypeError, match="frames_per_chunk"):
+        statekv.make_policy("recency", frames=3, frames_per_chunk=2)
+    from statekv.core.rope import FrozenRope
+    from statekv.models.base import VideoAdapter
+
+    assert not hasattr(VideoAdapter, "frames_per_chunk") and not hasattr(FrozenRope, "apply")
+    assert not hasattr(statekv.EncodedVideo, "_append") and not hasattr(statekv.EncodedVideo, "_append_steps")
+    assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.persistence
+    importlib.import_module("statekv.testing")
+    from statekv.models import supported_model_types
+
+    assert "statekv_tiny_eagle" not in supported_model_types()
+
+
+def test_benchmarks_read_only_public_figures():
+    reads = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("graphs", "storage", "keeper", "transaction") \
+                    or isinstance(node, ast.Attribute) and node.attr == "layers" \
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "cache":
+                reads.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert reads == []
