@@ -95,7 +95,8 @@ def child(args: argparse.Namespace) -> None:
         streams[label] = qa.stream(vision_batch=16)  # no horizon: it never ends (bounded positions)
         stream = streams[label]
         geometry = stream.prefill.geometry
-        record(kind="stream", stream=label, positions=stream.prefill.positions.mode, layers=geometry.layers,
+        record(kind="stream", stream=label, cores=os.cpu_count(), threads=args.threads, command=args.command,
+               processor=platform.processor() or platform.machine(), positions=stream.prefill.positions.mode, layers=geometry.layers,
                kv_heads=geometry.kv_heads, head_dim=geometry.head_dim, dtype=str(geometry.dtype),
                limit=stream.prefill.positions.limit, **resident())
     pool = np.random.default_rng(0).integers(0, 256, (32, args.image_size, args.image_size, 3), dtype=np.uint8)
@@ -145,11 +146,14 @@ def run(name: str, args: argparse.Namespace, checkpoint: Path, workdir: Path) ->
         if records and records[-1]["kind"] == "done":
             print(f"{name}: complete in {path}, not run again (--fresh reruns it)", file=sys.stderr)
             return records
+    if args.render_only:
+        raise SystemExit(f"--render-only: {path} holds no complete run of {name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
     command = [sys.executable, __file__, "--child", name, "--checkpoint", str(checkpoint), "--record", str(path),
                "--budget", str(args.budget), "--threads", str(args.threads), "--image-size", str(args.image_size),
-               "--sample-every", str(args.sample_every), "--offload-dir", str(workdir / name)]
+               "--sample-every", str(args.sample_every), "--offload-dir", str(workdir / name),
+               "--command", args.command]
     if args.frames:
         command += ["--frames", str(args.frames)]
     if args.smoke:
@@ -267,8 +271,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--child", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--render-only", action="store_true", help="run nothing: write --out and --plot from the "
+                        "complete runs under --runs (e.g. made on another machine)")
     parser.add_argument("--offload-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.command is None:
+        args.command = " ".join(argv if argv is not None else sys.argv[1:])
     if args.child:
         args.config = args.child
         return child(args)
@@ -291,10 +300,12 @@ def main(argv: list[str] | None = None) -> str:
     lines = [f"Tiny InternVL (real architecture; {first['layers']} layers, {first['kv_heads']} KV heads of "
              f"{first['head_dim']}, {first['dtype'].removeprefix('torch.')}, {first['limit']:,} positions), "
              f"{args.image_size}x{args.image_size} frames, StateKV B={args.budget}, `VideoQA.stream()` with no horizon "
-             f"(positions: {first['positions']}), vision batches of 16; CPU ({platform.processor() or platform.machine()},"
-             f" {args.threads} torch thread, {os.cpu_count()} cores shared with other work: load average "
-             f"{min(loads):.1f} to {max(loads):.1f} over the runs, {load_before:.1f} before).",
-             f"Command: `python benchmarks/long_stream.py {' '.join(argv if argv is not None else sys.argv[1:])}`.", "",
+             f"(positions: {first['positions']}), vision batches of 16; CPU ({first.get('processor') or platform.machine()},"
+             f" {first.get('threads', args.threads)} torch thread, {first.get('cores', os.cpu_count())} cores: load "
+             f"average {min(loads):.1f} to {max(loads):.1f} over the runs"
+             + ("" if args.render_only else f", {load_before:.1f} before") + ").",
+             f"Command: `python benchmarks/long_stream.py {first.get('command') or args.command}`"
+             + (" (rendered later with `--render-only`)." if args.render_only else "."), "",
              *table(results)]
     if "tiers" in results:
         lines += ["", f"The disk tier against host memory, window by window in the one run (median of disk / memory "
