@@ -368,6 +368,10 @@ class StreamPositions:
             raise HorizonError(f"{retrieve} retrieved steps of up to {widest} positions and the question "
                                f"({room} tokens) do not fit in the model's {limit} positions; retrieve at most "
                                f"{fitting}")
+        if retrieve is None and fitting < 1:
+            raise HorizonError(f"the question and answer ({room} tokens) leave no room for a retrieved step of "
+                               f"{widest} positions in the model's {limit}; ask a shorter question or fewer answer "
+                               "tokens")
         steps = retrieve if retrieve is not None else fitting
         return QuestionPlan(False, keep_end + steps * widest, steps)
 
