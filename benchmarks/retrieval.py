@@ -307,6 +307,35 @@ def accuracy_section(results: dict[str, dict], rules: list[str], ks: tuple[int, 
     return "\n".join(lines)
 
 
+def against(results: dict[str, dict], flat: dict, rules: list[str], ks: tuple[int, ...], command: str, note: str,
+            segment_steps: int | None) -> str:
+    """Hierarchical retrieval (this run) against the flat rule (``flat``, an earlier run's --json): evidence
+    recall@k, worst layer, and accuracy with intervals, side by side."""
+    lines = [f"Command: `{command}` (against `{flat['command']}`)  ",
+             f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} (CPU).  ",
+             f"{note}; segments of {segment_steps} steps, so a 96-frame video holds {97 // (segment_steps or 16)} and a "
+             "question with k frames scores the steps of k segments (and of the segments earlier layers chose).  ",
+             "Recall: % of questions with at least one evidence frame among the k, at the worst layer. Accuracy: % "
+             "[95% Wilson interval].", "",
+             "| method | rule | k | recall, flat | recall, hierarchical | accuracy, flat | accuracy, hierarchical | "
+             "points |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, result in results.items():
+        reference = flat["results"].get(name)
+        if reference is None:
+            continue
+        for rule in rules:
+            for k in ks:
+                run = f"{rule}@{k}"
+                if run not in reference[0]["runs"]:
+                    continue
+                worst = min(a for a, _ in recall(result["questions"], run))
+                worst_flat = min(a for a, _ in recall(reference, run))
+                mine, theirs = accuracy(result["questions"], run), accuracy(reference, run)
+                lines.append(f"| {LABELS[name]} | {rule} | {k} | {worst_flat:.0f} | {worst:.0f} | {cell(*theirs)} | "
+                             f"{cell(*mine)} | {100 * (mine[0] - theirs[0]) / mine[1]:+.1f} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], path: Path) -> Path:
     from statekv.plotting import pyplot
 
@@ -354,8 +383,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accuracy-ks", default="8,16,32", help="the k of those rows")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="no runs: write --accuracy-out and --plot from the results an earlier --json saved")
+    parser.add_argument("--segment-steps", type=int, default=None,
+                        help="steps per segment of the retrieval index (default: the engine's); small enough that a "
+                             "96-frame video holds more segments than k, questions retrieve hierarchically")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="an earlier --json (the flat rule): write recall@k and accuracy against it")
+    parser.add_argument("--title", default="Measured", help="the section --out is written to")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.segment_steps is not None:
+        from statekv.core import storage as segmented
+
+        segmented.SEGMENT_STEPS = args.segment_steps
     if args.from_json:
         saved = json.loads(args.from_json.read_text(encoding="utf-8"))
         results = {name: {"questions": questions} for name, questions in saved["results"].items()}
@@ -383,6 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/retrieval.py " + " ".join(argv if argv is not None else sys.argv[1:])
     note = f"Held-out set: `statekv synthetic make --videos {args.videos} --seed {args.seed}`"
     text = markdown(results, rules, ks, command, note, causes)
+    if args.against:
+        flat = json.loads(args.against.read_text(encoding="utf-8"))
+        text = against(results, flat, rules, ks, command, note, args.segment_steps)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.plot:
             relative = Path(os.path.relpath(args.plot.resolve(), args.out.resolve().parent)).as_posix()
             figure = f"\n\n![accuracy and evidence recall against k]({relative})"
-        write_section(args.out, "Measured", text + figure)
+        write_section(args.out, args.title, text + figure)
 
 
 if __name__ == "__main__":

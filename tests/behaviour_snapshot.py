@@ -21,6 +21,15 @@ One change is expected and checked exactly (issue 33: the engine checks every fa
 trace may gain, once, the engine's check that the prompt's ids are in the vocabulary (`PROMPT_CHECK`, five ops
 on the prompt) where the reference's adapter (Qwen3-VL, Eagle) decoded without it. Every other op, and every
 answer, must be identical; ``compare`` counts the traces that differ by that check alone.
+
+Against a reference from before issue 34 (streams that never end), these differ by design and ``compare`` reports
+them: every step's op trace gains the segment index's ops (min, max and sum of the step's keys per layer) and a
+question's loses or gains a few (step starts kept as the steps commit, the question plan); state dicts and saved
+files gain ``segment_index`` and ``segment_partial`` per layer; ``EncodingStats`` gains ``earlier_frames``; the
+peak device bytes count the open segment's accumulators; disk-tier file sets are format 2 (checkpoints every
+``CHECKPOINT_STEPS`` steps, segment index); under a cache cap (``refuse``, ``evict-*``) the cap now counts
+summaries, scales and the journal, so fewer frames fit and the answers differ. Hidden states, carried states,
+positions and answers of every other set-up must be identical (they were, at the merge of main into issue 34).
 """
 
 from __future__ import annotations

@@ -35,29 +35,34 @@ def _qa(adapter, method="recency", **kwargs) -> statekv.VideoQA:
     return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
 
 
-def _steps(adapter, frames: int) -> tuple[list[int], int]:
-    """(each step's tokens for ``frames`` frames, the prompt prefix's step first; bytes per token)."""
+def _steps(adapter, frames: int) -> tuple[list[int], int, int]:
+    """(each step's tokens for ``frames`` frames, the prompt prefix's step first; bytes per token; the bytes each
+    step adds besides its tokens: its retrieval summaries)."""
     probe = _qa(adapter).stream(horizon_frames=frames)
     for frame in _frames(frames):
         probe.push(frame)
     assert probe.prefix_tokens and probe.prefill.cache.chunk_lengths[0] == probe.prefix_tokens
-    return list(probe.prefill.cache.chunk_lengths), cache_geometry(adapter.model).bytes_per_token
+    return (list(probe.prefill.cache.chunk_lengths), cache_geometry(adapter.model).bytes_per_token,
+            probe.prefill.bytes_per_step)
 
 
-def _oldest_evicted(lengths: list[int], cap_tokens: int) -> list[int]:
-    """The steps evict-oldest gives up, simulated: before each step, the oldest frames go until it fits (the
-    prefix stays; a 2-frame recency window carries only the newest frames)."""
+def _oldest_evicted(lengths: list[int], cap: int, per_token: int, per_step: int) -> list[int]:
+    """The steps evict-oldest gives up under ``cap`` bytes (each step: its tokens and its summaries), simulated:
+    before each step, the oldest frames go until it fits (the prefix stays; a 2-frame recency window carries only
+    the newest frames)."""
     held, evicted = [0], []
+    cost = lambda step: lengths[step] * per_token + per_step  # noqa: E731
     for step in range(1, len(lengths)):
-        while sum(lengths[s] for s in held) + lengths[step] > cap_tokens:
+        while sum(cost(s) for s in held) + cost(step) > cap:
             evicted.append(held.pop(1))
         held.append(step)
     return evicted
 
 
 def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
-    lengths, per_token = _steps(adapter, 4)
-    stream = _qa(adapter, max_cache_bytes=sum(lengths[:4]) * per_token).stream(horizon_frames=6)
+    lengths, per_token, per_step = _steps(adapter, 4)
+    cap = sum(lengths[:4]) * per_token + 4 * per_step  # the prefix and 3 frames, with their summaries
+    stream = _qa(adapter, max_cache_bytes=cap).stream(horizon_frames=6)
     for frame in _frames(3):
         stream.push(frame)
     before = (stream.frames, stream.tokens, stream.ask_tokens(QUESTION, max_new_tokens=4))
@@ -68,16 +73,22 @@ def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
     assert (stream.frames, stream.tokens) == before[:2] and not stream.pending
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), before[2])
     assert stream.stats.evicted_frames == 0 and stream.prefill.stats.evicted_steps == 0
+    held = stream.prefill.stats
+    assert held.held_bytes == sum(lengths[:4]) * per_token + 4 * per_step <= cap
+    assert held.summary_bytes >= 4 * per_step and held.journal_bytes == held.scale_bytes == 0
 
 
 @pytest.mark.parametrize("offload", [True, "disk"])
 def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path, caplog):
-    lengths, per_token = _steps(adapter, 7)
-    cap_tokens = lengths[0] + max(lengths[1:]) * 3
-    evicted = _oldest_evicted(lengths, cap_tokens)
-    kept_frames = 7 - len(evicted)
+    lengths, per_token, per_step = _steps(adapter, 7)
+    cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
     disk = {"offload_dir": tmp_path} if offload == "disk" else {}
-    settings = dict(offload=offload, max_cache_bytes=cap_tokens * per_token, cache_limit="evict-oldest", **disk)
+    if disk:  # the journal and its checkpoints are counted too: room for what they take by the end
+        probe = _qa(adapter, offload="disk", offload_dir=tmp_path / "probe").stream(horizon_frames=7)
+        for frame in _frames(7):
+            probe.push(frame)
+        cap += probe.prefill.stats.journal_bytes
+    settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", **disk)
     capped = _qa(adapter, **settings).stream(horizon_frames=7)
     whole = _qa(adapter).stream(horizon_frames=7)
     with caplog.at_level(logging.WARNING, logger="statekv"):
@@ -86,7 +97,17 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
             whole.push(frame)
     said = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
     assert len(said) == 1 and "evicting the oldest frames" in said[0]  # stated once, when it first happened
-    assert evicted and capped.prefill.cache.evicted_steps == set(evicted)  # the prompt prefix is protected
+    evicted = sorted(capped.prefill.cache.evicted_steps)
+    kept_frames = 7 - len(evicted)
+    assert evicted == list(range(1, len(evicted) + 1))  # the oldest frames; the prompt prefix is protected
+    journal = capped.prefill.stats.journal_bytes
+    assert (journal > 0) == (offload == "disk")
+    simulated = _oldest_evicted(lengths, cap - (probe.prefill.stats.journal_bytes if disk else 0), per_token, per_step)
+    if disk:  # its journal also holds the evictions and the room kept for the next step's line: perhaps one more
+        assert len(simulated) <= len(evicted) <= len(simulated) + 1
+    else:
+        assert evicted == simulated
+    assert capped.prefill.stats.held_bytes <= cap
     assert capped.stats.evicted_frames == capped.prefill.stats.evicted_steps == len(evicted)
     assert capped.prefill.stats.evicted_tokens == sum(lengths[s] for s in evicted)
     # positions never move: the kept frames answer exactly as the same frames retrieved from the whole cache
@@ -98,17 +119,20 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
     if offload == "disk":  # given back to the file system: the evicted rows read as zeros
         starts = np.cumsum([0, *lengths])
         for layer in capped.prefill.cache.layers:
+            retained = set(capped.prefill.keeper.retained.get(layer.index, torch.zeros(0)).tolist())
             for s in evicted:
+                if retained & set(range(int(starts[s]), int(starts[s + 1]))):
+                    continue  # carried when it was evicted: given back at a later eviction
                 keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
                 assert not keys.any() and not values.any()
-        capped.close()  # one owner at a time
+        capped.close()  # one owner at a time (closing checkpoints it: it resumes where it is)
         resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
 
 
 def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adapter, tmp_path):
-    lengths, per_token = _steps(adapter, 4)
+    lengths, per_token, _ = _steps(adapter, 4)
     stream = _qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=sum(lengths) * per_token,
                  cache_limit="evict-least-attended").stream(horizon_frames=8)
     evictions = []
@@ -147,13 +171,13 @@ def test_retrieval_never_chooses_an_evicted_step():
 
 
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
-    lengths, per_token = _steps(adapter, 5)
-    cap_tokens = lengths[0] + max(lengths[1:]) * 2
-    qa = _qa(adapter, offload=True, max_cache_bytes=cap_tokens * per_token, cache_limit="evict-oldest")
+    lengths, per_token, per_step = _steps(adapter, 5)
+    cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step
+    qa = _qa(adapter, offload=True, max_cache_bytes=cap, cache_limit="evict-oldest")
     stream = qa.stream(horizon_frames=5)
     for frame in _frames(5):
         stream.push(frame)
-    evicted = _oldest_evicted(lengths, cap_tokens)
+    evicted = _oldest_evicted(lengths, cap, per_token, per_step)
     loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
     assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps == set(evicted)
     assert loaded.stats.evicted_frames == len(evicted)

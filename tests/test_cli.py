@@ -176,7 +176,11 @@ def test_bad_questions_and_models(files, tmp_path, capsys):
     static_rope = {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     short = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=static_rope)
     capsys.readouterr()
+    # a video past the model's 64 positions streams at bounded positions; the question itself cannot fit
     assert main(["answer", str(files["video"]), "Why?", "--model", str(short), "--reserve-tokens", "16"]) == 2
+    assert "do not fit in the model's 64 positions" in _one_line_error(capsys.readouterr().err)
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(short), "--reserve-tokens", "16",
+                 "--positions", "stream"]) == 2
     assert "beyond the model's RoPE" in _one_line_error(capsys.readouterr().err)
 
 

@@ -486,7 +486,7 @@ METADATA_EDITS = {
     "pushed as text": (_set("pushed", "3"), "metadata.pushed must be a non-negative integer"),
     "negative pushed": (_set("pushed", -1), "metadata.pushed must be a non-negative integer"),
     "fewer pushed than kept": (_set("pushed", 1), "fewer than the 3 frames kept"),
-    "absurd horizon_frames": (_set("horizon_frames", 10**15), "leaves no room"),
+    "absurd horizon_frames": (_set("horizon_frames", 10**15), "plus its reserve"),
     "horizon_frames below the frames kept": (_set("horizon_frames", 2), "fewer than the 3 frames kept"),
     "a float horizon": (_set("horizon", 1e3), "metadata.horizon must be a positive integer"),
     "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),

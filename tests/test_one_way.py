@@ -79,8 +79,8 @@ def test_an_engine_setting_added_to_the_table_reaches_every_stream_and_its_saved
 def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
     with pytest.raises(ConfigurationError, match="kv_cache_dtype must be auto, int8 or int4"):
         EngineSettings(kv_cache_dtype="int3")
-    with pytest.raises(ConfigurationError, match="unknown positions 'bounded'"):
-        EngineSettings(positions="bounded")  # the only rule so far: a token's index in the whole stream
+    with pytest.raises(ConfigurationError, match="unknown positions 'relative'; choose one of stream, bounded"):
+        EngineSettings(positions="relative")
     with pytest.raises(ConfigurationError, match="unknown engine setting 'budget'"):
         EngineSettings().with_changes(budget=3)
     assert EngineSettings(kv_cache_dtype="auto").kv_cache_dtype is None
@@ -88,7 +88,10 @@ def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
     adapter = load_adapter(checkpoint)
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), kv_cache_dtype="int8", attention="eager")
     video = statekv.EncodedVideo(qa, 200)
-    assert video.engine is qa.engine and video.prefill.settings is qa.engine
+    assert video.prefill.settings is video.engine  # decided once for this video (positions), then whole
+    assert video.engine.positions == "stream" and video.engine.with_changes(positions=None) == qa.engine
+    unbounded = statekv.EncodedVideo(qa, None)
+    assert unbounded.prefill.settings.positions == "bounded" and unbounded.prefill.horizon is None
     assert video.prefill.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
 
 

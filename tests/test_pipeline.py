@@ -237,16 +237,24 @@ def test_question_and_answer_must_fit_the_reserve(adapters):
     _one_line(info.value)
 
 
-def test_horizon_beyond_the_models_rope_fails_before_any_frame(tmp_path, monkeypatch):
+def test_horizon_beyond_the_models_rope_fails_before_any_frame_with_stream_positions(tmp_path, monkeypatch):
+    """positions="stream" beyond the RoPE fails before any frame; by default such a video is encoded with bounded
+    positions, and a question reads what fits the range."""
     static_rope = {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=static_rope)
-    qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", reserve_tokens=16)
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", reserve_tokens=16, positions="stream")
     encoded_frames = []
+    original = qa.adapter.prepare_frames
     monkeypatch.setattr(qa.adapter, "prepare_frames", lambda *args: encoded_frames.append(args))
     with pytest.raises(statekv.HorizonError, match="beyond the model's RoPE") as info:
         qa.encode(_video(8), max_frames=8)
     _one_line(info.value)
     assert not encoded_frames
+    monkeypatch.setattr(qa.adapter, "prepare_frames", original)
+    video = qa.with_options(positions=None).encode(_video(8), max_frames=8)
+    assert video.prefill.positions.mode == "bounded" and video.tokens > 64
+    video.ask("Why?", max_new_tokens=3)
+    assert video.answer_info.context == "retrieved"
 
 
 def test_unsupported_or_missing_model(tmp_path):

@@ -28,7 +28,9 @@ def _python_blocks() -> list[str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("readme")
-    vlm = make_tiny_checkpoint("internvl", root / "internvl")
+    vlm = make_tiny_checkpoint("internvl", root / "internvl",  # a real range: the live stream's question fits it
+                               text_config={"max_position_embeddings": 4096,
+                                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     lm = root / "qwen2"  # a causal LM with the tiny VLM's tokenizer, for the engine's example
     tokenizer = AutoTokenizer.from_pretrained(vlm)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -191,6 +191,33 @@ def test_a_held_out_video_under_the_media_root_answers_as_videoqa(server, qa, me
     assert stats["saved"]["frames"] == 12 and stats["resume_from"] == 12  # a source fed in full is saved
 
 
+def test_a_stream_made_without_a_horizon_runs_past_the_models_range(tmp_path, media):
+    """No horizon by default: a stream outlives the model's positional range (a tiny model of 256 positions, fed
+    three times as many) and still answers; nothing answers 409 for its age."""
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    (tmp_path / "state").mkdir()
+    running = Server(tmp_path / "state", media, "--model", str(checkpoint), "--save-every-frames", "1000").start()
+    try:
+        with running.client() as client:
+            reply = client.post("/v1/streams", json={"max_fps": None})
+            assert reply.status_code == 201, reply.text
+            stream_id = reply.json()["id"]
+            for image in _frames(7, 50):
+                pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(image),
+                                     headers={"Content-Type": "image/png"})
+                assert pushed.status_code == 200, pushed.text
+            stats = client.get(f"/v1/streams/{stream_id}").json()
+            assert stats["horizon_frames"] is None and stats["tokens"] > 3 * 256
+            answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 4})
+            assert answer.status_code == 200, answer.text
+    finally:
+        running.stop()
+
+
 def test_answers_stream_token_by_token(server):
     with server.client() as client:
         stream_id = _create(client)
@@ -294,7 +321,9 @@ def test_bad_requests_get_one_line_json_errors(server):
         _error(client.post("/v1/streams", json={"budget": -3}), 400)
         _error(client.post("/v1/streams", json={"horizon_frames": "many"}), 400)
         _error(client.post("/v1/streams", json={"colour": "red"}), 400)
-        _error(client.post("/v1/streams", json={"horizon_frames": 10**6}), 409)  # beyond the model's RoPE
+        beyond = client.post("/v1/streams", json={"horizon_frames": 10**6})  # beyond the RoPE: bounded positions
+        assert beyond.status_code == 201, beyond.text
+        client.delete(f"/v1/streams/{beyond.json()['id']}").raise_for_status()
         _error(client.post(frames, content=b"hello", headers={"Content-Type": "text/plain"}), 415)
         broken = _error(client.post(frames, content=b"\x89PNG\r\n\x1a\nbroken", headers={"Content-Type": "image/png"}), 400)
         assert "0x" not in broken and "<" not in broken  # no repr of PIL's in-memory file
@@ -318,11 +347,14 @@ def test_bad_requests_get_one_line_json_errors(server):
 
 def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, media):
     with server.client() as client:
-        message = _error(client.post("/v1/streams", json={"horizon_frames": 600}), 409)
-        assert "horizon_frames 600" in message and "at most 519 frames" in message  # the largest the model holds
+        past = client.post("/v1/streams", json={"horizon_frames": 600})  # past the RoPE's 519: bounded positions
+        assert past.status_code == 201 and past.json()["horizon_frames"] == 600, past.text
+        client.delete(f"/v1/streams/{past.json()['id']}").raise_for_status()
+        message = _error(client.post("/v1/streams", json={"horizon_frames": 0}), 400)
+        assert "positive integer or null (no horizon), got 0" in message
         empty = client.post("/v1/streams")  # no body at all: every field is optional
         assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text
-        assert empty.json()["horizon_frames"] == 519 and empty.json()["settings"]["budget"] == SERVER_BUDGET
+        assert empty.json()["horizon_frames"] is None and empty.json()["settings"]["budget"] == SERVER_BUDGET
         client.delete(f"/v1/streams/{empty.json()['id']}").raise_for_status()
         stream_id = _create(client, horizon_frames=4)  # room for about 1000 tokens of question and answer
         frames, ask = f"/v1/streams/{stream_id}/frames", f"/v1/streams/{stream_id}/ask"

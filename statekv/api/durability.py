@@ -72,7 +72,7 @@ class Durability:
         file set can itself be resumed."""
         if self.tier is None:
             return
-        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})
+        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})  # with placements
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
 
@@ -112,6 +112,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
                      prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
+                     positions=setup["engine"].get("settings", {}).get("positions") or "stream",
                      disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner)
     except BaseException:
         tier.close()

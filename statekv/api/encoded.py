@@ -20,6 +20,7 @@ import torch
 
 from ..core import Retrieval, StreamingPrefill
 from ..core.batching import StepBatcher, StepRequest, step_alone
+from ..core.positions import choose_positions
 from ..core.retrieval import retrieval_rule
 from ..core.settings import EngineSettings
 from .durability import Durability
@@ -47,12 +48,13 @@ class EncodedVideo:
 
     RECORDS_FRAMES = False  # whether a step's durable record names its last frame (what a stream resumes after)
 
-    def __init__(self, qa: Any, horizon: int, *, num_frames: int | None = None, fps: float | None = None,
+    def __init__(self, qa: Any, horizon: int | None, *, num_frames: int | None = None, fps: float | None = None,
                  name: str = "video", prefix_tokens: int | None = None, engine: EngineSettings | None = None,
                  disk_tier: Any = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
         has nothing to stream); None: `start` streams the adapter's prefix. engine: the engine's settings
-        (default: the VideoQA's). disk_tier: the file set a resumed disk-tier stream continues in
+        (default: the VideoQA's; positions None: decided here for ``horizon``, see
+        `statekv.core.positions.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
         (`statekv.core.disk.DiskTier`)."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
@@ -62,7 +64,9 @@ class EncodedVideo:
         prefix = self.adapter.prefix(self.state) if prefix_tokens is None else None
         self.prefix_tokens = prefix.num_tokens if prefix is not None else prefix_tokens or 0
         policy = qa.policy.for_prefix(self.prefix_tokens)
-        self.engine = qa.engine if engine is None else engine
+        engine = qa.engine if engine is None else engine
+        positions = choose_positions(engine.positions, self.adapter.model.config.get_text_config(), horizon)
+        self.engine = engine if engine.positions == positions else engine.with_changes(positions=positions)
         self.prefill = StreamingPrefill(self.adapter.model, policy, self.engine, horizon=horizon,
                                         protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,
                                         disk_tier=disk_tier)
@@ -124,9 +128,13 @@ class EncodedVideo:
         if retrieval is not None:  # checked whether or not this question retrieves
             retrieval_rule(retrieval)
         prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
+        rule = retrieval
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
-        room = self.horizon - self.prefill.seen_tokens
-        if prompt.input_ids.shape[1] + max_new_tokens > room:
+        plan = self.prefill.question_plan(prompt.input_ids.shape[1] + max_new_tokens, retrieval)  # bounded only
+        if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
+            retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
+        room = None if plan is not None else self.horizon - self.prefill.seen_tokens
+        if room is not None and prompt.input_ids.shape[1] + max_new_tokens > room:
             raise HorizonError(
                 f"the question ({prompt.input_ids.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
                 f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
@@ -136,12 +144,16 @@ class EncodedVideo:
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
-                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps))
+                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps),
+                                      context="whole" if retrieval is None else "retrieved")
         return answer
 
     def retrievable(self, steps: int) -> int:
         """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
         no more steps than that, every frame it still holds (evicted ones read nothing)."""
+        per_step = self.adapter.frames_per_step
+        if steps * per_step < self.frames - self.stats.evicted_frames:  # fewer than the steps held: no walk
+            return steps * per_step
         evicted = set(self.prefill.evicted_steps)
         held = [frames for step, frames in enumerate(self.step_frames) if frames and step not in evicted]
         return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
@@ -279,5 +291,6 @@ class EncodedVideo:
         stats.decode_seconds.extend([step.encoded.decode_seconds * per_frame] * chunk.frames)
         stats.vision_seconds.extend([step.encoded.vision_seconds * per_frame] * chunk.frames)
         stats.language_seconds.extend([(finished - started) * per_frame] * chunk.frames)
+        stats.trim()
         stats.vision_batch = vision_batch
         self._step_started = finished

@@ -21,6 +21,7 @@ from .stats import EncodingStats
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
 from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
+                          recorded_settings,
                           check_values, model_identity, read_verified, weights_fingerprint, write_verified)
 from ..video import Frame
 
@@ -58,7 +59,7 @@ def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
     whole."""
     return {"method": stream.qa.method, "policy": repr(stream.qa.policy), "attention": stream.prefill.attention,
             **more, "cuda_graph": bool(stream.engine.cuda_graph),
-            "reserve_tokens": stream.horizon - stream.adapter.max_video_tokens(stream.horizon_frames),
+            "reserve_tokens": stream.reserve_tokens,
             "settings": stream.engine.to_dict()}
 
 
@@ -78,16 +79,14 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
         raise InputError(f"{path}: {error}") from None
-    reserve = metadata["horizon"] - qa.adapter.max_video_tokens(metadata["horizon_frames"])
-    if reserve < 1:
-        raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} leaves no room "
-                         f"after {metadata['horizon_frames']} frames (horizon_frames)")
+    reserve = metadata["engine"]["reserve_tokens"]  # check_against_model holds it to the horizon
     check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
     check_against_model(path, metadata, qa.adapter)
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
                      prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto",
+                     positions=recorded_settings(metadata).get("positions") or "stream",
                      stream_id=metadata.get("stream_id"), owner=owner)
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+TIMES_KEPT = 10_000  # per-frame times EncodingStats keeps (the latest; older ones are summed)
+
 ProgressCallback = Callable[[int, int | None], None]  # (frames done, frames planned or None)
 
 
@@ -30,6 +32,9 @@ class EncodingStats:
     peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
     evicted_frames: frames whose detailed cache was given up under ``max_cache_bytes`` (answers no longer see
         them; see `statekv.core.limits`).
+    earlier_seconds, earlier_frames: the wall time and count of frames whose per-frame times were dropped: the
+        lists keep the last `TIMES_KEPT` to `2 * TIMES_KEPT` frames, so a stream that never ends keeps a bounded
+        record (``seconds`` and the means still count every frame).
     """
 
     frames: int = 0
@@ -45,18 +50,31 @@ class EncodingStats:
     peak_cache_device_bytes: int = 0
     peak_memory_bytes: int | None = None
     evicted_frames: int = 0
+    earlier_seconds: float = 0.0
+    earlier_frames: int = 0
 
     @property
     def seconds(self) -> float:
-        return float(sum(self.frame_seconds))
+        return float(sum(self.frame_seconds)) + self.earlier_seconds
 
     @property
     def mean_frame_seconds(self) -> float:
-        return self.seconds / len(self.frame_seconds) if self.frame_seconds else 0.0
+        timed = len(self.frame_seconds) + self.earlier_frames
+        return self.seconds / timed if timed else 0.0
 
     @property
     def frames_per_second(self) -> float:
-        return len(self.frame_seconds) / self.seconds if self.seconds > 0 else 0.0
+        return (len(self.frame_seconds) + self.earlier_frames) / self.seconds if self.seconds > 0 else 0.0
+
+    def trim(self) -> None:
+        """Keep the last `TIMES_KEPT` frames' times once twice as many are held (their sum kept)."""
+        dropped = len(self.frame_seconds) - TIMES_KEPT
+        if dropped < TIMES_KEPT:
+            return
+        self.earlier_seconds += float(sum(self.frame_seconds[:dropped]))
+        self.earlier_frames += dropped
+        for times in (self.frame_seconds, self.decode_seconds, self.vision_seconds, self.language_seconds):
+            del times[:dropped]
 
     def stage_seconds(self) -> dict[str, float]:
         """Mean seconds per frame of each stage: ``{"decode": ..., "vision": ..., "language": ...}``."""
@@ -85,12 +103,15 @@ class EncodingStats:
 class AnswerInfo:
     """What an answer could see (`EncodedVideo.answer_info` after `ask`): the ``frames`` encoded, the
     ``evicted_frames`` among them it could no longer see (given up under ``max_cache_bytes``) and their share
-    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache)."""
+    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache);
+    ``context``: what it read, ``"whole"`` (the whole detailed cache) or ``"retrieved"`` (retrieved frames: asked
+    for, or under bounded positions because the whole cache does not fit in the model's range)."""
 
     frames: int
     evicted_frames: int
     unseen_fraction: float
     retrieved_frames: int | None
+    context: str = "whole"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -83,29 +83,34 @@ class Stream(EncodedVideo):
 
     RECORDS_FRAMES = True
 
-    def __init__(self, qa: Any, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+    def __init__(self, qa: Any, horizon_frames: int | None, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
                  kv_cache_dtype: str | None = None, disk_tier: Any = None, stream_id: str | None = None,
-                 owner: str | None = None):
+                 owner: str | None = None, positions: str | None = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
         it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
         detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
         a disk-tier stream, its file set. stream_id: the stream's id, recorded in its files (default: a new
         random one). owner: who owns it (any text, e.g. an API key's id; its digest is recorded, `load` checks
-        it)."""
+        it). horizon_frames: None: no horizon, the stream never ends (bounded positions). positions: ``"stream"`` or
+        ``"bounded"`` (default: the VideoQA's; resuming: as the stream was made)."""
         self.id = new_stream_id() if stream_id is None else check_stream_id(stream_id)
         self.owner_digest = owner_digest(owner)
-        check_int(horizon_frames, "horizon_frames", error=InputError)
+        if horizon_frames is not None:
+            check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
         vision_batch = check_vision_batch(vision_batch)
         max_fps = None if max_fps is None else float(max_fps)
         engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+        if positions is not None:
+            engine = engine.with_changes(positions=positions)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
                          engine=engine, disk_tier=disk_tier)
         self.lock = threading.RLock()
         self.horizon_frames = horizon_frames
+        self.reserve_tokens = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self.max_fps = max_fps
         self.vision_batch = vision_batch
         self.pushed = 0
@@ -159,7 +164,7 @@ class Stream(EncodedVideo):
             if tick < self.next_tick:
                 return Offer(False, timestamp, False)
         kept = self.state.frames + len(self.pending)
-        if kept + 1 > self.horizon_frames:
+        if self.horizon_frames is not None and kept + 1 > self.horizon_frames:
             raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
                                "with a larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch

@@ -29,7 +29,7 @@ SCHEMA = record_check({
                            "weights": TEXT}),
     "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
                             "reserve_tokens": integer_check(1)}, optional={"settings": SETTINGS}),
-    "horizon": integer_check(1), "horizon_frames": integer_check(1),
+    "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
     "max_fps": optional_check(number_check(positive=True)), "prefix_tokens": integer_check(0),
     "vision_batch": integer_check(1), "kv_cache_dtype": optional_check(TEXT),
 }, optional=OWNERSHIP)

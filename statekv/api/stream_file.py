@@ -223,13 +223,17 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
     """The fields that depend on the model, recomputed from it: the horizon (the frames' tokens plus the
     reserve), the prompt prefix's length, and every step's length and count."""
     frames_per_step = adapter.frames_per_step
-    video_tokens = adapter.max_video_tokens(metadata["horizon_frames"])
+    horizon_frames, frames = metadata["horizon_frames"], metadata["state"]["frames"]
+    if (horizon_frames is None) != (metadata["horizon"] is None):
+        raise InputError(f"{path}: malformed stream metadata: horizon and horizon_frames must both be null (no "
+                         "horizon) or both be set")
+    video_tokens = adapter.max_video_tokens(horizon_frames if horizon_frames is not None else frames)
     reserve = metadata["engine"]["reserve_tokens"]
-    if metadata["horizon"] != video_tokens + reserve:
+    if horizon_frames is not None and metadata["horizon"] != video_tokens + reserve:
         raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} is not the "
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
                          f"{reserve} for this model")
-    state = adapter.start(metadata["horizon_frames"], metadata["max_fps"])
+    state = adapter.start(horizon_frames, metadata["max_fps"])
     saved = metadata["state"].get("extra")
     for key, value in state.extra.items() if saved is not None else ():
         if saved.get(key) != value:  # what a stream of these frames at this rate starts with (Eagle states its rate)
@@ -247,12 +251,11 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
             raise InputError(f"{path}: malformed stream metadata: the first step must be the {expected_prefix}-token "
                              f"prompt prefix, got {lengths[:1]}")
         lengths = lengths[1:]
-    longest = adapter.max_video_tokens(frames_per_step)
+    longest = adapter.max_video_tokens(frames_per_step if horizon_frames is not None else max(frames, frames_per_step))
     for number, length in enumerate(lengths):
         if not 1 <= length <= longest:
             raise InputError(f"{path}: malformed stream metadata: step {number} holds {length} tokens; a step of "
                              f"this model holds 1 to {longest}")
-    frames = metadata["state"]["frames"]
     if len(lengths) != math.ceil(frames / frames_per_step):
         raise InputError(f"{path}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
                          f"({frames_per_step} per step)")
@@ -344,6 +347,8 @@ def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
             checks[field.name] = type_check(dict, "an object")
         elif field.default is None:
             checks[field.name] = optional_check(integer_check())
+        elif isinstance(field.default, float):
+            checks[field.name] = number_check()
         else:
             checks[field.name] = integer_check()
     return record_check({k: v for k, v in checks.items() if k not in optional},
@@ -364,17 +369,18 @@ SCHEMA = record_check({
     "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
                             "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
                            optional={"settings": SETTINGS}),
-    "horizon": integer_check(1), "horizon_frames": integer_check(1),
+    "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
     "max_fps": optional_check(number_check(positive=True)),
     "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
     "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
     "pending": list_check(list_check(number_check(), length=2)),
     "state": dataclass_check(LayoutState),
-    "stats": dataclass_check(EncodingStats, optional=("evicted_frames",)),
+    "stats": dataclass_check(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
     "cache": record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
                       "window_starts": list_check(optional_check(integer_check(0)))},
                      optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": list_check(integer_check(0))}),
+                               "evicted_steps": list_check(integer_check(0)),
+                               "positions": type_check(dict, "an object")}),  # absent: stream positions
     "checksums": type_check(dict, "an object"),
 }, optional=OWNERSHIP)
 
@@ -402,9 +408,9 @@ def _check_counts(metadata: dict[str, Any]) -> None:
             raise InputError(f"{name} is {value}, inconsistent with the rest ({expected})")
     if kept > metadata["pushed"]:
         raise InputError(f"pushed is {metadata['pushed']}, fewer than the {kept} frames kept")
-    if kept > metadata["horizon_frames"]:
+    if metadata["horizon_frames"] is not None and kept > metadata["horizon_frames"]:
         raise InputError(f"horizon_frames is {metadata['horizon_frames']}, fewer than the {kept} frames kept")
-    if seen > metadata["horizon"]:
+    if metadata["horizon"] is not None and seen > metadata["horizon"]:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")

@@ -58,7 +58,9 @@ class VideoQA:
             ``"disk"``: an append-only, memory-mapped file set per video or stream under ``offload_dir``, which
             `Stream.load` resumes after a crash), ``max_cache_bytes`` and ``cache_limit`` (a cap on each detailed
             cache and what happens at it: ``refuse``, ``evict-oldest``, ``evict-least-attended``),
-            ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``positions``);
+            ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``positions``: ``"stream"``
+            or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's horizon fits the model's
+            range, else ``bounded``, so a stream without a horizon is bounded; see `statekv.core.positions`);
             ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
@@ -208,12 +210,16 @@ class VideoQA:
             answers = [video.ask(text, **ask_kwargs) for text in questions]
         return answers[0] if isinstance(question, str) else answers
 
-    def stream(self, horizon_frames: int, *, max_fps: float | None = None, name: str = "stream",
+    def stream(self, horizon_frames: int | None = None, *, max_fps: float | None = None, name: str = "stream",
                vision_batch: int = 1, reserve_tokens: int | None = None,
                kv_cache_dtype: str | None = None, stream_id: str | None = None,
                owner: str | None = None) -> Stream | RecentFrames:
-        """A live stream of at most ``horizon_frames`` frames: `Stream.push` frames as they arrive, ask any time.
-        Under ``simplestream``: a `RecentFrames`, which keeps the last N frames and no cache.
+        """A live stream: `Stream.push` frames as they arrive, ask any time. Under ``simplestream``: a
+        `RecentFrames`, which keeps the last N frames and no cache.
+
+        horizon_frames: the most frames it will take (its positions are then the stream's where they fit the
+            model's range); None: no horizon, the stream never ends (bounded positions: every position kept
+            inside the model's trained range, see `statekv.core.positions`).
 
         max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
         vision_batch: frames vision-encoded together (default 1: each frame is encoded as it is pushed; with
@@ -276,11 +282,13 @@ class VideoQA:
                     raise result
         return results
 
-    def horizon_for(self, num_frames: int, frame_size: tuple[int, int] | None = None,
-                    reserve_tokens: int | None = None) -> int:
+    def horizon_for(self, num_frames: int | None, frame_size: tuple[int, int] | None = None,
+                    reserve_tokens: int | None = None) -> int | None:
         """The planned length in tokens for ``num_frames`` sampled frames (of ``frame_size`` (height, width),
-        if known) plus the reserve (default: the VideoQA's)."""
+        if known) plus the reserve (default: the VideoQA's); None for no horizon."""
         reserve = self.reserve_tokens if reserve_tokens is None else check_int(reserve_tokens, "reserve_tokens")
+        if num_frames is None:
+            return None
         return self.adapter.max_video_tokens(num_frames, frame_size=frame_size) + reserve
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ChunkMask, chunk_attention
+from .positions import QuestionPlan, rotate
 from .retrieval import LayerQuestion, Retrieval
 from ..errors import InputError
 
@@ -45,12 +46,15 @@ class AnswerLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
-                 evicted: frozenset[int] = frozenset()):
-        """steps: the stream's step lengths, in tokens (what retrieval scores); evicted: the steps given up under
-        a cache limit (never read)."""
+                 evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None,
+                 starts: torch.Tensor | None = None):
+        """steps: the stream's step lengths, in tokens (what retrieval scores), and starts their first tokens
+        (``[steps + 1]``, then the end); evicted: the steps given up under a cache limit (never read); placing:
+        under bounded positions, where the context's keys go."""
         super().__init__()
         self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
-        self.evicted = evicted
+        self.evicted, self.starts = evicted, starts
+        self.placing = placing
         self.keys = self.values = None
         self.context = self.answered = 0
         self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
@@ -78,7 +82,9 @@ class AnswerLayer(CacheLayerMixin):
         keys, values = self._pending
         need = length + self.room
         evicted = self.evicted
-        in_place = storage.answer_in_place(keys, need - length) if retrieval is None and not evicted else None
+        placed = self.placing is not None  # bounded positions: the keys are moved, so never read in place
+        in_place = (storage.answer_in_place(keys, need - length) if retrieval is None and not evicted and not placed
+                    else None)
         if in_place is not None:  # answer in the free room past the stream's end: no copy
             (self.keys, self.values), self.context = in_place, length
         elif retrieval is None and not evicted:  # stored elsewhere or otherwise: the whole cache to the model's device
@@ -97,15 +103,21 @@ class AnswerLayer(CacheLayerMixin):
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
             steps = self.steps
             means, samples = storage.summaries
+            segments = storage.segments
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
                                  read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
-                                 evicted=frozenset(evicted))
+                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
+                                 starts=self.starts)
             index = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
                 index, self.model_device, keys.dtype)
             self.context = index.shape[0]
+        if placed:
+            index = (torch.arange(length) if retrieval is None and not evicted else
+                     _held_tokens(self.steps, evicted) if retrieval is None else index)
+            self.keys[:, :, : self.context] = self.placing.placed(self.keys[:, :, : self.context], index)
         self._pending = None
         self._append(keys, values)
 
@@ -131,7 +143,10 @@ class AnswerLayer(CacheLayerMixin):
         self.owned_bytes = 2 * self.keys.numel() * self.keys.element_size()
 
     def get_seq_length(self) -> int:
-        """Logical tokens before the next one: the stream's, then the prompt and answer so far."""
+        """Logical tokens before the next one: the stream's (under bounded positions, where the prompt was
+        placed), then the prompt and answer so far."""
+        if self.placing is not None:
+            return self.placing.plan.start + self.answered
         return self.stream.storage.length + self.answered
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -150,19 +165,39 @@ def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:
     return held.nonzero().squeeze(1)
 
 
+class ContextPlacing:
+    """Under bounded positions, where a question's context goes (:mod:`statekv.core.positions`): each step's
+    keys rotated from the rotation they were stored at to the place ``plan`` gives them."""
+
+    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: torch.Tensor):
+        self.stream, self.plan, self.starts = stream, plan, starts
+
+    def placed(self, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``keys`` ``[B, H_kv, M, D]`` of the tokens ``index`` ``[M]`` (ascending) rotated to their places."""
+        steps = torch.searchsorted(self.starts, index.cpu(), right=True) - 1
+        unique, inverse = torch.unique_consecutive(steps, return_inverse=True)
+        deltas = self.stream.positions.context_deltas(unique.tolist(), self.plan)[inverse]
+        positions = self.stream.positions
+        return rotate(keys, deltas.to(keys.device).expand(*keys.shape[:2], -1), positions.frequencies(keys.device))
+
+
 class AnswerCache(Cache):
     """The transformers ``Cache`` that ``generate`` decodes with after a stream (see the module docstring).
 
     Args:
         stream: the stream's cache. room: prompt plus answer tokens to make room for. device: the model's.
         retrieval: how to choose each layer's context (None: the whole detailed cache).
+        plan: under bounded positions, how the context is laid out (`statekv.core.positions.QuestionPlan`).
     """
 
-    def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None):
+    def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None,
+                 plan: QuestionPlan | None = None):
         super().__init__(layers=[])
         steps = tuple(stream.chunk_lengths)
+        starts = stream.step_starts()
         evicted = frozenset(stream.evicted_steps)
-        self.layers = [AnswerLayer(layer, room, device, steps, evicted) for layer in stream.layers]
+        placing = None if plan is None else ContextPlacing(stream, plan, starts)
+        self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
 

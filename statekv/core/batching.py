@@ -158,7 +158,8 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
     cache = prefill.cache
     chunk = chunk_of(inputs)
     if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
-            or not prefill.policy.capturable or not cache.is_steady()):
+            or not prefill.policy.capturable or not cache.is_steady()
+            or (cache.positions.bounded and inputs["position_ids"] is not None)):  # M-RoPE moved: on its own
         return None
     try:
         arguments = tuple((name, _argument_key(name, value)) for name, value in sorted(inputs.items()))
@@ -167,7 +168,7 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), arguments)
+            rope_key(prefill), cache.positions.mode, arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
@@ -233,7 +234,7 @@ class StepBatcher:
                 inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
                                                 input_ids=request.input_ids, **request.forward_kwargs)
                 prefill.make_room(chunk_of(inputs).shape[1], chunk_of(inputs).shape[0])
-                prefill.cache.begin(chunk_of(inputs).shape[1], chunk_of(inputs).device)
+                prefill.cache.begin(chunk_of(inputs).shape[1], chunk_of(inputs).device, inputs["position_ids"])
             except Exception as error:
                 prefill.cache.rollback()
                 outcomes[index] = error
@@ -311,7 +312,7 @@ def step_alone(request: StepRequest) -> torch.Tensor:
     prefill.make_room(chunk.shape[1], chunk.shape[0])
     started = time.perf_counter()
     carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
-    prefill.cache.begin(chunk.shape[1], chunk.device)
+    prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
     try:
         return run_rows([prefill], prefill.cache, prefill.graphs, inputs, [request.durable_record],
                         replay=prefill.cuda_graph and prefill.cache.is_steady(), started=started,
@@ -372,10 +373,13 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
     streams' call, see :func:`run_rows`): positions, the decoder's forward over every row, every stream's
     commit. Rows continue from each stream's own length."""
     first = prefills[0]
-    positions = [prefill.cache.begin_device() for prefill in prefills]
-    if inputs["position_ids"] is None:
+    explicit = inputs["position_ids"]  # bounded streams with explicit positions never batch (see batch_key)
+    positions = [prefill.cache.begin_device(explicit if len(prefills) == 1 else None) for prefill in prefills]
+    if explicit is None:
         rows = positions[0].expand(chunk_of(inputs).shape[0], -1) if len(prefills) == 1 else torch.stack(positions)
         inputs = dict(inputs, position_ids=rows)
+    elif len(prefills) == 1 and positions[0] is not explicit:  # bounded: moved to where the chunk is placed
+        inputs = dict(inputs, position_ids=positions[0])
     output = first.decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
     for prefill in prefills:
         missing = prefill.cache.missing_layers()

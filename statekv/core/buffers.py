@@ -104,22 +104,30 @@ class CarriedSlots:
 
     ``kv`` ``[2, B, H_kv, K + T, D]`` holds keys then values; the first ``carried`` (K) slots are the carried
     state, the last T the chunk being streamed. ``positions`` LongTensor ``[B, H_kv, K + T]`` (None in a
-    ring, whose positions follow from the step count) gives each slot's logical position.
+    ring, whose positions follow from the step count) gives each slot's logical position. Under bounded
+    positions (:mod:`statekv.core.positions`) ``placements`` holds two more LongTensors ``[B, H_kv, K + T]``:
+    each slot's position in the stream as RoPE counts it (its anchor) and the rotation its key was computed at.
     """
 
-    def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int):
+    def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int,
+                 placements: torch.Tensor | None = None):
         self.kv, self.positions, self.carried = kv, positions, carried
+        self.placements = placements  # [2, B, H_kv, K + T] anchors then rotations, or None
 
     @classmethod
-    def holding(cls, kv: torch.Tensor, positions: torch.Tensor | None, chunk_len: int) -> "CarriedSlots":
-        """A new buffer whose carried part is ``kv`` ``[2, B, H_kv, K, D]`` (and ``positions [B, H_kv, K]``),
-        with room for a chunk of ``chunk_len`` tokens."""
+    def holding(cls, kv: torch.Tensor, positions: torch.Tensor | None, chunk_len: int,
+                placements: torch.Tensor | None = None) -> "CarriedSlots":
+        """A new buffer whose carried part is ``kv`` ``[2, B, H_kv, K, D]`` (and ``positions [B, H_kv, K]``,
+        ``placements [2, B, H_kv, K]``), with room for a chunk of ``chunk_len`` tokens."""
         two, b, h, k, d = kv.shape
         slots = cls(kv.new_empty(two, b, h, k + chunk_len, d),
-                    None if positions is None else positions.new_empty(b, h, k + chunk_len), k)
+                    None if positions is None else positions.new_empty(b, h, k + chunk_len), k,
+                    None if placements is None else placements.new_empty(2, b, h, k + chunk_len))
         slots.kv[:, :, :, :k] = kv
         if positions is not None:
             slots.positions[..., :k] = positions
+        if placements is not None:
+            slots.placements[..., :k] = placements
         return slots
 
     @property
@@ -140,13 +148,16 @@ class CarriedSlots:
 
     @property
     def nbytes(self) -> int:
-        total = self.kv.numel() * self.kv.element_size()
-        return total + (0 if self.positions is None else self.positions.numel() * self.positions.element_size())
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.positions, self.placements) if t is not None)
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The carried part: ``kv [2, B, H_kv, K, D]`` and positions ``[B, H_kv, K]`` (views)."""
         positions = None if self.positions is None else self.positions[..., : self.carried]
         return self.kv[:, :, :, : self.carried], positions
+
+    def head_placements(self) -> torch.Tensor | None:
+        """The carried part's placements ``[2, B, H_kv, K]`` (a view; None unless bounded)."""
+        return None if self.placements is None else self.placements[..., : self.carried]
 
     def tail(self) -> torch.Tensor:
         """The chunk part, ``[2, B, H_kv, T, D]`` (a view)."""
@@ -154,31 +165,41 @@ class CarriedSlots:
 
     def with_chunk_len(self, chunk_len: int) -> "CarriedSlots":
         """This buffer, or a new one holding the same carried state, with room for ``chunk_len`` tokens."""
-        return self if chunk_len == self.chunk_len else CarriedSlots.holding(*self.head(), chunk_len)
+        return self if chunk_len == self.chunk_len else CarriedSlots.holding(*self.head(), chunk_len,
+                                                                            self.head_placements())
 
-    def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` into the last T slots."""
+    def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+              placements: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` (and anchors and rotations ``[T]``) into
+        the last T slots."""
         self.kv[0, :, :, self.carried:] = keys
         self.kv[1, :, :, self.carried:] = values
         if self.positions is not None:
             self.positions[..., self.carried:] = positions
+        if self.placements is not None and placements is not None:
+            self.placements[0, ..., self.carried:] = placements[0]
+            self.placements[1, ..., self.carried:] = placements[1]
 
     def suffix(self, start: int) -> "CarriedSlots":
         """A new buffer carrying slots ``start:`` (e.g. everything, or a recency window), with room for a chunk
         as long as this one."""
         positions = None if self.positions is None else self.positions[..., start:]
-        return CarriedSlots.holding(self.kv[:, :, :, start:], positions, self.chunk_len)
+        placements = None if self.placements is None else self.placements[..., start:]
+        return CarriedSlots.holding(self.kv[:, :, :, start:], positions, self.chunk_len, placements)
 
     def keep(self, selection: torch.Tensor) -> "CarriedSlots":
         """Carry the slots ``selection`` (LongTensor ``[B, H_kv, K']``, ascending) into the next step: in place
         when K' equals the carried size, else into a new buffer with room for a chunk as long as this one."""
         kv = self.kv.gather(3, selection[None, ..., None].expand(2, -1, -1, -1, self.kv.shape[-1]))
         positions = None if self.positions is None else self.positions.gather(2, selection)
+        placements = None if self.placements is None else self.placements.gather(3, selection.expand(2, -1, -1, -1))
         if selection.shape[-1] != self.carried:
-            return CarriedSlots.holding(kv, positions, self.chunk_len)
+            return CarriedSlots.holding(kv, positions, self.chunk_len, placements)
         self.kv[:, :, :, : self.carried] = kv
         if positions is not None:
             self.positions[..., : self.carried] = positions
+        if placements is not None:
+            self.placements[..., : self.carried] = placements
         return self
 
 

@@ -15,7 +15,9 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 from transformers import DynamicCache
@@ -25,6 +27,7 @@ from ..errors import UnsupportedModelError
 from . import forms, persistence, tiers
 from .attention import ChunkMask, chunk_attention, scored_attention
 from .policies import Candidates, CarryPolicy
+from .positions import StreamPositions
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
 
 
@@ -72,15 +75,21 @@ class StreamingLayer(CacheLayerMixin):
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-        self.carry = self.carry.begin(self.storage, key_states)
+        self.carry = self.carry.begin(self.storage, key_states, placed=self.step.placements is not None)
         self.storage.start(key_states)
+        self.carry.reserve(self.storage, key_states.shape[2])  # slots over a storage the step writes in place
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values."""
+        """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values (under bounded
+        positions, the keys rotated to where this step places them; what is stored keeps its own rotation)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.storage.stage_summaries(key_states, self.step.step_device)
-        return self.carry.stage(self.storage, key_states, value_states, self.step)
+        keys, values = self.carry.stage(self.storage, key_states, value_states, self.step)
+        if self.step.placements is not None:
+            anchors, rotations = self.carry.placements()
+            keys = self.step.positions.rotated(keys, anchors, rotations, self.carried_length)
+        return keys, values
 
     def get_seq_length(self) -> int:
         """Logical tokens committed (what the model's positions count), as transformers' sliding layers."""
@@ -168,6 +177,9 @@ class TwoStateCache(Cache):
             (:mod:`statekv.core.quantized`); None: in the model's dtype (checked by `EngineSettings`).
         make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace,
             kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.DiskTier`).
+        positions: the stream's RoPE positions (:class:`~statekv.core.positions.StreamPositions`; default: the
+            stream's own, ``stream``). Under ``bounded`` every layer carries slots (no window, no ring), each slot
+            with its placement.
 
     ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
     (:mod:`statekv.core.limits`); answers never read them. ``tally``: when kept, the attention mass
@@ -180,22 +192,29 @@ class TwoStateCache(Cache):
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
                  capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
-                 kv_cache_dtype: str | None = None, make_storage=None):
+                 kv_cache_dtype: str | None = None, make_storage=None, positions: StreamPositions | None = None):
         super().__init__(layers=[])
         self.kv_cache_dtype = kv_cache_dtype
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
         self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype,
                                       make_storage) for i in range(num_layers)]
+        self.positions = positions or StreamPositions()
         self.evicted_steps: set[int] = set()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
+        self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
         self.shared_ring = forms.SharedRing()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
         self.transaction: StepTransaction | None = None  # the step being run
         self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+        if self.positions.bounded:  # each carried slot is rotated on its own: slots in every layer
+            self.shared_ring.allowed = False
+            for layer in self.layers:
+                layer.storage.holds_window = False
+                layer.carry = forms.initial(layer.storage)
 
     @property
     def step_index(self) -> int:
@@ -218,9 +237,10 @@ class TwoStateCache(Cache):
         return self.transaction is not None and self.transaction.read_host_state
 
     # one step ----------------------------------------------------------------------------------------------
-    def begin(self, chunk_len: int, device: torch.device) -> None:
-        """Host-side preparation of a step of ``chunk_len`` tokens on ``device``: buffers sized for it, the ring
-        entered or left. Nothing the stream has committed changes."""
+    def begin(self, chunk_len: int, device: torch.device, position_ids: torch.Tensor | None = None) -> None:
+        """Host-side preparation of a step of ``chunk_len`` tokens on ``device`` (at explicit ``position_ids``, if
+        given): buffers sized for it, the ring entered or left, the chunk placed (bounded positions). Nothing the
+        stream has committed changes."""
         if self.seen_device is None or self.seen_device.device != device:
             self.seen_device = torch.tensor(self.seen_tokens, device=device)
             self.step_device = torch.tensor([self.step_index], device=device)
@@ -228,6 +248,10 @@ class TwoStateCache(Cache):
         if (chunk_len, device) not in self._aranges:
             self._aranges[chunk_len, device] = torch.arange(chunk_len, device=device)
         context = StepContext(chunk_len, self.step_index, self.step_device)
+        if self.positions.bounded:
+            carried = max(layer.carried_length for layer in self.layers)
+            self.positions.plan(chunk_len, self.seen_tokens, position_ids, carried)
+            context.positions = self.positions
         self.transaction = StepTransaction(context, self.layers)
         self.shared_ring.update(self.layers, self.policy, self.chunk_lengths, self.seen_tokens, context, device)
         for layer in self.layers:
@@ -252,12 +276,18 @@ class TwoStateCache(Cache):
         in slots holding the tokens its rule carries once steady (`CarryPolicy.steady_budget`)."""
         return all(layer.carry.is_static(self.policy.steady_budget(layer.index)) for layer in self.layers)
 
-    def begin_device(self) -> torch.Tensor:
-        """Device-side start of the step: the chunk's logical positions ``[T]`` (also where it goes in the
-        detailed cache), computed from the device copy of ``seen_tokens``."""
+    def begin_device(self, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Device-side start of the step: the chunk's RoPE positions for the decoder (``position_ids`` if given,
+        else ``[T]``). Its logical positions (where it goes in the detailed cache) are computed from the device
+        copy of ``seen_tokens``; under ``stream`` positions they are also its RoPE positions, under ``bounded``
+        the chunk is moved to its place (:mod:`statekv.core.positions`)."""
         context = self.transaction.context
         context.write_index = torch.add(self._aranges[context.chunk_len, self.seen_device.device], self.seen_device)
-        return context.write_index
+        if context.positions is None:
+            return context.write_index if position_ids is None else position_ids
+        rotary, anchors, rotations = self.positions.chunk(context.write_index, position_ids)
+        context.placements = (anchors, rotations)
+        return rotary
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
@@ -283,6 +313,16 @@ class TwoStateCache(Cache):
         self.transaction.commit_host()
         self.chunk_lengths.append(self.chunk_len)
         self.seen_tokens += self.chunk_len
+        self.positions.commit()
+        if len(self._starts) == len(self.chunk_lengths):
+            self._starts.append(self.seen_tokens)
+
+    def step_starts(self) -> torch.Tensor:
+        """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
+        as the steps commit, so a question never walks the stream's history to find them)."""
+        if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed
+            self._starts = array("q", [0, *accumulate(self.chunk_lengths)])
+        return torch.frombuffer(self._starts, dtype=torch.long).clone()
 
     def rollback(self) -> None:
         if self.transaction is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .answering import AnswerCache, Retrieval
+from .positions import QuestionPlan
 from .model_attention import share_language_attention
 from ..errors import InputError, UnsupportedModelError
 
@@ -45,11 +46,14 @@ class Prompt:
 
 @torch.no_grad()
 def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Module | None = None,
-                        retrieve: Retrieval | None = None, **generate_kwargs) -> torch.Tensor:
+                        retrieve: Retrieval | None = None, plan: QuestionPlan | None = None,
+                        **generate_kwargs) -> torch.Tensor:
     """Greedy (or any ``generate``) decoding of ``input_ids [B, Q]`` after ``prefill``'s context.
 
     model: the module whose ``generate`` decodes; default ``prefill.model`` (pass the language model of a
         wrapper whose own ``generate`` cannot take a cache). retrieve: answer from retrieved steps only.
+    plan: under bounded positions, where the context is laid out and the prompt starts
+        (`StreamingPrefill.question_plan`; made here when not given).
     Returns the new tokens only, ``[B, N]``.
     """
     model = prefill.model if model is None else model
@@ -61,13 +65,30 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
         raise InputError("nothing has been streamed yet; call step() before generate()")
     if retrieve is not None and not isinstance(retrieve, Retrieval):
         raise InputError(f"retrieve must be a Retrieval (or None), got {type(retrieve).__name__}")
-    context = prefill.seen_tokens
+    room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+    if plan is None and prefill.positions.bounded:
+        plan = prefill.question_plan(room, retrieve)
+        if not plan.whole and retrieve is None:
+            retrieve = Retrieval(plan.retrieve, keep_tokens=prefill.protect_tokens)
+    context = prefill.seen_tokens if plan is None else plan.start
+    if plan is not None and "position_ids" in generate_kwargs:  # explicit (M-RoPE) positions after the context
+        generate_kwargs["position_ids"] = _moved_positions(generate_kwargs["position_ids"],
+                                                           prefill.positions.next_first - plan.start)
     mask = torch.ones(input_ids.shape[0], context + input_ids.shape[1], dtype=torch.long,
                       device=input_ids.device)
     generate_kwargs.setdefault("do_sample", False)
-    room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-    cache = AnswerCache(prefill.cache, room, prefill.device, retrieve)
+    cache = AnswerCache(prefill.cache, room, prefill.device, retrieve, plan)
     share_language_attention(prefill.model)
     with prefill.streaming(cache):
         output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     return output[:, input_ids.shape[1]:]
+
+
+def _moved_positions(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """Explicit prompt positions (``[B, Q]``, or M-RoPE's ``[3 or 4, B, Q]`` whose rows past a leading sequence
+    index are moved) moved ``shift`` positions back."""
+    moved = position_ids.clone()
+    if moved.dim() == 2:
+        return moved - shift
+    moved[-3:] -= shift
+    return moved

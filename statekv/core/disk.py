@@ -1,22 +1,28 @@
 """The disk tier of the detailed cache: one stream's keys and values in an append-only, memory-mapped file set.
 
 A stream streamed with ``offload="disk"`` owns a folder (`DiskTier`) holding, per layer, its keys and values
-(``layer{i}.detailed.0.bin``, ``layer{i}.detailed.1.bin``; quantized: its codes and scales) and its step
-summaries (``layer{i}.step_means.0.bin``, ``layer{i}.step_samples.0.bin``), each a `MappedTokenBuffer`: rows of
-``[B, H_kv, X]`` in token (or step) order, so the files only grow and nothing written is rewritten. The layer's
-storage is the usual offloaded (or quantized) one over these buffers (the storages' ``make_buffer`` factory): a
-step stages its chunk on the model's device and its data is appended when it commits. Only the step summaries
-(what retrieval scores steps by) are also kept in RAM (`MirroredTokenBuffer`). Reads map the files afresh each
-time, so what a question reads is resident only while the question holds it.
+(``layer{i}.detailed.0.bin``, ``layer{i}.detailed.1.bin``; quantized: its codes and scales), its step summaries
+(``layer{i}.step_means.0.bin``, ``layer{i}.step_samples.0.bin``) and its segment index
+(``layer{i}.segment_index.0.bin``), each a `MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token (step, segment)
+order, so the files only grow and nothing written is rewritten. The layer's storage is the usual offloaded (or
+quantized) one over these buffers (the storages' ``make_buffer`` factory): a step stages its chunk on the model's
+device and its data is appended when it commits. Only the segment index (one row per `SEGMENT_STEPS` steps, what
+retrieval ranks segments by) is also kept in RAM (`MirroredTokenBuffer`); the step summaries are read from the
+files, for the steps a question scores. Reads map the files afresh each time, so what a question reads is
+resident only while the question holds it.
 
 Durability: after each step a line is appended to ``journal`` (its CRC-32, then JSON: the step's length, the
-CRC-32 of every byte it appended, where its carried positions were written and what the layers above record,
-e.g. the stream's layout state). The carried state of every layer (positions, keys and values in the model's
-dtype) goes to ``carry.{step % 2}.bin`` (two slots
-written in turn, so the last journaled step's slot is intact whatever a kill interrupts). Data is written
-before the line that vouches for it: a process killed at any point leaves a file set whose last complete line
-names a state that can be resumed (`read_file_set`, `resume`), and anything after it counts as lost. Written data
-reaches the kernel at once (a kill loses none of it); `DiskTier.sync` forces it to the device.
+CRC-32 of every byte it appended, the files' lengths, and what the layers above record, e.g. the stream's layout
+state). The carried state of every layer (positions, keys and values in the model's dtype, and under bounded
+positions each key's placement) and the open segment's accumulators are checkpointed to ``carry.{n % 2}.bin``
+(two slots written in turn, so the last checkpoint's slot is intact whatever a kill interrupts), vouched for by
+a ``carry`` line: at the first step, every `CHECKPOINT_STEPS` steps after it, and whenever the stream is saved,
+synced or closed. Data is written before the line that vouches for it. The contract: a process killed at any
+point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its last checkpoint, so a kill loses
+at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps (those after the checkpoint, counted as lost); a
+stream saved, synced or closed loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
+to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
+paid once per checkpoint.
 
 One owner: a `DiskTier` holds the exclusive lock of its folder (``lock``, `statekv.locks`) from the moment it is
 made or opened until it is closed, so a second opener is refused with one line naming the holder. Every
@@ -48,9 +54,10 @@ from .buffers import TokenBuffer
 from .storage import OffloadedStorage
 
 FORMAT = "statekv-disk-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: the carried state journaled with every step, summaries mirrored in RAM
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
+CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
 LOCK = "lock"  # held by the one stream living in the file set
 CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -260,26 +267,31 @@ class MirroredTokenBuffer(TokenBuffer):
 
 
 PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
-SUMMARIES = ("step_means", "step_samples")  # kept in RAM too (what retrieval scores from)
+PER_SEGMENT = ("segment_index",)  # a row per segment of steps (written by the step that completes it)
+MIRRORED = ("segment_index",)  # kept in RAM too (what retrieval ranks segments by)
 
 
 @dataclass
 class Journaled:
-    """What a file set's journal says: the committed ``steps`` (one record each, in order), the ``evicted``
-    steps, and the records written after the last step (e.g. frames pushed but not streamed)."""
+    """What a file set's journal says, up to its last checkpoint: the ``steps`` resumed (one record each, in order,
+    the last one checkpointed), the ``carry`` record of that checkpoint, the ``evicted`` steps among them, and the
+    records written after the checkpoint that are not steps (e.g. frames pushed but not streamed durably)."""
 
     manifest: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     after: list[dict[str, Any]] = field(default_factory=list)
-    end: int = 0  # byte offset of the journal just after the last step's record
+    end: int = 0  # byte offset of the journal just after the checkpoint's record
+    carry: dict[str, Any] | None = None
+    later_evictions: list[int] = field(default_factory=list)  # evicted after the checkpoint (their rows are gone)
 
 
 class DiskTier:
     """One stream's file set in ``folder`` (see the module docstring): the layers' buffers, the journal, the
-    carried-state slots.
+    carried-state checkpoints.
 
     Create a new one with `create`; `open` adopts an existing one (resuming, after `read_file_set`).
+    ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
     """
 
     def __init__(self, folder: Path, manifest: dict[str, Any], lock: ExclusiveLock | None = None, *,
@@ -293,6 +305,14 @@ class DiskTier:
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
         self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._slots: list[int] = []
+        self.checkpoint_steps = CHECKPOINT_STEPS
+        self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
+        self.checkpointed: int | None = None  # the step of the last checkpoint
+        self.last_step: int | None = None  # the last step journaled
+        self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
+        self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
+        self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
+        self._size_before = 0
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -314,7 +334,7 @@ class DiskTier:
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
                 kv_cache_dtype: str | None = None) -> OffloadedStorage:
         """The storage of layer ``index`` (the cache's storage factory): the usual offloaded or quantized storage
-        over this tier's buffers (the summaries mirrored in RAM, everything else only in the files)."""
+        over this tier's buffers (the segment index mirrored in RAM, everything else only in the files)."""
         from .quantized import QuantizedStorage
 
         buffers: dict[str, MappedTokenBuffer | MirroredTokenBuffer] = {}
@@ -322,7 +342,7 @@ class DiskTier:
 
         def make_buffer(name: str, parts: int, hint: int | None):
             prefix = self.folder / f"layer{index}.{name}"
-            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace) if name in SUMMARIES
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace) if name in MIRRORED
                              else MappedTokenBuffer(parts, hint, prefix, on_replace))
             return buffers[name]
 
@@ -360,43 +380,90 @@ class DiskTier:
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
-        """Journal step ``step`` (``tokens`` long), once its data is appended: its CRC, then the carried state of
-        every layer (``layers``: the cache's; positions ``[B, H_kv, K]``, keys and values ``[B, H_kv, K, D]``)
-        in slot ``step % 2``, then the record vouching for both."""
-        crc = self._take_crc()
-        carried = [(layer.positions(), *layer.carried()) for layer in layers]
+        """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
+        files' lengths; then, at the first step and every ``checkpoint_steps`` steps, the carried state of every
+        layer (``layers``: the cache's) as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
+        then as before the step, and `remembered` still holds the carried state the step before left."""
+        end, last = os.fstat(self._journal).st_size, self.last_step
+        try:
+            self._layers, self.last_step = layers, step
+            lengths = {name: buffer.length for name, buffer in self._mapped(0)}
+            self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
+            if step == 0 or (step + 1) % self.checkpoint_steps == 0:
+                self.checkpoint()
+        except OutputError:
+            self.last_step = last
+            try:
+                os.ftruncate(self._journal, end)  # the step's record goes too, with its checkpoint's
+            except OSError:
+                pass
+            raise
+        self.remember(layers)
+        size = os.fstat(self._journal).st_size
+        self.growth, self._size_before = size - self._size_before, size
+
+    def remember(self, layers: list[Any]) -> None:
+        """Keep a copy of the carried state the last step journaled left (`remembered`: per layer what a
+        checkpoint writes), so a step the disk cannot take is undone exactly without a checkpoint per step."""
+        self.remembered = [tuple(None if t is None else t.clone() for t in _carried_parts(layer)) for layer in layers]
+
+    def adopt(self, layers: list[Any], last_step: int) -> None:
+        """The cache's ``layers`` as resumed or restored at ``last_step`` (what the next step and checkpoint
+        follow)."""
+        self._layers, self.last_step = layers, last_step
+        self.remember(layers)
+
+    def checkpoint(self) -> None:
+        """Write the carried state after the last step journaled (per layer: positions ``[B, H_kv, K]``, keys and
+        values ``[B, H_kv, K, D]``, under bounded positions the placements ``[2, B, H_kv, K]``, and the open
+        segment's accumulators ``[B, H_kv, 1, 3 D]``) into the next slot, then the ``carry`` record vouching for
+        it. Nothing to do if that step is checkpointed already."""
+        if self.last_step is None or self.checkpointed == self.last_step:
+            return
+        carried = [_carried_parts(layer) for layer in self._layers]
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                        for parts in carried for t in parts)
-        slot = step % 2
+                        for parts in carried for t in parts if t is not None)
+        slot = self.checkpoints % 2
         if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
             try:
                 self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         _pwrite_all(self._slots[slot], memoryview(data), 0)
-        lengths = {name: buffer.length for name, buffer in self._mapped(0)}
-        self.append({"step": step, "tokens": tokens, "crc": crc, "slot": slot, "lengths": lengths,
-                     "carried": [list(parts[1].shape) for parts in carried], "carry_crc": zlib.crc32(data),
-                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch."), **extra})
+        self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
+                     "placed": carried[0][3] is not None if carried else False,
+                     "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
+                     "carry_crc": zlib.crc32(data),
+                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32"})
+        self.checkpoints += 1
+        self.checkpointed = self.last_step
 
-    def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any]) -> None:
+    def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
+                       placements: list[list[int]] | None = None) -> None:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
         file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
-        record adds (see `commit_step`)."""
+        record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
         os.ftruncate(self._journal, 0)
         if cache.evicted_steps:
             self.append({"evict": sorted(cache.evicted_steps)})
         start = 0
+        per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
         for step, length in enumerate(cache.chunk_lengths):
             for layer in range(len(self.buffers)):
                 for name, buffer in self._mapped(layer):
-                    buffer.crc = _rows_crc(buffer, *((step, step + 1) if name in PER_STEP else
-                                                     (start, start + length)))
+                    rows = _rows_of(name, step, start, length, per_segment)
+                    buffer.crc = _rows_crc(buffer, *rows) if rows else 0
+            record = {"frames": step_frames[step]}
+            if placements is not None:
+                record["placed"] = placements[step]
+            self._layers, self.last_step = cache.layers, step
+            lengths = {name: buffer.length for name, buffer in self._mapped(0)}
             if step == len(cache.chunk_lengths) - 1:
-                self.commit_step(step, length, cache.layers, {**extra, "frames": step_frames[step]})
-            else:
-                self.append({"step": step, "tokens": length, "crc": self._take_crc(), "frames": step_frames[step]})
+                record.update(extra)
+            self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
             start += length
+        self.checkpoint()
+        self.remember(cache.layers)
 
     def _take_crc(self) -> int:
         """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
@@ -407,8 +474,16 @@ class DiskTier:
                 buffer.crc = 0
         return crc
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the journal and the checkpoint slots (what the file set holds beside the layers' files)."""
+        total = os.fstat(self._journal).st_size if self._journal >= 0 else 0
+        return total + sum(os.fstat(fd).st_size for fd in self._slots)
+
     def sync(self) -> None:
-        """Force everything written so far to the storage device (an `OutputError` when the device fails it)."""
+        """Checkpoint the carried state (if the last step is not yet) and force everything written so far to the
+        storage device: a kill after this loses nothing (an `OutputError` when the device fails it)."""
+        self.checkpoint()
         try:
             for layer in range(len(self.buffers)):
                 for _, buffer in self._mapped(layer):
@@ -419,11 +494,12 @@ class DiskTier:
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
     def truncate_journal(self, end: int) -> None:
-        """Drop what the journal holds after byte ``end`` (resuming after the last durable step)."""
+        """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
         os.ftruncate(self._journal, end)
 
     def close(self) -> None:
         if self._journal >= 0:
+            self.checkpoint()  # a closed stream resumes with nothing lost
             os.close(self._journal)
             self._journal = -1
         for fd in self._slots:
@@ -433,6 +509,22 @@ class DiskTier:
             for _, buffer in self._mapped(layer):
                 buffer.close()
         self.lock.release()  # the files stay, for the next owner
+
+
+def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
+    """What a checkpoint writes of a layer: its carried positions, keys, values, placements (None unless bounded)
+    and open segment (None before the first step)."""
+    placements = layer.slots.head_placements() if layer.slots is not None else None
+    return (layer.positions(), *layer.carried(), placements, layer.storage.segment_partial)
+
+
+def _rows_of(name: str, step: int, start: int, length: int, per_segment: int) -> tuple[int, int] | None:
+    """The rows of buffer ``name`` that step ``step`` (tokens ``[start, start + length)``) appended (None: none)."""
+    if name in PER_STEP:
+        return step, step + 1
+    if name in PER_SEGMENT:
+        return (step // per_segment, step // per_segment + 1) if (step + 1) % per_segment == 0 else None
+    return start, start + length
 
 
 def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
@@ -498,16 +590,18 @@ def read_description(folder: Path, file: str, form: str, version: int, what: str
     return read_checked(folder / file)
 
 
-def read_file_set(folder: str | os.PathLike) -> Journaled:
-    """The manifest and journal of the file set in ``folder``; a one-line `InputError` if it is not one, or if a
-    record before the last is damaged (a torn last line, what a kill leaves, is dropped)."""
+def read_file_set(folder: str | os.PathLike, *, latest: bool = False) -> Journaled:
+    """The manifest and journal of the file set in ``folder``, up to its last checkpoint; a one-line `InputError`
+    if it is not one, if a record before the last is damaged (a torn last line, what a kill leaves, is dropped), or
+    if no checkpoint was written yet. ``latest``: up to its last step instead (the live stream restoring itself,
+    which holds that step's carried state; see `resume`)."""
     folder = Path(folder)
     manifest = read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")
     try:
         data = (folder / JOURNAL).read_bytes()
     except OSError:
         raise InputError(f"{folder}: the disk cache has no journal") from None
-    journal, offset = Journaled(manifest), 0
+    steps, records, offset = [], [], 0  # records: (end offset, record) of everything but steps
     lines = data.split(b"\n")
     for number, line in enumerate(lines):
         last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
@@ -518,16 +612,35 @@ def read_file_set(folder: str | os.PathLike) -> Journaled:
             raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}")
         offset += len(line) + 1
         if "step" in record:
-            if record["step"] != len(journal.steps):
+            if record["step"] != len(steps):
                 raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after "
-                                 f"{len(journal.steps)} steps")
-            journal.steps.append(record)
-            journal.after, journal.end = [], offset
-        elif "evict" in record:
-            journal.evicted.extend(int(s) for s in record["evict"])
-        else:
+                                 f"{len(steps)} steps")
+            steps.append(record)
+        records.append((offset, record))
+    journal = Journaled(manifest)
+    if latest:
+        journal.steps = steps
+        for record in (record for _, record in records if "evict" in record):
+            journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
+        return journal
+    checkpoint = next((i for i in range(len(records) - 1, -1, -1) if "carry" in records[i][1]
+                       and isinstance(records[i][1]["carry"], int) and records[i][1]["carry"] < len(steps)), None)
+    if checkpoint is None:
+        return journal if not steps else _no_checkpoint(folder)
+    journal.end, journal.carry = records[checkpoint]
+    journal.steps = steps[: journal.carry["carry"] + 1]
+    for index, (_, record) in enumerate(records):
+        if "evict" in record:
+            evicted = [int(s) for s in record["evict"] if int(s) < len(journal.steps)]
+            (journal.evicted if index < checkpoint else journal.later_evictions).extend(evicted)
+        elif index > checkpoint and "step" not in record and "carry" not in record:
             journal.after.append(record)
     return journal
+
+
+def _no_checkpoint(folder: Path) -> Journaled:
+    raise InputError(f"{folder}: the disk cache holds no checkpoint of its carried state yet; there is nothing to "
+                     "resume")
 
 
 def _record(line: bytes) -> dict[str, Any] | None:
@@ -541,11 +654,18 @@ def _record(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True) -> None:
-    """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) from the journal's last step:
-    every step's CRC is checked first (evicted steps excepted; ``verify=False``: not, for a stream restoring the
-    files it has just written) and the last step's carried state; a one-line `InputError` names the first damage.
-    Nothing is rewritten: the files are adopted as they are."""
+def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True,
+           carried: list[tuple[torch.Tensor | None, ...]] | None = None) -> None:
+    """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) at the journal's last checkpoint:
+    every step's CRC up to it is checked first (evicted steps excepted; ``verify=False``: not, for a stream
+    restoring the files it has just written) and the checkpoint's carried state; a one-line `InputError` names the
+    first damage. Nothing is rewritten: the files are adopted as they are (rows after the checkpoint's lengths are
+    written over as the stream goes on). The journal is then cut after the checkpoint
+    (`DiskTier.truncate_journal`), keeping the evictions recorded since.
+
+    ``carried``: a stream restoring itself after a step its disk could not take (``journal`` read with
+    ``latest=True``) passes the carried state its last journaled step left (`DiskTier.remembered`): the journal
+    is then kept as it is and no checkpoint is read."""
     where, steps = tier.folder, journal.steps
     last = steps[-1]
     lengths = [int(record["tokens"]) for record in steps]
@@ -555,67 +675,111 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     for layer in range(len(tier.buffers)):
         for name, buffer in tier.buffers[layer].items():
             mapped = getattr(buffer, "mirror", buffer)
-            shape = read_checked(Path(f"{mapped.paths[0]}.json"))
+            described = Path(f"{mapped.paths[0]}.json")
+            if not described.exists() and not int(sizes.get(name, 0) or 0):
+                continue  # never written (the segment index before its first segment)
+            shape = read_checked(described)
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None
-    evicted, start = set(journal.evicted), 0
+    evicted = set(journal.evicted) | set(journal.later_evictions)
+    per_segment = cache.layers[0].storage.segment_steps
+    start = 0
     for record, length in zip(steps, lengths):
         if verify and record["step"] not in evicted:
             crc = 0
             for layer in range(len(tier.buffers)):
                 for name, buffer in tier._mapped(layer):
-                    rows = (record["step"], record["step"] + 1) if name in PER_STEP else (start, start + length)
-                    crc = zlib.crc32(_rows_crc(buffer, *rows).to_bytes(4, "little"), crc)
+                    rows = _rows_of(name, record["step"], start, length, per_segment)
+                    crc = zlib.crc32((_rows_crc(buffer, *rows) if rows else 0).to_bytes(4, "little"), crc)
             if crc != record["crc"]:
                 raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
                                  "its checksum")
         start += length
-    carried = _carried_slot(where, last, len(cache.layers), start)
-    for index, (layer, (positions, keys, values)) in enumerate(zip(cache.layers, carried)):
+    restoring = carried is not None
+    if not restoring:
+        carried = _carried_slot(where, journal.carry, len(cache.layers), start)
+    cache.positions.load(_placements(where, cache.positions, steps), len(steps))
+    for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
+        if placements is not None:
+            tensors["carried_placements"] = placements
         for name, buffer in tier.buffers[index].items():
             mapped = getattr(buffer, "mirror", buffer)
-            views = mapped.view(0, mapped.length)
+            views = mapped.view(0, mapped.length) if mapped.length or mapped.tensors is not None else None
             if name == "detailed":
                 tensors.update(keys=views[0], values=views[1])
-            else:
+            elif name == "segment_index":
+                if segment is not None:
+                    tensors.update(segment_index=views[0] if views else segment[:, :, :0], segment_partial=segment)
+            elif views is not None:
                 tensors["block_keys" if name == "step_means" else name] = views[0]
         persistence.restore_layer(layer, tensors, None, lengths, device)
     cache.shared_ring.reset()
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
-    cache.evicted_steps = set(journal.evicted)
+    cache.evicted_steps = evicted
     cache.seen_device = None
     cache.buffers_replaced()
+    tier.adopt(cache.layers, len(steps) - 1)
+    if restoring:
+        return
+    tier.checkpointed = len(steps) - 1
+    tier.checkpoints = int(journal.carry["slot"]) + 1
+    tier.truncate_journal(journal.end)
+    if journal.later_evictions:  # their rows are punched: they stay evicted
+        tier.append({"evict": sorted(set(journal.later_evictions))})
 
 
-def _carried_slot(where: Path, last: dict[str, Any], layers: int, tokens: int) -> list[tuple[torch.Tensor, ...]]:
-    """The carried state the last step wrote: per layer, positions ``[B, H_kv, K]``, keys and values."""
-    dtype = getattr(torch, str(last.get("carried_dtype")), None)
-    shapes = last.get("carried")
-    if not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers:
+def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What `StreamPositions.load` takes, from the steps' records (each ``placed``: ``[first, span, base]``)."""
+    if not positions.bounded:
+        return None
+    placed = [record.get("placed") for record in steps]
+    if not all(isinstance(p, list) for p in placed):
+        raise InputError(f"{where}: the disk cache's journal lacks the bounded positions of its steps")
+    return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit, "steps": placed}
+
+
+def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
+                  tokens: int) -> list[tuple[torch.Tensor | None, ...]]:
+    """The carried state the checkpoint ``carry`` wrote: per layer, positions ``[B, H_kv, K]``, keys, values,
+    placements (or None) and the open segment (or None)."""
+    dtype = getattr(torch, str(carry.get("carried_dtype")), None)
+    shapes, placed, segment = carry.get("carried"), bool(carry.get("placed")), carry.get("segment")
+    if (not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers
+            or not all(isinstance(shape, list) and len(shape) == 4 for shape in shapes)):
         raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
-    size = sum(math.prod(shape[:3]) * 8 + 2 * math.prod(shape) * dtype.itemsize for shape in shapes)
+    layout = []
+    for shape in shapes:
+        parts = [(torch.int64, shape[:3]), (dtype, shape), (dtype, shape)]
+        parts.append((torch.int64, [2, *shape[:3]]) if placed else None)
+        parts.append((dtype, segment) if isinstance(segment, list) else None)
+        layout.append(parts)
+    size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
     try:
-        data = (where / f"carry.{last['slot']}.bin").read_bytes()[:size]
+        data = (where / f"carry.{carry['slot']}.bin").read_bytes()[:size]
     except (OSError, TypeError):
         data = b""
-    if zlib.crc32(data) != last.get("carry_crc"):
-        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {last['step']} does not "
+    if zlib.crc32(data) != carry.get("carry_crc"):
+        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {carry['carry']} does not "
                          "match its checksum")
     buffer, offset, carried = bytearray(data), 0, []
-    for shape in shapes:
-        parts = []
-        for kind, size in ((torch.int64, math.prod(shape[:3])), (dtype, math.prod(shape)), (dtype, math.prod(shape))):
-            nbytes = size * kind.itemsize
-            parts.append(torch.frombuffer(buffer, dtype=kind, count=size, offset=offset).clone())
-            offset += nbytes
-        carried.append((parts[0].view(*shape[:3]), parts[1].view(*shape), parts[2].view(*shape)))
-        positions = carried[-1][0]
+    for parts in layout:
+        tensors = []
+        for part in parts:
+            if part is None:
+                tensors.append(None)
+                continue
+            kind, shape = part
+            count = math.prod(shape)
+            tensors.append(torch.frombuffer(buffer, dtype=kind, count=count, offset=offset).clone().view(*shape))
+            offset += count * kind.itemsize
+        carried.append(tuple(tensors))
+        positions = tensors[0]
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
             raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
     if offset != len(data):

@@ -53,7 +53,7 @@ class Window:
     def is_static(self, budget: int | None) -> bool:
         return False  # the view moves every step
 
-    def begin(self, storage: LayerStorage, key_states: torch.Tensor) -> "Window":
+    def begin(self, storage: LayerStorage, key_states: torch.Tensor, placed: bool = False) -> "Window":
         return self
 
     def prepare(self, storage: LayerStorage, chunk_len: int) -> "Window":
@@ -122,13 +122,15 @@ class Slots:
     def is_static(self, budget: int | None) -> bool:
         return budget is not None and self.buffer is not None and self.buffer.carried == budget
 
-    def begin(self, storage: LayerStorage, key_states: torch.Tensor) -> "Slots":
-        """First chunk ``[B, H_kv, T, D]`` seen with nothing carried: an empty carried state."""
+    def begin(self, storage: LayerStorage, key_states: torch.Tensor, placed: bool = False) -> "Slots":
+        """First chunk ``[B, H_kv, T, D]`` seen with nothing carried: an empty carried state (with placements
+        when ``placed``: bounded positions)."""
         if self.buffer is not None:
             return self
         b, h, t, d = key_states.shape
         positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
-        return type(self)(CarriedSlots.holding(key_states.new_empty(2, b, h, 0, d), positions, t))
+        placements = positions.new_empty(2, b, h, 0) if placed else None
+        return type(self)(CarriedSlots.holding(key_states.new_empty(2, b, h, 0, d), positions, t, placements))
 
     def prepare(self, storage: LayerStorage, chunk_len: int) -> "Slots":
         if self.buffer is None:
@@ -144,9 +146,13 @@ class Slots:
         return self if slots is self.buffer else Slots(slots)
 
     def stage(self, storage: LayerStorage, keys: torch.Tensor, values: torch.Tensor, step: StepContext):
-        self.buffer.stage(keys, values, step.write_index)
+        self.buffer.stage(keys, values, step.write_index, step.placements)
         storage.stage_chunk(step.write_index, keys, values)
         return self.buffer.keys, self.buffer.values
+
+    def placements(self) -> torch.Tensor | None:
+        """Anchors and rotations ``[2, B, H_kv, K + T]`` of ``[carried; chunk]`` (None unless bounded)."""
+        return None if self.buffer is None else self.buffer.placements
 
     def carried(self, storage: LayerStorage) -> tuple[torch.Tensor, torch.Tensor]:
         kv, _ = self.buffer.head()
@@ -247,13 +253,15 @@ class SharedRing:
 
     def __init__(self):
         self.ring: Ring | None = None
+        self.allowed = True  # False under bounded positions: every slot keeps its own position
 
     def update(self, layers, policy, history: list[int], seen_tokens: int, step: StepContext, device) -> None:
         """Enter or leave the ring before the step ``step`` of ``step.chunk_len`` tokens, as ``policy`` (its
         ``recent_steps`` and ``sink_tokens``) and the stream so far (``history``: every step's tokens) say."""
         steps, sinks, chunk_len = policy.recent_steps, policy.sink_tokens, step.chunk_len
         recent = history[-steps:] if steps else []
-        wanted = (bool(steps) and len(recent) == steps and all(length == chunk_len for length in recent)
+        wanted = (self.allowed and bool(steps) and len(recent) == steps
+                  and all(length == chunk_len for length in recent)
                   and seen_tokens - steps * chunk_len >= sinks
                   and all(layer.carried_length == sinks + steps * chunk_len for layer in layers))
         if wanted == (self.ring is not None):

@@ -1,4 +1,8 @@
-"""A hard cap on a stream's detailed cache (``max_cache_bytes``) and what happens when a step would pass it.
+"""A hard cap on a stream's cache (``max_cache_bytes``) and what happens when a step would pass it.
+
+What is counted: the detailed cache as stored (keys and values in the model's dtype, or int8/int4 codes with every
+scale and zero point), each step's retrieval summaries, the segment index, and on the disk tier its journal and
+carried-state checkpoints (`StreamStats` says how much of each).
 
 ``cache_limit`` (`CACHE_LIMITS`), chosen up front:
 
@@ -58,16 +62,20 @@ class CacheLimit:
 
 
 class CacheKeeper:
-    """Holds one stream's detailed cache under a `CacheLimit`.
+    """Holds one stream's cache under a `CacheLimit`: everything it keeps, counted.
 
     Args:
-        cache: the stream's `TwoStateCache`. bytes_per_token: detailed bytes one token costs (all layers).
-        protect_tokens: leading tokens never evicted. name: how messages name the stream.
+        cache: the stream's `TwoStateCache`. bytes_per_token: detailed bytes one token costs (all layers: keys and
+        values or their codes, with the values' per-token scales). protect_tokens: leading tokens never evicted.
+        name: how messages name the stream. bytes_per_step: what each step adds besides its tokens (all layers:
+        its summaries, and quantized, its keys' scales). other_bytes: ``() -> (held, growth)``: the bytes held
+        besides (the segment index, the disk tier's journal and checkpoints) and what a step adds to them.
     """
 
     def __init__(self, limit: CacheLimit, cache, bytes_per_token: int, protect_tokens: int = 0,
-                 name: str = "stream"):
+                 name: str = "stream", bytes_per_step: int = 0, other_bytes=lambda: (0, 0)):
         self.limit, self.cache, self.bytes_per_token = limit, cache, bytes_per_token
+        self.bytes_per_step, self.other_bytes = bytes_per_step, other_bytes
         self.protect_tokens, self.name = protect_tokens, name
         self.evicted_tokens = 0
         self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
@@ -81,14 +89,18 @@ class CacheKeeper:
 
     @property
     def held_bytes(self) -> int:
-        """Detailed bytes held now: every token streamed and not evicted."""
-        return (self.cache.seen_tokens - self.evicted_tokens) * self.bytes_per_token * self.batch
+        """Bytes held now: every token streamed and not evicted, every step's summaries (and scales) not
+        evicted, and the rest (`other_bytes`)."""
+        steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
+        return ((self.cache.seen_tokens - self.evicted_tokens) * self.bytes_per_token
+                + steps * self.bytes_per_step) * self.batch + self.other_bytes()[0]
 
     def make_room(self, chunk_len: int, batch: int = 1) -> list[int]:
         """The steps to evict so that a step of ``chunk_len`` tokens (of ``batch`` streams) fits, or a
         `CacheLimitError` refusing it."""
         self.batch = batch
-        needed = self.held_bytes + chunk_len * self.bytes_per_token * batch - self.limit.max_bytes
+        needed = (self.held_bytes + (chunk_len * self.bytes_per_token + self.bytes_per_step) * batch
+                  + self.other_bytes()[1] - self.limit.max_bytes)
         if needed <= 0:
             return []
         cap = f"max_cache_bytes={format_bytes(self.limit.max_bytes)}"
@@ -101,7 +113,7 @@ class CacheKeeper:
             if freed >= needed:
                 break
             chosen.append(step)
-            freed += length * self.bytes_per_token * self.batch
+            freed += (length * self.bytes_per_token + self.bytes_per_step) * self.batch
         if freed < needed:
             raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) does not fit under {cap} even after "
                                   "evicting every frame but the protected prompt prefix and sinks; nothing was "
@@ -125,6 +137,7 @@ class CacheKeeper:
             held = torch.isin(gone, carried)
             self.retained[layer.index] = gone[held]
             layer.storage.release_tokens(gone[~held].sort().values)
+            layer.storage.release_steps(torch.tensor(sorted(steps), dtype=torch.long))
         for step in steps:
             cache.evicted_steps.add(step)
             self._held.pop(step, None)

@@ -37,6 +37,8 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
         metadata["evicted_steps"] = sorted(cache.evicted_steps)
     if cache.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
         metadata["kv_cache_dtype"] = cache.kv_cache_dtype
+    if cache.positions.bounded:  # absent: stream positions (as every earlier save)
+        metadata["positions"] = cache.positions.export()
     return tensors, metadata
 
 
@@ -46,6 +48,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     if len(metadata["window_starts"]) != len(cache.layers):
         raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                          f"{len(cache.layers)}")
+    cache.positions.load(metadata.get("positions"), len(metadata["chunk_lengths"]))
     cache.shared_ring.reset()
     for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
         prefix = f"layers.{index}."
@@ -67,6 +70,9 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
         return tensors, start
     carried_keys, carried_values = layer.carried()
     tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=layer.positions())
+    placements = layer.slots.head_placements()
+    if placements is not None:  # bounded positions: where each carried key sits in RoPE
+        tensors["carried_placements"] = placements
     return tensors, None
 
 
@@ -85,7 +91,9 @@ def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], win
         window_start, layer.carry = None, forms.Slots(None)
     if window_start is None and "carried_keys" in tensors:
         kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
-        layer.carry = forms.Slots(CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0))
+        placements = tensors.get("carried_placements")
+        layer.carry = forms.Slots(CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0,
+                                                       None if placements is None else placements.to(device)))
     layer.is_initialized = storage.length > 0
     if layer.is_initialized:
         layer.dtype, layer.device = storage.summaries.means.dtype, device
@@ -143,6 +151,14 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if prefix + "step_samples" in tensors:  # absent in states saved before sampled keys were kept
             expected[prefix + "step_samples"] = ((*head, len(lengths), SAMPLES_PER_STEP * geometry.head_dim),
                                                  geometry.dtype)
+        if prefix + "segment_index" in tensors:  # absent in states saved before the index was kept
+            index = tensors[prefix + "segment_index"]
+            segments = index.shape[2] if isinstance(index, torch.Tensor) and index.dim() == 4 else -1
+            if not 0 <= segments <= len(lengths):
+                raise InputError(f"the saved state's {prefix}segment_index must be [B, H_kv, segments, 3 D] with at "
+                                 f"most one segment per step")
+            expected[prefix + "segment_index"] = ((*head, segments, 3 * geometry.head_dim), geometry.dtype)
+            expected[prefix + "segment_partial"] = ((*head, 1, 3 * geometry.head_dim), geometry.dtype)
         if start is None and seen:
             carried = tensors.get(prefix + "carried_positions")
             size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1
@@ -151,6 +167,8 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
             expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
                 (*head, size, geometry.head_dim), geometry.dtype)
             expected[prefix + "carried_positions"] = ((*head, size), torch.long)
+            if isinstance(metadata.get("positions"), dict) and metadata["positions"].get("mode") == "bounded":
+                expected[prefix + "carried_placements"] = ((2, *head, size), torch.long)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")

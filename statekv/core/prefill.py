@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -27,7 +28,7 @@ from .answering import Retrieval
 from .attention import resolve_backend
 from .batching import StepRequest, device_step, step_alone
 from .cache import TwoStateCache
-from .decoding import Prompt, generate_from_cache
+from .decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
 from .disk import DiskTier, Journaled, read_file_set, resume
 from .graphs import StepGraphs
 from .limits import CacheKeeper, check_evicting_storage
@@ -35,10 +36,15 @@ from .memory import CacheGeometry, check_cache_fits
 from .model_attention import language_decoder, prepared_mask, share_language_attention, streaming_through
 from .persistence import check_state_dict
 from .policies import CarryPolicy
-from .quantized import stored_bytes_per_token
+from . import positions as placing
+from .positions import QuestionPlan, StreamPositions, model_frequencies, trained_range
+from .quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from .rope import FrozenRope, check_horizon
 from .settings import EngineSettings
 from .stats import StepRecord, StreamStats, kept_fraction
+
+
+HISTORY_STEPS = 1024  # step records `stats` keeps (the last ones): a stream that never ends keeps a bounded history
 
 
 class StreamingPrefill:
@@ -53,6 +59,7 @@ class StreamingPrefill:
             settings to change in it by name (``StreamingPrefill(model, policy, offload=True)``).
         horizon: the most tokens the run will hold, question and answer included. It sizes the detailed
             buffers and fixes the RoPE rotation (required beyond the model's trained length for dynamic RoPE).
+            Under ``positions="bounded"`` it is optional (None: the stream never ends).
         freeze_rope: keep True; False leaves dynamic RoPE recomputing per chunk (only to study why freezing is
             needed).
         track_overlap: record, per step, the fraction of the carried state that the step kept (reads the
@@ -70,6 +77,9 @@ class StreamingPrefill:
     channel, values per token; :mod:`statekv.core.quantized`); the carried state and each step's attention stay
     in the model's dtype. ``cuda_graph``: on CUDA, record the first steady step of each input shape as a CUDA
     graph and replay it for the following ones (:mod:`statekv.core.graphs`); results are those of the eager step.
+    ``positions``: ``"stream"`` (a token's RoPE position is its index in the whole stream: exactly the model's
+    one-shot forward, within the RoPE's range; the engine's default, None) or ``"bounded"`` (every position kept
+    inside the range the model was trained on, so the stream needs no horizon; see :mod:`statekv.core.positions`).
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, settings: EngineSettings | None = None, *,
@@ -78,7 +88,10 @@ class StreamingPrefill:
         if not isinstance(policy, CarryPolicy):
             raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...), "
                                      f"got {type(policy).__name__}")
-        self.settings = settings = EngineSettings.of(settings, **changes)
+        settings = EngineSettings.of(settings, **changes)
+        if settings.positions is None:  # the engine's default; the front door decides per stream (choose_positions)
+            settings = settings.with_changes(positions="stream")
+        self.settings = settings
         self.model = model
         self.policy = policy
         self.decoder = language_decoder(model)
@@ -89,7 +102,9 @@ class StreamingPrefill:
         self.dtype = next(self.decoder.parameters()).dtype
         self.step_mask = prepared_mask(self.device)  # the 4D mask every step passes (see model_attention)
         self.attention = resolve_backend(settings.attention, self.device)  # used whenever the policy needs scores
-        self.horizon = check_horizon(self.config, horizon)
+        bounded = settings.positions == "bounded"
+        self.horizon = (check_horizon(self.config, horizon) if not bounded else
+                        None if horizon is None else check_int(horizon, "horizon (tokens)", error=HorizonError))
         self.kv_cache_dtype = settings.kv_cache_dtype
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
@@ -115,20 +130,31 @@ class StreamingPrefill:
         if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
             tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
             check_cache_fits(self.geometry, tokens, self.storage_device or self.device, self.kv_cache_dtype)
-        self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, self.horizon) if freeze_rope else None
+        limit = trained_range(self.config)
+        frozen_for = limit if bounded else self.horizon
+        self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
+        self.positions = StreamPositions(settings.positions, limit, placing.DEFAULT_LAYOUT,
+                                         model_frequencies(self.decoder, self.rope) if bounded else None)
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
                                    capacity_hint=horizon, storage_device=self.storage_device,
-                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage)
+                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage,
+                                   positions=self.positions)
+        self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
+        geometry = self.geometry
+        self.bytes_per_step = geometry.layers * (  # what each step adds besides its tokens: summaries, key scales
+            summary_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype)
+            + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, self.kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
-            cache_limit, self.cache, self.bytes_per_token, check_int(protect_tokens, "protect_tokens", minimum=0),
-            name)
+            cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
+            self._other_bytes)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
         self.graphs = StepGraphs(lambda inputs: self.device_step(inputs), lambda: self.cache.read_host_state)
         self.track_overlap = track_overlap
-        self.history: list[StepRecord] = []  # one record per step
+        self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
+        self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
         self.closed = False
 
     @property
@@ -154,15 +180,20 @@ class StreamingPrefill:
     def stats(self) -> StreamStats:
         """What the stream holds now and what its steps cost (host bookkeeping: never waits for the device)."""
         layers = self.cache.layers
+        detailed = sum(layer.storage.nbytes for layer in layers)
+        summaries = sum(layer.storage.summary_nbytes for layer in layers)
+        journal = 0 if self.disk is None else self.disk.nbytes
         return StreamStats(
             steps=len(self.cache.chunk_lengths), tokens=self.seen_tokens,
             carried_tokens=tuple(layer.carried_length for layer in layers),
-            detailed_bytes=sum(layer.storage.nbytes for layer in layers), device_bytes=self.cache.device_bytes(),
+            detailed_bytes=detailed, summary_bytes=summaries,
+            scale_bytes=sum(layer.storage.scale_nbytes for layer in layers), journal_bytes=journal,
+            held_bytes=detailed + summaries + journal if self.keeper is None else self.keeper.held_bytes,
+            device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
             evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else sum(
                 self.cache.chunk_lengths[s] for s in self.cache.evicted_steps),
-            summary_bytes=sum(layer.storage.summary_nbytes for layer in layers),
             forms=tuple(layer.form for layer in layers))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -177,17 +208,29 @@ class StreamingPrefill:
         if self.keeper is not None:
             self.keeper.adopt()
 
+    def _other_bytes(self) -> tuple[int, int]:
+        """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
+        journal and checkpoints), and what the next step adds to it (a segment row, the journal's growth over the
+        last step)."""
+        storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_partial is not None]
+        row = sum(s.segment_partial.numel() * s.segment_partial.element_size() for s in storages)  # all layers
+        index = row * (storages[0].segment_index.length if storages else 0)
+        completes = (len(self.cache.chunk_lengths) + 1) % self.cache.layers[0].storage.segment_steps == 0
+        growth = row if completes else 0
+        if self.disk is None:
+            return index, growth
+        return index + self.disk.nbytes, growth + self.disk.growth
+
     @property
     def evicted_steps(self) -> frozenset[int]:
         """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
         return frozenset(self.cache.evicted_steps)
 
     def resume(self, journal: Journaled) -> None:
-        """Resume from this stream's disk tier (made with ``disk_tier=``) at the last step its ``journal``
+        """Resume from this stream's disk tier (made with ``disk_tier=``) at the last checkpoint its ``journal``
         (:func:`statekv.core.disk.read_file_set`) vouches for, every step's checksum verified first; what the
-        journal holds after it is dropped."""
+        journal holds after it is dropped (the evictions recorded after it kept)."""
         resume(self.disk, journal, self.cache, self.device)
-        self.disk.truncate_journal(journal.end)
         if self.keeper is not None:
             self.keeper.adopt()
 
@@ -197,13 +240,17 @@ class StreamingPrefill:
         last step left it (the state before this step), and an `OutputError` says so."""
         try:
             self.cache.commit_host()
+            if self.positions.bounded:  # where the step was placed: resuming needs it
+                positions = self.positions
+                durable_record = {**durable_record,
+                                  "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
             self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
         except OutputError as error:
             folder = self.disk.folder
             try:
-                journal = read_file_set(folder)
-                if journal.steps:
-                    resume(self.disk, journal, self.cache, self.device, verify=False)
+                journal = read_file_set(folder, latest=True)
+                if journal.steps:  # the carried state its last step left is kept in memory (checkpoints are rarer)
+                    resume(self.disk, journal, self.cache, self.device, verify=False, carried=self.disk.remembered)
             except Exception as failure:  # the files cannot even be read back
                 self.close()
                 reason = (str(failure).strip() or type(failure).__name__).splitlines()[0]
@@ -223,7 +270,7 @@ class StreamingPrefill:
         set can itself be resumed: ``step_frames`` the frames of each step, ``record`` what the last step's
         record adds (see ``durable_record``)."""
         if self.disk is not None:
-            self.disk.journal_loaded(self.cache, step_frames, record)
+            self.disk.journal_loaded(self.cache, step_frames, record, self.positions.export().get("steps"))
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""
@@ -259,7 +306,7 @@ class StreamingPrefill:
         _check_positions(position_ids, chunk, self.device)
         _check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
-        if self.seen_tokens + chunk_len > self.horizon:
+        if self.horizon is not None and self.seen_tokens + chunk_len > self.horizon:
             raise HorizonError(
                 f"this chunk would bring the stream to {self.seen_tokens + chunk_len} tokens, beyond the declared "
                 f"horizon of {self.horizon}; declare a longer horizon when creating the stream"
@@ -316,11 +363,18 @@ class StreamingPrefill:
             self.check_ids(prompt.input_ids, "input_ids (the prompt)")
         model = self.model if prompt.model is None else prompt.model
         check_generation_arguments(generate_kwargs, getattr(model, "generation_config", None))
+        plan = None
+        if self.positions.bounded and prompt.input_ids.dim() == 2:
+            answer = int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+            plan = self.question_plan(prompt.input_ids.shape[1] + answer, retrieve)
+            if not plan.whole and retrieve is None:
+                retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
+        self.last_context = "whole" if retrieve is None else "retrieved"
         positions = {} if prompt.position_ids is None else {"position_ids": prompt.position_ids}
         kept = [(owner, name, getattr(owner, name)) for owner, name in prompt.restores]
         try:
             return generate_from_cache(self, prompt.input_ids, model=prompt.model, retrieve=retrieve,
-                                       **generate_kwargs, **positions)
+                                       plan=plan, **generate_kwargs, **positions)
         except (ValueError, TypeError) as error:
             if not generate_kwargs or isinstance(error, InputError):
                 raise
@@ -330,6 +384,24 @@ class StreamingPrefill:
         finally:
             for owner, name, value in kept:
                 setattr(owner, name, value)
+
+    def question_plan(self, room: int, retrieve: Retrieval | None = None) -> QuestionPlan | None:
+        """Under bounded positions, how a question whose prompt and answer take ``room`` tokens reads the stream:
+        the whole detailed cache when it fits in the model's range (and ``retrieve`` is None), else retrieved
+        steps (``retrieve``'s, or as many as fit); a one-line `HorizonError` when nothing fits. None under
+        ``stream`` positions (the context is the whole cache, or what ``retrieve`` picks)."""
+        if not self.positions.bounded:
+            return None
+        keep = self.protect_tokens if retrieve is None else retrieve.keep_tokens
+        keep_steps, start = 0, 0
+        for length in self.cache.chunk_lengths:
+            if start >= keep:
+                break
+            keep_steps, start = keep_steps + 1, start + length
+        plan = self.positions.question(self.positions.held_span(self.cache.evicted_steps),
+                                       self.positions.keep_end(keep_steps), room,
+                                       None if retrieve is None else retrieve.steps)
+        return QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps, plan.packed)
 
     @property
     def peak_device_bytes(self) -> int:

@@ -13,7 +13,9 @@ attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -86,6 +88,11 @@ def stored_bytes_per_token(kv_heads: int, head_dim: int, model_dtype: torch.dtyp
     return kv_heads * (codes + 2 * width + 2 * head_dim * width / tokens_per_step)
 
 
+def scale_bytes_per_step(kv_heads: int, head_dim: int, model_dtype: torch.dtype, kv_cache_dtype: str | None) -> int:
+    """Bytes of one step's key scales and zero points in one layer (per channel over the step's tokens)."""
+    return 0 if kv_cache_dtype is None else kv_heads * 2 * head_dim * scale_dtype(model_dtype).itemsize
+
+
 def summary_bytes_per_step(kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> int:
     """Bytes one step's summaries take in one layer (its mean key and ``SAMPLES_PER_STEP`` keys)."""
     return kv_heads * (1 + SAMPLES_PER_STEP) * head_dim * model_dtype.itemsize
@@ -111,7 +118,7 @@ class QuantizedStorage(OffloadedStorage):
         self.bits = KV_CACHE_BITS[self.kv_cache_dtype]
         self.offloaded = device is not None
         self._length = 0
-        self._starts: list[int] = []  # each committed step's first token
+        self._starts = array("q")  # each committed step's first token (8 bytes a step)
         self._starts_tensor: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # the model's
         super().__init__(capacity_hint, device, on_replace, make_buffer or memory_buffers(device, on_replace))
@@ -135,6 +142,11 @@ class QuantizedStorage(OffloadedStorage):
     def nbytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.buffers)
 
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the scales and zero points (part of `nbytes`)."""
+        return self.key_scales.nbytes + self.value_scales.nbytes
+
     def start(self, key_states: torch.Tensor) -> None:
         if self.bits == 4 and key_states.shape[-1] % 2:
             raise ConfigurationError(f"kv_cache_dtype int4 packs two channels per byte: the head dimension "
@@ -148,11 +160,12 @@ class QuantizedStorage(OffloadedStorage):
         horizon = self.key_codes.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
+        self.block_keys.reserve(self.means_like, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
         self.key_scales.reserve(self._scales_like, self.key_scales.length + 1, expected)
 
     def commit_host(self, chunk_len: int) -> None:
+        self.commit_segment()
         keys, values = self.staged[0], self.staged[1]
         width = scale_dtype(keys.dtype)
         key_codes, key_scale, key_zero = quantize(keys, 2, self.bits, width)
@@ -206,7 +219,9 @@ class QuantizedStorage(OffloadedStorage):
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""
         if self._starts_tensor is None or self._starts_tensor.device != index.device:
-            self._starts_tensor = torch.tensor(self._starts, dtype=torch.long, device=index.device)
+            starts = torch.frombuffer(self._starts, dtype=torch.long).clone() if self._starts else torch.zeros(
+                0, dtype=torch.long)
+            self._starts_tensor = starts.to(index.device)
         return torch.searchsorted(self._starts_tensor, index, right=True) - 1
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +243,7 @@ class QuantizedStorage(OffloadedStorage):
         if steps:
             tensors["block_keys"] = self.block_keys.view(0, steps)[0]
             tensors["step_samples"] = self.step_samples.view(0, steps)[0]
+        tensors.update(self.export_segments())
         return tensors
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
@@ -235,12 +251,13 @@ class QuantizedStorage(OffloadedStorage):
         for name in ("key_codes", "value_codes", "value_scales", "key_scales"):
             getattr(self, name).load(tensors[name].to(storage))
         self._length = tensors["key_codes"].shape[2]
-        self._starts = [sum(steps[:i]) for i in range(len(steps))]
+        self._starts = array("q", [0, *accumulate(steps)][: len(steps)])
         self._starts_tensor = None
         if "block_keys" in tensors:
             self.load_summaries(tensors, tensors["block_keys"], steps, storage)
             self.dtype = tensors["block_keys"].dtype
             self._scales_like = tensors["key_scales"][:, :, :1]
+            self.load_segments(tensors, None, steps, storage)
 
 
 def expected_tensors(kv_cache_dtype: str | None, head: tuple[int, int], tokens: int, steps: int, head_dim: int,

@@ -24,10 +24,10 @@ from ..values import BOOLEAN, BYTES, Kind, Setting, TEXT, boolean, byte_size, ch
     check_output_dir, one_of, settings_class
 from .attention import BACKENDS
 from .limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT, CacheLimit
+from .positions import POSITIONS
 from .quantized import KV_CACHE_BITS, check_kv_cache_dtype
 
 OFFLOAD_TIERS = ("disk", "memory")
-POSITIONS = ("stream",)  # a token's RoPE position is its index in the whole stream
 
 
 def check_offload(value: Any, name: str = "offload") -> Any:
@@ -97,9 +97,11 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "state stays in the model's dtype) (default: auto = the model's dtype)", "DTYPE", binding=True),
     Setting("cuda_graph", True, BOOLEAN,
             "run every streaming step eagerly (default on CUDA: replay steady steps from a graph)"),
-    Setting("positions", "stream", one_of(lambda: POSITIONS),
-            "the RoPE positions tokens stream at: stream = their index in the whole stream (default)", "RULE",
-            binding=True),
+    Setting("positions", None, one_of(lambda: POSITIONS).optional,
+            "RoPE positions: stream (each token at its index in the whole stream: exactly the model's one-shot "
+            "forward, for a horizon inside the model's range) or bounded (kept inside the range the model was "
+            "trained on: no horizon, a stream never ends; a question reads the whole cache when it fits, else "
+            "retrieved frames) (default: stream where the horizon fits, else bounded)", "P", binding=True),
 )
 
 
@@ -112,7 +114,10 @@ class EngineSettings:
     device). max_cache_bytes, cache_limit: a cap on the detailed cache and what happens at it
     (`statekv.core.limits`). kv_cache_dtype: ``"int8"``/``"int4"`` to store it quantized (None or ``"auto"``:
     the model's dtype; kept as None). cuda_graph: on CUDA, replay steady steps from a graph. positions: the
-    RoPE positions tokens stream at (``"stream"``: their index in the whole stream).
+    RoPE positions tokens stream at (``"stream"``: their index in the whole stream; ``"bounded"``: kept inside
+    the range the model was trained on, so a stream needs no horizon; None: ``stream`` where the horizon fits the
+    model's range, else ``bounded``, decided when a stream is made (`statekv.core.positions.choose_positions`)
+    and recorded as decided).
     """
 
     SETTINGS: ClassVar[tuple[Setting, ...]]
@@ -160,6 +165,8 @@ class EngineSettings:
             if not setting.binding:
                 continue
             saved, current = recorded.get(setting.name, setting.default), getattr(self, setting.name)
+            if setting.name == "positions":  # None: as the stream was made; saved before it was recorded: stream
+                saved, current = saved or "stream", current or saved or "stream"
             if saved != current:
                 return (f"{where}: saved with {setting.name}={_shown(saved)}, but it is being loaded as "
                         f"{_shown(current)}; load it with {setting.name}={_shown(saved)}")

@@ -28,11 +28,14 @@ class StreamStats:
     """A stream's cache at one moment.
 
     steps, tokens: streamed so far. carried_tokens: per layer, tokens carried into the next step (per KV head).
-    detailed_bytes: keys and values of every token, all layers, wherever they are stored. device_bytes: cache
-    bytes on the model's device now; peak_device_bytes: the most at once, answering included. graph_replays:
-    steps replayed from a CUDA graph. history: one `StepRecord` per step. evicted_steps, evicted_tokens: given up
-    under a cache limit (:mod:`statekv.core.limits`; answers no longer see them). summary_bytes: every step's
-    summaries (mean key and sampled keys, what retrieval scores from), all layers. forms: per layer, the form
+    detailed_bytes: keys and values of every token (or their int8/int4 codes with their scales), all layers,
+    wherever they are stored; scale_bytes: the scales and zero points among them. summary_bytes: every step's
+    retrieval summaries and the segment index. journal_bytes: the disk tier's journal and carried-state
+    checkpoints. held_bytes: what ``max_cache_bytes`` counts (all of the above, evicted steps excepted).
+    device_bytes: cache bytes on the model's device now; peak_device_bytes: the most at once, answering included.
+    graph_replays: steps replayed from a CUDA graph. history: a `StepRecord` for each of the last
+    ``HISTORY_STEPS`` steps. evicted_steps, evicted_tokens: given up under a cache limit
+    (:mod:`statekv.core.limits`; answers no longer see them). forms: per layer, the form
     its carried state is in (``window``, ``slots`` or ``ring``; see :mod:`statekv.core.forms`).
     """
 
@@ -47,6 +50,9 @@ class StreamStats:
     evicted_steps: int = 0
     evicted_tokens: int = 0
     summary_bytes: int = 0
+    scale_bytes: int = 0
+    journal_bytes: int = 0
+    held_bytes: int = 0
     forms: tuple[str, ...] = ()
 
     @property

@@ -4,7 +4,10 @@
 The detailed cache holds every token's keys and values (``detailed``, a buffer of 2 parts, length = tokens).
 Beside it, every step's summaries (:class:`StepSummaries`, kept in the model's dtype, what question-time
 retrieval scores steps by, :mod:`statekv.core.retrieval`): its mean key (``block_keys`` ``[B, H_kv, steps, D]``)
-and ``SAMPLES_PER_STEP`` of its keys evenly spaced (``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``).
+and ``SAMPLES_PER_STEP`` of its keys evenly spaced (``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``);
+and an index of segments of ``SEGMENT_STEPS`` steps (``segment_index`` ``[B, H_kv, segments, 3 * D]``: the
+element-wise minimum, maximum and sum of every key of the segment, what retrieval ranks segments by before it
+scores the steps of the best ones).
 Answering and retrieval read the detailed cache only through :meth:`LayerStorage.read_range`,
 :meth:`LayerStorage.read_tokens` and :attr:`LayerStorage.summaries`, so a storage may keep it in any form.
 
@@ -26,6 +29,7 @@ from .buffers import CarriedSlots, TokenBuffer
 from .limits import release_host_rows, runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
+SEGMENT_STEPS = 16  # steps per segment of the retrieval index (read when a storage is made)
 
 
 class BufferFactory(Protocol):
@@ -46,6 +50,14 @@ def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Te
     count = min(chunk_len, SAMPLES_PER_STEP)
     picks = torch.arange(SAMPLES_PER_STEP, device=device).clamp(max=count - 1)
     return picks * chunk_len // count
+
+
+class Segments(NamedTuple):
+    """The segment index as retrieval reads it: ``index`` ``[B, H_kv, G, 3 * D]`` (per complete segment of ``steps``
+    steps, the minimum, maximum and sum of its keys, in the model's dtype)."""
+
+    index: torch.Tensor
+    steps: int
 
 
 class StepSummaries(NamedTuple):
@@ -74,7 +86,12 @@ class LayerStorage:
         self._make_detailed(make_buffer, capacity_hint)
         self.block_keys = make_buffer("step_means", 1, None)
         self.step_samples = make_buffer("step_samples", 1, None)
+        self.segment_index = make_buffer("segment_index", 1, None)
+        self.segment_steps = SEGMENT_STEPS
         self.samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
+        self.means_like: torch.Tensor | None = None  # [B, H_kv, 1, D]
+        self.segment_partial: torch.Tensor | None = None  # [B, H_kv, 1, 3 * D]: the open segment so far
+        self._segment_staged: torch.Tensor | None = None  # the same, with the step being run
 
     def _make_detailed(self, make_buffer: BufferFactory, capacity_hint: int | None) -> None:
         self.detailed = make_buffer("detailed", 2, capacity_hint)
@@ -87,17 +104,32 @@ class LayerStorage:
 
     @property
     def batch_heads(self) -> tuple[int, int] | None:
-        keys = self.block_keys.keys
-        return None if keys is None else tuple(keys.shape[:2])
+        like = self.samples_like  # not the step means: on disk, reading their shape would map their file
+        return None if like is None else tuple(like.shape[:2])
 
     @property
     def nbytes(self) -> int:
         """Bytes the detailed cache takes where it is stored (summaries excluded)."""
         return self.detailed.nbytes
 
+    scale_nbytes = 0  # bytes of quantization scales (a quantized storage's)
+
     @property
     def summary_nbytes(self) -> int:
-        return self.block_keys.nbytes + self.step_samples.nbytes
+        """Bytes of the step summaries and the segment index."""
+        return self.block_keys.nbytes + self.step_samples.nbytes + self.segment_index.nbytes
+
+    @property
+    def segments(self) -> Segments:
+        """The complete segments' index (a view)."""
+        return Segments(self._index_view(), self.segment_steps)
+
+    def _index_view(self) -> torch.Tensor:
+        """The complete segments' rows ``[B, H_kv, G, 3 * D]`` (empty before the first one)."""
+        if not self.segment_index.length:
+            partial = self.segment_partial
+            return partial[:, :, :0] if partial is not None else torch.empty(1, 1, 0, 0)
+        return self.segment_index.view(0, self.segment_index.length)[0]
 
     # the read path -----------------------------------------------------------------------------------------
     def read_range(self, start: int, end: int, device: torch.device | None = None,
@@ -134,16 +166,54 @@ class LayerStorage:
         """First chunk ``[B, H_kv, T, D]`` seen: room for its summaries."""
         b, h, _, d = key_states.shape
         self.samples_like = key_states.new_empty(b, h, 1, SAMPLES_PER_STEP * d)
+        self.means_like = key_states.new_empty(b, h, 1, d)
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
         self.step_samples.reserve(self.samples_like, self.step_samples.length + 1)
+        self._start_segments(key_states)
+        self.segment_index.reserve(self.segment_partial, self.segment_index.length + 1)
+
+    def _start_segments(self, like: torch.Tensor) -> None:
+        """The open segment's accumulators ``[B, H_kv, 1, 3 * D]`` on the model's device, like ``like``."""
+        if self.segment_partial is None:
+            b, h, _, d = like.shape
+            self.segment_partial = like.new_zeros(b, h, 1, 3 * d)
+            self._segment_staged = torch.zeros_like(self.segment_partial)
+
+    def _hold_segment(self, partial: torch.Tensor) -> None:
+        """The open segment's accumulators are ``partial`` ``[B, H_kv, 1, 3 * D]`` (on the model's device)."""
+        self.segment_partial = partial.clone()
+        self._segment_staged = torch.zeros_like(self.segment_partial)
+
+    def _stage_segment(self, keys: torch.Tensor, step_device: torch.Tensor) -> None:
+        """The open segment with the step's keys ``[B, H_kv, T, D]`` added (a new segment at every
+        ``segment_steps``-th step), staged until the step commits."""
+        chunk = torch.cat([keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True)], -1)
+        d = keys.shape[-1]
+        partial = self.segment_partial
+        joined = torch.cat([torch.minimum(partial[..., :d], chunk[..., :d]),
+                            torch.maximum(partial[..., d:2 * d], chunk[..., d:2 * d]),
+                            partial[..., 2 * d:] + chunk[..., 2 * d:]], -1)
+        fresh = torch.remainder(step_device, self.segment_steps) == 0
+        self._segment_staged.copy_(torch.where(fresh, chunk, joined))
+
+    def commit_segment(self) -> None:
+        """After a step's commit: its segment accumulators kept, and a segment it completes added to the index
+        (``block_keys.length`` is the step's index here; with the model, the step wrote the row already)."""
+        self.segment_partial.copy_(self._segment_staged)
+        if (self.block_keys.length + 1) % self.segment_steps == 0:
+            if self.offloaded:
+                self.segment_index.write(self.segment_index.length, self.segment_partial)
+            self.segment_index.length += 1
 
     def prepare(self, chunk_len: int) -> None:
         """Room for the next step's summaries (and every later one's until the horizon, if it is known)."""
         horizon = self.detailed.capacity_hint
         expected = 0 if horizon is None else self.block_keys.length + math.ceil(
             max(horizon - self.length, 0) / chunk_len) + 1
-        self.block_keys.reserve(self.block_keys.keys, self.block_keys.length + 1, expected)
+        self.block_keys.reserve(self.means_like, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
+        rows = expected // self.segment_steps + 1 if expected else 0  # every row until the horizon, at once
+        self.segment_index.reserve(self.segment_partial, max(self.segment_index.length + 1, rows))
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
@@ -156,6 +226,10 @@ class LayerStorage:
         mean, samples = _summaries(keys)
         self.block_keys.write_at(step_device, mean)
         self.step_samples.write_at(step_device, samples)
+        self._stage_segment(keys, step_device)
+        # the open segment's row, rewritten every step (the same ops each step: a steady step stays static)
+        self.segment_index.write_at(torch.div(step_device, self.segment_steps, rounding_mode="floor"),
+                                    self._segment_staged)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         """The step's mean key ``[B, H_kv, 1, D]`` only (kept for callers of the former interface)."""
@@ -170,12 +244,15 @@ class LayerStorage:
         by :meth:`stage_chunk`)."""
 
     def commit_host(self, chunk_len: int) -> None:
+        self.commit_segment()
         self.detailed.length += chunk_len
         self.block_keys.length += 1
         self.step_samples.length += 1
 
     def device_nbytes(self) -> int:
-        return self.detailed.nbytes + self.summary_nbytes
+        partial = self.segment_partial
+        partial = 0 if partial is None else 2 * partial.numel() * partial.element_size()  # and its staged twin
+        return self.detailed.nbytes + self.summary_nbytes + partial
 
     def synchronize(self) -> None:
         """Wait for asynchronous copies into this storage before the host reads it."""
@@ -189,7 +266,14 @@ class LayerStorage:
         if self.block_keys.length:
             tensors["block_keys"] = self.block_keys.view(0, self.block_keys.length)[0]
             tensors["step_samples"] = self.step_samples.view(0, self.step_samples.length)[0]
+        tensors.update(self.export_segments())
         return tensors
+
+    def export_segments(self) -> dict[str, torch.Tensor]:
+        """The segment index and the open segment's accumulators (nothing before the first step)."""
+        if self.segment_partial is None:
+            return {}
+        return {"segment_index": self._index_view(), "segment_partial": self.segment_partial}
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
         """Install what :meth:`export` saved (``steps``: every step's token count; summaries missing from older
@@ -198,6 +282,7 @@ class LayerStorage:
         keys = tensors["keys"]
         self.detailed.load(keys.to(storage), tensors["values"].to(storage))
         self.load_summaries(tensors, keys, steps, storage)
+        self.load_segments(tensors, keys, steps, storage)
 
     def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
                        storage: torch.device) -> None:
@@ -214,14 +299,55 @@ class LayerStorage:
         self.block_keys.load(means.to(storage))
         self.step_samples.load(samples.to(storage))
         self.samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
+        self.means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
+
+    def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
+                       storage: torch.device) -> None:
+        """The segment index saved, or (saved before it was kept) recomputed from ``keys`` (all tokens' keys in
+        the model's dtype, on any device; None: what `read_range` gives)."""
+        index, partial = tensors.get("segment_index"), tensors.get("segment_partial")
+        if index is None or partial is None:
+            index, partial = self._segments_of(keys, steps)
+        if partial is None:
+            return
+        self._hold_segment(partial)
+        self.segment_index.load(index.to(storage))
+        if not self.segment_index.length:  # an empty load leaves nothing to append to: room for the first row
+            self.segment_index.reserve(partial.to(storage), 1)
+
+    def _segments_of(self, keys: torch.Tensor | None, steps: list[int]) -> tuple[torch.Tensor | None, ...]:
+        """``(index, open segment)`` computed from every step's keys."""
+        if not steps:
+            return None, None
+        if keys is None:
+            keys = self.read_range(0, sum(steps))[0]
+        rows, open_segment = [], None
+        for number, part in enumerate(keys.split(steps, dim=2)):
+            chunk = torch.cat([part.amin(2, keepdim=True), part.amax(2, keepdim=True), part.sum(2, keepdim=True)], -1)
+            if number % self.segment_steps == 0:
+                open_segment = chunk
+            else:
+                d = part.shape[-1]
+                open_segment = torch.cat([torch.minimum(open_segment[..., :d], chunk[..., :d]),
+                                          torch.maximum(open_segment[..., d:2 * d], chunk[..., d:2 * d]),
+                                          open_segment[..., 2 * d:] + chunk[..., 2 * d:]], -1)
+            if (number + 1) % self.segment_steps == 0:
+                rows.append(open_segment)
+        index = torch.cat(rows, 2) if rows else open_segment[:, :, :0]
+        return index, open_segment
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
-        """A saved state was loaded; ``device`` is the model's."""
+        """A saved state was loaded; ``device`` is the model's (where the open segment is accumulated)."""
+        if self.segment_partial is not None and self.segment_partial.device != device:
+            self._hold_segment(self.segment_partial.to(device))
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
         """Tokens ``tokens`` (ascending positions ``[N]``) were evicted (:mod:`statekv.core.limits`): give back
         what can be. One buffer on the model's device cannot give part of itself back (evicting is refused
         there)."""
+
+    def release_steps(self, steps: torch.Tensor) -> None:
+        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries, where that can be."""
 
 
 class OffloadedStorage(LayerStorage):
@@ -256,6 +382,7 @@ class OffloadedStorage(LayerStorage):
         mean, samples = _summaries(keys)
         self.staged_mean.copy_(mean)
         self.staged_samples.copy_(samples)
+        self._stage_segment(keys, step_device)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         self.staged_mean.copy_(mean)
@@ -278,23 +405,35 @@ class OffloadedStorage(LayerStorage):
         self.detailed.write(self.detailed.length, keys, values)
 
     def device_nbytes(self) -> int:
-        staged = (self.staged_mean, self.staged_samples)
+        staged = (self.staged_mean, self.staged_samples, self.segment_partial, self._segment_staged)
         return sum(0 if t is None else t.numel() * t.element_size() for t in staged)
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
         per_token = (self.detailed,) if self.detailed is not None else tuple(
             getattr(self, name) for name in ("key_codes", "value_codes", "value_scales"))  # quantized
         for buffer in per_token:
-            release = getattr(buffer, "release", None)  # a disk buffer gives rows back to the file system
-            tensors = None if release is not None else buffer.tensors
-            for start, end in runs(tokens):
-                release(start, end) if release is not None else release_host_rows(tensors, start, end)
+            _release(buffer, tokens)
+
+    def release_steps(self, steps: torch.Tensor) -> None:
+        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries (never read again)."""
+        for buffer in (self.block_keys, self.step_samples):
+            _release(buffer, steps)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads
-        d = self.block_keys.keys.shape[-1]
+        d = self.means_like.shape[-1]
         self.staged_mean = torch.empty(b, h, 1, d, dtype=dtype, device=device)
         self.staged_samples = torch.empty(b, h, 1, SAMPLES_PER_STEP * d, dtype=dtype, device=device)
+        super().restored(dtype, device)
+
+
+def _release(buffer, rows: torch.Tensor) -> None:
+    """Give rows ``rows`` (ascending ``[N]``) of ``buffer`` back: a disk buffer to the file system, host memory's
+    whole pages to the OS."""
+    release = getattr(buffer, "release", None)
+    tensors = None if release is not None else buffer.tensors
+    for start, end in runs(rows):
+        release(start, end) if release is not None else release_host_rows(tensors, start, end)
 
 
 def _summaries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,9 @@ class StepContext:
     ``step_device`` (LongTensor ``[1]``, the step's index) and ``write_index`` (LongTensor ``[T]``, the chunk's
     logical positions, also where it goes in the detailed cache; set by the device part of the step) live on
     the model's device and are advanced by the step itself, so a steady step reads no host value;
-    ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one.
+    ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one. Under bounded positions
+    (:mod:`statekv.core.positions`), ``placements`` holds the chunk's anchors and rotations (``[T]`` each) and
+    ``positions`` the stream's `StreamPositions`, which rotates the keys a step attends to.
     """
 
     chunk_len: int
@@ -34,6 +36,8 @@ class StepContext:
     step_device: torch.Tensor
     write_index: torch.Tensor | None = None
     ring_target: torch.Tensor | None = None
+    placements: tuple[torch.Tensor, torch.Tensor] | None = None
+    positions: object = None
 
 
 class NotBatchable(Exception):

@@ -21,7 +21,8 @@ class ServeConfig:
     at once, all keys together. max_asks: questions answered or waiting at once. max_body_bytes: the largest
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
-    default_horizon_frames, default_max_fps: for streams created without them.
+    default_horizon_frames, default_max_fps: for streams created without them (horizon None: no horizon, the
+    stream never ends; its positions are bounded, see `statekv.core.positions`).
     """
 
     options: ModelOptions
@@ -35,7 +36,7 @@ class ServeConfig:
     max_image_pixels: int = 4096 * 4096
     save_every_frames: int = SAVE_EVERY_FRAMES
     save_every_seconds: float = SAVE_EVERY_SECONDS
-    default_horizon_frames: int = 3600
+    default_horizon_frames: int | None = None
     default_max_fps: float | None = 1.0
     max_chat_frames: int = 512
     page: bool = True

@@ -59,7 +59,7 @@ class StreamEntry:
     id: str
     owner: str
     settings: dict[str, Any]
-    horizon_frames: int
+    horizon_frames: int | None
     max_fps: float | None
     name: str
     created: float
@@ -145,12 +145,15 @@ class StreamRegistry:
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
         defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
         horizon = body.get("horizon_frames", self.default_horizon_frames)
-        if isinstance(horizon, bool) or not isinstance(horizon, int) or not 1 <= horizon <= 10**7:
-            raise ServiceError(400, f"horizon_frames must be a positive integer, got {_shown(horizon)}")
-        if horizon > self.max_horizon_frames:
-            raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold: at most "
-                               f"{self.max_horizon_frames} frames (its RoPE covers {self._rope_tokens()} tokens, "
-                               f"{self.qa.reserve_tokens} of them kept for questions and answers)")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
+                                    or not 1 <= horizon <= 10**7):
+            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got "
+                               f"{_shown(horizon)}")
+        if horizon is not None and self.qa.engine.positions == "stream" and horizon > self.max_horizon_frames:
+            raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold at positions=stream: "
+                               f"at most {self.max_horizon_frames} frames (its RoPE covers {self._rope_tokens()} "
+                               f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
+                               "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
         if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
                                     or not math.isfinite(max_fps) or max_fps <= 0):
@@ -174,8 +177,11 @@ class StreamRegistry:
         return self._max_horizon
 
     @property
-    def default_horizon_frames(self) -> int:
-        """``default_horizon_frames``, or fewer when the model's RoPE cannot hold that many."""
+    def default_horizon_frames(self) -> int | None:
+        """``default_horizon_frames`` (None: no horizon, the stream never ends), or fewer when the model's RoPE
+        cannot hold that many."""
+        if self.config.default_horizon_frames is None:
+            return None
         return min(self.config.default_horizon_frames, self.max_horizon_frames)
 
     def _rope_tokens(self) -> int | None:
@@ -452,9 +458,9 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
     """The question's prompt length in tokens, refused (413) when it and the answer do not fit the room the
-    video (an `EncodedVideo` or `Stream`) has left before its horizon."""
+    video (an `EncodedVideo` or `Stream`) has left before its horizon (a stream without one: its reserve)."""
     prompt = int(video.adapter.question_ids(question, video.state).shape[1])
-    room = video.horizon - video.tokens
+    room = video.horizon - video.tokens if video.horizon is not None else video.reserve_tokens
     if prompt + max_new_tokens > room:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
                            f"the {room} tokens kept for them; ask a shorter question")

@@ -1,0 +1,302 @@
+"""Bounded RoPE positions: exactly the stream's while they fit, inside the trained range past it, never an end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+from statekv.core import FullAttention, Retrieval, StateKV, StreamingPrefill
+from statekv.core.policies import CarryPolicy
+from statekv.core.positions import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions, choose_positions,
+                                    rotate, trained_range)
+from statekv.errors import ConfigurationError, HorizonError, InputError
+
+from conftest import split
+
+LIMIT = 64  # the tiny model's trained range
+
+
+@pytest.fixture
+def model(tiny_lm):
+    return tiny_lm("qwen2", max_position_embeddings=LIMIT)
+
+
+def tokens(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 96, (1, count), generator=torch.Generator().manual_seed(seed))
+
+
+def test_rotate_is_ropes_own_rotation(model):
+    """A key rotated at p, then by delta, is the key RoPE rotates at p + delta (the model's own frequencies)."""
+    rotary = model.model.rotary_emb
+    keys = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(1))
+    at = torch.tensor([[3, 10, 40, 7, 63]])
+    delta = torch.tensor([[5, -10, 17, 0, -60]])
+    cos, sin = rotary(keys, at)
+    stored, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+    cos, sin = rotary(keys, at + delta)
+    expected, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+    moved = rotate(stored, delta.expand(1, 2, -1), rotary.inv_freq)
+    torch.testing.assert_close(moved, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rotate(stored, torch.zeros(1, 2, 5, dtype=torch.long), rotary.inv_freq), stored)
+
+
+@pytest.mark.parametrize("policy", [FullAttention(), StateKV(16)], ids=["full", "statekv"])
+def test_bounded_is_the_stream_while_it_fits(model, policy):
+    """Inside the range, bounded positions are stream positions: the same hidden states and answers, bit for bit."""
+    chunks = split(tokens(100))[:6]  # 49 tokens: inside the cap of 56
+    runs = {}
+    for mode in ("stream", "bounded"):
+        prefill = StreamingPrefill(model, policy, positions=mode)
+        hidden = [prefill.step(input_ids=chunk) for chunk in chunks]
+        answer = prefill.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+        runs[mode] = hidden, answer, prefill.last_context
+    for a, b in zip(runs["stream"][0], runs["bounded"][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(runs["stream"][1], runs["bounded"][1])
+    assert runs["bounded"][2] == "whole"
+
+
+class Recording(CarryPolicy):
+    """StateKV's selection, recording what each step's attention saw (keys, logical positions)."""
+
+    def __init__(self, budget):
+        self.inner, self.seen = StateKV(budget), []
+
+    def scores_needed(self, size):
+        return self.inner.scores_needed(size)
+
+    def select(self, candidates):
+        self.seen.append((candidates.layer, candidates.keys.clone(), candidates.positions.clone()))
+        return self.inner.select(candidates)
+
+
+def grouped_target(distance: int, first: int, base: int, limit: int) -> int:
+    """The grouped layout, written out: exact up to the window, then grouped by the smallest fitting group."""
+    cap = limit - -(-limit // 8)
+    window = cap // 2
+    group = max(1, -(-(first - window) // (cap - window)))
+    mapped = distance if distance <= window else window + -(-(distance - window) // group)
+    return base - min(mapped, base)
+
+
+def test_bounded_places_keys_inside_the_range_past_it(model, monkeypatch):
+    """Past the range every rotary position stays inside it: the chunk at its base, each carried key rotated
+    from the rotation it was stored at to the layout's place for it (the grouped layout, checked against a
+    direct computation)."""
+    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", GroupedDistances.name)
+    policy = Recording(16)
+    prefill = StreamingPrefill(model, policy, positions="bounded")
+    seen_positions = []
+    hook = model.model.rotary_emb.register_forward_hook(lambda m, args, out: seen_positions.append(args[1].clone()))
+    try:
+        for chunk in split(tokens(100)) + split(tokens(100, seed=1)):
+            prefill.step(input_ids=chunk)
+    finally:
+        hook.remove()
+    assert prefill.seen_tokens == 200 > LIMIT
+    assert max(int(p.max()) for p in seen_positions) < LIMIT
+    positions = prefill.positions
+    layer = model.config.num_hidden_layers - 1
+    steps = [(keys, logical) for index, keys, logical in policy.seen if index == layer]
+    starts = [0]
+    for span in positions.spans:
+        starts.append(starts[-1] + span)
+    stored = prefill.cache.layers[layer].storage
+    for step in (10, 20, len(steps) - 1):
+        keys, logical = steps[step]
+        first, base = positions.firsts[step], positions.bases[step]
+        assert first == starts[step] and base < LIMIT
+        expected = torch.empty_like(keys)
+        for slot in range(logical.shape[-1]):
+            token = int(logical[0, 0, slot])
+            owner = max(s for s in range(len(starts) - 1) if starts[s] <= token)
+            rotation = token - (positions.firsts[owner] - positions.bases[owner])
+            target = grouped_target(first - token, first, base, LIMIT)
+            key = stored.read_tokens(torch.tensor([token]))[0][:, :, :1]
+            expected[:, :, slot:slot + 1] = rotate(key, torch.tensor([[[target - rotation]]]),
+                                                   positions.inv_freq)
+        torch.testing.assert_close(keys, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_question_past_the_range_reads_retrieved_frames(model):
+    """When the whole cache does not fit the range, a question reads as many steps as fit (or those asked for),
+    laid out before the prompt inside the range; too many asked for is refused with one line."""
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded", protect_tokens=9)
+    for chunk in split(tokens(100)) * 3:
+        prefill.step(input_ids=chunk)
+    seen_positions = []
+    hook = model.model.rotary_emb.register_forward_hook(lambda m, args, out: seen_positions.append(args[1].clone()))
+    try:
+        answer = prefill.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert answer.shape == (1, 4) and prefill.last_context == "retrieved"
+    assert max(int(p.max()) for p in seen_positions) < LIMIT
+    plan = prefill.question_plan(7)
+    assert not plan.whole and plan.keep_steps == 1 and plan.start + 7 <= LIMIT
+    prefill.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, retrieve=Retrieval(2, keep_tokens=9))
+    with pytest.raises(HorizonError, match="retrieve at most"):
+        prefill.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, retrieve=Retrieval(40, keep_tokens=9))
+    with pytest.raises(HorizonError, match="do not fit"):
+        prefill.generate(torch.tensor([[1] * 50]), max_new_tokens=20)
+
+
+def test_cache_layout_keeps_the_carried_state_in_cache_order(model, monkeypatch):
+    """The cache layout: carried keys at consecutive positions right before the chunk (StreamingLLM); full
+    attention, whose carried state outgrows the range, is refused with one line."""
+    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", CacheOrder.name)
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+    for chunk in split(tokens(100)) * 2:
+        prefill.step(input_ids=chunk)
+    assert max(prefill.positions.bases) == 16 and prefill.positions.layout == CacheOrder()
+    full = StreamingPrefill(model, FullAttention(), positions="bounded")
+    with pytest.raises(HorizonError, match="grouped layout"):
+        for chunk in split(tokens(100)):
+            full.step(input_ids=chunk)
+
+
+def test_the_default_layout_keeps_own_positions_then_the_cache_order_past_the_range(model):
+    """The default layout (own-then-cache): the stream's own positions while it fits (so StateKV is exactly
+    `stream`), past the range StateKV's carried state in cache order right before its chunk, and full attention,
+    whose carried state cannot be, grouped; every position inside the range."""
+    assert StreamPositions("bounded", LIMIT).layout == OwnThenCache()
+    policy = Recording(16)
+    prefill = StreamingPrefill(model, policy, positions="bounded")
+    chunks = split(tokens(100)) + split(tokens(100, seed=1))
+    for chunk in chunks:
+        prefill.step(input_ids=chunk)
+    positions, cap = prefill.positions, LIMIT - LIMIT // 8
+    own = [s for s, first in enumerate(positions.firsts) if first + positions.spans[s] <= cap]
+    assert own and all(positions.bases[s] == positions.firsts[s] for s in own)
+    assert positions.bases[-1] == 16 < positions.firsts[-1]  # past the range: the chunk right after 16 carried
+    full = StreamingPrefill(model, FullAttention(), positions="bounded")
+    for chunk in chunks:
+        full.step(input_ids=chunk)
+    assert full.positions.bases[-1] == min(cap, LIMIT - full.positions.spans[-1])  # grouped, at its ceiling
+
+
+def test_bounded_stream_saves_and_resumes_exactly(model):
+    """A bounded stream saved past the range resumes with its placements: the continuation is identical."""
+    chunks = split(tokens(100)) * 2
+    whole = StreamingPrefill(model, StateKV(16), positions="bounded")
+    expected = [whole.step(input_ids=chunk) for chunk in chunks]
+    first = StreamingPrefill(model, StateKV(16), positions="bounded")
+    for chunk in chunks[:15]:
+        first.step(input_ids=chunk)
+    tensors, metadata = first.state_dict()
+    assert metadata["positions"]["mode"] == "bounded" and len(metadata["positions"]["steps"]) == 15
+    resumed = StreamingPrefill(model, StateKV(16), positions="bounded")
+    resumed.load_state_dict(tensors, metadata)
+    for chunk, reference in zip(chunks[15:], expected[15:]):
+        assert torch.equal(resumed.step(input_ids=chunk), reference)
+    other = StreamingPrefill(model, StateKV(16))
+    with pytest.raises(InputError, match="positions=bounded"):
+        other.load_state_dict(tensors, metadata)
+
+
+def test_choosing_positions(model):
+    config = model.config
+    assert trained_range(config) == LIMIT
+    assert choose_positions(None, config, 32) == "stream"
+    assert choose_positions(None, config, 100) == "bounded"
+    assert choose_positions(None, config, None) == "bounded"
+    assert choose_positions("bounded", config, 32) == "bounded"
+    with pytest.raises(HorizonError, match="needs a horizon"):
+        choose_positions("stream", config, None)
+    with pytest.raises(ConfigurationError, match="stream, bounded"):
+        StreamingPrefill(model, StateKV(16), positions="relative")
+    assert StreamPositions("bounded", LIMIT, GroupedDistances()).export()["layout"] == "grouped"
+
+
+def test_bounded_steady_steps_past_the_range_are_static_and_sync_free(model):
+    """Past the range a steady bounded step is the same ops, shapes and scalars every step, with no host sync:
+    the chunk's place is found on the device (what a CUDA graph replays)."""
+    from statekv.testing import OpTrace
+
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+    embed = model.get_input_embeddings()
+    chunks = [embed(tokens(8, seed)).detach() for seed in range(16)]
+    traces = []
+    for chunk in chunks:
+        with OpTrace() as trace:
+            prefill.step(inputs_embeds=chunk)
+        traces.append(trace)
+    assert prefill.seen_tokens > LIMIT and prefill.cache.is_steady()
+    steady = traces[10:]  # past the cap of 56 positions: every chunk at the same base
+    assert all(trace.ops == steady[0].ops for trace in steady)
+    assert all(not trace.syncs for trace in steady)
+
+
+def test_bounded_streams_stepped_together_end_as_alone(model):
+    """Bounded streams share batched forwards past the range, each placing its own chunk and carried keys."""
+    from statekv.core.batching import StepBatcher, StepRequest
+
+    embed = model.get_input_embeddings()
+    chunks = [[embed(tokens(8, 100 * s + i)).detach() for i in range(14)] for s in range(2)]
+    alone = []
+    for own in chunks:
+        prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+        alone.append([prefill.step(inputs_embeds=chunk) for chunk in own])
+    together = [StreamingPrefill(model, StateKV(16), positions="bounded") for _ in chunks]
+    batcher = StepBatcher()
+    for step in range(14):
+        hidden = batcher.step([StepRequest(prefill, own[step]) for prefill, own in zip(together, chunks)])
+        for s in range(2):
+            torch.testing.assert_close(hidden[s], alone[s][step], rtol=1e-4, atol=1e-5)
+    assert batcher.batched_steps > 0 and together[0].seen_tokens > LIMIT
+
+
+def test_a_stream_without_a_horizon_saves_and_resumes_past_the_range(tmp_path, monkeypatch):
+    """`qa.stream()` (no horizon: bounded) past a short model's range: saved to a file and resumed from its disk
+    tier's file set, each goes on exactly as the stream itself."""
+    import numpy as np
+
+    import statekv
+    from statekv import Stream
+    from statekv.testing import make_tiny_checkpoint
+
+    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 1)
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    frames = np.random.default_rng(0).integers(0, 256, (20, 32, 32, 3), dtype=np.uint8)
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, offload="disk",
+                                         offload_dir=tmp_path / "disk", reserve_tokens=24)
+    stream = qa.stream()
+    assert stream.horizon is None and stream.prefill.positions.mode == "bounded"
+    for frame in frames[:12]:
+        stream.push(frame)
+    assert stream.tokens > 128
+    saved = stream.save(tmp_path / "s.safetensors")
+    stream.close()  # one owner at a time
+    from_file, from_disk = Stream.load(saved, qa), Stream.load(stream.prefill.disk.folder, qa)
+    whole = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24).stream()
+    for frame in frames[:12]:
+        whole.push(frame)
+    for frame in frames[12:]:
+        for each in (whole, from_file, from_disk):
+            each.push(frame)
+    expected = whole.ask_tokens("Why?", max_new_tokens=4)
+    assert whole.answer_info.context == "retrieved"
+    for each in (from_file, from_disk):
+        assert each.horizon_frames is None and each.tokens == whole.tokens
+        assert torch.equal(each.ask_tokens("Why?", max_new_tokens=4), expected)
+    with pytest.raises(InputError, match="positions"):
+        Stream.load(saved, qa.with_options(positions="stream"))
+
+
+def test_a_stream_keeps_a_bounded_record_of_its_steps(monkeypatch):
+    """Per-frame times and step records stay bounded however long a stream runs, their totals kept."""
+    import statekv.api.stats
+
+    monkeypatch.setattr(statekv.api.stats, "TIMES_KEPT", 4)
+    stats = statekv.api.stats.EncodingStats()
+    for frame in range(11):
+        for times in (stats.frame_seconds, stats.decode_seconds, stats.vision_seconds, stats.language_seconds):
+            times.append(0.5 + frame)
+        stats.trim()
+    assert len(stats.frame_seconds) < 8 and stats.earlier_frames + len(stats.frame_seconds) == 11
+    assert stats.seconds == pytest.approx(sum(0.5 + f for f in range(11)))
+    assert stats.mean_frame_seconds == pytest.approx(stats.seconds / 11)
+    assert statekv.core.prefill.HISTORY_STEPS == 1024
