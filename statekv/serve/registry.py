@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import secrets
 import shutil
 import time
@@ -351,8 +352,8 @@ class StreamRegistry:
             except (OSError, StateKVError) as error:
                 if isinstance(error, ServiceError) and error.status != 400:
                     raise
-                why = (error.strerror or type(error).__name__) if isinstance(error, OSError) else \
-                    str(error).split(";")[0]
+                why = str(error).split(";")[0] if isinstance(error, StateKVError) else \
+                    f"cannot save the stream ({error.strerror or type(error).__name__})"
                 unsaved = entry.stream.pushed - entry.saved["pushed"]
                 log.error("cannot save stream %s before a push: %s", entry.id, error)
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
@@ -535,6 +536,9 @@ class StreamRegistry:
     def _quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> None:
         reason = public_message(reason, {str(self.files.folder.resolve()) + "/": "", str(self.files.folder) + "/": ""})
         reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
+        # another stream's id is not this stream's owner's to see
+        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
+                        reason)
         log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id, reason)
         self.damaged[stream_id] = DamagedStream(stream_id, owner, reason, record)
 
