@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -73,7 +74,8 @@ def decode_image(data: bytes, content_type: str, max_pixels: int) -> np.ndarray:
         return decode_whole(data, formats=(expected,), max_pixels=max_pixels, name=f"the {content_type} body")
     except ImageError as error:
         status = {"format": 415, "size": 413}.get(error.reason, 400)
-        raise ServiceError(status, f"{error} ({len(data)} bytes)" if status == 400 else str(error)) from None
+        message = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the body", str(error))  # PIL names its in-memory file
+        raise ServiceError(status, f"{message} ({len(data)} bytes)" if status == 400 else message) from None
 
 
 class Slots:
