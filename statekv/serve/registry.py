@@ -27,7 +27,7 @@ from .config import ServeConfig
 from .errors import ServiceError, public_message
 from .metrics import Metrics
 from .sse import ClientGone
-from .store import STREAM_ID, StreamFiles, readable_owner
+from .store import STREAM_ID, StreamFiles
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
