@@ -119,6 +119,7 @@ def serve_config(args: argparse.Namespace):
     made for the state folder (printed at once) if it has none and none was given: ``(config, made, keys)``."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys
+    from ..serve.store import check_state_folder
 
     args.budget = builtin_budget(args.model, args.budget, MethodSettings.budget)
     options = ModelOptions.from_args(args)
@@ -130,10 +131,7 @@ def serve_config(args: argparse.Namespace):
             raise ConfigurationError(f"--media-root {media_root}: not a folder")
     if not 0 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: not a port number")
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigurationError(f"--state-dir {state_dir}: {error.strerror or error}") from None
+    check_state_folder(state_dir)  # one line, before anything is written there
     keys = configured_keys(args.api_key)
     stored = KeyFile(state_dir)
     made = stored.make() if not keys and not stored.stored() else None

@@ -24,7 +24,7 @@ from .metrics import Metrics
 from .openai import build_openai_router
 from .registry import StreamRegistry
 from .routes import build_router
-from .store import StreamFiles
+from .store import StreamFiles, check_state_folder
 from .worker import ModelExecutor, ModelWorker
 
 log = logging.getLogger("statekv.serve")
@@ -112,6 +112,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
     app. Model work runs on ``worker`` (default: one `ModelWorker` thread); ``hosting``: how the streams are held
     (default: alone, `Hosting`)."""
+    check_state_folder(config.state_dir)
     keys = KeyRing.for_folder(config.state_dir, config.api_keys)
     check_owners(config, keys)  # before the model loads: a refusal costs nothing
     if qa is None:
@@ -122,6 +123,9 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     restored = service.hosting.restore(service.registry, keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)
+    if service.registry.damaged:
+        log.error("%d damaged streams quarantined (listed as damaged, not served, their files kept): %s",
+                  len(service.registry.damaged), ", ".join(sorted(service.registry.damaged)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -134,6 +138,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await asyncio.to_thread(service.registry.save_all)
+            await asyncio.to_thread(service.registry.close_all)  # their files' locks go with them
             service.hosting.close(service)
             service.worker.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -22,6 +23,7 @@ from fastapi import Request
 from ..errors import ConfigurationError
 from .errors import ServiceError
 
+log = logging.getLogger("statekv.serve")
 KEYS_VARIABLE = "STATEKV_API_KEYS"
 KEYS_FILE = "keys.json"
 
@@ -50,14 +52,18 @@ class KeyFile:
         try:
             document = json.loads(self.path.read_text())
             keys = document["keys"]
-            if not all(isinstance(k, dict) and isinstance(k.get("owner"), str) for k in keys):
-                raise ValueError("malformed key entry")
+            if not isinstance(keys, list):
+                raise TypeError("keys is not a list")
         except FileNotFoundError:
             return []
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
             raise ConfigurationError(f"{self.path.name} in the state folder is unreadable ({type(error).__name__}); "
                                      "remove it to have a new key made, or pass --api-key") from None
-        return keys
+        usable = [k for k in keys if isinstance(k, dict) and isinstance(k.get("owner"), str) and k["owner"]]
+        if len(usable) < len(keys):  # one bad entry costs that key alone
+            log.error("%s in the state folder: %d of its %d entries are malformed and ignored (their key is not "
+                      "accepted)", self.path.name, len(keys) - len(usable), len(keys))
+        return usable
 
     def make(self) -> str | None:
         """Make a key and store its digest, unless a key was made here already (by another server too): returns
@@ -65,12 +71,15 @@ class KeyFile:
         key = secrets.token_urlsafe(24)
         document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
         partial = self.path.with_name(f"{KEYS_FILE}.{secrets.token_hex(4)}.partial")
-        partial.write_text(json.dumps(document, indent=1) + "\n")
         try:
+            partial.write_text(json.dumps(document, indent=1) + "\n")
             os.chmod(partial, 0o600)
             os.link(partial, self.path)  # fails when the file exists: one key per folder, whoever is first
         except FileExistsError:
             return None
+        except OSError as error:
+            raise ConfigurationError(f"cannot make a key for the state folder ({error.strerror or error}); pass "
+                                     "--api-key, or give a folder this server can write") from None
         finally:
             partial.unlink(missing_ok=True)
         return key

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import json
-import warnings
+import re
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
 from fastapi import Request
-from PIL import Image
 
 from .errors import ServiceError
 
@@ -53,37 +52,30 @@ async def read_json(request: Request, limit: int, *, optional: bool = False) -> 
         document = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as error:
         raise ServiceError(400, f"malformed JSON body: {str(error).splitlines()[0]}") from None
+    except RecursionError:
+        raise ServiceError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(document, dict):
         raise ServiceError(400, "the JSON body must be an object")
     return document
 
 
 def decode_image(data: bytes, content_type: str, max_pixels: int) -> np.ndarray:
-    """A JPEG or PNG body -> RGB uint8 ``[H, W, 3]``; 415 for another format, 413 over ``max_pixels``."""
+    """A JPEG or PNG body -> RGB uint8 ``[H, W, 3]``, decoded whole (`statekv.video.decode_image`: a PNG whose
+    header promises more rows than its data holds is refused); 415 for another format, 413 over ``max_pixels``,
+    400 for a body that cannot be decoded whole."""
+    from ..video import ImageError, decode_image as decode_whole
+
     expected = IMAGE_TYPES.get(content_type)
     if expected is None:
         raise ServiceError(415, f"a frame is image/jpeg or image/png, got {content_type or 'no Content-Type'}")
     if not data:
         raise ServiceError(400, "empty image body")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            if image.format != expected:
-                raise ServiceError(415, f"the body is {image.format or 'not an image'}, not {content_type}")
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ServiceError(413, f"image of {width}x{height} pixels is over the limit of {max_pixels} pixels")
-            image.load()
-            return np.asarray(image.convert("RGB"))
-    except ServiceError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ServiceError(413, f"the image is over the limit of {max_pixels} pixels") from None
-    except (OSError, ValueError, SyntaxError) as error:
-        # PIL's messages name its in-memory file object (a repr); say what failed instead
-        why = "truncated" if "truncated" in str(error) else "not a readable image"
-        raise ServiceError(400, f"cannot decode the {content_type} body ({why}, {len(data)} bytes)") from None
+        return decode_whole(data, formats=(expected,), max_pixels=max_pixels, name=f"the {content_type} body")
+    except ImageError as error:
+        status = {"format": 415, "size": 413}.get(error.reason, 400)
+        message = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the body", str(error))  # PIL names its in-memory file
+        raise ServiceError(status, f"{message} ({len(data)} bytes)" if status == 400 else message) from None
 
 
 class Slots:
@@ -99,6 +91,21 @@ class Slots:
             raise ServiceError(429, f"too many {self.what} at once (limit {self.limit}); retry shortly",
                                headers={"Retry-After": str(self.retry_after)})
 
+    def take(self) -> Callable[[], None]:
+        """Check (429) and hold a slot now; returns what gives it back (once, however often it is called). For a
+        response that streams: taken before it starts, given back when it ends (`sse.EventStream`)."""
+        self.check()
+        self.held += 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self.held -= 1
+
+        return give_back
+
     @asynccontextmanager
     async def hold(self):
         self.check()
@@ -107,8 +114,7 @@ class Slots:
 
     @asynccontextmanager
     async def occupy(self):
-        """Hold a slot without the check: for a response checked (`check`) before it started streaming, where
-        a slot taken before the body starts could never be given back if the client left first."""
+        """Hold a slot without the check (`hold` checks first, with no pause in between)."""
         self.held += 1
         try:
             yield

@@ -8,6 +8,8 @@ from urllib.parse import unquote, urlparse
 
 from .errors import ServiceError
 
+MAX_SOURCE_CHARS = 4096  # Linux's PATH_MAX: no longer path names a file
+
 
 def resolve_source(media_root: Path | None, source: object) -> Path:
     """``source`` (a path relative to the media root, or absolute inside it) as a real file inside the root."""
@@ -15,16 +17,22 @@ def resolve_source(media_root: Path | None, source: object) -> Path:
         raise ServiceError(403, "server-side sources are off: start the server with --media-root DIR")
     if not isinstance(source, str) or not source.strip() or "\x00" in source:
         raise ServiceError(400, "source must be a non-empty path (a file under the server's --media-root)")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise ServiceError(400, f"source is {len(source)} characters long, over the limit of {MAX_SOURCE_CHARS}")
+    shown = repr(source if len(source) <= 80 else source[:77] + "...")
     root = Path(os.path.realpath(media_root))
     given = Path(source)
     if ".." in given.parts:
-        raise ServiceError(403, f"source {source!r} leaves the media root ('..' is not allowed)")
+        raise ServiceError(403, f"source {shown} leaves the media root ('..' is not allowed)")
     candidate = given if given.is_absolute() else root / given
-    real = Path(os.path.realpath(candidate))
-    if real != root and root not in real.parents:
-        raise ServiceError(403, f"source {source!r} is outside the media root")
-    if not real.is_file():
-        raise ServiceError(404, f"source {source!r}: no such file under the media root")
+    try:
+        real = Path(os.path.realpath(candidate))
+        if real != root and root not in real.parents:
+            raise ServiceError(403, f"source {shown} is outside the media root")
+        if not real.is_file():
+            raise ServiceError(404, f"source {shown}: no such file under the media root")
+    except OSError as error:  # a name too long for the filesystem, a component that is not a folder...
+        raise ServiceError(400, f"source {shown}: cannot be opened ({error.strerror or type(error).__name__})") from None
     return real
 
 

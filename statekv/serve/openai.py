@@ -14,16 +14,16 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import read_json
 from .media import resolve_file_url
-from .registry import prompt_tokens
-from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, pieces_until
-from .sse import TokenStreamer, event
+from .registry import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
+from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, answer_task, pieces_until
+from .sse import EventStream, TokenStreamer, event
 
 
 def parse_messages(messages: Any) -> tuple[str, list[str]]:
@@ -69,9 +69,14 @@ def build_openai_router(service) -> APIRouter:
         owner = service.keys.require(request)
         body = await read_json(request, config.max_body_bytes)
         question, videos = parse_messages(body.get("messages"))
-        max_new = body.get("max_completion_tokens", body.get("max_tokens")) or DEFAULT_NEW_TOKENS
+        max_new = body.get("max_completion_tokens")
+        if max_new is None:
+            max_new = body.get("max_tokens")
+        if max_new is None:  # given neither (or null): the default, as the native route's
+            max_new = DEFAULT_NEW_TOKENS
         if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
-            raise ServiceError(400, f"max_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
+            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {_shown(max_new)}")
         extension = body.get("statekv") or {}
         if not isinstance(extension, dict):
             raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
@@ -90,11 +95,10 @@ def build_openai_router(service) -> APIRouter:
         completion = f"chatcmpl-{secrets.token_hex(12)}"
         model = body.get("model") or service.model_id
         if body.get("stream"):
-            service.ask_slots.check()
             options = body.get("stream_options") or {}
             include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-            return StreamingResponse(_chunks(service, work, completion, model, max_new, include_usage),
-                                     media_type="text/event-stream")
+            release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
+            return EventStream(_chunks(service, work, completion, model, max_new, include_usage), release)
         async with service.ask_slots.hold():
             started = time.perf_counter()
             result = await work(None)
@@ -112,14 +116,30 @@ def build_openai_router(service) -> APIRouter:
 
 def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:
     """Encode a file with the server's default settings and answer (on the model's thread)."""
-    kwargs = {"max_new_tokens": max_new} | ({"streamer": streamer} if streamer is not None else {})
-    with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
-        prompt = prompt_tokens(video, question, max_new)
-        tokens = video.ask_tokens(question, **kwargs)
-        context, completion = video.tokens + prompt, int(tokens.shape[1])
-        return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
-                "usage": {"prompt_tokens": context, "completion_tokens": completion,
-                          "total_tokens": context + completion}}
+    kwargs = {"max_new_tokens": max_new} | (streamer_arguments(streamer) if streamer is not None else {})
+    try:
+        check_still_there(streamer)
+        with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
+            prompt = prompt_tokens(video, question, max_new)
+            check_still_there(streamer)
+            tokens = video.ask_tokens(question, **kwargs)
+            check_still_there(streamer)
+            context, completion = video.tokens + prompt, int(tokens.shape[1])
+            return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
+                    "usage": {"prompt_tokens": context, "completion_tokens": completion,
+                              "total_tokens": context + completion}}
+    except ClientLeft:
+        service.metrics.stopped.inc()
+        raise
+
+
+def _shown(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError):
+        return type(value).__name__
 
 
 def _finish(result: dict[str, Any], max_new: int) -> str:
@@ -135,9 +155,9 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     started = time.perf_counter()
-    async with service.ask_slots.occupy():
-        streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
-        task = asyncio.ensure_future(work(streamer))
+    streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
+    task = answer_task(work(streamer))
+    try:
         yield chunk({"role": "assistant", "content": ""})
         async for piece in pieces_until(streamer, task):
             yield chunk({"content": piece})
@@ -153,3 +173,5 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
             yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [], "usage": result["usage"]})
         yield event("[DONE]")
+    finally:
+        streamer.gone.set()  # the client went away (or all is sent): a generation still running stops

@@ -1,8 +1,10 @@
 """The streams a server holds, who owns each, what each is doing, and keeping them on disk (`store.StreamFiles`).
 
-A stream is saved after ``save_every_frames`` unsaved frames or ``save_every_seconds`` with unsaved frames, when
-a file source has been fed in full, and on shutdown. A restarted server loads every stream back; one whose file
-cannot be loaded starts again empty, its file kept aside.
+A stream is saved once it holds ``save_every_frames`` unsaved frames (before its next push, so a save that fails
+refuses that push and changes nothing), after ``save_every_seconds`` with unsaved frames, when a file source has
+been fed in full, and on shutdown. A restarted server loads every stream back; one whose record, save or disk-tier
+file set cannot be loaded is quarantined (`DamagedStream`: listed as damaged, never served, its files left where
+they are) and the others are served.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import math
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +26,14 @@ from ..api.stream import Stream
 from .config import ServeConfig
 from .errors import ServiceError, public_message
 from .metrics import Metrics
-from .store import StreamFiles
+from .sse import ClientGone
+from .store import STREAM_ID, StreamFiles
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
 
 METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
 STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
-STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
 
@@ -76,6 +79,7 @@ class StreamEntry:
     deleted: bool = False
     moved: bool = False  # let go to another replica sharing the state folder
     replica: str | None = None  # the replica holding it, when several share the state folder
+    owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
 
     @property
     def frames(self) -> int:
@@ -110,11 +114,48 @@ class StreamEntry:
                 "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
                 **({"replica": self.replica} if self.replica else {})}
 
+    @property
+    def tier(self) -> Path | None:
+        """The folder of its disk-tier file set (None: it keeps its detailed cache elsewhere)."""
+        folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
+        return None if folder is None else Path(folder)
+
     def record(self) -> dict[str, Any]:
-        """What the state folder keeps of it (besides the saved stream itself)."""
+        """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
+        file set name its id and owner (checked when they are loaded; records written before hold no ``owned``)."""
+        tier = self.tier
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
-                "answers": self.answers}
+                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name}
+
+
+@dataclass
+class DamagedStream:
+    """A stream of the state folder that could not be brought back (its record, its save or its file set is
+    damaged, or names another stream or owner): listed as ``damaged`` with the reason, never served, its files left
+    where they are. ``owner``: None when the record names none that can be read (then every key sees it)."""
+
+    id: str
+    owner: str | None
+    reason: str
+    record: dict[str, Any] = field(default_factory=dict)
+    deleted: bool = False
+    frames: int = 0
+    state: str = "damaged"
+
+    @property
+    def name(self) -> str:
+        name = self.record.get("name")
+        return name if isinstance(name, str) else self.id
+
+    @property
+    def created(self) -> float:
+        created = self.record.get("created")
+        return float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "state": self.state,
+                "damaged": self.reason, "frames": 0, "feeding": False, "feed": None}
 
 
 class StreamRegistry:
@@ -126,6 +167,8 @@ class StreamRegistry:
         self.config, self.qa, self.worker, self.metrics = config, qa, worker, metrics
         self.files = files or StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
+        self.damaged: dict[str, DamagedStream] = {}  # quarantined at start: listed, never served
+        self._creating = 0  # creations under way (counted against max_streams before they finish)
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
 
@@ -193,9 +236,31 @@ class StreamRegistry:
     def get(self, owner: str, stream_id: str) -> StreamEntry:
         """The caller's stream; 404 for an unknown id and for another key's (which must not be told apart)."""
         entry = self.entries.get(stream_id) if isinstance(stream_id, str) and STREAM_ID.match(stream_id) else None
+        if entry is None and isinstance(stream_id, str):
+            self.check_damaged(owner, stream_id)
         if entry is None or entry.owner != owner or entry.deleted:
             raise ServiceError(404, f"no stream {_shown(str(stream_id)[:80])}")
         return entry
+
+    def check_damaged(self, owner: str, stream_id: str) -> None:
+        """Refuse (409, one line) work on a quarantined stream the caller may see."""
+        damaged = self.damaged.get(stream_id)
+        if damaged is not None and damaged.owner in (owner, None):
+            raise ServiceError(409, f"stream {stream_id} is damaged ({damaged.reason}); it is not served and its "
+                               "files are kept in the state folder: repair them and restart, or delete the stream")
+
+    def remove_damaged(self, owner: str, stream_id: str) -> bool:
+        """Delete a quarantined stream of the caller's (its files too: its owner asked); False when there is none.
+        One whose record names no owner stays (409): nobody can be told apart as its owner."""
+        damaged = self.damaged.get(stream_id) if isinstance(stream_id, str) else None
+        if damaged is None or damaged.owner not in (owner, None):
+            return False
+        if damaged.owner is None:
+            raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
+                               f"remove its files from the state folder by hand: {', '.join(self.files.files_of(stream_id))}")
+        self.files.remove(stream_id)
+        self.damaged.pop(stream_id, None)
+        return True
 
     async def find(self, owner: str, stream_id: str) -> StreamEntry:
         """The caller's stream, as `get` (a registry that shares its state folder brings it here first)."""
@@ -204,7 +269,8 @@ class StreamRegistry:
     def owned(self, owner: str) -> list[StreamEntry]:
         """The owner's streams, newest first."""
         entries = [entry for entry in self.entries.values() if entry.owner == owner and not entry.deleted]
-        return sorted(entries, key=lambda entry: entry.created, reverse=True)
+        return sorted(entries, key=lambda entry: entry.created, reverse=True) + [
+            damaged for damaged in self.damaged.values() if damaged.owner in (owner, None)]
 
     def cache_bytes(self) -> int:
         return sum(entry.stream.stats.cache_bytes for entry in list(self.entries.values()))
@@ -212,32 +278,48 @@ class StreamRegistry:
     # -- creating and deleting -----------------------------------------------------------------------------
     async def create(self, owner: str, body: dict[str, Any]) -> StreamEntry:
         settings, horizon, max_fps, name = self.check_settings(body)
-        if len(self.entries) >= self.config.max_streams:
+        # counted before the first await: creations arriving together cannot all pass the check
+        if len(self.entries) + self._creating >= self.config.max_streams:
             raise ServiceError(429, f"the server holds its limit of {self.config.max_streams} streams; delete one "
                                "or retry later", headers={"Retry-After": "30"})
+        self._creating += 1
+        try:
+            entry = await self._create(owner, settings, horizon, max_fps, name)
+        finally:
+            self._creating -= 1
+        self.entries[entry.id] = entry
+        return entry
+
+    async def _create(self, owner: str, settings: dict[str, Any], horizon: int, max_fps: float | None,
+                      name: str) -> StreamEntry:
         stream_id = f"st_{secrets.token_hex(12)}"
         qa = self.qa_for(settings)
-        stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name)
+        stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name, stream_id=stream_id,
+                                       owner=owner)
         entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream)
         try:
             self.files.claim(stream_id)
             self.files.write_record(entry.record())  # the creation is durable before it is answered
         except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
+            _remove_tier(entry)
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
             raise ServiceError(503, "cannot record the stream in the state folder "
-                               f"({error.strerror or error})") from None
-        self.entries[stream_id] = entry
+                               f"({error.strerror or error}); no stream was made") from None
         return entry
 
-    async def delete(self, entry: StreamEntry) -> None:
+    async def delete(self, entry: StreamEntry | DamagedStream) -> None:
+        if isinstance(entry, DamagedStream):
+            self.remove_damaged(entry.owner or "", entry.id)
+            return
         entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
             try:
                 await self.worker.run(entry.stream.close)
                 self.files.remove(entry.id)
+                _remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
             finally:
                 self.entries.pop(entry.id, None)
 
@@ -262,12 +344,28 @@ class StreamRegistry:
                              after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
 
     def push_now(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
-        """Push one frame (on the model's thread); save when enough frames are unsaved."""
+        """Push one frame (on the model's thread), first saving the stream when enough frames are unsaved."""
         frames = self._before_push(entry)
         return self._after_push(entry, image, seconds, frames, entry.stream.push(image, seconds))
 
     def _before_push(self, entry: StreamEntry) -> int:
+        """Checks before a push, and the save that is due (before the push: a save that fails refuses the push,
+        so the frame is not streamed and a retry does not stream it twice)."""
         _check_here(entry)
+        if entry.stream.pushed - entry.saved["pushed"] >= self.config.save_every_frames:
+            try:
+                self.save_now(entry)
+            except (OSError, StateKVError) as error:
+                if isinstance(error, ServiceError) and error.status != 400:
+                    raise
+                why = str(error).split(";")[0] if isinstance(error, StateKVError) else \
+                    f"cannot save the stream ({error.strerror or type(error).__name__})"
+                unsaved = entry.stream.pushed - entry.saved["pushed"]
+                log.error("cannot save stream %s before a push: %s", entry.id, error)
+                raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
+                                   f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
+                                   "memory only); push the frame again once the state folder can be written",
+                                   headers={"Retry-After": "5"}) from None
         return entry.stream.frames
 
     def _after_push(self, entry: StreamEntry, image: Any, seconds: float | None, frames: int, kept: bool) -> bool:
@@ -283,8 +381,6 @@ class StreamRegistry:
                                   "tokens": entry.stream.tokens, "carried": stats.carried_tokens,
                                   "cache_bytes": stats.cache_bytes})
             del entry.history[:-HISTORY]
-        if entry.stream.pushed - entry.saved["pushed"] >= self.config.save_every_frames:
-            self.save_now(entry)
         return kept
 
     def batched_steps(self) -> int:
@@ -352,9 +448,14 @@ class StreamRegistry:
         to, the tokens it read and wrote (``usage``) and how long it took (``latency``, queueing included)."""
         kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "retrieve": retrieve}
         if streamer is not None:
-            kwargs["streamer"] = streamer
+            kwargs.update(streamer_arguments(streamer))
         started = time.perf_counter()
-        result = await self.worker.run(self._ask_now, entry, question, kwargs)
+        try:
+            result = await self.worker.run(self._ask_now, entry, question, kwargs)
+        except ClientLeft:
+            if self.metrics:
+                self.metrics.stopped.inc()
+            raise
         result["latency"] = round(time.perf_counter() - started, 4)
         entry.answers.append({"question": question, "at": int(time.time()),
                               **{key: result[key] for key in ("answer", "frames", "seconds", "latency")}})
@@ -375,7 +476,9 @@ class StreamRegistry:
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
         prompt = prompt_tokens(stream, question, kwargs["max_new_tokens"])
+        check_still_there(kwargs.get("streamer"))
         tokens = stream.ask_tokens(question, **kwargs)
+        check_still_there(kwargs.get("streamer"))
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt
         return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
@@ -410,43 +513,84 @@ class StreamRegistry:
             except StateKVError as error:
                 log.error("cannot save stream %s: %s", entry.id, error)
 
+    def close_all(self) -> None:
+        """Close every stream (at shutdown, once saved): a disk-tier stream lets go of its file set's lock."""
+        for entry in list(self.entries.values()):
+            try:
+                self.worker.run_blocking(entry.stream.close)
+            except Exception as error:  # noqa: BLE001 -- shutting down: the others are closed still
+                log.error("cannot close stream %s: %s", entry.id, error)
+
     def restore(self, owners: Any = None) -> int:
         """Load every stream recorded in the state folder (at startup); returns how many. ``owners``: load only
         streams of these owner digests (the others are left on disk untouched)."""
         for path, record in self.files.records():
             if isinstance(record, Exception):
-                log.error("cannot restore %s: %s", path.name, record)
+                self._quarantine(path.stem, self.files.owner_named(path), f"its record {path.name} is unreadable: "
+                                 f"{record}", {})
                 continue
             if owners is not None and record["owner"] not in owners:
                 continue
             try:
                 entry = self.worker.run_blocking(self.restore_one, record)
-            except (OSError, ValueError, KeyError, TypeError, StateKVError) as error:
-                log.error("cannot restore %s: %s", path.name, error)
+            except Exception as error:  # noqa: BLE001 -- whatever a damaged file raises, the others are served
+                self._quarantine(record["id"], record["owner"], reason_of(error), record)
                 continue
             self.entries[entry.id] = entry
         return len(self.entries)
 
+    def _quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> None:
+        reason = public_message(reason, {str(self.files.folder.resolve()) + "/": "", str(self.files.folder) + "/": ""})
+        reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
+        # another stream's id is not this stream's owner's to see
+        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
+                        reason)
+        log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id, reason)
+        self.damaged[stream_id] = DamagedStream(stream_id, owner, reason, record)
+
     def restore_one(self, data: dict[str, Any]) -> StreamEntry:
+        """Load one recorded stream: from its disk-tier file set when it has one (the same folder again, every
+        push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
+        loaded, or names another stream or owner, raises (the stream is quarantined)."""
         qa = self.qa_for(data["settings"])
-        stream, saved = None, {"pushed": 0, "frames": 0, "seconds": None}
-        with self.files.local_state(data["id"]) as state:
-            try:
-                stream = None if state is None else Stream.load(state, qa)
-            except StateKVError as error:
-                aside = self.files.set_aside(data["id"])
-                log.error("stream %s could not be loaded (%s); it starts again empty, its file kept as %s",
-                          data["id"], error, aside)
+        ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
+        stream, saved = self._resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
+        if stream is None:
+            with self.files.local_state(data["id"]) as state:
+                stream = None if state is None else Stream.load(state, qa, **ids)
         if stream is not None:
             recorded = data.get("saved") or {}
             saved = {"pushed": stream.pushed, "frames": stream.frames,
                      "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
         else:
-            stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"])
+            stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
         answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
-        return StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
-                           data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
-                           answers=answers)
+        entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
+                            data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
+                            answers=answers, owned=bool(data.get("owned")))
+        if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
+            try:
+                self.files.write_record(entry.record())
+            except (OSError, StateKVError) as error:
+                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
+        return entry
+
+    resume_tiers = True  # a replica sharing the folder loads from the save: its file sets are its own
+
+    def _resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any]) -> Stream | None:
+        """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
+        none). A file set that cannot be resumed is left where it is (logged), and the save is loaded instead."""
+        if not self.resume_tiers or not data.get("tier") or qa.engine.offload != "disk":
+            return None
+        folder = Path(qa.engine.offload_dir) / data["tier"]
+        if not folder.is_dir():
+            return None
+        try:
+            return Stream.load(folder, qa, **ids)
+        except StateKVError as error:
+            log.error("stream %s: its disk-tier file set %s cannot be resumed (%s); loading its last save instead, "
+                      "the folder left as it is", data["id"], folder, error)
+            return None
 
 
 def frames_at_rate(video: Any, max_fps: float | None) -> int:
@@ -465,6 +609,40 @@ def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
                            f"the {room} tokens kept for them; ask a shorter question")
     return prompt
+
+
+class ClientLeft(ServiceError):
+    """The client that asked went away: its answer was stopped (between two tokens) and is not recorded."""
+
+    def __init__(self, tokens: int):
+        super().__init__(499, f"the answer was stopped after {tokens} tokens: its client went away")
+
+
+def streamer_arguments(streamer: Any) -> dict[str, Any]:
+    """``generate``'s arguments for answering token by token through ``streamer`` (a `sse.TokenStreamer`): the
+    streamer, and a stop once its client has gone away."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([ClientGone(streamer.gone)])}
+
+
+def check_still_there(streamer: Any) -> None:
+    """`ClientLeft` when the client answered through ``streamer`` has gone away."""
+    if streamer is not None and streamer.gone.is_set():
+        raise ClientLeft(streamer.tokens)
+
+
+def _remove_tier(entry: StreamEntry) -> None:
+    """Remove a closed stream's disk-tier file set (if it has one)."""
+    folder = entry.tier
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def reason_of(error: BaseException) -> str:
+    """A one-line reason for a stream that could not be loaded."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _check_here(entry: StreamEntry) -> None:

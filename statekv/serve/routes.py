@@ -7,14 +7,14 @@ import math
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
 from .media import resolve_source
-from .sse import TokenStreamer, event
+from .sse import EventStream, TokenStreamer, event
 
 DEFAULT_NEW_TOKENS = 64
 MAX_NEW_TOKENS = 1024
@@ -71,7 +71,10 @@ def build_router(service) -> APIRouter:
 
     @router.delete("/v1/streams/{stream_id}")
     async def delete_stream(stream_id: str, request: Request) -> dict:
-        entry = await registry.find(service.keys.require(request), stream_id)
+        owner = service.keys.require(request)
+        if registry.remove_damaged(owner, stream_id):
+            return {"id": stream_id, "object": "stream", "deleted": True}
+        entry = await registry.find(owner, stream_id)
         await registry.delete(entry)
         return {"id": entry.id, "object": "stream", "deleted": True}
 
@@ -114,17 +117,16 @@ def build_router(service) -> APIRouter:
                 answer = await registry.ask(entry, question, max_new, retrieve)
                 service.answered("ask", answer["latency"])
             return JSONResponse(answer)
-        service.ask_slots.check()  # refused here (429), before the event stream starts
-        return StreamingResponse(_sse_answer(service, entry, question, max_new, retrieve),
-                                 media_type="text/event-stream")
+        release = service.ask_slots.take()  # refused here (429), before the event stream starts; held till it ends
+        return EventStream(_sse_answer(service, entry, question, max_new, retrieve), release)
 
     return router
 
 
 async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
-    async with service.ask_slots.occupy():
-        streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
-        task = asyncio.ensure_future(service.registry.ask(entry, question, max_new, retrieve, streamer))
+    streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
+    task = answer_task(service.registry.ask(entry, question, max_new, retrieve, streamer))
+    try:
         async for piece in pieces_until(streamer, task):
             yield event({"token": piece})
         try:
@@ -135,6 +137,15 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
             return
         service.answered("ask", answer["latency"])
         yield event(answer, "answer")
+    finally:
+        streamer.gone.set()  # the client went away (or all is sent): a generation still running stops
+
+
+def answer_task(work: Any) -> asyncio.Future:
+    """Run an answer's coroutine as a task whose failure is never left unread (its client may be gone)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return task
 
 
 async def pieces_until(streamer: TokenStreamer, task: asyncio.Future):

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
+import torch
+from fastapi.responses import StreamingResponse
+from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 
 class TokenStreamer(BaseStreamer):
-    """Receives ``generate``'s new token ids on the model's thread; ``pieces`` yields the text they add."""
+    """Receives ``generate``'s new token ids on the model's thread; ``pieces`` yields the text they add.
+    ``gone`` is set once the client has gone away (`ClientGone` then stops the generation at its next token);
+    ``tokens``: the tokens generated so far."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop):
         self.tokenizer, self.loop = tokenizer, loop
+        self.gone = threading.Event()
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.ids: list[int] = []
         self.sent = ""
@@ -30,6 +37,10 @@ class TokenStreamer(BaseStreamer):
             piece, self.sent = text[len(self.sent):], text
             self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
 
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
     def end(self) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
@@ -38,7 +49,33 @@ class TokenStreamer(BaseStreamer):
             yield piece
 
 
+class ClientGone(StoppingCriteria):
+    """Stops ``generate`` between two tokens once ``gone`` is set (the client that asked went away), so the model
+    is free for the next request."""
+
+    def __init__(self, gone: threading.Event):
+        self.gone = gone
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 def event(data: Any, name: str | None = None) -> str:
     """One server-sent event (``data`` as JSON unless it is already text)."""
     text = data if isinstance(data, str) else json.dumps(data)
     return (f"event: {name}\n" if name else "") + f"data: {text}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events holding a slot until the response is over, however it ends: ``release`` (from
+    `limits.Slots.take`) is called once the events are sent, the client left, or the response never started."""
+
+    def __init__(self, events: Any, release: Any):
+        super().__init__(events, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()

@@ -4,21 +4,88 @@ Layout of ``--state-dir``: ``keys.json`` (`auth.KeyFile`), ``streams/ID.json`` (
 digest, settings, what was last saved, its last answers), written atomically before the stream's creation is
 answered, and ``streams/ID.safetensors``, the stream in the verified saved-stream format (`statekv.Stream.save`),
 replaced atomically. Every write goes to a new file that is fsynced and renamed over the old one, so a kill at
-any moment leaves either the old file or the new one.
+any moment leaves either the old file or the new one. A record that cannot be read (`check_record`) is reported,
+never removed: its stream is quarantined (`StreamRegistry.damaged`) and its files stay where they are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigurationError
+
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
+STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
+TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path)
+
+
+def check_record(record: object, stream_id: str) -> dict[str, Any]:
+    """A stream's record as read from ``streams/ID.json``, every field of the right kind; a one-line
+    `ValueError` naming the first that is not."""
+    if not isinstance(record, dict):
+        raise ValueError(f"the record is {type(record).__name__}, not an object")
+    missing = [name for name in RECORD_FIELDS if name not in record]
+    if missing:
+        raise ValueError(f"no {missing[0]!r} field")
+    checks = {
+        "id": lambda v: v == stream_id,
+        "owner": lambda v: isinstance(v, str) and 0 < len(v) <= 128,
+        "settings": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+        "horizon_frames": lambda v: not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= 10**7,
+        "max_fps": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float))
+                                           and math.isfinite(v) and v > 0),
+        "name": lambda v: isinstance(v, str) and len(v) <= 200,
+        "created": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
+        "saved": lambda v: isinstance(v, dict),
+        "answers": lambda v: isinstance(v, list),
+        "tier": lambda v: v is None or isinstance(v, str) and TIER_NAME.match(v) is not None,
+    }
+    for name, check in checks.items():
+        if name in record and not check(record[name]):
+            shown = json.dumps(record[name])[:60] if name != "id" else f"{str(record[name])[:40]!r}, not {stream_id!r}"
+            raise ValueError(f"its {name!r} field is malformed ({shown})")
+    return record
+
+
+def readable_owner(record: object) -> str | None:
+    """The owner a damaged record still names, if it names one at all."""
+    owner = record.get("owner") if isinstance(record, dict) else None
+    return owner if isinstance(owner, str) and 0 < len(owner) <= 128 else None
+
+
+def check_state_folder(state_dir: Path | str) -> None:
+    """Refuse (one-line `ConfigurationError`) a state folder this server cannot list or write: not a folder,
+    unreadable, read-only, full, or its ``streams/`` not a folder."""
+    folder = Path(state_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "streams").mkdir(exist_ok=True)
+        list(os.scandir(folder / "streams"))
+        probe = folder / "streams" / f".probe-{os.getpid()}.partial"
+        try:
+            handle = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(handle, b"statekv")
+                os.fsync(handle)
+            finally:
+                os.close(handle)
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    except OSError as error:
+        where = error.filename if isinstance(error.filename, str) else folder
+        raise ConfigurationError(f"--state-dir {state_dir}: cannot use it as the state folder "
+                                 f"({error.strerror or type(error).__name__}: {where}); give a folder this server "
+                                 "can read and write") from None
 
 
 class StreamFiles:
@@ -40,10 +107,9 @@ class StreamFiles:
     def read_record(self, stream_id: str) -> dict[str, Any] | None:
         """One stream's record; None when there is none (or it cannot be read)."""
         try:
-            record = json.loads(self.record_path(stream_id).read_text())
-        except (OSError, ValueError):
+            return check_record(_parsed(self.record_path(stream_id).read_text()), stream_id)
+        except (OSError, ValueError, RecursionError):
             return None
-        return record if isinstance(record, dict) and all(name in record for name in RECORD_FIELDS) else None
 
     def claim(self, stream_id: str) -> None:
         """Make a new stream's files this server's to write (one server alone owns its folder: nothing to do)."""
@@ -69,22 +135,33 @@ class StreamFiles:
         found: list[tuple[Path, dict[str, Any] | Exception]] = []
         for path in sorted(self.folder.glob("st_*.json")):
             try:
-                record = json.loads(path.read_text())
-                missing = [name for name in RECORD_FIELDS if name not in record]
-                if missing:
-                    raise ValueError(f"no {missing[0]!r} field")
-                found.append((path, record))
-            except (OSError, ValueError) as error:
-                found.append((path, error))
+                found.append((path, check_record(_parsed(path.read_text()), path.stem)))
+            except (OSError, ValueError, RecursionError) as error:
+                found.append((path, error if isinstance(error, ValueError) else ValueError(_reason(error))))
         return found
+
+    def owner_named(self, path: Path) -> str | None:
+        """The owner a record names, when it names one even though it cannot be used (damaged)."""
+        try:
+            return readable_owner(json.loads(path.read_text()))
+        except (OSError, ValueError, RecursionError):
+            return None
 
     def owners(self) -> Counter:
         """How many streams each owner digest holds, over the records that can be read."""
         return Counter(record["owner"] for _, record in self.records() if isinstance(record, dict))
 
+    def files_of(self, stream_id: str) -> list[str]:
+        """The names of a stream's files in the folder (its record, its save, what was set aside), for messages."""
+        return sorted(path.name for path in self.folder.glob(f"{stream_id}.*") if not path.name.endswith(".partial"))
+
     def remove(self, stream_id: str) -> None:
-        for path in (self.record_path(stream_id), self.state_path(stream_id)):
-            path.unlink(missing_ok=True)
+        """Remove every file of the stream in the folder (its record last: a removal cut short is done again)."""
+        record = self.record_path(stream_id)
+        for path in sorted(self.folder.glob(f"{stream_id}.*")):
+            if path != record:
+                path.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
 
     def set_aside(self, stream_id: str) -> str:
         """Rename a stream's unreadable state file out of the way; returns its new name."""
@@ -92,6 +169,21 @@ class StreamFiles:
         aside = state.with_name(f"{state.name}.unreadable-{int(time.time())}")
         os.replace(state, aside)
         return aside.name
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"not JSON ({str(error).splitlines()[0]})") from None
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        return f"cannot be read: {error.strerror or type(error).__name__}"
+    if isinstance(error, RecursionError):
+        return "nested too deeply to read"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def write_atomic(path: Path, data: bytes) -> None:

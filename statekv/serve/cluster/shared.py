@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import InputError, StateKVError
 from ..errors import ServiceError
-from ..registry import STREAM_ID, StreamEntry, StreamRegistry
+from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
 
@@ -301,6 +301,8 @@ class SharedRegistry(StreamRegistry):
         self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
 
+    resume_tiers = False  # a stream taken here loads from its save: file sets are each replica's own
+
     def restore(self, owners: Any = None) -> int:
         return 0  # streams are taken when asked for
 
@@ -337,8 +339,13 @@ class SharedRegistry(StreamRegistry):
                 if record is None:
                     raise ServiceError(404, f"no stream {stream_id!r}")
                 entry = await self.worker.run(self.restore_one, record)
-            except BaseException:
+            except BaseException as error:
                 await asyncio.to_thread(self.files.release, stream_id)
+                if isinstance(error, Exception) and not isinstance(error, ServiceError):
+                    log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
+                    raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served and "
+                                       "its files are kept in the state folder: repair them, or delete the stream "
+                                       "by hand") from None
                 raise
             entry.replica = self.replica
             self.entries[stream_id] = entry

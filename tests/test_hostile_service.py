@@ -1,0 +1,408 @@
+"""The service under careless and hostile use (issue 39, the service's part): one damaged record quarantines its
+stream alone, an unusable state folder is one line at start, limits hold under concurrency, a client that goes
+away stops its generation, a push whose save fails changes nothing, and nothing of a deleted stream is left.
+
+Each server runs in this process (uvicorn on a loopback port, the built-in model loaded once), so a test can make
+a write fail where it must. Each case says what the service did before (on the main of issue 39's filing).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import statekv  # noqa: E402
+from statekv import ModelOptions  # noqa: E402
+from statekv.serve import ServeConfig, create_app  # noqa: E402
+from statekv.serve.sse import TokenStreamer  # noqa: E402
+
+KEY, OTHER_KEY = "hostile-key-one", "hostile-key-two"
+BUDGET = 64  # `statekv serve`'s default for the built-in model
+QUESTION = "What colour was the triangle?"  # answered at length by the built-in model
+
+
+@pytest.fixture(scope="module")
+def options() -> ModelOptions:
+    return ModelOptions(model="builtin", budget=BUDGET)
+
+
+@pytest.fixture(scope="module")
+def qa(options):
+    return statekv.VideoQA.from_options(options)
+
+
+class Running:
+    """A server in this process, on a free loopback port."""
+
+    def __init__(self, state: Path, qa, **settings):
+        options = settings.pop("options", None) or ModelOptions(model="builtin", budget=BUDGET)
+        if options.offload == "disk":
+            qa = qa.with_options(offload="disk", offload_dir=options.offload_dir)
+        self.config = ServeConfig(options=options, state_dir=state, api_keys=(KEY, OTHER_KEY), page=False,
+                                  save_every_seconds=600, **settings)
+        self.app = create_app(self.config, qa=qa)
+        self.service = self.app.state.service
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def client(self, key: str = KEY) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+
+    def __enter__(self) -> "Running":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _png(seed: int, size: tuple[int, int] = (48, 64)) -> bytes:
+    image = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _short_png(rows_held: int, rows_promised: int, width: int = 32) -> bytes:
+    """A well-formed PNG whose header promises more rows than its image data holds."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((rows_held, width, 3), 200, dtype=np.uint8)).save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())
+    struct.pack_into(">I", data, 20, rows_promised)  # IHDR's height
+    struct.pack_into(">I", data, 29, zlib.crc32(bytes(data[12:29])))  # and its CRC
+    return bytes(data)
+
+
+def _push(client, stream_id: str, seed: int, t: float) -> httpx.Response:
+    return client.post(f"/v1/streams/{stream_id}/frames?t={t}", content=_png(seed),
+                       headers={"Content-Type": "image/png"})
+
+
+def _stream(client, frames: int = 2, seed: int = 0, **settings) -> str:
+    created = client.post("/v1/streams", json={"horizon_frames": 16, **settings})
+    assert created.status_code == 201, created.text
+    stream_id = created.json()["id"]
+    for index in range(frames):
+        _push(client, stream_id, seed + index, float(index)).raise_for_status()
+    return stream_id
+
+
+def _error(response, *statuses: int) -> str:
+    """The one-line message of an error answer with one of ``statuses``."""
+    assert response.status_code in statuses, (response.status_code, response.text[:300])
+    message = response.json()["error"]["message"]
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The service always starts
+# ---------------------------------------------------------------------------------------------------------------
+def test_one_damaged_record_quarantines_its_stream_alone_and_its_files_stay(qa, tmp_path):
+    """Before: a keys.json with one bad entry kept the server from starting at all; an unreadable record was left
+    out of every list (its stream silently gone); a save that could not be loaded was renamed aside and its stream
+    started again empty; a save copied over another key's stream was served to that key."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client, server.client(OTHER_KEY) as other:
+        ids = {name: _stream(client, seed=10 * i, name=name) for i, name in enumerate(["record", "save", "good"])}
+        ids["theirs"] = _stream(other, seed=40, name="theirs")
+        ids["mine"] = _stream(client, seed=50, name="mine")
+    streams = state / "streams"
+    (streams / f"{ids['record']}.json").write_text('{"id": "' + ids["record"] + '", "owner": ')  # cut short
+    saved = streams / f"{ids['save']}.safetensors"
+    saved.write_bytes(saved.read_bytes()[:-100])  # the disk lost its tail
+    # another key's stream file moved under this key's stream (the record stays this key's)
+    (streams / f"{ids['mine']}.safetensors").write_bytes((streams / f"{ids['theirs']}.safetensors").read_bytes())
+    (state / "keys.json").write_text(json.dumps({"keys": [{"owner": 7}, "not an entry"]}))
+    before = {path.name: path.read_bytes() for path in streams.iterdir()}
+
+    with Running(state, qa) as server, server.client() as client, server.client(OTHER_KEY) as other:
+        listed = {stream["id"]: stream for stream in client.get("/v1/streams").json()["data"]}
+        assert listed[ids["good"]]["state"] == "ready" and listed[ids["good"]]["frames"] == 2
+        answer = client.post(f"/v1/streams/{ids['good']}/ask", json={"question": QUESTION, "max_new_tokens": 4})
+        assert answer.status_code == 200 and answer.json()["frames"] == 2
+        for name, reason in (("record", "unreadable"), ("save", ""), ("mine", "")):
+            stream = listed[ids[name]]
+            assert stream["state"] == "damaged" and stream["damaged"] and "\n" not in stream["damaged"], stream
+            assert reason in stream["damaged"]
+            message = _error(_push(client, ids[name], 1, 9.0), 409)
+            assert "damaged" in message and str(state) not in message
+        assert "holds another stream" in listed[ids["mine"]]["damaged"]
+        assert ids["theirs"] not in listed[ids["mine"]]["damaged"]  # never told another key's stream id
+        assert ids["theirs"] in {s["id"] for s in other.get("/v1/streams").json()["data"]}  # its owner's, served
+        assert ids["mine"] not in {s["id"] for s in other.get("/v1/streams").json()["data"]}
+        damaged = [ids[name] for name in ("record", "save", "mine")]
+        assert {path.name: path.read_bytes() for path in streams.iterdir() if path.stem in damaged} == {
+            name: data for name, data in before.items() if name.split(".")[0] in damaged}  # nothing moved or deleted
+        assert client.delete(f"/v1/streams/{ids['save']}").status_code == 200  # its owner may delete it
+        assert not list(streams.glob(f"{ids['save']}.*"))
+
+
+def test_an_unusable_state_folder_is_one_line_at_start(tmp_path, capsys, monkeypatch):
+    """Before: a state folder whose streams/ is a file, or a read-only one (nothing new can be made in it), stopped
+    `statekv serve` with a traceback."""
+    from statekv.cli import main
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "streams").write_text("not a folder")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+
+    def refusing(real, writes):  # as a read-only filesystem: nothing new is made, nothing is written
+        def call(path, *args, **kwargs):
+            if str(path).startswith(str(read_only)) and writes(path, args, kwargs):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    new = lambda path, args, kwargs: not os.path.exists(path)  # noqa: E731
+    monkeypatch.setattr(os, "mkdir", refusing(os.mkdir, new))
+    monkeypatch.setattr(os, "open", refusing(os.open, lambda path, args, kwargs: args[0] & (
+        os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+    written = lambda path, args, kwargs: any(c in (args[0] if args else kwargs.get("mode", "r")) for c in "wxa+")  # noqa: E731
+    monkeypatch.setattr(io, "open", refusing(io.open, written))
+    for folder, reason in ((broken, "File exists|Not a directory"), (read_only, "Read-only file system")):
+        status = main(["serve", "--state-dir", str(folder), "--port", "0", "--no-page"])
+        printed = capsys.readouterr()
+        lines = [line for line in printed.err.splitlines() if line.strip()]
+        assert status == 2 and len(lines) == 1 and "Traceback" not in printed.err, printed.err
+        assert re.search(reason, lines[0]) and "--state-dir" in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Limits hold under concurrency
+# ---------------------------------------------------------------------------------------------------------------
+def test_twelve_concurrent_creates_under_max_streams_3_make_exactly_3(qa, tmp_path):
+    """Before: the limit was checked before the stream was made, on another thread, so 12 creates arriving
+    together all passed it."""
+    with Running(tmp_path / "state", qa, max_streams=3) as server:
+        def create(_):
+            with server.client() as client:
+                return client.post("/v1/streams", json={"horizon_frames": 16})
+
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(create, range(12)))
+        statuses = sorted(reply.status_code for reply in replies)
+        assert statuses == [201] * 3 + [429] * 9, statuses
+        assert all("limit of 3 streams" in _error(reply, 429) for reply in replies if reply.status_code == 429)
+        with server.client() as client:
+            assert len(client.get("/v1/streams").json()["data"]) == 3
+        assert len(list((tmp_path / "state" / "streams").glob("*.json"))) == 3
+
+
+def test_max_asks_holds_for_streamed_answers_arriving_together(qa, tmp_path, monkeypatch):
+    """Before: a streamed answer was checked against --max-asks when asked but took its slot only once its events
+    began, so answers arriving together all passed the check."""
+    slow_put = TokenStreamer.put
+
+    def put(self, value):  # tokens come slowly, so the answers overlap
+        time.sleep(0.01)
+        slow_put(self, value)
+
+    monkeypatch.setattr(TokenStreamer, "put", put)
+    with Running(tmp_path / "state", qa, max_asks=2) as server:
+        with server.client() as client:
+            stream_id = _stream(client)
+
+        def ask(_):
+            with server.client() as client:
+                reply = client.post(f"/v1/streams/{stream_id}/ask",
+                                    json={"question": QUESTION, "max_new_tokens": 8, "stream": True})
+                return reply.status_code, reply.text
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, range(8)))
+        statuses = sorted(status for status, _ in replies)
+        assert statuses.count(200) <= 2 and statuses.count(200) + statuses.count(429) == 8, statuses
+        assert all("event: answer" in text for status, text in replies if status == 200)
+        assert server.service.ask_slots.held == 0
+
+
+def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
+    """Before: the OpenAI route read max_tokens 0 as "not given" and answered 64 tokens."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        for field in ("max_tokens", "max_completion_tokens"):
+            for value in (0, -1, 100_000, 1.5, True):
+                reply = client.post("/v1/chat/completions", json={
+                    "model": "builtin", field: value, "statekv": {"stream_id": stream_id},
+                    "messages": [{"role": "user", "content": QUESTION}]})
+                assert f"{field} must be an integer from 1 to 1024" in _error(reply, 400)
+        for value in (0, -1, 100_000):
+            reply = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": value})
+            assert "max_new_tokens must be an integer from 1 to 1024" in _error(reply, 400)
+        one = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 1, "statekv": {
+            "stream_id": stream_id}, "messages": [{"role": "user", "content": QUESTION}]}).json()
+        assert one["usage"]["completion_tokens"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A client that goes away stops its generation
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["ask", "chat"])
+def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_path, monkeypatch, route):
+    """Before: the generation of a streamed answer ran to its end after its client had gone, holding the model."""
+    generated: list[int] = []
+    real_put = TokenStreamer.put
+
+    def put(self, value):
+        generated.append(1)
+        time.sleep(0.02)  # a slower model: the disconnection lands while tokens are still coming
+        real_put(self, value)
+
+    max_new = 200
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        whole = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": max_new})
+        assert whole.json()["usage"]["completion_tokens"] == max_new  # left alone, it would generate them all
+        monkeypatch.setattr(TokenStreamer, "put", put)
+        if route == "ask":
+            request = (f"/v1/streams/{stream_id}/ask", {"question": QUESTION, "max_new_tokens": max_new,
+                                                        "stream": True})
+        else:
+            request = ("/v1/chat/completions", {"model": "builtin", "max_tokens": max_new, "stream": True,
+                                                "statekv": {"stream_id": stream_id},
+                                                "messages": [{"role": "user", "content": QUESTION}]})
+        with server.client() as leaving, leaving.stream("POST", request[0], json=request[1]) as reply:
+            assert reply.status_code == 200
+            pieces = 0
+            for line in reply.iter_lines():
+                pieces += line.startswith("data:") and ('"token"' in line or '"content"' in line)
+                if pieces >= 3:
+                    break  # the client goes away
+        deadline = time.monotonic() + 20
+        while server.service.worker.queued and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.service.worker.queued == 0  # the model is free
+        assert 3 <= len(generated) < max_new // 2, len(generated)
+        stopped = re.search(r"^statekv_answers_stopped_total (\S+)$", client.get("/metrics").text, re.M)
+        assert stopped and float(stopped.group(1)) == 1.0
+        answers = [a for a in client.get(f"/v1/streams/{stream_id}").json().get("answers", [])]
+        assert len(answers) <= 1  # the stopped answer is not recorded as given
+        again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 4})
+        assert again.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A failed push changes nothing
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
+def test_a_push_whose_save_fails_is_refused_unstreamed_and_a_retry_streams_it_once(qa, tmp_path, monkeypatch,
+                                                                                   number):
+    """Before: the save due after a push failed after the frame was streamed: the push answered 400, and the
+    client's retry streamed the frame a second time."""
+    import statekv.api.stream_file as stream_file
+
+    real = stream_file.save_file
+
+    def failing(*args, **kwargs):
+        raise OSError(number, os.strerror(number))
+
+    with Running(tmp_path / "state", qa, save_every_frames=2) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+        monkeypatch.setattr(stream_file, "save_file", failing)
+        for _ in range(2):  # the client retries: still refused, still unchanged
+            message = _error(_push(client, stream_id, 2, 2.0), 503)
+            assert os.strerror(number) in message and "not streamed" in message and "2 frames" in message
+            assert str(tmp_path) not in message
+            stats = client.get(f"/v1/streams/{stream_id}").json()
+            assert (stats["frames"], stats["pushed"], stats["resume_from"]) == (2, 2, 2)
+        monkeypatch.setattr(stream_file, "save_file", real)
+        kept = _push(client, stream_id, 2, 2.0)
+        assert kept.status_code == 200 and kept.json()["frames"] == 3 and kept.json()["saved"]["pushed"] == 2
+        answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
+    alone = qa.stream(16, max_fps=1.0)
+    for seed in range(3):
+        alone.push(np.asarray(Image.open(io.BytesIO(_png(seed))).convert("RGB")), float(seed))
+    assert answer.json()["answer"] == alone.ask(QUESTION, max_new_tokens=6)  # each frame streamed once
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# No leftovers
+# ---------------------------------------------------------------------------------------------------------------
+def test_disk_tier_folders_are_reused_across_restarts_and_deleted_with_their_stream(qa, tmp_path, options):
+    """Before: each restart loaded every stream into a new disk-tier folder (the old ones stayed), and DELETE left
+    the stream's folder behind."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        ids = [_stream(client, frames=2, seed=seed) for seed in (0, 10)]
+    folders = sorted(path.name for path in tier.iterdir())
+    assert len(folders) == 2
+    for restart in range(2):
+        with Running(state, qa, options=disk) as server, server.client() as client:
+            frames = [client.get(f"/v1/streams/{i}").json()["frames"] for i in ids]
+            assert frames == [2, 2 + restart]  # every push kept, from the same file sets
+            _push(client, ids[1], 99 + restart, 5.0 + restart).raise_for_status()
+        assert sorted(path.name for path in tier.iterdir()) == folders  # the same folders, no new one
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{ids[1]}").json()["frames"] == 4
+        assert client.delete(f"/v1/streams/{ids[0]}").status_code == 200
+        assert len(list(tier.iterdir())) == 1 and not list((state / "streams").glob(f"{ids[0]}*"))
+
+
+def test_a_damaged_disk_tier_file_set_falls_back_to_the_save_and_is_left_in_place(qa, tmp_path, options):
+    """Before: the file set was never read back: every restart made a new one from the save, the third start a
+    third folder."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=3)
+    (folder,) = tier.iterdir()
+    (folder / "stream.json").write_text("{}")
+    for _ in range(2):
+        with Running(state, qa, options=disk) as server, server.client() as client:
+            assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3  # from its save
+        assert folder.exists() and (folder / "stream.json").read_text() == "{}"  # left as it was
+        assert len(list(tier.iterdir())) == 2  # and one new file set, reused by the next start
+
+
+def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connection(qa, tmp_path):
+    """Before: a very long source name and a deeply nested JSON body were 500s (the connection dropped); a PNG
+    whose header promises more rows than it holds was streamed, its missing rows black."""
+    media = tmp_path / "media"
+    media.mkdir()
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = _stream(client, frames=1)
+        for source in ("a" * 5000, "/".join(["b" * 250] * 30), "c" * 300 + ".mp4"):
+            reply = client.post(f"/v1/streams/{stream_id}/frames", json={"source": source})
+            assert source not in _error(reply, 400, 404)
+        deep = ("[" * 100_000) + ("]" * 100_000)
+        for path in ("/v1/streams", f"/v1/streams/{stream_id}/ask", "/v1/chat/completions"):
+            reply = client.post(path, content=deep, headers={"Content-Type": "application/json"})
+            assert "nested too deeply" in _error(reply, 400)
+        short = _short_png(rows_held=16, rows_promised=32)
+        assert np.asarray(Image.open(io.BytesIO(short)).convert("RGB")).shape == (32, 32, 3)  # PIL fills it in
+        message = _error(client.post(f"/v1/streams/{stream_id}/frames?t=3", content=short,
+                                     headers={"Content-Type": "image/png"}), 400)
+        assert "promises 32 rows" in message
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 1  # nothing streamed
+        assert client.get("/health").status_code == 200  # the same client, its connection kept
