@@ -158,7 +158,8 @@ def run(name: str, args: argparse.Namespace, checkpoint: Path, workdir: Path) ->
         command += ["--frames", str(args.frames)]
     if args.smoke:
         command.append("--smoke")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    paths = [str(Path(__file__).resolve().parents[1]), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     started = time.perf_counter()
     process = subprocess.run(command, env=env, capture_output=True, text=True)
     if process.returncode:
