@@ -369,6 +369,23 @@ def test_disk_tier_folders_are_reused_across_restarts_and_deleted_with_their_str
         assert len(list(tier.iterdir())) == 1 and not list((state / "streams").glob(f"{ids[0]}*"))
 
 
+def test_streams_without_a_horizon_come_back_after_a_restart_not_quarantined(qa, tmp_path):
+    """Before: the record check wanted a horizon, so every stream made without one (the default since issue 34)
+    was listed as damaged after a restart."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        ids = [_stream(client, seed=0, horizon_frames=None)]
+        created = client.post("/v1/streams", json={})  # the server's default: no horizon
+        assert created.status_code == 201 and created.json()["horizon_frames"] is None, created.text
+        ids.append(created.json()["id"])
+        _push(client, ids[1], 7, 0.0).raise_for_status()
+    with Running(state, qa) as server, server.client() as client:
+        listed = {entry["id"]: entry for entry in client.get("/v1/streams").json()["data"]}
+        assert all(listed[i].get("state") != "damaged" and "damaged" not in listed[i] for i in ids), listed
+        assert [client.get(f"/v1/streams/{i}").json()["frames"] for i in ids] == [2, 1]
+        _push(client, ids[1], 8, 1.0).raise_for_status()
+
+
 def test_a_damaged_disk_tier_file_set_falls_back_to_the_save_and_is_left_in_place(qa, tmp_path, options):
     """Before: the file set was never read back: every restart made a new one from the save, the third start a
     third folder."""

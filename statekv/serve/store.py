@@ -40,7 +40,7 @@ def check_record(record: object, stream_id: str) -> dict[str, Any]:
         "id": lambda v: v == stream_id,
         "owner": lambda v: isinstance(v, str) and 0 < len(v) <= 128,
         "settings": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
-        "horizon_frames": lambda v: not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= 10**7,
+        "horizon_frames": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= 10**7),
         "max_fps": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float))
                                            and math.isfinite(v) and v > 0),
         "name": lambda v: isinstance(v, str) and len(v) <= 200,
