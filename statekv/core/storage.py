@@ -94,7 +94,7 @@ class LayerStorage:
         # identities +inf, -inf and -0.0 while it holds none: a step folds itself in with the same ops whichever
         # step of its segment it is); each part contiguous, so it is folded into in place (`out=`)
         self.segment_open: torch.Tensor | None = None
-        self.segment_like: torch.Tensor | None = None  # the shape of an index row, [B, H_kv, 1, 3 * D] (no data)
+        self.segment_like: torch.Tensor | None = None  # [B, H_kv, 0, 3 * D]: no rows, an index row's shape
         self._segment_empty: torch.Tensor | None = None  # the identities, as segment_open
         self._segment_chunk: tuple[torch.Tensor, ...] | None = None  # the step's keys' min, max, sum, until its commit
 
@@ -191,7 +191,7 @@ class LayerStorage:
         empty = saved.new_empty(3, b, h, 1, d)
         empty[0], empty[1], empty[2] = math.inf, -math.inf, -0.0  # -0.0 + x is x for every x, -0.0 included
         self._segment_empty = empty
-        self.segment_like = saved.new_empty(()).expand(b, h, 1, width)
+        self.segment_like = saved.new_empty(b, h, 0, width)
         self.segment_open = empty.clone() if steps == 0 else saved.reshape(b, h, 1, 3, d).movedim(3, 0).contiguous()
 
     def _stage_segment(self, keys: torch.Tensor) -> None:
@@ -228,7 +228,7 @@ class LayerStorage:
         if steps % self.segment_steps:
             return torch.cat(self.segment_open.unbind(0), -1)
         if not steps:
-            return self.segment_open.new_zeros(self.segment_like.shape)
+            return self.segment_open.new_zeros(*self.segment_like.shape[:2], 1, self.segment_like.shape[-1])
         return self._index_view()[:, :, -1:].to(self.segment_open.device, copy=True)
 
     def prepare(self, chunk_len: int) -> None:
