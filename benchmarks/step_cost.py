@@ -4,8 +4,12 @@ model's own one-shot forward.
 
 The op counts come from :class:`statekv.testing.op_trace.OpTrace` (a ``TorchDispatchMode``): compute ops are ops
 that are neither views nor bare allocations, host syncs are ops whose result a GPU host would wait for, and
-a stream is *static* when its steady steps dispatch identical (op, shapes, scalar arguments) sequences -- what
-a CUDA graph needs. Steady means: StateKV's carried state is full, recency's window holds R frames.
+a stream is *static* when the device parts of its steady steps (what a CUDA graph records) dispatch identical
+(op, shapes, scalar arguments) sequences. Ops outside the device part run outside the graph on a GPU (its own
+launches): none on most steps, a few per layer on a step that completes a segment of the retrieval index (once
+every ``SEGMENT_STEPS`` steps); a replay adds the copies of the step's inputs and output. Steady means: StateKV's
+carried state is full, recency's window holds R frames. The batched rows are ``STREAMS`` streams stepped together
+(`StepBatcher`, one forward).
 
     python benchmarks/step_cost.py --out docs/benchmarks.md                 # CPU, tiny model (a few seconds)
     python benchmarks/step_cost.py --device cuda --out docs/benchmarks.md   # + InternVL3-8B LM on a GPU
@@ -24,11 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
-from statekv.testing.op_trace import OpTrace  # noqa: E402
+from statekv.core.batching import StepBatcher, StepRequest  # noqa: E402
+from statekv.core.storage import SEGMENT_STEPS  # noqa: E402
+from statekv.testing.op_trace import OpTrace, device_parts  # noqa: E402
 from statekv.settings.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402
 
 PREFIX_TOKENS = 9
+STREAMS = 16
 
 
 def tiny_language_model():
@@ -55,33 +62,47 @@ def frames(model, tokens: int, count: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def op_counts(model, policy, backend: str, chunks: list[torch.Tensor], steady_from: int) -> dict:
-    """Compute ops and syncs of a steady step, and whether all steady steps dispatch the same ops."""
-    prefill = statekv.StreamingPrefill(model, policy, attention=backend, cuda_graph=False,
-                                       horizon=sum(c.shape[1] for c in chunks))
+def op_counts(model, policy, backend: str, chunks: list[torch.Tensor], steady_from: int, streams: int = 1) -> dict:
+    """Compute ops (all, of the device part, outside it: most and fewest over the steady steps) and syncs of a
+    steady step of ``streams`` streams (stepped together when more than one), and whether the device parts of
+    all steady steps dispatch the same ops."""
+    prefills = [statekv.StreamingPrefill(model, policy, attention=backend, cuda_graph=False,
+                                         horizon=sum(c.shape[1] for c in chunks)) for _ in range(streams)]
+    batcher = StepBatcher()
     traces = []
-    for chunk in chunks:
-        with OpTrace() as trace:
-            prefill.step(inputs_embeds=chunk)
-        traces.append(trace)
+    with device_parts():
+        for chunk in chunks:
+            with OpTrace() as trace:
+                if streams == 1:
+                    prefills[0].step(inputs_embeds=chunk)
+                else:
+                    batcher.step([StepRequest(prefill, chunk) for prefill in prefills])
+            traces.append(trace)
     steady = traces[steady_from:]
     layers = model.config.num_hidden_layers
     compute = len(steady[-1].compute)
-    return {"compute": compute, "per_layer": compute / layers, "syncs": sum(len(t.syncs) for t in steady),
-            "static": all(t.ops == steady[0].ops for t in steady), "ops": Counter(steady[-1].compute)}
+    outside = [len(t.host_compute) for t in steady]
+    return {"compute": compute, "per_layer": compute / layers, "device": len(steady[-1].device_compute),
+            "outside": (min(outside), max(outside)), "syncs": sum(len(t.syncs) for t in steady),
+            "static": all(t.device_ops == steady[0].device_ops for t in steady), "ops": Counter(steady[-1].compute)}
 
 
 def op_table(model, tokens: int, budget_frames: int, backends: list[str]) -> list[str]:
-    count = budget_frames + 8
+    count = max(budget_frames + 8, SEGMENT_STEPS + 2)  # the steady steps include one completing a segment
     chunks = frames(model, tokens, count)
-    lines = ["| method | backend | compute ops / step | per layer | host syncs (steady steps) | static |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | backend | streams | compute ops / step | per layer | in the device part | outside it "
+             "(fewest-most) | host syncs (steady steps) | static |", "|---|---|---|---|---|---|---|---|---|"]
     results = {}
     for backend in backends:
-        for name, policy in methods(tokens, budget_frames).items():
-            result = results[name, backend] = op_counts(model, policy, backend, chunks, budget_frames + 3)
-            lines.append(f"| {name} | {backend} | {result['compute']} | {result['per_layer']:.1f} | "
-                         f"{result['syncs']} | {'yes' if result['static'] else 'NO'} |")
+        for streams in (1, STREAMS):
+            for name, policy in methods(tokens, budget_frames).items():
+                result = op_counts(model, policy, backend, chunks, budget_frames + 3, streams)
+                if streams == 1:
+                    results[name, backend] = result
+                low, high = result["outside"]
+                lines.append(f"| {name} | {backend} | {streams} | {result['compute']} | {result['per_layer']:.1f} | "
+                             f"{result['device']} | {low}-{high} | {result['syncs']} | "
+                             f"{'yes' if result['static'] else 'NO'} |")
     layers = model.config.num_hidden_layers
     for backend in backends:
         state, recency = (results[name, backend] for name in methods(tokens, budget_frames))

@@ -30,6 +30,14 @@ peak device bytes count the open segment's accumulators; disk-tier file sets are
 ``CHECKPOINT_STEPS`` steps, segment index); under a cache cap (``refuse``, ``evict-*``) the cap now counts
 summaries, scales and the journal, so fewer frames fit and the answers differ. Hidden states, carried states,
 positions and answers of every other set-up must be identical (they were, at the merge of main into issue 34).
+
+Against a reference from after issue 34 but before the segment index's per-step ops were cut, only op traces
+differ: per step and layer the index's minimum, maximum, add, two cats, remainder, eq, where, floor division, row
+index_copy_ and two copy_ (one at commit) give way to ``minimum.out``, ``maximum.out`` and ``add.out`` (and a few
+views); a layer's first step makes the open segment's identities instead of zeros; a step completing a segment
+writes its row (cat, copy_) and resets the open segment (copy_); a question's empty segment index is an alias
+instead of a slice. Everything else is identical (``compare`` shows them as op-trace differences; stream ids are
+random per run).
 """
 
 from __future__ import annotations

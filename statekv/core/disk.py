@@ -515,7 +515,7 @@ def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
     """What a checkpoint writes of a layer: its carried positions, keys, values, placements (None unless bounded)
     and open segment (None before the first step)."""
     placements = layer.slots.head_placements() if layer.slots is not None else None
-    return (layer.positions(), *layer.carried(), placements, layer.storage.segment_partial)
+    return (layer.positions(), *layer.carried(), placements, layer.storage.saved_segment())
 
 
 def _rows_of(name: str, step: int, start: int, length: int, per_segment: int) -> tuple[int, int] | None:

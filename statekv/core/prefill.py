@@ -212,8 +212,8 @@ class StreamingPrefill:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
         journal and checkpoints), and what the next step adds to it (a segment row, the journal's growth over the
         last step)."""
-        storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_partial is not None]
-        row = sum(s.segment_partial.numel() * s.segment_partial.element_size() for s in storages)  # all layers
+        storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_open is not None]
+        row = sum(s.segment_open.numel() * s.segment_open.element_size() for s in storages)  # all layers
         index = row * (storages[0].segment_index.length if storages else 0)
         completes = (len(self.cache.chunk_lengths) + 1) % self.cache.layers[0].storage.segment_steps == 0
         growth = row if completes else 0

@@ -90,8 +90,13 @@ class LayerStorage:
         self.segment_steps = SEGMENT_STEPS
         self.samples_like: torch.Tensor | None = None  # [B, H_kv, 1, SAMPLES_PER_STEP * D]
         self.means_like: torch.Tensor | None = None  # [B, H_kv, 1, D]
-        self.segment_partial: torch.Tensor | None = None  # [B, H_kv, 1, 3 * D]: the open segment so far
-        self._segment_staged: torch.Tensor | None = None  # the same, with the step being run
+        # [3, B, H_kv, 1, D]: the open segment's minimum, maximum and sum over its committed steps' keys (the
+        # identities +inf, -inf and -0.0 while it holds none: a step folds itself in with the same ops whichever
+        # step of its segment it is); each part contiguous, so it is folded into in place (`out=`)
+        self.segment_open: torch.Tensor | None = None
+        self.segment_like: torch.Tensor | None = None  # [B, H_kv, 0, 3 * D]: no rows, an index row's shape
+        self._segment_empty: torch.Tensor | None = None  # the identities, as segment_open
+        self._segment_chunk: tuple[torch.Tensor, ...] | None = None  # the step's keys' min, max, sum, until its commit
 
     def _make_detailed(self, make_buffer: BufferFactory, capacity_hint: int | None) -> None:
         self.detailed = make_buffer("detailed", 2, capacity_hint)
@@ -127,8 +132,8 @@ class LayerStorage:
     def _index_view(self) -> torch.Tensor:
         """The complete segments' rows ``[B, H_kv, G, 3 * D]`` (empty before the first one)."""
         if not self.segment_index.length:
-            partial = self.segment_partial
-            return partial[:, :, :0] if partial is not None else torch.empty(1, 1, 0, 0)
+            like = self.segment_like
+            return like[:, :, :0] if like is not None else torch.empty(1, 1, 0, 0)
         return self.segment_index.view(0, self.segment_index.length)[0]
 
     # the read path -----------------------------------------------------------------------------------------
@@ -170,40 +175,61 @@ class LayerStorage:
         self.block_keys.reserve(key_states, self.block_keys.length + 1)
         self.step_samples.reserve(self.samples_like, self.step_samples.length + 1)
         self._start_segments(key_states)
-        self.segment_index.reserve(self.segment_partial, self.segment_index.length + 1)
+        self.segment_index.reserve(self.segment_like, self.segment_index.length + 1)
 
     def _start_segments(self, like: torch.Tensor) -> None:
-        """The open segment's accumulators ``[B, H_kv, 1, 3 * D]`` on the model's device, like ``like``."""
-        if self.segment_partial is None:
+        """The open segment's accumulators on the model's device, like ``like`` ``[B, H_kv, T, D]``: empty."""
+        if self.segment_open is None:
             b, h, _, d = like.shape
-            self.segment_partial = like.new_zeros(b, h, 1, 3 * d)
-            self._segment_staged = torch.zeros_like(self.segment_partial)
+            self._hold_segment(like.new_empty(b, h, 1, 3 * d), steps=0)
 
-    def _hold_segment(self, partial: torch.Tensor) -> None:
-        """The open segment's accumulators are ``partial`` ``[B, H_kv, 1, 3 * D]`` (on the model's device)."""
-        self.segment_partial = partial.clone()
-        self._segment_staged = torch.zeros_like(self.segment_partial)
+    def _hold_segment(self, saved: torch.Tensor, steps: int) -> None:
+        """The open segment is ``saved`` ``[B, H_kv, 1, 3 * D]`` (as :meth:`saved_segment` gives it; its device is
+        the model's) after ``steps`` of its steps (0: it holds none, whatever ``saved`` says)."""
+        b, h, _, width = saved.shape
+        d = width // 3
+        empty = saved.new_empty(3, b, h, 1, d)
+        empty[0], empty[1], empty[2] = math.inf, -math.inf, -0.0  # -0.0 + x is x for every x, -0.0 included
+        self._segment_empty = empty
+        self.segment_like = saved.new_empty(b, h, 0, width)
+        self.segment_open = empty.clone() if steps == 0 else saved.reshape(b, h, 1, 3, d).movedim(3, 0).contiguous()
 
-    def _stage_segment(self, keys: torch.Tensor, step_device: torch.Tensor) -> None:
-        """The open segment with the step's keys ``[B, H_kv, T, D]`` added (a new segment at every
-        ``segment_steps``-th step), staged until the step commits."""
-        chunk = torch.cat([keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True)], -1)
-        d = keys.shape[-1]
-        partial = self.segment_partial
-        joined = torch.cat([torch.minimum(partial[..., :d], chunk[..., :d]),
-                            torch.maximum(partial[..., d:2 * d], chunk[..., d:2 * d]),
-                            partial[..., 2 * d:] + chunk[..., 2 * d:]], -1)
-        fresh = torch.remainder(step_device, self.segment_steps) == 0
-        self._segment_staged.copy_(torch.where(fresh, chunk, joined))
+    def _stage_segment(self, keys: torch.Tensor) -> None:
+        """The step's keys ``[B, H_kv, T, D]`` reduced (their minimum, maximum and sum ``[B, H_kv, 1, D]``),
+        staged until the step's device commit folds them into the open segment."""
+        self._segment_chunk = (keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True))
+
+    def commit_device(self) -> None:
+        """Device part of a step's commit: its staged reductions folded into the open segment's accumulators, in
+        place (the same three ops at every step, whichever step of its segment it is)."""
+        if self._segment_chunk is None:  # the layer staged nothing
+            return
+        (low, high, total), self._segment_chunk = self._segment_chunk, None
+        least, most, summed = self.segment_open.unbind(0)
+        torch.minimum(least, low, out=least)
+        torch.maximum(most, high, out=most)
+        torch.add(summed, total, out=summed)
 
     def commit_segment(self) -> None:
-        """After a step's commit: its segment accumulators kept, and a segment it completes added to the index
-        (``block_keys.length`` is the step's index here; with the model, the step wrote the row already)."""
-        self.segment_partial.copy_(self._segment_staged)
+        """Host part of a step's commit (``block_keys.length`` is the step's index here): a segment it completes is
+        added to the index, and the open segment starts empty again (once every ``segment_steps`` steps)."""
         if (self.block_keys.length + 1) % self.segment_steps == 0:
-            if self.offloaded:
-                self.segment_index.write(self.segment_index.length, self.segment_partial)
+            self.segment_index.write(self.segment_index.length, torch.cat(self.segment_open.unbind(0), -1))
             self.segment_index.length += 1
+            self.segment_open.copy_(self._segment_empty)
+
+    def saved_segment(self) -> torch.Tensor | None:
+        """The open segment as saved streams and checkpoints hold it, ``[B, H_kv, 1, 3 * D]``: the minimum, maximum
+        and sum of its steps' keys; right after a segment completes, the completed segment's (its index row);
+        zeros before the first step; None before the first chunk."""
+        if self.segment_open is None:
+            return None
+        steps = self.block_keys.length
+        if steps % self.segment_steps:
+            return torch.cat(self.segment_open.unbind(0), -1)
+        if not steps:
+            return self.segment_open.new_zeros(*self.segment_like.shape[:2], 1, self.segment_like.shape[-1])
+        return self._index_view()[:, :, -1:].to(self.segment_open.device, copy=True)
 
     def prepare(self, chunk_len: int) -> None:
         """Room for the next step's summaries (and every later one's until the horizon, if it is known)."""
@@ -213,7 +239,7 @@ class LayerStorage:
         self.block_keys.reserve(self.means_like, self.block_keys.length + 1, expected)
         self.step_samples.reserve(self.samples_like, self.step_samples.length + 1, expected)
         rows = expected // self.segment_steps + 1 if expected else 0  # every row until the horizon, at once
-        self.segment_index.reserve(self.segment_partial, max(self.segment_index.length + 1, rows))
+        self.segment_index.reserve(self.segment_like, max(self.segment_index.length + 1, rows))
 
     def reserve_chunk(self, slots: CarriedSlots, chunk_len: int) -> None:
         """Room in the detailed cache for a chunk of ``chunk_len`` tokens written on the device (alongside the
@@ -226,10 +252,7 @@ class LayerStorage:
         mean, samples = _summaries(keys)
         self.block_keys.write_at(step_device, mean)
         self.step_samples.write_at(step_device, samples)
-        self._stage_segment(keys, step_device)
-        # the open segment's row, rewritten every step (the same ops each step: a steady step stays static)
-        self.segment_index.write_at(torch.div(step_device, self.segment_steps, rounding_mode="floor"),
-                                    self._segment_staged)
+        self._stage_segment(keys)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         """The step's mean key ``[B, H_kv, 1, D]`` only (kept for callers of the former interface)."""
@@ -250,9 +273,12 @@ class LayerStorage:
         self.step_samples.length += 1
 
     def device_nbytes(self) -> int:
-        partial = self.segment_partial
-        partial = 0 if partial is None else 2 * partial.numel() * partial.element_size()  # and its staged twin
-        return self.detailed.nbytes + self.summary_nbytes + partial
+        return self.detailed.nbytes + self.summary_nbytes + self._segment_nbytes()
+
+    def _segment_nbytes(self) -> int:
+        """The open segment's accumulators and their identities."""
+        accumulators = self.segment_open
+        return 0 if accumulators is None else 2 * accumulators.numel() * accumulators.element_size()
 
     def synchronize(self) -> None:
         """Wait for asynchronous copies into this storage before the host reads it."""
@@ -271,9 +297,9 @@ class LayerStorage:
 
     def export_segments(self) -> dict[str, torch.Tensor]:
         """The segment index and the open segment's accumulators (nothing before the first step)."""
-        if self.segment_partial is None:
+        if self.segment_open is None:
             return {}
-        return {"segment_index": self._index_view(), "segment_partial": self.segment_partial}
+        return {"segment_index": self._index_view(), "segment_partial": self.saved_segment()}
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
         """Install what :meth:`export` saved (``steps``: every step's token count; summaries missing from older
@@ -304,13 +330,14 @@ class LayerStorage:
     def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
                        storage: torch.device) -> None:
         """The segment index saved, or (saved before it was kept) recomputed from ``keys`` (all tokens' keys in
-        the model's dtype, on any device; None: what `read_range` gives)."""
+        the model's dtype, on any device; None: what `read_range` gives). The saved open segment is what
+        :meth:`saved_segment` gives: after a complete segment, the open one starts empty."""
         index, partial = tensors.get("segment_index"), tensors.get("segment_partial")
         if index is None or partial is None:
             index, partial = self._segments_of(keys, steps)
         if partial is None:
             return
-        self._hold_segment(partial)
+        self._hold_segment(partial, len(steps) % self.segment_steps)
         self.segment_index.load(index.to(storage))
         if not self.segment_index.length:  # an empty load leaves nothing to append to: room for the first row
             self.segment_index.reserve(partial.to(storage), 1)
@@ -338,8 +365,8 @@ class LayerStorage:
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         """A saved state was loaded; ``device`` is the model's (where the open segment is accumulated)."""
-        if self.segment_partial is not None and self.segment_partial.device != device:
-            self._hold_segment(self.segment_partial.to(device))
+        if self.segment_open is not None and self.segment_open.device != device:
+            self._hold_segment(self.saved_segment().to(device), self.block_keys.length % self.segment_steps)
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
         """Tokens ``tokens`` (ascending positions ``[N]``) were evicted (:mod:`statekv.core.limits`): give back
@@ -382,7 +409,7 @@ class OffloadedStorage(LayerStorage):
         mean, samples = _summaries(keys)
         self.staged_mean.copy_(mean)
         self.staged_samples.copy_(samples)
-        self._stage_segment(keys, step_device)
+        self._stage_segment(keys)
 
     def stage_mean(self, mean: torch.Tensor, step_device: torch.Tensor) -> None:
         self.staged_mean.copy_(mean)
@@ -405,8 +432,8 @@ class OffloadedStorage(LayerStorage):
         self.detailed.write(self.detailed.length, keys, values)
 
     def device_nbytes(self) -> int:
-        staged = (self.staged_mean, self.staged_samples, self.segment_partial, self._segment_staged)
-        return sum(0 if t is None else t.numel() * t.element_size() for t in staged)
+        staged = (self.staged_mean, self.staged_samples)
+        return sum(0 if t is None else t.numel() * t.element_size() for t in staged) + self._segment_nbytes()
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
         per_token = (self.detailed,) if self.detailed is not None else tuple(

@@ -65,8 +65,10 @@ class StepTransaction:
         return [i for i, attended in enumerate(self.attended) if not attended]
 
     def commit_device(self) -> None:
-        """Every layer's form commits its pending selection (a form may hand it on to the next form)."""
+        """Every layer's form commits its pending selection (a form may hand it on to the next form), and its
+        storage the step's part of the open segment."""
         for index, layer in enumerate(self.layers):
+            layer.storage.commit_device()
             selection, self.pending[index] = self.pending[index], None
             while True:
                 layer.carry, selection = layer.carry.commit(layer.storage, selection, self.context)

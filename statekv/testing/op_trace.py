@@ -13,6 +13,8 @@ dispatches, which :class:`OpTrace` records under a ``TorchDispatchMode`` on the 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -45,6 +47,8 @@ class OpTrace(TorchDispatchMode):
         ops: every op, as ``(name, described args, described kwargs)``.
         compute: names of the compute ops (not views, not allocations), in order.
         syncs: names of the ops that would make the host wait for a GPU.
+        device_ops, device_compute: the ops and compute ops of the steps' device parts (what a CUDA graph
+            records), under :func:`device_parts`; host_ops, host_compute: the others.
     """
 
     def __init__(self) -> None:
@@ -52,6 +56,11 @@ class OpTrace(TorchDispatchMode):
         self.ops: list[tuple] = []
         self.compute: list[str] = []
         self.syncs: list[str] = []
+        self.device_ops: list[tuple] = []
+        self.device_compute: list[str] = []
+        self.host_ops: list[tuple] = []
+        self.host_compute: list[str] = []
+        self.in_device_part = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,11 +69,51 @@ class OpTrace(TorchDispatchMode):
         if name == "lift_fresh.default":  # a tensor made from host data: its values are part of the step
             described += (tuple(args[0].flatten().tolist()) if args[0].numel() <= 64 else "large",)
         self.ops.append(described)
+        (self.device_ops if self.in_device_part else self.host_ops).append(described)
         if not (func.is_view or name in VIEW_LIKE or name in ALLOCATIONS):
             self.compute.append(name)
+            (self.device_compute if self.in_device_part else self.host_compute).append(name)
         if name in HOST_SYNCS or _indexes_with_booleans(name, args):
             self.syncs.append(name)
         return func(*args, **kwargs)
+
+    def __enter__(self):
+        _tracing.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _tracing.remove(self)
+        return super().__exit__(*exc)
+
+
+_tracing: list[OpTrace] = []  # the traces entered, innermost last
+
+
+@contextmanager
+def device_parts():
+    """While active, the ops a step dispatches inside its device part (`statekv.core.batching.device_step`: what a
+    CUDA graph records and replays, for one stream or several) count as the device part of the innermost
+    :class:`OpTrace` (``device_ops``, ``device_compute``); the rest of the step (its host part, and on a GPU the
+    ops a replay runs outside its graph) as its host part."""
+    from ..core import batching, prefill
+
+    original = batching.device_step
+
+    def marked(*args, **kwargs):
+        trace = _tracing[-1] if _tracing else None
+        if trace is None or trace.in_device_part:
+            return original(*args, **kwargs)
+        trace.in_device_part = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            trace.in_device_part = False
+
+    batching.device_step = prefill.device_step = marked
+    try:
+        yield
+    finally:
+        batching.device_step = prefill.device_step = original
 
 
 def _indexes_with_booleans(name: str, args) -> bool:
