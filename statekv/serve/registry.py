@@ -302,7 +302,7 @@ class StreamRegistry:
             self.files.write_record(entry.record())  # the creation is durable before it is answered
         except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
-            _remove_tier(entry)
+            remove_tier(entry)
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
@@ -319,7 +319,7 @@ class StreamRegistry:
             try:
                 await self.worker.run(entry.stream.close)
                 self.files.remove(entry.id)
-                _remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
+                remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
             finally:
                 self.entries.pop(entry.id, None)
 
@@ -632,7 +632,7 @@ def check_still_there(streamer: Any) -> None:
         raise ClientLeft(streamer.tokens)
 
 
-def _remove_tier(entry: StreamEntry) -> None:
+def remove_tier(entry: StreamEntry) -> None:
     """Remove a closed stream's disk-tier file set (if it has one)."""
     folder = entry.tier
     if folder is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import InputError, StateKVError
 from ..errors import ServiceError
-from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of
+from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of, remove_tier
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
 
@@ -445,7 +445,7 @@ class SharedRegistry(StreamRegistry):
         if isinstance(entry, HeldElsewhere):
             entry = await self.find(entry.owner, entry.id)
         await super().delete(entry)
-        _remove_tier(entry)
+        remove_tier(entry)
 
     async def _drop(self, entry: StreamEntry) -> None:
         """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since
@@ -453,7 +453,7 @@ class SharedRegistry(StreamRegistry):
         entry.moved = True
         self.entries.pop(entry.id, None)
         await self.worker.run(entry.stream.close)
-        _remove_tier(entry)
+        remove_tier(entry)
 
     def let_all_go(self) -> None:
         """At shutdown, once every stream is saved: release every lease, so the streams come back at once
@@ -463,12 +463,6 @@ class SharedRegistry(StreamRegistry):
                 self.files.release(stream_id)
             except (OSError, StateKVError) as error:
                 log.error("cannot release the lease of stream %s: %s", stream_id, error)
-
-
-def _remove_tier(entry: StreamEntry) -> None:
-    folder = getattr(getattr(entry.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sync(path: Path) -> None:
