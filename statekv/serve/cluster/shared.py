@@ -444,8 +444,7 @@ class SharedRegistry(StreamRegistry):
     async def delete(self, entry: Any) -> None:
         if isinstance(entry, HeldElsewhere):
             entry = await self.find(entry.owner, entry.id)
-        await super().delete(entry)
-        remove_tier(entry)
+        await super().delete(entry)  # its disk-tier file set too
 
     async def _drop(self, entry: StreamEntry) -> None:
         """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since
