@@ -168,7 +168,7 @@ class StreamRegistry:
         self.files = files or StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined at start: listed, never served
-        self._creating = 0  # creations under way (counted against max_streams before they finish)
+        self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
 
@@ -279,14 +279,14 @@ class StreamRegistry:
     async def create(self, owner: str, body: dict[str, Any]) -> StreamEntry:
         settings, horizon, max_fps, name = self.check_settings(body)
         # counted before the first await: creations arriving together cannot all pass the check
-        if len(self.entries) + self._creating >= self.config.max_streams:
+        if len(self.entries) + self.arriving >= self.config.max_streams:
             raise ServiceError(429, f"the server holds its limit of {self.config.max_streams} streams; delete one "
                                "or retry later", headers={"Retry-After": "30"})
-        self._creating += 1
+        self.arriving += 1
         try:
             entry = await self._create(owner, settings, horizon, max_fps, name)
         finally:
-            self._creating -= 1
+            self.arriving -= 1
         self.entries[entry.id] = entry
         return entry
 

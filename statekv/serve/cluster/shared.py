@@ -330,23 +330,28 @@ class SharedRegistry(StreamRegistry):
         async with lock:
             if stream_id in self.entries:
                 return
-            if len(self.entries) >= self.config.max_streams:
+            # counted before the first await, with creations: streams arriving together cannot all pass the check
+            if len(self.entries) + self.arriving >= self.config.max_streams:
                 raise ServiceError(429, f"this replica holds its limit of {self.config.max_streams} streams; retry "
                                    "later", headers={"Retry-After": "30"})
-            lease = await self._wait_for_lease(stream_id)
+            self.arriving += 1
             try:
-                record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
-                if record is None:
-                    raise ServiceError(404, f"no stream {stream_id!r}")
-                entry = await self.worker.run(self.restore_one, record)
-            except BaseException as error:
-                await asyncio.to_thread(self.files.release, stream_id)
-                if isinstance(error, Exception) and not isinstance(error, ServiceError):
-                    log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
-                    raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served and "
-                                       "its files are kept in the state folder: repair them, or delete the stream "
-                                       "by hand") from None
-                raise
+                lease = await self._wait_for_lease(stream_id)
+                try:
+                    record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
+                    if record is None:
+                        raise ServiceError(404, f"no stream {stream_id!r}")
+                    entry = await self.worker.run(self.restore_one, record)
+                except BaseException as error:
+                    await asyncio.to_thread(self.files.release, stream_id)
+                    if isinstance(error, Exception) and not isinstance(error, ServiceError):
+                        log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
+                        raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served "
+                                           "and its files are kept in the state folder: repair them, or delete the "
+                                           "stream by hand") from None
+                    raise
+            finally:
+                self.arriving -= 1
             entry.replica = self.replica
             self.entries[stream_id] = entry
             if lease.lapsed:
