@@ -290,7 +290,7 @@ class StreamRegistry:
         self.entries[entry.id] = entry
         return entry
 
-    async def _create(self, owner: str, settings: dict[str, Any], horizon: int, max_fps: float | None,
+    async def _create(self, owner: str, settings: dict[str, Any], horizon: int | None, max_fps: float | None,
                       name: str) -> StreamEntry:
         stream_id = f"st_{secrets.token_hex(12)}"
         qa = self.qa_for(settings)
