@@ -14,7 +14,6 @@ yaml block). Text blocks are output the server must print.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex

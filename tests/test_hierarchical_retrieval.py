@@ -16,7 +16,7 @@ PER_SEGMENT = 4
 
 def segment_index(keys: torch.Tensor, steps: tuple[int, ...], per_segment: int) -> torch.Tensor:
     """The index written out: per complete segment, the min, max and sum of its keys ``[1, H, G, 3 D]``."""
-    rows, start = [], 0
+    rows = []
     ends = torch.tensor(steps).cumsum(0).tolist()
     for g in range(len(steps) // per_segment):
         first = 0 if g == 0 else ends[g * per_segment - 1]

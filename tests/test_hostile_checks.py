@@ -9,10 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from PIL import Image
 import statekv
 from statekv import Stream
 from statekv.cli import main
-from statekv.errors import ConfigurationError, InputError, OutputError, VideoError
+from statekv.errors import ConfigurationError, InputError, VideoError
 from statekv.models import load_adapter
 from statekv.synthetic.benchmark import make_benchmark
 from statekv.testing import make_tiny_checkpoint, write_test_video

@@ -28,7 +28,7 @@ from statekv.cli import main
 from statekv.errors import OutputError
 from statekv.eval.fabricate import write_mini_videomme
 from statekv.eval.lock import RunLock
-from statekv.eval.runner import EvalConfig, _lock_for_every_rank, run_evaluation
+from statekv.eval.runner import EvalConfig, lock_for_every_rank, run_evaluation
 from statekv.api.stream_file import write_verified
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
@@ -637,13 +637,13 @@ class _Rank:
 
 def test_the_ranks_of_one_launch_share_the_folder_and_stop_together(tmp_path):
     lock = RunLock(tmp_path)
-    _lock_for_every_rank(lock, _Rank(is_main=False, refusal=None))  # rank 0 holds it for the launch
-    assert lock._file is None  # other ranks never lock
+    lock_for_every_rank(lock, _Rank(is_main=False, refusal=None))  # rank 0 holds it for the launch
+    assert not lock.held  # other ranks never lock
     with pytest.raises(OutputError, match="in use"):
-        _lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=False, refusal="x is in use by another evaluation"))
-    _lock_for_every_rank(lock, _Rank(is_main=True, refusal=None))
+        lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=False, refusal="x is in use by another evaluation"))
+    lock_for_every_rank(lock, _Rank(is_main=True, refusal=None))
     with pytest.raises(OutputError, match="in use"):  # a second launch's rank 0
-        _lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=True, refusal=None))
+        lock_for_every_rank(RunLock(tmp_path), _Rank(is_main=True, refusal=None))
     lock.release()
 
 

@@ -4,7 +4,6 @@ computation, bytes, answers through retrieval and the whole cache, save/resume, 
 from __future__ import annotations
 
 import math
-import tempfile
 
 import numpy as np
 import pytest

@@ -202,6 +202,33 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
         ("taken", "first", 1), ("let go", "first", 1), ("taken", "second", 2)]
 
 
+def test_streams_taken_together_count_against_the_replicas_limit(tmp_path, qa):
+    owner = owner_of("key")
+
+    async def scenario():
+        def replica(name: str, streams: int) -> SharedRegistry:
+            config = ServeConfig(options=qa.options, state_dir=tmp_path, save_every_frames=1000, max_streams=streams)
+            registry = SharedRegistry(config, qa, ModelWorker(), SharedStreamFiles(tmp_path, Leases(tmp_path, name)))
+            registry.metrics = Metrics(lambda: 0, lambda: 0)
+            return registry
+
+        first, second = replica("first", 4), replica("second", 1)
+        made = [await first.create(owner, {"horizon_frames": 16, "max_fps": None}) for _ in range(2)]
+        for entry in made:
+            await first.push(entry, _frames(1)[0], 0.0)
+            await first.worker.run(first.save_now, entry)
+        first.let_all_go()  # both lie free in the shared folder: each take needs no wait
+        results = await asyncio.gather(*(second.find(owner, entry.id) for entry in made), return_exceptions=True)
+        for registry in (first, second):
+            registry.worker.close()
+        return results, len(second.entries), second.arriving
+
+    results, held, arriving = asyncio.run(scenario())
+    refused = [r for r in results if isinstance(r, ServiceError)]
+    assert len(refused) == 1 and refused[0].status == 429 and "limit of 1 streams" in str(refused[0])
+    assert held == 1 and arriving == 0
+
+
 def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(tmp_path):
     from statekv.serve.cluster.board import FORGET_SECONDS, ReplicaBoard
     from statekv.serve.cluster.deployment import own_tier

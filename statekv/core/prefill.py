@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import ConfigurationError, HorizonError, InputError, OutputError, StateKVError, UnsupportedModelError
+from ..errors import ConfigurationError, HorizonError, InputError, OutputError, UnsupportedModelError
 from ..values import check_int
 from . import rope as rotary
 from .generation_args import check_generation_arguments

@@ -38,6 +38,11 @@ class RunLock:
         self.path = self.folder / LOCK_FILE
         self._file: IO[str] | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock now."""
+        return self._file is not None
+
     def acquire(self) -> None:
         if self._file is not None:
             return

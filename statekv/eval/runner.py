@@ -210,7 +210,7 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     lock = RunLock(config.out)
     try:
         context.connect()
-        _lock_for_every_rank(lock, context)
+        lock_for_every_rank(lock, context)
         if config.overwrite and context.is_main:
             clear_run(config.out)
         context.barrier()
@@ -259,7 +259,7 @@ def _in_folder(error: OSError, folder: Path) -> bool:
         return False
 
 
-def _lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
+def lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
     """Rank 0 takes the run folder's lock; every rank of the launch stops if it could not (another run holds
     it), so none of them repeats that run's work."""
     refusal = None

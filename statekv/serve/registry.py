@@ -168,7 +168,7 @@ class StreamRegistry:
         self.files = files or StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined at start: listed, never served
-        self._creating = 0  # creations under way (counted against max_streams before they finish)
+        self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
 
@@ -279,18 +279,18 @@ class StreamRegistry:
     async def create(self, owner: str, body: dict[str, Any]) -> StreamEntry:
         settings, horizon, max_fps, name = self.check_settings(body)
         # counted before the first await: creations arriving together cannot all pass the check
-        if len(self.entries) + self._creating >= self.config.max_streams:
+        if len(self.entries) + self.arriving >= self.config.max_streams:
             raise ServiceError(429, f"the server holds its limit of {self.config.max_streams} streams; delete one "
                                "or retry later", headers={"Retry-After": "30"})
-        self._creating += 1
+        self.arriving += 1
         try:
             entry = await self._create(owner, settings, horizon, max_fps, name)
         finally:
-            self._creating -= 1
+            self.arriving -= 1
         self.entries[entry.id] = entry
         return entry
 
-    async def _create(self, owner: str, settings: dict[str, Any], horizon: int, max_fps: float | None,
+    async def _create(self, owner: str, settings: dict[str, Any], horizon: int | None, max_fps: float | None,
                       name: str) -> StreamEntry:
         stream_id = f"st_{secrets.token_hex(12)}"
         qa = self.qa_for(settings)
@@ -302,7 +302,7 @@ class StreamRegistry:
             self.files.write_record(entry.record())  # the creation is durable before it is answered
         except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
-            _remove_tier(entry)
+            remove_tier(entry)
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
@@ -319,7 +319,7 @@ class StreamRegistry:
             try:
                 await self.worker.run(entry.stream.close)
                 self.files.remove(entry.id)
-                _remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
+                remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
             finally:
                 self.entries.pop(entry.id, None)
 
@@ -632,7 +632,7 @@ def check_still_there(streamer: Any) -> None:
         raise ClientLeft(streamer.tokens)
 
 
-def _remove_tier(entry: StreamEntry) -> None:
+def remove_tier(entry: StreamEntry) -> None:
     """Remove a closed stream's disk-tier file set (if it has one)."""
     folder = entry.tier
     if folder is not None:

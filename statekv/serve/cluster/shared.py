@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import InputError, StateKVError
 from ..errors import ServiceError
-from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of
+from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of, remove_tier
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
 
@@ -330,23 +330,28 @@ class SharedRegistry(StreamRegistry):
         async with lock:
             if stream_id in self.entries:
                 return
-            if len(self.entries) >= self.config.max_streams:
+            # counted before the first await, with creations: streams arriving together cannot all pass the check
+            if len(self.entries) + self.arriving >= self.config.max_streams:
                 raise ServiceError(429, f"this replica holds its limit of {self.config.max_streams} streams; retry "
                                    "later", headers={"Retry-After": "30"})
-            lease = await self._wait_for_lease(stream_id)
+            self.arriving += 1
             try:
-                record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
-                if record is None:
-                    raise ServiceError(404, f"no stream {stream_id!r}")
-                entry = await self.worker.run(self.restore_one, record)
-            except BaseException as error:
-                await asyncio.to_thread(self.files.release, stream_id)
-                if isinstance(error, Exception) and not isinstance(error, ServiceError):
-                    log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
-                    raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served and "
-                                       "its files are kept in the state folder: repair them, or delete the stream "
-                                       "by hand") from None
-                raise
+                lease = await self._wait_for_lease(stream_id)
+                try:
+                    record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
+                    if record is None:
+                        raise ServiceError(404, f"no stream {stream_id!r}")
+                    entry = await self.worker.run(self.restore_one, record)
+                except BaseException as error:
+                    await asyncio.to_thread(self.files.release, stream_id)
+                    if isinstance(error, Exception) and not isinstance(error, ServiceError):
+                        log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
+                        raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served "
+                                           "and its files are kept in the state folder: repair them, or delete the "
+                                           "stream by hand") from None
+                    raise
+            finally:
+                self.arriving -= 1
             entry.replica = self.replica
             self.entries[stream_id] = entry
             if lease.lapsed:
@@ -444,8 +449,7 @@ class SharedRegistry(StreamRegistry):
     async def delete(self, entry: Any) -> None:
         if isinstance(entry, HeldElsewhere):
             entry = await self.find(entry.owner, entry.id)
-        await super().delete(entry)
-        _remove_tier(entry)
+        await super().delete(entry)  # its disk-tier file set too
 
     async def _drop(self, entry: StreamEntry) -> None:
         """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since
@@ -453,7 +457,7 @@ class SharedRegistry(StreamRegistry):
         entry.moved = True
         self.entries.pop(entry.id, None)
         await self.worker.run(entry.stream.close)
-        _remove_tier(entry)
+        remove_tier(entry)
 
     def let_all_go(self) -> None:
         """At shutdown, once every stream is saved: release every lease, so the streams come back at once
@@ -463,12 +467,6 @@ class SharedRegistry(StreamRegistry):
                 self.files.release(stream_id)
             except (OSError, StateKVError) as error:
                 log.error("cannot release the lease of stream %s: %s", stream_id, error)
-
-
-def _remove_tier(entry: StreamEntry) -> None:
-    folder = getattr(getattr(entry.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sync(path: Path) -> None:
