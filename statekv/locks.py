@@ -14,6 +14,7 @@ stream never leaves a stale lock, and two opens in one process exclude each othe
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import socket
 import weakref
@@ -27,6 +28,8 @@ except ImportError:  # not a POSIX system
     fcntl = None
 
 MAX_HOLDER_CHARS = 300
+# what flock answers on a file system that has no locks (it then locks nothing); any other failure is said
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
 class ExclusiveLock:
@@ -57,8 +60,11 @@ class ExclusiveLock:
                 held = describe_holder(path, fd)
                 os.close(fd)
                 raise error(f"{what} is in use by {held}; {advice}") from None
-            except OSError:  # no locks on this file system
-                return cls(path, fd, remove)
+            except OSError as failure:
+                if failure.errno not in NO_LOCKS:
+                    os.close(fd)
+                    raise error(f"cannot lock {what}: {failure.strerror or failure}") from None
+                return cls(path, fd, remove)  # a file system without locks (some network ones) locks nothing
             if _same_file(path, fd):  # not replaced or removed between the open and the lock
                 break
             os.close(fd)

@@ -8,6 +8,7 @@ another stream's name or owner is refused; every descriptive file of a file set 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -299,3 +300,24 @@ def test_an_eagle_stream_whose_stated_rate_was_forged_is_refused(tmp_path):
     assert "state.extra.fps is 8.0" in _one_line(error)
     assert torch.equal(Stream.load(stream.save(tmp_path / "t.safetensors"), qa).prefill.state_dict()[0][
         "layers.0.keys"], stream.prefill.state_dict()[0]["layers.0.keys"])
+
+
+@pytest.mark.parametrize("number", [errno.ENOLCK, errno.EIO], ids=["no locks", "i/o error"])
+def test_a_file_system_without_locks_locks_nothing_and_any_other_lock_failure_is_one_line(tmp_path, monkeypatch,
+                                                                                        number):
+    """Before: every failure of flock was taken for a file system without locks, so a stream ran without its
+    one-owner lock and nothing said so."""
+    import fcntl
+
+    from statekv.locks import ExclusiveLock
+
+    def failing(fd, operation):
+        raise OSError(number, os.strerror(number))
+
+    monkeypatch.setattr(fcntl, "flock", failing)
+    if number == errno.ENOLCK:
+        lock = ExclusiveLock.acquire(tmp_path / "lock", what="the test's file set")
+        lock.release()
+        return
+    with pytest.raises(InputError, match=r"^cannot lock the test's file set: Input/output error$"):
+        ExclusiveLock.acquire(tmp_path / "lock", what="the test's file set", error=InputError)

@@ -423,3 +423,21 @@ def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connecti
         assert "promises 32 rows" in message
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 1  # nothing streamed
         assert client.get("/health").status_code == 200  # the same client, its connection kept
+
+
+def test_a_stream_that_cannot_close_is_still_deleted_and_stays_deleted_after_a_restart(qa, tmp_path, monkeypatch):
+    """Before: a close that failed (say the disk tier's last checkpoint on a full disk) left the stream's record
+    and files behind while the stream was gone from memory, so a restart brought the deleted stream back."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=1)
+        entry = server.service.registry.entries[stream_id]
+
+        def failing_close():
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(entry.stream, "close", failing_close)
+        assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+        assert not list((state / "streams").glob(f"{stream_id}*"))
+    with Running(state, qa) as server, server.client() as client:
+        assert stream_id not in {s["id"] for s in client.get("/v1/streams").json()["data"]}

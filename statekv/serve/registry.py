@@ -317,7 +317,11 @@ class StreamRegistry:
         entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
             try:
-                await self.worker.run(entry.stream.close)
+                try:
+                    await self.worker.run(entry.stream.close)
+                except (OSError, StateKVError) as error:  # what it would have kept is being deleted anyway
+                    log.warning("stream %s did not close cleanly (%s); its files are removed all the same",
+                                entry.id, error)
                 self.files.remove(entry.id)
                 remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
             finally:

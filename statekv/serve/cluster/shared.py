@@ -436,9 +436,8 @@ class SharedRegistry(StreamRegistry):
             if entry.deleted or entry.moved or entry.feeding:
                 return
             try:
-                await self.worker.run(self.save_now, entry)
-            except InputError:
-                pass  # nothing encoded yet: nothing to save (frames still pending are lost, as on a restart)
+                if entry.stream.frames:  # nothing encoded yet: nothing to save (pending frames go, as on a restart)
+                    await self.worker.run(self.save_now, entry)
             except StateKVError as error:
                 log.error("cannot save stream %s to hand it over: %s", entry.id, error)
                 return
