@@ -25,6 +25,8 @@ from statekv.synthetic.benchmark import make_benchmark
 from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import ImageError, decode_image, open_video
 
+from hostile import noise_frames, small_qa
+
 LONG = "n" * 300  # longer than any file name a file system takes (255 bytes)
 
 
@@ -40,14 +42,6 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapter(files):
     return load_adapter(files["model"])
-
-
-def _qa(adapter, **kwargs) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, **kwargs)
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -76,9 +70,9 @@ def no_model_loads(monkeypatch):
 # The Python API: iterators as lists, options checked when unused, counts that say what was read
 # ---------------------------------------------------------------------------------------------------------------
 def test_push_many_checks_a_generator_as_it_checks_a_list(adapter):
-    qa, other = _qa(adapter), _qa(adapter)
+    qa, other = small_qa(adapter), small_qa(adapter)
     mine, theirs = qa.stream(horizon_frames=4), other.stream(horizon_frames=4)
-    frames = _frames(2)
+    frames = noise_frames(2)
     for items in ([(mine, frames[0], 0.0), (theirs, frames[1], 0.0)],
                   ((stream, frame, 0.0) for stream, frame in ((mine, frames[0]), (theirs, frames[1]))),
                   iter([(mine, frames[0], 0.0), (theirs, frames[1], 0.0)])):
@@ -93,7 +87,7 @@ def test_push_many_checks_a_generator_as_it_checks_a_list(adapter):
 def test_an_unknown_retrieval_rule_is_refused_even_when_nothing_is_retrieved(method, files, adapter):
     qa = statekv.VideoQA.from_pretrained(files["model"], method=method, attention="eager", reserve_tokens=40)
     stream = qa.stream(horizon_frames=4)
-    stream.push(_frames(1)[0])
+    stream.push(noise_frames(1)[0])
     with pytest.raises(ConfigurationError, match="unknown retrieval rule 'bogus'"):
         stream.ask("Why?", max_new_tokens=2, retrieval="bogus")
     with pytest.raises(ConfigurationError, match="unknown retrieval rule 'bogus'"):
@@ -102,12 +96,12 @@ def test_an_unknown_retrieval_rule_is_refused_even_when_nothing_is_retrieved(met
 
 
 def test_retrieved_frames_counts_only_frames_still_held(adapter, tmp_path):
-    probe = _qa(adapter).stream(horizon_frames=2)
-    probe.push(_frames(1)[0])
+    probe = small_qa(adapter).stream(horizon_frames=2)
+    probe.push(noise_frames(1)[0])
     per_frame = probe.prefill.bytes_per_token * probe.tokens  # one frame's detailed cache (no prompt prefix)
-    capped = _qa(adapter, offload=True, max_cache_bytes=4 * per_frame, cache_limit="evict-oldest").stream(
+    capped = small_qa(adapter, offload=True, max_cache_bytes=4 * per_frame, cache_limit="evict-oldest").stream(
         horizon_frames=8)
-    for frame in _frames(7):
+    for frame in noise_frames(7):
         capped.push(frame)
     evicted = capped.stats.evicted_frames
     assert evicted >= 2
@@ -118,9 +112,9 @@ def test_retrieved_frames_counts_only_frames_still_held(adapter, tmp_path):
 
 
 def test_kv_cache_dtype_is_checked_when_loading_a_file_set_too(adapter, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = qa.stream(horizon_frames=4)
-    stream.push(_frames(1)[0])
+    stream.push(noise_frames(1)[0])
     stream.close()
     for value, error in (("int3", ConfigurationError), ("int8", InputError)):
         with pytest.raises(error, match="kv_cache_dtype"):
@@ -129,8 +123,8 @@ def test_kv_cache_dtype_is_checked_when_loading_a_file_set_too(adapter, tmp_path
 
 @pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_beams": 3, "do_sample": True}, {"num_beam_groups": 2}])
 def test_beam_search_over_a_stream_is_one_line(kwargs, adapter):
-    stream = _qa(adapter).stream(horizon_frames=4)
-    stream.push(_frames(1)[0])
+    stream = small_qa(adapter).stream(horizon_frames=4)
+    stream.push(noise_frames(1)[0])
     with pytest.raises(InputError) as error:
         stream.ask("Why?", max_new_tokens=2, **kwargs)
     assert "\n" not in str(error.value) and "no beam search" in str(error.value)
@@ -144,11 +138,11 @@ def test_max_cache_bytes_takes_a_size_as_text_in_python_as_on_the_command_line()
 
 
 def test_a_stream_with_a_very_long_name_lives_saves_and_loads_on_every_tier(adapter, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path / "cache")
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "cache")
     stream = qa.stream(horizon_frames=4, name=LONG * 20)
-    stream.push(_frames(1)[0])
+    stream.push(noise_frames(1)[0])
     assert len(stream.prefill.disk.folder.name) < 64
-    loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), _qa(adapter))
+    loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), small_qa(adapter))
     assert loaded.name == LONG * 20
     stream.close()
     assert Stream.load(stream.prefill.disk.folder, qa).name == LONG * 20
@@ -160,7 +154,7 @@ def test_a_stream_with_a_very_long_name_lives_saves_and_loads_on_every_tier(adap
 @pytest.mark.parametrize("source", ["", "  ", LONG + ".mp4", "/tmp/" + "d" * 5000, "loop"])
 def test_video_paths_that_name_nothing_readable_are_one_line(source, files, tmp_path, monkeypatch):
     source = str(files["loop"]) if source == "loop" else source
-    Image.fromarray(_frames(1)[0]).save(tmp_path / "frame_0.png")
+    Image.fromarray(noise_frames(1)[0]).save(tmp_path / "frame_0.png")
     monkeypatch.chdir(tmp_path)  # an empty path is not the current folder, frames and all
     with pytest.raises(VideoError) as error:
         open_video(source)
@@ -260,9 +254,9 @@ def test_a_png_whose_header_promises_more_rows_than_it_holds_is_refused():
 
 def test_a_short_png_among_the_frames_of_a_folder_is_refused_naming_it(adapter, tmp_path):
     for index in range(4):
-        Image.fromarray(_frames(1, seed=index)[0]).save(tmp_path / f"frame_{index}.png")
+        Image.fromarray(noise_frames(1, seed=index)[0]).save(tmp_path / f"frame_{index}.png")
     (tmp_path / "frame_2.png").write_bytes(_short_png())
     with pytest.raises(statekv.video.FrameDecodeError) as error:
-        _qa(adapter).encode(tmp_path, vision_batch=1)
+        small_qa(adapter).encode(tmp_path, vision_batch=1)
     assert "frame_2.png" in str(error.value) and "promises 32 rows" in str(error.value)
     assert error.value.encoded.frames == 2

@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-import statekv
 from statekv import Stream
 from statekv.errors import OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
+
+from hostile import noise_frames, small_qa
 
 QUESTION = "Why?"
 CHILD_TIMEOUT = 120
@@ -40,14 +41,6 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapter(checkpoint):
     return load_adapter(checkpoint)
-
-
-def _qa(adapter, **kwargs) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, **kwargs)
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 def _snapshot(stream) -> dict:
@@ -93,8 +86,8 @@ class FailingWrites:
 @pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
 def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(adapter, tmp_path, monkeypatch,
                                                                                number):
-    frames = _frames(5)
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    frames = noise_frames(5)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = qa.stream(horizon_frames=5, max_fps=1)
     stream.push(frames[0], 0.0)
     writes = FailingWrites(monkeypatch, number)
@@ -114,7 +107,7 @@ def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(ad
         assert _same(_snapshot(stream), before), f"write {fail_at} of {per_push} changed the stream"
     for t in (2, 3, 4):  # the same frames again, now that the disk takes them
         stream.push(frames[t], float(t))
-    reference = _qa(adapter).stream(horizon_frames=5, max_fps=1)
+    reference = small_qa(adapter).stream(horizon_frames=5, max_fps=1)
     for t in range(5):
         reference.push(frames[t], float(t))
     assert _same(_snapshot(stream), _snapshot(reference))
@@ -125,9 +118,9 @@ def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(ad
 
 
 def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     streams = [qa.stream(horizon_frames=6, name=f"s{i}") for i in range(3)]
-    frames = [_frames(6, seed=i) for i in range(3)]
+    frames = [noise_frames(6, seed=i) for i in range(3)]
     for t in range(3):
         qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)])
     before = [_snapshot(stream) for stream in streams]
@@ -148,7 +141,7 @@ def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_p
         results = qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)
                                 if t > 3 or i == 1])
     for i, stream in enumerate(streams):
-        reference = _qa(adapter).stream(horizon_frames=6)
+        reference = small_qa(adapter).stream(horizon_frames=6)
         for t in range(6):
             reference.push(frames[i][t], float(t))
         assert _same(_snapshot(stream), _snapshot(reference)), stream.name
@@ -157,12 +150,12 @@ def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_p
 def test_a_failed_save_leaves_the_stream_and_the_file_there_as_they_were(adapter, tmp_path, monkeypatch):
     import statekv.api.stream_file as stream_file
 
-    stream = _qa(adapter).stream(horizon_frames=4)
-    for frame in _frames(2):
+    stream = small_qa(adapter).stream(horizon_frames=4)
+    for frame in noise_frames(2):
         stream.push(frame)
     target = stream.save(tmp_path / "s.safetensors")
     saved = target.read_bytes()
-    stream.push(_frames(3)[2])
+    stream.push(noise_frames(3)[2])
     before = _snapshot(stream)
     real = stream_file.save_file
 
@@ -184,8 +177,8 @@ def test_a_failed_save_leaves_the_stream_and_the_file_there_as_they_were(adapter
 
 
 def test_a_disk_that_fails_a_sync_fails_the_save_in_one_line(adapter, tmp_path, monkeypatch):
-    stream = _qa(adapter, offload="disk", offload_dir=tmp_path / "cache").stream(horizon_frames=4)
-    for frame in _frames(2):
+    stream = small_qa(adapter, offload="disk", offload_dir=tmp_path / "cache").stream(horizon_frames=4)
+    for frame in noise_frames(2):
         stream.push(frame)
     before = _snapshot(stream)
 
@@ -200,8 +193,8 @@ def test_a_disk_that_fails_a_sync_fails_the_save_in_one_line(adapter, tmp_path, 
 
 
 def test_an_ask_whose_waiting_steps_cannot_be_written_keeps_every_frame(adapter, tmp_path, monkeypatch):
-    frames = _frames(8)
-    stream = _qa(adapter, offload="disk", offload_dir=tmp_path).stream(horizon_frames=8, vision_batch=4)
+    frames = noise_frames(8)
+    stream = small_qa(adapter, offload="disk", offload_dir=tmp_path).stream(horizon_frames=8, vision_batch=4)
     for frame in frames[:7]:
         stream.push(frame)  # a batch of 4 encoded, 3 waiting for the next: ask encodes them first
     before = _snapshot(stream)
@@ -215,7 +208,7 @@ def test_an_ask_whose_waiting_steps_cannot_be_written_keeps_every_frame(adapter,
     assert after["counts"][0] + after["counts"][2] == before["counts"][0] + before["counts"][2] == 7
     assert after["counts"][1] == before["counts"][1]
     stream.push(frames[7])
-    reference = _qa(adapter).stream(horizon_frames=8)
+    reference = small_qa(adapter).stream(horizon_frames=8)
     for frame in frames:
         reference.push(frame)
     stream.flush()
@@ -230,8 +223,8 @@ def test_a_stream_on_a_full_tmpfs_fails_its_push_in_one_line_and_keeps_going_onc
                                            capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (the monkeypatched failures above cover every write)")
     try:
-        frames = _frames(40)
-        stream = _qa(adapter, offload="disk", offload_dir=mount).stream(horizon_frames=40)
+        frames = noise_frames(40)
+        stream = small_qa(adapter, offload="disk", offload_dir=mount).stream(horizon_frames=40)
         pushed = 0
         with pytest.raises(OutputError) as error:
             for frame in frames:
@@ -243,7 +236,7 @@ def test_a_stream_on_a_full_tmpfs_fails_its_push_in_one_line_and_keeps_going_onc
         subprocess.run(["mount", "-o", "remount,size=4m", str(mount)], check=True)  # room: it goes on from there
         for frame in frames[pushed:pushed + 3]:
             stream.push(frame)
-        reference = _qa(adapter).stream(horizon_frames=40)
+        reference = small_qa(adapter).stream(horizon_frames=40)
         for frame in frames[:pushed + 3]:
             reference.push(frame)
         assert _same(_snapshot(stream), _snapshot(reference))
@@ -280,5 +273,5 @@ def test_a_save_killed_at_any_moment_leaves_the_file_before_it_loadable(adapter,
     child.send_signal(signal.SIGKILL)
     child.communicate(timeout=CHILD_TIMEOUT)
     assert saved >= 4, child.stderr
-    resumed = Stream.load(target, _qa(adapter))
+    resumed = Stream.load(target, small_qa(adapter))
     assert resumed.frames >= saved + 1

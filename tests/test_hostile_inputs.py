@@ -32,6 +32,8 @@ from statekv.eval.runner import EvalConfig, lock_for_every_rank, run_evaluation
 from statekv.api.stream_file import write_verified
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
+from hostile import noise_frames
+
 UNWRITABLE = "/sys/statekv-hostile/x.safetensors"  # not even root can create files in sysfs
 
 
@@ -52,10 +54,6 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qa(files):
     return statekv.VideoQA.from_pretrained(files["model"], budget=20, attention="eager", reserve_tokens=64)
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 def _one_line(stderr: str) -> str:
@@ -278,12 +276,12 @@ def test_ctrl_c_while_streaming_saves_what_was_streamed(files, capsys, tmp_path,
 @pytest.fixture(scope="module")
 def stream(qa):
     live = qa.stream(horizon_frames=4)
-    live.push(_frames(1)[0], 0.0)
+    live.push(noise_frames(1)[0], 0.0)
     return live
 
 
 def _api_cases():
-    frames = _frames(2)
+    frames = noise_frames(2)
     ids = torch.tensor([[1, 2]])
     return {
         "encode max_fps inf": (lambda qa, s: qa.encode(frames, max_fps=math.inf), statekv.InputError, "max_fps"),
@@ -366,9 +364,9 @@ def test_a_misspelt_option_is_named_before_it_reaches_the_model(files):
 
 def test_a_closed_stream_refuses_to_answer_or_continue(qa):
     closed = qa.stream(horizon_frames=3)
-    closed.push(_frames(1)[0], 0.0)
+    closed.push(noise_frames(1)[0], 0.0)
     closed.close()
-    for attempt in (lambda: closed.ask("Why?"), lambda: closed.push(_frames(1)[0], 1.0)):
+    for attempt in (lambda: closed.ask("Why?"), lambda: closed.push(noise_frames(1)[0], 1.0)):
         with pytest.raises(statekv.InputError, match="closed"):
             attempt()
 
@@ -392,7 +390,7 @@ def test_the_internvl_adapter_passes_trust_remote_code_on(files, monkeypatch):
 def saved(qa, tmp_path_factory):
     """A stream of 3 frames saved to a file, and its answer to a question (to compare after loading)."""
     live = qa.stream(horizon_frames=6, max_fps=1)
-    live.push_many((image, float(t)) for t, image in enumerate(_frames(3)))
+    live.push_many((image, float(t)) for t, image in enumerate(noise_frames(3)))
     path = live.save(tmp_path_factory.mktemp("saved") / "stream.safetensors")
     answer = live.ask_tokens("Why?", max_new_tokens=4)
     live.close()
@@ -710,7 +708,7 @@ def test_deeply_nested_metadata_is_one_line_not_a_recursion_error(saved, qa, tmp
 # Frames as pushed, one thread at a time, arguments of ask, a save with nothing encoded
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_reused_buffer_does_not_change_frames_waiting_for_their_batch(qa):
-    frames = _frames(4, seed=3)
+    frames = noise_frames(4, seed=3)
     reused, copied = qa.stream(4, vision_batch=2), qa.stream(4, vision_batch=2)
     buffer = np.empty_like(frames[0])
     for frame in frames:
@@ -728,10 +726,10 @@ def test_calls_from_two_threads_take_turns(qa):
     import threading
 
     live = qa.stream(4)
-    live.push(_frames(1)[0])
+    live.push(noise_frames(1)[0])
     done = threading.Event()
     with live.lock:  # as if another thread were in the middle of ask()
-        worker = threading.Thread(target=lambda: (live.push(_frames(1, seed=1)[0]), done.set()))
+        worker = threading.Thread(target=lambda: (live.push(noise_frames(1, seed=1)[0]), done.set()))
         worker.start()
         assert not done.wait(0.5) and live.frames == 1  # the push waits for its turn
     worker.join(timeout=60)
@@ -743,12 +741,12 @@ def test_many_threads_asking_and_pushing_leave_the_stream_as_one_thread_would(qa
     import threading
 
     live = qa.stream(24)
-    live.push(_frames(1)[0])
+    live.push(noise_frames(1)[0])
     errors = []
 
     def push():
         try:
-            for image in _frames(12, seed=4):
+            for image in noise_frames(12, seed=4):
                 live.push(image)
         except Exception as error:  # noqa: BLE001 - recorded for the assertion below
             errors.append(error)
@@ -771,7 +769,7 @@ def test_many_threads_asking_and_pushing_leave_the_stream_as_one_thread_would(qa
 
 def test_saving_while_every_frame_waits_is_one_line(qa, tmp_path):
     live = qa.stream(4, vision_batch=4)
-    live.push(_frames(1)[0])
+    live.push(noise_frames(1)[0])
     with pytest.raises(statekv.InputError, match="nothing is encoded yet") as info:
         live.save(tmp_path / "early.safetensors")
     assert "\n" not in str(info.value) and not (tmp_path / "early.safetensors").exists()
@@ -809,7 +807,7 @@ def test_encode_at_the_sources_rate_sees_every_frame_once(qa, tmp_path):
 
     folder = tmp_path / "three"
     folder.mkdir()
-    for index, image in enumerate(_frames(3, seed=5)):
+    for index, image in enumerate(noise_frames(3, seed=5)):
         Image.fromarray(image).save(folder / f"{index}.png")
     with qa.encode(folder) as encoded:
         assert encoded.frames == 3
@@ -822,9 +820,9 @@ def test_encode_at_the_sources_rate_sees_every_frame_once(qa, tmp_path):
 
     qa.adapter.prepare_frames = record
     try:
-        with qa.encode(_frames(10, seed=6), max_fps=1.0) as encoded:
+        with qa.encode(noise_frames(10, seed=6), max_fps=1.0) as encoded:
             assert encoded.frames == 10
-        with qa.encode(_frames(10, seed=6), max_fps=1.0, protocol=True):
+        with qa.encode(noise_frames(10, seed=6), max_fps=1.0, protocol=True):
             pass
     finally:
         del qa.adapter.prepare_frames

@@ -17,7 +17,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,6 +25,8 @@ from statekv import Stream
 from statekv.errors import ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
+
+from hostile import noise_frames, small_qa
 
 CHILD_TIMEOUT = 120
 
@@ -40,17 +41,9 @@ def adapter(checkpoint):
     return load_adapter(checkpoint)
 
 
-def _qa(adapter, **kwargs) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, **kwargs)
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
 def _pushed(stream, count: int, seed: int = 0):
     start = 0.0 if stream.last_timestamp is None else stream.last_timestamp + 1.0
-    for index, frame in enumerate(_frames(count, seed)):
+    for index, frame in enumerate(noise_frames(count, seed)):
         stream.push(frame, start + index)
     return stream
 
@@ -65,7 +58,7 @@ def _one_line(error) -> str:
 # A live file set has one owner
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_second_opener_of_a_live_file_set_is_refused_naming_the_holder(adapter, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = _pushed(qa.stream(horizon_frames=8, name="desk camera"), 3)
     folder = stream.prefill.disk.folder
     with pytest.raises(InputError) as error:
@@ -96,7 +89,7 @@ except statekv.errors.StateKVError as error:
 
 
 def test_another_process_cannot_open_a_live_file_set_and_both_pushing_cannot_happen(adapter, checkpoint, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = _pushed(qa.stream(horizon_frames=8), 3)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(SECOND_OPENER), str(checkpoint),
@@ -110,7 +103,7 @@ def test_another_process_cannot_open_a_live_file_set_and_both_pushing_cannot_hap
 
 
 def test_a_closed_or_collected_stream_gives_its_files_back(adapter, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     folder = _pushed(qa.stream(horizon_frames=4), 2).prefill.disk.folder  # never closed: collected
     import gc
 
@@ -123,7 +116,7 @@ def test_a_closed_or_collected_stream_gives_its_files_back(adapter, tmp_path):
 # A saved file says whose stream it is
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_saved_stream_keeps_its_id_and_owner_and_refuses_others(adapter, tmp_path):
-    qa = _qa(adapter)
+    qa = small_qa(adapter)
     alice = _pushed(qa.stream(horizon_frames=8, stream_id="st_alice", owner="key-1"), 3)
     bob = _pushed(qa.stream(horizon_frames=8, stream_id="st_bob", owner="key-2"), 2, seed=1)
     alice_file, bob_file = alice.save(tmp_path / "st_alice.safetensors"), bob.save(tmp_path / "st_bob.safetensors")
@@ -143,7 +136,7 @@ def test_a_saved_stream_keeps_its_id_and_owner_and_refuses_others(adapter, tmp_p
 
 
 def test_a_file_set_keeps_its_id_and_owner_and_refuses_others(adapter, tmp_path):
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = _pushed(qa.stream(horizon_frames=8, stream_id="st_cam", owner="key-1"), 2)
     stream.close()
     folder = stream.prefill.disk.folder
@@ -153,7 +146,7 @@ def test_a_file_set_keeps_its_id_and_owner_and_refuses_others(adapter, tmp_path)
         Stream.load(folder, qa, owner="key-2")
     resumed = Stream.load(folder, qa, stream_id="st_cam", owner="key-1")
     assert resumed.id == "st_cam" and resumed.owner_digest == stream.owner_digest
-    saved = Stream.load(resumed.save(tmp_path / "s.safetensors"), _qa(adapter), owner="key-1")
+    saved = Stream.load(resumed.save(tmp_path / "s.safetensors"), small_qa(adapter), owner="key-1")
     assert saved.id == "st_cam"  # the same stream, saved from its file set
 
 
@@ -161,10 +154,10 @@ def test_a_file_set_keeps_its_id_and_owner_and_refuses_others(adapter, tmp_path)
                                     {"owner": 3}])
 def test_bad_ids_and_owners_are_one_line(kwargs, adapter, tmp_path):
     with pytest.raises(ConfigurationError) as error:
-        _qa(adapter).stream(horizon_frames=2, **kwargs)
+        small_qa(adapter).stream(horizon_frames=2, **kwargs)
     _one_line(error)
     with pytest.raises(ConfigurationError):
-        Stream.load(tmp_path / "missing.safetensors", _qa(adapter), **kwargs)
+        Stream.load(tmp_path / "missing.safetensors", small_qa(adapter), **kwargs)
 
 
 def _header(path: Path) -> dict:
@@ -180,7 +173,7 @@ def _header(path: Path) -> dict:
 def test_a_second_save_to_a_file_being_written_is_refused_and_the_first_completes(adapter, tmp_path, monkeypatch):
     import statekv.api.stream_file as stream_file
 
-    first, second = _pushed(_qa(adapter).stream(horizon_frames=8), 3), _pushed(_qa(adapter).stream(horizon_frames=8),
+    first, second = _pushed(small_qa(adapter).stream(horizon_frames=8), 3), _pushed(small_qa(adapter).stream(horizon_frames=8),
                                                                                2, seed=1)
     target, real, refused = tmp_path / "shared.safetensors", stream_file.save_file, []
 
@@ -222,7 +215,7 @@ DESCRIPTION_EDITS = {
 @pytest.fixture(scope="module")
 def file_set(adapter, tmp_path_factory):
     """A closed disk-tier stream's folder (each test edits a copy)."""
-    stream = _pushed(_qa(adapter, offload="disk", offload_dir=tmp_path_factory.mktemp("sets")).stream(
+    stream = _pushed(small_qa(adapter, offload="disk", offload_dir=tmp_path_factory.mktemp("sets")).stream(
         horizon_frames=8, max_fps=1), 3)
     stream.close()
     return stream.prefill.disk.folder
@@ -231,7 +224,7 @@ def file_set(adapter, tmp_path_factory):
 @pytest.mark.parametrize("case", DESCRIPTION_EDITS)
 def test_an_edited_description_of_a_file_set_is_refused(case, adapter, file_set, tmp_path):
     name, change = DESCRIPTION_EDITS[case]
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     folder = Path(shutil.copytree(file_set, tmp_path / file_set.name))
     Stream.load(folder, qa).close()  # the copy loads as it is
     _edit_json(folder / name, change)
@@ -271,15 +264,15 @@ CLOCK_FORGERIES = {
 @pytest.fixture(scope="module")
 def clocked(adapter, tmp_path_factory):
     """A saved stream at max_fps 1 whose frames came every 0.75 s (some dropped between ticks)."""
-    stream = _qa(adapter).stream(horizon_frames=8, max_fps=1)
-    for index, frame in enumerate(_frames(6)):
+    stream = small_qa(adapter).stream(horizon_frames=8, max_fps=1)
+    for index, frame in enumerate(noise_frames(6)):
         stream.push(frame, index * 0.75)
     return stream.save(tmp_path_factory.mktemp("clocked") / "s.safetensors")
 
 
 @pytest.mark.parametrize("case", CLOCK_FORGERIES)
 def test_a_forged_push_clock_with_fresh_checksums_is_refused(case, adapter, clocked, tmp_path):
-    qa = _qa(adapter)
+    qa = small_qa(adapter)
     path = _resigned(Path(shutil.copy(clocked, tmp_path / "s.safetensors")), lambda metadata: None)
     assert Stream.load(path, qa).frames == 4  # re-signed as it was, it loads: 4 of the 6 frames kept
     path = _resigned(path, CLOCK_FORGERIES[case])
@@ -292,7 +285,7 @@ def test_an_eagle_stream_whose_stated_rate_was_forged_is_refused(tmp_path):
     qa = statekv.VideoQA.from_pretrained(make_tiny_checkpoint("eagle", tmp_path / "eagle"), budget=12,
                                          attention="eager", reserve_tokens=40, trust_remote_code=True, layout="eagle")
     stream = qa.stream(horizon_frames=4, max_fps=2)
-    for index, frame in enumerate(_frames(2)):
+    for index, frame in enumerate(noise_frames(2)):
         stream.push(frame, index / 2)
     path = _resigned(stream.save(tmp_path / "s.safetensors"), lambda m: m["state"]["extra"].update(fps=8.0))
     with pytest.raises(InputError) as error:

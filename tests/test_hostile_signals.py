@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-import statekv
 from statekv import Stream
 from statekv.console import Stopped, signals_stop_like_ctrl_c
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
+
+from hostile import noise_frames, small_qa
 
 STRESS_SECONDS = 3.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
 MIN_TRIALS = 3
@@ -32,15 +33,7 @@ def adapter(tmp_path_factory):
     return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
 
 
-def _qa(adapter) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40)
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
-FRAMES = _frames(32)
+FRAMES = noise_frames(32)
 
 
 def _state(stream) -> list[torch.Tensor]:
@@ -58,7 +51,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def reference(adapter):
     """The state of an unstopped stream after each number of pushes."""
-    stream = _qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
+    stream = small_qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
     states = [_state(stream)]
     for index, frame in enumerate(FRAMES):
         stream.push(frame, index / 2)
@@ -69,7 +62,7 @@ def reference(adapter):
 def _stopped_stream(adapter, number=signal.SIGTERM, *, install=True, prepare=None) -> Stream:
     """A stream pushed until a signal stops it (under the command line's handlers when ``install``); ``prepare``
     is given its VideoQA first."""
-    qa = _qa(adapter)
+    qa = small_qa(adapter)
     if prepare is not None:
         prepare(qa)
     stream = qa.stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
@@ -147,7 +140,7 @@ def test_a_signal_inside_a_push_stops_after_it(where, adapter, reference, monkey
 def test_a_signal_inside_a_save_stops_after_the_file_is_whole(adapter, reference, monkeypatch, tmp_path):
     import statekv.api.stream_file as stream_file
 
-    stream = _qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
+    stream = small_qa(adapter).stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
     for index, frame in enumerate(FRAMES[:5]):
         stream.push(frame, index / 2)
     _signal_inside(monkeypatch, stream_file, "save_file", signal.SIGHUP, after=1)
@@ -192,7 +185,7 @@ def test_signals_at_random_moments_always_stop_between_whole_pushes(number, adap
 
 
 def _push_seconds(adapter) -> float:
-    stream = _qa(adapter).stream(horizon_frames=8, vision_batch=2)
+    stream = small_qa(adapter).stream(horizon_frames=8, vision_batch=2)
     started = time.perf_counter()
     for frame in FRAMES[:8]:
         stream.push(frame)

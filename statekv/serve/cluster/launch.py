@@ -50,7 +50,9 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
     started = not _serve_running()
     try:
         serve.start(http_options={"host": host, "port": port})
-        host, port = _listening(host, port)
+        if not started:  # Ray Serve keeps the HTTP options it was started with; its public API does not say them
+            print(f"statekv serve: Ray Serve already runs on this cluster: its proxies listen where they were started "
+                  f"to, which --host {host} --port {port} cannot change", flush=True)
         try:
             serve.run(application(config, cluster), name=cluster.name, route_prefix="/")
         except RuntimeError as error:
@@ -76,20 +78,8 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
 
 
 def _serve_running() -> bool:
-    from ray.serve.context import _get_global_client  # Ray Serve's public API has no "is it running?"
+    """Whether Ray Serve already runs on the cluster (its proxies or applications are up)."""
+    from ray import serve
 
-    return _get_global_client(raise_if_no_controller_running=False) is not None
-
-
-def _listening(host: str, port: int) -> tuple[str, int]:
-    """Where Ray Serve's proxies listen: ``host:port``, unless Ray Serve already ran on the cluster with other
-    HTTP options (they are kept; a note says so)."""
-    from ray.serve.context import _get_global_client  # the public API does not say where the proxies listen
-    from ray.serve.schema import ServeInstanceDetails
-
-    options = ServeInstanceDetails(**_get_global_client().get_serve_details()).http_options
-    if options is not None and (options.host, options.port) != (host, port):
-        print(f"statekv serve: Ray Serve already runs on this cluster with its proxies on {options.host}:"
-              f"{options.port}; --host/--port are not applied", flush=True)
-        return options.host, options.port
-    return host, port
+    status = serve.status()
+    return bool(status.proxies or status.applications)
