@@ -69,6 +69,29 @@ def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_l
         assert torch.equal(prefill.generate(prompt, max_new_tokens=4), alone.generate(prompt, max_new_tokens=4))
 
 
+@pytest.mark.parametrize("attention", ["eager", "triton"])
+@pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
+                         ids=["statekv", "recency"])
+def test_a_compiled_step_replays_as_a_graph_what_it_runs_eagerly(tiny_lm, policy, attention, replays):
+    """``compile_step`` under a CUDA graph: the replays run the compiled step's kernels (equal to it bit for bit),
+    which carry what the plain step carries and give its hidden states up to rounding."""
+    torch._dynamo.reset()
+    model = tiny_lm("qwen3").to("cuda")
+    data = chunks(model, 5)
+    horizon = PREFIX + STEPS * T
+    graphed, compiled, plain = (
+        statekv.StreamingPrefill(model, policy(), attention=attention, horizon=horizon, **settings)
+        for settings in (dict(compile_step=True), dict(compile_step=True, cuda_graph=False), dict(cuda_graph=False)))
+    for chunk in data:
+        replayed, expected = graphed.step(inputs_embeds=chunk), compiled.step(inputs_embeds=chunk)
+        assert torch.equal(replayed, expected)
+        torch.testing.assert_close(replayed, plain.step(inputs_embeds=chunk), atol=1e-4, rtol=1e-4)
+    assert replays["replays"] >= STEPS - 6
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(graphed.carried_positions(layer), plain.carried_positions(layer))
+    torch._dynamo.reset()
+
+
 def reference_scored_attention(q, k, v, scale):
     """Float64 attention of a chunk over ``[carried; chunk]``: out ``[B, Tq, Hq, D]``, key mass ``[B, Hkv, Tk]``."""
     batch, heads, q_len, _ = q.shape

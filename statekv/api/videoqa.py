@@ -58,9 +58,10 @@ class VideoQA:
             ``"disk"``: an append-only, memory-mapped file set per video or stream under ``offload_dir``, which
             `Stream.load` resumes after a crash), ``max_cache_bytes`` and ``cache_limit`` (a cap on each detailed
             cache and what happens at it: ``refuse``, ``evict-oldest``, ``evict-least-attended``),
-            ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``positions``: ``"stream"``
-            or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's horizon fits the model's
-            range, else ``bounded``, so a stream without a horizon is bounded; see `statekv.core.positions`);
+            ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``compile_step``,
+            ``positions``: ``"stream"`` or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's
+            horizon fits the model's range, else ``bounded``, so a stream without a horizon is bounded; see
+            `statekv.core.positions`);
             ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
@@ -93,7 +94,7 @@ class VideoQA:
         """Load ``model`` (a checkpoint folder or hub id) under a method; ``options`` are `ModelOptions`
         fields (method, budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, device, offload,
         kv_cache_dtype, offload_dir, max_cache_bytes, cache_limit, reserve_tokens, trust_remote_code, cuda_graph,
-        vision_batch); anything else goes to the model's own ``from_pretrained``.
+        compile_step, vision_batch); anything else goes to the model's own ``from_pretrained``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
@@ -138,8 +139,8 @@ class VideoQA:
         base = self.options or ModelOptions(method=self.method if self.method in method_names() else "statekv")
         unknown = sorted(set(changes) - set(ModelOptions.__dataclass_fields__) - {"model"})
         if unknown:
-            raise ConfigurationError(f"unknown option {unknown[0]!r} for with_options; known: "
-                                     f"{', '.join(name for name in ModelOptions.__dataclass_fields__ if name != 'model')}")
+            known = ", ".join(name for name in ModelOptions.__dataclass_fields__ if name != "model")
+            raise ConfigurationError(f"unknown option {unknown[0]!r} for with_options; known: {known}")
         return VideoQA.with_adapter(self.adapter, replace(base, **changes))
 
     @property

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import OutputError, UnsupportedModelError
 from .cache import attend
 from .graphs import StepGraphs
-from .model_attention import share_language_attention
+from .model_attention import share_language_attention, untraced_attention
 from .transaction import NotBatchable
 
 # A stream (`statekv.core.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
@@ -168,7 +168,7 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), cache.positions.mode, arguments)
+            rope_key(prefill), cache.positions.mode, prefill.compiled_decoder is not None, arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
@@ -380,7 +380,12 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
         inputs = dict(inputs, position_ids=rows)
     elif len(prefills) == 1 and positions[0] is not explicit:  # bounded: moved to where the chunk is placed
         inputs = dict(inputs, position_ids=positions[0])
-    output = first.decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
+    if first.compiled_decoder is not None and all(prefill.cache.is_steady() for prefill in prefills):
+        with untraced_attention():  # `statekv.core.compiled`
+            output = first.compiled_decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache,
+                                            use_cache=True)
+    else:
+        output = first.decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
     for prefill in prefills:
         missing = prefill.cache.missing_layers()
         if missing:

@@ -30,6 +30,7 @@ from .batching import StepRequest, device_step, step_alone
 from .cache import TwoStateCache
 from .decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
 from .disk import DiskTier, Journaled, read_file_set, resume
+from .compiled import compiled
 from .graphs import StepGraphs
 from .limits import CacheKeeper, check_evicting_storage
 from .memory import CacheGeometry, check_cache_fits
@@ -152,6 +153,7 @@ class StreamingPrefill:
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
         self.graphs = StepGraphs(lambda inputs: self.device_step(inputs), lambda: self.cache.read_host_state)
+        self.compiled_decoder = compiled(self.decoder) if settings.compile_step else None  # steady steps'
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory

@@ -97,6 +97,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "state stays in the model's dtype) (default: auto = the model's dtype)", "DTYPE", binding=True),
     Setting("cuda_graph", True, BOOLEAN,
             "run every streaming step eagerly (default on CUDA: replay steady steps from a graph)"),
+    Setting("compile_step", False, BOOLEAN,
+            "compile the decoder of steady streaming steps with torch.compile, fusing its small kernels (norms, "
+            "RoPE, activations): results equal the eager step's up to rounding, not bit for bit; compiles once "
+            "per step shape"),
     Setting("positions", None, one_of(lambda: POSITIONS).optional,
             "RoPE positions: stream (each token at its index in the whole stream: exactly the model's one-shot "
             "forward, for a horizon inside the model's range) or bounded (kept inside the range the model was "
@@ -113,11 +117,12 @@ class EngineSettings:
     lives (None or False: with the model; True: CPU memory; ``"disk"``: a file set under ``offload_dir``; or a
     device). max_cache_bytes, cache_limit: a cap on the detailed cache and what happens at it
     (`statekv.core.limits`). kv_cache_dtype: ``"int8"``/``"int4"`` to store it quantized (None or ``"auto"``:
-    the model's dtype; kept as None). cuda_graph: on CUDA, replay steady steps from a graph. positions: the
-    RoPE positions tokens stream at (``"stream"``: their index in the whole stream; ``"bounded"``: kept inside
-    the range the model was trained on, so a stream needs no horizon; None: ``stream`` where the horizon fits the
-    model's range, else ``bounded``, decided when a stream is made (`statekv.core.positions.choose_positions`)
-    and recorded as decided).
+    the model's dtype; kept as None). cuda_graph: on CUDA, replay steady steps from a graph. compile_step: run
+    steady steps through the decoder compiled by ``torch.compile`` (`statekv.core.compiled`; equal up to
+    rounding). positions: the RoPE positions tokens stream at (``"stream"``: their index in the whole stream;
+    ``"bounded"``: kept inside the range the model was trained on, so a stream needs no horizon; None: ``stream``
+    where the horizon fits the model's range, else ``bounded``, decided when a stream is made
+    (`statekv.core.positions.choose_positions`) and recorded as decided).
     """
 
     SETTINGS: ClassVar[tuple[Setting, ...]]
