@@ -114,3 +114,22 @@ def test_compile_step_is_a_setting_of_every_front():
     assert ModelOptions.from_args(parser.parse_args(["--model", "m", "--compile-step"])).engine.compile_step
     assert not ModelOptions.from_args(parser.parse_args(["--model", "m"])).engine.compile_step
     assert ModelOptions.from_strings({"model": "m", "compile_step": "yes"}).engine.compile_step
+
+
+def test_a_decoder_that_cannot_compile_steps_eagerly(tiny_lm, fresh_dynamo, monkeypatch):
+    """A backend that fails (no C compiler, say) costs the fusion, never the stream."""
+    import statekv.core.compiled as compiled_module
+
+    def failing(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    original = torch.compile
+    monkeypatch.setattr(compiled_module.torch, "compile", lambda model, **_: original(model, backend=failing))
+    model = tiny_lm("qwen3")
+    data = chunks(model, 2)
+    horizon = sum(chunk.shape[1] for chunk in data)
+    eager = statekv.StreamingPrefill(model, statekv.StateKV(budget=BUDGET), attention="eager", horizon=horizon)
+    compiled = statekv.StreamingPrefill(model, statekv.StateKV(budget=BUDGET), attention="eager", horizon=horizon,
+                                        compile_step=True)
+    for chunk in data:
+        assert torch.equal(compiled.step(inputs_embeds=chunk), eager.step(inputs_embeds=chunk))

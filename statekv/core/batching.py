@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import OutputError, UnsupportedModelError
 from .cache import attend
 from .graphs import StepGraphs
-from .model_attention import share_language_attention, untraced_attention
+from .model_attention import share_language_attention
 from .transaction import NotBatchable
 
 # A stream (`statekv.core.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
@@ -380,12 +380,9 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
         inputs = dict(inputs, position_ids=rows)
     elif len(prefills) == 1 and positions[0] is not explicit:  # bounded: moved to where the chunk is placed
         inputs = dict(inputs, position_ids=positions[0])
-    if first.compiled_decoder is not None and all(prefill.cache.is_steady() for prefill in prefills):
-        with untraced_attention():  # `statekv.core.compiled`
-            output = first.compiled_decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache,
-                                            use_cache=True)
-    else:
-        output = first.decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
+    steady_compiled = first.compiled_decoder is not None and all(prefill.cache.is_steady() for prefill in prefills)
+    decoder = first.compiled_decoder if steady_compiled else first.decoder  # `statekv.core.compiled`
+    output = decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
     for prefill in prefills:
         missing = prefill.cache.missing_layers()
         if missing:

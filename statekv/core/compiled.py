@@ -21,10 +21,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch._dynamo
+
+from .model_attention import untraced_attention
 
 
-def compiled(decoder: torch.nn.Module) -> Callable:
-    """``decoder`` called through ``torch.compile`` (the module itself is not changed: its other calls, such as
-    answering a question, stay eager). Dynamo keeps its compiled code per code object, so every wrapper of the
-    same decoder class shares it."""
-    return torch.compile(decoder, mode="default", fullgraph=False, dynamic=False)
+def compiled(decoder: torch.nn.Module) -> Callable[..., object]:
+    """``decoder``'s forward through ``torch.compile``, for steady steps (the module itself is not changed: its
+    other calls, such as answering a question, stay eager). Dynamo keeps its compiled code per code object, so
+    every stream of the same decoder class shares it. Where compiling fails (no C compiler, an op Inductor
+    cannot lower), Dynamo logs why and runs that code eagerly: a stream never fails for want of a compiler."""
+    forward = torch.compile(decoder, mode="default", fullgraph=False, dynamic=False)
+
+    def step(**inputs: object) -> object:
+        with untraced_attention(), torch._dynamo.config.patch(suppress_errors=True):
+            return forward(**inputs)
+
+    return step
