@@ -59,17 +59,24 @@ def reference(adapter):
     return states
 
 
-def _stopped_stream(adapter, number=signal.SIGTERM, *, install=True, prepare=None) -> Stream:
+def _stopped_stream(adapter, number=signal.SIGTERM, *, install=True, prepare=None,
+                    timer: threading.Timer | None = None) -> Stream:
     """A stream pushed until a signal stops it (under the command line's handlers when ``install``); ``prepare``
-    is given its VideoQA first."""
+    is given its VideoQA first; ``timer`` (one that signals) runs only while the pushes run, so its signal can
+    never land outside the block that expects it, however slow the machine."""
     qa = small_qa(adapter)
     if prepare is not None:
         prepare(qa)
     stream = qa.stream(horizon_frames=len(FRAMES), max_fps=2, vision_batch=2)
     handlers = signals_stop_like_ctrl_c() if install else _nothing()
     with pytest.raises(KeyboardInterrupt) as stop, handlers:
+        if timer is not None:
+            timer.start()
         for index, frame in enumerate(FRAMES):
             stream.push(frame, index / 2)
+        if timer is not None:  # every push done before it fired: it must not fire once the block has ended
+            timer.cancel()
+            timer.join()
         os.kill(os.getpid(), number)  # not stopped inside: stop now
     assert isinstance(stop.value, Stopped) == (number != signal.SIGINT)
     return stream
@@ -173,12 +180,12 @@ def test_signals_at_random_moments_always_stop_between_whole_pushes(number, adap
     while trials < MIN_TRIALS or time.monotonic() - started < STRESS_SECONDS:
         delay = rng.uniform(0.05, 0.6) * push_seconds * len(FRAMES)
         timer = threading.Timer(delay, os.kill, (os.getpid(), number))
-        timer.start()
         try:
-            stream = _stopped_stream(adapter, number, install=number != signal.SIGINT)
+            stream = _stopped_stream(adapter, number, install=number != signal.SIGINT, timer=timer)
         finally:
             timer.cancel()
-            timer.join()
+            if timer.is_alive():
+                timer.join()
         _check_whole(stream, reference, tmp_path)
         stream.close()
         trials += 1
