@@ -62,9 +62,8 @@ def test_backends_match_float64_reference_fp32(backend, case):
 def test_chunked_tiles_across_query_and_key_blocks(max_keys):
     q, k, v = contrasted_inputs(1, 6, 2, 45, 70, 16, torch.float32, seed=3)
     out_ref, scores_ref = reference(q, k, v, 0.25)
-    mask = attention.ChunkMask.of(45, 115, 3, q.device)
-    out, scores = attention._chunked(q, k, v, 0.25, mask, block_rows=16, max_keys=max_keys,
-                                     block_keys=32)  # 9 ragged row tiles (x 4 key blocks)
+    out, scores = attention.chunked_scored_attention(q, k, v, scale=0.25, block_rows=16, max_keys=max_keys,
+                                                     block_keys=32)  # 9 ragged row tiles (x 4 key blocks)
     torch.testing.assert_close(out.double(), out_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scores.double(), scores_ref, rtol=1e-5, atol=1e-5)
 
@@ -108,11 +107,10 @@ def test_shape_errors(shapes, message):
 def test_largest_query_index_of_a_row_block(tq):
     for r0 in range(0, 3 * tq):
         for r1 in range(r0 + 1, 4 * tq):
-            assert attention._largest_query_index(r0, r1, tq) == max(i % tq for i in range(r0, r1))
+            assert attention.largest_query_index(r0, r1, tq) == max(i % tq for i in range(r0, r1))
 
 
 def test_chunked_runs_on_meta_tensors():
     q, k = torch.empty(1, 4, 9, 8, device="meta"), torch.empty(1, 2, 30, 8, device="meta")
-    mask = attention.ChunkMask.of(9, 30, 2, q.device)
-    out, scores = attention._chunked(q, k, k, 0.3, mask, block_rows=5, max_keys=8, block_keys=8)
+    out, scores = attention.chunked_scored_attention(q, k, k, scale=0.3, block_rows=5, max_keys=8, block_keys=8)
     assert out.shape == (1, 9, 4, 8) and scores.shape == (1, 2, 30)

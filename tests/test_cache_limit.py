@@ -141,16 +141,19 @@ def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adap
 
     def record(steps):
         cache = stream.prefill.cache
-        candidates = [s for s, _ in keeper._candidates()]
-        evictions.append((steps, candidates, cache.tally.totals.clone()))
+        starts = np.cumsum([0, *cache.chunk_lengths])
+        evictable = [s for s in range(len(cache.chunk_lengths))  # not evicted yet, after the protected prefix
+                     if s not in cache.evicted_steps and starts[s] >= keeper.protect_tokens]
+        evictions.append((steps, evictable, cache.tally.totals.clone()))
         original(steps)
 
     keeper.evict = record
     for frame in _frames(8):
         stream.push(frame)
     assert evictions and stream.stats.evicted_frames == sum(len(steps) for steps, _, _ in evictions)
-    for steps, candidates, tally in evictions:
-        others = [s for s in candidates if s not in steps]
+    for steps, evictable, tally in evictions:
+        assert steps and set(steps) <= set(evictable)
+        others = [s for s in evictable if s not in steps]
         assert max(float(tally[s]) for s in steps) <= min([float(tally[s]) for s in others] or [float("inf")])
         assert float(tally.sum()) > 0
     # what a layer still carries of an evicted frame is kept: the carried state stays the detailed cache's own

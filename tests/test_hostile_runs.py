@@ -7,6 +7,7 @@ Signals are sent to real child processes, each bounded by a timeout.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -327,14 +328,16 @@ TINY_RECIPE = training.Recipe(videos_per_batch=2, curriculum=((0, 2), (3, 4)), l
 
 
 def _stop_at(monkeypatch, step_to_stop: int, number: int = signal.SIGTERM):
-    real = training._step_loss
+    """A signal stops the training in the middle of step ``step_to_stop`` (0-based, a step on videos): as the step
+    draws its videos, after its vision forward."""
+    real = training.training_rng
 
-    def step_loss(recipe, model, bank, maker, step):
+    def draw(seed, step):
         if step == step_to_stop:
             raise Stopped(number)
-        return real(recipe, model, bank, maker, step)
+        return real(seed, step)
 
-    monkeypatch.setattr(training, "_step_loss", step_loss)
+    monkeypatch.setattr(training, "training_rng", draw)
 
 
 def test_a_stopped_training_saves_its_last_step_and_resumes_from_it(tmp_path, monkeypatch):
@@ -370,12 +373,12 @@ def test_a_damaged_training_checkpoint_resumes_from_the_one_before(case, tmp_pat
     TRAINING_DAMAGE[case](tmp_path / training.STATE_FILE)  # step 5's checkpoint; step 4's is the previous
     log = tmp_path / training.LOG_FILE
     log.write_text(log.read_text() + "{damaged\n")
-    model = training.build_model(training.build_tokenizer(), seed=TINY_RECIPE.seed)
-    optimizer = torch.optim.AdamW(model.parameters())
-    step, _ = training._resume(tmp_path, TINY_RECIPE, model, optimizer)
-    assert step == 4
+    with caplog.at_level(logging.INFO, logger=training.logger.name):
+        training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=4)  # resumes, and has no step left to take
+    assert any(message.endswith("from step 4") for message in caplog.messages)
     assert any(str(tmp_path / training.STATE_FILE) in message for message in caplog.messages)
     assert any(f"{log}:" in message and "damaged log line" in message for message in caplog.messages)
+    # the log keeps the lines up to the step resumed from (step 5's was written before its checkpoint was damaged)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
 
 

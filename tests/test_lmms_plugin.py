@@ -17,7 +17,6 @@ import torch
 import statekv.eval as ev
 from statekv.errors import InputError
 from statekv.eval import lmms_plugin
-from statekv.eval.distributed import RankContext
 from statekv.eval.fabricate import write_lmms_task, write_mini_ovobench, write_mini_videomme
 from statekv.eval.lmms_plugin import PADDING_KEY, StateKV, video_and_prompt
 from statekv.eval.runner import EvalConfig, run_evaluation
@@ -86,24 +85,38 @@ class RecordingVideo:
     def __init__(self, reply: str):
         self.reply, self.calls = reply, []
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return None
+
     def ask(self, prompt, **options):
         self.calls.append((prompt, options))
         return self.reply
 
 
-def test_generation_kwargs_map_to_ask(checkpoint, qa):
+def test_generation_kwargs_map_to_ask(checkpoint, qa, monkeypatch):
     model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = {"t": {"test": [{"video": "/v.mp4", "text": "Q?"}]}}
     video = RecordingVideo("B. A car passes.\n\nBecause")
-    assert model._answer(video, "Q?", VIDEOMME_GEN_KWARGS) == "B. A car passes."
-    options = video.calls[-1][1]
-    assert options["max_new_tokens"] == 16 and options["stop_strings"] == ["\n\n"] and "do_sample" not in options
-    assert options["tokenizer"] is qa.adapter.tokenizer
-    assert model._answer(video, "Q?", {"until": "car", "temperature": 0.7, "top_p": 0.9}) == "B. A "
+    monkeypatch.setattr(qa, "encode", lambda *args, **kwargs: video)
+
+    def answer(gen_kwargs):
+        request = types.SimpleNamespace(args=("<ctx>", doc_to_messages, gen_kwargs, 0, "t", "test"))
+        return model.generate_until([request])
+
+    assert answer(VIDEOMME_GEN_KWARGS) == ["B. A car passes."]
+    prompt, options = video.calls[-1]
+    assert prompt == "Q?" and options["max_new_tokens"] == 16 and options["stop_strings"] == ["\n\n"]
+    assert "do_sample" not in options and options["tokenizer"] is qa.adapter.tokenizer
+    assert answer({"until": "car", "temperature": 0.7, "top_p": 0.9}) == ["B. A "]
     assert video.calls[-1][1] == {"max_new_tokens": lmms_plugin.DEFAULT_MAX_NEW_TOKENS, "do_sample": True,
                                   "temperature": 0.7, "top_p": 0.9, "stop_strings": ["car"],
                                   "tokenizer": qa.adapter.tokenizer}
-    assert model._answer(video, "Q?", {"max_new_tokens": 128}) == video.reply
+    assert answer({"max_new_tokens": 128}) == [video.reply]
     assert video.calls[-1][1] == {"max_new_tokens": 128}
+    assert len(video.calls) == 3
 
 
 def test_messages_must_hold_one_video_and_text():
@@ -120,10 +133,17 @@ def test_messages_must_hold_one_video_and_text():
         video_and_prompt([{"role": "user", "content": [{"type": "image", "url": "x.png"}, text]}])
     with pytest.raises(InputError, match="no question text"):
         video_and_prompt([{"role": "user", "content": [video]}])
-    with pytest.raises(InputError, match="expected a chat request"):
-        StateKV._prepare(types.SimpleNamespace(task_dict={}), types.SimpleNamespace(args=("ctx", {"until": []})))
-    with pytest.raises(InputError, match="expected a chat request"):
-        lmms_plugin._chat_args(types.SimpleNamespace(args=None))
+
+
+@pytest.mark.parametrize("answer", ["generate_until", "generate_until_multi_round"])
+@pytest.mark.parametrize("args", [("ctx", {"until": []}), None])  # an older request shape, or none
+def test_a_request_that_is_not_a_chat_request_ends_the_run_with_one_line(answer, args, qa, capsys):
+    model = StateKV(qa=qa)
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(model, answer)([types.SimpleNamespace(args=args)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "expected a chat request" in error and error.count("\n") == 1 and "Traceback" not in error
 
 
 def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
@@ -167,11 +187,19 @@ def test_rank_world_size_and_device_come_from_the_launcher(checkpoint, qa, monke
     model = StateKV(qa=qa)
     assert (model.rank, model.world_size, model.device) == (3, 4, torch.device("cpu"))
     assert model.tokenizer is qa.adapter.tokenizer
-    context = RankContext(rank=3, world_size=4, local_rank=1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert [lmms_plugin._device(device, context) for device in (None, "cuda", "cpu", "cuda:0")] \
-        == ["cuda:1", "cuda:1", "cpu", "cuda:0"]
-    assert lmms_plugin._device(None, RankContext()) is None  # one process: VideoQA's own default
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    loads = []
+    monkeypatch.setattr(VideoQA, "from_options", lambda options: loads.append(options) or qa)
+
+    def device(**model_args):
+        StateKV(pretrained="m", **model_args)
+        return loads[-1].device
+
+    assert [device(device=name) for name in (None, "cuda", "cpu", "cuda:0")] == ["cuda:1", "cuda:1", "cpu", "cuda:0"]
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name)
+    assert device() is None and device(device="cuda") == "cuda"  # one process: VideoQA's own default
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(SystemExit):
         StateKV(qa=qa)

@@ -1,13 +1,15 @@
 """One way through the engine: an engine setting is one table entry (it reaches every stream and its saved
 file), a single stream's step is a batch of one through the batcher's code with one attention function, every
 family's question goes through the engine's checks, the cache layers keep or refuse transformers' whole layer
-contract, and no private name or deprecated alias is left in the product or the benchmarks."""
+contract, no private name crosses a module of the product or the benchmarks, no test reaches a private name of
+statekv, and no deprecated alias is left."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,9 +173,17 @@ def test_wrapped_rules_say_their_steady_budget():
     assert statekv.FullAttention().steady_budget(0) is None
 
 
-# -- nothing private crosses a module; no deprecated alias ----------------------------------------------------
+# -- nothing private crosses a module, nor reaches into statekv from a test; no deprecated alias ---------------
+REFLECTION = ("getattr", "hasattr", "setattr", "delattr", "__setattr__", "object")  # object: mock.patch.object
+STATEKV_PATH = re.compile(r"statekv(\.\w+)+")  # a dotted target: monkeypatch.setattr("statekv.x.y", ...), patch(...)
+
+
 def _sources() -> list[Path]:
     return sorted((ROOT / "statekv").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def _test_sources() -> list[Path]:
+    return sorted((ROOT / "tests").rglob("*.py"))
 
 
 def _private(name: str) -> bool:
@@ -193,27 +203,121 @@ def _defined(tree: ast.AST) -> set[str]:
     return {name for name in names if _private(name)}
 
 
+def _called(call: ast.Call) -> str | None:
+    """The name a call calls: ``f`` of ``f(...)`` and of ``x.f(...)``."""
+    return getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+
+
+def _named(node: ast.AST) -> str | None:
+    """The text of a string literal."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _tests_own(tree: ast.AST) -> set[str]:
+    """Private names that are a test's own, reached as attributes: what its classes define in their bodies
+    (methods, class attributes) and what its objects set on themselves (``self._x = ...``, ``setattr(self, "_x",
+    ...)``, ``object.__setattr__(self, "_x", ...)``). A module's own helpers are reached by bare name."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    names.update(target.id for target in targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+            names.add(node.attr)
+        elif isinstance(node, ast.Call) and _called(node) in ("setattr", "__setattr__") and len(node.args) > 1 \
+                and _is_self(node.args[0]) and _named(node.args[1]):
+            names.add(_named(node.args[1]))
+    return {name for name in names if _private(name)}
+
+
+def _reaches(where: str, tree: ast.AST, ours: set[str], own: set[str]) -> list[str]:
+    """Where ``tree`` reaches a private name of statekv (one of ``ours``) that is not one of its ``own``: an import of
+    it (or from a private module), an attribute, a name given to getattr, setattr, monkeypatch.setattr and the
+    like, a dotted ``statekv...`` target with a private part."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("statekv")):
+            found += [f"{where}:{node.lineno}: imports {alias.name}" for alias in node.names if _private(alias.name)]
+            if node.module and any(_private(part) for part in node.module.split(".")):
+                found.append(f"{where}:{node.lineno}: imports from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [f"{where}:{node.lineno}: imports {alias.name}" for alias in node.names
+                      if alias.name.startswith("statekv.") and any(_private(p) for p in alias.name.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr in ours and node.attr not in own:
+            found.append(f"{where}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and _called(node) in REFLECTION and len(node.args) > 1 \
+                and _named(node.args[1]) in ours and _named(node.args[1]) not in own:
+            found.append(f"{where}:{node.lineno}: {_called(node)}(..., {_named(node.args[1])!r})")
+        elif _named(node) and STATEKV_PATH.fullmatch(_named(node)) \
+                and any(_private(part) for part in _named(node).split(".")):
+            found.append(f"{where}:{node.lineno}: {_named(node)!r}")
+    return found
+
+
+def _ours() -> set[str]:
+    """Every private name statekv defines."""
+    return set().union(*(_defined(ast.parse(path.read_text())) for path in (ROOT / "statekv").rglob("*.py")))
+
+
 def test_nothing_private_crosses_a_module():
     trees = {path: ast.parse(path.read_text()) for path in _sources()}
     defined = {path: _defined(tree) for path, tree in trees.items()}
     ours = set().union(*defined.values())
     crossing = []
     for path, tree in trees.items():
-        where = path.relative_to(ROOT)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("statekv")):
-                crossing += [f"{where}: imports {alias.name}" for alias in node.names if _private(alias.name)]
-                if node.module and any(_private(part) for part in node.module.split(".")):
-                    crossing.append(f"{where}: imports from {node.module}")
-            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ours \
-                    and node.attr not in defined[path]:
-                crossing.append(f"{where}:{node.lineno}: .{node.attr}")
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
-                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
-                    and isinstance(node.args[1].value, str) and _private(node.args[1].value) \
-                    and node.args[1].value in ours and node.args[1].value not in defined[path]:
-                crossing.append(f"{where}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        crossing += _reaches(str(path.relative_to(ROOT)), tree, ours, defined[path])
     assert crossing == [], "\n".join(crossing)
+
+
+def test_no_test_reaches_a_private_name_of_statekv():
+    """Tests go through what statekv offers: a private name of a statekv module or object is its own to change."""
+    trees = {path: ast.parse(path.read_text()) for path in _test_sources()}
+    own = set().union(*(_tests_own(tree) for tree in trees.values()))  # helpers' classes serve every test
+    ours = _ours()
+    reaching = []
+    for path, tree in trees.items():
+        reaching += _reaches(str(path.relative_to(ROOT)), tree, ours, own)
+    assert reaching == [], "\n".join(reaching)
+
+
+def test_the_private_check_sees_every_way_a_test_reaches_in():
+    ours = {"_chunked", "_held", "_step_loss", "_answer", "_prepare", "_scores", "_calls", "_helper", "_frames"}
+    reaching = """
+from statekv.core.attention import _chunked
+import statekv.core._hidden
+attention._chunked(q, k, v)
+keeper._held = {}
+monkeypatch.setattr(training, "_step_loss", fake)
+monkeypatch.setattr("statekv.builtin.training._step_loss", fake)
+getattr(model, "_answer")
+mock.patch.object(StateKV, "_prepare")
+"""
+    found = _reaches("t.py", ast.parse(reaching), ours, _tests_own(ast.parse(reaching)))
+    assert sorted(int(line.split(":")[1]) for line in found) == list(range(2, 10)), found  # each line, once
+    own = """
+class Fixed:
+    _scores = None
+
+    def __init__(self, scores):
+        object.__setattr__(self, "_scores", scores)
+        self._calls = []
+
+    def _helper(self):
+        return self._scores, self._calls, self._helper
+
+
+def _frames():
+    return _frames
+"""
+    assert _reaches("t.py", ast.parse(own), ours, _tests_own(ast.parse(own))) == []
 
 
 def test_the_deprecated_aliases_are_gone():
@@ -224,7 +328,7 @@ def test_the_deprecated_aliases_are_gone():
     from statekv.models.base import VideoAdapter
 
     assert not hasattr(VideoAdapter, "frames_per_chunk") and not hasattr(FrozenRope, "apply")
-    assert not hasattr(statekv.EncodedVideo, "_append") and not hasattr(statekv.EncodedVideo, "_append_steps")
+    assert not {"_append", "_append_steps"} & set(dir(statekv.EncodedVideo))
     assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.persistence
     importlib.import_module("statekv.testing")
     from statekv.models import supported_model_types

@@ -12,8 +12,8 @@ Layout shared by every function here:
 
 Backends: ``eager`` materialises the probabilities in float32 (the reference); ``chunked`` bounds memory by
 tiling the query rows (and, past ``MAX_KEYS`` keys, the keys too, in two passes: log-sum-exp, then output and
-mass); ``triton`` is the fused GPU kernel of :mod:`statekv.kernels`; ``auto`` picks triton on CUDA when it is
-importable, else chunked.
+mass; `chunked_scored_attention` takes the tiles as arguments); ``triton`` is the fused GPU kernel of
+:mod:`statekv.kernels`; ``auto`` picks triton on CUDA when it is importable, else chunked.
 
 The visibility pattern depends only on ``(Tq, Tk)``: :class:`ChunkMask` builds it once per shape, so a
 steady stream never rebuilds it.
@@ -92,6 +92,21 @@ def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if backend == "eager":
         return _eager(q, k, v, scale, mask)
     return _chunked(q, k, v, scale, mask)
+
+
+def chunked_scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                             mask: ChunkMask | None = None, block_rows: int | None = None,
+                             max_keys: int | None = None, block_keys: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``chunked`` backend of `scored_attention` with its tiles chosen: ``block_rows`` grouped query rows at a
+    time; past ``max_keys`` keys, two passes over key blocks of ``block_keys`` (defaults: `BLOCK_ROWS`,
+    `MAX_KEYS`, `BLOCK_KEYS`). The tiles change the memory and the work, never the result.
+
+    Returns ``(out [B, Tq, Hq, D] in q's dtype, key_scores [B, Hkv, Tk] float32)``, as `scored_attention`.
+    """
+    _check_shapes(q, k, v)
+    mask = mask or ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
+    return _chunked(q, k, v, scale, mask, block_rows, max_keys, block_keys)
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
@@ -180,14 +195,18 @@ def _chunked(q, k, v, scale, mask, block_rows: int | None = None, max_keys: int 
         if tk <= max_keys:
             outs.append(_row_tile(*tile))
         else:
-            last_visible = tk - tq + _largest_query_index(r0, r1, tq)
+            last_visible = tk - tq + largest_query_index(r0, r1, tq)
             blocks = [slice(s, min(s + block_keys, tk)) for s in range(0, last_visible + 1, block_keys)]
             outs.append(_blocked_row_tile(*tile, blocks))
     return _ungrouped(torch.cat(outs, dim=1), q), scores.view(b, hkv, tk)
 
 
-def _largest_query_index(r0: int, r1: int, tq: int) -> int:
-    """``max(i % tq for i in range(r0, r1))`` in host arithmetic (no device sync, works on meta tensors)."""
+def largest_query_index(r0: int, r1: int, tq: int) -> int:
+    """The largest query index among the grouped rows ``[r0, r1)`` (row ``r`` is query ``r % tq``, see
+    `ChunkMask`), so that a tile of those rows sees the keys up to ``Tk - tq + largest_query_index(...)``.
+
+    ``max(i % tq for i in range(r0, r1))`` in host arithmetic: no device sync, and it works on meta tensors.
+    """
     first, last = r0 % tq, (r1 - 1) % tq
     return last if r1 - r0 < tq and first <= last else tq - 1
 
