@@ -386,20 +386,65 @@ def test_streams_without_a_horizon_come_back_after_a_restart_not_quarantined(qa,
         _push(client, ids[1], 8, 1.0).raise_for_status()
 
 
-def test_a_damaged_disk_tier_file_set_falls_back_to_the_save_and_is_left_in_place(qa, tmp_path, options):
-    """Before: the file set was never read back: every restart made a new one from the save, the third start a
-    third folder."""
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_disk_tier_file_set_that_cannot_be_resumed_is_moved_to_quarantine_and_its_stream_kept_damaged(
+        qa, tmp_path, options, caplog):
+    """Before: a file set that could not be resumed was left where it was and the stream served from its last save
+    (the pushes journaled since then silently gone), in a new file set beside the old one."""
+    from statekv.core.disk import hold
+
     tier, state = tmp_path / "tier", tmp_path / "state"
     disk = options.with_changes(offload="disk", offload_dir=str(tier))
     with Running(state, qa, options=disk) as server, server.client() as client:
-        stream_id = _stream(client, frames=3)
-    (folder,) = tier.iterdir()
-    (folder / "stream.json").write_text("{}")
-    for _ in range(2):
+        stream_id, kept_id = _stream(client, frames=3), _stream(client, frames=1, seed=20)
+    folder = next(path for path in tier.iterdir() if json.loads(
+        (state / "streams" / f"{stream_id}.json").read_text())["tier"] == path.name)
+
+    lock = hold(folder, "another server")  # in use by a live process: not this server's to move
+    try:
         with Running(state, qa, options=disk) as server, server.client() as client:
-            assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3  # from its save
-        assert folder.exists() and (folder / "stream.json").read_text() == "{}"  # left as it was
-        assert len(list(tier.iterdir())) == 2  # and one new file set, reused by the next start
+            reason = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}[stream_id]["damaged"]
+            assert "in use" in reason and "left where it is" in reason and str(tier) not in reason
+            assert "damaged" in _error(client.get(f"/v1/streams/{stream_id}"), 409)
+            assert client.get(f"/v1/streams/{kept_id}").json()["frames"] == 1  # the others are served
+    finally:
+        lock.release()
+    assert folder.is_dir() and not list(state.glob("quarantine/st_*-*"))
+    with Running(state, qa, options=disk) as server, server.client() as client:  # tried again: it resumes
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
+        assert not (state / "quarantine" / f"{stream_id}.json").exists()  # its note gone with the damage
+
+    (folder / "stream.json").write_text("{}")  # the file set damaged
+    before = _files(folder)
+    caplog.clear()
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        listed = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}
+        assert listed[stream_id]["state"] == "damaged" and listed[kept_id]["frames"] == 1
+        reason = listed[stream_id]["damaged"]
+        (moved,) = state.glob(f"quarantine/{stream_id}-*")
+        assert f"{folder.name} cannot be resumed" in reason and f"moved to quarantine/{moved.name}" in reason
+        assert str(tmp_path) not in reason and "\n" not in reason
+        for reply in (client.get(f"/v1/streams/{stream_id}"), _push(client, stream_id, 5, 9.0),
+                      client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION})):
+            assert reason in _error(reply, 409)
+    logged = [r.getMessage() for r in caplog.records if stream_id in r.getMessage() and "quarantine/" in r.getMessage()]
+    assert len(logged) == 1, logged  # one line says what was moved where, and why
+    assert not folder.exists() and _files(moved) == before  # moved whole, nothing changed or deleted
+    assert [path.name for path in tier.iterdir()] == [json.loads(  # no new file set made for it
+        (state / "streams" / f"{kept_id}.json").read_text())["tier"]]
+
+    with Running(state, qa, options=disk) as server, server.client() as client:  # a restart keeps it so
+        listed = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}
+        assert listed[stream_id]["state"] == "damaged" and listed[stream_id]["damaged"] == reason
+        assert list(state.glob(f"quarantine/{stream_id}-*")) == [moved] and _files(moved) == before
+        assert len(list(tier.iterdir())) == 1
+        assert client.delete(f"/v1/streams/{stream_id}").status_code == 200  # its owner removes it all
+        assert not list(state.glob(f"quarantine/{stream_id}*")) and not list(state.glob(f"streams/{stream_id}*"))
+        assert _error(client.get(f"/v1/streams/{stream_id}"), 404)
+        assert client.get(f"/v1/streams/{kept_id}").json()["frames"] == 1
 
 
 def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connection(qa, tmp_path):

@@ -1,8 +1,9 @@
-"""The pieces of `statekv serve --ray` without a Ray cluster: leases and their fencing (a replica that lost a
-stream writes nothing of it), two replicas in one process handing a stream over through the shared folder with
-nothing lost, saves in object storage through fsspec, the request router's choices, autoscaling on streams, the
-metrics of several replicas as one exposition, and the options Ray Serve is given (the CLI's and a Serve config
-file's). tests/test_serve_ray.py runs the whole on a real local Ray cluster."""
+"""The pieces of `statekv serve --ray` without a Ray cluster: leases and their fencing (a replica that lost a stream
+writes nothing of it), two replicas in one process handing a stream over through the shared folder with nothing
+lost, the damaged streams of the folder listed by every replica and deleted from any, saves in object storage
+through fsspec, the request router's choices, autoscaling on streams, the metrics of several replicas as one
+exposition, and the options Ray Serve is given (the CLI's and a Serve config file's). tests/test_serve_ray.py runs
+the whole on a real local Ray cluster."""
 
 from __future__ import annotations
 
@@ -227,6 +228,70 @@ def test_streams_taken_together_count_against_the_replicas_limit(tmp_path, qa):
     refused = [r for r in results if isinstance(r, ServiceError)]
     assert len(refused) == 1 and refused[0].status == 429 and "limit of 1 streams" in str(refused[0])
     assert held == 1 and arriving == 0
+
+
+def _png(image: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_every_replica_lists_the_damaged_streams_of_the_shared_folder_and_any_deletes_them(tmp_path, qa, monkeypatch):
+    """Before: a stream a replica could not load was answered 409 by that replica alone and listed as ready by
+    every replica, and a stream whose record could not be read was listed by none."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster import shared
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    monkeypatch.setattr(shared, "LIST_SECONDS", 0.0)  # each list read afresh (a replica reuses one for 2 s)
+    config = ServeConfig(options=qa.options, state_dir=tmp_path, api_keys=("key", "other key"), page=False,
+                         save_every_seconds=600)
+    mine, theirs = {"Authorization": "Bearer key"}, {"Authorization": "Bearer other key"}
+    with TestClient(create_app(config, qa=qa)) as alone:  # streams saved by a server alone, then damaged
+        ids = {}
+        for name, headers in (("save", mine), ("record", mine), ("good", mine), ("theirs", theirs)):
+            made = alone.post("/v1/streams", json={"name": name, "horizon_frames": 8}, headers=headers)
+            ids[name] = made.json()["id"]
+            alone.post(f"/v1/streams/{ids[name]}/frames?t=0", content=_png(_frames(1)[0]),
+                       headers={**headers, "Content-Type": "image/png"}).raise_for_status()
+    streams = tmp_path / "streams"
+    saved = streams / f"{ids['save']}.safetensors"
+    saved.write_bytes(saved.read_bytes()[:-100])  # the disk lost its tail
+    record = json.loads((streams / f"{ids['record']}.json").read_text())
+    (streams / f"{ids['record']}.json").write_text(json.dumps({**record, "settings": 7}))  # its owner still named
+
+    apps = [create_app(config, qa=qa, hosting=ReplicaHosting(config, name, lease_seconds=60))
+            for name in ("first", "second")]
+    with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
+        refused = second.get(f"/v1/streams/{ids['save']}", headers=mine)  # loaded there: quarantined there
+        assert refused.status_code == 409 and "damaged" in refused.json()["error"]["message"]
+        for replica in (first, second):  # whichever replica answers: both damaged streams, with their reasons
+            listed = {s["id"]: s for s in replica.get("/v1/streams", headers=mine).json()["data"]}
+            assert set(listed) == {ids["save"], ids["record"], ids["good"]}
+            assert listed[ids["good"]]["state"] == "ready" and listed[ids["good"]]["frames"] == 1
+            assert listed[ids["save"]]["name"] == "save"  # as its record says
+            assert listed[ids["save"]]["state"] == listed[ids["record"]]["state"] == "damaged"
+            assert listed[ids["save"]]["damaged"] in refused.json()["error"]["message"]
+            assert "unreadable" in listed[ids["record"]]["damaged"]
+            assert [s["id"] for s in replica.get("/v1/streams", headers=theirs).json()["data"]] == [ids["theirs"]]
+            for name in ("save", "record"):
+                assert replica.get(f"/v1/streams/{ids[name]}", headers=mine).status_code == 409
+                assert replica.get(f"/v1/streams/{ids[name]}", headers=theirs).status_code == 404
+                assert replica.delete(f"/v1/streams/{ids[name]}", headers=theirs).status_code == 404
+        assert first.delete(f"/v1/streams/{ids['save']}", headers=mine).status_code == 200  # not the replica that
+        assert second.delete(f"/v1/streams/{ids['record']}", headers=mine).status_code == 200  # quarantined it
+        for replica in (first, second):
+            assert {s["id"] for s in replica.get("/v1/streams", headers=mine).json()["data"]} == {ids["good"]}
+            assert replica.get(f"/v1/streams/{ids['save']}", headers=mine).status_code == 404
+        assert first.get(f"/v1/streams/{ids['good']}", headers=mine).json()["frames"] == 1
+    for name in ("save", "record"):  # every file gone: record, save, quarantine note, lease
+        assert not list(tmp_path.glob(f"*/{ids[name]}*")), list(tmp_path.glob(f"*/{ids[name]}*"))
 
 
 def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(tmp_path):

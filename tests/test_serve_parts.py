@@ -1,6 +1,6 @@
 """The service's pieces on their own, without a model or a server: keys kept for a state folder, the refusal
-over streams no key owns, the state folder's records, messages without server paths, and the worker that
-brings together the pushes of streams fed frame after frame."""
+over streams no key owns, the state folder's records and its quarantine, messages without server paths, and the
+worker that brings together the pushes of streams fed frame after frame."""
 
 from __future__ import annotations
 
@@ -72,6 +72,40 @@ def test_streams_no_accepted_key_owns_stop_a_start_or_are_dropped(tmp_path):
     config.drop_unowned_streams = True
     check_owners(config, KeyRing.for_folder(tmp_path, ["alice"]))
     assert files.owners() == {owner_of("alice"): 1} and not files.state_path("st_" + "b" * 24).exists()
+
+
+@pytest.mark.parametrize("same_file_system", [True, False])
+def test_a_file_set_moved_to_quarantine_arrives_whole_and_goes_only_with_its_stream(tmp_path, monkeypatch,
+                                                                                   same_file_system):
+    import errno
+    import os
+
+    files, stream_id = StreamFiles(tmp_path / "state"), "st_" + "c" * 24
+    _record(files, stream_id, owner_of("alice"))
+    folder = tmp_path / "tier" / "s-1234abcd"
+    (folder / "steps").mkdir(parents=True)
+    for name, data in (("stream.json", b"{}"), ("lock", b""), ("steps/0.bin", bytes(range(256)) * 64)):
+        (folder / name).write_bytes(data)
+    before = {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    if not same_file_system:  # as when --offload-dir is another disk: a rename is refused
+        rename = os.rename
+
+        def across(source, target):
+            if Path(source) == folder:
+                raise OSError(errno.EXDEV, "Invalid cross-device link")
+            return rename(source, target)
+
+        monkeypatch.setattr(os, "rename", across)
+    where = files.move_to_quarantine(stream_id, folder)
+    moved = tmp_path / "state" / where
+    assert where.startswith(f"quarantine/{stream_id}-") and not folder.exists()
+    assert {path.relative_to(moved): path.read_bytes() for path in moved.rglob("*") if path.is_file()} == before
+    assert files.quarantined(stream_id) == [moved.name] and files.quarantined("st_" + "d" * 24) == []
+    files.write_note({"id": stream_id, "owner": owner_of("alice"), "reason": f"moved to {where}"})
+    assert files.notes() == {stream_id: files.read_note(stream_id)}
+    assert f"{where}" in files.files_of(stream_id) and f"quarantine/{stream_id}.json" in files.files_of(stream_id)
+    files.remove(stream_id)
+    assert not list((tmp_path / "state").rglob(f"{stream_id}*"))
 
 
 def test_messages_name_files_as_the_client_gave_them():

@@ -1,11 +1,11 @@
-"""`statekv serve --ray` on a real Ray cluster on this machine (127.0.0.1 only, no dashboard), two replicas of
-the built-in model behind Ray Serve, as docs/serving.md runs it: streams from several clients placed on both
-replicas, every answer equal to `VideoQA` alone, keys isolating streams across replicas, metrics per replica;
-then one replica's process killed with kill -9 while clients push, and every stream answering again from the
-other replica with nothing lost beyond the unsaved tail (clients only retry, from where the stream says to resume)
-and no stream written by two replicas (the leases' history and the records' fencing tokens); then Ctrl-C saving
-every stream. The cluster is this test's own, shut down at the end with every process it started.
-"""
+"""`statekv serve --ray` on a real Ray cluster on this machine (127.0.0.1 only, no dashboard), two replicas of the
+built-in model behind Ray Serve, as docs/serving.md runs it: streams from several clients placed on both replicas,
+every answer equal to `VideoQA` alone, keys isolating streams across replicas, metrics per replica; then one
+replica's process killed with kill -9 while clients push, and every stream answering again from the other replica
+with nothing lost beyond the unsaved tail (clients only retry, from where the stream says to resume) and no stream
+written by two replicas (the leases' history and the records' fencing tokens); a stream one replica finds damaged
+listed so whichever replica answers, and deleted; then Ctrl-C saving every stream. The cluster is this test's own,
+shut down at the end with every process it started."""
 
 from __future__ import annotations
 
@@ -344,6 +344,25 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         expected = {name: list(holders.values()).count(name) for name in set(holders.values())}
         held = _streams_per_replica(client, expected)
         assert held in (expected, {**expected, victim: len(moved)})  # the dead one drops off within ten seconds
+
+        # -- a stream one replica finds damaged: listed so whichever replica answers, deleted from any ------------
+        from statekv.serve.auth import owner_of
+        from statekv.serve.cluster.shared import LIST_SECONDS
+
+        broken = "st_" + "d" * 24
+        (state / "streams" / f"{broken}.json").write_text(json.dumps({
+            "id": broken, "owner": owner_of(KEY), "settings": {}, "horizon_frames": 16, "max_fps": None,
+            "name": "broken", "created": time.time(), "owned": True}))
+        (state / "streams" / f"{broken}.safetensors").write_bytes(b"not a saved stream")
+        refused = client.call("GET", f"/v1/streams/{broken}")
+        assert refused.status_code == 409, refused.text
+        time.sleep(LIST_SECONDS + 0.5)  # past every replica's reused listing
+        for _ in range(6):
+            listed = {s["id"]: s for s in client.call("GET", "/v1/streams").json()["data"]}
+            assert listed[broken]["state"] == "damaged", listed[broken]
+            assert listed[broken]["damaged"] in refused.json()["error"]["message"]
+        assert client.call("DELETE", f"/v1/streams/{broken}").status_code == 200
+        assert not list(state.glob(f"*/{broken}*"))
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)  # Ctrl-C: the application is deleted, every replica saves first

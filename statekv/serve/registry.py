@@ -3,8 +3,10 @@
 A stream is saved once it holds ``save_every_frames`` unsaved frames (before its next push, so a save that fails
 refuses that push and changes nothing), after ``save_every_seconds`` with unsaved frames, when a file source has
 been fed in full, and on shutdown. A restarted server loads every stream back; one whose record, save or disk-tier
-file set cannot be loaded is quarantined (`DamagedStream`: listed as damaged, never served, its files left where
-they are) and the others are served.
+file set cannot be loaded is quarantined (`DamagedStream`: listed as damaged, never served, its files kept) and the
+others are served. Why is noted in the state folder's ``quarantine/`` (`store.StreamFiles.write_note`), so every
+server sharing the folder lists it; a disk-tier file set that cannot be resumed is moved there whole, and its
+stream stays quarantined until it is deleted (DELETE removes the moved files too).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import HorizonError, StateKVError
+from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
+from ..core.disk import LOCK
+from ..locks import ExclusiveLock
 from .config import ServeConfig
 from .errors import ServiceError, public_message
 from .metrics import Metrics
@@ -157,6 +161,17 @@ class DamagedStream:
         return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "state": self.state,
                 "damaged": self.reason, "frames": 0, "feeding": False, "feed": None}
 
+    def note(self) -> dict[str, Any]:
+        """What the state folder's quarantine keeps of it (`store.StreamFiles.write_note`)."""
+        return {"id": self.id, "owner": self.owner, "reason": self.reason, "name": self.name, "created": self.created,
+                "at": int(time.time())}
+
+
+class Quarantined(InputError):
+    """A stream whose disk-tier file set cannot be resumed: moved into the state folder's quarantine (then the
+    stream is damaged until it is deleted), or left where it is when it cannot be moved (then it is tried again at
+    the next start)."""
+
 
 class StreamRegistry:
     """Every stream of one server: creating, finding (per owner), pushing, feeding files, asking, saving and
@@ -167,7 +182,7 @@ class StreamRegistry:
         self.config, self.qa, self.worker, self.metrics = config, qa, worker, metrics
         self.files = files or StreamFiles(config.state_dir)
         self.entries: dict[str, StreamEntry] = {}
-        self.damaged: dict[str, DamagedStream] = {}  # quarantined at start: listed, never served
+        self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
@@ -242,29 +257,54 @@ class StreamRegistry:
             raise ServiceError(404, f"no stream {_shown(str(stream_id)[:80])}")
         return entry
 
+    repair = "repair them and restart"  # how a damaged stream is brought back (a replica retries when asked)
+
     def check_damaged(self, owner: str, stream_id: str) -> None:
         """Refuse (409, one line) work on a quarantined stream the caller may see."""
         damaged = self.damaged.get(stream_id)
         if damaged is not None and damaged.owner in (owner, None):
             raise ServiceError(409, f"stream {stream_id} is damaged ({damaged.reason}); it is not served and its "
-                               "files are kept in the state folder: repair them and restart, or delete the stream")
+                               f"files are kept in the state folder: {self.repair}, or delete the stream")
 
-    def remove_damaged(self, owner: str, stream_id: str) -> bool:
-        """Delete a quarantined stream of the caller's (its files too: its owner asked); False when there is none.
-        One whose record names no owner stays (409): nobody can be told apart as its owner."""
-        damaged = self.damaged.get(stream_id) if isinstance(stream_id, str) else None
+    async def remove_damaged(self, owner: str, stream_id: str) -> bool:
+        """Delete a quarantined stream of the caller's (its files too, those moved into the quarantine included:
+        its owner asked); False when there is none. One whose record names no owner stays (409): nobody can be
+        told apart as its owner."""
+        if not isinstance(stream_id, str) or stream_id in self.entries:
+            return False
+        await self.look_for_damage(stream_id)
+        damaged = self.damaged.get(stream_id)
         if damaged is None or damaged.owner not in (owner, None):
             return False
         if damaged.owner is None:
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
                                f"remove its files from the state folder by hand: {', '.join(self.files.files_of(stream_id))}")
-        self.files.remove(stream_id)
+        await self.remove_files(stream_id)
         self.damaged.pop(stream_id, None)
         return True
+
+    async def look_for_damage(self, stream_id: str) -> None:
+        """Bring ``damaged`` up to date for one stream (one server alone knows it already: nothing to do)."""
+
+    async def remove_files(self, stream_id: str) -> None:
+        """Remove every file of a stream that is not held (a damaged one)."""
+        await asyncio.to_thread(self.files.remove, stream_id)
 
     async def find(self, owner: str, stream_id: str) -> StreamEntry:
         """The caller's stream, as `get` (a registry that shares its state folder brings it here first)."""
         return self.get(owner, stream_id)
+
+    async def remove(self, owner: str, stream_id: str) -> None:
+        """Delete the caller's stream (``DELETE``): a damaged one, or one found damaged as it is brought here."""
+        if await self.remove_damaged(owner, stream_id):
+            return
+        try:
+            entry = await self.find(owner, stream_id)
+        except ServiceError as error:
+            if error.status == 409 and await self.remove_damaged(owner, stream_id):
+                return
+            raise
+        await self.delete(entry)
 
     def owned(self, owner: str) -> list[StreamEntry]:
         """The owner's streams, newest first."""
@@ -312,7 +352,7 @@ class StreamRegistry:
 
     async def delete(self, entry: StreamEntry | DamagedStream) -> None:
         if isinstance(entry, DamagedStream):
-            self.remove_damaged(entry.owner or "", entry.id)
+            await self.remove_damaged(entry.owner or "", entry.id)
             return
         entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
@@ -530,8 +570,7 @@ class StreamRegistry:
         streams of these owner digests (the others are left on disk untouched)."""
         for path, record in self.files.records():
             if isinstance(record, Exception):
-                self._quarantine(path.stem, self.files.owner_named(path), f"its record {path.name} is unreadable: "
-                                 f"{record}", {})
+                self._quarantine(path.stem, self.files.owner_named(path), unreadable(path, record), {})
                 continue
             if owners is not None and record["owner"] not in owners:
                 continue
@@ -543,19 +582,40 @@ class StreamRegistry:
             self.entries[entry.id] = entry
         return len(self.entries)
 
-    def _quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> None:
+    def damaged_stream(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
+        """A quarantined stream, its reason one line that names no server path and no other stream."""
         reason = public_message(reason, {str(self.files.folder.resolve()) + "/": "", str(self.files.folder) + "/": ""})
         reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
         # another stream's id is not this stream's owner's to see
         reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
                         reason)
-        log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id, reason)
-        self.damaged[stream_id] = DamagedStream(stream_id, owner, reason, record)
+        return DamagedStream(stream_id, owner, reason, record)
+
+    def _quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
+        """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
+        shares it)."""
+        damaged = self.damaged_stream(stream_id, owner, reason, record)
+        log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id,
+                  damaged.reason)
+        self.damaged[stream_id] = damaged
+        try:
+            self.files.write_note(damaged.note())
+        except (OSError, StateKVError) as error:  # it is quarantined here all the same
+            log.error("cannot note stream %s's quarantine in the state folder: %s", stream_id, error)
+        return damaged
 
     def restore_one(self, data: dict[str, Any]) -> StreamEntry:
         """Load one recorded stream: from its disk-tier file set when it has one (the same folder again, every
         push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
-        loaded, or names another stream or owner, raises (the stream is quarantined)."""
+        loaded, or names another stream or owner, raises (the stream is quarantined), as does a stream whose
+        file set was moved into the quarantine (`Quarantined`); a quarantine note left from an earlier failure is
+        removed once it loads."""
+        moved = self.files.quarantined(data["id"])
+        if moved:  # its journaled pushes are there, not in its save: never served without them
+            note = self.files.read_note(data["id"])
+            where = f"quarantine/{moved[-1]}"
+            raise Quarantined(note["reason"] if note is not None and where in note["reason"] else
+                              f"its disk-tier file set was moved to {where} in the state folder")
         qa = self.qa_for(data["settings"])
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
         stream, saved = self._resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
@@ -577,24 +637,47 @@ class StreamRegistry:
                 self.files.write_record(entry.record())
             except (OSError, StateKVError) as error:
                 log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
+        if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
+            try:
+                self.files.remove_note(entry.id)
+            except (OSError, StateKVError) as error:
+                log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
+        self.damaged.pop(entry.id, None)
         return entry
 
     resume_tiers = True  # a replica sharing the folder loads from the save: its file sets are its own
 
     def _resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any]) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
-        none). A file set that cannot be resumed is left where it is (logged), and the save is loaded instead."""
+        none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
+        quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
+        since the last save, so the stream is not served from its save without them."""
         if not self.resume_tiers or not data.get("tier") or qa.engine.offload != "disk":
             return None
-        folder = Path(qa.engine.offload_dir) / data["tier"]
+        root = Path(qa.engine.offload_dir)
+        folder = root / data["tier"]
         if not folder.is_dir():
             return None
         try:
             return Stream.load(folder, qa, **ids)
-        except StateKVError as error:
-            log.error("stream %s: its disk-tier file set %s cannot be resumed (%s); loading its last save instead, "
-                      "the folder left as it is", data["id"], folder, error)
-            return None
+        except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
+            why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
+            problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
+        try:
+            lock = ExclusiveLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
+                if (folder / LOCK).exists() else None
+        except InputError:  # a live process holds it: not this server's to move
+            raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
+                              "it)") from None
+        try:
+            where = self.files.move_to_quarantine(data["id"], folder)
+        except OSError as failure:
+            raise Quarantined(f"{problem}; left where it is, since it cannot be moved into the state folder's "
+                              f"quarantine ({failure.strerror or type(failure).__name__})") from None
+        finally:
+            if lock is not None:
+                lock.release()
+        raise Quarantined(f"{problem}; moved to {where} in the state folder")
 
 
 def frames_at_rate(video: Any, max_fps: float | None) -> int:
@@ -641,6 +724,11 @@ def remove_tier(entry: StreamEntry) -> None:
     folder = entry.tier
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def unreadable(path: Path, error: Exception) -> str:
+    """Why a stream whose record ``path`` cannot be read is damaged."""
+    return f"its record {path.name} is unreadable: {error}"
 
 
 def reason_of(error: BaseException) -> str:

@@ -71,12 +71,8 @@ def build_router(service) -> APIRouter:
 
     @router.delete("/v1/streams/{stream_id}")
     async def delete_stream(stream_id: str, request: Request) -> dict:
-        owner = service.keys.require(request)
-        if registry.remove_damaged(owner, stream_id):
-            return {"id": stream_id, "object": "stream", "deleted": True}
-        entry = await registry.find(owner, stream_id)
-        await registry.delete(entry)
-        return {"id": entry.id, "object": "stream", "deleted": True}
+        await registry.remove(service.keys.require(request), stream_id)
+        return {"id": stream_id, "object": "stream", "deleted": True}
 
     @router.post("/v1/streams/{stream_id}/frames")
     async def push_frames(stream_id: str, request: Request) -> dict:

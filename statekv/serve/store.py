@@ -6,15 +6,22 @@ answered, and ``streams/ID.safetensors``, the stream in the verified saved-strea
 replaced atomically. Every write goes to a new file that is fsynced and renamed over the old one, so a kill at
 any moment leaves either the old file or the new one. A record that cannot be read (`check_record`) is reported,
 never removed: its stream is quarantined (`StreamRegistry.damaged`) and its files stay where they are.
+
+``quarantine/`` holds what is known of the quarantined streams: ``quarantine/ID.json``, a note of why (its owner,
+the reason; read by every server and replica sharing the folder), and ``quarantine/ID-TIME/``, a disk-tier file
+set that could not be resumed, moved there whole (moved, never deleted: only `remove`, the stream's DELETE,
+removes it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,6 +33,7 @@ from ..errors import ConfigurationError
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
 STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path)
+QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -94,6 +102,7 @@ class StreamFiles:
     def __init__(self, state_dir: Path | str):
         self.folder = Path(state_dir) / "streams"
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.quarantine = Path(state_dir) / QUARANTINE
 
     def record_path(self, stream_id: str) -> Path:
         return self.folder / f"{stream_id}.json"
@@ -134,11 +143,20 @@ class StreamFiles:
         """Every record, read (or the error that kept it from being read), in id order."""
         found: list[tuple[Path, dict[str, Any] | Exception]] = []
         for path in sorted(self.folder.glob("st_*.json")):
-            try:
-                found.append((path, check_record(_parsed(path.read_text()), path.stem)))
-            except (OSError, ValueError, RecursionError) as error:
-                found.append((path, error if isinstance(error, ValueError) else ValueError(_reason(error))))
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                found.append((path, self.record_at(path)))
         return found
+
+    @staticmethod
+    def record_at(path: Path) -> dict[str, Any] | Exception:
+        """The record in ``path``, read, or the error that kept it from being read (`FileNotFoundError` raised
+        when there is none)."""
+        try:
+            return check_record(_parsed(path.read_text()), path.stem)
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, RecursionError) as error:
+            return error if isinstance(error, ValueError) else ValueError(_reason(error))
 
     def owner_named(self, path: Path) -> str | None:
         """The owner a record names, when it names one even though it cannot be used (damaged)."""
@@ -152,16 +170,93 @@ class StreamFiles:
         return Counter(record["owner"] for _, record in self.records() if isinstance(record, dict))
 
     def files_of(self, stream_id: str) -> list[str]:
-        """The names of a stream's files in the folder (its record, its save, what was set aside), for messages."""
-        return sorted(path.name for path in self.folder.glob(f"{stream_id}.*") if not path.name.endswith(".partial"))
+        """The names of a stream's files in the folder (its record, its save, what was set aside, what is in the
+        quarantine, relative to the state folder), for messages."""
+        names = sorted(path.name for path in self.folder.glob(f"{stream_id}.*") if not path.name.endswith(".partial"))
+        return names + [f"{QUARANTINE}/{name}" for name in [*self.quarantined(stream_id), f"{stream_id}.json"]
+                        if (self.quarantine / name).exists()]
 
     def remove(self, stream_id: str) -> None:
-        """Remove every file of the stream in the folder (its record last: a removal cut short is done again)."""
+        """Remove every file of the stream in the folder: its quarantine note and moved file sets, then its save
+        and what was set aside, its record last (a removal cut short is done again)."""
+        self.remove_quarantined(stream_id)
         record = self.record_path(stream_id)
         for path in sorted(self.folder.glob(f"{stream_id}.*")):
             if path != record:
                 path.unlink(missing_ok=True)
         record.unlink(missing_ok=True)
+
+    # -- the quarantine ---------------------------------------------------------------------------------------
+    def note_path(self, stream_id: str) -> Path:
+        return self.quarantine / f"{stream_id}.json"
+
+    def write_note(self, note: dict[str, Any]) -> None:
+        """Record why a stream is quarantined (``id``, ``owner``: None when none can be read, ``reason``, ``name``,
+        ``created``), for every server sharing the folder."""
+        self.quarantine.mkdir(exist_ok=True)
+        write_atomic(self.note_path(note["id"]), json.dumps(note, indent=1).encode())
+
+    def read_note(self, stream_id: str) -> dict[str, Any] | None:
+        """The stream's quarantine note; None when it has none (or it cannot be read: it only says why)."""
+        try:
+            return check_note(json.loads(self.note_path(stream_id).read_text()), stream_id)
+        except (OSError, ValueError, RecursionError):
+            return None
+
+    def notes(self) -> dict[str, dict[str, Any]]:
+        """Every quarantine note that can be read, by stream id."""
+        found = {}
+        for path in sorted(self.quarantine.glob("st_*.json")):
+            note = self.read_note(path.stem)
+            if note is not None:
+                found[path.stem] = note
+        return found
+
+    def remove_note(self, stream_id: str) -> None:
+        """Forget why a stream was quarantined (it loads again)."""
+        self.note_path(stream_id).unlink(missing_ok=True)
+
+    def quarantined(self, stream_id: str) -> list[str]:
+        """The names of the stream's file sets moved into ``quarantine/``, oldest first."""
+        if not self.quarantine.is_dir():
+            return []
+        found = [path for path in self.quarantine.glob(f"{stream_id}-*")
+                 if path.is_dir() and not path.name.endswith(".partial")]
+        return [path.name for path in sorted(found, key=lambda path: path.name)]
+
+    def move_to_quarantine(self, stream_id: str, folder: Path) -> str:
+        """Move a stream's disk-tier file set ``folder`` whole into ``quarantine/ID-TIME/`` (renamed; on another
+        file system copied whole, then the original removed); returns where, relative to the state folder. An
+        `OSError` leaves the folder where it was."""
+        self.quarantine.mkdir(exist_ok=True)
+        target = self.quarantine / f"{stream_id}-{int(time.time())}"
+        while target.exists() or target.with_name(target.name + ".partial").exists():
+            target = target.with_name(f"{target.name}-1")
+        try:
+            os.rename(folder, target)
+        except OSError as error:
+            if error.errno != errno.EXDEV:
+                raise
+            partial = target.with_name(target.name + ".partial")  # never taken for a moved file set
+            try:
+                shutil.copytree(folder, partial, symlinks=True)
+                _sync_folder(partial)
+                os.rename(partial, target)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)  # the copy, not the original
+                raise
+            shutil.rmtree(folder, ignore_errors=True)  # the copy is whole: whatever is left of the original is spare
+        for parent in {self.quarantine, folder.parent}:
+            _sync_folder(parent)
+        return f"{QUARANTINE}/{target.name}"
+
+    def remove_quarantined(self, stream_id: str) -> None:
+        """Remove the stream's moved file sets and its quarantine note."""
+        if not self.quarantine.is_dir():
+            return
+        for path in self.quarantine.glob(f"{stream_id}-*"):
+            shutil.rmtree(path, ignore_errors=True)
+        self.note_path(stream_id).unlink(missing_ok=True)
 
     def set_aside(self, stream_id: str) -> str:
         """Rename a stream's unreadable state file out of the way; returns its new name."""
@@ -169,6 +264,18 @@ class StreamFiles:
         aside = state.with_name(f"{state.name}.unreadable-{int(time.time())}")
         os.replace(state, aside)
         return aside.name
+
+
+def check_note(note: object, stream_id: str) -> dict[str, Any]:
+    """A quarantine note as read from ``quarantine/ID.json``; a `ValueError` when it is not one of ``stream_id``."""
+    if not isinstance(note, dict) or note.get("id") != stream_id:
+        raise ValueError("not a quarantine note of this stream")
+    owner, reason = note.get("owner"), note.get("reason")
+    if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 128):
+        raise ValueError("its owner is malformed")
+    if not isinstance(reason, str) or not reason:
+        raise ValueError("its reason is malformed")
+    return note
 
 
 def _parsed(text: str) -> Any:
@@ -193,3 +300,13 @@ def write_atomic(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(partial, path)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the system allows a folder to be fsynced)."""
+    with contextlib.suppress(OSError):
+        handle = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)

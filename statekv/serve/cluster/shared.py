@@ -1,7 +1,9 @@
 """One replica's streams when several replicas share a state folder: the files it may write (`SharedStreamFiles`:
 only those of streams whose lease it holds, each write committed under the lease's fencing) and its registry
 (`SharedRegistry`: a stream is taken from the shared state when a request for it arrives, and let go when another
-replica asks for it, at shutdown, or when its lease is lost).
+replica asks for it, at shutdown, or when its lease is lost). A stream that cannot be loaded is quarantined with a
+note in the folder's ``quarantine/`` (`store.StreamFiles.write_note`), so every replica lists it as damaged and
+any may delete it.
 
 Saved streams can live in object storage instead of the folder (``store``: an fsspec URL such as
 ``s3://bucket/statekv``): each save is a new object named by the stream, its lease's token and a sequence number,
@@ -26,7 +28,7 @@ from typing import Any
 
 from ...errors import InputError, StateKVError
 from ..errors import ServiceError
-from ..registry import STREAM_ID, StreamEntry, StreamRegistry, reason_of, remove_tier
+from ..registry import STREAM_ID, DamagedStream, StreamEntry, StreamRegistry, reason_of, remove_tier, unreadable
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
 
@@ -134,8 +136,7 @@ class SharedStreamFiles(StreamFiles):
     def remove(self, stream_id: str) -> None:
         lease = self.lease(stream_id)
         with self.leases.fenced(lease):
-            for path in (self.record_path(stream_id), self.state_path(stream_id), self.pointer_path(stream_id)):
-                path.unlink(missing_ok=True)
+            super().remove(stream_id)  # its record, its save or pointer, what was set aside, its quarantine
         if self.store is not None:
             self.store.prune(stream_id, keep=None)
         self.leases.forget(lease)
@@ -151,6 +152,14 @@ class SharedStreamFiles(StreamFiles):
             aside = pointer.with_name(f"{pointer.name}.unreadable-{int(time.time())}")
             os.replace(pointer, aside)
             return aside.name
+
+    def write_note(self, note: dict[str, Any]) -> None:
+        self.quarantine.mkdir(exist_ok=True)
+        self._commit(self.lease(note["id"]), self.note_path(note["id"]), json.dumps(note, indent=1).encode())
+
+    def remove_note(self, stream_id: str) -> None:
+        with self.leases.fenced(self.lease(stream_id)):
+            super().remove_note(stream_id)
 
     def _commit(self, lease: Lease, path: Path, data: bytes) -> None:
         partial = path.with_name(f"{path.name}.{self.holder}.partial")
@@ -302,6 +311,7 @@ class SharedRegistry(StreamRegistry):
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
 
     resume_tiers = False  # a stream taken here loads from its save: file sets are each replica's own
+    repair = "repair them (it is tried again when next asked for)"
 
     def restore(self, owners: Any = None) -> int:
         return 0  # streams are taken when asked for
@@ -312,7 +322,9 @@ class SharedRegistry(StreamRegistry):
         if known and stream_id not in self.entries:
             record = await asyncio.to_thread(self.files.read_record, stream_id)
             if record is not None and record["owner"] == owner:  # another key's request never moves a stream
-                await self.take(stream_id)
+                await self.take(stream_id)  # one that cannot be loaded is quarantined here (409)
+            elif record is None:
+                await self.look_for_damage(stream_id)  # an unreadable record: 409 to the owner it names
         entry = self.get(owner, stream_id)
         self.files.check(entry.id)
         return entry
@@ -337,18 +349,21 @@ class SharedRegistry(StreamRegistry):
             self.arriving += 1
             try:
                 lease = await self._wait_for_lease(stream_id)
+                record = None
                 try:
                     record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
                     if record is None:
                         raise ServiceError(404, f"no stream {stream_id!r}")
                     entry = await self.worker.run(self.restore_one, record)
                 except BaseException as error:
-                    await asyncio.to_thread(self.files.release, stream_id)
+                    damaged = None
                     if isinstance(error, Exception) and not isinstance(error, ServiceError):
-                        log.error("stream %s is damaged and not served (its files are kept): %s", stream_id, error)
-                        raise ServiceError(409, f"stream {stream_id} is damaged ({reason_of(error)}); it is not served "
-                                           "and its files are kept in the state folder: repair them, or delete the "
-                                           "stream by hand") from None
+                        # noted under the lease, so every replica lists it as damaged
+                        damaged = await asyncio.to_thread(self._quarantine, stream_id, record["owner"],
+                                                          reason_of(error), record)
+                    await asyncio.to_thread(self.files.release, stream_id)
+                    if damaged is not None:
+                        self.check_damaged(damaged.owner, stream_id)  # its 409
                     raise
             finally:
                 self.arriving -= 1
@@ -395,17 +410,63 @@ class SharedRegistry(StreamRegistry):
         return entry
 
     def owned(self, owner: str) -> list[Any]:
-        """The owner's streams on every replica: those held here live, the others as of their last save."""
-        here = super().owned(owner)
-        held = {entry.id for entry in here}
+        """The owner's streams on every replica: those held here live, the others as of their last save, then the
+        damaged ones, whichever replica quarantined them (their notes in the folder, or their unreadable records)."""
         listed_at, elsewhere = self._listed
         if time.monotonic() - listed_at > LIST_SECONDS:
-            elsewhere = [HeldElsewhere(record, self._holder(record["id"])) for _, record in self.files.records()
-                         if isinstance(record, dict) and record["id"] not in self.entries]
+            notes, elsewhere, damaged = self.files.notes(), [], {}
+            for path, record in self.files.records():
+                if path.stem in self.entries:
+                    continue
+                if path.stem in notes or isinstance(record, Exception):
+                    damaged[path.stem] = self._damaged_in_folder(path, record, notes.get(path.stem))
+                else:
+                    elsewhere.append(HeldElsewhere(record, self._holder(record["id"])))
+            self.damaged = damaged
             self._listed = (time.monotonic(), elsewhere)
+        here = super().owned(owner)  # held here, and damaged
+        held = {entry.id for entry in here}
         elsewhere = [entry for entry in elsewhere
                      if entry.owner == owner and entry.id not in held and entry.id not in self.entries]
-        return sorted([*here, *elsewhere], key=lambda entry: entry.created, reverse=True)
+        live = [entry for entry in here if not isinstance(entry, DamagedStream)]
+        return sorted([*live, *elsewhere], key=lambda entry: entry.created, reverse=True) + [
+            entry for entry in here if isinstance(entry, DamagedStream)]
+
+    async def look_for_damage(self, stream_id: str) -> None:
+        """``damaged`` brought up to date for one stream from the shared folder: quarantined by any replica (its
+        note), or its record unreadable."""
+        def look() -> DamagedStream | None:
+            path = self.files.record_path(stream_id)
+            note = self.files.read_note(stream_id)
+            try:
+                record = self.files.record_at(path)
+            except FileNotFoundError:
+                return None  # deleted
+            return self._damaged_in_folder(path, record, note) if note or isinstance(record, Exception) else None
+
+        known = STREAM_ID.match(stream_id) is not None and stream_id not in self.entries
+        damaged = await asyncio.to_thread(look) if known else None
+        if damaged is None:
+            self.damaged.pop(stream_id, None)
+        else:
+            self.damaged[stream_id] = damaged
+
+    def _damaged_in_folder(self, path: Path, record: Any, note: dict[str, Any] | None) -> DamagedStream:
+        """A damaged stream as the folder tells it: its note (the reason it was quarantined), else its record's
+        (unreadable)."""
+        if note is not None:
+            return DamagedStream(note["id"], note["owner"], note["reason"], note)
+        return self.damaged_stream(path.stem, self.files.owner_named(path), unreadable(path, record), {})
+
+    async def remove_files(self, stream_id: str) -> None:
+        """A damaged stream's files removed under its lease (taken first, from whichever replica tried it last)."""
+        await self._wait_for_lease(stream_id)
+        try:
+            await asyncio.to_thread(self.files.remove, stream_id)  # the lease goes with it
+        except BaseException:
+            await asyncio.to_thread(self.files.release, stream_id)
+            raise
+        self._listed = (0.0, [])
 
     def _holder(self, stream_id: str) -> str | None:
         lease = self.files.leases.peek(stream_id)
@@ -446,8 +507,9 @@ class SharedRegistry(StreamRegistry):
             log.info("handed stream %s over", entry.id)
 
     async def delete(self, entry: Any) -> None:
-        if isinstance(entry, HeldElsewhere):
-            entry = await self.find(entry.owner, entry.id)
+        if isinstance(entry, HeldElsewhere):  # brought here first (or found damaged on the way)
+            await self.remove(entry.owner, entry.id)
+            return
         await super().delete(entry)  # its disk-tier file set too
 
     async def _drop(self, entry: StreamEntry) -> None:
