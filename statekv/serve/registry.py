@@ -570,14 +570,14 @@ class StreamRegistry:
         streams of these owner digests (the others are left on disk untouched)."""
         for path, record in self.files.records():
             if isinstance(record, Exception):
-                self._quarantine(path.stem, self.files.owner_named(path), unreadable(path, record), {})
+                self.quarantine(path.stem, self.files.owner_named(path), unreadable(path, record), {})
                 continue
             if owners is not None and record["owner"] not in owners:
                 continue
             try:
                 entry = self.worker.run_blocking(self.restore_one, record)
             except Exception as error:  # noqa: BLE001 -- whatever a damaged file raises, the others are served
-                self._quarantine(record["id"], record["owner"], reason_of(error), record)
+                self.quarantine(record["id"], record["owner"], reason_of(error), record)
                 continue
             self.entries[entry.id] = entry
         return len(self.entries)
@@ -591,7 +591,7 @@ class StreamRegistry:
                         reason)
         return DamagedStream(stream_id, owner, reason, record)
 
-    def _quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
+    def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
         shares it)."""
         damaged = self.damaged_stream(stream_id, owner, reason, record)

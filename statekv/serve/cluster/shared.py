@@ -359,7 +359,7 @@ class SharedRegistry(StreamRegistry):
                     damaged = None
                     if isinstance(error, Exception) and not isinstance(error, ServiceError):
                         # noted under the lease, so every replica lists it as damaged
-                        damaged = await asyncio.to_thread(self._quarantine, stream_id, record["owner"],
+                        damaged = await asyncio.to_thread(self.quarantine, stream_id, record["owner"],
                                                           reason_of(error), record)
                     await asyncio.to_thread(self.files.release, stream_id)
                     if damaged is not None:
