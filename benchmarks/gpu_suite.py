@@ -383,6 +383,13 @@ def step_variants(shapes: Shapes) -> list[tuple[str, Callable[[], Any], dict[str
     ]
 
 
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (what a timed part must not add to)."""
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str, float]:
     """Per step, from torch.profiler: kernel launches, graph launches, copies and host syncs issued, and the
     GPU's busy time (the sum of its kernels' time)."""
@@ -482,9 +489,11 @@ def lm_step(section: Section, deadline: float, lm: LanguageModel) -> None:
                     frames = iter(lm.frames)
                     warmed, _ = timed(device, lambda: [prefill.step(inputs_embeds=next(frames)) for _ in range(warm)])
                     row["warmup_s"] = warmed  # a compiled step compiles in its first steady step
+                    graphs = compiled_graphs()
                     seconds, _ = timed(device, lambda: [prefill.step(inputs_embeds=next(frames))
                                                         for _ in range(count)])
                     row["ms_per_frame"] = 1e3 * seconds / count
+                    row["compiled_while_timed"] = compiled_graphs() - graphs  # 0: nothing compiled in the timing
                     row.update(profile_counts(device, lambda: [prefill.step(inputs_embeds=next(frames))
                                                                for _ in range(2)], 2))
                     row.update(traced_ops(lambda: [prefill.step(inputs_embeds=next(frames)) for _ in range(2)], 2))
@@ -548,7 +557,8 @@ def prefill(section: Section, deadline: float, lm: LanguageModel) -> None:
                 continue
             reset_peak(device)
             blocks = []  # (frames, seconds) per block of 32 frames, synchronized at its end only
-            # compiled: the step section compiled this shape already (Dynamo's code is per process), else here
+            # compiled: the step section compiled this shape (the cache's state is no guard), else in the loop
+            graphs = compiled_graphs()
             with statekv.StreamingPrefill(lm.model, policy, attention=backend, cuda_graph=True,
                                           compile_step=compile_step, horizon=count * shapes.frame_tokens) as streamed:
                 synchronize(device)
@@ -566,7 +576,7 @@ def prefill(section: Section, deadline: float, lm: LanguageModel) -> None:
             done = sum(n for n, _ in blocks)
             tail = 1e3 * blocks[-1][1] / blocks[-1][0]
             row = {"variant": label, "seconds": total, "frames": done, "peak_gib": peak_gib(device),
-                   "ms_per_frame_last_block": tail}
+                   "ms_per_frame_last_block": tail, "compiled_while_timed": compiled_graphs() - graphs}
             if done < count:  # the rest at the last block's pace, said so
                 row["seconds_for_all_estimated"] = total + (count - done) * tail / 1e3
             section.rows.append(row)
@@ -611,13 +621,16 @@ def pipeline(section: Section, deadline: float, shapes: Shapes, checkpoint: Path
         qa = statekv.VideoQA.from_pretrained(str(checkpoint), **vlm_options(shapes, **more))
         warmed, _ = timed(shapes.device, lambda: qa.encode(video, max_fps=1, max_frames=min(count, 24)))  # kernels
         reset_peak(shapes.device)  # tuned and compiled, graphs recorded: once per process, not per video
+        graphs = compiled_graphs()
         seconds, encoded = timed(shapes.device, lambda: qa.encode(video, max_fps=1, max_frames=count))
+        graphs = compiled_graphs() - graphs
         stats = encoded.stats
         encoded.ask("Warm up?", max_new_tokens=2)
         ask_seconds, _ = timed(shapes.device, lambda: encoded.ask("What colour is the square?", max_new_tokens=16))
         head, tail = stats.frame_seconds[1:33], stats.frame_seconds[-64:]
         section.rows.append({
-            "variant": variant, "warmup_s": warmed, "frames": stats.frames, "tokens": stats.tokens,
+            "variant": variant, "warmup_s": warmed, "compiled_while_timed": graphs, "frames": stats.frames,
+            "tokens": stats.tokens,
             "seconds": seconds, "frames_per_s": stats.frames / seconds,
             "frames_per_s_last_64": len(tail) / sum(tail), "ms_per_frame_steady": 1e3 * statistics.median(tail),
             # where a video's start-up goes: before its first frame is streamed, its first frame, frames 2-33

@@ -441,8 +441,10 @@ def comparable(record):
     if isinstance(record, dict):
         kept = {}
         for key, value in record.items():
-            if key in TIMINGS or key == "stream_id":  # a saved stream's id is random per run
+            if key in TIMINGS:
                 continue
+            if key == "metadata" and isinstance(value, dict):  # a saved stream's id is random per run
+                value = {k: v for k, v in value.items() if k != "stream_id"}
             if key == "engine" and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k != "settings"}
             if key == "stream.json" and isinstance(value, dict):

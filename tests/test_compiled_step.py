@@ -39,11 +39,18 @@ def carried(prefill) -> list[torch.Tensor]:
     return [layer.positions().clone() for layer in prefill.cache.layers]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fresh_dynamo():
+    """Dynamo's counters, from a reset at the module's start (its tests share what they compiled, as the
+    streams of one process do)."""
     torch._dynamo.reset()
     yield torch._dynamo.utils.counters
     torch._dynamo.reset()
+
+
+def no_recompile():
+    """Compiling again raises (and Dynamo's suppressed errors do not hide it)."""
+    return torch.compiler.set_stance("fail_on_recompile")
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["statekv", "recency"])
@@ -67,22 +74,40 @@ def test_compiled_steady_steps_carry_what_eager_steps_carry(tiny_lm, policy, fre
     assert torch.equal(compiled.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4), answer_eager)
 
 
-def test_a_second_stream_of_the_same_shape_reuses_the_compiled_code(tiny_lm, fresh_dynamo):
+def test_streams_of_the_same_shape_reuse_the_compiled_code_whatever_their_horizon(tiny_lm, fresh_dynamo):
+    """The cache's state (its buffers' sizes, a horizon or none, the carried length) is not traced, so it is
+    no guard: a stream with another horizon, or none (its buffers grow), compiles nothing more."""
     model = tiny_lm("qwen3")
     data = chunks(model, 1)
     horizon = sum(chunk.shape[1] for chunk in data)
 
-    def stream() -> list[torch.Tensor]:
+    def stream(horizon) -> list[torch.Tensor]:
         prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=BUDGET), attention="eager",
-                                           horizon=horizon, compile_step=True)
+                                           horizon=horizon, compile_step=True, positions="stream")
         return [prefill.step(inputs_embeds=chunk) for chunk in data]
 
-    first = stream()
+    first = stream(horizon)
     graphs = fresh_dynamo["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        second = stream()
+    with no_recompile():
+        again, longer = stream(horizon), stream(4 * horizon)
     assert fresh_dynamo["stats"]["unique_graphs"] == graphs > 0
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, longer))
+
+
+def test_every_layer_of_a_deep_decoder_compiles(tiny_lm, fresh_dynamo, caplog):
+    """Dynamo keeps one entry per layer (it guards the layer's index): more layers than its default limit of 8
+    entries must all compile, not fall back to eager past the eighth."""
+    model = tiny_lm("qwen3", num_hidden_layers=12)
+    data = chunks(model, 3)
+    horizon = sum(chunk.shape[1] for chunk in data)
+    eager = statekv.StreamingPrefill(model, statekv.Recency(frames=WINDOW), attention="eager", horizon=horizon)
+    compiled = statekv.StreamingPrefill(model, statekv.Recency(frames=WINDOW), attention="eager", horizon=horizon,
+                                        compile_step=True)
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        for chunk in data:
+            torch.testing.assert_close(compiled.step(inputs_embeds=chunk), eager.step(inputs_embeds=chunk),
+                                       rtol=1e-4, atol=1e-5)
+    assert not [record for record in caplog.records if "recompile_limit" in record.getMessage()]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["statekv", "recency"])

@@ -33,6 +33,7 @@ from .cache import attend
 from .graphs import StepGraphs
 from .model_attention import share_language_attention
 from .transaction import NotBatchable
+from .untraced import engine_call
 
 # A stream (`statekv.core.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
 
@@ -80,11 +81,15 @@ class BatchLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' call: :meth:`stage` (untraced in a compiled step, `statekv.core.untraced`)."""
+        return engine_call(self.stage, key_states, value_states)
+
+    def stage(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage row ``s`` of the chunk ``[S, H_kv, T, D]`` in stream ``s``'s layer; return every stream's
         ``[carried; chunk]`` keys and values stacked, ``[S, H_kv, K + T, D]``."""
         keys, values = [], []
         for row, cache in enumerate(self.batch.caches):
-            k, v = cache.layers[self.index].update(key_states[row:row + 1], value_states[row:row + 1])
+            k, v = cache.layers[self.index].stage(key_states[row:row + 1], value_states[row:row + 1])
             keys.append(k)
             values.append(v)
         return torch.cat(keys), torch.cat(values)

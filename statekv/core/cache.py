@@ -29,6 +29,7 @@ from .attention import ChunkMask, chunk_attention, scored_attention
 from .policies import Candidates, CarryPolicy
 from .positions import StreamPositions
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
+from .untraced import engine_call
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -80,6 +81,10 @@ class StreamingLayer(CacheLayerMixin):
         self.carry.reserve(self.storage, key_states.shape[2])  # slots over a storage the step writes in place
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' call: :meth:`stage` (untraced in a compiled step, `statekv.core.untraced`)."""
+        return engine_call(self.stage, key_states, value_states)
+
+    def stage(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the chunk ``[B, H_kv, T, D]`` and return ``[carried; chunk]`` keys and values (under bounded
         positions, the keys rotated to where this step places them; what is stored keeps its own rotation)."""
         if not self.is_initialized:

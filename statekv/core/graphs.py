@@ -8,8 +8,9 @@ the graph's own input buffers.
 
 Why a hand-held ``CUDAGraph`` rather than ``torch.compile(mode="reduce-overhead")``: the captured code is the
 eager step itself, so a replay runs exactly the kernels an eager step runs (results identical by
-construction); there is no compile time (minutes for an 8B decoder) and no dependence on Dynamo tracing the
-model's remote code or the carry policy.
+construction); there is no compile time and no dependence on Dynamo tracing the model's remote code or the
+carry policy. Under ``compile_step`` (`statekv.core.compiled`) the step's decoder is compiled in the warm-up
+and the capture records Inductor's fused kernels (a capture that would recompile fails and is refused).
 
 Safety: a signature (the step's input shapes, dtypes and non-tensor arguments, plus the cache's buffer layout)
 is captured only after one eager step with that signature has run (lazy allocations, Triton autotuning and
@@ -111,8 +112,10 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         try:
             torch.cuda.synchronize()
-            # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile;
+            # fail_on_recompile: a compiled step (`statekv.core.compiled`) compiles in its warm-up, never here
+            with torch.compiler.set_stance("fail_on_recompile"), \
+                    torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.device_step(tree_unflatten(static, spec))
         except Exception as error:  # the step does something a graph cannot hold (a host sync, say)
             return self._refuse(key, f"capturing it failed: {str(error).splitlines()[0] if str(error) else error!r}")

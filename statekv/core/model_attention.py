@@ -20,6 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import UnsupportedModelError
+from .untraced import engine_call
 
 ATTENTION_NAME = "statekv"
 _streaming = threading.local()  # the cache of the stream whose call runs in this thread, for the attention
@@ -57,27 +58,7 @@ def statekv_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("sliding_window"):
         raise UnsupportedModelError("sliding-window attention layers are not supported by the streaming engine")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if getattr(_streaming, "untraced", False):
-        return _attend_untraced(cache, module.layer_idx, query, key, value, scale), None
-    return cache.attend(module.layer_idx, query, key, value, scale), None
-
-
-@contextmanager
-def untraced_attention():
-    """Inside the block (in this thread), Dynamo does not trace the engine's attention: a compiled decoder
-    (`statekv.core.compiled`) calls it as an eager function, so its scoring kernels, the carried state's selection
-    and the step's bookkeeping run as in an eager step."""
-    previous = getattr(_streaming, "untraced", False)
-    _streaming.untraced = True
-    try:
-        yield
-    finally:
-        _streaming.untraced = previous
-
-
-@torch.compiler.disable
-def _attend_untraced(cache, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
-    return cache.attend(layer_idx, query, key, value, scale)
+    return engine_call(cache.attend, module.layer_idx, query, key, value, scale), None
 
 
 AttentionInterface.register(ATTENTION_NAME, statekv_attention)

@@ -28,9 +28,9 @@ from .answering import Retrieval
 from .attention import resolve_backend
 from .batching import StepRequest, device_step, step_alone
 from .cache import TwoStateCache
+from .compiled import compiled
 from .decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
 from .disk import DiskTier, Journaled, read_file_set, resume
-from .compiled import compiled
 from .graphs import StepGraphs
 from .limits import CacheKeeper, check_evicting_storage
 from .memory import CacheGeometry, check_cache_fits
