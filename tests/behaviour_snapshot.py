@@ -14,8 +14,8 @@ of every layer, the engine's state dict, its statistics, the answers' token ids,
 file sets. ``compare`` prints one line per set-up and exits 1 if anything differs.
 
 What is left out of the comparison, because it is not computed: wall times, the disk tier's random folder
-names and a saved stream's random id, and the engine settings a saved stream records since the settings object was introduced
-(``engine.settings``, absent from older files).
+names and a saved stream's random id, and the engine settings a saved stream records since the settings object
+was introduced (``engine.settings``, absent from older files).
 
 One change is expected and checked exactly (issue 33: the engine checks every family's prompt): a question's op
 trace may gain, once, the engine's check that the prompt's ids are in the vocabulary (`PROMPT_CHECK`, five ops

@@ -1,8 +1,8 @@
 """Saving and resuming a two-state cache: its tensors and metadata, and the checks a saved state must pass.
 
-A layer saves its detailed cache, its step summaries (means and sampled keys) and, unless its carried state is a window of the detailed
-cache (then only where the window starts), the carried keys, values and positions. Resuming installs them in
-whatever form fits the resumed stream (a window saved without offload becomes explicit slots when offloaded).
+A layer saves its detailed cache, its step summaries (means and sampled keys) and, unless its carried state is a
+window of the detailed cache (then only where the window starts), the carried keys, values and positions.
+Resuming installs them in whatever form fits the resumed stream (a window saved without offload becomes explicit slots when offloaded).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, metadata
 
 
-def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
+def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], metadata: dict,
+                    device: torch.device) -> None:
     """Install a state from :func:`state_dict` (checked first with `check_state_dict` by
     `StreamingPrefill.load_state_dict`); carried tensors go to ``device``."""
     if len(metadata["window_starts"]) != len(cache.layers):
