@@ -2,7 +2,8 @@
 
 A layer saves its detailed cache, its step summaries (means and sampled keys) and, unless its carried state is a
 window of the detailed cache (then only where the window starts), the carried keys, values and positions.
-Resuming installs them in whatever form fits the resumed stream (a window saved without offload becomes explicit slots when offloaded).
+Resuming installs them in whatever form fits the resumed stream (a window saved without offload becomes explicit
+slots when offloaded).
 """
 
 from __future__ import annotations
