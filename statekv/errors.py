@@ -64,4 +64,14 @@ class OutputError(StateKVError, OSError):
 
 
 class CacheLimitError(StateKVError, ValueError):
-    """A stream reached its ``max_cache_bytes`` and was set to refuse further frames (nothing was lost)."""
+    """A step would take a stream's detailed cache past its ``max_cache_bytes`` and was refused: nothing streamed
+    before it is lost, and the stream still answers from it.
+
+    encoded: set by `statekv.VideoQA.encode` to the `EncodedVideo` of every sampled frame that fit (encoding stops
+    at the first that does not; its ``stats.frames`` says how many), which can still be asked; None elsewhere, and
+    when not even the prompt fits.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.encoded = None

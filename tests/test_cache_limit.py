@@ -14,7 +14,8 @@ from statekv import Stream
 from statekv.core.limits import CacheLimit
 from statekv.core.prefill import cache_geometry
 from statekv.core.retrieval import LayerQuestion, MostRecent, Retrieval
-from statekv.errors import CacheLimitError, ConfigurationError
+from statekv.errors import CacheLimitError, ConfigurationError, InputError
+from statekv.values import format_bytes
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
 
@@ -69,13 +70,87 @@ def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
     with pytest.raises(CacheLimitError) as error:
         stream.push(_frames(4)[3])
     message = str(error.value)
-    assert "\n" not in message and "max_cache_bytes=" in message and "nothing was streamed" in message
+    assert "\n" not in message and "the detailed cache is full (max_cache_bytes=" in message
+    assert "was refused; everything streamed before it is kept and can be asked about" in message
     assert (stream.frames, stream.tokens) == before[:2] and not stream.pending
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), before[2])
     assert stream.stats.evicted_frames == 0 and stream.prefill.stats.evicted_steps == 0
     held = stream.prefill.stats
     assert held.held_bytes == sum(lengths[:4]) * per_token + 4 * per_step <= cap
     assert held.summary_bytes >= 4 * per_step and held.journal_bytes == held.scale_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def static_adapter(tmp_path_factory):
+    """RoPE that does not depend on the horizon: a video cut short answers as those frames encoded alone."""
+    rope = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("static") / "ckpt", text_config=rope)
+    return load_adapter(checkpoint, layout="chat")
+
+
+def test_encode_stops_at_the_cap_and_answers_from_the_frames_that_fit(static_adapter):
+    lengths, per_token, per_step = _steps(static_adapter, 6)
+    cap = sum(lengths[:4]) * per_token + 4 * per_step  # the prefix and 3 frames, with their summaries
+    video = _frames(6)
+    with pytest.raises(CacheLimitError) as error:
+        _qa(static_adapter, max_cache_bytes=cap).encode(video, max_frames=6)
+    message = str(error.value)
+    assert message == (f"array[6]: the detailed cache is full at frame 4 of 6 (max_cache_bytes={format_bytes(cap)}): "
+                       "encoding stopped; the first 3 frames are encoded and can be asked about")
+    encoded = error.value.encoded
+    assert isinstance(encoded, statekv.EncodedVideo)
+    assert encoded.frames == encoded.stats.frames == 3 and encoded.tokens == sum(lengths[:4])
+    assert encoded.prefill.stats.held_bytes <= cap
+    alone = _qa(static_adapter).encode(video[:3], max_frames=6)  # only the frames that fit, no cap
+    for retrieve in (None, 2):
+        assert torch.equal(encoded.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
+                           alone.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
+    assert encoded.answer_info.frames == 3
+    with _qa(static_adapter, max_cache_bytes=cap).encode(video[:3]) as fits:  # exactly at the cap: not stopped
+        assert fits.frames == 3 and fits.prefill.stats.held_bytes == cap
+
+
+def test_encode_says_when_nothing_fits(static_adapter):
+    lengths, per_token, per_step = _steps(static_adapter, 1)
+    video = _frames(4)
+    with pytest.raises(CacheLimitError) as error:  # the prompt prefix fits, the first frame does not
+        _qa(static_adapter, max_cache_bytes=lengths[0] * per_token + per_step).encode(video)
+    assert str(error.value).endswith("the detailed cache is full at frame 1 of 4 (max_cache_bytes="
+                                     f"{format_bytes(lengths[0] * per_token + per_step)}): no frame fit under it, so "
+                                     "there is nothing to ask about")
+    assert error.value.encoded.frames == 0
+    with pytest.raises(InputError, match="no frame has been encoded"):
+        error.value.encoded.ask(QUESTION)
+    with pytest.raises(CacheLimitError, match="cannot hold even the prompt") as error:
+        _qa(static_adapter, max_cache_bytes=per_token).encode(video)
+    assert error.value.encoded is None
+    evicting = _qa(static_adapter, offload=True, max_cache_bytes=lengths[0] * per_token + per_step,
+                   cache_limit="evict-oldest")
+    with pytest.raises(CacheLimitError) as error:  # a frame too large even with every other one evicted
+        evicting.encode(video)
+    assert "even after evicting" in str(error.value) and "encoding stopped at frame 1 of 4" in str(error.value)
+    assert error.value.encoded.frames == 0
+
+
+def test_a_stream_still_answers_when_its_pending_batch_does_not_fit(static_adapter):
+    lengths, per_token, per_step = _steps(static_adapter, 4)
+    cap = sum(lengths[:3]) * per_token + 3 * per_step  # the prefix and 2 frames
+    stream = _qa(static_adapter, max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=3)
+    frames = _frames(3)
+    stream.push(frames[0])
+    stream.push(frames[1])
+    with pytest.raises(CacheLimitError):  # the batch of 3: the first 2 steps fit, the third is refused
+        stream.push(frames[2])
+    assert stream.frames == 2 and not stream.pending
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6),
+                       _qa(static_adapter).encode(frames[:2], max_frames=6).ask_tokens(QUESTION, max_new_tokens=6))
+    small = _qa(static_adapter, max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=4)
+    for frame in frames:  # pending, waiting for a batch of 4: asking encodes them, and the cap stops the third
+        small.push(frame)
+    assert small.frames == 0 and len(small.pending) == 3
+    answer = small.ask_tokens(QUESTION, max_new_tokens=6)
+    assert small.frames == 2 and len(small.pending) == 1 and small.answer_info.frames == 2
+    assert torch.equal(answer, stream.ask_tokens(QUESTION, max_new_tokens=6))
 
 
 @pytest.mark.parametrize("offload", [True, "disk"])

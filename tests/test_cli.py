@@ -15,7 +15,9 @@ import statekv
 import bad_videos
 from bad_videos import BAD_VIDEOS
 from statekv.cli import main
+from statekv.errors import CacheLimitError
 from statekv.testing import make_tiny_checkpoint, write_test_video
+from statekv.values import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +99,66 @@ def test_demo_runs_offline_on_its_built_in_model(files):
     assert max(stream["recency"]["carried"]) == 16 * per_frame and max(stream["statekv"]["carried"]) == 64
     assert stream["statekv"]["carried"][-1] == 64 and stream["statekv"]["token_bytes"] > 0
     assert Path(document["plot"]).stat().st_size > 10_000
+
+
+def _cap_after(files, frames: int) -> int:
+    """A max_cache_bytes that holds the video's first ``frames`` frames (at 1 fps) and half of the next."""
+    from statekv.video import open_video
+
+    stream = statekv.VideoQA.from_pretrained(files["model"], max_cache_bytes="1G").stream(horizon_frames=5)
+    held = [stream.prefill.stats.held_bytes]
+    for frame in open_video(files["video"]).sample_at_rate(1.0):
+        stream.push(frame)
+        held.append(stream.prefill.stats.held_bytes)
+    stream.close()
+    return (held[frames] + held[frames + 1]) // 2
+
+
+def test_answer_at_the_cache_cap_answers_from_the_frames_that_fit(files, capsys):
+    cap = _cap_after(files, 2)
+    capsys.readouterr()
+    argv = ["answer", str(files["video"]), "Why?", "What is shown?", "--model", str(files["model"]),
+            "--max-new-tokens", "3", "--max-cache-bytes", str(cap)]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    warning = (f"statekv answer: warning: {files['video']}: the detailed cache is full at frame 3 of 5 "
+               f"(max_cache_bytes={format_bytes(cap)}): encoding stopped; the first 2 frames are "
+               "encoded and can be asked about; answering from what was encoded")
+    assert captured.err.strip() == warning
+    document = json.loads(captured.out)
+    assert document["stats"]["frames"] == 2
+    assert document["stopped"] == warning.split("warning: ", 1)[1].removesuffix("; answering from what was encoded")
+    with pytest.raises(CacheLimitError) as error:  # the same as the Python API's partial encoding
+        statekv.VideoQA.from_pretrained(files["model"], max_cache_bytes=cap).encode(files["video"])
+    assert [a["answer"] for a in document["answers"]] == [error.value.encoded.ask(q, max_new_tokens=3)
+                                                          for q in ("Why?", "What is shown?")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip() == warning and "2 frames (stopped at max_cache_bytes)" in captured.out
+    assert main([*argv[:-1], str(_cap_after(files, 0) - 1)]) == 2  # no frame fits: nothing to answer from
+    assert "no frame fit under it" in _one_line_error(capsys.readouterr().err)
+
+
+def test_stream_at_the_cache_cap_answers_every_question_left(files, capsys, tmp_path):
+    cap = _cap_after(files, 2)
+    capsys.readouterr()
+    saved = tmp_path / "capped.safetensors"
+    assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--ask", "0:First?",
+                 "--ask", "2.5:Later?", "--ask", "99:At the end?", "--max-new-tokens", "2",
+                 "--max-cache-bytes", str(cap), "--save", str(saved), "--json"]) == 0
+    captured = capsys.readouterr()
+    warning = (f"statekv stream: warning: {files['video']}: the detailed cache is full at frame 3 "
+               f"(max_cache_bytes={format_bytes(cap)}): the stream stopped at 2.00 s; the 2 questions "
+               "left are answered from the 2 frames before it")
+    assert captured.err.strip() == warning
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["event"] for line in lines] == ["answer"] * 3 + ["summary"]
+    answers = lines[-1]["answers"]
+    assert [(a["time"], a["frames"], a["after_cap"]) for a in answers] == [(0.0, 1, False), (2.5, 2, True),
+                                                                            (99.0, 2, True)]
+    assert lines[-1]["stopped"] == warning.split("warning: ", 1)[1] and lines[-1]["error"] is None
+    qa = statekv.VideoQA.from_pretrained(files["model"], max_cache_bytes=cap)
+    assert statekv.Stream.load(saved, qa).frames == 2
 
 
 # ---------------------------------------------------------------------------------------------------

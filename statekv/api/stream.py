@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from .encoded import EncodedVideo
-from ..errors import HorizonError, InputError, OutputError
+from ..errors import CacheLimitError, HorizonError, InputError, OutputError
 from ..steps.jobs import StepJob
 from ..steps.overlap import check_vision_batch, steps_per_batch
 from ..stopping import whole
@@ -198,8 +198,13 @@ class Stream(EncodedVideo):
 
     @_one_at_a_time
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
-        """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch."""
-        self.encode_pending(complete_steps_only=True)
+        """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch. Steps
+        that ``max_cache_bytes`` refuses (``cache_limit="refuse"``) stay pending, and the question is answered
+        from the frames encoded (``answer_info.frames``)."""
+        try:
+            self.encode_pending(complete_steps_only=True)
+        except CacheLimitError:
+            pass  # the push that filled the cache said so; the stream still answers from what it holds
         return super().ask_tokens(question, **ask_kwargs)
 
     @property

@@ -26,7 +26,7 @@ from ..core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
 from ..core.settings import EngineSettings
 from .encoded import EncodedVideo
 from .stats import ProgressCallback, progress_reporter
-from ..errors import ConfigurationError, FrameDecodeError, InputError, StateKVError
+from ..errors import CacheLimitError, ConfigurationError, FrameDecodeError, InputError, StateKVError
 from ..settings.methods import MethodSettings, method, method_names
 from ..models import VideoAdapter, load_adapter
 from ..steps.jobs import StepScheduler
@@ -35,7 +35,7 @@ from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped
 from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
-from ..values import check_bool, check_int, check_number, torch_dtype
+from ..values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
 
 
@@ -168,7 +168,10 @@ class VideoQA:
             (default: the VideoQA's).
 
         Raises `statekv.video.FrameDecodeError` when a frame in the middle cannot be decoded; its ``encoded``
-        holds every frame before it, encoded, and can still be asked.
+        holds every frame before it, encoded, and can still be asked. Under ``max_cache_bytes`` with
+        ``cache_limit="refuse"``, encoding stops at the first frame that would take the detailed cache past the
+        cap: a `statekv.errors.CacheLimitError` whose ``encoded`` answers from every frame before it (its
+        ``stats.frames`` says how many; None when not even the prompt fits).
 
         Under ``simplestream`` the sampled frames are read and only the last N kept: a `RecentFrames`.
         """
@@ -184,9 +187,10 @@ class VideoQA:
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
         encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate),
-                               name=video.name).start()
+                               name=video.name)
         frames = video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol)
         try:
+            encoded.start()
             with progress_reporter(progress, num_frames, video.name, encoded.stats) as report, \
                     overlapped_steps(self.adapter, frames, encoded.state, vision_batch=vision_batch) as steps:
                 encoded.stream_steps(steps, vision_batch=vision_batch,
@@ -195,6 +199,13 @@ class VideoQA:
             error.encoded = encoded
             error.args = (f"{error}; the {encoded.frames} sampled frames before it are encoded "
                           "(the error's .encoded answers from them)",)
+            raise
+        except CacheLimitError as error:
+            error.args = (_cache_full(encoded, num_frames, error),)
+            if encoded.started:
+                error.encoded = encoded
+            else:  # not even the prompt fit: nothing to ask, nothing left holding its files
+                encoded.close()
             raise
         return encoded
 
@@ -295,6 +306,22 @@ class VideoQA:
     def __repr__(self) -> str:
         return (f"VideoQA({self.adapter.family}, layout={self.adapter.layout!r}, policy={self.policy}, "
                 f"attention={self.engine.attention!r})")
+
+
+def _cache_full(encoded: EncodedVideo, num_frames: int, error: CacheLimitError) -> str:
+    """The one line saying where ``max_cache_bytes`` stopped `VideoQA.encode` and what of the video it holds."""
+    cap = f"max_cache_bytes={format_bytes(encoded.engine.max_cache_bytes)}"
+    if not encoded.started:
+        return f"{encoded.name}: the detailed cache cannot hold even the prompt ({cap}): nothing was encoded"
+    at = f"frame {encoded.frames + 1} of {num_frames}"
+    if encoded.engine.cache_limit != "refuse":  # a frame too large even with every other one evicted
+        return f"{error}; encoding stopped at {at} (what the cache still holds can be asked about)"
+    if not encoded.frames:
+        return (f"{encoded.name}: the detailed cache is full at {at} ({cap}): no frame fit under it, so there is "
+                "nothing to ask about")
+    held = f"the first {encoded.frames} frames are" if encoded.frames > 1 else "the first frame is"
+    return (f"{encoded.name}: the detailed cache is full at {at} ({cap}): encoding stopped; {held} encoded and can "
+            "be asked about")
 
 
 def _check_sampling(max_fps: float, max_frames: int) -> None:

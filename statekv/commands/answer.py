@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..console import add_output_arguments, add_sampling_arguments, interactive, print_json, quiet_libraries
+from ..console import (add_output_arguments, add_sampling_arguments, interactive, one_line, print_json,
+                       quiet_libraries)
 from ..settings.options import ModelOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "answer", help="answer questions about a video (encoded once)",
-        description="Encode VIDEO once with the chosen method, then answer each QUESTION from that encoding.",
+        description="Encode VIDEO once with the chosen method, then answer each QUESTION from that encoding. If "
+                    "--max-cache-bytes stops the encoding (--cache-limit refuse), the questions are answered from the "
+                    "frames that fit, with one warning line on stderr (exit status 0; with --json, \"stopped\" says "
+                    "where).",
     )
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("questions", metavar="QUESTION", nargs="+", help="one or more questions")
@@ -26,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
-    from ..errors import InputError
+    from ..errors import CacheLimitError, InputError
     from ..video import open_video
 
     if not all(question.strip() for question in args.questions):
@@ -36,15 +41,24 @@ def run(args: argparse.Namespace) -> int:
     open_video(args.video)
     quiet_libraries()
     qa = VideoQA.from_options(options)
-    video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
+    stopped = None
+    try:
+        video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
+    except CacheLimitError as error:  # refused at the cap: answer from the frames that fit, saying so
+        if error.encoded is None or not error.encoded.frames:
+            raise
+        video, stopped = error.encoded, one_line(error)
+        print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
     answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
     stats = video.stats
     if args.json:
         print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
                     "frames_window": args.frames, "label": options.label, "stats": stats.to_dict(),
+                    "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return 0
-    print(f"{args.video}: {stats.frames} frames, {stats.tokens} tokens, {options.label}, carried "
+    print(f"{args.video}: {stats.frames} frames{' (stopped at max_cache_bytes)' if stopped else ''}, "
+          f"{stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:
         print(stats.summary())

@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, one_line, quiet_libraries
-from ..errors import OutputError, StateKVError
+from ..errors import CacheLimitError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file
+from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -36,7 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stream", help="replay a video as a live stream, asking questions at given times",
         description="Push the frames of VIDEO one by one as a live source would (at most --max-fps per second) "
                     "and ask each --ask question as soon as the stream reaches its time, from the frames seen "
-                    "so far. Later frames keep streaming after each question.",
+                    "so far. Later frames keep streaming after each question. If --max-cache-bytes stops the "
+                    "stream (--cache-limit refuse), every question left is answered from the frames it holds, "
+                    "marked as asked after the cap, with one warning line on stderr (exit status 0).",
     )
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("--ask", type=timed_question, action="append", required=True, metavar="SECONDS:QUESTION",
@@ -89,28 +91,44 @@ class _Replay:
         self.args, self.options, self.stream, self.save = args, options, stream, save
         self.questions = sorted(args.ask, key=lambda item: item[0])
         self.answers: list[dict] = []
+        self.cache_full: str | None = None  # why max_cache_bytes stopped the stream (the answers after it are marked)
 
     def run(self, video, horizon: int) -> None:
         stream = self.stream
-        for frame in video.sample_at_rate(self.args.max_fps):
-            if stream.frames:  # a question before the first frame waits for it
-                self.ask_due(frame.timestamp - 1e-9)
-            if stream.frames + len(stream.pending) >= horizon:
-                break
-            stream.push(frame)
-        stream.flush()
-        self.ask_due(math.inf)  # questions at or after the end see the whole video
+        frame = None
+        try:
+            for frame in video.sample_at_rate(self.args.max_fps):
+                if stream.frames:  # a question before the first frame waits for it
+                    self.ask_due(frame.timestamp - 1e-9)
+                if stream.frames + len(stream.pending) >= horizon:
+                    break
+                stream.push(frame)
+            stream.flush()
+        except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
+            if not stream.frames:
+                raise
+            left, held = len(self.questions), stream.frames
+            self.cache_full = (
+                f"{stream.name}: the detailed cache is full at frame {held + 1} "
+                f"(max_cache_bytes={format_bytes(stream.engine.max_cache_bytes)}): the stream stopped"
+                + (f" at {frame.timestamp:.2f} s" if frame is not None else "")
+                + f"; the {left} question{'s' if left != 1 else ''} left {'are' if left != 1 else 'is'} answered from "
+                + (f"the {held} frames before it" if held > 1 else "the frame before it"))
+            print(f"statekv stream: warning: {self.cache_full}", file=sys.stderr, flush=True)
+        self.ask_due(math.inf)  # questions at or after the end see the whole video (or what the cap let in)
 
     def ask_due(self, now: float) -> None:
         while self.questions and self.questions[0][0] <= now:
             time, question = self.questions.pop(0)
             answer = self.stream.ask(question, max_new_tokens=self.args.max_new_tokens)
             self.answers.append({"time": time, "frames": self.stream.frames, "tokens": self.stream.tokens,
-                                 "question": question, "answer": answer})
+                                 "question": question, "answer": answer, "after_cap": self.cache_full is not None})
             if self.args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
                 print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
             else:
-                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {question}\n{'':>21}A: {answer}", flush=True)
+                mark = " (after the cache cap stopped the stream)" if self.cache_full else ""
+                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {question}{mark}\n{'':>21}A: {answer}",
+                      flush=True)
 
     def stopped(self, error: BaseException) -> None:
         """Keep what was streamed before ``error`` (with --save) and say where, in its message or on stderr."""
@@ -140,11 +158,12 @@ class _Replay:
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
                               "budget": args.budget, "frames_window": args.frames, "label": self.options.label,
-                              "stats": stats.to_dict(), "answers": self.answers,
+                              "stats": stats.to_dict(), "answers": self.answers, "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)
         elif error is None:
-            print(f"\n{self.stream.frames} frames, {self.stream.tokens} tokens, {self.options.label}, carried "
+            print(f"\n{self.stream.frames} frames{' (stopped at max_cache_bytes)' if self.cache_full else ''}, "
+                  f"{self.stream.tokens} tokens, {self.options.label}, carried "
                   f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
                   + (f"; saved to {where}" if where else ""), flush=True)
 

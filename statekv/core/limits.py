@@ -8,7 +8,8 @@ carried-state checkpoints (`StreamStats` says how much of each).
 
 ``refuse`` (the default)
     The step is refused with a one-line `CacheLimitError` naming the cap before anything changes: nothing
-    streamed is lost and the stream still answers.
+    streamed is lost and the stream still answers (`VideoQA.encode` stops there, the error carrying what it
+    encoded).
 ``evict-oldest``
     The oldest steps (frames) are evicted until the step fits.
 ``evict-least-attended``
@@ -105,9 +106,10 @@ class CacheKeeper:
             return []
         cap = f"max_cache_bytes={format_bytes(self.limit.max_bytes)}"
         if not self.limit.evicts:
-            raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) would take the detailed cache past "
-                                  f"{cap} (holding {format_bytes(self.held_bytes)}); nothing was streamed, and "
-                                  "what was still answers (choose an evicting cache_limit to keep streaming)")
+            raise CacheLimitError(f"{self.name}: the detailed cache is full ({cap}, holding "
+                                  f"{format_bytes(self.held_bytes)}): a step of {chunk_len} more tokens was refused; "
+                                  "everything streamed before it is kept and can be asked about (an evicting "
+                                  "cache_limit keeps streaming)")
         chosen, freed = [], 0
         for step, length in self._candidates():
             if freed >= needed:
