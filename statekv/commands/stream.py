@@ -139,7 +139,7 @@ class _Replay:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              "budget": args.budget, "frames_window": args.frames, "label": self.options.label,
+                              "budget": self.options.budget, "frames_window": args.frames, "label": self.options.label,
                               "stats": stats.to_dict(), "answers": self.answers,
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)
