@@ -139,6 +139,29 @@ def test_bad_options(files, capsys):
     assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "1.5"])
 
 
+def test_cache_option_errors_name_the_flags_on_the_command_line_and_the_arguments_in_python(files, capsys, tmp_path):
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"])]
+    cases = [(["--offload", "disk"], "--offload disk needs --offload-dir (the folder for each stream's files)",
+              dict(offload="disk"), "offload='disk' needs offload_dir (the folder for each stream's files)"),
+             (["--cache-limit", "evict-oldest"], "--cache-limit evict-oldest needs --max-cache-bytes (the cap it acts at)",
+              dict(cache_limit="evict-oldest"), "cache_limit=evict-oldest needs max_cache_bytes (the cap it acts at)"),
+             (["--offload-dir", str(tmp_path)], f"--offload-dir {tmp_path} is only used with --offload disk",
+              dict(offload_dir=str(tmp_path)), f"offload_dir='{tmp_path}' is only used with offload='disk'"),
+             (["--max-cache-bytes", "1M", "--cache-limit", "evict-oldest"],
+              "--cache-limit evict-oldest needs the detailed cache offloaded (--offload or --offload disk)", None, None)]
+    for flags, on_command_line, arguments, in_python in cases:
+        assert main([*base, *flags]) == 2
+        message = _one_line_error(capsys.readouterr().err)
+        assert message.startswith(f"statekv answer: error: {on_command_line}"), message
+        if arguments is not None:
+            with pytest.raises(statekv.ConfigurationError) as refused:
+                statekv.ModelOptions(**arguments)
+            assert str(refused.value) == in_python
+    assert main([*base, "--max-cache-bytes", "1M", "--cache-limit", "evict-oldest", "--method", "rekv",
+                 "--max-new-tokens", "1"]) == 0  # rekv offloads its detailed cache: it can evict
+    capsys.readouterr()
+
+
 def test_answer_stats_print_each_stage(files, capsys):
     assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
                  "--vision-batch", "2", "--stats"]) == 0

@@ -218,7 +218,13 @@ class ModelOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
         """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        engine = {name: given.get(name, getattr(cls, name)) for name in ("offload", "offload_dir", "max_cache_bytes",
+                                                                        "cache_limit")}
+        offloaded = engine["offload"] if engine["offload"] is not None else method(given.get("method", cls.method)).offload
+        # on the command line, before the model loads, its problems named by their flags
+        check_cache_options(**engine, flags=True, offloaded=bool(offloaded))
+        return cls(**given)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
