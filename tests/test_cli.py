@@ -162,6 +162,18 @@ def test_cache_option_errors_name_the_flags_on_the_command_line_and_the_argument
     capsys.readouterr()
 
 
+def test_an_unknown_flag_names_its_subcommand_its_help_and_the_closest_flag(files, capsys):
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"])]
+    assert _usage_error(capsys, [*base, "--bugdet", "64"]) == (
+        "statekv answer: error: unrecognized arguments: --bugdet 64; did you mean --budget? (see statekv answer --help)")
+    assert _usage_error(capsys, [*base, "--zzzz"]) == (
+        "statekv answer: error: unrecognized arguments: --zzzz (see statekv answer --help)")
+    assert _usage_error(capsys, ["eval", "synthetic", "--model", "builtin", "--data-root", "d", "--out", "o",
+                                 "--bugdet=3"]).startswith("statekv eval synthetic: error: unrecognized arguments: "
+                                                           "--bugdet=3; did you mean --budget? (see statekv eval "
+                                                           "synthetic --help)")
+
+
 def test_answer_stats_print_each_stage(files, capsys):
     assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
                  "--vision-batch", "2", "--stats"]) == 0
