@@ -174,6 +174,17 @@ def test_an_unknown_flag_names_its_subcommand_its_help_and_the_closest_flag(file
                                                            "synthetic --help)")
 
 
+def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(files, capsys):
+    base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
+    assert main([*base, "--ask", "500:Why?", "--ask", "2:Why?"]) == 0  # the video is 5 s
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        "statekv stream: warning: --ask at 500 s is past the end of the video (5 s); asked after its last frame"]
+    assert captured.out.count("Q: Why?") == 2
+    assert main([*base, "--ask", "4:Why?"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_answer_stats_print_each_stage(files, capsys):
     assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
                  "--vision-batch", "2", "--stats"]) == 0
