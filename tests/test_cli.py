@@ -196,7 +196,7 @@ def test_answer_stats_print_each_stage(files, capsys):
 def test_stream_saves_what_it_streamed_before_a_broken_frame(files, tmp_path, capsys):
     broken = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
     saved = tmp_path / "kept.safetensors"
-    assert main(["stream", str(broken), "--ask", "100:Why?", "--model", str(files["model"]), "--max-fps", "4",
+    assert main(["stream", str(broken), "--ask", "9:Why?", "--model", str(files["model"]), "--max-fps", "4",
                  "--save", str(saved)]) == 2
     message = _one_line_error(capsys.readouterr().err)
     assert "cannot be decoded" in message and "saved to" in message
