@@ -732,7 +732,8 @@ def markdown(record: dict, embedded: bool = False) -> str:
     lines = [] if embedded else ["# statekv GPU suite", ""]
     lines += [("Smoke run on CPU: tiny shapes, no figure is a GPU figure." if record["smoke"] else
                "Command: `python benchmarks/gpu_suite.py` on the device below, from a bare machine."), "",
-             f"Device: {environment.get('device')} ({environment.get('device_memory_gib')} GiB)  ",
+             f"Device: {environment.get('device')}" + ("" if environment.get("device_memory_gib") is None else
+                                                        f" ({environment['device_memory_gib']} GiB)") + "  ",
              "Versions: " + ", ".join(f"{name} {environment.get(name)}" for name in
                                       ("python", "torch", "cuda", "triton", "transformers", "av", "statekv"))
              + f", commit {environment.get('commit')}  ",
@@ -750,7 +751,8 @@ def markdown(record: dict, embedded: bool = False) -> str:
         shown = "not measured" if value is None else f"{value:.3g}"
         if value is not None:
             met = value <= goal if better == "lower" else value >= goal
-            shown += " (met)" if met else " (short)"
+            # a smoke figure is tiny shapes on a CPU: set against a GPU goal, met or short would mean nothing
+            shown += " (smoke figure, not comparable)" if record["smoke"] else " (met)" if met else " (short)"
             if key == "prefill_ratio" and figures.get("prefill_ratio_estimated"):
                 shown += ", StateKV's time partly estimated"
             if figures.get(VARIANT_OF.get(key)):

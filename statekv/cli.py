@@ -9,6 +9,7 @@ fast.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -32,6 +33,27 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but arguments no parser took are refused by the subcommand that was given them, with
+        its help and the closest flag it has."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.given_command(parsed)
+            flags = [option for action in command._actions for option in action.option_strings]
+            given = next((extra.split("=", 1)[0] for extra in extras if extra.startswith("--")), None)
+            close = difflib.get_close_matches(given, flags, n=1) if given else []
+            hint = f"; did you mean {close[0]}?" if close else ""
+            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
+
+    def given_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost (sub)command ``parsed`` was given to (``statekv eval synthetic``'s parser)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                inner = action.choices[getattr(parsed, action.dest)]
+                return inner.given_command(parsed) if isinstance(inner, _Parser) else inner
+        return self
 
 
 def build_parser() -> argparse.ArgumentParser:

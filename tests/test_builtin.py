@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer, InternVLForConditionalGeneration
 
 import statekv
-from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
+from statekv.builtin import BUILTIN_BUDGET, WEIGHTS_DIR, builtin_checkpoint
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
+from statekv.errors import ConfigurationError
 from statekv.eval.runner import EvalConfig, run_evaluation
 from statekv.synthetic.benchmark import make_benchmark, write_video
 from statekv.synthetic.plans import plan_video
@@ -42,6 +43,26 @@ def test_shipped_weights_are_a_small_internvl3_loaded_by_from_pretrained(qa):
     assert tokenizer.decode(tokenizer(text).input_ids) == text
     for word in [*COLOURS, *SHAPES, "video", "shown", "quarter"]:  # the questions' words are single tokens
         assert len(tokenizer.tokenize(" " + word)) == 1, word
+
+
+def test_the_built_in_model_carries_its_own_budget_unless_one_is_given(qa):
+    assert BUILTIN_BUDGET == 64
+    assert statekv.VideoQA.from_pretrained("builtin").policy == statekv.StateKV(budget=BUILTIN_BUDGET)
+    assert qa.with_options(method="statekv").policy == statekv.StateKV(budget=BUILTIN_BUDGET)
+    assert qa.with_options(method="statekv", budget=4096).policy == statekv.StateKV(budget=4096)
+    config = EvalConfig.for_model("synthetic", "builtin", "data", "runs/x", method="statekv")
+    assert config.options.budget == BUILTIN_BUDGET
+
+
+def test_a_misspelt_option_is_refused_naming_the_options_only(qa):
+    """The known options listed are ModelOptions' fields, never its class variables (SETTINGS, ENGINE)."""
+    with pytest.raises(ConfigurationError, match="unknown option 'bugdet': not a statekv option") as refused:
+        statekv.VideoQA.from_pretrained("builtin", bugdet=3)
+    with pytest.raises(ConfigurationError, match="unknown option 'SETTINGS' for with_options") as changed:
+        qa.with_options(SETTINGS=())
+    for message in (str(refused.value), str(changed.value)):
+        listed = message.split("(")[1].split(")")[0] if "(" in message else message.split("known: ")[1]
+        assert "budget" in listed.split(", ") and "SETTINGS" not in listed and "ENGINE" not in listed
 
 
 def test_shipped_weights_answer_held_out_questions_under_full_attention(qa, tmp_path):

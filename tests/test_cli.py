@@ -201,6 +201,52 @@ def test_bad_options(files, capsys):
     assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "1.5"])
 
 
+def test_cache_option_errors_name_the_flags_on_the_command_line_and_the_arguments_in_python(files, capsys, tmp_path):
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"])]
+    cases = [(["--offload", "disk"], "--offload disk needs --offload-dir (the folder for each stream's files)",
+              dict(offload="disk"), "offload='disk' needs offload_dir (the folder for each stream's files)"),
+             (["--cache-limit", "evict-oldest"], "--cache-limit evict-oldest needs --max-cache-bytes (the cap it acts at)",
+              dict(cache_limit="evict-oldest"), "cache_limit=evict-oldest needs max_cache_bytes (the cap it acts at)"),
+             (["--offload-dir", str(tmp_path)], f"--offload-dir {tmp_path} is only used with --offload disk",
+              dict(offload_dir=str(tmp_path)), f"offload_dir='{tmp_path}' is only used with offload='disk'"),
+             (["--max-cache-bytes", "1M", "--cache-limit", "evict-oldest"],
+              "--cache-limit evict-oldest needs the detailed cache offloaded (--offload or --offload disk)", None, None)]
+    for flags, on_command_line, arguments, in_python in cases:
+        assert main([*base, *flags]) == 2
+        message = _one_line_error(capsys.readouterr().err)
+        assert message.startswith(f"statekv answer: error: {on_command_line}"), message
+        if arguments is not None:
+            with pytest.raises(statekv.ConfigurationError) as refused:
+                statekv.ModelOptions(**arguments)
+            assert str(refused.value) == in_python
+    assert main([*base, "--max-cache-bytes", "1M", "--cache-limit", "evict-oldest", "--method", "rekv",
+                 "--max-new-tokens", "1"]) == 0  # rekv offloads its detailed cache: it can evict
+    capsys.readouterr()
+
+
+def test_an_unknown_flag_names_its_subcommand_its_help_and_the_closest_flag(files, capsys):
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"])]
+    assert _usage_error(capsys, [*base, "--bugdet", "64"]) == (
+        "statekv answer: error: unrecognized arguments: --bugdet 64; did you mean --budget? (see statekv answer --help)")
+    assert _usage_error(capsys, [*base, "--zzzz"]) == (
+        "statekv answer: error: unrecognized arguments: --zzzz (see statekv answer --help)")
+    assert _usage_error(capsys, ["eval", "synthetic", "--model", "builtin", "--data-root", "d", "--out", "o",
+                                 "--bugdet=3"]).startswith("statekv eval synthetic: error: unrecognized arguments: "
+                                                           "--bugdet=3; did you mean --budget? (see statekv eval "
+                                                           "synthetic --help)")
+
+
+def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(files, capsys):
+    base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
+    assert main([*base, "--ask", "500:Why?", "--ask", "2:Why?"]) == 0  # the video is 5 s
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        "statekv stream: warning: --ask at 500 s is past the end of the video (5 s); asked after its last frame"]
+    assert captured.out.count("Q: Why?") == 2
+    assert main([*base, "--ask", "4:Why?"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_answer_stats_print_each_stage(files, capsys):
     assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
                  "--vision-batch", "2", "--stats"]) == 0
@@ -212,7 +258,7 @@ def test_answer_stats_print_each_stage(files, capsys):
 def test_stream_saves_what_it_streamed_before_a_broken_frame(files, tmp_path, capsys):
     broken = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
     saved = tmp_path / "kept.safetensors"
-    assert main(["stream", str(broken), "--ask", "100:Why?", "--model", str(files["model"]), "--max-fps", "4",
+    assert main(["stream", str(broken), "--ask", "9:Why?", "--model", str(files["model"]), "--max-fps", "4",
                  "--save", str(saved)]) == 2
     message = _one_line_error(capsys.readouterr().err)
     assert "cannot be decoded" in message and "saved to" in message

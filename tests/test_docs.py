@@ -261,6 +261,29 @@ def test_every_statekv_command_in_the_readme_parses_and_the_offline_ones_run(tmp
         process.wait(timeout=60)
 
 
+def test_the_readmes_builtin_answer_example_runs_as_written_and_answers_its_question(tmp_path):
+    """The README's ``statekv answer ... --model builtin`` (and the ``synthetic make`` that makes its video), run by
+    bash as written: the built-in model answers the multiple-choice question with the letter the comment shows,
+    under its own budget (64) when none is given."""
+    lines = [line for language, text in blocks(README) if language == "bash" for line in logical_lines(text)]
+    answer = next(line for line in lines if line.startswith("statekv answer") and "--model builtin" in line)
+    video = statekv_argv(answer)[1]
+    make = next(line for line in lines if line.startswith("statekv synthetic make")
+                and video.startswith(statekv_argv(line)[statekv_argv(line).index("--out") + 1]))
+    expected = answer.rsplit("#", 1)[1].strip()
+    script = (f'statekv() {{ "{sys.executable}" -m statekv.cli "$@"; }}\n{make.split("#")[0]}\n'
+              f'{answer.rsplit("#", 1)[0]} --json\n')
+    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    printed = json.loads(result.stdout[result.stdout.index("{"):])  # after the line `synthetic make` prints
+    assert printed["budget"] == 64 and printed["label"] == "StateKV B=64"
+    assert [a["answer"].strip() for a in printed["answers"]] == [expected]
+    assert printed["answers"][0]["question"].endswith("D. yellow\nAnswer with the letter.")
+
+
 def test_the_readme_shows_what_statekv_demo_prints(tmp_path):
     """README's demo output, run as written: every line but the timings (masked) is the demo's own."""
     shown = next(text for language, text in blocks(README) if language == "text" and "accuracy" in text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,6 +34,32 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert [row["tier"] for row in sections["cache tiers"]["rows"]] == ["model dtype", "int4", "disk", "disk int4"]
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "Smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report
+    assert "(met)" not in report and "(short)" not in report and "None GiB" not in report
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_report_sets_only_gpu_figures_against_the_goals_and_shows_memory_only_when_known():
+    suite = _suite()
+    figures = {key: goal for key, (goal, _, _) in suite.GOALS.items()}  # each exactly at its goal: met
+    record = {"smoke": True, "elapsed_s": 1, "budget_s": 300, "sections": [
+        {"name": "all", "status": "ok", "reason": None, "seconds": 1, "rows": [], "figures": figures}],
+        "environment": {"device": "cpu (smoke)", "device_memory_gib": None}}
+    smoke = suite.markdown(record)
+    goals = [line for line in smoke.splitlines() if line.startswith("| ") and "figure |" not in line][:len(figures)]
+    assert len(goals) == len(figures) and all("(smoke figure, not comparable)" in line for line in goals), goals
+    assert "(met)" not in smoke and "(short)" not in smoke
+    assert "Device: cpu (smoke)  " in smoke and "GiB" not in smoke
+    gpu = suite.markdown({**record, "smoke": False,
+                          "environment": {"device": "NVIDIA H100", "device_memory_gib": 79.1}})
+    assert gpu.count("(met)") == len(figures) and "not comparable" not in gpu
+    assert "Device: NVIDIA H100 (79.1 GiB)" in gpu
 
 
 def test_a_missing_device_is_one_line_and_nothing_runs(tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import pytest
 
+from statekv.builtin import BUILTIN_BUDGET
 from statekv.errors import ConfigurationError
 from statekv.flops import Method
 from statekv.settings.methods import MethodSettings
@@ -74,6 +75,18 @@ def test_the_method_sizes_take_their_defaults_and_checks_from_method_settings():
     with pytest.raises(ConfigurationError, match="sinks must be a non-negative integer, got -1"):
         ModelOptions(sinks=-1)
     assert ModelOptions(sinks=0).settings.sinks == 0
+
+
+def test_the_built_in_model_gets_its_own_budget_when_none_is_given_everywhere():
+    assert (ModelOptions(model="builtin").budget, ModelOptions(model="ckpt").budget) == (BUILTIN_BUDGET, 4096)
+    assert ModelOptions(model="builtin", budget=4096).budget == 4096  # given: kept, even the engine's default
+    assert ModelOptions.from_strings({"model": "builtin"}).settings == MethodSettings(budget=BUILTIN_BUDGET)
+    assert ModelOptions.from_args(_parser(ModelOptions).parse_args(["--model", "builtin"])).budget == BUILTIN_BUDGET
+    assert "(default: 64 for the built-in model, else 4096)" in " ".join(_parser(ModelOptions).format_help().split())
+    assert ModelOptions(model="builtin", method="recency").unused() == []  # its own default is no given budget
+    assert ModelOptions(model="builtin", method="recency", budget=4096).unused() == ["budget"]
+    with pytest.raises(ConfigurationError, match="budget must be a positive integer, got 0"):
+        ModelOptions(model="builtin", budget=0)
 
 
 def test_the_flops_method_sizes_are_method_settings():

@@ -8,6 +8,7 @@ layout state, the model and the engine (`EngineSettings`, whole); loading checks
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         "pushed": stream.pushed, "next_tick": stream.next_tick, "last_timestamp": stream.last_timestamp,
         "pending": [[frame.index, frame.timestamp] for frame in stream.pending],
         "state": stream.state.to_dict(), "stats": {k: v for k, v in stream.stats.to_dict().items()
-                                                   if k in EncodingStats.__dataclass_fields__},
+                                                   if k in {field.name for field in fields(EncodingStats)}},
         "cache": cache_metadata,
     }
     return write_verified(path, tensors, metadata)

@@ -14,7 +14,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from .recent import RecentFrames
 from .stream import Stream
 from ..values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
+
+OPTION_NAMES = tuple(field.name for field in fields(ModelOptions))  # its settings: not its ClassVars (SETTINGS...)
 
 
 def make_policy(method_name: str, *, budget: int = MethodSettings.budget, frames: int = MethodSettings.frames,
@@ -100,7 +102,7 @@ class VideoQA:
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
             from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`.
         """
-        known = set(ModelOptions.__dataclass_fields__) - {"model"}
+        known = set(OPTION_NAMES) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
         settings = {name: value for name, value in options.items() if name in known}
         return cls.from_options(ModelOptions(model=str(model), **settings), **model_kwargs)
@@ -120,7 +122,7 @@ class VideoQA:
             if not refused or "unexpected keyword argument" not in str(error):
                 raise
             raise ConfigurationError(f"unknown option {refused[0]!r}: not a statekv option "
-                                     f"({', '.join(ModelOptions.__dataclass_fields__)}), and the model's "
+                                     f"({', '.join(OPTION_NAMES)}), and the model's "
                                      "from_pretrained does not take it") from None
         return cls.with_adapter(adapter, options)
 
@@ -137,9 +139,9 @@ class VideoQA:
     def with_options(self, **changes: Any) -> "VideoQA":
         """This VideoQA's model under other settings (another method, budget...), without loading it again."""
         base = self.options or ModelOptions(method=self.method if self.method in method_names() else "statekv")
-        unknown = sorted(set(changes) - set(ModelOptions.__dataclass_fields__) - {"model"})
+        unknown = sorted(set(changes) - set(OPTION_NAMES) - {"model"})
         if unknown:
-            known = ", ".join(name for name in ModelOptions.__dataclass_fields__ if name != "model")
+            known = ", ".join(name for name in OPTION_NAMES if name != "model")
             raise ConfigurationError(f"unknown option {unknown[0]!r} for with_options; known: {known}")
         return VideoQA.with_adapter(self.adapter, replace(base, **changes))
 

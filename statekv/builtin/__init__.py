@@ -18,6 +18,9 @@ from ..errors import MissingFileError
 
 BUILTIN_NAME = "builtin"
 BUILTIN_LAYOUT = "chat"
+# Its default StateKV budget, in tokens per layer and KV head: 16 of its 4-token frames (recency's default window).
+# The engine's default (4096) would carry every token of any video it can hold, so StateKV would choose nothing.
+BUILTIN_BUDGET = 64
 WEIGHTS_DIR = Path(__file__).resolve().with_name("weights")
 
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
     stats = video.stats
     if args.json:
-        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": args.budget,
+        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": options.budget,
                     "frames_window": args.frames, "label": options.label, "stats": stats.to_dict(),
                     "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})

@@ -21,14 +21,15 @@ from pathlib import Path
 from ..console import add_output_arguments, print_json, quiet_libraries
 from ..errors import ConfigurationError, OutputError
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
+from ..builtin import BUILTIN_BUDGET
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
-from .defaults import BUILTIN_WINDOW, builtin_budget
 
 DEMO_SET = "demo-synthetic-v3"
 DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
 DEMO_VIDEOS = 12
 GROWTH_VIDEOS = 4  # videos fed back to back into the stream whose per-frame cost is shown
 OTHER_BUDGET, OTHER_WINDOW = 256, 4
+BUILTIN_WINDOW = 16  # frames: the built-in model's 4-token frames, as many as its budget holds (BUILTIN_BUDGET)
 METHOD_NAMES = {"full": "full attention", "recency": "recency", "statekv": "StateKV"}
 DEFAULT_QUESTION = "What happens in this video?"
 
@@ -47,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}); without "
                              "--video the demo asks the held-out videos' own questions")
     parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
-                        help="StateKV budget in tokens (default: 64 for the built-in model, "
+                        help=f"StateKV budget in tokens (default: {BUILTIN_BUDGET} for the built-in model, "
                              f"else {OTHER_BUDGET})")
     parser.add_argument("--frames", type=POSITIVE_INT, default=None, metavar="R",
                         help=f"recency window in frames (default: {BUILTIN_WINDOW} for the built-in model, "
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     model = args.model or BUILTIN_NAME
     builtin = is_builtin(model)
-    budget = builtin_budget(model, args.budget, OTHER_BUDGET)
+    budget = args.budget or (BUILTIN_BUDGET if builtin else OTHER_BUDGET)
     window = args.frames or (BUILTIN_WINDOW if builtin else OTHER_WINDOW)
     plot_path = Path(args.plot) if args.plot else cache_dir() / "demo.png"
     videos = None if args.video else demo_set(args.videos)

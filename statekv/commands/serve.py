@@ -12,10 +12,8 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
-from ..settings.methods import MethodSettings
 from ..settings.options import ModelOptions
 from ..values import POSITIVE_FLOAT, POSITIVE_INT
-from .defaults import BUILTIN_BUDGET, builtin_budget
 
 SCALE_ON = ("streams", "requests")
 
@@ -28,12 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "streams are kept in --state-dir and come back after a restart. Every /v1 route needs an "
                     "API key (Authorization: Bearer KEY).",
     )
-    model_group = ModelOptions.add_arguments(parser, model_required=False)
-    for action in model_group._group_actions:  # argparse keeps a group's actions only there
-        if action.dest == "budget":
-            action.help = (f"statekv, keynorm: tokens carried per layer and KV head (default: {BUILTIN_BUDGET} for "
-                           f"the built-in model, else {MethodSettings.budget})")
-    parser.set_defaults(model="builtin", budget=None)
+    ModelOptions.add_arguments(parser, model_required=False)
+    parser.set_defaults(model="builtin")
     group = parser.add_argument_group("service")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
@@ -115,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_config(args: argparse.Namespace):
-    """The service's settings from the command line (``--budget`` defaulted for the built-in model), with the key
+    """The service's settings from the command line (``--budget`` defaulted to the model's own,
+    `statekv.settings.options.default_budget`), with the key
     made for the state folder (printed at once) if it has none and none was given: ``(config, made, keys)``."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys
     from ..serve.store import check_state_folder
 
-    args.budget = builtin_budget(args.model, args.budget, MethodSettings.budget)
     options = ModelOptions.from_args(args)
     state_dir = Path(args.state_dir or "statekv-state")
     media_root = None

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
         raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
+    warn_past_the_end(args.ask, video.duration)
     horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
     quiet_libraries()
     qa = VideoQA.from_options(options)
@@ -81,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
         raise
     replay.finish()
     return 0
+
+
+def warn_past_the_end(asks: list[tuple[float, str]], duration: float | None) -> None:
+    """One line on stderr when questions are timed after the video ends (they are asked after its last frame)."""
+    late = sorted(time for time, _ in asks if duration and time > duration)
+    if late:
+        times = ", ".join(f"{time:g} s" for time in late)
+        print(f"statekv stream: warning: --ask at {times} is past the end of the video ({duration:g} s); asked "
+              "after its last frame", file=sys.stderr, flush=True)
 
 
 class _Replay:
@@ -157,7 +167,7 @@ class _Replay:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              "budget": args.budget, "frames_window": args.frames, "label": self.options.label,
+                              "budget": self.options.budget, "frames_window": args.frames, "label": self.options.label,
                               "stats": stats.to_dict(), "answers": self.answers, "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)

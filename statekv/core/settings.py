@@ -62,19 +62,37 @@ def check_folder(value: Any, name: str) -> Any:
     return value
 
 
-def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, cache_limit: Any) -> None:
-    """Where the detailed cache goes and its cap, checked together (one-line `ConfigurationError`)."""
+def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, cache_limit: Any, *,
+                        flags: bool = False, offloaded: bool | None = None) -> None:
+    """Where the detailed cache goes and its cap, checked together (one-line `ConfigurationError`). flags: name
+    the settings by their command-line flags (``--offload disk needs --offload-dir``), not as Python arguments.
+    offloaded: whether the method's detailed cache leaves the model's device, when known before the engine is
+    made (an evicting cap needs it to)."""
+
+    def named(name: str, value: Any = None, python: str = "") -> str:
+        if not flags:
+            return f"{name}{python}"
+        flag = next(setting.flag for setting in ENGINE_SETTINGS if setting.name == name)
+        return flag if value is None else f"{flag} {value}"
+
     if offload == "disk":
         if offload_dir is None:
-            raise ConfigurationError("offload='disk' needs offload_dir (the folder for each stream's files)")
-        check_output_dir(offload_dir, "offload_dir")
+            raise ConfigurationError(f"{named('offload', 'disk', '=' + repr('disk'))} needs {named('offload_dir')} "
+                                     "(the folder for each stream's files)")
+        check_output_dir(offload_dir, named("offload_dir"))
     elif offload_dir is not None:
-        raise ConfigurationError(f"offload_dir={offload_dir!r} is only used with offload='disk'")
+        raise ConfigurationError(f"{named('offload_dir', offload_dir, '=' + repr(offload_dir))} is only used with "
+                                 f"{named('offload', 'disk', '=' + repr('disk'))}")
     if max_cache_bytes is not None:
-        check_int(max_cache_bytes, "max_cache_bytes")
-    check_choice(cache_limit, "cache_limit", CACHE_LIMITS)
+        check_int(max_cache_bytes, named("max_cache_bytes"))
+    check_choice(cache_limit, named("cache_limit"), CACHE_LIMITS)
     if cache_limit != DEFAULT_CACHE_LIMIT and max_cache_bytes is None:
-        raise ConfigurationError(f"cache_limit={cache_limit} needs max_cache_bytes (the cap it acts at)")
+        raise ConfigurationError(f"{named('cache_limit', cache_limit, '=' + str(cache_limit))} needs "
+                                 f"{named('max_cache_bytes')} (the cap it acts at)")
+    if offloaded is False and cache_limit.startswith("evict") and max_cache_bytes is not None:
+        where = f"{named('offload')} or {named('offload', 'disk')}" if flags else "offload=True or offload='disk'"
+        raise ConfigurationError(f"{named('cache_limit', cache_limit, '=' + str(cache_limit))} needs the detailed "
+                                 f"cache offloaded ({where}); with the model it can only refuse")
 
 
 ENGINE_SETTINGS: tuple[Setting, ...] = (

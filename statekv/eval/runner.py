@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,7 @@ class EvalConfig:
                   **settings: Any) -> "EvalConfig":
         """A config from a checkpoint and flat settings: `ModelOptions` fields go to the options, the rest to the
         config (``EvalConfig.for_model("mlvu", "ckpt", "data", "runs/x", method="recency", limit=10)``)."""
-        known = set(ModelOptions.__dataclass_fields__)
+        known = {field.name for field in fields(ModelOptions)}
         options = ModelOptions(model=str(model), **{k: v for k, v in settings.items() if k in known})
         return cls(benchmark, options, Path(data_root), Path(out),
                    **{k: v for k, v in settings.items() if k not in known})

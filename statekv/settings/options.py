@@ -11,7 +11,7 @@ help): the dataclass field, its check when the object is made (before any model 
 and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
 entries of `statekv.core.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
 `EngineSettings` a `VideoQA` hands to every stream. A method's sizes (budget, frames, sinks) take their defaults
-and checks from `MethodSettings`.
+and checks from `MethodSettings`, but for the budget of the built-in model, its own (`default_budget`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
+from ..builtin import BUILTIN_BUDGET, is_builtin
 from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
 from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from ..errors import ConfigurationError
@@ -48,6 +49,12 @@ def method_size(name: str, metavar: str, help: str) -> Setting:
                    check=lambda value, _: MethodSettings(**{name: value}))
 
 
+def default_budget(model: str | None) -> int:
+    """The budget a setup gets when none is given: the built-in model's own (`BUILTIN_BUDGET`), else
+    `MethodSettings`' default."""
+    return BUILTIN_BUDGET if is_builtin(model) else MethodSettings.budget
+
+
 def _method_help() -> str:
     methods = "; ".join(f"{name}: {method(name).summary}" for name in method_names())
     return "(default: %(default)s) " + methods.replace("%", "%%")
@@ -64,7 +71,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
     Setting("model", None, TEXT.optional, "checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or "
             "builtin: the small InternVL3 trained here on synthetic videos", "M"),
     Setting("method", "statekv", one_of(method_names), _method_help),
-    method_size("budget", "B", "statekv, keynorm: tokens carried per layer and KV head (default: %(default)s)"),
+    Setting("budget", None, MethodSettings.kind("budget").optional,
+            f"statekv, keynorm: tokens carried per layer and KV head (default: {BUILTIN_BUDGET} for the built-in "
+            f"model, else {MethodSettings.budget})", "B",
+            check=lambda value, _: value is None or MethodSettings(budget=value)),
     method_size("frames", "R", "recency, rekv: the window of frames carried (default: %(default)s)"),
     method_size("sinks", "N", "rekv: attention-sink tokens kept after the prompt prefix (default: %(default)s)"),
     method_size("window", "N", "simplestream: each question sees the last N frames only, encoded afresh with it "
@@ -102,9 +112,9 @@ SETTINGS = options_table()
 class ModelOptions:
     """How to build a `VideoQA`; its fields are `SETTINGS`.
 
-    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens),
-    frames (the recency window R, in frames) and sinks (ReKV) size it. retrieve: frames per layer each question is
-    answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the rule
+    model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens;
+    None: `default_budget`, 64 for the built-in model, else 4096), frames (the recency window R, in frames) and
+    sinks (ReKV) size it. retrieve: frames per layer each question is answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the rule
     that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for ``rekv``
     and ``attention`` for the others). layout: the family's prompt layout. dtype, device: where the model runs
     (default: the checkpoint's dtype; CUDA when available). The engine's settings (`EngineSettings`: attention,
@@ -119,6 +129,8 @@ class ModelOptions:
     def __post_init__(self) -> None:
         for setting in self.SETTINGS:
             setting.validate(getattr(self, setting.name))
+        if self.budget is None:  # not given: the model's own default
+            object.__setattr__(self, "budget", default_budget(self.model))
         if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
             object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
         check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
@@ -170,8 +182,9 @@ class ModelOptions:
     def unused(self) -> list[str]:
         """The settings given values this setup never reads: a method's size other than its default for a method
         that does not use it (``budget`` under ``recency``), a ``retrieval`` rule when nothing is retrieved."""
+        defaults = {**{size.name: size.default for size in fields(MethodSettings)}, "budget": default_budget(self.model)}
         sizes = [size.name for size in fields(MethodSettings) if size.name not in self.spec.uses
-                 and getattr(self, size.name) != getattr(MethodSettings, size.name)]
+                 and getattr(self, size.name) != defaults[size.name]]
         return sizes + (["retrieval"] if self.retrieval is not None and self.retrieve_frames is None else [])
 
     def check_all_used(self) -> None:
@@ -205,7 +218,13 @@ class ModelOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
         """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        engine = {name: given.get(name, getattr(cls, name)) for name in ("offload", "offload_dir", "max_cache_bytes",
+                                                                        "cache_limit")}
+        offloaded = engine["offload"] if engine["offload"] is not None else method(given.get("method", cls.method)).offload
+        # on the command line, before the model loads, its problems named by their flags
+        check_cache_options(**engine, flags=True, offloaded=bool(offloaded))
+        return cls(**given)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
