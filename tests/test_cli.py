@@ -144,7 +144,7 @@ def test_stream_at_the_cache_cap_answers_every_question_left(files, capsys, tmp_
     capsys.readouterr()
     saved = tmp_path / "capped.safetensors"
     assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--ask", "0:First?",
-                 "--ask", "2.5:Later?", "--ask", "99:At the end?", "--max-new-tokens", "2",
+                 "--ask", "2.5:Later?", "--ask", "4.5:At the end?", "--max-new-tokens", "2",
                  "--max-cache-bytes", str(cap), "--save", str(saved), "--json"]) == 0
     captured = capsys.readouterr()
     warning = (f"statekv stream: warning: {files['video']}: the detailed cache is full at frame 3 "
@@ -155,7 +155,7 @@ def test_stream_at_the_cache_cap_answers_every_question_left(files, capsys, tmp_
     assert [line["event"] for line in lines] == ["answer"] * 3 + ["summary"]
     answers = lines[-1]["answers"]
     assert [(a["time"], a["frames"], a["after_cap"]) for a in answers] == [(0.0, 1, False), (2.5, 2, True),
-                                                                            (99.0, 2, True)]
+                                                                            (4.5, 2, True)]
     assert lines[-1]["stopped"] == warning.split("warning: ", 1)[1] and lines[-1]["error"] is None
     qa = statekv.VideoQA.from_pretrained(files["model"], max_cache_bytes=cap)
     assert statekv.Stream.load(saved, qa).frames == 2
