@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -62,7 +63,8 @@ def one_line(error: BaseException) -> str:
 
 def run_command(name: str, run: Callable[[], int | None]) -> int:
     """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130,
-    SIGTERM / SIGHUP 128 + their number (after the command kept its work, as on Ctrl-C)."""
+    SIGTERM / SIGHUP 128 + their number (after the command kept its work, as on Ctrl-C), a closed stdout (its
+    reader left) 128 + SIGPIPE, silently."""
     try:
         with signals_stop_like_ctrl_c():
             return run() or 0
@@ -75,3 +77,7 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"statekv {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`statekv ... | head`): stop quietly, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again, with a traceback
+        return 128 + signal.SIGPIPE

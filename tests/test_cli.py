@@ -315,3 +315,17 @@ def test_a_torchvision_built_for_another_torch_is_named(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: torchvision is installed but does not load with torch ")
     assert "operator torchvision::nms does not exist" in last and "pip uninstall torchvision" in last
+
+
+def test_a_reader_that_leaves_early_stops_the_command_quietly():
+    """`statekv ... | head`: the closed pipe ends the command with 128 + SIGPIPE and no traceback."""
+    import signal
+
+    program = ("import sys\nfrom statekv.console import run_command\n"
+               "sys.exit(run_command('flops', lambda: [print('x' * 1000) for _ in range(10_000)] and 0))")
+    reader = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    reader.stdout.read(10)
+    reader.stdout.close()  # the reader leaves
+    assert reader.wait(timeout=120) == 128 + signal.SIGPIPE
+    assert reader.stderr.read() == b""
