@@ -8,6 +8,7 @@ default for the built-in model is StateKV with a budget of 64 tokens, so the str
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -451,6 +452,68 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
         assert not list((state / "streams").glob(f"{made_stream}*"))
     finally:
         dropped.stop()
+
+
+def _serve(folder: Path, *arguments: str) -> subprocess.CompletedProcess:
+    """``statekv serve --model builtin ...`` run in ``folder`` without a key in the environment, to its end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("STATEKV_API_KEYS", None)
+    command = [sys.executable, "-m", "statekv.cli", "serve", "--model", "builtin", *arguments]
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, env=env, timeout=120)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in folder.rglob("*") if path.is_file()}
+
+
+def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_path, media):
+    state = tmp_path / "state"
+    first = Server(state, media, "--no-page", "--save-every-seconds", "3600", keys=()).start()
+    key = re.search(r"API key (\S+) \(made for", first.printed()).group(1)
+    try:
+        with first.client(key) as client:
+            stream = _create(client)
+            for frame in _frames(5, 3):
+                client.post(f"/v1/streams/{stream}/frames", content=_png(frame),
+                            headers={"Content-Type": "image/png"}).raise_for_status()
+        before = _files(state)
+        refused = _serve(tmp_path, "--port", "0", "--state-dir", str(state))  # the folder's key: it could serve it
+        assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+        assert refused.stderr.count("\n") == 1 and refused.stderr.startswith(
+            f"statekv serve: error: the state folder {state} is in use by statekv serve on {first.url} (process "
+            f"{first.process.pid} on "), refused.stderr
+        assert refused.stderr.rstrip().endswith("one state folder has one server: stop that one, or give this one "
+                                                "another --state-dir")
+        assert _files(state) == before
+        assert httpx.get(f"{first.url}/health", timeout=10).status_code == 200
+    finally:
+        first.stop()
+    again = Server(state, media, "--no-page", keys=()).start()  # the lock went with its server
+    try:
+        with again.client(key) as client:
+            listed = client.get("/v1/streams").json()["data"]
+        assert [(s["id"], s["frames"]) for s in listed] == [(stream, 3)]  # the first server's frames, all kept
+    finally:
+        again.stop()
+
+
+def test_a_port_in_use_or_a_host_not_of_this_machine_stops_a_start_at_once(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = _serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), "--state-dir", "state")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == (f"statekv serve: error: cannot listen on 127.0.0.1:{port}: "
+                              f"{os.strerror(errno.EADDRINUSE)}; another process listens there: stop it, or give "
+                              "another --port (0 picks a free one)\n")
+    assert not (tmp_path / "state").exists()  # no folder, no key: the model never loaded either
+    elsewhere = _serve(tmp_path, "--host", "203.0.113.7", "--port", "0", "--state-dir", "state")  # TEST-NET-3
+    assert elsewhere.returncode == 2 and elsewhere.stdout == "", elsewhere.stdout + elsewhere.stderr
+    assert elsewhere.stderr.count("\n") == 1 and elsewhere.stderr.startswith(
+        "statekv serve: error: cannot listen on 203.0.113.7:0: "), elsewhere.stderr
+    assert not (tmp_path / "state").exists()
 
 
 def test_a_slow_client_does_not_hold_up_others(server):

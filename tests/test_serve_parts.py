@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ from statekv.serve.app import check_owners  # noqa: E402
 from statekv.serve.auth import KeyFile, KeyRing, owner_of  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
 from statekv.serve.errors import public_message  # noqa: E402
-from statekv.serve.store import StreamFiles  # noqa: E402
+from statekv.serve.store import StreamFiles, hold_state_folder  # noqa: E402
 from statekv.serve.worker import ModelWorker  # noqa: E402
 
 
@@ -72,6 +74,22 @@ def test_streams_no_accepted_key_owns_stop_a_start_or_are_dropped(tmp_path):
     config.drop_unowned_streams = True
     check_owners(config, KeyRing.for_folder(tmp_path, ["alice"]))
     assert files.owners() == {owner_of("alice"): 1} and not files.state_path("st_" + "b" * 24).exists()
+
+
+def test_a_state_folder_has_one_server_at_a_time(tmp_path):
+    state = tmp_path / "state"
+    held = hold_state_folder(state, "statekv serve on http://127.0.0.1:1")  # a folder never served: made
+    try:
+        with pytest.raises(ConfigurationError, match=rf"^the state folder {re.escape(str(state))} is in use by statekv serve on "
+                                                     rf"http://127\.0\.0\.1:1 \(process {os.getpid()} on .*; one "
+                                                     "state folder has one server"):
+            hold_state_folder(state, "statekv serve on http://127.0.0.1:2")
+    finally:
+        held.release()
+    hold_state_folder(state, "statekv serve on http://127.0.0.1:2").release()  # free once its holder let go
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigurationError, match="^--state-dir .*a-file/sub: cannot use it as the state folder"):
+        hold_state_folder(tmp_path / "a-file" / "sub", "statekv serve")
 
 
 @pytest.mark.parametrize("same_file_system", [True, False])

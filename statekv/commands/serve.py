@@ -6,8 +6,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -91,27 +91,59 @@ def run(args: argparse.Namespace) -> int:
     from ..console import quiet_libraries
     from ..serve import create_app
 
-    config, made, keys = serve_config(args)
-    cluster = cluster_settings(args)
-    key_note = None if made or keys else (
-        f"statekv serve: using the API key made for {config.state_dir} when it was first served (shown then); the "
-        "page remembers it, or pass --api-key to choose one")
-    if cluster is not None:
-        return _run_on_ray(args, config, cluster, made or (keys[0] if keys else None), key_note)
-    quiet_libraries()
-    logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
-    _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
-    server.run()
-    return 0
+    cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
+    claim = None if cluster is not None else LoneServer(args.host, args.port)
+    try:
+        config, made, keys = serve_config(args, claim)
+        key_note = None if made or keys else (
+            f"statekv serve: using the API key made for {config.state_dir} when it was first served (shown then); "
+            "the page remembers it, or pass --api-key to choose one")
+        if cluster is not None:
+            return _run_on_ray(args, config, cluster, made or (keys[0] if keys else None), key_note)
+        quiet_libraries()
+        logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
+        app = create_app(config)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               timeout_graceful_shutdown=10))
+        _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
+        server.run(sockets=claim.sockets)
+        return 0
+    finally:
+        if claim is not None:
+            claim.release()
 
 
-def serve_config(args: argparse.Namespace):
+class LoneServer:
+    """What a server alone claims before it writes to its state folder or loads its model, and holds for its
+    whole life: its listening sockets (a port in use stops it at once) and its state folder's lock (so does a
+    second server on the folder). Replicas on Ray claim neither: Ray Serve's proxies listen, leases share the
+    folder."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.sockets: list = []
+        self.lock = None
+
+    def __call__(self, state_dir: Path) -> None:
+        from ..serve.listening import listening_sockets, shown_address
+        from ..serve.store import hold_state_folder
+
+        self.sockets = listening_sockets(self.host, self.port)
+        port = self.sockets[0].getsockname()[1]
+        self.lock = hold_state_folder(state_dir, holder=f"statekv serve on http://{shown_address(self.host, port)}")
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        for bound in self.sockets:
+            bound.close()
+
+
+def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None):
     """The service's settings from the command line (``--budget`` defaulted to the model's own,
-    `statekv.settings.options.default_budget`), with the key
-    made for the state folder (printed at once) if it has none and none was given: ``(config, made, keys)``."""
+    `statekv.settings.options.default_budget`), with the key made for the state folder (printed at once) if it
+    has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the arguments are checked, before anything is written there
+    (`LoneServer`)."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys
     from ..serve.store import check_state_folder
@@ -125,6 +157,8 @@ def serve_config(args: argparse.Namespace):
             raise ConfigurationError(f"--media-root {media_root}: not a folder")
     if not 0 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: not a port number")
+    if claim is not None:
+        claim(state_dir)
     check_state_folder(state_dir)  # one line, before anything is written there
     keys = configured_keys(args.api_key)
     stored = KeyFile(state_dir)

@@ -8,7 +8,7 @@ and a page for people.
 Modules: `config` (settings), `auth` (API keys: those given and the key made for the state folder), `media`
 (paths under --media-root), `limits` (body, image and concurrency limits), `worker` (where model work runs),
 `registry` (the streams: per owner, pushing, feeding files, asking, saving), `store` (their files in the state
-folder), `metrics` (Prometheus), `routes` and `openai` (the HTTP API), `page` and `page_parts` (the page at /),
+folder, and its lock), `listening` (the sockets a server alone binds first), `metrics` (Prometheus), `routes` and `openai` (the HTTP API), `page` and `page_parts` (the page at /),
 `app` (putting them together; `create_app` refuses a state folder holding streams no accepted key owns).
 """
 

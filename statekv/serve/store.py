@@ -11,6 +11,9 @@ never removed: its stream is quarantined (`StreamRegistry.damaged`) and its file
 the reason; read by every server and replica sharing the folder), and ``quarantine/ID-TIME/``, a disk-tier file
 set that could not be resumed, moved there whole (moved, never deleted: only `remove`, the stream's DELETE,
 removes it).
+
+``server.lock``: the lock a server alone holds on the folder for its whole life (`hold_state_folder`), naming it;
+replicas sharing the folder (``--ray``) take none (leases order them).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..locks import ExclusiveLock
 
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
 STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path)
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
+SERVER_LOCK = "server.lock"
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -94,6 +99,20 @@ def check_state_folder(state_dir: Path | str) -> None:
         raise ConfigurationError(f"--state-dir {state_dir}: cannot use it as the state folder "
                                  f"({error.strerror or type(error).__name__}: {where}); give a folder this server "
                                  "can read and write") from None
+
+
+def hold_state_folder(state_dir: Path | str, holder: str) -> ExclusiveLock:
+    """The exclusive lock a server alone holds on its state folder (``server.lock``) for its whole life, taken
+    before it writes anything there: a second server on the folder is refused (one-line `ConfigurationError`
+    naming the folder and ``holder``'s note: its address, process and host) without writing anything. A folder
+    never served is checked first (`check_state_folder`), so one that cannot be used says so as ever."""
+    folder = Path(state_dir)
+    if not (folder / SERVER_LOCK).exists():
+        check_state_folder(folder)
+    return ExclusiveLock.acquire(folder / SERVER_LOCK, what=f"the state folder {state_dir}", holder=holder,
+                                 error=ConfigurationError,
+                                 advice="one state folder has one server: stop that one, or give this one "
+                                        "another --state-dir")
 
 
 class StreamFiles:
