@@ -5,6 +5,7 @@ from it (a distribution pinned nowhere, one at another version, or a requirement
 """
 
 import importlib.metadata
+import sysconfig
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,12 @@ def pins():
 
 
 def installed():
-    """{canonical name: version without local label} of the distributions this interpreter sees."""
+    """{canonical name: version without local label} of the distributions installed in this interpreter's
+    site-packages (not whatever ``sys.path`` holds now: importing setuptools, as Inductor's C++ builds do, adds
+    its vendored copies to it)."""
     found = {}
-    for dist in importlib.metadata.distributions():
+    folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in importlib.metadata.distributions(path=folders):
         found.setdefault(canonicalize_name(dist.metadata["Name"]), Version(Version(dist.version).public))
     found.pop("statekv", None)
     return found
