@@ -127,6 +127,13 @@ def test_a_broken_ovobench_file_and_an_unknown_group_are_one_line_errors_on_the_
     assert "ovo_bench_new.json: not valid JSON" in run.stderr
     with pytest.raises(ev.AnnotationError, match="unknown OVO-Bench group 'sideways'; choose from backward"):
         ovobench.check_groups(["sideways"])
+    with pytest.raises(ev.AnnotationError, match="unknown OVO-Bench group ''; choose from"):
+        ovobench.check_groups([])
+    assert streamingbench.check_groups(None) == tuple(streamingbench.GROUPS)
+    with pytest.raises(ev.AnnotationError, match=r"unknown StreamingBench group 'omni'.*left out: it needs the sound"):
+        streamingbench.check_groups(["omni"])
+    with pytest.raises(ev.AnnotationError, match=r"group 'sideways'; choose from [a-z, ]+$"):
+        streamingbench.check_groups(["sideways"])
 
 
 # ----------------------------------------------------------------------------- StreamingBench

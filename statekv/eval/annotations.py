@@ -152,3 +152,18 @@ def parse_options(value: Any, where: str) -> tuple[str, ...]:
     if repeated is not None:
         raise AnnotationError(f"{where}: option {repeated!r} appears twice")
     return options
+
+
+def checked_groups(groups: Iterable[str] | None, known: Iterable[str], benchmark: str,
+                   note: str = "") -> tuple[str, ...]:
+    """``groups`` checked against a benchmark's ``known`` groups (None: all of them); an unknown or empty choice is
+    a one-line `AnnotationError` naming the choices, then ``note`` when given."""
+    known = tuple(known)
+    if groups is None:
+        return known
+    groups = tuple(groups)
+    unknown = [group for group in groups if group not in known]
+    if unknown or not groups:
+        raise AnnotationError(f"unknown {benchmark} group {unknown[0] if unknown else ''!r}; choose from "
+                              f"{', '.join(known)}{note}")
+    return groups

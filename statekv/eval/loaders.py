@@ -42,7 +42,7 @@ from statekv.errors import MissingFileError
 from statekv.eval.annotations import find_annotation_files, parse_options, read_rows, require_fields
 from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
 from statekv.eval.ovobench import ovobench_questions, seconds
-from statekv.eval.streamingbench import streamingbench_questions
+from statekv.eval.streamingbench import check_video_files, streamingbench_questions
 from statekv.synthetic.benchmark import QUESTIONS_FILE, STREAMING_FILE
 from statekv.synthetic.streaming import GROUPS as STREAMING_GROUPS
 
@@ -140,10 +140,7 @@ def load_streamingbench(data_root: Path | str, *, annotation: AnnotationArg = No
     if files != folder:  # videos stay under the data root
         questions = [replace(q, video_path=folder / q.video_id) for q in questions]
     if check_videos:
-        for question in questions:
-            if not question.video_path.is_file():
-                raise MissingFileError(f"StreamingBench video not found: {question.video_path} (question "
-                                       f"{question.qid})")
+        check_video_files(questions)
     return questions
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import parse_options, require_fields
+from statekv.eval.annotations import checked_groups, parse_options, require_fields
 from statekv.eval.questions import AnnotationError, Question
 
 BACKWARD_TASKS = ("EPM", "ASI", "HLD")
@@ -122,14 +122,7 @@ def ovobench_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
 
 def check_groups(groups: Iterable[str] | None) -> tuple[str, ...]:
     """``groups`` checked against OVO-Bench's three (None: all of them)."""
-    if groups is None:
-        return tuple(GROUPS)
-    groups = tuple(groups)
-    unknown = [group for group in groups if group not in GROUPS]
-    if unknown or not groups:
-        raise AnnotationError(f"unknown OVO-Bench group {unknown[0] if unknown else ''!r}; choose from "
-                              f"{', '.join(GROUPS)}")
-    return groups
+    return checked_groups(groups, GROUPS, "OVO-Bench")
 
 
 def _choice(row: dict[str, Any], where: str, qid: str, video_path: Path, folder: Path) -> Question:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import parse_options, read_json_document, require_fields
+from statekv.eval.annotations import checked_groups, parse_options, read_json_document, require_fields
 from statekv.eval.questions import AnnotationError, Question
 
 REALTIME_TASKS = ("Object Recognition", "Action Recognition", "Text-Rich Understanding", "Clips Summarize",
@@ -139,24 +139,23 @@ def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterab
         path = folder / name
         questions += _file_questions(path, _entries(path, read_json_document(path)), folder)
     if check_videos:
-        for question in questions:
-            if not question.video_path.is_file():
-                raise MissingFileError(f"StreamingBench video not found: {question.video_path} (question "
-                                       f"{question.qid})")
+        check_video_files(questions)
     return questions
+
+
+def check_video_files(questions: Iterable[Question]) -> None:
+    """A one-line `MissingFileError` for the first question whose video is not there."""
+    for question in questions:
+        if not question.video_path.is_file():
+            raise MissingFileError(f"StreamingBench video not found: {question.video_path} (question "
+                                   f"{question.qid})")
 
 
 def check_groups(groups: Iterable[str] | None) -> tuple[str, ...]:
     """``groups`` checked against the groups taken (None: all of them)."""
-    if groups is None:
-        return tuple(GROUPS)
-    groups = tuple(groups)
-    unknown = [group for group in groups if group not in GROUPS]
-    if unknown or not groups:
-        left_out = " (omni-source is left out: it needs the sound track)" if "omni" in "".join(unknown) else ""
-        raise AnnotationError(f"unknown StreamingBench group {unknown[0] if unknown else ''!r}; choose from "
-                              f"{', '.join(GROUPS)}{left_out}")
-    return groups
+    omni = groups is not None and any("omni" in group for group in groups if group not in GROUPS)
+    return checked_groups(groups, GROUPS, "StreamingBench",
+                          " (omni-source is left out: it needs the sound track)" if omni else "")
 
 
 def _entries(path: Path, data: Any) -> list[tuple[int, dict[str, Any]]]:
