@@ -76,3 +76,15 @@ CHUNK_LENGTHS = (9, 7, 12, 5, 10, 6, 11, 8, 9, 4, 13, 6)
 def split(tokens: torch.Tensor, lengths=CHUNK_LENGTHS) -> list[torch.Tensor]:
     assert sum(lengths) == tokens.shape[1]
     return list(torch.split(tokens, list(lengths), dim=1))
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails the test if any command gets as far as loading a model's weights."""
+    from statekv.models.registry import adapter_for, supported_model_types
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    for adapter in {adapter_for(model_type) for model_type in supported_model_types()}:
+        monkeypatch.setattr(adapter, "from_pretrained", refuse)

@@ -55,17 +55,6 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     return code, lines[0] if lines else ""
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    from statekv.models.registry import adapter_for, supported_model_types
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad input was refused")
-
-    for adapter in {adapter_for(model_type) for model_type in supported_model_types()}:
-        monkeypatch.setattr(adapter, "from_pretrained", refuse)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The Python API: iterators as lists, options checked when unused, counts that say what was read
 # ---------------------------------------------------------------------------------------------------------------

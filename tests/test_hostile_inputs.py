@@ -72,18 +72,6 @@ def _cli(capsys, argv) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Fails the test if any command gets as far as loading a model's weights."""
-    from statekv.models.registry import adapter_for, supported_model_types
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad input was refused")
-
-    for adapter in {adapter_for(model_type) for model_type in supported_model_types()}:
-        monkeypatch.setattr(adapter, "from_pretrained", refuse)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The command line: refused before any model is loaded or any frame decoded
 # ---------------------------------------------------------------------------------------------------------------
