@@ -51,6 +51,7 @@ CUDA_TEST_FILES = ("tests/test_cuda.py", "tests/test_static_step.py", "tests/tes
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 COPIES = ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+TOP_KERNELS = 8  # kernels named per profiled variant, in the JSON only
 GOALS = {  # figure -> (goal, better when "lower"/"higher", what was measured before the static step)
     "statekv_graph_ms": (16.0, "lower", "59 ms (H100, eager Triton step)"),
     "statekv_graph_launches": (1, "lower", "~1,306 launches (H100)"),
@@ -364,20 +365,21 @@ class LanguageModel:
 
 
 def step_variants(shapes: Shapes) -> list[tuple[str, Callable[[], Any], dict[str, Any]]]:
-    """(label, policy factory, engine settings) of the measured streamed steps; ``compiled``: the decoder of
-    steady steps compiled by torch.compile (`statekv.core.compiled`)."""
+    """(label, policy factory, engine settings) of the measured streamed steps. A label without ``graph`` steps
+    eagerly (``cuda_graph`` off, so its launches are the eager step's); ``compiled``: the decoder of steady steps
+    compiled by torch.compile (`statekv.core.compiled`)."""
     import statekv
 
     budget, window = shapes.budget, shapes.window_frames
-    graph, compiled = dict(cuda_graph=True), dict(cuda_graph=True, compile_step=True)
+    eager, graph, compiled = dict(cuda_graph=False), dict(cuda_graph=True), dict(cuda_graph=True, compile_step=True)
     return [
-        (f"StateKV B={budget} eager", lambda: statekv.StateKV(budget=budget), dict(attention="eager")),
-        (f"StateKV B={budget} triton", lambda: statekv.StateKV(budget=budget), dict(attention="triton")),
+        (f"StateKV B={budget} eager", lambda: statekv.StateKV(budget=budget), dict(attention="eager", **eager)),
+        (f"StateKV B={budget} triton", lambda: statekv.StateKV(budget=budget), dict(attention="triton", **eager)),
         (f"StateKV B={budget} triton + graph", lambda: statekv.StateKV(budget=budget), dict(attention="triton",
                                                                                           **graph)),
         (f"StateKV B={budget} triton + graph + compiled", lambda: statekv.StateKV(budget=budget),
          dict(attention="triton", **compiled)),
-        (f"recency R={window}", lambda: statekv.Recency(frames=window), {}),
+        (f"recency R={window}", lambda: statekv.Recency(frames=window), eager),
         (f"recency R={window} + graph", lambda: statekv.Recency(frames=window), graph),
         (f"recency R={window} + graph + compiled", lambda: statekv.Recency(frames=window), compiled),
     ]
@@ -390,9 +392,30 @@ def compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str, float]:
-    """Per step, from torch.profiler: kernel launches, graph launches, copies and host syncs issued, and the
-    GPU's busy time (the sum of its kernels' time)."""
+# What a kernel does, from its name (first match wins): the GPU time of a step is summed per kind.
+KERNEL_KINDS = (
+    ("scoring_ms", ("flash_forward_kernel", "key_mass_kernel")),  # statekv.kernels: attention with key mass
+    ("attention_ms", ("flash", "fmha", "attention", "attn")),
+    ("matmul_ms", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("selection_ms", ("sort", "topk", "radix", "gather", "scatter", "index")),
+    ("fused_ms", ("triton_",)),  # Inductor's kernels
+    ("copy_ms", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The `KERNEL_KINDS` column of a kernel's GPU time (``other_ms``: elementwise and reductions)."""
+    lowered = name.lower()
+    for kind, parts in KERNEL_KINDS:
+        if any(part in lowered for part in parts):
+            return kind
+    return "other_ms"
+
+
+def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """Per step, from torch.profiler: kernel launches, graph launches, copies and host syncs issued, the GPU's
+    busy time (the sum of its kernels' time), that time by `kernel_kind`, and the kernels that took the most
+    (``top_kernels``: name and ms per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -403,6 +426,8 @@ def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str,
         torch.cuda.synchronize()
     counts = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0}
     busy_us = 0.0
+    kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other_ms"], 0.0)
+    kernels: dict[str, float] = {}
     for event in prof.events():
         name = event.name
         if name in LAUNCHES:
@@ -415,8 +440,13 @@ def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str,
             counts["syncs"] += 1
         if event.device_type == torch.autograd.DeviceType.CUDA:
             busy_us += event.device_time
-    result = {key: value / steps for key, value in counts.items()}
+            kinds[kernel_kind(name)] += event.device_time / 1e3 / steps
+            kernels[name] = kernels.get(name, 0.0) + event.device_time / 1e3 / steps
+    result: dict[str, Any] = {key: value / steps for key, value in counts.items()}
     result["gpu_busy_ms"] = busy_us / 1e3 / steps
+    result.update(kinds)
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    result["top_kernels"] = [[name[:90], round(ms, 3)] for name, ms in top]
     return result
 
 
@@ -641,7 +671,9 @@ def pipeline(section: Section, deadline: float, shapes: Shapes, checkpoint: Path
             "vision_ms_per_frame": 1e3 * statistics.mean(stats.vision_seconds),
             "language_ms_per_frame": 1e3 * statistics.mean(stats.language_seconds),
             "decode_ms_per_frame": 1e3 * statistics.mean(stats.decode_seconds),
-            "peak_gib": peak_gib(shapes.device), "ask_s": ask_seconds})
+            "peak_gib": peak_gib(shapes.device), "ask_s": ask_seconds,
+            "frame_ms_1_to_40": [round(1e3 * value, 2) for value in stats.frame_seconds[:40]],
+            "language_ms_1_to_40": [round(1e3 * value, 2) for value in stats.language_seconds[:40]]})
         print(f"   {section.rows[-1]}", flush=True)
         del qa, encoded
         release_memory()
@@ -763,7 +795,9 @@ def markdown(record: dict, embedded: bool = False) -> str:
         lines += [f"{sub} {section['name']}", "", f"Status: {section['status']}"
                   + (f" ({section['reason']})" if section["reason"] else "") + f"; {section['seconds']:.0f} s.", ""]
         if section["rows"]:
-            columns = list(dict.fromkeys(key for row in section["rows"] for key in row))
+            # list-valued columns (kernels named, per-frame times) are in the JSON only
+            columns = list(dict.fromkeys(key for row in section["rows"] for key, value in row.items()
+                                         if not isinstance(value, list)))
             lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             for row in section["rows"]:
                 lines.append("| " + " | ".join(shown_value(row.get(column)) for column in columns) + " |")

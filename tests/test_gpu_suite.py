@@ -70,3 +70,21 @@ def test_a_missing_device_is_one_line_and_nothing_runs(tmp_path):
     assert [line for line in result.stdout.splitlines() if line.startswith("missing: ")] == [
         "missing: a CUDA device (torch.cuda.is_available() is False; --smoke runs on CPU)"]
     assert json.loads((tmp_path / "gpu_suite.json").read_text())["sections"] == []
+
+
+def test_kernels_are_told_apart_by_name():
+    """Names as an H100 profile reported them: each kind of a step's GPU time is summed under its own column."""
+    suite = _suite()
+    named = {
+        "flash_forward_kernel": "scoring_ms", "key_mass_kernel": "scoring_ms",
+        "void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64": "attention_ms",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention_ms",
+        "nvjet_sm90_tst_256x88_64x4_2x1_v_bz_splitK_TNT": "matmul_ms",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8": "matmul_ms",
+        "void at::native::radixSortKVInPlace<2, -1, 128, 32, long, long, unsigned int>": "selection_ms",
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "selection_ms",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused_ms",
+        "Memcpy DtoD (Device -> Device)": "copy_ms",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast": "other_ms",
+    }
+    assert {name: suite.kernel_kind(name) for name in named} == named
