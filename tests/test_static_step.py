@@ -78,7 +78,7 @@ def test_a_growing_window_is_not_static(tiny_lm):
     assert traces[4].ops != traces[5].ops and not prefill.cache.is_steady()
 
 
-def test_statekv_adds_at_most_14_compute_ops_per_layer_over_recency(tiny_lm):
+def test_statekv_adds_at_most_13_compute_ops_per_layer_over_recency(tiny_lm):
     model = tiny_lm("qwen3")
     chunks = embeddings(model)
     counts = {}
@@ -86,14 +86,14 @@ def test_statekv_adds_at_most_14_compute_ops_per_layer_over_recency(tiny_lm):
         prefill = statekv.StreamingPrefill(model, policy, attention="eager", horizon=sum(LENGTHS))
         counts[name] = collections.Counter(traced_steps(prefill, chunks)[-1].compute)
     extra = (sum(counts["statekv"].values()) - sum(counts["recency"].values())) / model.config.num_hidden_layers
-    assert 0 < extra <= 14, counts
+    assert 0 < extra <= 13, counts
     layers = model.config.num_hidden_layers
     assert counts["statekv"]["topk.default"] == layers and counts["statekv"]["searchsorted.Tensor"] == layers
 
 
 # A steady step's cost, counted exactly: these fail if a change adds ops to every step (kernel launches on a GPU,
 # inside its CUDA graph or, worse, outside it); if one must, update the counts and docs/benchmarks.md.
-DEVICE_OPS = {"statekv": 256, "recency": 214}  # the tiny qwen3 decoder (3 layers), eager attention
+DEVICE_OPS = {"statekv": 253, "recency": 214}  # the tiny qwen3 decoder (3 layers), eager attention
 SEGMENT_OPS_PER_LAYER = {"amin.default": 1, "amax.default": 1, "sum.dim_IntList": 1,  # the step's keys reduced
                          "minimum.out": 1, "maximum.out": 1, "add.out": 1}  # folded into the open segment at commit
 

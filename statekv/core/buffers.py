@@ -190,7 +190,7 @@ class CarriedSlots:
     def keep(self, selection: torch.Tensor) -> "CarriedSlots":
         """Carry the slots ``selection`` (LongTensor ``[B, H_kv, K']``, ascending) into the next step: in place
         when K' equals the carried size, else into a new buffer with room for a chunk as long as this one."""
-        kv = selected_rows(self.kv, selection)
+        kv = self.kv.gather(3, selection[None, ..., None].expand(2, -1, -1, -1, self.kv.shape[-1]))
         positions = None if self.positions is None else self.positions.gather(2, selection)
         placements = None if self.placements is None else self.placements.gather(3, selection.expand(2, -1, -1, -1))
         if selection.shape[-1] != self.carried:
@@ -201,30 +201,6 @@ class CarriedSlots:
         if placements is not None:
             self.placements[..., : self.carried] = placements
         return self
-
-
-def selected_rows(kv: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
-    """``kv [2, B, H_kv, N, D]`` at the slots ``selection [B, H_kv, K]`` of each (batch, KV head): ``[2, B, H_kv,
-    K, D]``. Each slot's ``D`` values are copied as one row (``index_select`` over the rows of every head),
-    where ``gather`` would index every element."""
-    two, b, h, size, d = kv.shape
-    if not kv.is_contiguous():
-        return kv.gather(3, selection[None, ..., None].expand(two, -1, -1, -1, d))
-    rows = (selection + _row_starts(b, h, size, selection.device)).view(-1)
-    return kv.view(two, b * h * size, d).index_select(1, rows).view(two, b, h, selection.shape[-1], d)
-
-
-_starts: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
-
-
-def _row_starts(batch: int, heads: int, size: int, device: torch.device) -> torch.Tensor:
-    """``[B, H_kv, 1]``: the first row of each (batch, KV head) in a flat ``[B * H_kv * size, D]`` view; built once
-    per shape and kept (a recorded CUDA graph may read it at any replay)."""
-    key = (batch, heads, size, device)
-    starts = _starts.get(key)
-    if starts is None:
-        starts = _starts.setdefault(key, torch.arange(0, batch * heads * size, size, device=device).view(batch, heads, 1))
-    return starts
 
 
 @dataclass
