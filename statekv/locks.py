@@ -1,10 +1,14 @@
-"""One owner at a time: exclusive locks on the files a stream writes.
+"""One owner at a time: locks on the files a stream writes, and on a served state folder.
 
 A live stream on the disk tier holds the lock of its file set (``lock`` in its folder) for as long as it lives,
 and a stream being saved holds the lock of the ``.partial`` file it writes until it is renamed into place. A
 second owner (another `Stream.load` of the same file set, in this process or another; a second save to the same
 file at the same time) is refused with one line naming the holder: the process, its host and, for a file set,
 the stream.
+
+A lock may also be shared (`FileLock.acquire` with ``shared``): any number of shared holders at once, none while
+an exclusive one is held (the replicas of a ``--ray`` deployment share a state folder that a lone server would
+hold alone).
 
 The locks are the operating system's (``flock``, per open file): they go away with their process, so a killed
 stream never leaves a stale lock, and two opens in one process exclude each other as two processes do. Where
@@ -32,9 +36,9 @@ MAX_HOLDER_CHARS = 300
 NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
-class ExclusiveLock:
-    """An exclusive ``flock`` on ``path``, held until `release` (or until the object is collected, or its process
-    ends)."""
+class FileLock:
+    """A ``flock`` on ``path`` (exclusive, or shared), held until `release` (or until the object is collected, or
+    its process ends)."""
 
     def __init__(self, path: Path, fd: int, remove: bool = False):
         self.path, self.fd, self.remove = path, fd, remove
@@ -44,20 +48,21 @@ class ExclusiveLock:
     def acquire(cls, path: str | os.PathLike, *, what: str, holder: str | None = None,
                 error: type[StateKVError] = StateKVError,
                 advice: str = "one stream has one owner: close it there first",
-                remove: bool = False) -> "ExclusiveLock":
+                remove: bool = False, shared: bool = False, holders: str | None = None) -> "FileLock":
         """Lock ``path`` (created if missing), writing ``holder`` (who holds it) into it when given; ``error``
-        naming ``what``, the holder and ``advice`` when another open holds it. ``remove``: the file is removed
-        when the lock is released (a lock file of its own, not a file others read). A file system without locks
-        locks nothing."""
+        naming ``what``, the holder (``holders`` when given, else the note in the file) and ``advice`` when another
+        open holds it. ``remove``: the file is removed when the lock is released (a lock file of its own, not a
+        file others read). ``shared``: a shared lock, refused only while an exclusive one is held (its holder
+        writes no note). A file system without locks locks nothing."""
         path = Path(path)
         if fcntl is None:
             return cls(path, -1, False)
         for _ in range(100):  # another owner may remove or replace the file between our open and our lock
             fd = _open(path, what, error)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
-                held = describe_holder(path, fd)
+                held = holders or describe_holder(path, fd)
                 os.close(fd)
                 raise error(f"{what} is in use by {held}; {advice}") from None
             except OSError as failure:
@@ -70,7 +75,7 @@ class ExclusiveLock:
             os.close(fd)
         else:
             raise error(f"cannot lock {what}: it keeps being replaced")
-        if holder is not None:
+        if holder is not None and not shared:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")
             text = f"{holder} (process {os.getpid()} on {socket.gethostname()}, since {stamp})"[:MAX_HOLDER_CHARS]
             try:

@@ -302,15 +302,15 @@ def test_a_file_system_without_locks_locks_nothing_and_any_other_lock_failure_is
     one-owner lock and nothing said so."""
     import fcntl
 
-    from statekv.locks import ExclusiveLock
+    from statekv.locks import FileLock
 
     def failing(fd, operation):
         raise OSError(number, os.strerror(number))
 
     monkeypatch.setattr(fcntl, "flock", failing)
     if number == errno.ENOLCK:
-        lock = ExclusiveLock.acquire(tmp_path / "lock", what="the test's file set")
+        lock = FileLock.acquire(tmp_path / "lock", what="the test's file set")
         lock.release()
         return
     with pytest.raises(InputError, match=r"^cannot lock the test's file set: Input/output error$"):
-        ExclusiveLock.acquire(tmp_path / "lock", what="the test's file set", error=InputError)
+        FileLock.acquire(tmp_path / "lock", what="the test's file set", error=InputError)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -441,3 +442,40 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
     assert documented.name == "statekv" and config.api_keys == ("replace-with-your-key",)
     assert (cluster.replicas, cluster.max_replicas, cluster.scale_on) == (2, 8, "streams")
     assert documented._deployment_config.autoscaling_config.max_replicas == 8
+
+
+def test_a_lone_server_and_a_deployment_never_serve_one_folder_at_once(tmp_path, capsys):
+    """Before: a lone server held its folder against other lone servers only, so a --ray deployment could be
+    started on it (or it on the deployment's folder), and both wrote the same streams' files."""
+    from statekv.cli import main
+    from statekv.serve.cluster.hosting import ReplicaHosting
+    from statekv.serve.store import hold_state_folder, join_state_folder
+
+    state = tmp_path / "state"
+    config = SimpleNamespace(state_dir=state)
+    lone = hold_state_folder(state, "statekv serve on http://127.0.0.1:1")
+    try:
+        with socket.socket() as closed:  # no Ray cluster there: the folder must be refused before it is reached
+            closed.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{closed.getsockname()[1]}"
+        assert main(["serve", "--ray", address, "--state-dir", str(state)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert captured.err.startswith(f"statekv serve: error: the state folder {state} is in use by statekv serve on "
+                                       "http://127.0.0.1:1 (process "), captured.err
+        assert "stop it, or give the deployment another --state-dir" in captured.err
+        assert not (state / "keys.json").exists()  # no key made for a folder another server holds
+        with pytest.raises(ConfigurationError, match="in use by statekv serve on http://127.0.0.1:1"):
+            ReplicaHosting(config, "replica-1", lease_seconds=60)
+    finally:
+        lone.release()
+    deployment = [join_state_folder(state), ReplicaHosting(config, "replica-1", lease_seconds=60),
+                  ReplicaHosting(config, "replica-2", lease_seconds=60)]  # any number share the folder
+    with pytest.raises(ConfigurationError, match=rf"^the state folder {re.escape(str(state))} is in use by the "
+                                                 "replicas of a --ray deployment; a folder served on Ray is served "
+                                                 "by its replicas alone"):
+        hold_state_folder(state, "statekv serve on http://127.0.0.1:2")
+    deployment[0].release()
+    for hosting in deployment[1:]:
+        hosting.lock.release()
+    hold_state_folder(state, "statekv serve on http://127.0.0.1:2").release()  # the refused server held nothing

@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from ..core.settings import EngineSettings
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
-from ..locks import ExclusiveLock
+from ..locks import FileLock
 from ..models import LayoutState
 from ..values import check_int, check_output_file
 
@@ -100,7 +100,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
-    lock = ExclusiveLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
+    lock = FileLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
                                  error=OutputError, advice="wait for that save to end, or save elsewhere",
                                  remove=True)
     try:

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import create_app
 
     cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
-    claim = None if cluster is not None else LoneServer(args.host, args.port)
+    claim = DeploymentClaim() if cluster is not None else LoneServer(args.host, args.port)
     try:
         config, made, keys = serve_config(args, claim)
         key_note = None if made or keys else (
@@ -109,15 +109,14 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=claim.sockets)
         return 0
     finally:
-        if claim is not None:
-            claim.release()
+        claim.release()
 
 
 class LoneServer:
     """What a server alone claims before it writes to its state folder or loads its model, and holds for its
-    whole life: its listening sockets (a port in use stops it at once) and its state folder's lock (so does a
-    second server on the folder). Replicas on Ray claim neither: Ray Serve's proxies listen, leases share the
-    folder."""
+    whole life: its listening sockets (a port in use stops it at once) and its state folder's locks (so does a
+    second server on the folder, or a ``--ray`` deployment serving it). Replicas on Ray claim no socket: Ray
+    Serve's proxies listen (`DeploymentClaim`)."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
@@ -139,11 +138,29 @@ class LoneServer:
             bound.close()
 
 
+class DeploymentClaim:
+    """What ``statekv serve --ray`` claims before it writes to the state folder (a key) or starts a replica, and
+    holds while it runs: the folder's lock shared with the replicas (`statekv.serve.store.join_state_folder`), so
+    a lone server on the folder stops it at once, in one line naming that server. Each replica holds it too."""
+
+    def __init__(self):
+        self.lock = None
+
+    def __call__(self, state_dir: Path) -> None:
+        from ..serve.store import join_state_folder
+
+        self.lock = join_state_folder(state_dir)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
 def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None):
     """The service's settings from the command line (``--budget`` defaulted to the model's own,
     `statekv.settings.options.default_budget`), with the key made for the state folder (printed at once) if it
-    has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the arguments are checked, before anything is written there
-    (`LoneServer`)."""
+    has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the
+    arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys
     from ..serve.store import check_state_folder

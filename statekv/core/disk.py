@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
-from ..locks import ExclusiveLock
+from ..locks import FileLock
 from . import persistence
 from .buffers import TokenBuffer
 from .storage import OffloadedStorage
@@ -294,7 +294,7 @@ class DiskTier:
     ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any], lock: ExclusiveLock | None = None, *,
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FileLock | None = None, *,
                  holder: str = "a stream"):
         """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
         second opener)."""
@@ -535,10 +535,10 @@ def _rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
 
 
 # -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
-def hold(folder: Path, holder: str) -> ExclusiveLock:
+def hold(folder: Path, holder: str) -> FileLock:
     """The exclusive lock of the file set in ``folder`` for ``holder``; a one-line `InputError` naming whoever
     holds it already."""
-    return ExclusiveLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
+    return FileLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
                                  error=InputError)
 
 

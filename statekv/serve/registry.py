@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
 from ..core.disk import LOCK
-from ..locks import ExclusiveLock
+from ..locks import FileLock
 from .config import ServeConfig
 from .errors import ServiceError, public_message
 from .metrics import Metrics
@@ -664,7 +664,7 @@ class StreamRegistry:
             why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
         try:
-            lock = ExclusiveLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
+            lock = FileLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
                 if (folder / LOCK).exists() else None
         except InputError:  # a live process holds it: not this server's to move
             raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "

@@ -12,8 +12,10 @@ the reason; read by every server and replica sharing the folder), and ``quaranti
 set that could not be resumed, moved there whole (moved, never deleted: only `remove`, the stream's DELETE,
 removes it).
 
-``server.lock``: the lock a server alone holds on the folder for its whole life (`hold_state_folder`), naming it;
-replicas sharing the folder (``--ray``) take none (leases order them).
+``server.lock`` and ``replicas.lock``: a server alone holds both, exclusively, for its whole life
+(`hold_state_folder`), its note naming it in each; the replicas of a ``--ray`` deployment, and the command that
+started them, share ``replicas.lock`` for theirs (`join_state_folder`; leases order their writes). So a lone server
+and a deployment never serve one folder at once, whichever starts first.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..locks import ExclusiveLock
+from ..locks import FileLock
 
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
 STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path)
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
 SERVER_LOCK = "server.lock"
+REPLICAS_LOCK = "replicas.lock"
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -101,18 +104,52 @@ def check_state_folder(state_dir: Path | str) -> None:
                                  "can read and write") from None
 
 
-def hold_state_folder(state_dir: Path | str, holder: str) -> ExclusiveLock:
-    """The exclusive lock a server alone holds on its state folder (``server.lock``) for its whole life, taken
-    before it writes anything there: a second server on the folder is refused (one-line `ConfigurationError`
-    naming the folder and ``holder``'s note: its address, process and host) without writing anything. A folder
-    never served is checked first (`check_state_folder`), so one that cannot be used says so as ever."""
+def hold_state_folder(state_dir: Path | str, holder: str) -> "FolderLocks":
+    """The exclusive locks a server alone holds on its state folder (``server.lock``, ``replicas.lock``) for its
+    whole life, taken before it writes anything there: a second server on the folder, or a ``--ray`` deployment
+    serving it, is refused (one-line `ConfigurationError` naming the folder and the holder: the other server's
+    note, its address, process and host) without writing anything. A folder never served is checked first
+    (`check_state_folder`), so one that cannot be used says so as ever."""
     folder = Path(state_dir)
     if not (folder / SERVER_LOCK).exists():
         check_state_folder(folder)
-    return ExclusiveLock.acquire(folder / SERVER_LOCK, what=f"the state folder {state_dir}", holder=holder,
-                                 error=ConfigurationError,
-                                 advice="one state folder has one server: stop that one, or give this one "
-                                        "another --state-dir")
+    what = f"the state folder {state_dir}"
+    server = FileLock.acquire(folder / SERVER_LOCK, what=what, holder=holder, error=ConfigurationError,
+                              advice="one state folder has one server: stop that one, or give this one another "
+                                     "--state-dir")
+    try:
+        replicas = FileLock.acquire(folder / REPLICAS_LOCK, what=what, holder=holder, error=ConfigurationError,
+                                    holders="the replicas of a --ray deployment",
+                                    advice="a folder served on Ray is served by its replicas alone: stop the "
+                                           "deployment, or give this server another --state-dir")
+    except BaseException:
+        server.release()
+        raise
+    return FolderLocks((server, replicas))
+
+
+def join_state_folder(state_dir: Path | str) -> "FolderLocks":
+    """The shared lock (``replicas.lock``) a ``--ray`` deployment's replicas and the command that started them hold
+    on the state folder for their whole life: refused, in one line naming the server, while a lone server holds
+    the folder (`hold_state_folder`); any number of replicas share it."""
+    folder = Path(state_dir)
+    if not (folder / REPLICAS_LOCK).exists():
+        check_state_folder(folder)
+    return FolderLocks((FileLock.acquire(
+        folder / REPLICAS_LOCK, what=f"the state folder {state_dir}", error=ConfigurationError, shared=True,
+        advice="a folder served by one server is served by it alone: stop it, or give the deployment another "
+               "--state-dir"),))
+
+
+class FolderLocks:
+    """The locks a server or a replica holds on its state folder, released together."""
+
+    def __init__(self, locks: tuple[FileLock, ...]):
+        self.locks = locks
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
 
 class StreamFiles:

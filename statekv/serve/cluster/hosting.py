@@ -13,6 +13,7 @@ from typing import Any
 
 from ..app import Hosting
 from ..config import ServeConfig
+from ..store import join_state_folder
 from .board import POST_SECONDS, ReplicaBoard
 from .leases import LEASE_SECONDS, Leases
 from .shared import SharedRegistry, SharedStreamFiles
@@ -29,6 +30,7 @@ class ReplicaHosting(Hosting):
     def __init__(self, config: ServeConfig, replica: str, lease_seconds: float = LEASE_SECONDS,
                  store: str | None = None, tier_root: Path | None = None):
         self.replica, self.tier_root = replica, tier_root
+        self.lock = join_state_folder(config.state_dir)  # refused while a lone server holds the folder
         self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds), store)
         self.board = ReplicaBoard(config.state_dir, replica)
         self.check_seconds = min(1.0, lease_seconds / 5)
@@ -73,6 +75,7 @@ class ReplicaHosting(Hosting):
     def close(self, service: Any) -> None:
         self.shared.let_all_go()
         self.board.remove()
+        self.lock.release()
 
     def check(self) -> None:
         """Ray Serve's health check: fails when the leases have not been kept for a lease's length (the state
