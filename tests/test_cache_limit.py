@@ -80,6 +80,21 @@ def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
     assert held.summary_bytes >= 4 * per_step and held.journal_bytes == held.scale_bytes == 0
 
 
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int4"}, {"offload": True}], ids=["model", "int4", "host"])
+def test_a_stream_without_a_cap_counts_what_a_cap_would(adapter, options):
+    """Before: without a cap, held_bytes was the detailed cache as allocated, a whole horizon's from the first
+    frame, so it could not be compared with a cap or with another stream's."""
+    capped = _qa(adapter, max_cache_bytes="1G", **options).stream(horizon_frames=6)
+    free = _qa(adapter, **options).stream(horizon_frames=6)
+    assert free.prefill.stats.held_bytes == capped.prefill.stats.held_bytes > 0  # the prompt prefix
+    for frame in _frames(3):
+        capped.push(frame)
+        free.push(frame)
+        assert free.prefill.stats.held_bytes == capped.prefill.stats.held_bytes > 0
+    stats = free.prefill.stats  # buffers for six frames, three held
+    assert stats.held_bytes < stats.detailed_bytes + stats.summary_bytes + stats.journal_bytes
+
+
 @pytest.fixture(scope="module")
 def static_adapter(tmp_path_factory):
     """RoPE that does not depend on the horizon: a video cut short answers as those frames encoded alone."""

@@ -134,7 +134,7 @@ def test_answer_at_the_cache_cap_answers_from_the_frames_that_fit(files, capsys)
                                                           for q in ("Why?", "What is shown?")]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert captured.err.strip() == warning and "2 frames (stopped at max_cache_bytes)" in captured.out
+    assert captured.err.strip() == warning and "2 frames (stopped at --max-cache-bytes)" in captured.out
     assert main([*argv[:-1], str(_cap_after(files, 0) - 1)]) == 2  # no frame fits: nothing to answer from
     assert "no frame fit under it" in _one_line_error(capsys.readouterr().err)
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                     "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return 0
-    print(f"{args.video}: {stats.frames} frames{' (stopped at max_cache_bytes)' if stopped else ''}, "
+    print(f"{args.video}: {stats.frames} frames{' (stopped at --max-cache-bytes)' if stopped else ''}, "
           f"{stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:

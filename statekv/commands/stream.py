@@ -172,7 +172,7 @@ class _Replay:
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)
         elif error is None:
-            print(f"\n{self.stream.frames} frames{' (stopped at max_cache_bytes)' if self.cache_full else ''}, "
+            print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
                   f"{self.stream.tokens} tokens, {self.options.label}, carried "
                   f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
                   + (f"; saved to {where}" if where else ""), flush=True)

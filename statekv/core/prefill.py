@@ -190,7 +190,7 @@ class StreamingPrefill:
             carried_tokens=tuple(layer.carried_length for layer in layers),
             detailed_bytes=detailed, summary_bytes=summaries,
             scale_bytes=sum(layer.storage.scale_nbytes for layer in layers), journal_bytes=journal,
-            held_bytes=detailed + summaries + journal if self.keeper is None else self.keeper.held_bytes,
+            held_bytes=self.counted_bytes() if self.keeper is None else self.keeper.held_bytes,
             device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
@@ -209,6 +209,13 @@ class StreamingPrefill:
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
+
+    def counted_bytes(self) -> int:
+        """What ``max_cache_bytes`` would count now (`CacheKeeper.held_bytes`, nothing evicted) for a stream
+        without a cap: every token's and step's bytes as stored, whatever was allocated ahead of them."""
+        rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
+        return ((self.seen_tokens * self.bytes_per_token + len(self.cache.chunk_lengths) * self.bytes_per_step)
+                * rows + self._other_bytes()[0])
 
     def _other_bytes(self) -> tuple[int, int]:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
