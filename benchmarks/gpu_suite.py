@@ -397,8 +397,8 @@ KERNEL_KINDS = (
     ("scoring_ms", ("flash_forward_kernel", "key_mass_kernel")),  # statekv.kernels: attention with key mass
     ("attention_ms", ("flash", "fmha", "attention", "attn")),
     ("matmul_ms", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-    ("selection_ms", ("sort", "topk", "radix", "gather", "scatter", "index")),
-    ("fused_ms", ("triton_",)),  # Inductor's kernels
+    ("fused_ms", ("triton_",)),  # Inductor's kernels (whatever they fused: an index among them)
+    ("selection_ms", ("sort", "topk", "radix", "gather", "scatter", "index", "scan", "bucketize", "searchsorted")),
     ("copy_ms", ("memcpy", "memset", "copy")),
 )
 

@@ -275,6 +275,8 @@ def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps == set(evicted)
     assert loaded.stats.evicted_frames == len(evicted)
     assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
+    uncapped = Stream.load(tmp_path / "s.safetensors", _qa(adapter, offload=True))  # counts what it holds too
+    assert uncapped.prefill.stats.held_bytes == loaded.prefill.stats.held_bytes == stream.prefill.stats.held_bytes
 
 
 def test_bad_cache_limits_are_refused_with_one_line(adapter):

@@ -84,6 +84,9 @@ def test_kernels_are_told_apart_by_name():
         "void at::native::radixSortKVInPlace<2, -1, 128, 32, long, long, unsigned int>": "selection_ms",
         "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "selection_ms",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused_ms",
+        "triton_poi_fused_index_select_add_3": "fused_ms",
+        "void at::native::tensor_kernel_scan_innermost_dim<long, std::plus<long> >": "selection_ms",
+        "void at::native::searchsorted_cuda_kernel<long, long>": "selection_ms",
         "Memcpy DtoD (Device -> Device)": "copy_ms",
         "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast": "other_ms",
     }

@@ -19,3 +19,12 @@ def test_in_time_order_is_the_sorted_choice(batch, heads, size, kept):
     ordered = in_time_order(shuffled, size)
     assert ordered.dtype == torch.long and ordered.is_contiguous()
     assert torch.equal(ordered, chosen.sort(dim=-1).values)
+
+
+def test_in_time_order_stays_right_as_batches_grow_and_shrink():
+    """Rows of ranks are shared by every batch size of one budget (a table that grows): each size, in any order,
+    still gets the sorted choice."""
+    generator = torch.Generator().manual_seed(0)
+    for batch in (1, 2, 5, 3, 9, 1, 16, 4):
+        chosen = torch.rand(batch, 2, 40, generator=generator).topk(17, dim=-1, sorted=False).indices
+        assert torch.equal(in_time_order(chosen, 40), chosen.sort(dim=-1).values), batch

@@ -448,6 +448,7 @@ def test_a_lone_server_and_a_deployment_never_serve_one_folder_at_once(tmp_path,
     """Before: a lone server held its folder against other lone servers only, so a --ray deployment could be
     started on it (or it on the deployment's folder), and both wrote the same streams' files."""
     from statekv.cli import main
+    from statekv.commands.serve import ray_app
     from statekv.serve.cluster.hosting import ReplicaHosting
     from statekv.serve.store import hold_state_folder, join_state_folder
 
@@ -465,6 +466,9 @@ def test_a_lone_server_and_a_deployment_never_serve_one_folder_at_once(tmp_path,
                                        "http://127.0.0.1:1 (process "), captured.err
         assert "stop it, or give the deployment another --state-dir" in captured.err
         assert not (state / "keys.json").exists()  # no key made for a folder another server holds
+        with pytest.raises(ConfigurationError, match="in use by statekv serve on http://127.0.0.1:1"):
+            ray_app({"state_dir": str(state)})  # Ray's own tools build the application: refused there
+        assert not (state / "keys.json").exists()
         with pytest.raises(ConfigurationError, match="in use by statekv serve on http://127.0.0.1:1"):
             ReplicaHosting(config, "replica-1", lease_seconds=60)
     finally:

@@ -269,7 +269,11 @@ def ray_app(args: dict[str, Any]) -> Any:
     parser = _Refusing(prog="statekv")
     register(parser.add_subparsers(dest="command", required=True, parser_class=_Refusing))
     parsed = parser.parse_args(normalize_argv([*argv, "--ray", "auto"]))
-    config, _, _ = serve_config(parsed)  # a key made for the folder is printed where the application is built
+    claim = DeploymentClaim()  # a folder a lone server holds is refused before a key is made there
+    try:
+        config, _, _ = serve_config(parsed, claim)  # a key made for the folder is printed where the app is built
+    finally:
+        claim.release()  # the replicas hold the folder from here (`ReplicaHosting`)
     return application(config, cluster_settings(parsed))
 
 

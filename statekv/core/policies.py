@@ -23,6 +23,8 @@ layer. ReKV is ``WithSinks(Recency(frames), sinks)``. A rule may read the step's
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -330,17 +332,34 @@ def in_time_order(chosen: torch.Tensor, size: int) -> torch.Tensor:
     return torch.searchsorted(marks.cumsum(-1), _ranks(chosen.shape, chosen.device))
 
 
-_ranked: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}
+_ranked: dict[tuple[int, torch.device], torch.Tensor] = {}  # per rank count and device, rows of [1, ..., K]
+_outgrown: list[torch.Tensor] = []  # tables a larger one replaced: a recorded CUDA graph may still read them
+_ranked_lock = threading.Lock()
 
 
 def _ranks(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """``[1, ..., K]`` along the last axis of ``shape`` ``[..., K]`` on ``device`` (contiguous, as searchsorted
-    reads it), built once per shape and kept (a recorded CUDA graph may read it at any replay)."""
-    ranks = _ranked.get((shape, device))
-    if ranks is None:
-        ranks = torch.arange(1, shape[-1] + 1, device=device).expand(shape).contiguous()
-        ranks = _ranked.setdefault((shape, device), ranks)
-    return ranks
+    """``[1, ..., K]`` along the last axis of ``shape`` ``[..., K]`` on ``device``, contiguous (as searchsorted reads
+    it): a view of one table per ``K`` and device, kept for good (a recorded CUDA graph may read it at any replay)
+    and doubled when more rows are needed, so the tables of a process stay within twice its largest batch's."""
+    rows, count = math.prod(shape[:-1]), shape[-1]
+    table = _ranked.get((count, device))
+    if table is None or table.shape[0] < rows:
+        table = _grown_ranks(rows, count, device)
+    return table[:rows].view(shape)
+
+
+def _grown_ranks(rows: int, count: int, device: torch.device) -> torch.Tensor:
+    """The table of `_ranks` for ``count`` on ``device``, with at least ``rows`` rows (streams of several threads
+    may need it at once: one of them makes it)."""
+    with _ranked_lock:
+        table = _ranked.get((count, device))
+        if table is None or table.shape[0] < rows:
+            if table is not None:
+                _outgrown.append(table)
+            size = rows if table is None else max(rows, 2 * table.shape[0])
+            table = torch.arange(1, count + 1, device=device).expand(size, count).contiguous()
+            _ranked[count, device] = table
+        return table
 
 
 @dataclass(frozen=True)

@@ -211,11 +211,14 @@ class StreamingPrefill:
             self.keeper.adopt()
 
     def counted_bytes(self) -> int:
-        """What ``max_cache_bytes`` would count now (`CacheKeeper.held_bytes`, nothing evicted) for a stream
-        without a cap: every token's and step's bytes as stored, whatever was allocated ahead of them."""
+        """What ``max_cache_bytes`` would count now (`CacheKeeper.held_bytes`) for a stream without a cap: the
+        bytes of every token and step held as stored (a stream saved under a cap and loaded without one holds
+        none of its evicted steps), whatever was allocated ahead of them."""
         rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
-        return ((self.seen_tokens * self.bytes_per_token + len(self.cache.chunk_lengths) * self.bytes_per_step)
-                * rows + self._other_bytes()[0])
+        evicted = self.cache.evicted_steps
+        tokens = self.seen_tokens - sum(self.cache.chunk_lengths[step] for step in evicted)
+        steps = len(self.cache.chunk_lengths) - len(evicted)
+        return (tokens * self.bytes_per_token + steps * self.bytes_per_step) * rows + self._other_bytes()[0]
 
     def _other_bytes(self) -> tuple[int, int]:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's

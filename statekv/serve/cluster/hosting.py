@@ -31,8 +31,12 @@ class ReplicaHosting(Hosting):
                  store: str | None = None, tier_root: Path | None = None):
         self.replica, self.tier_root = replica, tier_root
         self.lock = join_state_folder(config.state_dir)  # refused while a lone server holds the folder
-        self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds), store)
-        self.board = ReplicaBoard(config.state_dir, replica)
+        try:
+            self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds), store)
+            self.board = ReplicaBoard(config.state_dir, replica)
+        except BaseException:
+            self.lock.release()
+            raise
         self.check_seconds = min(1.0, lease_seconds / 5)
         self.shared: SharedRegistry | None = None
         self.passed = time.monotonic()  # when the lease loop last finished a pass
@@ -73,9 +77,11 @@ class ReplicaHosting(Hosting):
         return self.board.exposition(service.metrics.exposition())
 
     def close(self, service: Any) -> None:
-        self.shared.let_all_go()
-        self.board.remove()
-        self.lock.release()
+        try:
+            self.shared.let_all_go()
+            self.board.remove()
+        finally:
+            self.lock.release()
 
     def check(self) -> None:
         """Ray Serve's health check: fails when the leases have not been kept for a lease's length (the state
