@@ -101,8 +101,8 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     except OSError as error:
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
     lock = FileLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
-                                 error=OutputError, advice="wait for that save to end, or save elsewhere",
-                                 remove=True)
+                            error=OutputError, advice="wait for that save to end, or save elsewhere",
+                            remove=True)
     try:
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
         os.replace(partial, path)

@@ -539,7 +539,7 @@ def hold(folder: Path, holder: str) -> FileLock:
     """The exclusive lock of the file set in ``folder`` for ``holder``; a one-line `InputError` naming whoever
     holds it already."""
     return FileLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
-                                 error=InputError)
+                            error=InputError)
 
 
 def _fields_sha256(fields: dict[str, Any]) -> str:
