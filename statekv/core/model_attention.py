@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from transformers import AttentionInterface
@@ -20,27 +20,22 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import UnsupportedModelError
+from .thread_value import ThreadValue
 from .untraced import engine_call
 
 ATTENTION_NAME = "statekv"
-_streaming = threading.local()  # the cache of the stream whose call runs in this thread, for the attention
+_streaming = ThreadValue()  # the cache of the stream whose call runs in this thread, for the attention
 _install_lock = threading.Lock()
 
 
 def _stream_cache():
-    return getattr(_streaming, "cache", None)
+    return _streaming.get()
 
 
-@contextmanager
-def streaming_through(cache):
+def streaming_through(cache) -> AbstractContextManager[None]:
     """Calls of the engine's attention made in this thread inside the block attend through ``cache`` (a
     `TwoStateCache` while stepping, an `AnswerCache` while answering)."""
-    previous = _stream_cache()
-    _streaming.cache = cache
-    try:
-        yield
-    finally:
-        _streaming.cache = previous
+    return _streaming.set(cache)
 
 
 def statekv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

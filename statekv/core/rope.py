@@ -11,7 +11,7 @@ turns the per-call update off.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from types import MethodType
 
 import torch
@@ -20,6 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import HorizonError, UnsupportedModelError
 from ..values import check_int
+from .thread_value import ThreadValue
 
 RECOMPUTED_PER_CALL = ("dynamic", "longrope")
 
@@ -89,21 +90,15 @@ class FrozenRope:
         """The frozen ``inv_freq [D/2]`` of ``module`` (None: not one of this rotation's modules)."""
         return self._by_module.get(id(module))
 
-    @contextmanager
-    def active(self):
+    def active(self) -> AbstractContextManager[None]:
         """This rotation used by the rotary modules for calls made in this thread inside the block."""
-        previous = getattr(_active, "rope", None)
-        _active.rope = self
-        try:
-            yield
-        finally:
-            _active.rope = previous
+        return _active.set(self)
 
     def restore(self) -> None:
         """Nothing to give back: the model's modules keep their own behaviour for every other call."""
 
 
-_active = threading.local()  # the FrozenRope of the stream whose call runs in this thread, if any
+_active = ThreadValue()  # the FrozenRope of the stream whose call runs in this thread, if any
 _install_lock = threading.Lock()
 
 
@@ -121,7 +116,7 @@ class _WithFrequencies:
 
 def _stream_aware_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
     """The module's own forward, with the frozen frequencies of the stream calling from this thread, if any."""
-    rope: FrozenRope | None = getattr(_active, "rope", None)
+    rope: FrozenRope | None = _active.get()
     inv_freq = rope.frequencies(module) if rope is not None else None
     target = module if inv_freq is None else _WithFrequencies(module, inv_freq)
     return type(module).forward(target, x, position_ids, *args, **kwargs)

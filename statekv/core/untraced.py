@@ -9,31 +9,26 @@ a guard that would recompile the decoder as a stream grows.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import torch
 
-_state = threading.local()
+from .thread_value import ThreadValue
+
+_untraced = ThreadValue(False)
 Result = TypeVar("Result")
 
 
-@contextmanager
-def engine_untraced():
+def engine_untraced() -> AbstractContextManager[None]:
     """Inside the block (in this thread), :func:`engine_call` makes its calls ones Dynamo does not trace."""
-    previous = getattr(_state, "on", False)
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = previous
+    return _untraced.set(True)
 
 
 def engine_call(function: Callable[..., Result], *args, **kwargs) -> Result:
     """``function(*args, **kwargs)``: a call Dynamo skips inside :func:`engine_untraced`, else a plain call."""
-    if getattr(_state, "on", False):
+    if _untraced.get():
         return _skipped(function, *args, **kwargs)
     return function(*args, **kwargs)
 
