@@ -47,10 +47,11 @@ def test_per_group_questions_videos_and_frames_of_a_stream(root, capsys):
     code, out, table = _check(capsys, "ovobench", "--data-root", root)
     assert code == 0
     # questions, videos, found, missing, undecodable, frames: a stream per source video up to its last question
-    # (1 frame per second): the real-time questions of source0 up to 6 s, its backward one at 2 s, its forward
-    # polls up to 5.5 s; source1 is missing, so its frames are not counted
+    # (1 frame per second): a run of the real-time group streams source0 up to 6 s, of the backward group up to
+    # 2 s, of the forward group up to its poll at 5.5 s; a run of all three streams it once, up to 6 s; source1
+    # is missing, so its frames are not counted
     assert table == {"backward": ["1", "1", "1", "0", "0", "2"], "realtime": ["5", "2", "1", "1", "0", "6"],
-                     "forward": ["2", "1", "1", "0", "0", "6"], "total": ["8", "2", "1", "1", "0", "14"]}
+                     "forward": ["2", "1", "1", "0", "0", "6"], "total": ["8", "2", "1", "1", "0", "6"]}
     assert f"missing videos (1):\n  {root}/ovobench/src_videos/Fabricated/source1.mp4\n" in out
     assert out.rstrip().endswith("every annotation row parses: 8 questions; 1 of 2 videos readable")
 

@@ -2,11 +2,12 @@
 
 Every annotation row is parsed as a run parses it (the first bad row stops the check: exit status 2 and one line
 naming it) and every video a run would open is opened for its header only (no frame is decoded). Printed per group:
-the questions, the videos a run opens (found, missing, undecodable) and the frames a run would encode from the
-videos found, under the run's mode and sampling (``--mode``, ``--max-fps``, ``--max-frames``); then every missing
-or undecodable video, what the annotations hold that a run does not use (`statekv.eval.annotations.LoadNotes`),
-and the questions that come after their video ends (a run asks them at its end). Missing videos are listed, not
-fatal: the status is 0 once every row parses.
+the questions, the videos a run opens (found, missing, undecodable) and the frames a run of that group would encode
+from the videos found, under the run's mode and sampling (``--mode``, ``--max-fps``, ``--max-frames``; a proactive
+output counted with all its polls); the same for all groups together (a stream serves every group of its video, so
+the total is not the sum); then every missing or undecodable video, what the annotations hold that a run does not
+use (`statekv.eval.annotations.LoadNotes`), and the questions that come after their video ends (a run asks them at
+its end). Missing videos are listed, not fatal: the status is 0 once every row parses.
 """
 
 from __future__ import annotations
@@ -79,33 +80,38 @@ def check_benchmark(benchmark: str, data_root: Path | str, *, mode: str | None =
             questions = load_benchmark(benchmark, data_root, check_videos=False)
     clips = benchmark == "ovobench" and mode == "offline"
     headers: dict[Path, Video | str] = {}
-    names = dict.fromkeys(question.group or ALL for question in questions)
-    by_group = {name: GroupCheck(name) for name in sorted(names, key=lambda name: (
-        GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER)))}
-    total = GroupCheck("total")
+    names = sorted(dict.fromkeys(question.group or ALL for question in questions), key=lambda name: (
+        GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER)))
     late: list[tuple[Question, float]] = []
-    for name, group in by_group.items():
-        chosen = [question for question in questions if (question.group or ALL) == name]
-        group.questions = len(chosen)
-        for video in group_by_video(chosen):
-            paths = [question.clip_path for question in video.questions] if clips else [video.video_path]
-            for path in paths:
-                header = _header(headers, path)
-                group.videos.add(path)
-                if isinstance(header, str):
-                    (group.missing if header == "missing" else group.undecodable).add(path)
-                    continue
-                if not clips:
-                    late += [(question, header.duration) for question in past_the_end(video.questions,
-                                                                                       header.duration)]
-                group.frames += _frames(video.questions, header, mode=mode, clip=clips, max_fps=max_fps,
-                                        max_frames=max_frames)
-        total.questions += group.questions
-        total.frames += group.frames
-        for kind in ("videos", "missing", "undecodable"):
-            getattr(total, kind).update(getattr(group, kind))
+    groups_checked = [_check_group(name, [question for question in questions if (question.group or ALL) == name],
+                                   headers, late, mode=mode, clips=clips, max_fps=max_fps, max_frames=max_frames)
+                      for name in names]
+    # a run of every group streams each video once, up to its last question: the total is not the groups' sum
+    total = _check_group("total", questions, headers, [], mode=mode, clips=clips, max_fps=max_fps,
+                         max_frames=max_frames)
     reasons = {path: header for path, header in headers.items() if isinstance(header, str) and header != "missing"}
-    return CheckReport(benchmark, mode, list(by_group.values()), total, reasons, notes, late)
+    return CheckReport(benchmark, mode, groups_checked, total, reasons, notes, late)
+
+
+def _check_group(name: str, questions: Sequence[Question], headers: dict[Path, Video | str],
+                 late: list[tuple[Question, float]], *, mode: str, clips: bool, max_fps: float,
+                 max_frames: int | None) -> GroupCheck:
+    """``questions`` as a run of them alone would read them; the questions past their video's end go to
+    ``late``."""
+    group = GroupCheck(name, questions=len(questions))
+    for video in group_by_video(questions):
+        paths = [question.clip_path for question in video.questions] if clips else [video.video_path]
+        for path in paths:
+            header = _header(headers, path)
+            group.videos.add(path)
+            if isinstance(header, str):
+                (group.missing if header == "missing" else group.undecodable).add(path)
+                continue
+            if not clips:
+                late += [(question, header.duration) for question in past_the_end(video.questions, header.duration)]
+            group.frames += _frames(video.questions, header, mode=mode, clip=clips, max_fps=max_fps,
+                                    max_frames=max_frames)
+    return group
 
 
 def _header(headers: dict[Path, Video | str], path: Path) -> Video | str:
@@ -170,7 +176,8 @@ def report_lines(report: CheckReport) -> list[str]:
         rows.append((group.name, f"{group.questions:,}", f"{len(group.videos):,}", f"{group.found:,}",
                      f"{len(group.missing):,}", f"{len(group.undecodable):,}", f"{group.frames:,}"))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    lines = [f"{report.benchmark}, {report.mode} mode: frames are those a run would encode from the videos found"]
+    lines = [f"{report.benchmark}, {report.mode} mode; frames: what a run of the group (the total: of them all) "
+             "would encode from the videos found"]
     lines += ["  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
                         for column, (cell, width) in enumerate(zip(row, widths))) for row in rows]
     total = report.total
