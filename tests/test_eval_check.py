@@ -90,3 +90,22 @@ def test_a_run_still_needs_a_model_and_a_folder(root, capsys):
     assert code == 2
     assert capsys.readouterr().err.strip() == ("statekv eval: error: --model and --out are required (all but "
                                                "--data-root may be left out with --check)")
+
+
+@pytest.mark.parametrize("mode", ["streaming", "offline"])
+def test_the_frames_are_those_a_run_encodes(mode, tmp_path, capsys, monkeypatch):
+    from statekv.synthetic.benchmark import make_benchmark
+
+    root = tmp_path / "set"
+    make_benchmark(root, videos=1, seed=41, num_frames=24, streaming=True)
+    _, _, table = _check(capsys, "synthetic", "--data-root", root, "--mode", mode)
+    monkeypatch.undo()  # the run loads its model
+    assert main(["eval", "synthetic", "--model", "builtin", "--method", "recency", "--frames", "4", "--data-root",
+                 str(root), "--out", str(tmp_path / "run"), "--mode", mode, "--no-progress"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "answers.rank000.jsonl").read_text().splitlines()]
+    if mode == "streaming":  # one stream per video, up to its last question
+        encoded = sum(max(r["extra"]["frames"] for r in records if r["video_id"] == video)
+                      for video in {r["video_id"] for r in records})
+    else:  # one encoding per video and second asked at
+        encoded = sum({(r["video_id"], r["extra"]["second"]): r["extra"]["frames"] for r in records}.values())
+    assert table["total"][-1] == str(encoded)
