@@ -58,7 +58,13 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
     parser.add_argument("--data-root", required=True, type=PATH, help="folder holding the benchmark's layout")
-    parser.add_argument("--out", required=True, type=PATH, help="run directory (rerun the command to resume)")
+    parser.add_argument("--out", type=PATH, help="run directory (rerun the command to resume); required but with "
+                                                 "--check")
+    parser.add_argument("--check", action="store_true",
+                        help="check the data and stop: read every annotation row and every video's header (no "
+                             "frames, no model) and print per group the questions, the videos found, missing and "
+                             "undecodable, and the frames a run would encode; exit 0 when every row parses, 2 "
+                             "naming the first bad row")
     parser.add_argument("--limit", type=POSITIVE_INT, metavar="N",
                         help="only the first N questions (a resume scores the first N of this run)")
     parser.add_argument("--overwrite", action="store_true",
@@ -87,10 +93,12 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     elif benchmark not in ("synthetic", "streamingbench"):
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
-    model = ModelOptions.add_arguments(parser, reserve=False,
-                                       device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    model = ModelOptions.add_arguments(parser, reserve=False, model_required=False,
+                                       device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu; "
+                                                   "--model is required but with --check")
     model.add_argument("--name", help="the model's name in tables (default: from --model, e.g. InternVL3-1B)")
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, every_frame="the set's videos are the model's own test videos"
+                           if benchmark == "synthetic" else None)
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT, metavar="K",
                         help="override the protocol's answer length (smoke tests only: it changes the protocol)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
@@ -99,12 +107,21 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
 
 def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.console import quiet_libraries
+    from statekv.errors import ConfigurationError
     from statekv.settings.options import ModelOptions
     from statekv.eval.distributed import RankContext
     from statekv.eval.runner import EvalConfig, run_evaluation
 
     context = RankContext.from_env()
     _configure_logging(context.rank)
+    if args.check:
+        from statekv.eval.check import check_command
+
+        return check_command(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--out", args.out)) if value is None]
+    if missing:
+        raise ConfigurationError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (all but "
+                                 "--data-root may be left out with --check)")
     quiet_libraries()
     options = ModelOptions.from_args(args)
     options.check_all_used()  # a flag that changes nothing is refused, not recorded as if it did
