@@ -16,14 +16,13 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import ConfigurationError, HorizonError, StateKVError
+from . import openai, routes
 from .auth import KeyRing
 from .config import ServeConfig
 from .errors import ServiceError, error_body, public_message
 from .limits import Slots
 from .metrics import Metrics
-from .openai import build_openai_router
 from .registry import StreamRegistry
-from .routes import build_router
 from .store import StreamFiles, check_state_folder
 from .worker import ModelExecutor, ModelWorker
 
@@ -39,10 +38,6 @@ class Hosting:
 
     def registry(self, config: ServeConfig, qa: Any, worker: ModelExecutor) -> StreamRegistry:
         return StreamRegistry(config, qa, worker)
-
-    def restore(self, registry: StreamRegistry, owners: Any) -> int:
-        """Bring back the state folder's streams at start; returns how many."""
-        return registry.restore(owners)
 
     async def run(self, service: "Service") -> None:
         """Work that runs beside the server for its whole life (cancelled at shutdown)."""
@@ -101,7 +96,7 @@ def check_owners(config: ServeConfig, keys: KeyRing) -> None:
             f"{'a key' if len(unowned) == 1 else f'{len(unowned)} keys'} this server was not given; pass "
             f"{'it' if len(unowned) == 1 else 'them'} with --api-key (repeatable, or STATEKV_API_KEYS), or start "
             "with --drop-unowned-streams to delete those streams")
-    for path, record in files.records():
+    for _, record in files.records():
         if isinstance(record, dict) and record["owner"] in unowned:
             files.remove(record["id"])
     log.warning("deleted %d streams no accepted key owned (--drop-unowned-streams)", count)
@@ -120,7 +115,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
 
         qa = VideoQA.from_options(config.options)
     service = Service(config, qa, worker or ModelWorker(), keys, hosting)
-    restored = service.hosting.restore(service.registry, keys.owners)
+    restored = service.registry.restore(keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)
     if service.registry.damaged:
@@ -145,8 +140,8 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     app = FastAPI(title="statekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     _error_handlers(app, service)
-    app.include_router(build_router(service))
-    app.include_router(build_openai_router(service))
+    app.include_router(routes.router)
+    app.include_router(openai.router)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -299,7 +299,7 @@ class StreamPage:
             video = await self.registry.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
             frames = frames_at_rate(video, rate)
-            horizon = entry.horizon_frames if entry is not None else self.registry.default_horizon_frames
+            horizon = entry.horizon_frames if entry is not None else self.registry.settings.default_horizon_frames
             room = None if horizon is None else horizon - (entry.stream.frames if entry is not None else 0)
             if room is not None and frames > room:  # None: no horizon, any length
                 raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "

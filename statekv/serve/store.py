@@ -195,31 +195,38 @@ class StreamFiles:
         path = self.state_path(stream_id)
         yield path if path.exists() else None
 
-    def records(self) -> list[tuple[Path, dict[str, Any] | Exception]]:
-        """Every record, read (or the error that kept it from being read), in id order."""
-        found: list[tuple[Path, dict[str, Any] | Exception]] = []
+    def records(self) -> list[tuple[str, dict[str, Any] | Exception]]:
+        """Every stream's id with its record, read (or the error that kept it from being read), in id order."""
+        found: list[tuple[str, dict[str, Any] | Exception]] = []
         for path in sorted(self.folder.glob("st_*.json")):
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                found.append((path, self.record_at(path)))
+                found.append((path.stem, self.record_or_error(path.stem)))
         return found
 
-    @staticmethod
-    def record_at(path: Path) -> dict[str, Any] | Exception:
-        """The record in ``path``, read, or the error that kept it from being read (`FileNotFoundError` raised
-        when there is none)."""
+    def record_or_error(self, stream_id: str) -> dict[str, Any] | Exception:
+        """The stream's record, read, or the error that kept it from being read (`FileNotFoundError` raised when
+        there is none)."""
         try:
-            return check_record(_parsed(path.read_text()), path.stem)
+            return check_record(_parsed(self.record_path(stream_id).read_text()), stream_id)
         except FileNotFoundError:
             raise
         except (OSError, ValueError, RecursionError) as error:
             return error if isinstance(error, ValueError) else ValueError(_reason(error))
 
-    def owner_named(self, path: Path) -> str | None:
+    def record_name(self, stream_id: str) -> str:
+        """The record's name, for messages."""
+        return self.record_path(stream_id).name
+
+    def owner_named(self, stream_id: str) -> str | None:
         """The owner a record names, when it names one even though it cannot be used (damaged)."""
         try:
-            return readable_owner(json.loads(path.read_text()))
+            return readable_owner(json.loads(self.record_path(stream_id).read_text()))
         except (OSError, ValueError, RecursionError):
             return None
+
+    def places(self) -> dict[str, str]:
+        """The folder's paths as a message may not show them, each with what it shows instead."""
+        return {str(self.folder.resolve()) + "/": "", str(self.folder) + "/": ""}
 
     def owners(self) -> Counter:
         """How many streams each owner digest holds, over the records that can be read."""

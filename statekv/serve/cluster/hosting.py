@@ -1,5 +1,5 @@
 """`ReplicaHosting`: how one replica of several holds its streams over the shared state folder (the service's
-`Hosting` for a replica): a `SharedRegistry` over `SharedStreamFiles`, its leases kept beside the server, its
+`Hosting` for a replica): a `StreamRegistry` placed by leases (`LeasedPlacement`) over `SharedStreamFiles`, its leases kept beside the server, its
 metrics posted to the `ReplicaBoard`, every lease released at shutdown once the streams are saved."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from ..config import ServeConfig
 from ..store import join_state_folder
 from .board import POST_SECONDS, ReplicaBoard
 from .leases import LEASE_SECONDS, Leases
-from .shared import SharedRegistry, SharedStreamFiles
+from ..registry import StreamRegistry
+from .folder import SharedStreamFiles
+from .shared import LeasedPlacement
 
 log = logging.getLogger("statekv.serve")
 
@@ -38,11 +40,11 @@ class ReplicaHosting(Hosting):
             self.lock.release()
             raise
         self.check_seconds = min(1.0, lease_seconds / 5)
-        self.shared: SharedRegistry | None = None
+        self.shared: StreamRegistry | None = None
         self.passed = time.monotonic()  # when the lease loop last finished a pass
 
-    def registry(self, config: ServeConfig, qa: Any, worker: Any) -> SharedRegistry:
-        self.shared = SharedRegistry(config, qa, worker, self.files)
+    def registry(self, config: ServeConfig, qa: Any, worker: Any) -> StreamRegistry:
+        self.shared = StreamRegistry(config, qa, worker, files=self.files, placement=LeasedPlacement(self.files))
         return self.shared
 
     @property

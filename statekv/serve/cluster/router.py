@@ -25,7 +25,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ..registry import STREAM_ID
+from ..store import STREAM_ID
 from .leases import Leases
 
 STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
