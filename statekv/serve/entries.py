@@ -55,6 +55,7 @@ class StreamEntry:
     feed: Feed | None = None
     last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
     updated: float | None = None  # when a frame last arrived (unix time)
+    used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)
     deleted: bool = False
     moved: bool = False  # let go to another replica sharing the state folder
     replica: str | None = None  # the replica holding it, when several share the state folder

@@ -43,7 +43,7 @@ def mount_page(app: FastAPI, service: Any) -> None:
     @ui.page("/", title="statekv")
     def index() -> None:
         ui.add_body_html(PAGE_SCRIPT)
-        StreamPage(service, Path(service.config.state_dir) / "uploads").build()
+        StreamPage(service, service.uploads).build()
 
     # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)

@@ -44,8 +44,14 @@ class Placement:
         """Bring ``registry.damaged`` up to date for one stream (alone: it knows them all already)."""
 
     async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
-        """Remove every file of a stream that is not held (a damaged one)."""
+        """Remove every file of a stream that is not held (a damaged one): whole, or refused (503) with nothing
+        removed."""
+        await registry.begin_removal(stream_id, None)
         await asyncio.to_thread(registry.files.remove, stream_id)
+
+    async def rebalance(self, registry: StreamRegistry, loads: dict[str, int]) -> None:
+        """Hand streams over when this server holds more than its share (``loads``: the streams each replica
+        holds); alone: nothing to balance."""
 
     async def keep(self, registry: StreamRegistry) -> None:
         """One pass of the work that keeps the placement (alone: none; a replica renews its leases)."""

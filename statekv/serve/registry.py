@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ class StreamRegistry:
         damaged = self.damaged.get(stream_id)
         if damaged is not None and damaged.owner in (owner, None):
             raise ServiceError(409, f"stream {stream_id} is damaged ({damaged.reason}); it is not served and its "
-                               f"files are kept in the state folder: {self.placement.repair}, or delete the stream")
+                               f"files are kept in {self.files.where}: {self.placement.repair}, or delete the stream")
 
     async def remove_damaged(self, owner: str, stream_id: str) -> bool:
         """Delete a quarantined stream of the caller's (its files too, those moved into the quarantine included:
@@ -85,8 +86,8 @@ class StreamRegistry:
             return False
         if damaged.owner is None:
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
-                               f"remove its files from the state folder by hand: {', '.join(self.files.files_of(stream_id))}")
-        await self.placement.remove_files(self, stream_id)
+                               f"remove its files from {self.files.where} by hand: {', '.join(self.files.files_of(stream_id))}")
+        await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
         return True
 
@@ -95,6 +96,7 @@ class StreamRegistry:
         await self.placement.bring(self, owner, stream_id)
         entry = self.get(owner, stream_id)
         self.placement.check(entry)
+        entry.used = time.monotonic()
         return entry
 
     async def remove(self, owner: str, stream_id: str) -> None:
@@ -154,7 +156,7 @@ class StreamRegistry:
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
-            raise ServiceError(503, "cannot record the stream in the state folder "
+            raise ServiceError(503, f"cannot record the stream in {self.files.where} "
                                f"({error.strerror or error}); no stream was made") from None
         return entry
 
@@ -163,6 +165,7 @@ class StreamRegistry:
         if not isinstance(entry, StreamEntry):
             await self.remove(entry.owner or "", entry.id)
             return
+        await self.begin_removal(entry.id, entry.tier)  # refused (503) with nothing changed, or the stream is gone
         entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
             try:
@@ -171,10 +174,24 @@ class StreamRegistry:
                 except (OSError, StateKVError) as error:  # what it would have kept is being deleted anyway
                     log.warning("stream %s did not close cleanly (%s); its files are removed all the same",
                                 entry.id, error)
+                remove_tier(entry)  # every tier: the disk-tier file set, the save, the record
                 self.files.remove(entry.id)
-                remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
+            except OSError as error:  # begun: never served again, and finished at the next start
+                log.error("stream %s is deleted, but not all its files could be removed (%s); the rest are removed "
+                          "at the next start", entry.id, error)
             finally:
                 self.entries.pop(entry.id, None)
+
+    async def begin_removal(self, stream_id: str, tier: Path | None) -> None:
+        """Mark the stream as being deleted where its files are (`StreamFiles.begin_removal`); a one-line 503 when
+        that cannot be written, and then nothing is changed."""
+        try:
+            await asyncio.to_thread(self.files.begin_removal, stream_id, tier)
+        except OSError as error:
+            why = error.strerror or type(error).__name__
+            raise ServiceError(503, f"cannot delete stream {stream_id}: {self.files.where} cannot be changed ({why}); "
+                               "nothing was deleted and the stream is as it was: retry once it can be written",
+                               headers={"Retry-After": "5"}) from None
 
     def dismiss(self, entry: StreamEntry) -> None:
         """Forget why the stream's last feed failed (the page's "dismiss")."""
@@ -218,7 +235,7 @@ class StreamRegistry:
                 log.error("cannot save stream %s before a push: %s", entry.id, error)
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
                                    f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
-                                   "memory only); push the frame again once the state folder can be written",
+                                   f"memory only); push the frame again once {self.files.where} can be written",
                                    headers={"Retry-After": "5"}) from None
         return entry.stream.frames
 
@@ -383,7 +400,8 @@ class StreamRegistry:
 
     def load_all(self, owners: Any = None) -> int:
         """Load every stream recorded in the state folder; returns how many. ``owners``: load only streams of
-        these owner digests (the others are left on disk untouched)."""
+        these owner digests (the others are left on disk untouched). Deletions cut short are finished first."""
+        self.finish_removals()
         for stream_id, record in self.files.records():
             if isinstance(record, Exception):
                 reason = unreadable(self.files.record_name(stream_id), record)
@@ -398,6 +416,17 @@ class StreamRegistry:
                 continue
             self.entries[entry.id] = entry
         return len(self.entries)
+
+    def finish_removals(self) -> None:
+        """Finish the deletions begun and cut short (a kill, a crash): the streams stay deleted, never loaded."""
+        for removal in self.files.removals():
+            try:
+                if removal["tier"]:
+                    shutil.rmtree(removal["tier"], ignore_errors=True)
+                self.files.remove(removal["id"])
+                log.info("finished deleting stream %s", removal["id"])
+            except (OSError, StateKVError) as error:  # still never served; tried again at the next start
+                log.error("cannot finish deleting stream %s: %s", removal["id"], error)
 
     def restore_one(self, data: dict[str, Any]) -> StreamEntry:
         """Load one recorded stream (`StreamLoader.load`); it is no longer damaged once it loads."""

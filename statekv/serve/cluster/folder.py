@@ -59,6 +59,9 @@ class SharedStreamFiles(StreamFiles):
         """Ask the replica holding the stream to save it and let it go."""
         self.leases.ask_handoff(stream_id)
 
+    def end(self) -> None:
+        """At shutdown, once every stream is let go (each lease ends on its own: nothing more)."""
+
     # -- leases -----------------------------------------------------------------------------------------------
     def take(self, stream_id: str) -> Lease | None:
         """Acquire the stream's lease; None when another replica holds a live one."""
@@ -145,6 +148,10 @@ class SharedStreamFiles(StreamFiles):
         self.leases.forget(lease)
         self.held.pop(stream_id, None)
         self._valid.pop(stream_id, None)
+
+    def begin_removal(self, stream_id: str, tier: Path | None) -> None:
+        with self.leases.fenced(self.lease(stream_id)):
+            super().begin_removal(stream_id, tier)
 
     def set_aside(self, stream_id: str) -> str:
         lease = self.lease(stream_id)

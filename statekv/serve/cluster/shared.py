@@ -30,6 +30,7 @@ from .leases import Lease
 log = logging.getLogger("statekv.serve")
 
 TAKE_POLL_SECONDS = 0.2  # how often a replica waiting for a stream's lease tries again
+REBALANCE_IDLE_SECONDS = 10.0  # a stream handed over to balance the replicas has had no request this long
 TAKE_MARGIN_SECONDS = 5.0  # how much longer than a lease it waits before answering 503
 LIST_SECONDS = 2.0  # how long the listing of the other replicas' streams is reused
 
@@ -103,7 +104,16 @@ class LeasedPlacement(Placement):
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
-        return 0  # streams are taken when asked for
+        """Nothing is loaded (streams are taken when asked for); deletions cut short are finished, each under
+        its lease (one another replica holds is left to it)."""
+        for removal in self.files.removals():
+            try:
+                if self.files.take(removal["id"]) is not None:
+                    self.files.remove(removal["id"])  # its disk-tier folder was the replica's own, gone with it
+                    log.info("finished deleting stream %s", removal["id"])
+            except (OSError, StateKVError) as error:
+                log.error("cannot finish deleting stream %s: %s", removal["id"], error)
+        return 0
 
     # -- finding, taking, listing -------------------------------------------------------------------------------
     async def bring(self, registry: StreamRegistry, owner: str, stream_id: str) -> None:
@@ -239,6 +249,7 @@ class LeasedPlacement(Placement):
         """A damaged stream's files removed under its lease (taken first, from whichever replica tried it last)."""
         await self.wait_for_lease(stream_id)
         try:
+            await registry.begin_removal(stream_id, None)
             await asyncio.to_thread(self.files.remove, stream_id)  # the lease goes with it
         except BaseException:
             await asyncio.to_thread(self.files.release, stream_id)
@@ -262,6 +273,23 @@ class LeasedPlacement(Placement):
                 task = asyncio.ensure_future(self.hand_over(registry, entry))
                 self._handing[stream_id] = task
                 task.add_done_callback(lambda _, stream_id=stream_id: self._handing.pop(stream_id, None))
+
+    async def rebalance(self, registry: StreamRegistry, loads: dict[str, int]) -> None:
+        """Hand one stream over when this replica holds at least two more than the least-loaded live replica
+        (``loads``: the streams each holds, as posted to the board), so a replica that joins (a node back)
+        takes a share: the stream idle longest (no request for `REBALANCE_IDLE_SECONDS`), saved and let go, so
+        its next request is routed to the least-loaded replica, which takes it from that save. Nothing is lost."""
+        others = [count for replica, count in loads.items() if replica != self.replica]
+        if not others or len(registry.entries) - min(others) < 2:
+            return
+        now = time.monotonic()
+        idle = [entry for entry in registry.entries.values() if not entry.feeding and not entry.moved
+                and not entry.deleted and now - entry.used >= REBALANCE_IDLE_SECONDS]
+        if idle:
+            entry = min(idle, key=lambda entry: entry.used)
+            log.info("handing stream %s over to balance the replicas (%d held here, %d on the least-loaded)",
+                     entry.id, len(registry.entries), min(others))
+            await self.hand_over(registry, entry)
 
     async def hand_over(self, registry: StreamRegistry, entry: StreamEntry) -> None:
         """Save the stream and let it go, for the replica that asked for it (kept if the save fails), once the
@@ -295,6 +323,7 @@ class LeasedPlacement(Placement):
                 self.files.release(stream_id)
             except (OSError, StateKVError) as error:
                 log.error("cannot release the lease of stream %s: %s", stream_id, error)
+        self.files.end()
 
 
 def SharedRegistry(config: Any, qa: Any, worker: Any, files: SharedStreamFiles) -> StreamRegistry:  # noqa: N802
