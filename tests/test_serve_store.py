@@ -7,9 +7,8 @@ taken over with only the unsaved tail lost; a bucket that refuses writes answere
 
 from __future__ import annotations
 
-import asyncio
 import io
-import json
+import os
 import time
 
 import numpy as np
@@ -276,3 +275,45 @@ def test_a_bucket_that_refuses_writes_is_one_line_and_nothing_is_lost(aws, qa, m
             asked = _call(client, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
                                                                                  "max_new_tokens": 6})
             assert asked.json()["answer"] == _alone(qa, frames)
+
+
+def test_the_documented_rayservice_builds_the_object_store_application_and_its_policy_allows_what_it_does(aws):
+    """docs/serving.md's KubeRay recipe: its serveConfigV2 is a Serve config whose application builds with the store
+    alone (no state folder), and the bucket policy it shows allows every request statekv makes."""
+    from pathlib import Path
+
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from statekv.commands.serve import ray_app
+
+    yaml = pytest.importorskip("yaml")
+    serving = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    documents = [yaml.safe_load(block.split("```")[0]) for block in serving.split("```yaml\n")[1:]]
+    service = next(document for document in documents if isinstance(document, dict)
+                   and document.get("kind") == "RayService")
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    application = schema.applications[0]
+    assert "state_dir" not in application.args and application.args["store"].startswith("s3://")
+    import torch
+
+    url = aws.url()
+    args = {**application.args, "store": url,  # the local S3 server; CPU where this machine has no GPU
+            **({} if torch.cuda.is_available() else {"device": "cpu"})}
+    for name, value in application.runtime_env["env_vars"].items():
+        os.environ[name] = value
+    try:
+        built = build_app(ray_app(args), name=application.name).deployments[0]
+    finally:
+        for name in application.runtime_env["env_vars"]:
+            os.environ.pop(name, None)
+    config, cluster = built.init_args
+    assert config.state_dir is None and cluster.store == url and (cluster.replicas, cluster.max_replicas) == (2, 8)
+    assert built._deployment_config.request_router_config.request_router_kwargs == {"store": url,
+                                                                                   "max_streams": 64}
+    policy = next(document for document in documents if isinstance(document, dict) and "Statement" in document)
+    allowed = {action for statement in policy["Statement"] for action in
+               ([statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"])}
+    assert allowed == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
+    prefix = service["spec"]["serveConfigV2"].split("store: s3://", 1)[1].split()[0]
+    assert any(statement["Resource"] == f"arn:aws:s3:::{prefix}/*" for statement in policy["Statement"])

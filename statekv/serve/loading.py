@@ -39,7 +39,7 @@ class StreamLoader:
             where = f"quarantine/{moved[-1]}"
             raise Quarantined(note["reason"] if note is not None and where in note["reason"] else
                               f"its disk-tier file set was moved to {where} in the state folder")
-        qa = self.settings.qa_for(data["settings"])
+        qa = self.settings.qa_for(data["settings"], as_made=True)
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
         stream, saved = self.resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
         if stream is None:
@@ -47,9 +47,15 @@ class StreamLoader:
                 stream = None if state is None else Stream.load(state, qa, **ids)
         if stream is not None:
             recorded = data.get("saved") or {}
+            try:
+                check_described(data, stream)
+            except InputError:
+                stream.close()
+                raise
             saved = {"pushed": stream.pushed, "frames": stream.frames,
                      "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
         else:
+            qa = self.settings.qa_for(data["settings"])  # never saved: made anew, as the server makes streams now
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
         answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
@@ -107,6 +113,26 @@ class StreamLoader:
         reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
                         reason)
         return DamagedStream(stream_id, owner, reason, record)
+
+
+def check_described(record: dict[str, Any], stream: Stream) -> None:
+    """Refuse (one-line `InputError`) a record that does not describe the saved stream ``stream`` it names: its
+    horizon or frame rate differs, or it says more frames were saved than the save holds (a save may hold more:
+    one written just before a kill, the record not yet). Its method settings are checked as the save is loaded."""
+    for name in ("horizon_frames", "max_fps"):
+        if record[name] != getattr(stream, name):
+            raise InputError(f"its record says {name} {_shown(record[name])}, but its save holds a stream made with "
+                             f"{_shown(getattr(stream, name))}")
+    saved = record.get("saved") if isinstance(record.get("saved"), dict) else {}
+    for name, held in (("pushed", stream.pushed), ("frames", stream.frames)):
+        claimed = saved.get(name, 0)
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed > held:
+            raise InputError(f"its record says {_shown(claimed)} {'frames pushed' if name == 'pushed' else name} "
+                             f"were saved, but its save holds {held}")
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)[:40]
 
 
 def unreadable(name: str, error: Exception) -> str:

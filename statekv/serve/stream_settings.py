@@ -22,11 +22,13 @@ class StreamSettings:
         self.models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
 
-    def qa_for(self, settings: dict[str, Any]) -> Any:
-        """The VideoQA of a stream's method settings (the server's model, shared)."""
-        key = tuple(sorted(settings.items()))
+    def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
+        """The VideoQA of a stream's method settings (the server's model, shared). ``as_made``: to load a saved
+        stream, which keeps the positions it was made with whatever the server's ``--positions`` is now."""
+        as_made = as_made and self.qa.engine.positions is not None
+        key = (*sorted(settings.items()), ("as made", as_made))
         if key not in self.models:
-            self.models[key] = self.qa.with_options(**settings)
+            self.models[key] = self.qa.with_options(**settings, **({"positions": None} if as_made else {}))
         return self.models[key]
 
     def check(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, float | None, str]:

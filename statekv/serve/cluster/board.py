@@ -123,10 +123,11 @@ class StoreBoard:
         return [posted for posted, age in self._posts() if age < STALE_SECONDS]
 
     def forget_silent(self) -> list[str]:
-        """Remove the posts of replicas silent for `FORGET_SECONDS`; returns their ids."""
+        """Remove the posts (and expired sessions) of replicas silent for `FORGET_SECONDS`; returns their ids."""
         forgotten = []
         for posted, age in self._posts():
             if age > FORGET_SECONDS and posted.get("replica") not in (None, self.replica):
+                self.store.remove(f"sessions/{posted['replica']}.json")
                 self.store.remove(f"{REPLICAS}/{posted['replica']}.json")
                 forgotten.append(posted["replica"])
         return forgotten

@@ -31,6 +31,7 @@ log = logging.getLogger("statekv.serve")
 
 TAKE_POLL_SECONDS = 0.2  # how often a replica waiting for a stream's lease tries again
 REBALANCE_IDLE_SECONDS = 10.0  # a stream handed over to balance the replicas has had no request this long
+HANDED_SECONDS = 600.0  # how long a stream handed over to balance the replicas counts as on its way to another
 TAKE_MARGIN_SECONDS = 5.0  # how much longer than a lease it waits before answering 503
 LIST_SECONDS = 2.0  # how long the listing of the other replicas' streams is reused
 
@@ -102,6 +103,7 @@ class LeasedPlacement(Placement):
         self._resumed: set[str] = set()  # streams taken after their replica stopped, not yet pushed to
         self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
+        self._handed: dict[str, float] = {}  # streams handed over to balance the replicas, not yet taken elsewhere
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
         """Nothing is loaded (streams are taken when asked for); deletions cut short are finished, each under
@@ -278,9 +280,13 @@ class LeasedPlacement(Placement):
         """Hand one stream over when this replica holds at least two more than the least-loaded live replica
         (``loads``: the streams each holds, as posted to the board), so a replica that joins (a node back)
         takes a share: the stream idle longest (no request for `REBALANCE_IDLE_SECONDS`), saved and let go, so
-        its next request is routed to the least-loaded replica, which takes it from that save. Nothing is lost."""
+        its next request is routed to the least-loaded replica, which takes it from that save. Nothing is lost.
+        Streams handed over and not taken yet count as the least-loaded replica's: they go there when asked for."""
         others = [count for replica, count in loads.items() if replica != self.replica]
-        if not others or len(registry.entries) - min(others) < 2:
+        if not others:
+            return
+        on_their_way = await asyncio.to_thread(self._still_free)
+        if len(registry.entries) - (min(others) + on_their_way) < 2:
             return
         now = time.monotonic()
         idle = [entry for entry in registry.entries.values() if not entry.feeding and not entry.moved
@@ -290,6 +296,16 @@ class LeasedPlacement(Placement):
             log.info("handing stream %s over to balance the replicas (%d held here, %d on the least-loaded)",
                      entry.id, len(registry.entries), min(others))
             await self.hand_over(registry, entry)
+            if entry.moved:
+                self._handed[entry.id] = time.monotonic()
+
+    def _still_free(self) -> int:
+        """How many streams handed over to balance the replicas no replica has taken yet (nor deleted)."""
+        for stream_id, handed in list(self._handed.items()):
+            if time.monotonic() - handed > HANDED_SECONDS or self.files.holder_of(stream_id) is not None \
+                    or self.files.read_record(stream_id) is None:
+                del self._handed[stream_id]
+        return len(self._handed)
 
     async def hand_over(self, registry: StreamRegistry, entry: StreamEntry) -> None:
         """Save the stream and let it go, for the replica that asked for it (kept if the save fails), once the
