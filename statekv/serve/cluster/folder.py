@@ -55,6 +55,13 @@ class SharedStreamFiles(StreamFiles):
         lease = self.leases.peek(stream_id)
         return lease.holder if lease is not None and lease.live(self.leases.clock()) else None
 
+    def listing(self) -> list[tuple[str, Any, dict[str, Any] | None, str | None]]:
+        """Every stream's (id, record or why it cannot be used, quarantine note, live holder), in id order."""
+        notes = self.notes()
+        return [(stream_id, record, notes.get(stream_id),
+                 None if isinstance(record, Exception) else self.holder_of(stream_id))
+                for stream_id, record in self.records()]
+
     def ask_handoff(self, stream_id: str) -> None:
         """Ask the replica holding the stream to save it and let it go."""
         self.leases.ask_handoff(stream_id)

@@ -202,14 +202,14 @@ class LeasedPlacement(Placement):
         damaged ones, whichever replica quarantined them (their notes, or their unreadable records)."""
         listed_at, elsewhere = self._listed
         if time.monotonic() - listed_at > LIST_SECONDS:
-            notes, elsewhere, damaged = self.files.notes(), [], {}
-            for stream_id, record in self.files.records():
+            elsewhere, damaged = [], {}
+            for stream_id, record, note, holder in self.files.listing():
                 if stream_id in registry.entries:
                     continue
-                if stream_id in notes or isinstance(record, Exception):
-                    damaged[stream_id] = self._damaged(registry, stream_id, record, notes.get(stream_id))
+                if note is not None or isinstance(record, Exception):
+                    damaged[stream_id] = self._damaged(registry, stream_id, record, note)
                 else:
-                    elsewhere.append(HeldElsewhere(record, self.files.holder_of(record["id"])))
+                    elsewhere.append(HeldElsewhere(record, holder))
             registry.damaged = damaged
             self._listed = (time.monotonic(), elsewhere)
         here = registry.held(owner)  # held here, and damaged

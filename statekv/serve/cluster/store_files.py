@@ -240,6 +240,20 @@ class StoreStreamFiles:
                 found.append((stream_id, _checked(version, stream_id)))
         return found
 
+    def listing(self) -> list[tuple[str, Any, dict[str, Any] | None, str | None]]:
+        """Every stream's (id, record or why it cannot be used, quarantine note, live holder), in id order, from
+        one listing of the store."""
+        found = []
+        for stream_id, version in self.versions.every_current().items():
+            try:
+                record = _checked(version, stream_id)
+            except FileNotFoundError:
+                continue
+            holder = version.holder if version.holder is not None and self.session.live(
+                version.holder, version.epoch) else None
+            found.append((stream_id, record, version.note if isinstance(version.note, dict) else None, holder))
+        return found
+
     def record_name(self, stream_id: str) -> str:
         return f"{STREAMS}/{stream_id}"
 
