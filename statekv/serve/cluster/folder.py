@@ -24,6 +24,7 @@ from ...errors import InputError
 from ..errors import ServiceError
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
+from .objects import ObjectStore, StoreError
 
 log = logging.getLogger("statekv.serve")
 
@@ -40,7 +41,7 @@ class SharedStreamFiles(StreamFiles):
         self.leases = leases
         self.held: dict[str, Lease] = {}
         self._valid: dict[str, float] = {}  # stream -> monotonic time until which its lease is surely ours
-        self.store = ObjectStore(store) if store else None
+        self.store = SavesInStore(store) if store else None
 
     @property
     def holder(self) -> str:
@@ -219,46 +220,37 @@ class SharedStreamFiles(StreamFiles):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-class ObjectStore:
-    """Saved streams in object storage, through fsspec (``s3://``, ``gs://``, ``az://``, ``file://``...)."""
+class SavesInStore:
+    """Saved streams in an object store (`objects.ObjectStore`) beside a shared state folder: each save a new object
+    named by the stream, its lease's token and a sequence number."""
 
     def __init__(self, url: str):
-        import fsspec
-
-        self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url)
-        self.root = root.rstrip("/")
-        self.fs.makedirs(self.root, exist_ok=True)  # a folder where there are folders; nothing in object storage
+        self.objects = ObjectStore(url)
         self._sequence = time.time_ns()
 
     def put(self, local: Path, stream_id: str, token: int) -> str:
         """Upload a saved stream as a new object; returns its name."""
         self._sequence += 1
-        name = f"{self.root}/{stream_id}.{token}.{self._sequence}.safetensors"
-        try:
-            self.fs.put_file(str(local), name)
-        except OSError as error:
-            log.error("cannot save stream %s to %s: %s", stream_id, self.url, error)
-            raise ServiceError(503, f"cannot save stream {stream_id} to the object store "
-                               f"({type(error).__name__}); the server log has the details") from None
+        name = f"{stream_id}.{token}.{self._sequence}.safetensors"
+        self.objects.upload(local, name)
         return name
 
     def get(self, name: str, local: Path) -> None:
+        root = self.objects.root + "/"
+        name = name[len(root):] if name.startswith(root) else name  # a pointer written as the whole path
         try:
-            self.fs.get_file(name, str(local))
-        except OSError as error:
-            log.error("cannot read %s from %s: %s", name, self.url, error)
-            raise InputError(f"cannot read {name.rsplit('/', 1)[-1]} from the object store "
-                             f"({type(error).__name__})") from None
+            self.objects.download(name, local)
+        except StoreError as error:
+            raise InputError(f"its save cannot be read from the object store ({error})") from None
 
     def prune(self, stream_id: str, keep: str | None) -> None:
         """Remove the stream's other objects (all of them with ``keep=None``); a failure only leaves garbage."""
         try:
-            for name in self.fs.glob(f"{self.root}/{stream_id}.*.safetensors"):
-                if name != keep:
-                    self.fs.rm_file(name)
+            for name in self.objects.names(""):
+                if name.startswith(f"{stream_id}.") and name.endswith(".safetensors") and name != keep:
+                    self.objects.remove(name)
         except OSError as error:
-            log.warning("cannot prune old objects of stream %s in %s: %s", stream_id, self.url, error)
+            log.warning("cannot prune old objects of stream %s in %s: %s", stream_id, self.objects.url, error)
 
 
 def _sync(path: Path) -> None:

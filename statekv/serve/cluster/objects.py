@@ -107,9 +107,9 @@ class ObjectStore:
             raise self.error("read", name, error) from None
 
     def names(self, prefix: str) -> list[str]:
-        """Every object's name under ``prefix`` (a folder's name, ending in ``/``), sorted."""
+        """Every object's name under ``prefix`` (a folder's name, ending in ``/``; "": every object), sorted."""
         try:
-            found = self.fs.find(self.path(prefix.rstrip("/")))
+            found = self.fs.find(self.path(prefix.strip("/")) if prefix.strip("/") else self.root)
         except FileNotFoundError:
             return []
         except OSError as error:
