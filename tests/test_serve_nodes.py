@@ -1,4 +1,4 @@
-"""`statekv serve --ray ADDRESS --replicas 2 --store s3://bucket/prefix` with no shared folder, on a Ray cluster of
+"""`statekv serve --ray auto --replicas 2 --store s3://bucket/prefix` with no shared folder, on a Ray cluster of
 a head and two worker nodes on this machine (127.0.0.1 only, no dashboard; `ray.cluster_utils.Cluster` run by a
 helper process), against a real S3 server (moto's server mode, `tests/s3.py`) reached through the standard AWS
 environment variables. One replica is placed on each worker node; streams are fed from both; then a whole worker
@@ -107,7 +107,8 @@ def s3():
 @pytest.fixture(scope="module")
 def env(s3) -> dict[str, str]:
     """A token-authenticated, loopback-only cluster's environment, with the S3 server's standard AWS variables:
-    every node's processes (the replicas) reach the bucket through them, as on a real cluster."""
+    every node's processes (the replicas) reach the bucket through them, as on a real cluster. Ray notes the
+    cluster's address under ``RAY_TMPDIR``, where ``--ray auto`` finds it, as on a machine that ran `ray start`."""
     temp = tempfile.mkdtemp(prefix="skv-nodes-", dir="/tmp")  # where Ray notes the cluster's address
     os.makedirs(os.path.join(temp, "ray"))
     env = {**os.environ, **s3.env, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
@@ -257,7 +258,7 @@ def test_a_worker_node_killed_under_load_loses_only_unsaved_tails_and_replicas_r
     nodes = Nodes(env, port)
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "statekv.cli", "serve", "--ray", nodes.address, "--replicas", "2", "--store", url,
+        [sys.executable, "-m", "statekv.cli", "serve", "--ray", "auto", "--replicas", "2", "--store", url,
          "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--save-every-frames", str(SAVE_EVERY),
          "--save-every-seconds", "600", "--lease-seconds", str(LEASE_SECONDS), "--no-page"],
         stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -110,8 +110,8 @@ class StreamLoader:
         reason = public_message(reason, self.files.places())
         reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
         # another stream's id is not this stream's owner's to see
-        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
-                        reason)
+        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?",
+                        lambda m: m.group(0) if stream_id in m.group(0) else "another stream", reason)
         return DamagedStream(stream_id, owner, reason, record)
 
 

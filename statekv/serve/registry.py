@@ -85,8 +85,9 @@ class StreamRegistry:
         if damaged is None or damaged.owner not in (owner, None):
             return False
         if damaged.owner is None:
+            files = ", ".join(self.files.files_of(stream_id))
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
-                               f"remove its files from {self.files.where} by hand: {', '.join(self.files.files_of(stream_id))}")
+                               f"remove its files from {self.files.where} by hand: {files}")
         await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
         return True
