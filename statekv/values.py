@@ -16,7 +16,7 @@ Two kinds of check, each raising a `ConfigurationError` whose one-line message n
 A `Kind` pairs the two for one kind of value (``POSITIVE``, ``NON_NEGATIVE``, ``BOOLEAN``, ``TEXT``, ``DTYPE``,
 ``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type. A `Setting` names one setting
 with its kind, default and help, and `settings_class` makes a frozen, checked dataclass from a table of them: the
-engine's settings (`statekv.core.settings.EngineSettings`) and `statekv.settings.options.ModelOptions`.
+engine's settings (`statekv.core.stream.settings.EngineSettings`) and `statekv.settings.options.ModelOptions`.
 """
 
 from __future__ import annotations

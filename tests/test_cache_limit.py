@@ -11,9 +11,9 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.limits import CacheLimit
-from statekv.core.prefill import cache_geometry
-from statekv.core.retrieval import LayerQuestion, MostRecent, Retrieval
+from statekv.core.storage.limits import CacheLimit
+from statekv.core.stream.prefill import cache_geometry
+from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval
 from statekv.errors import CacheLimitError, ConfigurationError, InputError
 from statekv.values import format_bytes
 from statekv.models import load_adapter

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.batching import StepBatcher, StepRequest
+from statekv.core.step.batching import StepBatcher, StepRequest
 from statekv.testing import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.cuda,

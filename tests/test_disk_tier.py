@@ -19,7 +19,7 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk import MappedTokenBuffer, MirroredTokenBuffer
+from statekv.core.disk.tier import MappedTokenBuffer, MirroredTokenBuffer
 from statekv.errors import ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
@@ -36,7 +36,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def every_step(monkeypatch):
     """The carried state checkpointed at every step: a stream resumes exactly where it stopped."""
-    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 1)
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_cli_offload_takes_disk_and_stays_a_plain_flag():
 KILLED_CHILD = """
 import sys, numpy as np, statekv
 from statekv.models import load_adapter
-statekv.core.disk.CHECKPOINT_STEPS = 4  # the carried state checkpointed every 4 steps: a kill loses at most 3
+statekv.core.disk.tier.CHECKPOINT_STEPS = 4  # the carried state checkpointed every 4 steps: a kill loses at most 3
 adapter = load_adapter(sys.argv[1])
 qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, offload="disk",
                      offload_dir=sys.argv[2])
@@ -286,7 +286,7 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     """The durability contract: the carried state is checkpointed at the first step and every CHECKPOINT_STEPS
     steps, so a stream that stops without saving resumes at its last checkpoint (what follows counted as lost) and
     goes on exactly as a stream that streamed only up to there; saving, syncing or closing checkpoints."""
-    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 4)
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 4)
     qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
     frames = _frames(12)
     stream = qa.stream(horizon_frames=12)

@@ -18,11 +18,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 import statekv
-import statekv.core.batching as batching
-import statekv.core.cache as cache_module
-from statekv.core.cache import StreamingLayer
-from statekv.core.decoding import Prompt
-from statekv.core.settings import ENGINE_SETTINGS, EngineSettings
+import statekv.core.step.batching as batching
+import statekv.core.cache.two_state as cache_module
+from statekv.core.cache.two_state import StreamingLayer
+from statekv.core.answering.decoding import Prompt
+from statekv.core.stream.settings import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions, options_table
@@ -291,7 +291,7 @@ def test_no_test_reaches_a_private_name_of_statekv():
 def test_the_private_check_sees_every_way_a_test_reaches_in():
     ours = {"_chunked", "_held", "_step_loss", "_answer", "_prepare", "_scores", "_calls", "_helper", "_frames"}
     reaching = """
-from statekv.core.attention import _chunked
+from statekv.core.attention.scored import _chunked
 import statekv.core._hidden
 attention._chunked(q, k, v)
 keeper._held = {}
@@ -324,12 +324,12 @@ def test_the_deprecated_aliases_are_gone():
     assert not (ROOT / "statekv" / "tiny.py").exists()
     with pytest.raises(TypeError, match="frames_per_chunk"):
         statekv.make_policy("recency", frames=3, frames_per_chunk=2)
-    from statekv.core.rope import FrozenRope
+    from statekv.core.positions.rope import FrozenRope
     from statekv.models.base import VideoAdapter
 
     assert not hasattr(VideoAdapter, "frames_per_chunk") and not hasattr(FrozenRope, "apply")
     assert not {"_append", "_append_steps"} & set(dir(statekv.EncodedVideo))
-    assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.persistence
+    assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.cache.persistence
     importlib.import_module("statekv.testing")
     from statekv.models import supported_model_types
 

@@ -11,8 +11,8 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.quantized import (KV_CACHE_BITS, QuantizedStorage, check_kv_cache_dtype, dequantize, pack_int4,
-                                    quantize, scale_dtype, unpack_int4)
+from statekv.core.storage.quantized import (KV_CACHE_BITS, QuantizedStorage, check_kv_cache_dtype, dequantize,
+                                            pack_int4, quantize, scale_dtype, unpack_int4)
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions
 from statekv.testing import make_tiny_checkpoint

@@ -1,6 +1,6 @@
 """What a video on the disk tier journals so that it can resume after its process is killed, and resuming it.
 
-The disk tier's file set (`statekv.core.disk.DiskTier`: the layers' files, the journal, the carried-state slots)
+The disk tier's file set (`statekv.core.disk.tier.DiskTier`: the layers' files, the journal, the carried-state slots)
 is the engine's; the engine journals each step once its data is written, with the record the video gives it.
 `Durability` is the one object through which a video (`EncodedVideo`, `Stream`) writes into the file set: its
 setup (``stream.json``, `statekv.api.stream_disk`), each frame pushed (so a resumed stream can count the frames it
@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.disk import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
-from ..core.prefill import cache_geometry
+from ..core.disk.tier import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
+from ..core.stream.prefill import cache_geometry
 from .stats import EncodingStats
 from ..errors import InputError
 from ..models import LayoutState

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..core import Retrieval, StreamingPrefill
-from ..core.batching import StepBatcher, StepRequest, step_alone
-from ..core.positions import choose_positions
-from ..core.retrieval import retrieval_rule
-from ..core.settings import EngineSettings
+from ..core.step.batching import StepBatcher, StepRequest, step_alone
+from ..core.positions.placing import choose_positions
+from ..core.answering.retrieval import retrieval_rule
+from ..core.stream.settings import EngineSettings
 from .durability import Durability
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HorizonError, InputError
@@ -54,8 +54,8 @@ class EncodedVideo:
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
         has nothing to stream); None: `start` streams the adapter's prefix. engine: the engine's settings
         (default: the VideoQA's; positions None: decided here for ``horizon``, see
-        `statekv.core.positions.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
-        (`statekv.core.disk.DiskTier`)."""
+        `statekv.core.positions.placing.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
+        (`statekv.core.disk.tier.DiskTier`)."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -102,7 +102,7 @@ class EncodedVideo:
             prefix and any sinks) instead of the whole detailed cache; None: the whole cache; by default, the
             VideoQA's setting (the method's own for ``rekv``).
         retrieval: the rule that picks the frames (``attention``, ``rekv``, ``recent``; see
-            `statekv.core.retrieval`); None: the VideoQA's.
+            `statekv.core.answering.retrieval`); None: the VideoQA's.
         """
         tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
                                  **generate_kwargs)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.persistence import check_state_dict
-from ..core.prefill import cache_geometry
+from ..core.cache.persistence import check_state_dict
+from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
 from .stats import EncodingStats
 from ..errors import HorizonError, InputError, OutputError

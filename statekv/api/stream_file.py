@@ -46,7 +46,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..core.settings import EngineSettings
+from ..core.stream.settings import EngineSettings
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
 from ..locks import FileLock

@@ -1,14 +1,14 @@
 """The model-agnostic engine: carry policies, scored attention, the two-state cache and streaming prefill."""
 
-from .attention import chunk_attention, scored_attention
-from .cache import TwoStateCache
-from .decoding import generate_from_cache
-from .policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV,
-                       ScoredPolicy, SinksAndRecency, StateKV, WithSinks)
-from .prefill import StreamingPrefill
-from .retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent, Retrieval,
-                        RetrievalRule, retrieval_rule)
-from .rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
+from .attention.scored import chunk_attention, scored_attention
+from .cache.two_state import TwoStateCache
+from .answering.decoding import generate_from_cache
+from .rules.policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV,
+                             ScoredPolicy, SinksAndRecency, StateKV, WithSinks)
+from .stream.prefill import StreamingPrefill
+from .answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent, Retrieval,
+                                  RetrievalRule, retrieval_rule)
+from .positions.rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
 
 __all__ = [
     "RETRIEVAL_RULES", "AttentionShare", "LayerQuestion", "MeanKeyMatch", "MostRecent", "RetrievalRule",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ..core.decoding import Prompt
+from ..core.answering.decoding import Prompt
 
 from ..errors import InputError, UnsupportedModelError
 from ..values import check_int, check_number

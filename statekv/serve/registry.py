@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
-from ..core.disk import LOCK
+from ..core.disk.tier import LOCK
 from ..locks import FileLock
 from .config import ServeConfig
 from .errors import ServiceError, public_message
@@ -243,7 +243,7 @@ class StreamRegistry:
         return min(self.config.default_horizon_frames, self.max_horizon_frames)
 
     def _rope_tokens(self) -> int | None:
-        from ..core.rope import rope_capacity
+        from ..core.positions.rope import rope_capacity
 
         return rope_capacity(self.qa.adapter.model.config.get_text_config())
 

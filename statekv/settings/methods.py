@@ -86,7 +86,7 @@ class MethodSpec:
     (``"budget"``, ``"frames"`` or None). policy: ``(settings, frames per step) -> CarryPolicy``. history: the
     tokens a step attends to besides its own (see `History`); it is how methods are matched for compute.
     retrieve: frames retrieved per question by default (None: the whole detailed cache). retrieval: the rule
-    that retrieves them by default (a name in `statekv.core.retrieval.RETRIEVAL_RULES`; None: the library's
+    that retrieves them by default (a name in `statekv.core.answering.retrieval.RETRIEVAL_RULES`; None: the library's
     default rule). offload: keeps the
     detailed cache off the model's device by design. also_uses: settings it reads besides its size.
     recent_window: keeps no cache at all, only the last ``window`` frames, and answers each question from a fresh

@@ -9,7 +9,7 @@ the lmms-eval plugin and the benchmarks.
 Every option is declared once, as a `statekv.values.Setting` in `SETTINGS` (its name, default, kind of value,
 help): the dataclass field, its check when the object is made (before any model is loaded), its command-line flag
 and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
-entries of `statekv.core.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
+entries of `statekv.core.stream.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
 `EngineSettings` a `VideoQA` hands to every stream. A method's sizes (budget, frames, sinks) take their defaults
 and checks from `MethodSettings`, but for the budget of the built-in model, its own (`default_budget`).
 """
@@ -22,8 +22,8 @@ from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
 from ..builtin import BUILTIN_BUDGET, is_builtin
-from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
-from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from ..core.answering.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
+from ..core.stream.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from ..errors import ConfigurationError
 from .methods import MethodSettings, MethodSpec, method, method_names
 from ..values import (

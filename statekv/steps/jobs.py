@@ -1,5 +1,5 @@
 """Steps of one or several videos streamed: their frames planned, vision-encoded in one call, laid out, and taken
-in rounds of one step per video through the engine's batcher (`statekv.core.batching.StepBatcher`).
+in rounds of one step per video through the engine's batcher (`statekv.core.step.batching.StepBatcher`).
 
 A video takes part through its step protocol (`statekv.api.encoded.EncodedVideo`): ``plan_steps`` (its frames
 prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`) and
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.batching import StepBatcher, StepRequest
+from ..core.step.batching import StepBatcher, StepRequest
 from ..errors import StateKVError
 from ..stopping import whole
 from .overlap import EncodedStep, encode_batch

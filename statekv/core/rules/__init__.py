@@ -1,0 +1,1 @@
+"""The carry rules: which tokens a layer carries into the next step."""

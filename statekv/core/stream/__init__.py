@@ -1,0 +1,1 @@
+"""One stream's engine: `StreamingPrefill` (`prefill`), its statistics (`stats`) and settings (`settings`)."""
