@@ -19,7 +19,7 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk.tier import MappedTokenBuffer, MirroredTokenBuffer
+from statekv.core.disk.buffers import MappedTokenBuffer, MirroredTokenBuffer
 from statekv.errors import ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint

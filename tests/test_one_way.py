@@ -20,7 +20,7 @@ from transformers.cache_utils import CacheLayerMixin
 import statekv
 import statekv.core.step.batching as batching
 import statekv.core.cache.two_state as cache_module
-from statekv.core.cache.two_state import StreamingLayer
+from statekv.core.cache.layer import StreamingLayer
 from statekv.core.answering.decoding import Prompt
 from statekv.core.stream.settings import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError

@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.disk.tier import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
+from ..core.disk.files import FORMAT, FORMAT_VERSION, MANIFEST, hold, read_description, read_file_set
+from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from .stats import EncodingStats
 from ..errors import InputError

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
-from ..core.disk.tier import LOCK
+from ..core.disk.files import LOCK
 from ..locks import FileLock
 from .config import ServeConfig
 from .errors import ServiceError, public_message

@@ -32,7 +32,8 @@ from .retrieval import LayerQuestion, Retrieval
 from ...errors import InputError
 
 if TYPE_CHECKING:
-    from ..cache.two_state import StreamingLayer, TwoStateCache
+    from ..cache.layer import StreamingLayer
+    from ..cache.two_state import TwoStateCache
 
 
 class AnswerLayer(CacheLayerMixin):

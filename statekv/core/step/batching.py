@@ -3,7 +3,7 @@
 A steady StateKV step (slots holding the full budget) or recency step (a ring) has the same shapes every time,
 whichever stream takes it. :class:`StepBatcher` runs such steps of S streams as one batch of S rows: inputs
 ``[S, T, D]``, positions ``[S, T]`` (``[3, S, T]`` for M-RoPE), and a :class:`BatchCache` whose layers hand each
-row to its own stream's :class:`~statekv.core.cache.two_state.StreamingLayer` (its carried state, detailed cache and
+row to its own stream's :class:`~statekv.core.cache.layer.StreamingLayer` (its carried state, detailed cache and
 step transaction), so every stream keeps its own positions, state and horizon; the attention (and the
 attention mass a scored rule reads, and the rule's top-k) runs once for all rows, and every stream's
 transaction keeps its own row of the selection.

@@ -30,7 +30,9 @@ from ..step.batching import StepRequest, device_step, step_alone
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
 from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
-from ..disk.tier import DiskTier, Journaled, read_file_set, resume
+from ..disk.files import Journaled, read_file_set
+from ..disk.resume import resume
+from ..disk.tier import DiskTier
 from ..step.graphs import StepGraphs
 from ..storage.limits import CacheKeeper, check_evicting_storage
 from ..storage.memory import CacheGeometry, check_cache_fits
@@ -67,7 +69,7 @@ class StreamingPrefill:
             carried positions after every step: a host sync on a GPU; for analysis, not for speed).
         protect_tokens: leading tokens (the prompt prefix, sinks) a cache limit never evicts.
         name: how messages and the disk tier's folder name this stream.
-        disk_tier: resume in this existing file set (:func:`statekv.core.disk.tier.read_file_set`) instead of making
+        disk_tier: resume in this existing file set (:func:`statekv.core.disk.files.read_file_set`) instead of making
             a new one.
 
     What the settings mean here: ``offload`` keeps the detailed cache on another device (``True``: CPU memory),
@@ -240,7 +242,7 @@ class StreamingPrefill:
 
     def resume(self, journal: Journaled) -> None:
         """Resume from this stream's disk tier (made with ``disk_tier=``) at the last checkpoint its ``journal``
-        (:func:`statekv.core.disk.tier.read_file_set`) vouches for, every step's checksum verified first; what the
+        (:func:`statekv.core.disk.files.read_file_set`) vouches for, every step's checksum verified first; what the
         journal holds after it is dropped (the evictions recorded after it kept)."""
         resume(self.disk, journal, self.cache, self.device)
         if self.keeper is not None:
