@@ -103,7 +103,9 @@ def test_a_forward_that_fails_in_the_batch_is_retried_alone(tiny_lm, monkeypatch
     before = batcher.batched_steps
     import statekv.core.step.batching as batching
 
-    monkeypatch.setattr(batching, "stack_inputs", lambda inputs: (_ for _ in ()).throw(RuntimeError("boom")))
+    stack = batching.stack_inputs  # stacking several streams' rows fails; a stream alone has nothing to stack
+    monkeypatch.setattr(batching, "stack_inputs",
+                        lambda inputs: stack(inputs) if len(inputs) == 1 else (_ for _ in ()).throw(RuntimeError("boom")))
     outcomes = batcher.step([StepRequest(prefill, stream[6]) for prefill, stream in zip(prefills, data)])
     assert all(isinstance(outcome, torch.Tensor) for outcome in outcomes) and batcher.batched_steps == before
     reference = prefill_for(model, "statekv")

@@ -128,6 +128,38 @@ def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypa
     assert batcher.batched_steps > 0 and 2 in rows and 2 in attended  # steady steps: both rows at once
 
 
+def test_every_step_of_a_video_or_stream_takes_one_prologue_and_one_device_path(checkpoint, monkeypatch):
+    """A video's prompt prefix, its frames, a stream's pushes and several streams pushed together: every step is
+    begun by `begin_step` and runs through `device_step` (one stream's own cache, or a batch's)."""
+    import statekv.core.stream.prefill as prefill_module
+    from statekv.video import open_video
+
+    begun, device_rows = [], []
+    begin_step, device_step = batching.begin_step, batching.device_step
+
+    def counted_begin(request):
+        begun.append(request.prefill)
+        return begin_step(request)
+
+    def counted_device(prefills, *args):
+        device_rows.append(len(prefills))
+        return device_step(prefills, *args)
+
+    monkeypatch.setattr(batching, "begin_step", counted_begin)
+    for module in (batching, prefill_module):  # a batch's graphs, and one stream's own
+        monkeypatch.setattr(module, "device_step", counted_device)
+    qa = statekv.VideoQA(load_adapter(checkpoint, layout="chat"), statekv.StateKV(budget=12), attention="eager",
+                         reserve_tokens=40)
+    video = qa.encode(open_video(_frames(3), fps=1), max_fps=1)
+    assert len(begun) == len(device_rows) == video.stats.chunks == 4  # the prefix, then each frame
+    begun.clear(), device_rows.clear()
+    streams = [qa.stream(horizon_frames=12) for _ in range(2)]
+    for second, image in enumerate(_frames(8, seed=1)):
+        qa.push_many([(stream, image, float(second)) for stream in streams])
+    steps = sum(stream.stats.chunks for stream in streams)
+    assert len(begun) >= steps == 18 and sum(device_rows) == steps and 2 in device_rows  # steady steps batched
+
+
 # -- one path for answers ---------------------------------------------------------------------------------------
 def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
     from statekv.models.base import VideoAdapter

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..core import Retrieval, StreamingPrefill
-from ..core.step.batching import StepBatcher, StepRequest, step_alone
+from ..core.step.batching import StepBatcher, StepRequest
 from ..core.positions.placing import choose_positions
 from ..core.answering.retrieval import retrieval_rule
 from ..core.stream.settings import EngineSettings
@@ -234,11 +234,10 @@ class EncodedVideo:
 
     @torch.no_grad()
     def _stream_chunk(self, chunk: Chunk) -> None:
-        """Stream ``chunk`` (laid out after ``state``) on this thread, as a batch of one step."""
-        with whole():
-            step = self.step_of(chunk)
-            step_alone(step.request)
-            self.record_step(step)
+        """Stream ``chunk`` (laid out after ``state``) on this thread: a job of one step laid out already."""
+        job = StepJob(self, chunks=[chunk])
+        stream_jobs([job], StepBatcher())
+        job.raise_error()
 
     # -- the step protocol ------------------------------------------------------------------------------
     def plan_steps(self, groups: Sequence[Sequence[Frame]]) -> list[PreparedFrames]:

@@ -156,6 +156,13 @@ class TwoStateCache(Cache):
         context.placements = (anchors, rotations)
         return rotary
 
+    def step_positions(self, position_ids: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """The decoder's positions for this stream's step of ``rows`` rows, begun on the device (`begin_device`):
+        ``position_ids`` as given (moved to where the chunk is placed under ``bounded`` positions), else the
+        chunk's own continued from the stream's length, ``[rows, T]``."""
+        positions = self.begin_device(position_ids)
+        return positions.expand(rows, -1) if position_ids is None else positions
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;
         stages the policy's selection for this layer and returns ``[B, T, Hq, D]`` (see :func:`attend`)."""

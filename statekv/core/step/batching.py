@@ -8,11 +8,13 @@ step transaction), so every stream keeps its own positions, state and horizon; t
 attention mass a scored rule reads, and the rule's top-k) runs once for all rows, and every stream's
 transaction keeps its own row of the selection.
 
-Steps are batched only when their shapes and everything the forward computes with agree (see
-:func:`batch_key`); the others run alone (:func:`step_alone`, which is also :meth:`StreamingPrefill.step`): a
-batch of one row through the same code (:func:`run_rows`, :func:`device_step`), its cache the stream's own
-:class:`~statekv.core.cache.two_state.TwoStateCache`. Both caches attend through one function
-(:func:`statekv.core.cache.two_state.attend`). docs/engine.md says which steps batch.
+Every step goes one way, whether it runs alone (:meth:`StreamingPrefill.step` is a batcher's step of one
+request) or with others: :func:`begin_step` (its inputs checked, room made, the step begun), then
+:func:`run_rows` and its device part :func:`device_step`, through a :class:`BatchCache` or, for a stream
+stepping alone, its own :class:`~statekv.core.cache.two_state.TwoStateCache`. Steps are batched only when their
+shapes and everything the forward computes with agree (see :func:`batch_key`). Both caches lay out the step's
+positions (``step_positions``) and attend through one function (:func:`statekv.core.cache.two_state.attend`).
+docs/engine.md says which steps batch.
 """
 
 from __future__ import annotations
@@ -52,13 +54,6 @@ class StepRequest:
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
     durable_record: dict | None = None  # what the disk tier journals with the step (see StreamingPrefill.step)
 
-    @classmethod
-    def of(cls, prefill: "StreamingPrefill", inputs: dict, durable_record: dict | None = None) -> "StepRequest":
-        """The request of ``prefill``'s step whose checked inputs (`StreamingPrefill.checked_inputs`) are
-        ``inputs``."""
-        rest = dict(inputs)
-        return cls(prefill, rest.pop("inputs_embeds"), rest.pop("position_ids"), rest.pop("input_ids"), rest,
-                   durable_record)
 
 
 def chunk_of(inputs: dict) -> torch.Tensor:
@@ -112,6 +107,14 @@ class BatchCache(Cache):
         super().__init__(layers=[])
         self.caches = list(caches)
         self.layers = [BatchLayer(self, index) for index in range(len(self.caches[0].layers))]
+
+    def step_positions(self, position_ids: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """The decoder's positions for the step of every stream's row (each stream's step begun on the device,
+        `TwoStateCache.begin_device`): ``position_ids`` as given (``[S, T]`` or ``[3, S, T]``; streams with explicit
+        positions batch only under ``stream`` positions, see `batch_key`), else each stream's own continued from
+        its length, ``[S, T]``."""
+        positions = [cache.begin_device(None) for cache in self.caches]
+        return torch.stack(positions) if position_ids is None else position_ids
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of every row's chunk ``q [S, Hq, T, D]`` over its ``[carried; chunk]`` ``k``/``v``, computed
@@ -177,7 +180,10 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
-    """S streams' decoder inputs (one row each, equal :func:`batch_key`) as one batch's."""
+    """S streams' decoder inputs (one row each, equal :func:`batch_key`) as one batch's; one stream's are the
+    forward's as they are."""
+    if len(inputs) == 1:
+        return inputs[0]
     first, stacked = inputs[0], {}
     for name, value in first.items():
         values = [each[name] for each in inputs]
@@ -223,69 +229,64 @@ class StepBatcher:
             remaining = later
         return outcomes
 
-    def _wave(self, requests, indices, outcomes) -> None:
-        if len(indices) == 1:  # nothing to batch with: the stream's own step
-            try:
-                outcomes[indices[0]] = step_alone(requests[indices[0]])
-            except Exception as error:
-                outcomes[indices[0]] = error
-            return
-        groups: dict[tuple, list[tuple[int, dict]]] = {}
-        alone: list[tuple[int, dict]] = []
+    def _wave(self, requests: Sequence[StepRequest], indices: list[int], outcomes: list) -> None:
+        """One step of each stream of ``indices``: every step begun (`begin_step`); in a wave of several streams,
+        those whose shapes agree (`batch_key`) run as one batch, and each other step is rolled back and taken as a
+        wave of its own (as is each step of a batch that failed)."""
+        begun: dict[int, BegunStep] = {}
         for index in indices:
-            request = requests[index]
-            prefill = request.prefill
             try:
-                inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids,
-                                                input_ids=request.input_ids, **request.forward_kwargs)
-                prefill.make_room(chunk_of(inputs).shape[1], chunk_of(inputs).shape[0])
-                prefill.cache.begin(chunk_of(inputs).shape[1], chunk_of(inputs).device, inputs["position_ids"])
+                begun[index] = begin_step(requests[index])
             except Exception as error:
-                prefill.cache.rollback()
                 outcomes[index] = error
-                continue
-            key = batch_key(prefill, inputs)
-            if key is None:
-                alone.append((index, inputs))
-            else:
-                groups.setdefault(key, []).append((index, inputs))
+        groups: dict[tuple | int, list[int]] = {}
+        for index, step in begun.items():  # a wave of one has nothing to batch with: no key to compare
+            key = batch_key(step.prefill, step.inputs) if len(indices) > 1 else None
+            groups.setdefault(index if key is None else key, []).append(index)
+        alone = []
         for members in groups.values():
-            if len(members) == 1:
+            if len(indices) > 1 and len(members) == 1:  # begun to be keyed; it steps in a wave of its own
+                begun[members[0]].prefill.cache.rollback()
+                alone.append(members[0])
+            elif not self._run([begun[index] for index in members], members, outcomes):
                 alone.extend(members)
-                continue
-            prefills = [requests[index].prefill for index, _ in members]
-            try:
-                inputs = stack_inputs([each for _, each in members])
-                batch, graphs = self._graphs_for(prefills)
-                hidden = run_rows(prefills, batch, graphs, inputs,
-                                  [requests[index].durable_record for index, _ in members],
-                                  replay=all(prefill.cuda_graph for prefill in prefills))
-            except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
-                self.batched_steps += 1
-                self.batched_rows += len(prefills)
-                for row, (index, _) in enumerate(members):
-                    outcomes[index] = partly.errors.get(row, partly.hidden[row:row + 1])
-                continue
-            except Exception:
-                for prefill in prefills:  # every stream as it was; each retried on its own below
-                    prefill.cache.rollback()
-                alone.extend(members)
-                continue
-            self.batched_steps += 1
-            self.batched_rows += len(prefills)
-            for row, (index, _) in enumerate(members):
-                outcomes[index] = hidden[row:row + 1]
-        for index, inputs in sorted(alone):
-            prefill = requests[index].prefill
-            prefill.cache.rollback()
-            try:
-                outcomes[index] = step_alone(StepRequest.of(prefill, inputs, requests[index].durable_record))
-            except Exception as error:
-                outcomes[index] = error
+        for index in sorted(alone):
+            self._wave(requests, [index], outcomes)
 
-    def _graphs_for(self, prefills: list["StreamingPrefill"]) -> tuple[BatchCache, StepGraphs]:
-        """The device step of these streams over one batch cache, with, on CUDA, the graphs recorded for it (kept
-        for the next step of the same streams in the same rows)."""
+    def _run(self, steps: list["BegunStep"], indices: list[int], outcomes: list) -> bool:
+        """Run the begun ``steps`` as one forward (`run_rows`) and set their outcomes; False when a batch of several
+        failed as a whole (every stream rolled back, to be retried on its own)."""
+        prefills = [step.prefill for step in steps]
+        try:
+            cache, graphs = self._graphs_for(prefills)
+            hidden = run_rows(steps, cache, graphs,
+                              replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+        except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
+            hidden, errors = partly.hidden, partly.errors
+        except BaseException as error:
+            for prefill in prefills:  # every stream as it was
+                prefill.cache.rollback()
+            if len(steps) > 1 and isinstance(error, Exception):
+                return False
+            if not isinstance(error, Exception):
+                raise
+            outcomes[indices[0]] = error
+            return True
+        else:
+            errors = {}
+        if len(steps) > 1:
+            self.batched_steps += 1
+            self.batched_rows += len(steps)
+        for row, index in enumerate(indices):
+            outcomes[index] = errors.get(row, hidden[row:row + 1] if len(steps) > 1 else hidden)
+        return True
+
+    def _graphs_for(self, prefills: list["StreamingPrefill"]) -> tuple[Cache, StepGraphs]:
+        """The cache the device step of these streams runs through, and the graphs that record it: one stream's
+        own cache and graphs, or a batch cache over several with, on CUDA, the graphs recorded for it (kept for the
+        next step of the same streams in the same rows)."""
+        if len(prefills) == 1:
+            return prefills[0].cache, prefills[0].graphs
         if not all(prefill.cuda_graph for prefill in prefills):
             return batch_graphs(prefills)
         key = tuple(id(prefill) for prefill in prefills)
@@ -305,37 +306,49 @@ class StepBatcher:
                 self._graphs.pop(key)[1].clear()
 
 
-@torch.no_grad()
-def step_alone(request: StepRequest) -> torch.Tensor:
-    """One stream's step, a batch of one row (what :meth:`StreamingPrefill.step` runs): its inputs checked, room
-    made under a cache limit, the step begun, then :func:`run_rows` with the stream's own graphs (its own cache;
-    replayed once steady on CUDA); any failure rolls the stream back."""
+@dataclass
+class BegunStep:
+    """A stream's step begun by `begin_step`: its ``request``, its checked decoder ``inputs``, when it ``started``
+    and, when the stream tracks overlap, the carried positions before it (``carried_before``)."""
+
+    request: StepRequest
+    inputs: dict
+    started: float
+    carried_before: list[torch.Tensor] | None = None
+
+    @property
+    def prefill(self) -> "StreamingPrefill":
+        return self.request.prefill
+
+
+def begin_step(request: StepRequest) -> BegunStep:
+    """The prologue of every step, alone or batched: its inputs checked (`StreamingPrefill.checked_inputs`), room
+    made under a cache limit (`StreamingPrefill.make_room`), the step begun (`TwoStateCache.begin`). A failure
+    leaves the stream as it was."""
     prefill = request.prefill
-    inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids, input_ids=request.input_ids,
-                                    **request.forward_kwargs)
-    chunk = chunk_of(inputs)
-    prefill.make_room(chunk.shape[1], chunk.shape[0])
-    started = time.perf_counter()
-    carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
-    prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
     try:
-        return run_rows([prefill], prefill.cache, prefill.graphs, inputs, [request.durable_record],
-                        replay=prefill.cuda_graph and prefill.cache.is_steady(), started=started,
-                        carried_before=carried_before)
+        inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids, input_ids=request.input_ids,
+                                        **request.forward_kwargs)
+        chunk = chunk_of(inputs)
+        prefill.make_room(chunk.shape[1], chunk.shape[0])
+        started = time.perf_counter()
+        carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
+        prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
     except BaseException:
         prefill.cache.rollback()
         raise
+    return BegunStep(request, inputs, started, carried_before)
 
 
-def run_rows(prefills: Sequence["StreamingPrefill"], cache: Cache, graphs: StepGraphs, inputs: dict,
-             durable_records: Sequence[dict | None], *, replay: bool, started: float | None = None,
-             carried_before: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The steps of ``prefills`` (each begun; one row each of ``inputs``, stacked) through ``cache`` (one stream's
-    own cache, or a `BatchCache`): inside the streams' call (their attention through ``cache``, their RoPE), the
+def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, replay: bool) -> torch.Tensor:
+    """The begun ``steps`` (one stream each; their inputs stacked as rows) through ``cache`` (one stream's own
+    cache, or a `BatchCache`): inside the streams' call (their attention through ``cache``, their RoPE), the
     device part (``graphs.device_step``, :func:`device_step`) replayed from ``graphs`` when ``replay`` and it
     holds it, else run eagerly; then each stream's host end (`StreamingPrefill.finish_step`). Returns the hidden
-    states ``[S, T, D]``."""
-    started = time.perf_counter() if started is None else started
+    states ``[S, T, D]`` (``[B, T, D]`` for one stream of ``B`` rows); `RowsFailed` when some streams could not
+    finish their step."""
+    prefills = [step.prefill for step in steps]
+    inputs = stack_inputs([step.inputs for step in steps])
     first = prefills[0]
     share_language_attention(first.model)  # a no-op unless someone switched the model's attention since
     with first.streaming(cache):
@@ -344,21 +357,20 @@ def run_rows(prefills: Sequence["StreamingPrefill"], cache: Cache, graphs: StepG
             hidden = graphs.device_step(inputs)
     chunk_len = chunk_of(inputs).shape[1]
     failed: dict[int, OutputError] = {}
-    for row, (prefill, record) in enumerate(zip(prefills, durable_records)):
+    for row, step in enumerate(steps):
         try:
-            prefill.finish_step(chunk_len, started, carried_before, durable_record=record)
+            step.prefill.finish_step(chunk_len, step.started, step.carried_before,
+                                     durable_record=step.request.durable_record)
         except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
             failed[row] = error
     if failed:
-        if len(prefills) == 1:
-            raise failed[0]
         raise RowsFailed(failed, hidden)
     return hidden
 
 
 class RowsFailed(Exception):
-    """Raised by :func:`run_rows` when some streams of a batch could not finish their step (their disk tier could
-    not write it: each is restored as it was before the step); the others took it. ``errors`` by row, ``hidden``
+    """Raised by :func:`run_rows` when some streams of a step could not finish it (their disk tier could not write
+    it: each is restored as it was before the step); the others took it. ``errors`` by row, ``hidden``
     ``[S, T, D]`` every row's hidden states."""
 
     def __init__(self, errors: dict[int, Exception], hidden: torch.Tensor):
@@ -374,17 +386,14 @@ def batch_graphs(prefills: Sequence["StreamingPrefill"]) -> tuple[BatchCache, St
 
 
 def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: dict) -> torch.Tensor:
-    """The device part of a step of ``prefills`` through ``cache`` (what a CUDA graph records; run inside the
-    streams' call, see :func:`run_rows`): positions, the decoder's forward over every row, every stream's
-    commit. Rows continue from each stream's own length."""
+    """The device part of a step of ``prefills`` through ``cache`` (one stream's own `TwoStateCache`, or the
+    `BatchCache` of several; what a CUDA graph records; run inside the streams' call, see :func:`run_rows`):
+    positions (``cache.step_positions``: rows continue from each stream's own length), the decoder's forward over
+    every row, every stream's commit."""
     first = prefills[0]
-    explicit = inputs["position_ids"]  # bounded streams with explicit positions never batch (see batch_key)
-    positions = [prefill.cache.begin_device(explicit if len(prefills) == 1 else None) for prefill in prefills]
-    if explicit is None:
-        rows = positions[0].expand(chunk_of(inputs).shape[0], -1) if len(prefills) == 1 else torch.stack(positions)
-        inputs = dict(inputs, position_ids=rows)
-    elif len(prefills) == 1 and positions[0] is not explicit:  # bounded: moved to where the chunk is placed
-        inputs = dict(inputs, position_ids=positions[0])
+    positions = cache.step_positions(inputs["position_ids"], chunk_of(inputs).shape[0])
+    if positions is not inputs["position_ids"]:
+        inputs = dict(inputs, position_ids=positions)
     steady_compiled = first.compiled_decoder is not None and all(prefill.cache.is_steady() for prefill in prefills)
     decoder = first.compiled_decoder if steady_compiled else first.decoder  # `statekv.core.step.compiled`
     output = decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)

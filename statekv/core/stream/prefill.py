@@ -26,7 +26,7 @@ from ..positions import rope as rotary
 from ..answering.generation_args import check_generation_arguments
 from ..answering.answer_cache import Retrieval
 from ..attention.scored import resolve_backend
-from ..step.batching import StepRequest, device_step, step_alone
+from ..step.batching import StepRequest, device_step, step_together
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
 from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
@@ -307,15 +307,19 @@ class StreamingPrefill:
                 ``attention_mask`` is accepted only if it is all ones (plain causal attention).
 
         Under a cache limit, a step that would pass it first evicts (``evict-*``) or is refused with a one-line
-        `CacheLimitError`, the stream unchanged (``refuse``). The step is a batch of one stream run by the code
-        that runs several streams' steps together (:func:`statekv.core.step.batching.step_alone`).
+        `CacheLimitError`, the stream unchanged (``refuse``). The step is a batcher's step of one request
+        (:func:`statekv.core.step.batching.step_together`): the code that runs several streams' steps together.
         """
-        return step_alone(StepRequest(self, inputs_embeds, position_ids, input_ids, forward_kwargs, durable_record))
+        outcome = step_together([StepRequest(self, inputs_embeds, position_ids, input_ids, forward_kwargs,
+                                             durable_record)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def checked_inputs(self, inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
                        input_ids: torch.Tensor | None = None, **forward_kwargs) -> dict:
         """The decoder's inputs for one step as :meth:`step` takes them, validated (one-line `StateKVError` s),
-        without running anything (`statekv.core.step.batching` checks every stream of a batch first)."""
+        without running anything (`statekv.core.step.batching.begin_step` checks every step first)."""
         chunk = self._check_chunk(inputs_embeds, input_ids)
         _check_positions(position_ids, chunk, self.device)
         _check_plain_causal(forward_kwargs.pop("attention_mask", None))
