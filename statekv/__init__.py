@@ -25,7 +25,7 @@ from .core import (  # noqa: E402
     generate_from_cache,
     scored_attention,
 )
-from .core.stream.settings import EngineSettings  # noqa: E402
+from .settings.engine import EngineSettings  # noqa: E402
 from .api.encoded import EncodedVideo  # noqa: E402
 from .api.stats import EncodingStats  # noqa: E402
 from .errors import (  # noqa: E402

@@ -15,7 +15,7 @@ from statekv.core.storage.limits import CacheLimit
 from statekv.core.stream.prefill import cache_geometry
 from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval
 from statekv.errors import CacheLimitError, ConfigurationError, InputError
-from statekv.values import format_bytes
+from statekv.settings.values import format_bytes
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
 

@@ -22,12 +22,13 @@ import statekv.core.step.batching as batching
 import statekv.core.cache.two_state as cache_module
 from statekv.core.cache.layer import StreamingLayer
 from statekv.core.answering.decoding import Prompt
-from statekv.core.stream.settings import ENGINE_SETTINGS, EngineSettings
+from statekv.settings.engine import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions, options_table
 from statekv.testing import make_tiny_checkpoint
-from statekv.values import Setting, one_of, settings_class
+from statekv.settings.setting import Setting, settings_class
+from statekv.settings.values import one_of
 
 ROOT = Path(statekv.__file__).parent.parent
 
@@ -87,6 +88,20 @@ def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
         EngineSettings().with_changes(budget=3)
     assert EngineSettings(kv_cache_dtype="auto").kv_cache_dtype is None
     assert ModelOptions(method="rekv").engine.offload is True  # the method's default, resolved
+    assert ModelOptions(max_cache_bytes="1K").max_cache_bytes == 1024  # as the engine reads it
+
+    class Strict(EngineSettings):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.compile_step and not self.cuda_graph:
+                raise ConfigurationError("strict: compile_step needs cuda_graph")
+
+    @settings_class(options_table())
+    class StrictOptions(ModelOptions):
+        ENGINE = Strict
+
+    with pytest.raises(ConfigurationError, match="strict: compile_step needs cuda_graph"):
+        StrictOptions(compile_step=True, cuda_graph=False)  # the options check the engine's settings by its class
     adapter = load_adapter(checkpoint)
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), kv_cache_dtype="int8", attention="eager")
     video = statekv.EncodedVideo(qa, 200)

@@ -11,7 +11,8 @@ import torch
 
 import statekv
 from statekv.core.answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent,
-                                              Retrieval, RetrievalRule, retrieval_rule)
+                                              Retrieval, RetrievalRule)
+from statekv.settings.methods import retrieval_rule
 
 STEPS = (3, 2, 2, 2, 2, 2)  # a 3-token prefix, then five 2-token steps
 

@@ -21,8 +21,8 @@ import torch
 from ..core import Retrieval, StreamingPrefill
 from ..core.step.batching import StepBatcher, StepRequest
 from ..core.positions.placing import choose_positions
-from ..core.answering.retrieval import retrieval_rule
-from ..core.stream.settings import EngineSettings
+from ..settings.engine import EngineSettings
+from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HorizonError, InputError
@@ -30,7 +30,7 @@ from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
-from ..values import check_int
+from ..settings.values import check_int
 from ..video import Frame
 
 METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting

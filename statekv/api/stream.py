@@ -42,7 +42,7 @@ from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
 from .stream_file import check_stream_id, model_identity, new_stream_id, owner_digest, weights_fingerprint
-from ..values import check_bool, check_int, check_number
+from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
 
 

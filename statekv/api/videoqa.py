@@ -22,12 +22,11 @@ import torch
 
 from ..builtin import resolve_model
 from ..core import CarryPolicy
-from ..core.answering.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
-from ..core.stream.settings import EngineSettings
+from ..settings.engine import EngineSettings
 from .encoded import EncodedVideo
 from .stats import ProgressCallback, progress_reporter
 from ..errors import CacheLimitError, ConfigurationError, FrameDecodeError, InputError, StateKVError
-from ..settings.methods import MethodSettings, method, method_names
+from ..settings.methods import DEFAULT_RETRIEVAL, MethodSettings, method, method_names, retrieval_rule
 from ..models import VideoAdapter, load_adapter
 from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
@@ -35,7 +34,7 @@ from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped
 from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
-from ..values import check_bool, check_int, check_number, format_bytes, torch_dtype
+from ..settings.values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
 
 OPTION_NAMES = tuple(field.name for field in fields(ModelOptions))  # its settings: not its ClassVars (SETTINGS...)
@@ -56,7 +55,7 @@ class VideoQA:
         adapter: the model family adapter (see `statekv.models`); `from_pretrained` picks it.
         policy: the carry rule (`make_policy` builds the registered methods' own).
         engine: the engine's settings every video and stream of this VideoQA streams with
-            (`statekv.core.stream.settings.EngineSettings`: the attention backend, ``offload`` (CPU memory, or
+            (`statekv.settings.engine.EngineSettings`: the attention backend, ``offload`` (CPU memory, or
             ``"disk"``: an append-only, memory-mapped file set per video or stream under ``offload_dir``, which
             `Stream.load` resumes after a crash), ``max_cache_bytes`` and ``cache_limit`` (a cap on each detailed
             cache and what happens at it: ``refuse``, ``evict-oldest``, ``evict-least-attended``),

@@ -7,7 +7,8 @@ from .rules.policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, Pe
                              ScoredPolicy, SinksAndRecency, StateKV, WithSinks)
 from .stream.prefill import StreamingPrefill
 from .answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent, Retrieval,
-                                  RetrievalRule, retrieval_rule)
+                                  RetrievalRule)
+from ..settings.methods import retrieval_rule
 from .positions.rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
 
 __all__ = [

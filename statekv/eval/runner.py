@@ -52,7 +52,7 @@ from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.settings.options import ModelOptions
-from statekv.values import check_int, check_output_dir
+from statekv.settings.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from transformers import AutoModel, AutoTokenizer
 from ..core.answering.decoding import Prompt
 
 from ..errors import InputError, UnsupportedModelError
-from ..values import check_int, check_number
+from ..settings.values import check_int, check_number
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .base import Chunk, LayoutState
 from .checkpoint_files import normalisation, processor_chat_template, square_side

@@ -6,7 +6,7 @@ dtype, :class:`statekv.core.storage.layer_storage.StepSummaries`) and the step b
 cache itself. :class:`Retrieval` keeps the
 first ``keep_tokens`` tokens and the ``steps`` best-scored steps (top-k taken once, here), in time order.
 
-Rules (``RETRIEVAL_RULES``, chosen by name with ``retrieval=``):
+Rules (registered here in `statekv.settings.methods.RETRIEVAL_RULES`, chosen by name with ``retrieval=``):
 
 ``attention`` (:class:`AttentionShare`, the default)
     The share of each query head's attention that a step would get if the question attended to the whole cache
@@ -41,7 +41,8 @@ from typing import Any, ClassVar
 import torch
 
 from ...errors import ConfigurationError
-from ...values import check_int
+from ...settings.methods import RETRIEVAL_RULES
+from ...settings.values import check_int
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22
@@ -252,16 +253,7 @@ class AttentionShare(RetrievalRule):
         return seen.detailed_keys(index)[0].float(), counts
 
 
-RETRIEVAL_RULES: dict[str, RetrievalRule] = {rule.name: rule for rule in (AttentionShare(), MeanKeyMatch(),
-                                                                          MostRecent())}
-DEFAULT_RETRIEVAL = AttentionShare.name
-
-
-def retrieval_rule(name: str) -> RetrievalRule:
-    """The rule registered as ``name``; a one-line ConfigurationError naming the others if there is none."""
-    if not isinstance(name, str) or name not in RETRIEVAL_RULES:
-        raise ConfigurationError(f"unknown retrieval rule {name!r}; choose one of {', '.join(RETRIEVAL_RULES)}")
-    return RETRIEVAL_RULES[name]
+RETRIEVAL_RULES.update((rule.name, rule) for rule in (AttentionShare(), MeanKeyMatch(), MostRecent()))
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ...errors import ConfigurationError, InputError
-
-BACKENDS = ("auto", "eager", "chunked", "triton")
+from ...settings.engine import BACKENDS
 
 # Tiles of the chunked backend: at most BLOCK_ROWS x MAX_KEYS logits per KV head are alive at once; beyond
 # MAX_KEYS keys, they are visited BLOCK_KEYS at a time in two passes.

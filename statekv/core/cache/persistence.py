@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicLayer
 from . import forms
 from ..storage.buffers import CarriedSlots
 from ...errors import InputError
-from ...values import check_int
+from ...settings.values import check_int
 from ..storage.memory import CacheGeometry
 from ..storage.quantized import expected_tensors
 from ..storage.layer_storage import SAMPLES_PER_STEP

@@ -44,16 +44,8 @@ from typing import ClassVar
 import torch
 
 from ...errors import ConfigurationError, HorizonError, InputError
+from ...settings.engine import check_positions
 from .rope import RECOMPUTED_PER_CALL, rope_capacity, rope_parameters
-
-POSITIONS = ("stream", "bounded")
-
-
-def check_positions(value: object, name: str = "positions") -> str:
-    """``"stream"`` or ``"bounded"``; a one-line ConfigurationError otherwise."""
-    if value not in POSITIONS:
-        raise ConfigurationError(f"{name} must be stream or bounded, got {value!r}")
-    return value
 
 
 def choose_positions(requested: str | None, config, horizon: int | None) -> str:

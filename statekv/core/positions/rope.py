@@ -19,7 +19,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ...errors import HorizonError, UnsupportedModelError
-from ...values import check_int
+from ...settings.values import check_int
 from ..attention.thread_value import ThreadValue
 
 RECOMPUTED_PER_CALL = ("dynamic", "longrope")

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from ...values import check_int
+from ...settings.values import check_int
 
 KEEP_ALL = slice(0, None)
 

@@ -4,7 +4,7 @@ What is counted: the detailed cache as stored (keys and values in the model's dt
 scale and zero point), each step's retrieval summaries, the segment index, and on the disk tier its journal and
 carried-state checkpoints (`StreamStats` says how much of each).
 
-``cache_limit`` (`CACHE_LIMITS`), chosen up front:
+``cache_limit`` (`statekv.settings.engine.CACHE_LIMITS`), chosen up front:
 
 ``refuse`` (the default)
     The step is refused with a one-line `CacheLimitError` naming the cap before anything changes: nothing
@@ -32,34 +32,16 @@ import ctypes.util
 import logging
 import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from ...errors import CacheLimitError, ConfigurationError
-from ...values import check_choice, check_int, format_bytes
+from ...settings.engine import CacheLimit
+from ...settings.values import format_bytes
 
-CACHE_LIMITS = ("refuse", "evict-oldest", "evict-least-attended")
-DEFAULT_CACHE_LIMIT = "refuse"
 log = logging.getLogger("statekv")
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-@dataclass(frozen=True)
-class CacheLimit:
-    """At most ``max_bytes`` of detailed cache per stream; ``when_full`` one of `CACHE_LIMITS`."""
-
-    max_bytes: int
-    when_full: str = DEFAULT_CACHE_LIMIT
-
-    def __post_init__(self) -> None:
-        check_int(self.max_bytes, "max_cache_bytes")
-        check_choice(self.when_full, "cache_limit", CACHE_LIMITS)
-
-    @property
-    def evicts(self) -> bool:
-        return self.when_full != "refuse"
 
 
 class CacheKeeper:

@@ -22,18 +22,7 @@ import torch
 from .buffers import TokenBuffer
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, memory_buffers
 from ...errors import ConfigurationError
-
-KV_CACHE_BITS = {"int8": 8, "int4": 4}
-
-
-def check_kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> str | None:
-    """``None`` or ``"auto"`` (the model's dtype: None), ``"int8"`` or ``"int4"``; a one-line ConfigurationError
-    otherwise."""
-    if value is None or value == "auto":
-        return None
-    if isinstance(value, str) and value.lower() in KV_CACHE_BITS:
-        return value.lower()
-    raise ConfigurationError(f"{name} must be auto, int8 or int4, got {value!r}")
+from ...settings.engine import KV_CACHE_BITS, check_kv_cache_dtype
 
 
 def scale_dtype(model_dtype: torch.dtype) -> torch.dtype:

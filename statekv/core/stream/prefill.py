@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from ...errors import ConfigurationError, HorizonError, InputError, OutputError, UnsupportedModelError
-from ...values import check_int
+from ...settings.values import check_int
 from ..positions import rope as rotary
 from ..answering.generation_args import check_generation_arguments
 from ..answering.answer_cache import Retrieval
@@ -43,7 +43,7 @@ from ..positions import placing
 from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies, trained_range
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from ..positions.rope import FrozenRope, check_horizon
-from .settings import EngineSettings
+from ...settings.engine import EngineSettings
 from .stats import StepRecord, StreamStats, kept_fraction
 
 
@@ -57,7 +57,7 @@ class StreamingPrefill:
         model: a transformers causal LM or decoder (Qwen2, Qwen3, Llama...) or a VLM whose language model is
             such a decoder. It is used as is: no weights or modules are replaced.
         policy: the carry rule (:class:`FullAttention`, :class:`Recency`, :class:`StateKV`, ...).
-        settings: how the engine runs (:class:`~statekv.core.stream.settings.EngineSettings`: the attention backend,
+        settings: how the engine runs (:class:`~statekv.settings.engine.EngineSettings`: the attention backend,
             where the detailed cache lives and its cap, its dtype, CUDA graphs, positions); ``changes`` are
             settings to change in it by name (``StreamingPrefill(model, policy, offload=True)``).
         horizon: the most tokens the run will hold, question and answer included. It sizes the detailed

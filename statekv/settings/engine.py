@@ -14,20 +14,55 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import torch
 
-from ...errors import ConfigurationError
-from ...values import (BOOLEAN, BYTES, Kind, Setting, TEXT, boolean, byte_size, check_choice, check_int,
-                       check_output_dir, one_of, settings_class)
-from ..attention.scored import BACKENDS
-from ..storage.limits import CACHE_LIMITS, DEFAULT_CACHE_LIMIT, CacheLimit
-from ..positions.placing import POSITIONS
-from ..storage.quantized import KV_CACHE_BITS, check_kv_cache_dtype
+from ..errors import ConfigurationError
+from .setting import Setting, settings_class
+from .values import BOOLEAN, BYTES, TEXT, Kind, boolean, byte_size, check_choice, check_int, check_output_dir, one_of
 
+# the values the engine's settings take (the engine reads them from here)
+BACKENDS = ("auto", "eager", "chunked", "triton")  # `statekv.core.attention.scored`
+CACHE_LIMITS = ("refuse", "evict-oldest", "evict-least-attended")  # `statekv.core.storage.limits`
+DEFAULT_CACHE_LIMIT = "refuse"
+KV_CACHE_BITS = {"int8": 8, "int4": 4}  # `statekv.core.storage.quantized`
+POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
 OFFLOAD_TIERS = ("disk", "memory")
+
+
+@dataclass(frozen=True)
+class CacheLimit:
+    """At most ``max_bytes`` of detailed cache per stream; ``when_full`` one of `CACHE_LIMITS`."""
+
+    max_bytes: int
+    when_full: str = DEFAULT_CACHE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_int(self.max_bytes, "max_cache_bytes")
+        check_choice(self.when_full, "cache_limit", CACHE_LIMITS)
+
+    @property
+    def evicts(self) -> bool:
+        return self.when_full != "refuse"
+
+
+def check_kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> str | None:
+    """``None`` or ``"auto"`` (the model's dtype: None), ``"int8"`` or ``"int4"``; a one-line ConfigurationError
+    otherwise."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str) and value.lower() in KV_CACHE_BITS:
+        return value.lower()
+    raise ConfigurationError(f"{name} must be auto, int8 or int4, got {value!r}")
+
+
+def check_positions(value: object, name: str = "positions") -> str:
+    """``"stream"`` or ``"bounded"``; a one-line ConfigurationError otherwise."""
+    if value not in POSITIONS:
+        raise ConfigurationError(f"{name} must be stream or bounded, got {value!r}")
+    return value
 
 
 def check_offload(value: Any, name: str = "offload") -> Any:

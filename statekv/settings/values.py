@@ -14,9 +14,8 @@ Two kinds of check, each raising a `ConfigurationError` whose one-line message n
     parse_options({"bugdet": 1024}, spec)                       # ConfigurationError: unknown option bugdet; ...
 
 A `Kind` pairs the two for one kind of value (``POSITIVE``, ``NON_NEGATIVE``, ``BOOLEAN``, ``TEXT``, ``DTYPE``,
-``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type. A `Setting` names one setting
-with its kind, default and help, and `settings_class` makes a frozen, checked dataclass from a table of them: the
-engine's settings (`statekv.core.stream.settings.EngineSettings`) and `statekv.settings.options.ModelOptions`.
+``DEVICE``, ``one_of(...)``, each with ``.optional``), with its ``argparse`` type; a setting is declared with its
+kind (`statekv.settings.setting.Setting`).
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, OutputError, StateKVError
+from ..errors import ConfigurationError, OutputError, StateKVError
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -442,76 +441,3 @@ def _path_text(text: str) -> Path:
 
 _path_text.__name__ = "path"
 PATH = _path_text  # a command-line path: an empty string would otherwise be the current folder
-
-
-
-# settings declared once ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Setting:
-    """One setting, declared once: a field of the class `settings_class` makes, its check, its flag and its text
-    form.
-
-    name: the field (the flag is ``--name`` with dashes; a boolean that defaults to True is ``--no-name``).
-    default: its value when not given. kind: the values it takes (`Kind`: the Python check, the text parser, the
-    command-line type and choices). help: the flag's help (argparse expands ``%(default)s``), or a function making
-    it when the parser is built. metavar: the flag's placeholder. check: instead of the kind's check. offered_by:
-    a switch of the command that must be on for the flag to be offered (``"reserve"``). binding: a saved stream
-    made under one value cannot be resumed under another (its state depends on it).
-    """
-
-    name: str
-    default: Any
-    kind: Kind
-    help: str | Callable[[], str]
-    metavar: str | None = None
-    check: Parser | None = None
-    offered_by: str | None = None
-    binding: bool = False
-
-    def validate(self, value: Any) -> None:
-        """Raise a one-line `ConfigurationError` naming the setting if ``value`` is not one it takes."""
-        (self.check or self.kind.check)(value, self.name)
-
-    @property
-    def text_option(self) -> Option:
-        """How the setting is read from text (see `parse_options`)."""
-        return Option(self.name, self.kind.parse, self.default)
-
-    @property
-    def flag(self) -> str:
-        dashed = self.name.replace("_", "-")
-        return f"--no-{dashed}" if self.default is True else f"--{dashed}"
-
-    def with_changes(self, **changes: Any) -> "Setting":
-        return replace(self, **changes)
-
-    def add_to(self, group: argparse._ArgumentGroup, **overrides: Any) -> None:
-        """Add the setting's flag to ``group`` (``overrides``: argparse keywords replacing the derived ones)."""
-        arguments: dict[str, Any] = {"help": self.help() if callable(self.help) else self.help}
-        if self.kind.annotation.startswith("bool"):  # a switch: on (or, by default on, off) when given
-            arguments.update(action="store_false" if self.default is True else "store_true", dest=self.name)
-            if self.default is None:
-                arguments["default"] = None
-        else:
-            arguments.update(default=self.default, metavar=self.metavar)
-            if self.kind.cli is not None:
-                arguments["type"] = self.kind.cli
-            if self.kind.choices is not None:
-                arguments["choices"] = tuple(self.kind.choices())
-        arguments.update(overrides)
-        group.add_argument(self.flag, **arguments)
-
-
-def settings_class(settings: tuple[Setting, ...]) -> Callable[[type], type]:
-    """A class decorator making a frozen dataclass whose fields are ``settings`` (names, defaults and types, in
-    order); the class reads its checks, flags and text forms from ``cls.SETTINGS``."""
-
-    def build(cls: type) -> type:
-        cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}),
-                               **{setting.name: setting.kind.annotation for setting in settings}}
-        for setting in settings:
-            setattr(cls, setting.name, setting.default)
-        cls.SETTINGS = settings
-        return dataclass(frozen=True)(cls)
-
-    return build
