@@ -109,7 +109,7 @@ def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
     assert video.engine.positions == "stream" and video.engine.with_changes(positions=None) == qa.engine
     unbounded = statekv.EncodedVideo(qa, None)
     assert unbounded.prefill.settings.positions == "bounded" and unbounded.prefill.horizon is None
-    assert video.prefill.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
+    assert video.prefill.settings.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
 
 
 # -- one step protocol -------------------------------------------------------------------------------------------

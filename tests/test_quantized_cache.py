@@ -125,7 +125,7 @@ def test_unquantized_answers_do_not_change_with_auto(tiny_lm):
     model = tiny_lm("qwen3")
     base = streamed(model, statekv.StateKV(budget=20))
     auto = streamed(model, statekv.StateKV(budget=20), kv_cache_dtype="auto")
-    assert auto.cache.kv_cache_dtype is None and type(auto.cache.layers[0].storage) is type(base.cache.layers[0].storage)
+    assert auto.cache.tier.kv_cache_dtype is None and type(auto.cache.layers[0].storage) is type(base.cache.layers[0].storage)
     for retrieve in (None, statekv.Retrieval(2, keep_tokens=9)):
         assert torch.equal(auto.generate(prompt(model), max_new_tokens=5, retrieve=retrieve),
                            base.generate(prompt(model), max_new_tokens=5, retrieve=retrieve))
@@ -236,8 +236,8 @@ def test_saved_quantized_streams_resume_identically_and_refuse_another_dtype(ada
 
 def test_per_stream_kv_cache_dtype_and_the_cli_flag(adapter):
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40)
-    assert qa.stream(horizon_frames=2, kv_cache_dtype="int8").prefill.kv_cache_dtype == "int8"
-    assert qa.stream(horizon_frames=2).prefill.kv_cache_dtype is None
+    assert qa.stream(horizon_frames=2, kv_cache_dtype="int8").prefill.settings.kv_cache_dtype == "int8"
+    assert qa.stream(horizon_frames=2).prefill.settings.kv_cache_dtype is None
     import argparse
     parser = argparse.ArgumentParser()
     ModelOptions.add_arguments(parser)

@@ -245,9 +245,9 @@ class VideoQA:
         """
         if self.recent_window is not None:
             return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
+        engine = self.engine if kv_cache_dtype is None else self.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
         stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                        reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype, stream_id=stream_id,
-                        owner=owner)
+                        reserve_tokens=reserve_tokens, engine=engine, stream_id=stream_id, owner=owner)
         try:
             return stream.start()
         except BaseException:  # nothing half made is left holding its files

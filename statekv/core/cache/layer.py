@@ -11,7 +11,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ...errors import UnsupportedModelError
 from . import forms, persistence
 from ..attention.untraced import engine_call
-from ..storage import tiers
+from ..storage.tiers import StorageTier
 from .transaction import StepContext
 
 
@@ -29,12 +29,10 @@ class StreamingLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, on_replace: Callable[[], None], index: int, capacity_hint: int | None = None,
-                 storage_device: torch.device | str | None = None, kv_cache_dtype: str | None = None,
-                 make_storage=None):
+                 tier: StorageTier = StorageTier()):
         super().__init__()
         self.index, self._on_replace = index, on_replace  # called when a buffer a captured step reads is replaced
-        self.storage = tiers.layer_storage(index, capacity_hint, storage_device, kv_cache_dtype, on_replace,
-                                           make_storage)
+        self.storage = tier.storage(index, capacity_hint, on_replace)
         self._carry = forms.initial(self.storage)
         self.step: StepContext | None = None  # the step being run, handed in by begin()
 

@@ -36,8 +36,8 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
                 "window_starts": window_starts}
     if cache.evicted_steps:  # absent unless a cache limit evicted steps (so states without any read as before)
         metadata["evicted_steps"] = sorted(cache.evicted_steps)
-    if cache.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
-        metadata["kv_cache_dtype"] = cache.kv_cache_dtype
+    if cache.tier.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
+        metadata["kv_cache_dtype"] = cache.tier.kv_cache_dtype
     if cache.positions.bounded:  # absent: stream positions (as every earlier save)
         metadata["positions"] = cache.positions.export()
     return tensors, metadata

@@ -28,6 +28,7 @@ from .layer import StreamingLayer
 from ..attention.scored import ChunkMask, chunk_attention, scored_attention
 from ..rules.policies import Candidates, CarryPolicy
 from ..positions.placing import StreamPositions
+from ..storage.tiers import StorageTier
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
 
 
@@ -39,11 +40,8 @@ class TwoStateCache(Cache):
         policy: the carry rule.
         backend: attention backend for policies that need scores (see :func:`scored_attention`).
         capacity_hint: tokens to preallocate in each detailed buffer (the planned horizon), if known.
-        storage_device: where the detailed cache lives, if not with the model (offload, e.g. ``"cpu"``).
-        kv_cache_dtype: ``"int8"`` or ``"int4"`` to store the detailed cache quantized
-            (:mod:`statekv.core.storage.quantized`); None: in the model's dtype (checked by `EngineSettings`).
-        make_storage: builds each layer's storage instead (``(index, capacity_hint, on_replace,
-            kv_cache_dtype)``; the disk tier's, :class:`statekv.core.disk.tier.DiskTier`).
+        tier: where and how the detailed cache is kept (`statekv.core.storage.tiers.StorageTier`: offloaded,
+            quantized, or the disk tier's; default: with the model, in its dtype).
         positions: the stream's RoPE positions (:class:`~statekv.core.positions.placing.StreamPositions`; default: the
             stream's own, ``stream``). Under ``bounded`` every layer carries slots (no window, no ring), each slot
             with its placement.
@@ -58,14 +56,13 @@ class TwoStateCache(Cache):
     """
 
     def __init__(self, num_layers: int, policy: CarryPolicy, backend: str = "auto",
-                 capacity_hint: int | None = None, storage_device: torch.device | str | None = None,
-                 kv_cache_dtype: str | None = None, make_storage=None, positions: StreamPositions | None = None):
+                 capacity_hint: int | None = None, tier: StorageTier = StorageTier(),
+                 positions: StreamPositions | None = None):
         super().__init__(layers=[])
-        self.kv_cache_dtype = kv_cache_dtype
+        self.tier = tier
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, storage_device, self.kv_cache_dtype,
-                                      make_storage) for i in range(num_layers)]
+        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, tier) for i in range(num_layers)]
         self.positions = positions or StreamPositions()
         self.evicted_steps: set[int] = set()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended

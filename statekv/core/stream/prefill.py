@@ -41,6 +41,7 @@ from ..cache.persistence import check_state_dict
 from ..rules.policies import CarryPolicy
 from ..positions import placing
 from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies, trained_range
+from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from ..positions.rope import FrozenRope, check_horizon
 from ...settings.engine import EngineSettings
@@ -108,45 +109,42 @@ class StreamingPrefill:
         bounded = settings.positions == "bounded"
         self.horizon = (check_horizon(self.config, horizon) if not bounded else
                         None if horizon is None else check_int(horizon, "horizon (tokens)", error=HorizonError))
-        self.kv_cache_dtype = settings.kv_cache_dtype
+        kv_cache_dtype = settings.kv_cache_dtype
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
-        make_storage = None
         if settings.offload == "disk" or disk_tier is not None:
-            self.storage_device = torch.device("cpu")
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
-                "kv_cache_dtype": self.kv_cache_dtype})
-            make_storage = self.disk.storage
+                "kv_cache_dtype": kv_cache_dtype})
+            self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, self.disk.storage)
         else:
             offload = settings.offload
-            self.storage_device = torch.device("cpu" if offload is True else offload) if offload else None
+            self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
+                                    kv_cache_dtype)
         cache_limit = settings.cache_cap
-        check_evicting_storage(cache_limit, self.storage_device is not None)
+        check_evicting_storage(cache_limit, self.tier.device is not None)
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
                 and not policy.scores_needed(1 << 30):
             raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
                                      "computes; choose evict-oldest or a scoring method (statekv)")
         self.bytes_per_token = math.ceil(self.geometry.layers * stored_bytes_per_token(
-            self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, self.kv_cache_dtype,
+            self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, kv_cache_dtype,
             tokens_per_step=1 << 30))  # the detailed cache's bytes per token as stored (per-step scales aside)
         if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
             tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
-            check_cache_fits(self.geometry, tokens, self.storage_device or self.device, self.kv_cache_dtype)
+            check_cache_fits(self.geometry, tokens, self.tier.device or self.device, kv_cache_dtype)
         limit = trained_range(self.config)
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
         self.positions = StreamPositions(settings.positions, limit, placing.DEFAULT_LAYOUT,
                                          model_frequencies(self.decoder, self.rope) if bounded else None)
-        self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention,
-                                   capacity_hint=horizon, storage_device=self.storage_device,
-                                   kv_cache_dtype=self.kv_cache_dtype, make_storage=make_storage,
-                                   positions=self.positions)
+        self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention, capacity_hint=horizon,
+                                   tier=self.tier, positions=self.positions)
         self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
         geometry = self.geometry
         self.bytes_per_step = geometry.layers * (  # what each step adds besides its tokens: summaries, key scales
             summary_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype)
-            + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, self.kv_cache_dtype))
+            + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
             self._other_bytes)
@@ -170,7 +168,7 @@ class StreamingPrefill:
     def detailed_cache(self) -> DynamicCache:
         """Every token's keys/values, in order, as a fresh ``DynamicCache`` of views (decoding never mutates it);
         copies on the model's device when the detailed cache is offloaded."""
-        return self.cache.to_dynamic_cache(self.device if self.storage_device is not None else None)
+        return self.cache.to_dynamic_cache(self.device if self.tier.device is not None else None)
 
     def carried_positions(self, layer: int) -> torch.Tensor:
         """Logical positions carried by ``layer`` into the next step, LongTensor ``[B, H_kv, K]``."""
@@ -207,7 +205,7 @@ class StreamingPrefill:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
         could not have written is refused with an `InputError` before anything changes."""
-        check_state_dict(tensors, metadata, self.geometry, self.kv_cache_dtype)
+        check_state_dict(tensors, metadata, self.geometry, self.settings.kv_cache_dtype)
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
