@@ -194,6 +194,36 @@ def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
         video.prefill.generate(Prompt(prompt.input_ids + 10_000, follows=video.tokens), max_new_tokens=2)
 
 
+def test_a_question_fits_by_one_check_for_the_api_the_engine_and_the_service(checkpoint, monkeypatch):
+    from statekv.errors import QuestionTooLong
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.registry import prompt_tokens
+
+    checked = []
+    fit = statekv.StreamingPrefill.fit_question
+
+    def counted(prefill, *args):
+        checked.append(args[:2])
+        return fit(prefill, *args)
+
+    monkeypatch.setattr(statekv.StreamingPrefill, "fit_question", counted)
+    qa = statekv.VideoQA(load_adapter(checkpoint), statekv.FullAttention(), attention="eager", reserve_tokens=40)
+    stream = qa.stream(horizon_frames=3)
+    stream.push(_frames(1)[0])
+    stream.ask_tokens("Why?", max_new_tokens=4)
+    assert len(checked) == 2 and checked[0] == checked[1]  # the front door's, then the engine's: one check
+    room = stream.horizon - stream.tokens
+    with pytest.raises(QuestionTooLong, match=f"do not fit in the {room} tokens left"):
+        stream.ask_tokens("Why?", max_new_tokens=room)
+    prompt = stream.adapter.prompt(stream.adapter.question_ids("Why?", stream.state), stream.state)
+    with pytest.raises(QuestionTooLong):
+        stream.prefill.generate(prompt, max_new_tokens=room)  # the engine alone refuses it the same way
+    with pytest.raises(ServiceError, match=f"more than the {room} tokens kept for them") as refused:
+        prompt_tokens(stream, "Why?", room)
+    assert refused.value.status == 413 and checked[-1][1] == room
+    assert not hasattr(statekv, "generate_from_cache") and not hasattr(statekv.core, "generate_from_cache")
+
+
 def _subclasses(cls: type) -> list[type]:
     found = []
     for sub in cls.__subclasses__():
