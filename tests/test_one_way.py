@@ -232,14 +232,43 @@ def _subclasses(cls: type) -> list[type]:
 
 
 # -- contracts kept or refused -----------------------------------------------------------------------------------
-def test_a_streaming_layer_implements_or_refuses_every_layer_method():
-    mixin = {name for name, value in vars(CacheLayerMixin).items()
-             if callable(value) and not name.startswith("__")}
-    assert mixin <= set(vars(StreamingLayer)), sorted(mixin - set(vars(StreamingLayer)))
-    layer = StreamingLayer(lambda: None, 0)
-    for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
-        with pytest.raises(UnsupportedModelError):
-            call()
+def _layer_classes() -> list[type]:
+    """Every transformers cache layer class the engine defines (each module of statekv.core imported first)."""
+    import pkgutil
+
+    for module in pkgutil.walk_packages(statekv.core.__path__, "statekv.core."):
+        importlib.import_module(module.name)
+    return [cls for cls in _subclasses(CacheLayerMixin) if cls.__module__.startswith("statekv.")]
+
+
+def test_every_engine_layer_keeps_or_refuses_transformers_whole_layer_contract(tiny_lm):
+    """One base (`EngineLayer`) under every layer class: no method of transformers' `CacheLayerMixin` runs its own
+    code on an engine layer (each is implemented or refused with one line), and an answer written in the stream's
+    own buffer cannot zero it."""
+    from statekv.core.answering.answer_cache import AnswerLayer
+    from statekv.core.cache.engine_layer import EngineLayer
+    from statekv.core.step.batching import BatchLayer
+
+    layers = _layer_classes()
+    assert {EngineLayer, StreamingLayer, BatchLayer, AnswerLayer} <= set(layers)
+    mixin = {name for name, value in vars(CacheLayerMixin).items() if callable(value) and not name.startswith("__")}
+    for cls in layers:
+        assert issubclass(cls, EngineLayer), cls
+        own = set().union(*(vars(base) for base in cls.__mro__[:cls.__mro__.index(CacheLayerMixin)]))
+        assert mixin <= own or inspect.isabstract(cls), (cls, sorted(mixin - own))
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=64)
+    prefill.step(input_ids=torch.arange(6)[None])
+    stream = prefill.cache.layers[0]
+    answer = AnswerLayer(stream, 4, prefill.device)
+    answer.keys, answer.values = stream.storage.answer_in_place(stream.detailed.keys, 4)  # answered in place
+    answer.is_initialized = True
+    before = stream.detailed.keys[:, :, :6].clone()  # the committed tokens (past them: scratch)
+    for layer in (StreamingLayer(lambda: None, 0), BatchLayer(None, 0), answer):
+        for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
+            with pytest.raises(UnsupportedModelError):
+                call()
+    assert torch.equal(stream.detailed.keys[:, :, :6], before) and before.abs().sum() > 0
 
 
 def test_wrapped_rules_say_their_steady_budget():
