@@ -271,6 +271,20 @@ def test_every_engine_layer_keeps_or_refuses_transformers_whole_layer_contract(t
     assert torch.equal(stream.detailed.keys[:, :, :6], before) and before.abs().sum() > 0
 
 
+def test_each_carry_rule_has_a_module_of_its_own_and_rules_compose_by_wrapping():
+    import collections
+    import dataclasses
+
+    rules = [cls for cls in _subclasses(statekv.CarryPolicy) if cls.__module__.startswith("statekv.core.rules.")]
+    assert len(rules) >= 10 and max(collections.Counter(cls.__module__ for cls in rules).values()) == 1
+    rekv = statekv.ReKV(frames=3, sinks=2).for_prefix(5)
+    assert isinstance(rekv, statekv.WithSinks) and not isinstance(rekv, statekv.Recency)  # sinks around recency
+    assert rekv.rule == statekv.Recency(frames=3) and (rekv.sinks, rekv.prefix_tokens, rekv.sink_tokens) == (2, 5, 7)
+    assert [field.name for field in dataclasses.fields(rekv)] == ["rule", "sinks", "prefix_tokens"]  # declared once
+    assert repr(rekv) == "ReKV(frames=3, sinks=2, prefix_tokens=5)" and rekv == statekv.ReKV(3, 2, 5)
+    assert rekv.recent_steps == 3 and rekv.capturable and not rekv.needs_scores
+
+
 def test_wrapped_rules_say_their_steady_budget():
     assert statekv.StateKV(budget=8).steady_budget(0) == 8
     assert statekv.WithSinks(statekv.StateKV(budget=8), sinks=3).for_prefix(5).steady_budget(1) == 16

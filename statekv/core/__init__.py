@@ -2,8 +2,8 @@
 
 from .attention.scored import chunk_attention, scored_attention
 from .cache.two_state import TwoStateCache
-from .rules.policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV,
-                             ScoredPolicy, SinksAndRecency, StateKV, WithSinks)
+from .rules import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV, ScoredPolicy,
+                    SinksAndRecency, StateKV, WithSinks)
 from .stream.prefill import StreamingPrefill
 from .answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent, Retrieval,
                                   RetrievalRule)

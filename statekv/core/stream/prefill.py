@@ -39,7 +39,7 @@ from ..storage.limits import CacheKeeper, check_evicting_storage
 from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
-from ..rules.policies import CarryPolicy
+from ..rules.base import CarryPolicy
 from ..positions import placing
 from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies, trained_range
 from ..storage.tiers import StorageTier
