@@ -367,7 +367,7 @@ class LanguageModel:
 def step_variants(shapes: Shapes) -> list[tuple[str, Callable[[], Any], dict[str, Any]]]:
     """(label, policy factory, engine settings) of the measured streamed steps. A label without ``graph`` steps
     eagerly (``cuda_graph`` off, so its launches are the eager step's); ``compiled``: the decoder of steady steps
-    compiled by torch.compile (`statekv.core.compiled`)."""
+    compiled by torch.compile (`statekv.core.step.compiled`)."""
     import statekv
 
     budget, window = shapes.budget, shapes.window_frames

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import StateKVError
 from .stopping import Stopped, signals_stop_like_ctrl_c  # Stopped: what commands catch
-from .values import POSITIVE_FLOAT, POSITIVE_INT
+from .settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, every_frame: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Steps of several streams in one forward (`statekv.core.batching`): each stream gets what it gets alone, the
+"""Steps of several streams in one forward (`statekv.core.step.batching`): each stream gets what it gets alone, the
 batched steady step is static and sync-free, and its compute ops do not grow with the number of streams."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.batching import StepBatcher, StepRequest
+from statekv.core.step.batching import StepBatcher, StepRequest
 from statekv.testing.op_trace import OpTrace
 
 PREFIX, T, STEPS = 9, 6, 10
@@ -101,9 +101,11 @@ def test_a_forward_that_fails_in_the_batch_is_retried_alone(tiny_lm, monkeypatch
     for step in range(6):
         batcher.step([StepRequest(prefill, stream[step]) for prefill, stream in zip(prefills, data)])
     before = batcher.batched_steps
-    import statekv.core.batching as batching
+    import statekv.core.step.batching as batching
 
-    monkeypatch.setattr(batching, "stack_inputs", lambda inputs: (_ for _ in ()).throw(RuntimeError("boom")))
+    stack = batching.stack_inputs  # stacking several streams' rows fails; a stream alone has nothing to stack
+    monkeypatch.setattr(batching, "stack_inputs",
+                        lambda inputs: stack(inputs) if len(inputs) == 1 else (_ for _ in ()).throw(RuntimeError("boom")))
     outcomes = batcher.step([StepRequest(prefill, stream[6]) for prefill, stream in zip(prefills, data)])
     assert all(isinstance(outcome, torch.Tensor) for outcome in outcomes) and batcher.batched_steps == before
     reference = prefill_for(model, "statekv")

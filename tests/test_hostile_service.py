@@ -399,7 +399,7 @@ def test_a_disk_tier_file_set_that_cannot_be_resumed_is_moved_to_quarantine_and_
         qa, tmp_path, options, caplog):
     """Before: a file set that could not be resumed was left where it was and the stream served from its last save
     (the pushes journaled since then silently gone), in a new file set beside the old one."""
-    from statekv.core.disk import hold
+    from statekv.core.disk.files import hold
 
     tier, state = tmp_path / "tier", tmp_path / "state"
     disk = options.with_changes(offload="disk", offload_dir=str(tier))

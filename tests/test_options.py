@@ -8,12 +8,13 @@ from dataclasses import fields
 
 import pytest
 
-from statekv.builtin import BUILTIN_BUDGET
+from statekv.settings.options import BUILTIN_BUDGET
 from statekv.errors import ConfigurationError
 from statekv.flops import Method
 from statekv.settings.methods import MethodSettings
 from statekv.settings.options import SETTINGS, ModelOptions
-from statekv.values import POSITIVE, Setting, settings_class
+from statekv.settings.setting import Setting, settings_class
+from statekv.settings.values import POSITIVE
 
 
 @settings_class(SETTINGS + (Setting("beams", 1, POSITIVE, "answers searched per question (default: %(default)s)",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.retrieval import RETRIEVAL_RULES
+from statekv.core.answering.retrieval import RETRIEVAL_RULES
 from reference import reference_stream
 from test_static_step import PREFIX, T, embeddings
 

@@ -23,7 +23,7 @@ from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..values import check_int, check_number
+from ..settings.values import check_int, check_number
 from ..video import Frame
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.persistence import check_state_dict
-from ..core.prefill import cache_geometry
+from ..core.cache.persistence import check_state_dict
+from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
+from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
@@ -64,10 +65,10 @@ def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
             "settings": stream.engine.to_dict()}
 
 
-def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
-                kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> Any:
-    """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder."""
-    engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *, allow_other_weights: bool = False,
+                stream_id: str | None = None, owner: str | None = None) -> Any:
+    """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder, with the engine
+    settings ``engine`` (checked against those it was saved with; its positions are the saved stream's)."""
     if Path(path).is_dir():
         return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
                              engine=engine)
@@ -86,8 +87,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                     prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto",
-                     positions=recorded_settings(metadata).get("positions") or "stream",
+                     prefix_tokens=metadata["prefix_tokens"],
+                     engine=engine.with_changes(positions=recorded_settings(metadata).get("positions") or "stream"),
                      stream_id=metadata.get("stream_id"), owner=owner)
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None

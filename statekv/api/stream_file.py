@@ -46,12 +46,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..core.settings import EngineSettings
+from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
 from ..locks import FileLock
 from ..models import LayoutState
-from ..values import check_int, check_output_file
+from ..settings.values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.options import ModelOptions
-from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 SCALE_ON = ("streams", "requests")
 

@@ -15,7 +15,7 @@ from ..console import add_output_arguments, one_line, quiet_libraries
 from ..errors import CacheLimitError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
 
 
 def timed_question(text: str) -> tuple[float, str]:

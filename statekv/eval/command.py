@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from statekv.values import PATH
+from statekv.settings.values import PATH
 
 FAILED_RECORDS = 1  # exit status of a run that finished with questions left unanswered (unreadable videos)
 PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv.eval.parsing / prompts)
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
     from statekv.console import add_sampling_arguments
     from statekv.settings.options import ModelOptions
-    from statekv.values import POSITIVE_INT
+    from statekv.settings.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
     parser.add_argument("--data-root", required=True, type=PATH, help="folder holding the benchmark's layout")
@@ -169,7 +169,7 @@ def run_table(args: argparse.Namespace) -> int:
     from statekv.eval.records import completed_qids
     from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
     from statekv.eval.runner import read_expected_qids
-    from statekv.values import check_output_file
+    from statekv.settings.values import check_output_file
 
     if args.output:
         check_output_file(args.output, "--output")

@@ -59,7 +59,8 @@ from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.settings.options import ModelOptions
-from statekv.values import Option, integer, optional_text, parse_options, positive_float, positive_int, required_text
+from statekv.settings.values import (Option, integer, optional_text, parse_options, positive_float, positive_int,
+                                     required_text)
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none

@@ -39,7 +39,7 @@ from typing import Any
 from statekv.errors import ConfigurationError, DataError
 from statekv.eval.answering import Answer, Asker, answer_afresh, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
-from statekv.core.quantized import check_kv_cache_dtype
+from statekv.core.storage.quantized import check_kv_cache_dtype
 from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
 from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
@@ -52,7 +52,7 @@ from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.settings.options import ModelOptions
-from statekv.values import check_int, check_output_dir
+from statekv.settings.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
 

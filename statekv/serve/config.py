@@ -23,7 +23,7 @@ class ServeConfig:
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
     default_horizon_frames, default_max_fps: for streams created without them (horizon None: no horizon, the
-    stream never ends; its positions are bounded, see `statekv.core.positions`).
+    stream never ends; its positions are bounded, see `statekv.core.positions.placing`).
     """
 
     options: ModelOptions

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..core.disk import LOCK
+from ..core.disk.files import LOCK
 from ..errors import InputError, StateKVError
 from ..locks import FileLock
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry

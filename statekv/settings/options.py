@@ -6,10 +6,10 @@ the lmms-eval plugin and the benchmarks.
     ModelOptions.add_arguments(parser); ModelOptions.from_args(parser.parse_args())     # --model --method ...
     ModelOptions.from_strings({"model": "ckpt", "offload": "off"})                      # lmms-eval model args
 
-Every option is declared once, as a `statekv.values.Setting` in `SETTINGS` (its name, default, kind of value,
+Every option is declared once, as a `statekv.settings.values.Setting` in `SETTINGS` (its name, default, kind of value,
 help): the dataclass field, its check when the object is made (before any model is loaded), its command-line flag
 and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
-entries of `statekv.core.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
+entries of `statekv.settings.engine.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
 `EngineSettings` a `VideoQA` hands to every stream. A method's sizes (budget, frames, sinks) take their defaults
 and checks from `MethodSettings`, but for the budget of the built-in model, its own (`default_budget`).
 """
@@ -21,26 +21,24 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
-from ..builtin import BUILTIN_BUDGET, is_builtin
-from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
-from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from ..errors import ConfigurationError
-from .methods import MethodSettings, MethodSpec, method, method_names
-from ..values import (
-    BOOLEAN,
-    DEVICE,
-    DTYPE,
-    POSITIVE,
-    TEXT,
-    Option,
-    Setting,
-    byte_size,
-    one_of,
-    parse_options,
-    settings_class,
-)
+from .engine import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from .methods import (DEFAULT_RETRIEVAL, RETRIEVAL_RULES, MethodSettings, MethodSpec, method, method_names,
+                      retrieval_rule)
+from .setting import Setting, settings_class
+from .values import BOOLEAN, DEVICE, DTYPE, POSITIVE, TEXT, Option, one_of, parse_options
 
 DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
+BUILTIN_NAME = "builtin"  # ``--model builtin``: the small model shipped with statekv (`statekv.builtin`)
+# The built-in model's default StateKV budget, in tokens per layer and KV head: 16 of its 4-token frames (recency's
+# default window). The engine's default (4096) would carry every token of any video it can hold, so StateKV would
+# choose nothing.
+BUILTIN_BUDGET = 64
+
+
+def is_builtin(model: object) -> bool:
+    """Whether ``model`` (a name or path given as ``--model``) means the built-in model."""
+    return isinstance(model, str) and model == BUILTIN_NAME
 
 
 def method_size(name: str, metavar: str, help: str) -> Setting:
@@ -127,13 +125,16 @@ class ModelOptions:
     ENGINE: ClassVar[type[EngineSettings]] = EngineSettings  # the settings class `engine` makes
 
     def __post_init__(self) -> None:
-        for setting in self.SETTINGS:
-            setting.validate(getattr(self, setting.name))
+        engine_settings = {setting.name for setting in self.ENGINE.SETTINGS}
+        engine = None
+        for setting in self.SETTINGS:  # in the table's order; the engine's, once, as the engine's class checks them
+            if setting.name not in engine_settings:
+                setting.validate(getattr(self, setting.name))
+            elif engine is None:
+                engine = self.engine
         if self.budget is None:  # not given: the model's own default
             object.__setattr__(self, "budget", default_budget(self.model))
-        if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
-            object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
-        check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
+        object.__setattr__(self, "max_cache_bytes", engine.max_cache_bytes)  # "20G" as the engine reads it
 
     @property
     def spec(self) -> MethodSpec:
@@ -212,7 +213,7 @@ class ModelOptions:
 
     @classmethod
     def string_options(cls) -> list[Option]:
-        """How each field is read from text (see `statekv.values.parse_options`)."""
+        """How each field is read from text (see `statekv.settings.values.parse_options`)."""
         return [setting.text_option for setting in cls.SETTINGS]
 
     @classmethod

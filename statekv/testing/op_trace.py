@@ -91,11 +91,12 @@ _tracing: list[OpTrace] = []  # the traces entered, innermost last
 
 @contextmanager
 def device_parts():
-    """While active, the ops a step dispatches inside its device part (`statekv.core.batching.device_step`: what a
+    """While active, the ops a step dispatches inside its device part (`statekv.core.step.batching.device_step`: what a
     CUDA graph records and replays, for one stream or several) count as the device part of the innermost
     :class:`OpTrace` (``device_ops``, ``device_compute``); the rest of the step (its host part, and on a GPU the
     ops a replay runs outside its graph) as its host part."""
-    from ..core import batching, prefill
+    from ..core.step import batching
+    from ..core.stream import prefill
 
     original = batching.device_step
 
