@@ -30,7 +30,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...errors import OutputError, UnsupportedModelError
 from ..cache.two_state import attend
+from . import pooled
 from .graphs import StepGraphs
+from .pooled import BUCKETS
 from ..attention.switch import share_language_attention
 from ..cache.transaction import NotBatchable
 from ..attention.untraced import engine_call
@@ -249,14 +251,21 @@ class StepBatcher:
                 alone.append((index, inputs))
             else:
                 groups.setdefault(key, []).append((index, inputs))
-        for members in groups.values():
+        parts = [(key, group[start:start + BUCKETS[-1]]) for key, group in groups.items()
+                 for start in range(0, len(group), BUCKETS[-1])]
+        for key, members in parts:
             if len(members) == 1:
                 alone.extend(members)
                 continue
             prefills = [requests[index].prefill for index, _ in members]
             try:
-                inputs = stack_inputs([each for _, each in members])
-                batch, graphs = self._graphs_for(prefills)
+                chosen = [each for _, each in members]
+                if all(pooled.poolable(prefill) for prefill in prefills):  # rows of shared pools (core/step/pooled)
+                    batch, graphs, rows = pooled.rows(prefills, key)
+                    inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
+                else:
+                    inputs = stack_inputs(chosen)
+                    batch, graphs = self._graphs_for(prefills)
                 hidden = run_rows(prefills, batch, graphs, inputs,
                                   [requests[index].durable_record for index, _ in members],
                                   replay=all(prefill.cuda_graph for prefill in prefills))
