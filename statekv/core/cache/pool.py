@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..storage.layer_storage import SAMPLES_PER_STEP
+from ..storage.layer_storage import SAMPLES_PER_STEP, LayerStorage
 from ..storage.paged import PagedStorage, PagePool, PageRow
 
 COUNTERS = 3  # per seat: tokens seen, step index, ring slot
@@ -172,6 +172,7 @@ class StreamPool:
             paged = PagedStorage(seat.tokens, seat.steps, index, old.detailed.capacity_hint, cache.buffers_replaced)
             paged.segment_steps = old.segment_steps
             paged.load(old.export(), list(cache.chunk_lengths), self.device)
+            LayerStorage.prepare(paged, cache.chunk_len)  # room for every summary and index row to the horizon
             layer.storage = paged
         return seat
 

@@ -39,6 +39,7 @@ from .graphs import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows of a pooled batch: S streams are padded to the first bucket >= S
 KEPT_BATCHES = 16  # pooled batches (batch key and bucket) a pool keeps recorded
+KEPT_ROWS = 64  # rows inputs a pooled batch keeps on the device
 
 
 def bucket(count: int) -> int:
@@ -137,6 +138,18 @@ class PooledBatch(Cache):
         self.transaction = PooledTransaction(self)
         self.staged: list[tuple | None] = [None] * len(self.layers)
         self.graphs = PooledGraphs(self)
+        self.tables: dict[tuple[int, ...], torch.Tensor] = {}  # rows inputs by the streams they hold, last used last
+
+    def rows(self, table: tuple[int, ...]) -> torch.Tensor:
+        """The ``rows`` input ``[2, size]`` of ``table`` (seats, then slot rows), kept for the next steps of the same
+        streams: a copy to the device made each step would wait for the device to finish the step before."""
+        rows = self.tables.pop(table, None)
+        if rows is None:
+            rows = torch.tensor(table, dtype=torch.long).view(2, -1).to(self.pool.device)
+            while len(self.tables) >= KEPT_ROWS:
+                self.tables.pop(next(iter(self.tables)))
+        self.tables[table] = rows
+        return rows
 
     def history(self) -> tuple[int, ...]:
         raise NotBatchable("the carry policy reads each stream's step history")
@@ -241,11 +254,11 @@ class PooledGraphs(StepGraphs):
 
     def __init__(self, batch: PooledBatch):
         super().__init__(lambda inputs: device_step(batch, inputs), lambda: False)
-        self.pool = batch.pool
+        self.streams = batch.pool  # (``pool`` is the graphs' memory pool)
 
     def run(self, inputs: dict, layout) -> torch.Tensor | None:
-        with self.pool.lock:
-            return super().run(inputs, self.pool.version)
+        with self.streams.lock:
+            return super().run(inputs, self.streams.version)
 
 
 def rows(prefills: Sequence, key: tuple) -> tuple[PooledBatch, PooledGraphs, torch.Tensor]:
@@ -267,6 +280,6 @@ def rows(prefills: Sequence, key: tuple) -> tuple[PooledBatch, PooledGraphs, tor
             while len(pool.batches) >= KEPT_BATCHES:
                 pool.batches.pop(next(iter(pool.batches))).graphs.clear()
         pool.batches[key, size] = batch
-        padding = [0] * (size - len(seats))
-        table = [[seat.row for seat in seats] + padding, [seat.slot for seat in seats] + padding]
-        return batch, batch.graphs, torch.tensor(table, dtype=torch.long).to(first.device)
+        padding = (0,) * (size - len(seats))
+        return batch, batch.graphs, batch.rows((*(seat.row for seat in seats), *padding,
+                                                *(seat.slot for seat in seats), *padding))

@@ -224,6 +224,16 @@ class PagedStorage(LayerStorage):
     def answer_in_place(self, like: torch.Tensor, room: int) -> None:
         return None
 
+    # a steady step's host part checks capacities only (its pages are the row's, shared by every layer)
+    def prepare(self, chunk_len: int) -> None:
+        if (self.rows[1].capacity <= self.block_keys.length
+                or self.segment_index.capacity <= self.segment_index.length):
+            super().prepare(chunk_len)
+
+    def reserve_chunk(self, slots, chunk_len: int) -> None:
+        if self.rows[0].capacity < self.detailed.length + chunk_len:
+            super().reserve_chunk(slots, chunk_len)
+
     def read_tokens(self, index: torch.Tensor, device: torch.device | None = None,
                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(part.to(device or part.device, dtype or part.dtype) for part in self.detailed.gather(index))
