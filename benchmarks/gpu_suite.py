@@ -773,7 +773,7 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
     against one stream, and per step the launches, GPU busy time and the ATen ops the host dispatched."""
     import statekv
     import torch
-    from statekv.core.batching import StepBatcher, StepRequest
+    from statekv.core.step.batching import StepBatcher, StepRequest
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     device = shapes.device

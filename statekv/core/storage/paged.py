@@ -5,12 +5,13 @@ for steps), ``[H_kv, pages * page, W]``, cut into pages of ``page`` slots. Each 
 pages it owns, in order, as a host list and as a row of the pool's device page table, so a slot's place is
 found on the device (``table[row, slot // page] * page + slot % page``) and the chunks of several streams are
 written with one indexed copy per field. Page 0 is scratch: the table's unused entries point at it, and the
-padding rows of a batch (`statekv.core.step.pool`) write there.
+padding rows of a pooled batch (`statekv.core.step.pooled`) write there.
 
-:class:`PagedBuffer` is one stream's view of one layer's fields with :class:`~statekv.core.storage.buffers.TokenBuffer`'s
-API (``length``, ``reserve``, ``write``, ``write_at``, ``view``, ``gather``, ``load``), so a
-:class:`PagedStorage` is a :class:`~statekv.core.storage.layer_storage.LayerStorage` whose buffers are paged: every
-read (``read_range``, ``read_tokens``, ``summaries``) and every write of a stream's own step goes through it.
+:class:`PagedBuffer` is one stream's view of one layer's fields with the API of
+:class:`~statekv.core.storage.buffers.TokenBuffer` (``length``, ``reserve``, ``write``, ``write_at``, ``view``,
+``load``, and ``gather``), so a :class:`PagedStorage` is a
+:class:`~statekv.core.storage.layer_storage.LayerStorage` whose buffers are paged: every read (``read_range``,
+``read_tokens``, ``summaries``) and every write of a stream's own step goes through it.
 """
 
 from __future__ import annotations
