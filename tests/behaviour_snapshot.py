@@ -45,7 +45,8 @@ counters, one indexed write of every row's chunk and summaries per layer, one in
 back, where each stream's own layer did each of those per stream), the first of them moves each stream's detailed
 cache and summaries into pages (copies), and a question reads a pooled stream's whole cache as a copy; a pooled
 stream's ``detailed_bytes``, ``device_bytes`` and peak count the pages and rows it holds (pages of 64 tokens or
-steps, its carried row). Their hidden states, carried states, positions, state dicts and answers are identical. A
+steps, its carried row). Their hidden states, carried states, positions, state dicts and answers are identical
+(a pooled recency stream without sinks would save its carried tokens, where one alone saves its window's start). A
 set-up recorded after them in the same process may slice the rank table of `in_time_order` from a larger table (8
 rows where the reference's had 6: a batch of 3 streams is padded to 4 rows): a view's argument shape, nothing
 computed. Single-stream set-ups are otherwise identical, op traces included.
