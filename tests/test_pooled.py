@@ -227,3 +227,31 @@ def test_a_batched_steady_step_costs_the_same_ops_for_any_number_of_streams(tiny
     assert compute[2] == compute[4] == compute[16]
     assert len(traced[16][-1].compute) <= 1.5 * len(one[-1].compute), (len(traced[16][-1].compute),
                                                                       len(one[-1].compute))
+
+
+def test_bounded_streams_pooled_past_the_range_get_bit_for_bit_what_they_get_alone(tiny_lm, buckets):
+    """Bounded positions (no horizon): each row's chunk placed at its own base and its carried keys rotated to where
+    the layout puts them, with each slot's placements a row of the pool; streams at different lengths."""
+    model = tiny_lm("qwen2", max_position_embeddings=64)
+    embed = model.get_input_embeddings()
+    generator = torch.Generator().manual_seed(80)
+    data = [[embed(torch.randint(0, 96, (1, 8), generator=generator)).detach() for _ in range(24)]
+            for _ in range(3)]
+    joins = [0, 0, 5]
+    prefills = [statekv.StreamingPrefill(model, statekv.StateKV(16), positions="bounded") for _ in data]
+    batcher = StepBatcher()
+    hidden = [[] for _ in data]
+    for step in range(24 + max(joins)):
+        live = [s for s in range(3) if joins[s] <= step < joins[s] + 24]
+        for s, outcome in zip(live, batcher.step([StepRequest(prefills[s], data[s][step - joins[s]]) for s in live])):
+            hidden[s].append(outcome)
+    assert buckets[2] and buckets[4] and prefills[2].seen_tokens > 2 * 64
+    for s in range(3):
+        reference = statekv.StreamingPrefill(model, statekv.StateKV(16), positions="bounded")
+        expected = [reference.step(inputs_embeds=chunk) for chunk in data[s]]
+        assert all(torch.equal(a, b) for a, b in zip(hidden[s], expected))
+        assert_same(state(prefills[s]), state(reference))
+        placements = [prefill.cache.layers[1].carry.buffer.head_placements() for prefill in (prefills[s], reference)]
+        assert torch.equal(*placements)
+        prompt = torch.arange(5)[None]
+        assert torch.equal(prefills[s].generate(prompt, max_new_tokens=4), reference.generate(prompt, max_new_tokens=4))

@@ -13,11 +13,11 @@ it closes. Its seat is a row ``row`` of:
   cache and summaries copied there once.
 
 Its carried state (slots or a ring: the same size at every steady step) is a row ``slot`` of the :class:`SlotRows`
-of its shape, per layer ``kv`` ``[2, R', H_kv, K + T, D]`` and ``positions`` ``[R', H_kv, K + T]`` (its form's
-buffer is a view of that row). A stream stepping alone reads and writes the same memory through those views, so
-its state is in one place whichever way it steps. Row 0 of every table is scratch: a batch padded to its bucket
-reads and writes there. When a stream's shape changes (a new chunk length, leaving its ring), its form makes
-buffers of its own and its slot row is given back at its next batched step.
+of its shape, per layer ``kv`` ``[2, R', H_kv, K + T, D]`` and ``positions`` ``[R', H_kv, K + T]`` (and under bounded
+positions each slot's placements; its form's buffer is a view of that row). A stream stepping alone reads and writes
+the same memory through those views, so its state is in one place whichever way it steps. Row 0 of every table is
+scratch: a batch padded to its bucket reads and writes there. When a stream's shape changes (a new chunk length,
+leaving its ring), its form makes buffers of its own and its slot row is given back at its next batched step.
 """
 
 from __future__ import annotations
@@ -36,19 +36,23 @@ COUNTERS = 3  # per seat: tokens seen, step index, ring slot
 
 @dataclass(frozen=True)
 class SlotShape:
-    """The shape of a steady carried state: ``chunk_len`` T, per layer ``carried`` K, and ``ring`` (its steps and
-    sinks) when the layers hold a ring."""
+    """The shape of a steady carried state: ``chunk_len`` T, per layer ``carried`` K, ``ring`` (its steps and
+    sinks) when the layers hold a ring, and whether each slot has its placements (bounded positions)."""
 
     chunk_len: int
     carried: tuple[int, ...]
     ring: tuple[int, int] | None
+    placed: bool = False
 
     @classmethod
     def of(cls, cache) -> "SlotShape | None":
         """``cache``'s shape after its step was begun, or None when it is not one slot rows can hold (a window,
-        nothing carried yet, bounded positions' placements)."""
+        nothing carried yet)."""
         buffers = [layer.carry.buffer for layer in cache.layers]
-        if any(buffer is None or buffer.placements is not None for buffer in buffers):
+        if any(buffer is None for buffer in buffers):
+            return None
+        placed = {buffer.placements is not None for buffer in buffers}
+        if len(placed) != 1:
             return None
         ring = cache.ring
         if ring is None and any(layer.carry.name != "slots" for layer in cache.layers):
@@ -57,13 +61,14 @@ class SlotShape:
         if len(lengths) != 1:
             return None
         return cls(lengths.pop(), tuple(buffer.carried for buffer in buffers),
-                   None if ring is None else (ring.steps, ring.sinks))
+                   None if ring is None else (ring.steps, ring.sinks), placed.pop())
 
 
 class SlotRows:
     """The carried slots of every seat whose steady state has ``shape``: per layer ``kv`` ``[2, R, H_kv, K + T, D]``
-    and ``positions`` ``[R, H_kv, K + T]`` (None for a ring, whose positions follow from the step count); a ring's
-    ``ring_index`` ``[steps, T]`` maps a ring slot to its token slots. Row 0 is scratch."""
+    and ``positions`` ``[R, H_kv, K + T]`` (None for a ring, whose positions follow from the step count), and under
+    bounded positions ``placements`` ``[2, R, H_kv, K + T]`` (anchors, rotations); a ring's ``ring_index``
+    ``[steps, T]`` maps a ring slot to its token slots. Row 0 is scratch."""
 
     def __init__(self, shape: SlotShape, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  on_change, rows: int = 4):
@@ -73,6 +78,8 @@ class SlotRows:
         self.kv = [torch.zeros(2, rows, heads, size, head_dim, dtype=dtype, device=device) for size in sizes]
         self.positions = None if shape.ring is not None else [
             torch.zeros(rows, heads, size, dtype=torch.long, device=device) for size in sizes]
+        self.placements = None if not shape.placed else [
+            torch.zeros(2, rows, heads, size, dtype=torch.long, device=device) for size in sizes]
         self.ring_index = None
         if shape.ring is not None:
             steps, sinks = shape.ring
@@ -85,6 +92,8 @@ class SlotRows:
             self.kv = [_grown(kv, 1, 2 * rows) for kv in self.kv]
             if self.positions is not None:
                 self.positions = [_grown(positions, 0, 2 * rows) for positions in self.positions]
+            if self.placements is not None:
+                self.placements = [_grown(placements, 1, 2 * rows) for placements in self.placements]
             self.free = list(range(2 * rows - 1, rows - 1, -1))
             self.on_change()
         return self.free.pop()
@@ -207,6 +216,8 @@ class StreamPool:
                 rows.kv[index][:, seat.slot:seat.slot + 1].copy_(buffer.kv)
                 if rows.positions is not None:
                     rows.positions[index][seat.slot:seat.slot + 1].copy_(buffer.positions)
+                if rows.placements is not None:
+                    rows.placements[index][:, seat.slot:seat.slot + 1].copy_(buffer.placements)
         self._point(seat, cache)
         cache.buffers_replaced()
         seat.version = cache.layout_version
@@ -232,6 +243,8 @@ class StreamPool:
                 buffer.kv = views["kv", index] = seat.slots.kv[index][:, slot:slot + 1]
                 if seat.slots.positions is not None:
                     buffer.positions = seat.slots.positions[index][slot:slot + 1]
+                if seat.slots.placements is not None:
+                    buffer.placements = seat.slots.placements[index][:, slot:slot + 1]
 
     def changed(self) -> None:
         """A shared tensor moved: every seated stream's views follow it, and recorded steps over it are stale."""

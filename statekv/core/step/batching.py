@@ -260,7 +260,7 @@ class StepBatcher:
             prefills = [requests[index].prefill for index, _ in members]
             try:
                 chosen = [each for _, each in members]
-                if all(pooled.poolable(prefill) for prefill in prefills):  # rows of shared pools (core/step/pooled)
+                if pooled.poolable(prefills):  # rows of shared pools (core/step/pooled)
                     batch, graphs, rows = pooled.rows(prefills, key)
                     inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
                 else:

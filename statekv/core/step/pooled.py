@@ -1,7 +1,7 @@
 """Steady steps of many streams as rows of the tensors they share: O(1) ops per layer whoever steps together.
 
 Streams whose steady steps batch (`statekv.core.step.batching.batch_key`) and whose state can be pooled
-(:func:`poolable`: the detailed cache in the model's dtype on its device, stream positions, no per-frame tally)
+(:func:`poolable`: the detailed cache in the model's dtype on its device, no per-frame tally)
 take seats in their model's `statekv.core.cache.pool.StreamPool`. A batch of them is a set of rows, addressed by
 a device LongTensor ``rows`` ``[2, S]`` (seats, then carried-slot rows) that is an input of the step like the
 chunk itself, so the device part of a step (:func:`device_step`) never loops over streams:
@@ -33,6 +33,7 @@ from ..attention.untraced import engine_call
 from ..cache import two_state
 from ..cache.pool import SlotRows, SlotShape, StreamPool, pool_of
 from ..cache.transaction import NotBatchable
+from ..positions.placing import rotate
 from ..storage.layer_storage import LayerStorage, sample_index
 from ..storage.paged import PagedStorage
 from .graphs import StepGraphs
@@ -47,14 +48,16 @@ def bucket(count: int) -> int:
     return next(size for size in BUCKETS if size >= count)
 
 
-def poolable(prefill) -> bool:
-    """Whether ``prefill``'s begun step can be a row of its model's pools: its detailed cache in the model's dtype on
-    the model's device, stream positions, a frozen rotation, no per-frame tally, slots or a ring in every layer."""
-    cache = prefill.cache
-    return (prefill.rope is not None and prefill.disk is None and prefill.storage_device is None
-            and prefill.kv_cache_dtype is None and not cache.positions.bounded and cache.tally is None
-            and all(type(layer.storage) in (LayerStorage, PagedStorage) for layer in cache.layers)
-            and SlotShape.of(cache) is not None)
+def poolable(prefills: Sequence) -> bool:
+    """Whether the begun steps of ``prefills`` (equal batch keys) can be rows of their model's pools: each stream's
+    detailed cache in the model's dtype on the model's device, a frozen rotation, no per-frame tally, slots or a
+    ring in every layer; under bounded positions (1-D RoPE: explicit positions never batch), one layout and range."""
+    placing = {(prefill.positions.layout, prefill.positions.limit) for prefill in prefills}
+    return len(placing) == 1 and all(
+        prefill.rope is not None and prefill.disk is None and prefill.storage_device is None
+        and prefill.kv_cache_dtype is None and prefill.cache.tally is None
+        and all(type(layer.storage) in (LayerStorage, PagedStorage) for layer in prefill.cache.layers)
+        and SlotShape.of(prefill.cache) is not None for prefill in prefills)
 
 
 class PooledLayer(CacheLayerMixin):
@@ -133,6 +136,8 @@ class PooledBatch(Cache):
         self.policy, self.backend = first.policy, first.attention
         self.decoder, self.compiled = first.decoder, first.compiled_decoder
         self.mask, self.rope = first.step_mask, first.rope  # kept: a recorded step reads the rotation's tensors
+        self.placing = first.positions if first.positions.bounded else None  # its layout and range
+        self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
         self.transaction = PooledTransaction(self)
@@ -170,7 +175,14 @@ class PooledBatch(Cache):
         self.token_places = pool.tokens.places(pool.tokens.table.index_select(0, self.seats), self.positions)
         self.step_places = pool.steps.places(pool.steps.table.index_select(0, self.seats), step[:, None])
         self.ring_target = None if self.slots.ring_index is None else self.slots.ring_index.index_select(0, ring)
-        return self.positions
+        if self.placing is None:
+            return self.positions
+        # bounded positions: each row's chunk moved to its base (as `StreamPositions.chunk` places one stream's)
+        placing, first = self.placing, self.positions[:, :1]
+        base = placing.layout.base_on(first, chunk_len, max(self.slots.shape.carried), placing.limit)
+        self.first, self.base = first[:, :, None], base[:, :, None]
+        self.rotations = self.positions - (first - base)
+        return self.rotations
 
     def stage(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s chunk ``[S, H_kv, T, D]``: every row's summaries and detailed cache written (past the
@@ -188,12 +200,20 @@ class PooledBatch(Cache):
         kv = slots.kv[index].index_select(1, self.slot_rows)
         kv[0, :, :, carried:] = keys
         kv[1, :, :, carried:] = values
-        positions = None
+        positions = placements = None
         if slots.positions is not None:
             positions = slots.positions[index].index_select(0, self.slot_rows)
             positions[..., carried:] = self.positions[:, None]
-        self.staged[index] = (kv, positions, reduced)
-        return kv[0], kv[1]
+        self.staged[index] = (kv, positions, reduced, placements)
+        if slots.placements is None:
+            return kv[0], kv[1]
+        placements = slots.placements[index].index_select(1, self.slot_rows)  # [2, S, H_kv, K + T]
+        placements[0, ..., carried:] = self.positions[:, None]
+        placements[1, ..., carried:] = self.rotations[:, None]
+        self.staged[index] = (kv, positions, reduced, placements)
+        placing = self.placing  # the keys attended to, rotated to where the layout puts them for this step
+        targets = placing.layout.targets(placements[0], self.first, self.base, carried, placing.limit)
+        return rotate(kv[0], targets - placements[1], self.frequencies), kv[1]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Every row's attention and the carry selection, once (`statekv.core.cache.two_state.attend`)."""
@@ -203,7 +223,7 @@ class PooledBatch(Cache):
         """Device part of the commit: every row's open segment folded, its selected slots (or, in a ring, its chunk
         over the oldest step) written back, its counters advanced; the scratch row's counters reset."""
         pool, slots, rows = self.pool, self.slots, self.slot_rows
-        for index, (kv, positions, (low, high, total)) in enumerate(self.staged):
+        for index, (kv, positions, (low, high, total), placements) in enumerate(self.staged):
             segments = pool.segments[index]
             folded = segments.index_select(1, self.seats)
             least, most, summed = folded.unbind(0)
@@ -219,6 +239,9 @@ class PooledBatch(Cache):
             kept = kv.gather(3, chosen[None, ..., None].expand(2, -1, -1, -1, kv.shape[-1]))
             slots.kv[index][:, :, :, :carried].index_copy_(1, rows, kept)
             slots.positions[index][:, :, :carried].index_copy_(0, rows, positions.gather(2, chosen))
+            if placements is not None:
+                slots.placements[index][..., :carried].index_copy_(1, rows,
+                                                                   placements.gather(3, chosen.expand(2, -1, -1, -1)))
         seen, step, ring = self.counters.unbind(0)
         if slots.shape.ring is not None:
             ring = torch.remainder(ring + 1, slots.shape.ring[0])
