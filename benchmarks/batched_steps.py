@@ -131,6 +131,13 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.budget_frames} frames, chunked attention. Medians over the steady steps that complete no segment "
              "of the retrieval index (the last column is the largest such step's count).", ""]
     lines += table(record["results"], before and before["results"])
+    for name, rows in record["results"].items():
+        sixteen = next(row for row in rows if row["streams"] == 16)
+        old = "" if before is None else next(row for row in before["results"][name] if row["streams"] == 16)
+        lines += ["", f"{name}: a batched steady step of 16 streams dispatches {sixteen['compute']:.0f} compute ops, "
+                  f"{sixteen['compute'] / rows[0]['compute']:.2f}x one stream's steady step"
+                  + ("" if not old else f" (before: {old['compute']:.0f}, {old['compute'] / rows[0]['compute']:.2f}x)")
+                  + "; issue 48's CPU acceptance is at most 1.5x."]
     lines += ["", "ms / step is the CPU's wall time of the whole batched step (a shared machine: a rough figure); on a "
               "GPU the device part is one CUDA graph replay per bucket and every op in it a launch slot."]
     report = "\n".join(lines)
