@@ -1,7 +1,8 @@
 """Steady steps of many streams as rows of shared pools (`statekv.core.step.pooled`, `statekv.core.cache.pool`):
 each stream gets bit for bit what it gets alone (hidden states, carried state, detailed cache, summaries, segment
-index) whoever it steps with, alone in between, after a new chunk length, saved and loaded, asked; a closed stream
-gives its rows back; and a batched steady step costs the same ops whatever the number of streams."""
+index) whoever it steps with, alone in between, after a new chunk length, saved and loaded, asked, under bounded
+positions past the range; a closed stream gives its rows back; and a batched steady step costs the same ops
+whatever the number of streams."""
 
 from __future__ import annotations
 
