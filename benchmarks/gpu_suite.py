@@ -778,9 +778,9 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
 
     device = shapes.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    fields = shapes.vlm_text or {key: shapes.lm[key] for key in ("hidden_size", "num_hidden_layers",
-                                                                 "num_attention_heads", "num_key_value_heads",
-                                                                 "head_dim", "intermediate_size")}
+    fields = {key: (shapes.vlm_text or shapes.lm)[key] for key in ("hidden_size", "num_hidden_layers",
+                                                                    "num_attention_heads", "num_key_value_heads",
+                                                                    "head_dim", "intermediate_size")}
     tokens, budget = shapes.frame_tokens if shapes.vlm_text is None else 256, shapes.vlm_budget // 4
     warm, timed_steps = -(-budget // tokens) + 4, 8 if device.startswith("cuda") else 2
     config = Qwen2Config(**fields, vocab_size=1024, max_position_embeddings=(warm + 3 * timed_steps + 4) * tokens)

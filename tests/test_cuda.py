@@ -44,6 +44,31 @@ def replays(monkeypatch):
     return counted
 
 
+def test_steps_are_recorded_again_after_every_recording_was_dropped(recwarn):
+    """`StepGraphs.clear` (a layout change, a pool that grew) drops every recording, which releases their memory
+    pool: the next recording takes a pool of its own and replays, instead of failing the caching allocator's
+    assertion and stepping eagerly from then on."""
+    from statekv.core.step.graphs import StepGraphs
+
+    buffer = torch.zeros(4, device="cuda")
+
+    def device_step(inputs):
+        buffer.add_(inputs["x"])
+        return buffer * 2
+
+    graphs = StepGraphs(device_step, lambda: False)
+    for round_ in range(3):
+        graphs.clear()
+        x = torch.full((4,), float(round_ + 1), device="cuda")
+        assert graphs.run({"x": x}, "layout") is None  # the warm-up, run eagerly by the caller
+        device_step({"x": x})
+        for _ in range(2):
+            before = buffer.clone()
+            out = graphs.run({"x": x}, "layout")
+            assert out is not None and torch.equal(buffer, before + x) and torch.equal(out, 2 * buffer)
+    assert not [w for w in recwarn if "cannot be replayed" in str(w.message)]
+
+
 @pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
                          ids=["statekv", "recency"])
 def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_lm, policy, replays):
