@@ -37,6 +37,19 @@ index_copy_ and two copy_ (one at commit) give way to ``minimum.out``, ``maximum
 views); a layer's first step makes the open segment's identities instead of zeros; a step completing a segment
 writes its row (cat, copy_) and resets the open segment (copy_); a question's empty segment index is an alias
 instead of a slice. Everything else is identical (``compare`` shows them as op-trace differences).
+
+Against a reference from before pooled steps (issue 48), the set-ups that step several streams together
+(``push_many``) differ in their op traces and in the bytes their streams hold, by design: their steady batched
+steps run as rows of the model's pools (`statekv.core.step.pooled`: an index_select of the rows' carried slots and
+counters, one indexed write of every row's chunk and summaries per layer, one index_copy_ of the selected rows
+back, where each stream's own layer did each of those per stream), the first of them moves each stream's detailed
+cache and summaries into pages (copies), and a question reads a pooled stream's whole cache as a copy; a pooled
+stream's ``detailed_bytes``, ``device_bytes`` and peak count the pages and rows it holds (pages of 64 tokens or
+steps, its carried row). Their hidden states, carried states, positions, state dicts and answers are identical
+(a pooled recency stream without sinks would save its carried tokens, where one alone saves its window's start). A
+set-up recorded after them in the same process may slice the rank table of `in_time_order` from a larger table (8
+rows where the reference's had 6: a batch of 3 streams is padded to 4 rows): a view's argument shape, nothing
+computed. Single-stream set-ups are otherwise identical, op traces included.
 """
 
 from __future__ import annotations

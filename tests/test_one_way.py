@@ -112,9 +112,9 @@ def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypa
         rows.append(len(prefills))
         return run_rows(prefills, *args, **kwargs)
 
-    def counted_attend(caches, *args):
-        attended.append(len(caches))
-        return attend(caches, *args)
+    def counted_attend(caches, layer_idx, q, *args):  # the rows attending at once (a pooled batch is one cache)
+        attended.append(q.shape[0])
+        return attend(caches, layer_idx, q, *args)
 
     monkeypatch.setattr(batching, "run_rows", counted_rows)
     monkeypatch.setattr(cache_module, "attend", counted_attend)  # one stream's cache

@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache
 from ...errors import OutputError, UnsupportedModelError
 from ..cache.engine_layer import EngineLayer
 from ..cache.two_state import attend
+from . import pooled
 from .graphs import StepGraphs
 from ..attention.switch import share_language_attention
 from ..cache.transaction import NotBatchable
@@ -240,22 +241,31 @@ class StepBatcher:
             key = batch_key(step.prefill, step.inputs) if len(indices) > 1 else None
             groups.setdefault(index if key is None else key, []).append(index)
         alone = []
-        for members in groups.values():
-            if len(indices) > 1 and len(members) == 1:  # begun to be keyed; it steps in a wave of its own
-                begun[members[0]].prefill.cache.rollback()
-                alone.append(members[0])
-            elif not self._run([begun[index] for index in members], members, outcomes):
-                alone.extend(members)
+        for key, group in groups.items():
+            for start in range(0, len(group), pooled.BUCKETS[-1]):  # a batch holds at most the last bucket's rows
+                members = group[start:start + pooled.BUCKETS[-1]]
+                if len(indices) > 1 and len(members) == 1:  # begun to be keyed; it steps in a wave of its own
+                    begun[members[0]].prefill.cache.rollback()
+                    alone.append(members[0])
+                elif not self._run([begun[index] for index in members], members, outcomes, key):
+                    alone.extend(members)
         for index in sorted(alone):
             self._wave(requests, [index], outcomes)
 
-    def _run(self, steps: list["BegunStep"], indices: list[int], outcomes: list) -> bool:
-        """Run the begun ``steps`` as one forward (`run_rows`) and set their outcomes; False when a batch of several
-        failed as a whole (every stream rolled back, to be retried on its own)."""
+    def _run(self, steps: list["BegunStep"], indices: list[int], outcomes: list, key: Any) -> bool:
+        """Run the begun ``steps`` (of equal batch ``key`` when several) as one forward (`run_rows`) and set their
+        outcomes; False when a batch of several failed as a whole (every stream rolled back, to be retried on its
+        own). Several streams whose state can be pooled step as rows of their model's pools (`pooled`)."""
         prefills = [step.prefill for step in steps]
         try:
-            cache, graphs = self._graphs_for(prefills)
-            hidden = run_rows(steps, cache, graphs,
+            inputs = None
+            if len(steps) > 1 and pooled.poolable(prefills):
+                cache, graphs, rows = pooled.rows(prefills, key)
+                chosen = [step.inputs for step in steps]  # padded to the bucket with the first row's inputs
+                inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
+            else:
+                cache, graphs = self._graphs_for(prefills)
+            hidden = run_rows(steps, cache, graphs, inputs=inputs,
                               replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
         except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
             hidden, errors = partly.hidden, partly.errors
@@ -336,15 +346,18 @@ def begin_step(request: StepRequest) -> BegunStep:
     return BegunStep(request, inputs, started, carried_before)
 
 
-def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, replay: bool) -> torch.Tensor:
+def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, replay: bool,
+             inputs: dict | None = None) -> torch.Tensor:
     """The begun ``steps`` (one stream each; their inputs stacked as rows) through ``cache`` (one stream's own
     cache, or a `BatchCache`): inside the streams' call (their attention through ``cache``, their RoPE), the
     device part (``graphs.device_step``, :func:`device_step`) replayed from ``graphs`` when ``replay`` and it
     holds it, else run eagerly; then each stream's host end (`StreamingPrefill.finish_step`). Returns the hidden
     states ``[S, T, D]`` (``[B, T, D]`` for one stream of ``B`` rows); `RowsFailed` when some streams could not
-    finish their step."""
+    finish their step. ``inputs``: the rows already stacked (a pooled batch's, padded to its bucket, with its
+    ``rows``); else the steps' own, stacked here."""
     prefills = [step.prefill for step in steps]
-    inputs = stack_inputs([step.inputs for step in steps])
+    if inputs is None:
+        inputs = stack_inputs([step.inputs for step in steps])
     first = prefills[0]
     share_language_attention(first.model)  # a no-op unless someone switched the model's attention since
     with first.streaming(cache):

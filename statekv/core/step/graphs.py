@@ -108,7 +108,9 @@ class StepGraphs:
         leaves, spec = tree_flatten(inputs)
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
+        if not self.captured:
+            # a memory pool whose graphs are all gone was released: capturing into it again fails an assertion of
+            # the caching allocator, so a first recording (or the first after `clear`) takes a pool of its own
             self.pool = torch.cuda.graph_pool_handle()
         try:
             torch.cuda.synchronize()

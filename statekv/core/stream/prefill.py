@@ -28,6 +28,7 @@ from ..answering.generation_args import check_generation_arguments
 from ..answering.answer_cache import Retrieval
 from ..attention.scored import resolve_backend
 from ..step.batching import StepRequest, device_step, step_together
+from ..cache import pool
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
 from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
@@ -446,6 +447,7 @@ class StreamingPrefill:
         self.closed = True
         self.rope = None
         self.graphs.clear()
+        pool.release(self.cache)  # its seat in its model's pool, if it took one (`statekv.core.cache.pool`)
         if self.disk is not None:
             self.disk.close()  # the files stay: Stream.load resumes from them
 
