@@ -106,8 +106,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     context = RankContext.from_env()
     _configure_logging(context.rank)
     quiet_libraries()
-    options = ModelOptions.from_args(args)
-    options.check_all_used()  # a flag that changes nothing is refused, not recorded as if it did
+    options = ModelOptions.from_args(args, all_used=True)
     config = EvalConfig(
         benchmark=args.benchmark, options=options, data_root=args.data_root, out=args.out,
         name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,

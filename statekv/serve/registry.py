@@ -27,6 +27,7 @@ from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
 from ..core.disk.files import LOCK
 from ..locks import FileLock
+from ..settings.methods import refuse_unread
 from .config import ServeConfig
 from .errors import ServiceError, public_message
 from .metrics import Metrics
@@ -202,6 +203,7 @@ class StreamRegistry:
         defaults = self.qa.options
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
         defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
+        refuse_unread(settings["method"], {name: body[name] for name in METHOD_FIELDS if name in body})
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
                                     or not 1 <= horizon <= 10**7):
