@@ -25,18 +25,24 @@ Who a stream is: ``stream_id`` (kept for its life, across saves and loads) and `
 its owner's name, `owner_digest`; None: no owner), checked on load by `check_ownership`, so a file moved under
 another stream's name or owner is refused.
 
-A file is written to ``<name>.partial`` beside the target and renamed over it only once complete, under the
-exclusive lock of ``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is
-refused with one line naming the holder.
+A file is written to ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever write one
+partial file) and renamed over it only once complete, under the exclusive lock of ``<name>.lock`` (removed when the
+save ends): a second save to the same file at the same time is refused with one line naming the holder. Just before
+the rename the save checks that ``<name>.lock`` is still the file it locked; if it was removed or replaced meanwhile
+(another save may then have taken it), the save is refused and the target is left as it was. What saves killed
+before their rename left is removed by the next save to the same file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import math
 import os
+import re
+import secrets
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -57,6 +63,7 @@ FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
 FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
 MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below
+PARTIAL = re.compile(r"\.[0-9a-f]{8}\.partial")  # what follows the target's name in a save's partial file
 
 Check = Callable[[Any, str], Any]
 
@@ -95,7 +102,8 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
     text = json.dumps(metadata, allow_nan=False)
-    partial = path.with_name(path.name + ".partial")
+    # a name of its own: two saves never write one partial file, even if the lock below is broken
+    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -104,14 +112,32 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                             error=OutputError, advice="wait for that save to end, or save elsewhere",
                             remove=True)
     try:
+        _remove_stale_partials(path)
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
+        if not lock.owns():  # its lock file was removed or replaced: another save may own the name now
+            partial.unlink(missing_ok=True)
+            raise OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it "
+                              f"was written, and another save may be writing there; {UNCHANGED}")
         os.replace(partial, path)
     except (OSError, SafetensorError) as error:
-        partial.unlink(missing_ok=True)  # ours: the lock is held
+        partial.unlink(missing_ok=True)
+        if isinstance(error, OutputError):
+            raise
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
     finally:
         lock.release()
     return path
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Remove what saves to ``path`` killed before their rename left (``<name>.<hex>.partial``); called under its
+    lock, so no live save's partial is among them."""
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):
+        if PARTIAL.fullmatch(stale.name[len(path.name):]):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
 
 
 UNCHANGED = "nothing was written there (a file already there is as it was) and the stream is unchanged"

@@ -25,8 +25,7 @@ from typing import Any
 
 from ..errors import HorizonError, InputError, StateKVError
 from ..api.stream import Stream
-from ..core.disk.files import LOCK
-from ..locks import FileLock
+from ..core.disk.files import hold
 from ..settings.methods import refuse_unread
 from .config import ServeConfig
 from .errors import ServiceError, public_message
@@ -666,8 +665,7 @@ class StreamRegistry:
             why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
         try:
-            lock = FileLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
-                if (folder / LOCK).exists() else None
+            lock = hold(folder, None)  # the folder's own lock, as a stream living in it holds it
         except InputError:  # a live process holds it: not this server's to move
             raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
                               "it)") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
-from ...locks import FileLock
+from ...locks import FolderLock
 
 FORMAT = "statekv-disk-cache"
 FORMAT_VERSION = 2  # 1: the carried state journaled with every step, summaries mirrored in RAM
@@ -40,11 +40,10 @@ class Journaled:
 
 
 # -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
-def hold(folder: Path, holder: str) -> FileLock:
-    """The exclusive lock of the file set in ``folder`` for ``holder``; a one-line `InputError` naming whoever
-    holds it already."""
-    return FileLock.acquire(Path(folder) / LOCK, what=f"the disk cache {folder}", holder=holder,
-                            error=InputError)
+def hold(folder: Path, holder: str | None) -> FolderLock:
+    """The exclusive lock of the file set in ``folder`` for ``holder`` (held on the folder itself: removing or
+    replacing its ``lock`` file does not break it); a one-line `InputError` naming whoever holds it already."""
+    return FolderLock.acquire(folder, what=f"the disk cache {folder}", holder=holder, error=InputError, name=LOCK)
 
 
 def _fields_sha256(fields: dict[str, Any]) -> str:

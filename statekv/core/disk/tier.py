@@ -24,8 +24,12 @@ stream saved, synced or closed loses nothing. Written data reaches the kernel at
 to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
 paid once per checkpoint.
 
-One owner: a `DiskTier` holds the exclusive lock of its folder (``lock``, `statekv.locks`) from the moment it is
-made or opened until it is closed, so a second opener is refused with one line naming the holder. Every
+One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
+``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
+is refused with one line naming the holder, whatever becomes of the ``lock`` file. Before each write that a
+resumed stream would read back (each journal record, each description, each checkpoint) the tier checks that its
+folder's path still names the folder it locked: once the folder was moved away or replaced, another opener may own
+what the path names, so the tier writes nothing more (`lost`, an `OutputError`). Every
 descriptive file of the set (``manifest.json``, each layer file's ``.json``, the stream's ``stream.json``) records
 the SHA-256 of its own fields (``checksum``), checked whenever it is read.
 
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 
 from ...errors import OutputError
-from ...locks import FileLock
+from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
 from .files import FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, write_checked
@@ -62,7 +66,7 @@ class DiskTier:
     ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FileLock | None = None, *,
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock | None = None, *,
                  holder: str = "a stream"):
         """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
         second opener)."""
@@ -81,6 +85,7 @@ class DiskTier:
         self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
+        self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -123,9 +128,18 @@ class DiskTier:
         """Layer ``layer``'s files, by name in a fixed order."""
         return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
 
+    def check_owner(self) -> None:
+        """An `OutputError` (and `lost` set) when the folder's path no longer names the folder this tier locked (moved
+        away, or replaced): what the path names now may be another stream's."""
+        if self.lost or not self.lock.owns():
+            self.lost = True
+            raise OutputError(f"{self.folder}: the disk cache's folder was moved or replaced while this stream held "
+                              "it, so this stream writes nothing more there")
+
     def describe(self, name: str, fields: dict[str, Any]) -> None:
         """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically; an
         `OutputError` when it cannot be written."""
+        self.check_owner()
         try:
             write_checked(self.folder / f"{name}.json", fields)
         except OSError as error:
@@ -134,6 +148,7 @@ class DiskTier:
     def append(self, record: dict[str, Any]) -> None:
         """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
         disk) not at all."""
+        self.check_owner()
         text = json.dumps(record, separators=(",", ":"), allow_nan=False)
         data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
         end = os.fstat(self._journal).st_size
@@ -188,6 +203,7 @@ class DiskTier:
         it. Nothing to do if that step is checkpointed already."""
         if self.last_step is None or self.checkpointed == self.last_step:
             return
+        self.check_owner()
         carried = [_carried_parts(layer) for layer in self._layers]
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                         for parts in carried for t in parts if t is not None)
@@ -211,6 +227,7 @@ class DiskTier:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
         file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
         record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
+        self.check_owner()
         os.ftruncate(self._journal, 0)
         if cache.evicted_steps:
             self.append({"evict": sorted(cache.evicted_steps)})
@@ -267,7 +284,11 @@ class DiskTier:
 
     def close(self) -> None:
         if self._journal >= 0:
-            self.checkpoint()  # a closed stream resumes with nothing lost
+            try:
+                self.checkpoint()  # a closed stream resumes with nothing lost
+            except OutputError:
+                if not self.lost:  # a folder moved away is not written to, even on close
+                    raise
             os.close(self._journal)
             self._journal = -1
         for fd in self._slots:
