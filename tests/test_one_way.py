@@ -194,6 +194,36 @@ def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
         video.prefill.generate(Prompt(prompt.input_ids + 10_000, follows=video.tokens), max_new_tokens=2)
 
 
+def test_a_question_fits_by_one_check_for_the_api_the_engine_and_the_service(checkpoint, monkeypatch):
+    from statekv.errors import QuestionTooLong
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.registry import prompt_tokens
+
+    checked = []
+    fit = statekv.StreamingPrefill.fit_question
+
+    def counted(prefill, *args):
+        checked.append(args[:2])
+        return fit(prefill, *args)
+
+    monkeypatch.setattr(statekv.StreamingPrefill, "fit_question", counted)
+    qa = statekv.VideoQA(load_adapter(checkpoint), statekv.FullAttention(), attention="eager", reserve_tokens=40)
+    stream = qa.stream(horizon_frames=3)
+    stream.push(_frames(1)[0])
+    stream.ask_tokens("Why?", max_new_tokens=4)
+    assert len(checked) == 2 and checked[0] == checked[1]  # the front door's, then the engine's: one check
+    room = stream.horizon - stream.tokens
+    with pytest.raises(QuestionTooLong, match=f"do not fit in the {room} tokens left"):
+        stream.ask_tokens("Why?", max_new_tokens=room)
+    prompt = stream.adapter.prompt(stream.adapter.question_ids("Why?", stream.state), stream.state)
+    with pytest.raises(QuestionTooLong):
+        stream.prefill.generate(prompt, max_new_tokens=room)  # the engine alone refuses it the same way
+    with pytest.raises(ServiceError, match=f"more than the {room} tokens kept for them") as refused:
+        prompt_tokens(stream, "Why?", room)
+    assert refused.value.status == 413 and checked[-1][1] == room
+    assert not hasattr(statekv, "generate_from_cache") and not hasattr(statekv.core, "generate_from_cache")
+
+
 def _subclasses(cls: type) -> list[type]:
     found = []
     for sub in cls.__subclasses__():
@@ -202,14 +232,57 @@ def _subclasses(cls: type) -> list[type]:
 
 
 # -- contracts kept or refused -----------------------------------------------------------------------------------
-def test_a_streaming_layer_implements_or_refuses_every_layer_method():
-    mixin = {name for name, value in vars(CacheLayerMixin).items()
-             if callable(value) and not name.startswith("__")}
-    assert mixin <= set(vars(StreamingLayer)), sorted(mixin - set(vars(StreamingLayer)))
-    layer = StreamingLayer(lambda: None, 0)
-    for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
-        with pytest.raises(UnsupportedModelError):
-            call()
+def _layer_classes() -> list[type]:
+    """Every transformers cache layer class the engine defines (each module of statekv.core imported first)."""
+    import pkgutil
+
+    for module in pkgutil.walk_packages(statekv.core.__path__, "statekv.core."):
+        importlib.import_module(module.name)
+    return [cls for cls in _subclasses(CacheLayerMixin) if cls.__module__.startswith("statekv.")]
+
+
+def test_every_engine_layer_keeps_or_refuses_transformers_whole_layer_contract(tiny_lm):
+    """One base (`EngineLayer`) under every layer class: no method of transformers' `CacheLayerMixin` runs its own
+    code on an engine layer (each is implemented or refused with one line), and an answer written in the stream's
+    own buffer cannot zero it."""
+    from statekv.core.answering.answer_cache import AnswerLayer
+    from statekv.core.cache.engine_layer import EngineLayer
+    from statekv.core.step.batching import BatchLayer
+
+    layers = _layer_classes()
+    assert {EngineLayer, StreamingLayer, BatchLayer, AnswerLayer} <= set(layers)
+    mixin = {name for name, value in vars(CacheLayerMixin).items() if callable(value) and not name.startswith("__")}
+    for cls in layers:
+        assert issubclass(cls, EngineLayer), cls
+        own = set().union(*(vars(base) for base in cls.__mro__[:cls.__mro__.index(CacheLayerMixin)]))
+        assert mixin <= own or inspect.isabstract(cls), (cls, sorted(mixin - own))
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=64)
+    prefill.step(input_ids=torch.arange(6)[None])
+    stream = prefill.cache.layers[0]
+    answer = AnswerLayer(stream, 4, prefill.device)
+    answer.keys, answer.values = stream.storage.answer_in_place(stream.detailed.keys, 4)  # answered in place
+    answer.is_initialized = True
+    before = stream.detailed.keys[:, :, :6].clone()  # the committed tokens (past them: scratch)
+    for layer in (StreamingLayer(lambda: None, 0), BatchLayer(None, 0), answer):
+        for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
+            with pytest.raises(UnsupportedModelError):
+                call()
+    assert torch.equal(stream.detailed.keys[:, :, :6], before) and before.abs().sum() > 0
+
+
+def test_each_carry_rule_has_a_module_of_its_own_and_rules_compose_by_wrapping():
+    import collections
+    import dataclasses
+
+    rules = [cls for cls in _subclasses(statekv.CarryPolicy) if cls.__module__.startswith("statekv.core.rules.")]
+    assert len(rules) >= 10 and max(collections.Counter(cls.__module__ for cls in rules).values()) == 1
+    rekv = statekv.ReKV(frames=3, sinks=2).for_prefix(5)
+    assert isinstance(rekv, statekv.WithSinks) and not isinstance(rekv, statekv.Recency)  # sinks around recency
+    assert rekv.rule == statekv.Recency(frames=3) and (rekv.sinks, rekv.prefix_tokens, rekv.sink_tokens) == (2, 5, 7)
+    assert [field.name for field in dataclasses.fields(rekv)] == ["rule", "sinks", "prefix_tokens"]  # declared once
+    assert repr(rekv) == "ReKV(frames=3, sinks=2, prefix_tokens=5)" and rekv == statekv.ReKV(3, 2, 5)
+    assert rekv.recent_steps == 3 and rekv.capturable and not rekv.needs_scores
 
 
 def test_wrapped_rules_say_their_steady_budget():

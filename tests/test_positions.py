@@ -7,7 +7,7 @@ import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from statekv.core import FullAttention, Retrieval, StateKV, StreamingPrefill
-from statekv.core.rules.policies import CarryPolicy
+from statekv.core.rules import CarryPolicy
 from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
                                             choose_positions, rotate, trained_range)
 from statekv.errors import ConfigurationError, HorizonError, InputError

@@ -25,7 +25,7 @@ from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .stats import AnswerInfo, EncodingStats
-from ..errors import HorizonError, InputError
+from ..errors import InputError
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
@@ -130,15 +130,9 @@ class EncodedVideo:
         prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         rule = retrieval
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
-        plan = self.prefill.question_plan(prompt.input_ids.shape[1] + max_new_tokens, retrieval)  # bounded only
+        plan = self.prefill.fit_question(prompt.input_ids.shape[1], max_new_tokens, retrieval)
         if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
             retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
-        room = None if plan is not None else self.horizon - self.prefill.seen_tokens
-        if room is not None and prompt.input_ids.shape[1] + max_new_tokens > room:
-            raise HorizonError(
-                f"the question ({prompt.input_ids.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
-                f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
-            )
         answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         evicted = self.stats.evicted_frames

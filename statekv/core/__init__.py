@@ -2,9 +2,8 @@
 
 from .attention.scored import chunk_attention, scored_attention
 from .cache.two_state import TwoStateCache
-from .answering.decoding import generate_from_cache
-from .rules.policies import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV,
-                             ScoredPolicy, SinksAndRecency, StateKV, WithSinks)
+from .rules import (Candidates, CarryPolicy, FullAttention, KeyNorm, PerLayerBudget, Recency, ReKV, ScoredPolicy,
+                    SinksAndRecency, StateKV, WithSinks)
 from .stream.prefill import StreamingPrefill
 from .answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent, Retrieval,
                                   RetrievalRule)
@@ -16,5 +15,5 @@ __all__ = [
     "retrieval_rule", "Candidates", "CarryPolicy", "FrozenRope", "FullAttention", "KeyNorm", "PerLayerBudget",
     "Recency", "ReKV", "Retrieval", "WithSinks",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StreamingPrefill", "TwoStateCache", "check_horizon",
-    "chunk_attention", "freeze_rope", "generate_from_cache", "rope_capacity", "scored_attention",
+    "chunk_attention", "freeze_rope", "rope_capacity", "scored_attention",
 ]

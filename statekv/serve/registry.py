@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import HorizonError, InputError, StateKVError
+from ..errors import HorizonError, InputError, QuestionTooLong, StateKVError
 from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..settings.methods import refuse_unread
@@ -688,13 +688,14 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
 
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
-    """The question's prompt length in tokens, refused (413) when it and the answer do not fit the room the
-    video (an `EncodedVideo` or `Stream`) has left before its horizon (a stream without one: its reserve)."""
+    """The question's prompt length in tokens, refused (413) when it and the answer do not fit the video (an
+    `EncodedVideo` or `Stream`; the engine's one check, `StreamingPrefill.fit_question`)."""
     prompt = int(video.adapter.question_ids(question, video.state).shape[1])
-    room = video.horizon - video.tokens if video.horizon is not None else video.reserve_tokens
-    if prompt + max_new_tokens > room:
+    try:
+        video.prefill.fit_question(prompt, max_new_tokens)
+    except QuestionTooLong as error:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
-                           f"the {room} tokens kept for them; ask a shorter question")
+                           f"the {error.room} tokens kept for them; ask a shorter question") from None
     return prompt
 
 

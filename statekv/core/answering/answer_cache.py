@@ -24,9 +24,10 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..attention.scored import ChunkMask, chunk_attention
+from ..cache.engine_layer import EngineLayer
 from ..positions.placing import QuestionPlan, rotate
 from .retrieval import LayerQuestion, Retrieval
 from ...errors import InputError
@@ -36,15 +37,12 @@ if TYPE_CHECKING:
     from ..cache.two_state import TwoStateCache
 
 
-class AnswerLayer(CacheLayerMixin):
+class AnswerLayer(EngineLayer):
     """One layer's keys and values while answering: the context, then the prompt and the answer so far.
 
     ``keys``/``values`` ``[B, H_kv, capacity, D]`` on the model's device; slots ``[0, context)`` hold the
     context, the next ``answered`` slots the prompt and answer tokens.
     """
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
                  evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None,
@@ -152,9 +150,6 @@ class AnswerLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.context + self.answered + query_length, self.get_seq_length() - self.context - self.answered
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:

@@ -52,9 +52,9 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
 
     model: the module whose ``generate`` decodes; default ``prefill.model`` (pass the language model of a
         wrapper whose own ``generate`` cannot take a cache). retrieve: answer from retrieved steps only.
-    plan: under bounded positions, where the context is laid out and the prompt starts
-        (`StreamingPrefill.question_plan`; made here when not given).
-    Returns the new tokens only, ``[B, N]``.
+    plan: under bounded positions, where the context is laid out and the prompt starts (what
+        `StreamingPrefill.fit_question` planned).
+    Returns the new tokens only, ``[B, N]``. `StreamingPrefill.generate` is its one caller, after its checks.
     """
     model = prefill.model if model is None else model
     if not hasattr(model, "generate"):
@@ -66,10 +66,6 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
     if retrieve is not None and not isinstance(retrieve, Retrieval):
         raise InputError(f"retrieve must be a Retrieval (or None), got {type(retrieve).__name__}")
     room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-    if plan is None and prefill.positions.bounded:
-        plan = prefill.question_plan(room, retrieve)
-        if not plan.whole and retrieve is None:
-            retrieve = Retrieval(plan.retrieve, keep_tokens=prefill.protect_tokens)
     context = prefill.seen_tokens if plan is None else plan.start
     if plan is not None and "position_ids" in generate_kwargs:  # explicit (M-RoPE) positions after the context
         generate_kwargs["position_ids"] = _moved_positions(generate_kwargs["position_ids"],

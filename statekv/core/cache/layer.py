@@ -6,27 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
-from ...errors import UnsupportedModelError
 from . import forms, persistence
 from ..attention.untraced import engine_call
 from ..storage.tiers import StorageTier
+from .engine_layer import EngineLayer
 from .transaction import StepContext
 
 
-class StreamingLayer(CacheLayerMixin):
+class StreamingLayer(EngineLayer):
     """One decoder layer's two states: ``storage`` (every token, see :mod:`statekv.core.storage.layer_storage`) and
     ``carry`` (the carried state's form, see :mod:`statekv.core.cache.forms`).
 
     ``detailed``: every token's keys and values (a :class:`TokenBuffer` of 2 parts, length = tokens);
     ``block_keys``: every step's mean key ``[B, H_kv, steps, D]`` (1 part, length = steps).
     """
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
 
     def __init__(self, on_replace: Callable[[], None], index: int, capacity_hint: int | None = None,
                  tier: StorageTier = StorageTier()):
@@ -85,25 +79,6 @@ class StreamingLayer(CacheLayerMixin):
         """``(carried + query_length, offset)``: the keys handed to attention and the logical position the
         first of them would have if they were contiguous (so the chunk is causal at the end)."""
         return self.carried_length + query_length, self.storage.length - self.carried_length
-
-    def get_max_length(self) -> int:  # no maximum
-        return -1
-
-    # The rest of the mixin acts on ``keys``/``values`` fields this layer never sets: its detailed cache is
-    # offloaded by its storage (the ``offload`` setting), never reset in place, and one stream is one sequence.
-    def offload(self):
-        raise UnsupportedModelError("a streaming layer is offloaded by its storage (the offload setting), not by "
-                                    "transformers' layer offloading")
-
-    def prefetch(self):
-        raise UnsupportedModelError("a streaming layer is offloaded by its storage (the offload setting), not by "
-                                    "transformers' layer offloading")
-
-    def reset(self) -> None:
-        raise UnsupportedModelError("a stream's cache is never reset in place; make a new stream")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise UnsupportedModelError("a stream's cache holds one sequence and cannot be reordered (beam search)")
 
     # two-state bookkeeping -------------------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import InputError
-from ..rules.policies import Candidates
+from ..rules.candidates import Candidates
 
 
 @dataclass

@@ -26,7 +26,8 @@ from transformers.cache_utils import Cache
 from . import forms, persistence
 from .layer import StreamingLayer
 from ..attention.scored import ChunkMask, chunk_attention, scored_attention
-from ..rules.policies import Candidates, CarryPolicy
+from ..rules.base import CarryPolicy
+from ..rules.candidates import Candidates
 from ..positions.placing import StreamPositions
 from ..storage.tiers import StorageTier
 from .transaction import NotBatchable, StepContext, StepTransaction, checked

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from ...settings.methods import (MethodSpec, at_most_budget, every_earlier_token, last_window, register_method,
                                  sinks_and_last_window, within_recent_window)
-from .policies import FullAttention, KeyNorm, Recency, ReKV, StateKV
+from .attention_mass import StateKV
+from .full import FullAttention
+from .key_norm import KeyNorm
+from .recency import Recency
+from .rekv import ReKV
 
 register_method(MethodSpec(
     "statekv", "carry the top-B tokens by attention mass, per layer and KV head", "budget",

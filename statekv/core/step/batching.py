@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ...errors import OutputError, UnsupportedModelError
+from ..cache.engine_layer import EngineLayer
 from ..cache.two_state import attend
 from .graphs import StepGraphs
 from ..attention.switch import share_language_attention
@@ -61,11 +62,8 @@ def chunk_of(inputs: dict) -> torch.Tensor:
     return inputs["inputs_embeds"] if inputs["input_ids"] is None else inputs["input_ids"]
 
 
-class BatchLayer(CacheLayerMixin):
+class BatchLayer(EngineLayer):
     """Layer ``index`` of a :class:`BatchCache`: row ``s`` of a step is stream ``s``'s own layer's step."""
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, batch: "BatchCache", index: int):
         super().__init__()
@@ -94,9 +92,6 @@ class BatchLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.batch.caches[0].layers[self.index].get_mask_sizes(query_length)
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class BatchCache(Cache):

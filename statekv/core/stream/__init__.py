@@ -1,1 +1,2 @@
-"""One stream's engine: `StreamingPrefill` (`prefill`), its statistics (`stats`) and settings (`settings`)."""
+"""One stream's engine: `StreamingPrefill` (`prefill`: its settings read from `statekv.settings.engine`) and its
+statistics (`stats`)."""

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ...errors import ConfigurationError, HorizonError, InputError, OutputError, UnsupportedModelError
+from ...errors import (ConfigurationError, HorizonError, InputError, OutputError, QuestionTooLong,
+                      UnsupportedModelError)
 from ...settings.values import check_int
 from ..positions import rope as rotary
 from ..answering.generation_args import check_generation_arguments
@@ -38,7 +39,7 @@ from ..storage.limits import CacheKeeper, check_evicting_storage
 from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
-from ..rules.policies import CarryPolicy
+from ..rules.base import CarryPolicy
 from ..positions import placing
 from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies, trained_range
 from ..storage.tiers import StorageTier
@@ -384,10 +385,10 @@ class StreamingPrefill:
         model = self.model if prompt.model is None else prompt.model
         check_generation_arguments(generate_kwargs, getattr(model, "generation_config", None))
         plan = None
-        if self.positions.bounded and prompt.input_ids.dim() == 2:
+        if prompt.input_ids.dim() == 2:
             answer = int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-            plan = self.question_plan(prompt.input_ids.shape[1] + answer, retrieve)
-            if not plan.whole and retrieve is None:
+            plan = self.fit_question(prompt.input_ids.shape[1], answer, retrieve)
+            if plan is not None and not plan.whole and retrieve is None:
                 retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
         self.last_context = "whole" if retrieve is None else "retrieved"
         positions = {} if prompt.position_ids is None else {"position_ids": prompt.position_ids}
@@ -404,6 +405,19 @@ class StreamingPrefill:
         finally:
             for owner, name, value in kept:
                 setattr(owner, name, value)
+
+    def fit_question(self, prompt_tokens: int, answer_tokens: int,
+                     retrieve: Retrieval | None = None) -> QuestionPlan | None:
+        """Whether a question of ``prompt_tokens`` and its answer of up to ``answer_tokens`` fit this stream, and how
+        they read it: the one check every question takes (`generate`, `EncodedVideo.ask`, the service). Under
+        ``stream`` positions None once they fit in the room left before the horizon (else a one-line
+        `QuestionTooLong`); under ``bounded`` positions their `QuestionPlan` (:meth:`question_plan`)."""
+        if self.positions.bounded:
+            return self.question_plan(prompt_tokens + answer_tokens, retrieve)
+        room = None if self.horizon is None else self.horizon - self.seen_tokens
+        if room is not None and prompt_tokens + answer_tokens > room:
+            raise QuestionTooLong(prompt_tokens, answer_tokens, room)
+        return None
 
     def question_plan(self, room: int, retrieve: Retrieval | None = None) -> QuestionPlan | None:
         """Under bounded positions, how a question whose prompt and answer take ``room`` tokens reads the stream:
