@@ -135,3 +135,161 @@ def test_what_a_killed_save_left_is_removed_by_the_next_save(adapter, tmp_path):
     (tmp_path / "s.safetensors.notes.partial").write_bytes(b"not a save's")
     stream.save(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors", "s.safetensors.notes.partial"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every descriptive file of a file set belongs to it
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_sets(adapter, tmp_path_factory):
+    """Two closed disk-tier streams of the same model and shapes, made apart (each test swaps files of copies)."""
+    root = tmp_path_factory.mktemp("two")
+    qa = small_qa(adapter, offload="disk", offload_dir=root)
+    first = _pushed(qa.stream(horizon_frames=8, max_fps=1, name="first"), 3)
+    second = _pushed(qa.stream(horizon_frames=16, max_fps=2, name="second"), 3, seed=1)
+    first.close()
+    second.close()
+    return first.prefill.disk.folder, second.prefill.disk.folder
+
+
+@pytest.mark.parametrize("name", ["stream.json", "manifest.json", "layer0.detailed.0.bin.json",
+                                  "layer2.step_means.0.bin.json", "journal"])
+def test_a_file_swapped_in_from_another_streams_set_is_refused(name, adapter, two_sets, tmp_path):
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    folder = Path(shutil.copytree(two_sets[0], tmp_path / "set"))
+    Stream.load(folder, qa).close()  # the copy loads as it is
+    folder = Path(shutil.copytree(two_sets[0], tmp_path / "swapped"))
+    shutil.copy(two_sets[1] / name, folder / name)  # as it is, its checksum its own
+    with pytest.raises(InputError) as error:
+        Stream.load(folder, qa)
+    message = _one_line(error)
+    assert "copied or swapped in from another stream" in message or "damaged" in message, message
+
+
+def test_another_streams_description_copied_in_does_not_load_as_that_stream(adapter, two_sets, tmp_path):
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    folder = Path(shutil.copytree(two_sets[0], tmp_path / "set"))
+    shutil.copy(two_sets[1] / "stream.json", folder / "stream.json")
+    with pytest.raises(InputError) as error:
+        Stream.load(folder, qa)
+    assert "stream.json is another file set's" in _one_line(error)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Owner digests need this installation's secret
+# ---------------------------------------------------------------------------------------------------------------
+def _resigned(path: Path, edit) -> Path:
+    """The stream file at ``path`` with ``edit`` applied to its metadata and its checksums recomputed, as anyone can."""
+    import hashlib
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as handle:
+        metadata = json.loads(handle.metadata()["statekv"])
+    edit(metadata)
+    text = json.dumps(metadata)
+    save_file(load_file(str(path)), str(path), metadata={"statekv": text,
+                                                         "statekv_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    return path
+
+
+@pytest.fixture
+def secret(tmp_path, monkeypatch):
+    """This test's installation secret, in a file of its own."""
+    path = tmp_path / "installation.secret"
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(path))
+    return path
+
+
+def _owned(adapter, folder: Path, name: str, owner: str, seed: int = 0) -> Path:
+    stream = _pushed(small_qa(adapter).stream(horizon_frames=8, stream_id=f"st_{name}", owner=owner), 2, seed)
+    return stream.save(folder / f"{name}.safetensors")
+
+
+def test_a_file_re_signed_to_name_another_owner_is_refused(adapter, secret, tmp_path):
+    import hashlib
+
+    bob = _owned(adapter, tmp_path, "bob", "key-bob")
+    unsalted = hashlib.sha256(b"statekv-owner:key-alice").hexdigest()  # what an earlier statekv recorded
+    _resigned(bob, lambda m: m.update(owner_digest=unsalted, installation=None))
+    with pytest.raises(InputError) as error:
+        Stream.load(bob, small_qa(adapter), owner="key-alice")
+    assert "recorded by an earlier statekv" in _one_line(error) and "statekv reown" in str(error.value)
+    assert secret.stat().st_mode & 0o777 == 0o600  # made on first use, for its user alone
+
+
+def test_an_owner_digest_taken_from_another_streams_file_does_not_fit(adapter, secret, tmp_path):
+    alice, bob = _owned(adapter, tmp_path, "alice", "key-alice"), _owned(adapter, tmp_path, "bob", "key-bob", 1)
+    qa = small_qa(adapter)
+    taken = Stream.load(alice, qa, owner="key-alice").identity
+    _resigned(bob, lambda m: m.update(owner_digest=taken["owner_digest"], installation=taken["installation"]))
+    with pytest.raises(InputError) as error:
+        Stream.load(bob, qa, owner="key-alice")
+    assert "belongs to another owner" in _one_line(error)
+
+
+def test_a_file_from_another_installation_is_refused_until_re_owned(adapter, secret, tmp_path, monkeypatch, capsys):
+    from statekv.cli import main
+
+    saved = _owned(adapter, tmp_path, "cam", "key-1")
+    qa = small_qa(adapter)
+    for elsewhere, phrase in ((tmp_path / "missing.secret", "has none"), (tmp_path / "other.secret", "is another")):
+        if phrase == "is another":
+            elsewhere.write_text(os.urandom(32).hex() + "\n")
+        monkeypatch.setenv("STATEKV_SECRET_FILE", str(elsewhere))
+        with pytest.raises(InputError) as error:
+            Stream.load(saved, qa, owner="key-1")
+        message = _one_line(error)
+        assert f"recorded by another statekv installation (this one's secret, {elsewhere}, {phrase})" in message
+        assert f"statekv reown {saved} --owner NAME" in message
+    with pytest.raises(InputError, match="belongs to an owner; give its owner"):
+        Stream.load(saved, qa)  # an owned file is never loaded without its owner
+    assert main(["reown", str(saved), "--owner", "key-1"]) == 0
+    capsys.readouterr()
+    resumed = Stream.load(saved, qa, owner="key-1", stream_id="st_cam")  # its id and frames as they were
+    assert resumed.frames == 2
+    with pytest.raises(InputError, match="belongs to another owner"):
+        Stream.load(saved, qa, owner="key-2")
+
+
+def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(adapter, secret, tmp_path,
+                                                                               monkeypatch):
+    import json
+
+    from statekv.api.reown import reown
+    from statekv.core.disk.files import read_checked, write_checked
+
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    stream = _pushed(qa.stream(horizon_frames=8, stream_id="st_cam", owner="key-1"), 3)
+    stream.close()
+    folder = stream.prefill.disk.folder
+    # as statekv wrote it before its files named their file set: format 2
+    for described in [folder / "manifest.json", folder / "stream.json", *folder.glob("layer*.bin.json")]:
+        fields = read_checked(described)
+        fields.pop("file_set", None)
+        if described.name == "manifest.json":
+            fields["version"] = 2
+        if described.name == "stream.json":
+            fields["version"] = 1
+        write_checked(described, fields)
+    journal = (folder / "journal").read_bytes()
+    (folder / "journal").write_bytes(journal.split(b"\n", 1)[1])
+    with pytest.raises(InputError) as error:
+        Stream.load(folder, qa, owner="key-1")
+    assert "format 2; this statekv reads 3" in _one_line(error)
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "new.secret"))  # and on another installation
+    reown(folder, "key-1")
+    resumed = Stream.load(folder, qa, owner="key-1", stream_id="st_cam")
+    assert (resumed.frames, resumed.frames_lost) == (3, 0)
+    resumed.close()
+    assert json.loads((folder / "manifest.json").read_text())["version"] == 3
+
+
+def test_a_secret_that_cannot_be_made_is_one_line_naming_it(adapter, monkeypatch):
+    monkeypatch.setenv("STATEKV_SECRET_FILE", "/proc/statekv/installation.secret")  # unwritable, root included
+    with pytest.raises(OutputError) as error:
+        small_qa(adapter).stream(horizon_frames=4, owner="key-1")
+    assert "cannot make statekv's installation secret /proc/statekv/installation.secret" in _one_line(error)
+    assert small_qa(adapter).stream(horizon_frames=4).owner_digest is None  # no owner: no secret needed

@@ -21,9 +21,11 @@ times and the frames kept must be what pushing at that rate leaves, and the layo
 starts a stream of that rate with. (Checksums are recomputable, so a field no other field is checked against can
 be forged: ``max_fps`` was one.)
 
-Who a stream is: ``stream_id`` (kept for its life, across saves and loads) and ``owner_digest`` (the SHA-256 of
-its owner's name, `owner_digest`; None: no owner), checked on load by `check_ownership`, so a file moved under
-another stream's name or owner is refused.
+Who a stream is: ``stream_id`` and ``created`` (kept for its life, across saves and loads), ``owner_digest`` (an
+HMAC of its owner's name, id and creation under this installation's secret, `owner_digest`; None: no owner) and
+``installation`` (which secret keyed it), checked on load by `check_ownership`, so a file moved under another
+stream's name or owner is refused, and no file can be re-signed to name an owner without the secret. A file whose
+owner another installation recorded is refused for an owner until it is re-owned here (``statekv reown``).
 
 A file is written to ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever write one
 partial file) and renamed over it only once complete, under the exclusive lock of ``<name>.lock`` (removed when the
@@ -36,8 +38,10 @@ before their rename left is removed by the next save to the same file.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import glob
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -58,6 +62,7 @@ from ..errors import ConfigurationError, InputError, OutputError
 from ..locks import FileLock
 from ..models import LayoutState
 from ..settings.values import check_int, check_output_file
+from ..user_cache import installation_secret, secret_path
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
@@ -383,8 +388,10 @@ def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
 
 TEXT = type_check(str, "a string")
 BOOLEAN = type_check(bool, "true or false")
-# who a stream is: its id and its owner's digest (files saved before they were recorded lack them)
-OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT)}
+# who a stream is: its id, creation, owner's digest and the installation that keyed it (files saved before they
+# were recorded lack them)
+OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT), "created": optional_check(TEXT),
+             "installation": optional_check(TEXT)}
 # the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
 SETTINGS = type_check(dict, "an object")
 
@@ -458,30 +465,70 @@ def check_stream_id(value: Any, name: str = "stream_id") -> str:
     return value
 
 
-def owner_digest(owner: str | None) -> str | None:
-    """What a saved stream records of its ``owner`` (any text naming who owns it, e.g. an API key's id): its SHA-256,
-    never the text itself. None: no owner."""
-    if owner is None:
-        return None
-    if not isinstance(owner, str) or not owner:
+def new_created() -> str:
+    """When a stream is made: UTC, to the microsecond (part of who it is, with its id)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def check_owner(owner: Any) -> str | None:
+    """``owner``: any non-empty text naming who owns a stream (e.g. an API key's id), or None."""
+    if owner is not None and (not isinstance(owner, str) or not owner):
         raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
-    return hashlib.sha256(f"statekv-owner:{owner}".encode()).hexdigest()
+    return owner
+
+
+def installation_id(secret: bytes) -> str:
+    """What a file records of the installation whose secret keyed its owner digest (not the secret)."""
+    return hashlib.sha256(b"statekv-installation\0" + secret).hexdigest()[:16]
+
+
+def owner_digest(owner: str | None, stream_id: str, created: str | None, *, secret: bytes | None = None) -> str | None:
+    """What a stream's files record of its ``owner``: an HMAC-SHA256 under this installation's secret
+    (`statekv.user_cache.installation_secret`, made on first use) of the owner bound to the stream's id and
+    creation, never the owner itself. Without the secret no file can be made to name an owner, and a digest taken
+    from another stream's file does not fit this one. None: no owner."""
+    if check_owner(owner) is None:
+        return None
+    secret = installation_secret(create=True) if secret is None else secret
+    text = f"statekv-owner\0{stream_id}\0{created or ''}\0{owner}"
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
+def ownership(stream_id: str, created: str, owner: str | None) -> dict[str, Any]:
+    """The identity fields a stream's files record (`OWNERSHIP`): its id, creation, owner digest and the
+    installation that keyed it (None without an owner)."""
+    digest = owner_digest(owner, stream_id, created)
+    installation = None if digest is None else installation_id(installation_secret(create=False))
+    return {"stream_id": stream_id, "created": created, "owner_digest": digest, "installation": installation}
 
 
 def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id: str | None,
                     owner: str | None) -> None:
     """Refuse (one line) a saved stream that is not ``stream_id`` (None: any) or not ``owner``'s (None: one with no
-    owner); ``recorded``: its ``stream_id`` and ``owner_digest`` (absent in files saved before they were)."""
+    owner); ``recorded``: its identity fields (`OWNERSHIP`; absent in files saved before they were). An owner
+    recorded by another installation (or before digests were keyed) proves nothing here: re-own the file
+    (``statekv reown``) if you trust it."""
     saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
     if stream_id is not None and saved_id != check_stream_id(stream_id):
         held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
         raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
-    digest = owner_digest(owner)
-    if saved_owner != digest:
-        if digest is None:
+    if check_owner(owner) is None:
+        if saved_owner is not None:
             raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it")
-        raise InputError(f"{path}: the stream belongs to {'another owner' if saved_owner else 'no owner'}, not to the "
-                         "owner given")
+        return
+    if saved_owner is None:
+        raise InputError(f"{path}: the stream belongs to no owner, not to the owner given")
+    made_by, secret = recorded.get("installation"), installation_secret(create=False)
+    reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
+    if made_by is None:
+        raise InputError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
+                         f"so it proves nothing; {reown}")
+    if secret is None or made_by != installation_id(secret):
+        here = "has none" if secret is None else "is another"
+        raise InputError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
+                         f"{secret_path()}, {here}); {reown}")
+    if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
+        raise InputError(f"{path}: the stream belongs to another owner, not to the owner given")
 
 
 # -- the model and the engine a file was saved with ---------------------------------------------------------------

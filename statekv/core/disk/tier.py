@@ -29,9 +29,14 @@ One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itsel
 is refused with one line naming the holder, whatever becomes of the ``lock`` file. Before each write that a
 resumed stream would read back (each journal record, each description, each checkpoint) the tier checks that its
 folder's path still names the folder it locked: once the folder was moved away or replaced, another opener may own
-what the path names, so the tier writes nothing more (`lost`, an `OutputError`). Every
-descriptive file of the set (``manifest.json``, each layer file's ``.json``, the stream's ``stream.json``) records
-the SHA-256 of its own fields (``checksum``), checked whenever it is read.
+what the path names, so the tier writes nothing more (`lost`, an `OutputError`).
+
+Bound to each other: the manifest names the file set (``file_set``, a random id, and ``created``); every other
+descriptive file of the set (each layer file's ``.json``, the stream's ``stream.json``) names it too, and so does
+the journal's first record, so a file copied or swapped in from another stream's set is refused when it is read
+(`statekv.core.disk.files.check_file_set`). The journal's records vouch for the layers' files and the checkpoint
+slots (their CRCs). Each description also records the SHA-256 of its own fields (``checksum``), checked whenever
+it is read.
 
 The layers' files are `statekv.core.disk.buffers`'; the descriptions and the journal as read back,
 `statekv.core.disk.files`; resuming a cache from them, `statekv.core.disk.resume`.
@@ -39,6 +44,7 @@ The layers' files are `statekv.core.disk.buffers`'; the descriptions and the jou
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import uuid
@@ -53,7 +59,7 @@ from ...errors import OutputError
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
-from .files import FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, write_checked
+from .files import FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, journal_header, write_checked
 
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
 
@@ -97,12 +103,25 @@ class DiskTier:
         except OSError as error:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
         lock = hold(folder, f"stream {str(name)[:80]!r}")
+        manifest = {**manifest, FILE_SET: uuid.uuid4().hex, "created": datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="microseconds")}
         try:
             write_checked(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+            tier = cls(folder, manifest, lock)
         except OSError as error:
             lock.release()
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        return cls(folder, manifest, lock)
+        try:
+            tier.append(journal_header(tier.file_set))
+        except BaseException:
+            tier.close()
+            raise
+        return tier
+
+    @property
+    def file_set(self) -> str:
+        """This file set's id (its manifest's ``file_set``), which each of its descriptions and its journal name."""
+        return self.manifest[FILE_SET]
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
                 kv_cache_dtype: str | None = None) -> OffloadedStorage:
@@ -115,8 +134,9 @@ class DiskTier:
 
         def make_buffer(name: str, parts: int, hint: int | None):
             prefix = self.folder / f"layer{index}.{name}"
-            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace) if name in MIRRORED
-                             else MappedTokenBuffer(parts, hint, prefix, on_replace))
+            owned = {FILE_SET: self.file_set}
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned) if name in MIRRORED
+                             else MappedTokenBuffer(parts, hint, prefix, on_replace, owned))
             return buffers[name]
 
         storage = (QuantizedStorage(kv_cache_dtype, capacity_hint, "cpu", on_replace, make_buffer) if kv_cache_dtype
@@ -229,6 +249,7 @@ class DiskTier:
         record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
         self.check_owner()
         os.ftruncate(self._journal, 0)
+        self.append(journal_header(self.file_set))
         if cache.evicted_steps:
             self.append({"evict": sorted(cache.evicted_steps)})
         start = 0
