@@ -108,7 +108,11 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     if metadata["pending"]:  # the last frame streamed comes before the pending ones
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
-    stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    try:
+        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    except BaseException:
+        stream.close()  # a file set that could not take the state is removed: nothing half-written stays
+        raise
     return stream
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import uuid
 import zlib
 from collections.abc import Callable
@@ -78,10 +79,17 @@ class DiskTier:
         second opener)."""
         self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
+        try:
+            self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as error:
+            if lock is None:
+                self.lock.release()
+            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}; a stream on the "
+                              "disk tier writes into its folder as it goes on: copy the folder somewhere writable "
+                              "to resume it there") from None
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
-        self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
@@ -92,6 +100,10 @@ class DiskTier:
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
+        # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
+        # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
+        self.made = False
+        self.durable = False
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -102,7 +114,11 @@ class DiskTier:
             folder.mkdir(parents=True)
         except OSError as error:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        lock = hold(folder, f"stream {str(name)[:80]!r}")
+        try:
+            lock = hold(folder, f"stream {str(name)[:80]!r}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         manifest = {**manifest, FILE_SET: uuid.uuid4().hex, "created": datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec="microseconds")}
         try:
@@ -110,7 +126,10 @@ class DiskTier:
             tier = cls(folder, manifest, lock)
         except OSError as error:
             lock.release()
-            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+            shutil.rmtree(folder, ignore_errors=True)  # nothing half-made is left behind
+            reason = str(error) if isinstance(error, OutputError) else error.strerror or str(error)
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason}") from None
+        tier.made = True
         try:
             tier.append(journal_header(tier.file_set))
         except BaseException:
@@ -202,6 +221,7 @@ class DiskTier:
                 pass
             raise
         self.remember(layers)
+        self.durable = True
         size = os.fstat(self._journal).st_size
         self.growth, self._size_before = size - self._size_before, size
 
@@ -270,6 +290,7 @@ class DiskTier:
             start += length
         self.checkpoint()
         self.remember(cache.layers)
+        self.durable = True
 
     def _take_crc(self) -> int:
         """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
@@ -304,12 +325,24 @@ class DiskTier:
         os.ftruncate(self._journal, end)
 
     def close(self) -> None:
+        """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
+        and never journaled anything resumable (then the folder is removed)."""
+        if self.made and not self.durable:
+            self._close_files()
+            self.lock.release()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
         if self._journal >= 0:
             try:
                 self.checkpoint()  # a closed stream resumes with nothing lost
             except OutputError:
                 if not self.lost:  # a folder moved away is not written to, even on close
                     raise
+        self._close_files()
+        self.lock.release()  # the files stay, for the next owner
+
+    def _close_files(self) -> None:
+        if self._journal >= 0:
             os.close(self._journal)
             self._journal = -1
         for fd in self._slots:
@@ -318,7 +351,6 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()
-        self.lock.release()  # the files stay, for the next owner
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
