@@ -293,3 +293,46 @@ def test_a_secret_that_cannot_be_made_is_one_line_naming_it(adapter, monkeypatch
         small_qa(adapter).stream(horizon_frames=4, owner="key-1")
     assert "cannot make statekv's installation secret /proc/statekv/installation.secret" in _one_line(error)
     assert small_qa(adapter).stream(horizon_frames=4).owner_digest is None  # no owner: no secret needed
+
+
+def test_the_secret_lives_in_the_cache_folder_unless_named(adapter, tmp_path, monkeypatch):
+    monkeypatch.delenv("STATEKV_SECRET_FILE", raising=False)
+    monkeypatch.setenv("STATEKV_CACHE", str(tmp_path / "cache"))
+    stream = small_qa(adapter).stream(horizon_frames=4, owner="key-1")
+    assert (tmp_path / "cache" / "installation.secret").stat().st_mode & 0o777 == 0o600
+    assert stream.identity["installation"] and stream.identity["owner_digest"] != "key-1"
+
+
+def test_a_server_on_another_installations_state_folder_lists_its_streams_damaged_until_re_owned(secret, tmp_path,
+                                                                                                monkeypatch):
+    pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import io
+    import json
+
+    from PIL import Image
+
+    import statekv
+    from statekv.cli import main
+    from test_hostile_service import Running
+
+    qa = statekv.VideoQA.from_pretrained("builtin", budget=64)
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        created = client.post("/v1/streams", json={"horizon_frames": 8})
+        stream_id = created.json()["id"]
+        for index, frame in enumerate(noise_frames(2)):
+            buffer = io.BytesIO()
+            Image.fromarray(frame).save(buffer, format="PNG")
+            client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=buffer.getvalue(),
+                        headers={"Content-Type": "image/png"}).raise_for_status()
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "another.secret"))  # another machine's secret
+    with Running(state, qa) as server, server.client() as client:
+        listed = {stream["id"]: stream for stream in client.get("/v1/streams").json()["data"]}
+        assert listed[stream_id]["state"] == "damaged"
+        assert "recorded by another statekv installation" in listed[stream_id]["damaged"]
+    owner = json.loads((state / "streams" / f"{stream_id}.json").read_text())["owner"]
+    assert main(["reown", str(state / "streams" / f"{stream_id}.safetensors"), "--owner", owner]) == 0
+    with Running(state, qa) as server, server.client() as client:
+        listed = {stream["id"]: stream for stream in client.get("/v1/streams").json()["data"]}
+        assert listed[stream_id]["state"] == "ready" and listed[stream_id]["frames"] == 2
