@@ -15,7 +15,7 @@ import torch
 
 import statekv
 from statekv.core.step.batching import StepBatcher, StepRequest
-from statekv.testing import make_tiny_checkpoint
+
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -141,11 +141,6 @@ def test_a_quantized_cache_on_cuda_stays_within_a_step_of_its_range_and_answers(
     whole = quantized.generate(prompt, max_new_tokens=5)
     every = statekv.Retrieval(len(data))  # every step retrieved: the whole cache, in order
     assert torch.equal(quantized.generate(prompt, max_new_tokens=5, retrieve=every), whole)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int4"])

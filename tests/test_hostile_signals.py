@@ -20,8 +20,6 @@ import torch
 from statekv import Stream
 from statekv.console import Stopped, signals_stop_like_ctrl_c
 from statekv.models import load_adapter
-from statekv.testing import make_tiny_checkpoint
-
 from hostile import noise_frames, small_qa
 
 STRESS_SECONDS = 3.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
@@ -29,8 +27,8 @@ MIN_TRIALS = 3
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
+def adapter(checkpoint):
+    return load_adapter(checkpoint)
 
 
 FRAMES = noise_frames(32)

@@ -12,7 +12,6 @@ import inspect
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -26,20 +25,12 @@ from statekv.settings.engine import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions, options_table
-from statekv.testing import make_tiny_checkpoint
 from statekv.settings.setting import Setting, settings_class
 from statekv.settings.values import one_of
 
+from conftest import random_frames
+
 ROOT = Path(statekv.__file__).parent.parent
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 # -- an engine setting is one entry of the table ---------------------------------------------------------------
@@ -67,7 +58,7 @@ def test_an_engine_setting_added_to_the_table_reaches_every_stream_and_its_saved
     assert qa.engine == NotedEngine(attention="eager", offload=False, step_note="noted")
     stream = qa.stream(horizon_frames=6)
     assert stream.prefill.settings.step_note == "noted"  # VideoQA -> EncodedVideo -> StreamingPrefill, whole
-    for second, image in enumerate(_frames(3)):
+    for second, image in enumerate(random_frames(3)):
         stream.push(image, float(second))
     answer = stream.ask_tokens("Why?", max_new_tokens=4)
     saved = stream.save(tmp_path / "noted.safetensors")
@@ -165,11 +156,11 @@ def test_every_step_of_a_video_or_stream_takes_one_prologue_and_one_device_path(
         monkeypatch.setattr(module, "device_step", counted_device)
     qa = statekv.VideoQA(load_adapter(checkpoint, layout="chat"), statekv.StateKV(budget=12), attention="eager",
                          reserve_tokens=40)
-    video = qa.encode(open_video(_frames(3), fps=1), max_fps=1)
+    video = qa.encode(open_video(random_frames(3), fps=1), max_fps=1)
     assert len(begun) == len(device_rows) == video.stats.chunks == 4  # the prefix, then each frame
     begun.clear(), device_rows.clear()
     streams = [qa.stream(horizon_frames=12) for _ in range(2)]
-    for second, image in enumerate(_frames(8, seed=1)):
+    for second, image in enumerate(random_frames(8, seed=1)):
         qa.push_many([(stream, image, float(second)) for stream in streams])
     steps = sum(stream.stats.chunks for stream in streams)
     assert len(begun) >= steps == 18 and sum(device_rows) == steps and 2 in device_rows  # steady steps batched
@@ -185,7 +176,7 @@ def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
     adapter = load_adapter(checkpoint)
     qa = statekv.VideoQA(adapter, statekv.FullAttention(), attention="eager", reserve_tokens=40)
     video = qa.stream(horizon_frames=3)
-    video.push(_frames(1)[0])
+    video.push(random_frames(1)[0])
     prompt = adapter.prompt(adapter.question_ids("Why?", video.state), video.state)
     assert isinstance(prompt, Prompt) and prompt.follows == video.tokens
     with pytest.raises(InputError, match="the stream holds .* tokens but the layout state"):
@@ -209,7 +200,7 @@ def test_a_question_fits_by_one_check_for_the_api_the_engine_and_the_service(che
     monkeypatch.setattr(statekv.StreamingPrefill, "fit_question", counted)
     qa = statekv.VideoQA(load_adapter(checkpoint), statekv.FullAttention(), attention="eager", reserve_tokens=40)
     stream = qa.stream(horizon_frames=3)
-    stream.push(_frames(1)[0])
+    stream.push(random_frames(1)[0])
     stream.ask_tokens("Why?", max_new_tokens=4)
     assert len(checked) == 2 and checked[0] == checked[1]  # the front door's, then the engine's: one check
     room = stream.horizon - stream.tokens

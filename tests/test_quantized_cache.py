@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,8 @@ from statekv.core.storage.quantized import (KV_CACHE_BITS, QuantizedStorage, che
                                             pack_int4, quantize, scale_dtype, unpack_int4)
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions
-from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames
 from test_static_step import embeddings
 
 LENGTHS = (9, 40, 6, 23, 40, 16, 17, 40)
@@ -198,19 +198,15 @@ def test_state_dict_resumes_a_quantized_cache_and_refuses_another_dtype(tiny_lm)
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+def adapter(checkpoint):
+    return load_adapter(checkpoint)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(KV_CACHE_BITS))
 def test_saved_quantized_streams_resume_identically_and_refuse_another_dtype(adapter, tmp_path, kv_cache_dtype):
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40,
                          kv_cache_dtype=kv_cache_dtype)
-    frames = _frames(7)
+    frames = random_frames(7)
     whole = qa.stream(horizon_frames=7, max_fps=1)
     whole.push_many((image, float(t)) for t, image in enumerate(frames))
     first = qa.stream(horizon_frames=7, max_fps=1)

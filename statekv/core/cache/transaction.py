@@ -2,11 +2,12 @@
 roll back.
 
 The model's attention modules stage the chunk in each layer (:meth:`StreamingLayer.update`) and attend through the
-cache (:func:`statekv.core.cache.two_state.attend`), which asks the policy what to carry; :meth:`StepTransaction.keep` keeps
-that selection pending, checked (:func:`checked`). Nothing becomes visible until the whole forward succeeded:
-:meth:`commit_device` installs every layer's new carried state (device work: a CUDA graph replays it) and
-:meth:`commit_host` advances the committed lengths; :meth:`rollback` forgets the step. A step's writes before its
-commit land only in scratch space, so a failed step leaves the cache exactly as it was.
+cache (:func:`statekv.core.cache.two_state.attend`), which asks the policy what to carry;
+:meth:`StepTransaction.keep` keeps that selection pending, checked (:func:`checked`). Nothing becomes visible
+until the whole forward succeeded: :meth:`commit_device` installs every layer's new carried state (device work:
+a CUDA graph replays it) and :meth:`commit_host` advances the committed lengths; :meth:`rollback` forgets the
+step. A step's writes before its commit land only in scratch space, so a failed step leaves the cache exactly as
+it was.
 """
 
 from __future__ import annotations

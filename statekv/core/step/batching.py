@@ -38,7 +38,8 @@ from ..attention.switch import share_language_attention
 from ..cache.transaction import NotBatchable
 from ..attention.untraced import engine_call
 
-# A stream (`statekv.core.stream.prefill.StreamingPrefill`) is named in annotations only: its step runs through this module.
+# A stream (`statekv.core.stream.prefill.StreamingPrefill`) is named in annotations only: its step runs through this
+# module.
 
 # Forward arguments with one row per stream: how S streams' values become one batch's.
 ROW_ARGUMENTS = ("visual_pos_masks", "deepstack_visual_embeds")

@@ -4,8 +4,8 @@ A streaming step of an 8B decoder is a thousand small kernels besides its matmul
 its product, residual adds), each launched and each reading and writing its tensors once. A CUDA graph removes
 their launch cost but not their memory traffic; Inductor fuses them. What is compiled is the model's own code
 between the cache's calls: staging the chunk and the engine's attention (scoring, the carried state's selection)
-are calls Dynamo skips (`statekv.core.attention.untraced`), so they run the eager step's code, on inputs that differ from
-the eager step's by rounding.
+are calls Dynamo skips (`statekv.core.attention.untraced`), so they run the eager step's code, on inputs that
+differ from the eager step's by rounding.
 
 Only steady steps run compiled (`TwoStateCache.is_steady`: the same shapes at every step), on their first steady
 step, which is also the eager warm-up a CUDA graph records after (`statekv.core.step.graphs`): the graph then replays

@@ -3,9 +3,9 @@
 
 The detailed cache holds every token's keys and values (``detailed``, a buffer of 2 parts, length = tokens).
 Beside it, every step's summaries (:class:`StepSummaries`, kept in the model's dtype, what question-time
-retrieval scores steps by, :mod:`statekv.core.answering.retrieval`): its mean key (``block_keys`` ``[B, H_kv, steps, D]``)
-and ``SAMPLES_PER_STEP`` of its keys evenly spaced (``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``);
-and an index of segments of ``SEGMENT_STEPS`` steps (``segment_index`` ``[B, H_kv, segments, 3 * D]``: the
+retrieval scores steps by, :mod:`statekv.core.answering.retrieval`): its mean key (``block_keys``
+``[B, H_kv, steps, D]``) and ``SAMPLES_PER_STEP`` of its keys evenly spaced (``step_samples``
+``[B, H_kv, steps, SAMPLES_PER_STEP * D]``); and an index of segments of ``SEGMENT_STEPS`` steps (``segment_index`` ``[B, H_kv, segments, 3 * D]``: the
 element-wise minimum, maximum and sum of every key of the segment, what retrieval ranks segments by before it
 scores the steps of the best ones).
 Answering and retrieval read the detailed cache only through :meth:`LayerStorage.read_range`,

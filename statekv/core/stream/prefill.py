@@ -84,7 +84,8 @@ class StreamingPrefill:
     graph and replay it for the following ones (:mod:`statekv.core.step.graphs`); results are those of the eager step.
     ``positions``: ``"stream"`` (a token's RoPE position is its index in the whole stream: exactly the model's
     one-shot forward, within the RoPE's range; the engine's default, None) or ``"bounded"`` (every position kept
-    inside the range the model was trained on, so the stream needs no horizon; see :mod:`statekv.core.positions.placing`).
+    inside the range the model was trained on, so the stream needs no horizon; see
+    :mod:`statekv.core.positions.placing`).
     """
 
     def __init__(self, model: torch.nn.Module, policy: CarryPolicy, settings: EngineSettings | None = None, *,
