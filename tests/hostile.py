@@ -3,6 +3,7 @@ child process that sees a folder read-only or a disk full (`run_child`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -74,10 +75,13 @@ def attempt(call):
 """
 
 
-def _read_only_way() -> str:
+@functools.cache
+def read_only_way() -> str:
     """How a child sees a folder read-only: a read-only bind mount in a mount namespace of its own (root, where
     namespaces are allowed), the folder's permissions (anyone but root), or, where neither holds, a shim failing
-    the child's own writes under it as the system would (EROFS)."""
+    the child's own writes under it as the system would (EROFS). ``STATEKV_TEST_READ_ONLY`` chooses one."""
+    if os.environ.get("STATEKV_TEST_READ_ONLY") in ("namespace", "chmod", "shim"):
+        return os.environ["STATEKV_TEST_READ_ONLY"]
     if os.geteuid() != 0:
         return "chmod"
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "--bind", "/", "/"],
@@ -85,25 +89,22 @@ def _read_only_way() -> str:
     return "namespace" if probe is not None and probe.returncode == 0 else "shim"
 
 
-READ_ONLY_WAY = _read_only_way()
-
-
 def run_child(script: str, *args, read_only: Path | None = None, max_file_bytes: int = 0,
               timeout: float = 300) -> tuple[dict, subprocess.CompletedProcess]:
     """Run ``script`` (after `CHILD_PRELUDE`, with ``args`` as ``sys.argv[1:]``) in a child process that sees
-    ``read_only`` read-only (`READ_ONLY_WAY`) and whose files cannot grow past ``max_file_bytes`` (0: no limit);
+    ``read_only`` read-only (`read_only_way`) and whose files cannot grow past ``max_file_bytes`` (0: no limit);
     return what it `report`-ed last, and the process."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          str(Path(__file__).resolve().parent)]),
-           "STATEKV_TEST_READ_ONLY": READ_ONLY_WAY}
+           "STATEKV_TEST_READ_ONLY": read_only_way()}
     command = [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(script), str(read_only or ""),
                str(max_file_bytes), *map(str, args)]
-    if read_only is not None and READ_ONLY_WAY == "namespace":
+    if read_only is not None and read_only_way() == "namespace":
         command = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                    'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"', str(read_only),
                    *command]
     modes = {}
-    if read_only is not None and READ_ONLY_WAY == "chmod":
+    if read_only is not None and read_only_way() == "chmod":
         for path in [read_only, *read_only.rglob("*")]:
             modes[path] = path.stat().st_mode
             path.chmod(modes[path] & ~0o222)

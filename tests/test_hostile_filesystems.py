@@ -3,7 +3,7 @@
 
 Each case runs in a child process (`hostile.run_child`) that sees a folder read-only (a read-only bind mount in a
 mount namespace of its own where the system allows it, else the folder's permissions, else a shim failing its
-writes there: `hostile.READ_ONLY_WAY`), or whose files cannot grow past a few kilobytes (``RLIMIT_FSIZE``: a full
+writes there: `hostile.read_only_way`), or whose files cannot grow past a few kilobytes (``RLIMIT_FSIZE``: a full
 disk without root). The monkeypatched failures of every single write are `test_hostile_failures`'.
 """
 
