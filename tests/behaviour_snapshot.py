@@ -160,9 +160,14 @@ def saved_file(path: Path) -> dict:
     return {"tensors": tensors, "metadata": metadata}
 
 
+# what differs from run to run in a saved stream's metadata and a file set's descriptions: who the stream is, when it
+# was made, the file set's random id, and the checksums over them
+RANDOM_FIELDS = ("stream_id", "checksum", "created", "file_set", "owner_digest", "installation")
+
+
 def file_set(folder: Path) -> dict:
     """Every file of a disk-tier file set, by name (stream.json parsed), but what differs from run to run: the lock's
-    note of its holder, the stream's random id and the checksums over it."""
+    note of its holder, `RANDOM_FIELDS` and the journal's first record (naming the file set)."""
     import json
 
     files = {}
@@ -171,7 +176,9 @@ def file_set(folder: Path) -> dict:
             continue
         data = path.read_bytes()
         if path.suffix == ".json":
-            data = {key: value for key, value in json.loads(data).items() if key not in ("stream_id", "checksum")}
+            data = {key: value for key, value in json.loads(data).items() if key not in RANDOM_FIELDS}
+        elif path.name == "journal" and b'"file_set"' in data.split(b"\n", 1)[0]:  # its first record: the set's id
+            data = data.split(b"\n", 1)[-1]
         files[path.name] = data
     return files
 
@@ -457,7 +464,7 @@ def comparable(record):
             if key in TIMINGS:
                 continue
             if key == "metadata" and isinstance(value, dict):  # a saved stream's id is random per run
-                value = {k: v for k, v in value.items() if k != "stream_id"}
+                value = {k: v for k, v in value.items() if k not in RANDOM_FIELDS}
             if key == "engine" and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k != "settings"}
             if key == "stream.json" and isinstance(value, dict):

@@ -162,9 +162,10 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
 
     folder = _disk_stream(adapter, tmp_path / "c")
     lines = (folder / "journal").read_bytes().split(b"\n")
-    lines[1] = lines[1].replace(b'"tokens":', b'"tokens": ')  # its CRC no longer matches
+    stepped = next(number for number, line in enumerate(lines) if b'"tokens":' in line)  # the first step's
+    lines[stepped] = lines[stepped].replace(b'"tokens":', b'"tokens": ')  # its CRC no longer matches
     (folder / "journal").write_bytes(b"\n".join(lines))
-    _refused(folder, qa, "journal is damaged at line 2")
+    _refused(folder, qa, f"journal is damaged at line {stepped + 1}")
 
     folder = _disk_stream(adapter, tmp_path / "d")
     with open(folder / "journal", "ab") as journal:  # what a kill mid-write leaves: a torn last line

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.disk.files import FORMAT, FORMAT_VERSION, MANIFEST, hold, read_description, read_file_set
+from ..core.disk.files import FILE_SET, check_file_set, hold, read_file_set, read_manifest
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
@@ -48,9 +48,9 @@ class Durability:
         return None if self.tier is None else self.tier.folder
 
     def describe(self, setup: dict[str, Any]) -> None:
-        """Write the stream's setup (``stream.json``) into the file set."""
+        """Write the stream's setup (``stream.json``) into the file set, naming the file set it belongs to."""
         if self.tier is not None:
-            self.tier.describe(SETUP, setup)
+            self.tier.describe(SETUP, {**setup, "file_set": self.tier.file_set})
 
     def pushed(self, frame: Frame) -> None:
         """Journal a kept frame: a resumed stream counts it lost unless a step journals it."""
@@ -85,8 +85,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     taken first (a file set another stream lives in is refused, naming it), then everything checked, against
     ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own)."""
     engine = qa.engine if engine is None else engine
-    read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")  # before a lock file is made
+    manifest = read_manifest(folder)  # before a lock file is made
     setup = read_stream_setup(folder)
+    check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])  # not another stream's description
     check_ownership(folder, setup, stream_id, owner)
     lock = hold(folder, f"stream {setup['name'][:80]!r}")
     try:
@@ -117,7 +118,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
                      prefix_tokens=setup["prefix_tokens"],
                      engine=engine.with_changes(positions=setup["engine"].get("settings", {}).get("positions")
                                                 or "stream"),
-                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner)
+                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner, created=setup.get("created"))
     except BaseException:
         tier.close()
         raise

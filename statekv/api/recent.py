@@ -104,7 +104,7 @@ class RecentFrames:
         height, width = frames[0].image.shape[:2]
         per_step = self.qa.adapter.frames_per_step
         with EncodedVideo(self.qa, self.qa.horizon_for(len(frames), (height, width), self.reserve_tokens),
-                          num_frames=len(frames), fps=rate, name=self.name) as clip:
+                          num_frames=len(frames), fps=rate, name=self.name, engine=self.clip_engine) as clip:
             clip.append_steps([frames[i:i + per_step] for i in range(0, len(frames), per_step)],
                               vision_batch=len(frames))
             tokens = clip.ask_tokens(question, **ask_kwargs)
@@ -113,6 +113,14 @@ class RecentFrames:
                                                      clip.stats.peak_cache_device_bytes)
             self.answer_info = clip.answer_info
         return tokens
+
+    @property
+    def clip_engine(self) -> Any:
+        """The engine settings a question's encoding runs with: the VideoQA's, but never on the disk tier (a file
+        set per question, thrown away after it, would only be left behind: nothing resumes it), whose cache is
+        then kept in host memory instead."""
+        engine = self.qa.engine
+        return engine.with_changes(offload=True, offload_dir=None) if engine.offload == "disk" else engine
 
     # -- the rest of a stream's surface ---------------------------------------------------------------
     @property

@@ -40,8 +40,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
     metadata = {
-        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, "stream_id": stream.id,
-        "owner_digest": stream.owner_digest,
+        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, **stream.identity,
         "model": {**model_identity(stream.qa), "weights": weights_fingerprint(stream.adapter.model)},
         "engine": engine_record(stream, offload=bool(stream.engine.offload)),
         "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
@@ -89,7 +88,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
                      prefix_tokens=metadata["prefix_tokens"],
                      engine=engine.with_changes(positions=recorded_settings(metadata).get("positions") or "stream"),
-                     stream_id=metadata.get("stream_id"), owner=owner)
+                     stream_id=metadata.get("stream_id"), owner=owner, created=metadata.get("created"))
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None
     try:
@@ -109,7 +108,11 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     if metadata["pending"]:  # the last frame streamed comes before the pending ones
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
-    stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    try:
+        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    except BaseException:
+        stream.close()  # a file set that could not take the state is removed: nothing half-written stays
+        raise
     return stream
 
 

@@ -99,12 +99,14 @@ class VideoQA:
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
-            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`.
+            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`. A setting
+            the method never reads (``window`` under ``statekv``, ``retrieve`` under ``simplestream``) is refused in
+            one line (`statekv.settings.methods.refuse_unread`).
         """
         known = set(OPTION_NAMES) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
         settings = {name: value for name, value in options.items() if name in known}
-        return cls.from_options(ModelOptions(model=str(model), **settings), **model_kwargs)
+        return cls.from_options(ModelOptions.given(model=str(model), **settings), **model_kwargs)
 
     @classmethod
     def from_options(cls, options: ModelOptions, **model_kwargs: Any) -> "VideoQA":

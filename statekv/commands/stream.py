@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
     from ..video import open_video
 
-    options = ModelOptions.from_args(args)
-    options.check_all_used()
+    options = ModelOptions.from_args(args, all_used=True)
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
@@ -167,7 +166,8 @@ class _Replay:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              "budget": self.options.budget, "frames_window": args.frames, "label": self.options.label,
+                              "budget": self.options.budget, "frames_window": self.options.frames,
+                              "label": self.options.label,
                               "stats": stats.to_dict(), "answers": self.answers, "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)

@@ -123,8 +123,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (all but "
                                  "--data-root may be left out with --check)")
     quiet_libraries()
-    options = ModelOptions.from_args(args)
-    options.check_all_used()  # a flag that changes nothing is refused, not recorded as if it did
+    options = ModelOptions.from_args(args, all_used=True)
     config = EvalConfig(
         benchmark=args.benchmark, options=options, data_root=args.data_root, out=args.out,
         name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,

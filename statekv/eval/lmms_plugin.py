@@ -161,8 +161,9 @@ class StateKV(_Base):
         context = RankContext.from_env()
         self._rank, self._world_size = context.rank, context.world_size
         self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
-        options = ModelOptions(model=args["pretrained"], **{name: value for name, value in args.items()
-                                                             if name not in plugin})
+        # a setting its method never reads is refused, as on the command line
+        options = ModelOptions.given(model=args["pretrained"], **{name: args[name] for name in model_args
+                                                                  if name not in plugin})
         self.qa = qa if qa is not None else VideoQA.from_options(
             options.with_changes(device=_device(options.device, context)))
 

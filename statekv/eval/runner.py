@@ -142,7 +142,7 @@ class EvalConfig:
         """A config from a checkpoint and flat settings: `ModelOptions` fields go to the options, the rest to the
         config (``EvalConfig.for_model("mlvu", "ckpt", "data", "runs/x", method="recency", limit=10)``)."""
         known = {field.name for field in fields(ModelOptions)}
-        options = ModelOptions(model=str(model), **{k: v for k, v in settings.items() if k in known})
+        options = ModelOptions.given(model=str(model), **{k: v for k, v in settings.items() if k in known})
         return cls(benchmark, options, Path(data_root), Path(out),
                    **{k: v for k, v in settings.items() if k not in known})
 

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..core.disk.files import LOCK
+from ..core.disk.files import hold
 from ..errors import InputError, StateKVError
-from ..locks import FileLock
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
 from .errors import public_message
 from .stream_settings import StreamSettings
@@ -90,8 +89,7 @@ class StreamLoader:
             why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
         try:
-            lock = FileLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
-                if (folder / LOCK).exists() else None
+            lock = hold(folder, None)  # the folder's own lock, as a stream living in it holds it
         except InputError:  # a live process holds it: not this server's to move
             raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
                               "it)") from None

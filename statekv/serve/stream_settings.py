@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from ..settings.methods import refuse_unread
 from .config import ServeConfig
 from .errors import ServiceError
 
@@ -40,6 +41,7 @@ class StreamSettings:
         defaults = self.qa.options
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
         defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
+        refuse_unread(settings["method"], {name: body[name] for name in METHOD_FIELDS if name in body})
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
                                     or not 1 <= horizon <= 10**7):

@@ -21,7 +21,7 @@ A retrieval rule is registered by name in `RETRIEVAL_RULES` where it is defined
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 from typing import Any
@@ -115,6 +115,12 @@ class MethodSpec:
         """Every `MethodSettings` field the method reads."""
         return ((self.size,) if self.size else ()) + self.also_uses
 
+    @property
+    def retrieves(self) -> bool:
+        """Whether its questions may retrieve frames from a cache (``retrieve``, ``retrieval``): not a method that
+        keeps none (``recent_window``)."""
+        return not self.recent_window
+
     def label(self, settings: MethodSettings | None = None) -> str:
         """The name tables use: "StateKV B=4096", "Recency R=16", "SimpleStream N=4", "Full SA"."""
         settings = settings or MethodSettings()
@@ -149,6 +155,51 @@ def method(name: str) -> MethodSpec:
 
 def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
+
+
+SIZES = tuple(size.name for size in fields(MethodSettings))
+# what `refuse_unread` checks: the sizes, how many frames a question retrieves and by which rule, where the cache goes
+READ_BY_SOME = SIZES + ("retrieve", "retrieval", "offload")
+
+
+def refuse_unread(name: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
+    """Refuse (one-line `ConfigurationError`) a setting in ``given`` that method ``name`` never reads, so nothing is
+    run or recorded as if it had changed something: a size it is not sized by (``window`` under ``statekv``),
+    ``retrieve`` or ``retrieval`` under a method that keeps no cache to retrieve from, ``retrieval`` when nothing
+    is retrieved, ``offload="disk"`` under a method that keeps no cache.
+
+    ``given``: the settings given explicitly, by name (None: not given; names outside `READ_BY_SOME` are not
+    looked at). flags: name them as command-line flags (``--window 4``), else as keywords (``window=4``). Every
+    entry point that runs one method calls this: the commands, `VideoQA.from_pretrained`, the lmms-eval plugin's
+    model args and the service's stream settings."""
+    spec = method(name)
+
+    def named(setting: str, value: Any = None) -> str:
+        if flags:
+            flag = "--" + setting.replace("_", "-")
+            return flag if value is None else f"{flag} {value}"
+        return setting if value is None else f"{setting}={value!r}"
+
+    given = {key: value for key, value in given.items() if key in READ_BY_SOME and value is not None}
+    which = named("method", spec.name)
+    for size in SIZES:
+        if size in given and size not in spec.uses:
+            takes = ", ".join(named(used) for used in spec.uses) or "no size"
+            raise ConfigurationError(f"{named(size, given[size])} is not used by {which} (it takes {takes}); leave "
+                                     "it out")
+    if not spec.retrieves:
+        for setting in ("retrieve", "retrieval"):
+            if setting in given:
+                raise ConfigurationError(f"{named(setting, given[setting])} is not used by {which}: it keeps no "
+                                         "cache to retrieve from (each question sees its last frames, encoded "
+                                         "afresh); leave it out")
+        if given.get("offload") == "disk":
+            raise ConfigurationError(f"{named('offload', 'disk')} is not used by {which}: the disk tier keeps a "
+                                     "stream's cache in files to resume it, and this method keeps no cache (only "
+                                     "its last frames); leave it out")
+    if "retrieval" in given and given.get("retrieve") is None and spec.retrieve is None:
+        raise ConfigurationError(f"{named('retrieval', given['retrieval'])} picks the frames {named('retrieve')} "
+                                 f"answers from, and {which} retrieves none: give {named('retrieve')} K too")
 
 
 def labelled_policies(names: tuple[str, ...] = ("full", "recency", "statekv"), frames_per_step: int = 1,

@@ -39,8 +39,10 @@ class MappedTokenBuffer:
     MIN_CAPACITY = 64
 
     def __init__(self, parts: int, capacity_hint: int | None, prefix: Path,
-                 on_replace: Callable[[], None] | None = None):
+                 on_replace: Callable[[], None] | None = None, described: dict | None = None):
+        """described: more fields its description (``{prefix}.0.bin.json``) records (the file set it belongs to)."""
         self.parts, self.capacity_hint, self.on_replace = parts, capacity_hint, on_replace
+        self.described = dict(described or {})
         self.device = torch.device("cpu")
         self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]
         self.prefix = Path(prefix)
@@ -135,7 +137,7 @@ class MappedTokenBuffer:
         self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
         try:
             if not length:  # what a resumed stream reopens the files as
-                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row),
+                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row), **self.described,
                                                             "dtype": str(dtype).removeprefix("torch.")})
             self._fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.paths]
         except OSError as error:
@@ -192,8 +194,9 @@ class MirroredTokenBuffer(TokenBuffer):
     """A `TokenBuffer` in RAM (what is read) whose writes are also appended to a `MappedTokenBuffer` (what a
     resumed stream reads back): the step summaries."""
 
-    def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None):
-        self.mirror = MappedTokenBuffer(parts, None, prefix)
+    def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None,
+                 described: dict | None = None):
+        self.mirror = MappedTokenBuffer(parts, None, prefix, described=described)
         self._ram_only = False  # while loading: the file has the rows already
         super().__init__(parts, None, "cpu", on_replace=on_replace)
 

@@ -13,7 +13,7 @@ import torch
 from ...errors import InputError
 from ..cache import persistence
 from .buffers import rows_crc, rows_of
-from .files import Journaled, read_checked
+from .files import Journaled, check_file_set, read_checked
 from .tier import DiskTier
 
 
@@ -42,6 +42,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             if not described.exists() and not int(sizes.get(name, 0) or 0):
                 continue  # never written (the segment index before its first segment)
             shape = read_checked(described)
+            check_file_set(where, described.name, shape, tier.file_set)
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))

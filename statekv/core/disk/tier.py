@@ -24,10 +24,19 @@ stream saved, synced or closed loses nothing. Written data reaches the kernel at
 to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
 paid once per checkpoint.
 
-One owner: a `DiskTier` holds the exclusive lock of its folder (``lock``, `statekv.locks`) from the moment it is
-made or opened until it is closed, so a second opener is refused with one line naming the holder. Every
-descriptive file of the set (``manifest.json``, each layer file's ``.json``, the stream's ``stream.json``) records
-the SHA-256 of its own fields (``checksum``), checked whenever it is read.
+One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
+``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
+is refused with one line naming the holder, whatever becomes of the ``lock`` file. Before each write that a
+resumed stream would read back (each journal record, each description, each checkpoint) the tier checks that its
+folder's path still names the folder it locked: once the folder was moved away or replaced, another opener may own
+what the path names, so the tier writes nothing more (`lost`, an `OutputError`).
+
+Bound to each other: the manifest names the file set (``file_set``, a random id, and ``created``); every other
+descriptive file of the set (each layer file's ``.json``, the stream's ``stream.json``) names it too, and so does
+the journal's first record, so a file copied or swapped in from another stream's set is refused when it is read
+(`statekv.core.disk.files.check_file_set`). The journal's records vouch for the layers' files and the checkpoint
+slots (their CRCs). Each description also records the SHA-256 of its own fields (``checksum``), checked whenever
+it is read.
 
 The layers' files are `statekv.core.disk.buffers`'; the descriptions and the journal as read back,
 `statekv.core.disk.files`; resuming a cache from them, `statekv.core.disk.resume`.
@@ -35,8 +44,10 @@ The layers' files are `statekv.core.disk.buffers`'; the descriptions and the jou
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import shutil
 import uuid
 import zlib
 from collections.abc import Callable
@@ -46,10 +57,10 @@ from typing import Any
 import torch
 
 from ...errors import OutputError
-from ...locks import FileLock
+from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
-from .files import FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, write_checked
+from .files import FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, journal_header, write_checked
 
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
 
@@ -62,16 +73,23 @@ class DiskTier:
     ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FileLock | None = None, *,
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock | None = None, *,
                  holder: str = "a stream"):
         """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
         second opener)."""
         self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
+        try:
+            self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as error:
+            if lock is None:
+                self.lock.release()
+            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}; a stream on the "
+                              "disk tier writes into its folder as it goes on: copy the folder somewhere writable "
+                              "to resume it there") from None
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
-        self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
@@ -81,6 +99,11 @@ class DiskTier:
         self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
+        self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
+        # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
+        # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
+        self.made = False
+        self.durable = False
 
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
@@ -91,13 +114,33 @@ class DiskTier:
             folder.mkdir(parents=True)
         except OSError as error:
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        lock = hold(folder, f"stream {str(name)[:80]!r}")
+        try:
+            lock = hold(folder, f"stream {str(name)[:80]!r}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        manifest = {**manifest, FILE_SET: uuid.uuid4().hex, "created": datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="microseconds")}
         try:
             write_checked(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+            tier = cls(folder, manifest, lock)
         except OSError as error:
             lock.release()
-            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
-        return cls(folder, manifest, lock)
+            shutil.rmtree(folder, ignore_errors=True)  # nothing half-made is left behind
+            reason = str(error) if isinstance(error, OutputError) else error.strerror or str(error)
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason}") from None
+        tier.made = True
+        try:
+            tier.append(journal_header(tier.file_set))
+        except BaseException:
+            tier.close()
+            raise
+        return tier
+
+    @property
+    def file_set(self) -> str:
+        """This file set's id (its manifest's ``file_set``), which each of its descriptions and its journal name."""
+        return self.manifest[FILE_SET]
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
                 kv_cache_dtype: str | None = None) -> OffloadedStorage:
@@ -110,8 +153,9 @@ class DiskTier:
 
         def make_buffer(name: str, parts: int, hint: int | None):
             prefix = self.folder / f"layer{index}.{name}"
-            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace) if name in MIRRORED
-                             else MappedTokenBuffer(parts, hint, prefix, on_replace))
+            owned = {FILE_SET: self.file_set}
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned) if name in MIRRORED
+                             else MappedTokenBuffer(parts, hint, prefix, on_replace, owned))
             return buffers[name]
 
         storage = (QuantizedStorage(kv_cache_dtype, capacity_hint, "cpu", on_replace, make_buffer) if kv_cache_dtype
@@ -123,9 +167,18 @@ class DiskTier:
         """Layer ``layer``'s files, by name in a fixed order."""
         return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
 
+    def check_owner(self) -> None:
+        """An `OutputError` (and `lost` set) when the folder's path no longer names the folder this tier locked (moved
+        away, or replaced): what the path names now may be another stream's."""
+        if self.lost or not self.lock.owns():
+            self.lost = True
+            raise OutputError(f"{self.folder}: the disk cache's folder was moved or replaced while this stream held "
+                              "it, so this stream writes nothing more there")
+
     def describe(self, name: str, fields: dict[str, Any]) -> None:
         """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically; an
         `OutputError` when it cannot be written."""
+        self.check_owner()
         try:
             write_checked(self.folder / f"{name}.json", fields)
         except OSError as error:
@@ -134,6 +187,7 @@ class DiskTier:
     def append(self, record: dict[str, Any]) -> None:
         """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
         disk) not at all."""
+        self.check_owner()
         text = json.dumps(record, separators=(",", ":"), allow_nan=False)
         data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
         end = os.fstat(self._journal).st_size
@@ -167,6 +221,7 @@ class DiskTier:
                 pass
             raise
         self.remember(layers)
+        self.durable = True
         size = os.fstat(self._journal).st_size
         self.growth, self._size_before = size - self._size_before, size
 
@@ -188,6 +243,7 @@ class DiskTier:
         it. Nothing to do if that step is checkpointed already."""
         if self.last_step is None or self.checkpointed == self.last_step:
             return
+        self.check_owner()
         carried = [_carried_parts(layer) for layer in self._layers]
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                         for parts in carried for t in parts if t is not None)
@@ -211,7 +267,9 @@ class DiskTier:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
         file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
         record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
+        self.check_owner()
         os.ftruncate(self._journal, 0)
+        self.append(journal_header(self.file_set))
         if cache.evicted_steps:
             self.append({"evict": sorted(cache.evicted_steps)})
         start = 0
@@ -232,6 +290,7 @@ class DiskTier:
             start += length
         self.checkpoint()
         self.remember(cache.layers)
+        self.durable = True
 
     def _take_crc(self) -> int:
         """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
@@ -266,8 +325,24 @@ class DiskTier:
         os.ftruncate(self._journal, end)
 
     def close(self) -> None:
+        """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
+        and never journaled anything resumable (then the folder is removed)."""
+        if self.made and not self.durable:
+            self._close_files()
+            self.lock.release()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
         if self._journal >= 0:
-            self.checkpoint()  # a closed stream resumes with nothing lost
+            try:
+                self.checkpoint()  # a closed stream resumes with nothing lost
+            except OutputError:
+                if not self.lost:  # a folder moved away is not written to, even on close
+                    raise
+        self._close_files()
+        self.lock.release()  # the files stay, for the next owner
+
+    def _close_files(self) -> None:
+        if self._journal >= 0:
             os.close(self._journal)
             self._journal = -1
         for fd in self._slots:
@@ -276,7 +351,6 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()
-        self.lock.release()  # the files stay, for the next owner
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:

@@ -262,6 +262,10 @@ class StreamingPrefill:
             self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
         except OutputError as error:
             folder = self.disk.folder
+            if self.disk.lost:  # what the folder's path names is not this stream's: nothing is read back from it
+                self.close()
+                raise OutputError(f"{error}; the stream was closed (its files are where the folder was moved)") \
+                    from None
             try:
                 journal = read_file_set(folder, latest=True)
                 if journal.steps:  # the carried state its last step left is kept in memory (checkpoints are rarer)
