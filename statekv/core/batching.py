@@ -173,7 +173,7 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), cache.positions.mode, prefill.compiled_decoder is not None, arguments)
+            rope_key(prefill), cache.positions.mode, cache.placed, prefill.compiled_decoder is not None, arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
