@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,7 +196,8 @@ def stack_inputs(inputs: Sequence[dict]) -> dict:
 
 class StepBatcher:
     """Steps streams of one model together (see the module doc); keeps the CUDA graphs of the batches it ran
-    (``keep`` of them, by the streams they hold).
+    (``keep`` of them, by the streams they hold). ``batch_sizes``: its forwards counted by the stream steps each
+    took (1: a step alone).
 
     ``step(requests)`` -> one outcome per request, in order: the step's hidden states ``[1, T, D]``, or the
     exception that step raised (the others went on). A stream given twice takes its steps in order.
@@ -206,6 +207,7 @@ class StepBatcher:
         self.keep = keep
         self.batched_steps = 0  # forwards that stepped more than one stream
         self.batched_rows = 0  # stream steps taken in them
+        self.batch_sizes: Counter[int] = Counter()  # forwards by the stream steps they took
         self._graphs: OrderedDict[tuple, tuple[BatchCache, StepGraphs]] = OrderedDict()
         self._graphs_lock = threading.Lock()  # forget() may come from another thread (a stream closing)
 
@@ -227,6 +229,7 @@ class StepBatcher:
         if len(indices) == 1:  # nothing to batch with: the stream's own step
             try:
                 outcomes[indices[0]] = step_alone(requests[indices[0]])
+                self.batch_sizes[1] += 1
             except Exception as error:
                 outcomes[indices[0]] = error
             return
@@ -263,6 +266,7 @@ class StepBatcher:
             except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
                 self.batched_steps += 1
                 self.batched_rows += len(prefills)
+                self.batch_sizes[len(prefills)] += 1
                 for row, (index, _) in enumerate(members):
                     outcomes[index] = partly.errors.get(row, partly.hidden[row:row + 1])
                 continue
@@ -273,6 +277,7 @@ class StepBatcher:
                 continue
             self.batched_steps += 1
             self.batched_rows += len(prefills)
+            self.batch_sizes[len(prefills)] += 1
             for row, (index, _) in enumerate(members):
                 outcomes[index] = hidden[row:row + 1]
         for index, inputs in sorted(alone):
@@ -280,6 +285,7 @@ class StepBatcher:
             prefill.cache.rollback()
             try:
                 outcomes[index] = step_alone(StepRequest.of(prefill, inputs, requests[index].durable_record))
+                self.batch_sizes[1] += 1
             except Exception as error:
                 outcomes[index] = error
 
