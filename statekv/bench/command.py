@@ -125,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
     from .server import LocalServer
     from .summary import Targets, machine, plot, table, write_json
 
+    try:
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as error:
+        raise ConfigurationError(f"statekv bench serve needs the serve extra ({error.name} is missing): pip install -c "
+                                 "constraints.txt -e \".[serve]\"") from None
     ModelOptions.from_args(args)  # every model option checked before anything starts
     model_flags = server_options(args)
     started_only = model_flags + (["--server-threads"] if args.server_threads is not None else [])
