@@ -95,30 +95,37 @@ def ttft(section, deadline: float, model, shapes, label: str) -> None:
 
 
 def live_model(shapes, checkpoint: Path):
-    """The VideoQA of the live-stream section: on a GPU, InternVL3-8B's decoder shape with the 1B checkpoint's
-    vision tower and tokenizer, built in device memory (random weights); in a smoke run, the small checkpoint."""
+    """The VideoQA of the live-stream section: InternVL3-8B's decoder shape (a smoke run's: the small one) with the
+    1B checkpoint's vision tower and tokenizer, built in device memory (random weights)."""
     import statekv
     import torch
     from statekv.models.internvl import InternVLAdapter
     from statekv.settings.options import ModelOptions
 
-    dtype = "bfloat16" if shapes.device.startswith("cuda") else "float32"
-    options = ModelOptions(model="random InternVL3-8B", method="statekv", budget=shapes.budget, dtype=dtype,
-                           device=shapes.device)
-    if not shapes.device.startswith("cuda"):
-        return statekv.VideoQA.from_options(options.with_changes(model=str(checkpoint)))
+    cuda = shapes.device.startswith("cuda")
+    options = ModelOptions(model="random InternVL3-8B", method="statekv", budget=shapes.budget,
+                           dtype="bfloat16" if cuda else "float32", device=shapes.device)
+    model, tokenizer, image_size = vlm_in_memory(checkpoint, shapes.lm, shapes.device,
+                                                 torch.bfloat16 if cuda else torch.float32)
+    return statekv.VideoQA.with_adapter(InternVLAdapter(model, tokenizer, image_size=image_size), options)
+
+
+def vlm_in_memory(checkpoint: Path, lm: dict, device: str, dtype):
+    """``(model, tokenizer, image side)``: the InternVL of ``checkpoint`` (its vision tower, projector layout and
+    tokenizer) with a decoder of the shape ``lm`` (Qwen2Config fields), random, built on ``device``."""
+    import torch
+    from statekv.models.checkpoint_files import square_side
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     config = AutoConfig.from_pretrained(checkpoint)
-    for name, value in shapes.lm.items():
-        if name != "rope_parameters":
-            setattr(config.text_config, name, value)
-    config.text_config.max_position_embeddings = 32768
-    with torch.device(shapes.device):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
-    adapter = InternVLAdapter(model, AutoTokenizer.from_pretrained(checkpoint),
-                              image_size=config.vision_config.image_size)
-    return statekv.VideoQA.with_adapter(adapter, options)
+    text = {key: value for key, value in config.text_config.to_dict().items() if key != "layer_types"}
+    vocabulary = max(text["vocab_size"], lm.get("vocab_size", 0))  # the tokenizer's ids stay inside it
+    text.update({key: value for key, value in lm.items() if key != "rope_parameters"}, max_position_embeddings=32768,
+                vocab_size=vocabulary)
+    config.text_config = type(config.text_config)(**text)  # made again: per-layer fields follow the layer count
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(checkpoint), square_side(config.vision_config.image_size)
 
 
 def live_streams(section, deadline: float, shapes, checkpoint: Path, folder: Path) -> None:
@@ -142,7 +149,7 @@ def live_streams(section, deadline: float, shapes, checkpoint: Path, folder: Pat
     for row in document["results"]:
         section.rows.append({name: row[name] for name in (
             "streams", "frames_per_s", "lag_p95_s", "ttft_p50_s", "ttft_p95_s", "goodput_streams", "failures",
-            "mean_batch")})
+            "mean_batch", "errors")})
         print(f"   {section.rows[-1]}", flush=True)
     section.figures["live_streams_8b"] = document["max_streams_held"]
     section.figures["live_search_complete"] = document["search_complete"]
