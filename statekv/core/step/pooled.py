@@ -136,7 +136,7 @@ class PooledBatch(Cache):
         self.policy, self.backend = first.policy, first.attention
         self.decoder, self.compiled = first.decoder, first.compiled_decoder
         self.mask, self.rope = first.step_mask, first.rope  # kept: a recorded step reads the rotation's tensors
-        self.placing = first.positions if first.positions.bounded else None  # its layout and range
+        self.placing = first.positions if first.cache.placed else None  # its layout and range, once it placed slots
         self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
