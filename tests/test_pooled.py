@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import statekv
+import statekv.core.step.batching as batching
 import statekv.core.step.pooled as pooled
 from statekv.core.cache.pool import pool_of
 from statekv.core.step.batching import StepBatcher, StepRequest
@@ -44,13 +45,14 @@ def prefill_for(model, method: str, **settings) -> statekv.StreamingPrefill:
 def buckets(monkeypatch):
     """The bucket sizes of the pooled steps run while the test runs."""
     seen = collections.Counter()
-    step = pooled.device_step
+    step = batching.device_step
 
-    def counting(batch, inputs):
-        seen[batch.size] += 1
-        return step(batch, inputs)
+    def counting(prefills, cache, inputs):
+        if isinstance(cache, pooled.PooledBatch):
+            seen[cache.size] += 1
+        return step(prefills, cache, inputs)
 
-    monkeypatch.setattr(pooled, "device_step", counting)
+    monkeypatch.setattr(batching, "device_step", counting)
     return seen
 
 

@@ -267,8 +267,12 @@ class StepBatcher:
                 inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
             else:
                 cache, graphs = self._graphs_for(prefills)
-            hidden = run_rows(steps, cache, graphs, inputs=inputs,
-                              replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+            try:
+                hidden = run_rows(steps, cache, graphs, inputs=inputs,
+                                  replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+            finally:
+                if inputs is not None:  # a pooled batch holds its streams for this step only
+                    cache.members = []
         except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
             hidden, errors = partly.hidden, partly.errors
         except BaseException as error:
@@ -401,7 +405,9 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
     """The device part of a step of ``prefills`` through ``cache`` (one stream's own `TwoStateCache`, or the
     `BatchCache` of several; what a CUDA graph records; run inside the streams' call, see :func:`run_rows`):
     positions (``cache.step_positions``: rows continue from each stream's own length), the decoder's forward over
-    every row, every stream's commit."""
+    every row, every stream's commit. A pooled batch's rows run as `pooled.PooledBatch.forward_rows`."""
+    if isinstance(cache, pooled.PooledBatch):
+        return cache.forward_rows(inputs)
     first = prefills[0]
     positions = cache.step_positions(inputs["position_ids"], chunk_of(inputs).shape[0])
     if positions is not inputs["position_ids"]:
