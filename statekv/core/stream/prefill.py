@@ -140,7 +140,8 @@ class StreamingPrefill:
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
         self.positions = StreamPositions(settings.positions, limit, placing.DEFAULT_LAYOUT,
-                                         model_frequencies(self.decoder, self.rope) if bounded else None)
+                                         model_frequencies(self.decoder, self.rope) if bounded else None,
+                                         settings.question_span)
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention, capacity_hint=horizon,
                                    tier=self.tier, positions=self.positions)
         self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
