@@ -146,3 +146,18 @@ def test_qa_stream_and_eval_take_the_span(tmp_path, capsys):
               "--question-span", "-3"])
     assert stopped.value.code == 2
     assert "argument --question-span: expected a non-negative integer, got '-3'" in capsys.readouterr().err
+
+
+def test_the_bounded_layout_is_a_checked_setting_a_stream_is_made_with(tmp_path):
+    import statekv
+    from statekv.core.positions.placing import BOUNDED_LAYOUTS, CacheOrder, OwnThenCache
+    from statekv.settings.engine import BOUNDED_LAYOUTS as NAMES
+    from statekv.testing import make_tiny_checkpoint
+
+    assert NAMES == tuple(BOUNDED_LAYOUTS)
+    with pytest.raises(ConfigurationError, match="^unknown bounded_layout 'wide'; choose one of own-then-cache, grouped, cache$"):
+        EngineSettings(bounded_layout="wide")
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112})
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24)
+    assert qa.stream().prefill.positions.layout == OwnThenCache()
+    assert qa.with_options(bounded_layout="cache").stream().prefill.positions.layout == CacheOrder()
