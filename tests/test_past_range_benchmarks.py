@@ -4,6 +4,7 @@ mapped to the frames actually streamed, and each question layout sets the span t
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -56,3 +57,18 @@ def test_the_question_layouts_set_the_streams_span():
     with pytest.raises(SystemExit, match="unknown question layout 'spread:x'"):
         with layouts.question_layout("spread:x"):
             pass
+
+
+def test_the_held_out_table_pools_the_target_families_with_intervals(tmp_path):
+    heldout = benchmark("past_range_heldout")
+    assert heldout.tally(tmp_path) is None  # not done: no row
+    groups = {family: {"correct": correct, "questions": 12} for family, correct in
+              (("needle", 6), ("attribute", 12), ("order", 9), ("first_last", 3), ("count", 1), ("position", 0))}
+    (tmp_path / "results.json").write_text(json.dumps({"score": {"groups": {"task_type": groups}}}))
+    counts = heldout.tally(tmp_path)
+    assert counts["target"] == (30, 48) and counts["count"] == (1, 12)
+    assert heldout.cell(counts["target"]) == "62.5 [48, 75]" and heldout.cell((0, 0)) == "–"
+    (tmp_path / "answers.rank000.jsonl").write_text("".join(json.dumps({"extra": {"frames": f}}) + "\n"
+                                                            for f in (2400, 2400)))
+    table = heldout.markdown([("long", "x", counts, heldout.frames_streamed(tmp_path), None)], "note")
+    assert "| long | x | 62.5 [48, 75] | 50.0 [25, 75] |" in table and table.rstrip().endswith("| 2400 |")
