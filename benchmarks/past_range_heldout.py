@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=None, help="comma-separated run names of RUNS (default: all)")
     parser.add_argument("--table-only", action="store_true", help="only read the runs done; run nothing")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write the section to")
+    parser.add_argument("--machine", default="", help="what else the machine was doing (written after its name)")
     args = parser.parse_args(argv)
     from statekv.cli import main as statekv_main
 
@@ -132,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.long_seed}` (long) and `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 "
             f"frames); each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
             f"Command: `python benchmarks/past_range_heldout.py "
-            + " ".join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
-            f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}.")
+            + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
+            f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"
+            + (f", {args.machine}" if args.machine else "") + ".")
     text = markdown(rows, note)
     print(text)
     if args.out:
