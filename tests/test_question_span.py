@@ -155,7 +155,8 @@ def test_the_bounded_layout_is_a_checked_setting_a_stream_is_made_with(tmp_path)
     from statekv.testing import make_tiny_checkpoint
 
     assert NAMES == tuple(BOUNDED_LAYOUTS)
-    with pytest.raises(ConfigurationError, match="^unknown bounded_layout 'wide'; choose one of own-then-cache, grouped, cache$"):
+    with pytest.raises(ConfigurationError,
+                       match="^unknown bounded_layout 'wide'; choose one of own-then-cache, grouped, cache$"):
         EngineSettings(bounded_layout="wide")
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112})
     qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24)

@@ -174,8 +174,8 @@ class ContextPlacing:
     def scoring_turns(self, steps: int, segment_steps: int, segments: int
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(turns [steps], segment turns [segments], frequencies)`` retrieval scores the stream's steps with past
-        the range (`statekv.core.positions.placing.StreamPositions.scoring_turns`); Nones while the stream fits the range
-        (each step is read at its own position, where it was encoded). Computed once per question."""
+        the range (`statekv.core.positions.placing.StreamPositions.scoring_turns`); Nones while the stream fits the
+        range (each step is read at its own position, where it was encoded). Computed once per question."""
         if not self.plan.packed:
             return None, None, None
         if self._turns is None or self._turns[0].shape[0] != steps:

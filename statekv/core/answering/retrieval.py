@@ -68,9 +68,9 @@ class LayerQuestion:
     ``attention``, what stands for the keys outside them: ``(keys [1, H_kv, E, D], log weights [E])``. turns:
     LongTensor ``[S]`` (host), the positions each step's keys are rotated by before they are scored, so that they
     are compared with the question where it reads them rather than where they were encoded (bounded positions
-    past the range, `statekv.core.positions.placing.StreamPositions.scoring_turns`), or None: as stored; segment_turns:
-    ``[G]`` the same for each complete segment (its queries turned the other way); frequencies: the rotary
-    frequencies ``[R / 2]`` the turns rotate with.
+    past the range, `statekv.core.positions.placing.StreamPositions.scoring_turns`), or None: as stored;
+    segment_turns: ``[G]`` the same for each complete segment (its queries turned the other way); frequencies: the
+    rotary frequencies ``[R / 2]`` the turns rotate with.
     """
 
     layer: int
