@@ -162,3 +162,26 @@ def test_the_bounded_layout_is_a_checked_setting_a_stream_is_made_with(tmp_path)
     qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24)
     assert qa.stream().prefill.positions.layout == OwnThenCache()
     assert qa.with_options(bounded_layout="cache").stream().prefill.positions.layout == CacheOrder()
+
+
+def test_a_stream_saved_under_one_bounded_layout_is_resumed_under_it_only(tmp_path):
+    import numpy as np
+
+    import statekv
+    from statekv import Stream
+    from statekv.errors import InputError
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24,
+                                         bounded_layout="cache")
+    stream = qa.stream()
+    for frame in np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8):
+        stream.push(frame)
+    saved = stream.save(tmp_path / "s.safetensors")
+    stream.close()
+    with pytest.raises(InputError, match="resume it with bounded_layout=cache$"):
+        Stream.load(saved, qa.with_options(bounded_layout=None))
+    assert Stream.load(saved, qa).tokens == stream.tokens

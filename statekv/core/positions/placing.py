@@ -496,8 +496,11 @@ class StreamPositions:
         if not self.bounded:
             return
         if saved.get("layout") != self.layout.name or saved.get("limit") != self.limit:
+            hint = (f"; resume it with bounded_layout={saved.get('layout')}" if saved.get("limit") == self.limit
+                    and saved.get("layout") in BOUNDED_LAYOUTS else "")
             raise InputError(f"the saved stream's bounded positions ({saved.get('layout')}, range "
-                             f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range {self.limit})")
+                             f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range "
+                             f"{self.limit}){hint}")
         placed = saved.get("steps")
         if (not isinstance(placed, list) or len(placed) != steps
                 or not all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in placed)):
