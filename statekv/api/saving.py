@@ -19,6 +19,7 @@ from ..core.persistence import check_state_dict
 from ..core.prefill import cache_geometry
 from .durability import resume_stream
 from .stats import EncodingStats
+from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
 from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
@@ -38,6 +39,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
+    tensors.update(watch_tensors(stream))
     metadata = {
         "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, "stream_id": stream.id,
         "owner_digest": stream.owner_digest,
@@ -51,6 +53,8 @@ def save_stream(stream: Any, path: str | Path) -> Path:
                                                    if k in {field.name for field in fields(EncodingStats)}},
         "cache": cache_metadata,
     }
+    if stream.watches:
+        metadata["watches"] = watch_records(stream)
     return write_verified(path, tensors, metadata)
 
 
@@ -75,7 +79,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     check_ownership(path, metadata, stream_id, owner)
     check_same_setup(path, metadata, qa, allow_other_weights, engine)
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
-    pending = _pending_images(path, tensors, metadata["pending"], set(cache))
+    kept = {name: t for name, t in tensors.items() if name.startswith("watches.")}
+    pending = _pending_images(path, tensors, metadata["pending"], set(cache), set(kept))
     try:
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
@@ -109,6 +114,11 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
     stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+    try:
+        restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
+    except BaseException:
+        stream.close()
+        raise
     return stream
 
 
@@ -121,9 +131,11 @@ def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: 
     return counts
 
 
-def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str]) -> list:
-    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors."""
-    expected = {f"pending.{index}" for index in range(len(pending))}
+def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str],
+                    watches: set[str] = frozenset()) -> list:
+    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors (the cache's
+    and the ``watches`` ones are checked where they are read)."""
+    expected = {f"pending.{index}" for index in range(len(pending))} | set(watches)
     unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
     if unexpected:
         raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")

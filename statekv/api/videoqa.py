@@ -35,6 +35,7 @@ from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped
 from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
+from .watch import evaluate_due
 from ..values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
 
@@ -89,7 +90,8 @@ class VideoQA:
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
         self.retrieval = retrieval_rule(retrieval).name
         self.options: ModelOptions | None = None  # set by from_options
-        self.step_scheduler = StepScheduler()  # batches the steps of this VideoQA's streams pushed at once
+        # batches the steps of this VideoQA's streams pushed at once, then evaluates their watches due
+        self.step_scheduler = StepScheduler(follow_up=evaluate_due)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
