@@ -229,6 +229,15 @@ def _prompt(stream: Any, question: str):
     return adapter.prompt(adapter.question_ids(question, stream.state), stream.state)
 
 
+def output_head(stream: Any, prompt: Any) -> torch.nn.Module:
+    """The module that turns ``stream``'s model's last hidden states into logits (the decoding model's)."""
+    model = prompt.model if prompt.model is not None else stream.adapter.model
+    head = model.get_output_embeddings()
+    if head is None:
+        raise StateKVError(f"{type(model).__name__} has no output embeddings to read a watch's answer from")
+    return head
+
+
 def end_tokens(stream: Any) -> tuple[int, ...]:
     """The token ids that end an answer of ``stream``'s model (its generation config's)."""
     config = getattr(stream.adapter.model, "generation_config", None)
@@ -275,7 +284,7 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
     outcomes: list[Any] = []
     if engine:
         try:
-            outcomes = evaluate(evaluations, engine[0].stream.adapter.model.get_output_embeddings())
+            outcomes = evaluate(evaluations, output_head(engine[0].stream, evaluations[0].prompt))
         except Exception as error:  # noqa: BLE001 -- an evaluation that fails is its watches' error, not the push's
             outcomes = [error] * len(engine)
     for watch in live:
@@ -299,8 +308,9 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
 def _evaluation(watch: Watch) -> Evaluation:
     stream = watch.stream
     retrieval = None if watch.retrieve is None else stream.retrieval(watch.retrieve, watch.retrieval)
-    return Evaluation(stream.prefill, watch.standing, _prompt(stream, watch.question), watch.since,
-                      watch.max_new_tokens, end_tokens(stream), retrieval)
+    prompt = stream.adapter.prompt(watch.standing.ids, stream.state)  # laid out after the stream as it is now
+    return Evaluation(stream.prefill, watch.standing, prompt, watch.since, watch.max_new_tokens, end_tokens(stream),
+                      retrieval)
 
 
 def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:

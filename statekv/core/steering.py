@@ -28,6 +28,8 @@ class QuestionGuide:
 
     def __init__(self):
         self.questions: list[tuple[object, float]] = []
+        self._signature: tuple = ()
+        self._packs: dict = {}
 
     @property
     def active(self) -> bool:
@@ -42,23 +44,75 @@ class QuestionGuide:
     def mass(self, cache, layer: int, keys: torch.Tensor, chunk_len: int, scale: float) -> torch.Tensor:
         """``[1, H_kv, N]`` the weighted attention mass the standing questions' queries, placed after the step's
         chunk, give the candidates ``keys`` ``[1, H_kv, N, D]`` (as they are handed to attention), each question's
-        scaled to the chunk's total (``chunk_len`` queries per query head)."""
+        scaled to the chunk's total (``chunk_len`` queries per query head). The questions evaluated together
+        (one start) go through one product."""
         device = keys.device
-        heads = keys.shape[1]
         if cache.positions.bounded:
             first = cache.positions.device_scalars(device)[1] + chunk_len
         else:
             first = cache.seen_device.to(device).reshape(1) + chunk_len
-        total = torch.zeros(keys.shape[:3], dtype=torch.float32, device=device)
-        for question, weight in self.questions:
-            if question.queries is None:  # not evaluated yet
-                continue
-            queries = question.queries_at(layer, first, device)  # [1, Hq, Q, D]
-            length = queries.shape[2]
-            grouped = queries.reshape(1, heads, -1, queries.shape[-1]).float()
-            share = ((grouped @ keys.float().transpose(-1, -2)) * scale).softmax(-1).sum(2)
-            total += share * (weight * chunk_len / length)
-        return total
+        total = None
+        for pack in self.packs(layer, keys.shape[1], device):
+            cos, sin = pack.turn(first, cache.step_index, scale)
+            queries = pack.queries[layer] * cos + pack.turned[layer] * sin  # [1, H_kv, G * R, D], placed, scaled
+            share = (queries @ keys.transpose(-1, -2).float()).softmax(-1)  # [1, H_kv, G * R, N]
+            mass = pack.weights @ share  # [1, H_kv, N]
+            mass = mass * chunk_len if chunk_len != 1 else mass
+            total = mass if total is None else total + mass
+        return total if total is not None else torch.zeros(keys.shape[:3], device=device)
+
+    def packs(self, layer: int, heads: int, device: torch.device) -> list["_Pack"]:
+        """The questions' queries packed by where they were placed (one pack per start, every question's queries
+        side by side), kept until a question's queries change."""
+        signature = tuple((id(q), id(q.queries), q.start) for q, _ in self.questions if q.queries is not None)
+        if self._signature != signature:
+            by_start: dict[int, list[tuple[object, float]]] = {}
+            for question, weight in self.questions:
+                if question.queries is not None:
+                    by_start.setdefault(question.start, []).append((question, weight))
+            self._signature = signature
+            self._packs = [_Pack(members, start, heads, device) for start, members in by_start.items()]
+        return self._packs
+
+
+class _Pack:
+    """Standing questions placed at one ``start``: per layer their queries ``[1, H_kv, G * R, D]`` (float32, R the
+    rows of all of them, grouped by the KV head each query head reads) and their halves turned (RoPE's
+    rotate-half, so a rotation by ``d`` is ``queries * cos + turned * sin``); ``weights`` ``[G * R]``: each row's
+    share (its question's weight over its length)."""
+
+    def __init__(self, members: list[tuple[object, float]], start: int, heads: int, device: torch.device):
+        self.start = start
+        frequencies = members[0][0].frequencies.to(device, torch.float32)
+        self.frequencies, self.rotary = frequencies, 2 * frequencies.shape[0]
+        layers = len(members[0][0].queries)
+        self.queries, self.turned = [], []
+        for layer in range(layers):
+            queries = torch.cat([q.queries[layer].to(device, torch.float32) for q, _ in members], 2)  # [1,Hq,R,D]
+            grouped = queries.reshape(1, heads, -1, queries.shape[-1])
+            half = self.rotary // 2
+            turned = torch.zeros_like(grouped)
+            turned[..., :half] = -grouped[..., half:self.rotary]
+            turned[..., half:self.rotary] = grouped[..., :half]
+            self.queries.append(grouped)
+            self.turned.append(turned)
+        group = self.queries[0].shape[2] // sum(q.length for q, _ in members)
+        rows = torch.cat([torch.full((q.length,), weight / q.length) for q, weight in members])
+        self.weights = rows.repeat(group).to(device)
+        self.dim = self.queries[0].shape[-1]
+        self._turn: tuple | None = None
+
+    def turn(self, first: torch.Tensor, step: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[D]`` rotating the queries from ``start`` to ``first`` (LongTensor ``[1]``), times the
+        attention's ``scale``, computed once per step (``step``: the stream's step index) for every layer."""
+        if self._turn is None or self._turn[0] != step:
+            angles = (first - self.start).float() * self.frequencies  # [R / 2]
+            rest = self.dim - self.rotary
+            ones, zeros = angles.new_ones(rest), angles.new_zeros(rest)
+            cos = torch.cat([angles.cos(), angles.cos(), ones]) * scale
+            sin = torch.cat([angles.sin(), angles.sin(), zeros]) * scale
+            self._turn = (step, cos, sin)
+        return self._turn[1], self._turn[2]
 
 
 def steered(caches: Sequence, layer: int, keys: torch.Tensor, scores: torch.Tensor, chunk_len: int,

@@ -214,7 +214,7 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
                 anchors, rotations = anchors.gather(2, order), rotations.gather(2, order)
     if keys is None:
         return None
-    if anchors is not None:
+    if anchors is not None and place.shift:  # unshifted, every token is at its own position, as stored
         keys = rotate(keys, carried_targets(prefill, anchors, place) - rotations, frequencies)
     return keys, values, valid, retrieved
 
@@ -287,19 +287,33 @@ class RowContexts:
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
-    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys. Returns ``[W, T,
-    Hq, D]``."""
-    rows, query_heads, length, dim = q.shape
-    heads = keys.shape[1]
-    group = query_heads // heads
-    grouped = q.reshape(rows, heads, group * length, dim).float()
-    logits = (grouped @ keys.float().transpose(-1, -2)) * scale  # [W, H_kv, G * T, L]
-    logits = logits.view(rows, heads, group, length, -1)
+    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own
+    token is not valid (padding) reads itself alone, so nothing it computes is undefined. Returns ``[W, T, Hq,
+    D]``."""
+    rows, query_heads, length, _ = q.shape
     total = keys.shape[2]
-    causal = torch.ones(length, total, dtype=torch.bool, device=q.device)
-    causal[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    allowed = valid[:, :, None, None, :] & causal
-    logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)  # a padding query reads nothing: no NaN
-    weights = logits.softmax(-1).view(rows, heads, group * length, total)
-    out = (weights @ values.float()).view(rows, heads, group, length, dim)
-    return out.reshape(rows, query_heads, length, dim).transpose(1, 2).to(q.dtype)
+    group = query_heads // keys.shape[1]
+    causal = _causal(length, total, q.device)
+    # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
+    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :] & causal
+    own = torch.arange(length, device=q.device)
+    allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=q.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)
+
+
+_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
+    """``[T, L]``: every query reads the keys before its own token's and its own (kept per shape)."""
+    key = (length, total, device)
+    mask = _causal_masks.get(key)
+    if mask is None:
+        mask = torch.ones(length, total, dtype=torch.bool, device=device)
+        mask[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        if len(_causal_masks) > 256:
+            _causal_masks.clear()
+        _causal_masks[key] = mask
+    return mask

@@ -133,6 +133,13 @@ class _Row:
         """The rotary position of the prompt's first token."""
         return self.place.question_first - self.place.shift
 
+    @property
+    def shared(self) -> tuple | None:
+        """What rows reading the same context share (None: this row reads its own, retrieving for its question)."""
+        if self.evaluation.retrieval is not None:
+            return None
+        return id(self.evaluation.prefill), self.evaluation.since, self.place if self.place.shift else 0
+
     def context(self, layer: int, device: torch.device, dtype: torch.dtype, scale: float) -> LayerContext:
         evaluation = self.evaluation
         question = evaluation.question
@@ -196,8 +203,16 @@ class WatchCache(Cache):
         layer = self.layers[layer_idx]
         first = layer.rows is None
         if first:
-            layer.rows = RowContexts([row.context(layer_idx, q.device, k.dtype, scale) for row in self.rows],
-                                     self.room)
+            made: dict[tuple, LayerContext] = {}  # the watches of one stream due together read one context
+            contexts = []
+            for row in self.rows:
+                key = row.shared
+                if key is None or key not in made:
+                    context = row.context(layer_idx, q.device, k.dtype, scale)
+                    if key is not None:
+                        made[key] = context
+                contexts.append(context if key is None else made[key])
+            layer.rows = RowContexts(contexts, self.room)
             self.queries.append(q)
         keys, values, valid = layer.rows.append(*layer.pending, self.valid)
         layer.pending = None
