@@ -76,16 +76,27 @@ def test_every_seconds_counts_stream_time(qa, frames):
 
 
 @pytest.mark.parametrize("horizon", [None, 40])
-def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, horizon):
+def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, horizon, monkeypatch):
     """Full attention carries every token, so the carried state and the new frames are the whole stream: an
-    evaluation reads exactly what `ask` reads, at the same positions (bounded, or the stream's own)."""
+    evaluation reads exactly what `ask` reads, every token once, at the same positions (bounded, or the
+    stream's own)."""
+    read = []
+    original = context_module.masked_attention
+
+    def spy(q, keys, values, valid, scale):
+        read.append((q.shape[2], int(valid[0, 0].sum())))
+        return original(q, keys, values, valid, scale)
+
+    monkeypatch.setattr("statekv.core.watching.masked_attention", spy)
     stream = full.stream(horizon, max_fps=1)
     push(stream, frames, 0, 6)
     watch = stream.watch(COUNT, max_new_tokens=4)
-    for stop in (13, 21, 30):
+    prompt = stream.adapter.question_ids(COUNT, stream.state).shape[1]
+    for stop in (13, 21, 30, 30):  # the last: nothing new, the carried state alone
         push(stream, frames, stream.frames, stop)
+        read.clear()
         assert watch.evaluate() == stream.ask(COUNT, max_new_tokens=4)
-    assert watch.evaluate() == stream.ask(COUNT, max_new_tokens=4)  # nothing new: the carried state alone
+        assert read[0] == (prompt, stream.tokens + prompt)  # the prompt's forward read every token once
     stream.close()
 
 
@@ -222,3 +233,33 @@ def test_retrieval_adds_the_frames_that_match_the_question(qa, frames):
     assert watch.read_steps and len(watch.read_steps) <= 4 * len(stream.prefill.cache.layers)
     assert all(step < len(stream.step_frames) for step in watch.read_steps)
     stream.close()
+
+
+@pytest.mark.parametrize("method", ["full", "statekv"])
+def test_past_the_models_range_an_evaluation_reads_the_stream_as_a_step_would(tmp_path, method):
+    """Under bounded positions past the model's range the carried keys are rotated to where the layout puts them:
+    an evaluation's first answer token is the one a step of the question itself would predict (the layout's
+    grouped distances for full attention, the carried state packed before the chunk for StateKV)."""
+    from statekv.core.watching import Evaluation, evaluate
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    images = np.random.default_rng(0).integers(0, 256, (14, 32, 32, 3), dtype=np.uint8)
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method=method, budget=24, reserve_tokens=24)
+    watched, stepped = qa.stream(), qa.stream()
+    for image in images:
+        watched.push(image)
+        stepped.push(image)
+    assert watched.tokens > 128 and watched.prefill.positions.bounded
+    prompt = watched.adapter.prompt(watched.adapter.question_ids("Why?", watched.state), watched.state)
+    standing = watch_module.standing_question(watched.prefill, prompt)
+    evaluation = Evaluation(watched.prefill, standing, prompt, watched.tokens, 1)
+    (answer,) = evaluate([evaluation], qa.adapter.model.get_output_embeddings())
+    ids = prompt.input_ids
+    hidden = stepped.prefill.step(input_ids=torch.cat([ids, ids[:, -1:]], 1))  # the question, and room for one
+    expected = qa.adapter.model.get_output_embeddings()(hidden[:, ids.shape[1] - 1]).argmax(-1)
+    assert int(answer[0, 0]) == int(expected[0])
+    watched.close()
+    stepped.close()
