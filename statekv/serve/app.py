@@ -25,6 +25,8 @@ from .openai import build_openai_router
 from .registry import StreamRegistry
 from .routes import build_router
 from .store import StreamFiles, check_state_folder
+from .watch_routes import build_watch_router
+from .watches import WatchHub
 from .worker import ModelExecutor, ModelWorker
 
 log = logging.getLogger("statekv.serve")
@@ -69,6 +71,8 @@ class Service:
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.batched_steps)
         self.registry.metrics = self.metrics
+        self.watch_hub = WatchHub(self.metrics.registry)
+        self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.ask_slots = Slots(config.max_asks, "questions")
 
     def answered(self, route: str, seconds: float) -> None:
@@ -146,6 +150,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     app.state.service = service
     _error_handlers(app, service)
     app.include_router(build_router(service))
+    app.include_router(build_watch_router(service))
     app.include_router(build_openai_router(service))
 
     @app.get("/metrics")

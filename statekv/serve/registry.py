@@ -32,6 +32,7 @@ from .errors import ServiceError, public_message
 from .metrics import Metrics
 from .sse import ClientGone
 from .store import STREAM_ID, StreamFiles
+from .watches import recall, watch_records
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -130,7 +131,8 @@ class StreamEntry:
         tier = self.tier
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
-                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name}
+                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
+                "watches": watch_records(self.stream)}
 
 
 @dataclass
@@ -186,6 +188,7 @@ class StreamRegistry:
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self._models: dict[tuple, Any] = {}
         self._max_horizon: int | None = None
+        self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
 
     # -- settings ------------------------------------------------------------------------------------------
     def qa_for(self, settings: dict[str, Any]) -> Any:
@@ -632,6 +635,7 @@ class StreamRegistry:
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")))
+        recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
         if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
             try:
                 self.files.write_record(entry.record())
