@@ -102,13 +102,14 @@ class RecentFrames:
     # -- watching ---------------------------------------------------------------------------------------
     def watch(self, question: str, every: int | None = None, *, every_seconds: float | None = None,
               max_new_tokens: int = DEFAULT_WATCH_TOKENS, retrieve: int | None = None, retrieval: str | None = None,
-              steer: bool = True) -> Watch:
+              steer: bool | None = None) -> Watch:
         """As `Stream.watch`; each evaluation answers the question from the last ``window`` frames afresh, as `ask`
         does (nothing is carried, so nothing is steered)."""
         self._check_open()
         with self.lock:
             return open_watch(self, question, every=every, every_seconds=every_seconds,
-                              max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval, steer=steer)
+                              max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                          steer=self.qa.steer if steer is None else steer)
 
     @property
     def watches(self) -> list[Watch]:

@@ -90,7 +90,8 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
         if hasattr(stream, "start"):
             stream.start()
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
-                           every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"])
+                           every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
+                           steer=stream.qa.steer)
         watch.subscribe(listener)
         if stream.frames:
             try:
