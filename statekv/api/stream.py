@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .encoded import EncodedVideo
+from .encoded import METHOD_DEFAULT, EncodedVideo
 from ..errors import CacheLimitError, HorizonError, InputError, OutputError
 from ..steps.jobs import StepJob
 from ..steps.overlap import check_vision_batch, steps_per_batch
@@ -216,18 +216,19 @@ class Stream(EncodedVideo):
     # -- watching ---------------------------------------------------------------------------------------
     @_one_at_a_time
     def watch(self, question: str, every: int | None = None, *, every_seconds: float | None = None,
-              max_new_tokens: int = DEFAULT_WATCH_TOKENS, retrieve: int | None = None, retrieval: str | None = None,
-              steer: bool | None = None) -> Watch:
+              max_new_tokens: int = DEFAULT_WATCH_TOKENS, retrieve: int | None | object = METHOD_DEFAULT,
+              retrieval: str | None = None, steer: bool | None = None) -> Watch:
         """A standing question, evaluated after every ``every`` frames encoded (or ``every_seconds`` of stream
         time; neither: only when `Watch.evaluate` is called), recording an event each time its answer changes
         (`statekv.api.watch`). Each evaluation reads the carried state and the frames since the last one (and
-        ``retrieve`` frames per layer that match the question best, by ``retrieval``), never the whole stream.
+        ``retrieve`` frames per layer that match the question best, by ``retrieval``; default: the VideoQA's, as
+        for `ask`: none but under ``rekv``), never the whole stream.
         ``steer``: while it is open, the question also steers what the stream carries (methods that carry by
         attention; default: the VideoQA's, True unless made with ``steer=False``)."""
         self.prefill.check_open()
         self.start()
         return open_watch(self, question, every=every, every_seconds=every_seconds, max_new_tokens=max_new_tokens,
-                          retrieve=retrieve, retrieval=retrieval,
+                          retrieve=self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval=retrieval,
                           steer=self.qa.steer if steer is None else steer)
 
     @property

@@ -4,7 +4,7 @@ An evaluation of a standing question (:mod:`statekv.core.watching`) reads, at ea
 
 1. the carried state (per KV head, the tokens the carry rule keeps; those of the new frames are left out here,
    they come next), with the tokens retrieval picks for the question when it retrieves (`Retrieval`, scored with
-   the question's queries from its last evaluation);
+   the prompt's queries at that layer, as a question asked is);
 2. the new frames: every token streamed since the question's last evaluation (``since``), read from the
    detailed cache through its storage;
 

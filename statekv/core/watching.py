@@ -11,8 +11,8 @@ F + Q + N`` keys per layer (``B`` carried, ``F`` new frames' tokens, ``Q`` the p
 The prompt's keys and values are recomputed at each evaluation, not kept from the first one: they carry what the
 question's tokens read of the video (its colour word finding the frames of that colour, say), and kept from an
 earlier evaluation they answer from what the stream showed then (docs/engine.md measures it). Its queries at
-every layer are kept from the latest evaluation (`StandingQuestion.queries`): retrieval scores the stream's
-steps with them, and they steer what the stream carries while the question stands (`statekv.core.steering`).
+every layer are kept from the latest evaluation (`StandingQuestion.queries`): they steer what the stream carries
+while the question stands (`statekv.core.steering`).
 
 Evaluations of several questions, of one stream or of several streams of one model, run as the rows of one
 batch (prompts of different lengths padded on the left, masked): one forward for all their prompts, then one per
@@ -31,7 +31,7 @@ from ..errors import HorizonError, InputError
 from .batching import rope_key
 from .decoding import Prompt
 from .model_attention import share_language_attention
-from .positions import model_frequencies, rotate
+from .positions import model_frequencies
 from .retrieval import Retrieval
 from .watch_context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
 
@@ -53,19 +53,6 @@ class StandingQuestion:
     @property
     def length(self) -> int:
         return self.ids.shape[1]
-
-    def queries_at(self, layer: int, first: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Layer ``layer``'s queries ``[1, Hq, Q, D]`` as if the prompt started at rotary position ``first`` (an int,
-        or a LongTensor ``[1]`` on ``device``)."""
-        queries = self.queries[layer].to(device)
-        delta = first - self.start
-        if isinstance(delta, int):
-            if delta == 0:
-                return queries
-            delta = torch.full(queries.shape[:3], delta, device=device)
-        else:
-            delta = delta.to(device).expand(queries.shape[:3])
-        return rotate(queries, delta, self.frequencies.to(device))
 
 
 def standing_question(prefill, prompt: Prompt) -> StandingQuestion:
@@ -107,8 +94,9 @@ class Evaluation:
 
     prompt: the question laid out after the stream now (its ids, and its positions when explicit). since: the first
     token its last evaluation did not read (the new frames start there). max_new_tokens: the longest answer. eos:
-    token ids that end an answer. retrieval: also read the steps it picks (scored with the question's queries
-    from its latest evaluation). retrieved: filled in, the steps retrieval picked over the layers.
+    token ids that end an answer. retrieval: also read the steps it picks among those before ``since`` (scored with
+    the prompt's queries at each layer, as a question asked is). retrieved: filled in, the steps retrieval picked
+    over the layers.
     """
 
     prefill: object
@@ -140,14 +128,15 @@ class _Row:
             return None
         return id(self.evaluation.prefill), self.evaluation.since, self.place if self.place.shift else 0
 
-    def context(self, layer: int, device: torch.device, dtype: torch.dtype, scale: float) -> LayerContext:
+    def context(self, layer: int, queries: torch.Tensor, dtype: torch.dtype, scale: float) -> LayerContext:
+        """The row's context at ``layer``; ``queries`` ``[1, Hq, Q, D]``: its prompt's at this layer, placed (what
+        retrieval scores the steps with, as a question asked does)."""
         evaluation = self.evaluation
         question = evaluation.question
-        queries = None
-        if evaluation.retrieval is not None and question.queries is not None:
-            queries = question.queries_at(layer, self.first, device)
+        device = queries.device
         context = layer_context(evaluation.prefill, layer, evaluation.since, self.place, device=device, dtype=dtype,
-                                frequencies=question.frequencies.to(device), queries=queries,
+                                frequencies=question.frequencies.to(device),
+                                queries=queries if evaluation.retrieval is not None else None,
                                 retrieval=evaluation.retrieval, scale=scale, memory=self.memory)
         evaluation.retrieved.update(context.retrieved)
         return context
@@ -205,10 +194,10 @@ class WatchCache(Cache):
         if first:
             made: dict[tuple, LayerContext] = {}  # the watches of one stream due together read one context
             contexts = []
-            for row in self.rows:
+            for index, row in enumerate(self.rows):
                 key = row.shared
                 if key is None or key not in made:
-                    context = row.context(layer_idx, q.device, k.dtype, scale)
+                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
                     if key is not None:
                         made[key] = context
                 contexts.append(context if key is None else made[key])

@@ -91,7 +91,7 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
             stream.start()
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
-                           steer=stream.qa.steer)
+                           steer=stream.qa.steer, retrieve=stream.qa.retrieve)
         watch.subscribe(listener)
         if stream.frames:
             try:
