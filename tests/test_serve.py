@@ -467,6 +467,14 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
             for path in folder.rglob("*") if path.is_file()}
 
 
+def test_a_start_that_is_refused_makes_no_key(tmp_path):
+    """A new user's first start goes wrong (a model that is not there): the folder gets no key, so the start that
+    works afterwards makes and shows the one key (before, the refused start kept a key nobody had seen)."""
+    refused = _serve(tmp_path, "--port", "0", "--state-dir", "state", "--model", str(tmp_path / "no-such-model"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "API key" not in refused.stdout and not (tmp_path / "state" / "keys.json").exists()
+
+
 def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_path, media):
     state = tmp_path / "state"
     first = Server(state, media, "--no-page", "--save-every-seconds", "3600", keys=()).start()

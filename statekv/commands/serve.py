@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +95,17 @@ def run(args: argparse.Namespace) -> int:
     cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
     claim = DeploymentClaim() if cluster is not None else LoneServer(args.host, args.port)
     try:
-        config, made, keys = serve_config(args, claim)
-        key_note = None if made or keys else (
+        # a key the folder needs is kept only once everything that could refuse the start has passed
+        config, pending, keys = serve_config(args, claim, store_key=False)
+        key_note = None if pending or keys else (
             f"statekv serve: using the API key made for {config.state_dir} when it was first served (shown then); "
             "the page remembers it, or pass --api-key to choose one")
         if cluster is not None:
-            return _run_on_ray(args, config, cluster, made or (keys[0] if keys else None), key_note)
+            return _run_on_ray(args, config, cluster, pending, keys, key_note)
         quiet_libraries()
         logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
-        app = create_app(config)
+        app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
+        made = keep_key(config.state_dir, pending)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=10))
         _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
@@ -156,13 +159,14 @@ class DeploymentClaim:
             self.lock.release()
 
 
-def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None):
+def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None, store_key: bool = True):
     """The service's settings from the command line (``--budget`` defaulted to the model's own,
-    `statekv.settings.options.default_budget`), with the key made for the state folder (printed at once) if it
-    has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the
-    arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
+    `statekv.settings.options.default_budget`), with the key made for the state folder if it has none and none was
+    given: ``(config, made, keys)``. ``store_key``: the key is stored and printed at once (else it is only made:
+    `keep_key` stores it once the start can no longer be refused). ``claim`` is called with the state folder once
+    the arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
     from ..serve import ServeConfig
-    from ..serve.auth import KeyFile, configured_keys
+    from ..serve.auth import KeyFile, configured_keys, new_key
     from ..serve.store import check_state_folder
 
     options = ModelOptions.from_args(args)
@@ -179,16 +183,31 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
     check_state_folder(state_dir)  # one line, before anything is written there
     keys = configured_keys(args.api_key)
     stored = KeyFile(state_dir)
-    made = stored.make() if not keys and not stored.stored() else None
-    if made:  # at once: a start that fails later must not lose the only sight of the key
-        print(f"statekv serve: API key {made} (made for {state_dir} and shown this once: the folder keeps only "
-              "its digest; it stays valid across restarts)", flush=True)
+    made = None
+    if not keys and not stored.stored():
+        made = new_key()
+        if store_key:
+            made = keep_key(state_dir, made)
     config = ServeConfig(options=options, state_dir=state_dir, api_keys=tuple(keys), media_root=media_root,
                          drop_unowned_streams=args.drop_unowned_streams, max_streams=args.max_streams,
                          max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
                          page=args.page)
     return config, made, keys
+
+
+def keep_key(state_dir: Path, key: str | None) -> str | None:
+    """Store ``key`` as the state folder's (None: nothing to store) and print it, once: the folder keeps only its
+    digest. Returns it (None when the folder had one made meanwhile: then it is refused)."""
+    from ..serve.auth import KeyFile
+
+    if key is None:
+        return None
+    if not KeyFile(state_dir).keep(key):
+        raise ConfigurationError(f"another server made a key for {state_dir} meanwhile; start again to use it")
+    print(f"statekv serve: API key {key} (made for {state_dir} and shown this once: the folder keeps only its "
+          "digest; it stays valid across restarts)", flush=True)
+    return key
 
 
 def cluster_settings(args: argparse.Namespace):
@@ -227,12 +246,15 @@ def _check_store(url: str) -> None:
         raise ConfigurationError(f"--store {url}: fsspec cannot open it ({str(error).splitlines()[0]})") from None
 
 
-def _run_on_ray(args: argparse.Namespace, config, cluster, key: str | None, key_note: str | None) -> int:
+def _run_on_ray(args: argparse.Namespace, config, cluster, pending: str | None, keys: list[str],
+                key_note: str | None) -> int:
     from ..serve.app import check_owners
     from ..serve.auth import KeyRing
     from ..serve.cluster.launch import run_on_ray
 
-    check_owners(config, KeyRing.for_folder(config.state_dir, config.api_keys))  # before any replica starts
+    accepted = config.api_keys + ((pending,) if pending else ())
+    check_owners(config, KeyRing.for_folder(config.state_dir, accepted))  # before any replica starts
+    key = keep_key(config.state_dir, pending) or (keys[0] if keys else None)  # the replicas read it
 
     def ready(url: str) -> None:
         replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)
