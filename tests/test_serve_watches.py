@@ -137,6 +137,8 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
             assert {key: heard[0][key] for key in ("frame", "seconds", "answer")} in watch["events"][1:]
             listed = client.get(f"/v1/streams/{stream_id}/watches").json()["data"]
             assert [each["id"] for each in listed] == [watch_id]
+            history = client.get(f"/v1/streams/{stream_id}/history").json()["history"]
+            assert len(history) == frames
     finally:
         server.stop()
     server = Running(tmp_path / "state", qa, disk)  # a restart: the watch comes back with its stream
@@ -144,6 +146,7 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
         with server.client() as client:
             again = client.get(url).json()
             assert again["events"] == watch["events"] and again["evaluations"] == watch["evaluations"]
+            assert client.get(f"/v1/streams/{stream_id}/history").json()["history"] == history  # the chart's too
             push(client, stream_id, pictures, frames, frames + 3)
             assert client.get(url).json()["evaluations"] == watch["evaluations"] + 1
             assert metric(client, "statekv_watch_evaluations_total") == 1  # reporting here again

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -144,7 +145,8 @@ class RecentFrames:
             self.horizon = clip.horizon
             self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes,
                                                      clip.stats.peak_cache_device_bytes)
-            self.answer_info = clip.answer_info
+            # the frames it read: its window's, numbered as the stream kept them
+            self.answer_info = replace(clip.answer_info, read_frames=tuple(frame.index for frame in self.recent))
         return tokens
 
     # -- the rest of a stream's surface ---------------------------------------------------------------

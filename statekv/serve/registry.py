@@ -32,6 +32,7 @@ from .errors import ServiceError, public_message
 from .metrics import Metrics
 from .sse import ClientGone
 from .store import STREAM_ID, StreamFiles
+from .page_record import page_fields, recall_page
 from .watches import recall, watch_records
 from .worker import ModelExecutor
 
@@ -132,7 +133,7 @@ class StreamEntry:
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "watches": watch_records(self.stream)}
+                "watches": watch_records(self.stream), **page_fields(self)}
 
 
 @dataclass
@@ -505,7 +506,7 @@ class StreamRegistry:
             raise
         result["latency"] = round(time.perf_counter() - started, 4)
         entry.answers.append({"question": question, "at": int(time.time()),
-                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency")}})
+                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency", "read_frames")}})
         del entry.answers[:-ANSWERS]
         if not entry.deleted:
             try:
@@ -528,9 +529,11 @@ class StreamRegistry:
         check_still_there(kwargs.get("streamer"))
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt
+        read = stream.answer_info.read_frames if stream.answer_info is not None else None
         return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
-                "id": entry.id, "usage": {"prompt_tokens": context, "completion_tokens": completion,
-                                          "total_tokens": context + completion}}
+                "id": entry.id, "read_frames": None if read is None else list(read),
+                "usage": {"prompt_tokens": context, "completion_tokens": completion,
+                          "total_tokens": context + completion}}
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
@@ -636,6 +639,7 @@ class StreamRegistry:
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")))
         recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
+        recall_page(entry, data)
         if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
             try:
                 self.files.write_record(entry.record())
