@@ -413,12 +413,13 @@ class StreamPage:
         self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
                   lambda _: self.show_answers(entry))
         self.watch_panel.refresh(entry)
-        self.show("timeline", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0,
+        self.show("timeline", (info["frames"], len(entry.answers), id(entry.answers[-1]) if entry.answers else 0,
                                tuple((w.id, len(w.events)) for w in entry.stream.watches)),
                   lambda _: self.show_timeline(entry))
 
     def show_timeline(self, entry) -> None:
         rows, read, events = timeline_rows(entry)
+        self.timeline.options["xAxis"]["max"] = max(entry.stream.frames - 1, 1)  # the whole stream, so far
         self.timeline.options["yAxis"]["data"] = rows
         self.timeline.options["series"][0]["data"] = read
         self.timeline.options["series"][1]["data"] = events

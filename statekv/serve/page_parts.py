@@ -93,9 +93,10 @@ class ErrorNote:
 
         self.label.set_text(message)
         self.box.set_visibility(True)
-        # in view, wherever the page was scrolled to (below a long question, say)
-        ui.run_javascript(f"setTimeout(() => document.getElementById('c{self.box.id}')"
-                          "?.scrollIntoView({block: 'nearest'}), 0)")
+        # in view, wherever the page was scrolled to (below a long question, say), once it is drawn
+        ui.run_javascript(f"(() => {{ let tries = 0; const go = () => {{ const note = document.getElementById("
+                          f"'c{self.box.id}'); if (note && note.offsetParent !== null) note.scrollIntoView("
+                          "{block: 'center'}); else if (tries++ < 100) setTimeout(go, 50); }; go(); })()")
 
     def clear(self) -> None:
         self.label.set_text("")
