@@ -263,3 +263,36 @@ def test_past_the_models_range_an_evaluation_reads_the_stream_as_a_step_would(tm
     assert int(answer[0, 0]) == int(expected[0])
     watched.close()
     stepped.close()
+
+
+def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk():
+    """`QuestionGuide.mass` against a direct computation: each question's queries rotated (RoPE's own rotation)
+    from where they were evaluated to right after the step's chunk, softmaxed over the candidates, summed over
+    its rows and the query heads of each KV group, scaled to the chunk's total and weighted."""
+    from types import SimpleNamespace
+
+    from statekv.core.positions import rotate
+    from statekv.core.steering import QuestionGuide
+    from statekv.core.watching import StandingQuestion
+
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, rotary = 4, 2, 16, 12  # a partial rotary: the last dims are not rotated
+    frequencies = torch.rand(rotary // 2, generator=generator)
+    questions = [StandingQuestion(torch.zeros(1, length, dtype=torch.long), frequencies,
+                                  [torch.randn(1, heads, length, dim, generator=generator)], start=40)
+                 for length in (5, 3)]
+    guide = QuestionGuide()
+    guide.add(questions[0], 1.0)
+    guide.add(questions[1], 3.0)
+    keys = torch.randn(1, kv_heads, 9, dim, generator=generator)
+    chunk, seen, scale = 2, 57, 0.3
+    cache = SimpleNamespace(positions=SimpleNamespace(bounded=False), seen_device=torch.tensor(seen),
+                            step_index=7)
+    expected = torch.zeros(1, kv_heads, 9)
+    for question, weight in zip(questions, (1.0, 3.0)):
+        queries = question.queries[0]
+        placed = rotate(queries, torch.full(queries.shape[:3], seen + chunk - 40), frequencies)
+        for head in range(heads):
+            share = ((placed[0, head] @ keys[0, head // 2].T) * scale).softmax(-1).sum(0)
+            expected[0, head // 2] += share * weight * chunk / question.length
+    assert torch.allclose(guide.mass(cache, 0, keys, chunk, scale), expected, atol=1e-5)

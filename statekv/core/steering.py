@@ -53,13 +53,13 @@ class QuestionGuide:
             first = cache.seen_device.to(device).reshape(1) + chunk_len
         total = None
         for pack in self.packs(layer, keys.shape[1], device):
-            cos, sin = pack.turn(first, cache.step_index, scale)
-            queries = pack.queries[layer] * cos + pack.turned[layer] * sin  # [1, H_kv, G * R, D], placed, scaled
-            share = (queries @ keys.transpose(-1, -2).float()).softmax(-1)  # [1, H_kv, G * R, N]
+            turn = pack.turn(first, cache.step_index, scale)  # [D, D]: placed and scaled
+            share = (pack.queries[layer] @ (turn @ keys.transpose(-1, -2).float())).softmax(-1)  # [1, H_kv, G*R, N]
             mass = pack.weights @ share  # [1, H_kv, N]
-            mass = mass * chunk_len if chunk_len != 1 else mass
             total = mass if total is None else total + mass
-        return total if total is not None else torch.zeros(keys.shape[:3], device=device)
+        if total is None:
+            return torch.zeros(keys.shape[:3], device=device)
+        return total * chunk_len if chunk_len != 1 else total
 
     def packs(self, layer: int, heads: int, device: torch.device) -> list["_Pack"]:
         """The questions' queries packed by where they were placed (one pack per start, every question's queries
@@ -77,42 +77,45 @@ class QuestionGuide:
 
 class _Pack:
     """Standing questions placed at one ``start``: per layer their queries ``[1, H_kv, G * R, D]`` (float32, R the
-    rows of all of them, grouped by the KV head each query head reads) and their halves turned (RoPE's
-    rotate-half, so a rotation by ``d`` is ``queries * cos + turned * sin``); ``weights`` ``[G * R]``: each row's
-    share (its question's weight over its length)."""
+    rows of all of them, grouped by the KV head each query head reads); ``weights`` ``[G * R]``: each row's share
+    (its question's weight over its length). A rotation by ``d`` positions is the product with one ``[D, D]``
+    matrix (`turn`), the same at every layer of a step."""
 
     def __init__(self, members: list[tuple[object, float]], start: int, heads: int, device: torch.device):
         self.start = start
         frequencies = members[0][0].frequencies.to(device, torch.float32)
         self.frequencies, self.rotary = frequencies, 2 * frequencies.shape[0]
         layers = len(members[0][0].queries)
-        self.queries, self.turned = [], []
+        self.queries = []
         for layer in range(layers):
             queries = torch.cat([q.queries[layer].to(device, torch.float32) for q, _ in members], 2)  # [1,Hq,R,D]
-            grouped = queries.reshape(1, heads, -1, queries.shape[-1])
-            half = self.rotary // 2
-            turned = torch.zeros_like(grouped)
-            turned[..., :half] = -grouped[..., half:self.rotary]
-            turned[..., half:self.rotary] = grouped[..., :half]
-            self.queries.append(grouped)
-            self.turned.append(turned)
+            self.queries.append(queries.reshape(1, heads, -1, queries.shape[-1]))
         group = self.queries[0].shape[2] // sum(q.length for q, _ in members)
         rows = torch.cat([torch.full((q.length,), weight / q.length) for q, weight in members])
         self.weights = rows.repeat(group).to(device)
         self.dim = self.queries[0].shape[-1]
         self._turn: tuple | None = None
 
-    def turn(self, first: torch.Tensor, step: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[D]`` rotating the queries from ``start`` to ``first`` (LongTensor ``[1]``), times the
-        attention's ``scale``, computed once per step (``step``: the stream's step index) for every layer."""
+    def turn(self, first: torch.Tensor, step: int, scale: float) -> torch.Tensor:
+        """``[D, D]``: RoPE's rotation from ``start`` to ``first`` (LongTensor ``[1]``; rotate-half layout, the dims
+        past the rotary ones unchanged) times the attention's ``scale``, applied on the left of the keys
+        (``queries @ turn @ keys^T`` is the placed queries' logits); computed once per step (``step``: the
+        stream's step index) for every layer."""
         if self._turn is None or self._turn[0] != step:
             angles = (first - self.start).float() * self.frequencies  # [R / 2]
-            rest = self.dim - self.rotary
-            ones, zeros = angles.new_ones(rest), angles.new_zeros(rest)
-            cos = torch.cat([angles.cos(), angles.cos(), ones]) * scale
-            sin = torch.cat([angles.sin(), angles.sin(), zeros]) * scale
-            self._turn = (step, cos, sin)
-        return self._turn[1], self._turn[2]
+            half, dim = self.rotary // 2, self.dim
+            cos, sin = angles.cos() * scale, angles.sin() * scale
+            turn = torch.zeros(dim, dim, device=angles.device)
+            index = torch.arange(half, device=angles.device)
+            # q' = q cos + rotate_half(q) sin, rotate_half(q) = [-q2, q1]: q'1 = q1 cos - q2 sin, q'2 = q2 cos + q1 sin
+            turn[index, index] = cos
+            turn[index + half, index + half] = cos
+            turn[index + half, index] = -sin  # q2 feeds q'1 with -sin: row (source) half + i, column (target) i
+            turn[index, index + half] = sin
+            rest = torch.arange(self.rotary, dim, device=angles.device)
+            turn[rest, rest] = scale
+            self._turn = (step, turn)
+        return self._turn[1]
 
 
 def steered(caches: Sequence, layer: int, keys: torch.Tensor, scores: torch.Tensor, chunk_len: int,
