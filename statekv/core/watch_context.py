@@ -293,11 +293,13 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rows, query_heads, length, _ = q.shape
     total = keys.shape[2]
     group = query_heads // keys.shape[1]
-    causal = _causal(length, total, q.device)
     # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
-    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :] & causal
-    own = torch.arange(length, device=q.device)
-    allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
+    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
+    if length > 1:
+        allowed = allowed & _causal(length, total, q.device)
+        own = torch.arange(length, device=q.device)
+        allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
+    # one query (an answer token): its own token is always valid, so it never reads nothing
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
                                                            enable_gqa=q.shape[1] != keys.shape[1])
     return out.transpose(1, 2)

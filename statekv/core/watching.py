@@ -262,14 +262,16 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     cache.valid = torch.ones(len(rows), longest_prompt, dtype=torch.bool, device=device)
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
-    eos = [torch.tensor(sorted(set(evaluation.eos)) or [-1], device=device) for evaluation in evaluations]
+    widest = max(len(set(evaluation.eos)) for evaluation in evaluations) or 1
+    eos = torch.tensor([sorted(set(evaluation.eos)) + [-1] * (widest - len(set(evaluation.eos)))
+                        for evaluation in evaluations], device=device)  # [W, E], -1 filling
     done = torch.zeros(len(evaluations), dtype=torch.bool, device=device)
     made = []
     for _ in range(longest_answer):
         hidden = _forward(first, cache, input_ids, position_ids)
         tokens = lm_head(hidden).argmax(-1)  # [W]
         made.append(tokens)
-        done |= torch.stack([torch.isin(token, ends) for token, ends in zip(tokens, eos)])
+        done |= (tokens[:, None] == eos).any(-1)
         if bool(done.all()):
             break
         cache.valid = None
