@@ -91,12 +91,14 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
     stream = full.stream(horizon, max_fps=1)
     push(stream, frames, 0, 6)
     watch = stream.watch(COUNT, max_new_tokens=4)
-    prompt = stream.adapter.question_ids(COUNT, stream.state).shape[1]
     for stop in (13, 21, 30, 30):  # the last: nothing new, the carried state alone
         push(stream, frames, stream.frames, stop)
         read.clear()
         assert watch.evaluate() == stream.ask(COUNT, max_new_tokens=4)
-        assert read[0] == (prompt, stream.tokens + prompt)  # the prompt's forward read every token once
+        tokens, valid = read[0]  # the prompt's forward (its last answer after it, the draft it checks first)
+        assert valid - tokens == stream.tokens  # read every token of the stream once
+    layers = len(stream.prefill.cache.layers)
+    assert len(read) == layers  # the answer did not change: the prompt's forward checked it whole, no other forward
     stream.close()
 
 

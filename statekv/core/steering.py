@@ -55,11 +55,9 @@ class QuestionGuide:
         for pack in self.packs(layer, keys.shape[1], device):
             turn = pack.turn(first, cache.step_index, scale)  # [D, D]: placed and scaled
             share = (pack.queries[layer] @ (turn @ keys.transpose(-1, -2).float())).softmax(-1)  # [1, H_kv, G*R, N]
-            mass = pack.weights @ share  # [1, H_kv, N]
+            mass = pack.weighed(chunk_len) @ share  # [1, H_kv, N]
             total = mass if total is None else total + mass
-        if total is None:
-            return torch.zeros(keys.shape[:3], device=device)
-        return total * chunk_len if chunk_len != 1 else total
+        return total if total is not None else torch.zeros(keys.shape[:3], device=device)
 
     def packs(self, layer: int, heads: int, device: torch.device) -> list["_Pack"]:
         """The questions' queries packed by where they were placed (one pack per start, every question's queries
@@ -95,6 +93,13 @@ class _Pack:
         self.weights = rows.repeat(group).to(device)
         self.dim = self.queries[0].shape[-1]
         self._turn: tuple | None = None
+        self._weighed: tuple[int, torch.Tensor] | None = None
+
+    def weighed(self, chunk_len: int) -> torch.Tensor:
+        """``weights`` scaled to a chunk of ``chunk_len`` queries (kept for the next steps of that length)."""
+        if self._weighed is None or self._weighed[0] != chunk_len:
+            self._weighed = (chunk_len, self.weights * chunk_len)
+        return self._weighed[1]
 
     def turn(self, first: torch.Tensor, step: int, scale: float) -> torch.Tensor:
         """``[D, D]``: RoPE's rotation from ``start`` to ``first`` (LongTensor ``[1]``; rotate-half layout, the dims
@@ -126,6 +131,8 @@ def steered(caches: Sequence, layer: int, keys: torch.Tensor, scores: torch.Tens
               and cache.guide.active]
     if not guided:
         return scores
+    if len(caches) == 1:
+        return scores + caches[0].guide.mass(caches[0], layer, keys, chunk_len, scale)
     scores = scores.clone()
     for row in guided:
         scores[row:row + 1] += caches[row].guide.mass(caches[row], layer, keys[row:row + 1], chunk_len, scale)

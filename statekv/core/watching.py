@@ -42,13 +42,15 @@ class StandingQuestion:
 
     ids: LongTensor ``[1, Q]``, its prompt (as the adapter lays a question out after a video). frequencies: the
     stream's rotary frequencies ``[R / 2]`` (float32, host). queries: per layer ``[1, Hq, Q, D]``, the prompt's
-    queries at its latest evaluation (None before the first), RoPE applied from rotary position ``start``.
+    queries at its latest evaluation (None before the first), RoPE applied from rotary position ``start``. answer:
+    LongTensor ``[N]``, its latest answer's tokens (the draft the next evaluation checks first).
     """
 
     ids: torch.Tensor
     frequencies: torch.Tensor
     queries: list[torch.Tensor] | None = None
     start: int = 0
+    answer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     @property
     def length(self) -> int:
@@ -186,6 +188,13 @@ class WatchCache(Cache):
         self.valid: torch.Tensor | None = None
         self.queries: list[torch.Tensor] = []
 
+    def forget(self, row: int, columns: range) -> None:
+        """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
+        for layer in self.layers:
+            if layer.rows is not None:
+                start = layer.rows.context
+                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
         ``[W, T, Hq, D]``."""
@@ -233,12 +242,18 @@ def evaluate(evaluations: Sequence[Evaluation], lm_head: torch.nn.Module) -> lis
 
 
 def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
-    longest_prompt = max(evaluation.prompt.input_ids.shape[1] for evaluation in evaluations)
-    longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
-    rows, ids, positions = [], [], []
+    """The rows' greedy answers. Each prompt runs with its question's last answer after it as a draft
+    (`StandingQuestion.answer`): the forward that reads the prompt also checks the draft, token by token, against
+    what the model predicts there, so an answer that did not change costs that one forward; decoding goes on, one
+    forward per token, from the first token that differs (the draft's tokens after it are not read)."""
     first = evaluations[0].prefill
     device = first.device
-    for evaluation in evaluations:
+    drafts = [evaluation.question.answer[: evaluation.max_new_tokens].to(device) for evaluation in evaluations]
+    longest = max(evaluation.prompt.input_ids.shape[1] + draft.shape[0]
+                  for evaluation, draft in zip(evaluations, drafts))
+    longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
+    rows, ids, positions, lasts = [], [], [], []
+    for evaluation, draft in zip(evaluations, drafts):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
         length = prompt.input_ids.shape[1]
@@ -251,57 +266,73 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
         carried = max(layer.carried_length for layer in prefill.cache.layers)
         place = placement(prefill, evaluation.since, prompt_start(prompt, prefill), room, carried, flat)
-        pad = longest_prompt - length
+        pad = longest - length - draft.shape[0]
         rows.append(_Row(evaluation, place, pad))
         laid = prompt_positions(prompt, prefill, place.shift).to(device)
+        lasts.append(laid[..., -1:])
+        after = laid[..., -1:] + torch.arange(1, draft.shape[0] + 1, device=device)
         # left padding: the first token's id and position, masked as a key, its query's output unused
-        ids.append(torch.cat([prompt.input_ids[:, :1].expand(1, pad), prompt.input_ids], 1).to(device))
-        positions.append(torch.cat([laid[..., :1].expand(*laid.shape[:-1], pad), laid], -1))
-    input_ids, position_ids = torch.cat(ids), torch.cat(positions, dim=-2)
-    cache = WatchCache(rows, longest_prompt + longest_answer, len(first.cache.layers))
-    cache.valid = torch.ones(len(rows), longest_prompt, dtype=torch.bool, device=device)
+        ids.append(torch.cat([prompt.input_ids[:, :1].to(device).expand(1, pad), prompt.input_ids.to(device),
+                              draft[None]], 1))
+        positions.append(torch.cat([laid[..., :1].expand(*laid.shape[:-1], pad), laid, after], -1))
+    cache = WatchCache(rows, longest + longest_answer, len(first.cache.layers))
+    cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
-    widest = max(len(set(evaluation.eos)) for evaluation in evaluations) or 1
-    eos = torch.tensor([sorted(set(evaluation.eos)) + [-1] * (widest - len(set(evaluation.eos)))
-                        for evaluation in evaluations], device=device)  # [W, E], -1 filling
-    done = torch.zeros(len(evaluations), dtype=torch.bool, device=device)
-    made = []
-    for _ in range(longest_answer):
-        hidden = _forward(first, cache, input_ids, position_ids)
-        tokens = lm_head(hidden).argmax(-1)  # [W]
-        made.append(tokens)
-        done |= (tokens[:, None] == eos).any(-1)
-        if bool(done.all()):
+    ends = [set(evaluation.eos) for evaluation in evaluations]
+    hidden = _forward(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
+    answers: list[list[int]] = []
+    for row, (evaluation, draft) in enumerate(zip(evaluations, drafts)):
+        told = lm_head(hidden[row, longest - draft.shape[0] - 1:]).argmax(-1).tolist()  # [d + 1]: each next token
+        kept = 0
+        while kept < draft.shape[0] and told[kept] == int(draft[kept]) and int(draft[kept]) not in ends[row]:
+            kept += 1
+        answer = draft[:kept].tolist() + [told[kept]]
+        if kept < draft.shape[0]:  # the draft's tokens after the first that differs are not read again
+            cache.forget(row, range(longest - draft.shape[0] + kept, longest))
+        answers.append(answer[: evaluation.max_new_tokens])
+    cache.valid = None
+    done = [_finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
+    while not all(done):
+        fed = torch.tensor([[answer[-1]] for answer in answers], device=device)
+        at = torch.cat([last + len(answer) for last, answer in zip(lasts, answers)], dim=-2)
+        tokens = lm_head(_forward(first, cache, fed, at)[:, -1]).argmax(-1).tolist()
+        for row, token in enumerate(tokens):
+            if not done[row]:
+                answers[row].append(token)
+                done[row] = _finished(answers[row], ends[row], evaluations[row].max_new_tokens)
+        if max(len(answer) for answer in answers) >= longest_answer:
             break
-        cache.valid = None
-        input_ids = tokens[:, None]
-        position_ids = position_ids[..., -1:] + 1
-    _keep_queries(rows, cache.queries)
-    produced = torch.stack(made, 1).cpu()  # [W, N]
-    answers = []
-    for row, evaluation in enumerate(evaluations):
-        tokens = produced[row, : evaluation.max_new_tokens]
-        ended = torch.isin(tokens, eos[row].cpu()).nonzero()
-        if ended.numel():
-            tokens = tokens[: int(ended[0, 0]) + 1]
-        answers.append(tokens[None])
-    return answers
+    _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
+    made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
+    for evaluation, tokens in zip(evaluations, made):
+        evaluation.question.answer = tokens[0]
+    return made
+
+
+def _finished(answer: list[int], ends: set[int], longest: int) -> bool:
+    """Whether ``answer`` is complete: it holds an end token (cut after the first) or ``longest`` tokens."""
+    for index, token in enumerate(answer):
+        if token in ends:
+            del answer[index + 1:]
+            return True
+    return len(answer) >= longest
 
 
 def _forward(prefill, cache: WatchCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One forward of the decoder over ``ids`` ``[W, T]`` at ``positions`` through ``cache`` inside ``prefill``'s
-    call (its RoPE); returns the last hidden state of each row ``[W, D]``."""
+    call (its RoPE); returns the last hidden states ``[W, T, D]``."""
     share_language_attention(prefill.model)
     with prefill.streaming(cache):
         output = prefill.decoder(input_ids=ids, position_ids=positions, attention_mask=prefill.step_mask,
                                  past_key_values=cache, use_cache=True)
-    return output.last_hidden_state[:, -1]
+    return output.last_hidden_state
 
 
-def _keep_queries(rows: list[_Row], queries: list[torch.Tensor]) -> None:
-    """Each row's prompt queries at every layer (its padding dropped) kept on its question, with where they sit."""
-    for index, row in enumerate(rows):
+def _keep_queries(rows: list[_Row], queries: list[torch.Tensor], lengths: list[int]) -> None:
+    """Each row's prompt queries at every layer (``lengths`` of them after its padding) kept on its question, with
+    where they sit."""
+    for index, (row, length) in enumerate(zip(rows, lengths)):
         question = row.evaluation.question
-        question.queries = [layer[index:index + 1, :, row.pad:].detach().clone() for layer in queries]
+        question.queries = [layer[index:index + 1, :, row.pad:row.pad + length].detach().clone() for layer in queries]
         question.start = row.first
