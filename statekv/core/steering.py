@@ -30,6 +30,7 @@ class QuestionGuide:
         self.questions: list[tuple[object, float]] = []
         self._signature: tuple = ()
         self._packs: dict = {}
+        self._step: tuple | None = None  # (step key, [(pack, turn [D, D], weights [G * R])]) for the step being run
 
     @property
     def active(self) -> bool:
@@ -47,17 +48,27 @@ class QuestionGuide:
         scaled to the chunk's total (``chunk_len`` queries per query head). The questions evaluated together
         (one start) go through one product."""
         device = keys.device
-        if cache.positions.bounded:
-            first = cache.positions.device_scalars(device)[1] + chunk_len
-        else:
-            first = cache.seen_device.to(device).reshape(1) + chunk_len
         total = None
-        for pack in self.packs(layer, keys.shape[1], device):
-            turn = pack.turn(first, cache.step_index, scale)  # [D, D]: placed and scaled
+        for pack, turn, weights in self.placed(cache, keys.shape[1], device, chunk_len, scale):
             share = (pack.queries[layer] @ (turn @ keys.transpose(-1, -2).float())).softmax(-1)  # [1, H_kv, G*R, N]
-            mass = pack.weighed(chunk_len) @ share  # [1, H_kv, N]
+            mass = weights @ share  # [1, H_kv, N]
             total = mass if total is None else total + mass
         return total if total is not None else torch.zeros(keys.shape[:3], device=device)
+
+    def placed(self, cache, heads: int, device: torch.device, chunk_len: int, scale: float) -> list[tuple]:
+        """For the step being run, each pack with its rotation to right after the step's chunk (times ``scale``)
+        and its rows' weights scaled to the chunk: made at the step's first layer, read by the others."""
+        key = (cache.step_index, id(cache), chunk_len, scale, device, self._signature)
+        if self._step is None or self._step[0] != key:
+            packs = self.packs(0, heads, device)
+            key = (cache.step_index, id(cache), chunk_len, scale, device, self._signature)
+            if cache.positions.bounded:
+                first = cache.positions.device_scalars(device)[1] + chunk_len
+            else:
+                first = cache.seen_device.to(device).reshape(1) + chunk_len
+            self._step = (key, [(pack, pack.turn(first, cache.step_index, scale), pack.weighed(chunk_len))
+                                for pack in packs])
+        return self._step[1]
 
     def packs(self, layer: int, heads: int, device: torch.device) -> list["_Pack"]:
         """The questions' queries packed by where they were placed (one pack per start, every question's queries
