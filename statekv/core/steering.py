@@ -49,15 +49,16 @@ class QuestionGuide:
         (one start) go through one product."""
         device = keys.device
         total = None
-        for pack, turn, weights in self.placed(cache, keys.shape[1], device, chunk_len, scale):
-            share = (pack.queries[layer] @ (turn @ keys.transpose(-1, -2).float())).softmax(-1)  # [1, H_kv, G*R, N]
+        for queries, weights in self.placed(cache, keys.shape[1], device, chunk_len, scale):
+            share = (queries[layer] @ keys.transpose(-1, -2).float()).softmax(-1)  # [1, H_kv, G * R, N]
             mass = weights @ share  # [1, H_kv, N]
             total = mass if total is None else total + mass
         return total if total is not None else torch.zeros(keys.shape[:3], device=device)
 
     def placed(self, cache, heads: int, device: torch.device, chunk_len: int, scale: float) -> list[tuple]:
-        """For the step being run, each pack with its rotation to right after the step's chunk (times ``scale``)
-        and its rows' weights scaled to the chunk: made at the step's first layer, read by the others."""
+        """For the step being run, each pack's queries at every layer ``[L, H_kv, G * R, D]`` rotated to right after the
+        step's chunk (times ``scale``: one product for all layers) and its rows' weights scaled to the chunk: made at
+        the step's first layer, read by the others."""
         key = (cache.step_index, id(cache), chunk_len, scale, device, self._signature)
         if self._step is None or self._step[0] != key:
             packs = self.packs(0, heads, device)
@@ -66,7 +67,7 @@ class QuestionGuide:
                 first = cache.positions.device_scalars(device)[1] + chunk_len
             else:
                 first = cache.seen_device.to(device).reshape(1) + chunk_len
-            self._step = (key, [(pack, pack.turn(first, cache.step_index, scale), pack.weighed(chunk_len))
+            self._step = (key, [(pack.stacked @ pack.turn(first, cache.step_index, scale), pack.weighed(chunk_len))
                                 for pack in packs])
         return self._step[1]
 
@@ -103,6 +104,7 @@ class _Pack:
         rows = torch.cat([torch.full((q.length,), weight / q.length) for q, weight in members])
         self.weights = rows.repeat(group).to(device)
         self.dim = self.queries[0].shape[-1]
+        self.stacked = torch.cat(self.queries)  # [L, H_kv, G * R, D]
         self._turn: tuple | None = None
         self._weighed: tuple[int, torch.Tensor] | None = None
 
