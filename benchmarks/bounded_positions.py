@@ -3,7 +3,7 @@ times past them, on held-out synthetic sets.
 
 * **Inside the range** (``--inside``: 96-frame videos, about 500 tokens): each method (full attention, StateKV
   B=64) encodes every video with ``positions="stream"`` and with ``positions="bounded"`` under each layout of
-  `statekv.core.positions` (``own-then-cache``, the default, ``grouped``, ``cache``), and answers each question
+  `statekv.core.positions.placing` (``own-then-cache``, the default, ``grouped``, ``cache``), and answers each question
   from the whole cache and from 16 retrieved frames per layer.
 * **Past the range** (``--beyond``: videos of ``--beyond-frames`` frames, over three times the model's 4,096
   positions): each video is pushed into a `VideoQA.stream()` with no horizon (bounded positions: it never ends)
@@ -67,7 +67,7 @@ def label(method: str, positions: str, layout: str | None) -> str:
 
 def use_layout(layout: str | None) -> None:
     """The layout bounded streams made from now on use (the benchmark's knob: `positions.DEFAULT_LAYOUT`)."""
-    from statekv.core import positions as placing
+    from statekv.core.positions import placing
 
     placing.DEFAULT_LAYOUT = layout or placing.OwnThenCache.name
 

@@ -15,7 +15,10 @@ With random weights of the real shapes (a forward's cost does not depend on the 
 4. ``512-frame prefill``: one-shot SDPA forward of the whole video against StateKV streamed (best variant),
    and Hugging Face's one-frame forward over the 512 frames (what full attention pays per frame there).
 5. ``1B pipeline``: `VideoQA.encode` of a 448x448 video on a real-size random InternVL3-1B, frames/s; one ask.
-6. ``batched streams``: 1, 4 and 16 streams of that model pushed together (`VideoQA.push_many`).
+6. ``batched streams``: 1, 4 and 16 streams of that model pushed together (`VideoQA.push_many`), with what
+   decoding, the vision tower and the language model took per round.
+   ``batched steps``: the engine alone, 1 to 32 streams of the 1B decoder stepped together (`StepBatcher`), with
+   launches and host-dispatched ops per step.
 7. ``cache tiers``: the same stream with its detailed cache in GPU memory, int4, on disk, and on disk int4:
    ms per frame, GPU and host memory.
 
@@ -367,7 +370,7 @@ class LanguageModel:
 def step_variants(shapes: Shapes) -> list[tuple[str, Callable[[], Any], dict[str, Any]]]:
     """(label, policy factory, engine settings) of the measured streamed steps. A label without ``graph`` steps
     eagerly (``cuda_graph`` off, so its launches are the eager step's); ``compiled``: the decoder of steady steps
-    compiled by torch.compile (`statekv.core.compiled`)."""
+    compiled by torch.compile (`statekv.core.step.compiled`)."""
     import statekv
 
     budget, window = shapes.budget, shapes.window_frames
@@ -748,14 +751,81 @@ def batched_streams(section: Section, deadline: float, shapes: Shapes, checkpoin
                                                    for tick, image in enumerate(rounds)])
         fps = count * len(rounds) / seconds
         baseline = baseline or fps
-        section.rows.append({"streams": count, "frames_per_s": fps, "ms_per_round": 1e3 * seconds / len(rounds),
-                             "speedup_over_one": fps / baseline, "peak_gib": peak_gib(shapes.device)})
+        row = {"streams": count, "frames_per_s": fps, "ms_per_round": 1e3 * seconds / len(rounds),
+               "speedup_over_one": fps / baseline, "peak_gib": peak_gib(shapes.device)}
+        # per round: decoding and the vision call are each stream's share (summed), a batched language step is
+        # the whole step's time in every stream's record (its mean over streams)
+        for stage, whole in (("decode", sum), ("vision", sum), ("language", statistics.fmean)):
+            per_stream = [sum(getattr(stream.stats, f"{stage}_seconds")[-len(rounds):]) for stream in streams]
+            row[f"{stage}_ms_per_round"] = 1e3 * whole(per_stream) / len(rounds)
+        section.rows.append(row)
         print(f"   {section.rows[-1]}", flush=True)
         for stream in streams:
             stream.close()
     rows = [row for row in section.rows if "frames_per_s" in row]
     if rows:
         section.figures["streams_speedup"] = {row["streams"]: round(row["speedup_over_one"], 2) for row in rows}
+
+
+def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
+    """The engine alone: S streams of the 1B decoder stepped together (`StepBatcher`, StateKV, one frame of
+    random embeddings per stream and step, steady, replayed as graphs on CUDA): ms per batched step, frames/s
+    against one stream, and per step the launches, GPU busy time and the ATen ops the host dispatched."""
+    import statekv
+    import torch
+    from statekv.core.step.batching import StepBatcher, StepRequest
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    device = shapes.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    fields = {key: (shapes.vlm_text or shapes.lm)[key] for key in ("hidden_size", "num_hidden_layers",
+                                                                    "num_attention_heads", "num_key_value_heads",
+                                                                    "head_dim", "intermediate_size")}
+    tokens, budget = shapes.frame_tokens if shapes.vlm_text is None else 256, shapes.vlm_budget // 4
+    warm, timed_steps = -(-budget // tokens) + 4, 8 if device.startswith("cuda") else 2
+    config = Qwen2Config(**fields, vocab_size=1024, max_position_embeddings=(warm + 3 * timed_steps + 4) * tokens)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    frame = 0.02 * torch.randn(1, tokens, config.hidden_size, device=device, dtype=dtype, generator=generator)
+    backend = "triton" if device.startswith("cuda") else "chunked"
+    baseline = None
+    counts = (1, 2, 4, 8, 16, 32) if device.startswith("cuda") else (1, 4, 16)
+    with torch.no_grad():
+        for count in counts:
+            if time.monotonic() > deadline:
+                section.rows.append({"streams": count, "error": "not run: the section's time cap was reached"})
+                continue
+            prefills = [statekv.StreamingPrefill(model, statekv.StateKV(budget=budget), attention=backend,
+                                                 cuda_graph=True, horizon=(warm + 3 * timed_steps + 2) * tokens)
+                        for _ in range(count)]
+            batcher = StepBatcher()
+
+            def steps(n: int) -> None:
+                for _ in range(n):
+                    for outcome in batcher.step([StepRequest(prefill, frame) for prefill in prefills]):
+                        if isinstance(outcome, Exception):
+                            raise outcome
+
+            steps(warm)
+            seconds, _ = timed(device, lambda: steps(timed_steps))
+            fps = count * timed_steps / seconds
+            baseline = baseline or fps
+            row = {"streams": count, "ms_per_step": 1e3 * seconds / timed_steps, "frames_per_s": fps,
+                   "speedup_over_one": fps / baseline, "batched_rows": batcher.batched_rows}
+            row.update({key: value for key, value in profile_counts(device, lambda: steps(2), 2).items()
+                        if key != "top_kernels"})
+            row.update(traced_ops(lambda: steps(1), 1))
+            row["peak_gib"] = peak_gib(device)
+            section.rows.append(row)
+            print(f"   {row}", flush=True)
+            for prefill in prefills:
+                prefill.close()
+            del prefills, batcher
+            release_memory()
+    rows = [row for row in section.rows if "frames_per_s" in row]
+    if rows:
+        section.figures["steps_speedup"] = {row["streams"]: round(row["speedup_over_one"], 2) for row in rows}
 
 
 def cache_tiers(section: Section, deadline: float, shapes: Shapes, checkpoint: Path, folder: Path) -> None:
@@ -861,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (default 480; "
                                                                      "smoke 300)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("tests", "step", "prefill", "pipeline", "streams",
-                                                                   "tiers"), help="sections not to run")
+                                                                   "steps", "tiers"), help="sections not to run")
     parser.add_argument("--docs", default=None, help=f"markdown file whose '{DOCS_SECTION}' section is replaced by "
                                                       "the report (docs/benchmarks.md)")
     parser.add_argument("--prepare-wheels", metavar="FOLDER", help="download the wheels a CUDA machine without "
@@ -899,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.section("512-frame prefill", lambda s, d: prefill(s, d, lm), cap_s=120, needs_s=30)
             del lm
             release_memory()
-        if {"pipeline", "streams", "tiers"} - set(args.skip):
+        if {"pipeline", "streams", "steps", "tiers"} - set(args.skip):
             built, checkpoint = timed("cpu", lambda: make_vlm(folder, shapes))
             print(f"1B checkpoint built in {built:.0f} s", flush=True)
             if "pipeline" not in args.skip:
@@ -908,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
             if "streams" not in args.skip:
                 run.section("batched streams", lambda s, d: batched_streams(s, d, shapes, checkpoint), cap_s=60,
                             needs_s=15)
+            if "steps" not in args.skip:
+                run.section("batched steps", lambda s, d: batched_steps(s, d, shapes), cap_s=60, needs_s=15)
             if "tiers" not in args.skip:
                 run.section("cache tiers", lambda s, d: cache_tiers(s, d, shapes, checkpoint, folder), cap_s=60,
                             needs_s=15)

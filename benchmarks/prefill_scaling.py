@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import statekv
-from statekv.core.buffers import TokenBuffer
+from statekv.core.storage.buffers import TokenBuffer
 from statekv.settings.methods import labelled_policies
 
 sys.path.insert(0, str(Path(__file__).parent))

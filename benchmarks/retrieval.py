@@ -4,7 +4,7 @@ The synthetic questions name their evidence (``evidence_frames`` in ``questions.
 attention, StateKV B=64, ReKV R=16), every video is encoded once and every question asked
 
 * from the whole detailed cache, and
-* from ``k`` retrieved frames per layer (k = 8, 16, 32, 64) under each rule of `statekv.core.retrieval`,
+* from ``k`` retrieved frames per layer (k = 8, 16, 32, 64) under each rule of `statekv.core.answering.retrieval`,
 
 recording per layer which frames each rule chose: evidence recall@k (the share of questions with at least one,
 and with all, of their evidence frames among the k) and accuracy (95% Wilson intervals) against k. The time a
@@ -45,7 +45,7 @@ EVERYTHING = 10 ** 9  # frames: retrieve every step (the whole-cache answer, wit
 def recorded_retrieval():
     """A `Retrieval` that records, per layer, the steps it chose, the seconds choosing took, and (optionally)
     what the rule saw."""
-    from statekv.core.retrieval import Retrieval
+    from statekv.core.answering.retrieval import Retrieval
 
     @dataclass(frozen=True)
     class Recorded(Retrieval):
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.segment_steps is not None:
-        from statekv.core import storage as segmented
+        from statekv.core.storage import layer_storage as segmented
 
         segmented.SEGMENT_STEPS = args.segment_steps
     if args.from_json:

@@ -7,7 +7,7 @@ the GPU suite's breakdown of GPU time by kernel kind is what a graph-replayed st
 
 * ``topk``: the top-B candidates, unordered;
 * ``topk + sort``: ordered by sorting them (a radix sort per row), what the engine did before;
-* ``topk + in_time_order``: ordered by `statekv.core.policies.in_time_order`, what it does now;
+* ``topk + in_time_order``: ordered by `statekv.core.rules.scored.in_time_order`, what it does now;
 * ``gather + copy back``: the kept keys and values gathered element by element and written to the first B slots,
   with their positions (what `CarriedSlots.keep` does);
 * ``index_select rows + copy back``: the same, each kept slot copied as one row of a flat view (tried, reverted).
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from statekv.core.policies import in_time_order
+from statekv.core.rules import in_time_order
 
 LAYERS, HEADS, BUDGET, FRAME, DIM = 28, 4, 4096, 259, 128
 CANDIDATES = BUDGET + FRAME

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
-from statekv.core.batching import StepBatcher, StepRequest  # noqa: E402
-from statekv.core.storage import SEGMENT_STEPS  # noqa: E402
+from statekv.core.step.batching import StepBatcher, StepRequest  # noqa: E402
+from statekv.core.storage.layer_storage import SEGMENT_STEPS  # noqa: E402
 from statekv.testing.op_trace import OpTrace, device_parts  # noqa: E402
 from statekv.settings.methods import labelled_policies  # noqa: E402
 from walltime import FRAME_TOKENS, internvl3_8b_language_config, random_model  # noqa: E402

@@ -1,5 +1,5 @@
 """Ops of a steady streaming step inside and outside its device part (what a CUDA graph records), for one stream
-and for 16 streams stepped together, on any checkout: it marks ``statekv.core.batching.device_step`` itself, so it
+and for 16 streams stepped together, on any checkout: it marks ``statekv.core.step.batching.device_step`` itself, so it
 also counts trees older than `statekv.testing.op_trace.device_parts` (compare commits with it).
 
     cd <checkout> && PYTHONPATH=$PWD python /path/to/benchmarks/step_split.py
@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path.cwd() / "benchmarks"))  # the checkout's own step_co
 import torch  # noqa: E402
 
 import statekv  # noqa: E402
-import statekv.core.batching as batching  # noqa: E402
-import statekv.core.prefill as prefill_module  # noqa: E402
+import statekv.core.step.batching as batching  # noqa: E402
+import statekv.core.stream.prefill as prefill_module  # noqa: E402
 from statekv.testing.op_trace import OpTrace  # noqa: E402
 from step_cost import frames, methods, tiny_language_model  # noqa: E402
 

@@ -22,10 +22,9 @@ from .core import (  # noqa: E402
     StateKV,
     StreamingPrefill,
     WithSinks,
-    generate_from_cache,
     scored_attention,
 )
-from .core.settings import EngineSettings  # noqa: E402
+from .settings.engine import EngineSettings  # noqa: E402
 from .api.encoded import EncodedVideo  # noqa: E402
 from .api.stats import EncodingStats  # noqa: E402
 from .errors import (  # noqa: E402
@@ -48,5 +47,5 @@ __all__ = [
     "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention", "RecentFrames",
     "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
-    "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "generate_from_cache", "make_policy", "register_method", "scored_attention",
+    "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "make_policy", "register_method", "scored_attention",
 ]

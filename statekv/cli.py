@@ -20,6 +20,7 @@ COMMANDS = (
     "statekv.commands.answer",
     "statekv.commands.stream",
     "statekv.commands.serve",
+    "statekv.commands.reown",
     "statekv.analysis.command",
     "statekv.eval.command",
     "statekv.flops.command",

@@ -20,15 +20,17 @@ from typing import Any
 
 from .errors import StateKVError
 from .stopping import Stopped, signals_stop_like_ctrl_c  # Stopped: what commands catch
-from .values import POSITIVE_FLOAT, POSITIVE_INT
+from .settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, every_frame: str | None = None) -> None:
+    """--max-fps and --max-frames; ``every_frame``: why --max-frames defaults to no cap (None) instead of 512."""
     group = parser.add_argument_group("frame sampling")
     group.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
                        help="at most F frames per second of video (default: 1)")
-    group.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N",
-                       help="at most N frames in all (default: 512)")
+    default = f"every frame: {every_frame}" if every_frame else "512"
+    group.add_argument("--max-frames", type=POSITIVE_INT, default=None if every_frame else 512, metavar="N",
+                       help=f"at most N frames in all (default: {default})")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, *,

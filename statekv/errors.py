@@ -28,6 +28,16 @@ class HorizonError(StateKVError, ValueError):
     """The planned or reached sequence length is beyond what the model's RoPE or the declared horizon allows."""
 
 
+class QuestionTooLong(HorizonError):
+    """A question of ``prompt`` tokens and its answer of up to ``answer`` tokens do not fit in the ``room`` tokens a
+    stream has left before its horizon."""
+
+    def __init__(self, prompt: int, answer: int, room: int):
+        super().__init__(f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} tokens left "
+                         "before the RoPE horizon; create the VideoQA with a larger reserve_tokens")
+        self.prompt, self.answer, self.room = prompt, answer, room
+
+
 class VideoError(StateKVError, ValueError):
     """A video source cannot be read: wrong type, corrupt, truncated, without frames."""
 

@@ -13,6 +13,11 @@ hold alone).
 The locks are the operating system's (``flock``, per open file): they go away with their process, so a killed
 stream never leaves a stale lock, and two opens in one process exclude each other as two processes do. Where
 ``fcntl`` does not exist (Windows) nothing is locked.
+
+A lock is on the file its holder opened, not on a name: removing or replacing a lock file under a live holder
+would let a second opener lock the new file beside it. So a folder's owner (`FolderLock`: a disk tier's file set)
+locks the folder itself, which no file removed or replaced in it can break; and a holder checks before it writes
+that its path still names what it locked (`FileLock.owns`), refusing to write where it no longer owns.
 """
 
 from __future__ import annotations
@@ -40,36 +45,38 @@ class FileLock:
     """A ``flock`` on ``path`` (exclusive, or shared), held until `release` (or until the object is collected, or
     its process ends)."""
 
-    def __init__(self, path: Path, fd: int, remove: bool = False):
-        self.path, self.fd, self.remove = path, fd, remove
+    def __init__(self, path: Path, fd: int, remove: bool = False, locked: bool = True):
+        self.path, self.fd, self.remove, self.locked = path, fd, remove, locked
         self._finalizer = weakref.finalize(self, os.close, fd) if fd >= 0 else None
 
     @classmethod
     def acquire(cls, path: str | os.PathLike, *, what: str, holder: str | None = None,
                 error: type[StateKVError] = StateKVError,
                 advice: str = "one stream has one owner: close it there first",
-                remove: bool = False, shared: bool = False, holders: str | None = None) -> "FileLock":
+                remove: bool = False, shared: bool = False, holders: str | None = None,
+                note: Path | None = None) -> "FileLock":
         """Lock ``path`` (created if missing), writing ``holder`` (who holds it) into it when given; ``error``
         naming ``what``, the holder (``holders`` when given, else the note in the file) and ``advice`` when another
         open holds it. ``remove``: the file is removed when the lock is released (a lock file of its own, not a
         file others read). ``shared``: a shared lock, refused only while an exclusive one is held (its holder
-        writes no note). A file system without locks locks nothing."""
+        writes no note). A file system without locks locks nothing. ``path`` may be a folder, locked itself;
+        ``note``: the file its holder's note is read from when it is refused (a folder holds no note)."""
         path = Path(path)
         if fcntl is None:
-            return cls(path, -1, False)
+            return cls(path, -1, False, locked=False)
         for _ in range(100):  # another owner may remove or replace the file between our open and our lock
             fd = _open(path, what, error)
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
-                held = holders or describe_holder(path, fd)
+                held = holders or describe_holder(path, None if note is not None else fd, note)
                 os.close(fd)
                 raise error(f"{what} is in use by {held}; {advice}") from None
             except OSError as failure:
                 if failure.errno not in NO_LOCKS:
                     os.close(fd)
                     raise error(f"cannot lock {what}: {failure.strerror or failure}") from None
-                return cls(path, fd, remove)  # a file system without locks (some network ones) locks nothing
+                return cls(path, fd, remove, locked=False)  # a file system without locks (some network ones)
             if _same_file(path, fd):  # not replaced or removed between the open and the lock
                 break
             os.close(fd)
@@ -89,6 +96,12 @@ class FileLock:
     def held(self) -> bool:
         return self._finalizer is not None and self._finalizer.alive
 
+    def owns(self) -> bool:
+        """Whether the lock still holds what its path names: False once the file (or folder) locked was removed,
+        replaced or moved away, and another opener could lock what the path names now. True where nothing is
+        locked (no ``fcntl``, a file system without locks)."""
+        return not self.locked or (self.held and _same_file(self.path, self.fd))
+
     def release(self) -> None:
         if self._finalizer is None or not self._finalizer.alive:
             return
@@ -100,12 +113,14 @@ class FileLock:
         self._finalizer()  # closes the file: the lock goes with it
 
 
-def describe_holder(path: Path, fd: int | None = None) -> str:
-    """Who holds the lock of ``path``: the note its holder wrote in it, else the process the system names
-    (Linux), else "another process"."""
+def describe_holder(path: Path, fd: int | None = None, note: Path | None = None) -> str:
+    """Who holds the lock of ``path``: the note its holder wrote in it (or in ``note``, if that file is locked too:
+    a note nobody holds may be anyone's), else the process the system names (Linux), else "another process"."""
     try:
         if fd is not None:
             note = os.pread(fd, MAX_HOLDER_CHARS, 0)
+        elif note is not None:
+            note = _held_note(Path(note))
         else:
             note = path.read_bytes()[:MAX_HOLDER_CHARS]
         note = note.decode("utf-8", "replace").strip().splitlines()
@@ -117,7 +132,61 @@ def describe_holder(path: Path, fd: int | None = None) -> str:
     return f"process {pid} on {socket.gethostname()}" if pid is not None else "another process"
 
 
+class FolderLock:
+    """The one owner of a folder: the exclusive lock of the folder itself, held on its open descriptor, so no file
+    removed or replaced in it can break it; and of its lock file ``name`` in it, which holds the holder's note (and
+    is what a statekv before this one locked, so the two exclude each other too). `owns`: whether the folder's path
+    still names the folder locked (not moved away, or replaced)."""
+
+    def __init__(self, folder: FileLock, file: FileLock):
+        self.folder, self.file = folder, file
+
+    @classmethod
+    def acquire(cls, folder: str | os.PathLike, *, what: str, holder: str | None = None,
+                error: type[StateKVError] = StateKVError, name: str = "lock",
+                advice: str = "one stream has one owner: close it there first") -> "FolderLock":
+        """Lock ``folder`` (which must exist) for ``holder`` (its note, written into ``name``); ``error`` naming
+        ``what`` and the holder when another open holds it."""
+        folder = Path(folder)
+        own = FileLock.acquire(folder, what=what, error=error, advice=advice, note=folder / name)
+        try:
+            file = FileLock.acquire(folder / name, what=what, holder=holder, error=error, advice=advice)
+        except BaseException:
+            own.release()
+            raise
+        return cls(own, file)
+
+    @property
+    def held(self) -> bool:
+        return self.folder.held
+
+    def owns(self) -> bool:
+        return self.folder.owns()
+
+    def release(self) -> None:
+        self.file.release()
+        self.folder.release()
+
+
+def _held_note(path: Path) -> bytes:
+    """The note in ``path`` if an exclusive lock holds the file, else nothing."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, MAX_HOLDER_CHARS, 0)
+        return b""  # nobody holds it: whatever it says is not the holder's word
+    finally:
+        os.close(fd)
+
+
 def _open(path: Path, what: str, error: type[StateKVError]) -> int:
+    if path.is_dir():
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as failure:
+            raise error(f"cannot lock {what}: {failure.strerror or failure}") from None
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as failure:

@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny random decoders of the real architectures, saved and loaded via from_pretrained."""
+"""Shared fixtures and helpers: tiny random decoders of the real architectures, saved and loaded via
+from_pretrained (`tiny_lm`); tiny random checkpoints of the supported VLM families (`tiny_checkpoint`,
+`checkpoint`: InternVL's); random frames (`random_frames`) and a `VideoQA` over a tiny checkpoint as the tests make
+it (`tiny_qa`)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+import statekv  # noqa: E402
+from statekv.testing import make_tiny_checkpoint  # noqa: E402
 
 WEIGHT_STD = 0.15  # the default 0.02 makes attention nearly uniform and hides selection bugs
 
@@ -67,6 +74,44 @@ def tiny_lm(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family)``: the folder of a tiny random checkpoint of ``family`` (``internvl``,
+    ``qwen3_vl``, ``eagle``; `statekv.testing.make_tiny_checkpoint`'s defaults), made once per session and only
+    read (a test that changes one copies it first)."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            made[family] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt")
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_checkpoint):
+    """A tiny InternVL3 (``-hf``) checkpoint's folder."""
+    return tiny_checkpoint("internvl")
+
+
+def random_frames(count: int, seed: int = 0, height: int = 24, width: int = 32) -> np.ndarray:
+    """``count`` RGB frames of random pixels, uint8 ``[count, height, width, 3]``, the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+
+
+TEST_POLICIES = {"statekv": lambda: statekv.StateKV(budget=12), "recency": lambda: statekv.Recency(frames=2),
+                 "full": statekv.FullAttention}
+
+
+def tiny_qa(adapter, policy: str | statekv.CarryPolicy = "statekv", **settings) -> statekv.VideoQA:
+    """A `VideoQA` over a tiny checkpoint's ``adapter`` as the tests make it: eager attention and 40 tokens kept
+    for the question and answer unless ``settings`` (`VideoQA`'s, the engine's included) say otherwise. policy: a
+    carry rule, or a name of `TEST_POLICIES` (StateKV B=12, recency R=2, full attention)."""
+    rule = TEST_POLICIES[policy]() if isinstance(policy, str) else policy
+    return statekv.VideoQA(adapter, rule, **{"attention": "eager", "reserve_tokens": 40, **settings})
 
 
 # A prefix chunk then eleven chunks of unequal lengths: 100 tokens in all.

@@ -18,7 +18,7 @@ import statekv.models.remote_internvl  # noqa: F401  (registers the adapter)
 from statekv import InputError, UnsupportedModelError
 from statekv.models import adapter_for, load_adapter
 from statekv.models.remote_internvl import RemoteInternVLAdapter
-from statekv.testing import draw_test_frame, make_tiny_checkpoint
+from statekv.testing import draw_test_frame
 from statekv.video import Frame, internvl_pixel_values
 
 LAYOUTS = ("eagle", "paper", "chat")
@@ -30,8 +30,8 @@ CONTEXT = "<IMG_CONTEXT>" * 16  # 112x112 frame, patch 14, pixel shuffle 0.5
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("eagle", tmp_path_factory.mktemp("eagle") / "tiny")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("eagle")
 
 
 @pytest.fixture(scope="module")

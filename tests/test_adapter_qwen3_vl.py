@@ -16,7 +16,7 @@ from statekv import FullAttention, StateKV, StreamingPrefill
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.models.qwen3_vl import Qwen3VLAdapter, QwenVideoSettings
-from statekv.testing import make_tiny_checkpoint, write_test_video
+from statekv.testing import write_test_video
 from statekv.video import Frame, open_video, temporal_groups
 
 QUESTION = "What happens in the video?"
@@ -25,8 +25,8 @@ FPS = 2.0
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl"))
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_vl")
 
 
 @pytest.fixture(scope="module")

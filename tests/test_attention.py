@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core import attention
+from statekv.core.attention import scored as attention
 
 
 def reference(q, k, v, scale):

@@ -1,4 +1,4 @@
-"""Steps of several streams in one forward (`statekv.core.batching`): each stream gets what it gets alone, the
+"""Steps of several streams in one forward (`statekv.core.step.batching`): each stream gets what it gets alone, the
 batched steady step is static and sync-free, and its compute ops do not grow with the number of streams."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.batching import StepBatcher, StepRequest
+from statekv.core.step.batching import StepBatcher, StepRequest
 from statekv.testing.op_trace import OpTrace
 
 PREFIX, T, STEPS = 9, 6, 10
@@ -101,9 +101,11 @@ def test_a_forward_that_fails_in_the_batch_is_retried_alone(tiny_lm, monkeypatch
     for step in range(6):
         batcher.step([StepRequest(prefill, stream[step]) for prefill, stream in zip(prefills, data)])
     before = batcher.batched_steps
-    import statekv.core.batching as batching
+    import statekv.core.step.batching as batching
 
-    monkeypatch.setattr(batching, "stack_inputs", lambda inputs: (_ for _ in ()).throw(RuntimeError("boom")))
+    stack = batching.stack_inputs  # stacking several streams' rows fails; a stream alone has nothing to stack
+    monkeypatch.setattr(batching, "stack_inputs",
+                        lambda inputs: stack(inputs) if len(inputs) == 1 else (_ for _ in ()).throw(RuntimeError("boom")))
     outcomes = batcher.step([StepRequest(prefill, stream[6]) for prefill, stream in zip(prefills, data)])
     assert all(isinstance(outcome, torch.Tensor) for outcome in outcomes) and batcher.batched_steps == before
     reference = prefill_for(model, "statekv")
@@ -135,7 +137,7 @@ def test_the_batched_steady_step_is_static_and_its_compute_does_not_grow_with_st
     model = tiny_lm("qwen3")
     traces = {streams: traced_batched_steps(model, method, streams, 8) for streams in (2, 8)}
     for streams, steps in traces.items():
-        steady = steps[5:]
+        steady = steps[6:]  # after the first batched step, which seated the streams in their pool
         assert all(trace.ops == steady[0].ops for trace in steady)  # same ops, shapes and scalars, step after step
         assert all(not trace.syncs for trace in steady)
 

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer, InternVLForConditionalGeneration
 
 import statekv
-from statekv.builtin import BUILTIN_BUDGET, WEIGHTS_DIR, builtin_checkpoint
+from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
+from statekv.settings.options import BUILTIN_BUDGET
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train

@@ -11,36 +11,29 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.limits import CacheLimit
-from statekv.core.prefill import cache_geometry
-from statekv.core.retrieval import LayerQuestion, MostRecent, Retrieval
+from statekv.core.storage.limits import CacheLimit
+from statekv.core.stream.prefill import cache_geometry
+from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval
 from statekv.errors import CacheLimitError, ConfigurationError, InputError
-from statekv.values import format_bytes
+from statekv.settings.values import format_bytes
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames, tiny_qa
 
 QUESTION = "Why?"
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"), layout="chat")
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
-def _qa(adapter, method="recency", **kwargs) -> statekv.VideoQA:
-    policy = {"statekv": statekv.StateKV(budget=12), "recency": statekv.Recency(frames=2)}[method]
-    return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
 
 
 def _steps(adapter, frames: int) -> tuple[list[int], int, int]:
     """(each step's tokens for ``frames`` frames, the prompt prefix's step first; bytes per token; the bytes each
     step adds besides its tokens: its retrieval summaries)."""
-    probe = _qa(adapter).stream(horizon_frames=frames)
-    for frame in _frames(frames):
+    probe = tiny_qa(adapter, "recency").stream(horizon_frames=frames)
+    for frame in random_frames(frames):
         probe.push(frame)
     assert probe.prefix_tokens and probe.prefill.cache.chunk_lengths[0] == probe.prefix_tokens
     return (list(probe.prefill.cache.chunk_lengths), cache_geometry(adapter.model).bytes_per_token,
@@ -63,12 +56,12 @@ def _oldest_evicted(lengths: list[int], cap: int, per_token: int, per_step: int)
 def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
     lengths, per_token, per_step = _steps(adapter, 4)
     cap = sum(lengths[:4]) * per_token + 4 * per_step  # the prefix and 3 frames, with their summaries
-    stream = _qa(adapter, max_cache_bytes=cap).stream(horizon_frames=6)
-    for frame in _frames(3):
+    stream = tiny_qa(adapter, "recency", max_cache_bytes=cap).stream(horizon_frames=6)
+    for frame in random_frames(3):
         stream.push(frame)
     before = (stream.frames, stream.tokens, stream.ask_tokens(QUESTION, max_new_tokens=4))
     with pytest.raises(CacheLimitError) as error:
-        stream.push(_frames(4)[3])
+        stream.push(random_frames(4)[3])
     message = str(error.value)
     assert "\n" not in message and "the detailed cache is full (max_cache_bytes=" in message
     assert "was refused; everything streamed before it is kept and can be asked about" in message
@@ -84,10 +77,10 @@ def test_refuse_keeps_everything_and_the_stream_still_answers(adapter):
 def test_a_stream_without_a_cap_counts_what_a_cap_would(adapter, options):
     """Before: without a cap, held_bytes was the detailed cache as allocated, a whole horizon's from the first
     frame, so it could not be compared with a cap or with another stream's."""
-    capped = _qa(adapter, max_cache_bytes="1G", **options).stream(horizon_frames=6)
-    free = _qa(adapter, **options).stream(horizon_frames=6)
+    capped = tiny_qa(adapter, "recency", max_cache_bytes="1G", **options).stream(horizon_frames=6)
+    free = tiny_qa(adapter, "recency", **options).stream(horizon_frames=6)
     assert free.prefill.stats.held_bytes == capped.prefill.stats.held_bytes > 0  # the prompt prefix
-    for frame in _frames(3):
+    for frame in random_frames(3):
         capped.push(frame)
         free.push(frame)
         assert free.prefill.stats.held_bytes == capped.prefill.stats.held_bytes > 0
@@ -106,9 +99,9 @@ def static_adapter(tmp_path_factory):
 def test_encode_stops_at_the_cap_and_answers_from_the_frames_that_fit(static_adapter):
     lengths, per_token, per_step = _steps(static_adapter, 6)
     cap = sum(lengths[:4]) * per_token + 4 * per_step  # the prefix and 3 frames, with their summaries
-    video = _frames(6)
+    video = random_frames(6)
     with pytest.raises(CacheLimitError) as error:
-        _qa(static_adapter, max_cache_bytes=cap).encode(video, max_frames=6)
+        tiny_qa(static_adapter, "recency", max_cache_bytes=cap).encode(video, max_frames=6)
     message = str(error.value)
     assert message == (f"array[6]: the detailed cache is full at frame 4 of 6 (max_cache_bytes={format_bytes(cap)}): "
                        "encoding stopped; the first 3 frames are encoded and can be asked about")
@@ -116,20 +109,21 @@ def test_encode_stops_at_the_cap_and_answers_from_the_frames_that_fit(static_ada
     assert isinstance(encoded, statekv.EncodedVideo)
     assert encoded.frames == encoded.stats.frames == 3 and encoded.tokens == sum(lengths[:4])
     assert encoded.prefill.stats.held_bytes <= cap
-    alone = _qa(static_adapter).encode(video[:3], max_frames=6)  # only the frames that fit, no cap
+    alone = tiny_qa(static_adapter, "recency").encode(video[:3], max_frames=6)  # only the frames that fit, no cap
     for retrieve in (None, 2):
         assert torch.equal(encoded.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve),
                            alone.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
     assert encoded.answer_info.frames == 3
-    with _qa(static_adapter, max_cache_bytes=cap).encode(video[:3]) as fits:  # exactly at the cap: not stopped
+    # exactly at the cap: not stopped
+    with tiny_qa(static_adapter, "recency", max_cache_bytes=cap).encode(video[:3]) as fits:
         assert fits.frames == 3 and fits.prefill.stats.held_bytes == cap
 
 
 def test_encode_says_when_nothing_fits(static_adapter):
     lengths, per_token, per_step = _steps(static_adapter, 1)
-    video = _frames(4)
+    video = random_frames(4)
     with pytest.raises(CacheLimitError) as error:  # the prompt prefix fits, the first frame does not
-        _qa(static_adapter, max_cache_bytes=lengths[0] * per_token + per_step).encode(video)
+        tiny_qa(static_adapter, "recency", max_cache_bytes=lengths[0] * per_token + per_step).encode(video)
     assert str(error.value).endswith("the detailed cache is full at frame 1 of 4 (max_cache_bytes="
                                      f"{format_bytes(lengths[0] * per_token + per_step)}): no frame fit under it, so "
                                      "there is nothing to ask about")
@@ -137,10 +131,10 @@ def test_encode_says_when_nothing_fits(static_adapter):
     with pytest.raises(InputError, match="no frame has been encoded"):
         error.value.encoded.ask(QUESTION)
     with pytest.raises(CacheLimitError, match="cannot hold even the prompt") as error:
-        _qa(static_adapter, max_cache_bytes=per_token).encode(video)
+        tiny_qa(static_adapter, "recency", max_cache_bytes=per_token).encode(video)
     assert error.value.encoded is None
-    evicting = _qa(static_adapter, offload=True, max_cache_bytes=lengths[0] * per_token + per_step,
-                   cache_limit="evict-oldest")
+    evicting = tiny_qa(static_adapter, "recency", offload=True, max_cache_bytes=lengths[0] * per_token + per_step,
+                       cache_limit="evict-oldest")
     with pytest.raises(CacheLimitError) as error:  # a frame too large even with every other one evicted
         evicting.encode(video)
     assert "even after evicting" in str(error.value) and "encoding stopped at frame 1 of 4" in str(error.value)
@@ -150,16 +144,17 @@ def test_encode_says_when_nothing_fits(static_adapter):
 def test_a_stream_still_answers_when_its_pending_batch_does_not_fit(static_adapter):
     lengths, per_token, per_step = _steps(static_adapter, 4)
     cap = sum(lengths[:3]) * per_token + 3 * per_step  # the prefix and 2 frames
-    stream = _qa(static_adapter, max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=3)
-    frames = _frames(3)
+    stream = tiny_qa(static_adapter, "recency", max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=3)
+    frames = random_frames(3)
     stream.push(frames[0])
     stream.push(frames[1])
     with pytest.raises(CacheLimitError):  # the batch of 3: the first 2 steps fit, the third is refused
         stream.push(frames[2])
     assert stream.frames == 2 and not stream.pending
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6),
-                       _qa(static_adapter).encode(frames[:2], max_frames=6).ask_tokens(QUESTION, max_new_tokens=6))
-    small = _qa(static_adapter, max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=4)
+                       tiny_qa(static_adapter, "recency").encode(frames[:2], max_frames=6).ask_tokens(
+                           QUESTION, max_new_tokens=6))
+    small = tiny_qa(static_adapter, "recency", max_cache_bytes=cap).stream(horizon_frames=6, vision_batch=4)
     for frame in frames:  # pending, waiting for a batch of 4: asking encodes them, and the cap stops the third
         small.push(frame)
     assert small.frames == 0 and len(small.pending) == 3
@@ -174,15 +169,15 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
     cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
     disk = {"offload_dir": tmp_path} if offload == "disk" else {}
     if disk:  # the journal and its checkpoints are counted too: room for what they take by the end
-        probe = _qa(adapter, offload="disk", offload_dir=tmp_path / "probe").stream(horizon_frames=7)
-        for frame in _frames(7):
+        probe = tiny_qa(adapter, "recency", offload="disk", offload_dir=tmp_path / "probe").stream(horizon_frames=7)
+        for frame in random_frames(7):
             probe.push(frame)
         cap += probe.prefill.stats.journal_bytes
     settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", **disk)
-    capped = _qa(adapter, **settings).stream(horizon_frames=7)
-    whole = _qa(adapter).stream(horizon_frames=7)
+    capped = tiny_qa(adapter, "recency", **settings).stream(horizon_frames=7)
+    whole = tiny_qa(adapter, "recency").stream(horizon_frames=7)
     with caplog.at_level(logging.WARNING, logger="statekv"):
-        for frame in _frames(7):
+        for frame in random_frames(7):
             capped.push(frame)
             whole.push(frame)
     said = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
@@ -216,15 +211,15 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
                 keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
                 assert not keys.any() and not values.any()
         capped.close()  # one owner at a time (closing checkpoints it: it resumes where it is)
-        resumed = Stream.load(capped.prefill.disk.folder, _qa(adapter, **settings))
+        resumed = Stream.load(capped.prefill.disk.folder, tiny_qa(adapter, "recency", **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
 
 
 def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adapter, tmp_path):
     lengths, per_token, _ = _steps(adapter, 4)
-    stream = _qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=sum(lengths) * per_token,
-                 cache_limit="evict-least-attended").stream(horizon_frames=8)
+    stream = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=sum(lengths) * per_token,
+                     cache_limit="evict-least-attended").stream(horizon_frames=8)
     evictions = []
     keeper = stream.prefill.keeper
     original = keeper.evict
@@ -238,7 +233,7 @@ def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adap
         original(steps)
 
     keeper.evict = record
-    for frame in _frames(8):
+    for frame in random_frames(8):
         stream.push(frame)
     assert evictions and stream.stats.evicted_frames == sum(len(steps) for steps, _, _ in evictions)
     for steps, evictable, tally in evictions:
@@ -266,16 +261,16 @@ def test_retrieval_never_chooses_an_evicted_step():
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     lengths, per_token, per_step = _steps(adapter, 5)
     cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step
-    qa = _qa(adapter, offload=True, max_cache_bytes=cap, cache_limit="evict-oldest")
+    qa = tiny_qa(adapter, "recency", offload=True, max_cache_bytes=cap, cache_limit="evict-oldest")
     stream = qa.stream(horizon_frames=5)
-    for frame in _frames(5):
+    for frame in random_frames(5):
         stream.push(frame)
     evicted = _oldest_evicted(lengths, cap, per_token, per_step)
     loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
     assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps == set(evicted)
     assert loaded.stats.evicted_frames == len(evicted)
     assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
-    uncapped = Stream.load(tmp_path / "s.safetensors", _qa(adapter, offload=True))  # counts what it holds too
+    uncapped = Stream.load(tmp_path / "s.safetensors", tiny_qa(adapter, "recency", offload=True))  # counted too
     assert uncapped.prefill.stats.held_bytes == loaded.prefill.stats.held_bytes == stream.prefill.stats.held_bytes
 
 
@@ -287,7 +282,7 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
              (dict(cache_limit="evict-oldest"), "needs max_cache_bytes"), (dict(cache_limit="drop"), "cache_limit")]
     for kwargs, needle in cases:
         with pytest.raises(ConfigurationError) as error:
-            _qa(adapter, **kwargs).stream(horizon_frames=2)
+            tiny_qa(adapter, "recency", **kwargs).stream(horizon_frames=2)
         assert "\n" not in str(error.value) and needle in str(error.value), str(error.value)
     with pytest.raises(ConfigurationError, match="cache_limit"):
         CacheLimit(100, "sometimes")

@@ -17,7 +17,7 @@ from bad_videos import BAD_VIDEOS
 from statekv.cli import main
 from statekv.errors import CacheLimitError
 from statekv.testing import make_tiny_checkpoint, write_test_video
-from statekv.values import format_bytes
+from statekv.settings.values import format_bytes
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.batching import StepBatcher, StepRequest
+from statekv.core.step.batching import StepBatcher, StepRequest
 
 PREFIX, T, STEPS = 9, 6, 12
 BUDGET, WINDOW = 20, 3
@@ -143,7 +143,7 @@ def test_compile_step_is_a_setting_of_every_front():
 
 def test_a_decoder_that_cannot_compile_steps_eagerly(tiny_lm, fresh_dynamo, monkeypatch):
     """A backend that fails (no C compiler, say) costs the fusion, never the stream."""
-    import statekv.core.compiled as compiled_module
+    import statekv.core.step.compiled as compiled_module
 
     def failing(graph, example_inputs):
         raise RuntimeError("no compiler here")

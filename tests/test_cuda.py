@@ -1,5 +1,6 @@
-"""What only a CUDA device can check: batched steps replayed as CUDA graphs, the Triton kernels at the real
-models' shapes, and the quantized and disk-tier caches of streams whose model runs on the GPU.
+"""What only a CUDA device can check: batched steps replayed as CUDA graphs (pooled: one graph per bucket), the
+Triton kernels at the real models' shapes, and the quantized and disk-tier caches of streams whose model runs on the
+GPU.
 
 Marked ``cuda``: ``benchmarks/gpu_suite.py`` runs every test so marked (with the static step's graph tests and the
 kernel's float64 checks); without a CUDA device they skip.
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.batching import StepBatcher, StepRequest
-from statekv.testing import make_tiny_checkpoint
+from statekv.core.step.batching import StepBatcher, StepRequest
+
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,6 +44,31 @@ def replays(monkeypatch):
     return counted
 
 
+def test_steps_are_recorded_again_after_every_recording_was_dropped(recwarn):
+    """`StepGraphs.clear` (a layout change, a pool that grew) drops every recording, which releases their memory
+    pool: the next recording takes a pool of its own and replays, instead of failing the caching allocator's
+    assertion and stepping eagerly from then on."""
+    from statekv.core.step.graphs import StepGraphs
+
+    buffer = torch.zeros(4, device="cuda")
+
+    def device_step(inputs):
+        buffer.add_(inputs["x"])
+        return buffer * 2
+
+    graphs = StepGraphs(device_step, lambda: False)
+    for round_ in range(3):
+        graphs.clear()
+        x = torch.full((4,), float(round_ + 1), device="cuda")
+        assert graphs.run({"x": x}, "layout") is None  # the warm-up, run eagerly by the caller
+        device_step({"x": x})
+        for _ in range(2):
+            before = buffer.clone()
+            out = graphs.run({"x": x}, "layout")
+            assert out is not None and torch.equal(buffer, before + x) and torch.equal(out, 2 * buffer)
+    assert not [w for w in recwarn if "cannot be replayed" in str(w.message)]
+
+
 @pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
                          ids=["statekv", "recency"])
 def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_lm, policy, replays):
@@ -67,6 +93,52 @@ def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_l
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         prompt = torch.arange(4, device="cuda")[None]
         assert torch.equal(prefill.generate(prompt, max_new_tokens=4), alone.generate(prompt, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
+                         ids=["statekv", "recency"])
+def test_a_pooled_bucket_is_one_graph_replayed_whoever_fills_it(tiny_lm, policy, replays, monkeypatch):
+    """Streams joining and leaving pooled batches (`statekv.core.step.pooled`): each bucket is recorded once and
+    replayed for every set of streams that fills it; a replay equals the same pooled step run eagerly bit for bit,
+    and each stream carries what it carries alone."""
+    captures = {"count": 0}
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(graph, *args, **kwargs):
+        captures["count"] += 1
+        return begin(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    model = tiny_lm("qwen3").to("cuda")
+    data = [chunks(model, 10 + seed) for seed in range(5)]
+    horizon = PREFIX + STEPS * T
+    joins, leaves = [0, 0, 0, 4, 6], [len(data[0]), len(data[0]), 9, len(data[0]) - 3, len(data[0]) - 5]
+    runs = {graphed: [statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon,
+                                               cuda_graph=graphed) for _ in data] for graphed in (True, False)}
+    hidden = {graphed: [[] for _ in data] for graphed in runs}
+    for graphed, prefills in runs.items():
+        batcher = StepBatcher()
+        for step in range(len(data[0]) + max(joins)):
+            live = [s for s in range(len(data)) if joins[s] <= step < joins[s] + leaves[s]]
+            outcomes = batcher.step([StepRequest(prefills[s], data[s][step - joins[s]]) for s in live])
+            for s, outcome in zip(live, outcomes):
+                assert isinstance(outcome, torch.Tensor), outcome
+                hidden[graphed][s].append(outcome)
+        if graphed:
+            # memberships {0, 1, 2}, {0, 1, 2, 3}, {0, 1, 3, 4} fill bucket 4: one recording (two if a join grew the
+            # pool's tensors), where a graph per set of streams would take three
+            assert replays["replays"] >= 6 and captures["count"] <= 2
+    for s, stream in enumerate(data):
+        assert all(torch.equal(a, b) for a, b in zip(hidden[True][s], hidden[False][s]))
+        alone = statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon, cuda_graph=False)
+        expected = [alone.step(inputs_embeds=chunk) for chunk in stream[:leaves[s]]]
+        for prefill in (runs[True][s], runs[False][s]):
+            for layer in range(model.config.num_hidden_layers):
+                assert torch.equal(prefill.carried_positions(layer), alone.carried_positions(layer))
+        for got, want in zip(hidden[True][s], expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        prompt = torch.arange(4, device="cuda")[None]
+        assert torch.equal(runs[True][s].generate(prompt, max_new_tokens=4), alone.generate(prompt, max_new_tokens=4))
 
 
 @pytest.mark.parametrize("attention", ["eager", "triton"])
@@ -141,11 +213,6 @@ def test_a_quantized_cache_on_cuda_stays_within_a_step_of_its_range_and_answers(
     whole = quantized.generate(prompt, max_new_tokens=5)
     every = statekv.Retrieval(len(data))  # every step retrieved: the whole cache, in order
     assert torch.equal(quantized.generate(prompt, max_new_tokens=5, retrieve=every), whole)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int4"])

@@ -13,45 +13,31 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk import MappedTokenBuffer, MirroredTokenBuffer
+from statekv.core.disk.buffers import MappedTokenBuffer, MirroredTokenBuffer
 from statekv.errors import ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames, tiny_qa
 
 QUESTION = "Why?"
 CHILD_TIMEOUT = 120
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
-
-
 @pytest.fixture
 def every_step(monkeypatch):
     """The carried state checkpointed at every step: a stream resumes exactly where it stopped."""
-    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 1)
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)
 
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint):
     return {layout: load_adapter(checkpoint, layout=layout) for layout in ("paper", "chat")}
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
-def _qa(adapter, method="statekv", **kwargs) -> statekv.VideoQA:
-    policy = {"statekv": statekv.StateKV(budget=12), "recency": statekv.Recency(frames=2),
-              "full": statekv.FullAttention()}[method]
-    return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
 
 
 def _carried(stream) -> list[torch.Tensor]:
@@ -68,9 +54,9 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("layout", ["paper", "chat"])
 @pytest.mark.parametrize("method", ["statekv", "recency"])
 def test_disk_tier_answers_as_the_in_memory_cache(adapters, layout, method, tmp_path):
-    memory = _qa(adapters[layout], method).stream(horizon_frames=6)
-    disk = _qa(adapters[layout], method, offload="disk", offload_dir=tmp_path).stream(horizon_frames=6)
-    for frame in _frames(6):
+    memory = tiny_qa(adapters[layout], method).stream(horizon_frames=6)
+    disk = tiny_qa(adapters[layout], method, offload="disk", offload_dir=tmp_path).stream(horizon_frames=6)
+    for frame in random_frames(6):
         memory.push(frame)
         disk.push(frame)
     assert _same(_carried(disk), _carried(memory))
@@ -83,8 +69,8 @@ def test_disk_tier_answers_as_the_in_memory_cache(adapters, layout, method, tmp_
 
 
 def test_nothing_of_the_detailed_cache_is_held_in_ram(adapters, tmp_path):
-    stream = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path).stream(horizon_frames=4)
-    for frame in _frames(4):
+    stream = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path).stream(horizon_frames=4)
+    for frame in random_frames(4):
         stream.push(frame)
     folder = stream.prefill.disk.folder
     assert folder.parent == tmp_path and (folder / "journal").is_file() and (folder / "stream.json").is_file()
@@ -104,8 +90,8 @@ def test_nothing_of_the_detailed_cache_is_held_in_ram(adapters, tmp_path):
 
 
 def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identically(adapters, tmp_path, every_step):
-    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
-    frames = _frames(7)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    frames = random_frames(7)
     stream = qa.stream(horizon_frames=7, vision_batch=3)
     for frame in frames[:5]:
         stream.push(frame)  # 3 encoded in one batch, 2 pending
@@ -113,7 +99,7 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
     stream.close()  # one owner at a time: its lock goes (as with a crash), nothing more is written
     resumed = Stream.load(folder, qa)  # as after a crash: the pending frames were never durable
     assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (3, 2, 3)
-    reference = _qa(adapters["chat"]).stream(horizon_frames=7)
+    reference = tiny_qa(adapters["chat"]).stream(horizon_frames=7)
     for frame in frames[:3]:
         reference.push(frame)
     assert _same(_carried(resumed), _carried(reference))
@@ -129,9 +115,9 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
 
 
 def test_a_saved_disk_tier_stream_loads_with_nothing_lost(adapters, tmp_path):
-    qa = _qa(adapters["paper"], offload="disk", offload_dir=tmp_path / "cache")
+    qa = tiny_qa(adapters["paper"], offload="disk", offload_dir=tmp_path / "cache")
     stream = qa.stream(horizon_frames=4)
-    for frame in _frames(3):
+    for frame in random_frames(3):
         stream.push(frame)
     saved = stream.save(tmp_path / "s.safetensors")
     expected = stream.ask_tokens(QUESTION, max_new_tokens=6)
@@ -146,8 +132,8 @@ def test_a_saved_disk_tier_stream_loads_with_nothing_lost(adapters, tmp_path):
 
 
 def _disk_stream(adapter, folder, frames=3):
-    stream = _qa(adapter, offload="disk", offload_dir=folder).stream(horizon_frames=4)
-    for frame in _frames(frames):
+    stream = tiny_qa(adapter, offload="disk", offload_dir=folder).stream(horizon_frames=4)
+    for frame in random_frames(frames):
         stream.push(frame)
     stream.close()
     return stream.prefill.disk.folder
@@ -162,7 +148,7 @@ def _refused(folder, qa, needle):
 
 def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
     adapter = adapters["paper"]
-    qa = _qa(adapter, offload="disk", offload_dir=tmp_path)
+    qa = tiny_qa(adapter, offload="disk", offload_dir=tmp_path)
     folder = _disk_stream(adapter, tmp_path / "a")
     data = bytearray((folder / "layer1.detailed.0.bin").read_bytes())
     data[5] ^= 0xFF
@@ -176,9 +162,10 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
 
     folder = _disk_stream(adapter, tmp_path / "c")
     lines = (folder / "journal").read_bytes().split(b"\n")
-    lines[1] = lines[1].replace(b'"tokens":', b'"tokens": ')  # its CRC no longer matches
+    stepped = next(number for number, line in enumerate(lines) if b'"tokens":' in line)  # the first step's
+    lines[stepped] = lines[stepped].replace(b'"tokens":', b'"tokens": ')  # its CRC no longer matches
     (folder / "journal").write_bytes(b"\n".join(lines))
-    _refused(folder, qa, "journal is damaged at line 2")
+    _refused(folder, qa, f"journal is damaged at line {stepped + 1}")
 
     folder = _disk_stream(adapter, tmp_path / "d")
     with open(folder / "journal", "ab") as journal:  # what a kill mid-write leaves: a torn last line
@@ -193,10 +180,10 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
 
 def test_foreign_file_sets_are_refused_with_one_line(adapters, checkpoint, tmp_path):
     folder = _disk_stream(adapters["paper"], tmp_path / "a")
-    _refused(folder, _qa(adapters["paper"], "recency"), "this VideoQA uses Recency")
-    _refused(folder, _qa(adapters["chat"]), "layout")
+    _refused(folder, tiny_qa(adapters["paper"], "recency"), "this VideoQA uses Recency")
+    _refused(folder, tiny_qa(adapters["chat"]), "layout")
     other = load_adapter(make_tiny_checkpoint("internvl", tmp_path / "other", seed=1))
-    _refused(folder, _qa(other), "other weights")
+    _refused(folder, tiny_qa(other), "other weights")
 
 
 def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
@@ -208,7 +195,7 @@ def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
              (dict(offload="disk", offload_dir=tmp_path / "file"), OutputError, "not a folder")]
     for kwargs, kind, needle in cases:
         with pytest.raises(kind) as error:
-            _qa(adapter, **kwargs)
+            tiny_qa(adapter, **kwargs)
         assert "\n" not in str(error.value) and needle in str(error.value), str(error.value)
     with pytest.raises(ConfigurationError, match="offload_dir"):
         statekv.StreamingPrefill(adapter.model, statekv.StateKV(budget=4), offload="disk")
@@ -233,7 +220,7 @@ def test_cli_offload_takes_disk_and_stays_a_plain_flag():
 KILLED_CHILD = """
 import sys, numpy as np, statekv
 from statekv.models import load_adapter
-statekv.core.disk.CHECKPOINT_STEPS = 4  # the carried state checkpointed every 4 steps: a kill loses at most 3
+statekv.core.disk.tier.CHECKPOINT_STEPS = 4  # the carried state checkpointed every 4 steps: a kill loses at most 3
 adapter = load_adapter(sys.argv[1])
 qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40, offload="disk",
                      offload_dir=sys.argv[2])
@@ -264,14 +251,14 @@ def test_kill_9_mid_stream_then_load_resumes_from_the_last_durable_frame(adapter
                 break
     child.communicate(timeout=CHILD_TIMEOUT)
     assert child.returncode == -signal.SIGKILL and folder is not None, child.stderr
-    qa = _qa(adapters["paper"], offload="disk", offload_dir=tmp_path)
+    qa = tiny_qa(adapters["paper"], offload="disk", offload_dir=tmp_path)
     resumed = Stream.load(folder, qa)
     # the last checkpoint was at step 3 or 7 (each step a frame: the paper layout has no prompt prefix); the frames
     # pushed after it (at most the 3 steps since, and one more in flight) are counted lost
     assert resumed.frames in (4, 8) and resumed.pushed == resumed.frames and 0 <= resumed.frames_lost <= 4
     assert resumed.frames + resumed.frames_lost >= 7
-    frames = _frames(60)
-    reference = _qa(adapters["paper"]).stream(horizon_frames=60)
+    frames = random_frames(60)
+    reference = tiny_qa(adapters["paper"]).stream(horizon_frames=60)
     for frame in frames[: resumed.frames]:
         reference.push(frame)
     assert _same(_carried(resumed), _carried(reference))
@@ -286,9 +273,9 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     """The durability contract: the carried state is checkpointed at the first step and every CHECKPOINT_STEPS
     steps, so a stream that stops without saving resumes at its last checkpoint (what follows counted as lost) and
     goes on exactly as a stream that streamed only up to there; saving, syncing or closing checkpoints."""
-    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 4)
-    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
-    frames = _frames(12)
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 4)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    frames = random_frames(12)
     stream = qa.stream(horizon_frames=12)
     for frame in frames[:10]:  # steps: the prompt prefix, then a frame each; checkpoints after steps 0, 3 and 7
         stream.push(frame)
@@ -298,7 +285,7 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     killed = shutil.copytree(folder, tmp_path / "killed")  # the files as a kill leaves them: nothing was saved
     resumed = Stream.load(killed, qa)
     assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (7, 3, 7)
-    reference = _qa(adapters["chat"]).stream(horizon_frames=12)
+    reference = tiny_qa(adapters["chat"]).stream(horizon_frames=12)
     for frame in frames[:7]:
         reference.push(frame)
     assert _same(_carried(resumed), _carried(reference))
@@ -313,9 +300,9 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
 
 
 def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, every_step):
-    frames = _frames(6)
-    memory = _qa(adapters["chat"], offload=True, kv_cache_dtype="int4").stream(horizon_frames=6)
-    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path, kv_cache_dtype="int4")
+    frames = random_frames(6)
+    memory = tiny_qa(adapters["chat"], offload=True, kv_cache_dtype="int4").stream(horizon_frames=6)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path, kv_cache_dtype="int4")
     disk = qa.stream(horizon_frames=6)
     for frame in frames[:4]:
         memory.push(frame)
@@ -325,7 +312,7 @@ def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, 
                      "layer0.step_samples.0.bin", "layer0.value_codes.0.bin", "layer0.value_scales.0.bin"]
     disk.close()
     with pytest.raises(InputError, match="kv_cache_dtype"):  # a file set is resumed as it was stored
-        Stream.load(disk.prefill.disk.folder, _qa(adapters["chat"], offload="disk", offload_dir=tmp_path))
+        Stream.load(disk.prefill.disk.folder, tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path))
     resumed = Stream.load(disk.prefill.disk.folder, qa)
     for frame in frames[4:]:
         memory.push(frame)
@@ -337,9 +324,9 @@ def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, 
 
 
 def test_disk_tier_streams_stepped_together_journal_every_step_and_resume(adapters, tmp_path, every_step):
-    qa = _qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
     streams = [qa.stream(horizon_frames=10, name=f"s{i}") for i in range(3)]
-    frames = [_frames(8, seed=i) for i in range(3)]
+    frames = [random_frames(8, seed=i) for i in range(3)]
     for t in range(8):
         qa.push_many([(stream, frames[i][t], float(t)) for i, stream in enumerate(streams)])
     assert qa.step_scheduler.batched_steps > 0  # steady steps shared forwards
@@ -347,7 +334,7 @@ def test_disk_tier_streams_stepped_together_journal_every_step_and_resume(adapte
         stream.close()
         resumed = Stream.load(stream.prefill.disk.folder, qa)
         assert (resumed.frames, resumed.frames_lost) == (8, 0)
-        reference = _qa(adapters["chat"]).stream(horizon_frames=10)
+        reference = tiny_qa(adapters["chat"]).stream(horizon_frames=10)
         for frame in frames[i]:
             reference.push(frame)
         assert _same(_carried(resumed), _carried(reference))

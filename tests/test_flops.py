@@ -132,8 +132,8 @@ def test_score_pass_convention_matches_each_backend_on_real_tensors(backend, max
     from transformers import InternVLForConditionalGeneration
 
     if max_keys is not None:
-        monkeypatch.setattr("statekv.core.attention.MAX_KEYS", max_keys)
-        monkeypatch.setattr("statekv.core.attention.BLOCK_KEYS", max_keys)
+        monkeypatch.setattr("statekv.core.attention.scored.MAX_KEYS", max_keys)
+        monkeypatch.setattr("statekv.core.attention.scored.BLOCK_KEYS", max_keys)
 
     torch.manual_seed(0)
     spec = _tiny_spec()

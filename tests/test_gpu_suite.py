@@ -19,7 +19,7 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     record = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = {section["name"]: section for section in record["sections"]}
     assert list(sections) == ["cuda tests", "8B step", "512-frame prefill", "1B pipeline", "batched streams",
-                              "cache tiers"]
+                              "batched steps", "cache tiers"]
     assert all(section["status"] == "ok" for section in sections.values()), sections
     assert sections["cuda tests"]["figures"]["collected"] >= 10  # what runs on a GPU is still selected
     steps = {row["variant"]: row for row in sections["8B step"]["rows"]}
@@ -31,6 +31,10 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert sections["512-frame prefill"]["figures"]["prefill_ratio"] > 0
     assert sections["1B pipeline"]["figures"]["pipeline_fps"] > 0
     assert [row["streams"] for row in sections["batched streams"]["rows"]] == [1, 4, 16]
+    assert all(row["language_ms_per_round"] > 0 for row in sections["batched streams"]["rows"])
+    batched = sections["batched steps"]["rows"]
+    assert [row["streams"] for row in batched] == [1, 4, 16] and batched[0]["batched_rows"] == 0
+    assert all(row["batched_rows"] > 0 and row["aten_ops"] > 0 for row in batched[1:])  # they did share steps
     assert [row["tier"] for row in sections["cache tiers"]["rows"]] == ["model dtype", "int4", "disk", "disk int4"]
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "Smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report

@@ -8,8 +8,8 @@ import math
 import torch
 
 import statekv
-from statekv.core.retrieval import AttentionShare, LayerQuestion, MeanKeyMatch, Retrieval, segment_bounds
-from statekv.core.storage import LayerStorage
+from statekv.core.answering.retrieval import AttentionShare, LayerQuestion, MeanKeyMatch, Retrieval, segment_bounds
+from statekv.core.storage.layer_storage import LayerStorage
 
 PER_SEGMENT = 4
 
@@ -94,7 +94,7 @@ def test_hierarchical_choice_agrees_with_the_flat_rule_on_random_questions():
 def test_a_stream_keeps_its_segment_index_and_answers_hierarchically(tiny_lm, monkeypatch):
     """Each layer's storage keeps one index row per complete segment (the min, max and sum of its keys), saved
     and resumed with the stream; a question past `steps` segments reads only a few segments' summaries."""
-    monkeypatch.setattr(statekv.core.storage, "SEGMENT_STEPS", PER_SEGMENT)
+    monkeypatch.setattr(statekv.core.storage.layer_storage, "SEGMENT_STEPS", PER_SEGMENT)
     model = tiny_lm("qwen2")
     prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=16))
     ids = torch.randint(0, 96, (1, 3 + 41 * 2), generator=torch.Generator().manual_seed(0))

@@ -25,17 +25,10 @@ import torch
 from statekv import Stream
 from statekv.errors import OutputError
 from statekv.models import load_adapter
-from statekv.testing import make_tiny_checkpoint
-
 from hostile import noise_frames, small_qa
 
 QUESTION = "Why?"
 CHILD_TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
 
 
 @pytest.fixture(scope="module")

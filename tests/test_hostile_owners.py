@@ -32,11 +32,6 @@ CHILD_TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
-
-
-@pytest.fixture(scope="module")
 def adapter(checkpoint):
     return load_adapter(checkpoint)
 

@@ -426,7 +426,7 @@ def test_a_disk_tier_file_set_that_cannot_be_resumed_is_moved_to_quarantine_and_
         qa, tmp_path, options, caplog):
     """Before: a file set that could not be resumed was left where it was and the stream served from its last save
     (the pushes journaled since then silently gone), in a new file set beside the old one."""
-    from statekv.core.disk import hold
+    from statekv.core.disk.files import hold
 
     tier, state = tmp_path / "tier", tmp_path / "state"
     disk = options.with_changes(offload="disk", offload_dir=str(tier))
@@ -518,3 +518,125 @@ def test_a_stream_that_cannot_close_is_still_deleted_and_stays_deleted_after_a_r
         assert not list((state / "streams").glob(f"{stream_id}*"))
     with Running(state, qa) as server, server.client() as client:
         assert stream_id not in {s["id"] for s in client.get("/v1/streams").json()["data"]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deletions that hold, records that describe their saves, a state folder that cannot be written (issue 51)
+# ---------------------------------------------------------------------------------------------------------------
+def _refusing_writes_under(folder: Path, monkeypatch, number: int = errno.EROFS) -> None:
+    """As a read-only (or full) filesystem under ``folder``: nothing is made, written, renamed or removed there."""
+    def refusing(real, writes):
+        def call(path, *args, **kwargs):
+            if str(path).startswith(str(folder)) and writes(path, args, kwargs):
+                raise OSError(number, os.strerror(number), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    always = lambda path, args, kwargs: True  # noqa: E731
+    written = lambda path, args, kwargs: any(c in (args[0] if args else kwargs.get("mode", "r")) for c in "wxa+")  # noqa: E731
+    for name in ("unlink", "rename", "replace", "rmdir", "mkdir", "link"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name), always))
+    monkeypatch.setattr(os, "open", refusing(os.open, lambda path, args, kwargs: args[0] & (
+        os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+    import builtins
+
+    monkeypatch.setattr(builtins, "open", refusing(builtins.open, written))
+    monkeypatch.setattr(io, "open", refusing(io.open, written))
+
+
+@pytest.mark.parametrize("number", [errno.EROFS, errno.ENOSPC], ids=["read-only", "disk full"])
+def test_a_state_folder_that_cannot_be_written_refuses_changes_in_one_line_and_keeps_every_stream(
+        qa, tmp_path, monkeypatch, number):
+    """Before: DELETE answered 500 with a raw OSError, the stream then answered 404 though its files stayed, and a
+    restart brought the deleted stream back."""
+    state = tmp_path / "state"
+    with Running(state, qa, save_every_frames=2) as server, server.client() as client:
+        kept = _stream(client, frames=2)
+        before = _files(state / "streams")
+        with monkeypatch.context() as patched:
+            _refusing_writes_under(state, patched, number)
+            for response, status in ((client.delete(f"/v1/streams/{kept}"), 503),
+                                     (client.post("/v1/streams", json={}), 503),
+                                     (_push(client, kept, 5, 5.0), 503)):  # its save is due: refused, unstreamed
+                message = _error(response, status)
+                assert os.strerror(number) in message and str(tmp_path) not in message, message
+            assert "nothing was deleted" in _error(client.delete(f"/v1/streams/{kept}"), 503)
+            assert client.get(f"/v1/streams/{kept}").json()["frames"] == 2  # still served, as it was
+            answered = client.post(f"/v1/streams/{kept}/ask", json={"question": QUESTION, "max_new_tokens": 4})
+            assert answered.status_code == 200  # its note in the record is lost, the answer is not
+            assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [kept]
+        assert _files(state / "streams") == before  # nothing half-written, nothing removed
+        assert client.delete(f"/v1/streams/{kept}").status_code == 200  # once it can be written again
+    with Running(state, qa) as server, server.client() as client:
+        assert client.get("/v1/streams").json()["data"] == []
+        assert client.get(f"/v1/streams/{kept}").status_code == 404
+    assert not list((state / "streams").iterdir())
+
+
+def test_a_deletion_cut_short_is_finished_at_the_next_start_never_brought_back(qa, tmp_path, monkeypatch):
+    """Before: a deletion stopped between removing the save and the record (a kill, a file that would not go)
+    left the record, so a restart served the deleted stream again, empty."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+        client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})  # saved
+        record = state / "streams" / f"{stream_id}.json"
+        real = Path.unlink
+
+        def stopped(path, *args, **kwargs):  # the deletion stops before its record goes
+            if path == record:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+            return real(path, *args, **kwargs)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(Path, "unlink", stopped)
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+        assert record.exists()  # cut short
+        assert client.get(f"/v1/streams/{stream_id}").status_code == 404
+    with Running(state, qa) as server, server.client() as client:
+        assert client.get("/v1/streams").json()["data"] == []
+        assert client.get(f"/v1/streams/{stream_id}").status_code == 404
+    assert not list((state / "streams").iterdir())  # finished
+
+
+@pytest.mark.parametrize("edit", ["smaller horizon", "another frame rate", "more frames saved"])
+def test_a_record_that_does_not_describe_its_save_is_not_served(qa, tmp_path, edit):
+    """Before: a record edited to a smaller horizon was served with it (and a push past it accepted); nothing
+    compared a record with the save it describes."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        edited, intact = _stream(client, frames=3), _stream(client, frames=2, seed=10)
+    path = state / "streams" / f"{edited}.json"
+    record = json.loads(path.read_text())
+    if edit == "smaller horizon":
+        record["horizon_frames"] = 4
+    elif edit == "another frame rate":
+        record["max_fps"] = 30.0
+    else:
+        record["saved"] = {**record["saved"], "frames": 9, "pushed": 9}
+    path.write_text(json.dumps(record))
+    with Running(state, qa) as server, server.client() as client:
+        listed = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}
+        assert listed[edited]["state"] == "damaged", listed[edited]
+        assert ("horizon_frames" if "horizon" in edit else "max_fps" if "rate" in edit else "saved") in \
+            listed[edited]["damaged"]
+        assert _error(_push(client, edited, 7, 7.0), 409)
+        assert listed[intact]["state"] == "ready" and client.get(f"/v1/streams/{intact}").json()["frames"] == 2
+
+
+def test_a_server_restarted_with_other_positions_serves_its_intact_streams(qa, tmp_path, options):
+    """Before: a stream made under the default positions (the paper's, its horizon fitting the model) was listed as
+    damaged by a server restarted with --positions bounded, though nothing of it was wrong."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=3)
+        first = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6}).json()
+    bounded = options.with_changes(positions="bounded")
+    with Running(state, qa.with_options(positions="bounded"), options=bounded) as server, server.client() as client:
+        listed = client.get("/v1/streams").json()["data"]
+        assert [(s["id"], s["state"]) for s in listed] == [(stream_id, "ready")], listed
+        again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
+        assert again.json()["answer"] == first["answer"]  # the stream keeps the positions it was made with
+        _push(client, stream_id, 3, 3.0).raise_for_status()
+        made = client.post("/v1/streams", json={"horizon_frames": 16}).json()["id"]  # new ones: the server's
+        assert server.service.registry.entries[made].stream.engine.positions == "bounded"

@@ -20,8 +20,6 @@ import torch
 from statekv import Stream
 from statekv.console import Stopped, signals_stop_like_ctrl_c
 from statekv.models import load_adapter
-from statekv.testing import make_tiny_checkpoint
-
 from hostile import noise_frames, small_qa
 
 STRESS_SECONDS = 3.0  # each random-moment loop stops after this long (after at least MIN_TRIALS)
@@ -29,8 +27,8 @@ MIN_TRIALS = 3
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
+def adapter(checkpoint):
+    return load_adapter(checkpoint)
 
 
 FRAMES = noise_frames(32)
@@ -119,7 +117,7 @@ def _signal_inside(monkeypatch, owner, name: str, number=signal.SIGTERM, after: 
                                    "the step scheduler, just after it released its condition"])
 def test_a_signal_inside_a_push_stops_after_it(where, adapter, reference, monkeypatch, tmp_path):
     from statekv.api.durability import Durability
-    from statekv.core.cache import TwoStateCache
+    from statekv.core.cache.two_state import TwoStateCache
 
     if where.startswith("a step's"):
         _signal_inside(monkeypatch, TwoStateCache, "commit_host")
@@ -161,7 +159,7 @@ def test_a_signal_inside_a_save_stops_after_the_file_is_whole(adapter, reference
 
 def test_ctrl_c_in_a_program_that_installed_no_handler_also_waits_for_the_push(adapter, reference, monkeypatch,
                                                                               tmp_path):
-    from statekv.core.cache import TwoStateCache
+    from statekv.core.cache.two_state import TwoStateCache
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     _signal_inside(monkeypatch, TwoStateCache, "commit_host", signal.SIGINT)

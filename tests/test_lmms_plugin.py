@@ -356,3 +356,18 @@ def test_multi_round_tasks_must_follow_the_round_protocol(checkpoint, qa, tmp_pa
         model.generate_until_multi_round([broken])
     assert exit_info.value.code == 2
     assert "round 1 of a multi-round task must give (messages, terminal, output, info)" in capsys.readouterr().err
+
+
+def test_an_ovo_document_statekv_eval_refuses_stops_the_run_in_one_line(checkpoint, qa, tmp_path, capsys):
+    """The plugin reads OVO-Bench documents with statekv eval's loader: a negative query time is refused, not
+    answered from its clip as if it were any document."""
+    folder = write_mini_ovobench(tmp_path / "data")
+    single, _, task_dict = ovo_requests(folder)
+    task_dict["ovo_realtime"]["test"][1]["realtime"] = -1
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = task_dict
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until(single)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("statekv (lmms-eval model): error while answering: ovo_realtime doc 1: "
+                                               "field 'realtime' must be a number of seconds >= 0, got -1")

@@ -13,7 +13,8 @@ import torch
 import statekv
 from statekv.errors import InputError
 from statekv.models import load_adapter
-from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames, tiny_qa
 
 QUESTION = "Why?"
 FRAMES = 12
@@ -22,17 +23,9 @@ POLICIES = {"statekv": lambda: statekv.StateKV(budget=12), "recency": lambda: st
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    return {family: load_adapter(make_tiny_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt"))
+def adapters(tiny_checkpoint):
+    return {family: load_adapter(tiny_checkpoint(family))
             for family in ("internvl", "qwen3_vl")}
-
-
-def _frames(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
-def _qa(adapter, method: str) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, POLICIES[method](), attention="eager", reserve_tokens=40)
 
 
 def _observe(stream) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -65,8 +58,8 @@ def _alone(qa, frames) -> statekv.Stream:
 @pytest.mark.parametrize("method", ["statekv", "recency", "rekv"])
 def test_push_many_steps_streams_together_and_each_ends_as_alone(adapters, family, method):
     """Four streams; the third joins at frame 2, the first leaves after frame 7."""
-    qa = _qa(adapters[family], method)
-    videos = [_frames(FRAMES, seed) for seed in range(4)]
+    qa = tiny_qa(adapters[family], POLICIES[method]())
+    videos = [random_frames(FRAMES, seed) for seed in range(4)]
     joins, leaves = [0, 0, 2, 0], [8, FRAMES, FRAMES, FRAMES]
     streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
     for tick in range(FRAMES):
@@ -82,8 +75,8 @@ def test_push_many_steps_streams_together_and_each_ends_as_alone(adapters, famil
 
 @pytest.mark.parametrize("family", ["internvl", "qwen3_vl"])
 def test_pushes_from_threads_share_steps_and_each_stream_ends_as_alone(adapters, family):
-    qa = _qa(adapters[family], "statekv")
-    videos = [_frames(FRAMES, 10 + seed) for seed in range(4)]
+    qa = tiny_qa(adapters[family], POLICIES["statekv"]())
+    videos = [random_frames(FRAMES, 10 + seed) for seed in range(4)]
     streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
     errors = []
     start = threading.Barrier(len(streams))
@@ -110,8 +103,8 @@ def test_pushes_from_threads_share_steps_and_each_stream_ends_as_alone(adapters,
 
 def test_a_bad_frame_fails_alone_and_the_other_streams_go_on(adapters, monkeypatch):
     adapter = adapters["internvl"]
-    qa = _qa(adapter, "statekv")
-    videos = [_frames(FRAMES, 20 + seed) for seed in range(3)]
+    qa = tiny_qa(adapter, POLICIES["statekv"]())
+    videos = [random_frames(FRAMES, 20 + seed) for seed in range(3)]
     streams = [qa.stream(horizon_frames=FRAMES) for _ in videos]
     prepare = adapter.prepare_frames
 
@@ -139,9 +132,9 @@ def test_a_bad_frame_fails_alone_and_the_other_streams_go_on(adapters, monkeypat
 
 
 def test_push_many_refuses_what_is_not_an_item(adapters):
-    qa = _qa(adapters["internvl"], "statekv")
+    qa = tiny_qa(adapters["internvl"], POLICIES["statekv"]())
     with pytest.raises(InputError, match="stream, frame, seconds"):
         qa.push_many([np.zeros((4, 4, 3), np.uint8)])
-    other = _qa(adapters["internvl"], "statekv").stream(horizon_frames=2)
+    other = tiny_qa(adapters["internvl"], POLICIES["statekv"]()).stream(horizon_frames=2)
     with pytest.raises(InputError, match="another VideoQA"):
-        qa.push_many([(other, _frames(1, 0)[0], 0.0)])
+        qa.push_many([(other, random_frames(1, 0)[0], 0.0)])

@@ -12,33 +12,25 @@ import inspect
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 import statekv
-import statekv.core.batching as batching
-import statekv.core.cache as cache_module
-from statekv.core.cache import StreamingLayer
-from statekv.core.decoding import Prompt
-from statekv.core.settings import ENGINE_SETTINGS, EngineSettings
+import statekv.core.step.batching as batching
+import statekv.core.cache.two_state as cache_module
+from statekv.core.cache.layer import StreamingLayer
+from statekv.core.answering.decoding import Prompt
+from statekv.settings.engine import ENGINE_SETTINGS, EngineSettings
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions, options_table
-from statekv.testing import make_tiny_checkpoint
-from statekv.values import Setting, one_of, settings_class
+from statekv.settings.setting import Setting, settings_class
+from statekv.settings.values import one_of
+
+from conftest import random_frames
 
 ROOT = Path(statekv.__file__).parent.parent
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 # -- an engine setting is one entry of the table ---------------------------------------------------------------
@@ -66,7 +58,7 @@ def test_an_engine_setting_added_to_the_table_reaches_every_stream_and_its_saved
     assert qa.engine == NotedEngine(attention="eager", offload=False, step_note="noted")
     stream = qa.stream(horizon_frames=6)
     assert stream.prefill.settings.step_note == "noted"  # VideoQA -> EncodedVideo -> StreamingPrefill, whole
-    for second, image in enumerate(_frames(3)):
+    for second, image in enumerate(random_frames(3)):
         stream.push(image, float(second))
     answer = stream.ask_tokens("Why?", max_new_tokens=4)
     saved = stream.save(tmp_path / "noted.safetensors")
@@ -87,6 +79,20 @@ def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
         EngineSettings().with_changes(budget=3)
     assert EngineSettings(kv_cache_dtype="auto").kv_cache_dtype is None
     assert ModelOptions(method="rekv").engine.offload is True  # the method's default, resolved
+    assert ModelOptions(max_cache_bytes="1K").max_cache_bytes == 1024  # as the engine reads it
+
+    class Strict(EngineSettings):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.compile_step and not self.cuda_graph:
+                raise ConfigurationError("strict: compile_step needs cuda_graph")
+
+    @settings_class(options_table())
+    class StrictOptions(ModelOptions):
+        ENGINE = Strict
+
+    with pytest.raises(ConfigurationError, match="strict: compile_step needs cuda_graph"):
+        StrictOptions(compile_step=True, cuda_graph=False)  # the options check the engine's settings by its class
     adapter = load_adapter(checkpoint)
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), kv_cache_dtype="int8", attention="eager")
     video = statekv.EncodedVideo(qa, 200)
@@ -94,7 +100,7 @@ def test_the_engine_settings_are_checked_once_and_travel_whole(checkpoint):
     assert video.engine.positions == "stream" and video.engine.with_changes(positions=None) == qa.engine
     unbounded = statekv.EncodedVideo(qa, None)
     assert unbounded.prefill.settings.positions == "bounded" and unbounded.prefill.horizon is None
-    assert video.prefill.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
+    assert video.prefill.settings.kv_cache_dtype == "int8" and video.prefill.attention == "eager"
 
 
 # -- one step protocol -------------------------------------------------------------------------------------------
@@ -106,9 +112,9 @@ def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypa
         rows.append(len(prefills))
         return run_rows(prefills, *args, **kwargs)
 
-    def counted_attend(caches, *args):
-        attended.append(len(caches))
-        return attend(caches, *args)
+    def counted_attend(caches, layer_idx, q, *args):  # the rows attending at once (a pooled batch is one cache)
+        attended.append(q.shape[0])
+        return attend(caches, layer_idx, q, *args)
 
     monkeypatch.setattr(batching, "run_rows", counted_rows)
     monkeypatch.setattr(cache_module, "attend", counted_attend)  # one stream's cache
@@ -128,6 +134,38 @@ def test_a_single_step_is_a_batch_of_one_through_one_attention(tiny_lm, monkeypa
     assert batcher.batched_steps > 0 and 2 in rows and 2 in attended  # steady steps: both rows at once
 
 
+def test_every_step_of_a_video_or_stream_takes_one_prologue_and_one_device_path(checkpoint, monkeypatch):
+    """A video's prompt prefix, its frames, a stream's pushes and several streams pushed together: every step is
+    begun by `begin_step` and runs through `device_step` (one stream's own cache, or a batch's)."""
+    import statekv.core.stream.prefill as prefill_module
+    from statekv.video import open_video
+
+    begun, device_rows = [], []
+    begin_step, device_step = batching.begin_step, batching.device_step
+
+    def counted_begin(request):
+        begun.append(request.prefill)
+        return begin_step(request)
+
+    def counted_device(prefills, *args):
+        device_rows.append(len(prefills))
+        return device_step(prefills, *args)
+
+    monkeypatch.setattr(batching, "begin_step", counted_begin)
+    for module in (batching, prefill_module):  # a batch's graphs, and one stream's own
+        monkeypatch.setattr(module, "device_step", counted_device)
+    qa = statekv.VideoQA(load_adapter(checkpoint, layout="chat"), statekv.StateKV(budget=12), attention="eager",
+                         reserve_tokens=40)
+    video = qa.encode(open_video(random_frames(3), fps=1), max_fps=1)
+    assert len(begun) == len(device_rows) == video.stats.chunks == 4  # the prefix, then each frame
+    begun.clear(), device_rows.clear()
+    streams = [qa.stream(horizon_frames=12) for _ in range(2)]
+    for second, image in enumerate(random_frames(8, seed=1)):
+        qa.push_many([(stream, image, float(second)) for stream in streams])
+    steps = sum(stream.stats.chunks for stream in streams)
+    assert len(begun) >= steps == 18 and sum(device_rows) == steps and 2 in device_rows  # steady steps batched
+
+
 # -- one path for answers ---------------------------------------------------------------------------------------
 def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
     from statekv.models.base import VideoAdapter
@@ -138,13 +176,43 @@ def test_every_family_lays_out_a_prompt_and_the_engine_checks_it(checkpoint):
     adapter = load_adapter(checkpoint)
     qa = statekv.VideoQA(adapter, statekv.FullAttention(), attention="eager", reserve_tokens=40)
     video = qa.stream(horizon_frames=3)
-    video.push(_frames(1)[0])
+    video.push(random_frames(1)[0])
     prompt = adapter.prompt(adapter.question_ids("Why?", video.state), video.state)
     assert isinstance(prompt, Prompt) and prompt.follows == video.tokens
     with pytest.raises(InputError, match="the stream holds .* tokens but the layout state"):
         video.prefill.generate(adapter.prompt(prompt.input_ids, adapter.start(3)), max_new_tokens=2)
     with pytest.raises(InputError, match="token ids outside the vocabulary"):
         video.prefill.generate(Prompt(prompt.input_ids + 10_000, follows=video.tokens), max_new_tokens=2)
+
+
+def test_a_question_fits_by_one_check_for_the_api_the_engine_and_the_service(checkpoint, monkeypatch):
+    from statekv.errors import QuestionTooLong
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.answering import prompt_tokens
+
+    checked = []
+    fit = statekv.StreamingPrefill.fit_question
+
+    def counted(prefill, *args):
+        checked.append(args[:2])
+        return fit(prefill, *args)
+
+    monkeypatch.setattr(statekv.StreamingPrefill, "fit_question", counted)
+    qa = statekv.VideoQA(load_adapter(checkpoint), statekv.FullAttention(), attention="eager", reserve_tokens=40)
+    stream = qa.stream(horizon_frames=3)
+    stream.push(random_frames(1)[0])
+    stream.ask_tokens("Why?", max_new_tokens=4)
+    assert len(checked) == 2 and checked[0] == checked[1]  # the front door's, then the engine's: one check
+    room = stream.horizon - stream.tokens
+    with pytest.raises(QuestionTooLong, match=f"do not fit in the {room} tokens left"):
+        stream.ask_tokens("Why?", max_new_tokens=room)
+    prompt = stream.adapter.prompt(stream.adapter.question_ids("Why?", stream.state), stream.state)
+    with pytest.raises(QuestionTooLong):
+        stream.prefill.generate(prompt, max_new_tokens=room)  # the engine alone refuses it the same way
+    with pytest.raises(ServiceError, match=f"more than the {room} tokens kept for them") as refused:
+        prompt_tokens(stream, "Why?", room)
+    assert refused.value.status == 413 and checked[-1][1] == room
+    assert not hasattr(statekv, "generate_from_cache") and not hasattr(statekv.core, "generate_from_cache")
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -155,14 +223,57 @@ def _subclasses(cls: type) -> list[type]:
 
 
 # -- contracts kept or refused -----------------------------------------------------------------------------------
-def test_a_streaming_layer_implements_or_refuses_every_layer_method():
-    mixin = {name for name, value in vars(CacheLayerMixin).items()
-             if callable(value) and not name.startswith("__")}
-    assert mixin <= set(vars(StreamingLayer)), sorted(mixin - set(vars(StreamingLayer)))
-    layer = StreamingLayer(lambda: None, 0)
-    for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
-        with pytest.raises(UnsupportedModelError):
-            call()
+def _layer_classes() -> list[type]:
+    """Every transformers cache layer class the engine defines (each module of statekv.core imported first)."""
+    import pkgutil
+
+    for module in pkgutil.walk_packages(statekv.core.__path__, "statekv.core."):
+        importlib.import_module(module.name)
+    return [cls for cls in _subclasses(CacheLayerMixin) if cls.__module__.startswith("statekv.")]
+
+
+def test_every_engine_layer_keeps_or_refuses_transformers_whole_layer_contract(tiny_lm):
+    """One base (`EngineLayer`) under every layer class: no method of transformers' `CacheLayerMixin` runs its own
+    code on an engine layer (each is implemented or refused with one line), and an answer written in the stream's
+    own buffer cannot zero it."""
+    from statekv.core.answering.answer_cache import AnswerLayer
+    from statekv.core.cache.engine_layer import EngineLayer
+    from statekv.core.step.batching import BatchLayer
+
+    layers = _layer_classes()
+    assert {EngineLayer, StreamingLayer, BatchLayer, AnswerLayer} <= set(layers)
+    mixin = {name for name, value in vars(CacheLayerMixin).items() if callable(value) and not name.startswith("__")}
+    for cls in layers:
+        assert issubclass(cls, EngineLayer), cls
+        own = set().union(*(vars(base) for base in cls.__mro__[:cls.__mro__.index(CacheLayerMixin)]))
+        assert mixin <= own or inspect.isabstract(cls), (cls, sorted(mixin - own))
+    model = tiny_lm("qwen3")
+    prefill = statekv.StreamingPrefill(model, statekv.FullAttention(), horizon=64)
+    prefill.step(input_ids=torch.arange(6)[None])
+    stream = prefill.cache.layers[0]
+    answer = AnswerLayer(stream, 4, prefill.device)
+    answer.keys, answer.values = stream.storage.answer_in_place(stream.detailed.keys, 4)  # answered in place
+    answer.is_initialized = True
+    before = stream.detailed.keys[:, :, :6].clone()  # the committed tokens (past them: scratch)
+    for layer in (StreamingLayer(lambda: None, 0), BatchLayer(None, 0), answer):
+        for call in (layer.offload, layer.prefetch, layer.reset, lambda: layer.reorder_cache(torch.tensor([0]))):
+            with pytest.raises(UnsupportedModelError):
+                call()
+    assert torch.equal(stream.detailed.keys[:, :, :6], before) and before.abs().sum() > 0
+
+
+def test_each_carry_rule_has_a_module_of_its_own_and_rules_compose_by_wrapping():
+    import collections
+    import dataclasses
+
+    rules = [cls for cls in _subclasses(statekv.CarryPolicy) if cls.__module__.startswith("statekv.core.rules.")]
+    assert len(rules) >= 10 and max(collections.Counter(cls.__module__ for cls in rules).values()) == 1
+    rekv = statekv.ReKV(frames=3, sinks=2).for_prefix(5)
+    assert isinstance(rekv, statekv.WithSinks) and not isinstance(rekv, statekv.Recency)  # sinks around recency
+    assert rekv.rule == statekv.Recency(frames=3) and (rekv.sinks, rekv.prefix_tokens, rekv.sink_tokens) == (2, 5, 7)
+    assert [field.name for field in dataclasses.fields(rekv)] == ["rule", "sinks", "prefix_tokens"]  # declared once
+    assert repr(rekv) == "ReKV(frames=3, sinks=2, prefix_tokens=5)" and rekv == statekv.ReKV(3, 2, 5)
+    assert rekv.recent_steps == 3 and rekv.capturable and not rekv.needs_scores
 
 
 def test_wrapped_rules_say_their_steady_budget():
@@ -291,7 +402,7 @@ def test_no_test_reaches_a_private_name_of_statekv():
 def test_the_private_check_sees_every_way_a_test_reaches_in():
     ours = {"_chunked", "_held", "_step_loss", "_answer", "_prepare", "_scores", "_calls", "_helper", "_frames"}
     reaching = """
-from statekv.core.attention import _chunked
+from statekv.core.attention.scored import _chunked
 import statekv.core._hidden
 attention._chunked(q, k, v)
 keeper._held = {}
@@ -324,12 +435,12 @@ def test_the_deprecated_aliases_are_gone():
     assert not (ROOT / "statekv" / "tiny.py").exists()
     with pytest.raises(TypeError, match="frames_per_chunk"):
         statekv.make_policy("recency", frames=3, frames_per_chunk=2)
-    from statekv.core.rope import FrozenRope
+    from statekv.core.positions.rope import FrozenRope
     from statekv.models.base import VideoAdapter
 
     assert not hasattr(VideoAdapter, "frames_per_chunk") and not hasattr(FrozenRope, "apply")
     assert not {"_append", "_append_steps"} & set(dir(statekv.EncodedVideo))
-    assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.persistence
+    assert not hasattr(cache_module, "check_state_dict")  # its one home is statekv.core.cache.persistence
     importlib.import_module("statekv.testing")
     from statekv.models import supported_model_types
 

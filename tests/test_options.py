@@ -8,12 +8,13 @@ from dataclasses import fields
 
 import pytest
 
-from statekv.builtin import BUILTIN_BUDGET
+from statekv.settings.options import BUILTIN_BUDGET
 from statekv.errors import ConfigurationError
 from statekv.flops import Method
 from statekv.settings.methods import MethodSettings
 from statekv.settings.options import SETTINGS, ModelOptions
-from statekv.values import POSITIVE, Setting, settings_class
+from statekv.settings.setting import Setting, settings_class
+from statekv.settings.values import POSITIVE
 
 
 @settings_class(SETTINGS + (Setting("beams", 1, POSITIVE, "answers searched per question (default: %(default)s)",
@@ -83,8 +84,9 @@ def test_the_built_in_model_gets_its_own_budget_when_none_is_given_everywhere():
     assert ModelOptions.from_strings({"model": "builtin"}).settings == MethodSettings(budget=BUILTIN_BUDGET)
     assert ModelOptions.from_args(_parser(ModelOptions).parse_args(["--model", "builtin"])).budget == BUILTIN_BUDGET
     assert "(default: 64 for the built-in model, else 4096)" in " ".join(_parser(ModelOptions).format_help().split())
-    assert ModelOptions(model="builtin", method="recency").unused() == []  # its own default is no given budget
-    assert ModelOptions(model="builtin", method="recency", budget=4096).unused() == ["budget"]
+    assert ModelOptions.given(model="builtin", method="recency").budget == BUILTIN_BUDGET  # not given: not refused
+    with pytest.raises(ConfigurationError, match="budget=4096 is not used by method='recency'"):
+        ModelOptions.given(model="builtin", method="recency", budget=4096)
     with pytest.raises(ConfigurationError, match="budget must be a positive integer, got 0"):
         ModelOptions(model="builtin", budget=0)
 

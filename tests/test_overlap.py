@@ -20,16 +20,19 @@ import bad_videos
 from statekv.background import ThreadStages
 from statekv.models import load_adapter
 from statekv.steps.overlap import default_vision_batch
-from statekv.testing import draw_test_frame, make_tiny_checkpoint
+from statekv.testing import draw_test_frame
 from statekv.video import Frame, FrameDecodeError, open_video
+
+from conftest import tiny_qa
 
 QUESTION = "What is shown?"
 FAMILIES = ("internvl", "qwen3_vl", "eagle")
+POLICY = statekv.StateKV(budget=24)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {family: make_tiny_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt") for family in FAMILIES}
+def checkpoints(tiny_checkpoint):
+    return {family: tiny_checkpoint(family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +44,6 @@ def adapters(checkpoints):
 def _video(frames: int, size: tuple[int, int] = (128, 128)) -> np.ndarray:
     """Frames Qwen3-VL keeps at 128x128 (16 tokens per step, as the others get per frame)."""
     return np.stack([draw_test_frame(i, size) for i in range(frames)])
-
-
-def _qa(adapter, **kwargs) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.StateKV(budget=24), attention="eager", reserve_tokens=40, **kwargs)
 
 
 def _encode_threads() -> list[str]:
@@ -85,7 +84,7 @@ def test_batched_vision_equals_per_step_vision(adapters, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_encoding_gives_the_per_frame_answers(adapters, family, monkeypatch):
     adapter = adapters[family]
-    qa = _qa(adapter)
+    qa = tiny_qa(adapter, POLICY)
     calls = []
     encode_vision = adapter.encode_vision
     monkeypatch.setattr(adapter, "encode_vision", lambda steps: calls.append(len(steps)) or encode_vision(steps))
@@ -115,7 +114,7 @@ def test_stages_run_on_their_own_threads(adapters, monkeypatch):
     monkeypatch.setattr(adapter, "prepare_frames", recorded("prepare", adapter.prepare_frames))
     monkeypatch.setattr(adapter, "encode_vision", recorded("vision", adapter.encode_vision))
     monkeypatch.setattr(adapter, "features_chunk", recorded("layout", adapter.features_chunk))
-    encoded = _qa(adapter).encode(_video(6), vision_batch=2)
+    encoded = tiny_qa(adapter, POLICY).encode(_video(6), vision_batch=2)
     assert threads == {"prepare": {"statekv-encode-decode"}, "vision": {"statekv-encode-vision"},
                        "layout": {threading.current_thread().name}}
     assert _encode_threads() == [] and encoded.frames == 6
@@ -123,7 +122,7 @@ def test_stages_run_on_their_own_threads(adapters, monkeypatch):
 
 def test_default_vision_batch_depends_on_the_device(adapters):
     assert default_vision_batch("cpu") == 4 and default_vision_batch(torch.device("cuda", 1)) == 16
-    assert _qa(adapters["internvl"]).vision_batch == 4
+    assert tiny_qa(adapters["internvl"], POLICY).vision_batch == 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,7 +133,7 @@ def test_default_vision_batch_depends_on_the_device(adapters):
 def test_stats_split_each_frame_by_stage(adapters):
     seen = []
     started = time.perf_counter()
-    encoded = _qa(adapters["internvl"]).encode(_video(6), vision_batch=4,
+    encoded = tiny_qa(adapters["internvl"], POLICY).encode(_video(6), vision_batch=4,
                                                progress=lambda done, planned: seen.append(done))
     wall = time.perf_counter() - started
     stats = encoded.stats
@@ -156,7 +155,7 @@ def test_stats_split_each_frame_by_stage(adapters):
 
 
 def test_a_stream_frame_waits_for_at_most_one_batch_and_ask_encodes_waiting_steps(adapters):
-    qa = _qa(adapters["internvl"])
+    qa = tiny_qa(adapters["internvl"], POLICY)
     frames = _video(5)
     batched, single = qa.stream(horizon_frames=8, vision_batch=3), qa.stream(horizon_frames=8)
     waiting = []
@@ -172,7 +171,7 @@ def test_a_stream_frame_waits_for_at_most_one_batch_and_ask_encodes_waiting_step
 
 
 def test_a_two_frame_step_still_waits_for_its_pair_when_asked(adapters):
-    qa = _qa(adapters["qwen3_vl"])
+    qa = tiny_qa(adapters["qwen3_vl"], POLICY)
     stream = qa.stream(horizon_frames=8, vision_batch=4)
     stream.push_many((image, float(t)) for t, image in enumerate(_video(3)))
     assert (stream.frames, len(stream.pending)) == (0, 3)
@@ -195,7 +194,7 @@ def _folder_with_a_broken_frame(folder, frames: int, broken: int):
 def test_a_frame_that_fails_to_decode_is_named_and_the_frames_before_it_stay_encoded(adapters, tmp_path):
     source = _folder_with_a_broken_frame(tmp_path, frames=8, broken=5)
     with pytest.raises(FrameDecodeError) as info:
-        _qa(adapters["internvl"]).encode(source, vision_batch=4)
+        tiny_qa(adapters["internvl"], POLICY).encode(source, vision_batch=4)
     before = sum(index < 5 for index in open_video(source).sample_indices())  # the sampler may repeat a frame
     message = _one_line(info.value)
     assert "frame 5 (at 5.00 s)" in message and "not a readable image" in message
@@ -210,7 +209,7 @@ def test_a_frame_that_fails_to_decode_is_named_and_the_frames_before_it_stay_enc
 def test_a_file_cut_in_the_middle_keeps_what_was_encoded(adapters, tmp_path):
     path = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
     with pytest.raises(FrameDecodeError, match=r"frame \d+ \(at about [\d.]+ s\)") as info:
-        _qa(adapters["internvl"]).encode(path, max_fps=4, max_frames=40)
+        tiny_qa(adapters["internvl"], POLICY).encode(path, max_fps=4, max_frames=40)
     _one_line(info.value)
     assert 0 < info.value.encoded.frames <= info.value.index < 40 and _encode_threads() == []
 
@@ -218,7 +217,7 @@ def test_a_file_cut_in_the_middle_keeps_what_was_encoded(adapters, tmp_path):
 @pytest.mark.parametrize("where", ["prepare", "vision", "language", "ctrl-c"])
 def test_no_thread_outlives_a_failed_or_interrupted_encoding(adapters, monkeypatch, where):
     adapter = adapters["internvl"]
-    qa = _qa(adapter)
+    qa = tiny_qa(adapter, POLICY)
     failure = KeyboardInterrupt if where == "ctrl-c" else RuntimeError
     calls = []
 
@@ -287,8 +286,9 @@ def test_closing_stages_stops_a_producer_blocked_on_a_full_queue():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4"], ids=repr)
 def test_vision_batch_must_be_a_positive_integer(adapters, checkpoints, bad):
     adapter = adapters["internvl"]
-    attempts = [lambda: _qa(adapter, vision_batch=bad), lambda: _qa(adapter).encode(_video(2), vision_batch=bad),
-                lambda: _qa(adapter).stream(horizon_frames=4, vision_batch=bad),
+    attempts = [lambda: tiny_qa(adapter, POLICY, vision_batch=bad),
+                lambda: tiny_qa(adapter, POLICY).encode(_video(2), vision_batch=bad),
+                lambda: tiny_qa(adapter, POLICY).stream(horizon_frames=4, vision_batch=bad),
                 lambda: statekv.VideoQA.from_pretrained(checkpoints["internvl"], vision_batch=bad)]
     for attempt in attempts:
         with pytest.raises(statekv.ConfigurationError, match="vision_batch must be a positive integer") as info:

@@ -19,13 +19,10 @@ from statekv.models import InternVLAdapter, load_adapter
 from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import VideoError, internvl_pixel_values, open_video
 
+from conftest import tiny_qa
+
 QUESTION = "Why?"
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +32,6 @@ def adapters(checkpoint):
 
 def _video(frames: int, seed: int = 0, size: tuple[int, int] = (40, 60)) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (frames, *size, 3), dtype=np.uint8)
-
-
-def _qa(adapter, method="full", reserve_tokens=40, **policy) -> statekv.VideoQA:
-    return statekv.VideoQA(adapter, statekv.make_policy(method, **policy), attention="eager",
-                           reserve_tokens=reserve_tokens)
 
 
 def _one_shot_answer(adapter, source, question: str) -> torch.Tensor:
@@ -75,7 +67,7 @@ def test_streaming_answers_token_identical_to_one_shot_generate(adapters, layout
     video = open_video(_video(6), fps=2)  # sampled at 1 fps: frames 0, 2, 4
     expected = _one_shot_answer(adapter, video, QUESTION)
     for method, policy in (("full", {}), ("statekv", {"budget": 10_000})):
-        encoded = _qa(adapter, method, **policy).encode(video)
+        encoded = tiny_qa(adapter, statekv.make_policy(method, **policy)).encode(video)
         assert encoded.frames == 3
         assert torch.equal(encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS), expected), method
 
@@ -108,7 +100,7 @@ def _snapshot(encoded: statekv.EncodedVideo) -> list[torch.Tensor]:
 
 
 def test_asking_twice_gives_the_same_answer_and_leaves_the_encoding_unchanged(adapters):
-    encoded = _qa(adapters["paper"], "statekv", budget=10).encode(_video(4))
+    encoded = tiny_qa(adapters["paper"], statekv.StateKV(budget=10)).encode(_video(4))
     before, state = _snapshot(encoded), encoded.state
     first = encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS)
     second = encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS)
@@ -119,7 +111,7 @@ def test_asking_twice_gives_the_same_answer_and_leaves_the_encoding_unchanged(ad
 
 
 def test_answer_encodes_once_and_answers_every_question(adapters, monkeypatch):
-    qa = _qa(adapters["chat"], "recency", frames=1)
+    qa = tiny_qa(adapters["chat"], statekv.Recency(frames=1))
     encodings = []
     encode = qa.encode
     monkeypatch.setattr(qa, "encode", lambda *a, **k: encodings.append(1) or encode(*a, **k))
@@ -134,7 +126,7 @@ def test_answer_encodes_once_and_answers_every_question(adapters, monkeypatch):
 def test_stats_describe_the_encoding(adapters):
     budget = 12
     seen = []
-    encoded = _qa(adapters["paper"], "statekv", budget=budget).encode(
+    encoded = tiny_qa(adapters["paper"], statekv.StateKV(budget=budget)).encode(
         _video(10), max_fps=1, max_frames=5, progress=lambda done, planned: seen.append((done, planned)))
     stats = encoded.stats
     assert (stats.frames, stats.chunks, stats.tokens) == (5, 5, 5 * 19) == (encoded.frames, 5, encoded.tokens)
@@ -165,13 +157,13 @@ def test_from_pretrained_loads_the_family_and_method(checkpoint):
 
 @pytest.mark.parametrize("size", [(16, 16), (3000, 4000), (16, 200), (333, 17)], ids=str)
 def test_frame_sizes_and_aspect_ratios(adapters, size):
-    encoded = _qa(adapters["paper"]).encode(_video(1, size=size))
+    encoded = tiny_qa(adapters["paper"], "full").encode(_video(1, size=size))
     assert encoded.frames == 1 and encoded.tokens == 19
     assert 1 <= encoded.ask_tokens(QUESTION, max_new_tokens=2).shape[1] <= 2  # may stop early at <|im_end|>
 
 
 def test_variable_frame_rate_file_and_image_folder(adapters, tmp_path):
-    qa = _qa(adapters["chat"], "statekv", budget=8)
+    qa = tiny_qa(adapters["chat"], statekv.StateKV(budget=8))
     clip = write_test_video(tmp_path / "vfr.mp4", frames=12, fps=4, vfr=True)
     planned = open_video(clip).sample_indices(max_fps=1)
     assert qa.encode(clip, max_fps=1).frames == len(planned) >= 2
@@ -199,7 +191,7 @@ def _one_line(error: BaseException) -> str:
 def test_bad_videos(adapters, tmp_path, name):
     make, phrase = BAD_VIDEOS[name]
     with pytest.raises(VideoError) as info:
-        _qa(adapters["paper"]).encode(make(tmp_path))
+        tiny_qa(adapters["paper"], "full").encode(make(tmp_path))
     assert phrase in _one_line(info.value)
 
 
@@ -214,7 +206,7 @@ def test_bad_settings(checkpoint, adapters):
         statekv.VideoQA.from_pretrained(checkpoint, method="sliding")
     with pytest.raises(statekv.InputError, match="layout 'card'"):
         statekv.VideoQA.from_pretrained(checkpoint, layout="card")
-    qa = _qa(adapters["paper"])
+    qa = tiny_qa(adapters["paper"], "full")
     with pytest.raises(statekv.InputError, match="max_frames"):
         qa.encode(_video(2), max_frames=0)
     with pytest.raises(statekv.InputError, match="max_fps"):
@@ -222,16 +214,16 @@ def test_bad_settings(checkpoint, adapters):
 
 
 def test_empty_question(adapters):
-    encoded = _qa(adapters["paper"]).encode(_video(1))
+    encoded = tiny_qa(adapters["paper"], "full").encode(_video(1))
     for question in ("", "   \n"):
         with pytest.raises(statekv.InputError, match="question is empty"):
             encoded.ask(question)
     with pytest.raises(statekv.InputError, match="question is empty"):
-        _qa(adapters["paper"]).answer(_video(1), "")
+        tiny_qa(adapters["paper"], "full").answer(_video(1), "")
 
 
 def test_question_and_answer_must_fit_the_reserve(adapters):
-    encoded = _qa(adapters["paper"], reserve_tokens=20).encode(_video(1))
+    encoded = tiny_qa(adapters["paper"], "full", reserve_tokens=20).encode(_video(1))
     with pytest.raises(statekv.HorizonError, match="reserve_tokens") as info:
         encoded.ask(QUESTION, max_new_tokens=8)
     _one_line(info.value)

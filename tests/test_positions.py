@@ -7,9 +7,9 @@ import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from statekv.core import FullAttention, Retrieval, StateKV, StreamingPrefill
-from statekv.core.policies import CarryPolicy
-from statekv.core.positions import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions, choose_positions,
-                                    rotate, trained_range)
+from statekv.core.rules import CarryPolicy
+from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
+                                            choose_positions, rotate, trained_range)
 from statekv.errors import ConfigurationError, HorizonError, InputError
 
 from conftest import split
@@ -84,7 +84,7 @@ def test_bounded_places_keys_inside_the_range_past_it(model, monkeypatch):
     """Past the range every rotary position stays inside it: the chunk at its base, each carried key rotated
     from the rotation it was stored at to the layout's place for it (the grouped layout, checked against a
     direct computation)."""
-    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", GroupedDistances.name)
+    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", GroupedDistances.name)
     policy = Recording(16)
     prefill = StreamingPrefill(model, policy, positions="bounded")
     seen_positions = []
@@ -145,7 +145,7 @@ def test_question_past_the_range_reads_retrieved_frames(model):
 def test_cache_layout_keeps_the_carried_state_in_cache_order(model, monkeypatch):
     """The cache layout: carried keys at consecutive positions right before the chunk (StreamingLLM); full
     attention, whose carried state outgrows the range, is refused with one line."""
-    monkeypatch.setattr("statekv.core.positions.DEFAULT_LAYOUT", CacheOrder.name)
+    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", CacheOrder.name)
     prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
     for chunk in split(tokens(100)) * 2:
         prefill.step(input_ids=chunk)
@@ -212,7 +212,7 @@ def test_choosing_positions(model):
 def test_bounded_steady_steps_past_the_range_are_static_and_sync_free(model):
     """Past the range a steady bounded step is the same ops, shapes and scalars every step, with no host sync:
     the chunk's place is found on the device (what a CUDA graph replays)."""
-    from statekv.core.storage import SEGMENT_STEPS
+    from statekv.core.storage.layer_storage import SEGMENT_STEPS
     from statekv.testing.op_trace import OpTrace, device_parts
 
     prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
@@ -235,7 +235,7 @@ def test_bounded_steady_steps_past_the_range_are_static_and_sync_free(model):
 
 def test_bounded_streams_stepped_together_end_as_alone(model):
     """Bounded streams share batched forwards past the range, each placing its own chunk and carried keys."""
-    from statekv.core.batching import StepBatcher, StepRequest
+    from statekv.core.step.batching import StepBatcher, StepRequest
 
     embed = model.get_input_embeddings()
     chunks = [[embed(tokens(8, 100 * s + i)).detach() for i in range(14)] for s in range(2)]
@@ -261,7 +261,7 @@ def test_a_stream_without_a_horizon_saves_and_resumes_past_the_range(tmp_path, m
     from statekv import Stream
     from statekv.testing import make_tiny_checkpoint
 
-    monkeypatch.setattr(statekv.core.disk, "CHECKPOINT_STEPS", 1)
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)
     short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
                                       vision_config={"image_size": 112})
@@ -304,4 +304,4 @@ def test_a_stream_keeps_a_bounded_record_of_its_steps(monkeypatch):
     assert len(stats.frame_seconds) < 8 and stats.earlier_frames + len(stats.frame_seconds) == 11
     assert stats.seconds == pytest.approx(sum(0.5 + f for f in range(11)))
     assert stats.mean_frame_seconds == pytest.approx(stats.seconds / 11)
-    assert statekv.core.prefill.HISTORY_STEPS == 1024
+    assert statekv.core.stream.prefill.HISTORY_STEPS == 1024

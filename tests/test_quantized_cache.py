@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.quantized import (KV_CACHE_BITS, QuantizedStorage, check_kv_cache_dtype, dequantize, pack_int4,
-                                    quantize, scale_dtype, unpack_int4)
+from statekv.core.storage.quantized import (KV_CACHE_BITS, QuantizedStorage, check_kv_cache_dtype, dequantize,
+                                            pack_int4, quantize, scale_dtype, unpack_int4)
 from statekv.models import load_adapter
 from statekv.settings.options import ModelOptions
-from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames
 from test_static_step import embeddings
 
 LENGTHS = (9, 40, 6, 23, 40, 16, 17, 40)
@@ -125,7 +125,7 @@ def test_unquantized_answers_do_not_change_with_auto(tiny_lm):
     model = tiny_lm("qwen3")
     base = streamed(model, statekv.StateKV(budget=20))
     auto = streamed(model, statekv.StateKV(budget=20), kv_cache_dtype="auto")
-    assert auto.cache.kv_cache_dtype is None and type(auto.cache.layers[0].storage) is type(base.cache.layers[0].storage)
+    assert auto.cache.tier.kv_cache_dtype is None and type(auto.cache.layers[0].storage) is type(base.cache.layers[0].storage)
     for retrieve in (None, statekv.Retrieval(2, keep_tokens=9)):
         assert torch.equal(auto.generate(prompt(model), max_new_tokens=5, retrieve=retrieve),
                            base.generate(prompt(model), max_new_tokens=5, retrieve=retrieve))
@@ -198,19 +198,15 @@ def test_state_dict_resumes_a_quantized_cache_and_refuses_another_dtype(tiny_lm)
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return load_adapter(make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt"))
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+def adapter(checkpoint):
+    return load_adapter(checkpoint)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(KV_CACHE_BITS))
 def test_saved_quantized_streams_resume_identically_and_refuse_another_dtype(adapter, tmp_path, kv_cache_dtype):
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40,
                          kv_cache_dtype=kv_cache_dtype)
-    frames = _frames(7)
+    frames = random_frames(7)
     whole = qa.stream(horizon_frames=7, max_fps=1)
     whole.push_many((image, float(t)) for t, image in enumerate(frames))
     first = qa.stream(horizon_frames=7, max_fps=1)
@@ -236,8 +232,8 @@ def test_saved_quantized_streams_resume_identically_and_refuse_another_dtype(ada
 
 def test_per_stream_kv_cache_dtype_and_the_cli_flag(adapter):
     qa = statekv.VideoQA(adapter, statekv.StateKV(budget=12), attention="eager", reserve_tokens=40)
-    assert qa.stream(horizon_frames=2, kv_cache_dtype="int8").prefill.kv_cache_dtype == "int8"
-    assert qa.stream(horizon_frames=2).prefill.kv_cache_dtype is None
+    assert qa.stream(horizon_frames=2, kv_cache_dtype="int8").prefill.settings.kv_cache_dtype == "int8"
+    assert qa.stream(horizon_frames=2).prefill.settings.kv_cache_dtype is None
     import argparse
     parser = argparse.ArgumentParser()
     ModelOptions.add_arguments(parser)

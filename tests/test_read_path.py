@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.retrieval import AttentionShare, LayerQuestion
-from statekv.core.storage import SAMPLES_PER_STEP, sample_index
+from statekv.core.answering.retrieval import AttentionShare, LayerQuestion
+from statekv.core.storage.layer_storage import SAMPLES_PER_STEP, sample_index
 from test_static_step import embeddings
 
 LENGTHS = (9, 40, 6, 23, 40, 16, 17, 40)  # steps shorter and longer than SAMPLES_PER_STEP

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.retrieval import RETRIEVAL_RULES
+from statekv.core.answering.retrieval import RETRIEVAL_RULES
 from reference import reference_stream
 from test_static_step import PREFIX, T, embeddings
 
@@ -113,7 +113,7 @@ def test_retrieval_settings_are_validated(make, message):
 def test_an_answer_says_which_steps_its_retrieved_context_read(tiny_lm, monkeypatch):
     """`StreamingPrefill.last_read_steps`: the steps some layer read when retrieving (each layer's own choice
     among them), None when the whole cache was read."""
-    import statekv.core.retrieval as retrieval_module
+    import statekv.core.answering.retrieval as retrieval_module
 
     model = tiny_lm("qwen2")
     prefill = streamed(model, statekv.StateKV(budget=20), steps=10)

@@ -1,4 +1,4 @@
-"""The question-time retrieval rules (`statekv.core.retrieval`), each against a direct computation, and how a rule
+"""The question-time retrieval rules (`statekv.core.answering.retrieval`), each against a direct computation, and how a rule
 is chosen: `Retrieval`, `ModelOptions`, the command line and the evaluation's run identity."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent,
-                                    Retrieval, RetrievalRule, retrieval_rule)
+from statekv.core.answering.retrieval import (RETRIEVAL_RULES, AttentionShare, LayerQuestion, MeanKeyMatch, MostRecent,
+                                              Retrieval, RetrievalRule)
+from statekv.settings.methods import retrieval_rule
 
 STEPS = (3, 2, 2, 2, 2, 2)  # a 3-token prefix, then five 2-token steps
 
@@ -63,7 +64,7 @@ def test_attention_share_is_each_steps_largest_share_summed_over_heads_and_accum
 def test_attention_share_scores_long_streams_in_blocks(monkeypatch):
     question = seen(steps=(3,) + (2,) * 40, prompt=5)
     whole = AttentionShare().scores(question)
-    monkeypatch.setattr("statekv.core.retrieval.SCORE_BLOCK", 50)  # a few query rows per block
+    monkeypatch.setattr("statekv.core.answering.retrieval.SCORE_BLOCK", 50)  # a few query rows per block
     torch.testing.assert_close(AttentionShare().scores(seen(steps=(3,) + (2,) * 40, prompt=5)), whole)
 
 

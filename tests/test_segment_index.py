@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from statekv.core.storage import SEGMENT_STEPS, LayerStorage
+from statekv.core.storage.layer_storage import SEGMENT_STEPS, LayerStorage
 
 D = 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from statekv.core.policies import in_time_order
+from statekv.core.rules import in_time_order
 
 SHAPES = [(1, 4, 300, 200), (3, 2, 50, 49), (2, 1, 7, 1), (1, 3, 16, 16)]  # batch, KV heads, candidates, kept
 

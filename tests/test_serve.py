@@ -33,6 +33,8 @@ from PIL import Image  # noqa: E402
 import statekv  # noqa: E402
 from statekv.video import open_video  # noqa: E402
 
+from conftest import random_frames  # noqa: E402
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 KEY, OTHER_KEY = "test-key-one", "test-key-two"
@@ -41,6 +43,7 @@ NEW_TOKENS = 6
 BATCHED_BUDGET = 4  # tokens: one frame of the built-in model
 OPEN_QUESTION = "What colour was the triangle?"  # answered at length (the letter question ends after one token)
 START_SECONDS = 180
+SIZE = (48, 64)  # the frames a client sends: height, width
 SERVER_BUDGET = 64  # `statekv serve`'s default for the built-in model
 CHROMIUM = shutil.which("chromium")
 
@@ -133,11 +136,6 @@ def _video(media: Path) -> Path:
     return media / "held-out" / "videos" / "v0000.mp4"
 
 
-def _frames(seed: int, count: int) -> list[np.ndarray]:
-    generator = np.random.default_rng(seed)
-    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
-
-
 def _png(image: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")
@@ -207,7 +205,7 @@ def test_a_stream_made_without_a_horizon_runs_past_the_models_range(tmp_path, me
             reply = client.post("/v1/streams", json={"max_fps": None})
             assert reply.status_code == 201, reply.text
             stream_id = reply.json()["id"]
-            for image in _frames(7, 50):
+            for image in random_frames(50, 7, *SIZE):
                 pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(image),
                                      headers={"Content-Type": "image/png"})
                 assert pushed.status_code == 200, pushed.text
@@ -222,7 +220,7 @@ def test_a_stream_made_without_a_horizon_runs_past_the_models_range(tmp_path, me
 def test_answers_stream_token_by_token(server):
     with server.client() as client:
         stream_id = _create(client)
-        for index, image in enumerate(_frames(7, 2)):
+        for index, image in enumerate(random_frames(2, 7, *SIZE)):
             client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
                         headers={"Content-Type": "image/png"}).raise_for_status()
         whole = client.post(f"/v1/streams/{stream_id}/ask", json={"question": OPEN_QUESTION, "max_new_tokens": NEW_TOKENS})
@@ -295,7 +293,7 @@ def test_the_openai_client_works_unchanged(server, qa, media):
 
     with server.client() as http:
         stream_id = _create(http)
-        frames = _frames(11, 2)
+        frames = random_frames(2, 11, *SIZE)
         for index, image in enumerate(frames):
             http.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
                       headers={"Content-Type": "image/png"}).raise_for_status()
@@ -329,7 +327,7 @@ def test_bad_requests_get_one_line_json_errors(server):
         broken = _error(client.post(frames, content=b"\x89PNG\r\n\x1a\nbroken", headers={"Content-Type": "image/png"}), 400)
         assert "0x" not in broken and "<" not in broken  # no repr of PIL's in-memory file
         jpeg = io.BytesIO()
-        Image.fromarray(_frames(1, 1)[0]).save(jpeg, format="JPEG")
+        Image.fromarray(random_frames(1, 1, *SIZE)[0]).save(jpeg, format="JPEG")
         _error(client.post(frames, content=jpeg.getvalue(), headers={"Content-Type": "image/png"}), 415)
         _error(client.post(f"{frames}?t=-1", content=jpeg.getvalue(), headers={"Content-Type": "image/jpeg"}), 400)
         _error(client.post(frames, content=b"x" * (1_200_000), headers={"Content-Type": "image/png"}), 413)
@@ -363,7 +361,8 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert "not-a-video.mp4" in bad and str(media) not in bad and os.path.realpath(media) not in bad
         stats = client.get(f"/v1/streams/{stream_id}").json()
         assert stats["frames"] == 0 and stats["state"] == "empty"
-        client.post(frames, content=_png(_frames(5, 1)[0]), headers={"Content-Type": "image/png"}).raise_for_status()
+        client.post(frames, content=_png(random_frames(1, 5, *SIZE)[0]),
+                    headers={"Content-Type": "image/png"}).raise_for_status()
         assert "over the limit of 8000" in _error(client.post(ask, json={"question": "x" * 20_000}), 413)
         wordy = " ".join(["red"] * 1300)  # under 8000 characters, over the room kept for question and answer
         message = _error(client.post(ask, json={"question": wordy}), 413)
@@ -418,7 +417,7 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
         assert key not in stored and json.loads(stored)["keys"][0]["owner"]  # only its digest is kept
         with first.client(key) as client:
             made_stream = _create(client)
-            client.post(f"/v1/streams/{made_stream}/frames", content=_png(_frames(3, 1)[0]),
+            client.post(f"/v1/streams/{made_stream}/frames", content=_png(random_frames(1, 3, *SIZE)[0]),
                         headers={"Content-Type": "image/png"}).raise_for_status()
     finally:
         first.stop()
@@ -482,7 +481,7 @@ def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_pat
     try:
         with first.client(key) as client:
             stream = _create(client)
-            for frame in _frames(5, 3):
+            for frame in random_frames(3, 5, *SIZE):
                 client.post(f"/v1/streams/{stream}/frames", content=_png(frame),
                             headers={"Content-Type": "image/png"}).raise_for_status()
         before = _files(state)
@@ -539,7 +538,7 @@ def test_sixteen_concurrent_clients_get_the_answers_of_streams_alone(server, qa)
     """With a budget of one frame the streams are steady from their second frame: concurrent pushes share
     batched steps, and every answer is still that of its stream alone."""
     def client_run(seed: int) -> tuple[list[np.ndarray], str]:
-        frames = _frames(seed, 4)
+        frames = random_frames(4, seed, *SIZE)
         with server.client() as client:
             stream_id = _create(client, budget=BATCHED_BUDGET)
             for index, image in enumerate(frames):
@@ -567,7 +566,7 @@ def test_sixteen_concurrent_clients_get_the_answers_of_streams_alone(server, qa)
 def test_limits_answer_429_with_retry_after(server):
     with server.client() as client:
         stream_id = _create(client)
-        client.post(f"/v1/streams/{stream_id}/frames", content=_png(_frames(3, 1)[0]),
+        client.post(f"/v1/streams/{stream_id}/frames", content=_png(random_frames(1, 3, *SIZE)[0]),
                     headers={"Content-Type": "image/png"}).raise_for_status()
 
         def ask(_):
@@ -787,7 +786,7 @@ def test_the_page_offers_the_choices_watches_and_shows_what_each_answer_read(ser
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):
     """Saved every 2 frames: after 3 pushes a stream holds 2 on disk; kill -9 while other clients push."""
-    frames = {seed: _frames(seed, 3) for seed in (201, 202)}
+    frames = {seed: random_frames(3, seed, *SIZE) for seed in (201, 202)}
     ids = {}
     with server.client() as client:
         for seed, images in frames.items():
@@ -804,7 +803,7 @@ def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, q
                 if stop.is_set():
                     return
                 try:
-                    client.post(f"/v1/streams/{busy}/frames?t={index}", content=_png(_frames(index, 1)[0]),
+                    client.post(f"/v1/streams/{busy}/frames?t={index}", content=_png(random_frames(1, index, *SIZE)[0]),
                                 headers={"Content-Type": "image/png"})
                 except httpx.HTTPError:
                     return

@@ -34,8 +34,11 @@ from statekv.serve.errors import ServiceError  # noqa: E402
 from statekv.serve.metrics import Metrics  # noqa: E402
 from statekv.serve.worker import ModelWorker  # noqa: E402
 
+from conftest import random_frames  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 STREAM = "st_" + "0" * 24
+SIZE = (48, 64)  # the frames a client sends: height, width
 QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
 
 
@@ -150,17 +153,12 @@ def qa():
     return statekv.VideoQA.from_pretrained("builtin", budget=64)
 
 
-def _frames(count: int) -> list[np.ndarray]:
-    generator = np.random.default_rng(31)
-    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
-
-
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_lost(tmp_path, qa, tier):
     if tier == "disk":  # each replica's streams keep their detailed cache in file sets of its own folder
         qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
     config = ServeConfig(options=qa.options, state_dir=tmp_path, save_every_frames=1000, max_streams=4)
-    owner, frames = owner_of("key"), _frames(3)
+    owner, frames = owner_of("key"), random_frames(3, 31, *SIZE)
 
     async def scenario():
         replicas = []
@@ -217,7 +215,7 @@ def test_streams_taken_together_count_against_the_replicas_limit(tmp_path, qa):
         first, second = replica("first", 4), replica("second", 1)
         made = [await first.create(owner, {"horizon_frames": 16, "max_fps": None}) for _ in range(2)]
         for entry in made:
-            await first.push(entry, _frames(1)[0], 0.0)
+            await first.push(entry, random_frames(1, 31, *SIZE)[0], 0.0)
             await first.worker.run(first.save_now, entry)
         first.let_all_go()  # both lie free in the shared folder: each take needs no wait
         results = await asyncio.gather(*(second.find(owner, entry.id) for entry in made), return_exceptions=True)
@@ -259,7 +257,7 @@ def test_every_replica_lists_the_damaged_streams_of_the_shared_folder_and_any_de
         for name, headers in (("save", mine), ("record", mine), ("good", mine), ("theirs", theirs)):
             made = alone.post("/v1/streams", json={"name": name, "horizon_frames": 8}, headers=headers)
             ids[name] = made.json()["id"]
-            alone.post(f"/v1/streams/{ids[name]}/frames?t=0", content=_png(_frames(1)[0]),
+            alone.post(f"/v1/streams/{ids[name]}/frames?t=0", content=_png(random_frames(1, 31, *SIZE)[0]),
                        headers={**headers, "Content-Type": "image/png"}).raise_for_status()
     streams = tmp_path / "streams"
     saved = streams / f"{ids['save']}.safetensors"

@@ -34,6 +34,8 @@ from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
 
+from conftest import random_frames  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 CHROMIUM = shutil.which("chromium")  # the page through Ray Serve's proxies, when Debian's Chromium is there
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,7 @@ KEY, OTHER_KEY = "ray-key-one", "ray-key-two"
 QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
 NEW_TOKENS = 6
 FRAMES = 8  # pushed to each stream
+SIZE = (48, 64)  # the frames a client sends: height, width
 SAVE_EVERY = 2  # frames: what a kill may lose is at most this (a stream is saved before the push after them)
 LEASE_SECONDS = 3
 BOUND_SECONDS = 240  # the whole scenario, cluster included
@@ -102,11 +105,6 @@ def cluster(ray_env):
 @pytest.fixture(scope="module")
 def qa():
     return statekv.VideoQA.from_pretrained("builtin", budget=64)
-
-
-def _frames(seed: int, count: int = FRAMES) -> list[np.ndarray]:
-    generator = np.random.default_rng(seed)
-    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
 
 
 def _png(image: np.ndarray) -> bytes:
@@ -232,7 +230,8 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
                   for stream_id in seeds}
         assert sorted(list(placed.values()).count(name) for name in set(placed.values())) == [2, 2]  # least-loaded
         half = FRAMES // 2
-        feeders = [threading.Thread(target=owners[stream_id].feed, args=(stream_id, _frames(seed), half))
+        feeders = [threading.Thread(target=owners[stream_id].feed,
+                                    args=(stream_id, random_frames(FRAMES, seed, *SIZE), half))
                    for stream_id, seed in seeds.items()]
         for feeder in feeders:
             feeder.start()
@@ -240,7 +239,8 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             feeder.join()
         for stream_id, seed in seeds.items():  # the streams of both replicas answer as each stream alone
             answer = owners[stream_id].ask(stream_id)
-            assert answer["answer"] == _alone(qa, _frames(seed)[:half]) and answer["frames"] == half
+            assert answer["answer"] == _alone(qa, random_frames(FRAMES, seed, *SIZE)[:half])
+            assert answer["frames"] == half
         assert other.call("GET", f"/v1/streams/{next(iter(seeds))}").status_code == 404  # another key's
         assert other.call("POST", f"/v1/streams/{next(iter(seeds))}/ask", json={"question": "q"}).status_code == 404
         assert {s["id"] for s in other.call("GET", "/v1/streams").json()["data"]} == {theirs}
@@ -260,7 +260,7 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             reply = openai.chat.completions.create(
                 model="builtin", max_tokens=NEW_TOKENS, extra_body={"statekv": {"stream_id": stream_id}},
                 extra_headers=headers, messages=[{"role": "user", "content": QUESTION}])
-            assert reply.choices[0].message.content == _alone(qa, _frames(seeds[stream_id])[:half])
+            assert reply.choices[0].message.content == _alone(qa, random_frames(FRAMES, seeds[stream_id], *SIZE)[:half])
         assert client.call("GET", f"/v1/streams/{mine[0]}").json()["replica"] == placed[mine[0]]  # the header routes
         page_replica = min(placed.values())  # the page's replica: the same for every tab
         if CHROMIUM is not None:
@@ -286,7 +286,7 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
                     shown = page.inner_text(".statekv-answer")
                 finally:
                     browser.close()
-            assert shown == _alone(qa, _frames(seeds[elsewhere])[:half], PAGE_NEW_TOKENS)
+            assert shown == _alone(qa, random_frames(FRAMES, seeds[elsewhere], *SIZE)[:half], PAGE_NEW_TOKENS)
             assert owners[elsewhere].call("GET", f"/v1/streams/{elsewhere}").json()["replica"] == page_replica
         placed = {stream_id: owners[stream_id].call("GET", f"/v1/streams/{stream_id}").json()["replica"]
                   for stream_id in seeds}
@@ -298,7 +298,7 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         pid = _replica_processes(state)[victim]
         acknowledged: dict[str, int] = {}
         def feed(stream_id: str, seed: int) -> None:
-            acknowledged[stream_id] = owners[stream_id].feed(stream_id, _frames(seed), pause=0.2)
+            acknowledged[stream_id] = owners[stream_id].feed(stream_id, random_frames(FRAMES, seed, *SIZE), pause=0.2)
 
         feeders = [threading.Thread(target=feed, args=item) for item in seeds.items()]
         for feeder in feeders:
@@ -314,7 +314,7 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             stats = owners[stream_id].call("GET", f"/v1/streams/{stream_id}").json()
             holders[stream_id] = stats["replica"]
             assert stats["frames"] == FRAMES and holders[stream_id] != victim
-            assert owners[stream_id].ask(stream_id)["answer"] == _alone(qa, _frames(seed))
+            assert owners[stream_id].ask(stream_id)["answer"] == _alone(qa, random_frames(FRAMES, seed, *SIZE))
         assert {holders[stream_id] for stream_id in seeds if stream_id not in moved} <= {survivor}
         resumed = [entry for client_ in (client, other) for entry in client_.resumed]
         assert {stream_id for stream_id, _, _ in resumed} == moved  # only the killed replica's streams were retried

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import statekv
-from statekv.core.graphs import StepGraphs, signature
-from statekv.core.storage import SEGMENT_STEPS
+from statekv.core.step.graphs import StepGraphs, signature
+from statekv.core.storage.layer_storage import SEGMENT_STEPS
 from statekv.testing.op_trace import OpTrace, device_parts
 from reference import last_steps, reference_stream, top_budget
 

@@ -13,23 +13,14 @@ from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
 from statekv.video import open_video
 
+from conftest import random_frames, tiny_qa
+
 QUESTION = "Why?"
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+def adapters(checkpoint):
     return {layout: load_adapter(checkpoint, layout=layout) for layout in ("paper", "chat")}
-
-
-def _frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
-
-
-def _qa(adapter, method="statekv", **kwargs) -> statekv.VideoQA:
-    policy = {"statekv": statekv.StateKV(budget=12), "recency": statekv.Recency(frames=2),
-              "full": statekv.FullAttention()}[method]
-    return statekv.VideoQA(adapter, policy, attention="eager", reserve_tokens=40, **kwargs)
 
 
 def _observe(encoded: statekv.EncodedVideo) -> list[torch.Tensor]:
@@ -45,7 +36,7 @@ def _identical(a, b) -> bool:
 
 
 def test_making_a_stream_streams_nothing_until_it_starts(adapters):
-    qa = _qa(adapters["chat"])  # the chat layout has a prompt prefix before the first frame
+    qa = tiny_qa(adapters["chat"])  # the chat layout has a prompt prefix before the first frame
     made = Stream(qa, 3)  # every attribute is set by the time anything is streamed
     assert (made.started, made.tokens, made.stats.chunks, made.pushed) == (False, 0, 0, 0)
     started = qa.stream(horizon_frames=3)
@@ -54,7 +45,7 @@ def test_making_a_stream_streams_nothing_until_it_starts(adapters):
     assert (made.tokens, made.stats.chunks) == (started.tokens, 1)
     lazy = Stream(qa, 3)  # pushing starts it
     for stream in (lazy, started):
-        for frame in _frames(2):
+        for frame in random_frames(2):
             stream.push(frame)
     assert _identical(_observe(lazy), _observe(started))
     assert torch.equal(lazy.ask_tokens(QUESTION, max_new_tokens=4), started.ask_tokens(QUESTION, max_new_tokens=4))
@@ -63,8 +54,8 @@ def test_making_a_stream_streams_nothing_until_it_starts(adapters):
 @pytest.mark.parametrize("layout", ["paper", "chat"])
 @pytest.mark.parametrize("method", ["statekv", "recency"])
 def test_pushing_frames_equals_offline_encoding(adapters, layout, method):
-    qa = _qa(adapters[layout], method)
-    video = open_video(_frames(10), fps=2)
+    qa = tiny_qa(adapters[layout], method)
+    video = open_video(random_frames(10), fps=2)
     offline = qa.encode(video, max_fps=1)
     stream = qa.stream(horizon_frames=5)
     for frame in video.sample(max_fps=1):  # the same 5 frames, as a live source would deliver them
@@ -75,8 +66,8 @@ def test_pushing_frames_equals_offline_encoding(adapters, layout, method):
 
 
 def test_asking_mid_stream_changes_nothing(adapters):
-    qa = _qa(adapters["chat"])
-    frames = _frames(6)
+    qa = tiny_qa(adapters["chat"])
+    frames = random_frames(6)
     quiet, asked = qa.stream(horizon_frames=6), qa.stream(horizon_frames=6)
     answers = []
     for t, image in enumerate(frames):
@@ -90,8 +81,8 @@ def test_asking_mid_stream_changes_nothing(adapters):
 
 @pytest.mark.parametrize("method", ["statekv", "recency", "full"])
 def test_save_load_continue_is_bit_identical(adapters, tmp_path, method):
-    qa = _qa(adapters["paper"], method)
-    frames = _frames(7)
+    qa = tiny_qa(adapters["paper"], method)
+    frames = random_frames(7)
     whole = qa.stream(horizon_frames=7, max_fps=1)
     whole.push_many((image, float(t)) for t, image in enumerate(frames))
 
@@ -108,30 +99,30 @@ def test_save_load_continue_is_bit_identical(adapters, tmp_path, method):
 
 
 def test_max_fps_keeps_one_frame_per_tick(adapters):
-    stream = _qa(adapters["paper"]).stream(horizon_frames=4, max_fps=1)
-    kept = [stream.push(image, t * 0.25) for t, image in enumerate(_frames(13))]  # 4 fps for 3 s
+    stream = tiny_qa(adapters["paper"]).stream(horizon_frames=4, max_fps=1)
+    kept = [stream.push(image, t * 0.25) for t, image in enumerate(random_frames(13))]  # 4 fps for 3 s
     assert kept == [t % 4 == 0 for t in range(13)] and stream.frames == 4 and stream.pushed == 13
 
 
 def test_default_timestamps_follow_max_fps(adapters):
-    stream = _qa(adapters["paper"]).stream(horizon_frames=3, max_fps=2)
-    assert all(stream.push(image) for image in _frames(3)) and stream.last_timestamp == 1.0
+    stream = tiny_qa(adapters["paper"]).stream(horizon_frames=3, max_fps=2)
+    assert all(stream.push(image) for image in random_frames(3)) and stream.last_timestamp == 1.0
 
 
 def test_pushing_past_the_horizon_fails_before_touching_the_stream(adapters):
-    stream = _qa(adapters["paper"]).stream(horizon_frames=2)
-    stream.push_many((image, float(t)) for t, image in enumerate(_frames(2)))
+    stream = tiny_qa(adapters["paper"]).stream(horizon_frames=2)
+    stream.push_many((image, float(t)) for t, image in enumerate(random_frames(2)))
     before = _observe(stream)
     with pytest.raises(statekv.HorizonError, match="horizon_frames") as info:
-        stream.push(_frames(1)[0], 5.0)
+        stream.push(random_frames(1)[0], 5.0)
     assert "\n" not in str(info.value)
     assert _identical(_observe(stream), before) and stream.frames == 2 and stream.pushed == 2
     assert stream.ask(QUESTION, max_new_tokens=2) is not None
 
 
 def test_a_failed_step_leaves_the_stream_unchanged(adapters, monkeypatch):
-    stream = _qa(adapters["paper"]).stream(horizon_frames=3)
-    stream.push(_frames(1)[0], 0.0)
+    stream = tiny_qa(adapters["paper"]).stream(horizon_frames=3)
+    stream.push(random_frames(1)[0], 0.0)
     before, state = _observe(stream), stream.state
 
     def broken(*args, **kwargs):
@@ -139,18 +130,18 @@ def test_a_failed_step_leaves_the_stream_unchanged(adapters, monkeypatch):
 
     monkeypatch.setattr(stream.prefill.decoder.layers[1].mlp, "forward", broken)
     with pytest.raises(RuntimeError):
-        stream.push(_frames(1, seed=1)[0], 1.0)
+        stream.push(random_frames(1, seed=1)[0], 1.0)
     monkeypatch.undo()
     assert _identical(_observe(stream), before) and stream.state == state and not stream.pending
-    assert stream.pushed == 1 and stream.push(_frames(1, seed=1)[0], 1.0)
+    assert stream.pushed == 1 and stream.push(random_frames(1, seed=1)[0], 1.0)
 
 
 def test_bad_pushes_and_loads(adapters, tmp_path):
-    qa = _qa(adapters["paper"])
+    qa = tiny_qa(adapters["paper"])
     stream = qa.stream(horizon_frames=3)
-    stream.push(_frames(1)[0], 2.0)
+    stream.push(random_frames(1)[0], 2.0)
     with pytest.raises(statekv.InputError, match="non-decreasing"):
-        stream.push(_frames(1)[0], 1.0)
+        stream.push(random_frames(1)[0], 1.0)
     with pytest.raises(statekv.InputError, match="RGB uint8"):
         stream.push(np.zeros((4, 4), np.float32), 3.0)
     for bad in (0, -1, 2.5):
@@ -166,15 +157,15 @@ def test_bad_pushes_and_loads(adapters, tmp_path):
         Stream.load(junk, qa)
     path = stream.save(tmp_path / "s.safetensors")
     with pytest.raises(statekv.InputError, match="StateKV"):
-        Stream.load(path, _qa(adapters["paper"], "full"))
+        Stream.load(path, tiny_qa(adapters["paper"], "full"))
     with pytest.raises(statekv.InputError, match="layout"):
-        Stream.load(path, _qa(adapters["chat"]))
+        Stream.load(path, tiny_qa(adapters["chat"]))
 
 
 def test_offload_keeps_the_detailed_cache_in_cpu_memory_and_answers_the_same(adapters):
-    frames = _frames(4)
-    resident = _qa(adapters["chat"]).encode(frames)
-    offloaded = _qa(adapters["chat"], offload=True).encode(frames)
+    frames = random_frames(4)
+    resident = tiny_qa(adapters["chat"]).encode(frames)
+    offloaded = tiny_qa(adapters["chat"], offload=True).encode(frames)
     for layer in offloaded.prefill.cache.layers:
         assert layer.detailed.keys.device.type == "cpu" and layer.carried()[0].device == offloaded.adapter.device
     assert torch.equal(offloaded.ask_tokens(QUESTION, max_new_tokens=6), resident.ask_tokens(QUESTION, max_new_tokens=6))
@@ -184,7 +175,7 @@ def test_two_frame_steps_wait_for_their_pair_and_survive_save_load(tmp_path):
     """Qwen3-VL streams one temporal patch (two frames) per step: an odd frame waits, also across a save."""
     checkpoint = make_tiny_checkpoint("qwen3_vl", tmp_path / "qwen")
     qa = statekv.VideoQA(load_adapter(checkpoint), statekv.StateKV(budget=10), attention="eager", reserve_tokens=40)
-    frames = _frames(7)
+    frames = random_frames(7)
     whole = qa.stream(horizon_frames=7)
     whole.push_many((image, float(t)) for t, image in enumerate(frames))
     assert (whole.frames, len(whole.pending)) == (6, 1)
@@ -202,7 +193,7 @@ def test_two_frame_steps_wait_for_their_pair_and_survive_save_load(tmp_path):
 
 
     # Pushed with the offline encoding's vision batches (two steps per vision call), a stream is bit-identical
-    video = open_video(_frames(14), fps=2)  # sampled at 1 fps: 7 distinct frames
+    video = open_video(random_frames(14), fps=2)  # sampled at 1 fps: 7 distinct frames
     offline = qa.encode(video, max_fps=1, vision_batch=4)
     live = qa.stream(horizon_frames=7, vision_batch=4)
     live.push_many(video.sample(max_fps=1))

@@ -109,13 +109,13 @@ def test_every_chunk_attends_to_at_most_budget_plus_chunk_keys(tiny_lm, backend,
     model = tiny_lm("qwen3")
     budget, seen_keys = 16, []
     for name in ("scored_attention", "chunk_attention"):  # chunks that fit the budget skip scoring
-        original = getattr(statekv.core.cache, name)
+        original = getattr(statekv.core.cache.two_state, name)
 
         def spy(q, k, v, _original=original, **kwargs):
             seen_keys.append((q.shape[2], k.shape[2]))
             return _original(q, k, v, **kwargs)
 
-        monkeypatch.setattr(statekv.core.cache, name, spy)
+        monkeypatch.setattr(statekv.core.cache.two_state, name, spy)
     stream(model, statekv.StateKV(budget=budget), split(tokens(model)), attention=backend)
     assert len(seen_keys) == len(CHUNK_LENGTHS) * model.config.num_hidden_layers
     assert all(keys <= budget + queries for queries, keys in seen_keys)

@@ -116,3 +116,17 @@ def test_an_undecodable_video_is_named_in_one_line(tmp_path, capsys, caplog):
     (root / "videos" / "v0000.mp4").write_bytes(b"")
     assert _eval(root, tmp_path / "run2") == 2  # nothing readable: the run fails with one line
     assert "no question was answered" in _one_line(capsys.readouterr().err)
+
+
+def test_a_synthetic_set_streams_every_frame_unless_told_otherwise(tmp_path):
+    """The set's videos are the model's own test videos: past the published benchmarks' 512-frame cap too."""
+    root = tmp_path / "long"
+    make_benchmark(root, videos=1, seed=34, num_frames=520, families=("needle",))
+    assert _eval(root, tmp_path / "every") == 0
+    assert [json.loads(line)["extra"]["frames"] for line in (tmp_path / "every" / "answers.rank000.jsonl").open()] \
+        == [520]
+    assert json.loads((tmp_path / "every" / "results.json").read_text())["run"]["max_frames"] is None
+    assert _eval(root, tmp_path / "capped", "--max-frames", "100") == 0
+    assert json.loads((tmp_path / "capped" / "answers.rank000.jsonl").read_text())["extra"]["frames"] == 100
+    assert EvalConfig.for_model("synthetic", "builtin", root, tmp_path / "api").max_frames is None
+    assert EvalConfig.for_model("videomme", "builtin", root, tmp_path / "api").max_frames == 512

@@ -1,4 +1,4 @@
-"""Strict option parsing (statekv.values): what lmms-eval's --model_args strings may say, and refusals."""
+"""Strict option parsing (statekv.settings.values): what lmms-eval's --model_args strings may say, and refusals."""
 
 from __future__ import annotations
 
@@ -7,17 +7,8 @@ import math
 import pytest
 
 from statekv.errors import ConfigurationError
-from statekv.values import (
-    Option,
-    boolean,
-    choice,
-    integer,
-    optional_text,
-    parse_options,
-    positive_float,
-    positive_int,
-    required_text,
-)
+from statekv.settings.values import (Option, boolean, choice, integer, optional_text, parse_options, positive_float,
+                                     positive_int, required_text)
 
 
 @pytest.mark.parametrize("text", ["true", "TRUE", "True", "1", "yes", "Yes", "on", "ON", " on "])

@@ -13,7 +13,7 @@ import torch
 
 import statekv
 import statekv.api.watch as watch_module
-import statekv.core.watch_context as context_module
+import statekv.core.watching.context as context_module
 from statekv.errors import InputError
 from statekv.synthetic.plans import plan_video
 from statekv.synthetic.prompts import question_prompt
@@ -87,7 +87,7 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
         read.append((q.shape[2], int(valid[0, 0].sum())))
         return original(q, keys, values, valid, scale)
 
-    monkeypatch.setattr("statekv.core.watching.masked_attention", spy)
+    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
     stream = full.stream(horizon, max_fps=1)
     push(stream, frames, 0, 6)
     watch = stream.watch(COUNT, max_new_tokens=4)
@@ -111,7 +111,7 @@ def test_an_evaluation_reads_the_carried_state_and_the_new_frames_only(qa, frame
         return original(q, keys, values, valid, scale)
 
     monkeypatch.setattr(context_module, "masked_attention", spy)
-    monkeypatch.setattr("statekv.core.watching.masked_attention", spy)
+    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 2)
     watch = stream.watch(COUNT, every=2, max_new_tokens=1, steer=False)
@@ -242,14 +242,15 @@ def test_past_the_models_range_an_evaluation_reads_the_stream_as_a_step_would(tm
     """Under bounded positions past the model's range the carried keys are rotated to where the layout puts them:
     an evaluation's first answer token is the one a step of the question itself would predict (the layout's
     grouped distances for full attention, the carried state packed before the chunk for StateKV)."""
-    from statekv.core.watching import Evaluation, evaluate
+    from statekv.core.watching.standing import Evaluation, evaluate
     from statekv.testing import make_tiny_checkpoint
 
     short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
                                       vision_config={"image_size": 112})
     images = np.random.default_rng(0).integers(0, 256, (14, 32, 32, 3), dtype=np.uint8)
-    qa = statekv.VideoQA.from_pretrained(checkpoint, method=method, budget=24, reserve_tokens=24)
+    sizes = {"budget": 24} if method == "statekv" else {}
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method=method, reserve_tokens=24, **sizes)
     watched, stepped = qa.stream(), qa.stream()
     for image in images:
         watched.push(image)
@@ -273,9 +274,9 @@ def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk():
     its rows and the query heads of each KV group, scaled to the chunk's total and weighted."""
     from types import SimpleNamespace
 
-    from statekv.core.positions import rotate
-    from statekv.core.steering import QuestionGuide
-    from statekv.core.watching import StandingQuestion
+    from statekv.core.positions.placing import rotate
+    from statekv.core.rules.steering import QuestionGuide
+    from statekv.core.watching.standing import StandingQuestion
 
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, rotary = 4, 2, 16, 12  # a partial rotary: the last dims are not rotated

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from statekv.errors import ConfigurationError
-from statekv.values import check_int
+from statekv.settings.values import check_int
 
 from . import statistics as st
 

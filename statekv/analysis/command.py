@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from statekv.console import quiet_libraries
-from statekv.values import PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
+from statekv.settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from statekv.errors import InputError
-from statekv.core.policies import KEEP_ALL, Candidates, CarryPolicy
+from statekv.core.rules import KEEP_ALL, Candidates, CarryPolicy
 
 ScoreListener = Callable[[int, torch.Tensor, tuple[int, ...]], None]
 

@@ -1,6 +1,6 @@
 """What a video on the disk tier journals so that it can resume after its process is killed, and resuming it.
 
-The disk tier's file set (`statekv.core.disk.DiskTier`: the layers' files, the journal, the carried-state slots)
+The disk tier's file set (`statekv.core.disk.tier.DiskTier`: the layers' files, the journal, the carried-state slots)
 is the engine's; the engine journals each step once its data is written, with the record the video gives it.
 `Durability` is the one object through which a video (`EncodedVideo`, `Stream`) writes into the file set: its
 setup (``stream.json``, `statekv.api.stream_disk`), each frame pushed (so a resumed stream can count the frames it
@@ -15,8 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.disk import FORMAT, FORMAT_VERSION, MANIFEST, DiskTier, hold, read_description, read_file_set
-from ..core.prefill import cache_geometry
+from ..core.disk.files import FILE_SET, check_file_set, hold, read_file_set, read_manifest
+from ..core.disk.tier import DiskTier
+from ..core.stream.prefill import cache_geometry
+from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from ..errors import InputError
 from ..models import LayoutState
@@ -46,9 +48,9 @@ class Durability:
         return None if self.tier is None else self.tier.folder
 
     def describe(self, setup: dict[str, Any]) -> None:
-        """Write the stream's setup (``stream.json``) into the file set."""
+        """Write the stream's setup (``stream.json``) into the file set, naming the file set it belongs to."""
         if self.tier is not None:
-            self.tier.describe(SETUP, setup)
+            self.tier.describe(SETUP, {**setup, "file_set": self.tier.file_set})
 
     def pushed(self, frame: Frame) -> None:
         """Journal a kept frame: a resumed stream counts it lost unless a step journals it."""
@@ -78,18 +80,20 @@ class Durability:
 
 
 def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *, stream_id: str | None = None,
-                  owner: str | None = None, engine: Any = None) -> Any:
+                  owner: str | None = None, engine: EngineSettings | None = None) -> Any:
     """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`): its lock
     taken first (a file set another stream lives in is refused, naming it), then everything checked, against
-    ``engine`` (default: the VideoQA's settings)."""
-    read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")  # before a lock file is made
+    ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own)."""
+    engine = qa.engine if engine is None else engine
+    manifest = read_manifest(folder)  # before a lock file is made
     setup = read_stream_setup(folder)
+    check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])  # not another stream's description
     check_ownership(folder, setup, stream_id, owner)
     lock = hold(folder, f"stream {setup['name'][:80]!r}")
     try:
         journal = read_file_set(folder)
         check_same_setup(folder, {**setup, "cache": {"kv_cache_dtype": setup["kv_cache_dtype"]}}, qa,
-                         allow_other_weights, qa.engine if engine is None else engine)
+                         allow_other_weights, engine)
         geometry = cache_geometry(qa.adapter.model)
         made = journal.manifest.get("geometry")
         if made != geometry.to_dict():
@@ -111,9 +115,10 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     try:
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
-                     prefix_tokens=setup["prefix_tokens"], kv_cache_dtype=setup["kv_cache_dtype"] or "auto",
-                     positions=setup["engine"].get("settings", {}).get("positions") or "stream",
-                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner)
+                     prefix_tokens=setup["prefix_tokens"],
+                     engine=engine.with_changes(positions=setup["engine"].get("settings", {}).get("positions")
+                                                or "stream"),
+                     disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner, created=setup.get("created"))
     except BaseException:
         tier.close()
         raise

@@ -20,18 +20,18 @@ from typing import Any
 import torch
 
 from ..core import Retrieval, StreamingPrefill
-from ..core.batching import StepBatcher, StepRequest, step_alone
-from ..core.positions import choose_positions
-from ..core.retrieval import retrieval_rule
-from ..core.settings import EngineSettings
+from ..core.step.batching import StepBatcher, StepRequest
+from ..core.positions.placing import choose_positions
+from ..settings.engine import EngineSettings
+from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .stats import AnswerInfo, EncodingStats
-from ..errors import HorizonError, InputError
+from ..errors import InputError
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
-from ..values import check_int
+from ..settings.values import check_int
 from ..video import Frame
 
 METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting
@@ -55,8 +55,8 @@ class EncodedVideo:
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
         has nothing to stream); None: `start` streams the adapter's prefix. engine: the engine's settings
         (default: the VideoQA's; positions None: decided here for ``horizon``, see
-        `statekv.core.positions.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
-        (`statekv.core.disk.DiskTier`)."""
+        `statekv.core.positions.placing.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
+        (`statekv.core.disk.tier.DiskTier`)."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -103,7 +103,7 @@ class EncodedVideo:
             prefix and any sinks) instead of the whole detailed cache; None: the whole cache; by default, the
             VideoQA's setting (the method's own for ``rekv``).
         retrieval: the rule that picks the frames (``attention``, ``rekv``, ``recent``; see
-            `statekv.core.retrieval`); None: the VideoQA's.
+            `statekv.core.answering.retrieval`); None: the VideoQA's.
         """
         tokens = self.ask_tokens(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
                                  **generate_kwargs)
@@ -131,15 +131,9 @@ class EncodedVideo:
         prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
         rule = retrieval
         retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
-        plan = self.prefill.question_plan(prompt.input_ids.shape[1] + max_new_tokens, retrieval)  # bounded only
+        plan = self.prefill.fit_question(prompt.input_ids.shape[1], max_new_tokens, retrieval)
         if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
             retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
-        room = None if plan is not None else self.horizon - self.prefill.seen_tokens
-        if room is not None and prompt.input_ids.shape[1] + max_new_tokens > room:
-            raise HorizonError(
-                f"the question ({prompt.input_ids.shape[1]} tokens) and answer ({max_new_tokens}) do not fit in the "
-                f"{room} tokens left before the RoPE horizon; create the VideoQA with a larger reserve_tokens"
-            )
         answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         evicted = self.stats.evicted_frames
@@ -244,11 +238,10 @@ class EncodedVideo:
 
     @torch.no_grad()
     def _stream_chunk(self, chunk: Chunk) -> None:
-        """Stream ``chunk`` (laid out after ``state``) on this thread, as a batch of one step."""
-        with whole():
-            step = self.step_of(chunk)
-            step_alone(step.request)
-            self.record_step(step)
+        """Stream ``chunk`` (laid out after ``state``) on this thread: a job of one step laid out already."""
+        job = StepJob(self, chunks=[chunk])
+        stream_jobs([job], StepBatcher())
+        job.raise_error()
 
     # -- the step protocol ------------------------------------------------------------------------------
     def plan_steps(self, groups: Sequence[Sequence[Frame]]) -> list[PreparedFrames]:

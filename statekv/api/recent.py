@@ -25,7 +25,7 @@ from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..values import check_int, check_number
+from ..settings.values import check_int, check_number
 from ..video import Frame
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_evaluations
 
@@ -138,7 +138,7 @@ class RecentFrames:
         height, width = frames[0].image.shape[:2]
         per_step = self.qa.adapter.frames_per_step
         with EncodedVideo(self.qa, self.qa.horizon_for(len(frames), (height, width), self.reserve_tokens),
-                          num_frames=len(frames), fps=rate, name=self.name) as clip:
+                          num_frames=len(frames), fps=rate, name=self.name, engine=self.clip_engine) as clip:
             clip.append_steps([frames[i:i + per_step] for i in range(0, len(frames), per_step)],
                               vision_batch=len(frames))
             tokens = clip.ask_tokens(question, **ask_kwargs)
@@ -148,6 +148,14 @@ class RecentFrames:
             # the frames it read: its window's, numbered as the stream kept them
             self.answer_info = replace(clip.answer_info, read_frames=tuple(frame.index for frame in self.recent))
         return tokens
+
+    @property
+    def clip_engine(self) -> Any:
+        """The engine settings a question's encoding runs with: the VideoQA's, but never on the disk tier (a file
+        set per question, thrown away after it, would only be left behind: nothing resumes it), whose cache is
+        then kept in host memory instead."""
+        engine = self.qa.engine
+        return engine.with_changes(offload=True, offload_dir=None) if engine.offload == "disk" else engine
 
     # -- the rest of a stream's surface ---------------------------------------------------------------
     @property

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.persistence import check_state_dict
-from ..core.prefill import cache_geometry
+from ..core.cache.persistence import check_state_dict
+from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
+from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
@@ -41,8 +42,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
     tensors.update(watch_tensors(stream))
     metadata = {
-        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, "stream_id": stream.id,
-        "owner_digest": stream.owner_digest,
+        "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, **stream.identity,
         "model": {**model_identity(stream.qa), "weights": weights_fingerprint(stream.adapter.model)},
         "engine": engine_record(stream, offload=bool(stream.engine.offload)),
         "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
@@ -68,10 +68,10 @@ def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
             "settings": stream.engine.to_dict()}
 
 
-def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
-                kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> Any:
-    """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder."""
-    engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *, allow_other_weights: bool = False,
+                stream_id: str | None = None, owner: str | None = None) -> Any:
+    """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder, with the engine
+    settings ``engine`` (checked against those it was saved with; its positions are the saved stream's)."""
     if Path(path).is_dir():
         return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
                              engine=engine)
@@ -91,9 +91,9 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                     prefix_tokens=metadata["prefix_tokens"], kv_cache_dtype=engine.kv_cache_dtype or "auto",
-                     positions=recorded_settings(metadata).get("positions") or "stream",
-                     stream_id=metadata.get("stream_id"), owner=owner)
+                     prefix_tokens=metadata["prefix_tokens"],
+                     engine=engine.with_changes(positions=recorded_settings(metadata).get("positions") or "stream"),
+                     stream_id=metadata.get("stream_id"), owner=owner, created=metadata.get("created"))
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None
     try:
@@ -113,11 +113,11 @@ def load_stream(cls: type, path: str | Path, qa: Any, *, allow_other_weights: bo
     if metadata["pending"]:  # the last frame streamed comes before the pending ones
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
-    stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
     try:
+        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
         restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
-        stream.close()
+        stream.close()  # a file set that could not take the state is removed: nothing half-written stays
         raise
     return stream
 

@@ -31,7 +31,7 @@ class EncodingStats:
         detailed cache unless offloaded, what answering brought there), encoding and questions included.
     peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
     evicted_frames: frames whose detailed cache was given up under ``max_cache_bytes`` (answers no longer see
-        them; see `statekv.core.limits`).
+        them; see `statekv.core.storage.limits`).
     earlier_seconds, earlier_frames: the wall time and count of frames whose per-frame times were dropped: the
         lists keep the last `TIMES_KEPT` to `2 * TIMES_KEPT` frames, so a stream that never ends keeps a bounded
         record (``seconds`` and the means still count every frame).

@@ -35,6 +35,7 @@ import torch
 from PIL import Image
 
 from .encoded import METHOD_DEFAULT, EncodedVideo
+from ..settings.engine import EngineSettings
 from ..errors import CacheLimitError, HorizonError, InputError, OutputError
 from ..steps.jobs import StepJob
 from ..steps.overlap import check_vision_batch, steps_per_batch
@@ -42,8 +43,9 @@ from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch
-from .stream_file import check_stream_id, model_identity, new_stream_id, owner_digest, weights_fingerprint
-from ..values import check_bool, check_int, check_number
+from .stream_file import (check_owner, check_stream_id, model_identity, new_created, new_stream_id, ownership,
+                          weights_fingerprint)
+from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
 
 
@@ -74,8 +76,9 @@ class Stream(EncodedVideo):
 
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
-    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns), ``id`` and
-    ``owner_digest`` (who it is, recorded in its files and checked when they are loaded).
+    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns), ``id``,
+    ``created`` and ``owner_digest`` (who it is, recorded in its files and checked when they are loaded;
+    ``identity``: all of it as recorded).
 
     A push is `offer` (checks; a kept frame joins ``pending``), the encoding of a ready batch (`pending_job`, run
     by the `VideoQA`'s step scheduler, then `settle`), then `accept` (the push clock advances). `VideoQA.push_many`
@@ -86,26 +89,25 @@ class Stream(EncodedVideo):
 
     def __init__(self, qa: Any, horizon_frames: int | None, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,
-                 kv_cache_dtype: str | None = None, disk_tier: Any = None, stream_id: str | None = None,
-                 owner: str | None = None, positions: str | None = None):
+                 engine: EngineSettings | None = None, disk_tier: Any = None, stream_id: str | None = None,
+                 owner: str | None = None, created: str | None = None):
         """prefix_tokens: when resuming (see `load`), the prompt prefix already streamed; None: `start` streams
-        it (`VideoQA.stream` returns a started stream). kv_cache_dtype: ``"int8"``/``"int4"`` to store the
-        detailed cache quantized, ``"auto"`` the model's dtype (default: the VideoQA's). disk_tier: when resuming
-        a disk-tier stream, its file set. stream_id: the stream's id, recorded in its files (default: a new
-        random one). owner: who owns it (any text, e.g. an API key's id; its digest is recorded, `load` checks
-        it). horizon_frames: None: no horizon, the stream never ends (bounded positions). positions: ``"stream"`` or
-        ``"bounded"`` (default: the VideoQA's; resuming: as the stream was made)."""
+        it (`VideoQA.stream` returns a started stream). engine: the engine's settings (default: the VideoQA's;
+        resuming: as the stream was made, its positions included). disk_tier: when resuming a disk-tier stream, its
+        file set. stream_id: the stream's id, recorded in its files (default: a new random one). owner: who owns it
+        (any text, e.g. an API key's id; its digest is recorded, `load` checks it). created: when the stream was
+        made (resuming: as recorded; default: now). horizon_frames: None: no horizon, the stream never ends (bounded
+        positions)."""
         self.id = new_stream_id() if stream_id is None else check_stream_id(stream_id)
-        self.owner_digest = owner_digest(owner)
+        self.created = new_created() if created is None else str(created)
+        self.identity = ownership(self.id, self.created, owner)  # what its files record of who it is
+        self.owner_digest = self.identity["owner_digest"]
         if horizon_frames is not None:
             check_int(horizon_frames, "horizon_frames", error=InputError)
         if max_fps is not None:
             check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
         vision_batch = check_vision_batch(vision_batch)
         max_fps = None if max_fps is None else float(max_fps)
-        engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
-        if positions is not None:
-            engine = engine.with_changes(positions=positions)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
                          engine=engine, disk_tier=disk_tier)
@@ -126,7 +128,7 @@ class Stream(EncodedVideo):
                     name, {**model_identity(qa), "weights": weights_fingerprint(self.adapter.model)},
                     engine_record(self), horizon=self.horizon, horizon_frames=horizon_frames, max_fps=self.max_fps,
                     prefix_tokens=self.prefix_tokens, vision_batch=self.vision_batch,
-                    kv_cache_dtype=self.prefill.kv_cache_dtype, stream_id=self.id, owner_digest=self.owner_digest))
+                    kv_cache_dtype=self.engine.kv_cache_dtype, **self.identity))
             except BaseException:
                 self.close()
                 raise
@@ -326,10 +328,11 @@ class Stream(EncodedVideo):
         check_bool(allow_other_weights, "allow_other_weights")
         if stream_id is not None:
             check_stream_id(stream_id)
-        owner_digest(owner)  # checked before any file is read
+        check_owner(owner)  # checked before any file is read
+        engine = qa.engine if kv_cache_dtype is None else qa.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
         with whole():
-            return load_stream(cls, path, qa, allow_other_weights=allow_other_weights, kv_cache_dtype=kv_cache_dtype,
-                               stream_id=stream_id, owner=owner)
+            return load_stream(cls, path, qa, engine, allow_other_weights=allow_other_weights, stream_id=stream_id,
+                               owner=owner)
 
 
 def _rgb_array(image: Any) -> np.ndarray:

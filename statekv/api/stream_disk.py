@@ -1,11 +1,12 @@
 """A disk-tier stream's own description in its file set (``stream.json``), what `Stream.load` resumes it from.
 
-The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk`'s. Beside it a
+The file set itself (the layers' files, the journal, the carried-state slots) is `statekv.core.disk.tier`'s. Beside it a
 stream writes, once, the setup it was made with: its name, horizon, sampling, reserve and prompt prefix, the model
 (family, layout, dtype, the weights' fingerprint), the method and the engine's settings. Resuming checks that setup
 against the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`), so a foreign file set is refused
-with one line before anything is built from it; and who the stream is (its id and owner's digest). The file
-records the SHA-256 of its fields (`statekv.core.disk.read_checked`).
+with one line before anything is built from it; who the stream is (its id, creation and owner's digest); and the
+file set it belongs to (``file_set``, its manifest's: another stream's ``stream.json`` copied in is refused). The
+file records the SHA-256 of its fields (`statekv.core.disk.files.read_checked`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..core.disk import read_description
+from ..core.disk.files import read_description
 from ..errors import InputError
 from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
                           record_check)
 
 FORMAT = "statekv-disk-stream"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: named no file set
 SETUP = "stream"  # the file's name in the file set: stream.json
 
 SCHEMA = record_check({
@@ -32,6 +33,7 @@ SCHEMA = record_check({
     "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
     "max_fps": optional_check(number_check(positive=True)), "prefix_tokens": integer_check(0),
     "vision_batch": integer_check(1), "kv_cache_dtype": optional_check(TEXT),
+    "file_set": TEXT,  # the file set it belongs to: its manifest's
 }, optional=OWNERSHIP)
 
 

@@ -21,22 +21,32 @@ times and the frames kept must be what pushing at that rate leaves, and the layo
 starts a stream of that rate with. (Checksums are recomputable, so a field no other field is checked against can
 be forged: ``max_fps`` was one.)
 
-Who a stream is: ``stream_id`` (kept for its life, across saves and loads) and ``owner_digest`` (the SHA-256 of
-its owner's name, `owner_digest`; None: no owner), checked on load by `check_ownership`, so a file moved under
-another stream's name or owner is refused.
+Who a stream is: ``stream_id`` and ``created`` (kept for its life, across saves and loads), ``owner_digest`` (an
+HMAC of its owner's name, id and creation under this installation's secret, `owner_digest`; None: no owner) and
+``installation`` (which secret keyed it), checked on load by `check_ownership`, so a file moved under another
+stream's name or owner is refused, and no file can be re-signed to name an owner without the secret. A file whose
+owner another installation recorded is refused for an owner until it is re-owned here (``statekv reown``).
 
-A file is written to ``<name>.partial`` beside the target and renamed over it only once complete, under the
-exclusive lock of ``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is
-refused with one line naming the holder.
+A file is written to ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever write one
+partial file) and renamed over it only once complete, under the exclusive lock of ``<name>.lock`` (removed when the
+save ends): a second save to the same file at the same time is refused with one line naming the holder. Just before
+the rename the save checks that ``<name>.lock`` is still the file it locked; if it was removed or replaced meanwhile
+(another save may then have taken it), the save is refused and the target is left as it was. What saves killed
+before their rename left is removed by the next save to the same file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import glob
 import hashlib
+import hmac
 import json
 import math
 import os
+import re
+import secrets
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,17 +56,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..core.settings import EngineSettings
+from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
 from ..locks import FileLock
 from ..models import LayoutState
-from ..values import check_int, check_output_file
+from ..settings.values import check_int, check_output_file
+from ..user_cache import installation_secret, secret_path
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
 FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
 MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below
+PARTIAL = re.compile(r"\.[0-9a-f]{8}\.partial")  # what follows the target's name in a save's partial file
 
 Check = Callable[[Any, str], Any]
 
@@ -95,7 +107,8 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
     text = json.dumps(metadata, allow_nan=False)
-    partial = path.with_name(path.name + ".partial")
+    # a name of its own: two saves never write one partial file, even if the lock below is broken
+    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -104,14 +117,32 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                             error=OutputError, advice="wait for that save to end, or save elsewhere",
                             remove=True)
     try:
+        _remove_stale_partials(path)
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
+        if not lock.owns():  # its lock file was removed or replaced: another save may own the name now
+            partial.unlink(missing_ok=True)
+            raise OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it "
+                              f"was written, and another save may be writing there; {UNCHANGED}")
         os.replace(partial, path)
     except (OSError, SafetensorError) as error:
-        partial.unlink(missing_ok=True)  # ours: the lock is held
+        partial.unlink(missing_ok=True)
+        if isinstance(error, OutputError):
+            raise
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
     finally:
         lock.release()
     return path
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Remove what saves to ``path`` killed before their rename left (``<name>.<hex>.partial``); called under its
+    lock, so no live save's partial is among them."""
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):
+        if PARTIAL.fullmatch(stale.name[len(path.name):]):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
 
 
 UNCHANGED = "nothing was written there (a file already there is as it was) and the stream is unchanged"
@@ -357,8 +388,10 @@ def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
 
 TEXT = type_check(str, "a string")
 BOOLEAN = type_check(bool, "true or false")
-# who a stream is: its id and its owner's digest (files saved before they were recorded lack them)
-OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT)}
+# who a stream is: its id, creation, owner's digest and the installation that keyed it (files saved before they
+# were recorded lack them)
+OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT), "created": optional_check(TEXT),
+             "installation": optional_check(TEXT)}
 # the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
 SETTINGS = type_check(dict, "an object")
 
@@ -432,30 +465,70 @@ def check_stream_id(value: Any, name: str = "stream_id") -> str:
     return value
 
 
-def owner_digest(owner: str | None) -> str | None:
-    """What a saved stream records of its ``owner`` (any text naming who owns it, e.g. an API key's id): its SHA-256,
-    never the text itself. None: no owner."""
-    if owner is None:
-        return None
-    if not isinstance(owner, str) or not owner:
+def new_created() -> str:
+    """When a stream is made: UTC, to the microsecond (part of who it is, with its id)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def check_owner(owner: Any) -> str | None:
+    """``owner``: any non-empty text naming who owns a stream (e.g. an API key's id), or None."""
+    if owner is not None and (not isinstance(owner, str) or not owner):
         raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
-    return hashlib.sha256(f"statekv-owner:{owner}".encode()).hexdigest()
+    return owner
+
+
+def installation_id(secret: bytes) -> str:
+    """What a file records of the installation whose secret keyed its owner digest (not the secret)."""
+    return hashlib.sha256(b"statekv-installation\0" + secret).hexdigest()[:16]
+
+
+def owner_digest(owner: str | None, stream_id: str, created: str | None, *, secret: bytes | None = None) -> str | None:
+    """What a stream's files record of its ``owner``: an HMAC-SHA256 under this installation's secret
+    (`statekv.user_cache.installation_secret`, made on first use) of the owner bound to the stream's id and
+    creation, never the owner itself. Without the secret no file can be made to name an owner, and a digest taken
+    from another stream's file does not fit this one. None: no owner."""
+    if check_owner(owner) is None:
+        return None
+    secret = installation_secret(create=True) if secret is None else secret
+    text = f"statekv-owner\0{stream_id}\0{created or ''}\0{owner}"
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
+def ownership(stream_id: str, created: str, owner: str | None) -> dict[str, Any]:
+    """The identity fields a stream's files record (`OWNERSHIP`): its id, creation, owner digest and the
+    installation that keyed it (None without an owner)."""
+    digest = owner_digest(owner, stream_id, created)
+    installation = None if digest is None else installation_id(installation_secret(create=False))
+    return {"stream_id": stream_id, "created": created, "owner_digest": digest, "installation": installation}
 
 
 def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id: str | None,
                     owner: str | None) -> None:
     """Refuse (one line) a saved stream that is not ``stream_id`` (None: any) or not ``owner``'s (None: one with no
-    owner); ``recorded``: its ``stream_id`` and ``owner_digest`` (absent in files saved before they were)."""
+    owner); ``recorded``: its identity fields (`OWNERSHIP`; absent in files saved before they were). An owner
+    recorded by another installation (or before digests were keyed) proves nothing here: re-own the file
+    (``statekv reown``) if you trust it."""
     saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
     if stream_id is not None and saved_id != check_stream_id(stream_id):
         held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
         raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
-    digest = owner_digest(owner)
-    if saved_owner != digest:
-        if digest is None:
+    if check_owner(owner) is None:
+        if saved_owner is not None:
             raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it")
-        raise InputError(f"{path}: the stream belongs to {'another owner' if saved_owner else 'no owner'}, not to the "
-                         "owner given")
+        return
+    if saved_owner is None:
+        raise InputError(f"{path}: the stream belongs to no owner, not to the owner given")
+    made_by, secret = recorded.get("installation"), installation_secret(create=False)
+    reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
+    if made_by is None:
+        raise InputError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
+                         f"so it proves nothing; {reown}")
+    if secret is None or made_by != installation_id(secret):
+        here = "has none" if secret is None else "is another"
+        raise InputError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
+                         f"{secret_path()}, {here}); {reown}")
+    if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
+        raise InputError(f"{path}: the stream belongs to another owner, not to the owner given")
 
 
 # -- the model and the engine a file was saved with ---------------------------------------------------------------

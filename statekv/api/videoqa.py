@@ -22,12 +22,11 @@ import torch
 
 from ..builtin import resolve_model
 from ..core import CarryPolicy
-from ..core.retrieval import DEFAULT_RETRIEVAL, retrieval_rule
-from ..core.settings import EngineSettings
+from ..settings.engine import EngineSettings
 from .encoded import EncodedVideo
 from .stats import ProgressCallback, progress_reporter
 from ..errors import CacheLimitError, ConfigurationError, FrameDecodeError, InputError, StateKVError
-from ..settings.methods import MethodSettings, method, method_names
+from ..settings.methods import DEFAULT_RETRIEVAL, MethodSettings, method, method_names, retrieval_rule
 from ..models import VideoAdapter, load_adapter
 from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
@@ -36,7 +35,7 @@ from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
 from .watch import evaluate_due
-from ..values import check_bool, check_int, check_number, format_bytes, torch_dtype
+from ..settings.values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
 
 OPTION_NAMES = tuple(field.name for field in fields(ModelOptions))  # its settings: not its ClassVars (SETTINGS...)
@@ -57,14 +56,14 @@ class VideoQA:
         adapter: the model family adapter (see `statekv.models`); `from_pretrained` picks it.
         policy: the carry rule (`make_policy` builds the registered methods' own).
         engine: the engine's settings every video and stream of this VideoQA streams with
-            (`statekv.core.settings.EngineSettings`: the attention backend, ``offload`` (CPU memory, or
+            (`statekv.settings.engine.EngineSettings`: the attention backend, ``offload`` (CPU memory, or
             ``"disk"``: an append-only, memory-mapped file set per video or stream under ``offload_dir``, which
             `Stream.load` resumes after a crash), ``max_cache_bytes`` and ``cache_limit`` (a cap on each detailed
             cache and what happens at it: ``refuse``, ``evict-oldest``, ``evict-least-attended``),
             ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``compile_step``,
             ``positions``: ``"stream"`` or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's
             horizon fits the model's range, else ``bounded``, so a stream without a horizon is bounded; see
-            `statekv.core.positions`);
+            `statekv.core.positions.placing`);
             ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
@@ -73,7 +72,7 @@ class VideoQA:
             `statekv.steps.overlap`). Batched vision gives the per-frame features up to float rounding.
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
         retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
-            `statekv.core.retrieval`).
+            `statekv.core.answering.retrieval`).
         steer: whether a stream's watches steer what it carries by default (`Stream.watch`).
     """
 
@@ -104,12 +103,14 @@ class VideoQA:
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered
-            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`.
+            from retrieved frames), ``keynorm``, or any method registered in `statekv.settings.methods`. A setting
+            the method never reads (``window`` under ``statekv``, ``retrieve`` under ``simplestream``) is refused in
+            one line (`statekv.settings.methods.refuse_unread`).
         """
         known = set(OPTION_NAMES) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
         settings = {name: value for name, value in options.items() if name in known}
-        return cls.from_options(ModelOptions(model=str(model), **settings), **model_kwargs)
+        return cls.from_options(ModelOptions.given(model=str(model), **settings), **model_kwargs)
 
     @classmethod
     def from_options(cls, options: ModelOptions, **model_kwargs: Any) -> "VideoQA":
@@ -237,7 +238,7 @@ class VideoQA:
 
         horizon_frames: the most frames it will take (its positions are then the stream's where they fit the
             model's range); None: no horizon, the stream never ends (bounded positions: every position kept
-            inside the model's trained range, see `statekv.core.positions`).
+            inside the model's trained range, see `statekv.core.positions.placing`).
 
         max_fps: keep at most this many pushed frames per second of stream time (``None``: keep every frame).
         vision_batch: frames vision-encoded together (default 1: each frame is encoded as it is pushed; with
@@ -250,9 +251,9 @@ class VideoQA:
         """
         if self.recent_window is not None:
             return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
+        engine = self.engine if kv_cache_dtype is None else self.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
         stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
-                        reserve_tokens=reserve_tokens, kv_cache_dtype=kv_cache_dtype, stream_id=stream_id,
-                        owner=owner)
+                        reserve_tokens=reserve_tokens, engine=engine, stream_id=stream_id, owner=owner)
         try:
             return stream.start()
         except BaseException:  # nothing half made is left holding its files
@@ -262,7 +263,7 @@ class VideoQA:
     def push_many(self, items: Sequence[tuple[Stream, Any, float | None]], *,
                   return_exceptions: bool = False) -> list[bool | Exception]:
         """Push one frame to each of several streams of this VideoQA and step them together: one vision-tower
-        call for their frames, one batched language-model forward for their steady steps (`statekv.core.batching`).
+        call for their frames, one batched language-model forward for their steady steps (`statekv.core.step.batching`).
 
         items: ``(stream, frame, seconds)`` as `Stream.push` takes them (a stream may appear more than once: its
             frames go in order). Returns per item whether its frame was kept. A stream that fails (a bad frame)

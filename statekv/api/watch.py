@@ -12,7 +12,7 @@ frames); each later evaluation reads only the stream's carried state, the frames
 evaluation and, with ``retrieve=K``, the K frames (per layer) that best match the question: it never re-reads the
 stream, so it costs the same however long the stream has run. An evaluation whose answer differs from the one
 before is an event: ``frame`` (frames encoded then), ``seconds`` (the stream time of the last of them) and
-``answer``. While it is open, a watch also steers what the stream carries (``steer``, `statekv.core.steering`):
+``answer``. While it is open, a watch also steers what the stream carries (``steer``, `statekv.core.rules.steering`):
 the tokens its question attends to stay in the carried state, so later evaluations still see them.
 
 Evaluations run once a push has streamed the frames that make them due, inside the push: the due watches of every
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from ..core.retrieval import retrieval_rule
-from ..core.steering import QuestionGuide
-from ..core.watching import Evaluation, evaluate, standing_question
+from ..core.rules.steering import QuestionGuide
+from ..core.watching.standing import Evaluation, evaluate, standing_question
+from ..settings.methods import retrieval_rule
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..values import check_bool, check_int, check_number
+from ..settings.values import check_bool, check_int, check_number
 
 log = logging.getLogger("statekv")
 

@@ -6,8 +6,8 @@ trained on (InternVL's ``chat`` layout): `resolve_model` turns the name into tha
 tokenizer are in `statekv.builtin.architecture`, its training in `statekv.builtin.training`
 (``statekv train-builtin``), and its accuracy in ``docs/accuracy.md``.
 
-This module imports nothing heavy: whatever loads a model by name asks it whether the name means the built-in
-model.
+Whether a name given as ``--model`` means the built-in model, and its default budget, are the options'
+(`statekv.settings.options.is_builtin`, ``BUILTIN_BUDGET``).
 """
 
 from __future__ import annotations
@@ -15,22 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MissingFileError
+from ..settings.options import is_builtin
 
-BUILTIN_NAME = "builtin"
 BUILTIN_LAYOUT = "chat"
-# Its default StateKV budget, in tokens per layer and KV head: 16 of its 4-token frames (recency's default window).
-# The engine's default (4096) would carry every token of any video it can hold, so StateKV would choose nothing.
-BUILTIN_BUDGET = 64
 WEIGHTS_DIR = Path(__file__).resolve().with_name("weights")
 
 
 class MissingWeightsError(MissingFileError):
     """The built-in weights are not in the installed package."""
-
-
-def is_builtin(model: object) -> bool:
-    """Whether ``model`` (a name or path given as ``--model``) means the built-in model."""
-    return isinstance(model, str) and model == BUILTIN_NAME
 
 
 def builtin_checkpoint() -> Path:
@@ -43,7 +35,7 @@ def builtin_checkpoint() -> Path:
 
 def resolve_model(model: str | Path, layout: str | None) -> tuple[str | Path, str | None]:
     """``(checkpoint, layout)`` to load for ``model`` and ``layout`` as given: the shipped folder and its
-    trained layout (unless one is given) for `BUILTIN_NAME`; anything else unchanged (a local folder named
+    trained layout (unless one is given) for the built-in model's name (`is_builtin`); anything else unchanged (a local folder named
     ``builtin`` is ``./builtin``)."""
     if not is_builtin(model):
         return model, layout

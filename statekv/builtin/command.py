@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from statekv.values import PATH, POSITIVE_INT
+    from statekv.settings.values import PATH, POSITIVE_INT
 
     parser = subparsers.add_parser(
         "train-builtin", help="train the built-in model on synthetic videos (CPU, resumable)",
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin.training import LOG_FILE, Recipe, train
 
     from statekv.errors import ConfigurationError
-    from statekv.values import check_output_dir
+    from statekv.settings.values import check_output_dir
 
     cores = os.cpu_count() or 1
     if args.threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory

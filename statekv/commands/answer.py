@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
-    options = ModelOptions.from_args(args)  # bad settings fail before the video is opened or the model loads
-    options.check_all_used()
+    options = ModelOptions.from_args(args, all_used=True)  # bad settings fail before the video opens or the model loads
     open_video(args.video)
     quiet_libraries()
     qa = VideoQA.from_options(options)
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     stats = video.stats
     if args.json:
         print_json({"video": args.video, "model": args.model, "method": args.method, "budget": options.budget,
-                    "frames_window": args.frames, "label": options.label, "stats": stats.to_dict(),
+                    "frames_window": options.frames, "label": options.label, "stats": stats.to_dict(),
                     "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return 0

@@ -21,8 +21,8 @@ from pathlib import Path
 from ..console import add_output_arguments, print_json, quiet_libraries
 from ..errors import ConfigurationError, OutputError
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
-from ..builtin import BUILTIN_BUDGET
-from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.options import BUILTIN_BUDGET
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 DEMO_SET = "demo-synthetic-v3"
 DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import statekv
-    from statekv.builtin import BUILTIN_NAME, is_builtin
+    from statekv.settings.options import BUILTIN_NAME, is_builtin
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
     if args.question is not None and args.video is None:

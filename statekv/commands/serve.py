@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.options import ModelOptions
-from ..values import POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 SCALE_ON = ("streams", "requests")
 
@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray", default=None, metavar="ADDRESS",
                      help="run on the Ray cluster at ADDRESS (auto: the one this machine joined with `ray start`): "
                           "replicas behind Ray Serve's HTTP proxies on --host/--port, each stream's requests routed "
-                          "to the replica holding it; --state-dir must be a folder every node reaches")
+                          "to the replica holding it; --state-dir must be a folder every node reaches, or give "
+                          "--store alone to keep everything in an object store")
     ray.add_argument("--replicas", type=POSITIVE_INT, default=None, metavar="N",
                      help="replicas, each one model with its streams (default: 1; the least, with --max-replicas)")
     ray.add_argument("--max-replicas", type=POSITIVE_INT, default=None, metavar="M",
@@ -73,8 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="how long a replica's hold on a stream lasts unrenewed: a dead replica's streams come back "
                           f"on another after at most this (default: {LEASE_SECONDS:g})")
     ray.add_argument("--store", default=None, metavar="URL",
-                     help="save streams to object storage at this fsspec URL (s3://bucket/prefix, gs://..., "
-                          "file://...) instead of --state-dir, which still holds keys, records and leases")
+                     help="keep streams in object storage at this fsspec URL (s3://bucket/prefix, gs://..., az://..., "
+                          "file://...): alone, everything the replicas share (keys, records, leases fenced by the "
+                          "store's conditional writes, saved streams; no shared folder needed); with --state-dir, "
+                          "the saved streams only (the folder holds keys, records and leases). Credentials and "
+                          "endpoint come from the store's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL...)")
     ray.add_argument("--replica-cpus", type=POSITIVE_FLOAT, default=None, metavar="C",
                      help="CPUs each replica reserves from Ray (default: 1)")
     ray.add_argument("--replica-gpus", type=float, default=None, metavar="G",
@@ -93,19 +97,19 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import create_app
 
     cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
-    claim = DeploymentClaim() if cluster is not None else LoneServer(args.host, args.port)
+    claim = DeploymentClaim(args.store) if cluster is not None else LoneServer(args.host, args.port)
     try:
         # a key the folder needs is kept only once everything that could refuse the start has passed
-        config, pending, keys = serve_config(args, claim, store_key=False)
-        key_note = None if pending or keys else (
-            f"statekv serve: using the API key made for {config.state_dir} when it was first served (shown then); "
-            "the page remembers it, or pass --api-key to choose one")
+        config, made, keys, pending = serve_settings(args, claim)
+        key_note = None if made or pending or keys else (
+            f"statekv serve: using the API key made for {config.state_dir or args.store} when it was first served "
+            "(shown then); the page remembers it, or pass --api-key to choose one")
         if cluster is not None:
-            return _run_on_ray(args, config, cluster, pending, keys, key_note)
+            return _run_on_ray(args, config, cluster, made, pending, keys, key_note)
         quiet_libraries()
         logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
         app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
-        made = keep_key(config.state_dir, pending)
+        made = keep_key(config.state_dir, pending) or made
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=10))
         _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
@@ -144,12 +148,21 @@ class LoneServer:
 class DeploymentClaim:
     """What ``statekv serve --ray`` claims before it writes to the state folder (a key) or starts a replica, and
     holds while it runs: the folder's lock shared with the replicas (`statekv.serve.store.join_state_folder`), so
-    a lone server on the folder stops it at once, in one line naming that server. Each replica holds it too."""
+    a lone server on the folder stops it at once, in one line naming that server. Each replica holds it too.
+    With an object store alone (``store``, no state folder) there is no folder to lock: the store is checked
+    (`statekv.serve.cluster.hosting.open_store`) and its leases order the replicas' writes."""
 
-    def __init__(self):
+    def __init__(self, store: str | None = None):
+        self.store = store
         self.lock = None
+        self.objects = None  # the object store, checked, when it alone keeps the streams
 
-    def __call__(self, state_dir: Path) -> None:
+    def __call__(self, state_dir: Path | None) -> None:
+        if state_dir is None:
+            from ..serve.cluster.hosting import open_store
+
+            self.objects = open_store(self.store)
+            return
         from ..serve.store import join_state_folder
 
         self.lock = join_state_folder(state_dir)
@@ -159,18 +172,26 @@ class DeploymentClaim:
             self.lock.release()
 
 
-def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None, store_key: bool = True):
+def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None = None):
     """The service's settings from the command line (``--budget`` defaulted to the model's own,
-    `statekv.settings.options.default_budget`), with the key made for the state folder if it has none and none was
-    given: ``(config, made, keys)``. ``store_key``: the key is stored and printed at once (else it is only made:
-    `keep_key` stores it once the start can no longer be refused). ``claim`` is called with the state folder once
-    the arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
+    `statekv.settings.options.default_budget`), with the key made for the state folder (printed at once) if it
+    has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the
+    arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
+    config, made, keys, _ = serve_settings(args, claim, defer_key=False)
+    return config, made, keys
+
+
+def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | None = None, defer_key: bool = True):
+    """`serve_config`'s settings, ``(config, made, keys, pending)``: with ``defer_key``, a key a state folder needs
+    is only made (``pending``), to be kept by `keep_key` once the start can no longer be refused (a store without
+    a folder keeps it at once, ``made``)."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys, new_key
     from ..serve.store import check_state_folder
 
     options = ModelOptions.from_args(args)
-    state_dir = Path(args.state_dir or "statekv-state")
+    alone_in_store = getattr(args, "store", None) is not None and args.state_dir is None
+    state_dir = None if alone_in_store else Path(args.state_dir or "statekv-state")
     media_root = None
     if args.media_root is not None:
         media_root = Path(args.media_root)
@@ -180,25 +201,36 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
         raise ConfigurationError(f"--port {args.port}: not a port number")
     if claim is not None:
         claim(state_dir)
-    check_state_folder(state_dir)  # one line, before anything is written there
     keys = configured_keys(args.api_key)
-    stored = KeyFile(state_dir)
-    made = None
+    if state_dir is None:  # everything in the object store, checked by the claim
+        from ..serve.cluster.hosting import open_store
+        from ..serve.cluster.store_files import StoreKeyFile
+
+        stored, place = StoreKeyFile(getattr(claim, "objects", None) or open_store(args.store)), args.store
+    else:
+        check_state_folder(state_dir)  # one line, before anything is written there
+        stored, place = KeyFile(state_dir), state_dir
+    made = pending = None
     if not keys and not stored.stored():
-        made = new_key()
-        if store_key:
-            made = keep_key(state_dir, made)
+        if defer_key and state_dir is not None:
+            pending = new_key()
+        else:
+            made = stored.make()
+    if made:  # at once: a start that fails later must not lose the only sight of the key
+        print(f"statekv serve: API key {made} (made for {place} and shown this once: "
+              f"{'the folder' if state_dir is not None else 'the store'} keeps only its digest; it stays valid across "
+              "restarts)", flush=True)
     config = ServeConfig(options=options, state_dir=state_dir, api_keys=tuple(keys), media_root=media_root,
                          drop_unowned_streams=args.drop_unowned_streams, max_streams=args.max_streams,
                          max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
                          page=args.page)
-    return config, made, keys
+    return config, made, keys, pending
 
 
-def keep_key(state_dir: Path, key: str | None) -> str | None:
+def keep_key(state_dir: Path | None, key: str | None) -> str | None:
     """Store ``key`` as the state folder's (None: nothing to store) and print it, once: the folder keeps only its
-    digest. Returns it (None when the folder had one made meanwhile: then it is refused)."""
+    digest. Returns it; refused (one line) when the folder had a key made meanwhile."""
     from ..serve.auth import KeyFile
 
     if key is None:
@@ -246,15 +278,26 @@ def _check_store(url: str) -> None:
         raise ConfigurationError(f"--store {url}: fsspec cannot open it ({str(error).splitlines()[0]})") from None
 
 
-def _run_on_ray(args: argparse.Namespace, config, cluster, pending: str | None, keys: list[str],
+def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pending: str | None, keys: list[str],
                 key_note: str | None) -> int:
     from ..serve.app import check_owners
     from ..serve.auth import KeyRing
     from ..serve.cluster.launch import run_on_ray
 
-    accepted = config.api_keys + ((pending,) if pending else ())
-    check_owners(config, KeyRing.for_folder(config.state_dir, accepted))  # before any replica starts
-    key = keep_key(config.state_dir, pending) or (keys[0] if keys else None)  # the replicas read it
+    if config.state_dir is None:  # before any replica starts
+        from ..serve.cluster.hosting import open_store, store_keys
+        from ..serve.cluster.store_files import StoreStreamFiles
+
+        store = open_store(cluster.store)
+        files = StoreStreamFiles(store, f"statekv-serve-{os.getpid()}")
+        try:
+            check_owners(config, store_keys(store, config.api_keys), files)
+        finally:
+            files.end()
+    else:
+        accepted = config.api_keys + ((pending,) if pending else ())
+        check_owners(config, KeyRing.for_folder(config.state_dir, accepted))
+    key = keep_key(config.state_dir, pending) or made or (keys[0] if keys else None)  # the replicas read it
 
     def ready(url: str) -> None:
         replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)
@@ -291,7 +334,7 @@ def ray_app(args: dict[str, Any]) -> Any:
     parser = _Refusing(prog="statekv")
     register(parser.add_subparsers(dest="command", required=True, parser_class=_Refusing))
     parsed = parser.parse_args(normalize_argv([*argv, "--ray", "auto"]))
-    claim = DeploymentClaim()  # a folder a lone server holds is refused before a key is made there
+    claim = DeploymentClaim(parsed.store)  # a folder a lone server holds is refused before a key is made there
     try:
         config, _, _ = serve_config(parsed, claim)  # a key made for the folder is printed where the app is built
     finally:

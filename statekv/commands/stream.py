@@ -15,7 +15,7 @@ from ..console import add_output_arguments, interactive, one_line, quiet_librari
 from ..errors import CacheLimitError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -77,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
     from ..video import open_video
 
-    options = ModelOptions.from_args(args)
-    options.check_all_used()
+    options = ModelOptions.from_args(args, all_used=True)
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
@@ -205,7 +204,8 @@ class _Replay:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              "budget": self.options.budget, "frames_window": args.frames, "label": self.options.label,
+                              "budget": self.options.budget, "frames_window": self.options.frames,
+                              "label": self.options.label,
                               "horizon_frames": self.stream.horizon_frames, "positions": self.stream.engine.positions,
                               "stats": stats.to_dict(), "answers": self.answers, "watches": self.events,
                               "stopped": self.cache_full,

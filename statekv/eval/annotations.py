@@ -7,12 +7,15 @@ nothing, so a layout converted to ``.jsonl`` works with the core install.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
 from statekv.eval.questions import AnnotationError
+
+logger = logging.getLogger(__name__)
 
 ANNOTATION_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -135,13 +138,17 @@ NOT_TEXT = frozenset({"options", "candidates", "gt", "realtime", "evidence_frame
                       "questions"})
 
 
-def parse_options(value: Any, where: str) -> tuple[str, ...]:
-    """A list of 2 to 26 distinct, non-empty option texts (numbers are taken as their text)."""
+def parse_options(value: Any, where: str, *, distinct: bool = True) -> tuple[str, ...]:
+    """A list of 2 to 26 option texts (numbers are taken as their text). ``distinct``: every option a non-empty text
+    appearing once (statekv's own sets, where anything else is damage); otherwise the options are kept exactly as
+    listed, empty and repeated texts included (a benchmark's release: its code prompts them as listed, and the
+    answer is a letter, so a repeated text is still one right letter)."""
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise AnnotationError(f"{where}: options must be a list, got {type(value).__name__}")
     value = list(value)
     for index, option in enumerate(value):
-        if isinstance(option, bool) or not isinstance(option, (str, int, float)) or not str(option).strip():
+        empty = distinct and not str(option).strip()
+        if isinstance(option, bool) or not isinstance(option, (str, int, float)) or empty:
             shown = "empty" if isinstance(option, str) else f"{type(option).__name__} {str(option)[:40]!r}"
             raise AnnotationError(f"{where}: option {index} must be a non-empty text, got {shown}")
     options = tuple(str(option) for option in value)
@@ -149,7 +156,7 @@ def parse_options(value: Any, where: str) -> tuple[str, ...]:
         raise AnnotationError(f"{where}: expected 2 to 26 options, got {len(options)}")
     repeated = next((option for index, option in enumerate(options) if option.strip() in
                      {other.strip() for other in options[:index]}), None)
-    if repeated is not None:
+    if distinct and repeated is not None:
         raise AnnotationError(f"{where}: option {repeated!r} appears twice")
     return options
 
@@ -167,3 +174,34 @@ def checked_groups(groups: Iterable[str] | None, known: Iterable[str], benchmark
         raise AnnotationError(f"unknown {benchmark} group {unknown[0] if unknown else ''!r}; choose from "
                               f"{', '.join(known)}{note}")
     return groups
+
+
+class LoadNotes:
+    """What a load took otherwise than as written (rows or parts of rows not used, values read the release's way),
+    counted by kind, for one warning line (`warn`) naming the counts and the first places."""
+
+    SHOWN = 3  # places named per kind
+
+    def __init__(self, benchmark: str):
+        self.benchmark = benchmark
+        self.kinds: dict[str, list[str]] = {}
+
+    def add(self, kind: str, where: str) -> None:
+        """One more case of ``kind`` (a phrase that reads after a count: "questions of task 'X' (why)") at
+        ``where``."""
+        self.kinds.setdefault(kind, []).append(where)
+
+    def __bool__(self) -> bool:
+        return bool(self.kinds)
+
+    def line(self) -> str:
+        parts = []
+        for kind, places in self.kinds.items():
+            shown = ", ".join(places) if len(places) <= self.SHOWN else f"the first at {places[0]}"
+            parts.append(f"{len(places):,} {kind}: {shown}")
+        return f"{self.benchmark}: " + "; ".join(parts)
+
+    def warn(self) -> None:
+        """Log `line` as one warning (nothing when there is nothing to say)."""
+        if self.kinds:
+            logger.warning("%s", self.line())

@@ -25,6 +25,7 @@ make it durable before the next one starts.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,8 @@ from statekv.eval.prompts import GenerationSettings, build_prompt
 from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
 from statekv.eval.watching import VideoWatches, watched
+
+logger = logging.getLogger(__name__)
 
 # A frame within this many seconds of a checkpoint counts as reaching it (timestamps are pts * time_base).
 TIME_TOLERANCE = 1e-6
@@ -105,7 +108,7 @@ def room_for_prompts(qa, prompts: Sequence[str], max_new_tokens: int) -> int:
     return max(adapter.question_ids(prompt, state).shape[-1] for prompt in prompts) + max_new_tokens
 
 
-def answer_encoded(asker: Asker, video: VideoQuestions, *, max_fps: float, max_frames: int,
+def answer_encoded(asker: Asker, video: VideoQuestions, *, max_fps: float, max_frames: int | None,
                    once: bool = True, room: Sequence[Question] | None = None) -> Iterator[Answer]:
     """Encode ``video`` once (or once per question) and answer its questions.
 
@@ -125,7 +128,8 @@ def answer_encoded(asker: Asker, video: VideoQuestions, *, max_fps: float, max_f
             yield _answer(asker, encoded, question, seconds, mode="encoded-per-question")
 
 
-def answer_clips(asker: Asker, video: VideoQuestions, *, max_fps: float, max_frames: int) -> Iterator[Answer]:
+def answer_clips(asker: Asker, video: VideoQuestions, *, max_fps: float, max_frames: int | None
+                 ) -> Iterator[Answer]:
     """Encode each question's released clip by the paper's rule and answer it."""
     for question in video.questions:
         if question.clip_path is None:
@@ -150,8 +154,9 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
 
     room = room or video.questions
     source = open_video(video.video_path)
-    last_second = max(_last_second(question, source.duration) for question in room)
-    horizon_frames = max(1, math.ceil(min(last_second, source.duration) * max_fps)) + 1
+    warn_past_the_end(video, source.duration)
+    last = max(last_second(question, source.duration) for question in room)
+    horizon_frames = max(1, math.ceil(min(last, source.duration) * max_fps)) + 1
     stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name,
                              reserve_tokens=asker.room_for(room))
     due = _Schedule(video.questions, watch=build_prompt_for(asker))
@@ -180,6 +185,7 @@ def answer_afresh(asker: Asker, video: VideoQuestions, *, max_fps: float,
 
     room = room or video.questions
     source = open_video(video.video_path)
+    warn_past_the_end(video, source.duration)
     due = _Schedule(video.questions)
     while due:
         second = due.next_second
@@ -198,7 +204,25 @@ def answer_afresh(asker: Asker, video: VideoQuestions, *, max_fps: float,
             yield from due.ask_next(asker, stream, clock.seconds, mode="afresh")
 
 
-def _last_second(question: Question, duration: float) -> float:
+def past_the_end(questions: Sequence[Question], duration: float) -> list[Question]:
+    """The timed ``questions`` asked after a video of ``duration`` seconds has ended (a stream asks them at its
+    end): a query second past the video's last whole second, or a proactive output due after it."""
+    end = math.ceil(duration)
+    return [question for question in questions if question.realtime is not None and (
+        question.query_seconds > end or (question.expected_time or 0) > end)]
+
+
+def warn_past_the_end(video: VideoQuestions, duration: float) -> None:
+    """One warning line naming the questions of ``video`` asked after it ends (they are asked at its end)."""
+    late = past_the_end(video.questions, duration)
+    if late:
+        first = late[0]
+        logger.warning("%s: %d question(s) come after the video ends at %.1f s and are asked at its end (the first: "
+                       "%s at %.0f s)", video.video_path, len(late), duration, first.qid,
+                       max(first.realtime, first.expected_time or 0))
+
+
+def last_second(question: Question, duration: float) -> float:
     """The last second ``question`` may be asked at (a proactive output's last poll; the end without a time)."""
     if question.kind == "proactive":
         return streamingbench.poll_times(question)[-1]
@@ -292,8 +316,13 @@ class _Clock:
             self.started = None
 
 
-def _encode(asker: Asker, path, room: Sequence[Question], max_fps: float, max_frames: int):
+def _encode(asker: Asker, path, room: Sequence[Question], max_fps: float, max_frames: int | None):
+    """An encoding of ``path`` by the benchmarks' rule (``max_frames`` None: every frame at ``max_fps``)."""
+    from statekv.video import open_video
+
     start = time.perf_counter()
+    if max_frames is None:
+        max_frames = open_video(path).num_frames
     encoded = asker.qa.encode(path, max_fps=max_fps, max_frames=max_frames, reserve_tokens=asker.room_for(room),
                               protocol=True)  # the benchmarks' published sampling rule, kept as published
     return encoded, time.perf_counter() - start

@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from statekv.values import PATH
+from statekv.settings.values import PATH
 
 FAILED_RECORDS = 1  # exit status of a run that finished with questions left unanswered (unreadable videos)
 PARSERS = ("lmms-eval-0.7", "paper")  # parser and protocol generations (statekv.eval.parsing / prompts)
@@ -54,11 +54,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str, help_text: str) -> None:
     from statekv.console import add_sampling_arguments
     from statekv.settings.options import ModelOptions
-    from statekv.values import POSITIVE_INT
+    from statekv.settings.values import POSITIVE_INT
 
     parser = benchmarks.add_parser(benchmark, help=help_text, description=f"Evaluate on {help_text}.")
     parser.add_argument("--data-root", required=True, type=PATH, help="folder holding the benchmark's layout")
-    parser.add_argument("--out", required=True, type=PATH, help="run directory (rerun the command to resume)")
+    parser.add_argument("--out", type=PATH, help="run directory (rerun the command to resume); required but with "
+                                                 "--check")
+    parser.add_argument("--check", action="store_true",
+                        help="check the data and stop: read every annotation row and every video's header (no "
+                             "frames, no model) and print per group the questions, the videos found, missing and "
+                             "undecodable, and the frames a run would encode; exit 0 when every row parses, 2 "
+                             "naming the first bad row")
     parser.add_argument("--limit", type=POSITIVE_INT, metavar="N",
                         help="only the first N questions (a resume scores the first N of this run)")
     parser.add_argument("--overwrite", action="store_true",
@@ -87,10 +93,12 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
     elif benchmark not in ("synthetic", "streamingbench"):
         parser.add_argument("--from-hub", action="store_true",
                             help="read the annotations with the datasets library (videos still from --data-root)")
-    model = ModelOptions.add_arguments(parser, reserve=False,
-                                       device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    model = ModelOptions.add_arguments(parser, reserve=False, model_required=False,
+                                       device_help="default: cuda:LOCAL_RANK when CUDA is available, else cpu; "
+                                                   "--model is required but with --check")
     model.add_argument("--name", help="the model's name in tables (default: from --model, e.g. InternVL3-1B)")
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, every_frame="the set's videos are the model's own test videos"
+                           if benchmark == "synthetic" else None)
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT, metavar="K",
                         help="override the protocol's answer length (smoke tests only: it changes the protocol)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
@@ -99,15 +107,23 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
 
 def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.console import quiet_libraries
+    from statekv.errors import ConfigurationError
     from statekv.settings.options import ModelOptions
     from statekv.eval.distributed import RankContext
     from statekv.eval.runner import EvalConfig, run_evaluation
 
     context = RankContext.from_env()
     _configure_logging(context.rank)
+    if args.check:
+        from statekv.eval.check import check_command
+
+        return check_command(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--out", args.out)) if value is None]
+    if missing:
+        raise ConfigurationError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (all but "
+                                 "--data-root may be left out with --check)")
     quiet_libraries()
-    options = ModelOptions.from_args(args)
-    options.check_all_used()  # a flag that changes nothing is refused, not recorded as if it did
+    options = ModelOptions.from_args(args, all_used=True)
     config = EvalConfig(
         benchmark=args.benchmark, options=options, data_root=args.data_root, out=args.out,
         name=args.name, parser=args.parser, protocol=args.protocol, limit=args.limit, max_fps=args.max_fps,
@@ -152,7 +168,7 @@ def run_table(args: argparse.Namespace) -> int:
     from statekv.eval.records import completed_qids
     from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
     from statekv.eval.runner import read_expected_qids
-    from statekv.values import check_output_file
+    from statekv.settings.values import check_output_file
 
     if args.output:
         check_output_file(args.output, "--output")

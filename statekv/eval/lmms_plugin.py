@@ -24,7 +24,9 @@ video, at its time, the source's questions (and rounds) in time order on the sam
 The stream is fed from the documents' own clips, which are prefixes of the source cut at the query time: each
 question pushes the frames of its clip the stream has not seen yet. `generate_until_multi_round` (``ovo_forward``)
 takes each document's rounds from the task up front (``doc_to_messages(doc, round_idx=i, ...)``, until it says
-the rounds have ended; OVO-Bench's do not depend on earlier answers) and returns one answer per round.
+the rounds have ended; OVO-Bench's do not depend on earlier answers) and returns one answer per round. An
+OVO-Bench document is read by `statekv eval`'s own loader (`statekv.eval.ovobench.row_questions`), so the plugin
+takes the rows `statekv eval` takes and refuses, in one line, those it refuses.
 
 Multi-process runs (``torchrun``, ``accelerate launch``): lmms-eval gives each rank every ``world_size``-th
 document; each rank loads its own model (on ``cuda:<LOCAL_RANK>`` when CUDA is available) and encodes the
@@ -49,13 +51,16 @@ import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from statekv.errors import ConfigurationError, InputError, StateKVError
+from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.settings.options import ModelOptions
-from statekv.values import Option, integer, optional_text, parse_options, positive_float, positive_int, required_text
+from statekv.settings.values import (Option, integer, optional_text, parse_options, positive_float, positive_int,
+                                     required_text)
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
@@ -156,8 +161,9 @@ class StateKV(_Base):
         context = RankContext.from_env()
         self._rank, self._world_size = context.rank, context.world_size
         self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
-        options = ModelOptions(model=args["pretrained"], **{name: value for name, value in args.items()
-                                                             if name not in plugin})
+        # a setting its method never reads is refused, as on the command line
+        options = ModelOptions.given(model=args["pretrained"], **{name: args[name] for name in model_args
+                                                                  if name not in plugin})
         self.qa = qa if qa is not None else VideoQA.from_options(
             options.with_changes(device=_device(options.device, context)))
 
@@ -230,7 +236,7 @@ class StateKV(_Base):
             doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
             doc = self.task_dict[task][split][doc_id]
             rounds = task_rounds(doc_to_messages, doc, where=f"{task} doc {doc_id}")
-            times = round_times(doc, len(rounds))
+            times = round_times(doc, len(rounds), where=f"{task} doc {doc_id}")
             answers[index] = [None] * len(rounds)
             for number, (video, prompt) in enumerate(rounds):
                 if times is None:
@@ -248,7 +254,7 @@ class StateKV(_Base):
     def _timed_ask(self, index: int, request: Any, prepared: tuple[str, str, dict[str, Any]]) -> "_Ask | None":
         """Request ``index`` as an ask on its source's stream, when its document names a source and a query time."""
         _, _, doc_id, task, split = _chat_args(request)
-        seconds = query_time(self.task_dict[task][split][doc_id])
+        seconds = query_time(self.task_dict[task][split][doc_id], where=f"{task} doc {doc_id}")
         if seconds is None:
             return None
         video, prompt, gen_kwargs = prepared
@@ -291,7 +297,8 @@ class StateKV(_Base):
                         [video_and_prompt(doc_to_messages(doc))]
                 except (InputError, AssertionError, OSError):  # fails where it is asked (a missing clip: lmms-eval's
                     continue                                      # ovobench task asserts); it plans nothing
-                times = round_times(doc, len(rounds)) if multi_round else [query_time(doc)]
+                where = f"{task} document of {source}"
+                times = round_times(doc, len(rounds), where=where) if multi_round else [query_time(doc, where=where)]
                 last, prompts, longest = plans.get(source, (0.0, [], 0))
                 plans[source] = (max([last, *(t for t in times or [] if t is not None)]),
                                  prompts + [prompt for _, prompt in rounds],
@@ -401,23 +408,34 @@ class _Ask:
     gen_kwargs: dict[str, Any]
 
 
-def query_time(doc: Any) -> float | None:
-    """A streaming document's query time (its ``realtime``, seconds), when it also names its source ``video``."""
+def query_time(doc: Any, *, where: str = "document") -> float | None:
+    """A streaming document's query time (its ``realtime``, seconds), when it also names its source ``video``.
+
+    An OVO-Bench document (one with a ``task``) is read by `statekv eval`'s own loader
+    (`statekv.eval.ovobench.row_questions`): the plugin takes the rows it takes (a repeated option, five options)
+    and refuses, in one line, those it refuses; a document of a task OVO-Bench does not define has no time."""
     if not isinstance(doc, dict) or not isinstance(doc.get("video"), str):
         return None
+    if "task" in doc:
+        questions = ovobench.row_questions(doc, Path(), where)
+        return questions[0].realtime if len(questions) == 1 and not questions[0].item else None
     seconds = doc.get("realtime")
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
         return None
     return float(seconds)
 
 
-def round_times(doc: Any, rounds: int) -> list[float] | None:
-    """A multi-round document's query time for each of its ``rounds`` (``test_info[i].realtime``), or None."""
+def round_times(doc: Any, rounds: int, *, where: str = "document") -> list[float] | None:
+    """A multi-round document's query time for each of its ``rounds`` (``test_info[i].realtime``), or None; an
+    OVO-Bench document is read by `statekv eval`'s loader, as in `query_time`."""
     if not isinstance(doc, dict) or not isinstance(doc.get("video"), str):
         return None
     polls = doc.get("test_info")
     if not isinstance(polls, list) or len(polls) != rounds:
         return None
+    if "task" in doc:
+        questions = ovobench.row_questions(doc, Path(), where)
+        return [question.realtime for question in questions] if len(questions) == rounds else None
     times = [query_time({"video": doc["video"], "realtime": poll.get("realtime")}) if isinstance(poll, dict) else None
              for poll in polls]
     return None if None in times else times  # type: ignore[return-value]

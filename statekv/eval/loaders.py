@@ -32,21 +32,18 @@ VideoMME and MLVU; needs network and ``pip install datasets``); videos still com
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from dataclasses import replace
 from typing import Any, Literal
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import find_annotation_files, parse_options, read_rows, require_fields
+from statekv.eval.annotations import LoadNotes, find_annotation_files, parse_options, read_rows, require_fields
 from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
 from statekv.eval.ovobench import ovobench_questions, seconds
 from statekv.eval.streamingbench import check_video_files, streamingbench_questions
 from statekv.synthetic.benchmark import QUESTIONS_FILE, STREAMING_FILE
 from statekv.synthetic.streaming import GROUPS as STREAMING_GROUPS
-
-logger = logging.getLogger(__name__)
 
 VIDEOMME_EXTENSIONS = (".mp4", ".MP4", ".mkv")
 OVOBENCH_ANNOTATIONS = ("ovo_bench_new.json", "realtime/data.json", "realtime.jsonl", "realtime.json")
@@ -205,7 +202,7 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
                     video_id=video_id,
                     video_path=_videomme_video(folder / "data", video_id, check_videos),
                     question=str(row["question"]),
-                    options=parse_options(row["options"], where),
+                    options=parse_options(row["options"], where, distinct=False),
                     answer=str(row["answer"]).strip(),
                     task_type=str(row["task_type"]),
                     duration=str(row["duration"]),
@@ -221,12 +218,14 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
 def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool, source: str) -> list[Question]:
     fields = ("video_name", "question", "candidates", "answer", "task_type")
     qids = _question_ids(rows, "question_id")
-    questions, skipped = [], 0
+    questions = []
+    notes = LoadNotes("MLVU")
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
         require_fields(row, fields, where)
         if row["task_type"] not in MLVU_TASKS:
-            skipped += 1
+            notes.add(f"row(s) of task {str(row['task_type'])[:40]!r} not used (not one of the seven "
+                      "multiple-choice tasks)", where)
             continue
         video_path = folder / str(row["video_name"])
         if check_videos and not video_path.is_file():
@@ -239,15 +238,14 @@ def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bo
                     video_id=str(row["video_name"]),
                     video_path=video_path,
                     question=str(row["question"]),
-                    options=parse_options(row["candidates"], where),
+                    options=parse_options(row["candidates"], where, distinct=False),
                     answer=str(row["answer"]).strip(),
                     task_type=str(row["task_type"]),
                 ),
                 where,
             )
         )
-    if skipped:
-        logger.info("MLVU: skipped %d rows outside the seven multiple-choice tasks", skipped)
+    notes.warn()
     return questions
 
 
@@ -271,26 +269,27 @@ def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_video
     return questions
 
 
-def check_evidence(row: dict[str, Any], where: str) -> None:
-    """A synthetic question's ``num_frames`` (the video's frames: a positive integer) and ``evidence_frames`` (the
-    frames that decide its answer: a non-empty list of distinct frame indices in ``[0, num_frames)``), when the
-    row has them (what `benchmarks/retrieval.py` and ``statekv demo`` read)."""
+def check_evidence(row: dict[str, Any], where: str, field: str = "evidence_frames") -> None:
+    """A synthetic question's ``num_frames`` (the video's frames: a positive integer) and its evidence (``field``:
+    the frames that decide its answer, a non-empty list of distinct frame indices in ``[0, num_frames)``), when the
+    row has them (what `benchmarks/retrieval.py` and ``statekv demo`` read; a streaming set's rows name them
+    ``evidence``)."""
     frames = row.get("num_frames")
     if "num_frames" in row and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
         raise AnnotationError(f"{where}: field 'num_frames' must be a positive integer, got {str(frames)[:40]!r}")
-    if "evidence_frames" not in row:
+    if field not in row:
         return
-    evidence = row["evidence_frames"]
+    evidence = row[field]
     if not isinstance(evidence, list) or not evidence:
-        raise AnnotationError(f"{where}: field 'evidence_frames' must be a non-empty list of frame indices, got "
+        raise AnnotationError(f"{where}: field {field!r} must be a non-empty list of frame indices, got "
                               f"{str(evidence)[:40]!r}")
     limit = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
     for frame in evidence:
         if isinstance(frame, bool) or not isinstance(frame, int) or frame < 0 or (limit is not None and frame >= limit):
             within = f" of the video's {limit}" if limit is not None else ""
-            raise AnnotationError(f"{where}: evidence_frames holds {str(frame)[:40]}, not a frame{within} (0-based)")
+            raise AnnotationError(f"{where}: {field} holds {str(frame)[:40]}, not a frame{within} (0-based)")
     if len(set(evidence)) != len(evidence):
-        raise AnnotationError(f"{where}: evidence_frames names a frame twice")
+        raise AnnotationError(f"{where}: {field} names a frame twice")
 
 
 def synthetic_streaming_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool,
@@ -300,6 +299,7 @@ def synthetic_streaming_questions(rows: list[dict[str, Any]], folder: Path, *, c
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
         require_fields(row, ("id", "task", "video", "question", "options"), where)
+        check_evidence(row, where, "evidence")
         task = str(row["task"])
         if task not in STREAMING_GROUPS:
             raise AnnotationError(f"{where}: unknown task {task!r}; expected one of {', '.join(STREAMING_GROUPS)}")

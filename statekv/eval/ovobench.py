@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import checked_groups, parse_options, require_fields
+from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, require_fields
 from statekv.eval.questions import AnnotationError, Question
 
 BACKWARD_TASKS = ("EPM", "ASI", "HLD")
@@ -90,34 +90,55 @@ def ovobench_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
     """The questions (and polls) of the annotation ``rows`` in ``groups`` (default: all three), in file order.
 
     ``videos``: which files must exist when ``check_videos``: the source videos (``src_videos/<video>``, a stream
-    per video) or the released clips (``chunked_videos/<id>.mp4``, ``<id>_<j>.mp4``)."""
+    per video) or the released clips (``chunked_videos/<id>.mp4``, ``<id>_<j>.mp4``). A row of a task the release
+    does not define is not used, and counted in one warning line (the release's code skips it too); a row without
+    a task is refused (the release's code fails on it)."""
     if videos not in ("source", "clips"):
         raise ValueError(f"videos must be 'source' or 'clips', got {videos!r}")
     wanted = check_groups(groups)
     questions: list[Question] = []
     seen: dict[str, int] = {}
+    notes = LoadNotes("OVO-Bench")
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
-        task = row.get("task")
-        if GROUP_OF.get(task) not in wanted:
-            continue  # another group, or a task this release does not define
-        require_fields(row, ("id", "task", "video"), where)
-        qid = str(row["id"])
+        made = row_questions(row, folder, where, groups=wanted, notes=notes)
+        if not made:
+            continue
+        qid = made[0].item_id
         if qid in seen:
             raise AnnotationError(f"{where}: id {qid} repeats (first at row {seen[qid]})")
         seen[qid] = index
-        video_path = folder / "src_videos" / str(row["video"])
-        if task in FORWARD_TASKS:
-            made = _polls(row, where, qid, video_path, folder)
-        else:
-            made = [_choice(row, where, qid, video_path, folder)]
         for question in made:
-            required = video_path if videos == "source" else question.clip_path
+            required = question.video_path if videos == "source" else question.clip_path
             if check_videos and not required.is_file():
                 kind = "source video" if videos == "source" else "clip"
                 raise MissingFileError(f"OVO-Bench {kind} not found: {required}")
         questions += made
+    notes.warn()
     return questions
+
+
+def row_questions(row: dict[str, Any], folder: Path, where: str, *, groups: Iterable[str] = tuple(GROUPS),
+                  notes: LoadNotes | None = None) -> list[Question]:
+    """The questions (a forward row: one per poll) of one annotation row, read as `ovobench_questions` reads it
+    (the lmms-eval plugin reads its documents with it too); ``[]`` for a row of another group, or of a task the
+    release does not define (then noted in ``notes``). A malformed row is a one-line `AnnotationError`."""
+    if "task" not in row:
+        raise AnnotationError(f"{where}: missing field task (the release's code fails on such a row too)")
+    task = row["task"]
+    if not isinstance(task, str) or task not in GROUP_OF:
+        if notes is not None:
+            notes.add(f"row(s) of task {str(task)[:40]!r}, which OVO-Bench does not define, not used (its code "
+                      "skips them too)", where)
+        return []
+    if GROUP_OF[task] not in groups:
+        return []
+    require_fields(row, ("id", "video"), where)
+    qid = str(row["id"])
+    video_path = folder / "src_videos" / str(row["video"])
+    if task in FORWARD_TASKS:
+        return _polls(row, where, qid, video_path, folder)
+    return [_choice(row, where, qid, video_path, folder)]
 
 
 def check_groups(groups: Iterable[str] | None) -> tuple[str, ...]:
@@ -127,7 +148,7 @@ def check_groups(groups: Iterable[str] | None) -> tuple[str, ...]:
 
 def _choice(row: dict[str, Any], where: str, qid: str, video_path: Path, folder: Path) -> Question:
     require_fields(row, ("realtime", "question", "options", "gt"), where)
-    options = parse_options(row["options"], where)
+    options = parse_options(row["options"], where, distinct=False)
     gt = row["gt"]
     if isinstance(gt, bool) or not isinstance(gt, int) or not 0 <= gt < len(options):
         raise AnnotationError(f"{where}: gt={gt!r} is not an index into its {len(options)} options")

@@ -39,7 +39,7 @@ from typing import Any
 from statekv.errors import ConfigurationError, DataError
 from statekv.eval.answering import Answer, Asker, answer_afresh, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
-from statekv.core.quantized import check_kv_cache_dtype
+from statekv.core.storage.quantized import check_kv_cache_dtype
 from statekv.eval.identity import answer_key_fingerprint, data_fingerprint, model_fingerprint, video_fingerprints
 from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
@@ -52,7 +52,7 @@ from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.settings.options import ModelOptions
-from statekv.values import check_int, check_output_dir
+from statekv.settings.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ RUN_FILE = "run.json"
 TABLE_FILE = "table.md"
 OVOBENCH_VIDEO_MODES = ("stream", "clips")
 MODES = ("streaming", "offline")
+PAPER_MAX_FRAMES = 512
 STREAMING_BENCHMARKS = ("ovobench", "streamingbench")  # streamed by default; the others are encoded offline
 GROUPED_BENCHMARKS = ("ovobench", "streamingbench")  # --groups applies
 # Settings that change the answers: a run directory must not mix them (settings a run.json written before
@@ -84,7 +85,9 @@ class EvalConfig:
     it; VideoMME and MLVU: one encoding of the whole video) (default: streaming for OVO-Bench and
     StreamingBench, offline for the others; see `statekv.eval.answering`). ovobench_videos: ``stream`` (one
     stream per source video) or ``clips`` (the released per-question clips, lmms-eval's protocol: OVO-Bench's
-    offline mode). groups: only these groups of OVO-Bench or StreamingBench (default: all it takes).
+    offline mode). groups: only these groups of OVO-Bench or StreamingBench (default: all it takes). max_frames: at
+    most this many frames of an offline encoding (default: `default_max_frames`: the paper's 512, every frame of a
+    synthetic set).
     max_new_tokens: override the protocol's (for quick smoke runs only). encode_once: False re-encodes the video
     for every question (a reference for the encode-once claim). progress: a bar on a terminal, else a log line
     with the ETA about once a minute.
@@ -99,7 +102,7 @@ class EvalConfig:
     protocol: str = "lmms-eval-0.7"
     limit: int | None = None
     max_fps: float = 1.0
-    max_frames: int = 512
+    max_frames: int | None = None
     ovobench_videos: str | None = None
     mode: str | None = None
     groups: tuple[str, ...] | None = None
@@ -118,16 +121,7 @@ class EvalConfig:
             raise ConfigurationError("an evaluation needs ModelOptions naming a model")
         check_parser(self.parser)
         check_protocol(self.protocol)
-        if self.ovobench_videos is not None and self.ovobench_videos not in OVOBENCH_VIDEO_MODES:
-            raise ConfigurationError(f"ovobench_videos must be one of {', '.join(OVOBENCH_VIDEO_MODES)}, "
-                                     f"got {self.ovobench_videos!r}")
-        if self.mode is not None and self.mode not in MODES:
-            raise ConfigurationError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        clips = self.ovobench_videos == "clips"
-        if self.mode is not None and self.ovobench_videos is not None and clips != (self.mode == "offline"):
-            raise ConfigurationError(f"ovobench_videos={self.ovobench_videos} contradicts mode={self.mode} (the "
-                                     "released clips are OVO-Bench's offline mode)")
-        mode = self.mode or default_mode(self.benchmark, self.ovobench_videos)
+        mode = resolve_mode(self.benchmark, self.mode, self.ovobench_videos)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "ovobench_videos", "clips" if mode == "offline" else "stream")
         if self.groups is not None:
@@ -135,7 +129,9 @@ class EvalConfig:
                 raise ConfigurationError(f"{self.benchmark} has no groups to choose (--groups applies to "
                                          f"{' and '.join(GROUPED_BENCHMARKS)})")
             object.__setattr__(self, "groups", tuple(self.groups))
-        for name in ("limit", "max_new_tokens"):
+        if self.max_frames is None:
+            object.__setattr__(self, "max_frames", default_max_frames(self.benchmark))
+        for name in ("limit", "max_new_tokens", *(("max_frames",) if self.max_frames is not None else ())):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
         if self.from_hub and self.benchmark in ("ovobench", "streamingbench", "synthetic"):
@@ -147,7 +143,7 @@ class EvalConfig:
         """A config from a checkpoint and flat settings: `ModelOptions` fields go to the options, the rest to the
         config (``EvalConfig.for_model("mlvu", "ckpt", "data", "runs/x", method="recency", limit=10)``)."""
         known = {field.name for field in fields(ModelOptions)}
-        options = ModelOptions(model=str(model), **{k: v for k, v in settings.items() if k in known})
+        options = ModelOptions.given(model=str(model), **{k: v for k, v in settings.items() if k in known})
         return cls(benchmark, options, Path(data_root), Path(out),
                    **{k: v for k, v in settings.items() if k not in known})
 
@@ -181,12 +177,32 @@ class EvalConfig:
         return {key: values[key] for key in RUN_IDENTITY}
 
 
+def resolve_mode(benchmark: str, mode: str | None, ovobench_videos: str | None) -> str:
+    """The mode a run takes: ``mode`` when given (checked against ``ovobench_videos``), else `default_mode`."""
+    if mode is not None and mode not in MODES:
+        raise ConfigurationError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if ovobench_videos is not None and ovobench_videos not in OVOBENCH_VIDEO_MODES:
+        raise ConfigurationError(f"ovobench_videos must be one of {', '.join(OVOBENCH_VIDEO_MODES)}, "
+                                 f"got {ovobench_videos!r}")
+    if mode is not None and ovobench_videos is not None and (ovobench_videos == "clips") != (mode == "offline"):
+        raise ConfigurationError(f"ovobench_videos={ovobench_videos} contradicts mode={mode} (the released clips "
+                                 "are OVO-Bench's offline mode)")
+    return mode or default_mode(benchmark, ovobench_videos)
+
+
 def default_mode(benchmark: str, ovobench_videos: str | None = None) -> str:
     """A benchmark's mode when none is asked for: the streaming benchmarks stream (OVO-Bench's released clips
     are its offline mode), the others are encoded offline."""
     if benchmark == "ovobench" and ovobench_videos == "clips":
         return "offline"
     return "streaming" if benchmark in STREAMING_BENCHMARKS else "offline"
+
+
+def default_max_frames(benchmark: str) -> int | None:
+    """The paper's cap of 512 frames per video for the published benchmarks; none (every frame at ``max_fps``) for
+    a synthetic set, whose videos are the model's own test videos: a cap would drop the frames its answers
+    depend on."""
+    return None if benchmark == "synthetic" else PAPER_MAX_FRAMES
 
 
 def display_name(model: str | Path) -> str:

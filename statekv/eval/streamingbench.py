@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import checked_groups, parse_options, read_json_document, require_fields
+from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, read_json_document, require_fields
 from statekv.eval.questions import AnnotationError, Question
 
 REALTIME_TASKS = ("Object Recognition", "Action Recognition", "Text-Rich Understanding", "Clips Summarize",
@@ -50,6 +50,7 @@ FILES = {"questions_real.json": "realtime", "questions_omni.json": "contextual",
 POLL_SECONDS = 1  # a proactive output is polled every second
 POLL_AFTER = 4  # ... until this many seconds after the expected time
 ON_TIME = 2  # an output within this many seconds of the expected time is on time
+LETTERS = "ABCD"  # the release's multiple-choice templates have four option places
 
 CHOICE_TEMPLATE = (
     "You are an advanced video question-answering AI assistant. You have been provided with some frames from the "
@@ -135,9 +136,11 @@ def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterab
         raise MissingFileError(f"no StreamingBench question file found in {folder} (looked for "
                                f"{', '.join(name for name, group in FILES.items() if group in wanted)})")
     questions: list[Question] = []
+    notes = LoadNotes("StreamingBench")
     for name in files:
         path = folder / name
-        questions += _file_questions(path, _entries(path, read_json_document(path)), folder)
+        questions += _file_questions(path, _entries(path, read_json_document(path)), folder, notes)
+    notes.warn()
     if check_videos:
         check_video_files(questions)
     return questions
@@ -172,7 +175,8 @@ def _entries(path: Path, data: Any) -> list[tuple[int, dict[str, Any]]]:
     return entries
 
 
-def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folder: Path) -> list[Question]:
+def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folder: Path,
+                    notes: LoadNotes) -> list[Question]:
     stem = path.stem.removeprefix("questions_")
     questions: list[Question] = []
     contexts: dict[str, str] = {}
@@ -190,24 +194,25 @@ def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folde
             require_fields(row, ("task_type", "question", "time_stamp"), at)
             task = str(row["task_type"])
             if task not in GROUP_OF:
-                continue  # the omni-source tasks (see the module docstring)
+                why = "omni-source: about the sound track" if task in OMNI_SOURCE_TASKS else "not a StreamingBench task"
+                notes.add(f"question(s) of task {task[:40]!r} not used ({why})", at)
+                continue
             qid = f"{stem}-{len(questions)}"
             common = dict(benchmark="streamingbench", qid=qid, video_id=video, video_path=video_path,
                           question=str(row["question"]), task_type=task, group=GROUP_OF[task],
-                          realtime=clock_seconds(row["time_stamp"], f"{at}: field 'time_stamp'"))
+                          realtime=clock_seconds(row["time_stamp"], f"{at}: field 'time_stamp'", notes))
             if task == "Proactive Output":
                 require_fields(row, ("ground_truth_time_stamp", "ground_truth_output"), at)
                 question = Question(**common, options=(), answer=str(row["ground_truth_output"]), kind="proactive",
                                     expected_time=clock_seconds(row["ground_truth_time_stamp"],
-                                                                f"{at}: field 'ground_truth_time_stamp'"))
+                                                                f"{at}: field 'ground_truth_time_stamp'", notes))
             else:
                 require_fields(row, ("options", "answer"), at)
-                options = parse_options(row["options"], at)
-                if len(options) != 4:
-                    raise AnnotationError(f"{at}: expected 4 options (the prompt lists A to D), got {len(options)}")
+                options = prompted_options(parse_options(row["options"], at, distinct=False), at, notes)
                 answer = str(row["answer"]).strip()
-                if answer not in "ABCD" or len(answer) != 1:
-                    raise AnnotationError(f"{at}: answer {answer!r} is not one of ABCD")
+                if answer not in LETTERS or len(answer) != 1:
+                    raise AnnotationError(f"{at}: answer {answer!r} is not one of {LETTERS} (the release's prompt "
+                                          "lists those options only)")
                 context = contexts.get(video, "") if task == "Sequential Question Answering" else ""
                 question = Question(**common, options=options, answer=answer, context=context)
                 if task == "Sequential Question Answering":
@@ -218,9 +223,27 @@ def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folde
     return questions
 
 
-def clock_seconds(value: Any, what: str) -> float:
-    """Seconds from the release's ``HH:MM:SS`` (or ``MM:SS``) time; a one-line `AnnotationError` otherwise."""
+def prompted_options(options: tuple[str, ...], where: str, notes: LoadNotes) -> tuple[str, ...]:
+    """The options the release's prompt shows: the first four, A to D (its template has four places; a fifth or
+    sixth option is never shown, and noted as not used). Fewer than four: a one-line `AnnotationError` (the
+    release's code fails on such a question too)."""
+    if len(options) < len(LETTERS):
+        raise AnnotationError(f"{where}: expected at least 4 options (the prompt lists A to D; the release's code "
+                              f"fails on fewer), got {len(options)}")
+    if len(options) > len(LETTERS):
+        notes.add("question(s) with options past D, which the release's prompt never shows: not used", where)
+    return options[: len(LETTERS)]
+
+
+def clock_seconds(value: Any, what: str, notes: LoadNotes | None = None) -> float:
+    """Seconds from the release's ``HH:MM:SS`` (or ``MM:SS``) time, summed as its code sums them (``00:12450`` is
+    12450 s, noted in ``notes``: minutes or seconds past 59); a one-line `AnnotationError` for anything but digits
+    and colons (its code fails on those too)."""
     parts = str(value).strip().split(":")
     if not 1 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
         raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {value!r}")
-    return float(sum(int(part) * 60 ** power for power, part in enumerate(reversed(parts))))
+    seconds = float(sum(int(part) * 60 ** power for power, part in enumerate(reversed(parts))))
+    if notes is not None and any(int(part) >= 60 for part in parts[1:]):
+        notes.add(f"time(s) with minutes or seconds past 59, read as the release's code reads them "
+                  f"({str(value)[:20]!r} is {seconds:.0f} s)", what)
+    return seconds

@@ -5,7 +5,7 @@ Under ``--mode streaming`` a forward question's polls (one `Question` per poll, 
 afresh: the question's prompt becomes a watch on the video's stream when its first poll is due, and each poll is
 an evaluation of that watch at its time (the first: the evaluation its opening makes). An evaluation reads the
 stream's carried state and the frames since the watch's last evaluation, not the whole detailed cache, and while
-it is open the watch steers what the stream carries (`statekv.core.steering`). A poll whose prompt differs (SSR's
+it is open the watch steers what the stream carries (`statekv.core.rules.steering`). A poll whose prompt differs (SSR's
 steps) is a watch of its own. A watch is closed after the last poll of its prompt. A proactive output's poll ("is it
 the right time to output ...?") is a watch evaluated every second of its polls, closed once it says yes.
 """

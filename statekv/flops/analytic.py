@@ -35,7 +35,7 @@ import numpy as np
 from statekv.errors import ConfigurationError
 from statekv.settings.methods import MethodSettings, MethodSpec, method_names
 from statekv.settings.methods import method as method_spec
-from statekv.values import check_int
+from statekv.settings.values import check_int
 
 from .presets import LanguageSpec, ModelSpec, VisionSpec, from_config, get_preset
 

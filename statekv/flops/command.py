@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from statekv.errors import ConfigurationError
-from statekv.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir
+from statekv.settings.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 

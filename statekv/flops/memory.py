@@ -1,7 +1,7 @@
 """Bytes of detailed cache per frame and per hour of video, for a model preset and a ``kv_cache_dtype``.
 
 The detailed cache stores every token's keys and values in every layer: in the model's dtype, or quantized
-(:mod:`statekv.core.quantized`: codes, each token's value scale and zero point, and each step's key scales and
+(:mod:`statekv.core.storage.quantized`: codes, each token's value scale and zero point, and each step's key scales and
 zero points shared by its tokens). Beside it, kept in the model's dtype in RAM whatever the storage, each
 step's retrieval summaries: its mean key and ``SAMPLES_PER_STEP`` sampled keys per layer and KV head.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from statekv.core.quantized import stored_bytes_per_token, summary_bytes_per_step
+from statekv.core.storage.quantized import stored_bytes_per_token, summary_bytes_per_step
 from .analytic import resolve_model
 
 KV_CACHE_DTYPES = (None, "int8", "int4")  # None: the model's dtype

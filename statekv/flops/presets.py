@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from statekv.errors import ConfigurationError
-from statekv.values import check_int
+from statekv.settings.values import check_int
 
 FAMILIES = ("internvl", "qwen3_vl", "eagle")
 

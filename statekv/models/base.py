@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core.decoding import Prompt
+from ..core.answering.decoding import Prompt
 from ..errors import InputError
 from ..video import Frame
 

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 
-from ..core.decoding import Prompt
+from ..core.answering.decoding import Prompt
 
 from ..errors import ConfigurationError, InputError, UnsupportedModelError
 from ..video import Frame, qwen_frame_size, qwen_pixel_values

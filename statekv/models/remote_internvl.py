@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ..core.decoding import Prompt
+from ..core.answering.decoding import Prompt
 
 from ..errors import InputError, UnsupportedModelError
-from ..values import check_int, check_number
+from ..settings.values import check_int, check_number
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .base import Chunk, LayoutState
 from .checkpoint_files import normalisation, processor_chat_template, square_side

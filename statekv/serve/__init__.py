@@ -7,9 +7,12 @@ and a page for people.
 
 Modules: `config` (settings), `auth` (API keys: those given and the key made for the state folder), `media`
 (paths under --media-root), `limits` (body, image and concurrency limits), `worker` (where model work runs),
-`registry` (the streams: per owner, pushing, feeding files, asking, saving), `store` (their files in the state
-folder, and its lock), `listening` (the sockets a server alone binds first), `metrics` (Prometheus), `routes` and `openai` (the HTTP API), `page` and `page_parts` (the page at /),
-`app` (putting them together; `create_app` refuses a state folder holding streams no accepted key owns).
+`registry` (the one stream service: per owner, pushing, feeding files, asking, saving; with `entries`,
+`stream_settings`, `loading`, `answering`), `placement` (where its streams are held, a strategy it is given),
+`store` (their files in the state folder, and its lock), `listening` (the sockets a server alone binds first),
+`metrics` (Prometheus), `routes` and `openai` (the HTTP API, thin layers over the registry), `page` and
+`page_parts` (the page at /), `app` (putting them together; `create_app` refuses a state folder holding streams no
+accepted key owns); `cluster` (replicas on Ray, sharing a folder or an object store).
 """
 
 from .config import ServeConfig

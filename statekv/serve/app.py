@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,16 +18,14 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import ConfigurationError, HorizonError, StateKVError
+from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
-from .errors import ServiceError, error_body, public_message
+from .errors import ServiceError, StorageError, error_body, public_message
 from .limits import Slots
 from .metrics import Metrics
-from .openai import build_openai_router
 from .registry import StreamRegistry
-from .routes import build_router
 from .store import StreamFiles, check_state_folder
-from .watch_routes import build_watch_router
 from .watches import WatchHub
 from .worker import ModelExecutor, ModelWorker
 
@@ -39,12 +39,16 @@ class Hosting:
 
     replica: str | None = None  # this server's name among replicas (None: alone)
 
+    def open(self, config: ServeConfig) -> KeyRing:
+        """Check where the streams are kept (one line if it cannot be used) and that an accepted key owns each
+        of them (`check_owners`), before the model loads; returns the keys accepted."""
+        check_state_folder(config.state_dir)
+        keys = KeyRing.for_folder(config.state_dir, config.api_keys)
+        check_owners(config, keys)
+        return keys
+
     def registry(self, config: ServeConfig, qa: Any, worker: ModelExecutor) -> StreamRegistry:
         return StreamRegistry(config, qa, worker)
-
-    def restore(self, registry: StreamRegistry, owners: Any) -> int:
-        """Bring back the state folder's streams at start; returns how many."""
-        return registry.restore(owners)
 
     async def run(self, service: "Service") -> None:
         """Work that runs beside the server for its whole life (cancelled at shutdown)."""
@@ -75,6 +79,14 @@ class Service:
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.ask_slots = Slots(config.max_asks, "questions")
 
+    @property
+    def uploads(self) -> Path:
+        """Where the page keeps a file being uploaded until it is fed: the state folder's ``uploads/``, or, with
+        none (replicas over an object store), a folder of this machine's."""
+        if self.config.state_dir is not None:
+            return Path(self.config.state_dir) / "uploads"
+        return Path(tempfile.gettempdir()) / f"statekv-uploads-{self.hosting.replica or os.getpid()}"
+
     def answered(self, route: str, seconds: float) -> None:
         """Count a question answered through ``route`` (``ask``, ``chat`` or ``page``) and its latency."""
         self.metrics.asks.labels(route).inc()
@@ -83,7 +95,7 @@ class Service:
     def public(self, message: str) -> str:
         """A message as a client may see it: paths under the state folder or the media root made relative to
         it (their absolute forms: a relative one says nothing of the server's layout)."""
-        folders = [self.config.state_dir] + ([self.config.media_root] if self.config.media_root else [])
+        folders = [folder for folder in (self.config.state_dir, self.config.media_root) if folder is not None]
         replacements = {}
         for folder in folders:
             for form in (os.path.abspath(folder), os.path.realpath(folder)):
@@ -91,22 +103,26 @@ class Service:
         return public_message(message, replacements)
 
 
-def check_owners(config: ServeConfig, keys: KeyRing) -> None:
+def check_owners(config: ServeConfig, keys: KeyRing, files: Any = None) -> None:
     """Refuse to start over streams that no accepted key owns (nobody could reach or delete them), unless
-    ``config.drop_unowned_streams`` says to delete them."""
-    files = StreamFiles(config.state_dir)
+    ``config.drop_unowned_streams`` says to delete them. ``files``: where the streams are (default: the state
+    folder's `StreamFiles`)."""
+    files = files or StreamFiles(config.state_dir)
     unowned = {owner: count for owner, count in files.owners().items() if owner not in keys.owners}
     if not unowned:
         return
     count = sum(unowned.values())
+    place = f"the state folder {config.state_dir}" if config.state_dir is not None else \
+        f"the object store {files.store.url}"
     if not config.drop_unowned_streams:
         raise ConfigurationError(
-            f"the state folder {config.state_dir} holds {count} stream{'s' * (count > 1)} of "
+            f"{place} holds {count} stream{'s' * (count > 1)} of "
             f"{'a key' if len(unowned) == 1 else f'{len(unowned)} keys'} this server was not given; pass "
             f"{'it' if len(unowned) == 1 else 'them'} with --api-key (repeatable, or STATEKV_API_KEYS), or start "
             "with --drop-unowned-streams to delete those streams")
-    for path, record in files.records():
+    for _, record in files.records():
         if isinstance(record, dict) and record["owner"] in unowned:
+            files.claim(record["id"])  # a replica's files are written under the stream's lease
             files.remove(record["id"])
     log.warning("deleted %d streams no accepted key owned (--drop-unowned-streams)", count)
 
@@ -116,15 +132,14 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     """Load the model (unless ``qa`` is given), bring back the streams kept in the state folder, and build the
     app. Model work runs on ``worker`` (default: one `ModelWorker` thread); ``hosting``: how the streams are held
     (default: alone, `Hosting`)."""
-    check_state_folder(config.state_dir)
-    keys = KeyRing.for_folder(config.state_dir, config.api_keys)
-    check_owners(config, keys)  # before the model loads: a refusal costs nothing
+    hosting = hosting or Hosting()
+    keys = hosting.open(config)  # before the model loads: a refusal costs nothing
     if qa is None:
         from ..api.videoqa import VideoQA
 
         qa = VideoQA.from_options(config.options)
     service = Service(config, qa, worker or ModelWorker(), keys, hosting)
-    restored = service.hosting.restore(service.registry, keys.owners)
+    restored = service.registry.restore(keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)
     if service.registry.damaged:
@@ -149,9 +164,9 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     app = FastAPI(title="statekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     _error_handlers(app, service)
-    app.include_router(build_router(service))
-    app.include_router(build_watch_router(service))
-    app.include_router(build_openai_router(service))
+    app.include_router(routes.router)
+    app.include_router(watch_routes.router)
+    app.include_router(openai.router)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -188,6 +203,10 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
         return answer(error.status, str(error), error.kind, error.headers)
+
+    @app.exception_handler(StorageError)
+    async def storage_error(request: Request, error: StorageError) -> JSONResponse:
+        return answer(503, f"{error.strerror}; retry shortly", "server_error", {"Retry-After": "2"})
 
     @app.exception_handler(StateKVError)
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:

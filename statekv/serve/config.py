@@ -14,7 +14,8 @@ SAVE_EVERY_SECONDS = 30.0
 @dataclass
 class ServeConfig:
     """options: the model and the default method settings (streams may choose their own method settings).
-    state_dir: where streams are kept (created). media_root: the only folder server-side sources may be read
+    state_dir: where streams are kept (created); None only for replicas on Ray that keep everything in an object
+    store (`statekv.serve.cluster.ClusterSettings.store`). media_root: the only folder server-side sources may be read
     from (None: no server-side sources). api_keys: the keys accepted besides the key made for the state folder
     (`auth.KeyFile`); at least one of the two. drop_unowned_streams: delete, at start, the streams of keys not
     accepted (otherwise the server refuses to start over them). max_streams: streams held
@@ -22,11 +23,11 @@ class ServeConfig:
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
     default_horizon_frames, default_max_fps: for streams created without them (horizon None: no horizon, the
-    stream never ends; its positions are bounded, see `statekv.core.positions`).
+    stream never ends; its positions are bounded, see `statekv.core.positions.placing`).
     """
 
     options: ModelOptions
-    state_dir: Path
+    state_dir: Path | None
     api_keys: tuple[str, ...] = ()
     drop_unowned_streams: bool = False
     media_root: Path | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from ..errors import StateKVError
 
 
@@ -17,6 +19,17 @@ class ServiceError(StateKVError):
 
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
           415: "unsupported_media_type", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class StorageError(OSError):
+    """Where streams are kept (an object store) refused or failed a request: ``strerror`` is one line saying which
+    and why. Answered 503 (retry) wherever it reaches a route."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.EIO, message)
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def error_body(message: str, kind: str, status: int) -> dict:

@@ -26,8 +26,8 @@ from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import read_json
 from .media import resolve_file_url
-from .registry import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
-from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, answer_task, pieces_until
+from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
+from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, answer_task, pieces_until
 from .sse import EventStream, TokenStreamer, event
 
 
@@ -71,65 +71,64 @@ def parse_messages(messages: Any) -> tuple[str, list[str]]:
     return question, videos
 
 
-def build_openai_router(service) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request, service: Served) -> dict:
+    service.keys.require(request)
+    return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": service.started,
+                                        "owned_by": "statekv"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request, service: Served):
     registry, config = service.registry, service.config
-
-    @router.get("/v1/models")
-    async def models(request: Request) -> dict:
-        service.keys.require(request)
-        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": service.started,
-                                            "owned_by": "statekv"}]}
-
-    @router.post("/v1/chat/completions")
-    async def chat(request: Request):
-        owner = service.keys.require(request)
-        body = await read_json(request, config.max_body_bytes)
-        question, videos = parse_messages(body.get("messages"))
-        reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {})}
-        max_new = body.get("max_completion_tokens")
-        if max_new is None:
-            max_new = body.get("max_tokens")
-        if max_new is None:  # given neither (or null): the default, as the native route's
-            max_new = DEFAULT_NEW_TOKENS
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
-            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {_shown(max_new)}")
-        extension = body.get("statekv") or {}
-        if not isinstance(extension, dict):
-            raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
-        stream_id = extension.get("stream_id")
-        if stream_id is not None:
-            if videos:
-                raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
-            entry = await registry.find(owner, stream_id)
-            work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
-        else:
-            if len(videos) != 1:
-                raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
-                                        "or statekv.stream_id")
-            path = resolve_file_url(config.media_root, videos[0])
-            work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
-        completion = f"chatcmpl-{secrets.token_hex(12)}"
-        model = body.get("model") or service.model_id
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-            release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
-            return EventStream(_chunks(service, work, completion, model, max_new, include_usage, reading), release)
-        async with service.ask_slots.hold():
-            started = time.perf_counter()
-            result = await work(None)
-            service.answered("chat", time.perf_counter() - started)
-        return JSONResponse({
-            "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
-                         "finish_reason": _finish(result, max_new)}],
-            "usage": result["usage"],
-            "statekv": {**{key: result.get(key) for key in ("id", "frames", "seconds")}, **reading},
-        })
-
-    return router
+    owner = service.keys.require(request)
+    body = await read_json(request, config.max_body_bytes)
+    question, videos = parse_messages(body.get("messages"))
+    reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {})}
+    max_new = body.get("max_completion_tokens")
+    if max_new is None:
+        max_new = body.get("max_tokens")
+    if max_new is None:  # given neither (or null): the default, as the native route's
+        max_new = DEFAULT_NEW_TOKENS
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {_shown(max_new)}")
+    extension = body.get("statekv") or {}
+    if not isinstance(extension, dict):
+        raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
+    stream_id = extension.get("stream_id")
+    if stream_id is not None:
+        if videos:
+            raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
+        entry = await registry.find(owner, stream_id)
+        work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
+    else:
+        if len(videos) != 1:
+            raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
+                                    "or statekv.stream_id")
+        path = resolve_file_url(config.media_root, videos[0])
+        work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
+    completion = f"chatcmpl-{secrets.token_hex(12)}"
+    model = body.get("model") or service.model_id
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
+        return EventStream(_chunks(service, work, completion, model, max_new, include_usage, reading), release)
+    async with service.ask_slots.hold():
+        started = time.perf_counter()
+        result = await work(None)
+        service.answered("chat", time.perf_counter() - started)
+    return JSONResponse({
+        "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
+                     "finish_reason": _finish(result, max_new)}],
+        "usage": result["usage"],
+        "statekv": {**{key: result.get(key) for key in ("id", "frames", "seconds")}, **reading},
+    })
 
 
 def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:

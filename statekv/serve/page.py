@@ -47,7 +47,7 @@ def mount_page(app: FastAPI, service: Any) -> None:
     @ui.page("/", title="statekv")
     def index() -> None:
         ui.add_body_html(PAGE_SCRIPT)
-        StreamPage(service, Path(service.config.state_dir) / "uploads").build()
+        StreamPage(service, service.uploads).build()
 
     # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
@@ -306,7 +306,7 @@ class StreamPage:
             video = await self.registry.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
             frames = frames_at_rate(video, rate)
-            horizon = entry.horizon_frames if entry is not None else self.registry.default_horizon_frames
+            horizon = entry.horizon_frames if entry is not None else self.registry.settings.default_horizon_frames
             room = None if horizon is None else horizon - (entry.stream.frames if entry is not None else 0)
             if room is not None and frames > room:  # None: no horizon, any length
                 raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "

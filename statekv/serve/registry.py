@@ -1,5 +1,10 @@
 """The streams a server holds, who owns each, what each is doing, and keeping them on disk (`store.StreamFiles`).
 
+`StreamRegistry` is the one stream service behind the routes, the OpenAI route and the page: creating, finding (per
+owner), pushing, feeding files, asking, saving, deleting and listing streams. Where its streams are held is its
+`Placement` (this process alone, or a replica of several under leases); the registry's work is the same under
+either.
+
 A stream is saved once it holds ``save_every_frames`` unsaved frames (before its next push, so a save that fails
 refuses that push and changes nothing), after ``save_every_seconds`` with unsaved frames, when a file source has
 been fed in full, and on shutdown. A restarted server loads every stream back; one whose record, save or disk-tier
@@ -15,241 +20,45 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import secrets
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import HorizonError, InputError, StateKVError
-from ..api.stream import Stream
-from ..core.disk import LOCK
-from ..locks import FileLock
+from ..errors import HorizonError, StateKVError
+from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
 from .config import ServeConfig
+from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
 from .errors import ServiceError, public_message
+from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
-from .sse import ClientGone
+from .page_record import recall_page
+from .placement import Placement
 from .store import STREAM_ID, StreamFiles
-from .page_record import page_fields, recall_page
-from .watches import recall, watch_records
+from .stream_settings import StreamSettings, shown
+from .watches import recall
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
 
-METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
-STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
-HISTORY = 2000  # points of a stream's history kept for the page
-ANSWERS = 50  # a stream's last answers, kept in its record
-
-
-@dataclass
-class Feed:
-    """A video file being fed into a stream: how far it got (``total``: the frames it should give at the
-    stream's rate, estimated from its length) and, once it stopped early, why."""
-
-    source: str
-    total: int | None
-    offered: int = 0
-    kept: int = 0
-    running: bool = True
-    error: str | None = None
-
-    def describe(self) -> dict[str, Any]:
-        return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
-                "running": self.running, "error": self.error}
-
-
-@dataclass
-class StreamEntry:
-    """One stream: its owner (a key digest), settings, the live `Stream`, what is on disk, what it is doing."""
-
-    id: str
-    owner: str
-    settings: dict[str, Any]
-    horizon_frames: int | None
-    max_fps: float | None
-    name: str
-    created: float
-    stream: Stream
-    last_seconds: float | None = None
-    saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
-    saved_at: float = field(default_factory=time.monotonic)
-    history: list[dict[str, float]] = field(default_factory=list)
-    answers: list[dict[str, Any]] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    feed: Feed | None = None
-    last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
-    updated: float | None = None  # when a frame last arrived (unix time)
-    deleted: bool = False
-    moved: bool = False  # let go to another replica sharing the state folder
-    replica: str | None = None  # the replica holding it, when several share the state folder
-    owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
-
-    @property
-    def frames(self) -> int:
-        return self.stream.frames
-
-    @property
-    def dirty(self) -> bool:
-        return self.stream.pushed != self.saved["pushed"]
-
-    @property
-    def feeding(self) -> bool:
-        return self.feed is not None and self.feed.running
-
-    @property
-    def state(self) -> str:
-        """``feeding``, ``failed`` (its last feed stopped on an error), ``empty`` (no frame yet) or ``ready``."""
-        if self.feeding:
-            return "feeding"
-        if self.feed is not None and self.feed.error:
-            return "failed"
-        return "ready" if self.stream.frames else "empty"
-
-    def describe(self) -> dict[str, Any]:
-        stream, stats = self.stream, self.stream.stats
-        return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created),
-                "updated": None if self.updated is None else int(self.updated), "state": self.state,
-                "settings": self.settings, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
-                "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
-                "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
-                "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
-                "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
-                "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
-                **({"replica": self.replica} if self.replica else {})}
-
-    @property
-    def tier(self) -> Path | None:
-        """The folder of its disk-tier file set (None: it keeps its detailed cache elsewhere)."""
-        folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
-        return None if folder is None else Path(folder)
-
-    def record(self) -> dict[str, Any]:
-        """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
-        file set name its id and owner (checked when they are loaded; records written before hold no ``owned``)."""
-        tier = self.tier
-        return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
-                "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
-                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "watches": watch_records(self.stream), **page_fields(self)}
-
-
-@dataclass
-class DamagedStream:
-    """A stream of the state folder that could not be brought back (its record, its save or its file set is
-    damaged, or names another stream or owner): listed as ``damaged`` with the reason, never served, its files left
-    where they are. ``owner``: None when the record names none that can be read (then every key sees it)."""
-
-    id: str
-    owner: str | None
-    reason: str
-    record: dict[str, Any] = field(default_factory=dict)
-    deleted: bool = False
-    frames: int = 0
-    state: str = "damaged"
-
-    @property
-    def name(self) -> str:
-        name = self.record.get("name")
-        return name if isinstance(name, str) else self.id
-
-    @property
-    def created(self) -> float:
-        created = self.record.get("created")
-        return float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
-
-    def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "state": self.state,
-                "damaged": self.reason, "frames": 0, "feeding": False, "feed": None}
-
-    def note(self) -> dict[str, Any]:
-        """What the state folder's quarantine keeps of it (`store.StreamFiles.write_note`)."""
-        return {"id": self.id, "owner": self.owner, "reason": self.reason, "name": self.name, "created": self.created,
-                "at": int(time.time())}
-
-
-class Quarantined(InputError):
-    """A stream whose disk-tier file set cannot be resumed: moved into the state folder's quarantine (then the
-    stream is damaged until it is deleted), or left where it is when it cannot be moved (then it is tried again at
-    the next start)."""
-
 
 class StreamRegistry:
     """Every stream of one server: creating, finding (per owner), pushing, feeding files, asking, saving and
-    bringing back. Model work goes through ``worker``; files through `StreamFiles`."""
+    bringing back. Model work goes through ``worker``; files through ``files`` (`StreamFiles`); where the streams
+    are held is ``placement`` (default: this process alone, `Placement`)."""
 
     def __init__(self, config: ServeConfig, qa: Any, worker: ModelExecutor, metrics: Metrics | None = None,
-                 files: StreamFiles | None = None):
+                 files: StreamFiles | None = None, placement: Placement | None = None):
         self.config, self.qa, self.worker, self.metrics = config, qa, worker, metrics
         self.files = files or StreamFiles(config.state_dir)
+        self.placement = placement or Placement()
+        self.settings = StreamSettings(config, qa)
+        self.loader = StreamLoader(self.files, self.settings, self.placement.resume_tiers)
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
-        self._models: dict[tuple, Any] = {}
-        self._max_horizon: int | None = None
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
-
-    # -- settings ------------------------------------------------------------------------------------------
-    def qa_for(self, settings: dict[str, Any]) -> Any:
-        """The VideoQA of a stream's method settings (the server's model, shared)."""
-        key = tuple(sorted(settings.items()))
-        if key not in self._models:
-            self._models[key] = self.qa.with_options(**settings)
-        return self._models[key]
-
-    def check_settings(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, float | None, str]:
-        unknown = sorted(set(body) - set(STREAM_FIELDS))
-        if unknown:
-            raise ServiceError(400, f"unknown stream setting {unknown[0]!r}; known: {', '.join(STREAM_FIELDS)}")
-        defaults = self.qa.options
-        settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
-        defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
-        horizon = body.get("horizon_frames", self.default_horizon_frames)
-        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
-                                    or not 1 <= horizon <= 10**7):
-            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got "
-                               f"{_shown(horizon)}")
-        if horizon is not None and self.qa.engine.positions == "stream" and horizon > self.max_horizon_frames:
-            raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold at positions=stream: "
-                               f"at most {self.max_horizon_frames} frames (its RoPE covers {self._rope_tokens()} "
-                               f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
-                               "with --positions bounded, or give no horizon")
-        max_fps = body.get("max_fps", self.config.default_max_fps)
-        if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
-                                    or not math.isfinite(max_fps) or max_fps <= 0):
-            raise ServiceError(400, f"max_fps must be a positive number or null, got {_shown(max_fps)}")
-        name = body.get("name", "stream")
-        if not isinstance(name, str) or len(name) > 200:
-            raise ServiceError(400, "name must be a string of at most 200 characters")
-        return settings, horizon, None if max_fps is None else float(max_fps), name
-
-    @property
-    def max_horizon_frames(self) -> int:
-        """The most frames a stream's horizon may hold: those whose tokens (plus the reserve for questions) fit
-        the model's RoPE (10**7 when it has no limit)."""
-        if self._max_horizon is None:
-            capacity, low, high = self._rope_tokens(), 0, 10**7
-            if capacity is not None and self.qa.horizon_for(high) > capacity:
-                while low < high:  # the most frames whose horizon fits
-                    middle = (low + high + 1) // 2
-                    low, high = (middle, high) if self.qa.horizon_for(middle) <= capacity else (low, middle - 1)
-            self._max_horizon = max(high, 1)
-        return self._max_horizon
-
-    @property
-    def default_horizon_frames(self) -> int | None:
-        """``default_horizon_frames`` (None: no horizon, the stream never ends), or fewer when the model's RoPE
-        cannot hold that many."""
-        if self.config.default_horizon_frames is None:
-            return None
-        return min(self.config.default_horizon_frames, self.max_horizon_frames)
-
-    def _rope_tokens(self) -> int | None:
-        from ..core.rope import rope_capacity
-
-        return rope_capacity(self.qa.adapter.model.config.get_text_config())
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
@@ -258,17 +67,15 @@ class StreamRegistry:
         if entry is None and isinstance(stream_id, str):
             self.check_damaged(owner, stream_id)
         if entry is None or entry.owner != owner or entry.deleted:
-            raise ServiceError(404, f"no stream {_shown(str(stream_id)[:80])}")
+            raise ServiceError(404, f"no stream {shown(str(stream_id)[:80])}")
         return entry
-
-    repair = "repair them and restart"  # how a damaged stream is brought back (a replica retries when asked)
 
     def check_damaged(self, owner: str, stream_id: str) -> None:
         """Refuse (409, one line) work on a quarantined stream the caller may see."""
         damaged = self.damaged.get(stream_id)
         if damaged is not None and damaged.owner in (owner, None):
             raise ServiceError(409, f"stream {stream_id} is damaged ({damaged.reason}); it is not served and its "
-                               f"files are kept in the state folder: {self.repair}, or delete the stream")
+                               f"files are kept in {self.files.where}: {self.placement.repair}, or delete the stream")
 
     async def remove_damaged(self, owner: str, stream_id: str) -> bool:
         """Delete a quarantined stream of the caller's (its files too, those moved into the quarantine included:
@@ -276,27 +83,25 @@ class StreamRegistry:
         told apart as its owner."""
         if not isinstance(stream_id, str) or stream_id in self.entries:
             return False
-        await self.look_for_damage(stream_id)
+        await self.placement.look_for_damage(self, stream_id)
         damaged = self.damaged.get(stream_id)
         if damaged is None or damaged.owner not in (owner, None):
             return False
         if damaged.owner is None:
+            files = ", ".join(self.files.files_of(stream_id))
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
-                               f"remove its files from the state folder by hand: {', '.join(self.files.files_of(stream_id))}")
-        await self.remove_files(stream_id)
+                               f"remove its files from {self.files.where} by hand: {files}")
+        await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
         return True
 
-    async def look_for_damage(self, stream_id: str) -> None:
-        """Bring ``damaged`` up to date for one stream (one server alone knows it already: nothing to do)."""
-
-    async def remove_files(self, stream_id: str) -> None:
-        """Remove every file of a stream that is not held (a damaged one)."""
-        await asyncio.to_thread(self.files.remove, stream_id)
-
     async def find(self, owner: str, stream_id: str) -> StreamEntry:
-        """The caller's stream, as `get` (a registry that shares its state folder brings it here first)."""
-        return self.get(owner, stream_id)
+        """The caller's stream, as `get`, brought here first by the placement (from another replica)."""
+        await self.placement.bring(self, owner, stream_id)
+        entry = self.get(owner, stream_id)
+        self.placement.check(entry)
+        entry.used = time.monotonic()
+        return entry
 
     async def remove(self, owner: str, stream_id: str) -> None:
         """Delete the caller's stream (``DELETE``): a damaged one, or one found damaged as it is brought here."""
@@ -310,8 +115,12 @@ class StreamRegistry:
             raise
         await self.delete(entry)
 
-    def owned(self, owner: str) -> list[StreamEntry]:
-        """The owner's streams, newest first."""
+    def owned(self, owner: str) -> list[Any]:
+        """The owner's streams as the placement lists them (alone: `held`; a replica adds those held elsewhere)."""
+        return self.placement.listed(self, owner)
+
+    def held(self, owner: str) -> list[Any]:
+        """The owner's streams held here, newest first, then its damaged ones."""
         entries = [entry for entry in self.entries.values() if entry.owner == owner and not entry.deleted]
         return sorted(entries, key=lambda entry: entry.created, reverse=True) + [
             damaged for damaged in self.damaged.values() if damaged.owner in (owner, None)]
@@ -321,7 +130,7 @@ class StreamRegistry:
 
     # -- creating and deleting -----------------------------------------------------------------------------
     async def create(self, owner: str, body: dict[str, Any]) -> StreamEntry:
-        settings, horizon, max_fps, name = self.check_settings(body)
+        settings, horizon, max_fps, name = self.settings.check(body)
         # counted before the first await: creations arriving together cannot all pass the check
         if len(self.entries) + self.arriving >= self.config.max_streams:
             raise ServiceError(429, f"the server holds its limit of {self.config.max_streams} streams; delete one "
@@ -337,10 +146,11 @@ class StreamRegistry:
     async def _create(self, owner: str, settings: dict[str, Any], horizon: int | None, max_fps: float | None,
                       name: str) -> StreamEntry:
         stream_id = f"st_{secrets.token_hex(12)}"
-        qa = self.qa_for(settings)
+        qa = self.settings.qa_for(settings)
         stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name, stream_id=stream_id,
                                        owner=owner)
-        entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream)
+        entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream,
+                            replica=self.placement.replica)
         try:
             self.files.claim(stream_id)
             self.files.write_record(entry.record())  # the creation is durable before it is answered
@@ -350,14 +160,16 @@ class StreamRegistry:
             self.files.release(stream_id)
             if isinstance(error, StateKVError):
                 raise
-            raise ServiceError(503, "cannot record the stream in the state folder "
+            raise ServiceError(503, f"cannot record the stream in {self.files.where} "
                                f"({error.strerror or error}); no stream was made") from None
         return entry
 
-    async def delete(self, entry: StreamEntry | DamagedStream) -> None:
-        if isinstance(entry, DamagedStream):
-            await self.remove_damaged(entry.owner or "", entry.id)
+    async def delete(self, entry: Any) -> None:
+        """Delete a stream as listed (`owned`): one held here, or one damaged or held elsewhere (by its id)."""
+        if not isinstance(entry, StreamEntry):
+            await self.remove(entry.owner or "", entry.id)
             return
+        await self.begin_removal(entry.id, entry.tier)  # refused (503) with nothing changed, or the stream is gone
         entry.deleted = True  # from here on `get` answers 404
         async with entry.lock:
             try:
@@ -366,10 +178,24 @@ class StreamRegistry:
                 except (OSError, StateKVError) as error:  # what it would have kept is being deleted anyway
                     log.warning("stream %s did not close cleanly (%s); its files are removed all the same",
                                 entry.id, error)
+                remove_tier(entry)  # every tier: the disk-tier file set, the save, the record
                 self.files.remove(entry.id)
-                remove_tier(entry)  # every tier: the record, the save, the disk-tier file set
+            except OSError as error:  # begun: never served again, and finished at the next start
+                log.error("stream %s is deleted, but not all its files could be removed (%s); the rest are removed "
+                          "at the next start", entry.id, error)
             finally:
                 self.entries.pop(entry.id, None)
+
+    async def begin_removal(self, stream_id: str, tier: Path | None) -> None:
+        """Mark the stream as being deleted where its files are (`StreamFiles.begin_removal`); a one-line 503 when
+        that cannot be written, and then nothing is changed."""
+        try:
+            await asyncio.to_thread(self.files.begin_removal, stream_id, tier)
+        except OSError as error:
+            why = error.strerror or type(error).__name__
+            raise ServiceError(503, f"cannot delete stream {stream_id}: {self.files.where} cannot be changed ({why}); "
+                               "nothing was deleted and the stream is as it was: retry once it can be written",
+                               headers={"Retry-After": "5"}) from None
 
     def dismiss(self, entry: StreamEntry) -> None:
         """Forget why the stream's last feed failed (the page's "dismiss")."""
@@ -379,6 +205,7 @@ class StreamRegistry:
     # -- pushing -------------------------------------------------------------------------------------------
     async def push(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         """Push one frame. Pushes to several streams that wait together step together (`ModelWorker.push`)."""
+        self.placement.admit_push(entry)
         if entry.feeding:
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source}; push after it is done")
         async with entry.lock:
@@ -412,7 +239,7 @@ class StreamRegistry:
                 log.error("cannot save stream %s before a push: %s", entry.id, error)
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
                                    f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
-                                   "memory only); push the frame again once the state folder can be written",
+                                   f"memory only); push the frame again once {self.files.where} can be written",
                                    headers={"Retry-After": "5"}) from None
         return entry.stream.frames
 
@@ -433,7 +260,7 @@ class StreamRegistry:
 
     def batched_steps(self) -> int:
         """Language-model forwards that stepped several streams together, over the server's models."""
-        models = [self.qa, *list(self._models.values())]
+        models = [self.qa, *list(self.settings.models.values())]
         return sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0) for qa in models)
 
     # -- feeding a file ------------------------------------------------------------------------------------
@@ -454,6 +281,7 @@ class StreamRegistry:
 
         Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
         streams step together. Progress and any error stay in ``entry.feed``."""
+        self.placement.admit_push(entry)
         shown = shown or path.name
         if entry.feeding:
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
@@ -571,12 +399,19 @@ class StreamRegistry:
             except Exception as error:  # noqa: BLE001 -- shutting down: the others are closed still
                 log.error("cannot close stream %s: %s", entry.id, error)
 
+    # -- bringing back -------------------------------------------------------------------------------------
     def restore(self, owners: Any = None) -> int:
-        """Load every stream recorded in the state folder (at startup); returns how many. ``owners``: load only
-        streams of these owner digests (the others are left on disk untouched)."""
-        for path, record in self.files.records():
+        """Bring back the streams at start, as the placement does it (alone: `load_all`); returns how many."""
+        return self.placement.restore(self, owners)
+
+    def load_all(self, owners: Any = None) -> int:
+        """Load every stream recorded in the state folder; returns how many. ``owners``: load only streams of
+        these owner digests (the others are left on disk untouched). Deletions cut short are finished first."""
+        self.finish_removals()
+        for stream_id, record in self.files.records():
             if isinstance(record, Exception):
-                self.quarantine(path.stem, self.files.owner_named(path), unreadable(path, record), {})
+                reason = unreadable(self.files.record_name(stream_id), record)
+                self.quarantine(stream_id, self.files.owner_named(stream_id), reason, {})
                 continue
             if owners is not None and record["owner"] not in owners:
                 continue
@@ -588,19 +423,29 @@ class StreamRegistry:
             self.entries[entry.id] = entry
         return len(self.entries)
 
-    def damaged_stream(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
-        """A quarantined stream, its reason one line that names no server path and no other stream."""
-        reason = public_message(reason, {str(self.files.folder.resolve()) + "/": "", str(self.files.folder) + "/": ""})
-        reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
-        # another stream's id is not this stream's owner's to see
-        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?", lambda m: m.group(0) if stream_id in m.group(0) else "another stream",
-                        reason)
-        return DamagedStream(stream_id, owner, reason, record)
+    def finish_removals(self) -> None:
+        """Finish the deletions begun and cut short (a kill, a crash): the streams stay deleted, never loaded."""
+        for removal in self.files.removals():
+            try:
+                if removal["tier"]:
+                    shutil.rmtree(removal["tier"], ignore_errors=True)
+                self.files.remove(removal["id"])
+                log.info("finished deleting stream %s", removal["id"])
+            except (OSError, StateKVError) as error:  # still never served; tried again at the next start
+                log.error("cannot finish deleting stream %s: %s", removal["id"], error)
+
+    def restore_one(self, data: dict[str, Any]) -> StreamEntry:
+        """Load one recorded stream (`StreamLoader.load`); it is no longer damaged once it loads."""
+        entry = self.loader.load(data)
+        recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
+        recall_page(entry, data)
+        self.damaged.pop(entry.id, None)
+        return entry
 
     def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
         shares it)."""
-        damaged = self.damaged_stream(stream_id, owner, reason, record)
+        damaged = self.loader.damaged(stream_id, owner, reason, record)
         log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id,
                   damaged.reason)
         self.damaged[stream_id] = damaged
@@ -610,82 +455,14 @@ class StreamRegistry:
             log.error("cannot note stream %s's quarantine in the state folder: %s", stream_id, error)
         return damaged
 
-    def restore_one(self, data: dict[str, Any]) -> StreamEntry:
-        """Load one recorded stream: from its disk-tier file set when it has one (the same folder again, every
-        push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
-        loaded, or names another stream or owner, raises (the stream is quarantined), as does a stream whose
-        file set was moved into the quarantine (`Quarantined`); a quarantine note left from an earlier failure is
-        removed once it loads."""
-        moved = self.files.quarantined(data["id"])
-        if moved:  # its journaled pushes are there, not in its save: never served without them
-            note = self.files.read_note(data["id"])
-            where = f"quarantine/{moved[-1]}"
-            raise Quarantined(note["reason"] if note is not None and where in note["reason"] else
-                              f"its disk-tier file set was moved to {where} in the state folder")
-        qa = self.qa_for(data["settings"])
-        ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
-        stream, saved = self._resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
-        if stream is None:
-            with self.files.local_state(data["id"]) as state:
-                stream = None if state is None else Stream.load(state, qa, **ids)
-        if stream is not None:
-            recorded = data.get("saved") or {}
-            saved = {"pushed": stream.pushed, "frames": stream.frames,
-                     "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
-        else:
-            stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
-        answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
-        entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
-                            data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
-                            answers=answers, owned=bool(data.get("owned")))
-        recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
-        recall_page(entry, data)
-        if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
-            try:
-                self.files.write_record(entry.record())
-            except (OSError, StateKVError) as error:
-                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
-        if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
-            try:
-                self.files.remove_note(entry.id)
-            except (OSError, StateKVError) as error:
-                log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
-        self.damaged.pop(entry.id, None)
-        return entry
+    # -- the placement's own work --------------------------------------------------------------------------
+    async def keep_leases(self) -> None:
+        """One pass of the placement's work beside the server (a replica: renew its leases, hand streams over)."""
+        await self.placement.keep(self)
 
-    resume_tiers = True  # a replica sharing the folder loads from the save: its file sets are its own
-
-    def _resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any]) -> Stream | None:
-        """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
-        none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
-        quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
-        since the last save, so the stream is not served from its save without them."""
-        if not self.resume_tiers or not data.get("tier") or qa.engine.offload != "disk":
-            return None
-        root = Path(qa.engine.offload_dir)
-        folder = root / data["tier"]
-        if not folder.is_dir():
-            return None
-        try:
-            return Stream.load(folder, qa, **ids)
-        except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
-            why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
-            problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
-        try:
-            lock = FileLock.acquire(folder / LOCK, what=f"the disk cache {folder.name}", error=InputError) \
-                if (folder / LOCK).exists() else None
-        except InputError:  # a live process holds it: not this server's to move
-            raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
-                              "it)") from None
-        try:
-            where = self.files.move_to_quarantine(data["id"], folder)
-        except OSError as failure:
-            raise Quarantined(f"{problem}; left where it is, since it cannot be moved into the state folder's "
-                              f"quarantine ({failure.strerror or type(failure).__name__})") from None
-        finally:
-            if lock is not None:
-                lock.release()
-        raise Quarantined(f"{problem}; moved to {where} in the state folder")
+    def let_all_go(self) -> None:
+        """At shutdown, once every stream is saved: the placement lets every stream go (a replica: its leases)."""
+        self.placement.let_go(self)
 
 
 def frames_at_rate(video: Any, max_fps: float | None) -> int:
@@ -693,56 +470,6 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
     if max_fps is None:
         return video.num_frames
     return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
-
-
-def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
-    """The question's prompt length in tokens, refused (413) when it and the answer do not fit the room the
-    video (an `EncodedVideo` or `Stream`) has left before its horizon (a stream without one: its reserve)."""
-    prompt = int(video.adapter.question_ids(question, video.state).shape[1])
-    room = video.horizon - video.tokens if video.horizon is not None else video.reserve_tokens
-    if prompt + max_new_tokens > room:
-        raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
-                           f"the {room} tokens kept for them; ask a shorter question")
-    return prompt
-
-
-class ClientLeft(ServiceError):
-    """The client that asked went away: its answer was stopped (between two tokens) and is not recorded."""
-
-    def __init__(self, tokens: int):
-        super().__init__(499, f"the answer was stopped after {tokens} tokens: its client went away")
-
-
-def streamer_arguments(streamer: Any) -> dict[str, Any]:
-    """``generate``'s arguments for answering token by token through ``streamer`` (a `sse.TokenStreamer`): the
-    streamer, and a stop once its client has gone away."""
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
-
-    return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([ClientGone(streamer.gone)])}
-
-
-def check_still_there(streamer: Any) -> None:
-    """`ClientLeft` when the client answered through ``streamer`` has gone away."""
-    if streamer is not None and streamer.gone.is_set():
-        raise ClientLeft(streamer.tokens)
-
-
-def remove_tier(entry: StreamEntry) -> None:
-    """Remove a closed stream's disk-tier file set (if it has one)."""
-    folder = entry.tier
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def unreadable(path: Path, error: Exception) -> str:
-    """Why a stream whose record ``path`` cannot be read is damaged."""
-    return f"its record {path.name} is unreadable: {error}"
-
-
-def reason_of(error: BaseException) -> str:
-    """A one-line reason for a stream that could not be loaded."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _check_here(entry: StreamEntry) -> None:
@@ -757,14 +484,3 @@ def _check_here(entry: StreamEntry) -> None:
 def _next_time(entry: StreamEntry) -> float:
     step = 1.0 / entry.max_fps if entry.max_fps else 1.0
     return 0.0 if entry.last_seconds is None else entry.last_seconds + step
-
-
-def _shown(value: Any) -> str:
-    """A client's value in a message: as JSON would write it (no Python repr), cut short."""
-    import json
-
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = type(value).__name__
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,12 +1,14 @@
-"""The stream API: /health, /v1/streams (create, list, stats, delete), frames and questions."""
+"""The stream API: /health, /v1/streams (create, list, stats, delete), frames and questions. Each route is a thin
+layer over the app's `Service` (its `StreamRegistry` above all): it reads the request, checks what is HTTP's to
+check, and answers."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
@@ -38,85 +40,98 @@ def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
     return question.strip(), max_new, retrieve
 
 
-def build_router(service) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
+
+
+def service_of(request: Request) -> Any:
+    """The app's `Service` (what every route works through)."""
+    return request.app.state.service
+
+
+Served = Annotated[Any, Depends(service_of)]
+
+
+@router.get("/health")
+async def health(service: Served) -> dict:
+    replica = service.hosting.replica
+    return {"status": "ok", "model": service.model_id, "streams": len(service.registry.entries),
+            "queued": getattr(service.worker, "queued", 0), **({"replica": replica} if replica else {})}
+
+
+@router.post("/v1/streams", status_code=201)
+async def create_stream(request: Request, service: Served) -> dict:
+    owner = service.keys.require(request)
+    body = await read_json(request, service.config.max_body_bytes, optional=True)
+    entry = await service.registry.create(owner, body)
+    return entry.describe()
+
+
+@router.get("/v1/streams")
+async def list_streams(request: Request, service: Served) -> dict:
+    owner = service.keys.require(request)
+    return {"object": "list", "data": [entry.describe() for entry in service.registry.owned(owner)]}
+
+
+@router.get("/v1/streams/{stream_id}")
+async def stream_stats(stream_id: str, request: Request, service: Served) -> dict:
+    return (await service.registry.find(service.keys.require(request), stream_id)).describe()
+
+
+@router.get("/v1/streams/{stream_id}/history")
+async def stream_history(stream_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    return {"id": entry.id, "history": list(entry.history)}
+
+
+@router.delete("/v1/streams/{stream_id}")
+async def delete_stream(stream_id: str, request: Request, service: Served) -> dict:
+    await service.registry.remove(service.keys.require(request), stream_id)
+    return {"id": stream_id, "object": "stream", "deleted": True}
+
+
+@router.post("/v1/streams/{stream_id}/frames")
+async def push_frames(stream_id: str, request: Request, service: Served) -> dict:
     registry, config = service.registry, service.config
-
-    @router.get("/health")
-    async def health() -> dict:
-        replica = service.hosting.replica
-        return {"status": "ok", "model": service.model_id, "streams": len(registry.entries),
-                "queued": getattr(service.worker, "queued", 0), **({"replica": replica} if replica else {})}
-
-    @router.post("/v1/streams", status_code=201)
-    async def create_stream(request: Request) -> dict:
-        owner = service.keys.require(request)
-        body = await read_json(request, config.max_body_bytes, optional=True)
-        entry = await registry.create(owner, body)
-        return entry.describe()
-
-    @router.get("/v1/streams")
-    async def list_streams(request: Request) -> dict:
-        owner = service.keys.require(request)
-        return {"object": "list", "data": [entry.describe() for entry in registry.owned(owner)]}
-
-    @router.get("/v1/streams/{stream_id}")
-    async def stream_stats(stream_id: str, request: Request) -> dict:
-        return (await registry.find(service.keys.require(request), stream_id)).describe()
-
-    @router.get("/v1/streams/{stream_id}/history")
-    async def stream_history(stream_id: str, request: Request) -> dict:
-        entry = await registry.find(service.keys.require(request), stream_id)
-        return {"id": entry.id, "history": list(entry.history)}
-
-    @router.delete("/v1/streams/{stream_id}")
-    async def delete_stream(stream_id: str, request: Request) -> dict:
-        await registry.remove(service.keys.require(request), stream_id)
-        return {"id": stream_id, "object": "stream", "deleted": True}
-
-    @router.post("/v1/streams/{stream_id}/frames")
-    async def push_frames(stream_id: str, request: Request) -> dict:
-        entry = await registry.find(service.keys.require(request), stream_id)
-        kind = media_type(request)
-        if kind == "application/json":
-            body = await read_json(request, config.max_body_bytes)
-            unknown = sorted(set(body) - {"source", "t"})
-            if unknown or "source" not in body:
-                raise ServiceError(400, "a JSON frames body is {\"source\": PATH} (and optionally \"t\": the "
-                                   "stream time of its first frame)")
-            start = _seconds(body.get("t"))
-            path = resolve_source(config.media_root, body["source"])
-            fed = await registry.feed(entry, path, start, shown=body["source"])
-            return {**fed, **entry.describe()}
-        if kind not in IMAGE_TYPES:
-            raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
-                                    f"{{\"source\": PATH}}; got {kind or 'no Content-Type'}")
-        seconds = _seconds(request.query_params.get("t"))
-        data = await read_body(request, config.max_body_bytes)
-        image = decode_image(data, kind, config.max_image_pixels)
-        kept = await registry.push(entry, image, seconds)
-        return {"kept": kept, **entry.describe()}
-
-    @router.post("/v1/streams/{stream_id}/ask")
-    async def ask(stream_id: str, request: Request) -> Response:
-        entry = await registry.find(service.keys.require(request), stream_id)
+    entry = await registry.find(service.keys.require(request), stream_id)
+    kind = media_type(request)
+    if kind == "application/json":
         body = await read_json(request, config.max_body_bytes)
-        stream_answer = body.pop("stream", False)
-        if not isinstance(stream_answer, bool):
-            raise ServiceError(400, "stream must be true or false")
-        unknown = sorted(set(body) - {"question", "max_new_tokens", "retrieve"})
-        if unknown:
-            raise ServiceError(400, f"unknown ask field {unknown[0]!r}; known: question, max_new_tokens, retrieve, stream")
-        question, max_new, retrieve = question_settings(body)
-        if not stream_answer:
-            async with service.ask_slots.hold():
-                answer = await registry.ask(entry, question, max_new, retrieve)
-                service.answered("ask", answer["latency"])
-            return JSONResponse(answer)
-        release = service.ask_slots.take()  # refused here (429), before the event stream starts; held till it ends
-        return EventStream(_sse_answer(service, entry, question, max_new, retrieve), release)
+        unknown = sorted(set(body) - {"source", "t"})
+        if unknown or "source" not in body:
+            raise ServiceError(400, "a JSON frames body is {\"source\": PATH} (and optionally \"t\": the "
+                               "stream time of its first frame)")
+        start = _seconds(body.get("t"))
+        path = resolve_source(config.media_root, body["source"])
+        fed = await registry.feed(entry, path, start, shown=body["source"])
+        return {**fed, **entry.describe()}
+    if kind not in IMAGE_TYPES:
+        raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
+                                f"{{\"source\": PATH}}; got {kind or 'no Content-Type'}")
+    seconds = _seconds(request.query_params.get("t"))
+    data = await read_body(request, config.max_body_bytes)
+    image = decode_image(data, kind, config.max_image_pixels)
+    kept = await registry.push(entry, image, seconds)
+    return {"kept": kept, **entry.describe()}
 
-    return router
+
+@router.post("/v1/streams/{stream_id}/ask")
+async def ask(stream_id: str, request: Request, service: Served) -> Response:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    body = await read_json(request, service.config.max_body_bytes)
+    stream_answer = body.pop("stream", False)
+    if not isinstance(stream_answer, bool):
+        raise ServiceError(400, "stream must be true or false")
+    unknown = sorted(set(body) - {"question", "max_new_tokens", "retrieve"})
+    if unknown:
+        raise ServiceError(400, f"unknown ask field {unknown[0]!r}; known: question, max_new_tokens, retrieve, stream")
+    question, max_new, retrieve = question_settings(body)
+    if not stream_answer:
+        async with service.ask_slots.hold():
+            answer = await service.registry.ask(entry, question, max_new, retrieve)
+            service.answered("ask", answer["latency"])
+        return JSONResponse(answer)
+    release = service.ask_slots.take()  # refused here (429), before the event stream starts; held till it ends
+    return EventStream(_sse_answer(service, entry, question, max_new, retrieve), release)
 
 
 async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:

@@ -159,9 +159,13 @@ class StreamFiles:
         self.folder = Path(state_dir) / "streams"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.quarantine = Path(state_dir) / QUARANTINE
+        self.where = "the state folder"  # in messages (never the server's path)
 
     def record_path(self, stream_id: str) -> Path:
         return self.folder / f"{stream_id}.json"
+
+    def removal_path(self, stream_id: str) -> Path:
+        return self.folder / f"{stream_id}.deleting"
 
     def state_path(self, stream_id: str) -> Path:
         return self.folder / f"{stream_id}.safetensors"
@@ -170,7 +174,9 @@ class StreamFiles:
         write_atomic(self.record_path(record["id"]), json.dumps(record, indent=1).encode())
 
     def read_record(self, stream_id: str) -> dict[str, Any] | None:
-        """One stream's record; None when there is none (or it cannot be read)."""
+        """One stream's record; None when there is none (or it cannot be read, or the stream is being deleted)."""
+        if self.removal_path(stream_id).exists():
+            return None
         try:
             return check_record(_parsed(self.record_path(stream_id).read_text()), stream_id)
         except (OSError, ValueError, RecursionError):
@@ -195,31 +201,40 @@ class StreamFiles:
         path = self.state_path(stream_id)
         yield path if path.exists() else None
 
-    def records(self) -> list[tuple[Path, dict[str, Any] | Exception]]:
-        """Every record, read (or the error that kept it from being read), in id order."""
-        found: list[tuple[Path, dict[str, Any] | Exception]] = []
+    def records(self) -> list[tuple[str, dict[str, Any] | Exception]]:
+        """Every stream's id with its record, read (or the error that kept it from being read), in id order."""
+        found: list[tuple[str, dict[str, Any] | Exception]] = []
         for path in sorted(self.folder.glob("st_*.json")):
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                found.append((path, self.record_at(path)))
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile, or being deleted
+                found.append((path.stem, self.record_or_error(path.stem)))
         return found
 
-    @staticmethod
-    def record_at(path: Path) -> dict[str, Any] | Exception:
-        """The record in ``path``, read, or the error that kept it from being read (`FileNotFoundError` raised
-        when there is none)."""
+    def record_or_error(self, stream_id: str) -> dict[str, Any] | Exception:
+        """The stream's record, read, or the error that kept it from being read (`FileNotFoundError` raised when
+        there is none, or the stream is being deleted)."""
+        if self.removal_path(stream_id).exists():
+            raise FileNotFoundError(stream_id)
         try:
-            return check_record(_parsed(path.read_text()), path.stem)
+            return check_record(_parsed(self.record_path(stream_id).read_text()), stream_id)
         except FileNotFoundError:
             raise
         except (OSError, ValueError, RecursionError) as error:
             return error if isinstance(error, ValueError) else ValueError(_reason(error))
 
-    def owner_named(self, path: Path) -> str | None:
+    def record_name(self, stream_id: str) -> str:
+        """The record's name, for messages."""
+        return self.record_path(stream_id).name
+
+    def owner_named(self, stream_id: str) -> str | None:
         """The owner a record names, when it names one even though it cannot be used (damaged)."""
         try:
-            return readable_owner(json.loads(path.read_text()))
+            return readable_owner(json.loads(self.record_path(stream_id).read_text()))
         except (OSError, ValueError, RecursionError):
             return None
+
+    def places(self) -> dict[str, str]:
+        """The folder's paths as a message may not show them, each with what it shows instead."""
+        return {str(self.folder.resolve()) + "/": "", str(self.folder) + "/": ""}
 
     def owners(self) -> Counter:
         """How many streams each owner digest holds, over the records that can be read."""
@@ -232,15 +247,38 @@ class StreamFiles:
         return names + [f"{QUARANTINE}/{name}" for name in [*self.quarantined(stream_id), f"{stream_id}.json"]
                         if (self.quarantine / name).exists()]
 
+    def begin_removal(self, stream_id: str, tier: Path | None) -> None:
+        """Note that the stream is being deleted (``streams/ID.deleting``, naming its disk-tier folder ``tier``),
+        before anything of it is removed: from then on it is never listed or loaded, and a deletion cut short
+        (a kill, a crash) is finished at the next start (`removals`). An `OSError` when the folders its files are
+        in cannot be changed (read-only, full, no permission): then nothing was changed."""
+        for folder in [self.folder, *([self.quarantine] if self.quarantined(stream_id) else []),
+                       *([tier.parent] if tier is not None and tier.exists() else [])]:
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), folder.name)
+        note = {"id": stream_id, "tier": None if tier is None else str(tier.absolute()), "at": time.time()}
+        write_atomic(self.removal_path(stream_id), json.dumps(note).encode())
+
+    def removals(self) -> list[dict[str, Any]]:
+        """The deletions begun and not finished (`begin_removal`): ``{"id", "tier"}`` each."""
+        found = []
+        for path in sorted(self.folder.glob("st_*.deleting")):
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                note = json.loads(path.read_text())
+                found.append({"id": path.stem, "tier": note["tier"] if isinstance(note.get("tier"), str) else None})
+        return found
+
     def remove(self, stream_id: str) -> None:
         """Remove every file of the stream in the folder: its quarantine note and moved file sets, then its save
-        and what was set aside, its record last (a removal cut short is done again)."""
+        and what was set aside, its record, and last the note that it is being deleted (a removal cut short is
+        done again at the next start, `removals`)."""
         self.remove_quarantined(stream_id)
-        record = self.record_path(stream_id)
+        record, removal = self.record_path(stream_id), self.removal_path(stream_id)
         for path in sorted(self.folder.glob(f"{stream_id}.*")):
-            if path != record:
+            if path not in (record, removal):
                 path.unlink(missing_ok=True)
         record.unlink(missing_ok=True)
+        removal.unlink(missing_ok=True)
 
     # -- the quarantine ---------------------------------------------------------------------------------------
     def note_path(self, stream_id: str) -> Path:

@@ -1,8 +1,16 @@
-"""How a `VideoQA` is set up: the option table every consumer builds one from (`options`: `ModelOptions`, whose
-engine entries are `statekv.core.settings.ENGINE_SETTINGS`) and the method vocabulary (`methods`: the registry
-of carry methods and their sizes, `MethodSettings`)."""
+"""Every setting, in one home: how a value of each kind is checked and read from text (`values`), a setting
+declared once and the checked dataclasses made from tables of them (`setting`), the engine's settings
+(`engine`: `EngineSettings`, `ENGINE_SETTINGS`, and the values they take), the methods and retrieval rules by
+name with a method's sizes (`methods`: `MethodSpec`, `MethodSettings`), and how a `VideoQA` is set up (`options`:
+`ModelOptions`, made from one table of the model's, the method's, the engine's and the video's settings).
 
+It imports nothing of the engine: the engine reads its settings from here, and the rules and retrieval rules
+register their names here."""
+
+from .engine import ENGINE_SETTINGS, EngineSettings
 from .methods import MethodSettings, MethodSpec, method, method_names, register_method
 from .options import ModelOptions
+from .setting import Setting, settings_class
 
-__all__ = ["MethodSettings", "MethodSpec", "ModelOptions", "method", "method_names", "register_method"]
+__all__ = ["ENGINE_SETTINGS", "EngineSettings", "MethodSettings", "MethodSpec", "ModelOptions", "Setting", "method",
+           "method_names", "register_method", "settings_class"]

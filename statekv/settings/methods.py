@@ -1,7 +1,8 @@
-"""The methods, named once: what ``--method statekv`` means to the CLI, the evaluation harness, the lmms-eval
-plugin, the benchmarks and the FLOPs accounting.
+"""The methods and the retrieval rules, named once: what ``--method statekv`` and ``--retrieval rekv`` mean to the
+CLI, the evaluation harness, the lmms-eval plugin, the benchmarks and the FLOPs accounting.
 
-A method is a carry policy plus how it is described and sized:
+A method is a carry policy plus how it is described and sized (the built-in ones are registered with their rules,
+`statekv.core.rules.methods`):
 
     register_method(MethodSpec("valuenorm", "carry the tokens with the largest values", size="budget",
                                policy=lambda settings, frames_per_step: ValueNorm(budget=settings.budget),
@@ -12,19 +13,23 @@ and from then on every command and the evaluation harness accept it (``--method 
 Sizes are in the units people set them in: ``budget`` in tokens (per layer and KV head), ``frames`` (the
 recency window R) in sampled frames. A family that puts several frames in one streaming step (Qwen3-VL: 2) has
 a window of ``ceil(R / frames_per_step)`` steps -- the same definition in evaluation and in FLOPs.
+
+A retrieval rule is registered by name in `RETRIEVAL_RULES` where it is defined
+(`statekv.core.answering.retrieval`); ``retrieval=NAME`` then chooses it everywhere.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+
+from typing import Any
 
 import numpy as np
 
-from ..core import CarryPolicy, FullAttention, KeyNorm, Recency, ReKV, StateKV
 from ..errors import ConfigurationError
-from ..values import NON_NEGATIVE, POSITIVE, Kind
+from .values import NON_NEGATIVE, POSITIVE, Kind
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class MethodSpec:
     (``"budget"``, ``"frames"`` or None). policy: ``(settings, frames per step) -> CarryPolicy``. history: the
     tokens a step attends to besides its own (see `History`); it is how methods are matched for compute.
     retrieve: frames retrieved per question by default (None: the whole detailed cache). retrieval: the rule
-    that retrieves them by default (a name in `statekv.core.retrieval.RETRIEVAL_RULES`; None: the library's
+    that retrieves them by default (a name in `statekv.core.answering.retrieval.RETRIEVAL_RULES`; None: the library's
     default rule). offload: keeps the
     detailed cache off the model's device by design. also_uses: settings it reads besides its size.
     recent_window: keeps no cache at all, only the last ``window`` frames, and answers each question from a fresh
@@ -96,7 +101,7 @@ class MethodSpec:
     name: str
     summary: str
     size: str | None
-    policy: Callable[[MethodSettings, int], CarryPolicy]
+    policy: Callable[[MethodSettings, int], Any]  # a `statekv.core.rules` CarryPolicy
     history: History
     display: str
     retrieve: int | None = None
@@ -109,6 +114,12 @@ class MethodSpec:
     def uses(self) -> tuple[str, ...]:
         """Every `MethodSettings` field the method reads."""
         return ((self.size,) if self.size else ()) + self.also_uses
+
+    @property
+    def retrieves(self) -> bool:
+        """Whether its questions may retrieve frames from a cache (``retrieve``, ``retrieval``): not a method that
+        keeps none (``recent_window``)."""
+        return not self.recent_window
 
     def label(self, settings: MethodSettings | None = None) -> str:
         """The name tables use: "StateKV B=4096", "Recency R=16", "SimpleStream N=4", "Full SA"."""
@@ -146,32 +157,65 @@ def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
+SIZES = tuple(size.name for size in fields(MethodSettings))
+# what `refuse_unread` checks: the sizes, how many frames a question retrieves and by which rule, where the cache goes
+READ_BY_SOME = SIZES + ("retrieve", "retrieval", "offload")
+
+
+def refuse_unread(name: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
+    """Refuse (one-line `ConfigurationError`) a setting in ``given`` that method ``name`` never reads, so nothing is
+    run or recorded as if it had changed something: a size it is not sized by (``window`` under ``statekv``),
+    ``retrieve`` or ``retrieval`` under a method that keeps no cache to retrieve from, ``retrieval`` when nothing
+    is retrieved, ``offload="disk"`` under a method that keeps no cache.
+
+    ``given``: the settings given explicitly, by name (None: not given; names outside `READ_BY_SOME` are not
+    looked at). flags: name them as command-line flags (``--window 4``), else as keywords (``window=4``). Every
+    entry point that runs one method calls this: the commands, `VideoQA.from_pretrained`, the lmms-eval plugin's
+    model args and the service's stream settings."""
+    spec = method(name)
+
+    def named(setting: str, value: Any = None) -> str:
+        if flags:
+            flag = "--" + setting.replace("_", "-")
+            return flag if value is None else f"{flag} {value}"
+        return setting if value is None else f"{setting}={value!r}"
+
+    given = {key: value for key, value in given.items() if key in READ_BY_SOME and value is not None}
+    which = named("method", spec.name)
+    for size in SIZES:
+        if size in given and size not in spec.uses:
+            takes = ", ".join(named(used) for used in spec.uses) or "no size"
+            raise ConfigurationError(f"{named(size, given[size])} is not used by {which} (it takes {takes}); leave "
+                                     "it out")
+    if not spec.retrieves:
+        for setting in ("retrieve", "retrieval"):
+            if setting in given:
+                raise ConfigurationError(f"{named(setting, given[setting])} is not used by {which}: it keeps no "
+                                         "cache to retrieve from (each question sees its last frames, encoded "
+                                         "afresh); leave it out")
+        if given.get("offload") == "disk":
+            raise ConfigurationError(f"{named('offload', 'disk')} is not used by {which}: the disk tier keeps a "
+                                     "stream's cache in files to resume it, and this method keeps no cache (only "
+                                     "its last frames); leave it out")
+    if "retrieval" in given and given.get("retrieve") is None and spec.retrieve is None:
+        raise ConfigurationError(f"{named('retrieval', given['retrieval'])} picks the frames {named('retrieve')} "
+                                 f"answers from, and {which} retrieves none: give {named('retrieve')} K too")
+
+
 def labelled_policies(names: tuple[str, ...] = ("full", "recency", "statekv"), frames_per_step: int = 1,
-                      **sizes: int) -> dict[str, CarryPolicy]:
+                      **sizes: int) -> dict[str, Any]:
     """``{label: policy}`` of registered methods at the given sizes (``budget=``, ``frames=``, ``sinks=``): the
     methods a benchmark compares, named as tables name them."""
     settings = MethodSettings(**sizes)
     return {method(name).label(settings): method(name).policy(settings, frames_per_step) for name in names}
 
 
-register_method(MethodSpec(
-    "statekv", "carry the top-B tokens by attention mass, per layer and KV head", "budget",
-    lambda s, f: StateKV(budget=s.budget), at_most_budget, "StateKV"))
-register_method(MethodSpec(
-    "full", "carry everything: exact, quadratic in length", None,
-    lambda s, f: FullAttention(), every_earlier_token, "Full SA"))
-register_method(MethodSpec(
-    "recency", "carry the last R frames (a sliding window: the paper's ReKV baseline)", "frames",
-    lambda s, f: Recency(frames=s.window_steps(f)), last_window, "Recency"))
-register_method(MethodSpec(
-    "rekv", "ReKV: sinks + the last R frames while encoding; questions answered from the 64 frames per layer that "
-            "best match them, the detailed cache kept in CPU memory", "frames",
-    lambda s, f: ReKV(frames=s.window_steps(f), sinks=s.sinks), sinks_and_last_window, "ReKV",
-    retrieve=64, offload=True, also_uses=("sinks",), retrieval="rekv"))
-register_method(MethodSpec(
-    "keynorm", "carry the B tokens with the smallest key norm, per layer and KV head", "budget",
-    lambda s, f: KeyNorm(budget=s.budget), at_most_budget, "KeyNorm"))
-register_method(MethodSpec(
-    "simplestream", "SimpleStream: no cache; each question is answered by the unmodified model from the last N frames "
-                    "and the prompt alone, encoded afresh", "window",
-    lambda s, f: FullAttention(), within_recent_window, "SimpleStream", recent_window=True))
+RETRIEVAL_RULES: dict[str, Any] = {}  # name -> `statekv.core.answering.retrieval.RetrievalRule`, registered there
+DEFAULT_RETRIEVAL = "attention"  # the rule a question retrieves by when none is named
+
+
+def retrieval_rule(name: str) -> Any:
+    """The rule registered as ``name``; a one-line ConfigurationError naming the others if there is none."""
+    if not isinstance(name, str) or name not in RETRIEVAL_RULES:
+        raise ConfigurationError(f"unknown retrieval rule {name!r}; choose one of {', '.join(RETRIEVAL_RULES)}")
+    return RETRIEVAL_RULES[name]

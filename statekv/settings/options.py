@@ -6,10 +6,10 @@ the lmms-eval plugin and the benchmarks.
     ModelOptions.add_arguments(parser); ModelOptions.from_args(parser.parse_args())     # --model --method ...
     ModelOptions.from_strings({"model": "ckpt", "offload": "off"})                      # lmms-eval model args
 
-Every option is declared once, as a `statekv.values.Setting` in `SETTINGS` (its name, default, kind of value,
+Every option is declared once, as a `statekv.settings.values.Setting` in `SETTINGS` (its name, default, kind of value,
 help): the dataclass field, its check when the object is made (before any model is loaded), its command-line flag
 and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
-entries of `statekv.core.settings.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
+entries of `statekv.settings.engine.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the
 `EngineSettings` a `VideoQA` hands to every stream. A method's sizes (budget, frames, sinks) take their defaults
 and checks from `MethodSettings`, but for the budget of the built-in model, its own (`default_budget`).
 """
@@ -21,31 +21,31 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
-from ..builtin import BUILTIN_BUDGET, is_builtin
-from ..core.retrieval import DEFAULT_RETRIEVAL, RETRIEVAL_RULES, retrieval_rule
-from ..core.settings import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from ..errors import ConfigurationError
-from .methods import MethodSettings, MethodSpec, method, method_names
-from ..values import (
-    BOOLEAN,
-    DEVICE,
-    DTYPE,
-    POSITIVE,
-    TEXT,
-    Option,
-    Setting,
-    byte_size,
-    one_of,
-    parse_options,
-    settings_class,
-)
+from .engine import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
+from .methods import (DEFAULT_RETRIEVAL, READ_BY_SOME, RETRIEVAL_RULES, SIZES, MethodSettings, MethodSpec, method,
+                      method_names, refuse_unread, retrieval_rule)
+from .setting import Setting, settings_class
+from .values import BOOLEAN, DEVICE, DTYPE, POSITIVE, TEXT, Option, one_of, parse_options
 
 DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
+BUILTIN_NAME = "builtin"  # ``--model builtin``: the small model shipped with statekv (`statekv.builtin`)
+# The built-in model's default StateKV budget, in tokens per layer and KV head: 16 of its 4-token frames (recency's
+# default window). The engine's default (4096) would carry every token of any video it can hold, so StateKV would
+# choose nothing.
+BUILTIN_BUDGET = 64
+
+
+def is_builtin(model: object) -> bool:
+    """Whether ``model`` (a name or path given as ``--model``) means the built-in model."""
+    return isinstance(model, str) and model == BUILTIN_NAME
 
 
 def method_size(name: str, metavar: str, help: str) -> Setting:
-    """A method's size as an option: its default, kind and check are `MethodSettings`' own."""
-    return Setting(name, getattr(MethodSettings, name), MethodSettings.kind(name), help, metavar,
+    """A method's size as an option: its default, kind and check are `MethodSettings`' own. (Its flag defaults to
+    None, so ``help`` names the default itself: ``%(default)s`` is replaced here.)"""
+    default = getattr(MethodSettings, name)
+    return Setting(name, default, MethodSettings.kind(name), help.replace("%(default)s", str(default)), metavar,
                    check=lambda value, _: MethodSettings(**{name: value}))
 
 
@@ -130,13 +130,16 @@ class ModelOptions:
     ENGINE: ClassVar[type[EngineSettings]] = EngineSettings  # the settings class `engine` makes
 
     def __post_init__(self) -> None:
-        for setting in self.SETTINGS:
-            setting.validate(getattr(self, setting.name))
+        engine_settings = {setting.name for setting in self.ENGINE.SETTINGS}
+        engine = None
+        for setting in self.SETTINGS:  # in the table's order; the engine's, once, as the engine's class checks them
+            if setting.name not in engine_settings:
+                setting.validate(getattr(self, setting.name))
+            elif engine is None:
+                engine = self.engine
         if self.budget is None:  # not given: the model's own default
             object.__setattr__(self, "budget", default_budget(self.model))
-        if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
-            object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
-        check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
+        object.__setattr__(self, "max_cache_bytes", engine.max_cache_bytes)  # "20G" as the engine reads it
 
     @property
     def spec(self) -> MethodSpec:
@@ -182,23 +185,15 @@ class ModelOptions:
         given = {setting.name: getattr(self, setting.name) for setting in self.ENGINE.SETTINGS}
         return self.ENGINE(**{**given, "offload": self.offloaded})
 
-    def unused(self) -> list[str]:
-        """The settings given values this setup never reads: a method's size other than its default for a method
-        that does not use it (``budget`` under ``recency``), a ``retrieval`` rule when nothing is retrieved."""
-        defaults = {**{size.name: size.default for size in fields(MethodSettings)}, "budget": default_budget(self.model)}
-        sizes = [size.name for size in fields(MethodSettings) if size.name not in self.spec.uses
-                 and getattr(self, size.name) != defaults[size.name]]
-        return sizes + (["retrieval"] if self.retrieval is not None and self.retrieve_frames is None else [])
-
-    def check_all_used(self) -> None:
-        """Refuse (one line) what `unused` finds: on a command line, a flag that changes nothing is a mistake."""
-        for name in self.unused():
-            if name == "retrieval":
-                raise ConfigurationError(f"--retrieval {self.retrieval} picks the frames --retrieve answers from, and "
-                                         f"--method {self.method} retrieves none: give --retrieve K too")
-            uses = ", ".join(f"--{used}" for used in self.spec.uses) or "no size"
-            raise ConfigurationError(f"--{name} {getattr(self, name)} is not used by --method {self.method} (it "
-                                     f"takes {uses}); leave it out")
+    @classmethod
+    def given(cls, *, flags: bool = False, **given: Any) -> "ModelOptions":
+        """Options made of the settings ``given`` explicitly, refusing (one line) one that their method never reads
+        (`statekv.settings.methods.refuse_unread`): what one run of one method is made from. flags: name them as
+        command-line flags in messages."""
+        options = cls(**given)  # every value checked first
+        refuse_unread(options.method, {name: getattr(options, name) for name in given if name in READ_BY_SOME
+                                       and given[name] is not None}, flags=flags)
+        return options
 
     def with_changes(self, **changes: Any) -> "ModelOptions":
         return replace(self, **changes)
@@ -208,26 +203,33 @@ class ModelOptions:
 
     # -- from text: the command line and lmms-eval's model args -------------------------------------------------
     @classmethod
-    def from_strings(cls, given: Mapping[str, Any], *, what: str = "option") -> "ModelOptions":
+    def from_strings(cls, given: Mapping[str, Any], *, what: str = "option", all_used: bool = False) -> "ModelOptions":
         """Options from ``name=value`` settings whose values may be strings (``offload=off``); unknown names
-        are refused, naming the known ones."""
-        return cls(**parse_options(given, cls.string_options(), what=what))
+        are refused, naming the known ones. all_used: a setting given that the method never reads is refused too
+        (`given`)."""
+        parsed = parse_options(given, cls.string_options(), what=what)
+        if all_used:
+            return cls.given(**{name: value for name, value in parsed.items() if name in given})
+        return cls(**parsed)
 
     @classmethod
     def string_options(cls) -> list[Option]:
-        """How each field is read from text (see `statekv.values.parse_options`)."""
+        """How each field is read from text (see `statekv.settings.values.parse_options`)."""
         return [setting.text_option for setting in cls.SETTINGS]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
-        """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults)."""
+    def from_args(cls, args: argparse.Namespace, *, all_used: bool = False) -> "ModelOptions":
+        """Options from a namespace parsed with :meth:`add_arguments` (absent fields keep their defaults). all_used:
+        a flag given that the method never reads is refused (`given`): a command that runs one method (not
+        ``statekv serve``, whose flags are the defaults of streams that choose their own method)."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        given = {name: value for name, value in given.items() if value is not None or name not in SIZES}
         engine = {name: given.get(name, getattr(cls, name)) for name in ("offload", "offload_dir", "max_cache_bytes",
                                                                         "cache_limit")}
         offloaded = engine["offload"] if engine["offload"] is not None else method(given.get("method", cls.method)).offload
         # on the command line, before the model loads, its problems named by their flags
         check_cache_options(**engine, flags=True, offloaded=bool(offloaded))
-        return cls(**given)
+        return cls.given(flags=True, **given) if all_used else cls(**given)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, *, model_required: bool = True, reserve: bool = True,
@@ -241,7 +243,9 @@ class ModelOptions:
         group = parser.add_argument_group("model and method")
         switches = {"reserve": reserve}
         overrides = {"model": {"required": model_required}, "device": {"help": device_help} if device_help else {},
-                     "offload": {"nargs": "?", "const": True}}  # --offload alone: CPU memory (see normalize_argv)
+                     "offload": {"nargs": "?", "const": True},  # --offload alone: CPU memory (see normalize_argv)
+                     # a size not given is None, so a size given at its default value is still told apart
+                     **{size: {"default": None} for size in SIZES}}
         for setting in cls.SETTINGS:
             if setting.offered_by is None or switches[setting.offered_by]:
                 setting.add_to(group, **overrides.get(setting.name, {}))

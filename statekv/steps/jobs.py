@@ -1,10 +1,11 @@
 """Steps of one or several videos streamed: their frames planned, vision-encoded in one call, laid out, and taken
-in rounds of one step per video through the engine's batcher (`statekv.core.batching.StepBatcher`).
+in rounds of one step per video through the engine's batcher (`statekv.core.step.batching.StepBatcher`).
 
 A video takes part through its step protocol (`statekv.api.encoded.EncodedVideo`): ``plan_steps`` (its frames
-prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`) and
-``record_step`` (its bookkeeping once the step is streamed). One video's steps go through exactly the code
-several videos' do: with one video, every round is a batch of one (the engine's `step_alone`).
+prepared after its layout state), ``lay_out`` (a vision-encoded step as the engine's `StepRequest`; ``step_of``
+for a chunk the adapter laid out already, such as the prompt prefix) and ``record_step`` (its bookkeeping once the
+step is streamed). Every step of a video goes through here, and one video's steps through exactly the code several
+videos' do: with one video, every round is the batcher's step of one request.
 
 `StepScheduler` (owned by each `VideoQA`, ``qa.step_scheduler``) batches the steps of streams pushed from
 different threads: a pushing thread queues its stream's steps; the thread that finds no batch running leads,
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.batching import StepBatcher, StepRequest
+from ..core.step.batching import StepBatcher, StepRequest
 from ..errors import StateKVError
 from ..stopping import whole
 from .overlap import EncodedStep, encode_batch
@@ -38,18 +39,31 @@ class LaidOutStep:
 
 @dataclass
 class StepJob:
-    """One video's steps to stream: ``groups`` (each a list of frames) to plan and vision-encode, or ``encoded``
-    steps already vision-encoded elsewhere (`statekv.steps.overlap`). ``vision_batch``: the frames per vision call asked
-    for (for its statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps
-    before it stay streamed)."""
+    """One video's steps to stream: ``groups`` (each a list of frames) to plan and vision-encode, ``encoded``
+    steps already vision-encoded elsewhere (`statekv.steps.overlap`), or ``chunks`` the adapter laid out already
+    (text, such as the prompt prefix). ``vision_batch``: the frames per vision call asked for (for its
+    statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps before it stay
+    streamed)."""
 
     video: Any
     groups: list[list[Frame]] = field(default_factory=list)
     vision_batch: int = 1
     encoded: list[EncodedStep] = field(default_factory=list)
+    chunks: list[Any] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False
     streamed: int = 0
+
+    @property
+    def steps(self) -> int:
+        """The steps ready to lay out (vision-encoded, or laid out already)."""
+        return len(self.encoded) + len(self.chunks)
+
+    def laid_out(self, index: int) -> LaidOutStep:
+        """Step ``index`` as the engine's request (`EncodedVideo.lay_out`, or ``step_of`` a chunk)."""
+        if self.chunks:
+            return self.video.step_of(self.chunks[index])
+        return self.video.lay_out(self.encoded[index])
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -67,8 +81,8 @@ def stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
 def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
     planned = []
     for job in jobs:
-        if job.encoded:
-            continue  # vision-encoded already
+        if job.steps:
+            continue  # vision-encoded or laid out already
         started = time.perf_counter()
         try:
             steps = job.video.plan_steps(job.groups)
@@ -77,13 +91,13 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             continue
         planned.append((job, steps, time.perf_counter() - started))
     encode_vision(planned)
-    live = [(job, 0) for job in jobs if job.error is None and job.encoded]
+    live = [(job, 0) for job in jobs if job.error is None and job.steps]
     while live:
         started = time.perf_counter()
         laid_out, stepping = [], []
         for job, index in live:
             try:
-                laid_out.append(job.video.lay_out(job.encoded[index]))
+                laid_out.append(job.laid_out(index))
             except Exception as error:
                 job.error = error
                 continue
@@ -97,7 +111,7 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
                 continue
             job.video.record_step(step, started, finished, vision_batch=job.vision_batch)
             job.streamed += 1
-            if index + 1 < len(job.encoded):
+            if index + 1 < job.steps:
                 following.append((job, index + 1))
         live = following
 

@@ -23,7 +23,7 @@ import torch
 
 from ..models import LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from ..background import ThreadStages
-from ..values import check_int
+from ..settings.values import check_int
 from ..video import Frame
 
 QUEUED_BATCHES = 2  # batches each queue may hold ahead of its consumer

@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("synthetic", help="make a synthetic long-video QA set",
                                    description="Synthetic long-video question answering (see docs/accuracy.md).")
     commands = parser.add_subparsers(dest="synthetic_command", required=True, metavar="make")
-    from statekv.values import PATH, POSITIVE_INT
+    from statekv.settings.values import PATH, POSITIVE_INT
 
     make = commands.add_parser(
         "make", help="write videos and a question file",

@@ -99,3 +99,58 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
+
+
+class StoreBoard:
+    """The replicas' board in an object store (``replicas/ID.json`` there), as replica ``replica`` sees it: the
+    same posts as `ReplicaBoard`'s."""
+
+    def __init__(self, store: Any, replica: str):
+        self.store, self.replica = store, replica
+        self.name = f"{REPLICAS}/{replica}.json"
+        self._posting = threading.Lock()
+        self._removed = False
+
+    def post(self, streams: int, exposition: bytes) -> None:
+        with self._posting:
+            if not self._removed:
+                self.store.put(self.name, json.dumps({
+                    "replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(),
+                    "updated": time.time(), "streams": streams, "metrics": exposition.decode()}).encode())
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every replica that posted within `STALE_SECONDS`, by id."""
+        return [posted for posted, age in self._posts() if age < STALE_SECONDS]
+
+    def forget_silent(self) -> list[str]:
+        """Remove the posts (and expired sessions) of replicas silent for `FORGET_SECONDS`; returns their ids."""
+        forgotten = []
+        for posted, age in self._posts():
+            if age > FORGET_SECONDS and posted.get("replica") not in (None, self.replica):
+                self.store.remove(f"sessions/{posted['replica']}.json")
+                self.store.remove(f"{REPLICAS}/{posted['replica']}.json")
+                forgotten.append(posted["replica"])
+        return forgotten
+
+    def _posts(self) -> list[tuple[dict[str, Any], float]]:
+        found, now = [], time.time()
+        for name in self.store.names(f"{REPLICAS}/"):
+            try:
+                posted = json.loads(self.store.read(name) or b"null")
+                found.append((posted, now - float(posted["updated"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    def exposition(self, own: bytes) -> bytes:
+        posted = {entry["replica"]: entry["metrics"] for entry in self.replicas() if entry.get("replica")}
+        posted[self.replica] = own.decode()
+        return merged(sorted(posted.items()))
+
+    def remove(self) -> None:
+        with self._posting:
+            self._removed = True
+            try:
+                self.store.remove(self.name)
+            except OSError:
+                pass

@@ -31,7 +31,8 @@ class ClusterSettings:
     number). scale_on: ``streams`` (replicas for the streams held, ``scale_target`` per replica; default half of
     each replica's stream limit) or ``requests`` (Ray Serve's policy: ``scale_target`` requests under way per
     replica; default 2). lease_seconds: how long a replica's hold on a stream lasts unrenewed (a dead replica's
-    streams come back after at most this). store: an fsspec URL for the saved streams (None: the state folder).
+    streams come back after at most this). store: an fsspec URL for the saved streams (None: the state folder),
+    or for everything the replicas share when there is no state folder.
     replica_cpus, replica_gpus: what each replica reserves from Ray. name: the Ray Serve application's name."""
 
     replicas: int = 1
@@ -65,7 +66,9 @@ def deployment_options(config: ServeConfig, cluster: ClusterSettings) -> dict[st
         "max_ongoing_requests": 4 * config.max_streams + config.max_asks,
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER,
-            request_router_kwargs={"state_dir": str(config.state_dir), "max_streams": config.max_streams},
+            request_router_kwargs=({"state_dir": str(config.state_dir), "max_streams": config.max_streams}
+                                   if config.state_dir is not None else
+                                   {"store": cluster.store, "max_streams": config.max_streams}),
             request_routing_stats_period_s=ROUTING_STATS_SECONDS, request_routing_stats_timeout_s=5.0),
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
@@ -132,7 +135,9 @@ def own_tier(config: ServeConfig, replica: str) -> tuple[ServeConfig, Path | Non
 
 def application(config: ServeConfig, cluster: ClusterSettings) -> Any:
     """The Ray Serve application (for ``serve.run``): `StreamReplica` with `deployment_options`. The state folder
-    must be one path every node reaches (a shared filesystem mounted at the same place)."""
+    must be one path every node reaches (a shared filesystem mounted at the same place); with none
+    (``config.state_dir`` None), everything is in the object store ``cluster.store``, which every node reaches
+    with the credentials of its environment."""
     config = _absolute(config)
     return StreamReplica.options(**deployment_options(config, cluster)).bind(config, cluster)
 
@@ -141,4 +146,5 @@ def _absolute(config: ServeConfig) -> ServeConfig:
     from dataclasses import replace
 
     media_root = None if config.media_root is None else Path(config.media_root).resolve()
-    return replace(config, state_dir=Path(config.state_dir).resolve(), media_root=media_root)
+    state_dir = None if config.state_dir is None else Path(config.state_dir).resolve()
+    return replace(config, state_dir=state_dir, media_root=media_root)

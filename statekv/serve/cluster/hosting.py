@@ -1,6 +1,11 @@
-"""`ReplicaHosting`: how one replica of several holds its streams over the shared state folder (the service's
-`Hosting` for a replica): a `SharedRegistry` over `SharedStreamFiles`, its leases kept beside the server, its
-metrics posted to the `ReplicaBoard`, every lease released at shutdown once the streams are saved."""
+"""`ReplicaHosting`: how one replica of several holds its streams (the service's `Hosting` for a replica): a
+`StreamRegistry` placed by leases (`LeasedPlacement`) over the shared state, its leases kept beside the server,
+its metrics posted to the replicas' board, streams handed over when it holds more than its share, every lease
+released at shutdown once the streams are saved.
+
+The shared state is a folder every node mounts (``--state-dir``: `SharedStreamFiles`, saved streams optionally in
+an object store) or an object store alone (``--store`` without ``--state-dir``: `StoreStreamFiles`, where keys,
+records, leases, the quarantine and the saved streams all are)."""
 
 from __future__ import annotations
 
@@ -11,38 +16,58 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..app import Hosting
+from ...errors import ConfigurationError
+from ..app import Hosting, check_owners
+from ..auth import KeyRing, owner_of
 from ..config import ServeConfig
+from ..registry import StreamRegistry
 from ..store import join_state_folder
-from .board import POST_SECONDS, ReplicaBoard
+from .board import POST_SECONDS, ReplicaBoard, StoreBoard
+from .folder import SharedStreamFiles
 from .leases import LEASE_SECONDS, Leases
-from .shared import SharedRegistry, SharedStreamFiles
+from .objects import ObjectStore, StoreError
+from .shared import LeasedPlacement
+from .store_files import StoreKeyFile, StoreStreamFiles
 
 log = logging.getLogger("statekv.serve")
 
 
 class ReplicaHosting(Hosting):
-    """Replica ``replica`` (its id among the deployment's replicas) over ``config.state_dir``; ``store``: an
-    fsspec URL for the saved streams (None: the state folder); ``tier_root``: with ``--offload disk``, the
-    folder whose subfolder per replica holds its streams' disk-tier file sets (that of a replica gone from the
-    board is removed)."""
+    """Replica ``replica`` (its id among the deployment's replicas) over ``config.state_dir``, or, when that is
+    None, over the object store ``store`` alone; ``store`` with a state folder: an fsspec URL for the saved
+    streams (None: the state folder); ``tier_root``: with ``--offload disk``, the folder whose subfolder per
+    replica holds its streams' disk-tier file sets (that of a replica gone from the board is removed)."""
 
     def __init__(self, config: ServeConfig, replica: str, lease_seconds: float = LEASE_SECONDS,
                  store: str | None = None, tier_root: Path | None = None):
         self.replica, self.tier_root = replica, tier_root
-        self.lock = join_state_folder(config.state_dir)  # refused while a lone server holds the folder
-        try:
-            self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds), store)
-            self.board = ReplicaBoard(config.state_dir, replica)
-        except BaseException:
-            self.lock.release()
-            raise
+        self.lock = None
+        if config.state_dir is None:
+            objects = open_store(store)
+            self.files: Any = StoreStreamFiles(objects, replica, lease_seconds)
+            self.board: Any = StoreBoard(objects, replica)
+        else:
+            self.lock = join_state_folder(config.state_dir)  # refused while a lone server holds the folder
+            try:
+                self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds),
+                                               store)
+                self.board = ReplicaBoard(config.state_dir, replica)
+            except BaseException:
+                self.lock.release()
+                raise
         self.check_seconds = min(1.0, lease_seconds / 5)
-        self.shared: SharedRegistry | None = None
+        self.shared: StreamRegistry | None = None
         self.passed = time.monotonic()  # when the lease loop last finished a pass
 
-    def registry(self, config: ServeConfig, qa: Any, worker: Any) -> SharedRegistry:
-        self.shared = SharedRegistry(config, qa, worker, self.files)
+    def open(self, config: ServeConfig) -> KeyRing:
+        if config.state_dir is not None:
+            return super().open(config)
+        keys = store_keys(self.files.store, config.api_keys)
+        check_owners(config, keys, self.files)
+        return keys
+
+    def registry(self, config: ServeConfig, qa: Any, worker: Any) -> StreamRegistry:
+        self.shared = StreamRegistry(config, qa, worker, files=self.files, placement=LeasedPlacement(self.files))
         return self.shared
 
     @property
@@ -69,8 +94,13 @@ class ReplicaHosting(Hosting):
                 for gone in await asyncio.to_thread(self.board.forget_silent):
                     if self.tier_root is not None:  # its streams came back elsewhere, from their saves
                         await asyncio.to_thread(shutil.rmtree, self.tier_root / gone, True)
+                loads = {posted["replica"]: int(posted.get("streams") or 0)
+                         for posted in await asyncio.to_thread(self.board.replicas) if posted.get("replica")}
+                await self.shared.placement.rebalance(self.shared, loads)
             except OSError as error:
                 log.error("cannot post to the replicas' board: %s", error)
+            except Exception:  # the loop must outlive one bad pass
+                log.exception("posting to the replicas' board failed")
             await asyncio.sleep(POST_SECONDS)
 
     def exposition(self, service: Any) -> bytes:
@@ -81,11 +111,32 @@ class ReplicaHosting(Hosting):
             self.shared.let_all_go()
             self.board.remove()
         finally:
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
 
     def check(self) -> None:
-        """Ray Serve's health check: fails when the leases have not been kept for a lease's length (the state
-        folder unreachable, or the replica stuck), so Ray replaces the replica."""
+        """Ray Serve's health check: fails when the leases have not been kept for a lease's length (the shared
+        state unreachable, or the replica stuck), so Ray replaces the replica."""
         stalled = time.monotonic() - self.passed
-        if stalled > self.files.leases.seconds:
+        if stalled > self.files.lease_seconds:
             raise RuntimeError(f"the leases of replica {self.replica} have not been kept for {stalled:.0f} s")
+
+
+def open_store(url: str | None) -> ObjectStore:
+    """The object store at ``url``, checked (a probe written, read and removed): one-line `ConfigurationError`
+    when it cannot be used."""
+    if not url:
+        raise ConfigurationError("with no --state-dir, give --store URL: the object store replicas keep streams in")
+    try:
+        store = ObjectStore(url)
+        store.check()
+    except StoreError as error:
+        raise ConfigurationError(f"--store {url}: cannot use it ({error.strerror}); give a bucket (and prefix) "
+                                 "these credentials can list, read and write") from None
+    return store
+
+
+def store_keys(store: ObjectStore, keys: tuple[str, ...] | list[str]) -> KeyRing:
+    """The ``keys`` given and the key made for the object store (if any)."""
+    stored = [entry["owner"] for entry in StoreKeyFile(store).stored()]
+    return KeyRing([*map(owner_of, keys), *stored])

@@ -8,7 +8,7 @@ stalled past its lease (while its death was being detected, say) finds its token
 replicas never both write a stream. ``STATE/leases/ID.history`` keeps one line per taking and letting go.
 
 The lock is a POSIX lock (`fcntl.lockf`) on the lease file itself, which NFS and the usual shared filesystems
-honour across machines; within one process a thread lock per stream stands in for it (POSIX locks do not exclude
+honour across machines; within one process a thread lock per lease file stands in for it (POSIX locks do not exclude
 a process's own threads). The lease decides which replica may open a stream; an exclusive lock on the stream's
 own files, where the library takes one, is the last line of defence behind it. Expiry compares wall clocks, so
 the machines' clocks must agree to well within ``seconds`` (NTP does).
@@ -33,6 +33,8 @@ LEASES = "leases"
 LEASE_SECONDS = 10.0
 LEASE_BYTES = 512  # a lease is written whole, in one write of this size, over the one before
 LOCK_WAIT_SECONDS = 10.0
+_THREADS: dict[str, threading.Lock] = {}
+_THREADS_GUARD = threading.Lock()
 
 
 class LeaseLost(ServiceError):
@@ -67,8 +69,6 @@ class Leases:
                  clock: Callable[[], float] = time.time):
         self.folder = Path(state_dir) / LEASES
         self.holder, self.seconds, self.clock = holder, seconds, clock
-        self._threads: dict[str, threading.Lock] = {}
-        self._threads_guard = threading.Lock()
         if holder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -175,8 +175,10 @@ class Leases:
         return current is not None and current.token == lease.token and current.holder == self.holder
 
     def _thread_lock(self, stream_id: str) -> threading.Lock:
-        with self._threads_guard:
-            return self._threads.setdefault(stream_id, threading.Lock())
+        # one per lease file in the process, whichever `Leases` asks: POSIX locks do not exclude a process's own
+        # threads, and two replicas may share a process (tests, a router beside a replica)
+        with _THREADS_GUARD:
+            return _THREADS.setdefault(str(self.path(stream_id).absolute()), threading.Lock())
 
     @contextlib.contextmanager
     def _locked(self, stream_id: str, create: bool = True) -> Iterator[int]:

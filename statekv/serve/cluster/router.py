@@ -5,7 +5,8 @@ Each HTTP request is sent to a replica chosen by what it is about:
 
 - one stream (``/v1/streams/ID...``, or Ray Serve's ``serve_multiplexed_model_id`` header naming the stream, which
   an OpenAI client can send with a chat completion about a live stream): the replica holding the stream's lease in
-  the shared state folder; when no live replica holds it (new, let go, or its replica died), the least-loaded one,
+  the shared state folder (or, with an object store alone, the replica its holder's note there names); when no
+  live replica holds it (new, let go, or its replica died), the least-loaded one,
   which takes it from its last save;
 - a new stream (``POST /v1/streams``): the least-loaded replica (fewest streams held, as each replica reports in
   its routing stats, plus the streams this router sent it since), replicas at their stream limit last;
@@ -25,8 +26,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ..registry import STREAM_ID
+from ..store import STREAM_ID
 from .leases import Leases
+from .objects import ObjectStore
+from .store_files import holder_hint
 
 STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
 PLACING_KEPT = 10_000  # requests remembered between their routing and Ray's callback, at most
@@ -64,10 +67,12 @@ def http_scope(pending_request: PendingRequest) -> dict[str, Any]:
 
 class StreamRouter(RequestRouter):
     """Routes each stream's requests to the replica holding it (see the module). ``state_dir``: the shared state
-    folder (its leases are read, never written); ``max_streams``: each replica's stream limit."""
+    folder (its leases are read, never written); ``store``: the object store, when there is no folder (its
+    holders' notes are read); ``max_streams``: each replica's stream limit."""
 
-    def initialize_state(self, state_dir: str = "", max_streams: int = 0, **_: Any) -> None:
+    def initialize_state(self, state_dir: str = "", max_streams: int = 0, store: str = "", **_: Any) -> None:
         self.leases = Leases(state_dir) if state_dir else None
+        self.store = ObjectStore(store) if store and not state_dir else None
         self.max_streams = max_streams
         self.placed: dict[str, list[float]] = defaultdict(list)  # replica -> when streams were sent there to start
         self.placing: dict[str, bool] = {}  # requests routed to start a stream, until Ray reports where they went
@@ -79,7 +84,7 @@ class StreamRouter(RequestRouter):
         pending_request.routing_context.should_backoff = True  # a full replica is waited for, not looped over
         kind, stream_id = request_target(pending_request)
         if kind == "stream":
-            holder = await asyncio.to_thread(self.leases.holder_of, stream_id) if self.leases else None
+            holder = await asyncio.to_thread(self.holder_of, stream_id)
             holding = [replica for replica in candidate_replicas if replica.replica_id.unique_id == holder]
             if holding:
                 return [holding]
@@ -91,6 +96,12 @@ class StreamRouter(RequestRouter):
         if kind == "page":
             return [[min(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)]]
         return [candidate_replicas]
+
+    def holder_of(self, stream_id: str) -> str | None:
+        """The replica holding the stream, as the shared state says (None: none, or it cannot be read)."""
+        if self.leases is not None:
+            return self.leases.holder_of(stream_id)
+        return holder_hint(self.store, stream_id) if self.store is not None else None
 
     def load(self, replica: RunningReplica) -> int:
         """Streams the replica holds: as it last reported, plus those sent there since."""

@@ -1,0 +1,67 @@
+"""Re-owning a stream's files on this installation (``statekv reown``): what to do with a saved stream or a disk-tier
+file set whose owner another installation recorded (its secret is not this one's, `statekv.user_cache`), or an
+earlier statekv did (before owner digests were keyed), or that was saved with another owner or none.
+
+The file is verified first as loading verifies it (a damaged file is refused, as is a file set one of whose files
+another stream's set holds); then who owns it is recorded anew under this installation's secret: ``owner`` (None:
+no owner). Its id and creation are kept (given ones where it recorded none). A file set of format 2 is bound as
+format 3 binds its files on the way (`statekv.core.disk.files.upgrade_file_set`). Whoever runs it vouches for the
+file: re-own only what you trust.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..core.disk.files import (FILE_SET, FORMAT_VERSION as SET_VERSION, MANIFEST, check_file_set, hold, read_checked,
+                               read_manifest, upgrade_file_set, write_checked)
+from ..errors import InputError, OutputError
+from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
+from .stream_file import check_owner, new_created, new_stream_id, ownership, read_verified, write_verified
+
+
+def reown(path: str | Path, owner: str | None = None) -> Path:
+    """Record ``owner`` (None: no owner) as the owner of the saved stream or disk-tier file set at ``path``, under
+    this installation's secret; return ``path``. One-line errors: an `InputError` for a file that is damaged or not
+    a stream's, an `OutputError` for one that cannot be written (nothing is changed then)."""
+    check_owner(owner)
+    path = Path(path)
+    if path.is_dir():
+        return _reown_file_set(path, owner)
+    metadata, tensors = read_verified(path)
+    metadata.pop("checksums")  # written afresh
+    metadata.update(ownership(metadata.get("stream_id") or new_stream_id(), metadata.get("created") or new_created(),
+                              owner))
+    return write_verified(path, tensors, metadata)
+
+
+def _reown_file_set(folder: Path, owner: str | None) -> Path:
+    if not (folder / MANIFEST).is_file():  # before a lock file is made in it
+        raise InputError(f"{folder}: not a saved stream or a statekv disk cache (no {MANIFEST})")
+    lock = hold(folder, "statekv reown")  # no stream lives in it meanwhile
+    try:
+        try:
+            version = json.loads((folder / MANIFEST).read_text()).get("version")
+        except (OSError, ValueError, AttributeError):
+            version = None
+        try:
+            manifest = upgrade_file_set(folder) if version == 2 else read_manifest(folder)
+        except OSError as error:
+            raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
+        setup = read_checked(folder / f"{SETUP}.json")
+        if setup.get("format") != SETUP_FORMAT or setup.get("version") not in (1, SETUP_VERSION):
+            raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
+        if version == SET_VERSION:
+            check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
+        setup.update(version=SETUP_VERSION, file_set=manifest[FILE_SET],
+                     **ownership(setup.get("stream_id") or new_stream_id(), setup.get("created") or new_created(),
+                                 owner))
+        try:
+            write_checked(folder / f"{SETUP}.json", setup)
+        except OSError as error:
+            raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
+        read_stream_setup(folder)  # as loading reads it
+    finally:
+        lock.release()
+    return folder

@@ -1,0 +1,31 @@
+"""``statekv reown``: record who owns a saved stream or a disk-tier file set anew, under this installation's secret
+(`statekv.api.reown`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "reown", help="record who owns a saved stream or disk-tier folder, under this installation's secret",
+        description="A stream's files record its owner as a digest keyed by the secret of the installation that "
+                    "wrote them (installation.secret in statekv's cache folder, or $STATEKV_SECRET_FILE). A file brought from another "
+                    "installation, kept after the secret was removed, or written by an earlier statekv is refused "
+                    "for its owner here; if you trust it, re-own it. PATH is verified first as loading would "
+                    "(a damaged file, or a file set holding another stream's files, is refused); a disk-tier "
+                    "folder of format 2 is upgraded on the way.",
+    )
+    parser.add_argument("path", metavar="PATH", help="a saved stream file, or a disk-tier stream's folder")
+    parser.add_argument("--owner", default=None, metavar="NAME",
+                        help="who owns it (a service's stream: the owner its record, streams/ID.json, names); "
+                             "default: no owner")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api.reown import reown
+
+    where = reown(args.path, args.owner)
+    print(f"{where}: owned by {'the owner given' if args.owner is not None else 'no one'} on this installation")
+    return 0

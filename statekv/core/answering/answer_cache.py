@@ -1,0 +1,225 @@
+"""Answering from a stream: the question and the answer attend to a context taken from the detailed cache.
+
+The context of every layer is either the whole detailed cache or, with a :class:`Retrieval`, the steps (frames)
+its rule scores highest for the question at that layer (:mod:`statekv.core.answering.retrieval`), plus the first
+``keep_tokens`` tokens (the prompt prefix and any sinks), in time order. ReKV (Di et al., ICLR 2025) answers
+this way; here every method can, since every stream keeps its detailed cache and each step's summaries
+(:attr:`statekv.core.storage.layer_storage.LayerStorage.summaries`). The detailed cache is read only through its storage
+(``read_range``, ``read_tokens``), which may keep it elsewhere or quantized.
+
+The context is chosen when the question's queries reach a layer's attention, one layer at a time, so a
+layer's retrieved tokens are the only part of an offloaded detailed cache brought to the model's device. The
+prompt and the answer are written after the context into room reserved up front: decoding never copies the
+cache per generated token. Without retrieval and with the detailed cache on the model's device, the context is
+the detailed buffer itself and the answer goes into its free room past the stream's end, which the stream
+treats as scratch: the stream itself never changes.
+
+Retrieving at least as many steps as the stream has reproduces the whole detailed cache, in order: answers are
+then identical to answering without retrieval.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..attention.scored import ChunkMask, chunk_attention
+from ..cache.engine_layer import EngineLayer
+from ..positions.placing import QuestionPlan, rotate
+from .retrieval import LayerQuestion, Retrieval
+from ...errors import InputError
+
+if TYPE_CHECKING:
+    from ..cache.layer import StreamingLayer
+    from ..cache.two_state import TwoStateCache
+
+
+class AnswerLayer(EngineLayer):
+    """One layer's keys and values while answering: the context, then the prompt and the answer so far.
+
+    ``keys``/``values`` ``[B, H_kv, capacity, D]`` on the model's device; slots ``[0, context)`` hold the
+    context, the next ``answered`` slots the prompt and answer tokens.
+    """
+
+    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
+                 evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None,
+                 starts: torch.Tensor | None = None):
+        """steps: the stream's step lengths, in tokens (what retrieval scores), and starts their first tokens
+        (``[steps + 1]``, then the end); evicted: the steps given up under a cache limit (never read); placing:
+        under bounded positions, where the context's keys go."""
+        super().__init__()
+        self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
+        self.evicted, self.starts = evicted, starts
+        self.placing = placing
+        self.keys = self.values = None
+        self.context = self.answered = 0
+        self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
+        self.retrieved: torch.Tensor | None = None  # with retrieval: the tokens [M] this layer's context read
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stage the prompt's keys/values ``[B, H_kv, T, D]`` until the context is chosen, then append."""
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+            self._pending = key_states, value_states
+            return key_states, value_states
+        self._append(key_states, value_states)
+        return self.view()
+
+    def open(self, question: torch.Tensor, retrieval: Retrieval | None, layer: int = 0, scale: float = 1.0,
+             memory: dict | None = None) -> None:
+        """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt.
+
+        layer, scale, memory: what the retrieval rule sees (`LayerQuestion`)."""
+        storage = self.stream.storage
+        length = storage.length
+        keys, values = self._pending
+        need = length + self.room
+        evicted = self.evicted
+        placed = self.placing is not None  # bounded positions: the keys are moved, so never read in place
+        in_place = (storage.answer_in_place(keys, need - length) if retrieval is None and not evicted and not placed
+                    else None)
+        if in_place is not None:  # answer in the free room past the stream's end: no copy
+            (self.keys, self.values), self.context = in_place, length
+        elif retrieval is None and not evicted:  # stored elsewhere or otherwise: the whole cache to the model's device
+            self._allocate(keys, need)
+            self.keys[:, :, :length], self.values[:, :, :length] = storage.read_range(
+                0, length, self.model_device, keys.dtype)
+            self.context = length
+        elif retrieval is None:  # every token still held, in order
+            index = _held_tokens(self.steps, evicted)
+            self._allocate(keys, index.shape[0] + self.room)
+            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
+                index, self.model_device, keys.dtype)
+            self.context = index.shape[0]
+        else:
+            if question.shape[0] != 1:
+                raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
+            steps = self.steps
+            means, samples = storage.summaries
+            segments = storage.segments
+            seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
+                                 {} if memory is None else memory, samples=samples[:, :, :len(steps)],
+                                 read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
+                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
+                                 starts=self.starts)
+            index = self.retrieved = retrieval.tokens(seen)
+            self._allocate(keys, index.shape[0] + self.room)
+            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
+                index, self.model_device, keys.dtype)
+            self.context = index.shape[0]
+        if placed:
+            index = (torch.arange(length) if retrieval is None and not evicted else
+                     _held_tokens(self.steps, evicted) if retrieval is None else index)
+            self.keys[:, :, : self.context] = self.placing.placed(self.keys[:, :, : self.context], index)
+        self._pending = None
+        self._append(keys, values)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.context + self.answered
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        start = self.context + self.answered
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2]:  # more answer than planned: grow once (a copy), then carry on in place
+            old_keys, old_values = self.view()
+            self._allocate(keys, 2 * end)
+            self.keys[:, :, :start], self.values[:, :, :start] = old_keys, old_values
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.answered += keys.shape[2]
+
+    def _allocate(self, like: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = like.shape
+        self.keys = torch.empty(b, h, capacity, d, dtype=like.dtype, device=self.model_device)
+        self.values = torch.empty_like(self.keys)
+        self.owned_bytes = 2 * self.keys.numel() * self.keys.element_size()
+
+    def get_seq_length(self) -> int:
+        """Logical tokens before the next one: the stream's (under bounded positions, where the prompt was
+        placed), then the prompt and answer so far."""
+        if self.placing is not None:
+            return self.placing.plan.start + self.answered
+        return self.stream.storage.length + self.answered
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.context + self.answered + query_length, self.get_seq_length() - self.context - self.answered
+
+
+def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:
+    """Token indices ``[M]`` of the steps not evicted, ascending."""
+    held = torch.ones(sum(steps), dtype=torch.bool)
+    starts = [0, *accumulate(steps)]
+    for step in evicted:
+        held[starts[step]: starts[step + 1]] = False
+    return held.nonzero().squeeze(1)
+
+
+class ContextPlacing:
+    """Under bounded positions, where a question's context goes (:mod:`statekv.core.positions.placing`): each step's
+    keys rotated from the rotation they were stored at to the place ``plan`` gives them."""
+
+    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: torch.Tensor):
+        self.stream, self.plan, self.starts = stream, plan, starts
+
+    def placed(self, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``keys`` ``[B, H_kv, M, D]`` of the tokens ``index`` ``[M]`` (ascending) rotated to their places."""
+        steps = torch.searchsorted(self.starts, index.cpu(), right=True) - 1
+        unique, inverse = torch.unique_consecutive(steps, return_inverse=True)
+        deltas = self.stream.positions.context_deltas(unique.tolist(), self.plan)[inverse]
+        positions = self.stream.positions
+        return rotate(keys, deltas.to(keys.device).expand(*keys.shape[:2], -1), positions.frequencies(keys.device))
+
+
+class AnswerCache(Cache):
+    """The transformers ``Cache`` that ``generate`` decodes with after a stream (see the module docstring).
+
+    Args:
+        stream: the stream's cache. room: prompt plus answer tokens to make room for. device: the model's.
+        retrieval: how to choose each layer's context (None: the whole detailed cache).
+        plan: under bounded positions, how the context is laid out (`statekv.core.positions.placing.QuestionPlan`).
+    """
+
+    def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None,
+                 plan: QuestionPlan | None = None):
+        super().__init__(layers=[])
+        steps = tuple(stream.chunk_lengths)
+        starts = stream.step_starts()
+        evicted = frozenset(stream.evicted_steps)
+        placing = None if plan is None else ContextPlacing(stream, plan, starts)
+        self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
+        self.stream, self.retrieval = stream, retrieval
+        self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Attention of the prompt's (or a new token's) queries ``q [B, Hq, T, D]`` over the layer's context and
+        the answer so far; returns ``[B, T, Hq, D]``."""
+        layer = self.layers[layer_idx]
+        if layer.keys is None:
+            layer.open(q, self.retrieval, layer_idx, scale, self.memory)
+            self.stream.note_device_bytes(self.device_bytes)
+        keys, values = layer.view()
+        mask = None if q.shape[2] == 1 else ChunkMask(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1],
+                                                      q.device)
+        return chunk_attention(q, keys, values, scale=scale, mask=mask)
+
+    def read_steps(self) -> tuple[int, ...] | None:
+        """The steps whose tokens some layer's retrieved context read (ascending), None when every layer read the
+        whole cache."""
+        read = [layer.retrieved.cpu() for layer in self.layers if layer.retrieved is not None]
+        if not read:
+            return None
+        steps = torch.searchsorted(self.layers[0].starts, torch.cat(read), right=True) - 1
+        return tuple(torch.unique(steps).tolist())
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes this cache allocated on the model's device (retrieved contexts, copies, answer room)."""
+        return sum(layer.owned_bytes for layer in self.layers)

@@ -1,0 +1,70 @@
+"""Checking the generation arguments a user passes to ``ask`` before they reach ``model.generate``.
+
+``ask(question, temperature=0.7, do_sample=True)`` forwards its keyword arguments to transformers' ``generate``.
+A misspelt name or a value ``generate`` cannot use would surface there as a traceback (or, for some values, be
+silently ignored); here each is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import InputError
+
+ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
+                    "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
+
+
+# what ``generate`` takes besides generation settings (its parameters, and ``tokenizer`` for ``stop_strings``)
+GENERATE_ARGUMENTS = frozenset({"generation_config", "logits_processor", "stopping_criteria", "streamer",
+                                "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
+                                "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
+                                "tokenizer", "assistant_tokenizer"})
+
+
+def _positive_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _integer(least: int):
+    return lambda value: not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
+RULES = {  # name: (test, what it must be)
+    "temperature": (_positive_number, "a finite number > 0"),
+    "top_p": (lambda v: _positive_number(v) and v <= 1, "a number in (0, 1]"),
+    "min_p": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1, "a number in [0, 1]"),
+    "top_k": (_integer(0), "a non-negative integer"),
+    # a stream's cache holds one sequence: beams would each need their own copy of it
+    "num_beams": (lambda v: v == 1 and not isinstance(v, bool), "1 (a stream's cache holds one sequence: no beam "
+                  "search; greedy or do_sample=True)"),
+    "num_beam_groups": (lambda v: v == 1 and not isinstance(v, bool), "1 (no beam search over a stream's cache)"),
+    "num_return_sequences": (lambda v: v == 1 and not isinstance(v, bool), "1 (ask returns one answer)"),
+    "repetition_penalty": (_positive_number, "a finite number > 0"),
+    "length_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
+                       "a finite number"),
+    "min_new_tokens": (_integer(0), "a non-negative integer"),
+    "max_length": (_integer(1), "a positive integer"),
+    "no_repeat_ngram_size": (_integer(0), "a non-negative integer"),
+    "do_sample": (lambda v: isinstance(v, bool), "True or False"),
+    "early_stopping": (lambda v: isinstance(v, bool) or v == "never", "True, False or 'never'"),
+}
+
+
+def check_generation_arguments(arguments: Mapping[str, Any], generation_config: Any = None) -> None:
+    """Refuse (one-line `InputError`) a name that is not a generation setting, one statekv sets itself, or a
+    value out of its range."""
+    from transformers import GenerationConfig
+
+    known = generation_config if generation_config is not None else GenerationConfig()
+    for name, value in arguments.items():
+        if name in ENGINE_ARGUMENTS:
+            raise InputError(f"ask() sets {name} itself (it decodes from the encoded video's cache); leave it out")
+        if name in RULES:
+            test, expected = RULES[name]
+            if not test(value):
+                raise InputError(f"ask(): {name} must be {expected}, got {value!r}"[:200])
+        elif not hasattr(known, name) and name not in GENERATE_ARGUMENTS:
+            raise InputError(f"ask(): unknown generation argument {name!r} (see transformers' GenerationConfig)")

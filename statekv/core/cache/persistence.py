@@ -1,0 +1,206 @@
+"""Saving and resuming a two-state cache: its tensors and metadata, and the checks a saved state must pass.
+
+A layer saves its detailed cache, its step summaries (means and sampled keys) and, unless its carried state is a
+window of the detailed cache (then only where the window starts), the carried keys, values and positions.
+Resuming installs them in whatever form fits the resumed stream (a window saved without offload becomes explicit
+slots when offloaded).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from . import forms
+from ..storage.buffers import CarriedSlots
+from ...errors import InputError
+from ...settings.values import check_int
+from ..storage.memory import CacheGeometry
+from ..storage.quantized import expected_tensors
+from ..storage.layer_storage import SAMPLES_PER_STEP
+
+# The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
+# this module.
+
+
+def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
+    """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata
+    (``chunk_lengths``, ``seen_tokens``, ``window_starts``)."""
+    tensors, window_starts = {}, []
+    for index, layer in enumerate(cache.layers):
+        layer_tensors, window_start = export_layer(layer)
+        tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
+        window_starts.append(window_start)
+    metadata = {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
+                "window_starts": window_starts}
+    if cache.evicted_steps:  # absent unless a cache limit evicted steps (so states without any read as before)
+        metadata["evicted_steps"] = sorted(cache.evicted_steps)
+    if cache.tier.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
+        metadata["kv_cache_dtype"] = cache.tier.kv_cache_dtype
+    if cache.positions.bounded:  # absent: stream positions (as every earlier save)
+        metadata["positions"] = cache.positions.export()
+    return tensors, metadata
+
+
+def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], metadata: dict,
+                    device: torch.device) -> None:
+    """Install a state from :func:`state_dict` (checked first with `check_state_dict` by
+    `StreamingPrefill.load_state_dict`); carried tensors go to ``device``."""
+    if len(metadata["window_starts"]) != len(cache.layers):
+        raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
+                         f"{len(cache.layers)}")
+    cache.positions.load(metadata.get("positions"), len(metadata["chunk_lengths"]))
+    cache.shared_ring.reset()
+    for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
+        prefix = f"layers.{index}."
+        layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        restore_layer(layer, layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
+    cache.chunk_lengths = list(metadata["chunk_lengths"])
+    cache.seen_tokens = int(metadata["seen_tokens"])
+    cache.evicted_steps = set(metadata.get("evicted_steps", ()))
+    cache.seen_device = None
+    cache.buffers_replaced()
+
+
+def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int | None]:
+    """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
+    layer.storage.synchronize()
+    tensors = layer.storage.export()
+    start = layer.carry.saved_start(layer.storage)
+    if start is not None or layer.slots is None:
+        return tensors, start
+    carried_keys, carried_values = layer.carried()
+    tensors.update(carried_keys=carried_keys, carried_values=carried_values, carried_positions=layer.positions())
+    placements = layer.slots.head_placements()
+    if placements is not None:  # bounded positions: where each carried key sits in RoPE
+        tensors["carried_placements"] = placements
+    return tensors, None
+
+
+def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], window_start: int | None,
+                  steps: list[int], device: torch.device) -> None:
+    """Install a state saved by :func:`export_layer` (``steps``: the token count of every step); the carried
+    state goes to ``device`` (the model's)."""
+    storage = layer.storage
+    storage.load(tensors, steps, device)
+    layer.carry = forms.Slots(None) if window_start is None else forms.Window(window_start)
+    if window_start is not None and not storage.holds_window:  # saved without offload: make it explicit
+        keys, values = storage.read_range(window_start, storage.length)
+        b, h = keys.shape[:2]
+        positions = torch.arange(window_start, storage.length).expand(b, h, -1)
+        tensors = dict(tensors, carried_keys=keys, carried_values=values, carried_positions=positions)
+        window_start, layer.carry = None, forms.Slots(None)
+    if window_start is None and "carried_keys" in tensors:
+        kv = torch.stack([tensors["carried_keys"], tensors["carried_values"]]).to(device)
+        placements = tensors.get("carried_placements")
+        layer.carry = forms.Slots(CarriedSlots.holding(kv, tensors["carried_positions"].to(device), 0,
+                                                       None if placements is None else placements.to(device)))
+    layer.is_initialized = storage.length > 0
+    if layer.is_initialized:
+        layer.dtype, layer.device = storage.summaries.means.dtype, device
+        storage.restored(layer.dtype, device)
+
+
+def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry: CacheGeometry,
+                     kv_cache_dtype: str | None = None) -> None:
+    """Refuse (one-line `InputError`) a state that :func:`state_dict` of a stream over a model of
+    ``geometry`` could not have written: its metadata's types and counts, and every tensor's presence, dtype
+    and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
+    ``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``,
+    and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
+    ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
+    if not isinstance(metadata, dict):
+        raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
+    for key in ("chunk_lengths", "seen_tokens", "window_starts"):
+        if key not in metadata:
+            raise InputError(f"the cache metadata lacks {key!r}")
+    saved = metadata.get("kv_cache_dtype")
+    if saved != kv_cache_dtype:
+        raise InputError(f"the saved detailed cache is stored as kv_cache_dtype={saved or 'auto'}, this stream's "
+                         f"as {kv_cache_dtype or 'auto'}; resume it with kv_cache_dtype={saved or 'auto'}")
+    lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
+    if not isinstance(lengths, list) or not isinstance(starts, list):
+        raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
+    for length in lengths:
+        check_int(length, "a saved step length", error=InputError)
+    seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
+    if seen != sum(lengths):
+        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
+    evicted = metadata.get("evicted_steps", [])
+    if not isinstance(evicted, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                and 0 <= s < len(lengths) for s in evicted):
+        raise InputError(f"the cache metadata's evicted_steps must list steps among its {len(lengths)}")
+    if len(starts) != geometry.layers:
+        raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
+    expected = {}
+    batch = None
+    for index, start in enumerate(starts):
+        prefix = f"layers.{index}."
+        if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
+                                           error=InputError) > seen:
+            raise InputError(f"layer {index}'s window starts at {start}, after the {seen} tokens saved")
+        first = "keys" if kv_cache_dtype is None else "key_codes"
+        keys = tensors.get(prefix + first)
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            raise InputError(f"the saved state lacks {prefix}{first} [B, H_kv, tokens, D]")
+        batch = keys.shape[0] if batch is None else batch
+        head = (batch, geometry.kv_heads)
+        expected.update({prefix + name: shaped for name, shaped in expected_tensors(
+            kv_cache_dtype, head, seen, len(lengths), geometry.head_dim, geometry.dtype).items()})
+        if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
+            expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
+        if prefix + "step_samples" in tensors:  # absent in states saved before sampled keys were kept
+            expected[prefix + "step_samples"] = ((*head, len(lengths), SAMPLES_PER_STEP * geometry.head_dim),
+                                                 geometry.dtype)
+        if prefix + "segment_index" in tensors:  # absent in states saved before the index was kept
+            index = tensors[prefix + "segment_index"]
+            segments = index.shape[2] if isinstance(index, torch.Tensor) and index.dim() == 4 else -1
+            if not 0 <= segments <= len(lengths):
+                raise InputError(f"the saved state's {prefix}segment_index must be [B, H_kv, segments, 3 D] with at "
+                                 f"most one segment per step")
+            expected[prefix + "segment_index"] = ((*head, segments, 3 * geometry.head_dim), geometry.dtype)
+            expected[prefix + "segment_partial"] = ((*head, 1, 3 * geometry.head_dim), geometry.dtype)
+        if start is None and seen:
+            carried = tensors.get(prefix + "carried_positions")
+            size = carried.shape[-1] if isinstance(carried, torch.Tensor) and carried.dim() == 3 else -1
+            if not 0 <= size <= seen:
+                raise InputError(f"the saved state lacks {prefix}carried_positions [B, H_kv, K] with K <= {seen}")
+            expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
+                (*head, size, geometry.head_dim), geometry.dtype)
+            expected[prefix + "carried_positions"] = ((*head, size), torch.long)
+            if isinstance(metadata.get("positions"), dict) and metadata["positions"].get("mode") == "bounded":
+                expected[prefix + "carried_placements"] = ((2, *head, size), torch.long)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
+    for name, (shape, dtype) in expected.items():
+        tensor = tensors.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"the saved state lacks {name} {list(shape)}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise InputError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}, expected "
+                             f"{str(dtype).removeprefix('torch.')} {list(shape)} for this model")
+        if name.endswith("carried_positions") and tensor.numel() and not (
+                int(tensor.min()) >= 0 and int(tensor.max()) < seen):
+            raise InputError(f"{name} holds positions outside the {seen} tokens saved")
+
+
+def to_dynamic_cache(cache, device: torch.device | None = None) -> DynamicCache:
+    """Every token's keys/values of ``cache`` (a `TwoStateCache`) as a ``DynamicCache``: views (no copy) of a
+    detailed cache held in the model's dtype, or copies on ``device`` when it is stored elsewhere (offloaded,
+    quantized, on disk).
+
+    ``DynamicCache.update`` concatenates into new tensors, so decoding from it never writes into the detailed
+    buffers.
+    """
+    exported_cache = DynamicCache()
+    for layer in cache.layers:
+        exported = DynamicLayer()
+        exported_cache.layers.append(exported)
+        if not layer.is_initialized:
+            continue  # nothing streamed yet: an empty layer
+        keys, values = layer.storage.read_range(0, layer.storage.length, device, layer.dtype)
+        exported.lazy_initialization(keys, values)
+        exported.keys, exported.values = keys, values
+    return exported_cache

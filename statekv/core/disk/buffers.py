@@ -1,0 +1,249 @@
+"""The files of a disk tier's layers: token buffers over memory-mapped files (`MappedTokenBuffer`), the same in
+RAM with every write appended to the files too (`MirroredTokenBuffer`: the segment index), which rows of each
+buffer a step appends (`rows_of`) and their checksum (`rows_crc`). See `statekv.core.disk.tier` for the file set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ...errors import InputError, OutputError
+from ..storage.buffers import TokenBuffer
+from .files import write_checked
+
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
+PER_SEGMENT = ("segment_index",)  # a row per segment of steps (written by the step that completes it)
+MIRRORED = ("segment_index",)  # kept in RAM too (what retrieval ranks segments by)
+
+
+class MappedTokenBuffer:
+    """`TokenBuffer`'s interface over files: ``parts`` files ``{prefix}.{p}.bin`` of rows ``[B, H_kv, X]``.
+
+    ``tensors`` maps the files (copy-on-write, so nothing written through a view reaches them) as
+    ``[B, H_kv, capacity, X]`` views; writes append rows with ``pwrite``. ``nbytes`` counts the committed
+    rows. The capacity grows geometrically by extending the files (sparse until written).
+    """
+
+    GROWTH = 2.0
+    MIN_CAPACITY = 64
+
+    def __init__(self, parts: int, capacity_hint: int | None, prefix: Path,
+                 on_replace: Callable[[], None] | None = None, described: dict | None = None):
+        """described: more fields its description (``{prefix}.0.bin.json``) records (the file set it belongs to)."""
+        self.parts, self.capacity_hint, self.on_replace = parts, capacity_hint, on_replace
+        self.described = dict(described or {})
+        self.device = torch.device("cpu")
+        self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]
+        self.prefix = Path(prefix)
+        self.length = 0
+        self.row: tuple[int, int, int] | None = None  # (B, H_kv, X)
+        self.dtype: torch.dtype | None = None
+        self._capacity = 0
+        self._fds: list[int] = []
+        self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
+        self.adopted = False  # opened over rows already there (see load)
+
+    # -- TokenBuffer's interface ----------------------------------------------------------------------------
+    @property
+    def tensors(self) -> list[torch.Tensor] | None:
+        if self.row is None or not self._capacity:
+            return None
+        b, h, x = self.row
+        return [torch.from_file(str(path), shared=False, size=self._capacity * b * h * x, dtype=self.dtype)
+                .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        tensors = self.tensors
+        return None if tensors is None else tensors[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        tensors = self.tensors
+        return None if tensors is None else tensors[1]
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row in one part."""
+        return 0 if self.row is None else math.prod(self.row) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.row_bytes * self.parts
+
+    def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
+        if self.row is None:
+            self.open(tuple(like.shape[:2]) + (like.shape[3],), like.dtype)
+        if needed <= self._capacity:
+            return False
+        self._grow(max(needed, expected, math.ceil(self._capacity * self.GROWTH), self.MIN_CAPACITY))
+        if self.on_replace is not None:
+            self.on_replace()
+        return True
+
+    def write(self, start: int, *parts: torch.Tensor) -> None:
+        """Append ``[B, H_kv, T, X]`` tensors (from any device) as rows ``[start, start + T)``."""
+        self.reserve(parts[0], start + parts[0].shape[2])
+        for fd, part in zip(self._fds, parts):
+            rows = part.detach().to("cpu").permute(2, 0, 1, 3).contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = memoryview(rows)
+            self.crc = zlib.crc32(data, self.crc)
+            pwrite_all(fd, data, start * self.row_bytes)
+
+    def write_at(self, index: torch.Tensor, *parts: torch.Tensor) -> None:
+        raise NotImplementedError("a disk-tier buffer is written by appending (write), never on the device")
+
+    def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, :, start:end] for t in self.tensors)
+
+    def load(self, *parts: torch.Tensor) -> None:
+        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty),
+        except just after `open` adopted that many rows already there (resuming: ``parts`` are their views)."""
+        if self.adopted and parts[0].shape[2] == self.length:
+            self.adopted = False
+            return
+        if self.row is not None:
+            for fd in self._fds:
+                os.ftruncate(fd, 0)
+            self._capacity = 0
+        self.length = 0
+        self.crc = 0
+        if parts[0].shape[2]:
+            self.write(0, *parts)
+            self.length = parts[0].shape[2]
+
+    def synchronize(self) -> None:
+        """Writes are synchronous (``pwrite``): nothing to wait for."""
+
+    # -- the disk's own ---------------------------------------------------------------------------------------
+    def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0) -> None:
+        """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
+        committed (resuming)."""
+        self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
+        try:
+            if not length:  # what a resumed stream reopens the files as
+                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row), **self.described,
+                                                            "dtype": str(dtype).removeprefix("torch.")})
+            self._fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.paths]
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
+        sizes = [os.fstat(fd).st_size for fd in self._fds]
+        self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
+        if self._capacity < length:
+            raise InputError(f"{self.paths[0]}: holds {self._capacity} rows, fewer than the {length} its journal "
+                             "lists")
+
+    def _grow(self, capacity: int) -> None:
+        try:
+            for fd in self._fds:
+                os.ftruncate(fd, capacity * self.row_bytes)
+        except OSError as error:
+            raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
+        self._capacity = capacity
+
+    def read_rows(self, start: int, end: int) -> list[bytes]:
+        """The raw bytes of rows ``[start, end)`` of each part (for verifying checksums)."""
+        return [os.pread(fd, (end - start) * self.row_bytes, start * self.row_bytes) for fd in self._fds]
+
+    def release(self, start: int, end: int) -> None:
+        """Give rows ``[start, end)`` back to the file system (they then read as zeros)."""
+        size = (end - start) * self.row_bytes
+        for fd in self._fds:
+            if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(start * self.row_bytes),
+                               ctypes.c_long(size)) != 0:
+                pwrite_all(fd, memoryview(bytes(size)), start * self.row_bytes)  # no hole punching: zeros
+
+    def sync(self) -> None:
+        for fd in self._fds:
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write ``data`` at ``offset``; an `OutputError` naming the reason (a full disk...) when it cannot be."""
+    try:
+        while len(data):
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
+    except OSError as error:
+        raise OutputError(f"cannot write the disk cache: {error.strerror or error}") from None
+
+
+class MirroredTokenBuffer(TokenBuffer):
+    """A `TokenBuffer` in RAM (what is read) whose writes are also appended to a `MappedTokenBuffer` (what a
+    resumed stream reads back): the step summaries."""
+
+    def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None,
+                 described: dict | None = None):
+        self.mirror = MappedTokenBuffer(parts, None, prefix, described=described)
+        self._ram_only = False  # while loading: the file has the rows already
+        super().__init__(parts, None, "cpu", on_replace=on_replace)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        if not self._ram_only:
+            self.mirror.length = value
+
+    def write(self, start: int, *parts: torch.Tensor) -> None:
+        super().write(start, *parts)
+        if not self._ram_only:
+            self.mirror.write(start, *parts)
+
+    def load(self, *parts: torch.Tensor) -> None:
+        self.mirror.load(*parts)
+        self._ram_only = True
+        try:
+            super().load(*(part.clone() for part in parts))
+        finally:
+            self._ram_only = False
+
+    @property
+    def crc(self) -> int:
+        return self.mirror.crc
+
+    @crc.setter
+    def crc(self, value: int) -> None:
+        self.mirror.crc = value
+
+
+def rows_of(name: str, step: int, start: int, length: int, per_segment: int) -> tuple[int, int] | None:
+    """The rows of buffer ``name`` that step ``step`` (tokens ``[start, start + length)``) appended (None: none)."""
+    if name in PER_STEP:
+        return step, step + 1
+    if name in PER_SEGMENT:
+        return (step // per_segment, step // per_segment + 1) if (step + 1) % per_segment == 0 else None
+    return start, start + length
+
+
+def rows_crc(buffer: MappedTokenBuffer, start: int, end: int) -> int:
+    crc = 0
+    for part in buffer.read_rows(start, end):
+        crc = zlib.crc32(part, crc)
+    return crc
+

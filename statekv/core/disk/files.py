@@ -1,0 +1,222 @@
+"""A disk tier's file set as written and read back: its descriptions, each vouching for itself with the SHA-256 of
+its fields (`write_checked`, `read_checked`, `read_description`) and naming the file set it belongs to (its
+manifest's ``file_set``, `check_file_set`), its one owner's lock (`hold`), and its journal, whose first record names
+the file set too, read up to the last checkpoint (`read_file_set`: a `Journaled`). See `statekv.core.disk.tier` for
+the file set.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import InputError
+from ...locks import FolderLock
+
+FORMAT = "statekv-disk-cache"
+FORMAT_VERSION = 3  # 2: its files not bound to each other (no file_set); 1: the carried state journaled every step
+FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
+MANIFEST = "manifest.json"
+JOURNAL = "journal"
+LOCK = "lock"  # held by the one stream living in the file set
+CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
+
+
+@dataclass
+class Journaled:
+    """What a file set's journal says, up to its last checkpoint: the ``steps`` resumed (one record each, in order,
+    the last one checkpointed), the ``carry`` record of that checkpoint, the ``evicted`` steps among them, and the
+    records written after the checkpoint that are not steps (e.g. frames pushed but not streamed durably)."""
+
+    manifest: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    after: list[dict[str, Any]] = field(default_factory=list)
+    end: int = 0  # byte offset of the journal just after the checkpoint's record
+    carry: dict[str, Any] | None = None
+    later_evictions: list[int] = field(default_factory=list)  # evicted after the checkpoint (their rows are gone)
+
+
+# -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
+def hold(folder: Path, holder: str | None) -> FolderLock:
+    """The exclusive lock of the file set in ``folder`` for ``holder`` (held on the folder itself: removing or
+    replacing its ``lock`` file does not break it); a one-line `InputError` naming whoever holds it already."""
+    return FolderLock.acquire(folder, what=f"the disk cache {folder}", holder=holder, error=InputError, name=LOCK)
+
+
+def _fields_sha256(fields: dict[str, Any]) -> str:
+    text = json.dumps({k: v for k, v in fields.items() if k != CHECKSUM}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_checked(path: Path, fields: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False))
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def read_checked(path: Path) -> dict[str, Any]:
+    """The fields of a description written by this module (its ``checksum`` removed); a one-line `InputError`
+    naming the file when it is unreadable, not a JSON object, or its checksum does not match."""
+    try:
+        described = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} cannot be read") from None
+    if not isinstance(described, dict):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} is not a JSON object")
+    recorded = described.pop(CHECKSUM, None)
+    if recorded is None:
+        raise InputError(f"{path.parent}: {path.name} records no checksum (made by an earlier statekv, or edited); "
+                         "it cannot be verified")
+    if recorded != _fields_sha256(described):
+        raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} does not match its checksum")
+    return described
+
+
+def check_file_set(folder: Path, file: str, described: dict[str, Any], file_set: str) -> None:
+    """A one-line `InputError` unless the description ``file`` (its fields ``described``) belongs to the file set
+    ``file_set`` (its manifest's): a file copied or swapped in from another stream's file set is refused."""
+    named = described.get(FILE_SET)
+    if named != file_set:
+        whose = f"another file set's ({str(named)[:40]})" if named is not None else "no file set's"
+        raise InputError(f"{folder}: {file} is {whose}, not this one's ({file_set}): it was copied or swapped in from "
+                         "another stream")
+
+
+def read_description(folder: Path, file: str, form: str, version: int, what: str) -> dict[str, Any]:
+    """The JSON object ``folder/file`` if it declares ``form`` at ``version`` and matches its checksum; a one-line
+    `InputError` naming ``what`` it is not otherwise."""
+    try:
+        described = json.loads((folder / file).read_text())
+    except (OSError, ValueError, RecursionError):
+        raise InputError(f"{folder}: not a {what} (no readable {file})") from None
+    if not isinstance(described, dict) or described.get("format") != form:
+        raise InputError(f"{folder}: not a {what}")
+    if described.get("version") != version:
+        raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads {version}")
+    return read_checked(folder / file)
+
+
+def read_file_set(folder: str | os.PathLike, *, latest: bool = False) -> Journaled:
+    """The manifest and journal of the file set in ``folder``, up to its last checkpoint; a one-line `InputError`
+    if it is not one, if a record before the last is damaged (a torn last line, what a kill leaves, is dropped), or
+    if no checkpoint was written yet. ``latest``: up to its last step instead (the live stream restoring itself,
+    which holds that step's carried state; see `resume`)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    try:
+        data = (folder / JOURNAL).read_bytes()
+    except OSError:
+        raise InputError(f"{folder}: the disk cache has no journal") from None
+    steps, records, offset = [], [], 0  # records: (end offset, record) of everything but steps
+    lines = data.split(b"\n")
+    header = _record(lines[0]) if len(lines) > 1 else None
+    if header is None or set(header) != {FILE_SET}:
+        raise InputError(f"{folder}: the disk cache's journal is damaged: its first record does not name its file set")
+    check_file_set(folder, JOURNAL, header, manifest[FILE_SET])
+    offset = len(lines[0]) + 1
+    for number, line in enumerate(lines[1:], start=1):
+        last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
+        record = None if last else _record(line)
+        if record is None:
+            if last or all(not rest for rest in lines[number + 1:]):
+                break
+            raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}")
+        offset += len(line) + 1
+        if "step" in record:
+            if record["step"] != len(steps):
+                raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after "
+                                 f"{len(steps)} steps")
+            steps.append(record)
+        records.append((offset, record))
+    journal = Journaled(manifest)
+    if latest:
+        journal.steps = steps
+        for record in (record for _, record in records if "evict" in record):
+            journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
+        return journal
+    checkpoint = next((i for i in range(len(records) - 1, -1, -1) if "carry" in records[i][1]
+                       and isinstance(records[i][1]["carry"], int) and records[i][1]["carry"] < len(steps)), None)
+    if checkpoint is None:
+        return journal if not steps else _no_checkpoint(folder)
+    journal.end, journal.carry = records[checkpoint]
+    journal.steps = steps[: journal.carry["carry"] + 1]
+    for index, (_, record) in enumerate(records):
+        if "evict" in record:
+            evicted = [int(s) for s in record["evict"] if int(s) < len(journal.steps)]
+            (journal.evicted if index < checkpoint else journal.later_evictions).extend(evicted)
+        elif index > checkpoint and "step" not in record and "carry" not in record:
+            journal.after.append(record)
+    return journal
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The verified manifest of the file set in ``folder`` (naming the file set, ``file_set``); a one-line
+    `InputError` if it is not one of this format."""
+    manifest = read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")
+    if not isinstance(manifest.get(FILE_SET), str) or not manifest[FILE_SET]:
+        raise InputError(f"{folder}: the disk cache is damaged: {MANIFEST} does not name its file set")
+    return manifest
+
+
+def journal_header(file_set: str) -> dict[str, Any]:
+    """The journal's first record: the file set it belongs to."""
+    return {FILE_SET: file_set}
+
+
+def _no_checkpoint(folder: Path) -> Journaled:
+    raise InputError(f"{folder}: the disk cache holds no checkpoint of its carried state yet; there is nothing to "
+                     "resume")
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    crc, _, text = line.partition(b" ")
+    try:
+        if int(crc, 16) != zlib.crc32(text):
+            return None
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+# -- format 2, whose files named no file set ------------------------------------------------------------------
+def upgrade_file_set(folder: Path) -> dict[str, Any]:
+    """Bind the files of a format-2 file set in ``folder`` to each other as format 3 does: a new ``file_set`` id in
+    every layer description, the journal's first record and, last, the manifest (so an upgrade cut short is still
+    format 2, and run again). Its caller holds the set's lock and vouches for its files: before, nothing told a file
+    swapped in from another set apart. Returns the new manifest's fields; a one-line `InputError` if it is not a
+    format-2 file set."""
+    manifest = read_description(folder, MANIFEST, FORMAT, 2, "statekv disk cache")
+    try:
+        data = (folder / JOURNAL).read_bytes()
+    except OSError:
+        raise InputError(f"{folder}: the disk cache has no journal") from None
+    first, newline, rest = data.partition(b"\n")
+    header = _record(first) if newline else None
+    if header is not None and set(header) == {FILE_SET}:  # an upgrade cut short: its id is kept
+        file_set, data = header[FILE_SET], rest
+    else:
+        file_set = uuid.uuid4().hex
+    for described in sorted(folder.glob("layer*.bin.json")):
+        write_checked(described, {**read_checked(described), FILE_SET: file_set})
+    text = json.dumps(journal_header(file_set), separators=(",", ":"))
+    partial = folder / f"{JOURNAL}.partial"
+    partial.write_bytes(f"{zlib.crc32(text.encode()):08x} {text}\n".encode() + data)
+    os.replace(partial, folder / JOURNAL)
+    manifest = {**manifest, "version": FORMAT_VERSION, FILE_SET: file_set,
+                "created": manifest.get("created") or datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    write_checked(folder / MANIFEST, manifest)
+    return read_manifest(folder)

@@ -1,0 +1,152 @@
+"""Resuming a stream's cache from its disk tier: every step's checksum verified, the carried state of the last
+checkpoint read back, the files adopted as they are (see `statekv.core.disk.tier`)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import InputError
+from ..cache import persistence
+from .buffers import rows_crc, rows_of
+from .files import Journaled, check_file_set, read_checked
+from .tier import DiskTier
+
+
+def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True,
+           carried: list[tuple[torch.Tensor | None, ...]] | None = None) -> None:
+    """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) at the journal's last checkpoint:
+    every step's CRC up to it is checked first (evicted steps excepted; ``verify=False``: not, for a stream
+    restoring the files it has just written) and the checkpoint's carried state; a one-line `InputError` names the
+    first damage. Nothing is rewritten: the files are adopted as they are (rows after the checkpoint's lengths are
+    written over as the stream goes on). The journal is then cut after the checkpoint
+    (`DiskTier.truncate_journal`), keeping the evictions recorded since.
+
+    ``carried``: a stream restoring itself after a step its disk could not take (``journal`` read with
+    ``latest=True``) passes the carried state its last journaled step left (`DiskTier.remembered`): the journal
+    is then kept as it is and no checkpoint is read."""
+    where, steps = tier.folder, journal.steps
+    last = steps[-1]
+    lengths = [int(record["tokens"]) for record in steps]
+    sizes = last.get("lengths")
+    if not isinstance(sizes, dict) or len(tier.buffers) != len(cache.layers):
+        raise InputError(f"{where}: the disk cache's journal is damaged: its last step lacks its files' lengths")
+    for layer in range(len(tier.buffers)):
+        for name, buffer in tier.buffers[layer].items():
+            mapped = getattr(buffer, "mirror", buffer)
+            described = Path(f"{mapped.paths[0]}.json")
+            if not described.exists() and not int(sizes.get(name, 0) or 0):
+                continue  # never written (the segment index before its first segment)
+            shape = read_checked(described)
+            check_file_set(where, described.name, shape, tier.file_set)
+            try:
+                mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
+                mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
+                                 "reopened") from None
+    evicted = set(journal.evicted) | set(journal.later_evictions)
+    per_segment = cache.layers[0].storage.segment_steps
+    start = 0
+    for record, length in zip(steps, lengths):
+        if verify and record["step"] not in evicted:
+            crc = 0
+            for layer in range(len(tier.buffers)):
+                for name, buffer in tier.layer_files(layer):
+                    rows = rows_of(name, record["step"], start, length, per_segment)
+                    crc = zlib.crc32((rows_crc(buffer, *rows) if rows else 0).to_bytes(4, "little"), crc)
+            if crc != record["crc"]:
+                raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
+                                 "its checksum")
+        start += length
+    restoring = carried is not None
+    if not restoring:
+        carried = _carried_slot(where, journal.carry, len(cache.layers), start)
+    cache.positions.load(_placements(where, cache.positions, steps), len(steps))
+    for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
+        tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
+        if placements is not None:
+            tensors["carried_placements"] = placements
+        for name, buffer in tier.buffers[index].items():
+            mapped = getattr(buffer, "mirror", buffer)
+            views = mapped.view(0, mapped.length) if mapped.length or mapped.tensors is not None else None
+            if name == "detailed":
+                tensors.update(keys=views[0], values=views[1])
+            elif name == "segment_index":
+                if segment is not None:
+                    tensors.update(segment_index=views[0] if views else segment[:, :, :0], segment_partial=segment)
+            elif views is not None:
+                tensors["block_keys" if name == "step_means" else name] = views[0]
+        persistence.restore_layer(layer, tensors, None, lengths, device)
+    cache.shared_ring.reset()
+    cache.chunk_lengths = list(lengths)
+    cache.seen_tokens = sum(lengths)
+    cache.evicted_steps = evicted
+    cache.seen_device = None
+    cache.buffers_replaced()
+    tier.adopt(cache.layers, len(steps) - 1)
+    if restoring:
+        return
+    tier.checkpointed = len(steps) - 1
+    tier.checkpoints = int(journal.carry["slot"]) + 1
+    tier.truncate_journal(journal.end)
+    if journal.later_evictions:  # their rows are punched: they stay evicted
+        tier.append({"evict": sorted(set(journal.later_evictions))})
+
+
+def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What `StreamPositions.load` takes, from the steps' records (each ``placed``: ``[first, span, base]``)."""
+    if not positions.bounded:
+        return None
+    placed = [record.get("placed") for record in steps]
+    if not all(isinstance(p, list) for p in placed):
+        raise InputError(f"{where}: the disk cache's journal lacks the bounded positions of its steps")
+    return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit, "steps": placed}
+
+
+def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
+                  tokens: int) -> list[tuple[torch.Tensor | None, ...]]:
+    """The carried state the checkpoint ``carry`` wrote: per layer, positions ``[B, H_kv, K]``, keys, values,
+    placements (or None) and the open segment (or None)."""
+    dtype = getattr(torch, str(carry.get("carried_dtype")), None)
+    shapes, placed, segment = carry.get("carried"), bool(carry.get("placed")), carry.get("segment")
+    if (not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers
+            or not all(isinstance(shape, list) and len(shape) == 4 for shape in shapes)):
+        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    layout = []
+    for shape in shapes:
+        parts = [(torch.int64, shape[:3]), (dtype, shape), (dtype, shape)]
+        parts.append((torch.int64, [2, *shape[:3]]) if placed else None)
+        parts.append((dtype, segment) if isinstance(segment, list) else None)
+        layout.append(parts)
+    size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
+    try:
+        data = (where / f"carry.{carry['slot']}.bin").read_bytes()[:size]
+    except (OSError, TypeError):
+        data = b""
+    if zlib.crc32(data) != carry.get("carry_crc"):
+        raise InputError(f"{where}: the disk cache is damaged: the carried state of step {carry['carry']} does not "
+                         "match its checksum")
+    buffer, offset, carried = bytearray(data), 0, []
+    for parts in layout:
+        tensors = []
+        for part in parts:
+            if part is None:
+                tensors.append(None)
+                continue
+            kind, shape = part
+            count = math.prod(shape)
+            tensors.append(torch.frombuffer(buffer, dtype=kind, count=count, offset=offset).clone().view(*shape))
+            offset += count * kind.itemsize
+        carried.append(tuple(tensors))
+        positions = tensors[0]
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
+            raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
+    if offset != len(data):
+        raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
+    return carried
+

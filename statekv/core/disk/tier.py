@@ -1,0 +1,360 @@
+"""The disk tier of the detailed cache: one stream's keys and values in an append-only, memory-mapped file set.
+
+A stream streamed with ``offload="disk"`` owns a folder (`DiskTier`) holding, per layer, its keys and values
+(``layer{i}.detailed.0.bin``, ``layer{i}.detailed.1.bin``; quantized: its codes and scales), its step summaries
+(``layer{i}.step_means.0.bin``, ``layer{i}.step_samples.0.bin``) and its segment index
+(``layer{i}.segment_index.0.bin``), each a `MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token (step, segment)
+order, so the files only grow and nothing written is rewritten. The layer's storage is the usual offloaded (or
+quantized) one over these buffers (the storages' ``make_buffer`` factory): a step stages its chunk on the model's
+device and its data is appended when it commits. Only the segment index (one row per `SEGMENT_STEPS` steps, what
+retrieval ranks segments by) is also kept in RAM (`MirroredTokenBuffer`); the step summaries are read from the
+files, for the steps a question scores. Reads map the files afresh each time, so what a question reads is
+resident only while the question holds it.
+
+Durability: after each step a line is appended to ``journal`` (its CRC-32, then JSON: the step's length, the
+CRC-32 of every byte it appended, the files' lengths, and what the layers above record, e.g. the stream's layout
+state). The carried state of every layer (positions, keys and values in the model's dtype, and under bounded
+positions each key's placement) and the open segment's accumulators are checkpointed to ``carry.{n % 2}.bin``
+(two slots written in turn, so the last checkpoint's slot is intact whatever a kill interrupts), vouched for by
+a ``carry`` line: at the first step, every `CHECKPOINT_STEPS` steps after it, and whenever the stream is saved,
+synced or closed. Data is written before the line that vouches for it. The contract: a process killed at any
+point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its last checkpoint, so a kill loses
+at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps (those after the checkpoint, counted as lost); a
+stream saved, synced or closed loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
+to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
+paid once per checkpoint.
+
+One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
+``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
+is refused with one line naming the holder, whatever becomes of the ``lock`` file. Before each write that a
+resumed stream would read back (each journal record, each description, each checkpoint) the tier checks that its
+folder's path still names the folder it locked: once the folder was moved away or replaced, another opener may own
+what the path names, so the tier writes nothing more (`lost`, an `OutputError`).
+
+Bound to each other: the manifest names the file set (``file_set``, a random id, and ``created``); every other
+descriptive file of the set (each layer file's ``.json``, the stream's ``stream.json``) names it too, and so does
+the journal's first record, so a file copied or swapped in from another stream's set is refused when it is read
+(`statekv.core.disk.files.check_file_set`). The journal's records vouch for the layers' files and the checkpoint
+slots (their CRCs). Each description also records the SHA-256 of its own fields (``checksum``), checked whenever
+it is read.
+
+The layers' files are `statekv.core.disk.buffers`'; the descriptions and the journal as read back,
+`statekv.core.disk.files`; resuming a cache from them, `statekv.core.disk.resume`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import OutputError
+from ...locks import FolderLock
+from ..storage.layer_storage import OffloadedStorage
+from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
+from .files import FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, journal_header, write_checked
+
+CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
+
+
+class DiskTier:
+    """One stream's file set in ``folder`` (see the module docstring): the layers' buffers, the journal, the
+    carried-state checkpoints.
+
+    Create a new one with `create`; `open` adopts an existing one (resuming, after `read_file_set`).
+    ``checkpoint_steps``: steps between two checkpoints of the carried state (`CHECKPOINT_STEPS`).
+    """
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock | None = None, *,
+                 holder: str = "a stream"):
+        """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
+        second opener)."""
+        self.lock = lock if lock is not None else hold(folder, holder)
+        self.folder, self.manifest = folder, manifest
+        try:
+            self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as error:
+            if lock is None:
+                self.lock.release()
+            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}; a stream on the "
+                              "disk tier writes into its folder as it goes on: copy the folder somewhere writable "
+                              "to resume it there") from None
+        self.storages: list[OffloadedStorage] = []
+        self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
+        self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
+        self._slots: list[int] = []
+        self.checkpoint_steps = CHECKPOINT_STEPS
+        self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
+        self.checkpointed: int | None = None  # the step of the last checkpoint
+        self.last_step: int | None = None  # the last step journaled
+        self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
+        self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
+        self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
+        self._size_before = 0
+        self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
+        # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
+        # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
+        self.made = False
+        self.durable = False
+
+    @classmethod
+    def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
+        """A new, empty file set in a folder of its own under ``offload_dir`` (created if needed)."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(str(name)).name)[:40] or "stream"
+        folder = Path(offload_dir) / f"{safe}-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir(parents=True)
+        except OSError as error:
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+        try:
+            lock = hold(folder, f"stream {str(name)[:80]!r}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        manifest = {**manifest, FILE_SET: uuid.uuid4().hex, "created": datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="microseconds")}
+        try:
+            write_checked(folder / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
+            tier = cls(folder, manifest, lock)
+        except OSError as error:
+            lock.release()
+            shutil.rmtree(folder, ignore_errors=True)  # nothing half-made is left behind
+            reason = str(error) if isinstance(error, OutputError) else error.strerror or str(error)
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason}") from None
+        tier.made = True
+        try:
+            tier.append(journal_header(tier.file_set))
+        except BaseException:
+            tier.close()
+            raise
+        return tier
+
+    @property
+    def file_set(self) -> str:
+        """This file set's id (its manifest's ``file_set``), which each of its descriptions and its journal name."""
+        return self.manifest[FILE_SET]
+
+    def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
+                kv_cache_dtype: str | None = None) -> OffloadedStorage:
+        """The storage of layer ``index`` (the cache's storage factory): the usual offloaded or quantized storage
+        over this tier's buffers (the segment index mirrored in RAM, everything else only in the files)."""
+        from ..storage.quantized import QuantizedStorage
+
+        buffers: dict[str, MappedTokenBuffer | MirroredTokenBuffer] = {}
+        self.buffers.append(buffers)
+
+        def make_buffer(name: str, parts: int, hint: int | None):
+            prefix = self.folder / f"layer{index}.{name}"
+            owned = {FILE_SET: self.file_set}
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned) if name in MIRRORED
+                             else MappedTokenBuffer(parts, hint, prefix, on_replace, owned))
+            return buffers[name]
+
+        storage = (QuantizedStorage(kv_cache_dtype, capacity_hint, "cpu", on_replace, make_buffer) if kv_cache_dtype
+                   else OffloadedStorage(capacity_hint, "cpu", on_replace, make_buffer))
+        self.storages.append(storage)
+        return storage
+
+    def layer_files(self, layer: int) -> list[tuple[str, MappedTokenBuffer]]:
+        """Layer ``layer``'s files, by name in a fixed order."""
+        return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
+
+    def check_owner(self) -> None:
+        """An `OutputError` (and `lost` set) when the folder's path no longer names the folder this tier locked (moved
+        away, or replaced): what the path names now may be another stream's."""
+        if self.lost or not self.lock.owns():
+            self.lost = True
+            raise OutputError(f"{self.folder}: the disk cache's folder was moved or replaced while this stream held "
+                              "it, so this stream writes nothing more there")
+
+    def describe(self, name: str, fields: dict[str, Any]) -> None:
+        """Write ``{name}.json`` beside the manifest (e.g. the stream's setup), replacing it atomically; an
+        `OutputError` when it cannot be written."""
+        self.check_owner()
+        try:
+            write_checked(self.folder / f"{name}.json", fields)
+        except OSError as error:
+            raise OutputError(f"cannot describe the disk cache in {self.folder}: {error.strerror or error}") from None
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
+        disk) not at all."""
+        self.check_owner()
+        text = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        end = os.fstat(self._journal).st_size
+        try:
+            while len(data):
+                data = data[os.write(self._journal, data):]
+        except OSError as error:
+            try:
+                os.ftruncate(self._journal, end)  # no torn line for the next record to follow
+            except OSError:
+                pass
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+
+    def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
+        """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
+        files' lengths; then, at the first step and every ``checkpoint_steps`` steps, the carried state of every
+        layer (``layers``: the cache's) as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
+        then as before the step, and `remembered` still holds the carried state the step before left."""
+        end, last = os.fstat(self._journal).st_size, self.last_step
+        try:
+            self._layers, self.last_step = layers, step
+            lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
+            self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
+            if step == 0 or (step + 1) % self.checkpoint_steps == 0:
+                self.checkpoint()
+        except OutputError:
+            self.last_step = last
+            try:
+                os.ftruncate(self._journal, end)  # the step's record goes too, with its checkpoint's
+            except OSError:
+                pass
+            raise
+        self.remember(layers)
+        self.durable = True
+        size = os.fstat(self._journal).st_size
+        self.growth, self._size_before = size - self._size_before, size
+
+    def remember(self, layers: list[Any]) -> None:
+        """Keep a copy of the carried state the last step journaled left (`remembered`: per layer what a
+        checkpoint writes), so a step the disk cannot take is undone exactly without a checkpoint per step."""
+        self.remembered = [tuple(None if t is None else t.clone() for t in _carried_parts(layer)) for layer in layers]
+
+    def adopt(self, layers: list[Any], last_step: int) -> None:
+        """The cache's ``layers`` as resumed or restored at ``last_step`` (what the next step and checkpoint
+        follow)."""
+        self._layers, self.last_step = layers, last_step
+        self.remember(layers)
+
+    def checkpoint(self) -> None:
+        """Write the carried state after the last step journaled (per layer: positions ``[B, H_kv, K]``, keys and
+        values ``[B, H_kv, K, D]``, under bounded positions the placements ``[2, B, H_kv, K]``, and the open
+        segment's accumulators ``[B, H_kv, 1, 3 D]``) into the next slot, then the ``carry`` record vouching for
+        it. Nothing to do if that step is checkpointed already."""
+        if self.last_step is None or self.checkpointed == self.last_step:
+            return
+        self.check_owner()
+        carried = [_carried_parts(layer) for layer in self._layers]
+        data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                        for parts in carried for t in parts if t is not None)
+        slot = self.checkpoints % 2
+        if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
+            try:
+                self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+        pwrite_all(self._slots[slot], memoryview(data), 0)
+        self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
+                     "placed": carried[0][3] is not None if carried else False,
+                     "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
+                     "carry_crc": zlib.crc32(data),
+                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32"})
+        self.checkpoints += 1
+        self.checkpointed = self.last_step
+
+    def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
+                       placements: list[list[int]] | None = None) -> None:
+        """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
+        file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
+        record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
+        self.check_owner()
+        os.ftruncate(self._journal, 0)
+        self.append(journal_header(self.file_set))
+        if cache.evicted_steps:
+            self.append({"evict": sorted(cache.evicted_steps)})
+        start = 0
+        per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
+        for step, length in enumerate(cache.chunk_lengths):
+            for layer in range(len(self.buffers)):
+                for name, buffer in self.layer_files(layer):
+                    rows = rows_of(name, step, start, length, per_segment)
+                    buffer.crc = rows_crc(buffer, *rows) if rows else 0
+            record = {"frames": step_frames[step]}
+            if placements is not None:
+                record["placed"] = placements[step]
+            self._layers, self.last_step = cache.layers, step
+            lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
+            if step == len(cache.chunk_lengths) - 1:
+                record.update(extra)
+            self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
+            start += length
+        self.checkpoint()
+        self.remember(cache.layers)
+        self.durable = True
+
+    def _take_crc(self) -> int:
+        """CRC-32 of what every file was appended since the last call (layer by layer, files by name)."""
+        crc = 0
+        for layer in range(len(self.buffers)):
+            for _, buffer in self.layer_files(layer):
+                crc = zlib.crc32(buffer.crc.to_bytes(4, "little"), crc)
+                buffer.crc = 0
+        return crc
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the journal and the checkpoint slots (what the file set holds beside the layers' files)."""
+        total = os.fstat(self._journal).st_size if self._journal >= 0 else 0
+        return total + sum(os.fstat(fd).st_size for fd in self._slots)
+
+    def sync(self) -> None:
+        """Checkpoint the carried state (if the last step is not yet) and force everything written so far to the
+        storage device: a kill after this loses nothing (an `OutputError` when the device fails it)."""
+        self.checkpoint()
+        try:
+            for layer in range(len(self.buffers)):
+                for _, buffer in self.layer_files(layer):
+                    buffer.sync()
+            for fd in (*self._slots, self._journal):
+                os.fsync(fd)
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+
+    def truncate_journal(self, end: int) -> None:
+        """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
+        os.ftruncate(self._journal, end)
+
+    def close(self) -> None:
+        """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
+        and never journaled anything resumable (then the folder is removed)."""
+        if self.made and not self.durable:
+            self._close_files()
+            self.lock.release()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        if self._journal >= 0:
+            try:
+                self.checkpoint()  # a closed stream resumes with nothing lost
+            except OutputError:
+                if not self.lost:  # a folder moved away is not written to, even on close
+                    raise
+        self._close_files()
+        self.lock.release()  # the files stay, for the next owner
+
+    def _close_files(self) -> None:
+        if self._journal >= 0:
+            os.close(self._journal)
+            self._journal = -1
+        for fd in self._slots:
+            os.close(fd)
+        self._slots = []
+        for layer in range(len(self.buffers)):
+            for _, buffer in self.layer_files(layer):
+                buffer.close()
+
+
+def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
+    """What a checkpoint writes of a layer: its carried positions, keys, values, placements (None unless bounded)
+    and open segment (None before the first step)."""
+    placements = layer.slots.head_placements() if layer.slots is not None else None
+    return (layer.positions(), *layer.carried(), placements, layer.storage.saved_segment())

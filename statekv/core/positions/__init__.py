@@ -1,0 +1,2 @@
+"""Where tokens sit in RoPE: each stream's frozen rotation (`rope`) and the positions a stream gives its steps
+and questions (`placing`: ``stream``, or ``bounded`` inside the model's trained range)."""

@@ -1,0 +1,445 @@
+"""Where a stream's tokens sit in RoPE: at their index in the whole stream, or inside the model's trained range.
+
+``positions="stream"`` (the paper's): a token's RoPE position is its index in the whole stream (for M-RoPE, the
+adapter's positions). Streaming is then exactly the model's one-shot forward, but a stream can only be as long as
+the model's positional range, fixed up front as its horizon.
+
+``positions="bounded"``: every position the model sees stays inside the range it was trained on
+(`trained_range`), so a stream needs no horizon and never ends. Each step's chunk is placed at a rotary position
+inside the range (its *base*); the keys a step attends to besides its own (the carried state) are rotated, for
+that step only, to positions the `BoundedLayout` gives them relative to the chunk; a question lays out the
+context it reads (the whole detailed cache when it fits in the range, else the retrieved frames) contiguously,
+in time order, and the prompt after it (`QuestionPlan`). Keys are stored as computed, at the rotation they had
+in their own step, and are rotated from there each time they are read, so no rounding accumulates however long
+a token is carried.
+
+A rotation by ``delta`` positions is RoPE's own rotation (`rotate`): ``R(p + delta) k = R(delta) R(p) k``, with
+the model's frequencies. M-RoPE (Qwen3-VL) moves its three position rows together by the same ``delta``, which
+is that same rotation; distances are measured on the temporal row.
+
+Layouts (``BOUNDED_LAYOUTS``), compared in docs/benchmarks.md ("Bounded positions"):
+
+``own-then-cache`` (`OwnThenCache`, the default)
+    Every token at its own position while the stream fits the range (exactly ``stream``); past it, the carried
+    state in cache order (as ``cache``) where it fits the range with the chunk, else grouped distances (as
+    ``grouped``: full attention, M-RoPE). Chosen from the comparison: see docs/engine.md, "Positions".
+``grouped`` (`GroupedDistances`)
+    Self-Extend's rule with a group that grows with the stream: distances up to ``window`` are kept exactly and
+    farther ones grouped, ``g`` to a position, ``g`` the smallest that fits the whole stream inside the range.
+    Works for every method, full attention included (however much it carries). While the stream fits in the
+    range, ``g`` is 1 and the positions are exactly ``stream``'s.
+``cache`` (`CacheOrder`)
+    StreamingLLM's rule: the carried tokens at consecutive positions in time order, right before the chunk, as
+    if the cache were the whole sequence. Needs 1-D RoPE and a carried state that fits in the range (not full
+    attention beyond it).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...errors import ConfigurationError, HorizonError, InputError
+from ...settings.engine import check_positions
+from .rope import RECOMPUTED_PER_CALL, rope_capacity, rope_parameters
+
+
+def choose_positions(requested: str | None, config, horizon: int | None) -> str:
+    """The positions a stream of ``horizon`` tokens (None: no horizon) streams with: ``requested``, or (None)
+    ``stream`` where the horizon fits the model's RoPE and ``bounded`` otherwise. ``stream`` asked for a horizon
+    beyond the RoPE (or none where one is needed) is refused with a one-line `HorizonError`."""
+    if requested is not None:
+        check_positions(requested)
+    if requested == "bounded":
+        return "bounded"
+    if horizon is None:
+        if requested == "stream":
+            raise HorizonError("positions='stream' needs a horizon inside the model's RoPE range (a stream's "
+                               "horizon_frames); without one use positions='bounded'")
+        return "bounded"
+    capacity = rope_capacity(config)
+    if requested is None and capacity is not None and horizon > capacity:
+        return "bounded"
+    return "stream"
+
+
+def trained_range(config) -> int:
+    """The positions the model was trained on: its RoPE capacity (``max_position_embeddings``, times the factor
+    of ``linear``/``yarn``/``longrope``); for ``dynamic`` NTK, the length it was trained at."""
+    capacity = rope_capacity(config)
+    if capacity is None or rope_parameters(config)["rope_type"] in RECOMPUTED_PER_CALL:
+        return int(config.max_position_embeddings)
+    return int(capacity)
+
+
+def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``keys`` ``[B, H, N, D]`` (RoPE applied at some position) rotated by ``delta`` ``[B, H, N]`` more positions,
+    with the model's frequencies ``inv_freq`` ``[R / 2]`` over the first R dims (rotate-half layout, as every
+    transformers RoPE applies it). Computed in float32; returns ``keys``' dtype. ``delta == 0`` returns the key
+    unchanged (cos 1, sin 0)."""
+    rotary = 2 * inv_freq.shape[0]
+    angles = delta.unsqueeze(-1).to(torch.float32) * inv_freq.to(keys.device, torch.float32)  # [B, H, N, R/2]
+    cos, sin = angles.cos(), angles.sin()
+    head, rest = keys[..., :rotary].float(), keys[..., rotary:]
+    first, second = head[..., : rotary // 2], head[..., rotary // 2:]
+    turned = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(keys.dtype)
+    return turned if rest.shape[-1] == 0 else torch.cat([turned, rest], dim=-1)
+
+
+@dataclass(frozen=True)
+class BoundedLayout:
+    """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions.
+
+    ``flat``: the model's RoPE is 1-D (False: M-RoPE, whose steps move as a whole)."""
+
+    name: ClassVar[str] = ""
+    one_dimensional: ClassVar[bool] = False  # needs 1-D RoPE (refused for M-RoPE)
+
+    def cap(self, limit: int) -> int:
+        """The highest base a chunk is placed at (room for a chunk of ``limit / 8`` positions after it)."""
+        return limit - math.ceil(limit / 8)
+
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        """The highest position a chunk of ``span`` positions after ``carried`` carried tokens is placed at."""
+        raise NotImplementedError
+
+    def base(self, first: int, span: int, carried: int, limit: int, flat: bool = True) -> int:
+        """The rotary position of the chunk's first token (host): its own position while the stream fits."""
+        return max(0, min(first, self.ceiling(span, carried, limit)))
+
+    def base_on(self, first: torch.Tensor, span: int, carried: int, limit: int, flat: bool = True) -> torch.Tensor:
+        """`base` on the device, from the chunk's first position ``first`` ``[1]`` (what a steady step computes)."""
+        return first.clamp(0, self.ceiling(span, carried, limit))
+
+    def targets(self, anchors: torch.Tensor, first: torch.Tensor, base: torch.Tensor, carried: int,
+                limit: int, flat: bool = True) -> torch.Tensor:
+        """Rotary positions ``[B, H, K + T]`` of ``[carried; chunk]`` whose positions in the stream (temporal row
+        for M-RoPE) are ``anchors``, for a chunk starting at ``first`` placed at ``base`` (device ``[1]``)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class GroupedDistances(BoundedLayout):
+    """Self-Extend's rule, adapting its group to the stream: distances up to ``window`` (a share of the cap) are
+    kept exactly and the rest of the history is grouped, ``g`` distances to a position, with the smallest ``g``
+    that fits the whole stream under the cap (1 while it fits: positions are then exactly the stream's)."""
+
+    name: ClassVar[str] = "grouped"
+    window: float = 0.5
+
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        return min(self.cap(limit), limit - span)
+
+    def targets(self, anchors, first, base, carried, limit, flat=True):
+        cap = self.cap(limit)
+        window = int(self.window * cap)
+        group = torch.div(first - window + cap - window - 1, cap - window, rounding_mode="floor").clamp_min(1)
+        distance = first - anchors
+        far = window + torch.div(distance - window + group - 1, group, rounding_mode="floor")
+        grouped = torch.where(distance <= window, distance, far)
+        return base - torch.minimum(grouped, base)
+
+
+@dataclass(frozen=True)
+class CacheOrder(BoundedLayout):
+    """The carried tokens at consecutive positions, in time order, ending right before the chunk."""
+
+    name: ClassVar[str] = "cache"
+    one_dimensional: ClassVar[bool] = True
+
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        if carried + span > limit:
+            raise HorizonError(f"positions='bounded' with the cache layout places the {carried} carried tokens and "
+                               f"a {span}-token chunk in the model's {limit} positions, which they do not fit; "
+                               "use the grouped layout or a method that carries fewer tokens")
+        return carried
+
+    def targets(self, anchors, first, base, carried, limit, flat=True):
+        b, h, size = anchors.shape
+        order = torch.arange(size, device=anchors.device).expand(b, h, -1)
+        chunk = base + (anchors - first)
+        return torch.where(order < carried, base - carried + order, chunk)
+
+
+@dataclass(frozen=True)
+class OwnThenCache(BoundedLayout):
+    """Every token at its own position while the stream fits the range; past it, the carried state in cache order
+    (`CacheOrder`) where it fits the range with the chunk (1-D RoPE), else `GroupedDistances`."""
+
+    name: ClassVar[str] = "own-then-cache"
+    grouped: GroupedDistances = GroupedDistances()
+    cache: CacheOrder = CacheOrder()
+
+    def ceiling(self, span: int, carried: int, limit: int) -> int:
+        return self.grouped.ceiling(span, carried, limit)
+
+    def compacts(self, span: int, carried: int, limit: int, flat: bool) -> bool:
+        return flat and carried + span <= limit
+
+    def base(self, first, span, carried, limit, flat=True):
+        ceiling = self.ceiling(span, carried, limit)
+        if first <= ceiling:
+            return max(first, 0)
+        return carried if self.compacts(span, carried, limit, flat) else ceiling
+
+    def base_on(self, first, span, carried, limit, flat=True):
+        ceiling = self.ceiling(span, carried, limit)
+        past = carried if self.compacts(span, carried, limit, flat) else ceiling
+        return torch.where(first <= ceiling, first.clamp_min(0), torch.full_like(first, past))
+
+    def targets(self, anchors, first, base, carried, limit, flat=True):
+        grouped = self.grouped.targets(anchors, first, base, carried, limit)
+        span = anchors.shape[-1] - carried
+        if not self.compacts(span, carried, limit, flat):
+            return grouped
+        past = first > self.ceiling(span, carried, limit)
+        return torch.where(past, self.cache.targets(anchors, first, base, carried, limit), grouped)
+
+
+BOUNDED_LAYOUTS: dict[str, BoundedLayout] = {layout.name: layout for layout in (
+    OwnThenCache(), GroupedDistances(), CacheOrder())}
+DEFAULT_LAYOUT = OwnThenCache.name
+
+
+def bounded_layout(name: str | BoundedLayout) -> BoundedLayout:
+    """The layout registered as ``name`` (or the layout given); a one-line ConfigurationError otherwise."""
+    if isinstance(name, BoundedLayout):
+        return name
+    if name not in BOUNDED_LAYOUTS:
+        raise ConfigurationError(f"unknown bounded layout {name!r}; choose one of {', '.join(BOUNDED_LAYOUTS)}")
+    return BOUNDED_LAYOUTS[name]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where one step's chunk goes: ``first`` its first position in the stream (temporal row for M-RoPE),
+    ``span`` the positions it takes, ``base`` the rotary position it is placed at (its positions are moved by
+    ``first - base``)."""
+
+    first: int
+    span: int
+    base: int
+
+
+@dataclass(frozen=True)
+class QuestionPlan:
+    """How a bounded stream's question reads its context: ``whole`` (every held step) or ``retrieve`` steps per
+    layer; the prompt starts at rotary position ``start``. ``packed``: the steps are laid out one after another
+    before the prompt (the stream does not fit the range); else each at its own position in the stream, as under
+    ``stream`` positions. The first ``keep_steps`` steps (the prompt prefix and sinks) always stay at their own."""
+
+    whole: bool
+    start: int
+    retrieve: int | None = None
+    keep_steps: int = 0
+    packed: bool = True
+
+
+class StreamPositions:
+    """One stream's RoPE positions (see the module docstring): its mode, and for ``bounded`` the layout, the
+    range, the model's frequencies, and every step's placement (three integers per step, on the host).
+
+    Args:
+        mode: ``"stream"`` or ``"bounded"``. limit: the trained range (bounded only). layout: a `BoundedLayout` or
+        its name. inv_freq: the rotary frequencies ``[R / 2]`` (the stream's frozen ones for dynamic RoPE).
+    """
+
+    def __init__(self, mode: str = "stream", limit: int | None = None, layout: str | BoundedLayout = DEFAULT_LAYOUT,
+                 inv_freq: torch.Tensor | None = None):
+        self.mode = check_positions(mode)
+        self.limit = limit
+        self.layout = bounded_layout(layout)
+        self.inv_freq = inv_freq
+        self._frequencies: dict[torch.device, torch.Tensor] = {}
+        self.firsts, self.spans, self.bases = array("q"), array("q"), array("q")
+        self.widest = 0  # the largest step span so far
+        self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pending: StepPlan | None = None
+        self._placing = (0, 0, True)  # the step's span, carried tokens, and whether its RoPE is 1-D (set by plan)
+
+    @property
+    def bounded(self) -> bool:
+        return self.mode == "bounded"
+
+    @property
+    def next_first(self) -> int:
+        """The stream's next position (temporal row for M-RoPE)."""
+        return self.firsts[-1] + self.spans[-1] if self.firsts else 0
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def plan(self, chunk_len: int, seen_tokens: int, position_ids: torch.Tensor | None, carried: int) -> StepPlan:
+        """Place the step about to run (host; explicit M-RoPE positions are read: a sync). Its device part finds
+        the same place on the device (`chunk`), so a steady step reads no host value."""
+        if position_ids is None:
+            first, span = seen_tokens, chunk_len
+        else:
+            if position_ids.dim() == 3 and self.layout.one_dimensional:
+                raise ConfigurationError(f"the {self.layout.name} layout of bounded positions needs 1-D RoPE; use "
+                                         "the grouped layout for this model")
+            temporal = _temporal(position_ids)
+            first = int(temporal[0, 0])
+            rows = position_ids if position_ids.dim() == 2 else position_ids[-3:]
+            span = int(rows.max()) + 1 - first
+        self._placing = (span, carried, position_ids is None or position_ids.dim() == 2)  # for the device part
+        plan = StepPlan(first, span, self.layout.base(first, span, carried, self.limit, self._placing[2]))
+        self.pending = plan
+        return plan
+
+    def device_scalars(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the step's device part sets and reads (kept:
+        a recorded step reads the same memory)."""
+        if device not in self.devices:
+            self.devices[device] = tuple(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3))
+        return self.devices[device]
+
+    def chunk(self, write_index: torch.Tensor, position_ids: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Device part: ``(position_ids for the decoder, anchors [T], rotations [T])`` of the chunk: its positions
+        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device."""
+        first, base, shift = self.device_scalars(write_index.device)
+        anchors = write_index if position_ids is None else _temporal(position_ids)[0]
+        first.copy_(anchors[:1])
+        span, carried, flat = self._placing
+        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat))
+        torch.sub(first, base, out=shift)
+        if position_ids is None:
+            moved = anchors - shift
+        else:
+            moved = position_ids.clone()
+            if moved.dim() == 2:
+                moved = moved - shift
+            else:
+                moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
+        return moved, anchors, anchors - shift
+
+    def rotated(self, keys: torch.Tensor, anchors: torch.Tensor, rotations: torch.Tensor, carried: int
+                ) -> torch.Tensor:
+        """``[carried; chunk]`` keys ``[B, H, K + T, D]`` (each at its stored rotation ``rotations``) rotated to
+        where the layout puts them for this step."""
+        first, base, _ = self.device_scalars(keys.device)
+        targets = self.layout.targets(anchors, first, base, carried, self.limit, self._placing[2])
+        return rotate(keys, targets - rotations, self.frequencies(keys.device))
+
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        """The rotary frequencies on ``device`` (copied there once)."""
+        if device not in self._frequencies:
+            self._frequencies[device] = self.inv_freq.to(device, torch.float32)
+        return self._frequencies[device]
+
+    def commit(self) -> None:
+        plan, self.pending = self.pending, None
+        if plan is not None:
+            self.append(plan)
+
+    def append(self, plan: StepPlan) -> None:
+        self.firsts.append(plan.first)
+        self.spans.append(plan.span)
+        self.bases.append(plan.base)
+        self.widest = max(self.widest, plan.span)
+
+    # -- questions ---------------------------------------------------------------------------------------------
+    def question(self, held_span: int, keep_end: int, room: int, retrieve: int | None) -> QuestionPlan:
+        """How a question whose prompt and answer take ``room`` positions reads the stream: the whole cache when
+        its ``held_span`` positions fit with the room in the range (and no retrieval is asked), else ``retrieve``
+        steps per layer (default: as many as fit after the kept prefix, which ends at ``keep_end``)."""
+        limit = self.limit
+        if room > limit - keep_end - 1:
+            raise HorizonError(f"the question and answer ({room} tokens) do not fit in the model's {limit} positions "
+                               "after the prompt prefix; ask a shorter question or fewer answer tokens")
+        if self.next_first + room <= limit:  # the stream fits: everything at its own position, as `stream` does
+            return QuestionPlan(retrieve is None, self.next_first, retrieve, packed=False)
+        if retrieve is None and held_span + room <= limit:
+            return QuestionPlan(True, held_span)
+        widest = max(self.widest, 1)
+        fitting = (limit - room - keep_end) // widest
+        if retrieve is not None and retrieve > fitting:
+            raise HorizonError(f"{retrieve} retrieved steps of up to {widest} positions and the question "
+                               f"({room} tokens) do not fit in the model's {limit} positions; retrieve at most "
+                               f"{fitting}")
+        if retrieve is None and fitting < 1:
+            raise HorizonError(f"the question and answer ({room} tokens) leave no room for a retrieved step of "
+                               f"{widest} positions in the model's {limit}; ask a shorter question or fewer answer "
+                               "tokens")
+        steps = retrieve if retrieve is not None else fitting
+        return QuestionPlan(False, keep_end + steps * widest, steps)
+
+    def keep_end(self, keep_steps: int) -> int:
+        """Where the first ``keep_steps`` steps (the prompt prefix and sinks) end."""
+        return self.firsts[keep_steps - 1] + self.spans[keep_steps - 1] if keep_steps else 0
+
+    def context_deltas(self, steps: list[int], plan: QuestionPlan) -> torch.Tensor:
+        """Per step of ``steps`` (ascending), the rotation that moves its stored keys to where the question reads
+        them: the first ``plan.keep_steps`` steps of the stream at their own positions, the others one after another
+        (the whole cache) or ending right before the prompt (retrieved). LongTensor ``[len(steps)]``."""
+        keep_steps = plan.keep_steps if plan.packed else len(self.firsts)  # unpacked: every step at its own place
+        later = [s for s in steps if s >= keep_steps]
+        placed, spans = {}, self.spans
+        if plan.whole:
+            position = self.keep_end(keep_steps)
+            for step in later:
+                placed[step], position = position, position + spans[step]
+        else:
+            position = plan.start
+            for step in reversed(later):
+                position -= spans[step]
+                placed[step] = position
+        return torch.tensor([(self.firsts[s] if s < keep_steps else placed[s]) - self.bases[s] for s in steps],
+                            dtype=torch.long)
+
+    def held_span(self, evicted: set[int] | frozenset[int]) -> int:
+        """Positions the steps still held take, laid end to end."""
+        return sum(self.spans) - sum(self.spans[s] for s in evicted)
+
+    # -- saving --------------------------------------------------------------------------------------------------
+    def export(self) -> dict:
+        """JSON-able: the mode and, when bounded, the layout, the range and every step's ``[first, span, base]``."""
+        if not self.bounded:
+            return {"mode": self.mode}
+        return {"mode": self.mode, "layout": self.layout.name, "limit": self.limit,
+                "steps": [[f, s, b] for f, s, b in zip(self.firsts, self.spans, self.bases)]}
+
+    def load(self, saved: dict | None, steps: int) -> None:
+        """Install what `export` wrote for a state of ``steps`` steps (a one-line `InputError` when it is not this
+        stream's mode, layout or range)."""
+        saved = saved or {"mode": "stream"}
+        if not isinstance(saved, dict) or saved.get("mode") != self.mode:
+            got = saved.get("mode") if isinstance(saved, dict) else saved
+            raise InputError(f"the saved stream was streamed with positions={got}, this one with "
+                             f"positions={self.mode}; resume it with positions={got}")
+        self.firsts, self.spans, self.bases, self.widest = array("q"), array("q"), array("q"), 0
+        if not self.bounded:
+            return
+        if saved.get("layout") != self.layout.name or saved.get("limit") != self.limit:
+            raise InputError(f"the saved stream's bounded positions ({saved.get('layout')}, range "
+                             f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range {self.limit})")
+        placed = saved.get("steps")
+        if (not isinstance(placed, list) or len(placed) != steps
+                or not all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in placed)):
+            raise InputError(f"the saved stream's positions must list [first, span, base] for each of its {steps} "
+                             "steps")
+        for first, span, base in placed:
+            self.append(StepPlan(first, span, base))
+
+
+def _temporal(position_ids: torch.Tensor) -> torch.Tensor:
+    """The row of explicit positions distances are measured on: ``[B, T]`` itself, M-RoPE's temporal row of
+    ``[3, B, T]``, or of ``[4, B, T]`` (whose first row is the sequence index)."""
+    if position_ids.dim() == 2:
+        return position_ids
+    return position_ids[-3]
+
+
+def model_frequencies(decoder: torch.nn.Module, frozen=None) -> torch.Tensor:
+    """The rotary frequencies ``[R / 2]`` the decoder rotates keys with (the stream's frozen ones for dynamic
+    RoPE), on the host in float32."""
+    for module in decoder.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            if frozen is not None and frozen.frequencies(module) is not None:
+                inv_freq = frozen.frequencies(module)
+            return inv_freq.detach().to("cpu", torch.float32).clone()
+    raise ConfigurationError("positions='bounded' needs a RoPE model (no rotary frequencies were found)")

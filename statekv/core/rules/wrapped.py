@@ -1,0 +1,25 @@
+"""A rule around another rule (`WrappedPolicy`): what every wrapper shares, as kvpress's wrapper presses do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import CarryPolicy
+
+
+@dataclass(frozen=True)
+class WrappedPolicy(CarryPolicy):
+    """A rule around another ``rule``: captured and scored as that rule is; subclasses change what it chooses."""
+
+    rule: CarryPolicy
+
+    @property
+    def capturable(self) -> bool:
+        return self.rule.capturable
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.rule.needs_scores
+
+    def steady_budget(self, layer: int) -> int | None:
+        return self.rule.steady_budget(layer)

@@ -1,0 +1,229 @@
+"""A hard cap on a stream's cache (``max_cache_bytes``) and what happens when a step would pass it.
+
+What is counted: the detailed cache as stored (keys and values in the model's dtype, or int8/int4 codes with every
+scale and zero point), each step's retrieval summaries, the segment index, and on the disk tier its journal and
+carried-state checkpoints (`StreamStats` says how much of each).
+
+``cache_limit`` (`statekv.settings.engine.CACHE_LIMITS`), chosen up front:
+
+``refuse`` (the default)
+    The step is refused with a one-line `CacheLimitError` naming the cap before anything changes: nothing
+    streamed is lost and the stream still answers (`VideoQA.encode` stops there, the error carrying what it
+    encoded).
+``evict-oldest``
+    The oldest steps (frames) are evicted until the step fits.
+``evict-least-attended``
+    The steps whose tokens received the least attention from the stream's own scored steps (summed over
+    layers and heads, as the carry policy computed it) are evicted first; ties go to the oldest.
+
+Evicting a step marks it in ``TwoStateCache.evicted_steps`` (answers from the whole cache skip it, retrieval never
+chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory
+returns their whole pages), except the tokens a layer still carries: those are kept until it no longer does, so
+the carried state stays the detailed cache's own tokens, as saved and resumed streams require. Positions do not
+move: the remaining tokens keep their RoPE and the stream's length counts every token streamed. Never evicted:
+the first ``protect_tokens`` tokens (the prompt prefix and the sinks). The first eviction is stated in one log
+line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+from collections.abc import Iterator
+
+import torch
+
+from ...errors import CacheLimitError, ConfigurationError
+from ...settings.engine import CacheLimit
+from ...settings.values import format_bytes
+
+log = logging.getLogger("statekv")
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class CacheKeeper:
+    """Holds one stream's cache under a `CacheLimit`: everything it keeps, counted.
+
+    Args:
+        cache: the stream's `TwoStateCache`. bytes_per_token: detailed bytes one token costs (all layers: keys and
+        values or their codes, with the values' per-token scales). protect_tokens: leading tokens never evicted.
+        name: how messages name the stream. bytes_per_step: what each step adds besides its tokens (all layers:
+        its summaries, and quantized, its keys' scales). other_bytes: ``() -> (held, growth)``: the bytes held
+        besides (the segment index, the disk tier's journal and checkpoints) and what a step adds to them.
+    """
+
+    def __init__(self, limit: CacheLimit, cache, bytes_per_token: int, protect_tokens: int = 0,
+                 name: str = "stream", bytes_per_step: int = 0, other_bytes=lambda: (0, 0)):
+        self.limit, self.cache, self.bytes_per_token = limit, cache, bytes_per_token
+        self.bytes_per_step, self.other_bytes = bytes_per_step, other_bytes
+        self.protect_tokens, self.name = protect_tokens, name
+        self.evicted_tokens = 0
+        self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
+        self.batch = 1
+        self.announced = False
+        self._starts = [0]  # each step's first token (and the end of the last), extended as steps commit
+        self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
+        self._registered = 0  # steps looked at for _held
+        if limit.when_full == "evict-least-attended":
+            cache.tally = AttentionTally()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held now: every token streamed and not evicted, every step's summaries (and scales) not
+        evicted, and the rest (`other_bytes`)."""
+        steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
+        return ((self.cache.seen_tokens - self.evicted_tokens) * self.bytes_per_token
+                + steps * self.bytes_per_step) * self.batch + self.other_bytes()[0]
+
+    def make_room(self, chunk_len: int, batch: int = 1) -> list[int]:
+        """The steps to evict so that a step of ``chunk_len`` tokens (of ``batch`` streams) fits, or a
+        `CacheLimitError` refusing it."""
+        self.batch = batch
+        needed = (self.held_bytes + (chunk_len * self.bytes_per_token + self.bytes_per_step) * batch
+                  + self.other_bytes()[1] - self.limit.max_bytes)
+        if needed <= 0:
+            return []
+        cap = f"max_cache_bytes={format_bytes(self.limit.max_bytes)}"
+        if not self.limit.evicts:
+            raise CacheLimitError(f"{self.name}: the detailed cache is full ({cap}, holding "
+                                  f"{format_bytes(self.held_bytes)}): a step of {chunk_len} more tokens was refused; "
+                                  "everything streamed before it is kept and can be asked about (an evicting "
+                                  "cache_limit keeps streaming)")
+        chosen, freed = [], 0
+        for step, length in self._candidates():
+            if freed >= needed:
+                break
+            chosen.append(step)
+            freed += (length * self.bytes_per_token + self.bytes_per_step) * self.batch
+        if freed < needed:
+            raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) does not fit under {cap} even after "
+                                  "evicting every frame but the protected prompt prefix and sinks; nothing was "
+                                  "streamed")
+        if not self.announced:
+            self.announced = True
+            rule = "oldest" if self.limit.when_full == "evict-oldest" else "least attended"
+            log.warning("%s: the detailed cache reached %s; evicting the %s frames from now on", self.name, cap,
+                        rule)
+        return chosen
+
+    def evict(self, steps: list[int]) -> None:
+        """Never read ``steps`` again and give their detailed keys and values back, except the tokens a layer
+        still carries (kept until it no longer does, so the carried state stays the detailed cache's own)."""
+        cache = self.cache
+        starts = self._step_starts()
+        tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
+        for layer in cache.layers:
+            carried = _carried_tokens(layer)
+            gone = torch.cat([tokens, self.retained.get(layer.index, tokens[:0])])
+            held = torch.isin(gone, carried)
+            self.retained[layer.index] = gone[held]
+            layer.storage.release_tokens(gone[~held].sort().values)
+            layer.storage.release_steps(torch.tensor(sorted(steps), dtype=torch.long))
+        for step in steps:
+            cache.evicted_steps.add(step)
+            self._held.pop(step, None)
+            self.evicted_tokens += cache.chunk_lengths[step]
+
+    def adopt(self) -> None:
+        """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones."""
+        cache = self.cache
+        self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
+        self._starts, self._held, self._registered = [0], {}, 0
+        starts = self._step_starts()
+        evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
+        for step in cache.evicted_steps:
+            evicted[starts[step]: starts[step + 1]] = True
+        self.retained = {}
+        for layer in cache.layers:
+            if layer.is_initialized:
+                carried = _carried_tokens(layer)
+                self.retained[layer.index] = carried[evicted[carried]]
+
+    def _step_starts(self) -> list[int]:
+        """Each committed step's first token, then the end of the last (extended by the steps committed since
+        the last call: a long stream never walks its whole history per step)."""
+        starts, lengths = self._starts, self.cache.chunk_lengths
+        for length in lengths[len(starts) - 1:]:
+            starts.append(starts[-1] + length)
+        return starts
+
+    def _candidates(self) -> Iterator[tuple[int, int]]:
+        """``(step, length)`` of the evictable steps (not evicted, after the protected tokens), in the order to
+        evict them."""
+        cache, starts = self.cache, self._step_starts()
+        for step in range(self._registered, len(cache.chunk_lengths)):
+            if step not in cache.evicted_steps and starts[step] >= self.protect_tokens:
+                self._held[step] = None
+        self._registered = len(cache.chunk_lengths)
+        steps = list(self._held)
+        if self.limit.when_full == "evict-least-attended":
+            totals = cache.tally.totals
+            steps.sort(key=lambda s: (float(totals[s]) if s < totals.numel() else 0.0, s))
+        return ((s, cache.chunk_lengths[s]) for s in steps)
+
+
+class AttentionTally:
+    """Per step, the attention mass its tokens received from the stream's own scored steps, summed over layers
+    and heads (``totals``, float64 on the host): what ``evict-least-attended`` ranks by. Told every scored layer
+    of every step (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched."""
+
+    def __init__(self):
+        self.totals = torch.zeros(64, dtype=torch.float64)
+        self._ends = torch.zeros(64, dtype=torch.long)  # each committed step's end, then the current step's
+        self._steps = 0  # committed steps whose end is in _ends
+
+    def add(self, cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """Add ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their steps' totals."""
+        lengths = cache.chunk_lengths
+        needed = len(lengths) + 1
+        if self._ends.numel() < needed:
+            self._ends = torch.cat([self._ends, torch.zeros(max(self._ends.numel(), needed), dtype=torch.long)])
+            self.totals = torch.cat([self.totals, torch.zeros(self._ends.numel() - self.totals.numel(),
+                                                              dtype=torch.float64)])
+        for step in range(self._steps, len(lengths)):  # only the steps committed since the last call
+            self._ends[step] = (self._ends[step - 1] if step else 0) + lengths[step]
+        self._steps = len(lengths)
+        self._ends[self._steps] = cache.seen_tokens + cache.chunk_len
+        steps = torch.searchsorted(self._ends[: self._steps + 1], positions.reshape(-1).cpu(), right=True)
+        self.totals.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
+
+
+def _carried_tokens(layer) -> torch.Tensor:
+    """The token positions ``[K']`` (ascending, CPU) the layer carries into the next step, any head."""
+    return layer.positions().reshape(-1).cpu().unique()
+
+
+def check_evicting_storage(limit: CacheLimit | None, offloaded: bool) -> None:
+    """Evicting needs the detailed cache off the model's device (one contiguous buffer there cannot give part
+    of itself back)."""
+    if limit is not None and limit.evicts and not offloaded:
+        raise ConfigurationError(f"cache_limit={limit.when_full} needs the detailed cache offloaded (offload=True "
+                                 "or offload='disk'); with the model it can only refuse")
+
+
+def release_host_rows(tensors: list[torch.Tensor] | None, start: int, end: int) -> None:
+    """Return to the OS the whole pages of rows ``[start, end)`` of CPU tensors ``[B, H_kv, capacity, X]``
+    (pinned memory excepted); those pages then read as zeros."""
+    page = mmap.PAGESIZE
+    for tensor in tensors or ():
+        if tensor.device.type != "cpu" or tensor.is_pinned():
+            continue
+        for b in range(tensor.shape[0]):
+            for h in range(tensor.shape[1]):
+                rows = tensor[b, h, start:end]
+                first = -(-rows.data_ptr() // page) * page
+                last = (rows.data_ptr() + rows.numel() * rows.element_size()) // page * page
+                if last > first:
+                    _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:
+    """Ascending token positions ``[N]`` as ``[start, end)`` runs of consecutive ones."""
+    if not tokens.numel():
+        return []
+    breaks = (torch.diff(tokens) != 1).nonzero().squeeze(1) + 1
+    edges = [0, *breaks.tolist(), tokens.numel()]
+    return [(int(tokens[a]), int(tokens[b - 1]) + 1) for a, b in zip(edges, edges[1:])]

@@ -1,0 +1,2 @@
+"""One stream's engine: `StreamingPrefill` (`prefill`: its settings read from `statekv.settings.engine`) and its
+statistics (`stats`)."""

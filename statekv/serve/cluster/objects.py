@@ -1,0 +1,198 @@
+"""An object store as statekv uses it (`ObjectStore`): named objects under one URL's prefix, read, written whole,
+listed and removed through fsspec (``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file://...``), and the
+one conditional write every store offers: create an object only if no object has its name (S3's and Azure's
+``If-None-Match: *``, GCS's ``ifGenerationMatch=0``; fsspec's ``mode="create"``), which is what leases are fenced
+by (`versions.StreamVersions`). Nothing here locks a file.
+
+A failure of the store is an `StoreError` (an `OSError`) whose message is one line naming the store, what was
+being done and why (``AccessDenied``, no such bucket, unreachable), never the store's whole answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from ..errors import StorageError
+
+log = logging.getLogger("statekv.serve")
+CONFLICTS = ("PreconditionFailed", "ConditionalRequestConflict")  # S3: another writer created the name first
+
+
+class StoreError(StorageError):
+    """The object store refused or failed a request: ``strerror`` is one line saying which and why."""
+
+
+class ObjectStore:
+    """The objects under ``url`` (an fsspec URL; its filesystem's package installed: s3fs, gcsfs, adlfs).
+    Names are relative to the URL, ``/``-separated. Listings are never cached: every replica sees every other's
+    writes at once (S3, GCS and Azure list with read-after-write consistency)."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
+        except (ImportError, ValueError, OSError) as error:
+            raise StoreError(f"fsspec cannot open {self.url} ({_first_line(error)})") from None
+        self.root = root.rstrip("/")
+        self.local = "file" in _protocols(self.fs)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def create(self, name: str, data: bytes) -> bool:
+        """Write ``data`` as ``name`` only if no object has that name; False (nothing written) when one has."""
+        if self.local:
+            return self._create_local(name, data)
+        try:
+            self.fs.pipe_file(self.path(name), data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as error:
+            if _code(error) in CONFLICTS:
+                return False
+            raise self.error("write", name, error) from None
+        return True
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``data`` as ``name``, over whatever was there (only for objects one writer owns)."""
+        if self.local:
+            self._put_local(name, data)
+            return
+        try:
+            self.fs.pipe_file(self.path(name), data)
+        except OSError as error:
+            raise self.error("write", name, error) from None
+
+    def upload(self, local: Path, name: str) -> None:
+        """Copy a local file to ``name`` (a new name: saved streams are never overwritten)."""
+        try:
+            if self.local:
+                Path(self.path(name)).parent.mkdir(parents=True, exist_ok=True)
+            self.fs.put_file(str(local), self.path(name))
+        except OSError as error:
+            raise self.error("write", name, error) from None
+
+    def remove(self, name: str) -> None:
+        """Remove ``name`` (nothing to do when there is none)."""
+        try:
+            self.fs.rm_file(self.path(name))
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise self.error("remove", name, error) from None
+
+    # -- reading --------------------------------------------------------------------------------------------
+    def read(self, name: str) -> bytes | None:
+        """The object's bytes; None when there is none."""
+        try:
+            return self.fs.cat_file(self.path(name))
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if _code(error) in ("NoSuchKey", "404"):
+                return None
+            raise self.error("read", name, error) from None
+
+    def download(self, name: str, local: Path) -> None:
+        try:
+            self.fs.get_file(self.path(name), str(local))
+        except OSError as error:
+            raise self.error("read", name, error) from None
+
+    def names(self, prefix: str) -> list[str]:
+        """Every object's name under ``prefix`` (a folder's name, ending in ``/``; "": every object), sorted."""
+        try:
+            found = self.fs.find(self.path(prefix.strip("/")) if prefix.strip("/") else self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise self.error("list", prefix, error) from None
+        start = len(self.root) + 1
+        return sorted(path[start:] for path in found if not path.endswith("/"))
+
+    # -- checking -------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Write, read back and remove a probe object: a `StoreError` when the store cannot be used (no such
+        bucket, no permission, unreachable), before anything else is written there."""
+        name = f"probes/{secrets.token_hex(8)}"
+        if self.local:
+            os.makedirs(self.root, exist_ok=True)
+        self.put(name, b"statekv")
+        if self.read(name) != b"statekv":
+            raise StoreError(f"the object store {self.url} did not give back what was written to it")
+        self.remove(name)
+
+    def error(self, doing: str, name: str, error: BaseException) -> StoreError:
+        """A failed request as one line; the store's whole answer goes to the log."""
+        log.error("object store %s: cannot %s %s: %r", self.url, doing, name, error)
+        return StoreError(f"the object store {self.url} cannot {doing} {name} ({_reason(error)})")
+
+    # -- a local folder (file://): the same writes, made atomic by the file system ---------------------------
+    def _create_local(self, name: str, data: bytes) -> bool:
+        target = Path(self.path(name))
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_synced(partial, data)
+            os.link(partial, target)  # fails when the name exists: the first writer wins, whole
+        except FileExistsError:
+            return False
+        except OSError as error:
+            raise self.error("write", name, error) from None
+        finally:
+            partial.unlink(missing_ok=True)
+        return True
+
+    def _put_local(self, name: str, data: bytes) -> None:
+        target = Path(self.path(name))
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_synced(partial, data)
+            os.replace(partial, target)
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise self.error("write", name, error) from None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _code(error: BaseException) -> str | None:
+    """The store's error code behind an fsspec error (botocore's ``Error.Code``), if it says one."""
+    for cause in (error, error.__cause__, error.__context__):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code") or "") or None
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    code = _code(error)
+    if isinstance(error, PermissionError) or code in ("AccessDenied", "403", "AllAccessDisabled"):
+        return f"{code or 'permission denied'}: the credentials may not do this"
+    if code == "NoSuchBucket":
+        return "NoSuchBucket: no such bucket"
+    text = _first_line(error)
+    return f"{code}: {text}" if code and code not in text else text
+
+
+def _first_line(error: BaseException) -> str:
+    text = (getattr(error, "strerror", None) or str(error) or type(error).__name__).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -1,0 +1,202 @@
+"""A stream's shared state in an object store as a chain of versions (`StreamVersions`), fenced by the store's one
+conditional write: create a name only if it is free.
+
+``streams/ID/v000000000042-EVENT.json`` is version 42 of stream ID: everything replicas share of it (who holds it
+and under which fencing token, its record, the name of its current save, its quarantine note, whether it was
+deleted), whole. The current state is the highest version. A change is a new version numbered one past the version
+it was made from, created only if that number is free: of two replicas changing a stream at once, one creates the
+number and the other finds it taken, reads the new current version and decides again (`commit`). A replica writes
+a stream only while the current version names it as holder under its own token, so once another replica has taken
+the stream (a version with the next token), every later write of the old holder finds the chain moved on and is
+refused: two replicas never both write a stream. No file is locked, and the same code runs on S3, GCS, Azure and
+a local folder.
+
+Older versions are removed once a few newer ones exist, except takings and lettings-go (the stream's history). A
+writer that stalled between reading version N and creating N+1 might create a number removed long ago; it then
+finds a higher number present whose version does not follow its own, and counts its write as refused (`commit`
+checks the chain after every creation). A deleted stream keeps its last version (a tombstone), so no late writer
+brings it back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import ServiceError
+from .objects import ObjectStore
+
+STREAMS = "streams"
+KEEP = 4  # versions kept below the newest, besides the history
+HISTORY_EVENTS = ("taken", "let-go")
+NAME = re.compile(r"^streams/(st_[0-9A-Za-z_]+)/v(\d{12})-([a-z-]+)\.json$")
+
+
+@dataclass(frozen=True)
+class Version:
+    """One version of a stream's shared state: ``number`` in its chain, ``nonce`` (its own) and ``base`` (the
+    nonce of the version it was made from), the ``event`` that made it, who holds the stream (``holder``, under
+    its session ``epoch``, with fencing ``token``), its ``record``, ``state`` (its current save's object name),
+    ``note`` (why it is quarantined), ``deleted``, and for a taking, who held it ``before``."""
+
+    stream: str
+    number: int
+    nonce: str
+    base: str | None
+    event: str
+    at: float
+    holder: str | None = None
+    epoch: str | None = None
+    token: int = 0
+    record: dict[str, Any] | None = None
+    state: str | None = None
+    note: dict[str, Any] | None = None
+    deleted: bool = False
+    before: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return version_name(self.stream, self.number, self.event)
+
+    def held_by(self, holder: str, token: int) -> bool:
+        return self.holder == holder and self.token == token and not self.deleted
+
+
+def version_name(stream_id: str, number: int, event: str) -> str:
+    return f"{STREAMS}/{stream_id}/v{number:012d}-{event}.json"
+
+
+class StreamVersions:
+    """The version chains of every stream in ``store``."""
+
+    def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time):
+        self.store, self.clock = store, clock
+        self._read: dict[str, Version] = {}  # name -> version (a version never changes once written)
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def numbers(self, stream_id: str) -> list[tuple[int, str, str]]:
+        """(number, name, event) of the stream's versions in the store, lowest first."""
+        return _parsed_names(self.store.names(f"{STREAMS}/{stream_id}/"))
+
+    def current(self, stream_id: str) -> Version | None:
+        """The stream's newest version; None when it has none."""
+        for _ in range(3):  # the newest removed as it was listed: only by a deletion's pruning, read again
+            found = self.numbers(stream_id)
+            if not found:
+                return None
+            version = self.read(found[-1][1])
+            if version is not None:
+                return version
+        raise ServiceError(503, f"stream {stream_id}'s versions in the object store kept changing; retry",
+                           headers={"Retry-After": "1"})
+
+    def read(self, name: str) -> Version | None:
+        """The version stored as ``name`` (None: gone); a 503 when it cannot be read."""
+        if name in self._read:
+            return self._read[name]
+        data = self.store.read(name)
+        if data is None:
+            return None
+        try:
+            fields = json.loads(data)
+            version = Version(**{key: fields.get(key) for key in Version.__dataclass_fields__
+                                 if key in fields})
+            if version.name != name:
+                raise ValueError("its name does not match its content")
+        except (ValueError, TypeError) as error:
+            raise ServiceError(503, f"version {name} in the object store is unreadable ({error})") from None
+        if len(self._read) > 50_000:
+            self._read.clear()
+        self._read[name] = version
+        return version
+
+    def every_current(self) -> dict[str, Version]:
+        """Every stream's newest version, by stream id (one listing; a version read once is kept)."""
+        newest: dict[str, tuple[int, str]] = {}
+        for number, name, _ in _parsed_names(self.store.names(f"{STREAMS}/")):
+            stream_id = name.split("/")[1]
+            if stream_id not in newest or number > newest[stream_id][0]:
+                newest[stream_id] = (number, name)
+        found = {}
+        for stream_id, (_, name) in sorted(newest.items()):
+            version = self.read(name)
+            if version is not None:
+                found[stream_id] = version
+        return found
+
+    def history(self, stream_id: str) -> list[dict[str, Any]]:
+        """Every taking and letting go of the stream still stored, oldest first (as `leases.Leases.history`)."""
+        lines = []
+        for _, name, event in self.numbers(stream_id):
+            if event in HISTORY_EVENTS:
+                version = self.read(name)
+                if version is None:
+                    continue
+                taken = version.event == "taken"  # a letting go names who let go in ``before``
+                line = {"event": version.event.replace("-", " "), "token": version.token, "at": version.at,
+                        "holder": version.holder if taken else (version.before or {}).get("holder")}
+                if taken and version.before is not None:
+                    line["before"] = version.before
+                lines.append(line)
+        return lines
+
+    # -- changing ---------------------------------------------------------------------------------------------
+    def commit(self, base: Version | None, stream_id: str, event: str, **changes: Any) -> Version | None:
+        """A new version made from ``base`` (None: the stream's first) with ``changes``; None when another
+        writer created that number first, or the chain had moved past it (nothing of it stays)."""
+        fields = {**(asdict(base) if base is not None else {"stream": stream_id}), "before": None, **changes}
+        version = Version(**{**fields, "number": (base.number if base else 0) + 1, "nonce": secrets.token_hex(8),
+                             "base": base.nonce if base else None, "event": event, "at": self.clock()})
+        data = json.dumps(asdict(version), separators=(",", ":")).encode()
+        if not self.store.create(version.name, data):
+            return None
+        if not self._follows(version):
+            self.store.remove(version.name)  # a number removed long ago: a write of a writer that stalled
+            return None
+        self._read[version.name] = version
+        self._prune(stream_id, version.number)
+        return version
+
+    def _follows(self, version: Version) -> bool:
+        """Whether ``version`` is in its stream's chain: the newest, or followed by a version made from it."""
+        later = [(number, name) for number, name, _ in self.numbers(version.stream) if number > version.number]
+        if not later:
+            return True
+        follower = self.read(later[0][1]) if later[0][0] == version.number + 1 else None
+        return follower is not None and follower.base == version.nonce
+
+    def _prune(self, stream_id: str, newest: int) -> None:
+        """Remove versions more than `KEEP` below ``newest``, but the history (a failure only leaves them)."""
+        try:
+            for number, name, event in self.numbers(stream_id):
+                if number < newest - KEEP and event not in HISTORY_EVENTS:
+                    self.store.remove(name)
+                    self._read.pop(name, None)
+        except OSError:
+            pass
+
+    def remove_all_but(self, version: Version) -> None:
+        """Remove every version of the stream but ``version`` (a deletion's tombstone); a failure only leaves
+        them."""
+        try:
+            for _, name, _ in self.numbers(version.stream):
+                if name != version.name:
+                    self.store.remove(name)
+                    self._read.pop(name, None)
+        except OSError:
+            pass
+
+
+def _parsed_names(names: list[str]) -> list[tuple[int, str, str]]:
+    """(number, name, event) of each version's name among ``names``, lowest number first."""
+    found = []
+    for name in names:
+        match = NAME.match(name)
+        if match:
+            found.append((int(match.group(2)), name, match.group(3)))
+    return sorted(found)

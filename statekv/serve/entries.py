@@ -1,0 +1,159 @@
+"""What the service knows of each stream: a live one (`StreamEntry`: its owner, settings, the `Stream`, what is
+saved, what it is doing), one that could not be brought back (`DamagedStream`), a file being fed into one (`Feed`)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..api.stream import Stream
+from ..errors import InputError
+from .page_record import page_fields
+from .watches import watch_records
+
+HISTORY = 2000  # points of a stream's history kept for the page
+ANSWERS = 50  # a stream's last answers, kept in its record
+
+
+@dataclass
+class Feed:
+    """A video file being fed into a stream: how far it got (``total``: the frames it should give at the
+    stream's rate, estimated from its length) and, once it stopped early, why."""
+
+    source: str
+    total: int | None
+    offered: int = 0
+    kept: int = 0
+    running: bool = True
+    error: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
+                "running": self.running, "error": self.error}
+
+
+@dataclass
+class StreamEntry:
+    """One stream: its owner (a key digest), settings, the live `Stream`, what is on disk, what it is doing."""
+
+    id: str
+    owner: str
+    settings: dict[str, Any]
+    horizon_frames: int | None
+    max_fps: float | None
+    name: str
+    created: float
+    stream: Stream
+    last_seconds: float | None = None
+    saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
+    saved_at: float = field(default_factory=time.monotonic)
+    history: list[dict[str, float]] = field(default_factory=list)
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    feed: Feed | None = None
+    last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
+    updated: float | None = None  # when a frame last arrived (unix time)
+    used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)
+    deleted: bool = False
+    moved: bool = False  # let go to another replica sharing the state folder
+    replica: str | None = None  # the replica holding it, when several share the state folder
+    owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
+
+    @property
+    def frames(self) -> int:
+        return self.stream.frames
+
+    @property
+    def dirty(self) -> bool:
+        return self.stream.pushed != self.saved["pushed"]
+
+    @property
+    def feeding(self) -> bool:
+        return self.feed is not None and self.feed.running
+
+    @property
+    def state(self) -> str:
+        """``feeding``, ``failed`` (its last feed stopped on an error), ``empty`` (no frame yet) or ``ready``."""
+        if self.feeding:
+            return "feeding"
+        if self.feed is not None and self.feed.error:
+            return "failed"
+        return "ready" if self.stream.frames else "empty"
+
+    def describe(self) -> dict[str, Any]:
+        stream, stats = self.stream, self.stream.stats
+        return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created),
+                "updated": None if self.updated is None else int(self.updated), "state": self.state,
+                "settings": self.settings, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
+                "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
+                "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
+                "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
+                "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
+                "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
+                **({"replica": self.replica} if self.replica else {})}
+
+    @property
+    def tier(self) -> Path | None:
+        """The folder of its disk-tier file set (None: it keeps its detailed cache elsewhere)."""
+        folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
+        return None if folder is None else Path(folder)
+
+    def record(self) -> dict[str, Any]:
+        """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
+        file set name its id and owner (checked when they are loaded; records written before hold no ``owned``)."""
+        tier = self.tier
+        return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
+                "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
+                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
+                "watches": watch_records(self.stream), **page_fields(self)}
+
+
+@dataclass
+class DamagedStream:
+    """A stream of the state folder that could not be brought back (its record, its save or its file set is
+    damaged, or names another stream or owner): listed as ``damaged`` with the reason, never served, its files left
+    where they are. ``owner``: None when the record names none that can be read (then every key sees it)."""
+
+    id: str
+    owner: str | None
+    reason: str
+    record: dict[str, Any] = field(default_factory=dict)
+    deleted: bool = False
+    frames: int = 0
+    state: str = "damaged"
+
+    @property
+    def name(self) -> str:
+        name = self.record.get("name")
+        return name if isinstance(name, str) else self.id
+
+    @property
+    def created(self) -> float:
+        created = self.record.get("created")
+        return float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "state": self.state,
+                "damaged": self.reason, "frames": 0, "feeding": False, "feed": None}
+
+    def note(self) -> dict[str, Any]:
+        """What the state folder's quarantine keeps of it (`store.StreamFiles.write_note`)."""
+        return {"id": self.id, "owner": self.owner, "reason": self.reason, "name": self.name, "created": self.created,
+                "at": int(time.time())}
+
+
+class Quarantined(InputError):
+    """A stream whose disk-tier file set cannot be resumed: moved into the state folder's quarantine (then the
+    stream is damaged until it is deleted), or left where it is when it cannot be moved (then it is tried again at
+    the next start)."""
+
+
+def remove_tier(entry: StreamEntry) -> None:
+    """Remove a closed stream's disk-tier file set (if it has one)."""
+    folder = entry.tier
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,144 @@
+"""Bringing a recorded stream back (`StreamLoader`): from its disk-tier file set when its record names one, else
+from its last save, else empty; a file that cannot be loaded, or names another stream or owner, raises, so the
+stream is quarantined (`DamagedStream`) with a one-line reason that names no server path and no other stream."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from ..api.stream import Stream
+from ..core.disk.files import hold
+from ..errors import InputError, StateKVError
+from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
+from .errors import public_message
+from .stream_settings import StreamSettings
+
+log = logging.getLogger("statekv.serve")
+
+
+class StreamLoader:
+    """Loads the streams recorded in ``files`` with the models of ``settings``. ``resume_tiers``: resume a stream
+    in the disk-tier file set its record names (False where file sets are each replica's own: from the save)."""
+
+    def __init__(self, files: Any, settings: StreamSettings, resume_tiers: bool = True):
+        self.files, self.settings, self.resume_tiers = files, settings, resume_tiers
+
+    def load(self, data: dict[str, Any]) -> StreamEntry:
+        """Load one recorded stream: from its disk-tier file set when it has one (the same folder again, every
+        push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
+        loaded, or names another stream or owner, raises (the stream is quarantined), as does a stream whose
+        file set was moved into the quarantine (`Quarantined`); a quarantine note left from an earlier failure is
+        removed once it loads."""
+        moved = self.files.quarantined(data["id"])
+        if moved:  # its journaled pushes are there, not in its save: never served without them
+            note = self.files.read_note(data["id"])
+            where = f"quarantine/{moved[-1]}"
+            raise Quarantined(note["reason"] if note is not None and where in note["reason"] else
+                              f"its disk-tier file set was moved to {where} in the state folder")
+        qa = self.settings.qa_for(data["settings"], as_made=True)
+        ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
+        stream, saved = self.resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
+        if stream is None:
+            with self.files.local_state(data["id"]) as state:
+                stream = None if state is None else Stream.load(state, qa, **ids)
+        if stream is not None:
+            recorded = data.get("saved") or {}
+            try:
+                check_described(data, stream)
+            except InputError:
+                stream.close()
+                raise
+            saved = {"pushed": stream.pushed, "frames": stream.frames,
+                     "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
+        else:
+            qa = self.settings.qa_for(data["settings"])  # never saved: made anew, as the server makes streams now
+            stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
+        answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
+        entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
+                            data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
+                            answers=answers, owned=bool(data.get("owned")))
+        if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
+            try:
+                self.files.write_record(entry.record())
+            except (OSError, StateKVError) as error:
+                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
+        if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
+            try:
+                self.files.remove_note(entry.id)
+            except (OSError, StateKVError) as error:
+                log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
+        return entry
+
+    def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any]) -> Stream | None:
+        """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
+        none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
+        quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
+        since the last save, so the stream is not served from its save without them."""
+        if not self.resume_tiers or not data.get("tier") or qa.engine.offload != "disk":
+            return None
+        root = Path(qa.engine.offload_dir)
+        folder = root / data["tier"]
+        if not folder.is_dir():
+            return None
+        try:
+            return Stream.load(folder, qa, **ids)
+        except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
+            why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
+            problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
+        try:
+            lock = hold(folder, None)  # the folder's own lock, as a stream living in it holds it
+        except InputError:  # a live process holds it: not this server's to move
+            raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
+                              "it)") from None
+        try:
+            where = self.files.move_to_quarantine(data["id"], folder)
+        except OSError as failure:
+            raise Quarantined(f"{problem}; left where it is, since it cannot be moved into the state folder's "
+                              f"quarantine ({failure.strerror or type(failure).__name__})") from None
+        finally:
+            if lock is not None:
+                lock.release()
+        raise Quarantined(f"{problem}; moved to {where} in the state folder")
+
+    def damaged(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
+        """A quarantined stream, its reason one line that names no server path and no other stream."""
+        reason = public_message(reason, self.files.places())
+        reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
+        # another stream's id is not this stream's owner's to see
+        reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?",
+                        lambda m: m.group(0) if stream_id in m.group(0) else "another stream", reason)
+        return DamagedStream(stream_id, owner, reason, record)
+
+
+def check_described(record: dict[str, Any], stream: Stream) -> None:
+    """Refuse (one-line `InputError`) a record that does not describe the saved stream ``stream`` it names: its
+    horizon or frame rate differs, or it says more frames were saved than the save holds (a save may hold more:
+    one written just before a kill, the record not yet). Its method settings are checked as the save is loaded."""
+    for name in ("horizon_frames", "max_fps"):
+        if record[name] != getattr(stream, name):
+            raise InputError(f"its record says {name} {_shown(record[name])}, but its save holds a stream made with "
+                             f"{_shown(getattr(stream, name))}")
+    saved = record.get("saved") if isinstance(record.get("saved"), dict) else {}
+    for name, held in (("pushed", stream.pushed), ("frames", stream.frames)):
+        claimed = saved.get(name, 0)
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed > held:
+            raise InputError(f"its record says {_shown(claimed)} {'frames pushed' if name == 'pushed' else name} "
+                             f"were saved, but its save holds {held}")
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)[:40]
+
+
+def unreadable(name: str, error: Exception) -> str:
+    """Why a stream whose record (its file's name) cannot be read is damaged."""
+    return f"its record {name} is unreadable: {error}"
+
+
+def reason_of(error: BaseException) -> str:
+    """A one-line reason for a stream that could not be loaded."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

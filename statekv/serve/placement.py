@@ -1,0 +1,60 @@
+"""Where a server's streams are held (`Placement`, the strategy `StreamRegistry` is given): this process alone, over
+its own state folder (this module), or one replica of several sharing their state under leases
+(`statekv.serve.cluster.shared.LeasedPlacement`). The registry does the streams' work the same way under either;
+it asks its placement at the few points where they differ: bringing streams back at start, bringing one here
+before a request about it, checking it is still this server's, listing, and what runs beside the server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .entries import StreamEntry
+    from .registry import StreamRegistry
+
+
+class Placement:
+    """A server alone: every stream of its state folder is loaded at start (`StreamRegistry.load_all`) and stays
+    here until deleted. ``replica``: this server's name among replicas (None: alone). ``resume_tiers``: resume a
+    stream in the disk-tier file set its record names. ``repair``: how a damaged stream is brought back."""
+
+    replica: str | None = None
+    resume_tiers = True
+    repair = "repair them and restart"
+
+    def restore(self, registry: StreamRegistry, owners: Any) -> int:
+        """Bring back the streams at start (``owners``: of these owner digests only); returns how many."""
+        return registry.load_all(owners)
+
+    async def bring(self, registry: StreamRegistry, owner: str, stream_id: str) -> None:
+        """Make the caller's stream ``stream_id`` one of ``registry.entries`` if it can be (alone: it is already)."""
+
+    def check(self, entry: StreamEntry) -> None:
+        """Refuse (503) work on a stream that may no longer be this server's (alone: it always is)."""
+
+    def admit_push(self, entry: StreamEntry) -> None:
+        """Refuse a push (or a feed) the client must redo from elsewhere first (alone: none)."""
+
+    def listed(self, registry: StreamRegistry, owner: str) -> list[Any]:
+        """The owner's streams as listed (alone: those held here, newest first, then the damaged ones)."""
+        return registry.held(owner)
+
+    async def look_for_damage(self, registry: StreamRegistry, stream_id: str) -> None:
+        """Bring ``registry.damaged`` up to date for one stream (alone: it knows them all already)."""
+
+    async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
+        """Remove every file of a stream that is not held (a damaged one): whole, or refused (503) with nothing
+        removed."""
+        await registry.begin_removal(stream_id, None)
+        await asyncio.to_thread(registry.files.remove, stream_id)
+
+    async def rebalance(self, registry: StreamRegistry, loads: dict[str, int]) -> None:
+        """Hand streams over when this server holds more than its share (``loads``: the streams each replica
+        holds); alone: nothing to balance."""
+
+    async def keep(self, registry: StreamRegistry) -> None:
+        """One pass of the work that keeps the placement (alone: none; a replica renews its leases)."""
+
+    def let_go(self, registry: StreamRegistry) -> None:
+        """At shutdown, once every stream is saved: let every stream go to whoever serves it next."""

@@ -1,0 +1,97 @@
+"""A stream's settings as a client asks for them: its method settings (the server's model shared, one `VideoQA` per
+distinct choice), its horizon and frame rate, each checked against the server's model (`StreamSettings`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..settings.methods import refuse_unread
+from .config import ServeConfig
+from .errors import ServiceError
+
+METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
+STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
+
+
+class StreamSettings:
+    """The settings streams of one server may have: ``qa`` is its model with its default method settings."""
+
+    def __init__(self, config: ServeConfig, qa: Any):
+        self.config, self.qa = config, qa
+        self.models: dict[tuple, Any] = {}
+        self._max_horizon: int | None = None
+
+    def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
+        """The VideoQA of a stream's method settings (the server's model, shared). ``as_made``: to load a saved
+        stream, which keeps the positions it was made with whatever the server's ``--positions`` is now."""
+        as_made = as_made and self.qa.engine.positions is not None
+        key = (*sorted(settings.items()), ("as made", as_made))
+        if key not in self.models:
+            self.models[key] = self.qa.with_options(**settings, **({"positions": None} if as_made else {}))
+        return self.models[key]
+
+    def check(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, float | None, str]:
+        """(method settings, horizon_frames, max_fps, name) of a creation's body, defaults filled in; a one-line
+        400 (409 for a horizon the model cannot hold) naming the first that is wrong."""
+        unknown = sorted(set(body) - set(STREAM_FIELDS))
+        if unknown:
+            raise ServiceError(400, f"unknown stream setting {unknown[0]!r}; known: {', '.join(STREAM_FIELDS)}")
+        defaults = self.qa.options
+        settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
+        defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
+        refuse_unread(settings["method"], {name: body[name] for name in METHOD_FIELDS if name in body})
+        horizon = body.get("horizon_frames", self.default_horizon_frames)
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
+                                    or not 1 <= horizon <= 10**7):
+            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got "
+                               f"{shown(horizon)}")
+        if horizon is not None and self.qa.engine.positions == "stream" and horizon > self.max_horizon_frames:
+            raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold at positions=stream: "
+                               f"at most {self.max_horizon_frames} frames (its RoPE covers {self.rope_tokens()} "
+                               f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
+                               "with --positions bounded, or give no horizon")
+        max_fps = body.get("max_fps", self.config.default_max_fps)
+        if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
+                                    or not math.isfinite(max_fps) or max_fps <= 0):
+            raise ServiceError(400, f"max_fps must be a positive number or null, got {shown(max_fps)}")
+        name = body.get("name", "stream")
+        if not isinstance(name, str) or len(name) > 200:
+            raise ServiceError(400, "name must be a string of at most 200 characters")
+        return settings, horizon, None if max_fps is None else float(max_fps), name
+
+    @property
+    def max_horizon_frames(self) -> int:
+        """The most frames a stream's horizon may hold: those whose tokens (plus the reserve for questions) fit
+        the model's RoPE (10**7 when it has no limit)."""
+        if self._max_horizon is None:
+            capacity, low, high = self.rope_tokens(), 0, 10**7
+            if capacity is not None and self.qa.horizon_for(high) > capacity:
+                while low < high:  # the most frames whose horizon fits
+                    middle = (low + high + 1) // 2
+                    low, high = (middle, high) if self.qa.horizon_for(middle) <= capacity else (low, middle - 1)
+            self._max_horizon = max(high, 1)
+        return self._max_horizon
+
+    @property
+    def default_horizon_frames(self) -> int | None:
+        """``default_horizon_frames`` (None: no horizon, the stream never ends), or fewer when the model's RoPE
+        cannot hold that many."""
+        if self.config.default_horizon_frames is None:
+            return None
+        return min(self.config.default_horizon_frames, self.max_horizon_frames)
+
+    def rope_tokens(self) -> int | None:
+        from ..core import rope_capacity
+
+        return rope_capacity(self.qa.adapter.model.config.get_text_config())
+
+
+def shown(value: Any) -> str:
+    """A client's value in a message: as JSON would write it (no Python repr), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."

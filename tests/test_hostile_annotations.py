@@ -1,0 +1,155 @@
+"""Hostile annotation rows: every row statekv does not use is refused or counted and named in one warning line (and
+in ``--check``); times past the video are asked at its end with a warning where the video is known; a negative
+evidence frame in a streaming synthetic set is refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+import statekv.eval as ev
+from statekv.cli import main
+from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_streamingbench
+from statekv.eval.lmms_plugin import query_time, round_times
+from statekv.eval.questions import AnnotationError
+from statekv.synthetic.benchmark import STREAMING_FILE, make_benchmark
+
+
+def _warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+def _edit(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _check(capsys, *argv) -> tuple[int, str]:
+    code = main(["eval", *map(str, argv), "--check"])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture
+def ovo(tmp_path) -> Path:
+    write_mini_ovobench(tmp_path, clips=False)
+    return tmp_path
+
+
+# ------------------------------------------------------------------------------------------ rows not used
+
+
+def test_ovobench_rows_of_an_unknown_task_are_counted_in_one_warning_line(ovo, caplog, capsys):
+    path = ovo / "ovobench" / "ovo_bench_new.json"
+    _edit(path, lambda rows: (rows[1].update(task="XYZ"), rows[3].update(task="XYZ"), rows[4].update(task=None)))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        questions = ev.load_benchmark("ovobench", ovo, check_videos=False)
+    assert len(questions) == 8 - 3
+    (line,) = _warnings(caplog)
+    assert line == (f"OVO-Bench: 2 row(s) of task 'XYZ', which OVO-Bench does not define, not used (its code skips "
+                    f"them too): {path} row 1, {path} row 3; 1 row(s) of task 'None', which OVO-Bench does not "
+                    f"define, not used (its code skips them too): {path} row 4")
+    code, out = _check(capsys, "ovobench", "--data-root", ovo)
+    assert code == 0 and f"not used or read otherwise: {line}\n" in out
+
+
+def test_an_ovobench_row_without_a_task_is_refused(ovo):
+    path = ovo / "ovobench" / "ovo_bench_new.json"
+    _edit(path, lambda rows: rows[2].pop("task"))
+    with pytest.raises(AnnotationError, match=f"^{path} row 2: missing field task \\(the release's code fails on "
+                                              "such a row too\\)$"):
+        ev.load_benchmark("ovobench", ovo, check_videos=False)
+
+
+def test_streamingbench_questions_of_an_unknown_task_are_counted(tmp_path, caplog):
+    folder = write_mini_streamingbench(tmp_path)
+    _edit(folder / "questions_real.json", lambda entries: entries[1]["questions"][0].update(task_type="Telepathy"))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        questions = ev.load_benchmark("streamingbench", tmp_path, check_videos=False)
+    assert "Telepathy" not in {q.task_type for q in questions}
+    (line,) = _warnings(caplog)
+    assert line.startswith("StreamingBench: 1 question(s) of task 'Telepathy' not used (not a StreamingBench task): "
+                           f"{folder}/questions_real.json entry 1 question 0; ")
+    assert "1 question(s) of task 'Emotion Recognition' not used (omni-source: about the sound track)" in line
+
+
+def test_mlvu_rows_outside_the_seven_tasks_are_a_warning(tmp_path, caplog):
+    folder = write_mini_mlvu(tmp_path, fmt="jsonl")
+    path = next((folder / "mlvu").glob("test*.jsonl"))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["task_type"] = "summary"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        questions = ev.load_benchmark("mlvu", tmp_path, check_videos=False)
+    assert len(questions) == len(rows) - 1
+    assert _warnings(caplog) == [f"MLVU: 1 row(s) of task 'summary' not used (not one of the seven multiple-choice "
+                                 f"tasks): {path} row 0"]
+
+
+# ------------------------------------------------------------------------------------------ times past the video
+
+
+def test_times_far_past_the_video_are_named_by_the_check(ovo, capsys, caplog):
+    path = ovo / "ovobench" / "ovo_bench_new.json"
+    _edit(path, lambda rows: (rows[0].update(realtime=10**6), rows[-1]["test_info"][0].update(realtime=5000)))
+    code, out = _check(capsys, "ovobench", "--data-root", ovo)
+    assert code == 0
+    assert (f"2 question(s) come after their video ends and are asked at its end (the first: 100 at 1000000 s, "
+            f"{ovo}/ovobench/src_videos/Fabricated/source0.mp4 lasts 6.0 s)") in out
+
+
+def test_a_time_stamp_of_99_99_99_is_noted_and_named_past_the_end(tmp_path, capsys):
+    folder = write_mini_streamingbench(tmp_path)
+    _edit(folder / "questions_real.json", lambda entries: entries[0]["questions"][0].update(time_stamp="99:99:99"))
+    code, out = _check(capsys, "streamingbench", "--data-root", tmp_path)
+    assert code == 0
+    assert ("1 time(s) with minutes or seconds past 59, read as the release's code reads them ('99:99:99' is "
+            f"362439 s): {folder}/questions_real.json entry 0 question 0: field 'time_stamp'") in out
+    assert "1 question(s) come after their video ends and are asked at its end (the first: real-0 at 362439 s" in out
+
+
+def test_a_run_asks_a_question_past_the_end_at_the_end_and_says_so(tmp_path, caplog):
+    root = tmp_path / "set"
+    make_benchmark(root, videos=1, seed=71, num_frames=12, streaming=True)
+    _edit(root / STREAMING_FILE, lambda rows: rows[0].update(realtime=99_999))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        code = main(["eval", "synthetic", "--model", "builtin", "--method", "recency", "--frames", "4", "--data-root",
+                     str(root), "--out", str(tmp_path / "run"), "--no-progress"])
+    assert code == 0
+    (line,) = _warnings(caplog)
+    assert line == (f"{root}/videos/v0000.mp4: 1 question(s) come after the video ends at 12.0 s and are asked at "
+                    "its end (the first: 0 at 99999 s)")
+    answers = {r.qid: r for r in ev.run_records(tmp_path / "run")}
+    assert answers["0"].extra["frames"] == 12  # the whole video, as at its end
+
+
+# ------------------------------------------------------------------------------------------ streaming synthetic
+
+
+def test_a_negative_evidence_frame_in_a_streaming_set_is_refused(tmp_path):
+    root = tmp_path / "set"
+    make_benchmark(root, videos=1, seed=72, num_frames=12, streaming=True)
+    _edit(root / STREAMING_FILE, lambda rows: rows[2].update(evidence=[-1]))
+    with pytest.raises(AnnotationError, match=f"^{root / STREAMING_FILE} row 2: evidence holds -1, not a frame "
+                                              r"\(0-based\)$"):
+        ev.load_benchmark("synthetic", root, check_videos=False)
+
+
+# ------------------------------------------------------------------------------------------ the lmms-eval plugin
+
+
+def test_the_plugin_reads_ovobench_documents_with_the_same_loader(ovo):
+    rows = json.loads((ovo / "ovobench" / "ovo_bench_new.json").read_text())
+    choice, polled = rows[0], rows[-1]
+    assert query_time({**choice, "options": ["a", "a", "b", "c", "d"], "gt": 4}) == choice["realtime"]
+    assert round_times(polled, 2) == [5.5, 3.0]
+    with pytest.raises(AnnotationError, match="^ovo_realtime doc 0: field 'realtime' must be a number of seconds "
+                                              ">= 0, got -1$"):
+        query_time({**choice, "realtime": -1}, where="ovo_realtime doc 0")
+    with pytest.raises(AnnotationError, match=r"test_info\[1\]: count must be a whole number >= 0"):
+        round_times({**polled, "test_info": [polled["test_info"][0], {"realtime": 3, "count": "two"}]}, 2)
+    assert query_time({**choice, "task": "XYZ"}) is None  # not OVO-Bench's: asked from its clip, as any document

@@ -1,0 +1,319 @@
+"""Replicas that share nothing but an object store (``--store s3://bucket/prefix``, no ``--state-dir``), against a
+real S3 server on 127.0.0.1 (moto's server mode, `tests/s3.py`): leases fenced by the store's conditional writes
+(a stale replica writes nothing), keys, records, the quarantine and saved streams all in the store; two replicas
+in this process creating, feeding, asking, handing a stream over, one cut off from the store and its streams
+taken over with only the unsaved tail lost; a bucket that refuses writes answered in one line with nothing lost.
+`tests/test_serve_nodes.py` runs the same on a Ray cluster of three nodes."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs", reason="statekv[ray] brings s3fs")
+pytest.importorskip("moto.server", reason="moto[server] is part of .[test]")
+pytest.importorskip("fastapi")
+from PIL import Image  # noqa: E402
+
+import statekv  # noqa: E402
+from statekv.serve.auth import owner_of  # noqa: E402
+from statekv.serve.cluster.leases import LeaseLost  # noqa: E402
+from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
+from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
+from statekv.serve.cluster.versions import KEEP, StreamVersions  # noqa: E402
+from statekv.serve.config import ServeConfig  # noqa: E402
+
+from s3 import S3Server  # noqa: E402
+
+STREAM = "st_" + "0" * 24
+KEY = "store-key"
+QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws(s3, monkeypatch):
+    """The standard AWS environment pointing at the local server, as a replica's node would have it."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    return s3
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin", budget=64)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _record(stream_id: str = STREAM, name: str = "s") -> dict:
+    return {"id": stream_id, "owner": "owner", "settings": {}, "horizon_frames": 4, "max_fps": 1.0, "name": name,
+            "created": 0.0}
+
+
+def _frames(seed: int, count: int) -> list[np.ndarray]:
+    generator = np.random.default_rng(seed)
+    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def _png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _alone(qa, frames: list[np.ndarray]) -> str:
+    with qa.stream(horizon_frames=16, max_fps=None) as stream:
+        for index, image in enumerate(frames):
+            stream.push(image, float(index))
+        return stream.ask(QUESTION, max_new_tokens=6)
+
+
+# -- leases fenced by conditional writes -----------------------------------------------------------------------
+def test_a_stream_in_the_store_is_written_by_one_replica_and_a_stale_one_is_fenced_out(aws):
+    clock, url = Clock(), aws.url()
+    stale = StoreStreamFiles(ObjectStore(url), "stale", 10, clock)
+    fresh = StoreStreamFiles(ObjectStore(url), "fresh", 10, clock)
+    stale.claim(STREAM)
+    stale.write_record(_record())
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"saved by stale"))
+    assert stale.read_record(STREAM)["lease"] == {"holder": "stale", "token": 1}
+    assert fresh.take(STREAM) is None and fresh.holder_of(STREAM) == "stale"  # held: nobody else may take it
+    clock.now += 11  # the stale replica's session ran out (it stalled, or lost the store): the stream is free
+    taken = fresh.take(STREAM)
+    assert taken.token == 2 and taken.lapsed
+    fresh.save_state(STREAM, lambda path: path.write_bytes(b"saved by fresh"))
+    fresh.write_record(_record(name="fresh"))
+    for write in (lambda: stale.write_record(_record(name="stale")),
+                  lambda: stale.save_state(STREAM, lambda path: path.write_bytes(b"late write")),
+                  lambda: stale.remove(STREAM)):
+        with pytest.raises(LeaseLost):  # its token is no longer the newest version's: refused, nothing written
+            write()
+    with fresh.local_state(STREAM) as path:
+        assert path.read_bytes() == b"saved by fresh"
+    assert fresh.read_record(STREAM)["name"] == "fresh"
+    assert fresh.read_record(STREAM)["lease"] == {"holder": "fresh", "token": 2}
+    assert [name for name in aws.names(url) if name.startswith("saves/")] == [
+        f"saves/{STREAM}/{name.split('/')[-1]}" for name in aws.names(url) if name.startswith(f"saves/{STREAM}/2-")]
+    history = fresh.history(STREAM)
+    assert [(line["event"], line["holder"], line["token"]) for line in history] == [
+        ("taken", "stale", 1), ("taken", "fresh", 2)]
+    assert history[1]["before"]["holder"] == "stale" and history[1]["at"] >= history[1]["before"]["expires"]
+    fresh.remove(STREAM)
+    assert fresh.read_record(STREAM) is None and fresh.records() == []
+    left = aws.names(url)
+    assert [name for name in left if name.startswith(("saves/", "holders/", "asks/"))] == []
+    assert [name for name in left if name.startswith("streams/")] == [f"streams/{STREAM}/v{7:012d}-deleted.json"]
+    with pytest.raises(Exception, match="no stream"):
+        fresh.take(STREAM)  # the tombstone stays: nobody brings a deleted stream back
+
+
+def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws):
+    """A replica that read version N and stalled until N+1 had been written and removed (older versions are
+    pruned) creates N+1 again: the chain has moved on past it, so the write is undone and refused."""
+    url = aws.url()
+    store = ObjectStore(url)
+    versions = StreamVersions(store)
+    first = versions.commit(None, STREAM, "taken", holder="a", token=1)
+    seen = versions.commit(first, STREAM, "recorded", record=_record())
+    current = seen
+    for index in range(KEEP + 3):
+        current = versions.commit(current, STREAM, "recorded", record=_record(name=str(index)))
+    stale_number = f"v{seen.number + 1:012d}"
+    assert not any(stale_number in name for name in aws.names(url))  # removed by the pruning
+    assert versions.commit(seen, STREAM, "recorded", record=_record(name="stale")) is None
+    assert not any(stale_number in name for name in aws.names(url))
+    assert StreamVersions(store).current(STREAM).record["name"] == str(KEEP + 2)
+
+
+def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys):
+    from statekv.cli import main
+    from statekv.serve.cluster.store_files import StoreKeyFile
+
+    url = aws.url()
+    made = StoreKeyFile(ObjectStore(url)).make()
+    assert made and StoreKeyFile(ObjectStore(url)).make() is None  # one key per store, whoever is first
+    assert StoreKeyFile(ObjectStore(url)).stored()[0]["owner"] == owner_of(made)
+    status = main(["serve", "--ray", "auto", "--store", "s3://no-such-bucket/x", "--api-key", "k"])
+    printed = capsys.readouterr()
+    assert status == 2 and printed.err.count("\n") == 1 and "Traceback" not in printed.err, printed.err
+    assert "--store s3://no-such-bucket/x: cannot use it" in printed.err and "NoSuchBucket" in printed.err
+
+
+# -- two replicas in one process over one store -----------------------------------------------------------------
+def _replicas(qa, url: str, names: tuple[str, ...], lease_seconds: float, **settings):
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    config = ServeConfig(options=qa.options, state_dir=None, api_keys=(KEY,), page=False, save_every_seconds=600,
+                         **settings)
+    hostings = [ReplicaHosting(config, name, lease_seconds=lease_seconds, store=url) for name in names]
+    return hostings, [TestClient(create_app(config, qa=qa, hosting=hosting)) for hosting in hostings]
+
+
+def _push(client, stream_id: str, image: np.ndarray, index: int):
+    return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "image/png"})
+
+
+def _call(client, method: str, path: str, **kwargs):
+    return client.request(method, path, headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
+
+
+def _until(check, seconds: float = 30.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.2)
+
+
+def test_two_replicas_over_an_object_store_move_a_stream_and_take_over_from_one_cut_off(aws, qa, monkeypatch):
+    url, frames = aws.url(), _frames(7, 7)
+    hostings, clients = _replicas(qa, url, ("first", "second"), lease_seconds=2, save_every_frames=2)
+    with clients[0] as first, clients[1] as second:
+        made = _call(first, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None})
+        assert made.status_code == 201, made.text
+        stream_id = made.json()["id"]
+        assert made.json()["replica"] == "first"
+        for index in range(3):
+            assert _push(first, stream_id, frames[index], index).status_code == 200
+        assert _call(first, "POST", f"/v1/streams/{stream_id}/ask", json={
+            "question": QUESTION, "max_new_tokens": 6}).json()["answer"] == _alone(qa, frames[:3])
+
+        # a stream moved: asked for on the second replica, the first saves it and lets it go
+        moved = _call(second, "GET", f"/v1/streams/{stream_id}")
+        assert moved.status_code == 200 and moved.json()["replica"] == "second" and moved.json()["frames"] == 3
+        assert _call(first, "GET", "/v1/streams").json()["data"][0]["replica"] == "second"
+        for index in range(3, 6):
+            assert _push(second, stream_id, frames[index], index).status_code == 200
+
+        # the second replica cut off from the store: its session lapses, it stops serving the stream, and the
+        # first takes it from its last save (frames 0-4: saved before the push of frame 5)
+        def unreachable():
+            raise StoreError(f"the object store {url} cannot write sessions/second.json (unreachable)")
+
+        monkeypatch.setattr(hostings[1].files.session, "keep", unreachable)
+        refused = _until(lambda: _call(second, "GET", f"/v1/streams/{stream_id}").status_code == 503, 10)
+        assert refused, "the cut-off replica kept serving a stream it may have lost"
+        taken = _until(lambda: _call(first, "GET", f"/v1/streams/{stream_id}").json().get("replica") == "first")
+        assert taken
+        stats = _call(first, "GET", f"/v1/streams/{stream_id}").json()
+        assert stats["frames"] == stats["resume_from"] == 5  # only the unsaved tail (frame 5) lost
+        resumed = _push(first, stream_id, frames[6], 6)
+        assert resumed.status_code == 409 and "push again from frame 5" in resumed.json()["error"]["message"]
+        for index in range(5, 7):
+            assert _push(first, stream_id, frames[index], index).status_code == 200
+        answer = _call(first, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
+                                                                             "max_new_tokens": 6})
+        assert answer.json()["answer"] == _alone(qa, frames) and answer.json()["frames"] == 7
+
+        # the stale replica writes nothing: its late save is refused, the store keeps the first's
+        entry = hostings[1].shared.entries.get(stream_id)
+        if entry is not None:  # not yet dropped by its lease loop
+            with pytest.raises(LeaseLost):
+                hostings[1].files.save_state(stream_id, entry.stream.save)
+        record = hostings[0].files.read_record(stream_id)
+        assert record["lease"]["holder"] == "first" and record["saved"]["frames"] in (5, 7)
+        tokens = [line["token"] for line in hostings[0].files.history(stream_id) if line["event"] == "taken"]
+        assert tokens == list(range(1, len(tokens) + 1)) and len(tokens) == 3
+        assert _call(first, "DELETE", f"/v1/streams/{stream_id}").status_code == 200
+        assert _call(second, "GET", f"/v1/streams/{stream_id}").status_code == 404
+    assert not [name for name in aws.names(url) if name.startswith("saves/")]
+
+
+def test_a_bucket_that_refuses_writes_is_one_line_and_nothing_is_lost(aws, qa, monkeypatch):
+    frames = _frames(3, 4)
+    with aws.writes_refused_to(monkeypatch) as refuse:
+        url = aws.url()
+        hostings, clients = _replicas(qa, url, ("only",), lease_seconds=60, save_every_frames=2)
+        with clients[0] as client:
+            stream_id = _call(client, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None}).json()["id"]
+            for index in range(2):
+                assert _push(client, stream_id, frames[index], index).status_code == 200
+            refuse(True)
+            for response, status in ((_call(client, "POST", "/v1/streams", json={}), 503),
+                                     (_push(client, stream_id, frames[2], 2), 503),
+                                     (_call(client, "DELETE", f"/v1/streams/{stream_id}"), 503)):
+                assert response.status_code == status, response.text
+                message = response.json()["error"]["message"]
+                assert "\n" not in message and "AccessDenied" in message and "Traceback" not in message, message
+            assert "this frame was not streamed" in _push(client, stream_id, frames[2], 2).json()["error"]["message"]
+            stats = _call(client, "GET", f"/v1/streams/{stream_id}").json()
+            assert (stats["frames"], stats["resume_from"]) == (2, 2)  # as it was
+            asked = _call(client, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
+                                                                                 "max_new_tokens": 6})
+            assert asked.status_code == 200 and asked.json()["answer"] == _alone(qa, frames[:2])
+            assert [s["id"] for s in _call(client, "GET", "/v1/streams").json()["data"]] == [stream_id]
+            refuse(False)
+            for index in range(2, 4):
+                assert _push(client, stream_id, frames[index], index).status_code == 200
+        # a restart (every replica gone, a new one) brings the stream back whole: its shutdown saved it
+        hostings, clients = _replicas(qa, url, ("again",), lease_seconds=60)
+        with clients[0] as client:
+            stats = _call(client, "GET", f"/v1/streams/{stream_id}").json()
+            assert stats["frames"] == 4 and stats["replica"] == "again"
+            asked = _call(client, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
+                                                                                 "max_new_tokens": 6})
+            assert asked.json()["answer"] == _alone(qa, frames)
+
+
+def test_the_documented_rayservice_builds_the_object_store_application_and_its_policy_allows_what_it_does(aws):
+    """docs/serving.md's KubeRay recipe: its serveConfigV2 is a Serve config whose application builds with the store
+    alone (no state folder), and the bucket policy it shows allows every request statekv makes."""
+    from pathlib import Path
+
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from statekv.commands.serve import ray_app
+
+    yaml = pytest.importorskip("yaml")
+    serving = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    documents = [yaml.safe_load(block.split("```")[0]) for block in serving.split("```yaml\n")[1:]]
+    service = next(document for document in documents if isinstance(document, dict)
+                   and document.get("kind") == "RayService")
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    application = schema.applications[0]
+    assert "state_dir" not in application.args and application.args["store"].startswith("s3://")
+    import torch
+
+    url = aws.url()
+    args = {**application.args, "store": url,  # the local S3 server; CPU where this machine has no GPU
+            **({} if torch.cuda.is_available() else {"device": "cpu"})}
+    for name, value in application.runtime_env["env_vars"].items():
+        os.environ[name] = value
+    try:
+        built = build_app(ray_app(args), name=application.name).deployments[0]
+    finally:
+        for name in application.runtime_env["env_vars"]:
+            os.environ.pop(name, None)
+    config, cluster = built.init_args
+    assert config.state_dir is None and cluster.store == url and (cluster.replicas, cluster.max_replicas) == (2, 8)
+    assert built._deployment_config.request_router_config.request_router_kwargs == {"store": url,
+                                                                                   "max_streams": 64}
+    policy = next(document for document in documents if isinstance(document, dict) and "Statement" in document)
+    allowed = {action for statement in policy["Statement"] for action in
+               ([statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"])}
+    assert allowed == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
+    prefix = service["spec"]["serveConfigV2"].split("store: s3://", 1)[1].split()[0]
+    assert any(statement["Resource"] == f"arn:aws:s3:::{prefix}/*" for statement in policy["Statement"])
