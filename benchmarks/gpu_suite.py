@@ -21,6 +21,9 @@ With random weights of the real shapes (a forward's cost does not depend on the 
    launches and host-dispatched ops per step.
 7. ``cache tiers``: the same stream with its detailed cache in GPU memory, int4, on disk, and on disk int4:
    ms per frame, GPU and host memory.
+8. ``8B TTFT`` and ``1B TTFT``: time to the first answer token at 16, 64, 256 and 4,096 frames seen, and
+   ``live streams``: the most live 1-fps cameras of a random InternVL3-8B held with p95 TTFT <= 0.5 s, found by
+   ``statekv bench serve --find-max`` (`gpu_serving`: what they measure and on what frames).
 
 Each section has a time cap and the whole run a budget (``--budget-s``); a section that fails or does not fit is
 reported with the reason, and the report (``gpu_suite.md``, ``gpu_suite.json`` under ``--out``) is rewritten
@@ -47,6 +50,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_serving  # noqa: E402
+
 DOCS_SECTION = "GPU suite"
 PINNED = ("transformers", "av")  # what a CUDA machine's image may lack or hold at another version
 CUDA_TEST_FILES = ("tests/test_cuda.py", "tests/test_static_step.py", "tests/test_kernel_triton.py",
@@ -86,6 +92,15 @@ class Shapes:
     tier_frames: int
     vlm_budget: int
     device: str
+    ttft_frames: tuple[int, ...]  # frames seen when TTFT is measured
+    ttft_frame_tokens: int  # tokens of a frame in the TTFT streams
+    ttft_group_after: int  # frames streamed one per step; then ttft_group per step
+    ttft_group: int
+    ttft_prompt_tokens: int
+    ttft_budget: int
+    live_start: int  # the cameras the live-stream search starts at
+    live_duration: float  # seconds of each run of that search
+    live_warm_frames: int  # frames each camera streams before a run's clock starts (its carried state full)
 
 
 REAL = Shapes(
@@ -98,13 +113,17 @@ REAL = Shapes(
     vlm_vision=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
                     image_size=448, patch_size=14),
     image_size=448, pipeline_frames=300, stream_counts=(1, 4, 16), stream_frames=8, tier_frames=48,
-    vlm_budget=4096, device="cuda")
+    vlm_budget=4096, device="cuda", ttft_frames=(16, 64, 256, 4096), ttft_frame_tokens=16, ttft_group_after=256,
+    ttft_group=16, ttft_prompt_tokens=16, ttft_budget=1024, live_start=8, live_duration=6.0,
+    live_warm_frames=16)
 SMOKE = Shapes(
     lm=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=128, tie_word_embeddings=False),
     frame_tokens=12, budget=48, window_frames=4, step_warmup=6, step_timed=3, prefill_frames=16,
     vlm_text=None, vlm_vision=None, image_size=64, pipeline_frames=8, stream_counts=(1, 4, 16), stream_frames=2,
-    tier_frames=6, vlm_budget=64, device="cpu")
+    tier_frames=6, vlm_budget=64, device="cpu", ttft_frames=(2, 4, 8, 32), ttft_frame_tokens=4, ttft_group_after=8,
+    ttft_group=4, ttft_prompt_tokens=4, ttft_budget=16, live_start=1, live_duration=2.0,
+    live_warm_frames=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -931,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (default 480; "
                                                                      "smoke 300)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("tests", "step", "prefill", "pipeline", "streams",
-                                                                   "steps", "tiers"), help="sections not to run")
+                                                                   "steps", "tiers", "ttft", "live"), help="sections not to run")
     parser.add_argument("--docs", default=None, help=f"markdown file whose '{DOCS_SECTION}' section is replaced by "
                                                       "the report (docs/benchmarks.md)")
     parser.add_argument("--prepare-wheels", metavar="FOLDER", help="download the wheels a CUDA machine without "
@@ -961,15 +980,26 @@ def main(argv: list[str] | None = None) -> int:
                     needs_s=20)
     with tempfile.TemporaryDirectory(prefix="statekv-gpu-suite-") as scratch:
         folder = Path(scratch)
-        if {"step", "prefill"} - set(args.skip):
+        if {"step", "prefill", "ttft"} - set(args.skip):
             lm = LanguageModel(shapes, shapes.prefill_frames + 1)
             if "step" not in args.skip:
                 run.section("8B step", lambda s, d: lm_step(s, d, lm), cap_s=200, needs_s=30)
             if "prefill" not in args.skip:
                 run.section("512-frame prefill", lambda s, d: prefill(s, d, lm), cap_s=120, needs_s=30)
+            if "ttft" not in args.skip:
+                run.section("8B TTFT", lambda s, d: gpu_serving.ttft(s, d, lm.model, shapes, "8B"), cap_s=25,
+                            needs_s=10)
             del lm
             release_memory()
-        if {"pipeline", "streams", "steps", "tiers"} - set(args.skip):
+        if "ttft" not in args.skip:
+            def ttft_1b(section: Section, deadline: float) -> None:
+                horizon = shapes.ttft_frames[-1] * shapes.ttft_frame_tokens + 4096
+                gpu_serving.ttft(section, deadline, gpu_serving.decoder(gpu_serving.ttft_lm(shapes), horizon,
+                                                                        shapes.device), shapes, "1B")
+
+            run.section("1B TTFT", ttft_1b, cap_s=15, needs_s=8)
+            release_memory()
+        if {"pipeline", "streams", "steps", "tiers", "live"} - set(args.skip):
             built, checkpoint = timed("cpu", lambda: make_vlm(folder, shapes))
             print(f"1B checkpoint built in {built:.0f} s", flush=True)
             if "pipeline" not in args.skip:
@@ -983,6 +1013,9 @@ def main(argv: list[str] | None = None) -> int:
             if "tiers" not in args.skip:
                 run.section("cache tiers", lambda s, d: cache_tiers(s, d, shapes, checkpoint, folder), cap_s=60,
                             needs_s=15)
+            if "live" not in args.skip:
+                run.section("live streams", lambda s, d: gpu_serving.live_streams(s, d, shapes, checkpoint, folder),
+                            cap_s=50, needs_s=25)
     run.write()
     print((run.out / "gpu_suite.md").read_text())
     return 1 if any(section.status == "failed" for section in run.sections) else 0

@@ -21,6 +21,7 @@ COMMANDS = (
     "statekv.commands.stream",
     "statekv.commands.serve",
     "statekv.commands.reown",
+    "statekv.bench.command",
     "statekv.analysis.command",
     "statekv.eval.command",
     "statekv.flops.command",

@@ -18,8 +18,8 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     record = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = {section["name"]: section for section in record["sections"]}
-    assert list(sections) == ["cuda tests", "8B step", "512-frame prefill", "1B pipeline", "batched streams",
-                              "batched steps", "cache tiers"]
+    assert list(sections) == ["cuda tests", "8B step", "512-frame prefill", "8B TTFT", "1B TTFT", "1B pipeline",
+                              "batched streams", "batched steps", "cache tiers", "live streams"]
     assert all(section["status"] == "ok" for section in sections.values()), sections
     assert sections["cuda tests"]["figures"]["collected"] >= 10  # what runs on a GPU is still selected
     steps = {row["variant"]: row for row in sections["8B step"]["rows"]}
@@ -36,6 +36,14 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert [row["streams"] for row in batched] == [1, 4, 16] and batched[0]["batched_rows"] == 0
     assert all(row["batched_rows"] > 0 and row["aten_ops"] > 0 for row in batched[1:])  # they did share steps
     assert [row["tier"] for row in sections["cache tiers"]["rows"]] == ["model dtype", "int4", "disk", "disk int4"]
+    for model in ("8B", "1B"):  # TTFT at every length of the smoke's (16, 64, 256, 4,096 frames on a GPU)
+        ttft = sections[f"{model} TTFT"]
+        assert [row["frames"] for row in ttft["rows"]] == [2, 4, 8, 32]
+        assert all(row["ttft_ms"] > 0 for row in ttft["rows"])
+        assert [row["tokens_seen"] for row in ttft["rows"]] == [8, 16, 32, 128] and ttft["rows"][-1]["steps"] == 14
+    live = sections["live streams"]  # statekv bench serve --find-max against the model served in-process
+    assert live["figures"]["live_streams_8b"] >= 1 and live["rows"][0]["streams"] == 1
+    assert all(row["mean_batch"] is not None for row in live["rows"])
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "Smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report
     assert "(met)" not in report and "(short)" not in report and "None GiB" not in report

@@ -90,7 +90,7 @@ class _nothing:
 
 def _check_whole(stream, reference, tmp_path) -> None:
     """The stream as its last whole push left it, in memory and saved."""
-    assert 1 <= stream.pushed <= len(FRAMES)
+    assert 0 <= stream.pushed <= len(FRAMES)  # on a loaded machine a signal can land in the first push
     assert _equal(_state(stream), reference[stream.pushed]), f"stopped after {stream.pushed} pushes, cut"
     if not stream.tokens:  # nothing encoded yet to save: the first frame waits for its batch
         return

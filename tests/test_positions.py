@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from statekv.core import FullAttention, Retrieval, StateKV, StreamingPrefill
+from statekv.core import FullAttention, Recency, Retrieval, StateKV, StreamingPrefill
 from statekv.core.rules import CarryPolicy
 from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
                                             choose_positions, rotate, trained_range)
@@ -55,6 +55,57 @@ def test_bounded_is_the_stream_while_it_fits(model, policy):
         assert torch.equal(a, b)
     assert torch.equal(runs["stream"][1], runs["bounded"][1])
     assert runs["bounded"][2] == "whole"
+
+
+POLICIES = [FullAttention(), StateKV(16), Recency(frames=2)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["full", "statekv", "recency"])
+def test_bounded_steps_cost_the_streams_while_they_fit(model, policy):
+    """Inside the range a bounded step is a stream-positions step: the same ops, in the same carried form
+    (a window, slots or the ring: nothing placed or rotated); from the first step placed elsewhere on, every layer
+    carries slots with placements."""
+    from statekv.testing.op_trace import OpTrace
+
+    embed = model.get_input_embeddings()
+    chunks = [embed(tokens(4, seed)).detach() for seed in range(20)]
+    ops = {}
+    for mode in ("stream", "bounded", "stream", "bounded"):  # the second of each: every mask shape built already
+        prefill = StreamingPrefill(model, policy, positions=mode)
+        ops[mode] = []
+        for chunk in chunks[:12]:  # 48 tokens: inside the cap of 56
+            with OpTrace() as trace:
+                prefill.step(inputs_embeds=chunk)
+            ops[mode].append(trace.compute)
+        forms = {layer.form for layer in prefill.cache.layers}
+        assert not prefill.cache.placed and forms == {"window" if policy is POLICIES[0] else
+                                                      "slots" if policy is POLICIES[1] else "ring"}
+    assert ops["stream"] == ops["bounded"]
+    for chunk in chunks[12:]:
+        prefill.step(inputs_embeds=chunk)
+    assert prefill.positions.moved and prefill.cache.placed
+    assert all(layer.form == "slots" and layer.slots.placements is not None for layer in prefill.cache.layers)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["full", "statekv", "recency"])
+def test_a_bounded_stream_saved_before_it_moved_resumes_exactly(model, policy):
+    """Saved while every step sat at its own position (no placements kept), resumed, and streamed past the range:
+    the same hidden states as the stream that never stopped."""
+    embed = model.get_input_embeddings()
+    chunks = [embed(tokens(4, seed)).detach() for seed in range(24)]
+    whole = StreamingPrefill(model, policy, positions="bounded")
+    expected = [whole.step(inputs_embeds=chunk) for chunk in chunks]
+    first = StreamingPrefill(model, policy, positions="bounded")
+    for chunk in chunks[:8]:
+        first.step(inputs_embeds=chunk)
+    tensors, metadata = first.state_dict()
+    assert not any(name.endswith("carried_placements") for name in tensors)
+    resumed = StreamingPrefill(model, policy, positions="bounded")
+    resumed.load_state_dict(tensors, metadata)
+    assert not resumed.cache.placed
+    for chunk, reference in zip(chunks[8:], expected[8:]):
+        assert torch.equal(resumed.step(inputs_embeds=chunk), reference)
+    assert resumed.cache.placed
 
 
 class Recording(CarryPolicy):

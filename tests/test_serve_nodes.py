@@ -321,11 +321,14 @@ def test_a_worker_node_killed_under_load_loses_only_unsaved_tails_and_replicas_r
         # -- the node comes back: a replica is placed on it again, and the replicas rebalance ------------------------
         nodes.add(0)
         deadline = time.monotonic() + 180
-        while len(replicas := _replicas(s3, url)) < 2 or sorted(
-                nodes.node_of(posted["pid"]) for posted in replicas.values()) != [0, 1]:
-            assert time.monotonic() < deadline, f"no replica came back on the returned node: {replicas}"
+        while True:  # a killed replica's last post stays on the board a while: its process is on no node
+            placed = {name: nodes.node_of(posted["pid"]) for name, posted in _replicas(s3, url).items()}
+            placed = {name: node for name, node in placed.items() if node is not None}
+            if sorted(placed.values()) == [0, 1]:
+                break
+            assert time.monotonic() < deadline, f"no replica came back on the returned node: {placed}"
             time.sleep(1)
-        returned = next(name for name, posted in replicas.items() if nodes.node_of(posted["pid"]) == 0)
+        returned = next(name for name, node in placed.items() if node == 0)
         let_go = _held(client, {survivor: 2}, seconds=60)  # idle streams saved and let go, one at a time
         assert let_go == {survivor: 2}, let_go
         for stream_id, seed in seeds.items():  # each answers where it is asked for next, as the whole stream alone

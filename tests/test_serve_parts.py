@@ -165,3 +165,85 @@ def test_streams_pushing_frame_after_frame_meet_in_one_drain():
     finally:
         worker.close()
     assert sum(qa.groups) == 40 and qa.groups.count(2) >= 15  # nearly every drain steps both streams
+
+
+class _Recording(_QA):
+    """A `_QA` that records each drain's pushes (stream, frame) in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.drains: list[list[tuple[int, object]]] = []
+
+    def push_many(self, items, return_exceptions=False):
+        self.drains.append([(id(stream), image) for stream, image, _ in items])
+        return super().push_many(items, return_exceptions)
+
+
+def test_a_stream_that_fell_behind_has_one_push_in_every_drain():
+    """Pushes queued without waiting for the stream's earlier ones: each drain takes every stream's earliest, so a
+    stream three frames behind steps with the others in three drains, its frames in order, each answered as its own."""
+    qa, worker = _Recording(), ModelWorker(gather_seconds=0.0)
+    behind, other = _Stream(qa), _Stream(qa)
+    started = threading.Event()
+
+    async def run() -> list:
+        busy = asyncio.ensure_future(worker.run(lambda: (started.set(), time.sleep(0.2))))  # the thread is busy
+        await asyncio.to_thread(started.wait)
+        answers = [worker.queue_push(behind, frame, None, before=lambda: 0, after=lambda context, kept, f=frame: f)
+                   for frame in ("a1", "a2", "a3")]
+        answers.append(worker.queue_push(other, "b1", None, before=lambda: 0, after=lambda context, kept: "b1"))
+        await busy
+        return await asyncio.gather(*answers)
+
+    try:
+        assert asyncio.run(run()) == ["a1", "a2", "a3", "b1"]
+    finally:
+        worker.close()
+    assert qa.drains == [[(id(behind), "a1"), (id(other), "b1")], [(id(behind), "a2")], [(id(behind), "a3")]]
+    assert worker.queued == 0
+
+
+def test_a_camera_keeping_up_is_not_waited_for():
+    """A stream whose pushes come a frame period after their answers (a camera keeping up) is not waited for:
+    another stream's push is drained at once, not after the gathering wait that streams pushing back to back get."""
+    qa, worker = _QA(), ModelWorker(gather_seconds=0.2)
+    camera, other = _Stream(qa), _Stream(qa)
+    push = {"before": lambda: 0, "after": lambda context, kept: kept}
+
+    async def run() -> float:
+        for frame in range(3):  # one a second: each a second after its answer
+            if frame:
+                await asyncio.sleep(1.0)
+            await worker.push(camera, None, None, **push)
+        await asyncio.sleep(0.02)  # within the 0.25 s a stream that just pushed is watched for
+        started = time.monotonic()
+        await worker.push(other, None, None, **push)
+        return time.monotonic() - started
+
+    try:
+        assert asyncio.run(run()) < 0.15  # not the 0.2 s wait
+    finally:
+        worker.close()
+
+
+def test_metrics_show_the_batch_sizes_as_a_histogram():
+    """``statekv_step_batch_size``: the language-model forwards by the stream steps each took, read when scraped
+    (its sum over its count is the mean batch `statekv bench serve` reports)."""
+    from collections import Counter
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from statekv.serve.metrics import Metrics
+
+    sizes = Counter({1: 3, 4: 2})
+    metrics = Metrics(lambda: 2, lambda: 0, lambda: 2, lambda: sizes)
+    samples = {(sample.name, sample.labels.get("le")): sample.value
+               for family in text_string_to_metric_families(metrics.exposition().decode())
+               if family.name == "statekv_step_batch_size" for sample in family.samples}
+    assert samples[("statekv_step_batch_size_bucket", "1.0")] == 3
+    assert samples[("statekv_step_batch_size_bucket", "2.0")] == 3
+    assert samples[("statekv_step_batch_size_bucket", "4.0")] == 5
+    assert samples[("statekv_step_batch_size_bucket", "+Inf")] == 5
+    assert samples[("statekv_step_batch_size_count", None)] == 5 and samples[("statekv_step_batch_size_sum", None)] == 11
+    sizes[16] += 1  # read again at the next scrape
+    assert "statekv_step_batch_size_count 6.0" in metrics.exposition().decode()

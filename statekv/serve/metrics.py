@@ -1,23 +1,28 @@
-"""Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency."""
+"""Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency, and
+how many streams' steps each language-model forward took (``statekv_step_batch_size``)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections import Counter
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 RATE_WINDOW_SECONDS = 10.0
 
 
 class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
-                 batched_steps: Callable[[], int] | None = None):
+                 batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Counter] | None = None):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
             self.registry.register(_BatchedSteps(batched_steps))
+        if batch_sizes is not None:
+            self.registry.register(_BatchSizes(batch_sizes))
         self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
         self.stopped = Counter("statekv_answers_stopped", "answers stopped between tokens: their client went away",
@@ -63,4 +68,31 @@ class _BatchedSteps:
         family = CounterMetricFamily("statekv_batched_steps", "language-model forwards that stepped several "
                                      "streams together")
         family.add_metric([], float(self.count()))
+        yield family
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _BatchSizes:
+    """``statekv_step_batch_size``: a histogram of the stream steps each language-model forward took (1: a stream
+    stepped alone), read from the models' step schedulers when scraped; its ``_sum`` over its ``_count`` is the
+    mean batch."""
+
+    name = "statekv_step_batch_size"
+    help = "stream steps per language-model forward (streams stepped together in one batch)"
+
+    def __init__(self, sizes: Callable[[], Counter]):
+        self.sizes = sizes
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.help)]
+
+    def collect(self):
+        sizes = self.sizes()
+        buckets = [(floatToGoString(bound), float(sum(n for size, n in sizes.items() if size <= bound)))
+                   for bound in BATCH_BUCKETS]
+        buckets.append(("+Inf", float(sum(sizes.values()))))
+        family = HistogramMetricFamily(self.name, self.help)
+        family.add_metric([], buckets, sum_value=float(sum(size * n for size, n in sizes.items())))
         yield family

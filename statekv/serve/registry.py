@@ -23,6 +23,7 @@ import math
 import secrets
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -204,12 +205,20 @@ class StreamRegistry:
 
     # -- pushing -------------------------------------------------------------------------------------------
     async def push(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
-        """Push one frame. Pushes to several streams that wait together step together (`ModelWorker.push`)."""
+        """Push one frame. Pushes to several streams that wait together step together (`ModelWorker.push`); a
+        stream's pushes are queued in order without waiting for each other (`ModelWorker.queue_push`), so a stream
+        that fell behind has a push in every drain."""
         self.placement.admit_push(entry)
         if entry.feeding:
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source}; push after it is done")
-        async with entry.lock:
-            return await self._push_held(entry, image, seconds)
+        queue = getattr(self.worker, "queue_push", None)
+        if queue is None:
+            async with entry.lock:
+                return await self._push_held(entry, image, seconds)
+        async with entry.lock:  # in order, behind a feed, hand-over or deletion under way
+            answer = queue(entry.stream, image, seconds, before=lambda: self._before_push(entry),
+                           after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
+        return await answer
 
     async def _push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         batched = getattr(self.worker, "push", None)
@@ -262,6 +271,12 @@ class StreamRegistry:
         """Language-model forwards that stepped several streams together, over the server's models."""
         models = [self.qa, *list(self.settings.models.values())]
         return sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0) for qa in models)
+
+    def batch_sizes(self) -> Counter:
+        """Language-model forwards by the stream steps each took, over the server's models."""
+        models = [self.qa, *list(self.settings.models.values())]
+        return sum((Counter(getattr(getattr(qa, "step_scheduler", None), "batch_sizes", {})) for qa in models),
+                   Counter())
 
     # -- feeding a file ------------------------------------------------------------------------------------
     async def open_source(self, path: Path, shown: str) -> Any:

@@ -1,23 +1,32 @@
 """Where model work runs: every push, encode, question and save of the server's models runs on one thread, in
 arrival order, so concurrent requests never step a model at once. Pushes are the exception that proves it:
 pushes queued while the thread is busy are taken together, and the streams of one `VideoQA` among them step
-together (`VideoQA.push_many`: one vision call, batched language-model steps). Streams that push one frame after
-another (a client sending frames, a file being fed) have one push in flight each, so they would take turns
-rather than meet: a drain that lacks a stream which pushed within the last `ACTIVE_SECONDS` waits up to
-`GATHER_SECONDS` for its next push."""
+together (`VideoQA.push_many`: one vision call, batched language-model steps). A drain takes each stream's
+earliest queued push and leaves its later ones, in order, to the next drain, which is queued behind whatever work
+arrived meanwhile: a stream that fell behind has its frames taken one per drain, each with every other stream's.
+Pushes are queued without waiting for the stream's earlier ones (`queue_push`), so a backlog is always there to
+batch. Streams that push one frame after another (a file being fed, a client waiting for each answer) have one
+push in flight each, so they would take turns rather than meet: a drain that lacks such a stream, one that pushed
+within the last `ACTIVE_SECONDS` and is not known to take longer (one of its last pushes came within `BACK_TO_BACK`
+gathering waits of the answer before it), waits up to `GATHER_SECONDS` (the gathering wait) for its next push. A camera keeping up, whose next frame comes a frame period later however
+fast it is answered, is not waited for; one that fell behind comes straight back, and is."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
-ACTIVE_SECONDS = 0.25  # a stream that pushed this recently is expected to push again
+ACTIVE_SECONDS = 0.25  # a stream that pushed this recently is expected to push again...
+BACK_TO_BACK = 4  # ...if one of its last pushes came within this many gathering waits of the answer before it
+GAPS_KEPT = 8
+IDLE_SECONDS = 30.0  # what is known of a stream that has not pushed for this long is forgotten
 GATHER_SECONDS = 0.005  # the longest a drain waits for such a stream's next push
 
 
@@ -57,7 +66,9 @@ class ModelWorker:
         self._pushes: list[_Push] = []
         self._drain_queued = False
         self._arrived = threading.Condition()
-        self._last_push: dict[int, float] = {}  # id(stream) -> when its last push arrived
+        self._last_push: dict[int, float] = {}  # id(stream) -> when its last push arrived, if it pushes back to back
+        self._answered_at: dict[int, float] = {}  # id(stream) -> when its last push was answered
+        self._gaps: dict[int, deque] = {}  # id(stream) -> its last pushes' times from the answer before them
 
     async def run(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self.queued += 1
@@ -74,33 +85,65 @@ class ModelWorker:
         """Push a frame to ``stream`` on the model's thread, with the pushes that wait with it: ``before()`` runs
         first (its error fails this push only), then the push, then ``after(before's result, kept)``, whose
         result is returned."""
+        return await self.queue_push(stream, image, seconds, before=before, after=after)
+
+    def queue_push(self, stream: Any, image: Any, seconds: float | None, *, before: Callable[[], Any],
+                   after: Callable[[Any, bool], T]) -> "asyncio.Future[T]":
+        """`push`, queued now (after the stream's pushes queued before it) and answered by the future returned (on
+        the running event loop)."""
         push = _Push(stream, image, seconds, before, after)
         with self._arrived:
             self._pushes.append(push)
-            self._last_push[id(stream)] = time.monotonic()
+            now, answered = time.monotonic(), self._answered_at.pop(id(stream), None)
+            gaps = self._gaps.setdefault(id(stream), deque(maxlen=GAPS_KEPT))
+            if answered is not None:
+                gaps.append(now - answered)
+            if not gaps or min(gaps) <= BACK_TO_BACK * self.gather_seconds:  # it may come straight back
+                self._last_push[id(stream)] = now
+            else:
+                self._last_push.pop(id(stream), None)
             self._arrived.notify_all()
-            if not self._drain_queued:  # one queued drain takes every push that arrives until it starts
-                self._drain_queued = True
-                self._pool.submit(self._drain)
+            self._queue_drain()
         self.queued += 1
-        try:
-            return await asyncio.wrap_future(push.future)
-        finally:
-            self.queued -= 1
+        answer = asyncio.wrap_future(push.future)
+        answer.add_done_callback(self._answered)
+        return answer
+
+    def _answered(self, answer: asyncio.Future) -> None:
+        self.queued -= 1
+        if not answer.cancelled():
+            answer.exception()  # read here: a push whose caller went away leaves no unread error behind
+
+    def _queue_drain(self) -> None:
+        """Queue a drain unless one is queued that has not started (it takes every push queued until it starts).
+        Called with ``_arrived`` held."""
+        if self._pushes and not self._drain_queued:
+            self._drain_queued = True
+            self._pool.submit(self._drain)
 
     def _gathered(self) -> list[_Push]:
-        """The pushes waiting, once every recently active stream has one or `gather_seconds` have passed."""
+        """Each stream's earliest waiting push, once every recently active stream has one or `gather_seconds` have
+        passed; the later ones stay queued, in order, for the next drain (queued here, behind what came meanwhile)."""
         with self._arrived:
             deadline = time.monotonic() + self.gather_seconds
             while True:
                 now = time.monotonic()
                 for key in [key for key, when in self._last_push.items() if now - when >= ACTIVE_SECONDS]:
                     del self._last_push[key]
+                for key in [key for key, when in self._answered_at.items() if now - when >= IDLE_SECONDS]:
+                    del self._answered_at[key]
+                for key in set(self._gaps) - set(self._answered_at) - {id(push.stream) for push in self._pushes}:
+                    del self._gaps[key]  # neither answered lately nor waiting: idle or gone
                 if set(self._last_push) <= {id(push.stream) for push in self._pushes} or now >= deadline:
                     break
                 self._arrived.wait(deadline - now)
-            pushes, self._pushes, self._drain_queued = self._pushes, [], False
-        return pushes
+            taken, left, streams = [], [], set()
+            for push in self._pushes:
+                (left if id(push.stream) in streams else taken).append(push)
+                streams.add(id(push.stream))
+            self._pushes, self._drain_queued = left, False
+            self._queue_drain()
+        return taken
 
     def _drain(self) -> None:
         pushes = self._gathered()
@@ -123,12 +166,15 @@ class ModelWorker:
                 results = [error] * len(group)
             for push, result in zip(group, results):
                 if isinstance(result, BaseException):
-                    push.future.set_exception(result)
-                    continue
-                try:
-                    push.future.set_result(push.after(push.context, result))
-                except BaseException as error:
-                    push.future.set_exception(error)
+                    outcome = (push.future.set_exception, result)
+                else:
+                    try:
+                        outcome = (push.future.set_result, push.after(push.context, result))
+                    except BaseException as error:
+                        outcome = (push.future.set_exception, error)
+                with self._arrived:
+                    self._answered_at[id(push.stream)] = time.monotonic()
+                outcome[0](outcome[1])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -166,6 +166,11 @@ class StepScheduler:
     def batched_rows(self) -> int:
         return self.batcher.batched_rows
 
+    @property
+    def batch_sizes(self):
+        """Language-model forwards by the stream steps each took (a `collections.Counter`)."""
+        return self.batcher.batch_sizes
+
     def run(self, jobs: Sequence[StepJob]) -> None:
         """Queue ``jobs`` and return once each is done (its ``error`` set if it failed), batched with whatever
         other threads queue meanwhile. A stopping signal waits for the call to end (`whole`): a stop raised while

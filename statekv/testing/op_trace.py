@@ -91,12 +91,11 @@ _tracing: list[OpTrace] = []  # the traces entered, innermost last
 
 @contextmanager
 def device_parts():
-    """While active, the ops a step dispatches inside its device part (`statekv.core.step.batching.device_step`, or a
-    pooled batch's `statekv.core.step.pooled.device_step`: what a CUDA graph records and replays, for one stream or
-    several) count as the device part of the innermost
+    """While active, the ops a step dispatches inside its device part (`statekv.core.step.batching.device_step`: what
+    a CUDA graph records and replays, for one stream, several or a pooled batch's rows) count as the device part of the innermost
     :class:`OpTrace` (``device_ops``, ``device_compute``); the rest of the step (its host part, and on a GPU the
     ops a replay runs outside its graph) as its host part."""
-    from ..core.step import batching, pooled
+    from ..core.step import batching
     from ..core.stream import prefill
 
     def marking(original):
@@ -111,14 +110,12 @@ def device_parts():
                 trace.in_device_part = False
         return marked
 
-    original, original_pooled = batching.device_step, pooled.device_step
+    original = batching.device_step
     batching.device_step = prefill.device_step = marking(original)
-    pooled.device_step = marking(original_pooled)
     try:
         yield
     finally:
         batching.device_step = prefill.device_step = original
-        pooled.device_step = original_pooled
 
 
 def _indexes_with_booleans(name: str, args) -> bool:

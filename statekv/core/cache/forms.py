@@ -242,6 +242,22 @@ class RingForm(Slots):
         return None
 
 
+def placed(form: Window | Slots, storage: LayerStorage) -> Slots:
+    """``form``'s carried state as slots with placements (bounded positions; a ring was left first). Slots that
+    have none get their logical positions as anchors and rotations: the stream kept every token at its own."""
+    if isinstance(form, Window):
+        if storage.detailed.keys is None:
+            return Slots(None)
+        keys, values = form.carried(storage)
+        positions = form.positions(storage)
+        return Slots(CarriedSlots.holding(torch.stack([keys, values]), positions, 0,
+                                          torch.stack([positions, positions])))
+    if form.buffer is None or form.buffer.placements is not None:
+        return form
+    kv, positions = form.buffer.head()
+    return Slots(CarriedSlots.holding(kv, positions, form.buffer.chunk_len, torch.stack([positions, positions])))
+
+
 def initial(storage: LayerStorage) -> Window | Slots:
     """The form of a layer that has carried nothing yet."""
     return Window(0) if storage.holds_window else Slots(None)

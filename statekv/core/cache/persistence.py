@@ -60,6 +60,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     cache.seen_tokens = int(metadata["seen_tokens"])
     cache.evicted_steps = set(metadata.get("evicted_steps", ()))
     cache.seen_device = None
+    cache.settle_placement()
     cache.buffers_replaced()
 
 
@@ -135,6 +136,7 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
     expected = {}
     batch = None
+    placed = _placed(metadata, tensors)
     for index, start in enumerate(starts):
         prefix = f"layers.{index}."
         if start is not None and check_int(start, f"layer {index}'s window start", minimum=0,
@@ -169,7 +171,7 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
             expected[prefix + "carried_keys"] = expected[prefix + "carried_values"] = (
                 (*head, size, geometry.head_dim), geometry.dtype)
             expected[prefix + "carried_positions"] = ((*head, size), torch.long)
-            if isinstance(metadata.get("positions"), dict) and metadata["positions"].get("mode") == "bounded":
+            if placed:
                 expected[prefix + "carried_placements"] = ((2, *head, size), torch.long)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
@@ -184,6 +186,18 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if name.endswith("carried_positions") and tensor.numel() and not (
                 int(tensor.min()) >= 0 and int(tensor.max()) < seen):
             raise InputError(f"{name} holds positions outside the {seen} tokens saved")
+
+
+def _placed(metadata: dict, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a saved bounded state carries placements in every explicit layer: it was placed (a step placed
+    away from its own position, or any layer saved with placements; `TwoStateCache.place_slots`)."""
+    positions = metadata.get("positions")
+    if not isinstance(positions, dict) or positions.get("mode") != "bounded":
+        return False
+    steps = positions.get("steps")
+    moved = isinstance(steps, list) and any(isinstance(step, list) and len(step) == 3 and step[0] != step[2]
+                                            for step in steps)
+    return moved or any(name.endswith(".carried_placements") for name in tensors)
 
 
 def to_dynamic_cache(cache, device: torch.device | None = None) -> DynamicCache:

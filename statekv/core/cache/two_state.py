@@ -45,8 +45,9 @@ class TwoStateCache(Cache):
         tier: where and how the detailed cache is kept (`statekv.core.storage.tiers.StorageTier`: offloaded,
             quantized, or the disk tier's; default: with the model, in its dtype).
         positions: the stream's RoPE positions (:class:`~statekv.core.positions.placing.StreamPositions`; default: the
-            stream's own, ``stream``). Under ``bounded`` every layer carries slots (no window, no ring), each slot
-            with its placement.
+            stream's own, ``stream``). Under ``bounded`` the steps placed at their own positions are ``stream``'s
+            steps; from the first placed elsewhere (or given explicit positions) on, every layer carries slots (no
+            window, no ring), each slot with its placement (`place_slots`).
 
     ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
     (:mod:`statekv.core.storage.limits`); answers never read them. ``tally``: when kept, the attention mass
@@ -77,11 +78,7 @@ class TwoStateCache(Cache):
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
         self.transaction: StepTransaction | None = None  # the step being run
         self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
-        if self.positions.bounded:  # each carried slot is rotated on its own: slots in every layer
-            self.shared_ring.allowed = False
-            for layer in self.layers:
-                layer.storage.holds_window = False
-                layer.carry = forms.initial(layer.storage)
+        self.placed = False  # every layer in slots with placements, for good (see `place_slots`)
 
     @property
     def step_index(self) -> int:
@@ -118,11 +115,40 @@ class TwoStateCache(Cache):
         if self.positions.bounded:
             carried = max(layer.carried_length for layer in self.layers)
             self.positions.plan(chunk_len, self.seen_tokens, position_ids, carried)
-            context.positions = self.positions
+            if not self.placed and (position_ids is not None or not self.positions.still):
+                self.place_slots(chunk_len)
+            if self.placed:
+                context.positions = self.positions
+                if self.positions.starts_moving:  # steps recorded so far neither placed nor rotated
+                    self.buffers_replaced()
         self.transaction = StepTransaction(context, self.layers)
         self.shared_ring.update(self.layers, self.policy, self.chunk_lengths, self.seen_tokens, context, device)
         for layer in self.layers:
             layer.prepare(context)
+
+    def place_slots(self, chunk_len: int = 0) -> None:
+        """Bounded positions: every layer's carried state in slots, each slot with its placement (its anchor and
+        the rotation its key was computed at), for the rest of the stream. Until a step is placed away from its
+        own position (1-D RoPE), a bounded stream's steps are ``stream``'s (window, slots or ring, nothing
+        rotated), so its carried tokens' anchors and rotations are their logical positions."""
+        self.placed = True
+        self.shared_ring.allowed = False
+        if self.shared_ring.ring is not None:
+            for layer in self.layers:
+                layer.carry = layer.carry.left(layer.storage, chunk_len)
+            self.shared_ring.reset()
+        for layer in self.layers:
+            layer.storage.holds_window = False
+            layer.carry = forms.placed(layer.carry, layer.storage)
+        self.buffers_replaced()
+
+    def settle_placement(self) -> None:
+        """After a state was installed: place every slot if that state was placed (a layer holds placements, or
+        a step was placed away from its own position)."""
+        self.placed = False
+        if self.positions.bounded and (self.positions.moved or any(
+                getattr(layer.slots, "placements", None) is not None for layer in self.layers)):
+            self.place_slots()
 
     def buffers_replaced(self) -> None:
         """Some buffer a captured step reads moved: recorded steps are no longer valid."""

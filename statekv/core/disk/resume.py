@@ -87,6 +87,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     cache.seen_tokens = sum(lengths)
     cache.evicted_steps = evicted
     cache.seen_device = None
+    cache.settle_placement()
     cache.buffers_replaced()
     tier.adopt(cache.layers, len(steps) - 1)
     if restoring:

@@ -260,6 +260,8 @@ class StreamPositions:
         self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending: StepPlan | None = None
         self._placing = (0, 0, True)  # the step's span, carried tokens, and whether its RoPE is 1-D (set by plan)
+        self.moved = False  # some committed step was placed away from its own position
+        self.still = True  # the step planned, and every one before it, sits at its own position (set by plan)
 
     @property
     def bounded(self) -> bool:
@@ -287,7 +289,14 @@ class StreamPositions:
         self._placing = (span, carried, position_ids is None or position_ids.dim() == 2)  # for the device part
         plan = StepPlan(first, span, self.layout.base(first, span, carried, self.limit, self._placing[2]))
         self.pending = plan
+        self.still = not self.moved and plan.base == plan.first
         return plan
+
+    @property
+    def starts_moving(self) -> bool:
+        """Whether the step planned is the first placed away from its own position: from it on, the device part
+        places and rotates (a step recorded before it did neither)."""
+        return not self.still and not self.moved
 
     def device_scalars(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the step's device part sets and reads (kept:
@@ -299,9 +308,12 @@ class StreamPositions:
     def chunk(self, write_index: torch.Tensor, position_ids: torch.Tensor | None
               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Device part: ``(position_ids for the decoder, anchors [T], rotations [T])`` of the chunk: its positions
-        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device."""
-        first, base, shift = self.device_scalars(write_index.device)
+        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device. While
+        the stream is `still`, its own positions."""
         anchors = write_index if position_ids is None else _temporal(position_ids)[0]
+        if self.still:
+            return (write_index if position_ids is None else position_ids), anchors, anchors
+        first, base, shift = self.device_scalars(write_index.device)
         first.copy_(anchors[:1])
         span, carried, flat = self._placing
         base.copy_(self.layout.base_on(first, span, carried, self.limit, flat))
@@ -319,7 +331,10 @@ class StreamPositions:
     def rotated(self, keys: torch.Tensor, anchors: torch.Tensor, rotations: torch.Tensor, carried: int
                 ) -> torch.Tensor:
         """``[carried; chunk]`` keys ``[B, H, K + T, D]`` (each at its stored rotation ``rotations``) rotated to
-        where the layout puts them for this step."""
+        where the layout puts them for this step: unchanged while the stream is `still` (every layout keeps every
+        token at its own position while every step is placed at its own)."""
+        if self.still:
+            return keys
         first, base, _ = self.device_scalars(keys.device)
         targets = self.layout.targets(anchors, first, base, carried, self.limit, self._placing[2])
         return rotate(keys, targets - rotations, self.frequencies(keys.device))
@@ -340,6 +355,7 @@ class StreamPositions:
         self.spans.append(plan.span)
         self.bases.append(plan.base)
         self.widest = max(self.widest, plan.span)
+        self.moved = self.moved or plan.base != plan.first
 
     # -- questions ---------------------------------------------------------------------------------------------
     def question(self, held_span: int, keep_end: int, room: int, retrieve: int | None) -> QuestionPlan:
@@ -411,6 +427,7 @@ class StreamPositions:
             raise InputError(f"the saved stream was streamed with positions={got}, this one with "
                              f"positions={self.mode}; resume it with positions={got}")
         self.firsts, self.spans, self.bases, self.widest = array("q"), array("q"), array("q"), 0
+        self.moved = False
         if not self.bounded:
             return
         if saved.get("layout") != self.layout.name or saved.get("limit") != self.limit:

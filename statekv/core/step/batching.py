@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +173,7 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), cache.positions.mode, prefill.compiled_decoder is not None, arguments)
+            rope_key(prefill), cache.positions.mode, cache.placed, prefill.compiled_decoder is not None, arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
@@ -199,7 +199,8 @@ def stack_inputs(inputs: Sequence[dict]) -> dict:
 
 class StepBatcher:
     """Steps streams of one model together (see the module doc); keeps the CUDA graphs of the batches it ran
-    (``keep`` of them, by the streams they hold).
+    (``keep`` of them, by the streams they hold). ``batch_sizes``: its forwards counted by the stream steps each
+    took (1: a step alone).
 
     ``step(requests)`` -> one outcome per request, in order: the step's hidden states ``[1, T, D]``, or the
     exception that step raised (the others went on). A stream given twice takes its steps in order.
@@ -209,6 +210,7 @@ class StepBatcher:
         self.keep = keep
         self.batched_steps = 0  # forwards that stepped more than one stream
         self.batched_rows = 0  # stream steps taken in them
+        self.batch_sizes: Counter[int] = Counter()  # forwards by the stream steps they took
         self._graphs: OrderedDict[tuple, tuple[BatchCache, StepGraphs]] = OrderedDict()
         self._graphs_lock = threading.Lock()  # forget() may come from another thread (a stream closing)
 
@@ -265,8 +267,12 @@ class StepBatcher:
                 inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
             else:
                 cache, graphs = self._graphs_for(prefills)
-            hidden = run_rows(steps, cache, graphs, inputs=inputs,
-                              replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+            try:
+                hidden = run_rows(steps, cache, graphs, inputs=inputs,
+                                  replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+            finally:
+                if inputs is not None:  # a pooled batch holds its streams for this step only
+                    cache.members = []
         except RowsFailed as partly:  # the device step ran for all: each row took it or is as it was
             hidden, errors = partly.hidden, partly.errors
         except BaseException as error:
@@ -280,6 +286,7 @@ class StepBatcher:
             return True
         else:
             errors = {}
+        self.batch_sizes[len(steps)] += 1
         if len(steps) > 1:
             self.batched_steps += 1
             self.batched_rows += len(steps)
@@ -398,7 +405,9 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
     """The device part of a step of ``prefills`` through ``cache`` (one stream's own `TwoStateCache`, or the
     `BatchCache` of several; what a CUDA graph records; run inside the streams' call, see :func:`run_rows`):
     positions (``cache.step_positions``: rows continue from each stream's own length), the decoder's forward over
-    every row, every stream's commit."""
+    every row, every stream's commit. A pooled batch's rows run as `pooled.PooledBatch.forward_rows`."""
+    if isinstance(cache, pooled.PooledBatch):
+        return cache.forward_rows(inputs)
     first = prefills[0]
     positions = cache.step_positions(inputs["position_ids"], chunk_of(inputs).shape[0])
     if positions is not inputs["position_ids"]:

@@ -4,7 +4,7 @@ Streams whose steady steps batch (`statekv.core.step.batching.batch_key`) and wh
 (:func:`poolable`: the detailed cache in the model's dtype on its device, no per-frame tally)
 take seats in their model's `statekv.core.cache.pool.StreamPool`. A batch of them is a set of rows, addressed by
 a device LongTensor ``rows`` ``[2, S]`` (seats, then carried-slot rows) that is an input of the step like the
-chunk itself, so the device part of a step (:func:`device_step`) never loops over streams:
+chunk itself, so the device part of a step (`PooledBatch.forward_rows`) never loops over streams:
 
 * the rows' counters give each row's positions and, through the page tables, where its chunk and its step's
   summaries go: one indexed write per layer and field writes every row's;
@@ -26,16 +26,18 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ...errors import UnsupportedModelError
 from ..attention.untraced import engine_call
 from ..cache import two_state
+from ..cache.engine_layer import EngineLayer
 from ..cache.pool import SlotRows, SlotShape, StreamPool, pool_of
 from ..cache.transaction import NotBatchable
 from ..positions.placing import rotate
 from ..storage.layer_storage import LayerStorage, sample_index
 from ..storage.paged import PagedStorage
+from . import batching
 from .graphs import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows of a pooled batch: S streams are padded to the first bucket >= S
@@ -60,11 +62,8 @@ def poolable(prefills: Sequence) -> bool:
         and SlotShape.of(prefill.cache) is not None for prefill in prefills)
 
 
-class PooledLayer(CacheLayerMixin):
+class PooledLayer(EngineLayer):
     """Layer ``index`` of a :class:`PooledBatch`: transformers' update stages every row's chunk at once."""
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, batch: "PooledBatch", index: int):
         super().__init__()
@@ -92,9 +91,6 @@ class PooledLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         carried = self.batch.slots.shape.carried[self.index]
         return carried + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class PooledTransaction:
@@ -125,7 +121,7 @@ class PooledTransaction:
 class PooledBatch(Cache):
     """The transformers ``Cache`` of a pooled batch of ``size`` rows of ``pool`` whose carried slots are ``slots``
     (one batch key: the decoder, its rule and attention backend, rotation and compiled step are those of ``first``,
-    the stream it was made for). Every step's rows come in as the ``rows`` input of :func:`device_step`."""
+    the stream it was made for). Every step's rows come in as the ``rows`` input of :meth:`forward_rows`."""
 
     tally = None  # never tallied: such streams are not pooled
 
@@ -136,14 +132,36 @@ class PooledBatch(Cache):
         self.policy, self.backend = first.policy, first.attention
         self.decoder, self.compiled = first.decoder, first.compiled_decoder
         self.mask, self.rope = first.step_mask, first.rope  # kept: a recorded step reads the rotation's tensors
-        self.placing = first.positions if first.positions.bounded else None  # its layout and range
+        self.placing = first.positions if first.cache.placed else None  # its layout and range, once it placed slots
         self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
         self.transaction = PooledTransaction(self)
         self.staged: list[tuple | None] = [None] * len(self.layers)
         self.graphs = PooledGraphs(self)
+        self.members: list = []  # the streams of the step being run (its rows, padding left out)
         self.tables: dict[tuple[int, ...], torch.Tensor] = {}  # rows inputs by the streams they hold, last used last
+
+    def forward_rows(self, inputs: dict) -> torch.Tensor:
+        """The device part of a pooled step (what a CUDA graph records; `statekv.core.step.batching.device_step`
+        comes here for a pooled batch): ``inputs`` are the decoder's for the bucket's rows plus ``rows`` ``[2, S]``;
+        returns the hidden states ``[S, T, D]`` (the padding rows' included)."""
+        inputs = dict(inputs)
+        rows = inputs.pop("rows")
+        with self.pool.lock:
+            positions = self.begin_rows(rows)
+            if inputs["position_ids"] is None:
+                inputs["position_ids"] = positions
+            decoder = self.compiled or self.decoder
+            with self.rope.active() if self.rope is not None else nullcontext():
+                output = decoder(**inputs, attention_mask=self.mask, past_key_values=self, use_cache=True)
+            missing = self.transaction.missing_layers()
+            if missing:
+                raise UnsupportedModelError(
+                    f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
+                    "transformers' AttentionInterface, so they cannot be streamed")
+            self.commit()
+            return output.last_hidden_state
 
     def rows(self, table: tuple[int, ...]) -> torch.Tensor:
         """The ``rows`` input ``[2, size]`` of ``table`` (seats, then slot rows), kept for the next steps of the same
@@ -250,33 +268,12 @@ class PooledBatch(Cache):
         self.staged = [None] * len(self.layers)
 
 
-def device_step(batch: PooledBatch, inputs: dict) -> torch.Tensor:
-    """The device part of a pooled step (what a CUDA graph records): ``inputs`` are the decoder's for the bucket's
-    rows plus ``rows`` ``[2, S]``; returns the hidden states ``[S, T, D]`` (the padding rows' included)."""
-    inputs = dict(inputs)
-    rows = inputs.pop("rows")
-    with batch.pool.lock:
-        positions = batch.begin_rows(rows)
-        if inputs["position_ids"] is None:
-            inputs["position_ids"] = positions
-        decoder = batch.compiled or batch.decoder
-        with batch.rope.active() if batch.rope is not None else nullcontext():
-            output = decoder(**inputs, attention_mask=batch.mask, past_key_values=batch, use_cache=True)
-        missing = batch.transaction.missing_layers()
-        if missing:
-            raise UnsupportedModelError(
-                f"{type(batch.decoder).__name__} layers {missing} did not run their attention through "
-                "transformers' AttentionInterface, so they cannot be streamed")
-        batch.commit()
-        return output.last_hidden_state
-
-
 class PooledGraphs(StepGraphs):
     """The recorded steps of one pooled batch (batch key and bucket): valid while the pool's shared tensors stay
     where they are (its ``version``), whichever streams fill the rows."""
 
     def __init__(self, batch: PooledBatch):
-        super().__init__(lambda inputs: device_step(batch, inputs), lambda: False)
+        super().__init__(lambda inputs: batching.device_step(batch.members, batch, inputs), lambda: False)
         self.streams = batch.pool  # (``pool`` is the graphs' memory pool)
 
     def run(self, inputs: dict, layout) -> torch.Tensor | None:
@@ -303,6 +300,7 @@ def rows(prefills: Sequence, key: tuple) -> tuple[PooledBatch, PooledGraphs, tor
             while len(pool.batches) >= KEPT_BATCHES:
                 pool.batches.pop(next(iter(pool.batches))).graphs.clear()
         pool.batches[key, size] = batch
+        batch.members = list(prefills)
         padding = (0,) * (size - len(seats))
         return batch, batch.graphs, batch.rows((*(seat.row for seat in seats), *padding,
                                                 *(seat.slot for seat in seats), *padding))

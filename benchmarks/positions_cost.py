@@ -1,0 +1,187 @@
+"""What bounded positions cost per frame against stream positions, inside the model's range and past it.
+
+For each method (full attention, StateKV at the model's default budget, recency R=16), a live stream of
+``--frames`` frames is pushed one frame at a time with ``positions="stream"`` (a horizon covering it) and with
+``positions="bounded"`` under each layout of `statekv.core.positions.placing` (own-then-cache, the default; grouped;
+cache): per frame, the push (CPU time of the pushing thread on a CPU, where other work on a shared machine does not
+count; synchronized wall time on CUDA), mean over the second half of the frames, the median of ``--repeats`` runs
+taken in turn; and the compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no load
+disturbs. Past the range (``--past-frames``, enough to pass it): StateKV's bounded streams, the median push over
+the frames after the first step placed away from its own position against the same stream's frames before it:
+what re-placing and rotating the carried keys costs once positions move.
+
+    python benchmarks/positions_cost.py --out docs/benchmarks.md          # the built-in model on the CPU
+    python benchmarks/positions_cost.py --device cuda --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import statekv  # noqa: E402
+from statekv.core.positions import placing  # noqa: E402
+from statekv.testing.op_trace import OpTrace  # noqa: E402
+
+METHODS = (("full", {}, "full attention"), ("statekv", {}, "StateKV"), ("recency", {"frames": 16}, "recency R=16"))
+LAYOUTS = ("own-then-cache", "grouped", "cache")
+SECTION = "Positions: the cost per frame"
+
+
+def configurations(method: str) -> list[tuple[str, str | None]]:
+    rows = [("stream", None)] + [("bounded", layout) for layout in LAYOUTS]
+    return [row for row in rows if not (method == "full" and row[1] == "cache")]  # refused past the range only
+
+
+def timer(device: str):
+    if device.startswith("cuda"):
+        def now() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return now
+    return time.thread_time
+
+
+def push_all(qa, frames, positions: str, layout: str | None, device: str, traced: bool) -> dict:
+    """One stream's frames pushed one at a time: push ms per frame (mean, second half), the compute ops of the
+    last push."""
+    placing.DEFAULT_LAYOUT = layout or placing.OwnThenCache.name
+    horizon = len(frames) + 8 if positions == "stream" else None
+    stream = qa.stream(horizon_frames=horizon, max_fps=None, vision_batch=1)
+    assert stream.prefill.positions.mode == positions
+    clock, pushes = timer(device), []
+    for index, image in enumerate(frames[:-1]):
+        started = clock()
+        stream.push(image, float(index))
+        pushes.append(clock() - started)
+    with OpTrace() as trace:
+        stream.push(frames[-1], float(len(frames) - 1))
+    half = len(pushes) // 2
+    result = {"push_ms": 1e3 * statistics.mean(pushes[half:]), "ops": len(trace.compute) if traced else None,
+              "tokens": stream.tokens, "placed": stream.prefill.cache.placed}
+    stream.close()
+    return result
+
+
+def inside(args, frames) -> list[dict]:
+    rows = []
+    for method, sizes, label in METHODS:
+        qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method=method, device=args.device,
+                                                               **sizes))
+        runs: dict[tuple, list[dict]] = {config: [] for config in configurations(method)}
+        traced = min(1, args.repeats - 1)  # ops traced in the second run: the first builds each mask shape once
+        for repeat in range(args.repeats):  # in turn, so the machine's load falls on every configuration alike
+            for config in runs:
+                runs[config].append(push_all(qa, frames, *config, args.device, traced=repeat == traced))
+        base = statistics.median(run["push_ms"] for run in runs[("stream", None)])
+        base_ops = runs[("stream", None)][traced]["ops"]
+        for (positions, layout), measured in runs.items():
+            push = statistics.median(run["push_ms"] for run in measured)
+            rows.append({"method": label, "positions": positions + (f" ({layout})" if layout else ""),
+                         "push_ms": push, "push_ratio": push / base, "ops": measured[traced]["ops"],
+                         "ops_ratio": measured[traced]["ops"] / base_ops, "placed": measured[0]["placed"],
+                         "tokens": measured[0]["tokens"]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def past(args, frames) -> list[dict]:
+    rows = []
+    qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv", device=args.device))
+    limit = placing.trained_range(qa.adapter.model.config.get_text_config())
+    for layout in LAYOUTS:
+        placing.DEFAULT_LAYOUT = layout
+        stream = qa.stream(max_fps=None, vision_batch=1)
+        clock, pushes, moved_at, ops = timer(args.device), [], None, {}
+        for index, image in enumerate(frames):
+            traced = index in (len(frames) // 2 - 1, len(frames) - 1)  # ops of a frame before moving, and the last
+            with OpTrace() if traced else contextlib.nullcontext() as trace:
+                started = clock()
+                stream.push(image, float(index))
+                pushes.append(clock() - started)
+            if traced:
+                ops["before" if moved_at is None else "after"] = len(trace.compute)
+            if moved_at is None and stream.prefill.positions.moved:
+                moved_at = index
+        steady = pushes[len(frames) // 4: moved_at] if moved_at else []
+        beyond = pushes[moved_at + 1:] if moved_at else []
+        row = {"layout": layout, "frames": len(frames), "tokens": stream.tokens, "range": limit,
+               "moved_at_frame": moved_at, "ops_before": ops.get("before"), "ops_after": ops.get("after")}
+        if steady and beyond:
+            row.update(before_ms=1e3 * statistics.median(steady), after_ms=1e3 * statistics.median(beyond))
+            row["past_ratio"] = row["after_ms"] / row["before_ms"]
+        rows.append(row)
+        print(row, flush=True)
+        stream.close()
+    placing.DEFAULT_LAYOUT = placing.OwnThenCache.name
+    return rows
+
+
+def report(args, rows: list[dict], beyond: list[dict], load: tuple[str, str]) -> str:
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)"
+               if not args.device.startswith("cuda") else torch.cuda.get_device_name(0))
+    lines = [f"Command: `python benchmarks/positions_cost.py {' '.join(sys.argv[1:])}`  ",
+             f"Machine: {machine} (load average {load[0]} before, {load[1]} after).", "",
+             f"Model {args.model}, {args.frames} frames pushed one at a time into a live stream (stream positions: "
+             "a horizon covering them; bounded: each layout), inside the model's range. Push ms: per frame, "
+             + ("synchronized wall time" if args.device.startswith("cuda") else "CPU time of the pushing thread")
+             + f" (vision tower included), mean over the second half of the frames, the median of {args.repeats} "
+             "runs taken in turn; ops: compute ops of the last push (what no load disturbs); placed: the stream "
+             "carries slots with placements (its layout placed it away from its own positions).", "",
+             "| method | positions | push ms/frame | vs stream | ops per push | vs stream | placed |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row in rows:
+        lines.append(f"| {row['method']} | {row['positions']} | {row['push_ms']:.2f} | {row['push_ratio']:.3f} | "
+                     f"{row['ops']} | {row['ops_ratio']:.3f} | {'yes' if row['placed'] else 'no'} |")
+    if beyond:
+        lines += ["", f"Past the range: StateKV, {beyond[0]['frames']} frames ({beyond[0]['tokens']:,} tokens; the "
+                  f"model's range is {beyond[0]['range']:,}). Push ms per frame, median, from a quarter of the way in "
+                  "to the first step placed away from its own position, and after it.", "",
+                  "| layout | moved at frame | push ms/frame before | after | after / before | ops per push before | "
+                  "after |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in beyond:
+            times = (f"{row['before_ms']:.2f} | {row['after_ms']:.2f} | {row['past_ratio']:.3f}"
+                     if "past_ratio" in row else "- | - | -")
+            lines.append(f"| {row['layout']} | {row['moved_at_frame']} | {times} | {row['ops_before'] or '-'} | "
+                         f"{row['ops_after']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--frames", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--past-frames", type=int, default=1400, help="0: no run past the range")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
+    parser.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section is replaced")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load = [" ".join(open("/proc/loadavg").read().split()[:3])] if Path("/proc/loadavg").exists() else ["?"]
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (max(args.frames, args.past_frames), 64, 64, 3), dtype=np.uint8)
+    rows = inside(args, frames[:args.frames])
+    beyond = past(args, frames[:args.past_frames]) if args.past_frames else []
+    load.append(" ".join(open("/proc/loadavg").read().split()[:3]) if Path("/proc/loadavg").exists() else "?")
+    text = report(args, rows, beyond, tuple(load))
+    print(text)
+    if args.out:
+        from report import write_section
+
+        write_section(Path(args.out), SECTION, text)
+
+
+if __name__ == "__main__":
+    main()

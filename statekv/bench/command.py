@@ -1,0 +1,283 @@
+"""``statekv bench serve``: how many live cameras a server holds at real time (see docs/serving.md, "Measured
+load")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from ..errors import ConfigurationError
+from ..settings.options import ModelOptions
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int
+
+ROUTES = ("ask", "chat")
+SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
+
+
+def stream_counts(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (positive, ascending, each once)."""
+    try:
+        counts = [positive_int(part.strip(), "--streams") for part in text.split(",")]
+    except (ValueError, ConfigurationError):
+        raise argparse.ArgumentTypeError(f"expected stream counts like 1,4,16, got {text!r}") from None
+    return sorted(set(counts))
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="load tests of the service (statekv bench serve)",
+                                  description="Benchmarks of statekv measured from outside: bench serve.")
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
+                                    parser_class=type(bench))
+    parser = commands.add_parser(
+        "serve", help="how many live cameras a server holds at real time",
+        description="Load a statekv server as N cameras would: each pushes frames in real time at --fps, "
+                    "questions arrive per stream as a Poisson process (--question-rate; --burstiness), every "
+                    "request sent at its time whether or not earlier ones returned (open loop). Drives a running "
+                    "server (--url, --api-key) or starts one (--model and the model options). Per N: frames/s, lag "
+                    "behind real time, time to first token and answer latency (p50/p90/p99), goodput (cameras held "
+                    "at real time with p95 TTFT under --ttft-target), failed requests, the server's mean batch.")
+    target = parser.add_argument_group("the server")
+    target.add_argument("--url", default=None, help="a running statekv serve (default: start one with --model)")
+    target.add_argument("--api-key", default=None, metavar="KEY",
+                        help="its API key (default: the first of STATEKV_API_KEYS)")
+    target.add_argument("--max-streams", type=POSITIVE_INT, default=256, metavar="N",
+                        help="the started server's stream limit, and the most cameras --find-max tries "
+                             "(default: 256)")
+    target.add_argument("--server-threads", type=POSITIVE_INT, default=None, metavar="N",
+                        help="torch threads of the started server (default: OMP_NUM_THREADS if set, else one core "
+                             "fewer than the machine's, leaving one to the cameras)")
+    ModelOptions.add_arguments(parser, model_required=False)
+    parser.set_defaults(model=None)
+    load = parser.add_argument_group("the load")
+    load.add_argument("--streams", type=stream_counts, default=None, metavar="N,N,...",
+                      help="camera counts to run, one run each (default: 1,4,16)")
+    load.add_argument("--find-max", action="store_true",
+                      help="instead, find the most cameras held at real time with p95 TTFT under --ttft-target "
+                           "(doubling from the first of --streams, default 1, then bisecting)")
+    load.add_argument("--time-limit", type=POSITIVE_FLOAT, default=None, metavar="S",
+                      help="with --find-max: start no run that would end more than S seconds after the search "
+                           "began; report the most held so far (default: no limit)")
+    load.add_argument("--fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
+                      help="frames each camera pushes per second (default: 1)")
+    load.add_argument("--duration", type=POSITIVE_FLOAT, default=30.0, metavar="S",
+                      help="seconds each run lasts (default: 30)")
+    load.add_argument("--question-rate", type=non_negative_float, default=0.1, metavar="R",
+                      help="questions per second per stream, a Poisson process (default: 0.1; 0: none)")
+    load.add_argument("--burstiness", type=POSITIVE_FLOAT, default=1.0, metavar="B",
+                      help="gamma shape of the gaps between a stream's questions: 1 Poisson, below 1 in bursts, "
+                           "above 1 more regular (default: 1)")
+    load.add_argument("--question", default="What is shown now?", help="the question asked")
+    load.add_argument("--max-new-tokens", type=POSITIVE_INT, default=8, metavar="N",
+                      help="answer tokens per question (default: 8)")
+    load.add_argument("--route", choices=ROUTES, default="ask",
+                      help="ask through POST /v1/streams/{id}/ask (default) or the OpenAI-compatible chat route")
+    load.add_argument("--video", action="append", default=[], metavar="FILE",
+                      help="a video file the cameras show, sampled at --fps (repeatable: camera i shows file i mod "
+                           "n; default: a synthetic test pattern)")
+    load.add_argument("--frame-size", type=POSITIVE_INT, default=224, metavar="PX",
+                      help="side of the synthetic frames (default: 224)")
+    load.add_argument("--warm-frames", type=POSITIVE_INT, default=16, metavar="N",
+                      help="frames pushed to each stream before the clock starts, unmeasured: cameras live for a while "
+                           "(their carried state full, their steps steady) (default: 16)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the cameras' phases and the questions' times")
+    goals = parser.add_argument_group("targets and output")
+    goals.add_argument("--ttft-target", type=POSITIVE_FLOAT, default=0.5, metavar="S",
+                       help="p95 seconds to the first answer token a camera must get (default: 0.5)")
+    goals.add_argument("--lag-target", type=POSITIVE_FLOAT, default=1.0, metavar="S",
+                       help="p95 seconds behind real time a camera's frames may be streamed (default: 1)")
+    goals.add_argument("--drain", type=non_negative_float, default=None, metavar="S",
+                       help="seconds past a run's end to wait for requests under way (default: the duration)")
+    goals.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON")
+    goals.add_argument("--plot", default=None, metavar="OUT", help="write frames/s and TTFT against cameras (PNG)")
+    goals.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.set_defaults(run=run)
+
+
+def server_options(args: argparse.Namespace) -> list[str]:
+    """The model options given, as ``statekv serve`` flags (those left at their defaults are not repeated)."""
+    argv = []
+    for setting in ModelOptions.SETTINGS:
+        value = getattr(args, setting.name, None)
+        if setting.name == "model" or value is None or value == setting.default:
+            continue
+        argv.append(setting.flag if isinstance(value, bool) else f"{setting.flag}={value}")
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cameras import Cameras
+    from .load import LoadSettings, default_progress
+    from .server import LocalServer
+    from .summary import Targets, machine, plot, table, write_json
+
+    try:
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as error:
+        raise ConfigurationError(f"statekv bench serve needs the serve extra ({error.name} is missing): pip install -c "
+                                 "constraints.txt -e \".[serve]\"") from None
+    ModelOptions.from_args(args)  # every model option checked before anything starts
+    model_flags = server_options(args)
+    started_only = model_flags + (["--server-threads"] if args.server_threads is not None else [])
+    if args.url is not None and (args.model is not None or started_only):
+        given = "--model" if args.model is not None else started_only[0].split("=")[0]
+        raise ConfigurationError(f"{given} is for the server bench serve starts; --url drives a running one")
+    key = args.api_key or next(iter(os.environ.get("STATEKV_API_KEYS", "").split(",")), "").strip() or None
+    if args.url is not None and key is None:
+        raise ConfigurationError("--url needs --api-key (or STATEKV_API_KEYS)")
+    outputs = {name: check_output_file(value, flag) for name, value, flag in (
+        ("json", args.json_out, "--json"), ("plot", args.plot, "--plot")) if value is not None}
+    settings = LoadSettings(fps=args.fps, duration=args.duration, question_rate=args.question_rate,
+                            burstiness=args.burstiness, question=args.question, max_new_tokens=args.max_new_tokens,
+                            route=args.route, drain=args.duration if args.drain is None else args.drain,
+                            seed=args.seed, warm_frames=args.warm_frames)
+    targets = Targets(ttft_target=args.ttft_target, lag_target=args.lag_target)
+    cameras = Cameras(args.video, size=args.frame_size, fps=args.fps,
+                      limit=int(args.duration * args.fps) + 1)
+    cameras.check()  # a bad video file is one line before any server starts
+    model = args.model or "builtin"
+    options = ["--model", model, *model_flags, "--max-streams", str(args.max_streams), "--max-asks",
+               str(SERVER_ASKS)]
+
+    def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
+        probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
+        probe.warm_up()
+        if args.find_max:
+            limit = args.max_streams if args.url is None else max(args.max_streams, 1024)
+            deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+            return probe.find_max(limit, start=(args.streams or [1])[0], deadline=deadline)
+        return [probe(count) for count in args.streams or [1, 4, 16]], None
+
+    if args.url is not None:
+        rows, most = sweep(args.url.rstrip("/"), key)
+        where = {"url": args.url}
+    else:
+        threads = args.server_threads or int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+        with LocalServer(options, threads=threads) as server:
+            rows, most = sweep(server.url, server.key)
+        where = {"model": model, "options": options, "torch_threads": threads}
+    document = {"command": _command(), "machine": machine(), "server": where,
+                "settings": {**settings.__dict__, "ttft_target_s": targets.ttft_target,
+                             "lag_target_s": targets.lag_target, "videos": args.video or None,
+                             "frame_size": None if args.video else args.frame_size},
+                "results": rows}
+    if args.find_max:
+        document["max_streams_held"], document["search_complete"] = most
+    print(table(rows))
+    if args.find_max:
+        held, complete = most
+        print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
+              f"{'' if complete else 'at least '}{held} stream{'s' * (held != 1)}"
+              + ("" if complete else f" (--time-limit {args.time_limit:g} s reached)"))
+    if "json" in outputs:
+        write_json(outputs["json"], document)
+    if "plot" in outputs:
+        plot(rows, outputs["plot"], targets, f"statekv bench serve: {where.get('model') or where.get('url')}, "
+                                             f"{args.fps:g} fps")
+    return 0
+
+
+class Probe:
+    """Runs of N cameras against one server (the load of `statekv.bench.load`, summed up by
+    `statekv.bench.summary`)."""
+
+    def __init__(self, url: str, key: str, settings, targets, cameras, *, quiet: bool = False, progress=None):
+        self.url, self.key, self.settings, self.targets, self.cameras = url, key, settings, targets, cameras
+        self.quiet, self.progress = quiet, progress
+        self.rows: dict[int, dict[str, Any]] = {}
+
+    def warm_up(self) -> None:
+        """One camera for a few frames and a question, unmeasured (the first steps and answers load and warm
+        the model)."""
+        from .load import run_load
+
+        short = replace(self.settings, duration=min(3.0, self.settings.duration), question_rate=1.0,
+                        fps=max(self.settings.fps, 2.0))
+        asyncio.run(run_load(self.url, self.key, 1, short, self.cameras.frames))
+
+    def __call__(self, count: int) -> dict[str, Any]:
+        from .load import run_load
+        from .server import batch_totals, mean_batch
+        from .summary import summarize
+
+        if count not in self.rows:
+            show = None if self.quiet else self.progress(f"{count} stream{'s' * (count != 1)}", self.settings)
+            before = []
+            run = asyncio.run(run_load(self.url, self.key, count, self.settings, self.cameras.frames, show,
+                                       ready=lambda: before.append(batch_totals(self.url))))
+            batch = mean_batch(before[0] if before else None, batch_totals(self.url))
+            if show is not None and sys.stderr.isatty():
+                print(file=sys.stderr)
+            self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch)
+        return self.rows[count]
+
+    def find_max(self, limit: int, *, start: int = 1, deadline: float | None = None
+                 ) -> tuple[list[dict[str, Any]], tuple[int, bool]]:
+        """The most cameras held (`summary.held_all`): doubling from ``start`` up to ``limit`` (halving from it
+        when it is not held), then bisecting between the last count held and the first not held. No run starts
+        that would end past ``deadline`` (``time.monotonic()``). Returns every run (by count) and ``(most held,
+        whether the search was complete)``."""
+        from .summary import held_all
+
+        walls: dict[int, float] = {}
+
+        def held(count: int) -> bool | None:
+            if count not in self.rows and deadline is not None:
+                # a run's warm-up and drain grow with its cameras: scaled from the largest run so far
+                before = max((n for n in walls if n <= count), default=None)
+                guess = self.settings.duration + self.settings.drain
+                if before is not None:
+                    guess = max(guess, walls[before] * count / before)
+                if time.monotonic() + guess > deadline:
+                    return None  # out of time
+            started = time.monotonic()
+            outcome = held_all(self(count))
+            walls.setdefault(count, time.monotonic() - started)
+            return outcome
+
+        good, bad, count = 0, None, min(max(1, start), limit)
+        while True:
+            outcome = held(count)
+            if outcome is None:
+                return self.found(good, complete=False)
+            if outcome:
+                good = count
+                if count >= limit or bad is not None:
+                    break
+                count = min(2 * count, limit)
+            else:
+                bad = count
+                if count == 1 or good:
+                    break
+                count //= 2  # a start not held: look below it
+        while bad is not None and bad - good > 1:
+            middle = (good + bad) // 2
+            outcome = held(middle)
+            if outcome is None:
+                return self.found(good, complete=False)
+            good, bad = (middle, bad) if outcome else (good, middle)
+        return self.found(good, complete=True)
+
+    def found(self, most: int, *, complete: bool) -> tuple[list[dict[str, Any]], tuple[int, bool]]:
+        return [self.rows[n] for n in sorted(self.rows)], (most, complete)
+
+
+def _command() -> str | None:
+    """The command line, when this process is ``statekv bench serve``."""
+    argv = sys.argv[1:]
+    return "statekv " + " ".join(argv) if argv[:2] == ["bench", "serve"] else None

@@ -1,0 +1,319 @@
+"""The load of one run: N cameras pushing frames in real time, questions arriving per stream, open loop.
+
+Requests are sent at their scheduled times whether or not others returned (open-loop arrivals, as `vllm bench
+serve` sends its requests): cameras never wait for each other, and a question is sent at its time whatever is under
+way, so a server that falls behind is seen falling behind, never given time to catch up. Camera ``i`` starts at a
+random phase inside one frame period and captures frame ``k`` at ``start + phase + k / fps``; like a camera's
+uploader, it sends its frames in order, one at a time: each at its capture time, or as soon as the one before it is
+answered if that is later (a camera's frames never overtake each other, which the server would refuse), so a
+camera the server cannot keep up with falls further behind with every frame, and its lag (answer time minus
+capture time) grows. Questions arrive per stream with gamma-distributed gaps of mean ``1 / question_rate``
+(``burstiness`` 1: a Poisson process; below 1 burstier, above 1 more regular, vLLM's convention).
+
+Each stream is made with ``POST /v1/streams`` (every pushed frame kept, no horizon: a camera that never ends) and
+primed with ``warm_frames`` frames before the clock starts (a camera that has been live a while: its carried state
+full, so its steps are the steady ones that batch; and no question finds it empty); frames go to
+``POST /v1/streams/{id}/frames`` as JPEG bodies at their stream time; questions to ``POST /v1/streams/{id}/ask``
+with ``"stream": true`` (or the OpenAI-compatible ``POST /v1/chat/completions``), whose first streamed token
+marks the time to first token. Streams are deleted after the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import StateKVError
+
+
+class LoadError(StateKVError):
+    """The load could not be run at all (the server unreachable, refusing the key)."""
+
+    kind = "load"
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What one run sends. ``route``: ``ask`` (the stream route) or ``chat`` (OpenAI-compatible). ``drain``: seconds
+    past the last scheduled request to wait for those still under way (then they count as failed).
+    ``warm_frames``: frames each stream is pushed, unmeasured, before the clock starts."""
+
+    fps: float = 1.0
+    duration: float = 30.0
+    question_rate: float = 0.1
+    burstiness: float = 1.0
+    question: str = "What is shown now?"
+    max_new_tokens: int = 8
+    route: str = "ask"
+    drain: float = 30.0
+    seed: int = 0
+    timeout: float = 600.0
+    warm_frames: int = 16
+
+
+@dataclass
+class Request:
+    """One request of a run: ``kind`` ``frame`` or ``question``, the stream (camera) it belongs to, when it was due
+    and sent, when its first answer token came (questions) and when it finished (``perf_counter`` seconds);
+    ``error``: why it failed (None: it succeeded)."""
+
+    kind: str
+    stream: int
+    due: float
+    sent: float | None = None
+    first_token: float | None = None
+    done: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.done is not None
+
+
+@dataclass
+class Run:
+    """What a run of ``streams`` cameras measured: every request, and when the clock started."""
+
+    streams: int
+    start: float
+    requests: list[Request] = field(default_factory=list)
+    setup_failures: list[str] = field(default_factory=list)
+
+
+def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request]:
+    """Every request of a run, due times in order: frames at each camera's rate from its phase, questions as each
+    stream's renewal process of gamma gaps (shape ``burstiness``, mean ``1 / question_rate``)."""
+    rng = np.random.default_rng(settings.seed)
+    period, end = 1.0 / settings.fps, start + settings.duration
+    requests = []
+    for stream in range(streams):
+        phase = rng.uniform(0.0, period)
+        count = math.floor(settings.duration * settings.fps)
+        requests += [Request("frame", stream, start + phase + k * period) for k in range(count)]
+        if settings.question_rate > 0:
+            scale = 1.0 / (settings.question_rate * settings.burstiness)
+            due = start + rng.gamma(settings.burstiness, scale)
+            while due < end:
+                requests.append(Request("question", stream, due))
+                due += rng.gamma(settings.burstiness, scale)
+    return sorted(requests, key=lambda request: request.due)
+
+
+async def run_load(url: str, key: str, streams: int, settings: LoadSettings, frames: Callable[[int], list[bytes]],
+                   progress: Callable[[Run, float], None] | None = None,
+                   ready: Callable[[], Any] | None = None) -> Run:
+    """Run ``streams`` cameras against the server at ``url`` for ``settings.duration`` seconds (see the module
+    doc); ``frames(camera)``: the JPEG bodies camera ``camera`` loops over. ``progress(run, now)`` is called about
+    every second; ``ready()``, on a thread, once the streams are made and warmed up, before the clock starts."""
+    import contextlib
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with contextlib.AsyncExitStack() as clients:
+        # a client per camera: a pool's every request scans its connections, so one pool for all would cost
+        # the load generator time growing with the requests under way, and make it late
+        client = [await clients.enter_async_context(httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
+            timeout=httpx.Timeout(settings.timeout, connect=30.0))) for _ in range(streams)]
+        made = await asyncio.gather(*(_create(client[stream], stream, frames(stream), settings)
+                                      for stream in range(streams)))
+        ids = [stream_id for stream_id, _ in made]
+        unready = {stream for stream, (_, error) in enumerate(made) if error is not None}
+        if ready is not None:
+            await asyncio.to_thread(ready)
+        start = time.perf_counter() + 0.5
+        run = Run(streams, start, schedule(streams, settings, start),
+                  [error for _, error in made if error is not None])
+        for request in run.requests:
+            if request.stream in unready:
+                request.error = "its stream could not be made or warmed up"
+        try:
+            await _send_all(client, run, ids, settings, frames, progress)
+        finally:
+            await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}")
+                                   for stream, stream_id in enumerate(ids) if stream_id), return_exceptions=True)
+    return run
+
+
+async def _create(client, stream: int, shown: list[bytes], settings: LoadSettings) -> tuple[str | None, str | None]:
+    """Make camera ``stream``'s stream and push its warm-up frames (stream times ``0, 1 / fps, ...``): ``(id,
+    None)``, or ``(id or None, why)``."""
+    import httpx
+
+    try:
+        reply = await client.post("/v1/streams", json={"name": f"camera-{stream}", "max_fps": None})
+        if reply.status_code == 401:
+            raise LoadError(f"the server refused the API key ({_message(reply)})")
+        if reply.status_code != 201:
+            return None, f"HTTP {reply.status_code}: {_message(reply)}"
+        stream_id = reply.json()["id"]
+        for index in range(max(1, settings.warm_frames)):
+            pushed = await client.post(f"/v1/streams/{stream_id}/frames", params={"t": f"{index / settings.fps:.6f}"},
+                                       content=shown[index % len(shown)], headers={"Content-Type": "image/jpeg"})
+            if pushed.status_code != 200:
+                return stream_id, f"HTTP {pushed.status_code}: {_message(pushed)}"
+        return stream_id, None
+    except httpx.HTTPError as error:
+        return None, f"{type(error).__name__}: {error}"
+
+
+async def _send_all(client: list, run: Run, ids: list[str | None], settings: LoadSettings,
+                    frames: Callable[[int], list[bytes]], progress) -> None:
+    """Send every request (see the module doc), then wait for those under way up to ``settings.drain`` seconds past
+    the last due time; the ones still out then fail."""
+    reporter = asyncio.ensure_future(_report(run, progress)) if progress else None
+    live = [request for request in run.requests if request.error is None]
+    cameras = [asyncio.ensure_future(_camera(client[stream], ids[stream], frames(stream), settings,
+                                             [r for r in live if r.stream == stream and r.kind == "frame"]))
+               for stream in range(run.streams)]
+    questions = []
+    try:
+        for request in (r for r in live if r.kind == "question"):
+            delay = request.due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            questions.append(asyncio.ensure_future(_ask(client[request.stream], request, ids[request.stream],
+                                                        settings)))
+        last_due = run.requests[-1].due if run.requests else run.start
+        remaining = max(0.0, last_due + settings.drain - time.perf_counter())
+        tasks = cameras + questions
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=remaining)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for request in run.requests:
+            if request.error is None and request.done is None:
+                request.error = f"not answered {settings.drain:g} s after the run"
+    finally:
+        for task in cameras + questions:
+            task.cancel()
+        if reporter is not None:
+            reporter.cancel()
+            await asyncio.gather(reporter, return_exceptions=True)
+
+
+async def _camera(client, stream_id: str, shown: list[bytes], settings: LoadSettings, due: list[Request]) -> None:
+    """One camera's frames, in order, one at a time: each at its capture time or once the one before is answered
+    (stream times follow the warm-up's frames)."""
+    for index, request in enumerate(due, start=max(1, settings.warm_frames)):
+        delay = request.due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await _push(client, request, stream_id, shown[index % len(shown)], index / settings.fps)
+
+
+async def _report(run: Run, progress) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        progress(run, time.perf_counter())
+
+
+async def _push(client, request: Request, stream_id: str, body: bytes, seconds: float) -> None:
+    import httpx
+
+    request.sent = time.perf_counter()
+    try:
+        reply = await client.post(f"/v1/streams/{stream_id}/frames", params={"t": f"{seconds:.6f}"}, content=body,
+                                  headers={"Content-Type": "image/jpeg"})
+        request.done = time.perf_counter()
+        if reply.status_code != 200:
+            request.error = f"HTTP {reply.status_code}: {_message(reply)}"
+    except httpx.HTTPError as error:
+        request.error = f"{type(error).__name__}: {error}"
+
+
+async def _ask(client, request: Request, stream_id: str, settings: LoadSettings) -> None:
+    """A streamed question; its first token event sets ``first_token`` (the answer's end, if no token came)."""
+    import httpx
+
+    if settings.route == "chat":
+        path = "/v1/chat/completions"
+        body = {"model": "statekv", "messages": [{"role": "user", "content": settings.question}],
+                "max_tokens": settings.max_new_tokens, "stream": True, "statekv": {"stream_id": stream_id}}
+    else:
+        path = f"/v1/streams/{stream_id}/ask"
+        body = {"question": settings.question, "max_new_tokens": settings.max_new_tokens, "stream": True}
+    request.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                request.error = f"HTTP {reply.status_code}: {_message(reply)}"
+                return
+            event = None
+            async for line in reply.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                    continue
+                if not line.startswith("data:"):
+                    event = None if not line else event
+                    continue
+                data = line[5:].strip()
+                if settings.route == "chat":
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        request.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                        return
+                    delta = (chunk.get("choices") or [{}])[0].get("delta", {})
+                    if delta.get("content") and request.first_token is None:
+                        request.first_token = time.perf_counter()
+                elif event == "error":
+                    request.error = str(json.loads(data).get("error", {}).get("message", data))[:200]
+                    return
+                elif event == "answer":
+                    break
+                elif request.first_token is None:
+                    request.first_token = time.perf_counter()
+        request.done = time.perf_counter()
+        if request.first_token is None:
+            request.first_token = request.done
+    except (httpx.HTTPError, ValueError) as error:
+        request.error = f"{type(error).__name__}: {error}"
+
+
+def _message(reply) -> str:
+    """The one-line message of an error reply (the service's JSON error body), or its status text."""
+    try:
+        return str(reply.json()["error"]["message"])[:200]
+    except (ValueError, KeyError, TypeError):
+        return reply.reason_phrase or "no message"
+
+
+def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float], None]:
+    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds."""
+    from .summary import percentile
+
+    terminal = sys.stderr.isatty()
+    state = {"last": 0.0}
+
+    def show(run: Run, now: float) -> None:
+        if not terminal and now - state["last"] < 5.0:
+            return
+        state["last"] = now
+        frames = [r for r in run.requests if r.kind == "frame"]
+        asks = [r for r in run.requests if r.kind == "question"]
+        lags = [r.done - r.due for r in frames if r.ok]
+        ttfts = [r.first_token - r.sent for r in asks if r.ok]
+        failed = sum(r.error is not None for r in run.requests)
+        lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
+        line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
+                f"{settings.duration:g} s: {sum(r.ok for r in frames)}/{sum(r.due <= now for r in frames)} frames "
+                f"streamed" + (f" (lag p95 {lag:.2f} s)" if lag is not None else "")
+                + f", {sum(r.ok for r in asks)} answers" + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
+                + f", {failed} failed")
+        print(("\r" + line + "\033[K") if terminal else line, end="" if terminal else "\n", file=sys.stderr,
+              flush=True)
+
+    return show

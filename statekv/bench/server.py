@@ -1,0 +1,155 @@
+"""The server a benchmark drives: one it starts itself (`LocalServer`: ``statekv serve`` in its own process, on a
+free loopback port, with a fresh state folder and key), and what its ``/metrics`` say of batching."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import StateKVError
+
+LISTENING = "statekv serve: listening on "
+BATCH_METRIC = "statekv_step_batch_size"
+
+
+class ServerError(StateKVError):
+    """The server could not be started, or stopped before it was ready."""
+
+    kind = "server"
+
+
+class LocalServer:
+    """``statekv serve`` with ``options`` (its command-line flags) in a process of its own (``threads``: its torch
+    threads), for the length of a ``with`` block: ``url`` and ``key`` once it listens. Its log is kept in its
+    temporary folder (the last line is named if it fails to start)."""
+
+    def __init__(self, options: list[str], *, threads: int | None = None, start_timeout: float = 900.0):
+        self.options, self.threads, self.start_timeout = options, threads, start_timeout
+        self.key = secrets.token_urlsafe(24)
+        self.url: str | None = None
+        self.process: subprocess.Popen | None = None
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> "LocalServer":
+        import statekv
+
+        self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
+        folder = Path(self._folder.name)
+        log = folder / "serve.log"
+        command = [sys.executable, "-m", "statekv.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--state-dir", str(folder / "state"), "--api-key", self.key, "--no-page", *self.options]
+        source = str(Path(statekv.__file__).resolve().parents[1])  # this statekv, however it was found
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])))
+        if self.threads is not None:  # torch's intra-op threads (more than the cores left to it only contend)
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        with open(log, "w") as output:
+            self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace")
+            for line in text.splitlines():
+                if line.startswith(LISTENING):
+                    self.url = line[len(LISTENING):].split()[0]
+                    return self
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        self.__exit__(None, None, None)
+        why = last[-1] if last else "no output"
+        raise ServerError(f"the server did not start: {why}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+
+
+def batch_totals(url: str) -> tuple[float, float] | None:
+    """``(sum, count)`` of the server's ``statekv_step_batch_size`` histogram (stream steps per language-model
+    forward), or None when its /metrics do not have it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    totals = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == BATCH_METRIC:
+            for sample in family.samples:
+                if sample.name in (f"{BATCH_METRIC}_sum", f"{BATCH_METRIC}_count"):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    if len(totals) != 2:
+        return None
+    return totals[f"{BATCH_METRIC}_sum"], totals[f"{BATCH_METRIC}_count"]
+
+
+def mean_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Stream steps per forward between two readings of `batch_totals`."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+class InProcessServer:
+    """``statekv serve``'s application over a `VideoQA` already loaded (a model built in memory, as the GPU suite's
+    random 8B), on a free loopback port, served by uvicorn on a thread of this process for the length of a ``with``
+    block: ``url`` and ``key`` once it listens. Drive it from another process (``statekv bench serve --url``) so the
+    load generator does not share this process's interpreter with the server."""
+
+    def __init__(self, qa, *, max_streams: int = 1024, start_timeout: float = 120.0):
+        self.qa, self.max_streams, self.start_timeout = qa, max_streams, start_timeout
+        self.key = secrets.token_urlsafe(24)
+        self.url: str | None = None
+        self._server = None
+        self._thread = None
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> "InProcessServer":
+        import threading
+
+        import uvicorn
+
+        from ..serve import ServeConfig, create_app
+
+        self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
+        config = ServeConfig(options=self.qa.options, state_dir=Path(self._folder.name) / "state",
+                             api_keys=(self.key,), max_streams=self.max_streams, max_asks=self.max_streams * 4,
+                             page=False)
+        app = create_app(config, self.qa)
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="statekv-bench-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise ServerError("the in-process server did not start")
+            time.sleep(0.05)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None

@@ -1,0 +1,136 @@
+"""What a run of N cameras comes to: throughput, lag behind real time, time to first token, goodput; the table, the
+JSON and the plot of a sweep.
+
+A camera is **held at real time** when every one of its requests succeeded and its frames were streamed within
+``lag_target`` seconds of being due at p95 (a camera the server cannot keep up with falls further behind with
+every frame, so its lag grows without bound). **Goodput** counts the cameras held at real time whose questions'
+p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests meeting every latency target; here
+the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy's default, as vLLM reports them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .load import Run
+
+
+@dataclass(frozen=True)
+class Targets:
+    """``ttft_target``: seconds to the first answer token at p95; ``lag_target``: seconds behind real time at p95."""
+
+    ttft_target: float = 0.5
+    lag_target: float = 1.0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values``, None when there are none."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batch: float | None) -> dict[str, Any]:
+    """One row of a sweep (times in seconds); ``mean_batch``: the server's stream steps per language-model forward
+    over the run (None when its /metrics do not say)."""
+    frames = [r for r in run.requests if r.kind == "frame"]
+    asks = [r for r in run.requests if r.kind == "question"]
+    done = [r for r in frames if r.ok]
+    answered = [r for r in asks if r.ok]
+    lags = [r.done - r.due for r in done]
+    ttfts = [r.first_token - r.sent for r in answered]
+    latencies = [r.done - r.sent for r in answered]
+    late = [r.sent - r.due for r in asks if r.sent is not None]  # open loop: the load generator's own delay
+    held = goodput = 0
+    for stream in range(run.streams):
+        own = [r for r in run.requests if r.stream == stream]
+        lag = percentile([r.done - r.due for r in own if r.kind == "frame" and r.ok], 95)
+        if any(not r.ok for r in own) or lag is None or lag > targets.lag_target:
+            continue
+        held += 1
+        ttft = percentile([r.first_token - r.sent for r in own if r.kind == "question"], 95)
+        goodput += ttft is None or ttft <= targets.ttft_target
+    span = max((r.done for r in done), default=run.start) - run.start
+    row = {"streams": run.streams, "fps": fps, "duration_s": duration, "frames_sent": len(frames),
+           "frames_done": len(done), "frames_per_s": len(done) / span if span > 0 else 0.0,
+           "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "questions": len(asks),
+           "answers": len(answered)}
+    for q in (50, 90, 95, 99):
+        row[f"ttft_p{q}_s"] = percentile(ttfts, q)
+    for q in (50, 90, 99):
+        row[f"latency_p{q}_s"] = percentile(latencies, q)
+    failures = sum(not r.ok for r in run.requests) + len(run.setup_failures)
+    errors = sorted({r.error for r in run.requests if r.error} | set(run.setup_failures))
+    row.update(held_streams=held, goodput_streams=goodput, failures=failures, mean_batch=mean_batch,
+               question_send_late_p95_s=percentile(late, 95), errors=errors[:5])
+    return row
+
+
+def held_all(row: dict[str, Any]) -> bool:
+    """Every camera of the run held at real time with its p95 time to first token under the target."""
+    return row["goodput_streams"] == row["streams"] and row["failures"] == 0
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The sweep as a markdown table."""
+    lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | "
+             "answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | goodput streams | failed | mean batch |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        cells = [str(row["streams"]), f"{row['fps']:g}", f"{row['frames_per_s']:.1f}"]
+        cells += [_seconds(row[name]) for name in ("lag_p50_s", "lag_p95_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                                                   "latency_p50_s", "latency_p90_s", "latency_p99_s")]
+        cells += [str(row["questions"]), str(row["goodput_streams"]), str(row["failures"]),
+                  "-" if row["mean_batch"] is None else f"{row['mean_batch']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """The client's machine, as the reports name it."""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores"
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, targets: Targets, title: str) -> None:
+    """Frames per second (against real time's N x fps) and time to first token (p50, p95, the target) against
+    the cameras."""
+    from ..plotting import pyplot
+
+    plt = pyplot()
+    rows = sorted(rows, key=lambda row: row["streams"])
+    streams = [row["streams"] for row in rows]
+    figure, (rate, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    rate.plot(streams, [row["frames_per_s"] for row in rows], "o-", label="frames streamed per second")
+    rate.plot(streams, [row["streams"] * row["fps"] for row in rows], "k--", label="real time (cameras x fps)")
+    rate.set_xlabel("cameras")
+    rate.set_ylabel("frames / s")
+    rate.legend()
+    for q, style in ((50, "o-"), (95, "s-")):
+        points = [(row["streams"], row[f"ttft_p{q}_s"]) for row in rows if row[f"ttft_p{q}_s"] is not None]
+        if points:
+            ttft.plot(*zip(*points), style, label=f"TTFT p{q}")
+    ttft.axhline(targets.ttft_target, color="k", linestyle="--", label=f"target {targets.ttft_target:g} s")
+    ttft.set_xlabel("cameras")
+    ttft.set_ylabel("seconds to the first answer token")
+    ttft.set_yscale("log")
+    ttft.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,206 @@
+"""`statekv bench serve`: the load it sends (cameras at their rate, questions as a Poisson process, open loop), what
+it makes of a run (lag, TTFT, goodput), the search for the most cameras held, and the command against a real
+server of the built-in model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+
+from starlette.requests import Request as Incoming  # noqa: E402
+
+from statekv.bench.command import Probe  # noqa: E402
+from statekv.bench.load import LoadSettings, Request, Run, run_load, schedule  # noqa: E402
+from statekv.bench.summary import Targets, held_all, summarize, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("streams", "fps", "frames_per_s", "lag_p95_s", "ttft_p50_s", "ttft_p95_s", "goodput_streams", "failures",
+          "mean_batch")
+
+
+def test_cameras_capture_at_their_rate_and_questions_arrive_as_a_poisson_process():
+    settings = LoadSettings(fps=2.0, duration=10.0, question_rate=0.5, seed=3)
+    requests = schedule(4, settings, start=100.0)
+    assert [r.due for r in requests] == sorted(r.due for r in requests)
+    for stream in range(4):
+        frames = [r.due for r in requests if r.stream == stream and r.kind == "frame"]
+        assert len(frames) == 20 and 100.0 <= frames[0] < 100.5  # a phase inside one frame period
+        assert np.allclose(np.diff(frames), 0.5)
+    gaps = {}
+    for burstiness in (0.25, 1.0, 4.0):  # gamma gaps: mean 1 / rate; squared variation 1 / burstiness
+        many = schedule(400, LoadSettings(fps=1.0, duration=60.0, question_rate=0.5, burstiness=burstiness), 0.0)
+        gaps[burstiness] = np.concatenate([np.diff([0.0] + [r.due for r in many if r.stream == s and
+                                                            r.kind == "question"]) for s in range(400)])
+    assert abs(gaps[1.0].mean() - 2.0) < 0.15
+    variation = {b: g.var() / g.mean() ** 2 for b, g in gaps.items()}
+    assert variation[0.25] > 2.0 and 0.8 < variation[1.0] < 1.2 and variation[4.0] < 0.5
+    assert not [r for r in schedule(2, LoadSettings(question_rate=0.0), 0.0) if r.kind == "question"]
+
+
+def _run(*streams: list[Request]) -> Run:
+    return Run(len(streams), 0.0, [request for stream in streams for request in stream])
+
+
+def _frames(stream: int, lag: float, count: int = 20) -> list[Request]:
+    return [Request("frame", stream, due=k, sent=k, done=k + lag) for k in range(count)]
+
+
+def _question(stream: int, ttft: float) -> Request:
+    return Request("question", stream, due=5.0, sent=5.0, first_token=5.0 + ttft, done=5.0 + ttft + 0.1)
+
+
+def test_a_camera_counts_in_goodput_when_held_at_real_time_with_its_ttft_under_the_target():
+    targets = Targets(ttft_target=0.5, lag_target=1.0)
+    run = _run(_frames(0, 0.1) + [_question(0, 0.2)],  # held, fast answers
+               _frames(1, 0.1) + [_question(1, 0.9)],  # held, too slow to answer
+               _frames(2, 2.0) + [_question(2, 0.2)],  # behind real time
+               _frames(3, 0.1)[:-1] + [Request("frame", 3, due=19, sent=19, done=19.1, error="HTTP 409: no")])
+    row = summarize(run, fps=1.0, duration=20.0, targets=targets, mean_batch=2.5)
+    assert row["held_streams"] == 2 and row["goodput_streams"] == 1 and row["failures"] == 1
+    assert row["frames_done"] == 79 and row["questions"] == 3 and row["mean_batch"] == 2.5
+    assert row["ttft_p50_s"] == pytest.approx(0.2) and row["lag_p50_s"] == pytest.approx(0.1)
+    assert not held_all(row) and held_all(summarize(_run(_frames(0, 0.1)), 1.0, 20.0, targets, None))
+    assert set(FIELDS) <= set(row) and "| 4 | 1 |" in table([row])
+
+
+def test_find_max_doubles_then_bisects_and_stops_at_its_time_limit():
+    tried = []
+
+    class Fake(Probe):
+        def __call__(self, count):
+            tried.append(count)
+            self.rows[count] = {"streams": count, "goodput_streams": count if count <= 11 else 0, "failures": 0}
+            return self.rows[count]
+
+    settings = LoadSettings(duration=0.0, drain=0.0)
+    rows, (most, complete) = Fake("url", "key", settings, Targets(), None).find_max(256)
+    assert (most, complete) == (11, True) and tried == [1, 2, 4, 8, 16, 12, 10, 11]
+    assert [row["streams"] for row in rows] == sorted(tried)
+    tried.clear()
+    _, (most, complete) = Fake("url", "key", settings, Targets(), None).find_max(256, start=32)
+    assert (most, complete) == (11, True) and tried == [32, 16, 8, 12, 10, 11]  # a start not held: below it
+    slow = LoadSettings(duration=5.0, drain=5.0)
+    tried.clear()
+    _, (most, complete) = Fake("url", "key", slow, Targets(), None).find_max(256, deadline=time.monotonic() + 1)
+    assert (most, complete) == (0, False) and tried == []
+
+
+class _SlowServer:
+    """The stream routes of a server that takes ``push_seconds`` per frame, one frame at a time per stream, and
+    answers every question with one token after ``ttft_seconds``, on a loopback port in a thread."""
+
+    def __init__(self, push_seconds: float, ttft_seconds: float):
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import StreamingResponse
+
+        app, locks = FastAPI(), {}
+        self.arrivals: list[tuple[str, float]] = []
+
+        @app.post("/v1/streams", status_code=201)
+        async def create():
+            locks[f"st_{len(locks)}"] = asyncio.Lock()
+            return {"id": f"st_{len(locks) - 1}"}
+
+        @app.post("/v1/streams/{stream_id}/frames")
+        async def frame(stream_id: str, request: Incoming):
+            await request.body()
+            self.arrivals.append(("frame", time.perf_counter()))
+            async with locks[stream_id]:
+                await asyncio.sleep(push_seconds)
+            return {"kept": True}
+
+        @app.post("/v1/streams/{stream_id}/ask")
+        async def ask(stream_id: str):
+            self.arrivals.append(("question", time.perf_counter()))
+
+            async def events():
+                await asyncio.sleep(ttft_seconds)
+                yield 'data: {"token": "B"}\n\n'
+                yield 'event: answer\ndata: {"answer": "B"}\n\n'
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.delete("/v1/streams/{stream_id}")
+        async def delete(stream_id: str):
+            return {"deleted": True}
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def test_a_slow_server_leaves_cameras_behind_while_questions_go_out_on_time():
+    """Open loop: a server that takes 0.3 s a frame cannot keep a 5-fps camera at real time, and its lag grows
+    frame after frame; the camera's frames go in order, one at a time; questions are sent at their times whatever
+    is under way, and their TTFT is the first token's."""
+    settings = LoadSettings(fps=5.0, duration=3.0, question_rate=2.0, drain=10.0, warm_frames=1, seed=1)
+    with _SlowServer(push_seconds=0.3, ttft_seconds=0.1) as url:
+        run = asyncio.run(run_load(url, "key", 2, settings, lambda camera: [b"jpeg"]))
+    frames = sorted((r for r in run.requests if r.kind == "frame" and r.stream == 0), key=lambda r: r.due)
+    lags = [r.done - r.due for r in frames]
+    assert all(r.ok for r in run.requests) and len(frames) == 15
+    assert lags[-1] > lags[0] + 1.0 and all(b > a for a, b in zip(lags[3:], lags[4:]))  # 0.1 s further a frame
+    assert all(b.sent >= a.done for a, b in zip(frames, frames[1:]))  # in order, one at a time
+    questions = [r for r in run.requests if r.kind == "question"]
+    assert len(questions) >= 4 and all(r.sent - r.due < 0.05 for r in questions)  # never held back by frames
+    assert all(0.09 < r.first_token - r.sent < 0.3 for r in questions)
+    row = summarize(run, 5.0, 3.0, Targets(), None)
+    assert row["held_streams"] == 0 and row["frames_per_s"] < 2 * 5.0 * 0.75
+
+
+def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "statekv.cli", "bench", "serve", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--streams", "0,2"], "--streams: expected stream counts like 1,4,16, got '0,2'"),
+    (["--fps", "-1"], "--fps: expected a positive number"),
+    (["--route", "grpc"], "--route: invalid choice"),
+    (["--url", "http://127.0.0.1:9", "--budget", "8"], "--budget is for the server bench serve starts"),
+    (["--url", "http://127.0.0.1:9"], "--url needs --api-key"),
+    (["--json", "/"], "--json / names a folder"),
+    (["--video", "missing.mp4"], "missing.mp4"),
+])
+def test_bad_flags_are_one_line_and_start_nothing(args, message):
+    result = _bench(*args, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_the_built_in_model_under_bench_serve(tmp_path):
+    """The command as the issue names it (shorter): a server of the built-in model started for the run, one and two
+    cameras, every field of the JSON, the table, the plot; the server's batches read from its /metrics."""
+    out, plot = tmp_path / "out.json", tmp_path / "serve.png"
+    result = _bench("--model", "builtin", "--streams", "1,2", "--fps", "2", "--duration", "4", "--warm-frames", "4",
+                    "--json", str(out), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(out.read_text())
+    rows = document["results"]
+    assert [row["streams"] for row in rows] == [1, 2] and all(set(FIELDS) <= set(row) for row in rows)
+    assert document["server"]["model"] == "builtin" and document["settings"]["fps"] == 2.0
+    for row in rows:
+        assert row["frames_done"] == row["frames_sent"] == 8 * row["streams"] and row["failures"] == 0
+        assert row["lag_p95_s"] is not None and row["mean_batch"] >= 1.0
+    assert "| streams | fps | frames/s |" in result.stdout and plot.stat().st_size > 10_000
+    assert "statekv bench serve: 2 streams" in result.stderr  # the progress line
