@@ -268,10 +268,13 @@ def test_past_the_models_range_an_evaluation_reads_the_stream_as_a_step_would(tm
     stepped.close()
 
 
-def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk():
+@pytest.mark.parametrize("placing", ["stream", "bounded, still", "bounded, placed"])
+def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk(placing):
     """`QuestionGuide.mass` against a direct computation: each question's queries rotated (RoPE's own rotation)
     from where they were evaluated to right after the step's chunk, softmaxed over the candidates, summed over
-    its rows and the query heads of each KV group, scaled to the chunk's total and weighted."""
+    its rows and the query heads of each KV group, scaled to the chunk's total and weighted. The chunk sits at its
+    own positions under stream positions and under bounded ones while every step is (`StreamPositions.still`: the
+    device's base is then not set and must not be read), else at the base the step was placed at."""
     from types import SimpleNamespace
 
     from statekv.core.positions.placing import rotate
@@ -289,7 +292,11 @@ def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk():
     guide.add(questions[1], 3.0)
     keys = torch.randn(1, kv_heads, 9, dim, generator=generator)
     chunk, seen, scale = 2, 57, 0.3
-    cache = SimpleNamespace(positions=SimpleNamespace(bounded=False), seen_device=torch.tensor(seen),
+    base = {"stream": None, "bounded, still": seen + 100, "bounded, placed": seen}[placing]  # where the device says
+    positions = SimpleNamespace(bounded=placing != "stream", still=placing == "bounded, still",
+                                device_scalars=lambda device: (torch.tensor([0]), torch.tensor([base]),
+                                                               torch.tensor([0])))
+    cache = SimpleNamespace(positions=positions, seen_device=torch.tensor(seen if base != seen else seen + 50),
                             step_index=7)
     expected = torch.zeros(1, kv_heads, 9)
     for question, weight in zip(questions, (1.0, 3.0)):

@@ -9,8 +9,9 @@ presses. A token a standing question attends to stays carried, so later evaluati
 the carried state and the new frames only, still see it. Rules that read no attention mass (recency, key norm,
 full attention) are not affected.
 
-The queries' positions: under ``stream`` positions the chunk sits at its own positions, under ``bounded`` at the
-base its step was placed at (read on the device, `StreamPositions.device_scalars`). Streams whose positions have
+The queries' positions: under ``stream`` positions (and under ``bounded`` while every step sits at its own
+position, `StreamPositions.still`) the chunk sits at its own positions, else at the base its step was placed at
+(read on the device, `StreamPositions.device_scalars`). Streams whose positions have
 several rows (M-RoPE) are not steered.
 """
 
@@ -63,7 +64,7 @@ class QuestionGuide:
         if self._step is None or self._step[0] != key:
             packs = self.packs(0, heads, device)
             key = (cache.step_index, id(cache), chunk_len, scale, device, self._signature)
-            if cache.positions.bounded:
+            if cache.positions.bounded and not cache.positions.still:
                 first = cache.positions.device_scalars(device)[1] + chunk_len
             else:
                 first = cache.seen_device.to(device).reshape(1) + chunk_len

@@ -172,7 +172,7 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
 
     ``tokens`` are the tokens' indices in the stream (what is read once and what the new frames hold); under
     bounded positions ``anchors`` are their positions in the stream and ``rotations`` where they were stored
-    (the carried slots' placements)."""
+    (the carried slots' placements, once the stream was placed: `TwoStateCache.place_slots`)."""
     streaming = prefill.cache.layers[layer]
     storage = streaming.storage
     heads = prefill.geometry.kv_heads
@@ -180,9 +180,11 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     keys = values = anchors = rotations = None
     if tokens.shape[-1]:
         keys, values = (t.to(device, dtype) for t in streaming.carried())
-        if place.bounded:
+        if place.bounded and prefill.cache.placed:
             placed = streaming.carry.placements()
             anchors, rotations = (t[..., :tokens.shape[-1]].to(device) for t in placed)
+        elif place.bounded:  # no step placed away from its own position yet: each token stored at its own
+            anchors = rotations = tokens
     else:
         tokens = torch.empty(1, heads, 0, dtype=torch.long, device=device)
     valid = tokens < since
