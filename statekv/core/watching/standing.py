@@ -25,12 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ...errors import HorizonError, InputError
 from ..answering.decoding import Prompt
 from ..answering.retrieval import Retrieval
 from ..attention.switch import share_language_attention
+from ..cache.engine_layer import EngineLayer
 from ..positions.placing import model_frequencies
 from ..step.batching import rope_key
 from .context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
@@ -144,12 +145,10 @@ class _Row:
         return context
 
 
-class WatchLayer(CacheLayerMixin):
+class WatchLayer(EngineLayer):
     """One layer of a :class:`WatchCache`: the rows' contexts, assembled when the first forward reaches it, then the
-    tokens every forward appends."""
-
-    is_compileable = False
-    is_sliding = False
+    tokens every forward appends (what transformers' layer contract would move or reorder is refused, as for every
+    engine layer)."""
 
     def __init__(self):
         super().__init__()
@@ -171,9 +170,6 @@ class WatchLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class WatchCache(Cache):
