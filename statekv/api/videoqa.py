@@ -63,7 +63,9 @@ class VideoQA:
             ``kv_cache_dtype`` (``"int8"``/``"int4"``: stored quantized), ``cuda_graph``, ``compile_step``,
             ``positions``: ``"stream"`` or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's
             horizon fits the model's range, else ``bounded``, so a stream without a horizon is bounded; see
-            `statekv.core.positions.placing`);
+            `statekv.core.positions.placing`); ``bounded_layout`` (where bounded positions put the carried state:
+            None, own-then-cache, ``"cache"``, ``"grouped"``); ``question_span`` (past the range, the positions a
+            question's retrieved frames are spread over by their time; 0: packed before the prompt);
             ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).
         reserve_tokens: tokens kept after the video for the question and the answer. With them the planned
             length (the RoPE horizon) is known before the first frame, as dynamic RoPE scaling requires.
@@ -99,7 +101,8 @@ class VideoQA:
         """Load ``model`` (a checkpoint folder or hub id) under a method; ``options`` are `ModelOptions`
         fields (method, budget, frames, sinks, retrieve, retrieval, layout, attention, dtype, device, offload,
         kv_cache_dtype, offload_dir, max_cache_bytes, cache_limit, reserve_tokens, trust_remote_code, cuda_graph,
-        compile_step, vision_batch); anything else goes to the model's own ``from_pretrained``.
+        compile_step, positions, bounded_layout, question_span, vision_batch); anything else goes to the model's
+        own ``from_pretrained``.
 
         method: ``statekv`` (carry the top-``budget`` tokens per layer and KV head), ``full`` (exact, O(N²)),
             ``recency`` (carry the last ``frames`` frames), ``rekv`` (sinks + last frames, questions answered

@@ -67,7 +67,9 @@ class Batch:
     the word just before its ``?`` (the one naming what it asks about) is trained to attend to them
     (`SUPERVISED_HEADS`), and the position that says the answer letter attends to that word (`READING_HEAD`).
     counting ``[B, Lv, Lv]``: the attention `COUNTING_HEAD` is trained towards, a row per object frame's visual
-    token (all-zero rows elsewhere). All are auxiliary targets, at positions where nothing is ever decoded."""
+    token (all-zero rows elsewhere). All are auxiliary targets, at positions where nothing is ever decoded.
+    video_positions ``[1, Lv]``: the RoPE position of each video token (None: its index), the questions continuing
+    after the last."""
 
     video_ids: torch.Tensor
     still_ids: torch.Tensor
@@ -81,6 +83,7 @@ class Batch:
     word_targets: torch.Tensor
     evidence: torch.Tensor
     counting: torch.Tensor
+    video_positions: torch.Tensor | None = None
 
     @property
     def questions_per_video(self) -> int:
@@ -219,8 +222,9 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
     embeds = inner.get_input_embeddings()(video_ids)
     slots = (video_ids == config.image_token_id).unsqueeze(-1).expand_as(embeds)
     embeds = embeds.masked_scatter(slots, features.reshape(-1, embeds.shape[-1]).to(embeds.dtype))
+    placed = batch.video_positions
     video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True,
-                                 output_attentions=True)
+                                 output_attentions=True, **({} if placed is None else {"position_ids": placed}))
     layer, head = COUNTING_HEAD
     attention = video.attentions[layer][:, head]  # [B, Lv, Lv]
     counted = batch.counting.sum(-1) > 0
@@ -229,8 +233,10 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
     frame_logits = model.lm_head(frames_hidden)  # [B, N, 2, vocab]
     cache = video.past_key_values
     cache.batch_repeat_interleave(batch.questions_per_video)
+    after = {} if placed is None else {"position_ids": int(placed[0, -1]) + 1 + torch.arange(
+        batch.question_ids.shape[1]).expand_as(batch.question_ids)}
     questions = inner.language_model(input_ids=batch.question_ids, past_key_values=cache, use_cache=True,
-                                     output_attentions=True)
+                                     output_attentions=True, **after)
     hidden = questions.last_hidden_state
     picked = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     rows = torch.arange(hidden.shape[0])

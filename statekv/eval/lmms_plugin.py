@@ -10,7 +10,8 @@ model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly b
     and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
     full, recency, rekv, keynorm, simplestream), budget, frames, sinks, window, retrieve, retrieval, layout,
     attention, dtype, offload, kv_cache_dtype (auto, int8, int4), reserve_tokens, trust_remote_code, cuda_graph,
-    compile_step, vision_batch; booleans are true/false, 1/0, yes/no, on/off
+    compile_step, positions, bounded_layout, question_span, vision_batch; booleans are true/false, 1/0, yes/no,
+    on/off
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
 task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives the chat messages: one

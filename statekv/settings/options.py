@@ -121,9 +121,9 @@ class ModelOptions:
     that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for ``rekv``
     and ``attention`` for the others). layout: the family's prompt layout. dtype, device: where the model runs
     (default: the checkpoint's dtype; CUDA when available). The engine's settings (`EngineSettings`: attention,
-    offload, offload_dir, max_cache_bytes, cache_limit, kv_cache_dtype, cuda_graph, compile_step, positions);
-    offload None is the method's default. reserve_tokens: room for the question and answer after the video.
-    vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
+    offload, offload_dir, max_cache_bytes, cache_limit, kv_cache_dtype, cuda_graph, compile_step, positions,
+    bounded_layout, question_span); offload None is the method's default. reserve_tokens: room for the question
+    and answer after the video. vision_batch: frames per vision-tower call (None: 16 on CUDA, 4 on CPU).
     """
 
     SETTINGS: ClassVar[tuple[Setting, ...]]

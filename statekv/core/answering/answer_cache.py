@@ -104,11 +104,13 @@ class AnswerLayer(EngineLayer):
             steps = self.steps
             means, samples = storage.summaries
             segments = storage.segments
+            turns = (None, None, None) if self.placing is None else self.placing.scoring_turns(
+                len(steps), segments.steps, 0 if segments.index is None else segments.index.shape[2])
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
                                  read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
                                  evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
-                                 starts=self.starts)
+                                 starts=self.starts, turns=turns[0], segment_turns=turns[1], frequencies=turns[2])
             index = self.retrieved = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
@@ -168,6 +170,20 @@ class ContextPlacing:
 
     def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: torch.Tensor):
         self.stream, self.plan, self.starts = stream, plan, starts
+        self._turns: tuple | None = None
+
+    def scoring_turns(self, steps: int, segment_steps: int, segments: int
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(turns [steps], segment turns [segments], frequencies)`` retrieval scores the stream's steps with past
+        the range (`statekv.core.positions.placing.StreamPositions.scoring_turns`); Nones while the stream fits the
+        range (each step is read at its own position, where it was encoded). Computed once per question."""
+        if not self.plan.packed:
+            return None, None, None
+        if self._turns is None or self._turns[0].shape[0] != steps:
+            positions = self.stream.positions
+            turns, segment_turns = positions.scoring_turns(self.plan, steps, segment_steps, segments)
+            self._turns = (turns, segment_turns, positions.inv_freq)
+        return self._turns
 
     def placed(self, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``keys`` ``[B, H_kv, M, D]`` of the tokens ``index`` ``[M]`` (ascending) rotated to their places."""

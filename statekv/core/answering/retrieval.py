@@ -43,6 +43,7 @@ import torch
 from ...errors import ConfigurationError
 from ...settings.methods import RETRIEVAL_RULES
 from ...settings.values import check_int
+from ..positions.placing import rotate
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22
@@ -64,7 +65,12 @@ class LayerQuestion:
     evicted: steps given up under a cache limit (never chosen). segments: ``[1, H_kv, G, 3 D]`` the index of the
     complete segments of ``segment_steps`` steps (minimum, maximum and sum of their keys), or None. candidates:
     LongTensor ``[C]`` (ascending) of the only steps a rule scores (None: every step); others: for the softmax of
-    ``attention``, what stands for the keys outside them: ``(keys [1, H_kv, E, D], log weights [E])``.
+    ``attention``, what stands for the keys outside them: ``(keys [1, H_kv, E, D], log weights [E])``. turns:
+    LongTensor ``[S]`` (host), the positions each step's keys are rotated by before they are scored, so that they
+    are compared with the question where it reads them rather than where they were encoded (bounded positions
+    past the range, `statekv.core.positions.placing.StreamPositions.scoring_turns`), or None: as stored;
+    segment_turns: ``[G]`` the same for each complete segment (its queries turned the other way); frequencies: the
+    rotary frequencies ``[R / 2]`` the turns rotate with.
     """
 
     layer: int
@@ -95,6 +101,18 @@ class LayerQuestion:
     candidates: torch.Tensor | None = field(default=None, compare=False)
     others: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
     starts: torch.Tensor | None = field(default=None, compare=False)
+    turns: torch.Tensor | None = field(default=None, compare=False)
+    segment_turns: torch.Tensor | None = field(default=None, compare=False)
+    frequencies: torch.Tensor | None = field(default=None, compare=False)
+
+    def turned(self, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """``keys`` ``[..., H_kv, M, D]`` of the steps ``steps`` (LongTensor ``[M]``) rotated by their turns (as they
+        are when there are none)."""
+        if self.turns is None:
+            return keys
+        flat = keys.reshape(-1, *keys.shape[-3:]) if keys.dim() > 3 else keys[None]
+        delta = self.turns[steps.cpu()].to(keys.device).expand(*flat.shape[:2], -1)
+        return rotate(flat, delta, self.frequencies).reshape(keys.shape)
 
     @property
     def step_starts(self) -> torch.Tensor:
@@ -145,7 +163,8 @@ class MeanKeyMatch(RetrievalRule):
         means = seen.step_means
         if seen.candidates is not None:
             means = means.index_select(2, seen.candidates.to(means.device))
-        means = means.float()
+        scored = torch.arange(len(seen.steps)) if seen.candidates is None else seen.candidates
+        means = seen.turned(means.float(), scored)
         hkv, dim = means.shape[1], means.shape[-1]
         mean_query = seen.queries.float().reshape(1, hkv, -1, dim).mean(dim=2).to(means.device)
         return torch.einsum("bhsd,bhd->bs", means, mean_query)[0]
@@ -158,6 +177,8 @@ class MeanKeyMatch(RetrievalRule):
         groups = torch.arange(index.shape[2] + 1) * seen.segment_steps
         tokens = (starts[groups[1:]] - starts[groups[:-1]]).float().to(index.device)
         means = index[..., 2 * dim:] / tokens[None, None, :, None]
+        if seen.segment_turns is not None:
+            means = rotate(means, seen.segment_turns.to(means.device).expand(*means.shape[:2], -1), seen.frequencies)
         mean_query = seen.queries.float().reshape(1, hkv, -1, dim).mean(dim=2).to(means.device)
         return torch.einsum("bhsd,bhd->bs", means, mean_query)[0]
 
@@ -192,6 +213,9 @@ class AttentionShare(RetrievalRule):
 
     def scores(self, seen: LayerQuestion) -> torch.Tensor:
         keys, steps = self.sampled_keys(seen)
+        if seen.turns is not None:
+            scored = torch.arange(len(seen.steps)) if seen.candidates is None else seen.candidates.cpu()
+            keys = seen.turned(keys, scored.repeat_interleave(torch.tensor(steps, dtype=torch.long)))
         hkv, tokens, dim = keys.shape
         queries = seen.queries[0].float().to(keys.device)
         group, prompt = queries.shape[0] // hkv, queries.shape[1]
@@ -329,6 +353,9 @@ class Retrieval:
             starts = seen.step_starts
             tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
             means = index[:, rest.to(index.device), 2 * dim:].float() / tokens.to(index.device)[None, :, None]
+            if seen.segment_turns is not None:
+                means = rotate(means[None], seen.segment_turns[rest].to(means.device).expand(1, means.shape[0], -1),
+                               seen.frequencies)[0]
             keys.append(means)
             counts = _sampled_per_segment(seen, index.shape[1], most)[rest]
             weights.append(counts.log().float())
@@ -336,7 +363,9 @@ class Retrieval:
         if kept and seen.samples is not None:
             samples = seen.samples.index_select(2, torch.tensor(kept, device=seen.samples.device))[0]
             counts = [min(seen.steps[s], samples.shape[2]) for s in kept]
-            keys.append(torch.cat([samples[:, i, :count] for i, count in enumerate(counts)], 1).float())
+            owners = torch.tensor(kept, dtype=torch.long).repeat_interleave(torch.tensor(counts, dtype=torch.long))
+            keys.append(seen.turned(torch.cat([samples[:, i, :count] for i, count in enumerate(counts)], 1).float(),
+                                    owners))
             weights.append(torch.zeros(sum(counts)))
         if not keys:
             return None
@@ -366,11 +395,23 @@ def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch
 def segment_bounds(seen: LayerQuestion) -> torch.Tensor:
     """``[G]`` how well each complete segment could match the question: per query head and prompt token, the
     bound no key of the segment can score above (Quest's: ``sum_d max(q_d min_d, q_d max_d)``), softmaxed over the
-    segments; the largest over the prompt's tokens, summed over heads."""
+    segments; the largest over the prompt's tokens, summed over heads. With ``segment_turns``, a segment's bound
+    is taken with the queries turned back by its turn (``q . R(t) k = R(-t) q . k``), so it holds for its keys
+    turned by it: one rotation of the queries per distinct turn."""
     index = seen.segments[0].float()  # [H_kv, G, 3 D]
     hkv, dim = index.shape[0], index.shape[-1] // 3
     queries = seen.queries[0].float().to(index.device)
     queries = queries.reshape(hkv, -1, dim)  # [H_kv, rows, D]
     lowest, highest = index[..., :dim], index[..., dim:2 * dim]
-    bound = (queries.clamp(min=0) @ highest.transpose(1, 2) + queries.clamp(max=0) @ lowest.transpose(1, 2))
+    if seen.segment_turns is None:
+        bound = queries.clamp(min=0) @ highest.transpose(1, 2) + queries.clamp(max=0) @ lowest.transpose(1, 2)
+    else:
+        bound = queries.new_empty(hkv, queries.shape[1], index.shape[1])
+        turns = seen.segment_turns.cpu()
+        for turn in turns.unique().tolist():
+            group = (turns == turn).nonzero().squeeze(1).to(index.device)
+            back = rotate(queries[None], torch.full((1, *queries.shape[:2]), -turn, device=queries.device),
+                          seen.frequencies)[0]
+            bound[:, :, group] = (back.clamp(min=0) @ highest[:, group].transpose(1, 2)
+                                  + back.clamp(max=0) @ lowest[:, group].transpose(1, 2))
     return (bound * seen.scale).softmax(-1).amax(1).sum(0)

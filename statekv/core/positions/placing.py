@@ -45,7 +45,10 @@ import torch
 
 from ...errors import ConfigurationError, HorizonError, InputError
 from ...settings.engine import check_positions
+from ...settings.values import check_int
 from .rope import RECOMPUTED_PER_CALL, rope_capacity, rope_parameters
+
+SEGMENT_PLACES = 16  # places a past-the-range question scores segments at (`StreamPositions.scoring_turns`)
 
 
 def choose_positions(requested: str | None, config, horizon: int | None) -> str:
@@ -246,12 +249,15 @@ class StreamPositions:
     Args:
         mode: ``"stream"`` or ``"bounded"``. limit: the trained range (bounded only). layout: a `BoundedLayout` or
         its name. inv_freq: the rotary frequencies ``[R / 2]`` (the stream's frozen ones for dynamic RoPE).
+        question_span: past the range, the positions before the prompt a question's retrieved steps are spread over
+        by their time (0: packed right before it; see `question`).
     """
 
     def __init__(self, mode: str = "stream", limit: int | None = None, layout: str | BoundedLayout = DEFAULT_LAYOUT,
-                 inv_freq: torch.Tensor | None = None):
+                 inv_freq: torch.Tensor | None = None, question_span: int = 0):
         self.mode = check_positions(mode)
         self.limit = limit
+        self.question_span = check_int(question_span, "question_span", minimum=0)
         self.layout = bounded_layout(layout)
         self.inv_freq = inv_freq
         self._frequencies: dict[torch.device, torch.Tensor] = {}
@@ -361,7 +367,12 @@ class StreamPositions:
     def question(self, held_span: int, keep_end: int, room: int, retrieve: int | None) -> QuestionPlan:
         """How a question whose prompt and answer take ``room`` positions reads the stream: the whole cache when
         its ``held_span`` positions fit with the room in the range (and no retrieval is asked), else ``retrieve``
-        steps per layer (default: as many as fit after the kept prefix, which ends at ``keep_end``)."""
+        steps per layer (default: as many as fit after the kept prefix, which ends at ``keep_end``).
+
+        Retrieved steps past the range are read `spread` over the last ``question_span`` positions before the
+        prompt when they take fewer: packed right before it, 16 frames read like a 16-frame video whose last frame
+        is now; spread, the distances say how long ago each frame was, as in a video of ``question_span``
+        positions (the span the model was trained on). 0: packed."""
         limit = self.limit
         if room > limit - keep_end - 1:
             raise HorizonError(f"the question and answer ({room} tokens) do not fit in the model's {limit} positions "
@@ -381,7 +392,10 @@ class StreamPositions:
                                f"{widest} positions in the model's {limit}; ask a shorter question or fewer answer "
                                "tokens")
         steps = retrieve if retrieve is not None else fitting
-        return QuestionPlan(False, keep_end + steps * widest, steps)
+        start = keep_end + steps * widest
+        if self.question_span:
+            start = min(max(start, keep_end + self.question_span), limit - room)
+        return QuestionPlan(False, start, steps)
 
     def keep_end(self, keep_steps: int) -> int:
         """Where the first ``keep_steps`` steps (the prompt prefix and sinks) end."""
@@ -390,7 +404,8 @@ class StreamPositions:
     def context_deltas(self, steps: list[int], plan: QuestionPlan) -> torch.Tensor:
         """Per step of ``steps`` (ascending), the rotation that moves its stored keys to where the question reads
         them: the first ``plan.keep_steps`` steps of the stream at their own positions, the others one after another
-        (the whole cache) or ending right before the prompt (retrieved). LongTensor ``[len(steps)]``."""
+        (the whole cache) or ending right before the prompt (retrieved; `spread` with a ``question_span``).
+        LongTensor ``[len(steps)]``."""
         keep_steps = plan.keep_steps if plan.packed else len(self.firsts)  # unpacked: every step at its own place
         later = [s for s in steps if s >= keep_steps]
         placed, spans = {}, self.spans
@@ -398,6 +413,8 @@ class StreamPositions:
             position = self.keep_end(keep_steps)
             for step in later:
                 placed[step], position = position, position + spans[step]
+        elif self.question_span and later:
+            placed = self.spread(later, keep_steps, plan.start)
         else:
             position = plan.start
             for step in reversed(later):
@@ -405,6 +422,54 @@ class StreamPositions:
                 placed[step] = position
         return torch.tensor([(self.firsts[s] if s < keep_steps else placed[s]) - self.bases[s] for s in steps],
                             dtype=torch.long)
+
+    def spread(self, later: list[int], keep_steps: int, start: int) -> dict[int, int]:
+        """Where each retrieved step of ``later`` (ascending, none of the first ``keep_steps``) is read by a question
+        whose prompt starts at ``start``: at the place its time in the stream scales to between the kept prefix's
+        end and ``start`` (the stream's first step after the prefix at the prefix's end, its latest ending right
+        before the prompt), moved the least to keep the steps in time order without overlapping and before the
+        prompt. Packed when the steps fill the room."""
+        spans, low = self.spans, self.keep_end(keep_steps)
+        origin = self.firsts[keep_steps] if keep_steps < len(self.firsts) else low
+        length = max(self.next_first - origin, 1)
+        room = start - low - spans[later[-1]]
+        placed: list[int] = []
+        for step in later:  # in time order, never overlapping
+            wanted = low + (self.firsts[step] - origin) * room // length
+            placed.append(max(wanted, placed[-1] + spans[later[len(placed) - 1]] if placed else low))
+        end = start
+        for i in reversed(range(len(later))):  # and all before the prompt
+            placed[i] = min(placed[i], end - spans[later[i]])
+            end = placed[i]
+        return dict(zip(later, placed))
+
+    def scoring_turns(self, plan: QuestionPlan, steps: int, segment_steps: int = 0, segments: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Past the range (a packed ``plan``), the rotations that move each of the first ``steps`` steps' stored
+        keys to where a question scoring them should see them, LongTensor ``[steps]``, and each of the first
+        ``segments`` complete segments of ``segment_steps`` steps, ``[segments]`` (host).
+
+        A step is encoded wherever its step was placed (past the range, the same few positions for every step, or
+        thousands of positions after the question), never where the question reads it; compared as stored, the
+        question's queries would score a step by that accident. Scored instead at the place its time in the stream
+        scales to in the context the question reads (the stream's first step at the context's start, its end at
+        the prompt), every step is compared at a distance the question could read it at, in time order. A segment
+        is turned as its first step is, to a place rounded to one of `SEGMENT_PLACES` evenly spaced in the context
+        (its bound costs a rotation of the queries per distinct turn). The first ``plan.keep_steps`` steps stay
+        where they are read, at their own positions."""
+        firsts = torch.tensor(self.firsts[:steps], dtype=torch.long)
+        bases = torch.tensor(self.bases[:steps], dtype=torch.long)
+        keep = min(plan.keep_steps, steps)
+        low = self.keep_end(keep)
+        origin = int(firsts[keep]) if keep < steps else low
+        room = max(plan.start - low - self.widest, 0)
+        targets = low + torch.div((firsts - origin).clamp_min(0) * room, max(self.next_first - origin, 1),
+                                  rounding_mode="floor")
+        targets[:keep] = firsts[:keep]
+        firsts_of_segments = torch.arange(segments, dtype=torch.long) * segment_steps
+        cell = max(room // SEGMENT_PLACES, 1)
+        places = low + torch.div(targets[firsts_of_segments] - low + cell // 2, cell, rounding_mode="floor") * cell
+        return targets - bases, places - bases[firsts_of_segments]
 
     def held_span(self, evicted: set[int] | frozenset[int]) -> int:
         """Positions the steps still held take, laid end to end."""
@@ -431,8 +496,11 @@ class StreamPositions:
         if not self.bounded:
             return
         if saved.get("layout") != self.layout.name or saved.get("limit") != self.limit:
+            hint = (f"; resume it with bounded_layout={saved.get('layout')}" if saved.get("limit") == self.limit
+                    and saved.get("layout") in BOUNDED_LAYOUTS else "")
             raise InputError(f"the saved stream's bounded positions ({saved.get('layout')}, range "
-                             f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range {self.limit})")
+                             f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range "
+                             f"{self.limit}){hint}")
         placed = saved.get("steps")
         if (not isinstance(placed, list) or len(placed) != steps
                 or not all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in placed)):

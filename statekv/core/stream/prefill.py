@@ -139,8 +139,10 @@ class StreamingPrefill:
         limit = trained_range(self.config)
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
-        self.positions = StreamPositions(settings.positions, limit, placing.DEFAULT_LAYOUT,
-                                         model_frequencies(self.decoder, self.rope) if bounded else None)
+        layout = settings.bounded_layout or placing.DEFAULT_LAYOUT
+        self.positions = StreamPositions(settings.positions, limit, layout,
+                                         model_frequencies(self.decoder, self.rope) if bounded else None,
+                                         settings.question_span)
         self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention, capacity_hint=horizon,
                                    tier=self.tier, positions=self.positions)
         self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)

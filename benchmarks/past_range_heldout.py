@@ -1,0 +1,147 @@
+"""Past the range on held-out seeds, through the public commands only: `statekv synthetic make --frames N` and
+`statekv eval synthetic --retrieve 16 --model builtin` (every frame streamed, `--positions` default: bounded past
+the range), for each engine configuration of `RUNS`, with the short set's accuracy as the reference.
+
+Each run is an `statekv eval` run folder under ``--runs`` (rerunning resumes it; a finished run is only read), so
+the table can be rebuilt at any time from what is done. Cells: % correct [95% Wilson interval]; "target" pools
+needle, attribute, order and first_last (issue #45's group); count and position are reported apart.
+
+    python benchmarks/past_range_heldout.py --long data/held-2400 --long-seed 4820 --long-videos 12 \\
+        --short data/held-short --short-seed 4810 --short-videos 48 --runs runs --out docs/accuracy.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy import wilson  # noqa: E402
+from report import write_section  # noqa: E402
+
+TARGET = ("needle", "attribute", "order", "first_last")
+APART = ("count", "position")
+# name, set ("long" or "short"), the label, the eval's flags besides the set and the model
+RUNS = (
+    ("short-statekv-r16", "short", "StateKV B=64, inside the range", ["--method", "statekv", "--budget", "64"]),
+    ("long-statekv-r16", "long", "StateKV B=64, own-then-cache, spread 384 (defaults)",
+     ["--method", "statekv", "--budget", "64"]),
+    ("long-statekv-r16-packed", "long", "StateKV B=64, own-then-cache, packed (`--question-span 0`)",
+     ["--method", "statekv", "--budget", "64", "--question-span", "0"]),
+    ("long-statekv-r16-cache", "long", "StateKV B=64, `--bounded-layout cache`, spread 384",
+     ["--method", "statekv", "--budget", "64", "--bounded-layout", "cache"]),
+    ("short-statekv-r16-cache", "short", "StateKV B=64, `--positions bounded --bounded-layout cache`, inside",
+     ["--method", "statekv", "--budget", "64", "--positions", "bounded", "--bounded-layout", "cache"]),
+    ("short-full-r16", "short", "full attention, inside the range", ["--method", "full"]),
+    ("long-full-r16", "long", "full attention, grouped past the range, spread 384 (defaults)", ["--method", "full"]),
+)
+RETRIEVE = 16
+
+
+def make_set(folder: Path, videos: int, seed: int, frames: int) -> None:
+    if (folder / "questions.jsonl").is_file():
+        return
+    from statekv.cli import main as statekv_main
+
+    if statekv_main(["synthetic", "make", "--out", str(folder), "--videos", str(videos), "--seed", str(seed),
+                     "--frames", str(frames)]):
+        raise SystemExit("statekv synthetic make failed")
+
+
+def command(data: Path, out: Path, flags: list[str]) -> list[str]:
+    return ["eval", "synthetic", "--model", "builtin", "--retrieve", str(RETRIEVE), *flags, "--data-root", str(data),
+            "--out", str(out), "--no-progress"]
+
+
+def tally(out: Path) -> dict[str, tuple[int, int]] | None:
+    """``{family: (correct, questions)}`` of a finished run, with ``target`` pooled; None if it is not done."""
+    results = out / "results.json"
+    if not results.is_file():
+        return None
+    groups = json.loads(results.read_text(encoding="utf-8"))["score"]["groups"]["task_type"]
+    counts = {family: (row["correct"], row["questions"]) for family, row in groups.items()}
+    counts["target"] = tuple(sum(counts[f][i] for f in TARGET if f in counts) for i in (0, 1))
+    return counts
+
+
+def cell(counts: tuple[int, int]) -> str:
+    correct, total = counts
+    if not total:
+        return "–"
+    low, high = wilson(correct, total)
+    return f"{100 * correct / total:.1f} [{low:.0f}, {high:.0f}]"
+
+
+def frames_streamed(out: Path) -> set[int]:
+    rows = (out / "answers.rank000.jsonl").read_text(encoding="utf-8").splitlines()
+    return {json.loads(row)["extra"]["frames"] for row in rows if row.strip()}
+
+
+def markdown(rows: list[tuple[str, str, dict, set[int], float | None]], note: str) -> str:
+    families = ("target", *TARGET, *APART)
+    lines = ["| set | configuration | " + " | ".join(families) + " | frames streamed |",
+             "|---|---|" + "---:|" * (len(families) + 1)]
+    for which, label, counts, frames, _ in rows:
+        lines.append(f"| {which} | {label} | " + " | ".join(cell(counts.get(f, (0, 0))) for f in families)
+                     + f" | {', '.join(map(str, sorted(frames)))} |")
+    return note + "\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--long", type=Path, required=True, help="the long set's folder (made here if absent)")
+    parser.add_argument("--long-seed", type=int, default=4820)
+    parser.add_argument("--long-videos", type=int, default=12)
+    parser.add_argument("--long-frames", type=int, default=2400)
+    parser.add_argument("--short", type=Path, required=True)
+    parser.add_argument("--short-seed", type=int, default=4810)
+    parser.add_argument("--short-videos", type=int, default=48)
+    parser.add_argument("--runs", type=Path, default=Path("runs"))
+    parser.add_argument("--only", default=None, help="comma-separated run names of RUNS (default: all)")
+    parser.add_argument("--table-only", action="store_true", help="only read the runs done; run nothing")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to write the section to")
+    parser.add_argument("--machine", default="", help="what else the machine was doing (written after its name)")
+    args = parser.parse_args(argv)
+    from statekv.cli import main as statekv_main
+
+    sets = {"long": args.long, "short": args.short}
+    if not args.table_only:
+        make_set(args.long, args.long_videos, args.long_seed, args.long_frames)
+        make_set(args.short, args.short_videos, args.short_seed, 96)
+    chosen = None if args.only is None else set(args.only.split(","))
+    rows = []
+    for name, which, label, flags in RUNS:
+        if chosen is not None and name not in chosen:
+            continue
+        out = args.runs / name
+        seconds = None
+        if not args.table_only and tally(out) is None:
+            started = time.monotonic()
+            if statekv_main(command(sets[which], out, flags)):
+                raise SystemExit(f"statekv eval failed for {name}")
+            seconds = time.monotonic() - started
+            print(f"{name}: {seconds:.0f} s", file=sys.stderr, flush=True)
+        counts = tally(out)
+        if counts is not None:
+            rows.append((which, label, counts, frames_streamed(out), seconds))
+    note = (f"Held-out sets: `statekv synthetic make --frames {args.long_frames} --videos {args.long_videos} --seed "
+            f"{args.long_seed}` (long) and `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 "
+            f"frames); each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
+            f"Command: `python benchmarks/past_range_heldout.py "
+            + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
+            f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"
+            + (f", {args.machine}" if args.machine else "") + ".")
+    text = markdown(rows, note)
+    print(text)
+    if args.out:
+        write_section(args.out, "Past the range: held-out", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The measurement code of the past-the-range causes (benchmarks/retrieval.py, past_range*.py): evidence is
+mapped to the frames actually streamed, and each question layout sets the span the engine spreads a question over."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from statekv.synthetic.benchmark import make_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_retrieval_maps_evidence_to_the_frames_streamed(tmp_path):
+    retrieval = benchmark("retrieval")
+    make_benchmark(tmp_path, videos=1, seed=5, num_frames=40)
+    path = tmp_path / "videos" / "v0000.mp4"
+    assert retrieval.streamed_stills(path, retrieval.EVERYTHING) == list(range(40))
+    kept = retrieval.streamed_stills(path, 10)  # ten of the forty stills, spread over the video
+    assert len(kept) == 10 and kept == sorted(kept) and len(set(kept)) == 10
+    assert retrieval.evidence_steps(list(range(40)), [3, 17], 1, 1) == [4, 18]
+    missing = next(still for still in range(40) if still not in kept)
+    assert retrieval.evidence_steps(kept, [missing, kept[2]], 1, 1) == [3]  # the missing one has no step
+    entries = [{"evidence_steps": [3], "evidence_streamed": False, "runs": {"r": {"steps": [[3]]}}},
+               {"evidence_steps": [5], "evidence_streamed": True, "runs": {"r": {"steps": [[5]]}}}]
+    assert retrieval.recall(entries, "r") == [(100.0, 50.0)]  # evidence never streamed is never all retrieved
+
+
+def test_past_range_maps_each_step_to_the_still_it_holds():
+    past_range = benchmark("past_range")
+    stills = [None, 0, 1, 2, 3]  # the prompt prefix, then one still per step
+    assert past_range.evidence_steps(stills, [2, 3]) == [3, 4]
+
+
+def test_the_question_layouts_set_the_streams_span():
+    layouts = benchmark("past_range_layouts")
+    assert layouts.question_span_for(384) == 384  # the engine's own
+    for name, span in (("packed", 0), ("spread:96", 96), ("engine", 384)):
+        with layouts.question_layout(name):
+            assert layouts.question_span_for(384) == span
+    with pytest.raises(SystemExit, match="unknown question layout 'spread:x'"):
+        with layouts.question_layout("spread:x"):
+            pass
+
+
+def test_the_held_out_table_pools_the_target_families_with_intervals(tmp_path):
+    heldout = benchmark("past_range_heldout")
+    assert heldout.tally(tmp_path) is None  # not done: no row
+    groups = {family: {"correct": correct, "questions": 12} for family, correct in
+              (("needle", 6), ("attribute", 12), ("order", 9), ("first_last", 3), ("count", 1), ("position", 0))}
+    (tmp_path / "results.json").write_text(json.dumps({"score": {"groups": {"task_type": groups}}}))
+    counts = heldout.tally(tmp_path)
+    assert counts["target"] == (30, 48) and counts["count"] == (1, 12)
+    assert heldout.cell(counts["target"]) == "62.5 [48, 75]" and heldout.cell((0, 0)) == "–"
+    (tmp_path / "answers.rank000.jsonl").write_text("".join(json.dumps({"extra": {"frames": f}}) + "\n"
+                                                            for f in (2400, 2400)))
+    table = heldout.markdown([("long", "x", counts, heldout.frames_streamed(tmp_path), None)], "note")
+    assert "| long | x | 62.5 [48, 75] | 50.0 [25, 75] |" in table and table.rstrip().endswith("| 2400 |")
