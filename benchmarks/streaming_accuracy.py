@@ -6,8 +6,12 @@ frames, seed ``--seed``; five questions per video, asked while the video plays: 
 forward polled after each appearance of its object), evaluates it with the ordinary runner in streaming mode
 (``statekv eval synthetic --mode streaming``; every run directory resumes and logs its progress) under
 
-* full attention, recency R = 16 frames, ReKV (R = 16, 4 sinks, 64 retrieved frames), StateKV B = 64 tokens,
+* full attention, recency R = 16 frames, ReKV (R = 16, 4 sinks, 64 retrieved frames), StateKV B = 64 tokens (its
+  watches steering what it carries, and without: ``--no-steer``),
 * SimpleStream: the last N = 4 frames and the question, encoded afresh for each question,
+
+forward questions answered through watches (`statekv.eval.watching`: a watch opened at the first poll, each poll an
+evaluation of it over the carried state and the frames since its last evaluation),
 
 and writes a ``## Streaming protocol`` section into ``--out``:
 
@@ -15,10 +19,11 @@ and writes a ``## Streaming protocol`` section into ``--out``:
   scoring the share of its polls answered right) and overall (the mean of the three groups, as OVO-Bench
   scores), each with a 95% interval from 2000 bootstrap resamples of the videos (a video's questions share its
   stream, so videos, not questions, are the independent draws);
-* time to answer: mean seconds per question asked (the stream's decoding; SimpleStream's includes encoding
-  its frames), measured in a separate pass over the first ``--timed-videos`` videos with the methods
-  interleaved video by video (so a busy moment of the shared machine slows every method alike), with a
-  bootstrap interval over videos;
+* time to answer: mean seconds per question asked (the stream's decoding, a forward poll's watch evaluation;
+  SimpleStream's includes encoding its frames), and cost per frame: the milliseconds a video's stream took per
+  frame, encoding and answering together (steering included), measured in a separate pass over the first
+  ``--timed-videos`` videos with the methods interleaved video by video (so a busy moment of the shared machine
+  slows every method alike), with bootstrap intervals over videos;
 * memory per stream-hour: what one stream holds after an hour at 1 frame per second, measured on streams of
   48 and 96 frames of a held-out video through the public API (the engine's device bytes: carried state,
   detailed cache and the retrieval summaries of every frame, with the cache kept on the model's device so that
@@ -55,7 +60,8 @@ RESERVE = 64  # tokens of room for a question and its answer in the memory measu
 @dataclass(frozen=True)
 class Setting:
     method: str
-    sizes: tuple[tuple[str, int], ...] = ()
+    sizes: tuple[tuple[str, object], ...] = ()
+    note: str = ""
 
     @property
     def run_name(self) -> str:
@@ -66,7 +72,9 @@ class Setting:
 
 
 SETTINGS = (Setting("full"), Setting("recency", (("frames", 16),)), Setting("rekv", (("frames", 16),)),
-            Setting("statekv", (("budget", 64),)), Setting("simplestream", (("window", 4),)))
+            Setting("statekv", (("budget", 64),)),
+            Setting("statekv", (("budget", 64), ("steer", False)), " (watches not steering)"),
+            Setting("simplestream", (("window", 4),)))
 
 
 def evaluate(setting: Setting, data: Path, runs: Path) -> list:
@@ -107,26 +115,29 @@ def scores(records: list, videos: list[str]) -> dict[str, float]:
     return result
 
 
-def bootstrap(records: list, seconds: list[list[float]], rng: np.random.Generator
+def bootstrap(records: list, seconds: list[list[float]], per_frame: list[float], rng: np.random.Generator
               ) -> dict[str, tuple[float, float, float]]:
-    """``{cell: (value, low, high)}``: accuracies, and the mean of ``seconds`` (per video, per question), with
-    95% percentile intervals."""
+    """``{cell: (value, low, high)}``: accuracies, the mean of ``seconds`` (per video, per question) and of
+    ``per_frame`` (milliseconds per frame, per video), with 95% percentile intervals."""
     videos = sorted({record.video_id for record in records})
     point = scores(records, videos)
     point["seconds"] = float(np.mean([s for times in seconds for s in times]))
+    point["per_frame"] = float(np.mean(per_frame))
     draws: dict[str, list[float]] = {key: [] for key in point}
     for _ in range(RESAMPLES):
         sample = [videos[i] for i in rng.integers(len(videos), size=len(videos))]
         for key, value in scores(records, sample).items():
             draws[key].append(value)
-        timed = [seconds[i] for i in rng.integers(len(seconds), size=len(seconds))]
-        draws["seconds"].append(float(np.mean([s for times in timed for s in times])))
+        picked = rng.integers(len(seconds), size=len(seconds))
+        draws["seconds"].append(float(np.mean([s for i in picked for s in seconds[i]])))
+        draws["per_frame"].append(float(np.mean([per_frame[i] for i in picked])))
     return {key: (point[key], *np.percentile(draws[key], [2.5, 97.5])) for key in point}
 
 
-def answer_times(data: Path, videos: int) -> dict[Setting, list[list[float]]]:
-    """Seconds per question asked, per video, for every setting: the streaming protocol on the first ``videos``
-    videos, the settings taking turns video by video."""
+def answer_times(data: Path, videos: int) -> tuple[dict[Setting, list[list[float]]], dict[Setting, list[float]]]:
+    """Seconds per question asked, per video, and milliseconds per frame of each video's stream (encoding and
+    answering), for every setting: the streaming protocol on the first ``videos`` videos, the settings taking
+    turns video by video."""
     from statekv.eval.answering import Asker, answer_streamed
     from statekv.eval.loaders import load_benchmark
     from statekv.eval.prompts import DEFAULT_PROTOCOL, generation_settings
@@ -137,11 +148,14 @@ def answer_times(data: Path, videos: int) -> dict[Setting, list[list[float]]]:
     askers = {setting: Asker(VideoQA.from_pretrained("builtin", method=setting.method, **setting.options()),
                              settings, DEFAULT_PROTOCOL) for setting in SETTINGS}
     times: dict[Setting, list[list[float]]] = {setting: [] for setting in SETTINGS}
+    per_frame: dict[Setting, list[float]] = {setting: [] for setting in SETTINGS}
     for video in group_by_video(load_benchmark("synthetic", data))[:videos]:
         for setting, asker in askers.items():
-            times[setting].append([answer.timings["answer"] for answer in
-                                   answer_streamed(asker, video, max_fps=1.0)])
-    return times
+            answers = list(answer_streamed(asker, video, max_fps=1.0))
+            times[setting].append([answer.timings["answer"] for answer in answers])
+            spent = max(answer.timings["encode"] for answer in answers) + sum(times[setting][-1])
+            per_frame[setting].append(1000 * spent / max(answer.info["frames"] for answer in answers))
+    return times, per_frame
 
 
 def memory_per_hour(setting: Setting, video: Path) -> tuple[float, float]:
@@ -194,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         make_benchmark(args.data, videos=args.videos, seed=args.seed, overwrite=True, streaming=True)
     rng = np.random.default_rng(0)
     runs = {setting: evaluate(setting, args.data, args.runs) for setting in SETTINGS}
-    times = answer_times(args.data, args.timed_videos)
+    times, per_frame = answer_times(args.data, args.timed_videos)
     rows = []
     for setting, records in runs.items():
-        cells = bootstrap(records, times[setting], rng)
+        cells = bootstrap(records, times[setting], per_frame[setting], rng)
         hour, held = memory_per_hour(setting, args.data / "videos" / "v0000.mp4")
-        label = ModelOptions(model="builtin", method=setting.method, **setting.options()).label
+        label = ModelOptions(model="builtin", method=setting.method, **setting.options()).label + setting.note
         rows.append((label, cells, hour, held, len({r.item_id for r in records}), len(records)))
     command = "python benchmarks/streaming_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     questions, asks = rows[0][4], rows[0][5]
@@ -209,19 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         "sharing 2 cores with other jobs (times are indicative).  ",
         f"Held-out set: `statekv synthetic make --streaming --videos {args.videos} --seed {args.seed}` ({questions} "
         f"questions, {asks} asks with the forward polls; 96 frames per video, 4 tokens per frame), evaluated with "
-        "`statekv eval synthetic --mode streaming` (one live stream per video).  ",
+        "`statekv eval synthetic --mode streaming` (one live stream per video; the forward polls are evaluations "
+        "of a watch opened at the first).  ",
         "Cells: accuracy in % [95% bootstrap interval over videos]; chance is 25%. Overall: the mean of the three "
-        f"groups. Time to answer: mean seconds per question asked, over the first {args.timed_videos} videos with "
+        f"groups. Time to answer: mean seconds per question asked; cost per frame: milliseconds per frame of a "
+        f"video's stream, encoding and answering together; both over the first {args.timed_videos} videos with "
         "the methods taking turns video by video. Memory per stream-hour: what a stream holds after 3600 frames "
         "(1 hour at 1 fps), from streams of 48 and 96 frames.",
         "",
-        "| method | overall | backward | real-time | forward | time to answer (s) | memory per stream-hour (MB) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | overall | backward | real-time | forward (watches) | time to answer (s) | cost per frame (ms) "
+        "| memory per stream-hour (MB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, cells, hour, _, _, _ in rows:
         lines.append(f"| {label} | {cell(*cells['overall'])} | {cell(*cells['backward'])} | "
                      f"{cell(*cells['realtime'])} | {cell(*cells['forward'])} | {cell(*cells['seconds'], digits=3)} "
-                     f"| {hour:.2f} |")
+                     f"| {cell(*cells['per_frame'])} | {hour:.2f} |")
     body = "\n".join(lines)
     print(body)
     if args.out:

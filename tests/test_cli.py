@@ -75,6 +75,41 @@ def test_stream_asks_each_question_when_the_stream_reaches_its_time(files):
     assert statekv.Stream.load(saved, qa).frames == 5
 
 
+def test_stream_without_questions_watches_with_no_horizon_and_shows_progress(files):
+    """A new user's first run: no --ask, a --watch, no horizon (as qa.stream()), a progress bar on a terminal."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()  # stderr a terminal, as a person's (80 columns: tqdm draws to its width)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    process = subprocess.Popen([sys.executable, "-m", "statekv.cli", "stream", str(files["video"]), "--model",
+                                str(files["model"]), "--watch", "2:What is shown?", "--max-new-tokens", "2", "--json"],
+                               stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    out, _ = process.communicate(timeout=300)
+    os.close(leader)
+    assert process.returncode == 0, shown.decode(errors="replace")
+    lines = [json.loads(line) for line in out.splitlines()]
+    summary = lines[-1]
+    assert summary["event"] == "summary" and summary["answers"] == []
+    assert summary["horizon_frames"] is None and summary["positions"] == "bounded"
+    events = [line for line in lines if line["event"] == "watch"]
+    assert events and [{k: v for k, v in line.items() if k != "event"} for line in events] == summary["watches"]
+    assert all(event["frame"] % 2 == 0 and event["question"] == "What is shown?" for event in events)
+    assert b"clip.mp4:" in shown and b"/5 [" in shown  # a bar over the video's five frames, named after it
+
+
 def test_demo_runs_offline_on_its_built_in_model(files):
     env = {"STATEKV_CACHE": str(files["root"] / "cache")}
     result = _run("demo", "--videos", "1", "--json", env=env)  # tests/test_docs.py runs it as the README shows

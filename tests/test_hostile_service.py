@@ -269,6 +269,33 @@ def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
         assert one["usage"]["completion_tokens"] == 1
 
 
+def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
+    """Before: a system message and earlier turns changed nothing (prompt_tokens the same) and nothing said so; the
+    response says what it read and what it left out, the answer and its usage those of the last message alone."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        last = {"role": "user", "content": QUESTION}
+        turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello?"},
+                 {"role": "assistant", "content": "Hi."}, last]
+        replies = []
+        for messages in ([last], turns):
+            reply = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 4, "messages": messages,
+                                                              "statekv": {"stream_id": stream_id}})
+            assert reply.status_code == 200, reply.text
+            replies.append(reply.json())
+        alone, with_turns = replies
+        assert alone["statekv"]["read"] == with_turns["statekv"]["read"] == "the video and the last user message"
+        assert "not_read" not in alone["statekv"]
+        assert with_turns["statekv"]["not_read"] == {"system": 1, "earlier_turns": 2}
+        assert alone["usage"] == with_turns["usage"]
+        assert alone["choices"][0]["message"] == with_turns["choices"][0]["message"]
+        streamed = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 4, "stream": True,
+                                                             "messages": turns, "statekv": {"stream_id": stream_id}})
+        finished = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+                    if line.startswith("data: {") and '"finish_reason": "' in line]
+        assert finished[0]["statekv"]["not_read"] == {"system": 1, "earlier_turns": 2}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A client that goes away stops its generation
 # ---------------------------------------------------------------------------------------------------------------

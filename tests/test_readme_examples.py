@@ -56,8 +56,9 @@ def _substituted(code: str, checkpoints) -> str:
 
 def test_the_readme_has_the_examples_this_file_runs():
     blocks = _python_blocks()
-    assert len(blocks) == 3
-    assert "qa.encode(" in blocks[0] and "qa.stream(" in blocks[1] and "StreamingPrefill(" in blocks[2]
+    assert len(blocks) == 4
+    assert "qa.encode(" in blocks[0] and "qa.stream(" in blocks[1] and "stream.watch(" in blocks[2]
+    assert "StreamingPrefill(" in blocks[3]
 
 
 def test_the_quick_start_and_the_live_stream_run_as_written(checkpoints, tmp_path, monkeypatch):
@@ -71,13 +72,17 @@ def test_the_quick_start_and_the_live_stream_run_as_written(checkpoints, tmp_pat
     exec(_substituted(live, checkpoints), namespace)
     assert isinstance(namespace["stream"], statekv.Stream) and namespace["stream"].frames == 4
     assert (tmp_path / "desk.safetensors").is_file()
+    namespace["camera"] = [(frame, 601.0 + index) for index, frame in enumerate(np.concatenate([frames, frames]))]
+    exec(_substituted(_python_blocks()[2], checkpoints), namespace)  # the watch, on the stream loaded back
+    watch = namespace["watch"]
+    assert watch.evaluations == 3 and watch.events and namespace["stream"].watches == [watch]
 
 
 def test_the_engine_example_runs_as_written(checkpoints):
     hidden = AutoModelForCausalLM.from_pretrained(checkpoints["lm"]).config.hidden_size
     chunks = [torch.randn(1, 5, hidden) for _ in range(3)]
     namespace = {"chunks": chunks}
-    exec(_substituted(_python_blocks()[2], checkpoints), namespace)
+    exec(_substituted(_python_blocks()[3], checkpoints), namespace)
     assert namespace["answer_ids"].shape[0] == 1 and namespace["prefill"].seen_tokens == 15
 
 

@@ -108,3 +108,23 @@ def test_retrieval_after_save_and_restore_answers_the_same(tiny_lm, tmp_path):
 def test_retrieval_settings_are_validated(make, message):
     with pytest.raises(statekv.StateKVError, match=message):
         make()
+
+
+def test_an_answer_says_which_steps_its_retrieved_context_read(tiny_lm, monkeypatch):
+    """`StreamingPrefill.last_read_steps`: the steps some layer read when retrieving (each layer's own choice
+    among them), None when the whole cache was read."""
+    import statekv.core.answering.retrieval as retrieval_module
+
+    model = tiny_lm("qwen2")
+    prefill = streamed(model, statekv.StateKV(budget=20), steps=10)
+    prompt = ids(model, 5, seed=1)
+    chosen = []
+    original = retrieval_module.Retrieval.choose
+    monkeypatch.setattr(retrieval_module.Retrieval, "choose",
+                        lambda self, seen: chosen.append(original(self, seen)) or chosen[-1])
+    prefill.generate(prompt, max_new_tokens=2, retrieve=statekv.Retrieval(2, keep_tokens=PREFIX))
+    assert chosen and prefill.last_read_steps == tuple(sorted({0, *(s for each in chosen for s in each)}))
+    prefill.generate(prompt, max_new_tokens=2)
+    assert prefill.last_read_steps is None
+    prefill.generate(prompt, max_new_tokens=2, retrieve=statekv.Retrieval(11))
+    assert prefill.last_read_steps == tuple(range(11))

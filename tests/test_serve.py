@@ -466,6 +466,14 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
             for path in folder.rglob("*") if path.is_file()}
 
 
+def test_a_start_that_is_refused_makes_no_key(tmp_path):
+    """A new user's first start goes wrong (a model that is not there): the folder gets no key, so the start that
+    works afterwards makes and shows the one key (before, the refused start kept a key nobody had seen)."""
+    refused = _serve(tmp_path, "--port", "0", "--state-dir", "state", "--model", str(tmp_path / "no-such-model"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "API key" not in refused.stdout and not (tmp_path / "state" / "keys.json").exists()
+
+
 def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_path, media):
     state = tmp_path / "state"
     first = Server(state, media, "--no-page", "--save-every-seconds", "3600", keys=()).start()
@@ -680,7 +688,7 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
 
             page.get_by_label("Question").fill("x" * 20_000)  # the page's limits are the API's
             page.get_by_role("button", name="Ask").click()
-            assert "20000 characters, over the limit of 8000" in _note(page, "ask", "over the limit")
+            assert "characters, over the limit of 8000" in _note(page, "ask", "over the limit")  # with the options added
 
             page.reload()  # lands back on the stream, with its answer
             assert _shown(page, ".statekv-answer") == shown and f"stream={stream_id}" in page.url
@@ -710,6 +718,70 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
     with server.client() as client:
         assert stream_id not in {s["id"] for s in client.get("/v1/streams").json()["data"]}
     assert asked and float(asked.group(1)) == 2  # the page's two questions, counted before the restart
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_the_page_offers_the_choices_watches_and_shows_what_each_answer_read(server, qa, media, tmp_path):
+    """A new user of the built-in model: told what it answers, its example question asked with the options the
+    page offers (before: "square red red red..."), the frames the answer read, a watch added and answering as a
+    second video is fed, a long question's error in view, and after a restart the frame and the chart are back
+    (before: no frame, an empty history)."""
+    from statekv.serve.page import PAGE_NEW_TOKENS
+    from statekv.synthetic.prompts import question_prompt
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    shots = Path(os.environ.get("STATEKV_SCREENSHOTS") or tmp_path)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--no-first-run"])
+        try:
+            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+            page.goto(f"{server.url}/?key={KEY}")
+            _shown(page, ".statekv-key-status:has-text('key accepted')")
+            page.set_input_files(".statekv-upload-new input[type=file]", str(_video(media)))
+            _shown(page, ".statekv-stats:has-text('12 frames ·')")
+            assert "multiple-choice" in _shown(page, ".statekv-choices-hint")
+            example = page.get_attribute(".statekv-question textarea", "placeholder")
+            assert example == "What colour was the circle?"
+            page.get_by_label("Question").fill(example)  # the question alone: the page adds the options shown
+            page.get_by_role("button", name="Ask").click()
+            answer = _shown(page, ".statekv-answer")
+            composed = question_prompt(example, ["red", "green", "blue", "yellow"])
+            assert answer == qa.answer(_video(media), composed, max_new_tokens=PAGE_NEW_TOKENS) and answer in "ABCD"
+            assert page.inner_text(".statekv-answer-read") == "read every frame held (12)"
+
+            page.get_by_label("Watch for").fill("Which came first, red or blue?")
+            page.get_by_label("every (frames)").fill("4")
+            page.get_by_role("button", name="Watch").click()
+            _shown(page, ".statekv-watch-line:has-text('every 4 frames · 1 evaluations')")  # answered when made
+            assert _shown(page, ".statekv-watch-answer") in "ABCD"
+            page.set_input_files(".statekv-upload-more input[type=file]", str(media / "pair" / "videos" / "v0000.mp4"))
+            page.wait_for_selector(".statekv-watch-line:has-text('11 evaluations')", timeout=120_000)  # 40 more
+            stream_id = re.search(r"stream=(st_[0-9a-f]+)", page.url).group(1)
+            with server.client() as client:
+                watches = client.get(f"/v1/streams/{stream_id}/watches").json()["data"]
+            assert len(watches) == 1 and watches[0]["evaluations"] == 11 and watches[0]["events"]
+            page.screenshot(path=str(shots / "serve-watches.png"), full_page=True)
+
+            page.get_by_label("Question").fill("x" * 20_000)  # a long question: its error is in view, not below it
+            page.evaluate("window.scrollTo(0, 0)")  # as the person left it: the question box at the screen's foot
+            page.get_by_role("button", name="Ask").click()
+            _note(page, "ask", "over the limit")
+            page.wait_for_function("() => { const box = document.querySelector('.statekv-error-ask')"
+                                   ".getBoundingClientRect(); return box.top >= 0 && box.bottom <= innerHeight + 1; }",
+                                   timeout=30_000)
+
+            page.evaluate("window.beforeRestart = true")
+            server.stop()
+            server.start()
+            page.wait_for_function("() => window.beforeRestart === undefined && "
+                                   "document.querySelectorAll('.statekv-watch').length == 1", timeout=120_000)
+            assert page.get_attribute(".statekv-frame img", "src").startswith("data:image/jpeg")
+            with server.client() as client:
+                assert len(client.get(f"/v1/streams/{stream_id}/history").json()["history"]) == 52
+        finally:
+            browser.close()
 
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):

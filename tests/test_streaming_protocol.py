@@ -3,6 +3,8 @@ one, SimpleStream against the model's own one-shot generate, and the streaming s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 from pathlib import Path
@@ -59,11 +61,33 @@ class RecordingStream:
             return "Yes." if self.yes_from is not None and self.frames >= self.yes_from else "No."
         return "It shows 6" if "output" in prompt else "B"
 
+    def watch(self, prompt: str, **options) -> "RecordingWatch":
+        return RecordingWatch(self, prompt)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         pass
+
+
+class RecordingWatch:
+    """A watch of a `RecordingStream`: each evaluation is logged as an ask, its answer numbered."""
+
+    def __init__(self, stream: RecordingStream, prompt: str):
+        self.stream, self.prompt, self.evaluations, self.closed = stream, prompt, 0, False
+        self.evaluate()  # opening evaluates
+
+    def evaluate(self) -> str:
+        assert not self.closed
+        self.evaluations += 1
+        self.answer = self.stream.ask(self.prompt)
+        self.stream.log.append(("evaluation", self.prompt, self.evaluations))
+        return self.answer
+
+    def close(self) -> None:
+        self.closed = True
+        self.stream.log.append(("closed", self.prompt))
 
 
 class RecordingQA:
@@ -107,6 +131,28 @@ def test_one_stream_asks_each_question_at_its_time_having_seen_only_the_frames_b
     assert encode == sorted(encode)  # one encoding, growing: never re-encoded
 
 
+def test_forward_polls_are_evaluations_of_one_watch_per_prompt(video):
+    """A forward question's polls: its prompt is a watch opened at the first poll (its first evaluation), evaluated
+    at each later poll on the frames seen by then, closed after the last; a poll of another prompt (an SSR step)
+    is a watch of its own."""
+    qa = RecordingQA()
+    questions = [timed("count_1", 5, video, item="count", group="forward"),
+                 timed("count_0", 3, video, item="count", group="forward"),
+                 timed("count_2", 8, video, item="count", group="forward"),
+                 timed("step_0", 4, video, item="steps", group="forward"),
+                 timed("step_1", 6, video, item="steps", group="forward")]
+    questions = [replace(q, question="how many?") if q.item == "count" else q for q in questions]
+    answers = list(answer_streamed(asker(qa), group_by_video(questions)[0], max_fps=1))
+    assert [a.question.qid for a in answers] == ["count_0", "step_0", "count_1", "step_1", "count_2"]
+    evaluations = [entry for entry in qa.log if entry[0] == "evaluation"]
+    counted = [entry[2] for entry in evaluations if "how many?" in entry[1]]
+    assert counted == [1, 2, 3]  # one watch, evaluated at its three polls
+    assert [entry[2] for entry in evaluations if "how many?" not in entry[1]] == [1, 1]  # a step each
+    assert [len(entry[1]) for entry in qa.log if len(entry) == 2 and "how many?" in entry[0]] == [3, 5, 8]
+    assert sum(entry[0] == "closed" for entry in qa.log) == 3
+    assert all(a.info["watch"] and a.info["second"] == a.question.realtime for a in answers)
+
+
 def test_offline_encodes_afresh_for_each_time(video):
     qa = RecordingQA()
     questions = [timed("a", 2, video), timed("b", 2, video), timed("c", 4, video)]
@@ -125,7 +171,8 @@ def test_a_proactive_output_is_polled_every_second_until_the_model_says_its_time
                          task_type="Proactive Output", group="contextual", kind="proactive", realtime=2.0,
                          expected_time=6.0)
     (answer,) = answer_streamed(asker(qa), group_by_video([proactive])[0], max_fps=1)
-    polls = [pictures for prompt, pictures in qa.log if "yes or no" in prompt]
+    polls = [entry[1] for entry in qa.log if len(entry) == 2 and "yes or no" in entry[0]]
+    assert sum(entry[0] == "closed" for entry in qa.log) == 1  # its poll's watch, closed when polling ended
     last = answered_at if answered_at is not None else 10  # polled until 4 s after the expected time
     assert [len(pictures) for pictures in polls] == list(range(3, last + 1))  # from one second after asking
     assert answer.info["answered_at"] == answered_at and answer.info["polls"] == len(polls)
@@ -258,6 +305,7 @@ def test_every_method_answers_the_streaming_set_on_one_stream_per_video(tmp_path
             question = next(q for q in questions if q.qid == record.qid)
             assert record.extra["second"] == math.ceil(question.realtime) and record.extra["mode"] == "stream"
             assert record.extra["frames"] == math.ceil(question.realtime)  # the frames seen so far, one per second
+            assert record.extra.get("watch", False) == (question.group == "forward")  # forward polls: a watch
     simple = {r.qid: r for r in ev.run_records(tmp_path / "simplestream")}
     assert all(r.extra["held_bytes"] == min(4, r.extra["frames"]) * 112 * 112 * 3 for r in simple.values())
 

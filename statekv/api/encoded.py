@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -139,8 +140,17 @@ class EncodedVideo:
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
                                       retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps),
-                                      context="whole" if retrieval is None else "retrieved")
+                                      context="whole" if retrieval is None else "retrieved",
+                                      read_frames=self.frames_of(self.prefill.last_read_steps))
         return answer
+
+    def frames_of(self, steps: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The frames (0-based, in encoding order) the streamed ``steps`` hold (None: None)."""
+        if steps is None:
+            return None
+        firsts = list(accumulate(self.step_frames, initial=0))
+        return tuple(frame for step in steps if step < len(self.step_frames)
+                     for frame in range(firsts[step], firsts[step] + self.step_frames[step]))
 
     def retrievable(self, steps: int) -> int:
         """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds

@@ -12,7 +12,9 @@ the model's own video layout, under full attention. A stream holds N frames of p
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from ..errors import InputError, StateKVError
 from ..stopping import whole
 from ..settings.values import check_int, check_number
 from ..video import Frame
+from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_evaluations
 
 
 class RecentFrames:
@@ -54,6 +57,8 @@ class RecentFrames:
         self._next_tick = 0
         self._last_timestamp: float | None = None
         self._closed = False
+        self.lock = threading.RLock()  # a watch's evaluation takes turns with pushes from other threads
+        self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
 
     # -- pushing ----------------------------------------------------------------------------------------
     def push(self, image: Any, timestamp: float | None = None) -> bool:
@@ -79,7 +84,11 @@ class RecentFrames:
                 self._next_tick = tick + 1
             self.recent.append(Frame(self.stats.frames, timestamp, pixels))
             self.stats.frames += 1
-            return True
+        if self.watching is not None:  # its due watches answer from the frames it now holds
+            self.watching.seconds = timestamp
+            with self.lock:
+                run_evaluations([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
+        return True
 
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
@@ -87,6 +96,31 @@ class RecentFrames:
 
     def flush(self) -> None:
         """Nothing waits to be encoded (kept for `Stream`'s interface)."""
+
+    def flush_complete_steps(self) -> None:
+        """Nothing waits to be encoded (kept for `Stream`'s interface)."""
+
+    # -- watching ---------------------------------------------------------------------------------------
+    def watch(self, question: str, every: int | None = None, *, every_seconds: float | None = None,
+              max_new_tokens: int = DEFAULT_WATCH_TOKENS, retrieve: int | None = None, retrieval: str | None = None,
+              steer: bool | None = None) -> Watch:
+        """As `Stream.watch`; each evaluation answers the question from the last ``window`` frames afresh, as `ask`
+        does (nothing is carried, so nothing is steered)."""
+        self._check_open()
+        with self.lock:
+            return open_watch(self, question, every=every, every_seconds=every_seconds,
+                              max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
+                          steer=self.qa.steer if steer is None else steer)
+
+    @property
+    def watches(self) -> list[Watch]:
+        """The open watches, oldest first."""
+        return [] if self.watching is None else list(self.watching.open)
+
+    @property
+    def last_timestamp(self) -> float | None:
+        """The stream time of the last frame pushed (None before the first)."""
+        return self._last_timestamp
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, **ask_kwargs: Any) -> str:
@@ -111,7 +145,8 @@ class RecentFrames:
             self.horizon = clip.horizon
             self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes,
                                                      clip.stats.peak_cache_device_bytes)
-            self.answer_info = clip.answer_info
+            # the frames it read: its window's, numbered as the stream kept them
+            self.answer_info = replace(clip.answer_info, read_frames=tuple(frame.index for frame in self.recent))
         return tokens
 
     @property
@@ -142,6 +177,8 @@ class RecentFrames:
                            "no cache to save")
 
     def close(self) -> None:
+        for watch in self.watches:
+            watch.close()
         self.recent.clear()
         self._closed = True
 

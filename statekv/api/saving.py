@@ -20,6 +20,7 @@ from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
 from ..settings.engine import EngineSettings
 from .stats import EncodingStats
+from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
 from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
@@ -39,6 +40,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
+    tensors.update(watch_tensors(stream))
     metadata = {
         "format": FORMAT, "version": FORMAT_VERSION, "name": stream.name, **stream.identity,
         "model": {**model_identity(stream.qa), "weights": weights_fingerprint(stream.adapter.model)},
@@ -51,6 +53,8 @@ def save_stream(stream: Any, path: str | Path) -> Path:
                                                    if k in {field.name for field in fields(EncodingStats)}},
         "cache": cache_metadata,
     }
+    if stream.watches:
+        metadata["watches"] = watch_records(stream)
     return write_verified(path, tensors, metadata)
 
 
@@ -75,7 +79,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     check_ownership(path, metadata, stream_id, owner)
     check_same_setup(path, metadata, qa, allow_other_weights, engine)
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
-    pending = _pending_images(path, tensors, metadata["pending"], set(cache))
+    kept = {name: t for name, t in tensors.items() if name.startswith("watches.")}
+    pending = _pending_images(path, tensors, metadata["pending"], set(cache), set(kept))
     try:
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
@@ -110,6 +115,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     # loaded into the disk tier: its new file set can itself be resumed
     try:
         stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+        restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
         stream.close()  # a file set that could not take the state is removed: nothing half-written stays
         raise
@@ -125,9 +131,11 @@ def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: 
     return counts
 
 
-def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str]) -> list:
-    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors."""
-    expected = {f"pending.{index}" for index in range(len(pending))}
+def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str],
+                    watches: set[str] = frozenset()) -> list:
+    """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors (the cache's
+    and the ``watches`` ones are checked where they are read)."""
+    expected = {f"pending.{index}" for index in range(len(pending))} | set(watches)
     unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
     if unexpected:
         raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")

@@ -105,13 +105,16 @@ class AnswerInfo:
     ``evicted_frames`` among them it could no longer see (given up under ``max_cache_bytes``) and their share
     ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from (None: the whole cache);
     ``context``: what it read, ``"whole"`` (the whole detailed cache) or ``"retrieved"`` (retrieved frames: asked
-    for, or under bounded positions because the whole cache does not fit in the model's range)."""
+    for, or under bounded positions because the whole cache does not fit in the model's range); ``read_frames``:
+    with retrieval, the frames (0-based, in the order they were encoded) some layer read, None otherwise (every
+    frame held)."""
 
     frames: int
     evicted_frames: int
     unseen_fraction: float
     retrieved_frames: int | None
     context: str = "whole"
+    read_frames: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

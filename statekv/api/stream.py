@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .encoded import EncodedVideo
+from .encoded import METHOD_DEFAULT, EncodedVideo
 from ..settings.engine import EngineSettings
 from ..errors import CacheLimitError, HorizonError, InputError, OutputError
 from ..steps.jobs import StepJob
@@ -42,6 +42,7 @@ from ..steps.overlap import check_vision_batch, steps_per_batch
 from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
+from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch
 from .stream_file import (check_owner, check_stream_id, model_identity, new_created, new_stream_id, ownership,
                           weights_fingerprint)
 from ..settings.values import check_bool, check_int, check_number
@@ -120,6 +121,7 @@ class Stream(EncodedVideo):
         self.next_tick = 0
         self.last_timestamp: float | None = None
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
+        self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
         if disk_tier is None:  # a new file set: what `load` resumes it from
             try:
                 self.durability.describe(stream_setup(
@@ -203,11 +205,38 @@ class Stream(EncodedVideo):
         """As `EncodedVideo.ask_tokens`, after encoding every complete step still waiting for its batch. Steps
         that ``max_cache_bytes`` refuses (``cache_limit="refuse"``) stay pending, and the question is answered
         from the frames encoded (``answer_info.frames``)."""
+        self.flush_complete_steps()
+        return super().ask_tokens(question, **ask_kwargs)
+
+    def flush_complete_steps(self) -> None:
+        """Encode every complete step still waiting for its batch (a step the cache cap refuses stays pending)."""
         try:
             self.encode_pending(complete_steps_only=True)
         except CacheLimitError:
             pass  # the push that filled the cache said so; the stream still answers from what it holds
-        return super().ask_tokens(question, **ask_kwargs)
+
+    # -- watching ---------------------------------------------------------------------------------------
+    @_one_at_a_time
+    def watch(self, question: str, every: int | None = None, *, every_seconds: float | None = None,
+              max_new_tokens: int = DEFAULT_WATCH_TOKENS, retrieve: int | None | object = METHOD_DEFAULT,
+              retrieval: str | None = None, steer: bool | None = None) -> Watch:
+        """A standing question, evaluated after every ``every`` frames encoded (or ``every_seconds`` of stream
+        time; neither: only when `Watch.evaluate` is called), recording an event each time its answer changes
+        (`statekv.api.watch`). Each evaluation reads the carried state and the frames since the last one (and
+        ``retrieve`` frames per layer that match the question best, by ``retrieval``; default: the VideoQA's, as
+        for `ask`: none but under ``rekv``), never the whole stream.
+        ``steer``: while it is open, the question also steers what the stream carries (methods that carry by
+        attention; default: the VideoQA's, True unless made with ``steer=False``)."""
+        self.prefill.check_open()
+        self.start()
+        return open_watch(self, question, every=every, every_seconds=every_seconds, max_new_tokens=max_new_tokens,
+                          retrieve=self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval=retrieval,
+                          steer=self.qa.steer if steer is None else steer)
+
+    @property
+    def watches(self) -> list[Watch]:
+        """The open watches, oldest first."""
+        return [] if self.watching is None else list(self.watching.open)
 
     @property
     def batch_frames(self) -> int:
@@ -247,6 +276,8 @@ class Stream(EncodedVideo):
 
     @_one_at_a_time
     def close(self) -> None:
+        for watch in self.watches:
+            watch.close()
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 

@@ -415,7 +415,7 @@ SCHEMA = record_check({
                                "evicted_steps": list_check(integer_check(0)),
                                "positions": type_check(dict, "an object")}),  # absent: stream positions
     "checksums": type_check(dict, "an object"),
-}, optional=OWNERSHIP)
+}, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object"))})  # `statekv.api.watch.check_record`
 
 
 def check_schema(metadata: dict[str, Any], *, where: str) -> None:

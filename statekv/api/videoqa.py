@@ -34,6 +34,7 @@ from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped
 from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
+from .watch import evaluate_due
 from ..settings.values import check_bool, check_int, check_number, format_bytes, torch_dtype
 from ..video import open_video
 
@@ -74,12 +75,13 @@ class VideoQA:
         retrieve: frames per layer each question is answered from by default (None: the whole detailed cache).
         retrieval: the rule that picks them by default (``attention``, ``rekv``, ``recent``; see
             `statekv.core.answering.retrieval`).
+        steer: whether a stream's watches steer what it carries by default (`Stream.watch`).
     """
 
     def __init__(self, adapter: VideoAdapter, policy: CarryPolicy, engine: EngineSettings | None = None, *,
                  reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None,
                  vision_batch: int | None = None, retrieve: int | None = None, retrieval: str = DEFAULT_RETRIEVAL,
-                 **engine_changes: Any):
+                 steer: bool = True, **engine_changes: Any):
         self.adapter = adapter
         self.policy = policy
         self.engine = EngineSettings.of(engine, **engine_changes)
@@ -89,8 +91,10 @@ class VideoQA:
                              else check_vision_batch(vision_batch))
         self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)")
         self.retrieval = retrieval_rule(retrieval).name
+        self.steer = check_bool(steer, "steer")
         self.options: ModelOptions | None = None  # set by from_options
-        self.step_scheduler = StepScheduler()  # batches the steps of this VideoQA's streams pushed at once
+        # batches the steps of this VideoQA's streams pushed at once, then evaluates their watches due
+        self.step_scheduler = StepScheduler(follow_up=evaluate_due)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
@@ -136,7 +140,7 @@ class VideoQA:
         spec = options.spec
         qa = cls(adapter, spec.policy(options.settings, adapter.frames_per_step), options.engine,
                  reserve_tokens=options.reserve_tokens, method=options.method, vision_batch=options.vision_batch,
-                 retrieve=options.retrieve_frames, retrieval=options.retrieval_rule)
+                 retrieve=options.retrieve_frames, retrieval=options.retrieval_rule, steer=options.steer)
         qa.options = options
         return qa
 

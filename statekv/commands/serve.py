@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +99,17 @@ def run(args: argparse.Namespace) -> int:
     cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
     claim = DeploymentClaim(args.store) if cluster is not None else LoneServer(args.host, args.port)
     try:
-        config, made, keys = serve_config(args, claim)
-        key_note = None if made or keys else (
+        # a key the folder needs is kept only once everything that could refuse the start has passed
+        config, made, keys, pending = serve_settings(args, claim)
+        key_note = None if made or pending or keys else (
             f"statekv serve: using the API key made for {config.state_dir or args.store} when it was first served "
             "(shown then); the page remembers it, or pass --api-key to choose one")
         if cluster is not None:
-            return _run_on_ray(args, config, cluster, made or (keys[0] if keys else None), key_note)
+            return _run_on_ray(args, config, cluster, made, pending, keys, key_note)
         quiet_libraries()
         logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
-        app = create_app(config)
+        app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
+        made = keep_key(config.state_dir, pending) or made
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=10))
         _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
@@ -174,8 +177,16 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
     `statekv.settings.options.default_budget`), with the key made for the state folder (printed at once) if it
     has none and none was given: ``(config, made, keys)``. ``claim`` is called with the state folder once the
     arguments are checked, before anything is written there (`LoneServer`, `DeploymentClaim`)."""
+    config, made, keys, _ = serve_settings(args, claim, defer_key=False)
+    return config, made, keys
+
+
+def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | None = None, defer_key: bool = True):
+    """`serve_config`'s settings, ``(config, made, keys, pending)``: with ``defer_key``, a key a state folder needs
+    is only made (``pending``), to be kept by `keep_key` once the start can no longer be refused (a store without
+    a folder keeps it at once, ``made``)."""
     from ..serve import ServeConfig
-    from ..serve.auth import KeyFile, configured_keys
+    from ..serve.auth import KeyFile, configured_keys, new_key
     from ..serve.store import check_state_folder
 
     options = ModelOptions.from_args(args)
@@ -199,7 +210,12 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
     else:
         check_state_folder(state_dir)  # one line, before anything is written there
         stored, place = KeyFile(state_dir), state_dir
-    made = stored.make() if not keys and not stored.stored() else None
+    made = pending = None
+    if not keys and not stored.stored():
+        if defer_key and state_dir is not None:
+            pending = new_key()
+        else:
+            made = stored.make()
     if made:  # at once: a start that fails later must not lose the only sight of the key
         print(f"statekv serve: API key {made} (made for {place} and shown this once: "
               f"{'the folder' if state_dir is not None else 'the store'} keeps only its digest; it stays valid across "
@@ -209,7 +225,21 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
                          max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
                          page=args.page)
-    return config, made, keys
+    return config, made, keys, pending
+
+
+def keep_key(state_dir: Path | None, key: str | None) -> str | None:
+    """Store ``key`` as the state folder's (None: nothing to store) and print it, once: the folder keeps only its
+    digest. Returns it; refused (one line) when the folder had a key made meanwhile."""
+    from ..serve.auth import KeyFile
+
+    if key is None:
+        return None
+    if not KeyFile(state_dir).keep(key):
+        raise ConfigurationError(f"another server made a key for {state_dir} meanwhile; start again to use it")
+    print(f"statekv serve: API key {key} (made for {state_dir} and shown this once: the folder keeps only its "
+          "digest; it stays valid across restarts)", flush=True)
+    return key
 
 
 def cluster_settings(args: argparse.Namespace):
@@ -248,7 +278,8 @@ def _check_store(url: str) -> None:
         raise ConfigurationError(f"--store {url}: fsspec cannot open it ({str(error).splitlines()[0]})") from None
 
 
-def _run_on_ray(args: argparse.Namespace, config, cluster, key: str | None, key_note: str | None) -> int:
+def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pending: str | None, keys: list[str],
+                key_note: str | None) -> int:
     from ..serve.app import check_owners
     from ..serve.auth import KeyRing
     from ..serve.cluster.launch import run_on_ray
@@ -264,7 +295,9 @@ def _run_on_ray(args: argparse.Namespace, config, cluster, key: str | None, key_
         finally:
             files.end()
     else:
-        check_owners(config, KeyRing.for_folder(config.state_dir, config.api_keys))
+        accepted = config.api_keys + ((pending,) if pending else ())
+        check_owners(config, KeyRing.for_folder(config.state_dir, accepted))
+    key = keep_key(config.state_dir, pending) or made or (keys[0] if keys else None)  # the replicas read it
 
     def ready(url: str) -> None:
         replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..console import add_output_arguments, one_line, quiet_libraries
+from ..console import add_output_arguments, interactive, one_line, quiet_libraries
 from ..errors import CacheLimitError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
@@ -31,23 +31,39 @@ def timed_question(text: str) -> tuple[float, str]:
     return time, question.strip()
 
 
+def watched_question(text: str) -> tuple[int, str]:
+    """``"4:Is anyone at the door?"`` -> ``(4, "Is anyone at the door?")``."""
+    every, separator, question = text.partition(":")
+    if not separator or not every.strip().isdigit() or int(every) < 1 or not question.strip():
+        raise argparse.ArgumentTypeError(f"expected FRAMES:QUESTION (e.g. 4:\"Is anyone at the door?\"), got "
+                                         f"{text!r}")
+    return int(every), question.strip()
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "stream", help="replay a video as a live stream, asking questions at given times",
-        description="Push the frames of VIDEO one by one as a live source would (at most --max-fps per second) "
-                    "and ask each --ask question as soon as the stream reaches its time, from the frames seen "
-                    "so far. Later frames keep streaming after each question. If --max-cache-bytes stops the "
-                    "stream (--cache-limit refuse), every question left is answered from the frames it holds, "
-                    "marked as asked after the cap, with one warning line on stderr (exit status 0).",
+        "stream", help="replay a video as a live stream, asking questions at given times or watching for answers",
+        description="Push the frames of VIDEO one by one as a live source would (at most --max-fps per second), "
+                    "with no horizon (as statekv.VideoQA.stream(): it could go on for ever) unless --max-frames "
+                    "declares one. Each --ask question is asked as soon as the stream reaches its time, from the "
+                    "frames seen so far; each --watch question is a standing question, evaluated every FRAMES "
+                    "frames, printed whenever its answer changes. Later frames keep streaming after each question. "
+                    "A progress bar shows on a terminal. If --max-cache-bytes stops the stream (--cache-limit "
+                    "refuse), every question left is answered from the frames it holds, marked as asked after "
+                    "the cap, with one warning line on stderr (exit status 0).",
     )
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
-    parser.add_argument("--ask", type=timed_question, action="append", required=True, metavar="SECONDS:QUESTION",
+    parser.add_argument("--ask", type=timed_question, action="append", default=[], metavar="SECONDS:QUESTION",
                         help="ask QUESTION when the stream reaches SECONDS (repeatable)")
+    parser.add_argument("--watch", type=watched_question, action="append", default=[], metavar="FRAMES:QUESTION",
+                        help="watch for QUESTION's answer: evaluate it every FRAMES frames and print it whenever it "
+                             "changes (repeatable)")
     ModelOptions.add_arguments(parser)
     parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
                         help="frames kept per second of stream (default: 1)")
     parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
-                        help="declare the stream for at most N frames (default: the video's length at --max-fps)")
+                        help="declare the stream for at most N frames: its horizon (default: none; positions stay "
+                             "inside the model's range however long it runs)")
     parser.add_argument("--save", metavar="FILE", default=None,
                         help="save the stream at the end, or when it stops early (resume with statekv.Stream.load); "
                              "checked before the model loads")
@@ -57,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..api.stats import progress_reporter
     from ..api.videoqa import VideoQA
     from ..video import open_video
 
@@ -67,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
     warn_past_the_end(args.ask, video.duration)
-    horizon = args.max_frames or math.floor(video.duration * args.max_fps) + 1
+    horizon = args.max_frames  # None: no horizon, as qa.stream()
     quiet_libraries()
     qa = VideoQA.from_options(options)
     # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
@@ -75,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
                        vision_batch=args.vision_batch or 1)
     replay = _Replay(args, options, stream, save)
     try:
-        replay.run(video, horizon)
+        replay.watch()
+        with progress_reporter(interactive(), frames_expected(video, args.max_fps, horizon), video.name,
+                               stream.stats) as report:
+            replay.run(video, horizon, report)
     except (Exception, KeyboardInterrupt) as error:
         replay.stopped(error)
         raise
@@ -100,18 +120,36 @@ class _Replay:
         self.args, self.options, self.stream, self.save = args, options, stream, save
         self.questions = sorted(args.ask, key=lambda item: item[0])
         self.answers: list[dict] = []
+        self.events: list[dict] = []  # the watches' events, as they were printed
         self.cache_full: str | None = None  # why max_cache_bytes stopped the stream (the answers after it are marked)
 
-    def run(self, video, horizon: int) -> None:
+    def watch(self) -> None:
+        """Open the --watch questions, each printing its events as they come."""
+        for every, question in self.args.watch:
+            watch = self.stream.watch(question, every=every, max_new_tokens=self.args.max_new_tokens)
+            watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
+
+    def heard(self, watch, event) -> None:
+        self.events.append({"frame": event.frame, "seconds": event.seconds, "question": watch.question,
+                            "answer": event.answer})
+        if self.args.json:
+            print(json.dumps({"event": "watch", **self.events[-1]}), flush=True)
+        else:
+            when = "" if event.seconds is None else f"{event.seconds:7.2f} s, "
+            print(f"[{when}{event.frame} frames] W: {watch.question}\n{'':>21}A: {event.answer}", flush=True)
+
+    def run(self, video, horizon: int | None, report=lambda done, planned: None) -> None:
         stream = self.stream
         frame = None
+        planned = frames_expected(video, self.args.max_fps, horizon)
         try:
             for frame in video.sample_at_rate(self.args.max_fps):
                 if stream.frames:  # a question before the first frame waits for it
                     self.ask_due(frame.timestamp - 1e-9)
-                if stream.frames + len(stream.pending) >= horizon:
+                if horizon is not None and stream.frames + len(stream.pending) >= horizon:
                     break
                 stream.push(frame)
+                report(stream.frames, planned)
             stream.flush()
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
             if not stream.frames:
@@ -168,7 +206,9 @@ class _Replay:
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
                               "budget": self.options.budget, "frames_window": self.options.frames,
                               "label": self.options.label,
-                              "stats": stats.to_dict(), "answers": self.answers, "stopped": self.cache_full,
+                              "horizon_frames": self.stream.horizon_frames, "positions": self.stream.engine.positions,
+                              "stats": stats.to_dict(), "answers": self.answers, "watches": self.events,
+                              "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
                               "error": error}), flush=True)
         elif error is None:
@@ -176,6 +216,16 @@ class _Replay:
                   f"{self.stream.tokens} tokens, {self.options.label}, carried "
                   f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
                   + (f"; saved to {where}" if where else ""), flush=True)
+
+
+def frames_expected(video, max_fps: float, horizon: int | None) -> int | None:
+    """About how many frames the replay streams (for its progress): the video's at ``max_fps``, at most the
+    horizon (None: unknown)."""
+    duration, count = getattr(video, "duration", None), getattr(video, "num_frames", None)
+    if not duration or not count:
+        return horizon
+    frames = max(1, min(count, math.ceil(duration * max_fps - 1e-9)))  # one per tick of the rate
+    return frames if horizon is None else min(frames, horizon)
 
 
 def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:

@@ -3,8 +3,9 @@
 ``streamed``  (``--mode streaming``) one live stream per video: the source is pushed into it at ``max_fps``, and
               each question is asked when the stream reaches its time (``ceil(realtime)`` seconds: it sees the
               frames before that second), the video's questions in time order on the same stream, its cache
-              reused and never re-encoded. A polled question (OVO-Bench's forward tasks: one `Question` per
-              poll) is asked at each of its times; a proactive output (StreamingBench) is polled every second
+              reused and never re-encoded. A forward question (OVO-Bench's forward tasks, the synthetic set's:
+              one `Question` per poll) is a watch on the stream, evaluated at each of its times
+              (`statekv.eval.watching`); a proactive output (StreamingBench) is a watch evaluated every second
               until the model says its time has come. Questions without a time are asked once the video has
               ended.
 ``afresh``    (``--mode offline``, timed questions) each question is answered from an encoding of the frames
@@ -35,6 +36,7 @@ from statekv.eval import streamingbench
 from statekv.eval.prompts import GenerationSettings, build_prompt
 from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
+from statekv.eval.watching import VideoWatches, watched
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +159,7 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     horizon_frames = max(1, math.ceil(min(last, source.duration) * max_fps)) + 1
     stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name,
                              reserve_tokens=asker.room_for(room))
-    due = _Schedule(video.questions)
+    due = _Schedule(video.questions, watch=build_prompt_for(asker))
     clock = _Clock()
     with stream:
         clock.start()
@@ -227,13 +229,20 @@ def last_second(question: Question, duration: float) -> float:
     return duration if question.realtime is None else question.query_seconds
 
 
+def build_prompt_for(asker: Asker):
+    """The prompt of a question as ``asker`` asks it."""
+    return lambda question: build_prompt(question, asker.protocol)
+
+
 class _Schedule:
     """A video's asks in time order: each question at its second (at the end without one); a proactive output
-    at each poll second until the model says its time has come."""
+    at each poll second until the model says its time has come. ``watch``: forward polls and proactive outputs go
+    through watches on the stream (`VideoWatches`; the function gives a question's prompt)."""
 
-    def __init__(self, questions: Sequence[Question]):
+    def __init__(self, questions: Sequence[Question], watch=None):
         self.heap: list[tuple[float, int, Question, int]] = []
         self.polls: dict[str, list[tuple[str, float]]] = {}  # a proactive output's (poll answer, seconds) so far
+        self.watches = None if watch is None else VideoWatches(questions, watch)
         for order, question in enumerate(questions):
             if question.kind == "proactive":
                 second: float = streamingbench.poll_times(question)[0]
@@ -253,6 +262,11 @@ class _Schedule:
         second = self.next_second
         while self.heap and self.heap[0][0] == second:
             _, order, question, poll = heapq.heappop(self.heap)
+            if question.kind != "proactive" and self.watches is not None and watched(question):
+                text, seconds, info = self.watches.answer(video, question, asker.max_new_tokens)
+                info = {**_info(video, mode, second), **info}
+                yield Answer(question, asker.settings.cut(text), {"encode": encode_seconds, "answer": seconds}, info)
+                continue
             if question.kind != "proactive":
                 yield _answer(asker, video, question, encode_seconds, mode=mode, second=second)
                 continue
@@ -265,10 +279,17 @@ class _Schedule:
     def _poll(self, asker: Asker, video, question: Question, poll: int, encode_seconds: float, mode: str,
               second: float) -> Answer | None:
         """One poll of a proactive output: its answer once the model says yes (or the polls run out), else None."""
-        text, seconds = asker.ask(video, streamingbench.poll_prompt(question))
+        if self.watches is not None:  # an evaluation of the poll's watch
+            key = (question.qid, streamingbench.poll_prompt(question))
+            text, seconds, _ = self.watches.evaluate(video, key, key[1], asker.max_new_tokens)
+            text = asker.settings.cut(text)
+        else:
+            text, seconds = asker.ask(video, streamingbench.poll_prompt(question))
         history = self.polls.setdefault(question.qid, [])
         history.append((text, seconds))
         answered = streamingbench.said_yes(text)
+        if self.watches is not None and (answered or poll + 1 >= len(streamingbench.poll_times(question))):
+            self.watches.close((question.qid, streamingbench.poll_prompt(question)))
         if answered:
             text, asked = asker.ask(video, build_prompt(question, asker.protocol))
             history.append(("", asked))

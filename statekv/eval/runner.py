@@ -67,8 +67,9 @@ GROUPED_BENCHMARKS = ("ovobench", "streamingbench")  # --groups applies
 # one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
-                "retrieval", "kv_cache_dtype", "mode", "groups")
-IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None, "groups": None}
+                "retrieval", "kv_cache_dtype", "mode", "groups", "steer")
+IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None, "groups": None,
+                     "steer": True}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..errors import ConfigurationError, HorizonError, StateKVError
-from . import openai, routes
+from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
 from .errors import ServiceError, StorageError, error_body, public_message
@@ -26,6 +26,7 @@ from .limits import Slots
 from .metrics import Metrics
 from .registry import StreamRegistry
 from .store import StreamFiles, check_state_folder
+from .watches import WatchHub
 from .worker import ModelExecutor, ModelWorker
 
 log = logging.getLogger("statekv.serve")
@@ -74,6 +75,8 @@ class Service:
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.batched_steps, self.registry.batch_sizes)
         self.registry.metrics = self.metrics
+        self.watch_hub = WatchHub(self.metrics.registry)
+        self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.ask_slots = Slots(config.max_asks, "questions")
 
     @property
@@ -162,6 +165,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     app.state.service = service
     _error_handlers(app, service)
     app.include_router(routes.router)
+    app.include_router(watch_routes.router)
     app.include_router(openai.router)
 
     @app.get("/metrics")

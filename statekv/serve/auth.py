@@ -68,7 +68,12 @@ class KeyFile:
     def make(self) -> str | None:
         """Make a key and store its digest, unless a key was made here already (by another server too): returns
         the new key (to show once), or None."""
-        key = secrets.token_urlsafe(24)
+        key = new_key()
+        return key if self.keep(key) else None
+
+    def keep(self, key: str) -> bool:
+        """Store ``key``'s digest as the folder's key, unless a key was made here already (by another server too):
+        whether it was stored."""
         document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
         partial = self.path.with_name(f"{KEYS_FILE}.{secrets.token_hex(4)}.partial")
         try:
@@ -76,13 +81,18 @@ class KeyFile:
             os.chmod(partial, 0o600)
             os.link(partial, self.path)  # fails when the file exists: one key per folder, whoever is first
         except FileExistsError:
-            return None
+            return False
         except OSError as error:
             raise ConfigurationError(f"cannot make a key for the state folder ({error.strerror or error}); pass "
                                      "--api-key, or give a folder this server can write") from None
         finally:
             partial.unlink(missing_ok=True)
-        return key
+        return True
+
+
+def new_key() -> str:
+    """A new API key (not stored anywhere yet)."""
+    return secrets.token_urlsafe(24)
 
 
 class KeyRing:

@@ -12,6 +12,8 @@ from typing import Any
 
 from ..api.stream import Stream
 from ..errors import InputError
+from .page_record import page_fields
+from .watches import watch_records
 
 HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
@@ -106,7 +108,8 @@ class StreamEntry:
         tier = self.tier
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
-                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name}
+                "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
+                "watches": watch_records(self.stream), **page_fields(self)}
 
 
 @dataclass

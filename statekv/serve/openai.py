@@ -4,6 +4,11 @@ A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root
 default method settings and answered; ``"statekv": {"stream_id": ID}`` asks one of the caller's live streams
 instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the
 tokens the answer read (the video's tokens and the prompt's) and the tokens it generated.
+
+An answer reads the video and the last user message only: system messages and earlier turns are not read (a
+stream's questions are answered from the video, each on its own). The response says so: its ``statekv`` object
+(and a streamed answer's last chunk's) holds ``"read": "the video and the last user message"`` and, when the
+request had any, ``"not_read"``: how many system messages and earlier turns were left out.
 """
 
 from __future__ import annotations
@@ -24,6 +29,18 @@ from .media import resolve_file_url
 from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
 from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, answer_task, pieces_until
 from .sse import EventStream, TokenStreamer, event
+
+
+READ = "the video and the last user message"
+
+
+def not_read(messages: list) -> dict[str, int]:
+    """What an answer leaves out of ``messages``: ``{"system": n, "earlier_turns": m}`` (the messages before the
+    last user message that are not system messages), empty when nothing is left out."""
+    last = max(i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user")
+    system = sum(1 for m in messages if isinstance(m, dict) and m.get("role") in ("system", "developer"))
+    earlier = sum(1 for m in messages[:last] if not (isinstance(m, dict) and m.get("role") in ("system", "developer")))
+    return {key: count for key, count in (("system", system), ("earlier_turns", earlier)) if count}
 
 
 def parse_messages(messages: Any) -> tuple[str, list[str]]:
@@ -70,6 +87,7 @@ async def chat(request: Request, service: Served):
     owner = service.keys.require(request)
     body = await read_json(request, config.max_body_bytes)
     question, videos = parse_messages(body.get("messages"))
+    reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {})}
     max_new = body.get("max_completion_tokens")
     if max_new is None:
         max_new = body.get("max_tokens")
@@ -99,7 +117,7 @@ async def chat(request: Request, service: Served):
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
-        return EventStream(_chunks(service, work, completion, model, max_new, include_usage), release)
+        return EventStream(_chunks(service, work, completion, model, max_new, include_usage, reading), release)
     async with service.ask_slots.hold():
         started = time.perf_counter()
         result = await work(None)
@@ -109,7 +127,7 @@ async def chat(request: Request, service: Served):
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
                      "finish_reason": _finish(result, max_new)}],
         "usage": result["usage"],
-        "statekv": {key: result.get(key) for key in ("id", "frames", "seconds")},
+        "statekv": {**{key: result.get(key) for key in ("id", "frames", "seconds")}, **reading},
     })
 
 
@@ -146,12 +164,13 @@ def _finish(result: dict[str, Any], max_new: int) -> str:
     return "length" if result["usage"]["completion_tokens"] >= max_new else "stop"
 
 
-async def _chunks(service, work, completion: str, model: str, max_new: int, include_usage: bool):
+async def _chunks(service, work, completion: str, model: str, max_new: int, include_usage: bool,
+                  reading: dict[str, Any]):
     created = int(time.time())
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, **more: Any) -> str:
         return event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more})
 
     started = time.perf_counter()
     streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
@@ -167,7 +186,7 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
                                    getattr(error, "status", 400)))
             return
         service.answered("chat", time.perf_counter() - started)
-        yield chunk({}, _finish(result, max_new))
+        yield chunk({}, _finish(result, max_new), statekv=reading)
         if include_usage:
             yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [], "usage": result["usage"]})

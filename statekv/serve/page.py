@@ -4,7 +4,10 @@ The key comes from ``?key=`` (the address the server prints) or is typed in; the
 key's streams are listed (frames, age, state): open one to feed it more or ask it, delete one. A video file or
 the camera starts a new stream. The open stream shows its feeding progress, its current frame, what it holds
 and a chart of its carried state against the tokens it has seen; each answer comes with the stream time and
-frames it refers to and how long it took. The open stream's id is kept in the address (``?stream=``), so a
+frames it refers to, the frames it read and how long it took. For the built-in model, which answers only multiple
+choice, the page says so and offers the options A-D (`page_watches.ChoicesForm`). The stream's watches are listed
+with their latest answers and can be added or deleted there; a timeline draws the frames each answer read and
+where each watch's answer changed. The open stream's id is kept in the address (``?stream=``), so a
 reload or a restarted server lands back on it. Every failure is shown beside what caused it and stays until
 dismissed; the page checks questions exactly as the API does.
 
@@ -26,7 +29,8 @@ from fastapi import FastAPI
 
 from ..errors import StateKVError
 from .errors import ServiceError
-from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal
+from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal, read_text
+from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
 from .registry import frames_at_rate
 from .routes import MAX_QUESTION_CHARS, question_settings
 
@@ -147,8 +151,9 @@ class StreamPage:
                        {"name": "every token (full attention)", "type": "line", "data": [], "showSymbol": False,
                         "lineStyle": {"type": "dashed"}}],
         }).classes("w-full h-64 statekv-chart")
+        self.choices = ChoicesForm(self.service.config.options.model)
         with ui.row().classes("w-full items-start no-wrap gap-2"):
-            self.question = ui.textarea("Question", placeholder="What colour was the triangle?", validation={
+            self.question = ui.textarea("Question", placeholder=self.choices.example, validation={
                 f"over the limit of {MAX_QUESTION_CHARS} characters": lambda text: len(text or "") <= MAX_QUESTION_CHARS,
             }).props('autogrow outlined counter input-style="max-height: 12rem; overflow-y: auto"').classes(
                 "grow statekv-question")
@@ -160,6 +165,8 @@ class StreamPage:
         self.asking.set_visibility(False)
         self.ask_error = ErrorNote("ask")
         self.answers = ui.column().classes("w-full gap-2 statekv-answers")
+        self.watch_panel = WatchPanel(self, self.choices)
+        self.timeline = ui.echart(timeline_options()).classes("w-full h-56 statekv-timeline")
 
     # -- the key ---------------------------------------------------------------------------------------------
     async def restore(self) -> None:
@@ -367,7 +374,7 @@ class StreamPage:
         self.ask_button.set_enabled(False)
         self.asking.set_visibility(True)
         try:
-            question, max_new, retrieve = question_settings({"question": self.question.value or "",
+            question, max_new, retrieve = question_settings({"question": self.choices.compose(self.question.value or ""),
                                                               "max_new_tokens": PAGE_NEW_TOKENS})
             async with self.service.ask_slots.hold():
                 result = await self.registry.ask(entry, question, max_new, retrieve)
@@ -405,6 +412,25 @@ class StreamPage:
         self.show("chart", len(entry.history) and entry.history[-1]["tokens"], lambda _: self.show_chart(entry))
         self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
                   lambda _: self.show_answers(entry))
+        self.watch_panel.refresh(entry)
+        self.show("timeline", (info["frames"], len(entry.answers), id(entry.answers[-1]) if entry.answers else 0,
+                               tuple((w.id, len(w.events)) for w in entry.stream.watches)),
+                  lambda _: self.show_timeline(entry))
+
+    def show_timeline(self, entry) -> None:
+        rows, read, events = timeline_rows(entry)
+        self.timeline.options["xAxis"]["max"] = max(entry.stream.frames - 1, 1)  # the whole stream, so far
+        self.timeline.options["yAxis"]["data"] = rows
+        self.timeline.options["series"][0]["data"] = read
+        self.timeline.options["series"][1]["data"] = events
+        self.timeline.update()
+
+    async def keep_record(self, entry) -> None:
+        """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
+        try:
+            await asyncio.to_thread(self.registry.files.write_record, entry.record())
+        except (OSError, StateKVError) as error:
+            log.error("cannot record stream %s: %s", entry.id, error)
 
     def show(self, what: str, value: Any, update) -> None:
         if self.shown.get(what, object()) != value:
@@ -456,6 +482,7 @@ class StreamPage:
                     ui.label(answer["answer"] or "(an empty answer)").classes("text-body1 statekv-answer")
                     ui.label(f"at {when} ({answer['frames']} frames) · answered in {answer['latency']:.2f} s").classes(
                         "text-caption text-grey-7 statekv-answer-time")
+                    ui.label(read_text(answer)).classes("text-caption text-grey-7 statekv-answer-read")
 
     def refresh_list(self) -> None:
         from nicegui import ui

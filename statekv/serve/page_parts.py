@@ -89,8 +89,14 @@ class ErrorNote:
         self.box.set_visibility(False)
 
     def show(self, message: str) -> None:
+        from nicegui import ui
+
         self.label.set_text(message)
         self.box.set_visibility(True)
+        # in view, wherever the page was scrolled to (below a long question, say), once it is drawn
+        ui.run_javascript(f"(() => {{ let tries = 0; const go = () => {{ const note = document.getElementById("
+                          f"'c{self.box.id}'); if (note && note.offsetParent !== null) note.scrollIntoView("
+                          "{block: 'center'}); else if (tries++ < 100) setTimeout(go, 50); }; go(); })()")
 
     def clear(self) -> None:
         self.label.set_text("")
@@ -127,6 +133,16 @@ def jpeg_data_url(image: Any) -> str:
     buffer = io.BytesIO()
     picture.convert("RGB").save(buffer, format="JPEG", quality=85)
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def read_text(answer: dict) -> str:
+    """What an answer read, for its card: the frames it retrieved, or every frame the stream held."""
+    frames = answer.get("read_frames")
+    if frames is None:
+        held = answer.get("frames") or 0
+        return f"read every frame held ({held})"
+    shown = ", ".join(str(frame) for frame in frames[:12]) + (" …" if len(frames) > 12 else "")
+    return f"read {len(frames)} frame{'s' * (len(frames) != 1)}: {shown}"
 
 
 def js_literal(text: str | None) -> str:

@@ -34,9 +34,11 @@ from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_
 from .errors import ServiceError, public_message
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
+from .page_record import recall_page
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
+from .watches import recall
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -57,6 +59,7 @@ class StreamRegistry:
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
+        self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
@@ -346,7 +349,7 @@ class StreamRegistry:
             raise
         result["latency"] = round(time.perf_counter() - started, 4)
         entry.answers.append({"question": question, "at": int(time.time()),
-                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency")}})
+                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency", "read_frames")}})
         del entry.answers[:-ANSWERS]
         if not entry.deleted:
             try:
@@ -369,9 +372,11 @@ class StreamRegistry:
         check_still_there(kwargs.get("streamer"))
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt
+        read = stream.answer_info.read_frames if stream.answer_info is not None else None
         return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
-                "id": entry.id, "usage": {"prompt_tokens": context, "completion_tokens": completion,
-                                          "total_tokens": context + completion}}
+                "id": entry.id, "read_frames": None if read is None else list(read),
+                "usage": {"prompt_tokens": context, "completion_tokens": completion,
+                          "total_tokens": context + completion}}
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
@@ -447,6 +452,8 @@ class StreamRegistry:
     def restore_one(self, data: dict[str, Any]) -> StreamEntry:
         """Load one recorded stream (`StreamLoader.load`); it is no longer damaged once it loads."""
         entry = self.loader.load(data)
+        recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
+        recall_page(entry, data)
         self.damaged.pop(entry.id, None)
         return entry
 

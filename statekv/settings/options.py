@@ -85,6 +85,9 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
             "how --retrieve picks the frames: attention (each frame's share of the question's attention, over the "
             "layers so far), rekv (ReKV's mean key . mean query), recent (the last K frames) (default: attention; "
             "rekv: rekv)", "RULE"),
+    Setting("steer", True, BOOLEAN, "a stream's watches (standing questions) steer what it carries while they are "
+            "open, under methods that carry by attention (statekv); --no-steer leaves the carried state as it would "
+            "be without them"),
     Setting("layout", None, TEXT.optional, "prompt layout of the model family (default: the paper's)"),
     Setting("dtype", None, DTYPE.optional, "e.g. bfloat16, float32 (default: the checkpoint's)"),
     Setting("device", None, DEVICE.optional, "e.g. cuda, cuda:1, cpu (default: cuda if available)"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,8 +149,11 @@ class StepScheduler:
     ``batched_steps``: language-model forwards that stepped more than one stream; ``batched_rows``: the stream
     steps taken in them."""
 
-    def __init__(self):
+    def __init__(self, follow_up: Callable[[list[StepJob]], None] | None = None):
+        """follow_up: called with each batch once its steps ran, before its callers are let go (the streams'
+        watches are evaluated there, `statekv.api.watch.evaluate_due`)."""
         self.batcher = StepBatcher()
+        self.follow_up = follow_up
         self.changed = threading.Condition()
         self.queue: list[StepJob] = []
         self.running = False
@@ -192,6 +195,8 @@ class StepScheduler:
         """Stream ``batch`` on this thread (one job: exactly the single-video path)."""
         try:
             stream_jobs(batch, self.batcher)
+            if self.follow_up is not None:
+                self.follow_up(batch)
         except BaseException as error:  # an interrupt in this thread: the other callers must not wait forever
             for job in batch:
                 if not job.done and job.error is None:

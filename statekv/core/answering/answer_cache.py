@@ -57,6 +57,7 @@ class AnswerLayer(EngineLayer):
         self.keys = self.values = None
         self.context = self.answered = 0
         self.owned_bytes = 0  # bytes this layer allocated on the model's device (0 when it writes in place)
+        self.retrieved: torch.Tensor | None = None  # with retrieval: the tokens [M] this layer's context read
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -110,7 +111,7 @@ class AnswerLayer(EngineLayer):
                                  read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
                                  evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
                                  starts=self.starts, turns=turns[0], segment_turns=turns[1], frequencies=turns[2])
-            index = retrieval.tokens(seen)
+            index = self.retrieved = retrieval.tokens(seen)
             self._allocate(keys, index.shape[0] + self.room)
             self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
                 index, self.model_device, keys.dtype)
@@ -224,6 +225,15 @@ class AnswerCache(Cache):
         mask = None if q.shape[2] == 1 else ChunkMask(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1],
                                                       q.device)
         return chunk_attention(q, keys, values, scale=scale, mask=mask)
+
+    def read_steps(self) -> tuple[int, ...] | None:
+        """The steps whose tokens some layer's retrieved context read (ascending), None when every layer read the
+        whole cache."""
+        read = [layer.retrieved.cpu() for layer in self.layers if layer.retrieved is not None]
+        if not read:
+            return None
+        steps = torch.searchsorted(self.layers[0].starts, torch.cat(read), right=True) - 1
+        return tuple(torch.unique(steps).tolist())
 
     @property
     def device_bytes(self) -> int:

@@ -29,6 +29,7 @@ from ..attention.scored import ChunkMask, chunk_attention, scored_attention
 from ..rules.base import CarryPolicy
 from ..rules.candidates import Candidates
 from ..positions.placing import StreamPositions
+from ..rules.steering import steered
 from ..storage.tiers import StorageTier
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
 
@@ -68,6 +69,7 @@ class TwoStateCache(Cache):
         self.positions = positions or StreamPositions()
         self.evicted_steps: set[int] = set()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended
+        self.guide = None  # a steering.QuestionGuide while standing questions steer what is carried
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
@@ -164,7 +166,10 @@ class TwoStateCache(Cache):
 
     def is_steady(self) -> bool:
         """Whether the step just begun has the static form a CUDA graph can replay: every layer in a ring, or
-        in slots holding the tokens its rule carries once steady (`CarryPolicy.steady_budget`)."""
+        in slots holding the tokens its rule carries once steady (`CarryPolicy.steady_budget`). A step steered by
+        standing questions is not (its scores read their queries)."""
+        if self.guide is not None and self.guide.active:
+            return False
         return all(layer.carry.is_static(self.policy.steady_budget(layer.index)) for layer in self.layers)
 
     def begin_device(self, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,6 +277,8 @@ def attend(caches: Sequence[TwoStateCache], layer_idx: int, q: torch.Tensor, k: 
             raise NotBatchable("a stream tallies the attention of its own steps")
         positions = lambda: torch.cat([cache.layers[layer_idx].candidate_positions() for cache in caches])  # noqa: E731
         history = _no_history
+    if scores is not None:  # standing questions steer what is carried (`statekv.core.rules.steering`)
+        scores = steered(caches, layer_idx, k, scores, q.shape[2], scale)
     candidates = Candidates(layer=layer_idx, scores=scores, keys=k, values=v, positions=positions, history=history,
                             queries=q)
     selection = checked(policy.select(candidates), candidates)

@@ -161,6 +161,7 @@ class StreamingPrefill:
         self.compiled_decoder = compiled(self.decoder) if settings.compile_step else None  # steady steps'
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
+        self.last_read_steps: tuple[int, ...] | None = None  # retrieved: the steps some layer read (else None)
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
         self.closed = False
 

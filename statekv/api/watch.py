@@ -1,0 +1,438 @@
+"""Watches: standing questions about a live stream, evaluated as frames arrive, telling you when the answer changes.
+
+    stream = qa.stream()
+    watch = stream.watch(question, every=4)        # evaluated after every 4 frames encoded (or every_seconds=)
+    for image, t in camera:
+        stream.push(image, t)
+    watch.events                                   # [WatchEvent(frame=12, seconds=11.0, answer='B'), ...]
+    watch.close()
+
+A `Watch` holds a standing question (`statekv.core.watching`). Opening it evaluates it once (when the stream has
+frames); each later evaluation reads only the stream's carried state, the frames streamed since the watch's last
+evaluation and, with ``retrieve=K``, the K frames (per layer) that best match the question: it never re-reads the
+stream, so it costs the same however long the stream has run. An evaluation whose answer differs from the one
+before is an event: ``frame`` (frames encoded then), ``seconds`` (the stream time of the last of them) and
+``answer``. While it is open, a watch also steers what the stream carries (``steer``, `statekv.core.rules.steering`):
+the tokens its question attends to stay in the carried state, so later evaluations still see them.
+
+Evaluations run once a push has streamed the frames that make them due, inside the push: the due watches of every
+stream stepped together (`VideoQA.push_many`, pushes from several threads batched by the step scheduler) are
+evaluated together, one forward per answer token for all of them. A watch without ``every``/``every_seconds`` is
+evaluated only when asked (`Watch.evaluate`). A stream saves its watches with itself and `Stream.load` reopens
+them (`records`, `tensors`, `restore`), as they stood: their events, clocks and the queries that steer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.rules.steering import QuestionGuide
+from ..core.watching.standing import Evaluation, evaluate, standing_question
+from ..settings.methods import retrieval_rule
+from ..errors import InputError, StateKVError
+from ..stopping import whole
+from ..settings.values import check_bool, check_int, check_number
+
+log = logging.getLogger("statekv")
+
+DEFAULT_NEW_TOKENS = 16
+MAX_EVENTS = 10_000  # the events a watch keeps (the latest), so a watch that never closes stays bounded
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """An evaluation whose answer differed from the one before: ``frame`` (frames the stream had encoded),
+    ``seconds`` (the stream time of the last of them, None when unknown) and ``answer``."""
+
+    frame: int
+    seconds: float | None
+    answer: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"frame": self.frame, "seconds": self.seconds, "answer": self.answer}
+
+
+Listener = Callable[["Watch", "WatchEvent | None"], None]
+
+
+class Watch:
+    """A standing question about one stream (see the module docstring). Made by `Stream.watch`.
+
+    Attributes: ``id``, ``question``, ``every`` (frames between evaluations) or ``every_seconds`` (stream seconds),
+    ``max_new_tokens``, ``retrieve`` (frames per layer retrieved at each evaluation, None: none), ``retrieval`` (the
+    rule's name), ``steer``, ``events`` (`WatchEvent` list, oldest first), ``answer`` (the latest, None before the
+    first evaluation), ``evaluations``, ``closed``, ``error`` (why the last evaluation failed, None when it did not).
+    """
+
+    def __init__(self, stream: Any, question: str, *, every: int | None = None, every_seconds: float | None = None,
+                 max_new_tokens: int = DEFAULT_NEW_TOKENS, retrieve: int | None = None, retrieval: str | None = None,
+                 steer: bool = True, watch_id: str | None = None):
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the watch's question is empty")
+        if every is not None and every_seconds is not None:
+            raise InputError("give a watch every (frames) or every_seconds, not both")
+        self.stream = stream
+        self.id = watch_id if watch_id is not None else f"w_{secrets.token_hex(8)}"
+        self.question = question
+        self.every = None if every is None else check_int(every, "every (frames between evaluations)",
+                                                         error=InputError)
+        self.every_seconds = None if every_seconds is None else float(check_number(
+            every_seconds, "every_seconds (stream seconds between evaluations)", error=InputError))
+        self.max_new_tokens = check_int(max_new_tokens, "max_new_tokens", error=InputError)
+        self.retrieve = None if retrieve is None else check_int(retrieve, "retrieve (frames per layer)",
+                                                               error=InputError)
+        self.retrieval = retrieval_rule(stream.qa.retrieval if retrieval is None else retrieval).name
+        self.steer = check_bool(steer, "steer")
+        self.events: list[WatchEvent] = []
+        self.answer: str | None = None
+        self.evaluations = 0
+        self.closed = False
+        self.error: str | None = None
+        self.since = 0  # the first token its next evaluation reads as new
+        self.last_frames = 0  # frames encoded at its last evaluation (or when it opened)
+        self.last_seconds: float | None = None
+        self.listeners: list[Listener] = []
+        self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
+        self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
+
+    # -- what it says --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """``id``, ``question``, ``every``, ``every_seconds``, ``max_new_tokens``, ``retrieve``, ``answer``,
+        ``evaluations``, ``error`` and ``events`` (each ``frame``, ``seconds``, ``answer``)."""
+        return {"id": self.id, "question": self.question, "every": self.every, "every_seconds": self.every_seconds,
+                "max_new_tokens": self.max_new_tokens, "retrieve": self.retrieve, "steer": self.steer,
+                "answer": self.answer, "evaluations": self.evaluations, "error": self.error,
+                "events": [event.to_dict() for event in self.events]}
+
+    def __repr__(self) -> str:
+        cadence = (f"every={self.every}" if self.every is not None else
+                   f"every_seconds={self.every_seconds}" if self.every_seconds is not None else "on demand")
+        return f"Watch({self.question!r}, {cadence}, answer={self.answer!r}, events={len(self.events)})"
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(watch, event)`` after each evaluation (``event`` None when the answer did not change),
+        on the thread that evaluated it."""
+        self.listeners.append(listener)
+
+    # -- when -------------------------------------------------------------------------------------------------
+    def due(self, frames: int, seconds: float | None) -> bool:
+        """Whether an evaluation is due with ``frames`` encoded, the last at stream time ``seconds``."""
+        if self.closed or frames == 0 or frames <= self.last_frames:
+            return False
+        if self.every is not None:
+            return frames - self.last_frames >= self.every
+        if self.every_seconds is not None:
+            if self.last_seconds is None or seconds is None:
+                return True
+            return seconds - self.last_seconds >= self.every_seconds - 1e-9
+        return False
+
+    def evaluate(self) -> str:
+        """Evaluate the question now (after encoding every complete step still waiting) and return its answer; an
+        event is recorded when it changed."""
+        stream = self.stream
+        with whole(), stream.lock:
+            if self.closed:
+                raise InputError(f"watch {self.id} is closed")
+            stream.flush_complete_steps()
+            if stream.frames == 0:
+                raise InputError(f"{stream.name}: no frame has been encoded yet")
+            run_evaluations([self], raise_errors=True)
+            return self.answer
+
+    def close(self) -> None:
+        """Stop evaluating; the stream stops being steered by it. Its events stay readable."""
+        stream = self.stream
+        with stream.lock:
+            if self.closed:
+                return
+            self.closed = True
+            watching = stream.watching
+            if watching is not None:
+                watching.remove(self)
+
+    # -- saving --------------------------------------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """What a saved stream keeps of the watch (JSON-able): its settings, events and where it stands."""
+        return {"id": self.id, "question": self.question, "every": self.every, "every_seconds": self.every_seconds,
+                "max_new_tokens": self.max_new_tokens, "retrieve": self.retrieve, "retrieval": self.retrieval,
+                "steer": self.steer, "answer": self.answer, "evaluations": self.evaluations, "since": self.since,
+                "last_frames": self.last_frames, "last_seconds": self.last_seconds,
+                "start": None if self.standing is None or self.standing.queries is None else self.standing.start,
+                "events": [[event.frame, event.seconds, event.answer] for event in self.events]}
+
+
+class Watches:
+    """A stream's open watches and its clock (the time of the last frame encoded), with the guide through which
+    they steer its carried state."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.open: list[Watch] = []
+        self.seconds: float | None = stream.last_timestamp if not stream.pending else None  # the last encoded
+        self.guide = QuestionGuide()
+
+    def add(self, watch: Watch) -> None:
+        self.open.append(watch)
+        cache = getattr(getattr(self.stream, "prefill", None), "cache", None)
+        if watch.steer and watch.standing is not None and cache is not None and steerable(self.stream):
+            self.guide.add(watch.standing)
+            cache.guide = self.guide
+
+    def remove(self, watch: Watch) -> None:
+        self.open = [each for each in self.open if each is not watch]
+        if watch.standing is not None:
+            self.guide.remove(watch.standing)
+
+
+def steerable(stream: Any) -> bool:
+    """Whether standing questions can steer ``stream``: its carry rule reads attention mass and its RoPE has one
+    row of positions."""
+    if getattr(stream, "prefill", None) is None:
+        return False
+    prompt = stream.adapter.prompt(stream.adapter.question_ids("?", stream.state), stream.state)
+    return stream.prefill.policy.scores_needed(1 << 30) and prompt.position_ids is None
+
+
+def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **settings: Any) -> Watch:
+    """A watch on ``stream`` (a started `Stream`, its lock held): the question laid out once and, when the stream
+    has frames and ``evaluate_now``, evaluated at once (its first answer, from the carried state)."""
+    watch = Watch(stream, question, **settings)
+    prefill = getattr(stream, "prefill", None)  # None: a stream that keeps no cache (`RecentFrames`)
+    if prefill is not None:
+        prompt = _prompt(stream, question)
+        if watch.retrieve is not None and prefill.positions.bounded and prompt.position_ids is not None:
+            raise InputError("a watch on a bounded-positions stream of this model (M-RoPE) cannot retrieve; "
+                             "open it without retrieve")
+        watch.standing = standing_question(prefill, prompt)
+        watch.since = prefill.seen_tokens
+    watching = stream.watching
+    if watching is None:
+        watching = stream.watching = Watches(stream)
+    watching.add(watch)
+    if evaluate_now and stream.frames:  # its first answer: what the stream holds now
+        run_evaluations([watch], raise_errors=True)
+    else:
+        watch.last_frames, watch.last_seconds = stream.frames, watching.seconds
+    return watch
+
+
+def _prompt(stream: Any, question: str):
+    adapter = stream.adapter
+    return adapter.prompt(adapter.question_ids(question, stream.state), stream.state)
+
+
+def output_head(stream: Any, prompt: Any) -> torch.nn.Module:
+    """The module that turns ``stream``'s model's last hidden states into logits (the decoding model's)."""
+    model = prompt.model if prompt.model is not None else stream.adapter.model
+    head = model.get_output_embeddings()
+    if head is None:
+        raise StateKVError(f"{type(model).__name__} has no output embeddings to read a watch's answer from")
+    return head
+
+
+def end_tokens(stream: Any) -> tuple[int, ...]:
+    """The token ids that end an answer of ``stream``'s model (its generation config's)."""
+    config = getattr(stream.adapter.model, "generation_config", None)
+    ends = getattr(config, "eos_token_id", None)
+    if ends is None:
+        ends = stream.adapter.model.config.get_text_config().eos_token_id
+    return tuple(ends if isinstance(ends, (list, tuple)) else [] if ends is None else [ends])
+
+
+def evaluate_due(jobs: Iterable[Any]) -> None:
+    """After a batch of steps (`statekv.steps.jobs.StepScheduler`): move each stepped stream's clock to its last
+    frame encoded and evaluate every due watch of those streams together. A failure is the watch's ``error``,
+    never the push's."""
+    due = []
+    for job in jobs:
+        watching = getattr(job.video, "watching", None)
+        if watching is None or job.streamed == 0:
+            continue
+        last = _last_frame(job)
+        if last is not None:
+            watching.seconds = last.timestamp
+        stream = job.video
+        due.extend(watch for watch in watching.open if watch.due(stream.frames, watching.seconds))
+    if due:
+        run_evaluations(due)
+
+
+def _last_frame(job: Any):
+    if job.groups:
+        group = job.groups[job.streamed - 1]
+        return group[-1] if group else None
+    if job.encoded:
+        return job.encoded[job.streamed - 1].step.frames[-1]
+    return None
+
+
+def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
+    """Evaluate ``watches`` (of streams whose turn it is: their locks held or their steps being run) as rows of
+    batches, record their answers and events, and tell their listeners. A stream that keeps no cache
+    (`RecentFrames`) answers each of its watches as it answers a question, from its last frames."""
+    live = [watch for watch in watches if not watch.closed]
+    engine = [watch for watch in live if watch.standing is not None]
+    evaluations = [_evaluation(watch) for watch in engine]
+    outcomes: list[Any] = []
+    if engine:
+        try:
+            outcomes = evaluate(evaluations, output_head(engine[0].stream, evaluations[0].prompt))
+        except Exception as error:  # noqa: BLE001 -- an evaluation that fails is its watches' error, not the push's
+            outcomes = [error] * len(engine)
+    for watch in live:
+        if watch.standing is None:
+            try:
+                outcomes.append(watch.stream.ask_tokens(watch.question, max_new_tokens=watch.max_new_tokens,
+                                                        retrieve=watch.retrieve))
+            except Exception as error:  # noqa: BLE001 -- as above
+                outcomes.append(error)
+            evaluations.append(None)
+    for watch, evaluation, outcome in zip(engine + [w for w in live if w.standing is None], evaluations, outcomes):
+        if isinstance(outcome, Exception):
+            watch.error = (str(outcome).strip().splitlines() or [type(outcome).__name__])[0]
+            if raise_errors or not isinstance(outcome, (StateKVError, RuntimeError, ValueError)):
+                raise outcome
+            log.warning("statekv: watch %s could not be evaluated: %s", watch.id, watch.error)
+            continue
+        _record(watch, outcome, set() if evaluation is None else evaluation.retrieved)
+
+
+def _evaluation(watch: Watch) -> Evaluation:
+    stream = watch.stream
+    retrieval = None if watch.retrieve is None else stream.retrieval(watch.retrieve, watch.retrieval)
+    prompt = stream.adapter.prompt(watch.standing.ids, stream.state)  # laid out after the stream as it is now
+    return Evaluation(stream.prefill, watch.standing, prompt, watch.since, watch.max_new_tokens, end_tokens(stream),
+                      retrieval)
+
+
+def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:
+    """Book an evaluation's answer ``tokens`` ``[1, N]``: the watch's clock, its answer, an event when it changed;
+    then tell its listeners."""
+    stream = watch.stream
+    watch.error = None
+    watch.evaluations += 1
+    prefill = getattr(stream, "prefill", None)
+    watch.since = 0 if prefill is None else prefill.seen_tokens
+    watch.last_frames = stream.frames
+    seconds = stream.watching.seconds if stream.watching is not None else None
+    watch.last_seconds = seconds
+    watch.read_steps = retrieved
+    answer = stream.qa.adapter.decode(tokens)
+    event = None
+    if answer != watch.answer:
+        event = WatchEvent(stream.frames, seconds, answer)
+        watch.events.append(event)
+        del watch.events[:-MAX_EVENTS]
+    watch.answer = answer
+    for listener in list(watch.listeners):
+        try:
+            listener(watch, event)
+        except Exception:  # noqa: BLE001 -- a listener's failure is its own; the watch goes on
+            log.exception("statekv: a listener of watch %s failed", watch.id)
+
+
+# -- saving and loading ------------------------------------------------------------------------------------------
+def records(stream: Any) -> list[dict[str, Any]]:
+    """The records of ``stream``'s open watches (`Watch.record`), as a saved stream keeps them."""
+    watching = getattr(stream, "watching", None)
+    return [] if watching is None else [watch.record() for watch in watching.open]
+
+
+def tensors(stream: Any) -> dict[str, torch.Tensor]:
+    """The tensors a saved stream keeps of its open watches: each one's latest queries per layer, named
+    ``watches.{i}.queries.{layer}`` (``i`` its place in `records`)."""
+    kept = {}
+    for number, watch in enumerate([] if stream.watching is None else stream.watching.open):
+        queries = None if watch.standing is None else watch.standing.queries
+        for layer, tensor in enumerate(queries or []):
+            kept[f"watches.{number}.queries.{layer}"] = tensor
+    return kept
+
+
+def restore(stream: Any, saved: list[dict[str, Any]], kept: dict[str, torch.Tensor] | None = None, *,
+            where: str = "the saved stream") -> list[Watch]:
+    """Reopen the watches ``saved`` (`records`) on ``stream`` as they stood: their events and clocks as recorded
+    and, from ``kept`` (`tensors`, which a saved file holds for every watch that was evaluated), the queries they
+    steer with (None: records alone, each watch steering again from its next evaluation). A malformed record is a
+    one-line `InputError` naming it."""
+    opened = []
+    layers = 0 if getattr(stream, "prefill", None) is None else len(stream.prefill.cache.layers)
+    expected = {f"watches.{number}.queries.{layer}" for number, data in enumerate(saved)
+                if isinstance(data, dict) and data.get("start") is not None for layer in range(layers)}
+    if kept is None:
+        kept = {}
+    elif set(kept) != expected:
+        name = sorted(set(kept) ^ expected)[0]
+        raise InputError(f"{where}: the stream file {'lacks' if name in expected else 'holds an unexpected'} tensor "
+                         f"{name}")
+    for number, data in enumerate(saved):
+        name = f"{where}: watches[{number}]"
+        record = check_record(data, name)
+        queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
+        watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
+                           every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
+                           retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
+                           watch_id=record["id"])
+        watch.answer, watch.evaluations = record["answer"], record["evaluations"]
+        watch.since = min(record["since"], stream.prefill.seen_tokens)
+        watch.last_frames = min(record["last_frames"], stream.frames)
+        watch.last_seconds = record["last_seconds"]
+        watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
+        if watch.standing is not None and record["start"] is not None and queries \
+                and all(query is not None for query in queries):
+            _check_queries(queries, watch.standing.length, stream, name)
+            device = stream.prefill.device
+            watch.standing.queries = [query.to(device, stream.prefill.dtype) for query in queries]
+            watch.standing.start = record["start"]
+        opened.append(watch)
+    return opened
+
+
+def _check_queries(queries: list[torch.Tensor], length: int, stream: Any, name: str) -> None:
+    heads = stream.prefill.config.num_attention_heads
+    for layer, query in enumerate(queries):
+        if query.dim() != 4 or query.shape[0] != 1 or query.shape[1] != heads or query.shape[2] != length \
+                or not query.is_floating_point():
+            raise InputError(f"{name}: its queries at layer {layer} are {tuple(query.shape)}, not [1, {heads}, "
+                             f"{length}, D] floats for this question")
+
+
+_FIELDS = {"id": str, "question": str, "every": (int, type(None)), "every_seconds": (int, float, type(None)),
+           "max_new_tokens": int, "retrieve": (int, type(None)), "retrieval": str, "steer": bool,
+           "answer": (str, type(None)), "evaluations": int, "since": int, "last_frames": int,
+           "last_seconds": (int, float, type(None)), "start": (int, type(None)), "events": list}
+
+
+def check_record(data: Any, name: str) -> dict[str, Any]:
+    """A watch record (`Watch.record`) with every field of its type; a one-line `InputError` otherwise."""
+    if not isinstance(data, dict):
+        raise InputError(f"{name} must be an object, got {type(data).__name__}")
+    for key, kind in _FIELDS.items():
+        if key not in data:
+            raise InputError(f"{name} lacks {key!r}")
+        value = data[key]
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise InputError(f"{name}.{key} has the wrong type ({type(value).__name__})")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise InputError(f"{name} has unknown field {unknown[0]!r}")
+    for key in ("since", "last_frames", "evaluations"):
+        if data[key] < 0:
+            raise InputError(f"{name}.{key} must be >= 0, got {data[key]}")
+    for number, event in enumerate(data["events"]):
+        if (not isinstance(event, list) or len(event) != 3 or isinstance(event[0], bool)
+                or not isinstance(event[0], int) or event[0] < 0
+                or not (event[1] is None or isinstance(event[1], (int, float)) and not isinstance(event[1], bool)
+                        and math.isfinite(event[1]))
+                or not isinstance(event[2], str)):
+            raise InputError(f"{name}.events[{number}] must be [frame, seconds, answer]")
+    return data
+

@@ -1,0 +1,323 @@
+"""What a standing question's evaluation attends to, per layer: the keys and values it reads, placed in RoPE.
+
+An evaluation of a standing question (:mod:`statekv.core.watching.standing`) reads, at each layer:
+
+1. the carried state (per KV head, the tokens the carry rule keeps; those of the new frames are left out here,
+   they come next), with the tokens retrieval picks for the question when it retrieves (`Retrieval`, scored with
+   the prompt's queries at that layer, as a question asked is);
+2. the new frames: every token streamed since the question's last evaluation (``since``), read from the
+   detailed cache through its storage;
+
+and the question's prompt runs after them, then its answer.
+
+Positions: under ``stream`` positions every token is read at the rotation it was stored with. Under ``bounded``
+positions the evaluation is placed as a step would be whose chunk is the new frames and the question: its first
+token at the layout's base for that span, the carried (and retrieved) tokens where the layout puts a step's
+carried state (`BoundedLayout.targets`), each key rotated from its stored rotation to there (`rotate`), as a
+step's own keys are.
+
+Rows: the evaluations of several questions (of one stream or of several) run as rows of one batch; each row's
+context has its own length, so the batch pads them and attends under a mask (:class:`RowContexts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..answering.retrieval import LayerQuestion, Retrieval
+from ..positions.placing import rotate
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one evaluation of a stream sits in RoPE.
+
+    ``shift``: the tail (new frames, question, answer) goes from its positions in the stream to ``position -
+    shift`` (0 under ``stream`` positions). ``first``, ``base``: the tail's first position in the stream and the
+    rotary position it is placed at (bounded only). ``carried``: tokens placed before the tail (bounded only).
+    ``span``: positions the tail takes. ``question_first``: the question's first position in the stream.
+    """
+
+    shift: int = 0
+    first: int = 0
+    base: int = 0
+    span: int = 0
+    question_first: int = 0
+    bounded: bool = False
+    flat: bool = True
+
+
+def placement(prefill, since: int, question_first: int, question_positions: int, carried: int,
+              flat: bool = True) -> Placement:
+    """The placement of an evaluation of ``prefill``'s stream reading the steps from token ``since`` on, its
+    question starting at position ``question_first`` and taking ``question_positions`` positions (the question and
+    its answer), after ``carried`` carried tokens; ``flat``: 1-D RoPE (False: M-RoPE)."""
+    positions = prefill.positions
+    if not positions.bounded:
+        return Placement(question_first=question_first)
+    first = _first_position(prefill, since, question_first)
+    span = question_first + question_positions - first
+    base = positions.layout.base(first, span, carried, positions.limit, flat)
+    return Placement(shift=first - base, first=first, base=base, span=span, question_first=question_first,
+                     bounded=True, flat=flat)
+
+
+def _first_position(prefill, since: int, question_first: int) -> int:
+    """The stream position of token ``since`` (the first of the new frames), or the question's when none is new."""
+    positions, cache = prefill.positions, prefill.cache
+    if since >= cache.seen_tokens:
+        return question_first
+    step = int(torch.searchsorted(cache.step_starts(), torch.tensor(since), right=True)) - 1
+    return positions.firsts[step] + (since - int(cache.step_starts()[step]))
+
+
+def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor:
+    """The rotation ``[M]`` that moves the stored keys of ``tokens`` (LongTensor ``[M]``, host) into the tail: each
+    step's tokens from where the step was placed (its base) to its position in the stream minus ``shift``, together
+    (zero under ``stream`` positions)."""
+    if not place.bounded or tokens.numel() == 0:
+        return torch.zeros(tokens.shape[0], dtype=torch.long)
+    positions = prefill.positions
+    steps = torch.searchsorted(prefill.cache.step_starts(), tokens, right=True) - 1
+    return (torch.tensor(positions.firsts, dtype=torch.long)[steps] - place.shift
+            - torch.tensor(positions.bases, dtype=torch.long)[steps])
+
+
+def stored_rotations(prefill, tokens: torch.Tensor) -> torch.Tensor:
+    """``[M]`` the rotary position each of ``tokens`` (host, 1-D RoPE under bounded positions) was stored at: its
+    step's base plus its offset in the step."""
+    starts = prefill.cache.step_starts()
+    steps = torch.searchsorted(starts, tokens, right=True) - 1
+    return torch.tensor(prefill.positions.bases, dtype=torch.long)[steps] + (tokens - starts[steps])
+
+
+def held_tokens(starts: torch.Tensor, evicted: set[int] | frozenset[int], since: int) -> torch.Tensor:
+    """Token indices ``[M]`` from ``since`` on of the steps (first tokens ``starts`` ``[S + 1]``, then the end) not
+    evicted, ascending (only the steps from ``since`` on are walked)."""
+    end = int(starts[-1])
+    if not evicted:
+        return torch.arange(since, end)
+    first = int(torch.searchsorted(starts, torch.tensor(since), right=True)) - 1
+    index = [torch.arange(max(int(starts[s]), since), int(starts[s + 1]))
+             for s in range(max(first, 0), starts.shape[0] - 1) if s not in evicted]
+    return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
+
+
+def carried_targets(prefill, anchors: torch.Tensor, place: Placement) -> torch.Tensor:
+    """Rotary positions ``[B, H, K]`` the bounded layout gives carried tokens at stream positions ``anchors``
+    ``[B, H, K]`` (time order) before a tail placed by ``place``."""
+    positions = prefill.positions
+    device = anchors.device
+    b, h, k = anchors.shape
+    tail = place.first + torch.arange(max(place.span, 1), device=device).expand(b, h, -1)
+    first = torch.tensor([place.first], device=device)
+    base = torch.tensor([place.base], device=device)
+    targets = positions.layout.targets(torch.cat([anchors, tail], -1), first, base, k, positions.limit, place.flat)
+    return targets[..., :k]
+
+
+@dataclass
+class LayerContext:
+    """One row's context at one layer: ``keys``/``values`` ``[1, H_kv, C, D]`` and ``valid`` ``[1, H_kv, C]`` (a
+    carried token of the new frames, or retrieved twice, is not read). ``steps``: the steps whose tokens it reads
+    besides the carried state and the new frames (retrieval), for what an answer read."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    retrieved: tuple[int, ...] = ()
+
+
+def layer_context(prefill, layer: int, since: int, place: Placement, *, device: torch.device, dtype: torch.dtype,
+                  frequencies: torch.Tensor, queries: torch.Tensor | None = None, retrieval: Retrieval | None = None,
+                  scale: float = 1.0, memory: dict | None = None) -> LayerContext:
+    """The context of one evaluation at ``layer`` (module docstring): the carried state and retrieved tokens
+    before token ``since``, then the tokens from ``since`` on, placed by ``place``. ``queries`` ``[1, Hq, Q, D]``
+    (the question's, placed where it is read) score the retrieval. ``frequencies``: the rotary frequencies
+    ``[R / 2]`` the stream's keys are rotated with."""
+    cache = prefill.cache
+    storage = cache.layers[layer].storage
+    seen = cache.seen_tokens
+    parts_k, parts_v, parts_valid = [], [], []
+    retrieved: tuple[int, ...] = ()
+    group = _carried_group(prefill, layer, since, place, device, dtype, frequencies, queries, retrieval, scale,
+                           memory)
+    if group is not None:
+        keys, values, valid, retrieved = group
+        parts_k.append(keys)
+        parts_v.append(values)
+        parts_valid.append(valid)
+    if since < seen:
+        index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+        keys, values = storage.read_tokens(index, device, dtype)
+        delta = tail_deltas(prefill, index, place)
+        if bool(delta.any()):
+            keys = rotate(keys, delta.to(device).expand(*keys.shape[:2], -1), frequencies)
+        parts_k.append(keys)
+        parts_v.append(values)
+        parts_valid.append(torch.ones(keys.shape[:3], dtype=torch.bool, device=device))
+    if not parts_k:
+        heads, dim = prefill.geometry.kv_heads, prefill.geometry.head_dim
+        empty = torch.empty(1, heads, 0, dim, device=device, dtype=dtype)
+        return LayerContext(empty, empty, torch.empty(1, heads, 0, dtype=torch.bool, device=device))
+    return LayerContext(torch.cat(parts_k, 2), torch.cat(parts_v, 2), torch.cat(parts_valid, 2), retrieved)
+
+
+def _carried_group(prefill, layer: int, since: int, place: Placement, device, dtype, frequencies, queries,
+                   retrieval, scale, memory):
+    """The carried tokens before ``since`` and the retrieved ones not carried, in time order, placed: ``(keys,
+    values, valid, retrieved steps)``, or None when there are none.
+
+    ``tokens`` are the tokens' indices in the stream (what is read once and what the new frames hold); under
+    bounded positions ``anchors`` are their positions in the stream and ``rotations`` where they were stored
+    (the carried slots' placements, once the stream was placed: `TwoStateCache.place_slots`)."""
+    streaming = prefill.cache.layers[layer]
+    storage = streaming.storage
+    heads = prefill.geometry.kv_heads
+    tokens = streaming.positions().to(device)
+    keys = values = anchors = rotations = None
+    if tokens.shape[-1]:
+        keys, values = (t.to(device, dtype) for t in streaming.carried())
+        if place.bounded and prefill.cache.placed:
+            placed = streaming.carry.placements()
+            anchors, rotations = (t[..., :tokens.shape[-1]].to(device) for t in placed)
+        elif place.bounded:  # no step placed away from its own position yet: each token stored at its own
+            anchors = rotations = tokens
+    else:
+        tokens = torch.empty(1, heads, 0, dtype=torch.long, device=device)
+    valid = tokens < since
+    retrieved: tuple[int, ...] = ()
+    if retrieval is not None and queries is not None:
+        index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype)
+        if index.numel():
+            more_keys, more_values = storage.read_tokens(index, device, dtype)
+            more_tokens = index.to(device).expand(1, heads, -1)
+            if tokens.shape[-1]:  # a token the carried state holds too is read once, from there
+                held = tokens[0].contiguous()
+                at = torch.searchsorted(held, more_tokens[0].contiguous()).clamp(max=held.shape[-1] - 1)
+                twice = held.gather(1, at) == more_tokens[0]
+            else:
+                twice = torch.zeros(more_tokens.shape[1:], dtype=torch.bool, device=device)
+            keys = more_keys if keys is None else torch.cat([keys, more_keys], 2)
+            values = more_values if values is None else torch.cat([values, more_values], 2)
+            valid = torch.cat([valid, ~twice[None]], 2)
+            tokens = torch.cat([tokens, more_tokens], 2)
+            if place.bounded:  # 1-D RoPE (retrieval under bounded M-RoPE is refused): positions are indices
+                more_rotations = stored_rotations(prefill, index).to(device).expand(1, heads, -1)
+                anchors = more_tokens if anchors is None else torch.cat([anchors, more_tokens], 2)
+                rotations = more_rotations if rotations is None else torch.cat([rotations, more_rotations], 2)
+            order = tokens.argsort(dim=-1, stable=True)  # time order, as a step's carried state is read
+            valid = valid.gather(2, order)
+            keys = keys.gather(2, order[..., None].expand_as(keys))
+            values = values.gather(2, order[..., None].expand_as(values))
+            if anchors is not None:
+                anchors, rotations = anchors.gather(2, order), rotations.gather(2, order)
+    if keys is None:
+        return None
+    if anchors is not None and place.shift:  # unshifted, every token is at its own position, as stored
+        keys = rotate(keys, carried_targets(prefill, anchors, place) - rotations, frequencies)
+    return keys, values, valid, retrieved
+
+
+def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, retrieval: Retrieval, scale: float,
+                      memory: dict | None, dtype) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Token indices ``[M]`` (host, ascending) of the steps ``retrieval`` picks for ``queries`` among those
+    before ``since``, and those steps."""
+    cache = prefill.cache
+    storage = cache.layers[layer].storage
+    starts = cache.step_starts()
+    before = int(torch.searchsorted(starts[1:], torch.tensor(since), right=True))  # steps wholly before since
+    if before == 0:
+        return torch.empty(0, dtype=torch.long), ()
+    steps = tuple(cache.chunk_lengths[:before])
+    means, samples = storage.summaries
+    segments = storage.segments
+    seen = LayerQuestion(layer, queries, None, means[:, :, :before], steps, scale, {} if memory is None else memory,
+                         samples=samples[:, :, :before],
+                         read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
+                         evicted=frozenset(s for s in cache.evicted_steps if s < before),
+                         segments=segments.index if segments.index.shape[2] * segments.steps <= before else None,
+                         segment_steps=segments.steps, starts=starts[:before + 1])
+    chosen = retrieval.choose(seen)
+    parts = [torch.arange(int(starts[s]), int(starts[s + 1])) for s in chosen]
+    index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+    return index, tuple(chosen)
+
+
+class RowContexts:
+    """The contexts of W rows at one layer, padded to one length, with room for the tokens each forward appends.
+
+    ``keys``/``values`` ``[W, H_kv, C + room, D]``: row ``w``'s context in its first slots (padding masked), then
+    the tokens appended by the forwards so far (``appended``), the same count for every row.
+    """
+
+    def __init__(self, contexts: list[LayerContext], room: int):
+        longest = max(context.keys.shape[2] for context in contexts)
+        first = contexts[0].keys
+        rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
+        self.keys = first.new_zeros(rows, heads, longest + room, dim)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
+        for row, context in enumerate(contexts):
+            length = context.keys.shape[2]
+            self.keys[row, :, :length] = context.keys[0]
+            self.values[row, :, :length] = context.values[0]
+            self.valid[row, :, :length] = context.valid[0]
+        self.context, self.appended = longest, 0
+        self.retrieved = [context.retrieved for context in contexts]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append every row's new tokens ``[W, H_kv, T, D]`` (``valid`` ``[W, T]``: which are real, the others
+        padding no query reads; None: all); return the keys, values and validity read so far."""
+        start = self.context + self.appended
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2]:  # more tokens than planned: grow once
+            grow = end - self.keys.shape[2]
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], 2)
+            self.values = torch.cat([self.values, torch.zeros_like(self.keys[:, :, -grow:])], 2)
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(*self.valid.shape[:2], grow)], 2)
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.valid[:, :, start:end] = True if valid is None else valid[:, None, :]
+        self.appended += keys.shape[2]
+        return self.keys[:, :, :end], self.values[:, :, :end], self.valid[:, :, :end]
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
+    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own
+    token is not valid (padding) reads itself alone, so nothing it computes is undefined. Returns ``[W, T, Hq,
+    D]``."""
+    rows, query_heads, length, _ = q.shape
+    total = keys.shape[2]
+    group = query_heads // keys.shape[1]
+    # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
+    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
+    if length > 1:
+        allowed = allowed & _causal(length, total, q.device)
+        own = torch.arange(length, device=q.device)
+        allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
+    # one query (an answer token): its own token is always valid, so it never reads nothing
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=q.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)
+
+
+_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
+    """``[T, L]``: every query reads the keys before its own token's and its own (kept per shape)."""
+    key = (length, total, device)
+    mask = _causal_masks.get(key)
+    if mask is None:
+        mask = torch.ones(length, total, dtype=torch.bool, device=device)
+        mask[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        if len(_causal_masks) > 256:
+            _causal_masks.clear()
+        _causal_masks[key] = mask
+    return mask

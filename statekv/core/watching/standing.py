@@ -1,0 +1,334 @@
+"""Standing questions: a question asked of a live stream again and again as it grows, at a cost that does not.
+
+A :class:`StandingQuestion` is a question laid out once (its prompt's ids) and evaluated as the stream grows
+(:func:`evaluate`). An evaluation never re-reads the stream: at each layer its prompt and answer attend to what
+:mod:`statekv.core.watching.context` assembles, namely the carried state, the frames streamed since the question's
+last evaluation and, when asked for, the frames retrieval picks for it; the rest of the stream reaches it only
+through what the carried state keeps. An evaluation therefore costs the same at any point of the stream
+(docs/engine.md, "Standing questions"): ``(Q + N)`` tokens through the model, each attending to at most ``B +
+F + Q + N`` keys per layer (``B`` carried, ``F`` new frames' tokens, ``Q`` the prompt, ``N`` the answer).
+
+The prompt's keys and values are recomputed at each evaluation, not kept from the first one: they carry what the
+question's tokens read of the video (its colour word finding the frames of that colour, say), and kept from an
+earlier evaluation they answer from what the stream showed then (docs/engine.md measures it). Its queries at
+every layer are kept from the latest evaluation (`StandingQuestion.queries`): they steer what the stream carries
+while the question stands (`statekv.core.rules.steering`).
+
+Evaluations of several questions, of one stream or of several streams of one model, run as the rows of one
+batch (prompts of different lengths padded on the left, masked): one forward for all their prompts, then one per
+answer token. The streams are never written to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+from ...errors import HorizonError, InputError
+from ..answering.decoding import Prompt
+from ..answering.retrieval import Retrieval
+from ..attention.switch import share_language_attention
+from ..cache.engine_layer import EngineLayer
+from ..positions.placing import model_frequencies
+from ..step.batching import rope_key
+from .context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
+
+
+@dataclass
+class StandingQuestion:
+    """A question evaluated against one stream as it grows.
+
+    ids: LongTensor ``[1, Q]``, its prompt (as the adapter lays a question out after a video). frequencies: the
+    stream's rotary frequencies ``[R / 2]`` (float32, host). queries: per layer ``[1, Hq, Q, D]``, the prompt's
+    queries at its latest evaluation (None before the first), RoPE applied from rotary position ``start``. answer:
+    LongTensor ``[N]``, its latest answer's tokens (the draft the next evaluation checks first).
+    """
+
+    ids: torch.Tensor
+    frequencies: torch.Tensor
+    queries: list[torch.Tensor] | None = None
+    start: int = 0
+    answer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+def standing_question(prefill, prompt: Prompt) -> StandingQuestion:
+    """``prompt`` (a question laid out after ``prefill``'s stream, `VideoAdapter.prompt`) as a standing question,
+    checked; nothing runs through the model until its first evaluation."""
+    prefill.check_open()
+    ids = prompt.input_ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise InputError(f"a standing question needs a prompt [1, Q] of at least one token, got {tuple(ids.shape)}")
+    prefill.check_ids(ids, "input_ids (the question)")
+    return StandingQuestion(ids.clone(), model_frequencies(prefill.decoder, prefill.rope))
+
+
+def prompt_start(prompt: Prompt, prefill) -> int:
+    """Where ``prompt`` starts in the stream: its first position (the temporal row of explicit M-RoPE positions),
+    else the stream's length."""
+    if prompt.position_ids is None:
+        return prefill.seen_tokens
+    rows = prompt.position_ids
+    return int((rows if rows.dim() == 2 else rows[-3])[0, 0])
+
+
+def prompt_positions(prompt: Prompt, prefill, shift: int) -> torch.Tensor:
+    """``prompt``'s positions moved ``shift`` back: ``[1, Q]`` (1-D) or its explicit M-RoPE rows ``[3 or 4, 1,
+    Q]``."""
+    if prompt.position_ids is None:
+        start = prefill.seen_tokens - shift
+        return torch.arange(start, start + prompt.input_ids.shape[1], device=prompt.input_ids.device)[None]
+    moved = prompt.position_ids.clone()
+    if moved.dim() == 2:
+        return moved - shift
+    moved[-3:] -= shift
+    return moved
+
+
+@dataclass
+class Evaluation:
+    """One evaluation of a standing question against its stream as it stands now.
+
+    prompt: the question laid out after the stream now (its ids, and its positions when explicit). since: the first
+    token its last evaluation did not read (the new frames start there). max_new_tokens: the longest answer. eos:
+    token ids that end an answer. retrieval: also read the steps it picks among those before ``since`` (scored with
+    the prompt's queries at each layer, as a question asked is). retrieved: filled in, the steps retrieval picked
+    over the layers.
+    """
+
+    prefill: object
+    question: StandingQuestion
+    prompt: Prompt
+    since: int
+    max_new_tokens: int
+    eos: tuple[int, ...] = ()
+    retrieval: Retrieval | None = None
+    retrieved: set[int] = field(default_factory=set)
+
+
+class _Row:
+    """One row of an evaluation batch: its evaluation, where it is placed, its padding."""
+
+    def __init__(self, evaluation: Evaluation, place: Placement, pad: int):
+        self.evaluation, self.place, self.pad = evaluation, place, pad
+        self.memory: dict = {}
+
+    @property
+    def first(self) -> int:
+        """The rotary position of the prompt's first token."""
+        return self.place.question_first - self.place.shift
+
+    @property
+    def shared(self) -> tuple | None:
+        """What rows reading the same context share (None: this row reads its own, retrieving for its question)."""
+        if self.evaluation.retrieval is not None:
+            return None
+        return id(self.evaluation.prefill), self.evaluation.since, self.place if self.place.shift else 0
+
+    def context(self, layer: int, queries: torch.Tensor, dtype: torch.dtype, scale: float) -> LayerContext:
+        """The row's context at ``layer``; ``queries`` ``[1, Hq, Q, D]``: its prompt's at this layer, placed (what
+        retrieval scores the steps with, as a question asked does)."""
+        evaluation = self.evaluation
+        question = evaluation.question
+        device = queries.device
+        context = layer_context(evaluation.prefill, layer, evaluation.since, self.place, device=device, dtype=dtype,
+                                frequencies=question.frequencies.to(device),
+                                queries=queries if evaluation.retrieval is not None else None,
+                                retrieval=evaluation.retrieval, scale=scale, memory=self.memory)
+        evaluation.retrieved.update(context.retrieved)
+        return context
+
+
+class WatchLayer(EngineLayer):
+    """One layer of a :class:`WatchCache`: the rows' contexts, assembled when the first forward reaches it, then the
+    tokens every forward appends (what transformers' layer contract would move or reorder is refused, as for every
+    engine layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: RowContexts | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stage the new tokens' keys and values ``[W, H_kv, T, D]`` until `WatchCache.attend` reads them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.rows is None else self.rows.context + self.rows.appended
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+class WatchCache(Cache):
+    """The transformers ``Cache`` an evaluation batch runs with (see the module docstring): ``valid`` ``[W, T]``
+    marks the real tokens of the forward being run (the prompts' left padding is not); the first forward's queries
+    are kept per layer (``queries``)."""
+
+    def __init__(self, rows: list[_Row], room: int, layers: int):
+        super().__init__(layers=[])
+        self.rows, self.room = rows, room
+        self.layers = [WatchLayer() for _ in range(layers)]
+        self.valid: torch.Tensor | None = None
+        self.queries: list[torch.Tensor] = []
+
+    def forget(self, row: int, columns: range) -> None:
+        """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
+        for layer in self.layers:
+            if layer.rows is not None:
+                start = layer.rows.context
+                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
+        ``[W, T, Hq, D]``."""
+        layer = self.layers[layer_idx]
+        first = layer.rows is None
+        if first:
+            made: dict[tuple, LayerContext] = {}  # the watches of one stream due together read one context
+            contexts = []
+            for index, row in enumerate(self.rows):
+                key = row.shared
+                if key is None or key not in made:
+                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
+                    if key is not None:
+                        made[key] = context
+                contexts.append(context if key is None else made[key])
+            layer.rows = RowContexts(contexts, self.room)
+            self.queries.append(q)
+        keys, values, valid = layer.rows.append(*layer.pending, self.valid)
+        layer.pending = None
+        return masked_attention(q, keys, values, valid, scale)
+
+
+def batch_key(evaluation: Evaluation) -> tuple:
+    """What evaluations must share to run as rows of one batch: the decoder, its dtype and device, the rotation,
+    whether positions are explicit (M-RoPE)."""
+    prefill = evaluation.prefill
+    return (id(prefill.decoder), prefill.dtype, prefill.device, rope_key(prefill),
+            evaluation.prompt.position_ids is None)
+
+
+@torch.no_grad()
+def evaluate(evaluations: Sequence[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
+    """Greedy answers of ``evaluations`` (each: new tokens ``[1, N]`` on the host, cut after its first end token or
+    at its ``max_new_tokens``), those sharing a `batch_key` as rows of one batch. ``lm_head``: the model's output
+    embeddings (hidden states -> logits). Each question's queries are kept (`StandingQuestion.queries`); the
+    streams are not changed."""
+    answers: list[torch.Tensor | None] = [None] * len(evaluations)
+    groups: dict[tuple, list[int]] = {}
+    for index, evaluation in enumerate(evaluations):
+        groups.setdefault(batch_key(evaluation), []).append(index)
+    for members in groups.values():
+        for index, tokens in zip(members, _evaluate_rows([evaluations[i] for i in members], lm_head)):
+            answers[index] = tokens
+    return answers
+
+
+def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
+    """The rows' greedy answers. Each prompt runs with its question's last answer after it as a draft
+    (`StandingQuestion.answer`): the forward that reads the prompt also checks the draft, token by token, against
+    what the model predicts there, so an answer that did not change costs that one forward; decoding goes on, one
+    forward per token, from the first token that differs (the draft's tokens after it are not read)."""
+    first = evaluations[0].prefill
+    device = first.device
+    drafts = [evaluation.question.answer[: evaluation.max_new_tokens].to(device) for evaluation in evaluations]
+    longest = max(evaluation.prompt.input_ids.shape[1] + draft.shape[0]
+                  for evaluation, draft in zip(evaluations, drafts))
+    longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
+    rows, ids, positions, lasts = [], [], [], []
+    for evaluation, draft in zip(evaluations, drafts):
+        prefill, prompt = evaluation.prefill, evaluation.prompt
+        prefill.check_open()
+        length = prompt.input_ids.shape[1]
+        room = length + evaluation.max_new_tokens
+        if not prefill.positions.bounded and prefill.horizon is not None \
+                and prefill.seen_tokens + room > prefill.horizon:
+            raise HorizonError(f"the question ({length} tokens) and its answer ({evaluation.max_new_tokens}) do not "
+                               f"fit in the {prefill.horizon - prefill.seen_tokens} tokens left before the stream's "
+                               "RoPE horizon")
+        flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
+        carried = max(layer.carried_length for layer in prefill.cache.layers)
+        place = placement(prefill, evaluation.since, prompt_start(prompt, prefill), room, carried, flat)
+        pad = longest - length - draft.shape[0]
+        rows.append(_Row(evaluation, place, pad))
+        laid = prompt_positions(prompt, prefill, place.shift).to(device)
+        lasts.append(laid[..., -1:])
+        after = laid[..., -1:] + torch.arange(1, draft.shape[0] + 1, device=device)
+        # left padding: the first token's id and position, masked as a key, its query's output unused
+        ids.append(torch.cat([prompt.input_ids[:, :1].to(device).expand(1, pad), prompt.input_ids.to(device),
+                              draft[None]], 1))
+        positions.append(torch.cat([laid[..., :1].expand(*laid.shape[:-1], pad), laid, after], -1))
+    cache = WatchCache(rows, longest + longest_answer, len(first.cache.layers))
+    cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
+    for row, each in enumerate(rows):
+        cache.valid[row, : each.pad] = False
+    ends = [set(evaluation.eos) for evaluation in evaluations]
+    hidden = _forward(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
+    answers: list[list[int]] = []
+    for row, (evaluation, draft) in enumerate(zip(evaluations, drafts)):
+        told = lm_head(hidden[row, longest - draft.shape[0] - 1:]).argmax(-1).tolist()  # [d + 1]: each next token
+        kept = 0
+        while kept < draft.shape[0] and told[kept] == int(draft[kept]) and int(draft[kept]) not in ends[row]:
+            kept += 1
+        answer = draft[:kept].tolist() + [told[kept]]
+        if kept < draft.shape[0]:  # the draft's tokens after the first that differs are not read again
+            cache.forget(row, range(longest - draft.shape[0] + kept, longest))
+        answers.append(answer[: evaluation.max_new_tokens])
+    cache.valid = None
+    done = [_finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
+    while not all(done):
+        fed = torch.tensor([[answer[-1]] for answer in answers], device=device)
+        at = torch.cat([last + len(answer) for last, answer in zip(lasts, answers)], dim=-2)
+        tokens = lm_head(_forward(first, cache, fed, at)[:, -1]).argmax(-1).tolist()
+        for row, token in enumerate(tokens):
+            if not done[row]:
+                answers[row].append(token)
+                done[row] = _finished(answers[row], ends[row], evaluations[row].max_new_tokens)
+        if max(len(answer) for answer in answers) >= longest_answer:
+            break
+    _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
+    made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
+    for evaluation, tokens in zip(evaluations, made):
+        evaluation.question.answer = tokens[0]
+    return made
+
+
+def _finished(answer: list[int], ends: set[int], longest: int) -> bool:
+    """Whether ``answer`` is complete: it holds an end token (cut after the first) or ``longest`` tokens."""
+    for index, token in enumerate(answer):
+        if token in ends:
+            del answer[index + 1:]
+            return True
+    return len(answer) >= longest
+
+
+def _forward(prefill, cache: WatchCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward of the decoder over ``ids`` ``[W, T]`` at ``positions`` through ``cache`` inside ``prefill``'s
+    call (its RoPE); returns the last hidden states ``[W, T, D]``."""
+    share_language_attention(prefill.model)
+    with prefill.streaming(cache):
+        output = prefill.decoder(input_ids=ids, position_ids=positions, attention_mask=prefill.step_mask,
+                                 past_key_values=cache, use_cache=True)
+    return output.last_hidden_state
+
+
+def _keep_queries(rows: list[_Row], queries: list[torch.Tensor], lengths: list[int]) -> None:
+    """Each row's prompt queries at every layer (``lengths`` of them after its padding) kept on its question, with
+    where they sit."""
+    for index, (row, length) in enumerate(zip(rows, lengths)):
+        question = row.evaluation.question
+        question.queries = [layer[index:index + 1, :, row.pad:row.pad + length].detach().clone() for layer in queries]
+        question.start = row.first

@@ -1,0 +1,58 @@
+"""What a stream's record keeps for the page besides its state: the chart's history and the last frame (a small
+JPEG), so a restarted server shows them again (`StreamEntry.record`, `StreamRegistry.restore_one`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("statekv.serve")
+
+KEPT_POINTS = 500  # the history points a record keeps (what the page's chart draws)
+FRAME_WIDTH = 320  # the last frame is kept at most this wide
+HISTORY_FIELDS = ("seconds", "frames", "tokens", "carried", "cache_bytes")
+
+
+def page_fields(entry: Any) -> dict[str, Any]:
+    """``{"history": [...], "last_frame": base64 JPEG or None}`` of ``entry``."""
+    return {"history": entry.history[-KEPT_POINTS:], "last_frame": _jpeg(entry.last_frame)}
+
+
+def recall_page(entry: Any, record: dict[str, Any]) -> None:
+    """Give ``entry`` the history and last frame its ``record`` kept (what cannot be read is left out, logged)."""
+    history = record.get("history")
+    if isinstance(history, list):
+        entry.history = [point for point in history if _point(point)][-KEPT_POINTS:]
+    frame = record.get("last_frame")
+    if isinstance(frame, str):
+        try:
+            from PIL import Image
+
+            entry.last_frame = np.asarray(Image.open(io.BytesIO(base64.b64decode(frame, validate=True))).convert("RGB"))
+        except Exception as error:  # noqa: BLE001 -- a picture that cannot be read is only a picture not shown
+            log.error("stream %s: its record's last frame cannot be read (%s)", entry.id, error)
+
+
+def _point(point: Any) -> bool:
+    return isinstance(point, dict) and all(
+        (value := point.get(name)) is None and name == "seconds"
+        or isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        for name in HISTORY_FIELDS)
+
+
+def _jpeg(image: Any) -> str | None:
+    if image is None:
+        return None
+    from PIL import Image
+
+    picture = Image.fromarray(np.asarray(image))
+    if picture.width > FRAME_WIDTH:
+        picture = picture.resize((FRAME_WIDTH, max(1, round(picture.height * FRAME_WIDTH / picture.width))))
+    buffer = io.BytesIO()
+    picture.convert("RGB").save(buffer, format="JPEG", quality=80)
+    return base64.b64encode(buffer.getvalue()).decode()

@@ -1,0 +1,96 @@
+"""The watch API: standing questions about a stream (`statekv.serve.watches`), thin routes over the app's `Service`.
+
+``POST /v1/streams/{id}/watches`` ``{"question", "every", "max_new_tokens"}`` (or ``"every_seconds"``) -> 201
+``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them; ``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question",
+"every", "events": [{"frame", "seconds", "answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
+watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
+"seconds", "answer"}``), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves or the stream is
+deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .limits import read_json
+from .routes import Served
+from .watches import described, find_watch, open_on, watch_settings
+
+log = logging.getLogger("statekv.serve")
+KEEPALIVE_SECONDS = 15.0
+
+router = APIRouter()
+
+
+async def keep_record(service: Any, entry: Any) -> None:
+    """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
+    try:
+        await asyncio.to_thread(service.registry.files.write_record, entry.record())
+    except Exception as error:  # noqa: BLE001 -- the watch is made or gone all the same; its note waits
+        log.error("cannot record the watches of stream %s: %s", entry.id, error)
+
+
+@router.post("/v1/streams/{stream_id}/watches", status_code=201)
+async def create_watch(stream_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    settings = watch_settings(await read_json(request, service.config.max_body_bytes))
+    async with entry.lock:
+        watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
+    await keep_record(service, entry)
+    return {"id": watch.id}
+
+
+@router.get("/v1/streams/{stream_id}/watches")
+async def list_watches(stream_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    return {"object": "list", "data": [described(watch) for watch in entry.stream.watches]}
+
+
+@router.get("/v1/streams/{stream_id}/watches/{watch_id}")
+async def get_watch(stream_id: str, watch_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    return described(find_watch(entry, watch_id))
+
+
+@router.delete("/v1/streams/{stream_id}/watches/{watch_id}")
+async def delete_watch(stream_id: str, watch_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    watch = find_watch(entry, watch_id)
+    async with entry.lock:
+        await service.worker.run(watch.close)
+    await keep_record(service, entry)
+    return {"id": watch_id, "object": "watch", "deleted": True}
+
+
+@router.get("/v1/streams/{stream_id}/events")
+async def follow_events(stream_id: str, request: Request, service: Served) -> StreamingResponse:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    follower = service.watch_hub.follow(entry.id)
+    return StreamingResponse(_events(entry, follower, service.watch_hub, request), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _events(entry, follower, hub, request: Request) -> Any:
+    try:
+        yield ": following the watches of stream " + entry.id + "\n\n"
+        while not entry.deleted:
+            try:
+                item = await asyncio.wait_for(follower.queue.get(), KEEPALIVE_SECONDS)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                yield ": still here\n\n"
+                continue
+            if follower.dropped:
+                yield "event: error\ndata: " + json.dumps({"error": {"message": "this client fell too far "
+                                                                      "behind the stream's events; follow again"}}) + "\n\n"
+                return
+            yield "event: watch\ndata: " + json.dumps(item) + "\n\n"
+    finally:
+        hub.leave(follower)

@@ -1,0 +1,192 @@
+"""The service's watches (`statekv.api.watch`): what a create body may say, what the state folder keeps of them,
+and the hub every evaluation reports to: the metrics (evaluations and events counted) and the clients following a
+stream's events (server-sent events at ``GET /v1/streams/{id}/events``).
+
+A stream's watches live in its `Stream` (evaluated inside its pushes, on the model's thread) and in its record
+(``watches``: each one's settings, events and clock), written when a watch is made or deleted and whenever the
+record is (saves, answers). A restarted server reopens them from the record (`recall`), over the stream as it was
+brought back: a watch made after the stream's last save is reopened all the same, one deleted after it stays
+deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ..api.watch import Watch, open_watch, records, restore, run_evaluations
+from ..errors import StateKVError
+from .errors import ServiceError
+
+log = logging.getLogger("statekv.serve")
+
+WATCH_FIELDS = ("question", "every", "every_seconds", "max_new_tokens")
+DEFAULT_WATCH_TOKENS = 16
+MAX_WATCH_TOKENS = 256
+MAX_WATCHES = 16  # per stream
+MAX_EVERY = 10**6
+MAX_QUESTION_CHARS = 8000
+QUEUED_EVENTS = 1000  # a follower that reads nothing for this many events is dropped
+
+
+def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
+    """``question``, ``every`` (frames) or ``every_seconds`` (stream seconds), ``max_new_tokens`` from a create body,
+    checked (a one-line 400 otherwise)."""
+    unknown = sorted(set(body) - set(WATCH_FIELDS))
+    if unknown:
+        raise ServiceError(400, f"unknown watch field {unknown[0]!r}; known: {', '.join(WATCH_FIELDS)}")
+    question = body.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ServiceError(400, "question must be a non-empty string")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
+    every, seconds = body.get("every"), body.get("every_seconds")
+    if every is None and seconds is None:
+        raise ServiceError(400, "give every (frames between evaluations) or every_seconds (stream seconds)")
+    if every is not None and seconds is not None:
+        raise ServiceError(400, "give every or every_seconds, not both")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_EVERY):
+        raise ServiceError(400, f"every must be a whole number of frames from 1 to {MAX_EVERY}, got {every!r}"[:200])
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not math.isfinite(seconds) or seconds <= 0):
+        raise ServiceError(400, f"every_seconds must be a positive number, got {seconds!r}"[:200])
+    tokens = body.get("max_new_tokens", DEFAULT_WATCH_TOKENS)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_WATCH_TOKENS:
+        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_WATCH_TOKENS}, got {tokens!r}"[:200])
+    return {"question": question.strip(), "every": every,
+            "every_seconds": None if seconds is None else float(seconds), "max_new_tokens": tokens}
+
+
+def described(watch: Watch) -> dict[str, Any]:
+    """What ``GET /v1/streams/{id}/watches/{wid}`` answers: its ``id``, ``question``, ``every`` (and
+    ``every_seconds``), ``max_new_tokens``, the latest ``answer``, ``evaluations`` and its ``events`` (each
+    ``frame``, ``seconds``, ``answer``)."""
+    return {"id": watch.id, "object": "watch", "question": watch.question, "every": watch.every,
+            "every_seconds": watch.every_seconds, "max_new_tokens": watch.max_new_tokens, "answer": watch.answer,
+            "evaluations": watch.evaluations, "error": watch.error,
+            "events": [event.to_dict() for event in watch.events]}
+
+
+def find_watch(entry: Any, watch_id: str) -> Watch:
+    """The stream's open watch ``watch_id``; 404 otherwise."""
+    for watch in entry.stream.watches:
+        if watch.id == watch_id:
+            return watch
+    raise ServiceError(404, f"stream {entry.id} has no watch {str(watch_id)[:80]!r}")
+
+
+def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
+    """Open a watch on ``entry``'s stream (on the model's thread), ``listener`` told of every evaluation from the
+    first one, which answers at once from what the stream holds."""
+    stream = entry.stream
+    if len(stream.watches) >= MAX_WATCHES:
+        raise ServiceError(409, f"stream {entry.id} has its limit of {MAX_WATCHES} watches; delete one first")
+    with stream.lock:
+        if hasattr(stream, "start"):
+            stream.start()
+        watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
+                           every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
+                           steer=stream.qa.steer, retrieve=stream.qa.retrieve)
+        watch.subscribe(listener)
+        if stream.frames:
+            try:
+                run_evaluations([watch], raise_errors=True)
+            except BaseException:
+                watch.close()
+                raise
+    return watch
+
+
+def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
+    """Reopen the watches ``record`` names on ``entry``'s stream as it was brought back (on the model's thread):
+    those its saved file brought back already keep what it held, the others are reopened from the record, and
+    any the record no longer names are closed. A malformed list leaves the stream without watches (logged)."""
+    stream = entry.stream
+    saved = record.get("watches")
+    if not isinstance(saved, list):
+        saved = []
+    wanted = [data.get("id") for data in saved if isinstance(data, dict)]
+    for watch in stream.watches:
+        if watch.id not in wanted:
+            watch.close()
+    held = {watch.id for watch in stream.watches}
+    missing = [data for data in saved if isinstance(data, dict) and data.get("id") not in held]
+    try:
+        with stream.lock:
+            restore(stream, missing, where=f"stream {entry.id}'s record")
+    except StateKVError as error:
+        log.error("stream %s: its watches cannot be reopened (%s); it is served without them", entry.id, error)
+    if listener is not None:
+        for watch in stream.watches:
+            watch.subscribe(listener)
+
+
+def watch_records(stream: Any) -> list[dict[str, Any]]:
+    """What a stream's record keeps of its watches (`statekv.api.watch.records`)."""
+    return records(stream)
+
+
+class Follower:
+    """One client following a stream's watch events: a queue on its event loop, filled from the model's thread."""
+
+    def __init__(self, stream_id: str, loop: asyncio.AbstractEventLoop):
+        self.stream_id, self.loop = stream_id, loop
+        self.queue: asyncio.Queue[dict | None] = asyncio.Queue(QUEUED_EVENTS)
+        self.dropped = False
+
+    def put(self, item: dict | None) -> None:
+        def offer() -> None:
+            try:
+                self.queue.put_nowait(item)
+            except asyncio.QueueFull:
+                self.dropped = True
+
+        self.loop.call_soon_threadsafe(offer)
+
+
+class WatchHub:
+    """Every watch evaluation of a server reports here: counted (``statekv_watch_evaluations_total``, and
+    ``statekv_watch_events_total`` for those whose answer changed) and handed to the clients following its
+    stream."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.evaluations = Counter("statekv_watch_evaluations", "watch evaluations (standing questions answered)",
+                                   registry=registry)
+        self.events = Counter("statekv_watch_events", "watch events: evaluations whose answer changed",
+                              registry=registry)
+        self.followers: dict[str, set[Follower]] = {}
+        self.lock = threading.Lock()
+
+    def listener(self, stream_id: str):
+        """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`)."""
+
+        def heard(watch: Watch, event: Any) -> None:
+            self.evaluations.inc()
+            if event is None:
+                return
+            self.events.inc()
+            with self.lock:
+                followers = list(self.followers.get(stream_id, ()))
+            for follower in followers:
+                follower.put({"watch": watch.id, "question": watch.question, **event.to_dict()})
+
+        return heard
+
+    def follow(self, stream_id: str) -> Follower:
+        follower = Follower(stream_id, asyncio.get_running_loop())
+        with self.lock:
+            self.followers.setdefault(stream_id, set()).add(follower)
+        return follower
+
+    def leave(self, follower: Follower) -> None:
+        with self.lock:
+            followers = self.followers.get(follower.stream_id)
+            if followers is not None:
+                followers.discard(follower)
+                if not followers:
+                    self.followers.pop(follower.stream_id, None)

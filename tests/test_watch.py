@@ -1,0 +1,308 @@
+"""Watches: standing questions about a live stream (`Stream.watch`, `statekv.api.watch`, `statekv.core.watching`).
+
+Through the built-in model: events and cadence, the evaluation against `ask` where they must agree (full attention
+reads everything either way), what an evaluation reads (never more than the carried state, the new frames, the
+prompt and the answer, however long the stream), several streams' evaluations as one batch, saving and loading,
+steering, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+import statekv.api.watch as watch_module
+import statekv.core.watching.context as context_module
+from statekv.errors import InputError
+from statekv.synthetic.plans import plan_video
+from statekv.synthetic.prompts import question_prompt
+from statekv.synthetic.scenes import render
+from statekv.synthetic.seeds import video_rng
+
+COUNT = question_prompt("How many times did the video show red?", ["1", "2", "3", "4"])
+COLOUR = question_prompt("What colour was the circle?", ["red", "green", "blue", "yellow"])
+
+
+@pytest.fixture(scope="module")
+def frames():
+    plan = plan_video(video_rng(4141, 0), 48)
+    return [render(still) for still in plan.stills]
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin")
+
+
+@pytest.fixture(scope="module")
+def full(qa):
+    return qa.with_options(method="full")
+
+
+def push(stream, frames, start, stop):
+    for k in range(start, stop):
+        stream.push(frames[k], float(k))
+
+
+def test_a_watch_reports_when_its_answer_changes(qa, frames):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    watch = stream.watch(COUNT, every=4)
+    assert stream.watches == [watch] and watch.evaluations == 1  # evaluated when opened: the answer now
+    assert watch.events[0].frame == 3 and watch.events[0].seconds == 2.0
+    push(stream, frames, 3, 15)
+    assert watch.evaluations == 4  # after frames 7, 11, 15
+    assert [event.frame for event in watch.events] == sorted({event.frame for event in watch.events})
+    for before, after in zip(watch.events, watch.events[1:]):
+        assert before.answer != after.answer  # an event only when the answer changed
+    assert all(event.answer in "ABCD" and event.seconds == event.frame - 1 for event in watch.events)
+    assert watch.to_dict()["events"][0] == {"frame": 3, "seconds": 2.0, "answer": watch.events[0].answer}
+    watch.close()
+    push(stream, frames, 15, 20)
+    assert watch.evaluations == 4 and stream.watches == []
+    stream.close()
+
+
+def test_every_seconds_counts_stream_time(qa, frames):
+    stream = qa.stream()
+    push(stream, frames, 0, 2)
+    watch = stream.watch(COLOUR, every_seconds=5.0)
+    for k in range(2, 14):
+        stream.push(frames[k], 2.0 * k)  # two seconds apart: due every third frame
+    assert [event.frame for event in watch.events][0] == 2
+    assert watch.evaluations == 1 + 4  # at 8, 14, 20, 26 seconds after opening at 2
+    stream.close()
+
+
+@pytest.mark.parametrize("horizon", [None, 40])
+def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, horizon, monkeypatch):
+    """Full attention carries every token, so the carried state and the new frames are the whole stream: an
+    evaluation reads exactly what `ask` reads, every token once, at the same positions (bounded, or the
+    stream's own)."""
+    read = []
+    original = context_module.masked_attention
+
+    def spy(q, keys, values, valid, scale):
+        read.append((q.shape[2], int(valid[0, 0].sum())))
+        return original(q, keys, values, valid, scale)
+
+    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
+    stream = full.stream(horizon, max_fps=1)
+    push(stream, frames, 0, 6)
+    watch = stream.watch(COUNT, max_new_tokens=4)
+    for stop in (13, 21, 30, 30):  # the last: nothing new, the carried state alone
+        push(stream, frames, stream.frames, stop)
+        read.clear()
+        assert watch.evaluate() == stream.ask(COUNT, max_new_tokens=4)
+        tokens, valid = read[0]  # the prompt's forward (its last answer after it, the draft it checks first)
+        assert valid - tokens == stream.tokens  # read every token of the stream once
+    layers = len(stream.prefill.cache.layers)
+    assert len(read) == layers  # the answer did not change: the prompt's forward checked it whole, no other forward
+    stream.close()
+
+
+def test_an_evaluation_reads_the_carried_state_and_the_new_frames_only(qa, frames, monkeypatch):
+    read = []
+    original = context_module.masked_attention
+
+    def spy(q, keys, values, valid, scale):
+        read.append(int(valid[0, 0].sum()))
+        return original(q, keys, values, valid, scale)
+
+    monkeypatch.setattr(context_module, "masked_attention", spy)
+    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    watch = stream.watch(COUNT, every=2, max_new_tokens=1, steer=False)
+    push(stream, frames, 2, 40)
+    prompt = stream.adapter.question_ids(COUNT, stream.state).shape[1]
+    budget = stream.prefill.policy.steady_budget(0)
+    new = 2 * 4  # two frames of four tokens since the last evaluation
+    assert stream.tokens > budget + new + prompt + 40  # the stream outgrew what an evaluation reads
+    assert max(read) <= budget + new + prompt + 1
+    assert watch.evaluations == 20
+    stream.close()
+
+
+def test_many_streams_evaluate_their_watches_together(qa, frames, monkeypatch):
+    batches = []
+    original = watch_module.evaluate
+
+    def spy(evaluations, head):
+        batches.append(len(evaluations))
+        return original(evaluations, head)
+
+    streams = [qa.stream(max_fps=1) for _ in range(3)]
+    for stream in streams:
+        push(stream, frames, 0, 2)
+    watches = [stream.watch(COLOUR, every=3, steer=False) for stream in streams]
+    monkeypatch.setattr(watch_module, "evaluate", spy)
+    for k in range(2, 11):
+        qa.push_many([(stream, frames[k], float(k)) for stream in streams])
+    assert batches == [3, 3, 3]  # every stream's watch, one batch per due push
+    monkeypatch.setattr(watch_module, "evaluate", original)
+    alone = qa.stream(max_fps=1)
+    push(alone, frames, 0, 2)
+    reference = alone.watch(COLOUR, every=3, steer=False)
+    push(alone, frames, 2, 11)
+    assert [w.events for w in watches] == [reference.events] * 3
+    for stream in [*streams, alone]:
+        stream.close()
+
+
+def carried(stream) -> list[torch.Tensor]:
+    return [stream.prefill.carried_positions(layer).clone() for layer in range(len(stream.prefill.cache.layers))]
+
+
+def test_steering_keeps_what_the_question_attends_to_and_stops_when_closed(qa, frames):
+    plain, unsteered, steered = (qa.stream(max_fps=1) for _ in range(3))
+    for stream in (plain, unsteered, steered):
+        push(stream, frames, 0, 4)
+    unsteered.watch(COUNT, every=4, steer=False)
+    watch = steered.watch(COUNT, every=4)
+    for stream in (plain, unsteered, steered):
+        push(stream, frames, 4, 30)
+    assert all(torch.equal(a, b) for a, b in zip(carried(plain), carried(unsteered)))  # steer=False: untouched
+    assert not all(torch.equal(a, b) for a, b in zip(carried(plain), carried(steered)))
+    watch.close()
+    assert not steered.prefill.cache.guide.active
+    for stream in (plain, unsteered, steered):
+        stream.close()
+
+
+def test_watches_are_saved_and_loaded_with_their_stream(qa, frames, tmp_path):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    first = stream.watch(COUNT, every=4)
+    second = stream.watch(COLOUR, every_seconds=3.0, max_new_tokens=2, steer=False)
+    push(stream, frames, 3, 12)
+    path = stream.save(tmp_path / "s.safetensors")
+    loaded = statekv.Stream.load(path, qa)
+    assert [w.to_dict() for w in loaded.watches] == [first.to_dict(), second.to_dict()]
+    push(stream, frames, 12, 30)
+    push(loaded, frames, 12, 30)  # steered the same way: the same carried state and events
+    assert [w.to_dict() for w in loaded.watches] == [first.to_dict(), second.to_dict()]
+    assert all(torch.equal(a, b) for a, b in zip(carried(stream), carried(loaded)))
+    stream.close()
+    loaded.close()
+
+
+def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
+    stream = qa.with_options(method="simplestream").stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    watch = stream.watch(COLOUR, every=2)
+    push(stream, frames, 2, 8)
+    assert watch.evaluations == 4 and watch.answer == stream.ask(COLOUR, max_new_tokens=16)
+    stream.close()
+
+
+def test_bad_watches_are_refused_with_one_line(qa, frames):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    for kwargs, words in [({"every": 2, "every_seconds": 1.0}, "not both"), ({"every": 0}, "every"),
+                          ({"every_seconds": -1.0}, "every_seconds"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                          ({"retrieval": "nope"}, "retrieval")]:
+        with pytest.raises(statekv.StateKVError, match=words):
+            stream.watch(COUNT, **kwargs)
+    with pytest.raises(InputError, match="empty"):
+        stream.watch("  ", every=2)
+    assert stream.watches == []
+    watch = stream.watch(COUNT)
+    watch.close()
+    with pytest.raises(InputError, match="closed"):
+        watch.evaluate()
+    stream.close()
+
+
+def test_a_saved_watch_record_that_is_malformed_is_refused(qa, frames):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    record = stream.watch(COUNT).record()
+    bad = {**record, "events": [[1, 0.0]]}
+    with pytest.raises(InputError, match=r"watches\[0\]\.events\[0\]"):
+        watch_module.restore(stream, [bad])
+    with pytest.raises(InputError, match="lacks 'every'"):
+        watch_module.restore(stream, [{k: v for k, v in record.items() if k != "every"}])
+    stream.close()
+
+
+def test_retrieval_adds_the_frames_that_match_the_question(qa, frames):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    watch = stream.watch(COUNT, every=4, retrieve=4, steer=False)
+    push(stream, frames, 2, 30)
+    assert watch.read_steps and len(watch.read_steps) <= 4 * len(stream.prefill.cache.layers)
+    assert all(step < len(stream.step_frames) for step in watch.read_steps)
+    stream.close()
+
+
+@pytest.mark.parametrize("method", ["full", "statekv"])
+def test_past_the_models_range_an_evaluation_reads_the_stream_as_a_step_would(tmp_path, method):
+    """Under bounded positions past the model's range the carried keys are rotated to where the layout puts them:
+    an evaluation's first answer token is the one a step of the question itself would predict (the layout's
+    grouped distances for full attention, the carried state packed before the chunk for StateKV)."""
+    from statekv.core.watching.standing import Evaluation, evaluate
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "short", text_config=short,
+                                      vision_config={"image_size": 112})
+    images = np.random.default_rng(0).integers(0, 256, (14, 32, 32, 3), dtype=np.uint8)
+    sizes = {"budget": 24} if method == "statekv" else {}
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method=method, reserve_tokens=24, **sizes)
+    watched, stepped = qa.stream(), qa.stream()
+    for image in images:
+        watched.push(image)
+        stepped.push(image)
+    assert watched.tokens > 128 and watched.prefill.positions.bounded
+    prompt = watched.adapter.prompt(watched.adapter.question_ids("Why?", watched.state), watched.state)
+    standing = watch_module.standing_question(watched.prefill, prompt)
+    evaluation = Evaluation(watched.prefill, standing, prompt, watched.tokens, 1)
+    (answer,) = evaluate([evaluation], qa.adapter.model.get_output_embeddings())
+    ids = prompt.input_ids
+    hidden = stepped.prefill.step(input_ids=torch.cat([ids, ids[:, -1:]], 1))  # the question, and room for one
+    expected = qa.adapter.model.get_output_embeddings()(hidden[:, ids.shape[1] - 1]).argmax(-1)
+    assert int(answer[0, 0]) == int(expected[0])
+    watched.close()
+    stepped.close()
+
+
+@pytest.mark.parametrize("placing", ["stream", "bounded, still", "bounded, placed"])
+def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk(placing):
+    """`QuestionGuide.mass` against a direct computation: each question's queries rotated (RoPE's own rotation)
+    from where they were evaluated to right after the step's chunk, softmaxed over the candidates, summed over
+    its rows and the query heads of each KV group, scaled to the chunk's total and weighted. The chunk sits at its
+    own positions under stream positions and under bounded ones while every step is (`StreamPositions.still`: the
+    device's base is then not set and must not be read), else at the base the step was placed at."""
+    from types import SimpleNamespace
+
+    from statekv.core.positions.placing import rotate
+    from statekv.core.rules.steering import QuestionGuide
+    from statekv.core.watching.standing import StandingQuestion
+
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, rotary = 4, 2, 16, 12  # a partial rotary: the last dims are not rotated
+    frequencies = torch.rand(rotary // 2, generator=generator)
+    questions = [StandingQuestion(torch.zeros(1, length, dtype=torch.long), frequencies,
+                                  [torch.randn(1, heads, length, dim, generator=generator)], start=40)
+                 for length in (5, 3)]
+    guide = QuestionGuide()
+    guide.add(questions[0], 1.0)
+    guide.add(questions[1], 3.0)
+    keys = torch.randn(1, kv_heads, 9, dim, generator=generator)
+    chunk, seen, scale = 2, 57, 0.3
+    base = {"stream": None, "bounded, still": seen + 100, "bounded, placed": seen}[placing]  # where the device says
+    positions = SimpleNamespace(bounded=placing != "stream", still=placing == "bounded, still",
+                                device_scalars=lambda device: (torch.tensor([0]), torch.tensor([base]),
+                                                               torch.tensor([0])))
+    cache = SimpleNamespace(positions=positions, seen_device=torch.tensor(seen if base != seen else seen + 50),
+                            step_index=7)
+    expected = torch.zeros(1, kv_heads, 9)
+    for question, weight in zip(questions, (1.0, 3.0)):
+        queries = question.queries[0]
+        placed = rotate(queries, torch.full(queries.shape[:3], seen + chunk - 40), frequencies)
+        for head in range(heads):
+            share = ((placed[0, head] @ keys[0, head // 2].T) * scale).softmax(-1).sum(0)
+            expected[0, head // 2] += share * weight * chunk / question.length
+    assert torch.allclose(guide.mass(cache, 0, keys, chunk, scale), expected, atol=1e-5)
