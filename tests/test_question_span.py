@@ -185,3 +185,11 @@ def test_a_stream_saved_under_one_bounded_layout_is_resumed_under_it_only(tmp_pa
     with pytest.raises(InputError, match="resume it with bounded_layout=cache$"):
         Stream.load(saved, qa.with_options(bounded_layout=None))
     assert Stream.load(saved, qa).tokens == stream.tokens
+
+
+def test_the_settings_name_every_bounded_layout_the_engine_has():
+    from statekv.core.positions import placing
+    from statekv.settings import engine
+
+    assert set(engine.BOUNDED_LAYOUTS) == set(placing.BOUNDED_LAYOUTS)
+    assert placing.DEFAULT_LAYOUT in engine.BOUNDED_LAYOUTS

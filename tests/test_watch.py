@@ -171,6 +171,22 @@ def test_steering_keeps_what_the_question_attends_to_and_stops_when_closed(qa, f
         stream.close()
 
 
+def test_a_steered_stream_pushed_with_others_steers_as_it_does_alone(qa, frames):
+    """A steered step reads its own stream's questions, so it is never batched (`batch_key`: not steady); pushed
+    with others, a steered stream carries what it carries alone."""
+    alone, together, other = (qa.stream(max_fps=1) for _ in range(3))
+    for stream in (alone, together, other):
+        push(stream, frames, 0, 4)
+    watches = [stream.watch(COUNT, every=4) for stream in (alone, together)]
+    push(alone, frames, 4, 30)
+    for k in range(4, 30):
+        qa.push_many([(together, frames[k], float(k)), (other, frames[k], float(k))])
+    assert all(torch.equal(a, b) for a, b in zip(carried(alone), carried(together)))
+    assert watches[0].events == watches[1].events
+    for stream in (alone, together, other):
+        stream.close()
+
+
 def test_watches_are_saved_and_loaded_with_their_stream(qa, frames, tmp_path):
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 3)
@@ -194,6 +210,45 @@ def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
     watch = stream.watch(COLOUR, every=2)
     push(stream, frames, 2, 8)
     assert watch.evaluations == 4 and watch.answer == stream.ask(COLOUR, max_new_tokens=16)
+    again = qa.with_options(method="simplestream").stream(max_fps=1)  # as a server reopens a record's watches
+    reopened = watch_module.restore(again, watch_module.records(stream))
+    assert [w.to_dict() for w in reopened] == [watch.to_dict()]
+    stream.close()
+    again.close()
+
+
+def test_a_watch_that_cannot_be_evaluated_fails_alone_and_never_its_push(qa, frames, monkeypatch):
+    streams = [qa.stream(max_fps=1) for _ in range(2)]
+    for stream in streams:
+        push(stream, frames, 0, 2)
+    watches = [stream.watch(COLOUR, every=2, steer=False) for stream in streams]
+    original = watch_module.evaluate
+
+    def failing(evaluations, head):
+        if any(evaluation.prefill is streams[0].prefill for evaluation in evaluations):
+            raise InputError("broken")
+        return original(evaluations, head)
+
+    monkeypatch.setattr(watch_module, "evaluate", failing)
+    for k in range(2, 6):
+        qa.push_many([(stream, frames[k], float(k)) for stream in streams])  # the pushes are taken
+    assert [stream.frames for stream in streams] == [6, 6]
+    assert watches[0].error == "broken" and watches[1].error is None and watches[1].evaluations == 3
+    for stream in streams:
+        stream.close()
+
+
+def test_a_watch_whose_first_answer_fails_is_not_left_open(qa, frames, monkeypatch):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+
+    def failing(watches, **kwargs):
+        raise InputError("no answer")
+
+    monkeypatch.setattr(watch_module, "run_evaluations", failing)
+    with pytest.raises(InputError, match="no answer"):
+        stream.watch(COLOUR, every=2)
+    assert stream.watches == [] and not (stream.prefill.cache.guide and stream.prefill.cache.guide.active)
     stream.close()
 
 

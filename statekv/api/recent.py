@@ -74,7 +74,7 @@ class RecentFrames:
         if pixels.ndim != 3 or pixels.shape[-1] != 3 or pixels.dtype != np.uint8 or 0 in pixels.shape:
             raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {pixels.dtype} "
                              f"{list(pixels.shape)}")
-        with whole():  # the frame is taken with its counts, or not at all
+        with whole(), self.lock:  # the frame is taken with its counts, or not at all; never while a watch reads
             self.pushed += 1
             self._last_timestamp = timestamp
             if self.max_fps is not None:
@@ -85,8 +85,8 @@ class RecentFrames:
             self.recent.append(Frame(self.stats.frames, timestamp, pixels))
             self.stats.frames += 1
         if self.watching is not None:  # its due watches answer from the frames it now holds
-            self.watching.seconds = timestamp
             with self.lock:
+                self.watching.seconds = timestamp
                 run_evaluations([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
         return True
 
@@ -131,10 +131,12 @@ class RecentFrames:
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]``."""
         self._check_open()
-        if not self.recent:
+        with self.lock:  # the window as it stands, whatever other threads push meanwhile
+            window = list(self.recent)
+        if not window:
             raise InputError(f"{self.name}: no frame has been pushed yet")
         rate = self.max_fps or 1.0
-        frames = [Frame(index, index / rate, frame.image) for index, frame in enumerate(self.recent)]
+        frames = [Frame(index, index / rate, frame.image) for index, frame in enumerate(window)]
         height, width = frames[0].image.shape[:2]
         per_step = self.qa.adapter.frames_per_step
         with EncodedVideo(self.qa, self.qa.horizon_for(len(frames), (height, width), self.reserve_tokens),
@@ -146,7 +148,7 @@ class RecentFrames:
             self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes,
                                                      clip.stats.peak_cache_device_bytes)
             # the frames it read: its window's, numbered as the stream kept them
-            self.answer_info = replace(clip.answer_info, read_frames=tuple(frame.index for frame in self.recent))
+            self.answer_info = replace(clip.answer_info, read_frames=tuple(frame.index for frame in window))
         return tokens
 
     @property

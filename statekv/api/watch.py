@@ -218,7 +218,11 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
         watching = stream.watching = Watches(stream)
     watching.add(watch)
     if evaluate_now and stream.frames:  # its first answer: what the stream holds now
-        run_evaluations([watch], raise_errors=True)
+        try:
+            run_evaluations([watch], raise_errors=True)
+        except BaseException:  # the caller gets no watch: none is left evaluating or steering
+            watch.close()
+            raise
     else:
         watch.last_frames, watch.last_seconds = stream.frames, watching.seconds
     return watch
@@ -279,30 +283,48 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
     batches, record their answers and events, and tell their listeners. A stream that keeps no cache
     (`RecentFrames`) answers each of its watches as it answers a question, from its last frames."""
     live = [watch for watch in watches if not watch.closed]
-    engine = [watch for watch in live if watch.standing is not None]
-    evaluations = [_evaluation(watch) for watch in engine]
-    outcomes: list[Any] = []
+    results: list[tuple[Watch, Evaluation | None, Any]] = []
+    engine, evaluations = [], []
+    for watch in live:
+        if watch.standing is not None:
+            try:
+                evaluations.append(_evaluation(watch))
+                engine.append(watch)
+            except Exception as error:  # noqa: BLE001 -- a watch that cannot be evaluated: its error alone
+                results.append((watch, None, error))
     if engine:
+        head = output_head(engine[0].stream, evaluations[0].prompt)
         try:
-            outcomes = evaluate(evaluations, output_head(engine[0].stream, evaluations[0].prompt))
-        except Exception as error:  # noqa: BLE001 -- an evaluation that fails is its watches' error, not the push's
-            outcomes = [error] * len(engine)
+            outcomes = evaluate(evaluations, head)
+        except Exception as error:  # noqa: BLE001 -- one row's failure is not its batch's: each again alone
+            outcomes = [error] if len(engine) == 1 else [_evaluate_alone(one, head) for one in evaluations]
+        results[:0] = zip(engine, evaluations, outcomes)
     for watch in live:
         if watch.standing is None:
             try:
-                outcomes.append(watch.stream.ask_tokens(watch.question, max_new_tokens=watch.max_new_tokens,
-                                                        retrieve=watch.retrieve))
+                outcome = watch.stream.ask_tokens(watch.question, max_new_tokens=watch.max_new_tokens,
+                                                  retrieve=watch.retrieve)
             except Exception as error:  # noqa: BLE001 -- as above
-                outcomes.append(error)
-            evaluations.append(None)
-    for watch, evaluation, outcome in zip(engine + [w for w in live if w.standing is None], evaluations, outcomes):
+                outcome = error
+            results.append((watch, None, outcome))
+    for watch, evaluation, outcome in results:
         if isinstance(outcome, Exception):
             watch.error = (str(outcome).strip().splitlines() or [type(outcome).__name__])[0]
-            if raise_errors or not isinstance(outcome, (StateKVError, RuntimeError, ValueError)):
+            if raise_errors:
                 raise outcome
-            log.warning("statekv: watch %s could not be evaluated: %s", watch.id, watch.error)
+            # after the pushes that made it due were taken: the watch's error, never theirs
+            log.warning("statekv: watch %s could not be evaluated: %s", watch.id, watch.error,
+                        exc_info=not isinstance(outcome, (StateKVError, RuntimeError, ValueError)))
             continue
         _record(watch, outcome, set() if evaluation is None else evaluation.retrieved)
+
+
+def _evaluate_alone(evaluation: Evaluation, head: Any) -> Any:
+    """One evaluation's answer ``[1, N]``, or its error."""
+    try:
+        return evaluate([evaluation], head)[0]
+    except Exception as error:  # noqa: BLE001 -- the caller books it as the watch's error
+        return error
 
 
 def _evaluation(watch: Watch) -> Evaluation:
@@ -363,8 +385,8 @@ def restore(stream: Any, saved: list[dict[str, Any]], kept: dict[str, torch.Tens
     and, from ``kept`` (`tensors`, which a saved file holds for every watch that was evaluated), the queries they
     steer with (None: records alone, each watch steering again from its next evaluation). A malformed record is a
     one-line `InputError` naming it."""
-    opened = []
     layers = 0 if getattr(stream, "prefill", None) is None else len(stream.prefill.cache.layers)
+    records = [check_record(data, f"{where}: watches[{number}]") for number, data in enumerate(saved)]
     expected = {f"watches.{number}.queries.{layer}" for number, data in enumerate(saved)
                 if isinstance(data, dict) and data.get("start") is not None for layer in range(layers)}
     if kept is None:
@@ -373,27 +395,37 @@ def restore(stream: Any, saved: list[dict[str, Any]], kept: dict[str, torch.Tens
         name = sorted(set(kept) ^ expected)[0]
         raise InputError(f"{where}: the stream file {'lacks' if name in expected else 'holds an unexpected'} tensor "
                          f"{name}")
-    for number, data in enumerate(saved):
-        name = f"{where}: watches[{number}]"
-        record = check_record(data, name)
-        queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
-        watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
-                           every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
-                           retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
-                           watch_id=record["id"])
-        watch.answer, watch.evaluations = record["answer"], record["evaluations"]
-        watch.since = min(record["since"], stream.prefill.seen_tokens)
-        watch.last_frames = min(record["last_frames"], stream.frames)
-        watch.last_seconds = record["last_seconds"]
-        watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
-        if watch.standing is not None and record["start"] is not None and queries \
-                and all(query is not None for query in queries):
-            _check_queries(queries, watch.standing.length, stream, name)
-            device = stream.prefill.device
-            watch.standing.queries = [query.to(device, stream.prefill.dtype) for query in queries]
-            watch.standing.start = record["start"]
-        opened.append(watch)
+    opened: list[Watch] = []
+    try:
+        for number, record in enumerate(records):
+            opened.append(_reopen(stream, record, kept, layers, f"{where}: watches[{number}]", number))
+    except BaseException:  # all of them or none
+        for watch in opened:
+            watch.close()
+        raise
     return opened
+
+
+def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], layers: int, name: str,
+            number: int) -> Watch:
+    """Watch ``number`` of a saved stream (its checked ``record``) opened again on ``stream``."""
+    queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
+    watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
+                       every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
+                       retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
+                       watch_id=record["id"])
+    watch.answer, watch.evaluations = record["answer"], record["evaluations"]
+    watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
+    watch.last_frames = min(record["last_frames"], stream.frames)
+    watch.last_seconds = record["last_seconds"]
+    watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
+    if watch.standing is not None and record["start"] is not None and queries \
+            and all(query is not None for query in queries):
+        _check_queries(queries, watch.standing.length, stream, name)
+        device = stream.prefill.device
+        watch.standing.queries = [query.to(device, stream.prefill.dtype) for query in queries]
+        watch.standing.start = record["start"]
+    return watch
 
 
 def _check_queries(queries: list[torch.Tensor], length: int, stream: Any, name: str) -> None:

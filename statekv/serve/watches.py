@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
 from ..api.watch import Watch, open_watch, records, restore, run_evaluations
 from ..errors import StateKVError
 from .errors import ServiceError
@@ -26,7 +27,6 @@ from .errors import ServiceError
 log = logging.getLogger("statekv.serve")
 
 WATCH_FIELDS = ("question", "every", "every_seconds", "max_new_tokens")
-DEFAULT_WATCH_TOKENS = 16
 MAX_WATCH_TOKENS = 256
 MAX_WATCHES = 16  # per stream
 MAX_EVERY = 10**6
