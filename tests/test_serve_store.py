@@ -23,6 +23,7 @@ import statekv  # noqa: E402
 from statekv.serve.auth import owner_of  # noqa: E402
 from statekv.serve.cluster.leases import LeaseLost  # noqa: E402
 from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
+from statekv.serve.cluster.shared import LeasedPlacement  # noqa: E402
 from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
 from statekv.serve.cluster.versions import KEEP, StreamVersions  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
@@ -122,6 +123,21 @@ def test_a_stream_in_the_store_is_written_by_one_replica_and_a_stale_one_is_fenc
     assert [name for name in left if name.startswith("streams/")] == [f"streams/{STREAM}/v{7:012d}-deleted.json"]
     with pytest.raises(Exception, match="no stream"):
         fresh.take(STREAM)  # the tombstone stays: nobody brings a deleted stream back
+
+
+def test_a_deletion_cut_short_after_its_last_version_is_finished_at_the_next_start(aws):
+    url = aws.url()
+    files = StoreStreamFiles(ObjectStore(url), "a", 10, Clock())
+    files.claim(STREAM)
+    files.write_record(_record())
+    files.save_state(STREAM, lambda path: path.write_bytes(b"saved"))
+    assert files.removals() == []  # a live stream is no deletion
+    files.begin_removal(STREAM, None)  # killed here: deleted, its saves and older versions left behind
+    later = StoreStreamFiles(ObjectStore(url), "b", 10, Clock())
+    assert later.read_record(STREAM) is None and later.removals() == [{"id": STREAM, "tier": None, "deleted": True}]
+    LeasedPlacement(later).restore(None, None)  # as a replica's start does
+    assert later.removals() == [] and [name for name in aws.names(url) if name.startswith("saves/")] == []
+    assert len([name for name in aws.names(url) if name.startswith(f"streams/{STREAM}/")]) == 1  # the tombstone
 
 
 def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws):

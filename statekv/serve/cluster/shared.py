@@ -107,10 +107,11 @@ class LeasedPlacement(Placement):
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
         """Nothing is loaded (streams are taken when asked for); deletions cut short are finished, each under
-        its lease (one another replica holds is left to it)."""
+        its lease (one another replica holds is left to it), or at once when the stream is already deleted (an
+        object store's tombstone: only its garbage is left)."""
         for removal in self.files.removals():
             try:
-                if self.files.take(removal["id"]) is not None:
+                if removal.get("deleted") or self.files.take(removal["id"]) is not None:
                     self.files.remove(removal["id"])  # its disk-tier folder was the replica's own, gone with it
                     log.info("finished deleting stream %s", removal["id"])
             except (OSError, StateKVError) as error:

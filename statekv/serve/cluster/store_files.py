@@ -180,7 +180,19 @@ class StoreStreamFiles:
         self._forget(stream_id)
 
     def removals(self) -> list[dict[str, Any]]:
-        return []  # a deletion is whole once its last version is written; only garbage can be left
+        """The deletions cut short: streams whose last version says they are deleted (a deletion is whole once
+        it is written) but whose saves or older versions are still in the store, ``{"id", "tier": None, "deleted":
+        True}`` each (no lease needed: nobody can take a deleted stream), for `remove` to clear. None when the store
+        cannot be listed (tried again at the next start)."""
+        try:
+            saved = {name.split("/")[1] for name in self.store.names(f"{SAVES}/")}
+            kept = self.versions.counts()
+            current = self.versions.every_current()
+        except OSError as error:
+            log.warning("cannot list the deletions left unfinished in the store: %s", error)
+            return []
+        return [{"id": stream_id, "tier": None, "deleted": True} for stream_id, version in current.items()
+                if version.deleted and (stream_id in saved or kept[stream_id] > 1)]
 
     def remove(self, stream_id: str) -> None:
         """Delete the stream (`begin_removal`, unless begun), then remove its saves, its older versions, its ask

@@ -24,6 +24,7 @@ import json
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -128,6 +129,10 @@ class StreamVersions:
             if version is not None:
                 found[stream_id] = version
         return found
+
+    def counts(self) -> Counter:
+        """How many versions the store keeps of each stream, by stream id (one listing)."""
+        return Counter(name.split("/")[1] for _, name, _ in _parsed_names(self.store.names(f"{STREAMS}/")))
 
     def history(self, stream_id: str) -> list[dict[str, Any]]:
         """Every taking and letting go of the stream still stored, oldest first (as `leases.Leases.history`)."""
