@@ -243,7 +243,7 @@ def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_i
     model = make_tiny_checkpoint("internvl", tmp_path / "model")
     saved = tmp_path / "kept.safetensors"
     child = _child(["stream", video, "--model", model, "--budget", "20", "--attention", "eager", "--json",
-                    "--max-frames", "151",  # a horizon (as `_restreamed`): past its 128 positions this tiny model holds no answer
+                    "--max-frames", "151",  # a horizon, as `_restreamed` (past its range this model fits no answer)
                     "--ask", "1:What?", "--ask", "149:And now?", "--save", saved], tmp_path)
     out, err = _signal_after(child, '"event": "answer"', number)
     assert child.returncode == 128 + number, err
