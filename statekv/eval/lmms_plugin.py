@@ -49,6 +49,7 @@ import math
 import os
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from statekv.errors import ConfigurationError, InputError, StateKVError
 from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
+from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
 from statekv.settings.values import (Option, integer, optional_text, parse_options, positive_float, positive_int,
                                      required_text)
@@ -263,7 +265,9 @@ class StateKV(_Base):
 
     def _stream_asks(self, requests: Sequence[Any], asks: Sequence["_Ask"]) -> Iterator[tuple[Any, str]]:
         """``(key, answer)`` of every ask: one stream per source video, its asks in time order, each after the
-        frames of its clip up to its time."""
+        frames of its clip up to its time. A round of a multi-round document (``ovo_forward``'s polls) is an
+        evaluation of its prompt's watch on the stream, as ``statekv eval --mode streaming`` answers forward polls
+        (`statekv.eval.watching`): opened at its first round, closed after its last."""
         by_source: dict[str, list[_Ask]] = {}
         for ask in asks:
             by_source.setdefault(ask.source, []).append(ask)
@@ -274,10 +278,23 @@ class StateKV(_Base):
             stream = self.qa.stream(frames, max_fps=self.max_fps, name=source,
                                     reserve_tokens=room_for_prompts(self.qa, prompts, longest))
             pushed = -math.inf
+            watches = VideoWatches([], None)
+            left = Counter((ask.key[0], ask.prompt) for ask in source_asks if isinstance(ask.key, tuple))
             with stream:
-                for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
-                    pushed = _feed(stream, ask.video, pushed, self.max_fps)
-                    yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
+                try:
+                    for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
+                        pushed = _feed(stream, ask.video, pushed, self.max_fps)
+                        if not isinstance(ask.key, tuple):
+                            yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
+                            continue
+                        key = (ask.key[0], ask.prompt)
+                        text, _, _ = watches.evaluate(stream, key, ask.prompt, _max_new_tokens(ask.gen_kwargs))
+                        left[key] -= 1
+                        if left[key] <= 0:
+                            watches.close(key)
+                        yield ask.key, text
+                finally:
+                    watches.close_all()
 
     def _stream_plans(self, requests: Sequence[Any], sources: set[str]) -> dict[str, tuple[float, list[str], int]]:
         """``source -> (last query time, prompts, longest answer)`` over every document of the requests' tasks
