@@ -5,6 +5,7 @@ it (`tiny_qa`)."""
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from PIL import Image  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 import statekv  # noqa: E402
@@ -100,6 +102,21 @@ def checkpoint(tiny_checkpoint):
 def random_frames(count: int, seed: int = 0, height: int = 24, width: int = 32) -> np.ndarray:
     """``count`` RGB frames of random pixels, uint8 ``[count, height, width, 3]``, the same for the same seed."""
     return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """``image`` (uint8 ``[H, W, 3]``) as a PNG file's bytes, as a client uploads a frame."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def answered_alone(qa, frames, question: str, max_new_tokens: int) -> str:
+    """The answer to ``question`` of a stream of ``frames`` (one a second) pushed in one process, never moved."""
+    with qa.stream(horizon_frames=16, max_fps=None) as stream:
+        for index, image in enumerate(frames):
+            stream.push(image, float(index))
+        return stream.ask(question, max_new_tokens=max_new_tokens)
 
 
 TEST_POLICIES = {"statekv": lambda: statekv.StateKV(budget=12), "recency": lambda: statekv.Recency(frames=2),

@@ -9,7 +9,6 @@ The cluster is this test's own, shut down at the end with every process it start
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -32,9 +31,9 @@ pytest.importorskip("ray.serve", reason="statekv[ray] is part of .[test]")
 pytest.importorskip("s3fs", reason="statekv[ray] brings s3fs")
 pytest.importorskip("moto.server", reason="moto[server] is part of .[test]")
 psutil = pytest.importorskip("psutil")
-from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
+from conftest import answered_alone, png_bytes, random_frames  # noqa: E402
 
 from s3 import S3Server  # noqa: E402
 
@@ -172,21 +171,11 @@ class Nodes:
 
 
 def _frames(seed: int, count: int = FRAMES) -> list[np.ndarray]:
-    generator = np.random.default_rng(seed)
-    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
-
-
-def _png(image: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return list(random_frames(count, seed, 48, 64))
 
 
 def _alone(qa, frames: list[np.ndarray]) -> str:
-    with qa.stream(horizon_frames=16, max_fps=None) as stream:
-        for index, image in enumerate(frames):
-            stream.push(image, float(index))
-        return stream.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+    return answered_alone(qa, frames, QUESTION, NEW_TOKENS)
 
 
 class Client:
@@ -213,7 +202,7 @@ class Client:
         index = self.call("GET", f"/v1/streams/{stream_id}").json()["resume_from"]
         while index < stop_at:
             try:
-                ok = self.http.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(frames[index]),
+                ok = self.http.post(f"/v1/streams/{stream_id}/frames?t={index}", content=png_bytes(frames[index]),
                                     headers={"Content-Type": "image/png"}).status_code == 200
             except httpx.TransportError:
                 ok = False

@@ -7,7 +7,6 @@ taken over with only the unsaved tail lost; a bucket that refuses writes answere
 
 from __future__ import annotations
 
-import io
 import os
 import time
 
@@ -17,9 +16,9 @@ import pytest
 pytest.importorskip("s3fs", reason="statekv[ray] brings s3fs")
 pytest.importorskip("moto.server", reason="moto[server] is part of .[test]")
 pytest.importorskip("fastapi")
-from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
+from conftest import answered_alone, png_bytes, random_frames  # noqa: E402
 from statekv.serve.auth import owner_of  # noqa: E402
 from statekv.serve.cluster.leases import LeaseLost  # noqa: E402
 from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
@@ -69,21 +68,11 @@ def _record(stream_id: str = STREAM, name: str = "s") -> dict:
 
 
 def _frames(seed: int, count: int) -> list[np.ndarray]:
-    generator = np.random.default_rng(seed)
-    return [generator.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(count)]
-
-
-def _png(image: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return list(random_frames(count, seed, 48, 64))
 
 
 def _alone(qa, frames: list[np.ndarray]) -> str:
-    with qa.stream(horizon_frames=16, max_fps=None) as stream:
-        for index, image in enumerate(frames):
-            stream.push(image, float(index))
-        return stream.ask(QUESTION, max_new_tokens=6)
+    return answered_alone(qa, frames, QUESTION, 6)
 
 
 # -- leases fenced by conditional writes -----------------------------------------------------------------------
@@ -186,7 +175,7 @@ def _replicas(qa, url: str, names: tuple[str, ...], lease_seconds: float, **sett
 
 
 def _push(client, stream_id: str, image: np.ndarray, index: int):
-    return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
+    return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=png_bytes(image),
                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "image/png"})
 
 
