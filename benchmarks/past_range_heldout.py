@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import wilson  # noqa: E402
+from bounded_positions import make_set  # noqa: E402
 from report import write_section  # noqa: E402
 
 TARGET = ("needle", "attribute", "order", "first_last")
@@ -42,16 +43,6 @@ RUNS = (
     ("long-full-r16", "long", "full attention, grouped past the range, spread 384 (defaults)", ["--method", "full"]),
 )
 RETRIEVE = 16
-
-
-def make_set(folder: Path, videos: int, seed: int, frames: int) -> None:
-    if (folder / "questions.jsonl").is_file():
-        return
-    from statekv.cli import main as statekv_main
-
-    if statekv_main(["synthetic", "make", "--out", str(folder), "--videos", str(videos), "--seed", str(seed),
-                     "--frames", str(frames)]):
-        raise SystemExit("statekv synthetic make failed")
 
 
 def command(data: Path, out: Path, flags: list[str]) -> list[str]:
