@@ -238,6 +238,20 @@ def test_a_watch_that_cannot_be_evaluated_fails_alone_and_never_its_push(qa, fra
         stream.close()
 
 
+def test_watches_reopen_all_or_none(qa, frames):
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    stream.watch(COLOUR, every=2, steer=False)
+    saved = watch_module.records(stream)
+    again = qa.stream(max_fps=1)
+    push(again, frames, 0, 3)
+    with pytest.raises(InputError, match=r"watches\[1\]"):
+        watch_module.restore(again, [saved[0], {"question": 3}])
+    assert again.watches == []
+    for each in (stream, again):
+        each.close()
+
+
 def test_a_watch_whose_first_answer_fails_is_not_left_open(qa, frames, monkeypatch):
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 3)
