@@ -266,15 +266,26 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def report(args, argv: list[str], rows: list[dict[str, Any]], loads: tuple[str, str], commit: str) -> str:
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    cores = os.cpu_count() or 1
+    machine = f"{platform.machine()}, {cores} CPU cores"
+    niceness = os.nice(0)
     load = (f"cameras at {args.fps:g} fps for {args.duration:g} s, {args.question_rate:g} questions per second per "
             f"camera")
+    if max(args.nodes) * args.node_cpus + 1 > cores:  # one core at least for the proxy, the bucket and the cameras
+        meaning = (f"The nodes are processes of this one machine and share its {cores} cores with each other, Ray "
+                   "Serve's proxy, the S3 server and the cameras: these rows show what the cluster costs and that it "
+                   "holds its load, not how it scales (a node more adds a replica, not a core). On a host with cores "
+                   "for every node, the same command shows the scaling.")
+    else:
+        meaning = (f"Each node's {args.node_cpus:g} CPU is reserved for it on this {cores}-core host; the nodes "
+                   "still share its memory, and the proxy, the S3 server and the cameras run beside them.")
     return "\n".join([
-        f"`python benchmarks/serve_nodes.py {' '.join(argv)}` at commit {commit} on {machine} (load average "
-        f"{loads[0]} before, {loads[1]} after): `statekv bench serve` (model {args.model}, {load}) against "
-        f"`statekv serve --ray auto --replicas N --store s3://...` with no state folder, on a Ray cluster of N nodes "
-        f"of this machine ({args.node_cpus:g} CPU each, one replica per node), the bucket a local S3 server (moto):",
-        "", table(rows)])
+        f"`python benchmarks/serve_nodes.py {' '.join(argv)}` at commit {commit}"
+        f"{f' under `nice -n {niceness}`' if niceness else ''} on {machine} (load average {loads[0]} before, "
+        f"{loads[1]} after): `statekv bench serve` (model {args.model}, {load}) against `statekv serve --ray auto "
+        f"--replicas N --store s3://...` with no state folder, on a Ray cluster of N nodes of this machine "
+        f"({args.node_cpus:g} CPU each, one replica per node), the bucket a local S3 server (moto):",
+        "", table(rows), "", meaning])
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
