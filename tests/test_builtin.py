@@ -15,6 +15,7 @@ from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
 from statekv.settings.options import BUILTIN_BUDGET
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
+from statekv.builtin.long_range import LongRange, stream_batch
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
 from statekv.errors import ConfigurationError
 from statekv.eval.runner import EvalConfig, run_evaluation
@@ -103,16 +104,53 @@ def test_training_batches_equal_the_streamed_prompt(tmp_path):
 
 def test_training_runs_and_resumes(tmp_path):
     recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), warmup_steps=1, log_every=1,
-                    checkpoint_every=1)
+                    checkpoint_every=1, long_range=LongRange(steps=2, frames=(6,), stream_frames=300, span=60))
     assert not train(recipe, tmp_path, stop_after=2).exists()  # stopped half way: no model yet
     assert torch.load(tmp_path / STATE_FILE, weights_only=True)["step"] == 2
     model_dir = train(recipe, tmp_path)
     lines = [json.loads(line) for line in (tmp_path / LOG_FILE).read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     assert lines[0]["accuracy"] is None and lines[0]["family_accuracy"] == {}  # a vision step: stills only
     assert set(lines[2]["family_accuracy"]) == set(FAMILIES) and lines[2]["loss"] > 0
+    assert [line["frames"] for line in lines[1:]] == [16, 16, "long-range", "long-range"]
     assert AutoModelForImageTextToText.from_pretrained(model_dir).config.image_seq_length == 1
-    assert json.loads((model_dir / "statekv_recipe.json").read_text())["curriculum"] == [[0, 1], [16, 2]]
+    saved = json.loads((model_dir / "statekv_recipe.json").read_text())
+    assert saved["curriculum"] == [[0, 1], [16, 2]] and Recipe.from_dict(saved) == recipe
+
+
+def test_the_long_range_phase_starts_from_given_weights_with_a_fresh_optimiser(tmp_path):
+    """``init``: the curriculum's weights, then only the long-range phase's steps, at its own learning rate."""
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), log_every=1,
+                    long_range=LongRange(steps=1, frames=(6,), stream_frames=300, span=60))
+    model_dir = train(recipe, tmp_path / "run", init=WEIGHTS_DIR)
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / LOG_FILE).read_text().splitlines()] == [4]
+    assert recipe.learning_rate_at(3) == recipe.long_range.learning_rate
+    before = InternVLForConditionalGeneration.from_pretrained(WEIGHTS_DIR).state_dict()
+    after = InternVLForConditionalGeneration.from_pretrained(model_dir).state_dict()
+    moved = [name for name in before if not torch.equal(before[name], after[name])]
+    assert 0 < len(moved)  # one Adam step from a fresh state moves every weight by about the learning rate
+    largest = max(float((before[name] - after[name]).abs().max()) for name in moved)
+    assert largest <= 2 * recipe.long_range.learning_rate
+
+
+def test_a_stream_batch_names_frames_by_their_second_and_places_them_in_the_streams_quarters():
+    adapter = statekv.VideoQA.from_pretrained("builtin", method="full").adapter
+    maker = BatchMaker(adapter)
+    times, length = (3, 100, 650, 1300, 1900, 2300), 2400
+    batch = maker.make(np.random.default_rng(7), 1, len(times), times=times, length=length)
+    text = adapter.tokenizer.decode(batch.video_ids[0])
+    assert "Frame4: " in text and "\nFrame101: " in text and "Frame2301: " in text and "Frame1: " not in text
+    prefix = adapter.tokenizer.decode(adapter.prefix(adapter.start(len(times))).input_ids[0])
+    assert text.startswith(prefix + "Frame4: ")  # the first frame shown has no line break of its own
+    quarters = [maker.adapter.tokenizer.decode(int(word)) for word in batch.frame_targets[0, :, 1, 1]]
+    assert [q.strip() for q in quarters] == ["first", "first", "second", "third", "last", "last"]
+    (row,) = [row for row, family in enumerate(batch.families) if family == "position"]
+    assert int(batch.targets[row, 0]) in maker.letter_ids
+    phase = LongRange(spread_share=1.0, frames=(6,), stream_frames=2400, span=400)
+    spread = stream_batch(phase, maker, np.random.default_rng(3), 1)
+    positions = spread.video_positions[0]
+    assert bool((positions[1:] > positions[:-1]).all())  # in time order, never overlapping
+    assert int(positions[-1]) < int(spread.frame_positions[0, 0]) + 400
 
 
 def test_tokenizer_is_deterministic():

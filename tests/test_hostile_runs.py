@@ -21,6 +21,7 @@ import torch
 
 import statekv.eval as ev
 from statekv.builtin import training
+from statekv.builtin.long_range import LongRange
 from statekv.cli import main
 from statekv.console import Stopped
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
@@ -325,7 +326,7 @@ def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
 # Training: stopped, damaged, resumed
 # ---------------------------------------------------------------------------------------------------------------
 TINY_RECIPE = training.Recipe(videos_per_batch=2, curriculum=((0, 2), (3, 4)), log_every=1, checkpoint_every=2,
-                              warmup_steps=1)
+                              warmup_steps=1, long_range=LongRange(steps=0))
 
 
 def _stop_at(monkeypatch, step_to_stop: int, number: int = signal.SIGTERM):

@@ -9,7 +9,7 @@ videos are written losslessly, so the model's input is the same either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 
 from ..models import InternVLAdapter
 from ..models.base import LayoutState
-from ..synthetic.plans import VideoPlan, plan_video, quarter_of
+from ..synthetic.plans import VideoPlan, plan_video
 from ..synthetic.prompts import question_prompt
 from ..synthetic.scenes import Still, all_stills, render, still_id
 from ..synthetic.tasks import FAMILIES, QUARTERS, ask_all
@@ -106,7 +106,7 @@ def frame_words(plan: VideoPlan) -> list[tuple[tuple[str, str], tuple[str, str]]
     for frames in plan.appearances:
         for times, frame in enumerate(frames, start=1):
             shown[frame] = f" {times}"
-    quarters = [" " + QUARTERS[quarter_of(frame, plan.num_frames)].split()[0] for frame in range(plan.num_frames)]
+    quarters = [" " + QUARTERS[plan.quarter(frame)].split()[0] for frame in range(plan.num_frames)]
     return [((colour, times), (shape, quarter)) for (colour, shape), times, quarter
             in zip(map(still_words, plan.stills), shown, quarters, strict=True)]
 
@@ -152,6 +152,17 @@ class BatchMaker:
         pieces += [adapter.tokenize(adapter.frame_text(index, float(index))) for index in range(num_frames)]
         return torch.cat(pieces, dim=1).cpu()
 
+    def timeline_ids(self, times: tuple[int, ...]) -> torch.Tensor:
+        """``[1, Lv]``: the prefix, then frames taken at seconds ``times`` of a longer stream, each named by its
+        second as the stream names it (``Frame{t+1}``), one after another (the first without the line break a
+        frame before it would put there)."""
+        adapter = self.adapter
+        prefix = adapter.prefix(adapter.start(len(times)))
+        pieces = [] if prefix is None else [prefix.input_ids]
+        pieces += [adapter.tokenize(adapter.frame_text(time, float(time)).lstrip("\n") if index == 0
+                                    else adapter.frame_text(time, float(time))) for index, time in enumerate(times)]
+        return torch.cat(pieces, dim=1).cpu()
+
     def _tokenize_question(self, prompt: str) -> tuple[tuple[int, ...], int]:
         """The question's ids and the position of its question mark."""
         ids = tuple(self.adapter.question_ids(prompt, LayoutState())[0].tolist())
@@ -163,10 +174,17 @@ class BatchMaker:
         text = text if text.startswith(" ") else " " + text
         return self.adapter.tokenizer.convert_tokens_to_ids(self.adapter.tokenizer.tokenize(text)[0])
 
-    def make(self, rng: np.random.Generator, videos: int, num_frames: int) -> Batch:
+    def make(self, rng: np.random.Generator, videos: int, num_frames: int, times: tuple[int, ...] | None = None,
+             length: int | None = None) -> Batch:
+        """``videos`` videos of ``num_frames`` frames, every question family asked of each. ``times``, ``length``:
+        the frames are seconds ``times`` (sorted) of a stream of ``length`` frames, named and placed in its
+        quarters by those seconds (`timeline_ids`, `VideoPlan.quarter`)."""
         plans = [plan_video(rng, num_frames) for _ in range(videos)]
+        if times is not None:
+            plans = [replace(plan, times=tuple(times), length=length) for plan in plans]
+        video_ids = self.video_ids(num_frames) if times is None else self.timeline_ids(tuple(times))
         rows, families, words, evidence = [], [], [], []
-        positions = self.frame_positions(num_frames)
+        positions = self.frame_positions(num_frames) if times is None else frame_slots(video_ids, self.adapter)
         for plan in plans:
             for spec in ask_all(plan, rng, self.families):
                 prompt, mark = self._question_ids(question_prompt(spec.question, spec.options))
@@ -182,7 +200,6 @@ class BatchMaker:
             target_positions[row] = torch.tensor([len(ids) - 3, len(ids) - 2])  # they predict the last two
         targets = question_ids.gather(1, target_positions + 1)
         still_ids = torch.tensor([[still_id(still) for still in plan.stills] for plan in plans])
-        video_ids = self.video_ids(num_frames)
         evidence_mask = torch.zeros((len(rows), video_ids.shape[1]), dtype=torch.bool)
         for row, frames in enumerate(evidence):
             evidence_mask[row, frames] = True
@@ -195,8 +212,13 @@ class BatchMaker:
     @lru_cache(maxsize=64)
     def frame_positions(self, num_frames: int) -> torch.Tensor:
         """``[N, 2]``: each frame's visual token and the ``</img>`` after it, in `video_ids`."""
-        slots = (self.video_ids(num_frames)[0] == self.adapter.image_token_id).nonzero().squeeze(-1)
-        return torch.stack([slots, slots + 1], dim=-1)
+        return frame_slots(self.video_ids(num_frames), self.adapter)
+
+
+def frame_slots(video_ids: torch.Tensor, adapter: InternVLAdapter) -> torch.Tensor:
+    """``[N, 2]``: each frame's visual token in ``video_ids`` ``[1, Lv]`` and the ``</img>`` after it."""
+    slots = (video_ids[0] == adapter.image_token_id).nonzero().squeeze(-1)
+    return torch.stack([slots, slots + 1], dim=-1)
 
 
 def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor, ...]:

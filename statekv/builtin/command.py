@@ -2,6 +2,7 @@
 
     statekv train-builtin --out runs/builtin             # rerun the same command to resume after a stop
     statekv train-builtin --out runs/builtin --install   # then copy the weights into the package
+    statekv train-builtin --out runs/long --init W       # the long-range phase alone, from the curriculum's weights W
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=POSITIVE_INT, default=2, metavar="T", help="CPU threads (default: 2)")
     parser.add_argument("--stop-after", type=POSITIVE_INT, metavar="STEPS",
                         help="stop once this many steps are done (rerun to go on)")
+    parser.add_argument("--init", type=PATH, metavar="FOLDER",
+                        help="a checkpoint folder holding the weights the curriculum ends with (the built-in model "
+                             "before its long-range phase): train the long-range phase alone from them")
     parser.add_argument("--install", action="store_true",
                         help="when training is complete, copy model/ into the package as the built-in model")
     parser.set_defaults(run=run)
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     recipe = Recipe()
-    model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after)
+    model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after, init=args.init)
     plot_log(args.out / LOG_FILE, args.out / "loss.png")
     if not model_dir.is_dir():
         print(f"stopped at step {args.stop_after} of {recipe.steps}; rerun to go on")

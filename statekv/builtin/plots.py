@@ -18,9 +18,9 @@ def read_log(path: Path | str) -> list[dict]:
 
 def plot_log(log: Path | str, path: Path | str) -> Path:
     """Two panels: the answer loss, and answer accuracy per question family, against the step; the video
-    length of each curriculum stage is written along the top."""
+    length of each curriculum stage (and the long-range phase) is written along the top."""
     lines = [line for line in read_log(log) if line.get("accuracy") is not None  # vision steps answer nothing
-             and isinstance(line.get("loss"), (int, float)) and isinstance(line.get("frames"), int)
+             and isinstance(line.get("loss"), (int, float)) and isinstance(line.get("frames"), (int, str))
              and isinstance(line.get("family_accuracy"), dict)]
     plt = pyplot()
     fig, (loss_ax, accuracy_ax) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -55,6 +55,7 @@ def _mark_stages(ax, lines: list[dict]) -> None:
     for line in lines:
         if line["frames"] != previous:
             ax.axvline(line["step"] - 1, color="grey", linewidth=0.6, alpha=0.6)
-            ax.annotate(f"{line['frames']}f", (line["step"], 1), xycoords=("data", "axes fraction"),
+            label = f"{line['frames']}f" if isinstance(line["frames"], int) else line["frames"]
+            ax.annotate(label, (line["step"], 1), xycoords=("data", "axes fraction"),
                         xytext=(2, -10), textcoords="offset points", fontsize=7, color="grey")
             previous = line["frames"]

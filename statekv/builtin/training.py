@@ -28,6 +28,8 @@ The curriculum starts with vision steps (frames 0: the still targets alone, a fe
 trains on videos that grow from 3 frames (two objects, where attention finds the evidence at once) to the
 benchmark's 96; trained on long videos from the start the model stays at chance. Each step draws
 ``videos_per_batch`` fresh videos from the training seed range and asks every question family about each.
+A last phase (`statekv.builtin.long_range.LongRange`, with a fresh optimiser) trains it for streams past its
+range: frames far apart in long streams, named by their second, packed or spread as a question reads them.
 
 The run directory holds ``log.jsonl`` (one line per ``log_every`` steps: loss, answer accuracy per family,
 learning rate, time), ``checkpoint.pt`` (model, optimiser and step; written atomically every
@@ -59,6 +61,7 @@ from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
 from .checkpoint import save_checkpoint
 from .batches import BatchMaker, FrameBank, forward_targets, still_logits
+from .long_range import LongRange, draw_batch
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class Recipe:
     """Everything that decides the trained weights (with the code): see the module docstring.
 
     curriculum: ``(frames, steps)`` stages, run in order. seed: the training seed (in `TRAINING_SEEDS`); it
-    also seeds the initialisation.
+    also seeds the initialisation. long_range: the phase after the curriculum (its steps 0: none).
     """
 
     seed: int = TRAINING_SEEDS.start
@@ -93,43 +96,57 @@ class Recipe:
     evidence_loss_weight: float = 0.2
     log_every: int = 25
     checkpoint_every: int = 100
+    long_range: LongRange = LongRange()
+
+    @property
+    def curriculum_steps(self) -> int:
+        return sum(steps for _, steps in self.curriculum)
 
     @property
     def steps(self) -> int:
-        return sum(steps for _, steps in self.curriculum)
+        return self.curriculum_steps + self.long_range.steps
 
-    def frames_at(self, step: int) -> int:
-        """The video length of step ``step`` (0-based)."""
+    def frames_at(self, step: int) -> int | None:
+        """The video length of step ``step`` (0-based); None in the long-range phase (it draws one per step)."""
         for frames, steps in self.curriculum:
             if step < steps:
                 return frames
             step -= steps
-        raise ValueError(f"step {step} is past the curriculum")
+        if step < self.long_range.steps:
+            return None
+        raise ValueError(f"step {step} is past the recipe")
 
     def learning_rate_at(self, step: int) -> float:
+        if step >= self.curriculum_steps:
+            return self.long_range.learning_rate_at(step - self.curriculum_steps)
         if step < self.warmup_steps:
             return self.learning_rate * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        progress = (step - self.warmup_steps) / max(1, self.curriculum_steps - self.warmup_steps)
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return self.final_learning_rate + (self.learning_rate - self.final_learning_rate) * cosine
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "curriculum": [list(stage) for stage in self.curriculum]}
+        return {**dataclasses.asdict(self), "curriculum": [list(stage) for stage in self.curriculum],
+                "long_range": self.long_range.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         data = dict(data)
         data["curriculum"] = tuple(tuple(stage) for stage in data["curriculum"])
+        data["long_range"] = LongRange.from_dict(data["long_range"]) if "long_range" in data else LongRange(steps=0)
         return cls(**data)
 
 
-def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int | None = None) -> Path:
+def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int | None = None,
+          init: str | Path | None = None) -> Path:
     """Train (or resume) ``recipe`` in ``out``; returns the exported checkpoint folder ``out/model``.
 
-    stop_after: stop once this many steps are done in all (to split a run; rerun to go on).
+    stop_after: stop once this many steps are done in all (to split a run; rerun to go on). init: a checkpoint
+    folder holding the weights the curriculum ends with (the built-in model before its long-range phase): a run
+    that has not started starts from them at the long-range phase.
     """
-    if recipe.seed not in TRAINING_SEEDS:
-        raise ConfigurationError(f"the training seed must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
+    if recipe.seed not in TRAINING_SEEDS or recipe.long_range.seed not in TRAINING_SEEDS:
+        raise ConfigurationError(f"the training seeds must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # tiny gradients and Adam moments would otherwise take the slow path
     out = Path(out)
@@ -142,6 +159,9 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     model.set_attn_implementation("eager")  # training reads attention probabilities (the evidence loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     step, elapsed = _resume(out, recipe, model, optimizer)
+    if step == 0 and init is not None:
+        model.load_state_dict(_weights(init))
+        step = recipe.curriculum_steps
     logger.info("%d parameters; training %d steps from step %d", count_parameters(model.parameters()),
                 recipe.steps, step)
     bank, maker = FrameBank(adapter), BatchMaker(adapter)
@@ -151,6 +171,8 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     saved = step
     try:
         while step < last:
+            if step == recipe.curriculum_steps:
+                optimizer.state.clear()  # the long-range phase starts with a fresh optimiser
             for group in optimizer.param_groups:
                 group["lr"] = recipe.learning_rate_at(step)
             loss, parts, answers = _step_loss(recipe, model, bank, maker, step)
@@ -184,7 +206,12 @@ def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: 
     frames = recipe.frames_at(step)
     if frames == 0:  # a vision step: the stills alone
         return still_loss, {"still_loss": still_loss.item()}, None
-    batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
+    if frames is None:
+        phase_step = step - recipe.curriculum_steps
+        batch = draw_batch(recipe.long_range, maker, training_rng(recipe.long_range.seed, phase_step),
+                           recipe.videos_per_batch)
+    else:
+        batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
     logits, frame_logits, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch)
     losses = {"loss": F.cross_entropy(logits[:, 0].float(), batch.targets[:, 0]),
               "end_loss": F.cross_entropy(logits[:, 1].float(), batch.targets[:, 1]),
@@ -221,7 +248,8 @@ class _Window:
 
     def flush(self, step: int, recipe: Recipe, seconds: float) -> dict[str, Any]:
         answered = sum(total for _, total in self.right.values())
-        line = {"step": step, "frames": recipe.frames_at(step - 1),
+        frames = recipe.frames_at(step - 1)
+        line = {"step": step, "frames": "long-range" if frames is None else frames,
                 **{name: sum(values) / len(values) for name, values in self.parts.items()},
                 "accuracy": sum(right for right, _ in self.right.values()) / answered if answered else None,
                 "family_accuracy": {family: right / total for family, (right, total) in sorted(self.right.items())},
@@ -235,10 +263,19 @@ def _log(out: Path, line: dict[str, Any]) -> None:
     if line["accuracy"] is None:
         logger.info("step %d (stills): still loss %.3f", line["step"], line["still_loss"])
     else:
-        logger.info("step %d (%d frames): loss %.3f, accuracy %.3f", line["step"], line["frames"], line["loss"],
+        logger.info("step %d (%s frames): loss %.3f, accuracy %.3f", line["step"], line["frames"], line["loss"],
                     line["accuracy"])
     with (out / LOG_FILE).open("a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")
+
+
+def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint folder ``folder``, loaded as the built-in model is (`from_pretrained`)."""
+    from transformers import InternVLForConditionalGeneration
+
+    if not (Path(folder) / "config.json").is_file():
+        raise DataError(f"{folder}: not a checkpoint folder (no config.json) to start the long-range phase from")
+    return InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
 
 
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:

@@ -45,12 +45,16 @@ class VideoPlan:
 
     stills: what each frame shows (``num_frames`` entries). things: the video's four objects.
     appearances[i]: sorted frames where ``things[i]`` appears. single: the object that appears once.
+    times, length: when the frames are moments of a longer stream (the built-in model's long-range training),
+    each frame's second in a stream of ``length`` frames; None: frame ``i`` is second ``i`` of ``num_frames``.
     """
 
     stills: tuple[Still, ...]
     things: tuple[Thing, ...]
     appearances: tuple[tuple[int, ...], ...]
     single: int
+    times: tuple[int, ...] | None = None
+    length: int | None = None
 
     @property
     def num_frames(self) -> int:
@@ -58,6 +62,12 @@ class VideoPlan:
 
     def count(self, thing: int) -> int:
         return len(self.appearances[thing])
+
+    def quarter(self, frame: int) -> int:
+        """Which quarter (0-3) of the video, or of the stream it was taken from, frame ``frame`` lies in."""
+        if self.times is None:
+            return quarter_of(frame, self.num_frames)
+        return quarter_of(self.times[frame], self.length)
 
     def events(self) -> list[tuple[int, int]]:
         """``(frame, thing index)`` of every appearance, in time order."""

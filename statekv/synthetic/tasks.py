@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plans import VideoPlan, quarter_of
+from .plans import VideoPlan
 from .scenes import COLOURS, SHAPES
 
 LETTERS = "ABCD"
@@ -89,7 +89,7 @@ def first_last(plan: VideoPlan, rng: np.random.Generator) -> QuestionSpec:
 def position(plan: VideoPlan, rng: np.random.Generator) -> QuestionSpec:
     (frame,) = plan.appearances[plan.single]
     return QuestionSpec("position", f"When did the video show {plan.things[plan.single].colour}?", QUARTERS,
-                        quarter_of(frame, plan.num_frames), (frame,))
+                        plan.quarter(frame), (frame,))
 
 
 FAMILIES: dict[str, Callable[[VideoPlan, np.random.Generator], QuestionSpec]] = {

@@ -1,0 +1,99 @@
+"""The built-in model's last phase: training for the regime it is used in past its range.
+
+The curriculum (`statekv.builtin.training.Recipe.curriculum`) ends on videos of 96 consecutive frames (about
+400 positions), so a model trained on it alone reads every question as if the video spanned that much: far
+apart frames, frames named past ``Frame96`` and retrieved frames laid out for a question past the range are
+distances and anchors it never saw (docs/accuracy.md, "Past the range: causes"). The long-range phase
+(`LongRange`) goes on from the curriculum's weights with a fresh optimiser; each step draws one of two regimes:
+
+* the curriculum's own last batch (share ``video_share``): 96 consecutive frames, so that what the model knows
+  inside its range is kept;
+* a stream batch (`stream_batch`): ``n`` frames (drawn from ``frames``) of a stream ``T`` frames long
+  (log-uniform from ``2 n`` to ``stream_frames``), at sorted random seconds, each named by its second
+  (``Frame{t+1}``), laid out one after another as the engine packs retrieved frames or (share ``spread_share``)
+  spread over ``S`` positions by their time (``S`` uniform from ``4 n`` to ``span``) as a question past the range
+  reads them; every object appearance is among the ``n`` frames, as the evidence is among a question's retrieved
+  frames when retrieval finds it. Quarters (the position family and the frames' targets) are of ``t / T``.
+
+Every target and loss weight is the curriculum's (`statekv.builtin.batches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..synthetic.seeds import TRAINING_SEEDS
+from .batches import Batch, BatchMaker
+
+CURRICULUM_FRAMES = 96  # the curriculum's last video length, the long-range phase's video regime
+
+
+@dataclass(frozen=True)
+class LongRange:
+    """The long-range phase (module docstring). steps: 0 skips it. learning_rate: cosine from this to 0 over
+    ``steps``. seed: the phase's training seed (in `TRAINING_SEEDS`), step ``i`` drawing from
+    ``training_rng(seed, i)``."""
+
+    steps: int = 600
+    learning_rate: float = 5e-4
+    video_share: float = 0.3
+    spread_share: float = 0.5
+    frames: tuple[int, ...] = (16, 24, 48, 96)
+    stream_frames: int = 24000
+    span: int = 4000
+    seed: int = TRAINING_SEEDS.start + 45
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate of the phase's step ``step`` (0-based)."""
+        return self.learning_rate * 0.5 * (1 + math.cos(math.pi * step / self.steps))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "frames": list(self.frames)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LongRange":
+        return cls(**{**data, "frames": tuple(data["frames"])})
+
+
+def draw_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, videos: int) -> Batch:
+    """One step's batch of the phase: the curriculum's last regime or a stream batch (module docstring)."""
+    if rng.random() < phase.video_share:
+        return maker.make(rng, videos, CURRICULUM_FRAMES)
+    return stream_batch(phase, maker, rng, videos)
+
+
+def stream_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, videos: int) -> Batch:
+    """``videos`` videos of ``n`` frames taken at the same sorted seconds of a longer stream (module docstring)."""
+    frames = int(rng.choice(phase.frames))
+    length = int(math.exp(rng.uniform(math.log(2 * frames), math.log(phase.stream_frames))))
+    times = tuple(sorted(int(t) for t in rng.choice(length, size=frames, replace=False)))
+    batch = maker.make(rng, videos, frames, times=times, length=length)
+    if rng.random() < phase.spread_share:
+        span = int(rng.uniform(4 * frames, phase.span))
+        batch.video_positions = spread_positions(batch, maker, times, length, span)
+    return batch
+
+
+def spread_positions(batch: Batch, maker: BatchMaker, times: tuple[int, ...], length: int, span: int
+                     ) -> torch.Tensor:
+    """``[1, Lv]``: the prefix at its own positions, then each frame's tokens from where its second scales to in
+    ``span`` positions after the prefix, never overlapping the frame before."""
+    adapter = maker.adapter
+    prefix = adapter.prefix(adapter.start(len(times)))
+    total = batch.video_ids.shape[1]
+    starts = [0 if prefix is None else prefix.input_ids.shape[1]]
+    starts += (batch.frame_positions[:-1, 1] + 1).tolist()  # each frame's text ends with its </img>
+    positions = torch.arange(total)
+    placed = starts[0]
+    for index, first in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else total
+        placed = max(starts[0] + int(times[index] * (span - (end - first)) / max(length, 1)), placed)
+        positions[first:end] = placed + torch.arange(end - first)
+        placed += end - first
+    return positions[None]
