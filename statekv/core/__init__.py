@@ -12,7 +12,8 @@ from ..settings.methods import retrieval_rule
 from .positions.rope import FrozenRope, check_horizon, freeze_rope, rope_capacity
 
 __all__ = [
-    "RETRIEVAL_RULES", "Asked", "AttentionShare", "answer_together", "LayerQuestion", "MeanKeyMatch", "MostRecent", "RetrievalRule",
+    "RETRIEVAL_RULES", "Asked", "AttentionShare", "answer_together", "LayerQuestion", "MeanKeyMatch", "MostRecent",
+    "RetrievalRule",
     "retrieval_rule", "Candidates", "CarryPolicy", "FrozenRope", "FullAttention", "KeyNorm", "PerLayerBudget",
     "Recency", "ReKV", "Retrieval", "WithSinks",
     "ScoredPolicy", "SinksAndRecency", "StateKV", "StreamingPrefill", "TwoStateCache", "check_horizon",
