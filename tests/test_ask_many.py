@@ -16,12 +16,13 @@ from transformers.generation.streamers import BaseStreamer
 import statekv
 import statekv.core.answering.together as together_module
 from statekv.errors import InputError
+from statekv.models import load_adapter
 from statekv.synthetic.plans import plan_video
 from statekv.synthetic.prompts import question_prompt
 from statekv.synthetic.scenes import render
 from statekv.synthetic.seeds import video_rng
 
-from conftest import random_frames
+from conftest import random_frames, tiny_qa
 
 COUNT = question_prompt("How many times did the video show red?", ["1", "2", "3", "4"])
 COLOUR = question_prompt("What colour was the circle?", ["red", "green", "blue", "yellow"])
@@ -153,6 +154,22 @@ def test_bounded_streams_past_the_range_answer_together_as_alone(tmp_path):
     assert qa.question_batch_sizes == {3: 1} and streams[0].answer_info.context == "retrieved"
     for stream in streams:
         stream.close()
+
+
+def test_offloaded_streams_and_one_that_evicted_frames_answer_together_as_alone(checkpoint):
+    """The detailed cache kept off the model's device, and a stream that gave up its oldest frames under
+    ``max_cache_bytes``: each row reads what it reads alone (the held steps only)."""
+    adapter = load_adapter(checkpoint, layout="chat")
+    probe = tiny_qa(adapter, "recency", offload=True).stream(horizon_frames=8)
+    for frame in random_frames(4):
+        probe.push(frame)
+    qa = tiny_qa(adapter, "recency", offload=True, max_cache_bytes=probe.prefill.stats.held_bytes,
+                 cache_limit="evict-oldest")
+    streams = streams_of(qa, random_frames(8, seed=6), [(8, 8), (3, 8)])
+    assert streams[0].prefill.cache.evicted_steps and not streams[1].prefill.cache.evicted_steps
+    items = [(streams[0], "Why?", {"max_new_tokens": 5}), (streams[1], "What happens next?", {"max_new_tokens": 4})]
+    assert_as_alone(qa, items, adapter.model.get_output_embeddings())
+    assert qa.question_batch_sizes == {2: 1}
 
 
 def test_questions_whose_shapes_do_not_allow_a_batch_are_answered_alone(builtin, scenes, monkeypatch):
