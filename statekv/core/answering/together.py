@@ -122,7 +122,7 @@ class _Row:
         return LayerContext(keys, values, torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device))
 
 
-def prompt_positions(question: Asked) -> torch.Tensor:
+def question_positions(question: Asked) -> torch.Tensor:
     """Where ``generate`` puts the question's prompt: ``[1, Q]``, or its explicit M-RoPE rows ``[3 or 4, 1, Q]``;
     after the stream's tokens, or under bounded positions at its plan's start."""
     prefill, prompt, plan = question.prefill, question.prompt, question.plan
@@ -164,7 +164,7 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
     for question in questions:
         question.prefill.check_open()
         row = _Row(question, longest - question.prompt.input_ids.shape[1])
-        laid = prompt_positions(question).to(device)
+        laid = question_positions(question).to(device)
         laid_ids, laid_positions = padded_left(question.prompt.input_ids.to(device), laid, row.pad)
         rows.append(row)
         ids.append(laid_ids)
