@@ -65,9 +65,10 @@ def test_a_camera_counts_in_goodput_when_held_at_real_time_with_its_ttft_under_t
                _frames(1, 0.1) + [_question(1, 0.9)],  # held, too slow to answer
                _frames(2, 2.0) + [_question(2, 0.2)],  # behind real time
                _frames(3, 0.1)[:-1] + [Request("frame", 3, due=19, sent=19, done=19.1, error="HTTP 409: no")])
-    row = summarize(run, fps=1.0, duration=20.0, targets=targets, mean_batch=2.5)
+    row = summarize(run, fps=1.0, duration=20.0, targets=targets, mean_batch=2.5, mean_question_batch=1.5)
     assert row["held_streams"] == 2 and row["goodput_streams"] == 1 and row["failures"] == 1
     assert row["frames_done"] == 79 and row["questions"] == 3 and row["mean_batch"] == 2.5
+    assert row["mean_question_batch"] == 1.5
     assert row["ttft_p50_s"] == pytest.approx(0.2) and row["lag_p50_s"] == pytest.approx(0.1)
     assert not held_all(row) and held_all(summarize(_run(_frames(0, 0.1)), 1.0, 20.0, targets, None))
     assert set(FIELDS) <= set(row) and "| 4 | 1 |" in table([row])
@@ -202,5 +203,7 @@ def test_the_built_in_model_under_bench_serve(tmp_path):
     for row in rows:
         assert row["frames_done"] == row["frames_sent"] == 8 * row["streams"] and row["failures"] == 0
         assert row["lag_p95_s"] is not None and row["mean_batch"] >= 1.0
+        # questions answered: the server's questions per answering batch, from its statekv_question_batch_size
+        assert row["answers"] == 0 and row["mean_question_batch"] is None or row["mean_question_batch"] >= 1.0
     assert "| streams | fps | frames/s |" in result.stdout and plot.stat().st_size > 10_000
     assert "statekv bench serve: 2 streams" in result.stderr  # the progress line

@@ -226,17 +226,61 @@ def test_a_camera_keeping_up_is_not_waited_for():
         worker.close()
 
 
+class _Asked:
+    """A `VideoQA` stand-in that records each drain's questions (stream, question) and answers with the question."""
+
+    def __init__(self):
+        self.drains: list[list[tuple[int, str]]] = []
+
+    def ask_tokens_many(self, items, return_exceptions=False):
+        self.drains.append([(id(stream), question) for stream, question, _ in items])
+        return [ValueError("no answer") if question == "bad" else question for _, question, _ in items]
+
+
+def test_questions_that_wait_together_are_answered_in_one_batch():
+    """Questions queued while the thread is busy: one drain answers each stream's earliest (the streams of one
+    VideoQA in one `ask_tokens_many`), a stream's later question waits for the next drain, and a question whose
+    checks or answer fail fails alone."""
+    qa, other_qa, worker = _Asked(), _Asked(), ModelWorker()
+    first, second, third, elsewhere = _Stream(qa), _Stream(qa), _Stream(qa), _Stream(other_qa)
+    started = threading.Event()
+
+    def refused():
+        raise LookupError("not here")
+
+    async def run() -> list:
+        busy = asyncio.ensure_future(worker.run(lambda: (started.set(), time.sleep(0.2))))  # the thread is busy
+        await asyncio.to_thread(started.wait)
+        asked = [(first, "a1"), (second, "b1"), (first, "a2"), (third, "bad"), (elsewhere, "e1"), (second, "b2")]
+        answers = [worker.queue_ask(stream, question, {}, before=lambda: 0,
+                                    after=lambda context, answer: answer.upper()) for stream, question in asked]
+        answers.append(worker.queue_ask(third, "c2", {}, before=refused, after=lambda context, answer: answer))
+        await busy
+        return await asyncio.gather(*answers, return_exceptions=True)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        worker.close()
+    assert results[:3] == ["A1", "B1", "A2"] and results[4:6] == ["E1", "B2"]
+    assert isinstance(results[3], ValueError) and isinstance(results[6], LookupError)
+    assert qa.drains == [[(id(first), "a1"), (id(second), "b1"), (id(third), "bad")],
+                         [(id(first), "a2"), (id(second), "b2")]]
+    assert other_qa.drains == [[(id(elsewhere), "e1")]] and worker.queued == 0
+
+
 def test_metrics_show_the_batch_sizes_as_a_histogram():
     """``statekv_step_batch_size``: the language-model forwards by the stream steps each took, read when scraped
-    (its sum over its count is the mean batch `statekv bench serve` reports)."""
+    (its sum over its count is the mean batch `statekv bench serve` reports); ``statekv_question_batch_size``: the
+    answering batches by the questions each took."""
     from collections import Counter
 
     from prometheus_client.parser import text_string_to_metric_families
 
     from statekv.serve.metrics import Metrics
 
-    sizes = Counter({1: 3, 4: 2})
-    metrics = Metrics(lambda: 2, lambda: 0, lambda: 2, lambda: sizes)
+    sizes, questions = Counter({1: 3, 4: 2}), Counter({1: 1, 3: 2})
+    metrics = Metrics(lambda: 2, lambda: 0, lambda: 2, lambda: sizes, lambda: questions)
     samples = {(sample.name, sample.labels.get("le")): sample.value
                for family in text_string_to_metric_families(metrics.exposition().decode())
                if family.name == "statekv_step_batch_size" for sample in family.samples}
@@ -247,3 +291,9 @@ def test_metrics_show_the_batch_sizes_as_a_histogram():
     assert samples[("statekv_step_batch_size_count", None)] == 5 and samples[("statekv_step_batch_size_sum", None)] == 11
     sizes[16] += 1  # read again at the next scrape
     assert "statekv_step_batch_size_count 6.0" in metrics.exposition().decode()
+    asked = {(sample.name, sample.labels.get("le")): sample.value
+             for family in text_string_to_metric_families(metrics.exposition().decode())
+             if family.name == "statekv_question_batch_size" for sample in family.samples}
+    assert asked[("statekv_question_batch_size_bucket", "2.0")] == 1
+    assert asked[("statekv_question_batch_size_bucket", "4.0")] == 3
+    assert asked[("statekv_question_batch_size_sum", None)] == 7

@@ -13,7 +13,7 @@ import torch
 
 import statekv
 import statekv.api.watch as watch_module
-import statekv.core.watching.context as context_module
+import statekv.core.answering.rows as rows_module
 from statekv.errors import InputError
 from statekv.synthetic.plans import plan_video
 from statekv.synthetic.prompts import question_prompt
@@ -81,13 +81,13 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
     evaluation reads exactly what `ask` reads, every token once, at the same positions (bounded, or the
     stream's own)."""
     read = []
-    original = context_module.masked_attention
+    original = rows_module.masked_attention
 
     def spy(q, keys, values, valid, scale):
         read.append((q.shape[2], int(valid[0, 0].sum())))
         return original(q, keys, values, valid, scale)
 
-    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
+    monkeypatch.setattr("statekv.core.answering.rows.masked_attention", spy)
     stream = full.stream(horizon, max_fps=1)
     push(stream, frames, 0, 6)
     watch = stream.watch(COUNT, max_new_tokens=4)
@@ -104,14 +104,13 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
 
 def test_an_evaluation_reads_the_carried_state_and_the_new_frames_only(qa, frames, monkeypatch):
     read = []
-    original = context_module.masked_attention
+    original = rows_module.masked_attention
 
     def spy(q, keys, values, valid, scale):
         read.append(int(valid[0, 0].sum()))
         return original(q, keys, values, valid, scale)
 
-    monkeypatch.setattr(context_module, "masked_attention", spy)
-    monkeypatch.setattr("statekv.core.watching.standing.masked_attention", spy)
+    monkeypatch.setattr(rows_module, "masked_attention", spy)
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 2)
     watch = stream.watch(COUNT, every=2, max_new_tokens=1, steer=False)

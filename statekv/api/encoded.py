@@ -27,6 +27,7 @@ from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
+from ..core.answering.decoding import Prompt
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
 from ..steps.overlap import EncodedStep
@@ -119,6 +120,15 @@ class EncodedVideo:
 
     def _answer(self, question: str, *, max_new_tokens: int, retrieve: int | None | object,
                 retrieval: str | None, **generate_kwargs: Any) -> torch.Tensor:
+        prompt, retrieval = self.laid_out_question(question, max_new_tokens, retrieve, retrieval)
+        answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
+        self.answered(retrieval, self.prefill.last_read_steps)
+        return answer
+
+    def laid_out_question(self, question: str, max_new_tokens: int, retrieve: int | None | object,
+                          retrieval: str | None) -> tuple[Prompt, Retrieval | None]:
+        """`ask`'s checks and the question laid out after the video: its `Prompt` and the `Retrieval` it reads by
+        (None: the whole cache), as the one check that it fits (`StreamingPrefill.fit_question`) plans it."""
         self.prefill.check_open()
         self.start()
         if self.state.frames == 0:
@@ -134,15 +144,18 @@ class EncodedVideo:
         plan = self.prefill.fit_question(prompt.input_ids.shape[1], max_new_tokens, retrieval)
         if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
             retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
-        answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
+        return prompt, retrieval
+
+    def answered(self, retrieval: Retrieval | None, read_steps: tuple[int, ...] | None) -> None:
+        """Book an answer read by ``retrieval`` (None: the whole cache) from ``read_steps``: the stats and
+        ``answer_info``."""
         self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
                                       retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps),
                                       context="whole" if retrieval is None else "retrieved",
-                                      read_frames=self.frames_of(self.prefill.last_read_steps))
-        return answer
+                                      read_frames=self.frames_of(read_steps))
 
     def frames_of(self, steps: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The frames (0-based, in encoding order) the streamed ``steps`` hold (None: None)."""

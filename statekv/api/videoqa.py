@@ -13,6 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..models import VideoAdapter, load_adapter
 from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
+from .asking import ask_together
 from .pushing import push_together
 from .recent import RecentFrames
 from .stream import Stream
@@ -95,6 +97,7 @@ class VideoQA:
         self.options: ModelOptions | None = None  # set by from_options
         # batches the steps of this VideoQA's streams pushed at once, then evaluates their watches due
         self.step_scheduler = StepScheduler(follow_up=evaluate_due)
+        self.question_batch_sizes: Counter = Counter()  # questions answered by `ask_many`, by the batch each took
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> "VideoQA":
@@ -303,6 +306,31 @@ class VideoQA:
                 if isinstance(result, BaseException):
                     raise result
         return results
+
+    def ask_many(self, items: Sequence[tuple], *, return_exceptions: bool = False) -> list[str | Exception]:
+        """Answer a question of each of several streams of this VideoQA together: the questions whose shapes allow
+        it as the rows of one batch (one forward for all their prompts, each over its own stream's context, then one
+        per answer token: `statekv.core.answering.together`), the others alone (sampling, a generation setting
+        that changes greedy decoding, a stream that keeps no cache).
+
+        items: ``(stream, question)`` or ``(stream, question, ask_kwargs)``, ``ask_kwargs`` what `Stream.ask` takes
+            (a stream may appear more than once). Returns the answers in order. A question that fails (an empty
+            question, one too long for its stream) fails alone: the others are answered, then the first error is
+            raised (or, with ``return_exceptions=True``, returned in that item's place).
+
+        Each answer is exactly the one its question gets asked alone (the same tokens; logits within float
+        rounding). ``question_batch_sizes`` counts the batches by the questions each answered.
+        """
+        check_bool(return_exceptions, "return_exceptions")
+        items = list(items) if isinstance(items, Iterable) and not isinstance(items, (str, bytes)) else items
+        answers = ask_together(self, items, return_exceptions=return_exceptions)
+        return [answer if isinstance(answer, BaseException) else self.adapter.decode(answer) for answer in answers]
+
+    def ask_tokens_many(self, items: Sequence[tuple], *, return_exceptions: bool = False
+                        ) -> list[torch.Tensor | Exception]:
+        """As `ask_many`, but each answer's token ids ``[1, N]`` (as `Stream.ask_tokens`)."""
+        check_bool(return_exceptions, "return_exceptions")
+        return ask_together(self, items, return_exceptions=return_exceptions)
 
     def horizon_for(self, num_frames: int | None, frame_size: tuple[int, int] | None = None,
                     reserve_tokens: int | None = None) -> int | None:

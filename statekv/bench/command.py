@@ -212,18 +212,21 @@ class Probe:
 
     def __call__(self, count: int) -> dict[str, Any]:
         from .load import run_load
-        from .server import batch_totals, mean_batch
+        from .server import BATCH_METRIC, QUESTION_BATCH_METRIC, batch_totals, mean_batch
         from .summary import summarize
 
         if count not in self.rows:
             show = None if self.quiet else self.progress(f"{count} stream{'s' * (count != 1)}", self.settings)
+            metrics = (BATCH_METRIC, QUESTION_BATCH_METRIC)  # steps per forward, questions per answering batch
             before = []
             run = asyncio.run(run_load(self.url, self.key, count, self.settings, self.cameras.frames, show,
-                                       ready=lambda: before.append(batch_totals(self.url))))
-            batch = mean_batch(before[0] if before else None, batch_totals(self.url))
+                                       ready=lambda: before.append([batch_totals(self.url, m) for m in metrics])))
+            batch, questions = (mean_batch(before[0][index] if before else None, batch_totals(self.url, metric))
+                                for index, metric in enumerate(metrics))
             if show is not None and sys.stderr.isatty():
                 print(file=sys.stderr)
-            self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch)
+            self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch,
+                                         mean_question_batch=questions)
         return self.rows[count]
 
     def find_max(self, limit: int, *, start: int = 1, deadline: float | None = None

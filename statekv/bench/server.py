@@ -15,6 +15,7 @@ from ..errors import StateKVError
 
 LISTENING = "statekv serve: listening on "
 BATCH_METRIC = "statekv_step_batch_size"
+QUESTION_BATCH_METRIC = "statekv_question_batch_size"
 
 
 class ServerError(StateKVError):
@@ -78,9 +79,10 @@ class LocalServer:
             self._folder = None
 
 
-def batch_totals(url: str) -> tuple[float, float] | None:
-    """``(sum, count)`` of the server's ``statekv_step_batch_size`` histogram (stream steps per language-model
-    forward), or None when its /metrics do not have it."""
+def batch_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | None:
+    """``(sum, count)`` of the server's ``metric`` histogram (``statekv_step_batch_size``: stream steps per
+    language-model forward; ``statekv_question_batch_size``: questions per answering batch), or None when its
+    /metrics do not have it."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,17 +92,17 @@ def batch_totals(url: str) -> tuple[float, float] | None:
         return None
     totals = {}
     for family in text_string_to_metric_families(text):
-        if family.name == BATCH_METRIC:
+        if family.name == metric:
             for sample in family.samples:
-                if sample.name in (f"{BATCH_METRIC}_sum", f"{BATCH_METRIC}_count"):
+                if sample.name in (f"{metric}_sum", f"{metric}_count"):
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     if len(totals) != 2:
         return None
-    return totals[f"{BATCH_METRIC}_sum"], totals[f"{BATCH_METRIC}_count"]
+    return totals[f"{metric}_sum"], totals[f"{metric}_count"]
 
 
 def mean_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Stream steps per forward between two readings of `batch_totals`."""
+    """The mean batch between two readings of `batch_totals` (stream steps per forward, or questions per batch)."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])

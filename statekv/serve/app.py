@@ -73,7 +73,8 @@ class Service:
         self.started = int(time.time())
         self.registry = self.hosting.registry(config, qa, worker)
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
-                               self.registry.batched_steps, self.registry.batch_sizes)
+                               self.registry.batched_steps, self.registry.batch_sizes,
+                               self.registry.question_batch_sizes)
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here

@@ -1,5 +1,6 @@
 """Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency, and
-how many streams' steps each language-model forward took (``statekv_step_batch_size``)."""
+how many streams' steps each language-model forward took (``statekv_step_batch_size``) and how many questions each
+answering batch took (``statekv_question_batch_size``)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ RATE_WINDOW_SECONDS = 10.0
 
 class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
-                 batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Counter] | None = None):
+                 batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Counter] | None = None,
+                 question_batch_sizes: Callable[[], Counter] | None = None):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
             self.registry.register(_BatchedSteps(batched_steps))
         if batch_sizes is not None:
-            self.registry.register(_BatchSizes(batch_sizes))
+            self.registry.register(_BatchSizes(batch_sizes, STEP_BATCH))
+        if question_batch_sizes is not None:
+            self.registry.register(_BatchSizes(question_batch_sizes, QUESTION_BATCH))
         self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
         self.stopped = Counter("statekv_answers_stopped", "answers stopped between tokens: their client went away",
@@ -72,18 +76,21 @@ class _BatchedSteps:
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_BATCH = ("statekv_step_batch_size", "stream steps per language-model forward (streams stepped together in one "
+              "batch)")
+QUESTION_BATCH = ("statekv_question_batch_size", "questions per answering batch (questions of several streams "
+                  "answered together: one forward for their prompts, then one per answer token)")
 
 
 class _BatchSizes:
-    """``statekv_step_batch_size``: a histogram of the stream steps each language-model forward took (1: a stream
-    stepped alone), read from the models' step schedulers when scraped; its ``_sum`` over its ``_count`` is the
-    mean batch."""
+    """A histogram of batch sizes read when scraped: ``statekv_step_batch_size``, the stream steps each
+    language-model forward took (1: a stream stepped alone), from the models' step schedulers;
+    ``statekv_question_batch_size``, the questions each answering batch took (1: a question answered alone), from
+    the models' ``question_batch_sizes``. Its ``_sum`` over its ``_count`` is the mean batch."""
 
-    name = "statekv_step_batch_size"
-    help = "stream steps per language-model forward (streams stepped together in one batch)"
-
-    def __init__(self, sizes: Callable[[], Counter]):
+    def __init__(self, sizes: Callable[[], Counter], named: tuple[str, str]):
         self.sizes = sizes
+        self.name, self.help = named
 
     def describe(self):
         return [HistogramMetricFamily(self.name, self.help)]

@@ -278,6 +278,11 @@ class StreamRegistry:
         return sum((Counter(getattr(getattr(qa, "step_scheduler", None), "batch_sizes", {})) for qa in models),
                    Counter())
 
+    def question_batch_sizes(self) -> Counter:
+        """Questions answered together, by the questions each batch took, over the server's models."""
+        models = [self.qa, *list(self.settings.models.values())]
+        return sum((Counter(getattr(qa, "question_batch_sizes", {})) for qa in models), Counter())
+
     # -- feeding a file ------------------------------------------------------------------------------------
     async def open_source(self, path: Path, shown: str) -> Any:
         """Open a video file (off the model's thread); a one-line 400 naming it as ``shown`` if it is not one."""
@@ -341,8 +346,14 @@ class StreamRegistry:
         if streamer is not None:
             kwargs.update(streamer_arguments(streamer))
         started = time.perf_counter()
+        queue = getattr(self.worker, "queue_ask", None)
         try:
-            result = await self.worker.run(self._ask_now, entry, question, kwargs)
+            if queue is None:
+                result = await self.worker.run(self._ask_now, entry, question, kwargs)
+            else:  # questions waiting together are answered together (`ModelWorker.queue_ask`)
+                result = await queue(entry.stream, question, kwargs,
+                                     before=lambda: self._before_ask(entry, question, kwargs),
+                                     after=lambda prompt, tokens: self._after_ask(entry, prompt, tokens, kwargs))
         except ClientLeft:
             if self.metrics:
                 self.metrics.stopped.inc()
@@ -358,18 +369,31 @@ class StreamRegistry:
                 log.error("cannot record an answer of stream %s: %s", entry.id, error)
         return result
 
-    @staticmethod
-    def _ask_now(entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    @classmethod
+    def _ask_now(cls, entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer with the frames and the stream time it refers to (read on the model's thread, before any
         later push). A question that does not fit the room left in the stream's horizon is refused first."""
+        prompt = cls._before_ask(entry, question, kwargs)
+        return cls._after_ask(entry, prompt, entry.stream.ask_tokens(question, **kwargs), kwargs)
+
+    @staticmethod
+    def _before_ask(entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> int:
+        """The checks before a question (on the model's thread): the stream is here and has a frame, and the
+        question fits the room left in its horizon; returns its prompt's length in tokens."""
         _check_here(entry)
         stream = entry.stream
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
         prompt = prompt_tokens(stream, question, kwargs["max_new_tokens"])
         check_still_there(kwargs.get("streamer"))
-        tokens = stream.ask_tokens(question, **kwargs)
+        return prompt
+
+    @staticmethod
+    def _after_ask(entry: StreamEntry, prompt: int, tokens: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The answer ``tokens`` ``[1, N]`` with the frames and stream time it refers to (on the model's thread,
+        right after it, before any later push)."""
         check_still_there(kwargs.get("streamer"))
+        stream = entry.stream
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt
         read = stream.answer_info.read_frames if stream.answer_info is not None else None

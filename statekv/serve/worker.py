@@ -9,7 +9,12 @@ batch. Streams that push one frame after another (a file being fed, a client wai
 push in flight each, so they would take turns rather than meet: a drain that lacks such a stream, one that pushed
 within the last `ACTIVE_SECONDS` and is not known to take longer (one of its last pushes came within `BACK_TO_BACK`
 gathering waits of the answer before it), waits up to `GATHER_SECONDS` (the gathering wait) for its next push. A camera keeping up, whose next frame comes a frame period later however
-fast it is answered, is not waited for; one that fell behind comes straight back, and is."""
+fast it is answered, is not waited for; one that fell behind comes straight back, and is.
+
+Questions are taken together the same way: questions queued while the thread is busy (`queue_ask`) are answered by
+one drain, each stream's earliest (its later ones, in order, left to the next drain), and the questions to streams
+of one `VideoQA` among them are answered as the rows of one batch where their shapes allow
+(`VideoQA.ask_tokens_many`). Questions are not waited for: one that finds the thread free is answered at once."""
 
 from __future__ import annotations
 
@@ -53,8 +58,20 @@ class _Push:
     context: Any = None
 
 
+@dataclass
+class _Question:
+    stream: Any
+    question: str
+    kwargs: dict
+    before: Callable[[], Any]
+    after: Callable[[Any, Any], Any]
+    future: Future = field(default_factory=Future)
+    context: Any = None
+
+
 class ModelWorker:
-    """One thread for all model work, first come first served; pushes that wait together step together.
+    """One thread for all model work, first come first served; pushes that wait together step together, and
+    questions that wait together are answered together.
 
     ``batches``: times the thread took more than one queued push at once."""
 
@@ -65,6 +82,8 @@ class ModelWorker:
         self.gather_seconds = gather_seconds
         self._pushes: list[_Push] = []
         self._drain_queued = False
+        self._questions: list[_Question] = []
+        self._answers_queued = False
         self._arrived = threading.Condition()
         self._last_push: dict[int, float] = {}  # id(stream) -> when its last push arrived, if it pushes back to back
         self._answered_at: dict[int, float] = {}  # id(stream) -> when its last push was answered
@@ -106,6 +125,28 @@ class ModelWorker:
             self._queue_drain()
         self.queued += 1
         answer = asyncio.wrap_future(push.future)
+        answer.add_done_callback(self._answered)
+        return answer
+
+    async def ask(self, stream: Any, question: str, kwargs: dict, *, before: Callable[[], Any],
+                  after: Callable[[Any, Any], T]) -> T:
+        """Answer ``question`` of ``stream`` (``kwargs``: what `Stream.ask_tokens` takes) on the model's thread, with
+        the questions that wait with it: ``before()`` runs first (its error fails this question only), then the
+        answer, then ``after(before's result, the answer's token ids [1, N])``, whose result is returned."""
+        return await self.queue_ask(stream, question, kwargs, before=before, after=after)
+
+    def queue_ask(self, stream: Any, question: str, kwargs: dict, *, before: Callable[[], Any],
+                  after: Callable[[Any, Any], T]) -> "asyncio.Future[T]":
+        """`ask`, queued now (after the stream's questions queued before it) and answered by the future returned
+        (on the running event loop)."""
+        asked = _Question(stream, question, kwargs, before, after)
+        with self._arrived:
+            self._questions.append(asked)
+            if not self._answers_queued:
+                self._answers_queued = True
+                self._pool.submit(self._answer_questions)
+        self.queued += 1
+        answer = asyncio.wrap_future(asked.future)
         answer.add_done_callback(self._answered)
         return answer
 
@@ -175,6 +216,43 @@ class ModelWorker:
                 with self._arrived:
                     self._answered_at[id(push.stream)] = time.monotonic()
                 outcome[0](outcome[1])
+
+    def _taken_questions(self) -> list[_Question]:
+        """Each stream's earliest waiting question; the later ones stay queued, in order, for the next drain."""
+        with self._arrived:
+            taken, left, streams = [], [], set()
+            for asked in self._questions:
+                (left if id(asked.stream) in streams else taken).append(asked)
+                streams.add(id(asked.stream))
+            self._questions, self._answers_queued = left, bool(left)
+            if left:
+                self._pool.submit(self._answer_questions)
+        return taken
+
+    def _answer_questions(self) -> None:
+        ready: dict[int, list[_Question]] = {}
+        for asked in self._taken_questions():
+            try:
+                asked.context = asked.before()
+            except BaseException as error:
+                asked.future.set_exception(error)
+                continue
+            ready.setdefault(id(asked.stream.qa), []).append(asked)
+        for group in ready.values():
+            qa = group[0].stream.qa
+            try:
+                results = qa.ask_tokens_many([(asked.stream, asked.question, asked.kwargs) for asked in group],
+                                             return_exceptions=True)
+            except BaseException as error:
+                results = [error] * len(group)
+            for asked, result in zip(group, results):
+                if isinstance(result, BaseException):
+                    asked.future.set_exception(result)
+                    continue
+                try:
+                    asked.future.set_result(asked.after(asked.context, result))
+                except BaseException as error:
+                    asked.future.set_exception(error)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

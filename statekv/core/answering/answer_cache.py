@@ -77,27 +77,34 @@ class AnswerLayer(EngineLayer):
         """Choose the context for ``question`` (queries ``[B, Hq, Q, D]``) and append the staged prompt.
 
         layer, scale, memory: what the retrieval rule sees (`LayerQuestion`)."""
-        storage = self.stream.storage
-        length = storage.length
         keys, values = self._pending
-        need = length + self.room
-        evicted = self.evicted
-        placed = self.placing is not None  # bounded positions: the keys are moved, so never read in place
-        in_place = (storage.answer_in_place(keys, need - length) if retrieval is None and not evicted and not placed
-                    else None)
+        length = self.stream.storage.length
+        in_place = (self.stream.storage.answer_in_place(keys, self.room)
+                    if retrieval is None and not self.evicted and self.placing is None else None)
         if in_place is not None:  # answer in the free room past the stream's end: no copy
             (self.keys, self.values), self.context = in_place, length
-        elif retrieval is None and not evicted:  # stored elsewhere or otherwise: the whole cache to the model's device
-            self._allocate(keys, need)
-            self.keys[:, :, :length], self.values[:, :, :length] = storage.read_range(
-                0, length, self.model_device, keys.dtype)
-            self.context = length
+        else:
+            context_keys, context_values = self.read_context(question, retrieval, layer, scale, memory, keys.dtype)
+            self.context = context_keys.shape[2]
+            self._allocate(keys, self.context + self.room)
+            self.keys[:, :, :self.context], self.values[:, :, :self.context] = context_keys, context_values
+        self._pending = None
+        self._append(keys, values)
+
+    def read_context(self, question: torch.Tensor, retrieval: Retrieval | None, layer: int, scale: float,
+                     memory: dict | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's keys and values ``[B, H_kv, C, D]`` on the model's device, in time order (under bounded
+        positions, the keys rotated to their places): the whole detailed cache, every step still held, or the
+        tokens ``retrieval`` picks for ``question`` (queries ``[1, Hq, Q, D]``; ``self.retrieved`` records them).
+        A question answered alone and a row of questions answered together (`statekv.core.answering.together`)
+        read it here."""
+        storage = self.stream.storage
+        index = None  # the tokens read, when not the whole cache
+        if retrieval is None and not self.evicted:  # the whole cache, copied to the model's device
+            keys, values = storage.read_range(0, storage.length, self.model_device, dtype)
         elif retrieval is None:  # every token still held, in order
-            index = _held_tokens(self.steps, evicted)
-            self._allocate(keys, index.shape[0] + self.room)
-            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
-                index, self.model_device, keys.dtype)
-            self.context = index.shape[0]
+            index = _held_tokens(self.steps, self.evicted)
+            keys, values = storage.read_tokens(index, self.model_device, dtype)
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
@@ -108,20 +115,14 @@ class AnswerLayer(EngineLayer):
                 len(steps), segments.steps, 0 if segments.index is None else segments.index.shape[2])
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
-                                 read_keys=lambda index: storage.read_tokens(index, dtype=keys.dtype)[0],
-                                 evicted=frozenset(evicted), segments=segments.index, segment_steps=segments.steps,
+                                 read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
+                                 evicted=frozenset(self.evicted), segments=segments.index, segment_steps=segments.steps,
                                  starts=self.starts, turns=turns[0], segment_turns=turns[1], frequencies=turns[2])
             index = self.retrieved = retrieval.tokens(seen)
-            self._allocate(keys, index.shape[0] + self.room)
-            self.keys[:, :, : index.shape[0]], self.values[:, :, : index.shape[0]] = storage.read_tokens(
-                index, self.model_device, keys.dtype)
-            self.context = index.shape[0]
-        if placed:
-            index = (torch.arange(length) if retrieval is None and not evicted else
-                     _held_tokens(self.steps, evicted) if retrieval is None else index)
-            self.keys[:, :, : self.context] = self.placing.placed(self.keys[:, :, : self.context], index)
-        self._pending = None
-        self._append(keys, values)
+            keys, values = storage.read_tokens(index, self.model_device, dtype)
+        if self.placing is not None:
+            keys = self.placing.placed(keys, torch.arange(storage.length) if index is None else index)
+        return keys, values
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.context + self.answered

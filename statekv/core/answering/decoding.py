@@ -68,7 +68,7 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
     room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
     context = prefill.seen_tokens if plan is None else plan.start
     if plan is not None and "position_ids" in generate_kwargs:  # explicit (M-RoPE) positions after the context
-        generate_kwargs["position_ids"] = _moved_positions(generate_kwargs["position_ids"],
+        generate_kwargs["position_ids"] = moved_positions(generate_kwargs["position_ids"],
                                                            prefill.positions.next_first - plan.start)
     mask = torch.ones(input_ids.shape[0], context + input_ids.shape[1], dtype=torch.long,
                       device=input_ids.device)
@@ -81,7 +81,7 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
     return output[:, input_ids.shape[1]:]
 
 
-def _moved_positions(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
+def moved_positions(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
     """Explicit prompt positions (``[B, Q]``, or M-RoPE's ``[3 or 4, B, Q]`` whose rows past a leading sequence
     index are moved) moved ``shift`` positions back."""
     moved = position_ids.clone()

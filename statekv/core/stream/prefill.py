@@ -32,6 +32,7 @@ from ..cache import pool
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
 from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
+from ..answering.together import Asked, together_row
 from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
 from ..disk.tier import DiskTier
@@ -375,6 +376,34 @@ class StreamingPrefill:
 
         Returns only the new tokens ``[B, N]``. The stream is not changed: ask again, or keep streaming.
         """
+        prompt, retrieve, plan = self.check_question(prompt, retrieve, generate_kwargs)
+        positions = {} if prompt.position_ids is None else {"position_ids": prompt.position_ids}
+        kept = [(owner, name, getattr(owner, name)) for owner, name in prompt.restores]
+        try:
+            return generate_from_cache(self, prompt.input_ids, model=prompt.model, retrieve=retrieve,
+                                       plan=plan, **generate_kwargs, **positions)
+        except (ValueError, TypeError) as error:
+            if not generate_kwargs or isinstance(error, InputError):
+                raise
+            # transformers refuses a combination the checks do not know (e.g. a flag needing another)
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(f"ask(): generate refused {', '.join(generate_kwargs)}: {first}") from None
+        finally:
+            for owner, name, value in kept:
+                setattr(owner, name, value)
+
+    def question(self, prompt: Prompt, *, retrieve: Retrieval | None = None, **generate_kwargs) -> Asked | None:
+        """``prompt`` checked as `generate` checks it, as a row of questions answered together
+        (`statekv.core.answering.together.answer_together`), or None when it must be answered alone by `generate`
+        (sampling, a logits processor, a batch of prompts: `together.together_row`)."""
+        prompt, retrieve, plan = self.check_question(prompt, retrieve, generate_kwargs)
+        return together_row(self, prompt, retrieve, plan, generate_kwargs)
+
+    def check_question(self, prompt: torch.Tensor | Prompt, retrieve: Retrieval | None, generate_kwargs: dict
+                       ) -> tuple[Prompt, Retrieval | None, QuestionPlan | None]:
+        """`generate`'s checks of a question: ``(prompt, retrieve, plan)``, the prompt as a `Prompt`, the retrieval
+        it reads by (under bounded positions, what the range allows when the whole cache does not fit) and its
+        `QuestionPlan` (`fit_question`)."""
         self.check_open()
         if not isinstance(prompt, Prompt):
             if not isinstance(prompt, torch.Tensor):
@@ -396,20 +425,7 @@ class StreamingPrefill:
             if plan is not None and not plan.whole and retrieve is None:
                 retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
         self.last_context = "whole" if retrieve is None else "retrieved"
-        positions = {} if prompt.position_ids is None else {"position_ids": prompt.position_ids}
-        kept = [(owner, name, getattr(owner, name)) for owner, name in prompt.restores]
-        try:
-            return generate_from_cache(self, prompt.input_ids, model=prompt.model, retrieve=retrieve,
-                                       plan=plan, **generate_kwargs, **positions)
-        except (ValueError, TypeError) as error:
-            if not generate_kwargs or isinstance(error, InputError):
-                raise
-            # transformers refuses a combination the checks do not know (e.g. a flag needing another)
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InputError(f"ask(): generate refused {', '.join(generate_kwargs)}: {first}") from None
-        finally:
-            for owner, name, value in kept:
-                setattr(owner, name, value)
+        return prompt, retrieve, plan
 
     def fit_question(self, prompt_tokens: int, answer_tokens: int,
                      retrieve: Retrieval | None = None) -> QuestionPlan | None:

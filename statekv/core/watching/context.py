@@ -17,7 +17,7 @@ carried state (`BoundedLayout.targets`), each key rotated from its stored rotati
 step's own keys are.
 
 Rows: the evaluations of several questions (of one stream or of several) run as rows of one batch; each row's
-context has its own length, so the batch pads them and attends under a mask (:class:`RowContexts`).
+context has its own length, so the batch pads them and attends under a mask (`statekv.core.answering.rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..answering.retrieval import LayerQuestion, Retrieval
+from ..answering.rows import LayerContext
 from ..positions.placing import rotate
 
 
@@ -116,18 +117,6 @@ def carried_targets(prefill, anchors: torch.Tensor, place: Placement) -> torch.T
     base = torch.tensor([place.base], device=device)
     targets = positions.layout.targets(torch.cat([anchors, tail], -1), first, base, k, positions.limit, place.flat)
     return targets[..., :k]
-
-
-@dataclass
-class LayerContext:
-    """One row's context at one layer: ``keys``/``values`` ``[1, H_kv, C, D]`` and ``valid`` ``[1, H_kv, C]`` (a
-    carried token of the new frames, or retrieved twice, is not read). ``steps``: the steps whose tokens it reads
-    besides the carried state and the new frames (retrieval), for what an answer read."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    valid: torch.Tensor
-    retrieved: tuple[int, ...] = ()
 
 
 def layer_context(prefill, layer: int, since: int, place: Placement, *, device: torch.device, dtype: torch.dtype,
@@ -244,80 +233,3 @@ def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, re
     parts = [torch.arange(int(starts[s]), int(starts[s + 1])) for s in chosen]
     index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
     return index, tuple(chosen)
-
-
-class RowContexts:
-    """The contexts of W rows at one layer, padded to one length, with room for the tokens each forward appends.
-
-    ``keys``/``values`` ``[W, H_kv, C + room, D]``: row ``w``'s context in its first slots (padding masked), then
-    the tokens appended by the forwards so far (``appended``), the same count for every row.
-    """
-
-    def __init__(self, contexts: list[LayerContext], room: int):
-        longest = max(context.keys.shape[2] for context in contexts)
-        first = contexts[0].keys
-        rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
-        self.keys = first.new_zeros(rows, heads, longest + room, dim)
-        self.values = torch.zeros_like(self.keys)
-        self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
-        for row, context in enumerate(contexts):
-            length = context.keys.shape[2]
-            self.keys[row, :, :length] = context.keys[0]
-            self.values[row, :, :length] = context.values[0]
-            self.valid[row, :, :length] = context.valid[0]
-        self.context, self.appended = longest, 0
-        self.retrieved = [context.retrieved for context in contexts]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append every row's new tokens ``[W, H_kv, T, D]`` (``valid`` ``[W, T]``: which are real, the others
-        padding no query reads; None: all); return the keys, values and validity read so far."""
-        start = self.context + self.appended
-        end = start + keys.shape[2]
-        if end > self.keys.shape[2]:  # more tokens than planned: grow once
-            grow = end - self.keys.shape[2]
-            self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], 2)
-            self.values = torch.cat([self.values, torch.zeros_like(self.keys[:, :, -grow:])], 2)
-            self.valid = torch.cat([self.valid, self.valid.new_zeros(*self.valid.shape[:2], grow)], 2)
-        self.keys[:, :, start:end] = keys
-        self.values[:, :, start:end] = values
-        self.valid[:, :, start:end] = True if valid is None else valid[:, None, :]
-        self.appended += keys.shape[2]
-        return self.keys[:, :, :end], self.values[:, :, :end], self.valid[:, :, :end]
-
-
-def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
-    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own
-    token is not valid (padding) reads itself alone, so nothing it computes is undefined. Returns ``[W, T, Hq,
-    D]``."""
-    rows, query_heads, length, _ = q.shape
-    total = keys.shape[2]
-    group = query_heads // keys.shape[1]
-    # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
-    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
-    if length > 1:
-        allowed = allowed & _causal(length, total, q.device)
-        own = torch.arange(length, device=q.device)
-        allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
-    # one query (an answer token): its own token is always valid, so it never reads nothing
-    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
-                                                           enable_gqa=q.shape[1] != keys.shape[1])
-    return out.transpose(1, 2)
-
-
-_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
-    """``[T, L]``: every query reads the keys before its own token's and its own (kept per shape)."""
-    key = (length, total, device)
-    mask = _causal_masks.get(key)
-    if mask is None:
-        mask = torch.ones(length, total, dtype=torch.bool, device=device)
-        mask[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        if len(_causal_masks) > 256:
-            _causal_masks.clear()
-        _causal_masks[key] = mask
-    return mask

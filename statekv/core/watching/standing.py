@@ -30,11 +30,9 @@ from transformers.cache_utils import Cache
 from ...errors import HorizonError, InputError
 from ..answering.decoding import Prompt
 from ..answering.retrieval import Retrieval
-from ..attention.switch import share_language_attention
-from ..cache.engine_layer import EngineLayer
+from ..answering.rows import LayerContext, RowCache, decode_rows, finished, forward_rows, padded_left, rows_key
 from ..positions.placing import model_frequencies
-from ..step.batching import rope_key
-from .context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
+from .context import Placement, layer_context, placement
 
 
 @dataclass
@@ -145,80 +143,10 @@ class _Row:
         return context
 
 
-class WatchLayer(EngineLayer):
-    """One layer of a :class:`WatchCache`: the rows' contexts, assembled when the first forward reaches it, then the
-    tokens every forward appends (what transformers' layer contract would move or reorder is refused, as for every
-    engine layer)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows: RowContexts | None = None
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Stage the new tokens' keys and values ``[W, H_kv, T, D]`` until `WatchCache.attend` reads them."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.pending = key_states, value_states
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return 0 if self.rows is None else self.rows.context + self.rows.appended
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-
-class WatchCache(Cache):
-    """The transformers ``Cache`` an evaluation batch runs with (see the module docstring): ``valid`` ``[W, T]``
-    marks the real tokens of the forward being run (the prompts' left padding is not); the first forward's queries
-    are kept per layer (``queries``)."""
-
-    def __init__(self, rows: list[_Row], room: int, layers: int):
-        super().__init__(layers=[])
-        self.rows, self.room = rows, room
-        self.layers = [WatchLayer() for _ in range(layers)]
-        self.valid: torch.Tensor | None = None
-        self.queries: list[torch.Tensor] = []
-
-    def forget(self, row: int, columns: range) -> None:
-        """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
-        for layer in self.layers:
-            if layer.rows is not None:
-                start = layer.rows.context
-                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-        """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
-        ``[W, T, Hq, D]``."""
-        layer = self.layers[layer_idx]
-        first = layer.rows is None
-        if first:
-            made: dict[tuple, LayerContext] = {}  # the watches of one stream due together read one context
-            contexts = []
-            for index, row in enumerate(self.rows):
-                key = row.shared
-                if key is None or key not in made:
-                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
-                    if key is not None:
-                        made[key] = context
-                contexts.append(context if key is None else made[key])
-            layer.rows = RowContexts(contexts, self.room)
-            self.queries.append(q)
-        keys, values, valid = layer.rows.append(*layer.pending, self.valid)
-        layer.pending = None
-        return masked_attention(q, keys, values, valid, scale)
-
-
 def batch_key(evaluation: Evaluation) -> tuple:
     """What evaluations must share to run as rows of one batch: the decoder, its dtype and device, the rotation,
     whether positions are explicit (M-RoPE)."""
-    prefill = evaluation.prefill
-    return (id(prefill.decoder), prefill.dtype, prefill.device, rope_key(prefill),
-            evaluation.prompt.position_ids is None)
+    return rows_key(evaluation.prefill, evaluation.prompt.position_ids is None)
 
 
 @torch.no_grad()
@@ -267,16 +195,16 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         laid = prompt_positions(prompt, prefill, place.shift).to(device)
         lasts.append(laid[..., -1:])
         after = laid[..., -1:] + torch.arange(1, draft.shape[0] + 1, device=device)
-        # left padding: the first token's id and position, masked as a key, its query's output unused
-        ids.append(torch.cat([prompt.input_ids[:, :1].to(device).expand(1, pad), prompt.input_ids.to(device),
-                              draft[None]], 1))
-        positions.append(torch.cat([laid[..., :1].expand(*laid.shape[:-1], pad), laid, after], -1))
-    cache = WatchCache(rows, longest + longest_answer, len(first.cache.layers))
+        laid_ids, laid_positions = padded_left(torch.cat([prompt.input_ids.to(device), draft[None]], 1),
+                                               torch.cat([laid, after], -1), pad)
+        ids.append(laid_ids)
+        positions.append(laid_positions)
+    cache = RowCache(rows, longest + longest_answer, len(first.cache.layers))
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
     ends = [set(evaluation.eos) for evaluation in evaluations]
-    hidden = _forward(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
+    hidden = forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
     answers: list[list[int]] = []
     for row, (evaluation, draft) in enumerate(zip(evaluations, drafts)):
         told = lm_head(hidden[row, longest - draft.shape[0] - 1:]).argmax(-1).tolist()  # [d + 1]: each next token
@@ -288,41 +216,18 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
             cache.forget(row, range(longest - draft.shape[0] + kept, longest))
         answers.append(answer[: evaluation.max_new_tokens])
     cache.valid = None
-    done = [_finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
-    while not all(done):
-        fed = torch.tensor([[answer[-1]] for answer in answers], device=device)
-        at = torch.cat([last + len(answer) for last, answer in zip(lasts, answers)], dim=-2)
-        tokens = lm_head(_forward(first, cache, fed, at)[:, -1]).argmax(-1).tolist()
-        for row, token in enumerate(tokens):
-            if not done[row]:
-                answers[row].append(token)
-                done[row] = _finished(answers[row], ends[row], evaluations[row].max_new_tokens)
-        if max(len(answer) for answer in answers) >= longest_answer:
-            break
+    done = [finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
+
+    def take(row: int, token: int, logits: torch.Tensor) -> bool:
+        answers[row].append(token)
+        return finished(answers[row], ends[row], evaluations[row].max_new_tokens)
+
+    decode_rows(first, cache, answers, lasts, done, lm_head, take)
     _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
     made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
     for evaluation, tokens in zip(evaluations, made):
         evaluation.question.answer = tokens[0]
     return made
-
-
-def _finished(answer: list[int], ends: set[int], longest: int) -> bool:
-    """Whether ``answer`` is complete: it holds an end token (cut after the first) or ``longest`` tokens."""
-    for index, token in enumerate(answer):
-        if token in ends:
-            del answer[index + 1:]
-            return True
-    return len(answer) >= longest
-
-
-def _forward(prefill, cache: WatchCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One forward of the decoder over ``ids`` ``[W, T]`` at ``positions`` through ``cache`` inside ``prefill``'s
-    call (its RoPE); returns the last hidden states ``[W, T, D]``."""
-    share_language_attention(prefill.model)
-    with prefill.streaming(cache):
-        output = prefill.decoder(input_ids=ids, position_ids=positions, attention_mask=prefill.step_mask,
-                                 past_key_values=cache, use_cache=True)
-    return output.last_hidden_state
 
 
 def _keep_queries(rows: list[_Row], queries: list[torch.Tensor], lengths: list[int]) -> None:

@@ -1,0 +1,243 @@
+"""Rows: several questions answered as the rows of one batch, each over its own stream's context.
+
+Each row reads a context of its own at every layer (keys and values ``[1, H_kv, C, D]``, some masked out), assembled
+when the batch's first forward reaches that layer from the row's queries there (`Row.context`). The prompts run
+together, padded on the left to one length and masked (`RowCache`, `masked_attention`): one forward for every
+prompt, then one forward per answer token for every row still decoding (`decode_rows`), each row's new tokens
+appended after its context. A row reads nothing of another row.
+
+Standing questions (`statekv.core.watching.standing`) and questions asked together
+(`statekv.core.answering.together`) run this way; what a row reads is theirs to say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..attention.switch import share_language_attention
+from ..cache.engine_layer import EngineLayer
+from ..step.batching import rope_key
+
+
+@dataclass
+class LayerContext:
+    """One row's context at one layer: ``keys``/``values`` ``[1, H_kv, C, D]`` and ``valid`` ``[1, H_kv, C]`` (a
+    carried token of the new frames, or retrieved twice, is not read). ``steps``: the steps whose tokens it reads
+    besides the carried state and the new frames (retrieval), for what an answer read."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    retrieved: tuple[int, ...] = ()
+
+
+class Row(Protocol):
+    """One row of a batch: ``pad`` (its prompt's left padding), ``shared`` (a key rows reading the same context
+    share, None: its own) and its context at a layer."""
+
+    pad: int
+
+    @property
+    def shared(self) -> tuple | None: ...
+
+    def context(self, layer: int, queries: torch.Tensor, dtype: torch.dtype, scale: float) -> LayerContext:
+        """The row's context at ``layer``; ``queries`` ``[1, Hq, Q, D]``: its prompt's there (padding left out)."""
+
+
+class RowContexts:
+    """The contexts of W rows at one layer, padded to one length, with room for the tokens each forward appends.
+
+    ``keys``/``values`` ``[W, H_kv, C + room, D]``: row ``w``'s context in its first slots (padding masked), then
+    the tokens appended by the forwards so far (``appended``), the same count for every row.
+    """
+
+    def __init__(self, contexts: list[LayerContext], room: int):
+        longest = max(context.keys.shape[2] for context in contexts)
+        first = contexts[0].keys
+        rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
+        self.keys = first.new_zeros(rows, heads, longest + room, dim)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
+        for row, context in enumerate(contexts):
+            length = context.keys.shape[2]
+            self.keys[row, :, :length] = context.keys[0]
+            self.values[row, :, :length] = context.values[0]
+            self.valid[row, :, :length] = context.valid[0]
+        self.context, self.appended = longest, 0
+        self.retrieved = [context.retrieved for context in contexts]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append every row's new tokens ``[W, H_kv, T, D]`` (``valid`` ``[W, T]``: which are real, the others
+        padding no query reads; None: all); return the keys, values and validity read so far."""
+        start = self.context + self.appended
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2]:  # more tokens than planned: grow once
+            grow = end - self.keys.shape[2]
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])], 2)
+            self.values = torch.cat([self.values, torch.zeros_like(self.keys[:, :, -grow:])], 2)
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(*self.valid.shape[:2], grow)], 2)
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.valid[:, :, start:end] = True if valid is None else valid[:, None, :]
+        self.appended += keys.shape[2]
+        return self.keys[:, :, :end], self.values[:, :, :end], self.valid[:, :, :end]
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
+    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own
+    token is not valid (padding) reads itself alone, so nothing it computes is undefined. Returns ``[W, T, Hq,
+    D]``."""
+    rows, query_heads, length, _ = q.shape
+    total = keys.shape[2]
+    group = query_heads // keys.shape[1]
+    # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
+    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
+    if length > 1:
+        allowed = allowed & _causal(length, total, q.device)
+        own = torch.arange(length, device=q.device)
+        allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
+    # one query (an answer token): its own token is always valid, so it never reads nothing
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=q.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)
+
+
+_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
+    """``[T, L]``: every query reads the keys before its own token's and its own (kept per shape)."""
+    key = (length, total, device)
+    mask = _causal_masks.get(key)
+    if mask is None:
+        mask = torch.ones(length, total, dtype=torch.bool, device=device)
+        mask[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        if len(_causal_masks) > 256:
+            _causal_masks.clear()
+        _causal_masks[key] = mask
+    return mask
+
+
+class RowLayer(EngineLayer):
+    """One layer of a :class:`WatchCache`: the rows' contexts, assembled when the first forward reaches it, then the
+    tokens every forward appends (what transformers' layer contract would move or reorder is refused, as for every
+    engine layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: RowContexts | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stage the new tokens' keys and values ``[W, H_kv, T, D]`` until `RowCache.attend` reads them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.rows is None else self.rows.context + self.rows.appended
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+class RowCache(Cache):
+    """The transformers ``Cache`` an evaluation batch runs with (see the module docstring): ``valid`` ``[W, T]``
+    marks the real tokens of the forward being run (the prompts' left padding is not); the first forward's queries
+    are kept per layer (``queries``)."""
+
+    def __init__(self, rows: Sequence[Row], room: int, layers: int):
+        super().__init__(layers=[])
+        self.rows, self.room = rows, room
+        self.layers = [RowLayer() for _ in range(layers)]
+        self.valid: torch.Tensor | None = None
+        self.queries: list[torch.Tensor] = []
+
+    def forget(self, row: int, columns: range) -> None:
+        """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
+        for layer in self.layers:
+            if layer.rows is not None:
+                start = layer.rows.context
+                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
+        ``[W, T, Hq, D]``."""
+        layer = self.layers[layer_idx]
+        first = layer.rows is None
+        if first:
+            made: dict[tuple, LayerContext] = {}  # rows of one stream reading the same context share it
+            contexts = []
+            for index, row in enumerate(self.rows):
+                key = row.shared
+                if key is None or key not in made:
+                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
+                    if key is not None:
+                        made[key] = context
+                contexts.append(context if key is None else made[key])
+            layer.rows = RowContexts(contexts, self.room)
+            self.queries.append(q)
+        keys, values, valid = layer.rows.append(*layer.pending, self.valid)
+        layer.pending = None
+        return masked_attention(q, keys, values, valid, scale)
+
+
+def finished(answer: list[int], ends: set[int], longest: int) -> bool:
+    """Whether ``answer`` is complete: it holds an end token (cut after the first) or ``longest`` tokens."""
+    for index, token in enumerate(answer):
+        if token in ends:
+            del answer[index + 1:]
+            return True
+    return len(answer) >= longest
+
+
+def forward_rows(prefill, cache: RowCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward of the decoder over ``ids`` ``[W, T]`` at ``positions`` through ``cache`` inside ``prefill``'s
+    call (its RoPE); returns the last hidden states ``[W, T, D]``."""
+    share_language_attention(prefill.model)
+    with prefill.streaming(cache):
+        output = prefill.decoder(input_ids=ids, position_ids=positions, attention_mask=prefill.step_mask,
+                                 past_key_values=cache, use_cache=True)
+    return output.last_hidden_state
+
+
+def rows_key(prefill, explicit_positions: bool) -> tuple:
+    """What rows must share to run as one batch: the decoder, its dtype and device, the rotation, and whether
+    positions are explicit (M-RoPE)."""
+    return id(prefill.decoder), prefill.dtype, prefill.device, rope_key(prefill), explicit_positions
+
+
+def padded_left(ids: torch.Tensor, positions: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` ``[1, T]`` and ``positions`` ``[..., 1, T]`` after ``pad`` padding tokens: the first token's id and
+    position repeated (masked as keys by `RowCache.valid`, their queries' outputs unused)."""
+    return (torch.cat([ids[:, :1].expand(1, pad), ids], 1),
+            torch.cat([positions[..., :1].expand(*positions.shape[:-1], pad), positions], -1))
+
+
+def decode_rows(prefill, cache: RowCache, answers: list[list[int]], lasts: list[torch.Tensor], done: list[bool],
+                lm_head: torch.nn.Module, take: Callable[[int, int, torch.Tensor], bool]) -> None:
+    """One forward per token until every row is ``done``: each feeds every row its last answer token at the next
+    position after ``lasts`` (its prompt's last position, ``[..., 1, 1]``), and ``take(row, token, logits [V])``
+    books the greedy next token of each row not yet done, saying whether it is done now. ``prefill``: the stream
+    whose call (its RoPE) the forwards run in."""
+    device = prefill.device
+    while not all(done):
+        fed = torch.tensor([[answer[-1]] for answer in answers], device=device)
+        at = torch.cat([last + len(answer) for last, answer in zip(lasts, answers)], dim=-2)
+        logits = lm_head(forward_rows(prefill, cache, fed, at)[:, -1])  # [W, V]
+        tokens = logits.argmax(-1).tolist()
+        for row, token in enumerate(tokens):
+            if not done[row]:
+                done[row] = take(row, token, logits[row])
