@@ -71,10 +71,9 @@ def evaluate(setting: Setting, data: Path, runs: Path, threads: int) -> list:
     from statekv.eval.runner import EvalConfig, run_evaluation
 
     torch.set_num_threads(threads)
-    budget = setting.budget or 4096
+    size = {"statekv": {"budget": setting.budget}, "recency": {"frames": setting.budget}}.get(setting.method, {})
     config = EvalConfig.for_model("synthetic", "builtin", data, runs / setting.run_name, method=setting.method,
-                                  budget=budget if setting.method == "statekv" else 4096,
-                                  frames=budget if setting.method == "recency" else 16, progress=False)
+                                  progress=False, **size)  # only the size the method reads (others are refused)
     started = time.monotonic()
     run_evaluation(config)
     print(f"{setting.label}: done in {time.monotonic() - started:.0f} s (0 when the run was already complete)",
