@@ -324,7 +324,9 @@ def test_a_worker_node_killed_under_load_loses_only_unsaved_tails_and_replicas_r
             answer = client.call("POST", f"/v1/streams/{stream_id}/ask",
                                  json={"question": QUESTION, "max_new_tokens": NEW_TOKENS}).json()
             assert answer["answer"] == _alone(qa, _frames(seed))
-        balanced = _held(client, {survivor: 2, returned: 2})  # those let go were taken by the returned replica
+        # those let go were taken by the returned replica (each replica posts its count every two seconds: on a
+        # loaded machine a post can lag the asks that moved a stream by several)
+        balanced = _held(client, {survivor: 2, returned: 2}, seconds=45)
         assert balanced == {survivor: 2, returned: 2}, balanced
     finally:
         if server.poll() is None:
