@@ -27,7 +27,8 @@ from statekv.synthetic.scenes import render  # noqa: E402
 from statekv.synthetic.seeds import video_rng  # noqa: E402
 
 KEY, OTHER_KEY = "watch-key-one", "watch-key-two"
-COUNT = question_prompt("How many times did the video show red?", ["1", "2", "3", "4"])
+# blue is shown at seconds 7 and 14: the built-in model's answer changes from 1 to 2 at the evaluation after it
+COUNT = question_prompt("How many times did the video show blue?", ["1", "2", "3", "4"])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ class Running:
         self.config = ServeConfig(options=options, state_dir=state, api_keys=(KEY, OTHER_KEY), page=False,
                                   save_every_seconds=600)
         self.app = create_app(self.config, qa=qa)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        # a following client left open by a failed test must not hold the stop (and hide the failure)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=30))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
