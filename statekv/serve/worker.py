@@ -69,6 +69,37 @@ class _Question:
     context: Any = None
 
 
+def _settle_together(items: list, run_many: Callable[[Any, list], list],
+                     settled: Callable[[Any], None] | None = None) -> None:
+    """Pushes or questions taken together: each one's ``before``, then those of one `VideoQA` through ``run_many(qa,
+    group)`` (a result or an exception per item), then each one's ``after``; each future is settled (just after
+    ``settled(item)``, when given), one item's failure its own."""
+    ready: dict[int, list] = {}
+    for item in items:
+        try:
+            item.context = item.before()
+        except BaseException as error:
+            item.future.set_exception(error)
+            continue
+        ready.setdefault(id(item.stream.qa), []).append(item)
+    for group in ready.values():
+        try:
+            results = run_many(group[0].stream.qa, group)
+        except BaseException as error:
+            results = [error] * len(group)
+        for item, result in zip(group, results):
+            if isinstance(result, BaseException):
+                outcome = (item.future.set_exception, result)
+            else:
+                try:
+                    outcome = (item.future.set_result, item.after(item.context, result))
+                except BaseException as error:
+                    outcome = (item.future.set_exception, error)
+            if settled is not None:
+                settled(item)
+            outcome[0](outcome[1])
+
+
 class ModelWorker:
     """One thread for all model work, first come first served; pushes that wait together step together, and
     questions that wait together are answered together.
@@ -190,32 +221,13 @@ class ModelWorker:
         pushes = self._gathered()
         if len(pushes) > 1:
             self.batches += 1
-        ready: dict[int, list[_Push]] = {}
-        for push in pushes:
-            try:
-                push.context = push.before()
-            except BaseException as error:
-                push.future.set_exception(error)
-                continue
-            ready.setdefault(id(push.stream.qa), []).append(push)
-        for group in ready.values():
-            qa = group[0].stream.qa
-            try:
-                results = qa.push_many([(push.stream, push.image, push.seconds) for push in group],
-                                       return_exceptions=True)
-            except BaseException as error:
-                results = [error] * len(group)
-            for push, result in zip(group, results):
-                if isinstance(result, BaseException):
-                    outcome = (push.future.set_exception, result)
-                else:
-                    try:
-                        outcome = (push.future.set_result, push.after(push.context, result))
-                    except BaseException as error:
-                        outcome = (push.future.set_exception, error)
-                with self._arrived:
-                    self._answered_at[id(push.stream)] = time.monotonic()
-                outcome[0](outcome[1])
+
+        def answered(push: _Push) -> None:
+            with self._arrived:
+                self._answered_at[id(push.stream)] = time.monotonic()
+
+        _settle_together(pushes, lambda qa, group: qa.push_many(
+            [(push.stream, push.image, push.seconds) for push in group], return_exceptions=True), answered)
 
     def _taken_questions(self) -> list[_Question]:
         """Each stream's earliest waiting question; the later ones stay queued, in order, for the next drain."""
@@ -230,29 +242,8 @@ class ModelWorker:
         return taken
 
     def _answer_questions(self) -> None:
-        ready: dict[int, list[_Question]] = {}
-        for asked in self._taken_questions():
-            try:
-                asked.context = asked.before()
-            except BaseException as error:
-                asked.future.set_exception(error)
-                continue
-            ready.setdefault(id(asked.stream.qa), []).append(asked)
-        for group in ready.values():
-            qa = group[0].stream.qa
-            try:
-                results = qa.ask_tokens_many([(asked.stream, asked.question, asked.kwargs) for asked in group],
-                                             return_exceptions=True)
-            except BaseException as error:
-                results = [error] * len(group)
-            for asked, result in zip(group, results):
-                if isinstance(result, BaseException):
-                    asked.future.set_exception(result)
-                    continue
-                try:
-                    asked.future.set_result(asked.after(asked.context, result))
-                except BaseException as error:
-                    asked.future.set_exception(error)
+        _settle_together(self._taken_questions(), lambda qa, group: qa.ask_tokens_many(
+            [(asked.stream, asked.question, asked.kwargs) for asked in group], return_exceptions=True))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
