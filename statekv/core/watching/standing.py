@@ -35,6 +35,7 @@ from ..cache.engine_layer import EngineLayer
 from ..positions.placing import model_frequencies
 from ..step.batching import rope_key
 from .context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
+from .drafts import RUNNERS_UP, draft_tree, remember
 
 
 @dataclass
@@ -44,7 +45,9 @@ class StandingQuestion:
     ids: LongTensor ``[1, Q]``, its prompt (as the adapter lays a question out after a video). frequencies: the
     stream's rotary frequencies ``[R / 2]`` (float32, host). queries: per layer ``[1, Hq, Q, D]``, the prompt's
     queries at its latest evaluation (None before the first), RoPE applied from rotary position ``start``. answer:
-    LongTensor ``[N]``, its latest answer's tokens (the draft the next evaluation checks first).
+    LongTensor ``[N]``, its latest answer's tokens. earlier: its earlier distinct answers (latest first);
+    runners_up: the first tokens the model ranked after its answer's at its latest evaluation (with ``answer``, the
+    drafts the next evaluation checks first, :mod:`.drafts`).
     """
 
     ids: torch.Tensor
@@ -52,6 +55,8 @@ class StandingQuestion:
     queries: list[torch.Tensor] | None = None
     start: int = 0
     answer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    earlier: list[torch.Tensor] = field(default_factory=list)
+    runners_up: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -113,10 +118,10 @@ class Evaluation:
 
 
 class _Row:
-    """One row of an evaluation batch: its evaluation, where it is placed, its padding."""
+    """One row of an evaluation batch: its evaluation, where it is placed, its padding, its prompt's length."""
 
-    def __init__(self, evaluation: Evaluation, place: Placement, pad: int):
-        self.evaluation, self.place, self.pad = evaluation, place, pad
+    def __init__(self, evaluation: Evaluation, place: Placement, pad: int, length: int):
+        self.evaluation, self.place, self.pad, self.length = evaluation, place, pad, length
         self.memory: dict = {}
 
     @property
@@ -174,22 +179,24 @@ class WatchLayer(EngineLayer):
 
 class WatchCache(Cache):
     """The transformers ``Cache`` an evaluation batch runs with (see the module docstring): ``valid`` ``[W, T]``
-    marks the real tokens of the forward being run (the prompts' left padding is not); the first forward's queries
-    are kept per layer (``queries``)."""
+    marks the real tokens of the forward being run (the prompts' left padding is not) and ``among`` ``[W, T, T]``
+    which of its tokens each of them reads (None: the causal ones; a draft token reads its ancestors only); the
+    first forward's queries are kept per layer (``queries``)."""
 
     def __init__(self, rows: list[_Row], room: int, layers: int):
         super().__init__(layers=[])
         self.rows, self.room = rows, room
         self.layers = [WatchLayer() for _ in range(layers)]
         self.valid: torch.Tensor | None = None
+        self.among: torch.Tensor | None = None
         self.queries: list[torch.Tensor] = []
 
-    def forget(self, row: int, columns: range) -> None:
+    def forget(self, row: int, columns: list[int]) -> None:
         """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
         for layer in self.layers:
             if layer.rows is not None:
                 start = layer.rows.context
-                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
+                layer.rows.valid[row, :, [start + column for column in columns]] = False
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
@@ -202,7 +209,8 @@ class WatchCache(Cache):
             for index, row in enumerate(self.rows):
                 key = row.shared
                 if key is None or key not in made:
-                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
+                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:row.pad + row.length], k.dtype,
+                                          scale)
                     if key is not None:
                         made[key] = context
                 contexts.append(context if key is None else made[key])
@@ -210,7 +218,7 @@ class WatchCache(Cache):
             self.queries.append(q)
         keys, values, valid = layer.rows.append(*layer.pending, self.valid)
         layer.pending = None
-        return masked_attention(q, keys, values, valid, scale)
+        return masked_attention(q, keys, values, valid, scale, among=self.among)
 
 
 def batch_key(evaluation: Evaluation) -> tuple:
@@ -238,18 +246,22 @@ def evaluate(evaluations: Sequence[Evaluation], lm_head: torch.nn.Module) -> lis
 
 
 def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
-    """The rows' greedy answers. Each prompt runs with its question's last answer after it as a draft
-    (`StandingQuestion.answer`): the forward that reads the prompt also checks the draft, token by token, against
-    what the model predicts there, so an answer that did not change costs that one forward; decoding goes on, one
-    forward per token, from the first token that differs (the draft's tokens after it are not read)."""
+    """The rows' greedy answers. Each prompt runs with its question's drafts after it (:mod:`.drafts`: its last
+    answer, its earlier ones, the runner-up first tokens of its last evaluation, as a tree): the forward that reads
+    the prompt also predicts the token after each draft token, so an answer found in the tree (one that did not
+    change, or changed to a draft) costs that one forward; decoding goes on, one forward per token, from where the
+    tree ends (the draft tokens off the answer's path are not read again)."""
     first = evaluations[0].prefill
     device = first.device
-    drafts = [evaluation.question.answer[: evaluation.max_new_tokens].to(device) for evaluation in evaluations]
-    longest = max(evaluation.prompt.input_ids.shape[1] + draft.shape[0]
-                  for evaluation, draft in zip(evaluations, drafts))
+    ends = [set(evaluation.eos) for evaluation in evaluations]
+    trees = [draft_tree(evaluation.question.answer.tolist(), [a.tolist() for a in evaluation.question.earlier],
+                        evaluation.question.runners_up, ends[row], evaluation.max_new_tokens)
+             for row, evaluation in enumerate(evaluations)]
+    longest = max(evaluation.prompt.input_ids.shape[1] + len(tree) for evaluation, tree in zip(evaluations, trees))
     longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
     rows, ids, positions, lasts = [], [], [], []
-    for evaluation, draft in zip(evaluations, drafts):
+    among = torch.ones(len(evaluations), longest, longest, dtype=torch.bool).tril()  # [W, T, T]
+    for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
         length = prompt.input_ids.shape[1]
@@ -262,33 +274,42 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
         carried = max(layer.carried_length for layer in prefill.cache.layers)
         place = placement(prefill, evaluation.since, prompt_start(prompt, prefill), room, carried, flat)
-        pad = longest - length - draft.shape[0]
-        rows.append(_Row(evaluation, place, pad))
+        pad = longest - length - len(tree)
+        rows.append(_Row(evaluation, place, pad, length))
         laid = prompt_positions(prompt, prefill, place.shift).to(device)
         lasts.append(laid[..., -1:])
-        after = laid[..., -1:] + torch.arange(1, draft.shape[0] + 1, device=device)
+        after = laid[..., -1:] + torch.tensor(tree.depths, dtype=torch.long, device=device)
+        drafted = torch.tensor(tree.tokens, dtype=torch.long, device=device)
         # left padding: the first token's id and position, masked as a key, its query's output unused
         ids.append(torch.cat([prompt.input_ids[:, :1].to(device).expand(1, pad), prompt.input_ids.to(device),
-                              draft[None]], 1))
+                              drafted[None]], 1))
         positions.append(torch.cat([laid[..., :1].expand(*laid.shape[:-1], pad), laid, after], -1))
+        if len(tree):  # a draft token reads the prompt, its ancestors and itself
+            among[row, longest - len(tree):, longest - len(tree):] = tree.sees()
     cache = WatchCache(rows, longest + longest_answer, len(first.cache.layers))
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
+    cache.among = among.to(device) if any(trees) else None
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
-    ends = [set(evaluation.eos) for evaluation in evaluations]
     hidden = _forward(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
-    answers: list[list[int]] = []
-    for row, (evaluation, draft) in enumerate(zip(evaluations, drafts)):
-        told = lm_head(hidden[row, longest - draft.shape[0] - 1:]).argmax(-1).tolist()  # [d + 1]: each next token
-        kept = 0
-        while kept < draft.shape[0] and told[kept] == int(draft[kept]) and int(draft[kept]) not in ends[row]:
-            kept += 1
-        answer = draft[:kept].tolist() + [told[kept]]
-        if kept < draft.shape[0]:  # the draft's tokens after the first that differs are not read again
-            cache.forget(row, range(longest - draft.shape[0] + kept, longest))
-        answers.append(answer[: evaluation.max_new_tokens])
-    cache.valid = None
+    reads = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
+    logits = lm_head(hidden[:, min(reads):])  # [W, n + 1, V]: after the prompt, after each draft token
+    told = logits.argmax(-1).tolist()
+    answers, paths = [], []
+    for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
+        at = reads[row] - min(reads)
+        answer, path = tree.walk(told[row][at:], ends[row], evaluation.max_new_tokens)
+        answers.append(answer)
+        paths.append(path)
+        ranked = logits[row, at].topk(min(RUNNERS_UP + 1, logits.shape[-1])).indices.tolist()
+        evaluation.question.runners_up = [token for token in ranked if token != told[row][at]][:RUNNERS_UP]
+    cache.valid = cache.among = None
     done = [_finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
+    if not all(done):  # the draft tokens off each answer's path are not read again
+        for row, (tree, path) in enumerate(zip(trees, paths)):
+            off = sorted(set(range(len(tree))) - set(path))
+            if off:
+                cache.forget(row, [longest - len(tree) + node for node in off])
     while not all(done):
         fed = torch.tensor([[answer[-1]] for answer in answers], device=device)
         at = torch.cat([last + len(answer) for last, answer in zip(lasts, answers)], dim=-2)
@@ -297,12 +318,12 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
             if not done[row]:
                 answers[row].append(token)
                 done[row] = _finished(answers[row], ends[row], evaluations[row].max_new_tokens)
-        if max(len(answer) for answer in answers) >= longest_answer:
-            break
     _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
     made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
     for evaluation, tokens in zip(evaluations, made):
-        evaluation.question.answer = tokens[0]
+        question = evaluation.question
+        question.earlier = remember(question.earlier, question.answer, tokens[0])
+        question.answer = tokens[0]
     return made
 
 
