@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..core.rules.steering import QuestionGuide
+from ..core.watching.fitting import check_question_fits
 from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
 from ..errors import InputError, StateKVError
@@ -212,6 +213,8 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
             raise InputError("a watch on a bounded-positions stream of this model (M-RoPE) cannot retrieve; "
                              "open it without retrieve")
         watch.standing = standing_question(prefill, prompt)
+        carried = max(layer.carried_length for layer in prefill.cache.layers)
+        check_question_fits(prefill, watch.standing.length + watch.max_new_tokens, carried)
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:

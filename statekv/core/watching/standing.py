@@ -36,6 +36,7 @@ from ..positions.placing import model_frequencies
 from ..step.batching import rope_key
 from .context import LayerContext, Placement, RowContexts, layer_context, masked_attention, placement
 from .drafts import RUNNERS_UP, draft_tree, remember
+from .fitting import Scoring, retrieval_scoring, tail_start
 
 
 @dataclass
@@ -118,10 +119,14 @@ class Evaluation:
 
 
 class _Row:
-    """One row of an evaluation batch: its evaluation, where it is placed, its padding, its prompt's length."""
+    """One row of an evaluation batch: its evaluation, the first token it reads as new (``since``, bounded by the
+    range: `tail_start`), where it is placed, its padding, its prompt's length and how its retrieval scores the
+    steps past the range (`retrieval_scoring`)."""
 
-    def __init__(self, evaluation: Evaluation, place: Placement, pad: int, length: int):
-        self.evaluation, self.place, self.pad, self.length = evaluation, place, pad, length
+    def __init__(self, evaluation: Evaluation, since: int, place: Placement, pad: int, length: int,
+                 scoring: Scoring | None = None):
+        self.evaluation, self.since, self.place, self.pad, self.length = evaluation, since, place, pad, length
+        self.scoring = scoring
         self.memory: dict = {}
 
     @property
@@ -134,7 +139,7 @@ class _Row:
         """What rows reading the same context share (None: this row reads its own, retrieving for its question)."""
         if self.evaluation.retrieval is not None:
             return None
-        return id(self.evaluation.prefill), self.evaluation.since, self.place if self.place.shift else 0
+        return id(self.evaluation.prefill), self.since, self.place if self.place.shift else 0
 
     def context(self, layer: int, queries: torch.Tensor, dtype: torch.dtype, scale: float) -> LayerContext:
         """The row's context at ``layer``; ``queries`` ``[1, Hq, Q, D]``: its prompt's at this layer, placed (what
@@ -142,10 +147,11 @@ class _Row:
         evaluation = self.evaluation
         question = evaluation.question
         device = queries.device
-        context = layer_context(evaluation.prefill, layer, evaluation.since, self.place, device=device, dtype=dtype,
+        context = layer_context(evaluation.prefill, layer, self.since, self.place, device=device, dtype=dtype,
                                 frequencies=question.frequencies.to(device),
                                 queries=queries if evaluation.retrieval is not None else None,
-                                retrieval=evaluation.retrieval, scale=scale, memory=self.memory)
+                                retrieval=evaluation.retrieval, scale=scale, memory=self.memory,
+                                scoring=self.scoring)
         evaluation.retrieved.update(context.retrieved)
         return context
 
@@ -273,9 +279,13 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
                                "RoPE horizon")
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
         carried = max(layer.carried_length for layer in prefill.cache.layers)
-        place = placement(prefill, evaluation.since, prompt_start(prompt, prefill), room, carried, flat)
+        question_first = prompt_start(prompt, prefill)
+        since = tail_start(prefill, evaluation.since, question_first, room, carried, flat)
+        place = placement(prefill, since, question_first, room, carried, flat)
         pad = longest - length - len(tree)
-        rows.append(_Row(evaluation, place, pad, length))
+        scoring = None if evaluation.retrieval is None else retrieval_scoring(
+            prefill, evaluation.retrieval, room, question_first - place.shift)
+        rows.append(_Row(evaluation, since, place, pad, length, scoring))
         laid = prompt_positions(prompt, prefill, place.shift).to(device)
         lasts.append(laid[..., -1:])
         after = laid[..., -1:] + torch.tensor(tree.depths, dtype=torch.long, device=device)
