@@ -102,6 +102,7 @@ class Watch:
         self.listeners: list[Listener] = []
         self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
         self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
+        self.answer_tokens: list[int] | None = None  # the tokens ``answer`` was decoded from
 
     # -- what it says --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -350,7 +351,9 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:
     seconds = stream.watching.seconds if stream.watching is not None else None
     watch.last_seconds = seconds
     watch.read_steps = retrieved
-    answer = stream.qa.adapter.decode(tokens)
+    ids = tokens.flatten().tolist()
+    answer = watch.answer if ids == watch.answer_tokens else stream.qa.adapter.decode(tokens)  # decoded once
+    watch.answer_tokens = ids
     event = None
     if answer != watch.answer:
         event = WatchEvent(stream.frames, seconds, answer)

@@ -53,12 +53,12 @@ class DraftTree:
 
     def sees(self) -> torch.Tensor:
         """``[n, n]`` bool: node ``j`` reads node ``i`` (``i`` is ``j`` or one of its ancestors)."""
-        count = len(self.tokens)
-        sees = torch.eye(count, dtype=torch.bool)
-        for node, parent in enumerate(self.parents):
-            if parent >= 0:
-                sees[node] |= sees[parent]
-        return sees
+        rows: list[list[bool]] = []
+        for node, parent in enumerate(self.parents):  # a parent's row is made before its children's
+            row = list(rows[parent]) if parent >= 0 else [False] * len(self.tokens)
+            row[node] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).reshape(len(rows), len(rows))
 
     def walk(self, told: Sequence[int], ends: set[int], longest: int) -> tuple[list[int], list[int]]:
         """The greedy answer read off the tree and the nodes on its path. ``told``: the token predicted after the
