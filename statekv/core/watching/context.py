@@ -77,8 +77,8 @@ def _first_position(prefill, since: int, question_first: int) -> int:
 def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor:
     """The rotation ``[M]`` that moves the stored keys of ``tokens`` (LongTensor ``[M]``, host) into the tail: each
     step's tokens from where the step was placed (its base) to its position in the stream minus ``shift``, together
-    (zero under ``stream`` positions)."""
-    if not place.bounded or tokens.numel() == 0:
+    (zero under ``stream`` positions, and for an unshifted tail while every step is stored at its own position)."""
+    if not place.bounded or tokens.numel() == 0 or (not place.shift and not prefill.positions.moved):
         return torch.zeros(tokens.shape[0], dtype=torch.long)
     positions = prefill.positions
     steps = torch.searchsorted(prefill.cache.step_starts(), tokens, right=True) - 1
@@ -137,7 +137,8 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
     """The context of one evaluation at ``layer`` (module docstring): the carried state and retrieved tokens
     before token ``since``, then the tokens from ``since`` on, placed by ``place``. ``queries`` ``[1, Hq, Q, D]``
     (the prompt's, placed where it is read) score the retrieval, past the range as ``scoring`` says.
-    ``frequencies``: the rotary frequencies ``[R / 2]`` the stream's keys are rotated with."""
+    ``frequencies``: the rotary frequencies ``[R / 2]`` the stream's keys are rotated with. ``memory``: scratch
+    shared by the layers of one evaluation (its retrieval rule's, and which tokens are new and how they turn)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
     seen = cache.seen_tokens
@@ -151,10 +152,16 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
         parts_v.append(values)
         parts_valid.append(valid)
     if since < seen:
-        index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+        tail = None if memory is None else memory.get(("new frames", since))  # the same at every layer
+        if tail is None:
+            index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+            delta = tail_deltas(prefill, index, place)
+            tail = index, delta, bool(delta.any())
+            if memory is not None:
+                memory["new frames", since] = tail
+        index, delta, turned = tail
         keys, values = storage.read_tokens(index, device, dtype)
-        delta = tail_deltas(prefill, index, place)
-        if bool(delta.any()):
+        if turned:
             keys = rotate(keys, delta.to(device).expand(*keys.shape[:2], -1), frequencies)
         parts_k.append(keys)
         parts_v.append(values)
