@@ -83,9 +83,9 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
     read = []
     original = rows_module.masked_attention
 
-    def spy(q, keys, values, valid, scale):
+    def spy(q, keys, values, valid, scale, **kwargs):
         read.append((q.shape[2], int(valid[0, 0].sum())))
-        return original(q, keys, values, valid, scale)
+        return original(q, keys, values, valid, scale, **kwargs)
 
     monkeypatch.setattr("statekv.core.answering.rows.masked_attention", spy)
     stream = full.stream(horizon, max_fps=1)
@@ -106,9 +106,9 @@ def test_an_evaluation_reads_the_carried_state_and_the_new_frames_only(qa, frame
     read = []
     original = rows_module.masked_attention
 
-    def spy(q, keys, values, valid, scale):
+    def spy(q, keys, values, valid, scale, **kwargs):
         read.append(int(valid[0, 0].sum()))
-        return original(q, keys, values, valid, scale)
+        return original(q, keys, values, valid, scale, **kwargs)
 
     monkeypatch.setattr(rows_module, "masked_attention", spy)
     stream = qa.stream(max_fps=1)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..core.rules.steering import QuestionGuide
+from ..core.watching.fitting import check_question_fits
 from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
 from ..errors import InputError, StateKVError
@@ -101,6 +102,7 @@ class Watch:
         self.listeners: list[Listener] = []
         self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
         self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
+        self.answer_tokens: list[int] | None = None  # the tokens ``answer`` was decoded from
 
     # -- what it says --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -212,6 +214,8 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
             raise InputError("a watch on a bounded-positions stream of this model (M-RoPE) cannot retrieve; "
                              "open it without retrieve")
         watch.standing = standing_question(prefill, prompt)
+        carried = max(layer.carried_length for layer in prefill.cache.layers)
+        check_question_fits(prefill, watch.standing.length + watch.max_new_tokens, carried)
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:
@@ -347,7 +351,9 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:
     seconds = stream.watching.seconds if stream.watching is not None else None
     watch.last_seconds = seconds
     watch.read_steps = retrieved
-    answer = stream.qa.adapter.decode(tokens)
+    ids = tokens.flatten().tolist()
+    answer = watch.answer if ids == watch.answer_tokens else stream.qa.adapter.decode(tokens)  # decoded once
+    watch.answer_tokens = ids
     event = None
     if answer != watch.answer:
         event = WatchEvent(stream.frames, seconds, answer)

@@ -37,10 +37,12 @@ class LayerContext:
 
 
 class Row(Protocol):
-    """One row of a batch: ``pad`` (its prompt's left padding), ``shared`` (a key rows reading the same context
-    share, None: its own) and its context at a layer."""
+    """One row of a batch: ``pad`` (its prompt's left padding), ``length`` (its prompt's tokens: those after them,
+    drafts of its answer, do not score its retrieval), ``shared`` (a key rows reading the same context share, None:
+    its own) and its context at a layer."""
 
     pad: int
+    length: int
 
     @property
     def shared(self) -> tuple | None: ...
@@ -59,15 +61,25 @@ class RowContexts:
     def __init__(self, contexts: list[LayerContext], room: int):
         longest = max(context.keys.shape[2] for context in contexts)
         first = contexts[0].keys
-        rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
-        self.keys = first.new_zeros(rows, heads, longest + room, dim)
+        heads, dim = first.shape[1], first.shape[3]
+        places: dict[int, int] = {}  # rows reading one context (those of one stream) copy it once
+        unique: list[LayerContext] = []
+        for context in contexts:
+            if id(context) not in places:
+                places[id(context)] = len(unique)
+                unique.append(context)
+        self.keys = first.new_zeros(len(unique), heads, longest + room, dim)
         self.values = torch.zeros_like(self.keys)
-        self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
-        for row, context in enumerate(contexts):
+        self.valid = torch.zeros(len(unique), heads, longest + room, dtype=torch.bool, device=first.device)
+        for row, context in enumerate(unique):
             length = context.keys.shape[2]
             self.keys[row, :, :length] = context.keys[0]
             self.values[row, :, :length] = context.values[0]
             self.valid[row, :, :length] = context.valid[0]
+        if len(unique) < len(contexts):
+            index = torch.tensor([places[id(context)] for context in contexts], device=first.device)
+            self.keys, self.values, self.valid = (t.index_select(0, index) for t in (self.keys, self.values,
+                                                                                      self.valid))
         self.context, self.appended = longest, 0
         self.retrieved = [context.retrieved for context in contexts]
 
@@ -90,36 +102,47 @@ class RowContexts:
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, among: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
-    queries' own tokens (causal among them), reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own
-    token is not valid (padding) reads itself alone, so nothing it computes is undefined. Returns ``[W, T, Hq,
-    D]``."""
+    queries' own tokens (causal among them, or as ``among`` ``[W, T, T]`` says: which of them each query reads),
+    reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own token is not valid (padding) reads itself
+    alone, so nothing it computes is undefined. Returns ``[W, T, Hq, D]``.
+
+    For several queries the mask is handed to SDPA as the additive one it would make of a boolean mask (0 where
+    read, -inf elsewhere), built from its parts (the keys' validity, the tokens' order) by one broadcast sum."""
     rows, query_heads, length, _ = q.shape
     total = keys.shape[2]
     group = query_heads // keys.shape[1]
-    # [W, Hq, T, L]: per KV head (a carried token of the new frames is skipped in its own head), for its queries
-    allowed = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
-    if length > 1:
-        allowed = allowed & _causal(length, total, q.device)
-        own = torch.arange(length, device=q.device)
-        allowed[:, :, own, total - length + own] = True  # every query reads at least its own token
-    # one query (an answer token): its own token is always valid, so it never reads nothing
-    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+    # per KV head (a carried token of the new frames is skipped in its own head), for its queries: [W, Hq, 1, L]
+    if length == 1:  # one query (an answer token) reads every valid key, its own token among them
+        mask = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
+    else:
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        mask = (mask if group == 1 else mask.repeat_interleave(group, dim=1))[:, :, None, :]
+        if among is None:
+            order = _causal(length, total, q.device, q.dtype)  # [T, L]
+        else:
+            order = torch.zeros(rows, 1, length, total, dtype=q.dtype, device=q.device)
+            order[:, 0, :, total - length:].masked_fill_(~among, float("-inf"))
+        mask = mask + order
+        mask[..., total - length:].diagonal(dim1=-2, dim2=-1).fill_(0.0)  # every query reads at least its own token
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                            enable_gqa=q.shape[1] != keys.shape[1])
     return out.transpose(1, 2)
 
 
-_causal_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_causal_masks: dict[tuple, torch.Tensor] = {}
 
 
-def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
-    """``[T, L]``: every query reads the keys before its own token's and its own (kept per shape)."""
-    key = (length, total, device)
+def _causal(length: int, total: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, L]`` additive mask: 0 where a query reads a key (those before its own token's, and its own), -inf
+    elsewhere (kept per shape)."""
+    key = (length, total, device, dtype)
     mask = _causal_masks.get(key)
     if mask is None:
-        mask = torch.ones(length, total, dtype=torch.bool, device=device)
-        mask[:, total - length:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        later = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+        mask = torch.zeros(length, total, dtype=dtype, device=device)
+        mask[:, total - length:].masked_fill_(later, float("-inf"))
         if len(_causal_masks) > 256:
             _causal_masks.clear()
         _causal_masks[key] = mask
@@ -127,7 +150,7 @@ def _causal(length: int, total: int, device: torch.device) -> torch.Tensor:
 
 
 class RowLayer(EngineLayer):
-    """One layer of a :class:`WatchCache`: the rows' contexts, assembled when the first forward reaches it, then the
+    """One layer of a :class:`RowCache`: the rows' contexts, assembled when the first forward reaches it, then the
     tokens every forward appends (what transformers' layer contract would move or reorder is refused, as for every
     engine layer)."""
 
@@ -154,23 +177,25 @@ class RowLayer(EngineLayer):
 
 
 class RowCache(Cache):
-    """The transformers ``Cache`` an evaluation batch runs with (see the module docstring): ``valid`` ``[W, T]``
-    marks the real tokens of the forward being run (the prompts' left padding is not); the first forward's queries
-    are kept per layer (``queries``)."""
+    """The transformers ``Cache`` a batch of rows runs with (see the module docstring): ``valid`` ``[W, T]`` marks
+    the real tokens of the forward being run (the prompts' left padding is not) and ``among`` ``[W, T, T]`` which of
+    its tokens each of them reads (None: the causal ones; a draft token reads its ancestors only); the first
+    forward's queries are kept per layer (``queries``)."""
 
     def __init__(self, rows: Sequence[Row], room: int, layers: int):
         super().__init__(layers=[])
         self.rows, self.room = rows, room
         self.layers = [RowLayer() for _ in range(layers)]
         self.valid: torch.Tensor | None = None
+        self.among: torch.Tensor | None = None
         self.queries: list[torch.Tensor] = []
 
-    def forget(self, row: int, columns: range) -> None:
+    def forget(self, row: int, columns: list[int]) -> None:
         """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
         for layer in self.layers:
             if layer.rows is not None:
                 start = layer.rows.context
-                layer.rows.valid[row, :, start + columns.start:start + columns.stop] = False
+                layer.rows.valid[row, :, [start + column for column in columns]] = False
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the rows' new tokens ``q [W, Hq, T, D]`` over their contexts and the tokens so far; returns
@@ -183,7 +208,8 @@ class RowCache(Cache):
             for index, row in enumerate(self.rows):
                 key = row.shared
                 if key is None or key not in made:
-                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:], k.dtype, scale)
+                    context = row.context(layer_idx, q[index:index + 1, :, row.pad:row.pad + row.length], k.dtype,
+                                          scale)
                     if key is not None:
                         made[key] = context
                 contexts.append(context if key is None else made[key])
@@ -191,7 +217,7 @@ class RowCache(Cache):
             self.queries.append(q)
         keys, values, valid = layer.rows.append(*layer.pending, self.valid)
         layer.pending = None
-        return masked_attention(q, keys, values, valid, scale)
+        return masked_attention(q, keys, values, valid, scale, among=self.among)
 
 
 def finished(answer: list[int], ends: set[int], longest: int) -> bool:

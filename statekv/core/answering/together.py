@@ -102,11 +102,11 @@ def _ends(config: Any) -> tuple[int, ...]:
 
 
 class _Row:
-    """One question's row: its left padding and the `AnswerCache` whose layers read its context (retrieval's
-    scratch shared by the layers, as when it is answered alone)."""
+    """One question's row: its left padding, its prompt's length and the `AnswerCache` whose layers read its context
+    (retrieval's scratch shared by the layers, as when it is answered alone)."""
 
     def __init__(self, question: Asked, pad: int):
-        self.question, self.pad = question, pad
+        self.question, self.pad, self.length = question, pad, question.prompt.input_ids.shape[1]
         prefill = question.prefill
         self.answers = AnswerCache(prefill.cache, 0, prefill.device, question.retrieve, question.plan)
 

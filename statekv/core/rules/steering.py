@@ -87,8 +87,8 @@ class QuestionGuide:
 
 
 class _Pack:
-    """Standing questions placed at one ``start``: per layer their queries ``[1, H_kv, G * R, D]`` (float32, R the
-    rows of all of them, grouped by the KV head each query head reads); ``weights`` ``[G * R]``: each row's share
+    """Standing questions placed at one ``start``: ``stacked``, their queries at every layer ``[L, H_kv, G * R, D]``
+    (float32, R the rows of all of them, grouped by the KV head each query head reads); ``weights`` ``[G * R]``: each row's share
     (its question's weight over its length). A rotation by ``d`` positions is the product with one ``[D, D]``
     matrix (`turn`), the same at every layer of a step."""
 
@@ -96,16 +96,13 @@ class _Pack:
         self.start = start
         frequencies = members[0][0].frequencies.to(device, torch.float32)
         self.frequencies, self.rotary = frequencies, 2 * frequencies.shape[0]
-        layers = len(members[0][0].queries)
-        self.queries = []
-        for layer in range(layers):
-            queries = torch.cat([q.queries[layer].to(device, torch.float32) for q, _ in members], 2)  # [1,Hq,R,D]
-            self.queries.append(queries.reshape(1, heads, -1, queries.shape[-1]))
-        group = self.queries[0].shape[2] // sum(q.length for q, _ in members)
+        queries = torch.cat([torch.cat(q.queries) for q, _ in members], 2)  # [L, Hq, R, D]: every layer's
+        self.dim = queries.shape[-1]
+        self.stacked = queries.to(device, torch.float32).reshape(queries.shape[0], heads, -1, self.dim)
+        group = self.stacked.shape[2] // sum(q.length for q, _ in members)
         rows = torch.cat([torch.full((q.length,), weight / q.length) for q, weight in members])
         self.weights = rows.repeat(group).to(device)
-        self.dim = self.queries[0].shape[-1]
-        self.stacked = torch.cat(self.queries)  # [L, H_kv, G * R, D]
+        self._where, self._rest = _turn_layout(self.rotary, self.dim, device)
         self._turn: tuple | None = None
         self._weighed: tuple[int, torch.Tensor] | None = None
 
@@ -122,19 +119,29 @@ class _Pack:
         stream's step index) for every layer."""
         if self._turn is None or self._turn[0] != step:
             angles = (first - self.start).float() * self.frequencies  # [R / 2]
-            half, dim = self.rotary // 2, self.dim
             cos, sin = angles.cos() * scale, angles.sin() * scale
-            turn = torch.zeros(dim, dim, device=angles.device)
-            index = torch.arange(half, device=angles.device)
-            # q' = q cos + rotate_half(q) sin, rotate_half(q) = [-q2, q1]: q'1 = q1 cos - q2 sin, q'2 = q2 cos + q1 sin
-            turn[index, index] = cos
-            turn[index + half, index + half] = cos
-            turn[index + half, index] = -sin  # q2 feeds q'1 with -sin: row (source) half + i, column (target) i
-            turn[index, index + half] = sin
-            rest = torch.arange(self.rotary, dim, device=angles.device)
-            turn[rest, rest] = scale
-            self._turn = (step, turn)
+            # q' = q cos + rotate_half(q) sin, rotate_half(q) = [-q2, q1]: q'1 = q1 cos - q2 sin, q'2 = q2 cos + q1 sin;
+            # row (source) half + i feeds column (target) i with -sin, row i feeds column half + i with sin
+            values = torch.cat([cos, cos, -sin, sin, self._rest * scale])
+            turn = torch.zeros(self.dim * self.dim, device=angles.device).index_put_((self._where,), values)
+            self._turn = (step, turn.view(self.dim, self.dim))
         return self._turn[1]
+
+
+_layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _turn_layout(rotary: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `_Pack.turn` puts cos, cos, -sin, sin and the scale, as flat indices of a ``[D, D]`` matrix, and ones for
+    the dims past the rotary ones (kept per shape)."""
+    key = (rotary, dim, device)
+    if key not in _layouts:
+        half = rotary // 2
+        index, rest = torch.arange(half), torch.arange(rotary, dim)
+        where = torch.cat([index * dim + index, (index + half) * dim + index + half, (index + half) * dim + index,
+                           index * dim + index + half, rest * dim + rest])
+        _layouts[key] = where.to(device), torch.ones(dim - rotary, device=device)
+    return _layouts[key]
 
 
 def steered(caches: Sequence, layer: int, keys: torch.Tensor, scores: torch.Tensor, chunk_len: int,

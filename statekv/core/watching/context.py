@@ -29,6 +29,7 @@ import torch
 from ..answering.retrieval import LayerQuestion, Retrieval
 from ..answering.rows import LayerContext
 from ..positions.placing import rotate
+from .fitting import Scoring
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def _first_position(prefill, since: int, question_first: int) -> int:
 def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor:
     """The rotation ``[M]`` that moves the stored keys of ``tokens`` (LongTensor ``[M]``, host) into the tail: each
     step's tokens from where the step was placed (its base) to its position in the stream minus ``shift``, together
-    (zero under ``stream`` positions)."""
-    if not place.bounded or tokens.numel() == 0:
+    (zero under ``stream`` positions, and for an unshifted tail while every step is stored at its own position)."""
+    if not place.bounded or tokens.numel() == 0 or (not place.shift and not prefill.positions.moved):
         return torch.zeros(tokens.shape[0], dtype=torch.long)
     positions = prefill.positions
     steps = torch.searchsorted(prefill.cache.step_starts(), tokens, right=True) - 1
@@ -121,28 +122,35 @@ def carried_targets(prefill, anchors: torch.Tensor, place: Placement) -> torch.T
 
 def layer_context(prefill, layer: int, since: int, place: Placement, *, device: torch.device, dtype: torch.dtype,
                   frequencies: torch.Tensor, queries: torch.Tensor | None = None, retrieval: Retrieval | None = None,
-                  scale: float = 1.0, memory: dict | None = None) -> LayerContext:
+                  scale: float = 1.0, memory: dict | None = None, scoring: Scoring | None = None) -> LayerContext:
     """The context of one evaluation at ``layer`` (module docstring): the carried state and retrieved tokens
     before token ``since``, then the tokens from ``since`` on, placed by ``place``. ``queries`` ``[1, Hq, Q, D]``
-    (the question's, placed where it is read) score the retrieval. ``frequencies``: the rotary frequencies
-    ``[R / 2]`` the stream's keys are rotated with."""
+    (the prompt's, placed where it is read) score the retrieval, past the range as ``scoring`` says.
+    ``frequencies``: the rotary frequencies ``[R / 2]`` the stream's keys are rotated with. ``memory``: scratch
+    shared by the layers of one evaluation (its retrieval rule's, and which tokens are new and how they turn)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
     seen = cache.seen_tokens
     parts_k, parts_v, parts_valid = [], [], []
     retrieved: tuple[int, ...] = ()
     group = _carried_group(prefill, layer, since, place, device, dtype, frequencies, queries, retrieval, scale,
-                           memory)
+                           memory, scoring)
     if group is not None:
         keys, values, valid, retrieved = group
         parts_k.append(keys)
         parts_v.append(values)
         parts_valid.append(valid)
     if since < seen:
-        index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+        tail = None if memory is None else memory.get(("new frames", since))  # the same at every layer
+        if tail is None:
+            index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+            delta = tail_deltas(prefill, index, place)
+            tail = index, delta, bool(delta.any())
+            if memory is not None:
+                memory["new frames", since] = tail
+        index, delta, turned = tail
         keys, values = storage.read_tokens(index, device, dtype)
-        delta = tail_deltas(prefill, index, place)
-        if bool(delta.any()):
+        if turned:
             keys = rotate(keys, delta.to(device).expand(*keys.shape[:2], -1), frequencies)
         parts_k.append(keys)
         parts_v.append(values)
@@ -155,7 +163,7 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
 
 
 def _carried_group(prefill, layer: int, since: int, place: Placement, device, dtype, frequencies, queries,
-                   retrieval, scale, memory):
+                   retrieval, scale, memory, scoring):
     """The carried tokens before ``since`` and the retrieved ones not carried, in time order, placed: ``(keys,
     values, valid, retrieved steps)``, or None when there are none.
 
@@ -179,7 +187,8 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     valid = tokens < since
     retrieved: tuple[int, ...] = ()
     if retrieval is not None and queries is not None:
-        index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype)
+        index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype,
+                                             scoring)
         if index.numel():
             more_keys, more_values = storage.read_tokens(index, device, dtype)
             more_tokens = index.to(device).expand(1, heads, -1)
@@ -211,9 +220,10 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
 
 
 def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, retrieval: Retrieval, scale: float,
-                      memory: dict | None, dtype) -> tuple[torch.Tensor, tuple[int, ...]]:
+                      memory: dict | None, dtype, scoring: Scoring | None = None
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Token indices ``[M]`` (host, ascending) of the steps ``retrieval`` picks for ``queries`` among those
-    before ``since``, and those steps."""
+    before ``since``, and those steps; past the range scored as ``scoring`` says (as `ask` scores them)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
     starts = cache.step_starts()
@@ -223,12 +233,20 @@ def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, re
     steps = tuple(cache.chunk_lengths[:before])
     means, samples = storage.summaries
     segments = storage.segments
+    turns = segment_turns = frequencies = None
+    if scoring is not None:
+        if scoring.shift:  # the prompt's queries where `ask` would place them
+            queries = rotate(queries, torch.full(queries.shape[:3], scoring.shift, device=queries.device),
+                             scoring.frequencies)
+        turns, segment_turns, frequencies = scoring.turns[:before], scoring.segment_turns, scoring.frequencies
+    whole = segments.index.shape[2] * segments.steps <= before  # every complete segment lies before since
     seen = LayerQuestion(layer, queries, None, means[:, :, :before], steps, scale, {} if memory is None else memory,
                          samples=samples[:, :, :before],
                          read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
                          evicted=frozenset(s for s in cache.evicted_steps if s < before),
-                         segments=segments.index if segments.index.shape[2] * segments.steps <= before else None,
-                         segment_steps=segments.steps, starts=starts[:before + 1])
+                         segments=segments.index if whole else None,
+                         segment_steps=segments.steps, starts=starts[:before + 1], turns=turns,
+                         segment_turns=segment_turns if whole else None, frequencies=frequencies)
     chosen = retrieval.choose(seen)
     parts = [torch.arange(int(starts[s]), int(starts[s + 1])) for s in chosen]
     index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)

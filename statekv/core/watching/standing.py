@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache
 
 from ...errors import HorizonError, InputError
 from ..answering.decoding import Prompt
@@ -33,6 +32,8 @@ from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext, RowCache, decode_rows, finished, forward_rows, padded_left, rows_key
 from ..positions.placing import model_frequencies
 from .context import Placement, layer_context, placement
+from .drafts import RUNNERS_UP, draft_tree, remember
+from .fitting import Scoring, retrieval_scoring, tail_start
 
 
 @dataclass
@@ -42,7 +43,9 @@ class StandingQuestion:
     ids: LongTensor ``[1, Q]``, its prompt (as the adapter lays a question out after a video). frequencies: the
     stream's rotary frequencies ``[R / 2]`` (float32, host). queries: per layer ``[1, Hq, Q, D]``, the prompt's
     queries at its latest evaluation (None before the first), RoPE applied from rotary position ``start``. answer:
-    LongTensor ``[N]``, its latest answer's tokens (the draft the next evaluation checks first).
+    LongTensor ``[N]``, its latest answer's tokens. earlier: its earlier distinct answers (latest first);
+    runners_up: the first tokens the model ranked after its answer's at its latest evaluation (with ``answer``, the
+    drafts the next evaluation checks first, :mod:`.drafts`).
     """
 
     ids: torch.Tensor
@@ -50,6 +53,8 @@ class StandingQuestion:
     queries: list[torch.Tensor] | None = None
     start: int = 0
     answer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    earlier: list[torch.Tensor] = field(default_factory=list)
+    runners_up: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -111,10 +116,14 @@ class Evaluation:
 
 
 class _Row:
-    """One row of an evaluation batch: its evaluation, where it is placed, its padding."""
+    """One row of an evaluation batch: its evaluation, the first token it reads as new (``since``, bounded by the
+    range: `tail_start`), where it is placed, its padding, its prompt's length and how its retrieval scores the
+    steps past the range (`retrieval_scoring`)."""
 
-    def __init__(self, evaluation: Evaluation, place: Placement, pad: int):
-        self.evaluation, self.place, self.pad = evaluation, place, pad
+    def __init__(self, evaluation: Evaluation, since: int, place: Placement, pad: int, length: int,
+                 scoring: Scoring | None = None):
+        self.evaluation, self.since, self.place, self.pad, self.length = evaluation, since, place, pad, length
+        self.scoring = scoring
         self.memory: dict = {}
 
     @property
@@ -127,7 +136,7 @@ class _Row:
         """What rows reading the same context share (None: this row reads its own, retrieving for its question)."""
         if self.evaluation.retrieval is not None:
             return None
-        return id(self.evaluation.prefill), self.evaluation.since, self.place if self.place.shift else 0
+        return id(self.evaluation.prefill), self.since, self.place if self.place.shift else 0
 
     def context(self, layer: int, queries: torch.Tensor, dtype: torch.dtype, scale: float) -> LayerContext:
         """The row's context at ``layer``; ``queries`` ``[1, Hq, Q, D]``: its prompt's at this layer, placed (what
@@ -135,10 +144,11 @@ class _Row:
         evaluation = self.evaluation
         question = evaluation.question
         device = queries.device
-        context = layer_context(evaluation.prefill, layer, evaluation.since, self.place, device=device, dtype=dtype,
+        context = layer_context(evaluation.prefill, layer, self.since, self.place, device=device, dtype=dtype,
                                 frequencies=question.frequencies.to(device),
                                 queries=queries if evaluation.retrieval is not None else None,
-                                retrieval=evaluation.retrieval, scale=scale, memory=self.memory)
+                                retrieval=evaluation.retrieval, scale=scale, memory=self.memory,
+                                scoring=self.scoring)
         evaluation.retrieved.update(context.retrieved)
         return context
 
@@ -149,12 +159,13 @@ def batch_key(evaluation: Evaluation) -> tuple:
     return rows_key(evaluation.prefill, evaluation.prompt.position_ids is None)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate(evaluations: Sequence[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
     """Greedy answers of ``evaluations`` (each: new tokens ``[1, N]`` on the host, cut after its first end token or
     at its ``max_new_tokens``), those sharing a `batch_key` as rows of one batch. ``lm_head``: the model's output
     embeddings (hidden states -> logits). Each question's queries are kept (`StandingQuestion.queries`); the
-    streams are not changed."""
+    streams are not changed. Runs in inference mode: nothing it makes is written in place afterwards, so autograd's
+    bookkeeping is skipped for every operation (less work per operation than under ``no_grad``)."""
     answers: list[torch.Tensor | None] = [None] * len(evaluations)
     groups: dict[tuple, list[int]] = {}
     for index, evaluation in enumerate(evaluations):
@@ -166,18 +177,22 @@ def evaluate(evaluations: Sequence[Evaluation], lm_head: torch.nn.Module) -> lis
 
 
 def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> list[torch.Tensor]:
-    """The rows' greedy answers. Each prompt runs with its question's last answer after it as a draft
-    (`StandingQuestion.answer`): the forward that reads the prompt also checks the draft, token by token, against
-    what the model predicts there, so an answer that did not change costs that one forward; decoding goes on, one
-    forward per token, from the first token that differs (the draft's tokens after it are not read)."""
+    """The rows' greedy answers. Each prompt runs with its question's drafts after it (:mod:`.drafts`: its last
+    answer, its earlier ones, the runner-up first tokens of its last evaluation, as a tree): the forward that reads
+    the prompt also predicts the token after each draft token, so an answer found in the tree (one that did not
+    change, or changed to a draft) costs that one forward; decoding goes on, one forward per token, from where the
+    tree ends (the draft tokens off the answer's path are not read again)."""
     first = evaluations[0].prefill
     device = first.device
-    drafts = [evaluation.question.answer[: evaluation.max_new_tokens].to(device) for evaluation in evaluations]
-    longest = max(evaluation.prompt.input_ids.shape[1] + draft.shape[0]
-                  for evaluation, draft in zip(evaluations, drafts))
+    ends = [set(evaluation.eos) for evaluation in evaluations]
+    trees = [draft_tree(evaluation.question.answer.tolist(), [a.tolist() for a in evaluation.question.earlier],
+                        evaluation.question.runners_up, ends[row], evaluation.max_new_tokens)
+             for row, evaluation in enumerate(evaluations)]
+    longest = max(evaluation.prompt.input_ids.shape[1] + len(tree) for evaluation, tree in zip(evaluations, trees))
     longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
     rows, ids, positions, lasts = [], [], [], []
-    for evaluation, draft in zip(evaluations, drafts):
+    among = torch.ones(len(evaluations), longest, longest, dtype=torch.bool).tril()  # [W, T, T]
+    for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
         length = prompt.input_ids.shape[1]
@@ -189,34 +204,47 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
                                "RoPE horizon")
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
         carried = max(layer.carried_length for layer in prefill.cache.layers)
-        place = placement(prefill, evaluation.since, prompt_start(prompt, prefill), room, carried, flat)
-        pad = longest - length - draft.shape[0]
-        rows.append(_Row(evaluation, place, pad))
+        question_first = prompt_start(prompt, prefill)
+        since = tail_start(prefill, evaluation.since, question_first, room, carried, flat)
+        place = placement(prefill, since, question_first, room, carried, flat)
+        pad = longest - length - len(tree)
+        scoring = None if evaluation.retrieval is None else retrieval_scoring(
+            prefill, evaluation.retrieval, room, question_first - place.shift)
+        rows.append(_Row(evaluation, since, place, pad, length, scoring))
         laid = prompt_positions(prompt, prefill, place.shift).to(device)
         lasts.append(laid[..., -1:])
-        after = laid[..., -1:] + torch.arange(1, draft.shape[0] + 1, device=device)
-        laid_ids, laid_positions = padded_left(torch.cat([prompt.input_ids.to(device), draft[None]], 1),
+        after = laid[..., -1:] + torch.tensor(tree.depths, dtype=torch.long, device=device)
+        drafted = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+        laid_ids, laid_positions = padded_left(torch.cat([prompt.input_ids.to(device), drafted[None]], 1),
                                                torch.cat([laid, after], -1), pad)
         ids.append(laid_ids)
         positions.append(laid_positions)
+        if len(tree):  # a draft token reads the prompt, its ancestors and itself
+            among[row, longest - len(tree):, longest - len(tree):] = tree.sees()
     cache = RowCache(rows, longest + longest_answer, len(first.cache.layers))
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
+    cache.among = among.to(device) if any(trees) else None
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
-    ends = [set(evaluation.eos) for evaluation in evaluations]
     hidden = forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
-    answers: list[list[int]] = []
-    for row, (evaluation, draft) in enumerate(zip(evaluations, drafts)):
-        told = lm_head(hidden[row, longest - draft.shape[0] - 1:]).argmax(-1).tolist()  # [d + 1]: each next token
-        kept = 0
-        while kept < draft.shape[0] and told[kept] == int(draft[kept]) and int(draft[kept]) not in ends[row]:
-            kept += 1
-        answer = draft[:kept].tolist() + [told[kept]]
-        if kept < draft.shape[0]:  # the draft's tokens after the first that differs are not read again
-            cache.forget(row, range(longest - draft.shape[0] + kept, longest))
-        answers.append(answer[: evaluation.max_new_tokens])
-    cache.valid = None
+    reads = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
+    logits = lm_head(hidden[:, min(reads):])  # [W, n + 1, V]: after the prompt, after each draft token
+    told = logits.argmax(-1).tolist()
+    answers, paths = [], []
+    for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
+        at = reads[row] - min(reads)
+        answer, path = tree.walk(told[row][at:], ends[row], evaluation.max_new_tokens)
+        answers.append(answer)
+        paths.append(path)
+        ranked = logits[row, at].topk(min(RUNNERS_UP + 1, logits.shape[-1])).indices.tolist()
+        evaluation.question.runners_up = [token for token in ranked if token != told[row][at]][:RUNNERS_UP]
+    cache.valid = cache.among = None
     done = [finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
+    if not all(done):  # the draft tokens off each answer's path are not read again
+        for row, (tree, path) in enumerate(zip(trees, paths)):
+            off = sorted(set(range(len(tree))) - set(path))
+            if off:
+                cache.forget(row, [longest - len(tree) + node for node in off])
 
     def take(row: int, token: int, logits: torch.Tensor) -> bool:
         answers[row].append(token)
@@ -226,7 +254,9 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
     made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
     for evaluation, tokens in zip(evaluations, made):
-        evaluation.question.answer = tokens[0]
+        question = evaluation.question
+        question.earlier = remember(question.earlier, question.answer, tokens[0])
+        question.answer = tokens[0]
     return made
 
 

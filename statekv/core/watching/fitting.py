@@ -1,0 +1,98 @@
+"""How an evaluation of a standing question fits a bounded stream's trained range (`positions="bounded"`).
+
+An evaluation is placed as a step would be whose chunk is its tail: the new frames, the prompt and the answer
+(:func:`statekv.core.watching.context.placement`), after the carried state. Two things keep it inside the range:
+
+* Its tail (`tail_start`): at most `tail_room` positions, what the range leaves beside the carried state (beside
+  at most the layout's cap of it, as a step's chunk gets past the range). A watch evaluated long after its last
+  evaluation (a large ``every``, ``every_seconds`` on a slow stream, or on demand) reads as new only the newest
+  steps that fit with its prompt and answer; the frames before them reach it through the carried state, as they
+  reach every step. Its memory and its positions are bounded by the range, however long the wait.
+* Its retrieval's scores (`retrieval_scoring`): past the range a step's keys are stored wherever its step was
+  placed, so a question retrieving scores them turned to where its time in the stream scales to
+  (`StreamPositions.scoring_turns`). An evaluation scores them as `ask` of its question would: the steps turned
+  for the plan `StreamingPrefill.question_plan` makes for that question, and its prompt's queries turned to where
+  that plan starts the prompt.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import HorizonError
+from ..answering.retrieval import Retrieval
+
+
+def tail_room(prefill, carried: int) -> int:
+    """The positions an evaluation's tail may take in ``prefill``'s bounded stream after ``carried`` carried
+    tokens: the range less the carried state (less at most the layout's cap, `BoundedLayout.cap`)."""
+    positions = prefill.positions
+    return positions.limit - min(carried, positions.layout.cap(positions.limit))
+
+
+def check_question_fits(prefill, question_positions: int, carried: int) -> None:
+    """A one-line `HorizonError` when a question and its answer (``question_positions``) leave no room in the
+    tail (bounded positions only)."""
+    if not prefill.positions.bounded:
+        return
+    room = tail_room(prefill, carried)
+    if question_positions > room:
+        raise HorizonError(f"the question and its answer ({question_positions} tokens) do not fit in the {room} "
+                           f"positions an evaluation has beside the carried state in the model's "
+                           f"{prefill.positions.limit}; ask a shorter question or fewer answer tokens")
+
+
+def tail_start(prefill, since: int, question_first: int, question_positions: int, carried: int,
+               flat: bool = True) -> int:
+    """The first token an evaluation reads as new: ``since`` (the first its last evaluation did not read) when
+    the frames from there, the question (from stream position ``question_first``) and its answer
+    (``question_positions`` in all) fit `tail_room`, or all sit at their own positions inside the range (as while
+    the stream fits it); else the first token of the newest steps that fit (the stream's length when none does).
+    Under ``stream`` positions, ``since``. ``flat``: 1-D RoPE (False: M-RoPE)."""
+    positions, cache = prefill.positions, prefill.cache
+    if not positions.bounded or since >= cache.seen_tokens:
+        return since
+    check_question_fits(prefill, question_positions, carried)
+    room = tail_room(prefill, carried)
+    starts = cache.step_starts()
+    step = int(torch.searchsorted(starts, torch.tensor(since), right=True)) - 1
+    first = positions.firsts[step] + (since - int(starts[step]))
+    span = question_first + question_positions - first
+    if span <= room or (first + span <= positions.limit
+                        and positions.layout.base(first, span, carried, positions.limit, flat) == first):
+        return since
+    lowest = question_first + question_positions - room  # the earliest stream position a tail may start at
+    fitting = bisect.bisect_left(positions.firsts, lowest, lo=step + 1)
+    return int(starts[fitting]) if fitting < len(positions.firsts) else cache.seen_tokens
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How an evaluation's retrieval scores the steps past the range, as `ask` of its question would: its
+    prompt's queries turned by ``shift`` positions (to where that question's prompt starts), each step's keys by
+    ``turns`` ``[S]`` and each complete segment's by ``segment_turns`` ``[G]`` (LongTensors, host), with the
+    rotary ``frequencies`` ``[R / 2]``."""
+
+    shift: int
+    turns: torch.Tensor
+    segment_turns: torch.Tensor
+    frequencies: torch.Tensor
+
+
+def retrieval_scoring(prefill, retrieval: Retrieval, question_positions: int, prompt_first: int
+                      ) -> Scoring | None:
+    """The `Scoring` of an evaluation retrieving with ``retrieval`` whose question and answer take
+    ``question_positions`` and whose prompt starts at rotary position ``prompt_first``; None while the stream
+    fits the range (every step is scored where it was encoded, as `ask` scores it) and under ``stream``
+    positions. The plan's one-line `HorizonError` when the retrieved steps and the question cannot fit."""
+    plan = prefill.question_plan(question_positions, retrieval)
+    if plan is None or not plan.packed:
+        return None
+    cache = prefill.cache
+    segments = cache.layers[0].storage.segments
+    complete = 0 if segments.index is None else segments.index.shape[2]
+    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), segments.steps, complete)
+    return Scoring(plan.start - prompt_first, turns, segment_turns, prefill.positions.inv_freq)

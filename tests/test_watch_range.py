@@ -1,0 +1,100 @@
+"""Watches on a stream past its model's positional range (`positions="bounded"`, `statekv.core.watching.fitting`):
+an evaluation's retrieval picks the steps `ask` picks for its question, its new frames never take it past the
+range however long it waited, and a question that cannot fit is refused when the watch opens.
+
+A one-layer tiny InternVL of 128 positions through the real from_pretrained path: with one layer, a watch's
+prompt queries at the layer retrieval scores with are the ones `ask` scores with (deeper layers read different
+contexts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import statekv
+import statekv.core.answering.rows as rows_module
+from statekv.errors import HorizonError
+from statekv.testing import make_tiny_checkpoint
+
+LIMIT = 128
+
+
+@pytest.fixture(scope="module")
+def qa(tmp_path_factory):
+    short = {"max_position_embeddings": LIMIT, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+             "num_hidden_layers": 1}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("short") / "ckpt", text_config=short,
+                                      vision_config={"image_size": 112})
+    return statekv.VideoQA.from_pretrained(checkpoint, method="statekv", reserve_tokens=24, budget=24)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return np.random.default_rng(0).integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("question", ["Why?", "What is in the picture?"])
+def test_past_the_range_a_watch_retrieves_the_frames_ask_retrieves(qa, images, question):
+    stream = qa.stream()
+    for image in images:
+        stream.push(image)
+    assert stream.prefill.positions.bounded and stream.tokens > 4 * LIMIT
+    for frames in (1, 3):
+        stream.ask(question, retrieve=frames, max_new_tokens=2)
+        asked = stream.answer_info.read_frames
+        watch = stream.watch(question, retrieve=frames, max_new_tokens=2, steer=False)  # evaluated now
+        assert watch.error is None and stream.frames_of(tuple(sorted(watch.read_steps))) == asked
+        watch.close()
+    stream.close()
+
+
+def spy_on_evaluations(stream, monkeypatch, request) -> tuple[list[int], list[int]]:
+    """The highest RoPE position of every forward of ``stream``'s decoder (its steps' and its evaluations'; the
+    hook goes when the test ends), and the most keys a query of each evaluation forward reads at a layer."""
+    positions: list[int] = []
+    read: list[int] = []
+    attention = rows_module.masked_attention
+
+    def note(module, args, kwargs):
+        positions.append(int(kwargs["position_ids"].max()))
+
+    def spied(q, keys, values, valid, scale, **kwargs):
+        read.append(int(valid.sum(-1).max()))
+        return attention(q, keys, values, valid, scale, **kwargs)
+
+    hook = stream.prefill.decoder.register_forward_pre_hook(note, with_kwargs=True)
+    request.addfinalizer(hook.remove)
+    monkeypatch.setattr(rows_module, "masked_attention", spied)
+    return positions, read
+
+
+@pytest.mark.parametrize("cadence", [{"every": 20}, {}])
+def test_an_evaluation_long_after_the_last_reads_the_newest_frames_that_fit(qa, images, cadence, monkeypatch,
+                                                                           request):
+    """Twenty frames between evaluations (or an evaluation asked for after them) are about three times the range:
+    the evaluation reads the carried state and the newest frames that fit with the question, every key inside
+    the range, as many as a step could read, however long the wait."""
+    stream = qa.stream()
+    stream.push(images[0])
+    watch = stream.watch("Why?", max_new_tokens=2, steer=False, **cadence)
+    positions, read = spy_on_evaluations(stream, monkeypatch, request)
+    for image in images[1:21]:
+        stream.push(image)
+    if not cadence:
+        watch.evaluate()
+    assert stream.tokens - 19 > 2 * LIMIT and watch.evaluations == 2 and watch.error is None
+    assert read and max(read) <= LIMIT and max(positions) < LIMIT
+    stream.close()
+
+
+@pytest.mark.parametrize("frames", [0, 8])
+def test_a_watch_whose_question_cannot_fit_the_range_is_refused(qa, images, frames):
+    """Refused when it opens, before any frame (no evaluation runs then) or after some."""
+    stream = qa.stream()
+    for image in images[:frames]:
+        stream.push(image)
+    with pytest.raises(HorizonError, match=r"do not fit in the \d+ positions an evaluation has") as refused:
+        stream.watch("Why?", max_new_tokens=LIMIT)
+    assert "\n" not in str(refused.value) and stream.watches == []
+    stream.close()
