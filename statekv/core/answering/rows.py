@@ -4,7 +4,8 @@ Each row reads a context of its own at every layer (keys and values ``[1, H_kv, 
 when the batch's first forward reaches that layer from the row's queries there (`Row.context`). The prompts run
 together, padded on the left to one length and masked (`RowCache`, `masked_attention`): one forward for every
 prompt, then one forward per answer token for every row still decoding (`decode_rows`), each row's new tokens
-appended after its context. A row reads nothing of another row.
+appended after its context. A row reads nothing of another row; among its own new tokens it reads the earlier
+ones, or those `RowCache.among` names (a standing question's drafts read their ancestors only).
 
 Standing questions (`statekv.core.watching.standing`) and questions asked together
 (`statekv.core.answering.together`) run this way; what a row reads is theirs to say.
