@@ -1,9 +1,13 @@
 """Many streams on one model: frames pushed to S streams at once, batched (`VideoQA.push_many`: one vision call,
 one language-model forward per round of steady steps) against the same streams stepped one after another
-(`Stream.push` in turn), measured in one run.
+(`Stream.push` in turn), measured in one run; then a question to each of the S streams, asked together
+(`VideoQA.ask_many`: one forward for all the prompts, one per answer token) against asked one after another
+(`Stream.ask` in turn).
 
 Every stream is first brought to its steady state (its carried state full), then each variant pushes the same
-frames to its own S streams; the variants alternate ``--repeats`` times and the median is reported.
+frames to its own S streams; the variants alternate ``--repeats`` times and the median is reported. The questions
+are asked of the batched variant's streams afterwards, the two ways alternating ``--repeats`` times; their
+answers are checked equal.
 
     python benchmarks/multi_stream.py --out docs/benchmarks.md                      # CPU, the built-in model
     python benchmarks/multi_stream.py --model OpenGVLab/InternVL3-1B-hf --device cuda --out docs/benchmarks.md
@@ -28,6 +32,7 @@ import statekv  # noqa: E402
 from report import write_section  # noqa: E402
 
 TITLE = "Many streams on one model"
+QUESTION = ("What colour was the circle?", ("red", "green", "blue", "yellow"))
 
 
 def frames(count: int, seed: int, size: int) -> np.ndarray:
@@ -65,6 +70,28 @@ def batched(qa, streams, video: np.ndarray, start: int) -> float:
     return time.perf_counter() - started
 
 
+def ask_both_ways(qa, streams, args) -> dict[str, float]:
+    """Median seconds to answer one question of each of ``streams`` asked one after another and together
+    (``--answer-tokens`` tokens each), the two ways alternating; their answers must be equal."""
+    from statekv.synthetic.prompts import question_prompt
+
+    question, options = question_prompt(*QUESTION), {"max_new_tokens": args.answer_tokens}
+    times: dict[str, list[float]] = {"asked": [], "together": []}
+    for _ in range(args.repeats):
+        synchronize(qa)
+        started = time.perf_counter()
+        alone = [stream.ask(question, **options) for stream in streams]
+        synchronize(qa)
+        times["asked"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        together = qa.ask_many([(stream, question, options) for stream in streams])
+        synchronize(qa)
+        times["together"].append(time.perf_counter() - started)
+        if together != alone:
+            raise SystemExit(f"questions asked together answered {together}, asked alone {alone}")
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def measure(qa, count: int, args) -> dict[str, float]:
     warmup = frames(args.warmup, 1, args.size)
     video = frames(args.frames, 2, args.size)
@@ -79,9 +106,11 @@ def measure(qa, count: int, args) -> dict[str, float]:
         times["serial"].append(one_after_another(qa, serial_streams, video, start))
         times["batched"].append(batched(qa, batch_streams, video, start))
     rows = qa.step_scheduler.batched_rows - before
+    asked = ask_both_ways(qa, batch_streams, args)
     for stream in serial_streams + batch_streams:
         stream.close()
     result = {name: statistics.median(values) for name, values in times.items()}
+    result.update(asked)
     result["batched_share"] = rows / (count * args.frames * args.repeats) if count > 1 else 0.0
     result["steady"] = steady
     return result
@@ -98,13 +127,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=24, help="frames pushed first (to the steady state)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size", type=int, default=64, help="frame side in pixels")
+    parser.add_argument("--answer-tokens", type=int, default=4, help="tokens of each answer (default 4)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared machine more threads than idle cores stall)")
     parser.add_argument("--out", default=None, help=f"markdown file whose '{TITLE}' section is replaced")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = dict(method=args.method, budget=args.budget, frames=4)
+    from statekv.settings.methods import method
+
+    options = dict(method=args.method)
+    if "budget" in method(args.method).uses:  # a size the method does not read is refused
+        options["budget"] = args.budget
     if args.device:
         options["device"] = args.device
     qa = statekv.VideoQA.from_pretrained(args.model, **options)
@@ -114,10 +148,11 @@ def main() -> None:
         pushed = count * args.frames
         row = (count, pushed / result["serial"], pushed / result["batched"],
                1e3 * result["serial"] / args.frames, 1e3 * result["batched"] / args.frames,
-               result["batched"] / result["serial"], result["batched_share"], result["steady"])
+               result["batched"] / result["serial"], result["batched_share"], result["steady"],
+               1e3 * result["asked"] / count, 1e3 * result["together"] / count, result["together"] / result["asked"])
         rows.append(row)
         print(f"{count:2d} streams: serial {row[1]:.1f} frames/s, batched {row[2]:.1f} frames/s, "
-              f"batched/serial time {row[5]:.2f}", flush=True)
+              f"batched/serial time {row[5]:.2f}; questions together/one after another {row[10]:.2f}", flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = qa.adapter.device
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s), "
@@ -133,12 +168,19 @@ def main() -> None:
              "| streams | frames/s one after another | frames/s batched | ms per frame per stream, one after "
              "another | ms per frame per stream, batched | batched / one-after-another time | steps batched |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
-    for count, serial_fps, batch_fps, serial_ms, batch_ms, ratio, share, _ in rows:
+    for count, serial_fps, batch_fps, serial_ms, batch_ms, ratio, share, *_ in rows:
         lines.append(f"| {count} | {serial_fps:.1f} | {batch_fps:.1f} | {serial_ms:.1f} | {batch_ms:.1f} | "
                      f"{ratio:.2f} | {100 * share:.0f}% |")
     lines += ["", "ms per frame per stream: the wall time of one round (one frame to every stream); frames/s: "
               "frames of all streams per second. Steps batched: the share of the batched variant's steps that "
-              "ran in a forward with other streams."]
+              "ran in a forward with other streams.", "",
+              f"Then one question to each stream (a four-option question, {args.answer_tokens} answer tokens, read "
+              "from the whole detailed cache), asked one after another (`Stream.ask`) and together "
+              "(`VideoQA.ask_many`), the same answers both ways:", "",
+              "| streams | ms per question, one after another | ms per question, together | together / one after "
+              "another time |", "|---:|---:|---:|---:|"]
+    for count, *_, asked_ms, together_ms, asked_ratio in rows:
+        lines.append(f"| {count} | {asked_ms:.1f} | {together_ms:.1f} | {asked_ratio:.2f} |")
     print("\n".join(lines))
     if args.out:
         write_section(Path(args.out), TITLE, "\n".join(lines))
