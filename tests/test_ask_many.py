@@ -92,10 +92,11 @@ def test_builtin_questions_of_streams_of_different_lengths_and_positions_answer_
              (streams[1], COUNT, {"max_new_tokens": 6}),
              (streams[2], "Why?", {"max_new_tokens": 3}),
              (streams[3], COUNT + " Be brief.", {"max_new_tokens": 5, "retrieve": 2}),
-             (streams[1], COLOUR, {"max_new_tokens": 2, "retrieve": 3})]  # a stream asked twice, retrieving once
+             (streams[1], COLOUR, {"max_new_tokens": 2, "retrieve": 3}),  # a stream asked twice, retrieving once
+             (streams[2], COLOUR, {"max_new_tokens": 2})]  # two rows reading one stream's whole cache: one context
     before = builtin.question_batch_sizes.copy()
     answers = assert_as_alone(builtin, items, builtin.adapter.model.get_output_embeddings())
-    assert builtin.question_batch_sizes - before == {5: 1}
+    assert builtin.question_batch_sizes - before == {6: 1}
     assert len({answer.shape[1] for answer in answers}) > 1  # rows that finished at different forwards
     assert streams[3].answer_info.context == "retrieved"  # each stream's answer_info is its last question's
     assert builtin.ask_many(items[:2]) == [streams[0].ask(COLOUR, max_new_tokens=4),

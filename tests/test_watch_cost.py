@@ -56,27 +56,46 @@ def test_earlier_answers_are_remembered_latest_first_each_once():
     assert len(remember(many, torch.tensor([99]), torch.tensor([98]))) == EARLIER_ANSWERS
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("among", [False, True])
-def test_the_evaluation_mask_is_the_boolean_one_sdpa_would_read(among):
-    """Exactly SDPA over the boolean mask (what `masked_attention` handed it before it built the additive one):
-    causal or a draft tree among the forward's tokens, padding reading only itself."""
+def test_the_evaluation_mask_is_the_boolean_one_sdpa_would_read(among, dtype):
+    """Exactly SDPA over the boolean mask (what `masked_attention` handed it before it built the additive one), in
+    each dtype: causal or a draft tree among the forward's tokens, a padding query reading the valid keys and
+    itself, a draft tree after padding."""
     generator = torch.Generator().manual_seed(0)
     rows, heads, kv_heads, length, total, dim = 3, 4, 2, 6, 20, 8
-    q = torch.randn(rows, heads, length, dim, generator=generator)
-    keys, values = (torch.randn(rows, kv_heads, total, dim, generator=generator) for _ in range(2))
+    q = torch.randn(rows, heads, length, dim, generator=generator).to(dtype)
+    keys, values = (torch.randn(rows, kv_heads, total, dim, generator=generator).to(dtype) for _ in range(2))
     valid = torch.rand(rows, kv_heads, total, generator=generator) > 0.3
     valid[:, :, total - length:] = True
     valid[0, :, total - length:total - length + 2] = False  # two padding tokens
     reads = torch.ones(length, length, dtype=torch.bool).tril().expand(rows, -1, -1).clone()
     if among:
-        reads[1, 4, 3] = reads[2, 5, 4] = False  # draft tokens that do not read a sibling
+        reads[0, 5, 4] = reads[1, 4, 3] = reads[2, 5, 4] = False  # draft tokens that do not read a sibling
     allowed = valid.repeat_interleave(heads // kv_heads, 1)[:, :, None, :].expand(-1, -1, length, -1).clone()
     allowed[..., total - length:] &= reads[:, None]
     own = torch.arange(length)
     allowed[:, :, own, total - length + own] = True
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=0.3, enable_gqa=True)
     got = masked_attention(q, keys, values, valid, 0.3, among=reads if among else None)
-    assert torch.equal(got, expected.transpose(1, 2))
+    assert not got.isnan().any() and torch.equal(got, expected.transpose(1, 2))
+
+
+def test_a_row_cache_forgets_the_columns_named_and_no_others():
+    """`RowCache.forget` with columns that are not one run: exactly those appended tokens of that row are read no
+    more, at every layer."""
+    from statekv.core.answering.rows import LayerContext, RowCache, RowContexts
+
+    context = LayerContext(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, dtype=torch.bool))
+    cache = RowCache([], room=8, layers=2)
+    for layer in cache.layers:
+        layer.rows = RowContexts([context, context], room=8)
+        layer.rows.append(torch.ones(2, 2, 6, 4), torch.ones(2, 2, 6, 4))
+    cache.forget(1, [0, 2, 5])
+    for layer in cache.layers:
+        appended = layer.rows.valid[:, :, 3:9]
+        assert appended[0].all()
+        assert appended[1, :, [1, 3, 4]].all() and not appended[1, :, [0, 2, 5]].any()
 
 
 def test_steering_places_the_questions_queries_with_ropes_own_rotation_exactly():
@@ -134,6 +153,8 @@ def test_drafts_change_no_answer_nor_what_steering_carries_and_save_forwards(che
         runs.append(([w.events for w in watches],
                      [stream.prefill.carried_positions(layer).clone() for layer in range(layers)]))
         stream.close()
+        kept = [w.standing for w in watches]
+        assert not any(t.is_inference() for q in kept for t in (*q.queries, q.answer, *q.earlier))  # all ordinary
     (events, carried), (alone_events, alone_carried) = runs
     assert events == alone_events and sum(len(each) for each in events) > 20
     assert all(torch.equal(a, b) for a, b in zip(carried, alone_carried))

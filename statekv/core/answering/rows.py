@@ -28,8 +28,8 @@ from ..step.batching import rope_key
 @dataclass
 class LayerContext:
     """One row's context at one layer: ``keys``/``values`` ``[1, H_kv, C, D]`` and ``valid`` ``[1, H_kv, C]`` (a
-    carried token of the new frames, or retrieved twice, is not read). ``steps``: the steps whose tokens it reads
-    besides the carried state and the new frames (retrieval), for what an answer read."""
+    carried token of the new frames, or retrieved twice, is not read). ``retrieved``: the steps whose tokens it
+    reads besides the carried state and the new frames (retrieval), for what an answer read."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -62,25 +62,19 @@ class RowContexts:
     def __init__(self, contexts: list[LayerContext], room: int):
         longest = max(context.keys.shape[2] for context in contexts)
         first = contexts[0].keys
-        heads, dim = first.shape[1], first.shape[3]
-        places: dict[int, int] = {}  # rows reading one context (those of one stream) copy it once
-        unique: list[LayerContext] = []
-        for context in contexts:
-            if id(context) not in places:
-                places[id(context)] = len(unique)
-                unique.append(context)
-        self.keys = first.new_zeros(len(unique), heads, longest + room, dim)
+        rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
+        self.keys = first.new_zeros(rows, heads, longest + room, dim)
         self.values = torch.zeros_like(self.keys)
-        self.valid = torch.zeros(len(unique), heads, longest + room, dtype=torch.bool, device=first.device)
-        for row, context in enumerate(unique):
-            length = context.keys.shape[2]
-            self.keys[row, :, :length] = context.keys[0]
-            self.values[row, :, :length] = context.values[0]
-            self.valid[row, :, :length] = context.valid[0]
-        if len(unique) < len(contexts):
-            index = torch.tensor([places[id(context)] for context in contexts], device=first.device)
-            self.keys, self.values, self.valid = (t.index_select(0, index) for t in (self.keys, self.values,
-                                                                                      self.valid))
+        self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
+        readers: dict[int, list[int]] = {}  # rows reading one context (those of one stream) are written together
+        for row, context in enumerate(contexts):
+            readers.setdefault(id(context), []).append(row)
+        for members in readers.values():
+            context, at = contexts[members[0]], torch.tensor(members, device=first.device)
+            length, count = context.keys.shape[2], len(members)
+            self.keys[at, :, :length] = context.keys.expand(count, -1, -1, -1)
+            self.values[at, :, :length] = context.values.expand(count, -1, -1, -1)
+            self.valid[at, :, :length] = context.valid.expand(count, -1, -1)
         self.context, self.appended = longest, 0
         self.retrieved = [context.retrieved for context in contexts]
 
@@ -106,12 +100,13 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      scale: float, among: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
     queries' own tokens (causal among them, or as ``among`` ``[W, T, T]`` says: which of them each query reads),
-    reading only the ``valid`` ``[W, H_kv, L]`` keys; a query whose own token is not valid (padding) reads itself
-    alone, so nothing it computes is undefined. Returns ``[W, T, Hq, D]``.
+    reading only the ``valid`` ``[W, H_kv, L]`` keys and always its own token, so a query whose own token is not
+    valid (padding) still reads something and computes nothing undefined. Returns ``[W, T, Hq, D]``.
 
     For several queries the mask is handed to SDPA as the additive one it would make of a boolean mask (0 where
     read, -inf elsewhere), built from its parts (the keys' validity, the tokens' order) by one broadcast sum."""
     rows, query_heads, length, _ = q.shape
+    assert among is None or among.shape[-1] == length, "among names the order of the queries' own tokens"
     total = keys.shape[2]
     group = query_heads // keys.shape[1]
     # per KV head (a carried token of the new frames is skipped in its own head), for its queries: [W, Hq, 1, L]
@@ -141,9 +136,10 @@ def _causal(length: int, total: int, device: torch.device, dtype: torch.dtype) -
     key = (length, total, device, dtype)
     mask = _causal_masks.get(key)
     if mask is None:
-        later = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-        mask = torch.zeros(length, total, dtype=dtype, device=device)
-        mask[:, total - length:].masked_fill_(later, float("-inf"))
+        with torch.inference_mode(False):  # kept for later calls, inside inference mode or not
+            later = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+            mask = torch.zeros(length, total, dtype=dtype, device=device)
+            mask[:, total - length:].masked_fill_(later, float("-inf"))
         if len(_causal_masks) > 256:
             _causal_masks.clear()
         _causal_masks[key] = mask

@@ -93,6 +93,6 @@ def retrieval_scoring(prefill, retrieval: Retrieval, question_positions: int, pr
         return None
     cache = prefill.cache
     segments = cache.layers[0].storage.segments
-    complete = 0 if segments.index is None else segments.index.shape[2]
-    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), segments.steps, complete)
+    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), segments.steps,
+                                                           segments.index.shape[2])
     return Scoring(plan.start - prompt_first, turns, segment_turns, prefill.positions.inv_freq)

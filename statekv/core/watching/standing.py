@@ -99,10 +99,10 @@ class Evaluation:
     """One evaluation of a standing question against its stream as it stands now.
 
     prompt: the question laid out after the stream now (its ids, and its positions when explicit). since: the first
-    token its last evaluation did not read (the new frames start there). max_new_tokens: the longest answer. eos:
-    token ids that end an answer. retrieval: also read the steps it picks among those before ``since`` (scored with
-    the prompt's queries at each layer, as a question asked is). retrieved: filled in, the steps retrieval picked
-    over the layers.
+    token its last evaluation did not read (the new frames start there, or past the range later: `tail_start`).
+    max_new_tokens: the longest answer. eos: token ids that end an answer. retrieval: also read the steps it picks
+    among those before ``since`` (scored with the prompt's queries at each layer, as a question asked is).
+    retrieved: filled in, the steps retrieval picked over the layers.
     """
 
     prefill: object
@@ -191,7 +191,8 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     longest = max(evaluation.prompt.input_ids.shape[1] + len(tree) for evaluation, tree in zip(evaluations, trees))
     longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
     rows, ids, positions, lasts = [], [], [], []
-    among = torch.ones(len(evaluations), longest, longest, dtype=torch.bool).tril()  # [W, T, T]
+    drafting = any(trees)
+    among = torch.ones(len(evaluations), longest, longest, dtype=torch.bool).tril() if drafting else None  # [W, T, T]
     for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
@@ -223,7 +224,7 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
             among[row, longest - len(tree):, longest - len(tree):] = tree.sees()
     cache = RowCache(rows, longest + longest_answer, len(first.cache.layers))
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
-    cache.among = among.to(device) if any(trees) else None
+    cache.among = among.to(device) if drafting else None
     for row, each in enumerate(rows):
         cache.valid[row, : each.pad] = False
     hidden = forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
@@ -251,8 +252,9 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         return finished(answers[row], ends[row], evaluations[row].max_new_tokens)
 
     decode_rows(first, cache, answers, lasts, done, lm_head, take)
-    _keep_queries(rows, cache.queries, [evaluation.prompt.input_ids.shape[1] for evaluation in evaluations])
-    made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
+    with torch.inference_mode(False):  # what outlives the evaluation is made as ordinary tensors
+        _keep_queries(rows, cache.queries)
+        made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
     for evaluation, tokens in zip(evaluations, made):
         question = evaluation.question
         question.earlier = remember(question.earlier, question.answer, tokens[0])
@@ -260,10 +262,10 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     return made
 
 
-def _keep_queries(rows: list[_Row], queries: list[torch.Tensor], lengths: list[int]) -> None:
-    """Each row's prompt queries at every layer (``lengths`` of them after its padding) kept on its question, with
-    where they sit."""
-    for index, (row, length) in enumerate(zip(rows, lengths)):
+def _keep_queries(rows: list[_Row], queries: list[torch.Tensor]) -> None:
+    """Each row's prompt queries at every layer (its prompt's ``length`` after its padding) kept on its question,
+    with where they sit."""
+    for index, row in enumerate(rows):
         question = row.evaluation.question
-        question.queries = [layer[index:index + 1, :, row.pad:row.pad + length].detach().clone() for layer in queries]
+        question.queries = [layer[index:index + 1, :, row.pad:row.pad + row.length].clone() for layer in queries]
         question.start = row.first
