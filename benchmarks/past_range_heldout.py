@@ -7,7 +7,11 @@ the table can be rebuilt at any time from what is done. Cells: % correct [95% Wi
 needle, attribute, order and first_last (issue #45's group); count and position are reported apart.
 
     python benchmarks/past_range_heldout.py --long data/held-2400 --long-seed 4820 --long-videos 12 \\
-        --short data/held-short --short-seed 4810 --short-videos 48 --runs runs --out docs/accuracy.md
+        --short data/held-short --short-seed 4810 --short-videos 48 --runs runs --out docs/accuracy.md \\
+        --longest data/held-24000 --longest-seed 4830 --longest-videos 4
+
+``--longest`` adds the 24,000-frame set (40 times the built-in model's range; small frames) and its runs: about
+17 minutes each with one thread on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ RUNS = (
      ["--method", "statekv", "--budget", "64", "--positions", "bounded", "--bounded-layout", "cache"]),
     ("short-full-r16", "short", "full attention, inside the range", ["--method", "full"]),
     ("long-full-r16", "long", "full attention, grouped past the range, spread 384 (defaults)", ["--method", "full"]),
+    ("longest-statekv-r16", "longest", "StateKV B=64, own-then-cache, spread 384 (defaults)",
+     ["--method", "statekv", "--budget", "64"]),
+    ("longest-statekv-r16-cache", "longest", "StateKV B=64, `--bounded-layout cache`, spread 384",
+     ["--method", "statekv", "--budget", "64", "--bounded-layout", "cache"]),
 )
 RETRIEVE = 16
 
@@ -90,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-seed", type=int, default=4820)
     parser.add_argument("--long-videos", type=int, default=12)
     parser.add_argument("--long-frames", type=int, default=2400)
+    parser.add_argument("--longest", type=Path, default=None,
+                        help="the 24,000-frame set's folder (made here if absent; none: its runs are skipped)")
+    parser.add_argument("--longest-seed", type=int, default=4830)
+    parser.add_argument("--longest-videos", type=int, default=4)
+    parser.add_argument("--longest-frames", type=int, default=24000)
     parser.add_argument("--short", type=Path, required=True)
     parser.add_argument("--short-seed", type=int, default=4810)
     parser.add_argument("--short-videos", type=int, default=48)
@@ -101,14 +114,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from statekv.cli import main as statekv_main
 
-    sets = {"long": args.long, "short": args.short}
+    sets = {"long": args.long, "short": args.short, "longest": args.longest}
     if not args.table_only:
         make_set(args.long, args.long_videos, args.long_seed, args.long_frames)
         make_set(args.short, args.short_videos, args.short_seed, 96)
+        if args.longest is not None:
+            make_set(args.longest, args.longest_videos, args.longest_seed, args.longest_frames)
     chosen = None if args.only is None else set(args.only.split(","))
     rows = []
     for name, which, label, flags in RUNS:
-        if chosen is not None and name not in chosen:
+        if (chosen is not None and name not in chosen) or sets[which] is None:
             continue
         out = args.runs / name
         seconds = None
@@ -123,7 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((which, label, counts, frames_streamed(out), seconds))
     note = (f"Held-out sets: `statekv synthetic make --frames {args.long_frames} --videos {args.long_videos} --seed "
             f"{args.long_seed}` (long) and `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 "
-            f"frames); each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
+            f"frames)"
+            + (f", `--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` "
+               "(longest)" if args.longest is not None else "")
+            + f"; each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
             f"Command: `python benchmarks/past_range_heldout.py "
             + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"

@@ -72,3 +72,21 @@ def test_the_held_out_table_pools_the_target_families_with_intervals(tmp_path):
                                                             for f in (2400, 2400)))
     table = heldout.markdown([("long", "x", counts, heldout.frames_streamed(tmp_path), None)], "note")
     assert "| long | x | 62.5 [48, 75] | 50.0 [25, 75] |" in table and table.rstrip().endswith("| 2400 |")
+
+
+def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path, capsys):
+    heldout = benchmark("past_range_heldout")
+    groups = {family: {"correct": 1, "questions": 4} for family in heldout.TARGET + heldout.APART}
+    for name in ("short-statekv-r16", "longest-statekv-r16"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"score": {"groups": {"task_type": groups}}}))
+        (tmp_path / name / "answers.rank000.jsonl").write_text(json.dumps({"extra": {"frames": 96}}) + "\n")
+    sets = ["--long", str(tmp_path / "long"), "--short", str(tmp_path / "short"), "--runs", str(tmp_path),
+            "--table-only"]
+    heldout.main(sets)
+    without = capsys.readouterr().out
+    assert "| short | StateKV B=64, inside the range | 25.0" in without and "| longest |" not in without
+    heldout.main(sets + ["--longest", str(tmp_path / "longest")])
+    with_longest = capsys.readouterr().out
+    assert "| longest | StateKV B=64, own-then-cache, spread 384 (defaults) | 25.0 [" in with_longest
+    assert "`--frames 24000 --videos 4 --seed 4830` (longest)" in with_longest
