@@ -71,24 +71,33 @@ def batched(qa, streams, video: np.ndarray, start: int) -> float:
 
 
 def ask_both_ways(qa, streams, args) -> dict[str, float]:
-    """Median seconds to answer one question of each of ``streams`` asked one after another and together
-    (``--answer-tokens`` tokens each), the two ways alternating; their answers must be equal."""
+    """Median seconds to answer one question of each of ``streams`` asked one after another and together (at most
+    ``--answer-tokens`` tokens each), after one untimed round of each, the two ways taking turns at going first;
+    their answers must be equal."""
     from statekv.synthetic.prompts import question_prompt
 
     question, options = question_prompt(*QUESTION), {"max_new_tokens": args.answer_tokens}
-    times: dict[str, list[float]] = {"asked": [], "together": []}
-    for _ in range(args.repeats):
-        synchronize(qa)
-        started = time.perf_counter()
-        alone = [stream.ask(question, **options) for stream in streams]
-        synchronize(qa)
-        times["asked"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        together = qa.ask_many([(stream, question, options) for stream in streams])
-        synchronize(qa)
-        times["together"].append(time.perf_counter() - started)
-        if together != alone:
-            raise SystemExit(f"questions asked together answered {together}, asked alone {alone}")
+
+    def asked() -> list[str]:
+        return [stream.ask(question, **options) for stream in streams]
+
+    def together() -> list[str]:
+        return qa.ask_many([(stream, question, options) for stream in streams])
+
+    ways = {"asked": asked, "together": together}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for repeat in range(args.repeats + 1):
+        answers = {}
+        for name in (("asked", "together") if repeat % 2 else ("together", "asked")):
+            synchronize(qa)
+            started = time.perf_counter()
+            answers[name] = ways[name]()
+            synchronize(qa)
+            if repeat:  # the first round warms both up
+                times[name].append(time.perf_counter() - started)
+        if answers["together"] != answers["asked"]:
+            raise SystemExit(f"questions asked together answered {answers['together']}, one after another "
+                             f"{answers['asked']}")
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -127,7 +136,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=24, help="frames pushed first (to the steady state)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size", type=int, default=64, help="frame side in pixels")
-    parser.add_argument("--answer-tokens", type=int, default=4, help="tokens of each answer (default 4)")
+    parser.add_argument("--answer-tokens", type=int, default=4, help="most tokens of each answer (default 4)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared machine more threads than idle cores stall)")
     parser.add_argument("--out", default=None, help=f"markdown file whose '{TITLE}' section is replaced")
@@ -161,8 +170,9 @@ def main() -> None:
                + f"; load average {load:.1f} at the end")
     lines = [f"Command: `python benchmarks/multi_stream.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {machine}.  ",
-             f"Model: {args.model} ({qa.adapter.family}, {qa.adapter.dtype}), method {args.method} "
-             f"(budget {args.budget} tokens), {args.size}x{args.size} frames; each stream first pushed "
+             f"Model: {args.model} ({qa.adapter.family}, {qa.adapter.dtype}), method {args.method}"
+             + (f" (budget {args.budget} tokens)" if "budget" in options else "") + f", {args.size}x{args.size} "
+             "frames; each stream first pushed "
              f"{args.warmup} frames (to its steady state), then {args.frames} frames per variant and repeat; "
              f"median of {args.repeats} alternating repeats.", "",
              "| streams | frames/s one after another | frames/s batched | ms per frame per stream, one after "
@@ -174,7 +184,8 @@ def main() -> None:
     lines += ["", "ms per frame per stream: the wall time of one round (one frame to every stream); frames/s: "
               "frames of all streams per second. Steps batched: the share of the batched variant's steps that "
               "ran in a forward with other streams.", "",
-              f"Then one question to each stream (a four-option question, {args.answer_tokens} answer tokens, read "
+              "Then one question to each stream (a four-option question, at most "
+              f"{args.answer_tokens} answer tokens, read "
               "from the whole detailed cache), asked one after another (`Stream.ask`) and together "
               "(`VideoQA.ask_many`), the same answers both ways:", "",
               "| streams | ms per question, one after another | ms per question, together | together / one after "

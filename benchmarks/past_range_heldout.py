@@ -32,7 +32,7 @@ from report import write_section  # noqa: E402
 
 TARGET = ("needle", "attribute", "order", "first_last")
 APART = ("count", "position")
-# name, set ("long" or "short"), the label, the eval's flags besides the set and the model
+# name, set ("long", "short" or "longest"), the label, the eval's flags besides the set and the model
 RUNS = (
     ("short-statekv-r16", "short", "StateKV B=64, inside the range", ["--method", "statekv", "--budget", "64"]),
     ("long-statekv-r16", "long", "StateKV B=64, own-then-cache, spread 384 (defaults)",
@@ -67,6 +67,14 @@ def tally(out: Path) -> dict[str, tuple[int, int]] | None:
     counts = {family: (row["correct"], row["questions"]) for family, row in groups.items()}
     counts["target"] = tuple(sum(counts[f][i] for f in TARGET if f in counts) for i in (0, 1))
     return counts
+
+
+def run_weights(out: Path) -> str | None:
+    """The fingerprint of the weights a run answered with (its `run.json`), None when it has not run."""
+    record = out / "run.json"
+    if not record.is_file():
+        return None
+    return json.loads(record.read_text(encoding="utf-8")).get("content", {}).get("weights")
 
 
 def cell(counts: tuple[int, int]) -> str:
@@ -121,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.longest is not None:
             make_set(args.longest, args.longest_videos, args.longest_seed, args.longest_frames)
     chosen = None if args.only is None else set(args.only.split(","))
+    needing = sorted(name for name, which, _, _ in RUNS if sets[which] is None and chosen and name in chosen)
+    if needing:
+        raise SystemExit(f"{', '.join(needing)} run on the 24,000-frame set: give its folder with --longest")
     rows = []
     for name, which, label, flags in RUNS:
         if (chosen is not None and name not in chosen) or sets[which] is None:
@@ -137,15 +148,19 @@ def main(argv: list[str] | None = None) -> None:
         if counts is not None:
             rows.append((which, label, counts, frames_streamed(out), seconds))
     note = (f"Held-out sets: `statekv synthetic make --frames {args.long_frames} --videos {args.long_videos} --seed "
-            f"{args.long_seed}` (long) and `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 "
-            f"frames)"
-            + (f", `--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` "
+            f"{args.long_seed}` (long)" + ("," if args.longest is not None else " and")
+            + f" `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 frames)"
+            + (f" and `--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` "
                "(longest)" if args.longest is not None else "")
             + f"; each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
             f"Command: `python benchmarks/past_range_heldout.py "
             + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"
             + (f", {args.machine}" if args.machine else "") + ".")
+    weights = {run_weights(args.runs / name) for name, which, _, _ in RUNS if sets[which] is not None} - {None}
+    if weights:
+        note += " Weights (the fingerprint each run's `run.json` records): " + ", ".join(
+            f"`{digest[:12]}`" for digest in sorted(weights)) + "."
     text = markdown(rows, note)
     print(text)
     if args.out:

@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         segmented.SEGMENT_STEPS = args.segment_steps
     if args.from_json:
         saved = json.loads(args.from_json.read_text(encoding="utf-8"))
+        torch.set_num_threads(saved.get("threads", args.threads))  # the Machine line names the run's threads
         results = {name: {"questions": questions} for name, questions in saved["results"].items()}
         if args.accuracy_out:
             write_section(args.accuracy_out, "Answering from retrieved frames",
@@ -460,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"command": command, "note": note, "rules": rules, "ks": ks,
+                                         "threads": args.threads,
                                          "results": {name: r["questions"] for name, r in results.items()}}),
                              encoding="utf-8")
     if args.plot:

@@ -90,3 +90,5 @@ def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path
     with_longest = capsys.readouterr().out
     assert "| longest | StateKV B=64, own-then-cache, spread 384 (defaults) | 25.0 [" in with_longest
     assert "`--frames 24000 --videos 4 --seed 4830` (longest)" in with_longest
+    with pytest.raises(SystemExit, match="longest-statekv-r16 run on the 24,000-frame set: give its folder"):
+        heldout.main(sets + ["--only", "longest-statekv-r16"])
