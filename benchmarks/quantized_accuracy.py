@@ -44,10 +44,12 @@ def evaluate(data: Path, runs: Path) -> None:
                 out = runs / run_name(method, context, stored)
                 if (out / "results.json").exists():
                     continue
-                command = ["statekv", "eval", "synthetic", "--model", "builtin", *METHODS[method],
-                           *CONTEXTS[context], "--kv-cache-dtype", stored, "--data-root", str(data), "--out", str(out)]
-                print(" ".join(command), file=sys.stderr)
-                subprocess.run(command, check=True)
+                arguments = ["eval", "synthetic", "--model", "builtin", *METHODS[method], *CONTEXTS[context],
+                             "--kv-cache-dtype", stored, "--data-root", str(data), "--out", str(out)]
+                print("statekv " + " ".join(arguments), file=sys.stderr)
+                # this interpreter's statekv, whether or not its environment is on PATH
+                if subprocess.run([sys.executable, "-m", "statekv.cli", *arguments]).returncode:
+                    raise SystemExit(f"statekv eval failed for {out.name} (its message is above)")
 
 
 def answers(folder: Path) -> dict[str, bool | str]:
