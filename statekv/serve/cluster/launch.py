@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ...errors import ConfigurationError
 from ..config import ServeConfig
+from ..listening import shown_address
 from .deployment import ClusterSettings, application
 
 CONNECT_SECONDS = 5.0
@@ -49,7 +50,14 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     started = not _serve_running()
     try:
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except Exception as error:  # a port the proxy cannot bind comes back as its actor's failure
+            if "Failed to bind" not in str(error):
+                raise
+            raise ConfigurationError(f"cannot listen on {shown_address(host, port)}: Ray Serve's proxy could not "
+                                     "bind it (in use, or not an address of this machine); give --host and --port "
+                                     "free ones") from None
         if not started:  # Ray Serve keeps the HTTP options it was started with; its public API does not say them
             print(f"statekv serve: Ray Serve already runs on this cluster: its proxies listen where they were started "
                   f"to, which --host {host} --port {port} cannot change", flush=True)
