@@ -391,6 +391,8 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
 def test_a_port_ray_serves_proxy_cannot_bind_is_one_line(monkeypatch):
     """Ray Serve's proxy binds its port itself and reports a port in use as its actor's failure: the command says so
     in one `ConfigurationError` naming the address."""
+    from types import SimpleNamespace
+
     from ray import serve
 
     from statekv.errors import ConfigurationError
@@ -400,7 +402,7 @@ def test_a_port_ray_serves_proxy_cannot_bind_is_one_line(monkeypatch):
         raise RuntimeError("ray::ProxyActor.ready() ... RuntimeError: Failed to bind to address '127.0.0.1:8123'.")
 
     monkeypatch.setattr(launch, "connect", lambda address: None)
-    monkeypatch.setattr(launch, "_serve_running", lambda: True)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(proxies={"node": "HEALTHY"}, applications={}))
     monkeypatch.setattr(serve, "start", refused)
     monkeypatch.setattr(serve, "delete", lambda name: None)
     monkeypatch.setattr("ray.shutdown", lambda: None)
