@@ -170,6 +170,56 @@ def test_bounded_places_keys_inside_the_range_past_it(model, monkeypatch):
         torch.testing.assert_close(keys, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_layouts_place_carried_keys_as_written_out():
+    """Each layout's places for carried tokens, against the rules written out: grouped (Self-Extend's), cache order
+    (consecutive, ending right before the chunk), and own-then-cache choosing between them; a stream that knows it
+    was placed (``moved``) gets the same places as the device's own choice."""
+    generator = torch.Generator().manual_seed(3)
+    for first in (70, 150, 600):
+        span = 4
+        anchors = torch.sort(torch.randint(0, first, (1, 2, 9), generator=generator)).values
+        carried = anchors.shape[-1]
+        for layout, expected_base in ((GroupedDistances(), GroupedDistances().ceiling(span, carried, LIMIT)),
+                                      (OwnThenCache(), carried)):
+            base = layout.base_on(torch.tensor([first]), span, carried, LIMIT)
+            assert int(base) == expected_base == layout.base(first, span, carried, LIMIT)
+        grouped = GroupedDistances().place(torch.tensor([first]), torch.tensor([56]), span, LIMIT)(anchors)
+        expected = [grouped_target(first - int(a), first, 56, LIMIT) for a in anchors.flatten()]
+        assert grouped.flatten().tolist() == expected
+        cache = CacheOrder().place(torch.tensor([first]), torch.tensor([carried]), span, LIMIT)(anchors)
+        assert cache.flatten().tolist() == list(range(carried)) * 2
+        for moved in (False, True):
+            own = OwnThenCache().place(torch.tensor([first]), torch.tensor([carried]), span, LIMIT,
+                                       moved=moved)(anchors)
+            assert torch.equal(own, cache)
+        wide = torch.sort(torch.randint(0, first, (1, 2, LIMIT), generator=generator)).values  # cannot compact
+        own = OwnThenCache().place(torch.tensor([first]), torch.tensor([56]), span, LIMIT, moved=True)(wide)
+        assert torch.equal(own, GroupedDistances().place(torch.tensor([first]), torch.tensor([56]), span,
+                                                         LIMIT)(wide))
+    inside = OwnThenCache().place(torch.tensor([20]), torch.tensor([20]), 4, LIMIT)(torch.arange(9).view(1, 1, 9))
+    assert inside.flatten().tolist() == list(range(9))  # not past the range: every token at its own position
+
+
+def test_a_step_past_the_range_rotates_only_the_carried_keys(model):
+    """Past the range the default layout places StateKV's carried keys in cache order and rotates them alone (the
+    chunk's keys were computed where it is placed): a steady step costs a bounded number of ops a layer more than
+    a step before the stream was placed."""
+    from statekv.testing.op_trace import OpTrace
+
+    embed = model.get_input_embeddings()
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+    counts = []
+    for seed in range(24):
+        with OpTrace() as trace:
+            prefill.step(inputs_embeds=embed(tokens(4, seed)).detach())
+        counts.append((prefill.positions.moved, len(trace.compute)))
+    before = [ops for moved, ops in counts[6:] if not moved]
+    after = [ops for moved, ops in counts if moved][2:]
+    layers = model.config.num_hidden_layers
+    assert before and after and prefill.positions.bases[-1] == 16
+    assert max(after) - min(before) <= 14 * layers + 6
+
+
 def test_question_past_the_range_reads_retrieved_frames(model):
     """When the whole cache does not fit the range, a question reads as many steps as fit (or those asked for),
     laid out before the prompt inside the range; too many asked for is refused with one line."""

@@ -28,7 +28,7 @@ class StepContext:
     logical positions, also where it goes in the detailed cache; set by the device part of the step) live on
     the model's device and are advanced by the step itself, so a steady step reads no host value;
     ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one. Under bounded positions
-    (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's anchors and rotations (``[T]`` each) and
+    (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's anchors and rotations (``[2, T]``) and
     ``positions`` the stream's `StreamPositions`, which rotates the keys a step attends to.
     """
 
@@ -37,7 +37,7 @@ class StepContext:
     step_device: torch.Tensor
     write_index: torch.Tensor | None = None
     ring_target: torch.Tensor | None = None
-    placements: tuple[torch.Tensor, torch.Tensor] | None = None
+    placements: torch.Tensor | None = None
     positions: object = None
 
 

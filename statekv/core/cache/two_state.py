@@ -182,7 +182,7 @@ class TwoStateCache(Cache):
         if context.positions is None:
             return context.write_index if position_ids is None else position_ids
         rotary, anchors, rotations = self.positions.chunk(context.write_index, position_ids)
-        context.placements = (anchors, rotations)
+        context.placements = torch.stack((anchors, rotations))  # [2, T]: one write a layer
         return rotary
 
     def step_positions(self, position_ids: torch.Tensor | None, rows: int) -> torch.Tensor:

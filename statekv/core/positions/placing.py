@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -79,23 +80,35 @@ def trained_range(config) -> int:
     return int(capacity)
 
 
-def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """``keys`` ``[B, H, N, D]`` (RoPE applied at some position) rotated by ``delta`` ``[B, H, N]`` more positions,
     with the model's frequencies ``inv_freq`` ``[R / 2]`` over the first R dims (rotate-half layout, as every
-    transformers RoPE applies it). Computed in float32; returns ``keys``' dtype. ``delta == 0`` returns the key
-    unchanged (cos 1, sin 0)."""
+    transformers RoPE applies it). Computed in float32; returns ``keys``' dtype, written into ``out`` (same
+    shape) when given. ``delta == 0`` returns the key unchanged (cos 1, sin 0)."""
     rotary = 2 * inv_freq.shape[0]
-    angles = delta.unsqueeze(-1).to(torch.float32) * inv_freq.to(keys.device, torch.float32)  # [B, H, N, R/2]
+    angles = delta.unsqueeze(-1) * inv_freq.to(keys.device, torch.float32)  # [B, H, N, R/2], float32
     cos, sin = angles.cos(), angles.sin()
-    head, rest = keys[..., :rotary].float(), keys[..., rotary:]
+    head = keys[..., :rotary].float()
     first, second = head[..., : rotary // 2], head[..., rotary // 2:]
-    turned = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(keys.dtype)
-    return turned if rest.shape[-1] == 0 else torch.cat([turned, rest], dim=-1)
+    out = torch.empty_like(keys) if out is None else out
+    torch.addcmul(first * cos, second, sin, value=-1, out=out[..., : rotary // 2])
+    torch.addcmul(second * cos, first, sin, out=out[..., rotary // 2: rotary])
+    if rotary < keys.shape[-1]:
+        out[..., rotary:] = keys[..., rotary:]
+    return out
+
+
+Placer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class BoundedLayout:
     """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions.
+
+    A step's chunk is placed at its base; the carried keys it attends to are placed by the function `place`
+    returns for the step (once a step, then once a layer). The chunk's own keys need no placing: they were
+    computed where the chunk is placed.
 
     ``flat``: the model's RoPE is 1-D (False: M-RoPE, whose steps move as a whole)."""
 
@@ -114,14 +127,18 @@ class BoundedLayout:
         """The rotary position of the chunk's first token (host): its own position while the stream fits."""
         return max(0, min(first, self.ceiling(span, carried, limit)))
 
-    def base_on(self, first: torch.Tensor, span: int, carried: int, limit: int, flat: bool = True) -> torch.Tensor:
-        """`base` on the device, from the chunk's first position ``first`` ``[1]`` (what a steady step computes)."""
+    def base_on(self, first: torch.Tensor, span: int, carried: int, limit: int, flat: bool = True,
+                moved: bool = False) -> torch.Tensor:
+        """`base` on the device, from the chunk's first position ``first`` (``[1]``, or ``[S, 1]`` for S streams):
+        what a steady step computes. ``moved``: the host knows this stream's step is placed away from its own
+        position (a layout may then skip what that settles)."""
         return first.clamp(0, self.ceiling(span, carried, limit))
 
-    def targets(self, anchors: torch.Tensor, first: torch.Tensor, base: torch.Tensor, carried: int,
-                limit: int, flat: bool = True) -> torch.Tensor:
-        """Rotary positions ``[B, H, K + T]`` of ``[carried; chunk]`` whose positions in the stream (temporal row
-        for M-RoPE) are ``anchors``, for a chunk starting at ``first`` placed at ``base`` (device ``[1]``)."""
+    def place(self, first: torch.Tensor, base: torch.Tensor, span: int, limit: int, flat: bool = True,
+              moved: bool = False) -> Placer:
+        """For a chunk of ``span`` positions starting at ``first`` placed at ``base`` (device, ``[1]`` or
+        ``[S, 1, 1]``), the function from carried tokens' positions in the stream (temporal row for M-RoPE)
+        ``anchors`` ``[B, H, K]`` to their rotary positions ``[B, H, K]``. ``moved`` as in `base_on`."""
         raise NotImplementedError
 
 
@@ -137,14 +154,18 @@ class GroupedDistances(BoundedLayout):
     def ceiling(self, span: int, carried: int, limit: int) -> int:
         return min(self.cap(limit), limit - span)
 
-    def targets(self, anchors, first, base, carried, limit, flat=True):
+    def place(self, first, base, span, limit, flat=True, moved=False):
         cap = self.cap(limit)
         window = int(self.window * cap)
         group = torch.div(first - window + cap - window - 1, cap - window, rounding_mode="floor").clamp_min(1)
-        distance = first - anchors
-        far = window + torch.div(distance - window + group - 1, group, rounding_mode="floor")
-        grouped = torch.where(distance <= window, distance, far)
-        return base - torch.minimum(grouped, base)
+        rounding = group - 1 - window
+
+        def targets(anchors: torch.Tensor) -> torch.Tensor:
+            distance = first - anchors
+            far = window + torch.div(distance + rounding, group, rounding_mode="floor")
+            grouped = torch.where(distance <= window, distance, far)
+            return base - torch.minimum(grouped, base)
+        return targets
 
 
 @dataclass(frozen=True)
@@ -161,17 +182,25 @@ class CacheOrder(BoundedLayout):
                                "use the grouped layout or a method that carries fewer tokens")
         return carried
 
-    def targets(self, anchors, first, base, carried, limit, flat=True):
-        b, h, size = anchors.shape
-        order = torch.arange(size, device=anchors.device).expand(b, h, -1)
-        chunk = base + (anchors - first)
-        return torch.where(order < carried, base - carried + order, chunk)
+    def place(self, first, base, span, limit, flat=True, moved=False):
+        made: dict[int, torch.Tensor] = {}  # by carried size: the same for every layer that carries as many
+
+        def targets(anchors: torch.Tensor) -> torch.Tensor:
+            carried = anchors.shape[-1]
+            if carried not in made:
+                made[carried] = base + torch.arange(-carried, 0, device=anchors.device)
+            return made[carried].expand(anchors.shape)
+        return targets
 
 
 @dataclass(frozen=True)
 class OwnThenCache(BoundedLayout):
     """Every token at its own position while the stream fits the range; past it, the carried state in cache order
-    (`CacheOrder`) where it fits the range with the chunk (1-D RoPE), else `GroupedDistances`."""
+    (`CacheOrder`) where it fits the range with the chunk (1-D RoPE), else `GroupedDistances`.
+
+    Once a step is placed away from its own position, every later step is past the range too (each step starts
+    at least its span further on, and the ceiling is at most the range less that span), so a stream whose host
+    knows it was placed (``moved``) places the cache order's way or the grouped way without asking the device."""
 
     name: ClassVar[str] = "own-then-cache"
     grouped: GroupedDistances = GroupedDistances()
@@ -189,18 +218,31 @@ class OwnThenCache(BoundedLayout):
             return max(first, 0)
         return carried if self.compacts(span, carried, limit, flat) else ceiling
 
-    def base_on(self, first, span, carried, limit, flat=True):
+    def base_on(self, first, span, carried, limit, flat=True, moved=False):
         ceiling = self.ceiling(span, carried, limit)
         past = carried if self.compacts(span, carried, limit, flat) else ceiling
+        if moved:
+            return torch.full_like(first, past)
         return torch.where(first <= ceiling, first.clamp_min(0), torch.full_like(first, past))
 
-    def targets(self, anchors, first, base, carried, limit, flat=True):
-        grouped = self.grouped.targets(anchors, first, base, carried, limit)
-        span = anchors.shape[-1] - carried
-        if not self.compacts(span, carried, limit, flat):
-            return grouped
-        past = first > self.ceiling(span, carried, limit)
-        return torch.where(past, self.cache.targets(anchors, first, base, carried, limit), grouped)
+    def place(self, first, base, span, limit, flat=True, moved=False):
+        cache = self.cache.place(first, base, span, limit, flat, moved)
+        made: dict[str, Placer | torch.Tensor] = {}  # what a layer needs, made by the first that does
+
+        def grouped(anchors: torch.Tensor) -> torch.Tensor:
+            if "grouped" not in made:
+                made["grouped"] = self.grouped.place(first, base, span, limit, flat, moved)
+            return made["grouped"](anchors)
+
+        def targets(anchors: torch.Tensor) -> torch.Tensor:
+            if not self.compacts(span, anchors.shape[-1], limit, flat):
+                return grouped(anchors)
+            if moved:
+                return cache(anchors)
+            if "past" not in made:
+                made["past"] = first > self.ceiling(span, 0, limit)
+            return torch.where(made["past"], cache(anchors), grouped(anchors))
+        return targets
 
 
 BOUNDED_LAYOUTS: dict[str, BoundedLayout] = {layout.name: layout for layout in (
@@ -267,6 +309,7 @@ class StreamPositions:
         self.pending: StepPlan | None = None
         self._placing = (0, 0, True)  # the step's span, carried tokens, and whether its RoPE is 1-D (set by plan)
         self.moved = False  # some committed step was placed away from its own position
+        self.placer: Placer | None = None  # the carried keys' places in the step placed away from its own (`chunk`)
         self.still = True  # the step planned, and every one before it, sits at its own position (set by plan)
 
     @property
@@ -322,28 +365,32 @@ class StreamPositions:
         first, base, shift = self.device_scalars(write_index.device)
         first.copy_(anchors[:1])
         span, carried, flat = self._placing
-        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat))
+        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat, moved=True))
         torch.sub(first, base, out=shift)
+        self.placer = self.layout.place(first, base, span, self.limit, flat, moved=True)
+        rotations = anchors - shift
         if position_ids is None:
-            moved = anchors - shift
+            return rotations, anchors, rotations
+        moved = position_ids.clone()
+        if moved.dim() == 2:
+            moved = moved - shift
         else:
-            moved = position_ids.clone()
-            if moved.dim() == 2:
-                moved = moved - shift
-            else:
-                moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
-        return moved, anchors, anchors - shift
+            moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
+        return moved, anchors, rotations
 
     def rotated(self, keys: torch.Tensor, anchors: torch.Tensor, rotations: torch.Tensor, carried: int
                 ) -> torch.Tensor:
         """``[carried; chunk]`` keys ``[B, H, K + T, D]`` (each at its stored rotation ``rotations``) rotated to
         where the layout puts them for this step: unchanged while the stream is `still` (every layout keeps every
-        token at its own position while every step is placed at its own)."""
-        if self.still:
+        token at its own position while every step is placed at its own). The chunk's keys stay as computed: it
+        was placed where they were rotated."""
+        if self.still or carried == 0:
             return keys
-        first, base, _ = self.device_scalars(keys.device)
-        targets = self.layout.targets(anchors, first, base, carried, self.limit, self._placing[2])
-        return rotate(keys, targets - rotations, self.frequencies(keys.device))
+        placed = torch.empty_like(keys)
+        rotate(keys[:, :, :carried], self.placer(anchors[..., :carried]) - rotations[..., :carried],
+               self.frequencies(keys.device), out=placed[:, :, :carried])
+        placed[:, :, carried:] = keys[:, :, carried:]
+        return placed
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
         """The rotary frequencies on ``device`` (copied there once)."""

@@ -198,7 +198,7 @@ class PooledBatch(Cache):
         # bounded positions: each row's chunk moved to its base (as `StreamPositions.chunk` places one stream's)
         placing, first = self.placing, self.positions[:, :1]
         base = placing.layout.base_on(first, chunk_len, max(self.slots.shape.carried), placing.limit)
-        self.first, self.base = first[:, :, None], base[:, :, None]
+        self.placer = placing.layout.place(first[:, :, None], base[:, :, None], chunk_len, placing.limit)
         self.rotations = self.positions - (first - base)
         return self.rotations
 
@@ -230,8 +230,13 @@ class PooledBatch(Cache):
         placements[1, ..., carried:] = self.rotations[:, None]
         self.staged[index] = (kv, positions, reduced, placements)
         placing = self.placing  # the keys attended to, rotated to where the layout puts them for this step
-        targets = placing.layout.targets(placements[0], self.first, self.base, carried, placing.limit)
-        return rotate(kv[0], targets - placements[1], self.frequencies), kv[1]
+        if carried == 0:
+            return kv[0], kv[1]
+        keys = torch.empty_like(kv[0])
+        rotate(kv[0, :, :, :carried], self.placer(placements[0, ..., :carried]) - placements[1, ..., :carried],
+               self.frequencies, out=keys[:, :, :carried])
+        keys[:, :, carried:] = kv[0, :, :, carried:]
+        return keys, kv[1]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Every row's attention and the carry selection, once (`statekv.core.cache.two_state.attend`)."""

@@ -169,16 +169,15 @@ class CarriedSlots:
                                                                             self.head_placements())
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              placements: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` (and anchors and rotations ``[T]``) into
-        the last T slots."""
+              placements: torch.Tensor | None = None) -> None:
+        """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` (and its anchors and rotations ``[2, T]``)
+        into the last T slots."""
         self.kv[0, :, :, self.carried:] = keys
         self.kv[1, :, :, self.carried:] = values
         if self.positions is not None:
             self.positions[..., self.carried:] = positions
         if self.placements is not None and placements is not None:
-            self.placements[0, ..., self.carried:] = placements[0]
-            self.placements[1, ..., self.carried:] = placements[1]
+            self.placements[..., self.carried:] = placements[:, None, None]
 
     def suffix(self, start: int) -> "CarriedSlots":
         """A new buffer carrying slots ``start:`` (e.g. everything, or a recency window), with room for a chunk

@@ -13,7 +13,7 @@ and the question's prompt runs after them, then its answer.
 Positions: under ``stream`` positions every token is read at the rotation it was stored with. Under ``bounded``
 positions the evaluation is placed as a step would be whose chunk is the new frames and the question: its first
 token at the layout's base for that span, the carried (and retrieved) tokens where the layout puts a step's
-carried state (`BoundedLayout.targets`), each key rotated from its stored rotation to there (`rotate`), as a
+carried state (`BoundedLayout.place`), each key rotated from its stored rotation to there (`rotate`), as a
 step's own keys are.
 
 Rows: the evaluations of several questions (of one stream or of several) run as rows of one batch; each row's
@@ -111,13 +111,9 @@ def carried_targets(prefill, anchors: torch.Tensor, place: Placement) -> torch.T
     """Rotary positions ``[B, H, K]`` the bounded layout gives carried tokens at stream positions ``anchors``
     ``[B, H, K]`` (time order) before a tail placed by ``place``."""
     positions = prefill.positions
-    device = anchors.device
-    b, h, k = anchors.shape
-    tail = place.first + torch.arange(max(place.span, 1), device=device).expand(b, h, -1)
-    first = torch.tensor([place.first], device=device)
-    base = torch.tensor([place.base], device=device)
-    targets = positions.layout.targets(torch.cat([anchors, tail], -1), first, base, k, positions.limit, place.flat)
-    return targets[..., :k]
+    first = torch.tensor([place.first], device=anchors.device)
+    base = torch.tensor([place.base], device=anchors.device)
+    return positions.layout.place(first, base, max(place.span, 1), positions.limit, place.flat)(anchors)
 
 
 def layer_context(prefill, layer: int, since: int, place: Placement, *, device: torch.device, dtype: torch.dtype,
