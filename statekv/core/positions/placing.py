@@ -92,8 +92,8 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out:
     head = keys[..., :rotary].float()
     first, second = head[..., : rotary // 2], head[..., rotary // 2:]
     out = torch.empty_like(keys) if out is None else out
-    torch.addcmul(first * cos, second, sin, value=-1, out=out[..., : rotary // 2])
-    torch.addcmul(second * cos, first, sin, out=out[..., rotary // 2: rotary])
+    torch.sub(first * cos, second * sin, out=out[..., : rotary // 2])
+    torch.add(second * cos, first * sin, out=out[..., rotary // 2: rotary])
     if rotary < keys.shape[-1]:
         out[..., rotary:] = keys[..., rotary:]
     return out
