@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import statekv
 import statekv.core.answering.rows as rows_module
 import statekv.core.watching.standing as standing_module
-from statekv.core.answering.rows import masked_attention
+from statekv.core.answering.rows import masked_attention, own_mask
 from statekv.core.rules.steering import QuestionGuide
 from statekv.core.watching.drafts import EARLIER_ANSWERS, EXTRA_NODES, draft_tree, remember
 from statekv.core.watching.standing import StandingQuestion
@@ -58,10 +58,12 @@ def test_earlier_answers_are_remembered_latest_first_each_once():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("among", [False, True])
-def test_the_evaluation_mask_is_the_boolean_one_sdpa_would_read(among, dtype):
+@pytest.mark.parametrize("once", [False, True])
+def test_the_evaluation_mask_is_the_boolean_one_sdpa_would_read(among, dtype, once):
     """Exactly SDPA over the boolean mask (what `masked_attention` handed it before it built the additive one), in
     each dtype: causal or a draft tree among the forward's tokens, a padding query reading the valid keys and
-    itself, a draft tree after padding."""
+    itself, a draft tree after padding; with the part over the forward's own tokens made once (`own_mask`, as a
+    `RowCache` makes it for every layer of a forward) or by each call."""
     generator = torch.Generator().manual_seed(0)
     rows, heads, kv_heads, length, total, dim = 3, 4, 2, 6, 20, 8
     q = torch.randn(rows, heads, length, dim, generator=generator).to(dtype)
@@ -77,7 +79,9 @@ def test_the_evaluation_mask_is_the_boolean_one_sdpa_would_read(among, dtype):
     own = torch.arange(length)
     allowed[:, :, own, total - length + own] = True
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=0.3, enable_gqa=True)
-    got = masked_attention(q, keys, values, valid, 0.3, among=reads if among else None)
+    made = own_mask(valid[:, 0, total - length:], reads if among else None, rows, length, dtype,
+                    torch.device("cpu")) if once else None
+    got = masked_attention(q, keys, values, valid, 0.3, among=reads if among else None, own=made)
     assert not got.isnan().any() and torch.equal(got, expected.transpose(1, 2))
 
 

@@ -63,18 +63,24 @@ class RowContexts:
         longest = max(context.keys.shape[2] for context in contexts)
         first = contexts[0].keys
         rows, heads, dim = len(contexts), first.shape[1], first.shape[3]
-        self.keys = first.new_zeros(rows, heads, longest + room, dim)
-        self.values = torch.zeros_like(self.keys)
+        # every slot a forward reads is written before it is read (a context, its padding, an appended token)
+        self.keys = first.new_empty(rows, heads, longest + room, dim)
+        self.values = torch.empty_like(self.keys)
         self.valid = torch.zeros(rows, heads, longest + room, dtype=torch.bool, device=first.device)
         readers: dict[int, list[int]] = {}  # rows reading one context (those of one stream) are written together
         for row, context in enumerate(contexts):
             readers.setdefault(id(context), []).append(row)
         for members in readers.values():
-            context, at = contexts[members[0]], torch.tensor(members, device=first.device)
-            length, count = context.keys.shape[2], len(members)
-            self.keys[at, :, :length] = context.keys.expand(count, -1, -1, -1)
-            self.values[at, :, :length] = context.values.expand(count, -1, -1, -1)
-            self.valid[at, :, :length] = context.valid.expand(count, -1, -1)
+            context, length = contexts[members[0]], contexts[members[0]].keys.shape[2]
+            if members == list(range(members[0], members[-1] + 1)):  # a run of rows: written through a slice
+                at = slice(members[0], members[-1] + 1)
+            else:
+                at = torch.tensor(members, device=first.device)
+            for buffer, part in ((self.keys, context.keys), (self.values, context.values)):
+                buffer[at, :, :length] = part
+                if length < longest:  # padding no query reads, zeros (never what an unset slot might hold)
+                    buffer[at, :, length:longest] = 0
+            self.valid[at, :, :length] = context.valid
         self.context, self.appended = longest, 0
         self.retrieved = [context.retrieved for context in contexts]
 
@@ -97,14 +103,18 @@ class RowContexts:
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     scale: float, among: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, among: torch.Tensor | None = None, own: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Attention of ``q [W, Hq, T, D]`` over ``keys``/``values`` ``[W, H_kv, L, D]`` whose last ``T`` are the
     queries' own tokens (causal among them, or as ``among`` ``[W, T, T]`` says: which of them each query reads),
     reading only the ``valid`` ``[W, H_kv, L]`` keys and always its own token, so a query whose own token is not
     valid (padding) still reads something and computes nothing undefined. Returns ``[W, T, Hq, D]``.
 
     For several queries the mask is handed to SDPA as the additive one it would make of a boolean mask (0 where
-    read, -inf elsewhere), built from its parts (the keys' validity, the tokens' order) by one broadcast sum."""
+    read, -inf elsewhere), built from its parts (the keys' validity, the tokens' order) by one broadcast sum.
+    ``own`` ``[W, T, T]``: that mask's part over the queries' own tokens, made once for every layer of a forward
+    by `own_mask` (their order, their validity, each its own token read); then ``valid``'s last ``T`` columns and
+    ``among`` are not read, and each layer only lays the keys' validity before it."""
     rows, query_heads, length, _ = q.shape
     assert among is None or among.shape[-1] == length, "among names the order of the queries' own tokens"
     total = keys.shape[2]
@@ -112,6 +122,12 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     # per KV head (a carried token of the new frames is skipped in its own head), for its queries: [W, Hq, 1, L]
     if length == 1:  # one query (an answer token) reads every valid key, its own token among them
         mask = (valid if group == 1 else valid.repeat_interleave(group, dim=1))[:, :, None, :]
+    elif own is not None:
+        before = total - length
+        mask = torch.empty(rows, keys.shape[1], group, length, total, dtype=q.dtype, device=q.device)
+        mask[..., :before] = torch.where(valid[:, :, None, None, :before], 0.0, float("-inf"))
+        mask[..., before:] = own[:, None, None]
+        mask = mask.view(rows, query_heads, length, total)  # query head h reads KV head h // group
     else:
         mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
         mask = (mask if group == 1 else mask.repeat_interleave(group, dim=1))[:, :, None, :]
@@ -125,6 +141,18 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                            enable_gqa=q.shape[1] != keys.shape[1])
     return out.transpose(1, 2)
+
+
+def own_mask(valid: torch.Tensor | None, among: torch.Tensor | None, rows: int, length: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """``[W, T, T]`` the additive mask (0 where read, -inf elsewhere) of ``T`` queries over their own tokens:
+    query ``t`` reads token ``j`` when ``among`` ``[W, T, T]`` says so (None: ``j <= t``) and ``j`` is ``valid``
+    ``[W, T]`` (None: every token), and always its own token (`masked_attention`'s ``own``)."""
+    reads = torch.ones(length, length, dtype=torch.bool, device=device).tril() if among is None else among
+    if valid is not None:
+        reads = reads & valid[:, None, :]
+    reads = reads | torch.eye(length, dtype=torch.bool, device=device)
+    return torch.zeros(rows, length, length, dtype=dtype, device=device).masked_fill_(~reads, float("-inf"))
 
 
 _causal_masks: dict[tuple, torch.Tensor] = {}
@@ -186,6 +214,7 @@ class RowCache(Cache):
         self.valid: torch.Tensor | None = None
         self.among: torch.Tensor | None = None
         self.queries: list[torch.Tensor] = []
+        self.own: tuple | None = None  # (valid, among, shape, `own_mask`): the same at every layer of a forward
 
     def forget(self, row: int, columns: list[int]) -> None:
         """Row ``row``'s appended tokens at ``columns`` (counted from the first appended) are read no more."""
@@ -214,7 +243,15 @@ class RowCache(Cache):
             self.queries.append(q)
         keys, values, valid = layer.rows.append(*layer.pending, self.valid)
         layer.pending = None
-        return masked_attention(q, keys, values, valid, scale, among=self.among)
+        own = None
+        if q.shape[2] > 1:
+            shape = (q.shape[0], q.shape[2], q.dtype, q.device)
+            if self.own is None or self.own[0] is not self.valid or self.own[1] is not self.among \
+                    or self.own[2] != shape:
+                self.own = (self.valid, self.among, shape,
+                            own_mask(self.valid, self.among, q.shape[0], q.shape[2], q.dtype, q.device))
+            own = self.own[3]
+        return masked_attention(q, keys, values, valid, scale, among=self.among, own=own)
 
 
 def finished(answer: list[int], ends: set[int], longest: int) -> bool:
