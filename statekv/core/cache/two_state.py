@@ -15,6 +15,7 @@ everything that changes from step to step lives in device tensors that the step 
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections.abc import Sequence
 from itertools import accumulate
@@ -223,9 +224,19 @@ class TwoStateCache(Cache):
     def step_starts(self) -> torch.Tensor:
         """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
         as the steps commit, so a question never walks the stream's history to find them)."""
+        return torch.frombuffer(self._kept_starts(), dtype=torch.long).clone()
+
+    def step_of(self, token: int) -> tuple[int, int]:
+        """``(step, its first token)``: the committed step holding ``token`` (``0 <= token < seen_tokens``), found
+        on the host without a tensor (what ``searchsorted(step_starts(), token, right=True) - 1`` finds)."""
+        starts = self._kept_starts()
+        step = bisect.bisect_right(starts, token) - 1
+        return step, starts[step]
+
+    def _kept_starts(self) -> array:
         if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed
             self._starts = array("q", [0, *accumulate(self.chunk_lengths)])
-        return torch.frombuffer(self._starts, dtype=torch.long).clone()
+        return self._starts
 
     def rollback(self) -> None:
         if self.transaction is not None:

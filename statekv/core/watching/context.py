@@ -71,8 +71,8 @@ def _first_position(prefill, since: int, question_first: int) -> int:
     positions, cache = prefill.positions, prefill.cache
     if since >= cache.seen_tokens:
         return question_first
-    step = int(torch.searchsorted(cache.step_starts(), torch.tensor(since), right=True)) - 1
-    return positions.firsts[step] + (since - int(cache.step_starts()[step]))
+    step, start = cache.step_of(since)
+    return positions.firsts[step] + (since - start)
 
 
 def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -118,39 +118,41 @@ def carried_targets(prefill, anchors: torch.Tensor, place: Placement) -> torch.T
 
 def layer_context(prefill, layer: int, since: int, place: Placement, *, device: torch.device, dtype: torch.dtype,
                   frequencies: torch.Tensor, queries: torch.Tensor | None = None, retrieval: Retrieval | None = None,
-                  scale: float = 1.0, memory: dict | None = None, scoring: Scoring | None = None) -> LayerContext:
+                  scale: float = 1.0, memory: dict | None = None, scoring: Scoring | None = None,
+                  reads: dict | None = None) -> LayerContext:
     """The context of one evaluation at ``layer`` (module docstring): the carried state and retrieved tokens
     before token ``since``, then the tokens from ``since`` on, placed by ``place``. ``queries`` ``[1, Hq, Q, D]``
     (the prompt's, placed where it is read) score the retrieval, past the range as ``scoring`` says.
     ``frequencies``: the rotary frequencies ``[R / 2]`` the stream's keys are rotated with. ``memory``: scratch
-    shared by the layers of one evaluation (its retrieval rule's, and which tokens are new and how they turn)."""
+    shared by the layers of one evaluation (its retrieval rule's). ``reads``: scratch shared by the evaluations
+    of one stream run together (what they read alike before it is placed: the carried state, the new frames)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
     seen = cache.seen_tokens
+    reads = {} if reads is None else reads
     parts_k, parts_v, parts_valid = [], [], []
     retrieved: tuple[int, ...] = ()
     group = _carried_group(prefill, layer, since, place, device, dtype, frequencies, queries, retrieval, scale,
-                           memory, scoring)
+                           memory, scoring, reads)
     if group is not None:
         keys, values, valid, retrieved = group
         parts_k.append(keys)
         parts_v.append(values)
         parts_valid.append(valid)
     if since < seen:
-        tail = None if memory is None else memory.get(("new frames", since))  # the same at every layer
+        tail = reads.get(("new frames", since, place))  # the same at every layer
         if tail is None:
-            index = held_tokens(cache.step_starts(), cache.evicted_steps, since)
-            delta = tail_deltas(prefill, index, place)
-            tail = index, delta, bool(delta.any())
-            if memory is not None:
-                memory["new frames", since] = tail
-        index, delta, turned = tail
-        keys, values = storage.read_tokens(index, device, dtype)
-        if turned:
+            tail = reads["new frames", since, place] = _new_frames(prefill, since, place, device, reads)
+        index, delta, read = tail
+        new = reads.get(("new frames read", layer, since))
+        if new is None:
+            new = reads["new frames read", layer, since] = storage.read_tokens(index, device, dtype)
+        keys, values = new
+        if delta is not None:
             keys = rotate(keys, delta.to(device).expand(*keys.shape[:2], -1), frequencies)
         parts_k.append(keys)
         parts_v.append(values)
-        parts_valid.append(torch.ones(keys.shape[:3], dtype=torch.bool, device=device))
+        parts_valid.append(read.expand(*keys.shape[:3]))
     if not parts_k:
         heads, dim = prefill.geometry.kv_heads, prefill.geometry.head_dim
         empty = torch.empty(1, heads, 0, dim, device=device, dtype=dtype)
@@ -158,8 +160,22 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
     return LayerContext(torch.cat(parts_k, 2), torch.cat(parts_v, 2), torch.cat(parts_valid, 2), retrieved)
 
 
+def _new_frames(prefill, since: int, place: Placement, device: torch.device, reads: dict) -> tuple:
+    """What `layer_context` reads of the tokens from ``since`` on, the same at every layer: their indices ``[M]``,
+    the rotation moving them into the tail (None: none turns) and their validity ``[1, 1, M]`` (all read)."""
+    cache = prefill.cache
+    index = reads.get(("new tokens", since))
+    if index is None:
+        index = reads["new tokens", since] = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+    delta = None
+    if place.bounded and index.numel() and (place.shift or prefill.positions.moved):  # else none turns
+        delta = tail_deltas(prefill, index, place)
+        delta = delta if bool(delta.any()) else None
+    return index, delta, torch.ones(1, 1, index.shape[0], dtype=torch.bool, device=device)
+
+
 def _carried_group(prefill, layer: int, since: int, place: Placement, device, dtype, frequencies, queries,
-                   retrieval, scale, memory, scoring):
+                   retrieval, scale, memory, scoring, reads: dict):
     """The carried tokens before ``since`` and the retrieved ones not carried, in time order, placed: ``(keys,
     values, valid, retrieved steps)``, or None when there are none.
 
@@ -169,18 +185,11 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     streaming = prefill.cache.layers[layer]
     storage = streaming.storage
     heads = prefill.geometry.kv_heads
-    tokens = streaming.positions().to(device)
-    keys = values = anchors = rotations = None
-    if tokens.shape[-1]:
-        keys, values = (t.to(device, dtype) for t in streaming.carried())
-        if place.bounded and prefill.cache.placed:
-            placed = streaming.carry.placements()
-            anchors, rotations = (t[..., :tokens.shape[-1]].to(device) for t in placed)
-        elif place.bounded:  # no step placed away from its own position yet: each token stored at its own
-            anchors = rotations = tokens
-    else:
-        tokens = torch.empty(1, heads, 0, dtype=torch.long, device=device)
-    valid = tokens < since
+    carried = reads.get(("carried", layer, since, place.bounded))
+    if carried is None:
+        carried = reads["carried", layer, since, place.bounded] = _carried(prefill, layer, since, place.bounded,
+                                                                           device, dtype)
+    tokens, keys, values, anchors, rotations, valid = carried
     retrieved: tuple[int, ...] = ()
     if retrieval is not None and queries is not None:
         index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype,
@@ -213,6 +222,25 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     if anchors is not None and place.shift:  # unshifted, every token is at its own position, as stored
         keys = rotate(keys, carried_targets(prefill, anchors, place) - rotations, frequencies)
     return keys, values, valid, retrieved
+
+
+def _carried(prefill, layer: int, since: int, bounded: bool, device, dtype) -> tuple:
+    """The carried state at ``layer`` as stored, before it is placed: ``(tokens, keys, values, anchors, rotations,
+    valid)`` (`_carried_group`; keys None when nothing is carried, anchors and rotations None unless
+    ``bounded``)."""
+    streaming = prefill.cache.layers[layer]
+    tokens = streaming.positions().to(device)
+    keys = values = anchors = rotations = None
+    if tokens.shape[-1]:
+        keys, values = (t.to(device, dtype) for t in streaming.carried())
+        if bounded and prefill.cache.placed:
+            placed = streaming.carry.placements()
+            anchors, rotations = (t[..., :tokens.shape[-1]].to(device) for t in placed)
+        elif bounded:  # no step placed away from its own position yet: each token stored at its own
+            anchors = rotations = tokens
+    else:
+        tokens = torch.empty(1, prefill.geometry.kv_heads, 0, dtype=torch.long, device=device)
+    return tokens, keys, values, anchors, rotations, tokens < since
 
 
 def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, retrieval: Retrieval, scale: float,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 EARLIER_ANSWERS = 4  # distinct earlier answers a standing question keeps as drafts
@@ -53,12 +54,16 @@ class DraftTree:
 
     def sees(self) -> torch.Tensor:
         """``[n, n]`` bool: node ``j`` reads node ``i`` (``i`` is ``j`` or one of its ancestors)."""
-        rows: list[list[bool]] = []
+        return torch.from_numpy(self.reads())
+
+    def reads(self) -> np.ndarray:
+        """`sees` as a numpy array (made on the host, no tensor operation)."""
+        reads = np.zeros((len(self.tokens), len(self.tokens)), dtype=bool)
         for node, parent in enumerate(self.parents):  # a parent's row is made before its children's
-            row = list(rows[parent]) if parent >= 0 else [False] * len(self.tokens)
-            row[node] = True
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool).reshape(len(rows), len(rows))
+            if parent >= 0:
+                reads[node] = reads[parent]
+            reads[node, node] = True
+        return reads
 
     def walk(self, told: Sequence[int], ends: set[int], longest: int) -> tuple[list[int], list[int]]:
         """The greedy answer read off the tree and the nodes on its path. ``told``: the token predicted after the
@@ -105,10 +110,18 @@ def remember(earlier: list[torch.Tensor], previous: torch.Tensor, answer: torch.
     """The earlier answers kept after an evaluation answered ``answer`` where the last one answered ``previous``
     (empty before the first): ``previous`` first when the answer changed, at most `EARLIER_ANSWERS`, each once,
     never the answer itself."""
-    kept = [previous] if previous.numel() and not torch.equal(previous, answer) else []
-    for each in earlier:
+    return kept_answers([previous, *earlier], [previous.tolist(), *[each.tolist() for each in earlier]],
+                        answer.tolist())
+
+
+def kept_answers(answers: Sequence, tokens: Sequence[list[int]], answer: list[int]) -> list:
+    """`remember` of ``answers`` (the last answer, then the earlier ones kept) given their ``tokens`` and the new
+    ``answer``'s: compared as lists of ints on the host."""
+    kept, held = [], []
+    for index, (each, ids) in enumerate(zip(answers, tokens)):
         if len(kept) >= EARLIER_ANSWERS:
             break
-        if not torch.equal(each, answer) and not any(torch.equal(each, other) for other in kept):
+        if (ids or index) and ids != answer and ids not in held:  # nothing to remember before the first answer
             kept.append(each)
+            held.append(ids)
     return kept

@@ -57,16 +57,15 @@ def tail_start(prefill, since: int, question_first: int, question_positions: int
         return since
     check_question_fits(prefill, question_positions, carried)
     room = tail_room(prefill, carried)
-    starts = cache.step_starts()
-    step = int(torch.searchsorted(starts, torch.tensor(since), right=True)) - 1
-    first = positions.firsts[step] + (since - int(starts[step]))
+    step, start = cache.step_of(since)
+    first = positions.firsts[step] + (since - start)
     span = question_first + question_positions - first
     if span <= room or (first + span <= positions.limit
                         and positions.layout.base(first, span, carried, positions.limit, flat) == first):
         return since
     lowest = question_first + question_positions - room  # the earliest stream position a tail may start at
     fitting = bisect.bisect_left(positions.firsts, lowest, lo=step + 1)
-    return int(starts[fitting]) if fitting < len(positions.firsts) else cache.seen_tokens
+    return int(cache.step_starts()[fitting]) if fitting < len(positions.firsts) else cache.seen_tokens
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ...errors import HorizonError, InputError
@@ -32,7 +33,7 @@ from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext, RowCache, decode_rows, finished, forward_rows, padded_left, rows_key
 from ..positions.placing import model_frequencies
 from .context import Placement, layer_context, placement
-from .drafts import RUNNERS_UP, draft_tree, remember
+from .drafts import RUNNERS_UP, DraftTree, draft_tree, kept_answers
 from .fitting import Scoring, retrieval_scoring, tail_start
 
 
@@ -121,10 +122,11 @@ class _Row:
     steps past the range (`retrieval_scoring`)."""
 
     def __init__(self, evaluation: Evaluation, since: int, place: Placement, pad: int, length: int,
-                 scoring: Scoring | None = None):
+                 scoring: Scoring | None = None, reads: dict | None = None):
         self.evaluation, self.since, self.place, self.pad, self.length = evaluation, since, place, pad, length
         self.scoring = scoring
         self.memory: dict = {}
+        self.reads = {} if reads is None else reads  # shared with the rows of its stream (`layer_context`)
 
     @property
     def first(self) -> int:
@@ -148,7 +150,7 @@ class _Row:
                                 frequencies=question.frequencies.to(device),
                                 queries=queries if evaluation.retrieval is not None else None,
                                 retrieval=evaluation.retrieval, scale=scale, memory=self.memory,
-                                scoring=self.scoring)
+                                scoring=self.scoring, reads=self.reads)
         evaluation.retrieved.update(context.retrieved)
         return context
 
@@ -185,15 +187,16 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     first = evaluations[0].prefill
     device = first.device
     ends = [set(evaluation.eos) for evaluation in evaluations]
-    trees = [draft_tree(evaluation.question.answer.tolist(), [a.tolist() for a in evaluation.question.earlier],
-                        evaluation.question.runners_up, ends[row], evaluation.max_new_tokens)
-             for row, evaluation in enumerate(evaluations)]
+    latest = [evaluation.question.answer.tolist() for evaluation in evaluations]
+    earlier = [[answer.tolist() for answer in evaluation.question.earlier] for evaluation in evaluations]
+    trees = [draft_tree(latest[row], earlier[row], evaluation.question.runners_up, ends[row],
+                        evaluation.max_new_tokens) for row, evaluation in enumerate(evaluations)]
     longest = max(evaluation.prompt.input_ids.shape[1] + len(tree) for evaluation, tree in zip(evaluations, trees))
     longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
-    rows, ids, positions, lasts = [], [], [], []
-    drafting = any(trees)
-    among = torch.ones(len(evaluations), longest, longest, dtype=torch.bool).tril() if drafting else None  # [W, T, T]
-    for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
+    rows, ids, positions = [], [], []
+    carried_of: dict[int, int] = {}  # per stream: the most tokens a layer carries
+    reads_of: dict[int, dict] = {}  # per stream: what its rows read alike (`layer_context`)
+    for evaluation, tree in zip(evaluations, trees):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
         length = prompt.input_ids.shape[1]
@@ -204,41 +207,39 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
                                f"fit in the {prefill.horizon - prefill.seen_tokens} tokens left before the stream's "
                                "RoPE horizon")
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
-        carried = max(layer.carried_length for layer in prefill.cache.layers)
+        carried = carried_of.get(id(prefill))
+        if carried is None:
+            carried = carried_of[id(prefill)] = max(layer.carried_length for layer in prefill.cache.layers)
         question_first = prompt_start(prompt, prefill)
         since = tail_start(prefill, evaluation.since, question_first, room, carried, flat)
         place = placement(prefill, since, question_first, room, carried, flat)
         pad = longest - length - len(tree)
         scoring = None if evaluation.retrieval is None else retrieval_scoring(
             prefill, evaluation.retrieval, room, question_first - place.shift)
-        rows.append(_Row(evaluation, since, place, pad, length, scoring))
-        laid = prompt_positions(prompt, prefill, place.shift).to(device)
-        lasts.append(laid[..., -1:])
-        after = laid[..., -1:] + torch.tensor(tree.depths, dtype=torch.long, device=device)
-        drafted = torch.tensor(tree.tokens, dtype=torch.long, device=device)
-        laid_ids, laid_positions = padded_left(torch.cat([prompt.input_ids.to(device), drafted[None]], 1),
-                                               torch.cat([laid, after], -1), pad)
+        rows.append(_Row(evaluation, since, place, pad, length, scoring, reads_of.setdefault(id(prefill), {})))
+        laid_ids, laid_positions = _laid_out(prompt, prefill, place.shift, tree, pad, device)
         ids.append(laid_ids)
         positions.append(laid_positions)
-        if len(tree):  # a draft token reads the prompt, its ancestors and itself
-            among[row, longest - len(tree):, longest - len(tree):] = tree.sees()
     cache = RowCache(rows, longest + longest_answer, len(first.cache.layers))
-    cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
-    cache.among = among.to(device) if drafting else None
-    for row, each in enumerate(rows):
-        cache.valid[row, : each.pad] = False
-    hidden = forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))  # [W, L, D]
+    cache.valid, cache.among = _masks(rows, trees, longest, device)
+    if isinstance(ids[0], list):  # 1-D positions: every row's ids and positions made at once
+        ids, positions = (torch.from_numpy(np.array(laid, dtype=np.int64)).to(device) for laid in (ids, positions))
+    else:
+        ids, positions = torch.cat(ids), torch.cat(positions, dim=-2)
+    hidden = forward_rows(first, cache, ids, positions)  # [W, L, D]
     reads = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
-    logits = lm_head(hidden[:, min(reads):])  # [W, n + 1, V]: after the prompt, after each draft token
+    low = min(reads)
+    logits = lm_head(hidden[:, low:])  # [W, n + 1, V]: after the prompt, after each draft token
     told = logits.argmax(-1).tolist()
+    ats = [at - low for at in reads]
+    ranked = logits[list(range(len(rows))), ats].topk(min(RUNNERS_UP + 1, logits.shape[-1])).indices.tolist()
     answers, paths = [], []
     for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
-        at = reads[row] - min(reads)
+        at = ats[row]
         answer, path = tree.walk(told[row][at:], ends[row], evaluation.max_new_tokens)
         answers.append(answer)
         paths.append(path)
-        ranked = logits[row, at].topk(min(RUNNERS_UP + 1, logits.shape[-1])).indices.tolist()
-        evaluation.question.runners_up = [token for token in ranked if token != told[row][at]][:RUNNERS_UP]
+        evaluation.question.runners_up = [token for token in ranked[row] if token != told[row][at]][:RUNNERS_UP]
     cache.valid = cache.among = None
     done = [finished(answer, ends[row], evaluations[row].max_new_tokens) for row, answer in enumerate(answers)]
     if not all(done):  # the draft tokens off each answer's path are not read again
@@ -251,15 +252,51 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         answers[row].append(token)
         return finished(answers[row], ends[row], evaluations[row].max_new_tokens)
 
-    decode_rows(first, cache, answers, lasts, done, lm_head, take)
+    if not all(done):  # each row's prompt's last position, the answer's tokens go on from
+        lasts = [positions[..., row:row + 1, at:at + 1] for row, at in enumerate(reads)]
+        decode_rows(first, cache, answers, lasts, done, lm_head, take)
     with torch.inference_mode(False):  # what outlives the evaluation is made as ordinary tensors
         _keep_queries(rows, cache.queries)
         made = [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
-    for evaluation, tokens in zip(evaluations, made):
+    for row, (evaluation, tokens) in enumerate(zip(evaluations, made)):
         question = evaluation.question
-        question.earlier = remember(question.earlier, question.answer, tokens[0])
+        question.earlier = kept_answers([question.answer, *question.earlier], [latest[row], *earlier[row]],
+                                        answers[row])
         question.answer = tokens[0]
     return made
+
+
+def _laid_out(prompt: Prompt, prefill, shift: int, tree: DraftTree, pad: int, device: torch.device) -> tuple:
+    """One row's ids and positions: ``pad`` padding tokens, the prompt (its positions moved ``shift`` back), then
+    ``tree``'s tokens, each at the position after its parent. Under 1-D positions two lists of ints (the batch's
+    tensors are made at once); under explicit ones ``[1, T]`` and ``[3 or 4, 1, T]`` (`padded_left`)."""
+    if prompt.position_ids is None:
+        prompt_ids = prompt.input_ids[0].tolist()
+        start = prefill.seen_tokens - shift
+        last = start + len(prompt_ids) - 1
+        return (prompt_ids[:1] * pad + prompt_ids + tree.tokens,
+                [start] * pad + list(range(start, last + 1)) + [last + depth for depth in tree.depths])
+    laid = prompt_positions(prompt, prefill, shift).to(device)
+    after = laid[..., -1:] + torch.tensor(tree.depths, dtype=torch.long, device=device)
+    drafted = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+    return padded_left(torch.cat([prompt.input_ids.to(device), drafted[None]], 1), torch.cat([laid, after], -1), pad)
+
+
+def _masks(rows: list[_Row], trees: list[DraftTree], longest: int, device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first forward's ``valid`` ``[W, T]`` (a row's padding is not) and ``among`` ``[W, T, T]`` (causal, a
+    draft token reading the prompt, its ancestors and itself; None without drafts), made on the host at once."""
+    valid = np.ones((len(rows), longest), dtype=bool)
+    for row, each in enumerate(rows):
+        valid[row, :each.pad] = False
+    among = None
+    if any(trees):
+        among = np.repeat(np.tri(longest, dtype=bool)[None], len(rows), axis=0)
+        for row, tree in enumerate(trees):
+            if len(tree):
+                among[row, longest - len(tree):, longest - len(tree):] = tree.reads()
+        among = torch.from_numpy(among).to(device)
+    return torch.from_numpy(valid).to(device), among
 
 
 def _keep_queries(rows: list[_Row], queries: list[torch.Tensor]) -> None:
