@@ -50,9 +50,12 @@ class QuestionGuide:
         (one start) go through one product."""
         device = keys.device
         total = None
-        for queries, weights in self.placed(cache, keys.shape[1], device, chunk_len, scale):
-            share = (queries[layer] @ keys.transpose(-1, -2).float()).softmax(-1)  # [1, H_kv, G * R, N]
-            mass = weights @ share  # [1, H_kv, N]
+        heads = keys.shape[1]
+        candidates = keys[0].transpose(-1, -2).float()  # [H_kv, D, N]
+        for queries, weights in self.placed(cache, heads, device, chunk_len, scale):
+            # the batched products `@` makes of these shapes, without its broadcasting views
+            share = torch.bmm(queries[layer], candidates).softmax(-1)  # [H_kv, G * R, N]
+            mass = torch.bmm(weights.expand(heads, 1, -1), share).view(1, heads, -1)  # [1, H_kv, N]
             total = mass if total is None else total + mass
         return total if total is not None else torch.zeros(keys.shape[:3], device=device)
 
