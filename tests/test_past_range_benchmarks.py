@@ -92,3 +92,16 @@ def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path
     assert "`--frames 24000 --videos 4 --seed 4830` (longest)" in with_longest
     with pytest.raises(SystemExit, match="longest-statekv-r16 run on the 24,000-frame set: give its folder"):
         heldout.main(sets + ["--only", "longest-statekv-r16"])
+
+
+def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(tmp_path):
+    """The switch benchmark's layout keeps chunks at their own positions up to the switch, then in cache order right
+    after the carried state (own-then-cache's rule past the range); a folder that is not a set is refused."""
+    switch = benchmark("encoding_switch")
+    layout, limit = switch.SwitchAt(own=512), 4096
+    assert layout.base(400, 8, 64, limit) == 400  # inside the switch: its own position
+    assert layout.base(600, 8, 64, limit) == 64  # past it: right after the 64 carried tokens
+    assert switch.placing.OwnThenCache().base(600, 8, 64, limit) == 600  # the default switches only at the cap
+    assert [name for name, *_ in switch.runs([512])] == ["defaults", "switch-512", "prefix", "cache"]
+    with pytest.raises(SystemExit, match="not a synthetic set"):
+        switch.main(["--long", str(tmp_path)])
