@@ -19,6 +19,7 @@ Wilson interval]; "target" pools needle, attribute, order and first_last (issue 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -35,7 +36,7 @@ from statekv.core.positions import placing  # noqa: E402
 from statekv.core.rules import StateKV, WithSinks  # noqa: E402
 from statekv.settings.methods import MethodSpec, at_most_budget, register_method  # noqa: E402
 
-SECTION = "Past the range: where the encoding switches"
+SECTION = "Runs of benchmarks/encoding_switch.py"  # a subsection of "Past the range: where the encoding switches"
 FLAGS = ["--method", "statekv", "--budget", "64"]
 
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long", type=Path, required=True, help="a held-out long set (`statekv synthetic make`)")
     parser.add_argument("--switch", default="512,1024", help="comma-separated positions to switch at")
     parser.add_argument("--runs", type=Path, default=Path("runs/switch"))
-    parser.add_argument("--out", type=Path, default=None, help=f"markdown file whose '{SECTION}' section is replaced")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     parser.add_argument("--machine", default="", help="what else the machine was doing (written after its name)")
     args = parser.parse_args(argv)
     if not (args.long / "benchmark.json").is_file():
@@ -92,17 +94,20 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         placing.DEFAULT_LAYOUT = placing.OwnThenCache.name
     families = ("target", *TARGET, *APART)
-    lines = [f"Set: `{args.long}` (its `benchmark.json` names the seed), each run `statekv eval synthetic --model "
+    made = json.loads((args.long / "benchmark.json").read_text(encoding="utf-8"))
+    lines = [f"Set: `{args.long}` (`statekv synthetic make --frames {made['num_frames']} --videos {made['videos']} "
+             f"--seed {made['seed']}`), each run `statekv eval synthetic --model "
              "builtin --retrieve 16 --method statekv --budget 64` and its change. Command: `python "
              f"benchmarks/encoding_switch.py {shlex.join(argv if argv is not None else sys.argv[1:])}`. Machine: "
-             f"{platform.machine()}, {os.cpu_count()} CPUs" + (f", {args.machine}" if args.machine else "") + ".",
+             f"{platform.machine()}, {os.cpu_count()} CPUs" + (f", {args.machine}" if args.machine else "") + ". A run "
+             "already finished under `--runs` is read, not rerun.",
              "", "| configuration | " + " | ".join(families) + " |", "|---|" + "---:|" * len(families)]
     for label, counts in rows:
         lines.append(f"| {label} | " + " | ".join(cell(counts.get(f, (0, 0))) for f in families) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        write_section(args.out, SECTION, text)
+        write_section(args.out, SECTION, text, level=3)
 
 
 if __name__ == "__main__":

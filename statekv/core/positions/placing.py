@@ -198,9 +198,10 @@ class OwnThenCache(BoundedLayout):
     """Every token at its own position while the stream fits the range; past it, the carried state in cache order
     (`CacheOrder`) where it fits the range with the chunk (1-D RoPE), else `GroupedDistances`.
 
-    Once a step is placed away from its own position, every later step is past the range too (each step starts
-    at least its span further on, and the ceiling is at most the range less that span), so a stream whose host
-    knows it was placed (``moved``) places the cache order's way or the grouped way without asking the device."""
+    A step placed away from its own position is past the range (its first position above the ceiling), and so is
+    every later one: the next starts a span further on, above the lower of the cap and the range, which bounds
+    every ceiling. A stream whose host planned the step away from its own position (``moved``) places the cache
+    order's way or the grouped way without asking the device."""
 
     name: ClassVar[str] = "own-then-cache"
     grouped: GroupedDistances = GroupedDistances()
@@ -365,9 +366,10 @@ class StreamPositions:
         first, base, shift = self.device_scalars(write_index.device)
         first.copy_(anchors[:1])
         span, carried, flat = self._placing
-        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat, moved=True))
+        away = self.pending is not None and self.pending.base != self.pending.first  # the host's plan says so
+        base.copy_(self.layout.base_on(first, span, carried, self.limit, flat, moved=away))
         torch.sub(first, base, out=shift)
-        self.placer = self.layout.place(first, base, span, self.limit, flat, moved=True)
+        self.placer = self.layout.place(first, base, span, self.limit, flat, moved=away)
         rotations = anchors - shift
         if position_ids is None:
             return rotations, anchors, rotations

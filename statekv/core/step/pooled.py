@@ -134,6 +134,7 @@ class PooledBatch(Cache):
         self.mask, self.rope = first.step_mask, first.rope  # kept: a recorded step reads the rotation's tensors
         self.placing = first.positions if first.cache.placed else None  # its layout and range, once it placed slots
         self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
+        self.placer = None  # the carried keys' places in this step (`begin_rows`, bounded positions)
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
         self.transaction = PooledTransaction(self)
@@ -229,7 +230,6 @@ class PooledBatch(Cache):
         placements[0, ..., carried:] = self.positions[:, None]
         placements[1, ..., carried:] = self.rotations[:, None]
         self.staged[index] = (kv, positions, reduced, placements)
-        placing = self.placing  # the keys attended to, rotated to where the layout puts them for this step
         if carried == 0:
             return kv[0], kv[1]
         keys = torch.empty_like(kv[0])

@@ -125,7 +125,8 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
     (the prompt's, placed where it is read) score the retrieval, past the range as ``scoring`` says.
     ``frequencies``: the rotary frequencies ``[R / 2]`` the stream's keys are rotated with. ``memory``: scratch
     shared by the layers of one evaluation (its retrieval rule's). ``reads``: scratch shared by the evaluations
-    of one stream run together (what they read alike before it is placed: the carried state, the new frames)."""
+    of one stream run together (what they read alike before it is placed: the carried state, the new frames;
+    ``reads["rows"]`` the number of them, see `shared`)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
     seen = cache.seen_tokens
@@ -144,10 +145,8 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
         if tail is None:
             tail = reads["new frames", since, place] = _new_frames(prefill, since, place, device, reads)
         index, delta, read = tail
-        new = reads.get(("new frames read", layer, since))
-        if new is None:
-            new = reads["new frames read", layer, since] = storage.read_tokens(index, device, dtype)
-        keys, values = new
+        keys, values = shared(reads, ("new frames read", layer, since),
+                              lambda: storage.read_tokens(index, device, dtype))
         if delta is not None:
             keys = rotate(keys, delta.to(device).expand(*keys.shape[:2], -1), frequencies)
         parts_k.append(keys)
@@ -158,6 +157,18 @@ def layer_context(prefill, layer: int, since: int, place: Placement, *, device: 
         empty = torch.empty(1, heads, 0, dim, device=device, dtype=dtype)
         return LayerContext(empty, empty, torch.empty(1, heads, 0, dtype=torch.bool, device=device))
     return LayerContext(torch.cat(parts_k, 2), torch.cat(parts_v, 2), torch.cat(parts_valid, 2), retrieved)
+
+
+def shared(reads: dict, key: tuple, make):
+    """``reads[key]``, made by ``make()`` when absent; one layer's keys and values are kept for the other rows only
+    when ``reads["rows"]`` (the rows of the stream in the forward) is more than one, else they would be held for
+    every layer until the forward ends."""
+    value = reads.get(key)
+    if value is None:
+        value = make()
+        if reads.get("rows", 1) > 1:
+            reads[key] = value
+    return value
 
 
 def _new_frames(prefill, since: int, place: Placement, device: torch.device, reads: dict) -> tuple:
@@ -185,11 +196,9 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     streaming = prefill.cache.layers[layer]
     storage = streaming.storage
     heads = prefill.geometry.kv_heads
-    carried = reads.get(("carried", layer, since, place.bounded))
-    if carried is None:
-        carried = reads["carried", layer, since, place.bounded] = _carried(prefill, layer, since, place.bounded,
-                                                                           device, dtype)
-    tokens, keys, values, anchors, rotations, valid = carried
+    tokens, keys, values, anchors, rotations, valid = shared(
+        reads, ("carried", layer, since, place.bounded),
+        lambda: _carried(prefill, layer, since, place.bounded, device, dtype))
     retrieved: tuple[int, ...] = ()
     if retrieval is not None and queries is not None:
         index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype,

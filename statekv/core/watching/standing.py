@@ -195,7 +195,9 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
     longest_answer = max(evaluation.max_new_tokens for evaluation in evaluations)
     rows, ids, positions = [], [], []
     carried_of: dict[int, int] = {}  # per stream: the most tokens a layer carries
-    reads_of: dict[int, dict] = {}  # per stream: what its rows read alike (`layer_context`)
+    reads_of: dict[int, dict] = {}  # per stream: what its rows read alike (`layer_context`), and how many rows
+    for evaluation in evaluations:
+        reads_of.setdefault(id(evaluation.prefill), {"rows": 0})["rows"] += 1
     for evaluation, tree in zip(evaluations, trees):
         prefill, prompt = evaluation.prefill, evaluation.prompt
         prefill.check_open()
@@ -216,16 +218,18 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         pad = longest - length - len(tree)
         scoring = None if evaluation.retrieval is None else retrieval_scoring(
             prefill, evaluation.retrieval, room, question_first - place.shift)
-        rows.append(_Row(evaluation, since, place, pad, length, scoring, reads_of.setdefault(id(prefill), {})))
+        rows.append(_Row(evaluation, since, place, pad, length, scoring, reads_of[id(prefill)]))
         laid_ids, laid_positions = _laid_out(prompt, prefill, place.shift, tree, pad, device)
         ids.append(laid_ids)
         positions.append(laid_positions)
     cache = RowCache(rows, longest + longest_answer, len(first.cache.layers))
     cache.valid, cache.among = _masks(rows, trees, longest, device)
-    if isinstance(ids[0], list):  # 1-D positions: every row's ids and positions made at once
+    if all(isinstance(laid, list) for laid in ids):  # 1-D positions: every row's ids and positions made at once
         ids, positions = (torch.from_numpy(np.array(laid, dtype=np.int64)).to(device) for laid in (ids, positions))
-    else:
-        ids, positions = torch.cat(ids), torch.cat(positions, dim=-2)
+    else:  # explicit positions in some row: each row's as a [1, T] row (lists from rows without them)
+        ids = torch.cat([torch.tensor([laid], device=device) if isinstance(laid, list) else laid for laid in ids])
+        positions = torch.cat([torch.tensor([laid], device=device) if isinstance(laid, list) else laid
+                               for laid in positions], dim=-2)
     hidden = forward_rows(first, cache, ids, positions)  # [W, L, D]
     reads = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
     low = min(reads)
