@@ -231,11 +231,11 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         positions = torch.cat([torch.tensor([laid], device=device) if isinstance(laid, list) else laid
                                for laid in positions], dim=-2)
     hidden = forward_rows(first, cache, ids, positions)  # [W, L, D]
-    reads = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
-    low = min(reads)
+    prompt_ends = [longest - len(tree) - 1 for tree in trees]  # each row's prompt's last token
+    low = min(prompt_ends)
     logits = lm_head(hidden[:, low:])  # [W, n + 1, V]: after the prompt, after each draft token
     told = logits.argmax(-1).tolist()
-    ats = [at - low for at in reads]
+    ats = [at - low for at in prompt_ends]
     ranked = logits[list(range(len(rows))), ats].topk(min(RUNNERS_UP + 1, logits.shape[-1])).indices.tolist()
     answers, paths = [], []
     for row, (evaluation, tree) in enumerate(zip(evaluations, trees)):
@@ -257,7 +257,7 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         return finished(answers[row], ends[row], evaluations[row].max_new_tokens)
 
     if not all(done):  # each row's prompt's last position, the answer's tokens go on from
-        lasts = [positions[..., row:row + 1, at:at + 1] for row, at in enumerate(reads)]
+        lasts = [positions[..., row:row + 1, at:at + 1] for row, at in enumerate(prompt_ends)]
         decode_rows(first, cache, answers, lasts, done, lm_head, take)
     with torch.inference_mode(False):  # what outlives the evaluation is made as ordinary tensors
         _keep_queries(rows, cache.queries)
