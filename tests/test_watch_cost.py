@@ -15,7 +15,7 @@ import statekv.core.answering.rows as rows_module
 import statekv.core.watching.standing as standing_module
 from statekv.core.answering.rows import masked_attention, own_mask
 from statekv.core.rules.steering import QuestionGuide
-from statekv.core.watching.drafts import EARLIER_ANSWERS, EXTRA_NODES, draft_tree, remember
+from statekv.core.watching.drafts import EARLIER_ANSWERS, EXTRA_NODES, draft_tree, kept_answers
 from statekv.core.watching.standing import StandingQuestion
 
 from conftest import random_frames
@@ -26,7 +26,7 @@ END = 2
 def test_a_draft_tree_shares_beginnings_and_reads_off_the_greedy_answer():
     tree = draft_tree([5, 7, END], [[5, 9, END], [6, END]], [8, 5], {END}, longest=16)
     assert tree.tokens == [5, 7, 9, 6, 8] and tree.parents == [-1, 0, 0, -1, -1] and tree.depths == [1, 2, 2, 1, 1]
-    sees = tree.sees()
+    sees = tree.reads()
     assert sees[1].tolist() == [True, True, False, False, False] and sees[3].tolist() == [False] * 3 + [True, False]
     # told: the token after the prompt, then after each node in order
     assert tree.walk([5, 4, 1, 1, 1, 1], {END}, 16) == ([5, 4], [0])  # 5, then 4: no node holds it
@@ -43,6 +43,10 @@ def test_a_draft_tree_bounds_what_the_alternatives_add():
     assert tree.tokens[:3] == [11, 12, 13] and len(tree) == 3 + EXTRA_NODES  # the latest answer whole, then a few
     assert len(draft_tree([11, 12, 13, 14], [], [], {END}, longest=3)) == 2  # no node past the longest answer's
     assert len(draft_tree([END], [], [], {END}, longest=4)) == 0 and not draft_tree([], [], [], set(), 1)
+
+
+def remember(earlier: list[torch.Tensor], previous: torch.Tensor, answer: torch.Tensor) -> list[torch.Tensor]:
+    return kept_answers([previous, *earlier], [each.tolist() for each in (previous, *earlier)], answer.tolist())
 
 
 def test_earlier_answers_are_remembered_latest_first_each_once():

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 EARLIER_ANSWERS = 4  # distinct earlier answers a standing question keeps as drafts
 RUNNERS_UP = 3  # first tokens the model ranked after its answer's, kept from the last evaluation
@@ -52,12 +51,9 @@ class DraftTree:
                 self.children[parent, token] = node
             parent = node
 
-    def sees(self) -> torch.Tensor:
-        """``[n, n]`` bool: node ``j`` reads node ``i`` (``i`` is ``j`` or one of its ancestors)."""
-        return torch.from_numpy(self.reads())
-
     def reads(self) -> np.ndarray:
-        """`sees` as a numpy array (made on the host, no tensor operation)."""
+        """``[n, n]`` bool (numpy, made on the host): node ``j`` reads node ``i`` (``i`` is ``j`` or one of its
+        ancestors)."""
         reads = np.zeros((len(self.tokens), len(self.tokens)), dtype=bool)
         for node, parent in enumerate(self.parents):  # a parent's row is made before its children's
             if parent >= 0:
@@ -106,17 +102,10 @@ def _cut(answer: Sequence[int], ends: set[int], longest: int) -> list[int]:
     return kept
 
 
-def remember(earlier: list[torch.Tensor], previous: torch.Tensor, answer: torch.Tensor) -> list[torch.Tensor]:
-    """The earlier answers kept after an evaluation answered ``answer`` where the last one answered ``previous``
-    (empty before the first): ``previous`` first when the answer changed, at most `EARLIER_ANSWERS`, each once,
-    never the answer itself."""
-    return kept_answers([previous, *earlier], [previous.tolist(), *[each.tolist() for each in earlier]],
-                        answer.tolist())
-
-
 def kept_answers(answers: Sequence, tokens: Sequence[list[int]], answer: list[int]) -> list:
-    """`remember` of ``answers`` (the last answer, then the earlier ones kept) given their ``tokens`` and the new
-    ``answer``'s: compared as lists of ints on the host."""
+    """The earlier answers kept after an evaluation answered ``answer`` (token ids), of ``answers`` (the last
+    answer, empty before the first, then the earlier ones kept) whose token ids are ``tokens``: the last first when
+    the answer changed, at most `EARLIER_ANSWERS`, each once, never the answer itself (compared on the host)."""
     kept, held = [], []
     for index, (each, ids) in enumerate(zip(answers, tokens)):
         if len(kept) >= EARLIER_ANSWERS:
