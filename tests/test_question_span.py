@@ -156,7 +156,7 @@ def test_the_bounded_layout_is_a_checked_setting_a_stream_is_made_with(tmp_path)
 
     assert NAMES == tuple(BOUNDED_LAYOUTS)
     with pytest.raises(ConfigurationError,
-                       match="^unknown bounded_layout 'wide'; choose one of own-then-cache, grouped, cache$"):
+                       match="^unknown bounded_layout 'wide'; choose one of own-then-cache, grouped, cache, handover$"):
         EngineSettings(bounded_layout="wide")
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112})
     qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24)
@@ -183,7 +183,7 @@ def test_a_stream_saved_under_one_bounded_layout_is_resumed_under_it_only(tmp_pa
     saved = stream.save(tmp_path / "s.safetensors")
     stream.close()
     with pytest.raises(InputError, match="resume it with bounded_layout=cache$"):
-        Stream.load(saved, qa.with_options(bounded_layout=None))
+        Stream.load(saved, qa.with_options(bounded_layout="grouped"))
     assert Stream.load(saved, qa).tokens == stream.tokens
 
 

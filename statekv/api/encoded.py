@@ -11,6 +11,7 @@ by the engine (`StreamingPrefill.generate`).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,6 +26,7 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
+from .handover import handing_over, own_engine, successor_engine, why_alone
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
@@ -34,6 +36,8 @@ from ..steps.overlap import EncodedStep
 from ..stopping import whole
 from ..settings.values import check_int
 from ..video import Frame
+
+log = logging.getLogger("statekv")
 
 METHOD_DEFAULT = object()  # ask(retrieve=...) not given: the VideoQA's setting
 
@@ -69,9 +73,17 @@ class EncodedVideo:
         engine = qa.engine if engine is None else engine
         positions = choose_positions(engine.positions, self.adapter.model.config.get_text_config(), horizon)
         self.engine = engine if engine.positions == positions else engine.with_changes(positions=positions)
-        self.prefill = StreamingPrefill(self.adapter.model, policy, self.engine, horizon=horizon,
-                                        protect_tokens=max(self.prefix_tokens, policy.sink_tokens), name=name,
-                                        disk_tier=disk_tier)
+        protect = max(self.prefix_tokens, policy.sink_tokens)
+        self.prefill = StreamingPrefill(self.adapter.model, policy, own_engine(self.engine), horizon=horizon,
+                                        protect_tokens=protect, name=name, disk_tier=disk_tier)
+        self.successor: StreamingPrefill | None = None  # `statekv.api.handover`: the engine it continues with
+        self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
+        if handing_over(self.engine):
+            alone = why_alone(self.engine, policy, self.prefill.config, horizon)
+            self.handover = "beside" if alone is None else f"alone: {alone}"
+            if alone is None:
+                self.successor = StreamingPrefill(self.adapter.model, policy, successor_engine(self.engine),
+                                                  horizon=horizon, protect_tokens=protect, name=f"{name} (successor)")
         self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
@@ -149,7 +161,7 @@ class EncodedVideo:
     def answered(self, retrieval: Retrieval | None, read_steps: tuple[int, ...] | None) -> None:
         """Book an answer read by ``retrieval`` (None: the whole cache) from ``read_steps``: the stats and
         ``answer_info``."""
-        self.stats.peak_cache_device_bytes = self.prefill.stats.peak_device_bytes
+        self.stats.peak_cache_device_bytes = self.peak_device_bytes
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
@@ -189,6 +201,38 @@ class EncodedVideo:
         return Retrieval(math.ceil(frames / self.adapter.frames_per_step), keep_tokens=keep, rule=chosen)
 
     @property
+    def engines(self) -> tuple[StreamingPrefill, ...]:
+        """The engines that take this video's steps: its own and, under the handover layout while the stream fits
+        the range, its successor."""
+        return (self.prefill,) if self.successor is None else (self.prefill, self.successor)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """The detailed caches' peak bytes on the model's device: the engines' together while two take steps."""
+        return sum(prefill.stats.peak_device_bytes for prefill in self.engines)
+
+    def adopt_successor(self) -> None:
+        """The successor becomes this video's engine (`statekv.api.handover`); the first is closed."""
+        if self.successor.seen_tokens != self.prefill.seen_tokens:  # it missed a step: it is not this stream
+            self.drop_successor(f"the successor holds {self.successor.seen_tokens} tokens, the stream "
+                                f"{self.prefill.seen_tokens}")
+            return
+        first, self.prefill, self.successor = self.prefill, self.successor, None
+        self.handover = "handed over"
+        self._evictions_counted = len(self.prefill.evictions)  # none: a stream under a cache cap has no successor
+        self.qa.step_scheduler.release(first)
+        first.close()
+
+    def drop_successor(self, why: str) -> None:
+        """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed."""
+        if self.successor is not None:
+            log.warning("%s: streams on without its successor engine: %s", self.name, why)
+            self.qa.step_scheduler.release(self.successor)
+            self.successor.close()
+            self.successor = None
+            self.handover = f"alone: {why}"
+
+    @property
     def tokens(self) -> int:
         return self.prefill.seen_tokens
 
@@ -198,7 +242,8 @@ class EncodedVideo:
 
     def close(self) -> None:
         """Release the caches and give the model back its own RoPE."""
-        self.prefill.close()
+        for prefill in self.engines:
+            prefill.close()
 
     def __enter__(self) -> "EncodedVideo":
         return self
@@ -275,15 +320,20 @@ class EncodedVideo:
         """``chunk`` (laid out after ``state``) as the engine's request, with what the disk tier journals."""
         last = encoded.step.frames[-1] if encoded is not None else None
         record = self.durability.step_record(self.state.after(chunk), chunk.frames, last)
+        successor = None if self.successor is None else StepRequest(
+            self.successor, chunk.inputs_embeds, chunk.position_ids, forward_kwargs=dict(chunk.forward_kwargs))
         return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,
                                               forward_kwargs=dict(chunk.forward_kwargs), durable_record=record),
-                           encoded)
+                           encoded, successor_request=successor)
 
     def record_step(self, step: LaidOutStep, started: float | None = None, finished: float | None = None, *,
                     vision_batch: int | None = None) -> None:
         """Book ``step`` once the engine streamed it: the layout state, the step's frames and evictions, the
         engine's figures and, for a step of frames laid out at ``started`` and streamed by ``finished``, each
-        stage's time per frame."""
+        stage's time per frame. Under the handover layout, the successor takes over once the stream's engine
+        placed a step away from its own position."""
+        if self.successor is not None and self.prefill.positions.moved:
+            self.adopt_successor()
         chunk, stats = step.chunk, self.stats
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
@@ -296,8 +346,8 @@ class EncodedVideo:
         stats.frames += chunk.frames
         engine = self.prefill.stats
         stats.carried_tokens = engine.max_carried_tokens
-        stats.cache_bytes = engine.detailed_bytes
-        stats.peak_cache_device_bytes = engine.peak_device_bytes
+        stats.cache_bytes = sum(prefill.stats.detailed_bytes for prefill in self.engines)
+        stats.peak_cache_device_bytes = self.peak_device_bytes
         if self._device.type == "cuda":
             stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
         if step.encoded is None or started is None or finished is None:

@@ -19,6 +19,7 @@ from ..core.cache.persistence import check_state_dict
 from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
 from ..settings.engine import EngineSettings
+from .handover import resumed_engine
 from .stats import EncodingStats
 from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
@@ -38,6 +39,10 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
     tensors, cache_metadata = stream.prefill.state_dict()
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
+    successor = None
+    if stream.successor is not None:  # the handover layout, inside the range: the engine it continues with
+        successor_tensors, successor = stream.successor.state_dict()
+        tensors.update({f"successor.{name}": tensor for name, tensor in successor_tensors.items()})
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
     tensors.update(watch_tensors(stream))
@@ -53,6 +58,8 @@ def save_stream(stream: Any, path: str | Path) -> Path:
                                                    if k in {field.name for field in fields(EncodingStats)}},
         "cache": cache_metadata,
     }
+    if successor is not None:
+        metadata["successor"] = successor
     if stream.watches:
         metadata["watches"] = watch_records(stream)
     return write_verified(path, tensors, metadata)
@@ -79,24 +86,40 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     check_ownership(path, metadata, stream_id, owner)
     check_same_setup(path, metadata, qa, allow_other_weights, engine)
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
+    successor = {name[len("successor."):]: t for name, t in tensors.items() if name.startswith("successor.")}
     kept = {name: t for name, t in tensors.items() if name.startswith("watches.")}
-    pending = _pending_images(path, tensors, metadata["pending"], set(cache), set(kept))
+    pending = _pending_images(path, tensors, metadata["pending"], set(cache),
+                              set(kept) | {f"successor.{name}" for name in successor})
+    if successor and "successor" not in metadata:
+        raise InputError(f"{path}: the stream file holds successor.* tensors but no successor record")
     try:
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
         raise InputError(f"{path}: {error}") from None
+    if "successor" in metadata:
+        try:
+            check_state_dict(successor, metadata["successor"], cache_geometry(qa.adapter.model),
+                             engine.kv_cache_dtype)
+        except InputError as error:
+            raise InputError(f"{path}: the successor engine's state (successor.*): {error}") from None
     reserve = metadata["engine"]["reserve_tokens"]  # check_against_model holds it to the horizon
     check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
     check_against_model(path, metadata, qa.adapter)
+    recorded = recorded_settings(metadata)
+    engine, handed_over = resumed_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
+                                         recorded.get("bounded_layout"),
+                                         (metadata["cache"].get("positions") or {}).get("layout"))
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,
-                     prefix_tokens=metadata["prefix_tokens"],
-                     engine=engine.with_changes(positions=recorded_settings(metadata).get("positions") or "stream"),
+                     prefix_tokens=metadata["prefix_tokens"], engine=engine,
                      stream_id=metadata.get("stream_id"), owner=owner, created=metadata.get("created"))
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None
     try:
+        if handed_over:
+            stream.handover = "handed over"
+        resume_successor(stream, metadata.get("successor"), successor)
         stream.prefill.load_state_dict(cache, metadata["cache"])
     except BaseException:
         stream.close()
@@ -122,6 +145,19 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     return stream
 
 
+def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor]) -> None:
+    """A resumed handover stream's successor (`statekv.api.handover`): its saved state (``record``, its metadata, and
+    ``tensors``) loaded, or, saved without one (its successor had been dropped, or it was streamed under
+    own-then-cache), dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed
+    with the cache layout's engine alone, `statekv.api.handover.resumed_engine`.)"""
+    if stream.successor is None:
+        return
+    if record is None:
+        stream.drop_successor("the saved stream kept no successor beside it")
+    else:
+        stream.successor.load_state_dict(tensors, record)
+
+
 def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:
     """Frames of each step of a saved stream: none in the prompt prefix, ``per_step`` in the others (fewer in a
     last step completed by repetition) adding up to ``frames``."""
@@ -132,10 +168,10 @@ def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: 
 
 
 def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending: list, cache: set[str],
-                    watches: set[str] = frozenset()) -> list:
+                    others: set[str] = frozenset()) -> list:
     """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors (the cache's
-    and the ``watches`` ones are checked where they are read)."""
-    expected = {f"pending.{index}" for index in range(len(pending))} | set(watches)
+    and ``others``, the watches' and the successor's, are checked where they are read)."""
+    expected = {f"pending.{index}" for index in range(len(pending))} | set(others)
     unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
     if unexpected:
         raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")

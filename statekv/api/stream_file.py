@@ -57,6 +57,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..settings.engine import EngineSettings
+from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
 from ..locks import FileLock
@@ -395,6 +396,12 @@ OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT), "created":
 # the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
 SETTINGS = type_check(dict, "an object")
 
+CACHE = record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
+                      "window_starts": list_check(optional_check(integer_check(0)))},
+                     optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
+                               "evicted_steps": list_check(integer_check(0)),
+                               "positions": type_check(dict, "an object")})  # absent: stream positions
+
 SCHEMA = record_check({
     "format": TEXT, "version": integer_check(1), "name": TEXT,
     "model": record_check({"family": TEXT, "layout": TEXT, "model_type": TEXT, "name_or_path": TEXT,
@@ -409,13 +416,10 @@ SCHEMA = record_check({
     "pending": list_check(list_check(number_check(), length=2)),
     "state": dataclass_check(LayoutState),
     "stats": dataclass_check(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
-    "cache": record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
-                      "window_starts": list_check(optional_check(integer_check(0)))},
-                     optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": list_check(integer_check(0)),
-                               "positions": type_check(dict, "an object")}),  # absent: stream positions
+    "cache": CACHE,
     "checksums": type_check(dict, "an object"),
-}, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object"))})  # `statekv.api.watch.check_record`
+}, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `statekv.api.watch.check_record`
+             "successor": CACHE})  # the handover layout's successor engine (`statekv.api.handover`)
 
 
 def check_schema(metadata: dict[str, Any], *, where: str) -> None:
@@ -436,6 +440,10 @@ def _check_counts(metadata: dict[str, Any]) -> None:
                   "stats.frames": (stats["frames"], state["frames"]),
                   "stats.chunks": (stats["chunks"], len(cache["chunk_lengths"])),
                   "cache.seen_tokens": (seen, sum(cache["chunk_lengths"]))}
+    if "successor" in metadata:  # it took every step the stream's engine took, under the cache layout beside its own
+        agreements["successor.chunk_lengths"] = (metadata["successor"]["chunk_lengths"], cache["chunk_lengths"])
+        layouts = [(record.get("positions") or {}).get("layout") for record in (cache, metadata["successor"])]
+        agreements["the engines' layouts"] = (layouts, [OWN_LAYOUT, SUCCESSOR_LAYOUT])
     for name, (value, expected) in agreements.items():
         if value != expected:
             raise InputError(f"{name} is {value}, inconsistent with the rest ({expected})")

@@ -183,10 +183,11 @@ class Watches:
 
     def add(self, watch: Watch) -> None:
         self.open.append(watch)
-        cache = getattr(getattr(self.stream, "prefill", None), "cache", None)
-        if watch.steer and watch.standing is not None and cache is not None and steerable(self.stream):
+        engines = getattr(self.stream, "engines", ())  # a successor is steered as its stream is
+        if watch.steer and watch.standing is not None and engines and steerable(self.stream):
             self.guide.add(watch.standing)
-            cache.guide = self.guide
+            for prefill in engines:
+                prefill.cache.guide = self.guide
 
     def remove(self, watch: Watch) -> None:
         self.open = [each for each in self.open if each is not watch]

@@ -339,6 +339,8 @@ def _info(encoded, mode: str, second: float | None) -> dict[str, Any]:
     info = {"mode": mode, "frames": stats.frames, "tokens": stats.tokens, "carried_tokens": stats.carried_tokens,
             "horizon": encoded.horizon, "cache_bytes": stats.cache_bytes,
             "held_bytes": getattr(encoded, "held_bytes", stats.cache_bytes)}
+    if getattr(encoded, "handover", None) is not None:  # bounded positions' handover layout: where it stands
+        info["handover"] = encoded.handover
     if second is not None:
         info["second"] = second if math.isfinite(second) else None
     return info

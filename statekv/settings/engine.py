@@ -31,6 +31,7 @@ DEFAULT_CACHE_LIMIT = "refuse"
 KV_CACHE_BITS = {"int8": 8, "int4": 4}  # `statekv.core.storage.quantized`
 POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
 BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.placing.BOUNDED_LAYOUTS`
+HANDOVER = "handover"  # a stream's two engines, own-then-cache then cache (`statekv.api.handover`)
 OFFLOAD_TIERS = ("disk", "memory")
 # positions a question past the range spreads its retrieved frames over (`statekv.core.positions.placing`): the
 # span of the built-in model's training videos; a model whose frames take more packs them as before
@@ -164,11 +165,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "forward, for a horizon inside the model's range) or bounded (kept inside the range the model was "
             "trained on: no horizon, a stream never ends; a question reads the whole cache when it fits, else "
             "retrieved frames) (default: stream where the horizon fits, else bounded)", "P", binding=True),
-    Setting("bounded_layout", None, one_of(lambda: BOUNDED_LAYOUTS).optional,
+    Setting("bounded_layout", None, one_of(lambda: (*BOUNDED_LAYOUTS, HANDOVER)).optional,
             "bounded positions: where the carried state sits while each frame is encoded: own-then-cache (each token "
             "at its own position while the stream fits the range, then in cache order), cache (in cache order "
-            "right before each frame from the first: a stream that will run far past the range) or grouped "
-            "(default: own-then-cache)", "L"),
+            "right before each frame from the first: a stream that will run far past the range), handover "
+            "(own-then-cache while the stream fits the range, each step also taken in cache order, whose engine the "
+            "stream continues with past the range: twice the work inside the range) or grouped "
+            "(default: handover where the stream can have a successor, else own-then-cache)", "L"),
     Setting("question_span", DEFAULT_QUESTION_SPAN, NON_NEGATIVE,
             "bounded positions past the model's range: a question's retrieved frames are laid out in time order over "
             "the last N positions before the prompt, each where its time in the stream scales to (0: packed right "
@@ -190,8 +193,9 @@ class EngineSettings:
     ``"bounded"``: kept inside the range the model was trained on, so a stream needs no horizon; None: ``stream``
     where the horizon fits the model's range, else ``bounded``, decided when a stream is made
     (`statekv.core.positions.placing.choose_positions`) and recorded as decided). bounded_layout: where bounded
-    positions put the carried state while each step is encoded (`statekv.core.positions.placing.BOUNDED_LAYOUTS`;
-    None: the engine's default, ``own-then-cache``). question_span: under bounded
+    positions put the carried state while each step is encoded (`statekv.core.positions.placing.BOUNDED_LAYOUTS`,
+    or ``handover``, a stream's two engines, `statekv.api.handover`; None: a stream's default, ``handover``, and one
+    engine's, ``own-then-cache``). question_span: under bounded
     positions past the range, the positions before the prompt a question's retrieved frames are spread over by
     their time (0: packed right before the prompt; `statekv.core.positions.placing.StreamPositions.question`).
     """

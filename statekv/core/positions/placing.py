@@ -19,10 +19,12 @@ is that same rotation; distances are measured on the temporal row.
 
 Layouts (``BOUNDED_LAYOUTS``), compared in docs/benchmarks.md ("Bounded positions"):
 
-``own-then-cache`` (`OwnThenCache`, the default)
+``own-then-cache`` (`OwnThenCache`, one engine's default)
     Every token at its own position while the stream fits the range (exactly ``stream``); past it, the carried
     state in cache order (as ``cache``) where it fits the range with the chunk, else grouped distances (as
-    ``grouped``: full attention, M-RoPE). Chosen from the comparison: see docs/engine.md, "Positions".
+    ``grouped``: full attention, M-RoPE). Chosen from the comparison: see docs/engine.md, "Positions". A stream's
+    default, ``handover`` (`statekv.api.handover`), is two engines, not a layout: this one while the stream fits
+    the range, then one that was under ``cache`` from the first step.
 ``grouped`` (`GroupedDistances`)
     Self-Extend's rule with a group that grows with the stream: distances up to ``window`` are kept exactly and
     farther ones grouped, ``g`` to a position, ``g`` the smallest that fits the whole stream inside the range.
@@ -45,7 +47,7 @@ from typing import ClassVar
 import torch
 
 from ...errors import ConfigurationError, HorizonError, InputError
-from ...settings.engine import check_positions
+from ...settings.engine import HANDOVER, check_positions
 from ...settings.values import check_int
 from .rope import RECOMPUTED_PER_CALL, rope_capacity, rope_parameters
 
@@ -255,6 +257,9 @@ def bounded_layout(name: str | BoundedLayout) -> BoundedLayout:
     """The layout registered as ``name`` (or the layout given); a one-line ConfigurationError otherwise."""
     if isinstance(name, BoundedLayout):
         return name
+    if name == HANDOVER:
+        raise ConfigurationError(f"bounded_layout={HANDOVER!r} is a stream's (two engines: statekv.api.handover); one "
+                                 f"engine takes {', '.join(BOUNDED_LAYOUTS)}")
     if name not in BOUNDED_LAYOUTS:
         raise ConfigurationError(f"unknown bounded layout {name!r}; choose one of {', '.join(BOUNDED_LAYOUTS)}")
     return BOUNDED_LAYOUTS[name]

@@ -71,7 +71,8 @@ class QuestionGuide:
                 first = cache.positions.device_scalars(device)[1] + chunk_len
             else:
                 first = cache.seen_device.to(device).reshape(1) + chunk_len
-            self._step = (key, [(pack.stacked @ pack.turn(first, cache.step_index, scale), pack.weighed(chunk_len))
+            step = (id(cache), cache.step_index)
+            self._step = (key, [(pack.stacked @ pack.turn(first, step, scale), pack.weighed(chunk_len))
                                 for pack in packs])
         return self._step[1]
 
@@ -115,11 +116,12 @@ class _Pack:
             self._weighed = (chunk_len, self.weights * chunk_len)
         return self._weighed[1]
 
-    def turn(self, first: torch.Tensor, step: int, scale: float) -> torch.Tensor:
+    def turn(self, first: torch.Tensor, step: tuple, scale: float) -> torch.Tensor:
         """``[D, D]``: RoPE's rotation from ``start`` to ``first`` (LongTensor ``[1]``; rotate-half layout, the dims
         past the rotary ones unchanged) times the attention's ``scale``, applied on the left of the keys
-        (``queries @ turn @ keys^T`` is the placed queries' logits); computed once per step (``step``: the
-        stream's step index) for every layer."""
+        (``queries @ turn @ keys^T`` is the placed queries' logits); computed once per step for every layer
+        (``step``: the cache and its step index; one guide may steer two caches, a stream's and its successor's,
+        whose steps are placed apart)."""
         if self._turn is None or self._turn[0] != step:
             angles = (first - self.start).float() * self.frequencies  # [R / 2]
             cos, sin = angles.cos() * scale, angles.sin() * scale

@@ -1,0 +1,217 @@
+"""The handover layout of bounded positions (`statekv.api.handover`): while a stream fits the model's range it is
+the own-then-cache stream, and its successor the cache-layout stream, bit for bit; once past the range it is the
+cache-layout stream; saved and resumed in either phase it goes on as if never stopped; where no successor can be
+made, or its step fails, it is the own-then-cache stream and says why."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.core import StateKV, StreamingPrefill
+from statekv.errors import ConfigurationError, InputError
+from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames
+
+RANGE = 512  # the tiny model's trained range: a frame takes a few dozen positions
+QUESTION = "what is shown?"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    short = {"max_position_embeddings": RANGE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("handover") / "ckpt", text_config=short,
+                                vision_config={"image_size": 112})
+
+
+def loaded(checkpoint, layout: str | None, method: str = "statekv", **settings) -> statekv.VideoQA:
+    sizes = {"budget": settings.pop("budget", 24)} if method == "statekv" else {}
+    return statekv.VideoQA.from_pretrained(checkpoint, method=method, reserve_tokens=24, bounded_layout=layout,
+                                           attention="eager", **sizes, **settings)
+
+
+def pushed(qa: statekv.VideoQA, frames) -> Stream:
+    stream = qa.stream()
+    for frame in frames:
+        stream.push(frame)
+    return stream
+
+
+def fingerprint(prefill: StreamingPrefill) -> str:
+    """Every tensor of the engine's state, bit for bit, and where its steps were placed."""
+    tensors, metadata = prefill.state_dict()
+    digest = hashlib.sha256(repr(metadata.get("positions")).encode())
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+FRAMES = random_frames(40, seed=3, height=32, width=32)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    """``{(layout, frames): stream}`` for own-then-cache and cache, 3 frames (inside the range) and 40 (past it)."""
+    made = {(layout, count): pushed(loaded(checkpoint, layout), FRAMES[:count])
+            for layout in ("own-then-cache", "cache") for count in (3, 40)}
+    assert not made["own-then-cache", 3].prefill.positions.moved and made["own-then-cache", 40].prefill.positions.moved
+    yield made
+    for stream in made.values():
+        stream.close()
+
+
+def test_inside_the_range_it_is_own_then_cache_and_its_successor_the_cache_layout(checkpoint, references):
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        assert stream.handover == "beside"
+        assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 3].prefill)
+        assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
+        assert fingerprint(stream.successor) != fingerprint(stream.prefill)
+        assert stream.ask(QUESTION, max_new_tokens=4) == references["own-then-cache", 3].ask(QUESTION, max_new_tokens=4)
+        assert stream.stats.cache_bytes == (stream.prefill.stats.detailed_bytes
+                                            + stream.successor.stats.detailed_bytes)
+
+
+def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
+    with pushed(loaded(checkpoint, "handover"), FRAMES) as stream:
+        assert stream.handover == "handed over" and stream.successor is None
+        assert stream.engines == (stream.prefill,)
+        assert stream.prefill.positions.layout.name == "cache"
+        assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+        for retrieve in (2, None):
+            assert (stream.ask(QUESTION, max_new_tokens=4, retrieve=retrieve)
+                    == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=retrieve))
+
+
+@pytest.mark.parametrize("count", [3, 30])
+def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count):
+    qa = loaded(checkpoint, "handover")
+    with pushed(qa, FRAMES[:count]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+        phase = stream.handover
+        with Stream.load(path, qa) as resumed:
+            assert resumed.handover == phase
+            assert [fingerprint(e) for e in resumed.engines] == [fingerprint(e) for e in stream.engines]
+            for frame in FRAMES[count:]:
+                stream.push(frame)
+                resumed.push(frame)
+            assert resumed.handover == stream.handover == "handed over"
+            assert fingerprint(resumed.prefill) == fingerprint(stream.prefill)
+
+
+@pytest.mark.parametrize("method, settings, why", [
+    ("full", {}, "carries more than the cache layout can place"),
+    ("statekv", {"max_cache_bytes": 1 << 30}, "a cache cap holds one detailed cache"),
+    ("statekv", {"offload": "disk"}, "the disk tier, whose file set is the stream's one record"),
+])
+def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkpoint, tmp_path, method, settings,
+                                                                            why):
+    if settings.get("offload") == "disk":
+        settings = {**settings, "offload_dir": str(tmp_path)}
+    reference = pushed(loaded(checkpoint, "own-then-cache", method, **settings), FRAMES[:30])
+    with pushed(loaded(checkpoint, "handover", method, **settings), FRAMES[:30]) as stream, reference:
+        assert stream.successor is None and stream.handover.startswith("alone: ") and why in stream.handover
+        assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
+
+
+def test_a_successor_whose_step_fails_is_dropped_and_the_stream_goes_on(checkpoint, references):
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:2]) as stream:
+        stream.successor.close()  # its next step is refused
+        for frame in FRAMES[2:]:
+            stream.push(frame)
+        assert stream.successor is None
+        assert stream.handover.startswith("alone: the successor's step failed")
+        assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+
+
+def test_one_engine_refuses_the_handover_layout_in_one_line(checkpoint):
+    qa = loaded(checkpoint, "handover")
+    with pytest.raises(ConfigurationError, match=r"^bounded_layout='handover' is a stream's \(two engines"):
+        StreamingPrefill(qa.adapter.model, StateKV(budget=8), positions="bounded", bounded_layout="handover")
+
+
+def test_other_positions_and_layouts_make_no_successor(checkpoint):
+    with loaded(checkpoint, "handover").stream(horizon_frames=4) as inside:  # stream positions: nothing to hand over
+        assert inside.engine.positions == "stream" and inside.successor is None and inside.handover is None
+    with loaded(checkpoint, "cache").stream() as other:
+        assert other.successor is None and other.handover is None
+
+
+def test_it_is_a_bounded_streams_default(checkpoint):
+    with loaded(checkpoint, None).stream() as stream:
+        assert stream.handover == "beside" and stream.engine.bounded_layout is None
+
+
+@pytest.mark.parametrize("saved_as, count, resumed_as, continues_as, state", [
+    ("handover", 30, "own-then-cache", "cache", "handed over"),  # past its handover: the cache layout's engine
+    ("cache", 3, None, "cache", "handed over"),
+    ("own-then-cache", 3, None, "own-then-cache", "alone: the saved stream kept no successor beside it"),
+])
+def test_a_saved_stream_goes_on_with_the_engine_it_had(checkpoint, tmp_path, references, saved_as, count, resumed_as,
+                                                       continues_as, state):
+    with pushed(loaded(checkpoint, saved_as), FRAMES[:count]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    with Stream.load(path, loaded(checkpoint, resumed_as)) as resumed:
+        assert resumed.handover == state and resumed.successor is None
+        assert resumed.prefill.positions.layout.name == continues_as
+        for frame in FRAMES[count:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references[continues_as, 40].prefill)
+
+
+def test_a_stream_saved_under_another_one_engine_layout_is_refused_in_one_line(checkpoint, tmp_path):
+    with pushed(loaded(checkpoint, "grouped"), FRAMES[:3]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    with pytest.raises(InputError, match="resume it with bounded_layout=grouped$"):
+        Stream.load(path, loaded(checkpoint, None))
+
+
+def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    with safe_open(path, "pt") as opened:
+        tensors, metadata = {name: opened.get_tensor(name) for name in opened.keys()}, opened.metadata()
+    first = next(name for name in tensors if name.startswith("successor."))
+    broken = tmp_path / "broken.safetensors"
+    save_file({name: t for name, t in tensors.items() if name != first}, broken, metadata)
+    with pytest.raises(InputError) as refused:
+        Stream.load(broken, loaded(checkpoint, None))
+    assert "successor" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_no_successor_where_it_could_never_take_over(checkpoint):
+    qa = loaded(checkpoint, None, positions="bounded")  # bounded, but its horizon fits the range
+    with qa.stream(horizon_frames=4) as bounded:
+        assert bounded.successor is None and bounded.handover.startswith("alone: its horizon of ")
+    with loaded(checkpoint, None, budget=RANGE).stream() as wide:
+        assert wide.successor is None and "more than the cache layout places" in wide.handover
+
+
+def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
+    """A steering watch's guide serves both engines; each gets its queries rotated to right after its own chunk."""
+    from statekv.core.rules.steering import QuestionGuide
+
+    with loaded(checkpoint, None).stream() as stream:
+        stream.watch("what is shown?", every=1)
+        for frame in FRAMES[:12]:
+            stream.push(frame)
+        guide = stream.prefill.cache.guide
+        assert stream.handover == "beside" and guide is stream.successor.cache.guide and guide.active
+        assert stream.successor.cache.step_index == stream.prefill.cache.step_index
+        heads, scale = 2, 0.25
+        placed = [guide.placed(engine.cache, heads, torch.device("cpu"), 4, scale) for engine in stream.engines]
+        for engine, got in zip(stream.engines, placed):
+            alone = QuestionGuide()
+            for question, weight in guide.questions:
+                alone.add(question, weight)
+            expected = alone.placed(engine.cache, heads, torch.device("cpu"), 4, scale)
+            assert all(torch.equal(g[0], e[0]) for g, e in zip(got, expected))
+        assert not torch.equal(placed[0][0][0], placed[1][0][0])  # the engines' chunks are placed apart
