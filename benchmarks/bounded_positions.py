@@ -3,7 +3,8 @@ times past them, on held-out synthetic sets.
 
 * **Inside the range** (``--inside``: 96-frame videos, about 500 tokens): each method (full attention, StateKV
   B=64) encodes every video with ``positions="stream"`` and with ``positions="bounded"`` under each layout of
-  `statekv.core.positions.placing` (``own-then-cache``, the default, ``grouped``, ``cache``), and answers each question
+  `statekv.core.positions.placing` (``own-then-cache``, ``grouped``, ``cache``; each set with ``bounded_layout``),
+  and answers each question
   from the whole cache and from 16 retrieved frames per layer.
 * **Past the range** (``--beyond``: videos of ``--beyond-frames`` frames, over three times the model's 4,096
   positions): each video is pushed into a `VideoQA.stream()` with no horizon (bounded positions: it never ends)
@@ -63,13 +64,6 @@ def videos_of(folder: Path):
 
 def label(method: str, positions: str, layout: str | None) -> str:
     return f"{METHODS[method][1]}, {positions}" + (f" ({layout})" if layout else "")
-
-
-def use_layout(layout: str | None) -> None:
-    """The layout bounded streams made from now on use (the benchmark's knob: `positions.DEFAULT_LAYOUT`)."""
-    from statekv.core.positions import placing
-
-    placing.DEFAULT_LAYOUT = layout or placing.OwnThenCache.name
 
 
 def judged(question, text: str) -> bool:
@@ -269,9 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         if path.exists():
             results[(where, method, positions, layout)] = json.loads(path.read_text())
             continue
-        use_layout(layout)
         qa = statekv.VideoQA.from_pretrained("builtin", device="cpu", positions=positions,
-                                             **METHODS[method][0])
+                                             bounded_layout=layout or "own-then-cache", **METHODS[method][0])
         started = time.monotonic()
         along = layout == "own-then-cache" or (method, "own-then-cache") in SAME_RUN and layout == "grouped"
         run = run_inside(qa, folder) if where == "inside" else run_beyond(qa, folder, along=along)

@@ -2,12 +2,17 @@
 stays carried? Each run is `statekv eval synthetic --model builtin --retrieve 16 --method statekv --budget 64` on a
 held-out long set (every frame streamed, bounded positions), with one change:
 
-* ``defaults``: own-then-cache, which switches to cache order once the stream passes the range's cap;
+* ``defaults``: `--bounded-layout own-then-cache` (the default before the handover layout), which switches to cache
+  order once the stream passes the range's cap;
 * ``switch-N``: own-then-cache switching once the stream passes N positions (every later frame is encoded with
   the carried state in cache order, as the cache layout does from the first frame);
-* ``prefix``: the defaults, with the prompt prefix always carried (`WithSinks(StateKV(64), sinks=0)`: attention
+* ``prefix``: own-then-cache, with the prompt prefix always carried (`WithSinks(StateKV(64), sinks=0)`: attention
   sinks, as StreamingLLM keeps them);
-* ``cache``: `--bounded-layout cache` (cache order from the first frame).
+* ``cache``: `--bounded-layout cache` (cache order from the first frame);
+* ``handover``: the default now, no flag (`statekv.api.handover`: own-then-cache while the stream fits the range,
+  the cache layout's engine once past it).
+
+The switch runs stand their layout in for own-then-cache's (`placing.BOUNDED_LAYOUTS`) while they run.
 
 Each run is an `statekv eval` run folder under ``--runs`` (a finished one is only read). Cells: % correct [95%
 Wilson interval]; "target" pools needle, attribute, order and first_last (issue #45's group).
@@ -38,6 +43,7 @@ from statekv.settings.methods import MethodSpec, at_most_budget, register_method
 
 SECTION = "Runs of benchmarks/encoding_switch.py"  # a subsection of "Past the range: where the encoding switches"
 FLAGS = ["--method", "statekv", "--budget", "64"]
+OWN = ["--bounded-layout", "own-then-cache"]
 
 
 @dataclass(frozen=True)
@@ -51,15 +57,19 @@ class SwitchAt(placing.OwnThenCache):
         return min(super().ceiling(span, carried, limit), self.own - span)
 
 
-def runs(switches: list[int]) -> list[tuple[str, str, list[str], str]]:
-    """``(name, label, eval flags, layout)`` of every configuration."""
-    plan = [("defaults", "own-then-cache, switching at the range's cap (defaults)", FLAGS, placing.OwnThenCache.name)]
-    plan += [(f"switch-{n}", f"own-then-cache, switching at {n:,} positions", FLAGS, f"switch-{n}")
+def runs(switches: list[int]) -> list[tuple[str, str, list[str], placing.BoundedLayout]]:
+    """``(name, label, eval flags, the layout standing in for own-then-cache)`` of every configuration."""
+    own = placing.OwnThenCache()
+    plan = [("defaults", "own-then-cache, switching at the range's cap (the defaults before handover)",
+             FLAGS + OWN, own)]
+    plan += [(f"switch-{n}", f"own-then-cache, switching at {n:,} positions", FLAGS + OWN, SwitchAt(own=n))
              for n in switches]
-    plan += [("prefix", "the defaults, the prompt prefix always carried",
-              ["--method", "statekv-prefix", "--budget", "64"], placing.OwnThenCache.name),
+    plan += [("prefix", "own-then-cache, the prompt prefix always carried",
+              ["--method", "statekv-prefix", "--budget", "64"] + OWN, own),
              ("cache", "`--bounded-layout cache` (cache order from the first frame)",
-              FLAGS + ["--bounded-layout", "cache"], placing.OwnThenCache.name)]
+              FLAGS + ["--bounded-layout", "cache"], own),
+             ("handover", "handover (the defaults now: own-then-cache inside the range, the cache layout's engine "
+              "past it)", FLAGS, own)]
     return plan
 
 
@@ -77,8 +87,6 @@ def main(argv: list[str] | None = None) -> None:
     from statekv.cli import main as statekv_main
 
     switches = [int(n) for n in args.switch.split(",") if n]
-    for n in switches:
-        placing.BOUNDED_LAYOUTS[f"switch-{n}"] = SwitchAt(own=n)
     register_method(MethodSpec("statekv-prefix", "StateKV with the prompt prefix always carried", "budget",
                                lambda s, f: WithSinks(StateKV(budget=s.budget), sinks=0), at_most_budget,
                                "StateKV, prefix carried"))
@@ -87,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, label, flags, layout in runs(switches):
             out = args.runs / name
             if tally(out) is None:
-                placing.DEFAULT_LAYOUT = layout
+                placing.BOUNDED_LAYOUTS[placing.OwnThenCache.name] = layout
                 if statekv_main(command(args.long, out, flags)):
                     raise SystemExit(f"statekv eval failed for {name}")
             rows.append((label, tally(out)))
     finally:
-        placing.DEFAULT_LAYOUT = placing.OwnThenCache.name
+        placing.BOUNDED_LAYOUTS[placing.OwnThenCache.name] = placing.OwnThenCache()
     families = ("target", *TARGET, *APART)
     made = json.loads((args.long / "benchmark.json").read_text(encoding="utf-8"))
     lines = [f"Set: `{args.long}` (`statekv synthetic make --frames {made['num_frames']} --videos {made['videos']} "

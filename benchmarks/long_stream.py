@@ -116,7 +116,8 @@ def child(args: argparse.Namespace) -> None:
                 folder = stream.durability.folder
                 record(kind="sample", stream=label, frames=done, ms_per_frame=1e3 * spent[label] / count,
                        cpu_ms_per_frame=1e3 * cpu[label] / count,
-                       tokens=stats.tokens, detailed_bytes=stats.detailed_bytes, summary_bytes=stats.summary_bytes,
+                       tokens=stats.tokens, detailed_bytes=sum(e.stats.detailed_bytes for e in stream.engines),
+                       summary_bytes=stats.summary_bytes,
                        journal_bytes=stats.journal_bytes, disk_bytes=disk_bytes(folder), **resident())
                 spent[label] = cpu[label] = 0.0
         if done in asks:

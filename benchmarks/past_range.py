@@ -205,7 +205,6 @@ def run_video(stream, stills, questions, evidence_of: dict, args, fits: bool) ->
 def run(dataset: DataSet, method: str, layout: str, args, out: Path, videos: int | None = None) -> None:
     """Stream every video of ``dataset`` under ``method`` with the bounded ``layout``; one JSON line per video."""
     import statekv
-    from statekv.core.positions import placing
     from statekv.eval.loaders import load_synthetic
     from itertools import groupby
 
@@ -214,10 +213,9 @@ def run(dataset: DataSet, method: str, layout: str, args, out: Path, videos: int
         done = {json.loads(line)["video"] for line in out.read_text().splitlines() if line.strip()}
     evidence_of = {row["qid"]: row["evidence_frames"] for row in map(json.loads, (
         dataset.folder / "questions.jsonl").read_text().splitlines())}
-    placing.DEFAULT_LAYOUT = layout
     layout_of = {} if args.checkpoint == "builtin" else {"layout": "chat"}  # a retrained built-in model's
-    qa = statekv.VideoQA.from_pretrained(args.checkpoint, device="cpu", positions="bounded", **layout_of,
-                                         **METHODS[method])
+    qa = statekv.VideoQA.from_pretrained(args.checkpoint, device="cpu", positions="bounded", bounded_layout=layout,
+                                         **layout_of, **METHODS[method])
     if args.range is not None:  # the range the model declares (what bounded positions keep inside)
         qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
     limit = None

@@ -32,23 +32,29 @@ from report import write_section  # noqa: E402
 
 TARGET = ("needle", "attribute", "order", "first_last")
 APART = ("count", "position")
-# name, set ("long", "short" or "longest"), the label, the eval's flags besides the set and the model
+# name, set ("long", "short" or "longest"), the label, the eval's flags besides the set and the model (the
+# own-then-cache runs keep the names they had as the defaults)
+STATEKV = ["--method", "statekv", "--budget", "64"]
+OWN = ["--bounded-layout", "own-then-cache"]
 RUNS = (
-    ("short-statekv-r16", "short", "StateKV B=64, inside the range", ["--method", "statekv", "--budget", "64"]),
-    ("long-statekv-r16", "long", "StateKV B=64, own-then-cache, spread 384 (defaults)",
-     ["--method", "statekv", "--budget", "64"]),
+    ("short-statekv-r16", "short", "StateKV B=64, inside the range", STATEKV),
+    ("long-statekv-r16-handover", "long", "StateKV B=64, handover, spread 384 (defaults)", STATEKV),
+    ("long-statekv-r16", "long", "StateKV B=64, `--bounded-layout own-then-cache`, spread 384", STATEKV + OWN),
     ("long-statekv-r16-packed", "long", "StateKV B=64, own-then-cache, packed (`--question-span 0`)",
-     ["--method", "statekv", "--budget", "64", "--question-span", "0"]),
+     STATEKV + OWN + ["--question-span", "0"]),
     ("long-statekv-r16-cache", "long", "StateKV B=64, `--bounded-layout cache`, spread 384",
-     ["--method", "statekv", "--budget", "64", "--bounded-layout", "cache"]),
+     STATEKV + ["--bounded-layout", "cache"]),
+    ("short-statekv-r16-bounded", "short", "StateKV B=64, `--positions bounded` (defaults), inside",
+     STATEKV + ["--positions", "bounded"]),
     ("short-statekv-r16-cache", "short", "StateKV B=64, `--positions bounded --bounded-layout cache`, inside",
-     ["--method", "statekv", "--budget", "64", "--positions", "bounded", "--bounded-layout", "cache"]),
+     STATEKV + ["--positions", "bounded", "--bounded-layout", "cache"]),
     ("short-full-r16", "short", "full attention, inside the range", ["--method", "full"]),
     ("long-full-r16", "long", "full attention, grouped past the range, spread 384 (defaults)", ["--method", "full"]),
-    ("longest-statekv-r16", "longest", "StateKV B=64, own-then-cache, spread 384 (defaults)",
-     ["--method", "statekv", "--budget", "64"]),
+    ("longest-statekv-r16-handover", "longest", "StateKV B=64, handover, spread 384 (defaults)", STATEKV),
+    ("longest-statekv-r16", "longest", "StateKV B=64, `--bounded-layout own-then-cache`, spread 384",
+     STATEKV + OWN),
     ("longest-statekv-r16-cache", "longest", "StateKV B=64, `--bounded-layout cache`, spread 384",
-     ["--method", "statekv", "--budget", "64", "--bounded-layout", "cache"]),
+     STATEKV + ["--bounded-layout", "cache"]),
 )
 RETRIEVE = 16
 

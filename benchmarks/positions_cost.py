@@ -2,11 +2,11 @@
 
 For each method (full attention, StateKV at the model's default budget, recency R=16), a live stream of
 ``--frames`` frames is pushed one frame at a time with ``positions="stream"`` (a horizon covering it) and with
-``positions="bounded"`` under each layout of `statekv.core.positions.placing` (own-then-cache, the default; grouped;
-cache): per frame, the push (CPU time of the pushing thread on a CPU, where other work on a shared machine does not
-count; synchronized wall time on CUDA), mean over the second half of the frames, the median of ``--repeats`` runs
-taken in turn; and the compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no load
-disturbs. Past the range (``--past-frames``, enough to pass it): StateKV's bounded streams, the median push over
+``positions="bounded"`` under each layout (own-then-cache, grouped, cache: `statekv.core.positions.placing`; and
+``handover``, a stream's default, two engines inside the range: `statekv.api.handover`): per frame, the push
+(CPU time of the pushing thread on a CPU, where other work on a shared machine does not count; synchronized wall
+time on CUDA), mean over the second half of the frames, the median of ``--repeats`` runs taken in turn; and the
+compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no load disturbs. Past the range (``--past-frames``, enough to pass it): StateKV's bounded streams, the median push over
 the frames after the first step placed away from its own position against the same stream's frames before it:
 what re-placing and rotating the carried keys costs once positions move.
 
@@ -35,8 +35,8 @@ from statekv.core.positions import placing  # noqa: E402
 from statekv.testing.op_trace import OpTrace  # noqa: E402
 
 METHODS = (("full", {}, "full attention"), ("statekv", {}, "StateKV"), ("recency", {"frames": 16}, "recency R=16"))
-LAYOUTS = ("own-then-cache", "grouped", "cache")
-SECTION = "Positions: the cost per frame"
+LAYOUTS = ("own-then-cache", "grouped", "cache", "handover")
+SECTION = "Runs of benchmarks/positions_cost.py"  # a subsection of "Positions: the cost per frame"
 
 
 def configurations(method: str) -> list[tuple[str, str | None]]:
@@ -56,9 +56,8 @@ def timer(device: str):
 def push_all(qa, frames, positions: str, layout: str | None, device: str, traced: bool) -> dict:
     """One stream's frames pushed one at a time: push ms per frame (mean, second half), the compute ops of the
     last push."""
-    placing.DEFAULT_LAYOUT = layout or placing.OwnThenCache.name
     horizon = len(frames) + 8 if positions == "stream" else None
-    stream = qa.stream(horizon_frames=horizon, max_fps=None, vision_batch=1)
+    stream = qa.with_options(bounded_layout=layout).stream(horizon_frames=horizon, max_fps=None, vision_batch=1)
     assert stream.prefill.positions.mode == positions
     clock, pushes = timer(device), []
     for index, image in enumerate(frames[:-1]):
@@ -101,8 +100,7 @@ def past(args, frames) -> list[dict]:
     qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv", device=args.device))
     limit = placing.trained_range(qa.adapter.model.config.get_text_config())
     for layout in LAYOUTS:
-        placing.DEFAULT_LAYOUT = layout
-        stream = qa.stream(max_fps=None, vision_batch=1)
+        stream = qa.with_options(bounded_layout=layout).stream(max_fps=None, vision_batch=1)
         clock, pushes, moved_at, ops = timer(args.device), [], None, {}
         for index, image in enumerate(frames):
             traced = index in (len(frames) // 2 - 1, len(frames) - 1)  # ops of a frame before moving, and the last
@@ -124,7 +122,6 @@ def past(args, frames) -> list[dict]:
         rows.append(row)
         print(row, flush=True)
         stream.close()
-    placing.DEFAULT_LAYOUT = placing.OwnThenCache.name
     return rows
 
 
@@ -166,7 +163,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--past-frames", type=int, default=1400, help="0: no run past the range")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
-    parser.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section is replaced")
+    parser.add_argument("--out", default=None,
+                        help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = [" ".join(open("/proc/loadavg").read().split()[:3])] if Path("/proc/loadavg").exists() else ["?"]
@@ -180,7 +178,7 @@ def main() -> None:
     if args.out:
         from report import write_section
 
-        write_section(Path(args.out), SECTION, text)
+        write_section(Path(args.out), SECTION, text, level=3)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def test_the_held_out_table_pools_the_target_families_with_intervals(tmp_path):
 def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path, capsys):
     heldout = benchmark("past_range_heldout")
     groups = {family: {"correct": 1, "questions": 4} for family in heldout.TARGET + heldout.APART}
-    for name in ("short-statekv-r16", "longest-statekv-r16"):
+    for name in ("short-statekv-r16", "longest-statekv-r16-handover"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps({"score": {"groups": {"task_type": groups}}}))
         (tmp_path / name / "answers.rank000.jsonl").write_text(json.dumps({"extra": {"frames": 96}}) + "\n")
@@ -88,10 +88,12 @@ def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path
     assert "| short | StateKV B=64, inside the range | 25.0" in without and "| longest |" not in without
     heldout.main(sets + ["--longest", str(tmp_path / "longest")])
     with_longest = capsys.readouterr().out
-    assert "| longest | StateKV B=64, own-then-cache, spread 384 (defaults) | 25.0 [" in with_longest
+    assert "| longest | StateKV B=64, handover, spread 384 (defaults) | 25.0 [" in with_longest
     assert "`--frames 24000 --videos 4 --seed 4830` (longest)" in with_longest
     with pytest.raises(SystemExit, match="longest-statekv-r16 run on the 24,000-frame set: give its folder"):
         heldout.main(sets + ["--only", "longest-statekv-r16"])
+    with pytest.raises(SystemExit, match="longest-statekv-r16-handover run on the 24,000-frame set"):
+        heldout.main(sets + ["--only", "longest-statekv-r16-handover"])
 
 
 def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(tmp_path):
@@ -102,6 +104,6 @@ def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(
     assert layout.base(400, 8, 64, limit) == 400  # inside the switch: its own position
     assert layout.base(600, 8, 64, limit) == 64  # past it: right after the 64 carried tokens
     assert switch.placing.OwnThenCache().base(600, 8, 64, limit) == 600  # the default switches only at the cap
-    assert [name for name, *_ in switch.runs([512])] == ["defaults", "switch-512", "prefix", "cache"]
+    assert [name for name, *_ in switch.runs([512])] == ["defaults", "switch-512", "prefix", "cache", "handover"]
     with pytest.raises(SystemExit, match="not a synthetic set"):
         switch.main(["--long", str(tmp_path)])
