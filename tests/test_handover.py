@@ -215,3 +215,17 @@ def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
             expected = alone.placed(engine.cache, heads, torch.device("cpu"), 4, scale)
             assert all(torch.equal(g[0], e[0]) for g, e in zip(got, expected))
         assert not torch.equal(placed[0][0][0], placed[1][0][0])  # the engines' chunks are placed apart
+
+
+def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references):
+    qa = loaded(checkpoint, "handover")
+    first, second = qa.stream(), qa.stream()
+    with first, second:
+        for index, frame in enumerate(FRAMES):
+            qa.push_many([(first, frame, float(index)), (second, frame, float(index))])
+            if index == 2:
+                assert [fingerprint(e) for e in first.engines] == [
+                    fingerprint(references["own-then-cache", 3].prefill), fingerprint(references["cache", 3].prefill)]
+        for stream in (first, second):
+            assert stream.handover == "handed over"
+            assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
