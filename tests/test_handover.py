@@ -229,3 +229,21 @@ def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references)
         for stream in (first, second):
             assert stream.handover == "handed over"
             assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_a_watch_inside_the_range_reads_and_steers_the_stream_as_under_own_then_cache(checkpoint):
+    """The steering guide the successor shares leaves the stream's own engine, and the watch's events, as they are
+    without a successor."""
+    streams = [loaded(checkpoint, layout).stream() for layout in ("handover", "own-then-cache")]
+    watches = [stream.watch(QUESTION, every=1, max_new_tokens=3) for stream in streams]
+    try:
+        for frame in FRAMES[:12]:
+            for stream in streams:
+                stream.push(frame)
+        assert streams[0].handover == "beside" and streams[1].successor is None
+        assert fingerprint(streams[0].prefill) == fingerprint(streams[1].prefill)
+        assert [e.to_dict() for e in watches[0].events] == [e.to_dict() for e in watches[1].events]
+        assert watches[0].events  # it was evaluated and answered
+    finally:
+        for stream in streams:
+            stream.close()
