@@ -174,12 +174,16 @@ def test_a_held_out_video_under_the_media_root_answers_as_videoqa(server, qa, me
         answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": NEW_TOKENS})
         assert answer.status_code == 200, answer.text
         stats = client.get(f"/v1/streams/{stream_id}").json()
+        endless = client.get(f"/v1/streams/{_create(client, horizon_frames=None)}").json()
+    with qa.stream(max_fps=None) as endless_alone:
+        assert endless["handover"] == endless_alone.handover is not None  # bounded: its engines are reported
     with qa.stream(horizon_frames=64, max_fps=1.0) as alone:
         for frame in open_video(_video(media)).sample_at_rate(1.0):
             alone.push(frame)
         expected = alone.ask(QUESTION, max_new_tokens=NEW_TOKENS)
         generated = alone.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS).shape[1]
         read = alone.tokens + qa.adapter.question_ids(QUESTION, alone.state).shape[1]
+        handover = alone.handover
     reply = answer.json()
     assert {key: reply[key] for key in ("answer", "frames", "seconds", "id")} == {
         "answer": expected, "frames": 12, "seconds": 11.0, "id": stream_id}
@@ -187,6 +191,7 @@ def test_a_held_out_video_under_the_media_root_answers_as_videoqa(server, qa, me
     assert generated >= 1 and 0 < reply["latency"] < 60
     assert expected == qa.answer(_video(media), QUESTION, max_new_tokens=NEW_TOKENS)  # VideoQA.encode's answer
     assert stats["frames"] == 12 and stats["tokens"] > 12 and stats["carried"] > 0 and stats["cache_bytes"] > 0
+    assert stats["handover"] == handover  # what the same stream made alone says of its engines
     assert stats["saved"]["frames"] == 12 and stats["resume_from"] == 12  # a source fed in full is saved
 
 
