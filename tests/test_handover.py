@@ -31,6 +31,8 @@ def checkpoint(tmp_path_factory):
 
 def loaded(checkpoint, layout: str | None, method: str = "statekv", **settings) -> statekv.VideoQA:
     sizes = {"budget": settings.pop("budget", 24)} if method == "statekv" else {}
+    if method == "recency":
+        sizes = {"frames": settings.pop("frames", 2)}
     return statekv.VideoQA.from_pretrained(checkpoint, method=method, reserve_tokens=24, bounded_layout=layout,
                                            attention="eager", **sizes, **settings)
 
@@ -172,27 +174,53 @@ def test_a_stream_saved_under_another_one_engine_layout_is_refused_in_one_line(c
 
 
 def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_path):
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from statekv.api.stream_file import read_verified, write_verified
 
     with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
         path = stream.save(tmp_path / "s.safetensors")
-    with safe_open(path, "pt") as opened:
-        tensors, metadata = {name: opened.get_tensor(name) for name in opened.keys()}, opened.metadata()
-    first = next(name for name in tensors if name.startswith("successor."))
-    broken = tmp_path / "broken.safetensors"
-    save_file({name: t for name, t in tensors.items() if name != first}, broken, metadata)
-    with pytest.raises(InputError) as refused:
-        Stream.load(broken, loaded(checkpoint, None))
-    assert "successor" in str(refused.value) and "\n" not in str(refused.value)
+    metadata, tensors = read_verified(path)
+    record = metadata["successor"]
+    steps = record["positions"]["steps"]
+    broken = {  # each re-signed: its checksums vouch for it, so only the successor's own checks can refuse it
+        "no record": ({k: v for k, v in metadata.items() if k != "successor"}, tensors,
+                      "holds successor.* tensors but no successor record"),
+        "a step missing": ({**metadata, "successor": {**record, "positions": {**record["positions"],
+                                                                             "steps": steps[:-1]}}}, tensors,
+                           "the successor engine's state (successor.*): the saved stream's positions must list"),
+        "other evictions": ({**metadata, "successor": {**record, "evicted_steps": [1]}}, tensors,
+                            "successor.evicted_steps is [1], inconsistent with the rest"),
+        "own layout": ({**metadata, "successor": {**record, "positions": {**record["positions"],
+                                                                          "layout": "own-then-cache"}}}, tensors,
+                       "the engines' layouts is"),
+        "a tensor missing": (metadata, {k: v for k, v in tensors.items() if k != "successor.layers.0.keys"},
+                             "the successor engine's state (successor.*): the saved state lacks layers.0.keys"),
+    }
+    for name, (changed, kept, message) in broken.items():
+        target = write_verified(tmp_path / f"{name}.safetensors", kept,
+                                {k: v for k, v in changed.items() if k != "checksums"})
+        with pytest.raises(InputError) as refused:
+            Stream.load(target, loaded(checkpoint, None))
+        text = str(refused.value)
+        assert message in text and str(target) in text and "\n" not in text, (name, text)
 
 
 def test_no_successor_where_it_could_never_take_over(checkpoint):
     qa = loaded(checkpoint, None, positions="bounded")  # bounded, but its horizon fits the range
     with qa.stream(horizon_frames=4) as bounded:
-        assert bounded.successor is None and bounded.handover.startswith("alone: its horizon of ")
-    with loaded(checkpoint, None, budget=RANGE).stream() as wide:
-        assert wide.successor is None and "more than the cache layout places" in wide.handover
+        assert bounded.successor is None and bounded.handover.startswith("alone: its ")
+        assert "tokens never take a step past 448 of the model's 512 positions" in bounded.handover
+    for frames, beside in ((24, False), (30, True)):  # its last step starts below the ceiling, or past it
+        with qa.stream(horizon_frames=frames) as stream:
+            assert stream.handover == "beside"
+            stream.push(FRAMES[0])
+            assert (stream.handover == "beside") is beside
+    for method, sizes, kept in (("statekv", {"budget": 480}, True), ("statekv", {"budget": 500}, False),
+                                ("recency", {"frames": 30}, False)):
+        with loaded(checkpoint, None, method, **sizes).stream() as stream:
+            stream.push(FRAMES[0])
+            assert (stream.successor is not None) is kept, stream.handover
+            if not kept:
+                assert "do not fit the model's 512 positions in cache order" in stream.handover
 
 
 def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
@@ -247,3 +275,21 @@ def test_a_watch_inside_the_range_reads_and_steers_the_stream_as_under_own_then_
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_a_disk_tier_folder_resumes_with_the_layout_it_was_streamed_with(checkpoint, tmp_path, references):
+    with pushed(loaded(checkpoint, "cache"), FRAMES[:3]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    on_disk = loaded(checkpoint, None, offload="disk", offload_dir=str(tmp_path / "disk"))
+    with Stream.load(path, on_disk) as loaded_stream:  # the cache layout's engine, now on the disk tier
+        assert loaded_stream.prefill.positions.layout.name == "cache"
+        for frame in FRAMES[3:6]:
+            loaded_stream.push(frame)
+        folder = loaded_stream.durability.folder
+    with pytest.raises(InputError, match=r"resume it with bounded_layout=cache or the default$"):
+        Stream.load(folder, loaded(checkpoint, "own-then-cache", offload="disk", offload_dir=str(tmp_path / "disk")))
+    with Stream.load(folder, on_disk) as resumed:
+        assert resumed.prefill.positions.layout.name == "cache"
+        for frame in FRAMES[6:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)

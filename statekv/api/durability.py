@@ -22,6 +22,7 @@ from ..settings.engine import EngineSettings
 from .stats import EncodingStats
 from ..errors import InputError
 from ..models import LayoutState
+from .handover import resumed_disk_engine
 from .stream_disk import SETUP, frames_lost, read_stream_setup
 from .stream_file import check_against_model, check_ownership, check_same_setup
 from ..video import Frame
@@ -112,12 +113,17 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     except BaseException:
         lock.release()
         raise
+    recorded = setup["engine"].get("settings", {})
+    try:
+        engine = resumed_disk_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
+                                     recorded.get("bounded_layout"), folder)
+    except BaseException:
+        tier.close()
+        raise
     try:
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
-                     prefix_tokens=setup["prefix_tokens"],
-                     engine=engine.with_changes(positions=setup["engine"].get("settings", {}).get("positions")
-                                                or "stream"),
+                     prefix_tokens=setup["prefix_tokens"], engine=engine,
                      disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner, created=setup.get("created"))
     except BaseException:
         tier.close()

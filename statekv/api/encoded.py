@@ -26,7 +26,7 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import handing_over, own_engine, successor_engine, why_alone
+from .handover import cannot_place, handing_over, own_engine, successor_engine, why_alone
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
@@ -56,12 +56,13 @@ class EncodedVideo:
 
     def __init__(self, qa: Any, horizon: int | None, *, num_frames: int | None = None, fps: float | None = None,
                  name: str = "video", prefix_tokens: int | None = None, engine: EngineSettings | None = None,
-                 disk_tier: Any = None):
+                 disk_tier: Any = None, reserve_tokens: int | None = None):
         """prefix_tokens: given when resuming a stream whose prompt prefix was already streamed (then `start`
         has nothing to stream); None: `start` streams the adapter's prefix. engine: the engine's settings
         (default: the VideoQA's; positions None: decided here for ``horizon``, see
         `statekv.core.positions.placing.choose_positions`). horizon: None: no horizon (bounded positions). disk_tier: the file set a resumed disk-tier stream continues in
-        (`statekv.core.disk.tier.DiskTier`)."""
+        (`statekv.core.disk.tier.DiskTier`). reserve_tokens: the part of ``horizon`` kept for the question and
+        answer (default: the VideoQA's), which no step takes."""
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
@@ -78,12 +79,15 @@ class EncodedVideo:
                                         protect_tokens=protect, name=name, disk_tier=disk_tier)
         self.successor: StreamingPrefill | None = None  # `statekv.api.handover`: the engine it continues with
         self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
+        reserve = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
+        self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
         if handing_over(self.engine):
-            alone = why_alone(self.engine, policy, self.prefill.config, horizon)
+            alone = why_alone(self.engine, policy, self.prefill.config, self._video_tokens)
             self.handover = "beside" if alone is None else f"alone: {alone}"
             if alone is None:
                 self.successor = StreamingPrefill(self.adapter.model, policy, successor_engine(self.engine),
                                                   horizon=horizon, protect_tokens=protect, name=f"{name} (successor)")
+        self._placed_span = 0  # the frame step's span last checked by `cannot_place`
         self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
@@ -223,10 +227,12 @@ class EncodedVideo:
         self.qa.step_scheduler.release(first)
         first.close()
 
-    def drop_successor(self, why: str) -> None:
-        """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed."""
+    def drop_successor(self, why: str, *, warn: bool = True) -> None:
+        """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed;
+        ``warn``: log it (a successor lost, not one known up front to be of no use)."""
         if self.successor is not None:
-            log.warning("%s: streams on without its successor engine: %s", self.name, why)
+            if warn:
+                log.warning("%s: streams on without its successor engine: %s", self.name, why)
             self.qa.step_scheduler.release(self.successor)
             self.successor.close()
             self.successor = None
@@ -320,6 +326,12 @@ class EncodedVideo:
         """``chunk`` (laid out after ``state``) as the engine's request, with what the disk tier journals."""
         last = encoded.step.frames[-1] if encoded is not None else None
         record = self.durability.step_record(self.state.after(chunk), chunk.frames, last)
+        span = chunk.inputs_embeds.shape[1]
+        if self.successor is not None and chunk.frames and span != self._placed_span:
+            unplaced = cannot_place(self.successor.policy, self.successor.config, span, self._video_tokens)
+            self._placed_span = span
+            if unplaced is not None:
+                self.drop_successor(unplaced, warn=False)
         successor = None if self.successor is None else StepRequest(
             self.successor, chunk.inputs_embeds, chunk.position_ids, forward_kwargs=dict(chunk.forward_kwargs))
         return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,

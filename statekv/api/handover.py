@@ -12,11 +12,13 @@ streamed (a steering watch aside: its queries come from the evaluations of the s
 successor as they steer that engine). Inside the range a step costs two; past it one, the cache layout's.
 
 A successor is made only where it can take over and the stream has one record of itself (`why_alone` says
-otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a size the
-cache layout places with a chunk inside the range or in a ring (not full attention), 1-D RoPE (not M-RoPE), a
-detailed cache in memory or offloaded (not the disk tier, whose file set is the stream's durable record) and no
-cache cap (which holds one detailed cache). Elsewhere, and when a successor's step fails, the stream streams as
-``own-then-cache`` alone; `EncodedVideo.handover` says which and why.
+otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a fixed size
+or in a ring (not full attention), 1-D RoPE (not M-RoPE), a detailed cache in memory or offloaded (not the disk
+tier, whose file set is the stream's durable record) and no cache cap (which holds one detailed cache). At the
+first frame step, whose size is then known, `cannot_place` leaves it behind where no step could take the stream
+past its engine's ceiling, or where the carried state and a step do not fit the range in cache order. Elsewhere,
+and when a successor's step fails, the stream streams as ``own-then-cache`` alone; `EncodedVideo.handover` says
+which and why.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from ..core.positions.placing import OwnThenCache, trained_range
 from ..core.positions.rope import rope_parameters
 from ..core.rules.base import CarryPolicy
+from ..errors import InputError
 from ..settings.engine import HANDOVER, EngineSettings
 
 OWN_LAYOUT = "own-then-cache"  # the stream's engine while it fits the range
@@ -48,27 +51,63 @@ def successor_engine(engine: EngineSettings) -> EngineSettings:
     return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT)
 
 
-def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, horizon: int | None) -> str | None:
-    """Why a ``handover`` stream under ``engine`` and ``policy`` (``config``: its model's text config; ``horizon``:
-    the most tokens it will hold, None: no end) gets no successor, or None when it gets one."""
+def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, video_tokens: int | None) -> str | None:
+    """Why a ``handover`` stream under ``engine`` and ``policy`` (``config``: its model's text config;
+    ``video_tokens``: the most tokens its steps will take, the reserve for a question aside; None: no end) gets no
+    successor, or None when it gets one (`cannot_place` checks its first frame step)."""
     limit = trained_range(config)
-    cap = OwnThenCache().cap(limit)  # the stream's engine places no chunk away from its own position below it
-    if horizon is not None and horizon <= cap:
-        return f"its horizon of {horizon} tokens never takes it past the model's range"
+    cap = OwnThenCache().cap(limit)  # no step starting at or below it is placed away from its own position
+    if video_tokens is not None and video_tokens <= cap:
+        return never_past(video_tokens, cap, limit)
     if "mrope_section" in rope_parameters(config):
         return "its model's RoPE has several rows (M-RoPE), which the cache layout does not place"
-    if policy.recent_steps is None:
-        budgets = [policy.steady_budget(layer) for layer in range(config.num_hidden_layers)]
-        if any(budget is None for budget in budgets):
-            return f"{policy!r} carries more than the cache layout can place (no fixed budget)"
-        if max(budgets) > cap:
-            return (f"it carries up to {max(budgets)} tokens, more than the cache layout places before a chunk in "
-                    f"the model's {limit} positions")
+    if policy.recent_steps is None and any(policy.steady_budget(layer) is None
+                                           for layer in range(config.num_hidden_layers)):
+        return f"{policy!r} carries more than the cache layout can place (no fixed budget)"
     if engine.offload == "disk":
         return "its detailed cache is on the disk tier, whose file set is the stream's one record"
     if engine.cache_cap is not None:
         return "a cache cap holds one detailed cache"
     return None
+
+
+def cannot_place(policy: CarryPolicy, config: Any, span: int, video_tokens: int | None) -> str | None:
+    """Why a successor is of no use to a stream whose frame steps take ``span`` tokens (``video_tokens`` as in
+    `why_alone`): no step of the stream's starts past its engine's ceiling, or the cache layout cannot place
+    ``policy``'s carried state with such a step in the model's range (its first step past it would fail). None
+    when neither."""
+    limit = trained_range(config)
+    ceiling = OwnThenCache().ceiling(span, 0, limit)
+    if video_tokens is not None and video_tokens - span <= ceiling:
+        return never_past(video_tokens, ceiling, limit)
+    if policy.recent_steps is not None:
+        carried = policy.recent_steps * span + policy.sink_tokens
+    else:
+        carried = max(policy.steady_budget(layer) or 0 for layer in range(config.num_hidden_layers))
+    if carried + span > limit:
+        return (f"it carries up to {carried} tokens, which with a {span}-token step do not fit the model's {limit} "
+                "positions in cache order")
+    return None
+
+
+def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, folder: Any) -> EngineSettings:
+    """The settings a disk-tier stream (which never has a successor: its engine's layout is ``recorded_layout``, or
+    own-then-cache under ``handover``) is resumed with from its ``folder``, asked for as ``engine``: its own layout
+    under the default or ``handover``; another one asked for is refused in one line."""
+    if engine.positions != "bounded":
+        return engine
+    streamed = OWN_LAYOUT if recorded_layout in (None, HANDOVER) else recorded_layout
+    if engine.bounded_layout in (None, HANDOVER):
+        return engine if streamed == OWN_LAYOUT else engine.with_changes(bounded_layout=streamed)
+    if engine.bounded_layout != streamed:
+        raise InputError(f"{folder}: the stream was streamed with bounded_layout={streamed}, not "
+                         f"{engine.bounded_layout}; resume it with bounded_layout={streamed} or the default")
+    return engine
+
+
+def never_past(video_tokens: int, ceiling: int, limit: int) -> str:
+    return (f"its {video_tokens} tokens never take a step past {ceiling} of the model's {limit} positions, where "
+            "its engine would place it away from its own position")
 
 
 def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_layout: str | None

@@ -18,8 +18,8 @@ import torch
 from ..core.cache.persistence import check_state_dict
 from ..core.stream.prefill import cache_geometry
 from .durability import resume_stream
-from ..settings.engine import EngineSettings
-from .handover import resumed_engine
+from ..settings.engine import HANDOVER, EngineSettings
+from .handover import OWN_LAYOUT, resumed_engine
 from .stats import EncodingStats
 from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
@@ -106,6 +106,9 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
     check_against_model(path, metadata, qa.adapter)
     recorded = recorded_settings(metadata)
+    if "successor" in metadata and engine.bounded_layout not in (None, HANDOVER, OWN_LAYOUT):
+        raise InputError(f"{path}: the stream was saved with its successor engine beside it (bounded_layout="
+                         f"{HANDOVER}); resume it with bounded_layout={HANDOVER} or the default")
     engine, handed_over = resumed_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
                                          recorded.get("bounded_layout"),
                                          (metadata["cache"].get("positions") or {}).get("layout"))
@@ -119,8 +122,11 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     try:
         if handed_over:
             stream.handover = "handed over"
-        resume_successor(stream, metadata.get("successor"), successor)
+        resume_successor(stream, metadata.get("successor"), successor, path)
         stream.prefill.load_state_dict(cache, metadata["cache"])
+    except InputError as error:
+        stream.close()
+        raise InputError(error.args[0] if str(error).startswith(str(path)) else f"{path}: {error}") from None
     except BaseException:
         stream.close()
         raise
@@ -145,7 +151,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     return stream
 
 
-def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor]) -> None:
+def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """A resumed handover stream's successor (`statekv.api.handover`): its saved state (``record``, its metadata, and
     ``tensors``) loaded, or, saved without one (its successor had been dropped, or it was streamed under
     own-then-cache), dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed
@@ -153,9 +159,12 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
     if stream.successor is None:
         return
     if record is None:
-        stream.drop_successor("the saved stream kept no successor beside it")
-    else:
+        stream.drop_successor("the saved stream kept no successor beside it", warn=False)
+        return
+    try:
         stream.successor.load_state_dict(tensors, record)
+    except InputError as error:
+        raise InputError(f"{path}: the successor engine's state (successor.*): {error}") from None
 
 
 def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:

@@ -110,7 +110,7 @@ class Stream(EncodedVideo):
         max_fps = None if max_fps is None else float(max_fps)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
-                         engine=engine, disk_tier=disk_tier)
+                         engine=engine, disk_tier=disk_tier, reserve_tokens=reserve_tokens)
         self.lock = threading.RLock()
         self.horizon_frames = horizon_frames
         self.reserve_tokens = qa.reserve_tokens if reserve_tokens is None else reserve_tokens

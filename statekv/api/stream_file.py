@@ -441,7 +441,8 @@ def _check_counts(metadata: dict[str, Any]) -> None:
                   "stats.chunks": (stats["chunks"], len(cache["chunk_lengths"])),
                   "cache.seen_tokens": (seen, sum(cache["chunk_lengths"]))}
     if "successor" in metadata:  # it took every step the stream's engine took, under the cache layout beside its own
-        agreements["successor.chunk_lengths"] = (metadata["successor"]["chunk_lengths"], cache["chunk_lengths"])
+        for key in ("chunk_lengths", "evicted_steps"):
+            agreements[f"successor.{key}"] = (metadata["successor"].get(key), cache.get(key))
         layouts = [(record.get("positions") or {}).get("layout") for record in (cache, metadata["successor"])]
         agreements["the engines' layouts"] = (layouts, [OWN_LAYOUT, SUCCESSOR_LAYOUT])
     for name, (value, expected) in agreements.items():

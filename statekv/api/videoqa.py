@@ -201,7 +201,7 @@ class VideoQA:
         sampling_rate = num_frames / video.duration if video.duration > 0 else max_fps  # after the frame cap
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
         encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate),
-                               name=video.name)
+                               name=video.name, reserve_tokens=reserve_tokens)
         frames = video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol)
         try:
             encoded.start()
