@@ -106,6 +106,7 @@ def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, fol
 
 
 def never_past(video_tokens: int, ceiling: int, limit: int) -> str:
+    """Why a stream whose steps take at most ``video_tokens`` tokens gets no successor: none starts past ``ceiling``."""
     return (f"its {video_tokens} tokens never take a step past {ceiling} of the model's {limit} positions, where "
             "its engine would place it away from its own position")
 
