@@ -356,10 +356,10 @@ class EncodedVideo:
         stats.chunks += 1
         stats.tokens = self.prefill.seen_tokens
         stats.frames += chunk.frames
-        engine = self.prefill.stats
-        stats.carried_tokens = engine.max_carried_tokens
-        stats.cache_bytes = sum(prefill.stats.detailed_bytes for prefill in self.engines)
-        stats.peak_cache_device_bytes = self.peak_device_bytes
+        engines = [prefill.stats for prefill in self.engines]  # each walks every layer: once a step
+        stats.carried_tokens = engines[0].max_carried_tokens
+        stats.cache_bytes = sum(engine.detailed_bytes for engine in engines)
+        stats.peak_cache_device_bytes = sum(engine.peak_device_bytes for engine in engines)
         if self._device.type == "cuda":
             stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
         if step.encoded is None or started is None or finished is None:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.positions.placing import OwnThenCache, trained_range
+from ..core.positions.placing import CacheOrder, OwnThenCache, trained_range
 from ..core.positions.rope import rope_parameters
 from ..core.rules.base import CarryPolicy
 from ..errors import InputError
 from ..settings.engine import HANDOVER, EngineSettings
 
-OWN_LAYOUT = "own-then-cache"  # the stream's engine while it fits the range
-SUCCESSOR_LAYOUT = "cache"  # the successor's, and the stream's once past the range
+OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
+SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once past the range
 
 
 def handing_over(engine: EngineSettings) -> bool:
