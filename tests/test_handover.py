@@ -1,7 +1,7 @@
 """The handover layout of bounded positions (`statekv.api.handover`): while a stream fits the model's range it is
-the own-then-cache stream, and its successor the cache-layout stream, bit for bit; once past the range it is the
-cache-layout stream; saved and resumed in either phase it goes on as if never stopped; where no successor can be
-made, or its step fails, it is the own-then-cache stream and says why."""
+the own-then-cache stream bit for bit, its steps kept in a backlog that its successor replays as the cache-layout
+stream; once past the range it is the cache-layout stream; saved and resumed in either phase it goes on as if never
+stopped; where no successor can be made, or its replay fails, it is the own-then-cache stream and says why."""
 
 from __future__ import annotations
 
@@ -68,15 +68,34 @@ def references(checkpoint):
         stream.close()
 
 
-def test_inside_the_range_it_is_own_then_cache_and_its_successor_the_cache_layout(checkpoint, references):
+def held(stream: Stream) -> list[str]:
+    """Fingerprints of what a stream holds: each engine that took steps, and its successor's backlog."""
+    kept = [fingerprint(engine) for engine in stream.engines if engine.seen_tokens]
+    if stream.backlog.steps:
+        kept.append(hashlib.sha256(stream.backlog.tensor().contiguous().view(torch.uint8).numpy()).hexdigest())
+    return kept
+
+
+def test_inside_the_range_it_is_own_then_cache_and_its_successor_takes_no_step(checkpoint, references):
     with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
         assert stream.handover == "beside"
         assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 3].prefill)
-        assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
-        assert fingerprint(stream.successor) != fingerprint(stream.prefill)
+        assert stream.successor.seen_tokens == 0
+        assert stream.backlog.spans == stream.prefill.cache.chunk_lengths  # every step, the prompt prefix first
         assert stream.ask(QUESTION, max_new_tokens=4) == references["own-then-cache", 3].ask(QUESTION, max_new_tokens=4)
-        assert stream.stats.cache_bytes == (stream.prefill.stats.detailed_bytes
-                                            + stream.successor.stats.detailed_bytes)
+        assert stream.stats.cache_bytes == stream.prefill.stats.detailed_bytes + stream.backlog.nbytes > 0
+
+
+def test_caught_up_its_successor_is_the_cache_layout_stream_and_goes_on_from_there(checkpoint, references):
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        stream.catch_up()
+        assert stream.handover == "beside" and not stream.backlog.steps and stream.backlog.nbytes == 0
+        assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
+        assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 3].prefill)
+        for frame in FRAMES[3:]:
+            stream.push(frame)
+        assert stream.handover == "handed over"
+        assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
 
 
 def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
@@ -90,15 +109,19 @@ def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
                     == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=retrieve))
 
 
-@pytest.mark.parametrize("count", [3, 30])
-def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count):
+@pytest.mark.parametrize("count, caught_up", [(3, 0), (3, 2), (3, 3), (30, 0)])
+def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count, caught_up):
+    """``caught_up``: frames pushed before `catch_up` (the successor saved with the steps it replayed)."""
     qa = loaded(checkpoint, "handover")
-    with pushed(qa, FRAMES[:count]) as stream:
+    with pushed(qa, FRAMES[:caught_up]) as stream:
+        stream.catch_up()
+        for frame in FRAMES[caught_up:count]:
+            stream.push(frame)
         path = stream.save(tmp_path / "s.safetensors")
         phase = stream.handover
         with Stream.load(path, qa) as resumed:
             assert resumed.handover == phase
-            assert [fingerprint(e) for e in resumed.engines] == [fingerprint(e) for e in stream.engines]
+            assert held(resumed) == held(stream)
             for frame in FRAMES[count:]:
                 stream.push(frame)
                 resumed.push(frame)
@@ -121,12 +144,12 @@ def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkp
         assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
 
 
-def test_a_successor_whose_step_fails_is_dropped_and_the_stream_goes_on(checkpoint, references):
+def test_a_successor_whose_replay_fails_is_dropped_and_the_stream_goes_on(checkpoint, references):
     with pushed(loaded(checkpoint, "handover"), FRAMES[:2]) as stream:
-        stream.successor.close()  # its next step is refused
+        stream.successor.close()  # its replay is refused
         for frame in FRAMES[2:]:
             stream.push(frame)
-        assert stream.successor is None
+        assert stream.successor is None and not stream.backlog.steps
         assert stream.handover.startswith("alone: the successor's step failed")
         assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 40].prefill)
 
@@ -176,14 +199,17 @@ def test_a_stream_saved_under_another_one_engine_layout_is_refused_in_one_line(c
 def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_path):
     from statekv.api.stream_file import read_verified, write_verified
 
-    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:2]) as stream:
+        stream.catch_up()
+        stream.push(FRAMES[2])  # the successor saved with the steps it replayed and its backlog
         path = stream.save(tmp_path / "s.safetensors")
     metadata, tensors = read_verified(path)
-    record = metadata["successor"]
+    record, spans = metadata["successor"], metadata["backlog"]["spans"]
     steps = record["positions"]["steps"]
+    backlog = tensors["backlog.inputs_embeds"]
     broken = {  # each re-signed: its checksums vouch for it, so only the successor's own checks can refuse it
         "no record": ({k: v for k, v in metadata.items() if k != "successor"}, tensors,
-                      "holds successor.* tensors but no successor record"),
+                      "the successor's steps (replayed and backlog) is"),
         "a step missing": ({**metadata, "successor": {**record, "positions": {**record["positions"],
                                                                              "steps": steps[:-1]}}}, tensors,
                            "the successor engine's state (successor.*): the saved stream's positions must list"),
@@ -194,7 +220,16 @@ def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_
                        "the engines' layouts is"),
         "a tensor missing": (metadata, {k: v for k, v in tensors.items() if k != "successor.layers.0.keys"},
                              "the successor engine's state (successor.*): the saved state lacks layers.0.keys"),
+        "no backlog": (metadata, {k: v for k, v in tensors.items() if k != "backlog.inputs_embeds"},
+                       "holds a backlog record but no backlog.inputs_embeds"),
+        "a backlog step missing": ({**metadata, "backlog": {"spans": spans[:-1]}}, tensors,
+                                   "the successor's steps (replayed and backlog) is"),
+        "a backlog cut short": (metadata, {**tensors, "backlog.inputs_embeds": backlog[:, :-1]},
+                                "the successor's backlog (backlog.inputs_embeds) is"),
     }
+    caught_up = {k: v for k, v in metadata.items() if k != "backlog"}  # its steps all replayed: a backlog astray
+    caught_up["successor"] = {**record, "chunk_lengths": record["chunk_lengths"] + spans}
+    broken["a backlog astray"] = (caught_up, tensors, "holds backlog.inputs_embeds but no backlog record")
     for name, (changed, kept, message) in broken.items():
         target = write_verified(tmp_path / f"{name}.safetensors", kept,
                                 {k: v for k, v in changed.items() if k != "checksums"})
@@ -231,6 +266,7 @@ def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
         stream.watch("what is shown?", every=1)
         for frame in FRAMES[:12]:
             stream.push(frame)
+        stream.catch_up()  # its replay steered by the guide
         guide = stream.prefill.cache.guide
         assert stream.handover == "beside" and guide is stream.successor.cache.guide and guide.active
         assert stream.successor.cache.step_index == stream.prefill.cache.step_index
@@ -252,6 +288,7 @@ def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references)
         for index, frame in enumerate(FRAMES):
             qa.push_many([(first, frame, float(index)), (second, frame, float(index))])
             if index == 2:
+                first.catch_up()
                 assert [fingerprint(e) for e in first.engines] == [
                     fingerprint(references["own-then-cache", 3].prefill), fingerprint(references["cache", 3].prefill)]
         for stream in (first, second):

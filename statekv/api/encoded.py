@@ -26,7 +26,7 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import cannot_place, handing_over, own_engine, successor_engine, why_alone
+from .handover import Backlog, cannot_place, handing_over, own_engine, successor_engine, why_alone
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
@@ -78,6 +78,7 @@ class EncodedVideo:
         self.prefill = StreamingPrefill(self.adapter.model, policy, own_engine(self.engine), horizon=horizon,
                                         protect_tokens=protect, name=name, disk_tier=disk_tier)
         self.successor: StreamingPrefill | None = None  # `statekv.api.handover`: the engine it continues with
+        self.backlog = Backlog()  # the steps the successor has yet to replay
         self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
         reserve = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
@@ -206,17 +207,44 @@ class EncodedVideo:
 
     @property
     def engines(self) -> tuple[StreamingPrefill, ...]:
-        """The engines that take this video's steps: its own and, under the handover layout while the stream fits
-        the range, its successor."""
+        """The engines that hold this video's steps: its own and, under the handover layout while the stream fits
+        the range, its successor (which holds those it replayed, `catch_up`)."""
         return (self.prefill,) if self.successor is None else (self.prefill, self.successor)
 
     @property
     def peak_device_bytes(self) -> int:
-        """The detailed caches' peak bytes on the model's device: the engines' together while two take steps."""
-        return sum(prefill.stats.peak_device_bytes for prefill in self.engines)
+        """The detailed caches' peak bytes on the model's device (the engines' together while two hold steps),
+        with the successor's backlog when it is there."""
+        return self._peak_device_bytes([prefill.stats for prefill in self.engines])
+
+    def _peak_device_bytes(self, engines: list) -> int:
+        """`peak_device_bytes` from each engine's stats (``engines``, read once: each read walks every layer)."""
+        backlog = self.backlog.nbytes if self._device.type != "cpu" else 0
+        return sum(engine.peak_device_bytes for engine in engines) + backlog
+
+    @torch.no_grad()
+    def catch_up(self) -> None:
+        """The successor replays its backlog now (`statekv.api.handover`): every step the stream took since its
+        last replay, in order. The stream does it by itself at the step that passes the range; calling it earlier
+        (a quiet moment of a live stream) spreads that work. A step that fails drops the successor: the stream
+        goes on as ``own-then-cache`` alone."""
+        if self.successor is None or not self.backlog.steps:
+            return
+        batcher = StepBatcher()
+        while self.backlog.steps:
+            with whole():  # a step replayed leaves the backlog with it
+                outcome = batcher.step([StepRequest(self.successor, self.backlog.steps[0], None)])[0]
+                if isinstance(outcome, Exception):
+                    self.drop_successor(f"the successor's step failed ({outcome})")
+                    return
+                self.backlog.replayed_first()
 
     def adopt_successor(self) -> None:
-        """The successor becomes this video's engine (`statekv.api.handover`); the first is closed."""
+        """The successor, its backlog replayed, becomes this video's engine (`statekv.api.handover`); the first is
+        closed."""
+        self.catch_up()
+        if self.successor is None:  # its replay failed
+            return
         if self.successor.seen_tokens != self.prefill.seen_tokens:  # it missed a step: it is not this stream
             self.drop_successor(f"the successor holds {self.successor.seen_tokens} tokens, the stream "
                                 f"{self.prefill.seen_tokens}")
@@ -236,6 +264,7 @@ class EncodedVideo:
             self.qa.step_scheduler.release(self.successor)
             self.successor.close()
             self.successor = None
+            self.backlog = Backlog()
             self.handover = f"alone: {why}"
 
     @property
@@ -332,21 +361,24 @@ class EncodedVideo:
             self._placed_span = span
             if unplaced is not None:
                 self.drop_successor(unplaced, warn=False)
-        successor = None if self.successor is None else StepRequest(
-            self.successor, chunk.inputs_embeds, chunk.position_ids, forward_kwargs=dict(chunk.forward_kwargs))
         return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,
                                               forward_kwargs=dict(chunk.forward_kwargs), durable_record=record),
-                           encoded, successor_request=successor)
+                           encoded)
 
     def record_step(self, step: LaidOutStep, started: float | None = None, finished: float | None = None, *,
                     vision_batch: int | None = None) -> None:
         """Book ``step`` once the engine streamed it: the layout state, the step's frames and evictions, the
         engine's figures and, for a step of frames laid out at ``started`` and streamed by ``finished``, each
-        stage's time per frame. Under the handover layout, the successor takes over once the stream's engine
-        placed a step away from its own position."""
+        stage's time per frame. Under the handover layout the step joins the successor's backlog, and the
+        successor takes over once the stream's engine placed a step away from its own position."""
+        chunk, stats = step.chunk, self.stats
+        if self.successor is not None:
+            if chunk.position_ids is not None or chunk.forward_kwargs:
+                self.drop_successor("its steps carry positions or inputs of their own, which a replay would lose")
+            else:
+                self.backlog.add(chunk.inputs_embeds)
         if self.successor is not None and self.prefill.positions.moved:
             self.adopt_successor()
-        chunk, stats = step.chunk, self.stats
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         evicted = self.prefill.evictions[self._evictions_counted:]
@@ -358,8 +390,8 @@ class EncodedVideo:
         stats.frames += chunk.frames
         engines = [prefill.stats for prefill in self.engines]  # each walks every layer: once a step
         stats.carried_tokens = engines[0].max_carried_tokens
-        stats.cache_bytes = sum(engine.detailed_bytes for engine in engines)
-        stats.peak_cache_device_bytes = sum(engine.peak_device_bytes for engine in engines)
+        stats.cache_bytes = sum(engine.detailed_bytes for engine in engines) + self.backlog.nbytes
+        stats.peak_cache_device_bytes = self._peak_device_bytes(engines)
         if self._device.type == "cuda":
             stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
         if step.encoded is None or started is None or finished is None:

@@ -1,15 +1,18 @@
-"""The ``handover`` layout of bounded positions: a stream encoded twice while it fits the model's range.
+"""The ``handover`` layout of bounded positions: a stream encoded twice, the second time only if it leaves the range.
 
-Inside the range, ``own-then-cache`` keeps every token at its own position, so the model reads the stream as it
-reads a video, "when" questions included. Past the range a stream answers best when its carried state sat in cache
-order from its first frame (``cache``): how the first frames were encoded stays in the carried state for good
+Inside the model's range, ``own-then-cache`` keeps every token at its own position, so the model reads the stream
+as it reads a video, "when" questions included. Past the range a stream answers best when its carried state sat in
+cache order from its first frame (``cache``): how the first frames were encoded stays in the carried state for good
 (docs/accuracy.md, "Past the range: the handover layout"). ``handover`` keeps both. While the stream fits the
-range, every step is taken twice: by the stream's engine under ``own-then-cache``, which questions and watches
-read, and by a *successor* engine under ``cache``. Once the stream's engine places a step away from its own
-position (the stream passed the range), the successor becomes the stream's engine and the first is closed
-(`EncodedVideo.adopt_successor`): from then on the stream is, bit for bit, the one the ``cache`` layout would have
-streamed (a steering watch aside: its queries come from the evaluations of the stream's engine, so they steer the
-successor as they steer that engine). Inside the range a step costs two; past it one, the cache layout's.
+range, its engine streams it under ``own-then-cache`` (what questions and watches read) and each step's inputs go
+to a `Backlog` beside it. Once that engine places a step away from its own position (the stream passed the range),
+a *successor* engine under ``cache`` replays the backlog, every step of the stream in order
+(`EncodedVideo.catch_up`), and becomes the stream's engine; the first is closed (`EncodedVideo.adopt_successor`).
+From then on the stream is, bit for bit, the one the ``cache`` layout would have streamed (a steering watch aside:
+the replayed steps are steered by the watches open at the replay). Inside the range a step costs one, and each
+step's embeddings are kept (at most the range's tokens); the step that passes the range replays every step before
+it, once; past the range a step costs one, the cache layout's. A stream that never leaves the range never pays
+for its successor. `EncodedVideo.catch_up` replays the backlog earlier, at a moment the caller chooses.
 
 A successor is made only where it can take over and the stream has one record of itself (`why_alone` says
 otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a fixed size
@@ -17,13 +20,15 @@ or in a ring (not full attention), 1-D RoPE (not M-RoPE), a detailed cache in me
 tier, whose file set is the stream's durable record) and no cache cap (which holds one detailed cache). At the
 first frame step, whose size is then known, `cannot_place` leaves it behind where no step could take the stream
 past its engine's ceiling, or where the carried state and a step do not fit the range in cache order. Elsewhere,
-and when a successor's step fails, the stream streams as ``own-then-cache`` alone; `EncodedVideo.handover` says
-which and why.
+and when the replay fails, the stream streams as ``own-then-cache`` alone; `EncodedVideo.handover` says which and
+why.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from ..core.positions.placing import CacheOrder, OwnThenCache, trained_range
 from ..core.positions.rope import rope_parameters
@@ -120,3 +125,43 @@ def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_la
     if saved_layout == SUCCESSOR_LAYOUT and (recorded_layout in handover or engine.bounded_layout in handover):
         return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT), True
     return engine, False
+
+
+class Backlog:
+    """The steps a stream's successor has yet to replay: each step's ``inputs_embeds`` ``[1, T, D]``, in order (a
+    successor's stream is 1-D RoPE: its steps carry no positions of their own). ``spans``: their lengths ``T``."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def add(self, inputs_embeds: torch.Tensor) -> None:
+        """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
+        view would hold whole)."""
+        if inputs_embeds.untyped_storage().nbytes() > inputs_embeds.nbytes:
+            inputs_embeds = inputs_embeds.clone()
+        self.steps.append(inputs_embeds)
+        self.nbytes += inputs_embeds.nbytes
+
+    def replayed_first(self) -> None:
+        """The first step was replayed: it leaves the backlog."""
+        self.nbytes -= self.steps.pop(0).nbytes
+
+    @property
+    def spans(self) -> list[int]:
+        return [step.shape[1] for step in self.steps]
+
+    def tensor(self) -> torch.Tensor:
+        """``[1, sum(spans), D]``: every step's embeddings, one after another (what a saved stream keeps)."""
+        return torch.cat(self.steps, dim=1)
+
+    def restore(self, tensor: torch.Tensor, spans: list[int], hidden_size: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        """The backlog a saved stream kept (`tensor`, cut at ``spans``), checked against the model's embeddings
+        (one-line `InputError`); it replaces this one's steps."""
+        expected = [1, sum(spans), hidden_size]
+        if list(tensor.shape) != expected or tensor.dtype != dtype:
+            raise InputError(f"the successor's backlog (backlog.inputs_embeds) is {tensor.dtype} "
+                             f"{list(tensor.shape)}, not {dtype} {expected}")
+        self.steps = list(tensor.to(device).split(spans, dim=1))
+        self.nbytes = sum(step.nbytes for step in self.steps)

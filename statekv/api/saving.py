@@ -30,6 +30,9 @@ from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model
 from ..video import Frame
 
 
+BACKLOG = "backlog.inputs_embeds"  # a handover stream's steps its successor has yet to replay
+
+
 def save_stream(stream: Any, path: str | Path) -> Path:
     """Write ``stream`` (a `Stream` with something encoded) to ``path`` (see `Stream.save`); the stream is not
     changed, whether the save succeeds or not."""
@@ -39,10 +42,14 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
     tensors, cache_metadata = stream.prefill.state_dict()
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
-    successor = None
+    successor = backlog = None
     if stream.successor is not None:  # the handover layout, inside the range: the engine it continues with
-        successor_tensors, successor = stream.successor.state_dict()
-        tensors.update({f"successor.{name}": tensor for name, tensor in successor_tensors.items()})
+        if stream.successor.seen_tokens:  # the steps it replayed (`EncodedVideo.catch_up`)
+            successor_tensors, successor = stream.successor.state_dict()
+            tensors.update({f"successor.{name}": tensor for name, tensor in successor_tensors.items()})
+        if stream.backlog.steps:  # those it has yet to replay
+            tensors[BACKLOG] = stream.backlog.tensor()
+            backlog = {"spans": stream.backlog.spans}
     for index, frame in enumerate(stream.pending):
         tensors[f"pending.{index}"] = torch.from_numpy(np.ascontiguousarray(frame.image))
     tensors.update(watch_tensors(stream))
@@ -60,6 +67,8 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     }
     if successor is not None:
         metadata["successor"] = successor
+    if backlog is not None:
+        metadata["backlog"] = backlog
     if stream.watches:
         metadata["watches"] = watch_records(stream)
     return write_verified(path, tensors, metadata)
@@ -88,10 +97,15 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     cache = {name[len("cache."):]: t for name, t in tensors.items() if name.startswith("cache.")}
     successor = {name[len("successor."):]: t for name, t in tensors.items() if name.startswith("successor.")}
     kept = {name: t for name, t in tensors.items() if name.startswith("watches.")}
+    backlog = tensors.get(BACKLOG)
     pending = _pending_images(path, tensors, metadata["pending"], set(cache),
-                              set(kept) | {f"successor.{name}" for name in successor})
+                              set(kept) | {f"successor.{name}" for name in successor} | ({BACKLOG} & set(tensors)))
     if successor and "successor" not in metadata:
         raise InputError(f"{path}: the stream file holds successor.* tensors but no successor record")
+    if (backlog is None) != ("backlog" not in metadata):
+        raise InputError(f"{path}: the stream file holds " + ("a backlog record but no backlog.inputs_embeds"
+                                                               if backlog is None else
+                                                               "backlog.inputs_embeds but no backlog record"))
     try:
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
@@ -106,7 +120,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
     check_against_model(path, metadata, qa.adapter)
     recorded = recorded_settings(metadata)
-    if "successor" in metadata and engine.bounded_layout not in (None, HANDOVER, OWN_LAYOUT):
+    beside = "successor" in metadata or "backlog" in metadata
+    if beside and engine.bounded_layout not in (None, HANDOVER, OWN_LAYOUT):
         raise InputError(f"{path}: the stream was saved with its successor engine beside it (bounded_layout="
                          f"{HANDOVER}); resume it with bounded_layout={HANDOVER} or the default")
     engine, handed_over = resumed_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
@@ -122,7 +137,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     try:
         if handed_over:
             stream.handover = "handed over"
-        resume_successor(stream, metadata.get("successor"), successor, path)
+        resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path)
         stream.prefill.load_state_dict(cache, metadata["cache"])
     except InputError as error:
         stream.close()
@@ -151,20 +166,27 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     return stream
 
 
-def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """A resumed handover stream's successor (`statekv.api.handover`): its saved state (``record``, its metadata, and
-    ``tensors``) loaded, or, saved without one (its successor had been dropped, or it was streamed under
-    own-then-cache), dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed
-    with the cache layout's engine alone, `statekv.api.handover.resumed_engine`.)"""
+def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], backlog_record: dict | None,
+                     backlog: torch.Tensor | None, path: str | Path) -> None:
+    """A resumed handover stream's successor (`statekv.api.handover`): the state of the steps it replayed
+    (``record``, its metadata, and ``tensors``) loaded and its backlog (``backlog_record`` and ``backlog``)
+    restored, or, saved with neither (its successor had been dropped, or it was streamed under own-then-cache),
+    dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed with the cache
+    layout's engine alone, `statekv.api.handover.resumed_engine`.)"""
     if stream.successor is None:
         return
-    if record is None:
+    if record is None and backlog_record is None:
         stream.drop_successor("the saved stream kept no successor beside it", warn=False)
         return
     try:
-        stream.successor.load_state_dict(tensors, record)
+        if record is not None:
+            stream.successor.load_state_dict(tensors, record)
     except InputError as error:
         raise InputError(f"{path}: the successor engine's state (successor.*): {error}") from None
+    if backlog_record is not None:
+        embeddings = stream.adapter.language_embeddings.weight
+        stream.backlog.restore(backlog, backlog_record["spans"], embeddings.shape[1], embeddings.dtype,
+                               embeddings.device)
 
 
 def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:

@@ -419,7 +419,8 @@ SCHEMA = record_check({
     "cache": CACHE,
     "checksums": type_check(dict, "an object"),
 }, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `statekv.api.watch.check_record`
-             "successor": CACHE})  # the handover layout's successor engine (`statekv.api.handover`)
+             # the handover layout's successor (`statekv.api.handover`): the steps it replayed, those it has yet to
+             "successor": CACHE, "backlog": record_check({"spans": list_check(integer_check(1))})})
 
 
 def check_schema(metadata: dict[str, Any], *, where: str) -> None:
@@ -440,9 +441,14 @@ def _check_counts(metadata: dict[str, Any]) -> None:
                   "stats.frames": (stats["frames"], state["frames"]),
                   "stats.chunks": (stats["chunks"], len(cache["chunk_lengths"])),
                   "cache.seen_tokens": (seen, sum(cache["chunk_lengths"]))}
-    if "successor" in metadata:  # it took every step the stream's engine took, under the cache layout beside its own
-        for key in ("chunk_lengths", "evicted_steps"):
-            agreements[f"successor.{key}"] = (metadata["successor"].get(key), cache.get(key))
+    if "successor" in metadata or "backlog" in metadata:  # every step the stream took: replayed, or to replay
+        successor, backlog = metadata.get("successor"), metadata.get("backlog")
+        replayed = successor["chunk_lengths"] if successor is not None else []
+        spans = backlog["spans"] if backlog is not None else []
+        agreements["the successor's steps (replayed and backlog)"] = (replayed + spans, cache["chunk_lengths"])
+    if "successor" in metadata:  # under the cache layout beside the stream's own
+        evicted = metadata["successor"].get("evicted_steps")
+        agreements["successor.evicted_steps"] = (evicted, cache.get("evicted_steps"))
         layouts = [(record.get("positions") or {}).get("layout") for record in (cache, metadata["successor"])]
         agreements["the engines' layouts"] = (layouts, [OWN_LAYOUT, SUCCESSOR_LAYOUT])
     for name, (value, expected) in agreements.items():

@@ -30,14 +30,11 @@ from ..video import Frame
 @dataclass
 class LaidOutStep:
     """One video's step ready for the language model: ``encoded`` (its frames and visual features; None for a text
-    chunk), ``chunk`` (the adapter's layout of it), ``request`` (what the engine steps) and ``successor_request``
-    (the same step for the video's successor engine under the handover layout, `statekv.api.handover`; taken
-    once ``request`` succeeded)."""
+    chunk), ``chunk`` (the adapter's layout of it) and ``request`` (what the engine steps)."""
 
     chunk: Any
     request: StepRequest
     encoded: EncodedStep | None = None
-    successor_request: StepRequest | None = None
 
 
 @dataclass
@@ -112,12 +109,6 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
                 job.error = outcome
             else:
                 stepped.append((job, index, step))
-        successors = [(job, step.successor_request) for job, _, step in stepped
-                      if step.successor_request is not None]
-        if successors:
-            for (job, _), outcome in zip(successors, batcher.step([request for _, request in successors])):
-                if isinstance(outcome, Exception):
-                    job.video.drop_successor(f"the successor's step failed ({outcome})")
         finished = time.perf_counter()
         following = []
         for job, index, step in stepped:
@@ -159,7 +150,7 @@ class StepScheduler:
     """Batches the steps of streams pushed from different threads (see the module doc).
 
     ``batched_steps``: language-model forwards that stepped more than one stream; ``batched_rows``: the stream
-    steps taken in them (an engine's: a handover stream's successor takes steps of its own)."""
+    steps taken in them."""
 
     def __init__(self, follow_up: Callable[[list[StepJob]], None] | None = None):
         """follow_up: called with each batch once its steps ran, before its callers are let go (the streams'
