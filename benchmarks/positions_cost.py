@@ -3,12 +3,14 @@
 For each method (full attention, StateKV at the model's default budget, recency R=16), a live stream of
 ``--frames`` frames is pushed one frame at a time with ``positions="stream"`` (a horizon covering it) and with
 ``positions="bounded"`` under each layout (own-then-cache, grouped, cache: `statekv.core.positions.placing`; and
-``handover``, a stream's default, two engines inside the range: `statekv.api.handover`): per frame, the push
+``handover``, a stream's default: one engine inside the range, each step's inputs kept for its successor, which
+replays them at the step that passes the range, `statekv.api.handover`): per frame, the push
 (CPU time of the pushing thread on a CPU, where other work on a shared machine does not count; synchronized wall
 time on CUDA), mean over the second half of the frames, the median of ``--repeats`` runs taken in turn; and the
 compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no load disturbs. Past the range (``--past-frames``, enough to pass it): StateKV's bounded streams, the median push over
 the frames after the first step placed away from its own position against the same stream's frames before it:
-what re-placing and rotating the carried keys costs once positions move.
+what re-placing and rotating the carried keys costs once positions move; and the push that moved them (under
+``handover``, its successor's replay of every step before).
 
     python benchmarks/positions_cost.py --out docs/benchmarks.md          # the built-in model on the CPU
     python benchmarks/positions_cost.py --device cuda --out docs/benchmarks.md
@@ -115,7 +117,8 @@ def past(args, frames) -> list[dict]:
         steady = pushes[len(frames) // 4: moved_at] if moved_at else []
         beyond = pushes[moved_at + 1:] if moved_at else []
         row = {"layout": layout, "frames": len(frames), "tokens": stream.tokens, "range": limit,
-               "moved_at_frame": moved_at, "ops_before": ops.get("before"), "ops_after": ops.get("after")}
+               "moved_at_frame": moved_at, "ops_before": ops.get("before"), "ops_after": ops.get("after"),
+               "moved_ms": 1e3 * pushes[moved_at] if moved_at is not None else None}
         if steady and beyond:
             row.update(before_ms=1e3 * statistics.median(steady), after_ms=1e3 * statistics.median(beyond))
             row["past_ratio"] = row["after_ms"] / row["before_ms"]
@@ -144,14 +147,16 @@ def report(args, rows: list[dict], beyond: list[dict], load: tuple[str, str]) ->
     if beyond:
         lines += ["", f"Past the range: StateKV, {beyond[0]['frames']} frames ({beyond[0]['tokens']:,} tokens; the "
                   f"model's range is {beyond[0]['range']:,}). Push ms per frame, median, from a quarter of the way in "
-                  "to the first step placed away from its own position, and after it.", "",
-                  "| layout | moved at frame | push ms/frame before | after | after / before | ops per push before | "
-                  "after |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "to the first step placed away from its own position, and after it; the push of that step (under "
+                  "handover, the successor's replay of every step before it).", "",
+                  "| layout | moved at frame | push ms/frame before | after | after / before | the push that moved, ms "
+                  "| ops per push before | after |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in beyond:
             times = (f"{row['before_ms']:.2f} | {row['after_ms']:.2f} | {row['past_ratio']:.3f}"
                      if "past_ratio" in row else "- | - | -")
-            lines.append(f"| {row['layout']} | {row['moved_at_frame']} | {times} | {row['ops_before'] or '-'} | "
-                         f"{row['ops_after']} |")
+            moved = f"{row['moved_ms']:.0f}" if row["moved_ms"] is not None else "-"
+            lines.append(f"| {row['layout']} | {row['moved_at_frame']} | {times} | {moved} | "
+                         f"{row['ops_before'] or '-'} | {row['ops_after']} |")
     return "\n".join(lines)
 
 

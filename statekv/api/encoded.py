@@ -31,7 +31,7 @@ from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
-from ..steps.jobs import LaidOutStep, StepJob, stream_jobs
+from ..steps.jobs import LaidOutStep, StepJob, replay_backlogs, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
 from ..settings.values import check_int
@@ -217,6 +217,16 @@ class EncodedVideo:
         with the successor's backlog when it is there."""
         return self._peak_device_bytes([prefill.stats for prefill in self.engines])
 
+    def book_engines(self) -> None:
+        """The engines' figures into ``stats``: carried tokens, the caches' bytes (the backlog's with them) and
+        peaks (each engine's stats are read once: each read walks every layer)."""
+        engines = [prefill.stats for prefill in self.engines]
+        self.stats.carried_tokens = engines[0].max_carried_tokens
+        self.stats.cache_bytes = sum(engine.detailed_bytes for engine in engines) + self.backlog.nbytes
+        self.stats.peak_cache_device_bytes = self._peak_device_bytes(engines)
+        if self._device.type == "cuda":
+            self.stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
+
     def _peak_device_bytes(self, engines: list) -> int:
         """`peak_device_bytes` from each engine's stats (``engines``, read once: each read walks every layer)."""
         backlog = self.backlog.nbytes if self._device.type != "cpu" else 0
@@ -228,22 +238,35 @@ class EncodedVideo:
         last replay, in order. The stream does it by itself at the step that passes the range; calling it earlier
         (a quiet moment of a live stream) spreads that work. A step that fails drops the successor: the stream
         goes on as ``own-then-cache`` alone."""
+        replay_backlogs([self], StepBatcher())
+        self.book_engines()
+
+    @property
+    def handover_due(self) -> bool:
+        """Whether the successor is to take over: the stream's engine placed a step away from its own position."""
+        return self.successor is not None and self.prefill.positions.moved
+
+    def replay_request(self) -> StepRequest | None:
+        """The successor's next step to replay (the backlog's first), or None when there is none."""
         if self.successor is None or not self.backlog.steps:
-            return
-        batcher = StepBatcher()
-        while self.backlog.steps:
-            with whole():  # a step replayed leaves the backlog with it
-                outcome = batcher.step([StepRequest(self.successor, self.backlog.steps[0], None)])[0]
-                if isinstance(outcome, Exception):
-                    self.drop_successor(f"the successor's step failed ({outcome})")
-                    return
-                self.backlog.replayed_first()
+            return None
+        return StepRequest(self.successor, self.backlog.steps[0], None)
+
+    def replayed(self, outcome: Any) -> None:
+        """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; an error drops the
+        successor."""
+        if isinstance(outcome, Exception):
+            self.drop_successor(f"the successor's step failed ({outcome})")
+        else:
+            self.backlog.replayed_first()
 
     def adopt_successor(self) -> None:
-        """The successor, its backlog replayed, becomes this video's engine (`statekv.api.handover`); the first is
-        closed."""
-        self.catch_up()
-        if self.successor is None:  # its replay failed
+        """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);
+        the first is closed."""
+        if self.successor is None:
+            return
+        if self.backlog.steps:
+            self.drop_successor(f"the successor has {len(self.backlog.steps)} steps left to replay")
             return
         if self.successor.seen_tokens != self.prefill.seen_tokens:  # it missed a step: it is not this stream
             self.drop_successor(f"the successor holds {self.successor.seen_tokens} tokens, the stream "
@@ -254,6 +277,7 @@ class EncodedVideo:
         self._evictions_counted = len(self.prefill.evictions)  # none: a stream under a cache cap has no successor
         self.qa.step_scheduler.release(first)
         first.close()
+        self.book_engines()
 
     def drop_successor(self, why: str, *, warn: bool = True) -> None:
         """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed;
@@ -369,16 +393,15 @@ class EncodedVideo:
                     vision_batch: int | None = None) -> None:
         """Book ``step`` once the engine streamed it: the layout state, the step's frames and evictions, the
         engine's figures and, for a step of frames laid out at ``started`` and streamed by ``finished``, each
-        stage's time per frame. Under the handover layout the step joins the successor's backlog, and the
-        successor takes over once the stream's engine placed a step away from its own position."""
+        stage's time per frame. Under the handover layout the step joins the successor's backlog (once the
+        stream's engine placed a step away from its own position, ``handover_due``: `stream_jobs` then has the
+        successor replay it and take over, `adopt_successor`)."""
         chunk, stats = step.chunk, self.stats
         if self.successor is not None:
             if chunk.position_ids is not None or chunk.forward_kwargs:
                 self.drop_successor("its steps carry positions or inputs of their own, which a replay would lose")
             else:
                 self.backlog.add(chunk.inputs_embeds)
-        if self.successor is not None and self.prefill.positions.moved:
-            self.adopt_successor()
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         evicted = self.prefill.evictions[self._evictions_counted:]
@@ -388,12 +411,7 @@ class EncodedVideo:
         stats.chunks += 1
         stats.tokens = self.prefill.seen_tokens
         stats.frames += chunk.frames
-        engines = [prefill.stats for prefill in self.engines]  # each walks every layer: once a step
-        stats.carried_tokens = engines[0].max_carried_tokens
-        stats.cache_bytes = sum(engine.detailed_bytes for engine in engines) + self.backlog.nbytes
-        stats.peak_cache_device_bytes = self._peak_device_bytes(engines)
-        if self._device.type == "cuda":
-            stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
+        self.book_engines()
         if step.encoded is None or started is None or finished is None:
             return
         per_frame = 1 / chunk.frames

@@ -116,7 +116,28 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             job.streamed += 1
             if index + 1 < job.steps:
                 following.append((job, index + 1))
+        hand_over([job.video for job, _, _ in stepped if job.video.handover_due], batcher)
         live = following
+
+
+def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
+    """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
+    backlogs and take over; one whose replay fails is dropped, its video going on alone."""
+    replay_backlogs(videos, batcher)
+    for video in videos:
+        video.adopt_successor()
+
+
+def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher) -> None:
+    """Each video's successor replays its backlog (`EncodedVideo.replay_request`), one step at a time through
+    ``batcher``, one video after another. A stopping signal waits for the step to end: a step replayed leaves its
+    backlog with it."""
+    # Not in waves across videos: two successors replayed in one wave after their own engines had moved differed
+    # in bits from each replayed alone (found while building this, cause not found), and alone is what is tested.
+    for video in videos:
+        while (request := video.replay_request()) is not None:
+            with whole():
+                video.replayed(batcher.step([request])[0])
 
 
 def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:
