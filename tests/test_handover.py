@@ -174,7 +174,7 @@ def test_it_is_a_bounded_streams_default(checkpoint):
 
 @pytest.mark.parametrize("saved_as, count, resumed_as, continues_as, state", [
     ("handover", 30, "own-then-cache", "cache", "handed over"),  # past its handover: the cache layout's engine
-    ("cache", 3, None, "cache", "handed over"),
+    ("cache", 3, None, "cache", None),  # streamed under the cache layout: it never had a successor
     ("own-then-cache", 3, None, "own-then-cache", "alone: the saved stream kept no successor beside it"),
 ])
 def test_a_saved_stream_goes_on_with_the_engine_it_had(checkpoint, tmp_path, references, saved_as, count, resumed_as,

@@ -120,10 +120,11 @@ def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_la
                    ) -> tuple[EngineSettings, bool]:
     """The settings a saved stream is resumed with, asked for as ``engine``: one whose engine was the cache
     layout's (``saved_layout``, its positions' layout) continues with that engine when it was streamed
-    (``recorded_layout``) or is resumed under ``handover``; True then (it is past its handover)."""
+    (``recorded_layout``) or is resumed under ``handover``; and whether it is past its handover (streamed under
+    ``handover``, its engine the cache layout's)."""
     handover = (None, HANDOVER)
     if saved_layout == SUCCESSOR_LAYOUT and (recorded_layout in handover or engine.bounded_layout in handover):
-        return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT), True
+        return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT), recorded_layout in handover
     return engine, False
 
 

@@ -91,7 +91,7 @@ class StreamEntry:
                 "settings": self.settings, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
                 "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
                 "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
-                "handover": getattr(stream, "handover", None),  # bounded positions' two engines (statekv.api.handover)
+                "handover": getattr(stream, "handover", None),  # its successor engine (statekv.api.handover)
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
                 "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
                 "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
