@@ -154,6 +154,30 @@ def test_a_successor_whose_replay_fails_is_dropped_and_the_stream_goes_on(checkp
         assert fingerprint(stream.prefill) == fingerprint(references["own-then-cache", 40].prefill)
 
 
+def test_a_replay_stopped_midway_loses_no_step_and_goes_on(checkpoint, references, monkeypatch):
+    """Each step replayed leaves the backlog with it: stopped between two, the successor and its backlog still
+    hold every step of the stream once, and the replay goes on from there."""
+    from statekv.core.step.batching import StepBatcher
+
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        step, calls = StepBatcher.step, []
+
+        def stopped_at_the_third(self, requests):
+            calls.append(len(requests))
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return step(self, requests)
+
+        monkeypatch.setattr(StepBatcher, "step", stopped_at_the_third)
+        with pytest.raises(KeyboardInterrupt):
+            stream.catch_up()
+        monkeypatch.setattr(StepBatcher, "step", step)
+        assert stream.successor.seen_tokens == sum(stream.prefill.cache.chunk_lengths[:2])
+        assert stream.backlog.spans == stream.prefill.cache.chunk_lengths[2:]
+        stream.catch_up()
+        assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
+
+
 def test_one_engine_refuses_the_handover_layout_in_one_line(checkpoint):
     qa = loaded(checkpoint, "handover")
     with pytest.raises(ConfigurationError, match=r"^bounded_layout='handover' is a stream's \(two engines"):

@@ -14,6 +14,7 @@ takes every queued job and streams them together, and each caller gets its own r
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ from ..errors import StateKVError
 from ..stopping import whole
 from .overlap import EncodedStep, encode_batch
 from ..video import Frame
+
+log = logging.getLogger("statekv")
 
 
 @dataclass
@@ -123,9 +126,12 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
 def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
     """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
     backlogs and take over; one whose replay fails is dropped, its video going on alone."""
-    replay_backlogs(videos, batcher)
     for video in videos:
+        started = time.perf_counter()
+        log.info("%s: past the model's range: its successor replays %d steps", video.name, len(video.backlog.steps))
+        replay_backlogs([video], batcher)
         video.adopt_successor()
+        log.info("%s: %s in %.1f s", video.name, video.handover, time.perf_counter() - started)
 
 
 def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher) -> None:
