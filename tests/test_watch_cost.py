@@ -135,7 +135,9 @@ def test_drafts_change_no_answer_nor_what_steering_carries_and_save_forwards(che
     """A tiny random model's answers of four tokens, every row of a batch at its own pace, with drafts and with
     the latest answer as the only one (the evaluation before drafts): the same events and carried state, in
     fewer forwards."""
-    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=12)
+    # one engine: these frames pass the tiny model's range, and a successor's replay steers by the watches' last
+    # queries, so the answers after it (and what the drafts save) are another stream's
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=12, bounded_layout="own-then-cache")
     frames = random_frames(24)
     forwards = []
     attention = rows_module.masked_attention
