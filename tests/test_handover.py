@@ -320,6 +320,23 @@ def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references)
             assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
 
 
+def test_streams_of_one_layout_pushed_together_after_others_are_placed_as_alone(checkpoint, references):
+    """A pooled batch is kept per batch key and reused by the next streams of that key: streams of another layout,
+    stepped together past the range first, must not lend it their placement."""
+    qa = loaded(checkpoint, "own-then-cache")
+    first, second = qa.stream(), qa.stream()
+    for index, frame in enumerate(FRAMES[:30]):
+        qa.push_many([(first, frame, float(index)), (second, frame, float(index))])
+    assert first.prefill.positions.moved
+    cached = qa.with_options(bounded_layout="cache")
+    streams = [cached.stream(), cached.stream()]
+    for index, frame in enumerate(FRAMES[:3]):
+        cached.push_many([(stream, frame, float(index)) for stream in streams])
+    assert [fingerprint(stream.prefill) for stream in streams] == [fingerprint(references["cache", 3].prefill)] * 2
+    for stream in (first, second, *streams):
+        stream.close()
+
+
 def test_a_watch_inside_the_range_reads_and_steers_the_stream_as_under_own_then_cache(checkpoint):
     """The steering guide the successor shares leaves the stream's own engine, and the watch's events, as they are
     without a successor."""

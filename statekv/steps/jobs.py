@@ -125,25 +125,30 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
 
 def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
     """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
-    backlogs and take over; one whose replay fails is dropped, its video going on alone."""
+    backlogs, together, and take over; one whose replay fails is dropped, its video going on alone."""
+    if not videos:
+        return
+    started = time.perf_counter()
     for video in videos:
-        started = time.perf_counter()
         log.info("%s: past the model's range: its successor replays %d steps", video.name, len(video.backlog.steps))
-        replay_backlogs([video], batcher)
+    replay_backlogs(videos, batcher)
+    for video in videos:
         video.adopt_successor()
-        log.info("%s: %s in %.1f s", video.name, video.handover, time.perf_counter() - started)
+        log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
 
 
 def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher) -> None:
-    """Each video's successor replays its backlog (`EncodedVideo.replay_request`), one step at a time through
-    ``batcher``, one video after another. A stopping signal waits for the step to end: a step replayed leaves its
-    backlog with it."""
-    # Not in waves across videos: two successors replayed in one wave after their own engines had moved differed
-    # in bits from each replayed alone (found while building this, cause not found), and alone is what is tested.
-    for video in videos:
-        while (request := video.replay_request()) is not None:
-            with whole():
-                video.replayed(batcher.step([request])[0])
+    """Every video's successor replays its backlog (`EncodedVideo.replay_request`), in waves of one step per video
+    through ``batcher``, so the successors of several videos step together. A stopping signal waits for the wave
+    to end: a step replayed leaves its backlog with it."""
+    replaying = list(videos)
+    while replaying:
+        with whole():
+            requests = [(video, video.replay_request()) for video in replaying]
+            requests = [(video, request) for video, request in requests if request is not None]
+            for (video, _), outcome in zip(requests, batcher.step([request for _, request in requests])):
+                video.replayed(outcome)
+        replaying = [video for video, _ in requests]
 
 
 def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:

@@ -159,7 +159,8 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
     begun. A step is batched when it is steady (every layer in a ring, or in slots holding a scored rule's full
     budget: the carried length is the same at every step) under a capturable rule (one that reads no per-step
     host values), its chunk has one row, and it is neither tracking overlap nor tallying attention per frame
-    for ``evict-least-attended`` (host reads per step)."""
+    for ``evict-least-attended`` (host reads per step). Under bounded positions, only streams of one layout and
+    range batch together (a pooled batch places its rows as the streams it was made for are placed)."""
     cache = prefill.cache
     chunk = chunk_of(inputs)
     if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
@@ -172,8 +173,10 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
     except (NotBatchable, TypeError):
         return None
     layers = tuple((layer.form, layer.carried_length, layer.offloaded) for layer in cache.layers)
+    placing = (prefill.positions.layout.name, prefill.positions.limit) if cache.positions.bounded else None
     return (id(prefill.decoder), prefill.dtype, prefill.device, prefill.attention, prefill.policy, layers,
-            rope_key(prefill), cache.positions.mode, cache.placed, prefill.compiled_decoder is not None, arguments)
+            rope_key(prefill), cache.positions.mode, placing, cache.placed, prefill.compiled_decoder is not None,
+            arguments)
 
 
 def stack_inputs(inputs: Sequence[dict]) -> dict:
