@@ -178,6 +178,36 @@ def test_a_replay_stopped_midway_loses_no_step_and_goes_on(checkpoint, reference
         assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
 
 
+@pytest.mark.parametrize("together", [False, True])
+def test_a_push_stopped_in_its_handover_keeps_its_frame_and_goes_on(checkpoint, references, monkeypatch, together):
+    """Stopped while its successor replays, the push that passed the range raises the stop; its frame is streamed
+    and counted once, and the stream goes on (the replay finished by the next push) as if never stopped."""
+    from statekv.core.step.batching import StepBatcher
+
+    qa = loaded(checkpoint, "handover")
+    with qa.stream() as stream:
+        step, replays = StepBatcher.step, []
+
+        def stopped_in_the_replay(self, requests):
+            if requests[0].prefill is stream.successor:
+                replays.append(len(requests))
+                if len(replays) == 2:
+                    raise KeyboardInterrupt
+            return step(self, requests)
+
+        monkeypatch.setattr(StepBatcher, "step", stopped_in_the_replay)
+        for index, frame in enumerate(FRAMES):
+            try:
+                if together:
+                    qa.push_many([(stream, frame, float(index))])
+                else:
+                    stream.push(frame, float(index))
+            except KeyboardInterrupt:
+                assert stream.handover_due and not stream.pending and stream.pushed == stream.frames == index + 1
+        assert len(replays) > 2 and stream.handover == "handed over"
+        assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+
+
 def test_one_engine_refuses_the_handover_layout_in_one_line(checkpoint):
     qa = loaded(checkpoint, "handover")
     with pytest.raises(ConfigurationError, match=r"^bounded_layout='handover' is a stream's \(two engines"):

@@ -68,7 +68,16 @@ def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: lis
                 continue
             if offers[index].ready:
                 jobs.append((index, stream.pending_job()))
-        scheduler.run([job for _, job in jobs])
+        try:
+            scheduler.run([job for _, job in jobs])
+        except BaseException:  # an interrupt: streamed frames leave pending; one streamed or waiting is taken
+            for index, job in jobs:
+                job.video.settle(job, failed=True, offered=True)
+            streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
+            for index, offer in offers.items():
+                if index in streamed or not offer.ready:
+                    items[index][0].accept(offer)
+            raise
         failed = {}
         for index, job in jobs:
             job.video.settle(job, failed=job.error is not None, offered=True)

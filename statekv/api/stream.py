@@ -151,7 +151,13 @@ class Stream(EncodedVideo):
         """
         offer = self.offer(image, timestamp)
         if offer.ready:
-            self.encode_pending(offered=True)
+            taken = self.state.frames + len(self.pending)
+            try:
+                self.encode_pending(offered=True)
+            except BaseException:
+                if self.state.frames + len(self.pending) == taken:  # its frame streamed before the error
+                    self.accept(offer)
+                raise
         self.accept(offer)
         return offer.kept
 
@@ -260,9 +266,10 @@ class Stream(EncodedVideo):
 
     def settle(self, job: StepJob, *, failed: bool, offered: bool = False) -> None:
         """After ``job`` ran: its streamed steps' frames leave ``pending``; if it ``failed`` and the frame just
-        ``offered`` made it ready, that frame is not taken (earlier ones stay encoded or pending)."""
+        ``offered`` made it ready and is not streamed, that frame is not taken (earlier ones stay encoded or
+        pending)."""
         self.pending = self.pending[sum(len(group) for group in job.groups[:job.streamed]):]
-        if failed and offered:
+        if failed and offered and job.streamed < len(job.groups):
             self.pending.pop()
 
     def encode_pending(self, complete_steps_only: bool = False, *, offered: bool = False) -> None:

@@ -133,7 +133,10 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
         log.info("%s: past the model's range: its successor replays %d steps", video.name, len(video.backlog.steps))
     replay_backlogs(videos, batcher)
     for video in videos:
-        video.adopt_successor()
+        try:
+            video.adopt_successor()
+        except Exception as error:  # the step is streamed: the video goes on with the engine it has
+            video.drop_successor(f"its handover failed ({error})")
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
 
 
@@ -142,10 +145,12 @@ def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher) -> None:
     through ``batcher``, so the successors of several videos step together. A stopping signal waits for the wave
     to end: a step replayed leaves its backlog with it."""
     replaying = list(videos)
-    while replaying:
+    while True:
+        requests = [(video, video.replay_request()) for video in replaying]
+        requests = [(video, request) for video, request in requests if request is not None]
+        if not requests:
+            return
         with whole():
-            requests = [(video, video.replay_request()) for video in replaying]
-            requests = [(video, request) for video, request in requests if request is not None]
             for (video, _), outcome in zip(requests, batcher.step([request for _, request in requests])):
                 video.replayed(outcome)
         replaying = [video for video, _ in requests]
