@@ -78,7 +78,7 @@ class EncodedVideo:
         self.prefill = StreamingPrefill(self.adapter.model, policy, own_engine(self.engine), horizon=horizon,
                                         protect_tokens=protect, name=name, disk_tier=disk_tier)
         self.successor: StreamingPrefill | None = None  # `statekv.api.handover`: the engine it continues with
-        self.backlog = Backlog()  # the steps the successor has yet to replay
+        self.backlog = self.new_backlog()  # the steps the successor has yet to replay
         self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
         reserve = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
@@ -217,19 +217,23 @@ class EncodedVideo:
         with the successor's backlog when it is there."""
         return self._peak_device_bytes([prefill.stats for prefill in self.engines])
 
+    def new_backlog(self) -> Backlog:
+        """An empty backlog, kept where the detailed cache is (host memory when it is offloaded)."""
+        return Backlog(torch.device("cpu") if self.engine.offload else None)
+
     def book_engines(self) -> None:
         """The engines' figures into ``stats``: carried tokens, the caches' bytes (the backlog's with them) and
         peaks (each engine's stats are read once: each read walks every layer)."""
         engines = [prefill.stats for prefill in self.engines]
         self.stats.carried_tokens = engines[0].max_carried_tokens
         self.stats.cache_bytes = sum(engine.detailed_bytes for engine in engines) + self.backlog.nbytes
-        self.stats.peak_cache_device_bytes = self._peak_device_bytes(engines)
+        self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes, self._peak_device_bytes(engines))
         if self._device.type == "cuda":
             self.stats.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._device))
 
     def _peak_device_bytes(self, engines: list) -> int:
         """`peak_device_bytes` from each engine's stats (``engines``, read once: each read walks every layer)."""
-        backlog = self.backlog.nbytes if self._device.type != "cpu" else 0
+        backlog = self.backlog.nbytes if self.backlog.home is None else 0
         return sum(engine.peak_device_bytes for engine in engines) + backlog
 
     @torch.no_grad()
@@ -239,6 +243,8 @@ class EncodedVideo:
         (a quiet moment of a live stream) spreads that work. A step that fails drops the successor: the stream
         goes on as ``own-then-cache`` alone."""
         replay_backlogs([self], StepBatcher())
+        if self.handover_due:  # a handover stopped in its replay: finished now
+            self.adopt_successor()
         self.book_engines()
 
     @property
@@ -250,7 +256,7 @@ class EncodedVideo:
         """The successor's next step to replay (the backlog's first), or None when there is none."""
         if self.successor is None or not self.backlog.steps:
             return None
-        return StepRequest(self.successor, self.backlog.steps[0], None)
+        return StepRequest(self.successor, self.backlog.steps[0].to(self._device), None)
 
     def replayed(self, outcome: Any) -> None:
         """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; an error drops the
@@ -265,6 +271,7 @@ class EncodedVideo:
         the first is closed."""
         if self.successor is None:
             return
+        self.book_engines()  # the peak: both detailed caches held at once
         if self.backlog.steps:
             self.drop_successor(f"the successor has {len(self.backlog.steps)} steps left to replay")
             return
@@ -288,7 +295,7 @@ class EncodedVideo:
             self.qa.step_scheduler.release(self.successor)
             self.successor.close()
             self.successor = None
-            self.backlog = Backlog()
+            self.backlog = self.new_backlog()
             self.handover = f"alone: {why}"
 
     @property

@@ -5,9 +5,10 @@ as it reads a video, "when" questions included. Past the range a stream answers 
 cache order from its first frame (``cache``): how the first frames were encoded stays in the carried state for good
 (docs/accuracy.md, "Past the range: the handover layout"). ``handover`` keeps both. While the stream fits the
 range, its engine streams it under ``own-then-cache`` (what questions and watches read) and each step's inputs go
-to a `Backlog` beside it. Once that engine places a step away from its own position (the stream passed the range),
-a *successor* engine under ``cache`` replays the backlog, every step of the stream in order
-(`EncodedVideo.catch_up`), and becomes the stream's engine; the first is closed (`EncodedVideo.adopt_successor`).
+to a `Backlog` beside it (`EncodedVideo.record_step`). Once that engine places a step away from its own position
+(the stream passed the range, `EncodedVideo.handover_due`), a *successor* engine under ``cache`` replays the
+backlog, every step of the stream in order, and becomes the stream's engine; the first is closed
+(`statekv.steps.jobs.hand_over`: `replay_backlogs`, then `EncodedVideo.adopt_successor`).
 From then on the stream is, bit for bit, the one the ``cache`` layout would have streamed (a steering watch aside:
 the replayed steps are steered by the watches open at the replay). Inside the range a step costs one, and each
 step's embeddings are kept (at most the range's tokens); the step that passes the range replays every step before
@@ -130,16 +131,21 @@ def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_la
 
 class Backlog:
     """The steps a stream's successor has yet to replay: each step's ``inputs_embeds`` ``[1, T, D]``, in order (a
-    successor's stream is 1-D RoPE: its steps carry no positions of their own). ``spans``: their lengths ``T``."""
+    successor's stream is 1-D RoPE: its steps carry no positions of their own). ``spans``: their lengths ``T``.
+    ``home``: where they are kept: with the detailed cache, in host memory when it is offloaded (None: where the
+    steps come from, the model's device)."""
 
-    def __init__(self):
+    def __init__(self, home: torch.device | None = None):
+        self.home = home
         self.steps: list[torch.Tensor] = []
         self.nbytes = 0
 
     def add(self, inputs_embeds: torch.Tensor) -> None:
         """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
         view would hold whole)."""
-        if inputs_embeds.untyped_storage().nbytes() > inputs_embeds.nbytes:
+        if self.home is not None and inputs_embeds.device != self.home:
+            inputs_embeds = inputs_embeds.to(self.home)
+        elif inputs_embeds.untyped_storage().nbytes() > inputs_embeds.nbytes:
             inputs_embeds = inputs_embeds.clone()
         self.steps.append(inputs_embeds)
         self.nbytes += inputs_embeds.nbytes
@@ -159,10 +165,11 @@ class Backlog:
     def restore(self, tensor: torch.Tensor, spans: list[int], hidden_size: int, dtype: torch.dtype,
                 device: torch.device) -> None:
         """The backlog a saved stream kept (`tensor`, cut at ``spans``), checked against the model's embeddings
-        (one-line `InputError`); it replaces this one's steps."""
+        (one-line `InputError`), kept at ``home`` or else on ``device`` (the model's); it replaces this one's
+        steps."""
         expected = [1, sum(spans), hidden_size]
         if list(tensor.shape) != expected or tensor.dtype != dtype:
             raise InputError(f"the successor's backlog (backlog.inputs_embeds) is {tensor.dtype} "
                              f"{list(tensor.shape)}, not {dtype} {expected}")
-        self.steps = list(tensor.to(device).split(spans, dim=1))
+        self.steps = list(tensor.to(self.home or device).split(spans, dim=1))
         self.nbytes = sum(step.nbytes for step in self.steps)

@@ -26,9 +26,11 @@ class EncodingStats:
         positions) and language-model forward. On CUDA, vision is timed to the end of its kernels, the language
         model as its step returns.
     vision_batch: frames per vision-tower call asked for (``None`` before any frame).
-    cache_bytes: memory held by the detailed cache (keys and values, all layers, wherever they are stored).
-    peak_cache_device_bytes: the most cache the engine held on the model's device at once (carried state, the
-        detailed cache unless offloaded, what answering brought there), encoding and questions included.
+    cache_bytes: memory held by the detailed cache (keys and values, all layers, wherever they are stored), with,
+        under the handover layout, the successor's (`statekv.api.handover`) and its backlog.
+    peak_cache_device_bytes: the most cache the engines held on the model's device at once (carried state, the
+        detailed cache unless offloaded, what answering brought there, a successor's backlog unless offloaded),
+        encoding and questions included.
     peak_memory_bytes: peak accelerator memory while encoding (``None`` on CPU).
     evicted_frames: frames whose detailed cache was given up under ``max_cache_bytes`` (answers no longer see
         them; see `statekv.core.storage.limits`).

@@ -66,7 +66,8 @@ class VideoQA:
             ``positions``: ``"stream"`` or ``"bounded"`` RoPE positions, None: ``stream`` where a video's or stream's
             horizon fits the model's range, else ``bounded``, so a stream without a horizon is bounded; see
             `statekv.core.positions.placing`); ``bounded_layout`` (where bounded positions put the carried state:
-            None or ``"handover"``, a stream's default, two engines while it fits the range, `statekv.api.handover`;
+            None or ``"handover"``, a stream's default, own-then-cache until a successor in cache order replays
+            the stream and takes over past the range, `statekv.api.handover`;
             ``"own-then-cache"``, ``"cache"``, ``"grouped"``); ``question_span`` (past the range, the positions a
             question's retrieved frames are spread over by their time; 0: packed before the prompt);
             ``engine_changes`` change settings of it by name (``VideoQA(adapter, policy, offload=True)``).

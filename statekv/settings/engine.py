@@ -31,7 +31,7 @@ DEFAULT_CACHE_LIMIT = "refuse"
 KV_CACHE_BITS = {"int8": 8, "int4": 4}  # `statekv.core.storage.quantized`
 POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
 BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.placing.BOUNDED_LAYOUTS`
-HANDOVER = "handover"  # a stream's two engines, own-then-cache then cache (`statekv.api.handover`)
+HANDOVER = "handover"  # a stream's engine and its successor, own-then-cache then cache (`statekv.api.handover`)
 OFFLOAD_TIERS = ("disk", "memory")
 # positions a question past the range spreads its retrieved frames over (`statekv.core.positions.placing`): the
 # span of the built-in model's training videos; a model whose frames take more packs them as before
@@ -169,8 +169,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "bounded positions: where the carried state sits while each frame is encoded: own-then-cache (each token "
             "at its own position while the stream fits the range, then in cache order), cache (in cache order "
             "right before each frame from the first: a stream that will run far past the range), handover "
-            "(own-then-cache while the stream fits the range, each step also taken in cache order, whose engine the "
-            "stream continues with past the range: twice the work inside the range) or grouped "
+            "(own-then-cache while the stream fits the range, each step's embeddings kept; the step that passes "
+            "the range replays them in cache order, and the stream continues with that engine) or grouped "
             "(default: handover where the stream can have a successor, else own-then-cache)", "L"),
     Setting("question_span", DEFAULT_QUESTION_SPAN, NON_NEGATIVE,
             "bounded positions past the model's range: a question's retrieved frames are laid out in time order over "

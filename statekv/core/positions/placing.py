@@ -24,7 +24,8 @@ Layouts (``BOUNDED_LAYOUTS``), compared in docs/benchmarks.md ("Bounded position
     state in cache order (as ``cache``) where it fits the range with the chunk, else grouped distances (as
     ``grouped``: full attention, M-RoPE). Chosen from the comparison: see docs/engine.md, "Positions". A stream's
     default, the ``handover`` layout (`statekv.api.handover`), is two engines rather than one engine's layout:
-    this one while the stream fits the range, then one that was under ``cache`` from the first step.
+    this one while the stream fits the range, then one that replayed the stream under ``cache`` from the first
+    step.
 ``grouped`` (`GroupedDistances`)
     Self-Extend's rule with a group that grows with the stream: distances up to ``window`` are kept exactly and
     farther ones grouped, ``g`` to a position, ``g`` the smallest that fits the whole stream inside the range.

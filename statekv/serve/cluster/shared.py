@@ -80,8 +80,8 @@ class HeldElsewhere:
         return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "updated": None,
                 "state": self.state, "settings": record["settings"], "horizon_frames": record["horizon_frames"],
                 "max_fps": record["max_fps"], "frames": self.frames, "pushed": saved.get("pushed", 0),
-                "pending": None, "seconds": saved.get("seconds"), "tokens": None, "carried": None,
-                "handover": None, "cache_bytes": None, "encode_seconds": None, "feeding": False, "feed": None, "saved": dict(saved),
+                "pending": None, "seconds": saved.get("seconds"), "tokens": None, "carried": None, "handover": None,
+                "cache_bytes": None, "encode_seconds": None, "feeding": False, "feed": None, "saved": dict(saved),
                 "resume_from": saved.get("pushed", 0), "resume_after_seconds": saved.get("seconds"),
                 "replica": self.holder}
 
