@@ -100,6 +100,10 @@ def test_caught_up_its_successor_is_the_cache_layout_stream_and_goes_on_from_the
 
 def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
     with pushed(loaded(checkpoint, "handover"), FRAMES) as stream:
+        peak = stream.stats.peak_cache_device_bytes  # both detailed caches, held at the handover
+        assert peak > stream.prefill.stats.peak_device_bytes
+        stream.ask(QUESTION, max_new_tokens=1, retrieve=1)
+        assert stream.stats.peak_cache_device_bytes >= peak  # a peak never falls
         assert stream.handover == "handed over" and stream.successor is None
         assert stream.engines == (stream.prefill,)
         assert stream.prefill.positions.layout.name == "cache"
@@ -204,6 +208,9 @@ def test_a_push_stopped_in_its_handover_keeps_its_frame_and_goes_on(checkpoint, 
                     stream.push(frame, float(index))
             except KeyboardInterrupt:
                 assert stream.handover_due and not stream.pending and stream.pushed == stream.frames == index + 1
+                if together:  # else the next push finishes the handover
+                    stream.catch_up()
+                    assert stream.handover == "handed over" and not stream.handover_due
         assert len(replays) > 2 and stream.handover == "handed over"
         assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
 

@@ -131,6 +131,31 @@ def test_a_bad_frame_fails_alone_and_the_other_streams_go_on(adapters, monkeypat
         _assert_same(stream, _alone(qa, frames))
 
 
+def test_a_frame_streamed_before_its_batch_failed_is_counted_once(adapters, monkeypatch):
+    """A caller whose batch another thread led gets its job back streamed but failed (the leader's watch follow-up
+    raised, say): its frame has left ``pending`` and is counted, its error is its result."""
+    from statekv.errors import StateKVError
+
+    qa = tiny_qa(adapters["internvl"], POLICIES["statekv"]())
+    stream = qa.stream(horizon_frames=FRAMES)
+    frames = random_frames(3, 7)
+    run = qa.step_scheduler.run
+
+    def led_elsewhere(jobs):
+        run(jobs)
+        for job in jobs:
+            job.error = StateKVError("the batch's follow-up failed")
+
+    monkeypatch.setattr(qa.step_scheduler, "run", led_elsewhere)
+    results = qa.push_many([(stream, frames[0], 0.0)], return_exceptions=True)
+    assert isinstance(results[0], StateKVError)
+    assert (stream.frames, stream.pushed, stream.pending) == (1, 1, [])
+    monkeypatch.undo()
+    for index, frame in enumerate(frames[1:], start=1):
+        qa.push_many([(stream, frame, float(index))])
+    _assert_same(stream, _alone(qa, frames))
+
+
 def test_push_many_refuses_what_is_not_an_item(adapters):
     qa = tiny_qa(adapters["internvl"], POLICIES["statekv"]())
     with pytest.raises(InputError, match="stream, frame, seconds"):

@@ -166,7 +166,7 @@ class EncodedVideo:
     def answered(self, retrieval: Retrieval | None, read_steps: tuple[int, ...] | None) -> None:
         """Book an answer read by ``retrieval`` (None: the whole cache) from ``read_steps``: the stats and
         ``answer_info``."""
-        self.stats.peak_cache_device_bytes = self.peak_device_bytes
+        self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes, self.peak_device_bytes)
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
@@ -218,8 +218,8 @@ class EncodedVideo:
         return self._peak_device_bytes([prefill.stats for prefill in self.engines])
 
     def new_backlog(self) -> Backlog:
-        """An empty backlog, kept where the detailed cache is (host memory when it is offloaded)."""
-        return Backlog(torch.device("cpu") if self.engine.offload else None)
+        """An empty backlog, kept where the detailed cache is (where it is offloaded to, if it is)."""
+        return Backlog(self.prefill.tier.device)
 
     def book_engines(self) -> None:
         """The engines' figures into ``stats``: carried tokens, the caches' bytes (the backlog's with them) and

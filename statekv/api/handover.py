@@ -132,8 +132,8 @@ def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_la
 class Backlog:
     """The steps a stream's successor has yet to replay: each step's ``inputs_embeds`` ``[1, T, D]``, in order (a
     successor's stream is 1-D RoPE: its steps carry no positions of their own). ``spans``: their lengths ``T``.
-    ``home``: where they are kept: with the detailed cache, in host memory when it is offloaded (None: where the
-    steps come from, the model's device)."""
+    ``home``: where they are kept: with the detailed cache, where it is offloaded to (None: where the steps come
+    from, the model's device)."""
 
     def __init__(self, home: torch.device | None = None):
         self.home = home

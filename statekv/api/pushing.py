@@ -70,7 +70,7 @@ def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: lis
                 jobs.append((index, stream.pending_job()))
         try:
             scheduler.run([job for _, job in jobs])
-        except BaseException:  # an interrupt: streamed frames leave pending; one streamed or waiting is taken
+        except BaseException:  # the batch failed as a whole (an interrupt): streamed or waiting frames are taken
             for index, job in jobs:
                 job.video.settle(job, failed=True, offered=True)
             streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
@@ -83,9 +83,12 @@ def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: lis
             job.video.settle(job, failed=job.error is not None, offered=True)
             if job.error is not None:
                 failed[index] = job.error
+        streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
         for index, offer in offers.items():
             if index in failed:
                 results[index] = failed[index]
+                if index in streamed:  # its frame streamed before the error (a watch's follow-up, a handover)
+                    items[index][0].accept(offer)
                 continue
             items[index][0].accept(offer)
             results[index] = offer.kept
