@@ -139,7 +139,7 @@ def live_streams(section, deadline: float, shapes, checkpoint: Path, folder: Pat
         command = [sys.executable, "-m", "statekv.cli", "bench", "serve", "--url", server.url, "--api-key",
                    server.key, "--find-max", "--streams", str(shapes.live_start), "--fps", "1", "--duration",
                    str(shapes.live_duration), "--drain", str(shapes.live_duration), "--question-rate", "0.2",
-                   "--warm-frames", str(shapes.live_warm_frames),
+                   "--warm-frames", str(shapes.live_warm_frames), "--max-streams", str(shapes.live_max),
                    "--max-new-tokens", "4", "--frame-size", str(shapes.image_size), "--ttft-target",
                    str(TTFT_TARGET_S), "--time-limit", str(max(1.0, left - 15)), "--json", str(out), "--quiet"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, left))

@@ -101,6 +101,7 @@ class Shapes:
     live_start: int  # the cameras the live-stream search starts at
     live_duration: float  # seconds of each run of that search
     live_warm_frames: int  # frames each camera streams before a run's clock starts (its carried state full)
+    live_max: int  # the most cameras that search tries
 
 
 REAL = Shapes(
@@ -115,7 +116,7 @@ REAL = Shapes(
     image_size=448, pipeline_frames=300, stream_counts=(1, 4, 16), stream_frames=8, tier_frames=48,
     vlm_budget=4096, device="cuda", ttft_frames=(16, 64, 256, 4096), ttft_frame_tokens=16, ttft_group_after=256,
     ttft_group=16, ttft_prompt_tokens=16, ttft_budget=1024, live_start=8, live_duration=6.0,
-    live_warm_frames=16)
+    live_warm_frames=16, live_max=256)
 SMOKE = Shapes(
     lm=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=128, tie_word_embeddings=False),
@@ -123,7 +124,7 @@ SMOKE = Shapes(
     vlm_text=None, vlm_vision=None, image_size=64, pipeline_frames=8, stream_counts=(1, 4, 16), stream_frames=2,
     tier_frames=6, vlm_budget=64, device="cpu", ttft_frames=(2, 4, 8, 32), ttft_frame_tokens=4, ttft_group_after=8,
     ttft_group=4, ttft_prompt_tokens=4, ttft_budget=16, live_start=1, live_duration=2.0,
-    live_warm_frames=2)
+    live_warm_frames=2, live_max=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------

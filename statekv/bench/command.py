@@ -17,6 +17,8 @@ from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, p
 
 ROUTES = ("ask", "chat")
 SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
+STARTED_STREAMS = 256  # the started server's --max-streams, and the most cameras --find-max tries against it
+URL_CAMERAS = 1024  # the most cameras --find-max tries against a running server (--url), unless told
 
 
 def stream_counts(text: str) -> list[int]:
@@ -55,9 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--url", default=None, help="a running statekv serve (default: start one with --model)")
     target.add_argument("--api-key", default=None, metavar="KEY",
                         help="its API key (default: the first of STATEKV_API_KEYS)")
-    target.add_argument("--max-streams", type=POSITIVE_INT, default=256, metavar="N",
+    target.add_argument("--max-streams", type=POSITIVE_INT, default=None, metavar="N",
                         help="the started server's stream limit, and the most cameras --find-max tries "
-                             "(default: 256)")
+                             "(default: 256; against --url, 1024 cameras)")
     target.add_argument("--server-threads", type=POSITIVE_INT, default=None, metavar="N",
                         help="torch threads of the started server (default: OMP_NUM_THREADS if set, else one core "
                              "fewer than the machine's, leaving one to the cameras)")
@@ -151,14 +153,14 @@ def run(args: argparse.Namespace) -> int:
                       limit=int(args.duration * args.fps) + 1)
     cameras.check()  # a bad video file is one line before any server starts
     model = args.model or "builtin"
-    options = ["--model", model, *model_flags, "--max-streams", str(args.max_streams), "--max-asks",
-               str(SERVER_ASKS)]
+    options = ["--model", model, *model_flags, "--max-streams", str(args.max_streams or STARTED_STREAMS),
+               "--max-asks", str(SERVER_ASKS)]
 
     def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
         probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
         probe.warm_up()
         if args.find_max:
-            limit = args.max_streams if args.url is None else max(args.max_streams, 1024)
+            limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)
             deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
             return probe.find_max(limit, start=(args.streams or [1])[0], deadline=deadline)
         return [probe(count) for count in args.streams or [1, 4, 16]], None

@@ -31,7 +31,7 @@ class LocalServer:
 
     def __init__(self, options: list[str], *, threads: int | None = None, start_timeout: float = 900.0):
         self.options, self.threads, self.start_timeout = options, threads, start_timeout
-        self.key = secrets.token_urlsafe(24)
+        self.key = secrets.token_hex(24)  # hex: never read as a flag (a key starting with "-" would be)
         self.url: str | None = None
         self.process: subprocess.Popen | None = None
         self._folder: tempfile.TemporaryDirectory | None = None
@@ -116,7 +116,7 @@ class InProcessServer:
 
     def __init__(self, qa, *, max_streams: int = 1024, start_timeout: float = 120.0):
         self.qa, self.max_streams, self.start_timeout = qa, max_streams, start_timeout
-        self.key = secrets.token_urlsafe(24)
+        self.key = secrets.token_hex(24)  # hex: never read as a flag (a key starting with "-" would be)
         self.url: str | None = None
         self._server = None
         self._thread = None
