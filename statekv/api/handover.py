@@ -27,6 +27,7 @@ why.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -137,7 +138,7 @@ class Backlog:
 
     def __init__(self, home: torch.device | None = None):
         self.home = home
-        self.steps: list[torch.Tensor] = []
+        self.steps: deque[torch.Tensor] = deque()
         self.nbytes = 0
 
     def add(self, inputs_embeds: torch.Tensor) -> None:
@@ -152,7 +153,7 @@ class Backlog:
 
     def replayed_first(self) -> None:
         """The first step was replayed: it leaves the backlog."""
-        self.nbytes -= self.steps.pop(0).nbytes
+        self.nbytes -= self.steps.popleft().nbytes
 
     @property
     def spans(self) -> list[int]:
@@ -160,7 +161,7 @@ class Backlog:
 
     def tensor(self) -> torch.Tensor:
         """``[1, sum(spans), D]``: every step's embeddings, one after another (what a saved stream keeps)."""
-        return torch.cat(self.steps, dim=1)
+        return torch.cat(list(self.steps), dim=1)
 
     def restore(self, tensor: torch.Tensor, spans: list[int], hidden_size: int, dtype: torch.dtype,
                 device: torch.device) -> None:
@@ -171,5 +172,5 @@ class Backlog:
         if list(tensor.shape) != expected or tensor.dtype != dtype:
             raise InputError(f"the successor's backlog (backlog.inputs_embeds) is {tensor.dtype} "
                              f"{list(tensor.shape)}, not {dtype} {expected}")
-        self.steps = list(tensor.to(self.home or device).split(spans, dim=1))
+        self.steps = deque(tensor.to(self.home or device).split(spans, dim=1))
         self.nbytes = sum(step.nbytes for step in self.steps)
