@@ -113,10 +113,13 @@ def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
                     == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=retrieve))
 
 
-@pytest.mark.parametrize("count, caught_up", [(3, 0), (3, 2), (3, 3), (30, 0)])
-def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count, caught_up):
+@pytest.mark.parametrize("count, caught_up, settings", [
+    (3, 0, {}), (3, 2, {}), (3, 3, {}), (30, 0, {}),
+    (3, 2, {"max_cache_bytes": 1_300_000, "cache_limit": "evict-oldest", "offload": True}),
+])
+def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count, caught_up, settings):
     """``caught_up``: frames pushed before `catch_up` (the successor saved with the steps it replayed)."""
-    qa = loaded(checkpoint, "handover")
+    qa = loaded(checkpoint, "handover", **settings)
     with pushed(qa, FRAMES[:caught_up]) as stream:
         stream.catch_up()
         for frame in FRAMES[caught_up:count]:
@@ -135,7 +138,7 @@ def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, 
 
 @pytest.mark.parametrize("method, settings, why", [
     ("full", {}, "carries more than the cache layout can place"),
-    ("statekv", {"max_cache_bytes": 1 << 30}, "a cache cap holds one detailed cache"),
+    ("statekv", {"max_cache_bytes": 900_000}, "cannot hold its detailed cache twice"),
     ("statekv", {"offload": "disk"}, "the disk tier, whose file set is the stream's one record"),
 ])
 def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkpoint, tmp_path, method, settings,
@@ -146,6 +149,24 @@ def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkp
     with pushed(loaded(checkpoint, "handover", method, **settings), FRAMES[:30]) as stream, reference:
         assert stream.successor is None and stream.handover.startswith("alone: ") and why in stream.handover
         assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
+
+
+def test_under_a_cache_cap_that_holds_it_twice_it_hands_over_and_keeps_to_the_cap(checkpoint):
+    """Both engines and the backlog stay under the cap at every push (the handover's included), and past the range
+    the stream evicts as the cache-layout stream under the same cap does."""
+    cap = {"max_cache_bytes": 1_300_000, "cache_limit": "evict-oldest", "offload": True}
+    frames = random_frames(70, seed=3, height=32, width=32)
+    with loaded(checkpoint, "handover", **cap).stream() as stream, \
+            pushed(loaded(checkpoint, "cache", **cap), frames) as reference:
+        for frame in frames:
+            stream.push(frame)
+            held = sum(engine.keeper.held_bytes for engine in stream.engines) + stream.backlog.nbytes
+            assert held <= cap["max_cache_bytes"]
+        assert stream.handover == "handed over" and stream.stats.evicted_frames > 0
+        assert stream.stats.evicted_frames == reference.stats.evicted_frames
+        assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
+        assert (stream.ask(QUESTION, max_new_tokens=4, retrieve=2)
+                == reference.ask(QUESTION, max_new_tokens=4, retrieve=2))
 
 
 def test_a_successor_whose_replay_fails_is_dropped_and_the_stream_goes_on(checkpoint, references):

@@ -26,7 +26,7 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import Backlog, cannot_place, handing_over, own_engine, successor_engine, why_alone
+from .handover import Backlog, cannot_place, handing_over, over_cap, own_engine, successor_engine, why_alone
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
@@ -281,10 +281,20 @@ class EncodedVideo:
             return
         first, self.prefill, self.successor = self.prefill, self.successor, None
         self.handover = "handed over"
-        self._evictions_counted = len(self.prefill.evictions)  # none: a stream under a cache cap has no successor
+        self._evictions_counted = len(self.prefill.evictions)  # none: the cap held both engines (`keep_to_cap`)
         self.qa.step_scheduler.release(first)
         first.close()
         self.book_engines()
+
+    def keep_to_cap(self) -> None:
+        """Under a cache cap, drop the successor once the cap could not hold both engines at the handover
+        (`statekv.api.handover.over_cap`)."""
+        keeper = self.prefill.keeper
+        if self.successor is not None and keeper is not None:
+            why = over_cap(self.engine.cache_cap, keeper.held_bytes, bool(self.prefill.evictions),
+                           self.backlog.nbytes)
+            if why is not None:
+                self.drop_successor(why)
 
     def drop_successor(self, why: str, *, warn: bool = True) -> None:
         """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed;
@@ -409,6 +419,7 @@ class EncodedVideo:
                 self.drop_successor("its steps carry positions or inputs of their own, which a replay would lose")
             else:
                 self.backlog.add(chunk.inputs_embeds)
+                self.keep_to_cap()
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         evicted = self.prefill.evictions[self._evictions_counted:]

@@ -17,12 +17,14 @@ for its successor. `EncodedVideo.catch_up` replays the backlog earlier, at a mom
 
 A successor is made only where it can take over and the stream has one record of itself (`why_alone` says
 otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a fixed size
-or in a ring (not full attention), 1-D RoPE (not M-RoPE), a detailed cache in memory or offloaded (not the disk
-tier, whose file set is the stream's durable record) and no cache cap (which holds one detailed cache). At the
-first frame step, whose size is then known, `cannot_place` leaves it behind where no step could take the stream
-past its engine's ceiling, or where the carried state and a step do not fit the range in cache order. Elsewhere,
-and when the replay fails, the stream streams as ``own-then-cache`` alone; `EncodedVideo.handover` says which and
-why.
+or in a ring (not full attention), 1-D RoPE (not M-RoPE) and a detailed cache in memory or offloaded (not the disk
+tier, whose file set is the stream's durable record). At the first frame step, whose size is then known,
+`cannot_place` leaves it behind where no step could take the stream past its engine's ceiling, or where the
+carried state and a step do not fit the range in cache order. Under a cache cap each engine keeps to the cap, and
+the successor stays only while the cap could hold the stream's steps twice with the backlog (`over_cap`, checked
+after every step): so the cap holds both engines at the handover, and the successor, which then holds what the
+first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
+``own-then-cache`` alone; `EncodedVideo.handover` says which and why.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from ..core.positions.placing import CacheOrder, OwnThenCache, trained_range
 from ..core.positions.rope import rope_parameters
 from ..core.rules.base import CarryPolicy
 from ..errors import InputError
-from ..settings.engine import HANDOVER, EngineSettings
+from ..settings.engine import HANDOVER, CacheLimit, EngineSettings
+from ..settings.values import format_bytes
 
 OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
 SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once past the range
@@ -73,8 +76,22 @@ def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, video_to
         return f"{policy!r} carries more than the cache layout can place (no fixed budget)"
     if engine.offload == "disk":
         return "its detailed cache is on the disk tier, whose file set is the stream's one record"
-    if engine.cache_cap is not None:
-        return "a cache cap holds one detailed cache"
+    return None
+
+
+def over_cap(cap: CacheLimit | None, held: int, evicted: bool, backlog: int) -> str | None:
+    """Why a successor cannot stay beside a stream under the cache cap ``cap`` whose engine holds ``held`` bytes
+    under it (``evicted``: it evicted a step) and whose backlog takes ``backlog`` bytes; None when it can. At the
+    handover both engines hold the stream's steps (the successor replays them all beside the first), so the
+    cap must hold them twice, with the backlog, for the cap to stay hard; and a stream that evicted a step is no
+    longer what the successor would replay."""
+    if cap is None:
+        return None
+    if evicted:
+        return f"its detailed cache reached max_cache_bytes={format_bytes(cap.max_bytes)} before its handover"
+    if 2 * held + backlog > cap.max_bytes:
+        return (f"max_cache_bytes={format_bytes(cap.max_bytes)} cannot hold its detailed cache twice "
+                f"({format_bytes(held)} each) with the backlog, as its handover would")
     return None
 
 
