@@ -378,6 +378,24 @@ def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references)
             assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
 
 
+def test_streams_caught_up_together_are_each_caught_up_alone(checkpoint, references):
+    qa = loaded(checkpoint, "handover")
+    with pushed(qa, FRAMES[:3]) as first, pushed(qa, FRAMES[:3]) as second, pushed(qa, FRAMES[:3]) as alone:
+        steps = len(first.backlog.steps)
+        qa.catch_up_many([first, second], steps=2)
+        alone.catch_up(2)
+        assert held(first) == held(second) == held(alone) and len(first.backlog.steps) == steps - 2
+        qa.catch_up_many([first, second])
+        for stream in (first, second):
+            assert fingerprint(stream.successor) == fingerprint(references["cache", 3].prefill)
+        with pytest.raises(InputError, match="belongs to another VideoQA"):
+            loaded(checkpoint, "handover").catch_up_many([first])
+        with pytest.raises(InputError, match="takes streams"):
+            qa.catch_up_many([first, "second"])
+        with pytest.raises(ConfigurationError, match="steps"):
+            qa.catch_up_many([first], steps=0)
+
+
 def test_streams_of_one_layout_pushed_together_after_others_are_placed_as_alone(checkpoint, references):
     """A pooled batch is kept per batch key and reused by the next streams of that key: streams of another layout,
     stepped together past the range first, must not lend it their placement."""
@@ -429,3 +447,38 @@ def test_a_disk_tier_folder_resumes_with_the_layout_it_was_streamed_with(checkpo
         for frame in FRAMES[6:]:
             resumed.push(frame)
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_ever(checkpoint, references, caplog):
+    """Through the server's model worker, a camera leaving gaps between frames: past half the range the gaps
+    replay the backlog, so the push that passes the range replays only the steps since the last gap, and the
+    stream past the range is still the cache-layout stream, bit for bit."""
+    import asyncio
+    import logging
+    import re
+    import time
+
+    from statekv.serve.worker import ModelWorker
+
+    worker = ModelWorker(gather_seconds=0.0)
+    stream = loaded(checkpoint, "handover").stream()
+    push = {"before": lambda: 0, "after": lambda context, kept: kept}
+
+    async def camera() -> None:
+        for frame in FRAMES:
+            await worker.push(stream, frame, None, **push)
+            await asyncio.sleep(0.03)  # the next frame is not there yet
+
+    caplog.set_level(logging.INFO, logger="statekv")
+    try:
+        asyncio.run(camera())
+        deadline = time.monotonic() + 5
+        while stream.catch_up_due and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.close()
+    with stream:
+        replayed = [int(n) for n in re.findall(r"its successor replays (\d+) steps", caplog.text)]
+        assert len(replayed) == 1 and replayed[0] <= 2 < worker.replayed_in_quiet
+        assert stream.handover == "handed over"
+        assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)

@@ -163,3 +163,31 @@ def test_push_many_refuses_what_is_not_an_item(adapters):
     other = tiny_qa(adapters["internvl"], POLICIES["statekv"]()).stream(horizon_frames=2)
     with pytest.raises(InputError, match="another VideoQA"):
         qa.push_many([(other, random_frames(1, 0)[0], 0.0)])
+
+
+def test_a_batch_that_fails_as_a_whole_is_each_stepped_items_error(adapters, monkeypatch):
+    """With ``return_exceptions=True`` an error of the whole batch (not an interrupt) is returned in the place of
+    each item it stepped, not raised; the streams go on as if the failed frames had not come."""
+    qa = tiny_qa(adapters["internvl"], POLICIES["statekv"]())
+    streams = [qa.stream(horizon_frames=FRAMES) for _ in range(2)]
+    frames = random_frames(3, 11)
+    run = qa.step_scheduler.run
+    calls = []
+
+    def failing_once(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise RuntimeError("the device is gone")
+        run(jobs)
+
+    monkeypatch.setattr(qa.step_scheduler, "run", failing_once)
+    results = qa.push_many([(stream, frames[0], 0.0) for stream in streams], return_exceptions=True)
+    assert [str(result) for result in results] == ["the device is gone"] * 2
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        calls.clear()
+        qa.push_many([(stream, frames[0], 0.0) for stream in streams])
+    monkeypatch.undo()
+    for stream in streams:
+        for index, frame in enumerate(frames[1:], start=1):
+            stream.push(frame, float(index))
+        _assert_same(stream, _alone(qa, frames[1:]))

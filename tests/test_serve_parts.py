@@ -297,3 +297,88 @@ def test_metrics_show_the_batch_sizes_as_a_histogram():
     assert asked[("statekv_question_batch_size_bucket", "2.0")] == 1
     assert asked[("statekv_question_batch_size_bucket", "4.0")] == 3
     assert asked[("statekv_question_batch_size_sum", None)] == 7
+
+
+class _Behind(_Stream):
+    """A stream with ``backlog`` steps its successor has yet to replay, due in quiet moments; ``log`` records each
+    replay (and the `_Logged` pushes) in the order the model's thread ran them."""
+
+    def __init__(self, qa, backlog: int, log: list[str], replaying: threading.Event | None = None):
+        super().__init__(qa)
+        self.backlog, self.log, self.replaying = backlog, log, replaying
+        self.entered = threading.Event()  # a replay began
+        self.name = "behind"
+
+    @property
+    def catch_up_due(self) -> bool:
+        return self.backlog > 0
+
+    def catch_up(self, steps=None):
+        self.entered.set()
+        if self.replaying is not None:
+            self.replaying.wait(5)
+        self.log.append("replay")
+        self.backlog -= steps
+
+
+class _Logged(_QA):
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+
+    def push_many(self, items, return_exceptions=False):
+        self.log.append("push")
+        return super().push_many(items, return_exceptions)
+
+    def catch_up_many(self, streams, steps=None):
+        for stream in streams:
+            stream.catch_up(steps)
+
+
+def _wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_moments_replay_a_streams_backlog_a_step_at_a_time(quiet):
+    log: list[str] = []
+    qa, worker = _Logged(log), ModelWorker(gather_seconds=0.0, catch_up_in_quiet=quiet)
+    stream = _Behind(qa, 5, log)
+    try:
+        asyncio.run(worker.push(stream, None, None, before=lambda: 0, after=lambda context, kept: kept))
+        assert _wait_for(lambda: stream.backlog == 0) is quiet
+        if not quiet:
+            time.sleep(0.05)
+            assert stream.backlog == 5 and log == ["push"]
+    finally:
+        worker.close()
+    assert worker.replayed_in_quiet == (5 if quiet else 0)
+    if quiet:
+        assert log == ["push"] + ["replay"] * 5
+
+
+def test_a_waiting_push_goes_before_the_next_quiet_replay():
+    """A replay already running finishes (one step), then whatever waits goes first: the pushes queued meanwhile
+    are drained before the backlog's next step."""
+    log: list[str] = []
+    replaying = threading.Event()
+    qa, worker = _Logged(log), ModelWorker(gather_seconds=0.0)
+    behind, other = _Behind(qa, 3, log, replaying), _Stream(qa)
+    push = {"before": lambda: 0, "after": lambda context, kept: kept}
+
+    async def run() -> None:
+        await worker.push(behind, None, None, **push)
+        assert await asyncio.to_thread(behind.entered.wait, 5)
+        queued = worker.queue_push(other, None, None, **push)  # while the first replay waits
+        replaying.set()
+        await queued
+
+    try:
+        asyncio.run(run())
+        assert _wait_for(lambda: behind.backlog == 0)
+    finally:
+        worker.close()
+    assert log == ["push", "replay", "push", "replay", "replay"]

@@ -22,16 +22,17 @@ import torch
 
 from ..core import Retrieval, StreamingPrefill
 from ..core.step.batching import StepBatcher, StepRequest
-from ..core.positions.placing import choose_positions
+from ..core.positions.placing import choose_positions, trained_range
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import Backlog, cannot_place, handing_over, over_cap, own_engine, successor_engine, why_alone
+from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, over_cap, own_engine, successor_engine,
+                       why_alone)
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
-from ..steps.jobs import LaidOutStep, StepJob, replay_backlogs, stream_jobs
+from ..steps.jobs import LaidOutStep, StepJob, catch_up_together, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
 from ..settings.values import check_int
@@ -237,15 +238,23 @@ class EncodedVideo:
         return sum(engine.peak_device_bytes for engine in engines) + backlog
 
     @torch.no_grad()
-    def catch_up(self) -> None:
+    def catch_up(self, steps: int | None = None) -> None:
         """The successor replays its backlog now (`statekv.api.handover`): every step the stream took since its
-        last replay, in order. The stream does it by itself at the step that passes the range; calling it earlier
-        (a quiet moment of a live stream) spreads that work. A step that fails drops the successor: the stream
+        last replay, in order, or the first ``steps`` of them. The stream does it by itself at the step that
+        passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
+        and the steps pushed after it join the backlog again. A step that fails drops the successor: the stream
         goes on as ``own-then-cache`` alone."""
-        replay_backlogs([self], StepBatcher())
-        if self.handover_due:  # a handover stopped in its replay: finished now
-            self.adopt_successor()
-        self.book_engines()
+        if steps is not None:
+            check_int(steps, "steps", minimum=1)
+        catch_up_together([self], steps)
+
+    @property
+    def catch_up_due(self) -> bool:
+        """Whether a quiet moment should be spent on `catch_up`: the successor has steps to replay and the stream
+        has taken at least `statekv.api.handover.CATCH_UP_SHARE` of the model's range (replaying from the start
+        would hold the second detailed cache all along, for a stream that may never leave the range)."""
+        return (self.successor is not None and bool(self.backlog.steps)
+                and self.prefill.seen_tokens >= CATCH_UP_SHARE * trained_range(self.prefill.config))
 
     @property
     def handover_due(self) -> bool:

@@ -41,6 +41,7 @@ from ..errors import InputError
 from ..settings.engine import HANDOVER, CacheLimit, EngineSettings
 from ..settings.values import format_bytes
 
+CATCH_UP_SHARE = 0.5  # of the model's range: past it, quiet moments replay a stream's backlog (`catch_up_due`)
 OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
 SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once past the range
 
@@ -75,7 +76,8 @@ def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, video_to
                                            for layer in range(config.num_hidden_layers)):
         return f"{policy!r} carries more than the cache layout can place (no fixed budget)"
     if engine.offload == "disk":
-        return "its detailed cache is on the disk tier, whose file set is the stream's one record"
+        return ("its detailed cache is on the disk tier, whose file set is the stream's one record (a stream meant "
+                "to run far past the range answers from far back better under bounded_layout='cache')")
     return None
 
 

@@ -1,4 +1,5 @@
-"""`VideoQA.push_many`: one frame to each of several streams of one `VideoQA`, their steps taken together.
+"""`VideoQA.push_many`: one frame to each of several streams of one `VideoQA`, their steps taken together; and
+`VideoQA.catch_up_many`: their successors' backlogs replayed together.
 
 Each stream takes the steps of `Stream.push` (`offer`, its ready steps as a job, `settle`, `accept`), holding its
 lock; the jobs of every stream whose frame completes a step (or a vision batch) go to the `VideoQA`'s step
@@ -8,11 +9,14 @@ scheduler at once, so they share one vision-tower call and batched language-mode
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ..errors import InputError
-from ..steps.jobs import StepScheduler
+from ..steps.jobs import StepScheduler, catch_up_together
 from ..stopping import whole
 from .stream import Stream
 
@@ -37,6 +41,16 @@ def push_together(scheduler: StepScheduler, items: Sequence[Any], *, return_exce
             if isinstance(result, BaseException):
                 raise result
     return results
+
+
+def catch_up_streams(streams: Sequence[Stream], steps: int | None = None) -> None:
+    """`VideoQA.catch_up_many`: each stream's lock held (taken in one order for every caller), their successors
+    replay their backlogs together (`statekv.steps.jobs.catch_up_together`)."""
+    ordered = sorted({id(stream): stream for stream in streams}.values(), key=id)
+    with whole(), torch.no_grad(), contextlib.ExitStack() as held:
+        for stream in ordered:
+            held.enter_context(stream.lock)
+        catch_up_together(ordered, steps)
 
 
 def _checked_item(item: Any) -> tuple:
@@ -70,14 +84,19 @@ def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: lis
                 jobs.append((index, stream.pending_job()))
         try:
             scheduler.run([job for _, job in jobs])
-        except BaseException:  # the batch failed as a whole (an interrupt): streamed or waiting frames are taken
+        except BaseException as error:  # the batch failed as a whole: streamed or waiting frames are taken
             for index, job in jobs:
                 job.video.settle(job, failed=True, offered=True)
             streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
             for index, offer in offers.items():
                 if index in streamed or not offer.ready:
                     items[index][0].accept(offer)
-            raise
+            if not isinstance(error, Exception):
+                raise  # an interrupt stops every caller
+            stepped = {index for index, _ in jobs}
+            for index, offer in offers.items():  # the error is each stepped item's own, as a bad frame's is
+                results[index] = error if index in stepped else offer.kept
+            return
         failed = {}
         for index, job in jobs:
             job.video.settle(job, failed=job.error is not None, offered=True)

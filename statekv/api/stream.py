@@ -215,10 +215,10 @@ class Stream(EncodedVideo):
         return super().ask_tokens(question, **ask_kwargs)
 
     @_one_at_a_time
-    def catch_up(self) -> None:
-        """As `EncodedVideo.catch_up` (the successor replays its backlog now), taking its turn with the other
-        calls."""
-        super().catch_up()
+    def catch_up(self, steps: int | None = None) -> None:
+        """As `EncodedVideo.catch_up` (the successor replays its backlog now, or its first ``steps``), taking its
+        turn with the other calls."""
+        super().catch_up(steps)
 
     def flush_complete_steps(self) -> None:
         """Encode every complete step still waiting for its batch (a step the cache cap refuses stays pending)."""

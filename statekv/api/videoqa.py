@@ -33,7 +33,7 @@ from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
 from .asking import ask_together
-from .pushing import push_together
+from .pushing import catch_up_streams, push_together
 from .recent import RecentFrames
 from .stream import Stream
 from .watch import evaluate_due
@@ -308,6 +308,22 @@ class VideoQA:
                 if isinstance(result, BaseException):
                     raise result
         return results
+
+    def catch_up_many(self, streams: Sequence[Stream], steps: int | None = None) -> None:
+        """`Stream.catch_up` for several streams of this VideoQA at once: their successors replay their backlogs
+        (all of each, or its first ``steps``) in waves of one step per stream, each wave one batched forward. Each
+        stream ends as if caught up alone (`statekv.api.handover`)."""
+        if isinstance(streams, (str, bytes)) or not isinstance(streams, Iterable):
+            raise InputError(f"catch_up_many takes a list of streams, got {type(streams).__name__}")
+        streams = list(streams)
+        for stream in streams:
+            if not isinstance(stream, Stream):
+                raise InputError(f"catch_up_many takes streams, got {type(stream).__name__}")
+            if stream.qa is not self:
+                raise InputError(f"catch_up_many: {stream.name} belongs to another VideoQA")
+        if steps is not None:
+            check_int(steps, "steps", minimum=1)
+        catch_up_streams(streams, steps)
 
     def ask_many(self, items: Sequence[tuple], *, return_exceptions: bool = False) -> list[str | Exception]:
         """Answer a question of each of several streams of this VideoQA together: the questions whose shapes allow

@@ -61,7 +61,8 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
     span = max((r.done for r in done), default=run.start) - run.start
     row = {"streams": run.streams, "fps": fps, "duration_s": duration, "frames_sent": len(frames),
            "frames_done": len(done), "frames_per_s": len(done) / span if span > 0 else 0.0,
-           "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "questions": len(asks),
+           "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "lag_p99_s": percentile(lags, 99),
+           "lag_max_s": max(lags, default=None), "questions": len(asks),
            "answers": len(answered)}
     for q in (50, 90, 95, 99):
         row[f"ttft_p{q}_s"] = percentile(ttfts, q)
@@ -85,13 +86,13 @@ def _seconds(value: float | None) -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The sweep as a markdown table."""
-    lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | "
-             "answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | goodput streams | failed | mean batch |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | lag max (s) | TTFT p50 (s) | TTFT p90 (s) | "
+             "TTFT p99 (s) | answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | goodput streams | failed | mean batch |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         cells = [str(row["streams"]), f"{row['fps']:g}", f"{row['frames_per_s']:.1f}"]
-        cells += [_seconds(row[name]) for name in ("lag_p50_s", "lag_p95_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                                                   "latency_p50_s", "latency_p90_s", "latency_p99_s")]
+        cells += [_seconds(row[name]) for name in ("lag_p50_s", "lag_p95_s", "lag_max_s", "ttft_p50_s", "ttft_p90_s",
+                                                   "ttft_p99_s", "latency_p50_s", "latency_p90_s", "latency_p99_s")]
         cells += [str(row["questions"]), str(row["goodput_streams"]), str(row["failures"]),
                   "-" if row["mean_batch"] is None else f"{row['mean_batch']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -14,11 +14,19 @@ fast it is answered, is not waited for; one that fell behind comes straight back
 Questions are taken together the same way: questions queued while the thread is busy (`queue_ask`) are answered by
 one drain, each stream's earliest (its later ones, in order, left to the next drain), and the questions to streams
 of one `VideoQA` among them are answered as the rows of one batch where their shapes allow
-(`VideoQA.ask_tokens_many`). Questions are not waited for: one that finds the thread free is answered at once."""
+(`VideoQA.ask_tokens_many`). Questions are not waited for: one that finds the thread free is answered at once.
+
+Quiet moments replay handover backlogs: a bounded stream keeps each step's embeddings until it passes the model's
+range, where its successor engine replays them all in the push that passes it (`statekv.api.handover`), a pause
+for every stream stepped with it. Once a pushed stream has taken half the range (`Stream.catch_up_due`), the thread,
+when it finds no push or question waiting, replays `CATCH_UP_STEPS` of its backlog, with those of other such
+streams of its `VideoQA` (`VideoQA.catch_up_many`: one batched forward), and looks again, so the push that passes
+the range replays only what came since the last quiet moment. Pushes never wait for more than one such slice."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -28,11 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("statekv.serve")
 ACTIVE_SECONDS = 0.25  # a stream that pushed this recently is expected to push again...
 BACK_TO_BACK = 4  # ...if one of its last pushes came within this many gathering waits of the answer before it
 GAPS_KEPT = 8
 IDLE_SECONDS = 30.0  # what is known of a stream that has not pushed for this long is forgotten
 GATHER_SECONDS = 0.005  # the longest a drain waits for such a stream's next push
+CATCH_UP_STEPS = 1  # backlog steps a quiet moment replays per stream before looking for work again
+CATCH_UP_STREAMS = 16  # streams whose backlogs one quiet moment replays together, at most
 
 
 class ModelExecutor(Protocol):
@@ -104,9 +115,10 @@ class ModelWorker:
     """One thread for all model work, first come first served; pushes that wait together step together, and
     questions that wait together are answered together.
 
-    ``batches``: times the thread took more than one queued push at once."""
+    ``batches``: times the thread took more than one queued push at once. ``catch_up_in_quiet``: replay handover
+    backlogs when nothing waits (see the module docstring); ``replayed_in_quiet``: backlog steps so replayed."""
 
-    def __init__(self, gather_seconds: float = GATHER_SECONDS):
+    def __init__(self, gather_seconds: float = GATHER_SECONDS, catch_up_in_quiet: bool = True):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="statekv-model")
         self.queued = 0
         self.batches = 0
@@ -119,6 +131,10 @@ class ModelWorker:
         self._last_push: dict[int, float] = {}  # id(stream) -> when its last push arrived, if it pushes back to back
         self._answered_at: dict[int, float] = {}  # id(stream) -> when its last push was answered
         self._gaps: dict[int, deque] = {}  # id(stream) -> its last pushes' times from the answer before them
+        self.catch_up_in_quiet = catch_up_in_quiet
+        self.replayed_in_quiet = 0
+        self._catching_up: dict[int, Any] = {}  # id(stream) -> a stream whose backlog quiet moments replay
+        self._quiet_queued = False
 
     async def run(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self.queued += 1
@@ -228,6 +244,11 @@ class ModelWorker:
 
         _settle_together(pushes, lambda qa, group: qa.push_many(
             [(push.stream, push.image, push.seconds) for push in group], return_exceptions=True), answered)
+        if self.catch_up_in_quiet:
+            due = [push.stream for push in pushes if getattr(push.stream, "catch_up_due", False)]
+            with self._arrived:
+                self._catching_up.update((id(stream), stream) for stream in due)
+                self._queue_quiet()
 
     def _taken_questions(self) -> list[_Question]:
         """Each stream's earliest waiting question; the later ones stay queued, in order, for the next drain."""
@@ -244,6 +265,37 @@ class ModelWorker:
     def _answer_questions(self) -> None:
         _settle_together(self._taken_questions(), lambda qa, group: qa.ask_tokens_many(
             [(asked.stream, asked.question, asked.kwargs) for asked in group], return_exceptions=True))
+        with self._arrived:
+            self._queue_quiet()
+
+    def _queue_quiet(self) -> None:
+        """Queue a quiet moment's replay when a stream has backlog to replay, none is queued and nothing waits.
+        Called with ``_arrived`` held."""
+        if self._catching_up and not self._quiet_queued and not self._pushes and not self._questions:
+            self._quiet_queued = True
+            self._pool.submit(self._catch_up_quietly)
+
+    def _catch_up_quietly(self) -> None:
+        """If nothing waits, replay `CATCH_UP_STEPS` of the backlogs of up to `CATCH_UP_STREAMS` streams of one
+        `VideoQA` together (`VideoQA.catch_up_many`: a batched forward per step; the streams take turns), then
+        queue the next quiet moment."""
+        with self._arrived:
+            self._quiet_queued = False
+            if self._pushes or self._questions or not self._catching_up:
+                return  # the drain that takes what waits queues the next one
+            qa = next(iter(self._catching_up.values())).qa
+            group = [key for key, stream in self._catching_up.items() if stream.qa is qa][:CATCH_UP_STREAMS]
+            streams = [self._catching_up.pop(key) for key in group]
+        try:
+            qa.catch_up_many(streams, CATCH_UP_STEPS)
+            self.replayed_in_quiet += CATCH_UP_STEPS * len(streams)
+        except Exception as error:  # noqa: BLE001 -- each stream's next push replays what is left, or says why
+            log.warning("the replay of %d streams' backlogs in a quiet moment failed: %s", len(streams), error)
+        with self._arrived:
+            for key, stream in zip(group, streams):
+                if getattr(stream, "catch_up_due", False):
+                    self._catching_up[key] = stream  # behind the others
+            self._queue_quiet()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -140,12 +140,24 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
 
 
-def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher) -> None:
+def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> None:
+    """The successors of ``videos`` replay their backlogs now, together (`EncodedVideo.catch_up`): all of each, or
+    its first ``steps``; a video past the range whose backlog is then replayed takes over."""
+    replay_backlogs(videos, StepBatcher(), waves=steps)
+    for video in videos:
+        if video.handover_due and not video.backlog.steps:  # a handover stopped in its replay: finished now
+            video.adopt_successor()
+        video.book_engines()
+
+
+def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher, waves: int | None = None) -> None:
     """Every video's successor replays its backlog (`EncodedVideo.replay_request`), in waves of one step per video
-    through ``batcher``, so the successors of several videos step together. A stopping signal waits for the wave
-    to end: a step replayed leaves its backlog with it."""
+    through ``batcher``, so the successors of several videos step together; at most ``waves`` waves (None: until
+    every backlog is replayed). A stopping signal waits for the wave to end: a step replayed leaves its backlog
+    with it."""
     replaying = list(videos)
-    while True:
+    while waves is None or waves > 0:
+        waves = None if waves is None else waves - 1
         requests = [(video, video.replay_request()) for video in replaying]
         requests = [(video, request) for video, request in requests if request is not None]
         if not requests:
