@@ -396,6 +396,19 @@ def test_streams_caught_up_together_are_each_caught_up_alone(checkpoint, referen
             qa.catch_up_many([first], steps=0)
 
 
+def test_catching_up_is_due_past_half_the_range_and_never_for_a_closed_stream(checkpoint):
+    qa = loaded(checkpoint, "handover")
+    with pushed(qa, FRAMES[:3]) as early:
+        assert early.backlog.steps and not early.catch_up_due  # a few frames into the range
+    stream = pushed(qa, FRAMES[:15])
+    assert stream.prefill.seen_tokens >= RANGE // 2 and stream.catch_up_due
+    steps = len(stream.backlog.steps)
+    stream.close()
+    assert not stream.catch_up_due
+    qa.catch_up_many([stream])  # closed meanwhile: left as it is
+    assert len(stream.backlog.steps) == steps and stream.handover == "beside"
+
+
 def test_streams_of_one_layout_pushed_together_after_others_are_placed_as_alone(checkpoint, references):
     """A pooled batch is kept per batch key and reused by the next streams of that key: streams of another layout,
     stepped together past the range first, must not lend it their placement."""

@@ -382,3 +382,13 @@ def test_a_waiting_push_goes_before_the_next_quiet_replay():
     finally:
         worker.close()
     assert log == ["push", "replay", "push", "replay", "replay"]
+
+
+@pytest.mark.parametrize("flags, quiet", [((), True), (("--no-quiet-catch-up",), False)])
+def test_the_command_line_says_whether_quiet_moments_replay_backlogs(tmp_path, flags, quiet):
+    from statekv.cli import build_parser
+    from statekv.commands.serve import serve_config
+
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path / "state"), "--api-key", "k", *flags])
+    config, _, _ = serve_config(args)
+    assert config.catch_up_in_quiet is quiet

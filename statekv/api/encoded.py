@@ -253,7 +253,7 @@ class EncodedVideo:
         """Whether a quiet moment should be spent on `catch_up`: the successor has steps to replay and the stream
         has taken at least `statekv.api.handover.CATCH_UP_SHARE` of the model's range (replaying from the start
         would hold the second detailed cache all along, for a stream that may never leave the range)."""
-        return (self.successor is not None and bool(self.backlog.steps)
+        return (self.successor is not None and not self.successor.closed and bool(self.backlog.steps)
                 and self.prefill.seen_tokens >= CATCH_UP_SHARE * trained_range(self.prefill.config))
 
     @property

@@ -142,7 +142,9 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
 
 def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> None:
     """The successors of ``videos`` replay their backlogs now, together (`EncodedVideo.catch_up`): all of each, or
-    its first ``steps``; a video past the range whose backlog is then replayed takes over."""
+    its first ``steps``; a video past the range whose backlog is then replayed takes over. A closed video is
+    left as it is."""
+    videos = [video for video in videos if not video.prefill.closed]
     replay_backlogs(videos, StepBatcher(), waves=steps)
     for video in videos:
         if video.handover_due and not video.backlog.steps:  # a handover stopped in its replay: finished now
