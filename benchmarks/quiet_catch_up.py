@@ -43,16 +43,16 @@ def run_once(qa, quiet: bool, streams: int, args, folder: Path) -> dict:
     from statekv.bench.server import InProcessServer
 
     out = folder / f"{'quiet' if quiet else 'at-range'}-{time.monotonic_ns()}.json"
-    with InProcessServer(qa, catch_up_in_quiet=quiet) as server:
+    with InProcessServer(qa, quiet_catch_up=quiet) as server:
         command = [sys.executable, "-m", "statekv.cli", "bench", "serve", "--url", server.url, "--api-key",
                    server.key, "--streams", str(streams), "--fps", str(args.fps), "--duration",
                    str(args.duration), "--json", str(out), "--quiet"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        replayed = server_metric(server, "statekv_quiet_replayed_steps_total")
+        replayed = server_metric(server, "statekv_quiet_catch_up_steps_total")
     if result.returncode != 0:
         raise RuntimeError(f"statekv bench serve exited {result.returncode}: {result.stderr.strip()[-300:]}")
     row = json.loads(out.read_text())["results"][0]
-    return {**{name: row[name] for name in FIELDS}, "quiet_replayed": replayed}
+    return {**{name: row[name] for name in FIELDS}, "quiet_catch_up_steps": replayed}
 
 
 def server_metric(server, name: str) -> float | None:
@@ -106,7 +106,7 @@ def main() -> None:
             lines.append(f"| {streams} | {name} | {index + 1} | {row['frames_per_s']:.1f} | " + " | ".join(
                 cell(row[field]) for field in ("lag_p50_s", "lag_p95_s", "lag_p99_s", "lag_max_s", "ttft_p50_s",
                                                "ttft_p99_s")) + f" | {row['failures']} | "
-                         f"{'-' if row['quiet_replayed'] is None else int(row['quiet_replayed'])} |")
+                         f"{'-' if row['quiet_catch_up_steps'] is None else int(row['quiet_catch_up_steps'])} |")
     body = "\n".join(lines)
     print(body)
     if args.out is not None:

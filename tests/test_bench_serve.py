@@ -70,6 +70,10 @@ def test_a_camera_counts_in_goodput_when_held_at_real_time_with_its_ttft_under_t
     assert row["frames_done"] == 79 and row["questions"] == 3 and row["mean_batch"] == 2.5
     assert row["mean_question_batch"] == 1.5
     assert row["ttft_p50_s"] == pytest.approx(0.2) and row["lag_p50_s"] == pytest.approx(0.1)
+    spread = summarize(_run([Request("frame", 0, due=k, sent=k, done=k + (k + 1) / 100) for k in range(100)]),
+                       1.0, 100.0, targets, None)  # lags 0.01 to 1.00 s
+    assert [spread[f"lag_{name}_s"] for name in ("p50", "p95", "p99", "max")] == pytest.approx(
+        [0.505, 0.9505, 0.9901, 1.0])
     assert not held_all(row) and held_all(summarize(_run(_frames(0, 0.1)), 1.0, 20.0, targets, None))
     assert set(FIELDS) <= set(row) and "| 4 | 1 |" in table([row])
 

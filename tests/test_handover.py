@@ -115,7 +115,7 @@ def test_past_the_range_it_is_the_cache_layout_stream(checkpoint, references):
 
 @pytest.mark.parametrize("count, caught_up, settings", [
     (3, 0, {}), (3, 2, {}), (3, 3, {}), (30, 0, {}),
-    (3, 2, {"max_cache_bytes": 1_300_000, "cache_limit": "evict-oldest", "offload": True}),
+    (3, 2, {"max_cache_bytes": 1_400_000, "cache_limit": "evict-oldest", "offload": True}),
 ])
 def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, count, caught_up, settings):
     """``caught_up``: frames pushed before `catch_up` (the successor saved with the steps it replayed)."""
@@ -154,12 +154,13 @@ def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkp
 def test_under_a_cache_cap_that_holds_it_twice_it_hands_over_and_keeps_to_the_cap(checkpoint):
     """Both engines and the backlog stay under the cap at every push (the handover's included), and past the range
     the stream evicts as the cache-layout stream under the same cap does."""
-    cap = {"max_cache_bytes": 1_300_000, "cache_limit": "evict-oldest", "offload": True}
-    frames = random_frames(70, seed=3, height=32, width=32)
+    cap = {"max_cache_bytes": 1_400_000, "cache_limit": "evict-oldest", "offload": True}
+    frames = random_frames(80, seed=3, height=32, width=32)
     with loaded(checkpoint, "handover", **cap).stream() as stream, \
             pushed(loaded(checkpoint, "cache", **cap), frames) as reference:
         for frame in frames:
             stream.push(frame)
+            stream.catch_up()  # the successor as full as it gets: the cap still holds the next step
             held = sum(engine.keeper.held_bytes for engine in stream.engines) + stream.backlog.nbytes
             assert held <= cap["max_cache_bytes"]
         assert stream.handover == "handed over" and stream.stats.evicted_frames > 0
@@ -167,6 +168,19 @@ def test_under_a_cache_cap_that_holds_it_twice_it_hands_over_and_keeps_to_the_ca
         assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
         assert (stream.ask(QUESTION, max_new_tokens=4, retrieve=2)
                 == reference.ask(QUESTION, max_new_tokens=4, retrieve=2))
+
+
+def test_a_cap_too_small_for_two_caches_leaves_the_successor_at_the_first_frame_or_on_resuming(checkpoint, tmp_path):
+    """What the stream will hold at its handover is known at its first frame step; a stream saved without a cap
+    and resumed under one too small for two caches leaves its successor as it is loaded."""
+    with pushed(loaded(checkpoint, "handover", max_cache_bytes=900_000), FRAMES[:1]) as stream:
+        assert stream.successor is None and "cannot hold its detailed cache twice" in stream.handover
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        stream.catch_up(2)
+        path = stream.save(tmp_path / "s.safetensors")
+    with Stream.load(path, loaded(checkpoint, "handover", max_cache_bytes=120_000)) as resumed:
+        assert resumed.successor is None and "cannot hold its detailed cache twice" in resumed.handover
+        assert not resumed.backlog.steps
 
 
 def test_a_successor_whose_replay_fails_is_dropped_and_the_stream_goes_on(checkpoint, references):
@@ -396,17 +410,18 @@ def test_streams_caught_up_together_are_each_caught_up_alone(checkpoint, referen
             qa.catch_up_many([first], steps=0)
 
 
-def test_catching_up_is_due_past_half_the_range_and_never_for_a_closed_stream(checkpoint):
+def test_catching_up_is_due_past_half_the_range_and_refused_for_a_closed_stream(checkpoint):
     qa = loaded(checkpoint, "handover")
     with pushed(qa, FRAMES[:3]) as early:
         assert early.backlog.steps and not early.catch_up_due  # a few frames into the range
     stream = pushed(qa, FRAMES[:15])
     assert stream.prefill.seen_tokens >= RANGE // 2 and stream.catch_up_due
-    steps = len(stream.backlog.steps)
     stream.close()
-    assert not stream.catch_up_due
-    qa.catch_up_many([stream])  # closed meanwhile: left as it is
-    assert len(stream.backlog.steps) == steps and stream.handover == "beside"
+    assert not stream.catch_up_due and not stream.backlog.steps and stream.backlog.nbytes == 0  # let go
+    with pytest.raises(InputError, match="this stream was closed"):
+        qa.catch_up_many([stream])
+    with pytest.raises(InputError, match="this stream was closed"):
+        stream.catch_up()
 
 
 def test_streams_of_one_layout_pushed_together_after_others_are_placed_as_alone(checkpoint, references):
@@ -477,21 +492,23 @@ def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_
     stream = loaded(checkpoint, "handover").stream()
     push = {"before": lambda: 0, "after": lambda context, kept: kept}
 
+    async def caught_up() -> None:  # the next frame comes once quiet moments replayed the backlog
+        deadline = time.monotonic() + 10
+        while stream.catch_up_due and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     async def camera() -> None:
         for frame in FRAMES:
             await worker.push(stream, frame, None, **push)
-            await asyncio.sleep(0.03)  # the next frame is not there yet
+            await caught_up()
 
     caplog.set_level(logging.INFO, logger="statekv")
     try:
         asyncio.run(camera())
-        deadline = time.monotonic() + 5
-        while stream.catch_up_due and time.monotonic() < deadline:
-            time.sleep(0.01)
     finally:
         worker.close()
     with stream:
         replayed = [int(n) for n in re.findall(r"its successor replays (\d+) steps", caplog.text)]
-        assert len(replayed) == 1 and replayed[0] <= 2 < worker.replayed_in_quiet
+        assert replayed == [1] and worker.quiet_catch_up_steps > 0  # without them, every step of the range
         assert stream.handover == "handed over"
         assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)

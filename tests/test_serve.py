@@ -566,6 +566,8 @@ def test_sixteen_concurrent_clients_get_the_answers_of_streams_alone(server, qa)
     assert "statekv_frames_total" in metrics and "statekv_ask_seconds_bucket" in metrics
     batched = re.search(r"^statekv_batched_steps_total (\S+)$", metrics, re.MULTILINE)
     assert batched and float(batched.group(1)) > 0  # some streams' steps ran in one forward
+    quiet = re.search(r"^statekv_quiet_catch_up_steps_total (\S+)$", metrics, re.MULTILINE)
+    assert quiet and float(quiet.group(1)) == 0  # no stream came near the model's range
 
 
 def test_limits_answer_429_with_retry_after(server):

@@ -26,8 +26,8 @@ from ..core.positions.placing import choose_positions, trained_range
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, over_cap, own_engine, successor_engine,
-                       why_alone)
+from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover, over_cap, own_engine,
+                       successor_engine, why_alone)
 from .stats import AnswerInfo, EncodingStats
 from ..errors import InputError
 from ..core.answering.decoding import Prompt
@@ -246,14 +246,14 @@ class EncodedVideo:
         goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
-        catch_up_together([self], steps)
+        catch_up_together([self], steps)  # (its count is `VideoQA.catch_up_many`'s to return)
 
     @property
     def catch_up_due(self) -> bool:
         """Whether a quiet moment should be spent on `catch_up`: the successor has steps to replay and the stream
         has taken at least `statekv.api.handover.CATCH_UP_SHARE` of the model's range (replaying from the start
         would hold the second detailed cache all along, for a stream that may never leave the range)."""
-        return (self.successor is not None and not self.successor.closed and bool(self.backlog.steps)
+        return (self.successor is not None and not self.prefill.closed and bool(self.backlog.steps)
                 and self.prefill.seen_tokens >= CATCH_UP_SHARE * trained_range(self.prefill.config))
 
     @property
@@ -290,20 +290,30 @@ class EncodedVideo:
             return
         first, self.prefill, self.successor = self.prefill, self.successor, None
         self.handover = "handed over"
-        self._evictions_counted = len(self.prefill.evictions)  # none: the cap held both engines (`keep_to_cap`)
+        self._evictions_counted = len(self.prefill.evictions)  # none: the cap holds both engines (`keep_to_cap`)
         self.qa.step_scheduler.release(first)
         first.close()
         self.book_engines()
 
-    def keep_to_cap(self) -> None:
-        """Under a cache cap, drop the successor once the cap could not hold both engines at the handover
-        (`statekv.api.handover.over_cap`)."""
+    def keep_to_cap(self, span: int = 0) -> None:
+        """Under a cache cap, drop the successor when the cap could not hold both engines at the handover after a
+        step of ``span`` tokens (0: as they are; `statekv.api.handover.over_cap`). Checked before each step, so
+        the cap holds whatever the successor replays meanwhile."""
         keeper = self.prefill.keeper
-        if self.successor is not None and keeper is not None:
-            why = over_cap(self.engine.cache_cap, keeper.held_bytes, bool(self.prefill.evictions),
-                           self.backlog.nbytes)
-            if why is not None:
-                self.drop_successor(why)
+        if self.successor is None or keeper is None:
+            return
+        held = keeper.held_bytes
+        if span:
+            held += span * keeper.bytes_per_token + keeper.bytes_per_step + keeper.other_bytes()[1]
+        why = over_cap(self.engine.cache_cap, held, (self.prefill.seen_tokens + span) * self._embedding_bytes)
+        if why is not None:
+            self.drop_successor(why)
+
+    @property
+    def _embedding_bytes(self) -> int:
+        """Bytes of one token's embeddings, as the backlog keeps them."""
+        weight = self.adapter.language_embeddings.weight
+        return weight.shape[1] * weight.element_size()
 
     def drop_successor(self, why: str, *, warn: bool = True) -> None:
         """The video streams on as ``own-then-cache`` alone (``handover`` says ``why``), its successor closed;
@@ -326,9 +336,10 @@ class EncodedVideo:
         return self.state.frames
 
     def close(self) -> None:
-        """Release the caches and give the model back its own RoPE."""
+        """Release the caches and the backlog, and give the model back its own RoPE."""
         for prefill in self.engines:
             prefill.close()
+        self.backlog = self.new_backlog()
 
     def __enter__(self) -> "EncodedVideo":
         return self
@@ -408,9 +419,14 @@ class EncodedVideo:
         span = chunk.inputs_embeds.shape[1]
         if self.successor is not None and chunk.frames and span != self._placed_span:
             unplaced = cannot_place(self.successor.policy, self.successor.config, span, self._video_tokens)
+            keeper = self.prefill.keeper
+            if unplaced is None and keeper is not None:  # what it holds at its handover, known now
+                unplaced = over_cap(self.engine.cache_cap, *held_at_handover(
+                    self.prefill.config, span, keeper.bytes_per_token, keeper.bytes_per_step, self._embedding_bytes))
             self._placed_span = span
             if unplaced is not None:
                 self.drop_successor(unplaced, warn=False)
+        self.keep_to_cap(span)
         return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,
                                               forward_kwargs=dict(chunk.forward_kwargs), durable_record=record),
                            encoded)
@@ -428,7 +444,6 @@ class EncodedVideo:
                 self.drop_successor("its steps carry positions or inputs of their own, which a replay would lose")
             else:
                 self.backlog.add(chunk.inputs_embeds)
-                self.keep_to_cap()
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         evicted = self.prefill.evictions[self._evictions_counted:]

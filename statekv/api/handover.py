@@ -21,9 +21,10 @@ or in a ring (not full attention), 1-D RoPE (not M-RoPE) and a detailed cache in
 tier, whose file set is the stream's durable record). At the first frame step, whose size is then known,
 `cannot_place` leaves it behind where no step could take the stream past its engine's ceiling, or where the
 carried state and a step do not fit the range in cache order. Under a cache cap each engine keeps to the cap, and
-the successor stays only while the cap could hold the stream's steps twice with the backlog (`over_cap`, checked
-after every step): so the cap holds both engines at the handover, and the successor, which then holds what the
-first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
+the successor stays only while the cap could hold the stream's steps twice with the backlog (`over_cap`: at the
+first frame step for what the stream will hold at its handover, `held_at_handover`, then before every step): so
+the cap holds both engines whatever the successor replays meanwhile, and the successor, which at the handover
+holds what the first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
 ``own-then-cache`` alone; `EncodedVideo.handover` says which and why.
 """
 
@@ -81,20 +82,27 @@ def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, video_to
     return None
 
 
-def over_cap(cap: CacheLimit | None, held: int, evicted: bool, backlog: int) -> str | None:
-    """Why a successor cannot stay beside a stream under the cache cap ``cap`` whose engine holds ``held`` bytes
-    under it (``evicted``: it evicted a step) and whose backlog takes ``backlog`` bytes; None when it can. At the
-    handover both engines hold the stream's steps (the successor replays them all beside the first), so the
-    cap must hold them twice, with the backlog, for the cap to stay hard; and a stream that evicted a step is no
-    longer what the successor would replay."""
-    if cap is None:
+def over_cap(cap: CacheLimit | None, held: int, embeddings: int) -> str | None:
+    """Why a successor cannot stay beside a stream under the cache cap ``cap`` once the stream's engine holds
+    ``held`` bytes under it and its steps' embeddings take ``embeddings`` bytes (every step's, replayed or not, so
+    that when the backlog was replayed never decides); None when it can. At the handover both engines hold the
+    stream's steps (the successor replays them all beside the first), so the cap must hold them twice with the
+    backlog for the cap to stay hard. Then the stream's engine never reaches the cap, and never evicts, while its
+    successor is beside it."""
+    if cap is None or 2 * held + embeddings <= cap.max_bytes:
         return None
-    if evicted:
-        return f"its detailed cache reached max_cache_bytes={format_bytes(cap.max_bytes)} before its handover"
-    if 2 * held + backlog > cap.max_bytes:
-        return (f"max_cache_bytes={format_bytes(cap.max_bytes)} cannot hold its detailed cache twice "
-                f"({format_bytes(held)} each) with the backlog, as its handover would")
-    return None
+    return (f"max_cache_bytes={format_bytes(cap.max_bytes)} cannot hold its detailed cache twice "
+            f"({format_bytes(held)} each) with the backlog, as its handover would")
+
+
+def held_at_handover(config: Any, span: int, bytes_per_token: int, bytes_per_step: int, embedding_bytes: int
+                     ) -> tuple[int, int]:
+    """At least what a stream whose frame steps take ``span`` tokens holds at its handover, as `over_cap` counts
+    it: the detailed cache's bytes (``bytes_per_token``, ``bytes_per_step`` as its cap counts them) and every step's
+    embeddings (``embedding_bytes`` a token): its engine's ceiling and the step past it."""
+    limit = trained_range(config)
+    tokens = OwnThenCache().ceiling(span, 0, limit) + span
+    return tokens * bytes_per_token + tokens // span * bytes_per_step, tokens * embedding_bytes
 
 
 def cannot_place(policy: CarryPolicy, config: Any, span: int, video_tokens: int | None) -> str | None:

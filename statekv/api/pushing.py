@@ -43,14 +43,14 @@ def push_together(scheduler: StepScheduler, items: Sequence[Any], *, return_exce
     return results
 
 
-def catch_up_streams(streams: Sequence[Stream], steps: int | None = None) -> None:
+def catch_up_streams(streams: Sequence[Stream], steps: int | None = None) -> int:
     """`VideoQA.catch_up_many`: each stream's lock held (taken in one order for every caller), their successors
-    replay their backlogs together (`statekv.steps.jobs.catch_up_together`)."""
+    replay their backlogs together (`statekv.steps.jobs.catch_up_together`); the steps replayed."""
     ordered = sorted({id(stream): stream for stream in streams}.values(), key=id)
     with whole(), torch.no_grad(), contextlib.ExitStack() as held:
         for stream in ordered:
             held.enter_context(stream.lock)
-        catch_up_together(ordered, steps)
+        return catch_up_together(ordered, steps)
 
 
 def _checked_item(item: Any) -> tuple:

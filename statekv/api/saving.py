@@ -139,6 +139,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
             stream.handover = "handed over"
         resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path)
         stream.prefill.load_state_dict(cache, metadata["cache"])
+        stream.keep_to_cap()  # resumed under a smaller cap than it was saved with, it may no longer keep one
     except InputError as error:
         stream.close()
         raise InputError(error.args[0] if str(error).startswith(str(path)) else f"{path}: {error}") from None

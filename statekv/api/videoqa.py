@@ -309,10 +309,11 @@ class VideoQA:
                     raise result
         return results
 
-    def catch_up_many(self, streams: Sequence[Stream], steps: int | None = None) -> None:
+    def catch_up_many(self, streams: Sequence[Stream], steps: int | None = None) -> int:
         """`Stream.catch_up` for several streams of this VideoQA at once: their successors replay their backlogs
-        (all of each, or its first ``steps``) in waves of one step per stream, each wave one batched forward. Each
-        stream ends as if caught up alone (`statekv.api.handover`)."""
+        (all of each, or its first ``steps``) in waves of one step per stream, each wave batched as pushes are
+        (`statekv.core.step.batching`). Each stream ends as if caught up alone (`statekv.api.handover`). Returns
+        the steps replayed; a closed stream is refused in one line before any is."""
         if isinstance(streams, (str, bytes)) or not isinstance(streams, Iterable):
             raise InputError(f"catch_up_many takes a list of streams, got {type(streams).__name__}")
         streams = list(streams)
@@ -323,7 +324,7 @@ class VideoQA:
                 raise InputError(f"catch_up_many: {stream.name} belongs to another VideoQA")
         if steps is not None:
             check_int(steps, "steps", minimum=1)
-        catch_up_streams(streams, steps)
+        return catch_up_streams(streams, steps)
 
     def ask_many(self, items: Sequence[tuple], *, return_exceptions: bool = False) -> list[str | Exception]:
         """Answer a question of each of several streams of this VideoQA together: the questions whose shapes allow

@@ -114,9 +114,9 @@ class InProcessServer:
     block: ``url`` and ``key`` once it listens. Drive it from another process (``statekv bench serve --url``) so the
     load generator does not share this process's interpreter with the server."""
 
-    def __init__(self, qa, *, max_streams: int = 1024, start_timeout: float = 120.0, catch_up_in_quiet: bool = True):
+    def __init__(self, qa, *, max_streams: int = 1024, start_timeout: float = 120.0, quiet_catch_up: bool = True):
         self.qa, self.max_streams, self.start_timeout = qa, max_streams, start_timeout
-        self.catch_up_in_quiet = catch_up_in_quiet
+        self.quiet_catch_up = quiet_catch_up
         self.key = secrets.token_hex(24)  # hex: never read as a flag (a key starting with "-" would be)
         self.url: str | None = None
         self._server = None
@@ -133,7 +133,7 @@ class InProcessServer:
         self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
         config = ServeConfig(options=self.qa.options, state_dir=Path(self._folder.name) / "state",
                              api_keys=(self.key,), max_streams=self.max_streams, max_asks=self.max_streams * 4,
-                             page=False, catch_up_in_quiet=self.catch_up_in_quiet)
+                             page=False, quiet_catch_up=self.quiet_catch_up)
         app = create_app(config, self.qa)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="statekv-bench-server", daemon=True)

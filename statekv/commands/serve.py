@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--save-every-seconds", type=POSITIVE_FLOAT, default=30.0, metavar="S",
                        help="save a stream whose frames have been unsaved for S seconds (default: 30)")
     group.add_argument("--no-page", dest="page", action="store_false", help="serve the API only, no page at /")
-    group.add_argument("--no-quiet-catch-up", dest="catch_up_in_quiet", action="store_false",
+    group.add_argument("--no-quiet-catch-up", dest="quiet_catch_up", action="store_false",
                        help="replay a stream's handover backlog only in the push that passes the model's range "
                             "(default: also while no push or question waits, once it has taken half the range)")
     ray = parser.add_argument_group("on a Ray cluster (Ray Serve; see docs/serving.md)")
@@ -227,7 +227,7 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
                          drop_unowned_streams=args.drop_unowned_streams, max_streams=args.max_streams,
                          max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
-                         page=args.page, catch_up_in_quiet=args.catch_up_in_quiet)
+                         page=args.page, quiet_catch_up=args.quiet_catch_up)
     return config, made, keys, pending
 
 

@@ -75,7 +75,7 @@ class Service:
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.batched_steps, self.registry.batch_sizes,
                                self.registry.question_batch_sizes,
-                               lambda: getattr(self.worker, "replayed_in_quiet", 0))
+                               lambda: getattr(self.worker, "quiet_catch_up_steps", 0))
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
@@ -140,7 +140,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
         from ..api.videoqa import VideoQA
 
         qa = VideoQA.from_options(config.options)
-    service = Service(config, qa, worker or ModelWorker(catch_up_in_quiet=config.catch_up_in_quiet), keys, hosting)
+    service = Service(config, qa, worker or ModelWorker(quiet_catch_up=config.quiet_catch_up), keys, hosting)
     restored = service.registry.restore(keys.owners)
     if restored:
         log.info("restored %d streams from %s", restored, config.state_dir)

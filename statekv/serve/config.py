@@ -23,7 +23,7 @@ class ServeConfig:
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
     default_horizon_frames, default_max_fps: for streams created without them (horizon None: no horizon, the
-    stream never ends; its positions are bounded, see `statekv.core.positions.placing`). catch_up_in_quiet:
+    stream never ends; its positions are bounded, see `statekv.core.positions.placing`). quiet_catch_up:
     replay the handover backlogs of streams past half the model's range when no push or question waits
     (`statekv.serve.worker`), rather than all at once in the push that passes the range.
     """
@@ -43,5 +43,5 @@ class ServeConfig:
     default_max_fps: float | None = 1.0
     max_chat_frames: int = 512
     page: bool = True
-    catch_up_in_quiet: bool = True
+    quiet_catch_up: bool = True
     extra: dict = field(default_factory=dict)

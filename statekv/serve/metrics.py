@@ -1,7 +1,7 @@
 """Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency, and
 how many streams' steps each language-model forward took (``statekv_step_batch_size``), how many questions each
 answering batch took (``statekv_question_batch_size``) and how many handover backlog steps quiet moments replayed
-(``statekv_quiet_replayed_steps_total``)."""
+(``statekv_quiet_catch_up_steps_total``)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
                  batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Counter] | None = None,
                  question_batch_sizes: Callable[[], Counter] | None = None,
-                 quiet_replays: Callable[[], int] | None = None):
+                 quiet_catch_up_steps: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
             self.registry.register(_ReadCounter(BATCHED_STEPS, batched_steps))
-        if quiet_replays is not None:
-            self.registry.register(_ReadCounter(QUIET_REPLAYS, quiet_replays))
+        if quiet_catch_up_steps is not None:
+            self.registry.register(_ReadCounter(QUIET_CATCH_UP, quiet_catch_up_steps))
         if batch_sizes is not None:
             self.registry.register(_BatchSizes(batch_sizes, STEP_BATCH))
         if question_batch_sizes is not None:
@@ -62,12 +62,12 @@ class Metrics:
 
 
 BATCHED_STEPS = ("statekv_batched_steps", "language-model forwards that stepped several streams together")
-QUIET_REPLAYS = ("statekv_quiet_replayed_steps", "handover backlog steps replayed while no push or question waited")
+QUIET_CATCH_UP = ("statekv_quiet_catch_up_steps", "handover backlog steps replayed while no push or question waited")
 
 
 class _ReadCounter:
     """A counter read when scraped (``name``, ``help``): ``statekv_batched_steps_total`` from the models' step
-    schedulers, ``statekv_quiet_replayed_steps_total`` from the model worker."""
+    schedulers, ``statekv_quiet_catch_up_steps_total`` from the model worker."""
 
     def __init__(self, named: tuple[str, str], count: Callable[[], int]):
         self.named, self.count = named, count

@@ -20,8 +20,9 @@ Quiet moments replay handover backlogs: a bounded stream keeps each step's embed
 range, where its successor engine replays them all in the push that passes it (`statekv.api.handover`), a pause
 for every stream stepped with it. Once a pushed stream has taken half the range (`Stream.catch_up_due`), the thread,
 when it finds no push or question waiting, replays `CATCH_UP_STEPS` of its backlog, with those of other such
-streams of its `VideoQA` (`VideoQA.catch_up_many`: one batched forward), and looks again, so the push that passes
-the range replays only what came since the last quiet moment. Pushes never wait for more than one such slice."""
+streams of its `VideoQA` (`VideoQA.catch_up_many`, batched as their pushes are), and looks again, so the push that
+passes the range replays only what came since the last quiet moment (all of it where quiet moments were too few
+to keep up). Pushes never wait for more than one such slice."""
 
 from __future__ import annotations
 
@@ -115,10 +116,10 @@ class ModelWorker:
     """One thread for all model work, first come first served; pushes that wait together step together, and
     questions that wait together are answered together.
 
-    ``batches``: times the thread took more than one queued push at once. ``catch_up_in_quiet``: replay handover
-    backlogs when nothing waits (see the module docstring); ``replayed_in_quiet``: backlog steps so replayed."""
+    ``batches``: times the thread took more than one queued push at once. ``quiet_catch_up``: replay handover
+    backlogs when nothing waits (see the module docstring); ``quiet_catch_up_steps``: backlog steps so replayed."""
 
-    def __init__(self, gather_seconds: float = GATHER_SECONDS, catch_up_in_quiet: bool = True):
+    def __init__(self, gather_seconds: float = GATHER_SECONDS, quiet_catch_up: bool = True):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="statekv-model")
         self.queued = 0
         self.batches = 0
@@ -131,8 +132,8 @@ class ModelWorker:
         self._last_push: dict[int, float] = {}  # id(stream) -> when its last push arrived, if it pushes back to back
         self._answered_at: dict[int, float] = {}  # id(stream) -> when its last push was answered
         self._gaps: dict[int, deque] = {}  # id(stream) -> its last pushes' times from the answer before them
-        self.catch_up_in_quiet = catch_up_in_quiet
-        self.replayed_in_quiet = 0
+        self.quiet_catch_up = quiet_catch_up
+        self.quiet_catch_up_steps = 0
         self._catching_up: dict[int, Any] = {}  # id(stream) -> a stream whose backlog quiet moments replay
         self._quiet_queued = False
 
@@ -244,10 +245,11 @@ class ModelWorker:
 
         _settle_together(pushes, lambda qa, group: qa.push_many(
             [(push.stream, push.image, push.seconds) for push in group], return_exceptions=True), answered)
-        if self.catch_up_in_quiet:
-            due = [push.stream for push in pushes if getattr(push.stream, "catch_up_due", False)]
+        if self.quiet_catch_up:  # the streams to catch up, those pushed now with them, less any no longer due
+            streams = {**self._catching_up, **{id(push.stream): push.stream for push in pushes}}
             with self._arrived:
-                self._catching_up.update((id(stream), stream) for stream in due)
+                self._catching_up = {key: stream for key, stream in streams.items()
+                                     if getattr(stream, "catch_up_due", False)}  # closed, handed over: let go
                 self._queue_quiet()
 
     def _taken_questions(self) -> list[_Question]:
@@ -277,8 +279,8 @@ class ModelWorker:
 
     def _catch_up_quietly(self) -> None:
         """If nothing waits, replay `CATCH_UP_STEPS` of the backlogs of up to `CATCH_UP_STREAMS` streams of one
-        `VideoQA` together (`VideoQA.catch_up_many`: a batched forward per step; the streams take turns), then
-        queue the next quiet moment."""
+        `VideoQA` together (`VideoQA.catch_up_many`: batched as pushes are; the streams take turns), then queue the
+        next quiet moment."""
         with self._arrived:
             self._quiet_queued = False
             if self._pushes or self._questions or not self._catching_up:
@@ -287,10 +289,10 @@ class ModelWorker:
             group = [key for key, stream in self._catching_up.items() if stream.qa is qa][:CATCH_UP_STREAMS]
             streams = [self._catching_up.pop(key) for key in group]
         try:
-            qa.catch_up_many(streams, CATCH_UP_STEPS)
-            self.replayed_in_quiet += CATCH_UP_STEPS * len(streams)
+            self.quiet_catch_up_steps += qa.catch_up_many(streams, CATCH_UP_STEPS)
         except Exception as error:  # noqa: BLE001 -- each stream's next push replays what is left, or says why
             log.warning("the replay of %d streams' backlogs in a quiet moment failed: %s", len(streams), error)
+            streams = []  # not tried again until pushed again: an error that stays would spin here
         with self._arrived:
             for key, stream in zip(group, streams):
                 if getattr(stream, "catch_up_due", False):

@@ -140,34 +140,38 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
 
 
-def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> None:
+def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
     """The successors of ``videos`` replay their backlogs now, together (`EncodedVideo.catch_up`): all of each, or
-    its first ``steps``; a video past the range whose backlog is then replayed takes over. A closed video is
-    left as it is."""
-    videos = [video for video in videos if not video.prefill.closed]
-    replay_backlogs(videos, StepBatcher(), waves=steps)
+    its first ``steps``; a video past the range whose backlog is then replayed takes over. Returns the steps
+    replayed."""
+    for video in videos:
+        video.prefill.check_open()
+    replayed = replay_backlogs(videos, StepBatcher(), waves=steps)
     for video in videos:
         if video.handover_due and not video.backlog.steps:  # a handover stopped in its replay: finished now
             video.adopt_successor()
         video.book_engines()
+    return replayed
 
 
-def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher, waves: int | None = None) -> None:
+def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher, waves: int | None = None) -> int:
     """Every video's successor replays its backlog (`EncodedVideo.replay_request`), in waves of one step per video
     through ``batcher``, so the successors of several videos step together; at most ``waves`` waves (None: until
     every backlog is replayed). A stopping signal waits for the wave to end: a step replayed leaves its backlog
-    with it."""
-    replaying = list(videos)
+    with it. Returns the steps replayed (a step that failed, dropping its video's successor, is not one)."""
+    replaying, replayed = list(videos), 0
     while waves is None or waves > 0:
         waves = None if waves is None else waves - 1
         requests = [(video, video.replay_request()) for video in replaying]
         requests = [(video, request) for video, request in requests if request is not None]
         if not requests:
-            return
+            break
         with whole():
             for (video, _), outcome in zip(requests, batcher.step([request for _, request in requests])):
                 video.replayed(outcome)
+                replayed += not isinstance(outcome, Exception)
         replaying = [video for video, _ in requests]
+    return replayed
 
 
 def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:
