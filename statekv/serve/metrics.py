@@ -6,8 +6,8 @@ answering batch took (``statekv_question_batch_size``) and how many handover bac
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections import deque
-from collections import Counter
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,8 +19,8 @@ RATE_WINDOW_SECONDS = 10.0
 
 class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
-                 batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Counter] | None = None,
-                 question_batch_sizes: Callable[[], Counter] | None = None,
+                 batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Tally] | None = None,
+                 question_batch_sizes: Callable[[], Tally] | None = None,
                  quiet_catch_up_steps: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
@@ -94,7 +94,7 @@ class _BatchSizes:
     ``statekv_question_batch_size``, the questions each answering batch took (1: a question answered alone), from
     the models' ``question_batch_sizes``. Its ``_sum`` over its ``_count`` is the mean batch."""
 
-    def __init__(self, sizes: Callable[[], Counter], named: tuple[str, str]):
+    def __init__(self, sizes: Callable[[], Tally], named: tuple[str, str]):
         self.sizes = sizes
         self.name, self.help = named
 
