@@ -303,21 +303,25 @@ class _Behind(_Stream):
     """A stream with ``backlog`` steps its successor has yet to replay, due in quiet moments; ``log`` records each
     replay (and the `_Logged` pushes) in the order the model's thread ran them."""
 
-    def __init__(self, qa, backlog: int, log: list[str], replaying: threading.Event | None = None):
+    def __init__(self, qa, backlog: int, log: list[str], replaying: threading.Event | None = None, *,
+                 name: str = "replay", failures: int = 0):
         super().__init__(qa)
-        self.backlog, self.log, self.replaying = backlog, log, replaying
+        self.backlog, self.log, self.replaying, self.name, self.failures = backlog, log, replaying, name, failures
         self.entered = threading.Event()  # a replay began
-        self.name = "behind"
+        self.closed = False
 
     @property
     def catch_up_due(self) -> bool:
-        return self.backlog > 0
+        return self.backlog > 0 and not self.closed
 
     def catch_up(self, steps=None):
         self.entered.set()
         if self.replaying is not None:
             self.replaying.wait(5)
-        self.log.append("replay")
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the device is gone")
+        self.log.append(self.name)
         self.backlog -= steps
 
 
@@ -392,3 +396,45 @@ def test_the_command_line_says_whether_quiet_moments_replay_backlogs(tmp_path, f
     args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path / "state"), "--api-key", "k", *flags])
     config, _, _ = serve_config(args)
     assert config.quiet_catch_up is quiet
+
+
+def test_quiet_moments_take_each_model_in_turn_and_let_go_of_streams_no_longer_due():
+    """Streams of two models take turns, a step each; a stream closed after its push is never replayed."""
+    log: list[str] = []
+    replaying = threading.Event()
+    first, second = _Logged(log), _Logged(log)
+    worker = ModelWorker(gather_seconds=0.0)
+    a = _Behind(first, 2, log, replaying, name="a")
+    b, c = _Behind(second, 2, log, name="b"), _Behind(second, 2, log, name="c")
+    push = {"before": lambda: 0, "after": lambda context, kept: kept}
+
+    async def run() -> None:
+        await asyncio.gather(*(worker.queue_push(stream, None, None, **push) for stream in (a, b, c)))
+        assert await asyncio.to_thread(a.entered.wait, 5)  # the first quiet moment is a's, and waits
+        b.closed = True
+        replaying.set()
+
+    try:
+        asyncio.run(run())
+        assert _wait_for(lambda: a.backlog == c.backlog == 0)
+    finally:
+        worker.close()
+    assert [entry for entry in log if entry != "push"] == ["a", "c", "a", "c"]
+    assert b.backlog == 2 and worker.quiet_catch_up_steps == 4
+
+
+def test_a_replay_that_fails_is_logged_and_not_tried_again_until_the_stream_pushes(caplog):
+    log: list[str] = []
+    qa, worker = _Logged(log), ModelWorker(gather_seconds=0.0)
+    stream = _Behind(qa, 2, log, failures=1)
+    push = {"before": lambda: 0, "after": lambda context, kept: kept}
+    try:
+        asyncio.run(worker.push(stream, None, None, **push))
+        assert _wait_for(lambda: "the device is gone" in caplog.text)
+        time.sleep(0.1)
+        assert stream.backlog == 2 and worker.quiet_catch_up_steps == 0  # not tried again meanwhile
+        asyncio.run(worker.push(stream, None, None, **push))
+        assert _wait_for(lambda: stream.backlog == 0)
+    finally:
+        worker.close()
+    assert worker.quiet_catch_up_steps == 2 and log == ["push", "push", "replay", "replay"]

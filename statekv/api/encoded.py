@@ -305,7 +305,7 @@ class EncodedVideo:
         held = keeper.held_bytes
         if span:
             held += span * keeper.bytes_per_token + keeper.bytes_per_step + keeper.other_bytes()[1]
-        why = over_cap(self.engine.cache_cap, held, (self.prefill.seen_tokens + span) * self._embedding_bytes)
+        why = over_cap(keeper.limit, held, (self.prefill.seen_tokens + span) * self._embedding_bytes)
         if why is not None:
             self.drop_successor(why)
 
@@ -421,8 +421,9 @@ class EncodedVideo:
             unplaced = cannot_place(self.successor.policy, self.successor.config, span, self._video_tokens)
             keeper = self.prefill.keeper
             if unplaced is None and keeper is not None:  # what it holds at its handover, known now
-                unplaced = over_cap(self.engine.cache_cap, *held_at_handover(
-                    self.prefill.config, span, keeper.bytes_per_token, keeper.bytes_per_step, self._embedding_bytes))
+                unplaced = over_cap(keeper.limit, *held_at_handover(self.prefill.config, span, self.prefix_tokens,
+                                                                    keeper.bytes_per_token, keeper.bytes_per_step,
+                                                                    self._embedding_bytes))
             self._placed_span = span
             if unplaced is not None:
                 self.drop_successor(unplaced, warn=False)

@@ -95,14 +95,16 @@ def over_cap(cap: CacheLimit | None, held: int, embeddings: int) -> str | None:
             f"({format_bytes(held)} each) with the backlog, as its handover would")
 
 
-def held_at_handover(config: Any, span: int, bytes_per_token: int, bytes_per_step: int, embedding_bytes: int
-                     ) -> tuple[int, int]:
-    """At least what a stream whose frame steps take ``span`` tokens holds at its handover, as `over_cap` counts
-    it: the detailed cache's bytes (``bytes_per_token``, ``bytes_per_step`` as its cap counts them) and every step's
-    embeddings (``embedding_bytes`` a token): its engine's ceiling and the step past it."""
+def held_at_handover(config: Any, span: int, prefix_tokens: int, bytes_per_token: int, bytes_per_step: int,
+                     embedding_bytes: int) -> tuple[int, int]:
+    """At least what a stream whose frame steps take ``span`` tokens (after a prompt prefix of ``prefix_tokens``)
+    holds at its handover, as `over_cap` counts it: the detailed cache's bytes (``bytes_per_token``,
+    ``bytes_per_step`` as its cap counts them) and every step's embeddings (``embedding_bytes`` a token): its
+    engine's ceiling and the step past it."""
     limit = trained_range(config)
     tokens = OwnThenCache().ceiling(span, 0, limit) + span
-    return tokens * bytes_per_token + tokens // span * bytes_per_step, tokens * embedding_bytes
+    steps = (tokens - prefix_tokens) // span + (1 if prefix_tokens else 0)
+    return tokens * bytes_per_token + steps * bytes_per_step, tokens * embedding_bytes
 
 
 def cannot_place(policy: CarryPolicy, config: Any, span: int, video_tokens: int | None) -> str | None:

@@ -285,6 +285,10 @@ class ModelWorker:
             self._quiet_queued = False
             if self._pushes or self._questions or not self._catching_up:
                 return  # the drain that takes what waits queues the next one
+            self._catching_up = {key: stream for key, stream in self._catching_up.items()
+                                 if getattr(stream, "catch_up_due", False)}  # closed since its last push, say
+            if not self._catching_up:
+                return
             qa = next(iter(self._catching_up.values())).qa
             group = [key for key, stream in self._catching_up.items() if stream.qa is qa][:CATCH_UP_STREAMS]
             streams = [self._catching_up.pop(key) for key in group]

@@ -134,12 +134,9 @@ class StreamingPrefill:
         self.bytes_per_token = math.ceil(self.geometry.layers * stored_bytes_per_token(
             self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, kv_cache_dtype,
             tokens_per_step=1 << 30))  # the detailed cache's bytes per token as stored (per-step scales aside)
-        capacity = horizon  # tokens the detailed buffers are sized for up front (evicted rows keep their place)
-        if horizon is not None and self.disk is None:
-            held = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
-            check_cache_fits(self.geometry, held, self.tier.device or self.device, kv_cache_dtype)
-            if cache_limit is not None and not cache_limit.evicts:  # refused past the cap: never more rows
-                capacity = held
+        if horizon is not None and self.disk is None:  # the detailed buffers are sized for it up front
+            tokens = horizon if cache_limit is None else min(horizon, cache_limit.max_bytes // self.bytes_per_token)
+            check_cache_fits(self.geometry, tokens, self.tier.device or self.device, kv_cache_dtype)
         limit = trained_range(self.config)
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
@@ -147,7 +144,7 @@ class StreamingPrefill:
         self.positions = StreamPositions(settings.positions, limit, layout,
                                          model_frequencies(self.decoder, self.rope) if bounded else None,
                                          settings.question_span)
-        self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention, capacity_hint=capacity,
+        self.cache = TwoStateCache(self.config.num_hidden_layers, policy, self.attention, capacity_hint=horizon,
                                    tier=self.tier, positions=self.positions)
         self.protect_tokens = check_int(protect_tokens, "protect_tokens", minimum=0)
         geometry = self.geometry
