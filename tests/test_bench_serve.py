@@ -187,10 +187,23 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--json", "/"], "--json / names a folder"),
     (["--video", "missing.mp4"], "missing.mp4"),
 ])
-def test_bad_flags_are_one_line_and_start_nothing(args, message):
-    result = _bench(*args, timeout=120)
+def test_bad_flags_are_one_line_and_start_nothing(args, message, capsys):
+    from statekv.cli import main
+
+    try:
+        code = main(["bench", "serve", *args])
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_the_command_refuses_a_bad_flag_as_a_process_too():
+    result = _bench("--streams", "0,2", timeout=120)
     assert result.returncode == 2 and result.stdout == ""
-    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--streams: expected stream counts like 1,4,16, got '0,2'" in result.stderr, result.stderr
 
 
 def test_the_built_in_model_under_bench_serve(tmp_path):

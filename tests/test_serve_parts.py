@@ -409,7 +409,13 @@ def test_quiet_moments_take_each_model_in_turn_and_let_go_of_streams_no_longer_d
     push = {"before": lambda: 0, "after": lambda context, kept: kept}
 
     async def run() -> None:
-        await asyncio.gather(*(worker.queue_push(stream, None, None, **push) for stream in (a, b, c)))
+        started, go = threading.Event(), threading.Event()
+        busy = asyncio.ensure_future(worker.run(lambda: (started.set(), go.wait(5))))  # the three pushes wait together
+        await asyncio.to_thread(started.wait, 5)
+        pushed = [worker.queue_push(stream, None, None, **push) for stream in (a, b, c)]
+        go.set()
+        await busy
+        await asyncio.gather(*pushed)
         assert await asyncio.to_thread(a.entered.wait, 5)  # the first quiet moment is a's, and waits
         b.closed = True
         replaying.set()
