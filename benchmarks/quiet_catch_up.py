@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402
 
 TITLE = "Runs of benchmarks/quiet_catch_up.py"
+QUIET = "statekv_quiet_catch_up_steps"
 FIELDS = ("frames_per_s", "lag_p50_s", "lag_p95_s", "lag_p99_s", "lag_max_s", "ttft_p50_s", "ttft_p99_s", "failures",
           "mean_batch", "goodput_streams")
 
@@ -40,7 +41,7 @@ FIELDS = ("frames_per_s", "lag_p50_s", "lag_p95_s", "lag_p99_s", "lag_max_s", "t
 def run_once(qa, quiet: bool, streams: int, args, folder: Path) -> dict:
     """One load run of ``streams`` cameras against a server replaying backlogs in quiet moments (``quiet``) or
     not."""
-    from statekv.bench.server import InProcessServer
+    from statekv.bench.server import InProcessServer, metric_totals
 
     out = folder / f"{'quiet' if quiet else 'at-range'}-{time.monotonic_ns()}.json"
     with InProcessServer(qa, quiet_catch_up=quiet) as server:
@@ -48,23 +49,11 @@ def run_once(qa, quiet: bool, streams: int, args, folder: Path) -> dict:
                    server.key, "--streams", str(streams), "--fps", str(args.fps), "--duration",
                    str(args.duration), "--json", str(out), "--quiet"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        replayed = server_metric(server, "statekv_quiet_catch_up_steps_total")
+        replayed = (metric_totals(server.url, QUIET, (f"{QUIET}_total",)) or {}).get(f"{QUIET}_total")
     if result.returncode != 0:
         raise RuntimeError(f"statekv bench serve exited {result.returncode}: {result.stderr.strip()[-300:]}")
     row = json.loads(out.read_text())["results"][0]
     return {**{name: row[name] for name in FIELDS}, "quiet_catch_up_steps": replayed}
-
-
-def server_metric(server, name: str) -> float | None:
-    """One counter of the server's /metrics (None when it is not there)."""
-    import urllib.request
-
-    request = urllib.request.Request(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.key}"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
 
 
 def main() -> None:

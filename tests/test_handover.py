@@ -151,6 +151,44 @@ def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkp
         assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
 
 
+def held_during_steps(stream: Stream, monkeypatch, held: list[int], watched: set) -> None:
+    """From now on, at each step of the stream's engine (its cap's `make_room`, before the step is taken), what both
+    engines and the backlog hold with the step added, into ``held`` (``watched``: the engines' caps seen so far)."""
+    keeper = stream.prefill.keeper
+    if id(keeper) in watched:
+        return
+    watched.add(id(keeper))
+    make_room = keeper.make_room
+
+    def counted(chunk_len, batch=1):
+        step = (chunk_len * keeper.bytes_per_token + keeper.bytes_per_step) * batch
+        held.append(sum(engine.keeper.held_bytes for engine in stream.engines) + stream.backlog.nbytes + step)
+        return make_room(chunk_len, batch)
+    monkeypatch.setattr(keeper, "make_room", counted)
+
+
+def test_a_cap_found_too_small_midway_drops_the_successor_and_holds_at_every_step(checkpoint, monkeypatch):
+    """A cap above what the stream is known at its first frame to hold at its handover, but below what it holds
+    there: the successor, caught up after every push, is dropped midway; at every step (before it is taken) both
+    engines and the backlog stay under the cap, and the stream goes on as own-then-cache under it."""
+    cap = {"max_cache_bytes": 1_165_000}
+    held: list[int] = []
+    watched: set = set()
+    with loaded(checkpoint, "handover", **cap).stream() as stream, \
+            pushed(loaded(checkpoint, "own-then-cache", **cap), FRAMES) as reference:
+        kept = 0  # frames pushed with the successor still beside the stream
+        for frame in FRAMES:
+            held_during_steps(stream, monkeypatch, held, watched)
+            stream.push(frame)
+            if stream.successor is not None:
+                stream.catch_up()
+                kept += 1
+        assert 1 < kept < len(FRAMES)  # dropped past the first frame, before the end
+        assert stream.handover.startswith("alone: ") and "cannot hold its detailed cache twice" in stream.handover
+        assert len(held) == len(stream.prefill.cache.chunk_lengths) and max(held) <= cap["max_cache_bytes"]
+        assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
+
+
 def test_under_a_cache_cap_that_holds_it_twice_it_hands_over_and_keeps_to_the_cap(checkpoint):
     """Both engines and the backlog stay under the cap at every push (the handover's included), and past the range
     the stream evicts as the cache-layout stream under the same cap does."""

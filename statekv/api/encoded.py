@@ -22,7 +22,7 @@ import torch
 
 from ..core import Retrieval, StreamingPrefill
 from ..core.step.batching import StepBatcher, StepRequest
-from ..core.positions.placing import choose_positions, trained_range
+from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
@@ -254,7 +254,7 @@ class EncodedVideo:
         has taken at least `statekv.api.handover.CATCH_UP_SHARE` of the model's range (replaying from the start
         would hold the second detailed cache all along, for a stream that may never leave the range)."""
         return (self.successor is not None and not self.prefill.closed and bool(self.backlog.steps)
-                and self.prefill.seen_tokens >= CATCH_UP_SHARE * trained_range(self.prefill.config))
+                and self.prefill.seen_tokens >= CATCH_UP_SHARE * self.prefill.positions.limit)
 
     @property
     def handover_due(self) -> bool:

@@ -46,11 +46,19 @@ def push_together(scheduler: StepScheduler, items: Sequence[Any], *, return_exce
 def catch_up_streams(streams: Sequence[Stream], steps: int | None = None) -> int:
     """`VideoQA.catch_up_many`: each stream's lock held (taken in one order for every caller), their successors
     replay their backlogs together (`statekv.steps.jobs.catch_up_together`); the steps replayed."""
+    with whole(), torch.no_grad(), locked_in_order(streams) as ordered:
+        return catch_up_together(ordered, steps)
+
+
+@contextlib.contextmanager
+def locked_in_order(streams: Sequence[Stream]):
+    """Hold the locks of ``streams`` (each once), taken in one order for every caller, so no two callers wait on
+    each other's locks; yields the streams in that order."""
     ordered = sorted({id(stream): stream for stream in streams}.values(), key=id)
-    with whole(), torch.no_grad(), contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as held:
         for stream in ordered:
             held.enter_context(stream.lock)
-        return catch_up_together(ordered, steps)
+        yield ordered
 
 
 def _checked_item(item: Any) -> tuple:
@@ -62,55 +70,49 @@ def _checked_item(item: Any) -> tuple:
 
 
 def _push_wave(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
-    with whole():  # a stopping signal waits for every stream's push of this wave
+    # a stopping signal waits for every stream's push of this wave
+    with whole(), locked_in_order([items[index][0] for index in wave]):
         _push_streams(scheduler, items, wave, results)
 
 
 def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: list) -> None:
-    streams = sorted({id(items[index][0]): items[index][0] for index in wave}.values(), key=id)
-    for stream in streams:  # one order for every caller: no two callers wait on each other's locks
-        stream.lock.acquire()
-    try:
-        offers, jobs = {}, []
-        for index in wave:
-            stream, frame, seconds = items[index]
-            try:
-                stream.prefill.check_open()
-                offers[index] = stream.offer(frame, seconds)
-            except Exception as error:
-                results[index] = error
-                continue
-            if offers[index].ready:
-                jobs.append((index, stream.pending_job()))
+    offers, jobs = {}, []
+    for index in wave:
+        stream, frame, seconds = items[index]
         try:
-            scheduler.run([job for _, job in jobs])
-        except BaseException as error:  # the batch failed as a whole: streamed or waiting frames are taken
-            for index, job in jobs:
-                job.video.settle(job, failed=True, offered=True)
-            streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
-            for index, offer in offers.items():
-                if index in streamed or not offer.ready:
-                    items[index][0].accept(offer)
-            if not isinstance(error, Exception):
-                raise  # an interrupt stops every caller
-            stepped = {index for index, _ in jobs}
-            for index, offer in offers.items():  # the error is each stepped item's own, as a bad frame's is
-                results[index] = error if index in stepped else offer.kept
-            return
-        failed = {}
+            stream.prefill.check_open()
+            offers[index] = stream.offer(frame, seconds)
+        except Exception as error:
+            results[index] = error
+            continue
+        if offers[index].ready:
+            jobs.append((index, stream.pending_job()))
+    try:
+        scheduler.run([job for _, job in jobs])
+    except BaseException as error:  # the batch failed as a whole: streamed or waiting frames are taken
         for index, job in jobs:
-            job.video.settle(job, failed=job.error is not None, offered=True)
-            if job.error is not None:
-                failed[index] = job.error
+            job.video.settle(job, failed=True, offered=True)
         streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
         for index, offer in offers.items():
-            if index in failed:
-                results[index] = failed[index]
-                if index in streamed:  # its frame streamed before the error (a watch's follow-up, a handover)
-                    items[index][0].accept(offer)
-                continue
-            items[index][0].accept(offer)
-            results[index] = offer.kept
-    finally:
-        for stream in streams:
-            stream.lock.release()
+            if index in streamed or not offer.ready:
+                items[index][0].accept(offer)
+        if not isinstance(error, Exception):
+            raise  # an interrupt stops every caller
+        stepped = {index for index, _ in jobs}
+        for index, offer in offers.items():  # the error is each stepped item's own, as a bad frame's is
+            results[index] = error if index in stepped else offer.kept
+        return
+    failed = {}
+    for index, job in jobs:
+        job.video.settle(job, failed=job.error is not None, offered=True)
+        if job.error is not None:
+            failed[index] = job.error
+    streamed = {index for index, job in jobs if job.streamed == len(job.groups)}
+    for index, offer in offers.items():
+        if index in failed:
+            results[index] = failed[index]
+            if index in streamed:  # its frame streamed before the error (a watch's follow-up, a handover)
+                items[index][0].accept(offer)
+            continue
+        items[index][0].accept(offer)
+        results[index] = offer.kept

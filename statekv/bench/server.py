@@ -83,6 +83,15 @@ def batch_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | 
     """``(sum, count)`` of the server's ``metric`` histogram (``statekv_step_batch_size``: stream steps per
     language-model forward; ``statekv_question_batch_size``: questions per answering batch), or None when its
     /metrics do not have it."""
+    totals = metric_totals(url, metric, (f"{metric}_sum", f"{metric}_count"))
+    if totals is None or len(totals) != 2:
+        return None
+    return totals[f"{metric}_sum"], totals[f"{metric}_count"]
+
+
+def metric_totals(url: str, metric: str, samples: tuple[str, ...]) -> dict[str, float] | None:
+    """The server's ``metric`` from its /metrics: each of its ``samples`` named there (e.g.
+    ``statekv_quiet_catch_up_steps_total``), summed over labels; None when /metrics cannot be read."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,15 +99,13 @@ def batch_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | 
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return None
-    totals = {}
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name == metric:
             for sample in family.samples:
-                if sample.name in (f"{metric}_sum", f"{metric}_count"):
+                if sample.name in samples:
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    if len(totals) != 2:
-        return None
-    return totals[f"{metric}_sum"], totals[f"{metric}_count"]
+    return totals
 
 
 def mean_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
