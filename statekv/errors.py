@@ -73,6 +73,11 @@ class OutputError(StateKVError, OSError):
     """An output (a saved stream, a run directory, a report) cannot be written where it was asked to go."""
 
 
+class HandoverError(OutputError):
+    """A disk-tier stream's handover to its successor's file set stopped after it was marked: the stream was
+    closed, and resuming its folder finishes the handover."""
+
+
 class CacheLimitError(StateKVError, ValueError):
     """A step would take a stream's detailed cache past its ``max_cache_bytes`` and was refused: nothing streamed
     before it is lost, and the stream still answers from it.

@@ -6,14 +6,16 @@ stopped; where no successor can be made, or its replay fails, it is the own-then
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import statekv
 from statekv import Stream
+from statekv.api.handover import StoredStep
 from statekv.core import StateKV, StreamingPrefill
-from statekv.errors import ConfigurationError, InputError
+from statekv.errors import ConfigurationError, InputError, OutputError
 from statekv.testing import make_tiny_checkpoint
 
 from conftest import random_frames
@@ -139,12 +141,8 @@ def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, 
 @pytest.mark.parametrize("method, settings, why", [
     ("full", {}, "carries more than the cache layout can place"),
     ("statekv", {"max_cache_bytes": 900_000}, "cannot hold its detailed cache twice"),
-    ("statekv", {"offload": "disk"}, "the disk tier, whose file set is the stream's one record"),
 ])
-def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkpoint, tmp_path, method, settings,
-                                                                            why):
-    if settings.get("offload") == "disk":
-        settings = {**settings, "offload_dir": str(tmp_path)}
+def test_where_no_successor_can_be_made_it_is_own_then_cache_and_says_why(checkpoint, method, settings, why):
     reference = pushed(loaded(checkpoint, "own-then-cache", method, **settings), FRAMES[:30])
     with pushed(loaded(checkpoint, "handover", method, **settings), FRAMES[:30]) as stream, reference:
         assert stream.successor is None and stream.handover.startswith("alone: ") and why in stream.handover
@@ -515,10 +513,13 @@ def test_a_disk_tier_folder_resumes_with_the_layout_it_was_streamed_with(checkpo
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
 
 
-def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_ever(checkpoint, references, caplog):
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_ever(checkpoint, references, caplog,
+                                                                                     tmp_path, tier):
     """Through the server's model worker, a camera leaving gaps between frames: past half the range the gaps
     replay the backlog, so the push that passes the range replays only the steps since the last gap, and the
-    stream past the range is still the cache-layout stream, bit for bit."""
+    stream past the range is still the cache-layout stream, bit for bit (its detailed cache in memory, or on the
+    disk tier)."""
     import asyncio
     import logging
     import re
@@ -527,7 +528,7 @@ def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_
     from statekv.serve.worker import ModelWorker
 
     worker = ModelWorker(gather_seconds=0.0)
-    stream = loaded(checkpoint, "handover").stream()
+    stream = (on_disk(checkpoint, tmp_path) if tier == "disk" else loaded(checkpoint, "handover")).stream()
     push = {"before": lambda: 0, "after": lambda context, kept: kept}
 
     async def caught_up() -> None:  # the next frame comes once quiet moments replayed the backlog
@@ -550,3 +551,182 @@ def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_
         assert replayed == [1] and worker.quiet_catch_up_steps > 0  # without them, every step of the range
         assert stream.handover == "handed over"
         assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+# -- on the disk tier ------------------------------------------------------------------------------------------
+def on_disk(checkpoint, tmp_path, layout: str | None = None) -> statekv.VideoQA:
+    return loaded(checkpoint, layout, offload="disk", offload_dir=str(tmp_path / "disk"))
+
+
+def files_of(folder) -> set[str]:
+    return {path.name for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize("count, caught_up", [(3, 0), (20, 0), (20, 20), (30, 0)])
+def test_on_the_disk_tier_it_hands_over_its_folder_and_resumes_in_either_phase(checkpoint, tmp_path, references,
+                                                                              count, caught_up):
+    """Closed after ``count`` frames (its successor having replayed ``caught_up`` of them), resumed from its folder
+    and pushed on: the cache-layout stream, in the same folder, with nothing of its successor left beside it."""
+    qa = on_disk(checkpoint, tmp_path)
+    with pushed(qa, FRAMES[:caught_up]) as stream:
+        assert stream.handover == "beside" and stream.successor.disk.folder.parent == stream.durability.folder
+        stream.catch_up()
+        for frame in FRAMES[caught_up:count]:
+            stream.push(frame)
+        folder, phase = stream.durability.folder, stream.handover
+    assert phase == ("handed over" if count == 30 else "beside")
+    assert not any(path.is_dir() for path in folder.iterdir())  # a closed stream's successor goes with it
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.handover == phase and resumed.frames == count
+        if phase == "beside":  # rebuilt from the backlog kept in the folder, read back only when replayed
+            assert len(resumed.backlog.steps) == len(resumed.step_frames) >= count
+            assert all(isinstance(step, StoredStep) for step in resumed.backlog.steps)
+        for frame in FRAMES[count:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over" and resumed.durability.folder == folder
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+        assert (resumed.ask(QUESTION, max_new_tokens=4, retrieve=2)
+                == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=2))
+        assert "backlog.bin" not in files_of(folder) and "handover.json" not in files_of(folder)
+        assert not any(path.is_dir() for path in folder.iterdir())
+    with pytest.raises(InputError, match=r"streamed with bounded_layout=cache, not own-then-cache; resume it with "
+                                         r"bounded_layout=cache or the default$"):
+        Stream.load(folder, on_disk(checkpoint, tmp_path, "own-then-cache"))
+
+
+def test_on_the_disk_tier_a_kill_before_the_handover_resumes_and_rebuilds_its_successor(checkpoint, tmp_path,
+                                                                                         references):
+    """The folder as a kill leaves it (copied while the stream lives: its successor's file set in it, nothing
+    checkpointed since the first step) resumes at its last checkpoint, rebuilds the successor from the backlog and
+    hands over as ever."""
+    import shutil
+
+    qa = on_disk(checkpoint, tmp_path)
+    with pushed(qa, FRAMES[:20]) as stream:
+        stream.catch_up(5)
+        killed = tmp_path / "killed"
+        shutil.copytree(stream.durability.folder, killed, ignore=shutil.ignore_patterns("lock"))
+    assert any(path.is_dir() for path in killed.iterdir())
+    with Stream.load(killed, qa) as resumed:
+        assert resumed.handover == "beside" and resumed.frames_lost == 20 - resumed.frames
+        assert [path for path in killed.iterdir() if path.is_dir()] == [resumed.successor.disk.folder]
+        for frame in FRAMES[resumed.frames:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+@pytest.mark.parametrize("moved", [0, 7])
+def test_on_the_disk_tier_a_handover_stopped_after_it_was_marked_is_finished_by_resuming(checkpoint, tmp_path,
+                                                                                         references, monkeypatch,
+                                                                                         moved):
+    """The move of the successor's files into the stream's folder fails after ``moved`` files: the push says in one
+    line that the stream was closed and how to resume it; resuming finishes the move, and the stream is the one it
+    was at the handover."""
+    import os
+
+    import statekv.core.disk.successor as successor_files
+    from statekv.errors import HandoverError
+
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:20])
+    folder = stream.durability.folder
+    replace, calls = os.replace, []
+
+    def failing(source, target):
+        if Path(target).parent != folder or Path(source).parent == folder:  # not a move of the handover
+            return replace(source, target)
+        calls.append(target)
+        if len(calls) > moved:
+            raise OSError(28, "No space left on device")
+        return replace(source, target)
+    monkeypatch.setattr(successor_files.os, "replace", failing)
+    with pytest.raises(HandoverError) as raised:
+        for frame in FRAMES[20:]:
+            stream.push(frame)
+    monkeypatch.setattr(successor_files.os, "replace", replace)
+    message = str(raised.value)
+    assert "\n" not in message and "No space left on device" in message and f"Stream.load({str(folder)!r})" in message
+    assert "handover.json" in files_of(folder)
+    with pytest.raises(Exception):
+        stream.push(FRAMES[-1])
+    stream.close()
+    if moved:  # `statekv reown` finishes it too
+        from statekv.api.reown import reown
+
+        reown(folder)
+        assert "handover.json" not in files_of(folder)
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.handover == "handed over" and "handover.json" not in files_of(folder)
+        for frame in FRAMES[resumed.frames:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_every_write_of_a_push_can_fail_and_the_stream_is_as_it_was(checkpoint, tmp_path,
+                                                                                     references, monkeypatch):
+    """Each write of a push beside a successor (the push's journal record, the step's embeddings in the backlog, the
+    layers' files, the step's record) fails in turn: a one-line error, the stream and its backlog as they were;
+    then the same frames go on to the handover as ever."""
+    import errno
+    import os
+
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:3])
+    real, count = {name: getattr(os, name) for name in ("write", "pwrite")}, [0, None]
+
+    def failing(name):
+        def write(*args):
+            count[0] += 1
+            if count[0] == count[1]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real[name](*args)
+        return write
+    for name in real:
+        monkeypatch.setattr(os, name, failing(name))
+    count[:] = [0, None]
+    stream.push(FRAMES[3])
+    per_push = count[0]
+    assert per_push >= 4
+    for fail_at in range(1, per_push + 1):
+        before = (held(stream), stream.frames, stream.pushed, len(stream.pending), stream.handover)
+        count[:] = [0, fail_at]
+        with pytest.raises(OutputError) as error:
+            stream.push(FRAMES[4])
+        message = str(error.value)
+        assert "\n" not in message and "No space left on device" in message
+        assert "as it was" in message or "as before it" in message, message
+        assert (held(stream), stream.frames, stream.pushed, len(stream.pending), stream.handover) == before
+    count[:] = [0, None]
+    for frame in FRAMES[4:]:
+        stream.push(frame)
+    with stream:
+        assert stream.handover == "handed over"
+        assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_a_damaged_backlog_leaves_the_successor_behind_and_says_why(checkpoint, tmp_path,
+                                                                                     references):
+    qa = on_disk(checkpoint, tmp_path)
+    with pushed(qa, FRAMES[:6]) as stream:
+        folder = stream.durability.folder
+    with open(folder / "backlog.bin", "r+b") as backlog:
+        backlog.seek(100)
+        backlog.write(b"\xff" * 8)
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.successor is None
+        assert resumed.handover == "alone: its backlog (backlog.bin) does not hold step 0's embeddings as journaled"
+        for frame in FRAMES[6:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+
+
+def test_a_file_loaded_into_the_disk_tier_with_its_successor_goes_on_alone_and_says_why(checkpoint, tmp_path,
+                                                                                       references):
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    with Stream.load(path, on_disk(checkpoint, tmp_path)) as resumed:
+        assert resumed.successor is None and "loaded into the disk tier from a file" in resumed.handover
+        for frame in FRAMES[3:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)

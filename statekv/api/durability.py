@@ -5,29 +5,38 @@ is the engine's; the engine journals each step once its data is written, with th
 `Durability` is the one object through which a video (`EncodedVideo`, `Stream`) writes into the file set: its
 setup (``stream.json``, `statekv.api.stream_disk`), each frame pushed (so a resumed stream can count the frames it
 lost), each step's record (the layout state after it, its frames and, for a stream, its last frame), and the
-state of a saved stream loaded into the tier. `resume_stream` is `Stream.load` of a file set.
+state of a saved stream loaded into the tier, and under the ``handover`` layout each step's embeddings (the
+backlog a resumed stream rebuilds its successor from) and the handover of the folder to the successor's file set
+(`statekv.core.disk.successor`). `resume_stream` is `Stream.load` of a file set.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.disk.files import FILE_SET, check_file_set, hold, read_file_set, read_manifest
+import torch
+
+from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
+from ..core.disk.successor import (HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
+                                   remove_successors)
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
 from .stats import EncodingStats
-from ..errors import InputError
+from ..errors import HandoverError, InputError
 from ..models import LayoutState
-from .handover import resumed_disk_engine
+from .handover import StoredStep, resumed_disk_engine
 from .stream_disk import SETUP, frames_lost, read_stream_setup
 from .stream_file import check_against_model, check_ownership, check_same_setup
 from ..video import Frame
 
 log = logging.getLogger("statekv")
+
+REPLAYED = ("state", "frames", "last_frame")  # of a step's record, what its successor's replay journals too
 
 
 class Durability:
@@ -38,6 +47,7 @@ class Durability:
 
     def __init__(self, tier: DiskTier | None, *, records_frames: bool = False):
         self.tier, self.records_frames = tier, records_frames
+        self.backlog = None if tier is None else BacklogFile(tier)  # a handover stream's, before its handover
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +78,82 @@ class Durability:
             record["last_frame"] = [last.index, last.timestamp]
         return record
 
+    # -- a handover stream's successor (`statekv.core.disk.successor`) ------------------------------------------
+    def backlog_written(self, inputs_embeds: torch.Tensor) -> list[int]:
+        """Write a step's embeddings ``[1, T, D]`` to the backlog; returns what its journal record names of them."""
+        return self.backlog.write(inputs_embeds)
+
+    def backlog_booked(self, entry: list[int]) -> None:
+        """The step whose embeddings ``entry`` names was taken."""
+        self.backlog.booked(entry)
+
+    def backlog_step(self, entry: list[int], inputs_embeds: torch.Tensor) -> StoredStep:
+        """A step of the backlog as stored in the backlog file (``entry``, its embeddings ``inputs_embeds``'s)."""
+        return StoredStep(entry, inputs_embeds.shape, inputs_embeds.dtype, self.backlog.read)
+
+    def restore_backlog(self, backlog: Any, records: list[dict[str, Any]], embeddings: torch.Tensor) -> str | None:
+        """Fill ``backlog`` (a `statekv.api.handover.Backlog`) with every step the journal's step ``records``
+        vouch for, as stored in the backlog file (checked against it), each with the record its replay journals;
+        None, or why it cannot (the stream then goes on without a successor)."""
+        hidden, dtype = embeddings.shape[1], embeddings.dtype
+        read = read_backlog(self.tier.folder, records, hidden * dtype.itemsize)
+        if isinstance(read, str):
+            return read
+        entries, self.backlog.end = read
+        for entry, record in zip(entries, records):
+            shape = torch.Size([1, int(record["tokens"]), hidden])
+            backlog.add(StoredStep(entry, shape, dtype, self.backlog.read),
+                        {key: record[key] for key in REPLAYED if key in record})
+        return None
+
+    def remove_successors(self) -> None:
+        """Remove the successor file sets left in the stream's folder (they are rebuilt from the backlog)."""
+        remove_successors(self.tier.folder)
+
+    def hand_over(self, first: Any, successor: Any, engine_on: Callable[[DiskTier], Any]) -> Any:
+        """The stream's folder given to its ``successor``'s file set (its backlog replayed; ``first``: the stream's
+        engine until now), in the order `statekv.core.disk.successor` describes; returns the stream's engine from
+        now on, ``engine_on`` the folder's file set, resumed from it. Before the handover is marked, an error
+        leaves the stream as it was (its successor dropped by the caller); after, the stream is closed and the
+        error says that resuming the folder finishes the handover."""
+        folder = self.tier.folder
+        described = folder / f"{SETUP}.json"
+        if described.is_file():  # a stream's own description, naming the successor's file set from now on
+            successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
+        successor.sync()
+        mark_handover(folder, successor.disk.folder)
+        lock = tier = engine = None
+        try:
+            successor.close()
+            self.backlog.close()
+            lock = first.disk.close(keep_lock=True)
+            finish_handover(folder)
+            journal = read_file_set(folder)
+            tier = DiskTier(folder, journal.manifest, lock)
+            engine = engine_on(tier)
+            engine.resume(journal)
+        except Exception as error:
+            if engine is not None:
+                engine.close()
+            elif tier is not None:
+                tier.close()
+            elif lock is not None:
+                lock.release()
+            first.close()
+            raise HandoverError(f"{folder}: the stream's handover to its successor's file set stopped ({error}); "
+                                f"Stream.load({str(folder)!r}) finishes it and resumes the stream") from None
+        self.tier, self.backlog = tier, None
+        return engine
+
+    def sync(self) -> None:
+        """Force the backlog's writes to the storage device (the file set's are the engine's to sync)."""
+        if self.backlog is not None:
+            self.backlog.sync()
+
+    def close(self) -> None:
+        if self.backlog is not None:
+            self.backlog.close()
+
     def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
                pending: list[Frame]) -> None:
         """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
@@ -86,6 +172,12 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     taken first (a file set another stream lives in is refused, naming it), then everything checked, against
     ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own)."""
     engine = qa.engine if engine is None else engine
+    if (folder / HANDOVER_MARKER).is_file():  # a handover stopped midway: finished first
+        lock = hold(folder, "a stream finishing its handover")
+        try:
+            finish_handover(folder)
+        finally:
+            lock.release()
     manifest = read_manifest(folder)  # before a lock file is made
     setup = read_stream_setup(folder)
     check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])  # not another stream's description
@@ -115,8 +207,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         raise
     recorded = setup["engine"].get("settings", {})
     try:
-        engine = resumed_disk_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
-                                     recorded.get("bounded_layout"), folder)
+        engine, handed_over = resumed_disk_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
+                                                  recorded.get("bounded_layout"),
+                                                  journal.manifest.get("bounded_layout"), folder)
     except BaseException:
         tier.close()
         raise
@@ -131,6 +224,14 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     try:
         stream.prefill.resume(journal)
         stream.state = LayoutState.from_dict(last["state"])
+        if handed_over:
+            stream.handover = "handed over"
+        if stream.successor is not None:  # rebuilt from the backlog: it replays every step again
+            why = stream.durability.restore_backlog(stream.backlog, journal.steps,
+                                                    stream.adapter.language_embeddings.weight)
+            if why is not None:
+                stream.drop_successor(why)
+            stream.keep_to_cap()
     except BaseException:
         stream.close()
         raise

@@ -29,8 +29,9 @@ from .durability import Durability
 from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover, over_cap, own_engine,
                        successor_engine, why_alone)
 from .stats import AnswerInfo, EncodingStats
-from ..errors import InputError
+from ..errors import HandoverError, InputError, OutputError, StateKVError
 from ..core.answering.decoding import Prompt
+from ..core.disk.successor import BACKLOG
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, catch_up_together, stream_jobs
 from ..steps.overlap import EncodedStep
@@ -83,14 +84,14 @@ class EncodedVideo:
         self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
         reserve = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
+        self._engine_args = dict(policy=policy, horizon=horizon, protect_tokens=protect, name=name)
+        self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
         if handing_over(self.engine):
             alone = why_alone(self.engine, policy, self.prefill.config, self._video_tokens)
             self.handover = "beside" if alone is None else f"alone: {alone}"
             if alone is None:
-                self.successor = StreamingPrefill(self.adapter.model, policy, successor_engine(self.engine),
-                                                  horizon=horizon, protect_tokens=protect, name=f"{name} (successor)")
+                self.successor = self.new_successor()
         self._placed_span = 0  # the frame step's span last checked by `cannot_place`
-        self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
         self.answer_info: AnswerInfo | None = None  # what the last answer could see
@@ -100,6 +101,17 @@ class EncodedVideo:
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         self._prefix = prefix  # streamed by start()
+
+    def new_successor(self) -> StreamingPrefill:
+        """The successor engine (`statekv.api.handover`), empty; on the disk tier its file set goes in a subfolder
+        of the stream's (those left by an earlier run of the stream are removed first)."""
+        args = self._engine_args
+        engine = successor_engine(self.engine)
+        if self.durability.enabled:
+            self.durability.remove_successors()
+            engine = engine.with_changes(offload_dir=str(self.durability.folder))
+        return StreamingPrefill(self.adapter.model, args["policy"], engine, horizon=args["horizon"],
+                                protect_tokens=args["protect_tokens"], name=f"{args['name']} (successor)")
 
     @property
     def started(self) -> bool:
@@ -265,7 +277,13 @@ class EncodedVideo:
         """The successor's next step to replay (the backlog's first), or None when there is none."""
         if self.successor is None or not self.backlog.steps:
             return None
-        return StepRequest(self.successor, self.backlog.steps[0].to(self._device), None)
+        try:
+            inputs_embeds = self.backlog.first()
+        except StateKVError as error:  # read back from the disk tier's backlog file
+            self.drop_successor(f"its backlog cannot be replayed ({error})")
+            return None
+        return StepRequest(self.successor, inputs_embeds.to(self._device), None,
+                           durable_record=self.backlog.records[0])
 
     def replayed(self, outcome: Any) -> None:
         """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; an error drops the
@@ -288,12 +306,34 @@ class EncodedVideo:
             self.drop_successor(f"the successor holds {self.successor.seen_tokens} tokens, the stream "
                                 f"{self.prefill.seen_tokens}")
             return
-        first, self.prefill, self.successor = self.prefill, self.successor, None
+        first = self.prefill
+        if self.durability.enabled:  # the stream's folder goes to the successor's file set
+            try:
+                engine = self.durability.hand_over(first, self.successor, self.engine_on)
+            except HandoverError:  # both engines closed; the successor's files finish the handover on resuming
+                self.successor = None
+                raise
+            self.qa.step_scheduler.release(self.successor)
+            self.prefill, self.successor = engine, None
+            self.rejournal_pending()
+        else:
+            self.prefill, self.successor = self.successor, None
         self.handover = "handed over"
         self._evictions_counted = len(self.prefill.evictions)  # none: the cap holds both engines (`keep_to_cap`)
         self.qa.step_scheduler.release(first)
         first.close()
         self.book_engines()
+
+    def engine_on(self, tier: Any) -> StreamingPrefill:
+        """The stream's engine past its handover, over the disk tier's file set ``tier`` (to be resumed from it)."""
+        args = self._engine_args
+        return StreamingPrefill(self.adapter.model, args["policy"], successor_engine(self.engine),
+                                horizon=args["horizon"], protect_tokens=args["protect_tokens"], name=args["name"],
+                                disk_tier=tier)
+
+    def rejournal_pending(self) -> None:
+        """Journal again, in the file set the stream now lives in, the frames waiting for their step (a `Stream`'s;
+        a video file has none), so that a crash still counts them lost."""
 
     def keep_to_cap(self, span: int = 0) -> None:
         """Under a cache cap, drop the successor when the cap could not hold both engines at the handover after a
@@ -322,7 +362,7 @@ class EncodedVideo:
             if warn:
                 log.warning("%s: streams on without its successor engine: %s", self.name, why)
             self.qa.step_scheduler.release(self.successor)
-            self.successor.close()
+            self.close_successor()
             self.successor = None
             self.backlog = self.new_backlog()
             self.handover = f"alone: {why}"
@@ -335,10 +375,19 @@ class EncodedVideo:
     def frames(self) -> int:
         return self.state.frames
 
+    def close_successor(self) -> None:
+        """Close the successor; on the disk tier its file set goes too (a resumed stream rebuilds it from the
+        backlog)."""
+        self.successor.close()
+        if self.successor.disk is not None:
+            self.durability.remove_successors()
+
     def close(self) -> None:
         """Release the caches and the backlog, and give the model back its own RoPE."""
-        for prefill in self.engines:
-            prefill.close()
+        if self.successor is not None:
+            self.close_successor()
+        self.prefill.close()
+        self.durability.close()
         self.backlog = self.new_backlog()
 
     def __enter__(self) -> "EncodedVideo":
@@ -428,6 +477,13 @@ class EncodedVideo:
             if unplaced is not None:
                 self.drop_successor(unplaced, warn=False)
         self.keep_to_cap(span)
+        if (self.successor is not None and record is not None and chunk.position_ids is None
+                and not chunk.forward_kwargs):  # kept durable for a resumed stream to rebuild its successor
+            try:
+                record[BACKLOG] = self.durability.backlog_written(chunk.inputs_embeds)
+            except OutputError as error:
+                raise OutputError(f"{error}; the step was not taken: the stream holds its {self.tokens} tokens as "
+                                  "before it") from None
         return LaidOutStep(chunk, StepRequest(self.prefill, chunk.inputs_embeds, chunk.position_ids,
                                               forward_kwargs=dict(chunk.forward_kwargs), durable_record=record),
                            encoded)
@@ -444,7 +500,12 @@ class EncodedVideo:
             if chunk.position_ids is not None or chunk.forward_kwargs:
                 self.drop_successor("its steps carry positions or inputs of their own, which a replay would lose")
             else:
-                self.backlog.add(chunk.inputs_embeds)
+                record, kept = step.request.durable_record, chunk.inputs_embeds
+                if record is not None and BACKLOG in record:  # stored in the folder: not held in RAM too
+                    self.durability.backlog_booked(record[BACKLOG])
+                    kept = self.durability.backlog_step(record[BACKLOG], kept)
+                    record = {key: value for key, value in record.items() if key != BACKLOG}
+                self.backlog.add(kept, record)
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
         evicted = self.prefill.evictions[self._evictions_counted:]

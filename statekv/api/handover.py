@@ -17,8 +17,10 @@ for its successor. `EncodedVideo.catch_up` replays the backlog earlier, at a mom
 
 A successor is made only where it can take over and the stream has one record of itself (`why_alone` says
 otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a fixed size
-or in a ring (not full attention), 1-D RoPE (not M-RoPE) and a detailed cache in memory or offloaded (not the disk
-tier, whose file set is the stream's durable record). At the first frame step, whose size is then known,
+or in a ring (not full attention) and 1-D RoPE (not M-RoPE). On the disk tier the successor is a file set in a
+subfolder of the stream's, rebuilt from the backlog (kept durable in the stream's file set) when the stream is
+resumed before its handover, and given the stream's folder at the handover (`statekv.core.disk.successor`). At the
+first frame step, whose size is then known,
 `cannot_place` leaves it behind where no step could take the stream past its engine's ceiling, or where the
 carried state and a step do not fit the range in cache order. Under a cache cap each engine keeps to the cap, and
 the successor stays only while the cap could hold the stream's steps twice with the backlog (`over_cap`: at the
@@ -31,6 +33,7 @@ holds what the first held, evicts nothing in its replay. Elsewhere, and when the
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,9 +79,6 @@ def why_alone(engine: EngineSettings, policy: CarryPolicy, config: Any, video_to
     if policy.recent_steps is None and any(policy.steady_budget(layer) is None
                                            for layer in range(config.num_hidden_layers)):
         return f"{policy!r} carries more than the cache layout can place (no fixed budget)"
-    if engine.offload == "disk":
-        return ("its detailed cache is on the disk tier, whose file set is the stream's one record (a stream meant "
-                "to run far past the range answers from far back better under bounded_layout='cache')")
     return None
 
 
@@ -126,19 +126,26 @@ def cannot_place(policy: CarryPolicy, config: Any, span: int, video_tokens: int 
     return None
 
 
-def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, folder: Any) -> EngineSettings:
-    """The settings a disk-tier stream (which never has a successor: its engine's layout is ``recorded_layout``, or
-    own-then-cache under ``handover``) is resumed with from its ``folder``, asked for as ``engine``: its own layout
-    under the default or ``handover``; another one asked for is refused in one line."""
+def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, engine_layout: str | None,
+                        folder: Any) -> tuple[EngineSettings, bool]:
+    """The settings a disk-tier stream is resumed with from its ``folder``, asked for as ``engine``; and whether it
+    is past its handover. ``recorded_layout``: the layout it was streamed with (its ``stream.json``);
+    ``engine_layout``: its file set's engine's (its manifest's; the cache layout's once a ``handover`` stream
+    handed over). A stream streamed under ``handover`` goes on under it, or under own-then-cache alone when that is
+    asked for, until its handover, and under the cache layout after it; another one goes on with its own layout;
+    any other layout asked for is refused in one line."""
     if engine.positions != "bounded":
-        return engine
-    streamed = OWN_LAYOUT if recorded_layout in (None, HANDOVER) else recorded_layout
-    if engine.bounded_layout in (None, HANDOVER):
-        return engine if streamed == OWN_LAYOUT else engine.with_changes(bounded_layout=streamed)
-    if engine.bounded_layout != streamed:
-        raise InputError(f"{folder}: the stream was streamed with bounded_layout={streamed}, not "
-                         f"{engine.bounded_layout}; resume it with bounded_layout={streamed} or the default")
-    return engine
+        return engine, False
+    by_handover = recorded_layout in (None, HANDOVER)
+    handed_over = by_handover and engine_layout == SUCCESSOR_LAYOUT
+    streamed = SUCCESSOR_LAYOUT if handed_over else HANDOVER if by_handover else recorded_layout
+    asked = engine.bounded_layout
+    if asked in (None, HANDOVER):
+        return (engine, False) if streamed == HANDOVER else (engine.with_changes(bounded_layout=streamed), handed_over)
+    if asked == streamed or (streamed == HANDOVER and asked == OWN_LAYOUT):
+        return engine, handed_over
+    raise InputError(f"{folder}: the stream was streamed with bounded_layout={streamed}, not {asked}; resume it "
+                     f"with bounded_layout={streamed} or the default")
 
 
 def never_past(video_tokens: int, ceiling: int, limit: int) -> str:
@@ -159,30 +166,56 @@ def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_la
     return engine, False
 
 
+class StoredStep:
+    """A backlog step whose embeddings ``[1, T, D]`` (``shape``) lie in the disk tier's backlog file, where
+    ``entry`` (``[offset, bytes, crc]``) says: read back by ``read`` when replayed, never held in RAM."""
+
+    def __init__(self, entry: list[int], shape: torch.Size, dtype: torch.dtype, read: Callable[..., torch.Tensor]):
+        self.entry, self.shape, self.dtype, self.read = entry, shape, dtype, read
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry[1]
+
+    def load(self) -> torch.Tensor:
+        return self.read(self.entry, self.shape, self.dtype)
+
+
 class Backlog:
     """The steps a stream's successor has yet to replay: each step's ``inputs_embeds`` ``[1, T, D]``, in order (a
-    successor's stream is 1-D RoPE: its steps carry no positions of their own). ``spans``: their lengths ``T``.
-    ``home``: where they are kept: with the detailed cache, where it is offloaded to (None: where the steps come
-    from, the model's device)."""
+    successor's stream is 1-D RoPE: its steps carry no positions of their own), or on the disk tier where they lie
+    in the stream's backlog file (a `StoredStep`), with the record the successor journals with it (``records``:
+    the stream's own step's; None off the disk tier). ``spans``: their lengths ``T``. ``home``: where the steps
+    held in memory are kept: with the detailed cache, where it is offloaded to (None: where the steps come from,
+    the model's device). ``nbytes``: the steps' bytes, wherever they are."""
 
     def __init__(self, home: torch.device | None = None):
         self.home = home
-        self.steps: deque[torch.Tensor] = deque()
+        self.steps: deque[torch.Tensor | StoredStep] = deque()
+        self.records: deque[dict | None] = deque()
         self.nbytes = 0
 
-    def add(self, inputs_embeds: torch.Tensor) -> None:
+    def add(self, inputs_embeds: torch.Tensor | StoredStep, record: dict | None = None) -> None:
         """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
-        view would hold whole)."""
-        if self.home is not None and inputs_embeds.device != self.home:
-            inputs_embeds = inputs_embeds.to(self.home)
-        elif inputs_embeds.untyped_storage().nbytes() > inputs_embeds.nbytes:
-            inputs_embeds = inputs_embeds.clone()
+        view would hold whole), or where they are stored, and the record its replay journals."""
+        if isinstance(inputs_embeds, torch.Tensor):
+            if self.home is not None and inputs_embeds.device != self.home:
+                inputs_embeds = inputs_embeds.to(self.home)
+            elif inputs_embeds.untyped_storage().nbytes() > inputs_embeds.nbytes:
+                inputs_embeds = inputs_embeds.clone()
         self.steps.append(inputs_embeds)
+        self.records.append(record)
         self.nbytes += inputs_embeds.nbytes
+
+    def first(self) -> torch.Tensor:
+        """The next step to replay's embeddings ``[1, T, D]`` (read back when stored)."""
+        step = self.steps[0]
+        return step.load() if isinstance(step, StoredStep) else step
 
     def replayed_first(self) -> None:
         """The first step was replayed: it leaves the backlog."""
         self.nbytes -= self.steps.popleft().nbytes
+        self.records.popleft()
 
     @property
     def spans(self) -> list[int]:
@@ -190,7 +223,7 @@ class Backlog:
 
     def tensor(self) -> torch.Tensor:
         """``[1, sum(spans), D]``: every step's embeddings, one after another (what a saved stream keeps)."""
-        return torch.cat(list(self.steps), dim=1)
+        return torch.cat([step.load() if isinstance(step, StoredStep) else step for step in self.steps], dim=1)
 
     def restore(self, tensor: torch.Tensor, spans: list[int], hidden_size: int, dtype: torch.dtype,
                 device: torch.device) -> None:
@@ -202,4 +235,5 @@ class Backlog:
             raise InputError(f"the successor's backlog (backlog.inputs_embeds) is {tensor.dtype} "
                              f"{list(tensor.shape)}, not {dtype} {expected}")
         self.steps = deque(tensor.to(self.home or device).split(spans, dim=1))
+        self.records = deque([None] * len(self.steps))
         self.nbytes = sum(step.nbytes for step in self.steps)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..core.disk.files import (FILE_SET, FORMAT_VERSION as SET_VERSION, MANIFEST, check_file_set, hold, read_checked,
                                read_manifest, upgrade_file_set, write_checked)
+from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
 from .stream_file import check_owner, new_created, new_stream_id, ownership, read_verified, write_verified
@@ -41,6 +42,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
         raise InputError(f"{folder}: not a saved stream or a statekv disk cache (no {MANIFEST})")
     lock = hold(folder, "statekv reown")  # no stream lives in it meanwhile
     try:
+        finish_handover(folder)  # a handover stopped midway: the file set is its successor's
         try:
             version = json.loads((folder / MANIFEST).read_text()).get("version")
         except (OSError, ValueError, AttributeError):

@@ -38,6 +38,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     changed, whether the save succeeds or not."""
     try:
         stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
+        stream.durability.sync()
     except OutputError as error:
         raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
     tensors, cache_metadata = stream.prefill.state_dict()
@@ -175,6 +176,10 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
     dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed with the cache
     layout's engine alone, `statekv.api.handover.resumed_engine`.)"""
     if stream.successor is None:
+        return
+    if stream.durability.enabled and (record is not None or backlog_record is not None):
+        stream.drop_successor("loaded into the disk tier from a file, which keeps only the steps its successor has "
+                              "yet to replay, not every step a resumed file set rebuilds it from")
         return
     if record is None and backlog_record is None:
         stream.drop_successor("the saved stream kept no successor beside it", warn=False)

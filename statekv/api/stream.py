@@ -287,6 +287,10 @@ class Stream(EncodedVideo):
         self.settle(job, failed=job.error is not None, offered=offered)
         job.raise_error()
 
+    def rejournal_pending(self) -> None:
+        for frame in self.pending:
+            self.durability.pushed(frame)
+
     @_one_at_a_time
     def close(self) -> None:
         for watch in self.watches:

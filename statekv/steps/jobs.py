@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.step.batching import StepBatcher, StepRequest
-from ..errors import StateKVError
+from ..errors import HandoverError, StateKVError
 from ..stopping import whole
 from .overlap import EncodedStep, encode_batch
 from ..video import Frame
@@ -132,12 +132,18 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
     for video in videos:
         log.info("%s: past the model's range: its successor replays %d steps", video.name, len(video.backlog.steps))
     replay_backlogs(videos, batcher)
+    stopped = []
     for video in videos:
         try:
             video.adopt_successor()
+        except HandoverError as error:  # the video was closed: its folder resumes it
+            stopped.append(error)
+            continue
         except Exception as error:  # the step is streamed: the video goes on with the engine it has
             video.drop_successor(f"its handover failed ({error})")
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
+    if stopped:
+        raise stopped[0]
 
 
 def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:

@@ -39,7 +39,9 @@ slots (their CRCs). Each description also records the SHA-256 of its own fields 
 it is read.
 
 The layers' files are `statekv.core.disk.buffers`'; the descriptions and the journal as read back,
-`statekv.core.disk.files`; resuming a cache from them, `statekv.core.disk.resume`.
+`statekv.core.disk.files`; resuming a cache from them, `statekv.core.disk.resume`; a ``handover`` stream's
+backlog (``backlog.bin``) and its successor's file set (a subfolder until its handover),
+`statekv.core.disk.successor`.
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ class DiskTier:
     def check_owner(self) -> None:
         """An `OutputError` (and `lost` set) when the folder's path no longer names the folder this tier locked (moved
         away, or replaced): what the path names now may be another stream's."""
+        if self.lock is None:
+            raise OutputError(f"{self.folder}: this stream's disk cache is closed")
         if self.lost or not self.lock.owns():
             self.lost = True
             raise OutputError(f"{self.folder}: the disk cache's folder was moved or replaced while this stream held "
@@ -324,14 +328,19 @@ class DiskTier:
         """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
         os.ftruncate(self._journal, end)
 
-    def close(self) -> None:
+    def close(self, *, keep_lock: bool = False) -> FolderLock | None:
         """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
-        and never journaled anything resumable (then the folder is removed)."""
+        and never journaled anything resumable (then the folder is removed). ``keep_lock``: the lock is not given
+        back but returned, for the next tier in the folder (a handover, `statekv.core.disk.successor`); the tier
+        is closed for good either way (closing it again does nothing)."""
+        if self.lock is None:
+            return None
         if self.made and not self.durable:
             self._close_files()
             self.lock.release()
+            self.lock = None
             shutil.rmtree(self.folder, ignore_errors=True)
-            return
+            return None
         if self._journal >= 0:
             try:
                 self.checkpoint()  # a closed stream resumes with nothing lost
@@ -339,7 +348,11 @@ class DiskTier:
                 if not self.lost:  # a folder moved away is not written to, even on close
                     raise
         self._close_files()
-        self.lock.release()  # the files stay, for the next owner
+        lock, self.lock = self.lock, None
+        if keep_lock:
+            return lock
+        lock.release()  # the files stay, for the next owner
+        return None
 
     def _close_files(self) -> None:
         if self._journal >= 0:

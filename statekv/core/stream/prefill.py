@@ -117,9 +117,10 @@ class StreamingPrefill:
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
         if settings.offload == "disk" or disk_tier is not None:
+            layout = (settings.bounded_layout or placing.DEFAULT_LAYOUT) if bounded else None
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
-                "kv_cache_dtype": kv_cache_dtype})
+                "kv_cache_dtype": kv_cache_dtype, "bounded_layout": layout})
             self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, self.disk.storage)
         else:
             offload = settings.offload

@@ -1,0 +1,195 @@
+"""A disk-tier stream's successor (`statekv.api.handover`): its backlog, kept durable in the stream's file set, and
+the handover of the file set to it.
+
+While a ``handover`` stream on the disk tier fits the model's range, its successor is derived state: a file set of
+its own in a subfolder of the stream's folder (`successor_folders`), which nothing resumes. What a resumed stream
+rebuilds it from is the backlog: each step's embeddings are written to ``backlog.bin`` before the journal record
+that vouches for them, and that record names where they lie and their CRC-32 (`BacklogFile`, `read_backlog`). A
+stream resumed before its handover removes any successor folder left behind and replays its backlog into a new
+successor; at worst it replays the steps again.
+
+The handover gives the stream's folder to the successor's file set in an order that a kill at any point resumes
+from: the successor's file set is checkpointed and synced, then ``handover.json`` is written atomically naming its
+folder and files (`mark_handover`); from then on the stream is the successor's. `finish_handover` moves each of the
+successor's files over the stream's file of that name, removes the stream's other files, then the subfolder and
+the marker; a stream resumed from a folder that holds the marker finishes it first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import InputError, OutputError
+from .buffers import pwrite_all
+from .files import LOCK, MANIFEST, read_checked, write_checked
+from .tier import DiskTier
+
+BACKLOG_FILE = "backlog.bin"
+HANDOVER_MARKER = "handover.json"
+BACKLOG = "backlog"  # a step record's field: ``[offset, bytes, crc]`` of its embeddings in the backlog file
+
+
+class BacklogFile:
+    """The steps' embeddings of a ``handover`` stream on the disk tier, in ``backlog.bin`` of its file set
+    (``tier``), one after another in the model's dtype. ``end``: where the next step's go (the end of the last
+    step booked; a step not taken is written over by the next)."""
+
+    def __init__(self, tier: DiskTier, end: int = 0):
+        self.tier, self.end = tier, end
+        self._fd = -1
+
+    def write(self, inputs_embeds: torch.Tensor) -> list[int]:
+        """Write one step's embeddings ``[1, T, D]`` at ``end``; returns the record that vouches for them,
+        ``[offset, bytes, crc]`` (`booked` once the step is taken). An `OutputError` when they cannot be written."""
+        self.tier.check_owner()
+        self._open()
+        data = inputs_embeds.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        try:
+            pwrite_all(self._fd, memoryview(data), self.end)
+        except OutputError as error:
+            raise OutputError(f"{error} (in {self.tier.folder})") from None
+        return [self.end, len(data), zlib.crc32(data)]
+
+    def read(self, entry: list[int], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The embeddings of shape ``shape`` that ``entry`` (`write`'s record) names, checked against its CRC-32; a
+        one-line `InputError` when the file no longer holds them."""
+        self._open()
+        try:
+            data = os.pread(self._fd, entry[1], entry[0])
+        except OSError as error:
+            raise OutputError(f"cannot read the disk cache in {self.tier.folder}: {error.strerror or error}") from None
+        if len(data) != entry[1] or zlib.crc32(data) != entry[2]:
+            raise InputError(f"{self.tier.folder}: the disk cache is damaged: {BACKLOG_FILE} does not hold a step's "
+                             "embeddings as journaled")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+
+    def booked(self, entry: list[int]) -> None:
+        """The step whose embeddings ``entry`` (`write`'s record) names was taken: the next go after them."""
+        self.end = entry[0] + entry[1]
+
+    def sync(self) -> None:
+        """Force what was written to the storage device."""
+        if self._fd >= 0:
+            try:
+                os.fsync(self._fd)
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
+                                  f"{error.strerror or error}") from None
+
+    def _open(self) -> None:
+        if self._fd < 0:
+            try:
+                self._fd = os.open(self.tier.folder / BACKLOG_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
+                                  f"{error.strerror or error}") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_backlog(folder: Path, records: list[dict[str, Any]], step_bytes: int) -> tuple[list[list[int]], int] | str:
+    """Where the embeddings of every step the journal's step ``records`` name lie in ``folder``'s backlog file
+    (``[offset, bytes, crc]`` each, checked against the file; ``step_bytes``: a token's bytes), and where the next
+    step's go; or why they cannot be read back (a step journaled without them, a file that does not hold them as
+    recorded)."""
+    entries = [record.get(BACKLOG) for record in records]
+    missing = next((index for index, entry in enumerate(entries) if not _entry(entry)), None)
+    if missing is not None:
+        return f"its step {missing} was journaled without its embeddings (its successor was dropped or not made then)"
+    try:
+        with open(folder / BACKLOG_FILE, "rb") as file:
+            for index, ((offset, length, crc), record) in enumerate(zip(entries, records)):
+                file.seek(offset)
+                piece = file.read(length)
+                if len(piece) != length or zlib.crc32(piece) != crc or length != int(record["tokens"]) * step_bytes:
+                    return f"its backlog ({BACKLOG_FILE}) does not hold step {index}'s embeddings as journaled"
+    except OSError:
+        return f"its backlog ({BACKLOG_FILE}) cannot be read"
+    return entries, entries[-1][0] + entries[-1][1] if entries else 0
+
+
+def _entry(entry: Any) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) and v >= 0 for v in entry))
+
+
+def successor_folders(folder: Path) -> list[Path]:
+    """The successors' file sets in ``folder`` (its subfolders holding a manifest: a stream's folder holds no
+    other)."""
+    try:
+        return sorted(path for path in folder.iterdir() if path.is_dir() and (path / MANIFEST).is_file())
+    except OSError:
+        return []
+
+
+def remove_successors(folder: Path) -> None:
+    """Remove the successor file sets left in ``folder`` (by a stream stopped before its handover): nothing
+    resumes them, the backlog rebuilds its successor."""
+    for path in successor_folders(folder):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def mark_handover(folder: Path, successor: Path) -> None:
+    """From now on the stream in ``folder`` is the file set in its subfolder ``successor`` (checkpointed and synced
+    by the caller): ``handover.json`` names it and its files, written atomically (`finish_handover` then moves
+    them)."""
+    files = sorted(path.name for path in successor.iterdir() if path.is_file() and path.name != LOCK)
+    try:
+        write_checked(folder / HANDOVER_MARKER, {"folder": successor.name, "files": files})
+        _sync_folder(folder)
+    except OSError as error:
+        (folder / HANDOVER_MARKER).unlink(missing_ok=True)
+        raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+
+
+def finish_handover(folder: Path) -> bool:
+    """Finish a handover marked in ``folder`` (`mark_handover`), whose lock the caller holds: each file of the
+    successor's replaces the stream's of that name, the stream's others are removed, then the successor's
+    subfolder and the marker. Run again after a kill, it picks up where it stopped. False: no handover was
+    marked. A one-line `InputError` when the marker is damaged; an `OutputError` when the folder cannot be
+    changed (the marker then stays, for the next try)."""
+    marker = folder / HANDOVER_MARKER
+    if not marker.is_file():
+        return False
+    described = read_checked(marker)
+    name, files = described.get("folder"), described.get("files")
+    if (not isinstance(name, str) or not _plain(name) or not isinstance(files, list)
+            or not all(isinstance(file, str) and _plain(file) for file in files) or MANIFEST not in files):
+        raise InputError(f"{folder}: the disk cache is damaged: {HANDOVER_MARKER} does not name a successor's files")
+    successor, kept = folder / name, set(files) | {HANDOVER_MARKER, LOCK}
+    try:
+        for file in files:
+            if (successor / file).is_file():
+                os.replace(successor / file, folder / file)
+        _sync_folder(folder)
+        for path in folder.iterdir():
+            if path.is_file() and path.name not in kept:
+                path.unlink()
+        shutil.rmtree(successor, ignore_errors=True)
+        marker.unlink()
+        _sync_folder(folder)
+    except OSError as error:
+        raise OutputError(f"cannot finish the handover of the disk cache in {folder}: "
+                          f"{error.strerror or error}") from None
+    return True
+
+
+def _plain(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+
+
+def _sync_folder(folder: Path) -> None:
+    """Force the folder's entries (renames, new files) to the storage device."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
