@@ -730,3 +730,15 @@ def test_a_file_loaded_into_the_disk_tier_with_its_successor_goes_on_alone_and_s
         for frame in FRAMES[3:]:
             resumed.push(frame)
         assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+
+
+def test_a_disk_tier_stream_saved_to_a_file_goes_on_in_memory_as_if_never_stopped(checkpoint, tmp_path, references):
+    with pushed(on_disk(checkpoint, tmp_path), FRAMES[:20]) as stream:
+        stream.catch_up(8)  # its successor saved with the steps it replayed, the rest of the backlog read back
+        path = stream.save(tmp_path / "s.safetensors")
+    with Stream.load(path, loaded(checkpoint, None)) as resumed:
+        assert resumed.handover == "beside" and resumed.successor.seen_tokens and resumed.backlog.steps
+        for frame in FRAMES[20:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
