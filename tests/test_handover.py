@@ -647,7 +647,7 @@ def test_on_the_disk_tier_a_handover_stopped_after_it_was_marked_is_finished_by_
     monkeypatch.setattr(successor_files.os, "replace", replace)
     message = str(raised.value)
     assert "\n" not in message and "No space left on device" in message and f"Stream.load({str(folder)!r})" in message
-    assert "handover.json" in files_of(folder)
+    assert "handover.json" in files_of(folder) and any(path.is_dir() for path in folder.iterdir())
     with pytest.raises(Exception):
         stream.push(FRAMES[-1])
     stream.close()
@@ -741,4 +741,85 @@ def test_a_disk_tier_stream_saved_to_a_file_goes_on_in_memory_as_if_never_stoppe
         for frame in FRAMES[20:]:
             resumed.push(frame)
         assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_a_successor_whose_writes_fail_is_dropped_and_the_stream_closes_and_resumes_whole(
+        checkpoint, tmp_path, references, monkeypatch):
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:12])
+
+    def full(*args, **kwargs):
+        raise OutputError("cannot write the disk cache: No space left on device")
+    monkeypatch.setattr(stream.successor.disk, "commit_step", full)
+    stream.catch_up(3)
+    assert stream.successor is None and stream.handover.startswith("alone: the successor's step failed")
+    folder = stream.durability.folder
+    assert not any(path.is_dir() for path in folder.iterdir()) and "backlog.bin" not in files_of(folder)
+    for frame in FRAMES[12:20]:
+        stream.push(frame)
+    stream.close()  # its last step checkpointed: nothing lost
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.frames == 20 and resumed.frames_lost == 0
+        assert resumed.handover == "alone: it had no successor when it stopped"
+        for frame in FRAMES[20:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+
+
+def test_on_the_disk_tier_a_kill_just_after_the_handover_was_marked_still_counts_the_waiting_frames(
+        checkpoint, tmp_path, monkeypatch):
+    """Frames pushed in a batch whose step passed the range wait for their steps while the folder is handed over:
+    the folder as a kill leaves it then resumes at the handover and counts them lost."""
+    import shutil
+
+    import statekv.api.durability as durability
+
+    qa = on_disk(checkpoint, tmp_path)
+    stream = qa.stream(vision_batch=4)
+    finish, seen = durability.finish_handover, {}
+
+    def killed_first(folder):
+        if not seen:
+            shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+            seen["journaled"] = stream.pushed + 1  # the frame being pushed is journaled, not yet accepted
+        return finish(folder)
+    monkeypatch.setattr(durability, "finish_handover", killed_first)
+    with stream:
+        for frame in FRAMES:
+            stream.push(frame)
+        assert stream.handover == "handed over"
+    with Stream.load(tmp_path / "killed", qa) as resumed:
+        assert resumed.handover == "handed over"
+        assert resumed.frames_lost == seen["journaled"] - resumed.frames > 0
+
+
+def test_on_the_disk_tier_a_handover_stopped_in_a_batch_closes_that_stream_alone(checkpoint, tmp_path, references,
+                                                                                 monkeypatch):
+    import statekv.api.durability as durability
+    from statekv.errors import HandoverError
+
+    qa = on_disk(checkpoint, tmp_path)
+    first, second = qa.stream(name="first"), qa.stream(name="second")
+    finish = durability.finish_handover
+
+    def failing_first(folder):
+        if folder == first.durability.folder:
+            raise OutputError(f"cannot finish the handover of the disk cache in {folder}: Input/output error")
+        return finish(folder)
+    monkeypatch.setattr(durability, "finish_handover", failing_first)
+    errors = []
+    for frame in FRAMES:
+        items = [(stream, frame, None) for stream in (first, second) if not stream.prefill.closed]
+        errors += [item for item in qa.push_many(items, return_exceptions=True) if isinstance(item, Exception)]
+    assert len(errors) == 1 and isinstance(errors[0], HandoverError) and first.prefill.closed
+    with second:
+        assert second.handover == "handed over"
+        assert fingerprint(second.prefill) == fingerprint(references["cache", 40].prefill)
+    first.close()
+    monkeypatch.setattr(durability, "finish_handover", finish)
+    with Stream.load(first.durability.folder, qa) as resumed:
+        assert resumed.handover == "handed over"
+        for frame in FRAMES[resumed.frames:]:
+            resumed.push(frame)
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)

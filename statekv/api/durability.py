@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
-from ..core.disk.successor import (HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
+from ..core.disk.successor import (BACKLOG, HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
                                    remove_successors)
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
@@ -110,36 +110,47 @@ class Durability:
         """Remove the successor file sets left in the stream's folder (they are rebuilt from the backlog)."""
         remove_successors(self.tier.folder)
 
-    def hand_over(self, first: Any, successor: Any, engine_on: Callable[[DiskTier], Any]) -> Any:
+    def no_successor(self) -> None:
+        """The stream goes on without a successor: what was kept for one goes (its file sets, the backlog)."""
+        if self.backlog is not None:
+            self.backlog.close()
+        remove_successors(self.tier.folder, backlog=True)
+
+    def hand_over(self, first: Any, successor: Any, engine_on: Callable[[DiskTier], Any],
+                  pending: Sequence[Frame]) -> Any:
         """The stream's folder given to its ``successor``'s file set (its backlog replayed; ``first``: the stream's
-        engine until now), in the order `statekv.core.disk.successor` describes; returns the stream's engine from
-        now on, ``engine_on`` the folder's file set, resumed from it. Before the handover is marked, an error
-        leaves the stream as it was (its successor dropped by the caller); after, the stream is closed and the
-        error says that resuming the folder finishes the handover."""
+        engine until now; ``pending``: the frames waiting for their step, journaled in the successor's file set so
+        that a crash still counts them lost), in the order `statekv.core.disk.successor` describes; returns the
+        stream's engine from now on, ``engine_on`` the folder's file set, resumed from it. Before the handover is
+        marked, an error leaves the stream as it was (its successor dropped by the caller); after, both engines
+        are closed and a `HandoverError` says that resuming the folder finishes the handover."""
         folder = self.tier.folder
         described = folder / f"{SETUP}.json"
         if described.is_file():  # a stream's own description, naming the successor's file set from now on
             successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
+        successor.sync()  # checkpointed at its last step
+        for frame in pending:
+            successor.disk.append({"push": frame.index, "t": frame.timestamp})
         successor.sync()
-        mark_handover(folder, successor.disk.folder)
+        mark_handover(folder, successor.disk.folder, successor.disk.file_set)
         lock = tier = engine = None
         try:
             successor.close()
             self.backlog.close()
-            lock = first.disk.close(keep_lock=True)
+            lock = first.disk.close(keep_lock=True, checkpoint=False)  # its files are about to go
             finish_handover(folder)
             journal = read_file_set(folder)
             tier = DiskTier(folder, journal.manifest, lock)
             engine = engine_on(tier)
-            engine.resume(journal)
+            engine.resume(journal, just_written=True)  # the pending frames' records kept
         except Exception as error:
-            if engine is not None:
-                engine.close()
-            elif tier is not None:
-                tier.close()
-            elif lock is not None:
-                lock.release()
-            first.close()
+            cleanups = [engine.close if engine is not None else tier.close if tier is not None
+                        else lock.release if lock is not None else None, first.close]
+            for cleanup in filter(None, cleanups):
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001 -- the handover's own error is the one to tell
+                    pass
             raise HandoverError(f"{folder}: the stream's handover to its successor's file set stopped ({error}); "
                                 f"Stream.load({str(folder)!r}) finishes it and resumes the stream") from None
         self.tier, self.backlog = tier, None
@@ -226,7 +237,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.state = LayoutState.from_dict(last["state"])
         if handed_over:
             stream.handover = "handed over"
-        if stream.successor is not None:  # rebuilt from the backlog: it replays every step again
+        if stream.successor is not None and BACKLOG not in last:  # it went on without one (or predates them)
+            stream.drop_successor("it had no successor when it stopped", warn=False)
+        elif stream.successor is not None:  # rebuilt from the backlog: it replays every step again
             why = stream.durability.restore_backlog(stream.backlog, journal.steps,
                                                     stream.adapter.language_embeddings.weight)
             if why is not None:

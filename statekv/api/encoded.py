@@ -91,6 +91,8 @@ class EncodedVideo:
             self.handover = "beside" if alone is None else f"alone: {alone}"
             if alone is None:
                 self.successor = self.new_successor()
+        if self.successor is None and self.durability.enabled:  # what an earlier run kept for one goes
+            self.durability.no_successor()
         self._placed_span = 0  # the frame step's span last checked by `cannot_place`
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
@@ -309,13 +311,14 @@ class EncodedVideo:
         first = self.prefill
         if self.durability.enabled:  # the stream's folder goes to the successor's file set
             try:
-                engine = self.durability.hand_over(first, self.successor, self.engine_on)
+                engine = self.durability.hand_over(first, self.successor, self.engine_on, self.waiting_frames)
             except HandoverError:  # both engines closed; the successor's files finish the handover on resuming
+                for closed in (self.successor, first):
+                    self.qa.step_scheduler.release(closed)
                 self.successor = None
                 raise
             self.qa.step_scheduler.release(self.successor)
             self.prefill, self.successor = engine, None
-            self.rejournal_pending()
         else:
             self.prefill, self.successor = self.successor, None
         self.handover = "handed over"
@@ -331,9 +334,10 @@ class EncodedVideo:
                                 horizon=args["horizon"], protect_tokens=args["protect_tokens"], name=args["name"],
                                 disk_tier=tier)
 
-    def rejournal_pending(self) -> None:
-        """Journal again, in the file set the stream now lives in, the frames waiting for their step (a `Stream`'s;
-        a video file has none), so that a crash still counts them lost."""
+    @property
+    def waiting_frames(self) -> list[Frame]:
+        """The frames kept but not yet streamed (a `Stream`'s pending frames; a video file has none)."""
+        return []
 
     def keep_to_cap(self, span: int = 0) -> None:
         """Under a cache cap, drop the successor when the cap could not hold both engines at the handover after a
@@ -363,7 +367,8 @@ class EncodedVideo:
                 log.warning("%s: streams on without its successor engine: %s", self.name, why)
             self.qa.step_scheduler.release(self.successor)
             self.close_successor()
-            self.successor = None
+            if self.durability.enabled:
+                self.durability.no_successor()
             self.backlog = self.new_backlog()
             self.handover = f"alone: {why}"
 
@@ -376,19 +381,26 @@ class EncodedVideo:
         return self.state.frames
 
     def close_successor(self) -> None:
-        """Close the successor; on the disk tier its file set goes too (a resumed stream rebuilds it from the
-        backlog)."""
-        self.successor.close()
-        if self.successor.disk is not None:
-            self.durability.remove_successors()
+        """Close the successor; on the disk tier its file set goes too, unwritten (a resumed stream rebuilds it
+        from the backlog)."""
+        successor, self.successor = self.successor, None
+        try:
+            if successor.disk is not None:
+                successor.disk.discard()
+        finally:
+            successor.close()
 
     def close(self) -> None:
         """Release the caches and the backlog, and give the model back its own RoPE."""
-        if self.successor is not None:
-            self.close_successor()
-        self.prefill.close()
-        self.durability.close()
-        self.backlog = self.new_backlog()
+        try:
+            if self.successor is not None:
+                self.close_successor()
+        finally:
+            try:
+                self.prefill.close()
+            finally:
+                self.durability.close()
+                self.backlog = self.new_backlog()
 
     def __enter__(self) -> "EncodedVideo":
         return self

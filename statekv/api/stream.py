@@ -287,9 +287,9 @@ class Stream(EncodedVideo):
         self.settle(job, failed=job.error is not None, offered=offered)
         job.raise_error()
 
-    def rejournal_pending(self) -> None:
-        for frame in self.pending:
-            self.durability.pushed(frame)
+    @property
+    def waiting_frames(self) -> list[Frame]:
+        return self.pending
 
     @_one_at_a_time
     def close(self) -> None:

@@ -119,31 +119,35 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             job.streamed += 1
             if index + 1 < job.steps:
                 following.append((job, index + 1))
-        hand_over([job.video for job, _, _ in stepped if job.video.handover_due], batcher)
-        live = following
+        stopped = hand_over([job.video for job, _, _ in stepped if job.video.handover_due], batcher)
+        for job, _, _ in stepped:
+            if id(job.video) in stopped:  # closed in its handover: its job ends there, the others go on
+                job.error = stopped[id(job.video)]
+        live = [(job, index) for job, index in following if job.error is None]
 
 
-def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> None:
+def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, HandoverError]:
     """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
-    backlogs, together, and take over; one whose replay fails is dropped, its video going on alone."""
+    backlogs, together, and take over; one whose replay fails is dropped, its video going on alone. Returns, by
+    ``id`` of the video, the handovers that stopped once marked on the disk tier (those videos are closed)."""
     if not videos:
-        return
+        return {}
     started = time.perf_counter()
     for video in videos:
         log.info("%s: past the model's range: its successor replays %d steps", video.name, len(video.backlog.steps))
     replay_backlogs(videos, batcher)
-    stopped = []
+    stopped = {}
     for video in videos:
         try:
             video.adopt_successor()
         except HandoverError as error:  # the video was closed: its folder resumes it
-            stopped.append(error)
+            stopped[id(video)] = error
+            log.error("%s", error)
             continue
         except Exception as error:  # the step is streamed: the video goes on with the engine it has
             video.drop_successor(f"its handover failed ({error})")
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
-    if stopped:
-        raise stopped[0]
+    return stopped
 
 
 def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
@@ -153,10 +157,17 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
     for video in videos:
         video.prefill.check_open()
     replayed = replay_backlogs(videos, StepBatcher(), waves=steps)
+    stopped = []
     for video in videos:
         if video.handover_due and not video.backlog.steps:  # a handover stopped in its replay: finished now
-            video.adopt_successor()
+            try:
+                video.adopt_successor()
+            except HandoverError as error:  # the video was closed; the others still take over
+                stopped.append(error)
+                continue
         video.book_engines()
+    if stopped:
+        raise stopped[0]
     return replayed
 
 

@@ -18,7 +18,7 @@ from .tier import DiskTier
 
 
 def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True,
-           carried: list[tuple[torch.Tensor | None, ...]] | None = None) -> None:
+           carried: list[tuple[torch.Tensor | None, ...]] | None = None, keep_after: bool = False) -> None:
     """Resume ``cache`` (a `TwoStateCache` whose layers' storages ``tier`` made) at the journal's last checkpoint:
     every step's CRC up to it is checked first (evicted steps excepted; ``verify=False``: not, for a stream
     restoring the files it has just written) and the checkpoint's carried state; a one-line `InputError` names the
@@ -28,7 +28,8 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
 
     ``carried``: a stream restoring itself after a step its disk could not take (``journal`` read with
     ``latest=True``) passes the carried state its last journaled step left (`DiskTier.remembered`): the journal
-    is then kept as it is and no checkpoint is read."""
+    is then kept as it is and no checkpoint is read. ``keep_after``: the journal is not cut (a file set whose last
+    step was checkpointed by the caller, followed by records of its own: a handover's pending frames)."""
     where, steps = tier.folder, journal.steps
     last = steps[-1]
     lengths = [int(record["tokens"]) for record in steps]
@@ -94,6 +95,8 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         return
     tier.checkpointed = len(steps) - 1
     tier.checkpoints = int(journal.carry["slot"]) + 1
+    if keep_after:
+        return
     tier.truncate_journal(journal.end)
     if journal.later_evictions:  # their rows are punched: they stay evicted
         tier.append({"evict": sorted(set(journal.later_evictions))})

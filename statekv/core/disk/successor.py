@@ -27,7 +27,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from .buffers import pwrite_all
-from .files import LOCK, MANIFEST, read_checked, write_checked
+from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
 from .tier import DiskTier
 
 BACKLOG_FILE = "backlog.bin"
@@ -122,31 +122,49 @@ def _entry(entry: Any) -> bool:
 
 
 def successor_folders(folder: Path) -> list[Path]:
-    """The successors' file sets in ``folder`` (its subfolders holding a manifest: a stream's folder holds no
-    other)."""
+    """The successors' file sets in ``folder``: its subfolders (a stream's folder holds no other, and one a kill
+    left half-made may lack its manifest)."""
     try:
-        return sorted(path for path in folder.iterdir() if path.is_dir() and (path / MANIFEST).is_file())
+        return sorted(path for path in folder.iterdir() if path.is_dir())
     except OSError:
         return []
 
 
-def remove_successors(folder: Path) -> None:
-    """Remove the successor file sets left in ``folder`` (by a stream stopped before its handover): nothing
-    resumes them, the backlog rebuilds its successor."""
+def remove_successors(folder: Path, *, backlog: bool = False) -> None:
+    """Remove the successor file sets left in ``folder`` (by a stream stopped before its handover: nothing resumes
+    them, the backlog rebuilds its successor), each once its lock is taken (one another process opened is left);
+    ``backlog``: the backlog file too (a stream going on without a successor)."""
     for path in successor_folders(folder):
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            lock = hold(path, "a stream removing its successor's files")
+        except InputError:
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            lock.release()
+    if backlog:
+        (folder / BACKLOG_FILE).unlink(missing_ok=True)
 
 
-def mark_handover(folder: Path, successor: Path) -> None:
-    """From now on the stream in ``folder`` is the file set in its subfolder ``successor`` (checkpointed and synced
-    by the caller): ``handover.json`` names it and its files, written atomically (`finish_handover` then moves
-    them)."""
+def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
+    """From now on the stream in ``folder`` is the file set ``file_set`` in its subfolder ``successor``
+    (checkpointed and synced by the caller): ``handover.json`` names it and its files, written and synced before
+    it is renamed into place (`finish_handover` then moves them)."""
     files = sorted(path.name for path in successor.iterdir() if path.is_file() and path.name != LOCK)
+    marker, partial = folder / HANDOVER_MARKER, folder / f"{HANDOVER_MARKER}.partial"
     try:
-        write_checked(folder / HANDOVER_MARKER, {"folder": successor.name, "files": files})
+        write_checked(partial, {"folder": successor.name, "files": files, FILE_SET: file_set})
+        fd = os.open(partial, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, marker)
         _sync_folder(folder)
     except OSError as error:
-        (folder / HANDOVER_MARKER).unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
         raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
 
 
@@ -160,8 +178,8 @@ def finish_handover(folder: Path) -> bool:
     if not marker.is_file():
         return False
     described = read_checked(marker)
-    name, files = described.get("folder"), described.get("files")
-    if (not isinstance(name, str) or not _plain(name) or not isinstance(files, list)
+    name, files, file_set = described.get("folder"), described.get("files"), described.get(FILE_SET)
+    if (not isinstance(name, str) or not _plain(name) or not isinstance(files, list) or not isinstance(file_set, str)
             or not all(isinstance(file, str) and _plain(file) for file in files) or MANIFEST not in files):
         raise InputError(f"{folder}: the disk cache is damaged: {HANDOVER_MARKER} does not name a successor's files")
     successor, kept = folder / name, set(files) | {HANDOVER_MARKER, LOCK}
@@ -170,6 +188,9 @@ def finish_handover(folder: Path) -> bool:
             if (successor / file).is_file():
                 os.replace(successor / file, folder / file)
         _sync_folder(folder)
+        if read_manifest(folder)[FILE_SET] != file_set:  # its files are not there: nothing of the stream's goes
+            raise InputError(f"{folder}: the disk cache is damaged: the successor's files that {HANDOVER_MARKER} "
+                             "names are missing")
         for path in folder.iterdir():
             if path.is_file() and path.name not in kept:
                 path.unlink()

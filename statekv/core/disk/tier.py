@@ -328,11 +328,12 @@ class DiskTier:
         """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
         os.ftruncate(self._journal, end)
 
-    def close(self, *, keep_lock: bool = False) -> FolderLock | None:
+    def close(self, *, keep_lock: bool = False, checkpoint: bool = True) -> FolderLock | None:
         """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
         and never journaled anything resumable (then the folder is removed). ``keep_lock``: the lock is not given
-        back but returned, for the next tier in the folder (a handover, `statekv.core.disk.successor`); the tier
-        is closed for good either way (closing it again does nothing)."""
+        back but returned, for the next tier in the folder (a handover, `statekv.core.disk.successor`);
+        ``checkpoint``: False closes without checkpointing the last step (files about to be replaced or removed).
+        The tier is closed for good either way (closing it again does nothing)."""
         if self.lock is None:
             return None
         if self.made and not self.durable:
@@ -341,7 +342,7 @@ class DiskTier:
             self.lock = None
             shutil.rmtree(self.folder, ignore_errors=True)
             return None
-        if self._journal >= 0:
+        if self._journal >= 0 and checkpoint:
             try:
                 self.checkpoint()  # a closed stream resumes with nothing lost
             except OutputError:
@@ -353,6 +354,16 @@ class DiskTier:
             return lock
         lock.release()  # the files stay, for the next owner
         return None
+
+    def discard(self) -> None:
+        """Close the files, give the lock back and remove the folder (a file set nothing resumes: a successor's
+        before its handover). Nothing is written."""
+        if self.lock is None:
+            return
+        self._close_files()
+        lock, self.lock = self.lock, None
+        shutil.rmtree(self.folder, ignore_errors=True)
+        lock.release()
 
     def _close_files(self) -> None:
         if self._journal >= 0:

@@ -246,11 +246,13 @@ class StreamingPrefill:
         """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
         return frozenset(self.cache.evicted_steps)
 
-    def resume(self, journal: Journaled) -> None:
+    def resume(self, journal: Journaled, *, just_written: bool = False) -> None:
         """Resume from this stream's disk tier (made with ``disk_tier=``) at the last checkpoint its ``journal``
         (:func:`statekv.core.disk.files.read_file_set`) vouches for, every step's checksum verified first; what the
-        journal holds after it is dropped (the evictions recorded after it kept)."""
-        resume(self.disk, journal, self.cache, self.device)
+        journal holds after it is dropped (the evictions recorded after it kept). ``just_written``: a file set this
+        process has just written, synced and checkpointed at its last step (a handover's): not verified again, and
+        the records after its checkpoint are kept."""
+        resume(self.disk, journal, self.cache, self.device, verify=not just_written, keep_after=just_written)
         if self.keeper is not None:
             self.keeper.adopt()
 
