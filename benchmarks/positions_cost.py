@@ -10,7 +10,8 @@ time on CUDA), mean over the second half of the frames, the median of ``--repeat
 compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no load disturbs. Past the range (``--past-frames``, enough to pass it): StateKV's bounded streams, the median push over
 the frames after the first step placed away from its own position against the same stream's frames before it:
 what re-placing and rotating the carried keys costs once positions move; and the push that moved them (under
-``handover``, its successor's replay of every step before).
+``handover``, its successor's replay of every step before; with ``--offload-dir``, also on the disk tier, where
+that push also hands the stream's folder to the successor's file set).
 
     python benchmarks/positions_cost.py --out docs/benchmarks.md          # the built-in model on the CPU
     python benchmarks/positions_cost.py --device cuda --out docs/benchmarks.md
@@ -101,8 +102,12 @@ def past(args, frames) -> list[dict]:
     rows = []
     qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv", device=args.device))
     limit = placing.trained_range(qa.adapter.model.config.get_text_config())
-    for layout in LAYOUTS:
-        stream = qa.with_options(bounded_layout=layout).stream(max_fps=None, vision_batch=1)
+    runs = [(layout, {"bounded_layout": layout}) for layout in LAYOUTS]
+    if args.offload_dir:  # the default on the disk tier: its backlog and successor in the stream's folder
+        runs.append(("handover, disk tier", {"bounded_layout": "handover", "offload": "disk",
+                                             "offload_dir": args.offload_dir}))
+    for layout, options in runs:
+        stream = qa.with_options(**options).stream(max_fps=None, vision_batch=1)
         clock, pushes, moved_at, ops = timer(args.device), [], None, {}
         for index, image in enumerate(frames):
             traced = index in (len(frames) // 2 - 1, len(frames) - 1)  # ops of a frame before moving, and the last
@@ -168,6 +173,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--past-frames", type=int, default=1400, help="0: no run past the range")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
+    parser.add_argument("--offload-dir", default=None,
+                        help="past the range, also the handover layout on the disk tier, its folders made here")
     parser.add_argument("--out", default=None,
                         help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     args = parser.parse_args()
