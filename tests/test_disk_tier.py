@@ -340,3 +340,25 @@ def test_disk_tier_streams_stepped_together_journal_every_step_and_resume(adapte
         assert _same(_carried(resumed), _carried(reference))
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6),
                            reference.ask_tokens(QUESTION, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("checkpoint_steps", [64, 3])
+def test_frames_waiting_for_their_batch_at_a_checkpoint_are_counted_lost(adapters, tmp_path, monkeypatch,
+                                                                          checkpoint_steps):
+    """A checkpoint taken while frames wait for their batch (at a close, or inside a batch's steps) journals them
+    again after it: whatever the checkpoint it resumes from, a resumed stream counts every frame pushed and not
+    streamed."""
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", checkpoint_steps)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "cache")
+    frames = random_frames(14)
+    for pushed in range(1, 15):
+        stream = qa.stream(horizon_frames=16, vision_batch=4)
+        for frame in frames[:pushed]:
+            stream.push(frame)
+        killed = shutil.copytree(stream.prefill.disk.folder, tmp_path / f"killed{pushed}",
+                                 ignore=shutil.ignore_patterns("lock"))
+        stream.close()
+        for folder in (killed, stream.prefill.disk.folder):  # as a kill leaves it, and closed
+            resumed = Stream.load(folder, qa)
+            assert resumed.frames + resumed.frames_lost == pushed, (pushed, folder.name)
+            resumed.close()

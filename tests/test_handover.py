@@ -651,6 +651,9 @@ def test_on_the_disk_tier_a_handover_stopped_after_it_was_marked_is_finished_by_
     with pytest.raises(Exception):
         stream.push(FRAMES[-1])
     stream.close()
+    with pytest.raises(InputError, match="belongs to no owner"):  # one who may not load it changes nothing
+        Stream.load(folder, qa, owner="someone else")
+    assert "handover.json" in files_of(folder)
     if moved:  # `statekv reown` finishes it too
         from statekv.api.reown import reown
 
@@ -755,13 +758,14 @@ def test_on_the_disk_tier_a_successor_whose_writes_fail_is_dropped_and_the_strea
     stream.catch_up(3)
     assert stream.successor is None and stream.handover.startswith("alone: the successor's step failed")
     folder = stream.durability.folder
-    assert not any(path.is_dir() for path in folder.iterdir()) and "backlog.bin" not in files_of(folder)
+    assert not any(path.is_dir() for path in folder.iterdir())  # its file set discarded, unwritten
     for frame in FRAMES[12:20]:
         stream.push(frame)
     stream.close()  # its last step checkpointed: nothing lost
     with Stream.load(folder, qa) as resumed:
         assert resumed.frames == 20 and resumed.frames_lost == 0
         assert resumed.handover == "alone: it had no successor when it stopped"
+        assert "backlog.bin" not in files_of(folder)  # what was kept for it goes once the stream resumed
         for frame in FRAMES[20:]:
             resumed.push(frame)
         assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
@@ -823,3 +827,25 @@ def test_on_the_disk_tier_a_handover_stopped_in_a_batch_closes_that_stream_alone
         for frame in FRAMES[resumed.frames:]:
             resumed.push(frame)
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_a_stream_whose_folder_was_replaced_leaves_the_folder_now_there_alone(checkpoint, tmp_path, references):
+    """The folder moved away and a copy put in its place, resumed by another stream: the first, closing, removes
+    nothing of what the path now names (its successor's files, the backlog), and the copy hands over as ever."""
+    import shutil
+
+    qa = on_disk(checkpoint, tmp_path)
+    first = pushed(qa, FRAMES[:12])
+    first.catch_up(3)
+    folder = first.durability.folder
+    moved = folder.rename(folder.with_name("moved"))
+    shutil.copytree(moved, folder, ignore=shutil.ignore_patterns("lock"))
+    with Stream.load(folder, qa) as copy:
+        first.drop_successor("dropped while another stream lives in what its path names")
+        first.close()
+        assert "backlog.bin" in files_of(folder) and [path for path in folder.iterdir() if path.is_dir()] == [
+            copy.successor.disk.folder]
+        for frame in FRAMES[copy.frames:]:
+            copy.push(frame)
+        assert copy.handover == "handed over"
+        assert fingerprint(copy.prefill) == fingerprint(references["cache", 40].prefill)

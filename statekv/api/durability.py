@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
-from ..core.disk.successor import (BACKLOG, HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
+from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
                                    remove_successors)
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
@@ -48,6 +48,17 @@ class Durability:
     def __init__(self, tier: DiskTier | None, *, records_frames: bool = False):
         self.tier, self.records_frames = tier, records_frames
         self.backlog = None if tier is None else BacklogFile(tier)  # a handover stream's, before its handover
+        self.waiting: Callable[[], Sequence[Frame]] = list  # the video's frames kept but not yet streamed
+
+    def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
+        """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
+        resumed file set counts them lost, `frames_lost`)."""
+        self.waiting = waiting
+        if self.tier is not None:
+            self.tier.waiting = self.waiting_records
+
+    def waiting_records(self) -> list[dict[str, Any]]:
+        return [{"push": frame.index, "t": frame.timestamp} for frame in self.waiting()]
 
     @property
     def enabled(self) -> bool:
@@ -111,16 +122,20 @@ class Durability:
         remove_successors(self.tier.folder)
 
     def no_successor(self) -> None:
-        """The stream goes on without a successor: what was kept for one goes (its file sets, the backlog)."""
+        """The stream, resumed, goes on without a successor: what an earlier run kept for one goes (its file sets,
+        the backlog), if the folder is still the one this stream holds (they go at the next resume otherwise)."""
         if self.backlog is not None:
             self.backlog.close()
-        remove_successors(self.tier.folder, backlog=True)
+        if self.tier.owned:
+            try:
+                remove_successors(self.tier.folder, backlog=True)
+            except OSError as error:
+                log.warning("%s: cannot remove what was kept for a successor: %s", self.tier.folder, error)
 
-    def hand_over(self, first: Any, successor: Any, engine_on: Callable[[DiskTier], Any],
-                  pending: Sequence[Frame]) -> Any:
+    def hand_over(self, first: Any, successor: Any, engine_on: Callable[[DiskTier], Any]) -> Any:
         """The stream's folder given to its ``successor``'s file set (its backlog replayed; ``first``: the stream's
-        engine until now; ``pending``: the frames waiting for their step, journaled in the successor's file set so
-        that a crash still counts them lost), in the order `statekv.core.disk.successor` describes; returns the
+        engine until now; the frames waiting for their steps journaled in the successor's file set, so that a crash
+        still counts them lost), in the order `statekv.core.disk.successor` describes; returns the
         stream's engine from now on, ``engine_on`` the folder's file set, resumed from it. Before the handover is
         marked, an error leaves the stream as it was (its successor dropped by the caller); after, both engines
         are closed and a `HandoverError` says that resuming the folder finishes the handover."""
@@ -129,8 +144,8 @@ class Durability:
         if described.is_file():  # a stream's own description, naming the successor's file set from now on
             successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
         successor.sync()  # checkpointed at its last step
-        for frame in pending:
-            successor.disk.append({"push": frame.index, "t": frame.timestamp})
+        for record in self.waiting_records():
+            successor.disk.append(record)
         successor.sync()
         mark_handover(folder, successor.disk.folder, successor.disk.file_set)
         lock = tier = engine = None
@@ -141,6 +156,7 @@ class Durability:
             finish_handover(folder)
             journal = read_file_set(folder)
             tier = DiskTier(folder, journal.manifest, lock)
+            tier.waiting = self.waiting_records
             engine = engine_on(tier)
             engine.resume(journal, just_written=True)  # the pending frames' records kept
         except Exception as error:
@@ -183,7 +199,8 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     taken first (a file set another stream lives in is refused, naming it), then everything checked, against
     ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own)."""
     engine = qa.engine if engine is None else engine
-    if (folder / HANDOVER_MARKER).is_file():  # a handover stopped midway: finished first
+    if (folder / HANDOVER_MARKER).is_file():  # a handover stopped midway: finished first, by its owner
+        check_ownership(folder, read_stream_setup(folder), stream_id, owner)
         lock = hold(folder, "a stream finishing its handover")
         try:
             finish_handover(folder)
@@ -237,14 +254,16 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.state = LayoutState.from_dict(last["state"])
         if handed_over:
             stream.handover = "handed over"
-        if stream.successor is not None and BACKLOG not in last:  # it went on without one (or predates them)
-            stream.drop_successor("it had no successor when it stopped", warn=False)
+        if stream.successor is not None and (BACKLOG not in last or not (folder / BACKLOG_FILE).is_file()):
+            stream.drop_successor("it had no successor when it stopped", warn=False)  # or predates them
         elif stream.successor is not None:  # rebuilt from the backlog: it replays every step again
             why = stream.durability.restore_backlog(stream.backlog, journal.steps,
                                                     stream.adapter.language_embeddings.weight)
             if why is not None:
                 stream.drop_successor(why)
             stream.keep_to_cap()
+        if stream.successor is None:  # resumed whole: what an earlier run kept for a successor goes
+            stream.durability.no_successor()
     except BaseException:
         stream.close()
         raise

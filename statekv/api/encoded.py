@@ -86,13 +86,12 @@ class EncodedVideo:
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
         self._engine_args = dict(policy=policy, horizon=horizon, protect_tokens=protect, name=name)
         self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
+        self.durability.watch(lambda: self.waiting_frames)
         if handing_over(self.engine):
             alone = why_alone(self.engine, policy, self.prefill.config, self._video_tokens)
             self.handover = "beside" if alone is None else f"alone: {alone}"
             if alone is None:
                 self.successor = self.new_successor()
-        if self.successor is None and self.durability.enabled:  # what an earlier run kept for one goes
-            self.durability.no_successor()
         self._placed_span = 0  # the frame step's span last checked by `cannot_place`
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
@@ -311,7 +310,7 @@ class EncodedVideo:
         first = self.prefill
         if self.durability.enabled:  # the stream's folder goes to the successor's file set
             try:
-                engine = self.durability.hand_over(first, self.successor, self.engine_on, self.waiting_frames)
+                engine = self.durability.hand_over(first, self.successor, self.engine_on)
             except HandoverError:  # both engines closed; the successor's files finish the handover on resuming
                 for closed in (self.successor, first):
                     self.qa.step_scheduler.release(closed)
@@ -367,8 +366,6 @@ class EncodedVideo:
                 log.warning("%s: streams on without its successor engine: %s", self.name, why)
             self.qa.step_scheduler.release(self.successor)
             self.close_successor()
-            if self.durability.enabled:
-                self.durability.no_successor()
             self.backlog = self.new_backlog()
             self.handover = f"alone: {why}"
 

@@ -163,6 +163,7 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
             try:
                 video.adopt_successor()
             except HandoverError as error:  # the video was closed; the others still take over
+                log.error("%s", error)
                 stopped.append(error)
                 continue
         video.book_engines()

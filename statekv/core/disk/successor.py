@@ -154,6 +154,8 @@ def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
     files = sorted(path.name for path in successor.iterdir() if path.is_file() and path.name != LOCK)
     marker, partial = folder / HANDOVER_MARKER, folder / f"{HANDOVER_MARKER}.partial"
     try:
+        _sync_folder(successor)  # its files' entries, and its own in the folder, before the marker names them
+        _sync_folder(folder)
         write_checked(partial, {"folder": successor.name, "files": files, FILE_SET: file_set})
         fd = os.open(partial, os.O_RDONLY)
         try:
@@ -183,6 +185,9 @@ def finish_handover(folder: Path) -> bool:
             or not all(isinstance(file, str) and _plain(file) for file in files) or MANIFEST not in files):
         raise InputError(f"{folder}: the disk cache is damaged: {HANDOVER_MARKER} does not name a successor's files")
     successor, kept = folder / name, set(files) | {HANDOVER_MARKER, LOCK}
+    if not successor.is_dir() and read_manifest(folder)[FILE_SET] != file_set:
+        marker.unlink()  # nothing of the successor's reached the folder: the stream is its own file set still
+        return False
     try:
         for file in files:
             if (successor / file).is_file():

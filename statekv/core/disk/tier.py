@@ -92,6 +92,9 @@ class DiskTier:
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
+        # the records of what waits to be streamed (a stream's pending frames), journaled again after each checkpoint:
+        # a resumed file set counts what was journaled after its checkpoint as lost
+        self.waiting: Callable[[], list[dict[str, Any]]] = list
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
@@ -265,6 +268,8 @@ class DiskTier:
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32"})
         self.checkpoints += 1
         self.checkpointed = self.last_step
+        for record in self.waiting():
+            self.append(record)
 
     def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
                        placements: list[list[int]] | None = None) -> None:
@@ -357,13 +362,19 @@ class DiskTier:
 
     def discard(self) -> None:
         """Close the files, give the lock back and remove the folder (a file set nothing resumes: a successor's
-        before its handover). Nothing is written."""
+        before its handover), unless its path no longer names the folder this tier locked. Nothing is written."""
         if self.lock is None:
             return
         self._close_files()
         lock, self.lock = self.lock, None
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if not self.lost and lock.owns():
+            shutil.rmtree(self.folder, ignore_errors=True)
         lock.release()
+
+    @property
+    def owned(self) -> bool:
+        """Whether this tier is open and its folder's path still names the folder it locked."""
+        return self.lock is not None and not self.lost and self.lock.owns()
 
     def _close_files(self) -> None:
         if self._journal >= 0:
