@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
-from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover, mark_handover, read_backlog,
-                                   remove_successors)
+from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
+                                   mark_handover, read_backlog, remove_successors)
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
