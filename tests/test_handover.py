@@ -583,14 +583,14 @@ def test_on_the_disk_tier_it_hands_over_its_folder_and_resumes_in_either_phase(c
             assert all(isinstance(step, StoredStep) for step in resumed.backlog.steps)
         for frame in FRAMES[count:]:
             resumed.push(frame)
-        assert resumed.handover == "handed over" and resumed.durability.folder == folder
+        assert resumed.handover == "handed over" and resumed.folder == folder
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
         assert (resumed.ask(QUESTION, max_new_tokens=4, retrieve=2)
                 == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=2))
         assert "backlog.bin" not in files_of(folder) and "handover.json" not in files_of(folder)
         assert not any(path.is_dir() for path in folder.iterdir())
-    with pytest.raises(InputError, match=r"streamed with bounded_layout=cache, not own-then-cache; resume it with "
-                                         r"bounded_layout=cache or the default$"):
+    with pytest.raises(InputError, match=r"under handover it handed over to the cache layout past the model's range, "
+                                         r"not own-then-cache; resume it with bounded_layout=cache or the default$"):
         Stream.load(folder, on_disk(checkpoint, tmp_path, "own-then-cache"))
 
 

@@ -279,6 +279,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         if stream.max_fps is not None:
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
-    log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
-                stream.name, folder, stream.frames, stream.frames_lost)
+    if stream.frames_lost:
+        log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
+                    stream.name, folder, stream.frames, stream.frames_lost)
+    else:
+        log.info("%s: resumed from %s at frame %d, nothing lost", stream.name, folder, stream.frames)
     return stream

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -368,6 +369,12 @@ class EncodedVideo:
             self.close_successor()
             self.backlog = self.new_backlog()
             self.handover = f"alone: {why}"
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder of its disk-tier file set (under ``offload_dir``), what `Stream.load` resumes it from; None
+        off the disk tier."""
+        return self.durability.folder
 
     @property
     def tokens(self) -> int:

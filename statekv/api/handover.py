@@ -144,8 +144,9 @@ def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, eng
         return (engine, False) if streamed == HANDOVER else (engine.with_changes(bounded_layout=streamed), handed_over)
     if asked == streamed or (streamed == HANDOVER and asked == OWN_LAYOUT):
         return engine, handed_over
-    raise InputError(f"{folder}: the stream was streamed with bounded_layout={streamed}, not {asked}; resume it "
-                     f"with bounded_layout={streamed} or the default")
+    how = (f"under {HANDOVER} it handed over to the {streamed} layout past the model's range" if handed_over
+           else f"it was streamed with bounded_layout={streamed}")
+    raise InputError(f"{folder}: {how}, not {asked}; resume it with bounded_layout={streamed} or the default")
 
 
 def never_past(video_tokens: int, ceiling: int, limit: int) -> str:

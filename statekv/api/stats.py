@@ -68,6 +68,13 @@ class EncodingStats:
     def frames_per_second(self) -> float:
         return (len(self.frame_seconds) + self.earlier_frames) / self.seconds if self.seconds > 0 else 0.0
 
+    def __repr__(self) -> str:
+        """The counts and sizes, and the per-frame times as their mean (a long stream keeps thousands of them)."""
+        shown = [f"{name}={getattr(self, name)!r}" for name in (
+            "frames", "tokens", "chunks", "carried_tokens", "vision_batch", "cache_bytes", "peak_cache_device_bytes",
+            "peak_memory_bytes", "evicted_frames")]
+        return f"EncodingStats({', '.join(shown)}, mean_frame_seconds={self.mean_frame_seconds:.6f})"
+
     def trim(self) -> None:
         """Keep the last `TIMES_KEPT` frames' times once twice as many are held (their sum kept)."""
         dropped = len(self.frame_seconds) - TIMES_KEPT
