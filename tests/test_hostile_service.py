@@ -401,6 +401,31 @@ def test_disk_tier_folders_are_reused_across_restarts_and_deleted_with_their_str
         assert len(list(tier.iterdir())) == 1 and not list((state / "streams").glob(f"{ids[0]}*"))
 
 
+def test_a_push_the_disk_tier_cannot_take_is_a_503_naming_no_server_path_and_the_next_one_goes_in(
+        qa, tmp_path, options, monkeypatch):
+    """Before: a push whose disk-tier step could not be written (a full disk) was a 400 "invalid request" naming
+    the server's disk-tier folder."""
+    from statekv.core.disk.tier import DiskTier
+    from statekv.errors import OutputError
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    commit = DiskTier.commit_step
+
+    def full(self, *args, **kwargs):
+        raise OutputError(f"cannot write the disk cache in {self.folder}: No space left on device")
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2, horizon_frames=None)
+        monkeypatch.setattr(DiskTier, "commit_step", full)
+        refused = _push(client, stream_id, 5, 2.0)
+        monkeypatch.setattr(DiskTier, "commit_step", commit)
+        message = _error(refused, 503)
+        assert refused.headers.get("Retry-After") and "No space left on device" in message
+        assert str(tier) not in message and "the step was not taken" in message, message
+        _push(client, stream_id, 5, 2.0).raise_for_status()
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
+
+
 def test_streams_without_a_horizon_come_back_after_a_restart_not_quarantined(qa, tmp_path):
     """Before: the record check wanted a horizon, so every stream made without one (the default since issue 34)
     was listed as damaged after a restart."""

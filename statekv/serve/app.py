@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..errors import ConfigurationError, HorizonError, StateKVError
+from ..errors import ConfigurationError, HorizonError, OutputError, StateKVError
 from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
@@ -95,9 +95,10 @@ class Service:
         self.metrics.ask_seconds.observe(seconds)
 
     def public(self, message: str) -> str:
-        """A message as a client may see it: paths under the state folder or the media root made relative to
-        it (their absolute forms: a relative one says nothing of the server's layout)."""
-        folders = [folder for folder in (self.config.state_dir, self.config.media_root) if folder is not None]
+        """A message as a client may see it: paths under the state folder, the media root or the disk tier's
+        folder made relative to it (their absolute forms: a relative one says nothing of the server's layout)."""
+        folders = [folder for folder in (self.config.state_dir, self.config.media_root, self.config.options.offload_dir)
+                   if folder is not None]
         replacements = {}
         for folder in folders:
             for form in (os.path.abspath(folder), os.path.realpath(folder)):
@@ -212,6 +213,8 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
 
     @app.exception_handler(StateKVError)
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
+        if isinstance(error, OutputError):  # the server's own files (a disk tier that cannot be written), not the request
+            return answer(503, str(error), "server_error", {"Retry-After": "5"})
         status = 409 if isinstance(error, HorizonError) else 400
         return answer(status, str(error), "invalid_request_error")
 
