@@ -576,11 +576,15 @@ def test_limits_answer_429_with_retry_after(server):
         client.post(f"/v1/streams/{stream_id}/frames", content=_png(random_frames(1, 3, *SIZE)[0]),
                     headers={"Content-Type": "image/png"}).raise_for_status()
 
+        asks = 48  # three times --max-asks, sent at once (24 sent as the pool started them were once all let in)
+        together = threading.Barrier(asks)
+
         def ask(_):
+            together.wait(timeout=30)
             return client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 24})
 
-        with ThreadPoolExecutor(24) as pool:
-            replies = list(pool.map(ask, range(24)))
+        with ThreadPoolExecutor(asks) as pool:
+            replies = list(pool.map(ask, range(asks)))
         refused = [reply for reply in replies if reply.status_code == 429]
         assert refused and all(reply.headers["retry-after"].isdigit() for reply in refused)
         assert all(reply.status_code == 200 for reply in replies if reply.status_code != 429)
