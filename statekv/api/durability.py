@@ -58,7 +58,7 @@ class Durability:
             self.tier.waiting = self.waiting_records
 
     def waiting_records(self) -> list[dict[str, Any]]:
-        return [{"push": frame.index, "t": frame.timestamp} for frame in self.waiting()]
+        return [push_record(frame) for frame in self.waiting()]
 
     @property
     def enabled(self) -> bool:
@@ -77,7 +77,7 @@ class Durability:
     def pushed(self, frame: Frame) -> None:
         """Journal a kept frame: a resumed stream counts it lost unless a step journals it."""
         if self.tier is not None:
-            self.tier.append({"push": frame.index, "t": frame.timestamp})
+            self.tier.append(push_record(frame))
 
     def step_record(self, after: LayoutState, frames: int, last: Frame | None) -> dict[str, Any] | None:
         """What the engine journals with a step of ``frames`` frames (``last`` the step's last frame, None for
@@ -143,7 +143,7 @@ class Durability:
         described = folder / f"{SETUP}.json"
         if described.is_file():  # a stream's own description, naming the successor's file set from now on
             successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
-        successor.sync()  # checkpointed at its last step
+        successor.disk.checkpoint()  # at its last step, the frames waiting for theirs after it
         for record in self.waiting_records():
             successor.disk.append(record)
         successor.sync()
@@ -191,6 +191,11 @@ class Durability:
         prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})  # with placements
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
+
+
+def push_record(frame: Frame) -> dict[str, Any]:
+    """The journal record of a frame kept and not yet streamed (what `frames_lost` counts)."""
+    return {"push": frame.index, "t": frame.timestamp}
 
 
 def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *, stream_id: str | None = None,

@@ -213,7 +213,7 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
 
     @app.exception_handler(StateKVError)
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
-        if isinstance(error, OutputError):  # the server's own files (a disk tier that cannot be written), not the request
+        if isinstance(error, OutputError):  # the server's own files (a disk tier it cannot write), not the request
             return answer(503, str(error), "server_error", {"Retry-After": "5"})
         status = 409 if isinstance(error, HorizonError) else 400
         return answer(status, str(error), "invalid_request_error")
