@@ -11,7 +11,8 @@ compute ops of the last frame's push (`statekv.testing.OpTrace`), the measure no
 the frames after the first step placed away from its own position against the same stream's frames before it:
 what re-placing and rotating the carried keys costs once positions move; and the push that moved them (under
 ``handover``, its successor's replay of every step before; with ``--offload-dir``, also on the disk tier, where
-that push also hands the stream's folder to the successor's file set).
+that push also hands the stream's folder to the successor's file set). At the depths of real models
+(``--depths``, tiny random checkpoints): the ops of a steady placed push against a `stream` push.
 
     python benchmarks/positions_cost.py --out docs/benchmarks.md          # the built-in model on the CPU
     python benchmarks/positions_cost.py --device cuda --out docs/benchmarks.md
@@ -133,7 +134,46 @@ def past(args, frames) -> list[dict]:
     return rows
 
 
-def report(args, rows: list[dict], beyond: list[dict], load: tuple[str, str]) -> str:
+def steady_ops(qa, frames, positions: str, layout: str | None, traced: int = 8) -> int:
+    """The fewest compute ops of the last ``traced`` pushes (a push that completes a segment of the retrieval index
+    does more, at the same step whatever the positions)."""
+    horizon = len(frames) + 8 if positions == "stream" else None
+    stream = qa.with_options(bounded_layout=layout).stream(horizon_frames=horizon, max_fps=None, vision_batch=1)
+    counts = []
+    for index, image in enumerate(frames):
+        with OpTrace() if index >= len(frames) - traced else contextlib.nullcontext() as trace:
+            stream.push(image, float(index))
+        if trace is not None:
+            counts.append(len(trace.compute))
+    assert stream.prefill.positions.moved == (positions == "bounded"), (positions, stream.prefill.positions.mode)
+    stream.close()
+    return min(counts)
+
+
+def at_depths(args, frames) -> list[dict]:
+    """Compute ops of StateKV's steady push with `stream` positions and with the cache layout (every step placed,
+    as every step past the range is), on tiny random InternVL checkpoints with the depth of real models' language
+    models: how many ops a placed step adds does not depend on the width, only on the layers."""
+    import tempfile
+
+    from statekv.testing import make_tiny_checkpoint
+
+    rows = []
+    for depth in args.depths:
+        with tempfile.TemporaryDirectory() as folder:
+            path = make_tiny_checkpoint("internvl", Path(folder) / "ckpt", vision_config={"image_size": 112},
+                                        text_config={"num_hidden_layers": depth, "max_position_embeddings": 65536})
+            qa = statekv.VideoQA.from_pretrained(path, method="statekv", budget=64, device=args.device)
+            ops = {}
+            for positions, layout in (("stream", None), ("bounded", "cache")):
+                ops[positions] = steady_ops(qa, frames, positions, layout)
+        rows.append({"layers": depth, "stream_ops": ops["stream"], "placed_ops": ops["bounded"],
+                     "ratio": ops["bounded"] / ops["stream"]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def report(args, rows: list[dict], beyond: list[dict], depths: list[dict], load: tuple[str, str]) -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)"
                if not args.device.startswith("cuda") else torch.cuda.get_device_name(0))
     lines = [f"Command: `python benchmarks/positions_cost.py {' '.join(sys.argv[1:])}`  ",
@@ -162,6 +202,13 @@ def report(args, rows: list[dict], beyond: list[dict], load: tuple[str, str]) ->
             moved = f"{row['moved_ms']:.0f}" if row["moved_ms"] is not None else "-"
             lines.append(f"| {row['layout']} | {row['moved_at_frame']} | {times} | {moved} | "
                          f"{row['ops_before'] or '-'} | {row['ops_after']} |")
+    if depths:
+        lines += ["", f"At the depth of real models (tiny random InternVL checkpoints, StateKV B=64, "
+                  f"{args.depth_frames} frames, the fewest of the last 8 pushes): compute ops of a steady push with `stream` "
+                  "positions and with the cache layout, every step placed as every step past the range is.", "",
+                  "| decoder layers | ops per push, stream | placed | placed / stream |", "|---:|---:|---:|---:|"]
+        for row in depths:
+            lines.append(f"| {row['layers']} | {row['stream_ops']} | {row['placed_ops']} | {row['ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -175,17 +222,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
     parser.add_argument("--offload-dir", default=None,
                         help="past the range, also the handover layout on the disk tier, its folders made here")
+    parser.add_argument("--depths", default="24,28",
+                        help="decoder depths of tiny checkpoints whose ops are counted (InternVL3-1B's and -8B's "
+                             "language models have 24 and 28 layers); empty: none")
+    parser.add_argument("--depth-frames", type=int, default=40)
     parser.add_argument("--out", default=None,
                         help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     args = parser.parse_args()
+    args.depths = [int(depth) for depth in args.depths.split(",") if depth.strip()]
     torch.set_num_threads(args.threads)
     load = [" ".join(open("/proc/loadavg").read().split()[:3])] if Path("/proc/loadavg").exists() else ["?"]
     rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, (max(args.frames, args.past_frames), 64, 64, 3), dtype=np.uint8)
+    frames = rng.integers(0, 256, (max(args.frames, args.past_frames, args.depth_frames), 64, 64, 3), dtype=np.uint8)
     rows = inside(args, frames[:args.frames])
     beyond = past(args, frames[:args.past_frames]) if args.past_frames else []
+    depths = at_depths(args, frames[:args.depth_frames])
     load.append(" ".join(open("/proc/loadavg").read().split()[:3]) if Path("/proc/loadavg").exists() else "?")
-    text = report(args, rows, beyond, tuple(load))
+    text = report(args, rows, beyond, depths, tuple(load))
     print(text)
     if args.out:
         from report import write_section

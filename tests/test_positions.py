@@ -200,10 +200,9 @@ def test_layouts_place_carried_keys_as_written_out():
     assert inside.flatten().tolist() == list(range(9))  # not past the range: every token at its own position
 
 
-def test_a_step_past_the_range_rotates_only_the_carried_keys(model):
-    """Past the range the default layout places StateKV's carried keys in cache order and rotates them alone (the
-    chunk's keys were computed where it is placed): a steady step costs a bounded number of ops a layer more than
-    a step before the stream was placed."""
+def placed_step_ops(model) -> tuple[int, int]:
+    """Compute ops of a steady step of StateKV on ``model`` before the stream was placed away from its own
+    positions and after (the default layout, past the range)."""
     from statekv.testing.op_trace import OpTrace
 
     embed = model.get_input_embeddings()
@@ -215,9 +214,21 @@ def test_a_step_past_the_range_rotates_only_the_carried_keys(model):
         counts.append((prefill.positions.moved, len(trace.compute)))
     before = [ops for moved, ops in counts[6:] if not moved]
     after = [ops for moved, ops in counts if moved][2:]
-    layers = model.config.num_hidden_layers
     assert before and after and prefill.positions.bases[-1] == 16
-    assert max(after) - min(before) <= 16 * layers + 6
+    return min(before), max(after)
+
+
+def test_a_step_past_the_range_places_every_layer_together(tiny_lm):
+    """Past the range the default layout places StateKV's carried keys in cache order and rotates them alone (the
+    chunk's keys were computed where it is placed), every layer's at once: a placed step costs a fixed number of
+    ops more than a step before the stream was placed, and one more a layer (its chunk written beside the placed
+    keys), whatever the model's depth."""
+    extra = {}
+    for layers in (2, 6):
+        before, after = placed_step_ops(tiny_lm("qwen2", max_position_embeddings=LIMIT, num_hidden_layers=layers))
+        extra[layers] = after - before
+    assert extra[6] - extra[2] == 4
+    assert extra[2] <= 2 + 24
 
 
 def test_question_past_the_range_reads_retrieved_frames(model):

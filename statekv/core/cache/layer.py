@@ -66,9 +66,10 @@ class StreamingLayer(EngineLayer):
             self.lazy_initialization(key_states, value_states)
         self.storage.stage_summaries(key_states, self.step.step_device)
         keys, values = self.carry.stage(self.storage, key_states, value_states, self.step)
-        if self.step.placements is not None:
-            anchors, rotations = self.carry.placements()
-            keys = self.step.positions.rotated(keys, anchors, rotations, self.carried_length)
+        placed = self.step.placed_keys[self.index] if self.step.placed_keys else None
+        if placed is not None:
+            placed[:, :, self.carried_length:] = key_states
+            return placed, values
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -93,6 +94,15 @@ class StreamingLayer(EngineLayer):
     def carried(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The carried keys and values, ``[B, H_kv, K, D]`` each, in time order."""
         return self.carry.carried(self.storage)
+
+    def carried_placements(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Under bounded positions, the carried keys ``[B, H_kv, K, D]`` at their stored rotations and their
+        placements ``[2, B, H_kv, K]`` (anchors, rotations); None where nothing is carried or placed."""
+        slots = self.carry.buffer
+        if slots is None or slots.placements is None:
+            return None
+        kv, _ = slots.head()
+        return kv[0], slots.head_placements()
 
     def positions(self) -> torch.Tensor:
         """Logical positions of the carried tokens, ``[B, H_kv, K]`` (``[1, 1, 0]`` before the first step)."""

@@ -67,7 +67,8 @@ class SlotShape:
 class SlotRows:
     """The carried slots of every seat whose steady state has ``shape``: per layer ``kv`` ``[2, R, H_kv, K + T, D]``
     and ``positions`` ``[R, H_kv, K + T]`` (None for a ring, whose positions follow from the step count), and under
-    bounded positions ``placements`` ``[2, R, H_kv, K + T]`` (anchors, rotations); a ring's ``ring_index``
+    bounded positions ``placements`` ``[2, R, H_kv, K + T]`` (anchors, rotations), both then views of ``rows``
+    ``[3, R, H_kv, K + T]`` (as a stream's own `CarriedSlots` holds them); a ring's ``ring_index``
     ``[steps, T]`` maps a ring slot to its token slots. Row 0 is scratch."""
 
     def __init__(self, shape: SlotShape, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -76,10 +77,13 @@ class SlotRows:
         self.selects = shape.ring is None
         sizes = [carried + shape.chunk_len for carried in shape.carried]
         self.kv = [torch.zeros(2, rows, heads, size, head_dim, dtype=dtype, device=device) for size in sizes]
-        self.positions = None if shape.ring is not None else [
-            torch.zeros(rows, heads, size, dtype=torch.long, device=device) for size in sizes]
-        self.placements = None if not shape.placed else [
-            torch.zeros(2, rows, heads, size, dtype=torch.long, device=device) for size in sizes]
+        self.rows: list[torch.Tensor] | None = None  # bounded positions (never a ring): positions and placements
+        self.positions = self.placements = None
+        if shape.placed:
+            self.rows = [torch.zeros(3, rows, heads, size, dtype=torch.long, device=device) for size in sizes]
+            self._row_views()
+        elif shape.ring is None:
+            self.positions = [torch.zeros(rows, heads, size, dtype=torch.long, device=device) for size in sizes]
         self.ring_index = None
         if shape.ring is not None:
             steps, sinks = shape.ring
@@ -90,16 +94,23 @@ class SlotRows:
         if not self.free:
             rows = self.kv[0].shape[1]
             self.kv = [_grown(kv, 1, 2 * rows) for kv in self.kv]
-            if self.positions is not None:
+            if self.rows is not None:
+                self.rows = [_grown(three, 1, 2 * rows) for three in self.rows]
+                self._row_views()
+            elif self.positions is not None:
                 self.positions = [_grown(positions, 0, 2 * rows) for positions in self.positions]
-            if self.placements is not None:
-                self.placements = [_grown(placements, 1, 2 * rows) for placements in self.placements]
             self.free = list(range(2 * rows - 1, rows - 1, -1))
             self.on_change()
         return self.free.pop()
 
     def give(self, row: int) -> None:
         self.free.append(row)
+
+    def _row_views(self) -> None:
+        """``positions`` ``[R', H_kv, K + T]`` and ``placements`` ``[2, R', H_kv, K + T]`` as views of ``rows``."""
+        if self.rows is not None:
+            self.positions = [three[0] for three in self.rows]
+            self.placements = [three[1:] for three in self.rows]
 
 
 def _grown(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -241,6 +252,7 @@ class StreamPool:
             buffer = layer.carry.buffer
             if seat.slots is not None and buffer is not None and holds(("kv", index), buffer.kv):
                 buffer.kv = views["kv", index] = seat.slots.kv[index][:, slot:slot + 1]
+                buffer.rows = None if seat.slots.rows is None else seat.slots.rows[index][:, slot:slot + 1]
                 if seat.slots.positions is not None:
                     buffer.positions = seat.slots.positions[index][slot:slot + 1]
                 if seat.slots.placements is not None:

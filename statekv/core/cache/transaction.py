@@ -28,8 +28,10 @@ class StepContext:
     logical positions, also where it goes in the detailed cache; set by the device part of the step) live on
     the model's device and are advanced by the step itself, so a steady step reads no host value;
     ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one. Under bounded positions
-    (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's anchors and rotations (``[2, T]``) and
-    ``positions`` the stream's `StreamPositions`, which rotates the keys a step attends to.
+    (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's positions, anchors and rotations
+    (``[3, T]``) and ``positions`` the stream's `StreamPositions`; once the stream is placed away from its own positions,
+    ``placed_keys`` holds each layer's keys for attention, its carried ones rotated to this step's places
+    (`statekv.core.positions.placing.place_carried`), the chunk's left for the layer to write.
     """
 
     chunk_len: int
@@ -39,6 +41,7 @@ class StepContext:
     ring_target: torch.Tensor | None = None
     placements: torch.Tensor | None = None
     positions: object = None
+    placed_keys: list[torch.Tensor | None] | None = None
 
 
 class NotBatchable(Exception):

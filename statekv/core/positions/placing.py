@@ -105,6 +105,36 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out:
 Placer = Callable[[torch.Tensor], torch.Tensor]
 
 
+def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple[torch.Tensor, torch.Tensor] | None],
+                  chunk_len: int) -> list[torch.Tensor | None]:
+    """Every layer's keys handed to attention in a placed step, ``[B, H, K + T, D]`` each: the carried ``K``
+    rotated to where ``placer`` puts them, the last ``T`` left for the chunk's keys (the layer writes them as it
+    stages the chunk; they were computed where the chunk is placed, so they are not rotated).
+
+    ``carried``: per layer, its carried keys ``[B, H, K, D]`` at their stored rotations and their placements
+    ``[2, B, H, K]`` (anchors, rotations), or None where it carries nothing (its entry is then None). The carried
+    state is fixed before the step runs, so the layers carrying as many tokens are stacked and rotated together:
+    a step's rotation is one set of ops whatever the number of layers, not one a layer."""
+    placed: list[torch.Tensor | None] = [None] * len(carried)
+    groups: dict[tuple, list[int]] = {}
+    for index, entry in enumerate(carried):
+        if entry is not None and entry[0].shape[-2] > 0:
+            groups.setdefault((tuple(entry[0].shape), entry[0].dtype), []).append(index)
+    for (shape, _), members in groups.items():
+        keys = _stacked([carried[index][0] for index in members])  # [G, B, H, K, D]
+        placements = _stacked([carried[index][1] for index in members])  # [G, 2, B, H, K]
+        *lead, size, dim = shape
+        keys_out = keys.new_empty(len(members), *lead, size + chunk_len, dim)
+        rotate(keys, placer(placements[:, 0]) - placements[:, 1], frequencies, out=keys_out[..., :size, :])
+        for row, index in enumerate(members):
+            placed[index] = keys_out[row]
+    return placed
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 @dataclass(frozen=True)
 class BoundedLayout:
     """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions.
@@ -386,19 +416,13 @@ class StreamPositions:
             moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
         return moved, anchors, rotations
 
-    def rotated(self, keys: torch.Tensor, anchors: torch.Tensor, rotations: torch.Tensor, carried: int
-                ) -> torch.Tensor:
-        """``[carried; chunk]`` keys ``[B, H, K + T, D]`` (each at its stored rotation ``rotations``) rotated to
-        where the layout puts them for this step: unchanged while the stream is `still` (every layout keeps every
-        token at its own position while every step is placed at its own). The chunk's keys stay as computed: it
-        was placed where they were rotated."""
-        if self.still or carried == 0:
-            return keys
-        placed = torch.empty_like(keys)
-        rotate(keys[:, :, :carried], self.placer(anchors[..., :carried]) - rotations[..., :carried],
-               self.frequencies(keys.device), out=placed[:, :, :carried])
-        placed[:, :, carried:] = keys[:, :, carried:]
-        return placed
+    def placed_carried(self, carried: list[tuple[torch.Tensor, torch.Tensor] | None], chunk_len: int,
+                       device: torch.device) -> list[torch.Tensor | None]:
+        """Device part: each layer's keys for this step as `place_carried` makes them, with this step's places
+        (all None while the stream is `still`: every layout keeps every token at its own position then)."""
+        if self.still:
+            return [None] * len(carried)
+        return place_carried(self.placer, self.frequencies(device), carried, chunk_len)
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
         """The rotary frequencies on ``device`` (copied there once)."""

@@ -34,7 +34,7 @@ from ..cache import two_state
 from ..cache.engine_layer import EngineLayer
 from ..cache.pool import SlotRows, SlotShape, StreamPool, pool_of
 from ..cache.transaction import NotBatchable
-from ..positions.placing import rotate
+from ..positions.placing import place_carried
 from ..storage.layer_storage import LayerStorage, sample_index
 from ..storage.paged import PagedStorage
 from . import batching
@@ -135,6 +135,8 @@ class PooledBatch(Cache):
         self.placing = first.positions if first.cache.placed else None  # its layout and range, once it placed slots
         self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
         self.placer = None  # the carried keys' places in this step (`begin_rows`, bounded positions)
+        self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer the rows' kv and positions' rows
+        self.placed_keys: list[torch.Tensor | None] = []  # per layer the keys for attention, carried ones placed
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
         self.transaction = PooledTransaction(self)
@@ -201,6 +203,13 @@ class PooledBatch(Cache):
         base = placing.layout.base_on(first, chunk_len, max(self.slots.shape.carried), placing.limit)
         self.placer = placing.layout.place(first[:, :, None], base[:, :, None], chunk_len, placing.limit)
         self.rotations = self.positions - (first - base)
+        self.chunk_rows = torch.stack((self.positions, self.positions, self.rotations))  # [3, S, T]
+        self.gathered = [(kv.index_select(1, self.slot_rows), three.index_select(1, self.slot_rows))
+                         for kv, three in zip(self.slots.kv, self.slots.rows)]
+        self.placed_keys = place_carried(
+            self.placer, self.frequencies,
+            [(kv[0, :, :, :carried], three[1:, ..., :carried])
+             for (kv, three), carried in zip(self.gathered, self.slots.shape.carried)], chunk_len)
         return self.rotations
 
     def stage(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,27 +225,26 @@ class PooledBatch(Cache):
         pool.tokens.data["values"][index][:, self.token_places] = values.transpose(0, 1)
         reduced = keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True)
         carried = slots.shape.carried[index]
+        if self.placing is not None:  # rows gathered, carried keys placed, by `begin_rows`
+            kv, three = self.gathered[index]
+            kv[0, :, :, carried:] = keys
+            kv[1, :, :, carried:] = values
+            three[..., carried:] = self.chunk_rows[:, :, None]
+            self.staged[index] = (kv, three, reduced)
+            placed = self.placed_keys[index]
+            if placed is None:
+                return kv[0], kv[1]
+            placed[:, :, carried:] = keys
+            return placed, kv[1]
         kv = slots.kv[index].index_select(1, self.slot_rows)
         kv[0, :, :, carried:] = keys
         kv[1, :, :, carried:] = values
-        positions = placements = None
+        positions = None
         if slots.positions is not None:
             positions = slots.positions[index].index_select(0, self.slot_rows)
             positions[..., carried:] = self.positions[:, None]
-        self.staged[index] = (kv, positions, reduced, placements)
-        if slots.placements is None:
-            return kv[0], kv[1]
-        placements = slots.placements[index].index_select(1, self.slot_rows)  # [2, S, H_kv, K + T]
-        placements[0, ..., carried:] = self.positions[:, None]
-        placements[1, ..., carried:] = self.rotations[:, None]
-        self.staged[index] = (kv, positions, reduced, placements)
-        if carried == 0:
-            return kv[0], kv[1]
-        keys = torch.empty_like(kv[0])
-        rotate(kv[0, :, :, :carried], self.placer(placements[0, ..., :carried]) - placements[1, ..., :carried],
-               self.frequencies, out=keys[:, :, :carried])
-        keys[:, :, carried:] = kv[0, :, :, carried:]
-        return keys, kv[1]
+        self.staged[index] = (kv, positions, reduced)
+        return kv[0], kv[1]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Every row's attention and the carry selection, once (`statekv.core.cache.two_state.attend`)."""
@@ -246,7 +254,7 @@ class PooledBatch(Cache):
         """Device part of the commit: every row's open segment folded, its selected slots (or, in a ring, its chunk
         over the oldest step) written back, its counters advanced; the scratch row's counters reset."""
         pool, slots, rows = self.pool, self.slots, self.slot_rows
-        for index, (kv, positions, (low, high, total), placements) in enumerate(self.staged):
+        for index, (kv, positions, (low, high, total)) in enumerate(self.staged):
             segments = pool.segments[index]
             folded = segments.index_select(1, self.seats)
             least, most, summed = folded.unbind(0)
@@ -261,10 +269,11 @@ class PooledBatch(Cache):
             chosen = self.transaction.pending[index]
             kept = kv.gather(3, chosen[None, ..., None].expand(2, -1, -1, -1, kv.shape[-1]))
             slots.kv[index][:, :, :, :carried].index_copy_(1, rows, kept)
-            slots.positions[index][:, :, :carried].index_copy_(0, rows, positions.gather(2, chosen))
-            if placements is not None:
-                slots.placements[index][..., :carried].index_copy_(1, rows,
-                                                                   placements.gather(3, chosen.expand(2, -1, -1, -1)))
+            if self.placing is not None:  # positions, anchors and rotations: [3, S, H_kv, K + T]
+                three = positions.gather(3, chosen.expand(3, -1, -1, -1))
+                slots.rows[index][..., :carried].index_copy_(1, rows, three)
+            else:
+                slots.positions[index][:, :, :carried].index_copy_(0, rows, positions.gather(2, chosen))
         seen, step, ring = self.counters.unbind(0)
         if slots.shape.ring is not None:
             ring = torch.remainder(ring + 1, slots.shape.ring[0])
