@@ -204,8 +204,9 @@ def report(args, rows: list[dict], beyond: list[dict], depths: list[dict], load:
                          f"{row['ops_before'] or '-'} | {row['ops_after']} |")
     if depths:
         lines += ["", f"At the depth of real models (tiny random InternVL checkpoints, StateKV B=64, "
-                  f"{args.depth_frames} frames, the fewest of the last 8 pushes): compute ops of a steady push with `stream` "
-                  "positions and with the cache layout, every step placed as every step past the range is.", "",
+                  f"{args.depth_frames} frames, the fewest of the last 8 pushes): compute ops of a steady push with "
+                  "`stream` positions and with the cache layout, every step placed as every step past the range is.",
+                  "",
                   "| decoder layers | ops per push, stream | placed | placed / stream |", "|---:|---:|---:|---:|"]
         for row in depths:
             lines.append(f"| {row['layers']} | {row['stream_ops']} | {row['placed_ops']} | {row['ratio']:.3f} |")

@@ -29,8 +29,8 @@ class StepContext:
     the model's device and are advanced by the step itself, so a steady step reads no host value;
     ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one. Under bounded positions
     (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's positions, anchors and rotations
-    (``[3, T]``) and ``positions`` the stream's `StreamPositions`; once the stream is placed away from its own positions,
-    ``placed_keys`` holds each layer's keys for attention, its carried ones rotated to this step's places
+    (``[3, T]``) and ``positions`` the stream's `StreamPositions`; once the stream is placed away from its own
+    positions, ``placed_keys`` holds each layer's keys for attention, its carried ones rotated to this step's places
     (`statekv.core.positions.placing.place_carried`), the chunk's left for the layer to write.
     """
 
