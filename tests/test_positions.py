@@ -231,6 +231,23 @@ def test_a_step_past_the_range_places_every_layer_together(tiny_lm):
     assert extra[2] <= 2 + 24
 
 
+def test_a_placed_step_holds_its_placed_keys_for_the_step_only(model):
+    """Every layer's placed keys live from the step's start to its commit, not between steps."""
+    embed = model.get_input_embeddings()
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+    seen = []
+    original = prefill.cache.layers[0].stage
+
+    def staging(keys, values):
+        seen.append(prefill.cache.transaction.context.placed_keys is not None)
+        return original(keys, values)
+    prefill.cache.layers[0].stage = staging
+    for seed in range(24):
+        prefill.step(inputs_embeds=embed(tokens(4, seed)).detach())
+    assert prefill.positions.moved and seen[-1]
+    assert prefill.cache.transaction.context.placed_keys is None
+
+
 def test_question_past_the_range_reads_retrieved_frames(model):
     """When the whole cache does not fit the range, a question reads as many steps as fit (or those asked for),
     laid out before the prompt inside the range; too many asked for is refused with one line."""

@@ -78,6 +78,7 @@ class StepTransaction:
                 layer.carry, selection = layer.carry.commit(layer.storage, selection, self.context)
                 if selection is None:
                     break
+        self.context.placed_keys = None  # every layer's placed keys: held for the step only
 
     def commit_host(self) -> None:
         for layer in self.layers:
@@ -86,6 +87,7 @@ class StepTransaction:
 
     def rollback(self) -> None:
         self.pending = [None] * len(self.layers)
+        self.context.placed_keys = None
 
 
 def checked(selection: slice | torch.Tensor, candidates: Candidates) -> slice | torch.Tensor:

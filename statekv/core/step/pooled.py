@@ -280,6 +280,7 @@ class PooledBatch(Cache):
         pool.counters.index_copy_(1, self.seats, torch.stack([seen + slots.shape.chunk_len, step + 1, ring]))
         pool.counters[:, 0].zero_()
         self.staged = [None] * len(self.layers)
+        self.gathered, self.placed_keys = [], []  # held for the step only
 
 
 class PooledGraphs(StepGraphs):
