@@ -426,6 +426,85 @@ def test_a_push_the_disk_tier_cannot_take_is_a_503_naming_no_server_path_and_the
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
 
 
+@pytest.fixture(scope="module")
+def short_range(tmp_path_factory):
+    """A tiny InternVL checkpoint of 512 positions (a stream hands over within 30 frames) and its VideoQA."""
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("short") / "ckpt", text_config=short,
+                                      vision_config={"image_size": 112})
+    return checkpoint, statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24,
+                                                       attention="eager")
+
+
+def _moves_fail(monkeypatch) -> None:
+    """A handover's moves of its successor's files into the stream's folder fail (a full disk); as in
+    test_handover.py, ``os.replace`` itself is replaced, the other moves going through."""
+    import statekv.core.disk.successor as successor_files
+
+    replace = os.replace
+
+    def full(source, target):
+        if Path(source).parent.parent == Path(target).parent:  # a successor's file into its stream's folder
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(source, target)
+    monkeypatch.setattr(successor_files.os, "replace", full)
+
+
+@pytest.mark.parametrize("closed_by", ["push", "model thread"])
+def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by_the_next_request(
+        short_range, tmp_path, monkeypatch, closed_by):
+    """The handover's move into the stream's folder fails once marked (the stream is closed): in a push (503, one
+    line), or on the model's thread outside any request (as in a quiet moment's replay). While the disk is still
+    full a request answers 503 naming the problem; then the next push, or question, brings the stream back from
+    its folder, handed over, every frame taken still there. Before: every later request failed ("this stream was
+    closed") until the server restarted."""
+    from statekv.errors import HandoverError
+
+    checkpoint, qa = short_range
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = ModelOptions(model=str(checkpoint), offload="disk", offload_dir=str(tier))
+    replace = os.replace
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=0, horizon_frames=None, max_fps=None)
+        entry = server.service.registry.entries[stream_id]
+        _moves_fail(monkeypatch)
+        for index in range(40):
+            if closed_by == "push":
+                pushed = _push(client, stream_id, index, float(index))
+                if pushed.status_code != 200:
+                    message = _error(pushed, 503)
+                    assert pushed.headers.get("Retry-After") and "No space left on device" in message, message
+                    assert str(tier) not in message and "brought back" in message and "frame was taken" in message
+                    break
+            else:
+                try:
+                    server.service.worker.run_blocking(entry.stream.push, _frame(index), float(index))
+                except HandoverError:
+                    break
+        else:
+            pytest.fail("the stream did not hand over")
+        still = _error(client.get(f"/v1/streams/{stream_id}"), 503)
+        assert "No space left on device" in still and "brought back" in still and str(tier) not in still, still
+        monkeypatch.setattr(os, "replace", replace)
+        if closed_by == "push":
+            _push(client, stream_id, 99, float(index + 1)).raise_for_status()
+        else:
+            asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})
+            assert asked.status_code == 200 and asked.json()["frames"] == index + 1, asked.text
+        described = client.get(f"/v1/streams/{stream_id}").json()
+        assert described["handover"] == "handed over" and not list(tier.rglob("handover.json")), described
+        assert described["frames"] == described["pushed"] == index + 1 + (closed_by == "push")
+        _push(client, stream_id, 100, float(index + 2)).raise_for_status()
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == index + 2 + (closed_by == "push")
+        assert server.service.registry.entries[stream_id] is entry and not server.service.registry.damaged
+
+
+def _frame(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+
+
 def test_streams_without_a_horizon_come_back_after_a_restart_not_quarantined(qa, tmp_path):
     """Before: the record check wanted a horizon, so every stream made without one (the default since issue 34)
     was listed as damaged after a restart."""

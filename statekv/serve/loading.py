@@ -11,7 +11,7 @@ from typing import Any
 
 from ..api.stream import Stream
 from ..core.disk.files import hold
-from ..errors import InputError, StateKVError
+from ..errors import InputError, OutputError, StateKVError
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
 from .errors import public_message
 from .stream_settings import StreamSettings
@@ -26,12 +26,13 @@ class StreamLoader:
     def __init__(self, files: Any, settings: StreamSettings, resume_tiers: bool = True):
         self.files, self.settings, self.resume_tiers = files, settings, resume_tiers
 
-    def load(self, data: dict[str, Any]) -> StreamEntry:
+    def load(self, data: dict[str, Any], *, healing: bool = False) -> StreamEntry:
         """Load one recorded stream: from its disk-tier file set when it has one (the same folder again, every
         push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
         loaded, or names another stream or owner, raises (the stream is quarantined), as does a stream whose
         file set was moved into the quarantine (`Quarantined`); a quarantine note left from an earlier failure is
-        removed once it loads."""
+        removed once it loads. ``healing``: a served stream brought back in place (`StreamRegistry.heal`), whose
+        file set cannot be written now (an `OutputError`: a full disk) raises that, the file set left where it is."""
         moved = self.files.quarantined(data["id"])
         if moved:  # its journaled pushes are there, not in its save: never served without them
             note = self.files.read_note(data["id"])
@@ -40,7 +41,7 @@ class StreamLoader:
                               f"its disk-tier file set was moved to {where} in the state folder")
         qa = self.settings.qa_for(data["settings"], as_made=True)
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
-        stream, saved = self.resume_tier(qa, data, ids), {"pushed": 0, "frames": 0, "seconds": None}
+        stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         if stream is None:
             with self.files.local_state(data["id"]) as state:
                 stream = None if state is None else Stream.load(state, qa, **ids)
@@ -72,7 +73,7 @@ class StreamLoader:
                 log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
         return entry
 
-    def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any]) -> Stream | None:
+    def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
         none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
         quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
@@ -86,6 +87,8 @@ class StreamLoader:
         try:
             return Stream.load(folder, qa, **ids)
         except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
+            if healing and isinstance(error, OutputError):
+                raise  # not damage: tried again once the folder can be written
             why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
         try:

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import HorizonError, StateKVError
+from ..errors import HandoverError, HorizonError, OutputError, StateKVError
 from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
@@ -96,12 +96,15 @@ class StreamRegistry:
         self.damaged.pop(stream_id, None)
         return True
 
-    async def find(self, owner: str, stream_id: str) -> StreamEntry:
-        """The caller's stream, as `get`, brought here first by the placement (from another replica)."""
+    async def find(self, owner: str, stream_id: str, *, heal: bool = True) -> StreamEntry:
+        """The caller's stream, as `get`, brought here first by the placement (from another replica), and back
+        from its folder if a stopped handover closed it (`heal`; not for a deletion)."""
         await self.placement.bring(self, owner, stream_id)
         entry = self.get(owner, stream_id)
         self.placement.check(entry)
         entry.used = time.monotonic()
+        if heal:
+            await self.heal(entry)
         return entry
 
     async def remove(self, owner: str, stream_id: str) -> None:
@@ -109,7 +112,7 @@ class StreamRegistry:
         if await self.remove_damaged(owner, stream_id):
             return
         try:
-            entry = await self.find(owner, stream_id)
+            entry = await self.find(owner, stream_id, heal=False)  # a stream that cannot be brought back goes too
         except ServiceError as error:
             if error.status == 409 and await self.remove_damaged(owner, stream_id):
                 return
@@ -218,14 +221,15 @@ class StreamRegistry:
         async with entry.lock:  # in order, behind a feed, hand-over or deletion under way
             answer = queue(entry.stream, image, seconds, before=lambda: self._before_push(entry),
                            after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
-        return await answer
+        return await _stopped_handover(answer)
 
     async def _push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         batched = getattr(self.worker, "push", None)
         if batched is None:
-            return await self.worker.run(self.push_now, entry, image, seconds)
-        return await batched(entry.stream, image, seconds, before=lambda: self._before_push(entry),
-                             after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
+            return await _stopped_handover(self.worker.run(self.push_now, entry, image, seconds))
+        return await _stopped_handover(batched(
+            entry.stream, image, seconds, before=lambda: self._before_push(entry),
+            after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept)))
 
     def push_now(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         """Push one frame (on the model's thread), first saving the stream when enough frames are unsaved."""
@@ -302,6 +306,7 @@ class StreamRegistry:
         Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
         streams step together. Progress and any error stay in ``entry.feed``."""
         self.placement.admit_push(entry)
+        await self.heal(entry)  # the page feeds a stream it holds, not found again
         shown = shown or path.name
         if entry.feeding:
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
@@ -342,6 +347,7 @@ class StreamRegistry:
                   streamer: Any = None) -> dict[str, Any]:
         """Answer from everything the stream holds; the result also names the frames and stream time it refers
         to, the tokens it read and wrote (``usage``) and how long it took (``latency``, queueing included)."""
+        await self.heal(entry)  # the page asks a stream it holds, not found again
         kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "retrieve": retrieve}
         if streamer is not None:
             kwargs.update(streamer_arguments(streamer))
@@ -416,7 +422,8 @@ class StreamRegistry:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``."""
         now = time.monotonic()
         for entry in list(self.entries.values()):
-            if entry.dirty and not entry.deleted and now - entry.saved_at >= self.config.save_every_seconds:
+            if entry.dirty and not entry.deleted and not _closed(entry) and \
+                    now - entry.saved_at >= self.config.save_every_seconds:
                 try:
                     await self.worker.run(self.save_now, entry)
                 except StateKVError as error:
@@ -473,13 +480,46 @@ class StreamRegistry:
             except (OSError, StateKVError) as error:  # still never served; tried again at the next start
                 log.error("cannot finish deleting stream %s: %s", removal["id"], error)
 
-    def restore_one(self, data: dict[str, Any]) -> StreamEntry:
-        """Load one recorded stream (`StreamLoader.load`); it is no longer damaged once it loads."""
-        entry = self.loader.load(data)
+    def restore_one(self, data: dict[str, Any], healing: bool = False) -> StreamEntry:
+        """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
+        loads."""
+        entry = self.loader.load(data, healing=healing)
         recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
         recall_page(entry, data)
         self.damaged.pop(entry.id, None)
         return entry
+
+    async def heal(self, entry: StreamEntry) -> None:
+        """Bring back a disk-tier stream that a handover stopped once marked closed under the server (its
+        successor's files not moved into its folder, a full disk say: `HandoverError`, in a push or a quiet
+        moment's replay): its folder resumed from its record as the start resumes it (`restore_one`, which
+        finishes the handover), the stream put in place in ``entry``, which keeps its id, owner, settings, history
+        and answers; its watches are reopened from its record. Every frame a push took was journaled, so none is
+        lost. A folder that cannot be written yet answers a one-line 503, and the next request tries again; one
+        found damaged quarantines the stream (409), as at the start. An open stream is left as it is."""
+        if not _closed(entry):
+            return
+        async with entry.lock:
+            if not _closed(entry):  # brought back meanwhile, by the request it waited for
+                return
+            record = await asyncio.to_thread(self.files.read_record, entry.id) or entry.record()
+            try:
+                healed = await self.worker.run(self.restore_one, record, True)
+            except OutputError as error:
+                log.error("stream %s, closed by its stopped handover, cannot be brought back yet: %s", entry.id, error)
+                raise ServiceError(503, f"stream {entry.id} was closed when its handover stopped, and cannot be "
+                                   f"brought back yet ({error}); retry once its folder can be written",
+                                   headers={"Retry-After": "5"}) from None
+            except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, as at the start
+                self.entries.pop(entry.id, None)
+                self.quarantine(entry.id, entry.owner, reason_of(error), record)
+                self.check_damaged(entry.owner, entry.id)
+                raise
+            entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
+            if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
+                entry.last_seconds = healed.stream.last_timestamp
+            log.info("stream %s, closed by its stopped handover, was brought back from its folder (%s)", entry.id,
+                     healed.stream.handover)
 
     def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
@@ -518,6 +558,22 @@ def _check_here(entry: StreamEntry) -> None:
         raise ServiceError(404, f"no stream {entry.id!r}")
     if entry.moved:
         raise ServiceError(503, f"stream {entry.id} moved to another replica; retry", headers={"Retry-After": "1"})
+
+
+def _closed(entry: StreamEntry) -> bool:
+    """Whether a served disk-tier stream was closed under the server (by a handover stopped once marked)."""
+    return entry.tier is not None and not (entry.deleted or entry.moved) and \
+        getattr(getattr(entry.stream, "prefill", None), "closed", False)
+
+
+async def _stopped_handover(answer: Any) -> bool:
+    """A push's answer; a handover stopped once marked (which closed the stream) as a one-line 503."""
+    try:
+        return await answer
+    except HandoverError as error:
+        stopped = str(error).split("; Stream.load(")[0]  # how to resume it by hand is the server's to do
+        raise ServiceError(503, f"{stopped}; the frame was taken (do not push it again), and the stream is brought "
+                           "back from its folder on the next request", headers={"Retry-After": "5"}) from None
 
 
 def _next_time(entry: StreamEntry) -> float:
