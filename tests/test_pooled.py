@@ -244,25 +244,46 @@ def test_a_batched_steady_step_costs_the_same_ops_for_any_number_of_streams(tiny
                                                                       len(one[-1].compute))
 
 
-def test_bounded_streams_pooled_past_the_range_get_bit_for_bit_what_they_get_alone(tiny_lm, buckets):
+class NearestLowNorm(statekv.KeyNorm):
+    """A rule reading the candidates' positions as rules may (low-norm keys, the later ones first on ties)."""
+
+    def score(self, candidates):
+        return super().score(candidates) + 1e-3 * candidates.positions.float()
+
+
+@pytest.mark.parametrize("rule", [lambda: statekv.StateKV(16), lambda: NearestLowNorm(16)],
+                         ids=["statekv", "positions"])
+def test_bounded_streams_pooled_past_the_range_get_bit_for_bit_what_they_get_alone(tiny_lm, buckets, monkeypatch,
+                                                                                    rule):
     """Bounded positions (no horizon): each row's chunk placed at its own base and its carried keys rotated to where
-    the layout puts them, with each slot's placements a row of the pool; streams at different lengths."""
+    the layout puts them, with each slot's placements a row of the pool; streams at different lengths; a rule that
+    reads the candidates' positions reads each row's ``[S, H_kv, N]``; the pooled batch holds nothing of a step
+    once it ran."""
     model = tiny_lm("qwen2", max_position_embeddings=64)
     embed = model.get_input_embeddings()
     generator = torch.Generator().manual_seed(80)
     data = [[embed(torch.randint(0, 96, (1, 8), generator=generator)).detach() for _ in range(24)]
             for _ in range(3)]
     joins = [0, 0, 5]
-    prefills = [statekv.StreamingPrefill(model, statekv.StateKV(16), positions="bounded") for _ in data]
+    batches, step_rows = set(), batching.device_step
+
+    def recording(prefills, cache, inputs):
+        if isinstance(cache, pooled.PooledBatch):
+            batches.add(cache)
+        return step_rows(prefills, cache, inputs)
+    monkeypatch.setattr(batching, "device_step", recording)
+    prefills = [statekv.StreamingPrefill(model, rule(), positions="bounded") for _ in data]
     batcher = StepBatcher()
     hidden = [[] for _ in data]
     for step in range(24 + max(joins)):
         live = [s for s in range(3) if joins[s] <= step < joins[s] + 24]
         for s, outcome in zip(live, batcher.step([StepRequest(prefills[s], data[s][step - joins[s]]) for s in live])):
+            assert isinstance(outcome, torch.Tensor), outcome
             hidden[s].append(outcome)
     assert buckets[2] and buckets[4] and prefills[2].seen_tokens > 2 * 64
+    assert batches and all(not batch.placed_keys and not batch.gathered for batch in batches)
     for s in range(3):
-        reference = statekv.StreamingPrefill(model, statekv.StateKV(16), positions="bounded")
+        reference = statekv.StreamingPrefill(model, rule(), positions="bounded")
         expected = [reference.step(inputs_embeds=chunk) for chunk in data[s]]
         assert all(torch.equal(a, b) for a, b in zip(hidden[s], expected))
         assert_same(state(prefills[s]), state(reference))

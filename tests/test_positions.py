@@ -231,6 +231,41 @@ def test_a_step_past_the_range_places_every_layer_together(tiny_lm):
     assert extra[2] <= 2 + 24
 
 
+def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):
+    """`place_carried` stacks the layers carrying as many tokens, at most `PLACED_TOGETHER_BYTES` of keys a stack: one
+    stack, several, or each layer alone, every layer's keys are those one layer's rotation gives, bit for bit; a
+    layer carrying nothing, or another number of tokens, is placed on its own."""
+    from statekv.core.positions import placing
+
+    generator = torch.Generator().manual_seed(3)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
+    sizes = [6, 6, 0, 6, 4, 6]
+    carried = []
+    for size in sizes:
+        keys = torch.randn(1, 2, size, 8, generator=generator)
+        anchors = torch.sort(torch.randint(0, 500, (1, 2, size), generator=generator)).values
+        carried.append((keys, torch.stack([anchors, anchors % 60])) if size else None)
+    first, base = torch.tensor([500]), torch.tensor([40])
+    placer = GroupedDistances().place(first, base, 4, LIMIT)
+    alone = []
+    for entry in carried:
+        if entry is None:
+            alone.append(None)
+            continue
+        keys, placements = entry
+        alone.append(rotate(keys, placer(placements[0]) - placements[1], inv_freq))
+    one_layer = carried[0][0].numel() * carried[0][0].element_size()
+    for cap in (1 << 20, 2 * one_layer, 1):
+        monkeypatch.setattr(placing, "PLACED_TOGETHER_BYTES", cap)
+        placed = placing.place_carried(placer, inv_freq, carried, chunk_len=4)
+        for entry, expected, got in zip(carried, alone, placed):
+            if entry is None:
+                assert got is None
+                continue
+            assert got.shape == (1, 2, entry[0].shape[2] + 4, 8)
+            assert torch.equal(got[:, :, :entry[0].shape[2]], expected)
+
+
 def test_a_placed_step_holds_its_placed_keys_for_the_step_only(model):
     """Every layer's placed keys live from the step's start to its commit, not between steps."""
     embed = model.get_input_embeddings()

@@ -146,7 +146,7 @@ class Slots:
         return self if slots is self.buffer else Slots(slots)
 
     def stage(self, storage: LayerStorage, keys: torch.Tensor, values: torch.Tensor, step: StepContext):
-        self.buffer.stage(keys, values, step.write_index, step.placements)
+        self.buffer.stage(keys, values, step.write_index, step.position_rows)
         storage.stage_chunk(step.write_index, keys, values)
         return self.buffer.keys, self.buffer.values
 

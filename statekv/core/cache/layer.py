@@ -51,7 +51,7 @@ class StreamingLayer(EngineLayer):
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-        self.carry = self.carry.begin(self.storage, key_states, placed=self.step.placements is not None)
+        self.carry = self.carry.begin(self.storage, key_states, placed=self.step.position_rows is not None)
         self.storage.start(key_states)
         self.carry.reserve(self.storage, key_states.shape[2])  # slots over a storage the step writes in place
 
@@ -95,7 +95,7 @@ class StreamingLayer(EngineLayer):
         """The carried keys and values, ``[B, H_kv, K, D]`` each, in time order."""
         return self.carry.carried(self.storage)
 
-    def carried_placements(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def carried_for_placing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Under bounded positions, the carried keys ``[B, H_kv, K, D]`` at their stored rotations and their
         placements ``[2, B, H_kv, K]`` (anchors, rotations); None where nothing is carried or placed."""
         slots = self.carry.buffer

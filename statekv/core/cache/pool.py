@@ -67,8 +67,8 @@ class SlotShape:
 class SlotRows:
     """The carried slots of every seat whose steady state has ``shape``: per layer ``kv`` ``[2, R, H_kv, K + T, D]``
     and ``positions`` ``[R, H_kv, K + T]`` (None for a ring, whose positions follow from the step count), and under
-    bounded positions ``placements`` ``[2, R, H_kv, K + T]`` (anchors, rotations), both then views of ``rows``
-    ``[3, R, H_kv, K + T]`` (as a stream's own `CarriedSlots` holds them); a ring's ``ring_index``
+    bounded positions ``placements`` ``[2, R, H_kv, K + T]`` (anchors, rotations), both then views of
+    ``position_rows`` ``[3, R, H_kv, K + T]`` (as a stream's own `CarriedSlots` holds them); a ring's ``ring_index``
     ``[steps, T]`` maps a ring slot to its token slots. Row 0 is scratch."""
 
     def __init__(self, shape: SlotShape, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -77,11 +77,12 @@ class SlotRows:
         self.selects = shape.ring is None
         sizes = [carried + shape.chunk_len for carried in shape.carried]
         self.kv = [torch.zeros(2, rows, heads, size, head_dim, dtype=dtype, device=device) for size in sizes]
-        self.rows: list[torch.Tensor] | None = None  # bounded positions (never a ring): positions and placements
+        self.position_rows: list[torch.Tensor] | None = None  # bounded positions (never a ring)
         self.positions = self.placements = None
         if shape.placed:
-            self.rows = [torch.zeros(3, rows, heads, size, dtype=torch.long, device=device) for size in sizes]
-            self._row_views()
+            self.position_rows = [torch.zeros(3, rows, heads, size, dtype=torch.long, device=device)
+                                  for size in sizes]
+            self._views()
         elif shape.ring is None:
             self.positions = [torch.zeros(rows, heads, size, dtype=torch.long, device=device) for size in sizes]
         self.ring_index = None
@@ -94,9 +95,9 @@ class SlotRows:
         if not self.free:
             rows = self.kv[0].shape[1]
             self.kv = [_grown(kv, 1, 2 * rows) for kv in self.kv]
-            if self.rows is not None:
-                self.rows = [_grown(three, 1, 2 * rows) for three in self.rows]
-                self._row_views()
+            if self.position_rows is not None:
+                self.position_rows = [_grown(marks, 1, 2 * rows) for marks in self.position_rows]
+                self._views()
             elif self.positions is not None:
                 self.positions = [_grown(positions, 0, 2 * rows) for positions in self.positions]
             self.free = list(range(2 * rows - 1, rows - 1, -1))
@@ -106,11 +107,11 @@ class SlotRows:
     def give(self, row: int) -> None:
         self.free.append(row)
 
-    def _row_views(self) -> None:
-        """``positions`` ``[R', H_kv, K + T]`` and ``placements`` ``[2, R', H_kv, K + T]`` as views of ``rows``."""
-        if self.rows is not None:
-            self.positions = [three[0] for three in self.rows]
-            self.placements = [three[1:] for three in self.rows]
+    def _views(self) -> None:
+        """``positions`` ``[R', H_kv, K + T]`` and ``placements`` ``[2, R', H_kv, K + T]`` as views of
+        ``position_rows``."""
+        self.positions = [marks[0] for marks in self.position_rows]
+        self.placements = [marks[1:] for marks in self.position_rows]
 
 
 def _grown(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -225,10 +226,10 @@ class StreamPool:
             buffer = layer.carry.buffer
             if buffer.kv is not views.get(("kv", index)):
                 rows.kv[index][:, seat.slot:seat.slot + 1].copy_(buffer.kv)
-                if rows.positions is not None:
+                if rows.position_rows is not None:
+                    rows.position_rows[index][:, seat.slot:seat.slot + 1].copy_(buffer.position_rows)
+                elif rows.positions is not None:
                     rows.positions[index][seat.slot:seat.slot + 1].copy_(buffer.positions)
-                if rows.placements is not None:
-                    rows.placements[index][:, seat.slot:seat.slot + 1].copy_(buffer.placements)
         self._point(seat, cache)
         cache.buffers_replaced()
         seat.version = cache.layout_version
@@ -252,11 +253,10 @@ class StreamPool:
             buffer = layer.carry.buffer
             if seat.slots is not None and buffer is not None and holds(("kv", index), buffer.kv):
                 buffer.kv = views["kv", index] = seat.slots.kv[index][:, slot:slot + 1]
-                buffer.rows = None if seat.slots.rows is None else seat.slots.rows[index][:, slot:slot + 1]
-                if seat.slots.positions is not None:
-                    buffer.positions = seat.slots.positions[index][slot:slot + 1]
-                if seat.slots.placements is not None:
-                    buffer.placements = seat.slots.placements[index][:, slot:slot + 1]
+                if seat.slots.position_rows is not None:
+                    buffer.point_rows(None, seat.slots.position_rows[index][:, slot:slot + 1])
+                elif seat.slots.positions is not None:
+                    buffer.point_rows(seat.slots.positions[index][slot:slot + 1], None)
 
     def changed(self) -> None:
         """A shared tensor moved: every seated stream's views follow it, and recorded steps over it are stale."""

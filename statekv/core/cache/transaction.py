@@ -28,7 +28,7 @@ class StepContext:
     logical positions, also where it goes in the detailed cache; set by the device part of the step) live on
     the model's device and are advanced by the step itself, so a steady step reads no host value;
     ``ring_target`` (``[T]``) is where the chunk goes in a ring, if the layers hold one. Under bounded positions
-    (:mod:`statekv.core.positions.placing`), ``placements`` holds the chunk's positions, anchors and rotations
+    (:mod:`statekv.core.positions.placing`), ``position_rows`` holds the chunk's positions, anchors and rotations
     (``[3, T]``) and ``positions`` the stream's `StreamPositions`; once the stream is placed away from its own
     positions, ``placed_keys`` holds each layer's keys for attention, its carried ones rotated to this step's places
     (`statekv.core.positions.placing.place_carried`), the chunk's left for the layer to write.
@@ -39,7 +39,7 @@ class StepContext:
     step_device: torch.Tensor
     write_index: torch.Tensor | None = None
     ring_target: torch.Tensor | None = None
-    placements: torch.Tensor | None = None
+    position_rows: torch.Tensor | None = None
     positions: object = None
     placed_keys: list[torch.Tensor | None] | None = None
 

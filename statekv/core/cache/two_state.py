@@ -183,8 +183,8 @@ class TwoStateCache(Cache):
         if context.positions is None:
             return context.write_index if position_ids is None else position_ids
         rotary, anchors, rotations = self.positions.chunk(context.write_index, position_ids)
-        context.placements = torch.stack((context.write_index, anchors, rotations))  # [3, T]: one write a layer
-        context.placed_keys = self.positions.placed_carried([layer.carried_placements() for layer in self.layers],
+        context.position_rows = torch.stack((context.write_index, anchors, rotations))  # [3, T]: one write a layer
+        context.placed_keys = self.positions.placed_carried([layer.carried_for_placing() for layer in self.layers],
                                                             context.chunk_len, context.write_index.device)
         return rotary
 

@@ -85,7 +85,7 @@ def trained_range(config) -> int:
 
 def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``keys`` ``[B, H, N, D]`` (RoPE applied at some position) rotated by ``delta`` ``[B, H, N]`` more positions,
+    """``keys`` ``[..., N, D]`` (RoPE applied at some position) rotated by ``delta`` ``[..., N]`` more positions,
     with the model's frequencies ``inv_freq`` ``[R / 2]`` over the first R dims (rotate-half layout, as every
     transformers RoPE applies it). Computed in float32; returns ``keys``' dtype, written into ``out`` (same
     shape) when given. ``delta == 0`` returns the key unchanged (cos 1, sin 0)."""
@@ -105,6 +105,10 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out:
 Placer = Callable[[torch.Tensor], torch.Tensor]
 
 
+PLACED_TOGETHER_BYTES = 8 << 20  # carried keys rotated in one stack, at most (the rotation's float32 temporaries
+# hold several times as much while it runs, and in a CUDA graph's memory pool for as long as the graph is kept)
+
+
 def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple[torch.Tensor, torch.Tensor] | None],
                   chunk_len: int) -> list[torch.Tensor | None]:
     """Every layer's keys handed to attention in a placed step, ``[B, H, K + T, D]`` each: the carried ``K``
@@ -113,21 +117,28 @@ def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple
 
     ``carried``: per layer, its carried keys ``[B, H, K, D]`` at their stored rotations and their placements
     ``[2, B, H, K]`` (anchors, rotations), or None where it carries nothing (its entry is then None). The carried
-    state is fixed before the step runs, so the layers carrying as many tokens are stacked and rotated together:
-    a step's rotation is one set of ops whatever the number of layers, not one a layer."""
+    state is fixed before the step runs, so layers carrying as many tokens are stacked and rotated together, up to
+    `PLACED_TOGETHER_BYTES` of keys a stack: a step's rotation is one set of ops for all of a small model's layers,
+    not one a layer, and its temporaries stay bounded for a large carried state."""
     placed: list[torch.Tensor | None] = [None] * len(carried)
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[list[int]]] = {}
     for index, entry in enumerate(carried):
-        if entry is not None and entry[0].shape[-2] > 0:
-            groups.setdefault((tuple(entry[0].shape), entry[0].dtype), []).append(index)
-    for (shape, _), members in groups.items():
-        keys = _stacked([carried[index][0] for index in members])  # [G, B, H, K, D]
-        placements = _stacked([carried[index][1] for index in members])  # [G, 2, B, H, K]
+        if entry is None or entry[0].shape[-2] == 0:
+            continue
+        keys = entry[0]
+        stacks = groups.setdefault((tuple(keys.shape), keys.dtype, keys.device), [[]])
+        if stacks[-1] and (len(stacks[-1]) + 1) * keys.numel() * keys.element_size() > PLACED_TOGETHER_BYTES:
+            stacks.append([])
+        stacks[-1].append(index)
+    for (shape, _, _), stacks in groups.items():
         *lead, size, dim = shape
-        keys_out = keys.new_empty(len(members), *lead, size + chunk_len, dim)
-        rotate(keys, placer(placements[:, 0]) - placements[:, 1], frequencies, out=keys_out[..., :size, :])
-        for row, index in enumerate(members):
-            placed[index] = keys_out[row]
+        for members in stacks:
+            keys = _stacked([carried[index][0] for index in members])  # [G, B, H, K, D]
+            placements = _stacked([carried[index][1] for index in members])  # [G, 2, B, H, K]
+            keys_out = keys.new_empty(len(members), *lead, size + chunk_len, dim)
+            rotate(keys, placer(placements[:, 0]) - placements[:, 1], frequencies, out=keys_out[..., :size, :])
+            for row, index in enumerate(members):
+                placed[index] = keys_out[row]
     return placed
 
 
@@ -140,8 +151,8 @@ class BoundedLayout:
     """Where a bounded stream puts a step's chunk and the keys it attends to, inside ``limit`` positions.
 
     A step's chunk is placed at its base; the carried keys it attends to are placed by the function `place`
-    returns for the step (once a step, then once a layer). The chunk's own keys need no placing: they were
-    computed where the chunk is placed.
+    returns for the step (made once a step, applied to every layer's carried keys at once: `place_carried`). The
+    chunk's own keys need no placing: they were computed where the chunk is placed.
 
     ``flat``: the model's RoPE is 1-D (False: M-RoPE, whose steps move as a whole)."""
 
@@ -171,7 +182,8 @@ class BoundedLayout:
               moved: bool = False) -> Placer:
         """For a chunk of ``span`` positions starting at ``first`` placed at ``base`` (device, ``[1]`` or
         ``[S, 1, 1]``), the function from carried tokens' positions in the stream (temporal row for M-RoPE)
-        ``anchors`` ``[B, H, K]`` to their rotary positions ``[B, H, K]``. ``moved`` as in `base_on`."""
+        ``anchors`` ``[..., B, H, K]`` (layers stacked in front; B the streams of a pooled batch) to their rotary
+        positions, shaped alike. ``moved`` as in `base_on`."""
         raise NotImplementedError
 
 

@@ -10,6 +10,8 @@ chunk itself, so the device part of a step (`PooledBatch.forward_rows`) never lo
   summaries go: one indexed write per layer and field writes every row's;
 * each layer gathers the rows' carried slots (``index_select``), writes the chunk into the last T, attends once
   over all rows and selects once (through the engine's one attention function, `statekv.core.cache.two_state.attend`);
+  under bounded positions the step gathers every layer's rows at its start and rotates their carried keys to
+  where the layout puts them, all layers at once (`statekv.core.positions.placing.place_carried`);
 * the commit gathers the selected slots and writes every row back (``index_copy_``), folds the rows' open
   segments, and advances the rows' counters.
 
@@ -135,7 +137,7 @@ class PooledBatch(Cache):
         self.placing = first.positions if first.cache.placed else None  # its layout and range, once it placed slots
         self.frequencies = None if self.placing is None else self.placing.frequencies(pool.device)
         self.placer = None  # the carried keys' places in this step (`begin_rows`, bounded positions)
-        self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer the rows' kv and positions' rows
+        self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer the rows' kv and position rows
         self.placed_keys: list[torch.Tensor | None] = []  # per layer the keys for attention, carried ones placed
         chunk_len = slots.shape.chunk_len
         self.samples = sample_index(chunk_len, pool.device)
@@ -152,19 +154,23 @@ class PooledBatch(Cache):
         inputs = dict(inputs)
         rows = inputs.pop("rows")
         with self.pool.lock:
-            positions = self.begin_rows(rows)
-            if inputs["position_ids"] is None:
-                inputs["position_ids"] = positions
-            decoder = self.compiled or self.decoder
-            with self.rope.active() if self.rope is not None else nullcontext():
-                output = decoder(**inputs, attention_mask=self.mask, past_key_values=self, use_cache=True)
-            missing = self.transaction.missing_layers()
-            if missing:
-                raise UnsupportedModelError(
-                    f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
-                    "transformers' AttentionInterface, so they cannot be streamed")
-            self.commit()
-            return output.last_hidden_state
+            try:
+                positions = self.begin_rows(rows)
+                if inputs["position_ids"] is None:
+                    inputs["position_ids"] = positions
+                decoder = self.compiled or self.decoder
+                with self.rope.active() if self.rope is not None else nullcontext():
+                    output = decoder(**inputs, attention_mask=self.mask, past_key_values=self, use_cache=True)
+                missing = self.transaction.missing_layers()
+                if missing:
+                    raise UnsupportedModelError(
+                        f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
+                        "transformers' AttentionInterface, so they cannot be streamed")
+                self.commit()
+                return output.last_hidden_state
+            finally:  # what the step gathered and placed is held for the step only, whatever became of it
+                self.staged = [None] * len(self.layers)
+                self.gathered, self.placed_keys = [], []
 
     def rows(self, table: tuple[int, ...]) -> torch.Tensor:
         """The ``rows`` input ``[2, size]`` of ``table`` (seats, then slot rows), kept for the next steps of the same
@@ -186,7 +192,9 @@ class PooledBatch(Cache):
 
     def begin_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Device start of a step of the ``rows`` ``[2, S]`` (seats, slot rows): where each row's chunk and summaries
-        go, and its positions ``[S, T]`` (returned: the decoder's, under stream positions)."""
+        go, and its positions ``[S, T]`` (returned: the decoder's, under stream positions). Under bounded
+        positions, every layer's rows gathered and their carried keys placed (`place_carried`), and the rotary
+        positions ``[S, T]`` of each row's chunk returned."""
         pool, chunk_len = self.pool, self.slots.shape.chunk_len
         self.transaction = PooledTransaction(self)
         self.seats, self.slot_rows = rows[0], rows[1]
@@ -203,13 +211,13 @@ class PooledBatch(Cache):
         base = placing.layout.base_on(first, chunk_len, max(self.slots.shape.carried), placing.limit)
         self.placer = placing.layout.place(first[:, :, None], base[:, :, None], chunk_len, placing.limit)
         self.rotations = self.positions - (first - base)
-        self.chunk_rows = torch.stack((self.positions, self.positions, self.rotations))  # [3, S, T]
-        self.gathered = [(kv.index_select(1, self.slot_rows), three.index_select(1, self.slot_rows))
-                         for kv, three in zip(self.slots.kv, self.slots.rows)]
+        self.chunk_marks = torch.stack((self.positions, self.positions, self.rotations))  # [3, S, T]
+        self.gathered = [(kv.index_select(1, self.slot_rows), marks.index_select(1, self.slot_rows))
+                         for kv, marks in zip(self.slots.kv, self.slots.position_rows)]
         self.placed_keys = place_carried(
             self.placer, self.frequencies,
-            [(kv[0, :, :, :carried], three[1:, ..., :carried])
-             for (kv, three), carried in zip(self.gathered, self.slots.shape.carried)], chunk_len)
+            [(kv[0, :, :, :carried], marks[1:, ..., :carried])
+             for (kv, marks), carried in zip(self.gathered, self.slots.shape.carried)], chunk_len)
         return self.rotations
 
     def stage(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,11 +234,11 @@ class PooledBatch(Cache):
         reduced = keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True)
         carried = slots.shape.carried[index]
         if self.placing is not None:  # rows gathered, carried keys placed, by `begin_rows`
-            kv, three = self.gathered[index]
+            kv, marks = self.gathered[index]
             kv[0, :, :, carried:] = keys
             kv[1, :, :, carried:] = values
-            three[..., carried:] = self.chunk_rows[:, :, None]
-            self.staged[index] = (kv, three, reduced)
+            marks[..., carried:] = self.chunk_marks[:, :, None]
+            self.staged[index] = (kv, marks[0], reduced, marks)
             placed = self.placed_keys[index]
             if placed is None:
                 return kv[0], kv[1]
@@ -243,7 +251,7 @@ class PooledBatch(Cache):
         if slots.positions is not None:
             positions = slots.positions[index].index_select(0, self.slot_rows)
             positions[..., carried:] = self.positions[:, None]
-        self.staged[index] = (kv, positions, reduced)
+        self.staged[index] = (kv, positions, reduced, None)
         return kv[0], kv[1]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -254,7 +262,7 @@ class PooledBatch(Cache):
         """Device part of the commit: every row's open segment folded, its selected slots (or, in a ring, its chunk
         over the oldest step) written back, its counters advanced; the scratch row's counters reset."""
         pool, slots, rows = self.pool, self.slots, self.slot_rows
-        for index, (kv, positions, (low, high, total)) in enumerate(self.staged):
+        for index, (kv, positions, (low, high, total), marks) in enumerate(self.staged):
             segments = pool.segments[index]
             folded = segments.index_select(1, self.seats)
             least, most, summed = folded.unbind(0)
@@ -269,9 +277,9 @@ class PooledBatch(Cache):
             chosen = self.transaction.pending[index]
             kept = kv.gather(3, chosen[None, ..., None].expand(2, -1, -1, -1, kv.shape[-1]))
             slots.kv[index][:, :, :, :carried].index_copy_(1, rows, kept)
-            if self.placing is not None:  # positions, anchors and rotations: [3, S, H_kv, K + T]
-                three = positions.gather(3, chosen.expand(3, -1, -1, -1))
-                slots.rows[index][..., :carried].index_copy_(1, rows, three)
+            if marks is not None:  # positions, anchors and rotations: [3, S, H_kv, K + T]
+                slots.position_rows[index][..., :carried].index_copy_(
+                    1, rows, marks.gather(3, chosen.expand(3, -1, -1, -1)))
             else:
                 slots.positions[index][:, :, :carried].index_copy_(0, rows, positions.gather(2, chosen))
         seen, step, ring = self.counters.unbind(0)
@@ -279,8 +287,6 @@ class PooledBatch(Cache):
             ring = torch.remainder(ring + 1, slots.shape.ring[0])
         pool.counters.index_copy_(1, self.seats, torch.stack([seen + slots.shape.chunk_len, step + 1, ring]))
         pool.counters[:, 0].zero_()
-        self.staged = [None] * len(self.layers)
-        self.gathered, self.placed_keys = [], []  # held for the step only
 
 
 class PooledGraphs(StepGraphs):

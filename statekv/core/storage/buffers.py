@@ -105,43 +105,40 @@ class CarriedSlots:
     ``kv`` ``[2, B, H_kv, K + T, D]`` holds keys then values; the first ``carried`` (K) slots are the carried
     state, the last T the chunk being streamed. ``positions`` LongTensor ``[B, H_kv, K + T]`` (None in a
     ring, whose positions follow from the step count) gives each slot's logical position. Under bounded
-    positions (:mod:`statekv.core.positions.placing`) ``placements`` holds two more LongTensors ``[B, H_kv, K + T]``:
-    each slot's position in the stream as RoPE counts it (its anchor) and the rotation its key was computed at.
-    Then the three are rows of one tensor, ``rows`` ``[3, B, H_kv, K + T]`` (positions, anchors, rotations), so a
-    step writes, gathers and keeps them as one.
+    positions (:mod:`statekv.core.positions.placing`) ``placements`` holds two more rows ``[2, B, H_kv, K + T]``:
+    each slot's position in the stream as RoPE counts it (its anchor) and the rotation its key was computed at;
+    the three are then views of one tensor, ``position_rows`` ``[3, B, H_kv, K + T]`` (positions, anchors,
+    rotations), so a step writes, gathers and keeps them as one.
     """
 
     def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int,
-                 placements: torch.Tensor | None = None):
-        self.kv, self.positions, self.carried = kv, positions, carried
-        self.placements = placements  # [2, B, H_kv, K + T] anchors then rotations, or None
-        self.rows: torch.Tensor | None = None  # [3, B, H_kv, K + T] when positions and placements are its rows
+                 position_rows: torch.Tensor | None = None):
+        self.kv, self.carried = kv, carried
+        self.point_rows(positions, position_rows)
 
-    @classmethod
-    def with_rows(cls, kv: torch.Tensor, rows: torch.Tensor, carried: int) -> "CarriedSlots":
-        """A buffer whose positions and placements are the rows of ``rows`` ``[3, B, H_kv, K + T]``."""
-        slots = cls(kv, rows[0], carried, rows[1:])
-        slots.rows = rows
-        return slots
+    def point_rows(self, positions: torch.Tensor | None, position_rows: torch.Tensor | None) -> None:
+        """Hold ``positions`` ``[B, H_kv, K + T]``, or under bounded positions ``position_rows`` ``[3, B, H_kv,
+        K + T]`` (its first row the positions, the others the placements)."""
+        self.position_rows = position_rows
+        self.positions = positions if position_rows is None else position_rows[0]
+        self.placements = None if position_rows is None else position_rows[1:]  # [2, B, H_kv, K + T]
 
     @classmethod
     def holding(cls, kv: torch.Tensor, positions: torch.Tensor | None, chunk_len: int,
                 placements: torch.Tensor | None = None) -> "CarriedSlots":
         """A new buffer whose carried part is ``kv`` ``[2, B, H_kv, K, D]`` (and ``positions [B, H_kv, K]``,
-        ``placements [2, B, H_kv, K]``), with room for a chunk of ``chunk_len`` tokens."""
+        ``placements [2, B, H_kv, K]``: then positions too), with room for a chunk of ``chunk_len`` tokens."""
         two, b, h, k, d = kv.shape
-        if placements is not None and positions is not None:
-            slots = cls.with_rows(kv.new_empty(two, b, h, k + chunk_len, d),
-                                  positions.new_empty(3, b, h, k + chunk_len), k)
-        else:
-            slots = cls(kv.new_empty(two, b, h, k + chunk_len, d),
-                        None if positions is None else positions.new_empty(b, h, k + chunk_len), k,
-                        None if placements is None else placements.new_empty(2, b, h, k + chunk_len))
+        size = k + chunk_len
+        rows = None if placements is None else positions.new_empty(3, b, h, size)
+        slots = cls(kv.new_empty(two, b, h, size, d),
+                    None if positions is None or rows is not None else positions.new_empty(b, h, size), k, rows)
         slots.kv[:, :, :, :k] = kv
-        if positions is not None:
+        if rows is not None:
+            rows[0, ..., :k] = positions
+            rows[1:, ..., :k] = placements
+        elif positions is not None:
             slots.positions[..., :k] = positions
-        if placements is not None:
-            slots.placements[..., :k] = placements
         return slots
 
     @property
@@ -162,8 +159,8 @@ class CarriedSlots:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.kv, self.rows) if self.rows is not None else (self.kv, self.positions, self.placements)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        rows = self.positions if self.position_rows is None else self.position_rows
+        return sum(t.numel() * t.element_size() for t in (self.kv, rows) if t is not None)
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The carried part: ``kv [2, B, H_kv, K, D]`` and positions ``[B, H_kv, K]`` (views)."""
@@ -184,18 +181,15 @@ class CarriedSlots:
                                                                             self.head_placements())
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              placements: torch.Tensor | None = None) -> None:
+              position_rows: torch.Tensor | None = None) -> None:
         """Write the chunk ``[B, H_kv, T, D]`` and its positions ``[T]`` into the last T slots; under bounded
-        positions ``placements`` ``[3, T]`` are its positions, anchors and rotations (one write with ``rows``)."""
+        positions ``position_rows`` ``[3, T]``: its positions, anchors and rotations, one write."""
         self.kv[0, :, :, self.carried:] = keys
         self.kv[1, :, :, self.carried:] = values
-        if self.rows is not None and placements is not None:
-            self.rows[..., self.carried:] = placements[:, None, None]
-            return
-        if self.positions is not None:
+        if self.position_rows is not None:
+            self.position_rows[..., self.carried:] = position_rows[:, None, None]
+        elif self.positions is not None:
             self.positions[..., self.carried:] = positions
-        if self.placements is not None and placements is not None:
-            self.placements[..., self.carried:] = placements[1:, None, None]
 
     def suffix(self, start: int) -> "CarriedSlots":
         """A new buffer carrying slots ``start:`` (e.g. everything, or a recency window), with room for a chunk
@@ -208,22 +202,15 @@ class CarriedSlots:
         """Carry the slots ``selection`` (LongTensor ``[B, H_kv, K']``, ascending) into the next step: in place
         when K' equals the carried size, else into a new buffer with room for a chunk as long as this one."""
         kv = self.kv.gather(3, selection[None, ..., None].expand(2, -1, -1, -1, self.kv.shape[-1]))
-        if self.rows is not None:
-            rows = self.rows.gather(3, selection.expand(3, -1, -1, -1))
-            if selection.shape[-1] != self.carried:
-                return CarriedSlots.holding(kv, rows[0], self.chunk_len, rows[1:])
-            self.kv[:, :, :, : self.carried] = kv
-            self.rows[..., : self.carried] = rows
-            return self
-        positions = None if self.positions is None else self.positions.gather(2, selection)
-        placements = None if self.placements is None else self.placements.gather(3, selection.expand(2, -1, -1, -1))
+        held = self.positions if self.position_rows is None else self.position_rows  # [(3,) B, H_kv, K + T]
+        kept = None if held is None else held.gather(-1, selection.expand(*held.shape[:-3], -1, -1, -1))
         if selection.shape[-1] != self.carried:
-            return CarriedSlots.holding(kv, positions, self.chunk_len, placements)
+            if self.position_rows is None:
+                return CarriedSlots.holding(kv, kept, self.chunk_len)
+            return CarriedSlots.holding(kv, kept[0], self.chunk_len, kept[1:])
         self.kv[:, :, :, : self.carried] = kv
-        if positions is not None:
-            self.positions[..., : self.carried] = positions
-        if placements is not None:
-            self.placements[..., : self.carried] = placements
+        if held is not None:
+            held[..., : self.carried] = kept
         return self
 
 
