@@ -12,7 +12,9 @@ the frames after the first step placed away from its own position against the sa
 what re-placing and rotating the carried keys costs once positions move; and the push that moved them (under
 ``handover``, its successor's replay of every step before; with ``--offload-dir``, also on the disk tier, where
 that push also hands the stream's folder to the successor's file set). At the depths of real models
-(``--depths``, tiny random checkpoints): the ops of a steady placed push against a `stream` push.
+(``--depths``, tiny random checkpoints): the ops of a steady placed push against a `stream` push. Paired
+(``--paired-frames``): the default bounded stream and a `stream`-positions one pushed in turn, inside the range and
+past it.
 
     python benchmarks/positions_cost.py --out docs/benchmarks.md          # the built-in model on the CPU
     python benchmarks/positions_cost.py --device cuda --out docs/benchmarks.md
@@ -134,6 +136,47 @@ def past(args, frames) -> list[dict]:
     return rows
 
 
+def paired(args, frames) -> list[dict]:
+    """StateKV's default bounded stream (the handover layout) and a `stream`-positions stream of the same frames,
+    pushed in turn frame by frame (which goes first alternating), so that whatever slows the machine slows both:
+    per frame, the push's CPU time of each, inside the range and past it. The `stream` stream runs on a second
+    copy of the model whose declared range is raised above the frames' positions (its RoPE is unchanged: the
+    default RoPE's rotation does not depend on the range), so it can go where bounded positions have to place."""
+    qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv", device=args.device))
+    long = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv",
+                                                             device=args.device))
+    config = long.adapter.model.config.get_text_config()
+    if placing.rope_parameters(config)["rope_type"] != "default":
+        raise SystemExit(f"--paired-frames needs a model with the default RoPE, not {args.model}")
+    config.max_position_embeddings = 1 << 30
+    bounded = qa.stream(max_fps=None, vision_batch=1)
+    own = long.stream(horizon_frames=len(frames) + 8, max_fps=None, vision_batch=1)
+    assert own.prefill.positions.mode == "stream" and bounded.prefill.positions.mode == "bounded"
+    clock, times, moved_at = timer(args.device), {"stream": [], "bounded": []}, None
+    for index, image in enumerate(frames):
+        order = (("stream", own), ("bounded", bounded)) if index % 2 else (("bounded", bounded), ("stream", own))
+        for name, stream in order:
+            started = clock()
+            stream.push(image, float(index))
+            times[name].append(clock() - started)
+        if moved_at is None and bounded.handover == "handed over":
+            moved_at = index
+    rows = []
+    if moved_at is None:
+        raise SystemExit("--paired-frames: the bounded stream never left the model's range; push more frames")
+    for phase, span in (("inside the range", range(len(frames) // 4, moved_at)),
+                        ("past the range", range(moved_at + 1, len(frames)))):
+        mine, theirs = [times["bounded"][i] for i in span], [times["stream"][i] for i in span]
+        rows.append({"phase": phase, "frames": len(span), "stream_ms": 1e3 * statistics.median(theirs),
+                     "bounded_ms": 1e3 * statistics.median(mine),
+                     "ratio": statistics.median(a / b for a, b in zip(mine, theirs)),
+                     "moved_at": moved_at, "handover": bounded.handover})
+        print(rows[-1], flush=True)
+    bounded.close()
+    own.close()
+    return rows
+
+
 def steady_ops(qa, frames, positions: str, layout: str | None, traced: int = 8) -> int:
     """The fewest compute ops of the last ``traced`` pushes (a push that completes a segment of the retrieval index
     does more, at the same step whatever the positions)."""
@@ -173,7 +216,8 @@ def at_depths(args, frames) -> list[dict]:
     return rows
 
 
-def report(args, rows: list[dict], beyond: list[dict], depths: list[dict], load: tuple[str, str]) -> str:
+def report(args, rows: list[dict], beyond: list[dict], pairs: list[dict], depths: list[dict],
+           load: tuple[str, str]) -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)"
                if not args.device.startswith("cuda") else torch.cuda.get_device_name(0))
     lines = [f"Command: `python benchmarks/positions_cost.py {' '.join(sys.argv[1:])}`  ",
@@ -202,6 +246,16 @@ def report(args, rows: list[dict], beyond: list[dict], depths: list[dict], load:
             moved = f"{row['moved_ms']:.0f}" if row["moved_ms"] is not None else "-"
             lines.append(f"| {row['layout']} | {row['moved_at_frame']} | {times} | {moved} | "
                          f"{row['ops_before'] or '-'} | {row['ops_after']} |")
+    if pairs:
+        lines += ["", f"Paired, past the range: StateKV's default bounded stream (handover; handed over at frame "
+                  f"{pairs[0]['moved_at']}) and a `stream`-positions stream of the same {args.paired_frames} frames "
+                  "(the model's declared range raised, its RoPE unchanged), pushed in turn frame by frame. Push ms "
+                  "per frame, medians; the ratio is the median of each frame's bounded / stream.", "",
+                  "| frames | pushes | stream ms/frame | bounded ms/frame | bounded / stream |",
+                  "|---|---:|---:|---:|---:|"]
+        for row in pairs:
+            lines.append(f"| {row['phase']} | {row['frames']} | {row['stream_ms']:.2f} | {row['bounded_ms']:.2f} | "
+                         f"{row['ratio']:.3f} |")
     if depths:
         lines += ["", f"At the depth of real models (tiny random InternVL checkpoints, StateKV B=64, "
                   f"{args.depth_frames} frames, the fewest of the last 8 pushes): compute ops of a steady push with "
@@ -223,6 +277,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
     parser.add_argument("--offload-dir", default=None,
                         help="past the range, also the handover layout on the disk tier, its folders made here")
+    parser.add_argument("--paired-frames", type=int, default=1400,
+                        help="frames of the paired run past the range (0: none)")
     parser.add_argument("--depths", default="24,28",
                         help="decoder depths of tiny checkpoints whose ops are counted (InternVL3-1B's and -8B's "
                              "language models have 24 and 28 layers); empty: none")
@@ -234,12 +290,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load = [" ".join(open("/proc/loadavg").read().split()[:3])] if Path("/proc/loadavg").exists() else ["?"]
     rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, (max(args.frames, args.past_frames, args.depth_frames), 64, 64, 3), dtype=np.uint8)
+    frames = rng.integers(0, 256, (max(args.frames, args.past_frames, args.paired_frames, args.depth_frames), 64, 64, 3),
+                          dtype=np.uint8)
     rows = inside(args, frames[:args.frames])
     beyond = past(args, frames[:args.past_frames]) if args.past_frames else []
+    pairs = paired(args, frames[:args.paired_frames]) if args.paired_frames else []
     depths = at_depths(args, frames[:args.depth_frames])
     load.append(" ".join(open("/proc/loadavg").read().split()[:3]) if Path("/proc/loadavg").exists() else "?")
-    text = report(args, rows, beyond, depths, tuple(load))
+    text = report(args, rows, beyond, pairs, depths, tuple(load))
     print(text)
     if args.out:
         from report import write_section
