@@ -7,6 +7,9 @@ other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 
 class StateKVError(Exception):
     """Base class of every error statekv raises on purpose."""
@@ -75,7 +78,16 @@ class OutputError(StateKVError, OSError):
 
 class HandoverError(OutputError):
     """A disk-tier stream's handover to its successor's file set stopped after it was marked: the stream was
-    closed, and resuming its folder finishes the handover."""
+    closed, and resuming its folder finishes the handover. ``folder``: the stream's folder; ``cause``: why it
+    stopped (one line); ``stopped``: the message without how to resume the stream."""
+
+    def __init__(self, folder: Any, cause: str):
+        self.folder, self.cause = Path(folder), cause
+        self.stopped = f"{folder}: the stream's handover to its successor's file set stopped ({cause})"
+        super().__init__(f"{self.stopped}; Stream.load({str(folder)!r}) finishes it and resumes the stream")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.folder, self.cause)
 
 
 class CacheLimitError(StateKVError, ValueError):

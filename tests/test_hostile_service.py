@@ -8,6 +8,7 @@ a write fail where it must. Each case says what the service did before (on the m
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import io
 import json
@@ -457,9 +458,11 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
         short_range, tmp_path, monkeypatch, closed_by):
     """The handover's move into the stream's folder fails once marked (the stream is closed): in a push (503, one
     line), or on the model's thread outside any request (as in a quiet moment's replay). While the disk is still
-    full a request answers 503 naming the problem; then the next push, or question, brings the stream back from
-    its folder, handed over, every frame taken still there. Before: every later request failed ("this stream was
-    closed") until the server restarted."""
+    full a request answers 503 naming the problem, and for its Retry-After every request answers so at once,
+    without trying again; then the next push, or question, brings the stream back from its folder, handed over,
+    every frame taken still there. Before: every later request failed ("this stream was closed") until the server
+    restarted."""
+    import statekv.serve.registry as registry_module
     from statekv.errors import HandoverError
 
     checkpoint, qa = short_range
@@ -476,7 +479,8 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
                 if pushed.status_code != 200:
                     message = _error(pushed, 503)
                     assert pushed.headers.get("Retry-After") and "No space left on device" in message, message
-                    assert str(tier) not in message and "brought back" in message and "frame was taken" in message
+                    assert str(tier) not in message and "brings it back" in message, message
+                    assert "do not push this frame again" in message and "Stream.load" not in message, message
                     break
             else:
                 try:
@@ -485,9 +489,15 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
                     break
         else:
             pytest.fail("the stream did not hand over")
+        registry, tries = server.service.registry, []
+        restore_one = registry.restore_one
+        monkeypatch.setattr(registry, "restore_one", lambda *args: tries.append(args) or restore_one(*args))
         still = _error(client.get(f"/v1/streams/{stream_id}"), 503)
         assert "No space left on device" in still and "brought back" in still and str(tier) not in still, still
+        again = client.get(f"/v1/streams/{stream_id}/history")  # within its Retry-After: not tried again
+        assert _error(again, 503) == still and again.headers["Retry-After"] in ("4", "5") and len(tries) == 1
         monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(registry_module, "HEAL_RETRY_SECONDS", 0.0)
         if closed_by == "push":
             _push(client, stream_id, 99, float(index + 1)).raise_for_status()
         else:
@@ -499,6 +509,177 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
         _push(client, stream_id, 100, float(index + 2)).raise_for_status()
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == index + 2 + (closed_by == "push")
         assert server.service.registry.entries[stream_id] is entry and not server.service.registry.damaged
+
+
+def _pushed_until_stopped(client, stream_id: str) -> int:
+    """Push frames (the handover's moves failing) until the push that meets the stop; returns its index."""
+    for index in range(40):
+        pushed = _push(client, stream_id, index, float(index))
+        if pushed.status_code != 200:
+            _error(pushed, 503)
+            return index
+    pytest.fail("the stream did not hand over")
+
+
+def test_a_stream_brought_back_after_its_handover_stopped_keeps_its_watches_as_they_stood(short_range, tmp_path,
+                                                                                         monkeypatch):
+    """A watch evaluated at every frame before the stop comes back with its evaluations and events, and the closed
+    stream's watch is closed. Before: the stream was rebuilt from its record on disk (written when the watch was
+    made), so the watch came back with none, and the closed stream's watch stayed open."""
+    checkpoint, qa = short_range
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = ModelOptions(model=str(checkpoint), offload="disk", offload_dir=str(tier))
+    replace = os.replace
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=0, horizon_frames=None, max_fps=None)
+        made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": QUESTION, "every": 1,
+                                                                     "max_new_tokens": 2})
+        assert made.status_code == 201, made.text
+        entry = server.service.registry.entries[stream_id]
+        _moves_fail(monkeypatch)
+        _pushed_until_stopped(client, stream_id)
+        closed, watches = entry.stream, list(entry.stream.watches)
+        before = [(watch.id, watch.evaluations, len(watch.events)) for watch in watches]
+        assert before[0][1] > 1, before
+        monkeypatch.setattr(os, "replace", replace)
+        listed = client.get(f"/v1/streams/{stream_id}/watches").json()["data"]
+        assert [(watch["id"], watch["evaluations"], len(watch["events"])) for watch in listed] == before
+        assert entry.stream is not closed and all(watch.closed for watch in watches)
+
+
+def _bare_registry(qa, tmp_path):
+    """A disk-tier server's `StreamRegistry` without the app (so a test can gather its pushes), and its tier."""
+    from statekv.serve import ServeConfig
+    from statekv.serve.registry import StreamRegistry
+    from statekv.serve.worker import ModelWorker
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    state.mkdir()
+    options = ModelOptions(model="tiny", offload="disk", offload_dir=str(tier))
+    config = ServeConfig(options=options, state_dir=state, api_keys=(KEY,), page=False, save_every_seconds=600)
+    return StreamRegistry(config, qa.with_options(offload="disk", offload_dir=str(tier)), ModelWorker()), tier
+
+
+async def _stopped(registry, entry) -> dict[int, object]:
+    """Pushes queued four at a time until the handover stops: each one's answer (True, or its error)."""
+    answers = {}
+    for start in range(0, 40, 4):
+        got = await asyncio.gather(*[registry.push(entry, _frame(index), float(index))
+                                     for index in range(start, start + 4)], return_exceptions=True)
+        answers.update(zip(range(start, start + 4), got))
+        if any(answer is not True for answer in got):
+            return answers
+    pytest.fail("the stream did not hand over")
+
+
+def test_pushes_queued_across_a_stopped_handover_answer_503_never_400_and_a_replica_brings_back_every_frame(
+        short_range, tmp_path, monkeypatch):
+    """Pushes queued behind the one that meets the stop (each queued without waiting for the one before), and one
+    that waited while the stream could not be brought back yet, answer 503 (not streamed: retry), never 400; on a
+    replica (whose loader resumes no disk-tier folder at start) the stream comes back from its own folder, handed
+    over, with every frame taken, and each refused frame pushed again is taken once. Before: those pushes were 400
+    ("this stream was closed"), and a replica brought the stream back empty in a new folder, answering 200."""
+    import statekv.serve.registry as registry_module
+    from statekv.serve.errors import ServiceError
+
+    registry, tier = _bare_registry(short_range[1], tmp_path)
+    registry.loader.resume_tiers = False  # as a replica's (LeasedPlacement)
+    monkeypatch.setattr(registry_module, "HEAL_RETRY_SECONDS", 0.0)
+    replace = os.replace
+    _moves_fail(monkeypatch)
+
+    async def main() -> None:
+        entry = await registry.create(KEY, {"max_fps": None})
+        answers = await _stopped(registry, entry)
+        answers[99] = (await asyncio.gather(registry.heal(entry), registry.push(entry, _frame(99), 99.0),
+                                            return_exceptions=True))[1]
+        shown = {index: answer if answer is True else (getattr(answer, "status", None), str(answer)[:90])
+                 for index, answer in answers.items()}
+        assert all(answer is True or isinstance(answer, ServiceError) and answer.status == 503
+                   for answer in answers.values()), shown
+        stopped = [index for index, answer in answers.items() if "do not push this frame again" in str(answer)]
+        refused = [index for index, answer in answers.items() if answer is not True and index not in stopped]
+        assert len(stopped) == 1 and 99 in refused and len(refused) > 1, shown
+        monkeypatch.setattr(os, "replace", replace)
+        await registry.heal(entry)
+        stream = entry.stream
+        assert stream.handover == "handed over" and stream.pushed == len(answers) - len(refused), shown
+        assert stream.last_timestamp == float(stopped[0])
+        assert [path.name for path in tier.iterdir()] == [entry.tier.name]  # its own folder, no new one
+        for index in refused:
+            assert await registry.push(entry, _frame(index), float(index)) is True
+        assert entry.stream.pushed == len(answers)
+
+    try:
+        asyncio.run(main())
+    finally:
+        registry.close_all()
+        registry.worker.close()
+
+
+def test_a_stream_found_damaged_as_it_is_brought_back_is_quarantined_once_for_every_holder(short_range, tmp_path,
+                                                                                         monkeypatch):
+    """The folder of a stream closed by its stopped handover is damaged (its handover.json) before it is brought
+    back: the request bringing it back answers 409, and so does a push that waited for it; one that waited to bring
+    it back does not try again (its file set moved into the quarantine once); the entry is deleted for whoever
+    still holds it (`/events`, the page) and the closed stream's watch is closed. Before: the waiting push was
+    400 ("this stream was closed"), the second request quarantined it again, and the entry and watch stayed."""
+    registry, tier = _bare_registry(short_range[1], tmp_path)
+    replace = os.replace
+    _moves_fail(monkeypatch)
+
+    async def main() -> None:
+        entry = await registry.create(KEY, {"max_fps": None})
+        watch = await registry.worker.run(entry.stream.watch, QUESTION, 1, max_new_tokens=2)
+        await _stopped(registry, entry)
+        monkeypatch.setattr(os, "replace", replace)
+        (entry.tier / "handover.json").write_text("{}")
+        got = await asyncio.gather(registry.heal(entry), registry.push(entry, _frame(99), 99.0), registry.heal(entry),
+                                   return_exceptions=True)
+        assert [getattr(answer, "status", answer) for answer in got] == [409, 409, None], got
+        assert "damaged" in str(got[1]) and entry.deleted and watch.closed and entry.id in registry.damaged
+        assert entry.id not in registry.entries and len(registry.files.quarantined(entry.id)) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        registry.close_all()
+        registry.worker.close()
+
+
+def test_a_stream_brought_back_having_lost_frames_refuses_its_next_push_once_saying_where_to_resume(
+        short_range, tmp_path, monkeypatch):
+    """Frames that waited for their step when the handover stopped are lost as the stream comes back (its resume
+    counts them: `frames_lost`, made 2 here, since a served stream steps each frame as it is pushed): its next push
+    is refused once (409, naming ``resume_from``), as for a stream a replica took from its last save, and the one
+    after is taken. Before: the push was taken, the client never told that frames were lost."""
+    registry, tier = _bare_registry(short_range[1], tmp_path)
+    replace = os.replace
+    _moves_fail(monkeypatch)
+    restore_one = registry.restore_one
+
+    def losing(*args):
+        healed = restore_one(*args)
+        healed.stream.frames_lost = 2
+        return healed
+
+    async def main() -> None:
+        entry = await registry.create(KEY, {"max_fps": None})
+        await _stopped(registry, entry)
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(registry, "restore_one", losing)
+        await registry.heal(entry)
+        pushed = entry.stream.pushed
+        with pytest.raises(Exception) as refused:
+            await registry.push(entry, _frame(99), 99.0)
+        assert refused.value.status == 409 and f"push again from frame {pushed} (resume_from)" in str(refused.value)
+        assert await registry.push(entry, _frame(99), 99.0) is True and entry.stream.pushed == pushed + 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        registry.close_all()
+        registry.worker.close()
 
 
 def _frame(seed: int) -> np.ndarray:

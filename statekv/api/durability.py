@@ -167,8 +167,7 @@ class Durability:
                     cleanup()
                 except Exception:  # noqa: BLE001 -- the handover's own error is the one to tell
                     pass
-            raise HandoverError(f"{folder}: the stream's handover to its successor's file set stopped ({error}); "
-                                f"Stream.load({str(folder)!r}) finishes it and resumes the stream") from None
+            raise HandoverError(folder, str(error)) from None
         self.tier, self.backlog = tier, None
         return engine
 

@@ -21,7 +21,7 @@ from ..errors import ConfigurationError, HorizonError, OutputError, StateKVError
 from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
-from .errors import ServiceError, StorageError, error_body, public_message
+from .errors import ServiceError, StorageError, error_body
 from .limits import Slots
 from .metrics import Metrics
 from .registry import StreamRegistry
@@ -95,15 +95,8 @@ class Service:
         self.metrics.ask_seconds.observe(seconds)
 
     def public(self, message: str) -> str:
-        """A message as a client may see it: paths under the state folder, the media root or the disk tier's
-        folder made relative to it (their absolute forms: a relative one says nothing of the server's layout)."""
-        folders = [folder for folder in (self.config.state_dir, self.config.media_root, self.config.options.offload_dir)
-                   if folder is not None]
-        replacements = {}
-        for folder in folders:
-            for form in (os.path.abspath(folder), os.path.realpath(folder)):
-                replacements[form.rstrip("/") + "/"] = ""
-        return public_message(message, replacements)
+        """A message as a client may see it (`ServeConfig.public`)."""
+        return self.config.public(message)
 
 
 def check_owners(config: ServeConfig, keys: KeyRing, files: Any = None) -> None:

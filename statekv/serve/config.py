@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..settings.options import ModelOptions
+from .errors import public_message
 
 SAVE_EVERY_FRAMES = 256
 SAVE_EVERY_SECONDS = 30.0
@@ -45,3 +47,14 @@ class ServeConfig:
     page: bool = True
     quiet_catch_up: bool = True
     extra: dict = field(default_factory=dict)
+
+    def public(self, message: str) -> str:
+        """A message as a client may see it: paths under the state folder, the media root or the disk tier's
+        folder made relative to it (their absolute forms: a relative one says nothing of the server's layout)."""
+        folders = [folder for folder in (self.state_dir, self.media_root, self.options.offload_dir)
+                   if folder is not None]
+        replacements = {}
+        for folder in folders:
+            for form in (os.path.abspath(folder), os.path.realpath(folder)):
+                replacements[form.rstrip("/") + "/"] = ""
+        return public_message(message, replacements)

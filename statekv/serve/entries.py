@@ -60,6 +60,7 @@ class StreamEntry:
     used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)
     deleted: bool = False
     moved: bool = False  # let go to another replica sharing the state folder
+    quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
     owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
 

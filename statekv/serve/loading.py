@@ -31,8 +31,10 @@ class StreamLoader:
         push it journaled), else from its last save, else empty when it was never saved. A file that cannot be
         loaded, or names another stream or owner, raises (the stream is quarantined), as does a stream whose
         file set was moved into the quarantine (`Quarantined`); a quarantine note left from an earlier failure is
-        removed once it loads. ``healing``: a served stream brought back in place (`StreamRegistry.heal`), whose
-        file set cannot be written now (an `OutputError`: a full disk) raises that, the file set left where it is."""
+        removed once it loads. ``healing``: a served stream brought back in place (`StreamRegistry.heal`): from its
+        own file set only, whatever ``resume_tiers`` says (one that is not there raises `Quarantined`, never a
+        fallback to its save or an empty stream); one that cannot be written now (an `OutputError`: a full disk)
+        raises that, the file set left where it is."""
         moved = self.files.quarantined(data["id"])
         if moved:  # its journaled pushes are there, not in its save: never served without them
             note = self.files.read_note(data["id"])
@@ -77,12 +79,16 @@ class StreamLoader:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
         none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
         quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
-        since the last save, so the stream is not served from its save without them."""
-        if not self.resume_tiers or not data.get("tier") or qa.engine.offload != "disk":
+        since the last save, so the stream is not served from its save without them. ``healing``: as `load`."""
+        if not data.get("tier") or qa.engine.offload != "disk" or not (self.resume_tiers or healing):
+            if healing:
+                raise Quarantined("it has no disk-tier file set to be brought back from")
             return None
         root = Path(qa.engine.offload_dir)
         folder = root / data["tier"]
         if not folder.is_dir():
+            if healing:
+                raise Quarantined(f"its disk-tier file set {folder.name} is missing")
             return None
         try:
             return Stream.load(folder, qa, **ids)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from .errors import ServiceError
+
 if TYPE_CHECKING:
     from .entries import StreamEntry
     from .registry import StreamRegistry
@@ -23,6 +25,9 @@ class Placement:
     resume_tiers = True
     repair = "repair them and restart"
 
+    def __init__(self) -> None:
+        self.refusing: dict[str, str] = {}  # stream id -> how it lost pushed frames (its next push is refused)
+
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
         """Bring back the streams at start (``owners``: of these owner digests only); returns how many."""
         return registry.load_all(owners)
@@ -34,7 +39,20 @@ class Placement:
         """Refuse (503) work on a stream that may no longer be this server's (alone: it always is)."""
 
     def admit_push(self, entry: StreamEntry) -> None:
-        """Refuse a push (or a feed) the client must redo from elsewhere first (alone: none)."""
+        """Refuse a push (or a feed) the client must redo from elsewhere first: the first push to a stream that
+        lost pushed frames (`refuse_next_push`) is refused, once, so the client pushes again from ``resume_from``
+        rather than go on."""
+        why = self.refusing.pop(entry.id, None)
+        if why is not None:
+            raise ServiceError(409, f"stream {entry.id} {why}: it holds {entry.stream.pushed} pushed frames; push "
+                               f"again from frame {entry.stream.pushed} (resume_from)")
+
+    def refuse_next_push(self, stream_id: str, why: str) -> None:
+        """Refuse the stream's next push once (`admit_push`); ``why``: how it lost frames, after its id."""
+        self.refusing[stream_id] = why
+
+    async def let_go_damaged(self, registry: StreamRegistry, stream_id: str) -> None:
+        """Let go of a stream held here and quarantined while served (alone: nothing to let go)."""
 
     def listed(self, registry: StreamRegistry, owner: str) -> list[Any]:
         """The owner's streams as listed (alone: those held here, newest first, then the damaged ones)."""

@@ -97,10 +97,10 @@ class LeasedPlacement(Placement):
     repair = "repair them (it is tried again when next asked for)"
 
     def __init__(self, files: Any):
+        super().__init__()
         self.files = files
         self.replica = files.holder
         self._taking: dict[str, asyncio.Lock] = {}
-        self._resumed: set[str] = set()  # streams taken after their replica stopped, not yet pushed to
         self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
         self._handed: dict[str, float] = {}  # streams handed over to balance the replicas, not yet taken elsewhere
@@ -171,8 +171,8 @@ class LeasedPlacement(Placement):
                 registry.arriving -= 1
             entry.replica = self.replica
             registry.entries[stream_id] = entry
-            if lease.lapsed:
-                self._resumed.add(stream_id)
+            if lease.lapsed:  # the frames pushed there since its last save are lost
+                self.refuse_next_push(stream_id, "came back from its last save after its replica stopped")
             log.info("took stream %s (%d frames saved%s)", stream_id, entry.stream.pushed,
                      ", its replica having stopped" if lease.lapsed else "")
 
@@ -188,15 +188,6 @@ class LeasedPlacement(Placement):
                                    "retry shortly", headers={"Retry-After": "2"})
             await asyncio.sleep(TAKE_POLL_SECONDS)
         return lease
-
-    def admit_push(self, entry: StreamEntry) -> None:
-        """The first push to a stream taken after its replica stopped is refused, once: the frames pushed there
-        since its last save are lost, and the client must push again from ``resume_from`` rather than go on."""
-        if entry.id in self._resumed:
-            self._resumed.discard(entry.id)
-            raise ServiceError(409, f"stream {entry.id} came back from its last save after its replica stopped: "
-                               f"it holds {entry.stream.pushed} pushed frames; push again from frame "
-                               f"{entry.stream.pushed} (resume_from)")
 
     def listed(self, registry: StreamRegistry, owner: str) -> list[Any]:
         """The owner's streams on every replica: those held here live, the others as of their last save, then the
@@ -247,6 +238,11 @@ class LeasedPlacement(Placement):
             return DamagedStream(note["id"], note["owner"], note["reason"], note)
         reason = unreadable(self.files.record_name(stream_id), record)
         return registry.loader.damaged(stream_id, self.files.owner_named(stream_id), reason, {})
+
+    async def let_go_damaged(self, registry: StreamRegistry, stream_id: str) -> None:
+        """Its lease released, as `take` releases a stream it cannot load: every replica lists it as damaged."""
+        await asyncio.to_thread(self.files.release, stream_id)
+        self._listed = (0.0, [])
 
     async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
         """A damaged stream's files removed under its lease (taken first, from whichever replica tried it last)."""
@@ -310,7 +306,14 @@ class LeasedPlacement(Placement):
 
     async def hand_over(self, registry: StreamRegistry, entry: StreamEntry) -> None:
         """Save the stream and let it go, for the replica that asked for it (kept if the save fails), once the
-        request under way on it (a push, a question) is done."""
+        request under way on it (a push, a question) is done. One that a stopped handover closed is brought back
+        first (`StreamRegistry.heal`): one that cannot be yet is kept (the asking replica retries), one found
+        damaged is let go quarantined."""
+        try:
+            await registry.heal(entry)
+        except ServiceError as error:
+            log.error("cannot hand stream %s over: %s", entry.id, error)
+            return
         async with entry.lock:
             if entry.deleted or entry.moved or entry.feeding:
                 return
