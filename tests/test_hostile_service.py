@@ -462,14 +462,12 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
     without trying again; then the next push, or question, brings the stream back from its folder, handed over,
     every frame taken still there. Before: every later request failed ("this stream was closed") until the server
     restarted."""
-    import statekv.serve.registry as registry_module
+    import statekv.serve.healing as healing_module
     from statekv.errors import HandoverError
 
-    checkpoint, qa = short_range
-    tier, state = tmp_path / "tier", tmp_path / "state"
-    disk = ModelOptions(model=str(checkpoint), offload="disk", offload_dir=str(tier))
+    server, tier = _disk_tier_server(short_range, tmp_path)
     replace = os.replace
-    with Running(state, qa, options=disk) as server, server.client() as client:
+    with server, server.client() as client:
         stream_id = _stream(client, frames=0, horizon_frames=None, max_fps=None)
         entry = server.service.registry.entries[stream_id]
         _moves_fail(monkeypatch)
@@ -497,7 +495,7 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
         again = client.get(f"/v1/streams/{stream_id}/history")  # within its Retry-After: not tried again
         assert _error(again, 503) == still and again.headers["Retry-After"] in ("4", "5") and len(tries) == 1
         monkeypatch.setattr(os, "replace", replace)
-        monkeypatch.setattr(registry_module, "HEAL_RETRY_SECONDS", 0.0)
+        monkeypatch.setattr(healing_module, "HEAL_RETRY_SECONDS", 0.0)
         if closed_by == "push":
             _push(client, stream_id, 99, float(index + 1)).raise_for_status()
         else:
@@ -509,6 +507,14 @@ def test_a_stream_closed_by_a_handover_stopped_on_a_full_disk_is_brought_back_by
         _push(client, stream_id, 100, float(index + 2)).raise_for_status()
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == index + 2 + (closed_by == "push")
         assert server.service.registry.entries[stream_id] is entry and not server.service.registry.damaged
+
+
+def _disk_tier_server(short_range, tmp_path):
+    """A server of the short-range checkpoint on the disk tier (not started), and its disk tier's folder."""
+    checkpoint, qa = short_range
+    tier = tmp_path / "tier"
+    disk = ModelOptions(model=str(checkpoint), offload="disk", offload_dir=str(tier))
+    return Running(tmp_path / "state", qa, options=disk), tier
 
 
 def _pushed_until_stopped(client, stream_id: str) -> int:
@@ -526,11 +532,9 @@ def test_a_stream_brought_back_after_its_handover_stopped_keeps_its_watches_as_t
     """A watch evaluated at every frame before the stop comes back with its evaluations and events, and the closed
     stream's watch is closed. Before: the stream was rebuilt from its record on disk (written when the watch was
     made), so the watch came back with none, and the closed stream's watch stayed open."""
-    checkpoint, qa = short_range
-    tier, state = tmp_path / "tier", tmp_path / "state"
-    disk = ModelOptions(model=str(checkpoint), offload="disk", offload_dir=str(tier))
+    server, tier = _disk_tier_server(short_range, tmp_path)
     replace = os.replace
-    with Running(state, qa, options=disk) as server, server.client() as client:
+    with server, server.client() as client:
         stream_id = _stream(client, frames=0, horizon_frames=None, max_fps=None)
         made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": QUESTION, "every": 1,
                                                                      "max_new_tokens": 2})
@@ -579,12 +583,12 @@ def test_pushes_queued_across_a_stopped_handover_answer_503_never_400_and_a_repl
     replica (whose loader resumes no disk-tier folder at start) the stream comes back from its own folder, handed
     over, with every frame taken, and each refused frame pushed again is taken once. Before: those pushes were 400
     ("this stream was closed"), and a replica brought the stream back empty in a new folder, answering 200."""
-    import statekv.serve.registry as registry_module
+    import statekv.serve.healing as healing_module
     from statekv.serve.errors import ServiceError
 
     registry, tier = _bare_registry(short_range[1], tmp_path)
     registry.loader.resume_tiers = False  # as a replica's (LeasedPlacement)
-    monkeypatch.setattr(registry_module, "HEAL_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(healing_module, "HEAL_RETRY_SECONDS", 0.0)
     replace = os.replace
     _moves_fail(monkeypatch)
 

@@ -9,7 +9,8 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 from statekv.core import FullAttention, Recency, Retrieval, StateKV, StreamingPrefill
 from statekv.core.rules import CarryPolicy
 from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
-                                            choose_positions, rotate, trained_range)
+                                            choose_positions, trained_range)
+from statekv.core.positions.rotation import rotate
 from statekv.errors import ConfigurationError, HorizonError, InputError
 
 from conftest import split
@@ -235,7 +236,7 @@ def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):
     """`place_carried` stacks the layers carrying as many tokens, at most `PLACED_TOGETHER_BYTES` of keys a stack: one
     stack, several, or each layer alone, every layer's keys are those one layer's rotation gives, bit for bit; a
     layer carrying nothing, or another number of tokens, is placed on its own."""
-    from statekv.core.positions import placing
+    from statekv.core.positions import rotation
 
     generator = torch.Generator().manual_seed(3)
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
@@ -256,8 +257,8 @@ def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):
         alone.append(rotate(keys, placer(placements[0]) - placements[1], inv_freq))
     one_layer = carried[0][0].numel() * carried[0][0].element_size()
     for cap in (1 << 20, 2 * one_layer, 1):
-        monkeypatch.setattr(placing, "PLACED_TOGETHER_BYTES", cap)
-        placed = placing.place_carried(placer, inv_freq, carried, chunk_len=4)
+        monkeypatch.setattr(rotation, "PLACED_TOGETHER_BYTES", cap)
+        placed = rotation.place_carried(placer, inv_freq, carried, chunk_len=4)
         for entry, expected, got in zip(carried, alone, placed):
             if entry is None:
                 assert got is None

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from statekv.core.positions.placing import QuestionPlan, StepPlan, StreamPositions, rotate
+from statekv.core.positions.placing import QuestionPlan, StepPlan, StreamPositions
+from statekv.core.positions.rotation import rotate
 from statekv.core.answering.retrieval import AttentionShare, LayerQuestion, MeanKeyMatch, Retrieval, segment_bounds
 
 DIM = 2

@@ -345,7 +345,7 @@ def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk(plac
     device's base is then not set and must not be read), else at the base the step was placed at."""
     from types import SimpleNamespace
 
-    from statekv.core.positions.placing import rotate
+    from statekv.core.positions.rotation import rotate
     from statekv.core.rules.steering import QuestionGuide
     from statekv.core.watching.standing import StandingQuestion
 

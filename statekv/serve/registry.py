@@ -27,12 +27,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..core.disk.successor import HANDOVER_MARKER
-from ..errors import HandoverError, HorizonError, OutputError, StateKVError
+from ..errors import HorizonError, OutputError, StateKVError
 from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
 from .errors import ServiceError, public_message
+from .healing import StreamHealer, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
 from .page_record import recall_page
@@ -43,7 +43,6 @@ from .watches import recall
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
-HEAL_RETRY_SECONDS = 5.0  # a stream that could not be brought back (`StreamRegistry.heal`) is not tried sooner
 
 
 class StreamRegistry:
@@ -62,7 +61,7 @@ class StreamRegistry:
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
-        self.unhealed: dict[str, tuple[float, str]] = {}  # stream id -> when its heal failed, and why (`heal`)
+        self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
@@ -225,13 +224,13 @@ class StreamRegistry:
             stream = entry.stream
             answer = queue(stream, image, seconds, before=lambda: self._before_push(entry, stream),
                            after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
-        return await self._stopped_handover(entry, answer)
+        return await self.healer.stopped_handover(entry, answer)
 
     async def _push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         batched, stream = getattr(self.worker, "push", None), entry.stream
         if batched is None:
-            return await self._stopped_handover(entry, self.worker.run(self.push_now, entry, image, seconds))
-        return await self._stopped_handover(entry, batched(
+            return await self.healer.stopped_handover(entry, self.worker.run(self.push_now, entry, image, seconds))
+        return await self.healer.stopped_handover(entry, batched(
             stream, image, seconds, before=lambda: self._before_push(entry, stream),
             after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept)))
 
@@ -244,7 +243,7 @@ class StreamRegistry:
         """Checks before a push to ``stream`` (the entry's when it was queued), and the save that is due (before
         the push: a save that fails refuses the push, so the frame is not streamed and a retry does not stream it
         twice)."""
-        _check_here(entry, stream)
+        check_here(entry, stream)
         if entry.stream.pushed - entry.saved["pushed"] >= self.config.save_every_frames:
             try:
                 self.save_now(entry)
@@ -395,7 +394,7 @@ class StreamRegistry:
         """The checks before a question to ``stream`` (the entry's when it was queued; on the model's thread): the
         stream is here and open and has a frame, and the question fits the room left in its horizon; returns its
         prompt's length in tokens."""
-        _check_here(entry, stream)
+        check_here(entry, stream)
         stream = entry.stream
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
@@ -431,7 +430,7 @@ class StreamRegistry:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``."""
         now = time.monotonic()
         for entry in list(self.entries.values()):
-            if entry.dirty and not entry.deleted and not _closed(entry) and \
+            if entry.dirty and not entry.deleted and not closed_by_handover(entry) and \
                     now - entry.saved_at >= self.config.save_every_seconds:
                 try:
                     await self.worker.run(self.save_now, entry)
@@ -442,7 +441,7 @@ class StreamRegistry:
         """Save every stream with unsaved frames (at shutdown, from outside the event loop); one a stopped handover
         closed is not (its folder holds every frame it took: the next start resumes it)."""
         for entry in list(self.entries.values()):
-            if _closed(entry):
+            if closed_by_handover(entry):
                 continue
             try:
                 self.worker.run_blocking(self.save_now, entry)
@@ -502,76 +501,8 @@ class StreamRegistry:
         return entry
 
     async def heal(self, entry: StreamEntry) -> None:
-        """Bring back a disk-tier stream that a handover stopped once marked closed under the server (its
-        successor's files not moved into its folder, a full disk say: `HandoverError`, in a push or a quiet
-        moment's replay): its own folder resumed (`restore_one` healing, which finishes the handover; on a replica
-        too) from its record as it is in memory (its watches as they stood), the stream put in place in ``entry``,
-        which keeps its id, owner, settings, history and answers, and the closed stream's watches closed. Frames
-        that waited for their step are lost, as on a restart: the stream's next push is refused once (409, saying
-        where to push again from). A folder that cannot be written yet answers a one-line 503, and so does every
-        request for `HEAL_RETRY_SECONDS` after, without trying; one found damaged (or gone) quarantines the stream
-        (409), as at the start, for whoever holds it too. An open stream is left as it is."""
-        if not _closed(entry):
-            return
-        async with entry.lock:
-            if not _closed(entry):  # brought back meanwhile, or deleted, moved or quarantined: the work says so
-                return
-            failed = self.unhealed.get(entry.id)
-            if failed is not None and time.monotonic() - failed[0] < HEAL_RETRY_SECONDS:
-                # tried moments ago: requests polling it do not keep the model's thread busy
-                raise self._unhealed(entry.id, HEAL_RETRY_SECONDS - (time.monotonic() - failed[0]))
-            old = entry.stream
-            try:
-                healed = await self.worker.run(self.restore_one, entry.record(), True)
-            except OutputError as error:
-                self.unhealed[entry.id] = (time.monotonic(), reason_of(error))
-                log.error("stream %s, closed by its stopped handover, cannot be brought back yet: %s", entry.id, error)
-                raise self._unhealed(entry.id, HEAL_RETRY_SECONDS) from None
-            except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, as at the start
-                damaged = self.quarantine(entry.id, entry.owner, reason_of(error), entry.record())
-                entry.quarantined, entry.deleted = damaged.reason, True  # whoever holds it lets it go
-                self.entries.pop(entry.id, None)
-                self.unhealed.pop(entry.id, None)
-                await self._close_quietly(old)
-                await self.placement.let_go_damaged(self, entry.id)
-                self.check_damaged(entry.owner, entry.id)
-                raise
-            if entry.deleted or entry.moved:  # deleted, or lost to another replica, while it was brought back
-                await self._close_quietly(healed.stream)
-                _check_here(entry)
-            entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
-            self.unhealed.pop(entry.id, None)
-            if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
-                entry.last_seconds = healed.stream.last_timestamp
-            if healed.stream.frames_lost:
-                self.placement.refuse_next_push(entry.id, f"lost {healed.stream.frames_lost} frames that waited for "
-                                                "their step when it was brought back after its handover stopped")
-            await self._close_quietly(old)  # its watches, reopened on the stream brought back
-            log.info("stream %s, closed by its stopped handover, was brought back from its folder (%s)", entry.id,
-                     healed.stream.handover)
-
-    def _unhealed(self, stream_id: str, wait: float) -> ServiceError:
-        """The 503 for a stream whose heal failed (`unhealed`), to be tried again in ``wait`` seconds."""
-        return ServiceError(503, f"stream {stream_id} was closed when its handover stopped, and cannot be brought "
-                            f"back yet ({self.unhealed[stream_id][1]}); retry once its folder can be written",
-                            headers={"Retry-After": str(max(1, math.ceil(wait)))})
-
-    async def _close_quietly(self, stream: Any) -> None:
-        """Close a stream that is no longer served (on the model's thread); it may be closed already."""
-        try:
-            await self.worker.run(stream.close)
-        except Exception as error:  # noqa: BLE001 -- nothing of it is served any more
-            log.warning("a stream no longer served did not close cleanly: %s", error)
-
-    async def _stopped_handover(self, entry: StreamEntry, answer: Any) -> bool:
-        """A push's answer; a handover stopped once marked (which closed the stream) as a one-line 503."""
-        try:
-            return await answer
-        except HandoverError as error:
-            back = ", and its next request brings it back from its folder: do not push this frame again, unless its " \
-                "next push answers 409 saying where to push again from" if _closed(entry) else ""
-            raise ServiceError(503, f"stream {entry.id}: its handover to its successor's file set stopped "
-                               f"({error.cause}); it was closed{back}", headers={"Retry-After": "5"}) from None
+        """Bring back a disk-tier stream a stopped handover closed under the server (`StreamHealer.heal`)."""
+        await self.healer.heal(entry)
 
     def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
@@ -601,29 +532,6 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
     if max_fps is None:
         return video.num_frames
     return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
-
-
-def _check_here(entry: StreamEntry, stream: Any = None) -> None:
-    """Refuse work on a stream quarantined (409), deleted (404) or gone to another replica (503: the retry reaches
-    it there) while the request waited; and work on ``stream`` (the entry's when the work was queued) once a
-    stopped handover closed it (503, nothing done: the retry finds it brought back, `StreamRegistry.heal`)."""
-    if entry.quarantined is not None:
-        raise ServiceError(409, f"stream {entry.id} is damaged ({entry.quarantined}); it is no longer served")
-    if entry.deleted:
-        raise ServiceError(404, f"no stream {entry.id!r}")
-    if entry.moved:
-        raise ServiceError(503, f"stream {entry.id} moved to another replica; retry", headers={"Retry-After": "1"})
-    if stream is not None and (stream is not entry.stream or _closed(entry)):
-        raise ServiceError(503, f"stream {entry.id} was closed when its handover stopped and is brought back from "
-                           "its folder; nothing was done: retry", headers={"Retry-After": "1"})
-
-
-def _closed(entry: StreamEntry) -> bool:
-    """Whether a served disk-tier stream was closed by a handover stopped once marked (its folder holds the
-    marker: resuming it finishes the handover); not one closed otherwise (its folder moved away, say)."""
-    tier = entry.tier
-    return getattr(getattr(entry.stream, "prefill", None), "closed", False) and tier is not None and \
-        not (entry.deleted or entry.moved) and (tier / HANDOVER_MARKER).is_file()
 
 
 def _next_time(entry: StreamEntry) -> float:

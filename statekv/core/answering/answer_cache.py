@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache
 
 from ..attention.scored import ChunkMask, chunk_attention
 from ..cache.engine_layer import EngineLayer
-from ..positions.placing import QuestionPlan, rotate
+from ..positions.placing import QuestionPlan
+from ..positions.rotation import rotate
 from .retrieval import LayerQuestion, Retrieval
 from ...errors import InputError
 

@@ -43,7 +43,7 @@ import torch
 from ...errors import ConfigurationError
 from ...settings.methods import RETRIEVAL_RULES
 from ...settings.values import check_int
-from ..positions.placing import rotate
+from ..positions.rotation import rotate
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22

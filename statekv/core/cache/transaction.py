@@ -31,7 +31,7 @@ class StepContext:
     (:mod:`statekv.core.positions.placing`), ``position_rows`` holds the chunk's positions, anchors and rotations
     (``[3, T]``) and ``positions`` the stream's `StreamPositions`; once the stream is placed away from its own
     positions, ``placed_keys`` holds each layer's keys for attention, its carried ones rotated to this step's places
-    (`statekv.core.positions.placing.place_carried`), the chunk's left for the layer to write.
+    (`statekv.core.positions.rotation.place_carried`), the chunk's left for the layer to write.
     """
 
     chunk_len: int

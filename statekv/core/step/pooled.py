@@ -11,7 +11,7 @@ chunk itself, so the device part of a step (`PooledBatch.forward_rows`) never lo
 * each layer gathers the rows' carried slots (``index_select``), writes the chunk into the last T, attends once
   over all rows and selects once (through the engine's one attention function, `statekv.core.cache.two_state.attend`);
   under bounded positions the step gathers every layer's rows at its start and rotates their carried keys to
-  where the layout puts them, all layers at once (`statekv.core.positions.placing.place_carried`);
+  where the layout puts them, all layers at once (`statekv.core.positions.rotation.place_carried`);
 * the commit gathers the selected slots and writes every row back (``index_copy_``), folds the rows' open
   segments, and advances the rows' counters.
 
@@ -36,7 +36,7 @@ from ..cache import two_state
 from ..cache.engine_layer import EngineLayer
 from ..cache.pool import SlotRows, SlotShape, StreamPool, pool_of
 from ..cache.transaction import NotBatchable
-from ..positions.placing import place_carried
+from ..positions.rotation import place_carried
 from ..storage.layer_storage import LayerStorage, sample_index
 from ..storage.paged import PagedStorage
 from . import batching

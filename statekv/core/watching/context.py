@@ -28,7 +28,7 @@ import torch
 
 from ..answering.retrieval import LayerQuestion, Retrieval
 from ..answering.rows import LayerContext
-from ..positions.placing import rotate
+from ..positions.rotation import rotate
 from .fitting import Scoring
 
 

@@ -1,0 +1,132 @@
+"""Streams a stopped handover closed under the server, brought back from their folders (`StreamHealer`).
+
+On the disk tier, a handover stopped once it was marked (the successor's files not moved into the stream's folder:
+a full disk, in a push or a quiet moment's replay; `statekv.errors.HandoverError`) closes the stream, and resuming
+its folder finishes the handover. The server does that on the next request for the stream; until then work on
+the closed stream answers 503 (`check_here`), never "this stream was closed".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..core.disk.successor import HANDOVER_MARKER
+from ..errors import HandoverError, OutputError
+from .entries import StreamEntry
+from .errors import ServiceError
+from .loading import reason_of
+
+if TYPE_CHECKING:
+    from .registry import StreamRegistry
+
+log = logging.getLogger("statekv.serve")
+HEAL_RETRY_SECONDS = 5.0  # a stream that could not be brought back is not tried sooner
+
+
+class StreamHealer:
+    """Brings back the streams of ``registry`` that a stopped handover closed. ``unhealed``: stream id -> when its
+    last try failed, and why."""
+
+    def __init__(self, registry: StreamRegistry):
+        self.registry = registry
+        self.unhealed: dict[str, tuple[float, str]] = {}
+
+    async def heal(self, entry: StreamEntry) -> None:
+        """Bring back ``entry``'s stream if a stopped handover closed it: its own folder resumed (`restore_one`
+        healing, which finishes the handover; on a replica too) from its record as it is in memory (its watches as
+        they stood), the stream put in place in ``entry``, which keeps its id, owner, settings, history and
+        answers, and the closed stream's watches closed. Frames that waited for their step are lost, as on a
+        restart: the stream's next push is refused once (409, saying where to push again from). A folder that
+        cannot be written yet answers a one-line 503, and so does every request for `HEAL_RETRY_SECONDS` after,
+        without trying; one found damaged (or gone) quarantines the stream (409), as at the start, for whoever
+        holds it too. An open stream is left as it is."""
+        registry = self.registry
+        if not closed_by_handover(entry):
+            return
+        async with entry.lock:
+            if not closed_by_handover(entry):  # brought back meanwhile, or deleted, moved or quarantined
+                return
+            failed = self.unhealed.get(entry.id)
+            if failed is not None and time.monotonic() - failed[0] < HEAL_RETRY_SECONDS:
+                # tried moments ago: requests polling it do not keep the model's thread busy
+                raise self.not_yet(entry.id, HEAL_RETRY_SECONDS - (time.monotonic() - failed[0]))
+            old = entry.stream
+            try:
+                healed = await registry.worker.run(registry.restore_one, entry.record(), True)
+            except OutputError as error:
+                self.unhealed[entry.id] = (time.monotonic(), reason_of(error))
+                log.error("stream %s, closed by its stopped handover, cannot be brought back yet: %s", entry.id, error)
+                raise self.not_yet(entry.id, HEAL_RETRY_SECONDS) from None
+            except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, as at the start
+                damaged = registry.quarantine(entry.id, entry.owner, reason_of(error), entry.record())
+                entry.quarantined, entry.deleted = damaged.reason, True  # whoever holds it lets it go
+                registry.entries.pop(entry.id, None)
+                self.unhealed.pop(entry.id, None)
+                await self.close_quietly(old)
+                await registry.placement.let_go_damaged(registry, entry.id)
+                registry.check_damaged(entry.owner, entry.id)
+                raise
+            if entry.deleted or entry.moved:  # deleted, or lost to another replica, while it was brought back
+                await self.close_quietly(healed.stream)
+                check_here(entry)
+            entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
+            self.unhealed.pop(entry.id, None)
+            if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
+                entry.last_seconds = healed.stream.last_timestamp
+            if healed.stream.frames_lost:
+                registry.placement.refuse_next_push(
+                    entry.id, f"lost {healed.stream.frames_lost} frames that waited for their step when it was "
+                    "brought back after its handover stopped")
+            await self.close_quietly(old)  # its watches, reopened on the stream brought back
+            log.info("stream %s, closed by its stopped handover, was brought back from its folder (%s)", entry.id,
+                     healed.stream.handover)
+
+    def not_yet(self, stream_id: str, wait: float) -> ServiceError:
+        """The 503 for a stream whose heal failed (`unhealed`), to be tried again in ``wait`` seconds."""
+        return ServiceError(503, f"stream {stream_id} was closed when its handover stopped, and cannot be brought "
+                            f"back yet ({self.unhealed[stream_id][1]}); retry once its folder can be written",
+                            headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+    async def close_quietly(self, stream: Any) -> None:
+        """Close a stream that is no longer served (on the model's thread); it may be closed already."""
+        try:
+            await self.registry.worker.run(stream.close)
+        except Exception as error:  # noqa: BLE001 -- nothing of it is served any more
+            log.warning("a stream no longer served did not close cleanly: %s", error)
+
+    @staticmethod
+    async def stopped_handover(entry: StreamEntry, answer: Any) -> bool:
+        """A push's answer; a handover stopped once marked (which closed the stream) as a one-line 503."""
+        try:
+            return await answer
+        except HandoverError as error:
+            back = (", and its next request brings it back from its folder: do not push this frame again, unless "
+                    "its next push answers 409 saying where to push again from") if closed_by_handover(entry) else ""
+            raise ServiceError(503, f"stream {entry.id}: its handover to its successor's file set stopped "
+                               f"({error.cause}); it was closed{back}", headers={"Retry-After": "5"}) from None
+
+
+def check_here(entry: StreamEntry, stream: Any = None) -> None:
+    """Refuse work on a stream quarantined (409), deleted (404) or gone to another replica (503: the retry reaches
+    it there) while the request waited; and work on ``stream`` (the entry's when the work was queued) once a
+    stopped handover closed it (503, nothing done: the retry finds it brought back, `StreamHealer.heal`)."""
+    if entry.quarantined is not None:
+        raise ServiceError(409, f"stream {entry.id} is damaged ({entry.quarantined}); it is no longer served")
+    if entry.deleted:
+        raise ServiceError(404, f"no stream {entry.id!r}")
+    if entry.moved:
+        raise ServiceError(503, f"stream {entry.id} moved to another replica; retry", headers={"Retry-After": "1"})
+    if stream is not None and (stream is not entry.stream or closed_by_handover(entry)):
+        raise ServiceError(503, f"stream {entry.id} was closed when its handover stopped and is brought back from "
+                           "its folder; nothing was done: retry", headers={"Retry-After": "1"})
+
+
+def closed_by_handover(entry: StreamEntry) -> bool:
+    """Whether a served disk-tier stream was closed by a handover stopped once marked (its folder holds the
+    marker: resuming it finishes the handover); not one closed otherwise (its folder moved away, say)."""
+    tier = entry.tier
+    return getattr(getattr(entry.stream, "prefill", None), "closed", False) and tier is not None and \
+        not (entry.deleted or entry.moved) and (tier / HANDOVER_MARKER).is_file()
