@@ -47,8 +47,9 @@ def decoder(lm: dict, tokens: int, device: str):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
 
-def ttft(section, deadline: float, model, shapes, label: str) -> None:
-    """Time to first token at each of ``shapes.ttft_frames`` frames seen, on ``model`` (see the module doc)."""
+def ttft(section, deadline: float, model, shapes, label: str, profile=None) -> None:
+    """Time to first token at each of ``shapes.ttft_frames`` frames seen, on ``model`` (see the module doc);
+    ``profile(device, run, steps)``, where given, adds what one more ask launched, copied and synced to each row."""
     import statekv
     import torch
 
@@ -88,6 +89,8 @@ def ttft(section, deadline: float, model, shapes, label: str) -> None:
             section.rows.append({"model": label, "frames": target, "tokens_seen": prefill.seen_tokens,
                                  "steps": step, "ttft_ms": 1e3 * statistics.median(times),
                                  "ttft_ms_min": 1e3 * min(times)})
+            if profile is not None:
+                section.rows[-1].update(profile(device, lambda: prefill.generate(prompt, max_new_tokens=1), 1))
             print(f"   {section.rows[-1]}", flush=True)
     measured = {row["frames"]: round(row["ttft_ms"], 2) for row in section.rows if "ttft_ms" in row}
     if measured:

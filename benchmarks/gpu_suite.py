@@ -55,6 +55,8 @@ import gpu_serving  # noqa: E402
 
 DOCS_SECTION = "GPU suite"
 PINNED = ("transformers", "av")  # what a CUDA machine's image may lack or hold at another version
+SERVING = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+           "python-multipart", "typing-extensions")  # `statekv serve` for the live-streams section, which images lack
 CUDA_TEST_FILES = ("tests/test_cuda.py", "tests/test_static_step.py", "tests/test_kernel_triton.py",
                    "tests/test_cache_state.py")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
@@ -270,6 +272,13 @@ def environment(smoke: bool) -> tuple[dict[str, Any], list[str]]:
                            f".whl/*.whl there)")
         elif facts[name] is None and name in ("triton", "pytest") and not smoke:
             missing.append(name)
+    for name in ("fastapi", "uvicorn"):
+        try:
+            facts[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            facts[name] = None
+            missing.append(f"{name} (the live-streams section's server; `make gpu-wheels` here, then install "
+                           ".whl/*.whl there)")
     try:
         import statekv
 
@@ -285,8 +294,9 @@ def pinned_versions() -> dict[str, str]:
     if lock.exists():
         for line in lock.read_text().splitlines():
             name, _, version = line.partition("==")
-            if version and name.strip().lower() in PINNED:
-                pins[name.strip().lower()] = version.strip()
+            name = re.sub(r"[-_.]+", "-", name.strip().lower())
+            if version and name in PINNED + SERVING:
+                pins[name] = version.strip()
     return pins
 
 
@@ -306,12 +316,12 @@ def commit() -> str | None:
 
 
 def prepare_wheels(folder: Path) -> None:
-    """Download, here, the wheels a CUDA machine without network lacks (the pinned transformers and PyAV for
-    CPython 3.12 on x86-64 Linux) into ``folder``."""
+    """Download, here, the wheels a CUDA machine without network lacks (the pinned transformers and PyAV, and the
+    service's FastAPI and uvicorn with what they need, for CPython 3.12 on x86-64 Linux) into ``folder``."""
     pins = pinned_versions()
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
                "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
-               "manylinux_2_17_x86_64", "-d", str(folder)] + [f"{name}=={pins[name]}" for name in PINNED]
+               "manylinux_2_17_x86_64", "-d", str(folder)] + [f"{name}=={pins[name]}" for name in PINNED + SERVING]
     subprocess.run(command, check=True)
 
 
@@ -470,6 +480,10 @@ def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str,
     result.update(kinds)
     top = sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     result["top_kernels"] = [[name[:90], round(ms, 3)] for name, ms in top]
+    # where the host's time goes (a step bound by launches and syncs, not kernels): op, calls and ms per step
+    host = sorted(prof.key_averages(), key=lambda item: -item.self_cpu_time_total)[:TOP_KERNELS]
+    result["top_host_ops"] = [[item.key[:90], item.count / steps, round(item.self_cpu_time_total / 1e3 / steps, 3)]
+                              for item in host]
     return result
 
 
@@ -952,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "smoke 300)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("tests", "step", "prefill", "pipeline", "streams",
                                                                    "steps", "tiers", "ttft", "live"), help="sections not to run")
+    parser.add_argument("--live-s", type=float, default=50.0, help="seconds for the live-streams search (its cap)")
     parser.add_argument("--docs", default=None, help=f"markdown file whose '{DOCS_SECTION}' section is replaced by "
                                                       "the report (docs/benchmarks.md)")
     parser.add_argument("--prepare-wheels", metavar="FOLDER", help="download the wheels a CUDA machine without "
@@ -988,15 +1003,16 @@ def main(argv: list[str] | None = None) -> int:
             if "prefill" not in args.skip:
                 run.section("512-frame prefill", lambda s, d: prefill(s, d, lm), cap_s=120, needs_s=30)
             if "ttft" not in args.skip:
-                run.section("8B TTFT", lambda s, d: gpu_serving.ttft(s, d, lm.model, shapes, "8B"), cap_s=25,
-                            needs_s=10)
+                run.section("8B TTFT", lambda s, d: gpu_serving.ttft(s, d, lm.model, shapes, "8B", profile_counts),
+                            cap_s=25, needs_s=10)
             del lm
             release_memory()
         if "ttft" not in args.skip:
             def ttft_1b(section: Section, deadline: float) -> None:
                 horizon = shapes.ttft_frames[-1] * shapes.ttft_frame_tokens + 4096
                 gpu_serving.ttft(section, deadline, gpu_serving.decoder(gpu_serving.ttft_lm(shapes), horizon,
-                                                                        shapes.device), shapes, "1B")
+                                                                        shapes.device), shapes, "1B",
+                                profile_counts)
 
             run.section("1B TTFT", ttft_1b, cap_s=15, needs_s=8)
             release_memory()
@@ -1016,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
                             needs_s=15)
             if "live" not in args.skip:
                 run.section("live streams", lambda s, d: gpu_serving.live_streams(s, d, shapes, checkpoint, folder),
-                            cap_s=50, needs_s=25)
+                            cap_s=args.live_s, needs_s=25)
     run.write()
     print((run.out / "gpu_suite.md").read_text())
     return 1 if any(section.status == "failed" for section in run.sections) else 0

@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 PREFIX, T, STEPS = 9, 6, 14
+QUESTION = 10  # room past the streamed tokens for each test's prompt and answer
 
 
 def chunks(model, seed: int) -> list[torch.Tensor]:
@@ -74,7 +75,7 @@ def test_steps_are_recorded_again_after_every_recording_was_dropped(recwarn):
 def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_lm, policy, replays):
     model = tiny_lm("qwen3").to("cuda")
     data = [chunks(model, seed) for seed in range(3)]
-    horizon = PREFIX + STEPS * T
+    horizon = PREFIX + STEPS * T + QUESTION
     together = [statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon) for _ in data]
     batcher = StepBatcher()
     hidden = [[] for _ in data]
@@ -111,7 +112,7 @@ def test_a_pooled_bucket_is_one_graph_replayed_whoever_fills_it(tiny_lm, policy,
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
     model = tiny_lm("qwen3").to("cuda")
     data = [chunks(model, 10 + seed) for seed in range(5)]
-    horizon = PREFIX + STEPS * T
+    horizon = PREFIX + STEPS * T + QUESTION
     joins, leaves = [0, 0, 0, 4, 6], [len(data[0]), len(data[0]), 9, len(data[0]) - 3, len(data[0]) - 5]
     runs = {graphed: [statekv.StreamingPrefill(model, policy(), attention="eager", horizon=horizon,
                                                cuda_graph=graphed) for _ in data] for graphed in (True, False)}
@@ -150,7 +151,7 @@ def test_a_compiled_step_replays_as_a_graph_what_it_runs_eagerly(tiny_lm, policy
     torch._dynamo.reset()
     model = tiny_lm("qwen3").to("cuda")
     data = chunks(model, 5)
-    horizon = PREFIX + STEPS * T
+    horizon = PREFIX + STEPS * T + QUESTION
     graphed, compiled, plain = (
         statekv.StreamingPrefill(model, policy(), attention=attention, horizon=horizon, **settings)
         for settings in (dict(compile_step=True), dict(compile_step=True, cuda_graph=False), dict(cuda_graph=False)))
@@ -195,7 +196,7 @@ def test_triton_kernel_at_the_real_shapes_matches_float64(heads, kv_heads, carri
 def test_a_quantized_cache_on_cuda_stays_within_a_step_of_its_range_and_answers(tiny_lm, kv_cache_dtype, bits):
     model = tiny_lm("qwen3").to("cuda")
     data = chunks(model, 7)
-    horizon = PREFIX + STEPS * T
+    horizon = PREFIX + STEPS * T + QUESTION
     plain = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), horizon=horizon)
     quantized = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), horizon=horizon,
                                          kv_cache_dtype=kv_cache_dtype)
