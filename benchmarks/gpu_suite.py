@@ -56,7 +56,7 @@ import gpu_serving  # noqa: E402
 DOCS_SECTION = "GPU suite"
 PINNED = ("transformers", "av")  # what a CUDA machine's image may lack or hold at another version
 SERVING = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-           "python-multipart", "typing-extensions")  # `statekv serve` for the live-streams section, which images lack
+           "python-multipart", "typing-extensions", "opentelemetry-api")  # `statekv serve` for the live-streams section, which images lack
 CUDA_TEST_FILES = ("tests/test_cuda.py", "tests/test_static_step.py", "tests/test_kernel_triton.py",
                    "tests/test_cache_state.py")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")

@@ -20,6 +20,7 @@ values, is dropped with a one-line warning and that signature runs eagerly from 
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ class StepGraphs:
             # a memory pool whose graphs are all gone was released: capturing into it again fails an assertion of
             # the caching allocator, so a first recording (or the first after `clear`) takes a pool of its own
             self.pool = torch.cuda.graph_pool_handle()
+        collecting = gc.isenabled()
+        # a collection inside the capture could free another graph's dead cycle, whose graph release the capture
+        # forbids: it would fail this capture, and refuse the signature for good
+        gc.disable()
         try:
             torch.cuda.synchronize()
             # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile;
@@ -121,6 +126,9 @@ class StepGraphs:
                 output = self.device_step(tree_unflatten(static, spec))
         except Exception as error:  # the step does something a graph cannot hold (a host sync, say)
             return self._refuse(key, f"capturing it failed: {str(error).splitlines()[0] if str(error) else error!r}")
+        finally:
+            if collecting:
+                gc.enable()
         if self.host_dependent():
             return self._refuse(key, "its carry policy reads per-step host values (step, chunk_lengths, steps)")
         if len(self.captured) >= self.keep:
