@@ -222,5 +222,7 @@ def test_the_built_in_model_under_bench_serve(tmp_path):
         assert row["lag_p95_s"] is not None and row["mean_batch"] >= 1.0
         # questions answered: the server's questions per answering batch, from its statekv_question_batch_size
         assert row["answers"] == 0 and row["mean_question_batch"] is None or row["mean_question_batch"] >= 1.0
+        # and its own time to a first token (statekv_time_to_first_token_seconds), which the answers had
+        assert (row["server_ttft_mean_s"] is None) if row["answers"] == 0 else 0 < row["server_ttft_mean_s"] < 30
     assert "| streams | fps | frames/s |" in result.stdout and plot.stat().st_size > 10_000
     assert "statekv bench serve: 2 streams" in result.stderr  # the progress line

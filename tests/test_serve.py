@@ -229,15 +229,27 @@ def test_answers_stream_token_by_token(server):
             client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(image),
                         headers={"Content-Type": "image/png"}).raise_for_status()
         whole = client.post(f"/v1/streams/{stream_id}/ask", json={"question": OPEN_QUESTION, "max_new_tokens": NEW_TOKENS})
+        before = _first_token_totals(client)
         with client.stream("POST", f"/v1/streams/{stream_id}/ask",
                            json={"question": OPEN_QUESTION, "max_new_tokens": NEW_TOKENS, "stream": True}) as events:
             assert events.headers["content-type"].startswith("text/event-stream")
             lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+        after = _first_token_totals(client)
     pieces = [json.loads(line[6:]) for line in lines]
     tokens = [piece["token"] for piece in pieces[:-1]]
     final, expected = pieces[-1], whole.json()
-    assert len(tokens) >= 2 and final.pop("latency") > 0 and expected.pop("latency") > 0 and final == expected
+    latency = final.pop("latency")
+    assert len(tokens) >= 2 and latency > 0 and expected.pop("latency") > 0 and final == expected
     assert "".join(tokens).strip() == whole.json()["answer"]
+    # the server's time to the first token: one streamed answer observed, within the answer's time
+    assert after[1] == before[1] + 1 and 0 < after[0] - before[0] <= latency
+
+
+def _first_token_totals(client) -> tuple[float, float]:
+    """``(sum, count)`` of the server's statekv_time_to_first_token_seconds."""
+    text = client.get("/metrics").text
+    return tuple(float(re.search(rf"^statekv_time_to_first_token_seconds_{name} (\S+)$", text, re.MULTILINE).group(1))
+                 for name in ("sum", "count"))
 
 
 def test_keys_are_required_and_see_only_their_own_streams(server):

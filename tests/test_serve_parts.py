@@ -444,3 +444,28 @@ def test_a_replay_that_fails_is_logged_and_not_tried_again_until_the_stream_push
     finally:
         worker.close()
     assert worker.quiet_catch_up_steps == 2 and log == ["push", "push", "replay", "replay"]
+
+
+def test_the_first_token_is_timed_when_generated_though_it_shows_no_text_yet():
+    """`statekv_time_to_first_token_seconds` times the first generated token, not the first piece of text: a token
+    that completes no character (or a special one) sends nothing to the client yet."""
+    import torch
+    from statekv.serve.sse import TokenStreamer
+
+    class Spelling:  # token 1 alone decodes to nothing; with token 2 after it, to "ab"
+        def decode(self, ids, skip_special_tokens=True):
+            return "ab" if ids[-1:] == [2] else ""
+
+    loop, timed = asyncio.new_event_loop(), []
+    try:
+        streamer = TokenStreamer(Spelling(), loop, timed.append)
+        streamer.put(torch.tensor([[7, 8, 9]]))  # the prompt: not an answer token
+        assert timed == []
+        streamer.put(torch.tensor([1]))
+        assert len(timed) == 1 and timed[0] >= 0 and streamer.queue.empty()
+        streamer.put(torch.tensor([2]))
+        streamer.end()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(timed) == 1 and streamer.queue.get_nowait() == "ab"
+    finally:
+        loop.close()

@@ -214,21 +214,23 @@ class Probe:
 
     def __call__(self, count: int) -> dict[str, Any]:
         from .load import run_load
-        from .server import BATCH_METRIC, QUESTION_BATCH_METRIC, batch_totals, mean_batch
+        from .server import BATCH_METRIC, FIRST_TOKEN_METRIC, QUESTION_BATCH_METRIC, histogram_mean, histogram_totals
         from .summary import summarize
 
         if count not in self.rows:
             show = None if self.quiet else self.progress(f"{count} stream{'s' * (count != 1)}", self.settings)
-            metrics = (BATCH_METRIC, QUESTION_BATCH_METRIC)  # steps per forward, questions per answering batch
+            # steps per forward, questions per answering batch, the server's own time to a first token
+            metrics = (BATCH_METRIC, QUESTION_BATCH_METRIC, FIRST_TOKEN_METRIC)
             before = []
             run = asyncio.run(run_load(self.url, self.key, count, self.settings, self.cameras.frames, show,
-                                       ready=lambda: before.append([batch_totals(self.url, m) for m in metrics])))
-            batch, questions = (mean_batch(before[0][index] if before else None, batch_totals(self.url, metric))
-                                for index, metric in enumerate(metrics))
+                                       ready=lambda: before.append([histogram_totals(self.url, m) for m in metrics])))
+            batch, questions, first_token = (
+                histogram_mean(before[0][index] if before else None, histogram_totals(self.url, metric))
+                for index, metric in enumerate(metrics))
             if show is not None and sys.stderr.isatty():
                 print(file=sys.stderr)
             self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch,
-                                         mean_question_batch=questions)
+                                         mean_question_batch=questions, server_ttft_mean=first_token)
         return self.rows[count]
 
     def find_max(self, limit: int, *, start: int = 1, deadline: float | None = None

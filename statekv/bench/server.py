@@ -16,6 +16,7 @@ from ..errors import StateKVError
 LISTENING = "statekv serve: listening on "
 BATCH_METRIC = "statekv_step_batch_size"
 QUESTION_BATCH_METRIC = "statekv_question_batch_size"
+FIRST_TOKEN_METRIC = "statekv_time_to_first_token_seconds"
 
 
 class ServerError(StateKVError):
@@ -79,9 +80,10 @@ class LocalServer:
             self._folder = None
 
 
-def batch_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | None:
+def histogram_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | None:
     """``(sum, count)`` of the server's ``metric`` histogram (``statekv_step_batch_size``: stream steps per
-    language-model forward; ``statekv_question_batch_size``: questions per answering batch), or None when its
+    language-model forward; ``statekv_question_batch_size``: questions per answering batch;
+    ``statekv_time_to_first_token_seconds``: streamed answers' times to their first token), or None when its
     /metrics do not have it."""
     totals = metric_totals(url, metric, (f"{metric}_sum", f"{metric}_count"))
     if totals is None or len(totals) != 2:
@@ -108,8 +110,9 @@ def metric_totals(url: str, metric: str, samples: tuple[str, ...]) -> dict[str, 
     return totals
 
 
-def mean_batch(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """The mean batch between two readings of `batch_totals` (stream steps per forward, or questions per batch)."""
+def histogram_mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The mean of what a histogram observed between two readings of `histogram_totals` (stream steps per forward,
+    questions per batch, seconds to a first token); None without both readings or with nothing observed."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])

@@ -37,10 +37,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batch: float | None, *,
-              mean_question_batch: float | None = None) -> dict[str, Any]:
+              mean_question_batch: float | None = None, server_ttft_mean: float | None = None) -> dict[str, Any]:
     """One row of a sweep (times in seconds); ``mean_batch``: the server's stream steps per language-model forward
-    over the run, ``mean_question_batch`` its questions per answering batch (None when its /metrics do not say or
-    it answered none)."""
+    over the run, ``mean_question_batch`` its questions per answering batch, ``server_ttft_mean`` its mean time
+    from a streamed answer's start to its first generated token (each None when its /metrics do not say or it
+    answered none)."""
     frames = [r for r in run.requests if r.kind == "frame"]
     asks = [r for r in run.requests if r.kind == "question"]
     done = [r for r in frames if r.ok]
@@ -71,7 +72,8 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
     failures = sum(not r.ok for r in run.requests) + len(run.setup_failures)
     errors = sorted({r.error for r in run.requests if r.error} | set(run.setup_failures))
     row.update(held_streams=held, goodput_streams=goodput, failures=failures, mean_batch=mean_batch,
-               mean_question_batch=mean_question_batch, question_send_late_p95_s=percentile(late, 95), errors=errors[:5])
+               mean_question_batch=mean_question_batch, server_ttft_mean_s=server_ttft_mean,
+               question_send_late_p95_s=percentile(late, 95), errors=errors[:5])
     return row
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency, and
+"""Prometheus metrics of one server: frames streamed (and their rate), streams held, cache bytes, ask latency, the
+time to a streamed answer's first token (``statekv_time_to_first_token_seconds``), and
 how many streams' steps each language-model forward took (``statekv_step_batch_size``), how many questions each
 answering batch took (``statekv_question_batch_size``) and how many handover backlog steps quiet moments replayed
 (``statekv_quiet_catch_up_steps_total``)."""
@@ -38,6 +39,9 @@ class Metrics:
         self.errors = Counter("statekv_errors", "requests answered with an error", ["status"], registry=self.registry)
         self.ask_seconds = Histogram("statekv_ask_seconds", "time from a question's arrival to its full answer",
                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=self.registry)
+        self.first_token_seconds = Histogram(
+            FIRST_TOKEN[0], FIRST_TOKEN[1], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=self.registry)
         streams_gauge = Gauge("statekv_streams", "streams held", registry=self.registry)
         streams_gauge.set_function(lambda: float(streams()))
         cache_gauge = Gauge("statekv_cache_bytes", "bytes of detailed cache held by all streams", registry=self.registry)
@@ -61,6 +65,8 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+FIRST_TOKEN = ("statekv_time_to_first_token_seconds", "time from a streamed answer's start to its first generated "
+               "token, whether or not that token shows text yet")
 BATCHED_STEPS = ("statekv_batched_steps", "language-model forwards that stepped several streams together")
 QUIET_CATCH_UP = ("statekv_quiet_catch_up_steps", "handover backlog steps replayed while no push or question waited")
 

@@ -173,7 +173,8 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more})
 
     started = time.perf_counter()
-    streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop())
+    streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(),
+                             service.metrics.first_token_seconds.observe)
     task = answer_task(work(streamer))
     try:
         yield chunk({"role": "assistant", "content": ""})

@@ -135,7 +135,8 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
 
 
 async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
-    streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop())
+    streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop(),
+                             service.metrics.first_token_seconds.observe)
     task = answer_task(service.registry.ask(entry, question, max_new, retrieve, streamer))
     try:
         async for piece in pieces_until(streamer, task):
