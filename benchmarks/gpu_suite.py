@@ -823,15 +823,21 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
     generator = torch.Generator(device=device).manual_seed(0)
     frame = 0.02 * torch.randn(1, tokens, config.hidden_size, device=device, dtype=dtype, generator=generator)
     backend = "triton" if device.startswith("cuda") else "chunked"
-    baseline = None
+    baselines: dict[str, float] = {}
     counts = (1, 2, 4, 8, 16, 32) if device.startswith("cuda") else (1, 4, 16)
+    # compiled (the decoder's small kernels fused; `statekv.core.step.compiled`): one stream and 16, on CUDA only
+    # (Inductor's CPU compile would take a smoke run's time)
+    runs = [("graph", count) for count in counts] + (
+        [("graph + compiled", count) for count in (1, 16)] if device.startswith("cuda") else [])
     with torch.no_grad():
-        for count in counts:
+        for variant, count in runs:
             if time.monotonic() > deadline:
-                section.rows.append({"streams": count, "error": "not run: the section's time cap was reached"})
+                section.rows.append({"variant": variant, "streams": count,
+                                     "error": "not run: the section's time cap was reached"})
                 continue
             prefills = [statekv.StreamingPrefill(model, statekv.StateKV(budget=budget), attention=backend,
-                                                 cuda_graph=True, horizon=(warm + 3 * timed_steps + 2) * tokens)
+                                                 cuda_graph=True, horizon=(warm + 3 * timed_steps + 2) * tokens,
+                                                 compile_step=variant.endswith("compiled"))
                         for _ in range(count)]
             batcher = StepBatcher()
 
@@ -844,9 +850,9 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
             steps(warm)
             seconds, _ = timed(device, lambda: steps(timed_steps))
             fps = count * timed_steps / seconds
-            baseline = baseline or fps
-            row = {"streams": count, "ms_per_step": 1e3 * seconds / timed_steps, "frames_per_s": fps,
-                   "speedup_over_one": fps / baseline, "batched_rows": batcher.batched_rows}
+            baseline = baselines.setdefault(variant, fps)
+            row = {"variant": variant, "streams": count, "ms_per_step": 1e3 * seconds / timed_steps,
+                   "frames_per_s": fps, "speedup_over_one": fps / baseline, "batched_rows": batcher.batched_rows}
             row.update({key: value for key, value in profile_counts(device, lambda: steps(2), 2).items()
                         if key != "top_kernels"})
             row.update(traced_ops(lambda: steps(1), 1))
@@ -857,9 +863,10 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
                 prefill.close()
             del prefills, batcher
             release_memory()
-    rows = [row for row in section.rows if "frames_per_s" in row]
-    if rows:
-        section.figures["steps_speedup"] = {row["streams"]: round(row["speedup_over_one"], 2) for row in rows}
+    for variant, name in (("graph", "steps_speedup"), ("graph + compiled", "compiled_steps_speedup")):
+        rows = [row for row in section.rows if "frames_per_s" in row and row["variant"] == variant]
+        if rows:
+            section.figures[name] = {row["streams"]: round(row["speedup_over_one"], 2) for row in rows}
 
 
 def cache_tiers(section: Section, deadline: float, shapes: Shapes, checkpoint: Path, folder: Path) -> None:
