@@ -11,7 +11,7 @@ from typing import Any, Callable
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 COPIES = ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-TOP_KERNELS = 8  # kernels named per profiled variant, in the JSON only
+TOP_NAMED = 8  # kernels and host ops named per profiled variant, in the JSON only
 
 
 def release_memory() -> None:
@@ -89,8 +89,9 @@ def kernel_kind(name: str) -> str:
 
 def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str, Any]:
     """Per step, from torch.profiler: kernel launches, graph launches, copies and host syncs issued, the GPU's
-    busy time (the sum of its kernels' time), that time by `kernel_kind`, and the kernels that took the most
-    (``top_kernels``: name and ms per step)."""
+    busy time (the sum of its kernels' time), that time by `kernel_kind`, the kernels that took the most
+    (``top_kernels``: name and ms per step) and the ops whose host time was the most (``top_host_ops``: name,
+    calls and ms per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,10 +121,10 @@ def profile_counts(device: str, run: Callable[[], Any], steps: int) -> dict[str,
     result: dict[str, Any] = {key: value / steps for key, value in counts.items()}
     result["gpu_busy_ms"] = busy_us / 1e3 / steps
     result.update(kinds)
-    top = sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:TOP_NAMED]
     result["top_kernels"] = [[name[:90], round(ms, 3)] for name, ms in top]
     # where the host's time goes (a step bound by launches and syncs, not kernels): op, calls and ms per step
-    host = sorted(prof.key_averages(), key=lambda item: -item.self_cpu_time_total)[:TOP_KERNELS]
+    host = sorted(prof.key_averages(), key=lambda item: -item.self_cpu_time_total)[:TOP_NAMED]
     result["top_host_ops"] = [[item.key[:90], item.count / steps, round(item.self_cpu_time_total / 1e3 / steps, 3)]
                               for item in host]
     return result

@@ -114,12 +114,12 @@ def live_model(shapes, checkpoint: Path):
     return statekv.VideoQA.with_adapter(InternVLAdapter(model, tokenizer, image_size=image_size), options)
 
 
-def answer_in_text(model, tokenizer) -> int:
+def answer_in_text(model, tokenizer) -> None:
     """Zero the output rows of every token that does not decode, alone, to printable ASCII: a random model's
     greedy answer then streams text from its first token. Else its tokens (ids past the small tokenizer's
     vocabulary, special tokens, bytes of a partial UTF-8 character) decode to nothing, the server streams no
     piece until the answer ends, and a client's time to first token is the whole answer's. A zero row scores 0,
-    below the best of the kept rows' random scores. Returns how many tokens are kept."""
+    below the best of the kept rows' random scores."""
     import torch
 
     kept = [token for token in range(len(tokenizer))
@@ -130,7 +130,6 @@ def answer_in_text(model, tokenizer) -> int:
     dropped[kept] = False
     with torch.no_grad():
         head[dropped.to(head.device)] = 0
-    return len(kept)
 
 
 def vlm_in_memory(checkpoint: Path, lm: dict, device: str, dtype):

@@ -18,15 +18,18 @@ from gpu_shapes import Section
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = ("transformers", "av")  # what a CUDA machine's image may lack or hold at another version
-# `statekv serve` and what it needs, for the live-streams section: images lack them
-SERVING = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-           "python-multipart", "typing-extensions", "opentelemetry-api")
+# the live-streams section's `statekv serve` and `statekv bench serve` with everything they need (pip's
+# resolution of fastapi, uvicorn, prometheus-client, httpx and python-multipart): a CUDA image may lack any
+SERVING = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic-core", "annotated-types", "annotated-doc",
+           "typing-inspection", "typing-extensions", "python-multipart", "opentelemetry-api", "anyio", "idna",
+           "click", "h11", "prometheus-client", "httpx", "httpcore", "certifi")
 CUDA_TEST_FILES = ("tests/test_cuda.py", "tests/test_static_step.py", "tests/test_kernel_triton.py",
                    "tests/test_cache_state.py")
 
 
-def environment(smoke: bool) -> tuple[dict[str, Any], list[str]]:
-    """What this machine has, and what the suite needs but is missing (empty when it can run)."""
+def environment(smoke: bool, serving: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """What this machine has, and what the suite needs but is missing (empty when it can run); ``serving``: the
+    live-streams section runs, so `SERVING` is needed too."""
     facts: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                              "cpu_cores": os.cpu_count(), "commit": commit()}
     missing = []
@@ -56,13 +59,18 @@ def environment(smoke: bool) -> tuple[dict[str, Any], list[str]]:
                            f".whl/*.whl there)")
         elif facts[name] is None and name in ("triton", "pytest") and not smoke:
             missing.append(name)
-    for name in ("fastapi", "uvicorn"):
+    absent = []
+    for name in SERVING:
         try:
-            facts[name] = importlib.metadata.version(name)
+            version = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            facts[name] = None
-            missing.append(f"{name} (the live-streams section's server; `make gpu-wheels` here, then install "
-                           ".whl/*.whl there)")
+            version = None
+            absent.append(name)
+        if name in ("fastapi", "uvicorn"):
+            facts[name] = version
+    if serving and absent:
+        missing.append(f"{', '.join(absent)} (the live-streams section's server; `make gpu-wheels` here, then "
+                       "install .whl/*.whl there)")
     try:
         import statekv
 

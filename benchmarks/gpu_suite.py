@@ -46,7 +46,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serving  # noqa: E402
 from gpu_decoder import LanguageModel, lm_step, prefill  # noqa: E402
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run = Run(Path(args.out), args.budget_s or (300.0 if args.smoke else 480.0), args.smoke,
               Path(args.docs) if args.docs else None)
-    facts, missing = environment(args.smoke)
+    facts, missing = environment(args.smoke, serving="live" not in args.skip)
     run.environment = dict(facts, missing=missing)
     print("environment: " + json.dumps(facts), flush=True)
     if missing:

@@ -11,6 +11,8 @@ from gpu_measure import (compiled_graphs, peak_gib, profile_counts, release_memo
                          timed, traced_ops)
 from gpu_shapes import Section, Shapes
 
+COMPILED_STREAMS = (1, 16)  # streams stepped together compiled: one, and the batch issue 48's goal names
+
 
 def make_vlm(folder: Path, shapes: Shapes) -> Path:
     import torch
@@ -178,10 +180,10 @@ def batched_steps(section: Section, deadline: float, shapes: Shapes) -> None:
     backend = "triton" if device.startswith("cuda") else "chunked"
     baselines: dict[str, float] = {}
     counts = (1, 2, 4, 8, 16, 32) if device.startswith("cuda") else (1, 4, 16)
-    # compiled (the decoder's small kernels fused; `statekv.core.step.compiled`): one stream and 16, on CUDA only
-    # (Inductor's CPU compile would take a smoke run's time)
+    # compiled too (the decoder's small kernels fused, `statekv.core.step.compiled`), on CUDA only: Inductor's CPU
+    # compile would take a smoke run's time
     runs = [("graph", count) for count in counts] + (
-        [("graph + compiled", count) for count in (1, 16)] if device.startswith("cuda") else [])
+        [("graph + compiled", count) for count in COMPILED_STREAMS] if device.startswith("cuda") else [])
     with torch.no_grad():
         for variant, count in runs:
             if time.monotonic() > deadline:

@@ -70,6 +70,47 @@ def test_steps_are_recorded_again_after_every_recording_was_dropped(recwarn):
     assert not [w for w in recwarn if "cannot be replayed" in str(w.message)]
 
 
+def test_a_collection_during_a_recording_cannot_fail_it(recwarn):
+    """A dead graph in a reference cycle is freed by the garbage collector, and freeing a graph inside another's
+    capture fails that capture (the step's signature would then run eagerly for good): `StepGraphs` holds the
+    collector off while it records. Here the step itself leaves such a cycle behind while it is recorded, with the
+    collector set to run at every allocation."""
+    import gc
+
+    from statekv.core.step.graphs import StepGraphs
+
+    dead, side = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    with torch.cuda.graph(dead):
+        side.add_(1)
+    kept, calls = [dead], []
+    del dead
+    buffer = torch.zeros(4, device="cuda")
+
+    def device_step(inputs):
+        calls.append(1)
+        if len(calls) == 2:  # the recording (the first call is the eager warm-up)
+            cycle = {"graph": kept.pop()}
+            cycle["itself"] = cycle
+            del cycle
+            for _ in range(100):  # allocations that would start a collection
+                [object() for _ in range(10)]
+        buffer.add_(inputs["x"])
+        return buffer * 2
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graphs = StepGraphs(device_step, lambda: False)
+        x = torch.ones(4, device="cuda")
+        assert graphs.run({"x": x}, "layout") is None
+        device_step({"x": x})
+        assert graphs.run({"x": x}, "layout") is not None and len(calls) == 2
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+    assert not [w for w in recwarn if "cannot be replayed" in str(w.message)]
+
+
 @pytest.mark.parametrize("policy", [lambda: statekv.StateKV(budget=20), lambda: statekv.Recency(frames=3)],
                          ids=["statekv", "recency"])
 def test_batched_steps_replayed_as_graphs_get_what_each_stream_gets_alone(tiny_lm, policy, replays):

@@ -461,7 +461,10 @@ def test_the_first_token_is_timed_when_generated_though_it_shows_no_text_yet():
         streamer = TokenStreamer(Spelling(), loop, timed.append)
         streamer.put(torch.tensor([[7, 8, 9]]))  # the prompt: not an answer token
         assert timed == []
+        streamer.put(torch.tensor([], dtype=torch.long))  # nothing generated yet
+        assert timed == []
         streamer.put(torch.tensor([1]))
+        loop.run_until_complete(asyncio.sleep(0))  # whatever the streamer handed the loop is queued now
         assert len(timed) == 1 and timed[0] >= 0 and streamer.queue.empty()
         streamer.put(torch.tensor([2]))
         streamer.end()

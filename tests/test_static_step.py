@@ -252,7 +252,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offload):
     model = tiny_lm("qwen3").to("cuda")
     chunks = [c.to("cuda") for c in embeddings(model, lengths=(PREFIX,) + (T,) * 24)]
-    horizon = sum(c.shape[1] for c in chunks) + 8  # room for the question and answer below
+    prompt_tokens, answer_tokens = 4, 4
+    horizon = sum(c.shape[1] for c in chunks) + prompt_tokens + answer_tokens
     runs = {}
     for graphed in (False, True):
         prefill = statekv.StreamingPrefill(model, policy, attention="eager", horizon=horizon, offload=offload,
@@ -263,6 +264,6 @@ def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offlo
         assert torch.equal(got, expected)
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(runs[True][0].carried_positions(layer), runs[False][0].carried_positions(layer))
-    prompt = torch.arange(4, device="cuda")[None]
-    assert torch.equal(runs[True][0].generate(prompt, max_new_tokens=4), runs[False][0].generate(prompt,
-                                                                                                 max_new_tokens=4))
+    prompt = torch.arange(prompt_tokens, device="cuda")[None]
+    assert torch.equal(runs[True][0].generate(prompt, max_new_tokens=answer_tokens),
+                       runs[False][0].generate(prompt, max_new_tokens=answer_tokens))

@@ -19,13 +19,13 @@ from transformers.generation.streamers import BaseStreamer
 class TokenStreamer(BaseStreamer):
     """Receives ``generate``'s new token ids on the model's thread; ``pieces`` yields the text they add.
     ``gone`` is set once the client has gone away (`ClientGone` then stops the generation at its next token);
-    ``tokens``: the tokens generated so far. ``first_token(seconds)``, where given, is told the time from this
+    ``tokens``: the tokens generated so far. ``on_first_token(seconds)``, where given, is told the time from this
     streamer's making (the answer's start) to the first token generated, whether or not it shows text yet (a
     piece waits for the tokens that complete a character or a word)."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
-                 first_token: Callable[[float], None] | None = None):
-        self.tokenizer, self.loop, self.first_token = tokenizer, loop, first_token
+                 on_first_token: Callable[[float], None] | None = None):
+        self.tokenizer, self.loop, self.on_first_token = tokenizer, loop, on_first_token
         self.started = time.perf_counter()
         self.gone = threading.Event()
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
@@ -37,9 +37,10 @@ class TokenStreamer(BaseStreamer):
         if not self._prompt_seen:  # generate first hands over the prompt
             self._prompt_seen = True
             return
-        if not self.ids and self.first_token is not None:
-            self.first_token(time.perf_counter() - self.started)
-        self.ids.extend(int(token) for token in value.reshape(-1).tolist())
+        new = [int(token) for token in value.reshape(-1).tolist()]
+        if new and not self.ids and self.on_first_token is not None:
+            self.on_first_token(time.perf_counter() - self.started)
+        self.ids.extend(new)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.startswith(self.sent) and len(text) > len(self.sent) and not text.endswith("\ufffd"):
             piece, self.sent = text[len(self.sent):], text
