@@ -7,12 +7,14 @@ Streams here are a 9-token prefix then chunks of equal length, as a video's fram
 from __future__ import annotations
 
 import collections
+import gc
+import threading
 
 import pytest
 import torch
 
 import statekv
-from statekv.core.step.graphs import StepGraphs, signature
+from statekv.core.step.graphs import StepGraphs, collector_held, signature
 from statekv.core.storage.layer_storage import SEGMENT_STEPS
 from statekv.testing.op_trace import OpTrace, device_parts
 from reference import last_steps, reference_stream, top_budget
@@ -267,3 +269,38 @@ def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offlo
     prompt = torch.arange(prompt_tokens, device="cuda")[None]
     assert torch.equal(runs[True][0].generate(prompt, max_new_tokens=answer_tokens),
                        runs[False][0].generate(prompt, max_new_tokens=answer_tokens))
+
+
+def test_the_collector_is_held_while_any_thread_records_and_only_then():
+    """`collector_held`: recordings on two threads at once hold garbage collection off together; the first to end
+    does not let it run while the other still records, the last does, and a collector already off stays off."""
+    assert gc.isenabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with collector_held():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with collector_held():
+            second_in.set()
+            first_out.wait(10)
+            seen["while the second still records"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == {"while the second still records": False} and gc.isenabled()
+    gc.disable()
+    try:
+        with collector_held():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -21,13 +21,38 @@ values, is dropped with a one-line warning and that signature runs eagerly from 
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+_collector = threading.Lock()
+_recordings = [0, False]  # recordings under way in this process; whether the collector ran before the first
+
+
+@contextmanager
+def collector_held() -> Iterator[None]:
+    """No garbage collection while a graph is recorded, on any thread: a collection inside a capture could free
+    another graph's dead cycle, a release the capture forbids, which fails the capture (and refuses its signature
+    for good). Recordings on several threads at once hold it together; the last to end lets it run again."""
+    with _collector:
+        if _recordings[0] == 0:
+            _recordings[1] = gc.isenabled()
+            gc.disable()
+        _recordings[0] += 1
+    try:
+        yield
+    finally:
+        with _collector:
+            _recordings[0] -= 1
+            if _recordings[0] == 0 and _recordings[1]:
+                gc.enable()
 
 
 @dataclass
@@ -113,22 +138,15 @@ class StepGraphs:
             # a memory pool whose graphs are all gone was released: capturing into it again fails an assertion of
             # the caching allocator, so a first recording (or the first after `clear`) takes a pool of its own
             self.pool = torch.cuda.graph_pool_handle()
-        collecting = gc.isenabled()
-        # a collection inside the capture could free another graph's dead cycle, whose graph release the capture
-        # forbids: it would fail this capture, and refuse the signature for good
-        gc.disable()
         try:
             torch.cuda.synchronize()
             # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile;
             # fail_on_recompile: a compiled step (`statekv.core.step.compiled`) compiles in its warm-up, never here
-            with torch.compiler.set_stance("fail_on_recompile"), \
+            with collector_held(), torch.compiler.set_stance("fail_on_recompile"), \
                     torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.device_step(tree_unflatten(static, spec))
         except Exception as error:  # the step does something a graph cannot hold (a host sync, say)
             return self._refuse(key, f"capturing it failed: {str(error).splitlines()[0] if str(error) else error!r}")
-        finally:
-            if collecting:
-                gc.enable()
         if self.host_dependent():
             return self._refuse(key, "its carry policy reads per-step host values (step, chunk_lengths, steps)")
         if len(self.captured) >= self.keep:
