@@ -170,8 +170,8 @@ def live_streams(section, deadline: float, shapes, checkpoint: Path, folder: Pat
     document = json.loads(out.read_text())
     for row in document["results"]:
         section.rows.append({name: row[name] for name in (
-            "streams", "frames_per_s", "lag_p95_s", "ttft_p50_s", "ttft_p95_s", "server_ttft_mean_s", "goodput_streams",
-            "failures", "mean_batch", "errors")})
+            "streams", "frames_per_s", "lag_p95_s", "questions", "answers", "ttft_p50_s", "ttft_p95_s",
+            "server_ttft_mean_s", "goodput_streams", "failures", "mean_batch", "errors")})
         print(f"   {section.rows[-1]}", flush=True)
     section.figures["live_streams_8b"] = document["max_streams_held"]
     section.figures["live_search_complete"] = document["search_complete"]
