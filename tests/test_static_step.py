@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import gc
 import threading
+import time
 
 import pytest
 import torch
 
 import statekv
-from statekv.core.step.graphs import StepGraphs, collector_held, signature
+from statekv.core.step.graphs import StepGraphs, recording, signature
 from statekv.core.storage.layer_storage import SEGMENT_STEPS
 from statekv.testing.op_trace import OpTrace, device_parts
 from reference import last_steps, reference_stream, top_budget
@@ -271,35 +272,51 @@ def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offlo
                        runs[False][0].generate(prompt, max_new_tokens=answer_tokens))
 
 
-def test_the_collector_is_held_while_any_thread_records_and_only_then():
-    """`collector_held`: recordings on two threads at once hold garbage collection off together; the first to end
-    does not let it run while the other still records, the last does, and a collector already off stays off."""
+def test_one_recording_at_a_time_with_no_garbage_collection_during_it():
+    """`recording`: a recording on a second thread waits for the first to end (torch records every graph on one
+    capture stream), dropping recorded graphs (`StepGraphs.clear`) waits too, a recording nested on the same thread
+    does not, the collector is off throughout and on again after; a collector already off stays off."""
     assert gc.isenabled()
-    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
-    seen = {}
+    inside, leave, order = threading.Event(), threading.Event(), []
 
     def first():
-        with collector_held():
-            first_in.set()
-            second_in.wait(10)
-        first_out.set()
+        with recording():
+            inside.set()
+            leave.wait(10)
+            order.append(("first ends", gc.isenabled()))
 
     def second():
-        first_in.wait(10)
-        with collector_held():
-            second_in.set()
-            first_out.wait(10)
-            seen["while the second still records"] = gc.isenabled()
+        inside.wait(10)
+        with recording():
+            order.append(("second starts", gc.isenabled()))
 
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert seen == {"while the second still records": False} and gc.isenabled()
-    gc.disable()
+    graphs = StepGraphs(lambda inputs: inputs["x"], lambda: False)
+
+    def clearing():
+        inside.wait(10)
+        graphs.clear()
+        order.append(("cleared", None))
+
+    threads = [threading.Thread(target=target, daemon=True) for target in (first, second, clearing)]
     try:
-        with collector_held():
+        for thread in threads:
+            thread.start()
+        inside.wait(10)
+        time.sleep(0.2)  # the other two are waiting now, if they wait at all
+        order.append(("released", None))
+        leave.set()
+        for thread in threads:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in threads)
+        assert order[:2] == [("released", None), ("first ends", False)], order
+        assert sorted(order[2:]) == [("cleared", None), ("second starts", False)] and gc.isenabled()
+        with recording():
+            with recording():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        gc.disable()
+        with recording():
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:

@@ -45,6 +45,7 @@ same request contract), so the request handling is usable and testable on its ow
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import sys
@@ -163,6 +164,8 @@ class StateKV(_Base):
                                      f"{model_args['batch_size']}")
         context = RankContext.from_env()
         self._rank, self._world_size = context.rank, context.world_size
+        if context.world_size > 1:
+            atexit.register(_leave_process_group)
         self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
         # a setting its method never reads is refused, as on the command line
         options = ModelOptions.given(model=args["pretrained"], **{name: args[name] for name in model_args
@@ -506,6 +509,19 @@ def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
 def _is_padding(request: Any) -> bool:
     metadata = getattr(request, "metadata", None)
     return isinstance(metadata, dict) and bool(metadata.get(PADDING_KEY))
+
+
+def _leave_process_group() -> None:
+    """At exit, tear down the process group lmms-eval joined for a multi-process run and never leaves: left to the
+    interpreter's end, its gloo group's teardown sometimes aborts a rank (exit status -6, "terminate called without
+    an active exception") after every answer was written."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the exit goes on: nothing is left to lose
+            pass
 
 
 def _device(device: str | None, context: RankContext) -> str | None:

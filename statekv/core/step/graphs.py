@@ -32,26 +32,29 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-_collector = threading.Lock()
-_recordings = [0, False]  # recordings under way in this process; whether the collector ran before the first
+_recording = threading.RLock()
+_depth = 0  # recordings entered by the thread holding `_recording`
+_collecting = False  # whether garbage collection was on before the outermost of them
 
 
 @contextmanager
-def collector_held() -> Iterator[None]:
-    """No garbage collection while a graph is recorded, on any thread: a collection inside a capture could free
-    another graph's dead cycle, a release the capture forbids, which fails the capture (and refuses its signature
-    for good). Recordings on several threads at once hold it together; the last to end lets it run again."""
-    with _collector:
-        if _recordings[0] == 0:
-            _recordings[1] = gc.isenabled()
+def recording() -> Iterator[None]:
+    """Held while a graph is recorded: one recording at a time in this process, and no garbage collection during
+    it. Every recording shares torch's one capture stream, so a second one on another thread would fail both; and
+    a collection inside a capture could free another graph's dead cycle, a release the capture forbids, which
+    fails the capture (and refuses its signature for good). Dropping recorded graphs (`StepGraphs.clear`) waits for
+    it too: a graph released during another's capture also frees cuBLAS workspaces of that capture stream."""
+    global _depth, _collecting
+    with _recording:
+        if _depth == 0:
+            _collecting = gc.isenabled()
             gc.disable()
-        _recordings[0] += 1
-    try:
-        yield
-    finally:
-        with _collector:
-            _recordings[0] -= 1
-            if _recordings[0] == 0 and _recordings[1]:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+            if _depth == 0 and _collecting:
                 gc.enable()
 
 
@@ -127,7 +130,8 @@ class StepGraphs:
         return captured.output.clone()
 
     def clear(self) -> None:
-        self.captured.clear()
+        with _recording:  # not during a recording on another thread (`recording`)
+            self.captured.clear()
         self.warmed.clear()
 
     def _capture(self, key: tuple, inputs: dict[str, Any]) -> _Captured | None:
@@ -142,7 +146,7 @@ class StepGraphs:
             torch.cuda.synchronize()
             # thread_local: the pipeline's vision thread keeps working on its own stream meanwhile;
             # fail_on_recompile: a compiled step (`statekv.core.step.compiled`) compiles in its warm-up, never here
-            with collector_held(), torch.compiler.set_stance("fail_on_recompile"), \
+            with recording(), torch.compiler.set_stance("fail_on_recompile"), \
                     torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.device_step(tree_unflatten(static, spec))
         except Exception as error:  # the step does something a graph cannot hold (a host sync, say)
