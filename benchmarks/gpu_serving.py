@@ -25,15 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_measure import synchronize
+
 ROOT = Path(__file__).resolve().parents[1]
 TTFT_TARGET_S = 0.5
-
-
-def synchronize(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def decoder(lm: dict, tokens: int, device: str):
