@@ -229,7 +229,39 @@ def test_a_step_past_the_range_places_every_layer_together(tiny_lm):
         before, after = placed_step_ops(tiny_lm("qwen2", max_position_embeddings=LIMIT, num_hidden_layers=layers))
         extra[layers] = after - before
     assert extra[6] - extra[2] == 4
-    assert extra[2] <= 2 + 24
+    assert extra[2] <= 2 + 13  # the carried keys and placements stacked and rotated; the chunk's rows stacked
+
+
+@pytest.mark.parametrize("layout", [OwnThenCache.name, CacheOrder.name])
+def test_a_step_placed_where_the_host_settled_it_is_the_step_that_finds_its_place(model, layout, monkeypatch):
+    """Past the range a cache-order step's places read nothing of the step but its base, which the host planned:
+    the step takes them from the host (`BoundedLayout.settled`, made once and kept) instead of finding them on the
+    device; every step's hidden states and the saved state are those of the device's own finding, bit for bit,
+    in fewer ops."""
+    from statekv.testing.op_trace import OpTrace
+
+    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", layout)
+    embed = model.get_input_embeddings()
+    chunks = [embed(tokens(4, seed)).detach() for seed in range(30)]
+
+    def run() -> tuple[list[torch.Tensor], dict, int]:
+        prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+        hidden, ops = [], 0
+        for chunk in chunks:
+            with OpTrace() as trace:
+                hidden.append(prefill.step(inputs_embeds=chunk))
+            ops = len(trace.compute)
+        assert prefill.positions.moved and prefill.seen_tokens > LIMIT
+        return hidden, prefill.state_dict()[0], ops
+
+    settled, settled_state, settled_ops = run()
+    for kind in (CacheOrder, OwnThenCache):
+        monkeypatch.setattr(kind, "settled", lambda self, *args, **kwargs: None)
+    found, found_state, found_ops = run()
+    assert all(torch.equal(a, b) for a, b in zip(settled, found))
+    assert settled_state.keys() == found_state.keys()
+    assert all(torch.equal(settled_state[name], found_state[name]) for name in settled_state)
+    assert settled_ops < found_ops
 
 
 def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):

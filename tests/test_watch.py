@@ -362,8 +362,7 @@ def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk(plac
     chunk, seen, scale = 2, 57, 0.3
     base = {"stream": None, "bounded, still": seen + 100, "bounded, placed": seen}[placing]  # where the device says
     positions = SimpleNamespace(bounded=placing != "stream", still=placing == "bounded, still",
-                                device_scalars=lambda device: (torch.tensor([0]), torch.tensor([base]),
-                                                               torch.tensor([0])))
+                                step_base=None if base is None else torch.tensor([base]))
     cache = SimpleNamespace(positions=positions, seen_device=torch.tensor(seen if base != seen else seen + 50),
                             step_index=7)
     expected = torch.zeros(1, kv_heads, 9)

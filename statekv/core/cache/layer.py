@@ -101,8 +101,7 @@ class StreamingLayer(EngineLayer):
         slots = self.carry.buffer
         if slots is None or slots.placements is None:
             return None
-        kv, _ = slots.head()
-        return kv[0], slots.head_placements()
+        return slots.kv[0, :, :, :slots.carried], slots.placements[..., :slots.carried]
 
     def positions(self) -> torch.Tensor:
         """Logical positions of the carried tokens, ``[B, H_kv, K]`` (``[1, 1, 0]`` before the first step)."""

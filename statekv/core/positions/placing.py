@@ -123,6 +123,11 @@ class BoundedLayout:
         positions, shaped alike. ``moved`` as in `base_on`."""
         raise NotImplementedError
 
+    def settled(self, base: int, span: int, carried: int, limit: int, flat: bool = True) -> Placer | None:
+        """`place`'s function for steps the host placed away from their own positions at ``base``, where the places
+        read nothing of a step but ``base`` and the shapes (made once and kept: its tensors at its first call)."""
+        return None
+
 
 @dataclass(frozen=True)
 class GroupedDistances(BoundedLayout):
@@ -172,6 +177,16 @@ class CacheOrder(BoundedLayout):
             if carried not in made:
                 made[carried] = base + torch.arange(-carried, 0, device=anchors.device)
             return made[carried].expand(anchors.shape)
+        return targets
+
+    def settled(self, base, span, carried, limit, flat=True):
+        made: dict[tuple, torch.Tensor] = {}  # by carried size and device, kept from step to step
+
+        def targets(anchors: torch.Tensor) -> torch.Tensor:
+            key = (anchors.shape[-1], anchors.device)
+            if key not in made:
+                made[key] = torch.arange(base - anchors.shape[-1], base, device=anchors.device)
+            return made[key].expand(anchors.shape)
         return targets
 
 
@@ -226,6 +241,12 @@ class OwnThenCache(BoundedLayout):
                 made["past"] = first > self.ceiling(span, 0, limit)
             return torch.where(made["past"], cache(anchors), grouped(anchors))
         return targets
+
+    def settled(self, base, span, carried, limit, flat=True):
+        # placed away from its own position, a stream is past the range: the cache order's places where the
+        # largest carried state compacts (then every layer's does), else the grouped ones, which move with the chunk
+        return self.cache.settled(base, span, carried, limit, flat) if self.compacts(span, carried, limit, flat) \
+            else None
 
 
 BOUNDED_LAYOUTS: dict[str, BoundedLayout] = {layout.name: layout for layout in (
@@ -296,6 +317,8 @@ class StreamPositions:
         self._placing = (0, 0, True)  # the step's span, carried tokens, and whether its RoPE is 1-D (set by plan)
         self.moved = False  # some committed step was placed away from its own position
         self.placer: Placer | None = None  # the carried keys' places in the step placed away from its own (`chunk`)
+        self.step_base: torch.Tensor | None = None  # that step's base, ``[1]`` on the device (`chunk`)
+        self._settled: dict[tuple, tuple | None] = {}  # `settled_step`'s, by base and shapes
         self.still = True  # the step planned, and every one before it, sits at its own position (set by plan)
 
     @property
@@ -343,15 +366,21 @@ class StreamPositions:
     def chunk(self, write_index: torch.Tensor, position_ids: torch.Tensor | None
               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Device part: ``(position_ids for the decoder, anchors [T], rotations [T])`` of the chunk: its positions
-        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device. While
-        the stream is `still`, its own positions."""
+        in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device unless
+        the host settled them (`settled_step`). While the stream is `still`, its own positions."""
         anchors = write_index if position_ids is None else _temporal(position_ids)[0]
         if self.still:
             return (write_index if position_ids is None else position_ids), anchors, anchors
-        first, base, shift = self.device_scalars(write_index.device)
-        first.copy_(anchors[:1])
         span, carried, flat = self._placing
         away = self.pending is not None and self.pending.base != self.pending.first  # the host's plan says so
+        if away and position_ids is None:
+            settled = self.settled_step(self.pending.base, span, carried, write_index.device)
+            if settled is not None:
+                self.placer, rotations, self.step_base = settled
+                return rotations, anchors, rotations
+        first, base, shift = self.device_scalars(write_index.device)
+        self.step_base = base
+        first.copy_(anchors[:1])
         base.copy_(self.layout.base_on(first, span, carried, self.limit, flat, moved=away))
         torch.sub(first, base, out=shift)
         self.placer = self.layout.place(first, base, span, self.limit, flat, moved=away)
@@ -364,6 +393,19 @@ class StreamPositions:
         else:
             moved[-3:] -= shift  # the three M-RoPE rows; a fourth row before them is the sequence index
         return moved, anchors, rotations
+
+    def settled_step(self, base: int, span: int, carried: int, device: torch.device
+                     ) -> tuple[Placer, torch.Tensor, torch.Tensor] | None:
+        """A 1-D step placed away from its own position at ``base`` whose layout settles its places on the host
+        (`BoundedLayout.settled`): ``(placer, the chunk's rotary positions [span], base [1])``, made once for these
+        shapes and kept (a recorded step reads them), so the step finds nothing on the device. None where the
+        places move with the chunk."""
+        key = (base, span, carried, device)
+        if key not in self._settled:
+            placer = self.layout.settled(base, span, carried, self.limit)
+            self._settled[key] = None if placer is None else (
+                placer, torch.arange(base, base + span, device=device), torch.tensor([base], device=device))
+        return self._settled[key]
 
     def placed_carried(self, carried: list[tuple[torch.Tensor, torch.Tensor] | None], chunk_len: int,
                        device: torch.device) -> list[torch.Tensor | None]:

@@ -17,11 +17,11 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out:
     rotary = 2 * inv_freq.shape[0]
     angles = delta.unsqueeze(-1) * inv_freq.to(keys.device, torch.float32)  # [B, H, N, R/2], float32
     cos, sin = angles.cos(), angles.sin()
-    head = keys[..., :rotary].float()
-    first, second = head[..., : rotary // 2], head[..., rotary // 2:]
+    first, second = keys[..., :rotary].float().chunk(2, -1)
     out = torch.empty_like(keys) if out is None else out
-    torch.sub(first * cos, second * sin, out=out[..., : rotary // 2])
-    torch.add(second * cos, first * sin, out=out[..., rotary // 2: rotary])
+    low, high = out[..., :rotary].chunk(2, -1)
+    torch.sub(first * cos, second * sin, out=low)
+    torch.add(second * cos, first * sin, out=high)
     if rotary < keys.shape[-1]:
         out[..., rotary:] = keys[..., rotary:]
     return out
@@ -61,9 +61,10 @@ def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple
             keys = _stacked([carried[index][0] for index in members])  # [G, B, H, K, D]
             placements = _stacked([carried[index][1] for index in members])  # [G, 2, B, H, K]
             keys_out = keys.new_empty(len(members), *lead, size + chunk_len, dim)
-            rotate(keys, placer(placements[:, 0]) - placements[:, 1], frequencies, out=keys_out[..., :size, :])
-            for row, index in enumerate(members):
-                placed[index] = keys_out[row]
+            anchors, rotations = placements.unbind(1)
+            rotate(keys, placer(anchors) - rotations, frequencies, out=keys_out[..., :size, :])
+            for index, layer_keys in zip(members, keys_out.unbind(0)):
+                placed[index] = layer_keys
     return placed
 
 

@@ -11,7 +11,7 @@ full attention) are not affected.
 
 The queries' positions: under ``stream`` positions (and under ``bounded`` while every step sits at its own
 position, `StreamPositions.still`) the chunk sits at its own positions, else at the base its step was placed at
-(read on the device, `StreamPositions.device_scalars`). Streams whose positions have
+(`StreamPositions.step_base`, on the device). Streams whose positions have
 several rows (M-RoPE) are not steered.
 """
 
@@ -68,7 +68,7 @@ class QuestionGuide:
             packs = self.packs(0, heads, device)
             key = (cache.step_index, id(cache), chunk_len, scale, device, self._signature)
             if cache.positions.bounded and not cache.positions.still:
-                first = cache.positions.device_scalars(device)[1] + chunk_len
+                first = cache.positions.step_base.to(device) + chunk_len
             else:
                 first = cache.seen_device.to(device).reshape(1) + chunk_len
             step = (id(cache), cache.step_index)
