@@ -114,3 +114,21 @@ def test_chunked_runs_on_meta_tensors():
     q, k = torch.empty(1, 4, 9, 8, device="meta"), torch.empty(1, 2, 30, 8, device="meta")
     out, scores = attention.chunked_scored_attention(q, k, k, scale=0.3, block_rows=5, max_keys=8, block_keys=8)
     assert out.shape == (1, 9, 4, 8) and scores.shape == (1, 2, 30)
+
+
+def test_a_question_builds_its_causal_mask_once_for_every_layer(tiny_lm):
+    """A prompt's queries read their layer's context through one causal mask, built at the first layer and read by
+    the others: on a deeper model a question dispatches no more mask ops (each was a kernel launch on a GPU)."""
+    from statekv.core import StateKV, StreamingPrefill
+    from statekv.testing.op_trace import OpTrace
+
+    masks = {}
+    for layers in (2, 6):
+        prefill = StreamingPrefill(tiny_lm("qwen2", num_hidden_layers=layers), StateKV(16))
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            prefill.step(input_ids=torch.randint(0, 96, (1, 8), generator=generator))
+        with OpTrace() as trace:
+            prefill.generate(torch.randint(0, 96, (1, 5), generator=generator), max_new_tokens=1)
+        masks[layers] = [name for name in trace.compute if name.startswith("masked_fill_")]
+    assert masks[2] == masks[6] == ["masked_fill_.Scalar"]

@@ -215,6 +215,7 @@ class AnswerCache(Cache):
         self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
+        self.masks: dict[tuple, ChunkMask] = {}  # the prompt's causal masks, by shape: built once, read by every layer
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the prompt's (or a new token's) queries ``q [B, Hq, T, D]`` over the layer's context and
@@ -224,8 +225,10 @@ class AnswerCache(Cache):
             layer.open(q, self.retrieval, layer_idx, scale, self.memory)
             self.stream.note_device_bytes(self.device_bytes)
         keys, values = layer.view()
-        mask = None if q.shape[2] == 1 else ChunkMask(q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1],
-                                                      q.device)
+        mask = None
+        if q.shape[2] > 1:
+            shape = (q.shape[2], keys.shape[2], q.shape[1] // keys.shape[1], q.device)
+            mask = self.masks.get(shape) or self.masks.setdefault(shape, ChunkMask(*shape))
         return chunk_attention(q, keys, values, scale=scale, mask=mask)
 
     def read_steps(self) -> tuple[int, ...] | None:

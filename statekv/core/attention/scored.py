@@ -40,18 +40,30 @@ BLOCK_KEYS = 4096
 class ChunkMask:
     """Visibility of ``Tk`` keys (``Tk - Tq`` carried, then the chunk) to a chunk's ``Tq`` queries.
 
-    Attributes:
-        bias: float32 ``[G * Tq, Tk]``, 0 where visible and -inf elsewhere, for the grouped rows of
-            :func:`_grouped` (row ``r`` is query ``r % Tq``).
+    Its tensors are built at their first use (SDPA on CUDA reads none of them): a question's prompt makes one mask
+    that every layer reads.
     """
 
     _built: dict[tuple, "ChunkMask"] = {}
 
     def __init__(self, tq: int, tk: int, groups: int, device: torch.device):
-        self.tq, self.tk, self.device = tq, tk, device
-        visible = torch.arange(tk, device=device) <= torch.arange(tk - tq, tk, device=device)[:, None]
-        self.bias = torch.zeros(tq, tk, device=device).masked_fill_(~visible, float("-inf")).repeat(groups, 1)
+        self.tq, self.tk, self.groups, self.device = tq, tk, groups, device
+        self._bias: torch.Tensor | None = None
         self._sdpa: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """float32 ``[G * Tq, Tk]``, 0 where visible and -inf elsewhere, for the grouped rows of :func:`_grouped`
+        (row ``r`` is query ``r % Tq``): what the scored backends add to the logits."""
+        if self._bias is None:
+            self._bias = self._additive(torch.float32).repeat(self.groups, 1)
+        return self._bias
+
+    def _additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[Tq, Tk]`` in ``dtype``: 0 where visible and -inf elsewhere."""
+        visible = torch.arange(self.tk, device=self.device) <= torch.arange(self.tk - self.tq, self.tk,
+                                                                            device=self.device)[:, None]
+        return torch.zeros(self.tq, self.tk, dtype=dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
     @classmethod
     def of(cls, tq: int, tk: int, groups: int, device: torch.device) -> "ChunkMask":
@@ -70,7 +82,7 @@ class ChunkMask:
         if self.device.type == "cuda":
             return causal_lower_right(self.tq, self.tk)
         if dtype not in self._sdpa:
-            self._sdpa[dtype] = self.bias[: self.tq].to(dtype)
+            self._sdpa[dtype] = self._additive(dtype)
         return self._sdpa[dtype]
 
 
