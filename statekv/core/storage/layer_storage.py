@@ -46,10 +46,17 @@ def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], N
 
 def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Tensor:
     """``[SAMPLES_PER_STEP]`` token offsets of a step's sampled keys: ``min(chunk_len, SAMPLES_PER_STEP)`` evenly
-    spaced offsets first (the `attention` rule's picks), then the last offset repeated as padding."""
-    count = min(chunk_len, SAMPLES_PER_STEP)
-    picks = torch.arange(SAMPLES_PER_STEP, device=device).clamp(max=count - 1)
-    return picks * chunk_len // count
+    spaced offsets first (the `attention` rule's picks), then the last offset repeated as padding. Made once per
+    length and device and shared (every layer of every step reads it; a recorded step too): read it, never write."""
+    key = (chunk_len, torch.device(device) if device is not None else torch.device("cpu"))
+    if key not in _SAMPLE_INDEXES:
+        count = min(chunk_len, SAMPLES_PER_STEP)
+        picks = torch.arange(SAMPLES_PER_STEP, device=device).clamp(max=count - 1)
+        _SAMPLE_INDEXES[key] = picks * chunk_len // count
+    return _SAMPLE_INDEXES[key]
+
+
+_SAMPLE_INDEXES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 class Segments(NamedTuple):
