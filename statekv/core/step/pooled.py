@@ -231,7 +231,7 @@ class PooledBatch(Cache):
         pool.steps.data["samples"][index][:, self.step_places] = samples.transpose(0, 1)
         pool.tokens.data["keys"][index][:, self.token_places] = keys.transpose(0, 1)
         pool.tokens.data["values"][index][:, self.token_places] = values.transpose(0, 1)
-        reduced = keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True)
+        reduced = (*torch.aminmax(keys, dim=2, keepdim=True), keys.sum(2, keepdim=True))
         carried = slots.shape.carried[index]
         if self.placing is not None:  # rows gathered, carried keys placed, by `begin_rows`
             kv, marks = self.gathered[index]

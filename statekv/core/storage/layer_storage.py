@@ -204,7 +204,7 @@ class LayerStorage:
     def _stage_segment(self, keys: torch.Tensor) -> None:
         """The step's keys ``[B, H_kv, T, D]`` reduced (their minimum, maximum and sum ``[B, H_kv, 1, D]``),
         staged until the step's device commit folds them into the open segment."""
-        self._segment_chunk = (keys.amin(2, keepdim=True), keys.amax(2, keepdim=True), keys.sum(2, keepdim=True))
+        self._segment_chunk = (*torch.aminmax(keys, dim=2, keepdim=True), keys.sum(2, keepdim=True))
 
     def commit_device(self) -> None:
         """Device part of a step's commit: its staged reductions folded into the open segment's accumulators, in
