@@ -22,6 +22,7 @@ steady stream never rebuilds it.
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from ...settings.engine import BACKENDS
 BLOCK_ROWS = 512
 MAX_KEYS = 16384
 BLOCK_KEYS = 4096
+
+
+_building = threading.Lock()
 
 
 class ChunkMask:
@@ -56,7 +60,10 @@ class ChunkMask:
         """float32 ``[G * Tq, Tk]``, 0 where visible and -inf elsewhere, for the grouped rows of :func:`_grouped`
         (row ``r`` is query ``r % Tq``): what the scored backends add to the logits."""
         if self._bias is None:
-            self._bias = self._additive(torch.float32).repeat(self.groups, 1)
+            bias = self._additive(torch.float32).repeat(self.groups, 1)
+            with _building:  # masks are shared by threads: the first kept is the one every step reads
+                if self._bias is None:
+                    self._bias = bias
         return self._bias
 
     def _additive(self, dtype: torch.dtype) -> torch.Tensor:

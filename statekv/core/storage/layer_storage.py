@@ -49,11 +49,13 @@ def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Te
     spaced offsets first (the `attention` rule's picks), then the last offset repeated as padding. Made once per
     length and device and shared (every layer of every step reads it; a recorded step too): read it, never write."""
     key = (chunk_len, torch.device(device) if device is not None else torch.device("cpu"))
-    if key not in _SAMPLE_INDEXES:
+    made = _SAMPLE_INDEXES.get(key)
+    if made is None:
         count = min(chunk_len, SAMPLES_PER_STEP)
         picks = torch.arange(SAMPLES_PER_STEP, device=device).clamp(max=count - 1)
-        _SAMPLE_INDEXES[key] = picks * chunk_len // count
-    return _SAMPLE_INDEXES[key]
+        # never replaced once kept: a thread that made one too takes the kept one
+        made = _SAMPLE_INDEXES.setdefault(key, picks * chunk_len // count)
+    return made
 
 
 _SAMPLE_INDEXES: dict[tuple[int, torch.device], torch.Tensor] = {}
