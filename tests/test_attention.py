@@ -132,3 +132,29 @@ def test_a_question_builds_its_causal_mask_once_for_every_layer(tiny_lm):
             prefill.generate(torch.randint(0, 96, (1, 5), generator=generator), max_new_tokens=1)
         masks[layers] = [name for name in trace.compute if name.startswith("masked_fill_")]
     assert masks[2] == masks[6] == ["masked_fill_.Scalar"]
+
+
+def test_a_questions_layers_share_a_mask_only_where_their_contexts_are_as_long(tiny_lm, monkeypatch):
+    """Layers that retrieved steps of other lengths read contexts of other lengths: each reads a mask of its own
+    length, and layers whose contexts are as long read the same one."""
+    from statekv.core import Retrieval, StateKV, StreamingPrefill
+    from statekv.core.answering import answer_cache
+
+    read = []
+
+    def recorded(q, k, v, *, scale, mask=None):
+        read.append((k.shape[2], mask))
+        return attention.chunk_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(answer_cache, "chunk_attention", recorded)
+    layers = 6
+    prefill = StreamingPrefill(tiny_lm("qwen2", num_hidden_layers=layers), StateKV(16))
+    generator = torch.Generator().manual_seed(5)
+    for length in (3, 19, 4, 15, 2, 11, 6, 2, 9, 3):
+        prefill.step(input_ids=torch.randint(0, 96, (1, length), generator=generator))
+    prefill.generate(torch.randint(0, 96, (1, 5), generator=generator), max_new_tokens=1, retrieve=Retrieval(1))
+    prompt = read[:layers]  # the prompt's forward, one call a layer
+    assert len({length for length, _ in prompt}) > 1
+    assert all(mask.tk == length and mask.tq == 5 for length, mask in prompt)
+    for length, mask in prompt:
+        assert all(other is mask for other_length, other in prompt if other_length == length)

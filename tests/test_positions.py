@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from statekv.core import FullAttention, Recency, Retrieval, StateKV, StreamingPrefill
+from statekv.core import FullAttention, PerLayerBudget, Recency, Retrieval, StateKV, StreamingPrefill
 from statekv.core.rules import CarryPolicy
 from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
                                             choose_positions, trained_range)
@@ -232,25 +232,36 @@ def test_a_step_past_the_range_places_every_layer_together(tiny_lm):
     assert extra[2] <= 2 + 13  # the carried keys and placements stacked and rotated; the chunk's rows stacked
 
 
-@pytest.mark.parametrize("layout", [OwnThenCache.name, CacheOrder.name])
-def test_a_step_placed_where_the_host_settled_it_is_the_step_that_finds_its_place(model, layout, monkeypatch):
+@pytest.mark.parametrize("layout, policy, lengths", [
+    (OwnThenCache.name, StateKV(16), (4,)),
+    (CacheOrder.name, StateKV(16), (4,)),
+    (CacheOrder.name, StateKV(16), (3, 5, 7, 4, 6)),
+    # layers carrying apart, and steps too wide for the largest carried state to compact (placed the grouped way)
+    (OwnThenCache.name, PerLayerBudget(StateKV(16), (10, 58, 16)), (3, 5, 7, 4, 6)),
+], ids=["own-then-cache", "cache", "cache, chunks of several lengths", "own-then-cache, uneven layers"])
+def test_a_step_placed_where_the_host_settled_it_is_the_step_that_finds_its_place(model, layout, policy, lengths,
+                                                                                   monkeypatch):
     """Past the range a cache-order step's places read nothing of the step but its base, which the host planned:
     the step takes them from the host (`BoundedLayout.settled`, made once and kept) instead of finding them on the
     device; every step's hidden states and the saved state are those of the device's own finding, bit for bit,
-    in fewer ops."""
+    resumed part-way too, in fewer ops."""
     from statekv.testing.op_trace import OpTrace
 
     monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", layout)
     embed = model.get_input_embeddings()
-    chunks = [embed(tokens(4, seed)).detach() for seed in range(30)]
+    chunks = [embed(tokens(lengths[index % len(lengths)], index)).detach() for index in range(36)]
 
     def run() -> tuple[list[torch.Tensor], dict, int]:
-        prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
+        prefill = StreamingPrefill(model, policy, positions="bounded")
         hidden, ops = [], 0
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
+            if index == 24:  # resumed from the state saved here
+                tensors, metadata = prefill.state_dict()
+                prefill = StreamingPrefill(model, policy, positions="bounded")
+                prefill.load_state_dict(tensors, metadata)
             with OpTrace() as trace:
                 hidden.append(prefill.step(inputs_embeds=chunk))
-            ops = len(trace.compute)
+            ops += len(trace.compute)
         assert prefill.positions.moved and prefill.seen_tokens > LIMIT
         return hidden, prefill.state_dict()[0], ops
 

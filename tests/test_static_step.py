@@ -272,6 +272,29 @@ def test_cuda_graph_replays_equal_eager_steps_bit_for_bit(tiny_lm, policy, offlo
                        runs[False][0].generate(prompt, max_new_tokens=answer_tokens))
 
 
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("layout", ["cache", "own-then-cache", "grouped"])
+def test_cuda_graph_replays_of_placed_steps_equal_eager_steps_bit_for_bit(tiny_lm, layout):
+    """Past the model's range (bounded positions), a steady step placed away from its own position replays from a
+    graph as it runs eagerly: its places settled on the host (cache order) or found on the device (grouped)."""
+    model = tiny_lm("qwen3", max_position_embeddings=64).to("cuda")
+    chunks = [c.to("cuda") for c in embeddings(model, lengths=(PREFIX,) + (T,) * 30)]
+    runs = {}
+    for graphed in (False, True):
+        prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=BUDGET), attention="eager",
+                                           positions="bounded", bounded_layout=layout, cuda_graph=graphed)
+        runs[graphed] = prefill, [prefill.step(inputs_embeds=chunk) for chunk in chunks]
+    assert runs[True][0].positions.moved and runs[True][0].graphs.replays >= 10
+    for got, expected in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(got, expected)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(runs[True][0].carried_positions(layer), runs[False][0].carried_positions(layer))
+    prompt = torch.arange(4, device="cuda")[None]
+    assert torch.equal(runs[True][0].generate(prompt, max_new_tokens=4),
+                       runs[False][0].generate(prompt, max_new_tokens=4))
+
+
 def test_one_recording_at_a_time_with_no_garbage_collection_during_it():
     """`recording`: a recording on a second thread waits for the first to end (torch records every graph on one
     capture stream), dropping recorded graphs (`StepGraphs.clear`) waits too, a recording nested on the same thread

@@ -78,8 +78,8 @@ class ChunkMask:
         a recorded CUDA graph may read it at any later replay)."""
         key = (tq, tk, groups, device)
         mask = cls._built.get(key)
-        if mask is None:
-            mask = cls._built[key] = cls(tq, tk, groups, device)
+        if mask is None:  # never replaced once kept: a thread that made one too takes the kept one
+            mask = cls._built.setdefault(key, cls(tq, tk, groups, device))
         return mask
 
     def sdpa(self, dtype: torch.dtype):

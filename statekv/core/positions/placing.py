@@ -357,8 +357,8 @@ class StreamPositions:
         return not self.still and not self.moved
 
     def device_scalars(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the step's device part sets and reads (kept:
-        a recorded step reads the same memory)."""
+        """``(first, base, shift)``: LongTensors ``[1]`` on ``device`` the device part of a step that finds its
+        places there sets and reads (kept: a recorded step reads the same memory)."""
         if device not in self.devices:
             self.devices[device] = tuple(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3))
         return self.devices[device]
@@ -400,9 +400,9 @@ class StreamPositions:
         (`BoundedLayout.settled`): ``(placer, the chunk's rotary positions [span], base [1])``, made once for these
         shapes and kept (a recorded step reads them), so the step finds nothing on the device. None where the
         places move with the chunk."""
-        key = (base, span, carried, device)
+        key = (base, span, carried, device)  # a handful: steady steps share one; a chunk length adds one
         if key not in self._settled:
-            placer = self.layout.settled(base, span, carried, self.limit)
+            placer = self.layout.settled(base, span, carried, self.limit, flat=True)  # no explicit positions: 1-D
             self._settled[key] = None if placer is None else (
                 placer, torch.arange(base, base + span, device=device), torch.tensor([base], device=device))
         return self._settled[key]

@@ -48,7 +48,7 @@ def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Te
     """``[SAMPLES_PER_STEP]`` token offsets of a step's sampled keys: ``min(chunk_len, SAMPLES_PER_STEP)`` evenly
     spaced offsets first (the `attention` rule's picks), then the last offset repeated as padding. Made once per
     length and device and shared (every layer of every step reads it; a recorded step too): read it, never write."""
-    key = (chunk_len, torch.device(device) if device is not None else torch.device("cpu"))
+    key = (chunk_len, device)
     made = _SAMPLE_INDEXES.get(key)
     if made is None:
         count = min(chunk_len, SAMPLES_PER_STEP)
@@ -58,7 +58,7 @@ def sample_index(chunk_len: int, device: torch.device | None = None) -> torch.Te
     return made
 
 
-_SAMPLE_INDEXES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_SAMPLE_INDEXES: dict[tuple[int, torch.device | None], torch.Tensor] = {}
 
 
 class Segments(NamedTuple):
