@@ -726,11 +726,13 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
             with server.client() as client:
                 metrics = client.get("/metrics").text
             asked = re.search(r'^statekv_asks_total\{route="page"\} (\S+)$', metrics, re.MULTILINE)
-            page.evaluate("window.beforeRestart = true")
-            server.stop()  # a restart: the page reconnects, reloads and finds its stream again
+            for tab in (page, other):
+                tab.evaluate("window.beforeRestart = true")
+            server.stop()  # a restart: each tab reconnects, reloads and finds its stream again
             server.start()
-            page.wait_for_function("() => window.beforeRestart === undefined && "
-                                   "document.querySelectorAll('.statekv-answer').length == 2", timeout=120_000)
+            for tab in (page, other):  # both reloaded on their own (a reload of ours meanwhile would be aborted)
+                tab.wait_for_function("() => window.beforeRestart === undefined && "
+                                      "document.querySelectorAll('.statekv-answer').length == 2", timeout=120_000)
             assert page.inner_text(".statekv-title") == "v0000.mp4" and f"stream={stream_id}" in page.url
             other.reload()
             other.locator(f".statekv-stream-{stream_id}").get_by_role("button", name="delete").click()
