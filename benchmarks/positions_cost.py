@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import statekv  # noqa: E402
-from statekv.core.positions import placing  # noqa: E402
+from statekv.core.positions import rope  # noqa: E402
 from statekv.testing.op_trace import OpTrace  # noqa: E402
 
 METHODS = (("full", {}, "full attention"), ("statekv", {}, "StateKV"), ("recency", {"frames": 16}, "recency R=16"))
@@ -104,7 +104,7 @@ def inside(args, frames) -> list[dict]:
 def past(args, frames) -> list[dict]:
     rows = []
     qa = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv", device=args.device))
-    limit = placing.trained_range(qa.adapter.model.config.get_text_config())
+    limit = rope.trained_range(qa.adapter.model.config.get_text_config())
     runs = [(layout, {"bounded_layout": layout}) for layout in LAYOUTS]
     if args.offload_dir:  # the default on the disk tier: its backlog and successor in the stream's folder
         runs.append(("handover, disk tier", {"bounded_layout": "handover", "offload": "disk",
@@ -146,7 +146,7 @@ def paired(args, frames) -> list[dict]:
     long = statekv.VideoQA.from_options(statekv.ModelOptions(model=args.model, method="statekv",
                                                              device=args.device))
     config = long.adapter.model.config.get_text_config()
-    if placing.rope_parameters(config)["rope_type"] != "default":
+    if rope.rope_parameters(config)["rope_type"] != "default":
         raise SystemExit(f"--paired-frames needs a model with the default RoPE, not {args.model}")
     config.max_position_embeddings = 1 << 30
     bounded = qa.stream(max_fps=None, vision_batch=1)

@@ -9,7 +9,8 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 from statekv.core import FullAttention, PerLayerBudget, Recency, Retrieval, StateKV, StreamingPrefill
 from statekv.core.rules import CarryPolicy
 from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
-                                            choose_positions, trained_range)
+                                            choose_positions)
+from statekv.core.positions.rope import trained_range
 from statekv.core.positions.rotation import rotate
 from statekv.errors import ConfigurationError, HorizonError, InputError
 
@@ -273,6 +274,38 @@ def test_a_step_placed_where_the_host_settled_it_is_the_step_that_finds_its_plac
     assert settled_state.keys() == found_state.keys()
     assert all(torch.equal(settled_state[name], found_state[name]) for name in settled_state)
     assert settled_ops < found_ops
+
+
+def test_settled_steps_read_the_rotary_outputs_the_first_of_them_made(model, monkeypatch):
+    """A step whose places the host settled runs the decoder at the same positions as every such step before it: the
+    rotary module's output is made once per chunk length and read by the later steps (`SettledRotary`), which the
+    settled test above shows are bit for bit the steps that make it. Only those positions' memory is read from
+    it: the same values elsewhere, another length or rows that differ are made by the module."""
+    from statekv.core.positions.rope import SettledRotary
+
+    rotary_class = type(model.model.rotary_emb)
+    made = []
+    own_forward = rotary_class.forward
+    monkeypatch.setattr(rotary_class, "forward", lambda self, x, position_ids: made.append(position_ids.shape)
+                        or own_forward(self, x, position_ids))
+    prefill = StreamingPrefill(model, StateKV(16), positions="bounded")  # own-then-cache
+    embed = model.get_input_embeddings()
+    counts = []
+    for index in range(30):
+        prefill.step(inputs_embeds=embed(tokens(3 + index % 2, index)).detach())
+        counts.append(len(made))
+    assert prefill.positions.moved and prefill.positions.rotary is not None
+    assert counts[-1] - counts[-11] == 0  # steady placed steps of two lengths, each made before: none made again
+    assert counts[10] - counts[0] == 10  # inside the range, at its own positions, every step made its own
+
+    module = model.model.rotary_emb
+    x = torch.zeros(1, 4, model.config.hidden_size)
+    settled = SettledRotary(torch.arange(40, 44))
+    assert settled.key(module, x, settled.positions.expand(3, -1)) is not None
+    assert settled.key(module, x, settled.positions.unsqueeze(0)) is not None
+    for other in (torch.arange(40, 44).expand(1, -1), settled.positions[:3].expand(1, -1),
+                  torch.stack([settled.positions, settled.positions])):
+        assert settled.key(module, x, other) is None
 
 
 def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):

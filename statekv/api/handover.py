@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from ..core.positions.placing import CacheOrder, OwnThenCache, trained_range
+from ..core.positions.placing import CacheOrder, OwnThenCache
+from ..core.positions.rope import trained_range
 from ..core.positions.rope import rope_parameters
 from ..core.rules.base import CarryPolicy
 from ..errors import InputError

@@ -67,8 +67,9 @@ class StreamingLayer(EngineLayer):
         self.storage.stage_summaries(key_states, self.step.step_device)
         keys, values = self.carry.stage(self.storage, key_states, value_states, self.step)
         placed = self.step.placed_keys[self.index] if self.step.placed_keys else None
-        if placed is not None:
-            placed[:, :, self.carried_length:] = key_states
+        if placed is not None:  # its chunk's rows are the last: [B, H_kv, K + T, D]
+            chunk_len = key_states.shape[2]
+            placed.narrow(2, placed.shape[2] - chunk_len, chunk_len).copy_(key_states)
             return placed, values
         return keys, values
 
@@ -99,9 +100,7 @@ class StreamingLayer(EngineLayer):
         """Under bounded positions, the carried keys ``[B, H_kv, K, D]`` at their stored rotations and their
         placements ``[2, B, H_kv, K]`` (anchors, rotations); None where nothing is carried or placed."""
         slots = self.carry.buffer
-        if slots is None or slots.placements is None:
-            return None
-        return slots.kv[0, :, :, :slots.carried], slots.placements[..., :slots.carried]
+        return None if slots is None else slots.carried_placing()
 
     def positions(self) -> torch.Tensor:
         """Logical positions of the carried tokens, ``[B, H_kv, K]`` (``[1, 1, 0]`` before the first step)."""

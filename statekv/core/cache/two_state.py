@@ -30,6 +30,7 @@ from ..attention.scored import ChunkMask, chunk_attention, scored_attention
 from ..rules.base import CarryPolicy
 from ..rules.candidates import Candidates
 from ..positions.placing import StreamPositions
+from ..positions.rope import SettledRotary
 from ..rules.steering import steered
 from ..storage.tiers import StorageTier
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
@@ -194,6 +195,11 @@ class TwoStateCache(Cache):
         chunk's own continued from the stream's length, ``[rows, T]``."""
         positions = self.begin_device(position_ids)
         return positions.expand(rows, -1) if position_ids is None else positions
+
+    def settled_rotary(self) -> SettledRotary | None:
+        """The rotary outputs the decoder reads in the step begun (`step_positions`), where the host settled its
+        places (`StreamPositions.settled_step`); else None."""
+        return self.positions.rotary if self.transaction.context.positions is not None else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the chunk's queries ``q [B, Hq, T, D]`` over ``[carried; chunk]`` keys ``k``/``v``;

@@ -5,13 +5,13 @@ adapter's positions). Streaming is then exactly the model's one-shot forward, bu
 the model's positional range, fixed up front as its horizon.
 
 ``positions="bounded"``: every position the model sees stays inside the range it was trained on
-(`trained_range`), so a stream needs no horizon and never ends. Each step's chunk is placed at a rotary position
-inside the range (its *base*); the keys a step attends to besides its own (the carried state) are rotated, for
-that step only, to positions the `BoundedLayout` gives them relative to the chunk; a question lays out the
-context it reads (the whole detailed cache when it fits in the range, else the retrieved frames) contiguously,
-in time order, and the prompt after it (`QuestionPlan`). Keys are stored as computed, at the rotation they had
-in their own step, and are rotated from there each time they are read, so no rounding accumulates however long
-a token is carried.
+(`statekv.core.positions.rope.trained_range`), so a stream needs no horizon and never ends. Each step's chunk is
+placed at a rotary position inside the range (its *base*); the keys a step attends to besides its own (the carried
+state) are rotated, for that step only, to positions the `BoundedLayout` gives them relative to the chunk; a
+question lays out the context it reads (the whole detailed cache when it fits in the range, else the retrieved
+frames) contiguously, in time order, and the prompt after it (`QuestionPlan`). Keys are stored as computed, at the
+rotation they had in their own step, and are rotated from there each time they are read, so no rounding
+accumulates however long a token is carried.
 
 A rotation by ``delta`` positions is RoPE's own rotation (`rotate`): ``R(p + delta) k = R(delta) R(p) k``, with
 the model's frequencies. M-RoPE (Qwen3-VL) moves its three position rows together by the same ``delta``, which
@@ -49,7 +49,7 @@ import torch
 from ...errors import ConfigurationError, HorizonError, InputError
 from ...settings.engine import HANDOVER, check_positions
 from ...settings.values import check_int
-from .rope import RECOMPUTED_PER_CALL, rope_capacity, rope_parameters
+from .rope import SettledRotary, rope_capacity
 from .rotation import Placer, place_carried
 
 SEGMENT_PLACES = 16  # places a past-the-range question scores segments at (`StreamPositions.scoring_turns`)
@@ -72,15 +72,6 @@ def choose_positions(requested: str | None, config, horizon: int | None) -> str:
     if requested is None and capacity is not None and horizon > capacity:
         return "bounded"
     return "stream"
-
-
-def trained_range(config) -> int:
-    """The positions the model was trained on: its RoPE capacity (``max_position_embeddings``, times the factor
-    of ``linear``/``yarn``/``longrope``); for ``dynamic`` NTK, the length it was trained at."""
-    capacity = rope_capacity(config)
-    if capacity is None or rope_parameters(config)["rope_type"] in RECOMPUTED_PER_CALL:
-        return int(config.max_position_embeddings)
-    return int(capacity)
 
 
 @dataclass(frozen=True)
@@ -318,6 +309,7 @@ class StreamPositions:
         self.moved = False  # some committed step was placed away from its own position
         self.placer: Placer | None = None  # the carried keys' places in the step placed away from its own (`chunk`)
         self.step_base: torch.Tensor | None = None  # that step's base, ``[1]`` on the device (`chunk`)
+        self.rotary: SettledRotary | None = None  # the rotary outputs of a step the host settled (`chunk`)
         self._settled: dict[tuple, tuple | None] = {}  # `settled_step`'s, by base and shapes
         self.still = True  # the step planned, and every one before it, sits at its own position (set by plan)
 
@@ -369,6 +361,7 @@ class StreamPositions:
         in the stream (``write_index`` for 1-D, else the given ones) moved to its base, found on the device unless
         the host settled them (`settled_step`). While the stream is `still`, its own positions."""
         anchors = write_index if position_ids is None else _temporal(position_ids)[0]
+        self.rotary = None
         if self.still:
             return (write_index if position_ids is None else position_ids), anchors, anchors
         span, carried, flat = self._placing
@@ -376,7 +369,7 @@ class StreamPositions:
         if away and position_ids is None:
             settled = self.settled_step(self.pending.base, span, carried, write_index.device)
             if settled is not None:
-                self.placer, rotations, self.step_base = settled
+                self.placer, rotations, self.step_base, self.rotary = settled
                 return rotations, anchors, rotations
         first, base, shift = self.device_scalars(write_index.device)
         self.step_base = base
@@ -397,14 +390,15 @@ class StreamPositions:
     def settled_step(self, base: int, span: int, carried: int, device: torch.device
                      ) -> tuple[Placer, torch.Tensor, torch.Tensor] | None:
         """A 1-D step placed away from its own position at ``base`` whose layout settles its places on the host
-        (`BoundedLayout.settled`): ``(placer, the chunk's rotary positions [span], base [1])``, made once for these
-        shapes and kept (a recorded step reads them), so the step finds nothing on the device. None where the
-        places move with the chunk."""
+        (`BoundedLayout.settled`): ``(placer, the chunk's rotary positions [span], base [1], their SettledRotary)``,
+        made once for these shapes and kept (a recorded step reads them), so the step finds nothing on the device.
+        None where the places move with the chunk."""
         key = (base, span, carried, device)  # a handful: steady steps share one; a chunk length adds one
         if key not in self._settled:
             placer = self.layout.settled(base, span, carried, self.limit, flat=True)  # no explicit positions: 1-D
+            rotations = torch.arange(base, base + span, device=device)
             self._settled[key] = None if placer is None else (
-                placer, torch.arange(base, base + span, device=device), torch.tensor([base], device=device))
+                placer, rotations, torch.tensor([base], device=device), SettledRotary(rotations))
         return self._settled[key]
 
     def placed_carried(self, carried: list[tuple[torch.Tensor, torch.Tensor] | None], chunk_len: int,

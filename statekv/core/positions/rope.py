@@ -6,6 +6,10 @@ recompute their frequencies from the largest position of the *current call*: chu
 rotate every chunk with a different base, and decoding with yet another. :func:`freeze_rope` computes the
 frequencies once for the planned horizon, exactly as a one-shot forward over ``horizon`` tokens would, and
 turns the per-call update off.
+
+A bounded stream past its range whose steps the host places at one base (`SettledRotary`) runs the decoder at
+the same positions step after step: its rotary modules' outputs are made by the first such step and read by the
+next (:func:`settle_rotary`).
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ def check_horizon(config, horizon: int | None) -> int:
     return horizon
 
 
+def trained_range(config) -> int:
+    """The positions the model was trained on: its RoPE capacity (``max_position_embeddings``, times the factor
+    of ``linear``/``yarn``/``longrope``); for ``dynamic`` NTK, the length it was trained at."""
+    capacity = rope_capacity(config)
+    if capacity is None or rope_parameters(config)["rope_type"] in RECOMPUTED_PER_CALL:
+        return int(config.max_position_embeddings)
+    return int(capacity)
+
+
 class FrozenRope:
     """One stream's rotation: the frequencies of a decoder's rotary modules whose RoPE is recomputed per call
     (``dynamic``, ``longrope``; static types need nothing and are not listed), fixed for ``horizon`` tokens.
@@ -114,12 +127,47 @@ class _WithFrequencies:
         return getattr(self._module, name)
 
 
+class SettledRotary:
+    """The rotary modules' outputs for the chunk positions ``positions`` ``[T]`` of steps whose places the host
+    settled (`statekv.core.positions.placing.StreamPositions.settled_step`): the same at every such step, so the
+    first step's forward makes them and later ones read them (a recorded step too: they are kept)."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self.made: dict[tuple, object] = {}
+
+    def active(self) -> AbstractContextManager[None]:
+        """These outputs read by the rotary modules for calls made in this thread inside the block."""
+        return _settled.set(self)
+
+    def key(self, module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple | None:
+        """What ``module``'s output for ``x`` at ``position_ids`` is kept under, where those are these positions
+        (their memory, rows expanded); else None."""
+        *rows, length = position_ids.shape
+        *row_strides, stride = position_ids.stride()
+        if position_ids.data_ptr() != self.positions.data_ptr() or length != len(self.positions) or stride != 1 \
+                or any(step and size > 1 for step, size in zip(row_strides, rows)):
+            return None
+        return id(module), x.dtype, x.device, tuple(position_ids.shape)
+
+
+_settled = ThreadValue()  # the SettledRotary of the step whose forward runs in this thread, if any
+
+
 def _stream_aware_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-    """The module's own forward, with the frozen frequencies of the stream calling from this thread, if any."""
+    """The module's own forward, with the frozen frequencies of the stream calling from this thread, if any; a
+    settled step's output read where an earlier step made it."""
+    settled: SettledRotary | None = None if args or kwargs or torch.compiler.is_compiling() else _settled.get()
+    key = None if settled is None else settled.key(module, x, position_ids)
+    if key is not None and key in settled.made:
+        return settled.made[key]
     rope: FrozenRope | None = _active.get()
     inv_freq = rope.frequencies(module) if rope is not None else None
     target = module if inv_freq is None else _WithFrequencies(module, inv_freq)
-    return type(module).forward(target, x, position_ids, *args, **kwargs)
+    output = type(module).forward(target, x, position_ids, *args, **kwargs)
+    if key is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        output = settled.made.setdefault(key, output)  # made outside a graph's memory pool
+    return output
 
 
 def _make_stream_aware(module: nn.Module) -> None:
@@ -130,6 +178,13 @@ def _make_stream_aware(module: nn.Module) -> None:
             return
         module.forward = MethodType(_stream_aware_forward, module)
         module._statekv_stream_aware = True
+
+
+def settle_rotary(decoder: nn.Module) -> None:
+    """Let ``decoder``'s rotary modules read a settled step's outputs (`SettledRotary`) instead of making them."""
+    for module in decoder.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            _make_stream_aware(module)
 
 
 def freeze_rope(decoder: nn.Module, horizon: int) -> FrozenRope:

@@ -24,6 +24,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,10 @@ class BatchCache(Cache):
         its length, ``[S, T]``."""
         positions = [cache.begin_device(None) for cache in self.caches]
         return torch.stack(positions) if position_ids is None else position_ids
+
+    def settled_rotary(self) -> None:
+        """None: the rows' positions are stacked anew at every step (`TwoStateCache.settled_rotary`)."""
+        return None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of every row's chunk ``q [S, Hq, T, D]`` over its ``[carried; chunk]`` ``k``/``v``, computed
@@ -417,7 +422,9 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
         inputs = dict(inputs, position_ids=positions)
     steady_compiled = first.compiled_decoder is not None and all(prefill.cache.is_steady() for prefill in prefills)
     decoder = first.compiled_decoder if steady_compiled else first.decoder  # `statekv.core.step.compiled`
-    output = decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
+    settled = cache.settled_rotary()
+    with settled.active() if settled is not None else nullcontext():
+        output = decoder(**inputs, attention_mask=first.step_mask, past_key_values=cache, use_cache=True)
     for prefill in prefills:
         missing = prefill.cache.missing_layers()
         if missing:

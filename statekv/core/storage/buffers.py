@@ -114,6 +114,7 @@ class CarriedSlots:
     def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int,
                  position_rows: torch.Tensor | None = None):
         self.kv, self.carried = kv, carried
+        self._carried_placing: tuple | None = None  # `carried_placing`'s views, with the tensors they view
         self.point_rows(positions, position_rows)
 
     def point_rows(self, positions: torch.Tensor | None, position_rows: torch.Tensor | None) -> None:
@@ -166,6 +167,17 @@ class CarriedSlots:
         """The carried part: ``kv [2, B, H_kv, K, D]`` and positions ``[B, H_kv, K]`` (views)."""
         positions = None if self.positions is None else self.positions[..., : self.carried]
         return self.kv[:, :, :, : self.carried], positions
+
+    def carried_placing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The carried keys ``[B, H_kv, K, D]`` and their placements ``[2, B, H_kv, K]`` (views, made once for the
+        tensors held: a buffer kept in place keeps them; None unless bounded)."""
+        if self.placements is None:
+            return None
+        made = self._carried_placing
+        if made is None or made[0] is not self.kv or made[1] is not self.placements:
+            made = self._carried_placing = (self.kv, self.placements, (
+                self.kv[0, :, :, : self.carried], self.placements[..., : self.carried]))
+        return made[2]
 
     def head_placements(self) -> torch.Tensor | None:
         """The carried part's placements ``[2, B, H_kv, K]`` (a view; None unless bounded)."""

@@ -43,10 +43,10 @@ from ..attention.switch import language_decoder, prepared_mask, share_language_a
 from ..cache.persistence import check_state_dict
 from ..rules.base import CarryPolicy
 from ..positions import placing
-from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies, trained_range
+from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies
 from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
-from ..positions.rope import FrozenRope, check_horizon
+from ..positions.rope import FrozenRope, check_horizon, trained_range
 from ...settings.engine import EngineSettings
 from .stats import StepRecord, StreamStats, kept_fraction
 
@@ -141,6 +141,8 @@ class StreamingPrefill:
         limit = trained_range(self.config)
         frozen_for = limit if bounded else self.horizon
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
+        if bounded:
+            rotary.settle_rotary(self.decoder)
         layout = settings.bounded_layout or placing.DEFAULT_LAYOUT
         self.positions = StreamPositions(settings.positions, limit, layout,
                                          model_frequencies(self.decoder, self.rope) if bounded else None,
