@@ -306,6 +306,29 @@ def test_settled_steps_read_the_rotary_outputs_the_first_of_them_made(model, mon
     for other in (torch.arange(40, 44).expand(1, -1), settled.positions[:3].expand(1, -1),
                   torch.stack([settled.positions, settled.positions])):
         assert settled.key(module, x, other) is None
+    rows = torch.arange(40, 48)
+    assert SettledRotary(rows[:4]).key(module, x, rows.view(2, 4)) is None  # its memory, but a second row differs
+    half = settled.key(module, x.to(torch.bfloat16), settled.positions.unsqueeze(0))
+    assert half is not None and half != settled.key(module, x, settled.positions.unsqueeze(0))  # outputs in x's dtype
+
+
+def test_a_slot_buffer_forgets_its_placing_views_when_pointed_at_other_tensors():
+    """`CarriedSlots.carried_placing` keeps its views while the buffer is kept in place; a pool pointing the
+    buffer at its own rows (a new ``kv`` or new position rows) drops them, so they neither go stale nor keep the
+    tensors they viewed alive."""
+    from statekv.core.storage.buffers import CarriedSlots
+
+    slots = CarriedSlots.holding(torch.randn(2, 1, 2, 3, 4), torch.arange(3).expand(1, 2, 3), 2,
+                                 torch.arange(3).expand(2, 1, 2, 3))
+    keys, placements = slots.carried_placing()
+    assert slots.carried_placing()[0] is keys and torch.equal(keys, slots.kv[0, :, :, :3])
+    slots.kv = torch.zeros_like(slots.kv)
+    assert slots.carried_placing()[0] is not keys and not slots.carried_placing()[0].any()
+    kept = slots.carried_placing()[1]
+    slots.point_rows(None, torch.full_like(slots.position_rows, 7))
+    assert slots.carried_placing()[1] is not kept and (slots.carried_placing()[1] == 7).all()
+    assert CarriedSlots.holding(torch.randn(2, 1, 2, 3, 4), torch.arange(3).expand(1, 2, 3), 2).carried_placing() \
+        is None
 
 
 def test_placing_every_layer_at_once_is_placing_each_alone(monkeypatch):

@@ -388,7 +388,7 @@ class StreamPositions:
         return moved, anchors, rotations
 
     def settled_step(self, base: int, span: int, carried: int, device: torch.device
-                     ) -> tuple[Placer, torch.Tensor, torch.Tensor] | None:
+                     ) -> tuple[Placer, torch.Tensor, torch.Tensor, SettledRotary] | None:
         """A 1-D step placed away from its own position at ``base`` whose layout settles its places on the host
         (`BoundedLayout.settled`): ``(placer, the chunk's rotary positions [span], base [1], their SettledRotary)``,
         made once for these shapes and kept (a recorded step reads them), so the step finds nothing on the device.

@@ -1,7 +1,7 @@
 """RoPE for a whole streaming run: one rotation per stream, fixed before its first step, kept through decoding.
 
 Static RoPE types (``default``, ``linear``, ``yarn``, ``llama3``, M-RoPE) rotate a position the same way
-whatever else is in the batch, so streaming needs nothing from them. ``dynamic`` (NTK) and ``longrope``
+whatever else is in the batch, so their rotation needs nothing for streaming. ``dynamic`` (NTK) and ``longrope``
 recompute their frequencies from the largest position of the *current call*: chunk by chunk that would
 rotate every chunk with a different base, and decoding with yet another. :func:`freeze_rope` computes the
 frequencies once for the planned horizon, exactly as a one-shot forward over ``horizon`` tokens would, and
@@ -9,7 +9,8 @@ turns the per-call update off.
 
 A bounded stream past its range whose steps the host places at one base (`SettledRotary`) runs the decoder at
 the same positions step after step: its rotary modules' outputs are made by the first such step and read by the
-next (:func:`settle_rotary`).
+next (:func:`settle_rotary`, which routes every rotary module of a bounded stream's decoder, static types too,
+through the same per-thread lookup as :func:`freeze_rope`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class FrozenRope:
     """One stream's rotation: the frequencies of a decoder's rotary modules whose RoPE is recomputed per call
     (``dynamic``, ``longrope``; static types need nothing and are not listed), fixed for ``horizon`` tokens.
 
-    The model's modules are never changed: :func:`freeze_rope` makes each of them consult the rotation active in
+    The model's modules keep their behaviour: :func:`freeze_rope` makes each of them consult the rotation active in
     the calling thread (:meth:`active`), so streams with different horizons share one model, each rotating with
     its own frequencies, and ordinary calls of the model keep its own RoPE.
     """

@@ -114,13 +114,22 @@ class CarriedSlots:
     def __init__(self, kv: torch.Tensor, positions: torch.Tensor | None, carried: int,
                  position_rows: torch.Tensor | None = None):
         self.kv, self.carried = kv, carried
-        self._carried_placing: tuple | None = None  # `carried_placing`'s views, with the tensors they view
         self.point_rows(positions, position_rows)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self._kv
+
+    @kv.setter
+    def kv(self, kv: torch.Tensor) -> None:  # a pool points a seated stream's buffer at its rows
+        self._kv = kv
+        self._carried_placing: tuple[torch.Tensor, torch.Tensor] | None = None  # `carried_placing`'s views
 
     def point_rows(self, positions: torch.Tensor | None, position_rows: torch.Tensor | None) -> None:
         """Hold ``positions`` ``[B, H_kv, K + T]``, or under bounded positions ``position_rows`` ``[3, B, H_kv,
         K + T]`` (its first row the positions, the others the placements)."""
         self.position_rows = position_rows
+        self._carried_placing = None
         self.positions = positions if position_rows is None else position_rows[0]
         self.placements = None if position_rows is None else position_rows[1:]  # [2, B, H_kv, K + T]
 
@@ -170,14 +179,13 @@ class CarriedSlots:
 
     def carried_placing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The carried keys ``[B, H_kv, K, D]`` and their placements ``[2, B, H_kv, K]`` (views, made once for the
-        tensors held: a buffer kept in place keeps them; None unless bounded)."""
+        tensors held, which a buffer kept in place keeps; pointing it at others forgets them); None unless
+        bounded."""
         if self.placements is None:
             return None
-        made = self._carried_placing
-        if made is None or made[0] is not self.kv or made[1] is not self.placements:
-            made = self._carried_placing = (self.kv, self.placements, (
-                self.kv[0, :, :, : self.carried], self.placements[..., : self.carried]))
-        return made[2]
+        if self._carried_placing is None:
+            self._carried_placing = self.kv[0, :, :, : self.carried], self.placements[..., : self.carried]
+        return self._carried_placing
 
     def head_placements(self) -> torch.Tensor | None:
         """The carried part's placements ``[2, B, H_kv, K]`` (a view; None unless bounded)."""
