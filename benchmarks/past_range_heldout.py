@@ -11,7 +11,10 @@ needle, attribute, order and first_last (issue #45's group); count and position 
         --longest data/held-24000 --longest-seed 4830 --longest-videos 4
 
 ``--longest`` adds the 24,000-frame set (40 times the built-in model's range; small frames) and its runs: about
-17 minutes each with one thread on a 2-core machine.
+17 minutes each with one thread on a 2-core machine. ``--more-longest FOLDER,SEED,VIDEOS`` (repeatable) adds further
+24,000-frame sets, each streamed with the defaults only (``longest-statekv-r16-handover``, in a run folder named
+with its seed), and a row pooling that run over every 24,000-frame set; ``--section`` writes the table under another
+heading (a table of the further sets alone, say, whose runs of the other sets are not at hand).
 """
 
 from __future__ import annotations
@@ -106,6 +109,50 @@ def markdown(rows: list[tuple[str, str, dict, set[int], float | None]], note: st
     return note + "\n\n" + "\n".join(lines) + "\n"
 
 
+DEFAULTS_RUN = "longest-statekv-r16-handover"  # the run a further 24,000-frame set gets, and the pooled row's
+
+
+def further_set(text: str) -> tuple[Path, int, int]:
+    folder, seed, videos = text.rsplit(",", 2)
+    return Path(folder), int(seed), int(videos)
+
+
+def further_name(seed: int) -> str:
+    return DEFAULTS_RUN.replace("longest-", f"longest-{seed}-", 1)
+
+
+def further_longest(args, sets: dict, chosen: set | None, statekv_main) -> list[tuple]:
+    """The defaults' run on each further 24,000-frame set (``--more-longest``), then one row pooling it over every
+    24,000-frame set whose run is done: the rows `markdown` takes."""
+    label, flags = next((label, flags) for name, _, label, flags in RUNS if name == DEFAULTS_RUN)
+    rows, pooled, seeds = [], {}, []
+    if args.longest is not None and (args.runs / DEFAULTS_RUN).is_dir():
+        counts = tally(args.runs / DEFAULTS_RUN)
+        if counts is not None:
+            pooled, seeds = dict(counts), [args.longest_seed]
+    for _, seed, _ in args.more_longest:
+        out = args.runs / further_name(seed)
+        seconds = None
+        if not args.table_only and (chosen is None or DEFAULTS_RUN in chosen) and tally(out) is None:
+            started = time.monotonic()
+            if statekv_main(command(sets[f"longest-{seed}"], out, flags)):
+                raise SystemExit(f"statekv eval failed for {out.name}")
+            seconds = time.monotonic() - started
+            print(f"{out.name}: {seconds:.0f} s", file=sys.stderr, flush=True)
+        counts = tally(out)
+        if counts is None:
+            continue
+        rows.append((f"longest, seed {seed}", label, counts, frames_streamed(out), seconds))
+        for family, (correct, total) in counts.items():
+            before = pooled.get(family, (0, 0))
+            pooled[family] = (before[0] + correct, before[1] + total)
+        seeds.append(seed)
+    if len(seeds) > 1:
+        rows.append((f"longest, seeds {', '.join(map(str, seeds))} pooled", label, pooled,
+                     {args.longest_frames}, None))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--long", type=Path, required=True, help="the long set's folder (made here if absent)")
@@ -117,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--longest-seed", type=int, default=4830)
     parser.add_argument("--longest-videos", type=int, default=4)
     parser.add_argument("--longest-frames", type=int, default=24000)
+    parser.add_argument("--more-longest", type=further_set, action="append", default=[], metavar="FOLDER,SEED,VIDEOS",
+                        help="a further 24,000-frame set, streamed with the defaults (repeatable)")
     parser.add_argument("--short", type=Path, required=True)
     parser.add_argument("--short-seed", type=int, default=4810)
     parser.add_argument("--short-videos", type=int, default=48)
@@ -125,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table-only", action="store_true", help="only read the runs done; run nothing")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write the section to")
     parser.add_argument("--machine", default="", help="what else the machine was doing (written after its name)")
+    parser.add_argument("--section", default="Past the range: held-out", help="the heading --out writes under")
     args = parser.parse_args(argv)
     from statekv.cli import main as statekv_main
 
@@ -139,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     if needing:
         raise SystemExit(f"{', '.join(needing)} run on the 24,000-frame set: give its folder with --longest")
     rows = []
+    for folder, seed, videos in args.more_longest:
+        if not args.table_only:
+            make_set(folder, videos, seed, args.longest_frames)
+        sets[f"longest-{seed}"] = folder
     for name, which, label, flags in RUNS:
         if (chosen is not None and name not in chosen) or sets[which] is None:
             continue
@@ -152,25 +206,30 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: {seconds:.0f} s", file=sys.stderr, flush=True)
         counts = tally(out)
         if counts is not None:
-            rows.append((which, label, counts, frames_streamed(out), seconds))
+            named = f"{which}, seed {args.longest_seed}" if which == "longest" and args.more_longest else which
+            rows.append((named, label, counts, frames_streamed(out), seconds))
+    rows += further_longest(args, sets, chosen, statekv_main)
     note = (f"Held-out sets: `statekv synthetic make --frames {args.long_frames} --videos {args.long_videos} --seed "
             f"{args.long_seed}` (long)" + ("," if args.longest is not None else " and")
             + f" `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 frames)"
             + (f" and `--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` "
                "(longest)" if args.longest is not None else "")
+            + "".join(f", `--frames {args.longest_frames} --videos {videos} --seed {seed}` (longest, seed {seed})"
+                      for _, seed, videos in args.more_longest)
             + f"; each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
             f"Command: `python benchmarks/past_range_heldout.py "
             + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"
             + (f", {args.machine}" if args.machine else "") + ".")
-    weights = {run_weights(args.runs / name) for name, which, _, _ in RUNS if sets[which] is not None} - {None}
+    weights = ({run_weights(args.runs / name) for name, which, _, _ in RUNS if sets[which] is not None}
+               | {run_weights(args.runs / further_name(seed)) for _, seed, _ in args.more_longest}) - {None}
     if weights:
         note += " Weights (the fingerprint each run's `run.json` records): " + ", ".join(
             f"`{digest[:12]}`" for digest in sorted(weights)) + "."
     text = markdown(rows, note)
     print(text)
     if args.out:
-        write_section(args.out, "Past the range: held-out", text)
+        write_section(args.out, args.section, text)
 
 
 if __name__ == "__main__":

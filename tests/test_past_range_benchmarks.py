@@ -96,6 +96,29 @@ def test_the_held_out_table_reads_the_longest_set_only_when_it_is_given(tmp_path
         heldout.main(sets + ["--only", "longest-statekv-r16-handover"])
 
 
+def test_further_24000_frame_sets_get_a_row_each_and_one_pooling_them(tmp_path, capsys):
+    heldout = benchmark("past_range_heldout")
+    for name, correct in (("longest-statekv-r16-handover", 3), ("longest-4840-statekv-r16-handover", 4),
+                          ("longest-4850-statekv-r16-handover", 2)):
+        groups = {family: {"correct": correct, "questions": 4} for family in heldout.TARGET + heldout.APART}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"score": {"groups": {"task_type": groups}}}))
+        (tmp_path / name / "answers.rank000.jsonl").write_text(json.dumps({"extra": {"frames": 24000}}) + "\n")
+    out = tmp_path / "accuracy.md"
+    heldout.main(["--long", str(tmp_path / "long"), "--short", str(tmp_path / "short"), "--runs", str(tmp_path),
+                  "--table-only", "--longest", str(tmp_path / "longest"), "--more-longest",
+                  f"{tmp_path / 'l4840'},4840,4", "--more-longest", f"{tmp_path / 'l4850'},4850,4",
+                  "--only", "longest-statekv-r16-handover", "--section", "More", "--out", str(out)])
+    table = capsys.readouterr().out
+    assert "| longest, seed 4830 | StateKV B=64, handover, spread 384 (defaults) | 75.0 [" in table
+    assert "| longest, seed 4840 | StateKV B=64, handover, spread 384 (defaults) | 100.0 [" in table
+    assert "| longest, seed 4850 | StateKV B=64, handover, spread 384 (defaults) | 50.0 [" in table
+    pooled = f"| longest, seeds 4830, 4840, 4850 pooled | StateKV B=64, handover, spread 384 (defaults) | " \
+             f"{heldout.cell((36, 48))} | {heldout.cell((9, 12))} |"
+    assert pooled in table and "`--frames 24000 --videos 4 --seed 4850` (longest, seed 4850)" in table
+    assert out.read_text().startswith("# Benchmarks\n\n## More\n")
+
+
 def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(tmp_path):
     """The switch benchmark's layout keeps chunks at their own positions up to the switch, then in cache order right
     after the carried state (own-then-cache's rule past the range); a folder that is not a set is refused."""
