@@ -13,8 +13,14 @@ needle, attribute, order and first_last (issue #45's group); count and position 
 ``--longest`` adds the 24,000-frame set (40 times the built-in model's range; small frames) and its runs: about
 17 minutes each with one thread on a 2-core machine. ``--more-longest FOLDER,SEED,VIDEOS`` (repeatable) adds further
 24,000-frame sets, each streamed with the defaults only (``longest-statekv-r16-handover``, in a run folder named
-with its seed), and a row pooling that run over every 24,000-frame set; ``--section`` writes the table under another
-heading (a table of the further sets alone, say, whose runs of the other sets are not at hand).
+with its seed; ``--only`` leaves them out unless it names that run), and a row pooling that run over every
+24,000-frame set; ``--section`` writes the table under another heading. The note above the table names the sets of
+its rows only.
+
+    python benchmarks/past_range_heldout.py --long data/held-2400 --short data/held-short --runs runs/held-longest \\
+        --longest data/held-24000 --more-longest data/held-24000-4840,4840,8 --more-longest \\
+        data/held-24000-4850,4850,4 --only longest-statekv-r16-handover --out docs/accuracy.md \\
+        --section "Past the range: 24,000 frames, more videos"
 """
 
 from __future__ import annotations
@@ -121,19 +127,18 @@ def further_name(seed: int) -> str:
     return DEFAULTS_RUN.replace("longest-", f"longest-{seed}-", 1)
 
 
-def further_longest(args, sets: dict, chosen: set | None, statekv_main) -> list[tuple]:
+def further_longest(args, sets: dict, statekv_main) -> list[tuple]:
     """The defaults' run on each further 24,000-frame set (``--more-longest``), then one row pooling it over every
-    24,000-frame set whose run is done: the rows `markdown` takes."""
+    24,000-frame set whose run is done: ``(set, run folder or None for the pooled row, the row markdown takes)``."""
     label, flags = next((label, flags) for name, _, label, flags in RUNS if name == DEFAULTS_RUN)
-    rows, pooled, seeds = [], {}, []
-    if args.longest is not None and (args.runs / DEFAULTS_RUN).is_dir():
-        counts = tally(args.runs / DEFAULTS_RUN)
-        if counts is not None:
-            pooled, seeds = dict(counts), [args.longest_seed]
+    rows, pooled, seeds, frames = [], {}, [], set()
+    first = args.runs / DEFAULTS_RUN
+    if args.longest is not None and tally(first) is not None:
+        pooled, seeds, frames = dict(tally(first)), [args.longest_seed], frames_streamed(first)
     for _, seed, _ in args.more_longest:
         out = args.runs / further_name(seed)
         seconds = None
-        if not args.table_only and (chosen is None or DEFAULTS_RUN in chosen) and tally(out) is None:
+        if not args.table_only and tally(out) is None:
             started = time.monotonic()
             if statekv_main(command(sets[f"longest-{seed}"], out, flags)):
                 raise SystemExit(f"statekv eval failed for {out.name}")
@@ -142,15 +147,31 @@ def further_longest(args, sets: dict, chosen: set | None, statekv_main) -> list[
         counts = tally(out)
         if counts is None:
             continue
-        rows.append((f"longest, seed {seed}", label, counts, frames_streamed(out), seconds))
+        rows.append((f"longest-{seed}", out, (f"longest, seed {seed}", label, counts, frames_streamed(out), seconds)))
         for family, (correct, total) in counts.items():
             before = pooled.get(family, (0, 0))
             pooled[family] = (before[0] + correct, before[1] + total)
         seeds.append(seed)
+        frames |= frames_streamed(out)
     if len(seeds) > 1:
-        rows.append((f"longest, seeds {', '.join(map(str, seeds))} pooled", label, pooled,
-                     {args.longest_frames}, None))
+        rows.append((None, None, (f"longest, seeds {', '.join(map(str, seeds))} pooled", label, pooled, frames,
+                                  None)))
     return rows
+
+
+def set_made(args, which: str) -> str:
+    """The `statekv synthetic make` flags of a set (``long``, ``short``, ``longest``, ``longest-SEED``) and its name."""
+    if which == "long":
+        return f"--frames {args.long_frames} --videos {args.long_videos} --seed {args.long_seed}` (long)"
+    if which == "short":
+        return f"--videos {args.short_videos} --seed {args.short_seed}` (short, 96 frames)"
+    if which == "longest":
+        named = f", seed {args.longest_seed}" if args.more_longest else ""
+        return f"--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` " \
+               f"(longest{named})"
+    seed = int(which.split("-")[1])
+    videos = next(videos for _, given, videos in args.more_longest if given == seed)
+    return f"--frames {args.longest_frames} --videos {videos} --seed {seed}` (longest, seed {seed})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,14 +206,19 @@ def main(argv: list[str] | None = None) -> None:
         if args.longest is not None:
             make_set(args.longest, args.longest_videos, args.longest_seed, args.longest_frames)
     chosen = None if args.only is None else set(args.only.split(","))
-    needing = sorted(name for name, which, _, _ in RUNS if sets[which] is None and chosen and name in chosen)
+    further = args.more_longest if chosen is None or DEFAULTS_RUN in chosen else []
+    needing = sorted(name for name, which, _, _ in RUNS if sets[which] is None and chosen and name in chosen
+                     and not (name == DEFAULTS_RUN and further))
     if needing:
         raise SystemExit(f"{', '.join(needing)} run on the 24,000-frame set: give its folder with --longest")
-    rows = []
-    for folder, seed, videos in args.more_longest:
+    seeds = [seed for _, seed, _ in args.more_longest] + ([args.longest_seed] if args.longest is not None else [])
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"--more-longest: a 24,000-frame set's seed is given twice ({', '.join(map(str, seeds))})")
+    for folder, seed, videos in further:
         if not args.table_only:
             make_set(folder, videos, seed, args.longest_frames)
         sets[f"longest-{seed}"] = folder
+    shown = []  # (set, run folder or None, row)
     for name, which, label, flags in RUNS:
         if (chosen is not None and name not in chosen) or sets[which] is None:
             continue
@@ -206,27 +232,26 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: {seconds:.0f} s", file=sys.stderr, flush=True)
         counts = tally(out)
         if counts is not None:
-            named = f"{which}, seed {args.longest_seed}" if which == "longest" and args.more_longest else which
-            rows.append((named, label, counts, frames_streamed(out), seconds))
-    rows += further_longest(args, sets, chosen, statekv_main)
-    note = (f"Held-out sets: `statekv synthetic make --frames {args.long_frames} --videos {args.long_videos} --seed "
-            f"{args.long_seed}` (long)" + ("," if args.longest is not None else " and")
-            + f" `--videos {args.short_videos} --seed {args.short_seed}` (short, 96 frames)"
-            + (f" and `--frames {args.longest_frames} --videos {args.longest_videos} --seed {args.longest_seed}` "
-               "(longest)" if args.longest is not None else "")
-            + "".join(f", `--frames {args.longest_frames} --videos {videos} --seed {seed}` (longest, seed {seed})"
-                      for _, seed, videos in args.more_longest)
+            named = f"{which}, seed {args.longest_seed}" if which == "longest" and further else which
+            shown.append((which, out, (named, label, counts, frames_streamed(out), seconds)))
+    if further:
+        args.more_longest = further
+        shown += further_longest(args, sets, statekv_main)
+    made = list(dict.fromkeys(which for which, _, _ in shown if which is not None))
+    listed = [("`statekv synthetic make " if not index else "`") + set_made(args, which)
+              for index, which in enumerate(made)]
+    note = ("Held-out sets: " + (", ".join(listed[:-1]) + " and " + listed[-1] if len(listed) > 1 else
+                                 "".join(listed) or "none run yet")
             + f"; each run `statekv eval synthetic --model builtin --retrieve {RETRIEVE}` and its flags. "
             f"Command: `python benchmarks/past_range_heldout.py "
             + shlex.join(argv if argv is not None else sys.argv[1:]) + "`. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {__import__('torch').__version__}"
             + (f", {args.machine}" if args.machine else "") + ".")
-    weights = ({run_weights(args.runs / name) for name, which, _, _ in RUNS if sets[which] is not None}
-               | {run_weights(args.runs / further_name(seed)) for _, seed, _ in args.more_longest}) - {None}
+    weights = {run_weights(out) for _, out, _ in shown if out is not None} - {None}
     if weights:
         note += " Weights (the fingerprint each run's `run.json` records): " + ", ".join(
             f"`{digest[:12]}`" for digest in sorted(weights)) + "."
-    text = markdown(rows, note)
+    text = markdown([row for _, _, row in shown], note)
     print(text)
     if args.out:
         write_section(args.out, args.section, text)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from statekv.synthetic.benchmark import make_benchmark
 
@@ -116,7 +117,21 @@ def test_further_24000_frame_sets_get_a_row_each_and_one_pooling_them(tmp_path, 
     pooled = f"| longest, seeds 4830, 4840, 4850 pooled | StateKV B=64, handover, spread 384 (defaults) | " \
              f"{heldout.cell((36, 48))} | {heldout.cell((9, 12))} |"
     assert pooled in table and "`--frames 24000 --videos 4 --seed 4850` (longest, seed 4850)" in table
+    assert "(long)" not in table and "(short" not in table  # the note names the sets of its rows only
     assert out.read_text().startswith("# Benchmarks\n\n## More\n")
+    (tmp_path / "longest-4850-statekv-r16-handover" / "answers.rank000.jsonl").write_text(
+        json.dumps({"extra": {"frames": 2000}}) + "\n")
+    common = ["--long", str(tmp_path / "long"), "--short", str(tmp_path / "short"), "--runs", str(tmp_path),
+              "--table-only", "--more-longest", f"{tmp_path / 'l4840'},4840,4", "--more-longest",
+              f"{tmp_path / 'l4850'},4850,4"]
+    heldout.main(common + ["--only", "longest-statekv-r16-handover"])  # the further sets alone: no --longest
+    alone = capsys.readouterr().out
+    assert "| longest, seeds 4840, 4850 pooled |" in alone and alone.rstrip().endswith("| 2000, 24000 |")
+    assert "seed 4830" not in alone
+    heldout.main(common + ["--only", "short-statekv-r16"])  # a run that is not the defaults': no further rows
+    assert "seed 4840" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="seed is given twice"):
+        heldout.main(common + ["--longest", str(tmp_path / "longest"), "--longest-seed", "4850"])
 
 
 def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(tmp_path):
@@ -130,3 +145,25 @@ def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(
     assert [name for name, *_ in switch.runs([512])] == ["defaults", "switch-512", "prefix", "cache", "handover"]
     with pytest.raises(SystemExit, match="not a synthetic set"):
         switch.main(["--long", str(tmp_path)])
+
+
+def test_the_squeezed_layout_fits_a_frames_whole_history_in_its_reach_keeping_the_nearest_exact(monkeypatch):
+    squeezed = benchmark("squeezed_encoding")
+    from statekv.core.positions import placing
+    import statekv.settings.engine as engine_settings
+
+    layout = squeezed.SqueezedDistances(reach=40, near=8)
+    first, base = torch.tensor([5000]), torch.tensor([3000])
+    anchors = torch.arange(0, 5000, 7)
+    places = layout.place(first, base, 4, 4096)(anchors)
+    distances = base - places
+    assert distances.max() <= 40 and distances.min() >= 1 and (places.diff() >= 0).all()  # in time order
+    near = first - anchors <= 8
+    assert torch.equal(distances[near], (first - anchors)[near])
+    monkeypatch.setattr(placing, "BOUNDED_LAYOUTS", dict(placing.BOUNDED_LAYOUTS))
+    monkeypatch.setattr(engine_settings, "BOUNDED_LAYOUTS", engine_settings.BOUNDED_LAYOUTS)
+    name = squeezed.register(40, 8)
+    assert placing.bounded_layout(name) == layout
+    assert engine_settings.EngineSettings(bounded_layout=name).bounded_layout == name
+    with pytest.raises(SystemExit, match="--near 40"):
+        squeezed.register(40, 40)
