@@ -310,6 +310,9 @@ def test_settled_steps_read_the_rotary_outputs_the_first_of_them_made(model, mon
     assert SettledRotary(rows[:4]).key(module, x, rows.view(2, 4)) is None  # its memory, but a second row differs
     half = settled.key(module, x.to(torch.bfloat16), settled.positions.unsqueeze(0))
     assert half is not None and half != settled.key(module, x, settled.positions.unsqueeze(0))  # outputs in x's dtype
+    plain = settled.key(module, x, settled.positions.unsqueeze(0))
+    with torch.inference_mode():  # its outputs could not be saved for backward outside it
+        assert settled.key(module, x, settled.positions.unsqueeze(0)) != plain
 
 
 def test_a_slot_buffer_forgets_its_placing_views_when_pointed_at_other_tensors():

@@ -149,7 +149,8 @@ class SettledRotary:
         if position_ids.data_ptr() != self.positions.data_ptr() or length != len(self.positions) or stride != 1 \
                 or any(step and size > 1 for step, size in zip(row_strides, rows)):
             return None
-        return id(module), x.dtype, x.device, tuple(position_ids.shape)
+        # inference-mode outputs cannot be saved for backward outside it
+        return id(module), x.dtype, x.device, tuple(position_ids.shape), torch.is_inference_mode_enabled()
 
 
 _settled = ThreadValue()  # the SettledRotary of the step whose forward runs in this thread, if any
