@@ -19,8 +19,6 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 import statekv.settings.engine as engine_settings
 from statekv.core.positions import placing
 
@@ -34,15 +32,7 @@ class SqueezedDistances(placing.GroupedDistances):
     near: int = 64
 
     def place(self, first, base, span, limit, flat=True, moved=False):
-        near, reach = self.near, self.reach
-        group = torch.div(first - near + reach - near - 1, reach - near, rounding_mode="floor").clamp_min(1)
-        rounding = group - 1 - near
-
-        def targets(anchors: torch.Tensor) -> torch.Tensor:
-            distance = first - anchors
-            far = near + torch.div(distance + rounding, group, rounding_mode="floor")
-            return base - torch.minimum(torch.where(distance <= near, distance, far), base)
-        return targets
+        return placing.grouped_places(first, base, self.near, self.reach)
 
 
 def register(reach: int, near: int) -> str:

@@ -134,16 +134,21 @@ class GroupedDistances(BoundedLayout):
 
     def place(self, first, base, span, limit, flat=True, moved=False):
         cap = self.cap(limit)
-        window = int(self.window * cap)
-        group = torch.div(first - window + cap - window - 1, cap - window, rounding_mode="floor").clamp_min(1)
-        rounding = group - 1 - window
+        return grouped_places(first, base, int(self.window * cap), cap)
 
-        def targets(anchors: torch.Tensor) -> torch.Tensor:
-            distance = first - anchors
-            far = window + torch.div(distance + rounding, group, rounding_mode="floor")
-            grouped = torch.where(distance <= window, distance, far)
-            return base - torch.minimum(grouped, base)
-        return targets
+
+def grouped_places(first: torch.Tensor, base: torch.Tensor, window: int, reach: int) -> Placer:
+    """`GroupedDistances`' places for a chunk starting at ``first`` placed at ``base``: distances up to ``window``
+    kept, the farther ones grouped by the smallest factor that fits every distance from ``first`` within ``reach``."""
+    group = torch.div(first - window + reach - window - 1, reach - window, rounding_mode="floor").clamp_min(1)
+    rounding = group - 1 - window
+
+    def targets(anchors: torch.Tensor) -> torch.Tensor:
+        distance = first - anchors
+        far = window + torch.div(distance + rounding, group, rounding_mode="floor")
+        grouped = torch.where(distance <= window, distance, far)
+        return base - torch.minimum(grouped, base)
+    return targets
 
 
 @dataclass(frozen=True)
