@@ -12,7 +12,8 @@ the frames after the first step placed away from its own position against the sa
 what re-placing and rotating the carried keys costs once positions move; and the push that moved them (under
 ``handover``, its successor's replay of every step before; with ``--offload-dir``, also on the disk tier, where
 that push also hands the stream's folder to the successor's file set). At the depths of real models
-(``--depths``, tiny random checkpoints): the ops of a steady placed push against a `stream` push. Paired
+(``--depths``, tiny random checkpoints): the ops and the CPU time (pushed in turn) of a steady placed push against
+a `stream` push. Paired
 (``--paired-frames``): the default bounded stream and a `stream`-positions one pushed in turn, inside the range and
 past it.
 
@@ -193,6 +194,28 @@ def steady_ops(qa, frames, positions: str, layout: str | None, traced: int = 8) 
     return min(counts)
 
 
+def paired_placed(qa, frames, device: str) -> dict:
+    """A `stream`-positions stream and a cache-layout one (every step placed) of the same frames, pushed in turn
+    frame by frame (which goes first alternating): push ms per frame over the second half, medians, and the
+    median of each frame's placed / stream."""
+    streams = {positions: qa.with_options(bounded_layout=layout).stream(
+        horizon_frames=len(frames) + 8 if positions == "stream" else None, max_fps=None, vision_batch=1)
+        for positions, layout in (("stream", None), ("bounded", "cache"))}
+    clock, times = timer(device), {name: [] for name in streams}
+    for index, image in enumerate(frames):
+        for name in (("stream", "bounded") if index % 2 else ("bounded", "stream")):
+            started = clock()
+            streams[name].push(image, float(index))
+            times[name].append(clock() - started)
+    assert streams["bounded"].prefill.positions.moved and not streams["stream"].prefill.positions.moved
+    for stream in streams.values():
+        stream.close()
+    half = slice(len(frames) // 2, None)
+    placed, own = times["bounded"][half], times["stream"][half]
+    return {"stream_ms": 1e3 * statistics.median(own), "placed_ms": 1e3 * statistics.median(placed),
+            "time_ratio": statistics.median(a / b for a, b in zip(placed, own))}
+
+
 def at_depths(args, frames) -> list[dict]:
     """Compute ops of StateKV's steady push with `stream` positions and with the cache layout (every step placed,
     as every step past the range is), on tiny random InternVL checkpoints with the depth of real models' language
@@ -210,8 +233,9 @@ def at_depths(args, frames) -> list[dict]:
             ops = {}
             for positions, layout in (("stream", None), ("bounded", "cache")):
                 ops[positions] = steady_ops(qa, frames, positions, layout)
+            times = paired_placed(qa, frames, args.device)
         rows.append({"layers": depth, "stream_ops": ops["stream"], "placed_ops": ops["bounded"],
-                     "ratio": ops["bounded"] / ops["stream"]})
+                     "ratio": ops["bounded"] / ops["stream"], **times})
         print(rows[-1], flush=True)
     return rows
 
@@ -258,12 +282,15 @@ def report(args, rows: list[dict], beyond: list[dict], pairs: list[dict], depths
                          f"{row['ratio']:.3f} |")
     if depths:
         lines += ["", f"At the depth of real models (tiny random InternVL checkpoints, StateKV B=64, "
-                  f"{args.depth_frames} frames, the fewest of the last 8 pushes): compute ops of a steady push with "
-                  "`stream` positions and with the cache layout, every step placed as every step past the range is.",
-                  "",
-                  "| decoder layers | ops per push, stream | placed | placed / stream |", "|---:|---:|---:|---:|"]
+                  f"{args.depth_frames} frames): compute ops of a steady push (the fewest of the last 8) with "
+                  "`stream` positions and with the cache layout, every step placed as every step past the range is; "
+                  "and the two streams pushed in turn frame by frame, push ms per frame over the second half, "
+                  "medians, the ratio the median of each frame's placed / stream.", "",
+                  "| decoder layers | ops per push, stream | placed | placed / stream | push ms, stream | placed | "
+                  "placed / stream |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in depths:
-            lines.append(f"| {row['layers']} | {row['stream_ops']} | {row['placed_ops']} | {row['ratio']:.3f} |")
+            lines.append(f"| {row['layers']} | {row['stream_ops']} | {row['placed_ops']} | {row['ratio']:.3f} | "
+                         f"{row['stream_ms']:.2f} | {row['placed_ms']:.2f} | {row['time_ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -282,7 +309,7 @@ def main() -> None:
     parser.add_argument("--depths", default="24,28",
                         help="decoder depths of tiny checkpoints whose ops are counted (InternVL3-1B's and -8B's "
                              "language models have 24 and 28 layers); empty: none")
-    parser.add_argument("--depth-frames", type=int, default=40)
+    parser.add_argument("--depth-frames", type=int, default=200)
     parser.add_argument("--out", default=None,
                         help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     args = parser.parse_args()

@@ -15,8 +15,9 @@ from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
 from statekv.settings.options import BUILTIN_BUDGET
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
-from statekv.builtin.long_range import LongRange, stream_batch
+from statekv.builtin.long_range import DENSE_FAMILIES, LongRange, dense_batch, draw_batch, stream_batch
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
+from statekv.core.positions.placing import GroupedDistances, grouped_places
 from statekv.errors import ConfigurationError
 from statekv.eval.runner import EvalConfig, run_evaluation
 from statekv.synthetic.benchmark import make_benchmark, write_video
@@ -155,6 +156,47 @@ def test_a_stream_batch_names_frames_by_their_second_and_places_them_in_the_stre
     assert int(positions[-1]) < int(spread.frame_positions[0, 0]) + 400
 
 
+def test_a_dense_batch_is_placed_as_full_attention_places_its_history_past_the_range():
+    adapter = statekv.VideoQA.from_pretrained("builtin", method="full").adapter
+    maker = BatchMaker(adapter)
+    phase = LongRange(dense_share=1.0, dense_frames=(40,), dense_videos=1, stream_frames=2000)
+    batch = dense_batch(phase, maker, np.random.default_rng(4))
+    text = adapter.tokenizer.decode(batch.video_ids[0])
+    seconds = [int(piece.split(":")[0]) for piece in text.split("Frame")[1:]]
+    assert len(seconds) == 40 and seconds == list(range(seconds[0], seconds[0] + 40))  # consecutive seconds
+    assert set(batch.families) == set(DENSE_FAMILIES) and len(batch.families) == len(DENSE_FAMILIES)
+    assert bool((batch.frame_targets[:, :, 1, 1] == -100).all())  # no quarter to learn from a window
+    assert bool((batch.frame_targets[:, :, :, 0] >= 0).all() and (batch.frame_targets[:, :, 0, 1] >= 0).all())
+    placed = batch.video_positions[0]
+    cap = GroupedDistances().cap(4096)
+    last = int(batch.frame_positions[-2, 1]) + 1  # the last frame's first token
+    chunk = placed[last:]
+    assert chunk.tolist() == list(range(int(chunk[0]), int(chunk[0]) + len(chunk)))  # the chunk at its own spacing
+    assert bool((placed[1:] >= placed[:-1]).all()) and int(placed.max()) < 4096
+    own = torch.arange(len(placed))
+    start = adapter.prefix(adapter.start(40)).input_ids.shape[1]
+    own[start:] += round((seconds[0] - 1) * (len(placed) - start) / 40)  # the frames before the window's first
+    assert int(own[last]) > cap and int(chunk[0]) == cap  # past the range: the chunk at the layout's cap
+    expected = grouped_places(own[last: last + 1], own[last: last + 1].clamp_max(cap), cap // 2, cap)(own)
+    assert torch.equal(placed, expected)
+    assert int(placed[last] - placed[0]) < int(own[last] - own[0]) // 2  # the far prefix's distance grouped
+
+
+def test_the_shipped_phase_draws_no_dense_batch_and_the_same_numbers():
+    """``dense_share`` 0 (the shipped recipe's) takes nothing more from the generator: the phase's batches, and so
+    the shipped weights, are what they were before dense batches existed."""
+    adapter = statekv.VideoQA.from_pretrained("builtin", method="full").adapter
+    maker = BatchMaker(adapter)
+    phase = LongRange(video_share=0.0, frames=(6,), stream_frames=300, span=60)
+    drawn, replayed = np.random.default_rng(5), np.random.default_rng(5)
+    batch = draw_batch(phase, maker, drawn, 1)
+    replayed.random()
+    expected = stream_batch(phase, maker, replayed, 1)
+    assert drawn.bit_generator.state == replayed.bit_generator.state
+    assert torch.equal(batch.video_ids, expected.video_ids) and torch.equal(batch.still_ids, expected.still_ids)
+    assert LongRange.from_dict({k: v for k, v in phase.to_dict().items() if not k.startswith("dense")}) == phase
+
+
 def test_tokenizer_is_deterministic():
     first, second = build_tokenizer(), build_tokenizer()
     assert first.get_vocab() == second.get_vocab()
@@ -170,3 +212,19 @@ def test_frame_targets_count_each_object_and_place_each_frame():
     shown = {frame for frames in plan.appearances for frame in frames}
     assert all(words[frame][0][1] == " nothing" for frame in range(12) if frame not in shown)
     assert [end[1] for _, end in words] == [" first"] * 3 + [" second"] * 3 + [" third"] * 3 + [" last"] * 3
+
+
+def test_weights_trained_here_load_from_their_folder_as_the_built_in_model_does(tmp_path):
+    """A folder `statekv train-builtin` wrote (it holds the recipe) reads the built-in's prompt layout and takes its
+    budget when none is given, so evaluating retrained weights by path asks what ``--model builtin`` asks."""
+    import shutil
+
+    folder = shutil.copytree(WEIGHTS_DIR, tmp_path / "model")
+    shipped = statekv.VideoQA.from_pretrained("builtin", method="statekv")
+    trained = statekv.VideoQA.from_pretrained(str(folder), method="statekv")
+    assert trained.adapter.layout == shipped.adapter.layout == "chat"
+    assert trained.options.budget == shipped.options.budget == BUILTIN_BUDGET
+    assert statekv.VideoQA.from_pretrained(folder, method="statekv", layout="paper").adapter.layout == "paper"
+    (folder / "statekv_recipe.json").unlink()  # any other checkpoint: the family's defaults
+    other = statekv.VideoQA.from_pretrained(str(folder), method="statekv")
+    assert other.adapter.layout == "paper" and other.options.budget != BUILTIN_BUDGET

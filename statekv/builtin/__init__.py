@@ -7,7 +7,9 @@ tokenizer are in `statekv.builtin.architecture`, its training in `statekv.builti
 (``statekv train-builtin``), and its accuracy in ``docs/accuracy.md``.
 
 Whether a name given as ``--model`` means the built-in model, and its default budget, are the options'
-(`statekv.settings.options.is_builtin`, ``BUILTIN_BUDGET``).
+(`statekv.settings.options.is_builtin`, ``BUILTIN_BUDGET``). Weights trained by ``statekv train-builtin`` load from
+their folder with the same layout and budget (`statekv.settings.options.is_builtin_kind`: the folder holds the
+training recipe).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MissingFileError
-from ..settings.options import is_builtin
+from ..settings.options import is_builtin, is_builtin_kind
 
 BUILTIN_LAYOUT = "chat"
 WEIGHTS_DIR = Path(__file__).resolve().with_name("weights")
@@ -35,8 +37,9 @@ def builtin_checkpoint() -> Path:
 
 def resolve_model(model: str | Path, layout: str | None) -> tuple[str | Path, str | None]:
     """``(checkpoint, layout)`` to load for ``model`` and ``layout`` as given: the shipped folder and its
-    trained layout (unless one is given) for the built-in model's name (`is_builtin`); anything else unchanged (a local folder named
-    ``builtin`` is ``./builtin``)."""
+    trained layout (unless one is given) for the built-in model's name (`is_builtin`; a local folder named
+    ``builtin`` is ``./builtin``); a folder `statekv train-builtin` wrote with that layout too (unless one is
+    given); anything else unchanged."""
     if not is_builtin(model):
-        return model, layout
+        return model, BUILTIN_LAYOUT if layout is None and is_builtin_kind(model) else layout
     return builtin_checkpoint(), BUILTIN_LAYOUT if layout is None else layout

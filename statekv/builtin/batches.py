@@ -175,10 +175,10 @@ class BatchMaker:
         return self.adapter.tokenizer.convert_tokens_to_ids(self.adapter.tokenizer.tokenize(text)[0])
 
     def make(self, rng: np.random.Generator, videos: int, num_frames: int, times: tuple[int, ...] | None = None,
-             length: int | None = None) -> Batch:
-        """``videos`` videos of ``num_frames`` frames, every question family asked of each. ``times``, ``length``:
-        the frames are seconds ``times`` (sorted) of a stream of ``length`` frames, named and placed in its
-        quarters by those seconds (`timeline_ids`, `VideoPlan.quarter`)."""
+             length: int | None = None, asked: tuple[str, ...] | None = None) -> Batch:
+        """``videos`` videos of ``num_frames`` frames, each asked every question family (``asked``: these
+        only). ``times``, ``length``: the frames are seconds ``times`` (sorted) of a stream of ``length`` frames,
+        named and placed in its quarters by those seconds (`timeline_ids`, `VideoPlan.quarter`)."""
         plans = [plan_video(rng, num_frames) for _ in range(videos)]
         if times is not None:
             plans = [replace(plan, times=tuple(times), length=length) for plan in plans]
@@ -186,7 +186,7 @@ class BatchMaker:
         rows, families, words, evidence = [], [], [], []
         positions = self.frame_positions(num_frames) if times is None else frame_slots(video_ids, self.adapter)
         for plan in plans:
-            for spec in ask_all(plan, rng, self.families):
+            for spec in ask_all(plan, rng, self.families if asked is None else asked):
                 prompt, mark = self._question_ids(question_prompt(spec.question, spec.options))
                 rows.append((*prompt, self.letter_ids[spec.answer], self.end_id))
                 families.append(spec.family)

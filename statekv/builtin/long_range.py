@@ -28,10 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.positions.placing import GroupedDistances, grouped_places
+from ..core.positions.rope import trained_range
 from ..synthetic.seeds import TRAINING_SEEDS
 from .batches import Batch, BatchMaker
 
 CURRICULUM_FRAMES = 96  # the curriculum's last video length, the long-range phase's video regime
+# A dense batch's questions: count's options stop at 4 and a window's frames lie in one or two quarters of a stream
+# whose length it does not show, so those families would teach an answer from the batch's shape, not its frames
+DENSE_FAMILIES = ("needle", "attribute", "order", "first_last")
+UNTRAINED = -100  # a target the cross-entropy skips (its ``ignore_index``)
 
 
 @dataclass(frozen=True)
@@ -48,23 +54,31 @@ class LongRange:
     stream_frames: int = 24000
     span: int = 4000
     seed: int = TRAINING_SEEDS.start + 45
+    dense_share: float = 0.0
+    dense_frames: tuple[int, ...] = (192, 384, 768)
+    dense_videos: int = 2
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the phase's step ``step`` (0-based)."""
         return self.learning_rate * 0.5 * (1 + math.cos(math.pi * step / self.steps))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "frames": list(self.frames)}
+        return {**dataclasses.asdict(self), "frames": list(self.frames), "dense_frames": list(self.dense_frames)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LongRange":
-        return cls(**{**data, "frames": tuple(data["frames"])})
+        data = {**data, "frames": tuple(data["frames"])}
+        if "dense_frames" in data:
+            data["dense_frames"] = tuple(data["dense_frames"])
+        return cls(**data)
 
 
 def draw_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, videos: int) -> Batch:
     """One step's batch of the phase: the curriculum's last regime or a stream batch (module docstring)."""
     if rng.random() < phase.video_share:
         return maker.make(rng, videos, CURRICULUM_FRAMES)
+    if phase.dense_share > 0 and rng.random() < phase.dense_share:
+        return dense_batch(phase, maker, rng)
     return stream_batch(phase, maker, rng, videos)
 
 
@@ -97,3 +111,33 @@ def spread_positions(batch: Batch, maker: BatchMaker, times: tuple[int, ...], le
         positions[first:end] = placed + torch.arange(end - first)
         placed += end - first
     return positions[None]
+
+
+def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -> Batch:
+    """``phase.dense_videos`` videos of ``n`` consecutive frames of a longer stream, placed as full attention
+    places its history past the range, asked `DENSE_FAMILIES` (module docstring)."""
+    frames = int(rng.choice(phase.dense_frames))
+    length = int(math.exp(rng.uniform(math.log(2 * frames), math.log(phase.stream_frames))))
+    start = int(rng.integers(0, length - frames + 1))
+    batch = maker.make(rng, phase.dense_videos, frames, times=tuple(range(start, start + frames)), length=length,
+                       asked=DENSE_FAMILIES)
+    batch.video_positions = grouped_positions(batch, maker, start)
+    batch.frame_targets[:, :, 1, 1] = UNTRAINED  # the quarter: a window does not show how long its stream is
+    return batch
+
+
+def grouped_positions(batch: Batch, maker: BatchMaker, earlier: int) -> torch.Tensor:
+    """``[1, Lv]``: where `GroupedDistances` places each video token as seen from the last frame, the video's frames
+    preceded by ``earlier`` frames of as many tokens on average (the prefix first, at its own stream positions)."""
+    adapter = maker.adapter
+    prefix = adapter.prefix(adapter.start(batch.still_ids.shape[1]))
+    start = 0 if prefix is None else prefix.input_ids.shape[1]
+    total = batch.video_ids.shape[1]
+    own = torch.arange(total)
+    own[start:] += round(earlier * (total - start) / batch.still_ids.shape[1])
+    last = int(batch.frame_positions[-2, 1]) + 1 if batch.frame_positions.shape[0] > 1 else start
+    first = own[last: last + 1]  # the last frame's first token: the chunk a step of full attention places
+    layout = GroupedDistances()
+    cap = layout.cap(trained_range(adapter.model.config.text_config))
+    places = grouped_places(first, first.clamp_max(cap), int(layout.window * cap), cap)
+    return places(own)[None]

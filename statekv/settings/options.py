@@ -17,8 +17,10 @@ and checks from `MethodSettings`, but for the budget of the built-in model, its 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigurationError
@@ -36,9 +38,20 @@ BUILTIN_NAME = "builtin"  # ``--model builtin``: the small model shipped with st
 BUILTIN_BUDGET = 64
 
 
+BUILTIN_RECIPE_FILE = "statekv_recipe.json"  # beside the weights `statekv train-builtin` writes: how they were trained
+
+
 def is_builtin(model: object) -> bool:
     """Whether ``model`` (a name or path given as ``--model``) means the built-in model."""
     return isinstance(model, str) and model == BUILTIN_NAME
+
+
+def is_builtin_kind(model: object) -> bool:
+    """Whether ``model`` is the built-in model or a checkpoint folder `statekv train-builtin` wrote (it holds
+    `BUILTIN_RECIPE_FILE`): either reads the built-in's prompt layout and takes its default budget."""
+    if is_builtin(model):
+        return True
+    return isinstance(model, (str, os.PathLike)) and (Path(model) / BUILTIN_RECIPE_FILE).is_file()
 
 
 def method_size(name: str, metavar: str, help: str) -> Setting:
@@ -50,9 +63,9 @@ def method_size(name: str, metavar: str, help: str) -> Setting:
 
 
 def default_budget(model: str | None) -> int:
-    """The budget a setup gets when none is given: the built-in model's own (`BUILTIN_BUDGET`), else
-    `MethodSettings`' default."""
-    return BUILTIN_BUDGET if is_builtin(model) else MethodSettings.budget
+    """The budget a setup gets when none is given: the built-in model's own (`BUILTIN_BUDGET`; also for weights
+    trained by `statekv train-builtin`), else `MethodSettings`' default."""
+    return BUILTIN_BUDGET if is_builtin_kind(model) else MethodSettings.budget
 
 
 def _method_help() -> str:
