@@ -219,7 +219,8 @@ def paired_placed(qa, frames, device: str) -> dict:
 def at_depths(args, frames) -> list[dict]:
     """Compute ops of StateKV's steady push with `stream` positions and with the cache layout (every step placed,
     as every step past the range is), on tiny random InternVL checkpoints with the depth of real models' language
-    models: how many ops a placed step adds does not depend on the width, only on the layers."""
+    models (how many ops a placed step adds does not depend on the width, only on the layers), and their CPU time
+    pushed in turn (`paired_placed`)."""
     import tempfile
 
     from statekv.testing import make_tiny_checkpoint
@@ -286,8 +287,8 @@ def report(args, rows: list[dict], beyond: list[dict], pairs: list[dict], depths
                   "`stream` positions and with the cache layout, every step placed as every step past the range is; "
                   "and the two streams pushed in turn frame by frame, push ms per frame over the second half, "
                   "medians, the ratio the median of each frame's placed / stream.", "",
-                  "| decoder layers | ops per push, stream | placed | placed / stream | push ms, stream | placed | "
-                  "placed / stream |", "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| decoder layers | ops, stream | ops, placed | ops ratio | ms, stream | ms, placed | time ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in depths:
             lines.append(f"| {row['layers']} | {row['stream_ops']} | {row['placed_ops']} | {row['ratio']:.3f} | "
                          f"{row['stream_ms']:.2f} | {row['placed_ms']:.2f} | {row['time_ratio']:.3f} |")
@@ -307,8 +308,8 @@ def main() -> None:
     parser.add_argument("--paired-frames", type=int, default=1400,
                         help="frames of the paired run past the range (0: none)")
     parser.add_argument("--depths", default="24,28",
-                        help="decoder depths of tiny checkpoints whose ops are counted (InternVL3-1B's and -8B's "
-                             "language models have 24 and 28 layers); empty: none")
+                        help="decoder depths of tiny checkpoints whose ops are counted and pushes timed in turn "
+                             "(InternVL3-1B's and -8B's language models have 24 and 28 layers); empty: none")
     parser.add_argument("--depth-frames", type=int, default=200)
     parser.add_argument("--out", default=None,
                         help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")

@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer, InternVLFor
 
 import statekv
 from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
-from statekv.settings.options import BUILTIN_BUDGET
+from statekv.settings.options import BUILTIN_BUDGET, BUILTIN_RECIPE_FILE, is_builtin_kind
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
 from statekv.builtin.long_range import DENSE_FAMILIES, LongRange, dense_batch, draw_batch, stream_batch
@@ -117,7 +117,7 @@ def test_training_runs_and_resumes(tmp_path):
     moments = torch.load(tmp_path / STATE_FILE, weights_only=True)["optimizer"]["state"]
     assert {int(state["step"]) for state in moments.values()} == {2}  # the phase's optimiser started afresh
     assert AutoModelForImageTextToText.from_pretrained(model_dir).config.image_seq_length == 1
-    saved = json.loads((model_dir / "statekv_recipe.json").read_text())
+    saved = json.loads((model_dir / BUILTIN_RECIPE_FILE).read_text())
     assert saved["curriculum"] == [[0, 1], [16, 2]] and Recipe.from_dict(saved) == recipe
 
 
@@ -216,7 +216,9 @@ def test_frame_targets_count_each_object_and_place_each_frame():
 
 def test_weights_trained_here_load_from_their_folder_as_the_built_in_model_does(tmp_path):
     """A folder `statekv train-builtin` wrote (it holds the recipe) reads the built-in's prompt layout and takes its
-    budget when none is given, so evaluating retrained weights by path asks what ``--model builtin`` asks."""
+    budget when none is given, so evaluating retrained weights by path asks what ``--model builtin`` asks; an
+    evaluation run pins that layout, so a run begun when such a folder was read with the family's default refuses
+    to resume (its identity named no layout)."""
     import shutil
 
     folder = shutil.copytree(WEIGHTS_DIR, tmp_path / "model")
@@ -225,6 +227,27 @@ def test_weights_trained_here_load_from_their_folder_as_the_built_in_model_does(
     assert trained.adapter.layout == shipped.adapter.layout == "chat"
     assert trained.options.budget == shipped.options.budget == BUILTIN_BUDGET
     assert statekv.VideoQA.from_pretrained(folder, method="statekv", layout="paper").adapter.layout == "paper"
-    (folder / "statekv_recipe.json").unlink()  # any other checkpoint: the family's defaults
+    assert EvalConfig.for_model("synthetic", folder, tmp_path, tmp_path / "run").identity()["layout"] == "chat"
+    assert EvalConfig.for_model("synthetic", "builtin", tmp_path, tmp_path / "run").identity()["layout"] is None
+    assert not is_builtin_kind("") and not is_builtin_kind("x" * 5000) and not is_builtin_kind(None)
+    (folder / BUILTIN_RECIPE_FILE).unlink()  # any other checkpoint: the family's defaults
     other = statekv.VideoQA.from_pretrained(str(folder), method="statekv")
     assert other.adapter.layout == "paper" and other.options.budget != BUILTIN_BUDGET
+    assert EvalConfig.for_model("synthetic", folder, tmp_path, tmp_path / "run").identity()["layout"] is None
+
+
+def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_existed(tmp_path):
+    """A field added to the recipe since (its default keeping the recipe what it was) does not make a saved run
+    "another recipe"."""
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), warmup_steps=1, log_every=1,
+                    checkpoint_every=1, long_range=LongRange(steps=0))
+    train(recipe, tmp_path, stop_after=2)
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    for name in ("dense_share", "dense_frames", "dense_videos"):
+        del state["recipe"]["long_range"][name]
+    torch.save(state, tmp_path / STATE_FILE)
+    assert train(recipe, tmp_path).is_dir()
+    state["recipe"]["long_range"]["dense_share"] = 0.5  # a recipe that differs is still refused
+    torch.save(state, tmp_path / STATE_FILE)
+    with pytest.raises(ConfigurationError, match="another recipe"):
+        train(recipe, tmp_path)

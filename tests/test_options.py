@@ -83,7 +83,8 @@ def test_the_built_in_model_gets_its_own_budget_when_none_is_given_everywhere():
     assert ModelOptions(model="builtin", budget=4096).budget == 4096  # given: kept, even the engine's default
     assert ModelOptions.from_strings({"model": "builtin"}).settings == MethodSettings(budget=BUILTIN_BUDGET)
     assert ModelOptions.from_args(_parser(ModelOptions).parse_args(["--model", "builtin"])).budget == BUILTIN_BUDGET
-    assert "(default: 64 for the built-in model, else 4096)" in " ".join(_parser(ModelOptions).format_help().split())
+    assert ("(default: 64 for the built-in model and weights trained by train-builtin, else 4096)"
+            in " ".join(_parser(ModelOptions).format_help().split()))
     assert ModelOptions.given(model="builtin", method="recency").budget == BUILTIN_BUDGET  # not given: not refused
     with pytest.raises(ConfigurationError, match="budget=4096 is not used by method='recency'"):
         ModelOptions.given(model="builtin", method="recency", budget=4096)

@@ -4,7 +4,7 @@ The curriculum (`statekv.builtin.training.Recipe.curriculum`) ends on videos of 
 400 positions), so a model trained on it alone reads every question as if the video spanned that much: far
 apart frames, frames named past ``Frame96`` and retrieved frames laid out for a question past the range are
 distances and anchors it never saw (docs/accuracy.md, "Past the range: causes"). The long-range phase
-(`LongRange`) goes on from the curriculum's weights with a fresh optimiser; each step draws one of two regimes:
+(`LongRange`) goes on from the curriculum's weights with a fresh optimiser; each step draws one of these regimes:
 
 * the curriculum's own last batch (share ``video_share``): 96 consecutive frames, so that what the model knows
   inside its range is kept;
@@ -44,7 +44,8 @@ UNTRAINED = -100  # a target the cross-entropy skips (its ``ignore_index``)
 class LongRange:
     """The long-range phase (module docstring). steps: 0 skips it. learning_rate: cosine from this to 0 over
     ``steps``. seed: the phase's training seed (in `TRAINING_SEEDS`), step ``i`` drawing from
-    ``training_rng(seed, i)``."""
+    ``training_rng(seed, i)``. dense_share: of the steps that are not the curriculum's, the share of dense batches
+    (`dense_batch`, of ``dense_videos`` videos; 0, the shipped recipe's: none)."""
 
     steps: int = 600
     learning_rate: float = 5e-4
@@ -74,7 +75,8 @@ class LongRange:
 
 
 def draw_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, videos: int) -> Batch:
-    """One step's batch of the phase: the curriculum's last regime or a stream batch (module docstring)."""
+    """One step's batch of the phase: the curriculum's last regime, a dense batch or a stream batch (module
+    docstring)."""
     if rng.random() < phase.video_share:
         return maker.make(rng, videos, CURRICULUM_FRAMES)
     if phase.dense_share > 0 and rng.random() < phase.dense_share:
@@ -114,14 +116,17 @@ def spread_positions(batch: Batch, maker: BatchMaker, times: tuple[int, ...], le
 
 
 def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -> Batch:
-    """``phase.dense_videos`` videos of ``n`` consecutive frames of a longer stream, placed as full attention
-    places its history past the range, asked `DENSE_FAMILIES` (module docstring)."""
+    """``phase.dense_videos`` videos of ``n`` consecutive frames (``n`` from ``phase.dense_frames``) of a stream of
+    ``T`` frames (log-uniform from ``2 n`` to ``phase.stream_frames``), starting at a random second, placed as full
+    attention places its history past the range, asked `DENSE_FAMILIES`. Every frame is placed as the last frame's
+    step sees it (the engine placed each earlier frame as its own step saw it), and the questions read the whole
+    window so placed (the engine's questions read retrieved frames, packed or spread)."""
     frames = int(rng.choice(phase.dense_frames))
     length = int(math.exp(rng.uniform(math.log(2 * frames), math.log(phase.stream_frames))))
-    start = int(rng.integers(0, length - frames + 1))
-    batch = maker.make(rng, phase.dense_videos, frames, times=tuple(range(start, start + frames)), length=length,
-                       asked=DENSE_FAMILIES)
-    batch.video_positions = grouped_positions(batch, maker, start)
+    window_first = int(rng.integers(0, length - frames + 1))
+    batch = maker.make(rng, phase.dense_videos, frames, times=tuple(range(window_first, window_first + frames)),
+                       length=length, asked=DENSE_FAMILIES)
+    batch.video_positions = grouped_positions(batch, maker, window_first)
     batch.frame_targets[:, :, 1, 1] = UNTRAINED  # the quarter: a window does not show how long its stream is
     return batch
 
@@ -131,11 +136,11 @@ def grouped_positions(batch: Batch, maker: BatchMaker, earlier: int) -> torch.Te
     preceded by ``earlier`` frames of as many tokens on average (the prefix first, at its own stream positions)."""
     adapter = maker.adapter
     prefix = adapter.prefix(adapter.start(batch.still_ids.shape[1]))
-    start = 0 if prefix is None else prefix.input_ids.shape[1]
+    prefix_end = 0 if prefix is None else prefix.input_ids.shape[1]
     total = batch.video_ids.shape[1]
     own = torch.arange(total)
-    own[start:] += round(earlier * (total - start) / batch.still_ids.shape[1])
-    last = int(batch.frame_positions[-2, 1]) + 1 if batch.frame_positions.shape[0] > 1 else start
+    own[prefix_end:] += round(earlier * (total - prefix_end) / batch.still_ids.shape[1])
+    last = int(batch.frame_positions[-2, 1]) + 1 if batch.frame_positions.shape[0] > 1 else prefix_end
     first = own[last: last + 1]  # the last frame's first token: the chunk a step of full attention places
     layout = GroupedDistances()
     cap = layout.cap(trained_range(adapter.model.config.text_config))

@@ -319,7 +319,11 @@ def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
     if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
         missing = next((key for key in STATE_KEYS if not isinstance(state, dict) or key not in state), "?")
         raise DataError(f"{path}: damaged training checkpoint (no field {missing!r})")
-    if state["recipe"] != recipe.to_dict():
+    try:
+        saved = Recipe.from_dict(state["recipe"])
+    except (TypeError, KeyError, ValueError, AttributeError) as error:
+        raise DataError(f"{path}: damaged training checkpoint (its recipe: {one_line_reason(error)})") from None
+    if saved != recipe:  # compared as recipes: a field added since reads as its default
         raise ConfigurationError(f"{path.parent} holds a run of another recipe; use another output folder")
     step, seconds = state["step"], state["seconds"]
     if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= recipe.steps:

@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import statekv
-    from statekv.settings.options import BUILTIN_NAME, is_builtin
+    from statekv.settings.options import BUILTIN_NAME, is_builtin, is_builtin_kind
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
     if args.question is not None and args.video is None:
@@ -83,11 +83,12 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     model = args.model or BUILTIN_NAME
     builtin = is_builtin(model)
-    budget = args.budget or (BUILTIN_BUDGET if builtin else OTHER_BUDGET)
-    window = args.frames or (BUILTIN_WINDOW if builtin else OTHER_WINDOW)
+    small = is_builtin_kind(model)  # the built-in model or weights trained by `statekv train-builtin`
+    budget = args.budget or (BUILTIN_BUDGET if small else OTHER_BUDGET)
+    window = args.frames or (BUILTIN_WINDOW if small else OTHER_WINDOW)
     plot_path = Path(args.plot) if args.plot else cache_dir() / "demo.png"
     videos = None if args.video else demo_set(args.videos)
-    if builtin and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
+    if small and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         # its matrices are too small to gain from more threads, and on a shared CPU one thread keeps the

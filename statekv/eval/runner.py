@@ -51,7 +51,8 @@ from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, Res
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
-from statekv.settings.options import ModelOptions
+from statekv.builtin import BUILTIN_LAYOUT
+from statekv.settings.options import ModelOptions, is_builtin, is_builtin_kind
 from statekv.settings.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,8 @@ class EvalConfig:
                   "kv_cache_dtype": check_kv_cache_dtype(options.kv_cache_dtype)}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         values["groups"] = list(self.groups) if self.groups is not None else None
+        if options.layout is None and not is_builtin(self.model) and is_builtin_kind(self.model):
+            values["layout"] = BUILTIN_LAYOUT  # read with it since it is told apart (runs before were not)
         return {key: values[key] for key in RUN_IDENTITY}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..builtin import is_builtin
+from ..builtin import is_builtin_kind
 from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
 from .page_parts import ErrorNote
@@ -42,7 +42,7 @@ class ChoicesForm:
     def __init__(self, model: str | None):
         from nicegui import ui
 
-        self.shown = is_builtin(model)
+        self.shown = is_builtin_kind(model)
         self.inputs = []
         with ui.column().classes("w-full gap-1 statekv-choices") as self.box:
             ui.label(BUILTIN_HINT).classes("text-caption text-grey-8 statekv-choices-hint")

@@ -20,7 +20,6 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
-from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigurationError
@@ -36,8 +35,6 @@ BUILTIN_NAME = "builtin"  # ``--model builtin``: the small model shipped with st
 # default window). The engine's default (4096) would carry every token of any video it can hold, so StateKV would
 # choose nothing.
 BUILTIN_BUDGET = 64
-
-
 BUILTIN_RECIPE_FILE = "statekv_recipe.json"  # beside the weights `statekv train-builtin` writes: how they were trained
 
 
@@ -51,7 +48,12 @@ def is_builtin_kind(model: object) -> bool:
     `BUILTIN_RECIPE_FILE`): either reads the built-in's prompt layout and takes its default budget."""
     if is_builtin(model):
         return True
-    return isinstance(model, (str, os.PathLike)) and (Path(model) / BUILTIN_RECIPE_FILE).is_file()
+    if not isinstance(model, (str, os.PathLike)) or not os.fspath(model):
+        return False
+    try:
+        return os.path.isfile(os.path.join(model, BUILTIN_RECIPE_FILE))
+    except (OSError, ValueError):  # a name no file system takes (too long, a NUL byte): not a folder here
+        return False
 
 
 def method_size(name: str, metavar: str, help: str) -> Setting:
@@ -62,7 +64,7 @@ def method_size(name: str, metavar: str, help: str) -> Setting:
                    check=lambda value, _: MethodSettings(**{name: value}))
 
 
-def default_budget(model: str | None) -> int:
+def default_budget(model: str | os.PathLike | None) -> int:
     """The budget a setup gets when none is given: the built-in model's own (`BUILTIN_BUDGET`; also for weights
     trained by `statekv train-builtin`), else `MethodSettings`' default."""
     return BUILTIN_BUDGET if is_builtin_kind(model) else MethodSettings.budget
@@ -86,7 +88,7 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
     Setting("method", "statekv", one_of(method_names), _method_help),
     Setting("budget", None, MethodSettings.kind("budget").optional,
             f"statekv, keynorm: tokens carried per layer and KV head (default: {BUILTIN_BUDGET} for the built-in "
-            f"model, else {MethodSettings.budget})", "B",
+            f"model and weights trained by train-builtin, else {MethodSettings.budget})", "B",
             check=lambda value, _: value is None or MethodSettings(budget=value)),
     method_size("frames", "R", "recency, rekv: the window of frames carried (default: %(default)s)"),
     method_size("sinks", "N", "rekv: attention-sink tokens kept after the prompt prefix (default: %(default)s)"),
@@ -101,7 +103,9 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
     Setting("steer", True, BOOLEAN, "a stream's watches (standing questions) steer what it carries while they are "
             "open, under methods that carry by attention (statekv); --no-steer leaves the carried state as it would "
             "be without them"),
-    Setting("layout", None, TEXT.optional, "prompt layout of the model family (default: the paper's)"),
+    Setting("layout", None, TEXT.optional,
+            "prompt layout of the model family (default: the paper's; chat for the built-in model and weights "
+            "trained by train-builtin)"),
     Setting("dtype", None, DTYPE.optional, "e.g. bfloat16, float32 (default: the checkpoint's)"),
     Setting("device", None, DEVICE.optional, "e.g. cuda, cuda:1, cpu (default: cuda if available)"),
 )
@@ -129,7 +133,8 @@ class ModelOptions:
     """How to build a `VideoQA`; its fields are `SETTINGS`.
 
     model: checkpoint folder or hub id. method: a registered method (`statekv.settings.methods`); budget (tokens;
-    None: `default_budget`, 64 for the built-in model, else 4096), frames (the recency window R, in frames) and
+    None: `default_budget`, 64 for the built-in model and weights trained by `statekv train-builtin`, else 4096),
+    frames (the recency window R, in frames) and
     sinks (ReKV) size it. retrieve: frames per layer each question is answered from (None: the method's default; the whole detailed cache for all but ``rekv``). retrieval: the rule
     that picks them (``attention``, ``rekv``, ``recent``; None: the method's default, ReKV's own rule for ``rekv``
     and ``attention`` for the others). layout: the family's prompt layout. dtype, device: where the model runs
