@@ -15,7 +15,7 @@ from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
 from statekv.settings.options import BUILTIN_BUDGET, BUILTIN_RECIPE_FILE, is_builtin_kind
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
-from statekv.builtin.long_range import DENSE_FAMILIES, LongRange, dense_batch, draw_batch, stream_batch
+from statekv.builtin.long_range import DENSE_FAMILIES, UNTRAINED, LongRange, dense_batch, draw_batch, stream_batch
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
 from statekv.core.positions.placing import GroupedDistances, grouped_places
 from statekv.errors import ConfigurationError
@@ -165,7 +165,7 @@ def test_a_dense_batch_is_placed_as_full_attention_places_its_history_past_the_r
     seconds = [int(piece.split(":")[0]) for piece in text.split("Frame")[1:]]
     assert len(seconds) == 40 and seconds == list(range(seconds[0], seconds[0] + 40))  # consecutive seconds
     assert set(batch.families) == set(DENSE_FAMILIES) and len(batch.families) == len(DENSE_FAMILIES)
-    assert bool((batch.frame_targets[:, :, 1, 1] == -100).all())  # no quarter to learn from a window
+    assert bool((batch.frame_targets[:, :, 1, 1] == UNTRAINED).all())  # no quarter to learn from a window
     assert bool((batch.frame_targets[:, :, :, 0] >= 0).all() and (batch.frame_targets[:, :, 0, 1] >= 0).all())
     placed = batch.video_positions[0]
     cap = GroupedDistances().cap(4096)
@@ -174,8 +174,8 @@ def test_a_dense_batch_is_placed_as_full_attention_places_its_history_past_the_r
     assert chunk.tolist() == list(range(int(chunk[0]), int(chunk[0]) + len(chunk)))  # the chunk at its own spacing
     assert bool((placed[1:] >= placed[:-1]).all()) and int(placed.max()) < 4096
     own = torch.arange(len(placed))
-    start = adapter.prefix(adapter.start(40)).input_ids.shape[1]
-    own[start:] += round((seconds[0] - 1) * (len(placed) - start) / 40)  # the frames before the window's first
+    prefix_end = adapter.prefix(adapter.start(40)).input_ids.shape[1]
+    own[prefix_end:] += round((seconds[0] - 1) * (len(placed) - prefix_end) / 40)  # the frames before the window
     assert int(own[last]) > cap and int(chunk[0]) == cap  # past the range: the chunk at the layout's cap
     expected = grouped_places(own[last: last + 1], own[last: last + 1].clamp_max(cap), cap // 2, cap)(own)
     assert torch.equal(placed, expected)

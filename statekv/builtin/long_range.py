@@ -56,7 +56,7 @@ class LongRange:
     span: int = 4000
     seed: int = TRAINING_SEEDS.start + 45
     dense_share: float = 0.0
-    dense_frames: tuple[int, ...] = (192, 384, 768)
+    dense_frames: tuple[int, ...] = (384, 768)
     dense_videos: int = 2
 
     def learning_rate_at(self, step: int) -> float:

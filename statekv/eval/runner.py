@@ -176,7 +176,7 @@ class EvalConfig:
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         values["groups"] = list(self.groups) if self.groups is not None else None
         if options.layout is None and not is_builtin(self.model) and is_builtin_kind(self.model):
-            values["layout"] = BUILTIN_LAYOUT  # read with it since it is told apart (runs before were not)
+            values["layout"] = BUILTIN_LAYOUT  # pinned, as such a folder was once read with the family's default
         return {key: values[key] for key in RUN_IDENTITY}
 
 
