@@ -51,8 +51,8 @@ from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, Res
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
-from statekv.builtin import BUILTIN_LAYOUT
-from statekv.settings.options import ModelOptions, is_builtin, is_builtin_kind
+from statekv.builtin import resolve_model
+from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -175,8 +175,8 @@ class EvalConfig:
                   "kv_cache_dtype": check_kv_cache_dtype(options.kv_cache_dtype)}
         values["ovobench_videos"] = self.ovobench_videos if self.benchmark == "ovobench" else None
         values["groups"] = list(self.groups) if self.groups is not None else None
-        if options.layout is None and not is_builtin(self.model) and is_builtin_kind(self.model):
-            values["layout"] = BUILTIN_LAYOUT  # pinned, as such a folder was once read with the family's default
+        if not is_builtin(self.model):  # a trained folder's layout pinned: it was once read with the family's default
+            values["layout"] = resolve_model(self.model, options.layout)[1]
         return {key: values[key] for key in RUN_IDENTITY}
 
 
