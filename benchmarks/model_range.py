@@ -57,8 +57,8 @@ class Probe:
         import statekv
         from statekv.builtin.batches import FrameBank
 
-        layout = {} if checkpoint == "builtin" else {"layout": "chat"}  # the built-in model's, for a retrained one
-        self.qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", device="cpu", **layout)
+        # a folder `statekv train-builtin` wrote loads with the built-in model's layout (`is_builtin_kind`)
+        self.qa = statekv.VideoQA.from_pretrained(checkpoint, method="full", device="cpu")
         self.adapter = self.qa.adapter
         self.model = self.adapter.model
         self.bank = FrameBank(self.adapter)

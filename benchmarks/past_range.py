@@ -213,9 +213,9 @@ def run(dataset: DataSet, method: str, layout: str, args, out: Path, videos: int
         done = {json.loads(line)["video"] for line in out.read_text().splitlines() if line.strip()}
     evidence_of = {row["qid"]: row["evidence_frames"] for row in map(json.loads, (
         dataset.folder / "questions.jsonl").read_text().splitlines())}
-    layout_of = {} if args.checkpoint == "builtin" else {"layout": "chat"}  # a retrained built-in model's
+    # a folder `statekv train-builtin` wrote loads with the built-in model's layout (`is_builtin_kind`)
     qa = statekv.VideoQA.from_pretrained(args.checkpoint, device="cpu", positions="bounded", bounded_layout=layout,
-                                         **layout_of, **METHODS[method])
+                                         **METHODS[method])
     if args.range is not None:  # the range the model declares (what bounded positions keep inside)
         qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
     limit = None
