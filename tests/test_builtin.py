@@ -182,6 +182,20 @@ def test_a_dense_batch_is_placed_as_full_attention_places_its_history_past_the_r
     assert int(placed[last] - placed[0]) < int(own[last] - own[0]) // 2  # the far prefix's distance grouped
 
 
+def test_a_whole_dense_batch_is_long_videos_from_their_first_frame_at_their_own_positions():
+    adapter = statekv.VideoQA.from_pretrained("builtin", method="full").adapter
+    maker = BatchMaker(adapter)
+    phase = LongRange(dense_share=1.0, dense_frames=(20, 40), dense_videos=2, dense_whole=True)
+    drawn, replayed = np.random.default_rng(6), np.random.default_rng(6)
+    batch = dense_batch(phase, maker, drawn)
+    frames = int(replayed.choice(phase.dense_frames))
+    expected = maker.make(replayed, 4 if frames == 20 else 2, frames)  # two of the longest videos' frames
+    assert batch.still_ids.shape == expected.still_ids.shape and batch.video_positions is None
+    assert torch.equal(batch.video_ids, maker.video_ids(frames)) and torch.equal(batch.still_ids, expected.still_ids)
+    assert torch.equal(batch.frame_targets, expected.frame_targets) and set(batch.families) == set(expected.families)
+    assert drawn.bit_generator.state == replayed.bit_generator.state
+
+
 def test_the_shipped_phase_draws_no_dense_batch_and_the_same_numbers():
     """``dense_share`` 0 (the shipped recipe's) takes nothing more from the generator: the phase's batches, and so
     the shipped weights, are what they were before dense batches existed."""
@@ -243,7 +257,7 @@ def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_
                     checkpoint_every=1, long_range=LongRange(steps=0))
     train(recipe, tmp_path, stop_after=2)
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
-    for name in ("dense_share", "dense_frames", "dense_videos"):
+    for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole"):
         del state["recipe"]["long_range"][name]
     torch.save(state, tmp_path / STATE_FILE)
     assert train(recipe, tmp_path).is_dir()

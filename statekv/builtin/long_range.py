@@ -13,7 +13,12 @@ distances and anchors it never saw (docs/accuracy.md, "Past the range: causes").
   (``Frame{t+1}``), laid out one after another as the engine packs retrieved frames or (share ``spread_share``)
   spread over ``S`` positions by their time (``S`` uniform from ``4 n`` to ``span``) as a question past the range
   reads them; every object appearance is among the ``n`` frames, as the evidence is among a question's retrieved
-  frames when retrieval finds it. Quarters (the position family and the frames' targets) are of ``t / T``.
+  frames when retrieval finds it. Quarters (the position family and the frames' targets) are of ``t / T``;
+* a dense batch (share ``dense_share`` of the steps that are not the curriculum's; none in the shipped recipe):
+  consecutive frames, every token attending to all before it, either a window of a longer stream placed as full
+  attention places its history past the range (`dense_batch`) or whole videos longer than the curriculum's, at
+  their own positions (``dense_whole``, `whole_batch`). Tried, not shipped (docs/accuracy.md, "Past the range:
+  full attention trained on dense windows").
 
 Every target and loss weight is the curriculum's (`statekv.builtin.batches`).
 """
@@ -45,7 +50,8 @@ class LongRange:
     """The long-range phase (module docstring). steps: 0 skips it. learning_rate: cosine from this to 0 over
     ``steps``. seed: the phase's training seed (in `TRAINING_SEEDS`), step ``i`` drawing from
     ``training_rng(seed, i)``. dense_share: of the steps that are not the curriculum's, the share of dense batches
-    (`dense_batch`, of ``dense_videos`` videos; 0, the shipped recipe's: none)."""
+    (`dense_batch`, of ``dense_videos`` videos; 0, the shipped recipe's: none). dense_whole: a dense batch is
+    whole videos from their first frame instead (`whole_batch`)."""
 
     steps: int = 600
     learning_rate: float = 5e-4
@@ -58,6 +64,7 @@ class LongRange:
     dense_share: float = 0.0
     dense_frames: tuple[int, ...] = (384, 768)
     dense_videos: int = 2
+    dense_whole: bool = False
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the phase's step ``step`` (0-based)."""
@@ -122,6 +129,8 @@ def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -
     step sees it (the engine placed each earlier frame as its own step saw it), and the questions read the whole
     window so placed (the engine's questions read retrieved frames, packed or spread)."""
     frames = int(rng.choice(phase.dense_frames))
+    if phase.dense_whole:
+        return whole_batch(phase, maker, rng, frames)
     length = int(math.exp(rng.uniform(math.log(2 * frames), math.log(phase.stream_frames))))
     window_first = int(rng.integers(0, length - frames + 1))
     batch = maker.make(rng, phase.dense_videos, frames, times=tuple(range(window_first, window_first + frames)),
@@ -129,6 +138,13 @@ def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -
     batch.video_positions = grouped_positions(batch, maker, window_first)
     batch.frame_targets[:, :, 1, 1] = UNTRAINED  # the quarter: a window does not show how long its stream is
     return batch
+
+
+def whole_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, frames: int) -> Batch:
+    """Videos of ``frames`` frames from their first, every token at its own position and attending to all before
+    it, as the curriculum's are but longer (a one-shot forward of a long video: full attention inside the range);
+    as many videos as make ``phase.dense_videos`` of the longest of ``phase.dense_frames``, every family asked."""
+    return maker.make(rng, max(1, phase.dense_videos * max(phase.dense_frames) // frames), frames)
 
 
 def grouped_positions(batch: Batch, maker: BatchMaker, earlier: int) -> torch.Tensor:
