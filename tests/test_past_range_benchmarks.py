@@ -167,3 +167,18 @@ def test_the_squeezed_layout_fits_a_frames_whole_history_in_its_reach_keeping_th
     assert engine_settings.EngineSettings(bounded_layout=name).bounded_layout == name
     with pytest.raises(SystemExit, match="--near 40"):
         squeezed.register(40, 40)
+
+
+def test_the_frame_readout_reads_what_each_object_frame_shows_back_from_its_step(tmp_path):
+    """On a video of the length it was trained on, the built-in model's frames name their colour, shape and quarter:
+    read from the wrong token or step, they would not."""
+    readout = benchmark("frame_readout")
+    make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=96)
+    readout.main(["--data", str(tmp_path / "set"), "--seed", "5", "--method", "full", "--json",
+                  str(tmp_path / "out.jsonl")])
+    video, totals = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(video["frames"]) == 10  # every appearance of the four objects
+    assert all(frame["read"]["colour"] == frame["truth"]["colour"] for frame in video["frames"])
+    inside = totals["totals"]["inside"]
+    assert inside["colour"] == inside["shape"] == inside["quarter"] == [10, 10]
+    assert totals["totals"]["past"]["shape"] == [0, 0]
