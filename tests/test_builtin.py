@@ -196,6 +196,33 @@ def test_a_whole_dense_batch_is_long_videos_from_their_first_frame_at_their_own_
     assert drawn.bit_generator.state == replayed.bit_generator.state
 
 
+def test_the_lean_forward_reads_the_targets_the_eager_forward_reads():
+    """The lean forward keeps one attention map of the video (the counting head's) instead of every layer's, and
+    attends through SDPA: its outputs and gradients are the eager forward's up to rounding."""
+    adapter = statekv.VideoQA.from_pretrained("builtin", method="full").adapter
+    model = adapter.model
+    model.train()
+    model.set_attn_implementation("eager")
+    maker, bank = BatchMaker(adapter), FrameBank(adapter)
+    batch = dense_batch(LongRange(dense_share=1.0, dense_frames=(24,), dense_videos=2, stream_frames=2000), maker,
+                        np.random.default_rng(4))
+
+    def forward(lean: bool):
+        model.zero_grad()
+        outputs = forward_targets(model, bank, batch, lean=lean)
+        sum(output.float().sum() for output in outputs).backward()
+        return [output.detach() for output in outputs], [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    (eager, eager_grads), (lean, lean_grads) = forward(False), forward(True)
+    assert model.config.get_text_config()._attn_implementation == "eager"  # the questions' pass, and after
+    for expected, got in zip(eager, lean, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert len(eager_grads) == len(lean_grads)
+    for expected, got in zip(eager_grads, lean_grads, strict=True):  # each parameter's, to its own scale
+        assert float((got - expected).abs().max()) <= 1e-4 * float(expected.abs().max()) + 1e-9
+    model.eval()
+
+
 def test_the_shipped_phase_draws_no_dense_batch_and_the_same_numbers():
     """``dense_share`` 0 (the shipped recipe's) takes nothing more from the generator: the phase's batches, and so
     the shipped weights, are what they were before dense batches existed."""
@@ -259,6 +286,7 @@ def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole"):
         del state["recipe"]["long_range"][name]
+    del state["recipe"]["lean_tokens"]
     torch.save(state, tmp_path / STATE_FILE)
     assert train(recipe, tmp_path).is_dir()
     state["recipe"]["long_range"]["dense_share"] = 0.5  # a recipe that differs is still refused

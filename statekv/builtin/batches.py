@@ -22,6 +22,7 @@ from ..synthetic.prompts import question_prompt
 from ..synthetic.scenes import Still, all_stills, render, still_id
 from ..synthetic.tasks import FAMILIES, QUARTERS, ask_all
 from ..video import internvl_pixel_values
+from .lean import keeping_maps
 
 
 # The frame targets are read after this decoder layer (through the final norm and the output embedding), so
@@ -221,7 +222,7 @@ def frame_slots(video_ids: torch.Tensor, adapter: InternVLAdapter) -> torch.Tens
     return torch.stack([slots, slots + 1], dim=-1)
 
 
-def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor, ...]:
+def forward_targets(model, bank: FrameBank, batch: Batch, lean: bool = False) -> tuple[torch.Tensor, ...]:
     """From the model's ordinary batched forward (eager attention): the logits at the answer positions
     ``[B * Q, 2, vocab]``, at the frame positions ``[B, N, 2, vocab]`` and at the question marks
     ``[B * Q, vocab]``, and the attention masses ``[B * Q, len(SUPERVISED_HEADS) + 1]`` that the subject words
@@ -230,7 +231,8 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
 
     The videos go through the decoder once (``[B, Lv]``, visual features in place of the image tokens); the
     key/value cache is repeated for each video's questions, which then run as one batch ``[B * Q, Lq]``. With
-    causal attention this equals running every question after its own copy of the video.
+    causal attention this equals running every question after its own copy of the video. lean: the video's pass
+    keeps `COUNTING_HEAD`'s map alone (`statekv.builtin.lean`), not every layer's: for videos too long for them.
     """
     inner = model.model
     videos, frames = batch.still_ids.shape
@@ -245,10 +247,16 @@ def forward_targets(model, bank: FrameBank, batch: Batch) -> tuple[torch.Tensor,
     slots = (video_ids == config.image_token_id).unsqueeze(-1).expand_as(embeds)
     embeds = embeds.masked_scatter(slots, features.reshape(-1, embeds.shape[-1]).to(embeds.dtype))
     placed = batch.video_positions
-    video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True,
-                                 output_attentions=True, **({} if placed is None else {"position_ids": placed}))
     layer, head = COUNTING_HEAD
-    attention = video.attentions[layer][:, head]  # [B, Lv, Lv]
+    positions = {} if placed is None else {"position_ids": placed}
+    if lean:
+        with keeping_maps(inner.language_model, {layer: head}) as maps:
+            video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True, **positions)
+        attention = maps[layer]  # [B, Lv, Lv]
+    else:
+        video = inner.language_model(inputs_embeds=embeds, use_cache=True, output_hidden_states=True,
+                                     output_attentions=True, **positions)
+        attention = video.attentions[layer][:, head]  # [B, Lv, Lv]
     counted = batch.counting.sum(-1) > 0
     counting_loss = -(batch.counting * torch.log(attention + 1e-9)).sum(-1)[counted].mean()
     frames_hidden = inner.language_model.norm(video.hidden_states[FRAME_TARGET_LAYER + 1][:, batch.frame_positions])

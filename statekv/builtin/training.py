@@ -78,6 +78,9 @@ class Recipe:
 
     curriculum: ``(frames, steps)`` stages, run in order. seed: the training seed (in `TRAINING_SEEDS`); it
     also seeds the initialisation. long_range: the phase after the curriculum (its steps 0: none).
+    lean_tokens: videos longer than this many tokens go through the lean forward, which keeps one attention map
+    of the video instead of every layer's (`statekv.builtin.lean`; the same targets, rounded otherwise); None:
+    none does.
     """
 
     seed: int = TRAINING_SEEDS.start
@@ -97,6 +100,7 @@ class Recipe:
     log_every: int = 25
     checkpoint_every: int = 100
     long_range: LongRange = LongRange()
+    lean_tokens: int | None = None
 
     @property
     def curriculum_steps(self) -> int:
@@ -212,7 +216,8 @@ def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: 
                            recipe.videos_per_batch)
     else:
         batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
-    logits, frame_logits, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch)
+    lean = recipe.lean_tokens is not None and batch.video_ids.shape[1] > recipe.lean_tokens
+    logits, frame_logits, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch, lean=lean)
     losses = {"loss": F.cross_entropy(logits[:, 0].float(), batch.targets[:, 0]),
               "end_loss": F.cross_entropy(logits[:, 1].float(), batch.targets[:, 1]),
               "frame_loss": F.cross_entropy(frame_logits.unsqueeze(3).expand(*batch.frame_targets.shape, -1)
