@@ -211,7 +211,8 @@ def test_the_lean_forward_reads_the_targets_the_eager_forward_reads():
         model.zero_grad()
         outputs = forward_targets(model, bank, batch, lean=lean)
         sum(output.float().sum() for output in outputs).backward()
-        return [output.detach() for output in outputs], [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        grads = [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+        return [output.detach() for output in outputs], grads
 
     (eager, eager_grads), (lean, lean_grads) = forward(False), forward(True)
     assert model.config.get_text_config()._attn_implementation == "eager"  # the questions' pass, and after
