@@ -9,12 +9,14 @@ frame's hidden states while its step runs (the final norm and the output embeddi
 restricted to the words each target can be), and compares them with the video's plan, split at the frame where
 the stream leaves the model's range.
 
-    python benchmarks/frame_readout.py --data data/dev2400 --seed 4901 --method full --json runs/readout/full.jsonl
-    python benchmarks/frame_readout.py --data data/dev2400 --seed 4901 --method statekv --bounded-layout cache \\
+    python benchmarks/frame_readout.py --data data/dev2400 --method full --json runs/readout/full.jsonl
+    python benchmarks/frame_readout.py --data data/dev2400 --method statekv --bounded-layout cache \\
         --json runs/readout/statekv.jsonl
 
-One JSON line per video; the last lines of the output are the totals (correct / object frames, inside and past
-the range).
+One JSON line per video; the last is the totals (correct / object frames, inside the range and past it: a frame
+is past it when its step ends past the positions the model declares). A stream that hands over (the default
+``handover`` layout past the range) is refused: its steps are encoded again by its successor, which this probe
+does not read.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Readout:
         from statekv.core.attention.switch import language_decoder
 
         adapter = qa.adapter
-        self.adapter, self.chunks, self.frames = adapter, deque(), []
+        self.adapter, self.chunks, self.frames, self.ends = adapter, deque(), [], []
         decoder = language_decoder(adapter.model)
         self.norm, self.head = decoder.norm, adapter.model.lm_head
         self.ids = {target: torch.tensor([self.word(word) for word in words]) for target, words in WORDS.items()}
@@ -48,7 +50,7 @@ class Readout:
 
         def features_chunk(*args, **kwargs):
             chunk = original(*args, **kwargs)
-            self.chunks.append(chunk.input_ids[0].cpu())
+            self.chunks.append((chunk.input_ids[0].cpu(), chunk.next_position))
             return chunk
 
         adapter.features_chunk = features_chunk
@@ -62,9 +64,10 @@ class Readout:
 
     def read(self, module, inputs, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
-        if not self.chunks or hidden.shape[1] != self.chunks[0].shape[0]:
-            return  # the prompt's prefix (or a successor's replay, which this probe does not follow)
-        ids = self.chunks.popleft()
+        if not self.chunks or hidden.shape[1] != self.chunks[0][0].shape[0]:
+            return  # the prompt's prefix
+        ids, end = self.chunks.popleft()
+        self.ends.append(end)  # the first position after the step's tokens at their own positions
         visual = int((ids == self.adapter.image_token_id).nonzero()[0, 0])
         with torch.no_grad():
             logits = self.head(self.norm(hidden[0, [visual, visual + 1]])).float()
@@ -89,12 +92,13 @@ def truth(seed: int, index: int, frames: int) -> dict[int, dict[str, str]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="a set `statekv synthetic make` wrote")
-    parser.add_argument("--seed", type=int, required=True, help="the seed it was made with")
     parser.add_argument("--videos", type=int, default=None, help="the first N videos (default: all)")
     parser.add_argument("--method", default="statekv", choices=("statekv", "full", "recency"))
     parser.add_argument("--bounded-layout", default=None, help="the layout of bounded positions (default: the "
-                        "library's; a handover replays its steps, which this probe does not read: use cache)")
+                        "library's, which hands a stream over past the range: refused; use cache there)")
     parser.add_argument("--model", default="builtin")
+    parser.add_argument("--range", type=int, default=None,
+                        help="declare this positional range instead of the checkpoint's max_position_embeddings")
     parser.add_argument("--json", type=Path, required=True, help="JSON lines out, one per video, then the totals")
     args = parser.parse_args(argv)
 
@@ -111,16 +115,22 @@ def main(argv: list[str] | None = None) -> None:
     with args.json.open("w", encoding="utf-8") as out:
         for index in range(count):
             qa = statekv.VideoQA.from_pretrained(args.model, device="cpu", **options)
+            if args.range is not None:  # the range the model declares (what bounded positions keep inside)
+                qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
             readout = Readout(qa)
             stream = qa.stream()
             for frame in open_video(str(args.data / "videos" / f"v{index:04d}.mp4")).sample(max_fps=1.0,
                                                                                          max_frames=10 ** 7):
                 stream.push(frame)
             stream.flush()
-            expected = truth(args.seed, index, frames)
+            if stream.handover == "handed over":
+                raise SystemExit(f"v{index:04d}: the stream was handed over to a successor, which encoded its steps "
+                                 "again; this probe reads the first encoding only: use --bounded-layout cache")
+            expected = truth(manifest["seed"], index, frames)
             if len(readout.frames) != frames:
                 raise SystemExit(f"v{index:04d}: read {len(readout.frames)} frame steps of {frames}")
-            inside_until = int(stream.prefill.positions.limit * frames / stream.tokens)  # frames of equal tokens
+            limit = stream.prefill.positions.limit
+            inside_until = sum(end <= limit for end in readout.ends)  # steps in time order
             rows = []
             for frame, words in expected.items():
                 read = {target: readout.adapter.tokenizer.decode([readout.frames[frame][target]])

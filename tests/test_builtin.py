@@ -15,6 +15,7 @@ from statekv.builtin import WEIGHTS_DIR, builtin_checkpoint
 from statekv.settings.options import BUILTIN_BUDGET, BUILTIN_RECIPE_FILE, is_builtin_kind
 from statekv.builtin.architecture import build_tokenizer
 from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_targets, still_words
+from statekv.builtin.lean import keeping_maps
 from statekv.builtin.long_range import DENSE_FAMILIES, UNTRAINED, LongRange, dense_batch, draw_batch, stream_batch
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
 from statekv.core.positions.placing import GroupedDistances, grouped_places
@@ -221,7 +222,22 @@ def test_the_lean_forward_reads_the_targets_the_eager_forward_reads():
     assert len(eager_grads) == len(lean_grads)
     for expected, got in zip(eager_grads, lean_grads, strict=True):  # each parameter's, to its own scale
         assert float((got - expected).abs().max()) <= 1e-4 * float(expected.abs().max()) + 1e-9
+    decoder = model.model.language_model
+    embeds = torch.randn(2, 50, decoder.config.hidden_size)
+    with torch.no_grad():
+        expected = decoder(inputs_embeds=embeds, output_attentions=True).attentions[0][:, 1]  # [B, L, L]
+        with keeping_maps(decoder, {0: 1}) as maps:
+            decoder(inputs_embeds=embeds)
+    torch.testing.assert_close(maps[0], expected, rtol=0, atol=1e-6)  # the map itself: a mask off by one is not
+    assert float(maps[0].triu(1).abs().sum()) == 0
     model.eval()
+
+
+def test_a_training_run_can_send_every_video_through_the_lean_forward(tmp_path):
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (6, 2)), warmup_steps=1, log_every=1,
+                    checkpoint_every=1, long_range=LongRange(steps=0))
+    assert (train(recipe, tmp_path, lean_tokens=1) / "config.json").is_file()
+    assert [json.loads(line)["step"] for line in (tmp_path / LOG_FILE).read_text().splitlines()] == [1, 2, 3]
 
 
 def test_the_shipped_phase_draws_no_dense_batch_and_the_same_numbers():
@@ -287,7 +303,6 @@ def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole"):
         del state["recipe"]["long_range"][name]
-    del state["recipe"]["lean_tokens"]
     torch.save(state, tmp_path / STATE_FILE)
     assert train(recipe, tmp_path).is_dir()
     state["recipe"]["long_range"]["dense_share"] = 0.5  # a recipe that differs is still refused

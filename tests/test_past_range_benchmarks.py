@@ -174,11 +174,36 @@ def test_the_frame_readout_reads_what_each_object_frame_shows_back_from_its_step
     read from the wrong token or step, they would not."""
     readout = benchmark("frame_readout")
     make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=96)
-    readout.main(["--data", str(tmp_path / "set"), "--seed", "5", "--method", "full", "--json",
-                  str(tmp_path / "out.jsonl")])
+    readout.main(["--data", str(tmp_path / "set"), "--method", "full", "--json", str(tmp_path / "out.jsonl")])
     video, totals = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(video["frames"]) == 10  # every appearance of the four objects
     assert all(frame["read"]["colour"] == frame["truth"]["colour"] for frame in video["frames"])
     inside = totals["totals"]["inside"]
     assert inside["colour"] == inside["shape"] == inside["quarter"] == [10, 10]
     assert totals["totals"]["past"]["shape"] == [0, 0]
+
+
+def test_the_frame_readout_splits_the_frames_where_their_steps_leave_the_range(tmp_path):
+    """Full attention places a step away from its own position exactly when the step ends past the range: the
+    probe's split is the engine's."""
+    import statekv
+
+    readout = benchmark("frame_readout")
+    make_benchmark(tmp_path / "set", videos=1, seed=6, num_frames=96)
+    readout.main(["--data", str(tmp_path / "set"), "--method", "full", "--range", "300", "--json",
+                  str(tmp_path / "out.jsonl")])
+    video, totals = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    qa = statekv.VideoQA.from_pretrained("builtin", method="full", positions="bounded")
+    qa.adapter.model.config.get_text_config().max_position_embeddings = 300
+    stream = qa.stream()
+    from statekv.video import open_video
+
+    for frame in open_video(str(tmp_path / "set" / "videos" / "v0000.mp4")).sample(max_fps=1.0):
+        stream.push(frame)
+    stream.flush()
+    positions = stream.prefill.positions
+    own = [first == base for first, base in zip(positions.firsts[1:], positions.bases[1:])]  # the frames' steps
+    assert 0 < video["inside_until"] < 96 and own == [step < video["inside_until"] for step in range(96)]
+    inside, past = totals["totals"]["inside"]["colour"], totals["totals"]["past"]["colour"]
+    assert inside[1] + past[1] == 10 and inside[1] == sum(row["frame"] < video["inside_until"]
+                                                          for row in video["frames"])

@@ -125,9 +125,10 @@ def spread_positions(batch: Batch, maker: BatchMaker, times: tuple[int, ...], le
 def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -> Batch:
     """``phase.dense_videos`` videos of ``n`` consecutive frames (``n`` from ``phase.dense_frames``) of a stream of
     ``T`` frames (log-uniform from ``2 n`` to ``phase.stream_frames``), starting at a random second, placed as full
-    attention places its history past the range, asked `DENSE_FAMILIES`. Every frame is placed as the last frame's
-    step sees it (the engine placed each earlier frame as its own step saw it), and the questions read the whole
-    window so placed (the engine's questions read retrieved frames, packed or spread)."""
+    attention places its history past the range, asked `DENSE_FAMILIES` (with ``phase.dense_whole``: `whole_batch`
+    of ``n`` frames instead). Every frame is placed as the last frame's step sees it (the engine placed each earlier
+    frame as its own step saw it), and the questions read the whole window so placed (the engine's questions read
+    retrieved frames, packed or spread)."""
     frames = int(rng.choice(phase.dense_frames))
     if phase.dense_whole:
         return whole_batch(phase, maker, rng, frames)

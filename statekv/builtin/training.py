@@ -78,9 +78,6 @@ class Recipe:
 
     curriculum: ``(frames, steps)`` stages, run in order. seed: the training seed (in `TRAINING_SEEDS`); it
     also seeds the initialisation. long_range: the phase after the curriculum (its steps 0: none).
-    lean_tokens: videos longer than this many tokens go through the lean forward, which keeps one attention map
-    of the video instead of every layer's (`statekv.builtin.lean`; the same targets, rounded otherwise); None:
-    none does.
     """
 
     seed: int = TRAINING_SEEDS.start
@@ -100,7 +97,6 @@ class Recipe:
     log_every: int = 25
     checkpoint_every: int = 100
     long_range: LongRange = LongRange()
-    lean_tokens: int | None = None
 
     @property
     def curriculum_steps(self) -> int:
@@ -142,12 +138,14 @@ class Recipe:
 
 
 def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int | None = None,
-          init: str | Path | None = None) -> Path:
+          init: str | Path | None = None, lean_tokens: int | None = None) -> Path:
     """Train (or resume) ``recipe`` in ``out``; returns the exported checkpoint folder ``out/model``.
 
     stop_after: stop once this many steps are done in all (to split a run; rerun to go on). init: a checkpoint
     folder holding the weights the curriculum ends with (the built-in model before its long-range phase): a run
-    that has not started starts from them at the long-range phase.
+    that has not started starts from them at the long-range phase. lean_tokens: videos longer than this many
+    tokens go through the lean forward, which keeps one attention map of the video instead of every layer's
+    (`statekv.builtin.lean`: the same losses up to rounding; None: every video through the eager forward).
     """
     if recipe.seed not in TRAINING_SEEDS or recipe.long_range.seed not in TRAINING_SEEDS:
         raise ConfigurationError(f"the training seeds must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
@@ -179,7 +177,7 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
                 optimizer.state.clear()  # the long-range phase starts with a fresh optimiser
             for group in optimizer.param_groups:
                 group["lr"] = recipe.learning_rate_at(step)
-            loss, parts, answers = _step_loss(recipe, model, bank, maker, step)
+            loss, parts, answers = _step_loss(recipe, model, bank, maker, step, lean_tokens)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
@@ -202,7 +200,7 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     return out / MODEL_DIR
 
 
-def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: int):
+def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: int, lean_tokens: int | None):
     """Step ``step``'s loss, its named parts (floats) and, unless it is a vision step, the answers
     ``(correct [B * Q] bool, families)``."""
     words = still_logits(model, bank).flatten(0, 1).float()  # [S, vocab]: one visual token per still
@@ -216,7 +214,7 @@ def _step_loss(recipe: Recipe, model, bank: FrameBank, maker: BatchMaker, step: 
                            recipe.videos_per_batch)
     else:
         batch = maker.make(training_rng(recipe.seed, step), recipe.videos_per_batch, frames)
-    lean = recipe.lean_tokens is not None and batch.video_ids.shape[1] > recipe.lean_tokens
+    lean = lean_tokens is not None and batch.video_ids.shape[1] > lean_tokens
     logits, frame_logits, word_logits, evidence_mass, counting_loss = forward_targets(model, bank, batch, lean=lean)
     losses = {"loss": F.cross_entropy(logits[:, 0].float(), batch.targets[:, 0]),
               "end_loss": F.cross_entropy(logits[:, 1].float(), batch.targets[:, 1]),
