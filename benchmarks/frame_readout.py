@@ -122,10 +122,9 @@ def main(argv: list[str] | None = None) -> None:
             for frame in open_video(str(args.data / "videos" / f"v{index:04d}.mp4")).sample(max_fps=1.0,
                                                                                          max_frames=10 ** 7):
                 stream.push(frame)
+                refuse_handed_over(stream, index)
             stream.flush()
-            if stream.handover == "handed over":
-                raise SystemExit(f"v{index:04d}: the stream was handed over to a successor, which encoded its steps "
-                                 "again; this probe reads the first encoding only: use --bounded-layout cache")
+            refuse_handed_over(stream, index)
             expected = truth(manifest["seed"], index, frames)
             if len(readout.frames) != frames:
                 raise SystemExit(f"v{index:04d}: read {len(readout.frames)} frame steps of {frames}")
@@ -150,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
                               "model": args.model, "data": str(args.data)}) + "\n")
     for place, targets in totals.items():
         print(place, {target: f"{right}/{asked}" for target, (right, asked) in targets.items()})
+
+
+def refuse_handed_over(stream, index: int) -> None:
+    if stream.handover == "handed over":
+        raise SystemExit(f"v{index:04d}: the stream was handed over to a successor, which encoded its steps again; "
+                         "this probe reads the first encoding only: use --bounded-layout cache")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,11 @@ def test_the_frame_readout_splits_the_frames_where_their_steps_leave_the_range(t
     inside, past = totals["totals"]["inside"]["colour"], totals["totals"]["past"]["colour"]
     assert inside[1] + past[1] == 10 and inside[1] == sum(row["frame"] < video["inside_until"]
                                                           for row in video["frames"])
+
+
+def test_the_frame_readout_refuses_a_stream_handed_over_to_its_successor(tmp_path):
+    readout = benchmark("frame_readout")
+    make_benchmark(tmp_path / "set", videos=1, seed=6, num_frames=96)
+    with pytest.raises(SystemExit, match="handed over"):
+        readout.main(["--data", str(tmp_path / "set"), "--method", "statekv", "--range", "300", "--json",
+                      str(tmp_path / "out.jsonl")])

@@ -223,9 +223,9 @@ def frame_slots(video_ids: torch.Tensor, adapter: InternVLAdapter) -> torch.Tens
 
 
 def forward_targets(model, bank: FrameBank, batch: Batch, lean: bool = False) -> tuple[torch.Tensor, ...]:
-    """From the model's ordinary batched forward (eager attention; the video's pass lean with ``lean``): the logits at the answer positions
-    ``[B * Q, 2, vocab]``, at the frame positions ``[B, N, 2, vocab]`` and at the question marks
-    ``[B * Q, vocab]``, and the attention masses ``[B * Q, len(SUPERVISED_HEADS) + 1]`` that the subject words
+    """From the model's ordinary batched forward (eager attention; the video's pass lean with ``lean``): the logits
+    at the answer positions ``[B * Q, 2, vocab]``, at the frame positions ``[B, N, 2, vocab]`` and at the question
+    marks ``[B * Q, vocab]``, and the attention masses ``[B * Q, len(SUPERVISED_HEADS) + 1]`` that the subject words
     give the evidence frames in `SUPERVISED_HEADS` and that the answer position gives the subject word in
     `READING_HEAD`; and the cross-entropy of `COUNTING_HEAD`'s attention against ``batch.counting`` (a scalar).
 
