@@ -58,14 +58,15 @@ def keeping_maps(language_model: torch.nn.Module, heads: dict[int, int]) -> Iter
     global _kept
     if _kept is not None:
         raise ConfigurationError("keeping_maps is already active: one lean forward at a time")
-    config = language_model.config
-    before = config._attn_implementation
+    before = language_model.config._attn_implementation
     kept: dict[int, torch.Tensor] = {}
     _wanted.clear()
     _wanted.update(heads)
-    _kept, config._attn_implementation = kept, LEAN_ATTENTION
+    _kept = kept
+    language_model.set_attn_implementation(LEAN_ATTENTION)
     try:
         yield kept
     finally:
-        config._attn_implementation, _kept = before, None
+        language_model.set_attn_implementation(before)
+        _kept = None
         _wanted.clear()
