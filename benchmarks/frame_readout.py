@@ -29,8 +29,14 @@ from pathlib import Path
 
 import torch
 
-WORDS = {"colour": (" red", " green", " blue", " yellow"), "count": (" 1", " 2", " 3", " 4"),
-         "shape": (" square", " circle", " triangle", " cross"), "quarter": (" first", " second", " third", " last")}
+from statekv.synthetic.plans import COUNTS
+from statekv.synthetic.scenes import COLOURS, SHAPES
+from statekv.synthetic.tasks import QUARTERS
+
+# the words each frame target can be, as `statekv.builtin.batches.frame_words` writes them
+WORDS = {"colour": tuple(f" {colour}" for colour in COLOURS),
+         "count": tuple(f" {times}" for times in range(1, max(COUNTS) + 1)),
+         "shape": tuple(f" {shape}" for shape in SHAPES), "quarter": tuple(f" {q.split()[0]}" for q in QUARTERS)}
 
 
 class Readout:
