@@ -43,6 +43,17 @@ def test_a_key_is_made_once_per_folder_and_only_its_digest_is_kept(tmp_path):
     assert ring.owner("another") is None and ring.owner("") is None
 
 
+def test_a_made_key_never_starts_with_a_dash_so_a_command_line_can_pass_it(tmp_path, monkeypatch):
+    from statekv.cli import build_parser
+    from statekv.serve import auth
+
+    drawn = iter(["-Yx3dash", "Yx3plain"])
+    monkeypatch.setattr(auth.secrets, "token_urlsafe", lambda size: next(drawn))
+    key = KeyFile(tmp_path).make()
+    assert key == "Yx3plain"
+    assert build_parser().parse_args(["serve", "--api-key", key]).api_key == [key]
+
+
 def test_no_key_at_all_and_an_unreadable_key_file_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigurationError, match="no API key: pass --api-key"):
         KeyRing.for_folder(tmp_path, [])

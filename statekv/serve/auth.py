@@ -91,8 +91,10 @@ class KeyFile:
 
 
 def new_key() -> str:
-    """A new API key (not stored anywhere yet)."""
-    return secrets.token_urlsafe(24)
+    """A new API key (not stored anywhere yet), never starting with "-": a command line would read it as a flag."""
+    while (key := secrets.token_urlsafe(24)).startswith("-"):
+        pass
+    return key
 
 
 class KeyRing:
