@@ -123,9 +123,9 @@ def server_options(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from .cameras import Cameras
-    from .load import LoadSettings, default_progress
+    from .load import LoadSettings
     from .server import LocalServer
-    from .summary import Targets, machine, plot, table, write_json
+    from .summary import Targets, default_progress, machine, plot, table, write_json
 
     try:
         import httpx  # noqa: F401

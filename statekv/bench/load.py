@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -289,31 +288,3 @@ def _message(reply) -> str:
         return str(reply.json()["error"]["message"])[:200]
     except (ValueError, KeyError, TypeError):
         return reply.reason_phrase or "no message"
-
-
-def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float], None]:
-    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds."""
-    from .summary import percentile
-
-    terminal = sys.stderr.isatty()
-    state = {"last": 0.0}
-
-    def show(run: Run, now: float) -> None:
-        if not terminal and now - state["last"] < 5.0:
-            return
-        state["last"] = now
-        frames = [r for r in run.requests if r.kind == "frame"]
-        asks = [r for r in run.requests if r.kind == "question"]
-        lags = [r.done - r.due for r in frames if r.ok]
-        ttfts = [r.first_token - r.sent for r in asks if r.ok]
-        failed = sum(r.error is not None for r in run.requests)
-        lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
-        line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
-                f"{settings.duration:g} s: {sum(r.ok for r in frames)}/{sum(r.due <= now for r in frames)} frames "
-                f"streamed" + (f" (lag p95 {lag:.2f} s)" if lag is not None else "")
-                + f", {sum(r.ok for r in asks)} answers" + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
-                + f", {failed} failed")
-        print(("\r" + line + "\033[K") if terminal else line, end="" if terminal else "\n", file=sys.stderr,
-              flush=True)
-
-    return show

@@ -1,5 +1,5 @@
-"""What a run of N cameras comes to: throughput, lag behind real time, time to first token, goodput; the table, the
-JSON and the plot of a sweep.
+"""What a run of N cameras comes to: throughput, lag behind real time, time to first token, goodput; the progress
+line while it goes; the table, the JSON and the plot of a sweep.
 
 A camera is **held at real time** when every one of its requests succeeded and its frames were streamed within
 ``lag_target`` seconds of being due at p95 (a camera the server cannot keep up with falls further behind with
@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .load import Run
+from .load import LoadSettings, Run
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,32 @@ class Targets:
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0-100) of ``values``, None when there are none."""
     return float(np.percentile(values, q)) if len(values) else None
+
+
+def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float], None]:
+    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds."""
+    terminal = sys.stderr.isatty()
+    state = {"last": 0.0}
+
+    def show(run: Run, now: float) -> None:
+        if not terminal and now - state["last"] < 5.0:
+            return
+        state["last"] = now
+        frames = [r for r in run.requests if r.kind == "frame"]
+        asks = [r for r in run.requests if r.kind == "question"]
+        lags = [r.done - r.due for r in frames if r.ok]
+        ttfts = [r.first_token - r.sent for r in asks if r.ok]
+        failed = sum(r.error is not None for r in run.requests)
+        lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
+        line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
+                f"{settings.duration:g} s: {sum(r.ok for r in frames)}/{sum(r.due <= now for r in frames)} frames "
+                f"streamed" + (f" (lag p95 {lag:.2f} s)" if lag is not None else "")
+                + f", {sum(r.ok for r in asks)} answers" + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
+                + f", {failed} failed")
+        print(("\r" + line + "\033[K") if terminal else line, end="" if terminal else "\n", file=sys.stderr,
+              flush=True)
+
+    return show
 
 
 def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batch: float | None, *,
