@@ -270,7 +270,8 @@ class StepBatcher:
         try:
             inputs = None
             if len(steps) > 1 and pooled.poolable(prefills):
-                cache, graphs, rows = pooled.rows(prefills, key)
+                # `device_step` looked up as each step runs: replacing it (op_trace marks steps so) reaches pooled ones
+                cache, graphs, rows = pooled.rows(prefills, key, lambda *step: device_step(*step))
                 chosen = [step.inputs for step in steps]  # padded to the bucket with the first row's inputs
                 inputs = dict(stack_inputs(chosen + chosen[:1] * (rows.shape[1] - len(chosen))), rows=rows)
             else:

@@ -24,7 +24,7 @@ part of each stream's step (beginning it, committing its lengths) stays the stre
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -39,7 +39,6 @@ from ..cache.transaction import NotBatchable
 from ..positions.rotation import place_carried
 from ..storage.layer_storage import LayerStorage, sample_index
 from ..storage.paged import PagedStorage
-from . import batching
 from .graphs import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows of a pooled batch: S streams are padded to the first bucket >= S
@@ -123,11 +122,13 @@ class PooledTransaction:
 class PooledBatch(Cache):
     """The transformers ``Cache`` of a pooled batch of ``size`` rows of ``pool`` whose carried slots are ``slots``
     (one batch key: the decoder, its rule and attention backend, rotation and compiled step are those of ``first``,
-    the stream it was made for). Every step's rows come in as the ``rows`` input of :meth:`forward_rows`."""
+    the stream it was made for). Every step's rows come in as the ``rows`` input of :meth:`forward_rows`; its CUDA
+    graphs record ``device_step(members, batch, inputs)`` (`statekv.core.step.batching.device_step`, which comes back
+    to :meth:`forward_rows`)."""
 
     tally = None  # never tallied: such streams are not pooled
 
-    def __init__(self, pool: StreamPool, slots: SlotRows, first, size: int):
+    def __init__(self, pool: StreamPool, slots: SlotRows, first, size: int, device_step: Callable):
         super().__init__(layers=[])
         self.pool, self.slots, self.size = pool, slots, size
         self.layers = [PooledLayer(self, index) for index in range(pool.layers)]
@@ -143,7 +144,7 @@ class PooledBatch(Cache):
         self.samples = sample_index(chunk_len, pool.device)
         self.transaction = PooledTransaction(self)
         self.staged: list[tuple | None] = [None] * len(self.layers)
-        self.graphs = PooledGraphs(self)
+        self.graphs = PooledGraphs(self, device_step)
         self.members: list = []  # the streams of the step being run (its rows, padding left out)
         self.tables: dict[tuple[int, ...], torch.Tensor] = {}  # rows inputs by the streams they hold, last used last
 
@@ -293,8 +294,8 @@ class PooledGraphs(StepGraphs):
     """The recorded steps of one pooled batch (batch key and bucket): valid while the pool's shared tensors stay
     where they are (its ``version``), whichever streams fill the rows."""
 
-    def __init__(self, batch: PooledBatch):
-        super().__init__(lambda inputs: batching.device_step(batch.members, batch, inputs), lambda: False)
+    def __init__(self, batch: PooledBatch, device_step: Callable):
+        super().__init__(lambda inputs: device_step(batch.members, batch, inputs), lambda: False)
         self.streams = batch.pool  # (``pool`` is the graphs' memory pool)
 
     def run(self, inputs: dict, layout) -> torch.Tensor | None:
@@ -302,9 +303,10 @@ class PooledGraphs(StepGraphs):
             return super().run(inputs, self.streams.version)
 
 
-def rows(prefills: Sequence, key: tuple) -> tuple[PooledBatch, PooledGraphs, torch.Tensor]:
+def rows(prefills: Sequence, key: tuple, device_step: Callable) -> tuple[PooledBatch, PooledGraphs, torch.Tensor]:
     """The pooled batch of ``prefills`` (at most the last bucket; begun, equal batch ``key``, each `poolable`): their
-    seats taken and settled, room made for the step, and the batch's ``rows`` ``[2, bucket]`` (padding: row 0)."""
+    seats taken and settled, room made for the step, and the batch's ``rows`` ``[2, bucket]`` (padding: row 0).
+    ``device_step``: what a new batch's graphs record (`PooledBatch`)."""
     first = prefills[0]
     pool = pool_of(first.decoder, first.geometry, first.device)
     with pool.lock:
@@ -317,7 +319,7 @@ def rows(prefills: Sequence, key: tuple) -> tuple[PooledBatch, PooledGraphs, tor
         size = bucket(len(prefills))
         batch = pool.batches.pop((key, size), None)  # put back last: the batches kept are those used last
         if batch is None or batch.slots is not seats[0].slots:
-            batch = PooledBatch(pool, seats[0].slots, first, size)
+            batch = PooledBatch(pool, seats[0].slots, first, size, device_step)
             while len(pool.batches) >= KEPT_BATCHES:
                 pool.batches.pop(next(iter(pool.batches))).graphs.clear()
         pool.batches[key, size] = batch
