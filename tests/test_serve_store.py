@@ -147,13 +147,17 @@ def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws)
     assert StreamVersions(store).current(STREAM).record["name"] == str(KEEP + 2)
 
 
-def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys):
+def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, monkeypatch):
     from statekv.cli import main
+    from statekv.serve import auth
     from statekv.serve.cluster.store_files import StoreKeyFile
 
     url = aws.url()
+    drawn = iter(["-Yx3dash", "Yx3plain", "Yx3other"])
+    monkeypatch.setattr(auth.secrets, "token_urlsafe", lambda size: next(drawn))
     made = StoreKeyFile(ObjectStore(url)).make()
-    assert made and StoreKeyFile(ObjectStore(url)).make() is None  # one key per store, whoever is first
+    assert made == "Yx3plain"  # never a key a command line reads as a flag
+    assert StoreKeyFile(ObjectStore(url)).make() is None  # one key per store, whoever is first
     assert StoreKeyFile(ObjectStore(url)).stored()[0]["owner"] == owner_of(made)
     status = main(["serve", "--ray", "auto", "--store", "s3://no-such-bucket/x", "--api-key", "k"])
     printed = capsys.readouterr()

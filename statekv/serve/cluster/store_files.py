@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import secrets
 import shutil
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigurationError, InputError
-from ..auth import owner_of
+from ..auth import new_key, owner_of
 from ..errors import ServiceError
 from ..store import check_record, readable_owner
 from .leases import LEASE_SECONDS, Lease, LeaseLost
@@ -417,7 +416,7 @@ class StoreKeyFile:
 
     def make(self) -> str | None:
         """Make a key and store its digest, unless a key was made for the store already: the new key, or None."""
-        key = secrets.token_urlsafe(24)
+        key = new_key()
         document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
         try:
             made = self.store.create("keys.json", (json.dumps(document, indent=1) + "\n").encode())
