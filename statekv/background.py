@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .stopping import whole
+
 POLL_SECONDS = 0.05  # how often a blocked stage looks whether the pipeline was stopped
 
 Emit = Callable[[Any], None]
@@ -67,8 +69,9 @@ class ThreadStages:
             self._put(items, _END, final=True)
 
         thread = threading.Thread(target=run, name=f"{self.name}-{name}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        with whole():  # a stop asked while the thread starts is raised once it has: `close` then joins a started one
+            self._threads.append(thread)
+            thread.start()
         return self._read(items)
 
     def close(self) -> None:

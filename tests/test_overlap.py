@@ -7,6 +7,8 @@ whether it ends normally, fails, or is interrupted.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -18,6 +20,7 @@ from PIL import Image
 import statekv
 import bad_videos
 from statekv.background import ThreadStages
+from statekv.stopping import Stopped, signals_stop_like_ctrl_c
 from statekv.models import load_adapter
 from statekv.steps.overlap import default_vision_batch
 from statekv.testing import draw_test_frame
@@ -262,6 +265,21 @@ def test_stages_are_bounded_and_a_failure_arrives_after_the_items_before_it():
                 assert len(produced) - len(received) <= 2 + 2 + 1 + 1 + 1
                 received.append(item)
     assert received == [2 * index for index in range(30)] and stages.alive == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="sends itself SIGTERM")
+def test_a_stop_asked_while_a_stage_starts_leaves_no_thread_it_cannot_join(monkeypatch):
+    start = threading.Thread.start
+
+    def signalled_start(thread):  # the signal's handler runs before the thread has started
+        os.kill(os.getpid(), signal.SIGTERM)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", signalled_start)
+    with signals_stop_like_ctrl_c(), pytest.raises(Stopped):
+        with ThreadStages("test") as stages:
+            stages.add(lambda upstream, emit: emit(1), None, maxsize=1, name="stage")
+    assert stages.alive == 0
 
 
 def test_closing_stages_stops_a_producer_blocked_on_a_full_queue():
