@@ -5,6 +5,8 @@ server of the built-in model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import subprocess
 import sys
@@ -154,12 +156,26 @@ class _SlowServer:
         self.thread.join(timeout=30)
 
 
+@contextlib.contextmanager
+def _no_collection_pauses():
+    """The test process's garbage collector held off: late in a full run a collection over its heap stops every
+    thread of the process, the load generator's and the test server's alike, which would read as lateness."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_a_slow_server_leaves_cameras_behind_while_questions_go_out_on_time():
     """Open loop: a server that takes 0.3 s a frame cannot keep a 5-fps camera at real time, and its lag grows
     frame after frame; the camera's frames go in order, one at a time; questions are sent at their times whatever
     is under way, and their TTFT is the first token's."""
     settings = LoadSettings(fps=5.0, duration=3.0, question_rate=2.0, drain=10.0, warm_frames=1, seed=1)
-    with _SlowServer(push_seconds=0.3, ttft_seconds=0.1) as url:
+    with _SlowServer(push_seconds=0.3, ttft_seconds=0.1) as url, _no_collection_pauses():
         run = asyncio.run(run_load(url, "key", 2, settings, lambda camera: [b"jpeg"]))
     frames = sorted((r for r in run.requests if r.kind == "frame" and r.stream == 0), key=lambda r: r.due)
     lags = [r.done - r.due for r in frames]
@@ -167,7 +183,7 @@ def test_a_slow_server_leaves_cameras_behind_while_questions_go_out_on_time():
     assert lags[-1] > lags[0] + 1.0 and all(b > a for a, b in zip(lags[3:], lags[4:]))  # 0.1 s further a frame
     assert all(b.sent >= a.done for a, b in zip(frames, frames[1:]))  # in order, one at a time
     questions = [r for r in run.requests if r.kind == "question"]
-    assert len(questions) >= 4 and all(r.sent - r.due < 0.05 for r in questions)  # never held back by frames
+    assert len(questions) >= 4 and all(r.sent - r.due < 0.1 for r in questions)  # never held back by a frame's 0.3 s
     assert all(0.09 < r.first_token - r.sent < 0.3 for r in questions)
     row = summarize(run, 5.0, 3.0, Targets(), None)
     assert row["held_streams"] == 0 and row["frames_per_s"] < 2 * 5.0 * 0.75
