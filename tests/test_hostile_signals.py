@@ -157,8 +157,17 @@ def test_a_signal_inside_a_save_stops_after_the_file_is_whole(adapter, reference
     assert _equal(_state(Stream.load(target, stream.qa)), reference[5])
 
 
+@pytest.fixture
+def pythons_ctrl_c():
+    """Python's own Ctrl-C handler, as a program that installed none has it: a test run a shell started in the
+    background inherits SIGINT ignored, and Python then installs no handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_in_a_program_that_installed_no_handler_also_waits_for_the_push(adapter, reference, monkeypatch,
-                                                                              tmp_path):
+                                                                              tmp_path, pythons_ctrl_c):
     from statekv.core.cache.two_state import TwoStateCache
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -170,7 +179,8 @@ def test_ctrl_c_in_a_program_that_installed_no_handler_also_waits_for_the_push(a
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_signals_at_random_moments_always_stop_between_whole_pushes(number, adapter, reference, tmp_path):
+def test_signals_at_random_moments_always_stop_between_whole_pushes(number, adapter, reference, tmp_path,
+                                                                   pythons_ctrl_c):
     """Many signals in a row, each at a random moment of a stream's pushes (bounded in time)."""
     rng = np.random.default_rng()
     push_seconds = _push_seconds(adapter)
