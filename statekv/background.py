@@ -69,9 +69,9 @@ class ThreadStages:
             self._put(items, _END, final=True)
 
         thread = threading.Thread(target=run, name=f"{self.name}-{name}", daemon=True)
-        with whole():  # a stop asked while the thread starts is raised once it has: `close` then joins a started one
-            self._threads.append(thread)
+        with whole():  # a stop asked while the thread starts is raised once it has: `close` joins only started ones
             thread.start()
+            self._threads.append(thread)
         return self._read(items)
 
     def close(self) -> None:

@@ -160,13 +160,15 @@ class _SlowServer:
 def _no_collection_pauses():
     """The test process's garbage collector held off: late in a full run a collection over its heap stops every
     thread of the process, the load generator's and the test server's alike, which would read as lateness."""
+    enabled = gc.isenabled()
     gc.collect()
     gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
         gc.unfreeze()
 
 
@@ -242,3 +244,20 @@ def test_the_built_in_model_under_bench_serve(tmp_path):
         assert row["answers"] > 0 and 0 < row["server_ttft_mean_s"] <= row["latency_p99_s"]
     assert "| streams | fps | frames/s |" in result.stdout and plot.stat().st_size > 10_000
     assert "statekv bench serve: 2 streams" in result.stderr  # the progress line
+
+
+def test_a_stop_while_the_local_server_starts_leaves_no_server_and_no_folder(monkeypatch):
+    from types import SimpleNamespace
+
+    from statekv.bench import server as bench_server
+
+    def stopped(seconds):  # Ctrl-C, or statekv's SIGTERM handler, while it waits for the server to listen
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_server, "time", SimpleNamespace(monotonic=time.monotonic, sleep=stopped))
+    server = bench_server.LocalServer(["--model", "builtin"])
+    with pytest.raises(KeyboardInterrupt), server:
+        pytest.fail("the server cannot have started")
+    arguments = server.process.args
+    assert server.process.poll() is not None  # stopped and waited for, not left running
+    assert not Path(arguments[arguments.index("--state-dir") + 1]).parent.exists()

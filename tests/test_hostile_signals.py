@@ -162,6 +162,7 @@ def pythons_ctrl_c():
     """Python's own Ctrl-C handler, as a program that installed none has it: a test run a shell started in the
     background inherits SIGINT ignored, and Python then installs no handler of its own."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert previous in (signal.default_int_handler, signal.SIG_IGN)  # no handler an earlier test left behind
     yield
     signal.signal(signal.SIGINT, previous)
 

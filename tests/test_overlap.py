@@ -271,8 +271,9 @@ def test_stages_are_bounded_and_a_failure_arrives_after_the_items_before_it():
 def test_a_stop_asked_while_a_stage_starts_leaves_no_thread_it_cannot_join(monkeypatch):
     start = threading.Thread.start
 
-    def signalled_start(thread):  # the signal's handler runs before the thread has started
-        os.kill(os.getpid(), signal.SIGTERM)
+    def signalled_start(thread):  # the signal's handler runs before the stage's thread has started
+        if thread.name == "test-stage":
+            os.kill(os.getpid(), signal.SIGTERM)
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", signalled_start)

@@ -38,6 +38,13 @@ class LocalServer:
         self._folder: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> "LocalServer":
+        try:
+            return self._start()
+        except BaseException:  # a start that fails or is stopped (a signal) leaves no server and no folder behind
+            self.__exit__(None, None, None)
+            raise
+
+    def _start(self) -> "LocalServer":
         import statekv
 
         self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
@@ -63,7 +70,6 @@ class LocalServer:
                 break
             time.sleep(0.2)
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        self.__exit__(None, None, None)
         why = last[-1] if last else "no output"
         raise ServerError(f"the server did not start: {why}")
 
@@ -134,6 +140,13 @@ class InProcessServer:
         self._folder: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> "InProcessServer":
+        try:
+            return self._start()
+        except BaseException:  # a start that fails or is stopped (a signal) leaves no server and no folder behind
+            self.__exit__(None, None, None)
+            raise
+
+    def _start(self) -> "InProcessServer":
         import threading
 
         import uvicorn
@@ -151,7 +164,6 @@ class InProcessServer:
         deadline = time.monotonic() + self.start_timeout
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
                 raise ServerError("the in-process server did not start")
             time.sleep(0.05)
         port = self._server.servers[0].sockets[0].getsockname()[1]
