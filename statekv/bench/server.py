@@ -25,7 +25,25 @@ class ServerError(StateKVError):
     kind = "server"
 
 
-class LocalServer:
+class _ServerBlock:
+    """A server for the length of a ``with`` block: `_start` starts it, ``__exit__`` stops it and removes what it
+    left; a start that fails or is stopped (a signal) leaves no server and no folder behind."""
+
+    def __enter__(self):
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _start(self):
+        raise NotImplementedError
+
+    def __exit__(self, *exc) -> None:
+        raise NotImplementedError
+
+
+class LocalServer(_ServerBlock):
     """``statekv serve`` with ``options`` (its command-line flags) in a process of its own (``threads``: its torch
     threads), for the length of a ``with`` block: ``url`` and ``key`` once it listens. Its log is kept in its
     temporary folder (the last line is named if it fails to start)."""
@@ -36,13 +54,6 @@ class LocalServer:
         self.url: str | None = None
         self.process: subprocess.Popen | None = None
         self._folder: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> "LocalServer":
-        try:
-            return self._start()
-        except BaseException:  # a start that fails or is stopped (a signal) leaves no server and no folder behind
-            self.__exit__(None, None, None)
-            raise
 
     def _start(self) -> "LocalServer":
         import statekv
@@ -124,7 +135,7 @@ def histogram_mean(before: tuple[float, float] | None, after: tuple[float, float
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-class InProcessServer:
+class InProcessServer(_ServerBlock):
     """``statekv serve``'s application over a `VideoQA` already loaded (a model built in memory, as the GPU suite's
     random 8B), on a free loopback port, served by uvicorn on a thread of this process for the length of a ``with``
     block: ``url`` and ``key`` once it listens. Drive it from another process (``statekv bench serve --url``) so the
@@ -138,13 +149,6 @@ class InProcessServer:
         self._server = None
         self._thread = None
         self._folder: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> "InProcessServer":
-        try:
-            return self._start()
-        except BaseException:  # a start that fails or is stopped (a signal) leaves no server and no folder behind
-            self.__exit__(None, None, None)
-            raise
 
     def _start(self) -> "InProcessServer":
         import threading
