@@ -66,15 +66,19 @@ def request_stop(number: int, frame: object = None) -> None:
 def whole() -> Iterator[None]:
     """A region no stop cuts: a stopping signal received inside it is raised as it ends (also when it ends with
     an error: the stop, asked for, wins). Nested regions end with the outermost."""
-    global _depth, _pending
+    global _depth
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    swapped = _depth == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    if swapped:
-        signal.signal(signal.SIGINT, request_stop)
+    # CPython runs a signal's handler only at a call or a backward jump, so the region is counted before any call
+    # can let one in, and from inside the try: a signal at any call below finds its region counted and is raised
+    # as the region ends
+    swapped = False
     _depth += 1
     try:
+        if _depth == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, request_stop)
+            swapped = True
         yield
     except BaseException as error:
         number = _leave(swapped)
@@ -87,14 +91,16 @@ def whole() -> Iterator[None]:
 
 
 def _leave(swapped: bool) -> int | None:
-    """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet)."""
+    """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet). The pending
+    signal is taken and the region uncounted before any call (see `whole`), so a signal arriving while the handler
+    is put back is raised at once by it and leaves nothing pending for the next region."""
     global _depth, _pending
+    number = None
+    if _depth == 1:
+        number, _pending = _pending, None
     _depth -= 1
     if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if _depth:
-        return None
-    number, _pending = _pending, None
     return number
 
 
