@@ -215,3 +215,35 @@ def test_the_frame_readout_refuses_a_stream_handed_over_to_its_successor(tmp_pat
     with pytest.raises(SystemExit, match="handed over"):
         readout.main(["--data", str(tmp_path / "set"), "--method", "statekv", "--range", "300", "--json",
                       str(tmp_path / "out.jsonl")])
+
+
+def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp_path):
+    """The captured context reproduces the engine's answer through the model's own forward, and a swap takes the
+    other method's keys and values exactly where it says: at its layers and its kind of token."""
+    swap = benchmark("context_swap")
+    make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=40)
+    swap.main(["--set", f"tiny={tmp_path / 'set'},5,1,40", "--runs", str(tmp_path / "runs"), "--out",
+               str(tmp_path / "table.md")])
+    (video,) = [json.loads(line) for line in (tmp_path / "runs" / "tiny.json").read_text().splitlines()]
+    rows = video["questions"]
+    assert [row["family"] for row in rows] == list(swap.FAMILIES)
+    assert all(row["engine_agrees"] for row in rows)
+    assert "`a+b.L2.visual.values`" in (tmp_path / "table.md").read_text()
+
+    starts = torch.tensor([0, 5, 12, 19])  # the prefix, then frames of 7 tokens ending <img> <IMG_CONTEXT> </img>
+    kinds = swap.token_kinds(torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18]), starts)
+    assert kinds["visual"].tolist() == [False] * 5 + [True, False, True, False]
+    assert kinds["img_end"].tolist() == [False] * 6 + [True, False, True]
+    assert kinds["anchor"].tolist() == [False, False, True, True] + [False] * 5  # tokens 5 and 8: frame 1's text
+
+    def context(fill):
+        return swap.Context([(torch.full((1, 2, 3, 4), fill + i), torch.full((1, 2, 3, 4), -fill - i),
+                              torch.arange(3)) for i in range(3)], torch.arange(5), 7)
+
+    a, b = context(0.0), context(10.0)
+    where = torch.tensor([False, True, False])
+    one = swap.mixed(a, b, [1], where, ("keys",))
+    assert torch.equal(one.layers[0][0], a.layers[0][0]) and torch.equal(one.layers[1][1], a.layers[1][1])
+    assert one.layers[1][0][:, :, 1].eq(11).all() and one.layers[1][0][:, :, [0, 2]].eq(1).all()
+    every = swap.mixed(a, b, range(3))
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(every.layers, b.layers))
