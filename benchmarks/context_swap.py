@@ -8,16 +8,19 @@ nothing else, laid out as the engine lays them out), captured after the prompt's
 same tokens, so their contexts hold the same tokens at the same places; only what each frame computed differs.
 Each question is then answered by the model's own forward over a context (transformers' `DynamicCache`):
 
-* ``a``, ``b``: each method's own context (``a`` is checked against the engine's answer: ``engine_agrees``);
+* ``a``, ``b``: each method's own context (each checked against the engine's answer: ``a_agrees``, ``b_agrees``);
 * ``a+b.L<i>``: A's context with layer ``i``'s keys and values from B's (``b+a.L<i>``: the other way round);
 * ``a+b.<kind>``: A's with B's keys and values at every layer for one kind of token of each frame: ``visual`` (the
   frame's visual token), ``img_end`` (its ``</img>``), ``anchor`` (its ``Frame{i}:`` text);
-* ``a+b.L<i>.<kind>.keys`` / ``.values``: at layer ``i``, one kind of token's keys (or values) alone.
+* ``a+b.L<i>.visual.keys`` / ``.values``: at layer ``i``, the visual tokens' keys (or values) alone.
+
+The built-in model's frames (one visual token each) only: a checkpoint with more visual tokens a frame is refused.
 
     python benchmarks/context_swap.py --set long=data/dev-2400,4904,12,2400 --runs runs/context_swap
 
-One JSON line per video in ``RUNS/<set>.json`` (a rerun resumes at the next video); ``--out`` writes the table of
-every set given into its ``### Runs of benchmarks/context_swap.py`` section (appended at the end if absent).
+One JSON line per video in ``RUNS/<set>-<A>-<B>.json`` (a rerun resumes at the next video; one of another
+checkpoint is refused); ``--out`` writes the table of every set given into its ``### Runs of
+benchmarks/context_swap.py`` section (appended at the end if absent).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from past_range import METHODS, DataSet, evidence_steps, push_video, retrievals 
 
 KINDS = ("visual", "img_end", "anchor")
 FAMILIES = ("needle", "attribute", "order", "first_last")
+NOT_CONTEXTS = ("qid", "family", "evidence", "a_agrees", "b_agrees")
 
 
 @dataclass
@@ -95,14 +99,15 @@ def token_kinds(tokens: torch.Tensor, starts: torch.Tensor) -> dict[str, torch.T
     return {"visual": frame & (from_end == 2), "img_end": frame & (from_end == 1), "anchor": frame & (from_end > 3)}
 
 
-def mixed(a: Context, b: Context, layers: range | list[int], where: torch.Tensor | None = None,
-          parts: tuple[str, ...] = ("keys", "values")) -> Context:
-    """``a`` with ``b``'s keys and/or values at ``layers``, at the tokens ``where`` (None: all)."""
+def mixed(a: Context, b: Context, layers: range | list[int], kind: str | None = None,
+          parts: tuple[str, ...] = ("keys", "values"), starts: torch.Tensor | None = None) -> Context:
+    """``a`` with ``b``'s keys and/or values at ``layers``, at the tokens of ``kind`` (`token_kinds`, with the
+    steps' first tokens ``starts``; None: every token)."""
     swapped = []
     for index, ((keys, values, tokens), (b_keys, b_values, _)) in enumerate(zip(a.layers, b.layers)):
         if index in layers:
             keys, values = keys.clone(), values.clone()
-            chosen = slice(None) if where is None else where
+            chosen = slice(None) if kind is None else token_kinds(tokens, starts)[kind]
             if "keys" in parts:
                 keys[:, :, chosen] = b_keys[:, :, chosen]
             if "values" in parts:
@@ -114,16 +119,15 @@ def mixed(a: Context, b: Context, layers: range | list[int], where: torch.Tensor
 def swaps(a: Context, b: Context, starts: torch.Tensor) -> dict[str, Context]:
     """Every context the module docstring names, by name."""
     depth = len(a.layers)
-    kinds = token_kinds(a.layers[0][2], starts)
     out = {"a": a, "b": b}
     for layer in range(depth):
         out[f"a+b.L{layer}"] = mixed(a, b, [layer])
         out[f"b+a.L{layer}"] = mixed(b, a, [layer])
-    for kind, where in kinds.items():
-        out[f"a+b.{kind}"] = mixed(a, b, range(depth), where)
+    for kind in KINDS:
+        out[f"a+b.{kind}"] = mixed(a, b, range(depth), kind, starts=starts)
     for layer in range(depth):
         for part in ("keys", "values"):
-            out[f"a+b.L{layer}.visual.{part}"] = mixed(a, b, [layer], kinds["visual"], (part,))
+            out[f"a+b.L{layer}.visual.{part}"] = mixed(a, b, [layer], "visual", (part,), starts)
     return out
 
 
@@ -143,14 +147,26 @@ def run_video(streams: dict, model, questions, evidence_of: dict, letters: dict)
         if question.task_type not in FAMILIES:
             continue
         prompt, evidence = build_prompt(question), evidence_steps(stills, evidence_of[question.qid])
-        (a, engine), (b, _) = capture(a_stream, prompt, evidence), capture(b_stream, prompt, evidence)
+        (a, a_engine), (b, b_engine) = capture(a_stream, prompt, evidence), capture(b_stream, prompt, evidence)
         if not same_reading(a, b):
             raise SystemExit(f"{question.qid}: the two methods' contexts hold different tokens; nothing to swap")
         right = letters[question.answer]
-        answers = {name: answer(model, context) == right for name, context in swaps(a, b, starts).items()}
+        answers = {name: answer(model, context) for name, context in swaps(a, b, starts).items()}
         rows.append({"qid": question.qid, "family": question.task_type, "evidence": evidence,
-                     "engine_agrees": answer(model, a) == engine, **answers})
+                     "a_agrees": answers["a"] == a_engine, "b_agrees": answers["b"] == b_engine,
+                     **{name: token == right for name, token in answers.items()}})
     return rows
+
+
+def read_run(path: Path) -> list[dict]:
+    """The videos a run file holds (a line cut short by a stop is left out: its video is done again)."""
+    videos = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            videos.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"{path}: skipping a damaged line", file=sys.stderr)
+    return videos
 
 
 def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) -> None:
@@ -160,13 +176,20 @@ def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) 
     from statekv.eval.loaders import load_synthetic
     from transformers import InternVLForConditionalGeneration
 
-    done = set()
-    if out.exists():
-        done = {json.loads(line)["video"] for line in out.read_text().splitlines() if line.strip()}
+    videos = read_run(out)
+    if any(video.get("checkpoint") != checkpoint for video in videos):
+        raise SystemExit(f"{out} holds videos of another checkpoint; use another --runs folder")
+    if out.exists():  # drop a damaged last line before appending
+        out.write_text("".join(json.dumps(video) + "\n" for video in videos))
+    done = {video["video"] for video in videos}
     evidence_of = {row["qid"]: row["evidence_frames"] for row in map(json.loads, (
         dataset.folder / "questions.jsonl").read_text().splitlines())}
     qas = {method: statekv.VideoQA.from_pretrained(checkpoint, device="cpu", positions="bounded", **METHODS[method])
            for method in methods}
+    config = qas[methods[0]].adapter.model.config
+    if getattr(config, "image_seq_length", 1) != 1:
+        raise SystemExit(f"{checkpoint}: {config.image_seq_length} visual tokens a frame; the swaps name one (the "
+                         "built-in model's)")
     folder = qas[methods[0]].adapter.model.name_or_path
     model = InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
@@ -182,32 +205,33 @@ def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) 
         for stream, _ in streams.values():
             stream.close()
         with out.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"video": video, "methods": list(methods), "questions": rows}) + "\n")
+            handle.write(json.dumps({"video": video, "methods": list(methods), "checkpoint": checkpoint,
+                                     "questions": rows}) + "\n")
         print(f"{out.stem} {video}: {len(rows)} questions, {time.monotonic() - started:.0f} s", file=sys.stderr,
               flush=True)
 
 
 def table(runs: dict[str, list[dict]]) -> str:
     """Correct / asked per context (rows) and set (columns), with the order and first_last families apart."""
-    names, lines = None, []
-    columns = []
+    names, lines, columns = {}, [], []
     for name, videos in runs.items():
         rows = [row for video in videos for row in video["questions"]]
         if not rows:
             continue
-        names = names or [key for key in rows[0] if key not in ("qid", "family", "evidence", "engine_agrees")]
+        names.update({key: None for row in rows for key in row if key not in NOT_CONTEXTS})
         methods = videos[0]["methods"]
         timed = [row for row in rows if row["family"] in ("order", "first_last")]
         columns.append((f"{name}: {methods[0]} (a) / {methods[1]} (b), all", rows))
         columns.append((f"{name}: order and first_last", timed))
-        agrees = sum(row["engine_agrees"] for row in rows)
-        lines.append(f"{name}: the model's own forward over `a` gives the engine's answer for {agrees} of {len(rows)}.")
+        agrees = [sum(row[key] for row in rows) for key in ("a_agrees", "b_agrees")]
+        lines.append(f"{name}: the model's own forward over `a` and over `b` gives the engine's answer for "
+                     f"{agrees[0]} and {agrees[1]} of {len(rows)}.")
     if not columns:
         return "No runs yet."
     header = "| context | " + " | ".join(label for label, _ in columns) + " |"
     rule = "|---|" + "---:|" * len(columns)
-    body = [f"| `{key}` | " + " | ".join(f"{sum(row[key] for row in rows)}/{len(rows)}" for _, rows in columns) + " |"
-            for key in names]
+    body = [f"| `{key}` | " + " | ".join(f"{sum(row.get(key, 0) for row in rows)}/{len(rows)}" for _, rows in columns)
+            + " |" for key in names]
     return "\n".join([header, rule, *body, "", *lines])
 
 
@@ -222,15 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="markdown file to write the table into (its own section)")
     args = parser.parse_args(argv)
     methods = tuple(args.methods.split(","))
-    if len(methods) != 2 or any(method not in METHODS for method in methods):
-        parser.error(f"--methods takes two of {', '.join(METHODS)}, got {args.methods!r}")
+    if len(methods) != 2 or methods[0] == methods[1] or any(method not in METHODS for method in methods):
+        parser.error(f"--methods takes two different methods of {', '.join(METHODS)}, got {args.methods!r}")
     torch.set_num_threads(args.threads)
     args.runs.mkdir(parents=True, exist_ok=True)
+    paths = {dataset.name: args.runs / f"{dataset.name}-{methods[0]}-{methods[1]}.json" for dataset in args.sets}
     for dataset in args.sets:
         dataset.make()
-        run(dataset, methods, args.checkpoint, args.runs / f"{dataset.name}.json")
-    runs = {dataset.name: [json.loads(line) for line in (args.runs / f"{dataset.name}.json").read_text().splitlines()
-                           if line.strip()] for dataset in args.sets}
+        run(dataset, methods, args.checkpoint, paths[dataset.name])
+    runs = {name: read_run(path) for name, path in paths.items()}
     text = table(runs)
     print(text)
     if args.out:

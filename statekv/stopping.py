@@ -71,8 +71,8 @@ def whole() -> Iterator[None]:
         yield
         return
     # CPython runs a signal's handler only at a call or a backward jump, so the region is counted before any call
-    # can let one in, and from inside the try: a signal at any call below finds its region counted and is raised
-    # as the region ends
+    # can let one in: a signal arriving once our handler is in waits for the region's end, one arriving before
+    # is raised by Python's own handler inside the try, and either way the region is uncounted
     swapped = False
     _depth += 1
     try:
@@ -91,17 +91,37 @@ def whole() -> Iterator[None]:
 
 
 def _leave(swapped: bool) -> int | None:
-    """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet). The pending
-    signal is taken and the region uncounted before any call (see `whole`), so a signal arriving while the handler
-    is put back is raised at once by it and leaves nothing pending for the next region."""
+    """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet). Python's handler
+    is put back while the region still counts (a Ctrl-C then waits, as inside it); a Ctrl-C just as it is back is
+    raised at once, unless a SIGTERM or SIGHUP asked first (that one wins, as in `request_stop`). The pending stop
+    is taken and the region uncounted with no call in between (see `whole`), so nothing is left pending for the
+    next region."""
     global _depth, _pending
+    interrupted = None
+    try:
+        if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except KeyboardInterrupt as error:
+        interrupted = error
     number = None
     if _depth == 1:
         number, _pending = _pending, None
     _depth -= 1
-    if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted is not None:
+        if number is None or number == signal.SIGINT:
+            raise interrupted
+        raise _stop(number) from None
     return number
+
+
+def pending_stop() -> int | None:
+    """The signal a `whole` region of the main thread received and raises as the outermost ends (None: none)."""
+    return _pending
+
+
+def open_regions() -> int:
+    """How many `whole` regions the main thread is inside (nested ones counted)."""
+    return _depth
 
 
 @contextlib.contextmanager

@@ -218,32 +218,44 @@ def test_the_frame_readout_refuses_a_stream_handed_over_to_its_successor(tmp_pat
 
 
 def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp_path):
-    """The captured context reproduces the engine's answer through the model's own forward, and a swap takes the
-    other method's keys and values exactly where it says: at its layers and its kind of token."""
+    """The captured contexts reproduce the engine's answers through the model's own forward, and each swap takes the
+    other method's keys and values exactly where its name says: at its layers and its kind of token."""
     swap = benchmark("context_swap")
     make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=40)
     swap.main(["--set", f"tiny={tmp_path / 'set'},5,1,40", "--runs", str(tmp_path / "runs"), "--out",
                str(tmp_path / "table.md")])
-    (video,) = [json.loads(line) for line in (tmp_path / "runs" / "tiny.json").read_text().splitlines()]
+    (video,) = [json.loads(line) for line in (tmp_path / "runs" / "tiny-full-statekv.json").read_text().splitlines()]
     rows = video["questions"]
     assert [row["family"] for row in rows] == list(swap.FAMILIES)
-    assert all(row["engine_agrees"] for row in rows)
+    assert all(row["a_agrees"] and row["b_agrees"] for row in rows)
     assert "`a+b.L2.visual.values`" in (tmp_path / "table.md").read_text()
 
     starts = torch.tensor([0, 5, 12, 19])  # the prefix, then frames of 7 tokens ending <img> <IMG_CONTEXT> </img>
-    kinds = swap.token_kinds(torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18]), starts)
+    tokens = torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18])
+    kinds = swap.token_kinds(tokens, starts)
     assert kinds["visual"].tolist() == [False] * 5 + [True, False, True, False]
     assert kinds["img_end"].tolist() == [False] * 6 + [True, False, True]
     assert kinds["anchor"].tolist() == [False, False, True, True] + [False] * 5  # tokens 5 and 8: frame 1's text
 
-    def context(fill):
-        return swap.Context([(torch.full((1, 2, 3, 4), fill + i), torch.full((1, 2, 3, 4), -fill - i),
-                              torch.arange(3)) for i in range(3)], torch.arange(5), 7)
+    def context(fill):  # layer i's keys fill + i, its values -(fill + i)
+        return swap.Context([(torch.full((1, 2, len(tokens), 4), fill + i), torch.full((1, 2, len(tokens), 4),
+                                                                                       -fill - i), tokens)
+                             for i in range(3)], torch.arange(5), 7)
+
+    def taken(context, layer, part):  # per token: whether it holds b's
+        tensor = context.layers[layer][0 if part == "keys" else 1][0, 0, :, 0]
+        return (tensor.abs() >= 10).tolist()
 
     a, b = context(0.0), context(10.0)
-    where = torch.tensor([False, True, False])
-    one = swap.mixed(a, b, [1], where, ("keys",))
-    assert torch.equal(one.layers[0][0], a.layers[0][0]) and torch.equal(one.layers[1][1], a.layers[1][1])
-    assert one.layers[1][0][:, :, 1].eq(11).all() and one.layers[1][0][:, :, [0, 2]].eq(1).all()
-    every = swap.mixed(a, b, range(3))
-    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(every.layers, b.layers))
+    every, none, visual = [True] * len(tokens), [False] * len(tokens), kinds["visual"].tolist()
+    contexts = swap.swaps(a, b, starts)
+    for layer in range(3):
+        for part in ("keys", "values"):
+            assert [taken(contexts[f"a+b.L{i}"], layer, part) for i in range(3)] == [
+                every if i == layer else none for i in range(3)]
+            assert taken(contexts[f"b+a.L{layer}"], layer, part) == none  # a's, in b's context
+            assert taken(contexts["a+b.visual"], layer, part) == visual
+            assert taken(contexts["a+b.img_end"], layer, part) == kinds["img_end"].tolist()
+            for name in (f"a+b.L{layer}.visual.keys", f"a+b.L{layer}.visual.values"):
+                assert taken(contexts[name], layer, part) == (visual if name.endswith(part) else none)
+    assert all(taken(contexts["b+a.L0"], layer, "keys") == every for layer in (1, 2))

@@ -7,13 +7,13 @@ next step.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 
 import pytest
 
 from statekv import stopping
-from statekv.stopping import Stopped, whole
+from statekv.stopping import Stopped, open_regions, pending_stop, whole
 
 
 @pytest.fixture
@@ -21,25 +21,34 @@ def pythons_ctrl_c():
     """Python's own Ctrl-C handler, as in a program that installed none (what `whole` swaps for its own); the
     SIGTERM and SIGHUP handlers a stop changes are put back after the test."""
     numbers = (signal.SIGINT, *stopping.STOPPING_SIGNALS)
+    install = signal.signal  # the tests wrap it; put back what they found with the real one
     previous = {number: signal.getsignal(number) for number in numbers}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    install(signal.SIGINT, signal.default_int_handler)
     yield
     for number, handler in previous.items():
-        signal.signal(number, handler)
-    assert stopping._depth == 0 and stopping._pending is None
+        install(number, handler)
+    left = open_regions(), pending_stop()
+    if left[1] is not None:  # a stale stop must not reach later tests: a region raises it as it ends, as in a program
+        with contextlib.suppress(KeyboardInterrupt), whole():
+            pass
+    assert left == (0, None)
 
 
-def ctrl_c_after_swapping(monkeypatch, handler) -> list[int]:
-    """Send SIGINT to this process right after ``signal.signal`` installs ``handler`` for it; returns the list
-    the sends are counted in."""
+def ctrl_c_at_swapping(monkeypatch, handler, before: bool = False) -> list[int]:
+    """Send SIGINT to this process right after (``before``: right before) ``signal.signal`` installs ``handler``
+    for it; returns the list the sends are counted in."""
     real = signal.signal
     sent = []
 
     def swapping(number, installed):
-        previous = real(number, installed)
-        if number == signal.SIGINT and installed is handler and not sent:
+        chosen = number == signal.SIGINT and installed is handler and not sent
+        if chosen and before:
             sent.append(number)
-            os.kill(os.getpid(), signal.SIGINT)  # its handler runs as this call returns
+            signal.raise_signal(signal.SIGINT)  # its handler (the one in place) runs as this call returns
+        previous = real(number, installed)
+        if chosen and not before:
+            sent.append(number)
+            signal.raise_signal(signal.SIGINT)
         return previous
 
     monkeypatch.setattr(signal, "signal", swapping)
@@ -47,7 +56,7 @@ def ctrl_c_after_swapping(monkeypatch, handler) -> list[int]:
 
 
 def test_a_ctrl_c_just_after_a_region_installs_its_handler_waits_for_the_region(monkeypatch, pythons_ctrl_c):
-    sent = ctrl_c_after_swapping(monkeypatch, stopping.request_stop)
+    sent = ctrl_c_at_swapping(monkeypatch, stopping.request_stop)
     done = []
     with pytest.raises(KeyboardInterrupt):
         with whole():
@@ -56,18 +65,32 @@ def test_a_ctrl_c_just_after_a_region_installs_its_handler_waits_for_the_region(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # before: the region's handler stayed
 
 
-def test_a_ctrl_c_while_a_region_gives_its_handler_back_leaves_no_stop_for_the_next_region(monkeypatch,
-                                                                                           pythons_ctrl_c):
-    sent = ctrl_c_after_swapping(monkeypatch, signal.default_int_handler)
-    with pytest.raises(KeyboardInterrupt):
+def test_a_ctrl_c_as_a_region_gives_its_handler_back_leaves_no_stop_for_the_next_region(monkeypatch,
+                                                                                         pythons_ctrl_c):
+    sent = ctrl_c_at_swapping(monkeypatch, signal.default_int_handler)
+    with pytest.raises(KeyboardInterrupt) as raised:
         with whole():
             stopping.request_stop(signal.SIGTERM)  # a SIGTERM inside the region: raised as it ends
-    assert sent
+    assert sent and isinstance(raised.value, Stopped)  # the SIGTERM asked first wins over the Ctrl-C
     monkeypatch.undo()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with whole():  # before: raised the first region's SIGTERM, left pending when the Ctrl-C cut its end short
-        pass
-    assert stopping._pending is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        with whole():  # before: raised the first region's SIGTERM, left pending when the Ctrl-C cut its end short
+            pass
+    except KeyboardInterrupt as stop:  # failed here, not as a Ctrl-C that would end the test session
+        pytest.fail(f"a stale stop was raised by a region that received none: {stop!r}")
+    assert pending_stop() is None
+
+
+def test_a_ctrl_c_just_before_a_region_gives_its_handler_back_is_raised_and_the_handler_is_back(monkeypatch,
+                                                                                                pythons_ctrl_c):
+    sent = ctrl_c_at_swapping(monkeypatch, signal.default_int_handler, before=True)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with whole():
+            done.append("the region's work")
+    assert sent and done == ["the region's work"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # before: the region's handler stayed
 
 
 def test_a_stop_inside_nested_regions_is_raised_once_the_outermost_ends(pythons_ctrl_c):
