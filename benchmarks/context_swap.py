@@ -12,7 +12,8 @@ Each question is then answered by the model's own forward over a context (transf
 * ``a+b.L<i>``: A's context with layer ``i``'s keys and values from B's (``b+a.L<i>``: the other way round);
 * ``a+b.<kind>``: A's with B's keys and values at every layer for one kind of token of each frame: ``visual`` (the
   frame's visual token), ``img_end`` (its ``</img>``), ``anchor`` (its ``Frame{i}:`` text);
-* ``a+b.L<i>.visual.keys`` / ``.values``: at layer ``i``, the visual tokens' keys (or values) alone.
+* ``a+b.L<i>.visual``: at layer ``i`` alone, the visual tokens' keys and values (``.keys`` / ``.values``: either
+  alone).
 
 The built-in model's frames (one visual token each) only: a checkpoint with more visual tokens a frame is refused.
 
@@ -103,6 +104,8 @@ def mixed(a: Context, b: Context, layers: range | list[int], kind: str | None = 
           parts: tuple[str, ...] = ("keys", "values"), starts: torch.Tensor | None = None) -> Context:
     """``a`` with ``b``'s keys and/or values at ``layers``, at the tokens of ``kind`` (`token_kinds`, with the
     steps' first tokens ``starts``; None: every token)."""
+    if kind is not None and starts is None:
+        raise ValueError("a swap of one kind of token needs the steps' first tokens (starts)")
     swapped = []
     for index, ((keys, values, tokens), (b_keys, b_values, _)) in enumerate(zip(a.layers, b.layers)):
         if index in layers:
@@ -126,6 +129,7 @@ def swaps(a: Context, b: Context, starts: torch.Tensor) -> dict[str, Context]:
     for kind in KINDS:
         out[f"a+b.{kind}"] = mixed(a, b, range(depth), kind, starts=starts)
     for layer in range(depth):
+        out[f"a+b.L{layer}.visual"] = mixed(a, b, [layer], "visual", starts=starts)
         for part in ("keys", "values"):
             out[f"a+b.L{layer}.visual.{part}"] = mixed(a, b, [layer], "visual", (part,), starts)
     return out
@@ -158,15 +162,19 @@ def run_video(streams: dict, model, questions, evidence_of: dict, letters: dict)
     return rows
 
 
-def read_run(path: Path) -> list[dict]:
-    """The videos a run file holds (a line cut short by a stop is left out: its video is done again)."""
-    videos = []
+def read_run(path: Path) -> tuple[list[dict], bool]:
+    """The videos a run file holds, and whether a line was damaged (cut short by a stop: left out, its video is
+    done again)."""
+    videos, damaged = [], False
     for line in path.read_text().splitlines() if path.exists() else []:
+        if not line.strip():
+            continue
         try:
             videos.append(json.loads(line))
         except json.JSONDecodeError:
             print(f"{path}: skipping a damaged line", file=sys.stderr)
-    return videos
+            damaged = True
+    return videos, damaged
 
 
 def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) -> None:
@@ -176,11 +184,14 @@ def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) 
     from statekv.eval.loaders import load_synthetic
     from transformers import InternVLForConditionalGeneration
 
-    videos = read_run(out)
-    if any(video.get("checkpoint") != checkpoint for video in videos):
-        raise SystemExit(f"{out} holds videos of another checkpoint; use another --runs folder")
-    if out.exists():  # drop a damaged last line before appending
-        out.write_text("".join(json.dumps(video) + "\n" for video in videos))
+    videos, damaged = read_run(out)
+    identity = {"checkpoint": checkpoint, "set": [str(dataset.folder.resolve()), dataset.seed, dataset.frames]}
+    if any(video.get(key) != value for video in videos for key, value in identity.items()):
+        raise SystemExit(f"{out} holds videos of another checkpoint or set; use another --runs folder")
+    if damaged:  # drop the damaged line before appending, atomically: no finished video is ever lost
+        temporary = out.with_suffix(".tmp")
+        temporary.write_text("".join(json.dumps(video) + "\n" for video in videos))
+        os.replace(temporary, out)
     done = {video["video"] for video in videos}
     evidence_of = {row["qid"]: row["evidence_frames"] for row in map(json.loads, (
         dataset.folder / "questions.jsonl").read_text().splitlines())}
@@ -205,8 +216,7 @@ def run(dataset: DataSet, methods: tuple[str, str], checkpoint: str, out: Path) 
         for stream, _ in streams.values():
             stream.close()
         with out.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"video": video, "methods": list(methods), "checkpoint": checkpoint,
-                                     "questions": rows}) + "\n")
+            handle.write(json.dumps({"video": video, "methods": list(methods), **identity, "questions": rows}) + "\n")
         print(f"{out.stem} {video}: {len(rows)} questions, {time.monotonic() - started:.0f} s", file=sys.stderr,
               flush=True)
 
@@ -230,8 +240,10 @@ def table(runs: dict[str, list[dict]]) -> str:
         return "No runs yet."
     header = "| context | " + " | ".join(label for label, _ in columns) + " |"
     rule = "|---|" + "---:|" * len(columns)
-    body = [f"| `{key}` | " + " | ".join(f"{sum(row.get(key, 0) for row in rows)}/{len(rows)}" for _, rows in columns)
-            + " |" for key in names]
+    def cell(key, rows):
+        return f"{sum(row[key] for row in rows)}/{len(rows)}" if all(key in row for row in rows) else "–"
+
+    body = [f"| `{key}` | " + " | ".join(cell(key, rows) for _, rows in columns) + " |" for key in names]
     return "\n".join([header, rule, *body, "", *lines])
 
 
@@ -254,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     for dataset in args.sets:
         dataset.make()
         run(dataset, methods, args.checkpoint, paths[dataset.name])
-    runs = {name: read_run(path) for name, path in paths.items()}
+    runs = {name: read_run(path)[0] for name, path in paths.items()}
     text = table(runs)
     print(text)
     if args.out:

@@ -77,8 +77,8 @@ def whole() -> Iterator[None]:
     _depth += 1
     try:
         if _depth == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            swapped = True  # before the swap: a handler's error as it returns still has it put back
             signal.signal(signal.SIGINT, request_stop)
-            swapped = True
         yield
     except BaseException as error:
         number = _leave(swapped)
@@ -92,25 +92,25 @@ def whole() -> Iterator[None]:
 
 def _leave(swapped: bool) -> int | None:
     """Leave a region; the signal to raise now that the outermost ended (None: none, or not yet). Python's handler
-    is put back while the region still counts (a Ctrl-C then waits, as inside it); a Ctrl-C just as it is back is
-    raised at once, unless a SIGTERM or SIGHUP asked first (that one wins, as in `request_stop`). The pending stop
-    is taken and the region uncounted with no call in between (see `whole`), so nothing is left pending for the
-    next region."""
+    is put back while the region still counts (a Ctrl-C then waits, as inside it). Whatever a handler raises as it
+    is back (a Ctrl-C, another handler's error) is raised once the region is uncounted, the stop already asked for
+    winning over it (a SIGTERM over a Ctrl-C, as in `request_stop`). The pending stop is taken and the region
+    uncounted with no call in between (see `whole`), so nothing is left pending for the next region."""
     global _depth, _pending
     interrupted = None
     try:
         if swapped and signal.getsignal(signal.SIGINT) is request_stop:  # unless someone installed another meanwhile
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    except KeyboardInterrupt as error:
+    except BaseException as error:  # noqa: BLE001 -- raised below, once the region is uncounted
         interrupted = error
     number = None
     if _depth == 1:
         number, _pending = _pending, None
     _depth -= 1
     if interrupted is not None:
-        if number is None or number == signal.SIGINT:
+        if number is None or (number == signal.SIGINT and isinstance(interrupted, KeyboardInterrupt)):
             raise interrupted
-        raise _stop(number) from None
+        raise _stop(number) from interrupted
     return number
 
 

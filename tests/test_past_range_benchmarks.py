@@ -231,31 +231,51 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
     assert "`a+b.L2.visual.values`" in (tmp_path / "table.md").read_text()
 
     starts = torch.tensor([0, 5, 12, 19])  # the prefix, then frames of 7 tokens ending <img> <IMG_CONTEXT> </img>
-    tokens = torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18])
-    kinds = swap.token_kinds(tokens, starts)
+    kinds = swap.token_kinds(torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18]), starts)
     assert kinds["visual"].tolist() == [False] * 5 + [True, False, True, False]
     assert kinds["img_end"].tolist() == [False] * 6 + [True, False, True]
     assert kinds["anchor"].tolist() == [False, False, True, True] + [False] * 5  # tokens 5 and 8: frame 1's text
 
-    def context(fill):  # layer i's keys fill + i, its values -(fill + i)
-        return swap.Context([(torch.full((1, 2, len(tokens), 4), fill + i), torch.full((1, 2, len(tokens), 4),
-                                                                                       -fill - i), tokens)
-                             for i in range(3)], torch.arange(5), 7)
+    # each layer reads other tokens; every key and value is its own number, so a swap's every entry is checked
+    layer_tokens = [torch.tensor([0, 5, 6, 10, 11, 13, 17, 18]), torch.tensor([1, 9, 10, 11, 12, 16, 17, 18]),
+                    torch.tensor([2, 3, 4, 5, 10, 15, 17])]
+    generator = torch.Generator().manual_seed(0)
 
-    def taken(context, layer, part):  # per token: whether it holds b's
-        tensor = context.layers[layer][0 if part == "keys" else 1][0, 0, :, 0]
-        return (tensor.abs() >= 10).tolist()
+    def context():
+        return swap.Context([(torch.randn(1, 2, len(t), 4, generator=generator),
+                              torch.randn(1, 2, len(t), 4, generator=generator), t) for t in layer_tokens],
+                            torch.arange(5), 7)
 
-    a, b = context(0.0), context(10.0)
-    every, none, visual = [True] * len(tokens), [False] * len(tokens), kinds["visual"].tolist()
+    a, b = context(), context()
+    depth = len(layer_tokens)
+
+    def expected(name):  # per layer and part, which tokens hold b's
+        base, rest = (b, name[4:]) if name.startswith("b+a") else (a, name[4:])
+        if name in ("a", "b"):
+            return {(i, part): torch.full((len(t),), name == "b") for i, t in enumerate(layer_tokens)
+                    for part in ("keys", "values")}
+        fields = rest.split(".")
+        layers = [int(fields[0][1:])] if fields[0].startswith("L") else range(depth)
+        kind = fields[1] if fields[0].startswith("L") and len(fields) > 1 else None if fields[0].startswith("L") \
+            else fields[0]
+        parts = (fields[2],) if len(fields) > 2 else ("keys", "values")
+        out = {}
+        for i, t in enumerate(layer_tokens):
+            for part in ("keys", "values"):
+                chosen = torch.ones(len(t), dtype=torch.bool) if kind is None else swap.token_kinds(t, starts)[kind]
+                swapped = chosen if i in layers and part in parts else torch.zeros(len(t), dtype=torch.bool)
+                out[i, part] = ~swapped if base is b else swapped
+        return out
+
     contexts = swap.swaps(a, b, starts)
-    for layer in range(3):
-        for part in ("keys", "values"):
-            assert [taken(contexts[f"a+b.L{i}"], layer, part) for i in range(3)] == [
-                every if i == layer else none for i in range(3)]
-            assert taken(contexts[f"b+a.L{layer}"], layer, part) == none  # a's, in b's context
-            assert taken(contexts["a+b.visual"], layer, part) == visual
-            assert taken(contexts["a+b.img_end"], layer, part) == kinds["img_end"].tolist()
-            for name in (f"a+b.L{layer}.visual.keys", f"a+b.L{layer}.visual.values"):
-                assert taken(contexts[name], layer, part) == (visual if name.endswith(part) else none)
-    assert all(taken(contexts["b+a.L0"], layer, "keys") == every for layer in (1, 2))
+    names = {"a", "b", *(f"{d}.L{i}" for d in ("a+b", "b+a") for i in range(depth)),
+             *(f"a+b.{kind}" for kind in swap.KINDS),
+             *(f"a+b.L{i}.visual{part}" for i in range(depth) for part in ("", ".keys", ".values"))}
+    assert set(contexts) == names
+    for name, context in contexts.items():
+        for (i, part), from_b in expected(name).items():
+            got = context.layers[i][0 if part == "keys" else 1]
+            want = torch.where(from_b[None, None, :, None], b.layers[i][0 if part == "keys" else 1],
+                               a.layers[i][0 if part == "keys" else 1])
+            assert torch.equal(got, want), (name, i, part)
+    assert all(kind.any() for kind in swap.token_kinds(layer_tokens[0], starts).values())  # each kind is there

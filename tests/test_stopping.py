@@ -34,9 +34,10 @@ def pythons_ctrl_c():
     assert left == (0, None)
 
 
-def ctrl_c_at_swapping(monkeypatch, handler, before: bool = False) -> list[int]:
+def ctrl_c_at_swapping(monkeypatch, handler, before: bool = False, error: BaseException | None = None) -> list[int]:
     """Send SIGINT to this process right after (``before``: right before) ``signal.signal`` installs ``handler``
-    for it; returns the list the sends are counted in."""
+    for it, or raise ``error`` right after, as another signal's handler would; returns the list the sends are
+    counted in."""
     real = signal.signal
     sent = []
 
@@ -48,6 +49,8 @@ def ctrl_c_at_swapping(monkeypatch, handler, before: bool = False) -> list[int]:
         previous = real(number, installed)
         if chosen and not before:
             sent.append(number)
+            if error is not None:
+                raise error
             signal.raise_signal(signal.SIGINT)
         return previous
 
@@ -102,4 +105,32 @@ def test_a_stop_inside_nested_regions_is_raised_once_the_outermost_ends(pythons_
                 order.append("inner")
             order.append("outer")
     assert order == ["inner", "outer"] and raised.value.exit_status == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_as_a_region_gives_its_handler_back_with_nothing_pending_is_raised_at_once(monkeypatch,
+                                                                                             pythons_ctrl_c):
+    sent = ctrl_c_at_swapping(monkeypatch, signal.default_int_handler)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with whole():
+            pass
+    assert sent and not isinstance(raised.value, Stopped)
+    assert open_regions() == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("pending", [None, signal.SIGTERM], ids=["nothing pending", "SIGTERM pending"])
+def test_another_handlers_error_as_a_region_ends_leaves_it_uncounted_and_the_stop_asked_for_wins(monkeypatch,
+                                                                                                pending,
+                                                                                                pythons_ctrl_c):
+    """A timeout's handler raising as the region puts Python's handler back: before, the region stayed counted and
+    every later Ctrl-C waited for a region end that never came."""
+    ctrl_c_at_swapping(monkeypatch, signal.default_int_handler, error=TimeoutError("a timeout's handler"))
+    expected = TimeoutError if pending is None else Stopped
+    with pytest.raises(expected) as raised:
+        with whole():
+            if pending is not None:
+                stopping.request_stop(pending)
+    if pending is not None:
+        assert isinstance(raised.value.__cause__, TimeoutError)  # the error is kept, not hidden
+    assert open_regions() == 0 and pending_stop() is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
