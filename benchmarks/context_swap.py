@@ -19,8 +19,8 @@ The built-in model's frames (one visual token each) only: a checkpoint with more
 
     python benchmarks/context_swap.py --set long=data/dev-2400,4904,12,2400 --runs runs/context_swap
 
-One JSON line per video in ``RUNS/<set>-<A>-<B>.json`` (a rerun resumes at the next video; one of another
-checkpoint is refused); ``--out`` writes the table of every set given into its ``### Runs of
+One JSON line per video in ``RUNS/<set>-<A>-<B>.json`` (a rerun resumes at the next video; a file of another
+checkpoint or set is refused); ``--out`` writes the table of every set given into its ``### Runs of
 benchmarks/context_swap.py`` section (appended at the end if absent).
 """
 
