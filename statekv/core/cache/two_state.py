@@ -53,7 +53,8 @@ class TwoStateCache(Cache):
 
     ``evicted_steps``: steps whose detailed keys and values were given up under a cache limit
     (:mod:`statekv.core.storage.limits`); answers never read them. ``tally``: when kept, the attention mass
-    each step's tokens received from the stream's own scored steps, summed over layers and heads.
+    each step's tokens received from the stream's own scored steps, summed over layers and heads. ``probe``: while
+    set (`statekv.core.stream.prefill.StreamingPrefill.probing`), shown each layer's attention inputs of every step.
 
     A step is ``begin`` (host) -> ``begin_device`` -> the model's forward (``update``/``attend`` per layer)
     -> ``commit_device`` -> ``commit_host``; the device part may be a CUDA graph replay. The steps of several
@@ -72,6 +73,7 @@ class TwoStateCache(Cache):
         self.evicted_steps: set[int] = set()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended
         self.guide = None  # a steering.QuestionGuide while standing questions steer what is carried
+        self.probe = None  # a callable shown each layer's step attention inputs (StreamingPrefill.probing)
         self.policy, self.backend = policy, backend
         self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
         self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
@@ -272,12 +274,17 @@ def attend(caches: Sequence[TwoStateCache], layer_idx: int, q: torch.Tensor, k: 
     Row ``s`` of ``q [S, Hq, T, D]`` and of the ``[carried; chunk]`` keys and values ``k``/``v [S, H_kv, K + T, D]``
     is stream ``caches[s]``'s. The attention (and the attention mass, when the policy needs it) is computed once
     for every row, the policy selects once, and each stream's transaction keeps its row of the selection, checked.
-    A policy that reads per-step host values, or a stream tallying attention per frame, cannot share its step
-    (`NotBatchable`: the batch then runs alone). Returns ``[S, T, Hq, D]``.
+    A policy that reads per-step host values, a stream tallying attention per frame, or a probed stream cannot
+    share its step (`NotBatchable`: the batch then runs alone); a probed stream's ``probe`` is shown its layer's
+    inputs first. Returns ``[S, T, Hq, D]``.
     """
     first, alone = caches[0], len(caches) == 1
     for cache in caches:
         cache.transaction.attended[layer_idx] = True
+        if cache.probe is not None:
+            if not alone:
+                raise NotBatchable("a probed stream steps alone")
+            cache.probe(len(cache.chunk_lengths), layer_idx, q, k, v)
     mask = ChunkMask.of(q.shape[2], k.shape[2], q.shape[1] // k.shape[1], q.device)
     layer = first.layers[layer_idx]
     if not layer.carry.selects:

@@ -164,11 +164,11 @@ def batch_key(prefill: "StreamingPrefill", inputs: dict) -> tuple | None:
     begun. A step is batched when it is steady (every layer in a ring, or in slots holding a scored rule's full
     budget: the carried length is the same at every step) under a capturable rule (one that reads no per-step
     host values), its chunk has one row, and it is neither tracking overlap nor tallying attention per frame
-    for ``evict-least-attended`` (host reads per step). Under bounded positions, only streams of one layout and
-    range batch together (a pooled batch places its rows as the streams it was made for are placed)."""
+    for ``evict-least-attended`` (host reads per step), nor probed. Under bounded positions, only streams of one
+    layout and range batch together (a pooled batch places its rows as the streams it was made for are placed)."""
     cache = prefill.cache
     chunk = chunk_of(inputs)
-    if (prefill.track_overlap or cache.tally is not None or chunk.shape[0] != 1
+    if (prefill.track_overlap or cache.tally is not None or cache.probe is not None or chunk.shape[0] != 1
             or not prefill.policy.capturable or not cache.is_steady()
             or (cache.positions.bounded and inputs["position_ids"] is not None)):  # M-RoPE moved: on its own
         return None

@@ -127,6 +127,7 @@ class PooledBatch(Cache):
     to :meth:`forward_rows`)."""
 
     tally = None  # never tallied: such streams are not pooled
+    probe = None  # never probed: a probed stream steps alone
 
     def __init__(self, pool: StreamPool, slots: SlotRows, first, size: int, device_step: Callable):
         super().__init__(layers=[])

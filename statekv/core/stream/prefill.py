@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -538,6 +539,20 @@ class StreamingPrefill:
         if streamed is not None and chunk.shape[0] != streamed[0]:
             raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed[0]}")
         return chunk
+
+    @contextmanager
+    def probing(self, probe: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]):
+        """Inside the block every step shows ``probe(step, layer, queries [B, Hq, T, D], keys [B, H_kv, K + T, D],
+        values)`` at each layer what it attends over: the carried keys as the step placed them, then the chunk's
+        (``step``: the step's index in the stream). A probed step runs alone and eagerly, so a stream stepped by a
+        CUDA graph or a compiled decoder is refused."""
+        if self.cuda_graph or self.compiled_decoder is not None:
+            raise ConfigurationError("a probed stream must step eagerly: turn off cuda_graph and compile_step")
+        self.cache.probe = probe
+        try:
+            yield
+        finally:
+            self.cache.probe = None
 
     @contextmanager
     def streaming(self, cache):
