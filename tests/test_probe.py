@@ -13,7 +13,7 @@ from test_streaming import one_shot, tokens
 def test_a_probe_sees_the_model_s_own_keys_and_values_and_changes_nothing(tiny_lm):
     """Full attention inside the range: at every step and layer the probe is shown the chunk's queries and the keys
     and values of every token up to the step's end, the model's own one-shot forward's; the stream's output is
-    the unprobed stream's, and the probe is gone after its block, even when the block fails."""
+    the unprobed stream's; a second probe is refused, and the probe is gone after its block, even when it fails."""
     model = tiny_lm("qwen2")
     ids = tokens(model)
     _, reference = one_shot(model, ids)
@@ -38,7 +38,10 @@ def test_a_probe_sees_the_model_s_own_keys_and_values_and_changes_nothing(tiny_l
             assert queries == length
             torch.testing.assert_close(keys, reference.layers[layer].keys[:, :, :end], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(values, reference.layers[layer].values[:, :, :end], rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="inside"), prefill.probing(lambda *args: None):
+    with prefill.probing(record), pytest.raises(statekv.ConfigurationError, match="already probed"):
+        with prefill.probing(record):
+            pass
+    with pytest.raises(RuntimeError, match="inside"), prefill.probing(record):
         raise RuntimeError("inside")
     seen.clear()
     prefill.step(input_ids=ids[:, :3])

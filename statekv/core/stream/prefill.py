@@ -542,12 +542,15 @@ class StreamingPrefill:
 
     @contextmanager
     def probing(self, probe: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]):
-        """Inside the block every step shows ``probe(step, layer, queries [B, Hq, T, D], keys [B, H_kv, K + T, D],
-        values)`` at each layer what it attends over: the carried keys as the step placed them, then the chunk's
-        (``step``: the step's index in the stream). A probed step runs alone and eagerly, so a stream stepped by a
-        CUDA graph or a compiled decoder is refused."""
+        """In the block each step of this engine shows ``probe(step, layer, queries [B, Hq, T, D], keys [B, H_kv, K + T,
+        D], values)`` what each layer attends over: the carried keys as placed, then the chunk's. The tensors are the
+        stream's buffers, valid during the call: clone what you keep, change nothing. A step failing after its forward
+        was shown anyway (and is again when retried). A probed step runs alone, eagerly, on the thread stepping it: a
+        second probe, or a stream stepped by a CUDA graph or compiled decoder, is refused; a successor is not probed."""
         if self.cuda_graph or self.compiled_decoder is not None:
             raise ConfigurationError("a probed stream must step eagerly: turn off cuda_graph and compile_step")
+        if self.cache.probe is not None:
+            raise ConfigurationError("this stream is already probed")
         self.cache.probe = probe
         try:
             yield
