@@ -38,9 +38,12 @@ def test_a_probe_sees_the_model_s_own_keys_and_values_and_changes_nothing(tiny_l
             assert queries == length
             torch.testing.assert_close(keys, reference.layers[layer].keys[:, :, :end], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(values, reference.layers[layer].values[:, :, :end], rtol=1e-5, atol=1e-5)
-    with prefill.probing(record), pytest.raises(statekv.ConfigurationError, match="already probed"):
-        with prefill.probing(record):
+    with prefill.probing(record):
+        with pytest.raises(statekv.ConfigurationError, match="already probed"), prefill.probing(lambda *args: None):
             pass
+        seen.clear()
+        prefill.step(input_ids=ids[:, :3])
+        assert seen  # the refused probe left the first one installed
     with pytest.raises(RuntimeError, match="inside"), prefill.probing(record):
         raise RuntimeError("inside")
     seen.clear()

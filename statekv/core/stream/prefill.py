@@ -542,11 +542,11 @@ class StreamingPrefill:
 
     @contextmanager
     def probing(self, probe: Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]):
-        """In the block each step of this engine shows ``probe(step, layer, queries [B, Hq, T, D], keys [B, H_kv, K + T,
-        D], values)`` what each layer attends over: the carried keys as placed, then the chunk's. The tensors are the
-        stream's buffers, valid during the call: clone what you keep, change nothing. A step failing after its forward
-        was shown anyway (and is again when retried). A probed step runs alone, eagerly, on the thread stepping it: a
-        second probe, or a stream stepped by a CUDA graph or compiled decoder, is refused; a successor is not probed."""
+        """In the block every step calls ``probe(step, layer, queries [B, Hq, T, D], keys, values [B, H_kv, K + T, D])``
+        at each layer (``step``: the stream's step index) with what it attends over: the K carried as the step placed
+        them, then the chunk's. They are the stream's buffers, valid during the call: clone what you keep, change
+        nothing. A step failing after it was shown is shown again if retried. A probed step runs alone, eagerly, on the
+        stepping thread: a CUDA graph, compiled step or second probe is refused; a handover's successor isn't probed."""
         if self.cuda_graph or self.compiled_decoder is not None:
             raise ConfigurationError("a probed stream must step eagerly: turn off cuda_graph and compile_step")
         if self.cache.probe is not None:
