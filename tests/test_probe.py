@@ -21,6 +21,7 @@ def test_a_probe_sees_the_model_s_own_keys_and_values_and_changes_nothing(tiny_l
     expected = torch.cat([plain.step(input_ids=chunk) for chunk in split(ids)], 1)
     prefill = statekv.StreamingPrefill(model, statekv.FullAttention())
     seen = []
+
     def record(step, layer, queries, keys, values):
         seen.append((step, layer, queries.shape[2], keys.clone(), values.clone()))
 
