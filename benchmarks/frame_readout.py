@@ -97,25 +97,15 @@ def truth(seed: int, index: int, frames: int) -> dict[int, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="a set `statekv synthetic make` wrote")
-    parser.add_argument("--videos", type=int, default=None, help="the first N videos (default: all)")
-    parser.add_argument("--method", default="statekv", choices=("statekv", "full", "recency"))
-    parser.add_argument("--bounded-layout", default=None, help="the layout of bounded positions (default: the "
-                        "library's, which hands a stream over past the range: refused; use cache there)")
-    parser.add_argument("--model", default="builtin")
+    add_set_arguments(parser, method="statekv")
     parser.add_argument("--range", type=int, default=None,
                         help="declare this positional range instead of the checkpoint's max_position_embeddings")
     parser.add_argument("--json", type=Path, required=True, help="JSON lines out, one per video, then the totals")
     args = parser.parse_args(argv)
 
     import statekv
-    from statekv.video import open_video
 
-    manifest = json.loads((args.data / "benchmark.json").read_text())
-    frames, count = manifest["num_frames"], manifest["videos"] if args.videos is None else args.videos
-    options = {"method": args.method, "positions": "bounded"}
-    if args.bounded_layout is not None:
-        options["bounded_layout"] = args.bounded_layout
+    manifest, frames, count, options = read_set(args)
     totals = {place: {target: [0, 0] for target in WORDS} for place in ("inside", "past")}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     with args.json.open("w", encoding="utf-8") as out:
@@ -125,12 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
             readout = Readout(qa)
             stream = qa.stream()
-            for frame in open_video(str(args.data / "videos" / f"v{index:04d}.mp4")).sample(max_fps=1.0,
-                                                                                         max_frames=10 ** 7):
-                stream.push(frame)
-                refuse_handed_over(stream, index)
-            stream.flush()
-            refuse_handed_over(stream, index)
+            push_video(stream, args.data, index)
             expected = truth(manifest["seed"], index, frames)
             if len(readout.frames) != frames:
                 raise SystemExit(f"v{index:04d}: read {len(readout.frames)} frame steps of {frames}")
@@ -155,6 +140,37 @@ def main(argv: list[str] | None = None) -> None:
                               "model": args.model, "data": str(args.data)}) + "\n")
     for place, targets in totals.items():
         print(place, {target: f"{right}/{asked}" for target, (right, asked) in targets.items()})
+
+
+def add_set_arguments(parser: argparse.ArgumentParser, method: str) -> None:
+    """The options of a probe streaming a synthetic set: the set, how many videos, the method and the model."""
+    parser.add_argument("--data", type=Path, required=True, help="a set `statekv synthetic make` wrote")
+    parser.add_argument("--videos", type=int, default=None, help="the first N videos (default: all)")
+    parser.add_argument("--method", default=method, choices=("statekv", "full", "recency"))
+    parser.add_argument("--bounded-layout", default=None, help="the layout of bounded positions (default: the "
+                        "library's, which hands a stream over past the range: refused; use cache there)")
+    parser.add_argument("--model", default="builtin")
+
+
+def read_set(args: argparse.Namespace) -> tuple[dict, int, int, dict]:
+    """The set's manifest, its frames per video, the videos to stream, and `VideoQA`'s options (bounded)."""
+    manifest = json.loads((args.data / "benchmark.json").read_text())
+    count = manifest["videos"] if args.videos is None else args.videos
+    options = {"method": args.method, "positions": "bounded"}
+    if args.bounded_layout is not None:
+        options["bounded_layout"] = args.bounded_layout
+    return manifest, manifest["num_frames"], count, options
+
+
+def push_video(stream, data: Path, index: int) -> None:
+    """Push every frame of video ``index`` of the set in ``data`` into ``stream`` as a camera would, then flush."""
+    from statekv.video import open_video
+
+    for frame in open_video(str(data / "videos" / f"v{index:04d}.mp4")).sample(max_fps=1.0, max_frames=10 ** 7):
+        stream.push(frame)
+        refuse_handed_over(stream, index)
+    stream.flush()
+    refuse_handed_over(stream, index)
 
 
 def refuse_handed_over(stream, index: int) -> None:

@@ -279,3 +279,34 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
                                a.layers[i][0 if part == "keys" else 1])
             assert torch.equal(got, want), (name, i, part)
     assert all(kind.any() for kind in swap.token_kinds(layer_tokens[0], starts).values())  # each kind is there
+
+
+def test_the_attention_share_splits_a_query_s_attention_by_where_each_key_lies():
+    """A query orthogonal to every key attends evenly: each place's share is the share of the keys it holds."""
+    share = benchmark("attention_share")
+    queries = torch.zeros(4, 3, 8)  # [Hq, T, D]: four query heads over two KV heads
+    keys = torch.randn(2, 10 + 3, 8)
+    positions = torch.tensor([[0, 1, 5, 6, 7, 40, 41, 42, 43, 44]] * 2)  # prefix 0-1, far 5-7, recent from 40
+    split = share.shares(queries, keys, -2, positions, prefix=2, recent_from=40)  # the chunk's second token
+    seen = 10 + 2
+    for head in range(4):
+        assert split["own"][head] == pytest.approx(2 / seen) and split["prefix"][head] == pytest.approx(2 / seen)
+        assert split["far"][head] == pytest.approx(3 / seen) and split["recent"][head] == pytest.approx(5 / seen)
+        assert split["entropy"][head] == pytest.approx(float(torch.log(torch.tensor(float(seen)))))
+
+
+def test_the_attention_share_reads_each_object_frame_s_step_under_full_attention(tmp_path, capsys):
+    """Streamed inside the range, every object frame is read at every layer, its shares sum to one, and a frame's
+    own tokens are what its first layer's visual token attends to most in some head (as the trained model does)."""
+    share = benchmark("attention_share")
+    make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=40)
+    share.main(["--data", str(tmp_path / "set"), "--method", "full", "--json", str(tmp_path / "out.jsonl")])
+    video, summary = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert video["inside_until"] == 40 and len(video["frames"]) == 10
+    for row in video["frames"]:
+        assert set(row) == {"frame"} | {f"{layer}/{token}" for layer in range(4) for token in ("visual", "</img>")}
+        for split in (value for key, value in row.items() if key != "frame"):
+            totals = [sum(parts) for parts in zip(*(split[place] for place in share.PLACES))]
+            assert totals == pytest.approx([1.0] * 4, abs=1e-5)
+    assert max(summary["means"]["inside/0/visual"]["own"]) > 0.3
+    assert "inside/1/visual" in capsys.readouterr().out
