@@ -13,8 +13,11 @@ positions before the frame, and everything farther; and the attention's entropy.
     python benchmarks/attention_share.py --data data/dev2400 --method statekv --bounded-layout cache \\
         --json runs/share/statekv.jsonl
 
-One JSON line per video (each object frame's shares), then the means per place (inside the range, past it),
-layer, token and head. A stream that hands over is refused, as in `frame_readout.py`.
+One JSON line per video (each object frame's shares, and how many carried keys its step attended over), then the
+means per place (inside the range, past it), layer, token and head. ``--range N`` declares a shorter range, as in
+`frame_readout.py`; a stream that hands over is refused, as there, and so is the recency baseline (its ring of
+carried tokens is not kept in time order, which the split by position reads). Checkpoints whose frames are one
+visual token then ``</img>`` only (the built-in model's).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from frame_readout import add_set_arguments, push_video, read_set, truth
+from frame_readout import add_set_arguments, open_model, push_video, read_set, truth
 
 PLACES = ("own", "prefix", "recent", "far")
 TOKENS = {"visual": 0, "</img>": 1}  # after a frame's (first) visual token
@@ -44,6 +47,9 @@ def shares(queries: torch.Tensor, keys: torch.Tensor, token: int, positions: tor
     """
     heads, chunk, dim = queries.shape
     carried = keys.shape[1] - chunk
+    if not -chunk <= token < chunk or positions.shape[-1] != carried:
+        raise ValueError(f"token {token} of a {chunk}-token chunk, {positions.shape[-1]} positions for {carried} "
+                         "carried keys")
     token %= chunk
     group = heads // keys.shape[0]
     seen = keys[:, :carried + token + 1].repeat_interleave(group, 0).float()  # [Hq, K + token + 1, D]
@@ -70,10 +76,16 @@ class Shares:
         self.visual: list[int] = []  # where each frame step's first visual token lies in its chunk
         adapter, original = stream.qa.adapter, stream.qa.adapter.features_chunk
 
+        image_end = adapter.tokenizer.convert_tokens_to_ids("</img>")
+
         def features_chunk(*args, **kwargs):
             chunk = original(*args, **kwargs)
+            ids = chunk.input_ids[0]
+            visual = int((ids == adapter.image_token_id).nonzero()[0, 0])
+            if visual + 1 >= ids.numel() or int(ids[visual + 1]) != image_end:
+                raise SystemExit("this probe reads checkpoints whose frames are one visual token, then </img>")
             self.ends.append(chunk.next_position)
-            self.visual.append(int((chunk.input_ids[0] == adapter.image_token_id).nonzero()[0, 0]))
+            self.visual.append(visual)
             return chunk
 
         self.restore = lambda: setattr(adapter, "features_chunk", original)
@@ -84,8 +96,8 @@ class Shares:
         if frame not in self.objects:
             return
         start = int(self.stream.prefill.cache.step_starts()[step])  # the chunk's first own position
-        positions = self.stream.prefill.carried_positions(layer)[0]
-        row = self.rows.setdefault(frame, {"frame": frame})
+        positions = self.stream.prefill.carried_positions(layer)[0]  # time order, as the keys of these forms
+        row = self.rows.setdefault(frame, {"frame": frame, "carried": int(positions.shape[-1])})
         for name, offset in TOKENS.items():
             row[f"{layer}/{name}"] = shares(queries[0], keys[0], self.visual[frame] + offset, positions,
                                             self.prefix, start - self.recent)
@@ -93,7 +105,7 @@ class Shares:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_set_arguments(parser, method="full")
+    add_set_arguments(parser, method="full", methods=("full", "statekv"))  # recency's ring is not in time order
     parser.add_argument("--recent", type=int, default=64, help="positions before a frame counted as recent")
     parser.add_argument("--json", type=Path, required=True, help="JSON lines out, one per video, then the means")
     args = parser.parse_args(argv)
@@ -105,18 +117,21 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     with args.json.open("w", encoding="utf-8") as out:
         for index in range(count):
-            qa = statekv.VideoQA.from_pretrained(args.model, device="cpu", **options)
-            stream = qa.stream()
+            stream = open_model(statekv, args, options).stream()
             probe = Shares(stream, set(truth(manifest["seed"], index, frames)), args.recent)
-            with stream.prefill.probing(probe):
-                push_video(stream, args.data, index)
-            probe.restore()
+            try:
+                with stream.prefill.probing(probe):
+                    push_video(stream, args.data, index)
+            finally:
+                probe.restore()
+            if len(probe.ends) != frames:
+                raise SystemExit(f"v{index:04d}: probed {len(probe.ends)} frame steps of {frames}")
             inside_until = sum(end <= stream.prefill.positions.limit for end in probe.ends)
             stream.close()
             for frame, row in sorted(probe.rows.items()):
                 place = "inside" if frame < inside_until else "past"
                 for key, split in row.items():
-                    if key != "frame":
+                    if "/" in key:
                         total = sums.setdefault(f"{place}/{key}", [0, {}])
                         total[0] += 1
                         for name, values in split.items():
@@ -128,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         means = {key: {"frames": n, **{name: [round(v / n, 4) for v in values] for name, values in split.items()}}
                  for key, (n, split) in sorted(sums.items())}
         out.write(json.dumps({"means": means, "method": args.method, "layout": args.bounded_layout,
-                              "model": args.model, "data": str(args.data), "recent": args.recent}) + "\n")
+                              "model": args.model, "data": str(args.data), "recent": args.recent,
+                              "range": args.range}) + "\n")
     for key, mean in means.items():
         print(f"{key:22s} n={mean['frames']:3d} " + "  ".join(
             f"{name} " + ",".join(f"{v:.2f}" for v in mean[name]) for name in (*PLACES, "entropy")))

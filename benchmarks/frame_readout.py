@@ -98,8 +98,6 @@ def truth(seed: int, index: int, frames: int) -> dict[int, dict[str, str]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_set_arguments(parser, method="statekv")
-    parser.add_argument("--range", type=int, default=None,
-                        help="declare this positional range instead of the checkpoint's max_position_embeddings")
     parser.add_argument("--json", type=Path, required=True, help="JSON lines out, one per video, then the totals")
     args = parser.parse_args(argv)
 
@@ -110,9 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     with args.json.open("w", encoding="utf-8") as out:
         for index in range(count):
-            qa = statekv.VideoQA.from_pretrained(args.model, device="cpu", **options)
-            if args.range is not None:  # the range the model declares (what bounded positions keep inside)
-                qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
+            qa = open_model(statekv, args, options)
             readout = Readout(qa)
             stream = qa.stream()
             push_video(stream, args.data, index)
@@ -142,14 +138,27 @@ def main(argv: list[str] | None = None) -> None:
         print(place, {target: f"{right}/{asked}" for target, (right, asked) in targets.items()})
 
 
-def add_set_arguments(parser: argparse.ArgumentParser, method: str) -> None:
-    """The options of a probe streaming a synthetic set: the set, how many videos, the method and the model."""
+def add_set_arguments(parser: argparse.ArgumentParser, method: str,
+                      methods: tuple[str, ...] = ("statekv", "full", "recency")) -> None:
+    """The options of a probe streaming a synthetic set: the set, how many videos, the method, the model and the
+    range it declares."""
     parser.add_argument("--data", type=Path, required=True, help="a set `statekv synthetic make` wrote")
     parser.add_argument("--videos", type=int, default=None, help="the first N videos (default: all)")
-    parser.add_argument("--method", default=method, choices=("statekv", "full", "recency"))
+    parser.add_argument("--method", default=method, choices=methods)
     parser.add_argument("--bounded-layout", default=None, help="the layout of bounded positions (default: the "
                         "library's, which hands a stream over past the range: refused; use cache there)")
     parser.add_argument("--model", default="builtin")
+    parser.add_argument("--range", type=int, default=None,
+                        help="declare this positional range instead of the checkpoint's max_position_embeddings")
+
+
+def open_model(statekv, args: argparse.Namespace, options: dict):
+    """A fresh `VideoQA` of ``args.model`` on the CPU, declaring ``args.range`` where given (what bounded positions
+    keep inside)."""
+    qa = statekv.VideoQA.from_pretrained(args.model, device="cpu", **options)
+    if args.range is not None:
+        qa.adapter.model.config.get_text_config().max_position_embeddings = args.range
+    return qa
 
 
 def read_set(args: argparse.Namespace) -> tuple[dict, int, int, dict]:

@@ -281,32 +281,69 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
     assert all(kind.any() for kind in swap.token_kinds(layer_tokens[0], starts).values())  # each kind is there
 
 
-def test_the_attention_share_splits_a_query_s_attention_by_where_each_key_lies():
-    """A query orthogonal to every key attends evenly: each place's share is the share of the keys it holds."""
+def test_the_attention_share_splits_each_query_head_s_attention_by_where_each_key_lies():
+    """Against a reference written head by head: query head h reads KV head h // 2, its logits scaled by
+    1 / sqrt(D), the chunk seen causally, and the keys sorted by their positions at the places' boundaries."""
     share = benchmark("attention_share")
-    queries = torch.zeros(4, 3, 8)  # [Hq, T, D]: four query heads over two KV heads
-    keys = torch.randn(2, 10 + 3, 8)
-    positions = torch.tensor([[0, 1, 5, 6, 7, 40, 41, 42, 43, 44]] * 2)  # prefix 0-1, far 5-7, recent from 40
-    split = share.shares(queries, keys, -2, positions, prefix=2, recent_from=40)  # the chunk's second token
-    seen = 10 + 2
+    generator = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(4, 3, 8, generator=generator), torch.randn(2, 8 + 3, 8, generator=generator)
+    positions = torch.tensor([[0, 1, 2, 5, 38, 39, 40, 41], [1, 2, 3, 30, 39, 40, 44, 45]])  # [H_kv, K]
+    prefix, recent_from = 2, 40
+    split = share.shares(queries, keys, -2, positions, prefix=prefix, recent_from=recent_from)
     for head in range(4):
-        assert split["own"][head] == pytest.approx(2 / seen) and split["prefix"][head] == pytest.approx(2 / seen)
-        assert split["far"][head] == pytest.approx(3 / seen) and split["recent"][head] == pytest.approx(5 / seen)
-        assert split["entropy"][head] == pytest.approx(float(torch.log(torch.tensor(float(seen)))))
+        seen = keys[head // 2, :8 + 2]  # the carried, then the chunk's first two tokens
+        weights = torch.softmax(seen @ queries[head, 1] / 8 ** 0.5, -1)
+        where = ["prefix" if p < prefix else "recent" if p >= recent_from else "far" for p in positions[head // 2]]
+        expected = {place: sum(float(w) for w, at in zip(weights, where) if at == place)
+                    for place in ("prefix", "recent", "far")}
+        expected["own"] = float(weights[8:].sum())
+        for place, value in expected.items():
+            assert split[place][head] == pytest.approx(value, abs=1e-6), (head, place)
+        assert split["entropy"][head] == pytest.approx(float(-(weights * weights.log()).sum()), abs=1e-5)
+    with pytest.raises(ValueError, match="chunk"):
+        share.shares(queries, keys, 3, positions, prefix=prefix, recent_from=recent_from)
+
+
+def run_attention_share(tmp_path, *args: str) -> tuple[dict, dict]:
+    share = benchmark("attention_share")
+    share.main(["--data", str(tmp_path / "set"), "--json", str(tmp_path / "out.jsonl"), *args])
+    video, summary = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    return video, summary
 
 
 def test_the_attention_share_reads_each_object_frame_s_step_under_full_attention(tmp_path, capsys):
-    """Streamed inside the range, every object frame is read at every layer, its shares sum to one, and a frame's
-    own tokens are what its first layer's visual token attends to most in some head (as the trained model does)."""
-    share = benchmark("attention_share")
+    """Streamed inside the range, every object frame is read at every layer over its whole history, and the trained
+    model's heads show what they were trained to do: the counting head (layer 0, head 1) gives the prompt's prefix
+    a share, and layer 1's head 1 reads the frame's own tokens at its `</img>` (read at the wrong token or over the
+    wrong keys, they would not)."""
     make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=40)
-    share.main(["--data", str(tmp_path / "set"), "--method", "full", "--json", str(tmp_path / "out.jsonl")])
-    video, summary = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    video, summary = run_attention_share(tmp_path, "--method", "full")
     assert video["inside_until"] == 40 and len(video["frames"]) == 10
     for row in video["frames"]:
-        assert set(row) == {"frame"} | {f"{layer}/{token}" for layer in range(4) for token in ("visual", "</img>")}
-        for split in (value for key, value in row.items() if key != "frame"):
-            totals = [sum(parts) for parts in zip(*(split[place] for place in share.PLACES))]
-            assert totals == pytest.approx([1.0] * 4, abs=1e-5)
-    assert max(summary["means"]["inside/0/visual"]["own"]) > 0.3
+        assert row["carried"] == 3 + 4 * row["frame"]  # the prompt's prefix, then four tokens a frame
+        assert set(row) == {"frame", "carried"} | {f"{layer}/{token}" for layer in range(4)
+                                                   for token in ("visual", "</img>")}
+    means = summary["means"]
+    assert means["inside/0/visual"]["prefix"][1] > 0.2 and means["inside/1/</img>"]["own"][1] > 0.95
     assert "inside/1/visual" in capsys.readouterr().out
+    for recent, empty in (("0", "recent"), ("100000", "far")):  # nothing is recent, or everything after the prefix
+        video, _ = run_attention_share(tmp_path, "--method", "full", "--recent", recent)
+        assert all(value == pytest.approx(0.0, abs=1e-6) for row in video["frames"] for key, split in row.items()
+                   if "/" in key for value in split[empty])
+
+
+def test_the_attention_share_splits_frames_at_the_range_and_reads_statekv_s_carried_state(tmp_path):
+    """With a declared range of 300 positions, frames whose steps end past it are counted apart; full attention
+    attends over every earlier token there, StateKV over its 64 carried ones (cache layout), and the recency
+    baseline, whose ring is not kept in time order, is refused."""
+    make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=96)
+    video, summary = run_attention_share(tmp_path, "--method", "full", "--range", "300")
+    assert 0 < video["inside_until"] < 96
+    assert {"inside/0/visual", "past/0/visual"} <= set(summary["means"])
+    assert all(row["carried"] == 3 + 4 * row["frame"] for row in video["frames"])
+    video, summary = run_attention_share(tmp_path, "--method", "statekv", "--bounded-layout", "cache", "--range",
+                                         "300")
+    assert {row["carried"] for row in video["frames"] if row["frame"] > 20} == {64}
+    assert "past/1/visual" in summary["means"]
+    with pytest.raises(SystemExit):
+        run_attention_share(tmp_path, "--method", "recency")
