@@ -15,8 +15,8 @@ positions before the frame, and everything farther; and the attention's entropy.
 
 One JSON line per video (each object frame's shares, and how many carried keys its step attended over), then the
 means per place (inside the range, past it), layer, token and head. ``--range N`` declares a shorter range, as in
-`frame_readout.py`; a stream that hands over is refused, as there, and so is the recency baseline (its ring of
-carried tokens is not kept in time order, which the split by position reads). Checkpoints whose frames are one
+`frame_readout.py`; a stream that hands over is refused, as there, and so is the recency baseline (its keys come in
+ring-slot order, its positions in time order: they would not line up). Checkpoints whose frames are one
 visual token then ``</img>`` only (the built-in model's).
 """
 
@@ -49,7 +49,7 @@ def shares(queries: torch.Tensor, keys: torch.Tensor, token: int, positions: tor
     carried = keys.shape[1] - chunk
     if not -chunk <= token < chunk or positions.shape[-1] != carried:
         raise ValueError(f"token {token} of a {chunk}-token chunk, {positions.shape[-1]} positions for {carried} "
-                         "carried keys")
+                         "carried keys: out of the chunk, or positions that do not match the keys")
     token %= chunk
     group = heads // keys.shape[0]
     seen = keys[:, :carried + token + 1].repeat_interleave(group, 0).float()  # [Hq, K + token + 1, D]
@@ -96,7 +96,7 @@ class Shares:
         if frame not in self.objects:
             return
         start = int(self.stream.prefill.cache.step_starts()[step])  # the chunk's first own position
-        positions = self.stream.prefill.carried_positions(layer)[0]  # time order, as the keys of these forms
+        positions = self.stream.prefill.carried_positions(layer)[0]  # index by index the keys' (window and slot forms)
         row = self.rows.setdefault(frame, {"frame": frame, "carried": int(positions.shape[-1])})
         for name, offset in TOKENS.items():
             row[f"{layer}/{name}"] = shares(queries[0], keys[0], self.visual[frame] + offset, positions,
@@ -105,7 +105,7 @@ class Shares:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_set_arguments(parser, method="full", methods=("full", "statekv"))  # recency's ring is not in time order
+    add_set_arguments(parser, method="full", methods=("full", "statekv"))  # recency's keys: ring-slot order
     parser.add_argument("--recent", type=int, default=64, help="positions before a frame counted as recent")
     parser.add_argument("--json", type=Path, required=True, help="JSON lines out, one per video, then the means")
     args = parser.parse_args(argv)

@@ -302,6 +302,8 @@ def test_the_attention_share_splits_each_query_head_s_attention_by_where_each_ke
         assert split["entropy"][head] == pytest.approx(float(-(weights * weights.log()).sum()), abs=1e-5)
     with pytest.raises(ValueError, match="chunk"):
         share.shares(queries, keys, 3, positions, prefix=prefix, recent_from=recent_from)
+    with pytest.raises(ValueError, match="7 positions for 8 carried"):
+        share.shares(queries, keys, -2, positions[:, 1:], prefix=prefix, recent_from=recent_from)
 
 
 def run_attention_share(tmp_path, *args: str) -> tuple[dict, dict]:
