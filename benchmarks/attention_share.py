@@ -75,7 +75,6 @@ class Shares:
         self.ends: list[int] = []  # each frame step's first position after its tokens at their own positions
         self.visual: list[int] = []  # where each frame step's first visual token lies in its chunk
         adapter, original = stream.qa.adapter, stream.qa.adapter.features_chunk
-
         image_end = adapter.tokenizer.convert_tokens_to_ids("</img>")
 
         def features_chunk(*args, **kwargs):
@@ -96,7 +95,7 @@ class Shares:
         if frame not in self.objects:
             return
         start = int(self.stream.prefill.cache.step_starts()[step])  # the chunk's first own position
-        positions = self.stream.prefill.carried_positions(layer)[0]  # index by index the keys' (window and slot forms)
+        positions = self.stream.prefill.carried_positions(layer)[0]  # lined up with the keys (window, slots)
         row = self.rows.setdefault(frame, {"frame": frame, "carried": int(positions.shape[-1])})
         for name, offset in TOKENS.items():
             row[f"{layer}/{name}"] = shares(queries[0], keys[0], self.visual[frame] + offset, positions,

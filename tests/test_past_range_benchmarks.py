@@ -337,7 +337,7 @@ def test_the_attention_share_reads_each_object_frame_s_step_under_full_attention
 def test_the_attention_share_splits_frames_at_the_range_and_reads_statekv_s_carried_state(tmp_path):
     """With a declared range of 300 positions, frames whose steps end past it are counted apart; full attention
     attends over every earlier token there, StateKV over its 64 carried ones (cache layout), and the recency
-    baseline, whose ring is not kept in time order, is refused."""
+    baseline, whose keys come in ring-slot order, is refused."""
     make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=96)
     video, summary = run_attention_share(tmp_path, "--method", "full", "--range", "300")
     assert 0 < video["inside_until"] < 96
