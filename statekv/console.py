@@ -63,6 +63,11 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _kept(stop: KeyboardInterrupt) -> str:
+    """What the command kept when it was stopped, as its handler noted it on the exception (``add_note``)."""
+    return "".join(f"; {note}" for note in getattr(stop, "__notes__", ()))
+
+
 def run_command(name: str, run: Callable[[], int | None]) -> int:
     """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130,
     SIGTERM / SIGHUP 128 + their number (after the command kept its work, as on Ctrl-C), a closed stdout (its
@@ -74,10 +79,10 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
         print(f"statekv {name}: error: {one_line(error)}", file=sys.stderr)
         return 2
     except Stopped as stop:
-        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}", file=sys.stderr)
+        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}{_kept(stop)}", file=sys.stderr)
         return stop.exit_status
-    except KeyboardInterrupt:
-        print(f"statekv {name}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print(f"statekv {name}: interrupted{_kept(interrupt)}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`statekv ... | head`): stop quietly, as a shell tool does
         devnull = os.open(os.devnull, os.O_WRONLY)

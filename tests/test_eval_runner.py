@@ -9,6 +9,7 @@ rules are checked on hand-made answers in test_eval_protocol.py.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 
 import statekv.eval as ev
 from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_videomme
-from statekv.eval.runner import EvalConfig, display_name, run_evaluation
+from statekv.eval.runner import EvalConfig, display_name, frames_read, run_evaluation
 from statekv.errors import ConfigurationError
 from statekv.api.videoqa import VideoQA
 from statekv.testing import make_tiny_checkpoint
@@ -201,6 +202,15 @@ def test_display_names():
     assert display_name("OpenGVLab/InternVL3-1B-hf") == "InternVL3-1B"
     assert display_name("Qwen/Qwen3-VL-2B-Instruct/") == "Qwen3-VL-2B"
     assert display_name("/ckpts/Eagle2.5-8B") == "Eagle2.5-8B"
+
+
+def test_a_run_says_what_it_reads_of_each_video(checkpoint, data_root, models, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="statekv")
+    run_evaluation(config("videomme", checkpoint, data_root, tmp_path / "run", limit=1), qa=models("statekv"))
+    assert "each video read at up to 1 frame a second, at most 512 frames" in caplog.text
+    assert "rank 0/1" not in caplog.text  # one process: no rank to name
+    synthetic = config("synthetic", checkpoint, data_root, tmp_path / "synthetic", max_fps=2.0)
+    assert frames_read(synthetic) == "each video read to its end, at up to 2 frames a second"
 
 
 def test_bad_configurations_are_one_line_errors(checkpoint, data_root, tmp_path):

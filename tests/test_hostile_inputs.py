@@ -250,8 +250,8 @@ def test_ctrl_c_while_streaming_saves_what_was_streamed(files, capsys, tmp_path,
     saved = tmp_path / "interrupted.safetensors"
     code, _, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
                                  "--ask", "4:Why?", "--save", saved])
-    assert code == 130 and f"the 2 frames streamed before it were saved to {saved}" in err
-    assert err.strip().splitlines()[-1] == "statekv stream: interrupted"
+    kept = f"the 2 frames streamed before it were saved to {saved}"
+    assert code == 130 and err.strip().splitlines()[-1] == f"statekv stream: interrupted; {kept}"  # one line
     monkeypatch.undo()
     resumed = Stream.load(saved, qa)
     assert resumed.frames == 2
@@ -285,8 +285,10 @@ def _api_cases():
                                          "GiB of detailed cache"),
         "stream vision_batch 0": (lambda qa, s: qa.stream(2, vision_batch=0), statekv.ConfigurationError,
                                   "vision_batch"),
-        "push a float image": (lambda qa, s: s.push(frames.astype(float)[0], 5.0), statekv.InputError, "RGB uint8"),
-        "push a file name": (lambda qa, s: s.push("frame.png", 5.0), statekv.InputError, "RGB uint8"),
+        "push a float image": (lambda qa, s: s.push(frames.astype(float)[0], 5.0), statekv.InputError,
+                               "RGB uint8 array [H, W, 3] or a PIL image, got float64 values of shape ["),
+        "push a file name": (lambda qa, s: s.push("frame.png", 5.0), statekv.InputError, "PIL image, got a str"),
+        "push None": (lambda qa, s: s.push(None, 5.0), statekv.InputError, "PIL image, got a NoneType"),
         "push at nan seconds": (lambda qa, s: s.push(frames[0], math.nan), statekv.InputError, "timestamp"),
         "push back in time": (lambda qa, s: s.push(frames[0], -1.0), statekv.InputError, "non-decreasing"),
         "ask nothing": (lambda qa, s: s.ask("  "), statekv.InputError, "empty"),

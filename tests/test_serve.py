@@ -346,6 +346,8 @@ def test_bad_requests_get_one_line_json_errors(server):
         jpeg = io.BytesIO()
         Image.fromarray(random_frames(1, 1, *SIZE)[0]).save(jpeg, format="JPEG")
         _error(client.post(frames, content=jpeg.getvalue(), headers={"Content-Type": "image/png"}), 415)
+        assert "is not JPEG" in _error(client.post(frames, content=b"notajpeg", headers={"Content-Type": "image/jpeg"}),
+                                       415)
         _error(client.post(f"{frames}?t=-1", content=jpeg.getvalue(), headers={"Content-Type": "image/jpeg"}), 400)
         _error(client.post(frames, content=b"x" * (1_200_000), headers={"Content-Type": "image/png"}), 413)
         huge = io.BytesIO()

@@ -17,9 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
@@ -27,6 +25,7 @@ from ..errors import InputError, StateKVError
 from ..stopping import whole
 from ..settings.values import check_int, check_number
 from ..video import Frame
+from ..video.images import rgb_frame
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_evaluations
 
 
@@ -70,10 +69,7 @@ class RecentFrames:
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image
         timestamp = self._timestamp(timestamp)
-        pixels = np.array(image.convert("RGB") if isinstance(image, Image.Image) else image, copy=True)
-        if pixels.ndim != 3 or pixels.shape[-1] != 3 or pixels.dtype != np.uint8 or 0 in pixels.shape:
-            raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {pixels.dtype} "
-                             f"{list(pixels.shape)}")
+        pixels = rgb_frame(image, copy=True)
         with whole(), self.lock:  # the frame is taken with its counts, or not at all; never while a watch reads
             self.pushed += 1
             self._last_timestamp = timestamp

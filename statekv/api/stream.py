@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+
 
 from .encoded import METHOD_DEFAULT, EncodedVideo
 from ..settings.engine import EngineSettings
@@ -47,6 +47,7 @@ from .stream_file import (check_owner, check_stream_id, model_identity, new_crea
                           weights_fingerprint)
 from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
+from ..video.images import rgb_frame
 
 
 def _one_at_a_time(method):
@@ -168,7 +169,7 @@ class Stream(EncodedVideo):
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image
         timestamp = self._check_timestamp(timestamp)
-        pixels = _rgb_array(image)
+        pixels = rgb_frame(image)
         if self.max_fps is not None:
             tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
             if tick < self.next_tick:
@@ -351,13 +352,3 @@ class Stream(EncodedVideo):
             return load_stream(cls, path, qa, engine, allow_other_weights=allow_other_weights, stream_id=stream_id,
                                owner=owner)
 
-
-def _rgb_array(image: Any) -> np.ndarray:
-    """A pushed frame as an RGB uint8 array ``[H, W, 3]``."""
-    if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
-    array = np.asarray(image)
-    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
-        raise InputError(f"a frame must be an RGB uint8 array [H, W, 3] or a PIL image, got {array.dtype} "
-                         f"{list(array.shape)}")
-    return array

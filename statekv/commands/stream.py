@@ -189,6 +189,8 @@ class _Replay:
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
+            elif isinstance(error, KeyboardInterrupt):  # `run_command` says it with the stop, in one line
+                error.add_note(kept)
             else:
                 print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
         self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)

@@ -113,7 +113,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.eval.runner import EvalConfig, run_evaluation
 
     context = RankContext.from_env()
-    _configure_logging(context.rank)
+    _configure_logging(context.rank if context.distributed else None)
     if args.check:
         from statekv.eval.check import check_command
 
@@ -186,9 +186,10 @@ def run_table(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+def _configure_logging(rank: int | None) -> None:
+    """INFO lines on stderr, each naming its rank in a run of several processes."""
+    prefix = "" if rank is None else f"[rank {rank}] "
+    logging.basicConfig(level=logging.INFO, format=f"{prefix}%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -208,6 +208,14 @@ def default_max_frames(benchmark: str) -> int | None:
     return None if benchmark == "synthetic" else PAPER_MAX_FRAMES
 
 
+def frames_read(config: EvalConfig) -> str:
+    """What a run reads of each video, in words (its log says it before the first question)."""
+    rate = f"at up to {config.max_fps:g} frame{'' if config.max_fps == 1 else 's'} a second"
+    if config.max_frames is None or config.mode == "streaming":
+        return f"each video read to its end, {rate}"
+    return f"each video read {rate}, at most {config.max_frames} frames"
+
+
 def display_name(model: str | Path) -> str:
     """A checkpoint's table name: the last path component without "-hf"/"-Instruct" suffixes."""
     name = Path(str(model).rstrip("/")).name
@@ -243,15 +251,16 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         done = completed_qids(config.out)
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
-        logger.info("rank %d/%d: %d questions to answer (%d of its %d already done)", context.rank,
-                    context.world_size, len(todo), len(assigned) - len(todo), len(assigned))
+        rank = f"rank {context.rank}/{context.world_size}: " if context.distributed else ""
+        logger.info("%s%d questions to answer (%d of its %d already done); %s", rank, len(todo),
+                    len(assigned) - len(todo), len(assigned), frames_read(config))
         if todo:
             try:
                 answer_questions(config, qa, todo, all_questions=every_question, context=context)
-            except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
+            except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
                 answered = len(completed_qids(config.out) & set(expected))
-                print(f"statekv eval: stopped with {answered} of {len(expected)} questions answered in "
-                      f"{config.out}; rerun the same command to resume", file=sys.stderr, flush=True)
+                stop.add_note(f"{answered} of {len(expected)} questions answered in {config.out}; rerun the same "
+                              "command to resume")
                 raise
         context.barrier()
         if not context.is_main:

@@ -12,13 +12,15 @@ import io
 import struct
 import warnings
 import zlib
+from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
-from ..errors import VideoError
+from ..errors import InputError, VideoError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SIGNATURES = {"PNG": PNG_SIGNATURE, "JPEG": b"\xff\xd8\xff"}  # how each format's files begin
 _CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
 _ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
 
@@ -59,6 +61,11 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
                 return np.asarray(image.convert("RGB"))
     except ImageError:
         raise
+    except UnidentifiedImageError:
+        if formats is not None and not any(
+                data.startswith(SIGNATURES[kind]) for kind in formats if kind in SIGNATURES):
+            raise ImageError(f"{name} is not {' or '.join(formats)} (no image format recognised)", "format") from None
+        raise ImageError(f"{name}: not a readable image (no image format recognised)", "data") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise ImageError(f"{name} is too large to decode: {error}", "size") from None
     except (OSError, ValueError, SyntaxError, struct.error, zlib.error) as error:
@@ -95,3 +102,17 @@ def png_rows(data: bytes) -> tuple[int, int]:
     if len(raw) >= expected:
         return height, height
     return height, int(height * len(raw) / expected) if interlaced else len(raw) // strides[0][0]
+
+
+def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
+    """A frame handed to a stream (an RGB uint8 array ``[H, W, 3]``, or a PIL image in any mode) as an RGB uint8
+    array ``[H, W, 3]``, a copy of it when ``copy``. Anything else is an `InputError` that says what it was."""
+    wanted = "a frame must be an RGB uint8 array [H, W, 3] or a PIL image"
+    if isinstance(image, Image.Image):
+        image = image.convert("RGB")
+    elif not isinstance(image, (np.ndarray, list, tuple)) and not hasattr(image, "__array__"):
+        raise InputError(f"{wanted}, got a {type(image).__name__}")
+    array = np.array(image, copy=True) if copy else np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
+        raise InputError(f"{wanted}, got {array.dtype} values of shape {list(array.shape)}")
+    return array
