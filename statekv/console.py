@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StateKVError
-from .stopping import Stopped, signals_stop_like_ctrl_c  # Stopped: what commands catch
+from .stopping import Stopped, notes_kept, signals_stop_like_ctrl_c  # Stopped: what commands catch
 from .settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 
@@ -63,9 +63,9 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _kept(stop: KeyboardInterrupt) -> str:
-    """What the command kept when it was stopped, as its handler noted it on the exception (``add_note``)."""
-    return "".join(f"; {note}" for note in getattr(stop, "__notes__", ()))
+def _kept(error: BaseException) -> str:
+    """What the command kept when it was stopped, as its handlers noted it (`statekv.stopping.note_kept`)."""
+    return "".join(f"; {note}" for note in notes_kept(error))
 
 
 def run_command(name: str, run: Callable[[], int | None]) -> int:
@@ -84,7 +84,10 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
     except KeyboardInterrupt as interrupt:
         print(f"statekv {name}: interrupted{_kept(interrupt)}", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader of stdout left (`statekv ... | head`): stop quietly, as a shell tool does
+    except BrokenPipeError as error:  # the reader of stdout left (`statekv ... | head`): stop quietly, as a shell
+        # tool does, unless a stop it interrupted had kept something (Ctrl-C reaches the reader too)
+        if notes_kept(error):
+            print(f"statekv {name}: {'; '.join(notes_kept(error))}", file=sys.stderr)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again, with a traceback
         return 128 + signal.SIGPIPE

@@ -40,6 +40,25 @@ class Stopped(KeyboardInterrupt):
         return 128 + self.signal_number
 
 
+def note_kept(stop: BaseException, text: str) -> None:
+    """Note on ``stop`` (a Ctrl-C or `Stopped` on its way out) what the command kept; `statekv.console` says it
+    in the stop's one line. The notes are Python's own (``__notes__``, shown with a traceback), set directly so
+    that Python 3.10, which has no ``add_note``, keeps them too."""
+    stop.__notes__ = [*getattr(stop, "__notes__", ()), text]
+
+
+def notes_kept(error: BaseException | None) -> list[str]:
+    """The notes of ``error`` and of every exception it was raised while handling (a second Ctrl-C during the
+    first one's handler, or a closed stdout while the summary was printed, carries the first stop's notes)."""
+    notes, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt):
+            notes[:0] = [note for note in getattr(error, "__notes__", ()) if isinstance(note, str)]
+        error = error.__context__
+    return notes
+
+
 _depth = 0  # whole regions the main thread is inside
 _pending: int | None = None  # a signal received inside one, raised when the outermost ends
 

@@ -102,6 +102,27 @@ def test_find_max_doubles_then_bisects_and_stops_at_its_time_limit():
     assert (most, complete) == (0, False) and tried == []
 
 
+def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more(monkeypatch, tmp_path, capsys):
+    from statekv.cli import main
+
+    def held(self, count):  # every camera two tenths of a second behind, one question answered: held
+        requests = [Request("frame", camera, due=k, sent=k, done=k + 0.2) for camera in range(count) for k in range(4)]
+        requests.append(Request("question", 0, due=1.0, sent=1.0, first_token=1.1, done=1.2))
+        self.rows[count] = summarize(Run(count, 0.0, requests), fps=1.0, duration=4.0, targets=Targets(),
+                                     mean_batch=1.0)
+        return self.rows[count]
+
+    monkeypatch.setattr(Probe, "reach", lambda self: None)
+    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
+    monkeypatch.setattr(Probe, "__call__", held)
+    out = tmp_path / "search.json"
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--find-max", "--max-streams", "4",
+                 "--fps", "1", "--json", str(out)]) == 0
+    assert "at least 4 streams (the search's cap, --max-streams 4)" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["max_streams_held"] == 4 and document["search_capped"] is True
+
+
 class _SlowServer:
     """The stream routes of a server that takes ``push_seconds`` per frame, one frame at a time per stream, and
     answers every question with one token after ``ttft_seconds``, on a loopback port in a thread."""
@@ -204,6 +225,8 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--url", "http://127.0.0.1:9"], "--url needs --api-key"),
     (["--json", "/"], "--json / names a folder"),
     (["--video", "missing.mp4"], "missing.mp4"),
+    (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"],
+     "cannot reach http://127.0.0.1:9: "),  # a server that is not there is no table of failed requests
 ])
 def test_bad_flags_are_one_line_and_start_nothing(args, message, capsys):
     from statekv.cli import main

@@ -232,7 +232,7 @@ def test_every_statekv_command_in_the_readme_parses_and_the_offline_ones_run(tmp
         parse_with_cli(statekv_argv(command))
     for language, text in blocks(README):
         if language == "python":
-            compile(text, "README.md", "exec")  # the python blocks need downloaded checkpoints to run
+            compile(text, "README.md", "exec")  # tests/test_readme_python.py runs them
         if language == "bash":
             for line in logical_lines(text):
                 if line.strip().startswith("pip install"):

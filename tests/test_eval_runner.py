@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,10 +208,16 @@ def test_display_names():
 def test_a_run_says_what_it_reads_of_each_video(checkpoint, data_root, models, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="statekv")
     run_evaluation(config("videomme", checkpoint, data_root, tmp_path / "run", limit=1), qa=models("statekv"))
-    assert "each video read at up to 1 frame a second, at most 512 frames" in caplog.text
+    assert "frames read at up to 1 a second, at most 512 a video" in caplog.text
     assert "rank 0/1" not in caplog.text  # one process: no rank to name
     synthetic = config("synthetic", checkpoint, data_root, tmp_path / "synthetic", max_fps=2.0)
-    assert frames_read(synthetic) == "each video read to its end, at up to 2 frames a second"
+    untimed, timed = SimpleNamespace(realtime=None), SimpleNamespace(realtime=30.0)
+    assert frames_read(synthetic, [untimed]) == "frames read at up to 2 a second, every one of each video"
+    assert frames_read(synthetic, [untimed, timed]) == "frames read at up to 2 a second, each question's up to its time"
+    streaming = config("synthetic", checkpoint, data_root, tmp_path / "streaming", mode="streaming")
+    assert frames_read(streaming, [untimed]).endswith("each question's up to its time")
+    ovobench = config("ovobench", checkpoint, data_root, tmp_path / "ovobench", mode="offline")
+    assert frames_read(ovobench, [timed]).endswith("at most 512 a clip")
 
 
 def test_bad_configurations_are_one_line_errors(checkpoint, data_root, tmp_path):
@@ -267,6 +274,7 @@ def test_sigkill_mid_run_then_rerun_loses_nothing_and_repeats_nothing(checkpoint
     assert sorted(line["qid"] for line in lines) == expected  # complete, and no question twice
     assert json.loads((out / "results.json").read_text())["score"]["missing"] == 0
     assert f"{len(expected)} answered" in rerun.stdout
+    assert "INFO statekv.eval.runner: " in rerun.stderr and "rank" not in rerun.stderr  # one process: no rank named
 
 
 def test_two_process_gloo_run_equals_one_process_run(checkpoint, data_root, models, tmp_path):
@@ -286,3 +294,4 @@ def test_two_process_gloo_run_equals_one_process_run(checkpoint, data_root, mode
     merged = json.loads((double / "results.json").read_text())
     assert merged["score"] == json.loads((single / "results.json").read_text())["score"]
     assert result.stdout.count("wrote") == 1  # only rank 0 merges and reports
+    assert "[rank 1] INFO statekv.eval.runner: rank 1/2: " in result.stderr  # each rank's lines name it

@@ -547,7 +547,7 @@ def test_a_served_stream_replays_its_backlog_in_quiet_moments_and_hands_over_as_
     finally:
         worker.close()
     with stream:
-        replayed = [int(n) for n in re.findall(r"encoding its (\d+) steps again", caplog.text)]
+        replayed = [int(n) for n in re.findall(r"the steps not yet so encoded \((\d+)\)", caplog.text)]
         assert replayed == [1] and worker.quiet_catch_up_steps > 0  # without them, every step of the range
         assert stream.handover == "handed over"
         assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from statekv import Stream
-from statekv.console import Stopped, signals_stop_like_ctrl_c
+from statekv.console import Stopped, run_command, signals_stop_like_ctrl_c
+from statekv.stopping import note_kept
 from statekv.models import load_adapter
 from hostile import noise_frames, small_qa
 
@@ -206,3 +210,42 @@ def _push_seconds(adapter) -> float:
     for frame in FRAMES[:8]:
         stream.push(frame)
     return (time.perf_counter() - started) / 8
+
+
+KEPT = "the 3 frames streamed before it were saved to kept.safetensors"
+
+
+def _stopped_then(then: str) -> None:
+    """A command's body: stopped by Ctrl-C, whose handler notes what it kept and then meets ``then``."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as stop:
+        note_kept(stop, KEPT)
+        if then == "a second ctrl-c":
+            raise KeyboardInterrupt()  # its context: the first, which holds the note
+        raise
+
+
+@pytest.mark.parametrize("then", ["nothing", "a second ctrl-c"])
+def test_a_stop_says_what_was_kept_in_its_one_line(then, capsys):
+    assert run_command("stream", lambda: _stopped_then(then)) == 130
+    assert capsys.readouterr().err == f"statekv stream: interrupted; {KEPT}\n"
+
+
+def test_what_a_stop_kept_is_said_even_when_stdout_closes_in_its_handler(tmp_path):
+    script = f"""
+import sys
+from statekv.console import run_command
+from statekv.stopping import note_kept
+
+def body():
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as stop:
+        note_kept(stop, {KEPT!r})
+        raise BrokenPipeError  # the summary printed to a reader that left with the same Ctrl-C
+sys.exit(run_command("stream", body))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert result.returncode == 128 + signal.SIGPIPE and result.stderr == f"statekv stream: {KEPT}\n"

@@ -71,7 +71,8 @@ def test_streamingbench_six_options_are_prompted_a_to_d_as_the_release_prompts_t
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings  # one line accounts for everything the file holds that is not used
     assert "1 question(s) of task 'Scene Understanding' not used (omni-source: about the sound track)" in warnings[0]
-    assert "2 question(s) with options past D, which the release's prompt never shows: not used" in warnings[0]
+    assert "2 question(s) asked with A to D only, as the release's prompt shows them (their options past D are not " \
+           "used)" in warnings[0]
     assert "questions_omni.json entry 1 question 0, " in warnings[0] and "entry 2 question 0" in warnings[0]
 
 

@@ -21,6 +21,7 @@ from PIL import Image  # noqa: E402
 import statekv  # noqa: E402
 from statekv import ModelOptions  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
+from statekv.serve.server import AppServer  # noqa: E402
 from statekv.synthetic.plans import plan_video  # noqa: E402
 from statekv.synthetic.prompts import question_prompt  # noqa: E402
 from statekv.synthetic.scenes import render  # noqa: E402
@@ -58,8 +59,7 @@ class Running:
                                   save_every_seconds=600)
         self.app = create_app(self.config, qa=qa)
         # a following client left open by a failed test must not hold the stop (and hide the failure)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=30))
+        self.server = AppServer(self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=30)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -142,6 +142,21 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
             assert [each["id"] for each in listed] == [watch_id]
             history = client.get(f"/v1/streams/{stream_id}/history").json()["history"]
             assert len(history) == frames
+
+        ended = threading.Event()  # a client still following when the server stops
+
+        def follow_to_the_end() -> None:
+            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+                for line in events.iter_lines():
+                    following.set()
+            ended.set()
+
+        following.clear()
+        threading.Thread(target=follow_to_the_end, daemon=True).start()
+        assert following.wait(30)
+        stopping = time.monotonic()
+        server.stop()  # its feed ends at once: it does not hold the stop until the graceful timeout (30 s here)
+        assert time.monotonic() - stopping < 10 and ended.wait(10)
     finally:
         server.stop()
     server = Running(tmp_path / "state", qa, disk)  # a restart: the watch comes back with its stream

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 from .encoded import METHOD_DEFAULT, EncodedVideo
 from ..settings.engine import EngineSettings
 from ..errors import CacheLimitError, HorizonError, InputError, OutputError
@@ -351,4 +350,3 @@ class Stream(EncodedVideo):
         with whole():
             return load_stream(cls, path, qa, engine, allow_other_weights=allow_other_weights, stream_id=stream_id,
                                owner=owner)
-

@@ -156,11 +156,13 @@ def run(args: argparse.Namespace) -> int:
     options = ["--model", model, *model_flags, "--max-streams", str(args.max_streams or STARTED_STREAMS),
                "--max-asks", str(SERVER_ASKS)]
 
+    limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)  # --find-max's cap
+
     def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
         probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
+        probe.reach()
         probe.warm_up()
         if args.find_max:
-            limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)
             deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
             return probe.find_max(limit, start=(args.streams or [1])[0], deadline=deadline)
         return [probe(count) for count in args.streams or [1, 4, 16]], None
@@ -180,12 +182,15 @@ def run(args: argparse.Namespace) -> int:
                 "results": rows}
     if args.find_max:
         document["max_streams_held"], document["search_complete"] = most
+        document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
     print(table(rows))
     if args.find_max:
         held, complete = most
+        why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
+        if held >= limit:
+            why = f" (the search's cap, --max-streams {limit})"
         print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
-              f"{'' if complete else 'at least '}{held} stream{'s' * (held != 1)}"
-              + ("" if complete else f" (--time-limit {args.time_limit:g} s reached)"))
+              f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
     if "json" in outputs:
         write_json(outputs["json"], document)
     if "plot" in outputs:
@@ -202,6 +207,22 @@ class Probe:
         self.url, self.key, self.settings, self.targets, self.cameras = url, key, settings, targets, cameras
         self.quiet, self.progress = quiet, progress
         self.rows: dict[int, dict[str, Any]] = {}
+
+    def reach(self) -> None:
+        """The server answers and takes the key: one line before any camera starts, not a table of failures."""
+        import httpx
+
+        from ..console import one_line
+        from .server import ServerError
+
+        try:
+            answered = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
+        except httpx.HTTPError as error:
+            raise ServerError(f"cannot reach {self.url}: {one_line(error)}") from None
+        if answered.status_code == 401:
+            raise ServerError(f"{self.url} refused the API key")
+        if answered.status_code != 200:
+            raise ServerError(f"{self.url}/v1/models answered {answered.status_code}, not a statekv serve's list")
 
     def warm_up(self) -> None:
         """One camera for a few frames and a question, unmeasured (the first steps and answers load and warm

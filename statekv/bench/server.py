@@ -20,7 +20,7 @@ FIRST_TOKEN_METRIC = "statekv_time_to_first_token_seconds"
 
 
 class ServerError(StateKVError):
-    """The server could not be started, or stopped before it was ready."""
+    """The server could not be started or reached, or stopped before it was ready."""
 
     kind = "server"
 
@@ -153,16 +153,15 @@ class InProcessServer(_ServerBlock):
     def _start(self) -> "InProcessServer":
         import threading
 
-        import uvicorn
-
         from ..serve import ServeConfig, create_app
+        from ..serve.server import AppServer
 
         self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
         config = ServeConfig(options=self.qa.options, state_dir=Path(self._folder.name) / "state",
                              api_keys=(self.key,), max_streams=self.max_streams, max_asks=self.max_streams * 4,
                              page=False, quiet_catch_up=self.quiet_catch_up)
         app = create_app(config, self.qa)
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self._server = AppServer(app, host="127.0.0.1", port=0, log_level="warning")
         self._thread = threading.Thread(target=self._server.run, name="statekv-bench-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + self.start_timeout

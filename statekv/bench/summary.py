@@ -52,10 +52,12 @@ def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float
         ttfts = [r.first_token - r.sent for r in asks if r.ok]
         failed = sum(r.error is not None for r in run.requests)
         lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
+        answers = sum(r.ok for r in asks)
         line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
                 f"{settings.duration:g} s: {sum(r.ok for r in frames)}/{sum(r.due <= now for r in frames)} frames "
                 f"streamed" + (f" (lag p95 {lag:.2f} s)" if lag is not None else "")
-                + f", {sum(r.ok for r in asks)} answers" + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
+                + f", {answers} answer{'s' * (answers != 1)}"
+                + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
                 + f", {failed} failed")
         print(("\r" + line + "\033[K") if terminal else line, end="" if terminal else "\n", file=sys.stderr,
               flush=True)
@@ -116,12 +118,14 @@ def _seconds(value: float | None) -> str:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The sweep as a markdown table."""
     lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | lag max (s) | TTFT p50 (s) | TTFT p90 (s) | "
-             "TTFT p99 (s) | answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | goodput streams | failed | mean batch |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT p95 (s) | TTFT p99 (s) | answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | "
+             "goodput streams | failed | mean batch |",
+             "|" + "---:|" * 17]
     for row in rows:
         cells = [str(row["streams"]), f"{row['fps']:g}", f"{row['frames_per_s']:.1f}"]
         cells += [_seconds(row[name]) for name in ("lag_p50_s", "lag_p95_s", "lag_max_s", "ttft_p50_s", "ttft_p90_s",
-                                                   "ttft_p99_s", "latency_p50_s", "latency_p90_s", "latency_p99_s")]
+                                                   "ttft_p95_s", "ttft_p99_s", "latency_p50_s", "latency_p90_s",
+                                                   "latency_p99_s")]
         cells += [str(row["questions"]), str(row["goodput_streams"]), str(row["failures"]),
                   "-" if row["mean_batch"] is None else f"{row['mean_batch']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

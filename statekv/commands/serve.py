@@ -94,10 +94,9 @@ RAY_FLAGS = ("replicas", "max_replicas", "scale_on", "scale_target", "lease_seco
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..console import quiet_libraries
     from ..serve import create_app
+    from ..serve.server import AppServer
 
     cluster = cluster_settings(args)  # a flag refused before anything is bound, locked or made
     claim = DeploymentClaim(args.store) if cluster is not None else LoneServer(args.host, args.port)
@@ -113,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="statekv serve: %(levelname)s %(name)s: %(message)s")
         app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
         made = keep_key(config.state_dir, pending) or made
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               timeout_graceful_shutdown=10))
+        server = AppServer(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
         _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
         server.run(sockets=claim.sockets)
         return 0

@@ -16,6 +16,7 @@ from ..errors import CacheLimitError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
+from ..stopping import note_kept
 
 
 def timed_question(text: str) -> tuple[float, str]:
@@ -190,7 +191,7 @@ class _Replay:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
             elif isinstance(error, KeyboardInterrupt):  # `run_command` says it with the stop, in one line
-                error.add_note(kept)
+                note_kept(error, kept)
             else:
                 print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
         self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)

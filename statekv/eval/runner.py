@@ -54,6 +54,7 @@ from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
 from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
+from statekv.stopping import note_kept
 
 logger = logging.getLogger(__name__)
 
@@ -208,12 +209,17 @@ def default_max_frames(benchmark: str) -> int | None:
     return None if benchmark == "synthetic" else PAPER_MAX_FRAMES
 
 
-def frames_read(config: EvalConfig) -> str:
-    """What a run reads of each video, in words (its log says it before the first question)."""
-    rate = f"at up to {config.max_fps:g} frame{'' if config.max_fps == 1 else 's'} a second"
-    if config.max_frames is None or config.mode == "streaming":
-        return f"each video read to its end, {rate}"
-    return f"each video read {rate}, at most {config.max_frames} frames"
+def frames_read(config: EvalConfig, questions: Sequence[Question]) -> str:
+    """What a run reads of its videos for ``questions``, in words (its log says it before the first question):
+    the rate, and how far (`_answers`: a question with a time reads up to it; an OVO-Bench clip or a video
+    otherwise up to ``max_frames``)."""
+    rate = f"frames read at up to {config.max_fps:g} a second"
+    if config.benchmark != "ovobench" and (config.mode == "streaming"
+                                           or any(question.realtime is not None for question in questions)):
+        return f"{rate}, each question's up to its time"
+    if config.max_frames is None:
+        return f"{rate}, every one of each video"
+    return f"{rate}, at most {config.max_frames} a {'clip' if config.benchmark == 'ovobench' else 'video'}"
 
 
 def display_name(model: str | Path) -> str:
@@ -253,14 +259,14 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         todo = [question for question in assigned if question.qid not in done]
         rank = f"rank {context.rank}/{context.world_size}: " if context.distributed else ""
         logger.info("%s%d questions to answer (%d of its %d already done); %s", rank, len(todo),
-                    len(assigned) - len(todo), len(assigned), frames_read(config))
+                    len(assigned) - len(todo), len(assigned), frames_read(config, todo))
         if todo:
             try:
                 answer_questions(config, qa, todo, all_questions=every_question, context=context)
             except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
                 answered = len(completed_qids(config.out) & set(expected))
-                stop.add_note(f"{answered} of {len(expected)} questions answered in {config.out}; rerun the same "
-                              "command to resume")
+                note_kept(stop, f"{answered} of {len(expected)} questions answered in {config.out}; rerun the "
+                                "same command to resume")
                 raise
         context.barrier()
         if not context.is_main:

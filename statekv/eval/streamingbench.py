@@ -231,7 +231,8 @@ def prompted_options(options: tuple[str, ...], where: str, notes: LoadNotes) -> 
         raise AnnotationError(f"{where}: expected at least 4 options (the prompt lists A to D; the release's code "
                               f"fails on fewer), got {len(options)}")
     if len(options) > len(LETTERS):
-        notes.add("question(s) with options past D, which the release's prompt never shows: not used", where)
+        notes.add("question(s) asked with A to D only, as the release's prompt shows them (their options past D are "
+                  "not used)", where)
     return options[: len(LETTERS)]
 
 

@@ -87,6 +87,8 @@ async def _events(entry, follower, hub, request: Request) -> Any:
                     return
                 yield ": still here\n\n"
                 continue
+            if item is None:  # the server is stopping
+                return
             if follower.dropped:
                 yield "event: error\ndata: " + json.dumps({"error": {"message": "this client fell too far "
                                                                       "behind the stream's events; follow again"}}) + "\n\n"

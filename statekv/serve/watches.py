@@ -161,6 +161,7 @@ class WatchHub:
                               registry=registry)
         self.followers: dict[str, set[Follower]] = {}
         self.lock = threading.Lock()
+        self.closed = False
 
     def listener(self, stream_id: str):
         """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`)."""
@@ -178,10 +179,21 @@ class WatchHub:
         return heard
 
     def follow(self, stream_id: str) -> Follower:
+        """A client following stream ``stream_id``'s events; its queue's ``None`` ends its feed (`close`)."""
         follower = Follower(stream_id, asyncio.get_running_loop())
         with self.lock:
             self.followers.setdefault(stream_id, set()).add(follower)
+            if self.closed:
+                follower.put(None)
         return follower
+
+    def close(self) -> None:
+        """End every client's feed, and every later one's at once: the server is stopping."""
+        with self.lock:
+            self.closed = True
+            followers = [follower for group in self.followers.values() for follower in group]
+        for follower in followers:
+            follower.put(None)
 
     def leave(self, follower: Follower) -> None:
         with self.lock:

@@ -134,8 +134,8 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
         return {}
     started = time.perf_counter()
     for video in videos:
-        log.info("%s: past the model's range: encoding its %d steps again in cache order, once, for the engine that "
-                 "goes on", video.name, len(video.backlog.steps))
+        log.info("%s: past the model's range: encoding again in cache order, once, the steps not yet so encoded (%d), "
+                 "for the engine that goes on", video.name, len(video.backlog.steps))
     replay_backlogs(videos, batcher)
     stopped = {}
     for video in videos:

@@ -62,8 +62,8 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
     except ImageError:
         raise
     except UnidentifiedImageError:
-        if formats is not None and not any(
-                data.startswith(SIGNATURES[kind]) for kind in formats if kind in SIGNATURES):
+        if formats is not None and all(kind in SIGNATURES and not data.startswith(SIGNATURES[kind])
+                                       for kind in formats):  # it does not begin as any format it may be
             raise ImageError(f"{name} is not {' or '.join(formats)} (no image format recognised)", "format") from None
         raise ImageError(f"{name}: not a readable image (no image format recognised)", "data") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
@@ -110,9 +110,10 @@ def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
     wanted = "a frame must be an RGB uint8 array [H, W, 3] or a PIL image"
     if isinstance(image, Image.Image):
         image = image.convert("RGB")
-    elif not isinstance(image, (np.ndarray, list, tuple)) and not hasattr(image, "__array__"):
-        raise InputError(f"{wanted}, got a {type(image).__name__}")
     array = np.array(image, copy=True) if copy else np.asarray(image)
+    if array.ndim == 0 or array.dtype.kind in "OUS":  # not an array of numbers: say what it was
+        kind = type(image).__name__
+        raise InputError(f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}")
     if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
         raise InputError(f"{wanted}, got {array.dtype} values of shape {list(array.shape)}")
     return array
