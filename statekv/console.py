@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StateKVError
-from .stopping import Stopped, notes_kept, signals_stop_like_ctrl_c  # Stopped: what commands catch
+from .stopping import Stopped, notes_kept, signals_stop_like_ctrl_c, stop_of  # Stopped: what commands catch
 from .settings.values import POSITIVE_FLOAT, POSITIVE_INT
 
 
@@ -76,18 +76,23 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
         with signals_stop_like_ctrl_c():
             return run() or 0
     except StateKVError as error:
-        print(f"statekv {name}: error: {one_line(error)}", file=sys.stderr)
+        print(f"statekv {name}: error: {one_line(error)}{_kept(error)}", file=sys.stderr)
         return 2
-    except Stopped as stop:
-        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}{_kept(stop)}", file=sys.stderr)
-        return stop.exit_status
-    except KeyboardInterrupt as interrupt:
-        print(f"statekv {name}: interrupted{_kept(interrupt)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        return _stopped(name, stop)
     except BrokenPipeError as error:  # the reader of stdout left (`statekv ... | head`): stop quietly, as a shell
-        # tool does, unless a stop it interrupted had kept something (Ctrl-C reaches the reader too)
-        if notes_kept(error):
-            print(f"statekv {name}: {'; '.join(notes_kept(error))}", file=sys.stderr)
+        # tool does; if a stop was being handled (Ctrl-C reaches the reader too), the command ends as that stop
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again, with a traceback
-        return 128 + signal.SIGPIPE
+        return 128 + signal.SIGPIPE if stop_of(error) is None else _stopped(name, error)
+
+
+def _stopped(name: str, error: BaseException) -> int:
+    """Say how the command was stopped (``error``: the stop, or what was raised while it was handled) and what it
+    kept, in one line; return its status."""
+    stop = stop_of(error)
+    if isinstance(stop, Stopped):
+        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}{_kept(error)}", file=sys.stderr)
+        return stop.exit_status
+    print(f"statekv {name}: interrupted{_kept(error)}", file=sys.stderr)
+    return 130

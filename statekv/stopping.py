@@ -47,15 +47,29 @@ def note_kept(stop: BaseException, text: str) -> None:
     stop.__notes__ = [*getattr(stop, "__notes__", ()), text]
 
 
-def notes_kept(error: BaseException | None) -> list[str]:
-    """The notes of ``error`` and of every exception it was raised while handling (a second Ctrl-C during the
-    first one's handler, or a closed stdout while the summary was printed, carries the first stop's notes)."""
-    notes, seen = [], set()
+def _handled(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then each exception it was raised while handling, the earliest last."""
+    seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, KeyboardInterrupt):
-            notes[:0] = [note for note in getattr(error, "__notes__", ()) if isinstance(note, str)]
+        yield error
         error = error.__context__
+
+
+def stop_of(error: BaseException) -> KeyboardInterrupt | None:
+    """The earliest stop (a Ctrl-C or `Stopped`) ``error`` was raised while handling, or ``error`` itself: a
+    closed stdout or a failed save while a stop was handled ends the command as that stop."""
+    stops = [each for each in _handled(error) if isinstance(each, KeyboardInterrupt)]
+    return stops[-1] if stops else None
+
+
+def notes_kept(error: BaseException | None) -> list[str]:
+    """What the stops among ``error`` and the exceptions it was raised while handling noted as kept
+    (`note_kept`), the earliest first: a second Ctrl-C during the first one's handler carries the first's notes."""
+    notes = []
+    for each in _handled(error):
+        if isinstance(each, KeyboardInterrupt):
+            notes[:0] = [note for note in getattr(each, "__notes__", ()) if isinstance(note, str)]
     return notes
 
 

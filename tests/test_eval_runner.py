@@ -217,7 +217,9 @@ def test_a_run_says_what_it_reads_of_each_video(checkpoint, data_root, models, t
     streaming = config("synthetic", checkpoint, data_root, tmp_path / "streaming", mode="streaming")
     assert frames_read(streaming, [untimed]).endswith("each question's up to its time")
     ovobench = config("ovobench", checkpoint, data_root, tmp_path / "ovobench", mode="offline")
-    assert frames_read(ovobench, [timed]).endswith("at most 512 a clip")
+    assert frames_read(ovobench, [timed]).endswith("at most 512 a clip")  # the released clips
+    ovobench = config("ovobench", checkpoint, data_root, tmp_path / "ovobench-streamed")  # its default: streamed
+    assert frames_read(ovobench, [timed]).endswith("each question's up to its time")
 
 
 def test_bad_configurations_are_one_line_errors(checkpoint, data_root, tmp_path):

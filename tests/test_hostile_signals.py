@@ -22,6 +22,7 @@ import torch
 
 from statekv import Stream
 from statekv.console import Stopped, run_command, signals_stop_like_ctrl_c
+from statekv.errors import OutputError
 from statekv.stopping import note_kept
 from statekv.models import load_adapter
 from hostile import noise_frames, small_qa
@@ -223,13 +224,17 @@ def _stopped_then(then: str) -> None:
         note_kept(stop, KEPT)
         if then == "a second ctrl-c":
             raise KeyboardInterrupt()  # its context: the first, which holds the note
+        if then == "an error":
+            raise OutputError("could not write the summary")
         raise
 
 
-@pytest.mark.parametrize("then", ["nothing", "a second ctrl-c"])
-def test_a_stop_says_what_was_kept_in_its_one_line(then, capsys):
-    assert run_command("stream", lambda: _stopped_then(then)) == 130
-    assert capsys.readouterr().err == f"statekv stream: interrupted; {KEPT}\n"
+@pytest.mark.parametrize("then, status, said", [
+    ("nothing", 130, "interrupted"), ("a second ctrl-c", 130, "interrupted"),
+    ("an error", 2, "error: could not write the summary")])
+def test_a_stop_says_what_was_kept_in_its_one_line(then, status, said, capsys):
+    assert run_command("stream", lambda: _stopped_then(then)) == status
+    assert capsys.readouterr().err == f"statekv stream: {said}; {KEPT}\n"
 
 
 def test_what_a_stop_kept_is_said_even_when_stdout_closes_in_its_handler(tmp_path):
@@ -248,4 +253,4 @@ sys.exit(run_command("stream", body))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert result.returncode == 128 + signal.SIGPIPE and result.stderr == f"statekv stream: {KEPT}\n"
+    assert result.returncode == 130 and result.stderr == f"statekv stream: interrupted; {KEPT}\n"  # as the stop

@@ -222,7 +222,8 @@ class Probe:
         if answered.status_code == 401:
             raise ServerError(f"{self.url} refused the API key")
         if answered.status_code != 200:
-            raise ServerError(f"{self.url}/v1/models answered {answered.status_code}, not a statekv serve's list")
+            said = one_line(Exception(answered.text)) if answered.text.strip() else "no body"
+            raise ServerError(f"{self.url}/v1/models answered {answered.status_code}: {said[:200]}")
 
     def warm_up(self) -> None:
         """One camera for a few frames and a question, unmeasured (the first steps and answers load and warm

@@ -214,8 +214,8 @@ def frames_read(config: EvalConfig, questions: Sequence[Question]) -> str:
     the rate, and how far (`_answers`: a question with a time reads up to it; an OVO-Bench clip or a video
     otherwise up to ``max_frames``)."""
     rate = f"frames read at up to {config.max_fps:g} a second"
-    if config.benchmark != "ovobench" and (config.mode == "streaming"
-                                           or any(question.realtime is not None for question in questions)):
+    if config.mode == "streaming" or (config.benchmark != "ovobench"
+                                      and any(question.realtime is not None for question in questions)):
         return f"{rate}, each question's up to its time"
     if config.max_frames is None:
         return f"{rate}, every one of each video"

@@ -3,7 +3,7 @@ and a page for people.
 
     app = create_app(ServeConfig(options=ModelOptions(model="builtin", budget=64), state_dir=Path("state"),
                                  api_keys=("a-key",)))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    AppServer(app, host="127.0.0.1", port=8000).run()  # statekv.serve.server: uvicorn's, ending event feeds as it stops
 
 Modules: `config` (settings), `auth` (API keys: those given and the key made for the state folder), `media`
 (paths under --media-root), `limits` (body, image and concurrency limits), `worker` (where model work runs),

@@ -4,8 +4,8 @@
 ``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them; ``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question",
 "every", "events": [{"frame", "seconds", "answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
 watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
-"seconds", "answer"}``), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves or the stream is
-deleted.
+"seconds", "answer"}``), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves, the stream is
+deleted or the server stops (`statekv.serve.server.AppServer`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ async def _events(entry, follower, hub, request: Request) -> Any:
                     return
                 yield ": still here\n\n"
                 continue
-            if item is None:  # the server is stopping
+            if item is None or hub.closed:  # the server is stopping (its None may not have fit a full queue)
                 return
             if follower.dropped:
                 yield "event: error\ndata: " + json.dumps({"error": {"message": "this client fell too far "

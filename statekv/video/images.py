@@ -110,10 +110,14 @@ def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
     wanted = "a frame must be an RGB uint8 array [H, W, 3] or a PIL image"
     if isinstance(image, Image.Image):
         image = image.convert("RGB")
-    array = np.array(image, copy=True) if copy else np.asarray(image)
+    kind = type(image).__name__
+    named = f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
+    try:
+        array = np.array(image, copy=True) if copy else np.asarray(image)
+    except (ValueError, TypeError):  # ragged nesting, a tensor on a GPU
+        raise InputError(f"{named} that is no array on the CPU") from None
     if array.ndim == 0 or array.dtype.kind in "OUS":  # not an array of numbers: say what it was
-        kind = type(image).__name__
-        raise InputError(f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}")
+        raise InputError(named)
     if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
         raise InputError(f"{wanted}, got {array.dtype} values of shape {list(array.shape)}")
     return array
