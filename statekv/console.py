@@ -11,6 +11,7 @@ only asks to stop: the stop happens where no step, save or answer is half done (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -91,8 +92,7 @@ def _stopped(name: str, error: BaseException) -> int:
     """Say how the command was stopped (``error``: the stop, or what was raised while it was handled) and what it
     kept, in one line; return its status."""
     stop = stop_of(error)
-    if isinstance(stop, Stopped):
-        print(f"statekv {name}: stopped by {signal.Signals(stop.signal_number).name}{_kept(error)}", file=sys.stderr)
-        return stop.exit_status
-    print(f"statekv {name}: interrupted{_kept(error)}", file=sys.stderr)
-    return 130
+    how = f"stopped by {signal.Signals(stop.signal_number).name}" if isinstance(stop, Stopped) else "interrupted"
+    with contextlib.suppress(OSError):  # stderr may have gone with stdout's reader (`2>&1 | head`)
+        print(f"statekv {name}: {how}{_kept(error)}", file=sys.stderr)
+    return stop.exit_status if isinstance(stop, Stopped) else 130

@@ -57,10 +57,12 @@ def _handled(error: BaseException | None) -> Iterator[BaseException]:
 
 
 def stop_of(error: BaseException) -> KeyboardInterrupt | None:
-    """The earliest stop (a Ctrl-C or `Stopped`) ``error`` was raised while handling, or ``error`` itself: a
-    closed stdout or a failed save while a stop was handled ends the command as that stop."""
+    """The stop (a Ctrl-C or `Stopped`) among ``error`` and the exceptions it was raised while handling: a closed
+    stdout while a stop was handled ends the command as that stop. A SIGTERM or SIGHUP outranks a Ctrl-C, as
+    `request_stop` ranks them; else the earliest Ctrl-C."""
     stops = [each for each in _handled(error) if isinstance(each, KeyboardInterrupt)]
-    return stops[-1] if stops else None
+    signalled = [each for each in stops if isinstance(each, Stopped)]
+    return (signalled or stops[::-1] or [None])[0]
 
 
 def notes_kept(error: BaseException | None) -> list[str]:

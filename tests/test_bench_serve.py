@@ -102,6 +102,20 @@ def test_find_max_doubles_then_bisects_and_stops_at_its_time_limit():
     assert (most, complete) == (0, False) and tried == []
 
 
+def test_a_server_that_answers_its_model_list_with_an_error_is_named_before_any_camera(monkeypatch):
+    import httpx
+
+    from statekv.bench.server import ServerError
+
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(503, text="replicas restarting\nretry"))
+    probe = Probe("http://127.0.0.1:9", "k", LoadSettings(), Targets(), None)
+    with pytest.raises(ServerError, match=r"^http://127.0.0.1:9/v1/models answered 503: replicas restarting$"):
+        probe.reach()
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(401, text="no"))
+    with pytest.raises(ServerError, match="refused the API key"):
+        probe.reach()
+
+
 def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more(monkeypatch, tmp_path, capsys):
     from statekv.cli import main
 

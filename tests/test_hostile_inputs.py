@@ -289,6 +289,8 @@ def _api_cases():
                                "RGB uint8 array [H, W, 3] or a PIL image, got float64 values of shape ["),
         "push a file name": (lambda qa, s: s.push("frame.png", 5.0), statekv.InputError, "PIL image, got a str"),
         "push None": (lambda qa, s: s.push(None, 5.0), statekv.InputError, "PIL image, got a NoneType"),
+        "push a ragged list": (lambda qa, s: s.push([[1, 2], [3]], 5.0), statekv.InputError,
+                               "PIL image, got a list that is no array on the CPU"),
         "push at nan seconds": (lambda qa, s: s.push(frames[0], math.nan), statekv.InputError, "timestamp"),
         "push back in time": (lambda qa, s: s.push(frames[0], -1.0), statekv.InputError, "non-decreasing"),
         "ask nothing": (lambda qa, s: s.ask("  "), statekv.InputError, "empty"),

@@ -226,12 +226,14 @@ def _stopped_then(then: str) -> None:
             raise KeyboardInterrupt()  # its context: the first, which holds the note
         if then == "an error":
             raise OutputError("could not write the summary")
+        if then == "a sigterm":
+            raise Stopped(signal.SIGTERM)  # outranks the Ctrl-C it came during
         raise
 
 
 @pytest.mark.parametrize("then, status, said", [
     ("nothing", 130, "interrupted"), ("a second ctrl-c", 130, "interrupted"),
-    ("an error", 2, "error: could not write the summary")])
+    ("a sigterm", 128 + signal.SIGTERM, "stopped by SIGTERM"), ("an error", 2, "error: could not write the summary")])
 def test_a_stop_says_what_was_kept_in_its_one_line(then, status, said, capsys):
     assert run_command("stream", lambda: _stopped_then(then)) == status
     assert capsys.readouterr().err == f"statekv stream: {said}; {KEPT}\n"

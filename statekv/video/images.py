@@ -114,7 +114,7 @@ def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
     named = f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
     try:
         array = np.array(image, copy=True) if copy else np.asarray(image)
-    except (ValueError, TypeError):  # ragged nesting, a tensor on a GPU
+    except (ValueError, TypeError, RuntimeError):  # ragged nesting, a tensor on a GPU or one that needs grad
         raise InputError(f"{named} that is no array on the CPU") from None
     if array.ndim == 0 or array.dtype.kind in "OUS":  # not an array of numbers: say what it was
         raise InputError(named)
