@@ -170,6 +170,7 @@ def live_streams(section, deadline: float, shapes, checkpoint: Path, folder: Pat
         print(f"   {section.rows[-1]}", flush=True)
     section.figures["live_streams_8b"] = document["max_streams_held"]
     section.figures["live_search_complete"] = document["search_complete"]
+    section.figures["live_search_capped"] = document["search_capped"]  # every count to --max-streams held
 
 
 def ttft_lm(shapes) -> dict[str, Any]:

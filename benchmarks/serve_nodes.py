@@ -246,12 +246,15 @@ def bench(args, env: dict[str, str], url: str, out: Path, nodes: int) -> dict[st
 
 def rows_of(nodes: int, document: dict[str, Any]) -> list[dict[str, Any]]:
     """The table's rows of one node count from ``statekv bench serve``'s JSON: every run, or with ``--find-max``
-    the run of the most streams held."""
+    the run of the most streams held (``at_least``: the search stopped at its cap or its time limit, so more
+    may be held)."""
     results = document["results"]
+    at_least = False
     if "max_streams_held" in document:
         most = document["max_streams_held"]
         results = [row for row in results if row["streams"] == most][-1:] or results[:1]
-    return [{"nodes": nodes, "replicas": nodes, **row} for row in results]
+        at_least = document.get("search_capped", False) or not document.get("search_complete", True)
+    return [{"nodes": nodes, "replicas": nodes, "at_least": at_least, **row} for row in results]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -259,7 +262,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [COLUMNS, "|" + "---:|" * COLUMNS.count(" | ") + "---:|"]
     for row in rows:
         batch = "-" if row["mean_batch"] is None else f"{row['mean_batch']:.2f}"
-        lines.append(f"| {row['nodes']} | {row['replicas']} | {row['streams']} | {row['held_streams']} | "
+        held = f"at least {row['held_streams']}" if row.get("at_least") else str(row["held_streams"])
+        lines.append(f"| {row['nodes']} | {row['replicas']} | {row['streams']} | {held} | "
                      f"{row['frames_per_s']:.1f} | {shown(row['lag_p95_s'])} | {shown(row['ttft_p50_s'])} | "
                      f"{shown(row['ttft_p95_s'])} | {row['goodput_streams']} | {row['failures']} | {batch} |")
     return "\n".join(lines)

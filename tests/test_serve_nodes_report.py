@@ -41,6 +41,9 @@ def test_the_table_shows_each_node_counts_runs_from_bench_serves_json():
     searched = {"results": [_row(1, 0.1), _row(2, 0.1), _row(4, 2.0), _row(3, 0.1)], "max_streams_held": 3,
                 "search_complete": True}
     assert [row["streams"] for row in nodes.rows_of(3, searched)] == [3]
+    assert "| 3 | 3 | 3 | 3 | " in nodes.table(nodes.rows_of(3, searched))
+    capped = {**searched, "search_capped": True}  # every count up to the search's cap held: the most may be more
+    assert "| 3 | 3 | 3 | at least 3 | " in nodes.table(nodes.rows_of(3, capped))
 
 
 def test_its_subsection_of_the_docs_is_replaced_in_place(tmp_path):
