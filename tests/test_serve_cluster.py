@@ -482,3 +482,43 @@ def test_a_lone_server_and_a_deployment_never_serve_one_folder_at_once(tmp_path,
     for hosting in deployment[1:]:
         hosting.lock.release()
     hold_state_folder(state, "statekv serve on http://127.0.0.1:2").release()  # the refused server held nothing
+
+
+def test_a_replica_ends_its_clients_feeds_of_watch_events_once_its_deployment_is_stopping(tmp_path, qa, monkeypatch):
+    """Ray Serve drains a replica (every request under way ends) before its destructor saves the streams; a feed
+    of watch events never ends by itself, so before this a replica whose clients followed events waited out the
+    drain's timeout and was killed unsaved. A failed check (the controller restarting) is asked again."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster import hosting
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    monkeypatch.setattr(hosting, "STOP_CHECK_SECONDS", 0.05)
+    answers = iter([False, RuntimeError("the controller is restarting"), False])
+    asked = []
+
+    def stopping() -> bool:
+        asked.append(time.monotonic())
+        answer = next(answers, True)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    config = ServeConfig(options=qa.options, state_dir=tmp_path, api_keys=("key",), page=False,
+                         save_every_seconds=600)
+    app = create_app(config, qa=qa, hosting=ReplicaHosting(config, "replica-1", lease_seconds=60, stopping=stopping))
+    headers = {"Authorization": "Bearer key"}
+    with TestClient(app) as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
+        hub = app.state.service.watch_hub
+        deadline = time.monotonic() + 30
+        while not hub.closed:
+            assert time.monotonic() < deadline, f"asked {len(asked)} times"
+            time.sleep(0.05)
+        assert len(asked) == 4  # asked again after the failure, and no more once it said so
+        with client.stream("GET", f"/v1/streams/{stream_id}/events", headers=headers) as events:
+            assert events.status_code == 200
+            assert list(events.iter_lines()) == [f": following the watches of stream {stream_id}", ""]  # then ends

@@ -47,6 +47,7 @@ SIZE = (48, 64)  # the frames a client sends: height, width
 SAVE_EVERY = 2  # frames: what a kill may lose is at most this (a stream is saved before the push after them)
 LEASE_SECONDS = 3
 BOUND_SECONDS = 240  # the whole scenario, cluster included
+STOP_SECONDS = 45  # a Ctrl-C's stop with clients following events (before: `serve.delete` gave up at 60 s, unsaved)
 
 CLUSTER = """
 import json, sys, ray
@@ -170,6 +171,36 @@ class Client:
                              json={"question": QUESTION, "max_new_tokens": NEW_TOKENS})
         assert response.status_code == 200, response.text
         return response.json()
+
+
+class Follower:
+    """A client following a stream's watch events (``GET /v1/streams/{id}/events``) on a thread of its own, from
+    when its feed has begun."""
+
+    def __init__(self, url: str, key: str, stream_id: str):
+        self.begun, self.outcome = threading.Event(), None
+        self.thread = threading.Thread(target=self._follow, args=(url, key, stream_id), daemon=True)
+        self.thread.start()
+        assert self.begun.wait(60), self.outcome
+
+    def _follow(self, url: str, key: str, stream_id: str) -> None:
+        try:
+            with httpx.stream("GET", f"{url}/v1/streams/{stream_id}/events", timeout=None,
+                              headers={"Authorization": f"Bearer {key}"}) as response:
+                assert response.status_code == 200, response.status_code
+                self.begun.set()
+                for _ in response.iter_lines():
+                    pass
+            self.outcome = "ended"
+        except Exception as error:  # noqa: BLE001 - said by `ended`
+            self.outcome = repr(error)
+        finally:
+            self.begun.set()
+
+    def ended(self) -> bool:
+        """Whether the server ended the feed, as a finished response (within ten seconds)."""
+        self.thread.join(10)
+        return self.outcome == "ended"
 
 
 def _replica_processes(state: Path) -> dict[str, int]:
@@ -370,16 +401,23 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             assert listed[broken]["damaged"] in refused.json()["error"]["message"]
         assert client.call("DELETE", f"/v1/streams/{broken}").status_code == 200
         assert not list(state.glob(f"*/{broken}*"))
+
+        # -- clients following every stream's watch events do not hold the stop: their feeds end ---------------
+        followers = [Follower(url, KEY if owners[stream_id] is client else OTHER_KEY, stream_id) for stream_id in seeds]
     finally:
+        asked = time.monotonic()
         if server is not None and server.poll() is None:
             server.send_signal(signal.SIGINT)  # Ctrl-C: the application is deleted, every replica saves first
             try:
                 server.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 server.kill()
+        stopped_in = time.monotonic() - asked
         if log is not None:
             log.close()
     assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert stopped_in < STOP_SECONDS
+    assert [follower.ended() for follower in followers] == [True] * len(seeds)
     for stream_id in seeds:
         record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
         assert record["saved"]["frames"] == FRAMES  # the graceful stop saved every stream whole

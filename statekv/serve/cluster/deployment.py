@@ -104,7 +104,8 @@ class StreamReplica:
         logging.getLogger("statekv").setLevel(logging.INFO)
         replica = serve.get_replica_context().replica_id.unique_id
         config, tier_root = own_tier(config, replica)
-        self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root)
+        self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root,
+                                      stopping=application_deleted)
         self.service_app = create_app(config, hosting=self.hosting)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -119,6 +120,15 @@ class StreamReplica:
 
     def check_health(self) -> None:
         self.hosting.check()
+
+
+def application_deleted() -> bool:
+    """Whether Ray Serve is deleting this replica's application (a Ctrl-C or SIGTERM of `statekv serve --ray`,
+    ``serve delete``), by the controller's status."""
+    from ray.serve.schema import ApplicationStatus
+
+    application = serve.status().applications.get(serve.get_replica_context().app_name)
+    return application is None or application.status == ApplicationStatus.DELETING
 
 
 def own_tier(config: ServeConfig, replica: str) -> tuple[ServeConfig, Path | None]:

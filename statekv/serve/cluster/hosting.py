@@ -1,7 +1,7 @@
 """`ReplicaHosting`: how one replica of several holds its streams (the service's `Hosting` for a replica): a
 `StreamRegistry` placed by leases (`LeasedPlacement`) over the shared state, its leases kept beside the server,
-its metrics posted to the replicas' board, streams handed over when it holds more than its share, every lease
-released at shutdown once the streams are saved.
+its metrics posted to the replicas' board, streams handed over when it holds more than its share, clients' feeds of
+watch events ended once the deployment is stopping, every lease released at shutdown once the streams are saved.
 
 The shared state is a folder every node mounts (``--state-dir``: `SharedStreamFiles`, saved streams optionally in
 an object store) or an object store alone (``--store`` without ``--state-dir``: `StoreStreamFiles`, where keys,
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,24 @@ from .shared import LeasedPlacement
 from .store_files import StoreKeyFile, StoreStreamFiles
 
 log = logging.getLogger("statekv.serve")
+STOP_CHECK_SECONDS = 1.0  # how often a replica asks whether its deployment is stopping
 
 
 class ReplicaHosting(Hosting):
     """Replica ``replica`` (its id among the deployment's replicas) over ``config.state_dir``, or, when that is
     None, over the object store ``store`` alone; ``store`` with a state folder: an fsspec URL for the saved
     streams (None: the state folder); ``tier_root``: with ``--offload disk``, the folder whose subfolder per
-    replica holds its streams' disk-tier file sets (that of a replica gone from the board is removed)."""
+    replica holds its streams' disk-tier file sets (that of a replica gone from the board is removed); ``stopping``:
+    says whether the deployment is being stopped (None: never asked).
+
+    Ray Serve stops a replica by draining it, waiting for every request under way to end, before its destructor
+    saves the streams; a feed of watch events never ends by itself, so a replica whose clients follow events
+    would wait out the graceful timeout and be killed unsaved. The feeds end once ``stopping`` says so."""
 
     def __init__(self, config: ServeConfig, replica: str, lease_seconds: float = LEASE_SECONDS,
-                 store: str | None = None, tier_root: Path | None = None):
-        self.replica, self.tier_root = replica, tier_root
+                 store: str | None = None, tier_root: Path | None = None,
+                 stopping: Callable[[], bool] | None = None):
+        self.replica, self.tier_root, self.stopping = replica, tier_root, stopping
         self.lock = None
         if config.state_dir is None:
             objects = open_store(store)
@@ -76,7 +84,10 @@ class ReplicaHosting(Hosting):
 
     async def run(self, service: Any) -> None:
         self.passed = time.monotonic()
-        await asyncio.gather(self._keep_leases(), self._post(service))
+        loops = [self._keep_leases(), self._post(service)]
+        if self.stopping is not None:
+            loops.append(self._end_feeds_when_stopping(service))
+        await asyncio.gather(*loops)
 
     async def _keep_leases(self) -> None:
         while True:
@@ -86,6 +97,16 @@ class ReplicaHosting(Hosting):
                 self.passed = time.monotonic()
             except Exception:  # the loop must outlive one bad pass; a stalled one fails the health check
                 log.exception("keeping the leases failed")
+
+    async def _end_feeds_when_stopping(self, service: Any) -> None:
+        while not service.watch_hub.closed:
+            await asyncio.sleep(STOP_CHECK_SECONDS)
+            try:
+                if await asyncio.to_thread(self.stopping):
+                    log.info("the deployment is stopping: ending the clients' feeds of watch events")
+                    service.watch_hub.close()
+            except Exception as error:  # noqa: BLE001 - asked again next time (the controller may be restarting)
+                log.debug("cannot tell whether the deployment is stopping: %s", error)
 
     async def _post(self, service: Any) -> None:
         while True:
