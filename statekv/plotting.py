@@ -1,8 +1,13 @@
-"""matplotlib, imported on first use with the file-only Agg backend (plots are written, never shown)."""
+"""matplotlib, imported on first use with the file-only Agg backend (plots are written, never shown); a plot's
+file checked before the work that draws it (`check_plot_file`) and written as named (`save_figure`)."""
 
 from __future__ import annotations
 
-from .errors import ConfigurationError
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigurationError, OutputError
 
 
 def pyplot():
@@ -15,3 +20,27 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_plot_file(path: str | os.PathLike, name: str) -> Path:
+    """``path`` as a `Path` if a plot can be written there: a file (`check_output_file`) of a kind matplotlib
+    writes, by its extension (none: a PNG); else a one-line `OutputError` (``name``: the flag, for the message)."""
+    from .settings.values import check_output_file
+
+    path = check_output_file(path, name)
+    kind = path.suffix[1:].lower()
+    if kind:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        pyplot()  # matplotlib is there (one line if not)
+        if kind not in FigureCanvasBase.get_supported_filetypes():
+            raise OutputError(f"{name} {path}: matplotlib writes no .{kind} files; give a .png, .svg or .pdf file")
+    return path
+
+
+def save_figure(figure: Any, path: Path, dpi: int) -> Path:
+    """Write ``figure`` to ``path`` as it is named (matplotlib would add ``.png`` to a name without an extension),
+    its folders made; returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi, format=path.suffix[1:].lower() or "png")
+    return path

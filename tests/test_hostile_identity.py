@@ -287,6 +287,38 @@ def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(a
     assert json.loads((folder / "manifest.json").read_text())["version"] == 3
 
 
+@pytest.mark.parametrize("damage", ["carry", "journal line", "journal emptied"])
+def test_a_damaged_file_set_is_not_re_owned(damage, adapter, secret, tmp_path):
+    """Before: `statekv reown` checked a folder's manifest and description only, and re-owned a folder whose
+    journal or carried state `Stream.load` then refused."""
+    from statekv.api.reown import reown
+    from statekv.cli import main
+
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    stream = _pushed(qa.stream(horizon_frames=8, owner="key-1"), 3)
+    stream.close()
+    folder = stream.prefill.disk.folder
+    reown(folder, "key-2")  # a whole folder is re-owned
+    journal = folder / "journal"
+    if damage == "carry":
+        for carried in folder.glob("carry.*.bin"):
+            carried.unlink()
+    elif damage == "journal line":
+        lines = journal.read_bytes().split(b"\n")
+        lines[2] = b"{not json"
+        journal.write_bytes(b"\n".join(lines))
+    else:
+        journal.write_bytes(b"")
+    with pytest.raises(InputError) as refused:
+        Stream.load(folder, qa, owner="key-2")
+    described = (folder / "stream.json").read_bytes()
+    assert main(["reown", str(folder), "--owner", "key-3"]) == 2
+    assert (folder / "stream.json").read_bytes() == described  # nothing re-owned
+    with pytest.raises(InputError) as again:
+        reown(folder, "key-3")
+    assert _one_line(again) == _one_line(refused)  # as loading says it
+
+
 def test_a_secret_that_cannot_be_made_is_one_line_naming_it(adapter, monkeypatch):
     monkeypatch.setenv("STATEKV_SECRET_FILE", "/proc/statekv/installation.secret")  # unwritable, root included
     with pytest.raises(OutputError) as error:

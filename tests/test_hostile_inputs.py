@@ -121,9 +121,14 @@ BEFORE_LOADING = {
     "eval table missing run": (["eval", "table", "{root}/no-run"], "no run directory"),
     "demo device": (["demo", "--device", "cuda:3"], "'cuda:3'"),
     "demo dtype": (["demo", "--dtype", "nope"], "unknown dtype 'nope'"),
+    "demo plot of no image kind": (["demo", "--plot", "{root}/plot.txt"], "matplotlib writes no .txt files"),
+    "demo plot into a folder": (["demo", "--plot", "{folder}"], "names a folder"),
+    "bench serve plot of no image kind": (["bench", "serve", "--model", "{model}", "--plot", "{video}"],
+                                          "matplotlib writes no .mp4 files"),
     "flops frames 0": (["flops", "--frames", "0"], "expected a positive integer"),
     "flops budget 0": (["flops", "--budgets", "0"], "expected a positive integer"),
     "flops plot into a file": (["flops", "--plot", "{file}"], "is not a folder"),
+    "reown an empty owner": (["reown", "{file}", "--owner", ""], "--owner is empty"),
     "missing checkpoint": (["answer", "{video}", "Why?", "--model", "{root}/no-model"], "no such checkpoint folder"),
     "checkpoint is a file": (["answer", "{video}", "Why?", "--model", "{file}"], "must be a folder"),
     "checkpoint without config": (["answer", "{video}", "Why?", "--model", "{folder}"], "no config.json"),
@@ -182,6 +187,18 @@ def test_bad_command_lines_found_at_loading_or_planning_are_one_line(case, files
 # ---------------------------------------------------------------------------------------------------------------
 # No encode is ever lost
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, signature", [("plot", b"\x89PNG"), ("plot.svg", b"<?xml"), ("plot.PDF", b"%PDF")])
+def test_a_plot_is_written_where_it_is_named(name, signature, tmp_path):
+    """Before: matplotlib wrote ``plot.png`` for ``--plot plot`` while the command said it wrote ``plot``."""
+    from statekv.plotting import check_plot_file, pyplot, save_figure
+
+    figure = pyplot().figure()
+    path = check_plot_file(tmp_path / "plots" / name, "--plot")
+    assert save_figure(figure, path, dpi=50) == path
+    assert [item.name for item in path.parent.iterdir()] == [name]
+    assert path.read_bytes().startswith(signature)
+
+
 def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, capsys, tmp_path):
     saved = tmp_path / "deep" / "er" / "s.safetensors"
     code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",

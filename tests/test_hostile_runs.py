@@ -260,6 +260,32 @@ def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_i
         assert _equal_states(resumed, _restreamed(qa, video, resumed.frames))  # the stream up to its last push
 
 
+def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_folder_and_says_where(tmp_path):
+    """Before: with no --save the stream was never closed, so its file set resumed at its last checkpoint (every 64
+    steps) and the frames after it were lost; nothing said where the folder was; and a `VideoQA` made without
+    ``offload="disk"`` could not resume it (a `ConfigurationError` about ``offload_dir``)."""
+    video = write_test_video(tmp_path / "long.mp4", frames=600, fps=4)
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    child = _child(["stream", video, "--model", model, "--budget", "20", "--attention", "eager", "--json",
+                    "--max-frames", "151", "--offload", "disk", "--offload-dir", tmp_path / "tier",
+                    "--ask", "2:What?", "--ask", "149:And now?"], tmp_path)
+    out, err = _signal_after(child, '"event": "answer"', signal.SIGTERM)
+    assert child.returncode == 128 + signal.SIGTERM, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    folder = summary["folder"]
+    assert [str(path) for path in (tmp_path / "tier").iterdir()] == [folder]
+    frames = summary["stats"]["frames"]
+    assert err.strip().splitlines() == [f"statekv stream: stopped by SIGTERM; the {frames} frames streamed before it "
+                                        f"are kept in {folder} (resume with statekv.Stream.load)"]
+    import statekv
+
+    qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")  # the folder says it is a file set
+    with statekv.Stream.load(folder, qa) as resumed:
+        assert 2 <= resumed.frames == frames < 150 and resumed.frames_lost == 0
+        with _restreamed(qa, video, frames) as whole:
+            assert resumed.ask("What?", max_new_tokens=4) == whole.ask("What?", max_new_tokens=4)
+
+
 def _restreamed(qa, video, frames: int):
     """What `statekv stream VIDEO` holds after ``frames`` pushes, never stopped."""
     from statekv.video import open_video

@@ -162,7 +162,8 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
 
 @pytest.mark.parametrize(("model_args", "message"), [
     ({"trust_remote_code": "nein"}, "trust_remote_code must be a boolean (true/false, 1/0, yes/no, on/off), got 'nein'"),
-    ({"offload": 2}, "offload must be a boolean"),
+    ({"offload": 2}, "offload must be disk, memory, a boolean (on: CPU memory) or none, got 2"),
+    ({"offload": "maybe"}, "offload must be disk, memory, a boolean (on: CPU memory) or none, got 'maybe'"),
     ({"budget": 0}, "budget must be at least 1, got 0"),
     ({"budget": "4k"}, "budget must be an integer, got '4k'"),
     ({"max_fps": "fast"}, "max_fps must be a number"),

@@ -201,8 +201,11 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
                   owner: str | None = None, engine: EngineSettings | None = None) -> Any:
     """A stream of class ``cls`` resumed from the disk-tier file set in ``folder`` (see `Stream.load`): its lock
     taken first (a file set another stream lives in is refused, naming it), then everything checked, against
-    ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own)."""
+    ``engine`` (default: the VideoQA's settings), which it then streams with (its positions the stream's own; on
+    the disk tier in ``folder`` whatever the settings' own ``offload``)."""
     engine = qa.engine if engine is None else engine
+    if engine.offload != "disk":
+        engine = engine.with_changes(offload="disk", offload_dir=str(folder.parent))
     if (folder / HANDOVER_MARKER).is_file():  # a handover stopped midway: finished first, by its owner
         check_ownership(folder, read_stream_setup(folder), stream_id, owner)
         lock = hold(folder, "a stream finishing its handover")

@@ -2,8 +2,10 @@
 file set whose owner another installation recorded (its secret is not this one's, `statekv.user_cache`), or an
 earlier statekv did (before owner digests were keyed), or that was saved with another owner or none.
 
-The file is verified first as loading verifies it (a damaged file is refused, as is a file set one of whose files
-another stream's set holds); then who owns it is recorded anew under this installation's secret: ``owner`` (None:
+A saved file is verified first as loading verifies it (a damaged file is refused); a file set's manifest,
+description, journal and last checkpoint's carried state are (a file set one of whose files another stream's set
+holds is refused too), its cache's rows are checked against their checksums when it is loaded. Then who owns it is
+recorded anew under this installation's secret: ``owner`` (None:
 no owner). Its id and creation are kept (given ones where it recorded none). A file set of format 2 is bound as
 format 3 binds its files on the way (`statekv.core.disk.files.upgrade_file_set`). Whoever runs it vouches for the
 file: re-own only what you trust.
@@ -15,7 +17,8 @@ import json
 from pathlib import Path
 
 from ..core.disk.files import (FILE_SET, FORMAT_VERSION as SET_VERSION, MANIFEST, check_file_set, hold, read_checked,
-                               read_manifest, upgrade_file_set, write_checked)
+                               read_file_set, read_manifest, upgrade_file_set, write_checked)
+from ..core.disk.resume import check_checkpoint
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
@@ -56,6 +59,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
         if version == SET_VERSION:
             check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
+        check_checkpoint(folder, read_file_set(folder))
         setup.update(version=SETUP_VERSION, file_set=manifest[FILE_SET],
                      **ownership(setup.get("stream_id") or new_stream_id(), setup.get("created") or new_created(),
                                  owner))

@@ -334,10 +334,11 @@ class Stream(EncodedVideo):
         otherwise is refused.
 
         ``path`` may also be the folder of a disk-tier stream's file set (``offload="disk"``), e.g. after its
-        process was killed: the stream resumes in it from the last step whose data is durable, every step's
-        checksum verified first, and ``frames_lost`` (also stated in one log line) counts the frames pushed
-        after that step. A damaged or foreign file set is refused with one line, and so is a file set another live
-        stream holds (naming it): the resumed stream holds its folder's lock until it is closed.
+        process was killed (with any ``qa`` of the model: the stream stays on the disk tier, in that folder): the
+        stream resumes in it from the last step whose data is durable, every step's checksum verified first, and
+        ``frames_lost`` (also stated in one log line) counts the frames pushed after that step. A damaged or
+        foreign file set is refused with one line, and so is a file set another live stream holds (naming it):
+        the resumed stream holds its folder's lock until it is closed.
 
         stream_id: refuse a file that is not this stream's (None: any). owner: refuse a file that is not this
         owner's (None: a file saved with no owner). The stream keeps the id and owner it was saved with.

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..plotting import check_plot_file
 from ..settings.options import ModelOptions
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int
 
@@ -142,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
     key = args.api_key or next(iter(os.environ.get("STATEKV_API_KEYS", "").split(",")), "").strip() or None
     if args.url is not None and key is None:
         raise ConfigurationError("--url needs --api-key (or STATEKV_API_KEYS)")
-    outputs = {name: check_output_file(value, flag) for name, value, flag in (
-        ("json", args.json_out, "--json"), ("plot", args.plot, "--plot")) if value is not None}
+    outputs = {name: check(value, flag) for name, value, flag, check in (
+        ("json", args.json_out, "--json", check_output_file), ("plot", args.plot, "--plot", check_plot_file))
+        if value is not None}
     settings = LoadSettings(fps=args.fps, duration=args.duration, question_rate=args.question_rate,
                             burstiness=args.burstiness, question=args.question, max_new_tokens=args.max_new_tokens,
                             route=args.route, drain=args.duration if args.drain is None else args.drain,

@@ -145,7 +145,7 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 def plot(rows: Sequence[dict[str, Any]], path: Path, targets: Targets, title: str) -> None:
     """Frames per second (against real time's N x fps) and time to first token (p50, p95, the target) against
     the cameras."""
-    from ..plotting import pyplot
+    from ..plotting import pyplot, save_figure
 
     plt = pyplot()
     rows = sorted(rows, key=lambda row: row["streams"])
@@ -167,6 +167,5 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, targets: Targets, title: st
     ttft.legend()
     figure.suptitle(title)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, dpi=110)
     plt.close(figure)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..console import add_output_arguments, print_json, quiet_libraries
 from ..errors import ConfigurationError, OutputError
+from ..plotting import check_plot_file
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                                  "own questions: give --video too, or leave --question out")
     if args.question is not None and not args.question.strip():
         raise ConfigurationError("--question is empty")
+    if args.draw and args.plot and args.video is None:  # before a minute of answers, not after
+        check_plot_file(args.plot, "--plot")
     if args.video is not None:
         from statekv.video import open_video
 

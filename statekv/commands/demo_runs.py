@@ -112,7 +112,7 @@ def _token_bytes(qa: Any) -> int:
 def plot(growths: list[Growth], scored: list[Scored], families: list[str], path: Path) -> Path:
     """Three panels: accuracy per family and method; the carried state against the tokens seen; the wall time
     per frame along the stream."""
-    from statekv.plotting import pyplot
+    from statekv.plotting import pyplot, save_figure
 
     plt = pyplot()
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4))
@@ -143,8 +143,7 @@ def plot(growths: list[Growth], scored: list[Scored], families: list[str], path:
     right.set_title("wall time per frame")
     right.legend(fontsize=7)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, dpi=110)
     plt.close(figure)
     return path
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigurationError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -12,9 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="A stream's files record its owner as a digest keyed by the secret of the installation that "
                     "wrote them (installation.secret in statekv's cache folder, or $STATEKV_SECRET_FILE). A file brought from another "
                     "installation, kept after the secret was removed, or written by an earlier statekv is refused "
-                    "for its owner here; if you trust it, re-own it. PATH is verified first as loading would "
-                    "(a damaged file, or a file set holding another stream's files, is refused); a disk-tier "
-                    "folder of format 2 is upgraded on the way.",
+                    "for its owner here; if you trust it, re-own it. PATH is verified first: a saved file as loading "
+                    "would (a damaged file is refused); a disk-tier folder's manifest, journal and carried state "
+                    "(a damaged one, or one holding another stream's files, is refused; its cache's rows are "
+                    "checked against their checksums when it is loaded). A disk-tier folder of format 2 is "
+                    "upgraded on the way.",
     )
     parser.add_argument("path", metavar="PATH", help="a saved stream file, or a disk-tier stream's folder")
     parser.add_argument("--owner", default=None, metavar="NAME",
@@ -26,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..api.reown import reown
 
+    if args.owner is not None and not args.owner.strip():
+        raise ConfigurationError("--owner is empty: name who owns it, or leave --owner out for no owner")
     where = reown(args.path, args.owner)
     print(f"{where}: owned by {'the owner given' if args.owner is not None else 'no one'} on this installation")
     return 0

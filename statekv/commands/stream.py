@@ -93,14 +93,17 @@ def run(args: argparse.Namespace) -> int:
                        vision_batch=args.vision_batch or 1)
     replay = _Replay(args, options, stream, save)
     try:
-        replay.watch()
-        with progress_reporter(interactive(), frames_expected(video, args.max_fps, horizon), video.name,
-                               stream.stats) as report:
-            replay.run(video, horizon, report)
-    except (Exception, KeyboardInterrupt) as error:
-        replay.stopped(error)
-        raise
-    replay.finish()
+        try:
+            replay.watch()
+            with progress_reporter(interactive(), frames_expected(video, args.max_fps, horizon), video.name,
+                                   stream.stats) as report:
+                replay.run(video, horizon, report)
+        except (Exception, KeyboardInterrupt) as error:
+            replay.stopped(error)
+            raise
+        replay.finish()
+    finally:
+        stream.close()  # on the disk tier, what makes every frame pushed durable in its folder
     return 0
 
 
@@ -179,8 +182,9 @@ class _Replay:
                       flush=True)
 
     def stopped(self, error: BaseException) -> None:
-        """Keep what was streamed before ``error`` (with --save) and say where, in its message or on stderr."""
-        where, problem = None, None
+        """Keep what was streamed before ``error`` (with --save; on the disk tier its folder keeps it) and say where,
+        in its message or on stderr."""
+        where, problem, kept = None, None, None
         if self.save is not None:
             try:
                 where, problem = save_or_rescue(self.stream, self.save)
@@ -188,6 +192,10 @@ class _Replay:
                     f" (not to {self.save}: {problem})" if problem else "")
             except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
+        elif self.stream.folder is not None and self.stream.frames:
+            kept = (f"the {self.stream.frames} frames streamed before it are kept in {self.stream.folder} (resume "
+                    "with statekv.Stream.load)")
+        if kept is not None:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
             elif isinstance(error, KeyboardInterrupt):  # `run_command` says it with the stop, in one line
@@ -213,12 +221,14 @@ class _Replay:
                               "stats": stats.to_dict(), "answers": self.answers, "watches": self.events,
                               "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
+                              "folder": None if self.stream.folder is None else str(self.stream.folder),
                               "error": error}), flush=True)
         elif error is None:
             print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
                   f"{self.stream.tokens} tokens, {self.options.label}, carried "
                   f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
-                  + (f"; saved to {where}" if where else ""), flush=True)
+                  + (f"; saved to {where}" if where else "")
+                  + (f"; kept in {self.stream.folder}" if self.stream.folder is not None else ""), flush=True)
 
 
 def frames_expected(video, max_fps: float, horizon: int | None) -> int | None:

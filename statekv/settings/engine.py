@@ -86,7 +86,11 @@ def parse_offload(value: Any, name: str) -> bool | str | None:
         return "disk" if value.strip().lower() == "disk" else True
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
-    return boolean(value, name)
+    try:
+        return boolean(value, name)
+    except ConfigurationError:
+        raise ConfigurationError(f"{name} must be disk, memory, a boolean (on: CPU memory) or none, got "
+                                 f"{value!r}") from None
 
 
 def offload_argument(text: str) -> bool | str:
@@ -145,8 +149,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "memory-mapped file set per stream under --offload-dir, only the retrieval summaries in RAM", "disk"),
     Setting("offload_dir", None, Kind("str | None", check_folder, lambda value, name: TEXT.optional.parse(value, name)),
             "with --offload disk: the folder each stream's file set is made in", "DIR"),
-    Setting("max_cache_bytes", None, BYTES.optional, "a hard cap on each stream's detailed cache, e.g. 512M, 20G "
-            "(default: none)", "SIZE"),
+    Setting("max_cache_bytes", None, BYTES.optional, "a hard cap on what each stream's cache holds: its detailed "
+            "cache with its scales, retrieval summaries and disk-tier journal (more than the stats' cache_bytes), "
+            "e.g. 512M, 20G (default: none)", "SIZE"),
     Setting("cache_limit", DEFAULT_CACHE_LIMIT, one_of(lambda: CACHE_LIMITS),
             "at --max-cache-bytes: refuse further frames (default: what fit is kept and still answers), or evict "
             "the oldest or the least attended frames"),

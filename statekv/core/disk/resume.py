@@ -102,6 +102,18 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         tier.append({"evict": sorted(set(journal.later_evictions))})
 
 
+def check_checkpoint(folder: Path, journal: Journaled) -> None:
+    """A one-line `InputError` when the carried state of ``journal``'s last checkpoint (`read_file_set`) is
+    damaged or missing, as `resume` would find it, without a model: the carried state is read and checked, not
+    kept. A file set with no step journaled has none to check."""
+    if not journal.steps:
+        return
+    layers = (journal.manifest.get("geometry") or {}).get("layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise InputError(f"{folder}: the disk cache's manifest does not say how many layers it holds")
+    _carried_slot(folder, journal.carry, layers, sum(int(record["tokens"]) for record in journal.steps))
+
+
 def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What `StreamPositions.load` takes, from the steps' records (each ``placed``: ``[first, span, base]``)."""
     if not positions.bounded:
@@ -128,9 +140,13 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
         parts.append((dtype, segment) if isinstance(segment, list) else None)
         layout.append(parts)
     size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
+    carried_file = where / f"carry.{carry.get('slot')}.bin"
+    if not carried_file.is_file():
+        raise InputError(f"{where}: the disk cache is damaged: {carried_file.name}, the carried state of step "
+                         f"{carry['carry']}, is missing")
     try:
-        data = (where / f"carry.{carry['slot']}.bin").read_bytes()[:size]
-    except (OSError, TypeError):
+        data = carried_file.read_bytes()[:size]
+    except OSError:
         data = b""
     if zlib.crc32(data) != carry.get("carry_crc"):
         raise InputError(f"{where}: the disk cache is damaged: the carried state of step {carry['carry']} does not "
