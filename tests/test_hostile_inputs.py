@@ -109,6 +109,7 @@ BEFORE_LOADING = {
     "stream ask nothing": (["stream", "{video}", "--ask", "3:", "--model", "{model}"], "SECONDS:QUESTION"),
     "stream max-frames 0": (STREAM + ["--max-frames", "0"], "expected a positive integer"),
     "stream save over the video": (STREAM + ["--save", "{video}"], "is the video itself"),
+    "stream resume of nothing": (STREAM + ["--resume", "{root}/missing.safetensors"], "no such file or folder"),
     "analyze out is a file": (["analyze", "{video}", "--model", "{model}", "--out", "{file}"], "is not a folder"),
     "analyze out unwritable": (["analyze", "{video}", "--model", "{model}", "--out", UNWRITABLE],
                                "cannot write in /sys"),

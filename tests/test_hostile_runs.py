@@ -276,7 +276,7 @@ def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_fold
     assert [str(path) for path in (tmp_path / "tier").iterdir()] == [folder]
     frames = summary["stats"]["frames"]
     assert err.strip().splitlines() == [f"statekv stream: stopped by SIGTERM; the {frames} frames streamed before it "
-                                        f"are kept in {folder} (resume with statekv.Stream.load)"]
+                                        f"are kept in {folder} (go on with --resume {folder})"]
     import statekv
 
     qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")  # the folder says it is a file set
@@ -284,6 +284,33 @@ def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_fold
         assert 2 <= resumed.frames == frames < 150 and resumed.frames_lost == 0
         with _restreamed(qa, video, frames) as whole:
             assert resumed.ask("What?", max_new_tokens=4) == whole.ask("What?", max_new_tokens=4)
+
+
+def test_resume_goes_on_with_a_saved_stream_as_if_it_had_never_stopped(tmp_path, capsys):
+    import statekv
+
+    video = write_test_video(tmp_path / "long.mp4", frames=600, fps=4)
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")
+    saved = tmp_path / "kept.safetensors"
+    with _restreamed(qa, video, 40) as partway:  # what `statekv stream --save` kept of a run stopped at 40 frames
+        partway.save(saved)
+    video, model, saved = str(video), str(model), str(saved)
+    flags = ["--model", model, "--budget", "20", "--attention", "eager", "--max-frames", "151"]
+    assert main(["stream", video, *flags, "--json", "--ask", "10:What?", "--ask", "100:And now?", "--resume", saved,
+                 "--save", saved]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["time"] for line in printed if line["event"] == "answer"] == [100.0]  # 10 s was asked before
+    assert printed[-1]["stats"]["frames"] == 150
+    with statekv.Stream.load(saved, qa) as resumed, _restreamed(qa, video, 150) as whole:
+        assert _equal_states(resumed, whole)
+    other = str(write_test_video(tmp_path / "other.mp4", frames=40, fps=4))
+    for argv, message in ((["stream", other, *flags], f"it is a stream of {video}, not of {other}"),
+                          (["stream", video, *flags, "--max-fps", "2"], "it was streamed at --max-fps 1, not 2"),
+                          (["stream", video, *flags[:-2], "--max-frames", "300"],
+                           "it was made with --max-frames 151, not --max-frames 300")):
+        assert main([*argv, "--resume", saved]) == 2
+        assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {saved}: {message}"
 
 
 def _restreamed(qa, video, frames: int):

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, one_line, quiet_libraries
-from ..errors import CacheLimitError, OutputError, StateKVError
+from ..errors import CacheLimitError, InputError, OutputError, StateKVError
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
@@ -66,8 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="declare the stream for at most N frames: its horizon (default: none; positions stay "
                              "inside the model's range however long it runs)")
     parser.add_argument("--save", metavar="FILE", default=None,
-                        help="save the stream at the end, or when it stops early (resume with statekv.Stream.load); "
+                        help="save the stream at the end, or when it stops early (resume with --resume FILE); "
                              "checked before the model loads")
+    parser.add_argument("--resume", metavar="PATH", default=None,
+                        help="go on with a stream of this VIDEO saved by --save (a file) or kept on the disk tier (its "
+                             "folder), with the model options it was made with: its frames are not pushed again, "
+                             "and --ask questions timed before its last frame are left out (the run that streamed "
+                             "them asked them)")
     add_output_arguments(parser, json_help="print one JSON object per line: each answer as it is made, then a "
                                            "summary (stats, every answer, where the stream was saved)")
     parser.set_defaults(run=run)
@@ -84,13 +89,17 @@ def run(args: argparse.Namespace) -> int:
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
         raise OutputError(f"--save {save} is the video itself; give another file")
     video = open_video(args.video)  # check the file before loading the model
+    if args.resume is not None and not Path(args.resume).exists():
+        raise InputError(f"--resume {args.resume}: no such file or folder")
     warn_past_the_end(args.ask, video.duration)
-    horizon = args.max_frames  # None: no horizon, as qa.stream()
     quiet_libraries()
     qa = VideoQA.from_options(options)
-    # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
-    stream = qa.stream(horizon_frames=horizon, max_fps=args.max_fps, name=video.name,
-                       vision_batch=args.vision_batch or 1)
+    if args.resume is not None:
+        stream = resumed(args, qa, video.name)
+    else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
+        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps, name=video.name,
+                           vision_batch=args.vision_batch or 1)
+    horizon = stream.horizon_frames  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
     try:
         try:
@@ -105,6 +114,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stream.close()  # on the disk tier, what makes every frame pushed durable in its folder
     return 0
+
+
+def resumed(args: argparse.Namespace, qa, video_name: str):
+    """The stream ``--resume`` names, loaded with ``qa`` and checked against this run's video and flags (one line
+    each: another video's stream, another --max-fps, another --max-frames); the stream is closed on a refusal."""
+    from ..api.stream import Stream
+
+    stream = Stream.load(args.resume, qa)
+    problem = None
+    if Path(stream.name).name != Path(video_name).name:  # the file may have moved since
+        problem = f"it is a stream of {stream.name}, not of {video_name}"
+    elif stream.max_fps != args.max_fps:
+        problem = f"it was streamed at --max-fps {stream.max_fps:g}, not {args.max_fps:g}"
+    elif args.max_frames is not None and args.max_frames != stream.horizon_frames:
+        made = "no horizon" if stream.horizon_frames is None else f"--max-frames {stream.horizon_frames}"
+        problem = f"it was made with {made}, not --max-frames {args.max_frames}"
+    if problem is not None:
+        stream.close()
+        raise InputError(f"--resume {args.resume}: {problem}")
+    return stream
 
 
 def warn_past_the_end(asks: list[tuple[float, str]], duration: float | None) -> None:
@@ -123,6 +152,8 @@ class _Replay:
     def __init__(self, args: argparse.Namespace, options: ModelOptions, stream, save: Path | None):
         self.args, self.options, self.stream, self.save = args, options, stream, save
         self.questions = sorted(args.ask, key=lambda item: item[0])
+        if stream.last_timestamp is not None:  # resumed: what was streamed before was asked then
+            self.questions = [item for item in self.questions if item[0] >= stream.last_timestamp]
         self.answers: list[dict] = []
         self.events: list[dict] = []  # the watches' events, as they were printed
         self.cache_full: str | None = None  # why max_cache_bytes stopped the stream (the answers after it are marked)
@@ -146,8 +177,11 @@ class _Replay:
         stream = self.stream
         frame = None
         planned = frames_expected(video, self.args.max_fps, horizon)
+        resumed_at = stream.last_timestamp
         try:
             for frame in video.sample_at_rate(self.args.max_fps):
+                if resumed_at is not None and frame.timestamp <= resumed_at:
+                    continue  # streamed before it was resumed
                 if stream.frames:  # a question before the first frame waits for it
                     self.ask_due(frame.timestamp - 1e-9)
                 if horizon is not None and stream.frames + len(stream.pending) >= horizon:
@@ -193,8 +227,8 @@ class _Replay:
             except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
         elif self.stream.folder is not None and self.stream.frames:
-            kept = (f"the {self.stream.frames} frames streamed before it are kept in {self.stream.folder} (resume "
-                    "with statekv.Stream.load)")
+            kept = (f"the {self.stream.frames} frames streamed before it are kept in {self.stream.folder} (go on "
+                    f"with --resume {self.stream.folder})")
         if kept is not None:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
