@@ -282,6 +282,15 @@ def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(fil
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_question_of_several_lines_is_printed_with_its_options_under_it(files, capsys):
+    base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
+    assert main([*base, "--ask", "2:Which?\nA. red\nB. blue\nAnswer with the letter."]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(index for index, line in enumerate(lines) if line.endswith("Q: Which?"))
+    assert lines[first + 1:first + 4] == [" " * 24 + text for text in ("A. red", "B. blue", "Answer with the letter.")]
+    assert lines[first + 4].startswith(" " * 21 + "A: ")
+
+
 def test_answer_stats_print_each_stage(files, capsys):
     assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2",
                  "--vision-batch", "2", "--stats"]) == 0

@@ -171,7 +171,8 @@ class _Replay:
             print(json.dumps({"event": "watch", **self.events[-1]}), flush=True)
         else:
             when = "" if event.seconds is None else f"{event.seconds:7.2f} s, "
-            print(f"[{when}{event.frame} frames] W: {watch.question}\n{'':>21}A: {event.answer}", flush=True)
+            asked = watch.question.replace("\n", "\n" + " " * 24)
+            print(f"[{when}{event.frame} frames] W: {asked}\n{'':>21}A: {event.answer}", flush=True)
 
     def run(self, video, horizon: int | None, report=lambda done, planned: None) -> None:
         stream = self.stream
@@ -212,7 +213,8 @@ class _Replay:
                 print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
             else:
                 mark = " (after the cache cap stopped the stream)" if self.cache_full else ""
-                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {question}{mark}\n{'':>21}A: {answer}",
+                asked = question.replace("\n", "\n" + " " * 24)  # a question's options under its first line
+                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {asked}{mark}\n{'':>21}A: {answer}",
                       flush=True)
 
     def stopped(self, error: BaseException) -> None:
