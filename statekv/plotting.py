@@ -9,6 +9,8 @@ from typing import Any
 
 from .errors import ConfigurationError, OutputError
 
+NEEDS_LATEX = {"pgf"}  # matplotlib writes it only through a LaTeX installation
+
 
 def pyplot():
     """``matplotlib.pyplot`` on the Agg backend; a one-line error naming the extra when matplotlib is missing."""
@@ -23,18 +25,18 @@ def pyplot():
 
 
 def check_plot_file(path: str | os.PathLike, name: str) -> Path:
-    """``path`` as a `Path` if a plot can be written there: a file (`check_output_file`) of a kind matplotlib
-    writes, by its extension (none: a PNG); else a one-line `OutputError` (``name``: the flag, for the message)."""
+    """``path`` as a `Path` if a plot can be written there: matplotlib is installed, and the path is a file
+    (`check_output_file`) of a kind matplotlib writes by itself, by its extension (none: a PNG); else a one-line
+    error (``name``: the flag, for the message)."""
     from .settings.values import check_output_file
 
     path = check_output_file(path, name)
-    kind = path.suffix[1:].lower()
-    if kind:
-        from matplotlib.backend_bases import FigureCanvasBase
+    pyplot()  # one line if matplotlib is missing
+    from matplotlib.backend_bases import FigureCanvasBase
 
-        pyplot()  # matplotlib is there (one line if not)
-        if kind not in FigureCanvasBase.get_supported_filetypes():
-            raise OutputError(f"{name} {path}: matplotlib writes no .{kind} files; give a .png, .svg or .pdf file")
+    kind = path.suffix[1:].lower()
+    if kind and (kind not in FigureCanvasBase.get_supported_filetypes() or kind in NEEDS_LATEX):
+        raise OutputError(f"{name} {path}: statekv writes no .{kind} plots; give a .png, .svg or .pdf file")
     return path
 
 

@@ -282,6 +282,15 @@ def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(fil
     assert "warning" not in capsys.readouterr().err
 
 
+def test_stream_replays_a_video_into_simplestream_too(files, capsys):
+    """Before: its summary read a horizon, positions and a folder that `RecentFrames` does not have."""
+    assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--method", "simplestream",
+                 "--max-new-tokens", "1", "--ask", "2:Why?", "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["event"] for line in printed] == ["answer", "summary"]
+    assert printed[-1]["method"] == "simplestream" and printed[-1]["folder"] is None and printed[-1]["error"] is None
+
+
 def test_a_question_of_several_lines_is_printed_with_its_options_under_it(files, capsys):
     base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
     assert main([*base, "--ask", "2:Which?\nA. red\nB. blue\nAnswer with the letter."]) == 0

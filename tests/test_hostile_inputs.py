@@ -25,7 +25,7 @@ import statekv
 from bad_videos import cut_after_header
 from statekv import Stream
 from statekv.cli import main
-from statekv.errors import OutputError
+from statekv.errors import ConfigurationError, OutputError
 from statekv.eval.fabricate import write_mini_videomme
 from statekv.eval.lock import RunLock
 from statekv.eval.runner import EvalConfig, lock_for_every_rank, run_evaluation
@@ -122,10 +122,11 @@ BEFORE_LOADING = {
     "eval table missing run": (["eval", "table", "{root}/no-run"], "no run directory"),
     "demo device": (["demo", "--device", "cuda:3"], "'cuda:3'"),
     "demo dtype": (["demo", "--dtype", "nope"], "unknown dtype 'nope'"),
-    "demo plot of no image kind": (["demo", "--plot", "{root}/plot.txt"], "matplotlib writes no .txt files"),
+    "demo plot of no image kind": (["demo", "--plot", "{root}/plot.txt"], "statekv writes no .txt plots"),
+    "demo plot through LaTeX": (["demo", "--plot", "{root}/plot.pgf"], "statekv writes no .pgf plots"),
     "demo plot into a folder": (["demo", "--plot", "{folder}"], "names a folder"),
     "bench serve plot of no image kind": (["bench", "serve", "--model", "{model}", "--plot", "{video}"],
-                                          "matplotlib writes no .mp4 files"),
+                                          "statekv writes no .mp4 plots"),
     "flops frames 0": (["flops", "--frames", "0"], "expected a positive integer"),
     "flops budget 0": (["flops", "--budgets", "0"], "expected a positive integer"),
     "flops plot into a file": (["flops", "--plot", "{file}"], "is not a folder"),
@@ -198,6 +199,17 @@ def test_a_plot_is_written_where_it_is_named(name, signature, tmp_path):
     assert save_figure(figure, path, dpi=50) == path
     assert [item.name for item in path.parent.iterdir()] == [name]
     assert path.read_bytes().startswith(signature)
+
+
+def test_a_plot_without_matplotlib_is_one_line_before_the_work(monkeypatch, tmp_path):
+    import sys
+
+    from statekv.plotting import check_plot_file
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in ("plot.png", "plot"):
+        with pytest.raises(ConfigurationError, match=r"^plotting needs matplotlib: pip install 'statekv\[plot\]'$"):
+            check_plot_file(tmp_path / name, "--plot")
 
 
 def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, capsys, tmp_path):

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -260,7 +261,7 @@ def test_a_signal_while_streaming_saves_the_stream_prints_the_summary_and_says_i
         assert _equal_states(resumed, _restreamed(qa, video, resumed.frames))  # the stream up to its last push
 
 
-def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_folder_and_says_where(tmp_path):
+def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_folder_and_says_where(tmp_path, capsys):
     """Before: with no --save the stream was never closed, so its file set resumed at its last checkpoint (every 64
     steps) and the frames after it were lost; nothing said where the folder was; and a `VideoQA` made without
     ``offload="disk"`` could not resume it (a `ConfigurationError` about ``offload_dir``)."""
@@ -284,41 +285,77 @@ def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_fold
         assert 2 <= resumed.frames == frames < 150 and resumed.frames_lost == 0
         with _restreamed(qa, video, frames) as whole:
             assert resumed.ask("What?", max_new_tokens=4) == whole.ask("What?", max_new_tokens=4)
+    assert main(["stream", str(video), "--model", str(model), "--budget", "20", "--attention", "eager", "--json",
+                 "--max-frames", "151", "--ask", "2:What?", "--ask", "149:And now?", "--resume", folder]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["time"] for line in printed if line["event"] == "answer"] == [149.0]
+    assert printed[-1]["stats"]["frames"] == 150 and printed[-1]["folder"] == folder
 
 
 def test_resume_goes_on_with_a_saved_stream_as_if_it_had_never_stopped(tmp_path, capsys):
+    """Its watches too: a saved stream's watch goes on where --watch asks it again, and closes where it does not
+    (before, a second was opened beside it, and one no longer asked was evaluated unheard)."""
     import statekv
 
     video = write_test_video(tmp_path / "long.mp4", frames=600, fps=4)
     model = make_tiny_checkpoint("internvl", tmp_path / "model")
     qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")
     saved = tmp_path / "kept.safetensors"
-    with _restreamed(qa, video, 40) as partway:  # what `statekv stream --save` kept of a run stopped at 40 frames
+    with _restreamed(qa, video, 40, watches=["What?"]) as partway:  # what `--save` kept of a stopped run
         partway.save(saved)
     video, model, saved = str(video), str(model), str(saved)
     flags = ["--model", model, "--budget", "20", "--attention", "eager", "--max-frames", "151"]
-    assert main(["stream", video, *flags, "--json", "--ask", "10:What?", "--ask", "100:And now?", "--resume", saved,
-                 "--save", saved]) == 0
+    assert main(["stream", video, *flags, "--json", "--ask", "10:What?", "--ask", "100:And now?", "--watch",
+                 "50:What?", "--max-new-tokens", "2", "--resume", saved, "--save", saved]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["time"] for line in printed if line["event"] == "answer"] == [100.0]  # 10 s was asked before
     assert printed[-1]["stats"]["frames"] == 150
-    with statekv.Stream.load(saved, qa) as resumed, _restreamed(qa, video, 150) as whole:
+    with statekv.Stream.load(saved, qa) as resumed, _restreamed(qa, video, 150, watches=["What?"]) as whole:
+        assert [watch.question for watch in resumed.watches] == ["What?"]
+        assert resumed.watches[0].evaluations == whole.watches[0].evaluations
         assert _equal_states(resumed, whole)
+    assert main(["stream", video, *flags, "--resume", saved, "--save", saved]) == 0  # --watch no longer asks it
+    capsys.readouterr()
+    with statekv.Stream.load(saved, qa) as resumed:
+        assert resumed.frames == 150 and resumed.watches == []
     other = str(write_test_video(tmp_path / "other.mp4", frames=40, fps=4))
-    for argv, message in ((["stream", other, *flags], f"it is a stream of {video}, not of {other}"),
-                          (["stream", video, *flags, "--max-fps", "2"], "it was streamed at --max-fps 1, not 2"),
-                          (["stream", video, *flags[:-2], "--max-frames", "300"],
-                           "it was made with --max-frames 151, not --max-frames 300")):
-        assert main([*argv, "--resume", saved]) == 2
-        assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {saved}: {message}"
+    unpaced = str(tmp_path / "unpaced.safetensors")
+    with qa.stream(horizon_frames=151, name=video) as stream:  # Python's default: no max_fps
+        stream.push(np.zeros((32, 32, 3), np.uint8))
+        stream.save(unpaced)
+    for argv, resume, message in (
+            (["stream", other, *flags], saved, f"it is a stream of {video}, not of {other}"),
+            (["stream", video, *flags, "--max-fps", "2"], saved, "it was streamed at --max-fps 1, not --max-fps 2"),
+            (["stream", video, *flags[:-2], "--max-frames", "300"], saved,
+             "it was made with --max-frames 151, not --max-frames 300"),
+            (["stream", video, *flags], unpaced, "it was streamed at no --max-fps, not --max-fps 1")):
+        assert main([*argv, "--resume", resume]) == 2
+        assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {resume}: {message}"
 
 
-def _restreamed(qa, video, frames: int):
-    """What `statekv stream VIDEO` holds after ``frames`` pushes, never stopped."""
+def test_a_resumed_stream_is_of_the_same_video_file_or_of_one_moved_there(tmp_path):
+    from statekv.commands.stream import same_video
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder in ("a", "b"):
+        (tmp_path / folder / "video.mp4").write_bytes(b"frames")
+    (tmp_path / "a" / "link.mp4").symlink_to(tmp_path / "a" / "video.mp4")
+    assert same_video(str(tmp_path / "a" / "video.mp4"), str(tmp_path / "a" / "link.mp4"))  # one file, two names
+    assert not same_video(str(tmp_path / "a" / "video.mp4"), str(tmp_path / "b" / "video.mp4"))  # two cameras
+    assert same_video(str(tmp_path / "gone" / "video.mp4"), str(tmp_path / "b" / "video.mp4"))  # moved since
+    assert not same_video(str(tmp_path / "gone" / "video.mp4"), str(tmp_path / "a" / "link.mp4"))
+
+
+def _restreamed(qa, video, frames: int, watches: tuple[str, ...] = ()):
+    """What `statekv stream VIDEO [--watch 50:QUESTION --max-new-tokens 2 ...]` holds after ``frames`` pushes, never
+    stopped."""
     from statekv.video import open_video
 
     source = open_video(video)
     stream = qa.stream(horizon_frames=math.floor(source.duration) + 1, max_fps=1.0, name=source.name)
+    for question in watches:
+        stream.watch(question, every=50, max_new_tokens=2)
     for frame, _ in zip(source.sample_at_rate(1.0), range(frames)):
         stream.push(frame)
     return stream

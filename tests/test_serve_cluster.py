@@ -484,10 +484,13 @@ def test_a_lone_server_and_a_deployment_never_serve_one_folder_at_once(tmp_path,
     hold_state_folder(state, "statekv serve on http://127.0.0.1:2").release()  # the refused server held nothing
 
 
-def test_a_replica_ends_its_clients_feeds_of_watch_events_once_its_deployment_is_stopping(tmp_path, qa, monkeypatch):
+def test_a_replica_ends_its_clients_feeds_of_watch_events_once_its_deployment_is_stopping(tmp_path, qa, monkeypatch,
+                                                                                          caplog):
     """Ray Serve drains a replica (every request under way ends) before its destructor saves the streams; a feed
     of watch events never ends by itself, so before this a replica whose clients followed events waited out the
-    drain's timeout and was killed unsaved. A failed check (the controller restarting) is asked again."""
+    drain's timeout and was killed unsaved. A failed check (the controller restarting) is asked again, with one
+    warning; a check that takes long is not asked again meanwhile."""
+    import threading
     import time
 
     from fastapi.testclient import TestClient
@@ -497,28 +500,57 @@ def test_a_replica_ends_its_clients_feeds_of_watch_events_once_its_deployment_is
     from statekv.serve.cluster.hosting import ReplicaHosting
 
     monkeypatch.setattr(hosting, "STOP_CHECK_SECONDS", 0.05)
-    answers = iter([False, RuntimeError("the controller is restarting"), False])
-    asked = []
+    answers = iter([False, RuntimeError("the controller is restarting"), "slow", RuntimeError("again"), False])
+    asked, at_once, running = [], [], threading.Lock()
 
     def stopping() -> bool:
-        asked.append(time.monotonic())
-        answer = next(answers, True)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+        at_once.append(running.locked())
+        with running:
+            asked.append(time.monotonic())
+            answer = next(answers, True)
+            if answer == "slow":
+                time.sleep(0.5)  # ten checks' time
+                return False
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
 
     config = ServeConfig(options=qa.options, state_dir=tmp_path, api_keys=("key",), page=False,
                          save_every_seconds=600)
     app = create_app(config, qa=qa, hosting=ReplicaHosting(config, "replica-1", lease_seconds=60, stopping=stopping))
     headers = {"Authorization": "Bearer key"}
-    with TestClient(app) as client:
+    with caplog.at_level("DEBUG", logger="statekv.serve"), TestClient(app) as client:
         stream_id = client.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
         hub = app.state.service.watch_hub
         deadline = time.monotonic() + 30
         while not hub.closed:
             assert time.monotonic() < deadline, f"asked {len(asked)} times"
             time.sleep(0.05)
-        assert len(asked) == 4  # asked again after the failure, and no more once it said so
+        assert len(asked) == 6 and not any(at_once)  # asked again after each failure, never twice at once
         with client.stream("GET", f"/v1/streams/{stream_id}/events", headers=headers) as events:
             assert events.status_code == 200
             assert list(events.iter_lines()) == [f": following the watches of stream {stream_id}", ""]  # then ends
+    said = [(record.levelname, record.getMessage()) for record in caplog.records
+            if "is stopping" in record.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "DEBUG", "INFO"]
+    assert "the controller is restarting" in said[0][1]
+
+
+def test_a_replica_takes_only_its_application_being_deleted_for_a_stop(monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    from statekv.serve.cluster.deployment import application_deleted
+
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="cams"))
+    deleted = application_deleted()
+    for applications, expected in (({"cams": ApplicationStatus.RUNNING}, False),
+                                   ({"cams": ApplicationStatus.DELETING}, True),
+                                   ({"other": ApplicationStatus.DELETING}, False),
+                                   ({}, False)):  # what an unreachable controller answers
+        status = SimpleNamespace(applications={name: SimpleNamespace(status=value)
+                                               for name, value in applications.items()})
+        monkeypatch.setattr(serve, "status", lambda: status)
+        assert deleted() is expected

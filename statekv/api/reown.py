@@ -4,11 +4,10 @@ earlier statekv did (before owner digests were keyed), or that was saved with an
 
 A saved file is verified first as loading verifies it (a damaged file is refused); a file set's manifest,
 description, journal and last checkpoint's carried state are (a file set one of whose files another stream's set
-holds is refused too), its cache's rows are checked against their checksums when it is loaded. Then who owns it is
-recorded anew under this installation's secret: ``owner`` (None:
-no owner). Its id and creation are kept (given ones where it recorded none). A file set of format 2 is bound as
-format 3 binds its files on the way (`statekv.core.disk.files.upgrade_file_set`). Whoever runs it vouches for the
-file: re-own only what you trust.
+holds is refused too), its cache's rows are checked against their checksums when it is loaded. A file set of format
+2 is first bound as format 3 binds its files (`statekv.core.disk.files.upgrade_file_set`), then verified. Then who
+owns it is recorded anew under this installation's secret: ``owner`` (None: no owner). Its id and creation are kept
+(given ones where it recorded none). Whoever runs it vouches for the file: re-own only what you trust.
 """
 
 from __future__ import annotations

@@ -489,7 +489,7 @@ def check_owner(owner: Any) -> str | None:
     """``owner``: any non-empty text naming who owns a stream (e.g. an API key's id), or None."""
     if owner is not None and not isinstance(owner, str):
         raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
-    if owner == "":
+    if owner is not None and not owner.strip():
         raise ConfigurationError("owner is empty: name who owns the stream, or give None for no owner")
     return owner
 

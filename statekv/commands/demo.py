@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
                                  "own questions: give --video too, or leave --question out")
     if args.question is not None and not args.question.strip():
         raise ConfigurationError("--question is empty")
-    if args.draw and args.plot and args.video is None:  # before a minute of answers, not after
-        check_plot_file(args.plot, "--plot")
+    if args.draw and args.video is None:  # before a minute of answers, not after
+        check_plot_file(args.plot or cache_dir() / "demo.png", "--plot")
     if args.video is not None:
         from statekv.video import open_video
 

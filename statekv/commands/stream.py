@@ -70,9 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "checked before the model loads")
     parser.add_argument("--resume", metavar="PATH", default=None,
                         help="go on with a stream of this VIDEO saved by --save (a file) or kept on the disk tier (its "
-                             "folder), with the model options it was made with: its frames are not pushed again, "
-                             "and --ask questions timed before its last frame are left out (the run that streamed "
-                             "them asked them)")
+                             "folder), given the model options it was made with (its own --vision-batch and watches "
+                             "go on): its frames are not pushed again, and --ask questions timed before its last "
+                             "frame are left out (the run that streamed them asked them)")
     add_output_arguments(parser, json_help="print one JSON object per line: each answer as it is made, then a "
                                            "summary (stats, every answer, where the stream was saved)")
     parser.set_defaults(run=run)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
         stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps, name=video.name,
                            vision_batch=args.vision_batch or 1)
-    horizon = stream.horizon_frames  # None: no horizon, as qa.stream()
+    horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
     try:
         try:
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         replay.finish()
     finally:
-        stream.close()  # on the disk tier, what makes every frame pushed durable in its folder
+        replay.close()  # if nothing above did (its error, if any, is the one raised)
     return 0
 
 
@@ -123,10 +123,11 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
 
     stream = Stream.load(args.resume, qa)
     problem = None
-    if Path(stream.name).name != Path(video_name).name:  # the file may have moved since
+    if not same_video(stream.name, video_name):
         problem = f"it is a stream of {stream.name}, not of {video_name}"
     elif stream.max_fps != args.max_fps:
-        problem = f"it was streamed at --max-fps {stream.max_fps:g}, not {args.max_fps:g}"
+        made = "no --max-fps" if stream.max_fps is None else f"--max-fps {stream.max_fps:g}"
+        problem = f"it was streamed at {made}, not --max-fps {args.max_fps:g}"
     elif args.max_frames is not None and args.max_frames != stream.horizon_frames:
         made = "no horizon" if stream.horizon_frames is None else f"--max-frames {stream.horizon_frames}"
         problem = f"it was made with {made}, not --max-frames {args.max_frames}"
@@ -134,6 +135,15 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
         stream.close()
         raise InputError(f"--resume {args.resume}: {problem}")
     return stream
+
+
+def same_video(recorded: str, given: str) -> bool:
+    """Whether the video a stream recorded (its path as given then) is the one given now: the same file, or, once
+    the recorded path names no file (moved since, or given relative to another folder), one of the same name."""
+    recorded_path, given_path = Path(recorded), Path(given)
+    if recorded_path.exists() and given_path.exists():
+        return recorded_path.samefile(given_path)
+    return recorded_path.name == given_path.name
 
 
 def warn_past_the_end(asks: list[tuple[float, str]], duration: float | None) -> None:
@@ -151,6 +161,8 @@ class _Replay:
 
     def __init__(self, args: argparse.Namespace, options: ModelOptions, stream, save: Path | None):
         self.args, self.options, self.stream, self.save = args, options, stream, save
+        self.folder: Path | None = getattr(stream, "folder", None)  # its disk-tier file set's
+        self.closed = False
         self.questions = sorted(args.ask, key=lambda item: item[0])
         if stream.last_timestamp is not None:  # resumed: what was streamed before was asked then
             self.questions = [item for item in self.questions if item[0] >= stream.last_timestamp]
@@ -159,10 +171,15 @@ class _Replay:
         self.cache_full: str | None = None  # why max_cache_bytes stopped the stream (the answers after it are marked)
 
     def watch(self) -> None:
-        """Open the --watch questions, each printing its events as they come."""
+        """Open the --watch questions, each printing its events as they come. A resumed stream's own watches go on
+        where they are asked again, and close where they are not (unheard, they would cost time)."""
+        kept = {(watch.question, watch.every): watch for watch in getattr(self.stream, "watches", [])}
         for every, question in self.args.watch:
-            watch = self.stream.watch(question, every=every, max_new_tokens=self.args.max_new_tokens)
+            watch = kept.pop((question, every), None) or self.stream.watch(
+                question, every=every, max_new_tokens=self.args.max_new_tokens)
             watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
+        for watch in kept.values():
+            watch.close()
 
     def heard(self, watch, event) -> None:
         self.events.append({"frame": event.frame, "seconds": event.seconds, "question": watch.question,
@@ -228,9 +245,8 @@ class _Replay:
                     f" (not to {self.save}: {problem})" if problem else "")
             except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
-        elif self.stream.folder is not None and self.stream.frames:
-            kept = (f"the {self.stream.frames} frames streamed before it are kept in {self.stream.folder} (go on "
-                    f"with --resume {self.stream.folder})")
+        elif self.folder is not None:
+            kept = self.closed_folder()
         if kept is not None:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
@@ -240,12 +256,39 @@ class _Replay:
                 print(f"statekv stream: {kept}", file=sys.stderr, flush=True)
         self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)
 
+    def closed_folder(self) -> str | None:
+        """Close a disk-tier stream, which makes every frame streamed durable in its folder, and say what its
+        folder keeps (None: nothing was durable yet, and the folder went)."""
+        frames, problem = self.stream.frames, self.close()
+        if problem is not None:
+            return f"and the {frames} frames streamed before it may not all be kept in {self.folder}: {problem}"
+        if not self.folder.exists():
+            self.folder = None
+            return None
+        return f"the {frames} frames streamed before it are kept in {self.folder} (go on with --resume {self.folder})"
+
+    def close(self) -> str | None:
+        """Close the stream, once; returns why it could not (on the disk tier: its last checkpoint), else None."""
+        if self.closed:
+            return None
+        self.closed = True
+        try:
+            self.stream.close()
+        except StateKVError as error:
+            return one_line(error)
+        return None
+
     def finish(self) -> None:
         where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
+        closing = self.close() if self.folder is not None else None
+        if closing is None and self.folder is not None and not self.folder.exists():
+            self.folder = None
         self.summary(where, problem)
         if problem:
             raise OutputError(f"could not save the stream to {self.save} ({problem}); it was saved to {where} "
                               "instead")
+        if closing is not None:
+            raise OutputError(f"the stream's folder {self.folder} could not be closed: {closing}")
 
     def summary(self, where: Path | None, problem: str | None, error: str | None = None) -> None:
         stats, args = self.stream.stats, self.args
@@ -253,18 +296,19 @@ class _Replay:
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
                               "budget": self.options.budget, "frames_window": self.options.frames,
                               "label": self.options.label,
-                              "horizon_frames": self.stream.horizon_frames, "positions": self.stream.engine.positions,
+                              "horizon_frames": getattr(self.stream, "horizon_frames", args.max_frames),
+                              "positions": getattr(getattr(self.stream, "engine", None), "positions", None),
                               "stats": stats.to_dict(), "answers": self.answers, "watches": self.events,
                               "stopped": self.cache_full,
                               "saved": None if where is None else str(where), "save_error": problem,
-                              "folder": None if self.stream.folder is None else str(self.stream.folder),
+                              "folder": None if self.folder is None else str(self.folder),
                               "error": error}), flush=True)
         elif error is None:
             print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
                   f"{self.stream.tokens} tokens, {self.options.label}, carried "
                   f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
                   + (f"; saved to {where}" if where else "")
-                  + (f"; kept in {self.stream.folder}" if self.stream.folder is not None else ""), flush=True)
+                  + (f"; kept in {self.folder}" if self.folder is not None else ""), flush=True)
 
 
 def frames_expected(video, max_fps: float, horizon: int | None) -> int | None:

@@ -150,8 +150,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting("offload_dir", None, Kind("str | None", check_folder, lambda value, name: TEXT.optional.parse(value, name)),
             "with --offload disk: the folder each stream's file set is made in", "DIR"),
     Setting("max_cache_bytes", None, BYTES.optional, "a hard cap on what each stream's cache holds: its detailed "
-            "cache with its scales, retrieval summaries and disk-tier journal (more than the stats' cache_bytes), "
-            "e.g. 512M, 20G (default: none)", "SIZE"),
+            "cache with its scales, retrieval summaries and disk-tier journal, for the frames held (not the stats' "
+            "cache_bytes, what was allocated ahead), e.g. 512M, 20G (default: none)", "SIZE"),
     Setting("cache_limit", DEFAULT_CACHE_LIMIT, one_of(lambda: CACHE_LIMITS),
             "at --max-cache-bytes: refuse further frames (default: what fit is kept and still answers), or evict "
             "the oldest or the least attended frames"),

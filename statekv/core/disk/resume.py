@@ -140,7 +140,9 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
         parts.append((dtype, segment) if isinstance(segment, list) else None)
         layout.append(parts)
     size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
-    carried_file = where / f"carry.{carry.get('slot')}.bin"
+    if not isinstance(carry.get("slot"), int):
+        raise InputError(f"{where}: the disk cache's journal is damaged: its checkpoint names no carried state")
+    carried_file = where / f"carry.{carry['slot']}.bin"
     if not carried_file.is_file():
         raise InputError(f"{where}: the disk cache is damaged: {carried_file.name}, the carried state of step "
                          f"{carry['carry']}, is missing")

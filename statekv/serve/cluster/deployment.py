@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ class StreamReplica:
         replica = serve.get_replica_context().replica_id.unique_id
         config, tier_root = own_tier(config, replica)
         self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root,
-                                      stopping=application_deleted)
+                                      stopping=application_deleted())
         self.service_app = create_app(config, hosting=self.hosting)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -122,13 +123,19 @@ class StreamReplica:
         self.hosting.check()
 
 
-def application_deleted() -> bool:
-    """Whether Ray Serve is deleting this replica's application (a Ctrl-C or SIGTERM of `statekv serve --ray`,
-    ``serve delete``), by the controller's status."""
+def application_deleted() -> Callable[[], bool]:
+    """What says whether Ray Serve is deleting this replica's application (a Ctrl-C or SIGTERM of `statekv serve
+    --ray`, ``serve delete``), by the controller's status; an application the status does not list (a controller
+    that cannot be reached answers with none) is not taken for one being deleted."""
     from ray.serve.schema import ApplicationStatus
 
-    application = serve.status().applications.get(serve.get_replica_context().app_name)
-    return application is None or application.status == ApplicationStatus.DELETING
+    name = serve.get_replica_context().app_name
+
+    def deleted() -> bool:
+        application = serve.status().applications.get(name)
+        return application is not None and application.status == ApplicationStatus.DELETING
+
+    return deleted
 
 
 def own_tier(config: ServeConfig, replica: str) -> tuple[ServeConfig, Path | None]:

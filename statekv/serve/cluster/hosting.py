@@ -31,7 +31,8 @@ from .shared import LeasedPlacement
 from .store_files import StoreKeyFile, StoreStreamFiles
 
 log = logging.getLogger("statekv.serve")
-STOP_CHECK_SECONDS = 1.0  # how often a replica asks whether its deployment is stopping
+STOP_CHECK_SECONDS = 2.0  # how often a replica asks whether its deployment is stopping (Ray Serve's
+# drain looks every 2 s)
 
 
 class ReplicaHosting(Hosting):
@@ -99,14 +100,22 @@ class ReplicaHosting(Hosting):
                 log.exception("keeping the leases failed")
 
     async def _end_feeds_when_stopping(self, service: Any) -> None:
+        asking, warned = None, False
         while not service.watch_hub.closed:
-            await asyncio.sleep(STOP_CHECK_SECONDS)
+            asking = asking or asyncio.ensure_future(asyncio.to_thread(self.stopping))
+            done, _ = await asyncio.wait({asking}, timeout=STOP_CHECK_SECONDS)
+            if not done:
+                continue  # the controller has not answered yet: one question at a time, however long it takes
+            answer, asking = asking, None
             try:
-                if await asyncio.to_thread(self.stopping):
+                if answer.result():
                     log.info("the deployment is stopping: ending the clients' feeds of watch events")
                     service.watch_hub.close()
             except Exception as error:  # noqa: BLE001 - asked again next time (the controller may be restarting)
-                log.debug("cannot tell whether the deployment is stopping: %s", error)
+                (log.debug if warned else log.warning)("cannot tell whether the deployment is stopping (asked "
+                                                       "again every %g s): %s", STOP_CHECK_SECONDS, error)
+                warned = True
+            await asyncio.sleep(STOP_CHECK_SECONDS)
 
     async def _post(self, service: Any) -> None:
         while True:
