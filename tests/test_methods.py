@@ -68,7 +68,7 @@ def test_unknown_methods_and_bad_sizes_are_refused_naming_the_known_ones():
         ModelOptions(budget=0)
     with pytest.raises(statekv.ConfigurationError, match="retrieve must be a positive integer"):
         ModelOptions(retrieve=-1)
-    with pytest.raises(statekv.ConfigurationError, match="offload must be a boolean"):
+    with pytest.raises(statekv.ConfigurationError, match="offload must be disk, memory, a boolean"):
         ModelOptions.from_strings({"offload": "maybe"})
 
 
