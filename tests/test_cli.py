@@ -296,7 +296,9 @@ def test_a_question_of_several_lines_is_printed_with_its_options_under_it(files,
     assert main([*base, "--ask", "2:Which?\nA. red\nB. blue\nAnswer with the letter."]) == 0
     lines = capsys.readouterr().out.splitlines()
     first = next(index for index, line in enumerate(lines) if line.endswith("Q: Which?"))
-    assert lines[first + 1:first + 4] == [" " * 24 + text for text in ("A. red", "B. blue", "Answer with the letter.")]
+    column = lines[first].index("Which?")  # the options line up under the question
+    assert lines[first + 1:first + 4] == [" " * column + text for text in ("A. red", "B. blue",
+                                                                          "Answer with the letter.")]
     assert lines[first + 4].startswith(" " * 21 + "A: ")
 
 

@@ -110,6 +110,8 @@ BEFORE_LOADING = {
     "stream max-frames 0": (STREAM + ["--max-frames", "0"], "expected a positive integer"),
     "stream save over the video": (STREAM + ["--save", "{video}"], "is the video itself"),
     "stream resume of nothing": (STREAM + ["--resume", "{root}/missing.safetensors"], "no such file or folder"),
+    "stream save of simplestream": (STREAM + ["--method", "simplestream", "--save", "{root}/s.safetensors"],
+                                    "--save: a simplestream stream keeps only its last frames"),
     "analyze out is a file": (["analyze", "{video}", "--model", "{model}", "--out", "{file}"], "is not a folder"),
     "analyze out unwritable": (["analyze", "{video}", "--model", "{model}", "--out", UNWRITABLE],
                                "cannot write in /sys"),

@@ -288,7 +288,8 @@ def test_a_signal_while_streaming_on_the_disk_tier_keeps_every_frame_in_its_fold
     assert main(["stream", str(video), "--model", str(model), "--budget", "20", "--attention", "eager", "--json",
                  "--max-frames", "151", "--ask", "2:What?", "--ask", "149:And now?", "--resume", folder]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [line["time"] for line in printed if line["event"] == "answer"] == [149.0]
+    asked_again = [2.0] if frames <= 3 else []  # stopped after its answer, before the next frame was pushed
+    assert [line["time"] for line in printed if line["event"] == "answer"] == [*asked_again, 149.0]
     assert printed[-1]["stats"]["frames"] == 150 and printed[-1]["folder"] == folder
 
 
@@ -328,7 +329,7 @@ def test_resume_goes_on_with_a_saved_stream_as_if_it_had_never_stopped(tmp_path,
             (["stream", video, *flags, "--max-fps", "2"], saved, "it was streamed at --max-fps 1, not --max-fps 2"),
             (["stream", video, *flags[:-2], "--max-frames", "300"], saved,
              "it was made with --max-frames 151, not --max-frames 300"),
-            (["stream", video, *flags], unpaced, "it was streamed at no --max-fps, not --max-fps 1")):
+            (["stream", video, *flags], unpaced, "it was pushed with no frame rate (max_fps=None), which only Python's Stream.load resumes")):
         assert main([*argv, "--resume", resume]) == 2
         assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {resume}: {message}"
 

@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if args.question is not None and not args.question.strip():
         raise ConfigurationError("--question is empty")
     if args.draw and args.video is None:  # before a minute of answers, not after
-        check_plot_file(args.plot or cache_dir() / "demo.png", "--plot")
+        try:
+            check_plot_file(args.plot or cache_dir() / "demo.png", "--plot")
+        except ConfigurationError as error:  # matplotlib missing
+            raise ConfigurationError(f"{error}, or run the demo with --no-plot") from None
     if args.video is not None:
         from statekv.video import open_video
 

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, one_line, quiet_libraries
-from ..errors import CacheLimitError, InputError, OutputError, StateKVError
+from ..errors import CacheLimitError, ConfigurationError, InputError, OutputError, StateKVError
+from ..settings.methods import method
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
@@ -70,9 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "checked before the model loads")
     parser.add_argument("--resume", metavar="PATH", default=None,
                         help="go on with a stream of this VIDEO saved by --save (a file) or kept on the disk tier (its "
-                             "folder), given the model options it was made with (its own --vision-batch and watches "
-                             "go on): its frames are not pushed again, and --ask questions timed before its last "
-                             "frame are left out (the run that streamed them asked them)")
+                             "folder), given the model options it was made with (its own --vision-batch goes on, and "
+                             "its watches that --watch asks again): its frames are not pushed again, and --ask "
+                             "questions timed before its last frame are left out (the run that streamed them asked "
+                             "them; one answered in the instant before the stop is asked again)")
     add_output_arguments(parser, json_help="print one JSON object per line: each answer as it is made, then a "
                                            "summary (stats, every answer, where the stream was saved)")
     parser.set_defaults(run=run)
@@ -84,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from ..video import open_video
 
     options = ModelOptions.from_args(args, all_used=True)
+    keeps = "--save" if args.save is not None else "--resume" if args.resume is not None else None
+    if keeps is not None and method(options.method).recent_window:
+        raise ConfigurationError(f"{keeps}: a {options.method} stream keeps only its last frames, no cache to save "
+                                 "or resume")
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         stream = resumed(args, qa, video.name)
     else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
-        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps, name=video.name,
+        # named by its absolute path, which a --resume from another folder can still tell apart
+        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps, name=os.path.abspath(video.name),
                            vision_batch=args.vision_batch or 1)
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
@@ -125,9 +132,10 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
     problem = None
     if not same_video(stream.name, video_name):
         problem = f"it is a stream of {stream.name}, not of {video_name}"
+    elif stream.max_fps is None:
+        problem = "it was pushed with no frame rate (max_fps=None), which only Python's Stream.load resumes"
     elif stream.max_fps != args.max_fps:
-        made = "no --max-fps" if stream.max_fps is None else f"--max-fps {stream.max_fps:g}"
-        problem = f"it was streamed at {made}, not --max-fps {args.max_fps:g}"
+        problem = f"it was streamed at --max-fps {stream.max_fps:g}, not --max-fps {args.max_fps:g}"
     elif args.max_frames is not None and args.max_frames != stream.horizon_frames:
         made = "no horizon" if stream.horizon_frames is None else f"--max-frames {stream.horizon_frames}"
         problem = f"it was made with {made}, not --max-frames {args.max_frames}"
@@ -138,8 +146,9 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
 
 
 def same_video(recorded: str, given: str) -> bool:
-    """Whether the video a stream recorded (its path as given then) is the one given now: the same file, or, once
-    the recorded path names no file (moved since, or given relative to another folder), one of the same name."""
+    """Whether the video a stream recorded (its absolute path; a relative one, in a stream an earlier statekv made,
+    is read from this folder) is the one given now: the same file, or, once the recorded path names no file (moved
+    since), one of the same name."""
     recorded_path, given_path = Path(recorded), Path(given)
     if recorded_path.exists() and given_path.exists():
         return recorded_path.samefile(given_path)
@@ -173,10 +182,12 @@ class _Replay:
     def watch(self) -> None:
         """Open the --watch questions, each printing its events as they come. A resumed stream's own watches go on
         where they are asked again, and close where they are not (unheard, they would cost time)."""
-        kept = {(watch.question, watch.every): watch for watch in getattr(self.stream, "watches", [])}
+        tokens = self.args.max_new_tokens
+        kept = {(watch.question, watch.every, watch.max_new_tokens): watch
+                for watch in getattr(self.stream, "watches", [])}
         for every, question in self.args.watch:
-            watch = kept.pop((question, every), None) or self.stream.watch(
-                question, every=every, max_new_tokens=self.args.max_new_tokens)
+            watch = kept.pop((question, every, tokens), None) or self.stream.watch(
+                question, every=every, max_new_tokens=tokens)
             watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
         for watch in kept.values():
             watch.close()
@@ -188,8 +199,9 @@ class _Replay:
             print(json.dumps({"event": "watch", **self.events[-1]}), flush=True)
         else:
             when = "" if event.seconds is None else f"{event.seconds:7.2f} s, "
-            asked = watch.question.replace("\n", "\n" + " " * 24)
-            print(f"[{when}{event.frame} frames] W: {asked}\n{'':>21}A: {event.answer}", flush=True)
+            head = f"[{when}{event.frame} frames] W: "
+            asked = watch.question.replace("\n", "\n" + " " * len(head))
+            print(f"{head}{asked}\n{'':>21}A: {event.answer}", flush=True)
 
     def run(self, video, horizon: int | None, report=lambda done, planned: None) -> None:
         stream = self.stream
@@ -230,9 +242,9 @@ class _Replay:
                 print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
             else:
                 mark = " (after the cache cap stopped the stream)" if self.cache_full else ""
-                asked = question.replace("\n", "\n" + " " * 24)  # a question's options under its first line
-                print(f"[{time:7.2f} s, {self.stream.frames} frames] Q: {asked}{mark}\n{'':>21}A: {answer}",
-                      flush=True)
+                head = f"[{time:7.2f} s, {self.stream.frames} frames] Q: "
+                asked = question.replace("\n", "\n" + " " * len(head))  # its options under its first line
+                print(f"{head}{asked}{mark}\n{'':>21}A: {answer}", flush=True)
 
     def stopped(self, error: BaseException) -> None:
         """Keep what was streamed before ``error`` (with --save; on the disk tier its folder keeps it) and say where,
@@ -274,8 +286,8 @@ class _Replay:
         self.closed = True
         try:
             self.stream.close()
-        except StateKVError as error:
-            return one_line(error)
+        except Exception as error:  # noqa: BLE001 - said where the stream's end is said, not raised over the stop
+            return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {error}"
         return None
 
     def finish(self) -> None:

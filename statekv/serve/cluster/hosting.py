@@ -100,21 +100,17 @@ class ReplicaHosting(Hosting):
                 log.exception("keeping the leases failed")
 
     async def _end_feeds_when_stopping(self, service: Any) -> None:
-        asking, warned = None, False
+        failing = False  # warned of once a failure starts, not at every check while it lasts
         while not service.watch_hub.closed:
-            asking = asking or asyncio.ensure_future(asyncio.to_thread(self.stopping))
-            done, _ = await asyncio.wait({asking}, timeout=STOP_CHECK_SECONDS)
-            if not done:
-                continue  # the controller has not answered yet: one question at a time, however long it takes
-            answer, asking = asking, None
             try:
-                if answer.result():
+                if await asyncio.to_thread(self.stopping):
                     log.info("the deployment is stopping: ending the clients' feeds of watch events")
                     service.watch_hub.close()
+                failing = False
             except Exception as error:  # noqa: BLE001 - asked again next time (the controller may be restarting)
-                (log.debug if warned else log.warning)("cannot tell whether the deployment is stopping (asked "
-                                                       "again every %g s): %s", STOP_CHECK_SECONDS, error)
-                warned = True
+                (log.debug if failing else log.warning)("cannot tell whether the deployment is stopping (asked "
+                                                        "again every %g s): %s", STOP_CHECK_SECONDS, error)
+                failing = True
             await asyncio.sleep(STOP_CHECK_SECONDS)
 
     async def _post(self, service: Any) -> None:
