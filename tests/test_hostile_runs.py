@@ -329,7 +329,8 @@ def test_resume_goes_on_with_a_saved_stream_as_if_it_had_never_stopped(tmp_path,
             (["stream", video, *flags, "--max-fps", "2"], saved, "it was streamed at --max-fps 1, not --max-fps 2"),
             (["stream", video, *flags[:-2], "--max-frames", "300"], saved,
              "it was made with --max-frames 151, not --max-frames 300"),
-            (["stream", video, *flags], unpaced, "it was pushed with no frame rate (max_fps=None), which only Python's Stream.load resumes")):
+            (["stream", video, *flags], unpaced,
+             "it was pushed with no frame rate (max_fps=None), which only Python's Stream.load resumes")):
         assert main([*argv, "--resume", resume]) == 2
         assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {resume}: {message}"
 
