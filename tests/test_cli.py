@@ -293,10 +293,11 @@ def test_stream_replays_a_video_into_simplestream_too(files, capsys):
 
 def test_a_question_of_several_lines_is_printed_with_its_options_under_it(files, capsys):
     base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
-    assert main([*base, "--ask", "2:Which?\nA. red\nB. blue\nAnswer with the letter."]) == 0
+    assert main([*base, "--max-fps", "4", "--ask", "4:Which?\nA. red\nB. blue\nAnswer with the letter."]) == 0
     lines = capsys.readouterr().out.splitlines()
     first = next(index for index, line in enumerate(lines) if line.endswith("Q: Which?"))
-    column = lines[first].index("Which?")  # the options line up under the question
+    column = lines[first].index("Which?")  # the options line up under the question, after "17 frames"
+    assert lines[first].startswith("[   4.00 s, 17 frames] Q: ")
     assert lines[first + 1:first + 4] == [" " * column + text for text in ("A. red", "B. blue",
                                                                           "Answer with the letter.")]
     assert lines[first + 4].startswith(" " * 21 + "A: ")

@@ -214,6 +214,16 @@ def test_a_plot_without_matplotlib_is_one_line_before_the_work(monkeypatch, tmp_
             check_plot_file(tmp_path / name, "--plot")
 
 
+def test_the_demo_without_matplotlib_stops_at_once_naming_no_plot(monkeypatch, capsys, no_model_loads):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = _cli(capsys, ["demo"])
+    assert code == 2 and not out
+    assert _one_line(err) == ("statekv demo: error: plotting needs matplotlib: pip install 'statekv[plot]', or run "
+                              "the demo with --no-plot")
+
+
 def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, capsys, tmp_path):
     saved = tmp_path / "deep" / "er" / "s.safetensors"
     code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",

@@ -349,6 +349,26 @@ def test_a_resumed_stream_is_of_the_same_video_file_or_of_one_moved_there(tmp_pa
     assert not same_video(str(tmp_path / "gone" / "video.mp4"), str(tmp_path / "a" / "link.mp4"))
 
 
+def test_a_stream_given_by_a_relative_path_resumes_from_another_folder_and_only_on_its_file(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """The stream is named by its video's absolute path: before, it recorded `clip.mp4` as given, so a resume from
+    another folder compared it with whatever `clip.mp4` was there."""
+    model = str(make_tiny_checkpoint("internvl", tmp_path / "model"))
+    for camera, fps in (("cam1", 4), ("cam2", 8)):
+        (tmp_path / camera).mkdir()
+        write_test_video(tmp_path / camera / "clip.mp4", frames=24, fps=fps)
+    saved = str(tmp_path / "kept.safetensors")
+    flags = ["--model", model, "--budget", "20", "--attention", "eager", "--max-frames", "7"]
+    monkeypatch.chdir(tmp_path / "cam1")
+    assert main(["stream", "clip.mp4", *flags, "--save", saved]) == 0
+    monkeypatch.chdir(tmp_path / "cam2")
+    assert main(["stream", "../cam1/clip.mp4", *flags, "--resume", saved]) == 0  # its own file, named otherwise
+    capsys.readouterr()
+    assert main(["stream", "clip.mp4", *flags, "--resume", saved]) == 2  # another camera's clip.mp4
+    assert capsys.readouterr().err.strip().endswith(f"it is a stream of {tmp_path / 'cam1' / 'clip.mp4'}, not of "
+                                                    "clip.mp4")
+
+
 def _restreamed(qa, video, frames: int, watches: tuple[str, ...] = ()):
     """What `statekv stream VIDEO [--watch 50:QUESTION --max-new-tokens 2 ...]` holds after ``frames`` pushes, never
     stopped."""

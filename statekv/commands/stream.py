@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
         stream = resumed(args, qa, video.name)
     else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
         # named by its absolute path, which a --resume from another folder can still tell apart
-        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps, name=os.path.abspath(video.name),
-                           vision_batch=args.vision_batch or 1)
+        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps,
+                           name=str(Path(video.name).absolute()), vision_batch=args.vision_batch or 1)
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
     try:
@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
             raise
         replay.finish()
     finally:
-        replay.close()  # if nothing above did (its error, if any, is the one raised)
+        problem = replay.close()  # if nothing above did (an error already raised stays the one raised)
+        if problem is not None and replay.folder is not None:
+            print(f"statekv stream: warning: the stream's folder {replay.folder} could not be closed: {problem}",
+                  file=sys.stderr, flush=True)
     return 0
 
 
@@ -152,7 +155,7 @@ def same_video(recorded: str, given: str) -> bool:
     recorded_path, given_path = Path(recorded), Path(given)
     if recorded_path.exists() and given_path.exists():
         return recorded_path.samefile(given_path)
-    return recorded_path.name == given_path.name
+    return Path(os.path.abspath(recorded)).name == Path(os.path.abspath(given)).name  # `..` and `.` named too
 
 
 def warn_past_the_end(asks: list[tuple[float, str]], duration: float | None) -> None:
@@ -287,7 +290,7 @@ class _Replay:
         try:
             self.stream.close()
         except Exception as error:  # noqa: BLE001 - said where the stream's end is said, not raised over the stop
-            return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {error}"
+            return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {one_line(error)}"
         return None
 
     def finish(self) -> None:
