@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..console import add_output_arguments, print_json, quiet_libraries
 from ..errors import ConfigurationError, OutputError
-from ..plotting import check_plot_file
+from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--question is empty")
     if args.draw and args.video is None:  # before a minute of answers, not after
         try:
-            check_plot_file(args.plot or cache_dir() / "demo.png", "--plot")
+            if args.plot:
+                check_plot_file(args.plot, "--plot")
+            else:  # the default goes in statekv's cache folder, whose own check names it
+                pyplot()
         except ConfigurationError as error:  # matplotlib missing
             raise ConfigurationError(f"{error}, or run the demo with --no-plot") from None
     if args.video is not None:
