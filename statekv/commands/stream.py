@@ -272,15 +272,21 @@ class _Replay:
         self.summary(where, problem, error=one_line(error) if str(error) else type(error).__name__)
 
     def closed_folder(self) -> str | None:
-        """Close a disk-tier stream, which makes every frame streamed durable in its folder, and say what its
-        folder keeps (None: nothing was durable yet, and the folder went)."""
-        frames, problem = self.stream.frames, self.close()
+        """Close a disk-tier stream and say what its folder keeps (None: nothing was durable yet, and it went)."""
+        frames, problem = self.stream.frames, self.close_folder()
         if problem is not None:
             return f"and the {frames} frames streamed before it may not all be kept in {self.folder}: {problem}"
-        if not self.folder.exists():
-            self.folder = None
+        if self.folder is None:
             return None
         return f"the {frames} frames streamed before it are kept in {self.folder} (go on with --resume {self.folder})"
+
+    def close_folder(self) -> str | None:
+        """Close a disk-tier stream, which makes every frame streamed durable in its folder; returns why it could
+        not, else None (``folder`` None when nothing was durable yet and the folder went with it)."""
+        problem = self.close()
+        if problem is None and not self.folder.exists():
+            self.folder = None
+        return problem
 
     def close(self) -> str | None:
         """Close the stream, once; returns why it could not (on the disk tier: its last checkpoint), else None."""
@@ -295,9 +301,7 @@ class _Replay:
 
     def finish(self) -> None:
         where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
-        closing = self.close() if self.folder is not None else None
-        if closing is None and self.folder is not None and not self.folder.exists():
-            self.folder = None
+        closing = self.close_folder() if self.folder is not None else None
         self.summary(where, problem)
         if problem:
             raise OutputError(f"could not save the stream to {self.save} ({problem}); it was saved to {where} "
