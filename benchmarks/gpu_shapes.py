@@ -59,7 +59,7 @@ SMOKE = Shapes(
     vlm_text=None, vlm_vision=None, image_size=64, pipeline_frames=8, stream_counts=(1, 4, 16), stream_frames=2,
     tier_frames=6, vlm_budget=64, device="cpu", ttft_frames=(2, 4, 8, 32), ttft_frame_tokens=4, ttft_group_after=8,
     ttft_group=4, ttft_prompt_tokens=4, ttft_budget=16, live_start=1, live_duration=2.0,
-    live_warm_frames=2, live_max=4)
+    live_warm_frames=2, live_max=2)
 
 
 @dataclass

@@ -1,51 +1,46 @@
-"""statekv: linear-time long-video encoding for video VLMs (StateKV)."""
+"""statekv: linear-time long-video encoding for video VLMs (StateKV).
+
+The public names below load on first use (PEP 562), so that ``statekv --help`` and a Ctrl-C while a command starts
+do not wait for torch and transformers to import.
+"""
+
+import importlib
 
 from .torchvision_check import check_torchvision
 
 check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
 
-from .core import (  # noqa: E402
-    AttentionShare,
-    Candidates,
-    CarryPolicy,
-    FullAttention,
-    KeyNorm,
-    MeanKeyMatch,
-    MostRecent,
-    PerLayerBudget,
-    Recency,
-    ReKV,
-    Retrieval,
-    RetrievalRule,
-    ScoredPolicy,
-    SinksAndRecency,
-    StateKV,
-    StreamingPrefill,
-    WithSinks,
-    scored_attention,
-)
-from .settings.engine import EngineSettings  # noqa: E402
-from .api.encoded import EncodedVideo  # noqa: E402
-from .api.stats import EncodingStats  # noqa: E402
-from .errors import (  # noqa: E402
-    ConfigurationError,
-    HorizonError,
-    InputError,
-    StateKVError,
-    UnsupportedModelError,
-)
-from .settings.methods import MethodSpec, register_method  # noqa: E402
-from .settings.options import ModelOptions  # noqa: E402
-from .api.videoqa import VideoQA, make_policy  # noqa: E402
-from .api.recent import RecentFrames  # noqa: E402
-from .api.stream import Stream  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "AttentionShare", "MeanKeyMatch", "MostRecent", "RetrievalRule", "Candidates", "CarryPolicy",
-    "ConfigurationError", "EncodedVideo", "EncodingStats", "EngineSettings", "FullAttention", "RecentFrames",
-    "HorizonError", "InputError", "KeyNorm", "MethodSpec", "ModelOptions", "Recency", "ReKV", "Retrieval",
-    "ScoredPolicy", "SinksAndRecency", "StateKV", "StateKVError", "Stream", "StreamingPrefill",
-    "UnsupportedModelError", "VideoQA", "WithSinks", "PerLayerBudget", "make_policy", "register_method", "scored_attention",
-]
+_HOMES = {
+    "statekv.core": (
+        "AttentionShare", "Candidates", "CarryPolicy", "FullAttention", "KeyNorm", "MeanKeyMatch", "MostRecent",
+        "PerLayerBudget", "Recency", "ReKV", "Retrieval", "RetrievalRule", "ScoredPolicy", "SinksAndRecency",
+        "StateKV", "StreamingPrefill", "WithSinks", "scored_attention",
+    ),
+    "statekv.settings.engine": ("EngineSettings",),
+    "statekv.api.encoded": ("EncodedVideo",),
+    "statekv.api.stats": ("EncodingStats",),
+    "statekv.errors": ("ConfigurationError", "HorizonError", "InputError", "StateKVError", "UnsupportedModelError"),
+    "statekv.settings.methods": ("MethodSpec", "register_method"),
+    "statekv.settings.options": ("ModelOptions",),
+    "statekv.api.videoqa": ("VideoQA", "make_policy"),
+    "statekv.api.recent": ("RecentFrames",),
+    "statekv.api.stream": ("Stream",),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(_HOME_OF)
+
+
+def __getattr__(name: str):
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statekv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

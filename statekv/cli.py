@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import signal
 import sys
-
-from .console import run_command
+import threading
 
 COMMANDS = (
     "statekv.commands.demo",
@@ -71,9 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``statekv`` console script; returns the exit status."""
-    from .settings.options import normalize_argv
+    interrupted = []
 
-    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
+    def interrupt(signal_number, frame):
+        interrupted.append(signal_number)
+        raise KeyboardInterrupt
+
+    # torch and transformers load while the parser is built, for seconds: a Ctrl-C meanwhile is one line too. An
+    # import it interrupts may raise something else (transformers reports a failed lazy import as its own error).
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can Python take signals
+    previous = signal.signal(signal.SIGINT, interrupt) if in_main_thread else None
+    try:
+        from .console import run_command
+        from .settings.options import normalize_argv
+
+        args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
+    except BaseException as error:
+        if not (interrupted or isinstance(error, KeyboardInterrupt)):
+            raise
+        print("statekv: interrupted while starting; nothing was done", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return run_command(args.command, lambda: args.run(args))
 
 

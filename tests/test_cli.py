@@ -373,6 +373,51 @@ def test_a_torchvision_built_for_another_torch_is_named(tmp_path):
     assert "operator torchvision::nms does not exist" in last and "pip uninstall torchvision" in last
 
 
+def test_the_command_loads_no_torch_before_it_can_take_a_ctrl_c():
+    """The console script imports `statekv.cli` before `main` runs; that import loads neither torch nor
+    transformers (the package's names load on first use), so a Ctrl-C finds `main`'s handler in place."""
+    program = ("import sys, statekv, statekv.cli\n"
+               "assert statekv.__version__\n"
+               "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+def test_a_ctrl_c_while_the_command_starts_is_one_line(delay):
+    """torch and transformers load for seconds while the parser is built; a Ctrl-C then (a mistyped command) ends
+    with one line and status 130, not a traceback (nor transformers' report of the import it cut short)."""
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "statekv.cli", "eval", "synthetic", "--help"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr
+    assert stderr == "statekv: interrupted while starting; nothing was done\n"
+
+
+def test_the_packages_names_load_on_first_use():
+    """Every name in ``statekv.__all__`` is there, as its home module defines it; others are refused as Python
+    refuses them; the built-in methods and retrieval rules are found from the settings alone."""
+    from statekv.api.stream import Stream
+    from statekv.core import StateKV
+
+    assert statekv.Stream is Stream and statekv.StateKV is StateKV
+    assert all(getattr(statekv, name) is not None for name in statekv.__all__)
+    assert set(statekv.__all__) <= set(dir(statekv))
+    with pytest.raises(AttributeError, match="has no attribute 'Steam'"):
+        statekv.Steam
+    program = ("from statekv.settings.methods import method, retrieval_rule\n"
+               "print(method('statekv').name, retrieval_rule('rekv').name)")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["statekv", "rekv"]
+
+
 def test_a_reader_that_leaves_early_stops_the_command_quietly():
     """`statekv ... | head`: the closed pipe ends the command with 128 + SIGPIPE and no traceback."""
     import signal

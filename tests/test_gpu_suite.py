@@ -43,7 +43,7 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
         assert [row["tokens_seen"] for row in ttft["rows"]] == [8, 16, 32, 128] and ttft["rows"][-1]["steps"] == 14
     live = sections["live streams"]  # statekv bench serve --find-max against the model served in-process
     assert live["figures"]["live_streams_8b"] >= 1 and live["rows"][0]["streams"] == 1
-    assert max(row["streams"] for row in live["rows"]) <= 4  # the smoke's --max-streams caps a search of --url
+    assert max(row["streams"] for row in live["rows"]) <= 2  # the smoke's --max-streams caps a search of --url
     assert all(row["mean_batch"] is not None for row in live["rows"])
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "Smoke run on CPU" in report and "| 1B whole pipeline, frames/s |" in report

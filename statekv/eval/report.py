@@ -12,7 +12,7 @@ from typing import Any
 
 from statekv.errors import DataError
 from statekv.eval.parsing import PARSERS
-from statekv.settings.methods import METHODS, MethodSettings
+from statekv.settings.methods import MethodSettings, method as method_spec, method_names
 from statekv.eval.records import AnswerRecord, merge_rank_files
 from statekv.eval.scoring import score, single_value
 
@@ -30,9 +30,9 @@ def method_label(method: str, size: int | None) -> str:
     """A method's name in tables ("Full SA", "Recency R=16", "StateKV B=4096"), from the method registry; a
     method not registered here shows as "name (size)"."""
     method = _ALIASES.get(method.lower().replace("_", "").replace(" ", ""), method)
-    if method not in METHODS:
+    if method not in method_names():
         return method if size is None else f"{method} ({size})"
-    spec = METHODS[method]
+    spec = method_spec(method)
     if size is None or spec.size is None:
         return spec.display
     return spec.label(replace(MethodSettings(), **{spec.size: size}))

@@ -20,6 +20,7 @@ A retrieval rule is registered by name in `RETRIEVAL_RULES` where it is defined
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -146,14 +147,22 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def with_builtins() -> None:
+    """Load the engine, where the built-in methods and retrieval rules register themselves, so that a caller that
+    imported only the settings finds them too (the package loads its names lazily)."""
+    importlib.import_module("statekv.core")
+
+
 def method(name: str) -> MethodSpec:
     """The registered method ``name``; a one-line ConfigurationError listing the others if there is none."""
+    with_builtins()
     if name not in METHODS:
         raise ConfigurationError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
     return METHODS[name]
 
 
 def method_names() -> tuple[str, ...]:
+    with_builtins()
     return tuple(METHODS)
 
 
@@ -216,6 +225,12 @@ DEFAULT_RETRIEVAL = "attention"  # the rule a question retrieves by when none is
 
 def retrieval_rule(name: str) -> Any:
     """The rule registered as ``name``; a one-line ConfigurationError naming the others if there is none."""
+    with_builtins()
     if not isinstance(name, str) or name not in RETRIEVAL_RULES:
         raise ConfigurationError(f"unknown retrieval rule {name!r}; choose one of {', '.join(RETRIEVAL_RULES)}")
     return RETRIEVAL_RULES[name]
+
+
+def retrieval_rule_names() -> tuple[str, ...]:
+    with_builtins()
+    return tuple(RETRIEVAL_RULES)

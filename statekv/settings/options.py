@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
-from ..errors import ConfigurationError
 from .engine import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
-from .methods import (DEFAULT_RETRIEVAL, READ_BY_SOME, RETRIEVAL_RULES, SIZES, MethodSettings, MethodSpec, method,
-                      method_names, refuse_unread, retrieval_rule)
+from .methods import (DEFAULT_RETRIEVAL, READ_BY_SOME, SIZES, MethodSettings, MethodSpec, method,
+                      method_names, refuse_unread, retrieval_rule, retrieval_rule_names)
 from .setting import Setting, settings_class
 from .values import BOOLEAN, DEVICE, DTYPE, POSITIVE, TEXT, Option, one_of, parse_options
 
@@ -96,7 +95,7 @@ MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
                 "(default: %(default)s)"),
     Setting("retrieve", None, POSITIVE.optional, "answer from the K frames per layer that best match the question "
             "(default: the whole detailed cache; rekv: 64)", "K"),
-    Setting("retrieval", None, one_of(lambda: tuple(RETRIEVAL_RULES), lambda value, _: retrieval_rule(value)).optional,
+    Setting("retrieval", None, one_of(retrieval_rule_names, lambda value, _: retrieval_rule(value)).optional,
             "how --retrieve picks the frames: attention (each frame's share of the question's attention, over the "
             "layers so far), rekv (ReKV's mean key . mean query), recent (the last K frames) (default: attention; "
             "rekv: rekv)", "RULE"),
