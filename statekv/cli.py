@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print("statekv: interrupted while starting; nothing was done", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        if in_main_thread:  # a handler not installed from Python (None) cannot be put back: Python's own then
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
     return run_command(args.command, lambda: args.run(args))
 
 
