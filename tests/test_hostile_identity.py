@@ -254,18 +254,10 @@ def test_a_file_from_another_installation_is_refused_until_re_owned(adapter, sec
         Stream.load(saved, qa, owner="key-2")
 
 
-def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(adapter, secret, tmp_path,
-                                                                               monkeypatch):
-    import json
-
-    from statekv.api.reown import reown
+def _as_format_2(folder: Path) -> None:
+    """Rewrite a closed disk-tier file set as statekv wrote it before its files named their file set: format 2."""
     from statekv.core.disk.files import read_checked, write_checked
 
-    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
-    stream = _pushed(qa.stream(horizon_frames=8, stream_id="st_cam", owner="key-1"), 3)
-    stream.close()
-    folder = stream.prefill.disk.folder
-    # as statekv wrote it before its files named their file set: format 2
     for described in [folder / "manifest.json", folder / "stream.json", *folder.glob("layer*.bin.json")]:
         fields = read_checked(described)
         fields.pop("file_set", None)
@@ -276,6 +268,19 @@ def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(a
         write_checked(described, fields)
     journal = (folder / "journal").read_bytes()
     (folder / "journal").write_bytes(journal.split(b"\n", 1)[1])
+
+
+def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(adapter, secret, tmp_path,
+                                                                               monkeypatch):
+    import json
+
+    from statekv.api.reown import reown
+
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    stream = _pushed(qa.stream(horizon_frames=8, stream_id="st_cam", owner="key-1"), 3)
+    stream.close()
+    folder = stream.prefill.disk.folder
+    _as_format_2(folder)
     with pytest.raises(InputError) as error:
         Stream.load(folder, qa, owner="key-1")
     assert "format 2; this statekv reads 3" in _one_line(error)
@@ -285,6 +290,24 @@ def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(a
     assert (resumed.frames, resumed.frames_lost) == (3, 0)
     resumed.close()
     assert json.loads((folder / "manifest.json").read_text())["version"] == 3
+
+
+def _damaged(folder: Path, damage: str) -> None:
+    journal = folder / "journal"
+    if damage == "carry":
+        for carried in folder.glob("carry.*.bin"):
+            carried.unlink()
+    elif damage == "journal line":
+        lines = journal.read_bytes().split(b"\n")
+        lines[2] = b"{not json"
+        journal.write_bytes(b"\n".join(lines))
+    else:
+        journal.write_bytes(b"")
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every file of a file set but its lock (which names its holder of the moment)."""
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file() and path.name != "lock"}
 
 
 @pytest.mark.parametrize("damage", ["carry", "journal line", "journal emptied"])
@@ -299,16 +322,7 @@ def test_a_damaged_file_set_is_not_re_owned(damage, adapter, secret, tmp_path):
     stream.close()
     folder = stream.prefill.disk.folder
     reown(folder, "key-2")  # a whole folder is re-owned
-    journal = folder / "journal"
-    if damage == "carry":
-        for carried in folder.glob("carry.*.bin"):
-            carried.unlink()
-    elif damage == "journal line":
-        lines = journal.read_bytes().split(b"\n")
-        lines[2] = b"{not json"
-        journal.write_bytes(b"\n".join(lines))
-    else:
-        journal.write_bytes(b"")
+    _damaged(folder, damage)
     with pytest.raises(InputError) as refused:
         Stream.load(folder, qa, owner="key-2")
     described = (folder / "stream.json").read_bytes()
@@ -317,6 +331,23 @@ def test_a_damaged_file_set_is_not_re_owned(damage, adapter, secret, tmp_path):
     with pytest.raises(InputError) as again:
         reown(folder, "key-3")
     assert _one_line(again) == _one_line(refused)  # as loading says it
+
+
+@pytest.mark.parametrize("damage", ["carry", "journal line"])
+def test_a_damaged_file_set_of_format_2_is_refused_as_it_was_found(damage, adapter, secret, tmp_path):
+    """Before: `statekv reown` upgraded a damaged format-2 folder to format 3 (its manifest, journal and layer
+    descriptions rewritten) and only then refused it."""
+    from statekv.cli import main
+
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    stream = _pushed(qa.stream(horizon_frames=8, owner="key-1"), 3)
+    stream.close()
+    folder = stream.prefill.disk.folder
+    _as_format_2(folder)
+    _damaged(folder, damage)
+    before = _contents(folder)
+    assert main(["reown", str(folder), "--owner", "key-2"]) == 2
+    assert _contents(folder) == before  # not upgraded, not re-owned: every file as it was
 
 
 def test_a_secret_that_cannot_be_made_is_one_line_naming_it(adapter, monkeypatch):

@@ -5,7 +5,8 @@ earlier statekv did (before owner digests were keyed), or that was saved with an
 A saved file is verified first as loading verifies it (a damaged file is refused); a file set's manifest,
 description, journal and last checkpoint's carried state are (a file set one of whose files another stream's set
 holds is refused too), its cache's rows are checked against their checksums when it is loaded. A file set of format
-2 is first bound as format 3 binds its files (`statekv.core.disk.files.upgrade_file_set`), then verified. Then who
+2 is checked as that format (its journal and last checkpoint's carried state: a damaged one is refused with nothing
+written), then bound as format 3 binds its files (`statekv.core.disk.files.upgrade_file_set`) and verified. Then who
 owns it is recorded anew under this installation's secret: ``owner`` (None: no owner). Its id and creation are kept
 (given ones where it recorded none). Whoever runs it vouches for the file: re-own only what you trust.
 """
@@ -49,13 +50,15 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             version = json.loads((folder / MANIFEST).read_text()).get("version")
         except (OSError, ValueError, AttributeError):
             version = None
+        setup = read_checked(folder / f"{SETUP}.json")
+        if setup.get("format") != SETUP_FORMAT or setup.get("version") not in (1, SETUP_VERSION):
+            raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
+        if version == 2:  # checked before the upgrade writes: a damaged folder is refused as it was found
+            check_checkpoint(folder, read_file_set(folder, format_2=True))
         try:
             manifest = upgrade_file_set(folder) if version == 2 else read_manifest(folder)
         except OSError as error:
             raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
-        setup = read_checked(folder / f"{SETUP}.json")
-        if setup.get("format") != SETUP_FORMAT or setup.get("version") not in (1, SETUP_VERSION):
-            raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
         if version == SET_VERSION:
             check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
         check_checkpoint(folder, read_file_set(folder))

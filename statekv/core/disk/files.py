@@ -109,13 +109,17 @@ def read_description(folder: Path, file: str, form: str, version: int, what: str
     return read_checked(folder / file)
 
 
-def read_file_set(folder: str | os.PathLike, *, latest: bool = False) -> Journaled:
+def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: bool = False) -> Journaled:
     """The manifest and journal of the file set in ``folder``, up to its last checkpoint; a one-line `InputError`
     if it is not one, if a record before the last is damaged (a torn last line, what a kill leaves, is dropped), or
     if no checkpoint was written yet. ``latest``: up to its last step instead (the live stream restoring itself,
-    which holds that step's carried state; see `resume`)."""
+    which holds that step's carried state; see `resume`). ``format_2``: read a file set of format 2, whose files
+    name no file set (to check it before `upgrade_file_set` writes anything)."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    if format_2:
+        manifest = read_description(folder, MANIFEST, FORMAT, 2, "statekv disk cache")
+    else:
+        manifest = read_manifest(folder)
     try:
         data = (folder / JOURNAL).read_bytes()
     except OSError:
@@ -123,11 +127,14 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False) -> Journal
     steps, records, offset = [], [], 0  # records: (end offset, record) of everything but steps
     lines = data.split(b"\n")
     header = _record(lines[0]) if len(lines) > 1 else None
-    if header is None or set(header) != {FILE_SET}:
+    named = header is not None and set(header) == {FILE_SET}  # format 2: only where an upgrade was cut short
+    if not named and not format_2:
         raise InputError(f"{folder}: the disk cache's journal is damaged: its first record does not name its file set")
-    check_file_set(folder, JOURNAL, header, manifest[FILE_SET])
-    offset = len(lines[0]) + 1
-    for number, line in enumerate(lines[1:], start=1):
+    if not format_2:
+        check_file_set(folder, JOURNAL, header, manifest[FILE_SET])
+    first = 1 if named else 0
+    offset = sum(len(line) + 1 for line in lines[:first])
+    for number, line in enumerate(lines[first:], start=first):
         last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
         record = None if last else _record(line)
         if record is None:
