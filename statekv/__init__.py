@@ -1,7 +1,7 @@
 """statekv: linear-time long-video encoding for video VLMs (StateKV).
 
-The public names below load on first use (PEP 562), so that ``statekv --help`` and a Ctrl-C while a command starts
-do not wait for torch and transformers to import.
+The public names below load on first use (PEP 562): importing the package, or the command's module, loads neither
+torch nor transformers, so the ``statekv`` command is running, and takes a Ctrl-C in one line, while they load.
 """
 
 import importlib
