@@ -298,3 +298,15 @@ def test_a_stop_while_the_local_server_starts_leaves_no_server_and_no_folder(mon
     arguments = server.process.args
     assert server.process.poll() is not None  # stopped and waited for, not left running
     assert not Path(arguments[arguments.index("--state-dir") + 1]).parent.exists()
+
+
+def test_streams_made_and_deleted_leave_nothing_behind(tmp_path):
+    """benchmarks/serve_churn.py, a few cycles: every stream made is deleted with its files, and the report says so
+    (the full run's figures are in docs/serving.md)."""
+    out = tmp_path / "churn.md"
+    result = subprocess.run([sys.executable, "benchmarks/serve_churn.py", "--cycles", "6", "--every", "3", "--out",
+                             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows[1:]] == ["| 1", "| 3", "| 6"]
+    assert all(row[1] == "0" and row[2] == "0" for row in rows[1:]), rows  # no stream held, no file left

@@ -157,7 +157,7 @@ class InProcessServer(_ServerBlock):
         from ..serve.server import AppServer
 
         self._folder = tempfile.TemporaryDirectory(prefix="statekv-bench-")
-        config = ServeConfig(options=self.qa.options, state_dir=Path(self._folder.name) / "state",
+        config = ServeConfig(options=self.qa.options, state_dir=self.state_dir,
                              api_keys=(self.key,), max_streams=self.max_streams, max_asks=self.max_streams * 4,
                              page=False, quiet_catch_up=self.quiet_catch_up)
         app = create_app(config, self.qa)
@@ -172,6 +172,13 @@ class InProcessServer(_ServerBlock):
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    @property
+    def state_dir(self) -> Path:
+        """The server's state folder (in a temporary folder removed when the block ends)."""
+        if self._folder is None:
+            raise ServerError("the in-process server is not running")
+        return Path(self._folder.name) / "state"
 
     def __exit__(self, *exc) -> None:
         if self._server is not None:
