@@ -414,6 +414,19 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
         address = f"127.0.0.1:{closed.getsockname()[1]}"
     assert main(["serve", "--ray", address, "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
     assert f"--ray {address}: no Ray cluster answers there" in capsys.readouterr().err
+    monkeypatch.delenv("STATEKV_API_KEYS", raising=False)
+    fresh = tmp_path / "fresh"
+    assert main(["serve", "--ray", address, "--state-dir", str(fresh)]) == 2  # refused: no key kept, none shown
+    printed = capsys.readouterr()
+    assert "no Ray cluster answers there" in printed.err and "API key" not in printed.out + printed.err
+    assert not (fresh / "keys.json").exists()  # before: written, so the next start showed no key at all
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for url, message in (("s3:/bucket/x", "not a URL"), ("bucket/x", "not a URL"), ("s3://", "names no bucket")):
+        assert main(["serve", "--ray", "auto", "--store", url, "--api-key", "k"]) == 2
+        assert f"--store {url}: {message}" in capsys.readouterr().err
+    assert sorted(path.name for path in elsewhere.iterdir()) == []  # before: ./s3:/bucket/x/keys.json made here
     built = build_app(ray_app({"state_dir": str(tmp_path), "api_key": ["k1", "k2"], "replicas": 2,
                                "lease_seconds": 4, "no_page": True}), name="statekv")
     deployment = built.deployments[0]

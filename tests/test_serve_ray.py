@@ -289,6 +289,17 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         assert _streams_per_replica(client, expected) == expected  # /metrics, per replica
         replicas = sorted(expected)
 
+        # -- a second `statekv serve --ray` on the cluster is refused; the first serves on ---------------------------
+        second = subprocess.run([sys.executable, "-m", "statekv.cli", "serve", "--ray", cluster["address"], "--host",
+                                 "127.0.0.1", "--port", str(_free_port()), "--state-dir", str(tmp_path / "second")],
+                                capture_output=True, text=True, env=ray_env, timeout=120)
+        said = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert f"statekv serve on http://127.0.0.1:{port} (pid {server.pid} on " in said[-1], said
+        assert "already serves the application 'statekv' on this Ray cluster" in said[-1], said
+        assert not (tmp_path / "second" / "keys.json").exists()  # a refused start keeps no key
+        assert {s["id"] for s in client.call("GET", "/v1/streams").json()["data"]} == set(seeds) - {theirs}
+
         # -- the OpenAI route and the page, through the same proxies --------------------------------------------
         from openai import OpenAI
 
@@ -440,6 +451,7 @@ def test_a_port_ray_serves_proxy_cannot_bind_is_one_line(monkeypatch):
         raise RuntimeError("ray::ProxyActor.ready() ... RuntimeError: Failed to bind to address '127.0.0.1:8123'.")
 
     monkeypatch.setattr(launch, "connect", lambda address: None)
+    monkeypatch.setattr(launch, "claim_application", lambda name, holder: None)
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(proxies={"node": "HEALTHY"}, applications={}))
     monkeypatch.setattr(serve, "start", refused)
     monkeypatch.setattr(serve, "delete", lambda name: None)
@@ -447,3 +459,31 @@ def test_a_port_ray_serves_proxy_cannot_bind_is_one_line(monkeypatch):
     with pytest.raises(ConfigurationError, match=r"^cannot listen on 127\.0\.0\.1:8123: Ray Serve's proxy could not "
                                                  r"bind it \(in use, or not an address of this machine\)"):
         launch.run_on_ray(None, launch.ClusterSettings(), "auto", "127.0.0.1", 8123, lambda url: None)
+
+
+def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray_env, tmp_path):
+    """Replicas asking for more CPUs than the cluster has are never placed, so Ray Serve's deployment never ends;
+    a SIGTERM then stops the start as Ctrl-C does (before: it was taken for a stop of the running service, and
+    waited for until the replicas would be up, which was never)."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "statekv.cli", "serve", "--ray", cluster["address"], "--replica-cpus", "64",
+             "--host", "127.0.0.1", "--port", str(_free_port()), "--state-dir", str(tmp_path / "state")],
+            stdout=out, stderr=subprocess.STDOUT, env=ray_env)
+        try:
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / "state").glob("keys.json")):  # kept just before the replicas are asked for
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            time.sleep(2)
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=90)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+    printed = log.read_text()
+    assert server.returncode == 128 + signal.SIGTERM, printed[-3000:]
+    assert printed.strip().splitlines()[-1] == "statekv serve: stopped by SIGTERM" and "Traceback" not in printed
+    assert "API key" not in printed and not (tmp_path / "state" / "keys.json").exists()  # never shown: withdrawn

@@ -147,7 +147,7 @@ def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws)
     assert StreamVersions(store).current(STREAM).record["name"] == str(KEEP + 2)
 
 
-def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, monkeypatch):
+def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, caplog, monkeypatch, tmp_path):
     from statekv.cli import main
     from statekv.serve import auth
     from statekv.serve.cluster.store_files import StoreKeyFile
@@ -163,6 +163,16 @@ def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, m
     printed = capsys.readouterr()
     assert status == 2 and printed.err.count("\n") == 1 and "Traceback" not in printed.err, printed.err
     assert "--store s3://no-such-bucket/x: cannot use it" in printed.err and "NoSuchBucket" in printed.err
+    assert not [record for record in caplog.records if "object store" in record.getMessage()]  # said once
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    status = main(["serve", "--ray", "auto", "--store", aws.url("no-credentials"), "--api-key", "k"])
+    printed = capsys.readouterr()  # before: botocore's NoCredentialsError, a traceback, status 1
+    assert status == 2 and printed.err.count("\n") == 1 and "Traceback" not in printed.err, printed.err
+    assert "cannot use it" in printed.err and "credentials" in printed.err
 
 
 # -- two replicas in one process over one store -----------------------------------------------------------------

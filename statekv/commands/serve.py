@@ -213,7 +213,7 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
         stored, place = KeyFile(state_dir), state_dir
     made = pending = None
     if not keys and not stored.stored():
-        if defer_key and state_dir is not None:
+        if defer_key:
             pending = new_key()
         else:
             made = stored.make()
@@ -270,7 +270,14 @@ def cluster_settings(args: argparse.Namespace):
 
 
 def _check_store(url: str) -> None:
-    """``--store``: a URL fsspec can open (its filesystem's package installed)."""
+    """``--store``: a URL fsspec can open (its filesystem's package installed), naming a bucket or folder (a path
+    with no scheme, or a scheme with nothing after it, is a mistyped URL, not a folder to make here)."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or not scheme:
+        raise ConfigurationError(f"--store {url}: not a URL; give one such as s3://bucket/prefix (or "
+                                 "file:///shared/folder for a folder every node mounts)")
+    if not rest.strip("/"):
+        raise ConfigurationError(f"--store {url}: names no bucket or folder; give one such as {scheme}://bucket/prefix")
     try:
         import fsspec
 
@@ -282,34 +289,55 @@ def _check_store(url: str) -> None:
 def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pending: str | None, keys: list[str],
                 key_note: str | None) -> int:
     from ..serve.app import check_owners
-    from ..serve.auth import KeyRing
+    from ..serve.auth import KeyFile, KeyRing
     from ..serve.cluster.launch import run_on_ray
 
+    accepted = config.api_keys + ((pending,) if pending else ())
     if config.state_dir is None:  # before any replica starts
         from ..serve.cluster.hosting import open_store, store_keys
-        from ..serve.cluster.store_files import StoreStreamFiles
+        from ..serve.cluster.store_files import StoreKeyFile, StoreStreamFiles
 
         store = open_store(cluster.store)
         files = StoreStreamFiles(store, f"statekv-serve-{os.getpid()}")
         try:
-            check_owners(config, store_keys(store, config.api_keys), files)
+            check_owners(config, store_keys(store, accepted), files)
         finally:
             files.end()
+        key_file = StoreKeyFile(store)
     else:
-        accepted = config.api_keys + ((pending,) if pending else ())
         check_owners(config, KeyRing.for_folder(config.state_dir, accepted))
-    key = keep_key(config.state_dir, pending) or made or (keys[0] if keys else None)  # the replicas read it
+        key_file = KeyFile(config.state_dir)
+    key = pending or made or (keys[0] if keys else None)
+    kept = []
+
+    def starting() -> None:  # the replicas read the key: kept before they start, only once nothing else refuses
+        if pending is not None:
+            if not key_file.keep(pending):
+                raise ConfigurationError(f"another server made a key for {config.state_dir or cluster.store} "
+                                         "meanwhile; start again to use it")
+            kept.append(pending)
+
+    def refused() -> None:  # a refused start leaves no key: the next start makes and shows the only one
+        for withdrawn in kept:
+            try:
+                key_file.withdraw(withdrawn)
+            except (ConfigurationError, OSError) as error:  # the refusal is what is said; this goes to the log
+                logging.getLogger("statekv.serve").error("the key kept for a refused start stays: %s", error)
 
     def ready(url: str) -> None:
         replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)
         print(f"statekv serve: listening on {url} (Ray Serve, {replicas} replica{'s' * (replicas != '1')})",
               flush=True)
+        if kept:
+            print(f"statekv serve: API key {pending} (made for {config.state_dir or cluster.store} and shown this "
+                  f"once: {'the folder' if config.state_dir is not None else 'the store'} keeps only its digest; it "
+                  "stays valid across restarts)", flush=True)
         if key_note:
             print(key_note, flush=True)
         print(f"statekv serve: open {url}/" + (f"?key={key}" if key else ""), flush=True)
         print(f"statekv serve: ready (pid {os.getpid()})", file=sys.stderr, flush=True)
 
-    run_on_ray(config, cluster, args.ray, args.host, args.port, ready)
+    run_on_ray(config, cluster, args.ray, args.host, args.port, ready, starting, refused)
     return 0
 
 

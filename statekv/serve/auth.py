@@ -89,6 +89,11 @@ class KeyFile:
             partial.unlink(missing_ok=True)
         return True
 
+    def withdraw(self, key: str) -> None:
+        """Remove the folder's key file if it holds ``key`` alone (a start that kept it was refused after)."""
+        if [entry.get("owner") for entry in self.stored()] == [owner_of(key)]:
+            self.path.unlink(missing_ok=True)
+
 
 def new_key() -> str:
     """A new API key (not stored anywhere yet), never starting with "-": a command line would read it as a flag."""

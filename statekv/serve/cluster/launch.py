@@ -4,17 +4,23 @@ SIGTERM, then delete the application (each replica saves its streams and lets th
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from ...errors import ConfigurationError
+from ...stopping import Stopped
 from ..config import ServeConfig
 from ..listening import shown_address
 from .deployment import ClusterSettings, application
 
 CONNECT_SECONDS = 5.0
+CLAIM_SECONDS = 15.0  # how long a driver that has just ended may still hold the application's claim
+ACTOR_START_SECONDS = 120.0
 
 
 def connect(address: str) -> None:
@@ -37,19 +43,31 @@ def connect(address: str) -> None:
 
 
 def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host: str, port: int,
-               ready: Callable[[str], None]) -> None:
+               ready: Callable[[str], None], starting: Callable[[], None] = lambda: None,
+               refused: Callable[[], None] = lambda: None) -> None:
     """Serve on the cluster at ``address`` behind Ray Serve's HTTP proxies on ``host:port``; ``ready(url)`` is called
-    once every replica is up. Returns after Ctrl-C or SIGTERM, the application deleted."""
+    once every replica is up. Returns after Ctrl-C or SIGTERM, the application deleted. ``starting()`` is called
+    once nothing but the replicas can refuse the start (the cluster joined, no other driver serving the
+    application), before they start; ``refused()`` when the start ends before ``ready`` (refused or stopped).
+    Until the replicas are up a SIGTERM stops the start as Ctrl-C does."""
     import ray
     from ray import serve
 
     if not 1 <= port <= 65535:
         raise ConfigurationError(f"--port {port}: with --ray, give the port Ray Serve's proxies listen on")
     connect(address)
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, serving, claim = threading.Event(), False, None
+
+    def on_sigterm(number: int, frame: object) -> None:  # ray.init made a SIGTERM exit Python at once
+        if not serving:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut short what the stop does
+            raise Stopped(number)  # the start is stopped as Ctrl-C stops it
+        stop.set()  # the service is: the loop below ends, then the application is deleted
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     started = not _serve_running()
     try:
+        claim = claim_application(cluster.name, f"statekv serve on http://{shown_address(host, port)}")
         try:
             serve.start(http_options={"host": host, "port": port})
         except Exception as error:  # a port the proxy cannot bind comes back as its actor's failure
@@ -61,11 +79,13 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
         if not started:  # Ray Serve keeps the HTTP options it was started with; its public API does not say them
             print(f"statekv serve: Ray Serve already runs on this cluster: its proxies listen where they were started "
                   f"to, which --host {host} --port {port} cannot change", flush=True)
+        starting()
         try:
             serve.run(application(config, cluster), name=cluster.name, route_prefix="/")
         except RuntimeError as error:
             raise ConfigurationError(f"the replicas did not start on the Ray cluster: {str(error).splitlines()[0]}; "
                                      "their logs are in the cluster's session folder") from None
+        serving = True
         shown = f"[{host}]" if ":" in host else host
         ready(f"http://{shown}:{port}")
         try:
@@ -74,15 +94,65 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
         except KeyboardInterrupt:
             pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
         try:
-            serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
-            if started:
-                serve.shutdown()  # Ray Serve was started here: leave the cluster as it was found
+            if claim is not None:  # another driver's application is not this one's to delete
+                serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
+                if started:
+                    serve.shutdown()  # Ray Serve was started here: leave the cluster as it was found
+                ray.kill(claim)  # the application is free for the next driver at once
         except Exception as error:  # noqa: BLE001 - the driver disconnects whatever happened
             logging.getLogger("statekv.serve").error("stopping the application failed: %s", error)
         finally:
+            if not serving:
+                refused()
             ray.shutdown()
+            signal.signal(signal.SIGTERM, previous)
+
+
+DRIVERS_NAMESPACE = "statekv"
+
+
+def claim_application(name: str, holder: str) -> Any:
+    """Claim the Ray Serve application ``name`` for this driver, for as long as it is connected: a named actor
+    that Ray ends with the driver's job (a driver killed with -9 too), so a second ``statekv serve --ray`` on the
+    cluster is refused in one line naming the first, instead of replacing its application under its clients. An
+    application left by a driver that is gone is taken over, as a restart should. Returns the actor's handle (keep
+    it while serving)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Driver:
+        def __init__(self, holder: str):
+            self.holder = holder
+
+        def describe(self) -> str:
+            return self.holder
+
+    actor_name = f"{name}-driver"
+    deadline = time.monotonic() + CLAIM_SECONDS
+    while True:
+        try:  # a taken name is refused at once, or (registered meanwhile) when the actor would start
+            claim = Driver.options(name=actor_name, namespace=DRIVERS_NAMESPACE).remote(
+                f"{holder} (pid {os.getpid()} on {socket.gethostname()})")
+            ray.get(claim.describe.remote(), timeout=ACTOR_START_SECONDS)
+            return claim
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigurationError(f"the Ray cluster started no process for this driver's claim of the application "
+                                     f"in {ACTOR_START_SECONDS:g} s (a Ray worker of no CPU); see its logs") from None
+        except ValueError:  # the name is taken: another driver is connected, or its end is not yet known
+            pass
+        except ray.exceptions.RayActorError:
+            pass
+        try:
+            other = ray.get(ray.get_actor(actor_name, namespace=DRIVERS_NAMESPACE).describe.remote(),
+                            timeout=CONNECT_SECONDS)
+        except Exception:  # noqa: BLE001 - gone meanwhile, or ending with its driver: claim it again
+            other = None
+        if other is not None or time.monotonic() > deadline:
+            raise ConfigurationError(f"{other or 'another statekv serve'} already serves the application {name!r} on "
+                                     "this Ray cluster; stop it first (its streams are kept), or send requests to "
+                                     "it") from None
+        time.sleep(0.5)
 
 
 def _serve_running() -> bool:

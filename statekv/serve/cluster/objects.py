@@ -5,7 +5,9 @@ one conditional write every store offers: create an object only if no object has
 by (`versions.StreamVersions`). Nothing here locks a file.
 
 A failure of the store is an `StoreError` (an `OSError`) whose message is one line naming the store, what was
-being done and why (``AccessDenied``, no such bucket, unreachable), never the store's whole answer.
+being done and why (``AccessDenied``, no such bucket, unreachable, no credentials), never the store's whole answer:
+whatever the store's client raises (botocore's ``NoCredentialsError`` and ``EndpointConnectionError`` are not
+`OSError`), a request that fails is the store's failure.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ class ObjectStore:
         self.url = url.rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
-        except (ImportError, ValueError, OSError) as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise StoreError(f"fsspec cannot open {self.url} ({_first_line(error)})") from None
         self.root = root.rstrip("/")
         self.local = "file" in _protocols(self.fs)
+        self.quiet = False
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -54,7 +57,7 @@ class ObjectStore:
             self.fs.pipe_file(self.path(name), data, mode="create")
         except FileExistsError:
             return False
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             if _code(error) in CONFLICTS:
                 return False
             raise self.error("write", name, error) from None
@@ -67,7 +70,7 @@ class ObjectStore:
             return
         try:
             self.fs.pipe_file(self.path(name), data)
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("write", name, error) from None
 
     def upload(self, local: Path, name: str) -> None:
@@ -76,7 +79,7 @@ class ObjectStore:
             if self.local:
                 Path(self.path(name)).parent.mkdir(parents=True, exist_ok=True)
             self.fs.put_file(str(local), self.path(name))
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("write", name, error) from None
 
     def remove(self, name: str) -> None:
@@ -85,7 +88,7 @@ class ObjectStore:
             self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("remove", name, error) from None
 
     # -- reading --------------------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ class ObjectStore:
             return self.fs.cat_file(self.path(name))
         except FileNotFoundError:
             return None
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             if _code(error) in ("NoSuchKey", "404"):
                 return None
             raise self.error("read", name, error) from None
@@ -103,7 +106,7 @@ class ObjectStore:
     def download(self, name: str, local: Path) -> None:
         try:
             self.fs.get_file(self.path(name), str(local))
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("read", name, error) from None
 
     def names(self, prefix: str) -> list[str]:
@@ -112,7 +115,7 @@ class ObjectStore:
             found = self.fs.find(self.path(prefix.strip("/")) if prefix.strip("/") else self.root)
         except FileNotFoundError:
             return []
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("list", prefix, error) from None
         start = len(self.root) + 1
         return sorted(path[start:] for path in found if not path.endswith("/"))
@@ -122,16 +125,24 @@ class ObjectStore:
         """Write, read back and remove a probe object: a `StoreError` when the store cannot be used (no such
         bucket, no permission, unreachable), before anything else is written there."""
         name = f"probes/{secrets.token_hex(8)}"
-        if self.local:
-            os.makedirs(self.root, exist_ok=True)
-        self.put(name, b"statekv")
-        if self.read(name) != b"statekv":
-            raise StoreError(f"the object store {self.url} did not give back what was written to it")
-        self.remove(name)
+        self.quiet = True  # its one line says why: the log would say it twice, where a start is refused
+        try:
+            if self.local:
+                try:
+                    os.makedirs(self.root, exist_ok=True)
+                except OSError as error:
+                    raise self.error("write", name, error) from None
+            self.put(name, b"statekv")
+            if self.read(name) != b"statekv":
+                raise StoreError(f"the object store {self.url} did not give back what was written to it")
+            self.remove(name)
+        finally:
+            self.quiet = False
 
     def error(self, doing: str, name: str, error: BaseException) -> StoreError:
-        """A failed request as one line; the store's whole answer goes to the log."""
-        log.error("object store %s: cannot %s %s: %r", self.url, doing, name, error)
+        """A failed request as one line; the store's whole answer goes to the log (not while `check` runs)."""
+        if not self.quiet:
+            log.error("object store %s: cannot %s %s: %r", self.url, doing, name, error)
         return StoreError(f"the object store {self.url} cannot {doing} {name} ({_reason(error)})")
 
     # -- a local folder (file://): the same writes, made atomic by the file system ---------------------------

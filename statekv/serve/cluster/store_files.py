@@ -417,9 +417,17 @@ class StoreKeyFile:
     def make(self) -> str | None:
         """Make a key and store its digest, unless a key was made for the store already: the new key, or None."""
         key = new_key()
+        return key if self.keep(key) else None
+
+    def keep(self, key: str) -> bool:
+        """Store ``key``'s digest as the store's key, unless a key was made for it already: whether it was stored."""
         document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
         try:
-            made = self.store.create("keys.json", (json.dumps(document, indent=1) + "\n").encode())
+            return self.store.create("keys.json", (json.dumps(document, indent=1) + "\n").encode())
         except StoreError as error:
             raise ConfigurationError(f"cannot make a key for the object store ({error}); pass --api-key") from None
-        return key if made else None
+
+    def withdraw(self, key: str) -> None:
+        """Remove the store's key object if it holds ``key`` alone (a start that kept it was refused after)."""
+        if [entry.get("owner") for entry in self.stored()] == [owner_of(key)]:
+            self.store.remove("keys.json")
