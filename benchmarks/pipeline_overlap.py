@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import statekv
+from statekv.settings.methods import method_names
 from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import open_video
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--height", type=int, default=360)
     parser.add_argument("--codec", default="libx264", help="codec of the synthetic video")
     parser.add_argument("--vision-batch", type=int, default=4)
-    parser.add_argument("--method", choices=statekv.settings.methods.method_names(), default="statekv")
+    parser.add_argument("--method", choices=method_names(), default="statekv")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")

@@ -6,9 +6,9 @@ torch nor transformers, so the ``statekv`` command is running, and takes a Ctrl-
 
 import importlib
 
-from .torchvision_check import check_torchvision
+from .torchvision_check import check_before_transformers
 
-check_torchvision()  # before transformers is imported: it would report a broken torchvision misleadingly
+check_before_transformers()  # transformers would report a broken torchvision misleadingly
 
 __version__ = "0.1.0"
 

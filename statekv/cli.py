@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # torch and transformers load while the parser is built, for seconds: a Ctrl-C meanwhile is one line too. An
     # import it interrupts may raise something else (transformers reports a failed lazy import as its own error).
-    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can Python take signals
+    # only the main thread can take signals; a SIGINT ignored (a background job's) stays ignored
+    in_main_thread = (threading.current_thread() is threading.main_thread()
+                      and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     previous = signal.signal(signal.SIGINT, interrupt) if in_main_thread else None
     try:
         from .console import run_command

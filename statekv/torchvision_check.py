@@ -8,7 +8,10 @@ of its own names (``Could not import module 'AttentionInterface'``).
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
 import importlib.util
+import sys
 
 
 def check_torchvision() -> None:
@@ -25,3 +28,23 @@ def check_torchvision() -> None:
             "torchvision build made for this torch, or `pip uninstall torchvision` (statekv needs it only for "
             "transformers' Qwen3-VL video processor)"
         ) from None
+
+
+class _BeforeTransformers(importlib.abc.MetaPathFinder):
+    """Checks torchvision as transformers is first imported, then leaves the import to the other finders."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers":
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            check_torchvision()
+        return None
+
+
+def check_before_transformers() -> None:
+    """Run `check_torchvision` just before transformers is first imported (at once if it already is), so that
+    importing statekv alone loads neither torchvision nor torch."""
+    if "transformers" in sys.modules:
+        check_torchvision()
+    elif not any(isinstance(finder, _BeforeTransformers) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeTransformers())

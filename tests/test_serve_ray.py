@@ -486,4 +486,4 @@ def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray
     printed = log.read_text()
     assert server.returncode == 128 + signal.SIGTERM, printed[-3000:]
     assert printed.strip().splitlines()[-1] == "statekv serve: stopped by SIGTERM" and "Traceback" not in printed
-    assert "API key" not in printed and not (tmp_path / "state" / "keys.json").exists()  # never shown: withdrawn
+    assert "the key above was not kept" in printed and not (tmp_path / "state" / "keys.json").exists()

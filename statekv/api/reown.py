@@ -55,6 +55,8 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
         if version == 2:  # checked before the upgrade writes: a damaged folder is refused as it was found
             check_checkpoint(folder, read_file_set(folder, format_2=True))
+            for described in sorted(folder.glob("layer*.bin.json")):
+                read_checked(described)
         try:
             manifest = upgrade_file_set(folder) if version == 2 else read_manifest(folder)
         except OSError as error:

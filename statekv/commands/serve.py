@@ -183,9 +183,9 @@ def serve_config(args: argparse.Namespace, claim: Callable[[Path], None] | None 
 
 
 def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | None = None, defer_key: bool = True):
-    """`serve_config`'s settings, ``(config, made, keys, pending)``: with ``defer_key``, a key a state folder needs
-    is only made (``pending``), to be kept by `keep_key` once the start can no longer be refused (a store without
-    a folder keeps it at once, ``made``)."""
+    """`serve_config`'s settings, ``(config, made, keys, pending)``: with ``defer_key``, a key the state folder or
+    object store needs is only made (``pending``), to be kept once the start can no longer be refused (`keep_key`;
+    under ``--ray``, just before the replicas start); without, it is kept at once (``made``)."""
     from ..serve import ServeConfig
     from ..serve.auth import KeyFile, configured_keys, new_key
     from ..serve.store import check_state_folder
@@ -316,6 +316,9 @@ def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pen
                 raise ConfigurationError(f"another server made a key for {config.state_dir or cluster.store} "
                                          "meanwhile; start again to use it")
             kept.append(pending)
+            print(f"statekv serve: API key {pending} (made for {config.state_dir or cluster.store} and shown this "
+                  f"once: {'the folder' if config.state_dir is not None else 'the store'} keeps only its digest; it "
+                  "stays valid across restarts)", flush=True)  # at once: a start killed later must not lose it
 
     def refused() -> None:  # a refused start leaves no key: the next start makes and shows the only one
         for withdrawn in kept:
@@ -323,15 +326,14 @@ def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pen
                 key_file.withdraw(withdrawn)
             except (ConfigurationError, OSError) as error:  # the refusal is what is said; this goes to the log
                 logging.getLogger("statekv.serve").error("the key kept for a refused start stays: %s", error)
+            else:
+                print("statekv serve: the start did not finish: the key above was not kept (the next start makes "
+                      "one)", flush=True)
 
     def ready(url: str) -> None:
         replicas = f"{cluster.replicas} to {cluster.max_replicas}" if cluster.max_replicas else str(cluster.replicas)
         print(f"statekv serve: listening on {url} (Ray Serve, {replicas} replica{'s' * (replicas != '1')})",
               flush=True)
-        if kept:
-            print(f"statekv serve: API key {pending} (made for {config.state_dir or cluster.store} and shown this "
-                  f"once: {'the folder' if config.state_dir is not None else 'the store'} keeps only its digest; it "
-                  "stays valid across restarts)", flush=True)
         if key_note:
             print(key_note, flush=True)
         print(f"statekv serve: open {url}/" + (f"?key={key}" if key else ""), flush=True)

@@ -143,6 +143,7 @@ METHODS: dict[str, MethodSpec] = {}
 
 def register_method(spec: MethodSpec) -> MethodSpec:
     """Add (or replace) a method; every command and the evaluation harness accept it from then on."""
+    with_builtins()  # first: a built-in registered later would replace the method given here
     METHODS[spec.name] = spec
     return spec
 

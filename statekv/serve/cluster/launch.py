@@ -55,18 +55,20 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
 
     if not 1 <= port <= 65535:
         raise ConfigurationError(f"--port {port}: with --ray, give the port Ray Serve's proxies listen on")
+    previous = signal.getsignal(signal.SIGTERM)  # the command's: ray.init replaces it with one exiting at once
     connect(address)
-    stop, serving, claim = threading.Event(), False, None
+    stop, serving, claim, started, stopped_by = threading.Event(), False, None, False, []
 
-    def on_sigterm(number: int, frame: object) -> None:  # ray.init made a SIGTERM exit Python at once
+    def on_sigterm(number: int, frame: object) -> None:
         if not serving:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut short what the stop does
+            stopped_by.append(number)
             raise Stopped(number)  # the start is stopped as Ctrl-C stops it
         stop.set()  # the service is: the loop below ends, then the application is deleted
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    started = not _serve_running()
     try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+        started = not _serve_running()
         claim = claim_application(cluster.name, f"statekv serve on http://{shown_address(host, port)}")
         try:
             serve.start(http_options={"host": host, "port": port})
@@ -93,6 +95,10 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
                 pass
         except KeyboardInterrupt:
             pass
+    except KeyboardInterrupt as interrupt:  # Ray's waits re-raise a stop they catch as a plain KeyboardInterrupt
+        if stopped_by and not isinstance(interrupt, Stopped):
+            raise Stopped(stopped_by[0]) from None
+        raise
     finally:
         try:
             if claim is not None:  # another driver's application is not this one's to delete
