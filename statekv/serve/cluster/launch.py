@@ -112,7 +112,8 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
             if not serving:
                 refused()
             ray.shutdown()
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(signal.SIGTERM, previous)
 
 
 DRIVERS_NAMESPACE = "statekv"
