@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         interrupted.append(signal_number)
         raise KeyboardInterrupt
 
-    # torch and transformers load while the parser is built, for seconds: a Ctrl-C meanwhile is one line too. An
-    # import it interrupts may raise something else (transformers reports a failed lazy import as its own error).
+    # torch and transformers load, for seconds, while a subcommand's help lists the methods or a --method is checked:
+    # a Ctrl-C meanwhile is one line too. An import it interrupts may raise something else (transformers reports a
+    # failed lazy import as its own error).
     # only the main thread can take signals; a SIGINT ignored (a background job's) stays ignored
     in_main_thread = (threading.current_thread() is threading.main_thread()
                       and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)

@@ -5,7 +5,8 @@ A `statekv.StateKVError` (anything a user can cause) becomes ``statekv COMMAND: 
 status 2; Ctrl-C exits 130; SIGTERM (``timeout``, schedulers, systemd) and SIGHUP (a closed terminal) stop a
 command the way Ctrl-C does (a `Stopped`, so whatever keeps work on Ctrl-C keeps it on them too) and exit
 128 + the signal's number; any other exception is a bug and keeps its traceback. Every one of these signals
-only asks to stop: the stop happens where no step, save or answer is half done (`statekv.stopping`).
+only asks to stop: the stop happens where no step, save or answer is half done (`statekv.stopping`). A signal the
+command was started ignoring (SIGHUP under ``nohup``, SIGINT in a shell's background) stays ignored.
 """
 
 from __future__ import annotations

@@ -159,16 +159,24 @@ def open_regions() -> int:
     return _depth
 
 
+def handled_signals() -> tuple[int, ...]:
+    """The stopping signals and SIGINT, less those ignored now: a command started by ``nohup`` (SIGHUP ignored)
+    or in a shell's background (SIGINT ignored) keeps running when its terminal closes or a Ctrl-C reaches the
+    foreground, as the one who started it asked."""
+    return tuple(number for number in (*STOPPING_SIGNALS, signal.SIGINT)
+                 if signal.getsignal(number) is not signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def signals_stop_like_ctrl_c() -> Iterator[None]:
     """While inside, SIGTERM and SIGHUP raise `Stopped` and Ctrl-C `KeyboardInterrupt` in the main thread, at the
     end of the `whole` region they arrive in (a no-op on other threads, where Python cannot install handlers);
-    the previous handlers come back on exit."""
+    a signal the process was started ignoring stays ignored (`handled_signals`); the previous handlers come back
+    on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    numbers = (*STOPPING_SIGNALS, signal.SIGINT)
-    previous = {number: signal.signal(number, request_stop) for number in numbers}
+    previous = {number: signal.signal(number, request_stop) for number in handled_signals()}
     try:
         yield
     finally:

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 
 import numpy as np
 import pytest
 import torch
+
+# The commands the tests start are tested as started from a terminal: SIGINT and SIGHUP at their defaults, though
+# the runner may ignore them (a background or nohup job), which the children would inherit (statekv keeps an
+# ignored signal ignored).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # Triton decides at its first import whether to interpret kernels, and transformers imports it: without a GPU,
 # ask for the interpreter before that happens so the kernel tests run in this process.

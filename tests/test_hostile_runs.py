@@ -436,6 +436,26 @@ def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
     assert child.returncode == 128 + signal.SIGHUP and out == "ready\nsaved\n" and "stopped by SIGHUP" in err
 
 
+def test_a_command_started_by_nohup_runs_on_when_its_terminal_closes():
+    """A command started ignoring SIGHUP (``nohup``) keeps it ignored, and a SIGTERM still stops it; before, its
+    own handler replaced the ignore and a closed terminal stopped it."""
+    script = ("import sys, time\n"
+              "from statekv.console import run_command\n"
+              "def body():\n"
+              "    print('ready', flush=True)\n"
+              "    time.sleep(1.5)\n"
+              "    print('still running', flush=True)\n"
+              "    time.sleep(60)\n"
+              "sys.exit(run_command('x', body))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGHUP)
+    out, err = _signal_after(child, "still running", signal.SIGTERM)
+    assert child.returncode == 128 + signal.SIGTERM and out == "still running\n" and "stopped by SIGTERM" in err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training: stopped, damaged, resumed
 # ---------------------------------------------------------------------------------------------------------------

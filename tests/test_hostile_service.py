@@ -833,17 +833,30 @@ def _refusing_writes_under(folder: Path, monkeypatch, number: int = errno.EROFS)
     monkeypatch.setattr(io, "open", refusing(io.open, written))
 
 
-@pytest.mark.parametrize("number", [errno.EROFS, errno.ENOSPC], ids=["read-only", "disk full"])
+def _filling(monkeypatch) -> None:
+    """As a disk that fills while a file is written: it opens, and its flush to the disk fails."""
+    def full(handle):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+
+
+@pytest.mark.parametrize("number, filling", [(errno.EROFS, False), (errno.ENOSPC, False), (errno.ENOSPC, True)],
+                         ids=["read-only", "disk full", "filling as written"])
 def test_a_state_folder_that_cannot_be_written_refuses_changes_in_one_line_and_keeps_every_stream(
-        qa, tmp_path, monkeypatch, number):
+        qa, tmp_path, monkeypatch, number, filling):
     """Before: DELETE answered 500 with a raw OSError, the stream then answered 404 though its files stayed, and a
-    restart brought the deleted stream back."""
+    restart brought the deleted stream back; a disk filling as the deletion's note was written left the note's
+    partial file behind."""
     state = tmp_path / "state"
     with Running(state, qa, save_every_frames=2) as server, server.client() as client:
         kept = _stream(client, frames=2)
         before = _files(state / "streams")
         with monkeypatch.context() as patched:
-            _refusing_writes_under(state, patched, number)
+            if filling:
+                _filling(patched)
+            else:
+                _refusing_writes_under(state, patched, number)
             for response, status in ((client.delete(f"/v1/streams/{kept}"), 503),
                                      (client.post("/v1/streams", json={}), 503),
                                      (_push(client, kept, 5, 5.0), 503)):  # its save is due: refused, unstreamed

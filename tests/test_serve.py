@@ -8,6 +8,7 @@ default for the built-in model is StateKV with a budget of 64 tokens, so the str
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -513,8 +514,13 @@ def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_pat
                                                 "another --state-dir")
         assert _files(state) == before
         assert httpx.get(f"{first.url}/health", timeout=10).status_code == 200
-    finally:
+    finally:  # its terminal closes: SIGHUP stops it as SIGTERM does (before: a traceback, the requests cut)
+        first.process.send_signal(signal.SIGHUP)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            first.process.wait(timeout=30)
         first.stop()
+    assert first.process.returncode == 128 + signal.SIGHUP
+    assert "Traceback" not in first.printed() and first.printed().splitlines()[-1] == "statekv serve: stopped by SIGHUP"
     again = Server(state, media, "--no-page", keys=()).start()  # the lock went with its server
     try:
         with again.client(key) as client:

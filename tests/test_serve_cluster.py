@@ -230,6 +230,41 @@ def test_streams_taken_together_count_against_the_replicas_limit(tmp_path, qa):
     assert held == 1 and arriving == 0
 
 
+@pytest.mark.parametrize("full", ["streams", "leases"])
+def test_a_creation_the_shared_folder_cannot_record_leaves_no_lease_behind(tmp_path, qa, monkeypatch, full):
+    """Before: a creation refused because its record could not be written kept its stream's lease, let go, in the
+    shared folder for good, and one refused as its lease was written kept a lease taken by no stream."""
+    import errno
+    import os
+
+    config = ServeConfig(options=qa.options, state_dir=tmp_path, save_every_frames=1000, max_streams=4)
+    files = SharedStreamFiles(tmp_path, Leases(tmp_path, "first"))
+    registry = SharedRegistry(config, qa, ModelWorker(), files)
+    registry.metrics = Metrics(lambda: 0, lambda: 0)
+    leases, flush = files.leases.folder, os.fsync
+
+    def filling(handle):  # the disk under one folder fills as a file there is flushed
+        if os.readlink(f"/proc/self/fd/{handle}").startswith(str(tmp_path / full)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        flush(handle)
+
+    async def scenario():
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "fsync", filling)
+            with pytest.raises(ServiceError) as refused:
+                await registry.create(owner_of("key"), {"horizon_frames": 16, "max_fps": None})
+        made = await registry.create(owner_of("key"), {"horizon_frames": 16, "max_fps": None})
+        registry.worker.close()
+        return refused.value, made
+
+    refused, made = asyncio.run(scenario())
+    assert refused.status == 503 and "no space left on device" in str(refused).lower(), refused
+    assert "no stream was made" in str(refused)
+    assert sorted(path.name for path in leases.iterdir()) == sorted([made.id, f"{made.id}.history"])
+    assert [path.name for path in (tmp_path / "streams").iterdir()] == [f"{made.id}.json"]
+    assert list(registry.entries) == [made.id]
+
+
 def _png(image: np.ndarray) -> bytes:
     import io
 

@@ -28,11 +28,11 @@ stream's name or owner is refused, and no file can be re-signed to name an owner
 owner another installation recorded is refused for an owner until it is re-owned here (``statekv reown``).
 
 A file is written to ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever write one
-partial file) and renamed over it only once complete, under the exclusive lock of ``<name>.lock`` (removed when the
-save ends): a second save to the same file at the same time is refused with one line naming the holder. Just before
-the rename the save checks that ``<name>.lock`` is still the file it locked; if it was removed or replaced meanwhile
-(another save may then have taken it), the save is refused and the target is left as it was. What saves killed
-before their rename left is removed by the next save to the same file.
+partial file) and renamed over it only once complete and flushed to the disk, under the exclusive lock of
+``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is refused with one
+line naming the holder. Just before the rename the save checks that ``<name>.lock`` is still the file it locked;
+if it was removed or replaced meanwhile (another save may then have taken it), the save is refused and the target
+is left as it was. What saves killed before their rename left is removed by the next save to the same file.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     try:
         _remove_stale_partials(path)
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
+        _flush_to_disk(partial)  # before the rename: a power loss never leaves the name on a file not yet written
         if not lock.owns():  # its lock file was removed or replaced: another save may own the name now
             partial.unlink(missing_ok=True)
             raise OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it "
@@ -133,6 +134,14 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     finally:
         lock.release()
     return path
+
+
+def _flush_to_disk(path: Path) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -12,7 +12,7 @@ from statekv.errors import ConfigurationError
 
 from .analytic import (COMPONENTS, Method, PrefillFlops, break_even, prefill_flops, question_flops,
                        resolve_model)
-from .paper import ACCURACY, BENCHMARKS, REPORTED_METHODS
+from .paper import ACCURACY, BENCHMARKS, reported_method
 
 TERA = 1e12
 
@@ -74,7 +74,7 @@ def frontier(benchmark: str = "videomme", n_frames: int = 512, score: str = "eag
     points = []
     for model, by_method in ACCURACY.items():
         for kind, scores in by_method.items():
-            curve = prefill_flops(model, REPORTED_METHODS[kind], n_frames=n_frames, score=score)
+            curve = prefill_flops(model, reported_method(kind), n_frames=n_frames, score=score)
             points.append({"model": model, "method": kind, "label": curve.label,
                            "flops": float(curve.cumulative[-1]), "accuracy": scores[benchmark]})
     return points

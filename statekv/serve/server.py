@@ -1,9 +1,14 @@
 """uvicorn's server for an app of `statekv.serve.app.create_app`: as it stops, it first ends every client's feed
 of watch events (``GET /v1/streams/{id}/events``), which never ends of itself and would otherwise hold uvicorn's
-graceful shutdown until its timeout, then be cancelled with a traceback."""
+graceful shutdown until its timeout, then be cancelled with a traceback. A SIGHUP (the terminal closed) stops it
+as uvicorn's SIGTERM does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -19,3 +24,19 @@ class AppServer(uvicorn.Server):
     async def shutdown(self, sockets: list | None = None) -> None:
         self.watch_hub.close()
         await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's (SIGINT and SIGTERM end the serving loop, then are raised again once it has ended), and SIGHUP
+        alike: raised inside the loop, it would cut the requests under way with a traceback."""
+        with super().capture_signals():
+            hangup = getattr(signal, "SIGHUP", None)
+            if hangup is None or threading.current_thread() is not threading.main_thread() or \
+                    signal.getsignal(hangup) is signal.SIG_IGN:
+                yield
+                return
+            previous = signal.signal(hangup, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(hangup, previous)  # before uvicorn raises what it captured again

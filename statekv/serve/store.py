@@ -188,6 +188,9 @@ class StreamFiles:
     def release(self, stream_id: str) -> None:
         """Let another server write the stream's files (one server alone: nothing to do)."""
 
+    def withdraw(self, stream_id: str) -> None:
+        """Forget a claim on a stream that was never made (its creation failed): nothing of it is kept."""
+
     def save_state(self, stream_id: str, write: Callable[[Path], Any]) -> None:
         """Save a stream's state: ``write(path)`` writes it (`statekv.Stream.save`, atomic itself)."""
         write(self.state_path(stream_id))
@@ -388,12 +391,16 @@ def _reason(error: BaseException) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: nothing is left beside it when the write fails (a full disk)."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _sync_folder(folder: Path) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
-import torch
 
 from ..errors import ConfigurationError
 from .setting import Setting, settings_class
@@ -71,9 +71,15 @@ def check_positions(value: object, name: str = "positions") -> str:
     return value
 
 
+def is_torch_device(value: Any) -> bool:
+    """Whether ``value`` is a `torch.device` (without importing torch: none can exist before it is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.device)
+
+
 def check_offload(value: Any, name: str = "offload") -> Any:
     """None or False (with the model), True (CPU memory), ``"disk"``, or a device name or `torch.device`."""
-    if value is None or isinstance(value, (bool, torch.device)) or value == "disk":
+    if value is None or isinstance(value, bool) or is_torch_device(value) or value == "disk":
         return value
     if isinstance(value, str) and (value == "cpu" or value.startswith(("cuda", "mps"))):
         return value
@@ -240,7 +246,7 @@ class EngineSettings:
         recorded = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            recorded[field.name] = str(value) if isinstance(value, (torch.device, os.PathLike)) else value
+            recorded[field.name] = str(value) if isinstance(value, os.PathLike) or is_torch_device(value) else value
         return recorded
 
     def refusal(self, recorded: dict[str, Any], where: str) -> str | None:

@@ -20,7 +20,7 @@ class Setting:
     name: the field (the flag is ``--name`` with dashes; a boolean that defaults to True is ``--no-name``).
     default: its value when not given. kind: the values it takes (`Kind`: the Python check, the text parser, the
     command-line type and choices). help: the flag's help (argparse expands ``%(default)s``), or a function making
-    it when the parser is built. metavar: the flag's placeholder. check: instead of the kind's check. offered_by:
+    it when the help is first shown. metavar: the flag's placeholder. check: instead of the kind's check. offered_by:
     a switch of the command that must be on for the flag to be offered (``"reserve"``). binding: a saved stream
     made under one value cannot be resumed under another (its state depends on it).
     """
@@ -53,7 +53,7 @@ class Setting:
 
     def add_to(self, group: argparse._ArgumentGroup, **overrides: Any) -> None:
         """Add the setting's flag to ``group`` (``overrides``: argparse keywords replacing the derived ones)."""
-        arguments: dict[str, Any] = {"help": self.help() if callable(self.help) else self.help}
+        arguments: dict[str, Any] = {"help": LaterText(self.help) if callable(self.help) else self.help}
         if self.kind.annotation.startswith("bool"):  # a switch: on (or, by default on, off) when given
             arguments.update(action="store_false" if self.default is True else "store_true", dest=self.name)
             if self.default is None:
@@ -63,9 +63,51 @@ class Setting:
             if self.kind.cli is not None:
                 arguments["type"] = self.kind.cli
             if self.kind.choices is not None:
-                arguments["choices"] = tuple(self.kind.choices())
+                arguments["choices"] = LaterChoices(self.kind.choices)
+                arguments["metavar"] = self.metavar or self.name.upper()  # argparse lists choices to show none
         arguments.update(overrides)
         group.add_argument(self.flag, **arguments)
+
+
+class LaterText:
+    """A flag's help made when argparse first formats it, not as the parser is built (the methods' help needs the
+    engine loaded: ``statekv --help`` does not)."""
+
+    def __init__(self, make: Callable[[], str]):
+        self.make, self.text = make, None
+
+    def __str__(self) -> str:
+        if self.text is None:
+            self.text = self.make()
+        return self.text
+
+    def __bool__(self) -> bool:
+        return bool(str(self))
+
+    def __mod__(self, values: Any) -> str:
+        return str(self) % values
+
+    def __contains__(self, part: str) -> bool:
+        return part in str(self)
+
+    def strip(self) -> str:
+        return str(self).strip()
+
+
+class LaterChoices:
+    """A flag's choices looked up when argparse checks a value or formats its help (see `LaterText`)."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+    def __iter__(self):
+        return iter(tuple(self.make()))
+
+    def __contains__(self, value: Any) -> bool:
+        return value in tuple(self.make())
+
+    def __len__(self) -> int:
+        return len(tuple(self.make()))
 
 
 def settings_class(settings: tuple[Setting, ...]) -> Callable[[type], type]:

@@ -60,11 +60,19 @@ def _fields_sha256(fields: dict[str, Any]) -> str:
 def write_checked(path: Path, fields: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".partial")
     try:
-        partial.write_text(json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False))
+        write_flushed(partial, json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False).encode())
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def write_flushed(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and flush it to the disk (before a rename makes it the file others read)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def read_checked(path: Path) -> dict[str, Any]:
@@ -221,7 +229,7 @@ def upgrade_file_set(folder: Path) -> dict[str, Any]:
         write_checked(described, {**read_checked(described), FILE_SET: file_set})
     text = json.dumps(journal_header(file_set), separators=(",", ":"))
     partial = folder / f"{JOURNAL}.partial"
-    partial.write_bytes(f"{zlib.crc32(text.encode()):08x} {text}\n".encode() + data)
+    write_flushed(partial, f"{zlib.crc32(text.encode()):08x} {text}\n".encode() + data)
     os.replace(partial, folder / JOURNAL)
     manifest = {**manifest, "version": FORMAT_VERSION, FILE_SET: file_set,
                 "created": manifest.get("created") or datetime.datetime.now(datetime.timezone.utc).isoformat()}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import InputError
+from ...errors import InputError, StateKVError
 from ..errors import ServiceError
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
@@ -106,6 +106,14 @@ class SharedStreamFiles(StreamFiles):
         self._valid.pop(stream_id, None)
         if lease is not None:
             self.leases.release(lease)
+
+    def withdraw(self, stream_id: str) -> None:
+        """Remove the lease of a stream whose creation failed, rather than keep it for a next holder (a lease that
+        cannot be removed either stays, let go when it was taken)."""
+        self.held.pop(stream_id, None)
+        self._valid.pop(stream_id, None)
+        with contextlib.suppress(OSError, StateKVError):
+            self.leases.withdraw(stream_id)
 
     def check(self, stream_id: str) -> None:
         """`LeaseLost` unless this replica surely still holds the stream (its lease renewed in time)."""
