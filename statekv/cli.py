@@ -31,7 +31,14 @@ COMMANDS = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage mistakes get one line (``statekv answer: error: ...``), like every other bad input."""
+    """Usage mistakes get one line (``statekv answer: error: ...``), like every other bad input; helps made when
+    first shown (`LaterText`) are formatted as text."""
+
+    def __init__(self, *args, **kwargs):
+        from .settings.setting import LaterHelpFormatter
+
+        kwargs.setdefault("formatter_class", LaterHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-# The commands the tests start are tested as started from a terminal: SIGINT and SIGHUP at their defaults, though
-# the runner may ignore them (a background or nohup job), which the children would inherit (statekv keeps an
-# ignored signal ignored).
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+def _ignored(number, frame):
+    """Ignores a signal in this process; unlike SIG_IGN, a handler is not inherited across exec."""
+
+
+# The commands the tests start are tested as started from a terminal, with SIGINT and SIGHUP at their defaults,
+# though the runner may ignore them (a background or nohup job): a child would inherit SIG_IGN, and statekv keeps an
+# ignored signal ignored. The tests themselves go on ignoring them.
+for _number in (signal.SIGINT, signal.SIGHUP):
+    if signal.getsignal(_number) is signal.SIG_IGN:
+        signal.signal(_number, _ignored)
 
 # Triton decides at its first import whether to interpret kernels, and transformers imports it: without a GPU,
 # ask for the interpreter before that happens so the kernel tests run in this process.

@@ -530,6 +530,32 @@ def test_a_second_server_on_a_state_folder_stops_at_once_writing_nothing(tmp_pat
         again.stop()
 
 
+@pytest.mark.parametrize("ignored", ["SIGINT", "SIGHUP", None])
+def test_the_server_stops_gracefully_on_every_stopping_signal_it_was_not_started_ignoring(ignored):
+    """uvicorn catches SIGINT and SIGTERM itself to end its loop; the server catches SIGHUP alike, and leaves a
+    signal it was started ignoring ignored (``nohup``, a shell's background)."""
+    import uvicorn
+
+    from statekv.serve.server import AppServer
+
+    server = AppServer.__new__(AppServer)  # its signal handling alone: no app
+    uvicorn.Server.__init__(server, uvicorn.Config(app=None))
+    numbers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {number: signal.getsignal(number) for number in numbers}  # put back after the test
+    try:
+        if ignored:
+            signal.signal(getattr(signal, ignored), signal.SIG_IGN)
+        before = {number: signal.getsignal(number) for number in numbers}
+        with server.capture_signals():
+            inside = {number.name: signal.getsignal(number) for number in numbers}
+        assert {number: signal.getsignal(number) for number in numbers} == before
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert inside == {name: signal.SIG_IGN if name == ignored else server.handle_exit
+                      for name in ("SIGINT", "SIGTERM", "SIGHUP")}
+
+
 def test_a_port_in_use_or_a_host_not_of_this_machine_stops_a_start_at_once(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -85,6 +85,24 @@ def test_a_lease_is_held_by_one_replica_and_each_taking_raises_its_token(tmp_pat
     assert history[1]["at"] >= history[1]["before"]["expires"]  # taken only once the first lease had lapsed
 
 
+def test_a_lease_withdrawn_is_removed_unless_another_replica_took_the_stream(tmp_path):
+    clock = Clock()
+    first, second = (Leases(tmp_path, name, seconds=10, clock=clock) for name in ("first", "second"))
+    held = first.acquire(STREAM)
+    first.withdraw(STREAM)  # its creation failed: nothing of it stays
+    assert first.renew(held) is None and first.release(held) is None and second.peek(STREAM) is None
+    second.ask_handoff(STREAM)
+    with pytest.raises(LeaseLost):
+        with first.fenced(held):
+            pass
+    assert not list(first.folder.iterdir())  # nor does a renewal under way, or a request for it, make it again
+    first.acquire(STREAM)
+    clock.now += 11
+    taken = second.acquire(STREAM)
+    first.withdraw(STREAM)  # too late: the stream is the second replica's now
+    assert Leases(tmp_path, clock=clock).holder_of(STREAM) == "second" and second.renew(taken) is not None
+
+
 def test_an_unreadable_lease_is_refused_rather_than_restarted_at_token_one(tmp_path):
     leases = Leases(tmp_path, "first")
     leases.path(STREAM).write_bytes(b"{garbage")

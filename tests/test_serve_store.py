@@ -114,6 +114,22 @@ def test_a_stream_in_the_store_is_written_by_one_replica_and_a_stale_one_is_fenc
         fresh.take(STREAM)  # the tombstone stays: nobody brings a deleted stream back
 
 
+def test_a_stream_withdrawn_leaves_nothing_in_the_store_unless_another_replica_took_it(aws):
+    """A creation that fails after its stream was taken (its record not written) withdraws it: before, the command
+    failed with an AttributeError (500) and the taken version stayed."""
+    clock, url = Clock(), aws.url()
+    first = StoreStreamFiles(ObjectStore(url), "first", 10, clock)
+    second = StoreStreamFiles(ObjectStore(url), "second", 10, clock)
+    first.claim(STREAM)
+    first.withdraw(STREAM)
+    assert [name for name in aws.names(url) if STREAM in name] == [] and first.held == {}
+    first.claim(STREAM)
+    clock.now += 11
+    assert second.take(STREAM).token == 2
+    first.withdraw(STREAM)  # too late: the stream is the second replica's now
+    assert second.holder_of(STREAM) == "second" and second.renew(STREAM) is not None
+
+
 def test_a_deletion_cut_short_after_its_last_version_is_finished_at_the_next_start(aws):
     url = aws.url()
     files = StoreStreamFiles(ObjectStore(url), "a", 10, Clock())

@@ -137,7 +137,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
 
 
 def _flush_to_disk(path: Path) -> None:
-    handle = os.open(path, os.O_RDONLY)
+    handle = os.open(path, os.O_RDWR)  # some systems flush only a file open for writing
     try:
         os.fsync(handle)
     finally:

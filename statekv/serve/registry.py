@@ -163,7 +163,7 @@ class StreamRegistry:
         except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
             remove_tier(entry)
-            self.files.withdraw(stream_id)
+            await asyncio.to_thread(self.files.withdraw, stream_id)
             if isinstance(error, StateKVError):
                 raise
             raise ServiceError(503, f"cannot record the stream in {self.files.where} "

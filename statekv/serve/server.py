@@ -28,15 +28,19 @@ class AppServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's (SIGINT and SIGTERM end the serving loop, then are raised again once it has ended), and SIGHUP
-        alike: raised inside the loop, it would cut the requests under way with a traceback."""
-        with super().capture_signals():
-            hangup = getattr(signal, "SIGHUP", None)
-            if hangup is None or threading.current_thread() is not threading.main_thread() or \
-                    signal.getsignal(hangup) is signal.SIG_IGN:
+        alike: raised inside the loop, it would cut the requests under way with a traceback. A signal the server
+        was started ignoring stays ignored (uvicorn's own would catch it)."""
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
                 yield
-                return
-            previous = signal.signal(hangup, self.handle_exit)
+            return
+        numbers = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+        ignored = [number for number in numbers if signal.getsignal(number) is signal.SIG_IGN]
+        with super().capture_signals():
+            previous = {number: signal.signal(number, signal.SIG_IGN if number in ignored else self.handle_exit)
+                        for number in numbers}
             try:
                 yield
-            finally:
-                signal.signal(hangup, previous)  # before uvicorn raises what it captured again
+            finally:  # before uvicorn puts its own back and raises what it captured again
+                for number, handler in previous.items():
+                    signal.signal(number, handler)

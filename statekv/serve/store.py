@@ -399,8 +399,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
 
 
 def _sync_folder(folder: Path) -> None:

@@ -84,7 +84,7 @@ def normalize_argv(argv: list[str]) -> list[str]:
 MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
     Setting("model", None, TEXT.optional, "checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or "
             "builtin: the small InternVL3 trained here on synthetic videos", "M"),
-    Setting("method", "statekv", one_of(method_names), _method_help),
+    Setting("method", "statekv", one_of(method_names), _method_help, "METHOD"),
     Setting("budget", None, MethodSettings.kind("budget").optional,
             f"statekv, keynorm: tokens carried per layer and KV head (default: {BUILTIN_BUDGET} for the built-in "
             f"model and weights trained by train-builtin, else {MethodSettings.budget})", "B",

@@ -64,7 +64,6 @@ class Setting:
                 arguments["type"] = self.kind.cli
             if self.kind.choices is not None:
                 arguments["choices"] = LaterChoices(self.kind.choices)
-                arguments["metavar"] = self.metavar or self.name.upper()  # argparse lists choices to show none
         arguments.update(overrides)
         group.add_argument(self.flag, **arguments)
 
@@ -81,8 +80,8 @@ class LaterText:
             self.text = self.make()
         return self.text
 
-    def __bool__(self) -> bool:
-        return bool(str(self))
+    def __bool__(self) -> bool:  # asked as the parser is built: a help is never empty
+        return True
 
     def __mod__(self, values: Any) -> str:
         return str(self) % values
@@ -94,8 +93,16 @@ class LaterText:
         return str(self).strip()
 
 
+class LaterHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, reading a `LaterText` help as its text (argparse formats only strings)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return str(action.help)
+
+
 class LaterChoices:
-    """A flag's choices looked up when argparse checks a value or formats its help (see `LaterText`)."""
+    """A flag's choices looked up when argparse checks a value or formats its help (see `LaterText`); a flag whose
+    choices need the engine names a metavar, since argparse lists the choices as the flag is added to show none."""
 
     def __init__(self, make: Callable[[], Any]):
         self.make = make

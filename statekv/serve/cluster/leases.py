@@ -87,11 +87,8 @@ class Leases:
 
     def peek(self, stream_id: str) -> Lease | None:
         """The stream's lease, read under the lock (how a replica reads one); None when there is none."""
-        try:
-            with self._locked(stream_id, create=False) as handle:
-                return _current(handle, stream_id)
-        except FileNotFoundError:
-            return None
+        with self._locked(stream_id, create=False) as handle:
+            return None if handle is None else _current(handle, stream_id)
 
     def holder_of(self, stream_id: str) -> str | None:
         """The replica holding a live lease on the stream, if any."""
@@ -118,8 +115,8 @@ class Leases:
     def renew(self, lease: Lease, *, extend: bool = True) -> Lease | None:
         """The lease as it stands (``handoff`` included), extended unless ``extend`` is False; None when its
         token has moved on (the stream was taken over)."""
-        with self._locked(lease.stream) as handle:
-            current = _current(handle, lease.stream)
+        with self._locked(lease.stream, create=False) as handle:
+            current = None if handle is None else _current(handle, lease.stream)
             if not self._ours(current, lease):
                 return None
             if extend:
@@ -129,8 +126,8 @@ class Leases:
 
     def release(self, lease: Lease) -> None:
         """Let the stream go now (it stays on disk; whoever takes it next gets the next token)."""
-        with self._locked(lease.stream) as handle:
-            current = _current(handle, lease.stream)
+        with self._locked(lease.stream, create=False) as handle:
+            current = None if handle is None else _current(handle, lease.stream)
             if self._ours(current, lease):
                 released = replace(current, expires=0.0, handoff=None)
                 _write(handle, released)
@@ -138,8 +135,8 @@ class Leases:
 
     def ask_handoff(self, stream_id: str) -> None:
         """Ask the replica holding the stream to save it and let it go (it does at its next lease check)."""
-        with self._locked(stream_id) as handle:
-            current = _current(handle, stream_id)
+        with self._locked(stream_id, create=False) as handle:
+            current = None if handle is None else _current(handle, stream_id)
             if current is not None and current.live(self.clock()) and current.holder != self.holder \
                     and current.handoff is None:
                 _write(handle, replace(current, handoff=self.holder))
@@ -148,15 +145,15 @@ class Leases:
     def fenced(self, lease: Lease) -> Iterator[None]:
         """Hold the lease file's lock while the caller commits a write (a rename); `LeaseLost` when the lease no
         longer carries ``lease``'s token, so nothing is written."""
-        with self._locked(lease.stream) as handle:
-            if not self._ours(_current(handle, lease.stream), lease):
+        with self._locked(lease.stream, create=False) as handle:
+            if handle is None or not self._ours(_current(handle, lease.stream), lease):
                 raise LeaseLost(lease.stream)
             yield
 
     def forget(self, lease: Lease) -> None:
         """Remove a deleted stream's lease (fenced: only its holder may)."""
-        with self._locked(lease.stream) as handle:
-            if not self._ours(_current(handle, lease.stream), lease):
+        with self._locked(lease.stream, create=False) as handle:
+            if handle is None or not self._ours(_current(handle, lease.stream), lease):
                 raise LeaseLost(lease.stream)
             _write(handle, replace(lease, expires=0.0, handoff=None), deleted=True)
             self.path(lease.stream).unlink(missing_ok=True)
@@ -165,7 +162,9 @@ class Leases:
     def withdraw(self, stream_id: str) -> None:
         """Remove the lease file and history of a stream this holder failed to make, whatever they hold (a lease
         half taken, or none), unless another holder's lease is there."""
-        with self._locked(stream_id) as handle:
+        with self._locked(stream_id, create=False) as handle:
+            if handle is None:
+                return
             with contextlib.suppress(ServiceError):  # unreadable: what this holder's failed taking left
                 current = _current(handle, stream_id)
                 if current is not None and current.holder != self.holder:
@@ -192,11 +191,19 @@ class Leases:
             return _THREADS.setdefault(str(self.path(stream_id).absolute()), threading.Lock())
 
     @contextlib.contextmanager
-    def _locked(self, stream_id: str, create: bool = True) -> Iterator[int]:
+    def _locked(self, stream_id: str, create: bool = True) -> Iterator[int | None]:
+        """The stream's lease file, open and locked (made if missing; with ``create`` False, None when missing:
+        changing a lease never makes an empty file for a stream deleted or withdrawn)."""
         if self.holder is None:
             raise RuntimeError("a read-only Leases cannot change a lease")
         with self._thread_lock(stream_id):
-            handle = os.open(self.path(stream_id), os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            try:
+                handle = os.open(self.path(stream_id), os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            except FileNotFoundError:
+                if create:
+                    raise
+                yield None
+                return
             try:
                 deadline = time.monotonic() + LOCK_WAIT_SECONDS
                 while True:

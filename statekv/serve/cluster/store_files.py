@@ -89,6 +89,24 @@ class StoreStreamFiles:
         if not self.take(stream_id):
             raise ServiceError(409, f"stream id {stream_id} is taken; retry")
 
+    def withdraw(self, stream_id: str) -> None:
+        """Remove what taking a stream whose creation failed wrote: its versions (a new id's chain holds this
+        replica's alone) and its hint; where the store refuses, the stream is let go as `release` lets it go."""
+        lease = self.held.get(stream_id)
+        if lease is None:
+            return
+        try:
+            with self._lock(stream_id):
+                current = self.versions.current(stream_id)
+                ours = current is None or current.held_by(self.holder, lease.token)
+                if ours:
+                    self.versions.remove_chain(stream_id)
+            if ours:
+                self._hint(stream_id, None)
+            self._forget(stream_id)
+        except (OSError, ServiceError):
+            self.release(stream_id)
+
     def renew(self, stream_id: str) -> Lease | None:
         """The stream's lease as it stands (``handoff``: a replica asked for it), the session renewed when due;
         None when it was lost (the session lapsed, so another replica may have taken it)."""

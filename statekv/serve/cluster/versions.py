@@ -185,6 +185,12 @@ class StreamVersions:
         except OSError:
             pass
 
+    def remove_chain(self, stream_id: str) -> None:
+        """Remove every version of the stream (one whose creation failed); an `OSError` when the store refuses."""
+        for _, name, _ in self.numbers(stream_id):
+            self.store.remove(name)
+            self._read.pop(name, None)
+
     def remove_all_but(self, version: Version) -> None:
         """Remove every version of the stream but ``version`` (a deletion's tombstone); a failure only leaves
         them."""
