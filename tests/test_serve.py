@@ -32,6 +32,7 @@ pytest.importorskip("fastapi")
 from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
+from statekv.testing.videos import write_test_video  # noqa: E402
 from statekv.video import open_video  # noqa: E402
 
 from conftest import random_frames  # noqa: E402
@@ -284,6 +285,7 @@ def test_sources_stay_inside_the_media_root(server, media, tmp_path):
                        "dir-link/secret.mp4"):
             assert "media root" in _error(client.post(frames, json={"source": source}), 403)
         _error(client.post(frames, json={"source": "held-out/videos/missing.mp4"}), 404)
+        assert "is a folder" in _error(client.post(frames, json={"source": "held-out/videos"}), 400)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
         chat = {"model": "builtin", "messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": outside.as_uri()}}, {"type": "text", "text": QUESTION}]}]}
@@ -554,6 +556,46 @@ def test_the_server_stops_gracefully_on_every_stopping_signal_it_was_not_started
             signal.signal(number, handler)
     assert inside == {name: signal.SIG_IGN if name == ignored else server.handle_exit
                       for name in ("SIGINT", "SIGTERM", "SIGHUP")}
+
+
+def test_a_feed_the_server_stops_answers_how_to_go_on_and_goes_on_from_there(tmp_path):
+    """Before: Ctrl-C during a feed of a file waited out the graceful shutdown, then cancelled the feed's request
+    (a plain-text 500, a traceback in the log), and a feed could only start the file over."""
+    media = tmp_path / "media"
+    media.mkdir()
+    write_test_video(media / "long.mp4", frames=1500, fps=10)
+    state = tmp_path / "state"
+    server = Server(state, media, "--no-page", "--save-every-seconds", "3600").start()
+    answers = []
+    try:
+        with server.client() as client:
+            stream = _create(client, max_fps=None, horizon_frames=None)
+            feeding = threading.Thread(target=lambda: answers.append(client.post(
+                f"/v1/streams/{stream}/frames", json={"source": "long.mp4"})))
+            feeding.start()
+            deadline = time.monotonic() + 60
+            while (client.get(f"/v1/streams/{stream}").json().get("feed") or {}).get("offered", 0) < 20:
+                assert time.monotonic() < deadline and feeding.is_alive()
+                time.sleep(0.1)
+            server.process.send_signal(signal.SIGINT)
+            feeding.join(timeout=60)
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(timeout=30)
+        server.stop()
+    assert server.process.returncode == 130 and "Traceback" not in server.printed()
+    message = _error(answers[0], 503)
+    skip = int(re.search(r'"skip": (\d+)\}', message).group(1))
+    assert message.startswith("the server is stopping: feeding long.mp4 stopped after ") and 20 <= skip < 1500
+    again = Server(state, media, "--no-page").start()
+    try:
+        with again.client() as client:
+            assert client.get(f"/v1/streams/{stream}").json()["frames"] == skip  # every frame fed was saved
+            fed = client.post(f"/v1/streams/{stream}/frames", json={"source": "long.mp4", "skip": skip}).json()
+            assert (fed["offered"], fed["frames"], fed["seconds"]) == (1500 - skip, 1500, 149.9)  # time goes on
+            _error(client.post(f"/v1/streams/{stream}/frames", json={"source": "long.mp4", "skip": -1}), 400)
+    finally:
+        again.stop()
 
 
 def test_a_port_in_use_or_a_host_not_of_this_machine_stops_a_start_at_once(tmp_path):

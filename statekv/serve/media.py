@@ -29,6 +29,8 @@ def resolve_source(media_root: Path | None, source: object) -> Path:
         real = Path(os.path.realpath(candidate))
         if real != root and root not in real.parents:
             raise ServiceError(403, f"source {shown} is outside the media root")
+        if real.is_dir():
+            raise ServiceError(400, f"source {shown} is a folder: name a video file in it")
         if not real.is_file():
             raise ServiceError(404, f"source {shown}: no such file under the media root")
     except OSError as error:  # a name too long for the filesystem, a component that is not a folder...

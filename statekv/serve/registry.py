@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import secrets
@@ -60,6 +61,7 @@ class StreamRegistry:
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
+        self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_feeds`)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
 
@@ -301,11 +303,18 @@ class StreamRegistry:
         except StateKVError as error:
             raise ServiceError(400, public_message(str(error), {str(path): shown})) from None
 
+    def stop_feeds(self) -> None:
+        """The server is stopping: every feed ends after the frame it is pushing, answering with a one-line 503
+        that says how to go on (``skip``), so its request ends before the server's graceful shutdown does."""
+        self.stopping = True
+
     async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
-                   video: Any = None) -> dict[str, Any]:
+                   video: Any = None, skip: int = 0) -> dict[str, Any]:
         """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
         ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
-        the server's path); ``video``: the file already opened with `open_source`.
+        the server's path); ``video``: the file already opened with `open_source`; ``skip``: the file's first
+        frames at the stream's rate that are not pushed (those a feed cut short pushed already; the first one
+        pushed is then timed at ``start``).
 
         Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
         streams step together. Progress and any error stay in ``entry.feed``."""
@@ -317,18 +326,28 @@ class StreamRegistry:
         if video is None:
             video = await self.open_source(path, shown)
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        entry.feed = feed = Feed(shown, frames_at_rate(video, entry.max_fps))
+        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip))
         try:
             async with entry.lock:
                 if start is None:
                     start = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
-                frames = iter(video.sample_at_rate(rate))
+                frames, skipped, shift = iter(video.sample_at_rate(rate)), 0, None
                 upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
                 try:
                     while (frame := await upcoming) is not None:
                         # the next frame decodes while this one is pushed, so its push follows at once
                         upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
-                        feed.kept += await self._push_held(entry, frame.image, start + frame.timestamp)
+                        if skipped < skip:
+                            skipped += 1
+                            continue
+                        if self.stopping:
+                            raise ServiceError(503, f"the server is stopping: feeding {shown} stopped after "
+                                               f"{skip + feed.offered} of its frames; once the server is back, "
+                                               f"send {{\"source\": {json.dumps(shown)}, \"skip\": "
+                                               f"{skip + feed.offered}}} to go on", headers={"Retry-After": "10"})
+                        if shift is None:  # skipping, the first frame pushed is at start; else as the file says
+                            shift = start - frame.timestamp if skip else start
+                        feed.kept += await self._push_held(entry, frame.image, shift + frame.timestamp)
                         feed.offered += 1
                 finally:
                     with contextlib.suppress(BaseException):

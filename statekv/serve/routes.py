@@ -5,6 +5,7 @@ check, and answers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Annotated, Any
 
@@ -96,13 +97,17 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
     kind = media_type(request)
     if kind == "application/json":
         body = await read_json(request, config.max_body_bytes)
-        unknown = sorted(set(body) - {"source", "t"})
+        unknown = sorted(set(body) - {"source", "t", "skip"})
         if unknown or "source" not in body:
             raise ServiceError(400, "a JSON frames body is {\"source\": PATH} (and optionally \"t\": the "
-                               "stream time of its first frame)")
+                               "stream time of its first frame, and \"skip\": how many of its first frames to "
+                               "leave out)")
+        skip = body.get("skip", 0)
+        if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+            raise ServiceError(400, f"skip must be a whole number of frames, 0 or more; got {json.dumps(skip)[:40]}")
         start = _seconds(body.get("t"))
         path = resolve_source(config.media_root, body["source"])
-        fed = await registry.feed(entry, path, start, shown=body["source"])
+        fed = await registry.feed(entry, path, start, shown=body["source"], skip=skip)
         return {**fed, **entry.describe()}
     if kind not in IMAGE_TYPES:
         raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "

@@ -1,7 +1,8 @@
-"""uvicorn's server for an app of `statekv.serve.app.create_app`: as it stops, it first ends every client's feed
+"""uvicorn's server for an app of `statekv.serve.app.create_app`. As it stops, it first ends every client's feed
 of watch events (``GET /v1/streams/{id}/events``), which never ends of itself and would otherwise hold uvicorn's
-graceful shutdown until its timeout, then be cancelled with a traceback. A SIGHUP (the terminal closed) stops it
-as uvicorn's SIGTERM does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
+graceful shutdown until its timeout, then be cancelled with a traceback; and every feed of a video file, which
+ends at its next frame, answering how to go on. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
+does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ class AppServer(uvicorn.Server):
 
     def __init__(self, app: Any, **options: Any):
         super().__init__(uvicorn.Config(app, **options))
-        self.watch_hub = app.state.service.watch_hub
+        self.watch_hub, self.registry = app.state.service.watch_hub, app.state.service.registry
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self.watch_hub.close()
+        self.registry.stop_feeds()  # a feed's request ends at its next frame, answered, not cancelled
         await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager

@@ -104,8 +104,9 @@ class ReplicaHosting(Hosting):
         while not service.watch_hub.closed:
             try:
                 if await asyncio.to_thread(self.stopping):
-                    log.info("the deployment is stopping: ending the clients' feeds of watch events")
+                    log.info("the deployment is stopping: ending the clients' feeds of watch events and of files")
                     service.watch_hub.close()
+                    service.registry.stop_feeds()
                 failing = False
             except Exception as error:  # noqa: BLE001 - asked again next time (the controller may be restarting)
                 (log.debug if failing else log.warning)("cannot tell whether the deployment is stopping (asked "
