@@ -540,7 +540,9 @@ def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id
         raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
     if check_owner(owner) is None:
         if saved_owner is not None:
-            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it")
+            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it "
+                             f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
+                             f"statekv reown {path}")
         return
     if saved_owner is None:
         raise InputError(f"{path}: the stream belongs to no owner, not to the owner given")

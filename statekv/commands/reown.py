@@ -33,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
     if args.owner is not None and not args.owner.strip():
         raise ConfigurationError("--owner is empty: name who owns it, or leave --owner out for no owner")
     where = reown(args.path, args.owner)
-    print(f"{where}: owned by {'the owner given' if args.owner is not None else 'no one'} on this installation")
+    print(f"{where}: owned by {repr(args.owner) if args.owner is not None else 'no one'} on this installation")
     return 0
