@@ -28,6 +28,7 @@ class Feed:
     total: int | None
     offered: int = 0
     kept: int = 0
+    skipped: int = 0
     running: bool = True
     error: str | None = None
 

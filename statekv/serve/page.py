@@ -327,7 +327,7 @@ class StreamPage:
 
     async def feed(self, entry, path: Path, name: str, video) -> None:
         try:
-            await self.registry.feed(entry, path, None, shown=name, video=video)
+            await self.registry.feed(entry, path, None, shown=name, video=video, resumable=False)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:

@@ -309,12 +309,13 @@ class StreamRegistry:
         self.stopping = True
 
     async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
-                   video: Any = None, skip: int = 0) -> dict[str, Any]:
+                   video: Any = None, skip: int = 0, resumable: bool = True) -> dict[str, Any]:
         """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
         ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
         the server's path); ``video``: the file already opened with `open_source`; ``skip``: the file's first
-        frames at the stream's rate that are not pushed (those a feed cut short pushed already; the first one
-        pushed is then timed at ``start``).
+        frames at the stream's rate that are not pushed (those a feed cut short pushed already: without
+        ``start``, the rest go on as that feed would have placed them); ``resumable``: a stop's message may tell
+        the client to send ``skip`` (not for a page's upload, which is gone by then).
 
         Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
         streams step together. Progress and any error stay in ``entry.feed``."""
@@ -329,24 +330,22 @@ class StreamRegistry:
         entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip))
         try:
             async with entry.lock:
-                if start is None:
-                    start = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
-                frames, skipped, shift = iter(video.sample_at_rate(rate)), 0, None
+                shift, last_skipped = None, None
+                if start is None and not skip:
+                    shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
+                frames = iter(video.sample_at_rate(rate))
                 upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
                 try:
                     while (frame := await upcoming) is not None:
                         # the next frame decodes while this one is pushed, so its push follows at once
                         upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
-                        if skipped < skip:
-                            skipped += 1
-                            continue
                         if self.stopping:
-                            raise ServiceError(503, f"the server is stopping: feeding {shown} stopped after "
-                                               f"{skip + feed.offered} of its frames; once the server is back, "
-                                               f"send {{\"source\": {json.dumps(shown)}, \"skip\": "
-                                               f"{skip + feed.offered}}} to go on", headers={"Retry-After": "10"})
-                        if shift is None:  # skipping, the first frame pushed is at start; else as the file says
-                            shift = start - frame.timestamp if skip else start
+                            raise await self._feed_stopped(entry, shown, skip + feed.offered, resumable)
+                        if skip > feed.skipped:
+                            feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
+                            continue
+                        if shift is None:
+                            shift = _resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped, rate)
                         feed.kept += await self._push_held(entry, frame.image, shift + frame.timestamp)
                         feed.offered += 1
                 finally:
@@ -366,6 +365,21 @@ class StreamRegistry:
         finally:
             feed.running = False
         return {"source": shown, "offered": feed.offered, "kept": feed.kept}
+
+    async def _feed_stopped(self, entry: StreamEntry, shown: str, taken: int, resumable: bool) -> ServiceError:
+        """The 503 of a feed the server's stop ended after ``taken`` of its file's frames, once what it pushed is
+        saved (a save at shutdown may never come: a second Ctrl-C skips it)."""
+        try:
+            await self.worker.run(self.save_now, entry)
+        except StateKVError as error:
+            why = self.config.public(reason_of(error))
+            return ServiceError(503, f"the server is stopping: feeding {shown} stopped after {taken} of its frames, "
+                                f"which could not be saved ({why}); once the server is back, its resume_from says "
+                                "what the stream holds", headers={"Retry-After": "10"})
+        then = (f"once the server is back, send {{\"source\": {json.dumps(shown)}, \"skip\": {taken}}} to go on"
+                if resumable else "once the server is back, feed the rest again")
+        return ServiceError(503, f"the server is stopping: feeding {shown} stopped after {taken} of its frames, "
+                            f"saved; {then}", headers={"Retry-After": "10"})
 
     # -- asking --------------------------------------------------------------------------------------------
     async def ask(self, entry: StreamEntry, question: str, max_new_tokens: int, retrieve: Any,
@@ -551,6 +565,18 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
     if max_fps is None:
         return video.num_frames
     return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
+
+
+def _resumed_shift(last: float | None, start: float | None, first: float, last_skipped: float | None,
+                   rate: float) -> float:
+    """What a feed adds to its file's timestamps: ``start`` (given) places its first frame pushed (file time
+    ``first``) there; else a feed that skipped frames goes on as the feed cut short after ``last_skipped`` placed
+    them (the stream's ``last`` frame being that one; on a new stream, on the file's own ticks at ``rate``)."""
+    if start is not None:
+        return start - first if last_skipped is not None else start
+    if last is not None:
+        return last - last_skipped
+    return -math.floor(last_skipped * rate + 1e-9) / rate
 
 
 def _next_time(entry: StreamEntry) -> float:

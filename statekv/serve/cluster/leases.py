@@ -163,13 +163,12 @@ class Leases:
         """Remove the lease file and history of a stream this holder failed to make, whatever they hold (a lease
         half taken, or none), unless another holder's lease is there."""
         with self._locked(stream_id, create=False) as handle:
-            if handle is None:
-                return
-            with contextlib.suppress(ServiceError):  # unreadable: what this holder's failed taking left
-                current = _current(handle, stream_id)
-                if current is not None and current.holder != self.holder:
-                    return
-            self.path(stream_id).unlink(missing_ok=True)
+            if handle is not None:
+                with contextlib.suppress(ServiceError):  # unreadable: what this holder's failed taking left
+                    current = _current(handle, stream_id)
+                    if current is not None and current.holder != self.holder:
+                        return
+                self.path(stream_id).unlink(missing_ok=True)
             self.path(stream_id).with_suffix(".history").unlink(missing_ok=True)
 
     def history(self, stream_id: str) -> list[dict]:
