@@ -766,6 +766,10 @@ def test_results_json_and_paper_table(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "a-copy")
     with pytest.raises(ValueError, match="two runs give InternVL3-1B / StateKV B=4096 on videomme"):
         ev.paper_table([tmp_path / "a", tmp_path / "a-copy"])
+    for run, mode in (("a", "offline"), ("a-copy", "streaming")):  # what tells them apart is named
+        (tmp_path / run / "run.json").write_text(json.dumps({"settings": {"benchmark": "videomme", "mode": mode}}))
+    with pytest.raises(ValueError, match=r"\(they differ in mode: offline, streaming\); the table takes one"):
+        ev.paper_table([tmp_path / "a", tmp_path / "a-copy"])
 
 
 def test_method_labels():

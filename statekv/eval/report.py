@@ -120,6 +120,18 @@ def _check_summary(path: Path, summary: Any) -> None:
                 field(result, optional, (int,), where)
 
 
+def _how_they_differ(first: Path | str, second: Path | str) -> str:
+    """The settings two runs' ``run.json`` record differently, as "" or "(they differ in mode: offline, streaming)"."""
+    try:
+        a, b = (json.loads((Path(run) / "run.json").read_text())["settings"] for run in (first, second))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return ""
+    differ = [f"{name}: {a.get(name)}, {b.get(name)}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    return f" (they differ in {'; '.join(differ[:3])})" if differ else ""
+
+
 def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
     """Markdown table like the paper's Table 1: one row per (model, method), one column per
     benchmark, headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a
@@ -146,7 +158,8 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
         row = (model, summary["method_label"])
         key = (model, row[1], benchmark)
         if key in sources:
-            raise DataError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}")
+            raise DataError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}"
+                            f"{_how_they_differ(sources[key], run_dir)}; the table takes one of each")
         sources[key] = run_dir
         if model not in models:
             models.append(model)
