@@ -565,7 +565,7 @@ def test_a_feed_the_server_stops_answers_how_to_go_on_and_goes_on_from_there(tmp
     (a plain-text 500, a traceback in the log), and a feed could only start the file over."""
     media = tmp_path / "media"
     media.mkdir()
-    write_test_video(media / "long.mp4", frames=6000, fps=25)  # 240 s: 480 frames at 2 fps
+    write_test_video(media / "long.mp4", frames=3000, fps=25)  # 120 s: 240 frames at 2 fps
     state = tmp_path / "state"
     server = Server(state, media, "--no-page", "--save-every-seconds", "3600").start()
     answers = []
@@ -588,15 +588,15 @@ def test_a_feed_the_server_stops_answers_how_to_go_on_and_goes_on_from_there(tmp
     assert server.process.returncode == 130 and "Traceback" not in server.printed()
     message = _error(answers[0], 503)
     skip = int(re.search(r'"skip": (\d+)\}', message).group(1))
-    assert message.startswith("the server is stopping: feeding long.mp4 stopped after ") and 20 <= skip < 480
+    assert message.startswith("the server is stopping: feeding long.mp4 stopped after ") and 20 <= skip < 240
     again = Server(state, media, "--no-page").start()
     try:
         with again.client() as client:
             assert client.get(f"/v1/streams/{stream}").json()["frames"] == skip  # every frame fed was saved
             fed = client.post(f"/v1/streams/{stream}/frames", json={"source": "long.mp4", "skip": skip}).json()
             # as one feed: every frame kept on its own tick (the file's frames lie just after theirs), none twice
-            assert (fed["offered"], fed["kept"], fed["frames"]) == (480 - skip, 480 - skip, 480)
-            assert fed["seconds"] == pytest.approx(239.52)
+            assert (fed["offered"], fed["kept"], fed["frames"]) == (240 - skip, 240 - skip, 240)
+            assert fed["seconds"] == pytest.approx(119.52)
             _error(client.post(f"/v1/streams/{stream}/frames", json={"source": "long.mp4", "skip": -1}), 400)
     finally:
         again.stop()
