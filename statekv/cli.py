@@ -41,6 +41,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        if message.endswith(": expected one argument"):  # argparse reads a value that starts with '-' as a flag
+            flag = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+            message += f" (a value that starts with '-' is given as {flag}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):

@@ -231,6 +231,10 @@ def test_bad_options(files, capsys):
     assert "invalid choice" in _usage_error(capsys, [*base, "--method", "sliding"])
     assert "SECONDS:QUESTION" in _usage_error(capsys, ["stream", files["video"], "--model", files["model"],
                                                         "--ask", "soon:Why?"])
+    assert "(a value that starts with '-' is given as --ask=VALUE)" in _usage_error(
+        capsys, ["stream", files["video"], "--model", files["model"], "--ask", "-5:Why?"])
+    assert "SECONDS:QUESTION" in _usage_error(capsys, ["stream", files["video"], "--model", files["model"],
+                                                        "--ask=-5:Why?"])
     assert "required" in _usage_error(capsys, ["answer", files["video"], "Why?"])
     assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "0"])
     assert "positive integer" in _usage_error(capsys, [*base, "--vision-batch", "1.5"])
