@@ -4,8 +4,7 @@ The public names below load on first use (PEP 562): importing the package, or th
 torch nor transformers, so the ``statekv`` command is running, and takes a Ctrl-C in one line, while they load.
 """
 
-import importlib
-
+from .lazy_names import names_on_first_use
 from .torchvision_check import check_before_transformers
 
 check_before_transformers()  # transformers would report a broken torchvision misleadingly
@@ -28,19 +27,4 @@ _HOMES = {
     "statekv.api.recent": ("RecentFrames",),
     "statekv.api.stream": ("Stream",),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-__all__ = sorted(_HOME_OF)
-
-
-def __getattr__(name: str):
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'statekv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups find it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = names_on_first_use(globals(), _HOMES)

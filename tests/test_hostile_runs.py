@@ -416,22 +416,28 @@ def test_a_signal_during_an_evaluation_keeps_its_answers_and_a_rerun_finishes(tm
     assert len(qids) == len(set(qids)) == len(ev.load_benchmark("synthetic", data))
 
 
-def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
+def _command(body: str, ignoring: str | None = None) -> subprocess.Popen:
+    """A child running ``body`` (the source of a function's body) as a ``statekv`` command (`run_command`), started
+    ignoring the signal named ``ignoring`` (as ``nohup`` starts one ignoring SIGHUP)."""
     script = ("import os, signal, sys, time\n"
-              "from statekv.console import run_command\n"
-              "def body():\n"
-              "    try:\n"
-              "        print('ready', flush=True)\n"
-              "        while True: time.sleep(0.01)\n"
-              "    except KeyboardInterrupt:\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)  # a second signal while saving\n"
-              "        time.sleep(0.2)\n"
-              "        print('saved', flush=True)\n"
-              "        raise\n"
-              "sys.exit(run_command('x', body))\n")
+              + (f"signal.signal(signal.{ignoring}, signal.SIG_IGN)\n" if ignoring else "")
+              + "from statekv.console import run_command\n"
+              "def body():\n" + "".join(f"    {line}\n" for line in body.splitlines())
+              + "sys.exit(run_command('x', body))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
+    child = _command("try:\n"
+                     "    print('ready', flush=True)\n"
+                     "    while True: time.sleep(0.01)\n"
+                     "except KeyboardInterrupt:\n"
+                     "    os.kill(os.getpid(), signal.SIGTERM)  # a second signal while saving\n"
+                     "    time.sleep(0.2)\n"
+                     "    print('saved', flush=True)\n"
+                     "    raise")
     out, err = _signal_after(child, "ready", signal.SIGHUP)
     assert child.returncode == 128 + signal.SIGHUP and out == "ready\nsaved\n" and "stopped by SIGHUP" in err
 
@@ -439,17 +445,10 @@ def test_a_second_signal_does_not_cut_the_save_of_the_first(tmp_path):
 def test_a_command_started_by_nohup_runs_on_when_its_terminal_closes():
     """A command started ignoring SIGHUP (``nohup``) keeps it ignored, and a SIGTERM still stops it; before, its
     own handler replaced the ignore and a closed terminal stopped it."""
-    script = ("import sys, time\n"
-              "from statekv.console import run_command\n"
-              "def body():\n"
-              "    print('ready', flush=True)\n"
-              "    time.sleep(1.5)\n"
-              "    print('still running', flush=True)\n"
-              "    time.sleep(60)\n"
-              "sys.exit(run_command('x', body))\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    child = _command("print('ready', flush=True)\n"
+                     "time.sleep(1.5)\n"
+                     "print('still running', flush=True)\n"
+                     "time.sleep(60)", ignoring="SIGHUP")
     assert child.stdout.readline() == "ready\n"
     child.send_signal(signal.SIGHUP)
     out, err = _signal_after(child, "still running", signal.SIGTERM)

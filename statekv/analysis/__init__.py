@@ -10,26 +10,12 @@
 `command` is ``statekv analyze``.
 """
 
-import importlib
+from ..lazy_names import names_on_first_use
 
-_HOMES = {  # loaded on first use (PEP 562): ``statekv analyze``'s parser is built without the engine
+_HOMES = {  # loaded on first use: ``statekv analyze``'s parser is built without the engine
     ".accumulator": ("PAPER_BUDGETS", "PAPER_WINDOWS", "AnalysisSettings", "AttentionStatistics"),
     ".recording": ("RecordScores",),
     ".runner": ("ApproximationErrors", "Step", "analyze_attention", "approximation_errors", "measure_attention",
                 "policy_label", "text_steps"),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-__all__ = sorted(_HOME_OF)
-
-
-def __getattr__(name: str):
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'statekv.analysis' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = names_on_first_use(globals(), _HOMES)

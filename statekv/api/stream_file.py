@@ -60,6 +60,7 @@ from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
 from ..errors import ConfigurationError, InputError, OutputError
+from ..flushing import flush_file
 from ..locks import FileLock
 from ..models import LayoutState
 from ..settings.values import check_int, check_output_file
@@ -120,7 +121,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     try:
         _remove_stale_partials(path)
         save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
-        _flush_to_disk(partial)  # before the rename: a power loss never leaves the name on a file not yet written
+        flush_file(partial)  # before the rename
         if not lock.owns():  # its lock file was removed or replaced: another save may own the name now
             partial.unlink(missing_ok=True)
             raise OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it "
@@ -134,14 +135,6 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     finally:
         lock.release()
     return path
-
-
-def _flush_to_disk(path: Path) -> None:
-    handle = os.open(path, os.O_RDWR)  # some systems flush only a file open for writing
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..flushing import write_flushed
 from ..locks import FileLock
 
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
@@ -394,10 +395,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` whole or not at all: nothing is left beside it when the write fails (a full disk)."""
     partial = path.with_name(path.name + ".partial")
     try:
-        with open(partial, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_flushed(partial, data)
         os.replace(partial, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
+from ...flushing import write_flushed
 from ...locks import FolderLock
 
 FORMAT = "statekv-disk-cache"
@@ -65,14 +66,6 @@ def write_checked(path: Path, fields: dict[str, Any]) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def write_flushed(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and flush it to the disk (before a rename makes it the file others read)."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def read_checked(path: Path) -> dict[str, Any]:

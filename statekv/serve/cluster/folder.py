@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError, StateKVError
+from ...flushing import flush_file, write_flushed
 from ..errors import ServiceError
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
@@ -144,7 +145,7 @@ class SharedStreamFiles(StreamFiles):
         partial = final.with_name(f"{final.name}.{self.holder}.partial")
         try:
             write(partial)
-            _sync(partial)
+            flush_file(partial)
             if self.store is None:
                 with self.leases.fenced(lease):
                     os.replace(partial, final)
@@ -190,10 +191,7 @@ class SharedStreamFiles(StreamFiles):
     def _commit(self, lease: Lease, path: Path, data: bytes) -> None:
         partial = path.with_name(f"{path.name}.{self.holder}.partial")
         try:
-            with open(partial, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            write_flushed(partial, data)
             with self.leases.fenced(lease):
                 os.replace(partial, path)
         finally:
@@ -261,6 +259,3 @@ class SavesInStore:
             log.warning("cannot prune old objects of stream %s in %s: %s", stream_id, self.objects.url, error)
 
 
-def _sync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())

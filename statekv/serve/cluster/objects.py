@@ -18,6 +18,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from ...flushing import write_flushed
 from ..errors import StorageError
 
 log = logging.getLogger("statekv.serve")
@@ -151,7 +152,7 @@ class ObjectStore:
         partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            _write_synced(partial, data)
+            write_flushed(partial, data)
             os.link(partial, target)  # fails when the name exists: the first writer wins, whole
         except FileExistsError:
             return False
@@ -166,18 +167,11 @@ class ObjectStore:
         partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            _write_synced(partial, data)
+            write_flushed(partial, data)
             os.replace(partial, target)
         except OSError as error:
             partial.unlink(missing_ok=True)
             raise self.error("write", name, error) from None
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
