@@ -1,13 +1,15 @@
 """What an answer over HTTP needs around `Stream.ask_tokens`: the question's room checked (`prompt_tokens`), and an
-answer given token by token stopped once its client has gone away (`streamer_arguments`, `ClientLeft`)."""
+answer stopped between two tokens once its client has gone away (`ClientLeft`) or once the server, stopping, can wait
+no longer (`ServerStopped`): `answer_arguments` and `check_answer`."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ..errors import QuestionTooLong
 from .errors import ServiceError
-from .sse import ClientGone
+from .sse import StopOnceSet
 
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
@@ -29,15 +31,37 @@ class ClientLeft(ServiceError):
         super().__init__(499, f"the answer was stopped after {tokens} tokens: its client went away")
 
 
-def streamer_arguments(streamer: Any) -> dict[str, Any]:
-    """``generate``'s arguments for answering token by token through ``streamer`` (a `sse.TokenStreamer`): the
-    streamer, and a stop once its client has gone away."""
+class ServerStopped(ServiceError):
+    """The server stopped answering before this answer was whole (its graceful shutdown running out): the answer was
+    stopped between two tokens (after ``tokens``; None: before it began) and is not recorded. The stream is
+    unchanged, so the question can be asked again."""
+
+    def __init__(self, tokens: int | None):
+        what = "the question was not answered" if tokens is None else \
+            f"the answer was stopped after {tokens} tokens and is not recorded"
+        super().__init__(503, f"the server is stopping: {what}; ask again once the server is back",
+                         headers={"Retry-After": "10"})
+
+
+def answer_arguments(stopping: threading.Event, streamer: Any = None) -> dict[str, Any]:
+    """``generate``'s arguments for an answer over HTTP: a stop once ``stopping`` is set (the server can wait for
+    answers no longer) and, answering token by token through ``streamer`` (a `sse.TokenStreamer`), the streamer and
+    a stop once its client has gone away."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-    return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([ClientGone(streamer.gone)])}
+    if streamer is None:
+        return {"stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping)])}
+    return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping),
+                                                                             StopOnceSet(streamer.gone)])}
 
 
-def check_still_there(streamer: Any) -> None:
-    """`ClientLeft` when the client answered through ``streamer`` has gone away."""
+def check_answer(kwargs: dict[str, Any], tokens: Any = None) -> None:
+    """`ClientLeft` when the client answered through ``kwargs``' streamer has gone away; `ServerStopped` when the
+    server stopped answering before the answer (its token ids ``[1, N]``, once given) was whole. ``kwargs``: what
+    `answer_arguments` made, among the answer's other arguments."""
+    streamer = kwargs.get("streamer")
     if streamer is not None and streamer.gone.is_set():
         raise ClientLeft(streamer.tokens)
+    server = kwargs["stopping_criteria"][0]
+    if server.stopped or (tokens is None and server.event.is_set()):
+        raise ServerStopped(None if tokens is None else int(tokens.shape[1]))

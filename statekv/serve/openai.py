@@ -26,7 +26,7 @@ from ..errors import StateKVError
 from .errors import ServiceError, error_body
 from .limits import read_json
 from .media import resolve_file_url
-from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
+from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, answer_task, pieces_until
 from .sse import EventStream, TokenStreamer, event
 
@@ -133,19 +133,19 @@ async def chat(request: Request, service: Served):
 
 def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:
     """Encode a file with the server's default settings and answer (on the model's thread)."""
-    kwargs = {"max_new_tokens": max_new} | (streamer_arguments(streamer) if streamer is not None else {})
+    kwargs = {"max_new_tokens": max_new, **answer_arguments(service.registry.answers_stopping, streamer)}
     try:
-        check_still_there(streamer)
+        check_answer(kwargs)
         with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
             prompt = prompt_tokens(video, question, max_new)
-            check_still_there(streamer)
+            check_answer(kwargs)
             tokens = video.ask_tokens(question, **kwargs)
-            check_still_there(streamer)
+            check_answer(kwargs, tokens)
             context, completion = video.tokens + prompt, int(tokens.shape[1])
             return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
                     "usage": {"prompt_tokens": context, "completion_tokens": completion,
                               "total_tokens": context + completion}}
-    except ClientLeft:
+    except (ClientLeft, ServerStopped):
         service.metrics.stopped.inc()
         raise
 

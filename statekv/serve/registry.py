@@ -23,13 +23,14 @@ import logging
 import math
 import secrets
 import shutil
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..errors import HorizonError, OutputError, StateKVError
-from .answering import ClientLeft, check_still_there, prompt_tokens, streamer_arguments
+from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
 from .errors import ServiceError, public_message
@@ -62,6 +63,7 @@ class StreamRegistry:
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
         self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_feeds`)
+        self.answers_stopping = threading.Event()  # the server can wait for answers no longer (`stop_answers`)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
 
@@ -308,6 +310,11 @@ class StreamRegistry:
         that says how to go on (``skip``), so its request ends before the server's graceful shutdown does."""
         self.stopping = True
 
+    def stop_answers(self) -> None:
+        """The server can wait no longer: every answer still being given stops at its next token, answering with a
+        one-line 503 (`ServerStopped`), and is not recorded."""
+        self.answers_stopping.set()
+
     async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
                    video: Any = None, skip: int = 0, resumable: bool = True) -> dict[str, Any]:
         """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
@@ -387,9 +394,8 @@ class StreamRegistry:
         """Answer from everything the stream holds; the result also names the frames and stream time it refers
         to, the tokens it read and wrote (``usage``) and how long it took (``latency``, queueing included)."""
         await self.heal(entry)  # the page asks a stream it holds, not found again
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "retrieve": retrieve}
-        if streamer is not None:
-            kwargs.update(streamer_arguments(streamer))
+        kwargs = {"max_new_tokens": max_new_tokens, "retrieve": retrieve,
+                  **answer_arguments(self.answers_stopping, streamer)}
         started = time.perf_counter()
         queue = getattr(self.worker, "queue_ask", None)
         try:
@@ -400,7 +406,7 @@ class StreamRegistry:
                 result = await queue(stream, question, kwargs,
                                      before=lambda: self._before_ask(entry, question, kwargs, stream),
                                      after=lambda prompt, tokens: self._after_ask(entry, prompt, tokens, kwargs))
-        except ClientLeft:
+        except (ClientLeft, ServerStopped):
             if self.metrics:
                 self.metrics.stopped.inc()
             raise
@@ -432,14 +438,14 @@ class StreamRegistry:
         if stream.frames == 0 and not stream.pending:
             raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
         prompt = prompt_tokens(stream, question, kwargs["max_new_tokens"])
-        check_still_there(kwargs.get("streamer"))
+        check_answer(kwargs)
         return prompt
 
     @staticmethod
     def _after_ask(entry: StreamEntry, prompt: int, tokens: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer ``tokens`` ``[1, N]`` with the frames and stream time it refers to (on the model's thread,
         right after it, before any later push)."""
-        check_still_there(kwargs.get("streamer"))
+        check_answer(kwargs, tokens)
         stream = entry.stream
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt

@@ -1,11 +1,14 @@
 """uvicorn's server for an app of `statekv.serve.app.create_app`. As it stops, it first ends every client's feed
 of watch events (``GET /v1/streams/{id}/events``), which never ends of itself and would otherwise hold uvicorn's
 graceful shutdown until its timeout, then be cancelled with a traceback; and every feed of a video file, which
-ends at its next frame, answering how to go on. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
+ends at its next frame, answering how to go on. Answers being given may finish until shortly before the graceful
+shutdown's timeout (`ANSWER_MARGIN_SECONDS`); those still running then stop at their next token, answering with a
+one-line 503, rather than be cancelled. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
 does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -13,6 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
+# answers still running this long before the graceful shutdown's timeout (or at half of it, if shorter) are stopped,
+# so that their 503s are written before uvicorn cancels what is left
+ANSWER_MARGIN_SECONDS = 2.0
 
 
 class AppServer(uvicorn.Server):
@@ -25,7 +32,14 @@ class AppServer(uvicorn.Server):
     async def shutdown(self, sockets: list | None = None) -> None:
         self.watch_hub.close()
         self.registry.stop_feeds()  # a feed's request ends at its next frame, answered, not cancelled
-        await super().shutdown(sockets=sockets)
+        timeout = self.config.timeout_graceful_shutdown
+        stop = None if timeout is None else asyncio.get_running_loop().call_later(
+            timeout - min(ANSWER_MARGIN_SECONDS, timeout / 2), self.registry.stop_answers)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if stop is not None:
+                stop.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -18,7 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 
 class TokenStreamer(BaseStreamer):
     """Receives ``generate``'s new token ids on the model's thread; ``pieces`` yields the text they add.
-    ``gone`` is set once the client has gone away (`ClientGone` then stops the generation at its next token);
+    ``gone`` is set once the client has gone away (`StopOnceSet` then stops the generation at its next token);
     ``tokens``: the tokens generated so far. ``on_first_token(seconds)``, where given, is told the time from this
     streamer's making (the answer's start) to the first token generated, whether or not it shows text yet (a
     piece waits for the tokens that complete a character or a word)."""
@@ -58,15 +58,17 @@ class TokenStreamer(BaseStreamer):
             yield piece
 
 
-class ClientGone(StoppingCriteria):
-    """Stops ``generate`` between two tokens once ``gone`` is set (the client that asked went away), so the model
-    is free for the next request."""
+class StopOnceSet(StoppingCriteria):
+    """Stops ``generate`` between two tokens once ``event`` is set (the client that asked went away, or the server
+    is stopping), so the model is free for the next request; ``stopped``: whether it has stopped an answer."""
 
-    def __init__(self, gone: threading.Event):
-        self.gone = gone
+    def __init__(self, event: threading.Event):
+        self.event, self.stopped = event, False
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
+        stop = self.event.is_set()
+        self.stopped = self.stopped or stop
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 def event(data: Any, name: str | None = None) -> str:
