@@ -464,7 +464,8 @@ def test_a_port_ray_serves_proxy_cannot_bind_is_one_line(monkeypatch):
 def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray_env, tmp_path):
     """Replicas asking for more CPUs than the cluster has are never placed, so Ray Serve's deployment never ends;
     a SIGTERM then stops the start as Ctrl-C does (before: it was taken for a stop of the running service, and
-    waited for until the replicas would be up, which was never)."""
+    waited for until the replicas would be up, which was never), and promptly: the replica never placed is ended
+    at once, not after Ray Serve's graceful timeout."""
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
@@ -478,7 +479,9 @@ def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray
                 time.sleep(0.5)
             time.sleep(2)
             server.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             server.wait(timeout=90)
+            stopping = time.monotonic() - signalled
         finally:
             if server.poll() is None:
                 server.kill()
@@ -487,3 +490,5 @@ def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray
     assert server.returncode == 128 + signal.SIGTERM, printed[-3000:]
     assert printed.strip().splitlines()[-1] == "statekv serve: stopped by SIGTERM" and "Traceback" not in printed
     assert "the key above was not kept" in printed and not (tmp_path / "state" / "keys.json").exists()
+    # the replica never placed is ended at once (before: the deletion waited 60 s for it, then failed in the log)
+    assert stopping < 30 and "stopping the application failed" not in printed, (stopping, printed[-3000:])

@@ -3,6 +3,7 @@ SIGTERM, then delete the application (each replica saves its streams and lets th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -102,6 +103,9 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
     finally:
         try:
             if claim is not None:  # another driver's application is not this one's to delete
+                if not serving:  # replicas still waiting for room would hold the deletion for their graceful timeout
+                    serve.delete(cluster.name, _blocking=False)
+                    end_unplaced_replicas(cluster.name)
                 serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
                 if started:
                     serve.shutdown()  # Ray Serve was started here: leave the cluster as it was found
@@ -117,6 +121,29 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
 
 
 DRIVERS_NAMESPACE = "statekv"
+SERVE_NAMESPACE = "serve"  # where Ray Serve names its replicas, "SERVE_REPLICA::<application>#<deployment>#<id>"
+PLACED_SECONDS = 1.0  # a replica of the application being deleted not ready within this is taken as never placed
+
+
+def end_unplaced_replicas(name: str) -> int:
+    """End at once the replicas of application ``name`` that Ray never placed (no room on the cluster), once its
+    deletion has begun: Ray Serve would wait out each one's graceful timeout before ending it (ray-project/ray#50426),
+    yet they never ran, so they hold no stream. Replicas that run are left to stop gracefully. Returns how many
+    were ended."""
+    import ray
+
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor.get("namespace") == SERVE_NAMESPACE and actor["name"].startswith(f"SERVE_REPLICA::{name}#")]
+    handles = []
+    for actor_name in names:
+        with contextlib.suppress(ValueError):  # ended meanwhile
+            handles.append(ray.get_actor(actor_name, namespace=SERVE_NAMESPACE))
+    ready = {handle.__ray_ready__.remote(): handle for handle in handles}
+    placed, _ = ray.wait(list(ready), num_returns=len(ready), timeout=PLACED_SECONDS) if ready else ([], [])
+    unplaced = [handle for ref, handle in ready.items() if ref not in placed]
+    for handle in unplaced:
+        ray.kill(handle, no_restart=True)
+    return len(unplaced)
 
 
 def claim_application(name: str, holder: str) -> Any:
