@@ -162,12 +162,16 @@ def test_a_signal_inside_a_save_stops_after_the_file_is_whole(adapter, reference
     assert _equal(_state(Stream.load(target, stream.qa)), reference[5])
 
 
+# SIGINT's handler as the tests begin: Python's, or, where the runner ignores SIGINT, the conftest's stand-in
+SIGINT_AT_START = signal.getsignal(signal.SIGINT)
+
+
 @pytest.fixture
 def pythons_ctrl_c():
     """Python's own Ctrl-C handler, as a program that installed none has it: a test run a shell started in the
     background inherits SIGINT ignored, and Python then installs no handler of its own."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert previous in (signal.default_int_handler, signal.SIG_IGN)  # no handler an earlier test left behind
+    assert previous in (signal.default_int_handler, SIGINT_AT_START)  # no handler an earlier test left behind
     yield
     signal.signal(signal.SIGINT, previous)
 
