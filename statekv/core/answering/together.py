@@ -203,9 +203,9 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
 
 
 def _stopped(question: Asked, answer: list[int], scores: torch.Tensor) -> bool:
-    """Whether the question's stopping criteria stop its answer now (called as ``generate`` calls them: the prompt
-    and the answer so far ``[1, Q + N]``, this token's scores ``[1, V]``)."""
-    device = scores.device
-    ids = torch.cat([question.prompt.input_ids.to(device), torch.tensor([answer], device=device)], 1)
+    """Whether the question's stopping criteria stop its answer now, called as ``generate`` calls them (the prompt
+    and the answer so far ``[1, Q + N]``, this token's scores ``[1, V]``) but with the ids on the host, where the
+    answer's tokens already are: a criterion that reads the ids alone costs no copy to the device and no wait."""
+    ids = torch.cat([question.prompt.input_ids.cpu(), torch.tensor([answer])], 1)
     criteria = question.stopping if isinstance(question.stopping, (list, tuple)) else [question.stopping]
     return any(bool(criterion(ids, scores[None]).any()) for criterion in criteria)
