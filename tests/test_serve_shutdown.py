@@ -1,23 +1,29 @@
 """Answers still being given when `statekv serve` stops (`statekv.serve.server.AppServer`), on a server in this
 process with a tiny random model whose every answer token is slowed down: an answer under way stops between two
-tokens shortly before the graceful shutdown's timeout, and a question still waiting for the model is not begun; each
-answers a one-line 503."""
+tokens shortly before the graceful shutdown's timeout (at once after a second Ctrl-C), and a question still waiting for
+the model is not begun; each answers a one-line 503. An answer made whole as the stop came is given."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 
+import types
+
 import numpy as np
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("uvicorn")
+prometheus_client = pytest.importorskip("prometheus_client")
 
 import statekv  # noqa: E402
 from statekv import ModelOptions  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
+from statekv.serve.answering import ServerStopped, answer_arguments, check_answer  # noqa: E402
 from statekv.serve.server import AppServer  # noqa: E402
 from statekv.testing import make_tiny_checkpoint  # noqa: E402
 
@@ -37,17 +43,23 @@ def _frame(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_timeout(tmp_path):
-    """Before: uvicorn cancelled them at its timeout (a plain-text 500 and a traceback in the log)."""
+@pytest.mark.parametrize("case", ["batched", "alone", "a second ctrl-c"])
+def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_timeout(tmp_path, case):
+    """Before: uvicorn cancelled them at its timeout (a plain-text 500 and a traceback in the log), and the server
+    waited for the model's thread to finish the answer anyway. ``alone``: answered by ``generate`` (a repetition
+    penalty takes a question out of the batched path); ``a second ctrl-c``: uvicorn's shutdown cut short, the
+    answer must stop all the same."""
     checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112},
                                       text_config={"max_position_embeddings": 2048})  # room for long answers
     qa = statekv.VideoQA.from_pretrained(checkpoint)
+    if case == "alone":
+        qa.adapter.model.generation_config.repetition_penalty = 1.1
     head = qa.adapter.model.get_output_embeddings()
     head.register_forward_pre_hook(lambda module, inputs: time.sleep(TOKEN_SECONDS))
     config = ServeConfig(options=ModelOptions(model=str(checkpoint)), state_dir=tmp_path / "state", api_keys=(KEY,),
                          page=False, save_every_seconds=600)
-    server = AppServer(create_app(config, qa=qa), host="127.0.0.1", port=0, log_level="warning",
-                       timeout_graceful_shutdown=GRACE)
+    app = create_app(config, qa=qa)
+    server = AppServer(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=GRACE)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -69,28 +81,42 @@ def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_tim
         started = threading.Event()
 
         def token_by_token() -> None:
-            with client.stream("POST", f"/v1/streams/{streams[0]}/ask", json={**ask, "stream": True}) as events:
-                replies["events"] = lines = []
+            replies["events"] = lines = []
+            with contextlib.suppress(httpx.HTTPError), client.stream(  # a second Ctrl-C closes the connections
+                    "POST", f"/v1/streams/{streams[0]}/ask", json={**ask, "stream": True}) as events:
                 for line in events.iter_lines():
                     lines.append(line)
                     if line.startswith("data: {\"token\""):
                         started.set()
 
         def plain() -> None:
-            replies["plain"] = client.post(f"/v1/streams/{streams[1]}/ask", json=ask)
+            try:
+                replies["plain"] = client.post(f"/v1/streams/{streams[1]}/ask", json=ask)
+            except httpx.HTTPError as error:  # a second Ctrl-C closes the connections
+                replies["plain"] = error
 
+        worker = app.state.service.worker
         asking = [threading.Thread(target=token_by_token), threading.Thread(target=plain)]
         asking[0].start()
         assert started.wait(timeout=60)
-        asking[1].start()  # waits for the model, busy with the first answer
-        time.sleep(0.5)
+        asking[1].start()
+        while worker.queued < 2:  # the second question waits for the model, busy with the first answer
+            assert time.monotonic() < deadline + 60 and asking[1].is_alive()
+            time.sleep(0.02)
         stopping = time.monotonic()
         server.should_exit = True
+        if case == "a second ctrl-c":
+            time.sleep(0.3)
+            server.force_exit = True
         thread.join(timeout=60)
         stopped = time.monotonic() - stopping
         for asker in asking:
             asker.join(timeout=60)
     assert not thread.is_alive() and stopped < GRACE + 5, stopped  # before: the answer ran on, the server with it
+    if case == "a second ctrl-c":
+        return  # the requests were cancelled, their connections closed: nothing to read
+    counted = prometheus_client.generate_latest(app.state.service.metrics.registry).decode()
+    assert "statekv_answers_stopped_total 2.0" in counted, counted
     events = [line for line in replies["events"] if line]
     assert events[-2] == "event: error", events
     error = json.loads(events[-1].removeprefix("data: "))["error"]
@@ -102,3 +128,23 @@ def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_tim
     assert waiting.status_code == 503 and waiting.headers["retry-after"] == "10", waiting.text
     assert waiting.json()["error"]["message"] == ("the server is stopping: the question was not answered; ask again "
                                                   "once the server is back")
+
+
+def test_an_answer_made_whole_as_the_stop_came_is_not_refused():
+    """``generate`` asks its stopping criteria after the last token too: an answer ended by its end token, or by
+    ``max_new_tokens``, as the server stopped is whole and given; one cut before either is refused."""
+    stopping = threading.Event()
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, 9]))
+    for tokens, refused in (([3, 9], False), ([3, 4, 5], False), ([3, 4], True), ([], True)):
+        kwargs = {"max_new_tokens": 3, **answer_arguments(stopping)}
+        stopping.set()
+        kwargs["stopping_criteria"](torch.tensor([[1, 2, *tokens]]), None)  # the stop seen at the last token
+        if refused:
+            with pytest.raises(ServerStopped, match=f"stopped after {len(tokens)} tokens"):
+                check_answer(kwargs, torch.tensor([tokens], dtype=torch.long).reshape(1, -1), model)
+        else:
+            check_answer(kwargs, torch.tensor([tokens]), model)
+        stopping.clear()
+    with pytest.raises(ServerStopped, match="the question was not answered"):
+        stopping.set()
+        check_answer({"max_new_tokens": 3, **answer_arguments(stopping)})

@@ -55,13 +55,25 @@ def answer_arguments(stopping: threading.Event, streamer: Any = None) -> dict[st
                                                                              StopOnceSet(streamer.gone)])}
 
 
-def check_answer(kwargs: dict[str, Any], tokens: Any = None) -> None:
+def check_answer(kwargs: dict[str, Any], tokens: Any = None, model: Any = None) -> None:
     """`ClientLeft` when the client answered through ``kwargs``' streamer has gone away; `ServerStopped` when the
-    server stopped answering before the answer (its token ids ``[1, N]``, once given) was whole. ``kwargs``: what
-    `answer_arguments` made, among the answer's other arguments."""
+    server stopped answering before the answer (its token ids ``[1, N]``, once given, by ``model``) was whole: an
+    answer that reached its ``max_new_tokens`` or one of ``model``'s end tokens is whole, even where the stop came
+    as its last token was made. ``kwargs``: what `answer_arguments` made, among the answer's other arguments."""
     streamer = kwargs.get("streamer")
     if streamer is not None and streamer.gone.is_set():
         raise ClientLeft(streamer.tokens)
     server = kwargs["stopping_criteria"][0]
-    if server.stopped or (tokens is None and server.event.is_set()):
-        raise ServerStopped(None if tokens is None else int(tokens.shape[1]))
+    if tokens is None:
+        if server.event.is_set():
+            raise ServerStopped(None)
+        return
+    count = int(tokens.shape[1])
+    if server.stopped and count < kwargs["max_new_tokens"] and not (count and int(tokens[0, -1]) in _ends(model)):
+        raise ServerStopped(count)
+
+
+def _ends(model: Any) -> set[int]:
+    """The token ids that end ``model``'s answers (its generation config's)."""
+    ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(ends if isinstance(ends, (list, tuple)) else [] if ends is None else [ends])

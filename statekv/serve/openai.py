@@ -140,7 +140,7 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
             prompt = prompt_tokens(video, question, max_new)
             check_answer(kwargs)
             tokens = video.ask_tokens(question, **kwargs)
-            check_answer(kwargs, tokens)
+            check_answer(kwargs, tokens, video.prefill.model)
             context, completion = video.tokens + prompt, int(tokens.shape[1])
             return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
                     "usage": {"prompt_tokens": context, "completion_tokens": completion,

@@ -445,7 +445,7 @@ class StreamRegistry:
     def _after_ask(entry: StreamEntry, prompt: int, tokens: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer ``tokens`` ``[1, N]`` with the frames and stream time it refers to (on the model's thread,
         right after it, before any later push)."""
-        check_answer(kwargs, tokens)
+        check_answer(kwargs, tokens, entry.stream.prefill.model)
         stream = entry.stream
         completion = int(tokens.shape[1])
         context = stream.tokens + prompt

@@ -37,9 +37,10 @@ class AppServer(uvicorn.Server):
             timeout - min(ANSWER_MARGIN_SECONDS, timeout / 2), self.registry.stop_answers)
         try:
             await super().shutdown(sockets=sockets)
-        finally:
+        finally:  # ended, or cut short by a second Ctrl-C: no client is left to wait for an answer
             if stop is not None:
                 stop.cancel()
+            self.registry.stop_answers()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -105,7 +105,10 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
             if claim is not None:  # another driver's application is not this one's to delete
                 if not serving:  # replicas still waiting for room would hold the deletion for their graceful timeout
                     serve.delete(cluster.name, _blocking=False)
-                    end_unplaced_replicas(cluster.name)
+                    try:
+                        end_unplaced_replicas(cluster.name)
+                    except Exception as error:  # noqa: BLE001 - the deletion below still ends them, only later
+                        logging.getLogger("statekv.serve").warning("cannot end the replicas not started: %s", error)
                 serve.delete(cluster.name)  # graceful: every replica saves its streams, then lets them go
                 if started:
                     serve.shutdown()  # Ray Serve was started here: leave the cluster as it was found
@@ -122,14 +125,15 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
 
 DRIVERS_NAMESPACE = "statekv"
 SERVE_NAMESPACE = "serve"  # where Ray Serve names its replicas, "SERVE_REPLICA::<application>#<deployment>#<id>"
-PLACED_SECONDS = 1.0  # a replica of the application being deleted not ready within this is taken as never placed
+# a replica of the application being deleted that is not ready this long after is taken as not started
+PLACED_SECONDS = 5.0
 
 
 def end_unplaced_replicas(name: str) -> int:
-    """End at once the replicas of application ``name`` that Ray never placed (no room on the cluster), once its
-    deletion has begun: Ray Serve would wait out each one's graceful timeout before ending it (ray-project/ray#50426),
-    yet they never ran, so they hold no stream. Replicas that run are left to stop gracefully. Returns how many
-    were ended."""
+    """End the replicas of application ``name`` that have not started (Ray found no room for them, or their process
+    is still coming up), once its deletion has begun: Ray Serve would wait out each one's graceful timeout before
+    ending one it never placed (ray-project/ray#50426), yet none of them ever held a stream. Replicas that run
+    answer at once and are left to stop gracefully. Returns how many were ended."""
     import ray
 
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
