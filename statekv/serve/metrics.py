@@ -34,9 +34,8 @@ class Metrics:
             self.registry.register(_BatchSizes(question_batch_sizes, QUESTION_BATCH))
         self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
-        self.stopped = Counter("statekv_answers_stopped",
-                               "answers stopped between tokens (or not begun): their client went away, or the server stopped",
-                               registry=self.registry)
+        self.stopped = Counter("statekv_answers_stopped", "answers stopped between tokens (or not begun): their "
+                               "client went away, or the server stopped", registry=self.registry)
         self.errors = Counter("statekv_errors", "requests answered with an error", ["status"], registry=self.registry)
         self.ask_seconds = Histogram("statekv_ask_seconds", "time from a question's arrival to its full answer",
                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=self.registry)
