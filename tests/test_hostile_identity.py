@@ -303,6 +303,8 @@ def _damaged(folder: Path, damage: str) -> None:
         lines = journal.read_bytes().split(b"\n")
         lines[2] = b"{not json"
         journal.write_bytes(b"\n".join(lines))
+    elif damage == "journal cut after its first line":  # format 3: its header alone; format 2: its first push
+        journal.write_bytes(journal.read_bytes().split(b"\n")[0] + b"\n")
     else:
         journal.write_bytes(b"")
 
@@ -312,7 +314,7 @@ def _contents(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file() and path.name != "lock"}
 
 
-@pytest.mark.parametrize("damage", ["carry", "journal line", "journal emptied"])
+@pytest.mark.parametrize("damage", ["carry", "journal line", "journal emptied", "journal cut after its first line"])
 def test_a_damaged_file_set_is_not_re_owned(damage, adapter, secret, tmp_path):
     """Before: `statekv reown` checked a folder's manifest and description only, and re-owned a folder whose
     journal or carried state `Stream.load` then refused."""
@@ -335,10 +337,12 @@ def test_a_damaged_file_set_is_not_re_owned(damage, adapter, secret, tmp_path):
     assert _one_line(again) == _one_line(refused)  # as loading says it
 
 
-@pytest.mark.parametrize("damage", ["carry", "journal line", "layer description"])
+@pytest.mark.parametrize("damage", ["carry", "journal line", "layer description", "journal emptied",
+                                    "journal cut after its first line"])
 def test_a_damaged_file_set_of_format_2_is_refused_as_it_was_found(damage, adapter, secret, tmp_path):
     """Before: `statekv reown` upgraded a damaged format-2 folder to format 3 (its manifest, journal and layer
-    descriptions rewritten) and only then refused it."""
+    descriptions rewritten) and only then refused it; one whose journal was emptied or cut before its first step
+    it re-owned as a stream of no step, which loading then refused."""
     from statekv.cli import main
 
     qa = small_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")

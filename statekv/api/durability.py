@@ -23,6 +23,7 @@ import torch
 from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
 from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
                                    mark_handover, read_backlog, remove_successors)
+from ..core.disk.resume import check_durable
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
@@ -226,8 +227,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         made = journal.manifest.get("geometry")
         if made != geometry.to_dict():
             raise InputError(f"{folder}: made for a cache of {made}, but this model's is {geometry.to_dict()}")
-        if not journal.steps:
-            raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
+        check_durable(folder, journal)
         last = journal.steps[-1]
         if not isinstance(last.get("state"), dict):
             raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..core.disk.files import (FILE_SET, FORMAT_VERSION as SET_VERSION, MANIFEST, check_file_set, hold, read_checked,
                                read_file_set, read_manifest, upgrade_file_set, write_checked)
-from ..core.disk.resume import check_checkpoint
+from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
@@ -54,7 +54,9 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
         if setup.get("format") != SETUP_FORMAT or setup.get("version") not in (1, SETUP_VERSION):
             raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
         if version == 2:  # checked before the upgrade writes: a damaged folder is refused as it was found
-            check_checkpoint(folder, read_file_set(folder, format_2=True))
+            journal = read_file_set(folder, format_2=True)
+            check_durable(folder, journal)
+            check_checkpoint(folder, journal)
             for described in sorted(folder.glob("layer*.bin.json")):
                 read_checked(described)
         try:
@@ -63,7 +65,9 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
         if version == SET_VERSION:
             check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
-        check_checkpoint(folder, read_file_set(folder))
+        journal = read_file_set(folder)
+        check_durable(folder, journal)
+        check_checkpoint(folder, journal)
         setup.update(version=SETUP_VERSION, file_set=manifest[FILE_SET],
                      **ownership(setup.get("stream_id") or new_stream_id(), setup.get("created") or new_created(),
                                  owner))

@@ -102,6 +102,13 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         tier.append({"evict": sorted(set(journal.later_evictions))})
 
 
+def check_durable(folder: Path, journal: Journaled) -> None:
+    """A one-line `InputError` when no step of ``journal`` (`read_file_set`) was durable: there is nothing to resume
+    (a stream closed before its first checkpoint leaves no folder, so here the journal was emptied)."""
+    if not journal.steps:
+        raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
+
+
 def check_checkpoint(folder: Path, journal: Journaled) -> None:
     """A one-line `InputError` when the carried state of ``journal``'s last checkpoint (`read_file_set`) is
     damaged or missing, as `resume` would find it, without a model: the carried state is read and checked, not
