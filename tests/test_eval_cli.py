@@ -111,6 +111,19 @@ def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
     assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", "--method", "full")) == 2
     error = capsys.readouterr().err
     assert "holds a run with method='statekv', not 'full'; use another --out" in error and error.count("\n") == 1
+    # the engine's positions and layouts change answers past the model's range: a resume takes the run's own
+    for flags, held in ((["--positions", "bounded"], "positions=None, not 'bounded'"),
+                        (["--bounded-layout", "own-then-cache"], "bounded_layout=None, not 'own-then-cache'"),
+                        (["--question-span", "0"], "question_span=384, not 0"),
+                        (["--max-cache-bytes", "1G"], "max_cache_bytes=None, not 1073741824")):
+        assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", *flags)) == 2
+        assert f"holds a run with {held}; use another --out" in capsys.readouterr().err
+    run_file = out / "run.json"  # as a statekv that did not record them wrote it: compared with their defaults
+    run = json.loads(run_file.read_text())
+    for name in ("positions", "bounded_layout", "question_span", "max_cache_bytes", "cache_limit"):
+        del run["settings"][name]
+    run_file.write_text(json.dumps(run))
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1")) == 0
 
     assert command.main(["table", str(tmp_path / "missing")]) == 2
     assert "no run directory" in capsys.readouterr().err

@@ -42,7 +42,13 @@ def test_eval_synthetic_runs_resumes_and_scores_per_family(data, tmp_path, capsy
     assert summary["benchmark"] == "synthetic" and summary["method_label"] == "StateKV B=16"
     assert set(summary["score"]["groups"]["task_type"]) == set(FAMILIES) and summary["score"]["missing"] == 0
     assert "| Synthetic |" in (out / "table.md").read_text()
-    assert "on synthetic:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "on synthetic:" in printed
+    families = summary["score"]["groups"]["task_type"]  # and per family, as docs/accuracy.md's tables show them
+    few = [families[name] for name in ("needle", "attribute", "order", "first_last")]
+    correct = sum(family["correct"] for family in few)
+    assert ", ".join(f"{name} {families[name]['accuracy']:.2f}" for name in FAMILIES) in printed
+    assert f"needle, attribute, order and first_last together: {100 * correct / 8:.2f} ({correct} of 8)" in printed
 
 
 def test_an_interrupted_evaluation_loses_and_repeats_nothing(data, tmp_path, monkeypatch):

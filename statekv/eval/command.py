@@ -145,6 +145,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         groups = ", ".join(f"{group} {value:.2f}" for group, value in score["group_scores"].items())
         official = f"; the release's own scoring: {score['official']:.2f}" if score.get("official") is not None else ""
         print(f"groups: {groups}{official}")
+    families = (score.get("groups") or {}).get("task_type") if config.benchmark == "synthetic" else None
+    if families and not score.get("group_scores"):
+        print(_families_line(families))
     print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}", flush=True)
     errors = summary.get("errors") or []
     if errors:  # the scores above are partial: say so, and end non-zero so no script takes them as complete
@@ -154,6 +157,21 @@ def run_benchmark(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return FAILED_RECORDS
     return 0
+
+
+def _families_line(families: dict[str, dict]) -> str:
+    """A synthetic run's accuracy per question family, and over the families answered from one or two frames (the
+    target families of docs/accuracy.md)."""
+    from statekv.synthetic.tasks import FAMILIES, FEW_FRAME_FAMILIES
+
+    shown = ", ".join(f"{name} {families[name]['accuracy']:.2f}" for name in FAMILIES if name in families)
+    few = [families[name] for name in FEW_FRAME_FAMILIES if name in families]
+    if not few:
+        return f"families: {shown}"
+    correct, asked = sum(family["correct"] for family in few), sum(family["questions"] for family in few)
+    names = [name for name in FEW_FRAME_FAMILIES if name in families]
+    together = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    return f"families: {shown}; {together} together: {100 * correct / asked:.2f} ({correct} of {asked})"
 
 
 def _groups(text: str) -> tuple[str, ...]:

@@ -52,6 +52,7 @@ from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
+from statekv.settings.engine import DEFAULT_CACHE_LIMIT, DEFAULT_QUESTION_SPAN
 from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
 from statekv.stopping import note_kept
@@ -69,9 +70,11 @@ GROUPED_BENCHMARKS = ("ovobench", "streamingbench")  # --groups applies
 # one of them existed does not name are compared with their default).
 RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
                 "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
-                "retrieval", "kv_cache_dtype", "mode", "groups", "steer")
+                "retrieval", "kv_cache_dtype", "mode", "groups", "steer", "positions", "bounded_layout",
+                "question_span", "max_cache_bytes", "cache_limit")
 IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None, "groups": None,
-                     "steer": True}
+                     "steer": True, "positions": None, "bounded_layout": None, "question_span": DEFAULT_QUESTION_SPAN,
+                     "max_cache_bytes": None, "cache_limit": DEFAULT_CACHE_LIMIT}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
