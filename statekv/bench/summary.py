@@ -11,6 +11,7 @@ the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy'
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -38,12 +39,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float], None]:
-    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds."""
+    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds, and the run's
+    last line (``now`` infinite) in either case."""
     terminal = sys.stderr.isatty()
     state = {"last": 0.0}
 
     def show(run: Run, now: float) -> None:
-        if not terminal and now - state["last"] < 5.0:
+        if not terminal and now - state["last"] < 5.0 and now != math.inf:
             return
         state["last"] = now
         frames = [r for r in run.requests if r.kind == "frame"]
