@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                "--max-asks", str(SERVER_ASKS)]
 
     limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)  # --find-max's cap
+    client = machine()  # its load before the run adds its own
 
     def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
         probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         with LocalServer(options, threads=threads) as server:
             rows, most = sweep(server.url, server.key)
         where = {"model": model, "options": options, "torch_threads": threads}
-    document = {"command": _command(), "machine": machine(), "server": where,
+    document = {"command": _command(), "machine": client, "server": where,
                 "settings": {**settings.__dict__, "ttft_target_s": targets.ttft_target,
                              "lag_target_s": targets.lag_target, "videos": args.video or None,
                              "frame_size": None if args.video else args.frame_size},

@@ -135,8 +135,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def machine() -> str:
-    """The client's machine, as the reports name it."""
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    """The client's machine, as the reports name it, with its load average over the last minute (taken before a run:
+    other work beside it slows a server on the same machine)."""
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores{load}"
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
