@@ -375,7 +375,8 @@ def test_no_successor_where_it_could_never_take_over(checkpoint):
     qa = loaded(checkpoint, None, positions="bounded")  # bounded, but its horizon fits the range
     with qa.stream(horizon_frames=4) as bounded:
         assert bounded.successor is None and bounded.handover.startswith("alone: its ")
-        assert "tokens never take a step past 448 of the model's 512 positions" in bounded.handover
+        assert "tokens fits the model's range: every step stays at its own positions (a step starting past 448 " \
+               "of the 512 would be placed elsewhere)" in bounded.handover
     for frames, beside in ((24, False), (30, True)):  # its last step starts below the ceiling, or past it
         with qa.stream(horizon_frames=frames) as stream:
             assert stream.handover == "beside"

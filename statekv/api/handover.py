@@ -151,8 +151,8 @@ def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, eng
 
 def never_past(video_tokens: int, ceiling: int, limit: int) -> str:
     """Why a stream whose steps take at most ``video_tokens`` tokens gets no successor: none starts past ``ceiling``."""
-    return (f"its {video_tokens} tokens never take a step past {ceiling} of the model's {limit} positions, where "
-            "its engine would place it away from its own position")
+    return (f"its horizon of {video_tokens} tokens fits the model's range: every step stays at its own positions "
+            f"(a step starting past {ceiling} of the {limit} would be placed elsewhere)")
 
 
 def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_layout: str | None
