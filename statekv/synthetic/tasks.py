@@ -92,8 +92,8 @@ def position(plan: VideoPlan, rng: np.random.Generator) -> QuestionSpec:
                         plan.quarter(frame), (frame,))
 
 
-# answered from the one or two frames a question names (count needs every appearance, position the absolute time):
-# docs/accuracy.md's target families
+# answerable from one or two of the frames a question names (count needs every appearance, position the absolute
+# time): docs/accuracy.md's target families
 FEW_FRAME_FAMILIES = ("needle", "attribute", "order", "first_last")
 
 FAMILIES: dict[str, Callable[[VideoPlan, np.random.Generator], QuestionSpec]] = {

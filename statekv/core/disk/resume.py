@@ -104,7 +104,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
 
 def check_durable(folder: Path, journal: Journaled) -> None:
     """A one-line `InputError` when no step of ``journal`` (`read_file_set`) was durable: there is nothing to resume
-    (a stream closed before its first checkpoint leaves no folder, so here the journal was emptied)."""
+    (a stream killed before its first step leaves such a folder, as does a journal emptied)."""
     if not journal.steps:
         raise InputError(f"{folder}: no step of this stream was durable yet; there is nothing to resume")
 
