@@ -770,6 +770,16 @@ def test_results_json_and_paper_table(tmp_path):
         (tmp_path / run / "run.json").write_text(json.dumps({"settings": {"benchmark": "videomme", "mode": mode}}))
     with pytest.raises(ValueError, match=r"\(they differ in mode: offline, streaming\); the table takes one"):
         ev.paper_table([tmp_path / "a", tmp_path / "a-copy"])
+    for run, layout in (("a", None), ("a-copy", "own-then-cache")):  # engine settings make rows of their own
+        (tmp_path / run / "run.json").write_text(json.dumps({"settings": {"benchmark": "videomme",
+                                                                          "bounded_layout": layout}}))
+    assert ev.paper_table([tmp_path / name for name in ("a", "a-copy", "b")]) == (
+        "| Model | Method | VideoMME | MLVU | OVOBench RT |\n"
+        "|---|---|---|---|---|\n"
+        "| InternVL3-1B | Full SA | 66.67 | – | – |\n"
+        "| InternVL3-1B | StateKV B=4096 (bounded_layout default) | 75.00 (partial 4/5) | – | – |\n"
+        "| InternVL3-1B | StateKV B=4096 (bounded_layout own-then-cache) | 75.00 (partial 4/5) | – | – |\n"
+    )
 
 
 def test_method_labels():

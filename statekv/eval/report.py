@@ -20,6 +20,10 @@ SUMMARY_FILE = "results.json"
 TABLE_COLUMNS = (("videomme", "VideoMME"), ("mlvu", "MLVU"), ("ovobench", "OVOBench RT"))
 # shown only when a run of that benchmark (OVO-Bench: with more groups than real-time) is in the table
 EXTRA_COLUMNS = (("ovobench-all", "OVO-Bench"), ("streamingbench", "StreamingBench"), ("synthetic", "Synthetic"))
+# a run's settings (its run.json) that make two rows of one model and method: where runs of one model and method
+# differ in some of these, each row's label names its values of them
+ROW_SETTINGS = ("retrieve", "retrieval", "sinks", "positions", "bounded_layout", "question_span", "kv_cache_dtype",
+                "max_cache_bytes", "cache_limit", "steer", "attention", "dtype", "layout", "max_fps")
 _METHOD_KINDS = {"full": 0, "fullattention": 0, "fullsa": 0, "recency": 1, "rekv": 1, "statekv": 2,
                  "simplestream": 3}
 _OTHER_METHOD = 4
@@ -120,21 +124,39 @@ def _check_summary(path: Path, summary: Any) -> None:
                 field(result, optional, (int,), where)
 
 
+def _recorded_settings(run: Path | str) -> dict[str, Any]:
+    """The settings a run's ``run.json`` records ({} when it has none, or cannot be read)."""
+    try:
+        settings = json.loads((Path(run) / "run.json").read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
 def _how_they_differ(first: Path | str, second: Path | str) -> str:
     """The settings two runs' ``run.json`` record differently, as "" or "(they differ in mode: offline, streaming)"."""
-    try:
-        a, b = (json.loads((Path(run) / "run.json").read_text())["settings"] for run in (first, second))
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return ""
+    a, b = _recorded_settings(first), _recorded_settings(second)
     differ = [f"{name}: {a.get(name)}, {b.get(name)}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
     return f" (they differ in {'; '.join(differ[:3])})" if differ else ""
 
 
+def _row_labels(runs: list[tuple[Path | str, dict[str, Any]]]) -> list[str]:
+    """Each run's method label in the table, ``runs`` being ``(run folder, summary)``: the summary's, with the
+    `ROW_SETTINGS` in which the runs of its model and method differ (``positions default``: not given)."""
+    settings = [_recorded_settings(run) for run, _ in runs]
+    labels = []
+    for (_, summary), own in zip(runs, settings):
+        kin = [other for (_, theirs), other in zip(runs, settings)
+               if (theirs["model"], theirs["method_label"]) == (summary["model"], summary["method_label"])]
+        varying = [name for name in ROW_SETTINGS if len({json.dumps(other.get(name)) for other in kin}) > 1]
+        shown = ", ".join(f"{name} {'default' if own.get(name) is None else own.get(name)}" for name in varying)
+        labels.append(summary["method_label"] + (f" ({shown})" if shown else ""))
+    return labels
+
+
 def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
-    """Markdown table like the paper's Table 1: one row per (model, method), one column per
-    benchmark, headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a
+    """Markdown table like the paper's Table 1: one row per (model, method), and per value of any `ROW_SETTINGS`
+    in which runs of one model and method differ (a layout against another, say), one column per benchmark, headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a
     run has other groups: its overall score).
 
     ``parser`` picks which parser generation's score to show (default: the one each run used).
@@ -145,17 +167,19 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
     row_order: dict[tuple[str, str], tuple] = {}
     models: list[str] = []
     named: dict[Path, Path | str] = {}
+    runs = []
     for run_dir in run_dirs:
         real = Path(run_dir).resolve()
         if real in named:
             raise DataError(f"the run {run_dir} is named twice (also as {named[real]}); name each run once")
         named[real] = run_dir
-        summary = read_summary(run_dir)
+        runs.append((run_dir, read_summary(run_dir)))
+    for (run_dir, summary), label in zip(runs, _row_labels(runs)):
         benchmark, model = summary["benchmark"], summary["model"]
         chosen = summary["scores"].get(parser) if parser else summary["score"]
         if chosen is None:
             raise DataError(f"{run_dir}: no score for parser {parser!r}")
-        row = (model, summary["method_label"])
+        row = (model, label)
         key = (model, row[1], benchmark)
         if key in sources:
             raise DataError(f"two runs give {model} / {row[1]} on {benchmark}: {sources[key]} and {run_dir}"
