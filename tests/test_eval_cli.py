@@ -123,6 +123,9 @@ def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
     for name in ("positions", "bounded_layout", "question_span", "max_cache_bytes", "cache_limit"):
         del run["settings"][name]
     run_file.write_text(json.dumps(run))
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", "--question-span", "0")) == 2
+    assert ("holds a run with no question_span recorded (its run.json predates it: taken as question_span=384), "
+            "not 0" in capsys.readouterr().err)
     assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1")) == 0
 
     assert command.main(["table", str(tmp_path / "missing")]) == 2

@@ -780,6 +780,11 @@ def test_results_json_and_paper_table(tmp_path):
         "| InternVL3-1B | StateKV B=4096 (bounded_layout default) | 75.00 (partial 4/5) | – | – |\n"
         "| InternVL3-1B | StateKV B=4096 (bounded_layout own-then-cache) | 75.00 (partial 4/5) | – | – |\n"
     )
+    (tmp_path / "a" / "run.json").write_text(json.dumps({"settings": {"benchmark": "videomme", "question_span": 384,
+                                                                      "cache_limit": "refuse"}}))
+    (tmp_path / "a-copy" / "run.json").write_text(json.dumps({"settings": {"benchmark": "videomme"}}))  # before then
+    with pytest.raises(ValueError, match="two runs give InternVL3-1B / StateKV B=4096 on videomme"):  # one row
+        ev.paper_table([tmp_path / "a", tmp_path / "a-copy"])
 
 
 def test_method_labels():

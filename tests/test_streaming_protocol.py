@@ -362,5 +362,6 @@ def test_a_real_time_ovobench_run_of_an_earlier_statekv_resumes_with_groups_real
     (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"settings": settings, "content": {},
                                                           "expected_qids": []}))
     check_run_file(earlier, [], write=False)  # the same run: it read the real-time group, streaming
-    with pytest.raises(ConfigurationError, match="holds a run with groups=\\['realtime'\\], not None"):
+    with pytest.raises(ConfigurationError, match="holds a run with no groups recorded \\(its run.json predates it: "
+                                                 "taken as groups=\\['realtime'\\]\\), not None"):
         check_run_file(EvalConfig.for_model("ovobench", "m", tmp_path, tmp_path / "run"), [], write=False)

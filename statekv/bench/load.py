@@ -107,12 +107,12 @@ def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request
 
 
 async def run_load(url: str, key: str, streams: int, settings: LoadSettings, frames: Callable[[int], list[bytes]],
-                   progress: Callable[[Run, float], None] | None = None,
+                   progress: Callable[..., None] | None = None,
                    ready: Callable[[], Any] | None = None) -> Run:
     """Run ``streams`` cameras against the server at ``url`` for ``settings.duration`` seconds (see the module
     doc); ``frames(camera)``: the JPEG bodies camera ``camera`` loops over. ``progress(run, now)`` is called about
-    every second, and once more with ``now`` infinite when every request is done or given up; ``ready()``, on a
-    thread, once the streams are made and warmed up, before the clock starts."""
+    every second, and once more with ``final=True`` when the run ends; ``ready()``, on a thread, once the streams
+    are made and warmed up, before the clock starts."""
     import contextlib
 
     import httpx
@@ -200,7 +200,7 @@ async def _send_all(client: list, run: Run, ids: list[str | None], settings: Loa
         if reporter is not None:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
-            progress(run, math.inf)  # the run's last line: every frame and answer counted
+            progress(run, time.perf_counter(), final=True)  # the run's last line, everything counted
 
 
 async def _camera(client, stream_id: str, shown: list[bytes], settings: LoadSettings, due: list[Request]) -> None:

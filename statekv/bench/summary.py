@@ -11,7 +11,6 @@ the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy'
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import sys
@@ -38,14 +37,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
-def default_progress(label: str, settings: LoadSettings) -> Callable[[Run, float], None]:
-    """A progress line on stderr: rewritten in place on a terminal, else one line every five seconds, and the run's
-    last line (``now`` infinite) in either case."""
+def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
+    """A progress line on stderr (``show(run, now, final=False)``): rewritten in place on a terminal, else one line
+    every five seconds, and the run's last line (``final``) in either case."""
     terminal = sys.stderr.isatty()
     state = {"last": 0.0}
 
-    def show(run: Run, now: float) -> None:
-        if not terminal and now - state["last"] < 5.0 and now != math.inf:
+    def show(run: Run, now: float, final: bool = False) -> None:
+        if not terminal and now - state["last"] < 5.0 and not final:
             return
         state["last"] = now
         frames = [r for r in run.requests if r.kind == "frame"]

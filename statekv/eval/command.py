@@ -146,8 +146,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         official = f"; the release's own scoring: {score['official']:.2f}" if score.get("official") is not None else ""
         print(f"groups: {groups}{official}")
     families = (score.get("groups") or {}).get("task_type") if config.benchmark == "synthetic" else None
-    if families and not score.get("group_scores"):
-        print(_families_line(families))
+    line = _families_line(families) if families and not score.get("group_scores") else None
+    if line:
+        print(line)
     print(f"wrote {config.out / 'results.json'} and {config.out / 'table.md'}", flush=True)
     errors = summary.get("errors") or []
     if errors:  # the scores above are partial: say so, and end non-zero so no script takes them as complete
@@ -159,18 +160,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-def _families_line(families: dict[str, dict]) -> str:
-    """A synthetic run's accuracy per question family, and over the families answered from one or two frames (the
-    target families of docs/accuracy.md)."""
+def _families_line(families: dict[str, dict]) -> str | None:
+    """A synthetic run's accuracy per question family, and over those answered from one or two frames (the target
+    families of docs/accuracy.md) when it asked several of them; None when it asked no known family."""
     from statekv.synthetic.tasks import FAMILIES, FEW_FRAME_FAMILIES
 
     shown = ", ".join(f"{name} {families[name]['accuracy']:.2f}" for name in FAMILIES if name in families)
-    few = [families[name] for name in FEW_FRAME_FAMILIES if name in families]
-    if not few:
-        return f"families: {shown}"
-    correct, asked = sum(family["correct"] for family in few), sum(family["questions"] for family in few)
-    names = [name for name in FEW_FRAME_FAMILIES if name in families]
-    together = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    few = [name for name in FEW_FRAME_FAMILIES if name in families]
+    if len(few) < 2:
+        return f"families: {shown}" if shown else None
+    correct, asked = (sum(families[name][field] for name in few) for field in ("correct", "questions"))
+    together = ", ".join(few[:-1]) + f" and {few[-1]}"
     return f"families: {shown}; {together} together: {100 * correct / asked:.2f} ({correct} of {asked})"
 
 

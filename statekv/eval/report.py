@@ -14,6 +14,7 @@ from statekv.errors import DataError
 from statekv.eval.parsing import PARSERS
 from statekv.settings.methods import MethodSettings, method as method_spec, method_names
 from statekv.eval.records import AnswerRecord, merge_rank_files
+from statekv.eval.run_settings import with_defaults
 from statekv.eval.scoring import score, single_value
 
 SUMMARY_FILE = "results.json"
@@ -124,40 +125,50 @@ def _check_summary(path: Path, summary: Any) -> None:
                 field(result, optional, (int,), where)
 
 
-def _recorded_settings(run: Path | str) -> dict[str, Any]:
-    """The settings a run's ``run.json`` records ({} when it has none, or cannot be read)."""
+def _recorded_settings(run: Path | str) -> dict[str, Any] | None:
+    """The settings a run's ``run.json`` records, those it predates taken as their defaults (None when it has none,
+    or cannot be read)."""
     try:
         settings = json.loads((Path(run) / "run.json").read_text())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return settings if isinstance(settings, dict) else {}
+        return None
+    return with_defaults(settings) if isinstance(settings, dict) else None
 
 
 def _how_they_differ(first: Path | str, second: Path | str) -> str:
     """The settings two runs' ``run.json`` record differently, as "" or "(they differ in mode: offline, streaming)"."""
     a, b = _recorded_settings(first), _recorded_settings(second)
+    if a is None or b is None:
+        return ""
     differ = [f"{name}: {a.get(name)}, {b.get(name)}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
     return f" (they differ in {'; '.join(differ[:3])})" if differ else ""
 
 
 def _row_labels(runs: list[tuple[Path | str, dict[str, Any]]]) -> list[str]:
     """Each run's method label in the table, ``runs`` being ``(run folder, summary)``: the summary's, with the
-    `ROW_SETTINGS` in which the runs of its model and method differ (``positions default``: not given)."""
+    `ROW_SETTINGS` in which the runs of its model and method differ (a run whose ``run.json`` records no settings
+    is told apart from them as such)."""
     settings = [_recorded_settings(run) for run, _ in runs]
     labels = []
     for (_, summary), own in zip(runs, settings):
-        kin = [other for (_, theirs), other in zip(runs, settings)
-               if (theirs["model"], theirs["method_label"]) == (summary["model"], summary["method_label"])]
+        kin = [other for (_, theirs), other in zip(runs, settings) if other is not None
+               and (theirs["model"], theirs["method_label"]) == (summary["model"], summary["method_label"])]
         varying = [name for name in ROW_SETTINGS if len({json.dumps(other.get(name)) for other in kin}) > 1]
-        shown = ", ".join(f"{name} {'default' if own.get(name) is None else own.get(name)}" for name in varying)
-        labels.append(summary["method_label"] + (f" ({shown})" if shown else ""))
+        if not varying:
+            labels.append(summary["method_label"])
+        elif own is None:
+            labels.append(f"{summary['method_label']} (settings not recorded)")
+        else:
+            shown = ", ".join(f"{name} {'default' if own.get(name) is None else own.get(name)}" for name in varying)
+            labels.append(f"{summary['method_label']} ({shown})")
     return labels
 
 
 def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
     """Markdown table like the paper's Table 1: one row per (model, method), and per value of any `ROW_SETTINGS`
-    in which runs of one model and method differ (a layout against another, say), one column per benchmark, headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a
-    run has other groups: its overall score).
+    in which runs of one model and method differ (a layout against another, say), one column per benchmark,
+    headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a run has
+    other groups: its overall score).
 
     ``parser`` picks which parser generation's score to show (default: the one each run used).
     A cell notes unparsable answers ("(3 unparsed)") and incomplete runs ("(partial 10/2700)").

@@ -49,10 +49,10 @@ from statekv.eval.questions import BENCHMARKS, Question
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
                                   merge_rank_files, rank_file)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
+from statekv.eval.run_settings import RUN_IDENTITY, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
-from statekv.settings.engine import DEFAULT_CACHE_LIMIT, DEFAULT_QUESTION_SPAN
 from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
 from statekv.stopping import note_kept
@@ -66,15 +66,6 @@ MODES = ("streaming", "offline")
 PAPER_MAX_FRAMES = 512
 STREAMING_BENCHMARKS = ("ovobench", "streamingbench")  # streamed by default; the others are encoded offline
 GROUPED_BENCHMARKS = ("ovobench", "streamingbench")  # --groups applies
-# Settings that change the answers: a run directory must not mix them (settings a run.json written before
-# one of them existed does not name are compared with their default).
-RUN_IDENTITY = ("benchmark", "model", "name", "method", "budget", "parser", "protocol", "max_fps", "max_frames",
-                "layout", "attention", "dtype", "ovobench_videos", "max_new_tokens", "retrieve", "sinks",
-                "retrieval", "kv_cache_dtype", "mode", "groups", "steer", "positions", "bounded_layout",
-                "question_span", "max_cache_bytes", "cache_limit")
-IDENTITY_DEFAULTS = {"retrieve": None, "sinks": None, "retrieval": None, "kv_cache_dtype": None, "groups": None,
-                     "steer": True, "positions": None, "bounded_layout": None, "question_span": DEFAULT_QUESTION_SPAN,
-                     "max_cache_bytes": None, "cache_limit": DEFAULT_CACHE_LIMIT}
 # What was answered: compared before anything is reused ("weights" once the model is loaded).
 CONTENT_IDENTITY = {"data": "questions or videos", "answer_key": "answer key", "weights": "weights"}
 
@@ -411,7 +402,7 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
     content = dict(content or {})
     run = read_run_file(config.out)
     if run is not None:
-        recorded = {**IDENTITY_DEFAULTS, **run["settings"]}
+        recorded = with_defaults(run["settings"])
         recorded.setdefault("mode", default_mode(str(recorded.get("benchmark")), recorded.get("ovobench_videos")))
         if recorded.get("benchmark") == "ovobench" and "groups" not in run["settings"]:
             recorded["groups"] = ["realtime"]  # written when statekv read OVO-Bench's real-time group only
@@ -419,8 +410,10 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         redo = "use another --out for different settings, or --overwrite to answer again"
         if changed:
             first = changed[0]
-            raise ConfigurationError(
-                f"{config.out} holds a run with {first}={recorded.get(first)!r}, not {identity[first]!r}; {redo}")
+            held = f"{first}={recorded.get(first)!r}"
+            if unrecorded(run["settings"], first):
+                held = f"no {first} recorded (its {RUN_FILE} predates it: taken as {held})"
+            raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {redo}")
         answered = completed_qids(config.out)
         if "videos" in content:
             _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
