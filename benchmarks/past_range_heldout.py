@@ -53,7 +53,7 @@ RUNS = (
      STATEKV + OWN + ["--question-span", "0"]),
     ("long-statekv-r16-cache", "long", "StateKV B=64, `--bounded-layout cache`, spread 384",
      STATEKV + ["--bounded-layout", "cache"]),
-    ("short-statekv-r16-bounded", "short", "StateKV B=64, `--positions bounded` (defaults), inside",
+    ("short-statekv-r16-bounded", "short", "StateKV B=64, `--positions bounded` (other settings the defaults), inside",
      STATEKV + ["--positions", "bounded"]),
     ("short-statekv-r16-cache", "short", "StateKV B=64, `--positions bounded --bounded-layout cache`, inside",
      STATEKV + ["--positions", "bounded", "--bounded-layout", "cache"]),
