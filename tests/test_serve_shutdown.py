@@ -25,7 +25,7 @@ from statekv import ModelOptions  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
 from statekv.serve.answering import ServerStopped, answer_arguments, check_answer  # noqa: E402
 from statekv.serve.server import AppServer  # noqa: E402
-from statekv.testing import make_tiny_checkpoint  # noqa: E402
+from statekv.testing import make_tiny_checkpoint, write_test_video  # noqa: E402
 
 KEY = "shutdown-key"
 GRACE = 3  # the graceful shutdown's timeout: answers stop at half of it (`ANSWER_MARGIN_SECONDS` is longer)
@@ -148,3 +148,43 @@ def test_an_answer_made_whole_as_the_stop_came_is_not_refused():
     with pytest.raises(ServerStopped, match="the question was not answered"):
         stopping.set()
         check_answer({"max_new_tokens": 3, **answer_arguments(stopping)})
+
+
+def test_a_chat_question_over_a_file_being_encoded_as_the_server_stops_ends_in_a_503(tmp_path):
+    """Before: the file's encoding ran on past the graceful timeout (uvicorn's 500, a traceback), the server held
+    until it and the answer ended. Each of its steps is slowed: the stop comes while it encodes."""
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112},
+                                      text_config={"max_position_embeddings": 2048})
+    qa = statekv.VideoQA.from_pretrained(checkpoint)
+    qa.adapter.model.get_input_embeddings().register_forward_pre_hook(lambda module, inputs: time.sleep(0.05))
+    media = tmp_path / "media"
+    media.mkdir()
+    write_test_video(media / "long.mp4", frames=200, fps=1.0, size=(112, 112))  # about 10 s to encode
+    config = ServeConfig(options=ModelOptions(model=str(checkpoint)), state_dir=tmp_path / "state", api_keys=(KEY,),
+                         page=False, save_every_seconds=600, media_root=media)
+    server = AppServer(create_app(config, qa=qa), host="127.0.0.1", port=0, log_level="warning",
+                       timeout_graceful_shutdown=GRACE)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    replies = []
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": f"file://{media / 'long.mp4'}"}},
+        {"type": "text", "text": "What is shown?"}]}], "max_tokens": 400}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+        asking = threading.Thread(target=lambda: replies.append(client.post("/v1/chat/completions", json=body)))
+        asking.start()
+        time.sleep(1.0)
+        stopping = time.monotonic()
+        server.should_exit = True
+        thread.join(timeout=60)
+        stopped = time.monotonic() - stopping
+        asking.join(timeout=60)
+    assert not thread.is_alive() and stopped < GRACE + 5, stopped
+    assert replies[0].status_code == 503, replies[0].text
+    assert replies[0].json()["error"]["message"] == ("the server is stopping: the question was not answered; ask "
+                                                     "again once the server is back")

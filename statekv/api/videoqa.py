@@ -179,8 +179,8 @@ class VideoQA:
 
         source: a video file, a folder of images, a list of PIL images or RGB arrays, an array ``[N, H, W, 3]``.
         progress: True for a progress bar (frames per second and each stage's time per frame), or a callback
-            ``(frames done, frames planned)``. reserve_tokens: room for questions and answers after this video
-            (default: the VideoQA's).
+            ``(frames done, frames planned)`` (an error it raises ends the encoding, which is closed).
+            reserve_tokens: room for questions and answers after this video (default: the VideoQA's).
 
         Raises `statekv.video.FrameDecodeError` when a frame in the middle cannot be decoded; its ``encoded``
         holds every frame before it, encoded, and can still be asked. Under ``max_cache_bytes`` with
@@ -221,6 +221,9 @@ class VideoQA:
                 error.encoded = encoded
             else:  # not even the prompt fit: nothing to ask, nothing left holding its files
                 encoded.close()
+            raise
+        except BaseException:  # a stop, a progress callback's error...: no one gets the encoding, so it is let go
+            encoded.close()
             raise
         return encoded
 

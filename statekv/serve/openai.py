@@ -136,7 +136,8 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
     kwargs = {"max_new_tokens": max_new, **answer_arguments(service.registry.answers_stopping, streamer)}
     try:
         check_answer(kwargs)
-        with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames) as video:
+        with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames,
+                               progress=lambda done, planned: check_answer(kwargs)) as video:  # stops between frames
             prompt = prompt_tokens(video, question, max_new)
             check_answer(kwargs)
             tokens = video.ask_tokens(question, **kwargs)
