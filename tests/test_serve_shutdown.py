@@ -43,21 +43,16 @@ def _frame(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("case", ["batched", "alone", "a second ctrl-c"])
-def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_timeout(tmp_path, case):
-    """Before: uvicorn cancelled them at its timeout (a plain-text 500 and a traceback in the log), and the server
-    waited for the model's thread to finish the answer anyway. ``alone``: answered by ``generate`` (a repetition
-    penalty takes a question out of the batched path); ``a second ctrl-c``: uvicorn's shutdown cut short, the
-    answer must stop all the same."""
-    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112},
-                                      text_config={"max_position_embeddings": 2048})  # room for long answers
-    qa = statekv.VideoQA.from_pretrained(checkpoint)
-    if case == "alone":
-        qa.adapter.model.generation_config.repetition_penalty = 1.1
-    head = qa.adapter.model.get_output_embeddings()
-    head.register_forward_pre_hook(lambda module, inputs: time.sleep(TOKEN_SECONDS))
+def _checkpoint(tmp_path):
+    return make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112},
+                                text_config={"max_position_embeddings": 2048})  # room for long answers
+
+
+def _serving(tmp_path, checkpoint, qa, **settings):
+    """``(app, server, its thread, its URL)``: a server of ``qa`` in this process, started, stopping with a graceful
+    timeout of `GRACE` seconds."""
     config = ServeConfig(options=ModelOptions(model=str(checkpoint)), state_dir=tmp_path / "state", api_keys=(KEY,),
-                         page=False, save_every_seconds=600)
+                         page=False, save_every_seconds=600, **settings)
     app = create_app(config, qa=qa)
     server = AppServer(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=GRACE)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -66,7 +61,22 @@ def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_tim
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    return app, server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("case", ["batched", "alone", "a second ctrl-c"])
+def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_timeout(tmp_path, case):
+    """Before: uvicorn cancelled them at its timeout (a plain-text 500 and a traceback in the log), and the server
+    waited for the model's thread to finish the answer anyway. ``alone``: answered by ``generate`` (a repetition
+    penalty takes a question out of the batched path); ``a second ctrl-c``: uvicorn's shutdown cut short, the
+    answer must stop all the same."""
+    checkpoint = _checkpoint(tmp_path)
+    qa = statekv.VideoQA.from_pretrained(checkpoint)
+    if case == "alone":
+        qa.adapter.model.generation_config.repetition_penalty = 1.1
+    head = qa.adapter.model.get_output_embeddings()
+    head.register_forward_pre_hook(lambda module, inputs: time.sleep(TOKEN_SECONDS))
+    app, server, thread, url = _serving(tmp_path, checkpoint, qa)
     replies: dict[str, object] = {}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
         streams = []
@@ -100,8 +110,9 @@ def test_answers_running_as_the_server_stops_end_in_one_line_503s_before_its_tim
         asking[0].start()
         assert started.wait(timeout=60)
         asking[1].start()
+        deadline = time.monotonic() + 60
         while worker.queued < 2:  # the second question waits for the model, busy with the first answer
-            assert time.monotonic() < deadline + 60 and asking[1].is_alive()
+            assert time.monotonic() < deadline and asking[1].is_alive()
             time.sleep(0.02)
         stopping = time.monotonic()
         server.should_exit = True
@@ -153,24 +164,13 @@ def test_an_answer_made_whole_as_the_stop_came_is_not_refused():
 def test_a_chat_question_over_a_file_being_encoded_as_the_server_stops_ends_in_a_503(tmp_path):
     """Before: the file's encoding ran on past the graceful timeout (uvicorn's 500, a traceback), the server held
     until it and the answer ended. Each of its steps is slowed: the stop comes while it encodes."""
-    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "tiny", vision_config={"image_size": 112},
-                                      text_config={"max_position_embeddings": 2048})
+    checkpoint = _checkpoint(tmp_path)
     qa = statekv.VideoQA.from_pretrained(checkpoint)
     qa.adapter.model.get_input_embeddings().register_forward_pre_hook(lambda module, inputs: time.sleep(0.05))
     media = tmp_path / "media"
     media.mkdir()
     write_test_video(media / "long.mp4", frames=200, fps=1.0, size=(112, 112))  # about 10 s to encode
-    config = ServeConfig(options=ModelOptions(model=str(checkpoint)), state_dir=tmp_path / "state", api_keys=(KEY,),
-                         page=False, save_every_seconds=600, media_root=media)
-    server = AppServer(create_app(config, qa=qa), host="127.0.0.1", port=0, log_level="warning",
-                       timeout_graceful_shutdown=GRACE)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    _, server, thread, url = _serving(tmp_path, checkpoint, qa, media_root=media)
     replies = []
     body = {"messages": [{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": f"file://{media / 'long.mp4'}"}},

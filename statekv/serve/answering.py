@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ..core.answering.together import end_tokens
 from ..errors import QuestionTooLong
 from .errors import ServiceError
 from .sse import StopOnceSet
@@ -69,11 +70,6 @@ def check_answer(kwargs: dict[str, Any], tokens: Any = None, model: Any = None) 
             raise ServerStopped(None)
         return
     count = int(tokens.shape[1])
-    if server.stopped and count < kwargs["max_new_tokens"] and not (count and int(tokens[0, -1]) in _ends(model)):
+    ended = count > 0 and int(tokens[0, -1]) in end_tokens(getattr(model, "generation_config", None))
+    if server.stopped and count < kwargs["max_new_tokens"] and not ended:
         raise ServerStopped(count)
-
-
-def _ends(model: Any) -> set[int]:
-    """The token ids that end ``model``'s answers (its generation config's)."""
-    ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return set(ends if isinstance(ends, (list, tuple)) else [] if ends is None else [ends])

@@ -76,7 +76,7 @@ def together_row(prefill, prompt: Prompt, retrieve: Retrieval | None, plan: Ques
     config = getattr(model, "generation_config", None)
     if head is None or not _greedy(config) or not _plain_logits(model):
         return None
-    return Asked(prefill, prompt, retrieve, plan, length, _ends(config), head, generate_kwargs.get("streamer"),
+    return Asked(prefill, prompt, retrieve, plan, length, end_tokens(config), head, generate_kwargs.get("streamer"),
                  generate_kwargs.get("stopping_criteria"))
 
 
@@ -96,7 +96,8 @@ def _plain_logits(model: Any) -> bool:
             and getattr(text, "logit_scale", None) in (None, 1, 1.0))
 
 
-def _ends(config: Any) -> tuple[int, ...]:
+def end_tokens(config: Any) -> tuple[int, ...]:
+    """The token ids that end an answer under ``config`` (a ``GenerationConfig``, or None): its ``eos_token_id``."""
     ends = getattr(config, "eos_token_id", None)
     return tuple(ends if isinstance(ends, (list, tuple)) else [] if ends is None else [ends])
 
