@@ -367,17 +367,18 @@ def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(
 
 
 # -- the router, autoscaling, metrics ----------------------------------------------------------------------------
-def _pending(path: str, method: str = "GET", model: str = "") -> SimpleNamespace:
+def _pending(path: str, method: str = "GET", model: str = "", request: str = "") -> SimpleNamespace:
     from ray.serve._private.proxy_request_response import ASGIProxyRequest  # how Ray Serve's proxy sends it on
 
-    request = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
-    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=f"{method} {path} {model}")
-    return SimpleNamespace(args=[request.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
+    asgi = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
+    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=request or f"{method} {path} {model}")
+    return SimpleNamespace(args=[asgi.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
                            routing_context=SimpleNamespace(should_backoff=False))
 
 
-def _replica(name: str, streams: int, at: float = 0.0) -> SimpleNamespace:
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats={"streams": streams, "at": at})
+def _replica(name: str, streams: int, ended: tuple[str, ...] = ()) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
+                           routing_stats={"streams": streams, "ended": list(ended)})
 
 
 def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_loaded(tmp_path):
@@ -406,6 +407,73 @@ def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_lo
     page = choose(_pending("/ui/"))
     assert page == [[min(replicas, key=lambda replica: replica.replica_id.unique_id)]] == choose(_pending("/"))
     assert choose(_pending("/health")) == [replicas]
+
+
+def test_a_stream_sent_to_a_replica_counts_once_until_the_replica_reports_its_request_ended(tmp_path, monkeypatch):
+    """The race a loaded machine showed (four new streams placed 3 and 1 on two replicas): a replica's report taken
+    after a request was sent to it but before the stream was taken counts the stream nowhere."""
+    from statekv.serve.cluster import router as routing
+
+    router = StreamRouter.__new__(StreamRouter)
+    router.initialize_state(state_dir=str(tmp_path))
+    first, second = _replica("first", 0), _replica("second", 0)
+    creating = [_pending("/v1/streams", "POST", request=f"create-{index}") for index in range(3)]
+    assert asyncio.run(router.choose_replicas([first, second], creating[0])) == [[first, second]]
+    router.on_request_routed(creating[0], first.replica_id, None)
+    first.routing_stats = {"streams": 0, "ended": []}  # reported after the request was sent, before it ended
+    assert router.load(first) == 1
+    assert asyncio.run(router.choose_replicas([first, second], creating[1])) == [[second], [first]]
+    router.on_request_routed(creating[1], second.replica_id, None)
+    first.routing_stats = {"streams": 1, "ended": ["create-0"]}  # taken, ended, reported: counted by the report
+    assert router.load(first) == 1
+    second.routing_stats = {"streams": 0, "ended": ["create-1"]}  # refused: no stream, and no longer counted
+    assert router.load(second) == 0
+    asyncio.run(router.choose_replicas([first, second], creating[2]))
+    router.on_request_routed(creating[2], second.replica_id, None)
+    assert router.load(second) == 1  # never reported ended (lost with its replica): counted for a while only
+    clock = routing.time.time() + routing.PLACING_SECONDS + 1
+    monkeypatch.setattr(routing.time, "time", lambda: clock)
+    assert router.load(second) == 0
+
+
+def test_a_replica_lists_the_requests_that_may_have_placed_a_stream_on_it_once_they_end():
+    from ray.serve.context import _RequestContext, _serve_request_context
+
+    from statekv.serve.cluster.placing import PlacingRequests
+
+    held = {STREAM}
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope["path"])
+        assert _serve_request_context.get()._internal_request_id not in placing.recent()  # listed once it ends
+        if scope["path"] == "/v1/streams/" + "st_" + "2" * 24:
+            raise RuntimeError("the request failed")
+
+    placing = PlacingRequests(app, held.__contains__)
+
+    def call(path: str, method: str = "GET", request: str = "", model: str = "") -> None:
+        async def run():
+            _serve_request_context.set(_RequestContext(_internal_request_id=request, multiplexed_model_id=model))
+            await placing(http, None, None)
+
+        http = {"type": "http", "path": path, "method": method}
+        try:
+            asyncio.run(run())
+        except RuntimeError:
+            assert request == "failed"
+
+    call("/v1/streams", "POST", "new")
+    assert placing.recent() == ["new"]
+    placing.ended.clear()
+    call(f"/v1/streams/{STREAM}/frames", "POST", "held")  # a stream held here: it places nothing
+    call("/v1/streams", "GET", "listing")
+    call("/health", "GET", "health")
+    assert placing.recent() == []
+    call(f"/v1/streams/{'st_' + '1' * 24}/ask", "POST", "brought")  # not held as it came: it may bring it here
+    call("/v1/chat/completions", "POST", "asked", model="st_" + "3" * 24)
+    call("/v1/streams/" + "st_" + "2" * 24, "GET", "failed")  # ended by an error: listed all the same
+    assert placing.recent() == ["brought", "asked", "failed"] and len(called) == 7
 
 
 def test_autoscaling_on_streams_asks_for_the_replicas_the_streams_need():

@@ -37,7 +37,7 @@ from conftest import answered_alone, png_bytes, random_frames  # noqa: E402
 
 from s3 import S3Server  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]
 REPO = Path(__file__).resolve().parents[1]
 KEY = "nodes-key"
 QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."

@@ -36,7 +36,7 @@ import statekv  # noqa: E402
 
 from conftest import random_frames  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]
 CHROMIUM = shutil.which("chromium")  # the page through Ray Serve's proxies, when Debian's Chromium is there
 REPO = Path(__file__).resolve().parents[1]
 KEY, OTHER_KEY = "ray-key-one", "ray-key-two"

@@ -6,7 +6,6 @@ its request router, bound and ready for ``serve.run``)."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from ...errors import ConfigurationError
 from ..config import ServeConfig
 from .leases import LEASE_SECONDS
+from .placing import PlacingRequests
 from .scaling import STREAMS_METRIC
 
 ROUTER = "statekv.serve.cluster.router:StreamRouter"
@@ -108,13 +108,15 @@ class StreamReplica:
         self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root,
                                       stopping=application_deleted())
         self.service_app = create_app(config, hosting=self.hosting)
+        self.placing = PlacingRequests(self.service_app, self.hosting.holds)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.service_app
+        return self.placing
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the routers place new streams by: the streams held, as of when."""
-        return {"streams": self.hosting.streams, "at": time.time()}
+        """What the routers place new streams by: the streams held, and the requests that may have placed one here
+        that have ended (`PlacingRequests`)."""
+        return {"streams": self.hosting.streams, "ended": self.placing.recent()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {STREAMS_METRIC: float(self.hosting.streams)}

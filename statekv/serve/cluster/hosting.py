@@ -83,6 +83,9 @@ class ReplicaHosting(Hosting):
     def streams(self) -> int:
         return len(self.shared.entries) if self.shared is not None else 0
 
+    def holds(self, stream_id: str) -> bool:
+        return self.shared is not None and stream_id in self.shared.entries
+
     async def run(self, service: Any) -> None:
         self.passed = time.monotonic()
         loops = [self._keep_leases(), self._post(service)]

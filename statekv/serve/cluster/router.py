@@ -9,7 +9,8 @@ Each HTTP request is sent to a replica chosen by what it is about:
   live replica holds it (new, let go, or its replica died), the least-loaded one,
   which takes it from its last save;
 - a new stream (``POST /v1/streams``): the least-loaded replica (fewest streams held, as each replica reports in
-  its routing stats, plus the streams this router sent it since), replicas at their stream limit last;
+  its routing stats, plus the requests this router sent it to place one that it has not reported ended), replicas
+  at their stream limit last;
 - the page (``/`` and ``/ui/...``): one replica, the same for every tab (the page's live connection is kept by the
   replica that served it), which brings a stream to itself when a tab opens it;
 - anything else: Ray Serve's choice among all replicas (the shortest queue).
@@ -33,16 +34,20 @@ from .store_files import holder_hint
 
 STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
 PLACING_KEPT = 10_000  # requests remembered between their routing and Ray's callback, at most
+PLACING_SECONDS = 60.0  # a request sent to place a stream that its replica has not reported ended counts this long
 
 
 def request_target(pending_request: PendingRequest) -> tuple[str, str | None]:
     """What a request is about: ``("stream", ID)``, ``("create", None)``, ``("page", None)`` or ``("any", None)``."""
     scope = http_scope(pending_request)
-    path, method = scope.get("path", ""), scope.get("method", "")
+    return scope_target(scope.get("path", ""), scope.get("method", ""), pending_request.metadata.multiplexed_model_id)
+
+
+def scope_target(path: str, method: str, named: str | None) -> tuple[str, str | None]:
+    """`request_target` of an HTTP request by its path, method and the stream its multiplexed id names, if any."""
     match = STREAM_PATH.match(path)
     if match and STREAM_ID.match(match.group(1)):
         return "stream", match.group(1)
-    named = pending_request.metadata.multiplexed_model_id
     if named and STREAM_ID.match(named):
         return "stream", named
     if path == "/v1/streams" and method == "POST":
@@ -74,7 +79,7 @@ class StreamRouter(RequestRouter):
         self.leases = Leases(state_dir) if state_dir else None
         self.store = ObjectStore(store) if store and not state_dir else None
         self.max_streams = max_streams
-        self.placed: dict[str, list[float]] = defaultdict(list)  # replica -> when streams were sent there to start
+        self.placed: dict[str, dict[str, float]] = defaultdict(dict)  # replica -> {request: when it was sent there}
         self.placing: dict[str, bool] = {}  # requests routed to start a stream, until Ray reports where they went
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -104,12 +109,15 @@ class StreamRouter(RequestRouter):
         return holder_hint(self.store, stream_id) if self.store is not None else None
 
     def load(self, replica: RunningReplica) -> int:
-        """Streams the replica holds: as it last reported, plus those sent there since."""
+        """Streams the replica holds: as it last reported, plus the requests sent there to place one that its
+        report does not list as ended (a stream it took after its report is counted by its request, once)."""
         stats = replica.routing_stats or {}
         name = replica.replica_id.unique_id
-        since = [when for when in self.placed.get(name, []) if when > float(stats.get("at", 0.0))]
-        self.placed[name] = since
-        return int(stats.get("streams", 0)) + len(since)
+        ended, oldest = set(stats.get("ended", ())), time.time() - PLACING_SECONDS
+        pending = {request: when for request, when in self.placed.get(name, {}).items()
+                   if request not in ended and when > oldest}
+        self.placed[name] = pending
+        return int(stats.get("streams", 0)) + len(pending)
 
     def by_load(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Ranks of replicas, least-loaded first; replicas at their stream limit last."""
@@ -129,8 +137,9 @@ class StreamRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        if self.placing.pop(pending_request.metadata.internal_request_id, False):
-            self.placed[replica_id.unique_id].append(time.time())
+        request = pending_request.metadata.internal_request_id
+        if self.placing.pop(request, False):
+            self.placed[replica_id.unique_id][request] = time.time()
 
     def _placing(self, pending_request: PendingRequest) -> None:
         if len(self.placing) > PLACING_KEPT:
