@@ -367,18 +367,18 @@ def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(
 
 
 # -- the router, autoscaling, metrics ----------------------------------------------------------------------------
-def _pending(path: str, method: str = "GET", model: str = "", request: str = "") -> SimpleNamespace:
+def _pending(path: str, method: str = "GET", model: str = "", request: str | None = None) -> SimpleNamespace:
     from ray.serve._private.proxy_request_response import ASGIProxyRequest  # how Ray Serve's proxy sends it on
 
     asgi = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
-    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=request or f"{method} {path} {model}")
+    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=f"{method} {path} {model}" if request is None else request)
     return SimpleNamespace(args=[asgi.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
                            routing_context=SimpleNamespace(should_backoff=False))
 
 
-def _replica(name: str, streams: int, ended: tuple[str, ...] = ()) -> SimpleNamespace:
+def _replica(name: str, streams: int) -> SimpleNamespace:
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
-                           routing_stats={"streams": streams, "ended": list(ended)})
+                           routing_stats={"held": [f"st_{name}{index}" for index in range(streams)], "answered": []})
 
 
 def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_loaded(tmp_path):
@@ -409,71 +409,95 @@ def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_lo
     assert choose(_pending("/health")) == [replicas]
 
 
-def test_a_stream_sent_to_a_replica_counts_once_until_the_replica_reports_its_request_ended(tmp_path, monkeypatch):
+def test_a_stream_sent_to_a_replica_counts_once_until_the_replica_reports_it(tmp_path, monkeypatch):
     """The race a loaded machine showed (four new streams placed 3 and 1 on two replicas): a replica's report taken
-    after a request was sent to it but before the stream was taken counts the stream nowhere."""
+    after a request was sent to it but before the stream was taken counted the stream nowhere."""
     from statekv.serve.cluster import router as routing
 
     router = StreamRouter.__new__(StreamRouter)
     router.initialize_state(state_dir=str(tmp_path))
     first, second = _replica("first", 0), _replica("second", 0)
+    choose = lambda request: asyncio.run(router.choose_replicas([first, second], request))  # noqa: E731
     creating = [_pending("/v1/streams", "POST", request=f"create-{index}") for index in range(3)]
-    assert asyncio.run(router.choose_replicas([first, second], creating[0])) == [[first, second]]
+    assert choose(creating[0]) == [[first, second]]
     router.on_request_routed(creating[0], first.replica_id, None)
-    first.routing_stats = {"streams": 0, "ended": []}  # reported after the request was sent, before it ended
+    first.routing_stats = {"held": [], "answered": []}  # reported after the request was sent, before it answered
     assert router.load(first) == 1
-    assert asyncio.run(router.choose_replicas([first, second], creating[1])) == [[second], [first]]
+    assert choose(creating[1]) == [[second], [first]]
     router.on_request_routed(creating[1], second.replica_id, None)
-    first.routing_stats = {"streams": 1, "ended": ["create-0"]}  # taken, ended, reported: counted by the report
+    first.routing_stats = {"held": ["st_new"], "answered": ["create-0"]}  # taken and answered: the report counts it
     assert router.load(first) == 1
-    second.routing_stats = {"streams": 0, "ended": ["create-1"]}  # refused: no stream, and no longer counted
+    second.routing_stats = {"held": [], "answered": ["create-1"]}  # refused: no stream, and no longer counted
     assert router.load(second) == 0
-    asyncio.run(router.choose_replicas([first, second], creating[2]))
+
+    # requests about a stream whose holder the router cannot read (no lease here) are sent to be placed: however
+    # many, they count once, and not at all once the replica lists the stream as held (it may have held it already)
+    for index in range(5):
+        pushing = _pending(f"/v1/streams/{STREAM}/frames", "POST", request=f"push-{index}")
+        choose(pushing)
+        router.on_request_routed(pushing, second.replica_id, None)
+    assert router.load(second) == 1
+    second.routing_stats = {"held": [STREAM], "answered": []}
+    assert router.load(second) == 1
+
+    choose(creating[2])
     router.on_request_routed(creating[2], second.replica_id, None)
-    assert router.load(second) == 1  # never reported ended (lost with its replica): counted for a while only
-    clock = routing.time.time() + routing.PLACING_SECONDS + 1
-    monkeypatch.setattr(routing.time, "time", lambda: clock)
-    assert router.load(second) == 0
+    assert router.load(second) == 2
+    later = routing.time.time() + routing.PLACING_SECONDS + 1  # never listed (lost with its replica): not for ever
+    monkeypatch.setattr(routing, "time", SimpleNamespace(time=lambda: later))
+    assert router.load(second) == 1
+    unnamed = _pending("/v1/streams", "POST", request="")
+    choose(unnamed)
+    router.on_request_routed(unnamed, first.replica_id, None)
+    assert router.load(first) == 1  # no id to be listed by: left to the replica's next report
+    router.by_load([first])  # second gone: what was sent to it is forgotten once it would count no more
+    assert set(router.placed) <= {"first"}
 
 
-def test_a_replica_lists_the_requests_that_may_have_placed_a_stream_on_it_once_they_end():
+def test_a_replica_lists_a_request_that_may_have_placed_a_stream_on_it_as_it_answers():
     from ray.serve.context import _RequestContext, _serve_request_context
 
-    from statekv.serve.cluster.placing import PlacingRequests
+    from statekv.serve.cluster.placing import PlacingLog, RecordPlacing
 
-    held = {STREAM}
-    called = []
+    held, log, listed_while_answering = {STREAM}, PlacingLog(), []
+    brought, failing, chatted = ("st_" + digit * 24 for digit in "123")
 
     async def app(scope, receive, send):
-        called.append(scope["path"])
-        assert _serve_request_context.get()._internal_request_id not in placing.recent()  # listed once it ends
-        if scope["path"] == "/v1/streams/" + "st_" + "2" * 24:
-            raise RuntimeError("the request failed")
+        if scope["path"].startswith(f"/v1/streams/{brought}"):
+            held.add(brought)  # brought here, as the registry does, before the response starts
+        if scope["path"].startswith(f"/v1/streams/{failing}"):
+            raise RuntimeError("the request failed before answering")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"event", "more_body": True})  # a feed goes on
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    placing = PlacingRequests(app, held.__contains__)
+    recording = RecordPlacing(app, log=log, held=held.__contains__)
 
-    def call(path: str, method: str = "GET", request: str = "", model: str = "") -> None:
+    def call(path: str, method: str = "GET", request: str = "", model: str = "", kind: str = "http") -> None:
+        async def send(message):
+            if message.get("more_body"):
+                listed_while_answering.append(request in log.recent())
+
         async def run():
             _serve_request_context.set(_RequestContext(_internal_request_id=request, multiplexed_model_id=model))
-            await placing(http, None, None)
+            await recording({"type": kind, "path": path, "method": method}, None, send)
 
-        http = {"type": "http", "path": path, "method": method}
-        try:
-            asyncio.run(run())
-        except RuntimeError:
-            assert request == "failed"
+        asyncio.run(run())
 
     call("/v1/streams", "POST", "new")
-    assert placing.recent() == ["new"]
-    placing.ended.clear()
-    call(f"/v1/streams/{STREAM}/frames", "POST", "held")  # a stream held here: it places nothing
+    assert log.recent() == ["new"] and listed_while_answering == [True]  # listed as it answers, not as it ends
+    call(f"/v1/streams/{STREAM}/frames", "POST", "held")  # a stream held here as it came: it places nothing
     call("/v1/streams", "GET", "listing")
     call("/health", "GET", "health")
-    assert placing.recent() == []
-    call(f"/v1/streams/{'st_' + '1' * 24}/ask", "POST", "brought")  # not held as it came: it may bring it here
-    call("/v1/chat/completions", "POST", "asked", model="st_" + "3" * 24)
-    call("/v1/streams/" + "st_" + "2" * 24, "GET", "failed")  # ended by an error: listed all the same
-    assert placing.recent() == ["brought", "asked", "failed"] and len(called) == 7
+    call("/v1/streams", "POST", "")  # no id to list it by
+    call(f"/v1/streams/{STREAM}", kind="websocket", request="socket")
+    assert log.recent() == ["new"]
+    call(f"/v1/streams/{brought}/ask", "POST", "brought")  # not held as it came: it may have brought it here
+    call(f"/v1/streams/{brought}/ask", "POST", "again")  # held by then
+    call("/v1/chat/completions", "POST", "asked", model=chatted)
+    with pytest.raises(RuntimeError):
+        call(f"/v1/streams/{failing}", "GET", "failed")  # ended by an error, never answered: listed all the same
+    assert log.recent() == ["new", "brought", "asked", "failed"]
 
 
 def test_autoscaling_on_streams_asks_for_the_replicas_the_streams_need():

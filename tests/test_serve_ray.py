@@ -57,6 +57,15 @@ sys.stdin.read()  # until the test closes it, or dies
 ray.shutdown()
 """
 
+# What the replicas tell the routers (`StreamReplica.record_routing_stats`), asked through the application's handle.
+ROUTING_STATS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False)
+handle = serve.get_app_handle("statekv")
+print(json.dumps([handle.record_routing_stats.remote().result(timeout_s=60) for _ in range(int(sys.argv[2]))]))
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
@@ -267,6 +276,12 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
         placed = {stream_id: owners[stream_id].call("GET", f"/v1/streams/{stream_id}").json()["replica"]
                   for stream_id in seeds}
         assert sorted(list(placed.values()).count(name) for name in set(placed.values())) == [2, 2]  # least-loaded
+        asked = subprocess.run([sys.executable, "-c", ROUTING_STATS, cluster["address"], "12"], env=ray_env,
+                               capture_output=True, text=True, timeout=120)
+        reports = json.loads(asked.stdout.splitlines()[-1])  # from either replica, as the handle routes them
+        assert {stream for report in reports for stream in report["held"]} == set(seeds)
+        answered = {request for report in reports for request in report["answered"]}
+        assert len(answered) >= len(seeds) and all(answered)  # each creation listed by its request's id
         half = FRAMES // 2
         feeders = [threading.Thread(target=owners[stream_id].feed,
                                     args=(stream_id, random_frames(FRAMES, seed, *SIZE), half))

@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from ...errors import ConfigurationError
 from ..config import ServeConfig
 from .leases import LEASE_SECONDS
-from .placing import PlacingRequests
+from .placing import PlacingLog, RecordPlacing
 from .scaling import STREAMS_METRIC
 
 ROUTER = "statekv.serve.cluster.router:StreamRouter"
@@ -108,15 +108,17 @@ class StreamReplica:
         self.hosting = ReplicaHosting(config, replica, cluster.lease_seconds, cluster.store, tier_root,
                                       stopping=application_deleted())
         self.service_app = create_app(config, hosting=self.hosting)
-        self.placing = PlacingRequests(self.service_app, self.hosting.holds)
+        self.placing = PlacingLog()
+        self.service_app.add_middleware(RecordPlacing, log=self.placing, held=self.hosting.holds)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.placing
+        return self.service_app
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """What the routers place new streams by: the streams held, and the requests that may have placed one here
-        that have ended (`PlacingRequests`)."""
-        return {"streams": self.hosting.streams, "ended": self.placing.recent()}
+        that have answered (`statekv.serve.cluster.placing`). Async, so that it runs on the app's event loop between
+        two of its steps: a request listed has placed its stream, if it did, and the stream is among those held."""
+        return {"answered": self.placing.recent(), "held": self.hosting.held()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {STREAMS_METRIC: float(self.hosting.streams)}

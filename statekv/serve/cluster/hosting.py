@@ -86,6 +86,10 @@ class ReplicaHosting(Hosting):
     def holds(self, stream_id: str) -> bool:
         return self.shared is not None and stream_id in self.shared.entries
 
+    def held(self) -> list[str]:
+        """The ids of the streams this replica holds."""
+        return list(self.shared.entries) if self.shared is not None else []
+
     async def run(self, service: Any) -> None:
         self.passed = time.monotonic()
         loops = [self._keep_leases(), self._post(service)]

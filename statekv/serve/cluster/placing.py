@@ -1,10 +1,12 @@
-"""`PlacingRequests`: a replica's record of the requests that may have placed a stream on it, for the routers.
+"""What a replica tells the routers of the requests that may have placed a stream on it (`PlacingLog`, kept by the
+`RecordPlacing` middleware of its app).
 
 A router counts a stream it sent to a replica until that replica's report counts it (`StreamRouter.load`). A report
 taken at a time cannot tell the router which of its requests it counts: one that came in before the report but took
 the stream after it is in neither. So each replica lists, by Ray Serve's internal request id, the requests that may
-have placed a stream (a new stream; one about a stream it did not hold as it came) once each has ended, and a
-router stops counting a request once its replica lists it."""
+have placed a stream (a new stream; one about a stream it did not hold as it came) once each has answered (its
+stream is held by then, or it never will be), and the streams it holds; a router stops counting a request once its
+replica lists it, or the stream it was about."""
 
 from __future__ import annotations
 
@@ -15,29 +17,50 @@ from typing import Any
 
 from .router import PLACING_SECONDS, scope_target
 
-ENDED_KEPT = 4096  # requests remembered, at most
+ANSWERED_KEPT = 4096  # requests remembered, at most (beyond: a router counts one a while longer)
 
 
-class PlacingRequests:
-    """An ASGI app wrapping ``app``: notes each request that may place a stream here as it ends. ``held``: whether
-    this replica holds a stream (by its id) as a request about it comes in."""
+class PlacingLog:
+    """The requests that may have placed a stream here, by internal request id, as each began to answer."""
 
-    def __init__(self, app: Any, held: Callable[[str], bool]):
-        self.app, self.held = app, held
-        self.ended: deque[tuple[float, str]] = deque(maxlen=ENDED_KEPT)
+    def __init__(self) -> None:
+        self.answered: deque[tuple[float, str]] = deque(maxlen=ANSWERED_KEPT)
+
+    def note(self, request: str) -> None:
+        self.answered.append((time.time(), request))
+
+    def recent(self) -> list[str]:
+        """The requests that answered within the time a router counts one."""
+        oldest = time.time() - PLACING_SECONDS
+        return [request for when, request in list(self.answered) if when > oldest]
+
+
+class RecordPlacing:
+    """ASGI middleware: notes in ``log`` each HTTP request that may place a stream here as its response starts (or
+    as it ends, if it never answers). ``held``: whether this replica holds a stream (by id) as a request comes in."""
+
+    def __init__(self, app: Any, log: PlacingLog, held: Callable[[str], bool]):
+        self.app, self.log, self.held = app, log, held
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         request = self._placing(scope) if scope.get("type") == "http" else None
-        try:
+        if not request:
             await self.app(scope, receive, send)
-        finally:
-            if request:
-                self.ended.append((time.time(), request))
+            return
+        noted = False
 
-    def recent(self) -> list[str]:
-        """The requests that ended within the time a router counts one."""
-        oldest = time.time() - PLACING_SECONDS
-        return [request for when, request in list(self.ended) if when > oldest]
+        async def answering(message: dict[str, Any]) -> None:
+            nonlocal noted
+            if message.get("type") == "http.response.start" and not noted:
+                noted = True
+                self.log.note(request)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, answering)
+        finally:
+            if not noted:
+                self.log.note(request)
 
     def _placing(self, scope: dict[str, Any]) -> str | None:
         """The request's internal id if it may place a stream here; None otherwise."""

@@ -9,8 +9,8 @@ Each HTTP request is sent to a replica chosen by what it is about:
   live replica holds it (new, let go, or its replica died), the least-loaded one,
   which takes it from its last save;
 - a new stream (``POST /v1/streams``): the least-loaded replica (fewest streams held, as each replica reports in
-  its routing stats, plus the requests this router sent it to place one that it has not reported ended), replicas
-  at their stream limit last;
+  its routing stats, plus those this router sent it that its reports do not count yet:
+  `statekv.serve.cluster.placing`), replicas at their stream limit last;
 - the page (``/`` and ``/ui/...``): one replica, the same for every tab (the page's live connection is kept by the
   replica that served it), which brings a stream to itself when a tab opens it;
 - anything else: Ray Serve's choice among all replicas (the shortest queue).
@@ -79,8 +79,9 @@ class StreamRouter(RequestRouter):
         self.leases = Leases(state_dir) if state_dir else None
         self.store = ObjectStore(store) if store and not state_dir else None
         self.max_streams = max_streams
-        self.placed: dict[str, dict[str, float]] = defaultdict(dict)  # replica -> {request: when it was sent there}
-        self.placing: dict[str, bool] = {}  # requests routed to start a stream, until Ray reports where they went
+        # replica -> {request: (the stream it is about, None for a new one; when it was sent there)}
+        self.placed: dict[str, dict[str, tuple[str | None, float]]] = defaultdict(dict)
+        self.placing: dict[str, str | None] = {}  # requests routed to place a stream, until Ray reports where they went
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -93,10 +94,10 @@ class StreamRouter(RequestRouter):
             holding = [replica for replica in candidate_replicas if replica.replica_id.unique_id == holder]
             if holding:
                 return [holding]
-            self._placing(pending_request)
+            self._placing(pending_request, stream_id)
             return self.by_load(candidate_replicas)
         if kind == "create":
-            self._placing(pending_request)
+            self._placing(pending_request, None)
             return self.by_load(candidate_replicas)
         if kind == "page":
             return [[min(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)]]
@@ -109,18 +110,25 @@ class StreamRouter(RequestRouter):
         return holder_hint(self.store, stream_id) if self.store is not None else None
 
     def load(self, replica: RunningReplica) -> int:
-        """Streams the replica holds: as it last reported, plus the requests sent there to place one that its
-        report does not list as ended (a stream it took after its report is counted by its request, once)."""
+        """Streams the replica holds, as it last reported, plus those sent there to be placed that its report does
+        not count yet: a request it has not listed as answered, about a stream it does not list as held (several
+        about one stream count once)."""
         stats = replica.routing_stats or {}
         name = replica.replica_id.unique_id
-        ended, oldest = set(stats.get("ended", ())), time.time() - PLACING_SECONDS
-        pending = {request: when for request, when in self.placed.get(name, {}).items()
-                   if request not in ended and when > oldest}
+        answered, held = set(stats.get("answered", ())), set(stats.get("held", ()))
+        oldest = time.time() - PLACING_SECONDS
+        pending = {request: (stream_id, when) for request, (stream_id, when) in self.placed.get(name, {}).items()
+                   if request not in answered and stream_id not in held and when > oldest}
         self.placed[name] = pending
-        return int(stats.get("streams", 0)) + len(pending)
+        return len(held) + len({stream_id or request for request, (stream_id, _) in pending.items()})
 
     def by_load(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Ranks of replicas, least-loaded first; replicas at their stream limit last."""
+        oldest = time.time() - PLACING_SECONDS
+        for other in set(self.placed) - {replica.replica_id.unique_id for replica in replicas}:  # gone, or not asked
+            self.placed[other] = {request: sent for request, sent in self.placed[other].items() if sent[1] > oldest}
+            if not self.placed[other]:
+                del self.placed[other]
         loads = {replica.replica_id.unique_id: self.load(replica) for replica in replicas}
 
         def rank(replica: RunningReplica) -> tuple[bool, int]:
@@ -138,10 +146,13 @@ class StreamRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         request = pending_request.metadata.internal_request_id
-        if self.placing.pop(request, False):
-            self.placed[replica_id.unique_id][request] = time.time()
+        if request in self.placing:
+            self.placed[replica_id.unique_id][request] = (self.placing.pop(request), time.time())
 
-    def _placing(self, pending_request: PendingRequest) -> None:
+    def _placing(self, pending_request: PendingRequest, stream_id: str | None) -> None:
+        request = pending_request.metadata.internal_request_id
+        if not request:  # no id to be listed by: counted by the replica's next report alone
+            return
         if len(self.placing) > PLACING_KEPT:
             self.placing.clear()
-        self.placing[pending_request.metadata.internal_request_id] = True
+        self.placing[request] = stream_id
