@@ -371,7 +371,8 @@ def _pending(path: str, method: str = "GET", model: str = "", request: str | Non
     from ray.serve._private.proxy_request_response import ASGIProxyRequest  # how Ray Serve's proxy sends it on
 
     asgi = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
-    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=f"{method} {path} {model}" if request is None else request)
+    request = f"{method} {path} {model}" if request is None else request
+    metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=request)
     return SimpleNamespace(args=[asgi.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
                            routing_context=SimpleNamespace(should_backoff=False))
 
