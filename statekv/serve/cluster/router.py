@@ -34,7 +34,7 @@ from .store_files import holder_hint
 
 STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
 PLACING_KEPT = 10_000  # requests remembered between their routing and Ray's callback, at most
-PLACING_SECONDS = 60.0  # a request sent to place a stream that its replica has not reported ended counts this long
+PLACING_SECONDS = 60.0  # a request sent to place a stream counts this long at most, unless its replica lists it
 
 
 def request_target(pending_request: PendingRequest) -> tuple[str, str | None]:
