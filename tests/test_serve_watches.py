@@ -50,8 +50,8 @@ def pictures() -> list[bytes]:
 class Running:
     """A server in this process on a free loopback port."""
 
-    def __init__(self, state: Path, qa, disk: bool = False):
-        options = ModelOptions(model="builtin")
+    def __init__(self, state: Path, qa, disk: bool = False, options: ModelOptions | None = None):
+        options = options or ModelOptions(model="builtin")
         if disk:  # streams kept in disk-tier file sets: a restart resumes them there, their watches from records
             options = ModelOptions(model="builtin", offload="disk", offload_dir=str(state.parent / "tiers"))
             qa = qa.with_options(offload="disk", offload_dir=options.offload_dir)
@@ -204,5 +204,130 @@ def test_bad_watch_requests_get_one_line(tmp_path, qa, pictures):
             assert client.get(f"/v1/streams/{stream_id}/watches/{made.json()['id']}").json()["events"] == []
             push(client, stream_id, pictures, 0, 2)
             assert client.get(f"/v1/streams/{stream_id}/watches/{made.json()['id']}").json()["evaluations"] == 1
+    finally:
+        server.stop()
+
+
+def test_watches_made_and_deleted_at_once_by_many_clients_are_recorded_as_they_last_stood(tmp_path, qa, pictures,
+                                                                                          caplog):
+    """Every write of a stream's record was built before it was written and written under one partial file name, so
+    two at once renamed each other's file (a 'cannot record' error each) and an older record could land last: watches
+    answered deleted came back after a restart."""
+    state = tmp_path / "state"
+    server = Running(state, qa)
+    try:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+            push(client, stream_id, pictures, 0, 2)
+            statuses: list[int] = []
+
+            def churn(worker: int) -> None:
+                with server.client() as own:
+                    for round_ in range(8):
+                        made = own.post(f"/v1/streams/{stream_id}/watches",
+                                        json={"question": f"{COUNT} {worker}-{round_}", "every": 100})
+                        statuses.append(made.status_code)
+                        if round_ < 7:  # each client keeps its last one
+                            statuses.append(own.delete(f"/v1/streams/{stream_id}/watches/{made.json()['id']}")
+                                            .status_code)
+
+            workers = [threading.Thread(target=churn, args=(worker,)) for worker in range(8)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            assert sorted(set(statuses)) == [200, 201]
+            live = {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]}
+            assert len(live) == 8
+            assert "cannot record" not in caplog.text  # no write undid another's
+            assert {watch["id"] for watch in json.loads((state / "streams" / f"{stream_id}.json").read_text())
+                    ["watches"]} == live  # the record holds what was answered last, no save since
+            assert not list((state / "streams").glob("*.partial"))
+    finally:
+        server.stop()
+    server = Running(state, qa)
+    try:
+        with server.client() as client:
+            assert {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]} == live
+    finally:
+        server.stop()
+
+
+def test_a_feed_of_events_ends_with_an_error_event_as_its_stream_is_deleted(tmp_path, qa, pictures):
+    server = Running(tmp_path / "state", qa)
+    try:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+            lines: list[str] = []
+            following, ended = threading.Event(), threading.Event()
+
+            def follow() -> None:
+                with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+                    following.set()
+                    lines.extend(events.iter_lines())
+                ended.set()
+
+            threading.Thread(target=follow, daemon=True).start()
+            assert following.wait(30)
+            time.sleep(0.2)
+            deleting = time.monotonic()
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+            assert ended.wait(10) and time.monotonic() - deleting < 5  # not at the next keep-alive, 15 s on
+            assert "event: error" in lines and f'"stream {stream_id} was deleted"' in "".join(lines)
+    finally:
+        server.stop()
+
+
+def test_a_watch_asked_for_as_its_stream_is_deleted_is_a_404_and_writes_nothing(tmp_path, qa):
+    """The request's stream is found, then deleted while its body is still coming: the watch is refused as the
+    stream is, never opened on a closed stream (before: a 400 about its RoPE rotation) nor recorded."""
+    import socket
+    from urllib.parse import urlsplit
+
+    state = tmp_path / "state"
+    server = Running(state, qa)
+    try:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+            body = json.dumps({"question": COUNT, "every": 3}).encode()
+            address = urlsplit(server.url)
+            with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
+                raw.sendall(f"POST /v1/streams/{stream_id}/watches HTTP/1.1\r\nHost: x\r\n"
+                            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n".encode())
+                time.sleep(0.5)  # found: it waits for its body
+                assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+                raw.sendall(body)
+                answer = raw.recv(65536).decode()
+            assert answer.startswith("HTTP/1.1 404") and f"no stream '{stream_id}'" in answer, answer
+            assert not list((state / "streams").glob(f"{stream_id}*"))
+    finally:
+        server.stop()
+
+
+def test_a_stream_that_cannot_be_saved_keeps_its_watches_in_its_record_at_shutdown(tmp_path, pictures):
+    """SimpleStream keeps no cache to save: the stream comes back empty, as documented, but its watches come back
+    with every evaluation made before the stop (before: as its record last stood, here at the watch's creation)."""
+    options = ModelOptions(model="builtin", method="simplestream")
+    qa = statekv.VideoQA.from_options(options)
+    state = tmp_path / "state"
+    server = Running(state, qa, options=options)
+    try:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+            push(client, stream_id, pictures, 0, 3)
+            made = client.post(f"/v1/streams/{stream_id}/watches",
+                               json={"question": COUNT, "every": 3, "max_new_tokens": 4})
+            url = f"/v1/streams/{stream_id}/watches/{made.json()['id']}"
+            push(client, stream_id, pictures, 3, 12)
+            before = client.get(url).json()
+            assert before["evaluations"] == 4
+    finally:
+        server.stop()
+    server = Running(state, qa, options=options)
+    try:
+        with server.client() as client:
+            again = client.get(url).json()
+            assert again["evaluations"] == before["evaluations"] and again["events"] == before["events"]
     finally:
         server.stop()

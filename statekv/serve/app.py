@@ -79,6 +79,7 @@ class Service:
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
+        self.registry.end_watch_feeds = self.watch_hub.end
         self.ask_slots = Slots(config.max_asks, "questions")
 
     @property

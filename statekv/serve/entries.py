@@ -4,17 +4,20 @@ saved, what it is doing), one that could not be brought back (`DamagedStream`), 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..errors import InputError
+from ..errors import InputError, StateKVError
 from .page_record import page_fields
 from .watches import watch_records
 
+log = logging.getLogger("statekv.serve")
 HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
 
@@ -64,6 +67,7 @@ class StreamEntry:
     quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
     owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
+    recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
 
     @property
     def frames(self) -> int:
@@ -104,6 +108,27 @@ class StreamEntry:
         """The folder of its disk-tier file set (None: it keeps its detailed cache elsewhere)."""
         folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
         return None if folder is None else Path(folder)
+
+    def write_record(self, files: Any) -> None:
+        """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread:
+        one write at a time, so the last written is the newest; none once it is deleted (`mark_deleted`)."""
+        with self.recording:
+            if not self.deleted:
+                files.write_record(self.record())
+
+    async def keep_record(self, files: Any, what: str) -> None:
+        """`write_record` off the event loop, for a change already made and answered (``what``: which, for the
+        log): a failure is logged, the change stands."""
+        try:
+            await asyncio.to_thread(self.write_record, files)
+        except (OSError, StateKVError) as error:
+            log.error("cannot record %s of stream %s: %s", what, self.id, error)
+
+    def mark_deleted(self) -> None:
+        """From here on `StreamRegistry.get` answers 404 and its record is not written again (a write under way
+        ends first, so none lands after its files are removed)."""
+        with self.recording:
+            self.deleted = True
 
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and

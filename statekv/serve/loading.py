@@ -65,7 +65,7 @@ class StreamLoader:
                             answers=answers, owned=bool(data.get("owned")))
         if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
             try:
-                self.files.write_record(entry.record())
+                entry.write_record(self.files)
             except (OSError, StateKVError) as error:
                 log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
         if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined

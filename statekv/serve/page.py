@@ -427,10 +427,7 @@ class StreamPage:
 
     async def keep_record(self, entry) -> None:
         """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
-        try:
-            await asyncio.to_thread(self.registry.files.write_record, entry.record())
-        except (OSError, StateKVError) as error:
-            log.error("cannot record stream %s: %s", entry.id, error)
+        await entry.keep_record(self.registry.files, "the watches")
 
     def show(self, what: str, value: Any, update) -> None:
         if self.shown.get(what, object()) != value:

@@ -13,6 +13,7 @@ from typing import Any
 from ..builtin import is_builtin_kind
 from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
+from .healing import check_here
 from .page_parts import ErrorNote
 from .watches import described, open_on, watch_settings
 
@@ -92,6 +93,7 @@ class WatchPanel:
                                        "every": int(every) if every is not None and float(every).is_integer()
                                        else every})
             async with entry.lock:
+                check_here(entry)  # deleted, moved or damaged meanwhile
                 await page.service.worker.run(open_on, entry, settings, page.service.watch_hub.listener(entry.id))
             self.error.clear()
             self.question.set_value("")
@@ -107,6 +109,8 @@ class WatchPanel:
         if entry is None:
             return
         async with entry.lock:
+            if entry.deleted or entry.moved:
+                return
             await self.page.service.worker.run(watch.close)
         await self.page.keep_record(entry)
         self.refresh(entry, force=True)

@@ -65,6 +65,7 @@ class StreamRegistry:
         self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_feeds`)
         self.answers_stopping = threading.Event()  # the server can wait for answers no longer (`stop_answers`)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
+        self.end_watch_feeds = None  # (stream id) -> ends its clients' feeds of watch events (once it is deleted)
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
 
     # -- lookup --------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class StreamRegistry:
                             replica=self.placement.replica)
         try:
             self.files.claim(stream_id)
-            self.files.write_record(entry.record())  # the creation is durable before it is answered
+            entry.write_record(self.files)  # the creation is durable before it is answered
         except (OSError, StateKVError) as error:
             await self.worker.run(stream.close)
             remove_tier(entry)
@@ -180,7 +181,9 @@ class StreamRegistry:
             await self.remove(entry.owner or "", entry.id)
             return
         await self.begin_removal(entry.id, entry.tier)  # refused (503) with nothing changed, or the stream is gone
-        entry.deleted = True  # from here on `get` answers 404
+        await asyncio.to_thread(entry.mark_deleted)  # from here on `get` answers 404
+        if self.end_watch_feeds is not None:
+            self.end_watch_feeds(entry.id)
         async with entry.lock:
             try:
                 try:
@@ -414,11 +417,7 @@ class StreamRegistry:
         entry.answers.append({"question": question, "at": int(time.time()),
                               **{key: result[key] for key in ("answer", "frames", "seconds", "latency", "read_frames")}})
         del entry.answers[:-ANSWERS]
-        if not entry.deleted:
-            try:
-                await asyncio.to_thread(self.files.write_record, entry.record())
-            except (OSError, StateKVError) as error:  # the answer is given; only its note in the record is lost
-                log.error("cannot record an answer of stream %s: %s", entry.id, error)
+        await entry.keep_record(self.files, "an answer")  # the answer is given; only its note may be lost
         return result
 
     @classmethod
@@ -463,7 +462,7 @@ class StreamRegistry:
         self.files.save_state(entry.id, entry.stream.save)
         entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
         entry.saved_at = time.monotonic()
-        self.files.write_record(entry.record())
+        entry.write_record(self.files)
 
     async def save_due(self) -> None:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``."""
@@ -486,6 +485,8 @@ class StreamRegistry:
                 self.worker.run_blocking(self.save_now, entry)
             except StateKVError as error:
                 log.error("cannot save stream %s: %s", entry.id, error)
+                with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
+                    entry.write_record(self.files)
 
     def close_all(self) -> None:
         """Close every stream (at shutdown, once saved): a disk-tier stream lets go of its file set's lock."""

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import time
 from collections import Counter
@@ -392,8 +393,9 @@ def _reason(error: BaseException) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all: nothing is left beside it when the write fails (a full disk)."""
-    partial = path.with_name(path.name + ".partial")
+    """Write ``path`` whole or not at all: nothing is left beside it when the write fails (a full disk). Each write
+    has a partial file of its own, so two at once never rename each other's."""
+    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
     try:
         write_flushed(partial, data)
         os.replace(partial, path)

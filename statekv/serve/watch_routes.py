@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from .healing import check_here
 from .limits import read_json
 from .routes import Served
-from .watches import described, find_watch, open_on, watch_settings
+from .watches import DELETED, described, find_watch, open_on, watch_settings
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
@@ -30,10 +31,7 @@ router = APIRouter()
 
 async def keep_record(service: Any, entry: Any) -> None:
     """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
-    try:
-        await asyncio.to_thread(service.registry.files.write_record, entry.record())
-    except Exception as error:  # noqa: BLE001 -- the watch is made or gone all the same; its note waits
-        log.error("cannot record the watches of stream %s: %s", entry.id, error)
+    await entry.keep_record(service.registry.files, "the watches")
 
 
 @router.post("/v1/streams/{stream_id}/watches", status_code=201)
@@ -41,6 +39,7 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
     entry = await service.registry.find(service.keys.require(request), stream_id)
     settings = watch_settings(await read_json(request, service.config.max_body_bytes))
     async with entry.lock:
+        check_here(entry)  # deleted, moved or damaged while the request waited
         watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
     await keep_record(service, entry)
     return {"id": watch.id}
@@ -63,6 +62,7 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
     entry = await service.registry.find(service.keys.require(request), stream_id)
     watch = find_watch(entry, watch_id)
     async with entry.lock:
+        check_here(entry)
         await service.worker.run(watch.close)
     await keep_record(service, entry)
     return {"id": watch_id, "object": "watch", "deleted": True}
@@ -79,14 +79,20 @@ async def follow_events(stream_id: str, request: Request, service: Served) -> St
 async def _events(entry, follower, hub, request: Request) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
-        while not entry.deleted:
+        while True:
             try:
                 item = await asyncio.wait_for(follower.queue.get(), KEEPALIVE_SECONDS)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
-                yield ": still here\n\n"
-                continue
+                if not entry.deleted:
+                    yield ": still here\n\n"
+                    continue
+                item = DELETED
+            if item is DELETED:
+                ended = {"error": {"message": f"stream {entry.id} was deleted"}}
+                yield "event: error\ndata: " + json.dumps(ended) + "\n\n"
+                return
             if item is None or hub.closed:  # the server is stopping (its None may not have fit a full queue)
                 return
             if follower.dropped:

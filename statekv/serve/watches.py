@@ -131,6 +131,9 @@ def watch_records(stream: Any) -> list[dict[str, Any]]:
     return records(stream)
 
 
+DELETED = {"deleted": True}  # what ends the feed of a client following a stream that was deleted (`WatchHub.end`)
+
+
 class Follower:
     """One client following a stream's watch events: a queue on its event loop, filled from the model's thread."""
 
@@ -186,6 +189,13 @@ class WatchHub:
             if self.closed:
                 follower.put(None)
         return follower
+
+    def end(self, stream_id: str) -> None:
+        """End the feeds of the clients following stream ``stream_id``, which was deleted (`DELETED`)."""
+        with self.lock:
+            followers = self.followers.pop(stream_id, set())
+        for follower in followers:
+            follower.put(DELETED)
 
     def close(self) -> None:
         """End every client's feed, and every later one's at once: the server is stopping."""

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -189,7 +190,7 @@ class SharedStreamFiles(StreamFiles):
             super().remove_note(stream_id)
 
     def _commit(self, lease: Lease, path: Path, data: bytes) -> None:
-        partial = path.with_name(f"{path.name}.{self.holder}.partial")
+        partial = path.with_name(f"{path.name}.{self.holder}.{secrets.token_hex(4)}.partial")
         try:
             write_flushed(partial, data)
             with self.leases.fenced(lease):
