@@ -186,6 +186,8 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
             registry.metrics = Metrics(lambda: 0, lambda: 0)
             replicas.append(registry)
         first, second = replicas
+        ended = []  # the feeds of watch events of a stream that moved away end, saying so
+        first.end_watch_feeds = lambda stream_id, message: ended.append((stream_id, message))
         entry = await first.create(owner, {"horizon_frames": 16, "max_fps": None})
         for index, image in enumerate(frames):
             await first.push(entry, image, float(index))
@@ -204,6 +206,7 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
         await first.keep_leases()
         taken = await asyncio.wait_for(taking, 10)
         assert entry.moved and entry.id not in first.entries
+        assert ended == [(entry.id, f"stream {entry.id} moved to another replica; follow its events again")]
         if tier == "disk":  # the file set it had here is gone; the stream has a new one where it went
             assert not entry.stream.durability.folder.exists() and taken.stream.durability.folder.exists()
         assert taken.replica == "second" and taken.stream.frames == 3 and taken.stream.pushed == 3

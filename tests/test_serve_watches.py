@@ -292,13 +292,16 @@ def test_a_watch_asked_for_as_its_stream_is_deleted_is_a_404_and_writes_nothing(
             body = json.dumps({"question": COUNT, "every": 3}).encode()
             address = urlsplit(server.url)
             with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
-                raw.sendall(f"POST /v1/streams/{stream_id}/watches HTTP/1.1\r\nHost: x\r\n"
+                raw.sendall(f"POST /v1/streams/{stream_id}/watches HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                             f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
                             f"Content-Length: {len(body)}\r\n\r\n".encode())
                 time.sleep(0.5)  # found: it waits for its body
                 assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
                 raw.sendall(body)
-                answer = raw.recv(65536).decode()
+                answer = b""
+                while chunk := raw.recv(65536):  # to the end: the server closes the connection
+                    answer += chunk
+                answer = answer.decode()
             assert answer.startswith("HTTP/1.1 404") and f"no stream '{stream_id}'" in answer, answer
             assert not list((state / "streams").glob(f"{stream_id}*"))
     finally:
@@ -331,3 +334,41 @@ def test_a_stream_that_cannot_be_saved_keeps_its_watches_in_its_record_at_shutdo
             assert again["evaluations"] == before["evaluations"] and again["events"] == before["events"]
     finally:
         server.stop()
+
+
+def test_a_record_is_written_as_it_last_stood_once_per_burst_and_never_once_its_stream_left(qa, pictures):
+    """Writes asked for at once while one is under way make one more write, of the state after all of them; none is
+    written once the stream moved to another replica or was closed (a closed stream's record would name none of its
+    watches: the replica taking it would then close them)."""
+    from statekv.serve.entries import StreamEntry
+
+    class Files:
+        def __init__(self):
+            self.written: list[tuple[int, list[str]]] = []
+
+        def write_record(self, record):
+            time.sleep(0.05)
+            self.written.append((len(record["answers"]), [watch["id"] for watch in record["watches"]]))
+
+    stream = qa.stream(None, max_fps=None)
+    for k in range(3):
+        stream.push(np.asarray(Image.open(io.BytesIO(pictures[k])).convert("RGB")), float(k))
+    watch = stream.watch(COUNT, every=3)
+    entry, files = StreamEntry("st_" + "a" * 24, "owner", {}, None, None, "camera", time.time(), stream), Files()
+
+    def answered(number: int) -> None:
+        entry.answers.append({"question": COUNT, "answer": str(number)})
+        entry.write_record(files)
+
+    writers = [threading.Thread(target=answered, args=(number,)) for number in range(8)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert len(files.written) < 8 and files.written[-1] == (8, [watch.id])
+    for state in ({"moved": True}, {"closed": True}):
+        entry.retire(**state)
+        stream.close()
+        entry.write_record(files)
+        assert files.written[-1] == (8, [watch.id]) and len(files.written) < 8
+        entry.moved = entry.closed = False

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..errors import InputError, StateKVError
+from ..errors import InputError
 from .page_record import page_fields
 from .watches import watch_records
 
@@ -67,7 +67,10 @@ class StreamEntry:
     quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
     owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
+    closed: bool = False  # closed at shutdown, once saved
     recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
+    changes: list[int] = field(default_factory=lambda: [0, 0])  # changes asked to be recorded; recorded
+    counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``changes``
 
     @property
     def frames(self) -> int:
@@ -110,25 +113,35 @@ class StreamEntry:
         return None if folder is None else Path(folder)
 
     def write_record(self, files: Any) -> None:
-        """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread:
-        one write at a time, so the last written is the newest; none once it is deleted (`mark_deleted`)."""
+        """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread,
+        after a change: one write at a time, so the last written is the newest, and none for a change a write begun
+        after it already holds; none once it is deleted, moved or closed (`retire`)."""
+        with self.counting:
+            self.changes[0] += 1
+            change = self.changes[0]
         with self.recording:
-            if not self.deleted:
-                files.write_record(self.record())
+            if self.deleted or self.moved or self.closed or self.changes[1] >= change:
+                return
+            with self.counting:
+                holding = self.changes[0]
+            files.write_record(self.record())
+            self.changes[1] = holding
 
     async def keep_record(self, files: Any, what: str) -> None:
         """`write_record` off the event loop, for a change already made and answered (``what``: which, for the
         log): a failure is logged, the change stands."""
         try:
             await asyncio.to_thread(self.write_record, files)
-        except (OSError, StateKVError) as error:
-            log.error("cannot record %s of stream %s: %s", what, self.id, error)
+        except Exception:  # noqa: BLE001 -- answered already: a failure to note it must not fail the request
+            log.exception("cannot record %s of stream %s", what, self.id)
 
-    def mark_deleted(self) -> None:
-        """From here on `StreamRegistry.get` answers 404 and its record is not written again (a write under way
-        ends first, so none lands after its files are removed)."""
+    def retire(self, **state: Any) -> None:
+        """Set ``deleted``, ``moved`` or ``closed`` (as keywords): its record is not written again, and a write
+        under way ends first, so none lands after its files are removed, another replica took it, or it was
+        closed (a closed stream's record would name none of its watches)."""
         with self.recording:
-            self.deleted = True
+            for name, value in state.items():
+                setattr(self, name, value)
 
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and

@@ -8,6 +8,7 @@ the closed stream answers 503 (`check_here`), never "this stream was closed".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -61,8 +62,9 @@ class StreamHealer:
                 log.error("stream %s, closed by its stopped handover, cannot be brought back yet: %s", entry.id, error)
                 raise self.not_yet(entry.id, HEAL_RETRY_SECONDS) from None
             except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, as at the start
+                await asyncio.to_thread(entry.retire, deleted=True)  # whoever holds it lets it go
                 damaged = registry.quarantine(entry.id, entry.owner, reason_of(error), entry.record())
-                entry.quarantined, entry.deleted = damaged.reason, True  # whoever holds it lets it go
+                entry.quarantined = damaged.reason
                 registry.entries.pop(entry.id, None)
                 self.unhealed.pop(entry.id, None)
                 await self.close_quietly(old)
@@ -81,6 +83,7 @@ class StreamHealer:
                     entry.id, f"lost {healed.stream.frames_lost} frames that waited for their step when it was "
                     "brought back after its handover stopped")
             await self.close_quietly(old)  # its watches, reopened on the stream brought back
+            await entry.keep_record(registry.files, "the stream brought back")  # its folder, as loading would
             log.info("stream %s, closed by its stopped handover, was brought back from its folder (%s)", entry.id,
                      healed.stream.handover)
 

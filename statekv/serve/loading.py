@@ -63,7 +63,7 @@ class StreamLoader:
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")))
-        if entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it from now on
+        if not healing and entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it
             try:
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:

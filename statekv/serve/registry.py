@@ -65,7 +65,7 @@ class StreamRegistry:
         self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_feeds`)
         self.answers_stopping = threading.Event()  # the server can wait for answers no longer (`stop_answers`)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
-        self.end_watch_feeds = None  # (stream id) -> ends its clients' feeds of watch events (once it is deleted)
+        self.end_watch_feeds = None  # (stream id, why) -> ends its clients' feeds of watch events (`WatchHub.end`)
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
 
     # -- lookup --------------------------------------------------------------------------------------------
@@ -181,9 +181,9 @@ class StreamRegistry:
             await self.remove(entry.owner or "", entry.id)
             return
         await self.begin_removal(entry.id, entry.tier)  # refused (503) with nothing changed, or the stream is gone
-        await asyncio.to_thread(entry.mark_deleted)  # from here on `get` answers 404
+        await asyncio.to_thread(entry.retire, deleted=True)  # from here on `get` answers 404
         if self.end_watch_feeds is not None:
-            self.end_watch_feeds(entry.id)
+            self.end_watch_feeds(entry.id, f"stream {entry.id} was deleted")
         async with entry.lock:
             try:
                 try:
@@ -491,6 +491,7 @@ class StreamRegistry:
     def close_all(self) -> None:
         """Close every stream (at shutdown, once saved): a disk-tier stream lets go of its file set's lock."""
         for entry in list(self.entries.values()):
+            entry.retire(closed=True)
             try:
                 self.worker.run_blocking(entry.stream.close)
             except Exception as error:  # noqa: BLE001 -- shutting down: the others are closed still
@@ -504,6 +505,7 @@ class StreamRegistry:
     def load_all(self, owners: Any = None) -> int:
         """Load every stream recorded in the state folder; returns how many. ``owners``: load only streams of
         these owner digests (the others are left on disk untouched). Deletions cut short are finished first."""
+        self.files.sweep_partials()
         self.finish_removals()
         for stream_id, record in self.files.records():
             if isinstance(record, Exception):

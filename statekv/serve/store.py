@@ -315,6 +315,15 @@ class StreamFiles:
         """Forget why a stream was quarantined (it loads again)."""
         self.note_path(stream_id).unlink(missing_ok=True)
 
+    def sweep_partials(self) -> None:
+        """Remove the partial files of writes cut short (a kill between a write and its rename: each write has its
+        own, `write_atomic`). Only for a server that holds the folder alone, as it starts."""
+        for folder in (self.folder, self.quarantine):
+            for path in folder.glob("*.partial") if folder.is_dir() else ():
+                if path.is_file():
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+
     def quarantined(self, stream_id: str) -> list[str]:
         """The names of the stream's file sets moved into ``quarantine/``, oldest first."""
         if not self.quarantine.is_dir():

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from .healing import check_here
 from .limits import read_json
 from .routes import Served
-from .watches import DELETED, described, find_watch, open_on, watch_settings
+from .watches import FeedEnd, described, find_watch, open_on, watch_settings
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
@@ -85,13 +85,12 @@ async def _events(entry, follower, hub, request: Request) -> Any:
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
-                if not entry.deleted:
+                item = _gone(entry)  # its end may have been sent before this client followed
+                if item is None:
                     yield ": still here\n\n"
                     continue
-                item = DELETED
-            if item is DELETED:
-                ended = {"error": {"message": f"stream {entry.id} was deleted"}}
-                yield "event: error\ndata: " + json.dumps(ended) + "\n\n"
+            if isinstance(item, FeedEnd):
+                yield "event: error\ndata: " + json.dumps({"error": {"message": item.message}}) + "\n\n"
                 return
             if item is None or hub.closed:  # the server is stopping (its None may not have fit a full queue)
                 return
@@ -102,3 +101,14 @@ async def _events(entry, follower, hub, request: Request) -> Any:
             yield "event: watch\ndata: " + json.dumps(item) + "\n\n"
     finally:
         hub.leave(follower)
+
+
+def _gone(entry: Any) -> FeedEnd | None:
+    """Why a followed stream is no longer served here, if it is not."""
+    if entry.quarantined is not None:
+        return FeedEnd(f"stream {entry.id} is damaged ({entry.quarantined}); it is no longer served")
+    if entry.deleted:
+        return FeedEnd(f"stream {entry.id} was deleted")
+    if entry.moved:
+        return FeedEnd(f"stream {entry.id} moved to another replica; follow its events again")
+    return None

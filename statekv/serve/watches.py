@@ -131,7 +131,12 @@ def watch_records(stream: Any) -> list[dict[str, Any]]:
     return records(stream)
 
 
-DELETED = {"deleted": True}  # what ends the feed of a client following a stream that was deleted (`WatchHub.end`)
+class FeedEnd:
+    """What ends the feed of a client following a stream that is no longer served here (`WatchHub.end`): the
+    message of the feed's last event."""
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 class Follower:
@@ -139,10 +144,10 @@ class Follower:
 
     def __init__(self, stream_id: str, loop: asyncio.AbstractEventLoop):
         self.stream_id, self.loop = stream_id, loop
-        self.queue: asyncio.Queue[dict | None] = asyncio.Queue(QUEUED_EVENTS)
+        self.queue: asyncio.Queue[dict | FeedEnd | None] = asyncio.Queue(QUEUED_EVENTS)
         self.dropped = False
 
-    def put(self, item: dict | None) -> None:
+    def put(self, item: dict | FeedEnd | None) -> None:
         def offer() -> None:
             try:
                 self.queue.put_nowait(item)
@@ -190,12 +195,13 @@ class WatchHub:
                 follower.put(None)
         return follower
 
-    def end(self, stream_id: str) -> None:
-        """End the feeds of the clients following stream ``stream_id``, which was deleted (`DELETED`)."""
+    def end(self, stream_id: str, message: str) -> None:
+        """End the feeds of the clients following stream ``stream_id``, no longer served here (deleted, or moved
+        to another replica), with an ``error`` event saying ``message``."""
         with self.lock:
             followers = self.followers.pop(stream_id, set())
         for follower in followers:
-            follower.put(DELETED)
+            follower.put(FeedEnd(message))
 
     def close(self) -> None:
         """End every client's feed, and every later one's at once: the server is stopping."""

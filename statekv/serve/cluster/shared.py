@@ -330,8 +330,10 @@ class LeasedPlacement(Placement):
     async def _drop(self, registry: StreamRegistry, entry: StreamEntry) -> None:
         """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since
         whoever holds it now loaded it from its save."""
-        entry.moved = True
+        await asyncio.to_thread(entry.retire, moved=True)
         registry.entries.pop(entry.id, None)
+        if registry.end_watch_feeds is not None:
+            registry.end_watch_feeds(entry.id, f"stream {entry.id} moved to another replica; follow its events again")
         await registry.worker.run(entry.stream.close)
         remove_tier(entry)
 
