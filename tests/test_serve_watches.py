@@ -372,3 +372,23 @@ def test_a_record_is_written_as_it_last_stood_once_per_burst_and_never_once_its_
         entry.write_record(files)
         assert files.written[-1] == (8, [watch.id]) and len(files.written) < 8
         entry.moved = entry.closed = False
+
+
+def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path, qa):
+    """Each atomic write has a partial file of its own: those a kill left between a write and its rename would pile
+    up; a server that holds the folder alone removes them as it starts (a moved file set's partial folder stays)."""
+    state = tmp_path / "state"
+    server = Running(state, qa)
+    server.stop()
+    left = [state / "streams" / "st_0123456789abcdef01234567.json.1a2b3c4d.partial",
+            state / "quarantine" / "st_0123456789abcdef01234567.json.5e6f7a8b.partial"]
+    for path in left:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("{")
+    moving = state / "quarantine" / "st_0123456789abcdef01234567-1.partial"
+    moving.mkdir()
+    server = Running(state, qa)
+    try:
+        assert not any(path.exists() for path in left) and moving.is_dir()
+    finally:
+        server.stop()
