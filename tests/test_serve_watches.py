@@ -76,6 +76,12 @@ class Running:
         self.thread.join(timeout=120)
         assert not self.thread.is_alive()
 
+    def __enter__(self) -> "Running":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def push(client, stream_id: str, pictures: list[bytes], start: int, stop: int) -> None:
     for k in range(start, stop):
@@ -214,68 +220,56 @@ def test_watches_made_and_deleted_at_once_by_many_clients_are_recorded_as_they_l
     two at once renamed each other's file (a 'cannot record' error each) and an older record could land last: watches
     answered deleted came back after a restart."""
     state = tmp_path / "state"
-    server = Running(state, qa)
-    try:
-        with server.client() as client:
-            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-            push(client, stream_id, pictures, 0, 2)
-            statuses: list[int] = []
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 2)
+        statuses: list[int] = []
 
-            def churn(worker: int) -> None:
-                with server.client() as own:
-                    for round_ in range(8):
-                        made = own.post(f"/v1/streams/{stream_id}/watches",
-                                        json={"question": f"{COUNT} {worker}-{round_}", "every": 100})
-                        statuses.append(made.status_code)
-                        if round_ < 7:  # each client keeps its last one
-                            statuses.append(own.delete(f"/v1/streams/{stream_id}/watches/{made.json()['id']}")
-                                            .status_code)
+        def churn(worker: int) -> None:
+            with server.client() as own:
+                for round_ in range(8):
+                    made = own.post(f"/v1/streams/{stream_id}/watches",
+                                    json={"question": f"{COUNT} {worker}-{round_}", "every": 100})
+                    statuses.append(made.status_code)
+                    if round_ < 7:  # each client keeps its last one
+                        statuses.append(own.delete(f"/v1/streams/{stream_id}/watches/{made.json()['id']}")
+                                        .status_code)
 
-            workers = [threading.Thread(target=churn, args=(worker,)) for worker in range(8)]
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join()
-            assert sorted(set(statuses)) == [200, 201]
-            live = {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]}
-            assert len(live) == 8
-            assert "cannot record" not in caplog.text  # no write undid another's
-            assert {watch["id"] for watch in json.loads((state / "streams" / f"{stream_id}.json").read_text())
-                    ["watches"]} == live  # the record holds what was answered last, no save since
-            assert not list((state / "streams").glob("*.partial"))
-    finally:
-        server.stop()
-    server = Running(state, qa)
-    try:
-        with server.client() as client:
-            assert {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]} == live
-    finally:
-        server.stop()
+        workers = [threading.Thread(target=churn, args=(worker,)) for worker in range(8)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert sorted(set(statuses)) == [200, 201]
+        live = {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]}
+        assert len(live) == 8
+        assert "cannot record" not in caplog.text  # no write undid another's
+        assert {watch["id"] for watch in json.loads((state / "streams" / f"{stream_id}.json").read_text())
+                ["watches"]} == live  # the record holds what was answered last, no save since
+        assert not list((state / "streams").glob("*.partial"))
+    with Running(state, qa) as server, server.client() as client:  # a restart
+        assert {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]} == live
 
 
 def test_a_feed_of_events_ends_with_an_error_event_as_its_stream_is_deleted(tmp_path, qa, pictures):
-    server = Running(tmp_path / "state", qa)
-    try:
-        with server.client() as client:
-            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-            lines: list[str] = []
-            following, ended = threading.Event(), threading.Event()
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        lines: list[str] = []
+        following, ended = threading.Event(), threading.Event()
 
-            def follow() -> None:
-                with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
-                    following.set()
-                    lines.extend(events.iter_lines())
-                ended.set()
+        def follow() -> None:
+            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+                following.set()
+                lines.extend(events.iter_lines())
+            ended.set()
 
-            threading.Thread(target=follow, daemon=True).start()
-            assert following.wait(30)
-            time.sleep(0.2)
-            deleting = time.monotonic()
-            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
-            assert ended.wait(10) and time.monotonic() - deleting < 5  # not at the next keep-alive, 15 s on
-            assert "event: error" in lines and f'"stream {stream_id} was deleted"' in "".join(lines)
-    finally:
-        server.stop()
+        threading.Thread(target=follow, daemon=True).start()
+        assert following.wait(30)
+        time.sleep(0.2)
+        deleting = time.monotonic()
+        assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+        assert ended.wait(10) and time.monotonic() - deleting < 5  # not at the next keep-alive, 15 s on
+        assert "event: error" in lines and f'"stream {stream_id} was deleted"' in "".join(lines)
 
 
 def test_a_watch_asked_for_as_its_stream_is_deleted_is_a_404_and_writes_nothing(tmp_path, qa):
@@ -285,27 +279,23 @@ def test_a_watch_asked_for_as_its_stream_is_deleted_is_a_404_and_writes_nothing(
     from urllib.parse import urlsplit
 
     state = tmp_path / "state"
-    server = Running(state, qa)
-    try:
-        with server.client() as client:
-            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-            body = json.dumps({"question": COUNT, "every": 3}).encode()
-            address = urlsplit(server.url)
-            with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
-                raw.sendall(f"POST /v1/streams/{stream_id}/watches HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-                            f"Content-Length: {len(body)}\r\n\r\n".encode())
-                time.sleep(0.5)  # found: it waits for its body
-                assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
-                raw.sendall(body)
-                answer = b""
-                while chunk := raw.recv(65536):  # to the end: the server closes the connection
-                    answer += chunk
-                answer = answer.decode()
-            assert answer.startswith("HTTP/1.1 404") and f"no stream '{stream_id}'" in answer, answer
-            assert not list((state / "streams").glob(f"{stream_id}*"))
-    finally:
-        server.stop()
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        body = json.dumps({"question": COUNT, "every": 3}).encode()
+        address = urlsplit(server.url)
+        with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
+            raw.sendall(f"POST /v1/streams/{stream_id}/watches HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n".encode())
+            time.sleep(0.5)  # found: it waits for its body
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+            raw.sendall(body)
+            answer = b""
+            while chunk := raw.recv(65536):  # to the end: the server closes the connection
+                answer += chunk
+            answer = answer.decode()
+        assert answer.startswith("HTTP/1.1 404") and f"no stream '{stream_id}'" in answer, answer
+        assert not list((state / "streams").glob(f"{stream_id}*"))
 
 
 def test_a_stream_that_cannot_be_saved_keeps_its_watches_in_its_record_at_shutdown(tmp_path, pictures):
@@ -314,26 +304,18 @@ def test_a_stream_that_cannot_be_saved_keeps_its_watches_in_its_record_at_shutdo
     options = ModelOptions(model="builtin", method="simplestream")
     qa = statekv.VideoQA.from_options(options)
     state = tmp_path / "state"
-    server = Running(state, qa, options=options)
-    try:
-        with server.client() as client:
-            stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-            push(client, stream_id, pictures, 0, 3)
-            made = client.post(f"/v1/streams/{stream_id}/watches",
-                               json={"question": COUNT, "every": 3, "max_new_tokens": 4})
-            url = f"/v1/streams/{stream_id}/watches/{made.json()['id']}"
-            push(client, stream_id, pictures, 3, 12)
-            before = client.get(url).json()
-            assert before["evaluations"] == 4
-    finally:
-        server.stop()
-    server = Running(state, qa, options=options)
-    try:
-        with server.client() as client:
-            again = client.get(url).json()
-            assert again["evaluations"] == before["evaluations"] and again["events"] == before["events"]
-    finally:
-        server.stop()
+    with Running(state, qa, options=options) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        made = client.post(f"/v1/streams/{stream_id}/watches",
+                           json={"question": COUNT, "every": 3, "max_new_tokens": 4})
+        url = f"/v1/streams/{stream_id}/watches/{made.json()['id']}"
+        push(client, stream_id, pictures, 3, 12)
+        before = client.get(url).json()
+        assert before["evaluations"] == 4
+    with Running(state, qa, options=options) as server, server.client() as client:  # a restart
+        again = client.get(url).json()
+        assert again["evaluations"] == before["evaluations"] and again["events"] == before["events"]
 
 
 def test_a_record_is_written_as_it_last_stood_once_per_burst_and_never_once_its_stream_left(qa, pictures):
@@ -378,8 +360,7 @@ def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path
     """Each atomic write has a partial file of its own: those a kill left between a write and its rename would pile
     up; a server that holds the folder alone removes them as it starts (a moved file set's partial folder stays)."""
     state = tmp_path / "state"
-    server = Running(state, qa)
-    server.stop()
+    Running(state, qa).stop()
     left = [state / "streams" / "st_0123456789abcdef01234567.json.1a2b3c4d.partial",
             state / "quarantine" / "st_0123456789abcdef01234567.json.5e6f7a8b.partial"]
     for path in left:
@@ -387,8 +368,5 @@ def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path
         path.write_text("{")
     moving = state / "quarantine" / "st_0123456789abcdef01234567-1.partial"
     moving.mkdir()
-    server = Running(state, qa)
-    try:
+    with Running(state, qa):
         assert not any(path.exists() for path in left) and moving.is_dir()
-    finally:
-        server.stop()

@@ -425,10 +425,6 @@ class StreamPage:
         self.timeline.options["series"][1]["data"] = events
         self.timeline.update()
 
-    async def keep_record(self, entry) -> None:
-        """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
-        await entry.keep_record(self.registry.files, "the watches")
-
     def show(self, what: str, value: Any, update) -> None:
         if self.shown.get(what, object()) != value:
             self.shown[what] = value

@@ -97,7 +97,7 @@ class WatchPanel:
                 await page.service.worker.run(open_on, entry, settings, page.service.watch_hub.listener(entry.id))
             self.error.clear()
             self.question.set_value("")
-            await page.keep_record(entry)
+            await entry.keep_record(page.registry.files, "the watches")
         except StateKVError as failure:
             self.error.show(page.service.public(str(failure)))
         finally:
@@ -112,7 +112,7 @@ class WatchPanel:
             if entry.deleted or entry.moved:
                 return
             await self.page.service.worker.run(watch.close)
-        await self.page.keep_record(entry)
+        await entry.keep_record(self.page.registry.files, "the watches")
         self.refresh(entry, force=True)
 
     def refresh(self, entry, force: bool = False) -> None:

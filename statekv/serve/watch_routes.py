@@ -29,11 +29,6 @@ KEEPALIVE_SECONDS = 15.0
 router = APIRouter()
 
 
-async def keep_record(service: Any, entry: Any) -> None:
-    """Write the stream's record (its watches with it); a failure is logged, what was done stands."""
-    await entry.keep_record(service.registry.files, "the watches")
-
-
 @router.post("/v1/streams/{stream_id}/watches", status_code=201)
 async def create_watch(stream_id: str, request: Request, service: Served) -> dict:
     entry = await service.registry.find(service.keys.require(request), stream_id)
@@ -41,7 +36,7 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
     async with entry.lock:
         check_here(entry)  # deleted, moved or damaged while the request waited
         watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
-    await keep_record(service, entry)
+    await entry.keep_record(service.registry.files, "the watches")
     return {"id": watch.id}
 
 
@@ -64,7 +59,7 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
     async with entry.lock:
         check_here(entry)
         await service.worker.run(watch.close)
-    await keep_record(service, entry)
+    await entry.keep_record(service.registry.files, "the watches")
     return {"id": watch_id, "object": "watch", "deleted": True}
 
 

@@ -64,10 +64,20 @@ class RecordPlacing:
 
     def _placing(self, scope: dict[str, Any]) -> str | None:
         """The request's internal id if it may place a stream here; None otherwise."""
-        from ray.serve.context import _get_serve_request_context
+        from ray import serve
 
-        context = _get_serve_request_context()
-        kind, stream_id = scope_target(scope.get("path", ""), scope.get("method", ""), context.multiplexed_model_id)
+        kind, stream_id = scope_target(scope.get("path", ""), scope.get("method", ""), serve.get_multiplexed_model_id())
         if kind == "create" or (kind == "stream" and not self.held(stream_id)):
-            return context._internal_request_id or None
+            return internal_request_id() or None
         return None
+
+
+def internal_request_id() -> str:
+    """Ray Serve's internal id of the request being handled, the one its routers see
+    (`PendingRequest.metadata.internal_request_id`). Ray Serve has no public accessor for it (its public
+    ``request_id`` is the client's ``x-request-id`` when one is sent, so two requests may share it); this reads its
+    request context, the one place statekv does (Ray is pinned; `tests/test_serve_ray.py` checks the ids a real
+    deployment reports)."""
+    from ray.serve import context
+
+    return getattr(context._get_serve_request_context(), "_internal_request_id", "")
