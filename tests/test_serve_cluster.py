@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from statekv.serve.auth import owner_of  # noqa: E402
 from statekv.serve.cluster.board import merged  # noqa: E402
 from statekv.serve.cluster.deployment import ClusterSettings, deployment_options  # noqa: E402
 from statekv.serve.cluster.leases import LeaseLost, Leases  # noqa: E402
-from statekv.serve.cluster.router import StreamRouter, request_target  # noqa: E402
+from statekv.serve.cluster.router import PLACING_PATIENCE_SECONDS, StreamRouter, request_target  # noqa: E402
 from statekv.serve.cluster.scaling import StreamsPolicy  # noqa: E402
 from statekv.serve.cluster.shared import SharedRegistry, SharedStreamFiles  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
@@ -370,14 +371,16 @@ def test_each_replica_keeps_its_file_sets_apart_and_a_gone_replica_is_forgotten(
 
 
 # -- the router, autoscaling, metrics ----------------------------------------------------------------------------
-def _pending(path: str, method: str = "GET", model: str = "", request: str | None = None) -> SimpleNamespace:
+def _pending(path: str, method: str = "GET", model: str = "", request: str | None = None,
+             age: float = 0.0) -> SimpleNamespace:
+    """A request as Ray Serve's proxy hands it to the router, made ``age`` seconds ago."""
     from ray.serve._private.proxy_request_response import ASGIProxyRequest  # how Ray Serve's proxy sends it on
 
     asgi = ASGIProxyRequest({"type": "http", "path": path, "method": method, "headers": []}, None, None)
     request = f"{method} {path} {model}" if request is None else request
     metadata = SimpleNamespace(multiplexed_model_id=model, internal_request_id=request)
     return SimpleNamespace(args=[asgi.serialized_replica_arg(proxy_actor_name="proxy")], metadata=metadata,
-                           routing_context=SimpleNamespace(should_backoff=False))
+                           routing_context=SimpleNamespace(should_backoff=False), created_at=time.time() - age)
 
 
 def _replica(name: str, streams: int) -> SimpleNamespace:
@@ -400,14 +403,16 @@ def test_the_router_sends_a_stream_to_its_holder_and_new_streams_to_the_least_lo
     busy, idle, full = _replica("busy", 2), _replica("idle", 0), _replica("full", 3)
     replicas = [busy, idle, full]
     choose = lambda request: asyncio.run(router.choose_replicas(replicas, request))  # noqa: E731
-    assert choose(_pending("/v1/streams", "POST")) == [[idle], [busy], [full]]
-    assert choose(_pending("/v1/streams", "POST"))[0] == [idle]
+    waited = PLACING_PATIENCE_SECONDS + 0.1
+    assert choose(_pending("/v1/streams", "POST", age=waited)) == [[idle], [busy], [full]]
+    assert choose(_pending("/v1/streams", "POST")) == [[idle]]  # the least-loaded alone at first
     router.on_request_routed(_pending("/v1/streams", "POST"), idle.replica_id, None)
     assert router.load(idle) == 1  # placed since its last report
     Leases(tmp_path, "busy").acquire(STREAM)
     stream = _pending(f"/v1/streams/{STREAM}/ask", "POST")
     assert choose(stream) == [[busy]] and stream.routing_context.should_backoff
-    assert choose(_pending(f"/v1/streams/{'st_' + '1' * 24}")) == [[idle], [busy], [full]]  # no holder
+    assert choose(_pending(f"/v1/streams/{'st_' + '1' * 24}", age=waited)) == [[idle], [busy], [full]]  # no holder
+    assert choose(_pending(f"/v1/streams/{'st_' + '1' * 24}")) == [[idle]]
     page = choose(_pending("/ui/"))
     assert page == [[min(replicas, key=lambda replica: replica.replica_id.unique_id)]] == choose(_pending("/"))
     assert choose(_pending("/health")) == [replicas]
@@ -427,7 +432,7 @@ def test_a_stream_sent_to_a_replica_counts_once_until_the_replica_reports_it(tmp
     router.on_request_routed(creating[0], first.replica_id, None)
     first.routing_stats = {"held": [], "answered": []}  # reported after the request was sent, before it answered
     assert router.load(first) == 1
-    assert choose(creating[1]) == [[second], [first]]
+    assert choose(creating[1]) == [[second]]
     router.on_request_routed(creating[1], second.replica_id, None)
     first.routing_stats = {"held": ["st_new"], "answered": ["create-0"]}  # taken and answered: the report counts it
     assert router.load(first) == 1
@@ -652,8 +657,6 @@ def test_a_replica_ends_its_clients_feeds_of_watch_events_once_its_deployment_is
     of watch events never ends by itself, so before this a replica whose clients followed events waited out the
     drain's timeout and was killed unsaved. A failed check (the controller restarting) is asked again, warned of
     once while it fails, and again once it fails after an answer."""
-    import time
-
     from fastapi.testclient import TestClient
 
     from statekv.serve.app import create_app

@@ -175,7 +175,7 @@ def test_streams_pushing_frame_after_frame_meet_in_one_drain():
         asyncio.run(both())
     finally:
         worker.close()
-    assert sum(qa.groups) == 40 and qa.groups.count(2) >= 15  # nearly every drain steps both streams
+    assert sum(qa.groups) == 40 and qa.groups.count(2) >= 12  # most drains step both streams (taking turns: none)
 
 
 class _Recording(_QA):

@@ -10,7 +10,8 @@ Each HTTP request is sent to a replica chosen by what it is about:
   which takes it from its last save;
 - a new stream (``POST /v1/streams``): the least-loaded replica (fewest streams held, as each replica reports in
   its routing stats, plus those this router sent it that its reports do not count yet:
-  `statekv.serve.cluster.placing`), replicas at their stream limit last;
+  `statekv.serve.cluster.placing`), replicas at their stream limit last; a stream to place goes to a fuller
+  replica only when the least-loaded have not taken it for a few seconds (`StreamRouter.patient`);
 - the page (``/`` and ``/ui/...``): one replica, the same for every tab (the page's live connection is kept by the
   replica that served it), which brings a stream to itself when a tab opens it;
 - anything else: Ray Serve's choice among all replicas (the shortest queue).
@@ -35,6 +36,7 @@ from .store_files import holder_hint
 STREAM_PATH = re.compile(r"^/v1/streams/([^/]+)")
 PLACING_KEPT = 10_000  # requests remembered between their routing and Ray's callback, at most
 PLACING_SECONDS = 60.0  # a request sent to place a stream counts this long at most, unless its replica lists it
+PLACING_PATIENCE_SECONDS = 3.0  # a stream to place waits this long for the least-loaded replicas before any other
 
 
 def request_target(pending_request: PendingRequest) -> tuple[str, str | None]:
@@ -95,10 +97,10 @@ class StreamRouter(RequestRouter):
             if holding:
                 return [holding]
             self._placing(pending_request, stream_id)
-            return self.by_load(candidate_replicas)
+            return self.patient(self.by_load(candidate_replicas), pending_request)
         if kind == "create":
             self._placing(pending_request, None)
-            return self.by_load(candidate_replicas)
+            return self.patient(self.by_load(candidate_replicas), pending_request)
         if kind == "page":
             return [[min(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)]]
         return [candidate_replicas]
@@ -141,6 +143,17 @@ class StreamRouter(RequestRouter):
                 ranks[-1].append(replica)
             else:
                 ranks.append([replica])
+        return ranks
+
+    @staticmethod
+    def patient(ranks: list[list[RunningReplica]], pending_request: PendingRequest) -> list[list[RunningReplica]]:
+        """The least-loaded rank alone while the request is younger than `PLACING_PATIENCE_SECONDS`, then every
+        rank. Ray Serve takes the next rank when none of a rank's replicas answers its probe of their queues in
+        time (a tenth of a second at first), which a busy replica, or one just started, may not: the stream would
+        then go to a fuller replica, which would hand it over again once idle. Ray retries the rank, with longer
+        probes, meanwhile."""
+        if time.time() - pending_request.created_at < PLACING_PATIENCE_SECONDS:
+            return ranks[:1]
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
