@@ -136,6 +136,9 @@ def test_saved_and_resumed_it_goes_on_as_if_never_stopped(checkpoint, tmp_path, 
                 resumed.push(frame)
             assert resumed.handover == stream.handover == "handed over"
             assert fingerprint(resumed.prefill) == fingerprint(stream.prefill)
+            with Stream.load(resumed.save(tmp_path / "again.safetensors"), qa) as again:  # saved after a resume
+                assert again.handover == "handed over"
+                assert fingerprint(again.prefill) == fingerprint(stream.prefill)
 
 
 @pytest.mark.parametrize("method, settings, why", [
