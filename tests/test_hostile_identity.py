@@ -128,13 +128,32 @@ def test_a_save_whose_lock_file_was_removed_meanwhile_is_refused_and_the_other_s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.safetensors"]
 
 
-def test_what_a_killed_save_left_is_removed_by_the_next_save(adapter, tmp_path):
+def test_what_a_killed_save_left_is_removed_by_the_next_save(adapter, tmp_path, monkeypatch):
+    """A save writes in a partial folder of its own, safetensors' temporary file included (a kill there left a
+    stream-sized ``.tmpXXXXXX`` beside the target that nothing removed); the next save removes what a killed one
+    left, and nothing else."""
+    from statekv.api import stream_file
+
     stream = _pushed(small_qa(adapter).stream(horizon_frames=8), 2)
     target = tmp_path / "s.safetensors"
-    (tmp_path / "s.safetensors.0123abcd.partial").write_bytes(b"half a file")
+    (tmp_path / "s.safetensors.0123abcd.partial").write_bytes(b"half a file")  # left by a save of an older version
+    killed = tmp_path / "s.safetensors.89abcdef.partial"
+    killed.mkdir()
+    (killed / ".tmpAbC123").write_bytes(b"safetensors' temporary file")
     (tmp_path / "s.safetensors.notes.partial").write_bytes(b"not a save's")
+    written, save_file = [], stream_file.save_file
+
+    def writing(tensors, filename, metadata=None):
+        save_file(tensors, filename, metadata=metadata)
+        written.append((Path(filename), sorted(p.name for p in tmp_path.iterdir())))
+
+    monkeypatch.setattr(stream_file, "save_file", writing)
     stream.save(target)
+    [(filename, beside)] = written
+    assert filename.parent.parent == tmp_path and filename.parent.name.endswith(".partial")  # in its own folder
+    assert beside == sorted(["s.safetensors.lock", "s.safetensors.notes.partial", filename.parent.name])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors", "s.safetensors.notes.partial"]
+    assert Stream.load(target, small_qa(adapter)).frames == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_a_save_that_fails_at_the_end_is_rescued_and_said(files, capsys, tmp_pat
     real_save = stream_file.save_file
 
     def disk_full_there(tensors, filename, metadata=None):
-        if Path(filename).parent == target.parent:
+        if Path(filename).parent.parent == target.parent:  # in the save's partial folder beside the target
             raise OSError(28, "No space left on device")
         return real_save(tensors, filename, metadata=metadata)
 
@@ -346,6 +346,11 @@ def _api_cases():
         "save unwritable": (lambda qa, s: s.save(UNWRITABLE), OutputError, "cannot write"),
         "load a string flag": (lambda qa, s: Stream.load("x", qa, allow_other_weights="yes"),
                                statekv.ConfigurationError, "allow_other_weights"),
+        "load a number": (lambda qa, s: Stream.load(123, qa), statekv.InputError, "must be a path"),
+        "push at a time past the sampling clock": (lambda qa, s: qa.stream(max_fps=2).push(frames[0], 1e308),
+                                                   statekv.InputError, "too large to sample at max_fps=2"),
+        "stream sampled past the clock": (lambda qa, s: qa.stream(max_fps=1e308).push(frames[0], 5.0),
+                                          statekv.InputError, "too large to sample"),
         "misspelt option": (lambda qa, s: qa.with_options(bugdet=3), statekv.ConfigurationError, "'bugdet'"),
         "options budget text": (lambda qa, s: statekv.ModelOptions(budget="12"), statekv.ConfigurationError,
                                 "budget"),

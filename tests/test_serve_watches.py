@@ -358,7 +358,8 @@ def test_a_record_is_written_as_it_last_stood_once_per_burst_and_never_once_its_
 
 def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path, qa):
     """Each atomic write has a partial file of its own: those a kill left between a write and its rename would pile
-    up; a server that holds the folder alone removes them as it starts (a moved file set's partial folder stays)."""
+    up; a server that holds the folder alone removes them as it starts, and a saved stream's partial folder (a moved
+    file set's partial copy stays)."""
     state = tmp_path / "state"
     Running(state, qa).stop()
     left = [state / "streams" / "st_0123456789abcdef01234567.json.1a2b3c4d.partial",
@@ -366,7 +367,10 @@ def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path
     for path in left:
         path.parent.mkdir(exist_ok=True)
         path.write_text("{")
+    saving = state / "streams" / "st_0123456789abcdef01234567.safetensors.9c0d1e2f.partial"  # a save's folder
+    saving.mkdir()
+    (saving / ".tmpAbC123").write_bytes(b"safetensors' temporary file")
     moving = state / "quarantine" / "st_0123456789abcdef01234567-1.partial"
     moving.mkdir()
     with Running(state, qa):
-        assert not any(path.exists() for path in left) and moving.is_dir()
+        assert not any(path.exists() for path in left) and not saving.exists() and moving.is_dir()

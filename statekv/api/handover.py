@@ -155,15 +155,15 @@ def never_past(video_tokens: int, ceiling: int, limit: int) -> str:
             f"(a step starting past {ceiling} of the {limit} would be placed elsewhere)")
 
 
-def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_layout: str | None
-                   ) -> tuple[EngineSettings, bool]:
+def resumed_engine(engine: EngineSettings, recorded_layout: str | None, saved_layout: str | None,
+                   handed_over: bool = False) -> tuple[EngineSettings, bool]:
     """The settings a saved stream is resumed with, asked for as ``engine``: one whose engine was the cache
     layout's (``saved_layout``, its positions' layout) continues with that engine when it was streamed
     (``recorded_layout``) or is resumed under ``handover``; and whether it is past its handover (streamed under
-    ``handover``, its engine the cache layout's)."""
+    ``handover``, its engine the cache layout's, or saved after such a resume: ``handed_over``, as recorded)."""
     handover = (None, HANDOVER)
     if saved_layout == SUCCESSOR_LAYOUT and (recorded_layout in handover or engine.bounded_layout in handover):
-        return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT), recorded_layout in handover
+        return engine.with_changes(bounded_layout=SUCCESSOR_LAYOUT), recorded_layout in handover or handed_over
     return engine, False
 
 

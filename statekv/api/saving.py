@@ -8,6 +8,7 @@ layout state, the model and the engine (`EngineSettings`, whole); loading checks
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,12 @@ def save_stream(stream: Any, path: str | Path) -> Path:
 
 def engine_record(stream: Any, **more: Any) -> dict[str, Any]:
     """What a stream's file and its disk tier's ``stream.json`` record of its engine: the method, its policy,
-    the attention backend it ran, ``more``, CUDA graphs, the reserve after the video, and the engine settings
-    whole."""
+    the attention backend it ran, ``more``, whether it was handed over (only when it was: a stream resumed past its
+    handover streams under the cache layout's settings), CUDA graphs, the reserve after the video, and the engine
+    settings whole."""
     return {"method": stream.qa.method, "policy": repr(stream.qa.policy), "attention": stream.prefill.attention,
-            **more, "cuda_graph": bool(stream.engine.cuda_graph),
+            **more, **({"handed_over": True} if stream.handover == "handed over" else {}),
+            "cuda_graph": bool(stream.engine.cuda_graph),
             "reserve_tokens": stream.reserve_tokens,
             "settings": stream.engine.to_dict()}
 
@@ -89,6 +92,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                 stream_id: str | None = None, owner: str | None = None) -> Any:
     """`Stream.load` (see there): a stream of class ``cls`` from its file or its disk tier's folder, with the engine
     settings ``engine`` (checked against those it was saved with; its positions are the saved stream's)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"the stream to load must be a path (its file, or its disk tier's folder), got {path!r}")
     if Path(path).is_dir():
         return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
                              engine=engine)
@@ -127,7 +132,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                          f"{HANDOVER}); resume it with bounded_layout={HANDOVER} or the default")
     engine, handed_over = resumed_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
                                          recorded.get("bounded_layout"),
-                                         (metadata["cache"].get("positions") or {}).get("layout"))
+                                         (metadata["cache"].get("positions") or {}).get("layout"),
+                                         metadata["engine"].get("handed_over") is True)
     try:
         stream = cls(qa, metadata["horizon_frames"], max_fps=metadata["max_fps"], name=metadata["name"],
                      vision_batch=metadata["vision_batch"], reserve_tokens=reserve,

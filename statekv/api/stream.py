@@ -306,6 +306,8 @@ class Stream(EncodedVideo):
         if timestamp < 0 or (self.last_timestamp is not None and timestamp < self.last_timestamp):
             raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
                              f"{self.last_timestamp}")
+        if self.max_fps is not None and not math.isfinite(timestamp * self.max_fps):
+            raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={self.max_fps}")
         return float(timestamp)
 
     # -- saving -----------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -104,13 +105,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 # -- writing and reading --------------------------------------------------------------------------------------
 def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
     """Write ``tensors`` and ``metadata`` (with the tensors' checksums added) to ``path`` through a ``.partial``
-    file beside it; an `OutputError` naming the reason when it cannot be written (nothing is left behind)."""
+    folder beside it; an `OutputError` naming the reason when it cannot be written (nothing is left behind)."""
     path = check_output_file(path, "stream file")
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
     text = json.dumps(metadata, allow_nan=False)
-    # a name of its own: two saves never write one partial file, even if the lock below is broken
+    # a folder of its own: two saves never share one, even if the lock below is broken, and the temporary file
+    # safetensors writes beside its target lies in it, so a save killed at any point leaves one thing to remove
     partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
+    written = partial / path.name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -120,30 +123,40 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                             remove=True)
     try:
         _remove_stale_partials(path)
-        save_file(on_cpu, str(partial), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
-        flush_file(partial)  # before the rename
-        if not lock.owns():  # its lock file was removed or replaced: another save may own the name now
-            partial.unlink(missing_ok=True)
-            raise OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it "
-                              f"was written, and another save may be writing there; {UNCHANGED}")
-        os.replace(partial, path)
+        partial.mkdir()
+        save_file(on_cpu, str(written), metadata={"statekv": text, "statekv_sha256": _sha256(text)})
+        flush_file(written)  # before the rename
+        if not lock.owns():
+            raise _lock_lost(path)
+        os.replace(written, path)
     except (OSError, SafetensorError) as error:
-        partial.unlink(missing_ok=True)
         if isinstance(error, OutputError):
             raise
+        if not lock.owns():  # the save that took the name may have removed this one's folder as a stale one
+            raise _lock_lost(path) from None
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
     finally:
+        shutil.rmtree(partial, ignore_errors=True)
         lock.release()
     return path
 
 
+def _lock_lost(path: Path) -> OutputError:
+    """The save's lock file was removed or replaced while it wrote: another save may own the name now."""
+    return OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it was "
+                       f"written, and another save may be writing there; {UNCHANGED}")
+
+
 def _remove_stale_partials(path: Path) -> None:
-    """Remove what saves to ``path`` killed before their rename left (``<name>.<hex>.partial``); called under its
-    lock, so no live save's partial is among them."""
+    """Remove what saves to ``path`` killed before their rename left (``<name>.<hex>.partial``, a folder, or a
+    file from before saves wrote in folders); called under its lock, so no live save's partial is among them."""
     for stale in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):
         if PARTIAL.fullmatch(stale.name[len(path.name):]):
             try:
-                stale.unlink()
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
             except OSError:
                 pass
 
@@ -410,7 +423,7 @@ SCHEMA = record_check({
                       "layers": integer_check(1), "hidden_size": integer_check(1), "dtype": TEXT, "weights": TEXT}),
     "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "offload": BOOLEAN,
                             "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
-                           optional={"settings": SETTINGS}),
+                           optional={"settings": SETTINGS, "handed_over": BOOLEAN}),  # absent: not resumed so
     "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
     "max_fps": optional_check(number_check(positive=True)),
     "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),

@@ -44,6 +44,7 @@ TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name un
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
+SAVE_PARTIAL = re.compile(r"\.safetensors\.[0-9a-f]{8}\.partial$")  # a saved stream's partial folder (Stream.save)
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -316,13 +317,16 @@ class StreamFiles:
         self.note_path(stream_id).unlink(missing_ok=True)
 
     def sweep_partials(self) -> None:
-        """Remove the partial files of writes cut short (a kill between a write and its rename: each write has its
-        own, `write_atomic`). Only for a server that holds the folder alone, as it starts."""
+        """Remove what writes cut short left (a kill before a write's rename): the partial files of `write_atomic`
+        (each write has its own) and the partial folders of saved streams (`statekv.Stream.save`); a moved file
+        set's partial copy stays. Only for a server that holds the folder alone, as it starts."""
         for folder in (self.folder, self.quarantine):
             for path in folder.glob("*.partial") if folder.is_dir() else ():
-                if path.is_file():
-                    with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):
+                    if path.is_file():
                         path.unlink()
+                    elif folder == self.folder and SAVE_PARTIAL.search(path.name) and not path.is_symlink():
+                        shutil.rmtree(path)
 
     def quarantined(self, stream_id: str) -> list[str]:
         """The names of the stream's file sets moved into ``quarantine/``, oldest first."""
