@@ -81,6 +81,16 @@ def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_pa
     assert command.main(["table", str(finished), "--parser", "paper"]) == 0
     assert "| InternVL3-1B | StateKV B=32 |" in capsys.readouterr().out
 
+    # the killed run answers one more (resumed, killed again): the table scores what is there now, not what an
+    # earlier table wrote, into a folder it makes
+    with ev.ResultsWriter(ev.rank_file(killed, 0)) as out:
+        out.write(ev.AnswerRecord.for_answer(questions[1], "C", model="InternVL3-1B", method="statekv", budget=32))
+    table_file = tmp_path / "tables" / "now" / "table.md"
+    assert command.main(["table", str(killed), "--output", str(table_file)]) == 0
+    assert "(partial 2/3)" in capsys.readouterr().out and "(partial 2/3)" in table_file.read_text()
+    assert command.main(["table", str(finished)]) == 0  # a finished run's own summary is read as it is
+    assert json.loads((finished / "results.json").read_text())["run"]
+
 
 def _cell(run_dir: Path) -> str:
     score = json.loads((run_dir / "results.json").read_text())["score"]

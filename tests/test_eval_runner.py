@@ -9,6 +9,7 @@ rules are checked on hand-made answers in test_eval_protocol.py.
 from __future__ import annotations
 
 import json
+import shutil
 import logging
 import math
 import os
@@ -181,6 +182,28 @@ def test_a_resumed_stream_answers_as_an_uninterrupted_one(checkpoint, data_root,
     assert len(rank_lines(resumed)) == 8
     answers = {r.qid: (r.prediction, r.extra["horizon"]) for r in ev.run_records(resumed)}
     assert answers == {r.qid: (r.prediction, r.extra["horizon"]) for r in ev.run_records(fresh)}
+
+
+def test_a_streaming_run_killed_between_two_polls_of_a_watch_resumes_as_if_never_stopped(checkpoint, data_root,
+                                                                                          models, tmp_path):
+    """--mode streaming: the first video's forward question is one watch evaluated at each of its polls (3 and
+    6 s). A run killed after the first poll's answer opened the watch again at the second on resuming (its first
+    evaluation then, another answer); the polls answered before are replayed in the stream, unanswered."""
+    fresh = tmp_path / "fresh"
+    run_evaluation(config("ovobench", checkpoint, data_root, fresh, mode="streaming"), qa=models("statekv"))
+    lines = (fresh / "answers.rank000.jsonl").read_text().splitlines(keepends=True)
+    records = {r.qid: (r.prediction, r.extra.get("evaluations")) for r in ev.run_records(fresh)}
+    polls = [json.loads(line)["qid"] for line in lines if json.loads(line)["extra"].get("watch")]
+    assert len(polls) == 2 and records[polls[1]][1] == 2
+    killed = tmp_path / "killed"  # as a kill leaves it: the answers of the first poll and before, durable
+    killed.mkdir()
+    shutil.copy(fresh / "run.json", killed / "run.json")
+    first = next(number for number, line in enumerate(lines) if json.loads(line)["qid"] == polls[0])
+    (killed / "answers.rank000.jsonl").write_text("".join(lines[:first + 1]))
+    run_evaluation(config("ovobench", checkpoint, data_root, killed, mode="streaming"), qa=models("statekv"))
+    assert (killed / "answers.rank000.jsonl").read_text().startswith("".join(lines[:first + 1]))
+    assert len(rank_lines(killed)) == len(lines)  # nothing answered twice
+    assert {r.qid: (r.prediction, r.extra.get("evaluations")) for r in ev.run_records(killed)} == records
 
 
 def test_unreadable_video_is_reported_and_retried_on_rerun(checkpoint, tmp_path, models):

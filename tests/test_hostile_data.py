@@ -130,6 +130,8 @@ SIZE_CASES = {
                              "at most 36000"),
     "more than the disk holds": (["synthetic", "make", "--videos", "100000", "--seed", "1", "--frames", "36000"],
                                  "MiB are free"),
+    "a family asked twice": (["synthetic", "make", "--videos", "1", "--seed", "1", "--families", "count,count"],
+                             "question family 'count' is given twice"),
     "flops over an absurd horizon": (["flops", "--frames", str(10**9)], "more than the 100000 frames"),
     "more training threads than cores": (["train-builtin", "--threads", str(10**5)], "CPU cores"),
 }
@@ -143,6 +145,13 @@ def test_ranges_and_sizes_are_refused_before_any_work(case, tmp_path, capsys):
     code, err = _cli(capsys, *argv)
     assert code == 2 and phrase in _one_line(err)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_synthetic_set_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    code, err = _cli(capsys, "synthetic", "make", "--videos", "1", "--seed", "1", "--frames", "12", "--out",
+                     tmp_path / "afile" / "sub")
+    assert code == 2 and "afile is a file, so no folder can be made there" in _one_line(err)
 
 
 def test_the_evaluation_seed_range_ends_where_training_begins():

@@ -140,7 +140,7 @@ def answer_clips(asker: Asker, video: VideoQuestions, *, max_fps: float, max_fra
 
 
 def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
-                    room: Sequence[Question] | None = None) -> Iterator[Answer]:
+                    room: Sequence[Question] | None = None, replay: Sequence[Question] = ()) -> Iterator[Answer]:
     """Push the source video into one live stream and ask each question when the stream reaches its time.
 
     A question with query time ``S = ceil(realtime)`` is answered from the frames whose timestamps are
@@ -148,7 +148,10 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     it has ended. Streaming stops after the last question, so the rest of the video is never decoded. room:
     the questions to plan room for (default: ``video.questions``; pass all of the video's questions when only
     some are left to answer, so a resumed run plans the same encoding); it also sets the planned number of
-    frames.
+    frames. replay: the run's questions of this video answered before it was interrupted: what they did to the
+    stream is done again (a forward poll's watch evaluated, a proactive output polled: each watch steers what
+    the stream carries while it is open), and they are not answered again, so a resumed run answers as an
+    uninterrupted one.
     """
     from statekv.video import open_video
 
@@ -159,7 +162,10 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     horizon_frames = max(1, math.ceil(min(last, source.duration) * max_fps)) + 1
     stream = asker.qa.stream(horizon_frames=horizon_frames, max_fps=max_fps, name=source.name,
                              reserve_tokens=asker.room_for(room))
-    due = _Schedule(video.questions, watch=build_prompt_for(asker))
+    asked = {question.qid for question in (*video.questions, *replay)}
+    in_order = [question for question in room if question.qid in asked]  # the uninterrupted run's order
+    due = _Schedule(in_order if len(in_order) == len(asked) else [*replay, *video.questions],
+                    watch=build_prompt_for(asker), quiet={question.qid for question in replay})
     clock = _Clock()
     with stream:
         clock.start()
@@ -239,7 +245,8 @@ class _Schedule:
     at each poll second until the model says its time has come. ``watch``: forward polls and proactive outputs go
     through watches on the stream (`VideoWatches`; the function gives a question's prompt)."""
 
-    def __init__(self, questions: Sequence[Question], watch=None):
+    def __init__(self, questions: Sequence[Question], watch=None, quiet: set[str] = frozenset()):
+        self.quiet = quiet  # asked before an interruption: what they do to the stream is done again, unanswered
         self.heap: list[tuple[float, int, Question, int]] = []
         self.polls: dict[str, list[tuple[str, float]]] = {}  # a proactive output's (poll answer, seconds) so far
         self.watches = None if watch is None else VideoWatches(questions, watch)
@@ -262,18 +269,22 @@ class _Schedule:
         second = self.next_second
         while self.heap and self.heap[0][0] == second:
             _, order, question, poll = heapq.heappop(self.heap)
+            quiet = question.qid in self.quiet
             if question.kind != "proactive" and self.watches is not None and watched(question):
                 text, seconds, info = self.watches.answer(video, question, asker.max_new_tokens)
                 info = {**_info(video, mode, second), **info}
-                yield Answer(question, asker.settings.cut(text), {"encode": encode_seconds, "answer": seconds}, info)
+                if not quiet:
+                    yield Answer(question, asker.settings.cut(text), {"encode": encode_seconds, "answer": seconds},
+                                 info)
                 continue
             if question.kind != "proactive":
-                yield _answer(asker, video, question, encode_seconds, mode=mode, second=second)
+                if not quiet:  # a question reads the stream, and leaves it as it was
+                    yield _answer(asker, video, question, encode_seconds, mode=mode, second=second)
                 continue
             answer = self._poll(asker, video, question, poll, encode_seconds, mode, second)
             if answer is None:
                 heapq.heappush(self.heap, (streamingbench.poll_times(question)[poll + 1], order, question, poll + 1))
-            else:
+            elif not quiet:
                 yield answer
 
     def _poll(self, asker: Asker, video, question: Question, poll: int, encode_seconds: float, mode: str,

@@ -182,9 +182,9 @@ def _groups(text: str) -> tuple[str, ...]:
 
 
 def run_table(args: argparse.Namespace) -> int:
-    from statekv.errors import MissingFileError
+    from statekv.errors import MissingFileError, OutputError
     from statekv.eval.records import completed_qids
-    from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
+    from statekv.eval.report import SUMMARY_FILE, paper_table, read_summary, write_summary
     from statekv.eval.runner import read_expected_qids
     from statekv.settings.values import check_output_file
 
@@ -193,14 +193,20 @@ def run_table(args: argparse.Namespace) -> int:
     for run_dir in args.runs:
         if not run_dir.is_dir():
             raise MissingFileError(f"no run directory {run_dir}")
-        if not (run_dir / SUMMARY_FILE).is_file():  # still running, or killed: score what is there
+        # still running, or killed: score what is there now (a finished run's summary names its settings, "run";
+        # one written here does not, and is scored again next time)
+        if not (run_dir / SUMMARY_FILE).is_file() or "run" not in read_summary(run_dir):
             if not completed_qids(run_dir):
                 raise MissingFileError(f"{run_dir} holds no answers yet")
             write_summary(run_dir, expected_qids=read_expected_qids(run_dir))
     table = paper_table(args.runs, parser=args.parser)
     print(table, end="")
     if args.output:
-        args.output.write_text(table, encoding="utf-8")
+        try:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(table, encoding="utf-8")
+        except OSError as error:
+            raise OutputError(f"cannot write --output {args.output}: {error.strerror or error}") from None
     return 0
 
 

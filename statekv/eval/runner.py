@@ -256,7 +256,8 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
                     len(assigned) - len(todo), len(assigned), frames_read(config, todo))
         if todo:
             try:
-                answer_questions(config, qa, todo, all_questions=every_question, context=context)
+                answer_questions(config, qa, todo, all_questions=every_question, context=context,
+                                 answered=[question for question in assigned if question.qid in done])
             except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
                 answered = len(completed_qids(config.out) & set(expected))
                 note_kept(stop, f"{answered} of {len(expected)} questions answered in {config.out}; rerun the "
@@ -331,21 +332,24 @@ def load_model(config: EvalConfig, context: RankContext):
 
 
 def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, all_questions: Sequence[Question],
-                     context: RankContext) -> None:
+                     context: RankContext, answered: Sequence[Question] = ()) -> None:
     """Answer ``questions`` video by video, appending one durable record per answer to this rank's file.
 
     ``all_questions`` (the whole benchmark) size each encoding's room for questions, so an answer does not
-    depend on which of its video's questions are left to answer (``limit``, resuming)."""
+    depend on which of its video's questions are left to answer (``limit``, resuming); ``answered``: the run's
+    questions answered before it was interrupted (replayed in a video's stream, `answer_streamed`)."""
     asker = Asker(qa, generation_settings(config.benchmark, config.protocol), config.protocol,
                   max_new_tokens=config.max_new_tokens)
     every_question = {group.video_id: group.questions for group in group_by_video(all_questions)}
+    before = {group.video_id: group.questions for group in group_by_video(answered)}
     label = config.options.label
     with ResultsWriter(rank_file(config.out, context.rank)) as out, \
             _progress(config, len(questions), f"{config.benchmark} {label}", context) as bar:
         for video in group_by_video(questions):
             answered = 0
             try:
-                for answer in _answers(config, asker, video, every_question[video.video_id]):
+                for answer in _answers(config, asker, video, every_question[video.video_id],
+                                       before.get(video.video_id, ())):
                     out.write(_record(config, answer))
                     answered += 1
                     bar.update(1)
@@ -354,9 +358,10 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
                 bar.update(len(video.questions) - answered)
 
 
-def _answers(config: EvalConfig, asker: Asker, video: VideoQuestions, room: Sequence[Question]) -> Iterator[Answer]:
-    if config.mode == "streaming":
-        return answer_streamed(asker, video, max_fps=config.max_fps, room=room)
+def _answers(config: EvalConfig, asker: Asker, video: VideoQuestions, room: Sequence[Question],
+             answered: Sequence[Question]) -> Iterator[Answer]:
+    if config.mode == "streaming":  # one stream a video: what its questions answered before did to it is replayed
+        return answer_streamed(asker, video, max_fps=config.max_fps, room=room, replay=answered)
     if config.benchmark == "ovobench":
         return answer_clips(asker, video, max_fps=config.max_fps, max_frames=config.max_frames)
     if video.questions[0].realtime is not None:

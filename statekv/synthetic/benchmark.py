@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, OutputError
+from ..settings.values import check_output_dir
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
 from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
@@ -59,7 +60,7 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     path of the question file.
     """
     _check_arguments(videos, seed, num_frames, families)
-    out = Path(out)
+    out = check_output_dir(out, "the synthetic set's folder")
     _check_room(out, videos, num_frames)
     _prepare_folder(out, overwrite)
     rows: list[dict[str, Any]] = []
@@ -115,6 +116,9 @@ def _check_arguments(videos: int, seed: int, num_frames: int, families: Sequence
     if unknown or not families:
         raise ConfigurationError(f"unknown question family {unknown[0] if unknown else ''!r}; "
                                  f"choose from {', '.join(FAMILIES)}")
+    repeated = [name for number, name in enumerate(families) if name in families[:number]]
+    if repeated:  # each video asks one question of each family, named by it
+        raise ConfigurationError(f"question family {repeated[0]!r} is given twice")
 
 
 def _check_room(out: Path, videos: int, num_frames: int) -> None:
