@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:
         if not (interrupted or isinstance(error, KeyboardInterrupt)):
             raise
-        print("statekv: interrupted while starting; nothing was done", file=sys.stderr)
+        print("statekv: interrupted while starting; nothing was done", file=sys.stderr, flush=True)
+        if argv is None:  # the process itself: an import cut short can make its teardown end it by SIGINT instead
+            sys.stdout.flush()
+            os._exit(130)
         return 130
     finally:
         if in_main_thread:  # a handler not installed from Python (None) cannot be put back: Python's own then

@@ -320,13 +320,19 @@ def test_a_worker_node_killed_under_load_loses_only_unsaved_tails_and_replicas_r
         returned = next(name for name, node in placed.items() if node == 0)
         let_go = _held(client, {survivor: 2}, seconds=60)  # idle streams saved and let go, one at a time
         assert let_go == {survivor: 2}, let_go
-        for stream_id, seed in seeds.items():  # each answers where it is asked for next, as the whole stream alone
-            answer = client.call("POST", f"/v1/streams/{stream_id}/ask",
-                                 json={"question": QUESTION, "max_new_tokens": NEW_TOKENS}).json()
-            assert answer["answer"] == _alone(qa, _frames(seed))
-        # those let go were taken by the returned replica (each replica posts its count every two seconds: on a
-        # loaded machine a post can lag the asks that moved a stream by several)
-        balanced = _held(client, {survivor: 2, returned: 2}, seconds=45)
+        # each answers where it is asked for next, as the whole stream alone, and those let go are taken by the
+        # returned replica. Asked again as a client would while they settle: a replica that misses Ray Serve's probe
+        # of its queue for seconds on a loaded machine is passed over, and the fuller one lets the stream go again
+        # once idle (each replica posts its count every two seconds: a post can lag the asks by several)
+        deadline = time.monotonic() + 120
+        while True:
+            for stream_id, seed in seeds.items():
+                answer = client.call("POST", f"/v1/streams/{stream_id}/ask",
+                                     json={"question": QUESTION, "max_new_tokens": NEW_TOKENS}).json()
+                assert answer["answer"] == _alone(qa, _frames(seed))
+            balanced = _held(client, {survivor: 2, returned: 2}, seconds=20)
+            if balanced == {survivor: 2, returned: 2} or time.monotonic() > deadline:
+                break
         assert balanced == {survivor: 2, returned: 2}, balanced
     finally:
         if server.poll() is None:
