@@ -11,8 +11,6 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.storage import chunked
-from statekv.core.storage.chunked import ChunkedTokenBuffer
 from statekv.core.storage.limits import CacheLimit
 from statekv.core.stream.prefill import cache_geometry
 from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval
@@ -292,60 +290,3 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
     assert options.max_cache_bytes == 512 << 20
     with pytest.raises(ConfigurationError, match="max_cache_bytes must be a size"):
         statekv.ModelOptions.from_strings({"max_cache_bytes": "lots"})
-
-
-def test_a_chunked_buffer_reads_as_one_and_gives_chunks_back():
-    buffer = ChunkedTokenBuffer(parts=2, device="cpu", chunk=4)
-    keys, values = torch.randn(2, 1, 2, 10, 3).unbind(0)
-    buffer.write(0, keys, values)
-    buffer.length = 10
-    kept = buffer.chunks[2][0]
-    assert [torch.equal(a, b) for a, b in zip(buffer.view(2, 9), (keys[:, :, 2:9], values[:, :, 2:9]))] == [True] * 2
-    index = torch.tensor([9, 0, 5])
-    assert torch.equal(buffer.gather(index)[1], values.index_select(2, index))
-    assert buffer.nbytes == 3 * 2 * 4 * 2 * 3 * 4  # three chunks of two parts, four slots of [1, 2, 3] float32
-    buffer.release(0, 4)
-    buffer.release(4, 6)
-    assert buffer.chunks[0] is None and buffer.chunks[1] is not None and buffer.nbytes == 2 * 2 * 4 * 2 * 3 * 4
-    assert not buffer.view(0, 4)[0].any() and torch.equal(buffer.view(6, 10)[0], keys[:, :, 6:10])
-    buffer.write(10, keys, values)  # growing adds chunks: nothing moves
-    assert buffer.chunks[2][0] is kept and torch.equal(buffer.view(10, 20)[1], values)
-
-
-PER_TOKEN = ("detailed", "key_codes", "value_codes", "value_scales")
-PER_STEP = ("block_keys", "step_samples")
-
-
-@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
-def test_an_evicting_offloaded_stream_holds_its_share_of_memory_not_its_history(adapter, kv_cache_dtype,
-                                                                                monkeypatch):
-    """Offloaded under an evicting cap, the detailed cache and the step summaries are kept in chunks given back as
-    they are evicted: a stream that never ends holds the chunks of what it holds, not of every row it streamed (a
-    buffer that grows by moving copied its whole history, rows given back included, at each move). Chunk
-    boundaries change nothing: its answers and saved state are those of one chunk."""
-    lengths, per_token, per_step = _steps(adapter, 7)
-    cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
-    settings = dict(offload=True, max_cache_bytes=cap, cache_limit="evict-oldest", kv_cache_dtype=kv_cache_dtype)
-    made = []
-    for slots in (8, 4096):
-        monkeypatch.setattr(chunked, "CHUNK_SLOTS", slots)
-        stream = tiny_qa(adapter, "recency", **settings).stream()
-        cache, keeper = stream.prefill.cache, stream.prefill.keeper
-        for frame in random_frames(40):
-            stream.push(frame)
-            steps = len(cache.chunk_lengths) - len(cache.evicted_steps)
-            for layer in cache.layers:
-                tokens = cache.seen_tokens - keeper.evicted_tokens + len(keeper.retained.get(layer.index, ()))
-                for names, held in ((PER_TOKEN, tokens), (PER_STEP, steps)):
-                    for name in names:
-                        buffer = getattr(layer.storage, name, None)
-                        if buffer is not None:  # the prompt prefix's chunk, those of what it holds, one begun
-                            assert isinstance(buffer, ChunkedTokenBuffer)
-                            live = sum(c is not None for c in buffer.chunks)
-                            assert live <= -(-held // slots) + 2, (name, held, live)
-        assert len(cache.evicted_steps) > 30 and stream.prefill.stats.held_bytes <= cap
-        tensors, metadata = stream.prefill.state_dict()
-        made.append((stream.ask_tokens(QUESTION, max_new_tokens=6), tensors, metadata))
-    (answer, tensors, metadata), (one_answer, one_tensors, one_metadata) = made
-    assert torch.equal(answer, one_answer) and metadata == one_metadata
-    assert sorted(tensors) == sorted(one_tensors) and all(torch.equal(tensors[n], one_tensors[n]) for n in tensors)

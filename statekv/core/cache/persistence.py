@@ -30,8 +30,6 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
     tensors, window_starts = {}, []
     for index, layer in enumerate(cache.layers):
         layer_tensors, window_start = export_layer(layer)
-        if cache.evicted_steps:
-            layer_tensors = evicted_as_zeros(layer_tensors, layer, cache.chunk_lengths, cache.evicted_steps)
         tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
         window_starts.append(window_start)
     metadata = {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
@@ -64,29 +62,6 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     cache.seen_device = None
     cache.settle_placement()
     cache.buffers_replaced()
-
-
-PER_TOKEN = ("keys", "values", "key_codes", "value_codes", "value_scales")  # a row per token, given back evicted
-PER_STEP = ("block_keys", "step_samples")  # a row per step, given back evicted (a quantized step's scales are kept)
-
-
-def evicted_as_zeros(tensors: dict[str, torch.Tensor], layer: "StreamingLayer", steps: list[int],
-                     evicted: set[int]) -> dict[str, torch.Tensor]:
-    """The layer's exported ``tensors`` with the rows storage gave back under a cache limit as zeros (the evicted
-    steps' summaries, and their tokens the layer no longer carries): what storage still holds of them depends on
-    when each was given back (a page goes back once every row on it is), so a saved state says nothing of them."""
-    gone = torch.tensor(sorted(evicted), dtype=torch.long)
-    starts = torch.tensor([0, *steps], dtype=torch.long).cumsum(0)
-    tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in gone.tolist()])
-    if layer.is_initialized:
-        tokens = tokens[~torch.isin(tokens, layer.positions().reshape(-1).cpu())]
-    zeroed = dict(tensors)
-    for names, rows in ((PER_TOKEN, tokens), (PER_STEP, gone)):
-        for name in names:
-            tensor = tensors.get(name)
-            if tensor is not None and rows.numel():
-                zeroed[name] = tensor.index_fill(2, rows.to(tensor.device), 0)
-    return zeroed
 
 
 def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int | None]:

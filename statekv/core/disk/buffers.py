@@ -111,14 +111,6 @@ class MappedTokenBuffer:
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        index = index.to(self.device)
-        return tuple(tensor.index_select(2, index) for tensor in self.tensors)
-
-    @property
-    def where(self) -> torch.device:
-        return self.device
-
     def load(self, *parts: torch.Tensor) -> None:
         """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty),
         except just after `open` adopted that many rows already there (resuming: ``parts`` are their views)."""

@@ -86,16 +86,6 @@ class TokenBuffer:
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Slots ``index`` (LongTensor ``[N]``, any device), ``[B, H_kv, N, D]`` each."""
-        index = index.to(self.tensors[0].device)
-        return tuple(tensor.index_select(2, index) for tensor in self.tensors)
-
-    @property
-    def where(self) -> torch.device | None:
-        """The device the slots are on (None before the first write)."""
-        return None if self.tensors is None else self.tensors[0].device
-
     def load(self, *parts: torch.Tensor) -> None:
         """Replace the contents with ``length`` committed slots: tensors ``[B, H_kv, length, D]``."""
         self.tensors, self.length = None, 0

@@ -156,7 +156,9 @@ class LayerStorage:
     def read_tokens(self, index: torch.Tensor, device: torch.device | None = None,
                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the tokens ``index`` (LongTensor ``[N]``), ``[B, H_kv, N, D]`` each."""
-        return tuple(_moved(t, device, dtype) for t in self.detailed.gather(index))
+        index = index.to(self.detailed.keys.device)
+        return tuple(_moved(t.index_select(2, index), device, dtype) for t in (self.detailed.keys,
+                                                                              self.detailed.values))
 
     @property
     def summaries(self) -> StepSummaries:

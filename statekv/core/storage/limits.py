@@ -17,11 +17,10 @@ carried-state checkpoints (`StreamStats` says how much of each).
     layers and heads, as the carry policy computed it) are evicted first; ties go to the oldest.
 
 Evicting a step marks it in ``TwoStateCache.evicted_steps`` (answers from the whole cache skip it, retrieval never
-chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory,
-kept in chunks, `statekv.core.storage.chunked`, returns the pages they cover), except the tokens a layer still
-carries: those are kept until it no longer does, so the carried state stays the detailed cache's own tokens, as
-saved and resumed streams require. Positions do not move: the remaining tokens keep their RoPE and the stream's
-length counts every token streamed. Never evicted:
+chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory
+returns their whole pages), except the tokens a layer still carries: those are kept until it no longer does, so
+the carried state stays the detailed cache's own tokens, as saved and resumed streams require. Positions do not
+move: the remaining tokens keep their RoPE and the stream's length counts every token streamed. Never evicted:
 the first ``protect_tokens`` tokens (the prompt prefix and the sinks). The first eviction is stated in one log
 line.
 """

@@ -187,7 +187,7 @@ class QuantizedStorage(OffloadedStorage):
         """Tokens ``[start, end)`` dequantized, ``[B, H_kv, end - start, D]`` each (default: on the storage's
         device, in the model's dtype)."""
         steps = self._step_of(torch.arange(start, end, device=self._where))
-        parts = (self.key_codes.view(start, end)[0], self.key_scales.gather(steps)[0],
+        parts = (self.key_codes.view(start, end)[0], self.key_scales.keys.index_select(2, steps),
                  self.value_codes.view(start, end)[0], self.value_scales.view(start, end)[0])
         return self._dequantized(parts, device, dtype)
 
@@ -196,13 +196,14 @@ class QuantizedStorage(OffloadedStorage):
         """The tokens ``index`` (LongTensor ``[N]``) dequantized, ``[B, H_kv, N, D]`` each: only their codes and
         scales are read and moved."""
         index = index.to(self._where)
-        parts = (self.key_codes.gather(index)[0], self.key_scales.gather(self._step_of(index))[0],
-                 self.value_codes.gather(index)[0], self.value_scales.gather(index)[0])
+        parts = (self.key_codes.keys.index_select(2, index),
+                 self.key_scales.keys.index_select(2, self._step_of(index)),
+                 self.value_codes.keys.index_select(2, index), self.value_scales.keys.index_select(2, index))
         return self._dequantized(parts, device, dtype)
 
     @property
     def _where(self) -> torch.device:
-        return self.key_codes.where
+        return self.key_codes.keys.device
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunked import ChunkedTokenBuffer
 from .quantized import QuantizedStorage
-from .layer_storage import BufferFactory, LayerStorage, OffloadedStorage
+from .layer_storage import LayerStorage, OffloadedStorage
 
 
 @dataclass(frozen=True)
@@ -22,31 +21,18 @@ class StorageTier:
     device: where it lives, if not with the model (offloaded, e.g. CPU memory). kv_cache_dtype: ``"int8"`` or
     ``"int4"`` to store it quantized; None: in the model's dtype. make_storage: a tier's own factory, ``(index,
     capacity_hint, on_replace, kv_cache_dtype) -> storage`` (the disk tier's), which then decides everything.
-    evicting: a cache limit evicts (`statekv.core.storage.limits`): offloaded, it is kept in chunks that are given
-    back as they are evicted (`statekv.core.storage.chunked`), so its memory follows what is held.
     """
 
     device: torch.device | None = None
     kv_cache_dtype: str | None = None
     make_storage: Callable[..., LayerStorage] | None = None
-    evicting: bool = False
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None]) -> LayerStorage:
         """Layer ``index``'s storage (``capacity_hint`` tokens preallocated; ``on_replace`` called when a buffer a
         captured step reads is replaced)."""
         if self.make_storage is not None:
             return self.make_storage(index, capacity_hint, on_replace, self.kv_cache_dtype)
-        make_buffer = chunked_buffers(self.device, on_replace) if self.evicting and self.device is not None else None
         if self.kv_cache_dtype is not None:
-            return QuantizedStorage(self.kv_cache_dtype, capacity_hint, self.device, on_replace, make_buffer)
-        if self.device is None:
-            return LayerStorage(capacity_hint, self.device, on_replace)
-        return OffloadedStorage(capacity_hint, self.device, on_replace, make_buffer)
-
-
-def chunked_buffers(device: torch.device, on_replace: Callable[[], None]) -> BufferFactory:
-    """A ``make_buffer`` of `ChunkedTokenBuffer` in ``device`` memory (they never move: ``on_replace`` is not
-    needed)."""
-    def make_buffer(name: str, parts: int, capacity_hint: int | None) -> ChunkedTokenBuffer:
-        return ChunkedTokenBuffer(parts, device)
-    return make_buffer
+            return QuantizedStorage(self.kv_cache_dtype, capacity_hint, self.device, on_replace)
+        kind = LayerStorage if self.device is None else OffloadedStorage
+        return kind(capacity_hint, self.device, on_replace)
