@@ -257,7 +257,7 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         if todo:
             try:
                 answer_questions(config, qa, todo, all_questions=every_question, context=context,
-                                 answered=[question for question in assigned if question.qid in done])
+                                 answered_before=[question for question in assigned if question.qid in done])
             except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
                 answered = len(completed_qids(config.out) & set(expected))
                 note_kept(stop, f"{answered} of {len(expected)} questions answered in {config.out}; rerun the "
@@ -332,16 +332,16 @@ def load_model(config: EvalConfig, context: RankContext):
 
 
 def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, all_questions: Sequence[Question],
-                     context: RankContext, answered: Sequence[Question] = ()) -> None:
+                     context: RankContext, answered_before: Sequence[Question] = ()) -> None:
     """Answer ``questions`` video by video, appending one durable record per answer to this rank's file.
 
     ``all_questions`` (the whole benchmark) size each encoding's room for questions, so an answer does not
-    depend on which of its video's questions are left to answer (``limit``, resuming); ``answered``: the run's
-    questions answered before it was interrupted (replayed in a video's stream, `answer_streamed`)."""
+    depend on which of its video's questions are left to answer (``limit``, resuming); ``answered_before``: the
+    run's questions answered before it was interrupted (replayed in a video's stream, `answer_streamed`)."""
     asker = Asker(qa, generation_settings(config.benchmark, config.protocol), config.protocol,
                   max_new_tokens=config.max_new_tokens)
     every_question = {group.video_id: group.questions for group in group_by_video(all_questions)}
-    before = {group.video_id: group.questions for group in group_by_video(answered)}
+    before = {group.video_id: group.questions for group in group_by_video(answered_before)}
     label = config.options.label
     with ResultsWriter(rank_file(config.out, context.rank)) as out, \
             _progress(config, len(questions), f"{config.benchmark} {label}", context) as bar:

@@ -149,9 +149,9 @@ class StreamRouter(RequestRouter):
     def patient(ranks: list[list[RunningReplica]], pending_request: PendingRequest) -> list[list[RunningReplica]]:
         """The least-loaded rank alone while the request is younger than `PLACING_PATIENCE_SECONDS`, then every
         rank. Ray Serve takes the next rank when none of a rank's replicas answers its probe of their queues in
-        time (a tenth of a second at first), which a busy replica, or one just started, may not: the stream would
-        then go to a fuller replica, which would hand it over again once idle. Ray retries the rank, with longer
-        probes, meanwhile."""
+        time (``RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S`` at first), which a busy replica, or one just started,
+        may not: the stream would then go to a fuller replica, which would hand it over again once idle. Ray
+        retries the rank, with longer probes, meanwhile."""
         if time.time() - pending_request.created_at < PLACING_PATIENCE_SECONDS:
             return ranks[:1]
         return ranks
