@@ -32,7 +32,8 @@ from ..errors import HandoverError, InputError
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
 from .stream_disk import SETUP, frames_lost, read_stream_setup
-from .stream_file import check_against_model, check_ownership, check_same_setup
+from .stream_file import check_against_model, check_same_setup
+from .stream_identity import check_ownership
 from ..video import Frame
 
 log = logging.getLogger("statekv")

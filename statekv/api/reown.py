@@ -22,7 +22,8 @@ from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
-from .stream_file import check_owner, new_created, new_stream_id, ownership, read_verified, write_verified
+from .stream_file import read_verified, write_verified
+from .stream_identity import check_owner, new_created, new_stream_id, ownership
 
 
 def reown(path: str | Path, owner: str | None = None) -> Path:

@@ -25,9 +25,9 @@ from .stats import EncodingStats
 from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
-from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_ownership, check_same_setup,
-                          recorded_settings,
-                          check_values, model_identity, read_verified, weights_fingerprint, write_verified)
+from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_same_setup, check_values,
+                          model_identity, read_verified, recorded_settings, weights_fingerprint, write_verified)
+from .stream_identity import check_ownership
 from ..video import Frame
 
 

@@ -42,8 +42,8 @@ from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch
-from .stream_file import (check_owner, check_stream_id, model_identity, new_created, new_stream_id, ownership,
-                          weights_fingerprint)
+from .stream_file import model_identity, weights_fingerprint
+from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
 from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
 from ..video.images import rgb_frame

@@ -21,34 +21,29 @@ times and the frames kept must be what pushing at that rate leaves, and the layo
 starts a stream of that rate with. (Checksums are recomputable, so a field no other field is checked against can
 be forged: ``max_fps`` was one.)
 
-Who a stream is: ``stream_id`` and ``created`` (kept for its life, across saves and loads), ``owner_digest`` (an
-HMAC of its owner's name, id and creation under this installation's secret, `owner_digest`; None: no owner) and
-``installation`` (which secret keyed it), checked on load by `check_ownership`, so a file moved under another
-stream's name or owner is refused, and no file can be re-signed to name an owner without the secret. A file whose
-owner another installation recorded is refused for an owner until it is re-owned here (``statekv reown``).
+Who a stream is (``stream_id``, ``created``, ``owner_digest``, ``installation``; `OWNERSHIP`) is recorded and
+checked by `statekv.api.stream_identity`.
 
-A file is written to ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever write one
-partial file) and renamed over it only once complete and flushed to the disk, under the exclusive lock of
-``<name>.lock`` (removed when the save ends): a second save to the same file at the same time is refused with one
-line naming the holder. Just before the rename the save checks that ``<name>.lock`` is still the file it locked;
-if it was removed or replaced meanwhile (another save may then have taken it), the save is refused and the target
-is left as it was. What saves killed before their rename left is removed by the next save to the same file.
+A file is written in a folder ``<name>.<random>.partial`` beside the target (a name of its own: no two saves ever
+write one; the temporary file safetensors makes lies in it too) and renamed over the target only once complete and
+flushed to the disk, under the exclusive lock of ``<name>.lock`` (removed when the save ends): a second save to the
+same file at the same time is refused with one line naming the holder. Just before the rename the save checks that
+``<name>.lock`` is still the file it locked; if it was removed or replaced meanwhile (another save may then have
+taken it), the save is refused and the target is left as it was. What saves killed before their rename left is
+removed by the next save to the same file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import glob
 import hashlib
-import hmac
 import json
 import math
 import os
 import re
 import secrets
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -60,12 +55,11 @@ from safetensors.torch import save_file
 from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
-from ..errors import ConfigurationError, InputError, OutputError
+from ..errors import InputError, OutputError
 from ..flushing import flush_file
 from ..locks import FileLock
 from ..models import LayoutState
 from ..settings.values import check_int, check_output_file
-from ..user_cache import installation_secret, secret_path
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 2
@@ -477,92 +471,6 @@ def _check_counts(metadata: dict[str, Any]) -> None:
         raise InputError(f"horizon is {metadata['horizon']} tokens, fewer than the {seen} streamed")
     if metadata["prefix_tokens"] > seen:
         raise InputError(f"prefix_tokens is {metadata['prefix_tokens']}, more than the {seen} tokens streamed")
-
-
-# -- who a stream is -----------------------------------------------------------------------------------------------
-MAX_ID_CHARS = 200
-
-
-def new_stream_id() -> str:
-    return uuid.uuid4().hex
-
-
-def check_stream_id(value: Any, name: str = "stream_id") -> str:
-    """A stream's id: non-empty printable text of at most `MAX_ID_CHARS` characters."""
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise ConfigurationError(f"{name} must be non-empty printable text of at most {MAX_ID_CHARS} characters, "
-                                 f"got {value!r}"[:300])
-    return value
-
-
-def new_created() -> str:
-    """When a stream is made: UTC, to the microsecond (part of who it is, with its id)."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
-
-
-def check_owner(owner: Any) -> str | None:
-    """``owner``: any non-empty text naming who owns a stream (e.g. an API key's id), or None."""
-    if owner is not None and not isinstance(owner, str):
-        raise ConfigurationError(f"owner must be a non-empty string (or None), got {type(owner).__name__}")
-    if owner is not None and not owner.strip():
-        raise ConfigurationError("owner is empty: name who owns the stream, or give None for no owner")
-    return owner
-
-
-def installation_id(secret: bytes) -> str:
-    """What a file records of the installation whose secret keyed its owner digest (not the secret)."""
-    return hashlib.sha256(b"statekv-installation\0" + secret).hexdigest()[:16]
-
-
-def owner_digest(owner: str | None, stream_id: str, created: str | None, *, secret: bytes | None = None) -> str | None:
-    """What a stream's files record of its ``owner``: an HMAC-SHA256 under this installation's secret
-    (`statekv.user_cache.installation_secret`, made on first use) of the owner bound to the stream's id and
-    creation, never the owner itself. Without the secret no file can be made to name an owner, and a digest taken
-    from another stream's file does not fit this one. None: no owner."""
-    if check_owner(owner) is None:
-        return None
-    secret = installation_secret(create=True) if secret is None else secret
-    text = f"statekv-owner\0{stream_id}\0{created or ''}\0{owner}"
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
-
-
-def ownership(stream_id: str, created: str, owner: str | None) -> dict[str, Any]:
-    """The identity fields a stream's files record (`OWNERSHIP`): its id, creation, owner digest and the
-    installation that keyed it (None without an owner)."""
-    digest = owner_digest(owner, stream_id, created)
-    installation = None if digest is None else installation_id(installation_secret(create=False))
-    return {"stream_id": stream_id, "created": created, "owner_digest": digest, "installation": installation}
-
-
-def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id: str | None,
-                    owner: str | None) -> None:
-    """Refuse (one line) a saved stream that is not ``stream_id`` (None: any) or not ``owner``'s (None: one with no
-    owner); ``recorded``: its identity fields (`OWNERSHIP`; absent in files saved before they were). An owner
-    recorded by another installation (or before digests were keyed) proves nothing here: re-own the file
-    (``statekv reown``) if you trust it."""
-    saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
-    if stream_id is not None and saved_id != check_stream_id(stream_id):
-        held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
-        raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
-    if check_owner(owner) is None:
-        if saved_owner is not None:
-            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it "
-                             f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
-                             f"statekv reown {path}")
-        return
-    if saved_owner is None:
-        raise InputError(f"{path}: the stream belongs to no owner, not to the owner given")
-    made_by, secret = recorded.get("installation"), installation_secret(create=False)
-    reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
-    if made_by is None:
-        raise InputError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
-                         f"so it proves nothing; {reown}")
-    if secret is None or made_by != installation_id(secret):
-        here = "has none" if secret is None else "is another"
-        raise InputError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
-                         f"{secret_path()}, {here}); {reown}")
-    if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
-        raise InputError(f"{path}: the stream belongs to another owner, not to the owner given")
 
 
 # -- the model and the engine a file was saved with ---------------------------------------------------------------
