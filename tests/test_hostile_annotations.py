@@ -90,6 +90,39 @@ def test_mlvu_rows_outside_the_seven_tasks_are_a_warning(tmp_path, caplog):
                                  f"tasks): {path} row 0"]
 
 
+# ------------------------------------------------------------------------------------------ videos outside the set
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../elsewhere/v.mp4", "videos/../../v.mp4", "."])
+def test_a_video_named_outside_the_benchmarks_folder_is_refused(tmp_path, name):
+    write_mini_ovobench(tmp_path / "ovo", clips=False)
+    ovo = tmp_path / "ovo" / "ovobench" / "ovo_bench_new.json"
+    _edit(ovo, lambda rows: rows[1].update(video=name))
+    sb = write_mini_streamingbench(tmp_path / "sb") / "questions_real.json"
+    _edit(sb, lambda entries: entries[0].update(video_path=name))
+    mlvu = next((write_mini_mlvu(tmp_path / "mlvu", fmt="jsonl") / "mlvu").glob("test*.jsonl"))
+    rows = [json.loads(line) for line in mlvu.read_text().splitlines()]
+    rows[0]["video_name"] = name
+    mlvu.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    synthetic = tmp_path / "synthetic"
+    make_benchmark(synthetic, videos=1, seed=72, num_frames=12, streaming=True)
+    _edit(synthetic / STREAMING_FILE, lambda rows: rows[0].update(video=name))
+    for benchmark, root, where, field in [("ovobench", tmp_path / "ovo", f"{ovo} row 1", "video"),
+                                          ("streamingbench", tmp_path / "sb", f"{sb} entry 0", "video_path"),
+                                          ("mlvu", tmp_path / "mlvu", f"{mlvu} row 0", "video_name"),
+                                          ("synthetic", synthetic, f"{synthetic / STREAMING_FILE} row 0", "video")]:
+        with pytest.raises(AnnotationError) as refused:
+            ev.load_benchmark(benchmark, root, check_videos=False)
+        assert str(refused.value).startswith(f"{where}: field '{field}' ({name!r}) must be a path inside "), benchmark
+
+
+def test_a_video_path_as_the_releases_write_it_is_read(tmp_path):
+    folder = write_mini_streamingbench(tmp_path)
+    _edit(folder / "questions_real.json", lambda entries: entries[0].update(video_path="./videos/a.mp4"))
+    questions = ev.load_benchmark("streamingbench", tmp_path, check_videos=False)
+    assert folder / "videos" / "a.mp4" in {question.video_path for question in questions}
+
+
 # ------------------------------------------------------------------------------------------ times past the video
 
 

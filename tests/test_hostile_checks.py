@@ -207,12 +207,22 @@ def test_a_run_folder_that_cannot_be_written_mid_run_is_one_line_and_keeps_its_a
     monkeypatch.setattr(records, "write_records_atomically", read_only)
     code, line = _cli(capsys, "eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", out,
                       "--budget", "16", "--no-progress", "--max-new-tokens", "2", "--limit", "2")
-    assert code == 2 and f"cannot write the run folder {out} (Permission denied)" in line
+    assert code == 2 and f"cannot write {out / 'answers.jsonl'} in the run folder (Permission denied)" in line
     assert "the 2 of 2 answers written before are kept" in line
     monkeypatch.undo()
     code, _ = _cli(capsys, "eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", out, "--budget",
                    "16", "--no-progress", "--max-new-tokens", "2", "--limit", "2")
     assert code == 0 and json.loads((out / "results.json").read_text())["score"]["overall"]["questions"] == 2
+
+
+@pytest.mark.parametrize("name", ["answers.rank000.jsonl", "answers.jsonl"])
+def test_a_folder_where_a_run_keeps_its_answers_is_one_line(tmp_path, capsys, name):
+    data = make_benchmark(tmp_path / "set", videos=1, seed=3, num_frames=12).parent
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    code, line = _cli(capsys, "eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", out,
+                      "--budget", "16", "--no-progress", "--max-new-tokens", "2", "--limit", "2")
+    assert code == 2 and f"{out / name} is a folder, not a file of answer records" in line
 
 
 # ---------------------------------------------------------------------------------------------------------------

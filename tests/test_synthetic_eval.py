@@ -9,7 +9,7 @@ import pytest
 
 import statekv.eval as ev
 from statekv.cli import main
-from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.eval.runner import EvalConfig, run_evaluation, unresolved_errors
 from statekv.api.videoqa import EncodedVideo, VideoQA
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 from statekv.synthetic.tasks import FAMILIES
@@ -107,6 +107,22 @@ def test_missing_or_malformed_question_files_are_one_line_errors_naming_the_file
     questions.write_text(lines[0] + "\n")
     assert _eval(broken, tmp_path / "o4") == 2
     assert "v0000.mp4" in _one_line(capsys.readouterr().err)
+
+
+def test_a_video_that_failed_part_way_counts_only_the_questions_it_left(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "2") == 0
+    rows = [json.loads(line) for line in (data / QUESTIONS_FILE).read_text().splitlines()]
+    video = [row["qid"] for row in rows if row["video_id"] == rows[0]["video_id"]]
+    answered = _qids(out)
+    assert set(answered) < set(video)  # the video's first questions answered, the rest left by its error
+    entry = {"video_id": rows[0]["video_id"], "qids": video, "error": "frame 9 cannot be decoded"}
+    (out / "errors.rank000.jsonl").write_text(json.dumps(entry) + "\n")
+    left = [qid for qid in video if qid not in answered]
+    assert unresolved_errors(out) == [{**entry, "qids": left}]
+    capsys.readouterr()
+    assert _eval(data, out, "--limit", "2") == 1
+    assert f"statekv eval: {len(left)} question(s) unanswered: 1 video(s)" in _one_line(capsys.readouterr().err)
 
 
 def test_an_undecodable_video_is_named_in_one_line(tmp_path, capsys, caplog):

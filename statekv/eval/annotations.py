@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from statekv.errors import MissingFileError
@@ -116,6 +116,16 @@ def _require_objects(path: Path, rows: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise AnnotationError(f"{path}: row {index} is not a JSON object")
     return rows
+
+
+def video_in(folder: Path, name: Any, where: str, field: str = "video") -> Path:
+    """``folder / name``: the video an annotation row names, refused in one line when the name leaves ``folder``
+    (an absolute path, or one up through ``..``): a benchmark's rows name videos inside its own folder."""
+    text = str(name)
+    relative = PurePosixPath(text.replace("\\", "/"))
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise AnnotationError(f"{where}: field {field!r} ({text[:80]!r}) must be a path inside {folder}")
+    return folder / relative
 
 
 def require_fields(row: dict[str, Any], fields: Sequence[str], where: str) -> None:

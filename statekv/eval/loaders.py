@@ -38,7 +38,8 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import LoadNotes, find_annotation_files, parse_options, read_rows, require_fields
+from statekv.eval.annotations import (LoadNotes, find_annotation_files, parse_options, read_rows, require_fields,
+                                      video_in)
 from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
 from statekv.eval.ovobench import ovobench_questions, seconds
 from statekv.eval.streamingbench import check_video_files, streamingbench_questions
@@ -227,7 +228,7 @@ def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bo
             notes.add(f"row(s) of task {str(row['task_type'])[:40]!r} not used (not one of the seven "
                       "multiple-choice tasks)", where)
             continue
-        video_path = folder / str(row["video_name"])
+        video_path = video_in(folder, row["video_name"], where, "video_name")
         if check_videos and not video_path.is_file():
             raise MissingFileError(f"MLVU video not found: {video_path}")
         questions.append(
@@ -257,7 +258,7 @@ def synthetic_questions(rows: list[dict[str, Any]], folder: Path, *, check_video
         where = f"{source} row {index}"
         require_fields(row, fields, where)
         check_evidence(row, where)
-        video_path = folder / str(row["video"])
+        video_path = video_in(folder, row["video"], where)
         if check_videos and not video_path.is_file():
             raise MissingFileError(f"{where}: video not found: {video_path}")
         questions.append(_checked(Question(
@@ -304,7 +305,7 @@ def synthetic_streaming_questions(rows: list[dict[str, Any]], folder: Path, *, c
         if task not in STREAMING_GROUPS:
             raise AnnotationError(f"{where}: unknown task {task!r}; expected one of {', '.join(STREAMING_GROUPS)}")
         options = parse_options(row["options"], where)
-        video_path = folder / str(row["video"])
+        video_path = video_in(folder, row["video"], where)
         if check_videos and not video_path.is_file():
             raise MissingFileError(f"{where}: video not found: {video_path}")
         common = dict(benchmark="synthetic", video_id=str(row["video"]), video_path=video_path,

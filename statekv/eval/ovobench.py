@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, require_fields
+from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, require_fields, video_in
 from statekv.eval.questions import AnnotationError, Question
 
 BACKWARD_TASKS = ("EPM", "ASI", "HLD")
@@ -135,7 +135,7 @@ def row_questions(row: dict[str, Any], folder: Path, where: str, *, groups: Iter
         return []
     require_fields(row, ("id", "video"), where)
     qid = str(row["id"])
-    video_path = folder / "src_videos" / str(row["video"])
+    video_path = video_in(folder / "src_videos", row["video"], where)
     if task in FORWARD_TASKS:
         return _polls(row, where, qid, video_path, folder)
     return [_choice(row, where, qid, video_path, folder)]

@@ -214,6 +214,8 @@ def drop_unterminated_tail(path: Path) -> None:
 def read_records(path: Path | str) -> list[AnswerRecord]:
     """Records of one results file, in file order; an unterminated last line is dropped."""
     path = Path(path)
+    if path.is_dir():
+        raise ResultsFileError(f"{path} is a folder, not a file of answer records: move it out of the run folder")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -245,7 +247,7 @@ def run_records(run_dir: Path | str) -> list[AnswerRecord]:
     """Every answered question of a run: the merged file and all rank files, deduplicated."""
     run_dir = Path(run_dir)
     paths = sorted(run_dir.glob(RANK_FILE_GLOB))
-    if (run_dir / MERGED_FILE).is_file():
+    if (run_dir / MERGED_FILE).exists():
         paths.insert(0, run_dir / MERGED_FILE)
     return latest_per_question(record for path in paths for record in read_records(path))
 

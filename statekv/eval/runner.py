@@ -271,7 +271,8 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         if isinstance(error, StateKVError) or not _in_folder(error, config.out):
             raise
         answered = len(completed_qids(config.out) & set(expected))
-        raise OutputError(f"cannot write the run folder {config.out} ({error.strerror or error}); the {answered} of "
+        where = f"{error.filename} in the run folder" if error.filename else f"the run folder {config.out}"
+        raise OutputError(f"cannot write {where} ({error.strerror or error}); the {answered} of "
                           f"{len(expected)} answers written before are kept there: rerun the same command to resume "
                           "once it can be written") from None
     finally:
@@ -354,7 +355,7 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
                     answered += 1
                     bar.update(1)
             except VideoError as error:  # the data's fault, not the model's: note it and go on
-                _log_video_error(config, context, video, error)
+                _log_video_error(config, context, video, error, answered)
                 bar.update(len(video.questions) - answered)
 
 
@@ -503,8 +504,11 @@ def clear_run(run_dir: Path) -> None:
 # ------------------------------------------------------------------------------------ unreadable videos
 
 
-def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuestions, error: Exception) -> None:
-    logger.error("%s: %s (its questions stay unanswered; rerun to retry)", video.video_id, error)
+def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuestions, error: Exception,
+                     answered: int) -> None:
+    left = len(video.questions) - answered
+    logger.error("%s: %s (%s stay unanswered; rerun to retry)", video.video_id, error,
+                 "its questions" if not answered else f"{left} of its {len(video.questions)} questions")
     entry = {"video_id": video.video_id, "qids": [q.qid for q in video.questions], "error": str(error)}
     with (config.out / f"errors.rank{context.rank:03d}.jsonl").open("a", encoding="utf-8") as file:
         file.write(json.dumps(entry, ensure_ascii=False) + "\n")
@@ -513,13 +517,15 @@ def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuest
 
 
 def unresolved_errors(run_dir: Path) -> list[dict[str, Any]]:
-    """Logged video errors whose questions are still unanswered (one entry per video, the latest error)."""
+    """Logged video errors whose questions are still unanswered (one entry per video, the latest error, with the
+    ids of its questions still unanswered)."""
     answered = completed_qids(run_dir)
     latest: dict[str, dict[str, Any]] = {}
     for path in sorted(run_dir.glob("errors.rank*.jsonl")):
         for entry in _error_entries(path):
             latest[entry["video_id"]] = entry
-    return [entry for entry in latest.values() if not set(entry["qids"]) <= answered]
+    left = ({**entry, "qids": [qid for qid in entry["qids"] if qid not in answered]} for entry in latest.values())
+    return [entry for entry in left if entry["qids"]]  # a video that failed part way: its answers before count
 
 
 def _error_entries(path: Path) -> list[dict[str, Any]]:

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import MissingFileError
-from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, read_json_document, require_fields
+from statekv.eval.annotations import (LoadNotes, checked_groups, parse_options, read_json_document, require_fields,
+                                      video_in)
 from statekv.eval.questions import AnnotationError, Question
 
 REALTIME_TASKS = ("Object Recognition", "Action Recognition", "Text-Rich Understanding", "Clips Summarize",
@@ -186,7 +187,7 @@ def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folde
         if not isinstance(entry["questions"], list):
             raise AnnotationError(f"{where}: field 'questions' must be a list")
         video = str(entry["video_path"])
-        video_path = folder / video
+        video_path = video_in(folder, video, where, "video_path")
         for number, row in enumerate(entry["questions"]):
             at = f"{where} question {number}"
             if not isinstance(row, dict):
