@@ -109,6 +109,22 @@ def test_missing_or_malformed_question_files_are_one_line_errors_naming_the_file
     assert "v0000.mp4" in _one_line(capsys.readouterr().err)
 
 
+def test_a_resume_may_change_how_it_computes_and_says_so(data, tmp_path, caplog):
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "2") == 0
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        assert _eval(data, out, "--limit", "4", "--vision-batch", "2", "--offload") == 0
+    (line,) = [record.getMessage() for record in caplog.records if "resumed with" in record.getMessage()]
+    assert line.startswith(f"{out}: resumed with vision_batch 2 (before: None), offload True (before: None); ")
+    conditions = json.loads((out / "run.json").read_text())["conditions"]
+    assert [entry["vision_batch"] for entry in conditions] == [None, 2]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        assert _eval(data, out, "--vision-batch", "2", "--offload") == 0  # the same again: nothing to say
+    assert not [record for record in caplog.records if "resumed with" in record.getMessage()]
+    assert len(_qids(out)) == 2 * len(FAMILIES)
+
+
 def test_a_video_that_failed_part_way_counts_only_the_questions_it_left(data, tmp_path, capsys):
     out = tmp_path / "run"
     assert _eval(data, out, "--limit", "2") == 0

@@ -49,7 +49,7 @@ from statekv.eval.questions import BENCHMARKS, Question
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
                                   merge_rank_files, rank_file)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
-from statekv.eval.run_settings import RUN_IDENTITY, unrecorded, with_defaults
+from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
@@ -407,6 +407,7 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
     identity = config.identity()
     content = dict(content or {})
     run = read_run_file(config.out)
+    answered: set[str] = set()
     if run is not None:
         recorded = with_defaults(run["settings"])
         recorded.setdefault("mode", default_mode(str(recorded.get("benchmark")), recorded.get("ovobench_videos")))
@@ -438,7 +439,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
     if write:
         config.out.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(RUN_FILE + ".tmp")
-        document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected)}
+        document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected),
+                    "conditions": conditions_used(config.out, config.options, run if answered else None)}
         temporary.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         os.replace(temporary, path)
 
