@@ -117,6 +117,16 @@ def test_make_writes_decodable_videos_and_a_question_file(made):
     assert len(frames) == 96 and all(np.array_equal(f.image, render(s)) for f, s in zip(frames, plan.stills))
 
 
+def test_make_says_how_far_it_is_off_a_terminal(tmp_path, capsys, monkeypatch):
+    import statekv.synthetic.command as command
+
+    monkeypatch.setattr(command, "PROGRESS_SECONDS", 0.0)
+    assert main(["synthetic", "make", "--out", str(tmp_path / "s"), "--videos", "3", "--seed", "13",
+                 "--frames", "12"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" written")[0] for line in lines] == ["1/3 videos", "2/3 videos"]
+
+
 def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
     again = tmp_path / "again"
     make_benchmark(again, videos=2, seed=11)
