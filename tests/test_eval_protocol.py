@@ -18,6 +18,7 @@ import pytest
 
 import statekv.eval as ev
 from statekv.eval import AnswerRecord, Question
+from statekv.errors import ConfigurationError, DataError
 
 # ----------------------------------------------------------------------------- fabricated layouts
 
@@ -251,7 +252,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="pyarrow"):
+    with pytest.raises(ConfigurationError, match="pyarrow"):  # one line on the command line
         ev.load_videomme(tmp_path, check_videos=False)
 
 
@@ -270,7 +271,15 @@ def test_parquet_in_the_published_layout(tmp_path):
 
 def test_hub_loader_is_optional_and_converts_rows(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ImportError, match="pip install datasets"):
+    with pytest.raises(ConfigurationError, match="pip install datasets"):
+        ev.load_benchmark_from_hub("videomme", tmp_path)
+
+    def unreachable(repo, config, split):
+        raise ConnectionError(f"Couldn't reach '{repo}' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=unreachable))
+    with pytest.raises(DataError, match=r"^cannot load lmms-lab/Video-MME from the Hugging Face Hub "
+                                                r"\(Couldn't reach 'lmms-lab/Video-MME' on the Hub "):
         ev.load_benchmark_from_hub("videomme", tmp_path)
 
     calls = []
@@ -722,6 +731,14 @@ def make_run(run_dir: Path, benchmark: str, model: str, method: str, budget, per
         for record in records:
             out.write(record)
     return records
+
+
+def test_the_ovobench_real_time_cell_counts_its_own_unparsed_answers(tmp_path):
+    make_run(tmp_path / "r", "ovobench", "Qwen3-VL-2B", "statekv", 4096, {"OJR": (2, 1), "EPM": (2, 0)}, {"EPM"})
+    ev.write_summary(tmp_path / "r", expected_qids=["OJR-0", "OJR-1", "EPM-0", "EPM-1", "EPM-2"])
+    row = ev.paper_table([tmp_path / "r"]).splitlines()[-1]
+    assert "| 50.00 (partial of the run 4/5) |" in row  # real time: its own answers, none unparsed
+    assert "(2 unparsed) (partial 4/5)" in row  # every group: the backward answers unparsed
 
 
 def test_results_json_and_paper_table(tmp_path):

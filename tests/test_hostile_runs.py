@@ -112,6 +112,22 @@ def test_a_resume_on_other_data_is_refused_and_overwrite_redoes_it(case, data, t
         assert record.answer == questions[record.qid].answer
 
 
+@pytest.mark.parametrize("mode, unread", [("offline", "src_videos"), ("streaming", "chunked_videos")])
+def test_an_ovobench_run_resumes_when_the_videos_it_does_not_read_appear(tmp_path, capsys, mode, unread):
+    from statekv.eval.fabricate import write_mini_ovobench
+
+    folder = write_mini_ovobench(tmp_path / "data")
+    (folder / unread).rename(tmp_path / "aside")  # one of the release's two archives unpacked
+    out = tmp_path / "run"
+    argv = ["eval", "ovobench", "--model", "builtin", "--data-root", str(tmp_path / "data"), "--out", str(out),
+            "--mode", mode, "--budget", "16", "--no-progress", "--max-new-tokens", "2"]
+    assert main([*argv, "--limit", "1"]) == 0
+    (tmp_path / "aside").rename(folder / unread)  # then the other
+    capsys.readouterr()
+    assert main([*argv, "--limit", "2"]) == 0, capsys.readouterr().err
+    assert len(ev.read_records(out / "answers.jsonl")) == 2
+
+
 def test_a_resume_with_other_weights_is_refused(data, tmp_path, capsys):
     model = make_tiny_checkpoint("internvl", tmp_path / "model", seed=0)
     out = tmp_path / "run"

@@ -207,6 +207,8 @@ def test_streamingbench_prompts_are_the_releases(sb_root):
 @pytest.mark.parametrize(("file", "change", "message"), [
     ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="1:xx"),
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '1:xx'"),
+    ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="00:00:0\u00b2"),
+     r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '00:00:0\u00b2'"),
     ("questions_real.json", lambda data: data[0]["questions"][0]["options"].pop(),
      "expected at least 4 options .the prompt lists A to D; the release's code fails on fewer., got 3"),
     ("questions_real.json", lambda data: data[1]["questions"][0].update(answer="E"), "answer 'E' is not one of ABCD"),
@@ -223,6 +225,11 @@ def test_malformed_streamingbench_files_are_one_line_errors(sb_root, file, chang
     with pytest.raises(ev.AnnotationError, match=message) as error:
         ev.load_streamingbench(sb_root)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("response", ["", "   ", "\n"])
+def test_an_empty_streamingbench_answer_is_unparsable(response):
+    assert streamingbench.judge("choice", response, answer="B", letters="ABCD") == (None, False)
 
 
 def test_streamingbench_needs_its_real_time_file(sb_root):

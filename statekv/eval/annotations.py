@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from statekv.errors import MissingFileError
+from statekv.errors import ConfigurationError, MissingFileError
 from statekv.eval.questions import AnnotationError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as error:
-        raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSON Lines") from error
+        raise ConfigurationError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSON "
+                                 "Lines") from error
     try:
         return pq.read_table(path).to_pylist()
     except Exception as error:  # pyarrow raises its own kinds for a damaged file

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from statekv.errors import VideoError
+from statekv.errors import ConfigurationError, VideoError
 from statekv.eval.answering import last_second, past_the_end
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.questions import Question
@@ -78,6 +78,8 @@ def check_benchmark(benchmark: str, data_root: Path | str, *, mode: str | None =
             questions = load_benchmark(benchmark, data_root, check_videos=False, groups=groups)
         else:
             questions = load_benchmark(benchmark, data_root, check_videos=False)
+    if not questions:  # as a run of it would say
+        raise ConfigurationError(f"no {benchmark} questions found under {data_root}")
     clips = benchmark == "ovobench" and mode == "offline"
     headers: dict[Path, Video | str] = {}
     names = sorted(dict.fromkeys(question.group or ALL for question in questions), key=lambda name: (

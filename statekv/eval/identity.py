@@ -34,13 +34,16 @@ def data_fingerprint(questions: Sequence[Question]) -> str:
     return digest.hexdigest()
 
 
-def video_fingerprints(questions: Sequence[Question]) -> dict[str, str]:
-    """Each question's video file(s) (its clip too) by question id: size and first and last bytes, so a video
-    regenerated under the same name differs."""
+def video_fingerprints(questions: Sequence[Question], *, clips: bool = False, both: bool = False) -> dict[str, str]:
+    """Each question's video file by question id: size and first and last bytes, so a video regenerated under the
+    same name differs. clips: the file is the question's released clip (OVO-Bench's offline mode reads those);
+    both: its video and clip together (what runs recorded before 2026-12-01, accepted when they resume)."""
     files: dict[str, str] = {}
     fingerprints = {}
     for question in questions:
-        paths = [str(path) for path in (question.video_path, question.clip_path) if path is not None]
+        chosen = (question.video_path, question.clip_path) if both else (
+            question.clip_path if clips and question.clip_path is not None else question.video_path,)
+        paths = [str(path) for path in chosen if path is not None]
         for path in paths:
             if path not in files:
                 files[path] = _file_fingerprint(Path(path))

@@ -37,7 +37,7 @@ from pathlib import Path
 from dataclasses import replace
 from typing import Any, Literal
 
-from statekv.errors import MissingFileError
+from statekv.errors import ConfigurationError, DataError, MissingFileError
 from statekv.eval.annotations import (LoadNotes, find_annotation_files, parse_options, read_rows, require_fields,
                                       video_in)
 from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
@@ -164,11 +164,15 @@ def load_benchmark_from_hub(benchmark: str, data_root: Path | str, *, check_vide
     try:
         import datasets
     except ImportError as error:
-        raise ImportError(
-            "loading annotations from the hub needs the datasets library (pip install datasets)"
-        ) from error
+        raise ConfigurationError("loading annotations from the hub needs the datasets library (pip install "
+                                 "datasets)") from error
     repo, config, split = HUB_DATASETS[benchmark]
-    rows = [dict(row) for row in datasets.load_dataset(repo, config, split=split)]
+    try:
+        rows = [dict(row) for row in datasets.load_dataset(repo, config, split=split)]
+    except Exception as error:  # the network, the hub or a gated dataset: each library raises its own kinds
+        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        raise DataError(f"cannot load {repo} from the Hugging Face Hub ({reason}); or fetch its files "
+                        "(docs/evaluation.md) and run without --from-hub") from None
     folder = Path(data_root) / benchmark
     build = videomme_questions if benchmark == "videomme" else mlvu_questions
     return one_path_per_video(build(rows, folder, check_videos=check_videos, source=f"hub:{repo}"))

@@ -202,7 +202,7 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
         if benchmark == "ovobench":
             group_scores = chosen.get("group_scores") or {"realtime": chosen["headline"]}  # written before groups
             if "realtime" in group_scores:
-                cells.setdefault(row, {})["ovobench"] = _cell(chosen, group_scores["realtime"])
+                cells.setdefault(row, {})["ovobench"] = _cell(chosen, group_scores["realtime"], group="realtime")
             if set(group_scores) - {"realtime"}:
                 cells.setdefault(row, {})["ovobench-all"] = _cell(chosen)
         else:
@@ -217,12 +217,16 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-def _cell(result: dict[str, Any], headline: float | None = None) -> str:
+def _cell(result: dict[str, Any], headline: float | None = None, group: str | None = None) -> str:
+    """A score with its unparsed answers (of ``group`` when the cell is one group's) and, when the run is
+    partial, how many of its questions it answered (the whole run's: results do not split them by group)."""
     headline = result["headline"] if headline is None else headline
     text = "nan" if math.isnan(headline) else f"{headline:.2f}"
-    unparsable = result["overall"]["unparsable"]
+    tally = (result.get("groups") or {}).get("group", {}).get(group) if group else None
+    unparsable = (tally or result["overall"])["unparsable"]
     if unparsable:
         text += f" ({unparsable} unparsed)"
     if result.get("missing"):
-        text += f" (partial {result['expected'] - result['missing']}/{result['expected']})"
+        run = " of the run" if group else ""
+        text += f" (partial{run} {result['expected'] - result['missing']}/{result['expected']})"
     return text

@@ -31,7 +31,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,9 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     questions = every_question[: config.limit] if config.limit else every_question
     expected = [question.qid for question in questions]
     content = {"data": data_fingerprint(every_question), "answer_key": answer_key_fingerprint(every_question),
-               "videos": video_fingerprints(every_question)}
+               "videos": video_fingerprints(every_question, clips=config.benchmark == "ovobench"
+                                            and config.mode != "streaming")}
+    before = {"videos_before": lambda: video_fingerprints(every_question, both=True)}
     lock = RunLock(config.out)
     try:
         context.connect()
@@ -242,12 +244,12 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         if config.overwrite and context.is_main:
             clear_run(config.out)
         context.barrier()
-        check_run_file(config, expected, content, write=False)  # before the model loads: settings and data
+        check_run_file(config, expected, content, write=False, **before)  # before the model loads: settings, data
         qa = qa if qa is not None else load_model(config, context)
         if qa.method != config.method:
             raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")
         content["weights"] = model_fingerprint(qa)
-        check_run_file(config, expected, content, write=context.is_main)
+        check_run_file(config, expected, content, write=context.is_main, **before)
         done = completed_qids(config.out)
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
@@ -399,10 +401,11 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
 
 
 def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, Any] | None = None, *,
-                   write: bool) -> None:
+                   write: bool, videos_before: Callable[[], dict[str, str]] | None = None) -> None:
     """Refuse to mix settings, data, answer keys or weights in one run directory (``content``: the fingerprints
     known so far, see `statekv.eval.identity`); rank 0 (re)writes ``run.json``. A run folder holding answers
-    whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too."""
+    whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too;
+    ``videos_before`` gives the videos' fingerprints as an earlier statekv recorded them (also accepted)."""
     path = config.out / RUN_FILE
     identity = config.identity()
     content = dict(content or {})
@@ -423,7 +426,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {redo}")
         answered = completed_qids(config.out)
         if "videos" in content:
-            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered)
+            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered,
+                                   videos_before)
         for key, value in content.items():
             if key == "videos":
                 continue
@@ -445,7 +449,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         os.replace(temporary, path)
 
 
-def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str]) -> None:
+def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],
+                           before: Callable[[], dict[str, str]] | None = None) -> None:
     """Refuse when a video changed after some of its questions were answered (a video whose questions are all
     unanswered may change: a damaged file replaced)."""
     if not answered:
@@ -454,6 +459,9 @@ def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], an
         raise ConfigurationError(f"{out} holds answers whose {RUN_FILE} records no fingerprint of the videos; use "
                                  "another --out, or --overwrite to answer again")
     changed = sorted(qid for qid in answered if qid in current and recorded.get(qid) != current[qid])
+    if changed and before is not None:
+        earlier = before()
+        changed = [qid for qid in changed if recorded.get(qid) != earlier.get(qid)]
     if changed:
         raise ConfigurationError(f"{out} holds answers made from other videos (question {changed[0]}'s video "
                                  "changed since it was answered); use another --out, or --overwrite to answer again")

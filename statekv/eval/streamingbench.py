@@ -30,7 +30,7 @@ expected one and the expected output occurs in the answer.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from statekv.errors import MissingFileError
@@ -119,7 +119,7 @@ def judge(kind: str, response: str, answer: str, letters: str, answered_at: floa
         given = answer if answer in response else None
         return given, on_time and given is not None
     first = response.lstrip()[:1]
-    return (first if first in letters else None), first == answer
+    return (first if first and first in letters else None), first == answer
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -187,6 +187,9 @@ def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folde
         if not isinstance(entry["questions"], list):
             raise AnnotationError(f"{where}: field 'questions' must be a list")
         video = str(entry["video_path"])
+        if PurePosixPath(video).is_absolute():  # as the release's preprocess.sh rewrites them: its videos/ folder
+            notes.add("video path(s) absolute, as the release's preprocess.sh writes them, read under videos/", where)
+            video = f"./videos/{PurePosixPath(video).name}"
         video_path = video_in(folder, video, where, "video_path")
         for number, row in enumerate(entry["questions"]):
             at = f"{where} question {number}"
@@ -242,7 +245,7 @@ def clock_seconds(value: Any, what: str, notes: LoadNotes | None = None) -> floa
     12450 s, noted in ``notes``: minutes or seconds past 59); a one-line `AnnotationError` for anything but digits
     and colons (its code fails on those too)."""
     parts = str(value).strip().split(":")
-    if not 1 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
+    if not 1 <= len(parts) <= 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {value!r}")
     seconds = float(sum(int(part) * 60 ** power for power, part in enumerate(reversed(parts))))
     if notes is not None and any(int(part) >= 60 for part in parts[1:]):
