@@ -201,15 +201,16 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
     info = capped.answer_info
     assert (info.frames, info.evicted_frames, info.unseen_fraction) == (7, len(evicted), len(evicted) / 7)
     assert torch.equal(capped.ask_tokens(QUESTION, max_new_tokens=6, retrieve=7, retrieval="recent"), kept)
-    if offload == "disk":  # given back to the file system: the evicted rows read as zeros
-        starts = np.cumsum([0, *lengths])
-        for layer in capped.prefill.cache.layers:
-            retained = set(capped.prefill.keeper.retained.get(layer.index, torch.zeros(0)).tolist())
-            for s in evicted:
-                if retained & set(range(int(starts[s]), int(starts[s + 1]))):
-                    continue  # carried when it was evicted: given back at a later eviction
-                keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
-                assert not keys.any() and not values.any()
+    # given back (to the file system, or host memory's pages to the OS): the evicted rows read as zeros
+    starts = np.cumsum([0, *lengths])
+    for layer in capped.prefill.cache.layers:
+        retained = set(capped.prefill.keeper.retained.get(layer.index, torch.zeros(0)).tolist())
+        for s in evicted:
+            if retained & set(range(int(starts[s]), int(starts[s + 1]))):
+                continue  # carried when it was evicted: given back at a later eviction
+            keys, values = layer.detailed.view(int(starts[s]), int(starts[s + 1]))
+            assert not keys.any() and not values.any()
+    if offload == "disk":
         capped.close()  # one owner at a time (closing checkpoints it: it resumes where it is)
         resumed = Stream.load(capped.prefill.disk.folder, tiny_qa(adapter, "recency", **settings))
         assert resumed.stats.evicted_frames == len(evicted) and resumed.prefill.cache.evicted_steps == set(evicted)
@@ -258,6 +259,53 @@ def test_retrieval_never_chooses_an_evicted_step():
     assert Retrieval(9, keep_tokens=4, rule=MostRecent()).choose(seen) == [1, 2]
 
 
+def test_retrieval_never_ranks_a_segment_every_step_of_which_was_evicted():
+    from statekv.core.answering.retrieval import MeanKeyMatch
+
+    steps, per_segment = (4,) + (2,) * 32, 4  # the prompt, then 8 complete segments of 4 steps and an open one
+    index = torch.zeros(1, 1, 8, 12)
+    index[0, 0, :, 8:] = torch.arange(8.0)[:, None]  # each segment's key sum: the later, the better matched
+    index[0, 0, 2, 8:] = 100.0  # the best of all, but every step of it was evicted
+    seen = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
+                         evicted=frozenset(range(8, 12)), segments=index, segment_steps=per_segment)
+    chosen = Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(seen, 1).tolist()
+    assert chosen == [*range(24, 32), 32]  # the two best segments left (6 and 7), then the open one
+    kept = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
+                         evicted=frozenset(range(8, 11)), segments=index, segment_steps=per_segment)
+    assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(kept, 1).tolist()[:4] == [8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("offload", [True, "disk"])
+def test_a_stream_that_evicts_gives_back_the_index_rows_of_segments_it_evicted_whole(adapter, offload, tmp_path):
+    lengths, per_token, per_step = _steps(adapter, 3)
+    disk = {"offload_dir": tmp_path / "tiers"} if offload == "disk" else {}
+    cap = (lengths[0] + max(lengths[1:]) * 40) * per_token + 60 * per_step + (60_000 if disk else 0)
+    settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", **disk)
+    qa = tiny_qa(adapter, "statekv", **settings)
+    stream = qa.stream()
+    for frame in random_frames(110):
+        stream.push(frame)
+    keeper, cache = stream.prefill.keeper, stream.prefill.cache
+    storage = cache.layers[0].storage
+    wholly = [g for g in range(storage.segment_index.length)
+              if all(s in cache.evicted_steps for s in range(16 * g, 16 * g + 16))]
+    assert len(wholly) == keeper.released_segments >= 2 and stream.prefill.stats.held_bytes <= cap
+    for layer in cache.layers:
+        index = layer.storage.segment_index.view(0, layer.storage.segment_index.length)[0]
+        assert not index[:, :, wholly].any() and index[:, :, wholly[-1] + 1:].any()
+    answer = stream.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2)
+    if offload is True:  # saved and loaded: the same count, rows and answer
+        loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
+        assert loaded.prefill.keeper.released_segments == keeper.released_segments
+        assert loaded.prefill.stats.held_bytes == stream.prefill.stats.held_bytes
+        assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2), answer)
+    else:  # closed and resumed from its folder
+        stream.close()
+        resumed = Stream.load(stream.prefill.disk.folder, tiny_qa(adapter, "statekv", **settings))
+        assert resumed.prefill.keeper.released_segments == keeper.released_segments
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2), answer)
+
+
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     lengths, per_token, per_step = _steps(adapter, 5)
     cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step
@@ -290,3 +338,25 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
     assert options.max_cache_bytes == 512 << 20
     with pytest.raises(ConfigurationError, match="max_cache_bytes must be a size"):
         statekv.ModelOptions.from_strings({"max_cache_bytes": "lots"})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv_cache_dtype, tmp_path):
+    lengths, per_token, per_step = _steps(adapter, 7)
+    cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
+    settings = dict(offload=True, max_cache_bytes=cap, cache_limit="evict-oldest", kv_cache_dtype=kv_cache_dtype)
+    qa = tiny_qa(adapter, "statekv", **settings)
+    stream = qa.stream()
+    frames = random_frames(40)
+    for frame in frames[:20]:
+        stream.push(frame)
+    loaded = Stream.load(stream.save(tmp_path / "a.safetensors"), qa)
+    assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps
+    for frame in frames[20:]:  # both go on: the loaded one gives back what it evicted before and since
+        stream.push(frame)
+        loaded.push(frame)
+    assert len(stream.prefill.cache.evicted_steps) > 25
+    first, second = stream.prefill.state_dict(), loaded.prefill.state_dict()
+    assert first[1] == second[1] and sorted(first[0]) == sorted(second[0])
+    assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6), loaded.ask_tokens(QUESTION, max_new_tokens=6))

@@ -114,6 +114,17 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
     assert (again.frames, again.frames_lost) == (7, 0)
 
 
+def test_a_stream_named_in_any_script_gets_a_folder_a_service_record_accepts(adapters, tmp_path):
+    from statekv.serve.store import TIER_NAME
+
+    stream = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path).stream(horizon_frames=2, name="Küche café")
+    stream.push(random_frames(1)[0])
+    name = stream.prefill.disk.folder.name
+    assert name.startswith("K-che-caf--") and name.isascii() and TIER_NAME.fullmatch(name)
+    assert TIER_NAME.fullmatch("café-b10ac339") and not TIER_NAME.fullmatch("a/b") and not TIER_NAME.fullmatch("..")
+    stream.close()
+
+
 def test_a_saved_disk_tier_stream_loads_with_nothing_lost(adapters, tmp_path):
     qa = tiny_qa(adapters["paper"], offload="disk", offload_dir=tmp_path / "cache")
     stream = qa.stream(horizon_frames=4)

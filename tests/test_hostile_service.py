@@ -270,6 +270,22 @@ def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
         assert one["usage"]["completion_tokens"] == 1
 
 
+def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_request(qa, tmp_path, monkeypatch):
+    import statekv.serve.registry as registry
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        monkeypatch.setattr(registry, "prompt_tokens", broken)
+        for _ in range(3):  # the same kept-alive connection each time
+            asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION})
+            assert asked.status_code == 500 and asked.json()["error"]["message"] == (
+                "internal error (RuntimeError); the server log has the details")
+            assert client.get(f"/v1/streams/{stream_id}").status_code == 200
+
+
 def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
     """Before: a system message and earlier turns changed nothing (prompt_tokens the same) and nothing said so; the
     response says what it read and what it left out, the answer and its usage those of the last message alone."""
@@ -295,6 +311,16 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
         finished = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
                     if line.startswith("data: {") and '"finish_reason": "' in line]
         assert finished[0]["statekv"]["not_read"] == {"system": 1, "earlier_turns": 2}
+        for odd in ([stream_id], {"a": 1}, 7):
+            refused = client.post("/v1/chat/completions", json={"model": "builtin", "messages": [last],
+                                                                "statekv": {"stream_id": odd}})
+            assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+                f"statekv.stream_id must be a stream's id (text), got {type(odd).__name__}")
+        # a max_fps so small that the next frame's time is past any number: one line, not a 500
+        tiny = client.post("/v1/streams", json={"max_fps": 1e-310}).json()["id"]
+        for k in range(2):
+            pushed = client.post(f"/v1/streams/{tiny}/frames", content=_png(k), headers={"Content-Type": "image/png"})
+        assert pushed.status_code == 400 and "push it with its timestamp" in pushed.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

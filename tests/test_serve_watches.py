@@ -50,13 +50,13 @@ def pictures() -> list[bytes]:
 class Running:
     """A server in this process on a free loopback port."""
 
-    def __init__(self, state: Path, qa, disk: bool = False, options: ModelOptions | None = None):
+    def __init__(self, state: Path, qa, disk: bool = False, options: ModelOptions | None = None, **config):
         options = options or ModelOptions(model="builtin")
         if disk:  # streams kept in disk-tier file sets: a restart resumes them there, their watches from records
             options = ModelOptions(model="builtin", offload="disk", offload_dir=str(state.parent / "tiers"))
             qa = qa.with_options(offload="disk", offload_dir=options.offload_dir)
         self.config = ServeConfig(options=options, state_dir=state, api_keys=(KEY, OTHER_KEY), page=False,
-                                  save_every_seconds=600)
+                                  save_every_seconds=600, **config)
         self.app = create_app(self.config, qa=qa)
         # a following client left open by a failed test must not hold the stop (and hide the failure)
         self.server = AppServer(self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=30)
@@ -316,6 +316,16 @@ def test_a_stream_that_cannot_be_saved_keeps_its_watches_in_its_record_at_shutdo
     with Running(state, qa, options=options) as server, server.client() as client:  # a restart
         again = client.get(url).json()
         assert again["evaluations"] == before["evaluations"] and again["events"] == before["events"]
+    with Running(tmp_path / "often", qa, options=options, save_every_frames=2) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 7)  # each save due: its record alone, no cache to refuse the push
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 7
+        asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": COUNT, "max_new_tokens": 3})
+        assert asked.status_code == 200, asked.text  # its question encodes its last frames afresh
+        assert asked.json()["usage"]["prompt_tokens"] > 0 and asked.json()["answer"]
+        chat = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 3, "statekv": {
+            "stream_id": stream_id}, "messages": [{"role": "user", "content": COUNT}]})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == asked.json()["answer"]
 
 
 def test_a_record_is_written_as_it_last_stood_once_per_burst_and_never_once_its_stream_left(qa, pictures):

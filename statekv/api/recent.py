@@ -35,7 +35,8 @@ class RecentFrames:
 
     Attributes like `Stream`'s: ``name``, ``max_fps``, ``pushed`` (frames offered), ``frames`` (frames kept so
     far), ``stats`` (frames counted; no cache is held, so its cache sizes stay 0), ``answer_info`` (what the last
-    answer saw), ``horizon`` (the planned length of one question's encoding, in tokens).
+    answer saw), ``horizon`` (the planned length of one question's encoding, in tokens), ``read_tokens`` (the
+    tokens the last answer read: its frames' and its question's).
     """
 
     def __init__(self, qa: Any, window: int, *, max_fps: float | None = None, name: str = "stream",
@@ -51,6 +52,7 @@ class RecentFrames:
         self.recent: deque[Frame] = deque(maxlen=self.window)
         self.stats = EncodingStats()
         self.answer_info: AnswerInfo | None = None
+        self.read_tokens = 0
         self.pushed = 0
         self.pending: list[Frame] = []  # nothing ever waits to be encoded (`Stream`'s attribute)
         self._next_tick = 0
@@ -140,6 +142,7 @@ class RecentFrames:
             clip.append_steps([frames[i:i + per_step] for i in range(0, len(frames), per_step)],
                               vision_batch=len(frames))
             tokens = clip.ask_tokens(question, **ask_kwargs)
+            self.read_tokens = clip.tokens + int(self.qa.adapter.question_ids(question, clip.state).shape[1])
             self.horizon = clip.horizon
             self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes,
                                                      clip.stats.peak_cache_device_bytes)
@@ -166,9 +169,15 @@ class RecentFrames:
         return 0
 
     @property
+    def adapter(self) -> Any:
+        return self.qa.adapter
+
+    @property
     def held_bytes(self) -> int:
         """Bytes held between questions: the pixels of the last ``window`` frames."""
         return sum(frame.image.nbytes for frame in self.recent)
+
+    keeps_cache = False  # nothing to save: a service keeps such a stream's record alone
 
     def save(self, path: Any) -> None:
         raise StateKVError(f"{self.name}: a simplestream stream holds only its last {self.window} frames; there is "

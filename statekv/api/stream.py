@@ -301,7 +301,11 @@ class Stream(EncodedVideo):
     def _check_timestamp(self, timestamp: float | None) -> float:
         if timestamp is None:
             step = 1.0 / self.max_fps if self.max_fps else 1.0
-            return 0.0 if self.last_timestamp is None else self.last_timestamp + step
+            timestamp = 0.0 if self.last_timestamp is None else self.last_timestamp + step
+            if not math.isfinite(timestamp):
+                raise InputError(f"max_fps={self.max_fps} puts the next frame at {timestamp} s: push it with its "
+                                 "timestamp, or stream at a higher max_fps")
+            return timestamp
         check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
         if timestamp < 0 or (self.last_timestamp is not None and timestamp < self.last_timestamp):
             raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "

@@ -15,7 +15,10 @@ from .sse import StopOnceSet
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
     """The question's prompt length in tokens, refused (413) when it and the answer do not fit the video (an
-    `EncodedVideo` or `Stream`; the engine's one check, `StreamingPrefill.fit_question`)."""
+    `EncodedVideo` or `Stream`; the engine's one check, `StreamingPrefill.fit_question`); 0 for a simplestream
+    stream, whose every question encodes its last frames afresh with room for it."""
+    if getattr(video, "prefill", None) is None:
+        return 0
     prompt = int(video.adapter.question_ids(question, video.state).shape[1])
     try:
         video.prefill.fit_question(prompt, max_new_tokens)

@@ -225,7 +225,38 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
             message = f"no route {request.method} {request.url.path}"
         return answer(error.status_code, message, "invalid_request_error", getattr(error, "headers", None))
 
+    def internal(method: str, path: str, error: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", method, path, exc_info=error)
+        return answer(500, f"internal error ({type(error).__name__}); the server log has the details", "server_error")
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return answer(500, f"internal error ({type(error).__name__}); the server log has the details", "server_error")
+        return internal(request.method, request.url.path, error)
+
+    app.add_middleware(UnexpectedErrors, answer=internal)
+
+
+class UnexpectedErrors:
+    """Answers an error no handler took with its JSON 500 here, inside Starlette's outermost middleware, which would
+    answer it and raise it again: uvicorn then dropped the connection, and a client's next request on it failed. An
+    error after the response began (a streamed answer) still goes on up."""
+
+    def __init__(self, app: Any, answer: Any):
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as error:
+            if started:
+                raise
+            await self.answer(scope["method"], scope["path"], error)(scope, receive, send)

@@ -100,6 +100,8 @@ async def chat(request: Request, service: Served):
     if not isinstance(extension, dict):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
     stream_id = extension.get("stream_id")
+    if stream_id is not None and not isinstance(stream_id, str):
+        raise ServiceError(400, f"statekv.stream_id must be a stream's id (text), got {type(stream_id).__name__}")
     if stream_id is not None:
         if videos:
             raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")

@@ -444,10 +444,11 @@ class StreamRegistry:
     def _after_ask(entry: StreamEntry, prompt: int, tokens: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer ``tokens`` ``[1, N]`` with the frames and stream time it refers to (on the model's thread,
         right after it, before any later push)."""
-        check_answer(kwargs, tokens, entry.stream.prefill.model)
         stream = entry.stream
+        prefill = getattr(stream, "prefill", None)  # none for a simplestream stream (its question reads a clip)
+        check_answer(kwargs, tokens, stream.adapter.model if prefill is None else prefill.model)
         completion = int(tokens.shape[1])
-        context = stream.tokens + prompt
+        context = stream.read_tokens if prefill is None else stream.tokens + prompt
         read = stream.answer_info.read_frames if stream.answer_info is not None else None
         return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
                 "id": entry.id, "read_frames": None if read is None else list(read),
@@ -456,10 +457,12 @@ class StreamRegistry:
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
-        """Save the stream (on the model's thread) and note what was saved in its record."""
+        """Save the stream (on the model's thread) and note what was saved in its record (its record alone for a
+        stream with no cache to save: a simplestream stream's last frames are not kept)."""
         if entry.deleted or not entry.dirty and self.files.has_state(entry.id):
             return
-        self.files.save_state(entry.id, entry.stream.save)
+        if getattr(entry.stream, "keeps_cache", True):
+            self.files.save_state(entry.id, entry.stream.save)
         entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
         entry.saved_at = time.monotonic()
         entry.write_record(self.files)

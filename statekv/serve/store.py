@@ -40,7 +40,8 @@ from ..locks import FileLock
 
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
 STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
-TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path)
+TIER_NAME = re.compile(r"^[\w-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path; letters of any
+# script: folders made before their names were kept to ASCII)
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
@@ -66,7 +67,7 @@ def check_record(record: object, stream_id: str) -> dict[str, Any]:
         "created": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
         "saved": lambda v: isinstance(v, dict),
         "answers": lambda v: isinstance(v, list),
-        "tier": lambda v: v is None or isinstance(v, str) and TIER_NAME.match(v) is not None,
+        "tier": lambda v: v is None or isinstance(v, str) and TIER_NAME.fullmatch(v) is not None,
     }
     for name, check in checks.items():
         if name in record and not check(record[name]):

@@ -33,6 +33,7 @@ stream)``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -325,7 +326,13 @@ class Retrieval:
         if not self.rule.hierarchical or index is None or per_segment < 1 or index.shape[2] <= expanded:
             return None
         complete = index.shape[2]
-        best = set(self.rule.segment_scores(seen).topk(expanded).indices.tolist())
+        gone = evicted_segments(seen, complete)
+        if gone is not None and complete - int(gone.sum()) <= expanded:
+            return None
+        scores = self.rule.segment_scores(seen)
+        if gone is not None:  # their index rows were given back: never ranked
+            scores = scores.masked_fill(gone.to(scores.device), -math.inf)
+        best = set(scores.topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)
         if isinstance(total, torch.Tensor) and total.shape[0] == len(seen.steps):
             earlier = total.topk(min(self.steps, total.shape[0])).indices.tolist()
@@ -347,7 +354,8 @@ class Retrieval:
         dim = index.shape[-1] // 3
         expanded = torch.zeros(index.shape[1], dtype=torch.bool)
         expanded[candidates[candidates < index.shape[1] * per_segment] // per_segment] = True
-        rest = (~expanded).nonzero().squeeze(1)
+        gone = evicted_segments(seen, index.shape[1])
+        rest = (~expanded if gone is None else ~expanded & ~gone).nonzero().squeeze(1)
         keys, weights = [], []
         if rest.numel():
             starts = seen.step_starts
@@ -380,6 +388,21 @@ class Retrieval:
         for s in self.choose(seen):
             parts.append(torch.arange(max(int(starts[s]), keep), int(starts[s + 1])))
         return torch.cat(parts).to(seen.device)
+
+
+def evicted_segments(seen: LayerQuestion, complete: int) -> torch.Tensor | None:
+    """``[G]`` bool: which of the ``complete`` segments had every step evicted (their index rows given back, see
+    `statekv.core.storage.limits`), or None when no step was; made once per question."""
+    if not seen.evicted or seen.segment_steps < 1:
+        return None
+    key = f"evicted segments of {complete}"
+    made = seen.memory.get(key)
+    if made is None:
+        steps = torch.tensor(sorted(seen.evicted), dtype=torch.long)
+        steps = steps[steps < complete * seen.segment_steps]
+        made = seen.memory[key] = torch.bincount(steps // seen.segment_steps, minlength=complete) == \
+            seen.segment_steps
+    return made
 
 
 def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch.Tensor:

@@ -215,6 +215,10 @@ class MirroredTokenBuffer(TokenBuffer):
         if not self._ram_only:
             self.mirror.write(start, *parts)
 
+    def release(self, start: int, end: int) -> None:
+        super().release(start, end)
+        self.mirror.release(start, end)
+
     def load(self, *parts: torch.Tensor) -> None:
         self.mirror.load(*parts)
         self._ram_only = True

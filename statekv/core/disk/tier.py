@@ -113,7 +113,8 @@ class DiskTier:
     @classmethod
     def create(cls, offload_dir: str | os.PathLike, name: str, manifest: dict[str, Any]) -> "DiskTier":
         """A new, empty file set in a folder of its own under ``offload_dir`` (created if needed)."""
-        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(str(name)).name)[:40] or "stream"
+        safe = "".join(c if c.isascii() and c.isalnum() or c in "-_" else "-" for c in Path(str(name)).name)[:40] \
+            or "stream"  # ASCII: what a service's stream record accepts as a folder name
         folder = Path(offload_dir) / f"{safe}-{uuid.uuid4().hex[:8]}"
         try:
             folder.mkdir(parents=True)

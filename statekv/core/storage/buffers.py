@@ -12,12 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_pages import ReleasedRuns, free_rows
+
 
 class TokenBuffer:
     """Tensors ``[B, H_kv, capacity, D]`` that grow geometrically along the token axis (e.g. keys and values).
 
     The first ``length`` slots are committed; writes past them are scratch until the owner advances
     ``length``. Appends write in place, so N chunks copy O(N) bytes in total (amortised), not O(N^2).
+    Released slots (`release`: never read again) read as zeros and, in host memory, give their pages back;
+    growing copies only the slots not released.
 
     Args:
         parts: how many tensors (2: keys and values; 1: one mean key per step).
@@ -35,6 +39,7 @@ class TokenBuffer:
         self.on_replace = on_replace
         self.tensors: list[torch.Tensor] | None = None
         self.length = 0
+        self.released = ReleasedRuns()
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -64,7 +69,10 @@ class TokenBuffer:
         grown = [torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
                  for _ in range(self.parts)]
         for new, old in zip(grown, self.tensors or ()):
-            new[:, :, : self.length] = old[:, :, : self.length]
+            for start, end in self.released.kept(self.length):
+                new[:, :, start:end] = old[:, :, start:end]
+            for start, end in self.released.within(self.length):
+                free_rows(new, start, end)
         self.tensors = grown
         if self.on_replace is not None:
             self.on_replace()
@@ -86,9 +94,16 @@ class TokenBuffer:
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
+    def release(self, start: int, end: int) -> None:
+        """Slots ``[start, end)`` are never read again: they read as zeros, and in host memory the whole pages that
+        they and the slots released before them cover go back to the OS."""
+        run = self.released.add(start, end)
+        for tensor in self.tensors or ():
+            free_rows(tensor, start, end, run)
+
     def load(self, *parts: torch.Tensor) -> None:
         """Replace the contents with ``length`` committed slots: tensors ``[B, H_kv, length, D]``."""
-        self.tensors, self.length = None, 0
+        self.tensors, self.length, self.released = None, 0, ReleasedRuns()
         if parts[0].shape[2]:
             self.write(0, *parts)
             self.length = parts[0].shape[2]

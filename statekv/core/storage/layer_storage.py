@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .buffers import CarriedSlots, TokenBuffer
-from .limits import release_host_rows, runs
+from .limits import runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
 SEGMENT_STEPS = 16  # steps per segment of the retrieval index (read when a storage is made)
@@ -385,6 +385,10 @@ class LayerStorage:
     def release_steps(self, steps: torch.Tensor) -> None:
         """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries, where that can be."""
 
+    def release_segments(self, segments: torch.Tensor) -> None:
+        """Every step of ``segments`` (ascending ``[N]``) was evicted: give back their index rows, where that can
+        be (retrieval no longer ranks them)."""
+
 
 class OffloadedStorage(LayerStorage):
     """The detailed cache and step summaries in ``device`` memory other than the model's: a step stages its
@@ -455,6 +459,9 @@ class OffloadedStorage(LayerStorage):
         for buffer in (self.block_keys, self.step_samples):
             _release(buffer, steps)
 
+    def release_segments(self, segments: torch.Tensor) -> None:
+        _release(self.segment_index, segments)
+
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads
         d = self.means_like.shape[-1]
@@ -466,10 +473,8 @@ class OffloadedStorage(LayerStorage):
 def _release(buffer, rows: torch.Tensor) -> None:
     """Give rows ``rows`` (ascending ``[N]``) of ``buffer`` back: a disk buffer to the file system, host memory's
     whole pages to the OS."""
-    release = getattr(buffer, "release", None)
-    tensors = None if release is not None else buffer.tensors
     for start, end in runs(rows):
-        release(start, end) if release is not None else release_host_rows(tensors, start, end)
+        buffer.release(start, end)
 
 
 def _summaries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,8 @@
 """A hard cap on a stream's cache (``max_cache_bytes``) and what happens when a step would pass it.
 
 What is counted: the detailed cache as stored (keys and values in the model's dtype, or int8/int4 codes with every
-scale and zero point), each step's retrieval summaries, the segment index, and on the disk tier its journal and
-carried-state checkpoints (`StreamStats` says how much of each).
+scale and zero point), each step's retrieval summaries, the segment index (its segments not wholly evicted), and on
+the disk tier its journal and carried-state checkpoints (`StreamStats` says how much of each).
 
 ``cache_limit`` (`statekv.settings.engine.CACHE_LIMITS`), chosen up front:
 
@@ -18,19 +18,17 @@ carried-state checkpoints (`StreamStats` says how much of each).
 
 Evicting a step marks it in ``TwoStateCache.evicted_steps`` (answers from the whole cache skip it, retrieval never
 chooses it) and gives its detailed keys and values back (the disk tier punches them out of its files; host memory
-returns their whole pages), except the tokens a layer still carries: those are kept until it no longer does, so
-the carried state stays the detailed cache's own tokens, as saved and resumed streams require. Positions do not
-move: the remaining tokens keep their RoPE and the stream's length counts every token streamed. Never evicted:
-the first ``protect_tokens`` tokens (the prompt prefix and the sinks). The first eviction is stated in one log
-line.
+returns their whole pages, `statekv.core.storage.host_pages`; evicted rows read as zeros), except the tokens a
+layer still carries: those are kept until it no longer does, so the carried state stays the detailed cache's own
+tokens, as saved and resumed streams require. A segment of the retrieval index every step of which is evicted
+gives its index row back too, and retrieval no longer ranks it. Positions do not move: the remaining tokens keep
+their RoPE and the stream's length counts every token streamed. Never evicted: the first ``protect_tokens`` tokens
+(the prompt prefix and the sinks). The first eviction is stated in one log line.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import mmap
 from collections.abc import Iterator
 
 import torch
@@ -40,8 +38,6 @@ from ...settings.engine import CacheLimit
 from ...settings.values import format_bytes
 
 log = logging.getLogger("statekv")
-_MADV_DONTNEED = 4
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 class CacheKeeper:
@@ -67,6 +63,8 @@ class CacheKeeper:
         self._starts = [0]  # each step's first token (and the end of the last), extended as steps commit
         self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
         self._registered = 0  # steps looked at for _held
+        self._evicted_in: dict[int, int] = {}  # per segment of the retrieval index not given back: steps evicted
+        self.released_segments = 0  # segments every step of which was evicted: their index rows given back
         if limit.when_full == "evict-least-attended":
             cache.tally = AttentionTally()
 
@@ -126,9 +124,30 @@ class CacheKeeper:
             cache.evicted_steps.add(step)
             self._held.pop(step, None)
             self.evicted_tokens += cache.chunk_lengths[step]
+        self._release_segments(steps)
+
+    def _release_segments(self, steps) -> None:
+        """Give back the retrieval index's rows of the segments ``steps`` (newly evicted) leave wholly evicted."""
+        cache = self.cache
+        per_segment = cache.layers[0].storage.segment_steps
+        emptied = []
+        for step in steps:
+            segment = step // per_segment
+            count = self._evicted_in.get(segment, 0) + 1
+            if count == per_segment:
+                del self._evicted_in[segment]
+                emptied.append(segment)
+            else:
+                self._evicted_in[segment] = count
+        if emptied:
+            segments = torch.tensor(sorted(emptied), dtype=torch.long)
+            for layer in cache.layers:
+                layer.storage.release_segments(segments)
+            self.released_segments += len(emptied)
 
     def adopt(self) -> None:
-        """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones."""
+        """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones, and
+        the rest of what it evicted is given back again (a load wrote it in whole)."""
         cache = self.cache
         self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
         self._starts, self._held, self._registered = [0], {}, 0
@@ -136,11 +155,20 @@ class CacheKeeper:
         evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
         for step in cache.evicted_steps:
             evicted[starts[step]: starts[step + 1]] = True
+        steps = torch.tensor(sorted(cache.evicted_steps), dtype=torch.long)
+        self._evicted_in, self.released_segments = {}, 0
         self.retained = {}
         for layer in cache.layers:
             if layer.is_initialized:
                 carried = _carried_tokens(layer)
                 self.retained[layer.index] = carried[evicted[carried]]
+                if steps.numel():
+                    given_back = evicted.clone()
+                    given_back[carried] = False
+                    layer.storage.release_tokens(given_back.nonzero().squeeze(1))
+                    layer.storage.release_steps(steps)
+        if steps.numel() and cache.layers[0].is_initialized:
+            self._release_segments(steps.tolist())
 
     def _step_starts(self) -> list[int]:
         """Each committed step's first token, then the end of the last (extended by the steps committed since
@@ -191,6 +219,18 @@ class AttentionTally:
         self.totals.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
 
+def released_segments(cache, keeper: CacheKeeper | None) -> int:
+    """Segments of the retrieval index given back (every step evicted): the ``keeper``'s count, or for a stream
+    holding evictions without a cap (one loaded so), counted from them."""
+    if keeper is not None:
+        return keeper.released_segments
+    if not cache.evicted_steps:
+        return 0
+    per_segment = cache.layers[0].storage.segment_steps
+    steps = torch.tensor(sorted(cache.evicted_steps), dtype=torch.long)
+    return int((torch.bincount(steps // per_segment) == per_segment).sum())
+
+
 def _carried_tokens(layer) -> torch.Tensor:
     """The token positions ``[K']`` (ascending, CPU) the layer carries into the next step, any head."""
     return layer.positions().reshape(-1).cpu().unique()
@@ -202,22 +242,6 @@ def check_evicting_storage(limit: CacheLimit | None, offloaded: bool) -> None:
     if limit is not None and limit.evicts and not offloaded:
         raise ConfigurationError(f"cache_limit={limit.when_full} needs the detailed cache offloaded (offload=True "
                                  "or offload='disk'); with the model it can only refuse")
-
-
-def release_host_rows(tensors: list[torch.Tensor] | None, start: int, end: int) -> None:
-    """Return to the OS the whole pages of rows ``[start, end)`` of CPU tensors ``[B, H_kv, capacity, X]``
-    (pinned memory excepted); those pages then read as zeros."""
-    page = mmap.PAGESIZE
-    for tensor in tensors or ():
-        if tensor.device.type != "cpu" or tensor.is_pinned():
-            continue
-        for b in range(tensor.shape[0]):
-            for h in range(tensor.shape[1]):
-                rows = tensor[b, h, start:end]
-                first = -(-rows.data_ptr() // page) * page
-                last = (rows.data_ptr() + rows.numel() * rows.element_size()) // page * page
-                if last > first:
-                    _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
 from ..disk.tier import DiskTier
 from ..step.graphs import StepGraphs
-from ..storage.limits import CacheKeeper, check_evicting_storage
+from ..storage.limits import CacheKeeper, check_evicting_storage, released_segments
 from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
@@ -237,7 +237,7 @@ class StreamingPrefill:
         last step)."""
         storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_open is not None]
         row = sum(s.segment_open.numel() * s.segment_open.element_size() for s in storages)  # all layers
-        index = row * (storages[0].segment_index.length if storages else 0)
+        index = row * (storages[0].segment_index.length - released_segments(self.cache, self.keeper)) if storages else 0
         completes = (len(self.cache.chunk_lengths) + 1) % self.cache.layers[0].storage.segment_steps == 0
         growth = row if completes else 0
         if self.disk is None:

@@ -1,0 +1,129 @@
+"""Resident memory of a stream under an evicting cap: what it holds should follow the cap, not its history.
+
+The built-in model streams random 16x16 frames (50 distinct ones, cycled; timestamps 0, 1, 2, ...) through
+`VideoQA.stream` with the detailed cache off the model's device under ``max_cache_bytes`` and ``cache_limit=
+"evict-oldest"``; every ``--every`` frames it records the process's resident memory (anonymous and file-backed, from
+/proc/self/status) and the bytes the engine counts (`StreamStats.held_bytes`). Each configuration runs in a child
+process of its own, one torch thread. Reported: resident memory at each sample against the first sample's (frame
+``--base``), and its growth per 1,000 frames over the run's second half.
+
+    python benchmarks/evicting_memory.py --frames 6000 --out docs/benchmarks.md
+    python benchmarks/evicting_memory.py --smoke     # a few hundred frames: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CONFIGS = {
+    "memory": {"offload": True},
+    "memory int8": {"offload": True, "kv_cache_dtype": "int8"},
+    "disk": {"offload": "disk"},
+}
+
+
+def resident() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def child(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+
+    import statekv
+    from statekv.errors import CacheLimitError
+
+    torch.set_num_threads(1)
+    settings = dict(CONFIGS[args.child])
+    with tempfile.TemporaryDirectory() as folder:
+        if settings["offload"] == "disk":
+            settings["offload_dir"] = folder
+        qa = statekv.VideoQA.from_pretrained("builtin", budget=64, max_cache_bytes=args.cap,
+                                             cache_limit="evict-oldest", **settings)
+        frames = [np.random.default_rng(n).integers(0, 256, (16, 16, 3), dtype=np.uint8) for n in range(50)]
+        stream = qa.stream()
+        try:
+            for number in range(1, args.frames + 1):
+                stream.push(frames[number % len(frames)], timestamp=float(number - 1))
+                if number == args.base or number % args.every == 0:
+                    sample = {"frame": number, **resident(), "held_bytes": stream.prefill.stats.held_bytes}
+                    print(json.dumps(sample), flush=True)
+        except CacheLimitError as error:  # what the cap counts outgrew it
+            print(json.dumps({"frame": number, "refused": str(error)}), flush=True)
+
+
+def run(name: str, args: argparse.Namespace) -> list[dict]:
+    command = [sys.executable, __file__, "--child", name, "--frames", str(args.frames), "--cap", str(args.cap),
+               "--every", str(args.every), "--base", str(args.base)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
+    frames = sorted({sample["frame"] for samples in results.values() for sample in samples if "VmRSS" in sample})
+    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " | per 1,000 frames, second half |",
+             "|---|" + "---:|" * (len(frames) + 1)]
+    for name, samples in results.items():
+        measured = [s for s in samples if "VmRSS" in s]
+        base = measured[0]["VmRSS"]
+        cells = {s["frame"]: f"{(s['VmRSS'] - base) / 2**20:+.1f} MB" for s in measured}
+        refused = [s["frame"] for s in samples if "refused" in s]
+        half = [s for s in measured if s["frame"] >= args.frames // 2]
+        slope = "–" if len(half) < 2 else f"{(half[-1]['VmRSS'] - half[0]['VmRSS']) / 2**20 * 1000 / max(half[-1]['frame'] - half[0]['frame'], 1):+.2f} MB"
+        row = [cells.get(f, f"refused at frame {refused[0]:,}" if refused and f >= refused[0] else "–") for f in frames]
+        lines.append(f"| {name} | " + " | ".join(row) + f" | {slope} |")
+    held = max(s["held_bytes"] for samples in results.values() for s in samples if "held_bytes" in s)
+    return "\n".join(lines) + f"\n\nMost bytes the engine counted at a sample, any configuration: {held:,} (cap {args.cap:,})."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=6000)
+    parser.add_argument("--cap", type=int, default=3_000_000, help="max_cache_bytes")
+    parser.add_argument("--every", type=int, default=1000)
+    parser.add_argument("--base", type=int, default=200, help="the first sample's frame")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", type=Path, help="write the table into this markdown file's section")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="400 frames, a sample every 100")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.frames, args.every, args.base = 400, 100, 50
+    if args.child:
+        return child(args)
+    results = {}
+    for name in args.configs.split(","):
+        results[name] = run(name, args)
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    body = table(results, args)
+    print(body)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.out:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from report import write_section
+
+        command = f"python benchmarks/evicting_memory.py --frames {args.frames} --cap {args.cap} --out {args.out}"
+        machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
+        write_section(args.out, "Evicting streams: resident memory",
+                      f"{(__doc__ or '').split(chr(10) + chr(10))[1]}\n\nCommand: `{command}`  \nMachine: {machine}."
+                      f"\n\n{body}")
+
+
+if __name__ == "__main__":
+    main()

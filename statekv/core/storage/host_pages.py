@@ -1,0 +1,79 @@
+"""Giving rows of host memory back to the OS: a buffer's rows ``[B, H_kv, capacity, X]`` that will never be read
+again (evicted steps, `statekv.core.storage.limits`) read as zeros, and the whole pages they cover are returned,
+so a stream that evicts holds the memory of what it keeps, not of everything it streamed.
+
+A row is far smaller than a page (a step of a few tokens), so pages are returned as runs of released rows come to
+cover them (`ReleasedRuns` merges the runs), and a buffer that grows leaves the released runs out of its copy.
+Pinned memory (offloaded from a GPU) cannot be returned this way: its released rows are zeroed only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import mmap
+
+import torch
+
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class ReleasedRuns:
+    """Disjoint ``[start, end)`` runs of released rows, ascending, merged as they are added (touching ones too)."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> tuple[int, int]:
+        """Add rows ``[start, end)``; returns the merged run now holding them."""
+        first = bisect.bisect_left(self.ends, start)
+        last = bisect.bisect_right(self.starts, end)
+        if first < last:
+            start, end = min(start, self.starts[first]), max(end, self.ends[last - 1])
+        self.starts[first:last], self.ends[first:last] = [start], [end]
+        return start, end
+
+    def within(self, end: int) -> list[tuple[int, int]]:
+        """The runs below row ``end``, cut at it."""
+        return [(a, min(b, end)) for a, b in zip(self.starts, self.ends) if a < end]
+
+    def kept(self, end: int) -> list[tuple[int, int]]:
+        """The runs of rows below ``end`` not released."""
+        kept, at = [], 0
+        for a, b in self.within(end):
+            if a > at:
+                kept.append((at, a))
+            at = b
+        return kept + [(at, end)] if at < end else kept
+
+
+def returnable(tensor: torch.Tensor) -> bool:
+    """Whether pages of ``tensor`` can be returned to the OS (CPU memory, not pinned)."""
+    return tensor.device.type == "cpu" and not tensor.is_pinned()
+
+
+def free_rows(tensor: torch.Tensor, start: int, end: int, run: tuple[int, int] | None = None) -> None:
+    """Rows ``[start, end)`` of ``tensor`` ``[B, H_kv, capacity, X]`` read as zeros from now on, and the whole pages
+    of the released ``run`` (default: the rows themselves) that they touch go back to the OS."""
+    run_start, run_end = run or (start, end)
+    if not returnable(tensor):
+        tensor[:, :, start:end].zero_()
+        return
+    page, row_bytes = mmap.PAGESIZE, tensor.shape[-1] * tensor.element_size()
+    for b in range(tensor.shape[0]):
+        for h in range(tensor.shape[1]):
+            rows = tensor[b, h]
+            base = rows.data_ptr()
+            low = max(base + run_start * row_bytes, (base + start * row_bytes) // page * page)
+            high = min(base + run_end * row_bytes, -(-(base + end * row_bytes) // page) * page)
+            first, last = -(-low // page) * page, high // page * page
+            if last <= first:
+                rows[start:end].zero_()
+                continue
+            # rows outside the whole pages are zeroed; those in them read as zeros once the pages are returned
+            rows[start: max(start, min(end, -(-(first - base) // row_bytes)))].zero_()
+            rows[min(end, max(start, (last - base) // row_bytes)): end].zero_()
+            _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
