@@ -275,12 +275,15 @@ def test_retrieval_never_ranks_a_segment_every_step_of_which_was_evicted():
     assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(kept, 1).tolist()[:4] == [8, 9, 10, 11]
 
 
-@pytest.mark.parametrize("offload", [True, "disk"])
-def test_a_stream_that_evicts_gives_back_the_index_rows_of_segments_it_evicted_whole(adapter, offload, tmp_path):
+@pytest.mark.parametrize("offload, kv_cache_dtype", [(True, None), ("disk", None), ("disk", "int8")])
+def test_a_stream_that_evicts_gives_back_the_index_rows_of_segments_it_evicted_whole(adapter, offload, kv_cache_dtype,
+                                                                                    tmp_path):
     lengths, per_token, per_step = _steps(adapter, 3)
     disk = {"offload_dir": tmp_path / "tiers"} if offload == "disk" else {}
-    cap = (lengths[0] + max(lengths[1:]) * 40) * per_token + 60 * per_step + (60_000 if disk else 0)
-    settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", **disk)
+    frames = 40 if kv_cache_dtype is None else 12  # the cap's room, in float32 frames (int8 ones take a third)
+    cap = (lengths[0] + max(lengths[1:]) * frames) * per_token + 60 * per_step + (60_000 if disk else 0)
+    settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", kv_cache_dtype=kv_cache_dtype,
+                    **disk)
     qa = tiny_qa(adapter, "statekv", **settings)
     stream = qa.stream()
     for frame in random_frames(110):
@@ -356,6 +359,14 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
         stream.push(frame)
         loaded.push(frame)
     assert len(stream.prefill.cache.evicted_steps) > 25
+    if kv_cache_dtype:  # each evicted step's key scales are given back once no layer carries its tokens
+        starts = np.cumsum([0, *stream.prefill.cache.chunk_lengths])
+        for layer in stream.prefill.cache.layers:
+            retained = stream.prefill.keeper.retained[layer.index].tolist()
+            carrying = {int(np.searchsorted(starts, t, side="right")) - 1 for t in retained}
+            free = sorted(stream.prefill.cache.evicted_steps - carrying)
+            scales = layer.storage.key_scales.view(0, layer.storage.key_scales.length)[0]
+            assert free and not scales[:, :, free].any() and scales[:, :, sorted(carrying)].all()
     first, second = stream.prefill.state_dict(), loaded.prefill.state_dict()
     assert first[1] == second[1] and sorted(first[0]) == sorted(second[0])
     assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])

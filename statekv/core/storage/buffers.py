@@ -73,6 +73,8 @@ class TokenBuffer:
                 new[:, :, start:end] = old[:, :, start:end]
             for start, end in self.released.within(self.length):
                 free_rows(new, start, end)
+            if self.released.starts:  # reused memory may hold its pages already: the slots not written yet too
+                free_rows(new, self.length, capacity, zero=False)
         self.tensors = grown
         if self.on_replace is not None:
             self.on_replace()

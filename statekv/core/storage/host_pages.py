@@ -55,12 +55,15 @@ def returnable(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and not tensor.is_pinned()
 
 
-def free_rows(tensor: torch.Tensor, start: int, end: int, run: tuple[int, int] | None = None) -> None:
-    """Rows ``[start, end)`` of ``tensor`` ``[B, H_kv, capacity, X]`` read as zeros from now on, and the whole pages
-    of the released ``run`` (default: the rows themselves) that they touch go back to the OS."""
+def free_rows(tensor: torch.Tensor, start: int, end: int, run: tuple[int, int] | None = None, *,
+              zero: bool = True) -> None:
+    """Rows ``[start, end)`` of ``tensor`` ``[B, H_kv, capacity, X]`` read as zeros from now on (``zero`` False:
+    scratch rows, whatever they read), and the whole pages of the released ``run`` (default: the rows themselves)
+    that they touch go back to the OS."""
     run_start, run_end = run or (start, end)
     if not returnable(tensor):
-        tensor[:, :, start:end].zero_()
+        if zero:
+            tensor[:, :, start:end].zero_()
         return
     page, row_bytes = mmap.PAGESIZE, tensor.shape[-1] * tensor.element_size()
     for b in range(tensor.shape[0]):
@@ -71,9 +74,10 @@ def free_rows(tensor: torch.Tensor, start: int, end: int, run: tuple[int, int] |
             high = min(base + run_end * row_bytes, -(-(base + end * row_bytes) // page) * page)
             first, last = -(-low // page) * page, high // page * page
             if last <= first:
-                rows[start:end].zero_()
+                if zero:
+                    rows[start:end].zero_()
                 continue
-            # rows outside the whole pages are zeroed; those in them read as zeros once the pages are returned
-            rows[start: max(start, min(end, -(-(first - base) // row_bytes)))].zero_()
-            rows[min(end, max(start, (last - base) // row_bytes)): end].zero_()
+            if zero:  # rows outside the whole pages are zeroed; those in them read as zeros once they are returned
+                rows[start: max(start, min(end, -(-(first - base) // row_bytes)))].zero_()
+                rows[min(end, max(start, (last - base) // row_bytes)): end].zero_()
             _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

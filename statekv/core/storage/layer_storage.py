@@ -389,6 +389,10 @@ class LayerStorage:
         """Every step of ``segments`` (ascending ``[N]``) was evicted: give back their index rows, where that can
         be (retrieval no longer ranks them)."""
 
+    def release_step_scales(self, steps: torch.Tensor) -> None:
+        """Evicted ``steps`` (ascending ``[N]``) none of whose tokens is carried any more: give back their keys'
+        quantization scales (a quantized storage's)."""
+
 
 class OffloadedStorage(LayerStorage):
     """The detailed cache and step summaries in ``device`` memory other than the model's: a step stages its
@@ -461,6 +465,11 @@ class OffloadedStorage(LayerStorage):
 
     def release_segments(self, segments: torch.Tensor) -> None:
         _release(self.segment_index, segments)
+
+    def release_step_scales(self, steps: torch.Tensor) -> None:
+        scales = getattr(self, "key_scales", None)  # a quantized storage's
+        if scales is not None:
+            _release(scales, steps)
 
     def restored(self, dtype: torch.dtype, device: torch.device) -> None:
         b, h = self.batch_heads

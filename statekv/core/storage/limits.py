@@ -28,6 +28,7 @@ their RoPE and the stream's length counts every token streamed. Never evicted: t
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterator
 
@@ -64,6 +65,7 @@ class CacheKeeper:
         self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
         self._registered = 0  # steps looked at for _held
         self._evicted_in: dict[int, int] = {}  # per segment of the retrieval index not given back: steps evicted
+        self._scales_waiting: dict[int, set[int]] = {}  # per layer: evicted steps whose key scales are still held
         self.released_segments = 0  # segments every step of which was evicted: their index rows given back
         if limit.when_full == "evict-least-attended":
             cache.tally = AttentionTally()
@@ -120,11 +122,25 @@ class CacheKeeper:
             self.retained[layer.index] = gone[held]
             layer.storage.release_tokens(gone[~held].sort().values)
             layer.storage.release_steps(torch.tensor(sorted(steps), dtype=torch.long))
+            self._release_scales(layer, steps, starts)
         for step in steps:
             cache.evicted_steps.add(step)
             self._held.pop(step, None)
             self.evicted_tokens += cache.chunk_lengths[step]
         self._release_segments(steps)
+
+    def _release_scales(self, layer, steps, starts: list[int]) -> None:
+        """Give back the key scales of ``steps`` and of earlier evicted steps, once the layer carries none of their
+        tokens (a quantized cache keeps one scale per step; a carried token is read back with it)."""
+        if layer.storage.kv_cache_dtype is None:
+            return
+        waiting = self._scales_waiting.setdefault(layer.index, set())
+        waiting.update(steps)
+        owners = {bisect.bisect_right(starts, token) - 1 for token in self.retained[layer.index].tolist()}
+        free = sorted(waiting - owners)
+        if free:
+            waiting.difference_update(free)
+            layer.storage.release_step_scales(torch.tensor(free, dtype=torch.long))
 
     def _release_segments(self, steps) -> None:
         """Give back the retrieval index's rows of the segments ``steps`` (newly evicted) leave wholly evicted."""
@@ -156,7 +172,7 @@ class CacheKeeper:
         for step in cache.evicted_steps:
             evicted[starts[step]: starts[step + 1]] = True
         steps = torch.tensor(sorted(cache.evicted_steps), dtype=torch.long)
-        self._evicted_in, self.released_segments = {}, 0
+        self._evicted_in, self.released_segments, self._scales_waiting = {}, 0, {}
         self.retained = {}
         for layer in cache.layers:
             if layer.is_initialized:
@@ -167,6 +183,7 @@ class CacheKeeper:
                     given_back[carried] = False
                     layer.storage.release_tokens(given_back.nonzero().squeeze(1))
                     layer.storage.release_steps(steps)
+                    self._release_scales(layer, steps.tolist(), starts)
         if steps.numel() and cache.layers[0].is_initialized:
             self._release_segments(steps.tolist())
 
