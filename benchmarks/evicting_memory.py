@@ -83,11 +83,19 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
         cells = {s["frame"]: f"{(s['VmRSS'] - base) / 2**20:+.1f} MB" for s in measured}
         refused = [s["frame"] for s in samples if "refused" in s]
         half = [s for s in measured if s["frame"] >= args.frames // 2]
-        slope = "–" if len(half) < 2 else f"{(half[-1]['VmRSS'] - half[0]['VmRSS']) / 2**20 * 1000 / max(half[-1]['frame'] - half[0]['frame'], 1):+.2f} MB"
+        slope = "–"
+        if len(half) >= 2:
+            growth = (half[-1]["VmRSS"] - half[0]["VmRSS"]) / 2**20 / max(half[-1]["frame"] - half[0]["frame"], 1)
+            slope = f"{growth * 1000:+.2f} MB"
         row = [cells.get(f, f"refused at frame {refused[0]:,}" if refused and f >= refused[0] else "–") for f in frames]
         lines.append(f"| {name} | " + " | ".join(row) + f" | {slope} |")
     held = max(s["held_bytes"] for samples in results.values() for s in samples if "held_bytes" in s)
-    return "\n".join(lines) + f"\n\nMost bytes the engine counted at a sample, any configuration: {held:,} (cap {args.cap:,})."
+    before = ("\n\nRows marked before: the same command on the code before evicted rows were given back as runs of them"
+              " cover whole pages (`--before`)." if any(name.endswith(", before") for name in results) else "")
+    return ("\n".join(lines) + f"\n\nMost bytes the engine counted at a sample, any configuration: {held:,} (cap "
+            f"{args.cap:,}).{before} What still grows is not the cache: each frame's timings (kept for the last 10,000 "
+            "to 20,000 frames) and each step's records (the last steps), and per step a few dozen bytes of "
+            "bookkeeping (which steps were evicted, each step's length).")
 
 
 def main() -> None:
@@ -98,7 +106,9 @@ def main() -> None:
     parser.add_argument("--base", type=int, default=200, help="the first sample's frame")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", type=Path, help="write the table into this markdown file's section")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument("--from-json", type=Path, help="render the samples a run wrote with --json (no streaming)")
+    parser.add_argument("--before", type=Path, help="samples (--json) of the same run on earlier code, shown beside")
     parser.add_argument("--smoke", action="store_true", help="400 frames, a sample every 100")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -106,10 +116,16 @@ def main() -> None:
         args.frames, args.every, args.base = 400, 100, 50
     if args.child:
         return child(args)
-    results = {}
-    for name in args.configs.split(","):
-        results[name] = run(name, args)
-        print(f"{name}: done", file=sys.stderr, flush=True)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        results = {}
+        for name in args.configs.split(","):
+            results[name] = run(name, args)
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    if args.before:
+        results = {**{f"{name}, before": samples for name, samples in json.loads(args.before.read_text()).items()},
+                   **results}
     body = table(results, args)
     print(body)
     if args.json:
@@ -119,6 +135,10 @@ def main() -> None:
         from report import write_section
 
         command = f"python benchmarks/evicting_memory.py --frames {args.frames} --cap {args.cap} --out {args.out}"
+        if args.before:  # "before": the same command on earlier code, its samples written with --json
+            command = (f"python benchmarks/evicting_memory.py --frames {args.frames} --cap {args.cap} --json NEW`, "
+                       f"the same at the code before (--json BEFORE), then `python benchmarks/evicting_memory.py "
+                       f"--from-json NEW --before BEFORE --frames {args.frames} --out {args.out}")
         machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
         write_section(args.out, "Evicting streams: resident memory",
                       f"{(__doc__ or '').split(chr(10) + chr(10))[1]}\n\nCommand: `{command}`  \nMachine: {machine}."
