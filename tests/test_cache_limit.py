@@ -4,6 +4,7 @@ oldest or the least attended frames (counted, never read again, positions unchan
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import statekv
 from statekv import Stream
 from statekv.core.storage.limits import CacheLimit
 from statekv.core.stream.prefill import cache_geometry
-from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval
+from statekv.core.answering.retrieval import LayerQuestion, MostRecent, Retrieval, segment_bounds
 from statekv.errors import CacheLimitError, ConfigurationError, InputError
 from statekv.settings.values import format_bytes
 from statekv.models import load_adapter
@@ -273,6 +274,14 @@ def test_retrieval_never_ranks_a_segment_every_step_of_which_was_evicted():
     kept = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
                          evicted=frozenset(range(8, 11)), segments=index, segment_steps=per_segment)
     assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(kept, 1).tolist()[:4] == [8, 9, 10, 11]
+    few = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
+                        evicted=frozenset(range(1, 24)), segments=index, segment_steps=per_segment)
+    assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(few, 1).tolist() == [*range(24, 32), 32]
+    queries = torch.randn(1, 1, 2, 4)  # the default rule's bound: a segment given back is out of its softmax
+    bounds = segment_bounds(replace(seen, queries=queries))
+    live = [g for g in range(8) if g != 2]
+    alone = segment_bounds(replace(seen, queries=queries, segments=index[:, :, live], evicted=frozenset()))
+    assert bounds[2] == 0 and torch.allclose(bounds[live], alone)
 
 
 @pytest.mark.parametrize("offload, kv_cache_dtype", [(True, None), ("disk", None), ("disk", "int8")])
@@ -355,6 +364,8 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
         stream.push(frame)
     loaded = Stream.load(stream.save(tmp_path / "a.safetensors"), qa)
     assert loaded.prefill.cache.evicted_steps == stream.prefill.cache.evicted_steps
+    first, second = stream.prefill.state_dict(), loaded.prefill.state_dict()  # at once: evicted rows given back
+    assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])
     for frame in frames[20:]:  # both go on: the loaded one gives back what it evicted before and since
         stream.push(frame)
         loaded.push(frame)

@@ -327,16 +327,18 @@ class Retrieval:
             return None
         complete = index.shape[2]
         gone = evicted_segments(seen, complete)
-        if gone is not None and complete - int(gone.sum()) <= expanded:
-            return None
-        scores = self.rule.segment_scores(seen)
-        if gone is not None:  # their index rows were given back: never ranked
-            scores = scores.masked_fill(gone.to(scores.device), -math.inf)
-        best = set(scores.topk(expanded).indices.tolist())
+        if gone is not None and complete - int(gone.sum()) <= expanded:  # every segment left, not all streamed
+            best = set((~gone).nonzero().squeeze(1).tolist())
+        else:
+            scores = self.rule.segment_scores(seen)
+            if gone is not None:  # their index rows were given back: never ranked
+                scores = scores.masked_fill(gone.to(scores.device), -math.inf)
+            best = set(scores.topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)
         if isinstance(total, torch.Tensor) and total.shape[0] == len(seen.steps):
             earlier = total.topk(min(self.steps, total.shape[0])).indices.tolist()
-            best.update(s // per_segment for s in earlier if s // per_segment < complete)
+            best.update(s // per_segment for s in earlier
+                        if s // per_segment < complete and (gone is None or not gone[s // per_segment]))
         ranges = [torch.arange(g * per_segment, (g + 1) * per_segment) for g in sorted(best)]
         ranges.append(torch.arange(complete * per_segment, len(seen.steps)))
         steps = torch.cat(ranges)
@@ -437,4 +439,7 @@ def segment_bounds(seen: LayerQuestion) -> torch.Tensor:
                           seen.frequencies)[0]
             bound[:, :, group] = (back.clamp(min=0) @ highest[:, group].transpose(1, 2)
                                   + back.clamp(max=0) @ lowest[:, group].transpose(1, 2))
+    gone = evicted_segments(seen, index.shape[1])
+    if gone is not None:  # given back: out of the softmax too
+        bound = bound.masked_fill(gone.to(bound.device), -math.inf)
     return (bound * seen.scale).softmax(-1).amax(1).sum(0)

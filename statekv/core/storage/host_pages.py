@@ -80,4 +80,5 @@ def free_rows(tensor: torch.Tensor, start: int, end: int, run: tuple[int, int] |
             if zero:  # rows outside the whole pages are zeroed; those in them read as zeros once they are returned
                 rows[start: max(start, min(end, -(-(first - base) // row_bytes)))].zero_()
                 rows[min(end, max(start, (last - base) // row_bytes)): end].zero_()
-            _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+            if _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+                rows[start:end].zero_()  # not given back (locked memory...): read as zeros all the same

@@ -129,6 +129,19 @@ class CacheKeeper:
             self.evicted_tokens += cache.chunk_lengths[step]
         self._release_segments(steps)
 
+    def settle(self) -> None:
+        """Give back the evicted tokens each layer no longer carries (an eviction gives back those it finds so;
+        between evictions the carried state moves on), so the cache is as a loaded copy of it holds it."""
+        starts = self._step_starts()
+        for layer in self.cache.layers:
+            retained = self.retained.get(layer.index)
+            if retained is None or not retained.numel():
+                continue
+            held = torch.isin(retained, _carried_tokens(layer))
+            self.retained[layer.index] = retained[held]
+            layer.storage.release_tokens(retained[~held].sort().values)
+            self._release_scales(layer, [], starts)
+
     def _release_scales(self, layer, steps, starts: list[int]) -> None:
         """Give back the key scales of ``steps`` and of earlier evicted steps, once the layer carries none of their
         tokens (a quantized cache keeps one scale per step; a carried token is read back with it)."""

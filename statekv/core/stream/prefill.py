@@ -210,7 +210,9 @@ class StreamingPrefill:
             forms=tuple(layer.form for layer in layers))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything a resumed stream needs: tensors and JSON-able metadata (see `TwoStateCache.state_dict`)."""
+        """Everything a resumed stream needs: tensors and metadata (`TwoStateCache.state_dict`), settled first."""
+        if self.keeper is not None:
+            self.keeper.settle()
         return self.cache.state_dict()
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
@@ -226,9 +228,8 @@ class StreamingPrefill:
         bytes of every token and step held as stored (a stream saved under a cap and loaded without one holds
         none of its evicted steps), whatever was allocated ahead of them."""
         rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
-        evicted = self.cache.evicted_steps
-        tokens = self.seen_tokens - sum(self.cache.chunk_lengths[step] for step in evicted)
-        steps = len(self.cache.chunk_lengths) - len(evicted)
+        tokens = self.seen_tokens - sum(self.cache.chunk_lengths[step] for step in self.cache.evicted_steps)
+        steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
         return (tokens * self.bytes_per_token + steps * self.bytes_per_step) * rows + self._other_bytes()[0]
 
     def _other_bytes(self) -> tuple[int, int]:
@@ -588,9 +589,8 @@ def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, dev
 
 
 def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is None:
-        return
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or not bool(attention_mask.all()):
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+                                       or not bool(attention_mask.all())):
         raise InputError("the streaming engine attends causally over [carried; chunk] and cannot apply an "
                          "attention mask (padding or a custom mask); pass none, or an all-ones [B, T] mask")
 
