@@ -318,6 +318,21 @@ def test_a_stream_that_evicts_gives_back_the_index_rows_of_segments_it_evicted_w
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2), answer)
 
 
+def test_a_disk_tier_stream_stays_under_its_cap_at_every_checkpoint(adapter, tmp_path, monkeypatch):
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 16)  # a checkpoint's slot is written every 16 steps
+    for cap in (140_000, 220_000, 380_000):  # the first checkpoints' slots take more room than their steps' share
+        stream = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path / str(cap), max_cache_bytes=cap,
+                         cache_limit="evict-oldest").stream()
+        held = []
+        for frame in random_frames(34):
+            stream.push(frame)
+            held.append(stream.prefill.stats.held_bytes)
+        assert stream.prefill.cache.evicted_steps and max(held) <= cap, (cap, max(held))
+        stream.close()
+
+
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     lengths, per_token, per_step = _steps(adapter, 5)
     cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step

@@ -102,6 +102,7 @@ class DiskTier:
         self.last_step: int | None = None  # the last step journaled
         self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
         self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
+        self.carry_growth = 0  # bytes the journal grew by at the last checkpoint, besides its step's record
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
@@ -262,6 +263,7 @@ class DiskTier:
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         pwrite_all(self._slots[slot], memoryview(data), 0)
+        before = os.fstat(self._journal).st_size
         self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
                      "placed": carried[0][3] is not None if carried else False,
                      "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
@@ -271,6 +273,7 @@ class DiskTier:
         self.checkpointed = self.last_step
         for record in self.waiting():
             self.append(record)
+        self.carry_growth = os.fstat(self._journal).st_size - before
 
     def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
                        placements: list[list[int]] | None = None) -> None:
@@ -310,6 +313,18 @@ class DiskTier:
                 crc = zlib.crc32(buffer.crc.to_bytes(4, "little"), crc)
                 buffer.crc = 0
         return crc
+
+    def next_growth(self, step: int) -> int:
+        """What step ``step`` adds to `nbytes`, about: the journal's growth over the last step, and when the step
+        takes a checkpoint, what its slot grows by to hold the carried state as it stands (the slots are
+        overwritten in place: each grows only while the carried state does)."""
+        if not self._layers or not (step == 0 or (step + 1) % self.checkpoint_steps == 0):
+            return self.growth
+        carried = sum(part.nbytes for layer in self._layers for part in _carried_parts(layer) if part is not None)
+        sizes = [os.fstat(fd).st_size for fd in self._slots] or [_size(self.folder / f"carry.{i}.bin") for i in (0, 1)]
+        counted = sum(sizes) if self._slots else 0  # slots not open yet: counted once the checkpoint opens them
+        return (self.growth + self.carry_growth + sum(sizes) - counted
+                + max(0, carried - sizes[self.checkpoints % 2]))
 
     @property
     def nbytes(self) -> int:
@@ -387,6 +402,13 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:

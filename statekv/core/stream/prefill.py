@@ -243,7 +243,7 @@ class StreamingPrefill:
         growth = row if completes else 0
         if self.disk is None:
             return index, growth
-        return index + self.disk.nbytes, growth + self.disk.growth
+        return index + self.disk.nbytes, growth + self.disk.next_growth(len(self.cache.chunk_lengths))
 
     @property
     def evicted_steps(self) -> frozenset[int]:
