@@ -417,6 +417,17 @@ def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
         assert not torch.equal(placed[0][0][0], placed[1][0][0])  # the engines' chunks are placed apart
 
 
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_watch_steers_the_stream_past_its_handover_on_either_tier(checkpoint, tmp_path, tier):
+    disk = {"offload": "disk", "offload_dir": str(tmp_path / "disk")} if tier == "disk" else {}
+    with loaded(checkpoint, None, **disk).stream() as stream:
+        stream.watch("what is shown?", every=4)
+        for frame in FRAMES:
+            stream.push(frame)
+        assert stream.handover == "handed over"
+        assert stream.prefill.cache.guide is not None and stream.prefill.cache.guide.active
+
+
 def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references):
     qa = loaded(checkpoint, "handover")
     first, second = qa.stream(), qa.stream()

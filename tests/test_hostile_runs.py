@@ -351,6 +351,28 @@ def test_resume_goes_on_with_a_saved_stream_as_if_it_had_never_stopped(tmp_path,
         assert capsys.readouterr().err.strip() == f"statekv stream: error: --resume {resume}: {message}"
 
 
+def test_a_resumed_run_says_a_new_watch_first_answer_and_reopens_one_it_would_steer_otherwise(tmp_path, capsys):
+    """Before: a watch opened on a resumed stream answered at once, unheard (its first event never printed); a kept
+    watch that steered went on steering under --no-steer."""
+    import statekv
+
+    video = write_test_video(tmp_path / "v.mp4", frames=200, fps=4)
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    qa = statekv.VideoQA.from_pretrained(model, budget=20, attention="eager")
+    saved = tmp_path / "kept.safetensors"
+    with _restreamed(qa, video, 20, watches=["What?"]) as partway:
+        partway.save(saved)
+    flags = ["--model", str(model), "--budget", "20", "--attention", "eager", "--max-frames", "51", "--json",
+             "--max-new-tokens", "2", "--resume", str(saved), "--save", str(saved)]
+    assert main(["stream", str(video), *flags, "--watch", "50:What?", "--watch", "50:Which?"]) == 0
+    heard = [line for line in map(json.loads, capsys.readouterr().out.splitlines()) if line["event"] == "watch"]
+    assert heard[0]["question"] == "Which?" and heard[0]["frame"] == 20  # said as it opened
+    assert main(["stream", str(video), *flags, "--watch", "50:What?", "--no-steer"]) == 0
+    capsys.readouterr()
+    with statekv.Stream.load(saved, qa) as resumed:
+        assert [(watch.question, watch.steer) for watch in resumed.watches] == [("What?", False)]
+
+
 def test_a_resumed_stream_is_of_the_same_video_file_or_of_one_moved_there(tmp_path):
     from statekv.commands.stream import same_video
 

@@ -124,6 +124,17 @@ def test_an_evaluation_reads_the_carried_state_and_the_new_frames_only(qa, frame
     stream.close()
 
 
+def test_evaluating_a_watch_with_frames_pending_evaluates_it_once(qa, frames):
+    stream = qa.stream(max_fps=None, vision_batch=4)
+    watch = stream.watch(COUNT, every=2)
+    heard = []
+    watch.subscribe(lambda watch, event: heard.append(stream.frames))
+    push(stream, frames, 0, 7)  # 4 encoded, 3 waiting for their batch
+    before = watch.evaluations
+    watch.evaluate()  # the waiting steps encoded, then the watch evaluated: once
+    assert stream.frames == 7 and watch.evaluations == before + 1 and heard[-1] == 7 and heard.count(7) == 1
+
+
 def test_many_streams_evaluate_their_watches_together(qa, frames, monkeypatch):
     batches = []
     original = watch_module.evaluate

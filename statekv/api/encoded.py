@@ -317,6 +317,7 @@ class EncodedVideo:
                     self.qa.step_scheduler.release(closed)
                 self.successor = None
                 raise
+            engine.cache.guide = self.successor.cache.guide  # the open watches steer it as they steered both
             self.qa.step_scheduler.release(self.successor)
             self.prefill, self.successor = engine, None
         else:

@@ -143,10 +143,12 @@ class Watch:
         with whole(), stream.lock:
             if self.closed:
                 raise InputError(f"watch {self.id} is closed")
-            stream.flush_complete_steps()
+            evaluations = self.evaluations
+            stream.flush_complete_steps()  # its due watches evaluated after the steps: this one perhaps
             if stream.frames == 0:
                 raise InputError(f"{stream.name}: no frame has been encoded yet")
-            run_evaluations([self], raise_errors=True)
+            if self.evaluations == evaluations or self.last_frames != stream.frames or self.error is not None:
+                run_evaluations([self], raise_errors=True)
             return self.answer
 
     def close(self) -> None:

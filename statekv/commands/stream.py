@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..console import add_output_arguments, interactive, one_line, quiet_libraries
 from ..errors import CacheLimitError, ConfigurationError, InputError, OutputError, StateKVError
-from ..settings.methods import method
+from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
@@ -185,13 +185,17 @@ class _Replay:
     def watch(self) -> None:
         """Open the --watch questions, each printing its events as they come. A resumed stream's own watches go on
         where they are asked again, and close where they are not (unheard, they would cost time)."""
-        tokens = self.args.max_new_tokens
-        kept = {(watch.question, watch.every, watch.max_new_tokens): watch
+        tokens, qa = self.args.max_new_tokens, self.stream.qa
+        how = (qa.retrieve, retrieval_rule(qa.retrieval).name, qa.steer)  # what a watch opened now reads and does
+        kept = {(watch.question, watch.every, watch.max_new_tokens, watch.retrieve, watch.retrieval, watch.steer): watch
                 for watch in getattr(self.stream, "watches", [])}
         for every, question in self.args.watch:
-            watch = kept.pop((question, every, tokens), None) or self.stream.watch(
-                question, every=every, max_new_tokens=tokens)
+            watch = kept.pop((question, every, tokens, *how), None)
+            opened = watch is None
+            watch = watch or self.stream.watch(question, every=every, max_new_tokens=tokens)
             watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
+            if opened and watch.events:  # evaluated as it opened, on the frames of a resumed stream
+                self.heard(watch, watch.events[-1])
         for watch in kept.values():
             watch.close()
 
