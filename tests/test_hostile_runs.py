@@ -373,6 +373,36 @@ def test_a_resumed_run_says_a_new_watch_first_answer_and_reopens_one_it_would_st
         assert [(watch.question, watch.steer) for watch in resumed.watches] == [("What?", False)]
 
 
+def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_path, capsys):
+    """Before: --resume FOLDER dropped the stream's watches (only a saved file kept them): each was opened afresh,
+    its events and evaluations lost."""
+    from safetensors import safe_open
+
+    from statekv.commands.stream import WATCHES_FILE
+
+    video = write_test_video(tmp_path / "v.mp4", frames=80, fps=4)
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    flags = ["--model", str(model), "--budget", "20", "--attention", "eager", "--json", "--max-new-tokens", "2",
+             "--watch", "4:What?", "--offload", "disk", "--offload-dir", str(tmp_path / "tier")]
+    assert main(["stream", str(video), *flags]) == 0
+    folder = Path(json.loads(capsys.readouterr().out.splitlines()[-1])["folder"])
+
+    def kept() -> list[dict]:
+        with safe_open(str(folder / WATCHES_FILE), framework="pt") as file:
+            return json.loads(file.metadata()["watches"])
+
+    before = kept()
+    assert [(watch["question"], watch["evaluations"]) for watch in before] == [("What?", 5)]  # frames 4 to 20
+    assert main(["stream", str(video), *flags, "--resume", str(folder)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert not [line for line in printed if line["event"] == "watch"]  # the same watch, nothing new to say
+    assert kept() == before
+    assert main(["stream", str(video), *flags[:-6], "--offload", "disk", "--offload-dir", str(tmp_path / "tier"),
+                 "--resume", str(folder)]) == 0  # --watch no longer asks it: it closes, and is kept no more
+    capsys.readouterr()
+    assert not (folder / WATCHES_FILE).exists()
+
+
 def test_a_resumed_stream_is_of_the_same_video_file_or_of_one_moved_there(tmp_path):
     from statekv.commands.stream import same_video
 

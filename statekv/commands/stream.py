@@ -132,6 +132,12 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
     from ..api.stream import Stream
 
     stream = Stream.load(args.resume, qa)
+    if Path(args.resume).is_dir():
+        try:
+            resume_watches(Path(args.resume), stream)
+        except BaseException:
+            stream.close()
+            raise
     problem = None
     if not same_video(stream.name, video_name):
         problem = f"it is a stream of {stream.name}, not of {video_name}"
@@ -146,6 +152,50 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
         stream.close()
         raise InputError(f"--resume {args.resume}: {problem}")
     return stream
+
+
+WATCHES_FILE = "watches.safetensors"  # a disk-tier folder's watches, as the command left them
+
+
+def keep_watches(folder: Path, stream) -> None:
+    """Write ``stream``'s open watches into its disk-tier ``folder`` (as a saved file keeps them), or remove what an
+    earlier run kept there when none is open: the folder's frames are kept by the tier, its watches by this."""
+    from safetensors.torch import save_file
+
+    from ..api.watch import records, tensors
+
+    path = folder / WATCHES_FILE
+    if not stream.watches:
+        path.unlink(missing_ok=True)
+        return
+    temporary = path.with_name(path.name + ".partial")
+    save_file({name: t.detach().cpu().contiguous() for name, t in tensors(stream).items()}, str(temporary),
+              metadata={"watches": json.dumps(records(stream)), "frames": str(stream.frames)})
+    os.replace(temporary, path)
+
+
+def resume_watches(folder: Path, stream) -> None:
+    """Reopen on ``stream`` (resumed from ``folder``) the watches `keep_watches` kept there, unless they were kept
+    at more frames than the folder kept (a stream resumed at an earlier checkpoint: they would answer ahead)."""
+    from safetensors import safe_open
+
+    from ..api.watch import restore
+
+    path = folder / WATCHES_FILE
+    if not path.is_file():
+        return
+    try:
+        with safe_open(str(path), framework="pt") as kept:
+            metadata = kept.metadata() or {}
+            tensors = {name: kept.get_tensor(name) for name in kept.keys()}
+        saved, frames = json.loads(metadata["watches"]), int(metadata["frames"])
+    except (OSError, ValueError, KeyError) as error:  # safetensors' own errors are ValueErrors or OSErrors
+        raise InputError(f"{path}: the watches kept there cannot be read ({one_line(error)})") from None
+    if frames > stream.frames:
+        print(f"statekv stream: the watches kept in {path} stood at frame {frames}, past the {stream.frames} frames "
+              "the folder kept; they are not reopened", file=sys.stderr, flush=True)
+        return
+    restore(stream, saved, tensors, where=str(path))
 
 
 def same_video(recorded: str, given: str) -> bool:
@@ -293,11 +343,14 @@ class _Replay:
         return problem
 
     def close(self) -> str | None:
-        """Close the stream, once; returns why it could not (on the disk tier: its last checkpoint), else None."""
+        """Close the stream, once; returns why it could not (on the disk tier: its last checkpoint), else None. A
+        disk-tier stream's watches are kept in its folder first, for a --resume of it (`keep_watches`)."""
         if self.closed:
             return None
         self.closed = True
         try:
+            if self.folder is not None:
+                keep_watches(self.folder, self.stream)
             self.stream.close()
         except Exception as error:  # noqa: BLE001 - said where the stream's end is said, not raised over the stop
             return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {one_line(error)}"
