@@ -135,6 +135,15 @@ def test_evaluating_a_watch_with_frames_pending_evaluates_it_once(qa, frames):
     assert stream.frames == 7 and watch.evaluations == before + 1 and heard[-1] == 7 and heard.count(7) == 1
 
 
+def test_a_watch_keeps_its_cadence_when_a_batch_passes_its_frame(qa, frames):
+    stream = qa.stream(max_fps=None, vision_batch=3)
+    watch = stream.watch(COUNT, every=4)
+    heard = []
+    watch.subscribe(lambda watch, event: heard.append(stream.frames))
+    push(stream, frames, 0, 24)  # batches end at frames 3, 6, ..., 24: due at 4, 8, ..., 24
+    assert watch.evaluations == 6 and heard == [6, 9, 12, 18, 21, 24]
+
+
 def test_many_streams_evaluate_their_watches_together(qa, frames, monkeypatch):
     batches = []
     original = watch_module.evaluate

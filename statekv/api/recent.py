@@ -26,7 +26,7 @@ from ..stopping import whole
 from ..settings.values import check_int, check_number
 from ..video import Frame
 from ..video.images import rgb_frame
-from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_evaluations
+from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_on_cadence
 
 
 class RecentFrames:
@@ -85,7 +85,7 @@ class RecentFrames:
         if self.watching is not None:  # its due watches answer from the frames it now holds
             with self.lock:
                 self.watching.seconds = timestamp
-                run_evaluations([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
+                run_on_cadence([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
         return True
 
     def push_many(self, frames: Any) -> int:

@@ -147,7 +147,7 @@ class Watch:
             stream.flush_complete_steps()  # its due watches evaluated after the steps: this one perhaps
             if stream.frames == 0:
                 raise InputError(f"{stream.name}: no frame has been encoded yet")
-            if self.evaluations == evaluations or self.last_frames != stream.frames or self.error is not None:
+            if self.evaluations == evaluations or self.error is not None:
                 run_evaluations([self], raise_errors=True)
             return self.answer
 
@@ -273,7 +273,18 @@ def evaluate_due(jobs: Iterable[Any]) -> None:
         stream = job.video
         due.extend(watch for watch in watching.open if watch.due(stream.frames, watching.seconds))
     if due:
-        run_evaluations(due)
+        run_on_cadence(due)
+
+
+def run_on_cadence(due: list[Watch]) -> None:
+    """Evaluate ``due`` (come due by their cadence) as `run_evaluations` does, each ``every`` clock kept on its
+    grid: a batch of steps may pass the frame a watch was due at, and the next is still due ``every`` frames after
+    that frame, not after the batch."""
+    before = [watch.last_frames for watch in due]
+    run_evaluations(due)
+    for watch, start in zip(due, before):
+        if watch.every is not None and watch.last_frames != start and watch.last_frames == watch.stream.frames:
+            watch.last_frames = start + (watch.stream.frames - start) // watch.every * watch.every
 
 
 def _last_frame(job: Any):
