@@ -348,13 +348,17 @@ class _Replay:
         if self.closed:
             return None
         self.closed = True
-        try:
-            if self.folder is not None:
+        problem = None
+        if self.folder is not None:
+            try:
                 keep_watches(self.folder, self.stream)
+            except (OSError, ValueError) as error:  # the folder keeps the frames all the same
+                problem = f"its watches could not be kept in {self.folder} ({one_line(error)})"
+        try:
             self.stream.close()
         except Exception as error:  # noqa: BLE001 - said where the stream's end is said, not raised over the stop
             return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {one_line(error)}"
-        return None
+        return problem
 
     def finish(self) -> None:
         where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
