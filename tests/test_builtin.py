@@ -109,6 +109,7 @@ def test_training_runs_and_resumes(tmp_path):
                     checkpoint_every=1, long_range=LongRange(steps=2, frames=(6,), stream_frames=300, span=60))
     assert not train(recipe, tmp_path, stop_after=2).exists()  # stopped half way: no model yet
     assert torch.load(tmp_path / STATE_FILE, weights_only=True)["step"] == 2
+    assert float(torch.tensor([1e-310], dtype=torch.float64) * 1) > 0  # subnormals no longer flushed after it
     model_dir = train(recipe, tmp_path)
     lines = [json.loads(line) for line in (tmp_path / LOG_FILE).read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]

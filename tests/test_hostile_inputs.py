@@ -353,11 +353,11 @@ def _api_cases():
                                           statekv.InputError, "too large to sample"),
         # normal doubles: a process that flushes subnormals to zero reads a max_fps of 1e-310 as 0
         "a frame after the last time a tiny max_fps's clock holds": (lambda qa, s: [
-            (stream.push(frames[0], 1e308), stream.push(frames[1])) for stream in [qa.stream(max_fps=1e-308)]],
+            (stream.push(frames[0], 1.75e308), stream.push(frames[1])) for stream in [qa.stream(max_fps=1e-307)]],
             statekv.InputError, "push it with its timestamp"),
         "simplestream past a tiny max_fps's clock": (lambda qa, s: [
-            (stream.push(frames[0], 1e308), stream.push(frames[1])) for stream in [qa.with_options(
-                method="simplestream").stream(max_fps=1e-308)]], statekv.InputError, "push it with its timestamp"),
+            (stream.push(frames[0], 1.75e308), stream.push(frames[1])) for stream in [qa.with_options(
+                method="simplestream").stream(max_fps=1e-307)]], statekv.InputError, "push it with its timestamp"),
         "simplestream at a time past the clock": (lambda qa, s: qa.with_options(method="simplestream").stream(
             max_fps=2).push(frames[0], 1e308), statekv.InputError, "too large to sample at max_fps=2"),
         "misspelt option": (lambda qa, s: qa.with_options(bugdet=3), statekv.ConfigurationError, "'bugdet'"),

@@ -151,6 +151,14 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
         raise ConfigurationError(f"the training seeds must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # tiny gradients and Adam moments would otherwise take the slow path
+    try:
+        return _train(recipe, Path(out), stop_after, init, lean_tokens)
+    finally:  # the caller's arithmetic back (flushed, a subnormal such as max_fps=1e-310 reads as 0)
+        torch.set_flush_denormal(False)
+
+
+def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path | None,
+           lean_tokens: int | None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
