@@ -371,6 +371,11 @@ def test_a_resumed_run_says_a_new_watch_first_answer_and_reopens_one_it_would_st
     capsys.readouterr()
     with statekv.Stream.load(saved, qa) as resumed:
         assert [(watch.question, watch.steer) for watch in resumed.watches] == [("What?", False)]
+    for _ in range(2):  # the same question watched twice: both go on, neither left open unheard nor doubled
+        assert main(["stream", str(video), *flags, "--watch", "50:What?", "--watch", "50:What?"]) == 0
+    capsys.readouterr()
+    with statekv.Stream.load(saved, qa) as resumed:
+        assert [watch.question for watch in resumed.watches] == ["What?", "What?"]
 
 
 def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_path, capsys):

@@ -237,16 +237,19 @@ class _Replay:
         where they are asked again, and close where they are not (unheard, they would cost time)."""
         tokens, qa = self.args.max_new_tokens, self.stream.qa
         how = (qa.retrieve, retrieval_rule(qa.retrieval).name, qa.steer)  # what a watch opened now reads and does
-        kept = {(watch.question, watch.every, watch.max_new_tokens, watch.retrieve, watch.retrieval, watch.steer): watch
-                for watch in getattr(self.stream, "watches", [])}
+        kept: dict[tuple, list] = {}  # the same question may be watched twice: each asked again goes on
+        for watch in getattr(self.stream, "watches", []):
+            key = (watch.question, watch.every, watch.max_new_tokens, watch.retrieve, watch.retrieval, watch.steer)
+            kept.setdefault(key, []).append(watch)
         for every, question in self.args.watch:
-            watch = kept.pop((question, every, tokens, *how), None)
+            same = kept.get((question, every, tokens, *how))
+            watch = same.pop(0) if same else None
             opened = watch is None
             watch = watch or self.stream.watch(question, every=every, max_new_tokens=tokens)
             watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
             if opened and watch.events:  # evaluated as it opened, on the frames of a resumed stream
                 self.heard(watch, watch.events[-1])
-        for watch in kept.values():
+        for watch in (watch for left in kept.values() for watch in left):
             watch.close()
 
     def heard(self, watch, event) -> None:
