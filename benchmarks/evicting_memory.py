@@ -29,20 +29,12 @@ CONFIGS = {
 }
 
 
-def resident() -> dict[str, int]:
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
 def child(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
     import statekv
+    from long_stream import resident  # a sibling script, on the path as this one runs
     from statekv.errors import CacheLimitError
 
     torch.set_num_threads(1)

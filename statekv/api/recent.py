@@ -21,6 +21,7 @@ import torch
 
 from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
+from .stream import checked_timestamp
 from ..errors import InputError, StateKVError
 from ..stopping import whole
 from ..settings.values import check_int, check_number
@@ -70,7 +71,7 @@ class RecentFrames:
         if isinstance(image, Frame):
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image
-        timestamp = self._timestamp(timestamp)
+        timestamp = checked_timestamp(timestamp, self._last_timestamp, self.max_fps)
         pixels = rgb_frame(image, copy=True)
         with whole(), self.lock:  # the frame is taken with its counts, or not at all; never while a watch reads
             self.pushed += 1
@@ -201,20 +202,3 @@ class RecentFrames:
     def _check_open(self) -> None:
         if self._closed:
             raise InputError(f"{self.name}: the stream is closed")
-
-    def _timestamp(self, timestamp: float | None) -> float:
-        """``timestamp`` checked (None: the next tick), before anything changes (as `Stream` checks it)."""
-        if timestamp is None:
-            step = 1.0 / self.max_fps if self.max_fps else 1.0
-            timestamp = 0.0 if self._last_timestamp is None else self._last_timestamp + step
-            if not math.isfinite(timestamp):
-                raise InputError(f"max_fps={self.max_fps} puts the next frame at {timestamp} s: push it with its "
-                                 "timestamp, or stream at a higher max_fps")
-            return timestamp
-        check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
-        if timestamp < 0 or (self._last_timestamp is not None and timestamp < self._last_timestamp):
-            raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
-                             f"{self._last_timestamp}")
-        if self.max_fps is not None and not math.isfinite(timestamp * self.max_fps):
-            raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={self.max_fps}")
-        return float(timestamp)

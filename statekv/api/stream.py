@@ -299,20 +299,7 @@ class Stream(EncodedVideo):
         super().close()
 
     def _check_timestamp(self, timestamp: float | None) -> float:
-        if timestamp is None:
-            step = 1.0 / self.max_fps if self.max_fps else 1.0
-            timestamp = 0.0 if self.last_timestamp is None else self.last_timestamp + step
-            if not math.isfinite(timestamp):
-                raise InputError(f"max_fps={self.max_fps} puts the next frame at {timestamp} s: push it with its "
-                                 "timestamp, or stream at a higher max_fps")
-            return timestamp
-        check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
-        if timestamp < 0 or (self.last_timestamp is not None and timestamp < self.last_timestamp):
-            raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after "
-                             f"{self.last_timestamp}")
-        if self.max_fps is not None and not math.isfinite(timestamp * self.max_fps):
-            raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={self.max_fps}")
-        return float(timestamp)
+        return checked_timestamp(timestamp, self.last_timestamp, self.max_fps)
 
     # -- saving -----------------------------------------------------------------------------------------
     @_one_at_a_time
@@ -357,3 +344,20 @@ class Stream(EncodedVideo):
         with whole():
             return load_stream(cls, path, qa, engine, allow_other_weights=allow_other_weights, stream_id=stream_id,
                                owner=owner)
+
+
+def checked_timestamp(timestamp: float | None, last: float | None, max_fps: float | None) -> float:
+    """A pushed frame's time in seconds, checked against the ``last`` pushed and the ``max_fps`` clock (None: the
+    next tick after ``last``); a one-line `InputError` before anything changes."""
+    if timestamp is None:
+        timestamp = 0.0 if last is None else last + (1.0 / max_fps if max_fps else 1.0)
+        if not math.isfinite(timestamp):
+            raise InputError(f"max_fps={max_fps} puts the next frame at {timestamp} s: push it with its timestamp, or "
+                             "stream at a higher max_fps")
+        return timestamp
+    check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
+    if timestamp < 0 or (last is not None and timestamp < last):
+        raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after {last}")
+    if max_fps is not None and not math.isfinite(timestamp * max_fps):
+        raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={max_fps}")
+    return float(timestamp)
