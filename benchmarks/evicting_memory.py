@@ -9,6 +9,10 @@ process of its own, one torch thread. Reported: resident memory at each sample a
 
     python benchmarks/evicting_memory.py --frames 6000 --out docs/benchmarks.md
     python benchmarks/evicting_memory.py --smoke     # a few hundred frames: seconds
+
+With ``--files``, each sample also saves the stream (`Stream.save`, after its resident memory is read) and records
+the file's size and, on the disk tier, the bytes its folder's files take on disk (allocated blocks: holes
+excluded); these go to a table of their own.
 """
 
 from __future__ import annotations
@@ -51,14 +55,24 @@ def child(args: argparse.Namespace) -> None:
                 stream.push(frames[number % len(frames)], timestamp=float(number - 1))
                 if number == args.base or number % args.every == 0:
                     sample = {"frame": number, **resident(), "held_bytes": stream.prefill.stats.held_bytes}
+                    if args.files:
+                        sample.update(files(stream, folder, settings["offload"] == "disk"))
                     print(json.dumps(sample), flush=True)
         except CacheLimitError as error:  # what the cap counts outgrew it
             print(json.dumps({"frame": number, "refused": str(error)}), flush=True)
 
 
+def files(stream, folder: str, disk: bool) -> dict:
+    """The size of the stream's file saved now, and on the disk tier the bytes its files take on disk."""
+    with tempfile.TemporaryDirectory() as saves:
+        saved = stream.save(Path(saves) / "stream.safetensors").stat().st_size
+    on_disk = sum(path.stat().st_blocks * 512 for path in Path(folder).rglob("*") if path.is_file())
+    return {"saved_bytes": saved, **({"disk_bytes": on_disk} if disk else {})}
+
+
 def run(name: str, args: argparse.Namespace) -> list[dict]:
     command = [sys.executable, __file__, "--child", name, "--frames", str(args.frames), "--cap", str(args.cap),
-               "--every", str(args.every), "--base", str(args.base)]
+               "--every", str(args.every), "--base", str(args.base), *(["--files"] if args.files else [])]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -90,6 +104,21 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
             "bookkeeping (which steps were evicted, each step's length).")
 
 
+def files_table(results: dict[str, list[dict]]) -> str:
+    """The saved file's size and the disk tier's bytes on disk at each sample (runs with ``--files``)."""
+    frames = sorted({s["frame"] for samples in results.values() for s in samples if "saved_bytes" in s})
+    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |",
+             "|---|" + "---:|" * len(frames)]
+    for name, samples in results.items():
+        cells = {s["frame"]: f"{s['saved_bytes'] / 1e6:.2f} MB" + (f" / {s['disk_bytes'] / 1e6:.2f} MB"
+                                                                   if "disk_bytes" in s else "")
+                 for s in samples if "saved_bytes" in s}
+        if cells:
+            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
+    return ("\n".join(lines) + "\n\nEach cell: the saved file's size (`Stream.save`), and for the disk tier / the "
+            "bytes its folder's files take on disk (allocated blocks).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=6000)
@@ -102,6 +131,8 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, help="render the samples a run wrote with --json (no streaming)")
     parser.add_argument("--before", type=Path, help="samples (--json) of the same run on earlier code, shown beside")
     parser.add_argument("--smoke", action="store_true", help="400 frames, a sample every 100")
+    parser.add_argument("--files", action="store_true",
+                        help="also save the stream at each sample: the file's size, and the disk tier's bytes on disk")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -120,21 +151,25 @@ def main() -> None:
                    **results}
     body = table(results, args)
     print(body)
+    saved = files_table(results) if any("saved_bytes" in s for samples in results.values() for s in samples) else ""
+    if saved:
+        print("\n" + saved)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.out:
         sys.path.insert(0, str(Path(__file__).parent))
         from report import write_section
 
-        command = f"python benchmarks/evicting_memory.py --frames {args.frames} --cap {args.cap} --out {args.out}"
+        flags = f"--frames {args.frames} --cap {args.cap}" + (" --files" if args.files else "")
+        command = f"python benchmarks/evicting_memory.py {flags} --out {args.out}"
         if args.before:  # "before": the same command on earlier code, its samples written with --json
-            command = (f"python benchmarks/evicting_memory.py --frames {args.frames} --cap {args.cap} --json NEW`, "
+            command = (f"python benchmarks/evicting_memory.py {flags} --json NEW`, "
                        f"the same at the code before (--json BEFORE), then `python benchmarks/evicting_memory.py "
                        f"--from-json NEW --before BEFORE --frames {args.frames} --out {args.out}")
         machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
-        write_section(args.out, "Evicting streams: resident memory",
-                      f"{(__doc__ or '').split(chr(10) + chr(10))[1]}\n\nCommand: `{command}`  \nMachine: {machine}."
-                      f"\n\n{body}")
+        title = "Evicting streams: saved files and disk use" if saved else "Evicting streams: resident memory"
+        about = (__doc__ or "").split(chr(10) + chr(10))[3 if saved else 1]
+        write_section(args.out, title, f"{about}\n\nCommand: `{command}`  \nMachine: {machine}.\n\n{saved or body}")
 
 
 if __name__ == "__main__":

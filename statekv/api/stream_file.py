@@ -215,9 +215,15 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
             raise InputError(f"{path}: {name} must list each carried token once, in increasing order")
         layer = name[: -len("carried_positions")]
         keys, values = tensors.get(layer + "keys"), tensors.get(layer + "values")
-        if keys is None or values is None or keys.dim() != 4 or int(positions.max()) >= keys.shape[2] \
-                or int(positions.min()) < 0:
+        released = tensors.get(layer + "keys.released")  # runs of rows saved without (`without_released`)
+        if keys is None or values is None or keys.dim() != 4 or int(positions.min()) < 0:
             continue  # `check_state_dict` names the missing or malformed tensor
+        if released is not None:
+            positions = saved_rows(positions, released)
+            if positions is None:
+                raise InputError(f"{path}: {name} lists a token its layer gave back ({layer}keys.released)")
+        if int(positions.max()) >= keys.shape[2]:
+            continue
         index = positions.unsqueeze(-1).expand(*positions.shape, keys.shape[-1])
         for kind, detailed in (("keys", keys), ("values", values)):
             carried = tensors.get(f"{layer}carried_{kind}")
@@ -235,6 +241,18 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
             raise InputError(f"{path}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
                              f"frame pushed in order before the last timestamp {last}")
     check_clock(path, metadata)
+
+
+def saved_rows(positions: torch.Tensor, released: torch.Tensor) -> torch.Tensor | None:
+    """Where tokens ``positions`` (any shape) lie among the rows a tensor saved without its ``released`` runs
+    (LongTensor ``[R, 2]``, checked) holds; None if one of them was released."""
+    starts, ends = released[:, 0].contiguous(), released[:, 1].contiguous()
+    before = torch.cat([ends.new_zeros(1), (ends - starts).cumsum(0)])
+    runs = torch.searchsorted(ends, positions, right=True)  # the runs ending at or before each position
+    inside = runs < len(starts)
+    if bool((positions[inside] >= starts[runs[inside]]).any()):
+        return None
+    return positions - before[runs]
 
 
 def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:

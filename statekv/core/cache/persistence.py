@@ -18,7 +18,10 @@ from ...errors import InputError
 from ...settings.values import check_int
 from ..storage.memory import CacheGeometry
 from ..storage.quantized import expected_tensors
+from ..storage.host_pages import kept_in
 from ..storage.layer_storage import SAMPLES_PER_STEP
+
+RELEASED = ".released"  # a saved tensor's runs of rows given back (left out of it), `without_released`
 
 # The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
 # this module.
@@ -68,6 +71,7 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
     """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
     layer.storage.synchronize()
     tensors = layer.storage.export()
+    tensors.update(without_released(tensors, layer.storage.saved_buffers()))
     start = layer.carry.saved_start(layer.storage)
     if start is not None or layer.slots is None:
         return tensors, start
@@ -79,12 +83,31 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
     return tensors, None
 
 
+def without_released(tensors: dict[str, torch.Tensor], buffers: dict) -> dict[str, torch.Tensor]:
+    """The tensors (``[B, H_kv, rows, X]``) read from a buffer with released rows (an evicting stream's,
+    `statekv.core.storage.limits`), as their other rows alone, each with its runs of released rows
+    (``{name}.released``, LongTensor ``[R, 2]`` of ascending ``[start, end)``): what a stream gave back is not
+    saved either."""
+    compact = {}
+    for name, tensor in tensors.items():
+        runs = getattr(buffers.get(name), "released", None)
+        released = runs.within(tensor.shape[2]) if runs is not None else []
+        if released:
+            kept = [tensor[:, :, start:end] for (start, end), _ in kept_in(released, tensor.shape[2])]
+            compact[name] = torch.cat(kept, 2) if kept else tensor[:, :, :0].clone()
+            compact[name + RELEASED] = torch.tensor(released, dtype=torch.long)
+    return compact
+
+
 def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], window_start: int | None,
                   steps: list[int], device: torch.device) -> None:
     """Install a state saved by :func:`export_layer` (``steps``: the token count of every step); the carried
     state goes to ``device`` (the model's)."""
     storage = layer.storage
-    storage.load(tensors, steps, device)
+    released = {name.removesuffix(RELEASED): [tuple(run) for run in runs.tolist()]
+                for name, runs in tensors.items() if name.endswith(RELEASED)}
+    tensors = {name: t for name, t in tensors.items() if not name.endswith(RELEASED)}
+    storage.load(tensors, steps, device, released)
     layer.carry = forms.Slots(None) if window_start is None else forms.Window(window_start)
     if window_start is not None and not storage.holds_window:  # saved without offload: make it explicit
         keys, values = storage.read_range(window_start, storage.length)
@@ -110,7 +133,8 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     and shape (``layers.{i}.keys``/``values`` ``[B, H_kv, tokens, D]``, ``block_keys`` ``[B, H_kv, steps, D]``,
     ``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``,
     and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
-    ``carried_positions`` ``[B, H_kv, K]`` among the tokens). Reads tensor values only to range-check positions."""
+    ``carried_positions`` ``[B, H_kv, K]`` among the tokens; a tensor saved without its released rows,
+    `without_released`, is that much shorter). Reads tensor values only to range-check positions and runs."""
     if not isinstance(metadata, dict):
         raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
     for key in ("chunk_lengths", "seen_tokens", "window_starts"):
@@ -158,6 +182,8 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if prefix + "segment_index" in tensors:  # absent in states saved before the index was kept
             index = tensors[prefix + "segment_index"]
             segments = index.shape[2] if isinstance(index, torch.Tensor) and index.dim() == 4 else -1
+            if segments >= 0 and prefix + "segment_index" + RELEASED in tensors:
+                segments += _released_rows(tensors, prefix + "segment_index", len(lengths))
             if not 0 <= segments <= len(lengths):
                 raise InputError(f"the saved state's {prefix}segment_index must be [B, H_kv, segments, 3 D] with at "
                                  f"most one segment per step")
@@ -173,7 +199,14 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
             expected[prefix + "carried_positions"] = ((*head, size), torch.long)
             if placed:
                 expected[prefix + "carried_placements"] = ((2, *head, size), torch.long)
-    unexpected = sorted(set(tensors) - set(expected))
+    for name in [name for name in tensors if name.endswith(RELEASED)]:
+        saved = name.removesuffix(RELEASED)
+        if saved not in expected or saved.rsplit(".", 1)[-1] in ("carried_keys", "carried_values",
+                                                                   "carried_positions", "carried_placements"):
+            raise InputError(f"the saved state holds unexpected tensors: {name}")
+        shape, dtype = expected[saved]
+        expected[saved] = ((*shape[:2], shape[2] - _released_rows(tensors, saved, shape[2]), *shape[3:]), dtype)
+    unexpected = sorted(set(tensors) - set(expected) - {name for name in tensors if name.endswith(RELEASED)})
     if unexpected:
         raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
     for name, (shape, dtype) in expected.items():
@@ -186,6 +219,22 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if name.endswith("carried_positions") and tensor.numel() and not (
                 int(tensor.min()) >= 0 and int(tensor.max()) < seen):
             raise InputError(f"{name} holds positions outside the {seen} tokens saved")
+
+
+def _released_rows(tensors: dict[str, torch.Tensor], name: str, rows: int) -> int:
+    """How many of ``name``'s ``rows`` rows its runs ``{name}.released`` say it was saved without, refusing runs
+    that are not ascending, disjoint and among those rows."""
+    runs = tensors[name + RELEASED]
+    if not isinstance(runs, torch.Tensor) or runs.dtype != torch.long or runs.dim() != 2 or runs.shape[1] != 2:
+        raise InputError(f"{name}{RELEASED} must be int64 [runs, 2], the [start, end) runs of rows it was saved "
+                         "without")
+    at = 0
+    for start, end in runs.tolist():
+        if not at <= start < end <= rows:
+            raise InputError(f"{name}{RELEASED} must list ascending, disjoint runs of rows among its {rows}, got "
+                             f"[{start}, {end})")
+        at = end
+    return int((runs[:, 1] - runs[:, 0]).sum())
 
 
 def _placed(metadata: dict, tensors: dict[str, torch.Tensor]) -> bool:

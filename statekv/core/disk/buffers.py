@@ -10,13 +10,14 @@ import ctypes.util
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from ...errors import InputError, OutputError
 from ..storage.buffers import TokenBuffer
+from ..storage.host_pages import ReleasedRuns, kept_in
 from .files import write_checked
 
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -53,6 +54,8 @@ class MappedTokenBuffer:
         self._fds: list[int] = []
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
         self.adopted = False  # opened over rows already there (see load)
+        self.released = ReleasedRuns()  # rows given back since it was opened or loaded
+        self._block = 4096
 
     # -- TokenBuffer's interface ----------------------------------------------------------------------------
     @property
@@ -111,10 +114,11 @@ class MappedTokenBuffer:
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
-    def load(self, *parts: torch.Tensor) -> None:
-        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty),
+    def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
+        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty; with
+        ``released`` runs, see `TokenBuffer.load`, only the other rows are written: the released ones are holes),
         except just after `open` adopted that many rows already there (resuming: ``parts`` are their views)."""
-        if self.adopted and parts[0].shape[2] == self.length:
+        if self.adopted and parts[0].shape[2] == self.length and not released:
             self.adopted = False
             return
         if self.row is not None:
@@ -123,9 +127,16 @@ class MappedTokenBuffer:
             self._capacity = 0
         self.length = 0
         self.crc = 0
-        if parts[0].shape[2]:
-            self.write(0, *parts)
-            self.length = parts[0].shape[2]
+        self.released = ReleasedRuns()
+        length = parts[0].shape[2] + sum(end - start for start, end in released)
+        if not length:
+            return
+        self.reserve(parts[0], length)
+        for (start, end), at in kept_in(released, length):
+            self.write(start, *(part[:, :, at: at + end - start] for part in parts))
+        for start, end in released:
+            self.released.add(start, end)
+        self.length = length
 
     def synchronize(self) -> None:
         """Writes are synchronous (``pwrite``): nothing to wait for."""
@@ -135,6 +146,7 @@ class MappedTokenBuffer:
         """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
         committed (resuming)."""
         self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
+        self.released = ReleasedRuns()
         try:
             if not length:  # what a resumed stream reopens the files as
                 write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row), **self.described,
@@ -144,6 +156,7 @@ class MappedTokenBuffer:
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
                               f"{error.strerror or error}") from None
         sizes = [os.fstat(fd).st_size for fd in self._fds]
+        self._block = os.fstat(self._fds[0]).st_blksize or 4096  # the file system's block (what a hole frees)
         self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
         if self._capacity < length:
             raise InputError(f"{self.paths[0]}: holds {self._capacity} rows, fewer than the {length} its journal "
@@ -163,12 +176,16 @@ class MappedTokenBuffer:
         return [os.pread(fd, (end - start) * self.row_bytes, start * self.row_bytes) for fd in self._fds]
 
     def release(self, start: int, end: int) -> None:
-        """Give rows ``[start, end)`` back to the file system (they then read as zeros)."""
-        size = (end - start) * self.row_bytes
+        """Give rows ``[start, end)`` back to the file system (they then read as zeros). A row is smaller than a
+        block, so the hole punched reaches into the rows released before them (`ReleasedRuns` merges them), to
+        cover the whole blocks they now fill."""
+        run_start, run_end = self.released.add(start, end)
+        row, block = self.row_bytes, self._block
+        low = max(run_start * row, start * row // block * block)
+        high = min(run_end * row, -(-end * row // block) * block)
         for fd in self._fds:
-            if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(start * self.row_bytes),
-                               ctypes.c_long(size)) != 0:
-                pwrite_all(fd, memoryview(bytes(size)), start * self.row_bytes)  # no hole punching: zeros
+            if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(low), ctypes.c_long(high - low)) != 0:
+                pwrite_all(fd, memoryview(bytes((end - start) * row)), start * row)  # no hole punching: zeros
 
     def sync(self) -> None:
         for fd in self._fds:
@@ -219,11 +236,11 @@ class MirroredTokenBuffer(TokenBuffer):
         super().release(start, end)
         self.mirror.release(start, end)
 
-    def load(self, *parts: torch.Tensor) -> None:
-        self.mirror.load(*parts)
+    def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
+        self.mirror.load(*parts, released=released)
         self._ram_only = True
         try:
-            super().load(*(part.clone() for part in parts))
+            super().load(*(part.clone() for part in parts), released=released)
         finally:
             self._ram_only = False
 

@@ -7,12 +7,12 @@ replay it), and each tells its owner when it had to move to new memory (which in
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .host_pages import ReleasedRuns, free_rows
+from .host_pages import ReleasedRuns, free_rows, kept_in
 
 
 class TokenBuffer:
@@ -103,12 +103,20 @@ class TokenBuffer:
         for tensor in self.tensors or ():
             free_rows(tensor, start, end, run)
 
-    def load(self, *parts: torch.Tensor) -> None:
-        """Replace the contents with ``length`` committed slots: tensors ``[B, H_kv, length, D]``."""
+    def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
+        """Replace the contents with committed slots: tensors ``[B, H_kv, length, D]``, or with ``released``
+        (ascending ``[start, end)`` runs, as a saved state lists them) the slots outside those runs, in order; the
+        released slots read as zeros and, in host memory, are never written."""
         self.tensors, self.length, self.released = None, 0, ReleasedRuns()
-        if parts[0].shape[2]:
-            self.write(0, *parts)
-            self.length = parts[0].shape[2]
+        length = parts[0].shape[2] + sum(end - start for start, end in released)
+        if not length:
+            return
+        self.reserve(parts[0], length)
+        for (start, end), at in kept_in(released, length):
+            self.write(start, *(part[:, :, at: at + end - start] for part in parts))
+        for start, end in released:
+            self.release(start, end)
+        self.length = length
 
     def synchronize(self) -> None:
         """Wait for asynchronous copies into this (pinned) buffer before the host reads it."""

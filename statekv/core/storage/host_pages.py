@@ -13,6 +13,7 @@ import bisect
 import ctypes
 import ctypes.util
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -48,6 +49,34 @@ class ReleasedRuns:
                 kept.append((at, a))
             at = b
         return kept + [(at, end)] if at < end else kept
+
+
+def kept_in(released: Sequence[tuple[int, int]], length: int) -> list[tuple[tuple[int, int], int]]:
+    """The runs of rows below ``length`` outside ``released`` (ascending disjoint runs), each with where it starts
+    among the kept rows alone (what a saved state holds of a buffer with released rows)."""
+    runs = ReleasedRuns()
+    for start, end in released:
+        runs.add(start, end)
+    kept, at = [], 0
+    for start, end in runs.kept(length):
+        kept.append(((start, end), at))
+        at += end - start
+    return kept
+
+
+def with_released(parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """Tensors ``[B, H_kv, kept, X]`` holding the rows outside ``released`` (see `kept_in`) as whole tensors
+    ``[B, H_kv, length, X]``, the released rows zeros."""
+    if not released:
+        return tuple(parts)
+    length = parts[0].shape[2] + sum(end - start for start, end in released)
+    whole = []
+    for part in parts:
+        rows = part.new_zeros(*part.shape[:2], length, part.shape[3])
+        for (start, end), at in kept_in(released, length):
+            rows[:, :, start:end] = part[:, :, at: at + end - start]
+        whole.append(rows)
+    return tuple(whole)
 
 
 def returnable(tensor: torch.Tensor) -> bool:

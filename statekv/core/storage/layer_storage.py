@@ -20,8 +20,8 @@ storage that ``holds_window`` (the detailed cache with the model, in its dtype) 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -30,6 +30,8 @@ from .limits import runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
 SEGMENT_STEPS = 16  # steps per segment of the retrieval index (read when a storage is made)
+
+Released = dict[str, Sequence[tuple[int, int]]] | None  # tensor name -> the runs of rows it was saved without
 
 
 class BufferFactory(Protocol):
@@ -304,23 +306,32 @@ class LayerStorage:
         tensors.update(self.export_segments())
         return tensors
 
+    def saved_buffers(self) -> dict[str, Any]:
+        """The buffer each tensor of :meth:`export` is read from, by name (whose released rows a save leaves
+        out)."""
+        return {"keys": self.detailed, "values": self.detailed, "block_keys": self.block_keys,
+                "step_samples": self.step_samples, "segment_index": self.segment_index}
+
     def export_segments(self) -> dict[str, torch.Tensor]:
         """The segment index and the open segment's accumulators (nothing before the first step)."""
         if self.segment_open is None:
             return {}
         return {"segment_index": self._index_view(), "segment_partial": self.saved_segment()}
 
-    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
+    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
+             released: Released = None) -> None:
         """Install what :meth:`export` saved (``steps``: every step's token count; summaries missing from older
-        saves are recomputed from the keys)."""
+        saves are recomputed from the keys; ``released``: by tensor name, the runs of released rows a tensor was
+        saved without, see `TokenBuffer.load`)."""
+        released = released or {}
         storage = self.detailed.device or device
         keys = tensors["keys"]
-        self.detailed.load(keys.to(storage), tensors["values"].to(storage))
-        self.load_summaries(tensors, keys, steps, storage)
-        self.load_segments(tensors, keys, steps, storage)
+        self.detailed.load(keys.to(storage), tensors["values"].to(storage), released=released.get("keys", ()))
+        self.load_summaries(tensors, keys, steps, storage, released)
+        self.load_segments(tensors, keys, steps, storage, released)
 
     def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
-                       storage: torch.device) -> None:
+                       storage: torch.device, released: Released = None) -> None:
         """Install saved step summaries (``block_keys``, ``step_samples``), recomputed from ``keys`` for a state
         saved before they were kept (a subclass's `load` calls it too)."""
         means, samples = tensors.get("block_keys"), tensors.get("step_samples")
@@ -331,13 +342,14 @@ class LayerStorage:
         if means is None:
             means = keys[:, :, :0]
             samples = keys.new_empty(*keys.shape[:2], 0, SAMPLES_PER_STEP * keys.shape[-1])
-        self.block_keys.load(means.to(storage))
-        self.step_samples.load(samples.to(storage))
+        released = released or {}
+        self.block_keys.load(means.to(storage), released=released.get("block_keys", ()))
+        self.step_samples.load(samples.to(storage), released=released.get("step_samples", ()))
         self.samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
         self.means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
 
     def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
-                       storage: torch.device) -> None:
+                       storage: torch.device, released: Released = None) -> None:
         """The segment index saved, or (saved before it was kept) recomputed from ``keys`` (all tokens' keys in
         the model's dtype, on any device; None: what `read_range` gives). The saved open segment is what
         :meth:`saved_segment` gives: after a complete segment, the open one starts empty."""
@@ -347,7 +359,7 @@ class LayerStorage:
         if partial is None:
             return
         self._hold_segment(partial, len(steps) % self.segment_steps)
-        self.segment_index.load(index.to(storage))
+        self.segment_index.load(index.to(storage), released=(released or {}).get("segment_index", ()))
         if not self.segment_index.length:  # an empty load leaves nothing to append to: room for the first row
             self.segment_index.reserve(partial.to(storage), 1)
 

@@ -17,12 +17,13 @@ padding rows of a pooled batch (`statekv.core.step.pooled`) write there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ...errors import InputError
 from .buffers import TokenBuffer
+from .host_pages import with_released
 from .layer_storage import LayerStorage
 
 PAGE_SLOTS = 64  # slots (tokens, or steps) per page
@@ -192,8 +193,10 @@ class PagedBuffer:
         places = self.rows.places(index.to(self.device))
         return tuple(tensor.index_select(1, places)[None] for tensor in self._data())
 
-    def load(self, *parts: torch.Tensor) -> None:
-        """Replace the contents with ``length`` committed slots: tensors ``[1, H_kv, length, W]``."""
+    def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
+        """Replace the contents with ``length`` committed slots: tensors ``[1, H_kv, length, W]`` (with ``released``
+        runs, see `TokenBuffer.load`, the other slots: the released ones are written as zeros)."""
+        parts = with_released(parts, released)
         self.length = 0
         if parts[0].shape[2]:
             self.write(0, *parts)

@@ -16,11 +16,12 @@ import math
 from array import array
 from collections.abc import Callable
 from itertools import accumulate
+from typing import Any
 
 import torch
 
 from .buffers import TokenBuffer
-from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, memory_buffers
+from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
 from ...errors import ConfigurationError
 from ...settings.engine import KV_CACHE_BITS, check_kv_cache_dtype
 
@@ -235,18 +236,24 @@ class QuantizedStorage(OffloadedStorage):
         tensors.update(self.export_segments())
         return tensors
 
-    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device) -> None:
+    def saved_buffers(self) -> dict[str, Any]:
+        return {**super().saved_buffers(), "keys": None, "values": None, "key_codes": self.key_codes,
+                "value_codes": self.value_codes, "value_scales": self.value_scales, "key_scales": self.key_scales}
+
+    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
+             released: Released = None) -> None:
+        released = released or {}
         storage = self.key_codes.device or device
         for name in ("key_codes", "value_codes", "value_scales", "key_scales"):
-            getattr(self, name).load(tensors[name].to(storage))
-        self._length = tensors["key_codes"].shape[2]
+            getattr(self, name).load(tensors[name].to(storage), released=released.get(name, ()))
+        self._length = self.key_codes.length
         self._starts = array("q", [0, *accumulate(steps)][: len(steps)])
         self._starts_tensor = None
         if "block_keys" in tensors:
-            self.load_summaries(tensors, tensors["block_keys"], steps, storage)
+            self.load_summaries(tensors, tensors["block_keys"], steps, storage, released)
             self.dtype = tensors["block_keys"].dtype
             self._scales_like = tensors["key_scales"][:, :, :1]
-            self.load_segments(tensors, None, steps, storage)
+            self.load_segments(tensors, None, steps, storage, released)
 
 
 def expected_tensors(kv_cache_dtype: str | None, head: tuple[int, int], tokens: int, steps: int, head_dim: int,
