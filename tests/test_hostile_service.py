@@ -972,3 +972,73 @@ def test_a_server_restarted_with_other_positions_serves_its_intact_streams(qa, t
         _push(client, stream_id, 3, 3.0).raise_for_status()
         made = client.post("/v1/streams", json={"horizon_frames": 16}).json()["id"]  # new ones: the server's
         assert server.service.registry.entries[made].stream.engine.positions == "bounded"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Questions refused with the status their plain route answers, watches that could not be kept, uploads left over
+# ---------------------------------------------------------------------------------------------------------------
+def _events(client, path: str, body: dict) -> tuple[int, list[dict]]:
+    with client.stream("POST", path, json=body) as reply:
+        status = reply.status_code
+        lines = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    return status, lines
+
+
+def test_a_question_too_long_for_the_models_range_is_a_413_on_every_route(qa, tmp_path):
+    """Before: on a stream with no horizon (bounded positions) it was a 409 (its streamed answer's error event said
+    400), while the same question on a stream with a horizon was the documented 413."""
+    wordy = "1," * 3900  # under 8,000 characters, 7,800 tokens: past the built-in model's 4,096 positions
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        created = client.post("/v1/streams", json={})
+        stream_id = created.json()["id"]
+        _push(client, stream_id, 0, 0.0).raise_for_status()
+        ask = f"/v1/streams/{stream_id}/ask"
+        message = _error(client.post(ask, json={"question": wordy}), 413)
+        assert re.match(r"the question is \d+ tokens and its answer up to 64: .*positions", message), message
+        status, pieces = _events(client, ask, {"question": wordy, "stream": True})
+        assert status == 200 and pieces[-1]["error"]["code"] == 413, pieces
+        chat = {"messages": [{"role": "user", "content": wordy}], "statekv": {"stream_id": stream_id}}
+        _error(client.post("/v1/chat/completions", json=chat), 413)
+
+
+def test_a_streamed_question_to_a_stream_with_no_frame_is_refused_before_its_events(qa, tmp_path):
+    """Before: the reply was a 200 whose one event was the error (409), so a client checking the status saw
+    success."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={}).json()["id"]
+        streamed = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "stream": True})
+        assert "no frame yet" in _error(streamed, 409)
+        chat = {"messages": [{"role": "user", "content": QUESTION}], "statekv": {"stream_id": stream_id},
+                "stream": True}
+        assert "no frame yet" in _error(client.post("/v1/chat/completions", json=chat), 409)
+
+
+def test_a_watch_whose_record_cannot_be_written_is_not_opened(qa, tmp_path, monkeypatch):
+    """Before: it answered 201 and the watch ran until the next restart, which did not bring it back."""
+    from statekv.serve import store
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+        real = store.write_atomic
+
+        def full(path, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(store, "write_atomic", full)
+        watches = f"/v1/streams/{stream_id}/watches"
+        message = _error(client.post(watches, json={"question": QUESTION, "every": 1, "max_new_tokens": 4}), 503)
+        assert "No space left on device" in message and "not opened" in message and str(tmp_path) not in message
+        assert client.get(watches).json()["data"] == []
+        monkeypatch.setattr(store, "write_atomic", real)
+        opened = client.post(watches, json={"question": QUESTION, "every": 1, "max_new_tokens": 4})
+        assert opened.status_code == 201 and len(client.get(watches).json()["data"]) == 1
+
+
+def test_a_server_removes_the_uploads_a_stopped_server_left(qa, tmp_path, caplog):
+    """Before: a video the page was feeding when the server was killed stayed in uploads/ for good."""
+    state = tmp_path / "state"
+    (state / "uploads").mkdir(parents=True)
+    (state / "uploads" / "0123456789abcdef.mp4").write_bytes(b"\0" * 1000)
+    with caplog.at_level("WARNING", logger="statekv.serve"), Running(state, qa):
+        assert not any((state / "uploads").iterdir())
+    assert "a video the page was feeding when the server stopped" in caplog.text

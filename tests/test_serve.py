@@ -751,6 +751,13 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
             page.set_input_files(uploader, str(media / "not-a-video.mp4"))  # undecodable: no stream is made
             message = _note(page, "upload", "not-a-video.mp4")
             assert "not a readable video file" in message and str(media) not in message
+            uploads = server.state / "uploads"  # the state folder cannot keep an upload: shown, nothing left
+            shutil.rmtree(uploads, ignore_errors=True)
+            uploads.write_text("in the way")
+            page.set_input_files(uploader, str(_video(media)))
+            message = _note(page, "upload", "cannot keep the uploaded")
+            assert str(server.state) not in message and uploads.read_text() == "in the way"
+            uploads.unlink()
             notes = tmp_path / "notes.txt"
             notes.write_text("not a video")
             page.set_input_files(uploader, str(notes))  # refused in the browser, with its type

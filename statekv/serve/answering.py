@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from ..core.answering.together import end_tokens
-from ..errors import QuestionTooLong
+from ..errors import HorizonError, QuestionTooLong
 from .errors import ServiceError
 from .sse import StopOnceSet
 
@@ -25,6 +25,9 @@ def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
     except QuestionTooLong as error:
         raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: more than "
                            f"the {error.room} tokens kept for them; ask a shorter question") from None
+    except HorizonError as error:  # bounded positions: the model's range holds no room for them
+        raise ServiceError(413, f"the question is {prompt} tokens and its answer up to {max_new_tokens}: "
+                           f"{error}") from None
     return prompt
 
 

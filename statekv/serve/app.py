@@ -17,15 +17,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..errors import ConfigurationError, HorizonError, OutputError, StateKVError
+from ..errors import ConfigurationError, OutputError, StateKVError
 from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
-from .errors import ServiceError, StorageError, error_body
+from .errors import ServiceError, StorageError, error_body, status_of
 from .limits import Slots
 from .metrics import Metrics
 from .registry import StreamRegistry
-from .store import StreamFiles, check_state_folder
+from .store import UPLOADS, StreamFiles, check_state_folder
 from .watches import WatchHub
 from .worker import ModelExecutor, ModelWorker
 
@@ -87,7 +87,7 @@ class Service:
         """Where the page keeps a file being uploaded until it is fed: the state folder's ``uploads/``, or, with
         none (replicas over an object store), a folder of this machine's."""
         if self.config.state_dir is not None:
-            return Path(self.config.state_dir) / "uploads"
+            return Path(self.config.state_dir) / UPLOADS
         return Path(tempfile.gettempdir()) / f"statekv-uploads-{self.hosting.replica or os.getpid()}"
 
     def answered(self, route: str, seconds: float) -> None:
@@ -209,8 +209,7 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
         if isinstance(error, OutputError):  # the server's own files (a disk tier it cannot write), not the request
             return answer(503, str(error), "server_error", {"Retry-After": "5"})
-        status = 409 if isinstance(error, HorizonError) else 400
-        return answer(status, str(error), "invalid_request_error")
+        return answer(status_of(error), str(error), "invalid_request_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..errors import InputError
+from ..errors import InputError, StateKVError
 from .page_record import page_fields
 from .watches import watch_records
 
@@ -132,6 +132,9 @@ class StreamEntry:
         log): a failure is logged, the change stands."""
         try:
             await asyncio.to_thread(self.write_record, files)
+        except (OSError, StateKVError) as error:  # a full or read-only state folder: one line
+            log.error("cannot record %s of stream %s: %s; it stands, and the stream's next change writes its record "
+                      "again", what, self.id, error)
         except Exception:  # noqa: BLE001 -- answered already: a failure to note it must not fail the request
             log.exception("cannot record %s of stream %s", what, self.id)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from ..errors import StateKVError
+from ..errors import HorizonError, OutputError, StateKVError
 
 
 class ServiceError(StateKVError):
@@ -19,6 +19,19 @@ class ServiceError(StateKVError):
 
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
           415: "unsupported_media_type", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def status_of(error: StateKVError) -> int:
+    """The HTTP status an error is answered with, on a route or in an event stream alike: its own (`ServiceError`),
+    503 for the server's own files (`OutputError`), 409 for what the stream cannot take (`HorizonError`), else 400."""
+    if isinstance(error, ServiceError):
+        return error.status
+    return 503 if isinstance(error, OutputError) else 409 if isinstance(error, HorizonError) else 400
+
+
+def kind_of(error: StateKVError) -> str:
+    """The OpenAI error type of ``error`` (see `status_of`)."""
+    return error.kind if isinstance(error, ServiceError) else _KINDS.get(status_of(error), "invalid_request_error")
 
 
 class StorageError(OSError):

@@ -112,6 +112,19 @@ class StreamHealer:
                                f"({error.cause}); it was closed{back}", headers={"Retry-After": "5"}) from None
 
 
+def check_has_frames(entry: StreamEntry) -> None:
+    """Refuse (409) a question to a stream with no frame."""
+    if entry.stream.frames == 0 and not entry.stream.pending:
+        raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
+
+
+def check_can_ask(entry: StreamEntry) -> None:
+    """What a question's route checks before an answer token by token begins (the reply's status is sent then):
+    the stream is here and has a frame. The model's thread checks again, with the question's length."""
+    check_here(entry)
+    check_has_frames(entry)
+
+
 def check_here(entry: StreamEntry, stream: Any = None) -> None:
     """Refuse work on a stream quarantined (409), deleted (404) or gone to another replica (503: the retry reaches
     it there) while the request waited; and work on ``stream`` (the entry's when the work was queued) once a

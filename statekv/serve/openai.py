@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
-from .errors import ServiceError, error_body
+from .errors import ServiceError, error_body, kind_of, status_of
+from .healing import check_can_ask
 from .limits import read_json
 from .media import resolve_file_url
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
@@ -106,6 +107,8 @@ async def chat(request: Request, service: Served):
         if videos:
             raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
         entry = await registry.find(owner, stream_id)
+        if body.get("stream"):
+            check_can_ask(entry)  # refused with its status, before the events start
         work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
     else:
         if len(videos) != 1:
@@ -186,8 +189,7 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
         try:
             result = await task
         except StateKVError as error:
-            yield event(error_body(service.public(str(error)), getattr(error, "kind", "invalid_request_error"),
-                                   getattr(error, "status", 400)))
+            yield event(error_body(service.public(str(error)), kind_of(error), status_of(error)))
             return
         service.answered("chat", time.perf_counter() - started)
         yield chunk({}, _finish(result, max_new), statekv=reading)

@@ -18,6 +18,7 @@ The page works on the same `StreamRegistry` as the API; the camera's frames are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -299,10 +300,14 @@ class StreamPage:
         """Check the file, then feed it into ``entry`` (None: a new stream named after it) in the background."""
         name = event.file.name
         upload.reset()
-        self.uploads.mkdir(parents=True, exist_ok=True)
         path = self.uploads / f"{secrets.token_hex(8)}{Path(name).suffix[:8]}"
         try:
-            await event.file.save(path)
+            try:
+                self.uploads.mkdir(parents=True, exist_ok=True)
+                await event.file.save(path)
+            except OSError as failure:  # a full or read-only state folder
+                raise ServiceError(503, f"cannot keep the uploaded {name} in {self.uploads}: "
+                                   f"{failure.strerror or failure}") from None
             video = await self.registry.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
             frames = frames_at_rate(video, rate)
@@ -314,13 +319,13 @@ class StreamPage:
             if entry is not None and entry.feeding:
                 raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done")
         except StateKVError as failure:
-            path.unlink(missing_ok=True)
+            _discard(path)
             error.show(self.service.public(str(failure)))
             return
         if entry is None:
             entry = await self.create(name, error)
             if entry is None:
-                path.unlink(missing_ok=True)
+                _discard(path)
                 return
         self.open(entry)
         asyncio.create_task(self.feed(entry, path, name, video))
@@ -331,7 +336,7 @@ class StreamPage:
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:
-            path.unlink(missing_ok=True)
+            _discard(path)
 
     def dismiss_feed_error(self) -> None:
         if self.entry is not None:
@@ -504,3 +509,9 @@ class StreamPage:
             card, _, line = self.rows[entry.id]
             line.set_text(f"{entry.frames} frames · {age_text(now - entry.created)} · {entry.state}")
             card.classes(add="bg-blue-1" if entry is self.entry else "", remove="" if entry is self.entry else "bg-blue-1")
+
+
+def _discard(path: Path) -> None:
+    """Remove an upload's file, if it is there (the folder it was to be kept in may be missing or not a folder)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

@@ -29,12 +29,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import HorizonError, OutputError, StateKVError
+from ..errors import StateKVError
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
-from .errors import ServiceError, public_message
-from .healing import StreamHealer, check_here, closed_by_handover
+from .errors import ServiceError, public_message, status_of
+from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
 from .page_record import recall_page
@@ -365,8 +365,7 @@ class StreamRegistry:
                 await self.worker.run(self.save_now, entry)
         except StateKVError as error:
             feed.error = self.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
-            status = getattr(error, "status", 503 if isinstance(error, OutputError) else
-                             409 if isinstance(error, HorizonError) else 400)
+            status = status_of(error)
             headers = getattr(error, "headers", None) or ({"Retry-After": "5"} if status == 503 else None)
             raise ServiceError(status, f"{feed.error} ({feed.kept} frames fed)", headers=headers) from None
         except BaseException as error:
@@ -433,10 +432,8 @@ class StreamRegistry:
         stream is here and open and has a frame, and the question fits the room left in its horizon; returns its
         prompt's length in tokens."""
         check_here(entry, stream)
-        stream = entry.stream
-        if stream.frames == 0 and not stream.pending:
-            raise ServiceError(409, "the stream has no frame yet: push frames (or feed a video) first")
-        prompt = prompt_tokens(stream, question, kwargs["max_new_tokens"])
+        check_has_frames(entry)
+        prompt = prompt_tokens(entry.stream, question, kwargs["max_new_tokens"])
         check_answer(kwargs)
         return prompt
 
@@ -487,7 +484,9 @@ class StreamRegistry:
             try:
                 self.worker.run_blocking(self.save_now, entry)
             except StateKVError as error:
-                log.error("cannot save stream %s: %s", entry.id, error)
+                kept = entry.stream.frames + len(entry.stream.pending) - entry.saved["frames"]
+                log.error("cannot save stream %s at shutdown: %s; its %d frames since its last save (%d frames) are "
+                          "lost when the server stops", entry.id, error, max(kept, 0), entry.saved["frames"])
                 with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
                     entry.write_record(self.files)
 

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
 from ..errors import StateKVError
-from .errors import ServiceError, error_body
+from .errors import ServiceError, error_body, kind_of, status_of
+from .healing import check_can_ask
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
 from .media import resolve_source
 from .sse import EventStream, TokenStreamer, event
@@ -135,6 +136,7 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
             answer = await service.registry.ask(entry, question, max_new, retrieve)
             service.answered("ask", answer["latency"])
         return JSONResponse(answer)
+    check_can_ask(entry)  # refused with its status, before the event stream starts
     release = service.ask_slots.take()  # refused here (429), before the event stream starts; held till it ends
     return EventStream(_sse_answer(service, entry, question, max_new, retrieve), release)
 
@@ -149,8 +151,7 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
         try:
             answer = await task
         except StateKVError as error:
-            yield event(error_body(service.public(str(error)), getattr(error, "kind", "invalid_request_error"),
-                                   getattr(error, "status", 400)), "error")
+            yield event(error_body(service.public(str(error)), kind_of(error), status_of(error)), "error")
             return
         service.answered("ask", answer["latency"])
         yield event(answer, "answer")

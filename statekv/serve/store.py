@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import shutil
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,11 +39,14 @@ from ..errors import ConfigurationError
 from ..flushing import write_flushed
 from ..locks import FileLock
 
+log = logging.getLogger("statekv.serve")
+
 RECORD_FIELDS = ("id", "owner", "settings", "horizon_frames", "max_fps", "name", "created")
 STREAM_ID = re.compile(r"^st_[0-9a-f]{24}$")
 TIER_NAME = re.compile(r"^[\w-]{1,80}$")  # a disk-tier folder's name under offload_dir (no path; letters of any
 # script: folders made before their names were kept to ASCII)
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
+UPLOADS = "uploads"  # the state folder's subfolder of the videos the page is feeding
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
 SAVE_PARTIAL = re.compile(r"\.safetensors\.[0-9a-f]{8}\.partial$")  # a saved stream's partial folder (Stream.save)
@@ -320,7 +324,15 @@ class StreamFiles:
     def sweep_partials(self) -> None:
         """Remove what writes cut short left (a kill before a write's rename): the partial files of `write_atomic`
         (each write has its own) and the partial folders of saved streams (`statekv.Stream.save`); a moved file
-        set's partial copy stays. Only for a server that holds the folder alone, as it starts."""
+        set's partial copy stays; and the videos the page was feeding when the server stopped (``uploads/``: a feed
+        removes its own when it ends). Only for a server that holds the folder alone, as it starts."""
+        uploads = self.folder.parent / UPLOADS
+        for path in uploads.iterdir() if uploads.is_dir() and not uploads.is_symlink() else ():
+            with contextlib.suppress(OSError):
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+                    log.warning("removed %s/%s, a video the page was feeding when the server stopped (the stream "
+                                "keeps the frames it saved)", UPLOADS, path.name)
         for folder in (self.folder, self.quarantine):
             for path in folder.glob("*.partial") if folder.is_dir() else ():
                 with contextlib.suppress(OSError):

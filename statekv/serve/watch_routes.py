@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..errors import StateKVError
+from .errors import ServiceError
 from .healing import check_here
 from .limits import read_json
 from .routes import Served
@@ -36,7 +38,14 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
     async with entry.lock:
         check_here(entry)  # deleted, moved or damaged while the request waited
         watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
-    await entry.keep_record(service.registry.files, "the watches")
+        try:  # a watch a restart would not bring back is not opened
+            await asyncio.to_thread(entry.write_record, service.registry.files)
+        except (OSError, StateKVError) as error:
+            await service.worker.run(watch.close)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else service.public(str(error))
+            log.error("cannot record a new watch of stream %s: %s; it was not opened", entry.id, error)
+            raise ServiceError(503, f"cannot record the watch in the state folder ({reason}); it was not opened",
+                               headers={"Retry-After": "5"}) from None
     return {"id": watch.id}
 
 
