@@ -115,8 +115,13 @@ def files_table(results: dict[str, list[dict]]) -> str:
                  for s in samples if "saved_bytes" in s}
         if cells:
             lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
+    before = (" Rows marked before: the same command on the code before a save left out the rows a stream gave back"
+              " and before the disk tier's holes covered whole blocks (`--before`)."
+              if any(name.endswith(", before") for name in results) else "")
     return ("\n".join(lines) + "\n\nEach cell: the saved file's size (`Stream.save`), and for the disk tier / the "
-            "bytes its folder's files take on disk (allocated blocks).")
+            f"bytes its folder's files take on disk (allocated blocks).{before} What still grows: per step a few dozen "
+            "bytes of the file's metadata (each step's length and placement, which steps were evicted) and, on the "
+            "disk tier, a journal line.")
 
 
 def main() -> None:
@@ -165,10 +170,10 @@ def main() -> None:
         if args.before:  # "before": the same command on earlier code, its samples written with --json
             command = (f"python benchmarks/evicting_memory.py {flags} --json NEW`, "
                        f"the same at the code before (--json BEFORE), then `python benchmarks/evicting_memory.py "
-                       f"--from-json NEW --before BEFORE --frames {args.frames} --out {args.out}")
+                       f"--from-json NEW --before BEFORE {flags} --out {args.out}")
         machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
         title = "Evicting streams: saved files and disk use" if saved else "Evicting streams: resident memory"
-        about = (__doc__ or "").split(chr(10) + chr(10))[3 if saved else 1]
+        about = (__doc__ or "").split(chr(10) + chr(10))[3 if saved else 1].strip()
         write_section(args.out, title, f"{about}\n\nCommand: `{command}`  \nMachine: {machine}.\n\n{saved or body}")
 
 
