@@ -99,7 +99,7 @@ def test_find_max_doubles_then_bisects_and_stops_at_its_time_limit():
     slow = LoadSettings(duration=5.0, drain=5.0)
     tried.clear()
     _, (most, complete) = Fake("url", "key", slow, Targets(), None).find_max(256, deadline=time.monotonic() + 1)
-    assert (most, complete) == (0, False) and tried == []
+    assert (most, complete) == (1, False) and tried == [1]  # the first run runs whatever the time limit
 
 
 def test_a_server_that_answers_its_model_list_with_an_error_is_named_before_any_camera(monkeypatch):
@@ -141,16 +141,20 @@ class _SlowServer:
     """The stream routes of a server that takes ``push_seconds`` per frame, one frame at a time per stream, and
     answers every question with one token after ``ttft_seconds``, on a loopback port in a thread."""
 
-    def __init__(self, push_seconds: float, ttft_seconds: float):
+    def __init__(self, push_seconds: float, ttft_seconds: float, streams: int | None = None):
+        """streams: how many streams it makes before it refuses the key (401)."""
         import uvicorn
         from fastapi import FastAPI
-        from fastapi.responses import StreamingResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app, locks = FastAPI(), {}
         self.arrivals: list[tuple[str, float]] = []
+        self.deleted: list[str] = []
 
         @app.post("/v1/streams", status_code=201)
         async def create():
+            if streams is not None and len(locks) >= streams:
+                return JSONResponse({"error": {"message": "unknown API key"}}, status_code=401)
             locks[f"st_{len(locks)}"] = asyncio.Lock()
             return {"id": f"st_{len(locks) - 1}"}
 
@@ -175,6 +179,7 @@ class _SlowServer:
 
         @app.delete("/v1/streams/{stream_id}")
         async def delete(stream_id: str):
+            self.deleted.append(stream_id)
             return {"deleted": True}
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -240,6 +245,8 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--url", "http://127.0.0.1:9"], "--url needs --api-key"),
     (["--json", "/"], "--json / names a folder"),
     (["--video", "missing.mp4"], "missing.mp4"),
+    (["--fps", "0.1", "--duration", "5"], "schedules no frame to measure; run at least 10 s"),
+    (["--question", " "], "--question must be a question, not empty"),
     (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"],
      "cannot reach http://127.0.0.1:9: "),  # a server that is not there is no table of failed requests
 ])
@@ -314,3 +321,52 @@ def test_streams_made_and_deleted_leave_nothing_behind(tmp_path):
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
     assert [row[0] for row in rows[1:]] == ["| 1", "| 3", "| 6"]
     assert all(row[1] == "0" and row[2] == "0" for row in rows[1:]), rows  # no stream held, no file left
+
+
+def test_frames_per_second_is_counted_over_the_runs_schedule():
+    """Before: frames done over the time to the last one done, which the cameras' phases make shorter than the run
+    (1 camera at 1 fps over 1 s read 1.6-3.7 frames/s), and a run whose server stopped read as real time."""
+    targets = Targets()
+    start = 0.0
+    held = summarize(_run([Request("frame", 0, due=start + 0.7 + k, sent=start + 0.7 + k, done=start + 0.71 + k)
+                           for k in range(5)]), 1.0, 5.0, targets, None)
+    assert held["frames_per_s"] == pytest.approx(1.0)
+    stopped = _run([Request("frame", 0, due=k + 0.5, sent=k + 0.5, done=k + 0.51,
+                            error=None if k < 2 else "ConnectError: refused") for k in range(5)])
+    assert summarize(stopped, 1.0, 5.0, targets, None)["frames_per_s"] == pytest.approx(2 / 5)
+    behind = summarize(_run([Request("frame", 0, due=k, sent=k, done=2.0 * k + 1) for k in range(5)]), 1.0, 5.0,
+                       targets, None)
+    assert behind["frames_per_s"] == pytest.approx(5 / 9)  # the last done 9 s after the start
+
+
+def test_server_metrics_that_are_not_prometheus_text_are_unknown(monkeypatch):
+    """Before: a /metrics kept private behind a proxy (an HTML 404, or an HTML page) stopped the run with a
+    traceback, leaving its streams on the server."""
+    import httpx
+
+    from statekv.bench.server import metric_totals
+
+    page = "<html><body>not here</body></html>"
+    for status in (404, 200):
+        monkeypatch.setattr(httpx, "get", lambda *args, status=status, **kwargs: httpx.Response(status, text=page))
+        assert metric_totals("http://server", "statekv_step_batch_size", ("statekv_step_batch_size_sum",)) is None
+
+
+def test_streams_made_before_a_creation_fails_are_deleted():
+    """Before: a refusal while the cameras' streams were being made left those already made on the server."""
+    from statekv.bench.load import LoadError
+
+    settings = LoadSettings(fps=5.0, duration=1.0, question_rate=0.0, drain=1.0, warm_frames=1)
+    server = _SlowServer(push_seconds=0.0, ttft_seconds=0.0, streams=2)
+    with server as url:
+        with pytest.raises(LoadError, match="refused the API key"):
+            asyncio.run(run_load(url, "key", 4, settings, lambda camera: [b"jpeg"]))
+    assert sorted(server.deleted) == ["st_0", "st_1"]
+
+
+@pytest.mark.parametrize("value, threads", [("4,2", 4), ("abc", None), ("0", None), ("", None), ("3", 3)])
+def test_omp_num_threads_is_read_as_openmp_reads_it(monkeypatch, value, threads):
+    from statekv.bench.command import omp_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert omp_threads() == threads

@@ -8,6 +8,7 @@ automatic ``doc_to_messages`` writes them: the video path, then the prompt text)
 from __future__ import annotations
 
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -256,6 +257,46 @@ def test_errors_while_answering_end_the_process(qa, capsys, monkeypatch):
     assert exit_info.value.code == 1 and "Traceback" in error and "ZeroDivisionError" in error
     with pytest.raises(SystemExit):
         model.loglikelihood([request])
+
+
+@pytest.mark.parametrize("gen_kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be a whole number of tokens, 1 or more; got 0"),
+    ({"max_new_tokens": "abc"}, "max_new_tokens must be a whole number"),
+    ({"max_new_tokens": 2.9}, "max_new_tokens must be a whole number"),
+    ({"temperature": "abc"}, "temperature must be a number, 0 or more"),
+    ({"temperature": 0.5, "top_p": 0}, "top_p must be a number in (0, 1]"),
+    ({"until": [1, 2]}, "until must be a string or a list of strings"),
+])
+def test_malformed_generation_kwargs_end_the_run_with_one_line(gen_kwargs, message, qa, monkeypatch, capsys):
+    """Before: 0 answer tokens read as the default 1024, 2.9 as 2, and the others ended with a traceback."""
+    model = StateKV(qa=qa)
+    model.task_dict = {"t": {"test": [{"video": "/v.mp4", "text": "Q?"}]}}
+    monkeypatch.setattr(qa, "encode", lambda *args, **kwargs: RecordingVideo("B"))
+    request = types.SimpleNamespace(args=("<ctx>", doc_to_messages, gen_kwargs, 0, "t", "test"), metadata={})
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until([request])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in error and "Traceback" not in error, error
+    assert len([line for line in error.splitlines() if "statekv (lmms-eval model)" in line]) == 1, error
+
+
+def test_documents_not_asked_are_not_read_to_their_end(qa, monkeypatch):
+    """lmms-eval's --limit asks some of a task's documents, and a video may be missing for one not asked (its
+    videomme task exits then, its ovobench task asserts): the documents asked are answered. Before: the run ended
+    on a document nobody asked."""
+    model = StateKV(qa=qa)
+    model.task_dict = {"t": {"test": [{"video": "/v.mp4", "text": "Q?"}, {"video": "/gone.mp4", "text": "Q?"},
+                                      {"video": "/also-gone.mp4", "text": "Q?"}]}}
+    monkeypatch.setattr(qa, "encode", lambda *args, **kwargs: RecordingVideo("B"))
+
+    def missing(doc):
+        if doc["video"] == "/gone.mp4":
+            sys.exit(f"video path:{doc['video']} does not exist, please check")
+        assert doc["video"] != "/also-gone.mp4", "missing clip"
+        return doc_to_messages(doc)
+
+    request = types.SimpleNamespace(args=("<ctx>", missing, {}, 0, "t", "test"), metadata={})
+    assert model.generate_until([request]) == ["B"]
 
 
 def test_registered_and_run_through_lmms_eval_itself(checkpoint, data_root, qa):

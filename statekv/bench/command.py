@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import time
@@ -146,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
     outputs = {name: check(value, flag) for name, value, flag, check in (
         ("json", args.json_out, "--json", check_output_file), ("plot", args.plot, "--plot", check_plot_file))
         if value is not None}
+    if math.floor(args.duration * args.fps) < 1:
+        raise ConfigurationError(f"--duration {args.duration:g} s at --fps {args.fps:g} schedules no frame to measure; "
+                                 f"run at least {1 / args.fps:g} s")
+    if not args.question.strip():
+        raise ConfigurationError("--question must be a question, not empty")
     settings = LoadSettings(fps=args.fps, duration=args.duration, question_rate=args.question_rate,
                             burstiness=args.burstiness, question=args.question, max_new_tokens=args.max_new_tokens,
                             route=args.route, drain=args.duration if args.drain is None else args.drain,
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         rows, most = sweep(args.url.rstrip("/"), key)
         where = {"url": args.url}
     else:
-        threads = args.server_threads or int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 2) - 1))
+        threads = args.server_threads or omp_threads() or max(1, (os.cpu_count() or 2) - 1)
         with LocalServer(options, threads=threads) as server:
             rows, most = sweep(server.url, server.key)
         where = {"model": model, "options": options, "torch_threads": threads}
@@ -200,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
         plot(rows, outputs["plot"], targets, f"statekv bench serve: {where.get('model') or where.get('url')}, "
                                              f"{args.fps:g} fps")
     return 0
+
+
+def omp_threads() -> int | None:
+    """The threads ``OMP_NUM_THREADS`` asks for (its first level, as OpenMP reads ``4,2``); None when it is unset or
+    not a positive count (the started server then gets the default)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None
 
 
 class Probe:
@@ -262,14 +275,14 @@ class Probe:
                  ) -> tuple[list[dict[str, Any]], tuple[int, bool]]:
         """The most cameras held (`summary.held_all`): doubling from ``start`` up to ``limit`` (halving from it
         when it is not held), then bisecting between the last count held and the first not held. No run starts
-        that would end past ``deadline`` (``time.monotonic()``). Returns every run (by count) and ``(most held,
-        whether the search was complete)``."""
+        that would end past ``deadline`` (``time.monotonic()``), but the first. Returns every run (by count) and
+        ``(most held, whether the search was complete)``."""
         from .summary import held_all
 
         walls: dict[int, float] = {}
 
         def held(count: int) -> bool | None:
-            if count not in self.rows and deadline is not None:
+            if count not in self.rows and deadline is not None and walls:  # the first run runs whatever the time
                 # a run's warm-up and drain grow with its cameras: scaled from the largest run so far
                 before = max((n for n in walls if n <= count), default=None)
                 guess = self.settings.duration + self.settings.drain

@@ -124,19 +124,22 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
         client = [await clients.enter_async_context(httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
             timeout=httpx.Timeout(settings.timeout, connect=30.0))) for _ in range(streams)]
-        made = await asyncio.gather(*(_create(client[stream], stream, frames(stream), settings)
-                                      for stream in range(streams)))
-        ids = [stream_id for stream_id, _ in made]
-        unready = {stream for stream, (_, error) in enumerate(made) if error is not None}
-        if ready is not None:
-            await asyncio.to_thread(ready)
-        start = time.perf_counter() + 0.5
-        run = Run(streams, start, schedule(streams, settings, start),
-                  [error for _, error in made if error is not None])
-        for request in run.requests:
-            if request.stream in unready:
-                request.error = "its stream could not be made or warmed up"
+        ids: list[str | None] = [None] * streams  # each stream's id once made: deleted whatever happens next
         try:
+            made = await asyncio.gather(*(_create(client[stream], stream, frames(stream), settings, ids)
+                                          for stream in range(streams)), return_exceptions=True)
+            failed = [error for error in made if isinstance(error, BaseException)]
+            if failed:  # every creation has ended: none is made after the deletions below
+                raise failed[0]
+            unready = {stream for stream, (_, error) in enumerate(made) if error is not None}
+            if ready is not None:
+                await asyncio.to_thread(ready)
+            start = time.perf_counter() + 0.5
+            run = Run(streams, start, schedule(streams, settings, start),
+                      [error for _, error in made if error is not None])
+            for request in run.requests:
+                if request.stream in unready:
+                    request.error = "its stream could not be made or warmed up"
             await _send_all(client, run, ids, settings, frames, progress)
         finally:
             await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}")
@@ -144,9 +147,10 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
     return run
 
 
-async def _create(client, stream: int, shown: list[bytes], settings: LoadSettings) -> tuple[str | None, str | None]:
-    """Make camera ``stream``'s stream and push its warm-up frames (stream times ``0, 1 / fps, ...``): ``(id,
-    None)``, or ``(id or None, why)``."""
+async def _create(client, stream: int, shown: list[bytes], settings: LoadSettings,
+                  ids: list[str | None]) -> tuple[str | None, str | None]:
+    """Make camera ``stream``'s stream (its id into ``ids``) and push its warm-up frames (stream times ``0, 1 / fps,
+    ...``): ``(id, None)``, or ``(id or None, why)``."""
     import httpx
 
     try:
@@ -155,7 +159,7 @@ async def _create(client, stream: int, shown: list[bytes], settings: LoadSetting
             raise LoadError(f"the server refused the API key ({_message(reply)})")
         if reply.status_code != 201:
             return None, f"HTTP {reply.status_code}: {_message(reply)}"
-        stream_id = reply.json()["id"]
+        stream_id = ids[stream] = reply.json()["id"]
         for index in range(max(1, settings.warm_frames)):
             pushed = await client.post(f"/v1/streams/{stream_id}/frames", params={"t": f"{index / settings.fps:.6f}"},
                                        content=shown[index % len(shown)], headers={"Content-Type": "image/jpeg"})

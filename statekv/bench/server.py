@@ -115,15 +115,20 @@ def metric_totals(url: str, metric: str, samples: tuple[str, ...]) -> dict[str, 
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
+        reply = httpx.get(f"{url}/metrics", timeout=30)
     except httpx.HTTPError:
         return None
+    if reply.status_code != 200:  # kept private (behind a proxy): the server's own counts are not known
+        return None
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == metric:
-            for sample in family.samples:
-                if sample.name in samples:
-                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    try:
+        for family in text_string_to_metric_families(reply.text):
+            if family.name == metric:
+                for sample in family.samples:
+                    if sample.name in samples:
+                        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError:  # not Prometheus' text: whatever answers /metrics there is not the server
+        return None
     return totals
 
 

@@ -316,8 +316,8 @@ class StateKV(_Base):
                 try:
                     rounds = task_rounds(doc_to_messages, doc) if multi_round else \
                         [video_and_prompt(doc_to_messages(doc))]
-                except (InputError, AssertionError, OSError):  # fails where it is asked (a missing clip: lmms-eval's
-                    continue                                      # ovobench task asserts); it plans nothing
+                except (Exception, SystemExit):  # noqa: BLE001 -- fails where it is asked, if it is (a missing
+                    continue  # clip: lmms-eval's ovobench task asserts, its videomme task exits); it plans nothing
                 where = f"{task} document of {source}"
                 times = round_times(doc, len(rounds), where=where) if multi_round else [query_time(doc, where=where)]
                 last, prompts, longest = plans.get(source, (0.0, [], 0))
@@ -350,8 +350,8 @@ class StateKV(_Base):
             for doc in self.task_dict[task][split]:
                 try:
                     video, prompt = video_and_prompt(doc_to_messages(doc))
-                except InputError:  # such a document fails where it is asked; it plans nothing
-                    continue
+                except (Exception, SystemExit):  # noqa: BLE001 -- fails where it is asked, if it is (`--limit`
+                    continue  # asks some documents only: a missing video's task may exit or assert); it plans nothing
                 if video in rooms:
                     prompts, longest = rooms[video]
                     prompts.append(prompt)
@@ -371,14 +371,8 @@ class StateKV(_Base):
         return (*video_and_prompt(messages, where=f"{task} doc {doc_id}"), gen_kwargs)
 
     def _answer(self, encoded, prompt: str, gen_kwargs: dict[str, Any]) -> str:
-        until = gen_kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else [stop for stop in until if stop]
-        options: dict[str, Any] = {"max_new_tokens": _max_new_tokens(gen_kwargs)}
-        temperature = float(gen_kwargs.get("temperature") or 0)
-        if temperature > 0:
-            options.update(do_sample=True, temperature=temperature)
-            if gen_kwargs.get("top_p") is not None:
-                options["top_p"] = float(gen_kwargs["top_p"])
+        until = _stop_strings(gen_kwargs)
+        options: dict[str, Any] = {"max_new_tokens": _max_new_tokens(gen_kwargs), **_sampling(gen_kwargs)}
         if until:
             options.update(stop_strings=until, tokenizer=self.qa.adapter.tokenizer)
         text = encoded.ask(prompt, **options)
@@ -503,7 +497,43 @@ def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:
 
 
 def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
-    return int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+    """The request's ``max_new_tokens`` (a whole number, 1 or more; absent or None: `DEFAULT_MAX_NEW_TOKENS`)."""
+    value = gen_kwargs.get("max_new_tokens")
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()) or value < 1:
+        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got {value!r}")
+    return int(value)
+
+
+def _sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``temperature`` (a number, 0 or more: 0 or absent is greedy) and ``top_p`` (in (0, 1]) as
+    `generate` options, checked."""
+    temperature = gen_kwargs.get("temperature")
+    if temperature is None:
+        temperature = 0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise InputError(f"the request's temperature must be a number, 0 or more; got {temperature!r}")
+    if temperature == 0:
+        return {}
+    options = {"do_sample": True, "temperature": float(temperature)}
+    top_p = gen_kwargs.get("top_p")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise InputError(f"the request's top_p must be a number in (0, 1]; got {top_p!r}")
+        options["top_p"] = float(top_p)
+    return options
+
+
+def _stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
+    """The request's ``until``: a string or a list of strings (empty ones and None dropped)."""
+    until = gen_kwargs.get("until") or []
+    if isinstance(until, str):
+        return [until]
+    if not isinstance(until, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in until):
+        raise InputError(f"the request's until must be a string or a list of strings; got {until!r}")
+    return [stop for stop in until if stop]
 
 
 def _is_padding(request: Any) -> bool:
