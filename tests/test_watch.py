@@ -64,6 +64,21 @@ def test_a_watch_reports_when_its_answer_changes(qa, frames):
     stream.close()
 
 
+def test_a_watch_opened_after_a_dropped_frame_dates_its_answer_by_the_last_frame_kept(qa, frames, tmp_path):
+    """Before: its first event's time was the dropped frame's, a frame the answer never saw."""
+    stream = qa.stream(max_fps=1)
+    stream.push(frames[0], 0.0)
+    stream.push(frames[1], 1.0)
+    assert not stream.push(frames[2], 1.5)  # dropped: within frame 1's second
+    watch = stream.watch(COUNT, every=4)
+    assert (watch.events[0].frame, watch.events[0].seconds) == (2, 1.0)
+    loaded = statekv.Stream.load(stream.save(tmp_path / "s.safetensors"), qa)  # kept with the stream
+    assert loaded.kept_timestamp == 1.0 and loaded.last_timestamp == 1.5
+    assert loaded.watches[0].last_seconds == 1.0
+    stream.close()
+    loaded.close()
+
+
 def test_every_seconds_counts_stream_time(qa, frames):
     stream = qa.stream()
     push(stream, frames, 0, 2)

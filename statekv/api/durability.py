@@ -284,6 +284,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     if framed:
         index, timestamp = framed[-1]
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
+        stream.kept_timestamp = stream.last_timestamp
         if stream.max_fps is not None:
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)

@@ -62,6 +62,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
         "prefix_tokens": stream.prefix_tokens, "vision_batch": stream.vision_batch,
         "pushed": stream.pushed, "next_tick": stream.next_tick, "last_timestamp": stream.last_timestamp,
+        "kept_timestamp": stream.kept_timestamp,
         "pending": [[frame.index, frame.timestamp] for frame in stream.pending],
         "state": stream.state.to_dict(), "stats": {k: v for k, v in stream.stats.to_dict().items()
                                                    if k in {field.name for field in fields(EncodingStats)}},
@@ -157,6 +158,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     stream.stats = EncodingStats(**metadata["stats"])
     stream.pushed, stream.next_tick = metadata["pushed"], metadata["next_tick"]
     stream.last_timestamp = metadata["last_timestamp"]
+    stream.kept_timestamp = metadata.get("kept_timestamp", stream.last_timestamp)  # absent: saved before it was kept
     stream.pending = [Frame(index, timestamp, image)
                       for (index, timestamp), image in zip(metadata["pending"], pending)]
     stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,

@@ -76,7 +76,8 @@ class Stream(EncodedVideo):
 
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
-    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``lock`` (the calls' turns), ``id``,
+    ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``kept_timestamp`` (the last kept frame's
+    time), ``lock`` (the calls' turns), ``id``,
     ``created`` and ``owner_digest`` (who it is, recorded in its files and checked when they are loaded;
     ``identity``: all of it as recorded).
 
@@ -120,6 +121,7 @@ class Stream(EncodedVideo):
         self.pending: list[Frame] = []
         self.next_tick = 0
         self.last_timestamp: float | None = None
+        self.kept_timestamp: float | None = None  # the last kept frame's (a later one may have been dropped)
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
         if disk_tier is None:  # a new file set: what `load` resumes it from
@@ -190,6 +192,8 @@ class Stream(EncodedVideo):
         """Only now, with the offered frame encoded, safely queued or dropped, does the stream advance."""
         self.pushed += 1
         self.last_timestamp = offer.timestamp
+        if offer.kept:
+            self.kept_timestamp = offer.timestamp
         if offer.kept and self.max_fps is not None:
             self.next_tick = math.floor(offer.timestamp * self.max_fps + 1e-9) + 1
 

@@ -180,7 +180,9 @@ class Watches:
     def __init__(self, stream: Any):
         self.stream = stream
         self.open: list[Watch] = []
-        self.seconds: float | None = stream.last_timestamp if not stream.pending else None  # the last encoded
+        # the last frame encoded: the last kept, once none waits (one pushed after it may have been dropped)
+        self.seconds: float | None = getattr(stream, "kept_timestamp", stream.last_timestamp) \
+            if not stream.pending else None
         self.guide = QuestionGuide()
 
     def add(self, watch: Watch) -> None:
