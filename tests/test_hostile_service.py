@@ -1042,3 +1042,18 @@ def test_a_server_removes_the_uploads_a_stopped_server_left(qa, tmp_path, caplog
     with caplog.at_level("WARNING", logger="statekv.serve"), Running(state, qa):
         assert not any((state / "uploads").iterdir())
     assert "a video the page was feeding when the server stopped" in caplog.text
+
+
+def test_a_watch_being_opened_takes_one_of_max_asks(qa, tmp_path):
+    """Before: watches were opened however many questions were under way (each opening answers its question)."""
+    with Running(tmp_path / "state", qa, max_asks=1) as server, server.client() as client:
+        stream_id = _stream(client)
+        watches = f"/v1/streams/{stream_id}/watches"
+        give_back = server.service.ask_slots.take()  # a question under way
+        try:
+            refused = client.post(watches, json={"question": QUESTION, "every": 1, "max_new_tokens": 4})
+            assert "too many questions at once" in _error(refused, 429) and refused.headers.get("Retry-After")
+        finally:
+            give_back()
+        opened = client.post(watches, json={"question": QUESTION, "every": 1, "max_new_tokens": 4})
+        assert opened.status_code == 201 and server.service.ask_slots.held == 0

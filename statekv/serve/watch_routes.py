@@ -35,7 +35,7 @@ router = APIRouter()
 async def create_watch(stream_id: str, request: Request, service: Served) -> dict:
     entry = await service.registry.find(service.keys.require(request), stream_id)
     settings = watch_settings(await read_json(request, service.config.max_body_bytes))
-    async with entry.lock:
+    async with service.ask_slots.hold(), entry.lock:  # its first answer is a question: one of --max-asks
         check_here(entry)  # deleted, moved or damaged while the request waited
         watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
         try:  # a watch a restart would not bring back is not opened
