@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import numbers
 import os
 import sys
 import traceback
@@ -501,8 +502,8 @@ def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
     value = gen_kwargs.get("max_new_tokens")
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not value.is_integer()) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value != int(value) or value < 1:
         raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got {value!r}")
     return int(value)
 
@@ -513,14 +514,14 @@ def _sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
     temperature = gen_kwargs.get("temperature")
     if temperature is None:
         temperature = 0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
         raise InputError(f"the request's temperature must be a number, 0 or more; got {temperature!r}")
     if temperature == 0:
         return {}
     options = {"do_sample": True, "temperature": float(temperature)}
     top_p = gen_kwargs.get("top_p")
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
             raise InputError(f"the request's top_p must be a number in (0, 1]; got {top_p!r}")
         options["top_p"] = float(top_p)
     return options
