@@ -337,6 +337,8 @@ def test_frames_per_second_is_counted_over_the_runs_schedule():
     behind = summarize(_run([Request("frame", 0, due=k, sent=k, done=2.0 * k + 1) for k in range(5)]), 1.0, 5.0,
                        targets, None)
     assert behind["frames_per_s"] == pytest.approx(5 / 9)  # the last done 9 s after the start
+    uneven = _run([Request("frame", 0, due=k + 0.3, sent=k + 0.3, done=k + 0.31) for k in range(2)])
+    assert summarize(uneven, 1.0, 2.5, targets, None)["frames_per_s"] == pytest.approx(1.0)  # 2 frames due in 2.5 s
 
 
 def test_server_metrics_that_are_not_prometheus_text_are_unknown(monkeypatch):

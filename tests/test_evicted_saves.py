@@ -135,13 +135,18 @@ def _edited(path: Path, out: Path, edit) -> Path:
 
 
 def _set(name: str, value):
-    return lambda tensors: tensors.__setitem__(name, value)
+    """``name`` set to ``value``; for the keys' runs the values' too (one buffer holds both)."""
+    def edit(tensors):
+        tensors[name] = value
+        if name.endswith("keys.released"):
+            tensors[name.replace("keys.released", "values.released")] = value.clone()
+    return edit
 
 
 def _overlapping(tensors):
     runs = tensors["cache.layers.0.keys.released"].clone()
     runs[-1, 0] = runs[0, 0]
-    tensors["cache.layers.0.keys.released"] = runs
+    _set("cache.layers.0.keys.released", runs)(tensors)
 
 
 def _carried_released(tensors):
@@ -151,7 +156,13 @@ def _carried_released(tensors):
     first = runs[0].tolist()
     moved = torch.cat([torch.tensor([[carried, carried + 1]]), runs])
     moved[1, 1] = first[1] - 1  # one row fewer in the first run: as many rows left out
-    tensors["cache.layers.0.keys.released"] = moved[moved[:, 0].argsort()]
+    _set("cache.layers.0.keys.released", moved[moved[:, 0].argsort()])(tensors)
+
+
+def _values_unlike_keys(tensors):
+    runs = tensors["cache.layers.0.values.released"].clone()
+    runs[0, 0] -= 1 if runs[0, 0] > 0 else -1
+    tensors["cache.layers.0.values.released"] = runs
 
 
 HOSTILE = {
@@ -164,6 +175,9 @@ HOSTILE = {
     "runs of a missing tensor": (_set("cache.layers.0.nothing.released", torch.tensor([[0, 1]])),
                                  "unexpected tensors"),
     "a carried token released": (_carried_released, "gave back"),
+    "runs of the open segment": (_set("cache.layers.0.segment_partial.released", torch.tensor([[0, 1]])),
+                                 "unexpected tensors"),
+    "values given back unlike keys": (_values_unlike_keys, "must list the runs"),
 }
 
 

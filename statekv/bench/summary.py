@@ -11,6 +11,7 @@ the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy'
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -89,9 +90,10 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
         held += 1
         ttft = percentile([r.first_token - r.sent for r in own if r.kind == "question"], 95)
         goodput += ttft is None or ttft <= targets.ttft_target
-    # over the run's whole schedule (its frames are due across its duration), or longer when the last is streamed
-    # late: a run whose server stopped or fell behind is not counted at its last success's pace
-    span = max(duration, max((r.done for r in done), default=run.start) - run.start)
+    # over the run's whole schedule (each camera's frames are due one period apart across it), or longer when the
+    # last is streamed late: a run whose server stopped or fell behind is not counted at its last success's pace
+    scheduled = math.floor(duration * fps) / fps
+    span = max(scheduled, max((r.done for r in done), default=run.start) - run.start)
     row = {"streams": run.streams, "fps": fps, "duration_s": duration, "frames_sent": len(frames),
            "frames_done": len(done), "frames_per_s": len(done) / span if span > 0 else 0.0,
            "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "lag_p99_s": percentile(lags, 99),

@@ -13,9 +13,9 @@ from typing import Any
 from ..builtin import is_builtin_kind
 from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
-from .healing import check_here
 from .page_parts import ErrorNote
-from .watches import described, open_on, watch_settings
+from .watch_routes import open_recorded
+from .watches import described, watch_settings
 
 CHOICES = ("red", "green", "blue", "yellow")  # the built-in model's colours: a first question that suits it
 BUILTIN_EXAMPLE = "What colour was the circle?"
@@ -92,12 +92,9 @@ class WatchPanel:
             settings = watch_settings({"question": self.choices.compose(self.question.value or ""),
                                        "every": int(every) if every is not None and float(every).is_integer()
                                        else every})
-            async with entry.lock:
-                check_here(entry)  # deleted, moved or damaged meanwhile
-                await page.service.worker.run(open_on, entry, settings, page.service.watch_hub.listener(entry.id))
+            await open_recorded(page.service, entry, settings)
             self.error.clear()
             self.question.set_value("")
-            await entry.keep_record(page.registry.files, "the watches")
         except StateKVError as failure:
             self.error.show(page.service.public(str(failure)))
         finally:

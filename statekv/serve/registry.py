@@ -484,9 +484,10 @@ class StreamRegistry:
             try:
                 self.worker.run_blocking(self.save_now, entry)
             except StateKVError as error:
-                kept = entry.stream.frames + len(entry.stream.pending) - entry.saved["frames"]
-                log.error("cannot save stream %s at shutdown: %s; its %d frames since its last save (%d frames) are "
-                          "lost when the server stops", entry.id, error, max(kept, 0), entry.saved["frames"])
+                since = entry.stream.pushed - entry.saved["pushed"]
+                lost = ("the next start resumes it from its disk-tier folder, at its last durable step" if entry.tier
+                        else f"the {since} frames pushed since its last save are lost when the server stops")
+                log.error("cannot save stream %s at shutdown: %s; %s", entry.id, error, lost)
                 with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
                     entry.write_record(self.files)
 

@@ -34,11 +34,18 @@ router = APIRouter()
 @router.post("/v1/streams/{stream_id}/watches", status_code=201)
 async def create_watch(stream_id: str, request: Request, service: Served) -> dict:
     entry = await service.registry.find(service.keys.require(request), stream_id)
-    settings = watch_settings(await read_json(request, service.config.max_body_bytes))
-    async with service.ask_slots.hold(), entry.lock:  # its first answer is a question: one of --max-asks
+    watch = await open_recorded(service, entry, watch_settings(await read_json(request, service.config.max_body_bytes)))
+    return {"id": watch.id}
+
+
+async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> Any:
+    """Open a watch on ``entry``'s stream (from the API or the page) and record it: its first answer is a question,
+    so it takes one of ``--max-asks`` meanwhile (429 when none is free), and a watch a restart would not bring back
+    (its record cannot be written) is closed again (503)."""
+    async with service.ask_slots.hold(), entry.lock:
         check_here(entry)  # deleted, moved or damaged while the request waited
         watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
-        try:  # a watch a restart would not bring back is not opened
+        try:
             await asyncio.to_thread(entry.write_record, service.registry.files)
         except (OSError, StateKVError) as error:
             await service.worker.run(watch.close)
@@ -46,7 +53,7 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
             log.error("cannot record a new watch of stream %s: %s; it was not opened", entry.id, error)
             raise ServiceError(503, f"cannot record the watch in the state folder ({reason}); it was not opened",
                                headers={"Retry-After": "5"}) from None
-    return {"id": watch.id}
+    return watch
 
 
 @router.get("/v1/streams/{stream_id}/watches")

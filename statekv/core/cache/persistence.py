@@ -22,6 +22,10 @@ from ..storage.host_pages import kept_in
 from ..storage.layer_storage import SAMPLES_PER_STEP
 
 RELEASED = ".released"  # a saved tensor's runs of rows given back (left out of it), `without_released`
+# the tensors that can be saved without released rows: read from buffers an evicting stream gives rows of back
+RELEASABLE = ("keys", "values", "key_codes", "value_codes", "value_scales", "key_scales", "block_keys",
+              "step_samples", "segment_index")
+SHARED_ROWS = {"values": "keys", "keys": "values"}  # saved from one buffer's parts
 
 # The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
 # this module.
@@ -201,9 +205,13 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
                 expected[prefix + "carried_placements"] = ((2, *head, size), torch.long)
     for name in [name for name in tensors if name.endswith(RELEASED)]:
         saved = name.removesuffix(RELEASED)
-        if saved not in expected or saved.rsplit(".", 1)[-1] in ("carried_keys", "carried_values",
-                                                                   "carried_positions", "carried_placements"):
+        layer, _, kind = saved.rpartition(".")
+        if saved not in expected or kind not in RELEASABLE:
             raise InputError(f"the saved state holds unexpected tensors: {name}")
+        partner = SHARED_ROWS.get(kind)  # a buffer's parts share their rows: given back alike
+        other = tensors.get(f"{layer}.{partner}{RELEASED}") if partner else None
+        if partner and not (isinstance(other, torch.Tensor) and torch.equal(other, tensors[name])):
+            raise InputError(f"{name} must list the runs {layer}.{partner}{RELEASED} lists (one buffer holds both)")
         shape, dtype = expected[saved]
         expected[saved] = ((*shape[:2], shape[2] - _released_rows(tensors, saved, shape[2]), *shape[3:]), dtype)
     unexpected = sorted(set(tensors) - set(expected) - {name for name in tensors if name.endswith(RELEASED)})
