@@ -36,9 +36,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, every_frame: str 
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, *,
-                         json_help: str = "print one JSON document instead of text") -> None:
-    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128,
-                        metavar="K", help="longest answer in tokens (default: 128)")
+                         json_help: str = "print one JSON document instead of text", max_new_tokens: int = 128) -> None:
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=max_new_tokens,
+                        metavar="K", help=f"longest answer in tokens (default: {max_new_tokens})")
     parser.add_argument("--json", action="store_true", help=json_help)
 
 

@@ -384,6 +384,17 @@ def test_analyze_command_end_to_end(tiny_video_model, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_analyze_keeps_no_more_distances_apart_than_frames_sampled(tiny_video_model, tmp_path):
+    """Before: --max-distance 1000000000 allocated a column per distance for every layer and step (the process was
+    killed for memory); no two of the frames sampled are farther apart than their count."""
+    checkpoint, video = tiny_video_model
+    out = tmp_path / "report"
+    assert run_cli(["analyze", "--model", str(checkpoint), str(video), "--frames", "3", "--max-fps", "4",
+                    "--no-errors", "--max-distance", "1000000000", "--out", str(out)]) == 0
+    statistics = json.loads((out / "analysis.json").read_text())["statistics"]
+    assert statistics["max_distance"] == 3 and statistics["distance_labels"] == ["1", "2", "3", ">3"]
+
+
 def run_cli(argv: list[str]) -> int:
     """``statekv`` with ``argv``; usage errors end in SystemExit (argparse), input errors in a return code."""
     from statekv.cli import main

@@ -601,3 +601,53 @@ def test_training_threads_beyond_the_cores_are_refused(tmp_path, capsys):
     assert code == 2 and "CPU cores" in _one_line(capsys.readouterr().err)
     assert not (tmp_path / "t").exists()
 
+
+
+def test_training_outputs_named_by_folders_are_refused_before_training(tmp_path, capsys):
+    """Before: a folder named loss.png (or log.jsonl) in --out was a traceback after the training."""
+    for name in (training.LOG_FILE, "loss.png"):
+        out = tmp_path / name.replace(".", "-")
+        (out / name).mkdir(parents=True)
+        code = main(["train-builtin", "--out", str(out), "--threads", "1", "--stop-after", "1"])
+        assert code == 2 and "names a folder" in _one_line(capsys.readouterr().err)
+        assert not (out / training.STATE_FILE).exists()
+
+
+def test_training_from_a_folder_without_weights_is_one_line(tmp_path, capsys):
+    """Before: transformers' own OSError, as a traceback."""
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "config.json").write_text(json.dumps({"model_type": "internvl"}))
+    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "1",
+                 "--init", str(init)])
+    assert code == 2 and "cannot load its weights" in _one_line(capsys.readouterr().err)
+
+
+def test_a_runs_steps_are_those_its_checkpoint_records(tmp_path):
+    """What `statekv train-builtin --stop-after N` reports when it stops: before, N itself, even when the run was
+    already past it."""
+    assert training.trained_steps(tmp_path) == 0
+    torch.save({"step": 30}, tmp_path / training.PREVIOUS_STATE_FILE)
+    (tmp_path / training.STATE_FILE).write_bytes(b"damaged")
+    assert training.trained_steps(tmp_path) == 30
+
+
+def test_analysis_and_flops_outputs_named_by_folders_are_refused_before_the_work(tmp_path, capsys):
+    """Before: a folder named analysis.json in --out (or flops_vs_frames.png in --plot) was a traceback once the
+    work was done, with part of the output written."""
+    video = write_test_video(tmp_path / "v.mp4", frames=2)
+    (tmp_path / "out" / "analysis.json").mkdir(parents=True)
+    code = main(["analyze", "--model", str(tmp_path / "no-model"), str(video), "--out", str(tmp_path / "out")])
+    assert code == 2 and "analysis.json names a folder" in _one_line(capsys.readouterr().err)
+    (tmp_path / "plots" / "flops_vs_frames.png").mkdir(parents=True)
+    code = main(["flops", "--frames", "32", "--models", "internvl3-1b", "--plot", str(tmp_path / "plots")])
+    assert code == 2 and "flops_vs_frames.png names a folder" in _one_line(capsys.readouterr().err)
+
+
+def test_the_demo_refuses_a_plot_it_would_not_draw_and_says_its_own_answer_length(capsys):
+    """Before: --plot with --video was ignored (no plot, no word), and --help said answers were 128 tokens long."""
+    code = main(["demo", "--video", "missing.mp4", "--plot", "p.png"])
+    assert code == 2 and "--plot draws the held-out videos' comparison" in _one_line(capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "longest answer in tokens (default: 16)" in capsys.readouterr().out

@@ -52,6 +52,12 @@ def test_num_sampled_frames_fps_cap_then_frame_cap(total, fps, expected):
     assert num_sampled_frames(total, fps) == expected
 
 
+def test_a_max_fps_near_the_largest_float_is_no_fps_cap():
+    """Before: 300 frames / 30 fps * 1e308 overflowed to infinity, and its floor was an OverflowError."""
+    assert num_sampled_frames(300, 30, max_fps=1e308) == 512  # the frame cap alone
+    assert num_sampled_frames(300, 30, max_fps=1e308, max_frames=40) == 40
+
+
 def test_ten_second_clip_keeps_segment_centres():
     indices = uniform_frame_indices(300, 30)
     assert indices == [14, 44, 74, 104, 134, 164, 193, 223, 253, 283]

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from statekv.console import quiet_libraries
-from statekv.settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir
+from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
+                                     check_output_file)
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -35,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="recency windows in streaming steps: frames, or 2-frame temporal patches for Qwen3-VL "
                              f"(default {' '.join(map(str, DEFAULT_WINDOWS))})")
     parser.add_argument("--max-distance", type=POSITIVE_INT, default=128,
-                        help="frame distances shown apart in the distance heatmap; farther ones share a column")
+                        help="frame distances shown apart in the distance heatmap; farther ones share a column "
+                             "(at most --frames: no two frames sampled are farther apart)")
     parser.add_argument("--per-head", action="store_true", help="also report every statistic per KV head")
     parser.add_argument("--error-budgets", nargs="*", type=POSITIVE_INT, metavar="B",
                         help="StateKV budgets for the approximation error (default: --budgets; none: skip)")
@@ -68,12 +70,15 @@ def run(args: argparse.Namespace) -> int:
     from .video import video_steps
 
     check_output_dir(args.out, "--out")  # before the model loads, not after the whole analysis
+    for name in ("analysis.json", "analysis.md", *(f"analysis_{figure}.png" for figure in plots.FIGURES)):
+        check_output_file(args.out / name, "--out")  # a folder of that name in it, say
     if args.device is not None:
         check_device(args.device, "--device")
     resolve_dtype(args.dtype)
 
     settings = AnalysisSettings(budgets=tuple(args.budgets), windows=tuple(args.recency),
-                                max_distance=args.max_distance, per_head=args.per_head)
+                                max_distance=min(args.max_distance, args.frames),  # none are farther apart
+                                per_head=args.per_head)
     policies = []
     if not args.no_errors:
         error_budgets = positive_integers("error budgets", args.budgets if args.error_budgets is None

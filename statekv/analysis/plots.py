@@ -134,6 +134,9 @@ def plot_errors(errors: dict, path: str | Path, title: str = "") -> Path:
     return _save(fig, path)
 
 
+FIGURES = ("concentration", "oracle", "recency", "distance", "error")  # plot_all's, each ``{prefix}{name}.png``
+
+
 def plot_all(report: dict, out: str | Path, prefix: str = "analysis_") -> list[Path]:
     """Every figure of ``report`` (see :func:`statekv.analysis.report.build_report`) into folder ``out``."""
     out = Path(out)

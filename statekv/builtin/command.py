@@ -37,21 +37,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from statekv.builtin.install import install_weights
     from statekv.builtin.plots import plot_log
-    from statekv.builtin.training import LOG_FILE, Recipe, train
+    from statekv.builtin.training import LOG_FILE, Recipe, train, trained_steps
 
     from statekv.errors import ConfigurationError
-    from statekv.settings.values import check_output_dir
+    from statekv.settings.values import check_output_dir, check_output_file
 
     cores = os.cpu_count() or 1
     if args.threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory
         raise ConfigurationError(f"--threads {args.threads} is more than this machine's {cores} CPU cores")
     check_output_dir(args.out, "--out")
+    for name in (LOG_FILE, "loss.png"):
+        check_output_file(args.out / name, "--out")  # a folder of that name in it, say: refused before training
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     recipe = Recipe()
     model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after, init=args.init)
     plot_log(args.out / LOG_FILE, args.out / "loss.png")
     if not model_dir.is_dir():
-        print(f"stopped at step {args.stop_after} of {recipe.steps}; rerun to go on")
+        print(f"stopped at step {trained_steps(args.out)} of {recipe.steps}; rerun to go on")
         return 0
     print(f"wrote {model_dir} and {args.out / 'loss.png'}")
     if args.install:

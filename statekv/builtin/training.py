@@ -286,7 +286,11 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
     if not (Path(folder) / "config.json").is_file():
         raise DataError(f"{folder}: not a checkpoint folder (no config.json) to start the long-range phase from")
-    return InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
+    try:
+        return InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
+    except (OSError, ValueError) as error:  # no weights beside its config, or weights of another model
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{folder}: cannot load its weights to start the long-range phase from ({reason})") from None
 
 
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
@@ -297,6 +301,16 @@ def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds:
     if (out / STATE_FILE).is_file():
         os.replace(out / STATE_FILE, out / PREVIOUS_STATE_FILE)
     os.replace(temporary, out / STATE_FILE)
+
+
+def trained_steps(out: str | Path) -> int:
+    """The steps a run in ``out`` has done, as its last readable checkpoint records them (0 before its first)."""
+    for path in (Path(out) / STATE_FILE, Path(out) / PREVIOUS_STATE_FILE):
+        try:
+            return int(torch.load(path, weights_only=True, map_location="cpu")["step"])
+        except Exception:  # noqa: BLE001 -- missing or damaged: the one before it, if any
+            continue
+    return 0
 
 
 def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:

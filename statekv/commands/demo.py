@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--trust-remote-code", action="store_true")
-    add_output_arguments(parser)
-    parser.set_defaults(run=run, max_new_tokens=16)
+    add_output_arguments(parser, max_new_tokens=16)
+    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
                                  "own questions: give --video too, or leave --question out")
     if args.question is not None and not args.question.strip():
         raise ConfigurationError("--question is empty")
+    if args.video is not None and args.plot is not None:
+        raise ConfigurationError("--plot draws the held-out videos' comparison, which --video does not run: leave "
+                                 "--plot out with --video")
     if args.draw and args.video is None:  # before a minute of answers, not after
         try:
             if args.plot:

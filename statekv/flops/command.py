@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from statekv.errors import ConfigurationError
-from statekv.settings.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir
+from statekv.settings.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir, check_output_file
 
 DEFAULT_MODELS = ["internvl3-1b", "internvl3-2b", "internvl3-8b"]
 
@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 MAX_FRAMES = 100_000
+FIGURES = ("flops_vs_frames.png", "compute_accuracy_frontier.png")  # what --plot writes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     models = list(PRESETS) if args.models == ["all"] else args.models
     if args.plot:
         check_output_dir(args.plot, "--plot")
+        for name in FIGURES:
+            check_output_file(args.plot / name, "--plot")  # a folder of that name in it, say
     if args.frames > MAX_FRAMES:  # the curves hold per-frame arrays for every model and method
         raise ConfigurationError(f"--frames {args.frames} is more than the {MAX_FRAMES} frames this report "
                                  "covers (over 27 hours at 1 frame per second)")
@@ -118,7 +121,8 @@ def _measure(curves, n_steps: int, score: str) -> list[dict]:
 def _plot(curves, pairs, args) -> list[str]:
     from . import plots, report
 
-    figures = [plots.plot_flops_vs_frames(curves, pairs, args.plot / "flops_vs_frames.png"),
+    curve, frontier = FIGURES
+    figures = [plots.plot_flops_vs_frames(curves, pairs, args.plot / curve),
                plots.plot_frontier(report.frontier(args.benchmark, 512, args.score),
-                                   args.plot / "compute_accuracy_frontier.png", args.benchmark, 512)]
+                                   args.plot / frontier, args.benchmark, 512)]
     return [str(p) for p in figures]

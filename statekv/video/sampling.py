@@ -26,7 +26,8 @@ def num_sampled_frames(total_frames: int, avg_fps: float, *, max_fps: float = 1.
         raise ValueError(f"total_frames must be >= 1, got {total_frames}")
     if avg_fps <= 0 or max_fps <= 0 or max_frames < 1:
         raise ValueError(f"avg_fps and max_fps must be > 0 and max_frames >= 1, got {avg_fps}, {max_fps}, {max_frames}")
-    return min(max(1, math.floor(total_frames / avg_fps * max_fps)), max_frames)
+    wanted = total_frames / avg_fps * max_fps  # past any number for a max_fps near the largest float: no FPS cap
+    return min(max(1, math.floor(wanted)) if math.isfinite(wanted) else max_frames, max_frames)
 
 
 def uniform_frame_indices(
