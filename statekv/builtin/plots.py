@@ -35,7 +35,8 @@ def plot_log(log: Path | str, path: Path | str) -> Path:
     accuracy_ax.axhline(0.25, color="grey", linestyle=":", linewidth=1)
     accuracy_ax.set_ylabel("training accuracy (fresh videos every step)")
     accuracy_ax.set_ylim(0, 1)
-    accuracy_ax.legend(fontsize=7, ncol=2, loc="lower right")
+    if accuracy_ax.get_legend_handles_labels()[1]:  # none before the first step that asks questions
+        accuracy_ax.legend(fontsize=7, ncol=2, loc="lower right")
     for ax in (loss_ax, accuracy_ax):
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

@@ -23,7 +23,7 @@ from ..errors import ConfigurationError, OutputError
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET
-from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT
 
 DEMO_SET = "demo-synthetic-v3"
 DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--frames", type=POSITIVE_INT, default=None, metavar="R",
                         help=f"recency window in frames (default: {BUILTIN_WINDOW} for the built-in model, "
                              f"else {OTHER_WINDOW})")
-    parser.add_argument("--plot", default=None, metavar="PNG",
+    parser.add_argument("--plot", default=None, metavar="PNG", type=PATH,
                         help="where to write the plot (default: demo.png in statekv's cache folder)")
     parser.add_argument("--no-plot", dest="draw", action="store_false", help="write no plot")
     parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="with --video (default: 1)")

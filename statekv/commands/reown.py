@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigurationError
+from ..settings.values import PATH
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "checked against their checksums when it is loaded). A disk-tier folder of format 2 is "
                     "verified as that format, then upgraded to format 3 (a damaged one is refused unchanged).",
     )
-    parser.add_argument("path", metavar="PATH", help="a saved stream file, or a disk-tier stream's folder")
+    parser.add_argument("path", metavar="PATH", type=PATH, help="a saved stream file, or a disk-tier stream's folder")
     parser.add_argument("--owner", default=None, metavar="NAME",
                         help="who owns it (a service's stream: the owner its record, streams/ID.json, names); "
                              "default: no owner")
