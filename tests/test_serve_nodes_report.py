@@ -36,7 +36,7 @@ def test_the_table_shows_each_node_counts_runs_from_bench_serves_json():
     rows = nodes.rows_of(2, {"results": [_row(4, 0.1), _row(8, 2.0)]})
     table = nodes.table(rows).splitlines()
     assert table[0] == nodes.COLUMNS and table[1].count("---:") == table[0].count(" | ") + 1
-    assert table[2] == "| 2 | 2 | 4 | 4 | 4.4 | 0.100 | 0.200 | 0.200 | 4 | 0 | 1.50 |"
+    assert table[2] == "| 2 | 2 | 4 | 4 | 4.0 | 0.100 | 0.200 | 0.200 | 4 | 0 | 1.50 |"  # 4 cameras at 1 fps
     assert table[3].startswith("| 2 | 2 | 8 | 0 | ")  # eight cameras, none held two seconds behind real time
     searched = {"results": [_row(1, 0.1), _row(2, 0.1), _row(4, 2.0), _row(3, 0.1)], "max_streams_held": 3,
                 "search_complete": True}
