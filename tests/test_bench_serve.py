@@ -137,6 +137,29 @@ def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more
     assert document["max_streams_held"] == 4 and document["search_capped"] is True
 
 
+def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_path, capsys):
+    """Before: Ctrl-C in the third run of --streams 1,4,16 lost the first two (no table, no JSON)."""
+    from statekv.cli import main
+
+    def run_or_stop(self, count):
+        if count > 1:
+            raise KeyboardInterrupt
+        self.rows[count] = summarize(_run(_frames(0, 0.1, count=4)), fps=1.0, duration=4.0, targets=Targets(),
+                                     mean_batch=1.0)
+        return self.rows[count]
+
+    monkeypatch.setattr(Probe, "reach", lambda self: None)
+    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
+    monkeypatch.setattr(Probe, "__call__", run_or_stop)
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--streams", "1,4,16",
+                 "--fps", "1", "--duration", "4", "--json", str(out)]) == 130
+    printed = capsys.readouterr().out
+    assert "| 1 | 1 | 1.0 |" in printed and "interrupted: the runs above finished before the stop" in printed
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True and [row["streams"] for row in document["results"]] == [1]
+
+
 class _SlowServer:
     """The stream routes of a server that takes ``push_seconds`` per frame, one frame at a time per stream, and
     answers every question with one token after ``ttft_seconds``, on a loopback port in a thread."""

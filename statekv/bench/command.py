@@ -167,8 +167,11 @@ def run(args: argparse.Namespace) -> int:
     limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)  # --find-max's cap
     client = machine()  # its load before the run adds its own
 
+    probes: list[Probe] = []
+
     def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
         probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
+        probes.append(probe)
         probe.reach()
         probe.warm_up()
         if args.find_max:
@@ -176,35 +179,50 @@ def run(args: argparse.Namespace) -> int:
             return probe.find_max(limit, start=(args.streams or [1])[0], deadline=deadline)
         return [probe(count) for count in args.streams or [1, 4, 16]], None
 
+    def report(rows: list[dict[str, Any]], most: Any, where: dict[str, Any], interrupted: bool = False) -> None:
+        document = {"command": _command(), "machine": client, "server": where,
+                    "settings": {**settings.__dict__, "ttft_target_s": targets.ttft_target,
+                                 "lag_target_s": targets.lag_target, "videos": args.video or None,
+                                 "frame_size": None if args.video else args.frame_size},
+                    "results": rows}
+        if interrupted:
+            document["interrupted"] = True  # the runs finished before the stop; the sweep or search was cut short
+        elif args.find_max:
+            document["max_streams_held"], document["search_complete"] = most
+            document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
+        print(table(rows))
+        if interrupted:
+            print("\ninterrupted: the runs above finished before the stop")
+        elif args.find_max:
+            held, complete = most
+            why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
+            if held >= limit:
+                why = f" (the search's cap, --max-streams {limit})"
+            print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
+                  f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
+        if "json" in outputs:
+            write_json(outputs["json"], document)
+        if "plot" in outputs:
+            plot(rows, outputs["plot"], targets, f"statekv bench serve: {where.get('model') or where.get('url')}, "
+                                                 f"{args.fps:g} fps")
+
     if args.url is not None:
-        rows, most = sweep(args.url.rstrip("/"), key)
         where = {"url": args.url}
     else:
         threads = args.server_threads or omp_threads() or max(1, (os.cpu_count() or 2) - 1)
-        with LocalServer(options, threads=threads) as server:
-            rows, most = sweep(server.url, server.key)
         where = {"model": model, "options": options, "torch_threads": threads}
-    document = {"command": _command(), "machine": client, "server": where,
-                "settings": {**settings.__dict__, "ttft_target_s": targets.ttft_target,
-                             "lag_target_s": targets.lag_target, "videos": args.video or None,
-                             "frame_size": None if args.video else args.frame_size},
-                "results": rows}
-    if args.find_max:
-        document["max_streams_held"], document["search_complete"] = most
-        document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
-    print(table(rows))
-    if args.find_max:
-        held, complete = most
-        why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
-        if held >= limit:
-            why = f" (the search's cap, --max-streams {limit})"
-        print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
-              f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
-    if "json" in outputs:
-        write_json(outputs["json"], document)
-    if "plot" in outputs:
-        plot(rows, outputs["plot"], targets, f"statekv bench serve: {where.get('model') or where.get('url')}, "
-                                             f"{args.fps:g} fps")
+    try:
+        if args.url is not None:
+            rows, most = sweep(args.url.rstrip("/"), key)
+        else:
+            with LocalServer(options, threads=threads) as server:
+                rows, most = sweep(server.url, server.key)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs that finished are reported, then the stop goes on
+        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []
+        if finished:
+            report(finished, None, where, interrupted=True)
+        raise
+    report(rows, most, where)
     return 0
 
 
