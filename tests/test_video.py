@@ -264,6 +264,15 @@ def test_truncated_file_without_index(clip, tmp_path):
     assert "not a readable video file" in str(_error_for(path))
 
 
+def test_a_file_cut_inside_its_index_says_so(clip, tmp_path):
+    """Before: "the file has no video stream", for a video whose index alone was cut short."""
+    data = clip.read_bytes()
+    path = tmp_path / "cut.mp4"
+    path.write_bytes(data[: data.find(b"moov") + 100])
+    message = str(_error_for(path))
+    assert "no video stream" in message and "cut short before its index was written" in message
+
+
 def test_truncated_file_with_index_up_front(tmp_path):
     path = bad_videos.cut_after_header(tmp_path)
     assert open_video(path).num_frames == 60  # the header still promises every frame

@@ -173,7 +173,8 @@ class FileVideo(Video):
 
     def _video_stream(self, container: Any) -> Any:
         if not container.streams.video:
-            raise VideoError(f"{self.name}: the file has no video stream")
+            raise VideoError(f"{self.name}: the file has no video stream (or no index of its streams: an MP4 cut "
+                             "short before its index was written reads so)")
         return container.streams.video[0]
 
     def _count_packets(self, container: Any, stream: Any) -> int:
