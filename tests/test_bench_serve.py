@@ -116,6 +116,13 @@ def test_a_server_that_answers_its_model_list_with_an_error_is_named_before_any_
         probe.reach()
 
 
+def _probe_runs(monkeypatch, run) -> None:
+    """The command's runs are ``run(probe, count)``, with no server to reach or warm up."""
+    monkeypatch.setattr(Probe, "reach", lambda self: None)
+    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
+    monkeypatch.setattr(Probe, "__call__", run)
+
+
 def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more(monkeypatch, tmp_path, capsys):
     from statekv.cli import main
 
@@ -126,9 +133,7 @@ def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more
                                      mean_batch=1.0)
         return self.rows[count]
 
-    monkeypatch.setattr(Probe, "reach", lambda self: None)
-    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
-    monkeypatch.setattr(Probe, "__call__", held)
+    _probe_runs(monkeypatch, held)
     out = tmp_path / "search.json"
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--find-max", "--max-streams", "4",
                  "--fps", "1", "--json", str(out)]) == 0
@@ -148,9 +153,7 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
                                      mean_batch=1.0)
         return self.rows[count]
 
-    monkeypatch.setattr(Probe, "reach", lambda self: None)
-    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
-    monkeypatch.setattr(Probe, "__call__", run_or_stop)
+    _probe_runs(monkeypatch, run_or_stop)
     out = tmp_path / "sweep.json"
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--streams", "1,4,16",
                  "--fps", "1", "--duration", "4", "--json", str(out)]) == 130

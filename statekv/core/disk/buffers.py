@@ -17,7 +17,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from ..storage.buffers import TokenBuffer
-from ..storage.host_pages import ReleasedRuns, kept_in
+from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -128,13 +128,8 @@ class MappedTokenBuffer:
         self.length = 0
         self.crc = 0
         self.released = ReleasedRuns()
-        length = parts[0].shape[2] + sum(end - start for start, end in released)
-        if not length:
-            return
-        self.reserve(parts[0], length)
-        for (start, end), at in kept_in(released, length):
-            self.write(start, *(part[:, :, at: at + end - start] for part in parts))
-        for start, end in released:
+        length = write_kept(self, parts, released)
+        for start, end in released:  # never written since the files were emptied: holes already
             self.released.add(start, end)
         self.length = length
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_pages import ReleasedRuns, free_rows, kept_in
+from .host_pages import ReleasedRuns, free_rows, write_kept
 
 
 class TokenBuffer:
@@ -108,12 +108,7 @@ class TokenBuffer:
         (ascending ``[start, end)`` runs, as a saved state lists them) the slots outside those runs, in order; the
         released slots read as zeros and, in host memory, are never written."""
         self.tensors, self.length, self.released = None, 0, ReleasedRuns()
-        length = parts[0].shape[2] + sum(end - start for start, end in released)
-        if not length:
-            return
-        self.reserve(parts[0], length)
-        for (start, end), at in kept_in(released, length):
-            self.write(start, *(part[:, :, at: at + end - start] for part in parts))
+        length = write_kept(self, parts, released)
         for start, end in released:
             self.release(start, end)
         self.length = length

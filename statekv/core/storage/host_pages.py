@@ -64,12 +64,29 @@ def kept_in(released: Sequence[tuple[int, int]], length: int) -> list[tuple[tupl
     return kept
 
 
+def whole_length(parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> int:
+    """The rows of a buffer saved as ``parts`` ``[B, H_kv, kept, X]`` without its ``released`` runs."""
+    return parts[0].shape[2] + sum(end - start for start, end in released)
+
+
+def write_kept(buffer, parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> int:
+    """Write ``parts`` (a buffer's rows outside ``released``, see `kept_in`) into the empty ``buffer`` (a
+    `TokenBuffer`'s ``reserve``/``write``) at their places; returns the whole length (the caller releases the runs
+    and sets it)."""
+    length = whole_length(parts, released)
+    if length:
+        buffer.reserve(parts[0], length)
+        for (start, end), at in kept_in(released, length):
+            buffer.write(start, *(part[:, :, at: at + end - start] for part in parts))
+    return length
+
+
 def with_released(parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     """Tensors ``[B, H_kv, kept, X]`` holding the rows outside ``released`` (see `kept_in`) as whole tensors
     ``[B, H_kv, length, X]``, the released rows zeros."""
     if not released:
         return tuple(parts)
-    length = parts[0].shape[2] + sum(end - start for start, end in released)
+    length = whole_length(parts, released)
     whole = []
     for part in parts:
         rows = part.new_zeros(*part.shape[:2], length, part.shape[3])
