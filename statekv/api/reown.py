@@ -6,7 +6,7 @@ A saved file is verified first as loading verifies it (a damaged file is refused
 description, journal and last checkpoint's carried state are (a file set one of whose files another stream's set
 holds is refused too), its cache's rows are checked against their checksums when it is loaded. A file set of format
 2 is checked as that format (its journal and last checkpoint's carried state: a damaged one is refused with nothing
-written), then bound as format 3 binds its files (`statekv.core.disk.files.upgrade_file_set`) and verified. Then who
+written), then bound as format 4 binds its files (`statekv.core.disk.files.upgrade_file_set`) and verified. Then who
 owns it is recorded anew under this installation's secret: ``owner`` (None: no owner). Its id and creation are kept
 (given ones where it recorded none). Whoever runs it vouches for the file: re-own only what you trust.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.disk.files import (FILE_SET, FORMAT_VERSION as SET_VERSION, MANIFEST, check_file_set, hold, read_checked,
+from ..core.disk.files import (FILE_SET, MANIFEST, READ_VERSIONS as SET_VERSIONS, check_file_set, hold, read_checked,
                                read_file_set, read_manifest, upgrade_file_set, write_checked)
 from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
@@ -64,7 +64,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             manifest = upgrade_file_set(folder) if version == 2 else read_manifest(folder)
         except OSError as error:
             raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
-        if version == SET_VERSION:
+        if version in SET_VERSIONS:
             check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
         journal = read_file_set(folder)
         check_durable(folder, journal)

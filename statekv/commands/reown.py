@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "would (a damaged file is refused); a disk-tier folder's manifest, journal and carried state "
                     "(a damaged one, or one holding another stream's files, is refused; its cache's rows are "
                     "checked against their checksums when it is loaded). A disk-tier folder of format 2 is "
-                    "verified as that format, then upgraded to format 3 (a damaged one is refused unchanged).",
+                    "verified as that format, then upgraded to format 4 (a damaged one is refused unchanged).",
     )
     parser.add_argument("path", metavar="PATH", type=PATH, help="a saved stream file, or a disk-tier stream's folder")
     parser.add_argument("--owner", default=None, metavar="NAME",

@@ -1,8 +1,8 @@
 """A disk tier's file set as written and read back: its descriptions, each vouching for itself with the SHA-256 of
 its fields (`write_checked`, `read_checked`, `read_description`) and naming the file set it belongs to (its
 manifest's ``file_set``, `check_file_set`), its one owner's lock (`hold`), and its journal, whose first record names
-the file set too, read up to the last checkpoint (`read_file_set`: a `Journaled`). See `statekv.core.disk.tier` for
-the file set.
+the file set too, read up to the last checkpoint (`read_file_set`: a `Journaled`), and compacted
+(`compacted_journal`). See `statekv.core.disk.tier` for the file set.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from typing import Any
 from ...errors import InputError
 from ...flushing import write_flushed
 from ...locks import FolderLock
+from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps
 
 FORMAT = "statekv-disk-cache"
-FORMAT_VERSION = 3  # 2: its files not bound to each other (no file_set); 1: the carried state journaled every step
+# 4: its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its files not bound to each other
+# (no file_set); 1: the carried state journaled every step
+FORMAT_VERSION = 4
+READ_VERSIONS = (3, FORMAT_VERSION)
 FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
@@ -96,17 +100,20 @@ def check_file_set(folder: Path, file: str, described: dict[str, Any], file_set:
                          "another stream")
 
 
-def read_description(folder: Path, file: str, form: str, version: int, what: str) -> dict[str, Any]:
-    """The JSON object ``folder/file`` if it declares ``form`` at ``version`` and matches its checksum; a one-line
-    `InputError` naming ``what`` it is not otherwise."""
+def read_description(folder: Path, file: str, form: str, version: int | tuple[int, ...],
+                     what: str) -> dict[str, Any]:
+    """The JSON object ``folder/file`` if it declares ``form`` at ``version`` (or one of them) and matches its
+    checksum; a one-line `InputError` naming ``what`` it is not otherwise."""
     try:
         described = json.loads((folder / file).read_text())
     except (OSError, ValueError, RecursionError):
         raise InputError(f"{folder}: not a {what} (no readable {file})") from None
     if not isinstance(described, dict) or described.get("format") != form:
         raise InputError(f"{folder}: not a {what}")
-    if described.get("version") != version:
-        raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads {version}")
+    versions = version if isinstance(version, tuple) else (version,)
+    if described.get("version") not in versions:
+        raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads "
+                         f"{' and '.join(map(str, versions))}")
     return read_checked(folder / file)
 
 
@@ -126,6 +133,8 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
     except OSError:
         raise InputError(f"{folder}: the disk cache has no journal") from None
     steps, records, offset = [], [], 0  # records: (end offset, record) of everything but steps
+    folded: dict[int, dict[str, Any]] = {}  # the compacted steps not yet reached, by step
+    compacted: list[int] = []
     lines = data.split(b"\n")
     header = _record(lines[0]) if len(lines) > 1 else None
     named = header is not None and set(header) == {FILE_SET}  # format 2: only where an upgrade was cut short
@@ -143,15 +152,30 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
                 break
             raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}")
         offset += len(line) + 1
+        if COMPACTED in record:
+            try:
+                for step in folded_steps(record):
+                    folded[step["step"]] = step
+                    compacted.append(step["step"])
+            except ValueError as error:
+                raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}: its compacted "
+                                 f"steps do not read ({error})") from None
         if "step" in record:
+            while len(steps) in folded:
+                steps.append(folded.pop(len(steps)))
             if record["step"] != len(steps):
                 raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after "
                                  f"{len(steps)} steps")
             steps.append(record)
         records.append((offset, record))
+    while len(steps) in folded:
+        steps.append(folded.pop(len(steps)))
+    if folded:
+        raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps skip step {len(steps)}")
     journal = Journaled(manifest)
     if latest:
         journal.steps = steps
+        journal.evicted.extend(step for step in compacted if step < len(steps))
         for record in (record for _, record in records if "evict" in record):
             journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
         return journal
@@ -161,11 +185,12 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         return journal if not steps else _no_checkpoint(folder)
     journal.end, journal.carry = records[checkpoint]
     journal.steps = steps[: journal.carry["carry"] + 1]
+    journal.evicted.extend(step for step in compacted if step < len(journal.steps))  # written before any checkpoint
     for index, (_, record) in enumerate(records):
         if "evict" in record:
             evicted = [int(s) for s in record["evict"] if int(s) < len(journal.steps)]
             (journal.evicted if index < checkpoint else journal.later_evictions).extend(evicted)
-        elif index > checkpoint and "step" not in record and "carry" not in record:
+        elif index > checkpoint and "step" not in record and "carry" not in record and COMPACTED not in record:
             journal.after.append(record)
     return journal
 
@@ -173,10 +198,55 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The verified manifest of the file set in ``folder`` (naming the file set, ``file_set``); a one-line
     `InputError` if it is not one of this format."""
-    manifest = read_description(folder, MANIFEST, FORMAT, FORMAT_VERSION, "statekv disk cache")
+    manifest = read_description(folder, MANIFEST, FORMAT, READ_VERSIONS, "statekv disk cache")
     if not isinstance(manifest.get(FILE_SET), str) or not manifest[FILE_SET]:
         raise InputError(f"{folder}: the disk cache is damaged: {MANIFEST} does not name its file set")
     return manifest
+
+
+def journal_line(record: dict[str, Any]) -> bytes:
+    """``record`` as a line of the journal: the CRC-32 of its JSON, then its JSON."""
+    text = json.dumps(record, separators=(",", ":"), allow_nan=False)
+    return f"{zlib.crc32(text.encode()):08x} {text}\n".encode()
+
+
+def compacted_journal(data: bytes) -> bytes | None:
+    """The journal ``data`` compacted (`statekv.core.disk.compaction`): its first record; one ``compacted`` record
+    standing for its evicted steps up to its last checkpoint (but the checkpoint's own step and those a successor
+    replays); the other steps' records up to the checkpoint as they were, and one ``evict`` record of the other
+    evicted steps; from the checkpoint's record on, every line as it was. None when no step record is left to
+    fold, or ``data`` does not read as a whole journal."""
+    lines = data.split(b"\n")
+    if len(lines) < 3 or lines[-1]:
+        return None
+    records = [_record(line) for line in lines[:-1]]
+    carries = [index for index, record in enumerate(records) if record is not None and "carry" in record]
+    if not carries or any(record is None for record in records):
+        return None
+    last, steps, evicted = carries[-1], {}, set()
+    try:
+        for line, record in zip(lines[1:last], records[1:last]):
+            if COMPACTED in record:
+                for step in folded_steps(record):
+                    steps[step["step"]] = (None, step)
+                    evicted.add(step["step"])
+            elif "step" in record:
+                steps[int(record["step"])] = (line, record)
+            elif "evict" in record:
+                evicted.update(int(step) for step in record["evict"])
+    except (ValueError, TypeError):
+        return None
+    upto = records[last]["carry"]
+    fold = {step for step in evicted if step in steps and (steps[step][0] is None or (
+        step < upto and BACKLOG not in steps[step][1]))}
+    if not any(steps[step][0] is not None for step in fold):
+        return None
+    kept = [lines[0], journal_line(compacted_record([steps[step][1] for step in sorted(fold)])).rstrip(b"\n")]
+    kept.extend(steps[step][0] for step in sorted(steps) if step not in fold)
+    others = sorted((evicted & set(steps)) - fold)
+    if others:
+        kept.append(journal_line({"evict": others}).rstrip(b"\n"))
+    return b"\n".join(kept + lines[last:])
 
 
 def journal_header(file_set: str) -> dict[str, Any]:
@@ -202,7 +272,7 @@ def _record(line: bytes) -> dict[str, Any] | None:
 
 # -- format 2, whose files named no file set ------------------------------------------------------------------
 def upgrade_file_set(folder: Path) -> dict[str, Any]:
-    """Bind the files of a format-2 file set in ``folder`` to each other as format 3 does: a new ``file_set`` id in
+    """Bind the files of a format-2 file set in ``folder`` to each other as format 4 does: a new ``file_set`` id in
     every layer description, the journal's first record and, last, the manifest (so an upgrade cut short is still
     format 2, and run again). Its caller holds the set's lock and vouches for its files: before, nothing told a file
     swapped in from another set apart. Returns the new manifest's fields; a one-line `InputError` if it is not a
@@ -220,9 +290,8 @@ def upgrade_file_set(folder: Path) -> dict[str, Any]:
         file_set = uuid.uuid4().hex
     for described in sorted(folder.glob("layer*.bin.json")):
         write_checked(described, {**read_checked(described), FILE_SET: file_set})
-    text = json.dumps(journal_header(file_set), separators=(",", ":"))
     partial = folder / f"{JOURNAL}.partial"
-    write_flushed(partial, f"{zlib.crc32(text.encode()):08x} {text}\n".encode() + data)
+    write_flushed(partial, journal_line(journal_header(file_set)) + data)
     os.replace(partial, folder / JOURNAL)
     manifest = {**manifest, "version": FORMAT_VERSION, FILE_SET: file_set,
                 "created": manifest.get("created") or datetime.datetime.now(datetime.timezone.utc).isoformat()}

@@ -27,12 +27,12 @@ import torch
 
 from ...errors import InputError, OutputError
 from .buffers import pwrite_all
+from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
 from .tier import DiskTier
 
 BACKLOG_FILE = "backlog.bin"
 HANDOVER_MARKER = "handover.json"
-BACKLOG = "backlog"  # a step record's field: ``[offset, bytes, crc]`` of its embeddings in the backlog file
 
 
 class BacklogFile:

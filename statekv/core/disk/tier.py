@@ -24,6 +24,12 @@ stream saved, synced or closed loses nothing. Written data reaches the kernel at
 to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
 paid once per checkpoint.
 
+Bounded: a stream evicting under a cap gives up its oldest steps' rows, but each step's journal line used to stay,
+so the journal (counted under the cap) grew until it alone filled it. After a checkpoint, once at least
+``checkpoint_steps`` steps were evicted since the last compaction and the journal has doubled since, `compact`
+rewrites it with the evicted steps' records folded into one record of runs (`statekv.core.disk.compaction`),
+beside it and renamed over it.
+
 One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
 ``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
 is refused with one line naming the holder, whatever becomes of the ``lock`` file. Before each write that a
@@ -47,7 +53,7 @@ backlog (``backlog.bin``) and its successor's file set (a subfolder until its ha
 from __future__ import annotations
 
 import datetime
-import json
+import logging
 import os
 import shutil
 import uuid
@@ -62,7 +68,10 @@ from ...errors import OutputError
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
-from .files import FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, hold, journal_header, write_checked
+from .files import (FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold, journal_header,
+                    journal_line, write_checked)
+
+log = logging.getLogger("statekv")
 
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
 
@@ -105,6 +114,10 @@ class DiskTier:
         self.carry_growth = 0  # bytes the journal grew by at the last checkpoint, besides its step's record
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
+        # compacted (`compact`) once this many steps were evicted since it was last, and it has doubled since
+        self.evictions = 0
+        self._compacted_size = os.fstat(self._journal).st_size
+        self.compact_failed = False  # said once in the log
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
         # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
         # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
@@ -197,8 +210,7 @@ class DiskTier:
         """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
         disk) not at all."""
         self.check_owner()
-        text = json.dumps(record, separators=(",", ":"), allow_nan=False)
-        data = memoryview(f"{zlib.crc32(text.encode()):08x} {text}\n".encode())
+        data = memoryview(journal_line(record))
         end = os.fstat(self._journal).st_size
         try:
             while len(data):
@@ -209,6 +221,46 @@ class DiskTier:
             except OSError:
                 pass
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+        if "evict" in record:
+            self.evictions += len(record["evict"])
+
+    def compact(self) -> None:
+        """Replace the journal by itself compacted (`statekv.core.disk.files.compacted_journal`: the records of
+        evicted steps folded into one), written beside it and renamed over it, so a kill leaves one or the other
+        whole. A journal that cannot be rewritten (a full disk) is left as it was, with one line in the log."""
+        self.check_owner()
+        path, partial = self.folder / JOURNAL, self.folder / f"{JOURNAL}.partial"
+        size = os.fstat(self._journal).st_size
+        self.evictions, self._compacted_size = 0, size
+        try:
+            compacted = compacted_journal(path.read_bytes())
+            if compacted is None:
+                return
+            if self.manifest.get("version", FORMAT_VERSION) != FORMAT_VERSION:  # read by this statekv on
+                write_checked(self.folder / MANIFEST, {**self.manifest, "version": FORMAT_VERSION})
+                self.manifest = {**self.manifest, "version": FORMAT_VERSION}
+            journal = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        except OSError as error:
+            self._compaction_failed(error)
+            return
+        try:
+            pwrite_all(journal, memoryview(compacted), 0)
+            os.fsync(journal)
+            os.replace(partial, path)
+        except OSError as error:
+            os.close(journal)
+            partial.unlink(missing_ok=True)
+            self._compaction_failed(error)
+            return
+        os.close(self._journal)
+        self._journal, self._compacted_size = journal, len(compacted)
+        self._size_before -= size - len(compacted)  # a step's growth leaves the compaction out
+
+    def _compaction_failed(self, error: OSError) -> None:
+        if not self.compact_failed:
+            self.compact_failed = True
+            log.warning("%s: cannot compact the disk cache's journal (%s); it keeps growing with every step",
+                        self.folder, error.strerror or error)
 
     def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
         """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
@@ -273,7 +325,10 @@ class DiskTier:
         self.checkpointed = self.last_step
         for record in self.waiting():
             self.append(record)
-        self.carry_growth = os.fstat(self._journal).st_size - before
+        size = os.fstat(self._journal).st_size
+        self.carry_growth = size - before
+        if self.evictions >= self.checkpoint_steps and size >= 2 * self._compacted_size:
+            self.compact()
 
     def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
                        placements: list[list[int]] | None = None) -> None:
