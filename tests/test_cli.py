@@ -315,6 +315,21 @@ def test_answer_stats_print_each_stage(files, capsys):
     assert all(f"{stage} " in out for stage in ("decode", "vision", "language"))
 
 
+def test_answer_refuses_an_answer_longer_than_its_room_naming_the_flags(files, capsys):
+    base = ["answer", str(files["video"]), "Why is the sky shown here?", "--model", str(files["model"])]
+    for answer, reserve in (("99999999999", "1024"), ("38", "40")):
+        assert main([*base, "--max-new-tokens", answer, "--reserve-tokens", reserve]) == 2
+        message = _one_line_error(capsys.readouterr().err)
+        assert f"answer ({answer}) do not fit in the {reserve} tokens kept after the video" in message
+        assert "raise --reserve-tokens or lower --max-new-tokens" in message and "VideoQA" not in message
+
+
+def test_triton_attention_off_cuda_is_refused_before_the_first_step(files, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--attention", "triton"]) == 2
+    assert "attention 'triton' runs on CUDA, and the model is on cpu" in _one_line_error(capsys.readouterr().err)
+
+
 def test_stream_saves_what_it_streamed_before_a_broken_frame(files, tmp_path, capsys):
     broken = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
     saved = tmp_path / "kept.safetensors"

@@ -224,8 +224,8 @@ def test_break_even_reads_the_requested_curve_of_prefill_results():
 def test_cli_json_parses_and_holds_curves_and_break_even(capsys):
     from statekv.cli import main
 
-    argv = ["flops", "--json", "--frames", "64", "--models", "internvl3-1b", "qwen3-vl-2b", "--budgets", "256",
-            "--recency", "2", "--at", "1", "64"]
+    argv = ["flops", "--json", "--frames", "64", "--models", "internvl3-1b", "qwen3-vl-2b", "internvl3-1b",
+            "--budgets", "256", "--recency", "2", "--at", "1", "64"]  # a model named twice is reported once
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     labels = [c["label"] for c in out["curves"]]

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
-    from ..errors import CacheLimitError, InputError
+    from ..errors import CacheLimitError, InputError, QuestionTooLong
     from ..video import open_video
 
     if not all(question.strip() for question in args.questions):
@@ -48,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
             raise
         video, stopped = error.encoded, one_line(error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
-    answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
+    try:
+        answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
+    except QuestionTooLong as error:
+        raise InputError(f"the question ({error.prompt} tokens) and answer ({error.answer}) do not fit in the "
+                         f"{error.room} tokens kept after the video: raise --reserve-tokens or lower "
+                         "--max-new-tokens") from None
     stats = video.stats
     if args.json:
         print_json({"video": args.video, "model": args.model, "method": args.method, "budget": options.budget,

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from .memory import cache_table, format_cache_table
     from .presets import PRESETS
 
-    models = list(PRESETS) if args.models == ["all"] else args.models
+    models = list(PRESETS) if args.models == ["all"] else list(dict.fromkeys(args.models))  # each once, in order
     if args.plot:
         check_output_dir(args.plot, "--plot")
         for name in FIGURES:

@@ -147,6 +147,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ConfigurationError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         return "triton" if device.type == "cuda" and _triton_importable() else "chunked"
+    if backend == "triton" and device.type != "cuda":
+        from statekv.kernels.availability import interpreter_requested
+
+        if not interpreter_requested():
+            raise ConfigurationError(f"attention 'triton' runs on CUDA, and the model is on {device.type}: choose "
+                                     "'chunked' or 'eager' (or set TRITON_INTERPRET=1 to interpret it, slowly)")
     return backend
 
 
