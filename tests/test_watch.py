@@ -75,6 +75,15 @@ def test_a_watch_opened_after_a_dropped_frame_dates_its_answer_by_the_last_frame
     loaded = statekv.Stream.load(stream.save(tmp_path / "s.safetensors"), qa)  # kept with the stream
     assert loaded.kept_timestamp == 1.0 and loaded.last_timestamp == 1.5
     assert loaded.watches[0].last_seconds == 1.0
+    disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "tier"))
+    tiered = statekv.Stream.load(tmp_path / "s.safetensors", disk)  # into the disk tier, then resumed from there
+    folder = tiered.prefill.disk.folder
+    tiered.close()
+    resumed = statekv.Stream.load(folder, disk)
+    assert resumed.kept_timestamp == 1.0 and resumed.last_timestamp == 1.5
+    resumed.push(frames[3], 2.0)  # the step's own frame is kept, and so is its time once resumed again
+    resumed.close()
+    assert statekv.Stream.load(folder, disk).kept_timestamp == 2.0
     stream.close()
     loaded.close()
 

@@ -38,6 +38,7 @@ from ..video import Frame
 
 log = logging.getLogger("statekv")
 
+KEPT_TIMESTAMP = "kept_timestamp"  # of a saved stream's last step loaded into the tier: its last kept frame's time
 REPLAYED = ("state", "frames", "last_frame")  # of a step's record, what its successor's replay journals too
 
 
@@ -183,13 +184,14 @@ class Durability:
             self.backlog.close()
 
     def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
-               pending: list[Frame]) -> None:
+               pending: list[Frame], kept_timestamp: float | None) -> None:
         """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
-        steps, its layout ``state`` and the last frame it streamed), and its ``pending`` frames as pushed, so the
-        file set can itself be resumed."""
+        steps, its layout ``state``, the last frame it streamed and the time of the last it kept), and its
+        ``pending`` frames as pushed, so the file set can itself be resumed."""
         if self.tier is None:
             return
-        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame})  # with placements
+        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame,  # with placements
+                                             KEPT_TIMESTAMP: kept_timestamp})
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
 
@@ -285,6 +287,8 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         index, timestamp = framed[-1]
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
         stream.kept_timestamp = stream.last_timestamp
+    if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file whose last frame was dropped
+        stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
         if stream.max_fps is not None:
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)

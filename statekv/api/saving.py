@@ -168,7 +168,8 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
         last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
     # loaded into the disk tier: its new file set can itself be resumed
     try:
-        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending)
+        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending,
+                                 stream.kept_timestamp)
         restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
         stream.close()  # a file set that could not take the state is removed: nothing half-written stays
