@@ -333,6 +333,27 @@ def test_a_disk_tier_stream_stays_under_its_cap_at_every_checkpoint(adapter, tmp
         stream.close()
 
 
+def test_refused_frames_leave_no_trace_in_a_disk_tier_stream(adapter, tmp_path):
+    """Before: each refused push left its journal record, so a camera pushing on into a full stream grew its
+    journal (which the cap counts) past the cap, and a resumed stream counted the refused frames lost."""
+    stream = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=60_000).stream()
+    frames, refused = random_frames(60), 0
+    for frame in frames:
+        try:
+            stream.push(frame)
+        except CacheLimitError:
+            refused += 1
+            if refused == 1:
+                journal = (stream.prefill.disk.folder / "journal").stat().st_size
+    assert refused > 20 and (stream.prefill.disk.folder / "journal").stat().st_size == journal
+    assert stream.prefill.stats.held_bytes <= 60_000
+    folder, kept = stream.prefill.disk.folder, stream.frames
+    stream.close()
+    resumed = Stream.load(folder, tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path))
+    assert (resumed.frames, resumed.frames_lost) == (kept, 0)
+    resumed.close()
+
+
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     lengths, per_token, per_step = _steps(adapter, 5)
     cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step

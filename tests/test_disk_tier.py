@@ -373,3 +373,21 @@ def test_frames_waiting_for_their_batch_at_a_checkpoint_are_counted_lost(adapter
             resumed = Stream.load(folder, qa)
             assert resumed.frames + resumed.frames_lost == pushed, (pushed, folder.name)
             resumed.close()
+
+
+def test_a_resumed_folder_keeps_its_frame_rate_clock(adapters, tmp_path):
+    """A stream under max_fps closed and resumed from its folder drops the frames the stream that never stopped
+    drops (its clock, ``next_tick``, is the last kept frame's)."""
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    frames = random_frames(30)
+    whole, stopped = qa.stream(max_fps=2), qa.stream(max_fps=2)
+    kept = [whole.push(frame, 0.3 * index) for index, frame in enumerate(frames)]
+    again = [stopped.push(frame, 0.3 * index) for index, frame in enumerate(frames[:17])]
+    folder, tick = stopped.prefill.disk.folder, stopped.next_tick
+    stopped.close()
+    resumed = Stream.load(folder, qa)
+    assert resumed.next_tick == tick and resumed.frames_lost == 0
+    again += [resumed.push(frame, 0.3 * index) for index, frame in enumerate(frames[17:], start=17)]
+    assert again == kept and resumed.frames == whole.frames
+    whole.close()
+    resumed.close()

@@ -52,6 +52,7 @@ class Durability:
         self.tier, self.records_frames = tier, records_frames
         self.backlog = None if tier is None else BacklogFile(tier)  # a handover stream's, before its handover
         self.waiting: Callable[[], Sequence[Frame]] = list  # the video's frames kept but not yet streamed
+        self.last_push: tuple[int, int, int] | None = None  # the last push record: frame, journal before, after
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
@@ -80,7 +81,21 @@ class Durability:
     def pushed(self, frame: Frame) -> None:
         """Journal a kept frame: a resumed stream counts it lost unless a step journals it."""
         if self.tier is not None:
+            before = self.tier.journal_bytes
             self.tier.append(push_record(frame))
+            self.last_push = (frame.index, before, self.tier.journal_bytes)
+
+    def withdrawn(self, frame: Frame) -> None:
+        """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
+        if nothing was journaled after it, so refused frames do not grow the journal."""
+        if self.tier is not None and self.last_push is not None:
+            index, before, after = self.last_push
+            if index == frame.index and self.tier.owned and self.tier.journal_bytes == after:
+                try:
+                    self.tier.truncate_journal(before)
+                except OSError:  # kept: a resume then counts the frame lost, which it was
+                    pass
+            self.last_push = None
 
     def step_record(self, after: LayoutState, frames: int, last: Frame | None) -> dict[str, Any] | None:
         """What the engine journals with a step of ``frames`` frames (``last`` the step's last frame, None for
@@ -287,10 +302,10 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         index, timestamp = framed[-1]
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
         stream.kept_timestamp = stream.last_timestamp
-    if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file whose last frame was dropped
-        stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
         if stream.max_fps is not None:
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
+    if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file whose last frame was dropped
+        stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
     if stream.frames_lost:
         log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",

@@ -274,7 +274,7 @@ class Stream(EncodedVideo):
         pending)."""
         self.pending = self.pending[sum(len(group) for group in job.groups[:job.streamed]):]
         if failed and offered and job.streamed < len(job.groups):
-            self.pending.pop()
+            self.durability.withdrawn(self.pending.pop())
 
     def encode_pending(self, complete_steps_only: bool = False, *, offered: bool = False) -> None:
         """Encode the pending frames (see `pending_job`), one vision call for all, batched by the `VideoQA`'s

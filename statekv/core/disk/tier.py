@@ -400,6 +400,11 @@ class DiskTier:
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
 
+    @property
+    def journal_bytes(self) -> int:
+        """The journal's length."""
+        return os.fstat(self._journal).st_size
+
     def truncate_journal(self, end: int) -> None:
         """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
         os.ftruncate(self._journal, end)
