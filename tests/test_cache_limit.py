@@ -354,6 +354,57 @@ def test_refused_frames_leave_no_trace_in_a_disk_tier_stream(adapter, tmp_path):
     resumed.close()
 
 
+@pytest.mark.parametrize("where", ["file", "folder"])
+@pytest.mark.parametrize("policy", ["evict-oldest", "evict-least-attended"])
+def test_an_evicting_stream_resumed_goes_on_as_the_stream_that_never_stopped(adapter, where, policy, tmp_path,
+                                                                            monkeypatch):
+    """Saved to a file and loaded, or closed and resumed from its disk-tier folder, an evicting stream evicts what
+    the stream that never stopped evicts and answers alike. Before: evict-least-attended's tally of attention per
+    step was neither saved nor checkpointed, so a resumed stream ranked every earlier step zero."""
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)  # the stream stops at a checkpoint: its folder resumes whole
+    settings = dict(offload=True, max_cache_bytes=200_000) if where == "file" else dict(
+        offload="disk", offload_dir=tmp_path / "tier", max_cache_bytes=200_000)
+    qa = tiny_qa(adapter, "statekv", cache_limit=policy, **settings)
+    frames = random_frames(70)
+    whole, stopped = qa.stream(), qa.stream()
+    for frame in frames:
+        whole.push(frame)
+    for frame in frames[:39]:  # steps 0 (the prompt prefix) to 39, evicting already
+        stopped.push(frame)
+    assert stopped.prefill.cache.evicted_steps
+    if where == "file":
+        resumed = Stream.load(stopped.save(tmp_path / "s.safetensors"), qa)
+    else:
+        stopped.close()
+        resumed = Stream.load(stopped.prefill.disk.folder, qa)
+    for frame in frames[39:]:
+        resumed.push(frame)
+    assert len(whole.prefill.cache.evicted_steps) > 30
+    assert resumed.prefill.cache.evicted_steps == whole.prefill.cache.evicted_steps
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2),
+                       whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
+
+
+def test_a_damaged_attention_tally_is_refused_with_one_line(adapter):
+    from statekv.core.cache.persistence import check_state_dict
+
+    stream = tiny_qa(adapter, "statekv", offload=True, max_cache_bytes=200_000,
+                     cache_limit="evict-least-attended").stream()
+    for frame in random_frames(6):
+        stream.push(frame)
+    tensors, metadata = stream.prefill.state_dict()
+    tally = metadata["attention_tally"]
+    assert tally["steps"] and len(tally["steps"]) == len(tally["totals"])
+    check_state_dict(tensors, metadata, cache_geometry(adapter.model))
+    for bad in ({"steps": [0, 99], "totals": [1.0, 1.0]}, {"steps": [2, 1], "totals": [1.0, 1.0]},
+                {"steps": [1], "totals": [-1.0]}, {"steps": [1], "totals": [float("nan")]}, [1, 2]):
+        with pytest.raises(InputError) as error:
+            check_state_dict(tensors, {**metadata, "attention_tally": bad}, cache_geometry(adapter.model))
+        assert "attention_tally" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_a_saved_stream_keeps_its_evictions(adapter, tmp_path):
     lengths, per_token, per_step = _steps(adapter, 5)
     cap = (lengths[0] + max(lengths[1:]) * 2) * per_token + 3 * per_step

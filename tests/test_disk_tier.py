@@ -96,15 +96,16 @@ def test_a_stream_never_killed_resumes_from_its_folder_and_continues_bit_identic
     for frame in frames[:5]:
         stream.push(frame)  # 3 encoded in one batch, 2 pending
     folder = stream.prefill.disk.folder
-    stream.close()  # one owner at a time: its lock goes (as with a crash), nothing more is written
-    resumed = Stream.load(folder, qa)  # as after a crash: the pending frames were never durable
-    assert (resumed.frames, resumed.frames_lost, resumed.pushed) == (3, 2, 3)
+    stream.close()  # one owner at a time: its lock goes; the frames waiting for their batch are kept beside it
+    resumed = Stream.load(folder, qa)
+    assert (resumed.frames, resumed.frames_lost, resumed.pushed, len(resumed.pending)) == (3, 0, 5, 2)
     reference = tiny_qa(adapters["chat"]).stream(horizon_frames=7)
     for frame in frames[:3]:
         reference.push(frame)
     assert _same(_carried(resumed), _carried(reference))
-    for frame in frames[3:]:
+    for frame in frames[5:]:
         resumed.push(frame)
+    for frame in frames[3:]:
         reference.push(frame)
     resumed.flush()
     assert _same(_carried(resumed), _carried(reference))
@@ -358,7 +359,7 @@ def test_frames_waiting_for_their_batch_at_a_checkpoint_are_counted_lost(adapter
                                                                           checkpoint_steps):
     """A checkpoint taken while frames wait for their batch (at a close, or inside a batch's steps) journals them
     again after it: whatever the checkpoint it resumes from, a resumed stream counts every frame pushed and not
-    streamed."""
+    streamed, unless the stream was closed: then it holds them, waiting again."""
     monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", checkpoint_steps)
     qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "cache")
     frames = random_frames(14)
@@ -369,10 +370,12 @@ def test_frames_waiting_for_their_batch_at_a_checkpoint_are_counted_lost(adapter
         killed = shutil.copytree(stream.prefill.disk.folder, tmp_path / f"killed{pushed}",
                                  ignore=shutil.ignore_patterns("lock"))
         stream.close()
-        for folder in (killed, stream.prefill.disk.folder):  # as a kill leaves it, and closed
-            resumed = Stream.load(folder, qa)
-            assert resumed.frames + resumed.frames_lost == pushed, (pushed, folder.name)
-            resumed.close()
+        resumed = Stream.load(killed, qa)  # as a kill leaves it
+        assert resumed.frames + resumed.frames_lost == pushed, pushed
+        resumed.close()
+        resumed = Stream.load(stream.prefill.disk.folder, qa)
+        assert (resumed.frames + len(resumed.pending), resumed.frames_lost) == (pushed, 0), pushed
+        resumed.close()
 
 
 def test_a_resumed_folder_keeps_its_frame_rate_clock(adapters, tmp_path):
@@ -391,3 +394,29 @@ def test_a_resumed_folder_keeps_its_frame_rate_clock(adapters, tmp_path):
     assert again == kept and resumed.frames == whole.frames
     whole.close()
     resumed.close()
+
+
+def test_frames_waiting_for_their_batch_are_kept_when_the_stream_closes(adapters, tmp_path):
+    """Before: a closed disk-tier stream counted the frames waiting for their vision batch as lost."""
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    frames = random_frames(14)
+    whole, stopped = qa.stream(vision_batch=4), qa.stream(vision_batch=4)
+    for frame in frames:
+        whole.push(frame)
+    for frame in frames[:10]:  # two batches streamed, two frames waiting
+        stopped.push(frame)
+    assert len(stopped.pending) == 2
+    folder = stopped.prefill.disk.folder
+    stopped.close()
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    resumed = Stream.load(folder, qa)
+    assert (resumed.frames, len(resumed.pending), resumed.pushed, resumed.frames_lost) == (8, 2, 10, 0)
+    for frame in frames[10:]:
+        resumed.push(frame)
+    assert resumed.frames == whole.frames == 12 and _same(_carried(resumed), _carried(whole))
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4), whole.ask_tokens(QUESTION, max_new_tokens=4))
+    (copy / "waiting.safetensors").write_bytes(b"damaged")  # then they are lost, and counted
+    damaged = Stream.load(copy, qa)
+    assert (damaged.frames, len(damaged.pending), damaged.frames_lost) == (8, 0, 2)
+    for stream in (whole, resumed, damaged):
+        stream.close()

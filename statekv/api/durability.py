@@ -28,10 +28,10 @@ from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
 from .stats import EncodingStats
-from ..errors import HandoverError, InputError
+from ..errors import HandoverError, InputError, OutputError
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
-from .stream_disk import SETUP, frames_lost, read_stream_setup
+from .stream_disk import SETUP, WAITING, frames_lost, read_stream_setup, read_waiting, write_waiting
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
 from ..video import Frame
@@ -84,6 +84,20 @@ class Durability:
             before = self.tier.journal_bytes
             self.tier.append(push_record(frame))
             self.last_push = (frame.index, before, self.tier.journal_bytes)
+
+    def keep_waiting(self, frames: list[Frame]) -> None:
+        """At close: ``frames`` (waiting for their batch) written beside the file set after a checkpoint, and a
+        record vouching for them, so resuming the folder takes them back (`statekv.api.stream_disk.read_waiting`);
+        an `OutputError` when they cannot be (they then count as lost, as before)."""
+        if self.tier is None or not frames:
+            return
+        self.tier.checkpoint()
+        try:
+            record = write_waiting(self.tier.folder, frames)
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {self.tier.folder}: {error.strerror or error}") \
+                from None
+        self.tier.append(record)
 
     def withdrawn(self, frame: Frame) -> None:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
@@ -306,6 +320,16 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
     if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file whose last frame was dropped
         stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
+    waiting = next((record for record in reversed(journal.after) if WAITING in record), None)
+    frames = None if waiting is None else read_waiting(folder, waiting, stream.pushed)
+    if frames:  # kept at its close: waiting for their batch again, journaled as pushed
+        for frame in frames:
+            stream.durability.pushed(frame)
+        stream.pending = frames
+        stream.pushed, stream.last_timestamp = frames[-1].index + 1, frames[-1].timestamp
+        stream.kept_timestamp = stream.last_timestamp
+        if stream.max_fps is not None:
+            stream.next_tick = math.floor(stream.last_timestamp * stream.max_fps + 1e-9) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
     if stream.frames_lost:
         log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",

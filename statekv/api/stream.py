@@ -24,6 +24,7 @@ stream as the previous call left it.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from .stream_identity import check_owner, check_stream_id, new_created, new_stre
 from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
 from ..video.images import rgb_frame
+
+log = logging.getLogger("statekv")
 
 
 def _one_at_a_time(method):
@@ -299,6 +302,12 @@ class Stream(EncodedVideo):
     def close(self) -> None:
         for watch in self.watches:
             watch.close()
+        if self.pending and not self.prefill.closed and self.durability.enabled:  # kept for `load` to take back
+            try:
+                self.durability.keep_waiting(self.pending)
+            except OutputError as error:
+                log.warning("%s: %d frame(s) waiting for their batch are lost: %s", self.name, len(self.pending),
+                            error)
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 

@@ -7,21 +7,35 @@ against the `VideoQA` given, as a saved stream's is (`statekv.api.stream_file`),
 with one line before anything is built from it; who the stream is (its id, creation and owner's digest); and the
 file set it belongs to (``file_set``, its manifest's: another stream's ``stream.json`` copied in is refused). The
 file records the SHA-256 of its fields (`statekv.core.disk.files.read_checked`).
+
+A stream closed with frames waiting for their vision batch keeps them beside it (``waiting.safetensors``, vouched
+for by a ``waiting`` journal record naming each frame and the file's CRC-32: `write_waiting`), so resuming the
+folder takes them back (`read_waiting`) instead of counting them lost.
 """
 
 from __future__ import annotations
 
+import os
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from safetensors.torch import load as load_tensors, save as save_tensors
+
 from ..core.disk.files import read_description
 from ..errors import InputError
+from ..flushing import write_flushed
+from ..video import Frame
 from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
                           record_check)
 
 FORMAT = "statekv-disk-stream"
 FORMAT_VERSION = 2  # 1: named no file set
 SETUP = "stream"  # the file's name in the file set: stream.json
+WAITING = "waiting"  # a journal record's field: the frames kept beside the file set at its close
+WAITING_FILE = "waiting.safetensors"
 
 SCHEMA = record_check({
     "format": TEXT, "version": integer_check(1), "name": TEXT,
@@ -57,3 +71,41 @@ def frames_lost(records: list[dict[str, Any]], pushed: int) -> int:
     streamed when the process stopped (a frame journaled twice, as after a push that failed and was retried,
     counts once)."""
     return len({record["push"] for record in records if isinstance(record.get("push"), int) and record["push"] >= pushed})
+
+
+def write_waiting(folder: Path, frames: list[Frame]) -> dict[str, Any]:
+    """Write ``frames`` (waiting for their batch) to ``folder``'s `WAITING_FILE` (replaced atomically, flushed);
+    returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
+    data = save_tensors({f"frame.{n}": torch.from_numpy(np.ascontiguousarray(frame.image))
+                         for n, frame in enumerate(frames)})
+    partial = folder / f"{WAITING_FILE}.partial"
+    try:
+        write_flushed(partial, data)
+        os.replace(partial, folder / WAITING_FILE)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return {WAITING: [[frame.index, frame.timestamp] for frame in frames], "file_crc": zlib.crc32(data)}
+
+
+def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Frame] | None:
+    """The frames the ``waiting`` ``record`` names, from ``folder``'s `WAITING_FILE`, if they follow the frame
+    ``pushed - 1`` in order and the file is the one it vouches for; None otherwise (they count as lost)."""
+    named = record.get(WAITING)
+    if (not isinstance(named, list) or not named
+            or not all(isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                       and type(item[1]) in (int, float) for item in named)
+            or named[0][0] < pushed or any(b[0] <= a[0] or b[1] < a[1] for a, b in zip(named, named[1:]))):
+        return None
+    try:
+        data = (folder / WAITING_FILE).read_bytes()
+        if zlib.crc32(data) != record.get("file_crc"):
+            return None
+        tensors = load_tensors(data)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    images = [tensors.get(f"frame.{n}") for n in range(len(named))]
+    if any(image is None or image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3
+           for image in images):
+        return None
+    return [Frame(index, float(timestamp), image.numpy()) for (index, timestamp), image in zip(named, images)]

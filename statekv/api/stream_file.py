@@ -427,7 +427,8 @@ CACHE = record_check({"chunk_lengths": list_check(integer_check(1)), "seen_token
                       "window_starts": list_check(optional_check(integer_check(0)))},
                      optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
                                "evicted_steps": list_check(integer_check(0)),
-                               "positions": type_check(dict, "an object")})  # absent: stream positions
+                               "positions": type_check(dict, "an object"),  # absent: stream positions
+                               "attention_tally": type_check(dict, "an object")})  # checked by the cache
 
 SCHEMA = record_check({
     "format": TEXT, "version": integer_check(1), "name": TEXT,

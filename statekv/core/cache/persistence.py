@@ -8,6 +8,9 @@ slots when offloaded).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -21,6 +24,7 @@ from ..storage.quantized import expected_tensors
 from ..storage.host_pages import kept_in
 from ..storage.layer_storage import SAMPLES_PER_STEP
 
+TALLY = "attention_tally"  # metadata: evict-least-attended's totals of the steps it may still evict
 RELEASED = ".released"  # a saved tensor's runs of rows given back (left out of it), `without_released`
 # the tensors that can be saved without released rows: read from buffers an evicting stream gives rows of back
 RELEASABLE = ("keys", "values", "key_codes", "value_codes", "value_scales", "key_scales", "block_keys",
@@ -47,6 +51,9 @@ def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
         metadata["kv_cache_dtype"] = cache.tier.kv_cache_dtype
     if cache.positions.bounded:  # absent: stream positions (as every earlier save)
         metadata["positions"] = cache.positions.export()
+    if cache.tally is not None:  # evict-least-attended ranks by it (absent: every total zero, as earlier saves)
+        steps, totals = cache.tally.export(cache.evicted_steps)
+        metadata[TALLY] = {"steps": steps.tolist(), "totals": totals.tolist()}
     return tensors, metadata
 
 
@@ -66,9 +73,28 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     cache.chunk_lengths = list(metadata["chunk_lengths"])
     cache.seen_tokens = int(metadata["seen_tokens"])
     cache.evicted_steps = set(metadata.get("evicted_steps", ()))
+    if cache.tally is not None:
+        tally = metadata.get(TALLY) or {"steps": [], "totals": []}
+        cache.tally.restore(torch.tensor(tally["steps"], dtype=torch.long),
+                            torch.tensor(tally["totals"], dtype=torch.float64), len(cache.chunk_lengths))
     cache.seen_device = None
     cache.settle_placement()
     cache.buffers_replaced()
+
+
+def _check_tally(tally: Any, steps: int) -> None:
+    """A one-line `InputError` unless ``tally`` (the metadata's, if any) lists ascending steps among ``steps``
+    and as many finite, non-negative totals."""
+    if tally is None:
+        return
+    listed = tally.get("steps") if isinstance(tally, dict) else None
+    totals = tally.get("totals") if isinstance(tally, dict) else None
+    if (not isinstance(listed, list) or not isinstance(totals, list) or len(listed) != len(totals)
+            or not all(type(s) is int and 0 <= s < steps for s in listed)
+            or any(b <= a for a, b in zip(listed, listed[1:]))
+            or not all(type(t) in (int, float) and math.isfinite(t) and t >= 0 for t in totals)):
+        raise InputError(f"the cache metadata's {TALLY} must list ascending steps among its {steps} and a finite, "
+                         "non-negative total for each")
 
 
 def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int | None]:
@@ -160,6 +186,7 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     if not isinstance(evicted, list) or not all(isinstance(s, int) and not isinstance(s, bool)
                                                 and 0 <= s < len(lengths) for s in evicted):
         raise InputError(f"the cache metadata's evicted_steps must list steps among its {len(lengths)}")
+    _check_tally(metadata.get(TALLY), len(lengths))
     if len(starts) != geometry.layers:
         raise InputError(f"the saved state has {len(starts)} layers, the model {geometry.layers}")
     expected = {}

@@ -64,9 +64,9 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
                 raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
                                  "its checksum")
         start += length
-    restoring = carried is not None
+    restoring, tally = carried is not None, None
     if not restoring:
-        carried = _carried_slot(where, journal.carry, len(cache.layers), start)
+        carried, tally = _carried_slot(where, journal.carry, len(cache.layers), start, len(steps))
     cache.positions.load(_placements(where, cache.positions, steps), len(steps))
     for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
@@ -87,19 +87,22 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
     cache.evicted_steps = evicted
+    if cache.tally is not None and tally is not None:  # restoring in place keeps the one it has
+        cache.tally.restore(*tally, len(steps))
     cache.seen_device = None
     cache.settle_placement()
     cache.buffers_replaced()
-    tier.adopt(cache.layers, len(steps) - 1)
-    if restoring:
-        return
-    tier.checkpointed = len(steps) - 1
-    tier.checkpoints = int(journal.carry["slot"]) + 1
-    if keep_after:
-        return
-    tier.truncate_journal(journal.end)
-    if journal.later_evictions:  # their rows are punched: they stay evicted
-        tier.append({"evict": sorted(set(journal.later_evictions))})
+    tier.adopt(cache, len(steps) - 1)
+    if not restoring:
+        tier.checkpointed = len(steps) - 1
+        tier.checkpoints = int(journal.carry["slot"]) + 1
+        if not keep_after:
+            tier.truncate_journal(journal.end)
+            if journal.later_evictions:  # their rows are punched: they stay evicted
+                tier.append({"evict": sorted(set(journal.later_evictions))})
+    whole = [record["step"] for record in steps if "crc" in record]  # not folded into a compacted record
+    tier.evicted_records = sum(step in evicted for step in whole)
+    tier.held_records = len(whole) - tier.evicted_records
 
 
 def check_durable(folder: Path, journal: Journaled) -> None:
@@ -118,7 +121,8 @@ def check_checkpoint(folder: Path, journal: Journaled) -> None:
     layers = (journal.manifest.get("geometry") or {}).get("layers")
     if not isinstance(layers, int) or layers < 1:
         raise InputError(f"{folder}: the disk cache's manifest does not say how many layers it holds")
-    _carried_slot(folder, journal.carry, layers, sum(int(record["tokens"]) for record in journal.steps))
+    _carried_slot(folder, journal.carry, layers, sum(int(record["tokens"]) for record in journal.steps),
+                  len(journal.steps))
 
 
 def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -131,10 +135,11 @@ def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dic
     return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit, "steps": placed}
 
 
-def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
-                  tokens: int) -> list[tuple[torch.Tensor | None, ...]]:
+def _carried_slot(where: Path, carry: dict[str, Any], layers: int, tokens: int, steps: int
+                  ) -> tuple[list[tuple[torch.Tensor | None, ...]], tuple[torch.Tensor, torch.Tensor] | None]:
     """The carried state the checkpoint ``carry`` wrote: per layer, positions ``[B, H_kv, K]``, keys, values,
-    placements (or None) and the open segment (or None)."""
+    placements (or None) and the open segment (or None); and evict-least-attended's tally (steps ``[L]`` and their
+    totals ``[L]``; None if it wrote none), of a state of ``tokens`` tokens in ``steps`` steps."""
     dtype = getattr(torch, str(carry.get("carried_dtype")), None)
     shapes, placed, segment = carry.get("carried"), bool(carry.get("placed")), carry.get("segment")
     if (not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers
@@ -147,6 +152,10 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
         parts.append((dtype, segment) if isinstance(segment, list) else None)
         layout.append(parts)
     size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
+    tallied = carry.get("tally")
+    if tallied is not None and (type(tallied) is not int or not 0 <= tallied <= steps):
+        raise InputError(f"{where}: the disk cache's journal is damaged: its checkpoint's tally of {tallied!r} steps")
+    size += 16 * (tallied or 0)
     if not isinstance(carry.get("slot"), int):
         raise InputError(f"{where}: the disk cache's journal is damaged: its checkpoint names no carried state")
     carried_file = where / f"carry.{carry['slot']}.bin"
@@ -175,7 +184,14 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int,
         positions = tensors[0]
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
             raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
+    tally = None
+    if tallied is not None:
+        tally = (torch.frombuffer(buffer, dtype=torch.int64, count=tallied, offset=offset).clone(),
+                 torch.frombuffer(buffer, dtype=torch.float64, count=tallied, offset=offset + 8 * tallied).clone())
+        offset += 16 * tallied
+        if tallied and (int(tally[0].min()) < 0 or int(tally[0].max()) >= steps):
+            raise InputError(f"{where}: the disk cache is damaged: its tally names steps outside its {steps}")
     if offset != len(data):
         raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
-    return carried
+    return carried, tally
 

@@ -109,14 +109,15 @@ class DiskTier:
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
         self.checkpointed: int | None = None  # the step of the last checkpoint
         self.last_step: int | None = None  # the last step journaled
-        self._layers: list[Any] = []  # the cache's layers (what a checkpoint writes)
+        self._cache: Any = None  # the cache whose carried state a checkpoint writes
         self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
         self.carry_growth = 0  # bytes the journal grew by at the last checkpoint, besides its step's record
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
         self._size_before = 0
-        # compacted (`compact`) once this many steps were evicted since it was last, and it has doubled since
-        self.evictions = 0
-        self._compacted_size = os.fstat(self._journal).st_size
+        # the journal's whole step records (of steps held, of steps evicted): `compact` folds the evicted ones once
+        # they are as many as the others (and CHECKPOINT_STEPS at least), from what the journal holds alone, so a
+        # resumed stream compacts at the steps the stream that never stopped does
+        self.held_records = self.evicted_records = 0
         self.compact_failed = False  # said once in the log
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
         # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
@@ -222,7 +223,8 @@ class DiskTier:
                 pass
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         if "evict" in record:
-            self.evictions += len(record["evict"])
+            self.evicted_records += len(record["evict"])
+            self.held_records -= len(record["evict"])
 
     def compact(self) -> None:
         """Replace the journal by itself compacted (`statekv.core.disk.files.compacted_journal`: the records of
@@ -231,7 +233,7 @@ class DiskTier:
         self.check_owner()
         path, partial = self.folder / JOURNAL, self.folder / f"{JOURNAL}.partial"
         size = os.fstat(self._journal).st_size
-        self.evictions, self._compacted_size = 0, size
+        self.evicted_records = 0  # folded, or (a journal that cannot be) not tried again until as many more
         try:
             compacted = compacted_journal(path.read_bytes())
             if compacted is None:
@@ -253,7 +255,7 @@ class DiskTier:
             self._compaction_failed(error)
             return
         os.close(self._journal)
-        self._journal, self._compacted_size = journal, len(compacted)
+        self._journal = journal
         self._size_before -= size - len(compacted)  # a step's growth leaves the compaction out
 
     def _compaction_failed(self, error: OSError) -> None:
@@ -262,26 +264,27 @@ class DiskTier:
             log.warning("%s: cannot compact the disk cache's journal (%s); it keeps growing with every step",
                         self.folder, error.strerror or error)
 
-    def commit_step(self, step: int, tokens: int, layers: list[Any], extra: dict[str, Any]) -> None:
+    def commit_step(self, step: int, tokens: int, cache: Any, extra: dict[str, Any]) -> None:
         """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
         files' lengths; then, at the first step and every ``checkpoint_steps`` steps, the carried state of every
-        layer (``layers``: the cache's) as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
+        layer of ``cache`` as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
         then as before the step, and `remembered` still holds the carried state the step before left."""
-        end, last = os.fstat(self._journal).st_size, self.last_step
+        end, last, held = os.fstat(self._journal).st_size, self.last_step, self.held_records
         try:
-            self._layers, self.last_step = layers, step
+            self._cache, self.last_step = cache, step
             lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
             self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
+            self.held_records += 1
             if step == 0 or (step + 1) % self.checkpoint_steps == 0:
                 self.checkpoint()
         except OutputError:
-            self.last_step = last
+            self.last_step, self.held_records = last, held
             try:
                 os.ftruncate(self._journal, end)  # the step's record goes too, with its checkpoint's
             except OSError:
                 pass
             raise
-        self.remember(layers)
+        self.remember(cache.layers)
         self.durable = True
         size = os.fstat(self._journal).st_size
         self.growth, self._size_before = size - self._size_before, size
@@ -291,11 +294,10 @@ class DiskTier:
         checkpoint writes), so a step the disk cannot take is undone exactly without a checkpoint per step."""
         self.remembered = [tuple(None if t is None else t.clone() for t in _carried_parts(layer)) for layer in layers]
 
-    def adopt(self, layers: list[Any], last_step: int) -> None:
-        """The cache's ``layers`` as resumed or restored at ``last_step`` (what the next step and checkpoint
-        follow)."""
-        self._layers, self.last_step = layers, last_step
-        self.remember(layers)
+    def adopt(self, cache: Any, last_step: int) -> None:
+        """``cache`` as resumed or restored at ``last_step`` (what the next step and checkpoint follow)."""
+        self._cache, self.last_step = cache, last_step
+        self.remember(cache.layers)
 
     def checkpoint(self) -> None:
         """Write the carried state after the last step journaled (per layer: positions ``[B, H_kv, K]``, keys and
@@ -305,9 +307,10 @@ class DiskTier:
         if self.last_step is None or self.checkpointed == self.last_step:
             return
         self.check_owner()
-        carried = [_carried_parts(layer) for layer in self._layers]
+        carried = [_carried_parts(layer) for layer in self._cache.layers]
+        tally = _tally(self._cache)
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                        for parts in carried for t in parts if t is not None)
+                        for t in [*(t for parts in carried for t in parts), *tally] if t is not None)
         slot = self.checkpoints % 2
         if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
             try:
@@ -320,14 +323,15 @@ class DiskTier:
                      "placed": carried[0][3] is not None if carried else False,
                      "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
                      "carry_crc": zlib.crc32(data),
-                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32"})
+                     "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
+                     **({"tally": len(tally[0])} if tally else {})})
         self.checkpoints += 1
         self.checkpointed = self.last_step
         for record in self.waiting():
             self.append(record)
         size = os.fstat(self._journal).st_size
         self.carry_growth = size - before
-        if self.evictions >= self.checkpoint_steps and size >= 2 * self._compacted_size:
+        if self.evicted_records >= max(self.checkpoint_steps, self.held_records):
             self.compact()
 
     def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
@@ -350,12 +354,14 @@ class DiskTier:
             record = {"frames": step_frames[step]}
             if placements is not None:
                 record["placed"] = placements[step]
-            self._layers, self.last_step = cache.layers, step
+            self._cache, self.last_step = cache, step
             lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
             if step == len(cache.chunk_lengths) - 1:
                 record.update(extra)
             self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
             start += length
+        self.evicted_records = len(cache.evicted_steps)
+        self.held_records = len(cache.chunk_lengths) - self.evicted_records
         self.checkpoint()
         self.remember(cache.layers)
         self.durable = True
@@ -373,9 +379,10 @@ class DiskTier:
         """What step ``step`` adds to `nbytes`, about: the journal's growth over the last step, and when the step
         takes a checkpoint, what its slot grows by to hold the carried state as it stands (the slots are
         overwritten in place: each grows only while the carried state does)."""
-        if not self._layers or not (step == 0 or (step + 1) % self.checkpoint_steps == 0):
+        if self._cache is None or not (step == 0 or (step + 1) % self.checkpoint_steps == 0):
             return self.growth
-        carried = sum(part.nbytes for layer in self._layers for part in _carried_parts(layer) if part is not None)
+        carried = sum(part.nbytes for layer in self._cache.layers for part in _carried_parts(layer) if part is not None)
+        carried += sum(part.nbytes for part in _tally(self._cache))
         sizes = [os.fstat(fd).st_size for fd in self._slots] or [_size(self.folder / f"carry.{i}.bin") for i in (0, 1)]
         counted = sum(sizes) if self._slots else 0  # slots not open yet: counted once the checkpoint opens them
         return (self.growth + self.carry_growth + sum(sizes) - counted
@@ -476,3 +483,9 @@ def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
     and open segment (None before the first step)."""
     placements = layer.slots.head_placements() if layer.slots is not None else None
     return (layer.positions(), *layer.carried(), placements, layer.storage.saved_segment())
+
+
+def _tally(cache: Any) -> tuple[torch.Tensor, ...]:
+    """What a checkpoint writes after the layers' carried state: under evict-least-attended the steps ``[L]``
+    (int64) it may still evict with a total, and their totals ``[L]`` (float64); else nothing."""
+    return () if cache.tally is None else cache.tally.export(cache.evicted_steps)

@@ -248,6 +248,21 @@ class AttentionTally:
         steps = torch.searchsorted(self._ends[: self._steps + 1], positions.reshape(-1).cpu(), right=True)
         self.totals.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
 
+    def export(self, evicted: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The steps ``[L]`` (int64, ascending) with a total, but the ``evicted`` ones (never ranked again), and
+        their totals ``[L]`` (float64): what a saved or checkpointed stream needs to rank as it would have."""
+        steps = self.totals.nonzero().squeeze(1)
+        if evicted:
+            steps = steps[~torch.isin(steps, torch.tensor(sorted(evicted), dtype=torch.long))]
+        return steps, self.totals[steps].clone()
+
+    def restore(self, steps: torch.Tensor, totals: torch.Tensor, count: int) -> None:
+        """Install what `export` gave, for a state of ``count`` steps (the others' totals zero)."""
+        size = max(64, count + 1)
+        self.totals = torch.zeros(size, dtype=torch.float64)
+        self.totals[steps.to(torch.long)] = totals.to(torch.float64)
+        self._ends, self._steps = torch.zeros(size, dtype=torch.long), 0
+
 
 def released_segments(cache, keeper: CacheKeeper | None) -> int:
     """Segments of the retrieval index given back (every step evicted): the ``keeper``'s count, or for a stream

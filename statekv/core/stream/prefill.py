@@ -270,7 +270,7 @@ class StreamingPrefill:
                 positions = self.positions
                 durable_record = {**durable_record,
                                   "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache.layers, durable_record)
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache, durable_record)
         except OutputError as error:
             folder = self.disk.folder
             if self.disk.lost:  # what the folder's path names is not this stream's: nothing is read back from it
