@@ -31,7 +31,7 @@ from .stats import EncodingStats
 from ..errors import HandoverError, InputError, OutputError
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
-from .stream_disk import SETUP, WAITING, frames_lost, read_stream_setup, read_waiting, write_waiting
+from .stream_disk import CLOCK, SETUP, WAITING, frames_lost, read_stream_setup, read_waiting, write_waiting
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
 from ..video import Frame
@@ -85,19 +85,23 @@ class Durability:
             self.tier.append(push_record(frame))
             self.last_push = (frame.index, before, self.tier.journal_bytes)
 
-    def keep_waiting(self, frames: list[Frame]) -> None:
-        """At close: ``frames`` (waiting for their batch) written beside the file set after a checkpoint, and a
-        record vouching for them, so resuming the folder takes them back (`statekv.api.stream_disk.read_waiting`);
-        an `OutputError` when they cannot be (they then count as lost, as before)."""
-        if self.tier is None or not frames:
+    def closing(self, frames: list[Frame], pushed: int, last_timestamp: float | None) -> None:
+        """At close, after a checkpoint: ``frames`` (waiting for their batch) written beside the file set with a
+        record vouching for them, so resuming the folder takes them back (`statekv.api.stream_disk.read_waiting`),
+        and the push clock (``pushed`` frames, the last at ``last_timestamp``: later ones may have been dropped);
+        an `OutputError` when they cannot be (the frames then count as lost, as before)."""
+        if self.tier is None:
             return
         self.tier.checkpoint()
-        try:
-            record = write_waiting(self.tier.folder, frames)
-        except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {self.tier.folder}: {error.strerror or error}") \
-                from None
-        self.tier.append(record)
+        if frames:
+            try:
+                record = write_waiting(self.tier.folder, frames)
+            except OSError as error:
+                raise OutputError(f"cannot write the disk cache in {self.tier.folder}: {error.strerror or error}") \
+                    from None
+            self.tier.append(record)
+        if last_timestamp is not None:
+            self.tier.append({CLOCK: [pushed, last_timestamp]})
 
     def withdrawn(self, frame: Frame) -> None:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
@@ -331,6 +335,10 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         if stream.max_fps is not None:
             stream.next_tick = math.floor(stream.last_timestamp * stream.max_fps + 1e-9) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
+    clock = next((record[CLOCK] for record in reversed(journal.after) if CLOCK in record), None)
+    if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed
+            and type(clock[1]) in (int, float) and clock[1] >= (stream.last_timestamp or 0.0)):
+        stream.pushed, stream.last_timestamp = clock[0], float(clock[1])  # frames dropped after the last kept
     if stream.frames_lost:
         log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
                     stream.name, folder, stream.frames, stream.frames_lost)

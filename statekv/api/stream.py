@@ -302,12 +302,13 @@ class Stream(EncodedVideo):
     def close(self) -> None:
         for watch in self.watches:
             watch.close()
-        if self.pending and not self.prefill.closed and self.durability.enabled:  # kept for `load` to take back
+        if not self.prefill.closed and self.durability.enabled:  # what `load` takes back from the folder
             try:
-                self.durability.keep_waiting(self.pending)
+                self.durability.closing(self.pending, self.pushed, self.last_timestamp)
             except OutputError as error:
-                log.warning("%s: %d frame(s) waiting for their batch are lost: %s", self.name, len(self.pending),
-                            error)
+                if self.pending:
+                    log.warning("%s: %d frame(s) waiting for their batch are lost: %s", self.name,
+                                len(self.pending), error)
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 

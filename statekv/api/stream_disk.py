@@ -36,6 +36,7 @@ FORMAT_VERSION = 2  # 1: named no file set
 SETUP = "stream"  # the file's name in the file set: stream.json
 WAITING = "waiting"  # a journal record's field: the frames kept beside the file set at its close
 WAITING_FILE = "waiting.safetensors"
+CLOCK = "clock"  # a journal record's field at close: ``[pushed, last_timestamp]`` (frames dropped after the last kept)
 
 SCHEMA = record_check({
     "format": TEXT, "version": integer_check(1), "name": TEXT,
