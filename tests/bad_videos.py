@@ -32,6 +32,16 @@ def truncated(folder: Path) -> Path:
     return path
 
 
+def unknown_codec(folder: Path) -> Path:
+    """An mp4 whose sample description names a codec nobody knows (its header damaged)."""
+    data = bytearray(write_test_video(folder / "whole.mp4", frames=10, fps=10).read_bytes())
+    entry = data.find(b"stsd") + 16  # after the box's type, version and flags, entry count and the entry's size
+    data[entry:entry + 4] = b"zzzz"
+    path = folder / "unknown_codec.mp4"
+    path.write_bytes(bytes(data))
+    return path
+
+
 def cut_after_header(folder: Path, frames: int = 60, fps: int = 30, keep: float = 0.5) -> Path:
     """An mp4 with its index up front (faststart), cut after ``keep`` of its bytes: the header still promises
     every frame, so it opens, and decoding stops in the middle."""
@@ -77,6 +87,7 @@ BAD_VIDEOS = {
     "no_images": (empty_folder, "no images"),
     "not_a_video": (not_a_video, "not a readable video file"),
     "truncated": (truncated, "not a readable video file"),
+    "unknown_codec": (unknown_codec, "codec is unknown"),
     "audio_only": (audio_only, "no video stream"),
     "zero_frames": (zero_frames, "no frames"),
 }

@@ -138,6 +138,14 @@ def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
     assert main(["synthetic", "make", "--out", str(again), "--videos", "1", "--seed", "12", "--overwrite"]) == 0
     assert len(load_benchmark("synthetic", again)) == len(FAMILIES)
     assert sorted(p.name for p in (again / "videos").iterdir()) == ["v0000.mp4"]
+    for foreign in (again / "videos" / "holiday.mp4", again / "notes.txt"):  # a user's own file is never removed
+        foreign.write_bytes(b"mine")
+        capsys.readouterr()
+        assert main(["synthetic", "make", "--out", str(again), "--videos", "1", "--seed", "12", "--overwrite"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "which no synthetic set writes" in error, error
+        assert foreign.read_bytes() == b"mine" and (again / "videos" / "v0000.mp4").is_file()
+        foreign.unlink()
 
     capsys.readouterr()
     assert main(["synthetic", "make", "--out", str(tmp_path / "t"), "--videos", "1", "--seed", "1000000"]) == 2

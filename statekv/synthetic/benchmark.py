@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ QUESTIONS_FILE = "questions.jsonl"
 STREAMING_FILE = "streaming.json"
 MANIFEST_FILE = "benchmark.json"
 VIDEO_DIR = "videos"
+OWN_VIDEO = re.compile(r"v[0-9]{4,}\.mp4")  # a set's video in VIDEO_DIR
 FORMAT_VERSION = 1
 DEFAULT_FRAMES = 96
 MAX_VIDEOS = 100_000   # ids are v0000..v99999; more is a typo, not a benchmark
@@ -136,14 +138,27 @@ def _check_room(out: Path, videos: int, num_frames: int) -> None:
 
 
 def _prepare_folder(out: Path, overwrite: bool) -> None:
+    """``out`` made, or emptied of a set's own files (``overwrite``): a folder holding anything else is refused,
+    whatever a set may also be in it."""
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"{out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
-        shutil.rmtree(out / VIDEO_DIR, ignore_errors=True)
-        for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE):
-            (out / name).unlink(missing_ok=True)
+        videos = out / VIDEO_DIR
+        own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, QUESTIONS_FILE + ".tmp",
+                                       STREAMING_FILE + ".tmp")]
+        found = sorted(out.iterdir()) + (sorted(videos.iterdir()) if videos.is_dir() else [])
+        foreign = [path for path in found if path not in own and path != videos
+                   and not (path.parent == videos and OWN_VIDEO.fullmatch(path.name) and path.is_file())]
+        if foreign:
+            raise ConfigurationError(f"{out} holds {foreign[0].relative_to(out)}, which no synthetic set writes: "
+                                     "--overwrite replaces only a set's own files; choose another folder")
+        for path in found:
+            if path.is_file():
+                path.unlink()
+        if videos.is_dir():
+            videos.rmdir()
     out.mkdir(parents=True, exist_ok=True)
 
 

@@ -175,7 +175,10 @@ class FileVideo(Video):
         if not container.streams.video:
             raise VideoError(f"{self.name}: the file has no video stream (or no index of its streams: an MP4 cut "
                              "short before its index was written reads so)")
-        return container.streams.video[0]
+        stream = container.streams.video[0]
+        if stream.codec_context is None:  # a codec no decoder here knows: a damaged header, say
+            raise VideoError(f"{self.name}: not a readable video file (its video stream's codec is unknown)")
+        return stream
 
     def _count_packets(self, container: Any, stream: Any) -> int:
         try:
