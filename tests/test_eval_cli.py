@@ -92,6 +92,26 @@ def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_pa
     assert json.loads((finished / "results.json").read_text())["run"]
 
 
+def test_a_finished_run_resumed_for_more_questions_and_killed_is_partial_in_the_table(checkpoint, data_root,
+                                                                                      tmp_path, capsys, monkeypatch):
+    """Before: its earlier summary (of fewer questions) stayed, and the table showed that run as finished."""
+    import statekv.eval.runner as runner
+
+    out = tmp_path / "mlvu"
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1")) == 0
+    assert (out / "results.json").is_file() and (out / "table.md").is_file()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runner, "answer_questions", killed)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_evaluation(EvalConfig.for_model("mlvu", str(checkpoint), data_root, out, max_new_tokens=2))
+    assert not (out / "results.json").exists() and not (out / "table.md").exists()
+    capsys.readouterr()
+    assert command.main(["table", str(out)]) == 0
+    assert "(partial 1/3)" in capsys.readouterr().out
+
+
 def _cell(run_dir: Path) -> str:
     score = json.loads((run_dir / "results.json").read_text())["score"]
     text = f"{score['headline']:.2f}"

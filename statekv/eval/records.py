@@ -278,3 +278,13 @@ def write_records_atomically(path: Path, records: Iterable[AnswerRecord]) -> Non
 def _natural_key(text: str) -> tuple[str | int, ...]:
     # re.split with a capture group puts the digit runs at the odd positions
     return tuple(int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", text)))
+
+
+def written_in(error: OSError, folder: Path) -> bool:
+    """Whether ``error`` came from writing in ``folder`` (an error without a file name: from an open one)."""
+    if error.filename is None:
+        return True
+    try:
+        return Path(os.path.abspath(error.filename)).is_relative_to(os.path.abspath(folder))
+    except (TypeError, ValueError):
+        return False

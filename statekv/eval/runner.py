@@ -13,13 +13,13 @@ The run directory ``out`` holds one (benchmark, model, method, budget) run::
     answers.rank000.jsonl     one line per answered question, flushed and fsynced (see `records`)
     errors.rank000.jsonl      videos that could not be read (their questions stay unanswered)
     answers.jsonl             rank 0's merge of the rank files, sorted by question id
-    results.json              the scores (`report.write_summary`) and the run's settings
-    table.md                  the paper's table for this run
+    results.json, table.md    the scores (`report.write_summary`), the run's settings, the paper's table: removed
+                              while a resumed run has questions left (``eval table`` scores what is there)
 
-Rerunning the same command skips every answered question, so a killed run loses at most the question
-in flight. Under ``torchrun`` or ``accelerate launch`` each rank takes whole videos (deterministic
-sharding of the full question list, so a resumed run keeps its assignment), uses ``cuda:<LOCAL_RANK>``,
-and rank 0 merges and scores after all ranks have finished.
+Rerunning the same command skips every answered question, so a killed run loses at most the question in flight.
+Under ``torchrun`` or ``accelerate launch`` each rank takes whole videos (deterministic sharding of the full question
+list, so a resumed run keeps its assignment), uses ``cuda:<LOCAL_RANK>``, and rank 0 merges and scores after all
+ranks have finished.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
-                                  merge_rank_files, rank_file)
+                                  merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
@@ -251,6 +251,8 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         content["weights"] = model_fingerprint(qa)
         check_run_file(config, expected, content, write=context.is_main, **before)
         done = completed_qids(config.out)
+        if context.is_main and not set(expected) <= done:  # a summary of fewer answers is no longer this run's
+            clear_run(config.out, (SUMMARY_FILE, TABLE_FILE))
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
         rank = f"rank {context.rank}/{context.world_size}: " if context.distributed else ""
@@ -270,7 +272,7 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
             return None
         return finish(config, expected)
     except OSError as error:
-        if isinstance(error, StateKVError) or not _in_folder(error, config.out):
+        if isinstance(error, StateKVError) or not written_in(error, config.out):
             raise
         answered = len(completed_qids(config.out) & set(expected))
         where = f"{error.filename} in the run folder" if error.filename else f"the run folder {config.out}"
@@ -280,16 +282,6 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
     finally:
         lock.release()
         context.close()
-
-
-def _in_folder(error: OSError, folder: Path) -> bool:
-    """Whether ``error`` came from writing in ``folder`` (an error without a file name: from an open one)."""
-    if error.filename is None:
-        return True
-    try:
-        return Path(os.path.abspath(error.filename)).is_relative_to(os.path.abspath(folder))
-    except (TypeError, ValueError):
-        return False
 
 
 def lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
@@ -500,12 +492,13 @@ def read_expected_qids(run_dir: Path | str) -> list[str] | None:
     return None if run is None else run["expected_qids"]
 
 
-def clear_run(run_dir: Path) -> None:
-    """Remove what a run wrote in ``run_dir`` (answers, errors, merge, summary, table, ``run.json``), nothing
-    else: ``overwrite`` answers every question again."""
+def clear_run(run_dir: Path, patterns: Sequence[str] = (RANK_FILE_GLOB, "errors.rank*.jsonl", MERGED_FILE,
+                                                         SUMMARY_FILE, TABLE_FILE, RUN_FILE)) -> None:
+    """Remove what a run wrote in ``run_dir`` (answers, errors, merge, summary, table, ``run.json``; or the files
+    ``patterns`` name), nothing else: ``overwrite`` answers every question again."""
     if not run_dir.is_dir():
         return
-    for pattern in (RANK_FILE_GLOB, "errors.rank*.jsonl", MERGED_FILE, SUMMARY_FILE, TABLE_FILE, RUN_FILE):
+    for pattern in patterns:
         for path in run_dir.glob(pattern):
             if path.is_file():
                 path.unlink()
