@@ -650,6 +650,10 @@ def test_corrupt_line_inside_a_results_file_is_an_error(tmp_path):
         ev.read_records(path)
     with pytest.raises(TypeError, match="AnswerRecord"), ev.ResultsWriter(tmp_path / "other.jsonl") as out:
         out.write({"qid": "q"})
+    for late in ({"extra": {"answered_at": "soon"}}, {"expected_at": [1]}):  # what a proactive score reads
+        path.write_text(json.dumps({**json.loads(good), **late}) + "\n")
+        with pytest.raises(ev.ResultsFileError, match=r"answers\.rank000\.jsonl:1: .*extra\.(answered|expected)_at"):
+            ev.read_records(path)
 
 
 def test_merge_of_rank_files_deduplicates_and_sorts(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 import statekv.eval as ev
 from statekv.cli import main
-from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_streamingbench
+from statekv.eval.fabricate import write_mini_mlvu, write_mini_ovobench, write_mini_streamingbench, write_mini_videomme
 from statekv.eval.lmms_plugin import query_time, round_times
 from statekv.eval.questions import AnnotationError
 from statekv.synthetic.benchmark import STREAMING_FILE, make_benchmark
@@ -113,7 +113,12 @@ def test_a_video_named_outside_the_benchmarks_folder_is_refused(tmp_path, name):
     synthetic = tmp_path / "synthetic"
     make_benchmark(synthetic, videos=1, seed=72, num_frames=12, streaming=True)
     _edit(synthetic / STREAMING_FILE, lambda rows: rows[0].update(video=name))
+    videomme = next((write_mini_videomme(tmp_path / "vm", videos=1, fmt="jsonl") / "videomme").glob("test*.jsonl"))
+    rows = [json.loads(line) for line in videomme.read_text().splitlines()]
+    rows[0]["videoID"] = name
+    videomme.write_text("".join(json.dumps(row) + "\n" for row in rows))
     for benchmark, root, where, field in [("ovobench", tmp_path / "ovo", f"{ovo} row 1", "video"),
+                                          ("videomme", tmp_path / "vm", f"{videomme} row 0", "videoID"),
                                           ("streamingbench", tmp_path / "sb", f"{sb} entry 0", "video_path"),
                                           ("mlvu", tmp_path / "mlvu", f"{mlvu} row 0", "video_name"),
                                           ("synthetic", synthetic, f"{synthetic / STREAMING_FILE} row 0", "video")]:
@@ -122,6 +127,25 @@ def test_a_video_named_outside_the_benchmarks_folder_is_refused(tmp_path, name):
         with pytest.raises(AnnotationError) as refused:
             ev.load_benchmark(benchmark, root, check_videos=False)
         assert str(refused.value).startswith(f"{where}: field '{field}' ({name!r}) must be a path inside "), benchmark
+
+
+def test_an_ovobench_id_naming_a_clip_outside_its_folder_or_another_rows_poll_is_refused(tmp_path):
+    """Before: an id with ``..`` named a clip outside chunked_videos/, and a row whose id is another row's poll id
+    (``{id}_{j}``) silently replaced that poll's answer."""
+    folder = tmp_path / "ovo" / "ovobench"
+    write_mini_ovobench(tmp_path / "ovo", clips=False)
+    annotations = folder / "ovo_bench_new.json"
+    rows = json.loads(annotations.read_text())
+    forward = next(index for index, row in enumerate(rows) if row["task"] == "REC")
+    choice = next(index for index, row in enumerate(rows) if row["task"] != "REC" and "realtime" in row)
+    for changed, phrase in (({"id": "../../x"}, "field 'id' ('../../x.mp4') must be a path inside"),
+                            ({"id": f"{rows[forward]['id']}_0"}, f"question id {rows[forward]['id']}_0 repeats")):
+        edited = [dict(row) for row in rows]
+        edited[choice].update(changed)
+        annotations.write_text(json.dumps(edited))
+        with pytest.raises(AnnotationError) as refused:
+            ev.load_benchmark("ovobench", tmp_path / "ovo", check_videos=False)
+        assert phrase in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def test_video_paths_as_the_releases_write_them_are_read(tmp_path, caplog):

@@ -177,6 +177,8 @@ RUN_FILE_DAMAGE = {
     "run.json a list": ("run.json", b"[1, 2]", "run.json: damaged run file (not a JSON object)"),
     "run.json settings as text": ("run.json", b'{"settings": "x", "expected_qids": []}', "field 'settings'"),
     "run.json ids not a list": ("run.json", b'{"settings": {}, "expected_qids": 3}', "field 'expected_qids'"),
+    "run.json conditions a number": ("run.json", b'{"settings": {}, "expected_qids": [], "conditions": 5}',
+                                     "field 'conditions'"),
     "an answer line that is a list": ("answers.rank000.jsonl", b"[1, 2]\n", "answers.rank000.jsonl:3"),
     "an answer line of wrong types": ("answers.rank000.jsonl", None, "answers.rank000.jsonl:1"),
     "an answer log not UTF-8": ("answers.rank000.jsonl", b"\xff\xff\n", "answers.rank000.jsonl:3"),

@@ -199,6 +199,7 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
         where = f"{source} row {index}"
         require_fields(row, fields, where)
         video_id = str(row["videoID"])
+        video_in(folder / "data", video_id, where, "videoID")  # a name inside the folder, refused otherwise
         questions.append(
             _checked(
                 Question(

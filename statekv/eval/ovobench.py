@@ -97,7 +97,8 @@ def ovobench_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
         raise ValueError(f"videos must be 'source' or 'clips', got {videos!r}")
     wanted = check_groups(groups)
     questions: list[Question] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # by row id, then by question id
+    asked: dict[str, int] = {}
     notes = LoadNotes("OVO-Bench")
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
@@ -108,7 +109,11 @@ def ovobench_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
         if qid in seen:
             raise AnnotationError(f"{where}: id {qid} repeats (first at row {seen[qid]})")
         seen[qid] = index
-        for question in made:
+        for question in made:  # a poll's id (``{id}_{j}``) is no other row's either
+            if question.qid in asked:
+                raise AnnotationError(f"{where}: question id {question.qid} repeats (first at row "
+                                      f"{asked[question.qid]})")
+            asked[question.qid] = index
             required = question.video_path if videos == "source" else question.clip_path
             if check_videos and not required.is_file():
                 kind = "source video" if videos == "source" else "clip"
@@ -135,6 +140,7 @@ def row_questions(row: dict[str, Any], folder: Path, where: str, *, groups: Iter
         return []
     require_fields(row, ("id", "video"), where)
     qid = str(row["id"])
+    video_in(folder / "chunked_videos", f"{qid}.mp4", where, "id")  # its clips' names: inside the folder
     video_path = video_in(folder / "src_videos", row["video"], where)
     if task in FORWARD_TASKS:
         return _polls(row, where, qid, video_path, folder)

@@ -164,6 +164,10 @@ class AnswerRecord:
                 raise TypeError(f"field {name!r} must map phases to seconds")
         if unknown:
             known["extra"] = {**known.get("extra", {}), **unknown}
+        for name in ("answered_at", "expected_at"):  # what scoring a proactive output reads
+            value = known.get("extra", {}).get(name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise TypeError(f"field extra.{name} must be seconds or null, got {str(value)[:40]!r}")
         return cls(**known)
 
 

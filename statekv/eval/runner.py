@@ -483,6 +483,8 @@ def read_run_file(run_dir: Path | str) -> dict[str, Any] | None:
         if not isinstance(value, kind) or (field == "expected_qids" and not all(isinstance(q, str) for q in value)):
             raise DataError(f"{path}: damaged run file (field {field!r} must be {description}); delete it or use "
                             "--overwrite")
+    if not isinstance(run.get("conditions", []), list):
+        raise DataError(f"{path}: damaged run file (field 'conditions' must be a list); delete it or use --overwrite")
     return run
 
 
