@@ -4,6 +4,7 @@ oldest or the least attended frames (counted, never read again, positions unchan
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -385,6 +386,48 @@ def test_an_evicting_stream_resumed_goes_on_as_the_stream_that_never_stopped(ada
     assert resumed.prefill.cache.evicted_steps == whole.prefill.cache.evicted_steps
     assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2),
                        whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
+
+
+def test_an_evict_least_attended_folder_resumes_after_a_kill_or_a_step_the_disk_refused(adapter, tmp_path,
+                                                                                        monkeypatch):
+    """Before: a checkpoint of an empty tally could not be read back (a kill before the first scored checkpoint
+    left a folder nothing resumed), and a step the disk refused left its attention in the tally (naming a step
+    the stream did not hold: its next save or folder could not be loaded)."""
+    from statekv.core.disk.tier import DiskTier
+    from statekv.errors import OutputError
+
+    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path / "tier", max_cache_bytes=200_000,
+                 cache_limit="evict-least-attended")
+    frames = random_frames(40)
+    stream = qa.stream()
+    stream.push(frames[0])
+    killed = Stream.load(shutil.copytree(stream.prefill.disk.folder, tmp_path / "killed",
+                                         ignore=shutil.ignore_patterns("lock")), qa)
+    assert killed.frames == 0 and killed.frames_lost == 1
+    killed.close()
+    reference = qa.stream()
+    for frame in frames:
+        reference.push(frame)
+    for frame in frames[1:20]:
+        stream.push(frame)
+    commit = DiskTier.commit_step
+
+    def full(self, *args, **kwargs):
+        raise OutputError(f"cannot write the disk cache in {self.folder}: No space left on device")
+    monkeypatch.setattr(DiskTier, "commit_step", full)
+    with pytest.raises(OutputError, match="the step was not taken"):
+        stream.push(frames[20])
+    monkeypatch.setattr(DiskTier, "commit_step", commit)
+    for frame in frames[20:]:
+        stream.push(frame)
+    assert stream.prefill.cache.evicted_steps == reference.prefill.cache.evicted_steps
+    mine, theirs = (s.prefill.cache.tally.export(s.prefill.cache.evicted_steps) for s in (stream, reference))
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+    loaded = Stream.load(stream.save(tmp_path / "s.safetensors"), tiny_qa(
+        adapter, "statekv", offload=True, max_cache_bytes=200_000, cache_limit="evict-least-attended"))
+    assert loaded.frames == 40
+    stream.close()
+    assert Stream.load(stream.prefill.disk.folder, qa).frames == 40
 
 
 def test_a_damaged_attention_tally_is_refused_with_one_line(adapter):

@@ -413,6 +413,9 @@ def test_frames_waiting_for_their_batch_are_kept_when_the_stream_closes(adapters
     copy = shutil.copytree(folder, tmp_path / "copy")
     resumed = Stream.load(folder, qa)
     assert (resumed.frames, len(resumed.pending), resumed.pushed, resumed.frames_lost) == (8, 2, 10, 0)
+    killed = Stream.load(shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock")), qa)
+    assert (killed.frames, len(killed.pending), killed.frames_lost) == (8, 2, 0)  # resumed, then killed: kept still
+    killed.close()
     for frame in frames[10:]:
         resumed.push(frame)
     assert resumed.frames == whole.frames == 12 and _same(_carried(resumed), _carried(whole))

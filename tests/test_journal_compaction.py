@@ -14,9 +14,9 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk.compaction import COMPACTED, compacted_record, folded_steps, runs, unfolded
-from statekv.core.disk.files import (MANIFEST, compacted_journal, journal_line, read_checked, read_file_set,
-                                     write_checked)
+from statekv.core.disk.compaction import COMPACTED, compacted_record, folded_steps, joined, runs, unfolded
+from statekv.core.disk.files import (MANIFEST, MERGED_RECORDS, compacted_journal, journal_line, read_checked,
+                                     read_file_set, write_checked)
 from statekv.errors import InputError
 from statekv.models import load_adapter
 
@@ -51,6 +51,10 @@ def test_runs_fold_and_unfold_any_sequence():
         start, step = generator.randrange(100), generator.randrange(-3, 4)
         values += [start + step * n for n in range(generator.randrange(0, 30))]
         assert unfolded(runs(values)) == values
+    for _ in range(2000):  # runs joined without unfolding them read as the values one after the other
+        left, right = ([generator.randrange(-4, 4) * (n % 3) + n * generator.choice([0, 1, 2]) for n in
+                        range(generator.randrange(0, 12))] for _ in range(2))
+        assert unfolded(joined(runs(left), runs(right))) == left + right
     assert runs([4] * 1000 + [5] * 3) == [[4, 0, 1000], [5, 0, 3]]
     assert runs(list(range(3, 4003, 4))) == [[3, 4, 1000]]
     for bad in ([[1, 0]], [[1, 0, 0]], [[1, 0, True]], "1,0,3", [[1.5, 0, 2]]):
@@ -175,6 +179,34 @@ def test_steps_a_successor_replays_are_kept_whole():
     assert records[7:] == [{"carry": 4, "slot": 0}, {"push": 5, "t": 2.0}]
 
 
+def test_later_evictions_join_the_compacted_record_or_sit_beside_it_until_merged(tmp_path):
+    """A steady stream's evictions join its one compacted record at constant cost; steps evicted out of order
+    (evict-least-attended) get records of their own, merged into one past MERGED_RECORDS."""
+    def step(number):
+        return journal_line({"step": number, "tokens": 4, "crc": 1, "frames": 1, "placed": [4 * number, 4, 0]})
+
+    def journal(steps, evicted, folded=b""):
+        return (journal_line({"file_set": "f"}) + folded + b"".join(step(n) for n in steps)
+                + journal_line({"evict": evicted}) + journal_line({"carry": max(steps), "slot": 0}))
+
+    def compacted(data):
+        return [json.loads(line.split(b" ", 1)[1]) for line in data.split(b"\n") if b'"compacted"' in line]
+
+    first = compacted_journal(journal(range(0, 200), list(range(1, 100))))
+    later = compacted_journal(journal(range(100, 300), list(range(100, 250)), b"".join(
+        journal_line(record) for record in compacted(first))))
+    (record,) = compacted(later)
+    assert record[COMPACTED] == [[1, 1, 249]] and record["tokens"] == [[4, 0, 249]]
+    folded, held = list(range(1, 100)), list(range(100, 200))  # steps evicted newest first: beside, then merged
+    records = compacted(first)
+    for round_ in range(MERGED_RECORDS + 1):
+        evicted = [held.pop(-2) for _ in range(3)][::-1]  # below the last record's steps from the second round on
+        data = compacted_journal(journal(sorted(held + evicted), evicted, b"".join(map(journal_line, records))))
+        records, folded = compacted(data), sorted(folded + evicted)
+        assert len(records) == (round_ + 1 if round_ + 1 <= MERGED_RECORDS else 1), round_
+        assert sorted(s["step"] for r in records for s in folded_steps(r)) == folded
+
+
 def test_a_damaged_compacted_record_is_refused_with_one_line(adapter, often, tmp_path):
     qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
                  cache_limit="evict-oldest")
@@ -196,7 +228,8 @@ def test_a_damaged_compacted_record_is_refused_with_one_line(adapter, often, tmp
         assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_a_format_3_file_set_resumes_and_says_format_4_once_compacted(adapter, often, tmp_path):
+def test_a_format_3_file_set_resumes_and_says_format_4_once_written_to(adapter, often, tmp_path):
+    """Before an earlier statekv could read it as damaged (a checkpoint it cannot read, a compacted journal)."""
     qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
                  cache_limit="evict-oldest")
     stream = qa.stream()
@@ -206,10 +239,10 @@ def test_a_format_3_file_set_resumes_and_says_format_4_once_compacted(adapter, o
     stream.close()
     write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 3})  # as statekv wrote before
     resumed = Stream.load(folder, qa)
-    assert read_checked(folder / MANIFEST)["version"] == 3
+    assert read_checked(folder / MANIFEST)["version"] == 4
     for frame in random_frames(80, seed=2):
         resumed.push(frame)
-    assert read_checked(folder / MANIFEST)["version"] == 4
+    assert sum(COMPACTED in record for record in _records(folder)) == 1
     resumed.close()
     write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 5})
     with pytest.raises(InputError, match="format 5; this statekv reads 3 and 4"):

@@ -52,7 +52,9 @@ class Durability:
         self.tier, self.records_frames = tier, records_frames
         self.backlog = None if tier is None else BacklogFile(tier)  # a handover stream's, before its handover
         self.waiting: Callable[[], Sequence[Frame]] = list  # the video's frames kept but not yet streamed
-        self.last_push: tuple[int, int, int] | None = None  # the last push record: frame, journal before, after
+        # the last push record: its frame, the journal's length before and after, the tier and its appends then
+        self.last_push: tuple[Any, ...] | None = None
+        self.kept_waiting: dict[str, Any] | None = None  # the record of the frames a close kept beside the file set
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
@@ -62,7 +64,14 @@ class Durability:
             self.tier.waiting = self.waiting_records
 
     def waiting_records(self) -> list[dict[str, Any]]:
-        return [push_record(frame) for frame in self.waiting()]
+        """The records journaled again after a checkpoint: a push record per frame waiting for its batch, and
+        while those are the frames a close kept beside the file set, the record vouching for them."""
+        waiting = self.waiting()
+        records = [push_record(frame) for frame in waiting]
+        kept = self.kept_waiting
+        if kept is not None and [frame.index for frame in waiting] == [index for index, _ in kept[WAITING]]:
+            records.append(kept)
+        return records
 
     @property
     def enabled(self) -> bool:
@@ -83,7 +92,7 @@ class Durability:
         if self.tier is not None:
             before = self.tier.journal_bytes
             self.tier.append(push_record(frame))
-            self.last_push = (frame.index, before, self.tier.journal_bytes)
+            self.last_push = (frame.index, before, self.tier.journal_bytes, self.tier, self.tier.appends)
 
     def closing(self, frames: list[Frame], pushed: int, last_timestamp: float | None) -> None:
         """At close, after a checkpoint: ``frames`` (waiting for their batch) written beside the file set with a
@@ -92,6 +101,7 @@ class Durability:
         an `OutputError` when they cannot be (the frames then count as lost, as before)."""
         if self.tier is None:
             return
+        self.tier.check_owner()  # nothing written into a folder this stream no longer holds
         self.tier.checkpoint()
         if frames:
             try:
@@ -100,6 +110,7 @@ class Durability:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: {error.strerror or error}") \
                     from None
             self.tier.append(record)
+            self.kept_waiting = record
         if last_timestamp is not None:
             self.tier.append({CLOCK: [pushed, last_timestamp]})
 
@@ -107,8 +118,9 @@ class Durability:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
         if nothing was journaled after it, so refused frames do not grow the journal."""
         if self.tier is not None and self.last_push is not None:
-            index, before, after = self.last_push
-            if index == frame.index and self.tier.owned and self.tier.journal_bytes == after:
+            index, before, after, tier, appends = self.last_push
+            if (index == frame.index and tier is self.tier and tier.appends == appends and tier.owned
+                    and tier.journal_bytes == after):  # nothing written to the journal since
                 try:
                     self.tier.truncate_journal(before)
                 except OSError:  # kept: a resume then counts the frame lost, which it was
@@ -326,9 +338,11 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
     waiting = next((record for record in reversed(journal.after) if WAITING in record), None)
     frames = None if waiting is None else read_waiting(folder, waiting, stream.pushed)
-    if frames:  # kept at its close: waiting for their batch again, journaled as pushed
+    if frames:  # kept at its close: waiting for their batch again, journaled as pushed, the file vouched for again
         for frame in frames:
             stream.durability.pushed(frame)
+        stream.durability.tier.append(waiting)
+        stream.durability.kept_waiting = waiting
         stream.pending = frames
         stream.pushed, stream.last_timestamp = frames[-1].index + 1, frames[-1].timestamp
         stream.kept_timestamp = stream.last_timestamp

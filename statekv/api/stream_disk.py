@@ -103,10 +103,10 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
         if zlib.crc32(data) != record.get("file_crc"):
             return None
         tensors = load_tensors(data)
-    except (OSError, ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 -- unreadable, however safetensors says so: the frames count as lost
         return None
     images = [tensors.get(f"frame.{n}") for n in range(len(named))]
     if any(image is None or image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3
-           for image in images):
+           or not image.shape[0] or not image.shape[1] for image in images):
         return None
     return [Frame(index, float(timestamp), image.numpy()) for (index, timestamp), image in zip(named, images)]

@@ -39,11 +39,11 @@ class StreamHealer:
         """Bring back ``entry``'s stream if a stopped handover closed it: its own folder resumed (`restore_one`
         healing, which finishes the handover; on a replica too) from its record as it is in memory (its watches as
         they stood), the stream put in place in ``entry``, which keeps its id, owner, settings, history and
-        answers, and the closed stream's watches closed. Frames that waited for their step are lost, as on a
-        restart: the stream's next push is refused once (409, saying where to push again from). A folder that
-        cannot be written yet answers a one-line 503, and so does every request for `HEAL_RETRY_SECONDS` after,
-        without trying; one found damaged (or gone) quarantines the stream (409), as at the start, for whoever
-        holds it too. An open stream is left as it is."""
+        answers, and the closed stream's watches closed. Frames that waited for their step are lost (the stopped
+        handover closed the stream without keeping them): the stream's next push is refused once (409, saying
+        where to push again from). A folder that cannot be written yet answers a one-line 503, and so does every
+        request for `HEAL_RETRY_SECONDS` after, without trying; one found damaged (or gone) quarantines the stream
+        (409), as at the start, for whoever holds it too. An open stream is left as it is."""
         registry = self.registry
         if not closed_by_handover(entry):
             return

@@ -226,6 +226,8 @@ class TwoStateCache(Cache):
     def commit_host(self) -> None:
         self.transaction.commit_host()
         self.chunk_lengths.append(self.chunk_len)
+        if self.tally is not None:
+            self.tally.commit(len(self.chunk_lengths))
         self.seen_tokens += self.chunk_len
         self.positions.commit()
         if len(self._starts) == len(self.chunk_lengths):

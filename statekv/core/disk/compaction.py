@@ -10,6 +10,7 @@ line as it was. `folded_steps` reads the record back as the steps' records (`sta
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,47 @@ def runs(values: Sequence[int]) -> list[list[int]]:
                 continue
         folded.append([value, 0, 1])
     return folded
+
+
+def joined(left: list[list[int]], right: list[list[int]]) -> list[list[int]]:
+    """The runs of ``left``'s values then ``right``'s, as `runs` would fold them value by value, without unfolding
+    either (a steady camera's runs, however long, join in a few operations)."""
+    folded = [list(run) for run in left]
+    for value, difference, count in right:
+        if folded and count:
+            first, step, held = folded[-1]
+            if held == 1:  # a run of one takes the next value, whatever the difference
+                folded[-1] = [first, value - first, 2]
+                value, count = value + difference, count - 1
+                first, step, held = folded[-1]
+            if count and first + step * held == value:  # the run goes on with the next value
+                folded[-1][2] += 1
+                value, count = value + difference, count - 1
+                if count and difference == step:  # and with every value of this run
+                    folded[-1][2] += count
+                    count = 0
+        if count:
+            folded.append([value, difference if count > 1 else 0, count])
+    return folded
+
+
+def last_step(record: dict[str, Any]) -> int:
+    """The last step a ``compacted`` record stands for."""
+    first, difference, count = record[COMPACTED][-1]
+    return first + difference * (count - 1)
+
+
+def joined_record(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any] | None:
+    """One ``compacted`` record standing for ``earlier``'s steps then ``later``'s (all after them); None when
+    they do not join (one holds placements, the other not)."""
+    if (PLACED in earlier) != (PLACED in later):
+        return None
+    record = {name: joined(earlier[name], later[name]) for name in (COMPACTED, "tokens", "frames")}
+    if PLACED in earlier:
+        record[PLACED] = [joined(a, b) for a, b in zip(earlier[PLACED], later[PLACED])]
+    if "last_frame" in later or "last_frame" in earlier:
+        record["last_frame"] = later.get("last_frame", earlier.get("last_frame"))
+    return record
 
 
 def unfolded(folded: Any) -> list[int]:
@@ -80,9 +122,13 @@ def folded_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
             raise ValueError("its placements disagree")
         for index, step in enumerate(records):
             step[PLACED] = [part[index] for part in placed]
+    if any(t < 1 for t in tokens) or any(f < 0 for f in frames):
+        raise ValueError("a step of no tokens, or of fewer than no frames")
     if "last_frame" in record:
         named = record["last_frame"]
-        if not isinstance(named, list) or len(named) != 2 or named[0] not in steps:
+        whole = isinstance(named, list) and len(named) == 2 and type(named[0]) is int
+        at = bisect.bisect_left(steps, named[0]) if whole else len(steps)
+        if at == len(steps) or steps[at] != named[0]:
             raise ValueError("its last frame names no step of it")
-        records[steps.index(named[0])]["last_frame"] = named[1]
+        records[at]["last_frame"] = named[1]
     return records

@@ -20,13 +20,14 @@ from typing import Any
 from ...errors import InputError
 from ...flushing import write_flushed
 from ...locks import FolderLock
-from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps
+from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step
 
 FORMAT = "statekv-disk-cache"
 # 4: its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its files not bound to each other
 # (no file_set); 1: the carried state journaled every step
 FORMAT_VERSION = 4
 READ_VERSIONS = (3, FORMAT_VERSION)
+MERGED_RECORDS = 8  # compacted records kept side by side before they are merged into one (unfolding them all)
 FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
@@ -157,9 +158,9 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
                 for step in folded_steps(record):
                     folded[step["step"]] = step
                     compacted.append(step["step"])
-            except ValueError as error:
+            except (ValueError, MemoryError) as error:
                 raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}: its compacted "
-                                 f"steps do not read ({error})") from None
+                                 f"steps do not read ({str(error) or 'too many'})") from None
         if "step" in record:
             while len(steps) in folded:
                 steps.append(folded.pop(len(steps)))
@@ -211,11 +212,12 @@ def journal_line(record: dict[str, Any]) -> bytes:
 
 
 def compacted_journal(data: bytes) -> bytes | None:
-    """The journal ``data`` compacted (`statekv.core.disk.compaction`): its first record; one ``compacted`` record
-    standing for its evicted steps up to its last checkpoint (but the checkpoint's own step and those a successor
-    replays); the other steps' records up to the checkpoint as they were, and one ``evict`` record of the other
-    evicted steps; from the checkpoint's record on, every line as it was. None when no step record is left to
-    fold, or ``data`` does not read as a whole journal."""
+    """The journal ``data`` compacted (`statekv.core.disk.compaction`): its first record; its ``compacted`` records,
+    the records of its evicted steps up to its last checkpoint (but the checkpoint's own step and those a successor
+    replays) folded in (joined to the last one when they all come after its steps, else beside it; more than
+    `MERGED_RECORDS` of them merged into one); the other steps' records up to the checkpoint as they were, and one
+    ``evict`` record of the other evicted steps; from the checkpoint's record on, every line as it was. None when
+    no step record is left to fold, or ``data`` does not read as a whole journal."""
     lines = data.split(b"\n")
     if len(lines) < 3 or lines[-1]:
         return None
@@ -223,27 +225,33 @@ def compacted_journal(data: bytes) -> bytes | None:
     carries = [index for index, record in enumerate(records) if record is not None and "carry" in record]
     if not carries or any(record is None for record in records):
         return None
-    last, steps, evicted = carries[-1], {}, set()
+    last, steps, evicted, folded = carries[-1], {}, set(), []
     try:
         for line, record in zip(lines[1:last], records[1:last]):
             if COMPACTED in record:
-                for step in folded_steps(record):
-                    steps[step["step"]] = (None, step)
-                    evicted.add(step["step"])
+                folded.append(record)
             elif "step" in record:
                 steps[int(record["step"])] = (line, record)
             elif "evict" in record:
                 evicted.update(int(step) for step in record["evict"])
-    except (ValueError, TypeError):
+        upto = records[last]["carry"]
+        fold = sorted(step for step in evicted if step in steps and step < upto and BACKLOG not in steps[step][1])
+        if not fold:
+            return None
+        new = compacted_record([steps[step][1] for step in fold])
+        if folded and last_step(folded[-1]) < fold[0] and joined_record(folded[-1], new) is not None:
+            folded[-1] = joined_record(folded[-1], new)
+        else:
+            folded.append(new)
+        if len(folded) > MERGED_RECORDS:
+            every = sorted((step for record in folded for step in folded_steps(record)), key=lambda s: s["step"])
+            folded = [compacted_record(every)]
+    except (ValueError, TypeError, KeyError):
         return None
-    upto = records[last]["carry"]
-    fold = {step for step in evicted if step in steps and (steps[step][0] is None or (
-        step < upto and BACKLOG not in steps[step][1]))}
-    if not any(steps[step][0] is not None for step in fold):
-        return None
-    kept = [lines[0], journal_line(compacted_record([steps[step][1] for step in sorted(fold)])).rstrip(b"\n")]
-    kept.extend(steps[step][0] for step in sorted(steps) if step not in fold)
-    others = sorted((evicted & set(steps)) - fold)
+    folding = set(fold)
+    kept = [lines[0], *(journal_line(record).rstrip(b"\n") for record in folded)]
+    kept.extend(steps[step][0] for step in sorted(steps) if step not in folding)
+    others = sorted((evicted & set(steps)) - folding)
     if others:
         kept.append(journal_line({"evict": others}).rstrip(b"\n"))
     return b"\n".join(kept + lines[last:])

@@ -13,6 +13,7 @@ import torch
 from ...errors import InputError
 from ..cache import persistence
 from .buffers import rows_crc, rows_of
+from .compaction import BACKLOG
 from .files import Journaled, check_file_set, read_checked
 from .tier import DiskTier
 
@@ -87,8 +88,10 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
     cache.evicted_steps = evicted
-    if cache.tally is not None and tally is not None:  # restoring in place keeps the one it has
+    if cache.tally is not None and tally is not None:
         cache.tally.restore(*tally, len(steps))
+    elif cache.tally is not None and restoring:  # the step the disk could not take: its mass goes with it
+        cache.tally.undo()
     cache.seen_device = None
     cache.settle_placement()
     cache.buffers_replaced()
@@ -100,7 +103,8 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             tier.truncate_journal(journal.end)
             if journal.later_evictions:  # their rows are punched: they stay evicted
                 tier.append({"evict": sorted(set(journal.later_evictions))})
-    whole = [record["step"] for record in steps if "crc" in record]  # not folded into a compacted record
+    whole = [record["step"] for record in steps if "crc" in record and BACKLOG not in record]  # foldable
+    tier.replayed = {record["step"] for record in steps if BACKLOG in record}
     tier.evicted_records = sum(step in evicted for step in whole)
     tier.held_records = len(whole) - tier.evicted_records
 
@@ -185,7 +189,9 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int, tokens: int, 
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= tokens):
             raise InputError(f"{where}: the disk cache is damaged: carried positions outside its {tokens} tokens")
     tally = None
-    if tallied is not None:
+    if tallied == 0:  # nothing scored yet, or every step it scored evicted
+        tally = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64))
+    elif tallied is not None:
         tally = (torch.frombuffer(buffer, dtype=torch.int64, count=tallied, offset=offset).clone(),
                  torch.frombuffer(buffer, dtype=torch.float64, count=tallied, offset=offset + 8 * tallied).clone())
         offset += 16 * tallied

@@ -68,6 +68,7 @@ from ...errors import OutputError
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
+from .compaction import BACKLOG
 from .files import (FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold, journal_header,
                     journal_line, write_checked)
 
@@ -92,6 +93,10 @@ class DiskTier:
         self.folder, self.manifest = folder, manifest
         try:
             self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            (folder / f"{JOURNAL}.partial").unlink(missing_ok=True)  # a compaction a kill cut short
+            if manifest.get("version", FORMAT_VERSION) != FORMAT_VERSION:  # what this statekv writes, an earlier
+                self.manifest = {**manifest, "version": FORMAT_VERSION}  # one does not read
+                write_checked(folder / MANIFEST, self.manifest)
         except OSError as error:
             if lock is None:
                 self.lock.release()
@@ -118,6 +123,8 @@ class DiskTier:
         # they are as many as the others (and CHECKPOINT_STEPS at least), from what the journal holds alone, so a
         # resumed stream compacts at the steps the stream that never stopped does
         self.held_records = self.evicted_records = 0
+        self.replayed: set[int] = set()  # steps whose records name their embeddings for a successor: kept whole
+        self.appends = 0  # records appended and compactions (what a record's withdrawal checks nothing came after)
         self.compact_failed = False  # said once in the log
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
         # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
@@ -222,9 +229,11 @@ class DiskTier:
             except OSError:
                 pass
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+        self.appends += 1
         if "evict" in record:
-            self.evicted_records += len(record["evict"])
-            self.held_records -= len(record["evict"])
+            foldable = sum(step not in self.replayed for step in record["evict"])
+            self.evicted_records += foldable
+            self.held_records -= foldable
 
     def compact(self) -> None:
         """Replace the journal by itself compacted (`statekv.core.disk.files.compacted_journal`: the records of
@@ -238,9 +247,6 @@ class DiskTier:
             compacted = compacted_journal(path.read_bytes())
             if compacted is None:
                 return
-            if self.manifest.get("version", FORMAT_VERSION) != FORMAT_VERSION:  # read by this statekv on
-                write_checked(self.folder / MANIFEST, {**self.manifest, "version": FORMAT_VERSION})
-                self.manifest = {**self.manifest, "version": FORMAT_VERSION}
             journal = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         except OSError as error:
             self._compaction_failed(error)
@@ -255,8 +261,16 @@ class DiskTier:
             self._compaction_failed(error)
             return
         os.close(self._journal)
-        self._journal = journal
+        self._journal, self.appends = journal, self.appends + 1
         self._size_before -= size - len(compacted)  # a step's growth leaves the compaction out
+        try:  # the rename itself made durable: a power cut brings the old journal back no more
+            folder = os.open(self.folder, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+        except OSError:
+            pass
 
     def _compaction_failed(self, error: OSError) -> None:
         if not self.compact_failed:
@@ -274,11 +288,15 @@ class DiskTier:
             self._cache, self.last_step = cache, step
             lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
             self.append({"step": step, "tokens": tokens, "crc": self._take_crc(), "lengths": lengths, **extra})
-            self.held_records += 1
+            if BACKLOG in extra:
+                self.replayed.add(step)
+            else:
+                self.held_records += 1
             if step == 0 or (step + 1) % self.checkpoint_steps == 0:
                 self.checkpoint()
         except OutputError:
             self.last_step, self.held_records = last, held
+            self.replayed.discard(step)
             try:
                 os.ftruncate(self._journal, end)  # the step's record goes too, with its checkpoint's
             except OSError:
@@ -325,10 +343,17 @@ class DiskTier:
                      "carry_crc": zlib.crc32(data),
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
                      **({"tally": len(tally[0])} if tally else {})})
+        try:
+            for record in self.waiting():
+                self.append(record)
+        except OutputError:  # the checkpoint is not taken: the last one, in the other slot, still vouches
+            try:
+                os.ftruncate(self._journal, before)
+            except OSError:
+                pass
+            raise
         self.checkpoints += 1
         self.checkpointed = self.last_step
-        for record in self.waiting():
-            self.append(record)
         size = os.fstat(self._journal).st_size
         self.carry_growth = size - before
         if self.evicted_records >= max(self.checkpoint_steps, self.held_records):

@@ -114,6 +114,8 @@ class CacheKeeper:
         still carries (kept until it no longer does, so the carried state stays the detailed cache's own)."""
         cache = self.cache
         starts = self._step_starts()
+        if cache.tally is not None:
+            cache.tally.forget(steps)
         tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
         for layer in cache.layers:
             carried = _carried_tokens(layer)
@@ -226,15 +228,20 @@ class CacheKeeper:
 class AttentionTally:
     """Per step, the attention mass its tokens received from the stream's own scored steps, summed over layers
     and heads (``totals``, float64 on the host): what ``evict-least-attended`` ranks by. Told every scored layer
-    of every step (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched."""
+    of every step (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched. A step's
+    mass is staged until it commits (`commit`), and the last commit can be taken back (`undo`: a step the disk
+    tier could not journal), so the totals are always those of the steps the stream holds."""
 
     def __init__(self):
         self.totals = torch.zeros(64, dtype=torch.float64)
         self._ends = torch.zeros(64, dtype=torch.long)  # each committed step's end, then the current step's
         self._steps = 0  # committed steps whose end is in _ends
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # the running step's (steps, mass)
+        self._staged_at = -1  # the step they are of
+        self._undo: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's steps and their totals before
 
     def add(self, cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
-        """Add ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` to their steps' totals."""
+        """Stage ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` for their steps' totals."""
         lengths = cache.chunk_lengths
         needed = len(lengths) + 1
         if self._ends.numel() < needed:
@@ -246,15 +253,40 @@ class AttentionTally:
         self._steps = len(lengths)
         self._ends[self._steps] = cache.seen_tokens + cache.chunk_len
         steps = torch.searchsorted(self._ends[: self._steps + 1], positions.reshape(-1).cpu(), right=True)
-        self.totals.index_add_(0, steps, scores.reshape(-1).to("cpu", torch.float64))
+        if self._staged_at != len(lengths):  # what a step that never committed staged goes
+            self._staged, self._staged_at = [], len(lengths)
+        self._staged.append((steps, scores.reshape(-1).to("cpu", torch.float64)))
+
+    def commit(self, steps: int) -> None:
+        """The step that made the cache ``steps`` steps long committed: its staged mass joins the totals."""
+        if self._staged_at != steps - 1 or not self._staged:
+            self._staged, self._undo = [], None
+            return
+        indices = torch.cat([index for index, _ in self._staged])
+        touched = indices.unique()
+        self._undo = (touched, self.totals[touched].clone())
+        for index, mass in self._staged:
+            self.totals.index_add_(0, index, mass)
+        self._staged = []
+
+    def undo(self) -> None:
+        """Take the last commit back (its step was not kept): the totals are again what they were before it."""
+        if self._undo is not None:
+            touched, before = self._undo
+            self.totals[touched] = before
+            self._undo = None
 
     def export(self, evicted: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The steps ``[L]`` (int64, ascending) with a total, but the ``evicted`` ones (never ranked again), and
         their totals ``[L]`` (float64): what a saved or checkpointed stream needs to rank as it would have."""
-        steps = self.totals.nonzero().squeeze(1)
+        steps = self.totals.nonzero().squeeze(1)  # an evicted step's total was zeroed (`forget`), unless more came
         if evicted:
-            steps = steps[~torch.isin(steps, torch.tensor(sorted(evicted), dtype=torch.long))]
+            steps = steps[torch.tensor([step not in evicted for step in steps.tolist()], dtype=torch.bool)]
         return steps, self.totals[steps].clone()
+
+    def forget(self, steps: list[int]) -> None:
+        """``steps`` were evicted: never ranked again, their totals go (so that `export` reads only held ones)."""
+        self.totals[torch.tensor([step for step in steps if step < self.totals.numel()], dtype=torch.long)] = 0.0
 
     def restore(self, steps: torch.Tensor, totals: torch.Tensor, count: int) -> None:
         """Install what `export` gave, for a state of ``count`` steps (the others' totals zero)."""
@@ -262,6 +294,7 @@ class AttentionTally:
         self.totals = torch.zeros(size, dtype=torch.float64)
         self.totals[steps.to(torch.long)] = totals.to(torch.float64)
         self._ends, self._steps = torch.zeros(size, dtype=torch.long), 0
+        self._staged, self._staged_at, self._undo = [], -1, None
 
 
 def released_segments(cache, keeper: CacheKeeper | None) -> int:
