@@ -204,6 +204,23 @@ def test_damaged_run_files_are_one_line_naming_the_file(case, finished_run, data
     assert code == 2 and phrase in _one_line(err)
 
 
+@pytest.mark.parametrize("where", ["appended", "a rank file of its own"])
+def test_answers_of_another_run_in_the_folder_are_one_line_naming_their_file(where, finished_run, data, capsys):
+    """Before: appended, a traceback ("records mix several method values"); a whole rank file of them, taken in
+    silently (the table showed another method's score under this run's name)."""
+    path = finished_run / "answers.rank000.jsonl"
+    foreign = [json.dumps({**json.loads(line), "method": "full", "budget": None})
+               for line in path.read_text().splitlines()]
+    target = path if where == "appended" else finished_run / "answers.rank001.jsonl"
+    with target.open("a") as file:
+        file.write("\n".join(foreign) + "\n")
+    code, _, err = _eval(capsys, data, finished_run, "--limit", "3")
+    assert code == 2 and f"{target.name}: answer" in _one_line(err) and "another run's (method 'full'" in err
+    (finished_run / "results.json").unlink()  # scored again from the answers
+    assert main(["eval", "table", str(finished_run)]) == 2
+    assert "another run's" in _one_line(capsys.readouterr().err)
+
+
 RESULTS_DAMAGE = {
     "not JSON": (lambda s: "{", "results.json: damaged results file"),
     "no score": (lambda s: json.dumps({k: v for k, v in s.items() if k != "score"}), "field 'score'"),

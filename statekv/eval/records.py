@@ -248,12 +248,37 @@ def latest_per_question(records: Iterable[AnswerRecord]) -> list[AnswerRecord]:
 
 
 def run_records(run_dir: Path | str) -> list[AnswerRecord]:
-    """Every answered question of a run: the merged file and all rank files, deduplicated."""
+    """Every answered question of a run: the merged file and all rank files, deduplicated; a one-line
+    `ResultsFileError` naming the first record of another run (another benchmark, method or budget than the
+    folder's ``run.json`` or its other records say)."""
     run_dir = Path(run_dir)
     paths = sorted(run_dir.glob(RANK_FILE_GLOB))
     if (run_dir / MERGED_FILE).exists():
         paths.insert(0, run_dir / MERGED_FILE)
-    return latest_per_question(record for path in paths for record in read_records(path))
+    expected = _run_identity(run_dir)
+    records = []
+    for path in paths:
+        for number, record in enumerate(read_records(path), start=1):
+            for name in RECORD_IDENTITY:
+                value = getattr(record, name)
+                if expected.setdefault(name, value) != value:
+                    raise ResultsFileError(f"{path}: answer {number} is another run's ({name} {value!r}, this run's "
+                                           f"{expected[name]!r}): move that file out of the run folder")
+            records.append(record)
+    return latest_per_question(records)
+
+
+RECORD_IDENTITY = ("benchmark", "method", "budget")  # what every record of one run shares with its run.json
+
+
+def _run_identity(run_dir: Path) -> dict[str, Any]:
+    """What ``run_dir``'s ``run.json`` says of `RECORD_IDENTITY` (nothing when it cannot be read: what reads it
+    says so)."""
+    try:
+        settings = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("settings")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return {name: settings[name] for name in RECORD_IDENTITY if isinstance(settings, dict) and name in settings}
 
 
 def completed_qids(run_dir: Path | str) -> set[str]:
