@@ -2,10 +2,11 @@
 journal with every step it gives up.
 
 Of an evicted step, a resume reads only its length, its frames and (under bounded positions) where it was placed;
-`DiskTier.compact` folds the records of such steps into one ``compacted`` record holding each of these as
-arithmetic runs (`runs`: a steady camera's steps, however many, are a run each) and drops what no resume reads
-(records before the last checkpoint other than its steps, the older checkpoints' records), keeping every other
-line as it was. `folded_steps` reads the record back as the steps' records (`statekv.core.disk.files.read_file_set`).
+`DiskTier.compact` folds the records of such steps into a ``compacted`` record holding each of these as arithmetic
+runs (`runs`: a steady camera's steps, however many, are a run each; later ones are `joined` to them without
+unfolding) and drops what no resume reads (records before the last checkpoint other than its steps, the older
+checkpoints' records), keeping every other line as it was. `folded_steps` reads a record back as the steps'
+records (`statekv.core.disk.files.read_file_set`).
 """
 
 from __future__ import annotations

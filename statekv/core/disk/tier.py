@@ -25,10 +25,10 @@ to the device. A step no longer writes the whole carried state (every layer's bu
 paid once per checkpoint.
 
 Bounded: a stream evicting under a cap gives up its oldest steps' rows, but each step's journal line used to stay,
-so the journal (counted under the cap) grew until it alone filled it. After a checkpoint, once at least
-``checkpoint_steps`` steps were evicted since the last compaction and the journal has doubled since, `compact`
-rewrites it with the evicted steps' records folded into one record of runs (`statekv.core.disk.compaction`),
-beside it and renamed over it.
+so the journal (counted under the cap) grew until it alone filled it. After a checkpoint, once the journal holds as
+many whole records of evicted steps as of held ones (and ``checkpoint_steps`` at least), `compact` rewrites it with
+the evicted steps' records folded into a record of runs (`statekv.core.disk.compaction`), beside it and renamed
+over it.
 
 One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
 ``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
@@ -237,8 +237,9 @@ class DiskTier:
 
     def compact(self) -> None:
         """Replace the journal by itself compacted (`statekv.core.disk.files.compacted_journal`: the records of
-        evicted steps folded into one), written beside it and renamed over it, so a kill leaves one or the other
-        whole. A journal that cannot be rewritten (a full disk) is left as it was, with one line in the log."""
+        evicted steps folded into runs), written beside it, flushed and renamed over it, so a kill leaves one or the
+        other whole. A journal that cannot be rewritten (a full disk) is left as it was, with one line in the
+        log."""
         self.check_owner()
         path, partial = self.folder / JOURNAL, self.folder / f"{JOURNAL}.partial"
         size = os.fstat(self._journal).st_size
