@@ -40,6 +40,20 @@ def _records(folder) -> list[dict]:
     return [json.loads(line.split(" ", 1)[1]) for line in (folder / "journal").read_text().splitlines()]
 
 
+def _evicting(adapter, folder, policy: str = "evict-oldest", cap: int = 200_000) -> statekv.VideoQA:
+    """A VideoQA of disk-tier streams in ``folder`` evicting under ``cap`` bytes."""
+    return tiny_qa(adapter, "statekv", offload="disk", offload_dir=folder, max_cache_bytes=cap, cache_limit=policy)
+
+
+def _closed(qa, frames: int):
+    """The folder of a stream of ``qa`` closed after ``frames`` random frames."""
+    stream = qa.stream()
+    for frame in random_frames(frames):
+        stream.push(frame)
+    stream.close()
+    return stream.prefill.disk.folder
+
+
 def _carried(stream) -> list[torch.Tensor]:
     return [t.cpu() for layer in stream.prefill.cache.layers for t in (*layer.carried(), layer.positions())]
 
@@ -81,8 +95,7 @@ def test_a_compacted_record_reads_back_as_the_steps_it_stands_for():
 @pytest.mark.parametrize("policy", ["evict-oldest", "evict-least-attended"])
 def test_an_evicting_disk_tier_stream_keeps_its_journal_bounded_and_resumes_the_same(adapter, policy, often,
                                                                                      tmp_path):
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
-                 cache_limit=policy)
+    qa = _evicting(adapter, tmp_path, policy)
     stream = qa.stream()
     folder = stream.prefill.disk.folder
     sizes = []
@@ -101,8 +114,7 @@ def test_an_evicting_disk_tier_stream_keeps_its_journal_bounded_and_resumes_the_
     frames, step_frames = stream.frames, list(stream.step_frames)
     lengths, carried = list(stream.prefill.cache.chunk_lengths), _carried(stream)
     stream.close()
-    resumed = Stream.load(folder, tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path,
-                                          max_cache_bytes=200_000, cache_limit=policy))
+    resumed = Stream.load(folder, qa)
     assert (resumed.frames, resumed.frames_lost, resumed.step_frames) == (frames, 0, step_frames)
     assert resumed.prefill.cache.chunk_lengths == lengths and resumed.prefill.cache.evicted_steps == evicted
     assert resumed.stats.evicted_frames == sum(step_frames[s] for s in evicted)
@@ -118,8 +130,7 @@ def test_a_journal_compacted_reads_as_it_did(adapter, often, tmp_path, monkeypat
     """The same journal, whole and compacted: the same steps (what a resume reads of them), evictions, checkpoint
     and records after it; both resume to the same stream."""
     monkeypatch.setattr(statekv.core.disk.tier.DiskTier, "compact", lambda tier: None)  # the whole journal kept
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path / "live", max_cache_bytes=200_000,
-                 cache_limit="evict-oldest")
+    qa = _evicting(adapter, tmp_path / "live")
     stream = qa.stream()
     frames = random_frames(40)
     for frame in frames[:37]:  # not at a checkpoint: the frames after it are the lost ones
@@ -141,8 +152,6 @@ def test_a_journal_compacted_reads_as_it_did(adapter, often, tmp_path, monkeypat
         assert new == old if old["step"] not in before.evicted else all(new.get(k) == old.get(k) for k in read)
     assert read_file_set(whole, latest=True).steps[-1] == read_file_set(folded, latest=True).steps[-1]
     (folded / "journal.partial").write_bytes(b"what a kill mid-compaction leaves")
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
-                 cache_limit="evict-oldest")
     one, other = (Stream.load(path, qa) for path in (whole, folded))
     assert (one.frames, one.frames_lost) == (other.frames, other.frames_lost) and one.frames_lost > 0
     assert one.prefill.cache.evicted_steps == other.prefill.cache.evicted_steps
@@ -155,9 +164,7 @@ def test_a_journal_compacted_reads_as_it_did(adapter, often, tmp_path, monkeypat
 
 def test_an_evicting_disk_tier_stream_streams_past_where_its_journal_filled_the_cap(adapter, often, tmp_path):
     # the journal, counted under the cap and never evicted, used to fill this cap by frame 152
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=120_000,
-                 cache_limit="evict-oldest")
-    stream = qa.stream()
+    stream = _evicting(adapter, tmp_path, cap=120_000).stream()
     frames = random_frames(50)
     for index in range(320):
         stream.push(frames[index % 50])
@@ -208,13 +215,8 @@ def test_later_evictions_join_the_compacted_record_or_sit_beside_it_until_merged
 
 
 def test_a_damaged_compacted_record_is_refused_with_one_line(adapter, often, tmp_path):
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
-                 cache_limit="evict-oldest")
-    stream = qa.stream()
-    for frame in random_frames(90):
-        stream.push(frame)
-    folder = stream.prefill.disk.folder
-    stream.close()
+    qa = _evicting(adapter, tmp_path)
+    folder = _closed(qa, 90)
     lines = (folder / "journal").read_bytes().split(b"\n")
     index = next(i for i, line in enumerate(lines) if b'"compacted"' in line)
     record = json.loads(lines[index].split(b" ", 1)[1])
@@ -224,19 +226,14 @@ def test_a_damaged_compacted_record_is_refused_with_one_line(adapter, often, tmp
         (folder / "journal").write_bytes(b"\n".join([*lines[:index], b"%08x %s" % (zlib.crc32(text), text),
                                                      *lines[index + 1:]]))
         with pytest.raises(InputError) as error:
-            Stream.load(folder, tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path))
+            Stream.load(folder, qa)
         assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
 def test_a_format_3_file_set_resumes_and_says_format_4_once_written_to(adapter, often, tmp_path):
     """Before an earlier statekv could read it as damaged (a checkpoint it cannot read, a compacted journal)."""
-    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=200_000,
-                 cache_limit="evict-oldest")
-    stream = qa.stream()
-    for frame in random_frames(10):
-        stream.push(frame)
-    folder = stream.prefill.disk.folder
-    stream.close()
+    qa = _evicting(adapter, tmp_path)
+    folder = _closed(qa, 10)
     write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 3})  # as statekv wrote before
     resumed = Stream.load(folder, qa)
     assert read_checked(folder / MANIFEST)["version"] == 4
