@@ -4,6 +4,7 @@ last checkpoint of the carried state; a real kill -9, then Stream.load), damaged
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -375,6 +376,40 @@ def test_frames_waiting_for_their_batch_at_a_checkpoint_are_counted_lost(adapter
         resumed.close()
         resumed = Stream.load(stream.prefill.disk.folder, qa)
         assert (resumed.frames + len(resumed.pending), resumed.frames_lost) == (pushed, 0), pushed
+        resumed.close()
+
+
+def test_a_stream_killed_inside_a_vision_call_resumes_as_the_stream_that_never_stopped(adapters, tmp_path,
+                                                                                     monkeypatch):
+    """A checkpoint due inside a vision-tower call waits for the call's last step, so a stream killed anywhere
+    resumes where a call began and encodes the frames it lost in the calls the stream that never stopped did: its
+    keys, values and answers are that stream's, bit for bit. Before: a checkpoint inside a call had the resumed
+    stream encode the frames after it in other calls, whose features differ by float rounding."""
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 4)
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "cache")
+    frames = random_frames(24)
+    whole = qa.stream(horizon_frames=24, vision_batch=3)
+    for frame in frames:
+        whole.push(frame)
+    checkpoints = [json.loads(line.split(" ", 1)[1])["carry"] for line in
+                   (whole.prefill.disk.folder / "journal").read_text().splitlines() if '"carry"' in line]
+    assert checkpoints == [0, 3, 9, 12, 15, 21, 24]  # steps: the prompt prefix, then a frame each, 3 to a call
+    for pushed in (5, 10, 17):
+        stopped = qa.stream(horizon_frames=24, vision_batch=3)
+        for frame in frames[:pushed]:
+            stopped.push(frame)
+        killed = shutil.copytree(stopped.prefill.disk.folder, tmp_path / f"killed{pushed}",
+                                 ignore=shutil.ignore_patterns("lock"))
+        resumed = Stream.load(killed, qa)
+        assert resumed.frames % 3 == 0 and resumed.frames + resumed.frames_lost == pushed, pushed
+        for frame in frames[resumed.frames:]:
+            resumed.push(frame)
+        whole_keys, resumed_keys = (s.prefill.state_dict()[0] for s in (whole, resumed))
+        assert whole_keys.keys() == resumed_keys.keys()
+        assert all(torch.equal(whole_keys[name], resumed_keys[name]) for name in whole_keys), pushed
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=2),
+                           whole.ask_tokens(QUESTION, max_new_tokens=6, retrieve=2))
+        stopped.close()
         resumed.close()
 
 

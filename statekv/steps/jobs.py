@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.step.batching import StepBatcher, StepRequest
@@ -63,10 +63,12 @@ class StepJob:
         return len(self.encoded) + len(self.chunks)
 
     def laid_out(self, index: int) -> LaidOutStep:
-        """Step ``index`` as the engine's request (`EncodedVideo.lay_out`, or ``step_of`` a chunk)."""
-        if self.chunks:
-            return self.video.step_of(self.chunks[index])
-        return self.video.lay_out(self.encoded[index])
+        """Step ``index`` as the engine's request (`EncodedVideo.lay_out`, or ``step_of`` a chunk), marked when it
+        ends the job's vision-tower call."""
+        step = self.video.step_of(self.chunks[index]) if self.chunks else self.video.lay_out(self.encoded[index])
+        if index + 1 < self.steps:
+            step.request = replace(step.request, ends_vision_call=False)
+        return step
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -17,10 +17,13 @@ state). The carried state of every layer (positions, keys and values in the mode
 positions each key's placement) and the open segment's accumulators are checkpointed to ``carry.{n % 2}.bin``
 (two slots written in turn, so the last checkpoint's slot is intact whatever a kill interrupts), vouched for by
 a ``carry`` line: at the first step, every `CHECKPOINT_STEPS` steps after it, and whenever the stream is saved,
-synced or closed. Data is written before the line that vouches for it. The contract: a process killed at any
-point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its last checkpoint, so a kill loses
-at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps (those after the checkpoint, counted as lost); a
-stream saved, synced or closed loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
+synced or closed. A checkpoint falling inside a vision-tower call waits for the call's last step: a stream resumed
+there encodes the frames after it in the calls the stream that never stopped did (a call's features differ by
+float rounding from the same frames' in other calls). Data is written before the line that vouches for it. The
+contract: a process killed at any point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its
+last checkpoint, so a kill loses at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps and of the vision
+call the last checkpoint waited for (those after the checkpoint, counted as lost); a stream saved, synced or closed
+loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
 to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
 paid once per checkpoint.
 
@@ -279,11 +282,13 @@ class DiskTier:
             log.warning("%s: cannot compact the disk cache's journal (%s); it keeps growing with every step",
                         self.folder, error.strerror or error)
 
-    def commit_step(self, step: int, tokens: int, cache: Any, extra: dict[str, Any]) -> None:
+    def commit_step(self, step: int, tokens: int, cache: Any, extra: dict[str, Any], *,
+                    ends_vision_call: bool = True) -> None:
         """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
-        files' lengths; then, at the first step and every ``checkpoint_steps`` steps, the carried state of every
-        layer of ``cache`` as a checkpoint. Whole or (an `OutputError`) not at all: the journal is
-        then as before the step, and `remembered` still holds the carried state the step before left."""
+        files' lengths; then, when a checkpoint is due (`checkpoint_due`) and the step ends its vision-tower call
+        (``ends_vision_call``), the carried state of every layer of ``cache`` as a checkpoint. Whole or (an
+        `OutputError`) not at all: the journal is then as before the step, and `remembered` still holds the carried
+        state the step before left."""
         end, last, held = os.fstat(self._journal).st_size, self.last_step, self.held_records
         try:
             self._cache, self.last_step = cache, step
@@ -293,7 +298,7 @@ class DiskTier:
                 self.replayed.add(step)
             else:
                 self.held_records += 1
-            if step == 0 or (step + 1) % self.checkpoint_steps == 0:
+            if ends_vision_call and self.checkpoint_due(step):
                 self.checkpoint()
         except OutputError:
             self.last_step, self.held_records = last, held
@@ -307,6 +312,14 @@ class DiskTier:
         self.durable = True
         size = os.fstat(self._journal).st_size
         self.growth, self._size_before = size - self._size_before, size
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether step ``step`` is, or follows, a multiple of ``checkpoint_steps`` steps (the first step
+        included) not checkpointed yet: read from the last checkpoint's step alone, so a resumed stream checkpoints
+        at the steps the stream that never stopped did."""
+        if self.checkpointed is None:
+            return True
+        return (step + 1) // self.checkpoint_steps > (self.checkpointed + 1) // self.checkpoint_steps
 
     def remember(self, layers: list[Any]) -> None:
         """Keep a copy of the carried state the last step journaled left (`remembered`: per layer what a
@@ -402,10 +415,10 @@ class DiskTier:
         return crc
 
     def next_growth(self, step: int) -> int:
-        """What step ``step`` adds to `nbytes`, about: the journal's growth over the last step, and when the step
-        takes a checkpoint, what its slot grows by to hold the carried state as it stands (the slots are
+        """What step ``step`` adds to `nbytes`, about: the journal's growth over the last step, and when a
+        checkpoint is due at the step, what its slot grows by to hold the carried state as it stands (the slots are
         overwritten in place: each grows only while the carried state does)."""
-        if self._cache is None or not (step == 0 or (step + 1) % self.checkpoint_steps == 0):
+        if self._cache is None or not self.checkpoint_due(step):  # due: counted whether or not its call ends there
             return self.growth
         carried = sum(part.nbytes for layer in self._cache.layers for part in _carried_parts(layer) if part is not None)
         carried += sum(part.nbytes for part in _tally(self._cache))

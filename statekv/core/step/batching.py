@@ -57,6 +57,7 @@ class StepRequest:
     input_ids: torch.Tensor | None = None
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
     durable_record: dict | None = None  # what the disk tier journals with the step (see StreamingPrefill.step)
+    ends_vision_call: bool = True  # the last step of its frames' vision-tower call: a checkpoint may fall here
 
 
 
@@ -385,7 +386,8 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
     for row, step in enumerate(steps):
         try:
             step.prefill.finish_step(chunk_len, step.started, step.carried_before,
-                                     durable_record=step.request.durable_record)
+                                     durable_record=step.request.durable_record,
+                                     ends_vision_call=step.request.ends_vision_call)
         except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
             failed[row] = error
     if failed:

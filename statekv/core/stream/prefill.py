@@ -260,17 +260,17 @@ class StreamingPrefill:
         if self.keeper is not None:
             self.keeper.adopt()
 
-    def commit_durably(self, chunk_len: int, durable_record: dict) -> None:
-        """On the disk tier, the host end of a step: its data appended and journaled. If the tier cannot write it
-        (a full disk, a folder made read-only), the step is not taken: the stream is restored as its journal's
-        last step left it (the state before this step), and an `OutputError` says so."""
+    def commit_durably(self, chunk_len: int, durable_record: dict, ends_vision_call: bool = True) -> None:
+        """On the disk tier, the host end of a step: its data appended and journaled (see `DiskTier.commit_step`).
+        If the tier cannot write it (a full disk, a folder made read-only), the step is not taken: the stream is
+        restored as its journal's last step left it (the state before this step), and an `OutputError` says so."""
         try:
             self.cache.commit_host()
             if self.positions.bounded:  # where the step was placed: resuming needs it
-                positions = self.positions
-                durable_record = {**durable_record,
-                                  "placed": [positions.firsts[-1], positions.spans[-1], positions.bases[-1]]}
-            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache, durable_record)
+                at = self.positions
+                durable_record = {**durable_record, "placed": [at.firsts[-1], at.spans[-1], at.bases[-1]]}
+            self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache, durable_record,
+                                  ends_vision_call=ends_vision_call)
         except OutputError as error:
             folder = self.disk.folder
             if self.disk.lost:  # what the folder's path names is not this stream's: nothing is read back from it
@@ -361,13 +361,13 @@ class StreamingPrefill:
             self.evictions.extend(evicting)
 
     def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None,
-                    durable_record: dict | None = None) -> None:
+                    durable_record: dict | None = None, ends_vision_call: bool = True) -> None:
         """Host end of a step whose device part succeeded: commit its lengths (journaled with
         ``durable_record`` on the disk tier) and record it."""
         if self.disk is None:
             self.cache.commit_host()
         else:
-            self.commit_durably(chunk_len, durable_record or {})
+            self.commit_durably(chunk_len, durable_record or {}, ends_vision_call)
         overlap = None if carried_before is None else kept_fraction(carried_before, self.positions_snapshot())
         self.history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
