@@ -109,7 +109,7 @@ def test_a_stream_in_the_store_is_written_by_one_replica_and_a_stale_one_is_fenc
     assert fresh.read_record(STREAM) is None and fresh.records() == []
     left = aws.names(url)
     assert [name for name in left if name.startswith(("saves/", "holders/", "asks/"))] == []
-    assert [name for name in left if name.startswith("streams/")] == [f"streams/{STREAM}/v{7:012d}-deleted.json"]
+    assert [name for name in left if name.startswith("streams/")] == [f"streams/{STREAM}/v{7:012d}.json"]
     with pytest.raises(Exception, match="no stream"):
         fresh.take(STREAM)  # the tombstone stays: nobody brings a deleted stream back
 
@@ -161,6 +161,55 @@ def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws)
     assert versions.commit(seen, STREAM, "recorded", record=_record(name="stale")) is None
     assert not any(stale_number in name for name in aws.names(url))
     assert StreamVersions(store).current(STREAM).record["name"] == str(KEEP + 2)
+
+
+def test_a_save_and_a_taking_of_one_version_number_cannot_both_be_written(aws, monkeypatch):
+    """The holder stalls inside a save's commit past its session, another replica takes the stream, then the
+    holder creates its version. Before: a version's name held its event, so the save and the taking of the same
+    number were both created; the save's writer pruned the save the taking named, and the stream could not be
+    loaded again (its only save named by no version)."""
+    clock, url = Clock(), aws.url()
+    holder = StoreStreamFiles(ObjectStore(url), "holder", 10, clock)
+    taker = StoreStreamFiles(ObjectStore(url), "taker", 10, clock)
+    holder.claim(STREAM)
+    holder.write_record(_record())
+    holder.save_state(STREAM, lambda path: path.write_bytes(b"first save"))
+    commit = holder.versions.commit
+
+    def stalled(base, stream_id, event, **changes):
+        clock.now += 11  # the holder's session runs out while it stalls with the version it read
+        assert taker.take(STREAM).token == 2
+        return commit(base, stream_id, event, **changes)
+    monkeypatch.setattr(holder.versions, "commit", stalled)
+    with pytest.raises(LeaseLost):
+        holder.save_state(STREAM, lambda path: path.write_bytes(b"second save"))
+    assert [name.split("/")[-1] for name in aws.names(url) if name.startswith(f"streams/{STREAM}/")] == [
+        f"v{number:012d}.json" for number in (1, 2, 3, 4)]
+    with taker.local_state(STREAM) as path:
+        assert path.read_bytes() == b"first save"
+    assert taker.holder_of(STREAM) == "taker" and taker.renew(STREAM) is not None
+    versions = StreamVersions(ObjectStore(url))
+    base = versions.current(STREAM)
+    assert versions.commit(base, STREAM, "saved", state="x") is not None
+    assert versions.commit(base, STREAM, "taken", holder="else", token=3) is None  # the number is taken
+
+
+def test_versions_named_by_an_earlier_statekv_are_read_and_fence_their_number(aws):
+    """An earlier statekv named a version with its event (``v...42-saved.json``): such a chain is read as before,
+    goes on under names of the number alone, and a number it holds is not created again."""
+    url = aws.url()
+    store, versions = ObjectStore(url), StreamVersions(ObjectStore(url))
+    first = versions.commit(None, STREAM, "taken", holder="a", token=1)
+    legacy = f"streams/{STREAM}/v{2:012d}-recorded.json"
+    made = versions.commit(first, STREAM, "recorded", record=_record(name="earlier"))
+    store.create(legacy, store.read(made.name))
+    store.remove(made.name)
+    fresh = StreamVersions(ObjectStore(url))
+    current = fresh.current(STREAM)
+    assert current.record["name"] == "earlier" and current.number == 2
+    assert fresh.commit(first, STREAM, "saved", state="x") is None  # number 2 is the earlier statekv's
+    assert fresh.commit(current, STREAM, "let-go").name == f"streams/{STREAM}/v{3:012d}.json"
+    assert [line["event"] for line in fresh.history(STREAM)] == ["taken", "let go"]
 
 
 def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, caplog, monkeypatch, tmp_path):

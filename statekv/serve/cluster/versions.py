@@ -1,11 +1,14 @@
 """A stream's shared state in an object store as a chain of versions (`StreamVersions`), fenced by the store's one
 conditional write: create a name only if it is free.
 
-``streams/ID/v000000000042-EVENT.json`` is version 42 of stream ID: everything replicas share of it (who holds it
-and under which fencing token, its record, the name of its current save, its quarantine note, whether it was
-deleted), whole. The current state is the highest version. A change is a new version numbered one past the version
-it was made from, created only if that number is free: of two replicas changing a stream at once, one creates the
-number and the other finds it taken, reads the new current version and decides again (`commit`). A replica writes
+``streams/ID/v000000000042.json`` is version 42 of stream ID: everything replicas share of it (the event that
+made it, who holds it and under which fencing token, its record, the name of its current save, its quarantine
+note, whether it was deleted), whole. The current state is the highest version. A change is a new version numbered
+one past the version it was made from, created only if that number is free: of two replicas changing a stream at
+once, one creates the number and the other finds it taken, reads the new current version and decides again
+(`commit`). The name holds the number alone, so the conditional write fences the number whatever the change (a
+save and a taking of the same number cannot both be created). Names of an earlier statekv, which also held the
+event (``v000000000042-EVENT.json``), are read as the same versions. A replica writes
 a stream only while the current version names it as holder under its own token, so once another replica has taken
 the stream (a version with the next token), every later write of the old holder finds the chain moved on and is
 refused: two replicas never both write a stream. No file is locked, and the same code runs on S3, GCS, Azure and
@@ -35,7 +38,7 @@ from .objects import ObjectStore
 STREAMS = "streams"
 KEEP = 4  # versions kept below the newest, besides the history
 HISTORY_EVENTS = ("taken", "let-go")
-NAME = re.compile(r"^streams/(st_[0-9A-Za-z_]+)/v(\d{12})-([a-z-]+)\.json$")
+NAME = re.compile(r"^streams/(st_[0-9A-Za-z_]+)/v(\d{12})(-[a-z-]+)?\.json$")  # the event: an earlier statekv's
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,15 @@ class Version:
 
     @property
     def name(self) -> str:
-        return version_name(self.stream, self.number, self.event)
+        return version_name(self.stream, self.number)
 
     def held_by(self, holder: str, token: int) -> bool:
         return self.holder == holder and self.token == token and not self.deleted
 
 
-def version_name(stream_id: str, number: int, event: str) -> str:
-    return f"{STREAMS}/{stream_id}/v{number:012d}-{event}.json"
+def version_name(stream_id: str, number: int, event: str | None = None) -> str:
+    """The object a version is stored as (``event``: as an earlier statekv named it)."""
+    return f"{STREAMS}/{stream_id}/v{number:012d}{'' if event is None else '-' + event}.json"
 
 
 class StreamVersions:
@@ -80,8 +84,8 @@ class StreamVersions:
         self._read: dict[str, Version] = {}  # name -> version (a version never changes once written)
 
     # -- reading ----------------------------------------------------------------------------------------------
-    def numbers(self, stream_id: str) -> list[tuple[int, str, str]]:
-        """(number, name, event) of the stream's versions in the store, lowest first."""
+    def numbers(self, stream_id: str) -> list[tuple[int, str]]:
+        """(number, name) of the stream's versions in the store, lowest first."""
         return _parsed_names(self.store.names(f"{STREAMS}/{stream_id}/"))
 
     def current(self, stream_id: str) -> Version | None:
@@ -107,7 +111,7 @@ class StreamVersions:
             fields = json.loads(data)
             version = Version(**{key: fields.get(key) for key in Version.__dataclass_fields__
                                  if key in fields})
-            if version.name != name:
+            if name not in (version.name, version_name(version.stream, version.number, version.event)):
                 raise ValueError("its name does not match its content")
         except (ValueError, TypeError) as error:
             raise ServiceError(503, f"version {name} in the object store is unreadable ({error})") from None
@@ -119,7 +123,7 @@ class StreamVersions:
     def every_current(self) -> dict[str, Version]:
         """Every stream's newest version, by stream id (one listing; a version read once is kept)."""
         newest: dict[str, tuple[int, str]] = {}
-        for number, name, _ in _parsed_names(self.store.names(f"{STREAMS}/")):
+        for number, name in _parsed_names(self.store.names(f"{STREAMS}/")):
             stream_id = name.split("/")[1]
             if stream_id not in newest or number > newest[stream_id][0]:
                 newest[stream_id] = (number, name)
@@ -132,16 +136,14 @@ class StreamVersions:
 
     def counts(self) -> Counter:
         """How many versions the store keeps of each stream, by stream id (one listing)."""
-        return Counter(name.split("/")[1] for _, name, _ in _parsed_names(self.store.names(f"{STREAMS}/")))
+        return Counter(name.split("/")[1] for _, name in _parsed_names(self.store.names(f"{STREAMS}/")))
 
     def history(self, stream_id: str) -> list[dict[str, Any]]:
         """Every taking and letting go of the stream still stored, oldest first (as `leases.Leases.history`)."""
         lines = []
-        for _, name, event in self.numbers(stream_id):
-            if event in HISTORY_EVENTS:
-                version = self.read(name)
-                if version is None:
-                    continue
+        for _, name in self.numbers(stream_id):
+            version = self.read(name)
+            if version is not None and version.event in HISTORY_EVENTS:
                 taken = version.event == "taken"  # a letting go names who let go in ``before``
                 line = {"event": version.event.replace("-", " "), "token": version.token, "at": version.at,
                         "holder": version.holder if taken else (version.before or {}).get("holder")}
@@ -168,8 +170,12 @@ class StreamVersions:
         return version
 
     def _follows(self, version: Version) -> bool:
-        """Whether ``version`` is in its stream's chain: the newest, or followed by a version made from it."""
-        later = [(number, name) for number, name, _ in self.numbers(version.stream) if number > version.number]
+        """Whether ``version`` is in its stream's chain: the newest, or followed by a version made from it, and
+        the one version of its number (an earlier statekv's name of it may hold it already)."""
+        found = self.numbers(version.stream)
+        if any(number == version.number and name != version.name for number, name in found):
+            return False
+        later = [(number, name) for number, name in found if number > version.number]
         if not later:
             return True
         follower = self.read(later[0][1]) if later[0][0] == version.number + 1 else None
@@ -178,16 +184,19 @@ class StreamVersions:
     def _prune(self, stream_id: str, newest: int) -> None:
         """Remove versions more than `KEEP` below ``newest``, but the history (a failure only leaves them)."""
         try:
-            for number, name, event in self.numbers(stream_id):
-                if number < newest - KEEP and event not in HISTORY_EVENTS:
+            for number, name in self.numbers(stream_id):
+                if number >= newest - KEEP:
+                    break
+                version = self.read(name)
+                if version is not None and version.event not in HISTORY_EVENTS:
                     self.store.remove(name)
                     self._read.pop(name, None)
-        except OSError:
+        except (OSError, ServiceError):
             pass
 
     def remove_chain(self, stream_id: str) -> None:
         """Remove every version of the stream (one whose creation failed); an `OSError` when the store refuses."""
-        for _, name, _ in self.numbers(stream_id):
+        for _, name in self.numbers(stream_id):
             self.store.remove(name)
             self._read.pop(name, None)
 
@@ -195,7 +204,7 @@ class StreamVersions:
         """Remove every version of the stream but ``version`` (a deletion's tombstone); a failure only leaves
         them."""
         try:
-            for _, name, _ in self.numbers(version.stream):
+            for _, name in self.numbers(version.stream):
                 if name != version.name:
                     self.store.remove(name)
                     self._read.pop(name, None)
@@ -203,11 +212,6 @@ class StreamVersions:
             pass
 
 
-def _parsed_names(names: list[str]) -> list[tuple[int, str, str]]:
-    """(number, name, event) of each version's name among ``names``, lowest number first."""
-    found = []
-    for name in names:
-        match = NAME.match(name)
-        if match:
-            found.append((int(match.group(2)), name, match.group(3)))
-    return sorted(found)
+def _parsed_names(names: list[str]) -> list[tuple[int, str]]:
+    """(number, name) of each version's name among ``names``, lowest number first."""
+    return sorted((int(match.group(2)), name) for name in names if (match := NAME.match(name)))
