@@ -7,6 +7,7 @@ taken over with only the unsaved tail lost; a bucket that refuses writes answere
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -210,6 +211,83 @@ def test_versions_named_by_an_earlier_statekv_are_read_and_fence_their_number(aw
     assert fresh.commit(first, STREAM, "saved", state="x") is None  # number 2 is the earlier statekv's
     assert fresh.commit(current, STREAM, "let-go").name == f"streams/{STREAM}/v{3:012d}.json"
     assert [line["event"] for line in fresh.history(STREAM)] == ["taken", "let go"]
+
+
+def test_a_session_whose_hold_ran_out_while_its_renewal_hung_starts_a_new_epoch(aws, monkeypatch):
+    """A renewal whose write hangs past the hold it renews may find its streams taken by another replica in
+    between. Before: the late write kept the old epoch, so the replica went on serving streams it may have lost
+    (their pushes accepted, then lost at the next save); now it starts a new epoch and they are never its again
+    unless taken anew. A renewal in time keeps the epoch."""
+    from statekv.serve.cluster.sessions import Session
+
+    store = ObjectStore(aws.url())
+    session = Session(store, "replica", 3)
+    first = session.keep()
+    time.sleep(1.1)  # a third of the hold gone: the next keep renews
+    assert session.keep() == first and session.valid()
+    put, writes = store.put, []
+
+    def hung(name, data):
+        writes.append(name)
+        if len(writes) == 1:
+            time.sleep(3.2)  # past the hold (3 s less the clocks' margin)
+        put(name, data)
+    monkeypatch.setattr(store, "put", hung)
+    time.sleep(1.1)
+    second = session.keep()
+    assert second != first and session.valid()
+    assert json.loads(store.read("sessions/replica.json"))["epoch"] == second
+
+
+def test_a_replica_whose_store_listings_hang_keeps_its_session_and_its_streams(aws, qa, monkeypatch):
+    """Reading the asks for its streams (a listing) waited on the store inside the pass that also renewed the
+    session: a listing hung for less than a lease lapsed the session and dropped every stream (its next push
+    refused, the frames since its save lost). The session is now renewed on a loop of its own."""
+    url, frames = aws.url(), _frames(5, 3)
+    hostings, clients = _replicas(qa, url, ("only",), lease_seconds=3, save_every_frames=100)
+    with clients[0] as client:
+        made = _call(client, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None})
+        stream_id = made.json()["id"]
+        assert _push(client, stream_id, frames[0], 0).status_code == 200
+        store, names, hanging = hostings[0].files.store, hostings[0].files.store.names, []
+
+        def hung(prefix):
+            if prefix.startswith("asks/") and not hanging:
+                hanging.append(prefix)
+                time.sleep(2.5)
+            return names(prefix)
+        monkeypatch.setattr(store, "names", hung)
+        assert _until(lambda: hanging, 10)
+        time.sleep(3)
+        for index in (1, 2):
+            pushed = _push(client, stream_id, frames[index], index)
+            assert pushed.status_code == 200, pushed.text
+        assert _call(client, "GET", f"/v1/streams/{stream_id}").json()["frames"] == 3
+        assert [line["event"] for line in hostings[0].files.history(stream_id)] == ["taken"]
+
+
+def test_a_stream_whose_record_cannot_be_read_while_taken_is_a_503_and_let_go(aws, qa, monkeypatch):
+    """Before: the store failing to read the record of a stream being taken raised a TypeError (a 500) and left
+    the stream's lease held with no entry serving it."""
+    url, frames = aws.url(), _frames(6, 2)
+    hostings, clients = _replicas(qa, url, ("first", "second"), lease_seconds=3, save_every_frames=1)
+    with clients[0] as first, clients[1] as second:
+        stream_id = _call(first, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None}).json()["id"]
+        assert _push(first, stream_id, frames[0], 0).status_code == 200
+        read, reads = hostings[1].files.read_record, []
+
+        def failing(wanted):  # read to check its owner, then again once its lease is taken: that read fails
+            reads.append(wanted)
+            if len(reads) == 1:
+                return read(wanted)
+            raise StoreError(f"the object store {url} cannot read streams/{wanted} (unreachable)")
+        monkeypatch.setattr(hostings[1].files, "read_record", failing)
+        moved = _call(second, "GET", f"/v1/streams/{stream_id}")
+        assert moved.status_code == 503 and "cannot read" in moved.json()["error"]["message"], moved.text
+        assert stream_id not in hostings[1].files.held
+        monkeypatch.setattr(hostings[1].files, "read_record", read)
+        again = _call(second, "GET", f"/v1/streams/{stream_id}")
+        assert again.status_code == 200 and again.json()["frames"] == 1, again.text
 
 
 def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, caplog, monkeypatch, tmp_path):

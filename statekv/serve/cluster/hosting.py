@@ -93,6 +93,8 @@ class ReplicaHosting(Hosting):
     async def run(self, service: Any) -> None:
         self.passed = time.monotonic()
         loops = [self._keep_leases(), self._post(service)]
+        if isinstance(self.files, StoreStreamFiles):  # one session holds every stream: renewed on its own
+            loops.append(self._keep_session())
         if self.stopping is not None:
             loops.append(self._end_feeds_when_stopping(service))
         await asyncio.gather(*loops)
@@ -105,6 +107,11 @@ class ReplicaHosting(Hosting):
                 self.passed = time.monotonic()
             except Exception:  # the loop must outlive one bad pass; a stalled one fails the health check
                 log.exception("keeping the leases failed")
+
+    async def _keep_session(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_seconds)
+            await asyncio.to_thread(self.files.keep_session)
 
     async def _end_feeds_when_stopping(self, service: Any) -> None:
         failing = False  # warned of once a failure starts, not at every check while it lasts

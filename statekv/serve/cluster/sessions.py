@@ -6,7 +6,8 @@ live: one write per replica keeps every stream it holds, rather than one per str
 renew in time (dead, stalled, cut off from the store) has lost every stream it held: others may take them once
 its session has expired by their clocks, and it stops serving them by its own clock before then (`Session.valid`).
 Its next renewal starts a new epoch, so the streams it held under the old one are never its again unless taken
-anew. Expiry compares wall clocks, so the machines' clocks must agree to well within a lease (NTP does).
+anew; so does a renewal whose write ends after the hold it renews ran out (another may have taken them
+meanwhile). Expiry compares wall clocks, so the machines' clocks must agree to well within a lease (NTP does).
 """
 
 from __future__ import annotations
@@ -45,14 +46,23 @@ class Session:
         with self._renewing:
             if self.valid() and self.expires - self.clock() > self.seconds * (1 - RENEW_FRACTION):
                 return self.epoch
-            epoch = self.epoch if self.valid() else secrets.token_hex(6)
-            asked, expires = time.monotonic(), self.clock() + self.seconds
-            self.store.put(f"{SESSIONS}/{self.holder}.json", json.dumps(
-                {"holder": self.holder, "epoch": epoch, "expires": expires}).encode())
-            self.epoch, self.expires = epoch, expires
+            renewing = self.valid()
+            epoch = self.epoch if renewing else secrets.token_hex(6)
+            held_until, asked = self._valid, time.monotonic()
+            self._put(epoch)
+            if renewing and time.monotonic() >= held_until:  # the hold ran out while the write hung: another
+                epoch, asked = secrets.token_hex(6), time.monotonic()  # replica may have taken its streams
+                self._put(epoch)
+            self.epoch = epoch
             # timed from before the write, less a margin for the clocks: never later than another may take over
             self._valid = asked + self.seconds - min(CLOCK_MARGIN_SECONDS, self.seconds / 10)
             return epoch
+
+    def _put(self, epoch: str) -> None:
+        expires = self.clock() + self.seconds
+        self.store.put(f"{SESSIONS}/{self.holder}.json", json.dumps(
+            {"holder": self.holder, "epoch": epoch, "expires": expires}).encode())
+        self.expires = expires
 
     def end(self) -> None:
         """At shutdown, its streams let go: remove the session (a failure only leaves it to expire)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...errors import StateKVError
 from ..entries import DamagedStream, StreamEntry, remove_tier
-from ..errors import ServiceError
+from ..errors import ServiceError, StorageError
 from ..loading import reason_of, unreadable
 from ..placement import Placement
 from ..registry import StreamRegistry
@@ -159,7 +159,8 @@ class LeasedPlacement(Placement):
                     entry = await registry.worker.run(registry.restore_one, record)
                 except BaseException as error:
                     damaged = None
-                    if isinstance(error, Exception) and not isinstance(error, ServiceError):
+                    if record is not None and isinstance(error, Exception) and \
+                            not isinstance(error, (ServiceError, StorageError)):  # the store failing is a 503
                         # noted under the lease, so every replica lists it as damaged
                         damaged = await asyncio.to_thread(registry.quarantine, stream_id, record["owner"],
                                                           reason_of(error), record)
@@ -264,7 +265,9 @@ class LeasedPlacement(Placement):
             entry = registry.entries.get(stream_id)
             if lease is None:
                 if entry is not None:
-                    log.warning("lost the lease of stream %s to another replica; dropped here", stream_id)
+                    log.warning("lost the lease of stream %s (its hold lapsed, the shared state out of reach or "
+                                "this replica stalled for too long, or another replica took it); dropped here, its "
+                                "next request takes it from its last save", stream_id)
                     await self._drop(registry, entry)
                 continue
             if entry is not None and lease.handoff and not entry.feeding and stream_id not in self._handing:

@@ -116,14 +116,19 @@ class StoreStreamFiles:
         if not self.session.valid() or self._epochs.get(stream_id) != self.session.epoch:
             self._forget(stream_id)
             return None
-        try:
-            self.session.keep()
-        except OSError as error:  # the store out of reach: kept until the session lapses, then lost
-            log.error("cannot renew the session of replica %s: %s", self.holder, error)
+        self.keep_session()
         ask = self._asks_now().get(stream_id)
         asker = ask.get("by") if ask is not None and ask.get("by") != self.holder else None
         self.held[stream_id] = current = Lease(stream_id, self.holder, lease.token, self.session.expires, asker)
         return current
+
+    def keep_session(self) -> None:
+        """Renew the session when due (`ReplicaHosting` also calls this on a loop of its own, so a pass over the
+        leases waiting on the store, reading the asks, does not hold the renewal up)."""
+        try:
+            self.session.keep()
+        except OSError as error:  # the store out of reach: kept until the session lapses, then lost
+            log.error("cannot renew the session of replica %s: %s", self.holder, error)
 
     def release(self, stream_id: str) -> None:
         """Let the stream go now (a version naming no holder): whoever takes it next gets the next token."""
