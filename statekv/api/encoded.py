@@ -203,8 +203,8 @@ class EncodedVideo:
         per_step = self.adapter.frames_per_step
         if steps * per_step < self.frames - self.stats.evicted_frames:  # fewer than the steps held: no walk
             return steps * per_step
-        evicted = set(self.prefill.evicted_steps)
-        held = [frames for step, frames in enumerate(self.step_frames) if frames and step not in evicted]
+        runs = self.prefill.cache.evicted_steps.held_runs(len(self.step_frames))
+        held = [frames for first, end in runs for frames in self.step_frames[first:end] if frames]
         return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:

@@ -20,7 +20,6 @@ then identical to answering without retrieval.
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +27,7 @@ from transformers.cache_utils import Cache
 
 from ..attention.scored import ChunkMask, chunk_attention
 from ..cache.engine_layer import EngineLayer
+from ..cache.step_runs import StepRuns
 from ..positions.placing import QuestionPlan
 from ..positions.rotation import rotate
 from .retrieval import LayerQuestion, Retrieval
@@ -46,14 +46,14 @@ class AnswerLayer(EngineLayer):
     """
 
     def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
-                 evicted: frozenset[int] = frozenset(), placing: "ContextPlacing | None" = None,
+                 evicted: StepRuns | None = None, placing: "ContextPlacing | None" = None,
                  starts: torch.Tensor | None = None):
         """steps: the stream's step lengths, in tokens (what retrieval scores), and starts their first tokens
         (``[steps + 1]``, then the end); evicted: the steps given up under a cache limit (never read); placing:
         under bounded positions, where the context's keys go."""
         super().__init__()
         self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
-        self.evicted, self.starts = evicted, starts
+        self.evicted, self.starts = StepRuns() if evicted is None else evicted, starts
         self.placing = placing
         self.keys = self.values = None
         self.context = self.answered = 0
@@ -104,7 +104,7 @@ class AnswerLayer(EngineLayer):
         if retrieval is None and not self.evicted:  # the whole cache, copied to the model's device
             keys, values = storage.read_range(0, storage.length, self.model_device, dtype)
         elif retrieval is None:  # every token still held, in order
-            index = _held_tokens(self.steps, self.evicted)
+            index = _held_tokens(self.starts, self.evicted)
             keys, values = storage.read_tokens(index, self.model_device, dtype)
         else:
             if question.shape[0] != 1:
@@ -117,7 +117,7 @@ class AnswerLayer(EngineLayer):
             seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
                                  {} if memory is None else memory, samples=samples[:, :, :len(steps)],
                                  read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
-                                 evicted=frozenset(self.evicted), segments=segments.index, segment_steps=segments.steps,
+                                 evicted=self.evicted, segments=segments.index, segment_steps=segments.steps,
                                  starts=self.starts, turns=turns[0], segment_turns=turns[1], frequencies=turns[2])
             index = self.retrieved = retrieval.tokens(seen)
             keys, values = storage.read_tokens(index, self.model_device, dtype)
@@ -157,13 +157,12 @@ class AnswerLayer(EngineLayer):
         return self.context + self.answered + query_length, self.get_seq_length() - self.context - self.answered
 
 
-def _held_tokens(steps: list[int], evicted: set[int]) -> torch.Tensor:
-    """Token indices ``[M]`` of the steps not evicted, ascending."""
-    held = torch.ones(sum(steps), dtype=torch.bool)
-    starts = [0, *accumulate(steps)]
-    for step in evicted:
-        held[starts[step]: starts[step + 1]] = False
-    return held.nonzero().squeeze(1)
+def _held_tokens(starts: torch.Tensor, evicted: StepRuns) -> torch.Tensor:
+    """Token indices ``[M]`` of the steps (first tokens ``starts`` ``[S + 1]``, then the end) not evicted,
+    ascending: one range per run of held steps, so a stream that evicted for weeks is read at the cost of what it
+    holds."""
+    parts = [torch.arange(int(starts[first]), int(starts[end])) for first, end in evicted.held_runs(len(starts) - 1)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 class ContextPlacing:
@@ -210,7 +209,7 @@ class AnswerCache(Cache):
         super().__init__(layers=[])
         steps = tuple(stream.chunk_lengths)
         starts = stream.step_starts()
-        evicted = frozenset(stream.evicted_steps)
+        evicted = stream.evicted_steps.copy()
         placing = None if plan is None else ContextPlacing(stream, plan, starts)
         self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval

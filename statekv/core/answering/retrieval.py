@@ -44,6 +44,7 @@ import torch
 from ...errors import ConfigurationError
 from ...settings.methods import RETRIEVAL_RULES
 from ...settings.values import check_int
+from ..cache.step_runs import StepRuns
 from ..positions.rotation import rotate
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
@@ -96,7 +97,7 @@ class LayerQuestion:
         if self.keys is not None:
             return self.keys.index_select(2, index.to(self.keys.device))
         return self.read_keys(index)
-    evicted: frozenset[int] = frozenset()
+    evicted: StepRuns = field(default_factory=StepRuns, compare=False)
     segments: torch.Tensor | None = field(default=None, compare=False)
     segment_steps: int = 0
     candidates: torch.Tensor | None = field(default=None, compare=False)
@@ -105,6 +106,10 @@ class LayerQuestion:
     turns: torch.Tensor | None = field(default=None, compare=False)
     segment_turns: torch.Tensor | None = field(default=None, compare=False)
     frequencies: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.evicted, StepRuns):  # any set of steps
+            object.__setattr__(self, "evicted", StepRuns(self.evicted))
 
     def turned(self, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """``keys`` ``[..., H_kv, M, D]`` of the steps ``steps`` (LongTensor ``[M]``) rotated by their turns (as they
@@ -301,7 +306,7 @@ class Retrieval:
         """The steps (ascending) answered from at ``seen``'s layer, besides the kept tokens."""
         count = len(seen.steps)
         first = int(torch.searchsorted(seen.step_starts[1:], self.keep_tokens, right=True))  # before: wholly kept
-        held = count - first - sum(1 for s in seen.evicted if s >= first)
+        held = count - first - seen.evicted.count_from(first)
         if held <= self.steps:
             return [s for s in range(first, count) if s not in seen.evicted]
         candidates = self.candidates(seen, first)
@@ -311,7 +316,7 @@ class Retrieval:
             best = scores[torch.tensor(outside, device=scores.device)].topk(self.steps).indices.tolist()
             return sorted(outside[i] for i in best)
         if seen.evicted:
-            candidates = candidates[~torch.isin(candidates, torch.tensor(sorted(seen.evicted), dtype=torch.long))]
+            candidates = candidates[~seen.evicted.mask(count)[candidates]]
         seen = replace(seen, candidates=candidates, others=self._others(seen, candidates, first))
         scores = self.rule.scores(seen).float()
         best = scores.topk(min(self.steps, candidates.shape[0])).indices.cpu()
@@ -400,10 +405,9 @@ def evicted_segments(seen: LayerQuestion, complete: int) -> torch.Tensor | None:
     key = f"evicted segments of {complete}"
     made = seen.memory.get(key)
     if made is None:
-        steps = torch.tensor(sorted(seen.evicted), dtype=torch.long)
-        steps = steps[steps < complete * seen.segment_steps]
-        made = seen.memory[key] = torch.bincount(steps // seen.segment_steps, minlength=complete) == \
-            seen.segment_steps
+        made = seen.memory[key] = torch.zeros(complete, dtype=torch.bool)
+        for start, end in seen.evicted.runs():  # the segments a run covers whole
+            made[-(-start // seen.segment_steps):min(end // seen.segment_steps, complete)] = True
     return made
 
 

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import forms
+from .step_runs import StepRuns
 from ..storage.buffers import CarriedSlots
 from ...errors import InputError
 from ...settings.values import check_int
@@ -72,7 +73,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
         restore_layer(layer, layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
     cache.chunk_lengths = list(metadata["chunk_lengths"])
     cache.seen_tokens = int(metadata["seen_tokens"])
-    cache.evicted_steps = set(metadata.get("evicted_steps", ()))
+    cache.evicted_steps = StepRuns(metadata.get("evicted_steps", ()))
     if cache.tally is not None:
         tally = metadata.get(TALLY) or {"steps": [], "totals": []}
         cache.tally.restore(torch.tensor(tally["steps"], dtype=torch.long),

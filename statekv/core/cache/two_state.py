@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from . import forms, persistence
 from .layer import StreamingLayer
+from .step_runs import StepRuns
 from ..attention.scored import ChunkMask, chunk_attention, scored_attention
 from ..rules.base import CarryPolicy
 from ..rules.candidates import Candidates
@@ -70,7 +71,7 @@ class TwoStateCache(Cache):
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
         self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, tier) for i in range(num_layers)]
         self.positions = positions or StreamPositions()
-        self.evicted_steps: set[int] = set()
+        self.evicted_steps = StepRuns()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended
         self.guide = None  # a steering.QuestionGuide while standing questions steer what is carried
         self.probe = None  # a callable shown each layer's step attention inputs (StreamingPrefill.probing)
@@ -244,6 +245,10 @@ class TwoStateCache(Cache):
         starts = self._kept_starts()
         step = bisect.bisect_right(starts, token) - 1
         return step, starts[step]
+
+    def evicted_tokens(self) -> int:
+        """Tokens of the evicted steps (read from their runs: a stream that evicted for weeks is not walked)."""
+        return self.evicted_steps.total_over(self._kept_starts())
 
     def _kept_starts(self) -> array:
         if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed

@@ -12,6 +12,7 @@ import torch
 
 from ...errors import InputError
 from ..cache import persistence
+from ..cache.step_runs import StepRuns
 from .buffers import rows_crc, rows_of
 from .compaction import BACKLOG
 from .files import Journaled, check_file_set, read_checked
@@ -87,7 +88,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     cache.shared_ring.reset()
     cache.chunk_lengths = list(lengths)
     cache.seen_tokens = sum(lengths)
-    cache.evicted_steps = evicted
+    cache.evicted_steps = StepRuns(evicted)
     if cache.tally is not None and tally is not None:
         cache.tally.restore(*tally, len(steps))
     elif cache.tally is not None and restoring:  # the step the disk could not take: its mass goes with it

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -51,6 +52,7 @@ from ...settings.engine import HANDOVER, check_positions
 from ...settings.values import check_int
 from .rope import SettledRotary, rope_capacity
 from .rotation import Placer, place_carried
+from ..cache.step_runs import StepRuns
 
 SEGMENT_PLACES = 16  # places a past-the-range question scores segments at (`StreamPositions.scoring_turns`)
 
@@ -307,6 +309,7 @@ class StreamPositions:
         self.inv_freq = inv_freq
         self._frequencies: dict[torch.device, torch.Tensor] = {}
         self.firsts, self.spans, self.bases = array("q"), array("q"), array("q")
+        self.span_totals = array("q", [0])  # the spans of the steps before each, summed (`held_span`)
         self.widest = 0  # the largest step span so far
         self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending: StepPlan | None = None
@@ -428,6 +431,7 @@ class StreamPositions:
     def append(self, plan: StepPlan) -> None:
         self.firsts.append(plan.first)
         self.spans.append(plan.span)
+        self.span_totals.append(self.span_totals[-1] + plan.span)
         self.bases.append(plan.base)
         self.widest = max(self.widest, plan.span)
         self.moved = self.moved or plan.base != plan.first
@@ -540,9 +544,10 @@ class StreamPositions:
         places = low + torch.div(targets[firsts_of_segments] - low + cell // 2, cell, rounding_mode="floor") * cell
         return targets - bases, places - bases[firsts_of_segments]
 
-    def held_span(self, evicted: set[int] | frozenset[int]) -> int:
-        """Positions the steps still held take, laid end to end."""
-        return sum(self.spans) - sum(self.spans[s] for s in evicted)
+    def held_span(self, evicted: StepRuns | Iterable[int]) -> int:
+        """Positions the steps still held take, laid end to end (``evicted``: the steps not held)."""
+        evicted = evicted if isinstance(evicted, StepRuns) else StepRuns(evicted)
+        return self.span_totals[-1] - evicted.total_over(self.span_totals)
 
     # -- saving --------------------------------------------------------------------------------------------------
     def export(self) -> dict:
@@ -561,6 +566,7 @@ class StreamPositions:
             raise InputError(f"the saved stream was streamed with positions={got}, this one with "
                              f"positions={self.mode}; resume it with positions={got}")
         self.firsts, self.spans, self.bases, self.widest = array("q"), array("q"), array("q"), 0
+        self.span_totals = array("q", [0])
         self.moved = False
         if not self.bounded:
             return

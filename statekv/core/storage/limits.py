@@ -180,13 +180,13 @@ class CacheKeeper:
         """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones, and
         the rest of what it evicted is given back again (a load wrote it in whole)."""
         cache = self.cache
-        self.evicted_tokens = sum(cache.chunk_lengths[s] for s in cache.evicted_steps)
+        self.evicted_tokens = cache.evicted_tokens()
         self._starts, self._held, self._registered = [0], {}, 0
         starts = self._step_starts()
         evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
-        for step in cache.evicted_steps:
-            evicted[starts[step]: starts[step + 1]] = True
-        steps = torch.tensor(sorted(cache.evicted_steps), dtype=torch.long)
+        for first, end in cache.evicted_steps.runs():
+            evicted[starts[first]: starts[end]] = True
+        steps = cache.evicted_steps.tensor()
         self._evicted_in, self.released_segments, self._scales_waiting = {}, 0, {}
         self.retained = {}
         for layer in cache.layers:
@@ -302,11 +302,8 @@ def released_segments(cache, keeper: CacheKeeper | None) -> int:
     holding evictions without a cap (one loaded so), counted from them."""
     if keeper is not None:
         return keeper.released_segments
-    if not cache.evicted_steps:
-        return 0
     per_segment = cache.layers[0].storage.segment_steps
-    steps = torch.tensor(sorted(cache.evicted_steps), dtype=torch.long)
-    return int((torch.bincount(steps // per_segment) == per_segment).sum())
+    return sum(max(0, end // per_segment + start // -per_segment) for start, end in cache.evicted_steps.runs())
 
 
 def _carried_tokens(layer) -> torch.Tensor:

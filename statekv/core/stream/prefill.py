@@ -30,6 +30,7 @@ from ..answering.answer_cache import Retrieval
 from ..attention.scored import resolve_backend
 from ..step.batching import StepRequest, device_step, step_together
 from ..cache import pool
+from ..cache.step_runs import StepRuns
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
 from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
@@ -205,8 +206,7 @@ class StreamingPrefill:
             device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
-            evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else sum(
-                self.cache.chunk_lengths[s] for s in self.cache.evicted_steps),
+            evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else self.cache.evicted_tokens(),
             forms=tuple(layer.form for layer in layers))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -228,7 +228,7 @@ class StreamingPrefill:
         bytes of every token and step held as stored (a stream saved under a cap and loaded without one holds
         none of its evicted steps), whatever was allocated ahead of them."""
         rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
-        tokens = self.seen_tokens - sum(self.cache.chunk_lengths[step] for step in self.cache.evicted_steps)
+        tokens = self.seen_tokens - self.cache.evicted_tokens()
         steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
         return (tokens * self.bytes_per_token + steps * self.bytes_per_step) * rows + self._other_bytes()[0]
 
@@ -246,9 +246,9 @@ class StreamingPrefill:
         return index + self.disk.nbytes, growth + self.disk.next_growth(len(self.cache.chunk_lengths))
 
     @property
-    def evicted_steps(self) -> frozenset[int]:
-        """The steps whose detailed cache was given up under a cache limit (answers read nothing of them)."""
-        return frozenset(self.cache.evicted_steps)
+    def evicted_steps(self) -> StepRuns:
+        """A copy of the steps given up under a cache limit (answers read nothing of them)."""
+        return self.cache.evicted_steps.copy()
 
     def resume(self, journal: Journaled, *, just_written: bool = False) -> None:
         """Resume from this stream's disk tier (made with ``disk_tier=``) at the last checkpoint its ``journal``

@@ -28,6 +28,7 @@ import torch
 
 from ..answering.retrieval import LayerQuestion, Retrieval
 from ..answering.rows import LayerContext
+from ..cache.step_runs import StepRuns
 from ..positions.rotation import rotate
 from .fitting import Scoring
 
@@ -95,7 +96,7 @@ def stored_rotations(prefill, tokens: torch.Tensor) -> torch.Tensor:
     return torch.tensor(prefill.positions.bases, dtype=torch.long)[steps] + (tokens - starts[steps])
 
 
-def held_tokens(starts: torch.Tensor, evicted: set[int] | frozenset[int], since: int) -> torch.Tensor:
+def held_tokens(starts: torch.Tensor, evicted: StepRuns, since: int) -> torch.Tensor:
     """Token indices ``[M]`` from ``since`` on of the steps (first tokens ``starts`` ``[S + 1]``, then the end) not
     evicted, ascending (only the steps from ``since`` on are walked)."""
     end = int(starts[-1])
@@ -276,7 +277,7 @@ def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, re
     seen = LayerQuestion(layer, queries, None, means[:, :, :before], steps, scale, {} if memory is None else memory,
                          samples=samples[:, :, :before],
                          read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
-                         evicted=frozenset(s for s in cache.evicted_steps if s < before),
+                         evicted=cache.evicted_steps.below(before),
                          segments=segments.index if whole else None,
                          segment_steps=segments.steps, starts=starts[:before + 1], turns=turns,
                          segment_turns=segment_turns if whole else None, frequencies=frequencies)
