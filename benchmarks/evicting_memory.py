@@ -13,6 +13,10 @@ process of its own, one torch thread. Reported: resident memory at each sample a
 With ``--files``, each sample also saves the stream (`Stream.save`, after its resident memory is read) and records
 the file's size and, on the disk tier, the bytes its folder's files take on disk (allocated blocks: holes
 excluded); these go to a table of their own.
+
+With ``--asks``, each sample also asks a question of the whole cache five times (`Stream.ask`, two answer tokens)
+and records the median CPU time of one (this process's, `time.process_time`, so other work on the machine does
+not count): a question should cost what the stream holds, not its history.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+QUESTION = "How many times did the video show red?\nA. 1\nB. 2\nC. 3\nD. 4\nAnswer with the letter."
 CONFIGS = {
     "memory": {"offload": True},
     "memory int8": {"offload": True, "kv_cache_dtype": "int8"},
@@ -57,6 +64,8 @@ def child(args: argparse.Namespace) -> None:
                     sample = {"frame": number, **resident(), "held_bytes": stream.prefill.stats.held_bytes}
                     if args.files:
                         sample.update(files(stream, folder, settings["offload"] == "disk"))
+                    if args.asks:
+                        sample["ask_cpu_ms"] = ask_cpu_ms(stream)
                     print(json.dumps(sample), flush=True)
         except CacheLimitError as error:  # what the cap counts outgrew it
             print(json.dumps({"frame": number, "refused": str(error)}), flush=True)
@@ -70,9 +79,20 @@ def files(stream, folder: str, disk: bool) -> dict:
     return {"saved_bytes": saved, **({"disk_bytes": on_disk} if disk else {})}
 
 
+def ask_cpu_ms(stream) -> float:
+    """The median CPU time of five questions of the whole cache, in milliseconds."""
+    spent = []
+    for _ in range(5):
+        started = time.process_time()
+        stream.ask(QUESTION, max_new_tokens=2)
+        spent.append(time.process_time() - started)
+    return 1000 * statistics.median(spent)
+
+
 def run(name: str, args: argparse.Namespace) -> list[dict]:
     command = [sys.executable, __file__, "--child", name, "--frames", str(args.frames), "--cap", str(args.cap),
-               "--every", str(args.every), "--base", str(args.base), *(["--files"] if args.files else [])]
+               "--every", str(args.every), "--base", str(args.base), *(["--files"] if args.files else []),
+               *(["--asks"] if args.asks else [])]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -124,6 +144,23 @@ def files_table(results: dict[str, list[dict]]) -> str:
             "disk tier, a journal line.")
 
 
+def asks_table(results: dict[str, list[dict]]) -> str:
+    """A question's CPU time at each sample (runs with ``--asks``), against its first sample's."""
+    frames = sorted({s["frame"] for samples in results.values() for s in samples if "ask_cpu_ms" in s})
+    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |", "|---|" + "---:|" * len(frames)]
+    for name, samples in results.items():
+        asked = [s for s in samples if "ask_cpu_ms" in s]
+        if asked:
+            first = asked[0]["ask_cpu_ms"]
+            cells = {s["frame"]: f"{s['ask_cpu_ms'] / first:.2f}x" for s in asked}
+            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
+    before = (" Rows marked before: the same command on the code before a stream kept its evicted steps as runs"
+              " (`--before`), when a question walked every step ever evicted." if any(
+                  name.endswith(", before") for name in results) else "")
+    return "\n".join(lines) + ("\n\nEach cell: the median CPU time of one question of the whole cache, against the "
+                               f"row's first sample (a ratio measured in one run).{before}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=6000)
@@ -138,6 +175,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="400 frames, a sample every 100")
     parser.add_argument("--files", action="store_true",
                         help="also save the stream at each sample: the file's size, and the disk tier's bytes on disk")
+    parser.add_argument("--asks", action="store_true",
+                        help="also ask a question of the whole cache at each sample: its CPU time")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -159,22 +198,29 @@ def main() -> None:
     saved = files_table(results) if any("saved_bytes" in s for samples in results.values() for s in samples) else ""
     if saved:
         print("\n" + saved)
+    asked = asks_table(results) if any("ask_cpu_ms" in s for samples in results.values() for s in samples) else ""
+    if asked:
+        print("\n" + asked)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.out:
         sys.path.insert(0, str(Path(__file__).parent))
         from report import write_section
 
-        flags = f"--frames {args.frames} --cap {args.cap}" + (" --files" if args.files else "")
+        flags = (f"--frames {args.frames} --cap {args.cap} --every {args.every} --base {args.base}"
+                 + (" --files" if args.files else "") + (" --asks" if args.asks else "")
+                 + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else ""))
         command = f"python benchmarks/evicting_memory.py {flags} --out {args.out}"
         if args.before:  # "before": the same command on earlier code, its samples written with --json
             command = (f"python benchmarks/evicting_memory.py {flags} --json NEW`, "
                        f"the same at the code before (--json BEFORE), then `python benchmarks/evicting_memory.py "
                        f"--from-json NEW --before BEFORE {flags} --out {args.out}")
         machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
-        title = "Evicting streams: saved files and disk use" if saved else "Evicting streams: resident memory"
-        about = (__doc__ or "").split(chr(10) + chr(10))[3 if saved else 1].strip()
-        write_section(args.out, title, f"{about}\n\nCommand: `{command}`  \nMachine: {machine}.\n\n{saved or body}")
+        title, part, shown = (("Evicting streams: questions", 4, asked) if asked else
+                              ("Evicting streams: saved files and disk use", 3, saved) if saved else
+                              ("Evicting streams: resident memory", 1, body))
+        about = (__doc__ or "").split(chr(10) + chr(10))[part].strip()
+        write_section(args.out, title, f"{about}\n\nCommand: `{command}`  \nMachine: {machine}.\n\n{shown}")
 
 
 if __name__ == "__main__":
