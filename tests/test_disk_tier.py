@@ -413,6 +413,18 @@ def test_a_stream_killed_inside_a_vision_call_resumes_as_the_stream_that_never_s
         resumed.close()
 
 
+def test_a_question_of_a_stream_whose_folder_was_removed_is_one_line(adapters, tmp_path):
+    """Before: torch's own error, several lines long (over HTTP a 500 with a traceback in the log)."""
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=4)
+    for frame in random_frames(3):
+        stream.push(frame)
+    shutil.rmtree(stream.prefill.disk.folder)
+    with pytest.raises(OutputError) as error:
+        stream.ask_tokens(QUESTION, max_new_tokens=2)
+    assert "\n" not in str(error.value) and "is missing or shorter" in str(error.value)
+
+
 def test_a_resumed_folder_keeps_its_frame_rate_clock(adapters, tmp_path):
     """A stream under max_fps closed and resumed from its folder drops the frames the stream that never stopped
     drops (its clock, ``next_tick``, is the last kept frame's)."""

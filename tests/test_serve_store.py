@@ -290,6 +290,26 @@ def test_a_stream_whose_record_cannot_be_read_while_taken_is_a_503_and_let_go(aw
         assert again.status_code == 200 and again.json()["frames"] == 1, again.text
 
 
+def test_a_silent_replica_is_forgotten_by_the_name_of_its_post_never_by_what_it_says(aws, tmp_path):
+    """Before: the id a stale post held was taken as the replica to forget, and its disk tier's folder was removed
+    by it: a post saying ``"replica": ""`` had the whole tier root removed, live replicas' streams included."""
+    from statekv.serve.cluster.board import ReplicaBoard, StoreBoard
+
+    store = ObjectStore(aws.url())
+    store.put("replicas/blank.json", json.dumps({"replica": "", "updated": 0}).encode())
+    store.put("replicas/up.json", json.dumps({"replica": "../..", "updated": 0}).encode())
+    store.put("replicas/.hidden.json", json.dumps({"replica": "x", "updated": 0}).encode())
+    assert sorted(StoreBoard(store, "me").forget_silent()) == ["blank", "up"]
+    assert store.names("replicas/") == ["replicas/.hidden.json"]
+    folder = tmp_path / "state"
+    board = ReplicaBoard(folder, "me")
+    board.folder.mkdir(parents=True, exist_ok=True)
+    (board.folder / "blank.json").write_text(json.dumps({"replica": "", "updated": 0}))
+    (board.folder / "..json").write_text(json.dumps({"replica": "..", "updated": 0}))
+    assert board.forget_silent() == ["blank"]
+    assert sorted(path.name for path in board.folder.iterdir()) == ["..json"]
+
+
 def test_keys_and_a_probe_need_a_bucket_the_credentials_may_write(aws, capsys, caplog, monkeypatch, tmp_path):
     from statekv.cli import main
     from statekv.serve import auth
@@ -401,6 +421,35 @@ def test_two_replicas_over_an_object_store_move_a_stream_and_take_over_from_one_
         assert _call(first, "DELETE", f"/v1/streams/{stream_id}").status_code == 200
         assert _call(second, "GET", f"/v1/streams/{stream_id}").status_code == 404
     assert not [name for name in aws.names(url) if name.startswith("saves/")]
+
+
+def test_a_replica_stopped_cleanly_leaves_no_disk_tier_files_behind(aws, tmp_path):
+    """Before: every clean stop left each stream's file set in the replica's own folder of the tier root, which no
+    later replica (each with an id of its own) resumes or removes: a full copy of each stream's detailed cache per
+    stop. The streams come back from their saves."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    url, frames, root = aws.url(), _frames(8, 2), tmp_path / "tier"
+    disk = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(root / "first"))
+    config = ServeConfig(options=disk.options, state_dir=None, api_keys=(KEY,), page=False, save_every_seconds=600)
+    hosting = ReplicaHosting(config, "first", lease_seconds=10, store=url, tier_root=root)
+    with TestClient(create_app(config, qa=disk, hosting=hosting)) as client:
+        stream_id = _call(client, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None}).json()["id"]
+        for index in range(2):
+            assert _push(client, stream_id, frames[index], index).status_code == 200
+        assert [path.name for path in (root / "first").iterdir()]  # its file set, while it runs
+    assert not (root / "first").exists()
+    again = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(root / "again"))
+    config = ServeConfig(options=again.options, state_dir=None, api_keys=(KEY,), page=False, save_every_seconds=600)
+    hosting = ReplicaHosting(config, "again", lease_seconds=10, store=url, tier_root=root)
+    with TestClient(create_app(config, qa=again, hosting=hosting)) as client:
+        answer = _call(client, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
+                                                                             "max_new_tokens": 6})
+        assert answer.status_code == 200 and answer.json()["frames"] == 2
+        assert answer.json()["answer"] == _alone(disk, frames)
 
 
 def test_a_bucket_that_refuses_writes_is_one_line_and_nothing_is_lost(aws, qa, monkeypatch):

@@ -247,6 +247,26 @@ def test_watches_are_saved_and_loaded_with_their_stream(qa, frames, tmp_path):
     loaded.close()
 
 
+@pytest.mark.parametrize("cadence", [{"every": 3}, {"every_seconds": 3.0}])
+def test_a_watch_reopened_from_a_record_newer_than_its_streams_save_evaluates_the_frames_again(qa, frames, tmp_path,
+                                                                                           cadence):
+    """As the service brings a stream back from a save older than its watch's record (killed after the watch
+    evaluated more frames) and the frames since are pushed again. Before: the watch kept the record's later answer
+    and events, so the frames pushed again gave its events twice, out of order."""
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    path = stream.save(tmp_path / "s.safetensors")  # before the watch opened
+    watch = stream.watch(COLOUR, steer=False, max_new_tokens=2, **cadence)
+    push(stream, frames, 3, 24)
+    back = statekv.Stream.load(path, qa)
+    watch_module.restore(back, watch_module.records(stream))  # the record written after the save
+    assert back.watches[0].events == [event for event in watch.events if event.frame <= 3]
+    push(back, frames, 3, 24)
+    assert [w.to_dict() for w in back.watches] == [watch.to_dict()] and len(watch.events) > 1
+    stream.close()
+    back.close()
+
+
 def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
     stream = qa.with_options(method="simplestream").stream(max_fps=1)
     push(stream, frames, 0, 2)

@@ -438,9 +438,10 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
                        watch_id=record["id"])
     watch.answer, watch.evaluations = record["answer"], record["evaluations"]
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
-    watch.last_frames = min(record["last_frames"], stream.frames)
-    watch.last_seconds = record["last_seconds"]
+    watch.last_frames, watch.last_seconds = record["last_frames"], record["last_seconds"]
     watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
+    if layers and watch.last_frames > stream.frames:  # a record newer than the stream's save: its frames come again
+        _rewound(watch, stream.frames, stream.last_timestamp)  # (a stream keeping no cache comes back empty)
     if watch.standing is not None and record["start"] is not None and queries \
             and all(query is not None for query in queries):
         _check_queries(queries, watch.standing.length, stream, name)
@@ -448,6 +449,25 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
         watch.standing.queries = [query.to(device, stream.prefill.dtype) for query in queries]
         watch.standing.start = record["start"]
     return watch
+
+
+def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
+    """``watch`` as it stood when its stream had encoded ``frames`` frames, the last at ``seconds``, from a record
+    of it written later (a stream brought back from a save older than its watch's record): the events after that
+    go, with the answer they gave, and so do the evaluations since, its clock turned back by whole periods, so the
+    frames pushed again are evaluated as they were the first time (every so many seconds: as they were if the
+    frames came at a steady rate)."""
+    kept = [event for event in watch.events if event.frame <= frames]
+    watch.answer, watch.events = (kept[-1].answer if kept else None), kept
+    if watch.every is not None:
+        again = -(-(watch.last_frames - frames) // watch.every)
+        watch.last_frames -= again * watch.every
+    elif watch.every_seconds is not None and watch.last_seconds is not None and seconds is not None:
+        again = max(0, math.ceil((watch.last_seconds - seconds) / watch.every_seconds - 1e-9))
+        watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
+    else:
+        again, watch.last_frames = 0, frames
+    watch.evaluations = max(len(kept), watch.evaluations - again)
 
 
 def _check_queries(queries: list[torch.Tensor], length: int, stream: Any, name: str) -> None:

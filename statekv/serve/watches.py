@@ -6,7 +6,8 @@ A stream's watches live in its `Stream` (evaluated inside its pushes, on the mod
 (``watches``: each one's settings, events and clock), written when a watch is made or deleted and whenever the
 record is (saves, answers). A restarted server reopens them from the record (`recall`), over the stream as it was
 brought back: a watch made after the stream's last save is reopened all the same, one deleted after it stays
-deleted.
+deleted, and a record written after the save is turned back to the frames the save holds (its later events and
+evaluations go: the frames pushed again make them again).
 """
 
 from __future__ import annotations

@@ -63,8 +63,13 @@ class MappedTokenBuffer:
         if self.row is None or not self._capacity:
             return None
         b, h, x = self.row
-        return [torch.from_file(str(path), shared=False, size=self._capacity * b * h * x, dtype=self.dtype)
-                .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
+        try:
+            return [torch.from_file(str(path), shared=False, size=self._capacity * b * h * x, dtype=self.dtype)
+                    .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
+        except RuntimeError:  # torch's own message spans lines: the file removed, moved or cut short under it
+            raise OutputError(f"cannot read the disk cache in {self.paths[0].parent}: {self.paths[0].name} is "
+                              "missing or shorter than the stream wrote it (the folder was moved, removed or "
+                              "replaced)") from None
 
     @property
     def keys(self) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -24,6 +25,8 @@ REPLICAS = "replicas"
 POST_SECONDS = 2.0
 STALE_SECONDS = 10.0
 FORGET_SECONDS = 600.0  # a replica silent this long (killed, its node gone) is removed from the board
+# what a replica's id may be (Ray Serve's are letters and digits): it names files and its disk tier's folder
+REPLICA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
 
 class ReplicaBoard:
@@ -51,11 +54,22 @@ class ReplicaBoard:
     def forget_silent(self) -> list[str]:
         """Remove the posts of replicas silent for `FORGET_SECONDS` (killed, their node gone); returns their ids."""
         forgotten = []
-        for posted, age in self._posts():
-            if age > FORGET_SECONDS and posted.get("replica") not in (None, self.replica):
-                (self.folder / f"{posted['replica']}.json").unlink(missing_ok=True)
-                forgotten.append(posted["replica"])
+        for replica, age in self._ages():
+            if age > FORGET_SECONDS and replica != self.replica:
+                (self.folder / f"{replica}.json").unlink(missing_ok=True)
+                forgotten.append(replica)
         return forgotten
+
+    def _ages(self) -> list[tuple[str, float]]:
+        """(replica id, seconds since its post) of each post named as a replica's id (`REPLICA_NAME`)."""
+        found, now = [], time.time()
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                if REPLICA_NAME.match(path.stem):
+                    found.append((path.stem, now - float(json.loads(path.read_text())["updated"])))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
 
     def _posts(self) -> list[tuple[dict[str, Any], float]]:
         found, now = [], time.time()
@@ -124,12 +138,17 @@ class StoreBoard:
 
     def forget_silent(self) -> list[str]:
         """Remove the posts (and expired sessions) of replicas silent for `FORGET_SECONDS`; returns their ids."""
-        forgotten = []
-        for posted, age in self._posts():
-            if age > FORGET_SECONDS and posted.get("replica") not in (None, self.replica):
-                self.store.remove(f"sessions/{posted['replica']}.json")
-                self.store.remove(f"{REPLICAS}/{posted['replica']}.json")
-                forgotten.append(posted["replica"])
+        forgotten, now = [], time.time()
+        for name in self.store.names(f"{REPLICAS}/"):
+            replica = name.rsplit("/", 1)[-1].removesuffix(".json")
+            try:
+                age = now - float(json.loads(self.store.read(name) or b"null")["updated"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if REPLICA_NAME.match(replica) and age > FORGET_SECONDS and replica != self.replica:
+                self.store.remove(f"sessions/{replica}.json")
+                self.store.remove(f"{REPLICAS}/{replica}.json")
+                forgotten.append(replica)
         return forgotten
 
     def _posts(self) -> list[tuple[dict[str, Any], float]]:

@@ -10,6 +10,7 @@ records, leases, the quarantine and the saved streams all are)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ from ...errors import ConfigurationError
 from ..app import Hosting, check_owners
 from ..auth import KeyRing, owner_of
 from ..config import ServeConfig
+from ..entries import remove_tier
 from ..registry import StreamRegistry
 from ..store import join_state_folder
 from .board import POST_SECONDS, ReplicaBoard, StoreBoard
@@ -151,9 +153,22 @@ class ReplicaHosting(Hosting):
         try:
             self.shared.let_all_go()
             self.board.remove()
+            self._remove_saved_tiers()
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+    def _remove_saved_tiers(self) -> None:
+        """At a clean stop, once every stream is saved and let go: the disk-tier file sets of the streams saved
+        whole (whoever takes them next loads them from their saves into a folder of its own), then this
+        replica's folder if nothing is left in it. A stream whose last save failed keeps its file set."""
+        if self.tier_root is None or self.shared is None:
+            return
+        for entry in list(self.shared.entries.values()):
+            if not entry.dirty:
+                remove_tier(entry)
+        with contextlib.suppress(OSError):
+            (self.tier_root / self.replica).rmdir()  # only when empty
 
     def check(self) -> None:
         """Ray Serve's health check: fails when the leases have not been kept for a lease's length (the shared
