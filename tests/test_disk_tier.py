@@ -413,6 +413,19 @@ def test_a_stream_killed_inside_a_vision_call_resumes_as_the_stream_that_never_s
         resumed.close()
 
 
+def test_an_evicting_disk_tier_streams_detailed_bytes_follow_what_it_holds(adapters, tmp_path):
+    """The evicted rows are holes in the files. Before: ``detailed_bytes`` (and ``cache_bytes``, and the service's
+    ``statekv_cache_bytes``) counted every row ever written: 118 MB at frame 20,000 under a 2 MiB cap."""
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path, max_cache_bytes=120_000,
+                 cache_limit="evict-oldest")
+    stream = qa.stream()
+    for frame in random_frames(200):
+        stream.push(frame)
+    assert len(stream.prefill.cache.evicted_steps) > 150
+    assert stream.prefill.stats.detailed_bytes <= 120_000 and stream.stats.cache_bytes <= 120_000
+    stream.close()
+
+
 def test_a_question_of_a_stream_whose_folder_was_removed_is_one_line(adapters, tmp_path):
     """Before: torch's own error, several lines long (over HTTP a 500 with a traceback in the log)."""
     qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path)

@@ -92,7 +92,8 @@ class MappedTokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.length * self.row_bytes * self.parts
+        """Bytes of its rows written, less those given back (holes in its files)."""
+        return (self.length - self.released.rows) * self.row_bytes * self.parts
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
         if self.row is None:

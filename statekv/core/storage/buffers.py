@@ -55,7 +55,9 @@ class TokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors or ())
+        """Bytes of its tensors as allocated, less the rows given back (`release`)."""
+        return sum((t.shape[2] - self.released.rows) * (t.numel() // t.shape[2]) * t.element_size()
+                   for t in self.tensors or () if t.shape[2])
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
         """Make room for ``needed`` slots shaped like ``like`` ``[B, H_kv, *, D]`` (for ``expected`` if it has to

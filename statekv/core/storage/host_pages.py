@@ -27,6 +27,7 @@ class ReleasedRuns:
     def __init__(self):
         self.starts: list[int] = []
         self.ends: list[int] = []
+        self.rows = 0  # released, all runs together
 
     def add(self, start: int, end: int) -> tuple[int, int]:
         """Add rows ``[start, end)``; returns the merged run now holding them."""
@@ -34,6 +35,7 @@ class ReleasedRuns:
         last = bisect.bisect_right(self.starts, end)
         if first < last:
             start, end = min(start, self.starts[first]), max(end, self.ends[last - 1])
+        self.rows += end - start - sum(b - a for a, b in zip(self.starts[first:last], self.ends[first:last]))
         self.starts[first:last], self.ends[first:last] = [start], [end]
         return start, end
 
