@@ -483,3 +483,20 @@ def test_the_first_token_is_timed_when_generated_though_it_shows_no_text_yet():
         assert len(timed) == 1 and streamer.queue.get_nowait() == "ab"
     finally:
         loop.close()
+
+
+def test_a_server_raises_its_soft_limit_on_open_files_to_its_hard_limit():
+    """A disk-tier stream holds a few files a layer open: a server's streams would pass the usual soft limit of
+    1,024 long before ``--max-streams`` (about 200 files a stream for a 28-layer model)."""
+    import resource
+
+    from statekv.serve.limits import MOST_OPEN_FILES, raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        raise_open_files_limit()
+        wanted = MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MOST_OPEN_FILES)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

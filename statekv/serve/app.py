@@ -22,7 +22,7 @@ from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
 from .errors import ServiceError, StorageError, error_body, status_of
-from .limits import Slots
+from .limits import Slots, raise_open_files_limit
 from .metrics import Metrics
 from .registry import StreamRegistry
 from .store import UPLOADS, StreamFiles, check_state_folder
@@ -130,6 +130,7 @@ def create_app(config: ServeConfig, qa: Any = None, worker: ModelExecutor | None
     app. Model work runs on ``worker`` (default: one `ModelWorker` thread); ``hosting``: how the streams are held
     (default: alone, `Hosting`)."""
     hosting = hosting or Hosting()
+    raise_open_files_limit()
     keys = hosting.open(config)  # before the model loads: a refusal costs nothing
     if qa is None:
         from ..api.videoqa import VideoQA
