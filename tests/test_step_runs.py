@@ -60,8 +60,7 @@ def test_an_evicting_stream_keeps_its_evicted_steps_as_a_few_runs(adapter, tmp_p
         for frame in random_frames(150):
             stream.push(frame)
         evicted = stream.prefill.cache.evicted_steps
-        held = len(stream.prefill.cache.chunk_lengths) - len(evicted)
-        assert len(evicted) > 100 and len(evicted.runs()) <= held + 1, policy
+        assert len(evicted) > 100 and len(evicted.runs()) * 4 < len(evicted), policy  # far fewer runs than steps
         if policy == "evict-oldest":
             assert len(evicted.runs()) == 1
         loaded = Stream.load(stream.save(tmp_path / f"{policy}.safetensors"), qa)

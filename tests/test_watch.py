@@ -267,6 +267,26 @@ def test_a_watch_reopened_from_a_record_newer_than_its_streams_save_evaluates_th
     back.close()
 
 
+def test_a_watch_opened_after_its_streams_save_and_off_its_period_reopens_as_a_valid_watch(qa, frames, tmp_path):
+    """Turned back to a save taken before the watch opened, off its period: its clock went below zero, and the
+    stream's next save could not be loaded again (caught by a review)."""
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    path = stream.save(tmp_path / "s.safetensors")
+    push(stream, frames, 2, 3)
+    stream.watch(COLOUR, steer=False, max_new_tokens=2, every=4)  # opened at frame 3: evaluated at 3, 7, 11, ...
+    push(stream, frames, 3, 24)
+    back = statekv.Stream.load(path, qa)
+    reopened = watch_module.restore(back, watch_module.records(stream))[0]
+    assert reopened.events == [] and reopened.evaluations == 0 and reopened.last_frames == 0
+    push(back, frames, 2, 24)
+    again = statekv.Stream.load(back.save(tmp_path / "again.safetensors"), qa)
+    assert [w.to_dict() for w in again.watches] == [reopened.to_dict()] and reopened.events
+    stream.close()
+    back.close()
+    again.close()
+
+
 def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
     stream = qa.with_options(method="simplestream").stream(max_fps=1)
     push(stream, frames, 0, 2)

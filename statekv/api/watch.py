@@ -24,10 +24,12 @@ them (`records`, `tensors`, `restore`), as they stood: their events, clocks and 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import secrets
 from collections.abc import Callable, Iterable
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
@@ -442,6 +444,7 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
     watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
     if layers and watch.last_frames > stream.frames:  # a record newer than the stream's save: its frames come again
         _rewound(watch, stream.frames, stream.last_timestamp)  # (a stream keeping no cache comes back empty)
+        watch.since = _tokens_at(stream, watch.last_frames)
     if watch.standing is not None and record["start"] is not None and queries \
             and all(query is not None for query in queries):
         _check_queries(queries, watch.standing.length, stream, name)
@@ -456,18 +459,26 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
     of it written later (a stream brought back from a save older than its watch's record): the events after that
     go, with the answer they gave, and so do the evaluations since, its clock turned back by whole periods, so the
     frames pushed again are evaluated as they were the first time (every so many seconds: as they were if the
-    frames came at a steady rate)."""
+    frames came at a steady rate). A watch opened after those frames, off its period, is evaluated on its period
+    from the stream's start instead (its clock never goes below zero)."""
     kept = [event for event in watch.events if event.frame <= frames]
     watch.answer, watch.events = (kept[-1].answer if kept else None), kept
-    if watch.every is not None:
-        again = -(-(watch.last_frames - frames) // watch.every)
-        watch.last_frames -= again * watch.every
+    if watch.every is not None:  # (never before the stream's start: one opened after the save is evaluated on
+        again = -(-(watch.last_frames - frames) // watch.every)  # its period from there)
+        watch.last_frames = max(0, watch.last_frames - again * watch.every)
     elif watch.every_seconds is not None and watch.last_seconds is not None and seconds is not None:
         again = max(0, math.ceil((watch.last_seconds - seconds) / watch.every_seconds - 1e-9))
         watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
     else:
         again, watch.last_frames = 0, frames
     watch.evaluations = max(len(kept), watch.evaluations - again)
+
+
+def _tokens_at(stream: Any, frames: int) -> int:
+    """The tokens the stream had streamed once it had encoded ``frames`` frames (at the end of the last step that
+    ends at or before them)."""
+    steps = bisect.bisect_right(list(accumulate(stream.step_frames, initial=0)), frames) - 1
+    return int(stream.prefill.cache.step_starts()[steps])
 
 
 def _check_queries(queries: list[torch.Tensor], length: int, stream: Any, name: str) -> None:

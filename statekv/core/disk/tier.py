@@ -17,7 +17,8 @@ state). The carried state of every layer (positions, keys and values in the mode
 positions each key's placement) and the open segment's accumulators are checkpointed to ``carry.{n % 2}.bin``
 (two slots written in turn, so the last checkpoint's slot is intact whatever a kill interrupts), vouched for by
 a ``carry`` line: at the first step, every `CHECKPOINT_STEPS` steps after it, and whenever the stream is saved,
-synced or closed. A checkpoint falling inside a vision-tower call waits for the call's last step: a stream resumed
+synced or closed. A checkpoint falling inside a vision-tower call of the steps a caller marks so (a `Stream`'s
+pushes: `commit_step`'s ``ends_vision_call``) waits for the call's last step: a stream resumed
 there encodes the frames after it in the calls the stream that never stopped did (a call's features differ by
 float rounding from the same frames' in other calls). Data is written before the line that vouches for it. The
 contract: a process killed at any point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_pages import ReleasedRuns, free_rows, write_kept
+from .host_pages import ReleasedRuns, free_rows, returnable, write_kept
 
 
 class TokenBuffer:
@@ -55,9 +55,10 @@ class TokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its tensors as allocated, less the rows given back (`release`)."""
-        return sum((t.shape[2] - self.released.rows) * (t.numel() // t.shape[2]) * t.element_size()
-                   for t in self.tensors or () if t.shape[2])
+        """Bytes of its tensors as allocated, less the rows given back to the OS (`release`: in host memory that is
+        not pinned; pinned or GPU rows are only zeroed, and still take their memory)."""
+        return sum((t.shape[2] - (self.released.rows if returnable(t) else 0)) * (t.numel() // t.shape[2])
+                   * t.element_size() for t in self.tensors or () if t.shape[2])
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
         """Make room for ``needed`` slots shaped like ``like`` ``[B, H_kv, *, D]`` (for ``expected`` if it has to

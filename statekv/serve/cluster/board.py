@@ -26,7 +26,7 @@ POST_SECONDS = 2.0
 STALE_SECONDS = 10.0
 FORGET_SECONDS = 600.0  # a replica silent this long (killed, its node gone) is removed from the board
 # what a replica's id may be (Ray Serve's are letters and digits): it names files and its disk tier's folder
-REPLICA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 
 class ReplicaBoard:
@@ -65,7 +65,7 @@ class ReplicaBoard:
         found, now = [], time.time()
         for path in sorted(self.folder.glob("*.json")):
             try:
-                if REPLICA_NAME.match(path.stem):
+                if REPLICA_NAME.fullmatch(path.stem):
                     found.append((path.stem, now - float(json.loads(path.read_text())["updated"])))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
@@ -145,7 +145,7 @@ class StoreBoard:
                 age = now - float(json.loads(self.store.read(name) or b"null")["updated"])
             except (ValueError, KeyError, TypeError):
                 continue
-            if REPLICA_NAME.match(replica) and age > FORGET_SECONDS and replica != self.replica:
+            if REPLICA_NAME.fullmatch(replica) and age > FORGET_SECONDS and replica != self.replica:
                 self.store.remove(f"sessions/{replica}.json")
                 self.store.remove(f"{REPLICAS}/{replica}.json")
                 forgotten.append(replica)

@@ -113,7 +113,10 @@ class ReplicaHosting(Hosting):
     async def _keep_session(self) -> None:
         while True:
             await asyncio.sleep(self.check_seconds)
-            await asyncio.to_thread(self.files.keep_session)
+            try:
+                await asyncio.to_thread(self.files.keep_session)
+            except Exception:  # the loop must outlive one bad renewal (the store's own errors are logged in it)
+                log.exception("renewing the session failed")
 
     async def _end_feeds_when_stopping(self, service: Any) -> None:
         failing = False  # warned of once a failure starts, not at every check while it lasts

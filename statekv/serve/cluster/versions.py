@@ -37,6 +37,7 @@ from .objects import ObjectStore
 
 STREAMS = "streams"
 KEEP = 4  # versions kept below the newest, besides the history
+PRUNED_BACK = 4  # how far below those a commit looks for versions to prune (earlier commits pruned the rest)
 HISTORY_EVENTS = ("taken", "let-go")
 NAME = re.compile(r"^streams/(st_[0-9A-Za-z_]+)/v(\d{12})(-[a-z-]+)?\.json$")  # the event: an earlier statekv's
 
@@ -182,11 +183,14 @@ class StreamVersions:
         return follower is not None and follower.base == version.nonce
 
     def _prune(self, stream_id: str, newest: int) -> None:
-        """Remove versions more than `KEEP` below ``newest``, but the history (a failure only leaves them)."""
+        """Remove the versions that fell `KEEP` below ``newest`` with the last few commits, but the history (a
+        failure only leaves them): read each, so the few just fall out, never the whole kept history."""
         try:
             for number, name in self.numbers(stream_id):
                 if number >= newest - KEEP:
                     break
+                if number < newest - KEEP - PRUNED_BACK:
+                    continue  # pruned by an earlier commit (or history)
                 version = self.read(name)
                 if version is not None and version.event not in HISTORY_EVENTS:
                     self.store.remove(name)
