@@ -7,7 +7,8 @@ renew in time (dead, stalled, cut off from the store) has lost every stream it h
 its session has expired by their clocks, and it stops serving them by its own clock before then (`Session.valid`).
 Its next renewal starts a new epoch, so the streams it held under the old one are never its again unless taken
 anew; so does a renewal whose write ends after the hold it renews ran out (another may have taken them
-meanwhile). Expiry compares wall clocks, so the machines' clocks must agree to well within a lease (NTP does).
+meanwhile). Expiry compares wall clocks, so the machines' clocks must agree within `CLOCK_MARGIN_SECONDS` or a
+tenth of a lease, whichever is less (NTP keeps them within milliseconds).
 """
 
 from __future__ import annotations
