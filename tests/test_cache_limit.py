@@ -512,3 +512,16 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
     assert first[1] == second[1] and sorted(first[0]) == sorted(second[0])
     assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6), loaded.ask_tokens(QUESTION, max_new_tokens=6))
+
+
+def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned(adapter):
+    """Pinned host memory cannot give pages back (a model on a GPU, offloaded): an evicting stream's buffers are
+    made unpinned, a stream that keeps everything pinned; tests/test_cuda.py checks the memory itself on a GPU."""
+    for limit, pinned in ((dict(max_cache_bytes=60_000, cache_limit="evict-oldest"), False),
+                          (dict(max_cache_bytes=60_000), True), ({}, True)):
+        for dtype in (None, "int8"):
+            stream = tiny_qa(adapter, "statekv", offload=True, kv_cache_dtype=dtype, **limit).stream()
+            assert stream.prefill.tier.pinned is pinned, (limit, dtype)
+            storage = stream.prefill.cache.layers[0].storage
+            buffers = [storage.detailed] if dtype is None else storage.buffers
+            assert all(buffer.pin is pinned for buffer in buffers), (limit, dtype)

@@ -285,3 +285,28 @@ def test_a_disk_tier_stream_on_cuda_answers_as_host_memory_and_resumes(checkpoin
     streams[1].close()
     resumed = statekv.Stream.load(saved, disk)
     assert torch.equal(resumed.ask_tokens("Why?", max_new_tokens=6), streams[0].ask_tokens("Why?", max_new_tokens=6))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_an_evicting_stream_offloaded_from_the_gpu_gives_its_evicted_rows_back(checkpoint, kv_cache_dtype):
+    """Pinned host memory cannot give pages back: an evicting stream's host buffers are not pinned, so what it
+    evicts leaves its process's memory (pinned, it grew with every frame streamed); a stream that keeps everything
+    stays pinned (asynchronous copies)."""
+    from statekv.core.storage.host_pages import returnable
+
+    options = dict(method="statekv", budget=12, attention="eager", device="cuda", reserve_tokens=40, offload=True,
+                   kv_cache_dtype=kv_cache_dtype)
+    evicting = statekv.VideoQA.from_pretrained(checkpoint, max_cache_bytes=60_000, cache_limit="evict-oldest",
+                                               **options).stream()
+    keeping = statekv.VideoQA.from_pretrained(checkpoint, **options).stream()
+    for frame in np.random.default_rng(0).integers(0, 256, (40, 24, 32, 3), dtype=np.uint8):
+        evicting.push(frame)
+        keeping.push(frame)
+    assert evicting.prefill.cache.evicted_steps
+    held = [t for layer in evicting.prefill.cache.layers for t in layer.storage.detailed.tensors or ()] \
+        if kv_cache_dtype is None else [t for layer in evicting.prefill.cache.layers
+                                        for buffer in layer.storage.buffers for t in buffer.tensors or ()]
+    assert held and all(returnable(t) for t in held)
+    assert all(t.is_pinned() for layer in keeping.prefill.cache.layers
+               for t in (layer.storage.detailed.tensors or ()) if kv_cache_dtype is None)
+    assert evicting.prefill.stats.detailed_bytes <= 60_000

@@ -28,13 +28,15 @@ class TokenBuffer:
         capacity_hint: slots to allocate at once (the planned horizon), if known.
         device: where the tensors live; None: where the first write comes from.
         on_replace: told whenever the tensors move to new memory.
+        pin: in host memory, written from a GPU, pin it (asynchronous copies); False for a buffer that gives rows
+            back (`release`), since pinned pages cannot go back to the OS.
     """
 
     GROWTH = 2.0
 
     def __init__(self, parts: int = 2, capacity_hint: int | None = None, device: torch.device | str | None = None,
-                 on_replace: Callable[[], None] | None = None):
-        self.parts, self.capacity_hint = parts, capacity_hint
+                 on_replace: Callable[[], None] | None = None, pin: bool = True):
+        self.parts, self.capacity_hint, self.pin = parts, capacity_hint, pin
         self.device = torch.device(device) if device is not None else None
         self.on_replace = on_replace
         self.tensors: list[torch.Tensor] | None = None
@@ -68,7 +70,7 @@ class TokenBuffer:
         capacity = max(needed, expected, math.ceil(self.capacity * self.GROWTH), self.capacity_hint or 0)
         b, h, _, d = like.shape
         device = self.device or like.device
-        pin = device.type == "cpu" and like.is_cuda  # offloaded from a GPU: asynchronous copies need pinned memory
+        pin = self.pin and device.type == "cpu" and like.is_cuda  # from a GPU: asynchronous copies need pinned memory
         grown = [torch.empty(b, h, capacity, d, dtype=like.dtype, device=device, pin_memory=pin)
                  for _ in range(self.parts)]
         for new, old in zip(grown, self.tensors or ()):

@@ -38,11 +38,12 @@ class BufferFactory(Protocol):
     def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer: ...
 
 
-def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None]) -> BufferFactory:
+def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None],
+                   pin: bool = True) -> BufferFactory:
     """The default ``make_buffer``: a :class:`TokenBuffer` in ``device`` memory (None: where the first write
-    comes from) that tells ``on_replace`` when it moves."""
+    comes from) that tells ``on_replace`` when it moves (``pin``: see `TokenBuffer`)."""
     def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer:
-        return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace)
+        return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=pin)
     return make_buffer
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .quantized import QuantizedStorage
-from .layer_storage import LayerStorage, OffloadedStorage
+from .layer_storage import LayerStorage, OffloadedStorage, memory_buffers
 
 
 @dataclass(frozen=True)
@@ -21,18 +21,23 @@ class StorageTier:
     device: where it lives, if not with the model (offloaded, e.g. CPU memory). kv_cache_dtype: ``"int8"`` or
     ``"int4"`` to store it quantized; None: in the model's dtype. make_storage: a tier's own factory, ``(index,
     capacity_hint, on_replace, kv_cache_dtype) -> storage`` (the disk tier's), which then decides everything.
+    pinned: offloaded from a GPU, whether host memory is pinned (asynchronous copies); not for a stream evicting
+    under a cap, whose evicted rows' pages go back to the OS only from memory that is not pinned (pinned, its host
+    memory would grow with its age).
     """
 
     device: torch.device | None = None
     kv_cache_dtype: str | None = None
     make_storage: Callable[..., LayerStorage] | None = None
+    pinned: bool = True
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None]) -> LayerStorage:
         """Layer ``index``'s storage (``capacity_hint`` tokens preallocated; ``on_replace`` called when a buffer a
         captured step reads is replaced)."""
         if self.make_storage is not None:
             return self.make_storage(index, capacity_hint, on_replace, self.kv_cache_dtype)
+        buffers = memory_buffers(self.device, on_replace, pin=self.pinned)
         if self.kv_cache_dtype is not None:
-            return QuantizedStorage(self.kv_cache_dtype, capacity_hint, self.device, on_replace)
+            return QuantizedStorage(self.kv_cache_dtype, capacity_hint, self.device, on_replace, buffers)
         kind = LayerStorage if self.device is None else OffloadedStorage
-        return kind(capacity_hint, self.device, on_replace)
+        return kind(capacity_hint, self.device, on_replace, buffers)
