@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from statekv.core import Retrieval, StateKV, StreamingPrefill
+from statekv.core.cache.step_runs import StepRuns
 from statekv.core.positions.placing import QuestionPlan, StepPlan, StreamPositions
 from statekv.errors import ConfigurationError
 from statekv.settings import EngineSettings, ModelOptions
@@ -54,7 +55,7 @@ def answer(model, prefill: StreamingPrefill, retrieve: Retrieval) -> tuple[torch
 
 def test_retrieved_steps_are_spread_by_their_time_over_the_span():
     positions = long_stream(384)
-    plan = positions.question(positions.held_span(set()), positions.keep_end(1), 20, 16)
+    plan = positions.question(positions.held_span(StepRuns()), positions.keep_end(1), 20, 16)
     assert plan.start == 3 + 384 and not plan.whole and plan.packed
     plan = QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps=1)
     chosen = [0, 1, 2, 3, 500, 501, 1200, 1999, 2000]  # the prefix, neighbours, far apart, the last
@@ -68,21 +69,21 @@ def test_retrieved_steps_are_spread_by_their_time_over_the_span():
 
 def test_without_a_span_or_when_the_steps_fill_it_they_are_packed():
     packed = long_stream(0)
-    plan = packed.question(packed.held_span(set()), packed.keep_end(1), 20, 16)
+    plan = packed.question(packed.held_span(StepRuns()), packed.keep_end(1), 20, 16)
     assert plan.start == 3 + 16 * 5
     plan = QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps=1)
     chosen = [0, *range(1, 2001, 125)]
     assert placed(packed, chosen, plan)[1:] == list(range(3, 3 + 16 * 5, 5))
     filled = long_stream(16 * 5)  # sixteen steps take the whole span: packed as well
-    assert filled.question(filled.held_span(set()), filled.keep_end(1), 20, 16) == QuestionPlan(False, 83, 16)
+    assert filled.question(filled.held_span(StepRuns()), filled.keep_end(1), 20, 16) == QuestionPlan(False, 83, 16)
     assert placed(filled, chosen, plan) == placed(packed, chosen, plan)
     narrow = long_stream(8)  # a span narrower than the steps: packed
-    assert narrow.question(narrow.held_span(set()), narrow.keep_end(1), 20, 16).start == 83
+    assert narrow.question(narrow.held_span(StepRuns()), narrow.keep_end(1), 20, 16).start == 83
 
 
 def test_the_span_stays_inside_the_range():
     positions = long_stream(4000)
-    plan = positions.question(positions.held_span(set()), positions.keep_end(1), 200, 16)
+    plan = positions.question(positions.held_span(StepRuns()), positions.keep_end(1), 200, 16)
     assert plan.start == 4096 - 200
 
 

@@ -76,14 +76,19 @@ def _alone(qa, frames: list[np.ndarray]) -> str:
     return answered_alone(qa, frames, QUESTION, 6)
 
 
+def _holder_and_other(url: str, clock: Clock, names: tuple[str, str], saved: bytes):
+    """Two replicas' files over the store at ``url``: the first holds `STREAM`, its record written and ``saved``."""
+    holder, other = (StoreStreamFiles(ObjectStore(url), name, 10, clock) for name in names)
+    holder.claim(STREAM)
+    holder.write_record(_record())
+    holder.save_state(STREAM, lambda path: path.write_bytes(saved))
+    return holder, other
+
+
 # -- leases fenced by conditional writes -----------------------------------------------------------------------
 def test_a_stream_in_the_store_is_written_by_one_replica_and_a_stale_one_is_fenced_out(aws):
     clock, url = Clock(), aws.url()
-    stale = StoreStreamFiles(ObjectStore(url), "stale", 10, clock)
-    fresh = StoreStreamFiles(ObjectStore(url), "fresh", 10, clock)
-    stale.claim(STREAM)
-    stale.write_record(_record())
-    stale.save_state(STREAM, lambda path: path.write_bytes(b"saved by stale"))
+    stale, fresh = _holder_and_other(url, clock, ("stale", "fresh"), b"saved by stale")
     assert stale.read_record(STREAM)["lease"] == {"holder": "stale", "token": 1}
     assert fresh.take(STREAM) is None and fresh.holder_of(STREAM) == "stale"  # held: nobody else may take it
     clock.now += 11  # the stale replica's session ran out (it stalled, or lost the store): the stream is free
@@ -170,11 +175,7 @@ def test_a_save_and_a_taking_of_one_version_number_cannot_both_be_written(aws, m
     number were both created; the save's writer pruned the save the taking named, and the stream could not be
     loaded again (its only save named by no version)."""
     clock, url = Clock(), aws.url()
-    holder = StoreStreamFiles(ObjectStore(url), "holder", 10, clock)
-    taker = StoreStreamFiles(ObjectStore(url), "taker", 10, clock)
-    holder.claim(STREAM)
-    holder.write_record(_record())
-    holder.save_state(STREAM, lambda path: path.write_bytes(b"first save"))
+    holder, taker = _holder_and_other(url, clock, ("holder", "taker"), b"first save")
     commit = holder.versions.commit
 
     def stalled(base, stream_id, event, **changes):

@@ -42,8 +42,7 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -52,7 +51,9 @@ from ...settings.engine import HANDOVER, check_positions
 from ...settings.values import check_int
 from .rope import SettledRotary, rope_capacity
 from .rotation import Placer, place_carried
-from ..cache.step_runs import StepRuns
+
+if TYPE_CHECKING:
+    from ..cache.step_runs import StepRuns
 
 SEGMENT_PLACES = 16  # places a past-the-range question scores segments at (`StreamPositions.scoring_turns`)
 
@@ -544,9 +545,8 @@ class StreamPositions:
         places = low + torch.div(targets[firsts_of_segments] - low + cell // 2, cell, rounding_mode="floor") * cell
         return targets - bases, places - bases[firsts_of_segments]
 
-    def held_span(self, evicted: StepRuns | Iterable[int]) -> int:
+    def held_span(self, evicted: StepRuns) -> int:
         """Positions the steps still held take, laid end to end (``evicted``: the steps not held)."""
-        evicted = evicted if isinstance(evicted, StepRuns) else StepRuns(evicted)
         return self.span_totals[-1] - evicted.total_over(self.span_totals)
 
     # -- saving --------------------------------------------------------------------------------------------------
@@ -591,15 +591,3 @@ def _temporal(position_ids: torch.Tensor) -> torch.Tensor:
     if position_ids.dim() == 2:
         return position_ids
     return position_ids[-3]
-
-
-def model_frequencies(decoder: torch.nn.Module, frozen=None) -> torch.Tensor:
-    """The rotary frequencies ``[R / 2]`` the decoder rotates keys with (the stream's frozen ones for dynamic
-    RoPE), on the host in float32."""
-    for module in decoder.modules():
-        inv_freq = getattr(module, "inv_freq", None)
-        if isinstance(inv_freq, torch.Tensor):
-            if frozen is not None and frozen.frequencies(module) is not None:
-                inv_freq = frozen.frequencies(module)
-            return inv_freq.detach().to("cpu", torch.float32).clone()
-    raise ConfigurationError("positions='bounded' needs a RoPE model (no rotary frequencies were found)")

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ...errors import HorizonError, UnsupportedModelError
+from ...errors import ConfigurationError, HorizonError, UnsupportedModelError
 from ...settings.values import check_int
 from ..attention.thread_value import ThreadValue
 
@@ -222,3 +222,15 @@ def _frequencies_for(module: nn.Module, rope_type: str, horizon: int) -> torch.T
         return original
     inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, original.device, seq_len=threshold + 1)
     return inv_freq
+
+
+def model_frequencies(decoder: torch.nn.Module, frozen=None) -> torch.Tensor:
+    """The rotary frequencies ``[R / 2]`` the decoder rotates keys with (the stream's frozen ones for dynamic
+    RoPE), on the host in float32."""
+    for module in decoder.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            if frozen is not None and frozen.frequencies(module) is not None:
+                inv_freq = frozen.frequencies(module)
+            return inv_freq.detach().to("cpu", torch.float32).clone()
+    raise ConfigurationError("positions='bounded' needs a RoPE model (no rotary frequencies were found)")

@@ -45,10 +45,10 @@ from ..attention.switch import language_decoder, prepared_mask, share_language_a
 from ..cache.persistence import check_state_dict
 from ..rules.base import CarryPolicy
 from ..positions import placing
-from ..positions.placing import QuestionPlan, StreamPositions, model_frequencies
+from ..positions.placing import QuestionPlan, StreamPositions
 from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
-from ..positions.rope import FrozenRope, check_horizon, trained_range
+from ..positions.rope import FrozenRope, check_horizon, model_frequencies, trained_range
 from ...settings.engine import EngineSettings
 from .stats import StepRecord, StreamStats, kept_fraction
 

@@ -31,7 +31,7 @@ from ...errors import HorizonError, InputError
 from ..answering.decoding import Prompt
 from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext, RowCache, decode_rows, finished, forward_rows, padded_left, rows_key
-from ..positions.placing import model_frequencies
+from ..positions.rope import model_frequencies
 from .context import Placement, layer_context, placement
 from .drafts import RUNNERS_UP, DraftTree, draft_tree, kept_answers
 from .fitting import Scoring, retrieval_scoring, tail_start
