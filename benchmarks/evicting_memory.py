@@ -17,6 +17,14 @@ excluded); these go to a table of their own.
 With ``--asks``, each sample also asks a question of the whole cache five times (`Stream.ask`, two answer tokens)
 and records the median CPU time of one (this process's, `time.process_time`, so other work on the machine does
 not count): a question should cost what the stream holds, not its history.
+
+With ``--address``, each sample also records the process's address space (``VmSize``) and the memory its page
+tables take (``VmPTE``, not part of resident memory), from /proc/self/status: a buffer addressed by every token ever
+streamed keeps growing both after its evicted pages went back to the OS. An evicting stream keeps its rows per
+token in blocks (`statekv.core.storage.blocks`), which keeps their part flat; its buffers with a row per step (the
+step summaries, 17 keys a step, the segment index, the key scales) are one allocation each and still double as
+steps come. The built-in model's frames are 4 tokens, so these are two thirds of its growth here; at 256 tokens a
+frame they are about a thirtieth of what the rows per token would be.
 """
 
 from __future__ import annotations
@@ -66,6 +74,8 @@ def child(args: argparse.Namespace) -> None:
                         sample.update(files(stream, folder, settings["offload"] == "disk"))
                     if args.asks:
                         sample["ask_cpu_ms"] = ask_cpu_ms(stream)
+                    if args.address:
+                        sample.update(address())
                     print(json.dumps(sample), flush=True)
         except CacheLimitError as error:  # what the cap counts outgrew it
             print(json.dumps({"frame": number, "refused": str(error)}), flush=True)
@@ -77,6 +87,16 @@ def files(stream, folder: str, disk: bool) -> dict:
         saved = stream.save(Path(saves) / "stream.safetensors").stat().st_size
     on_disk = sum(path.stat().st_blocks * 512 for path in Path(folder).rglob("*") if path.is_file())
     return {"saved_bytes": saved, **({"disk_bytes": on_disk} if disk else {})}
+
+
+def address() -> dict[str, int]:
+    """This process's address space and page tables, in bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmSize", "VmPTE"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
 
 
 def ask_cpu_ms(stream) -> float:
@@ -92,7 +112,7 @@ def ask_cpu_ms(stream) -> float:
 def run(name: str, args: argparse.Namespace) -> list[dict]:
     command = [sys.executable, __file__, "--child", name, "--frames", str(args.frames), "--cap", str(args.cap),
                "--every", str(args.every), "--base", str(args.base), *(["--files"] if args.files else []),
-               *(["--asks"] if args.asks else [])]
+               *(["--asks"] if args.asks else []), *(["--address"] if args.address else [])]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -161,6 +181,24 @@ def asks_table(results: dict[str, list[dict]]) -> str:
                                f"row's first sample (a ratio measured in one run).{before}")
 
 
+def address_table(results: dict[str, list[dict]]) -> str:
+    """The address space and page tables at each sample (runs with ``--address``), against the first sample's."""
+    frames = sorted({s["frame"] for samples in results.values() for s in samples if "VmSize" in s})
+    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |", "|---|" + "---:|" * len(frames)]
+    for name, samples in results.items():
+        measured = [s for s in samples if "VmSize" in s]
+        if measured:
+            size, tables = measured[0]["VmSize"], measured[0]["VmPTE"]
+            cells = {s["frame"]: f"{(s['VmSize'] - size) / 2**20:+,.0f} MB / {(s['VmPTE'] - tables) / 2**10:+,.0f} kB"
+                     for s in measured}
+            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
+    before = (" Rows marked before: the same command on the code before an evicting stream kept its rows in blocks"
+              " (`--before`), one buffer a layer addressed by every token streamed." if any(
+                  name.endswith(", before") for name in results) else "")
+    return "\n".join(lines) + ("\n\nEach cell: the growth of the address space (VmSize) / of the page tables (VmPTE) "
+                               f"since the row's first sample.{before}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=6000)
@@ -177,6 +215,8 @@ def main() -> None:
                         help="also save the stream at each sample: the file's size, and the disk tier's bytes on disk")
     parser.add_argument("--asks", action="store_true",
                         help="also ask a question of the whole cache at each sample: its CPU time")
+    parser.add_argument("--address", action="store_true",
+                        help="also record the address space and page tables at each sample")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -201,6 +241,9 @@ def main() -> None:
     asked = asks_table(results) if any("ask_cpu_ms" in s for samples in results.values() for s in samples) else ""
     if asked:
         print("\n" + asked)
+    mapped = address_table(results) if any("VmSize" in s for samples in results.values() for s in samples) else ""
+    if mapped:
+        print("\n" + mapped)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.out:
@@ -209,6 +252,7 @@ def main() -> None:
 
         flags = (f"--frames {args.frames} --cap {args.cap} --every {args.every} --base {args.base}"
                  + (" --files" if args.files else "") + (" --asks" if args.asks else "")
+                 + (" --address" if args.address else "")
                  + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else ""))
         command = f"python benchmarks/evicting_memory.py {flags} --out {args.out}"
         if args.before:  # "before": the same command on earlier code, its samples written with --json
@@ -216,7 +260,8 @@ def main() -> None:
                        f"the same at the code before (--json BEFORE), then `python benchmarks/evicting_memory.py "
                        f"--from-json NEW --before BEFORE {flags} --out {args.out}")
         machine = f"{platform.machine()}, {os.cpu_count()} CPUs, one torch thread a configuration, each in a process"
-        title, part, shown = (("Evicting streams: questions", 4, asked) if asked else
+        title, part, shown = (("Evicting streams: address space", 5, mapped) if mapped else
+                              ("Evicting streams: questions", 4, asked) if asked else
                               ("Evicting streams: saved files and disk use", 3, saved) if saved else
                               ("Evicting streams: resident memory", 1, body))
         about = (__doc__ or "").split(chr(10) + chr(10))[part].strip()

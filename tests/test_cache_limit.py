@@ -514,14 +514,23 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=6), loaded.ask_tokens(QUESTION, max_new_tokens=6))
 
 
-def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned(adapter):
+def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tokens_in_blocks(adapter):
     """Pinned host memory cannot give pages back (a model on a GPU, offloaded): an evicting stream's buffers are
-    made unpinned, a stream that keeps everything pinned; tests/test_cuda.py checks the memory itself on a GPU."""
-    for limit, pinned in ((dict(max_cache_bytes=60_000, cache_limit="evict-oldest"), False),
-                          (dict(max_cache_bytes=60_000), True), ({}, True)):
+    made unpinned, and those with a row per token are kept in blocks (`BlockBuffer`), so what it evicts leaves its
+    address space too; a stream that keeps everything keeps pinned buffers, one allocation each. tests/test_cuda.py
+    checks the memory itself on a GPU."""
+    from statekv.core.storage.blocks import BlockBuffer
+    from statekv.core.storage.buffers import TokenBuffer
+
+    for limit, evicts in ((dict(max_cache_bytes=60_000, cache_limit="evict-oldest"), True),
+                          (dict(max_cache_bytes=60_000), False), ({}, False)):
         for dtype in (None, "int8"):
             stream = tiny_qa(adapter, "statekv", offload=True, kv_cache_dtype=dtype, **limit).stream()
-            assert stream.prefill.tier.pinned is pinned, (limit, dtype)
+            assert stream.prefill.tier.evicts is evicts, (limit, dtype)
             storage = stream.prefill.cache.layers[0].storage
-            buffers = [storage.detailed] if dtype is None else storage.buffers
-            assert all(buffer.pin is pinned for buffer in buffers), (limit, dtype)
+            per_token = [storage.detailed] if dtype is None else [storage.key_codes, storage.value_codes,
+                                                                   storage.value_scales]
+            kind = BlockBuffer if evicts else TokenBuffer
+            assert all(type(buffer) is kind for buffer in per_token), (limit, dtype)
+            per_step = [storage.block_keys, storage.step_samples] + ([] if dtype is None else [storage.key_scales])
+            assert all(type(buffer) is TokenBuffer and buffer.pin is not evicts for buffer in per_step), (limit, dtype)

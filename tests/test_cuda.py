@@ -292,6 +292,7 @@ def test_an_evicting_stream_offloaded_from_the_gpu_gives_its_evicted_rows_back(c
     """Pinned host memory cannot give pages back: an evicting stream's host buffers are not pinned, so what it
     evicts leaves its process's memory (pinned, it grew with every frame streamed); a stream that keeps everything
     stays pinned (asynchronous copies)."""
+    from statekv.core.storage.buffers import TokenBuffer
     from statekv.core.storage.host_pages import returnable
 
     options = dict(method="statekv", budget=12, attention="eager", device="cuda", reserve_tokens=40, offload=True,
@@ -303,9 +304,11 @@ def test_an_evicting_stream_offloaded_from_the_gpu_gives_its_evicted_rows_back(c
         evicting.push(frame)
         keeping.push(frame)
     assert evicting.prefill.cache.evicted_steps
-    held = [t for layer in evicting.prefill.cache.layers for t in layer.storage.detailed.tensors or ()] \
-        if kv_cache_dtype is None else [t for layer in evicting.prefill.cache.layers
-                                        for buffer in layer.storage.buffers for t in buffer.tensors or ()]
+    buffers = [buffer for layer in evicting.prefill.cache.layers for buffer in (
+        [layer.storage.detailed] if kv_cache_dtype is None else layer.storage.buffers)]
+    held = [t for buffer in buffers for t in (
+        buffer.tensors or () if isinstance(buffer, TokenBuffer) else [t for block in buffer.blocks.values()
+                                                                       for t in block])]
     assert held and all(returnable(t) for t in held)
     assert all(t.is_pinned() for layer in keeping.prefill.cache.layers
                for t in (layer.storage.detailed.tensors or ()) if kv_cache_dtype is None)

@@ -485,3 +485,26 @@ def test_frames_waiting_for_their_batch_are_kept_when_the_stream_closes(adapters
     assert (damaged.frames, len(damaged.pending), damaged.frames_lost) == (8, 0, 2)
     for stream in (whole, resumed, damaged):
         stream.close()
+
+
+def _memory_and_swap() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))
+
+
+@pytest.mark.skipif(Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2",
+                    reason="strict overcommit accounts every mapping, reserved or not")
+def test_a_disk_buffer_larger_than_memory_and_swap_is_still_read(tmp_path):
+    """A disk tier's file has a row for every token streamed, given back or not, so a stream that evicts for weeks
+    has files larger than the machine's memory: mapping one must not reserve its size (the kernel refused it)."""
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(2 * 3 * 64, dtype=torch.float32).view(1, 2, 3, 64)
+    far = 2 * _memory_and_swap() // (2 * 64 * 4)  # rows of [1, 2, 64] float32
+    buffer.write(0, rows, -rows)
+    buffer.write(far, rows, -rows)  # a sparse file twice the memory and swap
+    buffer.length = far + 3
+    assert buffer.capacity * buffer.row_bytes > _memory_and_swap()
+    keys, values = buffer.gather(torch.tensor([1, far + 2]))  # row 1 of the first write, row 2 of the last
+    assert torch.equal(keys, rows[:, :, [1, 2]]) and torch.equal(values, -rows[:, :, [1, 2]])
+    assert torch.equal(buffer.view(far, far + 3)[0], rows) and not buffer.view(far - 5, far)[1].any()
+    buffer.close()

@@ -1,5 +1,5 @@
 """An evicting stream's saves and files hold what it keeps, not its whole history: a saved state leaves out the rows
-its cache gave back (`statekv.core.cache.persistence.without_released`), a load writes only the rows kept, and a
+its cache gave back (`statekv.core.storage.host_pages.saved_rows`), a load writes only the rows kept, and a
 disk-tier stream's files give back the blocks its evicted rows filled."""
 
 from __future__ import annotations
@@ -37,6 +37,15 @@ def _released(buffer) -> list[tuple[int, int]]:
     return buffer.released.within(buffer.length)
 
 
+BUFFERS = ("detailed", "key_codes", "value_codes", "value_scales", "key_scales", "block_keys", "step_samples",
+           "segment_index")
+
+
+def _buffers(storage) -> dict:
+    """A layer storage's buffers by name (those it has)."""
+    return {name: getattr(storage, name) for name in BUFFERS if getattr(storage, name, None) is not None}
+
+
 @pytest.mark.parametrize("offload, kv_cache_dtype", [(True, None), (True, "int8"), ("disk", None)])
 def test_a_saved_evicting_stream_holds_what_it_keeps(adapter, offload, kv_cache_dtype, tmp_path):
     disk = {"offload_dir": tmp_path / "tiers"} if offload == "disk" else {}
@@ -67,9 +76,8 @@ def test_a_saved_evicting_stream_holds_what_it_keeps(adapter, offload, kv_cache_
     loaded = Stream.load(late, tiny_qa(adapter, "statekv", **dict(settings, **(
         {"offload_dir": tmp_path / "loaded"} if disk else {}))))
     for mine, theirs in zip(stream.prefill.cache.layers, loaded.prefill.cache.layers):
-        for name, buffer in mine.storage.saved_buffers().items():
-            if buffer is not None:  # given back alike: the load wrote only the rows kept
-                assert _released(theirs.storage.saved_buffers()[name]) == _released(buffer), name
+        for name, buffer in _buffers(mine.storage).items():  # given back alike: the load wrote only the rows kept
+            assert _released(_buffers(theirs.storage)[name]) == _released(buffer), name
     assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2),
                        stream.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
     if not disk:  # and both go on alike (a disk tier's room for its next step is an estimate of its own)

@@ -22,7 +22,7 @@ from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
-from .stream_file import read_verified, write_verified
+from .stream_file import FORMAT_VERSION as STREAM_VERSION, read_verified, write_verified
 from .stream_identity import check_owner, new_created, new_stream_id, ownership
 
 
@@ -36,6 +36,7 @@ def reown(path: str | Path, owner: str | None = None) -> Path:
         return _reown_file_set(path, owner)
     metadata, tensors = read_verified(path)
     metadata.pop("checksums")  # written afresh
+    metadata["version"] = STREAM_VERSION  # written in this statekv's format (its per-step lists in runs)
     metadata.update(ownership(metadata.get("stream_id") or new_stream_id(), metadata.get("created") or new_created(),
                               owner))
     return write_verified(path, tensors, metadata)

@@ -1,6 +1,6 @@
 """The file a `Stream` is saved to: safetensors tensors and JSON metadata, every part verified before it is used.
 
-Stream format 2 (`FORMAT_VERSION`). The safetensors header's metadata holds two strings:
+Stream format 3 (`FORMAT_VERSION`). The safetensors header's metadata holds two strings:
 
     statekv          the stream's metadata as JSON (fields: `SCHEMA`)
     statekv_sha256   the SHA-256 of that JSON text
@@ -14,7 +14,8 @@ and the schema, and `check_schema` every field's presence, type and range; `chec
 then check the values themselves (finite tensors, carried tokens that are the cache's own, a horizon, prefix and
 steps this model would have written), since checksums recomputed after an edit vouch for nothing. A damaged or
 hand-edited file is refused with one line before anything is built from it. Format 1 (written before verification
-existed) is refused with a message saying so.
+existed) is refused with a message saying so. Format 3 keeps the lists with an entry per step as runs
+(`statekv.api.step_lists`); format 2 files, which list them whole, are read as well.
 
 The push clock is checked against itself too: ``max_fps``, ``next_tick``, ``last_timestamp``, the pending frames'
 times and the frames kept must be what pushing at that rate leaves, and the layout state must be what the model
@@ -55,6 +56,7 @@ from safetensors.torch import save_file
 from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
+from .step_lists import compacted, expanded
 from ..errors import InputError, OutputError
 from ..flushing import flush_file
 from ..locks import FileLock
@@ -62,9 +64,10 @@ from ..models import LayoutState
 from ..settings.values import check_int, check_output_file
 
 FORMAT = "statekv-stream"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 2: the per-step lists listed whole (still read)
+READ_VERSIONS = (2, FORMAT_VERSION)
 FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
-MAX_METADATA_CHARS = 64 << 20  # a stream of millions of steps stays far below
+MAX_METADATA_CHARS = 64 << 20  # the per-step lists in runs (`step_lists`): a steady stream's stay small at any age
 PARTIAL = re.compile(r"\.[0-9a-f]{8}\.partial")  # what follows the target's name in a save's partial file
 
 Check = Callable[[Any, str], Any]
@@ -103,7 +106,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     path = check_output_file(path, "stream file")
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
-    text = json.dumps(metadata, allow_nan=False)
+    text = json.dumps(compacted(metadata), allow_nan=False)
     # a folder of its own: two saves never share one, even if the lock below is broken, and the temporary file
     # safetensors writes beside its target lies in it, so a save killed at any point leaves one thing to remove
     partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
@@ -180,6 +183,7 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
             _check_format(path, metadata)
             if header.get("statekv_sha256") != _sha256(text):
                 raise InputError(f"{path}: the stream's metadata is corrupt (its checksum does not match)")
+            metadata = expanded(metadata, str(path))
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as error:
         if isinstance(error, InputError):
@@ -215,7 +219,7 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
             raise InputError(f"{path}: {name} must list each carried token once, in increasing order")
         layer = name[: -len("carried_positions")]
         keys, values = tensors.get(layer + "keys"), tensors.get(layer + "values")
-        released = tensors.get(layer + "keys.released")  # runs of rows saved without (`without_released`)
+        released = tensors.get(layer + "keys.released")  # runs of rows saved without (`host_pages.saved_rows`)
         if keys is None or values is None or keys.dim() != 4 or int(positions.min()) < 0:
             continue  # `check_state_dict` names the missing or malformed tensor
         if released is not None:
@@ -330,7 +334,7 @@ def _check_format(path: Path, metadata: Any) -> None:
         raise InputError(f"{path}: saved in stream format 1 by an earlier statekv, which records no checksums or "
                          f"weights fingerprint, so it cannot be verified; this statekv reads format "
                          f"{FORMAT_VERSION}: encode the video again")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise InputError(f"{path}: saved in stream format {version!r}; this statekv reads format {FORMAT_VERSION}")
 
 

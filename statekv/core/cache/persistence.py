@@ -22,11 +22,10 @@ from ...errors import InputError
 from ...settings.values import check_int
 from ..storage.memory import CacheGeometry
 from ..storage.quantized import expected_tensors
-from ..storage.host_pages import kept_in
+from ..storage.host_pages import RELEASED
 from ..storage.layer_storage import SAMPLES_PER_STEP
 
 TALLY = "attention_tally"  # metadata: evict-least-attended's totals of the steps it may still evict
-RELEASED = ".released"  # a saved tensor's runs of rows given back (left out of it), `without_released`
 # the tensors that can be saved without released rows: read from buffers an evicting stream gives rows of back
 RELEASABLE = ("keys", "values", "key_codes", "value_codes", "value_scales", "key_scales", "block_keys",
               "step_samples", "segment_index")
@@ -102,7 +101,6 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
     """The committed state as tensors (views where possible) and the window start (None: explicit form)."""
     layer.storage.synchronize()
     tensors = layer.storage.export()
-    tensors.update(without_released(tensors, layer.storage.saved_buffers()))
     start = layer.carry.saved_start(layer.storage)
     if start is not None or layer.slots is None:
         return tensors, start
@@ -112,22 +110,6 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
     if placements is not None:  # bounded positions: where each carried key sits in RoPE
         tensors["carried_placements"] = placements
     return tensors, None
-
-
-def without_released(tensors: dict[str, torch.Tensor], buffers: dict) -> dict[str, torch.Tensor]:
-    """The tensors (``[B, H_kv, rows, X]``) read from a buffer with released rows (an evicting stream's,
-    `statekv.core.storage.limits`), as their other rows alone, each with its runs of released rows
-    (``{name}.released``, LongTensor ``[R, 2]`` of ascending ``[start, end)``): what a stream gave back is not
-    saved either."""
-    compact = {}
-    for name, tensor in tensors.items():
-        runs = getattr(buffers.get(name), "released", None)
-        released = runs.within(tensor.shape[2]) if runs is not None else []
-        if released:
-            kept = [tensor[:, :, start:end] for (start, end), _ in kept_in(released, tensor.shape[2])]
-            compact[name] = torch.cat(kept, 2) if kept else tensor[:, :, :0].clone()
-            compact[name + RELEASED] = torch.tensor(released, dtype=torch.long)
-    return compact
 
 
 def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], window_start: int | None,
@@ -165,7 +147,7 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     ``step_samples`` ``[B, H_kv, steps, SAMPLES_PER_STEP * D]``,
     and, for a layer saved in explicit form, ``carried_keys``/``carried_values`` ``[B, H_kv, K, D]`` with
     ``carried_positions`` ``[B, H_kv, K]`` among the tokens; a tensor saved without its released rows,
-    `without_released`, is that much shorter). Reads tensor values only to range-check positions and runs."""
+    `host_pages.saved_rows`, is that much shorter). Reads tensor values only to range-check positions and runs."""
     if not isinstance(metadata, dict):
         raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
     for key in ("chunk_lengths", "seen_tokens", "window_starts"):

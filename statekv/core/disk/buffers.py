@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
 import os
 import zlib
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python names it from 3.14
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
@@ -33,7 +35,10 @@ class MappedTokenBuffer:
 
     ``tensors`` maps the files (copy-on-write, so nothing written through a view reaches them) as
     ``[B, H_kv, capacity, X]`` views; writes append rows with ``pwrite``. ``nbytes`` counts the committed
-    rows. The capacity grows geometrically by extending the files (sparse until written).
+    rows. The capacity grows geometrically by extending the files (sparse until written). A file holds a row for
+    every token streamed, given back or not, so it is mapped without reserving memory for it (``MAP_NORESERVE``):
+    a copy-on-write mapping reserves its whole size, which the kernel refuses once it passes the machine's memory
+    and swap, while only the pages read are ever resident.
     """
 
     GROWTH = 2.0
@@ -64,12 +69,15 @@ class MappedTokenBuffer:
             return None
         b, h, x = self.row
         try:
-            return [torch.from_file(str(path), shared=False, size=self._capacity * b * h * x, dtype=self.dtype)
+            return [torch.frombuffer(_mapped(path, self._capacity * self.row_bytes), dtype=self.dtype)
                     .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
-        except RuntimeError:  # torch's own message spans lines: the file removed, moved or cut short under it
+        except (FileNotFoundError, ValueError):  # the file removed, moved or cut short under it
             raise OutputError(f"cannot read the disk cache in {self.paths[0].parent}: {self.paths[0].name} is "
                               "missing or shorter than the stream wrote it (the folder was moved, removed or "
                               "replaced)") from None
+        except OSError as error:
+            raise OutputError(f"cannot map the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -119,6 +127,10 @@ class MappedTokenBuffer:
 
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows ``index`` (LongTensor ``[N]``, any device), ``[B, H_kv, N, X]`` each (copies)."""
+        return tuple(t.index_select(2, index.to("cpu")) for t in self.tensors)
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
         """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty; with
@@ -196,6 +208,15 @@ class MappedTokenBuffer:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+def _mapped(path: Path, size: int) -> mmap.mmap:
+    """The first ``size`` bytes of ``path`` mapped copy-on-write without reserving memory for them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping outlives it
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -101,6 +101,10 @@ class TokenBuffer:
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, :, start:end] for t in self.tensors)
 
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Slots ``index`` (LongTensor ``[N]``, any device), ``[B, H_kv, N, D]`` each (copies)."""
+        return tuple(t.index_select(2, index.to(t.device)) for t in self.tensors)
+
     def release(self, start: int, end: int) -> None:
         """Slots ``[start, end)`` are never read again: they read as zeros, and in host memory the whole pages that
         they and the slots released before them cover go back to the OS."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+RELEASED = ".released"  # a saved tensor's runs of rows given back (left out of it), `saved_rows`
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -81,6 +82,31 @@ def write_kept(buffer, parts: Sequence[torch.Tensor], released: Sequence[tuple[i
         for (start, end), at in kept_in(released, length):
             buffer.write(start, *(part[:, :, at: at + end - start] for part in parts))
     return length
+
+
+def saved(names: Sequence[str], buffer, end: int) -> dict[str, torch.Tensor]:
+    """``buffer``'s rows below ``end`` as a saved state holds them: part ``i`` named ``names[i]``, each with
+    ``{name}.released`` (LongTensor ``[R, 2]``) when it was saved without released rows (`saved_rows`)."""
+    parts, released = saved_rows(buffer, end)
+    tensors = dict(zip(names, parts))
+    if released:
+        tensors.update({name + RELEASED: torch.tensor(released, dtype=torch.long) for name in names})
+    return tensors
+
+
+def saved_rows(buffer, end: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[int, int]]]:
+    """What a saved state holds of ``buffer``'s rows below ``end`` (any buffer with TokenBuffer's ``view``): its
+    parts ``[B, H_kv, kept, X]`` without the rows it released, and the released runs ``[start, end)`` left out
+    (none: the views of every row). Only kept rows are read, so a buffer that gave back most of its history saves
+    without reading it."""
+    runs = getattr(buffer, "released", None)
+    released = runs.within(end) if runs is not None else []
+    if not released:
+        return buffer.view(0, end), []
+    pieces = [buffer.view(start, stop) for (start, stop), _ in kept_in(released, end)]
+    if not pieces:
+        return tuple(part[:, :, :0].clone() for part in buffer.view(0, 0)), released
+    return tuple(torch.cat([piece[part] for piece in pieces], 2) for part in range(len(pieces[0]))), released
 
 
 def with_released(parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, ...]:

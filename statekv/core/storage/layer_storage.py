@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from .blocks import BlockBuffer
 from .buffers import CarriedSlots, TokenBuffer
+from .host_pages import saved
 from .limits import runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
@@ -38,12 +40,20 @@ class BufferFactory(Protocol):
     def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer: ...
 
 
+PER_TOKEN = ("detailed", "key_codes", "value_codes", "value_scales")  # the buffers with a row per token
+
+
 def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None],
-                   pin: bool = True) -> BufferFactory:
+                   evicts: bool = False) -> BufferFactory:
     """The default ``make_buffer``: a :class:`TokenBuffer` in ``device`` memory (None: where the first write
-    comes from) that tells ``on_replace`` when it moves (``pin``: see `TokenBuffer`)."""
+    comes from) that tells ``on_replace`` when it moves. For a stream that ``evicts`` (in host memory): never
+    pinned, and its buffers with a row per token in blocks (`statekv.core.storage.blocks`)."""
+    in_blocks = evicts and device is not None and torch.device(device).type == "cpu"
+
     def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer:
-        return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=pin)
+        if in_blocks and name in PER_TOKEN:
+            return BlockBuffer(parts, capacity_hint, on_replace)
+        return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=not evicts)
     return make_buffer
 
 
@@ -159,9 +169,7 @@ class LayerStorage:
     def read_tokens(self, index: torch.Tensor, device: torch.device | None = None,
                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the tokens ``index`` (LongTensor ``[N]``), ``[B, H_kv, N, D]`` each."""
-        index = index.to(self.detailed.keys.device)
-        return tuple(_moved(t.index_select(2, index), device, dtype) for t in (self.detailed.keys,
-                                                                              self.detailed.values))
+        return tuple(_moved(part, device, dtype) for part in self.detailed.gather(index))
 
     @property
     def summaries(self) -> StepSummaries:
@@ -298,26 +306,27 @@ class LayerStorage:
 
     # saving and resuming (see persistence) -----------------------------------------------------------------
     def export(self) -> dict[str, torch.Tensor]:
-        """The committed detailed cache and summaries as tensors (views where possible)."""
-        keys, values = self.read_range(0, self.length)
-        tensors = {"keys": keys, "values": values}
-        if self.block_keys.length:
-            tensors["block_keys"] = self.block_keys.view(0, self.block_keys.length)[0]
-            tensors["step_samples"] = self.step_samples.view(0, self.step_samples.length)[0]
+        """The committed detailed cache and summaries as tensors (views where possible), each without the rows its
+        buffer released (``{name}.released`` lists them, `host_pages.saved`)."""
+        tensors = saved(("keys", "values"), self.detailed, self.length)
+        tensors.update(self.export_summaries())
         tensors.update(self.export_segments())
         return tensors
 
-    def saved_buffers(self) -> dict[str, Any]:
-        """The buffer each tensor of :meth:`export` is read from, by name (whose released rows a save leaves
-        out)."""
-        return {"keys": self.detailed, "values": self.detailed, "block_keys": self.block_keys,
-                "step_samples": self.step_samples, "segment_index": self.segment_index}
+    def export_summaries(self) -> dict[str, torch.Tensor]:
+        """The committed steps' summaries (nothing before the first step)."""
+        steps = self.block_keys.length
+        if not steps:
+            return {}
+        return {**saved(("block_keys",), self.block_keys, steps), **saved(("step_samples",), self.step_samples, steps)}
 
     def export_segments(self) -> dict[str, torch.Tensor]:
         """The segment index and the open segment's accumulators (nothing before the first step)."""
         if self.segment_open is None:
             return {}
-        return {"segment_index": self._index_view(), "segment_partial": self.saved_segment()}
+        index = (saved(("segment_index",), self.segment_index, self.segment_index.length)
+                 if self.segment_index.length else {"segment_index": self._index_view()})
+        return {**index, "segment_partial": self.saved_segment()}
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
              released: Released = None) -> None:

@@ -237,7 +237,3 @@ class PagedStorage(LayerStorage):
     def reserve_chunk(self, slots, chunk_len: int) -> None:
         if self.rows[0].capacity < self.detailed.length + chunk_len:
             super().reserve_chunk(slots, chunk_len)
-
-    def read_tokens(self, index: torch.Tensor, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(part.to(device or part.device, dtype or part.dtype) for part in self.detailed.gather(index))

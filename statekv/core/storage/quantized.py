@@ -16,11 +16,11 @@ import math
 from array import array
 from collections.abc import Callable
 from itertools import accumulate
-from typing import Any
 
 import torch
 
 from .buffers import TokenBuffer
+from .host_pages import saved
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
 from ...errors import ConfigurationError
 from ...settings.engine import KV_CACHE_BITS, check_kv_cache_dtype
@@ -197,14 +197,13 @@ class QuantizedStorage(OffloadedStorage):
         """The tokens ``index`` (LongTensor ``[N]``) dequantized, ``[B, H_kv, N, D]`` each: only their codes and
         scales are read and moved."""
         index = index.to(self._where)
-        parts = (self.key_codes.keys.index_select(2, index),
-                 self.key_scales.keys.index_select(2, self._step_of(index)),
-                 self.value_codes.keys.index_select(2, index), self.value_scales.keys.index_select(2, index))
+        parts = (self.key_codes.gather(index)[0], self.key_scales.gather(self._step_of(index))[0],
+                 self.value_codes.gather(index)[0], self.value_scales.gather(index)[0])
         return self._dequantized(parts, device, dtype)
 
     @property
     def _where(self) -> torch.device:
-        return self.key_codes.keys.device
+        return self.key_scales.keys.device  # a buffer per step: one tensor (the per-token ones may be in blocks)
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""
@@ -227,18 +226,13 @@ class QuantizedStorage(OffloadedStorage):
     def export(self) -> dict[str, torch.Tensor]:
         """The codes, scales and summaries as they are stored (nothing dequantized)."""
         tokens, steps = self.length, self.block_keys.length
-        tensors = {"key_codes": self.key_codes.view(0, tokens)[0], "value_codes": self.value_codes.view(0, tokens)[0],
-                   "value_scales": self.value_scales.view(0, tokens)[0],
-                   "key_scales": self.key_scales.view(0, steps)[0]}
-        if steps:
-            tensors["block_keys"] = self.block_keys.view(0, steps)[0]
-            tensors["step_samples"] = self.step_samples.view(0, steps)[0]
+        tensors = {}
+        for name in ("key_codes", "value_codes", "value_scales"):
+            tensors.update(saved((name,), getattr(self, name), tokens))
+        tensors.update(saved(("key_scales",), self.key_scales, steps))
+        tensors.update(self.export_summaries())
         tensors.update(self.export_segments())
         return tensors
-
-    def saved_buffers(self) -> dict[str, Any]:
-        return {**super().saved_buffers(), "keys": None, "values": None, "key_codes": self.key_codes,
-                "value_codes": self.value_codes, "value_scales": self.value_scales, "key_scales": self.key_scales}
 
     def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
              released: Released = None) -> None:

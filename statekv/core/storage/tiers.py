@@ -21,22 +21,22 @@ class StorageTier:
     device: where it lives, if not with the model (offloaded, e.g. CPU memory). kv_cache_dtype: ``"int8"`` or
     ``"int4"`` to store it quantized; None: in the model's dtype. make_storage: a tier's own factory, ``(index,
     capacity_hint, on_replace, kv_cache_dtype) -> storage`` (the disk tier's), which then decides everything.
-    pinned: offloaded from a GPU, whether host memory is pinned (asynchronous copies); not for a stream evicting
-    under a cap, whose evicted rows' pages go back to the OS only from memory that is not pinned (pinned, its host
-    memory would grow with its age).
+    evicts: the stream evicts under a cap: its host memory is never pinned (pinned pages cannot go back to the OS,
+    and its host memory would grow with its age) and its rows per token are kept in blocks
+    (`statekv.core.storage.blocks`); else, offloaded from a GPU, host memory is pinned (asynchronous copies).
     """
 
     device: torch.device | None = None
     kv_cache_dtype: str | None = None
     make_storage: Callable[..., LayerStorage] | None = None
-    pinned: bool = True
+    evicts: bool = False
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None]) -> LayerStorage:
         """Layer ``index``'s storage (``capacity_hint`` tokens preallocated; ``on_replace`` called when a buffer a
         captured step reads is replaced)."""
         if self.make_storage is not None:
             return self.make_storage(index, capacity_hint, on_replace, self.kv_cache_dtype)
-        buffers = memory_buffers(self.device, on_replace, pin=self.pinned)
+        buffers = memory_buffers(self.device, on_replace, evicts=self.evicts)
         if self.kv_cache_dtype is not None:
             return QuantizedStorage(self.kv_cache_dtype, capacity_hint, self.device, on_replace, buffers)
         kind = LayerStorage if self.device is None else OffloadedStorage

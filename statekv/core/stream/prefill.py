@@ -127,7 +127,7 @@ class StreamingPrefill:
         else:
             offload, limit = settings.offload, settings.cache_cap
             self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
-                                    kv_cache_dtype, pinned=limit is None or not limit.evicts)
+                                    kv_cache_dtype, evicts=limit is not None and limit.evicts)
         cache_limit = settings.cache_cap
         check_evicting_storage(cache_limit, self.tier.device is not None)
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \

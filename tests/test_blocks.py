@@ -1,0 +1,108 @@
+"""`BlockBuffer` (an evicting stream's rows per token, in blocks) reads what a `TokenBuffer` reads, whatever was
+written and released, and holds only the blocks with a row kept; a stream in blocks answers and saves bit for bit
+as one in a single block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import statekv.core.storage.blocks as blocks
+from statekv import Stream
+from statekv.core.storage.blocks import BlockBuffer
+from statekv.core.storage.buffers import TokenBuffer
+from statekv.core.storage.host_pages import saved_rows
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+QUESTION = "Why?"
+
+
+def _filled(seed: int, rows: int) -> tuple[BlockBuffer, TokenBuffer, random.Random]:
+    """A block buffer and a token buffer given the same appends and releases (evict-oldest-like and scattered)."""
+    chance = random.Random(seed)
+    block, whole = BlockBuffer(2, rows=rows), TokenBuffer(2, pin=False)
+    for _ in range(chance.randrange(5, 40)):
+        length = chance.randrange(1, 3 * rows)
+        parts = [torch.randn(1, 2, length, 3) for _ in range(2)]
+        for buffer in (block, whole):
+            buffer.write(buffer.length, *parts)
+            buffer.length += length
+        if chance.random() < 0.6:
+            start = chance.randrange(0, block.length)
+            end = min(block.length, start + chance.randrange(1, 4 * rows))
+            block.release(start, end)
+            whole.release(start, end)
+    return block, whole, chance
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_block_buffer_reads_what_a_token_buffer_reads(seed):
+    rows = random.Random(seed).choice([1, 2, 7, 16])
+    block, whole, chance = _filled(seed, rows)
+    n = block.length
+    for _ in range(20):
+        start = chance.randrange(0, n)
+        end = chance.randrange(start, n + 1)
+        assert all(torch.equal(a, b) for a, b in zip(block.view(start, end), whole.view(start, end))), (start, end)
+        index = torch.tensor(sorted(chance.sample(range(n), chance.randrange(0, min(n, 50)))), dtype=torch.long)
+        for order in (index, index.flip(0)):
+            assert all(torch.equal(a, b) for a, b in zip(block.gather(order), whole.gather(order)))
+    (kept_block, runs_block), (kept_whole, runs_whole) = saved_rows(block, n), saved_rows(whole, n)
+    assert runs_block == runs_whole and all(torch.equal(a, b) for a, b in zip(kept_block, kept_whole))
+
+    loaded = BlockBuffer(2, rows=rows)
+    loaded.load(*kept_block, released=runs_block)
+    assert loaded.length == n and all(torch.equal(a, b) for a, b in zip(loaded.view(0, n), whole.view(0, n)))
+    assert sorted(loaded.blocks) == sorted(block.blocks)  # what it holds follows the rows kept, loaded or streamed
+
+
+def test_a_block_is_freed_once_every_row_of_it_is_released_and_never_made_for_rows_never_written():
+    buffer = BlockBuffer(1, rows=4)
+    buffer.write(0, torch.arange(12.0).view(1, 1, 12, 1))
+    buffer.length = 12
+    assert sorted(buffer.blocks) == [0, 1, 2]
+    buffer.release(4, 7)
+    assert 1 in buffer.blocks and buffer.view(4, 8)[0].flatten().tolist() == [0, 0, 0, 7]
+    buffer.release(7, 8)  # the rest of block 1: freed whole, reads as zeros
+    assert sorted(buffer.blocks) == [0, 2] and buffer.view(3, 9)[0].flatten().tolist() == [3, 0, 0, 0, 0, 8]
+    assert buffer.nbytes == (12 - 4) * 4
+    buffer.write(40, torch.ones(1, 1, 1, 1))  # far ahead: only the block it falls in is made
+    assert sorted(buffer.blocks) == [0, 2, 10]
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_an_evicting_stream_in_blocks_frees_what_it_evicted_and_answers_as_in_one_block(
+        adapter, kv_cache_dtype, tmp_path, monkeypatch):
+    settings = dict(offload=True, max_cache_bytes=60_000, cache_limit="evict-oldest", kv_cache_dtype=kv_cache_dtype)
+    frames = random_frames(150)
+    streams = []
+    for rows in (64, 8192):  # blocks of 64 rows; one block for the whole stream
+        monkeypatch.setattr(blocks, "BLOCK_ROWS", rows)
+        stream = tiny_qa(adapter, "statekv", **settings).stream()
+        for frame in frames:
+            stream.push(frame)
+        streams.append(stream)
+    small, one = streams
+    storage = small.prefill.cache.layers[0].storage
+    buffer = storage.detailed if kv_cache_dtype is None else storage.key_codes
+    assert small.prefill.cache.evicted_steps and type(buffer) is BlockBuffer and buffer.length < 8192
+    made = -(-buffer.length // 64)
+    assert len(buffer.blocks) < made / 3, (len(buffer.blocks), made)  # the blocks evicted rows filled are freed
+    assert small.prefill.stats.detailed_bytes == one.prefill.stats.detailed_bytes
+    for retrieve in (None, 2):
+        assert torch.equal(small.ask_tokens(QUESTION, max_new_tokens=4, retrieve=retrieve),
+                           one.ask_tokens(QUESTION, max_new_tokens=4, retrieve=retrieve))
+    first, second = small.prefill.state_dict(), one.prefill.state_dict()
+    assert first[1] == second[1] and sorted(first[0]) == sorted(second[0])
+    assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])
+    loaded = Stream.load(small.save(tmp_path / "small.safetensors"), tiny_qa(adapter, "statekv", **settings))
+    assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), one.ask_tokens(QUESTION, max_new_tokens=4))

@@ -1,0 +1,120 @@
+"""A saved stream's per-step lists are kept in its file as arithmetic runs (`statekv.api.step_lists`): what a steady
+stream's header holds of them stays the same size at any age, the lists read back exactly, files that list them
+whole (format 2) still load, and malformed runs are refused in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from statekv import Stream
+from statekv.api.step_lists import MAX_STEPS, arithmetic_runs, expand_runs
+from statekv.api.stream_file import read_verified, write_verified
+from statekv.errors import InputError
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+QUESTION = "Why?"
+SETTINGS = dict(offload=True, max_cache_bytes=60_000, cache_limit="evict-oldest", positions="bounded")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_runs_give_back_the_entries_they_were_made_from(seed):
+    chance = random.Random(seed)
+    count = chance.randrange(1, 60)
+    lists = [[chance.choice([4, 4, 4, chance.randrange(1, 9)]) for _ in range(count)],
+             sorted(chance.sample(range(200), count)),
+             [[chance.randrange(50), chance.choice([6, 6, 3]), chance.choice([64, 64, 7])] for _ in range(count)]]
+    for entries in lists:
+        assert expand_runs(json.loads(json.dumps(arithmetic_runs(entries))), "x") == entries
+
+
+def test_a_steady_stream_lists_its_steps_in_a_few_runs():
+    assert arithmetic_runs([3] + [4] * 10_000) == {"runs": [[3, 1, 2], [4, 0, 9_999]]}
+    assert len(arithmetic_runs(list(range(5, 50_000)))["runs"]) == 1
+    placed = [[6 * n, 6, 64] for n in range(10_000)]
+    assert arithmetic_runs(placed) == {"columns": 3, "runs": [[0, 6, 64, 6, 0, 0, 10_000]]}
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+def _raw(path) -> dict:
+    with safe_open(str(path), "pt") as handle:
+        return json.loads(handle.metadata()["statekv"])
+
+
+def _write_raw(path, tensors: dict, metadata: dict) -> None:
+    """``metadata`` written as it is (no runs made of its lists), signed as a file's header is."""
+    text = json.dumps(metadata)
+    signature = hashlib.sha256(text.encode()).hexdigest()
+    save_file(tensors, str(path), metadata={"statekv": text, "statekv_sha256": signature})
+
+
+def test_an_old_evicting_streams_file_holds_its_steps_in_as_few_characters_as_a_young_ones(adapter, tmp_path):
+    stream = tiny_qa(adapter, "statekv", **SETTINGS).stream()
+    frames = random_frames(180)
+    sizes = []
+    for count in (60, 180):
+        for frame in frames[len(sizes) and 60: count]:
+            stream.push(frame)
+        path = stream.save(tmp_path / f"at{count}.safetensors")
+        sizes.append(len(json.dumps(_raw(path)["cache"])))
+    assert len(stream.prefill.cache.evicted_steps) > 100
+    assert sizes[1] <= sizes[0] + 100, sizes  # listed one by one, each frame added about 25 characters
+    metadata, _ = read_verified(path)
+    _, live = stream.prefill.state_dict()
+    assert metadata["cache"]["chunk_lengths"] == live["chunk_lengths"]
+    assert metadata["cache"]["evicted_steps"] == live["evicted_steps"]
+    assert metadata["cache"]["positions"] == live["positions"]
+    loaded = Stream.load(path, tiny_qa(adapter, "statekv", **SETTINGS))
+    assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
+    loaded.close()
+    stream.close()
+
+
+def test_a_format_2_file_listing_its_steps_whole_still_loads(adapter, tmp_path):
+    stream = tiny_qa(adapter, "statekv", **SETTINGS).stream()
+    for frame in random_frames(90):
+        stream.push(frame)
+    metadata, tensors = read_verified(stream.save(tmp_path / "new.safetensors"))
+    old = tmp_path / "old.safetensors"
+    _write_raw(old, tensors, {**metadata, "version": 2})  # as format 2 wrote it: every list whole
+    assert isinstance(_raw(old)["cache"]["chunk_lengths"], list)
+    loaded = Stream.load(old, tiny_qa(adapter, "statekv", **SETTINGS))
+    assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
+    loaded.close()
+    stream.close()
+
+
+@pytest.mark.parametrize("runs, message", [
+    ({"runs": [[4, 0, 0]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
+    ({"runs": [[4, 0]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
+    ({"runs": [[4, 0, 2]], "extra": 1}, "metadata.cache.chunk_lengths must be a list or its runs"),
+    ({"runs": [[4, 0, MAX_STEPS + 1]]}, f"lists more than the {MAX_STEPS} steps a saved stream holds"),
+    # well formed, but not the stream's count: its own checks refuse it
+    ({"runs": [[4, 0, 5]]}, "stats.chunks is 13, inconsistent with the rest (5)"),
+])
+def test_malformed_runs_are_refused_in_one_line(adapter, tmp_path, runs, message):
+    stream = tiny_qa(adapter, "statekv", **SETTINGS).stream()
+    for frame in random_frames(12):
+        stream.push(frame)
+    metadata, tensors = read_verified(stream.save(tmp_path / "s.safetensors"))
+    stream.close()
+    metadata.pop("checksums")
+    path = write_verified(tmp_path / "forged.safetensors", tensors, metadata)
+    raw = _raw(path)
+    raw["cache"]["chunk_lengths"] = runs
+    _write_raw(path, tensors, raw)
+    with pytest.raises(InputError) as refused:
+        Stream.load(path, tiny_qa(adapter, "statekv", **SETTINGS))
+    assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
