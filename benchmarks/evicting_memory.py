@@ -155,13 +155,12 @@ def files_table(results: dict[str, list[dict]]) -> str:
                  for s in samples if "saved_bytes" in s}
         if cells:
             lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
-    before = (" Rows marked before: the same command on the code before a save left out the rows a stream gave back"
-              " and before the disk tier's holes covered whole blocks (`--before`)."
-              if any(name.endswith(", before") for name in results) else "")
+    before = (" Rows marked before: the same command on the code before a saved stream kept its per-step lists as"
+              " runs (stream format 2, `--before`)." if any(name.endswith(", before") for name in results) else "")
     return ("\n".join(lines) + "\n\nEach cell: the saved file's size (`Stream.save`), and for the disk tier / the "
-            f"bytes its folder's files take on disk (allocated blocks).{before} What still grows: per step a few dozen "
-            "bytes of the file's metadata (each step's length and placement, which steps were evicted) and, on the "
-            "disk tier, a journal line.")
+            f"bytes its folder's files take on disk (allocated blocks).{before} What grows until frame 10,000 to "
+            "20,000 is each frame's timings, kept for the last 10,000 to 20,000 frames; a file's per-step lists are "
+            "runs (stream format 3), a few whatever the stream's age.")
 
 
 def asks_table(results: dict[str, list[dict]]) -> str:

@@ -106,3 +106,42 @@ def test_an_evicting_stream_in_blocks_frees_what_it_evicted_and_answers_as_in_on
     assert all(torch.equal(first[0][name], second[0][name]) for name in first[0])
     loaded = Stream.load(small.save(tmp_path / "small.safetensors"), tiny_qa(adapter, "statekv", **settings))
     assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), one.ask_tokens(QUESTION, max_new_tokens=4))
+
+
+def test_a_block_made_after_a_load_reads_its_released_rows_as_zeros():
+    """A loaded buffer makes only the blocks holding a kept row; a block made later, below the length (here by the
+    next write), must not show what its memory held before where rows were released."""
+    for rows in (8, 64, 1024):
+        dirty = [torch.full((1, 2, rows, 4), 7.0) for _ in range(50)]  # memory handed back dirty to the allocator
+        del dirty
+        buffer = BlockBuffer(2, rows=rows)
+        buffer.load(torch.empty(1, 2, 0, 4), torch.empty(1, 2, 0, 4), released=[(0, rows + 4)])  # all given back
+        assert not buffer.blocks
+        buffer.write(rows + 4, torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+        assert list(buffer.blocks) == [1]
+        assert not any(part.any() for part in buffer.view(rows, rows + 4)), rows
+
+
+def test_a_disk_buffer_saved_with_many_runs_of_kept_rows_opens_and_maps_it_once(tmp_path):
+    """A save reads a buffer's kept runs: from one view of its files, not one mapping (and, with Python's mmap, one
+    open file) per run, which ran out of file descriptors."""
+    import os
+    import resource
+
+    from statekv.core.disk.buffers import MappedTokenBuffer
+
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(4000.0).view(1, 1, 4000, 1).expand(1, 2, 4000, 4).contiguous()
+    buffer.write(0, rows, -rows)
+    buffer.length = 4000
+    for start in range(0, 4000, 4):  # 1,000 runs of kept rows
+        buffer.release(start, start + 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+    try:  # a few dozen files to spare: the save must not need one a run
+        (keys, values), released = saved_rows(buffer, 4000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    index = torch.tensor([row for row in range(4000) if row % 4 >= 2])
+    assert len(released) == 1000 and torch.equal(keys, rows[:, :, index]) and torch.equal(values, -rows[:, :, index])
+    buffer.close()

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from statekv import Stream
-from statekv.api.step_lists import MAX_STEPS, arithmetic_runs, expand_runs
+from statekv.api.step_lists import MAX_VALUES, arithmetic_runs, expand_runs
 from statekv.api.stream_file import read_verified, write_verified
 from statekv.errors import InputError
 from statekv.models import load_adapter
@@ -33,7 +33,8 @@ def test_runs_give_back_the_entries_they_were_made_from(seed):
              sorted(chance.sample(range(200), count)),
              [[chance.randrange(50), chance.choice([6, 6, 3]), chance.choice([64, 64, 7])] for _ in range(count)]]
     for entries in lists:
-        assert expand_runs(json.loads(json.dumps(arithmetic_runs(entries))), "x") == entries
+        columns = 3 if isinstance(entries[0], list) else 1
+        assert expand_runs(json.loads(json.dumps(arithmetic_runs(entries))), "x", columns) == entries
 
 
 def test_a_steady_stream_lists_its_steps_in_a_few_runs():
@@ -100,7 +101,9 @@ def test_a_format_2_file_listing_its_steps_whole_still_loads(adapter, tmp_path):
     ({"runs": [[4, 0, 0]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
     ({"runs": [[4, 0]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
     ({"runs": [[4, 0, 2]], "extra": 1}, "metadata.cache.chunk_lengths must be a list or its runs"),
-    ({"runs": [[4, 0, MAX_STEPS + 1]]}, f"lists more than the {MAX_STEPS} steps a saved stream holds"),
+    ({"columns": 3, "runs": [[4, 0, 0, 0, 0, 0, 2]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
+    ({"runs": [[4, 1 << 62, 3]]}, "metadata.cache.chunk_lengths lists an entry past the 64-bit integers"),
+    ({"runs": [[4, 0, MAX_VALUES + 1]]}, "lists more steps than a saved stream holds"),
     # well formed, but not the stream's count: its own checks refuse it
     ({"runs": [[4, 0, 5]]}, "stats.chunks is 13, inconsistent with the rest (5)"),
 ])
@@ -118,3 +121,16 @@ def test_malformed_runs_are_refused_in_one_line(adapter, tmp_path, runs, message
     with pytest.raises(InputError) as refused:
         Stream.load(path, tiny_qa(adapter, "statekv", **SETTINGS))
     assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_a_files_lists_share_one_budget_checked_before_they_are_expanded():
+    """Each list may be within the budget and all of them together not: refused before the last is expanded."""
+    from statekv.api.step_lists import expanded
+
+    rows = MAX_VALUES // 3  # within the budget alone
+    metadata = {"cache": {"chunk_lengths": {"runs": [[4, 0, 10]]},
+                          "positions": {"steps": {"columns": 3, "runs": [[0, 4, 0, 4, 0, 0, rows]]}}}}
+    with pytest.raises(InputError, match=r"^f: malformed stream metadata: metadata\.cache\.positions\.steps lists more "
+                                         r"steps than a saved stream holds .*values in all\)$"):
+        expanded(metadata, "f")
+    assert metadata["cache"]["chunk_lengths"] == [4] * 10

@@ -97,7 +97,6 @@ class EncodedVideo:
         self.stats = EncodingStats()
         self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
         self.answer_info: AnswerInfo | None = None  # what the last answer could see
-        self._evictions_counted = 0  # of prefill.evictions, the steps already in stats.evicted_frames
         self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
         self._device = self.adapter.device
         if self._device.type == "cuda":
@@ -323,7 +322,7 @@ class EncodedVideo:
         else:
             self.prefill, self.successor = self.successor, None
         self.handover = "handed over"
-        self._evictions_counted = len(self.prefill.evictions)  # none: the cap holds both engines (`keep_to_cap`)
+        self.prefill.evictions = []  # none: the cap holds both engines (`keep_to_cap`)
         self.qa.step_scheduler.release(first)
         first.close()
         self.book_engines()
@@ -525,10 +524,9 @@ class EncodedVideo:
                 self.backlog.add(kept, record)
         self.state = self.state.after(chunk)
         self.step_frames.append(chunk.frames)
-        evicted = self.prefill.evictions[self._evictions_counted:]
-        if evicted:  # only the steps evicted since: a long capped stream never walks its history per step
+        evicted, self.prefill.evictions = self.prefill.evictions, []  # taken: a long stream keeps no list of them
+        if evicted:
             stats.evicted_frames += sum(self.step_frames[s] for s in evicted)
-            self._evictions_counted += len(evicted)
         stats.chunks += 1
         stats.tokens = self.prefill.seen_tokens
         stats.frames += chunk.frames

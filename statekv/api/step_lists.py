@@ -15,51 +15,67 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
+
 from ..errors import InputError
 
-# where a saved stream's metadata lists an entry per step
-STEP_LISTS = (("cache", "chunk_lengths"), ("cache", "evicted_steps"), ("cache", "positions", "steps"),
-              ("successor", "chunk_lengths"), ("successor", "evicted_steps"), ("successor", "positions", "steps"))
-MAX_STEPS = 1 << 26  # entries one of a file's lists may hold once expanded: two years of frames at 1 fps
+# where a saved stream's metadata lists an entry per step, and how many integers an entry is (1: an integer)
+STEP_LISTS = {("cache", "chunk_lengths"): 1, ("cache", "evicted_steps"): 1, ("cache", "positions", "steps"): 3,
+              ("successor", "chunk_lengths"): 1, ("successor", "evicted_steps"): 1,
+              ("successor", "positions", "steps"): 3}
+# values a file's lists may hold in all once expanded (a row counts each of its values): a steady stream lists 5 a
+# step (its length, placement and eviction), so about 13 million steps; expanded, they take memory a small file
+# of runs does not (about 60 bytes a value), so a forged file cannot ask for more than a few GB
+MAX_VALUES = 1 << 26
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def arithmetic_runs(entries: list) -> dict[str, Any]:
-    """``entries`` (integers, or rows of as many integers each) as runs ``[*first, *step, count]``."""
-    rows = entries and isinstance(entries[0], list)
-    values = [tuple(entry) for entry in entries] if rows else [(entry,) for entry in entries]
-    runs, at = [], 0
+    """``entries`` (integers, or rows of as many integers each) as runs ``[*first, *step, count]``: from each run's
+    first entry, as far as the entries keep changing by the step between its first two."""
+    rows = isinstance(entries[0], list)
+    values = np.asarray(entries, dtype=np.int64).reshape(len(entries), -1)
+    steps = np.diff(values, axis=0)
+    turns = np.flatnonzero((steps[1:] != steps[:-1]).any(1)) + 1  # where the step between entries changes
+    runs, at, still = [], 0, [0] * values.shape[1]
     while at < len(values):
-        first = values[at]
-        step = tuple(b - a for a, b in zip(first, values[at + 1])) if at + 1 < len(values) else (0,) * len(first)
-        count = 1
-        while at + count < len(values) and all(
-                value == start + count * delta for value, start, delta in zip(values[at + count], first, step)):
-            count += 1
-        runs.append([*first, *(step if count > 1 else (0,) * len(first)), count])
+        turn = np.searchsorted(turns, at, side="right")
+        last = int(turns[turn]) if turn < len(turns) else len(values) - 1
+        count = last - at + 1
+        runs.append([*values[at].tolist(), *(steps[at].tolist() if count > 1 else still), count])
         at += count
-    return {"columns": len(values[0]), "runs": runs} if rows else {"runs": runs}
+    return {"columns": values.shape[1], "runs": runs} if rows else {"runs": runs}
 
 
-def expand_runs(saved: Any, name: str) -> list:
-    """The entries ``saved`` (what `arithmetic_runs` wrote) lists; a one-line `InputError` naming ``name`` when it
-    is malformed or lists more than `MAX_STEPS` entries."""
-    columns = saved.get("columns", 1) if isinstance(saved, dict) else None
+def expand_runs(saved: Any, name: str, columns: int = 1, budget: list[int] | None = None) -> list:
+    """The entries ``saved`` (what `arithmetic_runs` wrote, entries of ``columns`` integers) lists; a one-line
+    `InputError` naming ``name`` when it is malformed or lists more values than ``budget[0]`` (default:
+    `MAX_VALUES`), which it takes them from."""
     runs = saved.get("runs") if isinstance(saved, dict) else None
-    if (type(columns) is not int or columns < 1 or not isinstance(runs, list)
-            or set(saved) - {"runs", "columns"}
+    if (not isinstance(runs, list) or set(saved) - {"runs", "columns"}
+            or saved.get("columns", 1) != columns or (columns > 1) != ("columns" in saved)
             or not all(isinstance(run, list) and len(run) == 2 * columns + 1 and all(type(v) is int for v in run)
                        and run[-1] >= 1 for run in runs)):
-        raise InputError(f"{name} must be a list or its runs ({{\"runs\": [[*first, *step, count], ...]}})")
-    if sum(run[-1] for run in runs) > MAX_STEPS:
-        raise InputError(f"{name} lists more than the {MAX_STEPS} steps a saved stream holds")
-    entries = []
-    for run in runs:
-        first, step, count = run[:columns], run[columns: 2 * columns], run[-1]
-        if columns == 1:
-            entries.extend(range(first[0], first[0] + step[0] * count, step[0]) if step[0] else [first[0]] * count)
-        else:
-            entries.extend([start + n * delta for start, delta in zip(first, step)] for n in range(count))
-    return entries
+        raise InputError(f"{name} must be a list or its runs ({{\"runs\": [[*first, *step, count], ...]}}"
+                         + (f", rows of {columns}" if columns > 1 else "") + ")")
+    budget = [MAX_VALUES] if budget is None else budget
+    values = columns * sum(run[-1] for run in runs)
+    if values > budget[0]:
+        raise InputError(f"{name} lists more steps than a saved stream holds (its per-step lists hold at most "
+                         f"{MAX_VALUES} values in all)")
+    budget[0] -= values
+    low, high = INT64
+    if not all(low <= v <= high and low <= v + (run[-1] - 1) * run[columns + i] <= high
+               for run in runs for i, v in enumerate(run[:columns])):
+        raise InputError(f"{name} lists an entry past the 64-bit integers")
+    if not runs:
+        return []
+    table = np.asarray(runs, dtype=np.int64)
+    counts = table[:, -1]
+    run_of = np.repeat(np.arange(len(runs)), counts)
+    offset = np.arange(len(run_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+    entries = table[run_of, :columns] + offset[:, None] * table[run_of, columns: 2 * columns]
+    return entries.tolist() if columns > 1 else entries[:, 0].tolist()
 
 
 def compacted(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -75,11 +91,12 @@ def compacted(metadata: dict[str, Any]) -> dict[str, Any]:
 def expanded(metadata: dict[str, Any], where: str) -> dict[str, Any]:
     """``metadata`` as read from a format 3 file with its per-step lists expanded (in place); a one-line `InputError`
     naming ``where`` and the field when one is malformed."""
-    for path in STEP_LISTS:
+    budget = [MAX_VALUES]
+    for path, columns in STEP_LISTS.items():
         holder = _holder(metadata, path)
         if holder is not None and isinstance(holder.get(path[-1]), dict):
             try:
-                holder[path[-1]] = expand_runs(holder[path[-1]], "metadata." + ".".join(path))
+                holder[path[-1]] = expand_runs(holder[path[-1]], "metadata." + ".".join(path), columns, budget)
             except InputError as error:
                 raise InputError(f"{where}: malformed stream metadata: {error}") from None
     return metadata

@@ -10,6 +10,8 @@ import ctypes.util
 import math
 import mmap
 import os
+import sys
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,8 +24,12 @@ from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python names it from 3.14
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)  # named from Python 3.14
+_MAP_FAILED = ctypes.c_void_p(-1).value
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
 PER_SEGMENT = ("segment_index",)  # a row per segment of steps (written by the step that completes it)
@@ -210,13 +216,24 @@ class MappedTokenBuffer:
         self._fds = []
 
 
-def _mapped(path: Path, size: int) -> mmap.mmap:
-    """The first ``size`` bytes of ``path`` mapped copy-on-write without reserving memory for them."""
+def _mapped(path: Path, size: int) -> ctypes.Array:
+    """The first ``size`` bytes of ``path`` mapped copy-on-write without reserving memory for them, unmapped once
+    nothing refers to them. Mapped with libc: Python's `mmap` holds a duplicate of the file's descriptor while a
+    mapping lives, and a save reads a buffer through as many views as it has runs of kept rows."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"{path} is shorter than {size} bytes")
+        address = _libc.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | _MAP_NORESERVE, fd, ctypes.c_long(0))
     finally:
         os.close(fd)  # the mapping outlives it
+    if address in (None, _MAP_FAILED):
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    view = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(view, _libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size))
+    return view
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

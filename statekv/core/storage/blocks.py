@@ -16,7 +16,7 @@ import torch
 
 from .host_pages import ReleasedRuns, free_rows, write_kept
 
-BLOCK_ROWS = 4096
+BLOCK_ROWS = 1024  # smaller: fewer rows held by a block kept for one row; larger: fewer pieces to a read
 
 
 class BlockBuffer:
@@ -64,9 +64,10 @@ class BlockBuffer:
 
     def _block(self, number: int) -> list[torch.Tensor]:
         block = self.blocks.get(number)
-        if block is None:
+        if block is None:  # zeros where rows below the length may be released ones (made after a load)
             b, h, _, x = self._like.shape
-            block = self.blocks[number] = [torch.empty(b, h, self.rows, x, dtype=self._like.dtype)
+            make = torch.zeros if number * self.rows < self.length else torch.empty
+            block = self.blocks[number] = [make(b, h, self.rows, x, dtype=self._like.dtype)
                                            for _ in range(self.parts)]
         return block
 

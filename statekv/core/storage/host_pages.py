@@ -103,7 +103,12 @@ def saved_rows(buffer, end: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[i
     released = runs.within(end) if runs is not None else []
     if not released:
         return buffer.view(0, end), []
-    pieces = [buffer.view(start, stop) for (start, stop), _ in kept_in(released, end)]
+    kept = [run for run, _ in kept_in(released, end)]
+    if getattr(buffer, "blocks", None) is not None:  # views of its kept runs: its rows are not one tensor
+        pieces = [buffer.view(start, stop) for start, stop in kept]
+    else:  # one view of every row, cut (each view of a file maps it)
+        whole = buffer.view(0, end)
+        pieces = [tuple(part[:, :, start:stop] for part in whole) for start, stop in kept]
     if not pieces:
         return tuple(part[:, :, :0].clone() for part in buffer.view(0, 0)), released
     return tuple(torch.cat([piece[part] for piece in pieces], 2) for part in range(len(pieces[0]))), released

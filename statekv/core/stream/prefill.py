@@ -159,7 +159,7 @@ class StreamingPrefill:
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
             self._other_bytes)
-        self.evictions: list[int] = []  # the steps evicted by make_room, in order (callers count what they held)
+        self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
