@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from statekv import Stream
-from statekv.api.step_lists import MAX_VALUES, arithmetic_runs, expand_runs
+from statekv.api.step_lists import arithmetic_runs, expand_runs, values_budget
 from statekv.api.stream_file import read_verified, write_verified
 from statekv.errors import InputError
 from statekv.models import load_adapter
@@ -103,7 +103,8 @@ def test_a_format_2_file_listing_its_steps_whole_still_loads(adapter, tmp_path):
     ({"runs": [[4, 0, 2]], "extra": 1}, "metadata.cache.chunk_lengths must be a list or its runs"),
     ({"columns": 3, "runs": [[4, 0, 0, 0, 0, 0, 2]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
     ({"runs": [[4, 1 << 62, 3]]}, "metadata.cache.chunk_lengths lists an entry past the 64-bit integers"),
-    ({"runs": [[4, 0, MAX_VALUES + 1]]}, "lists more steps than a saved stream holds"),
+    ({"runs": [[5, 1 << 70, 1]]}, "metadata.cache.chunk_lengths lists an entry past the 64-bit integers"),
+    ({"runs": [[4, 0, 1 << 50]]}, "lists more steps than this machine's memory holds once expanded"),
     # well formed, but not the stream's count: its own checks refuse it
     ({"runs": [[4, 0, 5]]}, "stats.chunks is 13, inconsistent with the rest (5)"),
 ])
@@ -124,13 +125,29 @@ def test_malformed_runs_are_refused_in_one_line(adapter, tmp_path, runs, message
 
 
 def test_a_files_lists_share_one_budget_checked_before_they_are_expanded():
-    """Each list may be within the budget and all of them together not: refused before the last is expanded."""
-    from statekv.api.step_lists import expanded
+    """Each list may be within the budget and all of them together not: refused before the last is expanded. The
+    budget is what the memory available holds once expanded."""
+    from statekv.api.step_lists import MIN_VALUES, expanded
 
-    rows = MAX_VALUES // 3  # within the budget alone
+    assert values_budget() >= MIN_VALUES
     metadata = {"cache": {"chunk_lengths": {"runs": [[4, 0, 10]]},
-                          "positions": {"steps": {"columns": 3, "runs": [[0, 4, 0, 4, 0, 0, rows]]}}}}
+                          "positions": {"steps": {"columns": 3, "runs": [[0, 4, 0, 4, 0, 0, 331]]}}}}
     with pytest.raises(InputError, match=r"^f: malformed stream metadata: metadata\.cache\.positions\.steps lists more "
-                                         r"steps than a saved stream holds .*values in all\)$"):
-        expanded(metadata, "f")
+                                         r"steps than this machine's memory holds once expanded \(its per-step lists "
+                                         r"hold 993 values; 990 more fit in the memory available\)$"):
+        expanded(metadata, "f", budget=1000)
     assert metadata["cache"]["chunk_lengths"] == [4] * 10
+
+
+def test_a_stream_whose_metadata_a_load_would_refuse_is_not_saved(adapter, tmp_path, monkeypatch):
+    import statekv.api.stream_file as stream_file
+    from statekv.errors import OutputError
+
+    stream = tiny_qa(adapter, "statekv", **SETTINGS).stream()
+    for frame in random_frames(4):
+        stream.push(frame)
+    monkeypatch.setattr(stream_file, "MAX_METADATA_CHARS", 1_000)
+    with pytest.raises(OutputError, match="its metadata is .* characters, more than a saved stream holds \\(1,000\\)"):
+        stream.save(tmp_path / "s.safetensors")
+    assert not (tmp_path / "s.safetensors").exists()
+    stream.close()

@@ -16,18 +16,27 @@ import copy
 from typing import Any
 
 import numpy as np
+import torch
 
+from ..core.storage.memory import available_bytes
 from ..errors import InputError
 
 # where a saved stream's metadata lists an entry per step, and how many integers an entry is (1: an integer)
 STEP_LISTS = {("cache", "chunk_lengths"): 1, ("cache", "evicted_steps"): 1, ("cache", "positions", "steps"): 3,
               ("successor", "chunk_lengths"): 1, ("successor", "evicted_steps"): 1,
               ("successor", "positions", "steps"): 3}
-# values a file's lists may hold in all once expanded (a row counts each of its values): a steady stream lists 5 a
-# step (its length, placement and eviction), so about 13 million steps; expanded, they take memory a small file
-# of runs does not (about 60 bytes a value), so a forged file cannot ask for more than a few GB
-MAX_VALUES = 1 << 26
+# Expanded, a file's lists take memory its runs do not (about this much a value: a row counts each of its values),
+# so what they may expand to in all is what the memory available holds, at least `MIN_VALUES` (a steady stream
+# lists 5 values a step: its length, placement and eviction): a forged file of a few runs cannot exhaust it
+BYTES_PER_VALUE = 64
+MIN_VALUES = 1 << 24
 INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def values_budget() -> int:
+    """How many values a file's per-step lists may expand to in all (see `BYTES_PER_VALUE`)."""
+    available = available_bytes(torch.device("cpu"))
+    return MIN_VALUES if available is None else max(MIN_VALUES, available // BYTES_PER_VALUE)
 
 
 def arithmetic_runs(entries: list) -> dict[str, Any]:
@@ -50,7 +59,7 @@ def arithmetic_runs(entries: list) -> dict[str, Any]:
 def expand_runs(saved: Any, name: str, columns: int = 1, budget: list[int] | None = None) -> list:
     """The entries ``saved`` (what `arithmetic_runs` wrote, entries of ``columns`` integers) lists; a one-line
     `InputError` naming ``name`` when it is malformed or lists more values than ``budget[0]`` (default:
-    `MAX_VALUES`), which it takes them from."""
+    `values_budget`), which it takes them from."""
     runs = saved.get("runs") if isinstance(saved, dict) else None
     if (not isinstance(runs, list) or set(saved) - {"runs", "columns"}
             or saved.get("columns", 1) != columns or (columns > 1) != ("columns" in saved)
@@ -58,16 +67,16 @@ def expand_runs(saved: Any, name: str, columns: int = 1, budget: list[int] | Non
                        and run[-1] >= 1 for run in runs)):
         raise InputError(f"{name} must be a list or its runs ({{\"runs\": [[*first, *step, count], ...]}}"
                          + (f", rows of {columns}" if columns > 1 else "") + ")")
-    budget = [MAX_VALUES] if budget is None else budget
+    low, high = INT64
+    if not all(low <= v <= high for run in runs for v in run) or not all(
+            low <= v + (run[-1] - 1) * run[columns + i] <= high for run in runs for i, v in enumerate(run[:columns])):
+        raise InputError(f"{name} lists an entry past the 64-bit integers")
+    budget = [values_budget()] if budget is None else budget
     values = columns * sum(run[-1] for run in runs)
     if values > budget[0]:
-        raise InputError(f"{name} lists more steps than a saved stream holds (its per-step lists hold at most "
-                         f"{MAX_VALUES} values in all)")
+        raise InputError(f"{name} lists more steps than this machine's memory holds once expanded (its per-step "
+                         f"lists hold {values:,} values; {budget[0]:,} more fit in the memory available)")
     budget[0] -= values
-    low, high = INT64
-    if not all(low <= v <= high and low <= v + (run[-1] - 1) * run[columns + i] <= high
-               for run in runs for i, v in enumerate(run[:columns])):
-        raise InputError(f"{name} lists an entry past the 64-bit integers")
     if not runs:
         return []
     table = np.asarray(runs, dtype=np.int64)
@@ -88,10 +97,11 @@ def compacted(metadata: dict[str, Any]) -> dict[str, Any]:
     return metadata
 
 
-def expanded(metadata: dict[str, Any], where: str) -> dict[str, Any]:
-    """``metadata`` as read from a format 3 file with its per-step lists expanded (in place); a one-line `InputError`
-    naming ``where`` and the field when one is malformed."""
-    budget = [MAX_VALUES]
+def expanded(metadata: dict[str, Any], where: str, budget: int | None = None) -> dict[str, Any]:
+    """``metadata`` as read from a format 3 file with its per-step lists expanded (in place, at most ``budget``
+    values in all: default `values_budget`); a one-line `InputError` naming ``where`` and the field when one is
+    malformed."""
+    budget = [values_budget() if budget is None else budget]
     for path, columns in STEP_LISTS.items():
         holder = _holder(metadata, path)
         if holder is not None and isinstance(holder.get(path[-1]), dict):

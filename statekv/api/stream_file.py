@@ -107,6 +107,9 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
     text = json.dumps(compacted(metadata), allow_nan=False)
+    if len(text) > MAX_METADATA_CHARS:  # a file that could not be read back is not written
+        raise OutputError(f"cannot save the stream to {path}: its metadata is {len(text):,} characters, more than a "
+                          f"saved stream holds ({MAX_METADATA_CHARS:,}); {UNCHANGED}")
     # a folder of its own: two saves never share one, even if the lock below is broken, and the temporary file
     # safetensors writes beside its target lies in it, so a save killed at any point leaves one thing to remove
     partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
@@ -332,10 +335,11 @@ def _check_format(path: Path, metadata: Any) -> None:
         raise InputError(f"{path}: malformed stream metadata: no format version (got {version!r})")
     if version == 1:
         raise InputError(f"{path}: saved in stream format 1 by an earlier statekv, which records no checksums or "
-                         f"weights fingerprint, so it cannot be verified; this statekv reads format "
-                         f"{FORMAT_VERSION}: encode the video again")
+                         f"weights fingerprint, so it cannot be verified; this statekv reads formats "
+                         f"{', '.join(map(str, READ_VERSIONS))}: encode the video again")
     if version not in READ_VERSIONS:
-        raise InputError(f"{path}: saved in stream format {version!r}; this statekv reads format {FORMAT_VERSION}")
+        raise InputError(f"{path}: saved in stream format {version!r}; this statekv reads formats "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
 
 
 def _sha256(text: str) -> str:

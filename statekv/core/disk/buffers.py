@@ -10,6 +10,7 @@ import ctypes.util
 import math
 import mmap
 import os
+import platform
 import sys
 import weakref
 import zlib
@@ -24,7 +25,9 @@ from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)  # named from Python 3.14
+# named from Python 3.14; Linux's value on x86 and Arm (0: reserved, where it is not known)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64", "i686", "armv7l") else 0)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -232,7 +235,7 @@ def _mapped(path: Path, size: int) -> ctypes.Array:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
     view = (ctypes.c_char * size).from_address(address)
-    weakref.finalize(view, _libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size))
+    weakref.finalize(view, _libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size)).atexit = False
     return view
 
 

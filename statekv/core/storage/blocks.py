@@ -91,6 +91,7 @@ class BlockBuffer:
     def write_at(self, index: torch.Tensor, *parts: torch.Tensor) -> None:
         """Copy ``[B, H_kv, T, X]`` tensors to the rows ``index`` (LongTensor ``[T]``, any device)."""
         index = index.to("cpu")
+        self.reserve(parts[0], int(index.max()) + 1 if index.numel() else 0)
         numbers = index // self.rows
         for number in numbers.unique().tolist():
             chosen = (numbers == number).nonzero().squeeze(1)
@@ -149,7 +150,7 @@ class BlockBuffer:
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
         """Replace the contents as `TokenBuffer.load` does: only the blocks holding a row kept are made."""
-        self.blocks, self.length, self.released, self._capacity = {}, 0, ReleasedRuns(), 0
+        self.blocks, self.length, self.released, self._capacity, self._like = {}, 0, ReleasedRuns(), 0, None
         self.reserve(parts[0], 0)
         length = write_kept(self, parts, released)
         for start, end in released:

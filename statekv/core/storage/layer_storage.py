@@ -37,7 +37,7 @@ Released = dict[str, Sequence[tuple[int, int]]] | None  # tensor name -> the run
 
 
 class BufferFactory(Protocol):
-    def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer: ...
+    def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer | BlockBuffer: ...
 
 
 PER_TOKEN = ("detailed", "key_codes", "value_codes", "value_scales")  # the buffers with a row per token
@@ -50,7 +50,7 @@ def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], N
     pinned, and its buffers with a row per token in blocks (`statekv.core.storage.blocks`)."""
     in_blocks = evicts and device is not None and torch.device(device).type == "cpu"
 
-    def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer:
+    def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer | BlockBuffer:
         if in_blocks and name in PER_TOKEN:
             return BlockBuffer(parts, capacity_hint, on_replace)
         return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=not evicts)
@@ -475,10 +475,9 @@ class OffloadedStorage(LayerStorage):
         return sum(0 if t is None else t.numel() * t.element_size() for t in staged) + self._segment_nbytes()
 
     def release_tokens(self, tokens: torch.Tensor) -> None:
-        per_token = (self.detailed,) if self.detailed is not None else tuple(
-            getattr(self, name) for name in ("key_codes", "value_codes", "value_scales"))  # quantized
-        for buffer in per_token:
-            _release(buffer, tokens)
+        for name in PER_TOKEN:  # keys and values, or (quantized) their codes and scales
+            if getattr(self, name, None) is not None:
+                _release(getattr(self, name), tokens)
 
     def release_steps(self, steps: torch.Tensor) -> None:
         """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries (never read again)."""

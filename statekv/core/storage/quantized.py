@@ -19,6 +19,7 @@ from itertools import accumulate
 
 import torch
 
+from .blocks import BlockBuffer
 from .buffers import TokenBuffer
 from .host_pages import saved
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
@@ -121,7 +122,7 @@ class QuantizedStorage(OffloadedStorage):
         self.key_scales = make_buffer("key_scales", 1, None)
 
     @property
-    def buffers(self) -> tuple[TokenBuffer, ...]:
+    def buffers(self) -> tuple[TokenBuffer | BlockBuffer, ...]:
         return self.key_codes, self.key_scales, self.value_codes, self.value_scales
 
     @property
