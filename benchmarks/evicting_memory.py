@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import statekv
-    from long_stream import resident  # a sibling script, on the path as this one runs
+    from long_stream import resident, status_bytes  # a sibling script, on the path as this one runs
     from statekv.errors import CacheLimitError
 
     torch.set_num_threads(1)
@@ -74,8 +74,8 @@ def child(args: argparse.Namespace) -> None:
                         sample.update(files(stream, folder, settings["offload"] == "disk"))
                     if args.asks:
                         sample["ask_cpu_ms"] = ask_cpu_ms(stream)
-                    if args.address:
-                        sample.update(address())
+                    if args.address:  # the address space and page tables
+                        sample.update(status_bytes("VmSize", "VmPTE"))
                     print(json.dumps(sample), flush=True)
         except CacheLimitError as error:  # what the cap counts outgrew it
             print(json.dumps({"frame": number, "refused": str(error)}), flush=True)
@@ -87,16 +87,6 @@ def files(stream, folder: str, disk: bool) -> dict:
         saved = stream.save(Path(saves) / "stream.safetensors").stat().st_size
     on_disk = sum(path.stat().st_blocks * 512 for path in Path(folder).rglob("*") if path.is_file())
     return {"saved_bytes": saved, **({"disk_bytes": on_disk} if disk else {})}
-
-
-def address() -> dict[str, int]:
-    """This process's address space and page tables, in bytes."""
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmSize", "VmPTE"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
 
 
 def ask_cpu_ms(stream) -> float:
@@ -144,19 +134,30 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
             "bookkeeping (which steps were evicted, each step's length).")
 
 
+def sample_table(results: dict[str, list[dict]], field: str, cell) -> list[str]:
+    """A markdown table, a row per configuration and a column per sample holding ``field``: ``cell(sample, first)``
+    (``first``: the row's first such sample)."""
+    frames = sorted({s["frame"] for samples in results.values() for s in samples if field in s})
+    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |", "|---|" + "---:|" * len(frames)]
+    for name, samples in results.items():
+        measured = [s for s in samples if field in s]
+        if measured:
+            cells = {s["frame"]: cell(s, measured[0]) for s in measured}
+            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
+    return lines
+
+
+def before_note(results: dict[str, list[dict]], what: str) -> str:
+    """What rows marked before are (``what``: the code before), when there are any."""
+    return (f" Rows marked before: the same command on the code before {what} (`--before`)."
+            if any(name.endswith(", before") for name in results) else "")
+
+
 def files_table(results: dict[str, list[dict]]) -> str:
     """The saved file's size and the disk tier's bytes on disk at each sample (runs with ``--files``)."""
-    frames = sorted({s["frame"] for samples in results.values() for s in samples if "saved_bytes" in s})
-    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |",
-             "|---|" + "---:|" * len(frames)]
-    for name, samples in results.items():
-        cells = {s["frame"]: f"{s['saved_bytes'] / 1e6:.2f} MB" + (f" / {s['disk_bytes'] / 1e6:.2f} MB"
-                                                                   if "disk_bytes" in s else "")
-                 for s in samples if "saved_bytes" in s}
-        if cells:
-            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
-    before = (" Rows marked before: the same command on the code before a saved stream kept its per-step lists as"
-              " runs (stream format 2, `--before`)." if any(name.endswith(", before") for name in results) else "")
+    lines = sample_table(results, "saved_bytes", lambda s, _: f"{s['saved_bytes'] / 1e6:.2f} MB" + (
+        f" / {s['disk_bytes'] / 1e6:.2f} MB" if "disk_bytes" in s else ""))
+    before = before_note(results, "a saved stream kept its per-step lists as runs, in stream format 2")
     return ("\n".join(lines) + "\n\nEach cell: the saved file's size (`Stream.save`), and for the disk tier / the "
             f"bytes its folder's files take on disk (allocated blocks).{before} What grows until frame 10,000 to "
             "20,000 is each frame's timings, kept for the last 10,000 to 20,000 frames; a file's per-step lists are "
@@ -165,35 +166,19 @@ def files_table(results: dict[str, list[dict]]) -> str:
 
 def asks_table(results: dict[str, list[dict]]) -> str:
     """A question's CPU time at each sample (runs with ``--asks``), against its first sample's."""
-    frames = sorted({s["frame"] for samples in results.values() for s in samples if "ask_cpu_ms" in s})
-    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |", "|---|" + "---:|" * len(frames)]
-    for name, samples in results.items():
-        asked = [s for s in samples if "ask_cpu_ms" in s]
-        if asked:
-            first = asked[0]["ask_cpu_ms"]
-            cells = {s["frame"]: f"{s['ask_cpu_ms'] / first:.2f}x" for s in asked}
-            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
-    before = (" Rows marked before: the same command on the code before a stream kept its evicted steps as runs"
-              " (`--before`), when a question walked every step ever evicted." if any(
-                  name.endswith(", before") for name in results) else "")
+    lines = sample_table(results, "ask_cpu_ms", lambda s, first: f"{s['ask_cpu_ms'] / first['ask_cpu_ms']:.2f}x")
+    before = before_note(results, "a stream kept its evicted steps as runs, when a question walked every step ever "
+                                  "evicted")
     return "\n".join(lines) + ("\n\nEach cell: the median CPU time of one question of the whole cache, against the "
                                f"row's first sample (a ratio measured in one run).{before}")
 
 
 def address_table(results: dict[str, list[dict]]) -> str:
     """The address space and page tables at each sample (runs with ``--address``), against the first sample's."""
-    frames = sorted({s["frame"] for samples in results.values() for s in samples if "VmSize" in s})
-    lines = ["| configuration | " + " | ".join(f"frame {f:,}" for f in frames) + " |", "|---|" + "---:|" * len(frames)]
-    for name, samples in results.items():
-        measured = [s for s in samples if "VmSize" in s]
-        if measured:
-            size, tables = measured[0]["VmSize"], measured[0]["VmPTE"]
-            cells = {s["frame"]: f"{(s['VmSize'] - size) / 2**20:+,.0f} MB / {(s['VmPTE'] - tables) / 2**10:+,.0f} kB"
-                     for s in measured}
-            lines.append(f"| {name} | " + " | ".join(cells.get(f, "–") for f in frames) + " |")
-    before = (" Rows marked before: the same command on the code before an evicting stream kept its rows in blocks"
-              " (`--before`), one buffer a layer addressed by every token streamed." if any(
-                  name.endswith(", before") for name in results) else "")
+    lines = sample_table(results, "VmSize", lambda s, first: (
+        f"{(s['VmSize'] - first['VmSize']) / 2**20:+,.0f} MB / {(s['VmPTE'] - first['VmPTE']) / 2**10:+,.0f} kB"))
+    before = before_note(results, "an evicting stream kept its rows in blocks, one buffer a layer addressed by every "
+                                  "token streamed")
     return "\n".join(lines) + ("\n\nEach cell: the growth of the address space (VmSize) / of the page tables (VmPTE) "
                                f"since the row's first sample.{before}")
 

@@ -56,10 +56,15 @@ CONFIGS = {
 
 def resident() -> dict[str, int]:
     """This process's resident memory in bytes: total, anonymous, file-backed (mapped files)."""
+    return status_bytes("VmRSS", "RssAnon", "RssFile")
+
+
+def status_bytes(*names: str) -> dict[str, int]:
+    """Fields ``names`` of /proc/self/status (each in kB there), in bytes."""
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
+        if key in names:
             fields[key] = int(value.split()[0]) * 1024
     return fields
 

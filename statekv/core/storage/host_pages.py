@@ -95,23 +95,16 @@ def saved(names: Sequence[str], buffer, end: int) -> dict[str, torch.Tensor]:
 
 
 def saved_rows(buffer, end: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[int, int]]]:
-    """What a saved state holds of ``buffer``'s rows below ``end`` (any buffer with TokenBuffer's ``view``): its
-    parts ``[B, H_kv, kept, X]`` without the rows it released, and the released runs ``[start, end)`` left out
-    (none: the views of every row). Only kept rows are read, so a buffer that gave back most of its history saves
-    without reading it."""
+    """What a saved state holds of ``buffer``'s rows below ``end`` (any buffer with TokenBuffer's ``view`` and
+    ``gather``): its parts ``[B, H_kv, kept, X]`` without the rows it released, and the released runs ``[start,
+    end)`` left out (none: the views of every row). Only kept rows are read (`gather`), so a buffer that gave back
+    most of its history saves without reading it."""
     runs = getattr(buffer, "released", None)
     released = runs.within(end) if runs is not None else []
     if not released:
         return buffer.view(0, end), []
-    kept = [run for run, _ in kept_in(released, end)]
-    if getattr(buffer, "blocks", None) is not None:  # views of its kept runs: its rows are not one tensor
-        pieces = [buffer.view(start, stop) for start, stop in kept]
-    else:  # one view of every row, cut (each view of a file maps it)
-        whole = buffer.view(0, end)
-        pieces = [tuple(part[:, :, start:stop] for part in whole) for start, stop in kept]
-    if not pieces:
-        return tuple(part[:, :, :0].clone() for part in buffer.view(0, 0)), released
-    return tuple(torch.cat([piece[part] for piece in pieces], 2) for part in range(len(pieces[0]))), released
+    kept = [torch.arange(start, stop) for (start, stop), _ in kept_in(released, end)]
+    return buffer.gather(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)), released
 
 
 def with_released(parts: Sequence[torch.Tensor], released: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
