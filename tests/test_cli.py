@@ -286,6 +286,26 @@ def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(fil
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_question_the_stream_will_not_reach_or_has_passed_is_warned_of_in_one_line(files, capsys, tmp_path):
+    """Before: a question after where --max-frames stops the stream, or before where a resumed one goes on, was
+    answered from fewer frames than its time, or not asked, without a word."""
+    base = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1"]
+    saved = tmp_path / "first.safetensors"
+    assert main([*base, "--max-frames", "2", "--ask", "3:Why?", "--ask", "500:Why?"]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
+        "statekv stream: warning: --ask at 500 s is past the end of the video (5 s); asked after its last frame",
+        "statekv stream: warning: --ask at 3 s is past where --max-frames 2 stops the stream (its last frame at 1 s); "
+        "asked after it"]
+    assert main([*base, "--save", str(saved)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--resume", str(saved), "--ask", "0.5:Why?", "--ask", "4.5:Why?"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        "statekv stream: warning: --ask at 0.5 s is before where the resumed stream goes on (4 s): not asked (a run "
+        "asks what it streams)"]
+    assert captured.out.count("Q: Why?") == 1
+
+
 def test_stream_replays_a_video_into_simplestream_too(files, capsys):
     """Before: its summary read a horizon, positions and a folder that `RecentFrames` does not have."""
     assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--method", "simplestream",

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from statekv import Stream
+from statekv.api.step_lists import expanded
 from statekv.api.stream_file import write_verified
 from statekv.errors import InputError
 from statekv.models import load_adapter
@@ -182,7 +183,8 @@ HOSTILE = {
                                  "unexpected tensors"),
     "runs of a missing tensor": (_set("cache.layers.0.nothing.released", torch.tensor([[0, 1]])),
                                  "unexpected tensors"),
-    "a carried token released": (_carried_released, "gave back"),
+    # refused as a token its layer carries, or as one of a step the state did not evict, whichever is checked first
+    "a carried token released": (_carried_released, ("gave back", "did not evict")),
     "runs of the open segment": (_set("cache.layers.0.segment_partial.released", torch.tensor([[0, 1]])),
                                  "unexpected tensors"),
     "values given back unlike keys": (_values_unlike_keys, "must list the runs"),
@@ -197,4 +199,49 @@ def test_a_saved_state_with_bad_released_runs_is_refused_in_one_line(case, saved
     assert len(tensors["cache.layers.0.keys.released"]) > 1
     with pytest.raises(InputError) as error:
         Stream.load(_edited(path, tmp_path / "edited.safetensors", edit), qa)
+    needles = needle if isinstance(needle, tuple) else (needle,)
+    assert any(each in str(error.value) for each in needles) and "\n" not in str(error.value), str(error.value)
+
+
+def _with_metadata(path: Path, out: Path, edit) -> Path:
+    metadata, tensors = _contents(path)
+    metadata = expanded({key: value for key, value in metadata.items() if key != "checksums"}, "edit")
+    edit(metadata["cache"])
+    return write_verified(out, tensors, metadata)
+
+
+def _evicted(change):
+    def edit(cache):
+        cache["evicted_steps"] = change(sorted(cache["evicted_steps"]))
+    return edit
+
+
+def _placed(step: int, column: int, change):
+    def edit(cache):
+        cache["positions"]["steps"][step][column] = change(cache["positions"]["steps"][step][column])
+    return edit
+
+
+FORGED = {  # a careful forger's edits: checksums recomputed, every list well-formed
+    "no evicted step": (_evicted(lambda steps: []), "which the state did not evict"),
+    "its first evicted step kept": (_evicted(lambda steps: steps[1:]), "which the state did not evict"),
+    "its last evicted step kept": (_evicted(lambda steps: steps[:-1]), "which the state did not evict"),
+    "the prompt prefix evicted": (_evicted(lambda steps: [0, *steps]), "the prompt prefix (step 0)"),
+    "a step placed below position 0": (_placed(-1, 2, lambda base: -1000), "base -1000"),
+    "a step spanning more than its tokens": (_placed(-1, 1, lambda span: span + 5), "spans 1 to its tokens"),
+    "a step placed after a gap": (_placed(-2, 0, lambda first: first + 1), "follows the one before"),
+}
+
+
+@pytest.mark.parametrize("case", FORGED)
+def test_a_forged_list_of_evicted_steps_or_positions_is_refused_in_one_line(case, saved, tmp_path):
+    """Before: each loaded and answered otherwise, the rows a save left out read back as the stream's own keys and
+    values (zeros), or its steps placed where no stream puts them."""
+    path, qa = saved
+    metadata, _ = _contents(path)
+    assert metadata["cache"]["evicted_steps"] and metadata["cache"]["positions"]["mode"] == "bounded"
+    edit, needle = FORGED[case]
+    with pytest.raises(InputError) as error:
+        Stream.load(_with_metadata(path, tmp_path / "forged.safetensors", edit), qa)
     assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
+    Stream.load(_with_metadata(path, tmp_path / "as-saved.safetensors", lambda cache: None), qa).close()

@@ -136,6 +136,9 @@ BEFORE_LOADING = {
     "missing checkpoint": (["answer", "{video}", "Why?", "--model", "{root}/no-model"], "no such checkpoint folder"),
     "checkpoint is a file": (["answer", "{video}", "Why?", "--model", "{file}"], "must be a folder"),
     "checkpoint without config": (["answer", "{video}", "Why?", "--model", "{folder}"], "no config.json"),
+    # before: half a minute of the hub's retries and its error, no word of the built-in model
+    "builtin misspelt": (["answer", "{video}", "Why?", "--model", "buildin"], "did you mean builtin"),
+    "builtin capitalised": (["stream", "{video}", "--model", "Builtin"], "no model 'Builtin' here; did you mean"),
 }
 
 
@@ -532,7 +535,8 @@ METADATA_EDITS = {
     "pushed as text": (_set("pushed", "3"), "metadata.pushed must be a non-negative integer"),
     "negative pushed": (_set("pushed", -1), "metadata.pushed must be a non-negative integer"),
     "fewer pushed than kept": (_set("pushed", 1), "fewer than the 3 frames kept"),
-    "absurd horizon_frames": (_set("horizon_frames", 10**15), "plus its reserve"),
+    "absurd horizon_frames": (_set("horizon_frames", 10**14), "plus its reserve"),
+    "horizon_frames past any stream's": (_set("horizon_frames", 10**15), "metadata.horizon_frames must be at most"),
     "horizon_frames below the frames kept": (_set("horizon_frames", 2), "fewer than the 3 frames kept"),
     "a float horizon": (_set("horizon", 1e3), "metadata.horizon must be a positive integer"),
     "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),

@@ -33,6 +33,7 @@ import statekv  # noqa: E402
 from statekv import ModelOptions  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
 from statekv.serve.sse import TokenStreamer  # noqa: E402
+from statekv.synthetic.benchmark import make_benchmark  # noqa: E402
 
 KEY, OTHER_KEY = "hostile-key-one", "hostile-key-two"
 BUDGET = 64  # `statekv serve`'s default for the built-in model
@@ -1057,3 +1058,155 @@ def test_a_watch_being_opened_takes_one_of_max_asks(qa, tmp_path):
             give_back()
         opened = client.post(watches, json={"question": QUESTION, "every": 1, "max_new_tokens": 4})
         assert opened.status_code == 201 and server.service.ask_slots.held == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers past what a float or a stream holds, text for numbers, and two of one request at once
+# ---------------------------------------------------------------------------------------------------------------
+HUGE = b"1" + b"0" * 400  # valid JSON: an integer no float holds
+
+
+def test_numbers_past_a_floats_range_and_sizes_past_any_streams_are_one_line_400s(qa, tmp_path):
+    """Before: a stream made with sinks 2**63 or retrieve 10**400 was made (201) and every question to it, before
+    and after a restart, was a 500 (its streamed answers cut with no error event); max_fps, a feed's t, a watch's
+    every_seconds or a question's retrieve of 10**400 were 500s (OverflowError); a feed's t given as text was
+    taken."""
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4245, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    json_body = {"Content-Type": "application/json"}
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        for body, setting in ((b'{"method": "rekv", "sinks": 9223372036854775808}', "sinks"),
+                              (b'{"retrieve": ' + HUGE + b"}", "retrieve"),
+                              (b'{"budget": ' + HUGE[:31] + b"}", "budget"),
+                              (b'{"max_fps": ' + HUGE + b"}", "max_fps")):
+            message = _error(client.post("/v1/streams", content=body, headers=json_body), 400)
+            assert message.startswith(f"{setting} must be"), message
+        assert client.get("/v1/streams").json()["data"] == []  # none was made
+        stream_id = _stream(client)
+        made = client.post("/v1/streams", json={"retrieve": 2**48})  # the largest taken is asked as any other
+        assert made.status_code == 201
+        for index in range(2):
+            _push(client, made.json()["id"], index, float(index)).raise_for_status()
+        assert client.post(f"/v1/streams/{made.json()['id']}/ask", json={"question": QUESTION}).status_code == 200
+        frames = f"/v1/streams/{stream_id}/frames"
+        feed = b'{"source": "' + video.encode() + b'", "t": '
+        assert "t must be" in _error(client.post(frames, content=feed + HUGE + b"}", headers=json_body), 400)
+        assert "t must be a number" in _error(client.post(frames, json={"source": video, "t": "100"}), 400)
+        watch = b'{"question": "Colour?", "every_seconds": ' + HUGE + b"}"
+        assert "every_seconds must be" in _error(client.post(f"/v1/streams/{stream_id}/watches", content=watch,
+                                                             headers=json_body), 400)
+        ask = b'{"question": "Colour?", "retrieve": ' + HUGE + b"}"
+        assert "retrieve must be" in _error(client.post(f"/v1/streams/{stream_id}/ask", content=ask,
+                                                        headers=json_body), 400)
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 2  # nothing was fed
+
+
+@pytest.mark.parametrize("route", ["ask", "chat"])
+def test_an_unexpected_error_in_a_streamed_answer_is_an_error_event(qa, tmp_path, monkeypatch, route):
+    """Before: only a statekv error became an error event; any other escaped the events once they had begun, and
+    the connection was cut mid-answer with no word of why."""
+    import statekv.serve.registry as registry
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        monkeypatch.setattr(registry, "prompt_tokens", broken)
+        if route == "ask":
+            reply = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "stream": True})
+            assert reply.status_code == 200 and "event: error" in reply.text
+        else:
+            reply = client.post("/v1/chat/completions", json={
+                "stream": True, "statekv": {"stream_id": stream_id},
+                "messages": [{"role": "user", "content": QUESTION}]})
+            assert reply.status_code == 200
+        last = json.loads([line for line in reply.text.splitlines() if line.startswith("data:")][-1][5:])
+        assert last == {"error": {"message": "internal error (RuntimeError); the server log has the details",
+                                  "type": "server_error", "code": 500}}
+        assert client.get(f"/v1/streams/{stream_id}").status_code == 200  # served on as before
+
+
+def test_chat_stream_given_as_text_is_a_400(qa, tmp_path):
+    """Before: ``"stream": "false"`` was answered as events (any non-empty text counted as true)."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        reply = client.post("/v1/chat/completions", json={
+            "stream": "false", "statekv": {"stream_id": stream_id},
+            "messages": [{"role": "user", "content": QUESTION}]})
+        assert _error(reply, 400) == 'stream must be true or false, got "false"'
+
+
+def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkeypatch):
+    """Before: three feeds of one file posted at once all passed the check for a running feed while the file
+    opened, and all three were fed: the stream held the file three times."""
+    import statekv.video
+
+    opened = statekv.video.open_video
+
+    def slow_open(*args, **kwargs):  # the file opens slowly, so the feeds all arrive while it does
+        time.sleep(0.5)
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4246, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+
+        def feed(_):
+            with server.client() as client:
+                return client.post(f"/v1/streams/{stream_id}/frames", json={"source": video})
+
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(feed, range(3)))
+        assert sorted(reply.status_code for reply in replies) == [200, 409, 409], [r.text for r in replies]
+        fed = next(reply.json() for reply in replies if reply.status_code == 200)
+        with server.client() as client:
+            assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == fed["kept"] == fed["offered"] > 0
+
+
+def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):
+    """Before: four deletes of one watch at once were each answered 200 (each found it before any closed it)."""
+    with Running(tmp_path / "state", qa) as server:
+        with server.client() as client:
+            stream_id = _stream(client)
+            made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": QUESTION, "every": 1,
+                                                                        "max_new_tokens": 2})
+            watch = f"/v1/streams/{stream_id}/watches/{made.json()['id']}"
+
+        def delete(_):
+            with server.client() as client:
+                return client.delete(watch).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            statuses = sorted(pool.map(delete, range(4)))
+        assert statuses == [200, 404, 404, 404]
+
+
+def test_a_simplestream_stream_goes_on_from_its_counts_after_a_restart(qa, tmp_path):
+    """A simplestream stream's frames are not kept, its counts are. Before: after a restart it counted from 0 again
+    (frames pushed without a time were placed before its watch's events) and its watch stayed silent until the
+    stream passed the frame of its last evaluation."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"method": "simplestream"}).json()["id"]
+        watch = client.post(f"/v1/streams/{stream_id}/watches", json={"question": QUESTION, "every": 2,
+                                                                      "max_new_tokens": 2}).json()["id"]
+        for index in range(6):
+            client.post(f"/v1/streams/{stream_id}/frames", content=_png(index),
+                        headers={"Content-Type": "image/png"}).raise_for_status()
+        before = client.get(f"/v1/streams/{stream_id}/watches/{watch}").json()
+    with Running(state, qa) as server, server.client() as client:
+        described = client.get(f"/v1/streams/{stream_id}").json()
+        assert (described["frames"], described["pushed"], described["seconds"]) == (6, 6, 5.0)
+        for index in range(6, 10):
+            client.post(f"/v1/streams/{stream_id}/frames", content=_png(index),
+                        headers={"Content-Type": "image/png"}).raise_for_status()
+        described = client.get(f"/v1/streams/{stream_id}").json()
+        after = client.get(f"/v1/streams/{stream_id}/watches/{watch}").json()
+    assert (described["frames"], described["seconds"]) == (10, 9.0)
+    assert after["evaluations"] == before["evaluations"] + 2  # at frames 8 and 10

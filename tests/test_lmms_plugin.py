@@ -263,7 +263,9 @@ def test_errors_while_answering_end_the_process(qa, capsys, monkeypatch):
     ({"max_new_tokens": 0}, "max_new_tokens must be a whole number of tokens, 1 or more; got 0"),
     ({"max_new_tokens": "abc"}, "max_new_tokens must be a whole number"),
     ({"max_new_tokens": 2.9}, "max_new_tokens must be a whole number"),
+    ({"max_new_tokens": 10**400}, "max_new_tokens must be at most 281,474,976,710,656; got 1000"),  # no float holds it
     ({"temperature": "abc"}, "temperature must be a number, 0 or more"),
+    ({"temperature": 10**400}, "temperature must be a number, 0 or more; got 1000"),
     ({"temperature": 0.5, "top_p": 0}, "top_p must be a number in (0, 1]"),
     ({"until": [1, 2]}, "until must be a string or a list of strings"),
 ])

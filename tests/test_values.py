@@ -7,7 +7,8 @@ import math
 import pytest
 
 from statekv.errors import ConfigurationError
-from statekv.settings.values import (Option, boolean, choice, integer, optional_text, parse_options, positive_float,
+from statekv.settings.values import (LARGEST_INT, Option, boolean, byte_size, check_int, check_number, choice, integer,
+                                     is_finite_number, optional_text, parse_options, positive_float,
                                      positive_int, required_text)
 
 
@@ -72,3 +73,26 @@ def test_parse_options_fills_defaults_and_refuses_unknown_names():
     assert str(error.value) == "unknown model args bugdet, ofload; known: budget, offload, layout"
     with pytest.raises(ConfigurationError, match="^budget must be at least 1"):
         parse_options({"budget": "0"}, spec)
+
+
+def test_numbers_no_float_holds_and_integers_past_any_size_are_one_line_refusals():
+    """Before: a Python or JSON int past a float's range raised OverflowError out of every finite-number check
+    (``math.isfinite``), and integers had no upper bound (a stream made with sinks 2**63 failed at every question)."""
+    huge = 10**400
+    for check in (lambda value: check_number(value, "fps"), lambda value: positive_float(value, "fps")):
+        with pytest.raises(ConfigurationError, match=r"^fps must be .*, got 1000000000.*\.\.\.$"):
+            check(huge)
+    assert not is_finite_number(huge) and not is_finite_number(-huge) and is_finite_number(2**1000)
+    assert [is_finite_number(value) for value in (True, "1", None, math.nan, 1.5, -3)] == [False] * 4 + [True] * 2
+    assert check_int(LARGEST_INT, "budget") == LARGEST_INT == 2**48
+    for value in (LARGEST_INT + 1, 2**63, huge):
+        with pytest.raises(ConfigurationError, match=r"^budget must be at most 281,474,976,710,656, got \d"):
+            check_int(value, "budget")
+        with pytest.raises(ConfigurationError, match="^budget must be at most"):
+            positive_int(str(value), "budget")
+    with pytest.raises(ConfigurationError, match="^budget must be at most"):
+        positive_int(1e300, "budget")
+    with pytest.raises(ConfigurationError, match="^max_cache_bytes must be at most 256 TiB, got '1e9T'$"):
+        byte_size("1e9T", "max_cache_bytes")
+    with pytest.raises(ConfigurationError, match=r"^budget must be a positive integer, got an integer of 16,610 bits$"):
+        check_int(-(10**5000), "budget")  # too long for Python to write out

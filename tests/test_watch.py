@@ -293,11 +293,19 @@ def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
     watch = stream.watch(COLOUR, every=2)
     push(stream, frames, 2, 8)
     assert watch.evaluations == 4 and watch.answer == stream.ask(COLOUR, max_new_tokens=16)
-    again = qa.with_options(method="simplestream").stream(max_fps=1)  # as a server reopens a record's watches
+    again = qa.with_options(method="simplestream").stream(max_fps=1)  # as a server reopens a record's watches:
+    again.continue_from(stream.pushed, stream.frames, stream.last_timestamp)  # its counts kept, its frames not
     reopened = watch_module.restore(again, watch_module.records(stream))
     assert [w.to_dict() for w in reopened] == [watch.to_dict()]
-    stream.close()
-    again.close()
+    push(again, frames, 8, 10)
+    assert (reopened[0].evaluations, reopened[0].last_frames) == (5, 10)
+    empty = qa.with_options(method="simplestream").stream(max_fps=1)  # nothing kept: it starts again at frame 0
+    rewound = watch_module.restore(empty, watch_module.records(stream))[0]
+    assert rewound.events == [] and rewound.last_frames == 0
+    push(empty, frames, 0, 2)
+    assert (rewound.evaluations, rewound.last_frames) == (1, 2) and rewound.events  # on its period again
+    for each in (stream, again, empty):
+        each.close()
 
 
 def test_a_watch_that_cannot_be_evaluated_fails_alone_and_never_its_push(qa, frames, monkeypatch):

@@ -89,6 +89,23 @@ class RecentFrames:
                 run_on_cadence([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
         return True
 
+    def continue_from(self, pushed: int, frames: int, seconds: float | None) -> None:
+        """Go on from a stream of which only the counts were kept (a service's record of it: its frames are not
+        saved): ``pushed`` frames offered, ``frames`` kept, the last offered at ``seconds``. Its window starts
+        empty; the next frame is numbered and timed after those, as if the stream had never stopped."""
+        with self.lock:
+            if self.pushed:
+                raise StateKVError(f"{self.name}: only a stream nothing was pushed to can go on from another's counts")
+            check_int(pushed, "pushed", minimum=0, error=InputError)
+            check_int(frames, "frames", minimum=0, maximum=pushed, error=InputError)
+            if seconds is not None:
+                check_number(seconds, "seconds", minimum=-math.inf, error=InputError)
+            if (seconds is None) != (pushed == 0) or seconds is not None and seconds < 0:
+                raise InputError(f"{self.name}: {pushed} frames pushed, the last at {seconds} s, is not a stream")
+            self.pushed, self.stats.frames, self._last_timestamp = pushed, frames, seconds
+            if self.max_fps is not None and seconds is not None:
+                self._next_tick = math.floor(seconds * self.max_fps + 1e-9) + 1
+
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
         return sum(self.push(item) if isinstance(item, Frame) else self.push(*item) for item in frames)

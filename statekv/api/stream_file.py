@@ -61,7 +61,7 @@ from ..errors import InputError, OutputError
 from ..flushing import flush_file
 from ..locks import FileLock
 from ..models import LayoutState
-from ..settings.values import check_int, check_output_file
+from ..settings.values import check_int, check_output_file, is_finite_number
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 3  # 2: the per-step lists listed whole (still read)
@@ -317,6 +317,9 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
             raise InputError(f"{path}: malformed stream metadata: the first step must be the {expected_prefix}-token "
                              f"prompt prefix, got {lengths[:1]}")
         lengths = lengths[1:]
+        if 0 in metadata["cache"].get("evicted_steps", ()):
+            raise InputError(f"{path}: malformed stream metadata: the cache's evicted_steps list the prompt prefix "
+                             "(step 0), which a cache limit never evicts")
     longest = adapter.max_video_tokens(frames_per_step if horizon_frames is not None else max(frames, frames_per_step))
     for number, length in enumerate(lengths):
         if not 1 <= length <= longest:
@@ -358,8 +361,7 @@ def integer_check(minimum: int = 0) -> Check:
 
 def number_check(*, positive: bool = False) -> Check:
     def check(value: Any, name: str) -> float:
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                or value < 0 or (positive and value == 0)):
+        if not is_finite_number(value) or value < 0 or (positive and value == 0):
             raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
         return value
     return check

@@ -442,9 +442,9 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
     watch.last_frames, watch.last_seconds = record["last_frames"], record["last_seconds"]
     watch.events = [WatchEvent(frame, seconds, answer) for frame, seconds, answer in record["events"]]
-    if layers and watch.last_frames > stream.frames:  # a record newer than the stream's save: its frames come again
-        _rewound(watch, stream.frames, stream.last_timestamp)  # (a stream keeping no cache comes back empty)
-        watch.since = _tokens_at(stream, watch.last_frames)
+    if watch.last_frames > stream.frames:  # a record newer than the stream's save: its frames come again
+        _rewound(watch, stream.frames, stream.last_timestamp)
+        watch.since = _tokens_at(stream, watch.last_frames) if layers else 0
     if watch.standing is not None and record["start"] is not None and queries \
             and all(query is not None for query in queries):
         _check_queries(queries, watch.standing.length, stream, name)

@@ -56,6 +56,7 @@ from torch.nn import functional as F
 
 from ..errors import ConfigurationError, DataError
 from ..models import InternVLAdapter
+from ..settings.values import is_finite_number
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
@@ -353,8 +354,7 @@ def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
     step, seconds = state["step"], state["seconds"]
     if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= recipe.steps:
         raise DataError(f"{path}: damaged training checkpoint (field 'step' is {step!r}, not 1 to {recipe.steps})")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-            or seconds < 0:
+    if not is_finite_number(seconds) or seconds < 0:
         raise DataError(f"{path}: damaged training checkpoint (field 'seconds' is {seconds!r})")
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     try:

@@ -227,6 +227,11 @@ class _Replay:
         self.closed = False
         self.questions = sorted(args.ask, key=lambda item: item[0])
         if stream.last_timestamp is not None:  # resumed: what was streamed before was asked then
+            before = [time for time, _ in self.questions if time < stream.last_timestamp]
+            if before:
+                print(f"statekv stream: warning: --ask at {', '.join(f'{time:g} s' for time in before)} is before "
+                      f"where the resumed stream goes on ({stream.last_timestamp:g} s): not asked (a run asks what it "
+                      "streams)", file=sys.stderr, flush=True)
             self.questions = [item for item in self.questions if item[0] >= stream.last_timestamp]
         self.answers: list[dict] = []
         self.events: list[dict] = []  # the watches' events, as they were printed
@@ -275,6 +280,7 @@ class _Replay:
                 if stream.frames:  # a question before the first frame waits for it
                     self.ask_due(frame.timestamp - 1e-9)
                 if horizon is not None and stream.frames + len(stream.pending) >= horizon:
+                    self.warn_stopped(horizon, stream.last_timestamp, getattr(video, "duration", None))
                     break
                 stream.push(frame)
                 report(stream.frames, planned)
@@ -291,6 +297,15 @@ class _Replay:
                 + (f"the {held} frames before it" if held > 1 else "the frame before it"))
             print(f"statekv stream: warning: {self.cache_full}", file=sys.stderr, flush=True)
         self.ask_due(math.inf)  # questions at or after the end see the whole video (or what the cap let in)
+
+    def warn_stopped(self, horizon: int, seconds: float, duration: float | None) -> None:
+        """One line on stderr for the questions timed after the frame the horizon stopped the stream at (those past
+        the video's end were warned of before it began)."""
+        late = [time for time, _ in self.questions if not duration or time <= duration]
+        if late:
+            print(f"statekv stream: warning: --ask at {', '.join(f'{time:g} s' for time in late)} is past where "
+                  f"--max-frames {horizon} stops the stream (its last frame at {seconds:g} s); asked after it",
+                  file=sys.stderr, flush=True)
 
     def ask_due(self, now: float) -> None:
         while self.questions and self.questions[0][0] <= now:

@@ -64,8 +64,8 @@ from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
-from statekv.settings.values import (Option, integer, optional_text, parse_options, positive_float, positive_int,
-                                     required_text)
+from statekv.settings.values import (LARGEST_INT, Option, integer, is_finite_number, optional_text, parse_options,
+                                     positive_float, positive_int, required_text, shown)
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
@@ -436,7 +436,7 @@ def query_time(doc: Any, *, where: str = "document") -> float | None:
         questions = ovobench.row_questions(doc, Path(), where)
         return questions[0].realtime if len(questions) == 1 and not questions[0].item else None
     seconds = doc.get("realtime")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+    if not is_finite_number(seconds) or seconds < 0:
         return None
     return float(seconds)
 
@@ -497,14 +497,21 @@ def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:
     return doc_to_messages, dict(gen_kwargs or {}), doc_id, task, split
 
 
+def _finite(value: Any) -> bool:
+    """A real number (not a bool; numpy's scalars too) that a float holds finite."""
+    return isinstance(value, numbers.Real) and is_finite_number(value if isinstance(value, int) else float(value))
+
+
 def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
     """The request's ``max_new_tokens`` (a whole number, 1 or more; absent or None: `DEFAULT_MAX_NEW_TOKENS`)."""
     value = gen_kwargs.get("max_new_tokens")
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or value != int(value) or value < 1:
-        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got {value!r}")
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool) or _finite(value) and value == int(value)
+    if not whole or value < 1:
+        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got {shown(value)}")
+    if value > LARGEST_INT:
+        raise InputError(f"the request's max_new_tokens must be at most {LARGEST_INT:,}; got {shown(value)}")
     return int(value)
 
 
@@ -514,8 +521,8 @@ def _sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
     temperature = gen_kwargs.get("temperature")
     if temperature is None:
         temperature = 0
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
-        raise InputError(f"the request's temperature must be a number, 0 or more; got {temperature!r}")
+    if not _finite(temperature) or temperature < 0:
+        raise InputError(f"the request's temperature must be a number, 0 or more; got {shown(temperature)}")
     if temperature == 0:
         return {}
     options = {"do_sample": True, "temperature": float(temperature)}

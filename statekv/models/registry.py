@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from safetensors import SafetensorError
 from transformers import PretrainedConfig
 
 from ..errors import InputError, StateKVError, UnsupportedModelError
+from ..settings.options import BUILTIN_NAME
 from .base import VideoAdapter
 
 _ADAPTERS: dict[str, type[VideoAdapter]] = {}
@@ -47,6 +49,8 @@ def checkpoint_model_type(path: str | Path) -> str:
             raise InputError(f"{path}: a checkpoint must be a folder (or a hub id), not a file")
         if not (Path(path) / "config.json").exists():
             raise InputError(f"{path}: no config.json; not a transformers checkpoint folder")
+    elif _close_to_builtin(str(path)):  # before the hub is asked (and retried) for a name meant as builtin
+        raise InputError(f"no model {path!r} here; did you mean {BUILTIN_NAME} (the built-in model)?")
     try:
         config, _ = PretrainedConfig.get_config_dict(str(path))
     except (OSError, ValueError) as error:
@@ -75,3 +79,8 @@ def load_adapter(path: str | Path, **kwargs) -> VideoAdapter:
 def _looks_like_a_path(name: str) -> bool:
     """Hub ids are ``name`` or ``owner/name``; anything else is meant as a local path."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def _close_to_builtin(name: str) -> bool:
+    """Whether ``name`` (no local folder) reads as a misspelt ``builtin``: no hub id is that close to it."""
+    return "/" not in name and difflib.SequenceMatcher(None, name.lower(), BUILTIN_NAME).ratio() >= 0.75

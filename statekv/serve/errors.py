@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import logging
+from collections.abc import Callable
 
 from ..errors import HorizonError, OutputError, StateKVError
 
@@ -49,6 +51,18 @@ def error_body(message: str, kind: str, status: int) -> dict:
     """The JSON body of every error (OpenAI's shape, so its clients read it): one line of message."""
     line = (message.strip().splitlines() or [kind])[0]
     return {"error": {"message": line, "type": kind, "code": status}}
+
+
+def failure_body(error: Exception, public: Callable[[str], str], where: str) -> dict:
+    """The error body of ``error``, met once an event stream at ``where`` has begun (its status can no longer be
+    the response's): what a route would answer, a statekv error's own, a store's 503, else a 500 whose details go
+    to the server log."""
+    if isinstance(error, StateKVError):
+        return error_body(public(str(error)), kind_of(error), status_of(error))
+    if isinstance(error, StorageError):
+        return error_body(f"{error.strerror}; retry shortly", "server_error", 503)
+    logging.getLogger("statekv.serve").error("internal error on %s", where, exc_info=error)
+    return error_body(f"internal error ({type(error).__name__}); the server log has the details", "server_error", 500)
 
 
 def public_message(message: str, replacements: dict[str, str]) -> str:

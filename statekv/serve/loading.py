@@ -1,5 +1,6 @@
 """Bringing a recorded stream back (`StreamLoader`): from its disk-tier file set when its record names one, else
-from its last save, else empty; a file that cannot be loaded, or names another stream or owner, raises, so the
+from its last save, else empty (a simplestream stream, whose frames are never saved, going on from its record's
+counts); a file that cannot be loaded, or names another stream or owner, raises, so the
 stream is quarantined (`DamagedStream`) with a one-line reason that names no server path and no other stream."""
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class StreamLoader:
         else:
             qa = self.settings.qa_for(data["settings"])  # never saved: made anew, as the server makes streams now
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
+            if not getattr(stream, "keeps_cache", True):  # its counts alone were kept: it goes on from them
+                saved = counted(stream, data, saved)
         answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
@@ -151,3 +154,16 @@ def reason_of(error: BaseException) -> str:
     """A one-line reason for a stream that could not be loaded."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def counted(stream: Any, data: dict[str, Any], empty: dict[str, Any]) -> dict[str, Any]:
+    """What the record ``data`` of a stream whose frames are never saved (simplestream) says was pushed, with
+    ``stream`` (new) going on from it; ``empty`` when the record's counts are not a stream's."""
+    recorded = data.get("saved") or {}
+    try:
+        stream.continue_from(recorded.get("pushed", 0), recorded.get("frames", 0), recorded.get("seconds"))
+    except StateKVError as error:
+        log.error("stream %s starts from its first frame again: its record's counts are malformed (%s)", data["id"],
+                  error)
+        return empty
+    return {"pushed": stream.pushed, "frames": stream.frames, "seconds": stream.last_timestamp}

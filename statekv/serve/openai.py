@@ -22,8 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
-from ..errors import StateKVError
-from .errors import ServiceError, error_body, kind_of, status_of
+from .errors import ServiceError, failure_body
 from .healing import check_can_ask
 from .limits import read_json
 from .media import resolve_file_url
@@ -97,6 +96,9 @@ async def chat(request: Request, service: Served):
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {_shown(max_new)}")
+    streamed = body.get("stream", False)
+    if streamed is not None and not isinstance(streamed, bool):  # null: not streamed, as OpenAI takes it
+        raise ServiceError(400, f"stream must be true or false, got {_shown(streamed)}")
     extension = body.get("statekv") or {}
     if not isinstance(extension, dict):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
@@ -107,7 +109,7 @@ async def chat(request: Request, service: Served):
         if videos:
             raise ServiceError(400, "give either a video_url part or statekv.stream_id, not both")
         entry = await registry.find(owner, stream_id)
-        if body.get("stream"):
+        if streamed:
             check_can_ask(entry)  # refused with its status, before the events start
         work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
     else:
@@ -118,7 +120,7 @@ async def chat(request: Request, service: Served):
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"
     model = body.get("model") or service.model_id
-    if body.get("stream"):
+    if streamed:
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
@@ -188,8 +190,8 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
             yield chunk({"content": piece})
         try:
             result = await task
-        except StateKVError as error:
-            yield event(error_body(service.public(str(error)), kind_of(error), status_of(error)))
+        except Exception as error:  # noqa: BLE001 -- the chunks have begun: every failure is an error chunk
+            yield event(failure_body(error, service.public, f"the streamed completion {completion}"))
             return
         service.answered("chat", time.perf_counter() - started)
         yield chunk({}, _finish(result, max_new), statekv=reading)

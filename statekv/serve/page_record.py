@@ -6,10 +6,11 @@ from __future__ import annotations
 import base64
 import io
 import logging
-import math
 from typing import Any
 
 import numpy as np
+
+from ..settings.values import is_finite_number
 
 log = logging.getLogger("statekv.serve")
 
@@ -41,7 +42,7 @@ def recall_page(entry: Any, record: dict[str, Any]) -> None:
 def _point(point: Any) -> bool:
     return isinstance(point, dict) and all(
         (value := point.get(name)) is None and name == "seconds"
-        or isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        or is_finite_number(value)
         for name in HISTORY_FIELDS)
 
 

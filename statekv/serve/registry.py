@@ -332,10 +332,10 @@ class StreamRegistry:
         self.placement.admit_push(entry)
         await self.heal(entry)  # the page feeds a stream it holds, not found again
         shown = shown or path.name
-        if entry.feeding:
-            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
         if video is None:
             video = await self.open_source(path, shown)
+        if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
+            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
         entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip))
         try:

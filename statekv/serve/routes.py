@@ -5,7 +5,6 @@ check, and answers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from typing import Annotated, Any
 
@@ -13,12 +12,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
-from ..errors import StateKVError
-from .errors import ServiceError, error_body, kind_of, status_of
+from ..settings.values import LARGEST_INT
+from .errors import ServiceError, failure_body
 from .healing import check_can_ask
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
 from .media import resolve_source
 from .sse import EventStream, TokenStreamer, event
+from .stream_settings import shown
 
 DEFAULT_NEW_TOKENS = 64
 MAX_NEW_TOKENS = 1024
@@ -34,11 +34,12 @@ def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
         raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
     max_new = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
-        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {max_new!r}")
+        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
     retrieve = body.get("retrieve", METHOD_DEFAULT)
     if retrieve is not METHOD_DEFAULT and retrieve is not None and (
-            isinstance(retrieve, bool) or not isinstance(retrieve, int) or retrieve < 1):
-        raise ServiceError(400, f"retrieve must be a positive integer (frames per layer) or null, got {retrieve!r}")
+            isinstance(retrieve, bool) or not isinstance(retrieve, int) or not 1 <= retrieve <= LARGEST_INT):
+        raise ServiceError(400, f"retrieve must be a positive integer (frames per layer, at most {LARGEST_INT:,}) "
+                           f"or null, got {shown(retrieve)}")
     return question.strip(), max_new, retrieve
 
 
@@ -104,8 +105,10 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
                                "stream time of its first frame, and \"skip\": how many of its first frames to "
                                "leave out)")
         skip = body.get("skip", 0)
-        if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
-            raise ServiceError(400, f"skip must be a whole number of frames, 0 or more; got {json.dumps(skip)[:40]}")
+        if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= LARGEST_INT:
+            raise ServiceError(400, f"skip must be a whole number of frames, 0 or more; got {shown(skip)}")
+        if isinstance(body.get("t"), str):
+            raise ServiceError(400, f"t must be a number of seconds in a JSON body, got {shown(body['t'])}")
         start = _seconds(body.get("t"))
         path = resolve_source(config.media_root, body["source"])
         fed = await registry.feed(entry, path, start, shown=body["source"], skip=skip)
@@ -150,8 +153,8 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
             yield event({"token": piece})
         try:
             answer = await task
-        except StateKVError as error:
-            yield event(error_body(service.public(str(error)), kind_of(error), status_of(error)), "error")
+        except Exception as error:  # noqa: BLE001 -- the events have begun: every failure is an error event
+            yield event(failure_body(error, service.public, f"the streamed answer of stream {entry.id}"), "error")
             return
         service.answered("ask", answer["latency"])
         yield event(answer, "answer")
@@ -191,8 +194,8 @@ def _seconds(value: Any) -> float | None:
         return None
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
-        raise ServiceError(400, f"t must be seconds since the stream began, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ServiceError(400, f"t must be seconds since the stream began, got {shown(value)}") from None
     if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
-        raise ServiceError(400, f"t must be a finite number of seconds >= 0, got {value!r}")
+        raise ServiceError(400, f"t must be a finite number of seconds >= 0, got {shown(value)}")
     return seconds

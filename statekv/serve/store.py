@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import math
 import os
 import re
 import secrets
@@ -38,6 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..flushing import write_flushed
 from ..locks import FileLock
+from ..settings.values import is_finite_number
 
 log = logging.getLogger("statekv.serve")
 
@@ -65,10 +65,9 @@ def check_record(record: object, stream_id: str) -> dict[str, Any]:
         "owner": lambda v: isinstance(v, str) and 0 < len(v) <= 128,
         "settings": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
         "horizon_frames": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= 10**7),
-        "max_fps": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float))
-                                           and math.isfinite(v) and v > 0),
+        "max_fps": lambda v: v is None or (is_finite_number(v) and v > 0),
         "name": lambda v: isinstance(v, str) and len(v) <= 200,
-        "created": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
+        "created": is_finite_number,
         "saved": lambda v: isinstance(v, dict),
         "answers": lambda v: isinstance(v, list),
         "tier": lambda v: v is None or isinstance(v, str) and TIER_NAME.fullmatch(v) is not None,

@@ -4,10 +4,10 @@ distinct choice), its horizon and frame rate, each checked against the server's 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from ..settings.methods import refuse_unread
+from ..settings.values import is_finite_number
 from .config import ServeConfig
 from .errors import ServiceError
 
@@ -53,8 +53,7 @@ class StreamSettings:
                                f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
                                "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
-        if max_fps is not None and (isinstance(max_fps, bool) or not isinstance(max_fps, (int, float))
-                                    or not math.isfinite(max_fps) or max_fps <= 0):
+        if max_fps is not None and (not is_finite_number(max_fps) or max_fps <= 0):
             raise ServiceError(400, f"max_fps must be a positive number or null, got {shown(max_fps)}")
         name = body.get("name", "stream")
         if not isinstance(name, str) or len(name) > 200:

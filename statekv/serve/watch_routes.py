@@ -71,9 +71,10 @@ async def get_watch(stream_id: str, watch_id: str, request: Request, service: Se
 @router.delete("/v1/streams/{stream_id}/watches/{watch_id}")
 async def delete_watch(stream_id: str, watch_id: str, request: Request, service: Served) -> dict:
     entry = await service.registry.find(service.keys.require(request), stream_id)
-    watch = find_watch(entry, watch_id)
+    find_watch(entry, watch_id)  # a 404 before waiting for the stream
     async with entry.lock:
         check_here(entry)
+        watch = find_watch(entry, watch_id)  # again: a delete that waited for the lock may have closed it
         await service.worker.run(watch.close)
     await entry.keep_record(service.registry.files, "the watches")
     return {"id": watch_id, "object": "watch", "deleted": True}

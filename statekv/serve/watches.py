@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from typing import Any
 
@@ -23,7 +22,9 @@ from prometheus_client import CollectorRegistry, Counter
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
 from ..api.watch import Watch, open_watch, records, restore, run_evaluations
 from ..errors import StateKVError
+from ..settings.values import is_finite_number
 from .errors import ServiceError
+from .stream_settings import shown
 
 log = logging.getLogger("statekv.serve")
 
@@ -52,13 +53,12 @@ def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
     if every is not None and seconds is not None:
         raise ServiceError(400, "give every or every_seconds, not both")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_EVERY):
-        raise ServiceError(400, f"every must be a whole number of frames from 1 to {MAX_EVERY}, got {every!r}"[:200])
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                or not math.isfinite(seconds) or seconds <= 0):
-        raise ServiceError(400, f"every_seconds must be a positive number, got {seconds!r}"[:200])
+        raise ServiceError(400, f"every must be a whole number of frames from 1 to {MAX_EVERY}, got {shown(every)}")
+    if seconds is not None and (not is_finite_number(seconds) or seconds <= 0):
+        raise ServiceError(400, f"every_seconds must be a positive number, got {shown(seconds)}")
     tokens = body.get("max_new_tokens", DEFAULT_WATCH_TOKENS)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_WATCH_TOKENS:
-        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_WATCH_TOKENS}, got {tokens!r}"[:200])
+        raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_WATCH_TOKENS}, got {shown(tokens)}")
     return {"question": question.strip(), "every": every,
             "every_seconds": None if seconds is None else float(seconds), "max_new_tokens": tokens}
 

@@ -160,7 +160,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
             "cache_bytes, what was allocated ahead), e.g. 512M, 20G (default: none)", "SIZE"),
     Setting("cache_limit", DEFAULT_CACHE_LIMIT, one_of(lambda: CACHE_LIMITS),
             "at --max-cache-bytes: refuse further frames (default: what fit is kept and still answers), or evict "
-            "the oldest or the least attended frames"),
+            "the oldest or the least attended frames (evicting needs --offload or --offload disk)"),
     Setting("kv_cache_dtype", None, one_of(lambda: ("auto", *KV_CACHE_BITS),
                                            lambda value, name: check_kv_cache_dtype(value, name)).optional,
             "store the detailed cache quantized: int8 or int4 (keys per channel, values per token; the carried "

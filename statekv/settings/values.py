@@ -39,23 +39,49 @@ Parser = Callable[[Any, str], Any]
 
 
 # values given in Python -------------------------------------------------------------------------------------
-def check_int(value: object, name: str, *, minimum: int = 1,
+# The largest integer any setting takes: a count times a frame's tokens, or times a row's bytes, still fits int64.
+LARGEST_INT = 2**48
+
+
+def check_int(value: object, name: str, *, minimum: int = 1, maximum: int = LARGEST_INT,
               error: type[StateKVError] = ConfigurationError) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum`` (1: "a positive integer", 0: "a
-    non-negative integer"); else ``error`` naming ``name``."""
+    """``value`` if it is an int (not a bool) from ``minimum`` (1: "a positive integer", 0: "a non-negative
+    integer") to ``maximum``; else ``error`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
-        raise error(f"{name} must be {kind}, got {value!r}")
+        raise error(f"{name} must be {kind}, got {shown(value)}")
+    if value > maximum:
+        raise error(f"{name} must be at most {maximum:,}, got {shown(value)}")
     return value
 
 
 def check_number(value: object, name: str, *, minimum: float = 0.0,
                  error: type[StateKVError] = ConfigurationError) -> float:
     """``value`` if it is a finite number (not a bool) greater than ``minimum`` (0: "> 0")."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value <= minimum):
-        raise error(f"{name} must be a finite number > {minimum:g}, got {value!r}")
+    if not is_finite_number(value) or value <= minimum:
+        raise error(f"{name} must be a finite number > {minimum:g}, got {shown(value)}")
     return value
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float (not a bool) that a float holds finite: JSON's and Python's ints have
+    no bound, and ``math.isfinite`` of one past a float's range raises instead of answering."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value``'s repr for a one-line message, cut to ``limit`` characters (an int of thousands of digits has
+    no repr: Python refuses to write it)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length():,} bits"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def check_bool(value: object, name: str) -> bool:
@@ -258,9 +284,11 @@ def integer(value: Any, name: str, *, minimum: int | None = None) -> int:
     elif isinstance(value, str):
         number = _from_text(value, int)
     if number is None:
-        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
+        raise ConfigurationError(f"{name} must be an integer, got {shown(value)}")
     if minimum is not None and number < minimum:
-        raise ConfigurationError(f"{name} must be at least {minimum}, got {value!r}")
+        raise ConfigurationError(f"{name} must be at least {minimum}, got {shown(value)}")
+    if number > LARGEST_INT:
+        raise ConfigurationError(f"{name} must be at most {LARGEST_INT:,}, got {shown(value)}")
     return number
 
 
@@ -280,14 +308,14 @@ def optional_positive_int(value: Any, name: str) -> int | None:
 def positive_float(value: Any, name: str) -> float:
     """A finite number greater than zero (int, float or a string of one)."""
     number: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_finite_number(value):
         number = float(value)
     elif isinstance(value, str):
         number = _from_text(value, float)
     if number is None or not math.isfinite(number):
-        raise ConfigurationError(f"{name} must be a number, got {value!r}")
+        raise ConfigurationError(f"{name} must be a number, got {shown(value)}")
     if number <= 0:
-        raise ConfigurationError(f"{name} must be greater than 0, got {value!r}")
+        raise ConfigurationError(f"{name} must be greater than 0, got {shown(value)}")
     return number
 
 
@@ -348,9 +376,11 @@ def byte_size(value: Any, name: str) -> int:
     else:
         number = None
     if number is None:
-        raise ConfigurationError(f"{name} must be a size in bytes such as 512M or 20G, got {value!r}")
+        raise ConfigurationError(f"{name} must be a size in bytes such as 512M or 20G, got {shown(value)}")
     if number < 1:
-        raise ConfigurationError(f"{name} must be at least 1 byte, got {value!r}")
+        raise ConfigurationError(f"{name} must be at least 1 byte, got {shown(value)}")
+    if number > LARGEST_INT:
+        raise ConfigurationError(f"{name} must be at most {format_bytes(LARGEST_INT)}, got {shown(value)}")
     return number
 
 

@@ -7,11 +7,11 @@ silently ignored); here each is refused with one line naming it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import InputError
+from ...settings.values import is_finite_number
 
 ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
@@ -25,7 +25,7 @@ GENERATE_ARGUMENTS = frozenset({"generation_config", "logits_processor", "stoppi
 
 
 def _positive_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return is_finite_number(value) and value > 0
 
 
 def _integer(least: int):
@@ -43,8 +43,7 @@ RULES = {  # name: (test, what it must be)
     "num_beam_groups": (lambda v: v == 1 and not isinstance(v, bool), "1 (no beam search over a stream's cache)"),
     "num_return_sequences": (lambda v: v == 1 and not isinstance(v, bool), "1 (ask returns one answer)"),
     "repetition_penalty": (_positive_number, "a finite number > 0"),
-    "length_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
-                       "a finite number"),
+    "length_penalty": (is_finite_number, "a finite number"),
     "min_new_tokens": (_integer(0), "a non-negative integer"),
     "max_length": (_integer(1), "a positive integer"),
     "no_repeat_ngram_size": (_integer(0), "a non-negative integer"),

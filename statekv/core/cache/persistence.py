@@ -8,7 +8,8 @@ slots when offloaded).
 
 from __future__ import annotations
 
-import math
+import bisect
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -19,17 +20,18 @@ from . import forms
 from .step_runs import StepRuns
 from ..storage.buffers import CarriedSlots
 from ...errors import InputError
-from ...settings.values import check_int
+from ...settings.values import check_int, is_finite_number
 from ..storage.memory import CacheGeometry
 from ..storage.quantized import expected_tensors
 from ..storage.host_pages import RELEASED
-from ..storage.layer_storage import SAMPLES_PER_STEP
+from ..storage.layer_storage import SAMPLES_PER_STEP, SEGMENT_STEPS
 
 TALLY = "attention_tally"  # metadata: evict-least-attended's totals of the steps it may still evict
 # the tensors that can be saved without released rows: read from buffers an evicting stream gives rows of back
 RELEASABLE = ("keys", "values", "key_codes", "value_codes", "value_scales", "key_scales", "block_keys",
               "step_samples", "segment_index")
 SHARED_ROWS = {"values": "keys", "keys": "values"}  # saved from one buffer's parts
+PER_STEP_ROWS = ("key_scales", "block_keys", "step_samples")  # a row per step (segment_index: per segment)
 
 # The cache's classes (``TwoStateCache``, ``StreamingLayer``) are named in annotations only: the cache imports
 # this module.
@@ -64,7 +66,7 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     if len(metadata["window_starts"]) != len(cache.layers):
         raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                          f"{len(cache.layers)}")
-    cache.positions.load(metadata.get("positions"), len(metadata["chunk_lengths"]))
+    cache.positions.load(metadata.get("positions"), metadata["chunk_lengths"])
     cache.shared_ring.reset()
     for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
         prefix = f"layers.{index}."
@@ -92,7 +94,7 @@ def _check_tally(tally: Any, steps: int) -> None:
     if (not isinstance(listed, list) or not isinstance(totals, list) or len(listed) != len(totals)
             or not all(type(s) is int and 0 <= s < steps for s in listed)
             or any(b <= a for a, b in zip(listed, listed[1:]))
-            or not all(type(t) in (int, float) and math.isfinite(t) and t >= 0 for t in totals)):
+            or not all(type(t) in (int, float) and is_finite_number(t) and t >= 0 for t in totals)):
         raise InputError(f"the cache metadata's {TALLY} must list ascending steps among its {steps} and a finite, "
                          "non-negative total for each")
 
@@ -224,6 +226,7 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
             raise InputError(f"{name} must list the runs {layer}.{partner}{RELEASED} lists (one buffer holds both)")
         shape, dtype = expected[saved]
         expected[saved] = ((*shape[:2], shape[2] - _released_rows(tensors, saved, shape[2]), *shape[3:]), dtype)
+    _check_released_evicted(tensors, lengths, evicted)
     unexpected = sorted(set(tensors) - set(expected) - {name for name in tensors if name.endswith(RELEASED)})
     if unexpected:
         raise InputError(f"the saved state holds unexpected tensors: {', '.join(unexpected[:3])}")
@@ -237,6 +240,26 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         if name.endswith("carried_positions") and tensor.numel() and not (
                 int(tensor.min()) >= 0 and int(tensor.max()) < seen):
             raise InputError(f"{name} holds positions outside the {seen} tokens saved")
+
+
+def _check_released_evicted(tensors: dict[str, torch.Tensor], lengths: list[int], evicted: list[int]) -> None:
+    """Refuse rows a save left out (read back as zeros) that the state did not evict: a token's only within an
+    evicted step, a step's only of an evicted step, an index row only of a segment all of whose steps are evicted.
+    (A file edited to list fewer evicted steps would have those zeros read as the stream's keys and values.)"""
+    steps = StepRuns(evicted).runs()
+    starts = [0, *accumulate(lengths)]
+    tokens = [[starts[first], starts[end]] for first, end in steps]
+    segments = [[-(-first // SEGMENT_STEPS), end // SEGMENT_STEPS] for first, end in steps]
+    for name in [name for name in tensors if name.endswith(RELEASED)]:
+        kind = name.removesuffix(RELEASED).rpartition(".")[2]
+        allowed = segments if kind == "segment_index" else steps if kind in PER_STEP_ROWS else tokens
+        firsts = [first for first, _ in allowed]
+        for start, end in tensors[name].tolist():
+            at = bisect.bisect_right(firsts, start) - 1
+            if at < 0 or allowed[at][1] < end:
+                what = "segments" if kind == "segment_index" else "steps" if kind in PER_STEP_ROWS else "tokens"
+                raise InputError(f"{name} leaves out {what} [{start}, {end}), which the state did not evict (its "
+                                 "evicted_steps)")
 
 
 def _released_rows(tensors: dict[str, torch.Tensor], name: str, rows: int) -> int:

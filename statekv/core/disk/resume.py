@@ -69,7 +69,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     restoring, tally = carried is not None, None
     if not restoring:
         carried, tally = _carried_slot(where, journal.carry, len(cache.layers), start, len(steps))
-    cache.positions.load(_placements(where, cache.positions, steps), len(steps))
+    cache.positions.load(_placements(where, cache.positions, steps), lengths)
     for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
         if placements is not None:

@@ -557,9 +557,10 @@ class StreamPositions:
         return {"mode": self.mode, "layout": self.layout.name, "limit": self.limit,
                 "steps": [[f, s, b] for f, s, b in zip(self.firsts, self.spans, self.bases)]}
 
-    def load(self, saved: dict | None, steps: int) -> None:
-        """Install what `export` wrote for a state of ``steps`` steps (a one-line `InputError` when it is not this
-        stream's mode, layout or range)."""
+    def load(self, saved: dict | None, lengths: list[int]) -> None:
+        """Install what `export` wrote for a state of steps of ``lengths`` tokens (a one-line `InputError` when it
+        is not this stream's mode, layout or range, or places a step where no stream could have)."""
+        steps = len(lengths)
         saved = saved or {"mode": "stream"}
         if not isinstance(saved, dict) or saved.get("mode") != self.mode:
             got = saved.get("mode") if isinstance(saved, dict) else saved
@@ -581,7 +582,12 @@ class StreamPositions:
                 or not all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in placed)):
             raise InputError(f"the saved stream's positions must list [first, span, base] for each of its {steps} "
                              "steps")
-        for first, span, base in placed:
+        for number, (first, span, base) in enumerate(placed):
+            at = self.firsts[-1] + self.spans[-1] if number else 0  # each step follows the one before
+            if first != at or not 1 <= span <= lengths[number] or not 0 <= base <= self.limit - span:
+                raise InputError(f"the saved stream's positions place step {number} at [first {first}, span {span}, "
+                                 f"base {base}]: a step of {lengths[number]} tokens follows the one before (first "
+                                 f"{at}), spans 1 to its tokens, and is placed within the range of {self.limit}")
             self.append(StepPlan(first, span, base))
 
 
