@@ -56,6 +56,26 @@ def quiet_libraries() -> None:
         logging.disable_progress_bar()
 
 
+def warn_free_form(command: str, model: Any, questions: list[str]) -> None:
+    """One line on stderr when the built-in model (or weights `statekv train-builtin` wrote) is asked a question
+    without lettered options: it was trained on multiple-choice questions alone, and answers others with words it
+    repeats."""
+    from .settings.options import is_builtin_kind
+    from .synthetic.prompts import POST_PROMPT
+
+    if is_builtin_kind(model) and any("\nA. " not in question for question in questions):
+        print(f"statekv {command}: warning: the built-in model answers multiple-choice questions only (a question, "
+              f"its options on lines 'A. ...' to 'D. ...', then '{POST_PROMPT}'); it was trained on no other",
+              file=sys.stderr, flush=True)
+
+
+def json_sizes(options: Any) -> dict[str, Any]:
+    """A command's JSON sizes of its `ModelOptions`: ``budget`` and ``frames_window`` (null where the method reads
+    none), and every size the method reads (``sizes``)."""
+    read = options.sizes
+    return {"budget": read.get("budget"), "frames_window": read.get("frames"), "sizes": read}
+
+
 def print_json(document: Any) -> None:
     print(json.dumps(document, indent=2), flush=True)
 

@@ -14,6 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import statekv
 import bad_videos
 from bad_videos import BAD_VIDEOS
+from conftest import random_frames
 from statekv.cli import main
 from statekv.errors import CacheLimitError
 from statekv.testing import make_tiny_checkpoint, write_test_video
@@ -169,7 +170,7 @@ def test_answer_at_the_cache_cap_answers_from_the_frames_that_fit(files, capsys)
                                                           for q in ("Why?", "What is shown?")]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert captured.err.strip() == warning and "2 frames (stopped at --max-cache-bytes)" in captured.out
+    assert captured.err.strip() == warning and "2 frames (stopped: see the warning)" in captured.out
     assert main([*argv[:-1], str(_cap_after(files, 0) - 1)]) == 2  # no frame fits: nothing to answer from
     assert "no frame fit under it" in _one_line_error(capsys.readouterr().err)
 
@@ -477,3 +478,63 @@ def test_a_reader_that_leaves_early_stops_the_command_quietly():
     reader.stdout.close()  # the reader leaves
     assert reader.wait(timeout=120) == 128 + signal.SIGPIPE
     assert reader.stderr.read() == b""
+
+
+def test_answer_answers_from_the_frames_before_one_that_cannot_be_read(files, capsys, tmp_path):
+    """Before: a frames folder with an unreadable image in its middle was an error naming the Python API's
+    ``.encoded``; the frames before it, encoded already, were thrown away."""
+    from PIL import Image
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for index, frame in enumerate(random_frames(4)):
+        Image.fromarray(frame).save(folder / f"{index:03d}.png")
+    (folder / "002.png").write_bytes(b"not a png")
+    assert main(["answer", str(folder), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    [warning] = [line for line in captured.err.splitlines() if line.strip()]
+    assert warning.startswith("statekv answer: warning: ") and "frame 2" in warning, warning
+    assert warning.endswith("; answering from what was encoded"), warning
+    assert ".encoded" not in warning
+    document = json.loads(captured.out)
+    assert document["stats"]["frames"] == 2 and document["stopped"] in warning
+    (folder / "000.png").write_bytes(b"not a png")  # nothing before it: nothing to answer from
+    assert main(["answer", str(folder), "Why?", "--model", str(files["model"])]) == 2
+
+
+def test_the_built_in_model_asked_a_free_form_question_says_what_it_answers(files, capsys):
+    """Before: it answered any question with words it repeated, and said nothing; ``statekv demo --video`` asked it
+    such a question by default."""
+    video = str(files["video"])
+    warning = ("warning: the built-in model answers multiple-choice questions only (a question, its options on lines "
+               "'A. ...' to 'D. ...', then 'Answer with the letter.'); it was trained on no other")
+    choice = "Which colour was shown first?\nA. red\nB. green\nC. blue\nD. yellow\nAnswer with the letter."
+    assert main(["answer", video, "What happens?", "--model", "builtin", "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().err.strip() == f"statekv answer: {warning}"
+    assert main(["stream", video, "--model", "builtin", "--max-new-tokens", "1", "--ask", f"1:{choice}",
+                 "--watch", "2:What now?"]) == 0
+    assert f"statekv stream: {warning}" in capsys.readouterr().err
+    assert main(["answer", video, choice, "--model", "builtin", "--max-new-tokens", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["answer", video, "What happens?", "--model", str(files["model"]), "--max-new-tokens", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err  # another model is asked what it is asked
+    assert main(["demo", "--video", video, "--no-plot", "--max-new-tokens", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["question"] == choice and "warning" not in captured.err
+
+
+def test_json_output_names_the_sizes_the_method_reads(files, capsys):
+    """Before: every method's document said budget 64 and frames_window 16, sizes full attention never reads, and
+    simplestream's window (4) not at all."""
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "1", "--json"]
+    expected = {"full": (None, None, {}), "statekv": (12, None, {"budget": 12}),
+                "recency": (None, 3, {"frames": 3}), "simplestream": (None, None, {"window": 4})}
+    for name, (budget, frames, sizes) in expected.items():
+        given = {"statekv": ["--budget", "12"], "recency": ["--frames", "3"]}.get(name, [])
+        assert main([*base, "--method", name, *given]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert (document["budget"], document["frames_window"], document["sizes"]) == (budget, frames, sizes), name
+    assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--method", "full", "--json",
+                 "--max-new-tokens", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (summary["budget"], summary["frames_window"], summary["sizes"]) == (None, None, {})

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..console import (add_output_arguments, add_sampling_arguments, interactive, one_line, print_json,
-                       quiet_libraries)
+                       quiet_libraries, json_sizes, warn_free_form)
 from ..settings.options import ModelOptions
 
 
@@ -31,22 +31,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
-    from ..errors import CacheLimitError, InputError, QuestionTooLong
+    from ..errors import CacheLimitError, FrameDecodeError, InputError, QuestionTooLong
     from ..video import open_video
 
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
     options = ModelOptions.from_args(args, all_used=True)  # bad settings fail before the video opens or the model loads
     open_video(args.video)
+    warn_free_form("answer", args.model, args.questions)
     quiet_libraries()
     qa = VideoQA.from_options(options)
     stopped = None
     try:
         video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
-    except CacheLimitError as error:  # refused at the cap: answer from the frames that fit, saying so
-        if error.encoded is None or not error.encoded.frames:
+    except (CacheLimitError, FrameDecodeError) as error:  # refused at the cap, or a frame that cannot be read:
+        if error.encoded is None or not error.encoded.frames:  # answer from the frames before it, saying so
             raise
         video, stopped = error.encoded, one_line(error)
+        if isinstance(error, FrameDecodeError):  # its message names the Python API's way on
+            stopped = stopped.split(f"; the {video.frames} sampled frames before it")[0]
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
     try:
         answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
@@ -56,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
                          "--max-new-tokens") from None
     stats = video.stats
     if args.json:
-        print_json({"video": args.video, "model": args.model, "method": args.method, "budget": options.budget,
-                    "frames_window": options.frames, "label": options.label, "stats": stats.to_dict(),
+        print_json({"video": args.video, "model": args.model, "method": args.method, **json_sizes(options),
+                    "label": options.label, "stats": stats.to_dict(),
                     "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return 0
-    print(f"{args.video}: {stats.frames} frames{' (stopped at --max-cache-bytes)' if stopped else ''}, "
+    print(f"{args.video}: {stats.frames} frames{' (stopped: see the warning)' if stopped else ''}, "
           f"{stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:
@@ -69,3 +72,4 @@ def run(args: argparse.Namespace) -> int:
     for question, answer in zip(args.questions, answers):
         print(f"\nQ: {question}\nA: {answer}")
     return 0
+

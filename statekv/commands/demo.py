@@ -18,12 +18,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ..console import add_output_arguments, print_json, quiet_libraries
+from ..console import add_output_arguments, print_json, quiet_libraries, warn_free_form
 from ..errors import ConfigurationError, OutputError
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
-from ..settings.options import BUILTIN_BUDGET
+from ..settings.options import BUILTIN_BUDGET, is_builtin_kind
 from ..settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT
+from ..synthetic.prompts import question_prompt
+from ..synthetic.tasks import COLOUR_OPTIONS
 
 DEMO_SET = "demo-synthetic-v3"
 DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
@@ -33,6 +35,8 @@ OTHER_BUDGET, OTHER_WINDOW = 256, 4
 BUILTIN_WINDOW = 16  # frames: the built-in model's 4-token frames, as many as its budget holds (BUILTIN_BUDGET)
 METHOD_NAMES = {"full": "full attention", "recency": "recency", "statekv": "StateKV"}
 DEFAULT_QUESTION = "What happens in this video?"
+# the built-in model answers the synthetic videos' multiple-choice questions only
+BUILTIN_QUESTION = question_prompt("Which colour was shown first?", COLOUR_OPTIONS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"held-out synthetic videos to answer about (default: {DEMO_VIDEOS})")
     parser.add_argument("--video", default=None, help="a video of your own instead of the synthetic ones")
     parser.add_argument("--question", default=None,
-                        help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}); without "
-                             "--video the demo asks the held-out videos' own questions")
+                        help=f"the question to answer about --video (default: {DEFAULT_QUESTION!r}; for the built-in "
+                             "model a multiple-choice one); without --video the demo asks the held-out videos' own "
+                             "questions")
     parser.add_argument("--budget", type=POSITIVE_INT, default=None, metavar="B",
                         help=f"StateKV budget in tokens (default: {BUILTIN_BUDGET} for the built-in model, "
                              f"else {OTHER_BUDGET})")
@@ -69,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import statekv
-    from statekv.settings.options import BUILTIN_NAME, is_builtin, is_builtin_kind
+    from statekv.settings.options import BUILTIN_NAME, is_builtin
 
     statekv.ModelOptions(dtype=args.dtype, device=args.device)  # checked before anything is written or loaded
     if args.question is not None and args.video is None:
@@ -157,7 +162,8 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
 
 
 def _own_video(args, loaded, methods: dict, model: str) -> int:
-    question = args.question or DEFAULT_QUESTION
+    question = args.question or (BUILTIN_QUESTION if is_builtin_kind(model) else DEFAULT_QUESTION)
+    warn_free_form("demo", model, [question])
     rows, answers = [], {}
     for method, (label, sizes) in methods.items():
         qa = loaded.with_options(method=method, **sizes)

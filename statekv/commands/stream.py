@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..console import add_output_arguments, interactive, one_line, quiet_libraries
+from ..console import add_output_arguments, interactive, json_sizes, one_line, quiet_libraries, warn_free_form
 from ..errors import CacheLimitError, ConfigurationError, InputError, OutputError, StateKVError
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and not Path(args.resume).exists():
         raise InputError(f"--resume {args.resume}: no such file or folder")
     warn_past_the_end(args.ask, video.duration)
+    warn_free_form("stream", args.model, [question for _, question in [*args.ask, *args.watch]])
     quiet_libraries()
     qa = VideoQA.from_options(options)
     if args.resume is not None:
@@ -392,7 +393,7 @@ class _Replay:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              "budget": self.options.budget, "frames_window": self.options.frames,
+                              **json_sizes(self.options),
                               "label": self.options.label,
                               "horizon_frames": getattr(self.stream, "horizon_frames", args.max_frames),
                               "positions": getattr(getattr(self.stream, "engine", None), "positions", None),

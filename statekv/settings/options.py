@@ -167,6 +167,11 @@ class ModelOptions:
         return MethodSettings(**{size.name: getattr(self, size.name) for size in fields(MethodSettings)})
 
     @property
+    def sizes(self) -> dict[str, int]:
+        """The sizes the method reads, by name (``{"budget": 64}`` for StateKV, ``{}`` for full attention)."""
+        return {name: getattr(self, name) for name in self.spec.uses if name in SIZES}
+
+    @property
     def label(self) -> str:
         """The method as tables name it ("StateKV B=4096"), with the retrieval if it is not the default."""
         label = self.spec.label(self.settings)

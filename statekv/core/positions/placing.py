@@ -68,8 +68,9 @@ def choose_positions(requested: str | None, config, horizon: int | None) -> str:
         return "bounded"
     if horizon is None:
         if requested == "stream":
-            raise HorizonError("positions='stream' needs a horizon inside the model's RoPE range (a stream's "
-                               "horizon_frames); without one use positions='bounded'")
+            raise HorizonError("positions='stream' (--positions stream) needs a horizon inside the model's RoPE "
+                               "range (a stream's horizon_frames, --max-frames); without one use positions='bounded' "
+                               "(--positions bounded)")
         return "bounded"
     capacity = rope_capacity(config)
     if requested is None and capacity is not None and horizon > capacity:

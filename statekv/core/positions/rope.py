@@ -73,7 +73,8 @@ def check_horizon(config, horizon: int | None) -> int:
     if capacity is not None and horizon > capacity:
         raise HorizonError(
             f"horizon of {horizon} tokens is beyond the model's RoPE ({rope_parameters(config)['rope_type']}, "
-            f"at most {capacity} tokens); sample fewer frames or use a model with a longer context"
+            f"at most {capacity} tokens); sample fewer frames (--max-frames), place them within it "
+            "(positions='bounded', --positions bounded) or use a model with a longer context"
         )
     return horizon
 

@@ -82,8 +82,10 @@ def check_cache_fits(geometry: CacheGeometry, horizon: int, device: torch.device
         raise HorizonError(
             f"a horizon of {horizon} tokens needs {needed / GIB:,.1f} GiB of detailed cache "
             f"({geometry.describe(horizon)}), but {device} has {available / GIB:,.1f} GiB available; declare "
-            "fewer frames" + (", keep the detailed cache in CPU memory (offload)" if device.type != "cpu" else "")
-            + " or use a smaller dtype" + ("" if kv_cache_dtype else " (kv_cache_dtype int8 or int4)"))
+            "fewer frames" + (", keep the detailed cache in CPU memory (offload, --offload)" if device.type != "cpu"
+                              else "")
+            + " or use a smaller dtype"
+            + ("" if kv_cache_dtype else " (kv_cache_dtype int8 or int4, --kv-cache-dtype)"))
 
 
 def _host_available_bytes() -> int | None:
