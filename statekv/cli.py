@@ -57,6 +57,8 @@ class _Parser(argparse.ArgumentParser):
             given = next((extra.split("=", 1)[0] for extra in extras if extra.startswith("--")), None)
             close = difflib.get_close_matches(given, flags, n=1) if given else []
             hint = f"; did you mean {close[0]}?" if close else ""
+            if not hint and any(not extra.startswith("-") for extra in extras):
+                hint = getattr(command, "extra_hint", "")  # what a subcommand takes instead of a bare word
             command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return parsed
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="statekv",
         description="Linear-time long-video encoding for video VLMs (StateKV).",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"statekv {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         importlib.import_module(module).register(subparsers)

@@ -54,7 +54,8 @@ class FrameDecodeError(VideoError):
 
     index: the frame's index in the source; timestamp: its time in seconds (estimated from the frame rate
     when the decoder stopped before it). encoded: set by `statekv.VideoQA.encode` to the `EncodedVideo` of
-    every sampled frame before this one, which can still be asked; None elsewhere.
+    every sampled frame before this one, which can still be asked; None elsewhere. reason: the message as raised,
+    before any caller added what it kept.
     """
 
     def __init__(self, message: str, *, index: int, timestamp: float):
@@ -62,6 +63,7 @@ class FrameDecodeError(VideoError):
         self.index = index
         self.timestamp = timestamp
         self.encoded = None
+        self.reason = message
 
 
 class DataError(StateKVError, ValueError):

@@ -319,3 +319,20 @@ def test_bad_inputs_raise_one_line_errors(adapter, frames, full_run, tmp_path):
         with pytest.raises(error) as raised:
             call()
         assert "\n" not in str(raised.value)
+
+
+def test_a_stream_with_no_horizon_saved_with_its_first_frame_waiting_loads(adapter, frames, tmp_path):
+    """Qwen3-VL steps two frames at a time, so a stream's first frame waits for its second. Before: a stream with no
+    horizon saved then was refused when loaded (``num_frames must be a positive integer, got 0``)."""
+    from statekv import Stream, VideoQA
+
+    qa = VideoQA(adapter, StateKV(budget=64), attention="eager")
+    live = qa.stream()
+    live.push(frames[0])
+    assert live.frames == 0 and len(live.pending) == 1
+    with Stream.load(live.save(tmp_path / "waiting.safetensors"), qa) as back:
+        back.push(frames[1])
+        live.push(frames[1])
+        assert back.frames == live.frames == 2
+        assert torch.equal(back.ask_tokens(QUESTION, max_new_tokens=2), live.ask_tokens(QUESTION, max_new_tokens=2))
+    live.close()

@@ -270,6 +270,9 @@ def test_an_unknown_flag_names_its_subcommand_its_help_and_the_closest_flag(file
         "statekv answer: error: unrecognized arguments: --bugdet 64; did you mean --budget? (see statekv answer --help)")
     assert _usage_error(capsys, [*base, "--zzzz"]) == (
         "statekv answer: error: unrecognized arguments: --zzzz (see statekv answer --help)")
+    assert _usage_error(capsys, ["stream", str(files["video"]), "What now?", "--model", "builtin"]) == (
+        "statekv stream: error: unrecognized arguments: What now?; give questions as --ask SECONDS:QUESTION (or "
+        "--watch FRAMES:QUESTION) (see statekv stream --help)")  # before: no word of --ask
     assert _usage_error(capsys, ["eval", "synthetic", "--model", "builtin", "--data-root", "d", "--out", "o",
                                  "--bugdet=3"]).startswith("statekv eval synthetic: error: unrecognized arguments: "
                                                            "--bugdet=3; did you mean --budget? (see statekv eval "
@@ -295,8 +298,8 @@ def test_a_question_the_stream_will_not_reach_or_has_passed_is_warned_of_in_one_
     assert main([*base, "--max-frames", "2", "--ask", "3:Why?", "--ask", "500:Why?"]) == 0
     assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
         "statekv stream: warning: --ask at 500 s is past the end of the video (5 s); asked after its last frame",
-        "statekv stream: warning: --ask at 3 s is past where --max-frames 2 stops the stream (its last frame at 1 s); "
-        "asked after it"]
+        "statekv stream: warning: --ask at 3 s is past where the stream's horizon of 2 frames (--max-frames) stops it "
+        "(its last frame at 1 s); asked after it"]
     assert main([*base, "--save", str(saved)]) == 0
     capsys.readouterr()
     assert main([*base, "--resume", str(saved), "--ask", "0.5:Why?", "--ask", "4.5:Why?"]) == 0
@@ -538,3 +541,14 @@ def test_json_output_names_the_sizes_the_method_reads(files, capsys):
                  "--max-new-tokens", "1"]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert (summary["budget"], summary["frames_window"], summary["sizes"]) == (None, None, {})
+
+
+def test_version_and_a_missing_data_folder(capsys, tmp_path):
+    """Before: ``statekv --version`` asked for a command; a --data-root that does not exist was named as a missing
+    annotation file only."""
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"statekv {statekv.__version__}"
+    assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "nosuch"), "--out",
+                 str(tmp_path / "run")]) == 2
+    assert f"(there is no folder {tmp_path / 'nosuch'})" in _one_line_error(capsys.readouterr().err)

@@ -1203,6 +1203,12 @@ def test_a_simplestream_stream_goes_on_from_its_counts_after_a_restart(qa, tmp_p
     with Running(state, qa) as server, server.client() as client:
         described = client.get(f"/v1/streams/{stream_id}").json()
         assert (described["frames"], described["pushed"], described["seconds"]) == (6, 6, 5.0)
+        asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION})
+        assert "no frame has been pushed since it went on from its counts" in _error(asked, 400)
+        made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": QUESTION, "every": 4,
+                                                                     "max_new_tokens": 2})
+        assert made.status_code == 201  # evaluated once it holds frames
+        assert client.get(f"/v1/streams/{stream_id}/watches/{made.json()['id']}").json()["evaluations"] == 0
         for index in range(6, 10):
             client.post(f"/v1/streams/{stream_id}/frames", content=_png(index),
                         headers={"Content-Type": "image/png"}).raise_for_status()
@@ -1210,3 +1216,4 @@ def test_a_simplestream_stream_goes_on_from_its_counts_after_a_restart(qa, tmp_p
         after = client.get(f"/v1/streams/{stream_id}/watches/{watch}").json()
     assert (described["frames"], described["seconds"]) == (10, 9.0)
     assert after["evaluations"] == before["evaluations"] + 2  # at frames 8 and 10
+    assert made.json()["id"] != watch

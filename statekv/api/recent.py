@@ -24,7 +24,7 @@ from .stats import AnswerInfo, EncodingStats
 from .stream import checked_timestamp
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..settings.values import check_int, check_number
+from ..settings.values import check_int, check_number, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_on_cadence
@@ -98,10 +98,10 @@ class RecentFrames:
                 raise StateKVError(f"{self.name}: only a stream nothing was pushed to can go on from another's counts")
             check_int(pushed, "pushed", minimum=0, error=InputError)
             check_int(frames, "frames", minimum=0, maximum=pushed, error=InputError)
-            if seconds is not None:
-                check_number(seconds, "seconds", minimum=-math.inf, error=InputError)
-            if (seconds is None) != (pushed == 0) or seconds is not None and seconds < 0:
-                raise InputError(f"{self.name}: {pushed} frames pushed, the last at {seconds} s, is not a stream")
+            if (seconds is None) != (pushed == 0) or seconds is not None and not (
+                    is_finite_number(seconds) and seconds >= 0):
+                raise InputError(f"{self.name}: {pushed} frames pushed, the last at {shown(seconds)} s, is not a "
+                                 "stream")
             self.pushed, self.stats.frames, self._last_timestamp = pushed, frames, seconds
             if self.max_fps is not None and seconds is not None:
                 self._next_tick = math.floor(seconds * self.max_fps + 1e-9) + 1
@@ -150,7 +150,9 @@ class RecentFrames:
         with self.lock:  # the window as it stands, whatever other threads push meanwhile
             window = list(self.recent)
         if not window:
-            raise InputError(f"{self.name}: no frame has been pushed yet")
+            raise InputError(f"{self.name}: no frame has been pushed yet" if not self.frames else
+                             f"{self.name}: no frame has been pushed since it went on from its counts (a simplestream "
+                             "stream's frames are not kept); push one")
         rate = self.max_fps or 1.0
         frames = [Frame(index, index / rate, frame.image) for index, frame in enumerate(window)]
         height, width = frames[0].image.shape[:2]
@@ -180,6 +182,11 @@ class RecentFrames:
     @property
     def frames(self) -> int:
         return self.stats.frames
+
+    @property
+    def held_frames(self) -> int:
+        """The frames a question would read now: the window's (none after `continue_from`, until one is pushed)."""
+        return len(self.recent)
 
     @property
     def tokens(self) -> int:

@@ -293,8 +293,8 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
     if (horizon_frames is None) != (metadata["horizon"] is None):
         raise InputError(f"{path}: malformed stream metadata: horizon and horizon_frames must both be null (no "
                          "horizon) or both be set")
-    video_tokens = adapter.max_video_tokens(horizon_frames if horizon_frames is not None else frames)
     reserve = metadata["engine"]["reserve_tokens"]
+    video_tokens = None if horizon_frames is None else adapter.max_video_tokens(horizon_frames)
     if horizon_frames is not None and metadata["horizon"] != video_tokens + reserve:
         raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} is not the "
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
@@ -356,7 +356,8 @@ def _reason(error: BaseException) -> str:
 
 # -- the schema -----------------------------------------------------------------------------------------------
 def integer_check(minimum: int = 0) -> Check:
-    return lambda value, name: check_int(value, name, minimum=minimum, error=InputError)
+    # a saved count or tick is refused past int64 only: a clock of epoch seconds at a high rate ticks past 2^48
+    return lambda value, name: check_int(value, name, minimum=minimum, maximum=2**63 - 1, error=InputError)
 
 
 def number_check(*, positive: bool = False) -> Check:

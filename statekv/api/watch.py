@@ -228,7 +228,7 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
     if watching is None:
         watching = stream.watching = Watches(stream)
     watching.add(watch)
-    if evaluate_now and stream.frames:  # its first answer: what the stream holds now
+    if evaluate_now and holds_frames(stream):  # its first answer: what the stream holds now
         try:
             run_evaluations([watch], raise_errors=True)
         except BaseException:  # the caller gets no watch: none is left evaluating or steering
@@ -401,6 +401,12 @@ def tensors(stream: Any) -> dict[str, torch.Tensor]:
         for layer, tensor in enumerate(queries or []):
             kept[f"watches.{number}.queries.{layer}"] = tensor
     return kept
+
+
+def holds_frames(stream: Any) -> bool:
+    """Whether a question to ``stream`` has frames to read now (a simplestream stream that went on from its counts
+    has none until one is pushed)."""
+    return bool(getattr(stream, "held_frames", stream.frames))
 
 
 def restore(stream: Any, saved: list[dict[str, Any]], kept: dict[str, torch.Tensor] | None = None, *,

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..console import (add_output_arguments, add_sampling_arguments, interactive, one_line, print_json,
-                       quiet_libraries, json_sizes, warn_free_form)
+                       json_sizes, quiet_libraries, warn_free_form)
 from ..settings.options import ModelOptions
 
 
@@ -47,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
     except (CacheLimitError, FrameDecodeError) as error:  # refused at the cap, or a frame that cannot be read:
         if error.encoded is None or not error.encoded.frames:  # answer from the frames before it, saying so
             raise
-        video, stopped = error.encoded, one_line(error)
-        if isinstance(error, FrameDecodeError):  # its message names the Python API's way on
-            stopped = stopped.split(f"; the {video.frames} sampled frames before it")[0]
+        video = error.encoded  # (a decode error's message goes on to name the Python API's way on: its reason)
+        stopped = one_line(error.reason if isinstance(error, FrameDecodeError) else error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
     try:
         answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
@@ -72,4 +71,3 @@ def run(args: argparse.Namespace) -> int:
     for question, answer in zip(args.questions, answers):
         print(f"\nQ: {question}\nA: {answer}")
     return 0
-

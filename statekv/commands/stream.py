@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "refuse), every question left is answered from the frames it holds, marked as asked after "
                     "the cap, with one warning line on stderr (exit status 0).",
     )
+    parser.extra_hint = "; give questions as --ask SECONDS:QUESTION (or --watch FRAMES:QUESTION)"
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("--ask", type=timed_question, action="append", default=[], metavar="SECONDS:QUESTION",
                         help="ask QUESTION when the stream reaches SECONDS (repeatable)")
@@ -305,8 +306,8 @@ class _Replay:
         late = [time for time, _ in self.questions if not duration or time <= duration]
         if late:
             print(f"statekv stream: warning: --ask at {', '.join(f'{time:g} s' for time in late)} is past where "
-                  f"--max-frames {horizon} stops the stream (its last frame at {seconds:g} s); asked after it",
-                  file=sys.stderr, flush=True)
+                  f"the stream's horizon of {horizon} frames (--max-frames) stops it (its last frame at {seconds:g} "
+                  "s); asked after it", file=sys.stderr, flush=True)
 
     def ask_due(self, now: float) -> None:
         while self.questions and self.questions[0][0] <= now:

@@ -46,7 +46,8 @@ def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
 def read_table(path: Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"annotation file not found: {path}")
+        raise MissingFileError(f"annotation file not found: {path}"
+                               + ("" if path.parent.is_dir() else f" (there is no folder {path.parent})"))
     if path.suffix == ".parquet":
         return _read_parquet(path)
     if path.suffix == ".jsonl":

@@ -29,6 +29,7 @@ from .media import resolve_file_url
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, answer_task, pieces_until
 from .sse import EventStream, TokenStreamer, event
+from .stream_settings import shown
 
 
 READ = "the video and the last user message"
@@ -95,10 +96,10 @@ async def chat(request: Request, service: Served):
         max_new = DEFAULT_NEW_TOKENS
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {_shown(max_new)}")
+        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
     streamed = body.get("stream", False)
     if streamed is not None and not isinstance(streamed, bool):  # null: not streamed, as OpenAI takes it
-        raise ServiceError(400, f"stream must be true or false, got {_shown(streamed)}")
+        raise ServiceError(400, f"stream must be true or false, got {shown(streamed)}")
     extension = body.get("statekv") or {}
     if not isinstance(extension, dict):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
@@ -156,15 +157,6 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
     except (ClientLeft, ServerStopped):
         service.metrics.stopped.inc()
         raise
-
-
-def _shown(value: Any) -> str:
-    import json
-
-    try:
-        return json.dumps(value)[:40]
-    except (TypeError, ValueError):
-        return type(value).__name__
 
 
 def _finish(result: dict[str, Any], max_new: int) -> str:

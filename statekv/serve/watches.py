@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
-from ..api.watch import Watch, open_watch, records, restore, run_evaluations
+from ..api.watch import Watch, holds_frames, open_watch, records, restore, run_evaluations
 from ..errors import StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError
@@ -94,7 +94,7 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
                            steer=stream.qa.steer, retrieve=stream.qa.retrieve)
         watch.subscribe(listener)
-        if stream.frames:
+        if holds_frames(stream):
             try:
                 run_evaluations([watch], raise_errors=True)
             except BaseException:

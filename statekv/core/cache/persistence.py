@@ -24,7 +24,8 @@ from ...settings.values import check_int, is_finite_number
 from ..storage.memory import CacheGeometry
 from ..storage.quantized import expected_tensors
 from ..storage.host_pages import RELEASED
-from ..storage.layer_storage import SAMPLES_PER_STEP, SEGMENT_STEPS
+from ..storage import layer_storage
+from ..storage.layer_storage import SAMPLES_PER_STEP
 
 TALLY = "attention_tally"  # metadata: evict-least-attended's totals of the steps it may still evict
 # the tensors that can be saved without released rows: read from buffers an evicting stream gives rows of back
@@ -249,15 +250,16 @@ def _check_released_evicted(tensors: dict[str, torch.Tensor], lengths: list[int]
     steps = StepRuns(evicted).runs()
     starts = [0, *accumulate(lengths)]
     tokens = [[starts[first], starts[end]] for first, end in steps]
-    segments = [[-(-first // SEGMENT_STEPS), end // SEGMENT_STEPS] for first, end in steps]
+    per_segment = layer_storage.SEGMENT_STEPS  # read when a storage is made, so read here as it is now
+    segments = [[-(-first // per_segment), end // per_segment] for first, end in steps]
     for name in [name for name in tensors if name.endswith(RELEASED)]:
         kind = name.removesuffix(RELEASED).rpartition(".")[2]
-        allowed = segments if kind == "segment_index" else steps if kind in PER_STEP_ROWS else tokens
+        what, allowed = (("segments", segments) if kind == "segment_index" else ("steps", steps)
+                         if kind in PER_STEP_ROWS else ("tokens", tokens))
         firsts = [first for first, _ in allowed]
         for start, end in tensors[name].tolist():
             at = bisect.bisect_right(firsts, start) - 1
             if at < 0 or allowed[at][1] < end:
-                what = "segments" if kind == "segment_index" else "steps" if kind in PER_STEP_ROWS else "tokens"
                 raise InputError(f"{name} leaves out {what} [{start}, {end}), which the state did not evict (its "
                                  "evicted_steps)")
 
