@@ -80,7 +80,7 @@ def print_json(document: Any) -> None:
     print(json.dumps(document, indent=2), flush=True)
 
 
-def one_line(error: BaseException) -> str:
+def one_line(error: BaseException | str) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 

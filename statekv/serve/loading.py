@@ -1,7 +1,7 @@
 """Bringing a recorded stream back (`StreamLoader`): from its disk-tier file set when its record names one, else
 from its last save, else empty (a simplestream stream, whose frames are never saved, going on from its record's
-counts); a file that cannot be loaded, or names another stream or owner, raises, so the
-stream is quarantined (`DamagedStream`) with a one-line reason that names no server path and no other stream."""
+counts); a file that cannot be loaded, or names another stream or owner, raises, so the stream is quarantined
+(`DamagedStream`) with a one-line reason that names no server path and no other stream."""
 
 from __future__ import annotations
 
