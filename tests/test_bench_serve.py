@@ -155,12 +155,55 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
 
     _probe_runs(monkeypatch, run_or_stop)
     out = tmp_path / "sweep.json"
-    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--streams", "1,4,16",
-                 "--fps", "1", "--duration", "4", "--json", str(out)]) == 130
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "secret-key", "--streams", "1,4,16",
+            "--fps", "1", "--duration", "4", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["statekv", *argv])  # the command line the JSON records
+    assert main(argv) == 130
     printed = capsys.readouterr().out
     assert "| 1 | 1 | 1.0 |" in printed and "interrupted: the runs above finished before the stop" in printed
     document = json.loads(out.read_text())
     assert document["interrupted"] is True and [row["streams"] for row in document["results"]] == [1]
+    assert "--api-key KEY --streams" in document["command"] and "secret-key" not in out.read_text()  # shared
+
+
+def test_a_server_that_dies_during_the_runs_ends_them_in_one_line_after_reporting_those_finished(
+        monkeypatch, tmp_path, capsys):
+    """Before: bench serve went on against its dead server, tabled a run of nothing but failures, and exited 0
+    (with --find-max: 0 streams held, the search complete)."""
+    import statekv.bench.server as server_module
+    from statekv.bench.server import ServerError
+    from statekv.cli import main
+
+    class Dying:  # the server bench serve starts, dead once its first run is over
+        url, key, runs = "http://127.0.0.1:9", "k", 0
+
+        def __init__(self, options, threads=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def check_running(self):
+            if Dying.runs:
+                raise ServerError("the server statekv bench serve started exited (status -9) during the runs: gone")
+
+    def run(self, count):
+        self.check_server()
+        Dying.runs += 1
+        self.rows[count] = summarize(_run(_frames(0, 0.1, count=4)), fps=1.0, duration=4.0, targets=Targets(),
+                                     mean_batch=1.0)
+        return self.rows[count]
+
+    monkeypatch.setattr(server_module, "LocalServer", Dying)
+    _probe_runs(monkeypatch, run)
+    out = tmp_path / "runs.json"
+    assert main(["bench", "serve", "--streams", "1,2", "--fps", "1", "--duration", "4", "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "| 1 | 1 | 1.0 |" in captured.out and captured.err.strip().endswith("during the runs: gone")
+    assert [row["streams"] for row in json.loads(out.read_text())["results"]] == [1]
 
 
 class _SlowServer:
@@ -258,6 +301,16 @@ def test_a_slow_server_leaves_cameras_behind_while_questions_go_out_on_time():
     assert row["held_streams"] == 0 and row["frames_per_s"] < 2 * 5.0 * 0.75
 
 
+def test_a_drain_of_zero_waits_for_the_runs_end_not_its_last_frames_due_time():
+    """Before: ``--drain 0`` cancelled the last frame while the server was still taking it (30 ms), so a server that
+    kept up lost a frame and a camera from its goodput."""
+    settings = LoadSettings(fps=2.0, duration=2.0, question_rate=0.0, drain=0.0, warm_frames=1, seed=3)
+    with _SlowServer(push_seconds=0.03, ttft_seconds=0.01) as url, _no_collection_pauses():
+        run = asyncio.run(run_load(url, "key", 2, settings, lambda camera: [b"jpeg"]))
+    frames = [r for r in run.requests if r.kind == "frame"]
+    assert len(frames) == 8 and all(r.ok for r in frames), [r.error for r in frames]
+
+
 def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "statekv.cli", "bench", "serve", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -273,6 +326,7 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--video", "missing.mp4"], "missing.mp4"),
     (["--fps", "0.1", "--duration", "5"], "schedules no frame to measure; run at least 10 s"),
     (["--question", " "], "--question must be a question, not empty"),
+    (["--fps", "1e200", "--duration", "1e200"], "schedules more frames a camera than a run can send"),  # a traceback
     (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"],
      "cannot reach http://127.0.0.1:9: "),  # a server that is not there is no table of failed requests
 ])

@@ -21,6 +21,7 @@ ROUTES = ("ask", "chat")
 SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
 STARTED_STREAMS = 256  # the started server's --max-streams, and the most cameras --find-max tries against it
 URL_CAMERAS = 1024  # the most cameras --find-max tries against a running server (--url), unless told
+MAX_CAMERA_FRAMES = 10**7  # frames one camera's run may schedule (each is a request made ahead)
 
 
 def stream_counts(text: str) -> list[int]:
@@ -126,7 +127,7 @@ def server_options(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from .cameras import Cameras
     from .load import LoadSettings
-    from .server import LocalServer
+    from .server import LocalServer, ServerError
     from .summary import Targets, default_progress, machine, plot, table, write_json
 
     try:
@@ -147,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     outputs = {name: check(value, flag) for name, value, flag, check in (
         ("json", args.json_out, "--json", check_output_file), ("plot", args.plot, "--plot", check_plot_file))
         if value is not None}
+    if not args.duration * args.fps <= MAX_CAMERA_FRAMES:
+        raise ConfigurationError(f"--duration {args.duration:g} s at --fps {args.fps:g} schedules more frames a camera "
+                                 f"than a run can send (at most {MAX_CAMERA_FRAMES:,})")
     if math.floor(args.duration * args.fps) < 1:
         raise ConfigurationError(f"--duration {args.duration:g} s at --fps {args.fps:g} schedules no frame to measure; "
                                  f"run at least {1 / args.fps:g} s")
@@ -169,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
 
     probes: list[Probe] = []
 
-    def sweep(url: str, server_key: str) -> tuple[list[dict[str, Any]], int | None]:
-        probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress)
+    def sweep(url: str, server_key: str, check_server=lambda: None) -> tuple[list[dict[str, Any]], int | None]:
+        probe = Probe(url, server_key, settings, targets, cameras, quiet=args.quiet, progress=default_progress,
+                      check_server=check_server)
         probes.append(probe)
         probe.reach()
         probe.warm_up()
@@ -216,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
             rows, most = sweep(args.url.rstrip("/"), key)
         else:
             with LocalServer(options, threads=threads) as server:
-                rows, most = sweep(server.url, server.key)
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs that finished are reported, then the stop goes on
-        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []
+                rows, most = sweep(server.url, server.key, server.check_running)
+    except (KeyboardInterrupt, ServerError):  # a stop, or the server it started died: the runs that finished are
+        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # reported first
         if finished:
             report(finished, None, where, interrupted=True)
         raise
@@ -237,9 +242,10 @@ class Probe:
     """Runs of N cameras against one server (the load of `statekv.bench.load`, summed up by
     `statekv.bench.summary`)."""
 
-    def __init__(self, url: str, key: str, settings, targets, cameras, *, quiet: bool = False, progress=None):
+    def __init__(self, url: str, key: str, settings, targets, cameras, *, quiet: bool = False, progress=None,
+                 check_server=lambda: None):
         self.url, self.key, self.settings, self.targets, self.cameras = url, key, settings, targets, cameras
-        self.quiet, self.progress = quiet, progress
+        self.quiet, self.progress, self.check_server = quiet, progress, check_server
         self.rows: dict[int, dict[str, Any]] = {}
 
     def reach(self) -> None:
@@ -274,6 +280,7 @@ class Probe:
         from .summary import summarize
 
         if count not in self.rows:
+            self.check_server()
             show = None if self.quiet else self.progress(f"{count} stream{'s' * (count != 1)}", self.settings)
             # steps per forward, questions per answering batch, the server's own time to a first token
             metrics = (BATCH_METRIC, QUESTION_BATCH_METRIC, FIRST_TOKEN_METRIC)
@@ -285,6 +292,7 @@ class Probe:
                 for index, metric in enumerate(metrics))
             if show is not None and sys.stderr.isatty():
                 print(file=sys.stderr)
+            self.check_server()  # a run against a server that died counts nothing of the server's
             self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch,
                                          mean_question_batch=questions, server_ttft_mean=first_token)
         return self.rows[count]
@@ -341,6 +349,10 @@ class Probe:
 
 
 def _command() -> str | None:
-    """The command line, when this process is ``statekv bench serve``."""
+    """The command line, when this process is ``statekv bench serve``, its API key left out (results are shared)."""
     argv = sys.argv[1:]
-    return "statekv " + " ".join(argv) if argv[:2] == ["bench", "serve"] else None
+    if argv[:2] != ["bench", "serve"]:
+        return None
+    shown = ["KEY" if before == "--api-key" else "--api-key=KEY" if given.startswith("--api-key=") else given
+             for before, given in zip(["", *argv], argv)]
+    return "statekv " + " ".join(shown)

@@ -42,7 +42,8 @@ class LoadError(StateKVError):
 @dataclass(frozen=True)
 class LoadSettings:
     """What one run sends. ``route``: ``ask`` (the stream route) or ``chat`` (OpenAI-compatible). ``drain``: seconds
-    past the last scheduled request to wait for those still under way (then they count as failed).
+    past the run's end (its duration after its start) to wait for requests still under way (then they count as
+    failed).
     ``warm_frames``: frames each stream is pushed, unmeasured, before the clock starts."""
 
     fps: float = 1.0
@@ -188,7 +189,8 @@ async def _send_all(client: list, run: Run, ids: list[str | None], settings: Loa
             questions.append(asyncio.ensure_future(_ask(client[request.stream], request, ids[request.stream],
                                                         settings)))
         last_due = run.requests[-1].due if run.requests else run.start
-        remaining = max(0.0, last_due + settings.drain - time.perf_counter())
+        end = max(run.start + settings.duration, last_due)  # the run's end: its last request is due before it
+        remaining = max(0.0, end + settings.drain - time.perf_counter())
         tasks = cameras + questions
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=remaining)

@@ -52,7 +52,7 @@ def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
         asks = [r for r in run.requests if r.kind == "question"]
         lags = [r.done - r.due for r in frames if r.ok]
         ttfts = [r.first_token - r.sent for r in asks if r.ok]
-        failed = sum(r.error is not None for r in run.requests)
+        failed = sum(r.error is not None for r in run.requests) + len(run.setup_failures)  # as the table counts
         lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
         answers = sum(r.ok for r in asks)
         line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
