@@ -217,9 +217,23 @@ def test_unreadable_video_is_reported_and_retried_on_rerun(checkpoint, tmp_path,
     assert summary["score"]["overall"]["questions"] == 3 and summary["score"]["missing"] == 3
     assert [e["video_id"] for e in summary["errors"]] == ["fab001"] and "fab001" in summary["errors"][0]["error"]
     assert "(partial 3/6)" in (out / "table.md").read_text()
+    # rerun with a --limit that leaves the unreadable video out: every question asked is answered (before: its
+    # logged error still counted, and the run ended as if questions were unanswered)
+    summary = run_evaluation(config("videomme", checkpoint, root, out, limit=3), qa=models("statekv"))
+    assert summary["score"]["missing"] == 0 and summary["errors"] == []
     video.write_bytes(good)
     summary = run_evaluation(config("videomme", checkpoint, root, out), qa=models("statekv"))
     assert summary["score"]["missing"] == 0 and summary["errors"] == []
+
+
+def test_the_same_groups_in_another_order_resume_the_same_run(checkpoint, data_root, models, tmp_path):
+    """Before: ``--groups backward,realtime`` was refused as another run than ``--groups realtime,backward``."""
+    out = tmp_path / "run"
+    first = run_evaluation(config("ovobench", checkpoint, data_root, out, groups=("realtime", "backward")),
+                           qa=models("statekv"))
+    again = run_evaluation(config("ovobench", checkpoint, data_root, out, groups=("backward", "realtime", "backward")),
+                           qa=models("statekv"))
+    assert again["score"] == first["score"]
 
 
 def test_display_names():

@@ -125,6 +125,9 @@ def test_a_broken_ovobench_file_and_an_unknown_group_are_one_line_errors_on_the_
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert "ovo_bench_new.json: not valid JSON" in run.stderr
+    (ovo_root / "ovobench" / "ovo_bench_new.json").write_text('[{"id": 1, "realtime": ' + "9" * 5000 + "}]")
+    with pytest.raises(ev.AnnotationError, match="ovo_bench_new.json: not valid JSON .Exceeds the limit"):
+        ev.load_ovobench(ovo_root)  # before: a ValueError traceback (an integer of more digits than Python reads)
     with pytest.raises(ev.AnnotationError, match="unknown OVO-Bench group 'sideways'; choose from backward"):
         ovobench.check_groups(["sideways"])
     with pytest.raises(ev.AnnotationError, match="unknown OVO-Bench group ''; choose from"):
@@ -209,6 +212,9 @@ def test_streamingbench_prompts_are_the_releases(sb_root):
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '1:xx'"),
     ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="00:00:0\u00b2"),
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '00:00:0\u00b2'"),
+    # before: OverflowError / ValueError tracebacks (a float, or Python's int conversion, cannot hold them)
+    ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="9" * 400 + ":00"),
+     r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '9{40}': too long"),
     ("questions_real.json", lambda data: data[0]["questions"][0]["options"].pop(),
      "expected at least 4 options .the prompt lists A to D; the release's code fails on fewer., got 3"),
     ("questions_real.json", lambda data: data[1]["questions"][0].update(answer="E"), "answer 'E' is not one of ABCD"),

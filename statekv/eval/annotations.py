@@ -81,8 +81,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise AnnotationError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        except ValueError as error:  # json's, or an integer of more digits than Python converts
+            raise AnnotationError(f"{path}:{number}: not valid JSON ({getattr(error, 'msg', str(error)[:80])})") \
+                from None
         except RecursionError:
             raise AnnotationError(f"{path}:{number}: JSON nested too deeply") from None
     return _require_objects(path, rows)
@@ -109,6 +110,8 @@ def read_json_document(path: Path) -> Any:
         raise AnnotationError(f"{path}:{line}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
         raise AnnotationError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise AnnotationError(f"{path}: not valid JSON ({str(error)[:80]})") from None
     except RecursionError:
         raise AnnotationError(f"{path}: JSON nested too deeply") from None
 

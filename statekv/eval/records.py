@@ -234,7 +234,7 @@ def read_records(path: Path | str) -> list[AnswerRecord]:
             continue
         try:
             records.append(AnswerRecord.from_json(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as error:
+        except (ValueError, KeyError, TypeError, RecursionError) as error:  # ValueError: json's, and huge integers
             raise ResultsFileError(f"{path}:{number}: corrupt answer record ({error})") from None
     return records
 

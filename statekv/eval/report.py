@@ -96,7 +96,7 @@ def read_summary(run_dir: Path | str) -> dict[str, Any]:
         raise FileNotFoundError(f"no run summary at {path} (run write_summary first)")
     try:
         summary = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, or an integer too long to convert
         raise DataError(f"{path}: damaged results file ({str(error)[:80]}); delete it and run `statekv eval "
                         "table` again to score the answers") from None
     _check_summary(path, summary)

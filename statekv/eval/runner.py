@@ -124,7 +124,7 @@ class EvalConfig:
             if self.benchmark not in GROUPED_BENCHMARKS:
                 raise ConfigurationError(f"{self.benchmark} has no groups to choose (--groups applies to "
                                          f"{' and '.join(GROUPED_BENCHMARKS)})")
-            object.__setattr__(self, "groups", tuple(self.groups))
+            object.__setattr__(self, "groups", tuple(sorted(set(self.groups))))  # one run whatever their order
         if self.max_frames is None:
             object.__setattr__(self, "max_frames", default_max_frames(self.benchmark))
         for name in ("limit", "max_new_tokens", *(("max_frames",) if self.max_frames is not None else ())):
@@ -374,7 +374,7 @@ def _record(config: EvalConfig, answer: Answer) -> AnswerRecord:
 
 def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
     """Rank 0, after every rank: merge, score, write ``results.json`` and ``table.md``."""
-    errors = unresolved_errors(config.out)
+    errors = unresolved_errors(config.out, expected)
     if not completed_qids(config.out):
         raise ConfigurationError(f"{config.out}: no question was answered ({len(errors)} unreadable video(s), see "
                                  "errors.rank*.jsonl)")
@@ -408,6 +408,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         recorded.setdefault("mode", default_mode(str(recorded.get("benchmark")), recorded.get("ovobench_videos")))
         if recorded.get("benchmark") == "ovobench" and "groups" not in run["settings"]:
             recorded["groups"] = ["realtime"]  # written when statekv read OVO-Bench's real-time group only
+        if isinstance(recorded.get("groups"), list):  # recorded as given before they were sorted
+            recorded["groups"] = sorted(set(map(str, recorded["groups"])))
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
         redo = "use another --out for different settings, or --overwrite to answer again"
         if changed:
@@ -471,7 +473,7 @@ def read_run_file(run_dir: Path | str) -> dict[str, Any] | None:
         run = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
         raise DataError(f"{path}: damaged run file (not UTF-8 text); delete it or use --overwrite") from None
-    except (json.JSONDecodeError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:  # ValueError: json's, and integers too long to convert
         raise DataError(f"{path}: damaged run file (not JSON: {str(error)[:80]}); delete it or use --overwrite") \
             from None
     if not isinstance(run, dict):
@@ -521,15 +523,17 @@ def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuest
         os.fsync(file.fileno())
 
 
-def unresolved_errors(run_dir: Path) -> list[dict[str, Any]]:
+def unresolved_errors(run_dir: Path, asked: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Logged video errors whose questions are still unanswered (one entry per video, the latest error, with the
-    ids of its questions still unanswered)."""
-    answered = completed_qids(run_dir)
+    ids of its questions still unanswered), of the questions ``asked`` only (None: any; a rerun with a smaller
+    --limit asks fewer than the folder's log names)."""
+    answered, asked = completed_qids(run_dir), None if asked is None else set(asked)
     latest: dict[str, dict[str, Any]] = {}
     for path in sorted(run_dir.glob("errors.rank*.jsonl")):
         for entry in _error_entries(path):
             latest[entry["video_id"]] = entry
-    left = ({**entry, "qids": [qid for qid in entry["qids"] if qid not in answered]} for entry in latest.values())
+    left = ({**entry, "qids": [qid for qid in entry["qids"] if qid not in answered and (asked is None or qid in asked)]}
+            for entry in latest.values())
     return [entry for entry in left if entry["qids"]]  # a video that failed part way: its answers before count
 
 
@@ -544,7 +548,7 @@ def _error_entries(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             entry = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             entry = None
         if not (isinstance(entry, dict) and isinstance(entry.get("video_id"), str)
                 and isinstance(entry.get("qids"), list) and all(isinstance(q, str) for q in entry["qids"])

@@ -247,6 +247,8 @@ def clock_seconds(value: Any, what: str, notes: LoadNotes | None = None) -> floa
     parts = str(value).strip().split(":")
     if not 1 <= len(parts) <= 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {value!r}")
+    if sum(len(part) for part in parts) > 12:  # no video is longer: past it a float or an int cannot hold the time
+        raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {str(value)[:40]!r}: too long")
     seconds = float(sum(int(part) * 60 ** power for power, part in enumerate(reversed(parts))))
     if notes is not None and any(int(part) >= 60 for part in parts[1:]):
         notes.add(f"time(s) with minutes or seconds past 59, read as the release's code reads them "
