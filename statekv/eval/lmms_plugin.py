@@ -507,9 +507,10 @@ def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
     value = gen_kwargs.get("max_new_tokens")
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
-    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool) or _finite(value) and value == int(value)
-    if not whole or value < 1:
-        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got {shown(value)}")
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not (integral or _finite(value) and value == int(value)) or value < 1:
+        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got "
+                         f"{shown(value)}")
     if value > LARGEST_INT:
         raise InputError(f"the request's max_new_tokens must be at most {LARGEST_INT:,}; got {shown(value)}")
     return int(value)
