@@ -169,12 +169,14 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
 def test_a_server_that_dies_during_the_runs_ends_them_in_one_line_after_reporting_those_finished(
         monkeypatch, tmp_path, capsys):
     """Before: bench serve went on against its dead server, tabled a run of nothing but failures, and exited 0
-    (with --find-max: 0 streams held, the search complete)."""
+    (with --find-max: 0 streams held, the search complete). The runs are the command's own (`Probe.__call__`),
+    their load and the server's metrics stood in for."""
+    import statekv.bench.load as load_module
     import statekv.bench.server as server_module
     from statekv.bench.server import ServerError
     from statekv.cli import main
 
-    class Dying:  # the server bench serve starts, dead once its first run is over
+    class Dying:  # the server bench serve starts: it dies during its second run
         url, key, runs = "http://127.0.0.1:9", "k", 0
 
         def __init__(self, options, threads=None):
@@ -187,23 +189,24 @@ def test_a_server_that_dies_during_the_runs_ends_them_in_one_line_after_reportin
             pass
 
         def check_running(self):
-            if Dying.runs:
+            if Dying.runs >= 2:
                 raise ServerError("the server statekv bench serve started exited (status -9) during the runs: gone")
 
-    def run(self, count):
-        self.check_server()
+    async def load(url, key, count, settings, frames, show=None, ready=None):
         Dying.runs += 1
-        self.rows[count] = summarize(_run(_frames(0, 0.1, count=4)), fps=1.0, duration=4.0, targets=Targets(),
-                                     mean_batch=1.0)
-        return self.rows[count]
+        return _run(*[_frames(camera, 0.1, count=4) for camera in range(count)])
 
     monkeypatch.setattr(server_module, "LocalServer", Dying)
-    _probe_runs(monkeypatch, run)
+    monkeypatch.setattr(server_module, "histogram_totals", lambda url, metric=None: None)
+    monkeypatch.setattr(load_module, "run_load", load)
+    monkeypatch.setattr(Probe, "reach", lambda self: None)
+    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
     out = tmp_path / "runs.json"
-    assert main(["bench", "serve", "--streams", "1,2", "--fps", "1", "--duration", "4", "--json", str(out)]) == 2
+    assert main(["bench", "serve", "--streams", "1,2,4", "--fps", "1", "--duration", "4", "--json", str(out)]) == 2
     captured = capsys.readouterr()
     assert "| 1 | 1 | 1.0 |" in captured.out and captured.err.strip().endswith("during the runs: gone")
-    assert [row["streams"] for row in json.loads(out.read_text())["results"]] == [1]
+    assert [row["streams"] for row in json.loads(out.read_text())["results"]] == [1]  # not the dead server's run
+    assert Dying.runs == 2  # no run started against it once it was found dead
 
 
 class _SlowServer:

@@ -80,19 +80,20 @@ class LocalServer(_ServerBlock):
             if self.process.poll() is not None:
                 break
             time.sleep(0.2)
-        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        why = last[-1] if last else "no output"
-        raise ServerError(f"the server did not start: {why}")
+        raise ServerError(f"the server did not start: {self.last_said()}")
 
     def check_running(self) -> None:
         """A one-line `ServerError` with the server's last log line once it has exited (a run against it would only
         count failures)."""
         code = None if self.process is None else self.process.poll()
         if code is not None:
-            last = [line for line in (Path(self._folder.name) / "serve.log").read_text(errors="replace").splitlines()
-                    if line.strip()]
             raise ServerError(f"the server statekv bench serve started exited (status {code}) during the runs: "
-                              f"{last[-1] if last else 'no output'}")
+                              f"{self.last_said()}")
+
+    def last_said(self) -> str:
+        """The last line the server wrote to its log."""
+        lines = (Path(self._folder.name) / "serve.log").read_text(errors="replace").splitlines()
+        return next((line for line in reversed(lines) if line.strip()), "no output")
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
