@@ -117,10 +117,13 @@ def run(args: argparse.Namespace) -> int:
                "statekv": (f"StateKV B={budget}", {"budget": budget})}
     if videos is None:
         return _own_video(args, loaded, methods, model)
-    return _held_out(args, loaded, methods, model, builtin, videos, plot_path)
+    # the small model's streams together take little memory; a real checkpoint's detailed caches, one at a time
+    together = len(videos) if small else 1
+    return _held_out(args, loaded, methods, model, builtin, videos, plot_path, together)
 
 
-def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: list, plot_path: Path) -> int:
+def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: list, plot_path: Path,
+              together: int) -> int:
     from statekv.synthetic.tasks import FAMILIES
 
     from .demo_runs import grow, plot, score
@@ -128,7 +131,7 @@ def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: li
     scored, growths = [], []
     for method, (label, sizes) in methods.items():
         qa = loaded.with_options(method=method, **sizes)
-        scored.append(score(qa, method, label, videos, max_new_tokens=args.max_new_tokens))
+        scored.append(score(qa, method, label, videos, max_new_tokens=args.max_new_tokens, together=together))
         growths.append(grow(qa, method, label, [video for video, _ in videos[:GROWTH_VIDEOS]]))
     families = [name for name in FAMILIES if any(run.family(name)[1] for run in scored)]
     drawn = None

@@ -3,6 +3,7 @@ attends to and costs as one stream grows; and the demo's plot."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -44,20 +45,36 @@ def wilson(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
 
 
 def score(qa: Any, method: str, label: str, videos: list[tuple[Path, list[dict]]], *, max_new_tokens: int,
-          progress: Any = None) -> Scored:
-    """Encode each video under ``qa`` and answer its questions (rows of a synthetic question file)."""
+          together: int = 1) -> Scored:
+    """Stream each video (one frame per second) under ``qa`` and answer its questions (rows of a synthetic question
+    file). ``together`` videos at a time are pushed as streams stepped together (`VideoQA.push_many`) and their
+    questions asked together (`VideoQA.ask_many`): each answer is the one its video gets alone."""
     from statekv.eval.parsing import ranked_letter
     from statekv.synthetic.prompts import question_prompt
+    from statekv.video import open_video
 
     scored, started = Scored(method, label), time.perf_counter()
-    for video, questions in videos:
-        with qa.encode(video, max_fps=1.0, max_frames=512) as encoded:
-            for row in questions:
-                answer = encoded.ask(question_prompt(row["question"], row["options"]), max_new_tokens=max_new_tokens)
-                scored.answers.append({"qid": row["qid"], "family": row["task_type"], "answer": answer,
-                                       "correct": ranked_letter(answer) == row["answer"]})
-        if progress is not None:
-            progress()
+    for first in range(0, len(videos), together):
+        group = videos[first:first + together]
+        sources = [open_video(video) for video, _ in group]
+        streams = []
+        try:
+            for (video, _), source in zip(group, sources):
+                frames = len(source.sample_indices(max_fps=1.0, max_frames=10**6))
+                streams.append(qa.stream(frames, max_fps=1.0, name=video.name))
+            shown = [source.sample(max_fps=1.0, max_frames=10**6) for source in sources]
+            for frames in itertools.zip_longest(*shown):
+                qa.push_many([(stream, frame.image, frame.timestamp)
+                              for stream, frame in zip(streams, frames) if frame is not None])
+            rows = [(stream, row) for stream, (_, questions) in zip(streams, group) for row in questions]
+            answers = qa.ask_many([(stream, question_prompt(row["question"], row["options"]),
+                                    {"max_new_tokens": max_new_tokens}) for stream, row in rows])
+        finally:
+            for stream in streams:
+                stream.close()
+        scored.answers.extend({"qid": row["qid"], "family": row["task_type"], "answer": answer,
+                               "correct": ranked_letter(answer) == row["answer"]}
+                              for (_, row), answer in zip(rows, answers, strict=True))
     scored.seconds = time.perf_counter() - started
     return scored
 
