@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -222,6 +223,19 @@ def _usage_error(capsys, argv) -> str:
         main([*map(str, argv)])
     assert info.value.code == 2
     return _one_line_error(capsys.readouterr().err)
+
+
+def test_ask_takes_seconds_or_a_clock_time():
+    from statekv.commands.stream import timed_question
+
+    assert timed_question("12.5:What is on the table?") == (12.5, "What is on the table?")
+    assert timed_question("1:30:Who came in?") == (90.0, "Who came in?")
+    assert timed_question("1:02:03.5:Is it dark?") == (3723.5, "Is it dark?")
+    assert timed_question("30:Is the ratio 2:1?") == (30.0, "Is the ratio 2:1?")  # a colon in the question
+    assert timed_question("5:10 people or more?") == (5.0, "10 people or more?")
+    for bad in ("1:30:", "soon:Why?", "9" * 400 + ":00:00:Why?"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"\[H:\]M:SS:QUESTION"):
+            timed_question(bad)
 
 
 def test_bad_options(files, capsys):

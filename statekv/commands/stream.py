@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -20,16 +21,25 @@ from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, f
 from ..stopping import note_kept
 
 
+CLOCK = re.compile(r"(?:(\d+):)?(\d+):(\d\d(?:\.\d*)?):(.*)", re.DOTALL)  # [H:]M:SS:QUESTION
+
+
 def timed_question(text: str) -> tuple[float, str]:
-    """``"12.5:What is on the table?"`` -> ``(12.5, "What is on the table?")``."""
-    seconds, separator, question = text.partition(":")
-    try:
-        time = float(seconds)
-    except ValueError:
-        time = math.nan
+    """``"12.5:What is on the table?"`` -> ``(12.5, "What is on the table?")``; a clock time too:
+    ``"1:30:Who came in?"`` -> ``(90.0, "Who came in?")``, ``"1:02:03:..."`` -> ``(3723.0, ...)``."""
+    clock = CLOCK.fullmatch(text)
+    if clock:
+        hours, minutes, seconds, question = clock.groups()
+        separator, time = ":", 3600 * float(hours or 0) + 60 * float(minutes) + float(seconds)
+    else:
+        seconds, separator, question = text.partition(":")
+        try:
+            time = float(seconds)
+        except ValueError:
+            time = math.nan
     if not separator or not math.isfinite(time) or time < 0 or not question.strip():
-        raise argparse.ArgumentTypeError(f"expected SECONDS:QUESTION (e.g. 12.5:\"What is on the table?\"), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected SECONDS:QUESTION or [H:]M:SS:QUESTION (e.g. 12.5:\"What is on the "
+                                         f"table?\" or 1:30:\"Who came in?\"), got {text!r}")
     return time, question.strip()
 
 
@@ -57,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.extra_hint = "; give questions as --ask SECONDS:QUESTION (or --watch FRAMES:QUESTION)"
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("--ask", type=timed_question, action="append", default=[], metavar="SECONDS:QUESTION",
-                        help="ask QUESTION when the stream reaches SECONDS (repeatable)")
+                        help="ask QUESTION when the stream reaches SECONDS (or a clock time, 1:30:QUESTION or "
+                             "1:02:03:QUESTION) (repeatable)")
     parser.add_argument("--watch", type=watched_question, action="append", default=[], metavar="FRAMES:QUESTION",
                         help="watch for QUESTION's answer: evaluate it every FRAMES frames and print it whenever it "
                              "changes (repeatable)")
