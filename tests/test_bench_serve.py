@@ -70,6 +70,9 @@ def test_a_camera_counts_in_goodput_when_held_at_real_time_with_its_ttft_under_t
     row = summarize(run, fps=1.0, duration=20.0, targets=targets, mean_batch=2.5, mean_question_batch=1.5)
     assert row["held_streams"] == 2 and row["goodput_streams"] == 1 and row["failures"] == 1
     assert row["frames_done"] == 79 and row["questions"] == 3 and row["mean_batch"] == 2.5
+    never = [Request("frame", 0, due=3 + k, error="no stream") for k in range(2)]  # their camera could not be made
+    unsent = summarize(_run(_frames(0, 0.1)[:3] + never), 1.0, 5.0, targets, None)
+    assert (unsent["frames_scheduled"], unsent["frames_sent"], unsent["frames_done"]) == (5, 3, 3)
     assert row["mean_question_batch"] == 1.5
     assert row["ttft_p50_s"] == pytest.approx(0.2) and row["lag_p50_s"] == pytest.approx(0.1)
     spread = summarize(_run([Request("frame", 0, due=k, sent=k, done=k + (k + 1) / 100) for k in range(100)]),

@@ -94,8 +94,9 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
     # last is streamed late: a run whose server stopped or fell behind is not counted at its last success's pace
     scheduled = math.floor(duration * fps) / fps
     span = max(scheduled, max((r.done for r in done), default=run.start) - run.start)
-    row = {"streams": run.streams, "fps": fps, "duration_s": duration, "frames_sent": len(frames),
-           "frames_done": len(done), "frames_per_s": len(done) / span if span > 0 else 0.0,
+    row = {"streams": run.streams, "fps": fps, "duration_s": duration, "frames_scheduled": len(frames),
+           "frames_sent": sum(r.sent is not None for r in frames), "frames_done": len(done),
+           "frames_per_s": len(done) / span if span > 0 else 0.0,
            "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "lag_p99_s": percentile(lags, 99),
            "lag_max_s": max(lags, default=None), "questions": len(asks),
            "answers": len(answered)}
