@@ -425,6 +425,11 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
                  "--resume", str(folder)]) == 0  # --watch no longer asks it: it closes, and is kept no more
     capsys.readouterr()
     assert not (folder / WATCHES_FILE).exists()
+    plain = [flag for flag in flags[:-6] if flag != "--json"]
+    assert main(["stream", str(video), *plain, "--offload", "disk", "--offload-dir", str(tmp_path / "tier"),
+                 "--resume", str(folder)]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]  # no frame pushed, so no time a frame (was 0.0 ms)
+    assert summary.startswith("20 frames") and "kept in" in summary and "ms per frame" not in summary, summary
 
 
 def test_a_resumed_stream_is_of_the_same_video_file_or_of_one_moved_there(tmp_path):

@@ -415,9 +415,10 @@ class _Replay:
                               "folder": None if self.folder is None else str(self.folder),
                               "error": error}), flush=True)
         elif error is None:
+            timed = stats.frame_seconds or stats.earlier_frames  # none when a resumed stream was pushed no frame
             print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
-                  f"{self.stream.tokens} tokens, {self.options.label}, carried "
-                  f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame"
+                  f"{self.stream.tokens} tokens, {self.options.label}, carried {stats.carried_tokens} tokens"
+                  + (f", {1e3 * stats.mean_frame_seconds:.1f} ms per frame" if timed else "")
                   + (f"; saved to {where}" if where else "")
                   + (f"; kept in {self.folder}" if self.folder is not None else ""), flush=True)
 
