@@ -12,7 +12,7 @@ held-out long set (every frame streamed, bounded positions), with one change:
 * ``handover``: the default now, no flag (`statekv.api.handover`: own-then-cache while the stream fits the range,
   the cache layout's engine once past it).
 
-The switch runs stand their layout in for own-then-cache's (`placing.BOUNDED_LAYOUTS`) while they run.
+The switch runs stand their layout in for own-then-cache's (`layouts.BOUNDED_LAYOUTS`) while they run.
 
 Each run is an `statekv eval` run folder under ``--runs`` (a finished one is only read). Cells: % correct [95%
 Wilson interval]; "target" pools needle, attribute, order and first_last (issue #45's group).
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from past_range_heldout import APART, TARGET, cell, command, tally  # noqa: E402
 from report import write_section  # noqa: E402
 
-from statekv.core.positions import placing  # noqa: E402
+from statekv.core.positions import layouts  # noqa: E402
 from statekv.core.rules import StateKV, WithSinks  # noqa: E402
 from statekv.settings.methods import MethodSpec, at_most_budget, register_method  # noqa: E402
 
@@ -47,7 +47,7 @@ OWN = ["--bounded-layout", "own-then-cache"]
 
 
 @dataclass(frozen=True)
-class SwitchAt(placing.OwnThenCache):
+class SwitchAt(layouts.OwnThenCache):
     """Own-then-cache whose chunks stay at their own positions only up to ``own`` positions."""
 
     name: ClassVar[str] = "own-then-cache-switch"
@@ -57,9 +57,9 @@ class SwitchAt(placing.OwnThenCache):
         return min(super().ceiling(span, carried, limit), self.own - span)
 
 
-def runs(switches: list[int]) -> list[tuple[str, str, list[str], placing.BoundedLayout]]:
+def runs(switches: list[int]) -> list[tuple[str, str, list[str], layouts.BoundedLayout]]:
     """``(name, label, eval flags, the layout standing in for own-then-cache)`` of every configuration."""
-    own = placing.OwnThenCache()
+    own = layouts.OwnThenCache()
     plan = [("defaults", "own-then-cache, switching at the range's cap (the defaults before handover)",
              FLAGS + OWN, own)]
     plan += [(f"switch-{n}", f"own-then-cache, switching at {n:,} positions", FLAGS + OWN, SwitchAt(own=n))
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, label, flags, layout in runs(switches):
             out = args.runs / name
             if tally(out) is None:
-                placing.BOUNDED_LAYOUTS[placing.OwnThenCache.name] = layout
+                layouts.BOUNDED_LAYOUTS[layouts.OwnThenCache.name] = layout
                 if statekv_main(command(args.long, out, flags)):
                     raise SystemExit(f"statekv eval failed for {name}")
             rows.append((label, tally(out)))
     finally:
-        placing.BOUNDED_LAYOUTS[placing.OwnThenCache.name] = placing.OwnThenCache()
+        layouts.BOUNDED_LAYOUTS[layouts.OwnThenCache.name] = layouts.OwnThenCache()
     families = ("target", *TARGET, *APART)
     made = json.loads((args.long / "benchmark.json").read_text(encoding="utf-8"))
     lines = [f"Set: `{args.long}` (`statekv synthetic make --frames {made['num_frames']} --videos {made['videos']} "

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import statekv.settings.engine as engine_settings
-from statekv.core.positions import placing
+from statekv.core.positions import layouts
 
 
 @dataclass(frozen=True)
-class SqueezedDistances(placing.GroupedDistances):
+class SqueezedDistances(layouts.GroupedDistances):
     """`GroupedDistances` within the last ``reach`` positions before the chunk instead of the whole range."""
 
     name: ClassVar[str] = "squeezed"
@@ -32,7 +32,7 @@ class SqueezedDistances(placing.GroupedDistances):
     near: int = 64
 
     def place(self, first, base, span, limit, flat=True, moved=False):
-        return placing.grouped_places(first, base, self.near, self.reach)
+        return layouts.grouped_places(first, base, self.near, self.reach)
 
 
 def register(reach: int, near: int) -> str:
@@ -40,7 +40,7 @@ def register(reach: int, near: int) -> str:
     if not 0 <= near < reach:
         raise SystemExit(f"--near {near} must be at least 0 and below --reach {reach}")
     layout = SqueezedDistances(reach=reach, near=near)
-    placing.BOUNDED_LAYOUTS[layout.name] = layout
+    layouts.BOUNDED_LAYOUTS[layout.name] = layout
     if layout.name not in engine_settings.BOUNDED_LAYOUTS:
         engine_settings.BOUNDED_LAYOUTS = (*engine_settings.BOUNDED_LAYOUTS, layout.name)
     return layout.name

@@ -18,7 +18,7 @@ from statekv.builtin.batches import BatchMaker, FrameBank, frame_words, forward_
 from statekv.builtin.lean import keeping_maps
 from statekv.builtin.long_range import DENSE_FAMILIES, UNTRAINED, LongRange, dense_batch, draw_batch, stream_batch
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
-from statekv.core.positions.placing import GroupedDistances, grouped_places
+from statekv.core.positions.layouts import GroupedDistances, grouped_places
 from statekv.errors import ConfigurationError
 from statekv.eval.runner import EvalConfig, run_evaluation
 from statekv.synthetic.benchmark import make_benchmark, write_video

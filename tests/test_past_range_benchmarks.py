@@ -141,7 +141,7 @@ def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(
     layout, limit = switch.SwitchAt(own=512), 4096
     assert layout.base(400, 8, 64, limit) == 400  # inside the switch: its own position
     assert layout.base(600, 8, 64, limit) == 64  # past it: right after the 64 carried tokens
-    assert switch.placing.OwnThenCache().base(600, 8, 64, limit) == 600  # the default switches only at the cap
+    assert switch.layouts.OwnThenCache().base(600, 8, 64, limit) == 600  # the default switches only at the cap
     assert [name for name, *_ in switch.runs([512])] == ["defaults", "switch-512", "prefix", "cache", "handover"]
     with pytest.raises(SystemExit, match="not a synthetic set"):
         switch.main(["--long", str(tmp_path)])
@@ -149,7 +149,7 @@ def test_encoding_switch_places_own_positions_up_to_the_switch_then_cache_order(
 
 def test_the_squeezed_layout_fits_a_frames_whole_history_in_its_reach_keeping_the_nearest_exact(monkeypatch):
     squeezed = benchmark("squeezed_encoding")
-    from statekv.core.positions import placing
+    from statekv.core.positions import layouts
     import statekv.settings.engine as engine_settings
 
     layout = squeezed.SqueezedDistances(reach=40, near=8)
@@ -160,10 +160,10 @@ def test_the_squeezed_layout_fits_a_frames_whole_history_in_its_reach_keeping_th
     assert distances.max() <= 40 and distances.min() >= 1 and (places.diff() >= 0).all()  # in time order
     near = first - anchors <= 8
     assert torch.equal(distances[near], (first - anchors)[near])
-    monkeypatch.setattr(placing, "BOUNDED_LAYOUTS", dict(placing.BOUNDED_LAYOUTS))
+    monkeypatch.setattr(layouts, "BOUNDED_LAYOUTS", dict(layouts.BOUNDED_LAYOUTS))
     monkeypatch.setattr(engine_settings, "BOUNDED_LAYOUTS", engine_settings.BOUNDED_LAYOUTS)
     name = squeezed.register(40, 8)
-    assert placing.bounded_layout(name) == layout
+    assert layouts.bounded_layout(name) == layout
     assert engine_settings.EngineSettings(bounded_layout=name).bounded_layout == name
     with pytest.raises(SystemExit, match="--near 40"):
         squeezed.register(40, 40)

@@ -8,8 +8,8 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from statekv.core import FullAttention, PerLayerBudget, Recency, Retrieval, StateKV, StreamingPrefill
 from statekv.core.rules import CarryPolicy
-from statekv.core.positions.placing import (CacheOrder, GroupedDistances, OwnThenCache, StreamPositions,
-                                            choose_positions)
+from statekv.core.positions.layouts import CacheOrder, GroupedDistances, OwnThenCache
+from statekv.core.positions.placing import StreamPositions, choose_positions
 from statekv.core.positions.rope import trained_range
 from statekv.core.positions.rotation import rotate
 from statekv.errors import ConfigurationError, HorizonError, InputError
@@ -137,7 +137,7 @@ def test_bounded_places_keys_inside_the_range_past_it(model, monkeypatch):
     """Past the range every rotary position stays inside it: the chunk at its base, each carried key rotated
     from the rotation it was stored at to the layout's place for it (the grouped layout, checked against a
     direct computation)."""
-    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", GroupedDistances.name)
+    monkeypatch.setattr("statekv.core.positions.layouts.DEFAULT_LAYOUT", GroupedDistances.name)
     policy = Recording(16)
     prefill = StreamingPrefill(model, policy, positions="bounded")
     seen_positions = []
@@ -248,7 +248,7 @@ def test_a_step_placed_where_the_host_settled_it_is_the_step_that_finds_its_plac
     resumed part-way too, in fewer ops."""
     from statekv.testing.op_trace import OpTrace
 
-    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", layout)
+    monkeypatch.setattr("statekv.core.positions.layouts.DEFAULT_LAYOUT", layout)
     embed = model.get_input_embeddings()
     chunks = [embed(tokens(lengths[index % len(lengths)], index)).detach() for index in range(36)]
 
@@ -412,7 +412,7 @@ def test_question_past_the_range_reads_retrieved_frames(model):
 def test_cache_layout_keeps_the_carried_state_in_cache_order(model, monkeypatch):
     """The cache layout: carried keys at consecutive positions right before the chunk (StreamingLLM); full
     attention, whose carried state outgrows the range, is refused with one line."""
-    monkeypatch.setattr("statekv.core.positions.placing.DEFAULT_LAYOUT", CacheOrder.name)
+    monkeypatch.setattr("statekv.core.positions.layouts.DEFAULT_LAYOUT", CacheOrder.name)
     prefill = StreamingPrefill(model, StateKV(16), positions="bounded")
     for chunk in split(tokens(100)) * 2:
         prefill.step(input_ids=chunk)

@@ -151,7 +151,7 @@ def test_qa_stream_and_eval_take_the_span(tmp_path, capsys):
 
 def test_the_bounded_layout_is_a_checked_setting_a_stream_is_made_with(tmp_path):
     import statekv
-    from statekv.core.positions.placing import BOUNDED_LAYOUTS, CacheOrder, OwnThenCache
+    from statekv.core.positions.layouts import BOUNDED_LAYOUTS, CacheOrder, OwnThenCache
     from statekv.settings.engine import BOUNDED_LAYOUTS as NAMES
     from statekv.testing import make_tiny_checkpoint
 
@@ -189,8 +189,8 @@ def test_a_stream_saved_under_one_bounded_layout_is_resumed_under_it_only(tmp_pa
 
 
 def test_the_settings_name_every_bounded_layout_the_engine_has():
-    from statekv.core.positions import placing
+    from statekv.core.positions import layouts
     from statekv.settings import engine
 
-    assert set(engine.BOUNDED_LAYOUTS) == set(placing.BOUNDED_LAYOUTS)
-    assert placing.DEFAULT_LAYOUT in engine.BOUNDED_LAYOUTS
+    assert set(engine.BOUNDED_LAYOUTS) == set(layouts.BOUNDED_LAYOUTS)
+    assert layouts.DEFAULT_LAYOUT in engine.BOUNDED_LAYOUTS

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..core.positions.placing import CacheOrder, OwnThenCache
+from ..core.positions.layouts import CacheOrder, OwnThenCache
 from ..core.positions.rope import rope_parameters, trained_range
 from ..core.rules.base import CarryPolicy
 from ..errors import InputError

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.positions.placing import GroupedDistances, grouped_places
+from ..core.positions.layouts import GroupedDistances, grouped_places
 from ..core.positions.rope import trained_range
 from ..synthetic.seeds import TRAINING_SEEDS
 from .batches import Batch, BatchMaker

@@ -30,7 +30,7 @@ CACHE_LIMITS = ("refuse", "evict-oldest", "evict-least-attended")  # `statekv.co
 DEFAULT_CACHE_LIMIT = "refuse"
 KV_CACHE_BITS = {"int8": 8, "int4": 4}  # `statekv.core.storage.quantized`
 POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
-BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.placing.BOUNDED_LAYOUTS`
+BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.layouts.BOUNDED_LAYOUTS`
 HANDOVER = "handover"  # a stream's engine and its successor, own-then-cache then cache (`statekv.api.handover`)
 OFFLOAD_TIERS = ("disk", "memory")
 # positions a question past the range spreads its retrieved frames over (`statekv.core.positions.placing`): the
@@ -204,7 +204,7 @@ class EngineSettings:
     ``"bounded"``: kept inside the range the model was trained on, so a stream needs no horizon; None: ``stream``
     where the horizon fits the model's range, else ``bounded``, decided when a stream is made
     (`statekv.core.positions.placing.choose_positions`) and recorded as decided). bounded_layout: where bounded
-    positions put the carried state while each step is encoded (`statekv.core.positions.placing.BOUNDED_LAYOUTS`,
+    positions put the carried state while each step is encoded (`statekv.core.positions.layouts.BOUNDED_LAYOUTS`,
     or ``handover``, a stream's two engines, `statekv.api.handover`; None: a stream's default, ``handover``, and one
     engine's, ``own-then-cache``). question_span: under bounded
     positions past the range, the positions before the prompt a question's retrieved frames are spread over by

@@ -1,5 +1,5 @@
 """Rotating keys stored at one RoPE position to another (`rotate`: RoPE's own rotation by the difference), and a
-placed step's carried keys, every layer's at once (`place_carried`), where a layout (`statekv.core.positions.placing`)
+placed step's carried keys, every layer's at once (`place_carried`), where a layout (`statekv.core.positions.layouts`)
 puts them."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
 from ..rules.base import CarryPolicy
-from ..positions import placing
+from ..positions import layouts
 from ..positions.placing import QuestionPlan, StreamPositions
 from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
@@ -119,7 +119,7 @@ class StreamingPrefill:
         self.geometry = cache_geometry(model)
         self.disk: DiskTier | None = None
         if settings.offload == "disk" or disk_tier is not None:
-            layout = (settings.bounded_layout or placing.DEFAULT_LAYOUT) if bounded else None
+            layout = (settings.bounded_layout or layouts.DEFAULT_LAYOUT) if bounded else None
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
                 "kv_cache_dtype": kv_cache_dtype, "bounded_layout": layout})
@@ -145,7 +145,7 @@ class StreamingPrefill:
         self.rope: FrozenRope | None = rotary.freeze_rope(self.decoder, frozen_for) if freeze_rope else None
         if bounded:
             rotary.settle_rotary(self.decoder)
-        layout = settings.bounded_layout or placing.DEFAULT_LAYOUT
+        layout = settings.bounded_layout or layouts.DEFAULT_LAYOUT
         self.positions = StreamPositions(settings.positions, limit, layout,
                                          model_frequencies(self.decoder, self.rope) if bounded else None,
                                          settings.question_span)
