@@ -166,6 +166,61 @@ def test_saves_in_object_storage_are_found_through_the_fenced_pointer(tmp_path):
     assert list((tmp_path / "bucket").iterdir()) == [] and not fresh.has_state(STREAM)
 
 
+def test_a_holder_that_stalled_before_pruning_its_objects_keeps_the_next_holders_save(tmp_path, monkeypatch):
+    """Before: a holder stalled between pointing at its new save and pruning its older objects, while another
+    replica took the stream and saved: the pruning removed every object of the stream but its own, the new
+    holder's too, and the stream could not be loaded."""
+    pytest.importorskip("fsspec")
+    clock, url = Clock(), (tmp_path / "bucket").as_uri()
+    stale = SharedStreamFiles(tmp_path / "state", Leases(tmp_path / "state", "stale", 10, clock), store=url)
+    fresh = SharedStreamFiles(tmp_path / "state", Leases(tmp_path / "state", "fresh", 10, clock), store=url)
+    stale.claim(STREAM)
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"one"))
+    names, stalled = stale.store.objects.names, []
+
+    def listing(prefix):
+        if not stalled:  # the pruning lists the objects: the holder stalls there
+            stalled.append(prefix)
+            clock.now += 11
+            assert fresh.take(STREAM)
+            fresh.save_state(STREAM, lambda path: path.write_bytes(b"fresh"))
+        return names(prefix)
+    monkeypatch.setattr(stale.store.objects, "names", listing)
+    stale.save_state(STREAM, lambda path: path.write_bytes(b"two"))
+    assert stalled
+    with fresh.local_state(STREAM) as path:
+        assert path.read_bytes() == b"fresh"
+
+
+def test_a_save_uploaded_to_a_local_folder_store_is_on_the_disk_before_it_has_its_name(tmp_path, monkeypatch):
+    """Before: fsspec's copy, never flushed, while the version naming it is: a power loss could leave a name on a
+    torn save with the older one already pruned."""
+    pytest.importorskip("fsspec")
+    from statekv.serve.cluster import objects
+
+    flushed = []
+    monkeypatch.setattr(objects, "flush_file", lambda path: flushed.append(Path(path)))
+    store, local = objects.ObjectStore((tmp_path / "bucket").as_uri()), tmp_path / "save.safetensors"
+    local.write_bytes(b"saved")
+    store.upload(local, "saves/one.safetensors")
+    assert (tmp_path / "bucket" / "saves" / "one.safetensors").read_bytes() == b"saved"
+    assert len(flushed) == 1 and flushed[0].parent == tmp_path / "bucket" / "saves" and not flushed[0].exists()
+    assert sorted(path.name for path in (tmp_path / "bucket" / "saves").iterdir()) == ["one.safetensors"]
+
+
+def test_a_holders_wall_clock_stepped_back_still_renews_its_leases(tmp_path):
+    """Before: renewal was due by the wall clock alone, so after the holder's clock stepped back its lease was never
+    renewed while its own hold on it (timed by the monotonic clock) ran out: the stream answered 503."""
+    clock = Clock()
+    holder = SharedStreamFiles(tmp_path, Leases(tmp_path, "holder", seconds=3, clock=clock))
+    holder.claim(STREAM)
+    clock.now -= 60  # NTP stepped the clock back a minute
+    time.sleep(1.2)  # over a third of the lease gone by the monotonic clock
+    assert holder.renew(STREAM) is not None
+    time.sleep(2.0)  # past the first hold: only a renewal keeps it
+    holder.check(STREAM)
+
+
 # -- two replicas in one process ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qa():
@@ -568,6 +623,9 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
         address = f"127.0.0.1:{closed.getsockname()[1]}"
     assert main(["serve", "--ray", address, "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
     assert f"--ray {address}: no Ray cluster answers there" in capsys.readouterr().err
+    bucket = "file:///proc/no-such-bucket"  # a store beside the state folder is checked too (before: at the first save)
+    assert main(["serve", "--ray", address, "--store", bucket, "--state-dir", str(tmp_path), "--api-key", "k"]) == 2
+    assert f"--store {bucket}: cannot use it" in capsys.readouterr().err
     monkeypatch.delenv("STATEKV_API_KEYS", raising=False)
     fresh = tmp_path / "fresh"
     assert main(["serve", "--ray", address, "--state-dir", str(fresh)]) == 2  # refused: no key kept, none shown
@@ -577,7 +635,9 @@ def test_ray_flags_need_ray_and_a_serve_config_file_builds_the_same_application(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    for url, message in (("s3:/bucket/x", "not a URL"), ("bucket/x", "not a URL"), ("s3://", "names no bucket")):
+    for url, message in (("s3:/bucket/x", "not a URL"), ("bucket/x", "not a URL"), ("s3://", "names no bucket"),
+                         ("memory://streams", "a memory:// store lives in one process"),  # before: each replica its own
+                         ("file://shared/streams", "a relative folder")):  # before: each process's working folder
         assert main(["serve", "--ray", "auto", "--store", url, "--api-key", "k"]) == 2
         assert f"--store {url}: {message}" in capsys.readouterr().err
     assert sorted(path.name for path in elsewhere.iterdir()) == []  # before: ./s3:/bucket/x/keys.json made here

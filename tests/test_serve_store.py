@@ -25,7 +25,7 @@ from statekv.serve.cluster.leases import LeaseLost  # noqa: E402
 from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
 from statekv.serve.cluster.shared import LeasedPlacement  # noqa: E402
 from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
-from statekv.serve.cluster.versions import KEEP, StreamVersions  # noqa: E402
+from statekv.serve.cluster.versions import CHECK_WAITS, KEEP, StreamVersions  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
 
 from s3 import S3Server  # noqa: E402
@@ -194,6 +194,97 @@ def test_a_save_and_a_taking_of_one_version_number_cannot_both_be_written(aws, m
     base = versions.current(STREAM)
     assert versions.commit(base, STREAM, "saved", state="x") is not None
     assert versions.commit(base, STREAM, "taken", holder="else", token=3) is None  # the number is taken
+
+
+def _fails_after_versions(monkeypatch, store: ObjectStore, failures: int, lost: bool = False) -> None:
+    """``store`` fails to answer ``failures`` listings after the next version it creates; with ``lost``, that
+    version's creation itself is made and then answered with a failure (its answer lost)."""
+    create, names, due, armed = store.create, store.names, [], [True]
+
+    def created(name, data):
+        made = create(name, data)
+        if made and name.startswith("streams/") and armed:
+            armed.clear()
+            due.extend([name] * failures)
+            if lost:
+                raise StoreError(f"the object store cannot write {name} (timed out)")
+        return made
+
+    def listing(prefix):
+        if due:
+            raise StoreError(f"the object store cannot list {prefix} (InternalError, after {due.pop()})")
+        return names(prefix)
+    monkeypatch.setattr(store, "create", created)
+    monkeypatch.setattr(store, "names", listing)
+
+
+def test_a_save_whose_store_stops_answering_after_its_version_keeps_the_save_it_names(aws, monkeypatch):
+    """Before: the store created the save's version, then failed to list (a 500 on the check that it follows its
+    chain): the save raised and removed the object its version named, and the stream could not be loaded again."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"first save")
+    _fails_after_versions(monkeypatch, holder.store, len(CHECK_WAITS))
+    holder.save_state(STREAM, lambda path: path.write_bytes(b"second save"))
+    clock.now += 11
+    assert other.take(STREAM).token == 2
+    with other.local_state(STREAM) as path:
+        assert path.read_bytes() == b"second save"
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["its check", "its own answer"])
+def test_a_taking_the_store_did_not_answer_is_held_by_its_taker(aws, monkeypatch, lost):
+    """Before: the store created the taking's version, then failed to answer: the take raised, the store named the
+    replica as the stream's holder while it held nothing, and no other replica could take it while it lived."""
+    clock, url = Clock(), aws.url()
+    taker, other = (StoreStreamFiles(ObjectStore(url), name, 10, clock) for name in ("taker", "other"))
+    _fails_after_versions(monkeypatch, taker.store, 0 if lost else len(CHECK_WAITS), lost=lost)
+    assert taker.take(STREAM).token == 1
+    taker.check(STREAM)  # held: its writes go on
+    taker.write_record(_record())
+    assert other.take(STREAM) is None and other.holder_of(STREAM) == "taker"
+
+
+def test_a_holder_that_stalled_before_pruning_its_old_saves_keeps_the_next_holders(aws, monkeypatch):
+    """Before: a holder that stalled between its save's version and the pruning of older saves, while another
+    replica took the stream and saved, removed every save but its own, the new holder's current one too."""
+    clock, url = Clock(), aws.url()
+    holder, taker = _holder_and_other(url, clock, ("holder", "taker"), b"first save")
+    names, stalled = holder.store.names, []
+
+    def listing(prefix):
+        if prefix.startswith("saves/") and not stalled:  # the pruning lists the saves: the holder stalls there
+            stalled.append(prefix)
+            clock.now += 11
+            assert taker.take(STREAM).token == 2
+            taker.save_state(STREAM, lambda path: path.write_bytes(b"taker's save"))
+        return names(prefix)
+    monkeypatch.setattr(holder.store, "names", listing)
+    holder.save_state(STREAM, lambda path: path.write_bytes(b"second save"))
+    assert stalled
+    with taker.local_state(STREAM) as path:
+        assert path.read_bytes() == b"taker's save"
+
+
+def test_a_save_the_store_cannot_give_back_now_is_a_retry_and_one_it_lost_is_damage(aws, monkeypatch):
+    """Before: any failure to download a save was the stream's damage (quarantined, a 409), a moment's failure of
+    the store too."""
+    from statekv.errors import InputError
+    from statekv.serve.errors import ServiceError
+
+    clock, url = Clock(), aws.url()
+    holder, _ = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    download = holder.store.download
+
+    def failing(name, local):
+        raise StoreError(f"the object store cannot read {name} (SlowDown)")
+    monkeypatch.setattr(holder.store, "download", failing)
+    with pytest.raises(ServiceError, match="SlowDown.*retry") as caught, holder.local_state(STREAM):
+        pass
+    assert caught.value.status == 503
+    monkeypatch.setattr(holder.store, "download", download)
+    ObjectStore(url).remove(holder.versions.current(STREAM).state)
+    with pytest.raises(InputError, match="not in the object store"), holder.local_state(STREAM):
+        pass
 
 
 def test_versions_named_by_an_earlier_statekv_are_read_and_fence_their_number(aws):
@@ -487,6 +578,44 @@ def test_a_bucket_that_refuses_writes_is_one_line_and_nothing_is_lost(aws, qa, m
             asked = _call(client, "POST", f"/v1/streams/{stream_id}/ask", json={"question": QUESTION,
                                                                                  "max_new_tokens": 6})
             assert asked.json()["answer"] == _alone(qa, frames)
+
+
+def test_a_store_failing_one_save_at_shutdown_still_saves_the_others_and_lets_go(aws, qa, monkeypatch):
+    """Before: the store's failure (an `OSError`, not a statekv error) on the first stream's save at shutdown ended
+    the shutdown there: the other streams were not saved, none was let go, the replica's session stayed."""
+    url, frames = aws.url(), _frames(8, 3)
+    hostings, clients = _replicas(qa, url, ("only",), lease_seconds=60, save_every_frames=100)
+    with clients[0] as client:
+        ids = [_call(client, "POST", "/v1/streams", json={"horizon_frames": 16, "max_fps": None}).json()["id"]
+               for _ in range(2)]
+        for stream_id in ids:
+            for index, frame in enumerate(frames):
+                assert _push(client, stream_id, frame, index).status_code == 200
+        upload, failed = hostings[0].files.store.upload, []
+
+        def once(local, name):
+            if not failed:
+                failed.append(name)
+                raise StoreError(f"the object store {url} cannot write {name} (connection reset)")
+            return upload(local, name)
+        monkeypatch.setattr(hostings[0].files.store, "upload", once)
+    assert failed and failed[0].startswith(f"saves/{ids[0]}/")
+    versions = StreamVersions(ObjectStore(url))
+    assert versions.current(ids[1]).record["saved"]["pushed"] == 3 and versions.current(ids[1]).state
+    assert [version.holder for version in map(versions.current, ids)] == [None, None]  # both let go
+    assert not [name for name in aws.names(url) if name.startswith("sessions/")]
+
+
+def test_a_version_the_store_holds_damaged_does_not_keep_replicas_from_starting(aws, qa):
+    """Before: one unreadable version object stopped every replica's start (and `statekv serve --store`'s)."""
+    url, damaged = aws.url(), "st_" + "d" * 24
+    ObjectStore(url).put(f"streams/{damaged}/v{1:012d}.json", b"{not json")
+    hostings, clients = _replicas(qa, url, ("only",), lease_seconds=60)
+    with clients[0] as client:
+        made = _call(client, "POST", "/v1/streams", json={"horizon_frames": 16})
+        assert made.status_code == 201, made.text
+        listed = _call(client, "GET", "/v1/streams")
+        assert listed.status_code == 200 and made.json()["id"] in [s["id"] for s in listed.json()["data"]]
 
 
 def test_the_documented_rayservice_builds_the_object_store_application_and_its_policy_allows_what_it_does(aws):

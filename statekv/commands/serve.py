@@ -150,8 +150,9 @@ class DeploymentClaim:
     """What ``statekv serve --ray`` claims before it writes to the state folder (a key) or starts a replica, and
     holds while it runs: the folder's lock shared with the replicas (`statekv.serve.store.join_state_folder`), so
     a lone server on the folder stops it at once, in one line naming that server. Each replica holds it too.
-    With an object store alone (``store``, no state folder) there is no folder to lock: the store is checked
-    (`statekv.serve.cluster.hosting.open_store`) and its leases order the replicas' writes."""
+    With an object store alone (``store``, no state folder) there is no folder to lock and its leases order the
+    replicas' writes. An object store given is checked either way (`statekv.serve.cluster.hosting.open_store`),
+    before anything is written to it or the folder."""
 
     def __init__(self, store: str | None = None):
         self.store = store
@@ -159,11 +160,13 @@ class DeploymentClaim:
         self.objects = None  # the object store, checked, when it alone keeps the streams
 
     def __call__(self, state_dir: Path | None) -> None:
-        if state_dir is None:
-            from ..serve.cluster.hosting import open_store
+        from ..serve.cluster.hosting import open_store
 
+        if state_dir is None:
             self.objects = open_store(self.store)
             return
+        if self.store is not None:
+            open_store(self.store)  # the saves go there: a bucket that cannot be written is refused now
         from ..serve.store import join_state_folder
 
         self.lock = join_state_folder(state_dir)
@@ -269,6 +272,9 @@ def cluster_settings(args: argparse.Namespace):
         replica_cpus=args.replica_cpus or 1.0, replica_gpus=gpus)
 
 
+PRIVATE_STORES = ("memory",)  # fsspec file systems held by one process
+
+
 def _check_store(url: str) -> None:
     """``--store``: a URL fsspec can open (its filesystem's package installed), naming a bucket or folder (a path
     with no scheme, or a scheme with nothing after it, is a mistyped URL, not a folder to make here)."""
@@ -278,6 +284,13 @@ def _check_store(url: str) -> None:
                                  "file:///shared/folder for a folder every node mounts)")
     if not rest.strip("/"):
         raise ConfigurationError(f"--store {url}: names no bucket or folder; give one such as {scheme}://bucket/prefix")
+    if scheme in PRIVATE_STORES:
+        raise ConfigurationError(f"--store {url}: a {scheme}:// store lives in one process, so replicas would not "
+                                 "share it and it ends with the process; give a bucket (s3://, gs://, az://) or a "
+                                 "folder every node mounts (file:///shared/folder)")
+    if scheme == "file" and not rest.startswith("/"):
+        raise ConfigurationError(f"--store {url}: a relative folder is each process's own (from its working "
+                                 "directory); give the folder's whole path, as in file:///shared/folder")
     try:
         import fsspec
 

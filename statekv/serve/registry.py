@@ -472,7 +472,7 @@ class StreamRegistry:
                     now - entry.saved_at >= self.config.save_every_seconds:
                 try:
                     await self.worker.run(self.save_now, entry)
-                except StateKVError as error:
+                except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
                     log.error("cannot save stream %s: %s", entry.id, error)
 
     def save_all(self) -> None:
@@ -483,7 +483,7 @@ class StreamRegistry:
                 continue
             try:
                 self.worker.run_blocking(self.save_now, entry)
-            except StateKVError as error:
+            except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
                 since = entry.stream.pushed - entry.saved["pushed"]
                 lost = ("the next start resumes it from its disk-tier folder, at its last durable step" if entry.tier
                         else f"the {since} frames pushed since its last save are lost when the server stops")

@@ -26,7 +26,7 @@ from ...flushing import flush_file, write_flushed
 from ..errors import ServiceError
 from ..store import StreamFiles
 from .leases import Lease, LeaseLost, Leases
-from .objects import ObjectStore, StoreError
+from .objects import MissingObject, ObjectStore, StoreError
 
 log = logging.getLogger("statekv.serve")
 
@@ -91,7 +91,10 @@ class SharedStreamFiles(StreamFiles):
         if lease is None:
             return None
         started = time.monotonic()
-        due = lease.expires - self.leases.clock() < self.leases.seconds * (1 - RENEW_FRACTION)
+        left = self.leases.seconds * (1 - RENEW_FRACTION)
+        # due by either clock: the wall clock stepped back leaves the lease's expiry far off by it, while this
+        # replica's own hold on it (monotonic) runs out all the same
+        due = lease.expires - self.leases.clock() < left or self._valid.get(stream_id, 0.0) - started < left
         current = self.leases.renew(lease, extend=due)
         if current is None:
             self.held.pop(stream_id, None)
@@ -153,7 +156,8 @@ class SharedStreamFiles(StreamFiles):
                 return
             name = self.store.put(partial, stream_id, lease.token)
             self._commit(lease, self.pointer_path(stream_id), json.dumps({"object": name}).encode())
-            self.store.prune(stream_id, keep=name)
+            if self._pointed(stream_id) == name:  # else another replica took the stream since: its saves are its own
+                self.store.prune(stream_id, keep=name, token=lease.token)
         finally:
             partial.unlink(missing_ok=True)
 
@@ -162,7 +166,7 @@ class SharedStreamFiles(StreamFiles):
         with self.leases.fenced(lease):
             super().remove(stream_id)  # its record, its save or pointer, what was set aside, its quarantine
         if self.store is not None:
-            self.store.prune(stream_id, keep=None)
+            self.store.prune(stream_id, keep=None, token=None)
         self.leases.forget(lease)
         self.held.pop(stream_id, None)
         self._valid.pop(stream_id, None)
@@ -204,6 +208,13 @@ class SharedStreamFiles(StreamFiles):
 
     def has_state(self, stream_id: str) -> bool:
         return (self.pointer_path(stream_id) if self.store else self.state_path(stream_id)).exists()
+
+    def _pointed(self, stream_id: str) -> str | None:
+        """The object the stream's pointer names now (None: none, or unreadable)."""
+        try:
+            return json.loads(self.pointer_path(stream_id).read_text())["object"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     @contextlib.contextmanager
     def local_state(self, stream_id: str) -> Iterator[Path | None]:
@@ -247,14 +258,20 @@ class SavesInStore:
         name = name[len(root):] if name.startswith(root) else name  # a pointer written as the whole path
         try:
             self.objects.download(name, local)
-        except StoreError as error:
-            raise InputError(f"its save cannot be read from the object store ({error})") from None
+        except MissingObject as error:
+            raise InputError(f"its save is not in the object store ({error})") from None
+        except StoreError as error:  # the store failing, not the stream: a retry, never a quarantine
+            raise ServiceError(503, f"the save cannot be read from the object store now ({error}); retry",
+                               headers={"Retry-After": "1"}) from None
 
-    def prune(self, stream_id: str, keep: str | None) -> None:
-        """Remove the stream's other objects (all of them with ``keep=None``); a failure only leaves garbage."""
+    def prune(self, stream_id: str, keep: str | None, token: int | None) -> None:
+        """Remove the stream's other objects made under ``token`` or an earlier one (all of them with ``token``
+        None): a later holder's are its own; a failure only leaves garbage."""
         try:
             for name in self.objects.names(""):
-                if name.startswith(f"{stream_id}.") and name.endswith(".safetensors") and name != keep:
+                made = name.removeprefix(f"{stream_id}.").split(".", 1)[0]
+                if name.startswith(f"{stream_id}.") and name.endswith(".safetensors") and name != keep and \
+                        (token is None or (made.isdigit() and int(made) <= token)):
                     self.objects.remove(name)
         except OSError as error:
             log.warning("cannot prune old objects of stream %s in %s: %s", stream_id, self.objects.url, error)

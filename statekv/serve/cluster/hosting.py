@@ -58,6 +58,8 @@ class ReplicaHosting(Hosting):
             self.files: Any = StoreStreamFiles(objects, replica, lease_seconds)
             self.board: Any = StoreBoard(objects, replica)
         else:
+            if store is not None:
+                open_store(store)  # its saves go there: refused at the start, not at the first save
             self.lock = join_state_folder(config.state_dir)  # refused while a lone server holds the folder
             try:
                 self.files = SharedStreamFiles(config.state_dir, Leases(config.state_dir, replica, lease_seconds),

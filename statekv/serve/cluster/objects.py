@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
-from ...flushing import write_flushed
+from ...flushing import flush_file, write_flushed
 from ..errors import StorageError
 
 log = logging.getLogger("statekv.serve")
@@ -27,6 +28,10 @@ CONFLICTS = ("PreconditionFailed", "ConditionalRequestConflict")  # S3: another 
 
 class StoreError(StorageError):
     """The object store refused or failed a request: ``strerror`` is one line saying which and why."""
+
+
+class MissingObject(StoreError):
+    """The object asked for is not in the store (the store answered: not a failure to reach it)."""
 
 
 class ObjectStore:
@@ -75,10 +80,12 @@ class ObjectStore:
             raise self.error("write", name, error) from None
 
     def upload(self, local: Path, name: str) -> None:
-        """Copy a local file to ``name`` (a new name: saved streams are never overwritten)."""
+        """Copy a local file to ``name`` (a new name: saved streams are never overwritten). In a local folder the
+        copy is on the disk before it has its name, as a version naming it will be (`_create_local`)."""
+        if self.local:
+            self._upload_local(local, name)
+            return
         try:
-            if self.local:
-                Path(self.path(name)).parent.mkdir(parents=True, exist_ok=True)
             self.fs.put_file(str(local), self.path(name))
         except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("write", name, error) from None
@@ -105,10 +112,15 @@ class ObjectStore:
             raise self.error("read", name, error) from None
 
     def download(self, name: str, local: Path) -> None:
+        """Copy ``name`` to a local file: `MissingObject` when the store has no such object, `StoreError` when it
+        could not be read."""
         try:
             self.fs.get_file(self.path(name), str(local))
         except Exception as error:  # noqa: BLE001 - see the module's doc
-            raise self.error("read", name, error) from None
+            failure = self.error("read", name, error)
+            if isinstance(error, FileNotFoundError) or _code(error) in ("NoSuchKey", "404"):
+                raise MissingObject(failure.strerror) from None
+            raise failure from None
 
     def names(self, prefix: str) -> list[str]:
         """Every object's name under ``prefix`` (a folder's name, ending in ``/``; "": every object), sorted."""
@@ -162,6 +174,18 @@ class ObjectStore:
             partial.unlink(missing_ok=True)
         return True
 
+    def _upload_local(self, local: Path, name: str) -> None:
+        target = Path(self.path(name))
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, partial)
+            flush_file(partial)
+            os.replace(partial, target)
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise self.error("write", name, error) from None
+
     def _put_local(self, name: str, data: bytes) -> None:
         target = Path(self.path(name))
         partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
@@ -199,5 +223,10 @@ def _reason(error: BaseException) -> str:
 
 
 def _first_line(error: BaseException) -> str:
+    """The error's message on one line (a message that goes on after a line ending in ":" keeps its next line)."""
     text = (getattr(error, "strerror", None) or str(error) or type(error).__name__).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    shown = lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else "")
+    return shown[:200]

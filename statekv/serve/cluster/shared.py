@@ -323,7 +323,7 @@ class LeasedPlacement(Placement):
             try:
                 if entry.stream.frames:  # nothing encoded yet: nothing to save (pending frames go, as on a restart)
                     await registry.worker.run(registry.save_now, entry)
-            except StateKVError as error:
+            except (StateKVError, OSError) as error:  # kept: the asking replica asks again
                 log.error("cannot save stream %s to hand it over: %s", entry.id, error)
                 return
             await self._drop(registry, entry)

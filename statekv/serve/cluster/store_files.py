@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 import threading
@@ -28,7 +29,7 @@ from ..auth import new_key, owner_of
 from ..errors import ServiceError
 from ..store import check_record, readable_owner
 from .leases import LEASE_SECONDS, Lease, LeaseLost
-from .objects import ObjectStore, StoreError
+from .objects import MissingObject, ObjectStore, StoreError
 from .sessions import Session
 from .versions import STREAMS, StreamVersions, Version
 
@@ -76,13 +77,29 @@ class StoreStreamFiles:
                 before = None if current is None or current.holder is None else {
                     "holder": current.holder, "token": current.token,
                     "expires": self.session.expiry(current.holder, current.epoch)}
-                taken = self.versions.commit(current, stream_id, "taken", holder=self.holder, epoch=epoch,
-                                             token=(current.token if current else 0) + 1, before=before)
+                try:
+                    taken = self.versions.commit(current, stream_id, "taken", holder=self.holder, epoch=epoch,
+                                                 token=(current.token if current else 0) + 1, before=before)
+                except StoreError:  # the store may have created it before failing to answer: then it is ours
+                    taken = self._taken_unanswered(stream_id, epoch)
+                    if taken is None:
+                        raise
                 if taken is not None:
                     self._hint(stream_id, self.holder)
                     with contextlib.suppress(OSError):
                         self.store.remove(f"{ASKS}/{stream_id}.json")
                     return self._keep(taken, lapsed=before is not None)
+        return None
+
+    def _taken_unanswered(self, stream_id: str, epoch: str) -> Version | None:
+        """The version naming this replica as the stream's holder under ``epoch``, if the store has it (a taking
+        whose creation the store failed to answer); None when it has not, or cannot say."""
+        try:
+            current = self.versions.current(stream_id)
+        except (OSError, ServiceError):
+            return None
+        if current is not None and current.holder == self.holder and current.epoch == epoch and not current.deleted:
+            return current
         return None
 
     def claim(self, stream_id: str) -> None:
@@ -189,11 +206,13 @@ class StoreStreamFiles:
             shutil.rmtree(folder, ignore_errors=True)
         try:
             self._commit(stream_id, "saved", state=name)
-        except BaseException:
+        except LeaseLost:
             with contextlib.suppress(OSError):
                 self.store.remove(name)  # never named by a version: nobody reads it
             raise
-        self._prune_saves(stream_id, keep=name)
+        # any other failure keeps it: a store that failed to answer may have created the version naming it (the
+        # next save of this token or a later one prunes it)
+        self._prune_saves(stream_id, keep=name, token=lease.token)
 
     def begin_removal(self, stream_id: str, tier: Path | None) -> None:
         """Delete the stream at once: a last version saying so (kept, so no late writer brings it back); what
@@ -214,7 +233,7 @@ class StoreStreamFiles:
             log.warning("cannot list the deletions left unfinished in the store: %s", error)
             return []
         return [{"id": stream_id, "tier": None, "deleted": True} for stream_id, version in current.items()
-                if version.deleted and (stream_id in saved or kept[stream_id] > 1)]
+                if isinstance(version, Version) and version.deleted and (stream_id in saved or kept[stream_id] > 1)]
 
     def remove(self, stream_id: str) -> None:
         """Delete the stream (`begin_removal`, unless begun), then remove its saves, its older versions, its ask
@@ -224,7 +243,7 @@ class StoreStreamFiles:
             tombstone = self._commit(stream_id, "deleted", holder=None, epoch=None, record=None, state=None,
                                      note=None, deleted=True)
         self._forget(stream_id)
-        self._prune_saves(stream_id, keep=None)
+        self._prune_saves(stream_id, keep=None, token=None)
         self.versions.remove_all_but(tombstone)
         for name in (f"{ASKS}/{stream_id}.json", f"{HOLDERS}/{stream_id}.json"):
             with contextlib.suppress(OSError):
@@ -272,7 +291,7 @@ class StoreStreamFiles:
         for stream_id, version in self.versions.every_current().items():
             with contextlib.suppress(FileNotFoundError):
                 found.append((stream_id, _checked(version, stream_id)))
-        return found
+        return found  # an unreadable version as its record's error: listed damaged, the others served
 
     def listing(self) -> list[tuple[str, Any, dict[str, Any] | None, str | None]]:
         """Every stream's (id, record or why it cannot be used, quarantine note, live holder), in id order, from
@@ -283,6 +302,9 @@ class StoreStreamFiles:
                 record = _checked(version, stream_id)
             except FileNotFoundError:
                 continue
+            if not isinstance(version, Version):
+                found.append((stream_id, record, None, None))
+                continue
             holder = version.holder if version.holder is not None and self.session.live(
                 version.holder, version.epoch) else None
             found.append((stream_id, record, version.note if isinstance(version.note, dict) else None, holder))
@@ -292,7 +314,10 @@ class StoreStreamFiles:
         return f"{STREAMS}/{stream_id}"
 
     def owner_named(self, stream_id: str) -> str | None:
-        version = self._current(stream_id)
+        try:
+            version = self._current(stream_id)
+        except ServiceError:  # its version unreadable: no owner to name
+            return None
         return readable_owner(version.record) if version is not None else None
 
     def owners(self) -> Counter:
@@ -317,8 +342,11 @@ class StoreStreamFiles:
             local = folder / f"{stream_id}.safetensors"
             try:
                 self.store.download(version.state, local)
-            except StoreError as error:
-                raise InputError(f"its save cannot be read from the object store ({error})") from None
+            except MissingObject as error:
+                raise InputError(f"its save is not in the object store ({error})") from None
+            except StoreError as error:  # the store failing, not the stream: a retry, never a quarantine
+                raise ServiceError(503, f"stream {stream_id}'s save cannot be read from the object store now "
+                                   f"({error}); retry", headers={"Retry-After": "1"}) from None
             yield local
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -334,7 +362,7 @@ class StoreStreamFiles:
 
     def notes(self) -> dict[str, dict[str, Any]]:
         return {stream_id: version.note for stream_id, version in self.versions.every_current().items()
-                if isinstance(version.note, dict) and not version.deleted}
+                if isinstance(version, Version) and isinstance(version.note, dict) and not version.deleted}
 
     def quarantined(self, stream_id: str) -> list[str]:
         return []  # file sets are each replica's own, never moved into the store
@@ -385,17 +413,30 @@ class StoreStreamFiles:
         except OSError as error:
             log.warning("cannot note who holds stream %s for the routers: %s", stream_id, error)
 
-    def _prune_saves(self, stream_id: str, keep: str | None) -> None:
-        """Remove the stream's saves but ``keep`` (a failure only leaves garbage)."""
+    def _prune_saves(self, stream_id: str, keep: str | None, token: int | None) -> None:
+        """Remove the stream's saves but ``keep`` made under ``token`` or an earlier one (None: every save, for a
+        deleted stream), once the stream's newest version names ``keep``: a later holder's saves, and the save it
+        took the stream from, are its own whatever this replica believes (a failure only leaves garbage)."""
         try:
+            if keep is not None and getattr(self.versions.current(stream_id), "state", None) != keep:
+                return
             for name in self.store.names(f"{SAVES}/{stream_id}/"):
-                if name != keep:
+                if name != keep and (token is None or _save_token(name) <= token):
                     self.store.remove(name)
-        except OSError as error:
+        except (OSError, ServiceError) as error:
             log.warning("cannot remove old saves of stream %s: %s", stream_id, error)
 
 
-def _checked(version: Version | None, stream_id: str) -> dict[str, Any] | Exception:
+def _save_token(name: str) -> float:
+    """The fencing token a save was made under (``saves/ID/TOKEN-TIME.safetensors``); infinity for another name,
+    which no pruning removes."""
+    token = name.rsplit("/", 1)[-1].split("-", 1)[0]
+    return int(token) if token.isdigit() else math.inf
+
+
+def _checked(version: Version | ServiceError | None, stream_id: str) -> dict[str, Any] | Exception:
+    if isinstance(version, ServiceError):
+        return ValueError(str(version))
     if version is None or version.deleted or version.record is None:
         raise FileNotFoundError(stream_id)
     try:

@@ -24,6 +24,7 @@ brings it back.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 import time
@@ -35,9 +36,12 @@ from typing import Any
 from ..errors import ServiceError
 from .objects import ObjectStore
 
+log = logging.getLogger("statekv.serve")
+
 STREAMS = "streams"
 KEEP = 4  # versions kept below the newest, besides the history
 PRUNED_BACK = 4  # how far below those a commit looks for versions to prune (earlier commits pruned the rest)
+CHECK_WAITS = (0.0, 0.2, 1.0)  # seconds waited before each check that a created version follows its chain
 HISTORY_EVENTS = ("taken", "let-go")
 NAME = re.compile(r"^streams/(st_[0-9A-Za-z_]+)/v(\d{12})(-[a-z-]+)?\.json$")  # the event: an earlier statekv's
 
@@ -121,8 +125,9 @@ class StreamVersions:
         self._read[name] = version
         return version
 
-    def every_current(self) -> dict[str, Version]:
-        """Every stream's newest version, by stream id (one listing; a version read once is kept)."""
+    def every_current(self) -> dict[str, Version | ServiceError]:
+        """Every stream's newest version, by stream id (one listing; a version read once is kept), or why it
+        cannot be read: one damaged version does not hide the others."""
         newest: dict[str, tuple[int, str]] = {}
         for number, name in _parsed_names(self.store.names(f"{STREAMS}/")):
             stream_id = name.split("/")[1]
@@ -130,7 +135,11 @@ class StreamVersions:
                 newest[stream_id] = (number, name)
         found = {}
         for stream_id, (_, name) in sorted(newest.items()):
-            version = self.read(name)
+            try:
+                version = self.read(name)
+            except ServiceError as error:
+                found[stream_id] = error
+                continue
             if version is not None:
                 found[stream_id] = version
         return found
@@ -163,12 +172,27 @@ class StreamVersions:
         data = json.dumps(asdict(version), separators=(",", ":")).encode()
         if not self.store.create(version.name, data):
             return None
-        if not self._follows(version):
+        if not self._checked_follows(version):
             self.store.remove(version.name)  # a number removed long ago: a write of a writer that stalled
             return None
         self._read[version.name] = version
         self._prune(stream_id, version.number)
         return version
+
+    def _checked_follows(self, version: Version) -> bool:
+        """`_follows`, asked again while the store fails to answer. A created version that still cannot be checked
+        counts as written: counted as refused it would be removed though it may name a save or take a stream, while
+        a stalled writer's version counted as written is refused at that writer's next write (the chain names
+        another token), and a save prunes only saves of its own token or older (`StoreStreamFiles.save_state`)."""
+        failure: Exception | None = None
+        for wait in CHECK_WAITS:
+            time.sleep(wait)
+            try:
+                return self._follows(version)
+            except (OSError, ServiceError) as error:
+                failure = error
+        log.warning("cannot check that version %s follows its chain (%s); counted as written", version.name, failure)
+        return True
 
     def _follows(self, version: Version) -> bool:
         """Whether ``version`` is in its stream's chain: the newest, or followed by a version made from it, and
