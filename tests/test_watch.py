@@ -7,6 +7,9 @@ steering, and bad input."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -191,6 +194,50 @@ def test_many_streams_evaluate_their_watches_together(qa, frames, monkeypatch):
     push(alone, frames, 2, 11)
     assert [w.events for w in watches] == [reference.events] * 3
     for stream in [*streams, alone]:
+        stream.close()
+
+
+def test_a_listener_runs_on_the_thread_that_pushed_its_stream_and_may_close_its_watch(qa, frames, monkeypatch):
+    """Streams pushed from threads are stepped in batches one of the threads runs. Before: every listener ran on
+    that thread, so a listener closing its watch waited for the stream another thread held while that thread waited
+    for the batch: both hung for good."""
+    streams = [qa.stream(max_fps=1, name=f"pusher-{index}") for index in range(2)]
+    for stream in streams:
+        push(stream, frames, 0, 1)
+    heard, queued = {}, threading.Barrier(2)
+    scheduler = qa.step_scheduler
+    run_batch = scheduler.run_batch
+
+    def together(batch):  # the first batch waits for the other thread's job, so the two are stepped together
+        if len(batch) == 1 and not heard.get("batched"):
+            heard["batched"] = True
+            deadline = time.monotonic() + 10
+            while not scheduler.queue and time.monotonic() < deadline:
+                time.sleep(0.01)
+            batch = batch + scheduler.queue
+            scheduler.queue.clear()
+        run_batch(batch)
+    monkeypatch.setattr(scheduler, "run_batch", together)
+
+    def one_shot(watch, event):
+        heard.setdefault(watch.stream.name, []).append(threading.current_thread().name)
+        watch.close()
+    for stream in streams:
+        stream.watch(COLOUR, every=1, steer=False).subscribe(one_shot)
+        heard[stream.name] = []
+
+    def pushing(stream):
+        queued.wait()
+        push(stream, frames, 1, 3)
+    threads = [threading.Thread(target=pushing, args=(stream,), name=stream.name, daemon=True) for stream in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a listener closing its watch hung the pushes"
+    assert heard["batched"]
+    for stream in streams:
+        assert heard[stream.name] == [stream.name] and stream.watches == []  # its own thread, once: then closed
         stream.close()
 
 

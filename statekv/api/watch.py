@@ -122,7 +122,8 @@ class Watch:
 
     def subscribe(self, listener: Listener) -> None:
         """Call ``listener(watch, event)`` after each evaluation (``event`` None when the answer did not change),
-        on the thread that evaluated it."""
+        on the thread whose push (or call) made it due, which holds the stream: a listener may ask the stream,
+        close the watch or open another."""
         self.listeners.append(listener)
 
     # -- when -------------------------------------------------------------------------------------------------
@@ -265,8 +266,9 @@ def end_tokens(stream: Any) -> tuple[int, ...]:
 def evaluate_due(jobs: Iterable[Any]) -> None:
     """After a batch of steps (`statekv.steps.jobs.StepScheduler`): move each stepped stream's clock to its last
     frame encoded and evaluate every due watch of those streams together. A failure is the watch's ``error``,
-    never the push's."""
-    due = []
+    never the push's. Listeners are told on the thread that pushed each stream (its job's ``after``): the thread
+    running the batch holds only its own streams, and a listener waiting for another stream would wait forever."""
+    jobs, due = list(jobs), []
     for job in jobs:
         watching = getattr(job.video, "watching", None)
         if watching is None or job.streamed == 0:
@@ -276,16 +278,25 @@ def evaluate_due(jobs: Iterable[Any]) -> None:
             watching.seconds = last.timestamp
         stream = job.video
         due.extend(watch for watch in watching.open if watch.due(stream.frames, watching.seconds))
-    if due:
-        run_on_cadence(due)
+    if not due:
+        return
+    notices: list[tuple[Watch, WatchEvent | None]] = []
+    run_on_cadence(due, notices)
+    told = set()
+    for job in jobs:
+        if id(job.video) not in told:
+            told.add(id(job.video))
+            mine = [notice for notice in notices if notice[0].stream is job.video]
+            if mine:
+                job.after.append(lambda mine=mine: tell(mine))
 
 
-def run_on_cadence(due: list[Watch]) -> None:
+def run_on_cadence(due: list[Watch], notices: list | None = None) -> None:
     """Evaluate ``due`` (come due by their cadence) as `run_evaluations` does, each ``every`` clock kept on its
     grid: a batch of steps may pass the frame a watch was due at, and the next is still due ``every`` frames after
     that frame, not after the batch."""
     before = [watch.last_frames for watch in due]
-    run_evaluations(due)
+    run_evaluations(due, notices=notices)
     for watch, start in zip(due, before):
         if watch.every is not None and watch.last_frames != start and watch.last_frames == watch.stream.frames:
             watch.last_frames = start + (watch.stream.frames - start) // watch.every * watch.every
@@ -300,10 +311,11 @@ def _last_frame(job: Any):
     return None
 
 
-def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
+def run_evaluations(watches: list[Watch], raise_errors: bool = False, notices: list | None = None) -> None:
     """Evaluate ``watches`` (of streams whose turn it is: their locks held or their steps being run) as rows of
-    batches, record their answers and events, and tell their listeners. A stream that keeps no cache
-    (`RecentFrames`) answers each of its watches as it answers a question, from its last frames."""
+    batches, record their answers and events, and tell their listeners (or, given ``notices``, add each
+    ``(watch, event)`` there, for `tell` to tell later). A stream that keeps no cache (`RecentFrames`) answers each
+    of its watches as it answers a question, from its last frames."""
     live = [watch for watch in watches if not watch.closed]
     results: list[tuple[Watch, Evaluation | None, Any]] = []
     engine, evaluations = [], []
@@ -338,7 +350,11 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False) -> None:
             log.warning("statekv: watch %s could not be evaluated: %s", watch.id, watch.error,
                         exc_info=not isinstance(outcome, (StateKVError, RuntimeError, ValueError)))
             continue
-        _record(watch, outcome, set() if evaluation is None else evaluation.retrieved)
+        event = _record(watch, outcome, set() if evaluation is None else evaluation.retrieved)
+        if notices is None:
+            tell([(watch, event)])
+        else:
+            notices.append((watch, event))
 
 
 def _evaluate_alone(evaluation: Evaluation, head: Any) -> Any:
@@ -357,9 +373,9 @@ def _evaluation(watch: Watch) -> Evaluation:
                       retrieval)
 
 
-def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:
-    """Book an evaluation's answer ``tokens`` ``[1, N]``: the watch's clock, its answer, an event when it changed;
-    then tell its listeners."""
+def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEvent | None:
+    """Book an evaluation's answer ``tokens`` ``[1, N]``: the watch's clock, its answer, an event when it changed
+    (returned)."""
     stream = watch.stream
     watch.error = None
     watch.evaluations += 1
@@ -378,11 +394,17 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> None:
         watch.events.append(event)
         del watch.events[:-MAX_EVENTS]
     watch.answer = answer
-    for listener in list(watch.listeners):
-        try:
-            listener(watch, event)
-        except Exception:  # noqa: BLE001 -- a listener's failure is its own; the watch goes on
-            log.exception("statekv: a listener of watch %s failed", watch.id)
+    return event
+
+
+def tell(notices: list[tuple[Watch, WatchEvent | None]]) -> None:
+    """Call each watch's listeners with its evaluation's event (None: the answer did not change)."""
+    for watch, event in notices:
+        for listener in list(watch.listeners):
+            try:
+                listener(watch, event)
+            except Exception:  # noqa: BLE001 -- a listener's failure is its own; the watch goes on
+                log.exception("statekv: a listener of watch %s failed", watch.id)
 
 
 # -- saving and loading ------------------------------------------------------------------------------------------

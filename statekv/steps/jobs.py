@@ -46,7 +46,8 @@ class StepJob:
     steps already vision-encoded elsewhere (`statekv.steps.overlap`), or ``chunks`` the adapter laid out already
     (text, such as the prompt prefix). ``vision_batch``: the frames per vision call asked for (for its
     statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps before it stay
-    streamed)."""
+    streamed). ``after``: calls made on the thread that queued the job once it is done (its watches' listeners),
+    not on the thread that ran its batch, which may not hold the job's stream."""
 
     video: Any
     groups: list[list[Frame]] = field(default_factory=list)
@@ -56,6 +57,7 @@ class StepJob:
     error: BaseException | None = None
     done: bool = False
     streamed: int = 0
+    after: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -269,6 +271,10 @@ class StepScheduler:
                     self.changed.acquire()
                     self.running = False
                     self.changed.notify_all()
+        for job in jobs:  # on this thread, which holds the jobs' streams, and with the queue let go
+            calls, job.after = job.after, []
+            for call in calls:
+                call()
 
     def run_batch(self, batch: list[StepJob]) -> None:
         """Stream ``batch`` on this thread (one job: exactly the single-video path)."""
