@@ -438,6 +438,31 @@ def test_a_question_of_a_stream_whose_folder_was_removed_is_one_line(adapters, t
     assert "\n" not in str(error.value) and "is missing or shorter" in str(error.value)
 
 
+def test_a_saved_file_with_waiting_frames_loaded_into_the_tier_resumes_after_a_crash_taking_them_again(
+        adapters, tmp_path, monkeypatch):
+    """Before: the tier recorded the last frame encoded with the first waiting frame's time, so after a crash the
+    resumed stream's clock stood at that frame: pushed again, it was dropped (under max_fps) or skipped (by
+    `statekv stream --resume`), and the stream ended a frame short."""
+    frames = random_frames(12)
+    saved = tiny_qa(adapters["chat"]).stream(max_fps=1, vision_batch=4)
+    for index in range(6):  # 4 encoded, 2 waiting for their batch
+        saved.push(frames[index], float(index))
+    path = saved.save(tmp_path / "s.safetensors")
+    disk = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "tier")
+    tiered = Stream.load(path, disk)
+    folder = tiered.prefill.disk.folder
+    monkeypatch.setattr(tiered.durability, "closing", lambda *args: None)  # it dies: its waiting frames not kept
+    tiered.close()
+    resumed = Stream.load(folder, disk)
+    assert (resumed.frames, resumed.pushed, resumed.frames_lost) == (4, 4, 2)
+    assert (resumed.last_timestamp, resumed.encoded_timestamp, resumed.next_tick) == (3.0, 3.0, 4)
+    assert all(resumed.push(frames[index], float(index)) for index in range(4, 12))
+    resumed.flush()
+    assert resumed.frames == 12
+    resumed.close()
+    saved.close()
+
+
 def test_a_resumed_folder_keeps_its_frame_rate_clock(adapters, tmp_path):
     """A stream under max_fps closed and resumed from its folder drops the frames the stream that never stopped
     drops (its clock, ``next_tick``, is the last kept frame's)."""

@@ -109,6 +109,16 @@ def test_default_timestamps_follow_max_fps(adapters):
     assert all(stream.push(image) for image in random_frames(3)) and stream.last_timestamp == 1.0
 
 
+def test_numpy_timestamps_are_taken_as_numbers(adapters):
+    """Before: ``np.arange``'s times were refused as "not a finite number"."""
+    stream = tiny_qa(adapters["paper"]).stream(horizon_frames=3, max_fps=1)
+    times = [np.int64(0), np.float32(1.0), np.float64(2.5)]
+    assert all(stream.push(image, seconds) for image, seconds in zip(random_frames(3), times))
+    assert stream.last_timestamp == 2.5 and type(stream.last_timestamp) is float
+    with pytest.raises(statekv.InputError, match="finite number"):
+        stream.push(random_frames(1)[0], np.float64("nan"))
+
+
 def test_pushing_past_the_horizon_fails_before_touching_the_stream(adapters):
     stream = tiny_qa(adapters["paper"]).stream(horizon_frames=2)
     stream.push_many((image, float(t)) for t, image in enumerate(random_frames(2)))

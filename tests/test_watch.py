@@ -89,6 +89,24 @@ def test_a_watch_opened_after_a_dropped_frame_dates_its_answer_by_the_last_frame
     assert statekv.Stream.load(folder, disk).kept_timestamp == 2.0
     stream.close()
     loaded.close()
+    recent = qa.with_options(method="simplestream").stream(max_fps=1)  # before: dated by the dropped frame, 1.5
+    assert [recent.push(frames[k], seconds) for k, seconds in enumerate((0.0, 1.0, 1.5))] == [True, True, False]
+    assert (recent.watch(COUNT, every=4).events[0].seconds, recent.watches[0].last_seconds) == (1.0, 1.0)
+
+
+def test_a_watch_opened_while_frames_wait_for_their_batch_is_dated_by_the_last_frame_encoded(qa, frames, tmp_path):
+    """Before: its first event had no time (None), and after a load so had a new watch's, so one timed by
+    ``every_seconds`` came due at the next step whatever the time."""
+    stream = qa.stream(max_fps=None, vision_batch=4)
+    push(stream, frames, 0, 6)  # frames 0-3 encoded at 0-3 s, 4 and 5 waiting for their batch
+    watch = stream.watch(COUNT, every_seconds=3.0)
+    assert (watch.events[0].frame, watch.events[0].seconds, watch.last_seconds) == (4, 3.0, 3.0)
+    loaded = statekv.Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
+    assert loaded.encoded_timestamp == 3.0 and loaded.watches[0].last_seconds == 3.0
+    other = loaded.watch(COLOUR, every=4)
+    assert (other.events[0].frame, other.events[0].seconds) == (4, 3.0)
+    for each in (stream, loaded):
+        each.close()
 
 
 def test_every_seconds_counts_stream_time(qa, frames):

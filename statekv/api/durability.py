@@ -38,7 +38,9 @@ from ..video import Frame
 
 log = logging.getLogger("statekv")
 
-KEPT_TIMESTAMP = "kept_timestamp"  # of a saved stream's last step loaded into the tier: its last kept frame's time
+# of a saved stream's last step loaded into the tier: its last encoded frame's time (the last kept, once any frames
+# that waited for their batch are gone)
+KEPT_TIMESTAMP = "kept_timestamp"
 REPLAYED = ("state", "frames", "last_frame")  # of a step's record, what its successor's replay journals too
 
 
@@ -229,14 +231,14 @@ class Durability:
             self.backlog.close()
 
     def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
-               pending: list[Frame], kept_timestamp: float | None) -> None:
+               pending: list[Frame], encoded_timestamp: float | None) -> None:
         """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
         steps, its layout ``state``, the last frame it streamed and the time of the last it kept), and its
         ``pending`` frames as pushed, so the file set can itself be resumed."""
         if self.tier is None:
             return
         prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame,  # with placements
-                                             KEPT_TIMESTAMP: kept_timestamp})
+                                             KEPT_TIMESTAMP: encoded_timestamp})
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
 
@@ -331,11 +333,11 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     if framed:
         index, timestamp = framed[-1]
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
-        stream.kept_timestamp = stream.last_timestamp
+        stream.kept_timestamp = stream.encoded_timestamp = stream.last_timestamp
         if stream.max_fps is not None:
             stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
-    if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file whose last frame was dropped
-        stream.kept_timestamp = float(last[KEPT_TIMESTAMP])
+    if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file: its last pushed frame may not be
+        stream.kept_timestamp = stream.encoded_timestamp = float(last[KEPT_TIMESTAMP])
     waiting = next((record for record in reversed(journal.after) if WAITING in record), None)
     frames = None if waiting is None else read_waiting(folder, waiting, stream.pushed)
     if frames:  # kept at its close: waiting for their batch again, journaled as pushed, the file vouched for again

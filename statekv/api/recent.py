@@ -89,6 +89,11 @@ class RecentFrames:
                 run_on_cadence([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
         return True
 
+    @property
+    def encoded_timestamp(self) -> float | None:
+        """The time of the last frame it holds (None: none yet, or none since it went on from counts)."""
+        return self.recent[-1].timestamp if self.recent else None
+
     def continue_from(self, pushed: int, frames: int, seconds: float | None) -> None:
         """Go on from a stream of which only the counts were kept (a service's record of it: its frames are not
         saved): ``pushed`` frames offered, ``frames`` kept, the last offered at ``seconds``. Its window starts

@@ -8,6 +8,7 @@ layout state, the model and the engine (`EngineSettings`, whole); loading checks
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -62,7 +63,7 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         "horizon": stream.horizon, "horizon_frames": stream.horizon_frames, "max_fps": stream.max_fps,
         "prefix_tokens": stream.prefix_tokens, "vision_batch": stream.vision_batch,
         "pushed": stream.pushed, "next_tick": stream.next_tick, "last_timestamp": stream.last_timestamp,
-        "kept_timestamp": stream.kept_timestamp,
+        "kept_timestamp": stream.kept_timestamp, "encoded_timestamp": stream.encoded_timestamp,
         "pending": [[frame.index, frame.timestamp] for frame in stream.pending],
         "state": stream.state.to_dict(), "stats": {k: v for k, v in stream.stats.to_dict().items()
                                                    if k in {field.name for field in fields(EncodingStats)}},
@@ -161,15 +162,17 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     stream.kept_timestamp = metadata.get("kept_timestamp", stream.last_timestamp)  # absent: saved before it was kept
     stream.pending = [Frame(index, timestamp, image)
                       for (index, timestamp), image in zip(metadata["pending"], pending)]
+    encoded = metadata.get("encoded_timestamp")
+    stream.encoded_timestamp = _encoded_before(stream) if encoded is None else float(encoded)
     stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,
                                       stream.state.frames, stream.adapter.frames_per_step)
     last = [stream.pushed - 1, stream.last_timestamp or 0.0]
-    if metadata["pending"]:  # the last frame streamed comes before the pending ones
-        last = [int(metadata["pending"][0][0]) - 1, float(metadata["pending"][0][1])]
+    if stream.pending:  # the last frame streamed comes before the pending ones: a resume pushes them again
+        last = [stream.pending[0].index - 1, stream.encoded_timestamp]
     # loaded into the disk tier: its new file set can itself be resumed
     try:
         stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending,
-                                 stream.kept_timestamp)
+                                 stream.encoded_timestamp)
         restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
         stream.close()  # a file set that could not take the state is removed: nothing half-written stays
@@ -202,6 +205,18 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
         embeddings = stream.adapter.language_embeddings.weight
         stream.backlog.restore(backlog, backlog_record["spans"], embeddings.shape[1], embeddings.dtype,
                                embeddings.device)
+
+
+def _encoded_before(stream: Any) -> float | None:
+    """The last encoded frame's time, for a file saved before it was recorded: the last kept frame's when none
+    waits; else a time before the first waiting frame (the tick before its own, under ``max_fps``), so that a
+    resume takes the waiting frames again."""
+    if not stream.pending:
+        return stream.kept_timestamp
+    first = stream.pending[0].timestamp
+    if stream.max_fps is None:
+        return math.nextafter(first, -math.inf)
+    return max(0.0, (math.floor(first * stream.max_fps + 1e-9) - 1) / stream.max_fps)
 
 
 def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:

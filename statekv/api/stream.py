@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,7 @@ class Stream(EncodedVideo):
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
     ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``kept_timestamp`` (the last kept frame's
-    time), ``lock`` (the calls' turns), ``id``,
+    time), ``encoded_timestamp`` (the last encoded frame's), ``lock`` (the calls' turns), ``id``,
     ``created`` and ``owner_digest`` (who it is, recorded in its files and checked when they are loaded;
     ``identity``: all of it as recorded).
 
@@ -125,6 +126,7 @@ class Stream(EncodedVideo):
         self.next_tick = 0
         self.last_timestamp: float | None = None
         self.kept_timestamp: float | None = None  # the last kept frame's (a later one may have been dropped)
+        self.encoded_timestamp: float | None = None  # the last encoded frame's (later kept ones may be pending)
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
         if disk_tier is None:  # a new file set: what `load` resumes it from
@@ -276,6 +278,8 @@ class Stream(EncodedVideo):
         ``offered`` made it ready and is not streamed, that frame is not taken (earlier ones stay encoded or
         pending)."""
         self.pending = self.pending[sum(len(group) for group in job.groups[:job.streamed]):]
+        if job.streamed and job.groups[job.streamed - 1]:
+            self.encoded_timestamp = job.groups[job.streamed - 1][-1].timestamp
         if failed and offered and job.streamed < len(job.groups):
             self.durability.withdrawn(self.pending.pop())
 
@@ -369,6 +373,8 @@ def checked_timestamp(timestamp: float | None, last: float | None, max_fps: floa
             raise InputError(f"max_fps={max_fps} puts the next frame at {timestamp} s: push it with its timestamp, or "
                              "stream at a higher max_fps")
         return timestamp
+    if isinstance(timestamp, numbers.Real) and not isinstance(timestamp, (bool, int, float)):
+        timestamp = float(timestamp)  # a NumPy scalar (np.arange's times), or another real number type
     check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
     if timestamp < 0 or (last is not None and timestamp < last):
         raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after {last}")

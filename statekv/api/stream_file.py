@@ -459,6 +459,7 @@ SCHEMA = record_check({
     "checksums": type_check(dict, "an object"),
 }, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `statekv.api.watch.check_record`
              "kept_timestamp": optional_check(number_check()),  # absent: saved before it was kept
+             "encoded_timestamp": optional_check(number_check()),  # absent: saved before it was kept
              # the handover layout's successor (`statekv.api.handover`): the steps it replayed, those it has yet to
              "successor": CACHE, "backlog": record_check({"spans": list_check(integer_check(1))})})
 

@@ -183,9 +183,7 @@ class Watches:
     def __init__(self, stream: Any):
         self.stream = stream
         self.open: list[Watch] = []
-        # the last frame encoded: the last kept, once none waits (one pushed after it may have been dropped)
-        self.seconds: float | None = getattr(stream, "kept_timestamp", stream.last_timestamp) \
-            if not stream.pending else None
+        self.seconds: float | None = stream.encoded_timestamp  # a frame pushed since may wait, or have been dropped
         self.guide = QuestionGuide()
 
     def add(self, watch: Watch) -> None:
