@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import statekv
 import statekv.eval as ev
 from statekv.builtin import training
 from statekv.builtin.long_range import LongRange
@@ -612,6 +613,11 @@ def test_a_damaged_training_checkpoint_resumes_from_the_one_before(case, tmp_pat
     assert any(f"{log}:" in message and "damaged log line" in message for message in caplog.messages)
     # the log keeps the lines up to the step resumed from (step 5's was written before its checkpoint was damaged)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
+    # set aside, so the next save keeps step 4's as the one before (before: the damaged one took its place)
+    assert (tmp_path / (training.STATE_FILE + ".damaged")).is_file() and not (tmp_path / training.STATE_FILE).exists()
+    training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=5)
+    assert training.trained_steps(tmp_path) == 5
+    assert torch.load(tmp_path / training.PREVIOUS_STATE_FILE, weights_only=True)["step"] == 4
 
 
 def test_no_usable_training_checkpoint_is_one_line(tmp_path, capsys):
@@ -628,13 +634,13 @@ def test_training_threads_beyond_the_cores_are_refused(tmp_path, capsys):
 
 
 def test_training_outputs_named_by_folders_are_refused_before_training(tmp_path, capsys):
-    """Before: a folder named loss.png (or log.jsonl) in --out was a traceback after the training."""
-    for name in (training.LOG_FILE, "loss.png"):
+    """Before: a folder named loss.png (or log.jsonl, checkpoint.pt) in --out was a traceback after the training."""
+    for name in (training.LOG_FILE, "loss.png", training.STATE_FILE):
         out = tmp_path / name.replace(".", "-")
         (out / name).mkdir(parents=True)
         code = main(["train-builtin", "--out", str(out), "--threads", "1", "--stop-after", "1"])
         assert code == 2 and "names a folder" in _one_line(capsys.readouterr().err)
-        assert not (out / training.STATE_FILE).exists()
+        assert [path.name for path in out.iterdir()] == [name]  # nothing trained, nothing written
 
 
 def test_training_from_a_folder_without_weights_is_one_line(tmp_path, capsys):
@@ -645,6 +651,47 @@ def test_training_from_a_folder_without_weights_is_one_line(tmp_path, capsys):
     code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "1",
                  "--init", str(init)])
     assert code == 2 and "cannot load its weights" in _one_line(capsys.readouterr().err)
+
+
+def test_training_from_another_models_weights_or_over_a_run_is_one_line(tmp_path, capsys):
+    """Before: another model's checkpoint as --init was torch's size-mismatch traceback, and --init over a folder
+    holding a run was ignored without a word (the run went on from its own checkpoint)."""
+    other = make_tiny_checkpoint("internvl", tmp_path / "other", layout="chat")
+    capsys.readouterr()
+    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "1",
+                 "--init", str(other)])
+    said = _one_line("\n".join(line for line in capsys.readouterr().err.splitlines() if "Loading weights" not in line))
+    assert code == 2 and "not the built-in model's architecture" in said and "in state_dict" in said, said
+    (tmp_path / "done").mkdir()
+    torch.save({"step": 3}, tmp_path / "done" / training.STATE_FILE)
+    code = main(["train-builtin", "--out", str(tmp_path / "done"), "--threads", "1", "--init", str(other)])
+    assert code == 2 and "holds a run already (step 3)" in _one_line(capsys.readouterr().err)
+
+
+def test_training_that_runs_no_step_from_given_weights_ends_cleanly(tmp_path, capsys):
+    """Before: --init (which starts at the long-range phase) with a --stop-after inside the curriculum ran no step,
+    then failed reading the log it never wrote."""
+    from statekv.builtin.install import WEIGHTS_DIR
+
+    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "3",
+                 "--init", str(WEIGHTS_DIR)])
+    printed = capsys.readouterr()
+    assert code == 0 and "Traceback" not in printed.err and "rerun to go on" in printed.out
+
+
+def test_a_training_checkpoint_the_disk_cannot_hold_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
+    """Before: torch's writer failing on a full disk was a chained traceback, its partial file left filling the
+    disk."""
+    save = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        save(obj, path, *args, **kwargs)  # written, then the disk is found full
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 2048")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(statekv.errors.OutputError, match="cannot write the training checkpoint") as caught:
+        training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=2)
+    assert "\n" not in str(caught.value) and "goes on from the last one written, 0 steps" in str(caught.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [training.LOG_FILE]
 
 
 def test_a_runs_steps_are_those_its_checkpoint_records(tmp_path):

@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from statekv.builtin.install import install_weights
     from statekv.builtin.plots import plot_log
-    from statekv.builtin.training import LOG_FILE, Recipe, train, trained_steps
+    from statekv.builtin.training import (LOG_FILE, MODEL_DIR, PREVIOUS_STATE_FILE, STATE_FILE, Recipe, train,
+                                          trained_steps)
 
     from statekv.errors import ConfigurationError
     from statekv.settings.values import check_output_dir, check_output_file
@@ -46,16 +46,24 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory
         raise ConfigurationError(f"--threads {args.threads} is more than this machine's {cores} CPU cores")
     check_output_dir(args.out, "--out")
-    for name in (LOG_FILE, "loss.png"):
+    for name in (LOG_FILE, "loss.png", STATE_FILE, PREVIOUS_STATE_FILE, STATE_FILE + ".tmp"):
         check_output_file(args.out / name, "--out")  # a folder of that name in it, say: refused before training
+    if (args.out / MODEL_DIR).exists() and not (args.out / MODEL_DIR).is_dir():
+        raise ConfigurationError(f"--out {args.out}: {args.out / MODEL_DIR} is a file where the trained model's "
+                                 "folder goes")
+    if args.init is not None and trained_steps(args.out):
+        raise ConfigurationError(f"--init {args.init}: {args.out} holds a run already (step "
+                                 f"{trained_steps(args.out)}), which goes on from its own checkpoint; give a new "
+                                 "--out for a phase from these weights, or rerun without --init to go on")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     recipe = Recipe()
     model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after, init=args.init)
-    plot_log(args.out / LOG_FILE, args.out / "loss.png")
+    if (args.out / LOG_FILE).is_file():  # none when no step ran (--stop-after within what --init skips)
+        plot_log(args.out / LOG_FILE, args.out / "loss.png")
     if not model_dir.is_dir():
         print(f"stopped at step {trained_steps(args.out)} of {recipe.steps}; rerun to go on")
         return 0
-    print(f"wrote {model_dir} and {args.out / 'loss.png'}")
+    print(f"wrote {model_dir}" + (f" and {args.out / 'loss.png'}" if (args.out / "loss.png").is_file() else ""))
     if args.install:
         print(f"installed the weights in {install_weights(model_dir)}")
     return 0

@@ -54,7 +54,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from ..errors import ConfigurationError, DataError
+from ..errors import ConfigurationError, DataError, OutputError
+from ..flushing import flush_file
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
@@ -171,7 +172,11 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     step, elapsed = _resume(out, recipe, model, optimizer)
     if step == 0 and init is not None:
-        model.load_state_dict(_weights(init))
+        try:
+            model.load_state_dict(_weights(init))
+        except RuntimeError as error:  # torch names every tensor that does not fit: the first says enough
+            raise DataError(f"{init}: not the built-in model's architecture, so its weights cannot start the "
+                            f"long-range phase ({one_line_reason(error)})") from None
         step = recipe.curriculum_steps
     logger.info("%d parameters; training %d steps from step %d", count_parameters(model.parameters()),
                 recipe.steps, step)
@@ -277,8 +282,12 @@ def _log(out: Path, line: dict[str, Any]) -> None:
     else:
         logger.info("step %d (%s frames): loss %.3f, accuracy %.3f", line["step"], line["frames"], line["loss"],
                     line["accuracy"])
-    with (out / LOG_FILE).open("a", encoding="utf-8") as file:
-        file.write(json.dumps(line) + "\n")
+    try:
+        with (out / LOG_FILE).open("a", encoding="utf-8") as file:
+            file.write(json.dumps(line) + "\n")
+    except OSError as error:  # a full disk: the checkpoint keeps the steps; a resume rewrites the log from it
+        raise OutputError(f"cannot write the training log {out / LOG_FILE} ({one_line_reason(error)}); the run "
+                          f"goes on from its last checkpoint, {trained_steps(out)} steps") from None
 
 
 def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -297,8 +306,14 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
     """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``."""
     temporary = out / (STATE_FILE + ".tmp")
-    torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict()}, temporary)
+    try:
+        torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict()}, temporary)
+        flush_file(temporary)
+    except (OSError, RuntimeError) as error:  # a full disk: torch's writer raises RuntimeError
+        temporary.unlink(missing_ok=True)
+        raise OutputError(f"cannot write the training checkpoint {out / STATE_FILE} ({one_line_reason(error)}); "
+                          f"the run goes on from the last one written, {trained_steps(out)} steps") from None
     if (out / STATE_FILE).is_file():
         os.replace(out / STATE_FILE, out / PREVIOUS_STATE_FILE)
     os.replace(temporary, out / STATE_FILE)
@@ -331,6 +346,8 @@ def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:
             problems.append(str(error))
             continue
         _truncate_log(out / LOG_FILE, state["step"])
+        if path != paths[0]:  # the damaged one set aside: the next save would make it the only one kept
+            paths[0].replace(paths[0].with_name(paths[0].name + ".damaged"))
         return int(state["step"]), float(state["seconds"])
     raise DataError(f"{problems[0]}; no usable checkpoint in {out}: delete {STATE_FILE} (and "
                     f"{PREVIOUS_STATE_FILE}) to start over")
@@ -373,8 +390,11 @@ def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
 
 
 def one_line_reason(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:200]
+    """The error's message on one line (a first line ending in ":" keeps the next, which says what)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return (lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else ""))[:200]
 
 
 def _truncate_log(path: Path, step: int) -> None:
