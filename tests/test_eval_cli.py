@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -70,7 +71,11 @@ def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_pa
         out.write(ev.AnswerRecord.for_answer(questions[0], "C", model="InternVL3-1B", method="statekv", budget=32))
     capsys.readouterr()
     table_file = tmp_path / "table.md"
+    before = sorted(path.name for path in killed.iterdir())
     assert command.main(["table", str(killed), str(finished), "--output", str(table_file)]) == 0
+    # scored where the table is made: nothing written in a run's folder (before: answers.jsonl and results.json,
+    # a traceback where the folder was read-only, a race with a run still writing there)
+    assert sorted(path.name for path in killed.iterdir()) == before
     printed = capsys.readouterr().out
     cell = "100.00" if questions[0].answer == "C" else "0.00"
     assert printed == table_file.read_text() == (
@@ -90,6 +95,27 @@ def test_table_merges_finished_and_unfinished_runs(checkpoint, data_root, tmp_pa
     assert "(partial 2/3)" in capsys.readouterr().out and "(partial 2/3)" in table_file.read_text()
     assert command.main(["table", str(finished)]) == 0  # a finished run's own summary is read as it is
     assert json.loads((finished / "results.json").read_text())["run"]
+
+    # runs of other weights under the same name (every `statekv train-builtin` folder's model is "model"), and runs
+    # of other question sets in one column: before, merged into one row and one column without a word
+    def copy(name: str, **content) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(finished, folder)
+        recorded = json.loads((folder / "run.json").read_text())
+        recorded["content"].update(content)
+        (folder / "run.json").write_text(json.dumps(recorded))
+        return folder
+    retrained = copy("retrained", weights="0" * 64)
+    capsys.readouterr()
+    assert command.main(["table", str(finished), str(retrained)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| InternVL3-1B")]
+    weights = json.loads((finished / "run.json").read_text())["content"]["weights"]
+    assert [row.split(" | ")[0] for row in rows] == [f"| InternVL3-1B [weights {weights[:12]}]",
+                                                     "| InternVL3-1B [weights 000000000000]"]
+    other_set = copy("other-set", data="1" * 64)
+    assert command.main(["table", str(finished), str(retrained), str(other_set)]) == 2  # one row given twice
+    assert command.main(["table", str(retrained), str(other_set)]) == 0
+    assert "note: the videomme runs read 2 different question sets" in capsys.readouterr().out
 
 
 def test_a_finished_run_resumed_for_more_questions_and_killed_is_partial_in_the_table(checkpoint, data_root,

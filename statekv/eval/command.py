@@ -183,23 +183,24 @@ def _groups(text: str) -> tuple[str, ...]:
 
 def run_table(args: argparse.Namespace) -> int:
     from statekv.errors import MissingFileError, OutputError
-    from statekv.eval.records import completed_qids
-    from statekv.eval.report import SUMMARY_FILE, paper_table, read_summary, write_summary
+    from statekv.eval.records import completed_qids, run_records
+    from statekv.eval.report import SUMMARY_FILE, build_summary, paper_table, read_summary
     from statekv.eval.runner import read_expected_qids
     from statekv.settings.values import check_output_file
 
     if args.output:
         check_output_file(args.output, "--output")
+    scored = {}
     for run_dir in args.runs:
         if not run_dir.is_dir():
             raise MissingFileError(f"no run directory {run_dir}")
-        # still running, or killed: score what is there now (a finished run's summary names its settings, "run";
-        # one written here does not, and is scored again next time)
+        # still running, or killed: score what is there now, here (a finished run's summary names its settings,
+        # "run"); nothing is written in the run's folder, which may be read-only or another process's
         if not (run_dir / SUMMARY_FILE).is_file() or "run" not in read_summary(run_dir):
             if not completed_qids(run_dir):
                 raise MissingFileError(f"{run_dir} holds no answers yet")
-            write_summary(run_dir, expected_qids=read_expected_qids(run_dir))
-    table = paper_table(args.runs, parser=args.parser)
+            scored[run_dir] = build_summary(run_records(run_dir), read_expected_qids(run_dir))
+    table = paper_table(args.runs, parser=args.parser, scored=scored)
     print(table, end="")
     if args.output:
         try:

@@ -125,14 +125,54 @@ def _check_summary(path: Path, summary: Any) -> None:
                 field(result, optional, (int,), where)
 
 
+def _recorded(run: Path | str) -> dict[str, Any]:
+    """A run's ``run.json`` ({} when it has none, or it cannot be read)."""
+    try:
+        recorded = json.loads((Path(run) / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def _recorded_settings(run: Path | str) -> dict[str, Any] | None:
     """The settings a run's ``run.json`` records, those it predates taken as their defaults (None when it has none,
     or cannot be read)."""
-    try:
-        settings = json.loads((Path(run) / "run.json").read_text())["settings"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    settings = _recorded(run).get("settings")
     return with_defaults(settings) if isinstance(settings, dict) else None
+
+
+def _content(run: Path | str, name: str) -> str | None:
+    """A fingerprint a run's ``run.json`` records of what it read (``weights``, ``data``), if any."""
+    content = _recorded(run).get("content")
+    value = content.get(name) if isinstance(content, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _model_names(runs: list[tuple[Path | str, dict[str, Any]]]) -> list[str]:
+    """Each run's model in the table: its name, with its weights' fingerprint where runs of other weights share
+    the name (every `statekv train-builtin` folder's model is named "model")."""
+    weights = [_content(run, "weights") for run, _ in runs]
+    names = []
+    for (_, summary), own in zip(runs, weights):
+        kin = {theirs for (_, other), theirs in zip(runs, weights)
+               if other["model"] == summary["model"] and theirs is not None}  # a run killed early may record none
+        names.append(summary["model"] if len(kin) < 2 else f"{summary['model']} [weights {(own or 'unknown')[:12]}]")
+    return names
+
+
+def _unlike_data(runs: list[tuple[Path | str, dict[str, Any]]]) -> list[str]:
+    """Notes for the benchmarks whose runs in the table read different question sets (their ``data``
+    fingerprints differ: another seed, a --limit, the streaming set), so their rows are not comparable."""
+    sets: dict[str, dict[str, list[str]]] = {}
+    for run, summary in runs:
+        data = _content(run, "data")
+        limit = _recorded(run).get("limit")
+        key = f"{data}, limit {limit}" if data is not None else None
+        if key is not None:
+            sets.setdefault(summary["benchmark"], {}).setdefault(key, []).append(str(run))
+    return [f"note: the {benchmark} runs read {len(found)} different question sets ("
+            + "; ".join(", ".join(folders) for folders in found.values()) + "): their rows are not comparable"
+            for benchmark, found in sets.items() if len(found) > 1]
 
 
 def _how_they_differ(first: Path | str, second: Path | str) -> str:
@@ -164,13 +204,15 @@ def _row_labels(runs: list[tuple[Path | str, dict[str, Any]]]) -> list[str]:
     return labels
 
 
-def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> str:
+def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None,
+                scored: dict[Path | str, dict[str, Any]] | None = None) -> str:
     """Markdown table like the paper's Table 1: one row per (model, method), and per value of any `ROW_SETTINGS`
     in which runs of one model and method differ (a layout against another, say), one column per benchmark,
     headline accuracies with two decimals (OVOBench RT: the real-time group's score; OVO-Bench, when a run has
     other groups: its overall score).
 
-    ``parser`` picks which parser generation's score to show (default: the one each run used).
+    ``parser`` picks which parser generation's score to show (default: the one each run used). ``scored``: the
+    summaries of runs scored by the caller (`build_summary`), read in place of their ``results.json``.
     A cell notes unparsable answers ("(3 unparsed)") and incomplete runs ("(partial 10/2700)").
     """
     cells: dict[tuple[str, str], dict[str, str]] = {}
@@ -184,9 +226,9 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
         if real in named:
             raise DataError(f"the run {run_dir} is named twice (also as {named[real]}); name each run once")
         named[real] = run_dir
-        runs.append((run_dir, read_summary(run_dir)))
-    for (run_dir, summary), label in zip(runs, _row_labels(runs)):
-        benchmark, model = summary["benchmark"], summary["model"]
+        runs.append((run_dir, (scored or {}).get(run_dir) or read_summary(run_dir)))
+    for (run_dir, summary), label, model in zip(runs, _row_labels(runs), _model_names(runs)):
+        benchmark = summary["benchmark"]
         chosen = summary["scores"].get(parser) if parser else summary["score"]
         if chosen is None:
             raise DataError(f"{run_dir}: no score for parser {parser!r}")
@@ -214,7 +256,8 @@ def paper_table(run_dirs: Iterable[Path | str], parser: str | None = None) -> st
     for row in sorted(cells, key=row_order.__getitem__):
         values = [cells[row].get(benchmark, "–") for benchmark, _ in columns]
         lines.append(f"| {row[0]} | {row[1]} | " + " | ".join(values) + " |")
-    return "\n".join(lines) + "\n"
+    notes = _unlike_data(runs)
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def _cell(result: dict[str, Any], headline: float | None = None, group: str | None = None) -> str:
