@@ -259,6 +259,37 @@ def test_a_listener_runs_on_the_thread_that_pushed_its_stream_and_may_close_its_
         stream.close()
 
 
+def test_simplestream_pushes_from_two_threads_keep_their_times_in_order(qa, frames, monkeypatch):
+    """Before: a push checked its time before taking its turn, so one overtaken by a later push appended its frame
+    after it (times out of order), and one overtaken by a close added a frame to the closed stream."""
+    import statekv.api.recent as recent_module
+
+    stream = qa.with_options(method="simplestream").stream(max_fps=None)
+    convert, entered, go = recent_module.rgb_frame, threading.Event(), threading.Event()
+
+    def slow(image, **kwargs):  # the first push is held while it converts its frame
+        if not entered.is_set():
+            entered.set()
+            go.wait(10)
+        return convert(image, **kwargs)
+    monkeypatch.setattr(recent_module, "rgb_frame", slow)
+    outcome = []
+
+    def early():
+        try:
+            outcome.append(stream.push(frames[0], 5.0))
+        except InputError as error:
+            outcome.append(str(error))
+    thread = threading.Thread(target=early)
+    thread.start()
+    assert entered.wait(10)
+    assert stream.push(frames[1], 6.0)  # a later time, pushed while the first waits
+    go.set()
+    thread.join(10)
+    assert stream.frames == 1 and "non-decreasing" in outcome[0], outcome
+    stream.close()
+
+
 def carried(stream) -> list[torch.Tensor]:
     return [stream.prefill.carried_positions(layer).clone() for layer in range(len(stream.prefill.cache.layers))]
 

@@ -71,9 +71,10 @@ class RecentFrames:
         if isinstance(image, Frame):
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image
-        timestamp = checked_timestamp(timestamp, self._last_timestamp, self.max_fps)
         pixels = rgb_frame(image, copy=True)
         with whole(), self.lock:  # the frame is taken with its counts, or not at all; never while a watch reads
+            self._check_open()  # checked again in turn: closed, or pushed to at a later time, by another thread
+            timestamp = checked_timestamp(timestamp, self._last_timestamp, self.max_fps)
             self.pushed += 1
             self._last_timestamp = timestamp
             if self.max_fps is not None:
@@ -214,10 +215,11 @@ class RecentFrames:
                            "no cache to save")
 
     def close(self) -> None:
-        for watch in self.watches:
-            watch.close()
-        self.recent.clear()
-        self._closed = True
+        with self.lock:  # after a push under way, never in the middle of one
+            for watch in self.watches:
+                watch.close()
+            self.recent.clear()
+            self._closed = True
 
     def __enter__(self) -> "RecentFrames":
         return self
