@@ -81,8 +81,11 @@ def print_json(document: Any) -> None:
 
 
 def one_line(error: BaseException | str) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The message on one line: its first, and the next when the first ends in ":" (which then says what)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else "")
 
 
 def _kept(error: BaseException) -> str:

@@ -55,6 +55,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigurationError, DataError, OutputError
+from ..console import one_line
 from ..flushing import flush_file
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
@@ -390,11 +391,7 @@ def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
 
 
 def one_line_reason(error: BaseException) -> str:
-    """The error's message on one line (a first line ending in ":" keeps the next, which says what)."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    return (lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else ""))[:200]
+    return one_line(error)[:200]
 
 
 def _truncate_log(path: Path, step: int) -> None:

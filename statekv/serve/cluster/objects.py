@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ...console import one_line
 from ...flushing import flush_file, write_flushed
 from ..errors import StorageError
 
@@ -223,10 +224,4 @@ def _reason(error: BaseException) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    """The error's message on one line (a message that goes on after a line ending in ":" keeps its next line)."""
-    text = (getattr(error, "strerror", None) or str(error) or type(error).__name__).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    shown = lines[0] + (" " + lines[1] if lines[0].endswith(":") and len(lines) > 1 else "")
-    return shown[:200]
+    return one_line(getattr(error, "strerror", None) or error)[:200]
