@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -80,6 +82,26 @@ def test_unknown_methods_and_bad_sizes_are_refused_naming_the_known_ones():
 def test_the_registered_methods_build_their_policies_with_windows_in_frames(name, policy):
     settings = MethodSettings(budget=100, frames=16, sinks=4)
     assert method(name).policy(settings, 2) == policy  # two frames per step: R = 16 frames is 8 steps
+
+
+def test_a_command_refuses_its_method_flags_without_loading_the_engine():
+    """The methods are described without the engine: `statekv serve --port 99999` or `--method statekv --window 4`
+    is refused at once, and the engine loads when a policy is first made."""
+    program = ("import sys\nfrom statekv.cli import main\nfrom statekv.errors import ConfigurationError\n"
+               "from statekv.settings.methods import MethodSettings, method, method_names\n"
+               "from statekv.settings.options import ModelOptions\n"
+               "print(main(['serve', '--model', 'builtin', '--method', 'rekv', '--port', '99999']))\n"
+               "try:\n    ModelOptions.given(method='statekv', window=4)\n"
+               "except ConfigurationError as error:\n    print(str(error).split(' (')[0])\n"
+               "print(method('rekv').offload, ','.join(method_names()), 'statekv.core' in sys.modules)\n"
+               "policy = method('statekv').policy(MethodSettings(budget=8), 1)\n"
+               "print(type(policy).__name__, 'statekv.core' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "2", "window=4 is not used by method='statekv'",
+        "True statekv,full,recency,rekv,keynorm,simplestream False", "StateKV True"]
+    assert "--port 99999: not a port number" in result.stderr
 
 
 def test_the_command_line_turns_only_statekv_errors_into_one_line(files, capsys, monkeypatch):

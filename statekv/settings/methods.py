@@ -1,8 +1,8 @@
 """The methods and the retrieval rules, named once: what ``--method statekv`` and ``--retrieval rekv`` mean to the
 CLI, the evaluation harness, the lmms-eval plugin, the benchmarks and the FLOPs accounting.
 
-A method is a carry policy plus how it is described and sized (the built-in ones are registered with their rules,
-`statekv.core.rules.methods`):
+A method is a carry policy plus how it is described and sized (the built-in ones: `BUILTIN_METHODS`, whose
+policies load the engine's rules when first made, so a method is described without the engine):
 
     register_method(MethodSpec("valuenorm", "carry the tokens with the largest values", size="budget",
                                policy=lambda settings, frames_per_step: ValueNorm(budget=settings.budget),
@@ -138,32 +138,52 @@ class MethodSpec:
         return None if self.size is None else getattr(settings, self.size)
 
 
-METHODS: dict[str, MethodSpec] = {}
+def _rules() -> Any:
+    """The engine's carry rules (`statekv.core.rules`), loaded when a built-in method's policy is first made: a
+    method's description is read without the engine (a command refuses a bad flag before loading it)."""
+    return importlib.import_module("statekv.core.rules")
+
+
+BUILTIN_METHODS = (
+    MethodSpec("statekv", "carry the top-B tokens by attention mass, per layer and KV head", "budget",
+               lambda s, f: _rules().StateKV(budget=s.budget), at_most_budget, "StateKV"),
+    MethodSpec("full", "carry everything: exact, quadratic in length", None,
+               lambda s, f: _rules().FullAttention(), every_earlier_token, "Full SA"),
+    MethodSpec("recency", "carry the last R frames (a sliding window: the paper's ReKV baseline)", "frames",
+               lambda s, f: _rules().Recency(frames=s.window_steps(f)), last_window, "Recency"),
+    MethodSpec("rekv", "ReKV: sinks + the last R frames while encoding; questions answered from the 64 frames per "
+                       "layer that best match them, the detailed cache kept in CPU memory", "frames",
+               lambda s, f: _rules().ReKV(frames=s.window_steps(f), sinks=s.sinks), sinks_and_last_window, "ReKV",
+               retrieve=64, offload=True, also_uses=("sinks",), retrieval="rekv"),
+    MethodSpec("keynorm", "carry the B tokens with the smallest key norm, per layer and KV head", "budget",
+               lambda s, f: _rules().KeyNorm(budget=s.budget), at_most_budget, "KeyNorm"),
+    MethodSpec("simplestream", "SimpleStream: no cache; each question is answered by the unmodified model from the "
+                               "last N frames and the prompt alone, encoded afresh", "window",
+               lambda s, f: _rules().FullAttention(), within_recent_window, "SimpleStream", recent_window=True),
+)
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN_METHODS}
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
     """Add (or replace) a method; every command and the evaluation harness accept it from then on."""
-    with_builtins()  # first: a built-in registered later would replace the method given here
     METHODS[spec.name] = spec
     return spec
 
 
 def with_builtins() -> None:
-    """Load the engine, where the built-in methods and retrieval rules register themselves, so that a caller that
-    imported only the settings finds them too (the package loads its names lazily)."""
+    """Load the engine, where the built-in retrieval rules register themselves, so that a caller that imported only
+    the settings finds them too (the package loads its names lazily)."""
     importlib.import_module("statekv.core")
 
 
 def method(name: str) -> MethodSpec:
     """The registered method ``name``; a one-line ConfigurationError listing the others if there is none."""
-    with_builtins()
     if name not in METHODS:
         raise ConfigurationError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
     return METHODS[name]
 
 
 def method_names() -> tuple[str, ...]:
-    with_builtins()
     return tuple(METHODS)
 
 

@@ -23,8 +23,8 @@ score keys by the attention of the step's last queries alone.
 
 The modules: `candidates` (what a rule sees), `base` (`CarryPolicy`), `scored` (`ScoredPolicy`: top-k once),
 `wrapped` (`WrappedPolicy`), one module per rule (`full`, `recency`, `attention_mass`: StateKV, `key_norm`,
-`sinks`: WithSinks, `rekv`, `per_layer`, `sinks_and_recency`), and `methods`, the built-in methods that name the
-rules for users.
+`sinks`: WithSinks, `rekv`, `per_layer`, `sinks_and_recency`). The built-in methods that name them for users are
+described in `statekv.settings.methods` (`BUILTIN_METHODS`).
 """
 
 from .attention_mass import StateKV
@@ -39,7 +39,6 @@ from .scored import ScoredPolicy, in_time_order
 from .sinks import WithSinks
 from .sinks_and_recency import SinksAndRecency
 from .wrapped import WrappedPolicy
-from . import methods  # noqa: E402,F401  (registers the built-in methods)
 
 __all__ = ["KEEP_ALL", "Candidates", "CarryPolicy", "FullAttention", "KeyNorm", "PerLayerBudget", "ReKV", "Recency",
            "ScoredPolicy", "SinksAndRecency", "StateKV", "WithSinks", "WrappedPolicy", "in_time_order"]
