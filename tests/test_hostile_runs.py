@@ -26,6 +26,7 @@ from statekv.builtin import training
 from statekv.builtin.long_range import LongRange
 from statekv.cli import main
 from statekv.console import Stopped
+from statekv.stopping import request_stop
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
@@ -584,6 +585,29 @@ def test_a_stopped_training_saves_its_last_step_and_resumes_from_it(tmp_path, mo
     training.train(TINY_RECIPE, tmp_path, threads=1)
     steps = [json.loads(line)["step"] for line in (tmp_path / training.LOG_FILE).read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_stop_as_the_update_ends_saves_the_step_the_weights_are_of(tmp_path, monkeypatch):
+    """A stop landing as the optimiser's update returns (before the step was counted) waits for the count: the
+    checkpoint names the step its weights are of, and the resumed run takes the uninterrupted one's steps."""
+    updates, real = [], torch.optim.AdamW.step
+
+    def update(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        updates.append(1)
+        if len(updates) == 3:
+            request_stop(signal.SIGINT, None)
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", update)
+    with pytest.raises(KeyboardInterrupt):
+        training.train(TINY_RECIPE, tmp_path / "stopped", threads=1)
+    monkeypatch.undo()
+    stopped = torch.load(tmp_path / "stopped" / training.STATE_FILE, weights_only=True)
+    training.train(TINY_RECIPE, tmp_path / "through", threads=1, stop_after=3)
+    through = torch.load(tmp_path / "through" / training.STATE_FILE, weights_only=True)
+    assert stopped["step"] == through["step"] == 3
+    assert all(torch.equal(stopped["model"][name], through["model"][name]) for name in through["model"])
 
 
 TRAINING_DAMAGE = {

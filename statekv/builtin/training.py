@@ -59,6 +59,7 @@ from ..console import one_line
 from ..flushing import flush_file
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
+from ..stopping import whole
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
@@ -196,8 +197,9 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-            optimizer.step()
-            step += 1
+            with whole():  # a stop lands before the update or after its count: a checkpoint names the step it holds
+                optimizer.step()
+                step += 1
             window.add(parts, answers)
             if step % recipe.log_every == 0 or step == last:
                 _log(out, window.flush(step, recipe, time.monotonic() - started))
