@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import itertools
 import os
+import random
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ from statekv.video import (
     temporal_groups,
     uniform_frame_indices,
 )
+from statekv.video.sampling import reaches, tick
 
 # ---------------------------------------------------------------------------------------------------
 # Sampling rule
@@ -103,6 +105,19 @@ def test_fixed_rate_sampler_takes_one_frame_per_tick():
     frames = _stamped([i / 30 for i in range(95)])
     assert [f.index for f in sample_at_rate(frames, 1.0)] == [0, 30, 60, 90]
     assert [f.index for f in sample_at_rate(frames, 2.0)] == [0, 15, 30, 45, 60, 75, 90]
+
+
+def test_a_frame_on_a_tick_is_on_it_at_an_epochs_time():
+    """A camera's timestamps are seconds since 1970: a frame at exactly ``k / fps``, as a float, is on tick ``k``
+    there too (a fixed epsilon was below the product's rounding: one such frame in 65 fell on the tick before)."""
+    rng = random.Random(7)
+    for fps in (10, 25, 30, 60, 29.97):
+        for _ in range(2000):
+            k = rng.randrange(int(fps * 1e9), int(fps * 2e9))
+            assert tick(k / fps, fps) == k
+    start = 1.7e9 + 0.1
+    assert [reaches(start + i / 10, start + (i - 1) / 10 + 0.1) for i in range(1, 200)] == [True] * 199
+    assert not reaches(start + 0.05, start + 0.1)
 
 
 def test_fixed_rate_sampler_does_not_burst_after_a_gap():

@@ -120,6 +120,20 @@ def test_every_seconds_counts_stream_time(qa, frames):
     stream.close()
 
 
+def test_every_seconds_keeps_its_period_at_an_epochs_time(qa, frames):
+    """A camera's timestamps are seconds since 1970, where two frames 2 s apart differ by 2 only to within 2.4e-7:
+    each is still due (a fixed epsilon judged most of them early, and skipped them)."""
+    counts = []
+    for start in (0.0, 1.7e9 + 0.1):
+        stream = qa.stream()
+        watch = stream.watch(COLOUR, every_seconds=0.2)
+        for k in range(12):
+            stream.push(frames[k], start + 0.2 * k)
+        counts.append(watch.evaluations)
+        stream.close()
+    assert counts == [12, 12]
+
+
 @pytest.mark.parametrize("horizon", [None, 40])
 def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, horizon, monkeypatch):
     """Full attention carries every token, so the carried state and the new frames are the whole stream: an

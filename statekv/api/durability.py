@@ -13,7 +13,6 @@ backlog a resumed stream rebuilds its successor from) and the handover of the fo
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from .stream_disk import CLOCK, SETUP, WAITING, frames_lost, read_stream_setup, 
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
 from ..video import Frame
+from ..video.sampling import tick
 
 log = logging.getLogger("statekv")
 
@@ -335,7 +335,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
         stream.kept_timestamp = stream.encoded_timestamp = stream.last_timestamp
         if stream.max_fps is not None:
-            stream.next_tick = math.floor(timestamp * stream.max_fps + 1e-9) + 1
+            stream.next_tick = tick(timestamp, stream.max_fps) + 1
     if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file: its last pushed frame may not be
         stream.kept_timestamp = stream.encoded_timestamp = float(last[KEPT_TIMESTAMP])
     waiting = next((record for record in reversed(journal.after) if WAITING in record), None)
@@ -349,7 +349,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.pushed, stream.last_timestamp = frames[-1].index + 1, frames[-1].timestamp
         stream.kept_timestamp = stream.last_timestamp
         if stream.max_fps is not None:
-            stream.next_tick = math.floor(stream.last_timestamp * stream.max_fps + 1e-9) + 1
+            stream.next_tick = tick(stream.last_timestamp, stream.max_fps) + 1
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
     clock = next((record[CLOCK] for record in reversed(journal.after) if CLOCK in record), None)
     if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed

@@ -11,7 +11,6 @@ the model's own video layout, under full attention. A stream holds N frames of p
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import replace
@@ -27,6 +26,7 @@ from ..stopping import whole
 from ..settings.values import check_int, check_number, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
+from ..video.sampling import tick
 from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, run_on_cadence
 
 
@@ -78,10 +78,10 @@ class RecentFrames:
             self.pushed += 1
             self._last_timestamp = timestamp
             if self.max_fps is not None:
-                tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
-                if tick < self._next_tick:
+                reached = tick(timestamp, self.max_fps)
+                if reached < self._next_tick:
                     return False
-                self._next_tick = tick + 1
+                self._next_tick = reached + 1
             self.recent.append(Frame(self.stats.frames, timestamp, pixels))
             self.stats.frames += 1
         if self.watching is not None:  # its due watches answer from the frames it now holds
@@ -110,7 +110,7 @@ class RecentFrames:
                                  "stream")
             self.pushed, self.stats.frames, self._last_timestamp = pushed, frames, seconds
             if self.max_fps is not None and seconds is not None:
-                self._next_tick = math.floor(seconds * self.max_fps + 1e-9) + 1
+                self._next_tick = tick(seconds, self.max_fps) + 1
 
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""

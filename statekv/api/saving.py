@@ -30,6 +30,7 @@ from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model
                           model_identity, read_verified, recorded_settings, weights_fingerprint, write_verified)
 from .stream_identity import check_ownership
 from ..video import Frame
+from ..video.sampling import tick
 
 
 BACKLOG = "backlog.inputs_embeds"  # a handover stream's steps its successor has yet to replay
@@ -216,7 +217,7 @@ def _encoded_before(stream: Any) -> float | None:
     first = stream.pending[0].timestamp
     if stream.max_fps is None:
         return math.nextafter(first, -math.inf)
-    return max(0.0, (math.floor(first * stream.max_fps + 1e-9) - 1) / stream.max_fps)
+    return max(0.0, (tick(first, stream.max_fps) - 1) / stream.max_fps)
 
 
 def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:

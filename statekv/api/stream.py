@@ -49,6 +49,7 @@ from .stream_identity import check_owner, check_stream_id, new_created, new_stre
 from ..settings.values import check_bool, check_int, check_number
 from ..video import Frame
 from ..video.images import rgb_frame
+from ..video.sampling import tick
 
 log = logging.getLogger("statekv")
 
@@ -177,8 +178,7 @@ class Stream(EncodedVideo):
         timestamp = self._check_timestamp(timestamp)
         pixels = rgb_frame(image)
         if self.max_fps is not None:
-            tick = math.floor(timestamp * self.max_fps + 1e-9)  # the epsilon keeps k / fps itself on tick k
-            if tick < self.next_tick:
+            if tick(timestamp, self.max_fps) < self.next_tick:
                 return Offer(False, timestamp, False)
         kept = self.state.frames + len(self.pending)
         if self.horizon_frames is not None and kept + 1 > self.horizon_frames:
@@ -200,7 +200,7 @@ class Stream(EncodedVideo):
         if offer.kept:
             self.kept_timestamp = offer.timestamp
         if offer.kept and self.max_fps is not None:
-            self.next_tick = math.floor(offer.timestamp * self.max_fps + 1e-9) + 1
+            self.next_tick = tick(offer.timestamp, self.max_fps) + 1
 
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""

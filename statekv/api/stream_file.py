@@ -62,6 +62,7 @@ from ..flushing import flush_file
 from ..locks import FileLock
 from ..models import LayoutState
 from ..settings.values import check_int, check_output_file, is_finite_number
+from ..video.sampling import tick
 
 FORMAT = "statekv-stream"
 FORMAT_VERSION = 3  # 2: the per-step lists listed whole (still read)
@@ -264,23 +265,24 @@ def saved_rows(positions: torch.Tensor, released: torch.Tensor) -> torch.Tensor 
 
 def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
     """The push clock as pushing leaves it: without ``max_fps`` every frame pushed is kept and ``next_tick`` stays
-    0; at ``max_fps`` every kept frame has a tick (``floor(seconds * max_fps)``) of its own, the pending ones in
+    0; at ``max_fps`` every kept frame has a tick (`statekv.video.sampling.tick`) of its own, the pending ones in
     increasing order, and ``next_tick`` follows the tick of the last frame pushed."""
-    fps, tick, last, pushed = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"], metadata["pushed"]
+    fps, next_tick, last = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"]
+    pushed = metadata["pushed"]
     kept = metadata["state"]["frames"] + len(metadata["pending"])
-    clock = f"max_fps {fps}, next_tick {tick}, last_timestamp {last}, {pushed} pushed and {kept} kept"
+    clock = f"max_fps {fps}, next_tick {next_tick}, last_timestamp {last}, {pushed} pushed and {kept} kept"
     if fps is None:
         expected = 0
         if kept != pushed:
             raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): without "
                              "max_fps every frame pushed is kept")
     else:
-        expected = 0 if last is None else math.floor(last * fps + 1e-9) + 1
-        ticks = [math.floor(seconds * fps + 1e-9) for _, seconds in metadata["pending"]]
+        expected = 0 if last is None else tick(last, fps) + 1
+        ticks = [tick(seconds, fps) for _, seconds in metadata["pending"]]
         if kept > expected or any(b <= a for a, b in zip(ticks, ticks[1:])) or (ticks and ticks[-1] >= expected):
             raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): at max_fps "
                              "each kept frame has a tick of its own")
-    if tick != expected:
+    if next_tick != expected:
         raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): next_tick "
                          f"would be {expected}")
 

@@ -42,6 +42,7 @@ from ..settings.methods import retrieval_rule
 from ..errors import InputError, StateKVError
 from ..stopping import whole
 from ..settings.values import check_bool, check_int, check_number
+from ..video.sampling import reaches, slack
 
 log = logging.getLogger("statekv")
 
@@ -136,7 +137,7 @@ class Watch:
         if self.every_seconds is not None:
             if self.last_seconds is None or seconds is None:
                 return True
-            return seconds - self.last_seconds >= self.every_seconds - 1e-9
+            return reaches(seconds, self.last_seconds + self.every_seconds)
         return False
 
     def evaluate(self) -> str:
@@ -493,7 +494,8 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
         again = -(-(watch.last_frames - frames) // watch.every)  # its period from there)
         watch.last_frames = max(0, watch.last_frames - again * watch.every)
     elif watch.every_seconds is not None and watch.last_seconds is not None and seconds is not None:
-        again = max(0, math.ceil((watch.last_seconds - seconds) / watch.every_seconds - 1e-9))
+        behind = watch.last_seconds - seconds - slack(watch.last_seconds, seconds)
+        again = max(0, math.ceil(behind / watch.every_seconds))
         watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
     else:
         again, watch.last_frames = 0, frames

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StateKVError
+from ..video.sampling import tick
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, Feed, StreamEntry, remove_tier
@@ -588,7 +589,7 @@ def _resumed_shift(last: float | None, start: float | None, first: float, last_s
         return start - first if last_skipped is not None else start
     if last is not None:
         return last - last_skipped
-    return -math.floor(last_skipped * rate + 1e-9) / rate
+    return -tick(last_skipped, rate) / rate
 
 
 def _next_time(entry: StreamEntry) -> float:

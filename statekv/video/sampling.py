@@ -1,6 +1,6 @@
 """Which frames to keep: for a user's stored video every frame at most once, the last one near the end
 (`source_frame_indices`); the benchmarks' published uniform rule (`uniform_frame_indices`) where their protocol
-uses it; a fixed rate for live streams (`sample_at_rate`)."""
+uses it; a fixed rate for live streams (`sample_at_rate`, on the ticks of `tick`)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def source_frame_indices(
     return [(2 * k + 1) * total_frames // (2 * n) for k in range(n)]
 
 
+def tick(seconds: float, rate: float) -> int:
+    """The last tick of ``rate`` a second (ticks at ``k / rate`` seconds) that ``seconds`` reaches. A timestamp of
+    exactly ``k / rate`` as a float is on tick ``k`` however large it is (an epoch's: 1.7e9 s), the slack growing
+    with the product's rounding."""
+    product = seconds * rate
+    return math.floor(product + 1e-9 + 4 * math.ulp(product))
+
+
+def slack(*times: float) -> float:
+    """How far apart times as large as ``times`` may lie from rounding alone, and 1e-9 s at least (two epoch
+    timestamps 0.1 s apart differ by 0.1 only to within 2.4e-7)."""
+    return 1e-9 + 4 * math.ulp(max(abs(time) for time in times))
+
+
+def reaches(seconds: float, moment: float) -> bool:
+    """Whether ``seconds`` is at or past ``moment``, up to their rounding (`slack`)."""
+    return seconds >= moment - slack(seconds, moment)
+
+
 def sample_at_rate(frames: Iterable[TimedT], fps: float) -> Iterator[TimedT]:
     """Keep, from a stream of timestamped frames, each frame that reaches the next ``1 / fps`` tick.
 
@@ -73,8 +92,7 @@ def sample_at_rate(frames: Iterable[TimedT], fps: float) -> Iterator[TimedT]:
         raise ValueError(f"fps must be > 0, got {fps}")
     next_tick = 0
     for frame in frames:
-        # The small epsilon keeps a timestamp of exactly k / fps (as a float) on tick k.
-        last_tick_reached = math.floor(frame.timestamp * fps + 1e-9)
+        last_tick_reached = tick(frame.timestamp, fps)
         if last_tick_reached >= next_tick:
             yield frame
             next_tick = last_tick_reached + 1
