@@ -29,7 +29,7 @@ from statekv.serve.cluster.deployment import ClusterSettings, deployment_options
 from statekv.serve.cluster.leases import LeaseLost, Leases  # noqa: E402
 from statekv.serve.cluster.router import PLACING_PATIENCE_SECONDS, StreamRouter, request_target  # noqa: E402
 from statekv.serve.cluster.scaling import StreamsPolicy  # noqa: E402
-from statekv.serve.cluster.shared import SharedRegistry, SharedStreamFiles  # noqa: E402
+from statekv.serve.cluster.shared import LeasedPlacement, SharedRegistry, SharedStreamFiles  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
 from statekv.serve.errors import ServiceError  # noqa: E402
 from statekv.serve.metrics import Metrics  # noqa: E402
@@ -219,6 +219,24 @@ def test_a_holders_wall_clock_stepped_back_still_renews_its_leases(tmp_path):
     assert holder.renew(STREAM) is not None
     time.sleep(2.0)  # past the first hold: only a renewal keeps it
     holder.check(STREAM)
+
+
+def test_a_lease_that_cannot_be_read_holds_up_none_of_the_others(tmp_path, caplog):
+    """Before: the pass renewing a replica's leases ended at the first it could not read (a torn file on a slow
+    share), every pass met it first, and the streams after it lapsed."""
+    clock = Clock()
+    files = SharedStreamFiles(tmp_path, Leases(tmp_path, "holder", seconds=10, clock=clock))
+    streams = ["st_torn", "st_one", "st_two"]
+    for stream in streams:
+        files.claim(stream)
+    files.leases.path("st_torn").write_bytes(b'{"stream": "st_to')
+    clock.now += 8  # every lease due for renewal
+    placement = LeasedPlacement(files)
+    for _ in range(2):
+        asyncio.run(placement.keep(SimpleNamespace(entries={})))
+    clock.now += 8
+    assert [files.leases.peek(stream).live(clock.now) for stream in streams[1:]] == [True, True]
+    assert sum("cannot renew the lease of stream st_torn" in message for message in caplog.messages) == 1
 
 
 # -- two replicas in one process ---------------------------------------------------------------------------------

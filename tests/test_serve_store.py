@@ -7,9 +7,11 @@ taken over with only the unsaved tail lost; a bucket that refuses writes answere
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -242,6 +244,50 @@ def test_a_taking_the_store_did_not_answer_is_held_by_its_taker(aws, monkeypatch
     taker.check(STREAM)  # held: its writes go on
     taker.write_record(_record())
     assert other.take(STREAM) is None and other.holder_of(STREAM) == "taker"
+
+
+class _Entry:
+    """What handing a stream over reads of a served stream: nothing encoded, so nothing to save."""
+
+    def __init__(self, stream_id: str):
+        self.id, self.tier, self.lock = stream_id, None, asyncio.Lock()
+        self.deleted = self.moved = self.feeding = False
+        self.stream = SimpleNamespace(frames=0, close=lambda: None)
+
+    def retire(self, moved: bool = False) -> None:
+        self.moved = moved
+
+
+def test_a_stream_handed_over_while_the_store_refuses_its_let_go_is_let_go_at_the_next_pass(aws, monkeypatch,
+                                                                                           caplog):
+    """Before: the stream was dropped here, then the store refused its let-go: the replica forgot the lease while
+    the store named it the holder under its live session, so no replica could take the stream while it lived."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    create = holder.store.create
+
+    def refusing(name, data):
+        if b'"let-go"' in data:
+            raise StoreError("the store refused the write (a test)")
+        return create(name, data)
+
+    async def run(function, *args):
+        return function(*args)
+
+    async def heal(entry):
+        return None
+
+    monkeypatch.setattr(holder.store, "create", refusing)
+    registry = SimpleNamespace(entries={STREAM: _Entry(STREAM)}, heal=heal, worker=SimpleNamespace(run=run),
+                               end_watch_feeds=None)
+    placement = LeasedPlacement(holder)
+    asyncio.run(placement.hand_over(registry, registry.entries[STREAM]))
+    assert registry.entries == {} and STREAM in holder.held
+    assert any(f"cannot let stream {STREAM} go yet" in message for message in caplog.messages)
+    assert other.take(STREAM) is None  # still the holder's, which lets it go again
+    monkeypatch.setattr(holder.store, "create", create)
+    asyncio.run(placement.keep(registry))
+    assert holder.held == {} and other.take(STREAM).token == 2
 
 
 def test_a_holder_that_stalled_before_pruning_its_old_saves_keeps_the_next_holders(aws, monkeypatch):

@@ -144,11 +144,17 @@ class ReplicaHosting(Hosting):
                         await asyncio.to_thread(shutil.rmtree, self.tier_root / gone, True)
                 loads = {posted["replica"]: int(posted.get("streams") or 0)
                          for posted in await asyncio.to_thread(self.board.replicas) if posted.get("replica")}
-                await self.shared.placement.rebalance(self.shared, loads)
             except OSError as error:
                 log.error("cannot post to the replicas' board: %s", error)
+                loads = None
             except Exception:  # the loop must outlive one bad pass
                 log.exception("posting to the replicas' board failed")
+                loads = None
+            if loads is not None:
+                try:
+                    await self.shared.placement.rebalance(self.shared, loads)
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
+                    log.exception("balancing the streams between the replicas failed")
             await asyncio.sleep(POST_SECONDS)
 
     def exposition(self, service: Any) -> bytes:

@@ -104,6 +104,8 @@ class LeasedPlacement(Placement):
         self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
         self._handed: dict[str, float] = {}  # streams handed over to balance the replicas, not yet taken elsewhere
+        self._unrenewed: set[str] = set()  # streams whose lease could not be renewed at the last pass (said once)
+        self._letting_go: set[str] = set()  # streams dropped here whose lease the shared state would not release yet
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
         """Nothing is loaded (streams are taken when asked for); deletions cut short are finished, each under
@@ -242,7 +244,7 @@ class LeasedPlacement(Placement):
 
     async def let_go_damaged(self, registry: StreamRegistry, stream_id: str) -> None:
         """Its lease released, as `take` releases a stream it cannot load: every replica lists it as damaged."""
-        await asyncio.to_thread(self.files.release, stream_id)
+        await self._let_go(stream_id)
         self._listed = (0.0, [])
 
     async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
@@ -259,22 +261,50 @@ class LeasedPlacement(Placement):
     # -- keeping and letting go ---------------------------------------------------------------------------------
     async def keep(self, registry: StreamRegistry) -> None:
         """One pass over the leases held: renew those due, drop streams whose lease was lost, and hand over those
-        another replica asked for."""
-        for stream_id in list(self.files.held):
+        another replica asked for. Each lease on its own: one that cannot be read or locked for a while (a torn
+        file, a slow share) is tried again at the next pass and holds up none of the others. Streams dropped here
+        whose lease was not released (the store refused) are let go again first."""
+        for stream_id in list(self._letting_go):
+            await self._let_go(stream_id)
+        await asyncio.gather(*(self._keep(registry, stream_id) for stream_id in list(self.files.held)
+                               if stream_id not in self._letting_go))
+
+    async def _let_go(self, stream_id: str) -> bool:
+        """Release the stream's lease, so another replica takes it; one the shared state refuses for now is let go
+        again at each pass (`keep`), rather than left held by a replica that dropped it."""
+        try:
+            await asyncio.to_thread(self.files.release, stream_id)
+        except (StateKVError, OSError) as error:
+            if stream_id not in self._letting_go:
+                log.error("cannot let stream %s go yet: %s; tried again at each pass", stream_id, error)
+            self._letting_go.add(stream_id)
+            return False
+        self._letting_go.discard(stream_id)
+        return True
+
+    async def _keep(self, registry: StreamRegistry, stream_id: str) -> None:
+        try:
             lease = await asyncio.to_thread(self.files.renew, stream_id)
-            entry = registry.entries.get(stream_id)
-            if lease is None:
-                if entry is not None:
-                    log.warning("lost the lease of stream %s (its hold lapsed, the shared state out of reach or "
-                                "this replica stalled for too long, or another replica took it); dropped here, its "
-                                "next request takes it from its last save", stream_id)
-                    await self._drop(registry, entry)
-                continue
-            if entry is not None and lease.handoff and not entry.feeding and stream_id not in self._handing:
-                # beside the pass: a long save must not hold up the other leases' renewals
-                task = asyncio.ensure_future(self.hand_over(registry, entry))
-                self._handing[stream_id] = task
-                task.add_done_callback(lambda _, stream_id=stream_id: self._handing.pop(stream_id, None))
+        except (StateKVError, OSError) as error:
+            if stream_id not in self._unrenewed:
+                log.warning("cannot renew the lease of stream %s: %s; tried again at each pass (held here while it "
+                            "lasts)", stream_id, error)
+            self._unrenewed.add(stream_id)
+            return
+        self._unrenewed.discard(stream_id)
+        entry = registry.entries.get(stream_id)
+        if lease is None:
+            if entry is not None:
+                log.warning("lost the lease of stream %s (its hold lapsed, the shared state out of reach or this "
+                            "replica stalled for too long, or another replica took it); dropped here, its next "
+                            "request takes it from its last save", stream_id)
+                await self._drop(registry, entry)
+            return
+        if entry is not None and lease.handoff and not entry.feeding and stream_id not in self._handing:
+            # beside the pass: a long save must not hold up the other leases' renewals
+            task = asyncio.ensure_future(self.hand_over(registry, entry))
+            self._handing[stream_id] = task
+            task.add_done_callback(lambda _, stream_id=stream_id: self._handing.pop(stream_id, None))
 
     async def rebalance(self, registry: StreamRegistry, loads: dict[str, int]) -> None:
         """Hand one stream over when this replica holds at least two more than the least-loaded live replica
@@ -314,7 +344,7 @@ class LeasedPlacement(Placement):
         damaged is let go quarantined."""
         try:
             await registry.heal(entry)
-        except ServiceError as error:
+        except (StateKVError, OSError) as error:
             log.error("cannot hand stream %s over: %s", entry.id, error)
             return
         async with entry.lock:
@@ -327,8 +357,8 @@ class LeasedPlacement(Placement):
                 log.error("cannot save stream %s to hand it over: %s", entry.id, error)
                 return
             await self._drop(registry, entry)
-            await asyncio.to_thread(self.files.release, entry.id)
-            log.info("handed stream %s over", entry.id)
+            if await self._let_go(entry.id):
+                log.info("handed stream %s over", entry.id)
 
     async def _drop(self, registry: StreamRegistry, entry: StreamEntry) -> None:
         """Forget a stream handed over or lost: closed, and its disk-tier file set (if any) removed, since

@@ -148,18 +148,20 @@ class StoreStreamFiles:
             log.error("cannot renew the session of replica %s: %s", self.holder, error)
 
     def release(self, stream_id: str) -> None:
-        """Let the stream go now (a version naming no holder): whoever takes it next gets the next token."""
+        """Let the stream go now (a version naming no holder): whoever takes it next gets the next token. Where the
+        store refuses, the stream stays held, to be let go again (held by a replica that forgot it, no other
+        could take it while this replica's session lives)."""
         lease = self.held.get(stream_id)
         if lease is None:
             return
         try:
             self._commit(stream_id, "let-go", holder=None, epoch=None,
                          before={"holder": self.holder, "token": lease.token})
-            self._hint(stream_id, None)
-        except LeaseLost:
-            pass
-        finally:
+        except LeaseLost:  # another replica holds it now
             self._forget(stream_id)
+            return
+        self._forget(stream_id)
+        self._hint(stream_id, None)
 
     def check(self, stream_id: str) -> None:
         """`LeaseLost` unless this replica surely still holds the stream (its session renewed in time)."""
