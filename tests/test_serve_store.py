@@ -246,6 +246,26 @@ def test_a_taking_the_store_did_not_answer_is_held_by_its_taker(aws, monkeypatch
     assert other.take(STREAM) is None and other.holder_of(STREAM) == "taker"
 
 
+@pytest.mark.parametrize("said", [True, False], ids=["read back", "not even read back"])
+def test_a_deletion_the_store_made_without_answering_is_a_deletion(aws, monkeypatch, said):
+    """Before: the store wrote the stream's tombstone and lost its answer: the client was told nothing was deleted,
+    and each retry was told the stream had moved to another replica. Now the tombstone is read back; where it
+    cannot be, the retry finds it."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    _fails_after_versions(monkeypatch, holder.store, 0, lost=True)
+    if not said:
+        read = holder.store.read
+        monkeypatch.setattr(holder.store, "read", lambda name: (_ for _ in ()).throw(StoreError("no answer")))
+        with pytest.raises(StoreError, match="cannot write"):
+            holder.begin_removal(STREAM, None)
+        monkeypatch.setattr(holder.store, "read", read)
+    holder.begin_removal(STREAM, None)
+    assert holder.held == {} and holder.read_record(STREAM) is None
+    with pytest.raises(Exception, match="no stream"):
+        other.take(STREAM)
+
+
 class _Entry:
     """What handing a stream over reads of a served stream: nothing encoded, so nothing to save."""
 

@@ -77,29 +77,13 @@ class StoreStreamFiles:
                 before = None if current is None or current.holder is None else {
                     "holder": current.holder, "token": current.token,
                     "expires": self.session.expiry(current.holder, current.epoch)}
-                try:
-                    taken = self.versions.commit(current, stream_id, "taken", holder=self.holder, epoch=epoch,
-                                                 token=(current.token if current else 0) + 1, before=before)
-                except StoreError:  # the store may have created it before failing to answer: then it is ours
-                    taken = self._taken_unanswered(stream_id, epoch)
-                    if taken is None:
-                        raise
+                taken = self.versions.commit(current, stream_id, "taken", holder=self.holder, epoch=epoch,
+                                             token=(current.token if current else 0) + 1, before=before)
                 if taken is not None:
                     self._hint(stream_id, self.holder)
                     with contextlib.suppress(OSError):
                         self.store.remove(f"{ASKS}/{stream_id}.json")
                     return self._keep(taken, lapsed=before is not None)
-        return None
-
-    def _taken_unanswered(self, stream_id: str, epoch: str) -> Version | None:
-        """The version naming this replica as the stream's holder under ``epoch``, if the store has it (a taking
-        whose creation the store failed to answer); None when it has not, or cannot say."""
-        try:
-            current = self.versions.current(stream_id)
-        except (OSError, ServiceError):
-            return None
-        if current is not None and current.holder == self.holder and current.epoch == epoch and not current.deleted:
-            return current
         return None
 
     def claim(self, stream_id: str) -> None:
@@ -218,9 +202,23 @@ class StoreStreamFiles:
 
     def begin_removal(self, stream_id: str, tier: Path | None) -> None:
         """Delete the stream at once: a last version saying so (kept, so no late writer brings it back); what
-        else of it is in the store is garbage from then on (`remove` clears it)."""
-        self._commit(stream_id, "deleted", holder=None, epoch=None, record=None, state=None, note=None, deleted=True)
+        else of it is in the store is garbage from then on (`remove` clears it). Deleted already (a deletion asked
+        again, whose first the store made without answering) is deleted."""
+        try:
+            self._commit(stream_id, "deleted", holder=None, epoch=None, record=None, state=None, note=None,
+                         deleted=True)
+        except LeaseLost:
+            if not self._deleted(stream_id):
+                raise
         self._forget(stream_id)
+
+    def _deleted(self, stream_id: str) -> bool:
+        """Whether the stream's newest version says it is deleted (False when the store cannot say)."""
+        try:
+            current = self.versions.current(stream_id)
+        except (OSError, ServiceError):
+            return False
+        return current is not None and current.deleted
 
     def removals(self) -> list[dict[str, Any]]:
         """The deletions cut short: streams whose last version says they are deleted (a deletion is whole once

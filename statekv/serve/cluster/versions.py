@@ -165,12 +165,20 @@ class StreamVersions:
     # -- changing ---------------------------------------------------------------------------------------------
     def commit(self, base: Version | None, stream_id: str, event: str, **changes: Any) -> Version | None:
         """A new version made from ``base`` (None: the stream's first) with ``changes``; None when another
-        writer created that number first, or the chain had moved past it (nothing of it stays)."""
+        writer created that number first, or the chain had moved past it (nothing of it stays). A creation the
+        store made but did not answer (or that the client retried, finding the name its own) is this one: the
+        store's error is raised only when the version is not there, or the store cannot say."""
         fields = {**(asdict(base) if base is not None else {"stream": stream_id}), "before": None, **changes}
         version = Version(**{**fields, "number": (base.number if base else 0) + 1, "nonce": secrets.token_hex(8),
                              "base": base.nonce if base else None, "event": event, "at": self.clock()})
         data = json.dumps(asdict(version), separators=(",", ":")).encode()
-        if not self.store.create(version.name, data):
+        try:
+            created = self.store.create(version.name, data)
+        except OSError:
+            if not self._holds(version.name, data):
+                raise
+            created = True
+        if not created and not self._holds(version.name, data):
             return None
         if not self._checked_follows(version):
             self.store.remove(version.name)  # a number removed long ago: a write of a writer that stalled
@@ -178,6 +186,17 @@ class StreamVersions:
         self._read[version.name] = version
         self._prune(stream_id, version.number)
         return version
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether the store holds ``data`` (a version's, its nonce its own) as ``name``, asked again while the store
+        fails to answer; False when it holds another or nothing, or cannot say."""
+        for wait in CHECK_WAITS:
+            time.sleep(wait)
+            try:
+                return self.store.read(name) == data
+            except OSError:
+                continue
+        return False
 
     def _checked_follows(self, version: Version) -> bool:
         """`_follows`, asked again while the store fails to answer. A created version that still cannot be checked
