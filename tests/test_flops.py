@@ -236,6 +236,14 @@ def test_cli_json_parses_and_holds_curves_and_break_even(capsys):
     assert {p["a"] for p in out["break_even"]} <= set(labels)
 
 
+def test_the_question_cost_names_the_frames_a_short_horizon_has(capsys):
+    from statekv.cli import main
+
+    for frames, named in (("32", "32 retrieved frames (all there are)"), ("512", "64 retrieved frames")):
+        assert main(["flops", "--frames", frames, "--models", "internvl3-1b"]) == 0
+        assert f", {named} 0." in capsys.readouterr().out
+
+
 def test_cli_reports_bad_input_in_one_line(capsys):
     from statekv.cli import main
 

@@ -86,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_tables(curves, pairs, at, args.score))
     print(f"\nAnswering one question (32 tokens, 16 generated) after {args.frames} frames, TFLOPs:")
     for row in output["questions"]:
-        print(f"  {row['model']}: whole detailed cache {row['whole_cache'] / 1e12:.3f}, {row['retrieve']} retrieved "
-              f"frames {row['retrieved'] / 1e12:.3f}")
+        retrieved = f"{row['retrieve']} retrieved frames" if row["retrieve"] < row["frames"] else \
+            f"{row['frames']} retrieved frames (all there are)"
+        print(f"  {row['model']}: whole detailed cache {row['whole_cache'] / 1e12:.3f}, {retrieved} "
+              f"{row['retrieved'] / 1e12:.3f}")
     print()
     print(format_cache_table(cache))
     if args.measure:
