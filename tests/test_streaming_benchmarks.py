@@ -12,7 +12,7 @@ import pytest
 
 import statekv.eval as ev
 from statekv.eval import ovobench, streamingbench
-from statekv.eval.questions import Question
+from statekv.eval.questions import Question, counted
 from statekv.eval.records import AnswerRecord
 
 
@@ -69,6 +69,9 @@ def test_ovobench_reads_all_three_groups_each_poll_a_question(ovo_root):
     # the polls of one forward question are asked in time order on its video's stream
     ssr = next(group for group in ev.group_by_video(questions) if group.video_id == "COIN/x.mp4")
     assert [q.qid for q in ssr.questions] == ["1516_1", "1516_0"]
+    # what a run's log counts: answers, where forward questions are asked at each of their polls
+    assert counted(questions) == "answers to give (6 questions, a forward one asked at each of its polls)"
+    assert counted(questions[:3]) == "questions to answer"
 
 
 def test_ovobench_prompts_are_the_releases():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +77,12 @@ class Question:
     def query_seconds(self) -> int | None:
         """Whole seconds of video visible when an OVOBench question is asked (ceil(realtime))."""
         return None if self.realtime is None else math.ceil(self.realtime)
+
+
+def counted(questions: Sequence[Question]) -> str:
+    """What a count of ``questions`` counts, in words: questions to answer, or answers to give where a forward
+    question is asked at each of its polls (one `Question` per poll, sharing its ``item``)."""
+    asked = len({(question.video_id, question.item or question.qid) for question in questions})
+    if asked == len(questions):
+        return "questions to answer"
+    return f"answers to give ({asked} questions, a forward one asked at each of its polls)"

@@ -45,7 +45,7 @@ from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
-from statekv.eval.questions import BENCHMARKS, Question
+from statekv.eval.questions import BENCHMARKS, Question, counted
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
                                   merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
@@ -256,7 +256,7 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
         rank = f"rank {context.rank}/{context.world_size}: " if context.distributed else ""
-        logger.info("%s%d questions to answer (%d of its %d already done); %s", rank, len(todo),
+        logger.info("%s%d %s (%d of its %d already done); %s", rank, len(todo), counted(todo),
                     len(assigned) - len(todo), len(assigned), frames_read(config, todo))
         if todo:
             try:
