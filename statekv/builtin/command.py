@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin.training import (LOG_FILE, MODEL_DIR, PREVIOUS_STATE_FILE, STATE_FILE, Recipe, train,
                                           trained_steps)
 
+    from statekv.console import quiet_libraries
     from statekv.errors import ConfigurationError
     from statekv.settings.values import check_output_dir, check_output_file
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"{trained_steps(args.out)}), which goes on from its own checkpoint; give a new "
                                  "--out for a phase from these weights, or rerun without --init to go on")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    quiet_libraries()  # --init's weights load without transformers' bar in a log
     recipe = Recipe()
     model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after, init=args.init)
     if (args.out / LOG_FILE).is_file():  # none when no step ran (--stop-after within what --init skips)

@@ -302,8 +302,8 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
     try:
         return InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
     except (OSError, ValueError) as error:  # no weights beside its config, or weights of another model
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{folder}: cannot load its weights to start the long-range phase from ({reason})") from None
+        raise DataError(f"{folder}: cannot load its weights to start the long-range phase from "
+                        f"({one_line_reason(error)})") from None
 
 
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
