@@ -276,6 +276,20 @@ def test_a_forged_push_clock_with_fresh_checksums_is_refused(case, adapter, cloc
     assert "push clock does not hold" in _one_line(error)
 
 
+def test_a_stream_saved_before_the_tick_rule_changed_still_loads(adapter, tmp_path):
+    """A camera's time where the tick rule before 2026-12-02 (a fixed slack) put the last frame a tick earlier: the
+    file it wrote says so in next_tick, and is not refused as forged."""
+    stream = small_qa(adapter).stream(horizon_frames=8, max_fps=25)
+    last = 1250393848.36  # 25 fps: on a tick by `tick`, a tick earlier by the fixed slack
+    for index, frame in enumerate(noise_frames(2)):
+        stream.push(frame, last - 0.04 * (1 - index))
+    path = _resigned(stream.save(tmp_path / "s.safetensors"), lambda m: m.update(next_tick=m["next_tick"] - 1))
+    assert Stream.load(path, small_qa(adapter)).frames == 2
+    _resigned(path, lambda m: m.update(next_tick=m["next_tick"] - 1))
+    with pytest.raises(InputError, match="push clock does not hold"):
+        Stream.load(path, small_qa(adapter))
+
+
 def test_an_eagle_stream_whose_stated_rate_was_forged_is_refused(tmp_path):
     qa = statekv.VideoQA.from_pretrained(make_tiny_checkpoint("eagle", tmp_path / "eagle"), budget=12,
                                          attention="eager", reserve_tokens=40, trust_remote_code=True, layout="eagle")

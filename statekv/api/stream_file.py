@@ -265,26 +265,38 @@ def saved_rows(positions: torch.Tensor, released: torch.Tensor) -> torch.Tensor 
 
 def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
     """The push clock as pushing leaves it: without ``max_fps`` every frame pushed is kept and ``next_tick`` stays
-    0; at ``max_fps`` every kept frame has a tick (`statekv.video.sampling.tick`) of its own, the pending ones in
-    increasing order, and ``next_tick`` follows the tick of the last frame pushed."""
+    0; at ``max_fps`` every kept frame has a tick (`statekv.video.sampling.tick`; in a file written before that
+    rule, `_fixed_slack_tick`) of its own, the pending ones in increasing order, and ``next_tick`` follows the tick
+    of the last frame pushed."""
     fps, next_tick, last = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"]
     pushed = metadata["pushed"]
     kept = metadata["state"]["frames"] + len(metadata["pending"])
     clock = f"max_fps {fps}, next_tick {next_tick}, last_timestamp {last}, {pushed} pushed and {kept} kept"
     if fps is None:
-        expected = 0
-        if kept != pushed:
-            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): without "
-                             "max_fps every frame pushed is kept")
+        fault = "without max_fps every frame pushed is kept" if kept != pushed else \
+            None if next_tick == 0 else "next_tick would be 0"
     else:
-        expected = 0 if last is None else tick(last, fps) + 1
-        ticks = [tick(seconds, fps) for _, seconds in metadata["pending"]]
-        if kept > expected or any(b <= a for a, b in zip(ticks, ticks[1:])) or (ticks and ticks[-1] >= expected):
-            raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): at max_fps "
-                             "each kept frame has a tick of its own")
-    if next_tick != expected:
-        raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): next_tick "
-                         f"would be {expected}")
+        faults = [_tick_fault(metadata, rule) for rule in (tick, _fixed_slack_tick)]
+        fault = None if None in faults else faults[0]
+    if fault is not None:
+        raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): {fault}")
+
+
+def _tick_fault(metadata: dict[str, Any], rule: Callable[[float, float], int]) -> str | None:
+    """What does not hold of a clock at ``max_fps`` whose frames are put on ticks by ``rule`` (None: it holds)."""
+    fps, last = metadata["max_fps"], metadata["last_timestamp"]
+    kept = metadata["state"]["frames"] + len(metadata["pending"])
+    expected = 0 if last is None else rule(last, fps) + 1
+    ticks = [rule(seconds, fps) for _, seconds in metadata["pending"]]
+    if kept > expected or any(b <= a for a, b in zip(ticks, ticks[1:])) or (ticks and ticks[-1] >= expected):
+        return "at max_fps each kept frame has a tick of its own"
+    return None if metadata["next_tick"] == expected else f"next_tick would be {expected}"
+
+
+def _fixed_slack_tick(seconds: float, rate: float) -> int:
+    """The tick a file written before `tick` put a frame on: a fixed slack, which left a time within a few ulps
+    below a tick (an epoch's) on the tick before."""
+    return math.floor(seconds * rate + 1e-9)
 
 
 def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
