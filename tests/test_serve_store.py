@@ -29,6 +29,7 @@ from statekv.serve.cluster.shared import LeasedPlacement  # noqa: E402
 from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
 from statekv.serve.cluster.versions import CHECK_WAITS, KEEP, StreamVersions  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
+from statekv.serve.errors import ServiceError  # noqa: E402
 
 from s3 import S3Server  # noqa: E402
 
@@ -272,7 +273,7 @@ class _Entry:
     def __init__(self, stream_id: str):
         self.id, self.tier, self.lock = stream_id, None, asyncio.Lock()
         self.deleted = self.moved = self.feeding = False
-        self.stream = SimpleNamespace(frames=0, close=lambda: None)
+        self.stream = SimpleNamespace(frames=0, pushed=0, close=lambda: None)
 
     def retire(self, moved: bool = False) -> None:
         self.moved = moved
@@ -310,6 +311,63 @@ def test_a_stream_handed_over_while_the_store_refuses_its_let_go_is_let_go_at_th
     assert holder.held == {} and other.take(STREAM).token == 2
 
 
+def _refusing_let_go(monkeypatch, store, refused: list[bool]) -> None:
+    """The store refuses every let-go version while ``refused[0]``."""
+    create = store.create
+
+    def refusing(name, data):
+        if b'"let-go"' in data and refused[0]:
+            raise StoreError("the store refused the write (a test)")
+        return create(name, data)
+    monkeypatch.setattr(store, "create", refusing)
+
+
+def _registry(entries: dict, restore_one) -> SimpleNamespace:
+    async def run(function, *args):
+        return function(*args)
+
+    async def heal(entry):
+        return None
+    return SimpleNamespace(entries=entries, heal=heal, worker=SimpleNamespace(run=run), end_watch_feeds=None,
+                           arriving=0, config=SimpleNamespace(max_streams=10), restore_one=restore_one)
+
+
+def test_a_stream_taken_again_while_its_let_go_waits_stays_served_here_alone(aws, monkeypatch):
+    """Its hint still names this replica, so its next request comes back here and takes it again: before, the next
+    pass let it go while it was served, and another replica could take it too."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    refused = [True]
+    _refusing_let_go(monkeypatch, holder.store, refused)
+    registry = _registry({STREAM: _Entry(STREAM)}, lambda record: _Entry(STREAM))
+    placement = LeasedPlacement(holder)
+    asyncio.run(placement.hand_over(registry, registry.entries[STREAM]))
+    asyncio.run(placement.take(registry, STREAM))
+    refused[0] = False
+    asyncio.run(placement.keep(registry))
+    assert STREAM in registry.entries and STREAM in holder.held and other.take(STREAM) is None
+
+
+def test_a_stream_whose_taking_failed_and_whose_let_go_was_refused_is_let_go_later(aws, monkeypatch):
+    """Before: the refused let-go hid the taking's own error, and the lease stayed held with nothing served, so no
+    replica could take the stream while this one lived."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    holder.release(STREAM)
+    refused = [True]
+    _refusing_let_go(monkeypatch, holder.store, refused)
+
+    def restore_one(record):
+        raise ServiceError(503, "the save cannot be read now (a test)")
+    registry = _registry({}, restore_one)
+    placement = LeasedPlacement(holder)
+    with pytest.raises(ServiceError, match="the save cannot be read now"):
+        asyncio.run(placement.take(registry, STREAM))
+    refused[0] = False
+    asyncio.run(placement.keep(registry))
+    assert holder.held == {} and other.take(STREAM) is not None
+
+
 def test_a_holder_that_stalled_before_pruning_its_old_saves_keeps_the_next_holders(aws, monkeypatch):
     """Before: a holder that stalled between its save's version and the pruning of older saves, while another
     replica took the stream and saved, removed every save but its own, the new holder's current one too."""
@@ -335,7 +393,6 @@ def test_a_save_the_store_cannot_give_back_now_is_a_retry_and_one_it_lost_is_dam
     """Before: any failure to download a save was the stream's damage (quarantined, a 409), a moment's failure of
     the store too."""
     from statekv.errors import InputError
-    from statekv.serve.errors import ServiceError
 
     clock, url = Clock(), aws.url()
     holder, _ = _holder_and_other(url, clock, ("holder", "other"), b"saved")

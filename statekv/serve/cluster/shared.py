@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ log = logging.getLogger("statekv.serve")
 TAKE_POLL_SECONDS = 0.2  # how often a replica waiting for a stream's lease tries again
 REBALANCE_IDLE_SECONDS = 10.0  # a stream handed over to balance the replicas has had no request this long
 HANDED_SECONDS = 600.0  # how long a stream handed over to balance the replicas counts as on its way to another
+KEEP_AT_ONCE = 8  # leases a pass renews (or lets go) at once
 TAKE_MARGIN_SECONDS = 5.0  # how much longer than a lease it waits before answering 503
 LIST_SECONDS = 2.0  # how long the listing of the other replicas' streams is reused
 
@@ -166,7 +168,7 @@ class LeasedPlacement(Placement):
                         # noted under the lease, so every replica lists it as damaged
                         damaged = await asyncio.to_thread(registry.quarantine, stream_id, record["owner"],
                                                           reason_of(error), record)
-                    await asyncio.to_thread(self.files.release, stream_id)
+                    await self._let_go(stream_id)
                     if damaged is not None:
                         registry.check_damaged(damaged.owner, stream_id)  # its 409
                     raise
@@ -190,6 +192,7 @@ class LeasedPlacement(Placement):
                 raise ServiceError(503, f"stream {stream_id} is held by another replica that has not let it go; "
                                    "retry shortly", headers={"Retry-After": "2"})
             await asyncio.sleep(TAKE_POLL_SECONDS)
+        self._letting_go.discard(stream_id)  # taken again (its let-go refused, the hint still named this replica)
         return lease
 
     def listed(self, registry: StreamRegistry, owner: str) -> list[Any]:
@@ -254,24 +257,33 @@ class LeasedPlacement(Placement):
             await registry.begin_removal(stream_id, None)
             await asyncio.to_thread(self.files.remove, stream_id)  # the lease goes with it
         except BaseException:
-            await asyncio.to_thread(self.files.release, stream_id)
+            await self._let_go(stream_id)
             raise
         self._listed = (0.0, [])
 
     # -- keeping and letting go ---------------------------------------------------------------------------------
     async def keep(self, registry: StreamRegistry) -> None:
-        """One pass over the leases held: renew those due, drop streams whose lease was lost, and hand over those
-        another replica asked for. Each lease on its own: one that cannot be read or locked for a while (a torn
-        file, a slow share) is tried again at the next pass and holds up none of the others. Streams dropped here
-        whose lease was not released (the store refused) are let go again first."""
-        for stream_id in list(self._letting_go):
-            await self._let_go(stream_id)
-        await asyncio.gather(*(self._keep(registry, stream_id) for stream_id in list(self.files.held)
-                               if stream_id not in self._letting_go))
+        """One pass over the leases held: renew those due, drop streams whose lease was lost, hand over those
+        another replica asked for, and let go again those dropped here whose lease the shared state would not
+        release. Each lease on its own, `KEEP_AT_ONCE` at a time: one that cannot be read or locked for a while (a
+        torn file, a slow share) is tried again at the next pass and holds up none of the others."""
+        room = asyncio.Semaphore(KEEP_AT_ONCE)  # the rest of the service shares the threads these run on
+
+        async def one(pass_over: Callable[[str], Awaitable[Any]], stream_id: str) -> None:
+            async with room:
+                await pass_over(stream_id)
+
+        letting_go = [stream_id for stream_id in self._letting_go if stream_id not in registry.entries]
+        self._letting_go.intersection_update(letting_go)  # one served here again is no longer to let go
+        await asyncio.gather(*(one(self._let_go, stream_id) for stream_id in letting_go),
+                             *(one(lambda stream_id: self._keep(registry, stream_id), stream_id)
+                               for stream_id in list(self.files.held) if stream_id not in self._letting_go))
 
     async def _let_go(self, stream_id: str) -> bool:
         """Release the stream's lease, so another replica takes it; one the shared state refuses for now is let go
-        again at each pass (`keep`), rather than left held by a replica that dropped it."""
+        again at each pass (`keep`), rather than left held by a replica that dropped it. Never raises: a caller
+        handling another error raises that one."""
+        self._unrenewed.discard(stream_id)
         try:
             await asyncio.to_thread(self.files.release, stream_id)
         except (StateKVError, OSError) as error:

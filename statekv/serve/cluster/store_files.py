@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigurationError, InputError
+from ...errors import ConfigurationError, InputError, StateKVError
 from ..auth import new_key, owner_of
 from ..errors import ServiceError
 from ..store import check_record, readable_owner
@@ -53,6 +53,7 @@ class StoreStreamFiles:
         self._writing: dict[str, threading.Lock] = {}  # one commit at a time per stream in this replica
         self._guard = threading.Lock()
         self._asks: tuple[float, dict[str, dict]] = (0.0, {})
+        self._asking = threading.Lock()  # one reading of the asks at a time: a pass renews its leases at once
         self.where = "the object store"  # in messages
 
     @property
@@ -92,7 +93,8 @@ class StoreStreamFiles:
 
     def withdraw(self, stream_id: str) -> None:
         """Remove what taking a stream whose creation failed wrote: its versions (a new id's chain holds this
-        replica's alone) and its hint; where the store refuses, the stream is let go as `release` lets it go."""
+        replica's alone) and its hint; where the store refuses, the stream is let go as `release` lets it go, or
+        forgotten (never served, the caller's own error is the one to raise)."""
         lease = self.held.get(stream_id)
         if lease is None:
             return
@@ -106,7 +108,12 @@ class StoreStreamFiles:
                 self._hint(stream_id, None)
             self._forget(stream_id)
         except (OSError, ServiceError):
-            self.release(stream_id)
+            try:
+                self.release(stream_id)
+            except (OSError, StateKVError) as error:  # a stream never made: nothing here to serve or hand over
+                log.warning("cannot withdraw stream %s from the store (%s); its version lapses with this replica's "
+                            "session", stream_id, error)
+                self._forget(stream_id)
 
     def renew(self, stream_id: str) -> Lease | None:
         """The stream's lease as it stands (``handoff``: a replica asked for it), the session renewed when due;
@@ -391,17 +398,18 @@ class StoreStreamFiles:
 
     def _asks_now(self) -> dict[str, dict]:
         """The asks to hand streams over that stand, read at most once a second."""
-        read_at, asks = self._asks
-        if time.monotonic() - read_at >= 1.0:
-            asks = {}
-            for name in self.store.names(f"{ASKS}/"):
-                data = self.store.read(name)
-                with contextlib.suppress(ValueError, TypeError):
-                    ask = json.loads(data) if data is not None else None
-                    if isinstance(ask, dict) and self.clock() - float(ask.get("at", 0)) < ASK_SECONDS:
-                        asks[name.rsplit("/", 1)[-1].removesuffix(".json")] = ask
-            self._asks = (time.monotonic(), asks)
-        return asks
+        with self._asking:
+            read_at, asks = self._asks
+            if time.monotonic() - read_at >= 1.0:
+                asks = {}
+                for name in self.store.names(f"{ASKS}/"):
+                    data = self.store.read(name)
+                    with contextlib.suppress(ValueError, TypeError):
+                        ask = json.loads(data) if data is not None else None
+                        if isinstance(ask, dict) and self.clock() - float(ask.get("at", 0)) < ASK_SECONDS:
+                            asks[name.rsplit("/", 1)[-1].removesuffix(".json")] = ask
+                self._asks = (time.monotonic(), asks)
+            return asks
 
     def _hint(self, stream_id: str, holder: str | None) -> None:
         """Tell the routers who holds the stream (a failure only routes a request the long way)."""
