@@ -333,6 +333,9 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--fps", "0.1", "--duration", "5"], "schedules no frame to measure; run at least 10 s"),
     (["--question", " "], "--question must be a question, not empty"),
     (["--fps", "1e200", "--duration", "1e200"], "schedules more frames a camera than a run can send"),  # a traceback
+    (["--streams", "1,300"], "--streams 300: the server bench serve starts holds at most 256 cameras"),  # a hang:
+    (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "99999999"],  # a client made per camera first
+     "--streams 99999999: against --url a run drives at most 1024 cameras"),
     (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"],
      "cannot reach http://127.0.0.1:9: "),  # a server that is not there is no table of failed requests
 ])

@@ -800,7 +800,8 @@ def test_a_disk_tier_file_set_that_cannot_be_resumed_is_moved_to_quarantine_and_
 
 
 def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connection(qa, tmp_path):
-    """Before: a very long source name and a deeply nested JSON body were 500s (the connection dropped); a PNG
+    """Before: a very long source name and a deeply nested JSON body were 500s (the connection dropped), and so was
+    a lone surrogate escaped in a name or a question (a stream so named was made, its id never answered); a PNG
     whose header promises more rows than it holds was streamed, its missing rows black."""
     media = tmp_path / "media"
     media.mkdir()
@@ -813,6 +814,13 @@ def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connecti
         for path in ("/v1/streams", f"/v1/streams/{stream_id}/ask", "/v1/chat/completions"):
             reply = client.post(path, content=deep, headers={"Content-Type": "application/json"})
             assert "nested too deeply" in _error(reply, 400)
+        half = '"\\ud800"'  # a lone surrogate, escaped: JSON takes it, no text holds it
+        bodies = {"/v1/streams": '{"name": %s}', f"/v1/streams/{stream_id}/ask": '{"question": %s}',
+                  f"/v1/streams/{stream_id}/watches": '{"question": %s, "every": 1}'}
+        for path, body in bodies.items():
+            reply = client.post(path, content=body % half, headers={"Content-Type": "application/json"})
+            assert "lone surrogate" in _error(reply, 400)
+        assert [s["id"] for s in client.get("/v1/streams").json()["data"]] == [stream_id]  # no stream made
         short = _short_png(rows_held=16, rows_promised=32)
         assert np.asarray(Image.open(io.BytesIO(short)).convert("RGB")).shape == (32, 32, 3)  # PIL fills it in
         message = _error(client.post(f"/v1/streams/{stream_id}/frames?t=3", content=short,

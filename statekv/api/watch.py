@@ -494,9 +494,12 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
         again = -(-(watch.last_frames - frames) // watch.every)  # its period from there)
         watch.last_frames = max(0, watch.last_frames - again * watch.every)
     elif watch.every_seconds is not None and watch.last_seconds is not None and seconds is not None:
-        behind = watch.last_seconds - seconds - slack(watch.last_seconds, seconds)
-        again = max(0, math.ceil(behind / watch.every_seconds))
-        watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
+        periods = (watch.last_seconds - seconds - slack(watch.last_seconds, seconds)) / watch.every_seconds
+        if math.isfinite(periods):
+            again = max(0, math.ceil(periods))
+            watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
+        else:  # a period too short to count in the time gone by: each frame pushed again is due, as the first time
+            again, watch.last_frames, watch.last_seconds = watch.evaluations, frames, seconds
     else:
         again, watch.last_frames = 0, frames
     watch.evaluations = max(len(kept), watch.evaluations - again)

@@ -61,8 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--api-key", default=None, metavar="KEY",
                         help="its API key (default: the first of STATEKV_API_KEYS)")
     target.add_argument("--max-streams", type=POSITIVE_INT, default=None, metavar="N",
-                        help="the started server's stream limit, and the most cameras --find-max tries "
-                             "(default: 256; against --url, 1024 cameras)")
+                        help="the started server's stream limit, and the most cameras a run drives (--streams) "
+                             "or --find-max tries (default: 256; against --url, 1024 cameras)")
     target.add_argument("--server-threads", type=POSITIVE_INT, default=None, metavar="N",
                         help="torch threads of the started server (default: OMP_NUM_THREADS if set, else one core "
                              "fewer than the machine's, leaving one to the cameras)")
@@ -169,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
                "--max-asks", str(SERVER_ASKS)]
 
     limit = args.max_streams or (STARTED_STREAMS if args.url is None else URL_CAMERAS)  # --find-max's cap
+    if args.streams and args.streams[-1] > limit:  # each camera is a client made before the first frame
+        held = "the server bench serve starts holds" if args.url is None else "against --url a run drives"
+        raise ConfigurationError(f"--streams {args.streams[-1]}: {held} at most {limit} cameras (--max-streams "
+                                 f"{limit}); give --max-streams to run more")
     client = machine()  # its load before the run adds its own
 
     probes: list[Probe] = []

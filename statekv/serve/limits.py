@@ -74,6 +74,11 @@ async def read_json(request: Request, limit: int, *, optional: bool = False) -> 
         raise ServiceError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(document, dict):
         raise ServiceError(400, "the JSON body must be an object")
+    try:  # JSON may escape half a character (\ud800), which no text holds: a name, a question, an answer
+        json.dumps(document, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ServiceError(400, "malformed JSON body: it escapes a lone surrogate (\\ud800 to \\udfff), which is "
+                                "half of a character") from None
     return document
 
 
