@@ -140,8 +140,8 @@ class StoreStreamFiles:
 
     def release(self, stream_id: str) -> None:
         """Let the stream go now (a version naming no holder): whoever takes it next gets the next token. Where the
-        store refuses, the stream stays held, to be let go again (held by a replica that forgot it, no other
-        could take it while this replica's session lives)."""
+        store refuses, the stream stays held, for the caller to let it go again: forgotten while the store names
+        this replica its holder, it could be taken by no other replica while this one's session lives."""
         lease = self.held.get(stream_id)
         if lease is None:
             return
