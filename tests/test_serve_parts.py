@@ -280,6 +280,29 @@ def test_questions_that_wait_together_are_answered_in_one_batch():
     assert other_qa.drains == [[(id(elsewhere), "e1")]] and worker.queued == 0
 
 
+def test_a_server_nobody_scrapes_keeps_no_time_of_each_frame(monkeypatch):
+    """The frame rate's window was trimmed only when scraped: a server without a scraper kept every frame's time
+    (about 31 bytes a frame, for weeks)."""
+    import tracemalloc
+
+    import statekv.serve.metrics as metrics_module
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    metrics = metrics_module.Metrics(lambda: 0, lambda: 0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(50_000):
+            clock[0] += 0.5
+            metrics.frame_done()
+        grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert grown < 200_000, grown
+    assert metrics.frames_per_second() == pytest.approx(2.0, rel=0.1)  # two a second, over the window
+
+
 def test_metrics_show_the_batch_sizes_as_a_histogram():
     """``statekv_step_batch_size``: the language-model forwards by the stream steps each took, read when scraped
     (its sum over its count is the mean batch `statekv bench serve` reports); ``statekv_question_batch_size``: the

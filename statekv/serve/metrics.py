@@ -6,6 +6,7 @@ answering batch took (``statekv_question_batch_size``) and how many handover bac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter as Tally
 from collections import deque
@@ -49,17 +50,24 @@ class Metrics:
         rate = Gauge("statekv_frames_per_second", f"frames encoded per second over the last {RATE_WINDOW_SECONDS:g} s",
                      registry=self.registry)
         rate.set_function(self.frames_per_second)
-        self._recent: deque[float] = deque()
+        self._recent: deque[float] = deque()  # when each frame of the last window was encoded
+        self._counting = threading.Lock()
 
     def frame_done(self) -> None:
         self.frames.inc()
-        self._recent.append(time.monotonic())
+        now = time.monotonic()
+        with self._counting:  # trimmed here too: a server nobody scrapes must not keep every frame's time
+            self._recent.append(now)
+            self._trim(now)
 
     def frames_per_second(self) -> float:
-        now = time.monotonic()
+        with self._counting:
+            self._trim(time.monotonic())
+            return len(self._recent) / RATE_WINDOW_SECONDS
+
+    def _trim(self, now: float) -> None:
         while self._recent and self._recent[0] < now - RATE_WINDOW_SECONDS:
             self._recent.popleft()
-        return len(self._recent) / RATE_WINDOW_SECONDS
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
