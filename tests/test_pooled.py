@@ -15,7 +15,7 @@ import torch
 import statekv
 import statekv.core.step.batching as batching
 import statekv.core.step.pooled as pooled
-from statekv.core.cache.pool import pool_of
+from statekv.core.cache.pool import KEPT_IDLE_SHAPES, pool_of
 from statekv.core.step.batching import StepBatcher, StepRequest
 from statekv.core.storage.paged import PagedStorage
 from statekv.errors import InputError
@@ -210,6 +210,27 @@ def test_a_closed_or_dropped_stream_gives_its_rows_and_pages_back(tiny_lm):
     reference, _ = alone(model, "statekv", stream[:10])
     assert pool.seated(newcomer.cache).row in free
     assert_same(state(newcomer), state(reference))
+
+
+def test_streams_of_ever_new_budgets_leave_the_slot_rows_of_a_few_shapes(tiny_lm):
+    """Before: the slot rows of every carried shape a pooled stream ever had were kept for good (for an 8B model at
+    a budget of 4,096, about 2 GB each), so a client creating streams of ever new budgets grew the memory without
+    bound. The last few shapes no stream holds stay, ready for the next stream of that shape."""
+    model = tiny_lm("qwen3")
+    budgets = range(30, 40)
+    batcher = StepBatcher()
+    for budget in budgets:
+        prefills = [statekv.StreamingPrefill(model, statekv.StateKV(budget=budget), attention="eager",
+                                             horizon=PREFIX + 40 * T) for _ in range(2)]
+        data = [chunks(model, 80 + seed) for seed in range(2)]
+        for step in range(12):  # past the budget: steady, pooled
+            batcher.step([StepRequest(prefill, stream[step]) for prefill, stream in zip(prefills, data)])
+        pool = pool_of(prefills[0].decoder, prefills[0].geometry, prefills[0].device)
+        assert pool.seated(prefills[0].cache).slots.shape.carried[0] == budget
+        for prefill in prefills:
+            prefill.close()
+    kept = [shape for shape in pool.slot_rows if shape.carried[0] in budgets]
+    assert sorted(shape.carried[0] for shape in kept) == list(budgets)[-KEPT_IDLE_SHAPES:]
 
 
 def steady_trace(model, streams: int, steps: int = 14) -> list[OpTrace]:

@@ -32,6 +32,7 @@ from ..storage.layer_storage import SAMPLES_PER_STEP, LayerStorage
 from ..storage.paged import PagedStorage, PagePool, PageRow
 
 COUNTERS = 3  # per seat: tokens seen, step index, ring slot
+KEPT_IDLE_SHAPES = 4  # slot rows of shapes no stream holds, kept (their steps recorded) for the next of that shape
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,11 @@ class SlotRows:
     def give(self, row: int) -> None:
         self.free.append(row)
 
+    @property
+    def idle(self) -> bool:
+        """Whether no stream holds a slot here."""
+        return len(self.free) == self.kv[0].shape[1] - 1  # all but the scratch row
+
     def _views(self) -> None:
         """``positions`` ``[R', H_kv, K + T]`` and ``placements`` ``[2, R', H_kv, K + T]`` as views of
         ``position_rows``."""
@@ -154,6 +160,7 @@ class StreamPool:
         self.free = list(range(rows - 1, 0, -1))  # row 0 is scratch
         self.seats: dict[int, Seat] = {}
         self.slot_rows: dict[SlotShape, SlotRows] = {}
+        self._idle: dict[SlotShape, SlotRows] = {}  # slot rows no stream holds, the longest idle first
         self.batches: dict = {}  # what `statekv.core.step.pooled` keeps per batch key and bucket
         self._by_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._aranges: dict[int, torch.Tensor] = {}
@@ -220,7 +227,8 @@ class StreamPool:
                                                     self.changed)
         if seat.slots is not rows:
             if seat.slots is not None:
-                seat.slots.give(seat.slot)
+                self._give_slot(seat)
+            self._idle.pop(shape, None)
             seat.slots, seat.slot = rows, rows.take()
         for index, layer in enumerate(cache.layers):
             buffer = layer.carry.buffer
@@ -287,12 +295,31 @@ class StreamPool:
             seat.tokens.close()
             seat.steps.close()
             if seat.slots is not None:
-                seat.slots.give(seat.slot)
+                self._give_slot(seat)
             self.free.append(seat.row)
             cache = seat.cache()
             if cache is not None:
                 self._by_cache.pop(cache, None)
 
+
+    def _give_slot(self, seat: Seat) -> None:
+        """Give back ``seat``'s slot row. Slot rows no stream holds any more are kept for the next stream of their
+        shape, the `KEPT_IDLE_SHAPES` last; older ones are freed, with the batches recorded over them (a client
+        that creates streams of ever new budgets would otherwise keep every shape's memory for good)."""
+        rows = seat.slots
+        rows.give(seat.slot)
+        seat.slots = None
+        if not rows.idle:
+            return
+        self._idle.pop(rows.shape, None)
+        self._idle[rows.shape] = rows
+        while len(self._idle) > KEPT_IDLE_SHAPES:
+            shape = next(iter(self._idle))
+            oldest = self._idle.pop(shape)
+            if self.slot_rows.get(shape) is oldest:
+                del self.slot_rows[shape]
+            for key in [key for key, batch in self.batches.items() if batch.slots is oldest]:
+                self.batches.pop(key).graphs.clear()
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(device, dtype): StreamPool}
 _pools_lock = threading.Lock()
