@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import weakref
 
 import pytest
 import torch
@@ -212,25 +213,62 @@ def test_a_closed_or_dropped_stream_gives_its_rows_and_pages_back(tiny_lm):
     assert_same(state(newcomer), state(reference))
 
 
-def test_streams_of_ever_new_budgets_leave_the_slot_rows_of_a_few_shapes(tiny_lm):
-    """Before: the slot rows of every carried shape a pooled stream ever had were kept for good (for an 8B model at
-    a budget of 4,096, about 2 GB each), so a client creating streams of ever new budgets grew the memory without
-    bound. The last few shapes no stream holds stay, ready for the next stream of that shape."""
-    model = tiny_lm("qwen3")
-    budgets = range(30, 40)
-    batcher = StepBatcher()
+def budget_prefill(model, budget: int) -> statekv.StreamingPrefill:
+    return statekv.StreamingPrefill(model, statekv.StateKV(budget=budget), attention="eager", horizon=PREFIX + 80 * T)
+
+
+def idle_shapes(model, budgets, batcher: StepBatcher):
+    """Streams of each of ``budgets`` stepped until pooled, then closed: their shapes idle, the first the oldest.
+    Returns the pool and a weak reference to each shape's slot rows."""
+    held = []
     for budget in budgets:
-        prefills = [statekv.StreamingPrefill(model, statekv.StateKV(budget=budget), attention="eager",
-                                             horizon=PREFIX + 40 * T) for _ in range(2)]
+        prefills = [budget_prefill(model, budget) for _ in range(2)]
         data = [chunks(model, 80 + seed) for seed in range(2)]
         for step in range(12):  # past the budget: steady, pooled
             batcher.step([StepRequest(prefill, stream[step]) for prefill, stream in zip(prefills, data)])
         pool = pool_of(prefills[0].decoder, prefills[0].geometry, prefills[0].device)
-        assert pool.seated(prefills[0].cache).slots.shape.carried[0] == budget
+        held.append(weakref.ref(pool.seated(prefills[0].cache).slots))
         for prefill in prefills:
             prefill.close()
+    return pool, held
+
+
+def test_streams_of_ever_new_budgets_leave_the_slot_rows_of_a_few_shapes(tiny_lm):
+    """Before: the slot rows of every carried shape a pooled stream ever had were kept for good (for an 8B model at
+    a budget of 4,096, about 2 GB each), so a client creating streams of ever new budgets grew the memory without
+    bound. The last few shapes no stream holds stay, ready for the next stream of that shape; the others are freed
+    at once."""
+    budgets = range(30, 40)
+    pool, held = idle_shapes(tiny_lm("qwen3"), budgets, StepBatcher())
     kept = [shape for shape in pool.slot_rows if shape.carried[0] in budgets]
     assert sorted(shape.carried[0] for shape in kept) == list(budgets)[-KEPT_IDLE_SHAPES:]
+    assert [rows() is None for rows in held] == [True] * (len(budgets) - KEPT_IDLE_SHAPES) + [False] * KEPT_IDLE_SHAPES
+
+
+def test_a_stream_moving_to_the_oldest_idle_shape_keeps_its_rows(tiny_lm):
+    """Its old rows, given back as it moved, made one idle shape too many: the oldest, the one it moved to, was
+    freed under it, and the next stream of that shape batched with it read another stream's carried state (caught
+    by a review)."""
+    model, batcher = tiny_lm("qwen3"), StepBatcher()
+    oldest = 50
+    idle_shapes(model, range(oldest, oldest + KEPT_IDLE_SHAPES), batcher)
+    moving, leaving = budget_prefill(model, oldest), budget_prefill(model, oldest)
+    lengths = (PREFIX,) + (T + 1,) * 12 + (T,) * 8  # a shape of its own, then the oldest idle one
+    moved, left = chunks(model, 1, lengths), chunks(model, 2, lengths)
+    for step in range(12):
+        batcher.step([StepRequest(moving, moved[step]), StepRequest(leaving, left[step])])
+    leaving.close()
+    newcomer, new = budget_prefill(model, oldest), chunks(model, 3, (PREFIX,) + (T,) * 19)
+    for step in range(12):
+        newcomer.step(inputs_embeds=new[step])
+    moving.step(inputs_embeds=moved[12])
+    for step in range(13, 20):
+        batcher.step([StepRequest(moving, moved[step]), StepRequest(newcomer, new[step - 1])])
+    for prefill, stream in ((newcomer, new[:19]), (moving, moved[:20])):
+        reference = budget_prefill(model, oldest)
+        for chunk in stream:
+            reference.step(inputs_embeds=chunk)
+        assert_same(state(prefill), state(reference))
 
 
 def steady_trace(model, streams: int, steps: int = 14) -> list[OpTrace]:

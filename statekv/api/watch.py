@@ -494,12 +494,16 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
         again = -(-(watch.last_frames - frames) // watch.every)  # its period from there)
         watch.last_frames = max(0, watch.last_frames - again * watch.every)
     elif watch.every_seconds is not None and watch.last_seconds is not None and seconds is not None:
+        since = max(0, watch.last_frames - frames)  # an evaluation since read a frame of its own
         periods = (watch.last_seconds - seconds - slack(watch.last_seconds, seconds)) / watch.every_seconds
-        if math.isfinite(periods):
-            again = max(0, math.ceil(periods))
-            watch.last_frames, watch.last_seconds = frames, watch.last_seconds - again * watch.every_seconds
+        if periods <= 0:
+            again = 0
+        elif math.isfinite(periods):
+            again = math.ceil(periods)
+            watch.last_seconds -= again * watch.every_seconds
         else:  # a period too short to count in the time gone by: each frame pushed again is due, as the first time
-            again, watch.last_frames, watch.last_seconds = watch.evaluations, frames, seconds
+            again, watch.last_seconds = since, seconds
+        watch.last_frames, again = frames, min(again, since)
     else:
         again, watch.last_frames = 0, frames
     watch.evaluations = max(len(kept), watch.evaluations - again)

@@ -120,7 +120,7 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
     try:
         with stream.lock:
             restore(stream, missing, where=f"stream {entry.id}'s record")
-    except (StateKVError, ValueError, ArithmeticError) as error:  # a record's watch is never the stream's damage
+    except StateKVError as error:
         log.error("stream %s: its watches cannot be reopened (%s); it is served without them", entry.id, error)
     if listener is not None:
         for watch in stream.watches:

@@ -226,9 +226,9 @@ class StreamPool:
             rows = self.slot_rows[shape] = SlotRows(shape, self.heads, self.head_dim, self.dtype, self.device,
                                                     self.changed)
         if seat.slots is not rows:
+            self._idle.pop(shape, None)  # first: the rows given back below must not free the ones taken here
             if seat.slots is not None:
                 self._give_slot(seat)
-            self._idle.pop(shape, None)
             seat.slots, seat.slot = rows, rows.take()
         for index, layer in enumerate(cache.layers):
             buffer = layer.carry.buffer
@@ -316,10 +316,11 @@ class StreamPool:
         while len(self._idle) > KEPT_IDLE_SHAPES:
             shape = next(iter(self._idle))
             oldest = self._idle.pop(shape)
-            if self.slot_rows.get(shape) is oldest:
-                del self.slot_rows[shape]
+            del self.slot_rows[shape]
             for key in [key for key, batch in self.batches.items() if batch.slots is oldest]:
-                self.batches.pop(key).graphs.clear()
+                dropped = self.batches.pop(key)
+                dropped.graphs.clear()
+                dropped.slots = None  # freed now, not when the collector breaks the batch's cycles
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(device, dtype): StreamPool}
 _pools_lock = threading.Lock()
