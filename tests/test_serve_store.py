@@ -279,38 +279,6 @@ class _Entry:
         self.moved = moved
 
 
-def test_a_stream_handed_over_while_the_store_refuses_its_let_go_is_let_go_at_the_next_pass(aws, monkeypatch,
-                                                                                           caplog):
-    """Before: the stream was dropped here, then the store refused its let-go: the replica forgot the lease while
-    the store named it the holder under its live session, so no replica could take the stream while it lived."""
-    clock, url = Clock(), aws.url()
-    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
-    create = holder.store.create
-
-    def refusing(name, data):
-        if b'"let-go"' in data:
-            raise StoreError("the store refused the write (a test)")
-        return create(name, data)
-
-    async def run(function, *args):
-        return function(*args)
-
-    async def heal(entry):
-        return None
-
-    monkeypatch.setattr(holder.store, "create", refusing)
-    registry = SimpleNamespace(entries={STREAM: _Entry(STREAM)}, heal=heal, worker=SimpleNamespace(run=run),
-                               end_watch_feeds=None)
-    placement = LeasedPlacement(holder)
-    asyncio.run(placement.hand_over(registry, registry.entries[STREAM]))
-    assert registry.entries == {} and STREAM in holder.held
-    assert any(f"cannot let stream {STREAM} go yet" in message for message in caplog.messages)
-    assert other.take(STREAM) is None  # still the holder's, which lets it go again
-    monkeypatch.setattr(holder.store, "create", create)
-    asyncio.run(placement.keep(registry))
-    assert holder.held == {} and other.take(STREAM).token == 2
-
-
 def _refusing_let_go(monkeypatch, store, refused: list[bool]) -> None:
     """The store refuses every let-go version while ``refused[0]``."""
     create = store.create
@@ -330,6 +298,25 @@ def _registry(entries: dict, restore_one) -> SimpleNamespace:
         return None
     return SimpleNamespace(entries=entries, heal=heal, worker=SimpleNamespace(run=run), end_watch_feeds=None,
                            arriving=0, config=SimpleNamespace(max_streams=10), restore_one=restore_one)
+
+
+def test_a_stream_handed_over_while_the_store_refuses_its_let_go_is_let_go_at_the_next_pass(aws, monkeypatch,
+                                                                                           caplog):
+    """Before: the stream was dropped here, then the store refused its let-go: the replica forgot the lease while
+    the store named it the holder under its live session, so no replica could take the stream while it lived."""
+    clock, url = Clock(), aws.url()
+    holder, other = _holder_and_other(url, clock, ("holder", "other"), b"saved")
+    refused = [True]
+    _refusing_let_go(monkeypatch, holder.store, refused)
+    registry = _registry({STREAM: _Entry(STREAM)}, None)
+    placement = LeasedPlacement(holder)
+    asyncio.run(placement.hand_over(registry, registry.entries[STREAM]))
+    assert registry.entries == {} and STREAM in holder.held
+    assert any(f"cannot let stream {STREAM} go yet" in message for message in caplog.messages)
+    assert other.take(STREAM) is None  # still the holder's, which lets it go again
+    refused[0] = False
+    asyncio.run(placement.keep(registry))
+    assert holder.held == {} and other.take(STREAM).token == 2
 
 
 def test_a_stream_taken_again_while_its_let_go_waits_stays_served_here_alone(aws, monkeypatch):
