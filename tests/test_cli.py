@@ -304,6 +304,21 @@ def test_a_question_timed_past_the_end_of_the_video_is_warned_of_in_one_line(fil
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_question_after_the_frames_of_a_file_cut_short_is_warned_of_in_one_line(files, tmp_path, capsys):
+    """Before: a file whose frames end before the duration its header gives (cut short, or still being written)
+    answered a question timed after its last frame from what it held, without a word."""
+    whole = write_test_video(tmp_path / "whole.mkv", frames=120, fps=4)  # 30 s
+    cut = tmp_path / "cut.mkv"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # its frames end at 14 s
+    assert main(["stream", str(cut), "--model", str(files["model"]), "--max-new-tokens", "1", "--ask", "25:Why?",
+                 "--ask", "5:Why?"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        "statekv stream: warning: the video's frames end at 14 s, before the 30 s its header gives (a file cut short, "
+        "or still being written): --ask at 25 s asked after its last frame"]
+    assert captured.out.count("Q: Why?") == 2
+
+
 def test_a_question_the_stream_will_not_reach_or_has_passed_is_warned_of_in_one_line(files, capsys, tmp_path):
     """Before: a question after where --max-frames stops the stream, or before where a resumed one goes on, was
     answered from fewer frames than its time, or not asked, without a word."""

@@ -297,6 +297,8 @@ class _Replay:
                     break
                 stream.push(frame)
                 report(stream.frames, planned)
+            else:
+                self.warn_cut_short(stream.last_timestamp, getattr(video, "duration", None))
             stream.flush()
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
             if not stream.frames:
@@ -319,6 +321,18 @@ class _Replay:
             print(f"statekv stream: warning: --ask at {', '.join(f'{time:g} s' for time in late)} is past where "
                   f"the stream's horizon of {horizon} frames (--max-frames) stops it (its last frame at {seconds:g} "
                   "s); asked after it", file=sys.stderr, flush=True)
+
+    def warn_cut_short(self, seconds: float | None, duration: float | None) -> None:
+        """One line on stderr for the questions timed after the video's last frame, when its frames end well before
+        the duration its header gives (a file cut short, or still being written)."""
+        if seconds is None or not duration or seconds >= duration - 1.0 - 2.0 / self.args.max_fps:
+            return
+        late = [time for time, _ in self.questions if seconds < time <= duration]
+        if late:
+            print(f"statekv stream: warning: the video's frames end at {seconds:g} s, before the {duration:g} s its "
+                  f"header gives (a file cut short, or still being written): --ask at "
+                  f"{', '.join(f'{time:g} s' for time in late)} asked after its last frame", file=sys.stderr,
+                  flush=True)
 
     def ask_due(self, now: float) -> None:
         while self.questions and self.questions[0][0] <= now:
