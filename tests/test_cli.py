@@ -319,6 +319,38 @@ def test_a_question_after_the_frames_of_a_file_cut_short_is_warned_of_in_one_lin
     assert captured.out.count("Q: Why?") == 2
 
 
+def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(files, tmp_path, capsys, monkeypatch):
+    """Before: a second Ctrl-C held back during the save was raised as it ended, before the command said where the
+    stream was saved and printed its summary: "interrupted", and nothing more, for a stream that was saved."""
+    import signal
+
+    import statekv.commands.stream as stream_command
+    from statekv.stopping import request_stop
+
+    saved, pushes, save = tmp_path / "kept.safetensors", [], stream_command.save_or_rescue
+    push = statekv.Stream.push
+
+    def pushing(stream, *args, **kwargs):
+        pushes.append(1)
+        if len(pushes) == 3:
+            raise KeyboardInterrupt  # the first Ctrl-C
+        return push(stream, *args, **kwargs)
+
+    def saving(stream, target):
+        kept = save(stream, target)
+        request_stop(signal.SIGINT, None)  # the second, as the save ends
+        return kept
+
+    monkeypatch.setattr(statekv.Stream, "push", pushing)
+    monkeypatch.setattr(stream_command, "save_or_rescue", saving)
+    code = main(["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1", "--json",
+                 "--save", str(saved)])
+    captured = capsys.readouterr()
+    assert code == 130 and captured.err.strip() == (
+        f"statekv stream: interrupted; the 2 frames streamed before it were saved to {saved}")
+    assert json.loads(captured.out.strip().splitlines()[-1])["saved"] == str(saved)
+
+
 def test_a_question_the_stream_will_not_reach_or_has_passed_is_warned_of_in_one_line(files, capsys, tmp_path):
     """Before: a question after where --max-frames stops the stream, or before where a resumed one goes on, was
     answered from fewer frames than its time, or not asked, without a word."""

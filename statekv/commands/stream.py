@@ -18,7 +18,7 @@ from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
-from ..stopping import note_kept
+from ..stopping import note_kept, whole
 
 
 CLOCK = re.compile(r"(?:(\d+):)?(\d+):(\d\d(?:\.\d*)?):(.*)", re.DOTALL)  # [H:]M:SS:QUESTION
@@ -350,7 +350,12 @@ class _Replay:
 
     def stopped(self, error: BaseException) -> None:
         """Keep what was streamed before ``error`` (with --save; on the disk tier its folder keeps it) and say where,
-        in its message or on stderr."""
+        in its message or on stderr. A second Ctrl-C waits for that to be said (it is raised as this ends, carrying
+        what the first kept)."""
+        with whole():
+            self._keep_and_say(error)
+
+    def _keep_and_say(self, error: BaseException) -> None:
         where, problem, kept = None, None, None
         if self.save is not None:
             try:
