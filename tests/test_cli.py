@@ -351,6 +351,16 @@ def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(fil
     assert json.loads(captured.out.strip().splitlines()[-1])["saved"] == str(saved)
 
 
+def test_a_question_that_fits_the_stream_at_no_point_is_refused_before_the_first_frame(files, capsys):
+    """Before: it was refused when asked, hours into the stream, and the run ended there."""
+    code = main(["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "100000",
+                 "--ask", "2:Why?"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.strip().startswith("statekv stream: error: --ask at 2 s: the question") and \
+        len(captured.err.strip().splitlines()) == 1, captured.err
+
+
 def test_a_question_the_stream_will_not_reach_or_has_passed_is_warned_of_in_one_line(files, capsys, tmp_path):
     """Before: a question after where --max-frames stops the stream, or before where a resumed one goes on, was
     answered from fewer frames than its time, or not asked, without a word."""
@@ -419,7 +429,7 @@ def test_stream_saves_what_it_streamed_before_a_broken_frame(files, tmp_path, ca
     broken = bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6)
     saved = tmp_path / "kept.safetensors"
     assert main(["stream", str(broken), "--ask", "9:Why?", "--model", str(files["model"]), "--max-fps", "4",
-                 "--save", str(saved)]) == 2
+                 "--max-new-tokens", "1", "--save", str(saved)]) == 2
     message = _one_line_error(capsys.readouterr().err)
     assert "cannot be decoded" in message and "saved to" in message
     qa = statekv.VideoQA.from_pretrained(files["model"])

@@ -294,7 +294,7 @@ def test_ctrl_c_while_streaming_saves_what_was_streamed(files, capsys, tmp_path,
     monkeypatch.setattr(Stream, "push", push_then_interrupt)
     saved = tmp_path / "interrupted.safetensors"
     code, _, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
-                                 "--ask", "4:Why?", "--save", saved])
+                                 "--max-new-tokens", "1", "--ask", "4:Why?", "--save", saved])
     kept = f"the 2 frames streamed before it were saved to {saved}"
     assert code == 130 and err.strip().splitlines() == [f"statekv stream: interrupted; {kept}"]  # one line
     monkeypatch.undo()

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, json_sizes, one_line, quiet_libraries, warn_free_form
-from ..errors import CacheLimitError, ConfigurationError, InputError, OutputError, StateKVError
+from ..errors import CacheLimitError, ConfigurationError, HorizonError, InputError, OutputError, StateKVError
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
@@ -119,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         # named by its absolute path, which a --resume from another folder can still tell apart
         stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps,
                            name=str(Path(video.name).absolute()), vision_batch=args.vision_batch or 1)
+    try:
+        refuse_what_cannot_fit(stream, args.ask, args.max_new_tokens)
+    except StateKVError:
+        stream.close()
+        raise
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
     try:
@@ -219,6 +224,20 @@ def same_video(recorded: str, given: str) -> bool:
     if recorded_path.exists() and given_path.exists():
         return recorded_path.samefile(given_path)
     return Path(os.path.abspath(recorded)).name == Path(os.path.abspath(given)).name  # `..` and `.` named too
+
+
+def refuse_what_cannot_fit(stream, asks: list[tuple[float, str]], max_new_tokens: int) -> None:
+    """Refuse (one line) an --ask question that with its answer fits the stream at no point, before the first frame
+    (the engine's one check, `StreamingPrefill.fit_question`), rather than when it is asked, hours in."""
+    prefill = getattr(stream, "prefill", None)
+    if prefill is None:  # simplestream: each question encodes its last frames afresh, with room for it
+        return
+    for time, question in asks:
+        prompt = int(stream.adapter.question_ids(question, stream.state).shape[1])
+        try:
+            prefill.fit_question(prompt, max_new_tokens)
+        except HorizonError as error:
+            raise InputError(f"--ask at {time:g} s: {one_line(error)}") from None
 
 
 def warn_past_the_end(asks: list[tuple[float, str]], duration: float | None) -> None:
