@@ -301,7 +301,6 @@ class StreamPool:
             if cache is not None:
                 self._by_cache.pop(cache, None)
 
-
     def _give_slot(self, seat: Seat) -> None:
         """Give back ``seat``'s slot row. Slot rows no stream holds any more are kept for the next stream of their
         shape, the `KEPT_IDLE_SHAPES` last; older ones are freed, with the batches recorded over them (a client
@@ -321,6 +320,7 @@ class StreamPool:
                 dropped = self.batches.pop(key)
                 dropped.graphs.clear()
                 dropped.slots = None  # freed now, not when the collector breaks the batch's cycles
+
 
 _pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(device, dtype): StreamPool}
 _pools_lock = threading.Lock()
