@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -317,6 +318,40 @@ def test_a_question_after_the_frames_of_a_file_cut_short_is_warned_of_in_one_lin
         "statekv stream: warning: the video's frames end at 14 s, before the 30 s its header gives (a file cut short, "
         "or still being written): --ask at 25 s asked after its last frame"]
     assert captured.out.count("Q: Why?") == 2
+
+
+def test_answer_refuses_an_answer_that_cannot_fit_before_encoding_and_warns_of_a_file_cut_short(files, tmp_path,
+                                                                                                 capsys, monkeypatch):
+    """Before: ``statekv answer`` encoded the whole video, then refused a --max-new-tokens the room after it could
+    never hold; and it answered from a file cut short without a word."""
+    import statekv
+
+    encoded = []
+    encode = statekv.VideoQA.encode
+    monkeypatch.setattr(statekv.VideoQA, "encode", lambda *args, **kwargs: encoded.append(1) or encode(*args, **kwargs))
+    base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--reserve-tokens", "40"]
+    assert main([*base, "--max-new-tokens", "100"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"statekv answer: error: the question \(\d+ tokens\) and answer \(100\) do not fit in the 40 "
+                        r"tokens kept after the video: raise --reserve-tokens or lower --max-new-tokens", error), error
+    assert not encoded
+    prompt = int(re.search(r"question \((\d+) tokens", error).group(1))
+    assert main([*base, "--max-new-tokens", str(40 - prompt)]) == 0 and encoded  # the largest that fits
+    assert "warning" not in capsys.readouterr().err
+    encoded.clear()
+    assert main([*base, "--max-new-tokens", "100000", "--positions", "bounded"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "and answer (100000) do not fit in the model's 128 positions: lower --max-new-tokens")
+    assert not encoded
+    whole = write_test_video(tmp_path / "whole.mkv", frames=120, fps=4)  # 30 s
+    cut = tmp_path / "cut.mkv"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert main(["answer", str(cut), "Why?", "--model", str(files["model"]), "--max-new-tokens", "1"]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        "statekv answer: warning: the video's frames end at 14.25 s, before the 30 s its header gives (a file cut "
+        "short, or still being written); answering from them"]
+    assert "Q: Why?" in captured.out
 
 
 def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(files, tmp_path, capsys, monkeypatch):

@@ -739,15 +739,59 @@ def test_on_the_disk_tier_a_damaged_backlog_leaves_the_successor_behind_and_says
         assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
 
 
-def test_a_file_loaded_into_the_disk_tier_with_its_successor_goes_on_alone_and_says_why(checkpoint, tmp_path,
-                                                                                       references):
-    with pushed(loaded(checkpoint, "handover"), FRAMES[:3]) as stream:
+@pytest.mark.parametrize("count, caught_up", [(3, 0), (12, 5), (12, 12)])
+def test_a_file_loaded_into_the_disk_tier_hands_over_as_if_never_stopped(checkpoint, tmp_path, references, count,
+                                                                         caught_up):
+    """Saved with its successor's replayed steps and its backlog, loaded into the disk tier: the successor's state
+    goes into its file set and the stream hands over to it as the stream that never stopped did; its folder then
+    resumes whole."""
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:count]) as stream:
+        if caught_up:
+            stream.catch_up(caught_up)
         path = stream.save(tmp_path / "s.safetensors")
-    with Stream.load(path, on_disk(checkpoint, tmp_path)) as resumed:
-        assert resumed.successor is None and "loaded into the disk tier from a file" in resumed.handover
-        for frame in FRAMES[3:]:
+    qa = on_disk(checkpoint, tmp_path)
+    with Stream.load(path, qa) as resumed:
+        assert resumed.handover == "beside" and len(resumed.backlog.steps) == len(resumed.step_frames) - caught_up
+        folder = resumed.folder
+        for frame in FRAMES[count:]:
             resumed.push(frame)
-        assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+        assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+        assert "backlog.bin" not in files_of(folder) and not any(path.is_dir() for path in folder.iterdir())
+    with Stream.load(folder, qa) as again:
+        assert again.handover == "handed over" and again.frames == 40
+        assert fingerprint(again.prefill) == fingerprint(references["cache", 40].prefill)
+        assert (again.ask(QUESTION, max_new_tokens=4, retrieve=2)
+                == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=2))
+
+
+@pytest.mark.parametrize("streamed", [0, 4])
+def test_a_file_loaded_into_the_disk_tier_then_killed_before_its_handover_goes_on_alone_and_says_why(
+        checkpoint, tmp_path, references, streamed, caplog):
+    """Its folder keeps the embeddings of the steps streamed since the load only: resumed before the handover, the
+    stream cannot rebuild its successor and says so, then streams on whole as own-then-cache."""
+    import shutil
+
+    with pushed(loaded(checkpoint, "handover"), FRAMES[:6]) as stream:
+        stream.catch_up(2)
+        path = stream.save(tmp_path / "s.safetensors")
+    qa = on_disk(checkpoint, tmp_path)
+    with Stream.load(path, qa) as resumed:
+        for frame in FRAMES[6:6 + streamed]:
+            resumed.push(frame)
+        resumed.prefill.sync()
+        killed = tmp_path / "killed"
+        shutil.copytree(resumed.folder, killed, ignore=shutil.ignore_patterns("lock"))
+    with caplog.at_level("WARNING", logger="statekv"), Stream.load(killed, qa) as again:
+        assert again.successor is None and again.frames == 6 + streamed
+        why = ("it was loaded from a saved file" if not streamed
+               else "its step 0 was journaled without its embeddings (its successor was dropped or not made then, "
+                    "or the stream was loaded from a saved file since)")
+        assert again.handover.startswith(f"alone: {why}")
+        assert "streams on without its successor engine" in caplog.text
+        for frame in FRAMES[6 + streamed:]:
+            again.push(frame)
+        assert fingerprint(again.prefill) == fingerprint(references["own-then-cache", 40].prefill)
 
 
 def test_a_disk_tier_stream_saved_to_a_file_goes_on_in_memory_as_if_never_stopped(checkpoint, tmp_path, references):

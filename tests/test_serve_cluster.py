@@ -86,6 +86,39 @@ def test_a_lease_is_held_by_one_replica_and_each_taking_raises_its_token(tmp_pat
     assert history[1]["at"] >= history[1]["before"]["expires"]  # taken only once the first lease had lapsed
 
 
+def test_a_stream_handed_over_for_weeks_keeps_its_last_history_and_no_lock_of_a_lease_long_gone(tmp_path,
+                                                                                                  monkeypatch):
+    """Before: each taking and letting go added a line to the stream's history for good, and the process kept a
+    thread lock for every lease file it ever locked (a server creating streams for weeks grew with both)."""
+    import threading
+
+    import statekv.serve.cluster.leases as leases
+
+    monkeypatch.setattr(leases, "HISTORY_LINES", 6)
+    clock = Clock()
+    first, second = (Leases(tmp_path, name, seconds=10, clock=clock) for name in ("first", "second"))
+    for turn in range(40):
+        holder = (first, second)[turn % 2]
+        holder.release(holder.acquire(STREAM))
+    history = first.history(STREAM)
+    assert 6 <= len(history) <= 12 and history[-1] == {"event": "let go", "holder": "second", "token": 40,
+                                                       "at": clock.now}
+    assert [line["token"] for line in history] == sorted(line["token"] for line in history)
+    assert sorted(path.name for path in tmp_path.joinpath("leases").iterdir()) == [STREAM, f"{STREAM}.history"]
+
+    def churn(index: int) -> None:
+        for round_ in range(20):
+            stream = f"st_{index:02d}{round_:022d}"
+            held = first.acquire(stream)
+            first.forget(held)
+    threads = [threading.Thread(target=churn, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert leases.THREAD_LOCKS == {}
+
+
 def test_a_lease_withdrawn_is_removed_unless_another_replica_took_the_stream(tmp_path):
     clock = Clock()
     first, second = (Leases(tmp_path, name, seconds=10, clock=clock) for name in ("first", "second"))

@@ -415,6 +415,27 @@ def test_versions_named_by_an_earlier_statekv_are_read_and_fence_their_number(aw
     assert [line["event"] for line in fresh.history(STREAM)] == ["taken", "let go"]
 
 
+def test_a_stream_handed_over_for_weeks_keeps_only_its_last_history_in_the_store(aws, monkeypatch):
+    """Before: every taking and letting go stayed in the store for good, each commit listed them all and the
+    history read them all."""
+    import statekv.serve.cluster.versions as versions_module
+
+    monkeypatch.setattr(versions_module, "HISTORY_LINES", 6)
+    url = aws.url()
+    versions = StreamVersions(ObjectStore(url))
+    current = versions.commit(None, STREAM, "recorded", record=_record())
+    for turn in range(30):
+        current = versions.commit(current, STREAM, "taken", holder=f"r{turn % 2}", token=turn + 1)
+        current = versions.commit(current, STREAM, "saved", state=f"s{turn}")
+        current = versions.commit(current, STREAM, "let-go")
+    held = [name for name in aws.names(url) if name.startswith(f"streams/{STREAM}/")]
+    assert len(held) <= 6 + KEEP + 5, held
+    history = StreamVersions(ObjectStore(url)).history(STREAM)
+    assert 6 <= len(history) and history[-1]["event"] == "let go" and history[-1]["token"] == 30
+    assert [line["token"] for line in history] == sorted(line["token"] for line in history)
+    assert StreamVersions(ObjectStore(url)).current(STREAM).number == 91
+
+
 def test_a_session_whose_hold_ran_out_while_its_renewal_hung_starts_a_new_epoch(aws, monkeypatch):
     """A renewal whose write hangs past the hold it renews may find its streams taken by another replica in
     between. Before: the late write kept the old epoch, so the replica went on serving streams it may have lost

@@ -41,6 +41,8 @@ log = logging.getLogger("statekv")
 # of a saved stream's last step loaded into the tier: its last encoded frame's time (the last kept, once any frames
 # that waited for their batch are gone)
 KEPT_TIMESTAMP = "kept_timestamp"
+LOADED_FROM_FILE = ("it was loaded from a saved file, which keeps the embeddings of only the steps its successor had "
+                    "yet to replay, not of every step it is rebuilt from")
 REPLAYED = ("state", "frames", "last_frame")  # of a step's record, what its successor's replay journals too
 
 
@@ -311,7 +313,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.state = LayoutState.from_dict(last["state"])
         if handed_over:
             stream.handover = "handed over"
-        if stream.successor is not None and (BACKLOG not in last or not (folder / BACKLOG_FILE).is_file()):
+        if stream.successor is not None and KEPT_TIMESTAMP in last and BACKLOG not in last:
+            stream.drop_successor(LOADED_FROM_FILE)
+        elif stream.successor is not None and (BACKLOG not in last or not (folder / BACKLOG_FILE).is_file()):
             stream.drop_successor("it had no successor when it stopped", warn=False)  # or predates them
         elif stream.successor is not None:  # rebuilt from the backlog: it replays every step again
             why = stream.durability.restore_backlog(stream.backlog, journal.steps,

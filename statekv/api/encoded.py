@@ -23,6 +23,7 @@ import torch
 
 from ..core import Retrieval, StreamingPrefill
 from ..core.step.batching import StepBatcher, StepRequest
+from ..core.storage.step_values import StepValues
 from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
@@ -95,7 +96,7 @@ class EncodedVideo:
                 self.successor = self.new_successor()
         self._placed_span = 0  # the frame step's span last checked by `cannot_place`
         self.stats = EncodingStats()
-        self.step_frames: list[int] = []  # frames of each step streamed (0 for the prompt prefix)
+        self.step_frames = ()  # frames of each step streamed (0 for the prompt prefix)
         self.answer_info: AnswerInfo | None = None  # what the last answer could see
         self._step_started = time.perf_counter()  # when the step being encoded began (for frame_seconds)
         self._device = self.adapter.device
@@ -113,6 +114,15 @@ class EncodedVideo:
             engine = engine.with_changes(offload_dir=str(self.durability.folder))
         return StreamingPrefill(self.adapter.model, args["policy"], engine, horizon=args["horizon"],
                                 protect_tokens=args["protect_tokens"], name=f"{args['name']} (successor)")
+
+    @property
+    def step_frames(self) -> StepValues:
+        """The frames of each step streamed, 0 for the prompt prefix (as runs: a steady stream's take a few)."""
+        return self._step_frames
+
+    @step_frames.setter
+    def step_frames(self, frames: Sequence[int]) -> None:
+        self._step_frames = StepValues(frames)
 
     @property
     def started(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -144,10 +145,14 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                      stream_id=metadata.get("stream_id"), owner=owner, created=metadata.get("created"))
     except HorizonError as error:
         raise InputError(f"{path}: {error}") from None
+    state = LayoutState.from_dict(metadata["state"])
+    step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens, state.frames,
+                               stream.adapter.frames_per_step)
     try:
         if handed_over:
             stream.handover = "handed over"
-        resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path)
+        resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path,
+                         step_frames)
         stream.prefill.load_state_dict(cache, metadata["cache"])
         stream.keep_to_cap()  # resumed under a smaller cap than it was saved with, it may no longer keep one
     except InputError as error:
@@ -156,7 +161,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     except BaseException:
         stream.close()
         raise
-    stream.state = LayoutState.from_dict(metadata["state"])
+    stream.state = state
     stream.stats = EncodingStats(**metadata["stats"])
     stream.pushed, stream.next_tick = metadata["pushed"], metadata["next_tick"]
     stream.last_timestamp = metadata["last_timestamp"]
@@ -165,8 +170,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                       for (index, timestamp), image in zip(metadata["pending"], pending)]
     encoded = metadata.get("encoded_timestamp")
     stream.encoded_timestamp = _encoded_before(stream) if encoded is None else float(encoded)
-    stream.step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens,
-                                      stream.state.frames, stream.adapter.frames_per_step)
+    stream.step_frames = step_frames
     last = [stream.pushed - 1, stream.last_timestamp or 0.0]
     if stream.pending:  # the last frame streamed comes before the pending ones: a resume pushes them again
         last = [stream.pending[0].index - 1, stream.encoded_timestamp]
@@ -182,17 +186,19 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
 
 
 def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], backlog_record: dict | None,
-                     backlog: torch.Tensor | None, path: str | Path) -> None:
+                     backlog: torch.Tensor | None, path: str | Path, step_frames: list[int]) -> None:
     """A resumed handover stream's successor (`statekv.api.handover`): the state of the steps it replayed
     (``record``, its metadata, and ``tensors``) loaded and its backlog (``backlog_record`` and ``backlog``)
     restored, or, saved with neither (its successor had been dropped, or it was streamed under own-then-cache),
     dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed with the cache
-    layout's engine alone, `statekv.api.handover.resumed_engine`.)"""
+    layout's engine alone, `statekv.api.handover.resumed_engine`.) ``step_frames``: the frames of each of the
+    stream's steps.
+
+    Loaded into the disk tier, the successor's state goes into its file set, journaled, and the steps it has yet
+    to replay are kept in memory with the frames each journals: the stream hands over as it would have. Its folder
+    keeps the embeddings of the steps streamed from then on only, not those of every step that a folder resumed
+    before the handover rebuilds its successor from (`statekv.api.durability.resume_stream` says so)."""
     if stream.successor is None:
-        return
-    if stream.durability.enabled and (record is not None or backlog_record is not None):
-        stream.drop_successor("loaded into the disk tier from a file, which keeps only the steps its successor has "
-                              "yet to replay, not every step a resumed file set rebuilds it from")
         return
     if record is None and backlog_record is None:
         stream.drop_successor("the saved stream kept no successor beside it", warn=False)
@@ -206,6 +212,11 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
         embeddings = stream.adapter.language_embeddings.weight
         stream.backlog.restore(backlog, backlog_record["spans"], embeddings.shape[1], embeddings.dtype,
                                embeddings.device)
+    if stream.durability.enabled:
+        replayed = len(stream.successor.cache.chunk_lengths)  # with the backlog's, the stream's (`check_values`)
+        if replayed:
+            stream.successor.journal_loaded(step_frames[:replayed], {})
+        stream.backlog.records = deque({"frames": frames} for frames in step_frames[replayed:])  # their replays'
 
 
 def _encoded_before(stream: Any) -> float | None:

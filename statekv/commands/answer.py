@@ -37,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
     options = ModelOptions.from_args(args, all_used=True)  # bad settings fail before the video opens or the model loads
-    open_video(args.video)
+    source = open_video(args.video)
     warn_free_form("answer", args.model, args.questions)
     quiet_libraries()
     qa = VideoQA.from_options(options)
+    refuse_what_cannot_fit(qa, source, args)
     stopped = None
     try:
         video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
@@ -50,12 +51,15 @@ def run(args: argparse.Namespace) -> int:
         video = error.encoded  # (a decode error's message goes on to name the Python API's way on: its reason)
         stopped = one_line(error.reason if isinstance(error, FrameDecodeError) else error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
+    ends = (source.num_frames - 1) / source.fps  # its last frame's time
+    if stopped is None and ends < source.duration - 1.0 - 2.0 / args.max_fps:
+        print(f"statekv answer: warning: the video's frames end at {ends:g} s, before the {source.duration:g} s its "
+              "header gives (a file cut short, or still being written); answering from them", file=sys.stderr,
+              flush=True)
     try:
         answers = [video.ask(question, max_new_tokens=args.max_new_tokens) for question in args.questions]
     except QuestionTooLong as error:
-        raise InputError(f"the question ({error.prompt} tokens) and answer ({error.answer}) do not fit in the "
-                         f"{error.room} tokens kept after the video: raise --reserve-tokens or lower "
-                         "--max-new-tokens") from None
+        raise InputError(too_long(error.prompt, error.answer, error.room)) from None
     stats = video.stats
     if args.json:
         print_json({"video": args.video, "model": args.model, "method": args.method, **json_sizes(options),
@@ -71,3 +75,35 @@ def run(args: argparse.Namespace) -> int:
     for question, answer in zip(args.questions, answers):
         print(f"\nQ: {question}\nA: {answer}")
     return 0
+
+
+def too_long(prompt: int, answer: int, room: int) -> str:
+    return (f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} tokens kept after the "
+            "video: raise --reserve-tokens or lower --max-new-tokens")
+
+
+def refuse_what_cannot_fit(qa, video, args: argparse.Namespace) -> None:
+    """Refuse (one line) a question that with its answer cannot fit after the video before the video is encoded,
+    not after: under stream positions the room after the video is the reserve (more only for a video whose frames
+    end sooner than its sampling plans), under bounded positions at most the model's positions."""
+    from ..core.positions.placing import choose_positions
+    from ..core.positions.rope import rope_capacity, trained_range
+    from ..errors import InputError
+    from ..models import LayoutState
+
+    if qa.recent_window is not None:  # simplestream: each question makes its own room
+        return
+    frames = len(video.sample_indices(max_fps=args.max_fps, max_frames=args.max_frames))
+    config = qa.adapter.model.config.get_text_config()
+    horizon = qa.horizon_for(frames, (video.height, video.width))
+    stream = choose_positions(qa.engine.positions, config, horizon) == "stream"
+    capacity = rope_capacity(config)
+    if stream and capacity is not None and horizon > capacity:  # the video itself cannot fit: the engine says so
+        return
+    room = qa.reserve_tokens if stream else trained_range(config)
+    for question in args.questions:
+        prompt = int(qa.adapter.question_ids(question, LayoutState()).shape[1])
+        if prompt + args.max_new_tokens > room:
+            raise InputError(too_long(prompt, args.max_new_tokens, room) if stream else
+                             f"the question ({prompt} tokens) and answer ({args.max_new_tokens}) do not fit in the "
+                             f"model's {room} positions: lower --max-new-tokens")

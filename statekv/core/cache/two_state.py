@@ -16,7 +16,6 @@ everything that changes from step to step lives in device tensors that the step 
 from __future__ import annotations
 
 import bisect
-from array import array
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -27,6 +26,7 @@ from transformers.cache_utils import Cache
 from . import forms, persistence
 from .layer import StreamingLayer
 from .step_runs import StepRuns
+from ..storage.step_values import StepValues
 from ..attention.scored import ChunkMask, chunk_attention, scored_attention
 from ..rules.base import CarryPolicy
 from ..rules.candidates import Candidates
@@ -76,14 +76,23 @@ class TwoStateCache(Cache):
         self.guide = None  # a steering.QuestionGuide while standing questions steer what is carried
         self.probe = None  # a callable shown each layer's step attention inputs (StreamingPrefill.probing)
         self.policy, self.backend = policy, backend
-        self.chunk_lengths, self.seen_tokens = [], 0  # each committed step's length; their sum
-        self._starts = array("q", [0])  # each committed step's first token, then the end (8 bytes a step)
+        self.chunk_lengths, self.seen_tokens = (), 0  # each committed step's length; their sum
+        self._starts = StepValues([0])  # each committed step's first token, then the end
         self.shared_ring = forms.SharedRing()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
         self.transaction: StepTransaction | None = None  # the step being run
         self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.placed = False  # every layer in slots with placements, for good (see `place_slots`)
+
+    @property
+    def chunk_lengths(self) -> StepValues:
+        """Each committed step's length (as runs: a steady stream's take a few at any age)."""
+        return self._lengths
+
+    @chunk_lengths.setter
+    def chunk_lengths(self, lengths: Sequence[int]) -> None:
+        self._lengths = StepValues(lengths)
 
     @property
     def step_index(self) -> int:
@@ -237,7 +246,7 @@ class TwoStateCache(Cache):
     def step_starts(self) -> torch.Tensor:
         """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
         as the steps commit, so a question never walks the stream's history to find them)."""
-        return torch.frombuffer(self._kept_starts(), dtype=torch.long).clone()
+        return self._kept_starts().tensor()
 
     def step_of(self, token: int) -> tuple[int, int]:
         """``(step, its first token)``: the committed step holding ``token`` (``0 <= token < seen_tokens``), found
@@ -250,9 +259,9 @@ class TwoStateCache(Cache):
         """Tokens of the evicted steps (read from their runs: a stream that evicted for weeks is not walked)."""
         return self.evicted_steps.total_over(self._kept_starts())
 
-    def _kept_starts(self) -> array:
+    def _kept_starts(self) -> StepValues:
         if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed
-            self._starts = array("q", [0, *accumulate(self.chunk_lengths)])
+            self._starts = StepValues(accumulate(self.chunk_lengths, initial=0))
         return self._starts
 
     def rollback(self) -> None:

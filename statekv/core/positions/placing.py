@@ -22,7 +22,6 @@ Where a step's carried keys go is its layout's (`statekv.core.positions.layouts`
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from ...settings.values import check_int
 from .layouts import BOUNDED_LAYOUTS, DEFAULT_LAYOUT, BoundedLayout, bounded_layout
 from .rope import SettledRotary, rope_capacity
 from .rotation import Placer, place_carried
+from ..storage.step_values import StepValues
 
 if TYPE_CHECKING:
     from ..cache.step_runs import StepRuns
@@ -105,8 +105,9 @@ class StreamPositions:
         self.layout = bounded_layout(layout)
         self.inv_freq = inv_freq
         self._frequencies: dict[torch.device, torch.Tensor] = {}
-        self.firsts, self.spans, self.bases = array("q"), array("q"), array("q")
-        self.span_totals = array("q", [0])  # the spans of the steps before each, summed (`held_span`)
+        # each step's first position, span and base (as runs: a steady stream's take a few at any age)
+        self.firsts, self.spans, self.bases = StepValues(), StepValues(), StepValues()
+        self.span_totals = StepValues([0])  # the spans of the steps before each, summed (`held_span`)
         self.widest = 0  # the largest step span so far
         self.devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending: StepPlan | None = None
@@ -327,8 +328,7 @@ class StreamPositions:
         is turned as its first step is, to a place rounded to one of `SEGMENT_PLACES` evenly spaced in the context
         (its bound costs a rotation of the queries per distinct turn). The first ``plan.keep_steps`` steps stay
         where they are read, at their own positions."""
-        firsts = torch.tensor(self.firsts[:steps], dtype=torch.long)
-        bases = torch.tensor(self.bases[:steps], dtype=torch.long)
+        firsts, bases = self.firsts.tensor()[:steps], self.bases.tensor()[:steps]
         keep = min(plan.keep_steps, steps)
         low = self.keep_end(keep)
         origin = int(firsts[keep]) if keep < steps else low
@@ -362,8 +362,8 @@ class StreamPositions:
             got = saved.get("mode") if isinstance(saved, dict) else saved
             raise InputError(f"the saved stream was streamed with positions={got}, this one with "
                              f"positions={self.mode}; resume it with positions={got}")
-        self.firsts, self.spans, self.bases, self.widest = array("q"), array("q"), array("q"), 0
-        self.span_totals = array("q", [0])
+        self.firsts, self.spans, self.bases, self.widest = StepValues(), StepValues(), StepValues(), 0
+        self.span_totals = StepValues([0])
         self.moved = False
         if not self.bounded:
             return

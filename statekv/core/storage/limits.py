@@ -29,7 +29,6 @@ their RoPE and the stream's length counts every token streamed. Never evicted: t
 from __future__ import annotations
 
 import bisect
-from array import array
 import logging
 from collections.abc import Iterator
 
@@ -38,6 +37,7 @@ import torch
 from ...errors import CacheLimitError, ConfigurationError
 from ...settings.engine import CacheLimit
 from ...settings.values import format_bytes
+from .step_values import StepValues
 
 log = logging.getLogger("statekv")
 
@@ -62,7 +62,7 @@ class CacheKeeper:
         self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
         self.batch = 1
         self.announced = False
-        self._starts = array("q", [0])  # each step's first token (and the end of the last), extended as steps commit
+        self._starts = StepValues([0])  # each step's first token (and the end of the last), extended as steps commit
         self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
         self._registered = 0  # steps looked at for _held
         self._evicted_in: dict[int, int] = {}  # per segment of the retrieval index not given back: steps evicted
@@ -182,7 +182,7 @@ class CacheKeeper:
         the rest of what it evicted is given back again (a load wrote it in whole)."""
         cache = self.cache
         self.evicted_tokens = cache.evicted_tokens()
-        self._starts, self._held, self._registered = array("q", [0]), {}, 0
+        self._starts, self._held, self._registered = StepValues([0]), {}, 0
         starts = self._step_starts()
         evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
         for first, end in cache.evicted_steps.runs():
@@ -203,7 +203,7 @@ class CacheKeeper:
         if steps.numel() and cache.layers[0].is_initialized:
             self._release_segments(steps.tolist())
 
-    def _step_starts(self) -> array:
+    def _step_starts(self) -> StepValues:
         """Each committed step's first token, then the end of the last (extended by the steps committed since
         the last call: a long stream never walks its whole history per step)."""
         starts, lengths = self._starts, self.cache.chunk_lengths

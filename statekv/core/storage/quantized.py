@@ -13,7 +13,6 @@ attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -23,6 +22,7 @@ from .blocks import BlockBuffer
 from .buffers import TokenBuffer
 from .host_pages import saved
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
+from .step_values import StepValues
 from ...errors import ConfigurationError
 from ...settings.engine import KV_CACHE_BITS, check_kv_cache_dtype
 
@@ -109,7 +109,7 @@ class QuantizedStorage(OffloadedStorage):
         self.bits = KV_CACHE_BITS[self.kv_cache_dtype]
         self.offloaded = device is not None
         self._length = 0
-        self._starts = array("q")  # each committed step's first token (8 bytes a step)
+        self._starts = StepValues()  # each committed step's first token
         self._starts_tensor: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None  # the model's
         super().__init__(capacity_hint, device, on_replace, make_buffer or memory_buffers(device, on_replace))
@@ -209,9 +209,7 @@ class QuantizedStorage(OffloadedStorage):
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""
         if self._starts_tensor is None or self._starts_tensor.device != index.device:
-            starts = torch.frombuffer(self._starts, dtype=torch.long).clone() if self._starts else torch.zeros(
-                0, dtype=torch.long)
-            self._starts_tensor = starts.to(index.device)
+            self._starts_tensor = self._starts.tensor().to(index.device)
         return torch.searchsorted(self._starts_tensor, index, right=True) - 1
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +240,7 @@ class QuantizedStorage(OffloadedStorage):
         for name in ("key_codes", "value_codes", "value_scales", "key_scales"):
             getattr(self, name).load(tensors[name].to(storage), released=released.get(name, ()))
         self._length = self.key_codes.length
-        self._starts = array("q", [0, *accumulate(steps)][: len(steps)])
+        self._starts = StepValues([0, *accumulate(steps)][: len(steps)])
         self._starts_tensor = None
         if "block_keys" in tensors:
             self.load_summaries(tensors, tensors["block_keys"], steps, storage, released)

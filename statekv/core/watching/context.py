@@ -84,8 +84,7 @@ def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor
         return torch.zeros(tokens.shape[0], dtype=torch.long)
     positions = prefill.positions
     steps = torch.searchsorted(prefill.cache.step_starts(), tokens, right=True) - 1
-    return (torch.tensor(positions.firsts, dtype=torch.long)[steps] - place.shift
-            - torch.tensor(positions.bases, dtype=torch.long)[steps])
+    return positions.firsts.tensor()[steps] - place.shift - positions.bases.tensor()[steps]
 
 
 def stored_rotations(prefill, tokens: torch.Tensor) -> torch.Tensor:
@@ -93,7 +92,7 @@ def stored_rotations(prefill, tokens: torch.Tensor) -> torch.Tensor:
     step's base plus its offset in the step."""
     starts = prefill.cache.step_starts()
     steps = torch.searchsorted(starts, tokens, right=True) - 1
-    return torch.tensor(prefill.positions.bases, dtype=torch.long)[steps] + (tokens - starts[steps])
+    return prefill.positions.bases.tensor()[steps] + (tokens - starts[steps])
 
 
 def held_tokens(starts: torch.Tensor, evicted: StepRuns, since: int) -> torch.Tensor:

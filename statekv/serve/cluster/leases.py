@@ -5,7 +5,8 @@ writes a stream's files only while it holds the stream's lease, and every write 
 file's lock after checking that the lease still carries the writer's token (`Leases.fenced`). A replica takes a
 stream only when its lease has expired or was let go, and each taking raises the token by one; so a replica that
 stalled past its lease (while its death was being detected, say) finds its token gone and writes nothing: two
-replicas never both write a stream. ``STATE/leases/ID.history`` keeps one line per taking and letting go.
+replicas never both write a stream. ``STATE/leases/ID.history`` keeps one line per taking and letting go (the last
+`HISTORY_LINES`).
 
 The lock is a POSIX lock (`fcntl.lockf`) on the lease file itself, which NFS and the usual shared filesystems
 honour across machines; within one process a thread lock per lease file stands in for it (POSIX locks do not exclude
@@ -33,8 +34,9 @@ LEASES = "leases"
 LEASE_SECONDS = 10.0
 LEASE_BYTES = 512  # a lease is written whole, in one write of this size, over the one before
 LOCK_WAIT_SECONDS = 10.0
-_THREADS: dict[str, threading.Lock] = {}
-_THREADS_GUARD = threading.Lock()
+HISTORY_LINES = 1000  # a stream's history keeps its last takings and lettings go, about 100 KB of them
+THREAD_LOCKS: dict[str, list] = {}  # lease file -> [its thread lock, the threads holding or waiting for it]
+THREAD_LOCKS_GUARD = threading.Lock()
 
 
 class LeaseLost(ServiceError):
@@ -172,7 +174,7 @@ class Leases:
             self.path(stream_id).with_suffix(".history").unlink(missing_ok=True)
 
     def history(self, stream_id: str) -> list[dict]:
-        """Every taking and letting go of the stream, oldest first."""
+        """Every taking and letting go of the stream (the last `HISTORY_LINES`), oldest first."""
         try:
             lines = self.path(stream_id).with_suffix(".history").read_text().splitlines()
         except OSError:
@@ -183,11 +185,23 @@ class Leases:
     def _ours(self, current: Lease | None, lease: Lease) -> bool:
         return current is not None and current.token == lease.token and current.holder == self.holder
 
-    def _thread_lock(self, stream_id: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _thread_lock(self, stream_id: str) -> Iterator[None]:
         # one per lease file in the process, whichever `Leases` asks: POSIX locks do not exclude a process's own
-        # threads, and two replicas may share a process (tests, a router beside a replica)
-        with _THREADS_GUARD:
-            return _THREADS.setdefault(str(self.path(stream_id).absolute()), threading.Lock())
+        # threads, and two replicas may share a process (tests, a router beside a replica); kept while a thread
+        # holds or waits for it, so a process serving streams for weeks keeps none of those long gone
+        key = str(self.path(stream_id).absolute())
+        with THREAD_LOCKS_GUARD:
+            entry = THREAD_LOCKS.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with THREAD_LOCKS_GUARD:
+                entry[1] -= 1
+                if not entry[1]:
+                    del THREAD_LOCKS[key]
 
     @contextlib.contextmanager
     def _locked(self, stream_id: str, create: bool = True) -> Iterator[int | None]:
@@ -222,8 +236,16 @@ class Leases:
         line = {"event": event, "holder": lease.holder, "token": lease.token, "at": self.clock()}
         if before is not None:
             line["before"] = {"holder": before.holder, "token": before.token, "expires": before.expires}
-        with open(self.path(stream_id).with_suffix(".history"), "a") as history:
+        path = self.path(stream_id).with_suffix(".history")
+        with open(path, "a") as history:
             history.write(json.dumps(line) + "\n")
+            long = history.tell() > HISTORY_LINES * 2 * len(json.dumps(line))
+        if long:  # under the lease's lock: no other writer
+            lines = path.read_text().splitlines(keepends=True)
+            if len(lines) > HISTORY_LINES:
+                kept = path.with_suffix(".history.kept")
+                kept.write_text("".join(lines[-HISTORY_LINES:]))
+                os.replace(kept, path)
 
 
 def _current(handle: int, stream_id: str) -> Lease | None:

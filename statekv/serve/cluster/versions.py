@@ -14,11 +14,11 @@ the stream (a version with the next token), every later write of the old holder 
 refused: two replicas never both write a stream. No file is locked, and the same code runs on S3, GCS, Azure and
 a local folder.
 
-Older versions are removed once a few newer ones exist, except takings and lettings-go (the stream's history). A
-writer that stalled between reading version N and creating N+1 might create a number removed long ago; it then
-finds a higher number present whose version does not follow its own, and counts its write as refused (`commit`
-checks the chain after every creation). A deleted stream keeps its last version (a tombstone), so no late writer
-brings it back.
+Older versions are removed once a few newer ones exist, except takings and lettings-go (the stream's history, its
+last `HISTORY_LINES`). A writer that stalled between reading version N and creating N+1 might create a number
+removed long ago; it then finds a higher number present whose version does not follow its own, and counts its write
+as refused (`commit` checks the chain after every creation). A deleted stream keeps its last version (a tombstone),
+so no late writer brings it back.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import ServiceError
+from .leases import HISTORY_LINES
 from .objects import ObjectStore
 
 log = logging.getLogger("statekv.serve")
@@ -227,9 +228,12 @@ class StreamVersions:
 
     def _prune(self, stream_id: str, newest: int) -> None:
         """Remove the versions that fell `KEEP` below ``newest`` with the last few commits, but the history (a
-        failure only leaves them): read each, so the few just fall out, never the whole kept history."""
+        failure only leaves them): read each, so the few just fall out, never the whole kept history; and of the
+        history, the takings and lettings-go before its last `HISTORY_LINES` (what lies below those few is
+        history, or a version a failure left, which goes as well)."""
         try:
-            for number, name in self.numbers(stream_id):
+            numbers = self.numbers(stream_id)
+            for number, name in numbers:
                 if number >= newest - KEEP:
                     break
                 if number < newest - KEEP - PRUNED_BACK:
@@ -238,6 +242,10 @@ class StreamVersions:
                 if version is not None and version.event not in HISTORY_EVENTS:
                     self.store.remove(name)
                     self._read.pop(name, None)
+            below = [name for number, name in numbers if number < newest - KEEP - PRUNED_BACK]
+            for name in below[:max(0, len(below) - HISTORY_LINES)]:
+                self.store.remove(name)
+                self._read.pop(name, None)
         except (OSError, ServiceError):
             pass
 
