@@ -444,19 +444,19 @@ def test_a_session_whose_hold_ran_out_while_its_renewal_hung_starts_a_new_epoch(
     from statekv.serve.cluster.sessions import Session
 
     store = ObjectStore(aws.url())
-    session = Session(store, "replica", 3)
+    session = Session(store, "replica", 6)  # long enough that a slow store's write on a loaded machine stays in it
     first = session.keep()
-    time.sleep(1.1)  # a third of the hold gone: the next keep renews
+    time.sleep(2.1)  # a third of the hold gone: the next keep renews
     assert session.keep() == first and session.valid()
     put, writes = store.put, []
 
     def hung(name, data):
         writes.append(name)
         if len(writes) == 1:
-            time.sleep(3.2)  # past the hold (3 s less the clocks' margin)
+            time.sleep(6.2)  # past the hold (6 s less the clocks' margin)
         put(name, data)
     monkeypatch.setattr(store, "put", hung)
-    time.sleep(1.1)
+    time.sleep(2.1)
     second = session.keep()
     assert second != first and session.valid()
     assert json.loads(store.read("sessions/replica.json"))["epoch"] == second
