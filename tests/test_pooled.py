@@ -239,7 +239,9 @@ def test_streams_of_ever_new_budgets_leave_the_slot_rows_of_a_few_shapes(tiny_lm
     bound. The last few shapes no stream holds stay, ready for the next stream of that shape; the others are freed
     at once."""
     budgets = range(30, 40)
-    pool, held = idle_shapes(tiny_lm("qwen3"), budgets, StepBatcher())
+    # a model of its own: the pool is the model's, and a stream of another test closed meanwhile (by the garbage
+    # collector, say) would add an idle shape of its own
+    pool, held = idle_shapes(tiny_lm("qwen3", seed=1), budgets, StepBatcher())
     kept = [shape for shape in pool.slot_rows if shape.carried[0] in budgets]
     assert sorted(shape.carried[0] for shape in kept) == list(budgets)[-KEPT_IDLE_SHAPES:]
     assert [rows() is None for rows in held] == [True] * (len(budgets) - KEPT_IDLE_SHAPES) + [False] * KEPT_IDLE_SHAPES
@@ -249,7 +251,7 @@ def test_a_stream_moving_to_the_oldest_idle_shape_keeps_its_rows(tiny_lm):
     """Its old rows, given back as it moved, made one idle shape too many: the oldest, the one it moved to, was
     freed under it, and the next stream of that shape batched with it read another stream's carried state (caught
     by a review)."""
-    model, batcher = tiny_lm("qwen3"), StepBatcher()
+    model, batcher = tiny_lm("qwen3", seed=2), StepBatcher()  # a pool of its own, as above
     oldest = 50
     idle_shapes(model, range(oldest, oldest + KEPT_IDLE_SHAPES), batcher)
     moving, leaving = budget_prefill(model, oldest), budget_prefill(model, oldest)

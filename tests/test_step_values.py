@@ -43,3 +43,10 @@ def test_a_steady_streams_lists_take_a_few_runs_at_any_age():
     assert lengths.runs() == [[3, 257, 2], [260, 0, 99_999]] and len(starts.runs()) == 2
     assert frames.runs() == [[0, 1, 2], [1, 0, 99_999]] and sum(frames) == 100_000
     assert starts[-1] == 3 + 260 * 100_000 and lengths[50_000] == 260
+
+
+def test_then_is_a_copy_with_one_more_value():
+    kept = StepValues([3, 260, 260])
+    more = kept.then(260)
+    assert more == [3, 260, 260, 260] and kept == [3, 260, 260] and more.runs() == [[3, 257, 2], [260, 0, 2]]
+    assert torch.tensor(more).tolist() == list(more) and tuple(more) == (3, 260, 260, 260)

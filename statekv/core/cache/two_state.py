@@ -218,9 +218,9 @@ class TwoStateCache(Cache):
         stages the policy's selection for this layer and returns ``[B, T, Hq, D]`` (see :func:`attend`)."""
         return attend([self], layer_idx, q, k, v, scale)
 
-    def history(self) -> tuple[int, ...]:
+    def history(self) -> StepValues:
         """Every step's length, the step being run last (what a rule reading ``chunk_lengths`` sees)."""
-        return (*self.chunk_lengths, self.chunk_len)
+        return self.chunk_lengths.then(self.chunk_len)
 
     def missing_layers(self) -> list[int]:
         """Layers whose attention did not run through :meth:`attend` during the current step."""
@@ -334,5 +334,5 @@ def attend(caches: Sequence[TwoStateCache], layer_idx: int, q: torch.Tensor, k: 
     return out
 
 
-def _no_history() -> tuple[int, ...]:
+def _no_history() -> Sequence[int]:
     raise NotBatchable("the carry policy reads each stream's step history")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property
 
 import torch
@@ -32,7 +32,7 @@ class Candidates:
 
     def __init__(self, *, layer: int, scores: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                  positions: Callable[[], torch.Tensor] | torch.Tensor,
-                 history: Callable[[], tuple[int, ...]] | tuple[int, ...],
+                 history: Callable[[], Sequence[int]] | Sequence[int],
                  queries: Callable[[], torch.Tensor] | torch.Tensor | None = None):
         self.size, self.layer = keys.shape[2], layer
         self.scores, self.keys, self.values = scores, keys, values
@@ -59,9 +59,11 @@ class Candidates:
         return self._positions() if callable(self._positions) else self._positions
 
     @property
-    def chunk_lengths(self) -> tuple[int, ...]:
+    def chunk_lengths(self) -> Sequence[int]:
         self.read_host_state = True
-        return self._history() if callable(self._history) else self._history
+        if callable(self._history):
+            self._history = self._history()  # made once: a long stream's history is not walked per read
+        return self._history
 
     @property
     def step(self) -> int:
@@ -69,7 +71,9 @@ class Candidates:
 
     @cached_property
     def steps(self) -> torch.Tensor:
-        starts = torch.tensor(self.chunk_lengths, device=self.positions.device).cumsum(0)
+        lengths = self.chunk_lengths
+        lengths = lengths.tensor() if hasattr(lengths, "tensor") else torch.tensor(lengths, dtype=torch.long)
+        starts = lengths.to(self.positions.device).cumsum(0)
         return torch.searchsorted(starts, self.positions, right=True)
 
     def last_steps(self, count: int) -> slice:

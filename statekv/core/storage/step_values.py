@@ -46,6 +46,14 @@ class StepValues(Sequence):
         self._differences.append(0)
         self._ends.append(len(self) + 1)
 
+    def then(self, value: int) -> StepValues:
+        """A copy with ``value`` appended (O(runs)): the steps so far and the one being run."""
+        made = StepValues()
+        made._firsts, made._differences = array("q", self._firsts), array("q", self._differences)
+        made._ends = array("q", self._ends)
+        made.append(value)
+        return made
+
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
