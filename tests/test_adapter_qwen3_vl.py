@@ -231,6 +231,7 @@ def test_odd_frame_sizes_stream_within_the_planned_tokens(adapter, height, width
     assert h % 32 == 0 and w % 32 == 0
     assert _pads(adapter, chunks[1]) >= 1
     exact = adapter.max_video_tokens(1, frame_size=(height, width))
+    assert adapter.min_video_tokens(1) <= adapter.min_video_tokens(1, frame_size=(height, width)) <= state.tokens
     assert state.tokens <= exact <= adapter.max_video_tokens(1)
     assert exact - state.tokens == len("<999999.9 seconds>") - chunks[1].num_tokens + _pads(adapter, chunks[1]) + 2
     for tokens_per_frame in (None, 4):

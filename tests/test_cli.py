@@ -323,20 +323,34 @@ def test_a_question_after_the_frames_of_a_file_cut_short_is_warned_of_in_one_lin
 def test_answer_refuses_an_answer_that_cannot_fit_before_encoding_and_warns_of_a_file_cut_short(files, tmp_path,
                                                                                                  capsys, monkeypatch):
     """Before: ``statekv answer`` encoded the whole video, then refused a --max-new-tokens the room after it could
-    never hold; and it answered from a file cut short without a word."""
+    never hold; and it answered from a file cut short without a word. Refused up front is only what the room the
+    video leaves at most cannot hold (more than the reserve where the horizon's bound on the video is loose): what
+    fits in the room it leaves is answered."""
     import statekv
 
     encoded = []
     encode = statekv.VideoQA.encode
     monkeypatch.setattr(statekv.VideoQA, "encode", lambda *args, **kwargs: encoded.append(1) or encode(*args, **kwargs))
     base = ["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--reserve-tokens", "40"]
-    assert main([*base, "--max-new-tokens", "100"]) == 2
+    assert main([*base, "--max-new-tokens", "1000"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"statekv answer: error: the question \(\d+ tokens\) and answer \(100\) do not fit in the 40 "
-                        r"tokens kept after the video: raise --reserve-tokens or lower --max-new-tokens", error), error
-    assert not encoded
-    prompt = int(re.search(r"question \((\d+) tokens", error).group(1))
-    assert main([*base, "--max-new-tokens", str(40 - prompt)]) == 0 and encoded  # the largest that fits
+    found = re.fullmatch(r"statekv answer: error: the question \((\d+) tokens\) and answer \(1000\) do not fit in the "
+                         r"(\d+) tokens at most left after the video: raise --reserve-tokens or lower --max-new-tokens",
+                         error)
+    assert found and not encoded, error
+    prompt, most = int(found.group(1)), int(found.group(2))
+    assert most >= 40
+    assert main([*base, "--max-new-tokens", str(most - prompt + 1)]) == 2 and not encoded  # a token too many
+    capsys.readouterr()
+    room = statekv.VideoQA.from_pretrained(files["model"], reserve_tokens=40).encode(str(files["video"]))
+    left = room.prefill.horizon - room.prefill.seen_tokens  # what the engine's own check allows
+    room.close()
+    encoded.clear()
+    assert left >= 40 and main([*base, "--max-new-tokens", str(left - prompt)]) == 0 and encoded  # the largest
+    encoded.clear()
+    assert main([*base, "--max-new-tokens", str(left - prompt + 1)]) == 2 and encoded  # checked once encoded
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"do not fit in the {left} tokens kept after the video: raise --reserve-tokens or lower --max-new-tokens")
     assert "warning" not in capsys.readouterr().err
     encoded.clear()
     assert main([*base, "--max-new-tokens", "100000", "--positions", "bounded"]) == 2
@@ -450,7 +464,7 @@ def test_answer_refuses_an_answer_longer_than_its_room_naming_the_flags(files, c
     for answer, reserve in (("99999999999", "1024"), ("38", "40")):
         assert main([*base, "--max-new-tokens", answer, "--reserve-tokens", reserve]) == 2
         message = _one_line_error(capsys.readouterr().err)
-        assert f"answer ({answer}) do not fit in the {reserve} tokens kept after the video" in message
+        assert re.search(rf"answer \({answer}\) do not fit in the \d+ tokens at most left after the video", message)
         assert "raise --reserve-tokens or lower --max-new-tokens" in message and "VideoQA" not in message
 
 

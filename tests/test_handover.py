@@ -765,6 +765,65 @@ def test_a_file_loaded_into_the_disk_tier_hands_over_as_if_never_stopped(checkpo
                 == references["cache", 40].ask(QUESTION, max_new_tokens=4, retrieve=2))
 
 
+def test_a_file_saved_with_its_handover_due_loaded_into_the_disk_tier_hands_over_at_catch_up_and_resumes(
+        checkpoint, tmp_path, references, monkeypatch):
+    """Saved at the step that passed the range, before its handover (stopped by a signal): loaded into the disk
+    tier, `catch_up` alone replays the backlog and hands over, and the folder's last journal record still holds
+    the stream's state: the folder resumes as the stream that never stopped."""
+    import shutil
+
+    import statekv.steps.jobs as jobs
+
+    def stopped(videos, batcher):
+        if videos:
+            raise KeyboardInterrupt
+        return {}
+    stream = loaded(checkpoint, "handover").stream()
+    with monkeypatch.context() as patched:
+        patched.setattr(jobs, "hand_over", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            for frame in FRAMES:
+                stream.push(frame)
+    with stream:
+        assert stream.handover_due and stream.backlog.steps
+        count = stream.frames
+        path = stream.save(tmp_path / "s.safetensors")
+    qa = on_disk(checkpoint, tmp_path)
+    with Stream.load(path, qa) as resumed:
+        assert resumed.handover_due
+        resumed.catch_up()
+        assert resumed.handover == "handed over"
+        resumed.prefill.sync()
+        killed = tmp_path / "killed"
+        shutil.copytree(resumed.folder, killed, ignore=shutil.ignore_patterns("lock"))
+    with Stream.load(killed, qa) as again:
+        assert again.handover == "handed over" and again.frames == count and again.frames_lost == 0
+        for frame in FRAMES[count:]:
+            again.push(frame)
+        assert fingerprint(again.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_a_file_saved_alone_loaded_into_the_disk_tier_resumes_alone_without_a_warning(checkpoint, tmp_path,
+                                                                                        references, caplog):
+    """Saved with no successor beside it, loaded into the disk tier under the handover layout: its folder resumes
+    alone, as it was, and says nothing of a successor it never had."""
+    import shutil
+
+    with pushed(loaded(checkpoint, "own-then-cache"), FRAMES[:3]) as stream:
+        path = stream.save(tmp_path / "s.safetensors")
+    qa = on_disk(checkpoint, tmp_path)
+    with Stream.load(path, qa) as resumed:
+        assert resumed.successor is None
+        resumed.prefill.sync()
+        killed = tmp_path / "killed"
+        shutil.copytree(resumed.folder, killed, ignore=shutil.ignore_patterns("lock"))
+    with caplog.at_level("WARNING", logger="statekv"), Stream.load(killed, qa) as again:
+        assert again.handover == "alone: it had no successor when it stopped" and not caplog.text
+        for frame in FRAMES[3:]:
+            again.push(frame)
+        assert fingerprint(again.prefill) == fingerprint(references["own-then-cache", 40].prefill)
+
+
 @pytest.mark.parametrize("streamed", [0, 4])
 def test_a_file_loaded_into_the_disk_tier_then_killed_before_its_handover_goes_on_alone_and_says_why(
         checkpoint, tmp_path, references, streamed, caplog):

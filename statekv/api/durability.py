@@ -41,6 +41,7 @@ log = logging.getLogger("statekv")
 # of a saved stream's last step loaded into the tier: its last encoded frame's time (the last kept, once any frames
 # that waited for their batch are gone)
 KEPT_TIMESTAMP = "kept_timestamp"
+LOADED_SUCCESSOR = "loaded_successor"  # a loaded stream's successor keeps in memory the steps it has yet to replay
 LOADED_FROM_FILE = ("it was loaded from a saved file, which keeps the embeddings of only the steps its successor had "
                     "yet to replay, not of every step it is rebuilt from")
 REPLAYED = ("state", "frames", "last_frame")  # of a step's record, what its successor's replay journals too
@@ -232,17 +233,23 @@ class Durability:
         if self.backlog is not None:
             self.backlog.close()
 
-    def loaded(self, prefill: Any, step_frames: list[int], state: LayoutState, last_frame: list,
-               pending: list[Frame], encoded_timestamp: float | None) -> None:
+    def loaded(self, prefill: Any, step_frames: list[int], record: dict[str, Any], pending: list[Frame], *,
+               successor: bool) -> None:
         """Journal a saved stream just loaded into this tier (by its engine ``prefill``: the frames of each of its
-        steps, its layout ``state``, the last frame it streamed and the time of the last it kept), and its
-        ``pending`` frames as pushed, so the file set can itself be resumed."""
+        steps, ``record`` what its last step's record adds, `loaded_record`), and its ``pending`` frames as pushed,
+        so the file set can itself be resumed; ``successor``: whether it was loaded with its successor beside it
+        (which then keeps in memory the steps it has yet to replay, `statekv.api.saving.resume_successor`)."""
         if self.tier is None:
             return
-        prefill.journal_loaded(step_frames, {"state": state.to_dict(), "last_frame": last_frame,  # with placements
-                                             KEPT_TIMESTAMP: encoded_timestamp})
+        prefill.journal_loaded(step_frames, {**record, LOADED_SUCCESSOR: True} if successor else record)
         for frame in pending:  # waiting in the file, not in the file set
             self.pushed(frame)
+
+
+def loaded_record(state: LayoutState, last_frame: list, encoded_timestamp: float | None) -> dict[str, Any]:
+    """What the journal record of a loaded stream's last step adds (with its placements): its layout ``state``,
+    the last frame it streamed ``[index, timestamp]`` and the time of the last it kept."""
+    return {"state": state.to_dict(), "last_frame": last_frame, KEPT_TIMESTAMP: encoded_timestamp}
 
 
 def push_record(frame: Frame) -> dict[str, Any]:
@@ -313,7 +320,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.state = LayoutState.from_dict(last["state"])
         if handed_over:
             stream.handover = "handed over"
-        if stream.successor is not None and KEPT_TIMESTAMP in last and BACKLOG not in last:
+        if stream.successor is not None and last.get(LOADED_SUCCESSOR) is True:
             stream.drop_successor(LOADED_FROM_FILE)
         elif stream.successor is not None and (BACKLOG not in last or not (folder / BACKLOG_FILE).is_file()):
             stream.drop_successor("it had no successor when it stopped", warn=False)  # or predates them

@@ -20,7 +20,7 @@ import torch
 
 from ..core.cache.persistence import check_state_dict
 from ..core.stream.prefill import cache_geometry
-from .durability import resume_stream
+from .durability import loaded_record, resume_stream
 from ..settings.engine import HANDOVER, EngineSettings
 from .handover import OWN_LAYOUT, resumed_engine
 from .stats import EncodingStats
@@ -148,19 +148,6 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     state = LayoutState.from_dict(metadata["state"])
     step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens, state.frames,
                                stream.adapter.frames_per_step)
-    try:
-        if handed_over:
-            stream.handover = "handed over"
-        resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path,
-                         step_frames)
-        stream.prefill.load_state_dict(cache, metadata["cache"])
-        stream.keep_to_cap()  # resumed under a smaller cap than it was saved with, it may no longer keep one
-    except InputError as error:
-        stream.close()
-        raise InputError(error.args[0] if str(error).startswith(str(path)) else f"{path}: {error}") from None
-    except BaseException:
-        stream.close()
-        raise
     stream.state = state
     stream.stats = EncodingStats(**metadata["stats"])
     stream.pushed, stream.next_tick = metadata["pushed"], metadata["next_tick"]
@@ -170,14 +157,28 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                       for (index, timestamp), image in zip(metadata["pending"], pending)]
     encoded = metadata.get("encoded_timestamp")
     stream.encoded_timestamp = _encoded_before(stream) if encoded is None else float(encoded)
-    stream.step_frames = step_frames
     last = [stream.pushed - 1, stream.last_timestamp or 0.0]
     if stream.pending:  # the last frame streamed comes before the pending ones: a resume pushes them again
         last = [stream.pending[0].index - 1, stream.encoded_timestamp]
+    loaded = loaded_record(state, last, stream.encoded_timestamp)
+    try:
+        if handed_over:
+            stream.handover = "handed over"
+        resume_successor(stream, metadata.get("successor"), successor, metadata.get("backlog"), backlog, path,
+                         step_frames, loaded)
+        stream.prefill.load_state_dict(cache, metadata["cache"])
+        stream.keep_to_cap()  # resumed under a smaller cap than it was saved with, it may no longer keep one
+    except InputError as error:
+        stream.close()
+        raise InputError(error.args[0] if str(error).startswith(str(path)) else f"{path}: {error}") from None
+    except BaseException:
+        stream.close()
+        raise
+    stream.step_frames = step_frames
     # loaded into the disk tier: its new file set can itself be resumed
     try:
-        stream.durability.loaded(stream.prefill, stream.step_frames, stream.state, last, stream.pending,
-                                 stream.encoded_timestamp)
+        stream.durability.loaded(stream.prefill, stream.step_frames, loaded, stream.pending,
+                                 successor=stream.successor is not None)
         restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
         stream.close()  # a file set that could not take the state is removed: nothing half-written stays
@@ -186,16 +187,19 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
 
 
 def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], backlog_record: dict | None,
-                     backlog: torch.Tensor | None, path: str | Path, step_frames: list[int]) -> None:
+                     backlog: torch.Tensor | None, path: str | Path, step_frames: list[int],
+                     loaded: dict[str, Any]) -> None:
     """A resumed handover stream's successor (`statekv.api.handover`): the state of the steps it replayed
     (``record``, its metadata, and ``tensors``) loaded and its backlog (``backlog_record`` and ``backlog``)
     restored, or, saved with neither (its successor had been dropped, or it was streamed under own-then-cache),
     dropped: the stream streams on alone, as it was. (A stream that had handed over is resumed with the cache
     layout's engine alone, `statekv.api.handover.resumed_engine`.) ``step_frames``: the frames of each of the
-    stream's steps.
+    stream's steps; ``loaded``, what the journal record of the loaded state's last step adds
+    (`statekv.api.durability.loaded_record`).
 
     Loaded into the disk tier, the successor's state goes into its file set, journaled, and the steps it has yet
-    to replay are kept in memory with the frames each journals: the stream hands over as it would have. Its folder
+    to replay are kept in memory with the frames each journals (the last with ``loaded``): the stream hands over
+    as it would have, its folder resumable after the handover however it came. Its folder
     keeps the embeddings of the steps streamed from then on only, not those of every step that a folder resumed
     before the handover rebuilds its successor from (`statekv.api.durability.resume_stream` says so)."""
     if stream.successor is None:
@@ -214,9 +218,12 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
                                embeddings.device)
     if stream.durability.enabled:
         replayed = len(stream.successor.cache.chunk_lengths)  # with the backlog's, the stream's (`check_values`)
+        records = deque({"frames": frames} for frames in step_frames[replayed:])  # their replays'
+        if records:
+            records[-1].update(loaded)
         if replayed:
-            stream.successor.journal_loaded(step_frames[:replayed], {})
-        stream.backlog.records = deque({"frames": frames} for frames in step_frames[replayed:])  # their replays'
+            stream.successor.journal_loaded(step_frames[:replayed], {} if records else loaded)
+        stream.backlog.records = records
 
 
 def _encoded_before(stream: Any) -> float | None:

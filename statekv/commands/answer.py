@@ -77,15 +77,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def too_long(prompt: int, answer: int, room: int) -> str:
-    return (f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} tokens kept after the "
-            "video: raise --reserve-tokens or lower --max-new-tokens")
+def too_long(prompt: int, answer: int, room: int, *, at_most: bool = False) -> str:
+    kept = f"{room} tokens at most left" if at_most else f"{room} tokens kept"
+    return (f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {kept} after the video: raise "
+            "--reserve-tokens or lower --max-new-tokens")
 
 
 def refuse_what_cannot_fit(qa, video, args: argparse.Namespace) -> None:
     """Refuse (one line) a question that with its answer cannot fit after the video before the video is encoded,
-    not after: under stream positions the room after the video is the reserve (more only for a video whose frames
-    end sooner than its sampling plans), under bounded positions at most the model's positions."""
+    not after: under stream positions the room after the video is at most the horizon less the fewest tokens the
+    video can stream (`min_video_tokens`: the reserve and what the horizon's bound on the video leaves unused),
+    under bounded positions at most the model's positions. The engine checks the room the video left exactly."""
     from ..core.positions.placing import choose_positions
     from ..core.positions.rope import rope_capacity, trained_range
     from ..errors import InputError
@@ -95,15 +97,16 @@ def refuse_what_cannot_fit(qa, video, args: argparse.Namespace) -> None:
         return
     frames = len(video.sample_indices(max_fps=args.max_fps, max_frames=args.max_frames))
     config = qa.adapter.model.config.get_text_config()
-    horizon = qa.horizon_for(frames, (video.height, video.width))
+    size = (video.height, video.width)
+    horizon = qa.horizon_for(frames, size)
     stream = choose_positions(qa.engine.positions, config, horizon) == "stream"
     capacity = rope_capacity(config)
     if stream and capacity is not None and horizon > capacity:  # the video itself cannot fit: the engine says so
         return
-    room = qa.reserve_tokens if stream else trained_range(config)
+    room = horizon - qa.adapter.min_video_tokens(frames, frame_size=size) if stream else trained_range(config)
     for question in args.questions:
         prompt = int(qa.adapter.question_ids(question, LayoutState()).shape[1])
         if prompt + args.max_new_tokens > room:
-            raise InputError(too_long(prompt, args.max_new_tokens, room) if stream else
+            raise InputError(too_long(prompt, args.max_new_tokens, room, at_most=True) if stream else
                              f"the question ({prompt} tokens) and answer ({args.max_new_tokens}) do not fit in the "
                              f"model's {room} positions: lower --max-new-tokens")

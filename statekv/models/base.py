@@ -29,6 +29,7 @@ of videos and streams at once, and a `LayoutState` is all that must be saved to 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -174,6 +175,12 @@ class VideoAdapter(ABC):
 
         frame_size: the source's (height, width), when known, for families whose token count depends on it.
         """
+
+    def min_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
+        """A lower bound on the tokens that ``num_frames`` sampled frames (prefix included) stream (with
+        `max_video_tokens`, what bounds the room a horizon leaves after the video): at least one a step here;
+        families count their visual tokens."""
+        return math.ceil(num_frames / self.frames_per_step)
 
     # -- streaming --------------------------------------------------------------------------------------
     def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:

@@ -92,6 +92,9 @@ class InternVLAdapter(VideoAdapter):
         widest = self.frame_text(max(num_frames - 1, 0), 0.0)
         return self.count_tokens(self._prefix_text() or "") + num_frames * self.count_tokens(widest)
 
+    def min_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
+        return self.count_tokens(self._prefix_text() or "") + num_frames * self.count_tokens(self.image_block)
+
     def prefix(self, state: LayoutState) -> Chunk | None:
         text = self._prefix_text()
         return self.text_chunk(text, state) if text else None

@@ -215,6 +215,19 @@ class Qwen3VLAdapter(VideoAdapter):
             patch = height * width // self.settings.factor**2
         return self._count(self.prefix_text) + chunks * (timestamp + 2 + patch)
 
+    def min_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
+        """Prefix plus ``ceil(num_frames / 2)`` chunks, each with a timestamp of one token at least and, for a
+        known ``frame_size``, its visual tokens (none counted otherwise)."""
+        _check_frame_count(num_frames, allow_none=False)
+        patch = 0
+        if frame_size is not None:
+            try:
+                height, width = self.settings.frame_size(*frame_size, num_frames, self.tokens_per_frame)
+            except (TypeError, ValueError) as error:
+                raise InputError(f"frame_size must be a (height, width) {self.family} can resize: {error}") from None
+            patch = height * width // self.settings.factor**2
+        return self._count(self.prefix_text) + math.ceil(num_frames / self.frames_per_step) * (1 + 2 + patch)
+
     # -- streaming --------------------------------------------------------------------------------------
     def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:
         """Records the frame count for the resolution rule (``None``: an open-ended stream). ``fps`` is not
