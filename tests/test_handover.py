@@ -889,31 +889,81 @@ def test_on_the_disk_tier_a_successor_whose_writes_fail_is_dropped_and_the_strea
         assert fingerprint(resumed.prefill) == fingerprint(references["own-then-cache", 40].prefill)
 
 
+@pytest.mark.parametrize("vision_batch", [3, 4])
+def test_on_the_disk_tier_a_kill_just_after_a_handover_inside_a_vision_call_resumes_as_the_stream_that_never_stopped(
+        checkpoint, tmp_path, monkeypatch, vision_batch):
+    """The handover comes at the step that passed the range, which may fall inside a vision-tower call: a stream
+    killed just after it resumes where a call began (a checkpoint waits for its call's end, the successor's
+    replayed steps' too), so it encodes the frames after it in the calls the stream that never stopped did, bit for
+    bit. Before: the handover checkpointed the successor at its step, inside the call."""
+    import shutil
+
+    import statekv.steps.jobs as jobs
+
+    qa = on_disk(checkpoint, tmp_path)
+    whole = qa.stream(vision_batch=vision_batch)
+    for frame in FRAMES:
+        whole.push(frame)
+    assert whole.handover == "handed over"
+    hand_over, killed = jobs.hand_over, tmp_path / "killed"
+
+    def copied(videos, batcher):
+        stopped = hand_over(videos, batcher)
+        if videos and not killed.exists():
+            shutil.copytree(videos[0].folder, killed, ignore=shutil.ignore_patterns("lock"))
+        return stopped
+    monkeypatch.setattr(jobs, "hand_over", copied)
+    with qa.stream(vision_batch=vision_batch) as stopped:
+        for frame in FRAMES:
+            stopped.push(frame)
+    monkeypatch.undo()
+    with Stream.load(killed, qa) as resumed:
+        assert resumed.frames % vision_batch == 0  # a call begins with the next frame
+        for frame in FRAMES[resumed.frames:]:
+            resumed.push(frame)
+        assert fingerprint(resumed.prefill) == fingerprint(whole.prefill)
+    whole.close()
+
+
 def test_on_the_disk_tier_a_kill_just_after_the_handover_was_marked_still_counts_the_waiting_frames(
         checkpoint, tmp_path, monkeypatch):
-    """Frames pushed in a batch whose step passed the range wait for their steps while the folder is handed over:
-    the folder as a kill leaves it then resumes at the handover and counts them lost."""
+    """Frames waiting for their batch while the folder is handed over (the handover stopped by a signal, then
+    finished by `catch_up` between pushes): the folder as a kill leaves it then resumes at the handover and counts
+    them lost."""
     import shutil
 
     import statekv.api.durability as durability
+    import statekv.steps.jobs as jobs
 
+    def stopped(videos, batcher):
+        if videos:
+            raise KeyboardInterrupt
+        return {}
     qa = on_disk(checkpoint, tmp_path)
     stream = qa.stream(vision_batch=4)
+    with monkeypatch.context() as patched:
+        patched.setattr(jobs, "hand_over", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            for frame in FRAMES:
+                stream.push(frame)
     finish, seen = durability.finish_handover, {}
 
     def killed_first(folder):
         if not seen:
             shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
-            seen["journaled"] = stream.pushed + 1  # the frame being pushed is journaled, not yet accepted
+            seen["journaled"] = stream.pushed
         return finish(folder)
     monkeypatch.setattr(durability, "finish_handover", killed_first)
     with stream:
-        for frame in FRAMES:
+        assert stream.handover_due
+        for frame in FRAMES[stream.pushed:stream.pushed + 2]:
             stream.push(frame)
+        assert len(stream.pending) == 2
+        stream.catch_up()
         assert stream.handover == "handed over"
     with Stream.load(tmp_path / "killed", qa) as resumed:
         assert resumed.handover == "handed over"
-        assert resumed.frames_lost == seen["journaled"] - resumed.frames > 0
+        assert resumed.frames_lost == seen["journaled"] - resumed.frames == 2
 
 
 def test_on_the_disk_tier_a_handover_stopped_in_a_batch_closes_that_stream_alone(checkpoint, tmp_path, references,

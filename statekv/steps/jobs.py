@@ -123,7 +123,9 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             job.streamed += 1
             if index + 1 < job.steps:
                 following.append((job, index + 1))
-        stopped = hand_over([job.video for job, _, _ in stepped if job.video.handover_due], batcher)
+        # at the end of a vision-tower call: the handover checkpoints where a resumed stream can begin a call
+        stopped = hand_over([job.video for job, _, step in stepped
+                             if job.video.handover_due and step.request.ends_vision_call], batcher)
         for job, _, _ in stepped:
             if id(job.video) in stopped:  # closed in its handover: its job ends there, the others go on
                 job.error = stopped[id(job.video)]
