@@ -363,7 +363,7 @@ def test_answer_refuses_an_answer_that_cannot_fit_before_encoding_and_warns_of_a
     assert main(["answer", str(cut), "Why?", "--model", str(files["model"]), "--max-new-tokens", "1"]) == 0
     captured = capsys.readouterr()
     assert [line for line in captured.err.splitlines() if "warning" in line] == [
-        "statekv answer: warning: the video's frames end at 14.25 s, before the 30 s its header gives (a file cut "
+        "statekv answer: warning: the video's frames end at 14.5 s, before the 30 s its header gives (a file cut "
         "short, or still being written); answering from them"]
     assert "Q: Why?" in captured.out
 
