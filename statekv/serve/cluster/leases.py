@@ -35,6 +35,7 @@ LEASE_SECONDS = 10.0
 LEASE_BYTES = 512  # a lease is written whole, in one write of this size, over the one before
 LOCK_WAIT_SECONDS = 10.0
 HISTORY_LINES = 1000  # a stream's history keeps its last takings and lettings go, about 100 KB of them
+HISTORY_BYTES = 2 * HISTORY_LINES * 160  # past this size the history is cut to its last lines (at most half of it)
 THREAD_LOCKS: dict[str, list] = {}  # lease file -> [its thread lock, the threads holding or waiting for it]
 THREAD_LOCKS_GUARD = threading.Lock()
 
@@ -159,7 +160,7 @@ class Leases:
                 raise LeaseLost(lease.stream)
             _write(handle, replace(lease, expires=0.0, handoff=None), deleted=True)
             self.path(lease.stream).unlink(missing_ok=True)
-            self.path(lease.stream).with_suffix(".history").unlink(missing_ok=True)
+            _remove_history(self.path(lease.stream))
 
     def withdraw(self, stream_id: str) -> None:
         """Remove the lease file and history of a stream this holder failed to make, whatever they hold (a lease
@@ -171,7 +172,7 @@ class Leases:
                     if current is not None and current.holder != self.holder:
                         return
                 self.path(stream_id).unlink(missing_ok=True)
-            self.path(stream_id).with_suffix(".history").unlink(missing_ok=True)
+            _remove_history(self.path(stream_id))
 
     def history(self, stream_id: str) -> list[dict]:
         """Every taking and letting go of the stream (the last `HISTORY_LINES`), oldest first."""
@@ -239,13 +240,24 @@ class Leases:
         path = self.path(stream_id).with_suffix(".history")
         with open(path, "a") as history:
             history.write(json.dumps(line) + "\n")
-            long = history.tell() > HISTORY_LINES * 2 * len(json.dumps(line))
+            long = history.tell() > HISTORY_BYTES
         if long:  # under the lease's lock: no other writer
-            lines = path.read_text().splitlines(keepends=True)
-            if len(lines) > HISTORY_LINES:
-                kept = path.with_suffix(".history.kept")
-                kept.write_text("".join(lines[-HISTORY_LINES:]))
-                os.replace(kept, path)
+            lines = path.read_text().splitlines(keepends=True)[-HISTORY_LINES:]
+            size = 0
+            for first in range(len(lines) - 1, -1, -1):  # at most half the cap: cut again only after as much again
+                size += len(lines[first])
+                if size > HISTORY_BYTES // 2:
+                    lines = lines[first + 1:]
+                    break
+            kept = path.with_suffix(".history.kept")
+            kept.write_text("".join(lines))
+            os.replace(kept, path)
+
+
+def _remove_history(lease_file: Path) -> None:
+    """Remove a stream's history, and the cut history a crash may have left beside it."""
+    for suffix in (".history", ".history.kept"):
+        lease_file.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _current(handle: int, stream_id: str) -> Lease | None:
