@@ -357,6 +357,48 @@ def test_watches_are_saved_and_loaded_with_their_stream(qa, frames, tmp_path):
     loaded.close()
 
 
+def seen(stream) -> list[dict]:
+    """What each of the stream's watches saw (its settings, evaluations and events), its id aside."""
+    return [{key: value for key, value in watch.to_dict().items() if key != "id"} for watch in stream.watches]
+
+
+def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(qa, frames, tmp_path, caplog):
+    """Before: `Stream.load(folder)` reopened no watch (a saved file's did): a library caller's watches went
+    silently with every close. Closed, the folder keeps them; killed, it keeps the last close's only if nothing
+    was checkpointed since, so it reopens none; a damaged file is logged and the stream goes on without them."""
+    import shutil
+
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    never, closed = on_disk.stream(max_fps=1, name="never"), on_disk.stream(max_fps=1, name="closed")
+    for stream in (never, closed):
+        push(stream, frames, 0, 3)
+        stream.watch(COUNT, every=4)
+        stream.watch(COLOUR, every_seconds=3.0, max_new_tokens=2, steer=False)
+        push(stream, frames, 3, 12)
+    folder = closed.folder
+    closed.close()
+    shutil.copytree(folder, tmp_path / "damaged")
+    with statekv.Stream.load(folder, on_disk) as resumed:
+        assert seen(resumed) == seen(never)
+        before = [watch["evaluations"] for watch in seen(never)]
+        push(never, frames, 12, 30)
+        push(resumed, frames, 12, 30)  # steered the same way: the same carried state and events
+        assert seen(resumed) == seen(never)
+        assert all(watch["evaluations"] > count for watch, count in zip(seen(never), before))
+        assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(resumed)))
+        resumed.prefill.sync()
+        shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    never.close()
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+        assert killed.frames == 30 and not killed.watches
+    damaged = tmp_path / "damaged" / "watches.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "damaged", on_disk) as again:
+        assert again.frames == 12 and not again.watches
+        assert "the 2 watch(es) open at its close are not reopened: watches.safetensors is not the file its close " \
+               "wrote" in caplog.text
+
+
 @pytest.mark.parametrize("cadence", [{"every": 3}, {"every_seconds": 3.0}, {"every_seconds": 5e-324}])
 def test_a_watch_reopened_from_a_record_newer_than_its_streams_save_evaluates_the_frames_again(qa, frames, tmp_path,
                                                                                            cadence):

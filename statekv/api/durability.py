@@ -30,9 +30,11 @@ from .stats import EncodingStats
 from ..errors import HandoverError, InputError, OutputError
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
-from .stream_disk import CLOCK, SETUP, WAITING, frames_lost, read_stream_setup, read_waiting, write_waiting
+from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILE, frames_lost, read_stream_setup, read_waiting,
+                          read_watches, write_waiting, write_watches)
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
+from .watch import restore as restore_watches
 from ..video import Frame
 from ..video.sampling import tick
 
@@ -99,25 +101,29 @@ class Durability:
             self.tier.append(push_record(frame))
             self.last_push = (frame.index, before, self.tier.journal_bytes, self.tier, self.tier.appends)
 
-    def closing(self, frames: list[Frame], pushed: int, last_timestamp: float | None) -> None:
-        """At close, after a checkpoint: ``frames`` (waiting for their batch) written beside the file set with a
-        record vouching for them, so resuming the folder takes them back (`statekv.api.stream_disk.read_waiting`),
-        and the push clock (``pushed`` frames, the last at ``last_timestamp``: later ones may have been dropped);
-        an `OutputError` when they cannot be (the frames then count as lost, as before)."""
+    def closing(self, frames: list[Frame], pushed: int, last_timestamp: float | None,
+                watches: tuple[list[dict[str, Any]], dict[str, torch.Tensor]] = ([], {})) -> None:
+        """At close, after a checkpoint: ``frames`` (waiting for their batch) and the open ``watches`` (their
+        records and tensors) written beside the file set, each with a record vouching for it, so resuming the
+        folder takes them back (`statekv.api.stream_disk.read_waiting`, `read_watches`), and the push clock
+        (``pushed`` frames, the last at ``last_timestamp``: later ones may have been dropped); an `OutputError` when
+        they cannot be (the frames then count as lost, and the watches are not reopened, as before)."""
         if self.tier is None:
             return
         self.tier.check_owner()  # nothing written into a folder this stream no longer holds
         self.tier.checkpoint()
-        if frames:
-            try:
-                record = write_waiting(self.tier.folder, frames)
-            except OSError as error:
-                raise OutputError(f"cannot write the disk cache in {self.tier.folder}: {error.strerror or error}") \
-                    from None
-            self.tier.append(record)
-            self.kept_waiting = record
-        if last_timestamp is not None:
-            self.tier.append({CLOCK: [pushed, last_timestamp]})
+        folder = self.tier.folder
+        try:
+            if frames:
+                record = write_waiting(folder, frames)
+                self.tier.append(record)
+                self.kept_waiting = record
+            if last_timestamp is not None:
+                self.tier.append({CLOCK: [pushed, last_timestamp]})
+            if watches[0]:
+                self.tier.append(write_watches(folder, *watches))
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
 
     def withdrawn(self, frame: Frame) -> None:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
@@ -361,6 +367,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         stream.kept_timestamp = stream.last_timestamp
         if stream.max_fps is not None:
             stream.next_tick = tick(stream.last_timestamp, stream.max_fps) + 1
+    reopen_watches(stream, folder, journal.after)
     stream.frames_lost = frames_lost(journal.after, stream.pushed)
     clock = next((record[CLOCK] for record in reversed(journal.after) if CLOCK in record), None)
     if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed
@@ -372,3 +379,19 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     else:
         log.info("%s: resumed from %s at frame %d, nothing lost", stream.name, folder, stream.frames)
     return stream
+
+
+def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> None:
+    """Reopen the watches the stream's close kept beside its file set (the ``watches`` record among the journal's
+    records ``after`` its last checkpoint: none after a kill), as they stood; ones that cannot be are logged, and the
+    stream goes on without them."""
+    kept = next((record for record in reversed(after) if WATCHES in record), None)
+    if kept is None:
+        return
+    read = read_watches(folder, kept)
+    try:
+        if isinstance(read, str):
+            raise InputError(read)
+        restore_watches(stream, *read, where=f"{folder}: {WATCHES_FILE}")
+    except InputError as error:
+        log.warning("%s: the %d watch(es) open at its close are not reopened: %s", stream.name, kept[WATCHES], error)

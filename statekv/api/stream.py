@@ -43,7 +43,8 @@ from ..steps.overlap import check_vision_batch, steps_per_batch
 from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
-from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch
+from .watch import (DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, records as watch_records,
+                    tensors as watch_tensors)
 from .stream_file import model_identity, weights_fingerprint
 from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
 from ..settings.values import check_bool, check_int, check_number
@@ -304,15 +305,17 @@ class Stream(EncodedVideo):
 
     @_one_at_a_time
     def close(self) -> None:
+        watches = (watch_records(self), watch_tensors(self))
         for watch in self.watches:
             watch.close()
         if not self.prefill.closed and self.durability.enabled:  # what `load` takes back from the folder
             try:
-                self.durability.closing(self.pending, self.pushed, self.last_timestamp)
+                self.durability.closing(self.pending, self.pushed, self.last_timestamp, watches)
             except OutputError as error:
-                if self.pending:
-                    log.warning("%s: %d frame(s) waiting for their batch are lost: %s", self.name,
-                                len(self.pending), error)
+                lost = ([f"{len(self.pending)} frame(s) waiting for their batch are lost"] if self.pending else []) + (
+                    [f"its {len(watches[0])} watch(es) will not be reopened"] if watches[0] else [])
+                if lost:
+                    log.warning("%s: %s: %s", self.name, "; ".join(lost), error)
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 

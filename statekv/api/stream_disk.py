@@ -10,11 +10,15 @@ file records the SHA-256 of its fields (`statekv.core.disk.files.read_checked`).
 
 A stream closed with frames waiting for their vision batch keeps them beside it (``waiting.safetensors``, vouched
 for by a ``waiting`` journal record naming each frame and the file's CRC-32: `write_waiting`), so resuming the
-folder takes them back (`read_waiting`) instead of counting them lost.
+folder takes them back (`read_waiting`) instead of counting them lost. Its open watches are kept the same way
+(``watches.safetensors``: their records and the queries they steer with, vouched for by a ``watches`` record:
+`write_watches`, `read_watches`); a folder resumed after a kill, whose last checkpoint comes after no close,
+reopens none.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from pathlib import Path
@@ -36,6 +40,8 @@ FORMAT_VERSION = 2  # 1: named no file set
 SETUP = "stream"  # the file's name in the file set: stream.json
 WAITING = "waiting"  # a journal record's field: the frames kept beside the file set at its close
 WAITING_FILE = "waiting.safetensors"
+WATCHES = "watches"  # a journal record's field: the open watches kept beside the file set at its close
+WATCHES_FILE = "watches.safetensors"
 CLOCK = "clock"  # a journal record's field at close: ``[pushed, last_timestamp]`` (frames dropped after the last kept)
 
 SCHEMA = record_check({
@@ -110,3 +116,39 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
            or not image.shape[0] or not image.shape[1] for image in images):
         return None
     return [Frame(index, float(timestamp), image.numpy()) for (index, timestamp), image in zip(named, images)]
+
+
+def write_watches(folder: Path, records: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write a closing stream's open watches (``records``, `statekv.api.watch.records`, and the queries they steer
+    with, ``tensors``, `statekv.api.watch.tensors`) to ``folder``'s `WATCHES_FILE` (replaced atomically, flushed);
+    returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
+    data = save_tensors({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
+                        metadata={WATCHES: json.dumps(records)})
+    partial = folder / f"{WATCHES_FILE}.partial"
+    try:
+        write_flushed(partial, data)
+        os.replace(partial, folder / WATCHES_FILE)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return {WATCHES: len(records), "file_crc": zlib.crc32(data)}
+
+
+def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, torch.Tensor]] | str:
+    """The watches the ``watches`` ``record`` vouches for, from ``folder``'s `WATCHES_FILE`: their records and
+    tensors (for `statekv.api.watch.restore`), or why they cannot be read."""
+    try:
+        data = (folder / WATCHES_FILE).read_bytes()
+    except OSError as error:
+        return f"{WATCHES_FILE} cannot be read ({error.strerror or error})"
+    if zlib.crc32(data) != record.get("file_crc"):
+        return f"{WATCHES_FILE} is not the file its close wrote"
+    try:  # the safetensors header: its length in 8 bytes, then its JSON, the metadata in it
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        records = json.loads(header["__metadata__"][WATCHES])
+        tensors = load_tensors(data)
+    except Exception:  # noqa: BLE001 -- however safetensors or json says so, the file does not read
+        return f"{WATCHES_FILE} does not read"
+    if not isinstance(records, list) or len(records) != record.get(WATCHES):
+        return f"{WATCHES_FILE} does not hold the watches its record names"
+    return records, tensors
