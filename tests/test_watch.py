@@ -379,6 +379,9 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
     closed.close()
     shutil.copytree(folder, tmp_path / "damaged")
     with statekv.Stream.load(folder, on_disk) as resumed:
+        shutil.copytree(folder, tmp_path / "at_once", ignore=shutil.ignore_patterns("lock"))  # killed at once
+        with statekv.Stream.load(tmp_path / "at_once", on_disk) as again:
+            assert seen(again) == seen(never)
         assert seen(resumed) == seen(never)
         before = [watch["evaluations"] for watch in seen(never)]
         push(never, frames, 12, 30)

@@ -383,8 +383,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
 
 def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> None:
     """Reopen the watches the stream's close kept beside its file set (the ``watches`` record among the journal's
-    records ``after`` its last checkpoint: none after a kill), as they stood; ones that cannot be are logged, and the
-    stream goes on without them."""
+    records ``after`` its last checkpoint: none after a kill), as they stood, and journal the record again (the
+    resume cut the journal after the checkpoint), so a kill before the next checkpoint still reopens them; ones
+    that cannot be are logged, and the stream goes on without them."""
     kept = next((record for record in reversed(after) if WATCHES in record), None)
     if kept is None:
         return
@@ -395,3 +396,5 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
         restore_watches(stream, *read, where=f"{folder}: {WATCHES_FILE}")
     except InputError as error:
         log.warning("%s: the %d watch(es) open at its close are not reopened: %s", stream.name, kept[WATCHES], error)
+        return
+    stream.durability.tier.append(kept)
