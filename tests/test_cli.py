@@ -368,6 +368,35 @@ def test_answer_refuses_an_answer_that_cannot_fit_before_encoding_and_warns_of_a
     assert "Q: Why?" in captured.out
 
 
+def test_answer_does_not_call_a_file_whose_audio_outlasts_its_video_cut_short(files, tmp_path, capsys):
+    """Before: the header's duration of a Matroska file counts its audio too, and a complete file whose audio
+    runs past its video was warned of as cut short."""
+    import av
+    import numpy as np
+
+    from statekv.video import open_video
+
+    path = tmp_path / "audio_longer.mkv"
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=8)
+        video.width = video.height = 64
+        video.pix_fmt = "yuv420p"
+        audio = container.add_stream("aac", rate=16000)
+        for index in range(40):  # 5 s of video
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), index * 5, np.uint8), format="rgb24")
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        for start in range(0, 16000 * 12, 1024):  # 12 s of audio
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            samples.sample_rate, samples.pts = 16000, start
+            container.mux(audio.encode(samples))
+        container.mux(audio.encode())
+    source = open_video(str(path))
+    assert source.duration > 11 and source.num_frames / source.fps == 5 and source.content_end > 11
+    assert main(["answer", str(path), "Why?", "--model", str(files["model"]), "--max-new-tokens", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(files, tmp_path, capsys, monkeypatch):
     """Before: a second Ctrl-C held back during the save was raised as it ended, before the command said where the
     stream was saved and printed its summary: "interrupted", and nothing more, for a stream that was saved."""

@@ -925,6 +925,22 @@ def test_on_the_disk_tier_a_kill_just_after_a_handover_inside_a_vision_call_resu
     whole.close()
 
 
+@pytest.mark.parametrize("vision_batch", [2, 3])
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_cap_that_holds_the_handover_at_its_step_holds_it_whatever_the_vision_batch(checkpoint, tmp_path, tier,
+                                                                                     vision_batch):
+    """Before: once the handover waited for the end of its vision-tower call everywhere, the steps left in that
+    call were held by both engines with the backlog, and a cap that holds the handover at its step dropped the
+    successor there. Off the disk tier it hands over at its step; on it, it waits only while the cap holds both."""
+    where = {"offload": "disk", "offload_dir": str(tmp_path / "disk")} if tier == "disk" else {"offload": True}
+    qa = loaded(checkpoint, "handover", max_cache_bytes=1_250_000 if tier == "disk" else 1_200_000,
+                cache_limit="evict-oldest", **where)
+    with qa.stream(vision_batch=vision_batch) as stream:
+        for frame in FRAMES:
+            stream.push(frame)
+        assert stream.handover == "handed over"
+
+
 def test_on_the_disk_tier_a_kill_just_after_the_handover_was_marked_still_counts_the_waiting_frames(
         checkpoint, tmp_path, monkeypatch):
     """Frames waiting for their batch while the folder is handed over (the handover stopped by a signal, then

@@ -404,7 +404,7 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
     its events and evaluations lost."""
     from safetensors import safe_open
 
-    from statekv.commands.stream import WATCHES_FILE
+    from statekv.api.stream_disk import WATCHES_FILE
 
     video = write_test_video(tmp_path / "v.mp4", frames=80, fps=4)
     model = make_tiny_checkpoint("internvl", tmp_path / "model")

@@ -391,9 +391,18 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
         assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(resumed)))
         resumed.prefill.sync()
         shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    expected = seen(never)
     never.close()
-    with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
         assert killed.frames == 30 and not killed.watches
+        assert "the watches its last close kept in watches.safetensors are not reopened" in caplog.text
+    with statekv.Stream.load(folder, on_disk) as last:
+        assert seen(last) == expected
+        for watch in last.watches:
+            watch.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(folder, on_disk) as closed_again:
+        assert not closed_again.watches and not caplog.text  # closed with none open: none, and no word of them
     damaged = tmp_path / "damaged" / "watches.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "damaged", on_disk) as again:

@@ -122,6 +122,9 @@ class Durability:
                 self.tier.append({CLOCK: [pushed, last_timestamp]})
             if watches[0]:
                 self.tier.append(write_watches(folder, *watches))
+            elif (folder / WATCHES_FILE).is_file():  # what an earlier close kept goes, and its record with it
+                (folder / WATCHES_FILE).unlink()
+                self.tier.append({WATCHES: 0})
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
 
@@ -387,7 +390,12 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
     resume cut the journal after the checkpoint), so a kill before the next checkpoint still reopens them; ones
     that cannot be are logged, and the stream goes on without them."""
     kept = next((record for record in reversed(after) if WATCHES in record), None)
+    if kept is not None and not kept[WATCHES]:  # closed with none open
+        return
     if kept is None:
+        if (folder / WATCHES_FILE).is_file():
+            log.warning("%s: the watches its last close kept in %s are not reopened: it streamed on after that "
+                        "close and resumed from a later checkpoint", stream.name, WATCHES_FILE)
         return
     read = read_watches(folder, kept)
     try:

@@ -353,15 +353,26 @@ class EncodedVideo:
         """Under a cache cap, drop the successor when the cap could not hold both engines at the handover after a
         step of ``span`` tokens (0: as they are; `statekv.api.handover.over_cap`). Checked before each step, so
         the cap holds whatever the successor replays meanwhile."""
-        keeper = self.prefill.keeper
-        if self.successor is None or keeper is None:
-            return
-        held = keeper.held_bytes
-        if span:
-            held += span * keeper.bytes_per_token + keeper.bytes_per_step + keeper.other_bytes()[1]
-        why = over_cap(keeper.limit, held, (self.prefill.seen_tokens + span) * self._embedding_bytes)
+        why = self._over_cap(span)
         if why is not None:
             self.drop_successor(why)
+
+    def can_wait_for_handover(self, steps: int) -> bool:
+        """Whether the cache cap (if any) would still hold both engines at a handover put off by ``steps`` more
+        steps, each as long as the last (`statekv.steps.jobs.stream_jobs` puts it off to the end of a
+        vision-tower call on the disk tier)."""
+        lengths = self.prefill.cache.chunk_lengths
+        return not steps or self._over_cap(steps * (lengths[-1] if len(lengths) else 0), steps) is None
+
+    def _over_cap(self, span: int, steps: int = 1) -> str | None:
+        """`over_cap` after ``steps`` more steps of ``span`` tokens in all (0: as the engines are)."""
+        keeper = self.prefill.keeper
+        if self.successor is None or keeper is None:
+            return None
+        held = keeper.held_bytes
+        if span:
+            held += span * keeper.bytes_per_token + steps * (keeper.bytes_per_step + keeper.other_bytes()[1])
+        return over_cap(keeper.limit, held, (self.prefill.seen_tokens + span) * self._embedding_bytes)
 
     @property
     def _embedding_bytes(self) -> int:

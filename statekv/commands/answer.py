@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         stopped = one_line(error.reason if isinstance(error, FrameDecodeError) else error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
     ends = source.num_frames / source.fps  # its last frame's end (a frame of a slow time-lapse spans seconds)
-    if stopped is None and ends < source.duration - 1.0 - 2.0 / args.max_fps:
+    content = ends if source.content_end is None else source.content_end  # audio running on is no cut
+    if stopped is None and content < source.duration - 1.0 - 2.0 / args.max_fps:
         print(f"statekv answer: warning: the video's frames end at {ends:g} s, before the {source.duration:g} s its "
               "header gives (a file cut short, or still being written); answering from them", file=sys.stderr,
               flush=True)

@@ -149,13 +149,7 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
     each: another video's stream, another --max-fps, another --max-frames); the stream is closed on a refusal."""
     from ..api.stream import Stream
 
-    stream = Stream.load(args.resume, qa)
-    if Path(args.resume).is_dir():
-        try:
-            resume_watches(Path(args.resume), stream)
-        except BaseException:
-            stream.close()
-            raise
+    stream = Stream.load(args.resume, qa)  # a folder's watches reopened as its close kept them
     problem = None
     if not same_video(stream.name, video_name):
         problem = f"it is a stream of {stream.name}, not of {video_name}"
@@ -170,50 +164,6 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
         stream.close()
         raise InputError(f"--resume {args.resume}: {problem}")
     return stream
-
-
-WATCHES_FILE = "watches.safetensors"  # a disk-tier folder's watches, as the command left them
-
-
-def keep_watches(folder: Path, stream) -> None:
-    """Write ``stream``'s open watches into its disk-tier ``folder`` (as a saved file keeps them), or remove what an
-    earlier run kept there when none is open: the folder's frames are kept by the tier, its watches by this."""
-    from safetensors.torch import save_file
-
-    from ..api.watch import records, tensors
-
-    path = folder / WATCHES_FILE
-    if not stream.watches:
-        path.unlink(missing_ok=True)
-        return
-    temporary = path.with_name(path.name + ".partial")
-    save_file({name: t.detach().cpu().contiguous() for name, t in tensors(stream).items()}, str(temporary),
-              metadata={"watches": json.dumps(records(stream)), "frames": str(stream.frames)})
-    os.replace(temporary, path)
-
-
-def resume_watches(folder: Path, stream) -> None:
-    """Reopen on ``stream`` (resumed from ``folder``) the watches `keep_watches` kept there, unless they were kept
-    at more frames than the folder kept (a stream resumed at an earlier checkpoint: they would answer ahead)."""
-    from safetensors import safe_open
-
-    from ..api.watch import restore
-
-    path = folder / WATCHES_FILE
-    if not path.is_file():
-        return
-    try:
-        with safe_open(str(path), framework="pt") as kept:
-            metadata = kept.metadata() or {}
-            tensors = {name: kept.get_tensor(name) for name in kept.keys()}
-        saved, frames = json.loads(metadata["watches"]), int(metadata["frames"])
-    except (OSError, ValueError, KeyError) as error:  # safetensors' own errors are ValueErrors or OSErrors
-        raise InputError(f"{path}: the watches kept there cannot be read ({one_line(error)})") from None
-    if frames > stream.frames:
-        print(f"statekv stream: the watches kept in {path} stood at frame {frames}, past the {stream.frames} frames "
-              "the folder kept; they are not reopened", file=sys.stderr, flush=True)
-        return
-    restore(stream, saved, tensors, where=str(path))
 
 
 def same_video(recorded: str, given: str) -> bool:
@@ -317,7 +267,8 @@ class _Replay:
                 stream.push(frame)
                 report(stream.frames, planned)
             else:
-                self.warn_cut_short(stream.last_timestamp, getattr(video, "duration", None))
+                self.warn_cut_short(stream.last_timestamp, getattr(video, "duration", None),
+                                    getattr(video, "content_end", None))
             stream.flush()
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
             if not stream.frames:
@@ -341,10 +292,12 @@ class _Replay:
                   f"the stream's horizon of {horizon} frames (--max-frames) stops it (its last frame at {seconds:g} "
                   "s); asked after it", file=sys.stderr, flush=True)
 
-    def warn_cut_short(self, seconds: float | None, duration: float | None) -> None:
-        """One line on stderr for the questions timed after the video's last frame, when its frames end well before
-        the duration its header gives (a file cut short, or still being written)."""
-        if seconds is None or not duration or seconds >= duration - 1.0 - 2.0 / self.args.max_fps:
+    def warn_cut_short(self, seconds: float | None, duration: float | None, content_end: float | None) -> None:
+        """One line on stderr for the questions timed after the video's last frame (at ``seconds``), when the file
+        ends well before the duration its header gives (a file cut short, or still being written; where it ends
+        is ``content_end`` when known, else its last frame: an audio stream running on is no cut)."""
+        content = seconds if content_end is None else content_end
+        if seconds is None or not duration or content >= duration - 1.0 - 2.0 / self.args.max_fps:
             return
         late = [time for time, _ in self.questions if seconds < time <= duration]
         if late:
@@ -413,21 +366,15 @@ class _Replay:
 
     def close(self) -> str | None:
         """Close the stream, once; returns why it could not (on the disk tier: its last checkpoint), else None. A
-        disk-tier stream's watches are kept in its folder first, for a --resume of it (`keep_watches`)."""
+        disk-tier stream keeps its watches in its folder as it closes, for a --resume of it."""
         if self.closed:
             return None
         self.closed = True
-        problem = None
-        if self.folder is not None:
-            try:
-                keep_watches(self.folder, self.stream)
-            except (OSError, ValueError) as error:  # the folder keeps the frames all the same
-                problem = f"its watches could not be kept in {self.folder} ({one_line(error)})"
         try:
             self.stream.close()
         except Exception as error:  # noqa: BLE001 - said where the stream's end is said, not raised over the stop
             return one_line(error) if isinstance(error, StateKVError) else f"{type(error).__name__}: {one_line(error)}"
-        return problem
+        return None
 
     def finish(self) -> None:
         where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)

@@ -123,13 +123,21 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             job.streamed += 1
             if index + 1 < job.steps:
                 following.append((job, index + 1))
-        # at the end of a vision-tower call: the handover checkpoints where a resumed stream can begin a call
-        stopped = hand_over([job.video for job, _, step in stepped
-                             if job.video.handover_due and step.request.ends_vision_call], batcher)
+        stopped = hand_over([job.video for job, index, step in stepped if job.video.handover_due
+                             and handover_now(job.video, step, job.steps - index - 1)], batcher)
         for job, _, _ in stepped:
             if id(job.video) in stopped:  # closed in its handover: its job ends there, the others go on
                 job.error = stopped[id(job.video)]
         live = [(job, index) for job, index in following if job.error is None]
+
+
+def handover_now(video: Any, step: LaidOutStep, later: int) -> bool:
+    """Whether ``video``, due to hand over after ``step``, does so now rather than after the ``later`` steps left
+    in its vision-tower call: on the disk tier it waits for the call's end, where the handover's checkpoint lets
+    a killed stream resume as the stream that never stopped (a stream resumed inside a call encodes the frames
+    after it in other calls), unless its cache cap could not hold both engines that long."""
+    return (step.request.ends_vision_call or not video.durability.enabled
+            or not video.can_wait_for_handover(later))
 
 
 def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, HandoverError]:

@@ -65,7 +65,8 @@ class Video(ABC):
     """A video opened for lazy reading.
 
     Attributes: ``name`` (for messages), ``num_frames``, ``fps`` (average frame rate), ``duration``
-    (seconds), ``width`` and ``height`` (of the first frame, pixels).
+    (seconds), ``width`` and ``height`` (of the first frame, pixels), ``content_end`` (seconds: where the packets of
+    every stream of a file end, when a demux pass read them all; None otherwise).
     Each reading method starts a new single forward pass over the source and returns a generator.
     """
 
@@ -75,6 +76,7 @@ class Video(ABC):
     duration: float
     width: int
     height: int
+    content_end: float | None = None
 
     @abstractmethod
     def _pending_frames(self) -> Iterator[_PendingFrame]:
@@ -181,10 +183,23 @@ class FileVideo(Video):
         return stream
 
     def _count_packets(self, container: Any, stream: Any) -> int:
+        """The video stream's packets, counted in one demux pass of every stream, which also finds where the
+        file's content ends (`content_end`: a header's duration may count an audio stream longer than the video)."""
+        count, end = 0, None
         try:
-            return sum(1 for packet in container.demux(stream) if packet.size)
+            for packet in container.demux():
+                if not packet.size:
+                    continue
+                count += packet.stream.index == stream.index
+                at = packet.pts if packet.pts is not None else packet.dts
+                if at is not None and packet.time_base:
+                    ends = float((at + (packet.duration or 0)) * packet.time_base)
+                    end = ends if end is None else max(end, ends)
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
+        if end is not None:
+            self.content_end = end - (container.start_time or 0) / av.time_base
+        return count
 
     @staticmethod
     def _reported_duration(container: Any, stream: Any) -> float | None:
