@@ -434,6 +434,17 @@ def test_the_internvl_adapter_passes_trust_remote_code_on(files, monkeypatch):
     assert seen == [True, True]
 
 
+def test_push_many_takes_bare_images_as_push_does(qa):
+    """Before: images without timestamps (an array of frames, say) were unpacked as arguments of `push`: a
+    TypeError naming 33 arguments."""
+    images = noise_frames(3)
+    with qa.stream() as pairs, qa.stream() as bare:
+        assert pairs.push_many([(image, None) for image in images]) == 3
+        assert bare.push_many(np.stack(images)) == 3
+        assert bare.frames + len(bare.pending) == 3
+        assert torch.equal(bare.ask_tokens("Why?", max_new_tokens=2), pairs.ask_tokens("Why?", max_new_tokens=2))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Saved streams
 # ---------------------------------------------------------------------------------------------------------------

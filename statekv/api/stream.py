@@ -204,10 +204,13 @@ class Stream(EncodedVideo):
             self.next_tick = tick(offer.timestamp, self.max_fps) + 1
 
     def push_many(self, frames: Any) -> int:
-        """Push ``(image, timestamp)`` pairs or `Frame` objects in order; return how many were kept."""
+        """Push ``(image, timestamp)`` pairs, `Frame` objects or images (timed as `push` times them) in order;
+        return how many were kept."""
         kept = 0
         for item in frames:
-            kept += self.push(item) if isinstance(item, Frame) else self.push(*item)
+            pair = (isinstance(item, (tuple, list)) and len(item) == 2
+                    and (item[1] is None or isinstance(item[1], (int, float))))
+            kept += self.push(*item) if pair else self.push(item)
         return kept
 
     @_one_at_a_time
