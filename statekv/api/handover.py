@@ -6,9 +6,9 @@ cache order from its first frame (``cache``): how the first frames were encoded 
 (docs/accuracy.md, "Past the range: the handover layout"). ``handover`` keeps both. While the stream fits the
 range, its engine streams it under ``own-then-cache`` (what questions and watches read) and each step's inputs go
 to a `Backlog` beside it (`EncodedVideo.record_step`). Once that engine places a step away from its own position
-(the stream passed the range, `EncodedVideo.handover_due`), at the end of that step's vision-tower call a
-*successor* engine under ``cache`` replays the backlog, every step of the stream in order, and becomes the
-stream's engine; the first is closed
+(the stream passed the range, `EncodedVideo.handover_due`; on the disk tier at the end of that step's
+vision-tower call, `statekv.steps.jobs.handover_now`), a *successor* engine under ``cache`` replays the backlog,
+every step of the stream in order, and becomes the stream's engine; the first is closed
 (`statekv.steps.jobs.hand_over`: `replay_backlogs`, then `EncodedVideo.adopt_successor`).
 From then on the stream is, bit for bit, the one the ``cache`` layout would have streamed (a steering watch aside:
 the replayed steps are steered by the watches open at the replay). Inside the range a step costs one, and each
