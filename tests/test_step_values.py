@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import bisect
 import random
+from itertools import accumulate
 
 import pytest
 import torch
 
-from statekv.core.storage.step_values import StepValues
+from statekv.core.storage.step_values import FEWEST_RUNS_DENSE, StepValues
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -50,3 +51,100 @@ def test_then_is_a_copy_with_one_more_value():
     more = kept.then(260)
     assert more == [3, 260, 260, 260] and kept == [3, 260, 260] and more.runs() == [[3, 257, 2], [260, 0, 2]]
     assert torch.tensor(more).tolist() == list(more) and tuple(more) == (3, 260, 260, 260)
+
+
+def folded(values: list[int]) -> list[list[int]]:
+    """The runs ``[first, difference, count]`` a plain fold of ``values`` gives (the model `runs` is checked on)."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][2] == 1:
+            runs[-1][1:] = [value - runs[-1][0], 2]
+        elif runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == value:
+            runs[-1][2] += 1
+        else:
+            runs.append([value, 0, 1])
+    return runs
+
+
+def regular(rng: random.Random, count: int, shortest: int = 20) -> list[int]:
+    """Runs of ``shortest`` values or more: a constant or a steady climb, now and then another."""
+    values: list[int] = []
+    while len(values) < count:
+        first, difference = rng.randrange(-1000, 1000), rng.choice([0, 0, 1, 260, -3])
+        values += [first + difference * at for at in range(rng.randrange(shortest, shortest * 10))]
+    return values[:count]
+
+
+def irregular(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(0, 400) for _ in range(count)]
+
+
+def agrees(kept: StepValues, values: list[int], rng: random.Random) -> None:
+    """Every read of ``kept`` gives what the same read of the list ``values`` gives."""
+    length = len(values)
+    assert len(kept) == length and list(kept) == values and tuple(kept) == tuple(values)
+    assert kept == values and values == kept and kept == tuple(values) and kept != values + [1]
+    assert all(kept[index] == values[index] for index in range(-length, length))
+    for index in (length, -length - 1, length + 5):
+        with pytest.raises(IndexError):
+            kept[index]
+    bounds = [None, 0, 1, -1, length, -length, length + 3, -length - 3, length // 2, -(length // 3)]
+    bounds += [rng.randrange(-length - 5, length + 5) for _ in range(6)]
+    for start in bounds:
+        for stop in bounds:
+            for step in (None, 1):
+                assert kept[start:stop:step] == values[start:stop:step]
+    for _ in range(20):
+        start, stop = rng.choice(bounds), rng.choice(bounds)
+        step = rng.choice([2, 3, -1, -2, 7])
+        assert kept[start:stop:step] == values[start:stop:step]
+    assert type(kept[1:3]) is list and kept.runs() == folded(values)
+    assert torch.equal(kept.tensor(), torch.tensor(values, dtype=torch.long))
+    assert kept.totals().tolist() == list(accumulate(values, initial=0))
+    assert kept == StepValues(values) and StepValues(kept) == kept
+    if values:
+        assert kept != StepValues(values[:-1] + [values[-1] + 1])
+    more = kept.then(-7)
+    assert more == values + [-7] and kept == values and more.dense >= kept.dense
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("shape", ["regular", "short runs", "irregular", "mixed", "irregular then regular",
+                                   "short irregular"])
+def test_both_forms_read_as_a_plain_list(seed, shape):
+    rng = random.Random(seed)
+    parts = {"regular": [regular(rng, 3000)], "short runs": [regular(rng, 3000, shortest=4)],
+             "irregular": [irregular(rng, 1500)],
+             "mixed": [regular(rng, 600), irregular(rng, 1500), regular(rng, 800)],
+             "irregular then regular": [irregular(rng, 500), [260] * 2000],
+             "short irregular": [irregular(rng, 60)]}[shape]
+    values = [value for part in parts for value in part]
+    kept, model, forms = StepValues(), [], {}
+    checks = {0, 1, 2, 300, *rng.sample(range(len(values)), 3)}
+    for index, value in enumerate(values):
+        if index in checks:
+            agrees(kept, model, rng)
+            forms[index] = kept.dense
+        kept.append(value)
+        model.append(value)
+    agrees(kept, model, rng)
+    forms[len(values)] = kept.dense
+    in_order = [forms[index] for index in sorted(forms)]
+    turns = shape in ("irregular", "mixed", "irregular then regular")
+    assert in_order[-1] == turns and in_order[:3] == [False] * 3 and in_order == sorted(in_order)
+    assert forms.get(300, False) is (turns and shape != "mixed")  # the mixed list turns in its irregular middle
+    assert shape != "short runs" or len(kept.runs()) > FEWEST_RUNS_DENSE  # many runs, yet not dense
+
+
+def test_an_irregular_list_turns_dense_and_stays_so():
+    rng = random.Random(0)
+    steady, varied = StepValues([3]), StepValues()
+    for _ in range(10_000):
+        steady.append(260)
+        varied.append(rng.randrange(100, 400))
+    assert not steady.dense and len(steady.runs()) == 2
+    assert varied.dense and len(varied) == 10_000
+    for _ in range(10_000):
+        varied.append(260)
+    assert varied.dense and varied[-10_000:] == [260] * 10_000 and varied.runs()[-1][:2] == [260, 0]
+    assert varied.then(5).dense and StepValues(varied).dense and not steady.then(260).dense

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +201,9 @@ class EncodedVideo:
         """The frames (0-based, in encoding order) the streamed ``steps`` hold (None: None)."""
         if steps is None:
             return None
-        firsts = list(accumulate(self.step_frames, initial=0))
+        firsts = self.step_frames.totals().tolist()
         return tuple(frame for step in steps if step < len(self.step_frames)
-                     for frame in range(firsts[step], firsts[step] + self.step_frames[step]))
+                     for frame in range(firsts[step], firsts[step + 1]))
 
     def retrievable(self, steps: int) -> int:
         """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
@@ -212,9 +211,9 @@ class EncodedVideo:
         per_step = self.adapter.frames_per_step
         if steps * per_step < self.frames - self.stats.evicted_frames:  # fewer than the steps held: no walk
             return steps * per_step
-        runs = self.prefill.cache.evicted_steps.held_runs(len(self.step_frames))
-        held = [frames for first, end in runs for frames in self.step_frames[first:end] if frames]
-        return sum(held) if steps >= len(held) else steps * self.adapter.frames_per_step
+        frames = self.step_frames.tensor()
+        held = frames[~self.prefill.cache.evicted_steps.mask(len(frames)) & (frames != 0)]
+        return int(held.sum()) if steps >= len(held) else steps * self.adapter.frames_per_step
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered

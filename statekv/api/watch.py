@@ -24,12 +24,10 @@ them (`records`, `tensors`, `restore`), as they stood: their events, clocks and 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import secrets
 from collections.abc import Callable, Iterable
-from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
@@ -512,7 +510,7 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
 def _tokens_at(stream: Any, frames: int) -> int:
     """The tokens the stream had streamed once it had encoded ``frames`` frames (at the end of the last step that
     ends at or before them)."""
-    steps = bisect.bisect_right(list(accumulate(stream.step_frames, initial=0)), frames) - 1
+    steps = int(torch.searchsorted(stream.step_frames.totals(), torch.tensor(frames), right=True)) - 1
     return int(stream.prefill.cache.step_starts()[steps])
 
 

@@ -4,58 +4,73 @@ it was placed.
 Kept one entry a step, such a list grows with the stream for good: a stream that never ends would hold eight of
 them, a few dozen bytes a step. A steady stream's steps are alike (the same length, each placed a fixed distance
 after the one before), so as runs ``[first, difference, count]`` each list takes a few runs at any age.
+
+A list whose values vary step to step folds into about one run per two values, where runs cost more than the
+values themselves; such a list turns dense (an ``array('q')``, one entry a step) once it holds more than one run per
+four values, and stays so.
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain, repeat
 from typing import overload
 
 import torch
 
+FEWEST_RUNS_DENSE = 64  # a short list stays as runs whatever its shape: a stream's first steps often differ
+
 
 class StepValues(Sequence):
     """A list of ints (``append`` only) held as arithmetic runs, folded as `statekv.core.disk.compaction.runs`
-    folds them: a run of one value takes any next value, a longer run the next value that continues it.
+    folds them: a run of one value takes any next value, a longer run the next value that continues it; or, once
+    the runs outnumber a quarter of the values (and `FEWEST_RUNS_DENSE`), held dense, one value a step (`dense`).
 
     A sequence (indexing, slices, iteration, ``len``, comparison with any sequence of ints) whose indexing costs
-    O(log runs); `tensor` makes the whole list a LongTensor in O(runs) operations."""
+    O(log runs); slices and iteration go a run at a time; `tensor` (and `totals`, its running sums) makes the whole
+    list a LongTensor in a few tensor operations. ``StepValues(other)`` copies another as it is held."""
 
     __hash__ = None  # mutable
 
     def __init__(self, values: Iterable[int] = ()):
-        self._firsts, self._differences = array("q"), array("q")
-        self._ends = array("q")  # each run's end: the values before it and in it
+        self._runs: _Runs | None = _Runs()
+        self._dense: array | None = None  # the values, once the list turned dense (then ``_runs`` is None)
+        if isinstance(values, StepValues):
+            self._runs = None if values._runs is None else values._runs.copy()
+            self._dense = None if values._dense is None else array("q", values._dense)
+            return
         for value in values:
             self.append(value)
 
+    @property
+    def dense(self) -> bool:
+        """Whether the values are held one a step (a list too irregular for runs) rather than as runs."""
+        return self._dense is not None
+
     def append(self, value: int) -> None:
         value = int(value)
-        if self._ends:
-            count = self._ends[-1] - (self._ends[-2] if len(self._ends) > 1 else 0)
-            if count == 1:
-                self._differences[-1] = value - self._firsts[-1]
-                self._ends[-1] += 1
-                return
-            if self._firsts[-1] + self._differences[-1] * count == value:
-                self._ends[-1] += 1
-                return
-        self._firsts.append(value)
-        self._differences.append(0)
-        self._ends.append(len(self) + 1)
+        if self._dense is not None:
+            self._dense.append(value)
+            return
+        runs = self._runs
+        runs.append(value)
+        if len(runs.ends) > FEWEST_RUNS_DENSE and 4 * len(runs.ends) > runs.ends[-1]:
+            self._dense, self._runs = array("q", self), None
 
     def then(self, value: int) -> StepValues:
-        """A copy with ``value`` appended (O(runs)): the steps so far and the one being run."""
-        made = StepValues()
-        made._firsts, made._differences = array("q", self._firsts), array("q", self._differences)
-        made._ends = array("q", self._ends)
+        """A copy with ``value`` appended (O(runs), or O(len) once dense): the steps so far and the one being
+        run."""
+        made = StepValues(self)
         made.append(value)
         return made
 
     def __len__(self) -> int:
-        return self._ends[-1] if self._ends else 0
+        if self._dense is not None:
+            return len(self._dense)
+        return self._runs.ends[-1] if self._runs.ends else 0
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -64,43 +79,132 @@ class StepValues(Sequence):
     def __getitem__(self, index: slice) -> list[int]: ...
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[at] for at in range(*index.indices(len(self)))]
         length = len(self)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(length)
+            if step != 1:
+                return [self[at] for at in range(start, stop, step)]
+            if stop <= start:
+                return []
+            if self._dense is not None:
+                return self._dense[start:stop].tolist()
+            return list(chain.from_iterable(self._runs.pieces(start, stop)))
         if index < 0:
             index += length
         if not 0 <= index < length:
             raise IndexError("step index out of range")
-        run = len(self._ends) - 1 if index >= length - 1 else bisect.bisect_right(self._ends, index)
-        start = self._ends[run - 1] if run else 0
-        return self._firsts[run] + self._differences[run] * (index - start)
+        if self._dense is not None:
+            return self._dense[index]
+        return self._runs.at(index)
 
     def __iter__(self) -> Iterator[int]:
-        start = 0
-        for first, difference, end in zip(self._firsts, self._differences, self._ends):
-            yield from range(first, first + difference * (end - start), difference) if difference else \
-                (first for _ in range(end - start))
-            start = end
+        if self._dense is not None:
+            return iter(self._dense)
+        return chain.from_iterable(self._runs.pieces(0, len(self)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StepValues):
-            return self.runs() == other.runs()
+            if len(other) != len(self):
+                return False
+            if self._runs is not None and other._runs is not None:  # one list folds into one set of runs
+                return self._runs == other._runs
+            return self._values() == other._values()
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+            return len(other) == len(self) and all(map(operator.eq, self, other))
         return NotImplemented
 
     def __repr__(self) -> str:
         return f"StepValues({self.runs()})"
 
     def runs(self) -> list[list[int]]:
-        """The values as runs ``[first, difference, count]``."""
-        counts = [end - start for start, end in zip((0, *self._ends), self._ends)]
+        """The values as runs ``[first, difference, count]`` (folded afresh from the values once dense)."""
+        runs = self._runs
+        if runs is None:
+            runs = _Runs()
+            for value in self._dense:
+                runs.append(value)
+        counts = [end - start for start, end in zip((0, *runs.ends), runs.ends)]
         return [[first, difference, count]
-                for first, difference, count in zip(self._firsts, self._differences, counts)]
+                for first, difference, count in zip(runs.firsts, runs.differences, counts)]
 
     def tensor(self) -> torch.Tensor:
         """The values as a LongTensor ``[len]`` on the host."""
-        if not self._ends:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.cat([first + difference * torch.arange(count, dtype=torch.long)
-                          for first, difference, count in self.runs()])
+        if self._dense is not None:
+            return _long(self._dense)
+        if len(self._runs.ends) <= FEWEST_RUNS_DENSE:  # a few long runs: an arange each beats the gathers below
+            return torch.cat([torch.zeros(0, dtype=torch.long)] +
+                             [first + difference * torch.arange(count, dtype=torch.long)
+                              for first, difference, count in self.runs()])
+        ends = _long(self._runs.ends)
+        counts = torch.diff(ends, prepend=torch.zeros(1, dtype=torch.long))
+        run = torch.repeat_interleave(torch.arange(len(ends)), counts)
+        offsets = torch.arange(len(self)) - (ends - counts)[run]
+        return _long(self._runs.firsts)[run] + _long(self._runs.differences)[run] * offsets
+
+    def totals(self) -> torch.Tensor:
+        """The running totals as a LongTensor ``[len + 1]`` on the host: entry ``s`` is the sum of the values
+        before step ``s``."""
+        return torch.cat([torch.zeros(1, dtype=torch.long), self.tensor().cumsum(0)])
+
+    def _values(self) -> array:
+        return self._dense if self._dense is not None else array("q", self)
+
+
+class _Runs:
+    """Arithmetic runs: each run's first value, its difference (0 for a run of one) and its end (the values
+    before it and in it)."""
+
+    def __init__(self):
+        self.firsts, self.differences, self.ends = array("q"), array("q"), array("q")
+
+    def copy(self) -> _Runs:
+        made = _Runs()
+        made.firsts, made.differences, made.ends = array("q", self.firsts), array("q", self.differences), \
+            array("q", self.ends)
+        return made
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Runs) and self.ends == other.ends and self.firsts == other.firsts \
+            and self.differences == other.differences
+
+    def append(self, value: int) -> None:
+        if self.ends:
+            count = self.ends[-1] - (self.ends[-2] if len(self.ends) > 1 else 0)
+            if count == 1:
+                self.differences[-1] = value - self.firsts[-1]
+                self.ends[-1] += 1
+                return
+            if self.firsts[-1] + self.differences[-1] * count == value:
+                self.ends[-1] += 1
+                return
+        self.firsts.append(value)
+        self.differences.append(0)
+        self.ends.append((self.ends[-1] if self.ends else 0) + 1)
+
+    def at(self, index: int) -> int:
+        """The value at ``index`` (within the runs' length)."""
+        last = len(self.ends) - 1
+        run = last if index >= self.ends[-1] - 1 else bisect.bisect_right(self.ends, index)
+        start = self.ends[run - 1] if run else 0
+        return self.firsts[run] + self.differences[run] * (index - start)
+
+    def pieces(self, start: int, stop: int) -> Iterator[Iterable[int]]:
+        """The values ``start .. stop - 1`` (within the runs' length, ``start < stop``), one iterable a run: the
+        first and last runs cut, those between whole."""
+        run = bisect.bisect_right(self.ends, start)
+        begin = self.ends[run - 1] if run else 0
+        while begin < stop:
+            end, first, difference = self.ends[run], self.firsts[run], self.differences[run]
+            low, high = max(start, begin), min(stop, end)
+            low_value = first + difference * (low - begin)
+            yield range(low_value, low_value + difference * (high - low), difference) if difference else \
+                repeat(first, high - low)
+            begin, run = end, run + 1
+
+
+def _long(values: array) -> torch.Tensor:
+    """``values`` as a LongTensor of their own (copied while the GIL is held: no export of the array outlives the
+    call, so a concurrent ``append`` never meets one)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(bytearray(values), dtype=torch.long)
