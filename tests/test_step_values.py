@@ -6,10 +6,13 @@ from __future__ import annotations
 import bisect
 import random
 from itertools import accumulate
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import statekv
+from statekv.api.encoded import EncodedVideo
 from statekv.core.storage.step_values import FEWEST_RUNS_DENSE, StepValues
 
 
@@ -148,3 +151,38 @@ def test_an_irregular_list_turns_dense_and_stays_so():
         varied.append(260)
     assert varied.dense and varied[-10_000:] == [260] * 10_000 and varied.runs()[-1][:2] == [260, 0]
     assert varied.then(5).dense and StepValues(varied).dense and not steady.then(260).dense
+
+
+def test_a_streams_step_starts_grow_as_it_steps_and_follow_a_loaded_state(tiny_lm):
+    """`TwoStateCache.step_starts` is kept as the steps commit (a tensor read earlier never changes, past many
+    steps), and a state loaded over as many steps of other lengths gives that state's starts."""
+    model = tiny_lm("qwen2")
+    rng = random.Random(0)
+    lengths = [rng.randrange(1, 4) for _ in range(150)]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    prefill, other = (statekv.StreamingPrefill(model, statekv.Recency(frames=2)) for _ in range(2))
+    read = []
+    for length, chunk in zip(lengths, torch.split(ids, lengths, dim=1)):
+        prefill.step(input_ids=chunk)
+        other.step(input_ids=chunk[:, :1] if length > 1 else chunk)  # as many steps, other lengths
+        starts = prefill.cache.step_starts()
+        assert starts.tolist() == list(accumulate(prefill.cache.chunk_lengths, initial=0))
+        read.append((starts, starts.tolist()))
+    assert all(starts.tolist() == values for starts, values in read)
+    assert prefill.cache.step_of(sum(lengths) - 1) == (len(lengths) - 1, sum(lengths[:-1]))
+    other.load_state_dict(*prefill.state_dict())
+    assert other.cache.step_starts().tolist() == read[-1][1]
+    assert other.cache.step_of(sum(lengths) - 1) == (len(lengths) - 1, sum(lengths[:-1]))
+
+
+def test_the_frames_of_steps_are_read_from_the_running_totals():
+    """`EncodedVideo.frames_of`: the frames each asked step holds, in the order asked, past the last step none."""
+    frames = [0, 2, 0, 1, 3] + [1] * 100 + random.Random(0).choices(range(4), k=200)
+    video = SimpleNamespace(step_frames=StepValues(frames))
+    firsts = list(accumulate(frames, initial=0))
+    for steps in [(1, 3, 4, 9_999), (2,), (), (0, 4, 1), tuple(range(len(frames))), (304, 150, 7)]:
+        expected = tuple(frame for step in steps if step < len(frames)
+                         for frame in range(firsts[step], firsts[step + 1]))
+        assert EncodedVideo.frames_of(video, steps) == expected
+    assert EncodedVideo.frames_of(video, (1, 3, 4)) == (0, 1, 2, 3, 4, 5)
+    assert EncodedVideo.frames_of(video, None) is None

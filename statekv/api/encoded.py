@@ -201,9 +201,10 @@ class EncodedVideo:
         """The frames (0-based, in encoding order) the streamed ``steps`` hold (None: None)."""
         if steps is None:
             return None
-        firsts = self.step_frames.totals().tolist()
-        return tuple(frame for step in steps if step < len(self.step_frames)
-                     for frame in range(firsts[step], firsts[step + 1]))
+        streamed = torch.tensor([step for step in steps if step < len(self.step_frames)], dtype=torch.long)
+        totals = self.step_frames.totals()  # only the steps asked for leave the tensor
+        return tuple(frame for first, end in zip(totals[streamed].tolist(), totals[streamed + 1].tolist())
+                     for frame in range(first, end))
 
     def retrievable(self, steps: int) -> int:
         """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds

@@ -207,7 +207,7 @@ class AnswerCache(Cache):
     def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None,
                  plan: QuestionPlan | None = None):
         super().__init__(layers=[])
-        steps = tuple(stream.chunk_lengths)
+        steps = () if retrieval is None else tuple(stream.chunk_lengths)  # what retrieval scores, only it
         starts = stream.step_starts()
         evicted = stream.evicted_steps.copy()
         placing = None if plan is None else ContextPlacing(stream, plan, starts)

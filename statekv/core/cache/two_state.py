@@ -76,8 +76,7 @@ class TwoStateCache(Cache):
         self.guide = None  # a steering.QuestionGuide while standing questions steer what is carried
         self.probe = None  # a callable shown each layer's step attention inputs (StreamingPrefill.probing)
         self.policy, self.backend = policy, backend
-        self.chunk_lengths, self.seen_tokens = (), 0  # each committed step's length; their sum
-        self._starts = StepValues([0])  # each committed step's first token, then the end
+        self.chunk_lengths, self.seen_tokens = (), 0  # each committed step's length; their sum (sets `_starts`)
         self.shared_ring = forms.SharedRing()
         self.seen_device: torch.Tensor | None = None  # seen_tokens, kept on the model's device by the step
         self.step_device: torch.Tensor | None = None  # LongTensor [1]: the step's index, likewise
@@ -93,6 +92,10 @@ class TwoStateCache(Cache):
     @chunk_lengths.setter
     def chunk_lengths(self, lengths: Sequence[int]) -> None:
         self._lengths = StepValues(lengths)
+        # each step's first token, then the end, and their tensor (its first ``filled`` entries valid): rebuilt
+        # from the lengths at the next read, since a state loaded or resumed may hold as many steps as before
+        self._starts: StepValues | None = None
+        self._starts_held: tuple[torch.Tensor, int] = (torch.zeros(0, dtype=torch.long), 0)
 
     @property
     def step_index(self) -> int:
@@ -240,13 +243,25 @@ class TwoStateCache(Cache):
             self.tally.commit(len(self.chunk_lengths))
         self.seen_tokens += self.chunk_len
         self.positions.commit()
-        if len(self._starts) == len(self.chunk_lengths):
+        if self._starts is not None and len(self._starts) == len(self.chunk_lengths):
             self._starts.append(self.seen_tokens)
 
     def step_starts(self) -> torch.Tensor:
         """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
-        as the steps commit, so a question never walks the stream's history to find them)."""
-        return self._kept_starts().tensor()
+        as the steps commit, so a question never walks the stream's history to find them). A view of a tensor
+        kept and extended as steps commit: read it, never write it."""
+        starts = self._kept_starts()
+        count = len(starts)
+        held, filled = self._starts_held  # one tuple, read and replaced whole: a concurrent reader sees a pair
+        if filled < count:
+            if held.shape[0] < count:  # doubled, so that a stream's steps are copied O(1) times each
+                grown = torch.empty(max(count, 2 * held.shape[0]), dtype=torch.long)
+                grown[:filled] = held[:filled]
+                held = grown
+            held[filled:count] = starts.tensor()[filled:] if count - filled > 64 else \
+                torch.tensor(starts[filled:count], dtype=torch.long)
+            self._starts_held = held, count
+        return held[:count]
 
     def step_of(self, token: int) -> tuple[int, int]:
         """``(step, its first token)``: the committed step holding ``token`` (``0 <= token < seen_tokens``), found
@@ -260,9 +275,11 @@ class TwoStateCache(Cache):
         return self.evicted_steps.total_over(self._kept_starts())
 
     def _kept_starts(self) -> StepValues:
-        if len(self._starts) != len(self.chunk_lengths) + 1:  # a state was loaded or resumed
-            self._starts = StepValues(accumulate(self.chunk_lengths, initial=0))
-        return self._starts
+        starts = self._starts
+        if starts is None or len(starts) != len(self.chunk_lengths) + 1:  # loaded, resumed, or stepped elsewise
+            starts = self._starts = StepValues(accumulate(self.chunk_lengths, initial=0))
+            self._starts_held = torch.zeros(0, dtype=torch.long), 0
+        return starts
 
     def rollback(self) -> None:
         if self.transaction is not None:

@@ -202,7 +202,7 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
     retrieved: tuple[int, ...] = ()
     if retrieval is not None and queries is not None:
         index, retrieved = _retrieved_tokens(prefill, layer, since, queries, retrieval, scale, memory, dtype,
-                                             scoring)
+                                             scoring, reads)
         if index.numel():
             more_keys, more_values = storage.read_tokens(index, device, dtype)
             more_tokens = index.to(device).expand(1, heads, -1)
@@ -253,17 +253,22 @@ def _carried(prefill, layer: int, since: int, bounded: bool, device, dtype) -> t
 
 
 def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, retrieval: Retrieval, scale: float,
-                      memory: dict | None, dtype, scoring: Scoring | None = None
+                      memory: dict | None, dtype, scoring: Scoring | None = None, reads: dict | None = None
                       ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Token indices ``[M]`` (host, ascending) of the steps ``retrieval`` picks for ``queries`` among those
-    before ``since``, and those steps; past the range scored as ``scoring`` says (as `ask` scores them)."""
+    before ``since``, and those steps; past the range scored as ``scoring`` says (as `ask` scores them).
+    ``reads``: scratch shared by the layers (see `layer_context`)."""
     cache = prefill.cache
     storage = cache.layers[layer].storage
-    starts = cache.step_starts()
-    before = int(torch.searchsorted(starts[1:], torch.tensor(since), right=True))  # steps wholly before since
+    reads = {} if reads is None else reads
+    key = "steps before", since
+    if key not in reads:  # the same at every layer
+        starts = cache.step_starts()
+        before = int(torch.searchsorted(starts[1:], torch.tensor(since), right=True))  # steps wholly before since
+        reads[key] = starts, before, tuple(cache.chunk_lengths[:before])
+    starts, before, steps = reads[key]
     if before == 0:
         return torch.empty(0, dtype=torch.long), ()
-    steps = tuple(cache.chunk_lengths[:before])
     means, samples = storage.summaries
     segments = storage.segments
     turns = segment_turns = frequencies = None
