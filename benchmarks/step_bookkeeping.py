@@ -11,6 +11,14 @@ two windows is the growth per frame. Two lists that are bounded anyway, the last
 shortened to 50 and 100 entries, so that windows of a few thousand frames show only what grows for good.
 
     python benchmarks/step_bookkeeping.py --json runs/step_bookkeeping.json
+
+``--values N`` measures one `StepValues` of N values instead, no model: an irregular one (each step's length drawn
+at random, as under a varying frame rate or tokens per frame) and a steady one; the bytes a value it holds
+(`tracemalloc`, after building it), and the best of a few timings of `tensor()`, of a slice of all but its first
+and last 10 values, and of ``tuple()`` of it. Run it on earlier code from an export of that commit
+(``PYTHONPATH=<export>``) to compare.
+
+    python benchmarks/step_bookkeeping.py --values 100000 --json runs/step_values.json
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import sys
 import tempfile
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -37,13 +47,52 @@ def held_after(stream, frames, start: int, count: int) -> int:
     return tracemalloc.get_traced_memory()[0] - before
 
 
+def best_ms(work, repeats: int = 7) -> float:
+    """The fastest of ``repeats`` runs of ``work()``, in milliseconds."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return 1000 * min(times)
+
+
+def values_cost(count: int) -> dict:
+    """What a `StepValues` of ``count`` values holds and costs to read, irregular and steady."""
+    from statekv.core.storage.step_values import StepValues
+
+    rng = random.Random(0)
+    shapes = {"irregular": [rng.randrange(100, 400) for _ in range(count)], "steady": [3] + [260] * (count - 1)}
+    result = {}
+    for shape, values in shapes.items():
+        gc.collect()
+        tracemalloc.start()
+        kept = StepValues()
+        for value in values:
+            kept.append(value)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert kept.tensor().tolist() == values and kept[10:-10] == values[10:-10]
+        result[shape] = {"bytes_per_value": held / count, "tensor_ms": best_ms(kept.tensor),
+                         "slice_ms": best_ms(lambda: kept[10:-10]), "tuple_ms": best_ms(lambda: tuple(kept)),
+                         "dense": getattr(kept, "dense", None)}
+        print(f"{shape}: {result[shape]}", file=sys.stderr)
+    return {"values": count, **result}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warm", type=int, default=1200, help="frames pushed before measuring")
     parser.add_argument("--cap", default="4MB", help="the stream's max_cache_bytes (it evicts the oldest steps)")
     parser.add_argument("--windows", default="1200,3000", help="two window lengths, in frames")
+    parser.add_argument("--values", type=int, help="measure one StepValues of this many values instead (no model)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
+    if args.values:
+        torch.set_num_threads(1)
+        write({**values_cost(args.values), "torch": torch.__version__}, args.json)
+        return
     short, long = (int(n) for n in args.windows.split(","))
     torch.set_num_threads(1)
     import statekv
@@ -76,10 +125,15 @@ def main() -> None:
     summary = {"warm": args.warm, "cap": args.cap, "windows": {str(k): v for k, v in result.items()},
                "bytes_per_frame": slope,
                "torch": torch.__version__}
+    write(summary, args.json)
+
+
+def write(summary: dict, path: Path | None) -> None:
+    """Print ``summary`` as one JSON line, and write it to ``path`` when given."""
     print(json.dumps(summary))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
