@@ -170,7 +170,7 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
     lengths, per_token, per_step = _steps(adapter, 7)
     cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
     disk = {"offload_dir": tmp_path} if offload == "disk" else {}
-    if disk:  # the journal and its checkpoints are counted too: room for what they take by the end
+    if disk:  # the journal is counted too (a share per step held): room for it, and to spare
         probe = tiny_qa(adapter, "recency", offload="disk", offload_dir=tmp_path / "probe").stream(horizon_frames=7)
         for frame in random_frames(7):
             probe.push(frame)
@@ -323,7 +323,7 @@ def test_a_disk_tier_stream_stays_under_its_cap_at_every_checkpoint(adapter, tmp
     import statekv.core.disk.tier as tier
 
     monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 16)  # a checkpoint's slot is written every 16 steps
-    for cap in (140_000, 220_000, 380_000):  # the first checkpoints' slots take more room than their steps' share
+    for cap in (140_000, 220_000, 380_000):  # a few frames to many
         stream = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path / str(cap), max_cache_bytes=cap,
                          cache_limit="evict-oldest").stream()
         held = []

@@ -533,3 +533,36 @@ def test_a_disk_buffer_larger_than_memory_and_swap_is_still_read(tmp_path):
     assert torch.equal(keys, rows[:, :, [1, 2]]) and torch.equal(values, -rows[:, :, [1, 2]])
     assert torch.equal(buffer.view(far, far + 3)[0], rows) and not buffer.view(far - 5, far)[1].any()
     buffer.close()
+
+
+def test_an_evicting_disk_tier_stream_evicts_the_same_whatever_befell_its_file_set(adapters, tmp_path):
+    """What the cap counts of the journal and the checkpoint slots follows the stream's steps alone. Before: it was
+    the files' lengths, so a stream saved or synced midway (a checkpoint sooner, its second slot written earlier)
+    held other bytes and evicted one frame more, and a stream saved to a file and loaded onto the disk tier (one
+    slot written, a journal of another length) held other bytes from the load on."""
+    settings = dict(offload="disk", max_cache_bytes=180_000, cache_limit="evict-oldest")
+    frames = random_frames(100)
+
+    def streamed(name: str, save_at: tuple[int, ...] = (), load_at: int | None = None):
+        stream = tiny_qa(adapters["chat"], offload_dir=tmp_path / name, **settings).stream()
+        held = []
+        for index, frame in enumerate(frames):
+            if index == load_at:
+                path = stream.save(tmp_path / f"{name}.safetensors")
+                stream.close()
+                stream = Stream.load(path, tiny_qa(adapters["chat"], offload_dir=tmp_path / f"{name}-loaded",
+                                                   **settings))
+            stream.push(frame)
+            if index in save_at:
+                stream.save(tmp_path / f"{name}-{index}.safetensors")
+                stream.prefill.sync()
+            held.append(stream.prefill.stats.held_bytes)
+        kept = (held, sorted(stream.prefill.cache.evicted_steps), _carried(stream))
+        stream.close()
+        return kept
+
+    never_stopped = streamed("never-stopped")
+    assert len(never_stopped[1]) > 50
+    for other in (streamed("saved", save_at=(10, 30, 50)), streamed("loaded", load_at=40)):
+        assert other[:2] == never_stopped[:2]
+        assert _same(other[2], never_stopped[2])

@@ -1033,3 +1033,22 @@ def test_a_stream_whose_folder_was_replaced_leaves_the_folder_now_there_alone(ch
             copy.push(frame)
         assert copy.handover == "handed over"
         assert fingerprint(copy.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_it_evicts_as_the_cache_layout_stream(checkpoint, tmp_path):
+    """Past its handover the adopted engine's file set has no checkpoint slot open and another journal than the
+    cache-layout stream's, but the cap counts them from the steps alone. Before: the handover stream evicted 18
+    frames where the cache-layout stream evicted 17, and held another state."""
+    cap = {"max_cache_bytes": 1_400_000, "cache_limit": "evict-oldest", "offload": "disk"}
+    frames = random_frames(80, seed=3, height=32, width=32)
+    with loaded(checkpoint, "handover", offload_dir=tmp_path / "handover", **cap).stream() as stream, \
+            loaded(checkpoint, "cache", offload_dir=tmp_path / "cache", **cap).stream() as reference:
+        for frame in frames:
+            stream.push(frame)
+            reference.push(frame)
+            if stream.handover == "handed over":
+                assert stream.prefill.stats.held_bytes == reference.prefill.stats.held_bytes
+        assert stream.handover == "handed over" and stream.stats.evicted_frames > 0
+        assert stream.stats.evicted_frames == reference.stats.evicted_frames
+        assert stream.prefill.cache.evicted_steps == reference.prefill.cache.evicted_steps
+        assert fingerprint(stream.prefill) == fingerprint(reference.prefill)

@@ -29,10 +29,11 @@ to the device. A step no longer writes the whole carried state (every layer's bu
 paid once per checkpoint.
 
 Bounded: a stream evicting under a cap gives up its oldest steps' rows, but each step's journal line used to stay,
-so the journal (counted under the cap) grew until it alone filled it. After a checkpoint, once the journal holds as
-many whole records of evicted steps as of held ones (and ``checkpoint_steps`` at least), `compact` rewrites it with
-the evicted steps' records folded into a record of runs (`statekv.core.disk.compaction`), beside it and renamed
-over it.
+so the journal (then counted under the cap by its length) grew until it alone filled it. After a checkpoint, once
+the journal holds as many whole records of evicted steps as of held ones (and ``checkpoint_steps`` at least),
+`compact` rewrites it with the evicted steps' records folded into a record of runs
+(`statekv.core.disk.compaction`), beside it and renamed over it. The cap now counts the journal as a fixed share
+per step held (`counted_bytes`), not by its length, so a stream evicts the same whatever befell its file set.
 
 One owner: a `DiskTier` holds the exclusive lock of its folder (the folder itself, `statekv.locks.FolderLock`; its
 ``lock`` file holds the holder's note) from the moment it is made or opened until it is closed, so a second opener
@@ -79,6 +80,9 @@ from .files import (FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compact
 log = logging.getLogger("statekv")
 
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
+# what a cache limit counts of the journal per step held: a step's record (about 250 to 350 bytes) and its share of
+# the rest (checkpoints' records, evictions, the records of evicted steps not compacted yet)
+JOURNAL_STEP_BYTES = 512
 
 
 class DiskTier:
@@ -119,10 +123,7 @@ class DiskTier:
         self.checkpointed: int | None = None  # the step of the last checkpoint
         self.last_step: int | None = None  # the last step journaled
         self._cache: Any = None  # the cache whose carried state a checkpoint writes
-        self.growth = 0  # bytes the journal grew by over the last step (what the next will add, about)
-        self.carry_growth = 0  # bytes the journal grew by at the last checkpoint, besides its step's record
         self.remembered: list[tuple[torch.Tensor | None, ...]] | None = None  # see `remember`
-        self._size_before = 0
         # the journal's whole step records (of steps held, of steps evicted): `compact` folds the evicted ones once
         # they are as many as the others (and CHECKPOINT_STEPS at least), from what the journal holds alone, so a
         # resumed stream compacts at the steps the stream that never stopped does
@@ -246,7 +247,6 @@ class DiskTier:
         log."""
         self.check_owner()
         path, partial = self.folder / JOURNAL, self.folder / f"{JOURNAL}.partial"
-        size = os.fstat(self._journal).st_size
         self.evicted_records = 0  # folded, or (a journal that cannot be) not tried again until as many more
         try:
             compacted = compacted_journal(path.read_bytes())
@@ -267,7 +267,6 @@ class DiskTier:
             return
         os.close(self._journal)
         self._journal, self.appends = journal, self.appends + 1
-        self._size_before -= size - len(compacted)  # a step's growth leaves the compaction out
         try:  # the rename itself made durable: a power cut brings the old journal back no more
             folder = os.open(self.folder, os.O_RDONLY)
             try:
@@ -311,8 +310,6 @@ class DiskTier:
             raise
         self.remember(cache.layers)
         self.durable = True
-        size = os.fstat(self._journal).st_size
-        self.growth, self._size_before = size - self._size_before, size
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether step ``step`` is, or follows, a multiple of ``checkpoint_steps`` steps (the first step
@@ -369,8 +366,6 @@ class DiskTier:
             raise
         self.checkpoints += 1
         self.checkpointed = self.last_step
-        size = os.fstat(self._journal).st_size
-        self.carry_growth = size - before
         if self.evicted_records >= max(self.checkpoint_steps, self.held_records):
             self.compact()
 
@@ -415,18 +410,15 @@ class DiskTier:
                 buffer.crc = 0
         return crc
 
-    def next_growth(self, step: int) -> int:
-        """What step ``step`` adds to `nbytes`, about: the journal's growth over the last step, and when a
-        checkpoint is due at the step, what its slot grows by to hold the carried state as it stands (the slots are
-        overwritten in place: each grows only while the carried state does)."""
-        if self._cache is None or not self.checkpoint_due(step):  # due: counted whether or not its call ends there
-            return self.growth
-        carried = sum(part.nbytes for layer in self._cache.layers for part in _carried_parts(layer) if part is not None)
-        carried += sum(part.nbytes for part in _tally(self._cache))
-        sizes = [os.fstat(fd).st_size for fd in self._slots] or [_size(self.folder / f"carry.{i}.bin") for i in (0, 1)]
-        counted = sum(sizes) if self._slots else 0  # slots not open yet: counted once the checkpoint opens them
-        return (self.growth + self.carry_growth + sum(sizes) - counted
-                + max(0, carried - sizes[self.checkpoints % 2]))
+    @staticmethod
+    def counted_bytes(cache: Any) -> int:
+        """What a cache limit counts of the file set holding ``cache`` besides its layers' files:
+        `JOURNAL_STEP_BYTES` for each step held (not evicted). Read from the cache's steps alone, not from the
+        files (`nbytes`), whose lengths follow the stream's history (when it was saved or synced, whether it was
+        loaded or handed over), so a stream evicts the same whatever befell its file set. The checkpoint slots are
+        not counted: they hold the carried state (twice), which the carry rule bounds, as the carried state on the
+        model's device is not counted either."""
+        return (len(cache.chunk_lengths) - len(cache.evicted_steps)) * JOURNAL_STEP_BYTES
 
     @property
     def nbytes(self) -> int:
@@ -509,13 +501,6 @@ class DiskTier:
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:

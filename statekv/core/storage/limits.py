@@ -50,7 +50,7 @@ class CacheKeeper:
         values or their codes, with the values' per-token scales). protect_tokens: leading tokens never evicted.
         name: how messages name the stream. bytes_per_step: what each step adds besides its tokens (all layers:
         its summaries, and quantized, its keys' scales). other_bytes: ``() -> (held, growth)``: the bytes held
-        besides (the segment index, the disk tier's journal and checkpoints) and what a step adds to them.
+        besides (the segment index, the disk tier's journal: `DiskTier.counted_bytes`) and what a step adds to them.
     """
 
     def __init__(self, limit: CacheLimit, cache, bytes_per_token: int, protect_tokens: int = 0,

@@ -37,7 +37,7 @@ from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
 from ..answering.together import Asked, together_row
 from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
-from ..disk.tier import DiskTier
+from ..disk.tier import JOURNAL_STEP_BYTES, DiskTier
 from ..step.graphs import StepGraphs
 from ..storage.limits import CacheKeeper, check_evicting_storage, released_segments
 from ..storage.memory import CacheGeometry, check_cache_fits
@@ -234,8 +234,8 @@ class StreamingPrefill:
 
     def _other_bytes(self) -> tuple[int, int]:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
-        journal and checkpoints), and what the next step adds to it (a segment row, the journal's growth over the
-        last step)."""
+        journal, as `DiskTier.counted_bytes` counts it), and what the next step adds to it (a segment row, a
+        step's share of the journal)."""
         storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_open is not None]
         row = sum(s.segment_open.numel() * s.segment_open.element_size() for s in storages)  # all layers
         index = row * (storages[0].segment_index.length - released_segments(self.cache, self.keeper)) if storages else 0
@@ -243,7 +243,7 @@ class StreamingPrefill:
         growth = row if completes else 0
         if self.disk is None:
             return index, growth
-        return index + self.disk.nbytes, growth + self.disk.next_growth(len(self.cache.chunk_lengths))
+        return index + self.disk.counted_bytes(self.cache), growth + JOURNAL_STEP_BYTES
 
     @property
     def evicted_steps(self) -> StepRuns:

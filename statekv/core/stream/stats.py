@@ -32,9 +32,10 @@ class StreamStats:
     scales), all layers, wherever they are stored, as allocated (a horizon's, up front), less the rows an evicting
     stream gave back (its disk tier's holes, host pages returned; pinned or GPU memory keeps them); scale_bytes:
     the scales and zero points among them. summary_bytes: every step's retrieval summaries and the segment index.
-    journal_bytes: the disk tier's journal and carried-state checkpoints. held_bytes: what ``max_cache_bytes``
-    counts, or would count without a cap (all of the above for the tokens and steps held, evicted steps excepted,
-    not what was allocated ahead of them).
+    journal_bytes: the disk tier's journal and carried-state checkpoints, as the files hold them. held_bytes: what
+    ``max_cache_bytes`` counts, or would count without a cap (the above for the tokens and steps held, evicted steps
+    excepted, not what was allocated ahead of them; of the disk tier's, a fixed share per step held,
+    `statekv.core.disk.tier.DiskTier.counted_bytes`).
     device_bytes: cache bytes on the model's device now; peak_device_bytes: the most at once, answering included.
     graph_replays: steps replayed from a CUDA graph. history: a `StepRecord` for each of the last
     ``HISTORY_STEPS`` steps. evicted_steps, evicted_tokens: given up under a cache limit
