@@ -80,8 +80,8 @@ from .files import (FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compact
 log = logging.getLogger("statekv")
 
 CHECKPOINT_STEPS = 64  # steps between two checkpoints of the carried state (read when a tier is made)
-# what a cache limit counts of the journal per step held: a step's record (about 250 to 350 bytes) and its share of
-# the rest (checkpoints' records, evictions, the records of evicted steps not compacted yet)
+# what a cache limit counts of the journal per step held: a step's record and its share of the rest (checkpoints'
+# records, evictions, the records of evicted steps not compacted yet)
 JOURNAL_STEP_BYTES = 512
 
 
