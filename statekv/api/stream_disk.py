@@ -85,7 +85,7 @@ def write_waiting(folder: Path, frames: list[Frame]) -> dict[str, Any]:
     returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
     data = save_tensors({f"frame.{n}": torch.from_numpy(np.ascontiguousarray(frame.image))
                          for n, frame in enumerate(frames)})
-    _replace(folder / WAITING_FILE, data)
+    _write_whole(folder / WAITING_FILE, data)
     return {WAITING: [[frame.index, frame.timestamp] for frame in frames], "file_crc": zlib.crc32(data)}
 
 
@@ -118,7 +118,7 @@ def write_watches(folder: Path, records: list[dict[str, Any]], tensors: dict[str
     returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
     data = save_tensors({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
                         metadata={WATCHES: json.dumps(records)})
-    _replace(folder / WATCHES_FILE, data)
+    _write_whole(folder / WATCHES_FILE, data)
     return {WATCHES: len(records), "file_crc": zlib.crc32(data)}
 
 
@@ -142,7 +142,7 @@ def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, 
     return records, tensors
 
 
-def _replace(path: Path, data: bytes) -> None:
+def _write_whole(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a flushed ``.partial`` file renamed over it: whole or not at all."""
     partial = path.with_name(f"{path.name}.partial")
     try:

@@ -254,12 +254,14 @@ class TwoStateCache(Cache):
         count = len(starts)
         held, filled = self._starts_held  # one tuple, read and replaced whole: a concurrent reader sees a pair
         if filled < count:
-            if held.shape[0] < count:  # doubled, so that a stream's steps are copied O(1) times each
-                grown = torch.empty(max(count, 2 * held.shape[0]), dtype=torch.long)
-                grown[:filled] = held[:filled]
-                held = grown
-            held[filled:count] = starts.tensor()[filled:] if count - filled > 64 else \
-                torch.tensor(starts[filled:count], dtype=torch.long)
+            # a normal tensor whatever the caller's mode: one made under inference mode could not be written after
+            with torch.inference_mode(False):
+                if held.shape[0] < count:  # doubled, so that a stream's steps are copied O(1) times each
+                    grown = torch.empty(max(count, 2 * held.shape[0]), dtype=torch.long)
+                    grown[:filled] = held[:filled]
+                    held = grown
+                held[filled:count] = starts.tensor()[filled:] if count - filled > 64 else \
+                    torch.tensor(starts[filled:count], dtype=torch.long)
             self._starts_held = held, count
         return held[:count]
 
