@@ -20,7 +20,7 @@ import torch
 import statekv
 from statekv import Stream
 from statekv.core.disk.buffers import MappedTokenBuffer, MirroredTokenBuffer
-from statekv.errors import ConfigurationError, InputError, OutputError
+from statekv.errors import CacheLimitError, ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint
 
@@ -535,6 +535,32 @@ def test_a_disk_buffer_larger_than_memory_and_swap_is_still_read(tmp_path):
     buffer.close()
 
 
+def _streamed(adapter, folder: Path, settings: dict, frames, save_at: tuple[int, ...] = (),
+              load_at: int | None = None):
+    """A capped disk-tier stream of ``frames``, saved and synced after the frames of ``save_at``, saved to a file
+    and loaded onto the disk tier before frame ``load_at``: ``held_bytes`` after each frame, the frames refused,
+    the steps evicted and the carried state at the end."""
+    stream = tiny_qa(adapter, offload_dir=folder, **settings).stream()
+    held, refused = [], []
+    for index, frame in enumerate(frames):
+        if index == load_at:
+            path = stream.save(folder.with_suffix(".safetensors"))
+            stream.close()
+            stream = Stream.load(path, tiny_qa(adapter, offload_dir=folder.with_name(f"{folder.name}-loaded"),
+                                               **settings))
+        try:
+            stream.push(frame)
+        except CacheLimitError:
+            refused.append(index)
+        if index in save_at:
+            stream.save(folder.with_name(f"{folder.name}-{index}.safetensors"))
+            stream.prefill.sync()
+        held.append(stream.prefill.stats.held_bytes)
+    kept = held, refused, sorted(stream.prefill.cache.evicted_steps), _carried(stream)
+    stream.close()
+    return kept
+
+
 def test_an_evicting_disk_tier_stream_evicts_the_same_whatever_befell_its_file_set(adapters, tmp_path):
     """What the cap counts of the journal and the checkpoint slots follows the stream's steps alone. Before: it was
     the files' lengths, so a stream saved or synced midway (a checkpoint sooner, its second slot written earlier)
@@ -542,27 +568,22 @@ def test_an_evicting_disk_tier_stream_evicts_the_same_whatever_befell_its_file_s
     slot written, a journal of another length) held other bytes from the load on."""
     settings = dict(offload="disk", max_cache_bytes=180_000, cache_limit="evict-oldest")
     frames = random_frames(100)
+    never_stopped = _streamed(adapters["chat"], tmp_path / "never-stopped", settings, frames)
+    assert len(never_stopped[2]) > 50
+    for other in (_streamed(adapters["chat"], tmp_path / "saved", settings, frames, save_at=(10, 30, 50)),
+                  _streamed(adapters["chat"], tmp_path / "loaded", settings, frames, load_at=40)):
+        assert other[:3] == never_stopped[:3]
+        assert _same(other[3], never_stopped[3])
 
-    def streamed(name: str, save_at: tuple[int, ...] = (), load_at: int | None = None):
-        stream = tiny_qa(adapters["chat"], offload_dir=tmp_path / name, **settings).stream()
-        held = []
-        for index, frame in enumerate(frames):
-            if index == load_at:
-                path = stream.save(tmp_path / f"{name}.safetensors")
-                stream.close()
-                stream = Stream.load(path, tiny_qa(adapters["chat"], offload_dir=tmp_path / f"{name}-loaded",
-                                                   **settings))
-            stream.push(frame)
-            if index in save_at:
-                stream.save(tmp_path / f"{name}-{index}.safetensors")
-                stream.prefill.sync()
-            held.append(stream.prefill.stats.held_bytes)
-        kept = (held, sorted(stream.prefill.cache.evicted_steps), _carried(stream))
-        stream.close()
-        return kept
 
-    never_stopped = streamed("never-stopped")
-    assert len(never_stopped[1]) > 50
-    for other in (streamed("saved", save_at=(10, 30, 50)), streamed("loaded", load_at=40)):
-        assert other[:2] == never_stopped[:2]
-        assert _same(other[2], never_stopped[2])
+def test_a_refusing_disk_tier_stream_refuses_the_same_whatever_befell_its_file_set(adapters, tmp_path):
+    """Under ``refuse`` too. Before: the stream saved and synced early was refused a frame sooner than the stream
+    never saved, and the stream loaded from a file counted other bytes."""
+    settings = dict(offload="disk", max_cache_bytes=330_000, cache_limit="refuse")
+    frames = random_frames(16)
+    never_stopped = _streamed(adapters["chat"], tmp_path / "never-stopped", settings, frames)
+    assert never_stopped[1] and never_stopped[1][0] > 8
+    for other in (_streamed(adapters["chat"], tmp_path / "saved", settings, frames, save_at=(3, 6)),
+                  _streamed(adapters["chat"], tmp_path / "loaded", settings, frames, load_at=8)):
+        assert other[:3] == never_stopped[:3]
+        assert _same(other[3], never_stopped[3])
