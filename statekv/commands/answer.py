@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from ..api.videoqa import VideoQA
     from ..errors import CacheLimitError, FrameDecodeError, InputError, QuestionTooLong
     from ..video import open_video
+    from ..video.sources import cut_short
 
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
@@ -52,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
         stopped = one_line(error.reason if isinstance(error, FrameDecodeError) else error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
     ends = source.num_frames / source.fps  # its last frame's end (a frame of a slow time-lapse spans seconds)
-    content = ends if source.content_end is None else source.content_end  # audio running on is no cut
-    if stopped is None and content < source.duration - 1.0 - 2.0 / args.max_fps:
+    if stopped is None and cut_short(source, ends, args.max_fps):
         print(f"statekv answer: warning: the video's frames end at {ends:g} s, before the {source.duration:g} s its "
               "header gives (a file cut short, or still being written); answering from them", file=sys.stderr,
               flush=True)

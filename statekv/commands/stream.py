@@ -267,8 +267,7 @@ class _Replay:
                 stream.push(frame)
                 report(stream.frames, planned)
             else:
-                self.warn_cut_short(stream.last_timestamp, getattr(video, "duration", None),
-                                    getattr(video, "content_end", None))
+                self.warn_cut_short(stream.last_timestamp, video)
             stream.flush()
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
             if not stream.frames:
@@ -292,13 +291,14 @@ class _Replay:
                   f"the stream's horizon of {horizon} frames (--max-frames) stops it (its last frame at {seconds:g} "
                   "s); asked after it", file=sys.stderr, flush=True)
 
-    def warn_cut_short(self, seconds: float | None, duration: float | None, content_end: float | None) -> None:
+    def warn_cut_short(self, seconds: float | None, video) -> None:
         """One line on stderr for the questions timed after the video's last frame (at ``seconds``), when the file
-        ends well before the duration its header gives (a file cut short, or still being written; where it ends
-        is ``content_end`` when known, else its last frame: an audio stream running on is no cut)."""
-        content = seconds if content_end is None else content_end
-        if seconds is None or not duration or content >= duration - 1.0 - 2.0 / self.args.max_fps:
+        ends well before the duration its header gives (`statekv.video.sources.cut_short`)."""
+        from ..video.sources import cut_short
+
+        if seconds is None or not cut_short(video, seconds, self.args.max_fps):
             return
+        duration = video.duration
         late = [time for time, _ in self.questions if seconds < time <= duration]
         if late:
             print(f"statekv stream: warning: the video's frames end at {seconds:g} s, before the {duration:g} s its "

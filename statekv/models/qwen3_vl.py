@@ -205,28 +205,24 @@ class Qwen3VLAdapter(VideoAdapter):
         _check_frame_count(num_frames, allow_none=False)
         chunks = math.ceil(num_frames / self.frames_per_step)
         timestamp = len(f"<{_MAX_TIMESTAMP} seconds>".encode())
-        if frame_size is None:
-            patch = self.settings.max_patch_tokens(num_frames, self.tokens_per_frame)
-        else:
-            try:
-                height, width = self.settings.frame_size(*frame_size, num_frames, self.tokens_per_frame)
-            except (TypeError, ValueError) as error:
-                raise InputError(f"frame_size must be a (height, width) {self.family} can resize: {error}") from None
-            patch = height * width // self.settings.factor**2
+        patch = (self.settings.max_patch_tokens(num_frames, self.tokens_per_frame) if frame_size is None
+                 else self._patch_tokens(num_frames, frame_size))
         return self._count(self.prefix_text) + chunks * (timestamp + 2 + patch)
 
     def min_video_tokens(self, num_frames: int, *, frame_size: tuple[int, int] | None = None) -> int:
         """Prefix plus ``ceil(num_frames / 2)`` chunks, each with a timestamp of one token at least and, for a
         known ``frame_size``, its visual tokens (none counted otherwise)."""
         _check_frame_count(num_frames, allow_none=False)
-        patch = 0
-        if frame_size is not None:
-            try:
-                height, width = self.settings.frame_size(*frame_size, num_frames, self.tokens_per_frame)
-            except (TypeError, ValueError) as error:
-                raise InputError(f"frame_size must be a (height, width) {self.family} can resize: {error}") from None
-            patch = height * width // self.settings.factor**2
+        patch = 0 if frame_size is None else self._patch_tokens(num_frames, frame_size)
         return self._count(self.prefix_text) + math.ceil(num_frames / self.frames_per_step) * (1 + 2 + patch)
+
+    def _patch_tokens(self, num_frames: int, frame_size: tuple[int, int]) -> int:
+        """The visual tokens of one temporal patch of a video of ``num_frames`` frames of ``frame_size``."""
+        try:
+            height, width = self.settings.frame_size(*frame_size, num_frames, self.tokens_per_frame)
+        except (TypeError, ValueError) as error:
+            raise InputError(f"frame_size must be a (height, width) {self.family} can resize: {error}") from None
+        return height * width // self.settings.factor**2
 
     # -- streaming --------------------------------------------------------------------------------------
     def start(self, num_frames: int | None = None, fps: float | None = None) -> LayoutState:
