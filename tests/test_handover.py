@@ -6,6 +6,7 @@ stopped; where no successor can be made, or its replay fails, it is the own-then
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -419,13 +420,20 @@ def test_one_guide_steers_each_engine_at_its_own_places(checkpoint):
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_a_watch_steers_the_stream_past_its_handover_on_either_tier(checkpoint, tmp_path, tier):
+    """On the disk tier the handover keeps the watch beside the folder it hands over: killed after it, the folder
+    reopens it (before, the watch file went to the stream's own files, which the handover removes)."""
     disk = {"offload": "disk", "offload_dir": str(tmp_path / "disk")} if tier == "disk" else {}
-    with loaded(checkpoint, None, **disk).stream() as stream:
+    qa = loaded(checkpoint, None, **disk)
+    with qa.stream() as stream:
         stream.watch("what is shown?", every=4)
         for frame in FRAMES:
             stream.push(frame)
         assert stream.handover == "handed over"
         assert stream.prefill.cache.guide is not None and stream.prefill.cache.guide.active
+        if tier == "disk":
+            shutil.copytree(stream.folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+            with Stream.load(tmp_path / "killed", qa) as killed:
+                assert [watch.question for watch in killed.watches] == ["what is shown?"]
 
 
 def test_streams_pushed_together_hand_over_as_each_alone(checkpoint, references):

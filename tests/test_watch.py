@@ -364,8 +364,8 @@ def seen(stream) -> list[dict]:
 
 def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(qa, frames, tmp_path, caplog):
     """Before: `Stream.load(folder)` reopened no watch (a saved file's did): a library caller's watches went
-    silently with every close. Closed, the folder keeps them; killed, it keeps the last close's only if nothing
-    was checkpointed since, so it reopens none; a damaged file is logged and the stream goes on without them."""
+    silently with every close. Closed, the folder keeps them; synced then killed, it keeps them as they stood at the
+    sync; a damaged or stray file is logged and the stream goes on without them."""
     import shutil
 
     on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
@@ -393,9 +393,8 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
         shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
     expected = seen(never)
     never.close()
-    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
-        assert killed.frames == 30 and not killed.watches
-        assert "the watches its last close kept in watches.safetensors are not reopened" in caplog.text
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+        assert killed.frames == 30 and seen(killed) == expected
     with statekv.Stream.load(folder, on_disk) as last:
         assert seen(last) == expected
         for watch in last.watches:
@@ -403,12 +402,47 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
     caplog.clear()
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(folder, on_disk) as closed_again:
         assert not closed_again.watches and not caplog.text  # closed with none open: none, and no word of them
+        assert not (folder / "watches.safetensors").exists()
+    stray = tmp_path / "stray"
+    shutil.copytree(folder, stray)
+    shutil.copy(tmp_path / "killed" / "watches.safetensors", stray)
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(stray, on_disk) as again:
+        assert not again.watches
+        assert "the watches in watches.safetensors are not reopened: no record after the checkpoint it resumed " \
+               "from vouches for them" in caplog.text
     damaged = tmp_path / "damaged" / "watches.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "damaged", on_disk) as again:
         assert again.frames == 12 and not again.watches
-        assert "the 2 watch(es) open at its close are not reopened: watches.safetensors is not the file its close " \
-               "wrote" in caplog.text
+        assert "the 2 watch(es) open at its last checkpoint are not reopened: watches.safetensors is not the file " \
+               "its record vouches for" in caplog.text
+
+
+@pytest.mark.parametrize("killed_after", [13, 14, 15, 16])
+def test_a_disk_tier_stream_killed_reopens_its_watches_as_they_stood_at_its_last_checkpoint(qa, frames, tmp_path,
+                                                                                           monkeypatch, killed_after):
+    """Before: a disk-tier stream killed (never closed) was resumed without its watches, and without a word: they
+    are now kept at each checkpoint. Resumed at that checkpoint and given the frames it lost again, it sees what the
+    stream that never stopped saw: the same evaluations, events and carried state (a watch due at the checkpoint's
+    step is evaluated as the resume opens it, as it was then)."""
+    import shutil
+
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1, name="never") as never:
+        push(never, frames, 0, 3)
+        never.watch(COUNT, every=3)
+        never.watch(COLOUR, every_seconds=2.0, max_new_tokens=2)
+        push(never, frames, 3, killed_after)
+        shutil.copytree(never.folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+        with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+            assert 3 < killed.frames <= killed_after and len(killed.watches) == 2
+            push(killed, frames, killed.frames, 30)
+            push(never, frames, killed_after, 30)
+            assert seen(killed) == seen(never)
+            assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(killed)))
 
 
 @pytest.mark.parametrize("cadence", [{"every": 3}, {"every_seconds": 3.0}, {"every_seconds": 5e-324}])

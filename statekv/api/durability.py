@@ -34,7 +34,7 @@ from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILE, frames_l
                           read_watches, write_waiting, write_watches)
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
-from .watch import restore as restore_watches
+from .watch import restore as restore_watches, run_on_cadence
 from ..video import Frame
 from ..video.sampling import tick
 
@@ -62,6 +62,10 @@ class Durability:
         # the last push record: its frame, the journal's length before and after, the tier and its appends then
         self.last_push: tuple[Any, ...] | None = None
         self.kept_waiting: dict[str, Any] | None = None  # the record of the frames a close kept beside the file set
+        # the records and tensors of a stream's open watches (`statekv.api.watch.records`, `tensors`), written beside
+        # the file set at each checkpoint; and whether the file set holds such a file this video wrote or reopened
+        self.open_watches: Callable[[], tuple[list[dict[str, Any]], dict[str, torch.Tensor]]] = lambda: ([], {})
+        self.watches_kept = False
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
@@ -70,15 +74,34 @@ class Durability:
         if self.tier is not None:
             self.tier.waiting = self.waiting_records
 
-    def waiting_records(self) -> list[dict[str, Any]]:
-        """The records journaled again after a checkpoint: a push record per frame waiting for its batch, and
-        while those are the frames a close kept beside the file set, the record vouching for them."""
+    def waiting_records(self, folder: Path | None = None) -> list[dict[str, Any]]:
+        """The records journaled again after a checkpoint (of the file set in ``folder``, default the video's): a
+        push record per frame waiting for its batch, while those are the frames a close kept beside the file set
+        the record vouching for them, and the open watches' (`watches_records`)."""
         waiting = self.waiting()
         records = [push_record(frame) for frame in waiting]
         kept = self.kept_waiting
         if kept is not None and [frame.index for frame in waiting] == [index for index, _ in kept[WAITING]]:
             records.append(kept)
-        return records
+        return records + self.watches_records(self.tier.folder if folder is None else folder)
+
+    def watches_records(self, folder: Path, *, replace_any: bool = False) -> list[dict[str, Any]]:
+        """The open watches written beside the file set in ``folder`` (`WATCHES_FILE`, as they stand), so that a
+        resume from the checkpoint they follow reopens them, and the record vouching for them; with none open, the
+        file this video kept goes (any, with ``replace_any``) and a record says none are open. An `OutputError`
+        when the file cannot be written."""
+        records, tensors = self.open_watches()
+        try:
+            if records:
+                self.watches_kept = True
+                return [write_watches(folder, records, tensors)]
+            if self.watches_kept or (replace_any and (folder / WATCHES_FILE).is_file()):
+                (folder / WATCHES_FILE).unlink(missing_ok=True)
+                self.watches_kept = False
+                return [{WATCHES: 0}]
+        except OSError as error:
+            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+        return []
 
     @property
     def enabled(self) -> bool:
@@ -111,6 +134,8 @@ class Durability:
         if self.tier is None:
             return
         self.tier.check_owner()  # nothing written into a folder this stream no longer holds
+        self.open_watches = lambda: watches  # closed by now: a checkpoint keeps them as they stood
+        taken = self.tier.checkpoints
         self.tier.checkpoint()
         folder = self.tier.folder
         try:
@@ -120,13 +145,11 @@ class Durability:
                 self.kept_waiting = record
             if last_timestamp is not None:
                 self.tier.append({CLOCK: [pushed, last_timestamp]})
-            if watches[0]:
-                self.tier.append(write_watches(folder, *watches))
-            elif (folder / WATCHES_FILE).is_file():  # what an earlier close kept goes, and its record with it
-                (folder / WATCHES_FILE).unlink()
-                self.tier.append({WATCHES: 0})
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+        if self.tier.checkpoints == taken:  # no checkpoint now: the last one's record of the watches is not this
+            for record in self.watches_records(folder, replace_any=True):
+                self.tier.append(record)
 
     def withdrawn(self, frame: Frame) -> None:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
@@ -205,8 +228,8 @@ class Durability:
         described = folder / f"{SETUP}.json"
         if described.is_file():  # a stream's own description, naming the successor's file set from now on
             successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
-        successor.disk.checkpoint()  # at its last step, the frames waiting for theirs after it
-        for record in self.waiting_records():
+        successor.disk.checkpoint()  # at its last step, the frames waiting for theirs and the watches after it
+        for record in self.waiting_records(successor.disk.folder):
             successor.disk.append(record)
         successor.sync()
         mark_handover(folder, successor.disk.folder, successor.disk.file_set)
@@ -385,17 +408,18 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
 
 
 def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> None:
-    """Reopen the watches the stream's close kept beside its file set (the ``watches`` record among the journal's
-    records ``after`` its last checkpoint: none after a kill), as they stood, and journal the record again (the
-    resume cut the journal after the checkpoint), so a kill before the next checkpoint still reopens them; ones
-    that cannot be are logged, and the stream goes on without them."""
+    """Reopen the watches kept beside the file set (the last ``watches`` record among the journal's records
+    ``after`` its last checkpoint: the checkpoint's own, or the close's), as they stood, and journal the record
+    again (the resume cut the journal after the checkpoint), so a kill before the next checkpoint still reopens
+    them; then evaluate those due (a checkpoint taken inside a batch of steps kept them as they stood before the
+    batch's evaluations). Ones that cannot be reopened are logged, and the stream goes on without them."""
     kept = next((record for record in reversed(after) if WATCHES in record), None)
-    if kept is not None and not kept[WATCHES]:  # closed with none open
+    if kept is not None and not kept[WATCHES]:  # none open
         return
     if kept is None:
         if (folder / WATCHES_FILE).is_file():
-            log.warning("%s: the watches its last close kept in %s are not reopened: it streamed on after that "
-                        "close and resumed from a later checkpoint", stream.name, WATCHES_FILE)
+            log.warning("%s: the watches in %s are not reopened: no record after the checkpoint it resumed from "
+                        "vouches for them", stream.name, WATCHES_FILE)
         return
     read = read_watches(folder, kept)
     try:
@@ -403,6 +427,12 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
             raise InputError(read)
         restore_watches(stream, *read, where=f"{folder}: {WATCHES_FILE}")
     except InputError as error:
-        log.warning("%s: the %d watch(es) open at its close are not reopened: %s", stream.name, kept[WATCHES], error)
+        log.warning("%s: the %d watch(es) open at its last checkpoint are not reopened: %s", stream.name,
+                    kept[WATCHES], error)
         return
     stream.durability.tier.append(kept)
+    stream.durability.watches_kept = True
+    due = [watch for watch in stream.watches if watch.due(stream.frames, stream.watching.seconds)]
+    if due:
+        with torch.no_grad():
+            run_on_cadence(due)

@@ -131,6 +131,7 @@ class Stream(EncodedVideo):
         self.encoded_timestamp: float | None = None  # the last encoded frame's (later kept ones may be pending)
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
+        self.durability.open_watches = lambda: (watch_records(self), watch_tensors(self))
         if disk_tier is None:  # a new file set: what `load` resumes it from
             try:
                 self.durability.describe(stream_setup(

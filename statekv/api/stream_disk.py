@@ -40,7 +40,7 @@ FORMAT_VERSION = 2  # 1: named no file set
 SETUP = "stream"  # the file's name in the file set: stream.json
 WAITING = "waiting"  # a journal record's field: the frames kept beside the file set at its close
 WAITING_FILE = "waiting.safetensors"
-WATCHES = "watches"  # a journal record's field: the open watches kept beside the file set at its close
+WATCHES = "watches"  # a journal record's field: the open watches kept beside the file set (checkpoint, close)
 WATCHES_FILE = "watches.safetensors"
 CLOCK = "clock"  # a journal record's field at close: ``[pushed, last_timestamp]`` (frames dropped after the last kept)
 
@@ -113,7 +113,7 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
 
 
 def write_watches(folder: Path, records: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write a closing stream's open watches (``records``, `statekv.api.watch.records`, and the queries they steer
+    """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch.records`, and the queries they steer
     with, ``tensors``, `statekv.api.watch.tensors`) to ``folder``'s `WATCHES_FILE` (replaced atomically, flushed);
     returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
     data = save_tensors({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
@@ -130,7 +130,7 @@ def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, 
     except OSError as error:
         return f"{WATCHES_FILE} cannot be read ({error.strerror or error})"
     if zlib.crc32(data) != record.get("file_crc"):
-        return f"{WATCHES_FILE} is not the file its close wrote"
+        return f"{WATCHES_FILE} is not the file its record vouches for"
     try:  # the safetensors header: its length in 8 bytes, then its JSON, the metadata in it
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
         records = json.loads(header["__metadata__"][WATCHES])
