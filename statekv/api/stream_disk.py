@@ -77,7 +77,8 @@ def frames_lost(records: list[dict[str, Any]], pushed: int) -> int:
     """Frames pushed at or after index ``pushed`` according to the journal's ``push`` records: kept but not
     streamed when the process stopped (a frame journaled twice, as after a push that failed and was retried,
     counts once)."""
-    return len({record["push"] for record in records if isinstance(record.get("push"), int) and record["push"] >= pushed})
+    return len({record["push"] for record in records
+                if isinstance(record.get("push"), int) and record["push"] >= pushed})
 
 
 def write_waiting(folder: Path, frames: list[Frame]) -> dict[str, Any]:
@@ -113,9 +114,10 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
 
 
 def write_watches(folder: Path, records: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch.records`, and the queries they steer
-    with, ``tensors``, `statekv.api.watch.tensors`) to ``folder``'s `WATCHES_FILE` (replaced atomically, flushed);
-    returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
+    """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch.records`, and
+    the queries they steer with, ``tensors``, `statekv.api.watch.tensors`) to ``folder``'s `WATCHES_FILE` (replaced
+    atomically, flushed); returns the journal record vouching for it. An `OSError` when it cannot be written
+    (nothing replaced)."""
     data = save_tensors({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
                         metadata={WATCHES: json.dumps(records)})
     _write_whole(folder / WATCHES_FILE, data)
