@@ -587,3 +587,26 @@ def test_a_refusing_disk_tier_stream_refuses_the_same_whatever_befell_its_file_s
                   _streamed(adapters["chat"], tmp_path / "loaded", settings, frames, load_at=8)):
         assert other[:3] == never_stopped[:3]
         assert _same(other[3], never_stopped[3])
+
+
+def test_an_evicting_disk_tier_stream_evicts_no_more_steps_than_it_needs(adapters, tmp_path):
+    """Each step held counts its share of the journal (`DiskTier.counted_bytes`), which its eviction gives back.
+    Before: the share was not credited, so a step that needed room up to three shares more than three steps'
+    tokens and summaries evicted a fourth step."""
+    from statekv.core.disk.tier import JOURNAL_STEP_BYTES
+    from statekv.settings.engine import CacheLimit
+
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path, max_cache_bytes="1G",
+                 cache_limit="evict-oldest")
+    with qa.stream() as stream:
+        for frame in random_frames(8):
+            stream.push(frame)
+        keeper, lengths = stream.prefill.keeper, list(stream.prefill.cache.chunk_lengths)
+        three = sum(length * keeper.bytes_per_token + keeper.bytes_per_step for length in lengths[1:4])
+        step = lengths[-1]
+        before = keeper.held_bytes + step * keeper.bytes_per_token + keeper.bytes_per_step + keeper.other_bytes()[1]
+        for short in (1, 3 * JOURNAL_STEP_BYTES):  # room short by three steps' tokens and summaries, and a little more
+            keeper.limit = CacheLimit(before - three - short, "evict-oldest")
+            assert keeper.make_room(step) == [1, 2, 3]
+        keeper.limit = CacheLimit(before - three - 3 * JOURNAL_STEP_BYTES - 1, "evict-oldest")
+        assert keeper.make_room(step) == [1, 2, 3, 4]

@@ -51,12 +51,14 @@ class CacheKeeper:
         name: how messages name the stream. bytes_per_step: what each step adds besides its tokens (all layers:
         its summaries, and quantized, its keys' scales). other_bytes: ``() -> (held, growth)``: the bytes held
         besides (the segment index, the disk tier's journal: `DiskTier.counted_bytes`) and what a step adds to them.
+        step_other_bytes: what each step held counts in ``other_bytes`` (the disk tier's journal share), which its
+        eviction gives back.
     """
 
     def __init__(self, limit: CacheLimit, cache, bytes_per_token: int, protect_tokens: int = 0,
-                 name: str = "stream", bytes_per_step: int = 0, other_bytes=lambda: (0, 0)):
+                 name: str = "stream", bytes_per_step: int = 0, other_bytes=lambda: (0, 0), step_other_bytes: int = 0):
         self.limit, self.cache, self.bytes_per_token = limit, cache, bytes_per_token
-        self.bytes_per_step, self.other_bytes = bytes_per_step, other_bytes
+        self.bytes_per_step, self.other_bytes, self.step_other_bytes = bytes_per_step, other_bytes, step_other_bytes
         self.protect_tokens, self.name = protect_tokens, name
         self.evicted_tokens = 0
         self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
@@ -98,7 +100,7 @@ class CacheKeeper:
             if freed >= needed:
                 break
             chosen.append(step)
-            freed += (length * self.bytes_per_token + self.bytes_per_step) * self.batch
+            freed += (length * self.bytes_per_token + self.bytes_per_step) * self.batch + self.step_other_bytes
         if freed < needed:
             raise CacheLimitError(f"{self.name}: this step ({chunk_len} tokens) does not fit under {cap} even after "
                                   "evicting every frame but the protected prompt prefix and sinks; nothing was "

@@ -158,7 +158,7 @@ class StreamingPrefill:
             + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
-            self._other_bytes)
+            self._other_bytes, JOURNAL_STEP_BYTES if self.disk is not None else 0)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
