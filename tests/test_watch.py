@@ -445,6 +445,34 @@ def test_a_disk_tier_stream_killed_reopens_its_watches_as_they_stood_at_its_last
             assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(killed)))
 
 
+def test_a_saved_stream_loaded_onto_the_disk_tier_keeps_its_watches_from_its_first_checkpoint(qa, frames, tmp_path,
+                                                                                                monkeypatch):
+    """Before: a stream file loaded onto the disk tier took its first checkpoint before its watches were reopened,
+    so killed before its next checkpoint the folder reopened none of them (and the stream was steered no more)."""
+    import shutil
+
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 8)
+    never = qa.stream(max_fps=1)
+    push(never, frames, 0, 2)
+    never.watch(COUNT, every=3)
+    never.watch(COLOUR, every_seconds=2.0, max_new_tokens=2)
+    push(never, frames, 2, 10)
+    path = never.save(tmp_path / "saved.safetensors")
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with statekv.Stream.load(path, on_disk) as loaded:
+        push(loaded, frames, 10, 12)
+        shutil.copytree(loaded.folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+        assert killed.frames == 10 and len(killed.watches) == 2
+        push(killed, frames, 10, 30)
+        push(never, frames, 10, 30)
+        assert seen(killed) == seen(never)
+        assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(killed)))
+    never.close()
+
+
 @pytest.mark.parametrize("cadence", [{"every": 3}, {"every_seconds": 3.0}, {"every_seconds": 5e-324}])
 def test_a_watch_reopened_from_a_record_newer_than_its_streams_save_evaluates_the_frames_again(qa, frames, tmp_path,
                                                                                            cadence):

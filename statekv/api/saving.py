@@ -175,11 +175,12 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
         stream.close()
         raise
     stream.step_frames = step_frames
-    # loaded into the disk tier: its new file set can itself be resumed
+    # loaded into the disk tier: its new file set can itself be resumed, its watches with it (reopened first, so
+    # the checkpoint the load takes keeps them: a kill before the next one still reopens them)
     try:
+        restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
         stream.durability.loaded(stream.prefill, stream.step_frames, loaded, stream.pending,
                                  successor=stream.successor is not None)
-        restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
     except BaseException:
         stream.close()  # a file set that could not take the state is removed: nothing half-written stays
         raise
