@@ -402,9 +402,8 @@ def test_a_resumed_run_says_a_new_watch_first_answer_and_reopens_one_it_would_st
 def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_path, capsys):
     """Before: --resume FOLDER dropped the stream's watches (only a saved file kept them): each was opened afresh,
     its events and evaluations lost."""
-    from safetensors import safe_open
-
-    from statekv.api.stream_disk import WATCHES_FILE
+    from statekv.api.stream_disk import read_watches
+    from statekv.core.disk.files import read_file_set
 
     video = write_test_video(tmp_path / "v.mp4", frames=80, fps=4)
     model = make_tiny_checkpoint("internvl", tmp_path / "model")
@@ -414,8 +413,9 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
     folder = Path(json.loads(capsys.readouterr().out.splitlines()[-1])["folder"])
 
     def kept() -> list[dict]:
-        with safe_open(str(folder / WATCHES_FILE), framework="pt") as file:
-            return json.loads(file.metadata()["watches"])
+        """The watches the folder would reopen (those its last record after its last checkpoint vouches for)."""
+        record = next(record for record in reversed(read_file_set(folder).after) if "watches" in record)
+        return read_watches(folder, record)[0] if record["watches"] else []
 
     before = kept()
     assert [(watch["question"], watch["evaluations"]) for watch in before] == [("What?", 5)]  # frames 4 to 20
@@ -426,7 +426,7 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
     assert main(["stream", str(video), *flags[:-6], "--offload", "disk", "--offload-dir", str(tmp_path / "tier"),
                  "--resume", str(folder)]) == 0  # --watch no longer asks it: it closes, and is kept no more
     capsys.readouterr()
-    assert not (folder / WATCHES_FILE).exists()
+    assert kept() == []
     plain = [flag for flag in flags[:-6] if flag != "--json"]
     assert main(["stream", str(video), *plain, "--offload", "disk", "--offload-dir", str(tmp_path / "tier"),
                  "--resume", str(folder)]) == 0

@@ -17,6 +17,7 @@ import torch
 import statekv
 import statekv.api.watch as watch_module
 import statekv.core.answering.rows as rows_module
+from statekv.api.stream_disk import kept_watches_files
 from statekv.errors import InputError
 from statekv.synthetic.plans import plan_video
 from statekv.synthetic.prompts import question_prompt
@@ -402,20 +403,20 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
     caplog.clear()
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(folder, on_disk) as closed_again:
         assert not closed_again.watches and not caplog.text  # closed with none open: none, and no word of them
-        assert not (folder / "watches.safetensors").exists()
+        assert not kept_watches_files(folder)  # what files of them were left went
     stray = tmp_path / "stray"
     shutil.copytree(folder, stray)
-    shutil.copy(tmp_path / "killed" / "watches.safetensors", stray)
+    for path in kept_watches_files(tmp_path / "killed"):
+        shutil.copy(path, stray)
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(stray, on_disk) as again:
         assert not again.watches
-        assert "the watches in watches.safetensors are not reopened: no record after the checkpoint it resumed " \
-               "from vouches for them" in caplog.text
-    damaged = tmp_path / "damaged" / "watches.safetensors"
-    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+        assert " are not reopened: no record after the checkpoint it resumed from vouches for them" in caplog.text
+    for damaged in kept_watches_files(tmp_path / "damaged"):
+        damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(tmp_path / "damaged", on_disk) as again:
         assert again.frames == 12 and not again.watches
-        assert "the 2 watch(es) open at its last checkpoint are not reopened: watches.safetensors is not the file " \
-               "its record vouches for" in caplog.text
+        assert "the 2 watch(es) open at its last checkpoint are not reopened: watches." in caplog.text
+        assert ".safetensors is not the file its record vouches for" in caplog.text
 
 
 @pytest.mark.parametrize("killed_after", [13, 14, 15, 16])
@@ -443,6 +444,43 @@ def test_a_disk_tier_stream_killed_reopens_its_watches_as_they_stood_at_its_last
             push(never, frames, killed_after, 30)
             assert seen(killed) == seen(never)
             assert all(torch.equal(a, b) for a, b in zip(carried(never), carried(killed)))
+
+
+def test_a_disk_tier_stream_killed_while_a_checkpoint_writes_its_watches_reopens_them(qa, frames, tmp_path,
+                                                                                     monkeypatch):
+    """Before: a checkpoint journaled its record, then replaced the one file of watches, then journaled the record
+    vouching for it: killed in between, the folder resumed at that checkpoint, or at the one before with a file it
+    no longer vouched for, and reopened none. Now the file goes beside the last one, and the checkpoint's records are
+    one write: killed before or after the file is written, the folder resumes at the last checkpoint with its
+    watches."""
+    import shutil
+
+    import statekv.api.durability as durability
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    write, kills = durability.write_watches, []
+
+    def killed_around(folder, *args):
+        if len(kills) == 2:  # at the third checkpoint with watches open: a kill just before, and just after
+            shutil.copytree(folder, tmp_path / "before", ignore=shutil.ignore_patterns("lock"))
+        record = write(folder, *args)
+        if len(kills) == 2:
+            shutil.copytree(folder, tmp_path / "after", ignore=shutil.ignore_patterns("lock"))
+        kills.append(record)
+        return record
+
+    monkeypatch.setattr(durability, "write_watches", killed_around)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1, name="never") as never:
+        push(never, frames, 0, 2)
+        never.watch(COUNT, every=3)
+        never.watch(COLOUR, every_seconds=2.0, max_new_tokens=2)
+        push(never, frames, 2, 20)
+        assert len(kills) > 3
+        for copy in ("before", "after"):
+            with statekv.Stream.load(tmp_path / copy, on_disk) as killed:
+                assert len(killed.watches) == 2, copy
 
 
 def test_a_saved_stream_loaded_onto_the_disk_tier_keeps_its_watches_from_its_first_checkpoint(qa, frames, tmp_path,

@@ -30,8 +30,8 @@ from .stats import EncodingStats
 from ..errors import HandoverError, InputError, OutputError
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
-from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILE, frames_lost, read_stream_setup, read_waiting,
-                          read_watches, write_waiting, write_watches)
+from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILES, frames_lost, kept_watches_files,
+                          read_stream_setup, read_waiting, read_watches, watches_file, write_waiting, write_watches)
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
 from .watch import restore as restore_watches, run_on_cadence
@@ -63,9 +63,9 @@ class Durability:
         self.last_push: tuple[Any, ...] | None = None
         self.kept_waiting: dict[str, Any] | None = None  # the record of the frames a close kept beside the file set
         # the records and tensors of a stream's open watches (`statekv.api.watch.records`, `tensors`), written beside
-        # the file set at each checkpoint; and whether the file set holds such a file this video wrote or reopened
+        # the file set at each checkpoint; and the file of them this video last wrote or reopened there
         self.open_watches: Callable[[], tuple[list[dict[str, Any]], dict[str, torch.Tensor]]] = lambda: ([], {})
-        self.watches_kept = False
+        self.watches_file: str | None = None
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
@@ -86,18 +86,23 @@ class Durability:
         return records + self.watches_records(self.tier.folder if folder is None else folder)
 
     def watches_records(self, folder: Path, *, replace_any: bool = False) -> list[dict[str, Any]]:
-        """The open watches written beside the file set in ``folder`` (`WATCHES_FILE`, as they stand), so that a
-        resume from the checkpoint they follow reopens them, and the record vouching for them; with none open, the
-        file this video kept goes (any, with ``replace_any``) and a record says none are open. An `OutputError`
-        when the file cannot be written."""
+        """The open watches written beside the file set in ``folder`` (as they stand, into the one of
+        `WATCHES_FILES` the last record does not name, which stays whole), so that a resume from the checkpoint they
+        follow reopens them, and the record vouching for them; with none open, a record saying so once this video
+        kept some (or, ``replace_any``, any file of them is there), the older file going. An `OutputError` when the
+        file cannot be written."""
         records, tensors = self.open_watches()
         try:
             if records:
-                self.watches_kept = True
-                return [write_watches(folder, records, tensors)]
-            if self.watches_kept or (replace_any and (folder / WATCHES_FILE).is_file()):
-                (folder / WATCHES_FILE).unlink(missing_ok=True)
-                self.watches_kept = False
+                name = WATCHES_FILES[self.watches_file == WATCHES_FILES[0]]
+                record = write_watches(folder, name, records, tensors)
+                self.watches_file = name
+                return [record]
+            if self.watches_file is not None or (replace_any and kept_watches_files(folder)):
+                for path in kept_watches_files(folder):
+                    if path.name != self.watches_file:
+                        path.unlink()
+                self.watches_file = None
                 return [{WATCHES: 0}]
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
@@ -414,24 +419,26 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
     them; then evaluate those due (a checkpoint taken inside a batch of steps kept them as they stood before the
     batch's evaluations). Ones that cannot be reopened are logged, and the stream goes on without them."""
     kept = next((record for record in reversed(after) if WATCHES in record), None)
-    if kept is not None and not kept[WATCHES]:  # none open
+    if kept is not None and not kept[WATCHES]:  # none open: what files of them are left go
+        for path in kept_watches_files(folder):
+            path.unlink(missing_ok=True)
         return
     if kept is None:
-        if (folder / WATCHES_FILE).is_file():
+        for path in kept_watches_files(folder):
             log.warning("%s: the watches in %s are not reopened: no record after the checkpoint it resumed from "
-                        "vouches for them", stream.name, WATCHES_FILE)
+                        "vouches for them", stream.name, path.name)
         return
     read = read_watches(folder, kept)
     try:
         if isinstance(read, str):
             raise InputError(read)
-        restore_watches(stream, *read, where=f"{folder}: {WATCHES_FILE}")
+        restore_watches(stream, *read, where=f"{folder}: {watches_file(kept)}")
     except InputError as error:
         log.warning("%s: the %d watch(es) open at its last checkpoint are not reopened: %s", stream.name,
                     kept[WATCHES], error)
         return
     stream.durability.tier.append(kept)
-    stream.durability.watches_kept = True
+    stream.durability.watches_file = watches_file(kept)
     due = [watch for watch in stream.watches if watch.due(stream.frames, stream.watching.seconds)]
     if due:
         with torch.no_grad():

@@ -41,7 +41,9 @@ SETUP = "stream"  # the file's name in the file set: stream.json
 WAITING = "waiting"  # a journal record's field: the frames kept beside the file set at its close
 WAITING_FILE = "waiting.safetensors"
 WATCHES = "watches"  # a journal record's field: the open watches kept beside the file set (checkpoint, close)
-WATCHES_FILE = "watches.safetensors"
+# written in turn, so the file the last record vouches for stays whole while the next is written
+WATCHES_FILES = ("watches.0.safetensors", "watches.1.safetensors")
+WATCHES_FILE = "watches.safetensors"  # what a record naming no file vouches for (the one file of statekv 0.x before)
 CLOCK = "clock"  # a journal record's field at close: ``[pushed, last_timestamp]`` (frames dropped after the last kept)
 
 SCHEMA = record_check({
@@ -113,34 +115,49 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
     return [Frame(index, float(timestamp), image.numpy()) for (index, timestamp), image in zip(named, images)]
 
 
-def write_watches(folder: Path, records: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def write_watches(folder: Path, name: str, records: list[dict[str, Any]],
+                  tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch.records`, and
-    the queries they steer with, ``tensors``, `statekv.api.watch.tensors`) to ``folder``'s `WATCHES_FILE` (replaced
-    atomically, flushed); returns the journal record vouching for it. An `OSError` when it cannot be written
-    (nothing replaced)."""
-    data = save_tensors({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
+    the queries they steer with, ``tensors``, `statekv.api.watch.tensors`) to ``folder / name`` (one of
+    `WATCHES_FILES`; replaced atomically, flushed); returns the journal record vouching for it. An `OSError` when
+    it cannot be written (nothing replaced)."""
+    data = save_tensors({key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors.items()},
                         metadata={WATCHES: json.dumps(records)})
-    _write_whole(folder / WATCHES_FILE, data)
-    return {WATCHES: len(records), "file_crc": zlib.crc32(data)}
+    _write_whole(folder / name, data)
+    return {WATCHES: len(records), "file": name, "file_crc": zlib.crc32(data)}
+
+
+def watches_file(record: dict[str, Any]) -> str | None:
+    """The file a ``watches`` record vouches for (None: a name no writer gives)."""
+    name = record.get("file", WATCHES_FILE)
+    return name if name in (*WATCHES_FILES, WATCHES_FILE) else None
+
+
+def kept_watches_files(folder: Path) -> list[Path]:
+    """The files of watches in ``folder``, whichever record vouches for them."""
+    return [folder / name for name in (*WATCHES_FILES, WATCHES_FILE) if (folder / name).is_file()]
 
 
 def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, torch.Tensor]] | str:
-    """The watches the ``watches`` ``record`` vouches for, from ``folder``'s `WATCHES_FILE`: their records and
+    """The watches the ``watches`` ``record`` vouches for, from the file it names in ``folder``: their records and
     tensors (for `statekv.api.watch.restore`), or why they cannot be read."""
+    name = watches_file(record)
+    if name is None:
+        return "its record names no file of watches"
     try:
-        data = (folder / WATCHES_FILE).read_bytes()
+        data = (folder / name).read_bytes()
     except OSError as error:
-        return f"{WATCHES_FILE} cannot be read ({error.strerror or error})"
+        return f"{name} cannot be read ({error.strerror or error})"
     if zlib.crc32(data) != record.get("file_crc"):
-        return f"{WATCHES_FILE} is not the file its record vouches for"
+        return f"{name} is not the file its record vouches for"
     try:  # the safetensors header: its length in 8 bytes, then its JSON, the metadata in it
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
         records = json.loads(header["__metadata__"][WATCHES])
         tensors = load_tensors(data)
     except Exception:  # noqa: BLE001 -- however safetensors or json says so, the file does not read
-        return f"{WATCHES_FILE} does not read"
+        return f"{name} does not read"
     if not isinstance(records, list) or len(records) != record.get(WATCHES):
-        return f"{WATCHES_FILE} does not hold the watches its record names"
+        return f"{name} does not hold the watches its record names"
     return records, tensors
 
 

@@ -219,11 +219,11 @@ class DiskTier:
         except OSError as error:
             raise OutputError(f"cannot describe the disk cache in {self.folder}: {error.strerror or error}") from None
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Append one journal record (a JSON object) after its CRC-32: whole, or (an `OutputError`, e.g. a full
-        disk) not at all."""
+    def append(self, *records: dict[str, Any]) -> None:
+        """Append journal records (JSON objects), each after its CRC-32, in one write: whole, or (an `OutputError`,
+        e.g. a full disk) not at all."""
         self.check_owner()
-        data = memoryview(journal_line(record))
+        data = memoryview(b"".join(journal_line(record) for record in records))
         end = os.fstat(self._journal).st_size
         try:
             while len(data):
@@ -235,10 +235,11 @@ class DiskTier:
                 pass
             raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         self.appends += 1
-        if "evict" in record:
-            foldable = sum(step not in self.replayed for step in record["evict"])
-            self.evicted_records += foldable
-            self.held_records -= foldable
+        for record in records:
+            if "evict" in record:
+                foldable = sum(step not in self.replayed for step in record["evict"])
+                self.evicted_records += foldable
+                self.held_records -= foldable
 
     def compact(self) -> None:
         """Replace the journal by itself compacted (`statekv.core.disk.files.compacted_journal`: the records of
@@ -348,22 +349,14 @@ class DiskTier:
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         pwrite_all(self._slots[slot], memoryview(data), 0)
-        before = os.fstat(self._journal).st_size
+        # the records after it in the same write (what they vouch for is written first, beside what the last
+        # checkpoint's vouch for): a kill leaves the checkpoint with them or the last one with its own
         self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
                      "placed": carried[0][3] is not None if carried else False,
                      "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
                      "carry_crc": zlib.crc32(data),
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
-                     **({"tally": len(tally[0])} if tally else {})})
-        try:
-            for record in self.waiting():
-                self.append(record)
-        except OutputError:  # the checkpoint is not taken: the last one, in the other slot, still vouches
-            try:
-                os.ftruncate(self._journal, before)
-            except OSError:
-                pass
-            raise
+                     **({"tally": len(tally[0])} if tally else {})}, *self.waiting())
         self.checkpoints += 1
         self.checkpointed = self.last_step
         if self.evicted_records >= max(self.checkpoint_steps, self.held_records):
