@@ -483,6 +483,29 @@ def test_a_disk_tier_stream_killed_while_a_checkpoint_writes_its_watches_reopens
                 assert len(killed.watches) == 2, copy
 
 
+def test_a_folder_closed_by_the_release_before_reopens_its_watches_from_its_one_file(qa, frames, tmp_path):
+    """The release before kept a closed folder's watches in ``watches.safetensors``, its record naming no file."""
+    import json
+
+    from statekv.core.disk.files import journal_line
+
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    stream = on_disk.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    stream.watch(COUNT, every=4)
+    push(stream, frames, 3, 8)
+    expected, folder = seen(stream), stream.folder
+    stream.close()
+    lines = (folder / "journal").read_bytes().splitlines(keepends=True)
+    last = max(number for number, line in enumerate(lines) if b'"watches":1' in line)
+    record = json.loads(lines[last].split(b" ", 1)[1])
+    (folder / record.pop("file")).rename(folder / "watches.safetensors")
+    lines[last] = journal_line(record)
+    (folder / "journal").write_bytes(b"".join(lines))
+    with statekv.Stream.load(folder, on_disk) as resumed:
+        assert seen(resumed) == expected
+
+
 def test_a_saved_stream_loaded_onto_the_disk_tier_keeps_its_watches_from_its_first_checkpoint(qa, frames, tmp_path,
                                                                                                 monkeypatch):
     """Before: a stream file loaded onto the disk tier took its first checkpoint before its watches were reopened,
