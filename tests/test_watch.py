@@ -483,6 +483,31 @@ def test_a_disk_tier_stream_killed_while_a_checkpoint_writes_its_watches_reopens
                 assert len(killed.watches) == 2, copy
 
 
+def test_a_checkpoint_writes_the_watches_only_when_evaluated_since(qa, frames, tmp_path, monkeypatch):
+    """A real model's watch steers with queries of every layer (megabytes): checkpoints between two evaluations
+    journal the last file's record again instead of writing the same watches anew."""
+    import shutil
+
+    import statekv.api.durability as durability
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 2)
+    write, written = durability.write_watches, []
+    monkeypatch.setattr(durability, "write_watches", lambda *args: written.append(args[1]) or write(*args))
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1) as stream:
+        push(stream, frames, 0, 2)
+        stream.watch(COUNT, every=12)
+        push(stream, frames, 2, 13)  # a checkpoint every 2 steps, and no evaluation before the 14th frame
+        assert written == ["watches.0.safetensors"]
+        push(stream, frames, 13, 17)
+        assert written == ["watches.0.safetensors", "watches.1.safetensors"]
+        expected = seen(stream)
+        shutil.copytree(stream.folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as killed:
+        assert seen(killed) == expected
+
+
 def test_a_folder_closed_by_the_release_before_reopens_its_watches_from_its_one_file(qa, frames, tmp_path):
     """The release before kept a closed folder's watches in ``watches.safetensors``, its record naming no file."""
     import json

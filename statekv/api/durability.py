@@ -66,6 +66,7 @@ class Durability:
         # the file set at each checkpoint; and the file of them this video last wrote or reopened there
         self.open_watches: Callable[[], tuple[list[dict[str, Any]], dict[str, torch.Tensor]]] = lambda: ([], {})
         self.watches_file: str | None = None
+        self.watches_written: tuple[Path, list[dict[str, Any]], dict[str, Any]] | None = None  # folder, records, record
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
@@ -94,10 +95,17 @@ class Durability:
         records, tensors = self.open_watches()
         try:
             if records:
-                name = WATCHES_FILES[self.watches_file == WATCHES_FILES[0]]
+                written = self.watches_written
+                if written is not None and written[:2] == (folder, records):  # not evaluated since: the same file
+                    return [written[2]]
+                last, name = self.watches_file, WATCHES_FILES[self.watches_file == WATCHES_FILES[0]]
                 record = write_watches(folder, name, records, tensors)
-                self.watches_file = name
+                for path in kept_watches_files(folder):  # an older release's file left beside them goes
+                    if path.name not in (name, last):
+                        path.unlink()
+                self.watches_file, self.watches_written = name, (folder, records, record)
                 return [record]
+            self.watches_written = None
             if self.watches_file is not None or (replace_any and kept_watches_files(folder)):
                 for path in kept_watches_files(folder):
                     if path.name != self.watches_file:
