@@ -76,7 +76,7 @@ class Durability:
             self.tier.waiting = self.waiting_records
 
     def waiting_records(self, folder: Path | None = None) -> list[dict[str, Any]]:
-        """The records journaled again after a checkpoint (of the file set in ``folder``, default the video's): a
+        """The records journaled again with a checkpoint (of the file set in ``folder``, default the video's): a
         push record per frame waiting for its batch, while those are the frames a close kept beside the file set
         the record vouching for them, and the open watches' (`watches_records`)."""
         waiting = self.waiting()
@@ -429,7 +429,10 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
     kept = next((record for record in reversed(after) if WATCHES in record), None)
     if kept is not None and not kept[WATCHES]:  # none open: what files of them are left go
         for path in kept_watches_files(folder):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink()
+            except OSError:  # left: no record vouches for it
+                pass
         return
     if kept is None:
         for path in kept_watches_files(folder):

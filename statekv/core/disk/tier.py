@@ -114,8 +114,8 @@ class DiskTier:
         self.storages: list[OffloadedStorage] = []
         self.buffers: list[dict[str, MappedTokenBuffer | MirroredTokenBuffer]] = []  # per layer, by name
         self.extra: dict[str, Any] = {}  # more manifest fields, e.g. from the stream (written as ``stream.json``)
-        # the records of what waits to be streamed (a stream's pending frames), journaled again after each checkpoint:
-        # a resumed file set counts what was journaled after its checkpoint as lost
+        # the records journaled again with each checkpoint: what waits to be streamed (a stream's pending frames,
+        # which a resumed file set counts lost) and what the stream keeps beside the file set (its watches)
         self.waiting: Callable[[], list[dict[str, Any]]] = list
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
