@@ -508,6 +508,112 @@ def test_a_checkpoint_writes_the_watches_only_when_evaluated_since(qa, frames, t
         assert seen(killed) == expected
 
 
+def test_a_disk_tier_stream_whose_watches_all_closed_leaves_no_file_of_them(qa, frames, tmp_path, monkeypatch,
+                                                                             caplog):
+    """Before: the checkpoint after the last watch closed kept the file the checkpoint before vouched for (a kill
+    between them reopens it), and no later checkpoint or close removed it: killed or closed, every resume after
+    named it in a warning, and it stayed in the folder for good."""
+    import shutil
+
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    stream = on_disk.stream(max_fps=1)
+    push(stream, frames, 0, 3)
+    watch = stream.watch(COUNT, every=3)
+    push(stream, frames, 3, 10)
+    watch.close()
+    push(stream, frames, 10, 26)  # checkpoints after it, none open
+    folder = stream.folder
+    shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    stream.close()
+    for resumed in (tmp_path / "killed", folder):
+        caplog.clear()
+        assert not kept_watches_files(resumed)
+        with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(resumed, on_disk) as again:
+            assert not again.watches and "not reopened" not in caplog.text
+
+
+def test_a_checkpoint_torn_by_a_kill_resumes_at_the_one_before_with_its_watches(qa, frames, tmp_path, monkeypatch):
+    """A checkpoint's record and the records written with it (frames waiting, watches) are one write, which a kill
+    or a power cut may tear. Before: the whole checkpoint record was taken, the torn records after it dropped, so
+    the folder resumed there without its watches. Now the record counts its followers, and a torn one gives way to
+    the checkpoint before, whole."""
+    import shutil
+
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    append, writes = tier.DiskTier.append, []
+
+    def kept_append(disk, *records):
+        before = disk.journal_bytes
+        append(disk, *records)
+        if records and "carry" in records[0] and len(records) > 1:
+            writes.append((before, disk.journal_bytes, (disk.folder / "journal").read_bytes(), records[0]["carry"]))
+
+    monkeypatch.setattr(tier.DiskTier, "append", kept_append)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1) as stream:
+        push(stream, frames, 0, 3)
+        stream.watch(COUNT, every=3)
+        stream.watch(COLOUR, every_seconds=2.0, max_new_tokens=2)
+        push(stream, frames, 3, 14)
+        folder = stream.folder
+        (_, _, _, earlier), (before, after, journal, last) = writes[-2:]
+        for cut in (after - 3, after - (after - before) // 3):  # torn inside its last record, and its first after it
+            torn = tmp_path / f"torn{cut}"
+            shutil.copytree(folder, torn, ignore=shutil.ignore_patterns("lock"))
+            (torn / "journal").write_bytes(journal[:cut])
+            with statekv.Stream.load(torn, on_disk) as resumed:
+                assert resumed.frames == earlier and len(resumed.watches) == 2
+    assert earlier < last
+
+
+def test_a_checkpoint_the_disk_refused_keeps_the_watches_file_the_last_one_names(qa, frames, tmp_path, monkeypatch):
+    """Before: a checkpoint whose write the disk refused still took the watches file it had written as the one to
+    keep, so the next checkpoint wrote over the file the last journaled one names: killed before that checkpoint's
+    record, the folder resumed without its watches."""
+    import shutil
+
+    import statekv.api.durability as durability
+    import statekv.core.disk.tier as tier
+    from statekv.errors import OutputError
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    append, write, refuse, kill = tier.DiskTier.append, durability.write_watches, [True], [False]
+
+    def refusing(disk, *records):
+        if records and "carry" in records[0] and disk.checkpoints == 3 and refuse:
+            refuse.clear()
+            raise OutputError("the disk is full")
+        append(disk, *records)
+
+    def killed_after(folder, *args):
+        record = write(folder, *args)
+        if kill[0]:
+            kill[0] = False
+            shutil.copytree(folder, tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+        return record
+
+    monkeypatch.setattr(tier.DiskTier, "append", refusing)
+    monkeypatch.setattr(durability, "write_watches", killed_after)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1) as stream:
+        push(stream, frames, 0, 3)
+        watch = stream.watch(COUNT, every=1)
+        for index in range(3, 30):
+            try:
+                stream.push(frames[index], float(index))
+            except OutputError:
+                watch.evaluate()  # evaluated since: the next checkpoint writes the watches anew
+                kill[0] = True  # and is killed just after it wrote them
+        assert not refuse and not kill[0]
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as resumed:
+        assert len(resumed.watches) == 1
+
+
 def test_a_folder_closed_by_the_release_before_reopens_its_watches_from_its_one_file(qa, frames, tmp_path):
     """The release before kept a closed folder's watches in ``watches.safetensors``, its record naming no file."""
     import json

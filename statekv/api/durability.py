@@ -63,17 +63,19 @@ class Durability:
         self.last_push: tuple[Any, ...] | None = None
         self.kept_waiting: dict[str, Any] | None = None  # the record of the frames a close kept beside the file set
         # the records and tensors of a stream's open watches (`statekv.api.watch.records`, `tensors`), written beside
-        # the file set at each checkpoint; and the file of them this video last wrote or reopened there
+        # the file set at each checkpoint; the file of them the last record journaled names (None: none open), with
+        # what it holds (folder, records, record); and those of the records not yet known to be journaled
         self.open_watches: Callable[[], tuple[list[dict[str, Any]], dict[str, torch.Tensor]]] = lambda: ([], {})
         self.watches_file: str | None = None
-        self.watches_written: tuple[Path, list[dict[str, Any]], dict[str, Any]] | None = None  # folder, records, record
+        self.watches_written: tuple[Path, list[dict[str, Any]], dict[str, Any]] | None = None
+        self.watches_next: tuple[str | None, tuple | None] | None = None
 
     def watch(self, waiting: Callable[[], Sequence[Frame]]) -> None:
         """``waiting``: the video's frames kept but not yet streamed, journaled again after every checkpoint (so a
         resumed file set counts them lost, `frames_lost`)."""
         self.waiting = waiting
         if self.tier is not None:
-            self.tier.waiting = self.waiting_records
+            self.tier.waiting, self.tier.after_checkpoint = self.waiting_records, self.watches_journaled
 
     def waiting_records(self, folder: Path | None = None) -> list[dict[str, Any]]:
         """The records journaled again with a checkpoint (of the file set in ``folder``, default the video's): a
@@ -86,35 +88,39 @@ class Durability:
             records.append(kept)
         return records + self.watches_records(self.tier.folder if folder is None else folder)
 
-    def watches_records(self, folder: Path, *, replace_any: bool = False) -> list[dict[str, Any]]:
+    def watches_records(self, folder: Path) -> list[dict[str, Any]]:
         """The open watches written beside the file set in ``folder`` (as they stand, into the one of
-        `WATCHES_FILES` the last record does not name, which stays whole), so that a resume from the checkpoint they
-        follow reopens them, and the record vouching for them; with none open, a record saying so once this video
-        kept some (or, ``replace_any``, any file of them is there), the older file going. An `OutputError` when the
-        file cannot be written."""
+        `WATCHES_FILES` the last record journaled does not name, which stays whole), so that a resume from the
+        checkpoint they follow reopens them, and the record vouching for them (the last one again if none was
+        evaluated since); with none open, a record saying so where the last one named a file. Files no record
+        journaled names go. What the records say holds once they are journaled (`watches_journaled`). An
+        `OutputError` when the file cannot be written."""
         records, tensors = self.open_watches()
+        named = self.watches_file if self.tier is not None and folder == self.tier.folder else None
         try:
             if records:
                 written = self.watches_written
-                if written is not None and written[:2] == (folder, records):  # not evaluated since: the same file
+                if named is not None and written is not None and written[:2] == (folder, records):
+                    self.watches_next = (named, written)
                     return [written[2]]
-                last, name = self.watches_file, WATCHES_FILES[self.watches_file == WATCHES_FILES[0]]
+                name = WATCHES_FILES[named == WATCHES_FILES[0]]
                 record = write_watches(folder, name, records, tensors)
-                for path in kept_watches_files(folder):  # an older release's file left beside them goes
-                    if path.name not in (name, last):
-                        path.unlink()
-                self.watches_file, self.watches_written = name, (folder, records, record)
-                return [record]
-            self.watches_written = None
-            if self.watches_file is not None or (replace_any and kept_watches_files(folder)):
-                for path in kept_watches_files(folder):
-                    if path.name != self.watches_file:
-                        path.unlink()
-                self.watches_file = None
-                return [{WATCHES: 0}]
+                self.watches_next = (name, (folder, records, record))
+            else:
+                self.watches_next, record = (None, None), {WATCHES: 0}
+                name = None
+            for path in kept_watches_files(folder):
+                if path.name not in (name, named):
+                    path.unlink()
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
-        return []
+        return [record] if records or named is not None else []
+
+    def watches_journaled(self) -> None:
+        """The records `watches_records` last gave are journaled: the file they name is the one to keep."""
+        if self.watches_next is not None:
+            self.watches_file, self.watches_written = self.watches_next
+            self.watches_next = None
 
     @property
     def enabled(self) -> bool:
@@ -161,8 +167,10 @@ class Durability:
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
         if self.tier.checkpoints == taken:  # no checkpoint now: the last one's record of the watches is not this
-            for record in self.watches_records(folder, replace_any=True):
-                self.tier.append(record)
+            records = self.watches_records(folder)
+            if records:
+                self.tier.append(*records)
+            self.watches_journaled()
 
     def withdrawn(self, frame: Frame) -> None:
         """The frame just journaled as pushed was not taken (its step refused, at the cap say): its record goes,
@@ -242,10 +250,10 @@ class Durability:
         if described.is_file():  # a stream's own description, naming the successor's file set from now on
             successor.disk.describe(SETUP, {**read_checked(described), FILE_SET: successor.disk.file_set})
         successor.disk.checkpoint()  # at its last step, the frames waiting for theirs and the watches after it
-        for record in self.waiting_records(successor.disk.folder):
-            successor.disk.append(record)
+        successor.disk.append(*self.waiting_records(successor.disk.folder))
         successor.sync()
         mark_handover(folder, successor.disk.folder, successor.disk.file_set)
+        self.watches_journaled()  # the folder's journal is the successor's from now on
         lock = tier = engine = None
         try:
             successor.close()
@@ -254,7 +262,7 @@ class Durability:
             finish_handover(folder)
             journal = read_file_set(folder)
             tier = DiskTier(folder, journal.manifest, lock)
-            tier.waiting = self.waiting_records
+            tier.waiting, tier.after_checkpoint = self.waiting_records, self.watches_journaled
             engine = engine_on(tier)
             engine.resume(journal, just_written=True)  # the pending frames' records kept
         except Exception as error:
@@ -449,7 +457,7 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
                     kept[WATCHES], error)
         return
     stream.durability.tier.append(kept)
-    stream.durability.watches_file = watches_file(kept)
+    stream.durability.watches_file, stream.durability.watches_written = watches_file(kept), None
     due = [watch for watch in stream.watches if watch.due(stream.frames, stream.watching.seconds)]
     if due:
         with torch.no_grad():

@@ -31,6 +31,7 @@ MERGED_RECORDS = 8  # compacted records kept side by side before they are merged
 FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
+FOLLOWED_BY = "followed_by"  # a checkpoint's record: the records written with it, after it (a kill may tear them)
 LOCK = "lock"  # held by the one stream living in the file set
 CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
 
@@ -180,8 +181,10 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         for record in (record for _, record in records if "evict" in record):
             journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
         return journal
-    checkpoint = next((i for i in range(len(records) - 1, -1, -1) if "carry" in records[i][1]
-                       and isinstance(records[i][1]["carry"], int) and records[i][1]["carry"] < len(steps)), None)
+    checkpoint = _last_checkpoint(records, len(steps))
+    while checkpoint is not None and len(records) - 1 - checkpoint < _followers(records[checkpoint][1]):
+        records = records[:checkpoint]  # its write was torn by a kill: the checkpoint before vouches, with its own
+        checkpoint = _last_checkpoint(records, len(steps))
     if checkpoint is None:
         return journal if not steps else _no_checkpoint(folder)
     journal.end, journal.carry = records[checkpoint]
@@ -194,6 +197,17 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         elif index > checkpoint and "step" not in record and "carry" not in record and COMPACTED not in record:
             journal.after.append(record)
     return journal
+
+
+def _last_checkpoint(records: list[tuple[int, dict[str, Any]]], steps: int) -> int | None:
+    """The index in ``records`` of the last checkpoint's record of one of the first ``steps`` steps."""
+    return next((i for i in range(len(records) - 1, -1, -1) if "carry" in records[i][1]
+                 and isinstance(records[i][1]["carry"], int) and records[i][1]["carry"] < steps), None)
+
+
+def _followers(record: dict[str, Any]) -> int:
+    count = record.get(FOLLOWED_BY, 0)
+    return count if isinstance(count, int) and count >= 0 else 0
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -74,8 +74,8 @@ from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
 from .compaction import BACKLOG
-from .files import (FILE_SET, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold, journal_header,
-                    journal_line, write_checked)
+from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
+                    journal_header, journal_line, write_checked)
 
 log = logging.getLogger("statekv")
 
@@ -117,6 +117,7 @@ class DiskTier:
         # the records journaled again with each checkpoint: what waits to be streamed (a stream's pending frames,
         # which a resumed file set counts lost) and what the stream keeps beside the file set (its watches)
         self.waiting: Callable[[], list[dict[str, Any]]] = list
+        self.after_checkpoint: Callable[[], None] = lambda: None  # told once they are journaled with it
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
@@ -349,14 +350,18 @@ class DiskTier:
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
         pwrite_all(self._slots[slot], memoryview(data), 0)
-        # the records after it in the same write (what they vouch for is written first, beside what the last
-        # checkpoint's vouch for): a kill leaves the checkpoint with them or the last one with its own
+        # the records after it in the same write, counted in it (what they vouch for is written first, beside what
+        # the last checkpoint's vouch for): a kill, even one that tears the write, leaves the checkpoint with them
+        # or the last one with its own
+        followers = self.waiting()
         self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
                      "placed": carried[0][3] is not None if carried else False,
                      "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
                      "carry_crc": zlib.crc32(data),
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
-                     **({"tally": len(tally[0])} if tally else {})}, *self.waiting())
+                     **({"tally": len(tally[0])} if tally else {}),
+                     **({FOLLOWED_BY: len(followers)} if followers else {})}, *followers)
+        self.after_checkpoint()
         self.checkpoints += 1
         self.checkpointed = self.last_step
         if self.evicted_records >= max(self.checkpoint_steps, self.held_records):
