@@ -404,11 +404,16 @@ def test_a_disk_tier_folder_closed_with_its_watches_reopens_them_as_they_stood(q
     with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(folder, on_disk) as closed_again:
         assert not closed_again.watches and not caplog.text  # closed with none open: none, and no word of them
         assert not kept_watches_files(folder)  # what files of them were left went
-    stray = tmp_path / "stray"
-    shutil.copytree(folder, stray)
-    for path in kept_watches_files(tmp_path / "killed"):
-        shutil.copy(path, stray)
-    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(stray, on_disk) as again:
+    unwatched = on_disk.stream(max_fps=1, name="unwatched")
+    push(unwatched, frames, 0, 3)
+    unwatched.close()
+    for stray in (folder, unwatched.folder):
+        for path in kept_watches_files(tmp_path / "killed"):
+            shutil.copy(path, stray)
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(folder, on_disk) as again:
+        assert not again.watches and not caplog.text  # its journal says none are open: strays go, silently
+        assert not kept_watches_files(folder)
+    with caplog.at_level("WARNING", logger="statekv"), statekv.Stream.load(unwatched.folder, on_disk) as again:
         assert not again.watches
         assert " are not reopened: no record after the checkpoint it resumed from vouches for them" in caplog.text
     for damaged in kept_watches_files(tmp_path / "damaged"):
@@ -569,6 +574,50 @@ def test_a_checkpoint_torn_by_a_kill_resumes_at_the_one_before_with_its_watches(
             with statekv.Stream.load(torn, on_disk) as resumed:
                 assert resumed.frames == earlier and len(resumed.watches) == 2
     assert earlier < last
+
+
+def test_a_folder_resumed_at_a_checkpoint_and_killed_at_once_resumes_there_again(qa, frames, tmp_path, monkeypatch):
+    """Before: a resume cut the journal just after its checkpoint's record, dropping the records the checkpoint
+    counts as written with it (here the one saying the last watch closed): killed before they were written again,
+    the folder read that checkpoint as torn and resumed at the one before, and once the next checkpoint had
+    written over that one's slot, not at all (its carried state failed its checksum)."""
+    import shutil
+
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    append, killed, writes = tier.DiskTier.append, [], []
+    unlocked = shutil.ignore_patterns("lock")
+
+    def kept_append(disk, *records):
+        append(disk, *records)
+        if records and "carry" in records[0]:
+            if {"watches": 0} in records[1:] and not killed:  # the first checkpoint after the watch closed
+                shutil.copytree(disk.folder, tmp_path / "killed", ignore=unlocked)
+                killed.append(records[0]["carry"])
+            writes.append((disk.journal_bytes, (disk.folder / "journal").read_bytes()))
+
+    monkeypatch.setattr(tier.DiskTier, "append", kept_append)
+    on_disk = qa.with_options(offload="disk", offload_dir=str(tmp_path / "disk"))
+    with on_disk.stream(max_fps=1) as stream:
+        push(stream, frames, 0, 3)
+        watch = stream.watch(COUNT, every=3)
+        push(stream, frames, 3, 10)
+        watch.close()
+        push(stream, frames, 10, 16)
+    assert killed
+    with statekv.Stream.load(tmp_path / "killed", on_disk) as resumed:
+        at = resumed.frames
+        shutil.copytree(tmp_path / "killed", tmp_path / "at_once", ignore=unlocked)
+        writes.clear()
+        push(resumed, frames, at, at + 5)  # a checkpoint, into the slot of the one before the resume
+        assert len(writes) == 1
+        shutil.copytree(tmp_path / "killed", tmp_path / "torn", ignore=unlocked)
+        end, journal = writes[-1]
+        (tmp_path / "torn" / "journal").write_bytes(journal[:end - 3])  # a kill tears its write
+    for copy in ("at_once", "torn"):
+        with statekv.Stream.load(tmp_path / copy, on_disk) as again:
+            assert again.frames == at and not again.watches, copy
 
 
 def test_a_checkpoint_the_disk_refused_keeps_the_watches_file_the_last_one_names(qa, frames, tmp_path, monkeypatch):

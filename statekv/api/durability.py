@@ -431,9 +431,9 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
 def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> None:
     """Reopen the watches kept beside the file set (the last ``watches`` record among the journal's records
     ``after`` its last checkpoint: the checkpoint's own, or the close's), as they stood, and journal the record
-    again (the resume cut the journal after the checkpoint), so a kill before the next checkpoint still reopens
-    them; then evaluate those due (a checkpoint taken inside a batch of steps kept them as they stood before the
-    batch's evaluations). Ones that cannot be reopened are logged, and the stream goes on without them."""
+    again (the resume cut the journal after the checkpoint's own records), so a kill before the next checkpoint
+    still reopens them; then evaluate those due (a checkpoint taken inside a batch of steps kept them as they stood
+    before the batch's evaluations). Ones that cannot be reopened are logged, and the stream goes on without them."""
     kept = next((record for record in reversed(after) if WATCHES in record), None)
     if kept is not None and not kept[WATCHES]:  # none open: what files of them are left go
         for path in kept_watches_files(folder):
@@ -441,6 +441,7 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
                 path.unlink()
             except OSError:  # left: no record vouches for it
                 pass
+        stream.durability.tier.append(kept)  # the last word again: the close's was cut, the checkpoint's names a file
         return
     if kept is None:
         for path in kept_watches_files(folder):

@@ -46,7 +46,7 @@ class Journaled:
     steps: list[dict[str, Any]] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     after: list[dict[str, Any]] = field(default_factory=list)
-    end: int = 0  # byte offset of the journal just after the checkpoint's record
+    end: int = 0  # byte offset of the journal just after the checkpoint's record and the records it counts
     carry: dict[str, Any] | None = None
     later_evictions: list[int] = field(default_factory=list)  # evicted after the checkpoint (their rows are gone)
 
@@ -187,7 +187,8 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         checkpoint = _last_checkpoint(records, len(steps))
     if checkpoint is None:
         return journal if not steps else _no_checkpoint(folder)
-    journal.end, journal.carry = records[checkpoint]
+    journal.carry = records[checkpoint][1]
+    journal.end = records[checkpoint + _followers(journal.carry)][0]  # cut before them, it would read as torn
     journal.steps = steps[: journal.carry["carry"] + 1]
     journal.evicted.extend(step for step in compacted if step < len(journal.steps))  # written before any checkpoint
     for index, (_, record) in enumerate(records):
