@@ -110,6 +110,30 @@ def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(ad
     assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
 
 
+def test_steps_the_disk_refused_once_and_took_again_resume_from_their_files(adapter, tmp_path, monkeypatch):
+    """Before: the bytes a refused step had written still counted in the checksum its retry journaled (each file's
+    running CRC was not started again when the step was undone), so the folder read as damaged at that step: the
+    stream could not be resumed. The test above missed it: its last refusal, at the step's journal record, came
+    after the CRCs were taken."""
+    frames = noise_frames(7)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=7, max_fps=1)
+    stream.push(frames[0], 0.0)
+    writes = FailingWrites(monkeypatch)
+    for t in range(1, 7):
+        writes.arm(t + 1)  # a different write of each step: the push record's is the first
+        with pytest.raises(OutputError):
+            stream.push(frames[t], float(t))
+        writes.arm(None)
+        stream.push(frames[t], float(t))
+    stream.close()
+    reference = small_qa(adapter).stream(horizon_frames=7, max_fps=1)
+    for t, frame in enumerate(frames):
+        reference.push(frame, float(t))
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
 def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch):
     qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     streams = [qa.stream(horizon_frames=6, name=f"s{i}") for i in range(3)]
@@ -138,6 +162,42 @@ def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_p
         for t in range(6):
             reference.push(frames[i][t], float(t))
         assert _same(_snapshot(stream), _snapshot(reference)), stream.name
+
+
+def test_every_write_of_a_push_ending_a_vision_batch_can_fail_and_the_frame_pushed_again_ends_as_a_clean_run(
+        adapter, tmp_path, monkeypatch):
+    """Under ``vision_batch=2`` the push that completes a batch streams the frame that waited and its own; a write
+    failing in the second step leaves the first streamed (`Stream.settle`: what was durable stays) and the frame
+    pushed not taken, so the batches fall one frame later from there. Pushed again after each failure, the stream
+    holds, once flushed, exactly what a clean run holds, and resumes from its files as that."""
+    frames = noise_frames(8)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=8, max_fps=1, vision_batch=2)
+    for t in range(3):
+        stream.push(frames[t], float(t))
+    writes, refused = FailingWrites(monkeypatch), []
+    t, fail_at = 3, 1
+    while t < len(frames):
+        writes.arm(fail_at)
+        try:
+            stream.push(frames[t], float(t))
+        except OutputError as error:
+            refused.append(str(error))
+            assert stream.pushed == t  # not taken
+            fail_at += 1
+            continue
+        t, fail_at = t + 1, 1
+    writes.arm(None)
+    assert len(refused) > 2 * (len(frames) - 3)
+    stream.flush()
+    reference = small_qa(adapter).stream(horizon_frames=8, max_fps=1, vision_batch=2)
+    for t, frame in enumerate(frames):
+        reference.push(frame, float(t))
+    reference.flush()
+    assert _same(_snapshot(stream), _snapshot(reference))
+    stream.close()
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
 
 
 def test_a_failed_save_leaves_the_stream_and_the_file_there_as_they_were(adapter, tmp_path, monkeypatch):

@@ -166,9 +166,10 @@ class MappedTokenBuffer:
     # -- the disk's own ---------------------------------------------------------------------------------------
     def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0) -> None:
         """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
-        committed (resuming)."""
+        committed (resuming). Nothing is written since: `crc` starts again (a step the disk refused part of is
+        undone by reopening, and its retry is checked against what it writes then)."""
         self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
-        self.released = ReleasedRuns()
+        self.released, self.crc = ReleasedRuns(), 0
         try:
             if not length:  # what a resumed stream reopens the files as
                 write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row), **self.described,
