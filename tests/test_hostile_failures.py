@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from statekv import Stream
-from statekv.errors import OutputError
+from statekv.errors import InputError, OutputError
 from statekv.models import load_adapter
 from hostile import noise_frames, small_qa
 
@@ -132,6 +132,56 @@ def test_steps_the_disk_refused_once_and_took_again_resume_from_their_files(adap
         reference.push(frame, float(t))
     with Stream.load(stream.prefill.disk.folder, qa) as resumed:
         assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
+@pytest.mark.parametrize("call", ["fsync", "replace", "ftruncate"])
+@pytest.mark.parametrize("vision_batch", [1, 3])
+def test_a_first_step_whose_files_the_disk_refused_is_taken_at_the_next_push(adapter, tmp_path, monkeypatch, call,
+                                                                               vision_batch):
+    """The first step opens every layer's files: a description written and synced, then the files grown. Before:
+    refused there, the layers counted as started and their files as opened, so the next push failed with a
+    traceback (``'NoneType' object has no attribute 'shape'``). Now the push is refused in one line and the frame,
+    pushed again, is taken; the stream ends as a clean run's, and resumes as one."""
+    frames = noise_frames(5)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(max_fps=1, vision_batch=vision_batch)
+    for t in range(vision_batch - 1):
+        stream.push(frames[t], float(t))
+    real, calls = getattr(os, call), []
+
+    def refused(*args):
+        calls.append(call)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args)
+
+    monkeypatch.setattr(os, call, refused)
+    t = vision_batch - 1
+    with pytest.raises(OutputError) as error:
+        stream.push(frames[t], float(t))
+    assert "\n" not in str(error.value) and os.strerror(errno.ENOSPC) in str(error.value)
+    for t in range(t, 5):
+        stream.push(frames[t], float(t))
+    stream.flush()
+    reference = small_qa(adapter).stream(max_fps=1, vision_batch=vision_batch)
+    for t, frame in enumerate(frames):
+        reference.push(frame, float(t))
+    reference.flush()
+    assert _same(_snapshot(stream), _snapshot(reference))
+    stream.close()
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
+def test_a_closed_disk_tier_stream_refuses_a_push_in_one_line(adapter, tmp_path):
+    """Before: a push into a closed disk-tier stream (closed by its caller, or by a first step its disk refused)
+    journaled the frame first, into a journal closed with it: ``OSError: [Errno 9] Bad file descriptor``."""
+    frames = noise_frames(2)
+    stream = small_qa(adapter, offload="disk", offload_dir=tmp_path).stream(max_fps=1)
+    stream.push(frames[0], 0.0)
+    stream.close()
+    with pytest.raises(InputError, match="^this stream was closed .* it can no longer step or decode$"):
+        stream.push(frames[1], 1.0)
 
 
 def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch):

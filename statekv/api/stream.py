@@ -174,6 +174,7 @@ class Stream(EncodedVideo):
     def offer(self, image: Any, timestamp: float | None) -> Offer:
         """The checks of `push` and, for a kept frame, its place in ``pending`` (journaled on the disk tier).
         Nothing else changes until `accept`."""
+        self.prefill.check_open()  # before anything is journaled (a closed disk tier has no journal open)
         if isinstance(image, Frame):
             timestamp = image.timestamp if timestamp is None else timestamp
             image = image.image

@@ -50,10 +50,13 @@ class StreamingLayer(EngineLayer):
 
     # transformers' CacheLayerMixin interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        """Initialized once all of it is done: a step whose storage could not start (the disk refused a file)
+        starts again at the next step."""
+        self.dtype, self.device = key_states.dtype, key_states.device
         self.carry = self.carry.begin(self.storage, key_states, placed=self.step.position_rows is not None)
         self.storage.start(key_states)
         self.carry.reserve(self.storage, key_states.shape[2])  # slots over a storage the step writes in place
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' call: :meth:`stage` (untraced in a compiled step, `statekv.core.attention.untraced`)."""

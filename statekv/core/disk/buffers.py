@@ -168,16 +168,21 @@ class MappedTokenBuffer:
         """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
         committed (resuming). Nothing is written since: `crc` starts again (a step the disk refused part of is
         undone by reopening, and its retry is checked against what it writes then)."""
-        self.row, self.dtype, self.length, self.adopted = tuple(int(n) for n in row), dtype, length, length > 0
-        self.released, self.crc = ReleasedRuns(), 0
+        row = tuple(int(n) for n in row)
+        fds: list[int] = []
         try:
             if not length:  # what a resumed stream reopens the files as
-                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(self.row), **self.described,
+                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(row), **self.described,
                                                             "dtype": str(dtype).removeprefix("torch.")})
-            self._fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in self.paths]
-        except OSError as error:
+            for path in self.paths:
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as error:  # not opened: the next write opens it again
+            for fd in fds:
+                os.close(fd)
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
                               f"{error.strerror or error}") from None
+        self.row, self.dtype, self.length, self.adopted = row, dtype, length, length > 0
+        self.released, self.crc, self._fds = ReleasedRuns(), 0, fds
         sizes = [os.fstat(fd).st_size for fd in self._fds]
         self._block = os.fstat(self._fds[0]).st_blksize or 4096  # the file system's block (what a hole frees)
         self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
