@@ -591,8 +591,17 @@ def test_a_ctrl_c_while_the_command_starts_is_one_line():
     subprocess.run(command, capture_output=True, timeout=300, check=True)
     whole = time.monotonic() - began
     for share in (0.3, 0.6):
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        time.sleep(share * whole)
+        for _ in range(3):
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(share * whole)
+            if process.poll() is None:
+                break
+            process.communicate()  # done already: the load that slowed the first start eased; measured again
+            began = time.monotonic()
+            subprocess.run(command, capture_output=True, timeout=300, check=True)
+            whole = time.monotonic() - began
+        else:
+            pytest.fail(f"the command finished before {share} of its start three times")
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 130, (share, whole, stderr)
