@@ -337,7 +337,17 @@ def _api_cases():
         "push a ragged list": (lambda qa, s: s.push([[1, 2], [3]], 5.0), statekv.InputError,
                                "PIL image, got a list that is no array on the CPU"),
         "push at nan seconds": (lambda qa, s: s.push(frames[0], math.nan), statekv.InputError, "timestamp"),
-        "push back in time": (lambda qa, s: s.push(frames[0], -1.0), statekv.InputError, "non-decreasing"),
+        "push before the stream began": (lambda qa, s: s.push(frames[0], -1.0), statekv.InputError,
+                                         "timestamp must be a finite number of seconds >= 0, got -1.0"),
+        "push back in time": (lambda qa, s: [(stream.push(frames[0], 3.0), stream.push(frames[1], 2.0))
+                                             for stream in [qa.stream()]], statekv.InputError,
+                              "timestamps must be non-decreasing; got 2.0 after 3.0"),
+        "push in milliseconds since the epoch": (lambda qa, s: s.push(frames[0], 1.7e12), statekv.InputError,
+                                                 "not milliseconds"),
+        "push past what a saved clock holds": (lambda qa, s: qa.stream(max_fps=1).push(frames[0], 1e19),
+                                               statekv.InputError, "past the latest time a stream takes"),
+        "push a time a fast clock cannot tick": (lambda qa, s: qa.stream(max_fps=1e9).push(frames[0], 1e10),
+                                                 statekv.InputError, "too large to sample at max_fps=1000000000"),
         "ask nothing": (lambda qa, s: s.ask("  "), statekv.InputError, "empty"),
         "ask None": (lambda qa, s: s.ask(None), statekv.InputError, "empty"),
         "ask too long an answer": (lambda qa, s: s.ask("Why?", max_new_tokens=10**6), statekv.HorizonError,
@@ -351,18 +361,18 @@ def _api_cases():
                                statekv.ConfigurationError, "allow_other_weights"),
         "load a number": (lambda qa, s: Stream.load(123, qa), statekv.InputError, "must be a path"),
         "push at a time past the sampling clock": (lambda qa, s: qa.stream(max_fps=2).push(frames[0], 1e308),
-                                                   statekv.InputError, "too large to sample at max_fps=2"),
+                                                   statekv.InputError, "past the latest time"),
         "stream sampled past the clock": (lambda qa, s: qa.stream(max_fps=1e308).push(frames[0], 5.0),
                                           statekv.InputError, "too large to sample"),
         # normal doubles: a process that flushes subnormals to zero reads a max_fps of 1e-310 as 0
         "a frame after the last time a tiny max_fps's clock holds": (lambda qa, s: [
-            (stream.push(frames[0], 1.75e308), stream.push(frames[1])) for stream in [qa.stream(max_fps=1e-307)]],
+            (stream.push(frames[0], 0.0), stream.push(frames[1])) for stream in [qa.stream(max_fps=1e-307)]],
             statekv.InputError, "push it with its timestamp"),
         "simplestream past a tiny max_fps's clock": (lambda qa, s: [
-            (stream.push(frames[0], 1.75e308), stream.push(frames[1])) for stream in [qa.with_options(
+            (stream.push(frames[0], 0.0), stream.push(frames[1])) for stream in [qa.with_options(
                 method="simplestream").stream(max_fps=1e-307)]], statekv.InputError, "push it with its timestamp"),
         "simplestream at a time past the clock": (lambda qa, s: qa.with_options(method="simplestream").stream(
-            max_fps=2).push(frames[0], 1e308), statekv.InputError, "too large to sample at max_fps=2"),
+            max_fps=2e9).push(frames[0], 1e10), statekv.InputError, "too large to sample at max_fps=2"),
         "misspelt option": (lambda qa, s: qa.with_options(bugdet=3), statekv.ConfigurationError, "'bugdet'"),
         "options budget text": (lambda qa, s: statekv.ModelOptions(budget="12"), statekv.ConfigurationError,
                                 "budget"),

@@ -352,6 +352,8 @@ def test_bad_requests_get_one_line_json_errors(server):
         assert "is not JPEG" in _error(client.post(frames, content=b"notajpeg", headers={"Content-Type": "image/jpeg"}),
                                        415)
         _error(client.post(f"{frames}?t=-1", content=jpeg.getvalue(), headers={"Content-Type": "image/jpeg"}), 400)
+        assert "past the latest time a stream takes" in _error(client.post(
+            f"{frames}?t=1e308", content=jpeg.getvalue(), headers={"Content-Type": "image/jpeg"}), 400)
         _error(client.post(frames, content=b"x" * (1_200_000), headers={"Content-Type": "image/png"}), 413)
         huge = io.BytesIO()
         Image.new("L", (5000, 5000)).save(huge, format="PNG")  # small file, 25 million pixels decoded

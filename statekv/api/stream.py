@@ -47,12 +47,17 @@ from .watch import (DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watc
                     tensors as watch_tensors)
 from .stream_file import model_identity, weights_fingerprint
 from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
-from ..settings.values import check_bool, check_int, check_number
+from ..settings.values import check_bool, check_int, check_number, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
 from ..video.sampling import tick
 
 log = logging.getLogger("statekv")
+
+# A stream's time in seconds goes no further: an epoch's timestamps fit, and its sampling clock's tick, saved as
+# an int64, fits too at any max_fps up to `LATEST_TICK` / this.
+LATEST_TIMESTAMP = 1e11
+LATEST_TICK = 2.0**62
 
 
 def _one_at_a_time(method):
@@ -377,15 +382,20 @@ def checked_timestamp(timestamp: float | None, last: float | None, max_fps: floa
     next tick after ``last``); a one-line `InputError` before anything changes."""
     if timestamp is None:
         timestamp = 0.0 if last is None else last + (1.0 / max_fps if max_fps else 1.0)
-        if not math.isfinite(timestamp):
-            raise InputError(f"max_fps={max_fps} puts the next frame at {timestamp} s: push it with its timestamp, or "
-                             "stream at a higher max_fps")
+        if not timestamp <= LATEST_TIMESTAMP:
+            raise InputError(f"max_fps={max_fps} puts the next frame at {timestamp:g} s, past the latest time a "
+                             f"stream takes ({LATEST_TIMESTAMP:g} s): push it with its timestamp, or stream at a "
+                             "higher max_fps")
         return timestamp
     if isinstance(timestamp, numbers.Real) and not isinstance(timestamp, (bool, int, float)):
         timestamp = float(timestamp)  # a NumPy scalar (np.arange's times), or another real number type
-    check_number(timestamp, "timestamp (seconds)", minimum=-math.inf, error=InputError)
-    if timestamp < 0 or (last is not None and timestamp < last):
-        raise InputError(f"timestamps must be >= 0 and non-decreasing; got {timestamp} after {last}")
-    if max_fps is not None and not math.isfinite(timestamp * max_fps):
+    if not is_finite_number(timestamp) or timestamp < 0:
+        raise InputError(f"timestamp must be a finite number of seconds >= 0, got {shown(timestamp)}")
+    if last is not None and timestamp < last:
+        raise InputError(f"timestamps must be non-decreasing; got {timestamp} after {last}")
+    if timestamp > LATEST_TIMESTAMP:
+        raise InputError(f"timestamp {timestamp:g} s is past the latest time a stream takes ({LATEST_TIMESTAMP:g} s; "
+                         "timestamps are seconds, not milliseconds)")
+    if max_fps is not None and not timestamp * max_fps < LATEST_TICK:
         raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={max_fps}")
     return float(timestamp)
