@@ -145,6 +145,40 @@ def test_a_search_that_holds_every_count_up_to_its_cap_says_the_most_may_be_more
     assert document["max_streams_held"] == 4 and document["search_capped"] is True
 
 
+def test_a_sweep_whose_every_request_failed_names_the_error_and_exits_1(monkeypatch, capsys):
+    """Before: a server refusing every request (429: its stream limit) gave a table of zeros and exit 0; the
+    cause was only in the JSON's ``errors``."""
+    from statekv.cli import main
+
+    def refused(self, count):
+        requests = [Request("frame", camera, due=k, sent=k, done=k + 0.01, error="429: too many streams")
+                    for camera in range(count) for k in range(4)]
+        self.rows[count] = summarize(Run(count, 0.0, requests), fps=1.0, duration=4.0, targets=Targets(),
+                                     mean_batch=None)
+        return self.rows[count]
+
+    def refused_past_one(self, count):
+        return (held_one if count == 1 else refused)(self, count)
+
+    def held_one(self, count):
+        self.rows[count] = summarize(_run(_frames(0, 0.1, count=4)), fps=1.0, duration=4.0, targets=Targets(),
+                                     mean_batch=1.0)
+        return self.rows[count]
+
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--streams", "1,2", "--fps", "1",
+            "--duration", "4"]
+    _probe_runs(monkeypatch, refused)
+    assert main(argv) == 1
+    printed = capsys.readouterr()
+    assert "2 streams: 8 failed requests, e.g. 429: too many streams" in printed.out
+    assert "1 stream: 4 failed requests, e.g. 429" in printed.out
+    assert "every request failed" in printed.err and "Traceback" not in printed.err
+    _probe_runs(monkeypatch, refused_past_one)  # one run measured something: its table stands, exit 0
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "2 streams: 8 failed requests" in printed.out and "1 stream:" not in printed.out and not printed.err
+
+
 def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_path, capsys):
     """Before: Ctrl-C in the third run of --streams 1,4,16 lost the first two (no table, no JSON)."""
     from statekv.cli import main

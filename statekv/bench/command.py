@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from .cameras import Cameras
     from .load import LoadSettings
     from .server import LocalServer, ServerError
-    from .summary import Targets, default_progress, machine, plot, table, write_json
+    from .summary import (Targets, default_progress, failure_lines, machine, nothing_through, plot, table,
+                          write_json)
 
     try:
         import httpx  # noqa: F401
@@ -200,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
             document["max_streams_held"], document["search_complete"] = most
             document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
         print(table(rows))
+        failed = failure_lines(rows)
+        if failed:
+            print("\n" + "\n".join(failed))
         if interrupted:
             print("\ninterrupted: the runs above finished before the stop")
         elif args.find_max:
@@ -232,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
             report(finished, None, where, interrupted=True)
         raise
     report(rows, most, where)
+    if rows and all(nothing_through(row) for row in rows):
+        print("statekv bench serve: every request failed (the errors above): nothing of the server was measured",
+              file=sys.stderr)
+        return 1
     return 0
 
 
