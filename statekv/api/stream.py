@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import numbers
 import threading
 from dataclasses import dataclass
