@@ -251,6 +251,20 @@ def test_a_png_whose_header_promises_more_rows_than_it_holds_is_refused():
     assert error.value.reason == "size"
 
 
+def test_an_image_past_pillows_own_limit_names_the_limit_asked_for():
+    """Before: the message was Pillow's, naming its limit (89,478,485 pixels) and a "DOS attack", where the server
+    documents its own (16 MP)."""
+    bomb = io.BytesIO()
+    Image.new("1", (10_000, 10_000)).save(bomb, format="PNG")  # 100 million pixels in a few kilobytes
+    with pytest.raises(ImageError) as error:
+        decode_image(bomb.getvalue(), formats=("PNG",), max_pixels=16_000_000)
+    assert error.value.reason == "size"
+    assert str(error.value) == ("the image is too large to decode (an image of 100,000,000 pixels, over the limit of "
+                                "16000000 pixels)")
+    with pytest.raises(ImageError, match=r"over Pillow's limit of \d+ pixels\)$"):
+        decode_image(bomb.getvalue())
+
+
 def test_a_short_png_among_the_frames_of_a_folder_is_refused_naming_it(adapter, tmp_path):
     for index in range(4):
         Image.fromarray(noise_frames(1, seed=index)[0]).save(tmp_path / f"frame_{index}.png")

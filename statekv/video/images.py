@@ -9,6 +9,7 @@ truncated image of any format, one in a format not asked for and one over a pixe
 from __future__ import annotations
 
 import io
+import re
 import struct
 import warnings
 import zlib
@@ -67,7 +68,12 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
             raise ImageError(f"{name} is not {' or '.join(formats)} (no image format recognised)", "format") from None
         raise ImageError(f"{name}: not a readable image (no image format recognised)", "data") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise ImageError(f"{name} is too large to decode: {error}", "size") from None
+        # Pillow refuses before the size can be read, naming its own limit rather than the one asked for
+        counted = re.search(r"\((\d+) pixels\)", str(error))
+        pixels = f" of {int(counted[1]):,} pixels" if counted else ""
+        limit = (f"over the limit of {max_pixels}" if max_pixels is not None
+                 else f"over Pillow's limit of {Image.MAX_IMAGE_PIXELS}")
+        raise ImageError(f"{name} is too large to decode (an image{pixels}, {limit} pixels)", "size") from None
     except (OSError, ValueError, SyntaxError, struct.error, zlib.error) as error:
         raise ImageError(f"{name}: not a readable image ({str(error).strip() or type(error).__name__})", "data") from None
 
