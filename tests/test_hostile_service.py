@@ -312,6 +312,22 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
         finished = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
                     if line.startswith("data: {") and '"finish_reason": "' in line]
         assert finished[0]["statekv"]["not_read"] == {"system": 1, "earlier_turns": 2}
+        assert "not_applied" not in finished[0]["statekv"] and "decoding" not in alone["statekv"]
+        # before: sampling fields were dropped without a word; greedy values are what it does, others are named
+        sampled = client.post("/v1/chat/completions", json={
+            "model": "builtin", "max_tokens": 4, "messages": [last], "statekv": {"stream_id": stream_id},
+            "temperature": 0.7, "top_p": 1, "seed": 3, "stop": ["."], "logprobs": False, "n": 1})
+        assert sampled.status_code == 200, sampled.text
+        assert sampled.json()["statekv"]["not_applied"] == ["temperature", "stop"]
+        assert sampled.json()["statekv"]["decoding"] == "greedy"
+        assert sampled.json()["choices"] == alone["choices"]
+        greedy = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 4, "messages": [last],
+                                                           "statekv": {"stream_id": stream_id}, "temperature": 0})
+        assert "not_applied" not in greedy.json()["statekv"]
+        many = client.post("/v1/chat/completions", json={"model": "builtin", "messages": [last], "n": 3,
+                                                         "statekv": {"stream_id": stream_id}})
+        assert many.status_code == 400 and many.json()["error"]["message"] == (
+            "n must be 1 (an answer is decoded once), got 3")
         for odd in ([stream_id], {"a": 1}, 7):
             refused = client.post("/v1/chat/completions", json={"model": "builtin", "messages": [last],
                                                                 "statekv": {"stream_id": odd}})
@@ -322,10 +338,11 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
         made = client.post("/v1/streams", json={"max_fps": 1e-307})
         assert made.status_code == 201, made.text
         tiny = made.json()["id"]
-        for query in ("?t=1.75e308", ""):
-            pushed = client.post(f"/v1/streams/{tiny}/frames{query}", content=_png(3),
-                                 headers={"Content-Type": "image/png"})
-        assert pushed.status_code == 400 and "push it with its timestamp" in pushed.json()["error"]["message"]
+        pushed = [client.post(f"/v1/streams/{tiny}/frames{query}", content=_png(3),
+                              headers={"Content-Type": "image/png"}) for query in ("?t=1.75e308", "?t=0", "")]
+        assert [reply.status_code for reply in pushed] == [400, 200, 400]
+        assert "past the latest time a stream takes" in pushed[0].json()["error"]["message"]
+        assert "push it with its timestamp" in pushed[2].json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

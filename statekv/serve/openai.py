@@ -8,7 +8,8 @@ tokens the answer read (the video's tokens and the prompt's) and the tokens it g
 An answer reads the video and the last user message only: system messages and earlier turns are not read (a
 stream's questions are answered from the video, each on its own). The response says so: its ``statekv`` object
 (and a streamed answer's last chunk's) holds ``"read": "the video and the last user message"`` and, when the
-request had any, ``"not_read"``: how many system messages and earlier turns were left out.
+request had any, ``"not_read"``: how many system messages and earlier turns were left out. Answers are decoded
+greedily: sampling fields set to anything else are named in ``"not_applied"`` (with ``"decoding": "greedy"``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,26 @@ from .stream_settings import shown
 
 
 READ = "the video and the last user message"
+# OpenAI's sampling fields and the value each has under greedy decoding, the only decoding an answer uses
+GREEDY = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "stop": None,
+          "logit_bias": None, "logprobs": False, "top_logprobs": None}
+
+
+def not_applied(body: dict) -> list[str]:
+    """The sampling fields of a chat request set to something greedy decoding does not do (absent, null or the
+    greedy value: applied); ``n`` other than 1 is refused, one answer being all a question gets."""
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise ServiceError(400, f"n must be 1 (an answer is decoded once), got {shown(n)}")
+    return [name for name, greedy in GREEDY.items() if not _is_greedy(body.get(name), greedy)]
+
+
+def _is_greedy(value: Any, greedy: Any) -> bool:
+    if value is None or (isinstance(value, (list, dict, str)) and not value):  # unset, or an empty stop list
+        return True
+    if isinstance(value, bool) or isinstance(greedy, bool):
+        return value is greedy
+    return value == greedy
 
 
 def not_read(messages: list) -> dict[str, int]:
@@ -88,7 +109,8 @@ async def chat(request: Request, service: Served):
     owner = service.keys.require(request)
     body = await read_json(request, config.max_body_bytes)
     question, videos = parse_messages(body.get("messages"))
-    reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {})}
+    reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {}),
+               **({"decoding": "greedy", "not_applied": ignored} if (ignored := not_applied(body)) else {})}
     max_new = body.get("max_completion_tokens")
     if max_new is None:
         max_new = body.get("max_tokens")
