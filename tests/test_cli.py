@@ -701,6 +701,11 @@ def test_json_output_names_the_sizes_the_method_reads(files, capsys):
     assert (summary["budget"], summary["frames_window"], summary["sizes"]) == (None, None, {})
 
 
+def test_python_dash_m_statekv_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "statekv", "--version"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == f"statekv {statekv.__version__}", result.stderr
+
+
 def test_version_and_a_missing_data_folder(capsys, tmp_path):
     """Before: ``statekv --version`` asked for a command; a --data-root that does not exist was named as a missing
     annotation file only."""

@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.add_argument("--videos", required=True, type=POSITIVE_INT, metavar="N", help="how many videos")
     make.add_argument("--seed", required=True, type=_seed, metavar="S",
                       help="evaluation seed, 0 to 999999 (larger seeds are reserved for training)")
-    make.add_argument("--frames", type=POSITIVE_INT, default=96, metavar="F",
-                      help="frames (seconds) per video, at least 12 (default: 96)")
+    make.add_argument("--frames", type=_frames, default=96, metavar="F",
+                      help="frames (seconds) per video, 12 to 36000 (default: 96)")
     make.add_argument("--families", default=None, metavar="A,B",
                       help="comma-separated question families (default: all)")
     make.add_argument("--streaming", action="store_true",
@@ -47,6 +47,18 @@ def _seed(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+
+
+def _frames(text: str) -> int:
+    from statekv.synthetic.benchmark import MAX_FRAMES, MIN_FRAMES
+
+    try:
+        frames = int(text)
+    except ValueError:
+        frames = None
+    if frames is None or not MIN_FRAMES <= frames <= MAX_FRAMES:
+        raise argparse.ArgumentTypeError(f"expected frames per video from {MIN_FRAMES} to {MAX_FRAMES}, got {text!r}")
+    return frames
 
 
 def run_make(args: argparse.Namespace) -> int:
