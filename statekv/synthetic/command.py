@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 PROGRESS_SECONDS = 10.0  # off a terminal, how often a line says how far it is
 
