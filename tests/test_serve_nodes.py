@@ -44,7 +44,7 @@ QUESTION = "What colour was the triangle?\nA. red\nB. green\nC. blue\nD. yellow\
 NEW_TOKENS = 6
 FRAMES = 6  # pushed to each stream
 SAVE_EVERY = 2  # frames: what a node's loss may cost a stream is at most this
-LEASE_SECONDS = 3
+LEASE_SECONDS = 8  # a replica stalled this long drops its streams; a loaded CI machine stalls for seconds
 
 # A head (no CPU for replicas: the controller and the one HTTP proxy) and two worker nodes of one CPU each, so Ray
 # places one replica per worker node. Nodes are marked dead within about three seconds of losing their raylet.
