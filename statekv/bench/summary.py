@@ -141,13 +141,13 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 def failure_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     """A line for each run with failed requests, naming the first of their errors (the JSON keeps up to five)."""
     return [f"{row['streams']} stream{'s' * (row['streams'] != 1)}: {row['failures']} failed request"
-            f"{'s' * (row['failures'] != 1)}" + (f", e.g. {row['errors'][0]}" if row.get("errors") else "")
+            f"{'s' * (row['failures'] != 1)}" + (f", e.g. {row['errors'][0]}" if row["errors"] else "")
             for row in rows if row["failures"]]
 
 
 def nothing_through(row: dict[str, Any]) -> bool:
     """Whether every request of a run failed: its zeros measure the errors, not the server."""
-    return row["failures"] > 0 and row.get("frames_done", 0) == 0 and row.get("answers", 0) == 0
+    return row["failures"] > 0 and row["frames_done"] == 0 and row["answers"] == 0
 
 
 def machine() -> str:

@@ -49,15 +49,13 @@ def _seed(text: str) -> int:
 
 
 def _frames(text: str) -> int:
+    from statekv.settings.values import argparse_type, check_int, integer
     from statekv.synthetic.benchmark import MAX_FRAMES, MIN_FRAMES
 
-    try:
-        frames = int(text)
-    except ValueError:
-        frames = None
-    if frames is None or not MIN_FRAMES <= frames <= MAX_FRAMES:
-        raise argparse.ArgumentTypeError(f"expected frames per video from {MIN_FRAMES} to {MAX_FRAMES}, got {text!r}")
-    return frames
+    def parse(value, name):
+        return check_int(integer(value, name), name, minimum=MIN_FRAMES, maximum=MAX_FRAMES)
+
+    return argparse_type(parse, f"frames per video from {MIN_FRAMES} to {MAX_FRAMES}")(text)
 
 
 def run_make(args: argparse.Namespace) -> int:
