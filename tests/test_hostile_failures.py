@@ -160,6 +160,7 @@ def test_a_first_step_whose_files_the_disk_refused_is_taken_at_the_next_push(ada
     with pytest.raises(OutputError) as error:
         stream.push(frames[t], float(t))
     assert "\n" not in str(error.value) and os.strerror(errno.ENOSPC) in str(error.value)
+    assert str(error.value).endswith("; the step was not taken: the stream holds its 0 tokens as before it")
     for t in range(t, 5):
         stream.push(frames[t], float(t))
     stream.flush()
@@ -167,6 +168,44 @@ def test_a_first_step_whose_files_the_disk_refused_is_taken_at_the_next_push(ada
     for t, frame in enumerate(frames):
         reference.push(frame, float(t))
     reference.flush()
+    assert _same(_snapshot(stream), _snapshot(reference))
+    stream.close()
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
+def test_an_eviction_the_journal_refused_leaves_the_stream_as_it_was_and_says_so(adapter, tmp_path, monkeypatch):
+    """Under a cache limit a step first journals the frames it evicts. Before: refused there, the push failed with
+    the disk's reason alone, not saying that the step was not taken."""
+    frames = noise_frames(24)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path, max_cache_bytes=300_000, cache_limit="evict-oldest")
+    stream = qa.stream(max_fps=1)
+    real, refused = os.write, []
+
+    def write(fd, data):
+        if b'"evict"' in bytes(data):
+            refused.append(fd)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    for t, frame in enumerate(frames):
+        before = _snapshot(stream)
+        monkeypatch.setattr(os, "write", write)
+        try:
+            stream.push(frame, float(t))
+        except OutputError as error:
+            assert str(error) == (f"cannot write the disk cache in {stream.prefill.disk.folder}: "
+                                  f"{os.strerror(errno.ENOSPC)}; the step was not taken: the stream holds its "
+                                  f"{stream.tokens} tokens as before it")
+            assert _same(_snapshot(stream), before)
+            monkeypatch.undo()
+            stream.push(frame, float(t))
+        monkeypatch.undo()
+    assert refused, "no step evicted: the limit is too loose to test anything"
+    reference = small_qa(adapter, offload="disk", offload_dir=tmp_path / "reference", max_cache_bytes=300_000,
+                         cache_limit="evict-oldest").stream(max_fps=1)
+    for t, frame in enumerate(frames):
+        reference.push(frame, float(t))
     assert _same(_snapshot(stream), _snapshot(reference))
     stream.close()
     with Stream.load(stream.prefill.disk.folder, qa) as resumed:

@@ -292,7 +292,7 @@ class StepBatcher:
                 return False
             if not isinstance(error, Exception):
                 raise
-            outcomes[indices[0]] = error
+            outcomes[indices[0]] = not_taken(error, prefills[0]) if isinstance(error, OutputError) else error
             return True
         else:
             errors = {}
@@ -357,6 +357,9 @@ def begin_step(request: StepRequest) -> BegunStep:
         started = time.perf_counter()
         carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
         prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
+    except OutputError as error:  # the disk tier could not journal an eviction
+        prefill.cache.rollback()
+        raise not_taken(error, prefill) from None
     except BaseException:
         prefill.cache.rollback()
         raise
@@ -393,6 +396,13 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
     if failed:
         raise RowsFailed(failed, hidden)
     return hidden
+
+
+def not_taken(error: OutputError, prefill: "StreamingPrefill") -> OutputError:
+    """``error`` (the disk tier refused a write before the step's commit: opening its files, an eviction's record),
+    saying what the rollback kept."""
+    return OutputError(f"{error}; the step was not taken: the stream holds its {prefill.seen_tokens} tokens as "
+                       "before it")
 
 
 class RowsFailed(Exception):
