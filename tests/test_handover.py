@@ -5,7 +5,9 @@ stopped; where no successor can be made, or its replay fails, it is the own-then
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -873,15 +875,78 @@ def test_a_disk_tier_stream_saved_to_a_file_goes_on_in_memory_as_if_never_stoppe
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
 
 
-def test_on_the_disk_tier_a_successor_whose_writes_fail_is_dropped_and_the_stream_closes_and_resumes_whole(
+def test_on_the_disk_tier_a_successor_whose_writes_fail_is_kept_and_replays_once_the_disk_takes_them(
         checkpoint, tmp_path, references, monkeypatch):
+    """Before: a step its disk tier refused (a full disk, for a moment) dropped the successor for good, and the
+    stream went on past the range as own-then-cache. Now the replay stops there with a one-line error, the successor
+    and its backlog as they were, and goes on once the disk takes it: the stream hands over as ever."""
     qa = on_disk(checkpoint, tmp_path)
     stream = pushed(qa, FRAMES[:12])
+    stream.catch_up(2)  # a refused first step closes its engine (nothing to go back to): refuse a later one
+    backlog = list(stream.backlog.spans)
 
     def full(*args, **kwargs):
         raise OutputError("cannot write the disk cache: No space left on device")
     monkeypatch.setattr(stream.successor.disk, "commit_step", full)
+    with pytest.raises(OutputError) as error:
+        stream.catch_up(3)
+    assert str(error.value).startswith(f"{stream.name}: its successor's replay stopped {len(backlog)} steps short of "
+                                       "the handover, to go on at its next step or catch_up: cannot write the disk "
+                                       "cache: No space left on device")
+    assert stream.successor is not None and stream.handover == "beside" and stream.backlog.spans == backlog
+    monkeypatch.undo()
+    for frame in FRAMES[12:20]:
+        stream.push(frame)
+    stream.close()
+    folder = stream.durability.folder
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.frames == 20 and resumed.frames_lost == 0 and resumed.handover == "beside"
+        for frame in FRAMES[20:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_a_handover_whose_replay_the_disk_refused_goes_on_at_the_next_push(
+        checkpoint, tmp_path, references, monkeypatch, caplog):
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:3])
+    commit, calls = stream.successor.disk.commit_step, []
+
+    def full_once(*args, **kwargs):
+        calls.append(len(stream.backlog.steps))
+        if len(calls) == 3:
+            raise OutputError("cannot write the disk cache: No space left on device")
+        return commit(*args, **kwargs)
+    monkeypatch.setattr(stream.successor.disk, "commit_step", full_once)
+    put_off = None
+    for index, frame in enumerate(FRAMES[3:], 3):
+        stream.push(frame)
+        if len(calls) == 3 and put_off is None:  # the push that passed the range, its replay refused
+            put_off = index
+            assert stream.handover_due and stream.handover == "beside" and stream.backlog.steps
+            assert f"its successor's replay stopped {calls[2]} steps short of the handover" in caplog.text
+    assert put_off is not None and stream.handover == "handed over"
+    assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+    stream.close()
+    with Stream.load(stream.durability.folder, qa) as resumed:
+        assert resumed.frames == 40 and resumed.frames_lost == 0 and resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_on_the_disk_tier_a_successor_closed_by_its_refused_first_step_is_dropped_and_the_stream_resumes_whole(
+        checkpoint, tmp_path, references, monkeypatch):
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:12])
+    real = os.write
+
+    def full(fd, data):  # the successor's first step journaled: refused, and nothing earlier to go back to
+        if "successor" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", full)
     stream.catch_up(3)
+    monkeypatch.undo()
     assert stream.successor is None and stream.handover.startswith("alone: the successor's step failed")
     folder = stream.durability.folder
     assert not any(path.is_dir() for path in folder.iterdir())  # its file set discarded, unwritten

@@ -265,8 +265,9 @@ class EncodedVideo:
         """The successor replays its backlog now (`statekv.api.handover`): every step the stream took since its
         last replay, in order, or the first ``steps`` of them. The stream does it by itself at the step that
         passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
-        and the steps pushed after it join the backlog again. A step that fails drops the successor: the stream
-        goes on as ``own-then-cache`` alone."""
+        and the steps pushed after it join the backlog again. A step the successor's disk tier refuses (a full
+        disk) stops the replay with an `OutputError`, the successor and its backlog as they were, to go on later;
+        any other failure drops the successor: the stream goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
         catch_up_together([self], steps)  # (its count is `VideoQA.catch_up_many`'s to return)
@@ -296,13 +297,22 @@ class EncodedVideo:
         return StepRequest(self.successor, inputs_embeds.to(self._device), None,
                            durable_record=self.backlog.records[0])
 
-    def replayed(self, outcome: Any) -> None:
-        """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; an error drops the
-        successor."""
+    def replayed(self, outcome: Any) -> bool:
+        """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; refused by the successor's
+        disk tier (a full disk: the step not taken, the successor as it was), it stays there, for a later replay
+        (True: put off); any other error drops the successor."""
+        if isinstance(outcome, OutputError) and self.successor is not None and not self.successor.closed:
+            return True
         if isinstance(outcome, Exception):
             self.drop_successor(f"the successor's step failed ({outcome})")
         else:
             self.backlog.replayed_first()
+        return False
+
+    def put_off(self, refusal: OutputError) -> str:
+        """What a replay put off by ``refusal`` (`replayed`) leaves, in one line."""
+        return (f"{self.name}: its successor's replay stopped {len(self.backlog.steps)} steps short of the handover, "
+                f"to go on at its next step or catch_up: {refusal}")
 
     def adopt_successor(self) -> None:
         """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);

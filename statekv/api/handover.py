@@ -28,7 +28,8 @@ the successor stays only while the cap could hold the stream's steps twice with 
 first frame step for what the stream will hold at its handover, `held_at_handover`, then before every step): so
 the cap holds both engines whatever the successor replays meanwhile, and the successor, which at the handover
 holds what the first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
-``own-then-cache`` alone; `EncodedVideo.handover` says which and why.
+``own-then-cache`` alone; `EncodedVideo.handover` says which and why. A replayed step the successor's disk tier
+refused (a full disk) only puts the replay off to the stream's next step (`EncodedVideo.replayed`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.step.batching import StepBatcher, StepRequest
-from ..errors import HandoverError, StateKVError
+from ..errors import HandoverError, OutputError, StateKVError
 from ..stopping import whole
 from .overlap import EncodedStep, encode_batch
 from ..video import Frame
@@ -142,17 +142,21 @@ def handover_now(video: Any, step: LaidOutStep, later: int) -> bool:
 
 def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, HandoverError]:
     """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
-    backlogs, together, and take over; one whose replay fails is dropped, its video going on alone. Returns, by
-    ``id`` of the video, the handovers that stopped once marked on the disk tier (those videos are closed)."""
+    backlogs, together, and take over; one whose replay its disk tier refused goes on at a later step, one whose
+    replay fails otherwise is dropped, its video going on alone. Returns, by ``id`` of the video, the handovers
+    that stopped once marked on the disk tier (those videos are closed)."""
     if not videos:
         return {}
     started = time.perf_counter()
     for video in videos:
         log.info("%s: past the model's range: encoding again in cache order, once, the steps not yet so encoded (%d), "
                  "for the engine that goes on", video.name, len(video.backlog.steps))
-    replay_backlogs(videos, batcher)
+    _, refused = replay_backlogs(videos, batcher)
     stopped = {}
     for video in videos:
+        if id(video) in refused:
+            log.warning("%s", video.put_off(refused[id(video)]))
+            continue
         try:
             video.adopt_successor()
         except HandoverError as error:  # the video was closed: its folder resumes it
@@ -168,10 +172,10 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
 def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
     """The successors of ``videos`` replay their backlogs now, together (`EncodedVideo.catch_up`): all of each, or
     its first ``steps``; a video past the range whose backlog is then replayed takes over. Returns the steps
-    replayed."""
+    replayed; an `OutputError` when a successor's disk tier refused a step (`EncodedVideo.put_off`)."""
     for video in videos:
         video.prefill.check_open()
-    replayed = replay_backlogs(videos, StepBatcher(), waves=steps)
+    replayed, refused = replay_backlogs(videos, StepBatcher(), waves=steps)
     stopped = []
     for video in videos:
         if video.handover_due and not video.backlog.steps:  # a handover stopped in its replay: finished now
@@ -184,15 +188,20 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
         video.book_engines()
     if stopped:
         raise stopped[0]
+    if refused:
+        video = next(video for video in videos if id(video) in refused)
+        raise OutputError(video.put_off(refused[id(video)]))
     return replayed
 
 
-def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher, waves: int | None = None) -> int:
+def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher,
+                    waves: int | None = None) -> tuple[int, dict[int, OutputError]]:
     """Every video's successor replays its backlog (`EncodedVideo.replay_request`), in waves of one step per video
     through ``batcher``, so the successors of several videos step together; at most ``waves`` waves (None: until
     every backlog is replayed). A stopping signal waits for the wave to end: a step replayed leaves its backlog
-    with it. Returns the steps replayed (a step that failed, dropping its video's successor, is not one)."""
-    replaying, replayed = list(videos), 0
+    with it. A video whose step failed replays no more now (`EncodedVideo.replayed`). Returns the steps replayed and,
+    by ``id`` of the video, the refusals that put a replay off."""
+    replaying, replayed, refused = list(videos), 0, {}
     while waves is None or waves > 0:
         waves = None if waves is None else waves - 1
         requests = [(video, video.replay_request()) for video in replaying]
@@ -200,11 +209,14 @@ def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher, waves: int | No
         if not requests:
             break
         with whole():
+            replaying = []
             for (video, _), outcome in zip(requests, batcher.step([request for _, request in requests])):
-                video.replayed(outcome)
-                replayed += not isinstance(outcome, Exception)
-        replaying = [video for video, _ in requests]
-    return replayed
+                if video.replayed(outcome):
+                    refused[id(video)] = outcome
+                elif not isinstance(outcome, Exception):
+                    replaying.append(video)
+        replayed += len(replaying)
+    return replayed, refused
 
 
 def encode_vision(planned: list[tuple[StepJob, list, float]]) -> None:
