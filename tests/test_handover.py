@@ -890,9 +890,9 @@ def test_on_the_disk_tier_a_successor_whose_writes_fail_is_kept_and_replays_once
     monkeypatch.setattr(stream.successor.disk, "commit_step", full)
     with pytest.raises(OutputError) as error:
         stream.catch_up(3)
-    assert str(error.value).startswith(f"{stream.name}: its successor's replay stopped {len(backlog)} steps short of "
-                                       "the handover, to go on at its next step or catch_up: cannot write the disk "
-                                       "cache: No space left on device")
+    assert str(error.value) == (f"{stream.name}: its successor's replay stopped {len(backlog)} steps short of the "
+                                "handover, the successor and the stream as they were, to go on at the next push or "
+                                "catch_up: cannot write the disk cache: No space left on device")
     assert stream.successor is not None and stream.handover == "beside" and stream.backlog.spans == backlog
     monkeypatch.undo()
     for frame in FRAMES[12:20]:
@@ -905,6 +905,29 @@ def test_on_the_disk_tier_a_successor_whose_writes_fail_is_kept_and_replays_once
             resumed.push(frame)
         assert resumed.handover == "handed over"
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_streams_caught_up_together_replay_on_when_one_successors_disk_refuses(checkpoint, tmp_path, monkeypatch):
+    """`VideoQA.catch_up_many` (a server's quiet moment): one successor's refused step puts its replay off alone; the
+    error names it and counts the steps the others replayed."""
+    from statekv.steps.jobs import ReplayPutOff
+
+    qa = on_disk(checkpoint, tmp_path)
+    streams = [pushed(qa, FRAMES[:8]) for _ in range(2)]
+    for stream in streams:
+        stream.catch_up(1)
+    before = [len(stream.backlog.steps) for stream in streams]
+
+    def full(*args, **kwargs):
+        raise OutputError("cannot write the disk cache: No space left on device")
+    monkeypatch.setattr(streams[0].successor.disk, "commit_step", full)
+    with pytest.raises(ReplayPutOff) as error:
+        qa.catch_up_many(streams, 3)
+    assert error.value.put_off == {id(streams[0])} and error.value.replayed == 3
+    assert [len(stream.backlog.steps) for stream in streams] == [before[0], before[1] - 3]
+    assert streams[0].successor is not None and streams[0].handover == "beside"
+    for stream in streams:
+        stream.close()
 
 
 def test_on_the_disk_tier_a_handover_whose_replay_the_disk_refused_goes_on_at_the_next_push(

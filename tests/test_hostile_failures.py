@@ -212,6 +212,47 @@ def test_an_eviction_the_journal_refused_leaves_the_stream_as_it_was_and_says_so
         assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
 
 
+def test_a_step_refused_after_its_evictions_says_they_stay(adapter, tmp_path, monkeypatch):
+    """A step evicts to make room (journaled first), then the disk refuses to grow its files: the step is not
+    taken, the frames it evicted stay evicted, and the message says so (before: "as before it")."""
+    frames = noise_frames(24)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path, max_cache_bytes=300_000, cache_limit="evict-oldest")
+    stream = qa.stream(max_fps=1)
+    real_write, real_truncate, evicting = os.write, os.ftruncate, []
+
+    def write(fd, data):
+        if b'"evict"' in bytes(data):
+            evicting.append(fd)
+        return real_write(fd, data)
+
+    def truncate(fd, length):
+        if evicting:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_truncate(fd, length)
+
+    refused = []
+    for t, frame in enumerate(frames):
+        evicting.clear()
+        evicted = len(stream.prefill.cache.evicted_steps)
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "ftruncate", truncate)
+        try:
+            stream.push(frame, float(t))
+        except OutputError as error:
+            monkeypatch.undo()
+            refused.append(t)
+            assert len(stream.prefill.cache.evicted_steps) > evicted and "\n" not in str(error)
+            assert str(error).endswith(f"; the step was not taken: the stream holds its {stream.tokens} tokens less "
+                                       "the frames evicted to make room for it"), str(error)
+            stream.push(frame, float(t))
+            break
+        monkeypatch.undo()
+    assert refused, "no step grew its files after evicting: nothing was tested"
+    stream.close()
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert resumed.frames_lost == 0 and resumed.frames == refused[0] + 1
+
+
 def test_a_closed_disk_tier_stream_refuses_a_push_in_one_line(adapter, tmp_path):
     """Before: a push into a closed disk-tier stream (closed by its caller, or by a first step its disk refused)
     journaled the frame first, into a journal closed with it: ``OSError: [Errno 9] Bad file descriptor``."""

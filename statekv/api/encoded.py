@@ -266,8 +266,9 @@ class EncodedVideo:
         last replay, in order, or the first ``steps`` of them. The stream does it by itself at the step that
         passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
         and the steps pushed after it join the backlog again. A step the successor's disk tier refuses (a full
-        disk) stops the replay with an `OutputError`, the successor and its backlog as they were, to go on later;
-        any other failure drops the successor: the stream goes on as ``own-then-cache`` alone."""
+        disk) stops the replay with an `OutputError` (`statekv.steps.jobs.ReplayPutOff`), the successor and its
+        backlog as they were, to go on later; any other failure, or a refusal of the successor's first step (which
+        closes it), drops the successor: the stream goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
         catch_up_together([self], steps)  # (its count is `VideoQA.catch_up_many`'s to return)
@@ -311,8 +312,9 @@ class EncodedVideo:
 
     def put_off(self, refusal: OutputError) -> str:
         """What a replay put off by ``refusal`` (`replayed`) leaves, in one line."""
+        reason = str(refusal).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
         return (f"{self.name}: its successor's replay stopped {len(self.backlog.steps)} steps short of the handover, "
-                f"to go on at its next step or catch_up: {refusal}")
+                f"the successor and the stream as they were, to go on at the next push or catch_up: {reason}")
 
     def adopt_successor(self) -> None:
         """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);

@@ -295,12 +295,18 @@ class ModelWorker:
         try:
             self.quiet_catch_up_steps += qa.catch_up_many(streams, CATCH_UP_STEPS)
         except Exception as error:  # noqa: BLE001 -- each stream's next push replays what is left, or says why
-            log.warning("the replay of %d streams' backlogs in a quiet moment failed: %s", len(streams), error)
-            streams = []  # not tried again until pushed again: an error that stays would spin here
+            put_off = getattr(error, "put_off", None)  # `statekv.steps.jobs.ReplayPutOff`: the others replayed
+            if put_off is not None:
+                log.warning("%s", error)
+                self.quiet_catch_up_steps += error.replayed
+            else:
+                log.warning("the replay of %d streams' backlogs in a quiet moment failed: %s", len(streams), error)
+            # those that failed are not tried again until pushed again: an error that stays would spin here
+            streams = [stream for stream in streams if put_off is not None and id(stream) not in put_off]
         with self._arrived:
-            for key, stream in zip(group, streams):
+            for stream in streams:
                 if getattr(stream, "catch_up_due", False):
-                    self._catching_up[key] = stream  # behind the others
+                    self._catching_up[id(stream)] = stream  # behind the others
             self._queue_quiet()
 
     def close(self) -> None:

@@ -172,7 +172,7 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
 def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
     """The successors of ``videos`` replay their backlogs now, together (`EncodedVideo.catch_up`): all of each, or
     its first ``steps``; a video past the range whose backlog is then replayed takes over. Returns the steps
-    replayed; an `OutputError` when a successor's disk tier refused a step (`EncodedVideo.put_off`)."""
+    replayed; `ReplayPutOff` when a successor's disk tier refused a step."""
     for video in videos:
         video.prefill.check_open()
     replayed, refused = replay_backlogs(videos, StepBatcher(), waves=steps)
@@ -190,8 +190,18 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
         raise stopped[0]
     if refused:
         video = next(video for video in videos if id(video) in refused)
-        raise OutputError(video.put_off(refused[id(video)]))
+        raise ReplayPutOff(video.put_off(refused[id(video)]), replayed, set(refused))
     return replayed
+
+
+class ReplayPutOff(OutputError):
+    """`catch_up_together`'s refusal: a successor's disk tier refused a step (`EncodedVideo.put_off` says which);
+    the other videos replayed theirs. ``replayed``: the steps replayed; ``put_off``: the ``id`` of each video whose
+    replay was put off."""
+
+    def __init__(self, message: str, replayed: int, put_off: set[int]):
+        super().__init__(message)
+        self.replayed, self.put_off = replayed, put_off
 
 
 def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher,

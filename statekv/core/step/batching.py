@@ -292,7 +292,8 @@ class StepBatcher:
                 return False
             if not isinstance(error, Exception):
                 raise
-            outcomes[indices[0]] = not_taken(error, prefills[0]) if isinstance(error, OutputError) else error
+            outcomes[indices[0]] = (not_taken(error, prefills[0], steps[0].evicted) if isinstance(error, OutputError)
+                                    else error)
             return True
         else:
             errors = {}
@@ -332,12 +333,14 @@ class StepBatcher:
 @dataclass
 class BegunStep:
     """A stream's step begun by `begin_step`: its ``request``, its checked decoder ``inputs``, when it ``started``
-    and, when the stream tracks overlap, the carried positions before it (``carried_before``)."""
+    and, when the stream tracks overlap, the carried positions before it (``carried_before``); ``evicted``: frames
+    were evicted to make room for it (a rolled-back step does not bring them back)."""
 
     request: StepRequest
     inputs: dict
     started: float
     carried_before: list[torch.Tensor] | None = None
+    evicted: bool = False
 
     @property
     def prefill(self) -> "StreamingPrefill":
@@ -347,8 +350,9 @@ class BegunStep:
 def begin_step(request: StepRequest) -> BegunStep:
     """The prologue of every step, alone or batched: its inputs checked (`StreamingPrefill.checked_inputs`), room
     made under a cache limit (`StreamingPrefill.make_room`), the step begun (`TwoStateCache.begin`). A failure
-    leaves the stream as it was."""
+    leaves the stream as it was, but for the frames evicted to make room."""
     prefill = request.prefill
+    evictions = len(prefill.evictions)
     try:
         inputs = prefill.checked_inputs(request.inputs_embeds, request.position_ids, input_ids=request.input_ids,
                                         **request.forward_kwargs)
@@ -357,13 +361,13 @@ def begin_step(request: StepRequest) -> BegunStep:
         started = time.perf_counter()
         carried_before = prefill.positions_snapshot() if prefill.track_overlap else None
         prefill.cache.begin(chunk.shape[1], chunk.device, inputs["position_ids"])
-    except OutputError as error:  # the disk tier could not journal an eviction
+    except OutputError as error:  # the disk tier could not journal an eviction, or open its files
         prefill.cache.rollback()
-        raise not_taken(error, prefill) from None
+        raise not_taken(error, prefill, len(prefill.evictions) != evictions) from None
     except BaseException:
         prefill.cache.rollback()
         raise
-    return BegunStep(request, inputs, started, carried_before)
+    return BegunStep(request, inputs, started, carried_before, len(prefill.evictions) != evictions)
 
 
 def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, replay: bool,
@@ -390,7 +394,7 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
         try:
             step.prefill.finish_step(chunk_len, step.started, step.carried_before,
                                      durable_record=step.request.durable_record,
-                                     ends_vision_call=step.request.ends_vision_call)
+                                     ends_vision_call=step.request.ends_vision_call, evicted=step.evicted)
         except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
             failed[row] = error
     if failed:
@@ -398,11 +402,11 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
     return hidden
 
 
-def not_taken(error: OutputError, prefill: "StreamingPrefill") -> OutputError:
-    """``error`` (the disk tier refused a write before the step's commit: opening its files, an eviction's record),
-    saying what the rollback kept."""
-    return OutputError(f"{error}; the step was not taken: the stream holds its {prefill.seen_tokens} tokens as "
-                       "before it")
+def not_taken(error: OutputError, prefill: "StreamingPrefill", evicted: bool = False) -> OutputError:
+    """``error`` (the disk tier refused a step: opening its files, an eviction's record, its commit), saying what
+    the rollback kept; ``evicted``: frames were evicted to make room for the step, and stay so."""
+    kept = "less the frames evicted to make room for it" if evicted else "as before it"
+    return OutputError(f"{error}; the step was not taken: the stream holds its {prefill.seen_tokens} tokens {kept}")
 
 
 class RowsFailed(Exception):

@@ -28,7 +28,7 @@ from ..positions import rope as rotary
 from ..answering.generation_args import check_generation_arguments
 from ..answering.answer_cache import Retrieval
 from ..attention.scored import resolve_backend
-from ..step.batching import StepRequest, device_step, step_together
+from ..step.batching import StepRequest, device_step, not_taken, step_together
 from ..cache import pool
 from ..cache.step_runs import StepRuns
 from ..cache.two_state import TwoStateCache
@@ -260,10 +260,12 @@ class StreamingPrefill:
         if self.keeper is not None:
             self.keeper.adopt()
 
-    def commit_durably(self, chunk_len: int, durable_record: dict, ends_vision_call: bool = True) -> None:
+    def commit_durably(self, chunk_len: int, durable_record: dict, ends_vision_call: bool = True,
+                       evicted: bool = False) -> None:
         """On the disk tier, the host end of a step: its data appended and journaled (see `DiskTier.commit_step`).
         If the tier cannot write it (a full disk, a folder made read-only), the step is not taken: the stream is
-        restored as its journal's last step left it (the state before this step), and an `OutputError` says so."""
+        restored as its journal's last step left it (the state before this step, less the frames evicted to make
+        room for it when ``evicted``), and an `OutputError` says so."""
         try:
             self.cache.commit_host()
             if self.positions.bounded:  # where the step was placed: resuming needs it
@@ -292,8 +294,7 @@ class StreamingPrefill:
                                   "closed; make it again") from None
             if self.keeper is not None:
                 self.keeper.adopt()
-            raise OutputError(f"{error}; the step was not taken: the stream holds its {self.seen_tokens} tokens "
-                              "as before it") from None
+            raise not_taken(error, self, evicted) from None
 
     def journal_loaded(self, step_frames: list[int], record: dict) -> None:
         """On the disk tier, journal every step of the state just loaded (:meth:`load_state_dict`), so the file
@@ -361,13 +362,13 @@ class StreamingPrefill:
             self.evictions.extend(evicting)
 
     def finish_step(self, chunk_len: int, started: float, carried_before: list[torch.Tensor] | None = None,
-                    durable_record: dict | None = None, ends_vision_call: bool = True) -> None:
+                    durable_record: dict | None = None, ends_vision_call: bool = True, evicted: bool = False) -> None:
         """Host end of a step whose device part succeeded: commit its lengths (journaled with
-        ``durable_record`` on the disk tier) and record it."""
+        ``durable_record`` on the disk tier) and record it; ``evicted``: frames were evicted to make room for it."""
         if self.disk is None:
             self.cache.commit_host()
         else:
-            self.commit_durably(chunk_len, durable_record or {}, ends_vision_call)
+            self.commit_durably(chunk_len, durable_record or {}, ends_vision_call, evicted)
         overlap = None if carried_before is None else kept_fraction(carried_before, self.positions_snapshot())
         self.history.append(StepRecord(chunk_len, time.perf_counter() - started,
                                         max(layer.carried_length for layer in self.cache.layers), overlap))
