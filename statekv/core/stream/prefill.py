@@ -264,8 +264,7 @@ class StreamingPrefill:
                        evicted: bool = False) -> None:
         """On the disk tier, the host end of a step: its data appended and journaled (see `DiskTier.commit_step`).
         If the tier cannot write it (a full disk, a folder made read-only), the step is not taken: the stream is
-        restored as its journal's last step left it (the state before this step, less the frames evicted to make
-        room for it when ``evicted``), and an `OutputError` says so."""
+        restored as its journal's last step left it (before this step; ``evicted``: frames it evicted stay so)."""
         try:
             self.cache.commit_host()
             if self.positions.bounded:  # where the step was placed: resuming needs it
