@@ -184,6 +184,7 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
     from statekv.cli import main
 
     def run_or_stop(self, count):
+        assert self.url == "http://127.0.0.1:9"  # the server's root, from its OpenAI base URL
         if count > 1:
             raise KeyboardInterrupt
         self.rows[count] = summarize(_run(_frames(0, 0.1, count=4)), fps=1.0, duration=4.0, targets=Targets(),
@@ -192,7 +193,7 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
 
     _probe_runs(monkeypatch, run_or_stop)
     out = tmp_path / "sweep.json"
-    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "secret-key", "--streams", "1,4,16",
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9/v1/", "--api-key", "secret-key", "--streams", "1,4,16",
             "--fps", "1", "--duration", "4", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", ["statekv", *argv])  # the command line the JSON records
     assert main(argv) == 130

@@ -715,3 +715,13 @@ def test_version_and_a_missing_data_folder(capsys, tmp_path):
     assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "nosuch"), "--out",
                  str(tmp_path / "run")]) == 2
     assert f"(there is no folder {tmp_path / 'nosuch'})" in _one_line_error(capsys.readouterr().err)
+    (tmp_path / "a-file").write_text("not a folder")
+    assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "a-file"), "--out",
+                 str(tmp_path / "run")]) == 2
+    assert f"({tmp_path / 'a-file'} is a file, not a folder)" in _one_line_error(capsys.readouterr().err)
+    (tmp_path / "set").mkdir()
+    assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "set"), "--out",
+                 str(tmp_path / "set" / ".")]) == 2
+    assert _one_line_error(capsys.readouterr().err).endswith(
+        f"out (the run folder) {tmp_path / 'set'} is the data root: give a folder of its own")
+    assert not list((tmp_path / "set").iterdir())  # nothing written into the set

@@ -103,6 +103,17 @@ def test_a_question_file_that_is_not_utf8_names_its_line(suffix, tmp_path):
         ev.load_benchmark("synthetic", tmp_path, annotation=path)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_question_file_cut_short_names_where(suffix, tmp_path):
+    path = tmp_path / f"questions{suffix}"
+    path.write_text('{"qid": "a"}\n{"qid": "b' if suffix == ".jsonl" else '[{"qid": "a"},\n {"qid": "b')
+    where = f"{path}:2: not valid JSON (Unterminated string starting at: column 9)" if suffix == ".jsonl" else \
+        f"{path}: not valid JSON (Unterminated string starting at: line 2 column 10)"
+    with pytest.raises(AnnotationError) as info:
+        ev.load_benchmark("synthetic", tmp_path, annotation=path)
+    assert str(info.value) == where
+
+
 def test_a_question_file_nested_too_deeply_is_one_line(tmp_path):
     path = tmp_path / "questions.jsonl"
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")

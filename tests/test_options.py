@@ -40,6 +40,9 @@ def test_a_new_table_entry_is_a_field_a_flag_a_text_option_and_checked():
     assert (options.beams, options.budget, options.settings) == (3, 8, MethodSettings(budget=8))
     with pytest.raises(argparse.ArgumentError, match="argument --beams: expected a positive integer, got '0'"):
         parser.parse_args(["--model", "m", "--beams", "0"])
+    with pytest.raises(argparse.ArgumentError, match="argument --beams: expected a positive integer at most "
+                                                     "281,474,976,710,656, got '100000000000000000000'"):
+        parser.parse_args(["--model", "m", "--beams", "100000000000000000000"])  # an integer, past the largest taken
 
     assert WithBeams.from_strings({"beams": " 4 ", "offload": "on"}).beams == 4
     with pytest.raises(ConfigurationError, match="beams must be at least 1, got '0'"):

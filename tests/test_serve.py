@@ -363,6 +363,14 @@ def test_bad_requests_get_one_line_json_errors(server):
         _error(client.post(ask, json={"question": QUESTION, "max_new_tokens": 0}), 400)
         _error(client.post(ask, json={"question": QUESTION, "temperature": 2}), 400)
         _error(client.post("/v1/chat/completions", json={"messages": "hi"}), 400)
+        for part, message in (({"type": "video_url", "video_url": "file:///v.mp4"}, "a video_url part's video_url "
+                                "must be an object"), ({"type": "text", "text": 5}, "a text part's text must be a "
+                                "string"), ({"type": "image_url"}, "unsupported content part 'image_url'")):
+            asked = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]}
+            assert _error(client.post("/v1/chat/completions", json=asked), 400).startswith(message)
+        misspelt = {"messages": [{"role": "user", "content": QUESTION}], "statekv": {"stream": stream_id}}
+        assert _error(client.post("/v1/chat/completions", json=misspelt), 400) == (
+            "unknown field statekv.stream; known: stream_id")
         _error(client.get("/v1/nothing-here"), 404)
         _error(client.put("/v1/streams"), 405)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
@@ -374,7 +382,10 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert past.status_code == 201 and past.json()["horizon_frames"] == 600, past.text
         client.delete(f"/v1/streams/{past.json()['id']}").raise_for_status()
         message = _error(client.post("/v1/streams", json={"horizon_frames": 0}), 400)
-        assert "positive integer or null (no horizon), got 0" in message
+        assert "an integer from 1 to 10000000 or null (no horizon), got 0" in message
+        for rate in (1e20, 1e308):  # a file fed at such a rate would have no tick for its frames
+            assert "max_fps must be a number above 0 and at most 4.612e+07, or null" in _error(
+                client.post("/v1/streams", json={"max_fps": rate}), 400)
         empty = client.post("/v1/streams")  # no body at all: every field is optional
         assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text
         assert empty.json()["horizon_frames"] is None and empty.json()["settings"]["budget"] == SERVER_BUDGET
@@ -385,6 +396,11 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert "not-a-video.mp4" in bad and str(media) not in bad and os.path.realpath(media) not in bad
         stats = client.get(f"/v1/streams/{stream_id}").json()
         assert stats["frames"] == 0 and stats["state"] == "empty"
+        held_out = "held-out/videos/v0000.mp4"  # 48 frames at its own 4 fps (the stream keeps every frame)
+        nothing_left = client.post(frames, json={"source": held_out, "skip": 48})  # a feed stopped at its end goes on
+        assert nothing_left.status_code == 200 and nothing_left.json()["offered"] == 0, nothing_left.text
+        assert _error(client.post(frames, json={"source": held_out, "skip": 49}), 400).startswith(
+            "skip 49 is past the end of held-out/videos/v0000.mp4: it gives 48 frames at the stream's rate (0 frames")
         client.post(frames, content=_png(random_frames(1, 5, *SIZE)[0]),
                     headers={"Content-Type": "image/png"}).raise_for_status()
         assert "over the limit of 8000" in _error(client.post(ask, json={"question": "x" * 20_000}), 413)

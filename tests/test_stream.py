@@ -9,7 +9,9 @@ import torch
 
 import statekv
 from statekv import Stream
+from statekv.api.recent import RecentFrames
 from statekv.models import load_adapter
+from statekv.settings.values import HIGHEST_FPS, LATEST_TIMESTAMP
 from statekv.testing import make_tiny_checkpoint
 from statekv.video import open_video
 
@@ -159,6 +161,12 @@ def test_bad_pushes_and_loads(adapters, tmp_path):
             qa.stream(horizon_frames=bad)
     with pytest.raises(statekv.InputError, match="max_fps"):
         qa.stream(horizon_frames=2, max_fps=0)
+    for make in (qa.stream, lambda frames, max_fps: RecentFrames(qa, frames, max_fps=max_fps)):
+        for rate in (1e20, 10**400):  # past the rate at which the latest timestamp has a tick
+            with pytest.raises(statekv.InputError, match=r"max_fps must be a number above 0 and at most 4\.612e\+07"):
+                make(2, max_fps=rate)
+    fastest = qa.stream(horizon_frames=2, max_fps=HIGHEST_FPS)  # the latest time a stream takes has its tick
+    assert fastest.push(random_frames(1)[0], LATEST_TIMESTAMP)
     with pytest.raises(statekv.InputError, match="no such saved stream"):
         Stream.load(tmp_path / "missing.safetensors", qa)
     junk = tmp_path / "junk.safetensors"

@@ -20,10 +20,10 @@ import torch
 
 from .encoded import EncodedVideo
 from .stats import AnswerInfo, EncodingStats
-from .stream import checked_timestamp
+from .stream import check_max_fps, checked_timestamp
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..settings.values import check_int, check_number, is_finite_number, shown
+from ..settings.values import check_int, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
 from ..video.sampling import tick
@@ -44,9 +44,7 @@ class RecentFrames:
                  reserve_tokens: int | None = None):
         self.qa = qa
         self.window = check_int(window, "window (the last N frames a question sees)")
-        if max_fps is not None:
-            check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
-        self.max_fps = None if max_fps is None else float(max_fps)
+        self.max_fps = check_max_fps(max_fps)
         self.name = name
         self.reserve_tokens = reserve_tokens
         self.horizon = qa.horizon_for(self.window, reserve_tokens=reserve_tokens)

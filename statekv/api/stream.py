@@ -46,17 +46,13 @@ from .watch import (DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watc
                     tensors as watch_tensors)
 from .stream_file import model_identity, weights_fingerprint
 from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
-from ..settings.values import check_bool, check_int, check_number, is_finite_number, shown
+from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_bool, check_int, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
 from ..video.sampling import tick
 
 log = logging.getLogger("statekv")
 
-# A stream's time in seconds goes no further: an epoch's timestamps fit, and its sampling clock's tick, saved as
-# an int64, fits too at any max_fps up to `LATEST_TICK` / this.
-LATEST_TIMESTAMP = 1e11
-LATEST_TICK = 2.0**62
 
 
 def _one_at_a_time(method):
@@ -115,10 +111,8 @@ class Stream(EncodedVideo):
         self.owner_digest = self.identity["owner_digest"]
         if horizon_frames is not None:
             check_int(horizon_frames, "horizon_frames", error=InputError)
-        if max_fps is not None:
-            check_number(max_fps, "max_fps (or None to keep every frame)", error=InputError)
+        max_fps = check_max_fps(max_fps)
         vision_batch = check_vision_batch(vision_batch)
-        max_fps = None if max_fps is None else float(max_fps)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
                          engine=engine, disk_tier=disk_tier, reserve_tokens=reserve_tokens)
@@ -376,6 +370,17 @@ class Stream(EncodedVideo):
                                owner=owner)
 
 
+def check_max_fps(max_fps: float | None) -> float | None:
+    """``max_fps`` as a float (None: keep every frame), or a one-line `InputError` unless it is a number above 0
+    and at most `HIGHEST_FPS`."""
+    if max_fps is None:
+        return None
+    if not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS:
+        raise InputError(f"max_fps must be a number above 0 and at most {HIGHEST_FPS:.4g} (or None to keep every "
+                         f"frame), got {shown(max_fps)}")
+    return float(max_fps)
+
+
 def checked_timestamp(timestamp: float | None, last: float | None, max_fps: float | None) -> float:
     """A pushed frame's time in seconds, checked against the ``last`` pushed and the ``max_fps`` clock (None: the
     next tick after ``last``); a one-line `InputError` before anything changes."""
@@ -395,6 +400,4 @@ def checked_timestamp(timestamp: float | None, last: float | None, max_fps: floa
     if timestamp > LATEST_TIMESTAMP:
         raise InputError(f"timestamp {timestamp:g} s is past the latest time a stream takes ({LATEST_TIMESTAMP:g} s; "
                          "timestamps are seconds, not milliseconds)")
-    if max_fps is not None and not timestamp * max_fps < LATEST_TICK:
-        raise InputError(f"timestamp {timestamp} s is too large to sample at max_fps={max_fps}")
     return float(timestamp)

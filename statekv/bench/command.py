@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "behind real time, time to first token and answer latency (p50/p90/p99), goodput (cameras held "
                     "at real time with p95 TTFT under --ttft-target), failed requests, the server's mean batch.")
     target = parser.add_argument_group("the server")
-    target.add_argument("--url", default=None, help="a running statekv serve (default: start one with --model)")
+    target.add_argument("--url", default=None, help="a running statekv serve, http://HOST:PORT (or its OpenAI base "
+                                                    "URL, ending in /v1) (default: start one with --model)")
     target.add_argument("--api-key", default=None, metavar="KEY",
                         help="its API key (default: the first of STATEKV_API_KEYS)")
     target.add_argument("--max-streams", type=POSITIVE_INT, default=None, metavar="N",
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         where = {"model": model, "options": options, "torch_threads": threads}
     try:
         if args.url is not None:
-            rows, most = sweep(args.url.rstrip("/"), key)
+            rows, most = sweep(args.url.rstrip("/").removesuffix("/v1"), key)  # an OpenAI client's base URL too
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)

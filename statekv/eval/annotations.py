@@ -47,7 +47,8 @@ def read_table(path: Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"annotation file not found: {path}"
-                               + ("" if path.parent.is_dir() else f" (there is no folder {path.parent})"))
+                               + ("" if path.parent.is_dir() else f" ({path.parent} is a file, not a folder)"
+                                  if path.parent.is_file() else f" (there is no folder {path.parent})"))
     if path.suffix == ".parquet":
         return _read_parquet(path)
     if path.suffix == ".jsonl":
@@ -81,9 +82,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             rows.append(json.loads(line))
-        except ValueError as error:  # json's, or an integer of more digits than Python converts
-            raise AnnotationError(f"{path}:{number}: not valid JSON ({getattr(error, 'msg', str(error)[:80])})") \
-                from None
+        except json.JSONDecodeError as error:
+            raise AnnotationError(f"{path}:{number}: not valid JSON ({error.msg}: column {error.colno})") from None
+        except ValueError as error:  # an integer of more digits than Python converts
+            raise AnnotationError(f"{path}:{number}: not valid JSON ({str(error)[:80]})") from None
         except RecursionError:
             raise AnnotationError(f"{path}:{number}: JSON nested too deeply") from None
     return _require_objects(path, rows)
@@ -109,7 +111,8 @@ def read_json_document(path: Path) -> Any:
         line = data_bytes[: error.start].count(b"\n") + 1
         raise AnnotationError(f"{path}:{line}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
-        raise AnnotationError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+        raise AnnotationError(f"{path}: not valid JSON ({error.msg}: line {error.lineno} column {error.colno})") \
+            from None
     except ValueError as error:  # an integer of more digits than Python converts
         raise AnnotationError(f"{path}: not valid JSON ({str(error)[:80]})") from None
     except RecursionError:

@@ -111,6 +111,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_root", Path(self.data_root))
         object.__setattr__(self, "out", check_output_dir(self.out, "out (the run folder)"))
+        if self.out.resolve() == self.data_root.resolve():  # its answers and table would lie among the set's files
+            raise ConfigurationError(f"out (the run folder) {self.out} is the data root: give a folder of its own")
         if self.benchmark not in BENCHMARKS:
             raise ConfigurationError(f"unknown benchmark {self.benchmark!r}; choose one of {', '.join(BENCHMARKS)}")
         if not isinstance(self.options, ModelOptions) or self.options.model is None:
@@ -227,8 +229,7 @@ def display_name(model: str | Path) -> str:
 def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa=None) -> dict[str, Any] | None:
     """Run (or resume) ``config`` on this rank; rank 0 returns the summary written to ``results.json``.
 
-    qa: an already loaded `statekv.VideoQA` with the config's method (default: load ``config.model``).
-    """
+    qa: an already loaded `statekv.VideoQA` with the config's method (default: load ``config.model``)."""
     context = context or RankContext.from_env()
     every_question = load_questions(config)
     questions = every_question[: config.limit] if config.limit else every_question

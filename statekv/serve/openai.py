@@ -83,6 +83,10 @@ def parse_messages(messages: Any) -> tuple[str, list[str]]:
             texts.append(part["text"])
         elif kind == "video_url" and isinstance(part.get("video_url"), dict):
             videos.append(part["video_url"].get("url"))
+        elif kind == "text":
+            raise ServiceError(400, "a text part's text must be a string")
+        elif kind == "video_url":
+            raise ServiceError(400, "a video_url part's video_url must be an object, {\"url\": \"file:///...\"}")
         else:
             raise ServiceError(400, f"unsupported content part {str(kind or part)[:60]!r}: give text and video_url parts")
     question = " ".join(text.strip() for text in texts if text.strip())
@@ -125,6 +129,9 @@ async def chat(request: Request, service: Served):
     extension = body.get("statekv") or {}
     if not isinstance(extension, dict):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
+    unknown = sorted(set(extension) - {"stream_id"})
+    if unknown:  # the request's own namespace: a misspelt stream_id is not a question about a video
+        raise ServiceError(400, f"unknown field statekv.{unknown[0]}; known: stream_id")
     stream_id = extension.get("stream_id")
     if stream_id is not None and not isinstance(stream_id, str):
         raise ServiceError(400, f"statekv.stream_id must be a stream's id (text), got {type(stream_id).__name__}")

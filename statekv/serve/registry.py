@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import StateKVError
+from ..errors import InputError, StateKVError
 from ..video.sampling import tick
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
@@ -362,6 +362,9 @@ class StreamRegistry:
                 finally:
                     with contextlib.suppress(BaseException):
                         await upcoming  # never leave the decoder running on another thread
+                if skip > feed.skipped:
+                    raise InputError(f"skip {skip} is past the end of {shown}: it gives {feed.skipped} frames at the "
+                                     f"stream's rate")
                 feed.total = feed.offered
                 await self.worker.run(self.save_now, entry)
         except StateKVError as error:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..settings.methods import refuse_unread
-from ..settings.values import is_finite_number
+from ..settings.values import HIGHEST_FPS, is_finite_number
 from .config import ServeConfig
 from .errors import ServiceError
 
@@ -45,7 +45,7 @@ class StreamSettings:
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
                                     or not 1 <= horizon <= 10**7):
-            raise ServiceError(400, f"horizon_frames must be a positive integer or null (no horizon), got "
+            raise ServiceError(400, f"horizon_frames must be an integer from 1 to {10**7} or null (no horizon), got "
                                f"{shown(horizon)}")
         if horizon is not None and self.qa.engine.positions == "stream" and horizon > self.max_horizon_frames:
             raise ServiceError(409, f"horizon_frames {horizon} is more than this model can hold at positions=stream: "
@@ -53,8 +53,9 @@ class StreamSettings:
                                f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
                                "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
-        if max_fps is not None and (not is_finite_number(max_fps) or max_fps <= 0):
-            raise ServiceError(400, f"max_fps must be a positive number or null, got {shown(max_fps)}")
+        if max_fps is not None and (not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS):
+            raise ServiceError(400, f"max_fps must be a number above 0 and at most {HIGHEST_FPS:.4g}, or null, got "
+                               f"{shown(max_fps)}")
         name = body.get("name", "stream")
         if not isinstance(name, str) or len(name) > 200:
             raise ServiceError(400, "name must be a string of at most 200 characters")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ Parser = Callable[[Any, str], Any]
 # values given in Python -------------------------------------------------------------------------------------
 # The largest integer any setting takes: a count times a frame's tokens, or times a row's bytes, still fits int64.
 LARGEST_INT = 2**48
+# A stream's time in seconds goes no further (an epoch's timestamps fit), and its max_fps no higher: the sampling
+# clock's tick of any time it takes, saved as an int64, stays under 2**62.
+LATEST_TIMESTAMP = 1e11
+HIGHEST_FPS = 2.0**62 / LATEST_TIMESTAMP
 
 
 def check_int(value: object, name: str, *, minimum: int = 1, maximum: int = LARGEST_INT,
@@ -252,8 +257,10 @@ def argparse_type(parse: Parser, expected: str) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
             return parse(text, "value")
-        except ConfigurationError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        except ConfigurationError as error:
+            bound = re.search(r"must be (at most \d+(?:,\d{3})*)", str(error))  # past the largest value taken
+            detail = f" {bound.group(1)}" if bound and not any(c.isdigit() for c in expected) else ""
+            raise argparse.ArgumentTypeError(f"expected {expected}{detail}, got {text!r}") from None
 
     convert.__name__ = expected
     return convert
