@@ -77,6 +77,18 @@ def build_tiny_lm(family: str, path, *, dtype=torch.float32, seed: int = 0, **co
     return loaded.eval()
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """Fails a test that leaves torch's intra-op threads changed (and sets them back): on the suite's two cores a
+    worker left at two threads spins while it waits for them and slowed every later test of both workers."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        left = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        pytest.fail(f"the test left torch at {left} threads, not the {threads} it found")
+
+
 @pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory):
     """``tiny_lm(family, **overrides)``: a cached tiny model per distinct argument set."""

@@ -153,12 +153,15 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     """
     if recipe.seed not in TRAINING_SEEDS or recipe.long_range.seed not in TRAINING_SEEDS:
         raise ConfigurationError(f"the training seeds must be in [{TRAINING_SEEDS.start}, {TRAINING_SEEDS.stop})")
+    callers_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # tiny gradients and Adam moments would otherwise take the slow path
     try:
         return _train(recipe, Path(out), stop_after, init, lean_tokens)
-    finally:  # the caller's arithmetic back (flushed, a subnormal such as max_fps=1e-310 reads as 0)
+    finally:  # the caller's arithmetic back (flushed, a subnormal such as max_fps=1e-310 reads as 0), and its
+        # threads (left at two, a one-thread caller's work contends with itself and spins on a shared CPU)
         torch.set_flush_denormal(False)
+        torch.set_num_threads(callers_threads)
 
 
 def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path | None,
