@@ -347,7 +347,7 @@ def _api_cases():
         "push past what a saved clock holds": (lambda qa, s: qa.stream(max_fps=1).push(frames[0], 1e19),
                                                statekv.InputError, "past the latest time a stream takes"),
         "a clock too fast to tick the latest time": (lambda qa, s: qa.stream(max_fps=1e9), statekv.InputError,
-                                                     "max_fps must be a number above 0 and at most 4.612e+07"),
+                                                     "max_fps must be a number above 0 and at most 4e+07"),
         "ask nothing": (lambda qa, s: s.ask("  "), statekv.InputError, "empty"),
         "ask None": (lambda qa, s: s.ask(None), statekv.InputError, "empty"),
         "ask too long an answer": (lambda qa, s: s.ask("Why?", max_new_tokens=10**6), statekv.HorizonError,
@@ -363,7 +363,7 @@ def _api_cases():
         "push at a time past the sampling clock": (lambda qa, s: qa.stream(max_fps=2).push(frames[0], 1e308),
                                                    statekv.InputError, "past the latest time"),
         "a clock past a float's range": (lambda qa, s: qa.stream(max_fps=1e308), statekv.InputError,
-                                         "at most 4.612e+07 (or None to keep every frame), got 1e+308"),
+                                         "at most 4e+07 (or None to keep every frame), got 1e+308"),
         # normal doubles: a process that flushes subnormals to zero reads a max_fps of 1e-310 as 0
         "a frame after the last time a tiny max_fps's clock holds": (lambda qa, s: [
             (stream.push(frames[0], 0.0), stream.push(frames[1])) for stream in [qa.stream(max_fps=1e-307)]],
@@ -372,7 +372,7 @@ def _api_cases():
             (stream.push(frames[0], 0.0), stream.push(frames[1])) for stream in [qa.with_options(
                 method="simplestream").stream(max_fps=1e-307)]], statekv.InputError, "push it with its timestamp"),
         "simplestream on a clock too fast": (lambda qa, s: qa.with_options(method="simplestream").stream(
-            max_fps=2e9), statekv.InputError, "max_fps must be a number above 0 and at most 4.612e+07"),
+            max_fps=2e9), statekv.InputError, "max_fps must be a number above 0 and at most 4e+07"),
         "misspelt option": (lambda qa, s: qa.with_options(bugdet=3), statekv.ConfigurationError, "'bugdet'"),
         "options budget text": (lambda qa, s: statekv.ModelOptions(budget="12"), statekv.ConfigurationError,
                                 "budget"),
@@ -561,6 +561,7 @@ METADATA_EDITS = {
     "horizon_frames below the frames kept": (_set("horizon_frames", 2), "fewer than the 3 frames kept"),
     "a float horizon": (_set("horizon", 1e3), "metadata.horizon must be a positive integer"),
     "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),
+    "max_fps past HIGHEST_FPS": (_set("max_fps", 1e9), "metadata.max_fps must be at most 4e+07, got 1000000000.0"),
     "a timestamp as text": (_set("last_timestamp", "2"), "metadata.last_timestamp"),
     "an unknown field": (_set("state.colour", "red"), "has unknown field 'colour'"),
     "steps that do not add up": (_set("cache.seen_tokens", 5), "inconsistent"),

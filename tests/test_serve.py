@@ -370,7 +370,7 @@ def test_bad_requests_get_one_line_json_errors(server):
             assert _error(client.post("/v1/chat/completions", json=asked), 400).startswith(message)
         misspelt = {"messages": [{"role": "user", "content": QUESTION}], "statekv": {"stream": stream_id}}
         assert _error(client.post("/v1/chat/completions", json=misspelt), 400) == (
-            "unknown field statekv.stream; known: stream_id")
+            "unknown statekv field 'stream'; known: stream_id")
         _error(client.get("/v1/nothing-here"), 404)
         _error(client.put("/v1/streams"), 405)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
@@ -384,7 +384,7 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         message = _error(client.post("/v1/streams", json={"horizon_frames": 0}), 400)
         assert "an integer from 1 to 10000000 or null (no horizon), got 0" in message
         for rate in (1e20, 1e308):  # a file fed at such a rate would have no tick for its frames
-            assert "max_fps must be a number above 0 and at most 4.612e+07, or null" in _error(
+            assert "max_fps must be a number above 0 and at most 4e+07, or null" in _error(
                 client.post("/v1/streams", json={"max_fps": rate}), 400)
         empty = client.post("/v1/streams")  # no body at all: every field is optional
         assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text

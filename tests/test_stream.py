@@ -162,11 +162,13 @@ def test_bad_pushes_and_loads(adapters, tmp_path):
     with pytest.raises(statekv.InputError, match="max_fps"):
         qa.stream(horizon_frames=2, max_fps=0)
     for make in (qa.stream, lambda frames, max_fps: RecentFrames(qa, frames, max_fps=max_fps)):
-        for rate in (1e20, 10**400):  # past the rate at which the latest timestamp has a tick
-            with pytest.raises(statekv.InputError, match=r"max_fps must be a number above 0 and at most 4\.612e\+07"):
+        for rate in (4.0000001e7, 1e20, 10**400):  # past the rate at which the latest time has a tick an int64 holds
+            with pytest.raises(statekv.InputError, match=r"max_fps must be a number above 0 and at most 4e\+07"):
                 make(2, max_fps=rate)
     fastest = qa.stream(horizon_frames=2, max_fps=HIGHEST_FPS)  # the latest time a stream takes has its tick
-    assert fastest.push(random_frames(1)[0], LATEST_TIMESTAMP)
+    assert fastest.push(random_frames(1)[0], LATEST_TIMESTAMP) and fastest.next_tick < 2**62
+    with Stream.load(fastest.save(tmp_path / "fastest.safetensors"), qa) as loaded:
+        assert loaded.next_tick == fastest.next_tick and loaded.max_fps == HIGHEST_FPS
     with pytest.raises(statekv.InputError, match="no such saved stream"):
         Stream.load(tmp_path / "missing.safetensors", qa)
     junk = tmp_path / "junk.safetensors"

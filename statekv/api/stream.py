@@ -376,7 +376,7 @@ def check_max_fps(max_fps: float | None) -> float | None:
     if max_fps is None:
         return None
     if not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS:
-        raise InputError(f"max_fps must be a number above 0 and at most {HIGHEST_FPS:.4g} (or None to keep every "
+        raise InputError(f"max_fps must be a number above 0 and at most {HIGHEST_FPS:g} (or None to keep every "
                          f"frame), got {shown(max_fps)}")
     return float(max_fps)
 

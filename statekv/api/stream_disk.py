@@ -31,6 +31,7 @@ from safetensors.torch import load as load_tensors, save as save_tensors
 from ..core.disk.files import read_description
 from ..errors import InputError
 from ..flushing import write_flushed
+from ..settings.values import HIGHEST_FPS
 from ..video import Frame
 from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
                           record_check)
@@ -54,7 +55,7 @@ SCHEMA = record_check({
     "engine": record_check({"method": TEXT, "policy": TEXT, "attention": TEXT, "cuda_graph": BOOLEAN,
                             "reserve_tokens": integer_check(1)}, optional={"settings": SETTINGS}),
     "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
-    "max_fps": optional_check(number_check(positive=True)), "prefix_tokens": integer_check(0),
+    "max_fps": optional_check(number_check(positive=True, highest=HIGHEST_FPS)), "prefix_tokens": integer_check(0),
     "vision_batch": integer_check(1), "kv_cache_dtype": optional_check(TEXT),
     "file_set": TEXT,  # the file set it belongs to: its manifest's
 }, optional=OWNERSHIP)

@@ -61,7 +61,7 @@ from ..errors import InputError, OutputError
 from ..flushing import flush_file
 from ..locks import FileLock
 from ..models import LayoutState
-from ..settings.values import check_int, check_output_file, is_finite_number
+from ..settings.values import HIGHEST_FPS, check_int, check_output_file, is_finite_number
 from ..video.sampling import tick
 
 FORMAT = "statekv-stream"
@@ -374,10 +374,12 @@ def integer_check(minimum: int = 0) -> Check:
     return lambda value, name: check_int(value, name, minimum=minimum, maximum=2**63 - 1, error=InputError)
 
 
-def number_check(*, positive: bool = False) -> Check:
+def number_check(*, positive: bool = False, highest: float | None = None) -> Check:
     def check(value: Any, name: str) -> float:
         if not is_finite_number(value) or value < 0 or (positive and value == 0):
             raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+        if highest is not None and value > highest:
+            raise InputError(f"{name} must be at most {highest:g}, got {value!r}")
         return value
     return check
 
@@ -463,7 +465,7 @@ SCHEMA = record_check({
                             "cuda_graph": BOOLEAN, "reserve_tokens": integer_check(1)},
                            optional={"settings": SETTINGS, "handed_over": BOOLEAN}),  # absent: not resumed so
     "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
-    "max_fps": optional_check(number_check(positive=True)),
+    "max_fps": optional_check(number_check(positive=True, highest=HIGHEST_FPS)),
     "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
     "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
     "pending": list_check(list_check(number_check(), length=2)),

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import urllib.parse
 from dataclasses import replace
 from typing import Any
 
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         where = {"model": model, "options": options, "torch_threads": threads}
     try:
         if args.url is not None:
-            rows, most = sweep(args.url.rstrip("/").removesuffix("/v1"), key)  # an OpenAI client's base URL too
+            rows, most = sweep(server_root(args.url), key)
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)
@@ -249,6 +250,12 @@ def omp_threads() -> int | None:
     not a positive count (the started server then gets the default)."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None
+
+
+def server_root(url: str) -> str:
+    """``url`` without a trailing slash, or the ``/v1`` of an OpenAI client's base URL."""
+    parts = urllib.parse.urlsplit(url.rstrip("/"))
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path.removesuffix("/v1"))).rstrip("/")
 
 
 class Probe:

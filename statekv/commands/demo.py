@@ -105,21 +105,25 @@ def run(args: argparse.Namespace) -> int:
     window = args.frames or (BUILTIN_WINDOW if small else OTHER_WINDOW)
     plot_path = Path(args.plot) if args.plot else cache_dir() / "demo.png"
     videos = None if args.video else demo_set(args.videos)
-    if small and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
-        import torch
+    import torch
 
+    callers_threads = torch.get_num_threads()
+    if small and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
         # its matrices are too small to gain from more threads, and on a shared CPU one thread keeps the
         # per-frame times steady (threads that wait for each other can make a step 100 times slower)
         torch.set_num_threads(1)
-    loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
-                                             trust_remote_code=args.trust_remote_code)
-    methods = {"full": ("full attention", {}), "recency": (f"recency R={window}", {"frames": window}),
-               "statekv": (f"StateKV B={budget}", {"budget": budget})}
-    if videos is None:
-        return _own_video(args, loaded, methods, model)
-    # the small model's streams together take little memory; a real checkpoint's detailed caches, one at a time
-    together = len(videos) if small else 1
-    return _held_out(args, loaded, methods, model, builtin, videos, plot_path, together)
+    try:
+        loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
+                                                 trust_remote_code=args.trust_remote_code)
+        methods = {"full": ("full attention", {}), "recency": (f"recency R={window}", {"frames": window}),
+                   "statekv": (f"StateKV B={budget}", {"budget": budget})}
+        if videos is None:
+            return _own_video(args, loaded, methods, model)
+        # the small model's streams together take little memory; a real checkpoint's detailed caches, one at a time
+        together = len(videos) if small else 1
+        return _held_out(args, loaded, methods, model, builtin, videos, plot_path, together)
+    finally:  # a caller that ran it in its own process keeps its threads
+        torch.set_num_threads(callers_threads)
 
 
 def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: list, plot_path: Path,

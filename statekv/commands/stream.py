@@ -17,7 +17,7 @@ from ..errors import CacheLimitError, ConfigurationError, HorizonError, InputErr
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, format_bytes
+from ..settings.values import POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes
 from ..stopping import note_kept, whole
 
 
@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="watch for QUESTION's answer: evaluate it every FRAMES frames and print it whenever it "
                              "changes (repeatable)")
     ModelOptions.add_arguments(parser)
-    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F",
+    parser.add_argument("--max-fps", type=STREAM_RATE, default=1.0, metavar="F",
                         help="frames kept per second of stream (default: 1)")
     parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
                         help="declare the stream for at most N frames: its horizon (default: none; positions stay "

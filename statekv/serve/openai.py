@@ -131,7 +131,7 @@ async def chat(request: Request, service: Served):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
     unknown = sorted(set(extension) - {"stream_id"})
     if unknown:  # the request's own namespace: a misspelt stream_id is not a question about a video
-        raise ServiceError(400, f"unknown field statekv.{unknown[0]}; known: stream_id")
+        raise ServiceError(400, f"unknown statekv field {unknown[0][:60]!r}; known: stream_id")
     stream_id = extension.get("stream_id")
     if stream_id is not None and not isinstance(stream_id, str):
         raise ServiceError(400, f"statekv.stream_id must be a stream's id (text), got {type(stream_id).__name__}")

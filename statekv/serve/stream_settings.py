@@ -54,7 +54,7 @@ class StreamSettings:
                                "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
         if max_fps is not None and (not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS):
-            raise ServiceError(400, f"max_fps must be a number above 0 and at most {HIGHEST_FPS:.4g}, or null, got "
+            raise ServiceError(400, f"max_fps must be a number above 0 and at most {HIGHEST_FPS:g}, or null, got "
                                f"{shown(max_fps)}")
         name = body.get("name", "stream")
         if not isinstance(name, str) or len(name) > 200:

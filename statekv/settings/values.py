@@ -43,9 +43,9 @@ Parser = Callable[[Any, str], Any]
 # The largest integer any setting takes: a count times a frame's tokens, or times a row's bytes, still fits int64.
 LARGEST_INT = 2**48
 # A stream's time in seconds goes no further (an epoch's timestamps fit), and its max_fps no higher: the sampling
-# clock's tick of any time it takes, saved as an int64, stays under 2**62.
+# clock's tick of any time it takes, saved as an int64, stays under 4e18 plus its rounding's slack, short of 2**62.
 LATEST_TIMESTAMP = 1e11
-HIGHEST_FPS = 2.0**62 / LATEST_TIMESTAMP
+HIGHEST_FPS = 4e7
 
 
 def check_int(value: object, name: str, *, minimum: int = 1, maximum: int = LARGEST_INT,
@@ -326,6 +326,14 @@ def positive_float(value: Any, name: str) -> float:
     return number
 
 
+def stream_rate(value: Any, name: str) -> float:
+    """A live stream's max_fps: a positive number at most `HIGHEST_FPS`."""
+    number = positive_float(value, name)
+    if number > HIGHEST_FPS:
+        raise ConfigurationError(f"{name} must be at most {HIGHEST_FPS:g}, got {shown(value)}")
+    return number
+
+
 def optional_text(value: Any, name: str) -> str | None:
     """A non-empty string, or None for None, ``""``, ``none``, ``null`` (any case)."""
     if value is None:
@@ -408,6 +416,7 @@ def format_bytes(count: int) -> str:
 POSITIVE_INT = argparse_type(positive_int, "a positive integer")
 NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer")
 POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
+STREAM_RATE = argparse_type(stream_rate, f"frames per second above 0 and at most {HIGHEST_FPS:g}")
 BYTE_SIZE = argparse_type(byte_size, "a size in bytes such as 512M or 20G")
 
 
