@@ -162,7 +162,7 @@ def test_bad_pushes_and_loads(adapters, tmp_path):
     with pytest.raises(statekv.InputError, match="max_fps"):
         qa.stream(horizon_frames=2, max_fps=0)
     for make in (qa.stream, lambda frames, max_fps: RecentFrames(qa, frames, max_fps=max_fps)):
-        for rate in (4.0000001e7, 1e20, 10**400):  # past the rate at which the latest time has a tick an int64 holds
+        for rate in (4.0000001e7, 1e20, 10**400):  # above HIGHEST_FPS, however little
             with pytest.raises(statekv.InputError, match=r"max_fps must be a number above 0 and at most 4e\+07"):
                 make(2, max_fps=rate)
     fastest = qa.stream(horizon_frames=2, max_fps=HIGHEST_FPS)  # the latest time a stream takes has its tick

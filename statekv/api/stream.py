@@ -54,7 +54,6 @@ from ..video.sampling import tick
 log = logging.getLogger("statekv")
 
 
-
 def _one_at_a_time(method):
     """Run ``method`` holding the stream's lock, so calls from different threads take turns, as one `whole`
     region: a signal arriving meanwhile stops the program only once the call is done."""
