@@ -46,7 +46,8 @@ from .watch import (DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watc
                     tensors as watch_tensors)
 from .stream_file import model_identity, weights_fingerprint
 from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
-from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_bool, check_int, is_finite_number, shown
+from ..settings.values import (HIGHEST_FPS, LATEST_TIMESTAMP, check_bool, check_int, is_finite_number, is_stream_rate,
+                               shown)
 from ..video import Frame
 from ..video.images import rgb_frame
 from ..video.sampling import tick
@@ -374,7 +375,7 @@ def check_max_fps(max_fps: float | None) -> float | None:
     and at most `HIGHEST_FPS`."""
     if max_fps is None:
         return None
-    if not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS:
+    if not is_stream_rate(max_fps):
         raise InputError(f"max_fps must be a number above 0 and at most {HIGHEST_FPS:g} (or None to keep every "
                          f"frame), got {shown(max_fps)}")
     return float(max_fps)

@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..flushing import write_flushed
 from ..locks import FileLock
-from ..settings.values import HIGHEST_FPS, is_finite_number
+from ..settings.values import is_finite_number, is_stream_rate
 
 log = logging.getLogger("statekv.serve")
 
@@ -65,7 +65,7 @@ def check_record(record: object, stream_id: str) -> dict[str, Any]:
         "owner": lambda v: isinstance(v, str) and 0 < len(v) <= 128,
         "settings": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
         "horizon_frames": lambda v: v is None or (not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= 10**7),
-        "max_fps": lambda v: v is None or (is_finite_number(v) and 0 < v <= HIGHEST_FPS),
+        "max_fps": lambda v: v is None or is_stream_rate(v),
         "name": lambda v: isinstance(v, str) and len(v) <= 200,
         "created": is_finite_number,
         "saved": lambda v: isinstance(v, dict),

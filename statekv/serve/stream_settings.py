@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..settings.methods import refuse_unread
-from ..settings.values import HIGHEST_FPS, is_finite_number
+from ..settings.values import HIGHEST_FPS, is_stream_rate
 from .config import ServeConfig
 from .errors import ServiceError
 
@@ -53,7 +53,7 @@ class StreamSettings:
                                f"tokens, {self.qa.reserve_tokens} of them kept for questions and answers); serve "
                                "with --positions bounded, or give no horizon")
         max_fps = body.get("max_fps", self.config.default_max_fps)
-        if max_fps is not None and (not is_finite_number(max_fps) or not 0 < max_fps <= HIGHEST_FPS):
+        if max_fps is not None and not is_stream_rate(max_fps):
             raise ServiceError(400, f"max_fps must be a number above 0 and at most {HIGHEST_FPS:g}, or null, got "
                                f"{shown(max_fps)}")
         name = body.get("name", "stream")

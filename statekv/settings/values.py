@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -250,17 +249,17 @@ def parse_options(given: Mapping[str, Any], options: Iterable[Option], *, what: 
             for option in options}
 
 
-def argparse_type(parse: Parser, expected: str) -> Callable[[str], Any]:
+def argparse_type(parse: Parser, expected: str, *, largest: int | None = None) -> Callable[[str], Any]:
     """``parse`` as an ``argparse`` type: a refused value becomes argparse's one-line usage error
-    ("argument --budget: expected a positive integer, got '0'")."""
+    ("argument --budget: expected a positive integer, got '0'"); an integer past ``largest`` is told the bound."""
 
     def convert(text: str) -> Any:
         try:
             return parse(text, "value")
-        except ConfigurationError as error:
-            bound = re.search(r"must be (at most \d+(?:,\d{3})*)", str(error))  # past the largest value taken
-            detail = f" {bound.group(1)}" if bound and not any(c.isdigit() for c in expected) else ""
-            raise argparse.ArgumentTypeError(f"expected {expected}{detail}, got {text!r}") from None
+        except ConfigurationError:
+            number = _from_text(text, int) if largest is not None else None
+            past = f" at most {largest:,}" if number is not None and number > largest else ""
+            raise argparse.ArgumentTypeError(f"expected {expected}{past}, got {text!r}") from None
 
     convert.__name__ = expected
     return convert
@@ -326,10 +325,15 @@ def positive_float(value: Any, name: str) -> float:
     return number
 
 
+def is_stream_rate(value: object) -> bool:
+    """Whether ``value`` is a live stream's max_fps: a number above 0 and at most `HIGHEST_FPS`."""
+    return is_finite_number(value) and 0 < value <= HIGHEST_FPS
+
+
 def stream_rate(value: Any, name: str) -> float:
-    """A live stream's max_fps: a positive number at most `HIGHEST_FPS`."""
+    """A live stream's max_fps (`is_stream_rate`), or text of one."""
     number = positive_float(value, name)
-    if number > HIGHEST_FPS:
+    if not is_stream_rate(number):
         raise ConfigurationError(f"{name} must be at most {HIGHEST_FPS:g}, got {shown(value)}")
     return number
 
@@ -413,8 +417,8 @@ def format_bytes(count: int) -> str:
 
 
 # command-line types (argparse)
-POSITIVE_INT = argparse_type(positive_int, "a positive integer")
-NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer")
+POSITIVE_INT = argparse_type(positive_int, "a positive integer", largest=LARGEST_INT)
+NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer", largest=LARGEST_INT)
 POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
 STREAM_RATE = argparse_type(stream_rate, f"frames per second above 0 and at most {HIGHEST_FPS:g}")
 BYTE_SIZE = argparse_type(byte_size, "a size in bytes such as 512M or 20G")
