@@ -184,6 +184,22 @@ def test_a_resumed_stream_answers_as_an_uninterrupted_one(checkpoint, data_root,
     assert answers == {r.qid: (r.prediction, r.extra["horizon"]) for r in ev.run_records(fresh)}
 
 
+def test_a_half_written_answer_is_cut_once_and_said_once_on_resuming(checkpoint, data_root, models, tmp_path,
+                                                                    caplog):
+    """Before: the resumed run said so three times (reading what was done, checking the run, then cutting)."""
+    out = tmp_path / "run"
+    run_evaluation(config("videomme", checkpoint, data_root, out, limit=1), qa=models("statekv"))
+    rank_file = ev.rank_file(out, 0)
+    with rank_file.open("a") as file:
+        file.write('{"qid": "half')
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        run_evaluation(config("videomme", checkpoint, data_root, out, limit=2), qa=models("statekv"))
+    said = [record.getMessage() for record in caplog.records if "unterminated" in record.getMessage()]
+    assert said == [f"{rank_file}: dropping an unterminated last line (13 bytes), an answer cut short by a stop; its "
+                    "question is asked again"]
+    assert len(rank_lines(out)) == 2
+
+
 def test_a_streaming_run_killed_between_two_polls_of_a_watch_resumes_as_if_never_stopped(checkpoint, data_root,
                                                                                           models, tmp_path):
     """--mode streaming: the first video's forward question is one watch evaluated at each of its polls (3 and

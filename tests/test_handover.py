@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -923,8 +924,11 @@ def test_streams_caught_up_together_replay_on_when_one_successors_disk_refuses(c
     monkeypatch.setattr(streams[0].successor.disk, "commit_step", full)
     with pytest.raises(ReplayPutOff) as error:
         qa.catch_up_many(streams, 3)
-    assert error.value.put_off == {id(streams[0])} and error.value.replayed == 3
+    assert error.value.put_off == {id(streams[0])} and error.value.replayed == 3 and not error.value.said
     assert [len(stream.backlog.steps) for stream in streams] == [before[0], before[1] - 3]
+    with pytest.raises(ReplayPutOff) as again:  # said already: a server's log takes it once
+        qa.catch_up_many(streams, 1)
+    assert again.value.said and again.value.replayed == 1
     assert streams[0].successor is not None and streams[0].handover == "beside"
     for stream in streams:
         stream.close()
@@ -955,6 +959,28 @@ def test_on_the_disk_tier_a_handover_whose_replay_the_disk_refused_goes_on_at_th
     with Stream.load(stream.durability.folder, qa) as resumed:
         assert resumed.frames == 40 and resumed.frames_lost == 0 and resumed.handover == "handed over"
         assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)
+
+
+def test_a_replay_the_disk_refuses_push_after_push_is_said_once(checkpoint, tmp_path, references, monkeypatch, caplog):
+    """Before: every push of a stream whose disk stayed full logged the put-off replay again."""
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:3])
+    commit, calls = stream.successor.disk.commit_step, []
+
+    def full_for_a_while(*args, **kwargs):
+        calls.append(len(stream.backlog.steps))
+        if 3 <= len(calls) <= 6:
+            raise OutputError("cannot write the disk cache: No space left on device")
+        return commit(*args, **kwargs)
+    monkeypatch.setattr(stream.successor.disk, "commit_step", full_for_a_while)
+    with caplog.at_level(logging.INFO, logger="statekv"):
+        for frame in FRAMES[3:]:
+            stream.push(frame)
+    assert len(calls) > 6 and stream.handover == "handed over"
+    assert caplog.text.count("its successor's replay stopped") == 1
+    assert caplog.text.count("encoding again in cache order") == 1
+    assert fingerprint(stream.prefill) == fingerprint(references["cache", 40].prefill)
+    stream.close()
 
 
 def test_on_the_disk_tier_a_successor_closed_by_its_refused_first_step_is_dropped_and_the_stream_resumes_whole(

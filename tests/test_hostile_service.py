@@ -266,9 +266,15 @@ def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
         for value in (0, -1, 100_000):
             reply = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": value})
             assert "max_new_tokens must be an integer from 1 to 1024" in _error(reply, 400)
-        one = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 1, "statekv": {
-            "stream_id": stream_id}, "messages": [{"role": "user", "content": QUESTION}]}).json()
+        asked = {"model": "builtin", "statekv": {"stream_id": stream_id},
+                 "messages": [{"role": "user", "content": QUESTION}]}
+        both = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1, "max_completion_tokens": 2})
+        assert _error(both, 400) == ("max_tokens and max_completion_tokens differ; give one (max_tokens is its older "
+                                     "name)")
+        one = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1}).json()
         assert one["usage"]["completion_tokens"] == 1
+        same = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1, "max_completion_tokens": 1})
+        assert same.json()["usage"]["completion_tokens"] == 1
 
 
 def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_request(qa, tmp_path, monkeypatch):
@@ -343,6 +349,12 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
         assert [reply.status_code for reply in pushed] == [400, 200, 400]
         assert "past the latest time a stream takes" in pushed[0].json()["error"]["message"]
         assert "push it with its timestamp" in pushed[2].json()["error"]["message"]
+        for query, message in (("?t=1&t=2", "t is given more than once; give an image's time once"),
+                               ("?t=1&time=2", 'unknown query parameter "time"; an image takes t (seconds)')):
+            reply = client.post(f"/v1/streams/{tiny}/frames{query}", content=_png(3),
+                                headers={"Content-Type": "image/png"})
+            assert _error(reply, 400) == message
+        assert client.get(f"/v1/streams/{tiny}").json()["frames"] == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------

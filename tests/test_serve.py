@@ -386,6 +386,11 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         for rate in (1e20, 1e308):  # a file fed at such a rate would have no tick for its frames
             assert "max_fps must be a number above 0 and at most 4e+07, or null" in _error(
                 client.post("/v1/streams", json={"max_fps": rate}), 400)
+        for field, value, message in (("budget", True, "budget must be a positive integer, got true"),
+                                      ("sinks", None, "sinks must be a non-negative integer, got null"),
+                                      ("retrieve", "4", 'retrieve must be a positive integer, got "4"'),
+                                      ("method", False, "method must be a method's name (text), got false")):
+            assert _error(client.post("/v1/streams", json={"method": "rekv", field: value}), 400) == message
         empty = client.post("/v1/streams")  # no body at all: every field is optional
         assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text
         assert empty.json()["horizon_frames"] is None and empty.json()["settings"]["budget"] == SERVER_BUDGET

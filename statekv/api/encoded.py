@@ -82,6 +82,7 @@ class EncodedVideo:
                                         protect_tokens=protect, name=name, disk_tier=disk_tier)
         self.successor: StreamingPrefill | None = None  # `statekv.api.handover`: the engine it continues with
         self.backlog = self.new_backlog()  # the steps the successor has yet to replay
+        self.replay_put_off = False  # a replay refused by the disk tier, said once until one goes through
         self.handover: str | None = None  # what the handover layout made of it (None: not that layout)
         reserve = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take

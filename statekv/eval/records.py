@@ -210,9 +210,16 @@ def drop_unterminated_tail(path: Path) -> None:
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep < len(data):
-        logger.warning("%s: dropping an unterminated last line (%d bytes)", path, len(data) - keep)
+        logger.warning("%s: dropping an unterminated last line (%d bytes), an answer cut short by a stop; its "
+                       "question is asked again", path, len(data) - keep)
         with path.open("rb+") as file:
             file.truncate(keep)
+
+
+def drop_unterminated_tails(run_dir: Path) -> None:
+    """`drop_unterminated_tail` of every rank file of the run in ``run_dir``."""
+    for path in sorted(run_dir.glob(RANK_FILE_GLOB)):
+        drop_unterminated_tail(path)
 
 
 def read_records(path: Path | str) -> list[AnswerRecord]:

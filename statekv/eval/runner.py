@@ -47,7 +47,7 @@ from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question, counted
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
-                                  merge_rank_files, rank_file, written_in)
+                                  drop_unterminated_tails, merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
@@ -244,6 +244,8 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         lock_for_every_rank(lock, context)
         if config.overwrite and context.is_main:
             clear_run(config.out)
+        elif context.is_main:  # cut once here, the run's readers and writers below then find no half line
+            drop_unterminated_tails(config.out)
         context.barrier()
         check_run_file(config, expected, content, write=False, **before)  # before the model loads: settings, data
         qa = qa if qa is not None else load_model(config, context)
@@ -369,8 +371,7 @@ def _answers(config: EvalConfig, asker: Asker, video: VideoQuestions, room: Sequ
 def _record(config: EvalConfig, answer: Answer) -> AnswerRecord:
     return AnswerRecord.for_answer(
         answer.question, answer.text, model=config.model_name, method=config.method, budget=config.recorded_budget,
-        protocol=config.protocol, parser=config.parser, timings=answer.timings, **answer.info,
-    )
+        protocol=config.protocol, parser=config.parser, timings=answer.timings, **answer.info)
 
 
 def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
@@ -421,8 +422,7 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {redo}")
         answered = completed_qids(config.out)
         if "videos" in content:
-            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered,
-                                   videos_before)
+            _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered, videos_before)
         for key, value in content.items():
             if key == "videos":
                 continue

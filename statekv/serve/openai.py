@@ -107,6 +107,18 @@ async def models(request: Request, service: Served) -> dict:
                                         "owned_by": "statekv"}]}
 
 
+def answer_length(body: dict[str, Any]) -> int:
+    """The most tokens an answer may take: ``max_completion_tokens``, or ``max_tokens`` (its older name), or the
+    native route's default when neither is given; a 400 when the two are given and differ."""
+    given = {name: body[name] for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None}
+    if len(set(map(shown, given.values()))) > 1:
+        raise ServiceError(400, "max_tokens and max_completion_tokens differ; give one (max_tokens is its older name)")
+    name, max_new = next(iter(given.items()), ("max_tokens", DEFAULT_NEW_TOKENS))
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
+        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
+    return max_new
+
+
 @router.post("/v1/chat/completions")
 async def chat(request: Request, service: Served):
     registry, config = service.registry, service.config
@@ -115,14 +127,7 @@ async def chat(request: Request, service: Served):
     question, videos = parse_messages(body.get("messages"))
     reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {}),
                **({"decoding": "greedy", "not_applied": ignored} if (ignored := not_applied(body)) else {})}
-    max_new = body.get("max_completion_tokens")
-    if max_new is None:
-        max_new = body.get("max_tokens")
-    if max_new is None:  # given neither (or null): the default, as the native route's
-        max_new = DEFAULT_NEW_TOKENS
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
+    max_new = answer_length(body)
     streamed = body.get("stream", False)
     if streamed is not None and not isinstance(streamed, bool):  # null: not streamed, as OpenAI takes it
         raise ServiceError(400, f"stream must be true or false, got {shown(streamed)}")

@@ -116,7 +116,7 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
     if kind not in IMAGE_TYPES:
         raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
                                 f"{{\"source\": PATH}}; got {kind or 'no Content-Type'}")
-    seconds = _seconds(request.query_params.get("t"))
+    seconds = _image_time(request)
     data = await read_body(request, config.max_body_bytes)
     image = decode_image(data, kind, config.max_image_pixels)
     kept = await registry.push(entry, image, seconds)
@@ -187,6 +187,16 @@ async def pieces_until(streamer: TokenStreamer, task: asyncio.Future):
                     return
                 yield piece
             return
+
+
+def _image_time(request: Request) -> float | None:
+    """An image's ``?t=`` seconds (None: not given); a 400 for another parameter or a repeated one."""
+    names = [name for name, _ in request.query_params.multi_items()]
+    if names not in ([], ["t"]):
+        odd = next((name for name in names if name != "t"), None)
+        raise ServiceError(400, f"unknown query parameter {shown(odd)}; an image takes t (seconds)" if odd
+                           else "t is given more than once; give an image's time once")
+    return _seconds(request.query_params.get("t"))
 
 
 def _seconds(value: Any) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..errors import ConfigurationError
 from ..settings.methods import refuse_unread
 from ..settings.values import HIGHEST_FPS, is_stream_rate
 from .config import ServeConfig
@@ -38,9 +39,14 @@ class StreamSettings:
         unknown = sorted(set(body) - set(STREAM_FIELDS))
         if unknown:
             raise ServiceError(400, f"unknown stream setting {unknown[0]!r}; known: {', '.join(STREAM_FIELDS)}")
+        if not isinstance(body.get("method", ""), str):
+            raise ServiceError(400, f"method must be a method's name (text), got {shown(body['method'])}")
         defaults = self.qa.options
         settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
-        defaults.with_changes(**settings)  # checks every value (a ConfigurationError names the bad one)
+        try:
+            defaults.with_changes(**settings)  # checks every value, naming the bad one
+        except ConfigurationError as error:
+            raise ServiceError(400, spelt_as_json(str(error), body)) from None
         refuse_unread(settings["method"], {name: body[name] for name in METHOD_FIELDS if name in body})
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
@@ -86,6 +92,15 @@ class StreamSettings:
         from ..core import rope_capacity
 
         return rope_capacity(self.qa.adapter.model.config.get_text_config())
+
+
+def spelt_as_json(message: str, body: dict[str, Any]) -> str:
+    """A settings check's ``message``, whose value (written last, as Python writes it) is written as the client
+    sent it: ``true``, not ``True``."""
+    for name in METHOD_FIELDS:
+        if name in body and message.endswith(f"got {body[name]!r}"):
+            return message[:-len(repr(body[name]))] + shown(body[name])
+    return message
 
 
 def shown(value: Any) -> str:

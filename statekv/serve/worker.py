@@ -297,7 +297,8 @@ class ModelWorker:
         except Exception as error:  # noqa: BLE001 -- each stream's next push replays what is left, or says why
             put_off = getattr(error, "put_off", None)  # `statekv.steps.jobs.ReplayPutOff`: the others replayed
             if put_off is not None:
-                log.warning("%s", error)
+                if not error.said:
+                    log.warning("%s", error)
                 self.quiet_catch_up_steps += error.replayed
             else:
                 log.warning("the replay of %d streams' backlogs in a quiet moment failed: %s", len(streams), error)

@@ -149,14 +149,18 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
         return {}
     started = time.perf_counter()
     for video in videos:
-        log.info("%s: past the model's range: encoding again in cache order, once, the steps not yet so encoded (%d), "
-                 "for the engine that goes on", video.name, len(video.backlog.steps))
+        if not video.replay_put_off:
+            log.info("%s: past the model's range: encoding again in cache order, once, the steps not yet so encoded "
+                     "(%d), for the engine that goes on", video.name, len(video.backlog.steps))
     _, refused = replay_backlogs(videos, batcher)
     stopped = {}
     for video in videos:
         if id(video) in refused:
-            log.warning("%s", video.put_off(refused[id(video)]))
+            if not video.replay_put_off:  # a disk full for hours is one line, not one a push
+                log.warning("%s", video.put_off(refused[id(video)]))
+            video.replay_put_off = True
             continue
+        video.replay_put_off = False
         try:
             video.adopt_successor()
         except HandoverError as error:  # the video was closed: its folder resumes it
@@ -190,18 +194,23 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
         raise stopped[0]
     if refused:
         video = next(video for video in videos if id(video) in refused)
-        raise ReplayPutOff(video.put_off(refused[id(video)]), replayed, set(refused))
+        said = all(other.replay_put_off for other in videos if id(other) in refused)
+        for other in videos:
+            other.replay_put_off = id(other) in refused
+        raise ReplayPutOff(video.put_off(refused[id(video)]), replayed, set(refused), said=said)
+    for video in videos:
+        video.replay_put_off = False
     return replayed
 
 
 class ReplayPutOff(OutputError):
     """`catch_up_together`'s refusal: a successor's disk tier refused a step (`EncodedVideo.put_off` says which);
     the other videos replayed theirs. ``replayed``: the steps replayed; ``put_off``: the ``id`` of each video whose
-    replay was put off."""
+    replay was put off; ``said``: each of them was put off at its last replay too (said then)."""
 
-    def __init__(self, message: str, replayed: int, put_off: set[int]):
+    def __init__(self, message: str, replayed: int, put_off: set[int], said: bool = False):
         super().__init__(message)
-        self.replayed, self.put_off = replayed, put_off
+        self.replayed, self.put_off, self.said = replayed, put_off, said
 
 
 def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher,
