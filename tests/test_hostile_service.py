@@ -12,7 +12,9 @@ import asyncio
 import errno
 import io
 import json
+import logging
 import os
+import shutil
 import re
 import struct
 import threading
@@ -460,6 +462,55 @@ def test_disk_tier_folders_are_reused_across_restarts_and_deleted_with_their_str
         assert client.get(f"/v1/streams/{ids[1]}").json()["frames"] == 4
         assert client.delete(f"/v1/streams/{ids[0]}").status_code == 200
         assert len(list(tier.iterdir())) == 1 and not list((state / "streams").glob(f"{ids[0]}*"))
+
+
+def test_a_deletion_note_not_of_this_server_removes_nothing_at_the_next_start(qa, tmp_path, options, caplog):
+    """Before: a start finishing deletions cut short removed whatever folder a note in streams/ named, and took a
+    note's name as a pattern: a note named ``st_*.deleting`` removed every stream's record and save."""
+    tier, state, victim = tmp_path / "tier", tmp_path / "state", tmp_path / "victim"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        ids = [_stream(client, frames=2, seed=seed) for seed in (0, 10)]
+        cut_short = _stream(client, frames=1, seed=20)
+    victim.mkdir()
+    (victim / "kept").write_text("precious")
+    streams = state / "streams"
+    cut_short_tier = tier / json.loads((streams / f"{cut_short}.json").read_text())["tier"]
+    assert cut_short_tier.is_dir()
+    notes = {f"st_{'0' * 24}": victim, "st_evil": victim, "st_*": None, cut_short: cut_short_tier}
+    for name, folder in notes.items():
+        (streams / f"{name}.deleting").write_text(json.dumps({"id": name, "tier": folder and str(folder), "at": 1}))
+    with caplog.at_level(logging.WARNING, logger="statekv.serve"), Running(state, qa, options=disk) as server, \
+            server.client() as client:
+        assert [client.get(f"/v1/streams/{i}").json()["frames"] for i in ids] == [2, 2]
+        assert client.get(f"/v1/streams/{cut_short}").status_code == 404  # a real deletion cut short is finished
+    assert (victim / "kept").read_text() == "precious" and not cut_short_tier.exists()
+    assert "st_evil.deleting in the state folder names no stream; left as it is" in caplog.text
+    assert f"names {victim}, not a disk-tier folder under this server's offload_dir; left as it is" in caplog.text
+
+
+def test_a_disk_tier_stream_resumed_past_its_last_save_goes_on_from_its_own_time(qa, tmp_path, options, monkeypatch):
+    """Before: a stream the disk tier brought back with more pushes than its record's last save (a kill between
+    saves) had no time: a push without ``t`` was placed at 0 s and a file fed from its start was refused."""
+    import statekv.core.disk.tier
+
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)  # every step resumable
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk, save_every_frames=100) as server, server.client() as client:
+        stream_id = _stream(client, frames=0, horizon_frames=None)
+        for index in range(4):
+            _push(client, stream_id, index, 2.0 * index).raise_for_status()
+        assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["pushed"] == 0
+        shutil.copytree(state, tmp_path / "state-killed")  # what a kill leaves: the steps journaled, no save
+        shutil.copytree(tier, tmp_path / "tier-killed")
+    killed = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier-killed"))
+    with Running(tmp_path / "state-killed", qa, options=killed) as server, server.client() as client:
+        stats = client.get(f"/v1/streams/{stream_id}").json()
+        assert (stats["frames"], stats["resume_from"], stats["resume_after_seconds"]) == (4, 4, 6.0)
+        pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(9), headers={"Content-Type": "image/png"})
+        assert pushed.status_code == 200 and pushed.json()["frames"] == 5, pushed.text
+        assert client.get(f"/v1/streams/{stream_id}").json()["resume_after_seconds"] > 6.0
 
 
 def test_a_push_the_disk_tier_cannot_take_is_a_503_naming_no_server_path_and_the_next_one_goes_in(

@@ -37,7 +37,7 @@ from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, catch_up_together, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
-from ..settings.values import check_int
+from ..settings.values import check_int, check_question
 from ..video import Frame
 
 log = logging.getLogger("statekv")
@@ -174,8 +174,7 @@ class EncodedVideo:
         self.start()
         if self.state.frames == 0:
             raise InputError(f"{self.name}: no frame has been encoded yet")
-        if not isinstance(question, str) or not question.strip():
-            raise InputError("the question is empty")
+        check_question(question)
         check_int(max_new_tokens, "max_new_tokens")
         if retrieval is not None:  # checked whether or not this question retrieves
             retrieval_rule(retrieval)

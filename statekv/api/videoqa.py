@@ -37,7 +37,7 @@ from .pushing import catch_up_streams, push_together
 from .recent import RecentFrames
 from .stream import Stream
 from .watch import evaluate_due
-from ..settings.values import check_bool, check_int, check_number, format_bytes, torch_dtype
+from ..settings.values import check_bool, check_int, check_number, check_question, format_bytes, torch_dtype
 from ..video import open_video
 
 OPTION_NAMES = tuple(field.name for field in fields(ModelOptions))  # its settings: not its ClassVars (SETTINGS...)
@@ -234,8 +234,7 @@ class VideoQA:
         if not questions:
             raise InputError("no question given")
         for text in questions:
-            if not isinstance(text, str) or not text.strip():
-                raise InputError("the question is empty")
+            check_question(text)
         with self.encode(source, max_fps=max_fps, max_frames=max_frames) as video:
             answers = [video.ask(text, **ask_kwargs) for text in questions]
         return answers[0] if isinstance(question, str) else answers

@@ -39,7 +39,7 @@ from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
 from ..errors import InputError, StateKVError
 from ..stopping import whole
-from ..settings.values import check_bool, check_int, check_number
+from ..settings.values import check_bool, check_int, check_number, check_question
 from ..video.sampling import reaches, slack
 
 log = logging.getLogger("statekv")
@@ -76,8 +76,7 @@ class Watch:
     def __init__(self, stream: Any, question: str, *, every: int | None = None, every_seconds: float | None = None,
                  max_new_tokens: int = DEFAULT_NEW_TOKENS, retrieve: int | None = None, retrieval: str | None = None,
                  steer: bool = True, watch_id: str | None = None):
-        if not isinstance(question, str) or not question.strip():
-            raise InputError("the watch's question is empty")
+        check_question(question, "the watch's question")
         if every is not None and every_seconds is not None:
             raise InputError("give a watch every (frames) or every_seconds, not both")
         self.stream = stream

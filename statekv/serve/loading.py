@@ -55,8 +55,10 @@ class StreamLoader:
             except InputError:
                 stream.close()
                 raise
-            saved = {"pushed": stream.pushed, "frames": stream.frames,
-                     "seconds": recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None}
+            resumed_at = recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None
+            if resumed_at is None:  # resumed elsewhere than its last save (a kill on the disk tier): its own clock
+                resumed_at = getattr(stream, "last_timestamp", None)
+            saved = {"pushed": stream.pushed, "frames": stream.frames, "seconds": resumed_at}
         else:
             qa = self.settings.qa_for(data["settings"])  # never saved: made anew, as the server makes streams now
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import secrets
-import shutil
 import threading
 import time
 from collections import Counter
@@ -531,14 +530,7 @@ class StreamRegistry:
 
     def finish_removals(self) -> None:
         """Finish the deletions begun and cut short (a kill, a crash): the streams stay deleted, never loaded."""
-        for removal in self.files.removals():
-            try:
-                if removal["tier"]:
-                    shutil.rmtree(removal["tier"], ignore_errors=True)
-                self.files.remove(removal["id"])
-                log.info("finished deleting stream %s", removal["id"])
-            except (OSError, StateKVError) as error:  # still never served; tried again at the next start
-                log.error("cannot finish deleting stream %s: %s", removal["id"], error)
+        self.files.finish_removals(self.settings.qa.engine.offload_dir)
 
     def restore_one(self, data: dict[str, Any], healing: bool = False) -> StreamEntry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it

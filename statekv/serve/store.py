@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StateKVError
 from ..flushing import write_flushed
 from ..locks import FileLock
 from ..settings.values import is_finite_number, is_stream_rate
@@ -50,6 +50,13 @@ UPLOADS = "uploads"  # the state folder's subfolder of the videos the page is fe
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
 SAVE_PARTIAL = re.compile(r"\.safetensors\.[0-9a-f]{8}\.partial$")  # a saved stream's partial folder (Stream.save)
+
+
+def removable_tier(tier: str, offload_dir: str | os.PathLike | None) -> bool:
+    """Whether the folder ``tier`` is a disk-tier file set a server with ``offload_dir`` made (one of its folders)."""
+    folder = Path(tier)
+    return (offload_dir is not None and TIER_NAME.fullmatch(folder.name) is not None
+            and folder.parent.resolve() == Path(offload_dir).resolve())
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -273,10 +280,28 @@ class StreamFiles:
         """The deletions begun and not finished (`begin_removal`): ``{"id", "tier"}`` each."""
         found = []
         for path in sorted(self.folder.glob("st_*.deleting")):
+            if not STREAM_ID.match(path.stem):  # not a stream's: its name would reach other streams' files
+                log.warning("%s in the state folder names no stream; left as it is", path.name[:120])
+                continue
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                 note = json.loads(path.read_text())
                 found.append({"id": path.stem, "tier": note["tier"] if isinstance(note.get("tier"), str) else None})
         return found
+
+    def finish_removals(self, offload_dir: str | os.PathLike | None) -> None:
+        """Finish the deletions begun and cut short (`removals`), removing each one's disk-tier folder when it is
+        one of ``offload_dir``'s (a note naming another folder is not followed there, and said)."""
+        for removal in self.removals():
+            try:
+                if removal["tier"] and removable_tier(removal["tier"], offload_dir):
+                    shutil.rmtree(removal["tier"], ignore_errors=True)
+                elif removal["tier"]:
+                    log.warning("stream %s: its deletion note names %s, not a disk-tier folder under this server's "
+                                "offload_dir; left as it is", removal["id"], removal["tier"][:200])
+                self.remove(removal["id"])
+                log.info("finished deleting stream %s", removal["id"])
+            except (OSError, StateKVError) as error:  # still never served; tried again at the next start
+                log.error("cannot finish deleting stream %s: %s", removal["id"], error)
 
     def remove(self, stream_id: str) -> None:
         """Remove every file of the stream in the folder: its quarantine note and moved file sets, then its save

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, OutputError, StateKVError
+from ..errors import ConfigurationError, InputError, OutputError, StateKVError
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -455,6 +455,21 @@ def check_dtype(value: object, name: str = "dtype") -> object:
     """``value`` if it names a floating-point dtype (see `torch_dtype`: a name, ``"auto"`` or a ``torch.dtype``)."""
     torch_dtype(value, name)
     return value
+
+
+def check_question(question: object, what: str = "the question") -> str:
+    """``question`` if it is text a tokenizer takes: a string, not blank, with no lone surrogate (a string decoded
+    with ``surrogateescape``, say); else an `InputError` naming ``what``."""
+    if not isinstance(question, str):
+        raise InputError(f"{what} must be text, got {type(question).__name__}")
+    if not question.strip():
+        raise InputError(f"{what} is empty")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InputError(f"{what} holds a lone surrogate (U+{ord(question[error.start]):04X}) at character "
+                         f"{error.start}, which is no text") from None
+    return question
 
 
 def check_text(value: object, name: str) -> str:
