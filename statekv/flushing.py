@@ -22,3 +22,17 @@ def flush_file(path: str | os.PathLike) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
+
+
+def flush_folder(folder: str | os.PathLike, *, strict: bool = False) -> None:
+    """Flush the entries of ``folder`` (a rename, a new file) to the disk, so a power loss cannot bring back the name
+    as it was. strict: an `OSError` when it cannot be done; otherwise done where the system allows it."""
+    try:
+        handle = os.open(Path(folder), os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+    except OSError:
+        if strict:
+            raise

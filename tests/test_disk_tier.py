@@ -190,10 +190,18 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
     _refused(folder, qa, "not a statekv disk cache")
     _refused(tmp_path, qa, "not a statekv disk cache")
 
+    folder = _disk_stream(adapter, tmp_path / "f")  # before: reading a pipe waited for a writer, for ever
+    (folder / "stream.json").unlink()
+    os.mkfifo(folder / "stream.json")
+    _refused(folder, qa, "stream.json is not a regular file; a disk-tier file set holds only files and folders")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    _refused(tmp_path / "pipe.safetensors", qa, "pipe.safetensors: not a regular file; a saved stream is one")
+
 
 def test_foreign_file_sets_are_refused_with_one_line(adapters, checkpoint, tmp_path):
     folder = _disk_stream(adapters["paper"], tmp_path / "a")
-    _refused(folder, tiny_qa(adapters["paper"], "recency"), "this VideoQA uses Recency")
+    _refused(folder, tiny_qa(adapters["paper"], "recency"),
+             "but this VideoQA uses method 'Recency' (Recency(frames=2))")
     _refused(folder, tiny_qa(adapters["chat"]), "layout")
     other = load_adapter(make_tiny_checkpoint("internvl", tmp_path / "other", seed=1))
     _refused(folder, tiny_qa(other), "other weights")

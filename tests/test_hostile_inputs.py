@@ -240,6 +240,25 @@ def test_stream_json_prints_each_answer_as_it_is_made_then_a_summary(files, caps
     assert sorted(p.name for p in saved.parent.iterdir()) == ["s.safetensors"]  # no .partial left
 
 
+def test_a_save_is_durable_by_its_name_too(qa, stream, tmp_path, monkeypatch):
+    """Before: the saved file was flushed, not the folder its rename wrote: a power loss could bring back the save
+    before, after the new one was reported."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("replace", str(target)))
+        return real_replace(source, target)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    stream.save(tmp_path / "s.safetensors")
+    renamed = events.index(("replace", str(tmp_path / "s.safetensors")))
+    assert ("fsync", str(tmp_path)) in events[renamed:]
+
+
 def test_a_save_that_fails_at_the_end_is_rescued_and_said(files, capsys, tmp_path, monkeypatch, qa):
     target = tmp_path / "out" / "talk.safetensors"
     target.parent.mkdir()
@@ -324,6 +343,10 @@ def _api_cases():
         "encode no frames": (lambda qa, s: qa.encode(frames[:0]), statekv.StateKVError, "no frames"),
         "encode None": (lambda qa, s: qa.encode(None), statekv.StateKVError, "unsupported video source"),
         "answer without question": (lambda qa, s: qa.answer(frames, []), statekv.InputError, "no question"),
+        "load no model": (lambda qa, s: statekv.VideoQA.from_pretrained(None), statekv.ConfigurationError,
+                          "model must be a checkpoint folder or hub id, got None"),
+        "load an empty model name": (lambda qa, s: statekv.VideoQA.from_pretrained(""), statekv.ConfigurationError,
+                                     "model must be a checkpoint folder or hub id, got ''"),
         "answer a number": (lambda qa, s: qa.answer(frames, ["Why?", 3]), statekv.InputError,
                             "the question must be text, got int"),
         "stream horizon True": (lambda qa, s: qa.stream(horizon_frames=True), statekv.InputError, "horizon_frames"),
@@ -494,6 +517,23 @@ def _edited(saved_path: Path, out: Path, metadata=None, tensors=None) -> Path:
     return write_verified(out, tens, meta)
 
 
+def test_a_saved_watch_no_watch_opens_with_is_refused_naming_the_file(qa, tmp_path):
+    """Before: a watch record edited to ``every`` 0 was refused without naming the file it was in."""
+    live = qa.stream(horizon_frames=6, max_fps=1)
+    live.push_many((image, float(t)) for t, image in enumerate(noise_frames(2)))
+    live.watch("Why?", every=2, max_new_tokens=2)
+    path = live.save(tmp_path / "watched.safetensors")
+    live.close()
+
+    def never(metadata):
+        metadata["watches"][0]["every"] = 0
+    edited = _edited(path, tmp_path / "edited.safetensors", metadata=never)
+    with pytest.raises(statekv.InputError) as info:
+        Stream.load(edited, qa)
+    assert str(info.value) == (f"{edited}: watches[0]: every (frames between evaluations) must be a positive "
+                               "integer, got 0")
+
+
 def test_a_saved_stream_resumes_exactly(saved, qa):
     path, answer = saved
     resumed = Stream.load(path, qa)
@@ -571,12 +611,15 @@ METADATA_EDITS = {
     "max_fps of zero": (_set("max_fps", 0), "metadata.max_fps must be a finite number > 0"),
     "max_fps past HIGHEST_FPS": (_set("max_fps", 1e9), "metadata.max_fps must be at most 4e+07, got 1000000000.0"),
     "a timestamp as text": (_set("last_timestamp", "2"), "metadata.last_timestamp"),
+    "the clock set back": (_set("last_timestamp", 1.0), "kept_timestamp 2.0 is after the last timestamp 1.0"),
+    "a time past any stream's": (_set("last_timestamp", 1e200), "metadata.last_timestamp must be at most 1e+11"),
     "an unknown field": (_set("state.colour", "red"), "has unknown field 'colour'"),
     "steps that do not add up": (_set("cache.seen_tokens", 5), "inconsistent"),
     "window starts for other layers": (_set("cache.window_starts", [None]), "layers"),
     "seconds as text": (_set("stats.frame_seconds", ["fast"]), "metadata.stats.frame_seconds[0]"),
     "pending frame in the future": (_set("pending", [[0, -1]]), "metadata.pending[0][1]"),
-    "another policy": (_set("engine.policy", "Recency(steps=2)"), "saved with Recency(steps=2)"),
+    "another policy": (_set("engine.policy", "Recency(steps=2)"),
+                       "saved with method 'statekv' (Recency(steps=2)), but this VideoQA uses method"),
     "another layout": (_set("model.layout", "chat"), "saved with layout 'chat'"),
     "another dtype": (_set("model.dtype", "bfloat16"), "saved with dtype 'bfloat16'"),
     "another checkpoint": (_set("model.weights", "0" * 64), "saved with other weights"),

@@ -406,6 +406,8 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert nothing_left.status_code == 200 and nothing_left.json()["offered"] == 0, nothing_left.text
         assert _error(client.post(frames, json={"source": held_out, "skip": 49}), 400).startswith(
             "skip 49 is past the end of held-out/videos/v0000.mp4: it gives 48 frames at the stream's rate (0 frames")
+        assert _error(client.post(frames, json={"source": held_out, "skip": 10**20}), 400) == (
+            "skip must be a whole number of frames from 0 to 281,474,976,710,656; got 100000000000000000000")
         client.post(frames, content=_png(random_frames(1, 5, *SIZE)[0]),
                     headers={"Content-Type": "image/png"}).raise_for_status()
         assert "over the limit of 8000" in _error(client.post(ask, json={"question": "x" * 20_000}), 413)

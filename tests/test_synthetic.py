@@ -127,6 +127,30 @@ def test_make_says_how_far_it_is_off_a_terminal(tmp_path, capsys, monkeypatch):
     assert [line.split(" written")[0] for line in lines] == ["1/3 videos", "2/3 videos"]
 
 
+def test_a_stopped_make_goes_on_where_it_stopped(tmp_path, capsys):
+    """Before: a make killed midway left a video cut short under its own name and a folder that a rerun refused as
+    "not empty"."""
+    clean, stopped = tmp_path / "clean", tmp_path / "stopped"
+    make_benchmark(clean, videos=4, seed=13, num_frames=12)
+
+    def stop_after_two(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        make_benchmark(stopped, videos=4, seed=13, num_frames=12, progress=stop_after_two)
+    (stopped / "videos" / "v0002.partial.mp4").write_bytes(b"cut short")  # what a kill mid-video leaves
+    assert main(["synthetic", "make", "--out", str(stopped), "--videos", "4", "--seed", "14", "--frames", "12"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith('holds a stopped make of another set ({"seed": 13}): run that command again to finish it, '
+                          "or pass --overwrite to replace it")
+    written = (stopped / "videos" / "v0000.mp4").stat().st_mtime_ns
+    assert main(["synthetic", "make", "--out", str(stopped), "--videos", "4", "--seed", "13", "--frames", "12"]) == 0
+    assert (stopped / "videos" / "v0000.mp4").stat().st_mtime_ns == written  # made once
+    assert sorted(path.name for path in stopped.iterdir()) == sorted(path.name for path in clean.iterdir())
+    for name in (QUESTIONS_FILE, "benchmark.json", *(f"videos/v{n:04d}.mp4" for n in range(4))):
+        assert (stopped / name).read_bytes() == (clean / name).read_bytes(), name
+
+
 def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
     again = tmp_path / "again"
     make_benchmark(again, videos=2, seed=11)

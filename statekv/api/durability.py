@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..core.disk.files import FILE_SET, check_file_set, hold, read_checked, read_file_set, read_manifest
+from ..core.disk.files import (FILE_SET, check_file_set, check_plain_files, hold, read_checked, read_file_set,
+                               read_manifest)
 from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
                                    mark_handover, read_backlog, remove_successors)
 from ..core.disk.resume import check_durable
@@ -319,6 +320,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     engine = qa.engine if engine is None else engine
     if engine.offload != "disk":
         engine = engine.with_changes(offload="disk", offload_dir=str(folder.parent))
+    check_plain_files(folder)
     if (folder / HANDOVER_MARKER).is_file():  # a handover stopped midway: finished first, by its owner
         check_ownership(folder, read_stream_setup(folder), stream_id, owner)
         lock = hold(folder, "a stream finishing its handover")

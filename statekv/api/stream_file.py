@@ -58,10 +58,10 @@ from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
 from .step_lists import compacted, expanded
 from ..errors import InputError, OutputError
-from ..flushing import flush_file
+from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
 from ..models import LayoutState
-from ..settings.values import HIGHEST_FPS, check_int, check_output_file, is_finite_number
+from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_int, check_output_file, is_finite_number
 from ..video.sampling import tick
 
 FORMAT = "statekv-stream"
@@ -130,6 +130,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         if not lock.owns():
             raise _lock_lost(path)
         os.replace(written, path)
+        flush_folder(path.parent)  # the new name, not only the data: a power loss then keeps this save
     except (OSError, SafetensorError) as error:
         if isinstance(error, OutputError):
             raise
@@ -170,7 +171,8 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
     (`check_schema`) are verified; a one-line `InputError` naming the first problem otherwise."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: no such saved stream")
+        raise InputError(f"{path}: " + ("not a regular file; a saved stream is one" if path.exists() else
+                                        "no such saved stream"))
     try:
         with safe_open(str(path), "pt") as handle:
             header = handle.metadata() or {}
@@ -242,6 +244,10 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
     pending, pushed, last = metadata["pending"], metadata["pushed"], metadata["last_timestamp"]
     if (last is None) != (pushed == 0):
         raise InputError(f"{path}: malformed stream metadata: last_timestamp {last!r} after {pushed} pushed frames")
+    for field in ("kept_timestamp", "encoded_timestamp"):
+        if metadata.get(field) is not None and metadata[field] > (last or 0.0):
+            raise InputError(f"{path}: malformed stream metadata: {field} {metadata[field]} is after the last "
+                             f"timestamp {last}")
     for number, (index, timestamp) in enumerate(pending):
         previous = pending[number - 1] if number else None
         if (index != int(index) or index >= pushed or timestamp > (last or 0.0)
@@ -442,6 +448,7 @@ def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
 
 
 TEXT = type_check(str, "a string")
+TIME = number_check(highest=LATEST_TIMESTAMP)  # a stream's seconds (`statekv.api.stream.checked_timestamp`)
 BOOLEAN = type_check(bool, "true or false")
 # who a stream is: its id, creation, owner's digest and the installation that keyed it (files saved before they
 # were recorded lack them)
@@ -467,15 +474,15 @@ SCHEMA = record_check({
     "horizon": optional_check(integer_check(1)), "horizon_frames": optional_check(integer_check(1)),  # null: none
     "max_fps": optional_check(number_check(positive=True, highest=HIGHEST_FPS)),
     "prefix_tokens": integer_check(0), "vision_batch": integer_check(1),
-    "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(number_check()),
+    "pushed": integer_check(0), "next_tick": integer_check(0), "last_timestamp": optional_check(TIME),
     "pending": list_check(list_check(number_check(), length=2)),
     "state": dataclass_check(LayoutState),
     "stats": dataclass_check(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
     "cache": CACHE,
     "checksums": type_check(dict, "an object"),
 }, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `statekv.api.watch.check_record`
-             "kept_timestamp": optional_check(number_check()),  # absent: saved before it was kept
-             "encoded_timestamp": optional_check(number_check()),  # absent: saved before it was kept
+             "kept_timestamp": optional_check(TIME),  # absent: saved before it was kept
+             "encoded_timestamp": optional_check(TIME),  # absent: saved before it was kept
              # the handover layout's successor (`statekv.api.handover`): the steps it replayed, those it has yet to
              "successor": CACHE, "backlog": record_check({"spans": list_check(integer_check(1))})})
 
@@ -548,9 +555,11 @@ def check_same_setup(path: str | os.PathLike, metadata: dict[str, Any], qa: Any,
     refusal = engine.refusal(recorded_settings(metadata), str(path))
     if refusal is not None:
         raise InputError(refusal)
-    policy = metadata["engine"]["policy"]
+    policy, method = metadata["engine"]["policy"], metadata["engine"].get("method")
     if policy != repr(qa.policy):
-        raise InputError(f"{path}: saved with {policy}, but this VideoQA uses {qa.policy!r}")
+        saved_with = policy if method is None else f"method {str(method)[:40]!r} ({policy})"
+        raise InputError(f"{path}: saved with {saved_with}, but this VideoQA uses method {qa.method!r} "
+                         f"({qa.policy!r})")
     if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
         raise InputError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'}) "
                          "than this model's, whose cache would differ; pass allow_other_weights=True to load "

@@ -13,6 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
@@ -37,7 +38,7 @@ from .pushing import catch_up_streams, push_together
 from .recent import RecentFrames
 from .stream import Stream
 from .watch import evaluate_due
-from ..settings.values import check_bool, check_int, check_number, check_question, format_bytes, torch_dtype
+from ..settings.values import check_bool, check_int, check_number, check_question, format_bytes, shown, torch_dtype
 from ..video import open_video
 
 OPTION_NAMES = tuple(field.name for field in fields(ModelOptions))  # its settings: not its ClassVars (SETTINGS...)
@@ -115,6 +116,8 @@ class VideoQA:
             the method never reads (``window`` under ``statekv``, ``retrieve`` under ``simplestream``) is refused in
             one line (`statekv.settings.methods.refuse_unread`).
         """
+        if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+            raise ConfigurationError(f"model must be a checkpoint folder or hub id, got {shown(model)}")
         known = set(OPTION_NAMES) - {"model"}
         model_kwargs = {name: value for name, value in options.items() if name not in known}
         settings = {name: value for name, value in options.items() if name in known}

@@ -458,10 +458,13 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
             number: int) -> Watch:
     """Watch ``number`` of a saved stream (its checked ``record``) opened again on ``stream``."""
     queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
-    watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
-                       every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
-                       retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
-                       watch_id=record["id"])
+    try:
+        watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
+                           every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
+                           retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
+                           watch_id=record["id"])
+    except StateKVError as error:  # a setting no watch is opened with: named with the file it is in
+        raise InputError(f"{name}: {error}") from None
     watch.answer, watch.evaluations = record["answer"], record["evaluations"]
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
     watch.last_frames, watch.last_seconds = record["last_frames"], record["last_seconds"]

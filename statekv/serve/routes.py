@@ -106,7 +106,8 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
                                "leave out)")
         skip = body.get("skip", 0)
         if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= LARGEST_INT:
-            raise ServiceError(400, f"skip must be a whole number of frames, 0 or more; got {shown(skip)}")
+            raise ServiceError(400, f"skip must be a whole number of frames from 0 to {LARGEST_INT:,}; got "
+                                    f"{shown(skip)}")
         if isinstance(body.get("t"), str):
             raise ServiceError(400, f"t must be a number of seconds in a JSON body, got {shown(body['t'])}")
         start = _seconds(body.get("t"))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, StateKVError
-from ..flushing import write_flushed
+from ..flushing import flush_folder, write_flushed
 from ..locks import FileLock
 from ..settings.values import is_finite_number, is_stream_rate
 
@@ -389,14 +389,14 @@ class StreamFiles:
             partial = target.with_name(target.name + ".partial")  # never taken for a moved file set
             try:
                 shutil.copytree(folder, partial, symlinks=True)
-                _sync_folder(partial)
+                flush_folder(partial)
                 os.rename(partial, target)
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)  # the copy, not the original
                 raise
             shutil.rmtree(folder, ignore_errors=True)  # the copy is whole: whatever is left of the original is spare
         for parent in {self.quarantine, folder.parent}:
-            _sync_folder(parent)
+            flush_folder(parent)
         return f"{QUARANTINE}/{target.name}"
 
     def remove_quarantined(self, stream_id: str) -> None:
@@ -449,17 +449,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         write_flushed(partial, data)
         os.replace(partial, path)
+        flush_folder(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         raise
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (where the system allows a folder to be fsynced)."""
-    with contextlib.suppress(OSError):
-        handle = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)

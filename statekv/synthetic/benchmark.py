@@ -9,7 +9,9 @@ writes::
     data/synthetic/benchmark.json          how the set was made (seed, videos, frames, families, version)
 
 Sampled at 1 frame per second (``statekv``'s default), a video gives exactly its ``num_frames`` stills. The
-question file is written last, so an interrupted ``make`` leaves no file that looks complete.
+question file is written last, so an interrupted ``make`` leaves no file that looks complete; it leaves
+``making.json`` (what it was asked to make) and whole videos (each written beside its name, then renamed), so the
+same command run again makes only the videos missing.
 
 ``make_benchmark(..., streaming=True)`` writes ``streaming.json`` instead of ``questions.jsonl``: timestamped
 questions asked while the video plays, in OVO-Bench's format (`statekv.synthetic.streaming`).
@@ -38,8 +40,9 @@ from .videos import write_stills_video
 QUESTIONS_FILE = "questions.jsonl"
 STREAMING_FILE = "streaming.json"
 MANIFEST_FILE = "benchmark.json"
+MAKING_FILE = "making.json"  # what a make under way was asked for, until its manifest is written
 VIDEO_DIR = "videos"
-OWN_VIDEO = re.compile(r"v[0-9]{4,}\.mp4")  # a set's video in VIDEO_DIR
+OWN_VIDEO = re.compile(r"v[0-9]{4,}(\.partial)?\.mp4")  # a set's video in VIDEO_DIR (or one being written)
 FORMAT_VERSION = 1
 DEFAULT_FRAMES = 96
 MAX_VIDEOS = 100_000   # ids are v0000..v99999; more is a typo, not a benchmark
@@ -64,7 +67,11 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     _check_arguments(videos, seed, num_frames, families)
     out = check_output_dir(out, "the synthetic set's folder")
     _check_room(out, videos, num_frames)
-    _prepare_folder(out, overwrite)
+    making = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
+              "num_frames": num_frames, "streaming": streaming, "families": list(families)}
+    if not _resumes(out, making, overwrite):
+        _prepare_folder(out, overwrite)
+        (out / MAKING_FILE).write_text(json.dumps(making, indent=1) + "\n", encoding="utf-8")
     rows: list[dict[str, Any]] = []
     for index in range(videos):
         video_id = f"v{index:04d}"
@@ -75,7 +82,9 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
             rows += streaming_rows(plan, rng, relative, first_id=len(rows))
         else:
             rows += [question_row(spec, video_id, relative, num_frames) for spec in ask_all(plan, rng, families)]
-        write_video(plan, out / relative)
+        if not (out / relative).is_file():  # made before the make was stopped: whole, as its name says
+            partial = out / VIDEO_DIR / f"{video_id}.partial.mp4"
+            os.replace(write_video(plan, partial), out / relative)
         if progress is not None:
             progress(index + 1, videos)
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
@@ -86,8 +95,10 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
         temporary = out / (STREAMING_FILE + ".tmp")
         temporary.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
         os.replace(temporary, out / STREAMING_FILE)
-        return out / STREAMING_FILE
-    return _write_rows(out / QUESTIONS_FILE, rows)
+    else:
+        _write_rows(out / QUESTIONS_FILE, rows)
+    (out / MAKING_FILE).unlink()
+    return out / (STREAMING_FILE if streaming else QUESTIONS_FILE)
 
 
 def write_video(plan: VideoPlan, path: Path) -> Path:
@@ -137,6 +148,23 @@ def _check_room(out: Path, videos: int, num_frames: int) -> None:
                           f"only {free / 2**20:.0f} MiB are free there")
 
 
+def _resumes(out: Path, making: dict[str, Any], overwrite: bool) -> bool:
+    """Whether ``out`` holds a make of ``making`` that was stopped (and not ``overwrite``): it then goes on; a stopped
+    make of another set is refused, naming what it was making."""
+    try:
+        begun = json.loads((out / MAKING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if overwrite:
+        return False
+    if begun != making:
+        other = {key: value for key, value in begun.items() if making.get(key) != value} if isinstance(
+            begun, dict) else begun
+        raise ConfigurationError(f"{out} holds a stopped make of another set ({json.dumps(other)[:120]}): run that "
+                                 "command again to finish it, or pass --overwrite to replace it")
+    return True
+
+
 def _prepare_folder(out: Path, overwrite: bool) -> None:
     """``out`` made, or emptied of a set's own files (``overwrite``): a folder holding anything else is refused,
     whatever a set may also be in it."""
@@ -146,8 +174,8 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
         if not overwrite:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
         videos = out / VIDEO_DIR
-        own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, QUESTIONS_FILE + ".tmp",
-                                       STREAMING_FILE + ".tmp")]
+        own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, MAKING_FILE,
+                                       QUESTIONS_FILE + ".tmp", STREAMING_FILE + ".tmp")]
         found = sorted(out.iterdir()) + (sorted(videos.iterdir()) if videos.is_dir() else [])
         foreign = [path for path in found if path not in own and path != videos
                    and not (path.parent == videos and OWN_VIDEO.fullmatch(path.name) and path.is_file())]

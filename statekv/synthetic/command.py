@@ -24,8 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make = commands.add_parser(
         "make", help="write videos and a question file",
         description="Write N videos (one still per second, lossless H.264) with one four-option question of "
-                    "each family per video, deterministically from the seed.")
-    make.add_argument("--out", required=True, type=PATH, help="folder to write (must be empty or new)")
+                    "each family per video, deterministically from the seed. A make that was stopped goes on "
+                    "where it stopped when the same command is run again.")
+    make.add_argument("--out", required=True, type=PATH,
+                      help="folder to write (new, empty, or a stopped make of the same set)")
     make.add_argument("--videos", required=True, type=POSITIVE_INT, metavar="N", help="how many videos")
     make.add_argument("--seed", required=True, type=_seed, metavar="S",
                       help="evaluation seed, 0 to 999999 (larger seeds are reserved for training)")

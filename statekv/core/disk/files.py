@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
-from ...flushing import write_flushed
+from ...flushing import flush_folder, write_flushed
 from ...locks import FolderLock
 from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step
 
@@ -69,6 +69,7 @@ def write_checked(path: Path, fields: dict[str, Any]) -> None:
     try:
         write_flushed(partial, json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False).encode())
         os.replace(partial, path)
+        flush_folder(path.parent)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -100,6 +101,15 @@ def check_file_set(folder: Path, file: str, described: dict[str, Any], file_set:
         whose = f"another file set's ({str(named)[:40]})" if named is not None else "no file set's"
         raise InputError(f"{folder}: {file} is {whose}, not this one's ({file_set}): it was copied or swapped in from "
                          "another stream")
+
+
+def check_plain_files(folder: Path) -> None:
+    """A one-line `InputError` naming the first entry of ``folder`` that is neither a file nor a folder (a pipe,
+    a socket, a device, a dangling link): reading it could wait for ever or never end."""
+    for entry in sorted(folder.iterdir()):
+        if not (entry.is_file() or entry.is_dir()):
+            raise InputError(f"{folder}: {entry.name[:120]} is not a regular file; a disk-tier file set holds only "
+                             "files and folders")
 
 
 def read_description(folder: Path, file: str, form: str, version: int | tuple[int, ...],
@@ -316,6 +326,7 @@ def upgrade_file_set(folder: Path) -> dict[str, Any]:
     partial = folder / f"{JOURNAL}.partial"
     write_flushed(partial, journal_line(journal_header(file_set)) + data)
     os.replace(partial, folder / JOURNAL)
+    flush_folder(folder)
     manifest = {**manifest, "version": FORMAT_VERSION, FILE_SET: file_set,
                 "created": manifest.get("created") or datetime.datetime.now(datetime.timezone.utc).isoformat()}
     write_checked(folder / MANIFEST, manifest)

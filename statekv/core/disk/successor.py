@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import InputError, OutputError
+from ...flushing import flush_folder
 from .buffers import pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
@@ -154,8 +155,8 @@ def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
     files = sorted(path.name for path in successor.iterdir() if path.is_file() and path.name != LOCK)
     marker, partial = folder / HANDOVER_MARKER, folder / f"{HANDOVER_MARKER}.partial"
     try:
-        _sync_folder(successor)  # its files' entries, and its own in the folder, before the marker names them
-        _sync_folder(folder)
+        flush_folder(successor, strict=True)  # its files' entries, and its own in the folder, before the marker
+        flush_folder(folder, strict=True)
         write_checked(partial, {"folder": successor.name, "files": files, FILE_SET: file_set})
         fd = os.open(partial, os.O_RDONLY)
         try:
@@ -163,7 +164,7 @@ def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
         finally:
             os.close(fd)
         os.replace(partial, marker)
-        _sync_folder(folder)
+        flush_folder(folder, strict=True)
     except OSError as error:
         partial.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
@@ -192,7 +193,7 @@ def finish_handover(folder: Path) -> bool:
         for file in files:
             if (successor / file).is_file():
                 os.replace(successor / file, folder / file)
-        _sync_folder(folder)
+        flush_folder(folder, strict=True)
         if read_manifest(folder)[FILE_SET] != file_set:  # its files are not there: nothing of the stream's goes
             raise InputError(f"{folder}: the disk cache is damaged: the successor's files that {HANDOVER_MARKER} "
                              "names are missing")
@@ -201,7 +202,7 @@ def finish_handover(folder: Path) -> bool:
                 path.unlink()
         shutil.rmtree(successor, ignore_errors=True)
         marker.unlink()
-        _sync_folder(folder)
+        flush_folder(folder, strict=True)
     except OSError as error:
         raise OutputError(f"cannot finish the handover of the disk cache in {folder}: "
                           f"{error.strerror or error}") from None
@@ -210,12 +211,3 @@ def finish_handover(folder: Path) -> bool:
 
 def _plain(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
-
-
-def _sync_folder(folder: Path) -> None:
-    """Force the folder's entries (renames, new files) to the storage device."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

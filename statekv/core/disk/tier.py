@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from ...errors import OutputError
+from ...flushing import flush_folder
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
@@ -262,6 +263,7 @@ class DiskTier:
             pwrite_all(journal, memoryview(compacted), 0)
             os.fsync(journal)
             os.replace(partial, path)
+            flush_folder(path.parent)
         except OSError as error:
             os.close(journal)
             partial.unlink(missing_ok=True)
