@@ -190,6 +190,17 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
     _refused(folder, qa, "not a statekv disk cache")
     _refused(tmp_path, qa, "not a statekv disk cache")
 
+    for damage in ("missing", "short"):  # before: either named the layer's other file, ``.0.bin``
+        folder = _disk_stream(adapter, tmp_path / f"values {damage}")
+        values = folder / "layer1.detailed.1.bin"
+        if damage == "missing":
+            values.unlink()
+        else:
+            values.write_bytes(b"")
+        _refused(folder, qa, "the disk cache is damaged: layer1.detailed.1.bin " + (
+            "is missing" if damage == "missing" else "holds 0 rows, fewer than the"))
+        assert values.exists() == (damage == "short")  # not made again by the refused load
+
     folder = _disk_stream(adapter, tmp_path / "f")  # before: reading a pipe waited for a writer, for ever
     (folder / "stream.json").unlink()
     os.mkfifo(folder / "stream.json")

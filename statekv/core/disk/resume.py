@@ -46,9 +46,14 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
                 continue  # never written (the segment index before its first segment)
             shape = read_checked(described)
             check_file_set(where, described.name, shape, tier.file_set)
+            missing = [path for path in mapped.paths if not path.is_file()]
+            if missing:  # not made again empty by the reopening: named
+                raise InputError(f"{where}: the disk cache is damaged: {missing[0].name} is missing")
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
+            except InputError:
+                raise  # names the file
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None
