@@ -117,6 +117,16 @@ def test_a_server_that_answers_its_model_list_with_an_error_is_named_before_any_
     monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(401, text="no"))
     with pytest.raises(ServerError, match="refused the API key"):
         probe.reach()
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(404, text="<!DOCTYPE HTML>"))
+    with pytest.raises(ServerError, match=r"^http://127.0.0.1:9 is not a statekv server: it has no /v1/models$"):
+        probe.reach()
+    vllm = {"object": "list", "data": [{"id": "Qwen/Qwen3-VL-8B", "object": "model", "owned_by": "vllm"}]}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=vllm))
+    with pytest.raises(ServerError, match="is not a statekv server: its /v1/models lists no statekv model"):
+        probe.reach()
+    ours = {"object": "list", "data": [{"id": "builtin", "object": "model", "owned_by": "statekv"}]}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=ours))
+    probe.reach()
 
 
 def _probe_runs(monkeypatch, run) -> None:

@@ -192,6 +192,9 @@ def test_a_half_written_answer_is_cut_once_and_said_once_on_resuming(checkpoint,
     rank_file = ev.rank_file(out, 0)
     with rank_file.open("a") as file:
         file.write('{"qid": "half')
+    with pytest.raises(ConfigurationError, match="holds a run with"):  # another run's folder: left as it is
+        run_evaluation(config("videomme", checkpoint, data_root, out, method="full"), qa=models("full"))
+    assert rank_file.read_bytes().endswith(b'\n{"qid": "half')
     with caplog.at_level(logging.WARNING, logger="statekv.eval"):
         run_evaluation(config("videomme", checkpoint, data_root, out, limit=2), qa=models("statekv"))
     said = [record.getMessage() for record in caplog.records if "unterminated" in record.getMessage()]

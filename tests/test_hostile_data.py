@@ -178,7 +178,8 @@ def test_the_evaluation_seed_range_ends_where_training_begins():
 # ---------------------------------------------------------------------------------------------------------------
 # Pipes and devices are refused, never waited on
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["a named pipe", "a device", "a pipe among images"])
+@pytest.mark.parametrize("kind", ["a named pipe", "a device", "a pipe among images", "a folder among images",
+                                  "a broken link among images"])
 def test_non_regular_files_are_refused_at_once(kind, tmp_path, capsys):
     if kind == "a named pipe":
         source = tmp_path / "camera.mp4"
@@ -191,9 +192,15 @@ def test_non_regular_files_are_refused_at_once(kind, tmp_path, capsys):
         source = tmp_path / "frames"
         source.mkdir()
         Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(source / "0.png")
-        os.mkfifo(source / "1.png")
+        if kind == "a pipe among images":
+            os.mkfifo(source / "1.png")
+        elif kind == "a folder among images":
+            (source / "1.png").mkdir()
+        else:
+            (source / "1.png").symlink_to(tmp_path / "gone.png")
     code, err = _cli(capsys, "answer", source, "What?", "--model", "builtin")
-    assert code == 2 and "not a regular file" in _one_line(err)
+    kind = {"a pipe among images": "a named pipe", "a device": "a named pipe"}.get(kind, kind)
+    assert code == 2 and f"not a regular file ({kind.split(' among')[0]}" in _one_line(err)
 
 
 # ---------------------------------------------------------------------------------------------------------------

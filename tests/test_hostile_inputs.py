@@ -290,11 +290,15 @@ def test_a_frame_that_cannot_be_decoded_keeps_the_frames_before_it(files, capsys
     video = cut_after_header(tmp_path)
     saved = tmp_path / "kept.safetensors"
     code, out, err = _cli(capsys, ["stream", video, "--model", files["model"], "--budget", "20", "--max-fps", "10",
-                                   "--ask", "0.2:Why?", "--max-new-tokens", "2", "--save", saved, "--json"])
+                                   "--ask", "0.2:Why?", "--ask", "1.9:And then?", "--max-new-tokens", "2",
+                                   "--save", saved, "--json"])
     line = _one_line(err)
     assert code == 2 and "cannot be decoded" in line and f"frames streamed before it were saved to {saved}" in line
-    answer, summary = [json.loads(text) for text in out.splitlines()]  # the answer came before the failure
-    assert answer["event"] == "answer" and summary["event"] == "summary" and summary["saved"] == str(saved)
+    answer, after, summary = [json.loads(text) for text in out.splitlines()]  # before: the second was never asked
+    assert answer["event"] == after["event"] == "answer" and summary["event"] == "summary"
+    assert (answer["after_error"], after["after_error"], after["question"]) == (False, True, "And then?")
+    assert after["frames"] == summary["stats"]["frames"] and len(summary["answers"]) == 2
+    assert summary["saved"] == str(saved)
     assert summary["error"] == line.removeprefix("statekv stream: error: ")
     resumed = Stream.load(saved, qa)
     assert resumed.frames == summary["stats"]["frames"] > answer["frames"]
@@ -343,6 +347,12 @@ def _api_cases():
         "encode no frames": (lambda qa, s: qa.encode(frames[:0]), statekv.StateKVError, "no frames"),
         "encode None": (lambda qa, s: qa.encode(None), statekv.StateKVError, "unsupported video source"),
         "answer without question": (lambda qa, s: qa.answer(frames, []), statekv.InputError, "no question"),
+        "encode frames of no pixels": (lambda qa, s: qa.encode(np.zeros((2, 0, 0, 3), np.uint8)), statekv.StateKVError,
+                                       "with frames of at least one pixel, got uint8 [2, 0, 0, 3]"),
+        "encode a list of an empty frame": (lambda qa, s: qa.encode([np.zeros((0, 5, 3), np.uint8)]),
+                                            statekv.StateKVError, "uint8 [H, W, 3] arrays, got ndarray (0, 5, 3)"),
+        "encode a path with a NUL": (lambda qa, s: qa.encode("a\x00b.mp4"), statekv.StateKVError,
+                                     "a path holds no NUL character"),
         "load no model": (lambda qa, s: statekv.VideoQA.from_pretrained(None), statekv.ConfigurationError,
                           "model must be a checkpoint folder or hub id, got None"),
         "load an empty model name": (lambda qa, s: statekv.VideoQA.from_pretrained(""), statekv.ConfigurationError,
@@ -381,6 +391,10 @@ def _api_cases():
                                    "the watch's question holds a lone surrogate (U+DCFF) at character 6"),
         "answer bytes": (lambda qa, s: qa.answer(frames, [b"Why?"]), statekv.InputError,
                          "the question must be text, got bytes"),
+        "answer bare bytes": (lambda qa, s: qa.answer(frames, b"Why?"), statekv.InputError,
+                              "the question must be text, got bytes"),
+        "answer None": (lambda qa, s: qa.answer(frames, None), statekv.InputError,
+                        "the question must be text, got NoneType"),
         "ask too long an answer": (lambda qa, s: s.ask("Why?", max_new_tokens=10**6), statekv.HorizonError,
                                    "do not fit"),
         "ask retrieve 0": (lambda qa, s: s.ask("Why?", retrieve=0), statekv.ConfigurationError, "retrieve"),

@@ -233,7 +233,8 @@ class VideoQA:
     def answer(self, source: Any, question: str | Sequence[str], *, max_fps: float = 1.0, max_frames: int = 512,
                **ask_kwargs: Any) -> str | list[str]:
         """Encode ``source`` and answer ``question`` (or each of a list of questions) from that one encoding."""
-        questions = [question] if isinstance(question, str) else list(question)
+        one = isinstance(question, (str, bytes, bytearray)) or not isinstance(question, Iterable)
+        questions = [check_question(question)] if one else list(question)
         if not questions:
             raise InputError("no question given")
         for text in questions:

@@ -37,7 +37,7 @@ from ..core.rules.steering import QuestionGuide
 from ..core.watching.fitting import check_question_fits
 from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
-from ..errors import InputError, StateKVError
+from ..errors import ConfigurationError, InputError, StateKVError
 from ..stopping import whole
 from ..settings.values import check_bool, check_int, check_number, check_question
 from ..video.sampling import reaches, slack
@@ -463,7 +463,7 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
                            every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
                            retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
                            watch_id=record["id"])
-    except StateKVError as error:  # a setting no watch is opened with: named with the file it is in
+    except (ConfigurationError, InputError) as error:  # a setting no watch is opened with: named with its file
         raise InputError(f"{name}: {error}") from None
     watch.answer, watch.evaluations = record["answer"], record["evaluations"]
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)

@@ -281,9 +281,17 @@ class Probe:
             raise ServerError(f"cannot reach {self.url}: {one_line(error)}") from None
         if answered.status_code == 401:
             raise ServerError(f"{self.url} refused the API key")
+        if answered.status_code == 404:
+            raise ServerError(f"{self.url} is not a statekv server: it has no /v1/models")
         if answered.status_code != 200:
             said = one_line(Exception(answered.text)) if answered.text.strip() else "no body"
             raise ServerError(f"{self.url}/v1/models answered {answered.status_code}: {said[:200]}")
+        try:
+            owners = {model.get("owned_by") for model in answered.json()["data"]}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            owners = set()
+        if "statekv" not in owners:  # another OpenAI-compatible server: it has no streams to push to
+            raise ServerError(f"{self.url} is not a statekv server: its /v1/models lists no statekv model")
 
     def warm_up(self) -> None:
         """One camera for a few frames and a question, unmeasured (the first steps and answers load and warm

@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from ..console import add_output_arguments, interactive, json_sizes, one_line, quiet_libraries, warn_free_form
-from ..errors import CacheLimitError, ConfigurationError, HorizonError, InputError, OutputError, StateKVError
+from ..errors import (CacheLimitError, ConfigurationError, FrameDecodeError, HorizonError, InputError, OutputError,
+                      StateKVError)
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
@@ -218,6 +219,7 @@ class _Replay:
         self.answers: list[dict] = []
         self.events: list[dict] = []  # the watches' events, as they were printed
         self.cache_full: str | None = None  # why max_cache_bytes stopped the stream (the answers after it are marked)
+        self.undecodable = False  # the video's frames stopped decoding (the answers after it are marked)
 
     def watch(self) -> None:
         """Open the --watch questions, each printing its events as they come. A resumed stream's own watches go on
@@ -280,6 +282,12 @@ class _Replay:
                 + f"; the {left} question{'s' if left != 1 else ''} left {'are' if left != 1 else 'is'} answered from "
                 + (f"the {held} frames before it" if held > 1 else "the frame before it"))
             print(f"statekv stream: warning: {self.cache_full}", file=sys.stderr, flush=True)
+        except FrameDecodeError:  # a file cut short: the questions left are answered from what it gave, then it is said
+            if not stream.frames:
+                raise
+            self.undecodable = True
+            self.ask_due(math.inf)
+            raise
         self.ask_due(math.inf)  # questions at or after the end see the whole video (or what the cap let in)
 
     def warn_stopped(self, horizon: int, seconds: float, duration: float | None) -> None:
@@ -311,11 +319,13 @@ class _Replay:
             time, question = self.questions.pop(0)
             answer = self.stream.ask(question, max_new_tokens=self.args.max_new_tokens)
             self.answers.append({"time": time, "frames": self.stream.frames, "tokens": self.stream.tokens,
-                                 "question": question, "answer": answer, "after_cap": self.cache_full is not None})
+                                 "question": question, "answer": answer, "after_cap": self.cache_full is not None,
+                                 "after_error": self.undecodable})
             if self.args.json:  # one line per answer, as it is made: nothing is lost if the run stops later
                 print(json.dumps({"event": "answer", **self.answers[-1]}), flush=True)
             else:
-                mark = " (after the cache cap stopped the stream)" if self.cache_full else ""
+                mark = (" (after the cache cap stopped the stream)" if self.cache_full else
+                        " (after the video's frames stopped decoding)" if self.undecodable else "")
                 head = f"[{time:7.2f} s, {self.stream.frames} frames] Q: "
                 asked = question.replace("\n", "\n" + " " * len(head))  # its options under its first line
                 print(f"{head}{asked}{mark}\n{'':>21}A: {answer}", flush=True)

@@ -233,8 +233,8 @@ def read_records(path: Path | str) -> list[AnswerRecord]:
         line = path.read_bytes()[: error.start].count(b"\n") + 1
         raise ResultsFileError(f"{path}:{line}: corrupt answer record (not UTF-8 text)") from None
     lines = text.split("\n")
-    if lines[-1]:
-        logger.warning("%s: ignoring an unterminated last line", path)
+    if lines[-1]:  # a write under way, or a killed writer's (the run that goes on cuts it, and says so)
+        logger.debug("%s: ignoring an unterminated last line", path)
     records = []
     for number, line in enumerate(lines[:-1], start=1):
         if not line.strip():

@@ -244,10 +244,10 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         lock_for_every_rank(lock, context)
         if config.overwrite and context.is_main:
             clear_run(config.out)
-        elif context.is_main:  # cut once here, the run's readers and writers below then find no half line
-            drop_unterminated_tails(config.out)
         context.barrier()
         check_run_file(config, expected, content, write=False, **before)  # before the model loads: settings, data
+        if context.is_main:  # this run's: a killed writer's half line is cut here, and said, once
+            drop_unterminated_tails(config.out)
         qa = qa if qa is not None else load_model(config, context)
         if qa.method != config.method:
             raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")

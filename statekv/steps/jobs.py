@@ -193,8 +193,9 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
     if stopped:
         raise stopped[0]
     if refused:
-        video = next(video for video in videos if id(video) in refused)
-        said = all(other.replay_put_off for other in videos if id(other) in refused)
+        put_off = [video for video in videos if id(video) in refused]
+        video = next((video for video in put_off if not video.replay_put_off), put_off[0])  # one not said yet
+        said = video.replay_put_off
         for other in videos:
             other.replay_put_off = id(other) in refused
         raise ReplayPutOff(video.put_off(refused[id(video)]), replayed, set(refused), said=said)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, OutputError
+from ..flushing import flush_file
 from ..settings.values import check_output_dir
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
@@ -40,7 +41,7 @@ from .videos import write_stills_video
 QUESTIONS_FILE = "questions.jsonl"
 STREAMING_FILE = "streaming.json"
 MANIFEST_FILE = "benchmark.json"
-MAKING_FILE = "making.json"  # what a make under way was asked for, until its manifest is written
+MAKING_FILE = "making.json"  # what a make under way was asked for, until its question file is written
 VIDEO_DIR = "videos"
 OWN_VIDEO = re.compile(r"v[0-9]{4,}(\.partial)?\.mp4")  # a set's video in VIDEO_DIR (or one being written)
 FORMAT_VERSION = 1
@@ -66,25 +67,28 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     """
     _check_arguments(videos, seed, num_frames, families)
     out = check_output_dir(out, "the synthetic set's folder")
-    _check_room(out, videos, num_frames)
     making = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
               "num_frames": num_frames, "streaming": streaming, "families": list(families)}
-    if not _resumes(out, making, overwrite):
+    resumed = _resumes(out, making, overwrite)
+    _check_room(out, sum(not (out / _video_path(index)).is_file() for index in range(videos)) if resumed else videos,
+                num_frames)
+    if not resumed:
         _prepare_folder(out, overwrite)
-        (out / MAKING_FILE).write_text(json.dumps(making, indent=1) + "\n", encoding="utf-8")
+        _write_atomically(out / MAKING_FILE, json.dumps(making, indent=1) + "\n")
     rows: list[dict[str, Any]] = []
     for index in range(videos):
         video_id = f"v{index:04d}"
         rng = video_rng(seed, index)
         plan = plan_video(rng, num_frames)
-        relative = f"{VIDEO_DIR}/{video_id}.mp4"
+        relative = _video_path(index)
         if streaming:
             rows += streaming_rows(plan, rng, relative, first_id=len(rows))
         else:
             rows += [question_row(spec, video_id, relative, num_frames) for spec in ask_all(plan, rng, families)]
-        if not (out / relative).is_file():  # made before the make was stopped: whole, as its name says
+        if not (out / relative).is_file():  # one there was renamed whole by a make that was stopped
             partial = out / VIDEO_DIR / f"{video_id}.partial.mp4"
-            os.replace(write_video(plan, partial), out / relative)
+            flush_file(write_video(plan, partial))
+            os.replace(partial, out / relative)
         if progress is not None:
             progress(index + 1, videos)
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
@@ -92,11 +96,9 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
                 **({"tasks": STREAMING_TASKS} if streaming else {"families": list(families)})}
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     if streaming:
-        temporary = out / (STREAMING_FILE + ".tmp")
-        temporary.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, out / STREAMING_FILE)
+        _write_atomically(out / STREAMING_FILE, json.dumps(rows, indent=1) + "\n")
     else:
-        _write_rows(out / QUESTIONS_FILE, rows)
+        _write_atomically(out / QUESTIONS_FILE, "".join(json.dumps(row) + "\n" for row in rows))
     (out / MAKING_FILE).unlink()
     return out / (STREAMING_FILE if streaming else QUESTIONS_FILE)
 
@@ -175,7 +177,7 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
         videos = out / VIDEO_DIR
         own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, MAKING_FILE,
-                                       QUESTIONS_FILE + ".tmp", STREAMING_FILE + ".tmp")]
+                                       QUESTIONS_FILE + ".tmp", STREAMING_FILE + ".tmp", MAKING_FILE + ".tmp")]
         found = sorted(out.iterdir()) + (sorted(videos.iterdir()) if videos.is_dir() else [])
         foreign = [path for path in found if path not in own and path != videos
                    and not (path.parent == videos and OWN_VIDEO.fullmatch(path.name) and path.is_file())]
@@ -190,8 +192,12 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+def _video_path(index: int) -> str:
+    return f"{VIDEO_DIR}/v{index:04d}.mp4"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` written whole or not at all (a stop midway leaves its ``.tmp`` beside it)."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
-    return path

@@ -285,6 +285,8 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
         if not text.strip():  # Path("") would be the current folder
             raise VideoError("the video path is empty; give a video file or a folder of images")
         path = Path(text)
+        if "\0" in text:
+            raise VideoError(f"{_shown(path)!r}: a path holds no NUL character")
         try:
             os.stat(path)
         except FileNotFoundError:
@@ -299,8 +301,9 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
         return FileVideo(path)
     fps = fps if fps is not None else DEFAULT_IMAGE_FPS
     if isinstance(source, np.ndarray):
-        if source.ndim != 4 or source.shape[-1] != 3 or source.dtype != np.uint8:
-            raise VideoError(f"array video must be uint8 [N, H, W, 3], got {source.dtype} {list(source.shape)}")
+        if source.ndim != 4 or source.shape[-1] != 3 or source.dtype != np.uint8 or 0 in source.shape[1:3]:
+            raise VideoError(f"array video must be uint8 [N, H, W, 3] with frames of at least one pixel, got "
+                             f"{source.dtype} {list(source.shape)}")
         return ImageSequenceVideo(source, np.asarray, fps=fps, name=f"array[{source.shape[0]}]")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         return ImageSequenceVideo(source, _image_to_rgb_array, fps=fps, name=f"images[{len(source)}]")
@@ -327,10 +330,12 @@ def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
 
 
 def _check_regular_file(path: Path) -> None:
-    """Refuse a named pipe, a device or a socket: reading one would wait forever or never end."""
+    """Refuse a folder, a broken link, a named pipe, a device or a socket (reading one of the last three would wait
+    for ever or never end)."""
     if not path.is_file():
-        raise VideoError(f"{path}: not a regular file (a named pipe, device or socket); give a video file or a "
-                         "folder of images")
+        kind = ("a folder" if path.is_dir() else "a broken link" if path.is_symlink() and not path.exists()
+                else "a named pipe, device or socket")
+        raise VideoError(f"{path}: not a regular file ({kind}); give a video file or a folder of images")
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -348,7 +353,8 @@ def _read_image_file(path: Path) -> np.ndarray:
 def _image_to_rgb_array(image: Any) -> np.ndarray:
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB"))
-    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3 and image.dtype == np.uint8:
+    if (isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3 and image.dtype == np.uint8
+            and 0 not in image.shape):
         return image
     shape = getattr(image, "shape", None)
     raise VideoError(f"frames must be PIL images or uint8 [H, W, 3] arrays, got {type(image).__name__} {shape or ''}")

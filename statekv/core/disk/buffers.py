@@ -187,7 +187,7 @@ class MappedTokenBuffer:
         self._block = os.fstat(self._fds[0]).st_blksize or 4096  # the file system's block (what a hole frees)
         self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
         if self._capacity < length:
-            short, size = min(zip(self.paths, sizes), key=lambda pair: pair[1])
+            short, _ = min(zip(self.paths, sizes), key=lambda pair: pair[1])
             raise InputError(f"{short.parent}: the disk cache is damaged: {short.name} holds {self._capacity} rows, "
                              f"fewer than the {length} its journal lists")
 

@@ -47,7 +47,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             shape = read_checked(described)
             check_file_set(where, described.name, shape, tier.file_set)
             missing = [path for path in mapped.paths if not path.is_file()]
-            if missing:  # not made again empty by the reopening: named
+            if missing and int(sizes.get(name, 0) or 0):  # rows the journal lists: not made again empty
                 raise InputError(f"{where}: the disk cache is damaged: {missing[0].name} is missing")
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
