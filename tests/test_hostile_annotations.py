@@ -224,3 +224,37 @@ def test_the_plugin_reads_ovobench_documents_with_the_same_loader(ovo):
     with pytest.raises(AnnotationError, match=r"test_info\[1\]: count must be a whole number >= 0"):
         round_times({**polled, "test_info": [polled["test_info"][0], {"realtime": 3, "count": "two"}]}, 2)
     assert query_time({**choice, "task": "XYZ"}) is None  # not OVO-Bench's: asked from its clip, as any document
+
+
+def test_a_streamingbench_video_with_no_questions_is_counted_in_the_warning_line(tmp_path, caplog):
+    """Before: it was dropped without a word."""
+    write_mini_streamingbench(tmp_path)
+    path = tmp_path / "streamingbench" / "questions_real.json"
+    before = len(ev.load_benchmark("streamingbench", tmp_path, check_videos=False))
+    _edit(path, lambda entries: entries[0].update(questions=[]))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        questions = ev.load_benchmark("streamingbench", tmp_path, check_videos=False)
+    assert len(questions) == before - 1
+    assert f"1 video(s) with no questions, not used: {path} entry 0" in " ".join(_warnings(caplog))
+
+
+def test_mlvu_question_ids_that_repeat_are_numbered_by_row_and_said(tmp_path, caplog):
+    """Before: one repeated question_id renumbered every question of the file without a word."""
+    from statekv.eval.loaders import mlvu_questions
+
+    rows = [{"video_name": f"clip{n}.mp4", "question": "Which?", "candidates": ["a", "b", "c", "d"], "answer": "A",
+             "task_type": "count", "question_id": f"q{n}"} for n in range(3)]
+    folder = tmp_path / "mlvu"
+    assert [q.qid for q in mlvu_questions(rows, folder, check_videos=False, source="dev.json")] == ["q0", "q1", "q2"]
+    rows[2]["question_id"] = "q0"
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        questions = mlvu_questions(rows, folder, check_videos=False, source="dev.json")
+    assert [q.qid for q in questions] == ["0", "1", "2"]
+    assert _warnings(caplog) == ["dev.json: rows 0 and 2 share question_id 'q0', so its questions are numbered by "
+                                 "their rows"]
+    caplog.clear()
+    for row in rows:
+        del row["question_id"]  # the released dev file has none: numbered by row, as documented, without a warning
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        mlvu_questions(rows, folder, check_videos=False, source="dev.json")
+    assert _warnings(caplog) == []

@@ -23,7 +23,8 @@ which avoids the ``pyarrow`` dependency of parquet)::
 For VideoMME and MLVU, any ``test*.parquet`` / ``test*.jsonl`` / ``test*.json`` in the inner
 folder (or directly in the benchmark folder) is accepted; pass ``annotation=`` to name files
 explicitly. Question ids are the published ``question_id`` (VideoMME, MLVU) or ``id``
-(OVOBench) when every row has a distinct one, else the row's position in the file.
+(OVOBench) when every row has a distinct one, else the row's position in the file (in one warning line when some
+rows have one).
 
 ``load_benchmark_from_hub`` reads the annotations with the ``datasets`` library instead (for
 VideoMME and MLVU; needs network and ``pip install datasets``); videos still come from
@@ -32,6 +33,7 @@ VideoMME and MLVU; needs network and ``pip install datasets``); videos still com
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from dataclasses import replace
@@ -45,6 +47,8 @@ from statekv.eval.ovobench import ovobench_questions, seconds
 from statekv.eval.streamingbench import check_video_files, streamingbench_questions
 from statekv.synthetic.benchmark import QUESTIONS_FILE, STREAMING_FILE
 from statekv.synthetic.streaming import GROUPS as STREAMING_GROUPS
+
+logger = logging.getLogger(__name__)
 
 VIDEOMME_EXTENSIONS = (".mp4", ".MP4", ".mkv")
 OVOBENCH_ANNOTATIONS = ("ovo_bench_new.json", "realtime/data.json", "realtime.jsonl", "realtime.json")
@@ -193,7 +197,7 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
         "options",
         "answer",
     )
-    qids = _question_ids(rows, "question_id")
+    qids = _question_ids(rows, "question_id", source)
     questions = []
     for index, row in enumerate(rows):
         where = f"{source} row {index}"
@@ -223,7 +227,7 @@ def videomme_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos
 
 def mlvu_questions(rows: list[dict[str, Any]], folder: Path, *, check_videos: bool, source: str) -> list[Question]:
     fields = ("video_name", "question", "candidates", "answer", "task_type")
-    qids = _question_ids(rows, "question_id")
+    qids = _question_ids(rows, "question_id", source)
     questions = []
     notes = LoadNotes("MLVU")
     for index, row in enumerate(rows):
@@ -359,11 +363,20 @@ def _describe(paths: list[Path]) -> str:
     return str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more)"
 
 
-def _question_ids(rows: list[dict[str, Any]], field: str) -> list[str]:
+def _question_ids(rows: list[dict[str, Any]], field: str, source: str) -> list[str]:
+    """Each row's ``field`` as its question id when every row has a distinct one, else its position (said in one
+    warning when some rows have one: a run's answers are then kept by position, not by the published ids)."""
     ids = [row.get(field) for row in rows]
     as_text = [str(value) for value in ids]
     if None not in ids and len(set(as_text)) == len(as_text):
         return as_text
+    if any(value is not None for value in ids):
+        seen: dict[str, int] = {}
+        repeated = next(((seen[text], number) for number, text in enumerate(as_text)
+                         if ids[number] is not None and seen.setdefault(text, number) != number), None)
+        why = (f"rows {repeated[0]} and {repeated[1]} share {field} {as_text[repeated[1]][:40]!r}" if repeated
+               else f"row {ids.index(None)} has no {field}")
+        logger.warning("%s: %s, so its questions are numbered by their rows", source, why)
     return [str(index) for index in range(len(rows))]
 
 

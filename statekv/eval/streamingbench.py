@@ -186,6 +186,8 @@ def _file_questions(path: Path, entries: list[tuple[int, dict[str, Any]]], folde
         require_fields(entry, ("questions", "video_path"), where)
         if not isinstance(entry["questions"], list):
             raise AnnotationError(f"{where}: field 'questions' must be a list")
+        if not entry["questions"]:
+            notes.add("video(s) with no questions, not used", where)
         video = str(entry["video_path"])
         if PurePosixPath(video).is_absolute():  # as the release's preprocess.sh rewrites them: its videos/ folder
             notes.add("video path(s) absolute, as the release's preprocess.sh writes them, read under videos/", where)
