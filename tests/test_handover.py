@@ -914,7 +914,10 @@ def test_streams_caught_up_together_replay_on_when_one_successors_disk_refuses(c
     from statekv.steps.jobs import ReplayPutOff
 
     qa = on_disk(checkpoint, tmp_path)
-    streams = [pushed(qa, FRAMES[:8]) for _ in range(2)]
+    streams = [qa.stream(name=name) for name in ("first", "second")]
+    for stream in streams:
+        for frame in FRAMES[:8]:
+            stream.push(frame)
     for stream in streams:
         stream.catch_up(1)
     before = [len(stream.backlog.steps) for stream in streams]
@@ -929,6 +932,13 @@ def test_streams_caught_up_together_replay_on_when_one_successors_disk_refuses(c
     with pytest.raises(ReplayPutOff) as again:  # said already: a server's log takes it once
         qa.catch_up_many(streams, 1)
     assert again.value.said and again.value.replayed == 1
+    monkeypatch.setattr(streams[1].successor.disk, "commit_step", full)
+    with pytest.raises(ReplayPutOff) as newly:  # another one put off: the line names it, not the one said before
+        qa.catch_up_many(streams, 1)
+    assert not newly.value.said and str(newly.value).startswith("second: ")
+    with pytest.raises(ReplayPutOff) as both:
+        qa.catch_up_many(streams, 1)
+    assert both.value.said and both.value.put_off == {id(stream) for stream in streams}
     assert streams[0].successor is not None and streams[0].handover == "beside"
     for stream in streams:
         stream.close()

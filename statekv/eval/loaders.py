@@ -371,11 +371,15 @@ def _question_ids(rows: list[dict[str, Any]], field: str, source: str) -> list[s
     if None not in ids and len(set(as_text)) == len(as_text):
         return as_text
     if any(value is not None for value in ids):
-        seen: dict[str, int] = {}
-        repeated = next(((seen[text], number) for number, text in enumerate(as_text)
-                         if ids[number] is not None and seen.setdefault(text, number) != number), None)
-        why = (f"rows {repeated[0]} and {repeated[1]} share {field} {as_text[repeated[1]][:40]!r}" if repeated
-               else f"row {ids.index(None)} has no {field}")
+        first: dict[str, int] = {}
+        for number, (value, text) in enumerate(zip(ids, as_text)):
+            if value is None:
+                why = f"row {number} has no {field}"
+                break
+            if text in first:
+                why = f"rows {first[text]} and {number} share {field} {text[:40]!r}"
+                break
+            first[text] = number
         logger.warning("%s: %s, so its questions are numbered by their rows", source, why)
     return [str(index) for index in range(len(rows))]
 
