@@ -534,3 +534,19 @@ def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tok
             assert all(type(buffer) is kind for buffer in per_token), (limit, dtype)
             per_step = [storage.block_keys, storage.step_samples] + ([] if dtype is None else [storage.key_scales])
             assert all(type(buffer) is TokenBuffer and buffer.pin is not evicts for buffer in per_step), (limit, dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_an_evicting_quantized_stream_holds_no_more_than_its_cap(adapter, kv_cache_dtype):
+    """Before: a quantized evicting stream's per-step buffers (its keys' scales, its summaries) counted the slots
+    they had grown ahead of the stream, so ``detailed_bytes`` passed the cap (the GPU suite's CUDA test caught it).
+    Those slots hold no memory until written: they are given back when a buffer grows and no longer counted, so
+    what the stream reports holding stays under its cap, as it does unquantized."""
+    stream = tiny_qa(adapter, "statekv", offload=True, kv_cache_dtype=kv_cache_dtype, max_cache_bytes=60_000,
+                     cache_limit="evict-oldest").stream()
+    reported = []
+    for frame in random_frames(100):
+        stream.push(frame)
+        reported.append(stream.prefill.stats.detailed_bytes)
+    assert stream.prefill.cache.evicted_steps and max(reported) <= 60_000, max(reported)
+    assert max(reported[60:]) <= 1.2 * max(reported[20:40])  # it holds what it keeps, not what it streamed

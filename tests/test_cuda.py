@@ -310,6 +310,7 @@ def test_an_evicting_stream_offloaded_from_the_gpu_gives_its_evicted_rows_back(c
         buffer.tensors or () if isinstance(buffer, TokenBuffer) else [t for block in buffer.blocks.values()
                                                                        for t in block])]
     assert held and all(returnable(t) for t in held)
-    assert all(t.is_pinned() for layer in keeping.prefill.cache.layers
-               for t in (layer.storage.detailed.tensors or ()) if kv_cache_dtype is None)
+    kept = [t for layer in keeping.prefill.cache.layers for buffer in (
+        [layer.storage.detailed] if kv_cache_dtype is None else layer.storage.buffers) for t in buffer.tensors or ()]
+    assert kept and all(t.is_pinned() for t in kept)
     assert evicting.prefill.stats.detailed_bytes <= 60_000

@@ -58,9 +58,14 @@ class TokenBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors as allocated, less the rows given back to the OS (`release`: in host memory that is
-        not pinned; pinned or GPU rows are only zeroed, and still take their memory)."""
-        return sum((t.shape[2] - (self.released.rows if returnable(t) else 0)) * (t.numel() // t.shape[2])
-                   * t.element_size() for t in self.tensors or () if t.shape[2])
+        not pinned; pinned or GPU rows are only zeroed, and still take their memory). A buffer that gives rows back
+        (``pin`` False) in host memory counts the rows below ``length`` only: the pages of the slots ahead hold no
+        memory until they are written (`reserve` gives them back)."""
+        return sum((self._allocated_rows(t) - (self.released.rows if returnable(t) else 0))
+                   * (t.numel() // t.shape[2]) * t.element_size() for t in self.tensors or () if t.shape[2])
+
+    def _allocated_rows(self, tensor: torch.Tensor) -> int:
+        return min(self.length, tensor.shape[2]) if not self.pin and returnable(tensor) else tensor.shape[2]
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
         """Make room for ``needed`` slots shaped like ``like`` ``[B, H_kv, *, D]`` (for ``expected`` if it has to
@@ -78,7 +83,8 @@ class TokenBuffer:
                 new[:, :, start:end] = old[:, :, start:end]
             for start, end in self.released.within(self.length):
                 free_rows(new, start, end)
-            if self.released.starts:  # reused memory may hold its pages already: the slots not written yet too
+        for new in grown:
+            if self.released.starts or not self.pin:  # reused memory may hold its pages: the slots not written yet
                 free_rows(new, self.length, capacity, zero=False)
         self.tensors = grown
         if self.on_replace is not None:

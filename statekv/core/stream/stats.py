@@ -30,7 +30,8 @@ class StreamStats:
     steps, tokens: streamed so far. carried_tokens: per layer, tokens carried into the next step (per KV head).
     detailed_bytes: the buffers of the keys and values of every token (or their int8/int4 codes with their
     scales), all layers, wherever they are stored, as allocated (a horizon's, up front), less the rows an evicting
-    stream gave back (its disk tier's holes, host pages returned; pinned or GPU memory keeps them); scale_bytes:
+    stream gave back (its disk tier's holes, host pages returned; pinned or GPU memory keeps them; its host buffers
+    count the rows written, not the slots grown ahead of them, which hold no pages); scale_bytes:
     the scales and zero points among them. summary_bytes: every step's retrieval summaries and the segment index.
     journal_bytes: the disk tier's journal and carried-state checkpoints, as the files hold them. held_bytes: what
     ``max_cache_bytes`` counts, or would count without a cap (the above for the tokens and steps held, evicted steps
