@@ -15,6 +15,24 @@ def write_flushed(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def write_whole(path: str | os.PathLike, data: bytes, partial: str | os.PathLike | None = None) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into ``partial`` (default ``<name>.partial`` beside it, for a
+    path one writer writes; writers at once each need a name of their own), flushed, renamed over ``path``, and the
+    folder flushed. The partial file is removed when a step fails, and the error raised."""
+    path = Path(path)
+    partial = Path(partial) if partial is not None else path.with_name(f"{path.name}.partial")
+    try:
+        write_flushed(partial, data)
+        os.replace(partial, path)
+        flush_folder(path.parent)
+    except BaseException:
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
 def flush_file(path: str | os.PathLike) -> None:
     """Flush a file written by someone else (a library's writer) to the disk."""
     handle = os.open(Path(path), os.O_RDWR)  # some systems flush only a file open for writing

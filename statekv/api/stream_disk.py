@@ -19,7 +19,6 @@ reopens none.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from safetensors.torch import load as load_tensors, save as save_tensors
 
 from ..core.disk.files import read_description
 from ..errors import InputError
-from ..flushing import write_flushed
+from ..flushing import write_whole
 from ..settings.values import HIGHEST_FPS
 from ..video import Frame
 from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
@@ -89,7 +88,7 @@ def write_waiting(folder: Path, frames: list[Frame]) -> dict[str, Any]:
     returns the journal record vouching for it. An `OSError` when it cannot be written (nothing replaced)."""
     data = save_tensors({f"frame.{n}": torch.from_numpy(np.ascontiguousarray(frame.image))
                          for n, frame in enumerate(frames)})
-    _write_whole(folder / WAITING_FILE, data)
+    write_whole(folder / WAITING_FILE, data)
     return {WAITING: [[frame.index, frame.timestamp] for frame in frames], "file_crc": zlib.crc32(data)}
 
 
@@ -124,7 +123,7 @@ def write_watches(folder: Path, name: str, records: list[dict[str, Any]],
     it cannot be written (nothing replaced)."""
     data = save_tensors({key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors.items()},
                         metadata={WATCHES: json.dumps(records)})
-    _write_whole(folder / name, data)
+    write_whole(folder / name, data)
     return {WATCHES: len(records), "file": name, "file_crc": zlib.crc32(data)}
 
 
@@ -162,12 +161,3 @@ def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, 
     return records, tensors
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a flushed ``.partial`` file renamed over it: whole or not at all."""
-    partial = path.with_name(f"{path.name}.partial")
-    try:
-        write_flushed(partial, data)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
+from statekv.flushing import write_whole
 from statekv.eval.parsing import DEFAULT_PARSER, check_parser, judge
 from statekv.eval.prompts import DEFAULT_PROTOCOL, check_protocol
 from statekv.eval.questions import Question
@@ -302,13 +303,7 @@ def merge_rank_files(run_dir: Path | str) -> list[AnswerRecord]:
 
 
 def write_records_atomically(path: Path, records: Iterable[AnswerRecord]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as file:
-        for record in records:
-            file.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    write_whole(path, "".join(json.dumps(record.to_json(), ensure_ascii=False) + "\n" for record in records).encode())
 
 
 def _natural_key(text: str) -> tuple[str | int, ...]:

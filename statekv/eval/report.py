@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
+from statekv.flushing import write_whole
 from statekv.eval.parsing import PARSERS
 from statekv.settings.methods import MethodSettings, method as method_spec, method_names
 from statekv.eval.records import AnswerRecord, merge_rank_files
@@ -82,9 +82,7 @@ def write_summary(
     run_dir = Path(run_dir)
     summary = build_summary(merge_rank_files(run_dir) if records is None else records, expected_qids)
     summary.update(extra or {})
-    temporary = run_dir / (SUMMARY_FILE + ".tmp")
-    temporary.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-    os.replace(temporary, run_dir / SUMMARY_FILE)
+    write_whole(run_dir / SUMMARY_FILE, (json.dumps(summary, indent=2, allow_nan=True) + "\n").encode())
     return summary
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import ConfigurationError, DataError
+from statekv.flushing import write_whole
 from statekv.eval.answering import Answer, Asker, answer_afresh, answer_clips, answer_encoded, answer_streamed
 from statekv.eval.distributed import RankContext
 from statekv.core.storage.quantized import check_kv_cache_dtype
@@ -437,11 +438,9 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
                                          f"{redo}")
     if write:
         config.out.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(RUN_FILE + ".tmp")
         document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected),
                     "conditions": conditions_used(config.out, config.options, run if answered else None)}
-        temporary.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
+        write_whole(path, (json.dumps(document, indent=1) + "\n").encode())
 
 
 def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],

@@ -14,10 +14,11 @@ import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
+from statekv.flushing import write_whole
 from statekv.user_cache import cache_dir
 
 from .tuning import Tile
@@ -55,16 +56,12 @@ class TileCache:
         merged = {**self._read(), key: tiles}  # keep what other processes added since we read
         document = {"identity": self.identity,
                     "choices": {k: {"flash": list(flash), "mass": list(mass)} for k, (flash, mass) in merged.items()}}
-        partial = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".partial", delete=False) as handle:
-                partial = handle.name
-                json.dump(document, handle, indent=1, sort_keys=True)
-            os.replace(partial, self.path)
+            write_whole(self.path, json.dumps(document, indent=1, sort_keys=True).encode(),
+                        partial=self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"))
         except OSError:  # not cached: the next process tunes again
-            if partial is not None:
-                Path(partial).unlink(missing_ok=True)
+            pass
 
     def _read(self) -> dict[str, tuple[Tile, Tile]]:
         if self.path is None:

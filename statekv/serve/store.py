@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, StateKVError
-from ..flushing import flush_folder, write_flushed
+from ..flushing import flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import is_finite_number, is_stream_rate
 
@@ -445,12 +445,4 @@ def _reason(error: BaseException) -> str:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` whole or not at all: nothing is left beside it when the write fails (a full disk). Each write
     has a partial file of its own, so two at once never rename each other's."""
-    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
-    try:
-        write_flushed(partial, data)
-        os.replace(partial, path)
-        flush_folder(path.parent)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        raise
+    write_whole(path, data, partial=path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial"))

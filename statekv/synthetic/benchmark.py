@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, OutputError
-from ..flushing import flush_file
+from ..flushing import flush_file, write_whole
 from ..settings.values import check_output_dir
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
@@ -74,7 +74,7 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
                 num_frames)
     if not resumed:
         _prepare_folder(out, overwrite)
-        _write_atomically(out / MAKING_FILE, json.dumps(making, indent=1) + "\n")
+        write_whole(out / MAKING_FILE, (json.dumps(making, indent=1) + "\n").encode())
     rows: list[dict[str, Any]] = []
     for index in range(videos):
         video_id = f"v{index:04d}"
@@ -94,11 +94,11 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
                 "num_frames": num_frames, "questions": len(rows), "streaming": streaming,
                 **({"tasks": STREAMING_TASKS} if streaming else {"families": list(families)})}
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    write_whole(out / MANIFEST_FILE, (json.dumps(manifest, indent=1) + "\n").encode())
     if streaming:
-        _write_atomically(out / STREAMING_FILE, json.dumps(rows, indent=1) + "\n")
+        write_whole(out / STREAMING_FILE, (json.dumps(rows, indent=1) + "\n").encode())
     else:
-        _write_atomically(out / QUESTIONS_FILE, "".join(json.dumps(row) + "\n" for row in rows))
+        write_whole(out / QUESTIONS_FILE, ("".join(json.dumps(row) + "\n" for row in rows)).encode())
     (out / MAKING_FILE).unlink()
     return out / (STREAMING_FILE if streaming else QUESTIONS_FILE)
 
@@ -177,7 +177,8 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
         videos = out / VIDEO_DIR
         own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, MAKING_FILE,
-                                       QUESTIONS_FILE + ".tmp", STREAMING_FILE + ".tmp", MAKING_FILE + ".tmp")]
+                                       QUESTIONS_FILE + ".partial", STREAMING_FILE + ".partial",
+                                       MAKING_FILE + ".partial")]
         found = sorted(out.iterdir()) + (sorted(videos.iterdir()) if videos.is_dir() else [])
         foreign = [path for path in found if path not in own and path != videos
                    and not (path.parent == videos and OWN_VIDEO.fullmatch(path.name) and path.is_file())]
@@ -194,10 +195,3 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
 
 def _video_path(index: int) -> str:
     return f"{VIDEO_DIR}/v{index:04d}.mp4"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``path`` written whole or not at all (a stop midway leaves its ``.tmp`` beside it)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)

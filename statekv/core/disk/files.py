@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
-from ...flushing import flush_folder, write_flushed
+from ...flushing import write_whole
 from ...locks import FolderLock
 from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step
 
@@ -65,14 +65,7 @@ def _fields_sha256(fields: dict[str, Any]) -> str:
 
 
 def write_checked(path: Path, fields: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    try:
-        write_flushed(partial, json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False).encode())
-        os.replace(partial, path)
-        flush_folder(path.parent)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_whole(path, json.dumps({**fields, CHECKSUM: _fields_sha256(fields)}, allow_nan=False).encode())
 
 
 def read_checked(path: Path) -> dict[str, Any]:
@@ -323,10 +316,7 @@ def upgrade_file_set(folder: Path) -> dict[str, Any]:
         file_set = uuid.uuid4().hex
     for described in sorted(folder.glob("layer*.bin.json")):
         write_checked(described, {**read_checked(described), FILE_SET: file_set})
-    partial = folder / f"{JOURNAL}.partial"
-    write_flushed(partial, journal_line(journal_header(file_set)) + data)
-    os.replace(partial, folder / JOURNAL)
-    flush_folder(folder)
+    write_whole(folder / JOURNAL, journal_line(journal_header(file_set)) + data)
     manifest = {**manifest, "version": FORMAT_VERSION, FILE_SET: file_set,
                 "created": manifest.get("created") or datetime.datetime.now(datetime.timezone.utc).isoformat()}
     write_checked(folder / MANIFEST, manifest)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...console import one_line
-from ...flushing import flush_file, write_flushed
+from ...flushing import flush_file, write_flushed, write_whole
 from ..errors import StorageError
 
 log = logging.getLogger("statekv.serve")
@@ -189,13 +189,10 @@ class ObjectStore:
 
     def _put_local(self, name: str, data: bytes) -> None:
         target = Path(self.path(name))
-        partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_flushed(partial, data)
-            os.replace(partial, target)
+            write_whole(target, data, partial=target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial"))
         except OSError as error:
-            partial.unlink(missing_ok=True)
             raise self.error("write", name, error) from None
 
 
