@@ -94,6 +94,19 @@ def test_the_rows_pass_the_check_command(rows_root, capsys):
     assert "every annotation row parses: 7 questions" in out and "not used or read otherwise: StreamingBench: " in out
 
 
+
+@pytest.mark.parametrize("benchmark, name", [("ovobench", "ovo_bench_new.json"),
+                                             ("streamingbench", "questions_real.json")])
+def test_a_file_an_editor_saved_with_a_byte_order_mark_loads_as_the_release(rows_root, benchmark, name):
+    """Before: a file that begins with UTF-8's byte-order mark (what some editors write) was refused as
+    not valid JSON."""
+    groups = {"groups": ["realtime"]} if benchmark == "streamingbench" else {}
+    released = ev.load_benchmark(benchmark, rows_root, check_videos=False, **groups)
+    path = rows_root / benchmark / name
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert ev.load_benchmark(benchmark, rows_root, check_videos=False, **groups) == released
+
+
 # ------------------------------------------------------------------------------------------ the whole releases
 
 
@@ -153,3 +166,11 @@ def test_the_check_command_reads_the_whole_release(benchmark, capsys):
     out = capsys.readouterr().out
     total = {"ovobench": "3,035", "streamingbench": "3,500"}[benchmark]
     assert f"every annotation row parses: {total} questions" in out
+
+
+def test_json_lines_with_a_byte_order_mark_load(tmp_path):
+    from statekv.eval.annotations import read_table
+
+    path = tmp_path / "questions.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"question": "a"}\n{"question": "b"}\n')
+    assert read_table(path) == [{"question": "a"}, {"question": "b"}]

@@ -6,6 +6,7 @@ nothing, so a layout converted to ``.jsonl`` works with the core install.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -73,7 +74,7 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+    for number, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -104,7 +105,7 @@ def read_json_document(path: Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"annotation file not found: {path}")
-    data_bytes = path.read_bytes()
+    data_bytes = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # a mark some editors put first: not text
     try:
         return json.loads(data_bytes.decode("utf-8"))
     except UnicodeDecodeError as error:
