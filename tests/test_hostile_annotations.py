@@ -213,13 +213,25 @@ def test_a_negative_evidence_frame_in_a_streaming_set_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------ the lmms-eval plugin
 
 
+@pytest.mark.parametrize("time", [1e300, 10**400], ids=["1e300", "400 digits"])
+def test_a_time_no_stream_reaches_is_refused_in_one_short_line(ovo, capsys, time):
+    """Before: 1e300 was asked at the video's end and the check printed it as a number of 301 digits; an integer of
+    400 digits raised Python's own OverflowError."""
+    path = ovo / "ovobench" / "ovo_bench_new.json"
+    _edit(path, lambda rows: rows[0].update(realtime=time))
+    with pytest.raises(AnnotationError, match=r"field 'realtime' must be a number of seconds from 0 to 1e\+11, got ") \
+            as refused:
+        ev.load_benchmark("ovobench", ovo, check_videos=False)
+    assert len(str(refused.value)) < len(str(path)) + 150
+
+
 def test_the_plugin_reads_ovobench_documents_with_the_same_loader(ovo):
     rows = json.loads((ovo / "ovobench" / "ovo_bench_new.json").read_text())
     choice, polled = rows[0], rows[-1]
     assert query_time({**choice, "options": ["a", "a", "b", "c", "d"], "gt": 4}) == choice["realtime"]
     assert round_times(polled, 2) == [5.5, 3.0]
     with pytest.raises(AnnotationError, match="^ovo_realtime doc 0: field 'realtime' must be a number of seconds "
-                                              ">= 0, got -1$"):
+                                              "from 0 to 1e\\+11, got -1$"):
         query_time({**choice, "realtime": -1}, where="ovo_realtime doc 0")
     with pytest.raises(AnnotationError, match=r"test_info\[1\]: count must be a whole number >= 0"):
         round_times({**polled, "test_info": [polled["test_info"][0], {"realtime": 3, "count": "two"}]}, 2)

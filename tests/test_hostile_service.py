@@ -273,6 +273,8 @@ def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
         both = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1, "max_completion_tokens": 2})
         assert _error(both, 400) == ("max_tokens and max_completion_tokens differ; give one (max_tokens is its older "
                                      "name)")
+        invalid = client.post("/v1/chat/completions", json={**asked, "max_tokens": 0, "max_completion_tokens": 2})
+        assert "max_tokens must be an integer from 1 to 1024, got 0" in _error(invalid, 400)  # not "differ"
         one = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1}).json()
         assert one["usage"]["completion_tokens"] == 1
         same = client.post("/v1/chat/completions", json={**asked, "max_tokens": 1, "max_completion_tokens": 1})

@@ -31,6 +31,7 @@ from typing import Any
 from statekv.errors import MissingFileError
 from statekv.eval.annotations import LoadNotes, checked_groups, parse_options, require_fields, video_in
 from statekv.eval.questions import AnnotationError, Question
+from statekv.settings.values import LATEST_TIMESTAMP
 
 BACKWARD_TASKS = ("EPM", "ASI", "HLD")
 REALTIME_TASKS = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
@@ -197,9 +198,11 @@ def _polls(row: dict[str, Any], where: str, qid: str, video_path: Path, folder: 
 
 
 def seconds(value: Any, what: str) -> float:
-    """A time in seconds >= 0 from an annotation; a one-line `AnnotationError` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise AnnotationError(f"{what} must be a number of seconds >= 0, got {value!r}")
+    """A time in seconds from 0 to a stream's latest (`LATEST_TIMESTAMP`) from an annotation; a one-line
+    `AnnotationError` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LATEST_TIMESTAMP:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
+        raise AnnotationError(f"{what} must be a number of seconds from 0 to {LATEST_TIMESTAMP:.0e}, got {shown}")
     return float(value)
 
 

@@ -111,12 +111,12 @@ def answer_length(body: dict[str, Any]) -> int:
     """The most tokens an answer may take: ``max_completion_tokens``, or ``max_tokens`` (its older name), or the
     native route's default when neither is given; a 400 when the two are given and differ."""
     given = {name: body[name] for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None}
-    if len(set(map(shown, given.values()))) > 1:
+    for name, max_new in given.items():
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
+            raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
+    if len(set(given.values())) > 1:
         raise ServiceError(400, "max_tokens and max_completion_tokens differ; give one (max_tokens is its older name)")
-    name, max_new = next(iter(given.items()), ("max_tokens", DEFAULT_NEW_TOKENS))
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
-        raise ServiceError(400, f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
-    return max_new
+    return next(iter(given.values()), DEFAULT_NEW_TOKENS)
 
 
 @router.post("/v1/chat/completions")
