@@ -3,6 +3,7 @@ or the new one, never a name on data not yet written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -26,10 +27,8 @@ def write_whole(path: str | os.PathLike, data: bytes, partial: str | os.PathLike
         os.replace(partial, path)
         flush_folder(path.parent)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise
 
 
