@@ -134,6 +134,33 @@ def test_a_question_builds_its_causal_mask_once_for_every_layer(tiny_lm):
     assert masks[2] == masks[6] == ["masked_fill_.Scalar"]
 
 
+
+def test_a_question_counts_the_cache_it_holds_once_however_deep_the_model(tiny_lm):
+    """Before: each layer that opened its context summed every layer's device bytes for the peak, so a question's
+    host work grew with the square of the depth (on a 24-layer decoder on the CPU, 2,880 dispatched buffer queries
+    against 919 compute ops). It is counted once every layer is open, when it holds the most, and the peak is
+    what it was."""
+    from statekv.core import Retrieval, StateKV, StreamingPrefill
+    from statekv.testing.op_trace import OpTrace
+
+    queries, peaks = {}, {}
+    for layers in (2, 6):
+        prefill = StreamingPrefill(tiny_lm("qwen2", num_hidden_layers=layers), StateKV(16))
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            prefill.step(input_ids=torch.randint(0, 96, (1, 8), generator=generator))
+        question = torch.randint(0, 96, (1, 5), generator=generator)
+        prefill.generate(question, max_new_tokens=1)  # the first ask may grow the stream's buffers
+        with OpTrace() as trace:
+            prefill.generate(question, max_new_tokens=1, retrieve=Retrieval(2))  # copies the steps it retrieves
+        queries[layers] = trace.compute.count("is_pinned.default")
+        held = prefill.cache.device_bytes()
+        peaks[layers] = (prefill.cache.peak_device_bytes, held)
+    assert queries[6] <= 3 * queries[2]  # as deep, not as deep squared
+    for peak, held in peaks.values():
+        assert peak > held  # the contexts it retrieved counted on top of the stream's cache
+
+
 def test_a_questions_layers_share_a_mask_only_where_their_contexts_are_as_long(tiny_lm, monkeypatch):
     """Layers that retrieved steps of other lengths read contexts of other lengths: each reads a mask of its own
     length, and layers whose contexts are as long read the same one."""

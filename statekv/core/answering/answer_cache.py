@@ -215,6 +215,7 @@ class AnswerCache(Cache):
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
         self.masks: dict[tuple, ChunkMask] = {}  # the prompt's causal masks, by shape: built once, read by every layer
+        self.opened = 0  # layers whose context is open
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Attention of the prompt's (or a new token's) queries ``q [B, Hq, T, D]`` over the layer's context and
@@ -222,7 +223,9 @@ class AnswerCache(Cache):
         layer = self.layers[layer_idx]
         if layer.keys is None:
             layer.open(q, self.retrieval, layer_idx, scale, self.memory)
-            self.stream.note_device_bytes(self.device_bytes)
+            self.opened += 1
+            if self.opened == len(self.layers):  # what it holds only grows as layers open: noted once, at its most
+                self.stream.note_device_bytes(self.device_bytes)
         keys, values = layer.view()
         mask = None
         if q.shape[2] > 1:

@@ -61,11 +61,14 @@ class TokenBuffer:
         not pinned; pinned or GPU rows are only zeroed, and still take their memory). A buffer that gives rows back
         (``pin`` False) in host memory counts the rows below ``length`` only: the pages of the slots ahead hold no
         memory until they are written (`reserve` gives them back)."""
-        return sum((self._allocated_rows(t) - (self.released.rows if returnable(t) else 0))
-                   * (t.numel() // t.shape[2]) * t.element_size() for t in self.tensors or () if t.shape[2])
-
-    def _allocated_rows(self, tensor: torch.Tensor) -> int:
-        return min(self.length, tensor.shape[2]) if not self.pin and returnable(tensor) else tensor.shape[2]
+        total = 0
+        for tensor in self.tensors or ():
+            rows = tensor.shape[2]
+            if rows and returnable(tensor):
+                rows = (rows if self.pin else min(self.length, rows)) - self.released.rows
+            if rows:
+                total += rows * (tensor.numel() // tensor.shape[2]) * tensor.element_size()
+        return total
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
         """Make room for ``needed`` slots shaped like ``like`` ``[B, H_kv, *, D]`` (for ``expected`` if it has to
