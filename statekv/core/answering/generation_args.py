@@ -7,11 +7,13 @@ silently ignored); here each is refused with one line naming it.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import InputError
 from ...settings.values import is_finite_number
+from .decoding import DEFAULT_NEW_TOKENS
 
 ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
@@ -29,7 +31,7 @@ def _positive_number(value: Any) -> bool:
 
 
 def _integer(least: int):
-    return lambda value: not isinstance(value, bool) and isinstance(value, int) and value >= least
+    return lambda value: not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least
 
 
 RULES = {  # name: (test, what it must be)
@@ -46,6 +48,8 @@ RULES = {  # name: (test, what it must be)
     "length_penalty": (is_finite_number, "a finite number"),
     "min_new_tokens": (_integer(0), "a non-negative integer"),
     "max_length": (_integer(1), "a positive integer"),
+    "max_new_tokens": (_integer(1), "a positive integer"),
+    "return_dict_in_generate": (lambda v: v is False, "False (ask returns the answer's tokens)"),
     "no_repeat_ngram_size": (_integer(0), "a non-negative integer"),
     "do_sample": (lambda v: isinstance(v, bool), "True or False"),
     "early_stopping": (lambda v: isinstance(v, bool) or v == "never", "True, False or 'never'"),
@@ -67,3 +71,13 @@ def check_generation_arguments(arguments: Mapping[str, Any], generation_config: 
                 raise InputError(f"ask(): {name} must be {expected}, got {value!r}"[:200])
         elif not hasattr(known, name) and name not in GENERATE_ARGUMENTS:
             raise InputError(f"ask(): unknown generation argument {name!r} (see transformers' GenerationConfig)")
+
+
+def answer_length(arguments: Mapping[str, Any], prompt_tokens: int) -> int:
+    """The most tokens an answer to a prompt of ``prompt_tokens`` takes under checked ``arguments``:
+    ``max_new_tokens``, else what ``max_length`` (prompt and answer) leaves, else statekv's default."""
+    if arguments.get("max_new_tokens") is not None:
+        return arguments["max_new_tokens"]
+    if arguments.get("max_length") is not None:
+        return max(arguments["max_length"] - prompt_tokens, 1)
+    return DEFAULT_NEW_TOKENS

@@ -353,15 +353,20 @@ class StreamPositions:
         return {"mode": self.mode, "layout": self.layout.name, "limit": self.limit,
                 "steps": [[f, s, b] for f, s, b in zip(self.firsts, self.spans, self.bases)]}
 
-    def load(self, saved: dict | None, lengths: list[int]) -> None:
-        """Install what `export` wrote for a state of steps of ``lengths`` tokens (a one-line `InputError` when it
-        is not this stream's mode, layout or range, or places a step where no stream could have)."""
-        steps = len(lengths)
+    def check_mode(self, saved: dict | None) -> None:
+        """Refuse (one-line `InputError`) what `export` wrote for a stream of another mode."""
         saved = saved or {"mode": "stream"}
         if not isinstance(saved, dict) or saved.get("mode") != self.mode:
             got = saved.get("mode") if isinstance(saved, dict) else saved
             raise InputError(f"the saved stream was streamed with positions={got}, this one with "
                              f"positions={self.mode}; resume it with positions={got}")
+
+    def load(self, saved: dict | None, lengths: list[int]) -> None:
+        """Install what `export` wrote for a state of steps of ``lengths`` tokens (a one-line `InputError` when it
+        is not this stream's mode, layout or range, or places a step where no stream could have)."""
+        steps = len(lengths)
+        saved = saved or {"mode": "stream"}
+        self.check_mode(saved)
         self.firsts, self.spans, self.bases, self.widest = StepValues(), StepValues(), StepValues(), 0
         self.span_totals = StepValues([0])
         self.moved = False

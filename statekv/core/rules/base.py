@@ -50,6 +50,10 @@ class CarryPolicy:
         """How many leading tokens of the stream this rule always carries (with ``recent_steps``)."""
         return 0
 
+    def check_layers(self, layers: int) -> None:
+        """Refuse (one-line `ConfigurationError`) a model of ``layers`` decoder layers this rule cannot stream, when a
+        stream is made rather than at its first step."""
+
     def for_prefix(self, tokens: int) -> "CarryPolicy":
         """This rule for a stream whose prompt prefix (text before the first frame) has ``tokens`` tokens."""
         return self

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Iterable
 from functools import cached_property
 
 import torch
 
+from ...errors import ConfigurationError
 from ...settings.values import check_int
 from .candidates import Candidates
 from .scored import ScoredPolicy
@@ -22,9 +24,12 @@ class PerLayerBudget(WrappedPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.rule, ScoredPolicy):
             raise TypeError(f"PerLayerBudget: rule must be a ScoredPolicy, got {type(self.rule).__name__}")
+        if not isinstance(self.budgets, Iterable):
+            raise ConfigurationError(f"PerLayerBudget: budgets must be one integer per layer, got "
+                                     f"{type(self.budgets).__name__}")
         object.__setattr__(self, "budgets", tuple(self.budgets))
         if not self.budgets:
-            raise ValueError("PerLayerBudget: give one budget per layer")
+            raise ConfigurationError("PerLayerBudget: give one budget per layer")
         for budget in self.budgets:
             check_int(budget, "PerLayerBudget: budgets")
 
@@ -33,6 +38,11 @@ class PerLayerBudget(WrappedPolicy):
 
     def steady_budget(self, layer: int) -> int | None:
         return self.budgets[layer] if layer < len(self.budgets) else None
+
+    def check_layers(self, layers: int) -> None:
+        if len(self.budgets) != layers:
+            raise ConfigurationError(f"PerLayerBudget has {len(self.budgets)} budgets, but the model streams {layers} "
+                                     "layers: give one budget per layer")
 
     @cached_property
     def rules(self) -> tuple[ScoredPolicy, ...]:

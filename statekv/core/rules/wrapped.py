@@ -23,3 +23,6 @@ class WrappedPolicy(CarryPolicy):
 
     def steady_budget(self, layer: int) -> int | None:
         return self.rule.steady_budget(layer)
+
+    def check_layers(self, layers: int) -> None:
+        self.rule.check_layers(layers)

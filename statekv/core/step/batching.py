@@ -24,14 +24,14 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from ...errors import OutputError, UnsupportedModelError
+from ...errors import InputError, OutputError, UnsupportedModelError
 from ..cache.engine_layer import EngineLayer
 from ..cache.two_state import attend
 from . import pooled
@@ -225,16 +225,28 @@ class StepBatcher:
 
     @torch.no_grad()
     def step(self, requests: Sequence[StepRequest]) -> list[torch.Tensor | Exception]:
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, StepRequest):
+                raise InputError(f"StepBatcher.step takes StepRequest(prefill, ...) items, got "
+                                 f"{type(request).__name__}")
         outcomes: list[torch.Tensor | Exception | None] = [None] * len(requests)
-        remaining = list(range(len(requests)))
-        while remaining:  # waves: each stream's first remaining step
-            wave, seen, later = [], set(), []
-            for index in remaining:
-                prefill = requests[index].prefill
-                (later if id(prefill) in seen else wave).append(index)
-                seen.add(id(prefill))
-            self._wave(requests, wave, outcomes)
-            remaining = later
+        with stepping([request.prefill for request in requests]) as elsewhere:
+            remaining = []
+            for index, request in enumerate(requests):
+                if id(request.prefill) in elsewhere:
+                    outcomes[index] = InputError("this stream is taking a step in another thread; step a stream "
+                                                 "from one thread at a time (the step was not taken)")
+                else:
+                    remaining.append(index)
+            while remaining:  # waves: each stream's first remaining step
+                wave, seen, later = [], set(), []
+                for index in remaining:
+                    prefill = requests[index].prefill
+                    (later if id(prefill) in seen else wave).append(index)
+                    seen.add(id(prefill))
+                self._wave(requests, wave, outcomes)
+                remaining = later
         return outcomes
 
     def _wave(self, requests: Sequence[StepRequest], indices: list[int], outcomes: list) -> None:
@@ -328,6 +340,24 @@ class StepBatcher:
         with self._graphs_lock:
             for key in [key for key, (batch, _) in self._graphs.items() if prefill.cache in batch.caches]:
                 self._graphs.pop(key)[1].clear()
+
+
+@contextmanager
+def stepping(prefills: Sequence["StreamingPrefill"]):
+    """Hold each stream's step lock (`StreamingPrefill.stepping`) while its steps run; yields the ids of the
+    streams another thread is stepping now, which are not held (a step of a stream from two threads at once would
+    interleave their writes to its cache)."""
+    held, elsewhere = [], set()
+    try:
+        for prefill in {id(prefill): prefill for prefill in prefills}.values():
+            if prefill.stepping.acquire(blocking=False):
+                held.append(prefill)
+            else:
+                elsewhere.add(id(prefill))
+        yield elsewhere
+    finally:
+        for prefill in held:
+            prefill.stepping.release()
 
 
 @dataclass
@@ -448,9 +478,10 @@ def device_step(prefills: Sequence["StreamingPrefill"], cache: Cache, inputs: di
             raise UnsupportedModelError(
                 f"{type(first.decoder).__name__} layers {missing} did not run their attention through "
                 "transformers' AttentionInterface, so they cannot be streamed")
+    hidden = output.last_hidden_state  # read before the commit: past it a failure could not be rolled back
     for prefill in prefills:
         prefill.cache.commit_device()
-    return output.last_hidden_state
+    return hidden
 
 
 def step_together(requests: Sequence[StepRequest]) -> list[torch.Tensor | Exception]:

@@ -168,8 +168,9 @@ class PooledBatch(Cache):
                     raise UnsupportedModelError(
                         f"{type(self.decoder).__name__} layers {missing} did not run their attention through "
                         "transformers' AttentionInterface, so they cannot be streamed")
+                hidden = output.last_hidden_state  # read before the commit, as `batching.device_step` does
                 self.commit()
-                return output.last_hidden_state
+                return hidden
             finally:  # what the step gathered and placed is held for the step only, whatever became of it
                 self.staged = [None] * len(self.layers)
                 self.gathered, self.placed_keys = [], []

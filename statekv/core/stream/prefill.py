@@ -12,12 +12,14 @@ lets the policy choose what to carry; any other call falls through to the model'
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -25,7 +27,7 @@ from ...errors import (ConfigurationError, HorizonError, InputError, OutputError
                       UnsupportedModelError)
 from ...settings.values import check_int
 from ..positions import rope as rotary
-from ..answering.generation_args import check_generation_arguments
+from ..answering.generation_args import answer_length, check_generation_arguments
 from ..answering.answer_cache import Retrieval
 from ..attention.scored import resolve_backend
 from ..step.batching import StepRequest, device_step, not_taken, step_together
@@ -33,7 +35,7 @@ from ..cache import pool
 from ..cache.step_runs import StepRuns
 from ..cache.two_state import TwoStateCache
 from ..step.compiled import compiled
-from ..answering.decoding import DEFAULT_NEW_TOKENS, Prompt, generate_from_cache
+from ..answering.decoding import Prompt, generate_from_cache
 from ..answering.together import Asked, together_row
 from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
@@ -54,6 +56,9 @@ from .stats import StepRecord, StreamStats, kept_fraction
 
 
 HISTORY_STEPS = 1024  # step records `stats` keeps (the last ones): a stream that never ends keeps a bounded history
+# Forward arguments a step sets itself: given by a caller, the forward would bypass the stream's cache or return
+# what the step cannot read.
+STEP_ARGUMENTS = frozenset({"use_cache", "past_key_values", "return_dict", "cache_position"})
 
 
 class StreamingPrefill:
@@ -107,6 +112,7 @@ class StreamingPrefill:
         self.decoder = language_decoder(model)
         self.config = self.decoder.config
         _check_supported(self.config)
+        policy.check_layers(self.config.num_hidden_layers)
         share_language_attention(model)
         self.device = next(self.decoder.parameters()).device
         self.dtype = next(self.decoder.parameters()).dtype
@@ -128,6 +134,7 @@ class StreamingPrefill:
             offload, limit = settings.offload, settings.cache_cap
             self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
                                     kv_cache_dtype, evicts=limit is not None and limit.evicts)
+            _check_device_present(self.tier.device, "offload")
         cache_limit = settings.cache_cap
         check_evicting_storage(cache_limit, self.tier.device is not None)
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
@@ -170,6 +177,7 @@ class StreamingPrefill:
         self.last_read_steps: tuple[int, ...] | None = None  # retrieved: the steps some layer read (else None)
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
         self.closed = False
+        self.stepping = threading.RLock()  # held while a step runs (`statekv.core.step.batching.stepping`)
 
     @property
     def seen_tokens(self) -> int:
@@ -184,11 +192,20 @@ class StreamingPrefill:
 
     def carried_positions(self, layer: int) -> torch.Tensor:
         """Logical positions carried by ``layer`` into the next step, LongTensor ``[B, H_kv, K]``."""
-        return self.cache.layers[layer].positions()
+        return self._stepped_layer(layer).positions()
 
     def carried(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values carried by ``layer`` into the next step, ``[B, H_kv, K, D]`` each, in time order."""
-        return self.cache.layers[layer].carried()
+        return self._stepped_layer(layer).carried()
+
+    def _stepped_layer(self, layer: int):
+        """Layer ``layer`` of the cache, once a step has written it; a one-line `InputError` otherwise."""
+        layers = self.cache.layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -len(layers) <= layer < len(layers):
+            raise InputError(f"layer must be an index of the model's {len(layers)} layers, got {layer!r}")
+        if not self.cache.chunk_lengths:
+            raise InputError("the stream has taken no step yet: it carries nothing")
+        return layers[layer]
 
     @property
     def stats(self) -> StreamStats:
@@ -211,6 +228,8 @@ class StreamingPrefill:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and metadata (`TwoStateCache.state_dict`), settled first."""
+        if not self.cache.chunk_lengths:
+            raise InputError("the stream has taken no step yet: there is no state to save")
         if self.keeper is not None:
             self.keeper.settle()
         return self.cache.state_dict()
@@ -218,7 +237,12 @@ class StreamingPrefill:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
         could not have written is refused with an `InputError` before anything changes."""
+        self.check_open()
         check_state_dict(tensors, metadata, self.geometry, self.settings.kv_cache_dtype)
+        self.cache.positions.check_mode(metadata.get("positions"))
+        if self.horizon is not None and metadata["seen_tokens"] > self.horizon:
+            raise InputError(f"the state holds {metadata['seen_tokens']} tokens, past this stream's horizon of "
+                             f"{self.horizon}; load it into a stream with a longer horizon")
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
@@ -337,6 +361,10 @@ class StreamingPrefill:
         """The decoder's inputs for one step as :meth:`step` takes them, validated (one-line `StateKVError` s),
         without running anything (`statekv.core.step.batching.begin_step` checks every step first)."""
         chunk = self._check_chunk(inputs_embeds, input_ids)
+        engine_owned = sorted(set(forward_kwargs) & STEP_ARGUMENTS)
+        if engine_owned:
+            raise InputError(f"{engine_owned[0]} is the engine's own: a step runs the decoder through the stream's "
+                             "cache and reads its hidden states; leave it out")
         _check_positions(position_ids, chunk, self.device)
         _check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
@@ -423,12 +451,16 @@ class StreamingPrefill:
             raise InputError("position_ids are set by the adapter (M-RoPE continues from the streamed video)")
         if prompt.input_ids.dim() == 2:
             self.check_ids(prompt.input_ids, "input_ids (the prompt)")
+            streamed = self.cache.layers[0].storage.batch_heads
+            if streamed is not None and prompt.input_ids.shape[0] != streamed[0]:
+                raise InputError(f"the prompt has batch size {prompt.input_ids.shape[0]}, but the stream has "
+                                 f"{streamed[0]}")
         model = self.model if prompt.model is None else prompt.model
         check_generation_arguments(generate_kwargs, getattr(model, "generation_config", None))
         plan = None
         if prompt.input_ids.dim() == 2:
-            answer = int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
-            plan = self.fit_question(prompt.input_ids.shape[1], answer, retrieve)
+            prompt_tokens = prompt.input_ids.shape[1]
+            plan = self.fit_question(prompt_tokens, answer_length(generate_kwargs, prompt_tokens), retrieve)
             if plan is not None and not plan.whole and retrieve is None:
                 retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
         self.last_context = "whole" if retrieve is None else "retrieved"
@@ -530,12 +562,18 @@ class StreamingPrefill:
             if inputs_embeds.dtype != self.dtype:
                 raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
                                  f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
+            # in host memory the check costs no wait; on a GPU it would wait for the step before (not checked)
+            if inputs_embeds.device.type == "cpu" and not _finite_on_host(inputs_embeds):
+                raise InputError("inputs_embeds hold NaN or infinite values: a step would carry them into every later "
+                                 "step and answer")
         else:
             self.check_ids(input_ids, "input_ids")
         if chunk.device != self.device:
             raise InputError(f"{name} is on {chunk.device}, but the model is on {self.device}")
         if chunk.shape[1] == 0:
             raise InputError("empty chunk: a step needs at least one token")
+        if chunk.shape[0] == 0:
+            raise InputError(f"{name} has batch size 0: a step needs at least one row")
         streamed = self.cache.layers[0].storage.batch_heads
         if streamed is not None and chunk.shape[0] != streamed[0]:
             raise InputError(f"chunk has batch size {chunk.shape[0]}, but the stream has {streamed[0]}")
@@ -586,6 +624,27 @@ def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, dev
         raise InputError(f"position_ids must be {expected}, got shape {tuple(position_ids.shape)}")
     if position_ids.device != device:
         raise InputError(f"position_ids are on {position_ids.device}, but the model is on {device}")
+
+
+def _finite_on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (in host memory) holds only finite values, read by numpy on the host: no op of the step's
+    own (a step's ops are what a GPU would run)."""
+    data = tensor.detach()
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its exponent bits all set is NaN or infinite
+        bits = data.view(torch.int16).numpy()
+        return not bool(((bits & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(data.numpy()).all())
+
+
+def _check_device_present(device: torch.device | None, name: str) -> None:
+    """Refuse (one-line `ConfigurationError`) a device this machine does not have."""
+    if device is None or device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    count = module.device_count() if module is not None and module.is_available() else 0
+    if count == 0 or (device.index is not None and device.index >= count):
+        raise ConfigurationError(f"{name}={str(device)!r}: this machine has no such device "
+                                 f"({count} {device.type} device(s) available)")
 
 
 def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:
