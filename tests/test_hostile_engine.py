@@ -172,3 +172,17 @@ def test_settings_a_stream_cannot_use_are_refused_when_it_is_made(model):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigurationError, match="offload='cuda': this machine has no such device"):
             statekv.StreamingPrefill(model, statekv.StateKV(budget=8), offload="cuda")
+
+
+def test_the_room_a_question_takes_is_the_answer_transformers_will_give(model, monkeypatch):
+    """Under a model's own ``max_new_tokens`` (which transformers takes before a ``max_length`` passed), the room
+    check counts that, not what ``max_length`` leaves: the answer never runs past the horizon. ``None`` is a
+    setting not given."""
+    prefill = statekv.StreamingPrefill(model, statekv.StateKV(budget=8), horizon=40)
+    for seed in range(4):
+        prefill.step(inputs_embeds=_chunk(model, seed))
+    question = torch.tensor([[1, 2, 3, 4]])
+    assert prefill.generate(question, max_new_tokens=None, max_length=6).shape[1] == 2
+    monkeypatch.setattr(model.generation_config, "max_new_tokens", 30)
+    with pytest.raises(QuestionTooLong, match=r"answer \(30\)"):
+        prefill.generate(question, max_length=10)

@@ -170,6 +170,10 @@ def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
         assert len(error.splitlines()) == 1 and "which no synthetic set writes" in error, error
         assert foreign.read_bytes() == b"mine" and (again / "videos" / "v0000.mp4").is_file()
         foreign.unlink()
+    for cut_short in ("benchmark.json.partial", QUESTIONS_FILE + ".tmp"):  # a write a kill cut short: the set's own
+        (again / cut_short).write_bytes(b"{")
+        assert main(["synthetic", "make", "--out", str(again), "--videos", "1", "--seed", "12", "--overwrite"]) == 0
+        assert not (again / cut_short).exists()
 
     capsys.readouterr()
     assert main(["synthetic", "make", "--out", str(tmp_path / "t"), "--videos", "1", "--seed", "1000000"]) == 2

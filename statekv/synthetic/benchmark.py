@@ -176,9 +176,9 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
         if not overwrite:
             raise ConfigurationError(f"{out} is not empty; pass --overwrite to replace the set it holds")
         videos = out / VIDEO_DIR
-        own = [out / name for name in (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, MAKING_FILE,
-                                       QUESTIONS_FILE + ".partial", STREAMING_FILE + ".partial",
-                                       MAKING_FILE + ".partial")]
+        written = (QUESTIONS_FILE, STREAMING_FILE, MANIFEST_FILE, MAKING_FILE)
+        # the partial files of a write cut short (".tmp": an earlier version's)
+        own = [out / f"{name}{suffix}" for name in written for suffix in ("", ".partial", ".tmp")]
         found = sorted(out.iterdir()) + (sorted(videos.iterdir()) if videos.is_dir() else [])
         foreign = [path for path in found if path not in own and path != videos
                    and not (path.parent == videos and OWN_VIDEO.fullmatch(path.name) and path.is_file())]

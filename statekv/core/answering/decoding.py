@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from .answer_cache import AnswerCache, Retrieval
+from .generation_args import answer_length
 from ..positions.placing import QuestionPlan
 from ..attention.switch import share_language_attention
 from ...errors import InputError, UnsupportedModelError
 
-DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
         raise InputError("nothing has been streamed yet; call step() before generate()")
     if retrieve is not None and not isinstance(retrieve, Retrieval):
         raise InputError(f"retrieve must be a Retrieval (or None), got {type(retrieve).__name__}")
-    room = input_ids.shape[1] + int(generate_kwargs.get("max_new_tokens") or DEFAULT_NEW_TOKENS)
+    room = input_ids.shape[1] + answer_length(generate_kwargs, input_ids.shape[1],
+                                              getattr(model, "generation_config", None))
     context = prefill.seen_tokens if plan is None else plan.start
     if plan is not None and "position_ids" in generate_kwargs:  # explicit (M-RoPE) positions after the context
         generate_kwargs["position_ids"] = moved_positions(generate_kwargs["position_ids"],

@@ -13,7 +13,8 @@ from typing import Any
 
 from ...errors import InputError
 from ...settings.values import is_finite_number
-from .decoding import DEFAULT_NEW_TOKENS
+
+DEFAULT_NEW_TOKENS = 64  # room reserved for the answer when generate_kwargs give no length
 
 ENGINE_ARGUMENTS = ("input_ids", "inputs_embeds", "attention_mask", "past_key_values", "position_ids",
                     "cache_position", "use_cache")  # set by statekv for decoding from the detailed cache
@@ -65,7 +66,7 @@ def check_generation_arguments(arguments: Mapping[str, Any], generation_config: 
     for name, value in arguments.items():
         if name in ENGINE_ARGUMENTS:
             raise InputError(f"ask() sets {name} itself (it decodes from the encoded video's cache); leave it out")
-        if name in RULES:
+        if name in RULES and value is not None:  # None: not given (transformers' default)
             test, expected = RULES[name]
             if not test(value):
                 raise InputError(f"ask(): {name} must be {expected}, got {value!r}"[:200])
@@ -73,11 +74,16 @@ def check_generation_arguments(arguments: Mapping[str, Any], generation_config: 
             raise InputError(f"ask(): unknown generation argument {name!r} (see transformers' GenerationConfig)")
 
 
-def answer_length(arguments: Mapping[str, Any], prompt_tokens: int) -> int:
+def answer_length(arguments: Mapping[str, Any], prompt_tokens: int, generation_config: Any = None) -> int:
     """The most tokens an answer to a prompt of ``prompt_tokens`` takes under checked ``arguments``:
-    ``max_new_tokens``, else what ``max_length`` (prompt and answer) leaves, else statekv's default."""
+    ``max_new_tokens``, else the generation config's (``arguments``' own, else ``generation_config``, the model's:
+    transformers takes it before ``max_length``), else what ``max_length`` (prompt and answer) leaves, else
+    statekv's default."""
     if arguments.get("max_new_tokens") is not None:
-        return arguments["max_new_tokens"]
+        return int(arguments["max_new_tokens"])
+    config = arguments.get("generation_config") or generation_config
+    if getattr(config, "max_new_tokens", None) is not None:
+        return int(config.max_new_tokens)
     if arguments.get("max_length") is not None:
-        return max(arguments["max_length"] - prompt_tokens, 1)
+        return max(int(arguments["max_length"]) - prompt_tokens, 1)
     return DEFAULT_NEW_TOKENS

@@ -460,7 +460,8 @@ class StreamingPrefill:
         plan = None
         if prompt.input_ids.dim() == 2:
             prompt_tokens = prompt.input_ids.shape[1]
-            plan = self.fit_question(prompt_tokens, answer_length(generate_kwargs, prompt_tokens), retrieve)
+            answer = answer_length(generate_kwargs, prompt_tokens, getattr(model, "generation_config", None))
+            plan = self.fit_question(prompt_tokens, answer, retrieve)
             if plan is not None and not plan.whole and retrieve is None:
                 retrieve = Retrieval(plan.retrieve, keep_tokens=self.protect_tokens)
         self.last_context = "whole" if retrieve is None else "retrieved"
@@ -633,7 +634,9 @@ def _finite_on_host(tensor: torch.Tensor) -> bool:
     if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its exponent bits all set is NaN or infinite
         bits = data.view(torch.int16).numpy()
         return not bool(((bits & 0x7F80) == 0x7F80).any())
-    return bool(np.isfinite(data.numpy()).all())
+    if data.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(data.numpy()).all())
+    return bool(torch.isfinite(data).all())  # a type numpy does not hold (float8...)
 
 
 def _check_device_present(device: torch.device | None, name: str) -> None:
