@@ -19,12 +19,10 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ...errors import (ConfigurationError, HorizonError, InputError, OutputError, QuestionTooLong,
-                      UnsupportedModelError)
+from ...errors import ConfigurationError, HorizonError, InputError, OutputError, QuestionTooLong
 from ...settings.values import check_int
 from ..positions import rope as rotary
 from ..answering.generation_args import answer_length, check_generation_arguments
@@ -52,13 +50,12 @@ from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from ..positions.rope import FrozenRope, check_horizon, model_frequencies, trained_range
 from ...settings.engine import EngineSettings
+from .inputs import (check_device_present, check_embeds, check_plain_causal, check_positions, check_step_arguments,
+                     check_supported)
 from .stats import StepRecord, StreamStats, kept_fraction
 
 
 HISTORY_STEPS = 1024  # step records `stats` keeps (the last ones): a stream that never ends keeps a bounded history
-# Forward arguments a step sets itself: given by a caller, the forward would bypass the stream's cache or return
-# what the step cannot read.
-STEP_ARGUMENTS = frozenset({"use_cache", "past_key_values", "return_dict", "cache_position"})
 
 
 class StreamingPrefill:
@@ -111,7 +108,7 @@ class StreamingPrefill:
         self.policy = policy
         self.decoder = language_decoder(model)
         self.config = self.decoder.config
-        _check_supported(self.config)
+        check_supported(self.config)
         policy.check_layers(self.config.num_hidden_layers)
         share_language_attention(model)
         self.device = next(self.decoder.parameters()).device
@@ -134,7 +131,7 @@ class StreamingPrefill:
             offload, limit = settings.offload, settings.cache_cap
             self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
                                     kv_cache_dtype, evicts=limit is not None and limit.evicts)
-            _check_device_present(self.tier.device, "offload")
+            check_device_present(self.tier.device, "offload")
         cache_limit = settings.cache_cap
         check_evicting_storage(cache_limit, self.tier.device is not None)
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
@@ -361,12 +358,9 @@ class StreamingPrefill:
         """The decoder's inputs for one step as :meth:`step` takes them, validated (one-line `StateKVError` s),
         without running anything (`statekv.core.step.batching.begin_step` checks every step first)."""
         chunk = self._check_chunk(inputs_embeds, input_ids)
-        engine_owned = sorted(set(forward_kwargs) & STEP_ARGUMENTS)
-        if engine_owned:
-            raise InputError(f"{engine_owned[0]} is the engine's own: a step runs the decoder through the stream's "
-                             "cache and reads its hidden states; leave it out")
-        _check_positions(position_ids, chunk, self.device)
-        _check_plain_causal(forward_kwargs.pop("attention_mask", None))
+        check_step_arguments(forward_kwargs)
+        check_positions(position_ids, chunk, self.device)
+        check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
         if self.horizon is not None and self.seen_tokens + chunk_len > self.horizon:
             raise HorizonError(
@@ -555,18 +549,7 @@ class StreamingPrefill:
         if not isinstance(chunk, torch.Tensor):
             raise InputError(f"{name} must be a tensor, got {type(chunk).__name__}")
         if inputs_embeds is not None:
-            if inputs_embeds.dim() != 3:
-                raise InputError(f"inputs_embeds must be [B, T, D], got shape {tuple(inputs_embeds.shape)}")
-            if inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise InputError(f"inputs_embeds has hidden size {inputs_embeds.shape[-1]}, but the model's is "
-                                 f"{self.config.hidden_size}")
-            if inputs_embeds.dtype != self.dtype:
-                raise InputError(f"inputs_embeds are {str(inputs_embeds.dtype).removeprefix('torch.')}, but the "
-                                 f"model runs in {str(self.dtype).removeprefix('torch.')}; convert them first")
-            # in host memory the check costs no wait; on a GPU it would wait for the step before (not checked)
-            if inputs_embeds.device.type == "cpu" and not _finite_on_host(inputs_embeds):
-                raise InputError("inputs_embeds hold NaN or infinite values: a step would carry them into every later "
-                                 "step and answer")
+            check_embeds(inputs_embeds, self.config.hidden_size, self.dtype)
         else:
             self.check_ids(input_ids, "input_ids")
         if chunk.device != self.device:
@@ -610,53 +593,3 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     """What one token costs in the cache of ``model``'s language decoder (layers, KV heads, head dim, dtype)."""
     decoder = language_decoder(model)
     return CacheGeometry.of(decoder.config, next(decoder.parameters()).dtype)
-
-
-def _check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device) -> None:
-    """Explicit RoPE positions must be integer ``[B, T]`` (or ``[3 or 4, B, T]``) on the model's device."""
-    if position_ids is None:
-        return
-    expected = f"[B, T] (or [3 or 4, B, T] for M-RoPE) with B={chunk.shape[0]}, T={chunk.shape[1]}"
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.long, torch.int32):
-        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
-        raise InputError(f"position_ids must be an integer tensor {expected}, got {got}")
-    if (position_ids.dim() not in (2, 3) or position_ids.shape[-1] != chunk.shape[1]
-            or position_ids.shape[-2] not in (1, chunk.shape[0])):
-        raise InputError(f"position_ids must be {expected}, got shape {tuple(position_ids.shape)}")
-    if position_ids.device != device:
-        raise InputError(f"position_ids are on {position_ids.device}, but the model is on {device}")
-
-
-def _finite_on_host(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (in host memory) holds only finite values, read by numpy on the host: no op of the step's
-    own (a step's ops are what a GPU would run)."""
-    data = tensor.detach()
-    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its exponent bits all set is NaN or infinite
-        bits = data.view(torch.int16).numpy()
-        return not bool(((bits & 0x7F80) == 0x7F80).any())
-    if data.dtype in (torch.float16, torch.float32, torch.float64):
-        return bool(np.isfinite(data.numpy()).all())
-    return bool(torch.isfinite(data).all())  # a type numpy does not hold (float8...)
-
-
-def _check_device_present(device: torch.device | None, name: str) -> None:
-    """Refuse (one-line `ConfigurationError`) a device this machine does not have."""
-    if device is None or device.type == "cpu":
-        return
-    module = getattr(torch, device.type, None)
-    count = module.device_count() if module is not None and module.is_available() else 0
-    if count == 0 or (device.index is not None and device.index >= count):
-        raise ConfigurationError(f"{name}={str(device)!r}: this machine has no such device "
-                                 f"({count} {device.type} device(s) available)")
-
-
-def _check_plain_causal(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
-                                       or not bool(attention_mask.all())):
-        raise InputError("the streaming engine attends causally over [carried; chunk] and cannot apply an "
-                         "attention mask (padding or a custom mask); pass none, or an all-ones [B, T] mask")
-
-
-def _check_supported(config) -> None:
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise UnsupportedModelError("models with sliding-window attention layers are not supported")
