@@ -24,7 +24,6 @@ from ..attention.switch import share_language_attention
 from ...errors import InputError, UnsupportedModelError
 
 
-
 @dataclass(frozen=True)
 class Prompt:
     """What generation needs of the text that follows a stream, as a model family lays it out.
