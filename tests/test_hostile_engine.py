@@ -81,6 +81,7 @@ def test_a_stream_stepped_from_a_second_thread_meanwhile_refuses_that_step(model
         with pytest.raises(InputError, match="taking a step in another thread"):
             prefill.step(inputs_embeds=_chunk(model, 6))
     finally:
+        handle.remove()  # the model is the module's: no hook outlives the test
         release.set()
         first.join(10)
     twin.step(inputs_embeds=_chunk(model, 5))
