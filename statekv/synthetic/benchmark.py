@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, OutputError
-from ..flushing import flush_file, write_whole
+from ..flushing import flush_file, flush_folder, write_whole
 from ..settings.values import check_output_dir
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
@@ -91,6 +91,7 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
             os.replace(partial, out / relative)
         if progress is not None:
             progress(index + 1, videos)
+    flush_folder(out / VIDEO_DIR)  # the videos' names, before a question file names them
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
                 "num_frames": num_frames, "questions": len(rows), "streaming": streaming,
                 **({"tasks": STREAMING_TASKS} if streaming else {"families": list(families)})}
