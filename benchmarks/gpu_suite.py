@@ -12,6 +12,7 @@ With random weights of the real shapes (a forward's cost does not depend on the 
 3. ``8B step``: one frame of InternVL3-8B's decoder (259 tokens) under StateKV B=4096 (eager scores, Triton
    scores, Triton + CUDA graph), recency R=16 and Hugging Face's own one-frame forward over as many cached
    tokens: ms per frame and, from the profiler, kernel launches, copies and host syncs per step.
+   ``8B positions``: its graphed StateKV steps with bounded positions past the range against stream positions.
 4. ``512-frame prefill``: one-shot SDPA forward of the whole video against StateKV streamed (best variant),
    and Hugging Face's one-frame forward over the 512 frames (what full attention pays per frame there).
 5. ``1B pipeline``: `VideoQA.encode` of a 448x448 video on a real-size random InternVL3-1B, frames/s; one ask.
@@ -48,7 +49,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serving  # noqa: E402
-from gpu_decoder import LanguageModel, lm_step, prefill  # noqa: E402
+from gpu_decoder import LanguageModel, lm_step, positions, prefill  # noqa: E402
 from gpu_measure import kernel_kind, profile_counts, release_memory, timed  # noqa: E402,F401 (kernel_kind: the tests')
 from gpu_report import GOALS, markdown  # noqa: E402,F401 (GOALS: the tests')
 from gpu_setup import cuda_tests, environment, prepare_wheels  # noqa: E402
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (default 480; "
                                                                      "smoke 300)")
     parser.add_argument("--skip", nargs="*", default=[], help="sections not to run",
-                        choices=("tests", "step", "prefill", "pipeline", "streams", "steps", "tiers", "ttft", "live"))
+                        choices=("tests", "step", "positions", "prefill", "pipeline", "streams", "steps", "tiers",
+                                 "ttft", "live"))
     parser.add_argument("--live-s", type=float, default=50.0, help="seconds for the live-streams search (its cap)")
     parser.add_argument("--docs", default=None, help=f"markdown file whose '{DOCS_SECTION}' section is replaced by "
                                                       "the report (docs/benchmarks.md)")
@@ -148,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                     needs_s=20)
     with tempfile.TemporaryDirectory(prefix="statekv-gpu-suite-") as scratch:
         folder = Path(scratch)
-        if {"step", "prefill", "ttft"} - set(args.skip):
+        if {"step", "positions", "prefill", "ttft"} - set(args.skip):
             lm = LanguageModel(shapes, shapes.prefill_frames + 1)
             if "step" not in args.skip:
                 run.section("8B step", lambda s, d: lm_step(s, d, lm), cap_s=200, needs_s=30)
+            if "positions" not in args.skip:
+                run.section("8B positions", lambda s, d: positions(s, d, lm), cap_s=90, needs_s=30)
             if "prefill" not in args.skip:
                 run.section("512-frame prefill", lambda s, d: prefill(s, d, lm), cap_s=120, needs_s=30)
             if "ttft" not in args.skip:

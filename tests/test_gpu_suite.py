@@ -18,8 +18,8 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     record = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = {section["name"]: section for section in record["sections"]}
-    assert list(sections) == ["cuda tests", "8B step", "512-frame prefill", "8B TTFT", "1B TTFT", "1B pipeline",
-                              "batched streams", "batched steps", "cache tiers", "live streams"]
+    assert list(sections) == ["cuda tests", "8B step", "8B positions", "512-frame prefill", "8B TTFT", "1B TTFT",
+                              "1B pipeline", "batched streams", "batched steps", "cache tiers", "live streams"]
     assert all(section["status"] == "ok" for section in sections.values()), sections
     assert sections["cuda tests"]["figures"]["collected"] >= 10  # what runs on a GPU is still selected
     steps = {row["variant"]: row for row in sections["8B step"]["rows"]}
@@ -28,6 +28,9 @@ def test_the_smoke_run_measures_every_section_and_writes_the_report(tmp_path):
     assert compiled["ms_per_frame"] > 0 and compiled["carried_tokens"] == 48 and "error" not in compiled
     assert sections["8B step"]["figures"]["statekv_graph_variant"] in steps
     assert steps["StateKV B=48 eager"]["ms_per_frame"] > 0 and steps["StateKV B=48 eager"]["host_syncs"] == 0
+    placed = [row for row in sections["8B positions"]["rows"] if row["positions"] == "bounded"]
+    assert len(placed) == 2 and all(row["placed"] and row["over_stream"] > 0 for row in placed), placed
+    assert sections["8B positions"]["figures"]["bounded_variant"] in {row["variant"] for row in placed}
     assert sections["512-frame prefill"]["figures"]["prefill_ratio"] > 0
     assert sections["1B pipeline"]["figures"]["pipeline_fps"] > 0
     assert [row["streams"] for row in sections["batched streams"]["rows"]] == [1, 4, 16]
