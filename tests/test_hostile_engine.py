@@ -187,3 +187,19 @@ def test_the_room_a_question_takes_is_the_answer_transformers_will_give(model, m
     monkeypatch.setattr(model.generation_config, "max_new_tokens", 30)
     with pytest.raises(QuestionTooLong, match=r"answer \(30\)"):
         prefill.generate(question, max_length=10)
+
+
+@pytest.mark.parametrize("positions, message", [([[-1, 0, 1]], "^position_ids must be at least 0, got -1$"),
+                                                ([[198, 199, 200]], "^position_ids reach 200, past the stream's "
+                                                                    r"horizon of 200 tokens \(positions 0 to 199\)$")],
+                         ids=["negative", "past the horizon"])
+def test_explicit_positions_outside_the_stream_are_refused_and_the_stream_goes_on_unchanged(model, positions, message):
+    """Before: a negative position or one past the horizon was rotated as given (the horizon's RoPE frozen short of
+    it), silently."""
+    taken, twin = _streamed(model), _streamed(model)
+    with pytest.raises(InputError, match=message):
+        taken.step(inputs_embeds=_chunk(model, 99), position_ids=torch.tensor(positions))
+    assert _same_state(taken, twin)
+    inside = torch.tensor([[197, 198, 199]])  # explicit positions inside the horizon are taken as given
+    assert torch.equal(taken.step(inputs_embeds=_chunk(model, 5), position_ids=inside),
+                       twin.step(inputs_embeds=_chunk(model, 5), position_ids=inside))

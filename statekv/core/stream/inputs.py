@@ -36,8 +36,11 @@ def check_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype: torch.dty
                          "and answer")
 
 
-def check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device) -> None:
-    """Explicit RoPE positions must be integer ``[B, T]`` (or ``[3 or 4, B, T]``) on the model's device."""
+def check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, device: torch.device,
+                    limit: int | None = None) -> None:
+    """Explicit RoPE positions must be integer ``[B, T]`` (or ``[3 or 4, B, T]``) on the model's device; in host
+    memory, also at least 0 and below ``limit`` (the stream's horizon under ``stream`` positions), read by numpy
+    (a GPU's would be a sync a step)."""
     if position_ids is None:
         return
     expected = f"[B, T] (or [3 or 4, B, T] for M-RoPE) with B={chunk.shape[0]}, T={chunk.shape[1]}"
@@ -49,6 +52,13 @@ def check_positions(position_ids: torch.Tensor | None, chunk: torch.Tensor, devi
         raise InputError(f"position_ids must be {expected}, got shape {tuple(position_ids.shape)}")
     if position_ids.device != device:
         raise InputError(f"position_ids are on {position_ids.device}, but the model is on {device}")
+    if position_ids.device.type == "cpu" and position_ids.numel():
+        values = position_ids.numpy()
+        if values.min() < 0:
+            raise InputError(f"position_ids must be at least 0, got {values.min()}")
+        if limit is not None and values.max() >= limit:
+            raise InputError(f"position_ids reach {values.max()}, past the stream's horizon of {limit} tokens "
+                             f"(positions 0 to {limit - 1})")
 
 
 def finite_on_host(tensor: torch.Tensor) -> bool:

@@ -337,7 +337,7 @@ class StreamingPrefill:
         Args:
             inputs_embeds: ``[B, T, D]`` chunk embeddings (or pass ``input_ids`` ``[B, T]`` for text).
             position_ids: RoPE positions; default ``arange(seen_tokens, seen_tokens + T)`` as ``[B, T]``.
-                Pass them explicitly for M-RoPE (``[3 or 4, B, T]``).
+                Pass them explicitly for M-RoPE (``[3 or 4, B, T]``); under ``stream`` positions, below the horizon.
             durable_record: JSON-able fields the disk tier journals with this step (what a caller needs to
                 resume after it, e.g. a stream's layout state).
             forward_kwargs: passed to the decoder's forward unchanged (e.g. DeepStack inputs). An
@@ -359,7 +359,7 @@ class StreamingPrefill:
         without running anything (`statekv.core.step.batching.begin_step` checks every step first)."""
         chunk = self._check_chunk(inputs_embeds, input_ids)
         check_step_arguments(forward_kwargs)
-        check_positions(position_ids, chunk, self.device)
+        check_positions(position_ids, chunk, self.device, None if self.positions.bounded else self.horizon)
         check_plain_causal(forward_kwargs.pop("attention_mask", None))
         chunk_len = chunk.shape[1]
         if self.horizon is not None and self.seen_tokens + chunk_len > self.horizon:
