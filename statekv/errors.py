@@ -37,7 +37,7 @@ class QuestionTooLong(HorizonError):
 
     def __init__(self, prompt: int, answer: int, room: int):
         super().__init__(f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} tokens left "
-                         "before the RoPE horizon; create the VideoQA with a larger reserve_tokens")
+                         "before the stream's horizon; declare a longer horizon (a VideoQA: a larger reserve_tokens)")
         self.prompt, self.answer, self.room = prompt, answer, room
 
 
