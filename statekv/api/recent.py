@@ -41,8 +41,9 @@ class RecentFrames:
     """
 
     def __init__(self, qa: Any, window: int, *, max_fps: float | None = None, name: str = "stream",
-                 reserve_tokens: int | None = None):
+                 reserve_tokens: int | None = None, engine: Any = None):
         self.qa = qa
+        self.engine = qa.engine if engine is None else engine  # its questions' encodings' (kv_cache_dtype...)
         self.window = check_int(window, "window (the last N frames a question sees)")
         self.max_fps = check_max_fps(max_fps)
         self.name = name
@@ -179,7 +180,7 @@ class RecentFrames:
         """The engine settings a question's encoding runs with: the VideoQA's, but never on the disk tier (a file
         set per question, thrown away after it, would only be left behind: nothing resumes it), whose cache is
         then kept in host memory instead."""
-        engine = self.qa.engine
+        engine = self.engine
         return engine.with_changes(offload=True, offload_dir=None) if engine.offload == "disk" else engine
 
     # -- the rest of a stream's surface ---------------------------------------------------------------

@@ -37,6 +37,7 @@ from .asking import ask_together
 from .pushing import catch_up_streams, push_together
 from .recent import RecentFrames
 from .stream import Stream
+from .stream_identity import check_owner, check_stream_id
 from .watch import evaluate_due
 from ..settings.values import check_bool, check_int, check_number, check_question, format_bytes, shown, torch_dtype
 from ..video import open_video
@@ -263,9 +264,16 @@ class VideoQA:
         stream_id, owner: who the stream is (default: a new random id, no owner), recorded in its saved file and
             disk-tier file set; `Stream.load` refuses a file of another id or owner when given them.
         """
-        if self.recent_window is not None:
-            return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens)
         engine = self.engine if kv_cache_dtype is None else self.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
+        if self.recent_window is not None:  # no horizon, steps or files, but a bad value is refused all the same
+            if horizon_frames is not None:
+                check_int(horizon_frames, "horizon_frames", error=InputError)
+            check_vision_batch(vision_batch)
+            if stream_id is not None:
+                check_stream_id(stream_id)
+            check_owner(owner)
+            return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens,
+                                engine=engine)
         stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
                         reserve_tokens=reserve_tokens, engine=engine, stream_id=stream_id, owner=owner)
         try:

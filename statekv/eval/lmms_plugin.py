@@ -52,7 +52,7 @@ import os
 import sys
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +64,8 @@ from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
-from statekv.settings.values import (LARGEST_INT, Option, integer, is_finite_number, optional_text, parse_options,
-                                     positive_float, positive_int, required_text, shown)
+from statekv.settings.values import (LARGEST_INT, Option, check_question, integer, is_finite_number, optional_text,
+                                     parse_options, positive_int, required_text, shown, stream_rate)
 
 MODEL_ID = "statekv"
 DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
@@ -76,7 +76,7 @@ MAX_ROUNDS = 10_000  # a multi-round document that never ends is refused
 PLUGIN_ARGS = (
     Option("pretrained", required_text, None, "checkpoint folder or hub id"),
     Option("max_num_frames", positive_int, 512),
-    Option("max_fps", positive_float, 1.0),
+    Option("max_fps", stream_rate, 1.0),  # a live stream's too (the ovo_* tasks)
     # lmms-eval's own --batch_size and --max_batch_size arrive as model args too
     Option("batch_size", integer, 1),
     Option("max_batch_size", lambda value, name: value, None),  # only for --batch_size auto: unused
@@ -241,7 +241,7 @@ class StateKV(_Base):
             if _is_padding(request):
                 continue
             doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
-            doc = self.task_dict[task][split][doc_id]
+            doc = self._doc(task, split, doc_id)
             rounds = task_rounds(doc_to_messages, doc, where=f"{task} doc {doc_id}")
             times = round_times(doc, len(rounds), where=f"{task} doc {doc_id}")
             answers[index] = [None] * len(rounds)
@@ -261,11 +261,11 @@ class StateKV(_Base):
     def _timed_ask(self, index: int, request: Any, prepared: tuple[str, str, dict[str, Any]]) -> "_Ask | None":
         """Request ``index`` as an ask on its source's stream, when its document names a source and a query time."""
         _, _, doc_id, task, split = _chat_args(request)
-        seconds = query_time(self.task_dict[task][split][doc_id], where=f"{task} doc {doc_id}")
+        seconds = query_time(self._doc(task, split, doc_id), where=f"{task} doc {doc_id}")
         if seconds is None:
             return None
         video, prompt, gen_kwargs = prepared
-        return _Ask(index, str(self.task_dict[task][split][doc_id]["video"]), seconds, video, prompt, gen_kwargs)
+        return _Ask(index, str(self._doc(task, split, doc_id)["video"]), seconds, video, prompt, gen_kwargs)
 
     def _stream_asks(self, requests: Sequence[Any], asks: Sequence["_Ask"]) -> Iterator[tuple[Any, str]]:
         """``(key, answer)`` of every ask: one stream per source video, its asks in time order, each after the
@@ -368,8 +368,16 @@ class StateKV(_Base):
     def _prepare(self, request: Any) -> tuple[str, str, dict[str, Any]]:
         """``(video path, prompt text, generation kwargs)`` of one chat request."""
         doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
-        messages = doc_to_messages(self.task_dict[task][split][doc_id])
+        messages = doc_to_messages(self._doc(task, split, doc_id))
         return (*video_and_prompt(messages, where=f"{task} doc {doc_id}"), gen_kwargs)
+
+    def _doc(self, task: Any, split: Any, doc_id: Any) -> Any:
+        """The document a request names; a one-line `InputError` when the task's data holds none."""
+        try:
+            return self.task_dict[task][split][doc_id]
+        except (KeyError, IndexError, TypeError):
+            raise InputError(f"the request names doc {doc_id!r} of task {task!r} (split {split!r}), which the tasks' "
+                             "data does not hold") from None
 
     def _answer(self, encoded, prompt: str, gen_kwargs: dict[str, Any]) -> str:
         until = _stop_strings(gen_kwargs)
@@ -392,14 +400,21 @@ def video_and_prompt(messages: Any, *, where: str = "request") -> tuple[str, str
         messages = messages.model_dump()["messages"]
     if isinstance(messages, dict) and "messages" in messages:
         messages = messages["messages"]
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(message, dict) for message in messages):
+        raise InputError(f"{where}: expected chat messages (a list of role and content dicts), got {shown(messages)}")
     videos, texts = [], []
     for message in messages:
         if message.get("role") != "user":
             continue
-        for item in message.get("content", []):
+        content = message.get("content", [])
+        if not isinstance(content, (list, tuple)) or not all(isinstance(item, dict) for item in content):
+            raise InputError(f"{where}: a user turn's content must be a list of typed items, got {shown(content)}")
+        for item in content:
             kind = item.get("type")
             if kind == "video":
                 videos.append(item.get("url"))
+            elif kind == "text" and not isinstance(item.get("text", ""), str):
+                raise InputError(f"{where}: a text item's text must be a string, got {shown(item['text'])}")
             elif kind == "text":
                 texts.append(item.get("text", ""))
             else:
@@ -409,7 +424,7 @@ def video_and_prompt(messages: Any, *, where: str = "request") -> tuple[str, str
     prompt = "".join(texts)
     if not prompt.strip():
         raise InputError(f"{where}: the request has no question text")
-    return os.fspath(videos[0]), prompt
+    return os.fspath(videos[0]), check_question(prompt, f"{where}: the question text")
 
 
 @dataclass(frozen=True)
@@ -494,6 +509,9 @@ def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:
     except (TypeError, ValueError):
         raise InputError("expected a chat request: args = (context, doc_to_messages, gen_kwargs, doc_id, task, "
                          "split); is the model registered as a chat model?") from None
+    if not callable(doc_to_messages) or not isinstance(gen_kwargs or {}, Mapping):
+        raise InputError(f"a chat request's doc_to_messages must be callable and its gen_kwargs a mapping, got "
+                         f"{type(doc_to_messages).__name__} and {type(gen_kwargs).__name__}")
     return doc_to_messages, dict(gen_kwargs or {}), doc_id, task, split
 
 

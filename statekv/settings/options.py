@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any, ClassVar
 
+from ..errors import ConfigurationError
 from .engine import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_options
 from .methods import (DEFAULT_RETRIEVAL, READ_BY_SOME, SIZES, MethodSettings, MethodSpec, method,
                       method_names, refuse_unread, retrieval_rule, retrieval_rule_names)
@@ -215,9 +216,17 @@ class ModelOptions:
         options = cls(**given)  # every value checked first
         refuse_unread(options.method, {name: getattr(options, name) for name in given if name in READ_BY_SOME
                                        and given[name] is not None}, flags=flags)
+        # an evicting cap the method's cache cannot take: refused now, not when the first stream is made
+        check_cache_options(options.offload, options.offload_dir, options.max_cache_bytes, options.cache_limit,
+                            flags=flags, offloaded=bool(options.offloaded))
         return options
 
     def with_changes(self, **changes: Any) -> "ModelOptions":
+        """These options with ``changes`` (field names) made, checked again; unknown names refused."""
+        known = [field.name for field in fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ConfigurationError(f"unknown option {unknown[0]!r}; known: {', '.join(known)}")
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
