@@ -154,7 +154,7 @@ def with_range(lm: LanguageModel, tokens: int, open_stream: Callable[[], Any]) -
 def positions(section: Section, deadline: float, lm: LanguageModel) -> None:
     """The graphed StateKV steps of `step_variants` with bounded positions past the model's range against stream
     positions (issue 48's 5%). The bounded stream sees the decoder's declared range lowered to its budget and eight
-    frames, the other stream raised to its horizon (the weights and the rotary module are untouched: only the engine
+    frames, the other's set to its horizon (the weights and the rotary module are untouched: only the engine
     reads that number, when a stream opens), so the bounded stream's warm-up passes the range and every timed step
     of it is placed (in cache order, the default past the range). Both streams declare the same horizon, so their
     detailed buffers are made at once and never move: without one they grow, and each growth re-records the step's
