@@ -198,10 +198,10 @@ def positions(section: Section, deadline: float, lm: LanguageModel) -> None:
                             seconds, _ = timed(device, lambda: [prefill.step(inputs_embeds=next(feeds[mode]))
                                                                 for _ in range(count)])
                             times[mode].append(1e3 * seconds / count)
+                    compiled_while_timed = compiled_graphs() - graphs  # both streams' timed steps together
                     for mode, prefill in opened.items():
                         row = rows[mode]
                         row["ms_per_frame"] = statistics.median(times[mode])
-                        row["compiled_while_timed"] = compiled_graphs() - graphs
                         row["placed"] = prefill.positions.moved
                         row["timed_steps_replayed"] = prefill.stats.graph_replays - replays[mode]
                         row.update(profile_counts(device, lambda: [prefill.step(inputs_embeds=next(feeds[mode]))
@@ -211,13 +211,16 @@ def positions(section: Section, deadline: float, lm: LanguageModel) -> None:
                     if "gpu_busy_ms" in rows["stream"]:
                         rows["bounded"]["gpu_busy_over_stream"] = (rows["bounded"]["gpu_busy_ms"]
                                                                    / rows["stream"]["gpu_busy_ms"])
+                    rows["bounded"]["compiled_while_timed"] = compiled_while_timed
             except Exception as error:
                 first_line = str(error).splitlines()[0] if str(error) else ""
                 rows["bounded"]["error"] = f"{type(error).__name__}: {first_line}"[:300]
             section.rows.extend(rows.values())
             print(f"   {list(rows.values())}", flush=True)
-    ratios = {row["variant"]: row["over_stream"] for row in section.rows if "over_stream" in row}
-    if ratios:  # the goal's figure is the worst variant's
+    # the goal's figure: the worst variant's GPU time, profiled (wall time where no profile was taken, on a CPU)
+    ratios = {row["variant"]: row.get("gpu_busy_over_stream", row["over_stream"]) for row in section.rows
+              if "over_stream" in row}
+    if ratios:
         section.figures["bounded_variant"] = max(ratios, key=ratios.get)
         section.figures["bounded_ratio"] = ratios[section.figures["bounded_variant"]]
 

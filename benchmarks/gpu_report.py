@@ -36,7 +36,7 @@ def markdown(record: dict, embedded: bool = False) -> str:
     figures = {key: value for section in record["sections"] for key, value in section["figures"].items()}
     names = {"statekv_graph_ms": "8B StateKV B=4096 step, ms per frame",
              "statekv_graph_launches": "8B StateKV step, kernel + graph launches per step",
-             "bounded_ratio": "8B StateKV graphed step, bounded positions past the range / stream positions",
+             "bounded_ratio": "8B StateKV graphed step, GPU time, bounded positions past the range / stream",
              "prefill_ratio": "512-frame prefill, StateKV / one-shot SDPA time",
              "pipeline_fps": "1B whole pipeline, frames/s"}
     for key, (goal, better, before) in GOALS.items():

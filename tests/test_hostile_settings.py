@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 import statekv
 from statekv.errors import ConfigurationError, InputError
@@ -25,7 +26,8 @@ def test_an_offload_device_torch_cannot_read_is_refused_when_the_options_are_mad
         ModelOptions(model="builtin", offload=offload)
 
 
-@pytest.mark.parametrize("offload", ["cpu", "cuda", "cuda:1", "mps", "mps:0"])
+@pytest.mark.parametrize("offload", ["cpu", "cpu:0", "cuda", "cuda:1", "mps", "mps:0", torch.device("cpu"),
+                                     torch.device("cuda", 1)], ids=str)
 def test_offload_device_names_are_still_taken(offload):
     assert ModelOptions(model="builtin", offload=offload).offload == offload
 

@@ -34,7 +34,7 @@ POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
 BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.layouts.BOUNDED_LAYOUTS`
 HANDOVER = "handover"  # a stream's engine and its successor, own-then-cache then cache (`statekv.api.handover`)
 OFFLOAD_TIERS = ("disk", "memory")
-OFFLOAD_DEVICE = re.compile(r"(cuda|mps)(:[0-9]+)?")  # a device name torch reads (``cuda:banana`` it refuses)
+OFFLOAD_DEVICE = re.compile(r"(cpu|cuda|mps)(:[0-9]+)?")  # device names offload takes (torch refuses cuda:banana)
 # positions a question past the range spreads its retrieved frames over (`statekv.core.positions.placing`): the
 # span of the built-in model's training videos; a model whose frames take more packs them as before
 DEFAULT_QUESTION_SPAN = 384
@@ -84,7 +84,7 @@ def check_offload(value: Any, name: str = "offload") -> Any:
     ``cuda:1``, ``mps``) or `torch.device`."""
     if value is None or isinstance(value, bool) or is_torch_device(value) or value == "disk":
         return value
-    if isinstance(value, str) and (value == "cpu" or OFFLOAD_DEVICE.fullmatch(value)):
+    if isinstance(value, str) and OFFLOAD_DEVICE.fullmatch(value):
         return value
     raise ConfigurationError(f"{name} must be True, False, 'disk' or a device, got {value!r}")
 
