@@ -27,6 +27,7 @@ import functools
 import logging
 import numbers
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,10 +207,12 @@ class Stream(EncodedVideo):
     def push_many(self, frames: Any) -> int:
         """Push ``(image, timestamp)`` pairs, `Frame` objects or images (timed as `push` times them) in order;
         return how many were kept."""
+        if isinstance(frames, (str, bytes)) or not isinstance(frames, Iterable):
+            raise InputError(f"push_many takes (image, timestamp) pairs, Frames or images, got {type(frames).__name__}")
         kept = 0
-        for item in frames:
+        for item in frames:  # a time may be a NumPy scalar (np.arange's times), as `push` takes it
             pair = (isinstance(item, (tuple, list)) and len(item) == 2
-                    and (item[1] is None or isinstance(item[1], (int, float))))
+                    and (item[1] is None or isinstance(item[1], numbers.Real)))
             kept += self.push(*item) if pair else self.push(item)
         return kept
 
@@ -360,6 +363,10 @@ class Stream(EncodedVideo):
         stream_id: refuse a file that is not this stream's (None: any). owner: refuse a file that is not this
         owner's (None: a file saved with no owner). The stream keeps the id and owner it was saved with.
         """
+        from .videoqa import VideoQA  # here: videoqa imports this module
+
+        if not isinstance(qa, VideoQA):
+            raise InputError(f"Stream.load takes the VideoQA to resume the stream with, got {type(qa).__name__}")
         check_bool(allow_other_weights, "allow_other_weights")
         if stream_id is not None:
             check_stream_id(stream_id)
