@@ -106,14 +106,12 @@ class Stream(EncodedVideo):
         (any text, e.g. an API key's id; its digest is recorded, `load` checks it). created: when the stream was
         made (resuming: as recorded; default: now). horizon_frames: None: no horizon, the stream never ends (bounded
         positions)."""
-        self.id = new_stream_id() if stream_id is None else check_stream_id(stream_id)
+        stream_id, vision_batch = check_making(horizon_frames, vision_batch, stream_id, owner)
+        self.id = new_stream_id() if stream_id is None else stream_id
         self.created = new_created() if created is None else str(created)
         self.identity = ownership(self.id, self.created, owner)  # what its files record of who it is
         self.owner_digest = self.identity["owner_digest"]
-        if horizon_frames is not None:
-            check_int(horizon_frames, "horizon_frames", error=InputError)
         max_fps = check_max_fps(max_fps)
-        vision_batch = check_vision_batch(vision_batch)
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
                          engine=engine, disk_tier=disk_tier, reserve_tokens=reserve_tokens)
@@ -375,6 +373,18 @@ class Stream(EncodedVideo):
         with whole():
             return load_stream(cls, path, qa, engine, allow_other_weights=allow_other_weights, stream_id=stream_id,
                                owner=owner)
+
+
+def check_making(horizon_frames: int | None, vision_batch: int, stream_id: str | None, owner: str | None
+                 ) -> tuple[str | None, int]:
+    """A new stream's ``horizon_frames``, ``vision_batch``, ``stream_id`` and ``owner`` checked (one-line errors),
+    also for a stream that keeps none of them (`VideoQA.stream` under simplestream); returns the checked id (None:
+    not given) and batch."""
+    if horizon_frames is not None:
+        check_int(horizon_frames, "horizon_frames", error=InputError)
+    vision_batch = check_vision_batch(vision_batch)
+    check_owner(owner)
+    return (None if stream_id is None else check_stream_id(stream_id)), vision_batch
 
 
 def check_max_fps(max_fps: float | None) -> float | None:

@@ -36,8 +36,7 @@ from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped
 from .asking import ask_together
 from .pushing import catch_up_streams, push_together
 from .recent import RecentFrames
-from .stream import Stream
-from .stream_identity import check_owner, check_stream_id
+from .stream import Stream, check_making
 from .watch import evaluate_due
 from ..settings.values import check_bool, check_int, check_number, check_question, format_bytes, shown, torch_dtype
 from ..video import open_video
@@ -266,12 +265,7 @@ class VideoQA:
         """
         engine = self.engine if kv_cache_dtype is None else self.engine.with_changes(kv_cache_dtype=kv_cache_dtype)
         if self.recent_window is not None:  # no horizon, steps or files, but a bad value is refused all the same
-            if horizon_frames is not None:
-                check_int(horizon_frames, "horizon_frames", error=InputError)
-            check_vision_batch(vision_batch)
-            if stream_id is not None:
-                check_stream_id(stream_id)
-            check_owner(owner)
+            check_making(horizon_frames, vision_batch, stream_id, owner)
             return RecentFrames(self, self.recent_window, max_fps=max_fps, name=name, reserve_tokens=reserve_tokens,
                                 engine=engine)
         stream = Stream(self, horizon_frames, max_fps=max_fps, name=name, vision_batch=vision_batch,
