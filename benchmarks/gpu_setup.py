@@ -125,15 +125,9 @@ def cuda_tests(section: Section, deadline: float, smoke: bool) -> None:
         command.append("--collect-only")
     # one tile per kernel pass, in a tile cache of their own: checks need no tuning, and the measurements
     # below must not inherit untuned tiles
-    scratch = tempfile.mkdtemp(prefix="statekv-cuda-tests-")
-    environment = {**os.environ, "STATEKV_TILE_CANDIDATES": "1", "STATEKV_CACHE": scratch}
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=environment,
-                                timeout=max(10.0, deadline - time.monotonic()))
-        output = result.stdout + result.stderr
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        section.status, section.reason = "failed", "cut at the section's time cap"
+    with tempfile.TemporaryDirectory(prefix="statekv-cuda-tests-") as scratch:
+        environment = {**os.environ, "STATEKV_TILE_CANDIDATES": "1", "STATEKV_CACHE": scratch}
+        output = run_child(command, environment, deadline, section)
     print(output[-6000:], flush=True)
     summary = pytest_summary(output)
     section.figures.update(summary)
@@ -147,6 +141,17 @@ def cuda_tests(section: Section, deadline: float, smoke: bool) -> None:
         section.reason = f"{summary.get('failed', 0)} failed, {summary.get('errors', 0)} errors"
     elif summary.get("passed", 0) == 0 and section.status != "failed":
         section.status, section.reason = "failed", "no CUDA test ran"
+
+
+def run_child(command: list[str], environment: dict[str, str], deadline: float, section: Section) -> str:
+    """The child pytest's output; cut at the section's time cap, what it printed so far."""
+    try:
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=environment,
+                                timeout=max(10.0, deadline - time.monotonic()))
+        return result.stdout + result.stderr
+    except subprocess.TimeoutExpired as expired:
+        section.status, section.reason = "failed", "cut at the section's time cap"
+        return (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
 
 
 def pytest_summary(output: str) -> dict[str, int]:

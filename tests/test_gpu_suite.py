@@ -107,3 +107,23 @@ def test_kernels_are_told_apart_by_name():
         "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast": "other_ms",
     }
     assert {name: suite.kernel_kind(name) for name in named} == named
+
+
+def test_the_cuda_tests_tile_cache_is_removed_after_the_run(tmp_path, monkeypatch):
+    _suite()
+    import gpu_setup
+    from gpu_shapes import Section
+
+    caches = []
+
+    def child(command, **options):
+        caches.append(Path(options["env"]["STATEKV_CACHE"]))
+        (caches[-1] / "tiles.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 0, stdout="3 tests collected in 0.1s\n", stderr="")
+
+    monkeypatch.setattr(gpu_setup.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(gpu_setup.subprocess, "run", child)
+    section = Section("cuda tests")
+    gpu_setup.cuda_tests(section, deadline=1e18, smoke=True)
+    assert caches and caches[0].parent == tmp_path and section.status != "failed", section
+    assert list(tmp_path.iterdir()) == []
