@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.options import ModelOptions
-from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
 
 SCALE_ON = ("streams", "requests")
 
@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray", default=None, metavar="ADDRESS",
                      help="run on the Ray cluster at ADDRESS (auto: the one this machine joined with `ray start`): "
                           "replicas behind Ray Serve's HTTP proxies on --host/--port, each stream's requests routed "
-                          "to the replica holding it; --state-dir must be a folder every node reaches, or give "
-                          "--store alone to keep everything in an object store")
+                          "to the replica holding it; give --state-dir, a folder every node reaches, or --store "
+                          "alone to keep everything in an object store (one of the two is needed)")
     ray.add_argument("--replicas", type=POSITIVE_INT, default=None, metavar="N",
                      help="replicas, each one model with its streams (default: 1; the least, with --max-replicas)")
     ray.add_argument("--max-replicas", type=POSITIVE_INT, default=None, metavar="M",
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "endpoint come from the store's usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL...)")
     ray.add_argument("--replica-cpus", type=POSITIVE_FLOAT, default=None, metavar="C",
                      help="CPUs each replica reserves from Ray (default: 1)")
-    ray.add_argument("--replica-gpus", type=float, default=None, metavar="G",
+    ray.add_argument("--replica-gpus", type=NON_NEGATIVE_FLOAT, default=None, metavar="G",
                      help="GPUs each replica reserves from Ray (default: 1 with --device cuda, else 0)")
     parser.set_defaults(run=run)
 
@@ -262,7 +262,19 @@ def cluster_settings(args: argparse.Namespace):
                                  "constraints.txt -e \".[ray]\"") from None
     if args.store is not None:
         _check_store(args.store)
-
+    if args.state_dir is None and args.store is None:
+        raise ConfigurationError("--ray needs --state-dir (a folder every node mounts) or --store (an object store): "
+                                 "the default ./statekv-state is this machine's own folder")
+    if args.max_replicas is None:
+        alone = next((name for name in ("scale_on", "scale_target") if getattr(args, name) is not None), None)
+        if alone is not None:
+            raise ConfigurationError(f"--{alone.replace('_', '-')} sets autoscaling: add --max-replicas M to "
+                                     "autoscale between --replicas and M replicas")
+    elif (args.scale_on or "streams") == "streams" and args.scale_target is not None \
+            and args.scale_target >= args.max_streams:
+        raise ConfigurationError(f"--scale-target {args.scale_target:g} streams per replica must be fewer than "
+                                 f"--max-streams {args.max_streams}: a replica never holds more, so no replica would "
+                                 "ever be added")
     gpus = args.replica_gpus
     if gpus is None:
         gpus = 1.0 if str(args.device or "").startswith("cuda") else 0.0
@@ -288,7 +300,11 @@ def _check_store(url: str) -> None:
         raise ConfigurationError(f"--store {url}: a {scheme}:// store lives in one process, so replicas would not "
                                  "share it and it ends with the process; give a bucket (s3://, gs://, az://) or a "
                                  "folder every node mounts (file:///shared/folder)")
-    if scheme == "file" and not rest.startswith("/"):
+    if "::" in url:
+        raise ConfigurationError(f"--store {url}: a chained URL (fsspec's caching wrappers) serves an object another "
+                                 "replica replaced as this one first read it, and its create-if-absent is not atomic; "
+                                 "give the store's own URL")
+    if scheme in ("file", "local") and not rest.startswith("/"):
         raise ConfigurationError(f"--store {url}: a relative folder is each process's own (from its working "
                                  "directory); give the folder's whole path, as in file:///shared/folder")
     try:

@@ -325,6 +325,20 @@ def positive_float(value: Any, name: str) -> float:
     return number
 
 
+def non_negative_float(value: Any, name: str) -> float:
+    """A finite number of at least zero (int, float or a string of one)."""
+    number: float | None = None
+    if is_finite_number(value):
+        number = float(value)
+    elif isinstance(value, str):
+        number = _from_text(value, float)
+    if number is None or not math.isfinite(number):
+        raise ConfigurationError(f"{name} must be a number, got {shown(value)}")
+    if number < 0:
+        raise ConfigurationError(f"{name} must be at least 0, got {shown(value)}")
+    return number
+
+
 def is_stream_rate(value: object) -> bool:
     """Whether ``value`` is a live stream's max_fps: a number above 0 and at most `HIGHEST_FPS`."""
     return is_finite_number(value) and 0 < value <= HIGHEST_FPS
@@ -420,6 +434,7 @@ def format_bytes(count: int) -> str:
 POSITIVE_INT = argparse_type(positive_int, "a positive integer", largest=LARGEST_INT)
 NON_NEGATIVE_INT = argparse_type(non_negative_int, "a non-negative integer", largest=LARGEST_INT)
 POSITIVE_FLOAT = argparse_type(positive_float, "a positive number")
+NON_NEGATIVE_FLOAT = argparse_type(non_negative_float, "a number of at least 0")
 STREAM_RATE = argparse_type(stream_rate, f"frames per second above 0 and at most {HIGHEST_FPS:g}")
 BYTE_SIZE = argparse_type(byte_size, "a size in bytes such as 512M or 20G")
 

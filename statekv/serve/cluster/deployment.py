@@ -6,6 +6,7 @@ its request router, bound and ready for ``serve.run``)."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,13 @@ class ClusterSettings:
             raise ConfigurationError(f"--scale-on must be one of {', '.join(SCALE_ON)}, got {self.scale_on!r}")
         if self.lease_seconds < 1:
             raise ConfigurationError(f"--lease-seconds must be at least 1, got {self.lease_seconds:g}")
+        if self.scale_target is not None and self.max_replicas is None:
+            raise ConfigurationError("--scale-target sets autoscaling: add --max-replicas M to autoscale between "
+                                     "--replicas and M replicas")
+        if not (math.isfinite(self.replica_cpus) and self.replica_cpus > 0):
+            raise ConfigurationError(f"--replica-cpus must be a number greater than 0, got {self.replica_cpus}")
+        if not (math.isfinite(self.replica_gpus) and self.replica_gpus >= 0):
+            raise ConfigurationError(f"--replica-gpus must be a number of at least 0, got {self.replica_gpus}")
 
 
 def deployment_options(config: ServeConfig, cluster: ClusterSettings) -> dict[str, Any]:

@@ -29,16 +29,22 @@ def connect(address: str) -> None:
     import ray
 
     host, _, port = address.rpartition(":")
+    answered = False
     if host and port.isdigit() and "://" not in address:  # a head's host:port: Ray would wait minutes for it
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
         except OSError as error:
             raise ConfigurationError(f"--ray {address}: no Ray cluster answers there ({error.strerror or error}); "
                                      "give the address of its head (ray start --head prints it)") from None
+        answered = True
     try:
         ray.init(address=address, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if answered:  # something listens there: most often a cluster that wants a token this driver lacks
+            raise ConfigurationError(f"--ray {address}: something answers there but this driver could not join it "
+                                     f"({reason}); a cluster started with token authentication needs RAY_AUTH_MODE="
+                                     "token and RAY_AUTH_TOKEN set here as on its nodes") from None
         raise ConfigurationError(f"--ray {address}: cannot join a Ray cluster there ({reason}); start one with "
                                  "`ray start --head` (or give the address of its head)") from None
 
@@ -53,6 +59,7 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
     Until the replicas are up a SIGTERM stops the start as Ctrl-C does."""
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     if not 1 <= port <= 65535:
         raise ConfigurationError(f"--port {port}: with --ray, give the port Ray Serve's proxies listen on")
@@ -79,18 +86,21 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
             raise ConfigurationError(f"cannot listen on {shown_address(host, port)}: Ray Serve's proxy could not "
                                      "bind it (in use, or not an address of this machine); give --host and --port "
                                      "free ones") from None
-        if not started:  # Ray Serve keeps the HTTP options it was started with; its public API does not say them
-            print(f"statekv serve: Ray Serve already runs on this cluster: its proxies listen where they were started "
-                  f"to, which --host {host} --port {port} cannot change", flush=True)
+        url = f"http://{shown_address(host, port)}"
+        if not started:  # Ray Serve keeps the HTTP options it was started with
+            note, url = proxies_note(host, port, _proxies_address())
+            if note:
+                print(f"statekv serve: {note}", flush=True)
         starting()
         try:
             serve.run(application(config, cluster), name=cluster.name, route_prefix="/")
         except RuntimeError as error:
             raise ConfigurationError(f"the replicas did not start on the Ray cluster: {str(error).splitlines()[0]}; "
                                      "their logs are in the cluster's session folder") from None
+        except RayServeException as error:  # e.g. another application serves the route
+            raise ConfigurationError(f"Ray Serve refused the application: {serve_reason(error)}") from None
         serving = True
-        shown = f"[{host}]" if ":" in host else host
-        ready(f"http://{shown}:{port}")
+        ready(url)
         try:
             while not stop.wait(1.0):
                 pass
@@ -191,6 +201,37 @@ def claim_application(name: str, holder: str) -> Any:
                                      "this Ray cluster; stop it first (its streams are kept), or send requests to "
                                      "it") from None
         time.sleep(0.5)
+
+
+def proxies_note(host: str, port: int, proxies: tuple[str, int] | None) -> tuple[str | None, str]:
+    """What to say when Ray Serve already ran (its proxies listen where they were started: at ``proxies``, None
+    when unknown) and the address to show, given the ``--host`` and ``--port`` asked for."""
+    if proxies is None:
+        return (f"Ray Serve already runs on this cluster: its proxies listen where they were started to, which "
+                f"--host {host} --port {port} cannot change"), f"http://{shown_address(host, port)}"
+    url = f"http://{shown_address(*proxies)}"
+    if proxies == (host, port):
+        return None, url
+    return (f"Ray Serve already runs on this cluster, its proxies on {shown_address(*proxies)}: --host {host} "
+            f"--port {port} cannot change that"), url
+
+
+def serve_reason(error: BaseException) -> str:
+    """A Ray Serve refusal's own words: the last line of its message (a refusal raised in the controller comes
+    after the task's header and traceback), without the exception's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return lines[-1].rpartition("RayServeException: ")[2]
+
+
+def _proxies_address() -> tuple[str, int] | None:
+    """Where the running Ray Serve's proxies listen (its controller's HTTP options); None when it does not say."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        options = _get_global_client().http_config
+        return str(options.host), int(options.port)
+    except Exception:  # noqa: BLE001 - a private API: the note falls back to saying it is unknown
+        return None
 
 
 def _serve_running() -> bool:
