@@ -33,11 +33,15 @@ class HorizonError(StateKVError, ValueError):
 
 class QuestionTooLong(HorizonError):
     """A question of ``prompt`` tokens and its answer of up to ``answer`` tokens do not fit in the ``room`` tokens a
-    stream has left before its horizon."""
+    stream has for them: those left before its horizon, or (``limit``, a bounded stream's range) the positions an
+    evaluation of a watch has beside the stream's carried state."""
 
-    def __init__(self, prompt: int, answer: int, room: int):
-        super().__init__(f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} tokens left "
-                         "before the stream's horizon; declare a longer horizon (a VideoQA: a larger reserve_tokens)")
+    def __init__(self, prompt: int, answer: int, room: int, limit: int | None = None):
+        where = ("tokens left before the stream's horizon; declare a longer horizon (a VideoQA: a larger "
+                 "reserve_tokens)") if limit is None else (
+            f"positions an evaluation has beside the carried state in the model's {limit}; ask a shorter question "
+            "or fewer answer tokens")
+        super().__init__(f"the question ({prompt} tokens) and answer ({answer}) do not fit in the {room} {where}")
         self.prompt, self.answer, self.room = prompt, answer, room
 
 

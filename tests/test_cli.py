@@ -87,9 +87,11 @@ def test_stream_without_questions_watches_with_no_horizon_and_shows_progress(fil
 
     leader, follower = pty.openpty()  # stderr a terminal, as a person's (80 columns: tqdm draws to its width)
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    # a budget the tiny model's 128 positions leave a watch room beside (the default 4,096 would carry the range's
+    # cap, leaving 16 positions: the watch would be refused as it opens)
     process = subprocess.Popen([sys.executable, "-m", "statekv.cli", "stream", str(files["video"]), "--model",
-                                str(files["model"]), "--watch", "2:What is shown?", "--max-new-tokens", "2", "--json"],
-                               stdout=subprocess.PIPE, stderr=follower, text=True)
+                                str(files["model"]), "--watch", "2:What is shown?", "--max-new-tokens", "2", "--json",
+                                "--budget", "64"], stdout=subprocess.PIPE, stderr=follower, text=True)
     os.close(follower)
     shown = b""
     while True:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..core.rules.steering import QuestionGuide
-from ..core.watching.fitting import check_question_fits
+from ..core.watching.fitting import check_question_fits, most_carried
 from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
 from ..errors import ConfigurationError, InputError, StateKVError
@@ -219,7 +219,8 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
                              "open it without retrieve")
         watch.standing = standing_question(prefill, prompt)
         carried = max(layer.carried_length for layer in prefill.cache.layers)
-        check_question_fits(prefill, watch.standing.length + watch.max_new_tokens, carried)
+        # against the most it will carry: a watch opened before then must not fail at every evaluation after
+        check_question_fits(prefill, watch.standing.length, watch.max_new_tokens, most_carried(prefill, carried))
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:

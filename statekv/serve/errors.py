@@ -6,7 +6,7 @@ import errno
 import logging
 from collections.abc import Callable
 
-from ..errors import HorizonError, OutputError, StateKVError
+from ..errors import HorizonError, OutputError, QuestionTooLong, StateKVError
 
 
 class ServiceError(StateKVError):
@@ -25,9 +25,12 @@ _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_
 
 def status_of(error: StateKVError) -> int:
     """The HTTP status an error is answered with, on a route or in an event stream alike: its own (`ServiceError`),
-    503 for the server's own files (`OutputError`), 409 for what the stream cannot take (`HorizonError`), else 400."""
+    503 for the server's own files (`OutputError`), 413 for a question and answer too long for the room the stream
+    keeps for them (`QuestionTooLong`), 409 for anything else the stream cannot take (`HorizonError`), else 400."""
     if isinstance(error, ServiceError):
         return error.status
+    if isinstance(error, QuestionTooLong):
+        return 413
     return 503 if isinstance(error, OutputError) else 409 if isinstance(error, HorizonError) else 400
 
 

@@ -15,7 +15,7 @@ from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
 from .page_parts import ErrorNote
 from .watch_routes import open_recorded
-from .watches import described, watch_settings
+from .watches import changing_watches, described, watch_settings
 
 CHOICES = ("red", "green", "blue", "yellow")  # the built-in model's colours: a first question that suits it
 BUILTIN_EXAMPLE = "What colour was the circle?"
@@ -105,7 +105,7 @@ class WatchPanel:
         entry = self.page.entry
         if entry is None:
             return
-        async with entry.lock:
+        async with changing_watches(entry):
             if entry.deleted or entry.moved:
                 return
             await self.page.service.worker.run(watch.close)

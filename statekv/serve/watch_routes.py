@@ -23,7 +23,7 @@ from .errors import ServiceError
 from .healing import check_here
 from .limits import read_json
 from .routes import Served
-from .watches import FeedEnd, described, find_watch, open_on, watch_settings
+from .watches import FeedEnd, changing_watches, described, find_watch, open_on, watch_settings
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
@@ -42,9 +42,15 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
     """Open a watch on ``entry``'s stream (from the API or the page) and record it: its first answer is a question,
     so it takes one of ``--max-asks`` meanwhile (429 when none is free), and a watch a restart would not bring back
     (its record cannot be written) is closed again (503)."""
-    async with service.ask_slots.hold(), entry.lock:
+    listener = service.watch_hub.listener(entry.id)
+
+    def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
         check_here(entry)  # deleted, moved or damaged while the request waited
-        watch = await service.worker.run(open_on, entry, settings, service.watch_hub.listener(entry.id))
+        return open_on(entry, settings, listener)
+
+    async with service.ask_slots.hold(), changing_watches(entry):
+        check_here(entry)
+        watch = await service.worker.run(opened_here)
         try:
             await asyncio.to_thread(entry.write_record, service.registry.files)
         except (OSError, StateKVError) as error:
@@ -72,7 +78,7 @@ async def get_watch(stream_id: str, watch_id: str, request: Request, service: Se
 async def delete_watch(stream_id: str, watch_id: str, request: Request, service: Served) -> dict:
     entry = await service.registry.find(service.keys.require(request), stream_id)
     find_watch(entry, watch_id)  # a 404 before waiting for the stream
-    async with entry.lock:
+    async with changing_watches(entry):
         check_here(entry)
         watch = find_watch(entry, watch_id)  # again: a delete that waited for the lock may have closed it
         await service.worker.run(watch.close)

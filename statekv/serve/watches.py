@@ -13,6 +13,7 @@ evaluations go: the frames pushed again make them again).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -79,6 +80,14 @@ def find_watch(entry: Any, watch_id: str) -> Watch:
         if watch.id == watch_id:
             return watch
     raise ServiceError(404, f"stream {entry.id} has no watch {str(watch_id)[:80]!r}")
+
+
+def changing_watches(entry: Any) -> Any:
+    """What opening or closing one of ``entry``'s watches waits for: the stream's lock (a push, hand-over or
+    deletion under way ends first), except while a file is fed to it, which holds the lock to the feed's end. Then
+    the change waits for nothing: the model's one thread runs it between two of the feed's pushes, and checks
+    there that the stream is still here."""
+    return contextlib.nullcontext() if entry.feeding else entry.lock
 
 
 def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import HorizonError
+from ...errors import QuestionTooLong
 from ..answering.retrieval import Retrieval
 
 
@@ -33,29 +33,41 @@ def tail_room(prefill, carried: int) -> int:
     return positions.limit - min(carried, positions.layout.cap(positions.limit))
 
 
-def check_question_fits(prefill, question_positions: int, carried: int) -> None:
-    """A one-line `HorizonError` when a question and its answer (``question_positions``) leave no room in the
-    tail (bounded positions only)."""
+def check_question_fits(prefill, prompt: int, answer: int, carried: int) -> None:
+    """A one-line `QuestionTooLong` when a question of ``prompt`` tokens and its answer of up to ``answer`` leave no
+    room in the tail beside ``carried`` carried tokens (bounded positions only)."""
     if not prefill.positions.bounded:
         return
     room = tail_room(prefill, carried)
-    if question_positions > room:
-        raise HorizonError(f"the question and its answer ({question_positions} tokens) do not fit in the {room} "
-                           f"positions an evaluation has beside the carried state in the model's "
-                           f"{prefill.positions.limit}; ask a shorter question or fewer answer tokens")
+    if prompt + answer > room:
+        raise QuestionTooLong(prompt, answer, room, limit=prefill.positions.limit)
 
 
-def tail_start(prefill, since: int, question_first: int, question_positions: int, carried: int,
+def most_carried(prefill, carried: int) -> int:
+    """The most tokens a layer of ``prefill``'s stream will carry, for a check made before it carries them (a watch
+    opened on a stream with few frames): its rule's settled budget where every layer has one, else the layout's
+    cap (the most an evaluation sets beside its tail); never less than ``carried``, what it carries now. Bounded
+    positions only (else ``carried``)."""
+    positions = prefill.positions
+    if not positions.bounded:
+        return carried
+    budgets = [prefill.policy.steady_budget(layer) for layer in range(len(prefill.cache.layers))]
+    settled = None if None in budgets else max(budgets, default=0)
+    return max(carried, positions.layout.cap(positions.limit) if settled is None else settled)
+
+
+def tail_start(prefill, since: int, question_first: int, prompt: int, answer: int, carried: int,
                flat: bool = True) -> int:
     """The first token an evaluation reads as new: ``since`` (the first its last evaluation did not read) when
-    the frames from there, the question (from stream position ``question_first``) and its answer
-    (``question_positions`` in all) fit `tail_room`, or all sit at their own positions inside the range (as while
+    the frames from there, the question (``prompt`` tokens from stream position ``question_first``) and its answer
+    (up to ``answer`` tokens) fit `tail_room`, or all sit at their own positions inside the range (as while
     the stream fits it); else the first token of the newest steps that fit (the stream's length when none does).
     Under ``stream`` positions, ``since``. ``flat``: 1-D RoPE (False: M-RoPE)."""
     positions, cache = prefill.positions, prefill.cache
     if not positions.bounded or since >= cache.seen_tokens:
         return since
-    check_question_fits(prefill, question_positions, carried)
+    check_question_fits(prefill, prompt, answer, carried)
+    question_positions = prompt + answer
     room = tail_room(prefill, carried)
     step, start = cache.step_of(since)
     first = positions.firsts[step] + (since - start)

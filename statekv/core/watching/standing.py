@@ -213,7 +213,8 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         if carried is None:
             carried = carried_of[id(prefill)] = max(layer.carried_length for layer in prefill.cache.layers)
         question_first = prompt_start(prompt, prefill)
-        since = tail_start(prefill, evaluation.since, question_first, room, carried, flat)
+        since = tail_start(prefill, evaluation.since, question_first, length, evaluation.max_new_tokens, carried,
+                           flat)
         place = placement(prefill, since, question_first, room, carried, flat)
         pad = longest - length - len(tree)
         scoring = None if evaluation.retrieval is None else retrieval_scoring(
