@@ -24,14 +24,14 @@ QUESTION = "How many times did the video show blue?\nA. 1\nB. 2\nC. 3\nD. 4\nAns
 
 def _slow_feed(server, seconds: float) -> None:
     """Each frame of a feed waits ``seconds`` before its push (a long file, or a slow model, in a short test)."""
-    registry = server.service.registry
-    push = registry._push_held
+    worker = server.service.worker
+    push = worker.push
 
     async def slowly(*args, **kwargs):
         await asyncio.sleep(seconds)
         return await push(*args, **kwargs)
 
-    registry._push_held = slowly
+    worker.push = slowly
 
 
 def test_a_watch_is_deleted_and_made_while_its_stream_is_fed_without_waiting_for_the_feed(qa, tmp_path):
