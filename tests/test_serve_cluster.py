@@ -659,7 +659,11 @@ def test_the_deployment_options_follow_the_flags(tmp_path):
     requests = deployment_options(config, ClusterSettings(max_replicas=3, scale_on="requests", scale_target=4))
     assert requests["autoscaling_config"]["target_ongoing_requests"] == 4
     for wrong, message in (({"replicas": 0}, "--replicas"), ({"replicas": 3, "max_replicas": 2}, "fewer than"),
-                           ({"scale_on": "cpu"}, "--scale-on"), ({"lease_seconds": 0.5}, "--lease-seconds")):
+                           ({"scale_on": "cpu"}, "--scale-on"), ({"lease_seconds": 0.5}, "--lease-seconds"),
+                           ({"scale_on": "requests"}, "--scale-on sets autoscaling: add --max-replicas"),
+                           ({"scale_target": 3.0}, "--scale-target sets autoscaling: add --max-replicas"),
+                           ({"replica_gpus": float("nan")}, "--replica-gpus"),
+                           ({"replica_cpus": 0.0}, "--replica-cpus")):
         with pytest.raises(ConfigurationError, match=message):
             ClusterSettings(**wrong)
 

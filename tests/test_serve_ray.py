@@ -509,3 +509,25 @@ def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray
     assert "the key above was not kept" in printed and not (tmp_path / "state" / "keys.json").exists()
     # the replica never placed is ended at once (before: the deletion waited 60 s for it, then failed in the log)
     assert stopping < 30 and "stopping the application failed" not in printed, (stopping, printed[-3000:])
+
+
+PROXIES = """
+import sys, ray
+from ray import serve
+from statekv.serve.cluster.launch import proxies_address
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+try:
+    print("proxies", proxies_address(), flush=True)
+finally:
+    serve.shutdown()
+"""
+
+
+def test_where_a_running_ray_serves_proxies_listen_is_read_from_its_controller(cluster, ray_env):
+    """Before: a `statekv serve --ray` finding Ray Serve already running printed the --port it was given, where
+    nothing may listen; the address it prints now is the controller's."""
+    port = _free_port()
+    found = subprocess.run([sys.executable, "-c", PROXIES, cluster["address"], str(port)], capture_output=True,
+                           text=True, env=ray_env, timeout=180)
+    assert f"proxies ('127.0.0.1', {port})" in found.stdout.splitlines(), found.stdout[-2000:] + found.stderr[-2000:]

@@ -265,12 +265,7 @@ def cluster_settings(args: argparse.Namespace):
     if args.state_dir is None and args.store is None:
         raise ConfigurationError("--ray needs --state-dir (a folder every node mounts) or --store (an object store): "
                                  "the default ./statekv-state is this machine's own folder")
-    if args.max_replicas is None:
-        alone = next((name for name in ("scale_on", "scale_target") if getattr(args, name) is not None), None)
-        if alone is not None:
-            raise ConfigurationError(f"--{alone.replace('_', '-')} sets autoscaling: add --max-replicas M to "
-                                     "autoscale between --replicas and M replicas")
-    elif (args.scale_on or "streams") == "streams" and args.scale_target is not None \
+    if args.max_replicas is not None and args.scale_on in (None, "streams") and args.scale_target is not None \
             and args.scale_target >= args.max_streams:
         raise ConfigurationError(f"--scale-target {args.scale_target:g} streams per replica must be fewer than "
                                  f"--max-streams {args.max_streams}: a replica never holds more, so no replica would "
@@ -279,7 +274,7 @@ def cluster_settings(args: argparse.Namespace):
     if gpus is None:
         gpus = 1.0 if str(args.device or "").startswith("cuda") else 0.0
     return ClusterSettings(
-        replicas=args.replicas or 1, max_replicas=args.max_replicas, scale_on=args.scale_on or "streams",
+        replicas=args.replicas or 1, max_replicas=args.max_replicas, scale_on=args.scale_on,
         scale_target=args.scale_target, lease_seconds=args.lease_seconds or LEASE_SECONDS, store=args.store,
         replica_cpus=args.replica_cpus or 1.0, replica_gpus=gpus)
 

@@ -311,8 +311,8 @@ def optional_positive_int(value: Any, name: str) -> int | None:
     return None if _is_none(value) else positive_int(value, name)
 
 
-def positive_float(value: Any, name: str) -> float:
-    """A finite number greater than zero (int, float or a string of one)."""
+def finite_number(value: Any, name: str) -> float:
+    """A finite number (int, float or a string of one)."""
     number: float | None = None
     if is_finite_number(value):
         number = float(value)
@@ -320,6 +320,12 @@ def positive_float(value: Any, name: str) -> float:
         number = _from_text(value, float)
     if number is None or not math.isfinite(number):
         raise ConfigurationError(f"{name} must be a number, got {shown(value)}")
+    return number
+
+
+def positive_float(value: Any, name: str) -> float:
+    """A finite number greater than zero (int, float or a string of one)."""
+    number = finite_number(value, name)
     if number <= 0:
         raise ConfigurationError(f"{name} must be greater than 0, got {shown(value)}")
     return number
@@ -327,13 +333,7 @@ def positive_float(value: Any, name: str) -> float:
 
 def non_negative_float(value: Any, name: str) -> float:
     """A finite number of at least zero (int, float or a string of one)."""
-    number: float | None = None
-    if is_finite_number(value):
-        number = float(value)
-    elif isinstance(value, str):
-        number = _from_text(value, float)
-    if number is None or not math.isfinite(number):
-        raise ConfigurationError(f"{name} must be a number, got {shown(value)}")
+    number = finite_number(value, name)
     if number < 0:
         raise ConfigurationError(f"{name} must be at least 0, got {shown(value)}")
     return number

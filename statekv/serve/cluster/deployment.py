@@ -30,16 +30,17 @@ ROUTING_STATS_SECONDS = 1.0  # how often each replica tells the routers how many
 @dataclass(frozen=True)
 class ClusterSettings:
     """replicas: how many (the least, with max_replicas); max_replicas: autoscale up to this many (None: a fixed
-    number). scale_on: ``streams`` (replicas for the streams held, ``scale_target`` per replica; default half of
-    each replica's stream limit) or ``requests`` (Ray Serve's policy: ``scale_target`` requests under way per
-    replica; default 2). lease_seconds: how long a replica's hold on a stream lasts unrenewed (a dead replica's
-    streams come back after at most this). store: an fsspec URL for the saved streams (None: the state folder),
-    or for everything the replicas share when there is no state folder.
+    number). scale_on: ``streams`` (None: the same; replicas for the streams held, ``scale_target`` per replica;
+    default half of each replica's stream limit) or ``requests`` (Ray Serve's policy: ``scale_target`` requests
+    under way per replica; default 2); either, or a ``scale_target``, only with max_replicas. lease_seconds: how
+    long a replica's hold on a stream lasts unrenewed (a dead replica's streams come back after at most this).
+    store: an fsspec URL for the saved streams (None: the state folder), or for everything the replicas share when
+    there is no state folder.
     replica_cpus, replica_gpus: what each replica reserves from Ray. name: the Ray Serve application's name."""
 
     replicas: int = 1
     max_replicas: int | None = None
-    scale_on: str = "streams"
+    scale_on: str | None = None
     scale_target: float | None = None
     lease_seconds: float = LEASE_SECONDS
     store: str | None = None
@@ -52,13 +53,15 @@ class ClusterSettings:
             raise ConfigurationError(f"--replicas must be at least 1, got {self.replicas}")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ConfigurationError(f"--max-replicas {self.max_replicas} is fewer than --replicas {self.replicas}")
-        if self.scale_on not in SCALE_ON:
+        if self.scale_on is not None and self.scale_on not in SCALE_ON:
             raise ConfigurationError(f"--scale-on must be one of {', '.join(SCALE_ON)}, got {self.scale_on!r}")
         if self.lease_seconds < 1:
             raise ConfigurationError(f"--lease-seconds must be at least 1, got {self.lease_seconds:g}")
-        if self.scale_target is not None and self.max_replicas is None:
-            raise ConfigurationError("--scale-target sets autoscaling: add --max-replicas M to autoscale between "
-                                     "--replicas and M replicas")
+        if self.max_replicas is None:
+            alone = "--scale-on" if self.scale_on is not None else "--scale-target" if self.scale_target else None
+            if alone:
+                raise ConfigurationError(f"{alone} sets autoscaling: add --max-replicas M to autoscale between "
+                                         "--replicas and M replicas")
         if not (math.isfinite(self.replica_cpus) and self.replica_cpus > 0):
             raise ConfigurationError(f"--replica-cpus must be a number greater than 0, got {self.replica_cpus}")
         if not (math.isfinite(self.replica_gpus) and self.replica_gpus >= 0):
@@ -89,7 +92,7 @@ def deployment_options(config: ServeConfig, cluster: ClusterSettings) -> dict[st
         return options
     scaling: dict[str, Any] = {"min_replicas": cluster.replicas, "initial_replicas": cluster.replicas,
                                "max_replicas": cluster.max_replicas}
-    if cluster.scale_on == "streams":
+    if cluster.scale_on in (None, "streams"):
         target = cluster.scale_target or max(1.0, config.max_streams / 2)
         scaling["policy"] = {"policy_function": SCALING, "policy_kwargs": {"target": target}}
     elif cluster.scale_target:

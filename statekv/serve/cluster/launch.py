@@ -88,7 +88,7 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
                                      "free ones") from None
         url = f"http://{shown_address(host, port)}"
         if not started:  # Ray Serve keeps the HTTP options it was started with
-            note, url = proxies_note(host, port, _proxies_address())
+            note, url = proxies_note(host, port, proxies_address())
             if note:
                 print(f"statekv serve: {note}", flush=True)
         starting()
@@ -135,6 +135,7 @@ def run_on_ray(config: ServeConfig, cluster: ClusterSettings, address: str, host
 
 DRIVERS_NAMESPACE = "statekv"
 SERVE_NAMESPACE = "serve"  # where Ray Serve names its replicas, "SERVE_REPLICA::<application>#<deployment>#<id>"
+SERVE_CONTROLLER = "SERVE_CONTROLLER_ACTOR"  # the name of Ray Serve's controller, in SERVE_NAMESPACE
 # a replica of the application being deleted that is not ready this long after is taken as not started
 PLACED_SECONDS = 5.0
 
@@ -223,14 +224,16 @@ def serve_reason(error: BaseException) -> str:
     return lines[-1].rpartition("RayServeException: ")[2]
 
 
-def _proxies_address() -> tuple[str, int] | None:
-    """Where the running Ray Serve's proxies listen (its controller's HTTP options); None when it does not say."""
-    try:
-        from ray.serve.context import _get_global_client
+def proxies_address() -> tuple[str, int] | None:
+    """Where the running Ray Serve's proxies listen, as its controller (the actor Ray Serve names
+    `SERVE_CONTROLLER`) says; None when it does not say."""
+    import ray
 
-        options = _get_global_client().http_config
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER, namespace=SERVE_NAMESPACE)
+        options = ray.get(controller.get_http_config.remote(), timeout=CONNECT_SECONDS)
         return str(options.host), int(options.port)
-    except Exception:  # noqa: BLE001 - a private API: the note falls back to saying it is unknown
+    except Exception:  # noqa: BLE001 - the controller's methods are Ray Serve's own: the note falls back to unknown
         return None
 
 
