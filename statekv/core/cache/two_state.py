@@ -27,7 +27,7 @@ from . import forms, persistence
 from .layer import StreamingLayer
 from .step_runs import StepRuns
 from ..storage.step_values import StepValues
-from ..attention.scored import ChunkMask, chunk_attention, scored_attention
+from ..attention.scored import ChunkMask, chunk_attention, resolve_backend, scored_attention
 from ..rules.base import CarryPolicy
 from ..rules.candidates import Candidates
 from ..positions.placing import StreamPositions
@@ -200,8 +200,10 @@ class TwoStateCache(Cache):
             return context.write_index if position_ids is None else position_ids
         rotary, anchors, rotations = self.positions.chunk(context.write_index, position_ids)
         context.position_rows = torch.stack((context.write_index, anchors, rotations))  # [3, T]: one write a layer
+        device = context.write_index.device
         context.placed_keys = self.positions.placed_carried([layer.carried_for_placing() for layer in self.layers],
-                                                            context.chunk_len, context.write_index.device)
+                                                            context.chunk_len, device,
+                                                            fused=resolve_backend(self.backend, device) == "triton")
         return rotary
 
     def step_positions(self, position_ids: torch.Tensor | None, rows: int) -> torch.Tensor:

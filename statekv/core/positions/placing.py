@@ -208,12 +208,13 @@ class StreamPositions:
         return self._settled[key]
 
     def placed_carried(self, carried: list[tuple[torch.Tensor, torch.Tensor] | None], chunk_len: int,
-                       device: torch.device) -> list[torch.Tensor | None]:
-        """Device part: each layer's keys for this step as `place_carried` makes them, with this step's places
-        (all None while the stream is `still`: every layout keeps every token at its own position then)."""
+                       device: torch.device, fused: bool = False) -> list[torch.Tensor | None]:
+        """Device part: each layer's keys for this step as `place_carried` makes them (``fused``: by its Triton
+        kernel), with this step's places (all None while the stream is `still`: every layout keeps every token at
+        its own position then)."""
         if self.still:
             return [None] * len(carried)
-        return place_carried(self.placer, self.frequencies(device), carried, chunk_len)
+        return place_carried(self.placer, self.frequencies(device), carried, chunk_len, fused)
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
         """The rotary frequencies on ``device`` (copied there once)."""

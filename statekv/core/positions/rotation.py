@@ -35,7 +35,7 @@ PLACED_TOGETHER_BYTES = 8 << 20  # carried keys rotated in one stack, at most (t
 
 
 def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple[torch.Tensor, torch.Tensor] | None],
-                  chunk_len: int) -> list[torch.Tensor | None]:
+                  chunk_len: int, fused: bool = False) -> list[torch.Tensor | None]:
     """Every layer's keys handed to attention in a placed step, ``[B, H, K + T, D]`` each: the carried ``K``
     rotated to where ``placer`` puts them, the last ``T`` left for the chunk's keys (the layer writes them as it
     stages the chunk; they were computed where the chunk is placed, so they are not rotated).
@@ -44,7 +44,10 @@ def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple
     ``[2, B, H, K]`` (anchors, rotations), or None where it carries nothing (its entry is then None). The carried
     state is fixed before the step runs, so layers carrying as many tokens are stacked and rotated together, up to
     `PLACED_TOGETHER_BYTES` of keys a stack: a step's rotation is one set of ops for all of a small model's layers,
-    not one a layer, and its temporaries stay bounded for a large carried state."""
+    not one a layer, and its temporaries stay bounded for a large carried state.
+
+    ``fused``: each stack rotated by the Triton kernel `statekv.kernels.rotation.rotate_keys`, which reads every
+    key once and keeps its angles in registers (equal to `rotate` up to float32 rounding)."""
     placed: list[torch.Tensor | None] = [None] * len(carried)
     groups: dict[tuple, list[list[int]]] = {}
     for index, entry in enumerate(carried):
@@ -62,10 +65,18 @@ def place_carried(placer: Placer, frequencies: torch.Tensor, carried: list[tuple
             placements = _stacked([carried[index][1] for index in members])  # [G, 2, B, H, K]
             keys_out = keys.new_empty(len(members), *lead, size + chunk_len, dim)
             anchors, rotations = placements.unbind(1)
-            rotate(keys, placer(anchors) - rotations, frequencies, out=keys_out[..., :size, :])
+            delta, target = placer(anchors) - rotations, keys_out[..., :size, :]
+            if not (fused and _rotated_fused(keys, delta, frequencies, target)):
+                rotate(keys, delta, frequencies, out=target)
             for index, layer_keys in zip(members, keys_out.unbind(0)):
                 placed[index] = layer_keys
     return placed
+
+
+def _rotated_fused(keys: torch.Tensor, delta: torch.Tensor, frequencies: torch.Tensor, out: torch.Tensor) -> bool:
+    from statekv.kernels.rotation import rotate_keys  # imports Triton: only where the kernel runs
+
+    return rotate_keys(keys, delta, frequencies, out)
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...errors import UnsupportedModelError
+from ..attention.scored import resolve_backend
 from ..attention.untraced import engine_call
 from ..cache import two_state
 from ..cache.engine_layer import EngineLayer
@@ -220,7 +221,8 @@ class PooledBatch(Cache):
         self.placed_keys = place_carried(
             self.placer, self.frequencies,
             [(kv[0, :, :, :carried], marks[1:, ..., :carried])
-             for (kv, marks), carried in zip(self.gathered, self.slots.shape.carried)], chunk_len)
+             for (kv, marks), carried in zip(self.gathered, self.slots.shape.carried)], chunk_len,
+            fused=resolve_backend(self.backend, pool.device) == "triton")
         return self.rotations
 
     def stage(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
