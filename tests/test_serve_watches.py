@@ -114,6 +114,7 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
             assert first["events"] == [{"frame": 3, "seconds": 2.0, "answer": first["answer"]}]
 
             heard: list[dict] = []
+            ids: list[str] = []
             following = threading.Event()
 
             def follow() -> None:
@@ -123,6 +124,8 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
                     for line in events.iter_lines():
                         if line.startswith("event: "):
                             name = line[len("event: "):]
+                        elif line.startswith("id: "):
+                            ids.append(line[len("id: "):])
                         elif line.startswith("data: ") and name == "watch":
                             heard.append(json.loads(line[len("data: "):]))
                             if len(heard) >= 1:
@@ -142,7 +145,7 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
             assert metric(client, "statekv_watch_evaluations_total") - before == (frames - 3) // 3
             assert watch["evaluations"] == 1 + (frames - 3) // 3
             assert metric(client, "statekv_watch_events_total") == len(watch["events"])
-            assert heard and heard[0]["watch"] == watch_id
+            assert heard and heard[0]["watch"] == watch_id and ids == [f"{heard[0]['frame']}.{watch_id}"]
             assert {key: heard[0][key] for key in ("frame", "seconds", "answer")} in watch["events"][1:]
             listed = client.get(f"/v1/streams/{stream_id}/watches").json()["data"]
             assert [each["id"] for each in listed] == [watch_id]
@@ -188,6 +191,56 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
             assert client.get(url).status_code == 404
     finally:
         server.stop()
+
+
+def followed(server: Running, stream_id: str, count: int, last_event_id: str) -> list[tuple[str, dict]]:
+    """The first ``count`` watch events (id, data) a client following again with ``last_event_id`` is sent."""
+    heard: list[tuple[str, dict]] = []
+
+    def follow() -> None:
+        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events",
+                                                      headers={"Last-Event-ID": last_event_id}) as events:
+            assert events.status_code == 200
+            event_id = None
+            for line in events.iter_lines():
+                if line.startswith("id: "):
+                    event_id = line[len("id: "):]
+                elif line.startswith("data: "):
+                    heard.append((event_id, json.loads(line[len("data: "):])))
+                    if len(heard) >= count:
+                        return
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    return heard
+
+
+def test_a_client_following_again_with_its_last_event_id_is_sent_the_events_it_missed(tmp_path, qa, pictures):
+    """A browser's EventSource reconnects with the last id it read: the kept events after it come first, in the
+    order they were sent (a frame's in the order of its watches), each once, then the live ones."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watches = [client.post(f"/v1/streams/{stream_id}/watches",
+                               json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"]
+                   for _ in range(2)]
+        push(client, stream_id, pictures, 3, 21)
+        sent = sorted(((event["frame"], rank), watch, event)
+                      for rank, watch in enumerate(watches)
+                      for event in client.get(f"/v1/streams/{stream_id}/watches/{watch}").json()["events"])
+        assert len(sent) >= 4 and sent[0][0] == (3, 0) and sent[1][0] == (3, 1)  # both answered at once at frame 3
+        expected = [(f"{event['frame']}.{watch}", {"watch": watch, "question": COUNT, **event})
+                    for _, watch, event in sent]
+        assert followed(server, stream_id, len(sent) - 1, expected[0][0]) == expected[1:]
+        assert followed(server, stream_id, len(sent), f"0.{watches[0]}") == expected
+        last_frame = sent[-1][0][0]
+        at_last = [item for item in expected if item[0].startswith(f"{last_frame}.")]
+        assert followed(server, stream_id, len(at_last), f"{last_frame}.w_gone") == at_last  # a deleted watch's
+        for bad in ("soon", "w_1", "-3.w_1", "3."):
+            refused = client.get(f"/v1/streams/{stream_id}/events", headers={"Last-Event-ID": bad})
+            assert refused.status_code == 400 and list(refused.json()) == ["error"], bad
+            assert "Last-Event-ID" in refused.json()["error"]["message"]
 
 
 def test_bad_watch_requests_get_one_line(tmp_path, qa, pictures):

@@ -4,8 +4,9 @@
 ``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them; ``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question",
 "every", "events": [{"frame", "seconds", "answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
 watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
-"seconds", "answer"}``), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves, the stream is
-deleted or the server stops (`statekv.serve.server.AppServer`).
+"seconds", "answer"}``, ``id: {frame}.{watch}``), a comment every `KEEPALIVE_SECONDS` in between, until the
+client leaves, the stream is deleted or the server stops (`statekv.serve.server.AppServer`). A client that follows
+again with the last id it read as ``Last-Event-ID`` is first sent the kept events it missed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .errors import ServiceError
 from .healing import check_here
 from .limits import read_json
 from .routes import Served
-from .watches import FeedEnd, changing_watches, described, find_watch, open_on, watch_settings
+from .watches import (FeedEnd, changing_watches, described, event_id, find_watch, last_seen, missed_events, open_on,
+                      watch_settings)
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
@@ -89,14 +91,19 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
 @router.get("/v1/streams/{stream_id}/events")
 async def follow_events(stream_id: str, request: Request, service: Served) -> StreamingResponse:
     entry = await service.registry.find(service.keys.require(request), stream_id)
-    follower = service.watch_hub.follow(entry.id)
-    return StreamingResponse(_events(entry, follower, service.watch_hub, request), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    after = last_seen(request.headers.get("last-event-id"))
+    follower = service.watch_hub.follow(entry.id)  # before the kept events are read: none falls between the two
+    missed = [] if after is None else missed_events(entry.stream, after)
+    return StreamingResponse(_events(entry, follower, service.watch_hub, request, missed),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _events(entry, follower, hub, request: Request) -> Any:
+async def _events(entry, follower, hub, request: Request, missed: list[dict]) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
+        for item in missed:
+            yield _watch_event(item)
+        resent = {event_id(item) for item in missed}  # also queued if made while they were read
         while True:
             try:
                 item = await asyncio.wait_for(follower.queue.get(), KEEPALIVE_SECONDS)
@@ -116,9 +123,15 @@ async def _events(entry, follower, hub, request: Request) -> Any:
                 yield "event: error\ndata: " + json.dumps({"error": {"message": "this client fell too far "
                                                                       "behind the stream's events; follow again"}}) + "\n\n"
                 return
-            yield "event: watch\ndata: " + json.dumps(item) + "\n\n"
+            if resent and event_id(item) in resent:
+                continue
+            yield _watch_event(item)
     finally:
         hub.leave(follower)
+
+
+def _watch_event(item: dict) -> str:
+    return "event: watch\nid: " + event_id(item) + "\ndata: " + json.dumps(item) + "\n\n"
 
 
 def _gone(entry: Any) -> FeedEnd | None:

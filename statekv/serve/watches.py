@@ -141,6 +141,38 @@ def watch_records(stream: Any) -> list[dict[str, Any]]:
     return records(stream)
 
 
+def event_id(item: dict[str, Any]) -> str:
+    """A watch event's server-sent ``id``: its frame and its watch, ``"12.w_0123abcd"``; a client that follows
+    again with it as ``Last-Event-ID`` (what a browser's ``EventSource`` sends when it reconnects) is first sent the
+    kept events it missed (`missed_events`)."""
+    return f"{item['frame']}.{item['watch']}"
+
+
+def last_seen(value: str | None) -> tuple[int, str] | None:
+    """The frame and watch of a ``Last-Event-ID`` header (an `event_id`), None without one; a one-line 400 for
+    anything else."""
+    if value is None or not value.strip():
+        return None
+    frame, _, watch_id = value.strip().partition(".")
+    if not frame.isdigit() or not watch_id or len(value) > 200:
+        raise ServiceError(400, f"Last-Event-ID must be the id of an event of this stream (frame.watch, as in "
+                                f"'12.w_0123abcd'), got {shown(value[:80])}")
+    return int(frame), watch_id
+
+
+def missed_events(stream: Any, after: tuple[int, str]) -> list[dict[str, Any]]:
+    """The kept events of ``stream``'s open watches that come after the event ``after`` (`last_seen`), oldest
+    first, as they were sent: a frame's events in the order of the watches. A client that saw an event of a watch
+    deleted since is sent every event of that frame again."""
+    frame, watch_id = after
+    watches = list(stream.watches)
+    order = {watch.id: rank for rank, watch in enumerate(watches)}
+    cut = (frame, order.get(watch_id, -1))
+    missed = [((event.frame, rank), {"watch": watch.id, "question": watch.question, **event.to_dict()})
+              for rank, watch in enumerate(watches) for event in list(watch.events) if (event.frame, rank) > cut]
+    return [item for _, item in sorted(missed, key=lambda pair: pair[0])]
+
+
 class FeedEnd:
     """What ends the feed of a client following a stream that is no longer served here (`WatchHub.end`): the
     message of the feed's last event."""
