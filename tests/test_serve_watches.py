@@ -243,6 +243,23 @@ def test_a_client_following_again_with_its_last_event_id_is_sent_the_events_it_m
             assert "Last-Event-ID" in refused.json()["error"]["message"]
 
 
+def test_clients_following_events_past_the_limit_get_429_until_one_leaves(tmp_path, qa):
+    with Running(tmp_path / "state", qa, max_followers=1) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+            lines = events.iter_lines()  # kept: a closed iterator closes the connection
+            assert next(lines).startswith(": following")
+            assert metric(client, "statekv_watch_followers") == 1
+            refused = client.get(f"/v1/streams/{stream_id}/events", timeout=10)
+            assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
+            assert list(refused.json()) == ["error"] and "following watch events" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 30  # the server sees the first client leave at its next keepalive at the latest
+        while metric(client, "statekv_watch_followers") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+            assert events.status_code == 200
+
+
 def test_bad_watch_requests_get_one_line(tmp_path, qa, pictures):
     server = Running(tmp_path / "state", qa)
     try:

@@ -41,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="streams held at once, all keys together; with --ray, by each replica (default: 64)")
     group.add_argument("--max-asks", type=POSITIVE_INT, default=32, metavar="N",
                        help="questions answered or waiting at once; more get 429 (default: 32)")
+    group.add_argument("--max-followers", type=POSITIVE_INT, default=256, metavar="N",
+                       help="clients following watch events at once, all keys together; more get 429 (default: 256)")
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="an accepted API key (repeatable; default: STATEKV_API_KEYS, comma-separated; without "
                             "either, a key is made the first time for the state folder, printed once and kept there "
@@ -226,7 +228,8 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
               "restarts)", flush=True)
     config = ServeConfig(options=options, state_dir=state_dir, api_keys=tuple(keys), media_root=media_root,
                          drop_unowned_streams=args.drop_unowned_streams, max_streams=args.max_streams,
-                         max_asks=args.max_asks, max_body_bytes=int(args.max_body_mb * 2**20),
+                         max_asks=args.max_asks, max_followers=args.max_followers,
+                         max_body_bytes=int(args.max_body_mb * 2**20),
                          save_every_frames=args.save_every_frames, save_every_seconds=args.save_every_seconds,
                          page=args.page, quiet_catch_up=args.quiet_catch_up)
     return config, made, keys, pending

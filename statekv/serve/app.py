@@ -81,6 +81,7 @@ class Service:
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.registry.end_watch_feeds = self.watch_hub.end
         self.ask_slots = Slots(config.max_asks, "questions")
+        self.follow_slots = Slots(config.max_followers, "clients following watch events", retry_after=5)
 
     @property
     def uploads(self) -> Path:

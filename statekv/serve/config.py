@@ -21,7 +21,8 @@ class ServeConfig:
     from (None: no server-side sources). api_keys: the keys accepted besides the key made for the state folder
     (`auth.KeyFile`); at least one of the two. drop_unowned_streams: delete, at start, the streams of keys not
     accepted (otherwise the server refuses to start over them). max_streams: streams held
-    at once, all keys together. max_asks: questions answered or waiting at once. max_body_bytes: the largest
+    at once, all keys together. max_asks: questions answered or waiting at once. max_followers: clients following
+    watch events at once (``GET /v1/streams/{id}/events``), all keys together. max_body_bytes: the largest
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a
     stream with unsaved frames is saved after this many frames or seconds, whichever comes first.
     default_horizon_frames, default_max_fps: for streams created without them (horizon None: no horizon, the
@@ -37,6 +38,7 @@ class ServeConfig:
     media_root: Path | None = None
     max_streams: int = 64
     max_asks: int = 32
+    max_followers: int = 256
     max_body_bytes: int = 16 * 2**20
     max_image_pixels: int = 4096 * 4096
     save_every_frames: int = SAVE_EVERY_FRAMES

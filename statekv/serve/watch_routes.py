@@ -17,13 +17,13 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ..errors import StateKVError
 from .errors import ServiceError
 from .healing import check_here
 from .limits import read_json
 from .routes import Served
+from .sse import EventStream
 from .watches import (FeedEnd, changing_watches, described, event_id, find_watch, last_seen, missed_events, open_on,
                       watch_settings)
 
@@ -89,13 +89,21 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
 
 
 @router.get("/v1/streams/{stream_id}/events")
-async def follow_events(stream_id: str, request: Request, service: Served) -> StreamingResponse:
+async def follow_events(stream_id: str, request: Request, service: Served) -> EventStream:
     entry = await service.registry.find(service.keys.require(request), stream_id)
     after = last_seen(request.headers.get("last-event-id"))
-    follower = service.watch_hub.follow(entry.id)  # before the kept events are read: none falls between the two
+    release = service.follow_slots.take()  # refused here (429), before the events start; held till they end
+    hub = service.watch_hub
+    follower = hub.follow(entry.id)  # before the kept events are read: none falls between the two
     missed = [] if after is None else missed_events(entry.stream, after)
-    return StreamingResponse(_events(entry, follower, service.watch_hub, request, missed),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def left() -> None:  # however the response ends, also if its events never started
+        release()
+        hub.leave(follower)
+
+    response = EventStream(_events(entry, follower, hub, request, missed), left)
+    response.headers["Cache-Control"] = "no-cache"
+    return response
 
 
 async def _events(entry, follower, hub, request: Request, missed: list[dict]) -> Any:

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
 from ..api.watch import Watch, holds_frames, open_watch, records, restore, run_evaluations
@@ -202,7 +202,7 @@ class Follower:
 class WatchHub:
     """Every watch evaluation of a server reports here: counted (``statekv_watch_evaluations_total``, and
     ``statekv_watch_events_total`` for those whose answer changed) and handed to the clients following its
-    stream."""
+    stream (``statekv_watch_followers`` of them)."""
 
     def __init__(self, registry: CollectorRegistry):
         self.evaluations = Counter("statekv_watch_evaluations", "watch evaluations (standing questions answered)",
@@ -212,6 +212,8 @@ class WatchHub:
         self.followers: dict[str, set[Follower]] = {}
         self.lock = threading.Lock()
         self.closed = False
+        Gauge("statekv_watch_followers", "clients following watch events", registry=registry).set_function(
+            lambda: sum(len(group) for group in list(self.followers.values())))
 
     def listener(self, stream_id: str):
         """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`)."""

@@ -75,7 +75,7 @@ def deployment_options(config: ServeConfig, cluster: ClusterSettings) -> dict[st
         "ray_actor_options": {"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
         # a replica answers many requests at once (each stream's pushes, questions, feeds, the page's connection)
         # and queues model work itself; these bound it instead of Ray Serve's default of 5
-        "max_ongoing_requests": 4 * config.max_streams + config.max_asks,
+        "max_ongoing_requests": 4 * config.max_streams + config.max_asks + config.max_followers,
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER,
             request_router_kwargs=({"state_dir": str(config.state_dir), "max_streams": config.max_streams}
