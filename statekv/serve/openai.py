@@ -15,6 +15,7 @@ greedily: sampling fields set to anything else are named in ``"not_applied"`` (w
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
 from typing import Any
@@ -39,13 +40,79 @@ GREEDY = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalt
           "logit_bias": None, "logprobs": False, "top_logprobs": None}
 
 
+# OpenAI's ranges of its numeric sampling fields
+RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
+          "top_logprobs": (0, 20)}
+MAX_MODEL_CHARS = 256
+TOOLS = (("tools", "tool_choice"), ("functions", "function_call"))  # what a model may call, and how it must choose
+
+
 def not_applied(body: dict) -> list[str]:
     """The sampling fields of a chat request set to something greedy decoding does not do (absent, null or the
-    greedy value: applied); ``n`` other than 1 is refused, one answer being all a question gets."""
+    greedy value: applied); ``n`` other than 1 is refused, one answer being all a question gets, and so is a value
+    OpenAI refuses (a field of the wrong type or out of its range) and a field asking for what no answer here gives
+    (a JSON answer, a tool call, audio)."""
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise ServiceError(400, f"n must be 1 (an answer is decoded once), got {shown(n)}")
-    return [name for name, greedy in GREEDY.items() if not _is_greedy(body.get(name), greedy)]
+    check_sampling(body)
+    refuse_unsupported(body)
+    offered = [tools for tools, choice in TOOLS if body.get(tools) and body.get(choice) != "none"]
+    return [name for name, greedy in GREEDY.items() if not _is_greedy(body.get(name), greedy)] + offered
+
+
+def check_sampling(body: dict) -> None:
+    """A 400 naming the first sampling field whose value OpenAI would refuse."""
+    for name, (low, high) in RANGES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        whole = name == "top_logprobs"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
+                not math.isfinite(value) or not low <= value <= high:
+            kind = "an integer" if whole else "a number"
+            raise ServiceError(400, f"{name} must be {kind} from {low} to {high}, got {shown(value)}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and len(stop) <= 4 and all(isinstance(item, str) for item in stop)):
+        raise ServiceError(400, f"stop must be a string or a list of at most 4 strings, got {shown(stop)}")
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+        raise ServiceError(400, f"logprobs must be true or false, got {shown(body['logprobs'])}")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ServiceError(400, f"seed must be an integer, got {shown(seed)}")
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise ServiceError(400, f"logit_bias must be an object of token ids to biases, got {shown(bias)}")
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 for a field asking for an answer other than free text: answers here are text, decoded greedily."""
+    form = body.get("response_format")
+    if form is not None and not (isinstance(form, dict) and form.get("type") == "text"):
+        raise ServiceError(400, f"response_format {shown(form)} is not supported: answers are free text "
+                                "(give {\"type\": \"text\"} or leave it out)")
+    for tools, choice in TOOLS:  # tools the model may leave unused are named in not_applied; a forced call is refused
+        if body.get(tools) and (body.get(choice) == "required" or isinstance(body.get(choice), dict)):
+            raise ServiceError(400, f"{tools} with {choice} {shown(body.get(choice))} are not supported: answers "
+                                    f"are text, never a call (leave {choice} out or set it to \"auto\" or \"none\")")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ServiceError(400, f"modalities {shown(modalities)} is not supported: answers are text only")
+    if body.get("audio") is not None:
+        raise ServiceError(400, "audio output is not supported: answers are text only")
+
+
+def model_name(body: dict, default: str) -> str:
+    """The ``model`` a completion echoes: the request's (a short text; not checked against the served model), or
+    the served model's id when it gives none."""
+    model = body.get("model")
+    if model is None or model == "":
+        return default
+    if not isinstance(model, str) or len(model) > MAX_MODEL_CHARS:
+        raise ServiceError(400, f"model must be a model's name (text of at most {MAX_MODEL_CHARS} characters), got "
+                                f"{shown(model) if not isinstance(model, str) else f'{len(model)} characters'}")
+    return model
 
 
 def _is_greedy(value: Any, greedy: Any) -> bool:
@@ -61,8 +128,11 @@ def not_read(messages: list) -> dict[str, int]:
     last user message that are not system messages), empty when nothing is left out."""
     last = max(i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user")
     system = sum(1 for m in messages if isinstance(m, dict) and m.get("role") in ("system", "developer"))
-    earlier = sum(1 for m in messages[:last] if not (isinstance(m, dict) and m.get("role") in ("system", "developer")))
-    return {key: count for key, count in (("system", system), ("earlier_turns", earlier)) if count}
+    other = [i for i, m in enumerate(messages)
+             if not (isinstance(m, dict) and m.get("role") in ("system", "developer"))]
+    earlier, later = sum(1 for i in other if i < last), sum(1 for i in other if i > last)
+    return {key: count for key, count in (("system", system), ("earlier_turns", earlier), ("later_turns", later))
+            if count}
 
 
 def parse_messages(messages: Any) -> tuple[str, list[str]]:
@@ -154,7 +224,7 @@ async def chat(request: Request, service: Served):
         path = resolve_file_url(config.media_root, videos[0])
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"
-    model = body.get("model") or service.model_id
+    model = model_name(body, service.model_id)
     if streamed:
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
@@ -217,7 +287,9 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
         try:
             result = await task
         except Exception as error:  # noqa: BLE001 -- the chunks have begun: every failure is an error chunk
-            yield event(failure_body(error, service.public, f"the streamed completion {completion}"))
+            failure = failure_body(error, service.public, f"the streamed completion {completion}")
+            service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+            yield event(failure)
             return
         service.answered("chat", time.perf_counter() - started)
         yield chunk({}, _finish(result, max_new), statekv=reading)

@@ -155,7 +155,9 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
         try:
             answer = await task
         except Exception as error:  # noqa: BLE001 -- the events have begun: every failure is an error event
-            yield event(failure_body(error, service.public, f"the streamed answer of stream {entry.id}"), "error")
+            failure = failure_body(error, service.public, f"the streamed answer of stream {entry.id}")
+            service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+            yield event(failure, "error")
             return
         service.answered("ask", answer["latency"])
         yield event(answer, "answer")

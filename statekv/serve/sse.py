@@ -41,7 +41,7 @@ class TokenStreamer(BaseStreamer):
         if new and not self.ids and self.on_first_token is not None:
             self.on_first_token(time.perf_counter() - self.started)
         self.ids.extend(new)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()  # as the whole answer's text
         if text.startswith(self.sent) and len(text) > len(self.sent) and not text.endswith("\ufffd"):
             piece, self.sent = text[len(self.sent):], text
             self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)

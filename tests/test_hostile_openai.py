@@ -1,0 +1,172 @@
+"""The OpenAI-compatible chat route and /metrics under hostile but plausible requests.
+
+Each server is built in this process (the built-in model, FastAPI's TestClient); a stream of three random frames is
+asked through ``"statekv": {"stream_id": ID}``. Each case says what the route did before.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+import statekv  # noqa: E402
+from statekv import ModelOptions  # noqa: E402
+from statekv.serve import ServeConfig, create_app  # noqa: E402
+
+from conftest import png_bytes, random_frames  # noqa: E402
+
+KEY = "hostile-openai-key"
+QUESTION = "What colour was the triangle?"  # answered at length by the built-in model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    options = ModelOptions(model="builtin", budget=64)
+    qa = statekv.VideoQA.from_options(options)
+    config = ServeConfig(options=options, state_dir=tmp_path_factory.mktemp("openai") / "state", api_keys=(KEY,),
+                         page=False, save_every_seconds=600)
+    with TestClient(create_app(config, qa=qa), headers={"Authorization": f"Bearer {KEY}"}) as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+        for frame in random_frames(3, seed=7):
+            pushed = client.post(f"/v1/streams/{stream_id}/frames", content=png_bytes(frame),
+                                 headers={"Content-Type": "image/png"})
+            assert pushed.status_code == 200, pushed.text
+        yield client, stream_id
+
+
+def _body(stream_id: str, **fields) -> dict:
+    return {"model": "builtin", "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}],
+            "statekv": {"stream_id": stream_id}, **fields}
+
+
+def _chunks(text: str) -> list:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _one_line_400(response, field: str) -> None:
+    assert response.status_code == 400, (response.status_code, response.text[:300])
+    message = response.json()["error"]["message"]
+    assert field in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_model_that_is_not_finite_json_is_a_400_not_a_500(served, literal):
+    """Before: Python's json reads NaN/Infinity; the answer was generated, then rendering the response (which echoes
+    ``model``) raised ValueError: a 500 for a user's error, the answer's work lost."""
+    client, stream_id = served
+    text = json.dumps(_body(stream_id, model=None)).replace('"model": null', f'"model": {literal}')
+    response = client.post("/v1/chat/completions", content=text, headers={"Content-Type": "application/json"})
+    _one_line_400(response, "model")
+
+
+@pytest.mark.parametrize("model", [5, {"a": 1}, ["builtin"], True])
+def test_a_model_that_is_not_text_is_refused(served, model):
+    """Before: echoed as given, so the completion's ``model`` was a number or an object (OpenAI's is a string)."""
+    client, stream_id = served
+    _one_line_400(client.post("/v1/chat/completions", json=_body(stream_id, model=model)), "model")
+
+
+def test_a_streamed_answer_never_sends_invalid_json(served):
+    """Before: ``"model": NaN`` was echoed into every chunk as the bare word NaN, which no JSON parser reads."""
+    client, stream_id = served
+    text = json.dumps(_body(stream_id, stream=True, model=None)).replace('"model": null', '"model": NaN')
+    response = client.post("/v1/chat/completions", content=text, headers={"Content-Type": "application/json"})
+    if response.status_code == 200:
+        _chunks(response.text)  # every chunk parses as strict JSON
+        assert "NaN" not in response.text
+    else:
+        _one_line_400(response, "model")
+
+
+def test_a_huge_model_name_is_not_echoed_into_every_chunk(served):
+    """Before: a 200 kB ``model`` was echoed into each of the answer's chunks: a 200 kB request for a 200-token
+    answer came back as about 40 MB (a 16 MB body and 1024 tokens: about 16 GB)."""
+    client, stream_id = served
+    body = _body(stream_id, stream=True, max_tokens=200, model="m" * 200_000)
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 or len(response.content) < 2 * len(json.dumps(body)), len(response.content)
+
+
+@pytest.mark.parametrize("after", [
+    {"role": "assistant", "content": "The triangle was"},  # an assistant prefix to continue
+    {"role": "tool", "content": "red", "tool_call_id": "call_1"},  # a tool's result
+])
+def test_messages_after_the_last_user_message_are_reported_as_not_read(served, after):
+    """Before: ``not_read`` counted only the messages before the last user message; one after it was left out of
+    the answer and of ``not_read`` alike, so the response claimed nothing was left out."""
+    client, stream_id = served
+    body = _body(stream_id, messages=[{"role": "user", "content": QUESTION}, after])
+    response = client.post("/v1/chat/completions", json=body)
+    if response.status_code == 400:
+        return  # refused clearly is as good
+    assert response.status_code == 200, response.text
+    assert response.json()["statekv"].get("not_read"), response.json()["statekv"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]),
+    ("functions", [{"name": "f", "parameters": {"type": "object", "properties": {}}}]),
+    ("functions-forced", [{"name": "f", "parameters": {"type": "object", "properties": {}}}]),
+    ("modalities", ["text", "audio"]),
+])
+def test_fields_that_change_the_answers_meaning_are_refused_or_reported(served, field, value):
+    """Before: answered 200 as if the field were absent, named nowhere (not even in ``statekv.not_applied``): a
+    client asking for JSON, a tool call or audio got free text and no sign of it."""
+    client, stream_id = served
+    extra = {"tool_choice": "required"} if field == "tools" else {"audio": {"voice": "alloy", "format": "wav"}} \
+        if field == "modalities" else {"function_call": {"name": "f"}} if field == "functions-forced" else {}
+    field = field.split("-")[0]
+    response = client.post("/v1/chat/completions", json=_body(stream_id, **{field: value}, **extra))
+    if response.status_code == 200:
+        assert field in response.json()["statekv"].get("not_applied", []), response.json()["statekv"]
+    else:
+        _one_line_400(response, field)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", "hot"), ("temperature", -1), ("temperature", 99), ("top_p", 2), ("stop", 5),
+    ("seed", "x"), ("logprobs", "yes"), ("presence_penalty", "a lot"),
+])
+def test_malformed_sampling_values_are_a_400(served, field, value):
+    """Before: any value at all was taken (200, at most named in ``not_applied``); OpenAI answers these 400."""
+    client, stream_id = served
+    _one_line_400(client.post("/v1/chat/completions", json=_body(stream_id, **{field: value})), field)
+
+
+def _errors_total(client) -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("statekv_errors_total"))
+
+
+def test_a_streamed_chat_that_fails_is_counted_as_an_error(served):
+    """Before: a streamed completion that failed once its chunks had begun (here: a question too long for the
+    model's range, 413 in an error chunk) was counted nowhere in /metrics: not in ``statekv_errors_total``, not as
+    an ask."""
+    client, stream_id = served
+    before = _errors_total(client)
+    body = _body(stream_id, stream=True, messages=[{"role": "user", "content": "what " * 1599}])
+    response = client.post("/v1/chat/completions", json=body)
+    failed = response.status_code != 200 or any("error" in chunk for chunk in _chunks(response.text))
+    assert failed, response.text[:300]
+    assert _errors_total(client) == before + 1
+
+
+def test_the_streamed_deltas_add_up_to_the_answer_not_streamed(served):
+    """Before: the deltas began with the first token's leading space (" square square ...") while the answer not
+    streamed was stripped ("square square ..."): the same request gave two texts."""
+    client, stream_id = served
+    whole = client.post("/v1/chat/completions", json=_body(stream_id, max_tokens=6))
+    assert whole.status_code == 200, whole.text
+    streamed = client.post("/v1/chat/completions", json=_body(stream_id, max_tokens=6, stream=True))
+    assert streamed.status_code == 200, streamed.text
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in _chunks(streamed.text)
+                   if chunk.get("choices"))
+    assert text == whole.json()["choices"][0]["message"]["content"]
