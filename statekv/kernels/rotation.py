@@ -48,8 +48,10 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor,
     or leading dims that do not flatten into one); the caller rotates those itself."""
     size, dim = keys.shape[-2:]
     half = inv_freq.shape[0]
-    if keys.stride(-1) != 1 or out.stride(-1) != 1 or size == 0 or keys.numel() == 0:
-        return size == 0 or keys.numel() == 0
+    if keys.numel() == 0:
+        return True
+    if keys.stride(-1) != 1 or out.stride(-1) != 1:
+        return False
     try:
         source, target = keys.view(-1, size, dim), out.view(-1, size, dim)
     except RuntimeError:

@@ -49,7 +49,8 @@ TOOLS = (("tools", "tool_choice"), ("functions", "function_call"))  # what a mod
 
 def not_applied(body: dict) -> list[str]:
     """The sampling fields of a chat request set to something greedy decoding does not do (absent, null or the
-    greedy value: applied); ``n`` other than 1 is refused, one answer being all a question gets, and so is a value
+    greedy value: applied), and the tools it offers that the model may leave unused (they are not offered to it);
+    ``n`` other than 1 is refused, one answer being all a question gets, and so is a value
     OpenAI refuses (a field of the wrong type or out of its range) and a field asking for what no answer here gives
     (a JSON answer, a tool call, audio)."""
     n = body.get("n")
