@@ -20,7 +20,6 @@ per-token cost that grows with the context shows decoding copying the cache per 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -37,7 +36,8 @@ from statekv.testing import draw_test_frame, make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_overlap import MODEL_NAMES, MODELS  # noqa: E402
-from report import write_section  # noqa: E402
+from report import (OneLineParser, at_least, output_file, positive_count, run_script,  # noqa: E402
+                    write_section)
 
 QUESTION = "What happens in this video, and what colour is the moving square?"
 TARGET = 1.1
@@ -103,19 +103,20 @@ def render(args, rows: list[tuple[int, dict[str, dict]]], command: str, device: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny (random weights; CPU) or internvl3-1b (real shapes, random weights; GPU)")
-    parser.add_argument("--checkpoints", type=int, nargs="+", default=[16, 64, 256],
+    parser.add_argument("--checkpoints", type=positive_count, nargs="+", default=[16, 64, 256],
                         help="frames streamed when the methods are asked")
-    parser.add_argument("--budget", type=int, default=256, help="StateKV budget B")
-    parser.add_argument("--frames-window", type=int, default=4, help="recency window R (frames)")
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=positive_count, default=256, help="StateKV budget B")
+    parser.add_argument("--frames-window", type=positive_count, default=4, help="recency window R (frames)")
+    parser.add_argument("--new-tokens", type=at_least(2), default=16)
+    parser.add_argument("--repeats", type=positive_count, default=5)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--out", type=Path, help="markdown file to write (replaces this benchmark's section)")
+    parser.add_argument("--threads", type=positive_count, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--out", type=output_file("--out"),
+                        help="markdown file to write (replaces this benchmark's section)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     checkpoints = sorted(args.checkpoints)
@@ -152,4 +153,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

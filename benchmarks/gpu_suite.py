@@ -37,7 +37,6 @@ after every section, so a run cut short still leaves what it measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -95,14 +94,16 @@ class Run:
         self.write()
         return section
 
-    def write(self) -> None:
+    def write(self, final: bool = False) -> None:
+        """The report in ``out`` (after each section); the docs' section only at the end of a whole run, so a run
+        stopped midway (Ctrl-C, a crash) leaves the results recorded there as they were."""
         self.out.mkdir(parents=True, exist_ok=True)
         record = {"environment": self.environment, "smoke": self.smoke, "budget_s": self.budget_s,
                   "elapsed_s": round(time.monotonic() - self.started, 1),
                   "sections": [section.__dict__ for section in self.sections]}
         (self.out / "gpu_suite.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
         (self.out / "gpu_suite.md").write_text(markdown(record))
-        if self.docs is not None:
+        if final and self.docs is not None:
             sys.path.insert(0, str(Path(__file__).parent))
             from report import write_section
 
@@ -112,17 +113,22 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/gpu_suite", help="folder for gpu_suite.md and gpu_suite.json")
+    from report import OneLineParser, output_dir, output_file, positive_number
+
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=output_dir("--out"), default="runs/gpu_suite",
+                        help="folder for gpu_suite.md and gpu_suite.json")
     parser.add_argument("--smoke", action="store_true", help="run on CPU with tiny shapes (what the tests do)")
-    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (default 480; "
-                                                                     "smoke 300)")
+    parser.add_argument("--budget-s", type=positive_number, default=None,
+                        help="seconds for the whole run (default 480; smoke 300)")
     parser.add_argument("--skip", nargs="*", default=[], help="sections not to run",
                         choices=("tests", "step", "positions", "prefill", "pipeline", "streams", "steps", "tiers",
                                  "ttft", "live"))
-    parser.add_argument("--live-s", type=float, default=50.0, help="seconds for the live-streams search (its cap)")
-    parser.add_argument("--docs", default=None, help=f"markdown file whose '{DOCS_SECTION}' section is replaced by "
-                                                      "the report (docs/benchmarks.md)")
+    parser.add_argument("--live-s", type=positive_number, default=50.0,
+                        help="seconds for the live-streams search (its cap)")
+    parser.add_argument("--docs", type=output_file("--docs"), default=None,
+                        help=f"markdown file whose '{DOCS_SECTION}' section is replaced by the report "
+                             "(docs/benchmarks.md), once the whole run is done")
     parser.add_argument("--prepare-wheels", metavar="FOLDER", help="download the wheels a CUDA machine without "
                                                                     "network lacks into FOLDER, then stop")
     args = parser.parse_args(argv)
@@ -189,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             if "live" not in args.skip:
                 run.section("live streams", lambda s, d: gpu_serving.live_streams(s, d, shapes, checkpoint, folder),
                             cap_s=args.live_s, needs_s=25)
-    run.write()
+    run.write(final=True)
     print((run.out / "gpu_suite.md").read_text())
     return 1 if any(section.status == "failed" for section in run.sections) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from report import run_script
+
+    run_script(main)

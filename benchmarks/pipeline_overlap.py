@@ -20,7 +20,6 @@ overlapped <= slowest stage alone + 15%.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -38,7 +37,8 @@ from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import open_video
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write_section  # noqa: E402
+from report import (OneLineParser, output_file, positive_count, positive_number, run_script,  # noqa: E402
+                    write_section)
 
 TARGET = 1.15  # overlapped / slowest stage
 
@@ -180,23 +180,24 @@ def render(args, times: dict[str, float], cores: dict[str, float], stats: statek
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny (random weights; CPU) or internvl3-1b (real shapes, random weights; GPU)")
-    parser.add_argument("--frames", type=int, default=64)
-    parser.add_argument("--width", type=int, default=640)
-    parser.add_argument("--height", type=int, default=360)
+    parser.add_argument("--frames", type=positive_count, default=64)
+    parser.add_argument("--width", type=positive_count, default=640)
+    parser.add_argument("--height", type=positive_count, default=360)
     parser.add_argument("--codec", default="libx264", help="codec of the synthetic video")
-    parser.add_argument("--vision-batch", type=int, default=4)
+    parser.add_argument("--vision-batch", type=positive_count, default=4)
     parser.add_argument("--method", choices=method_names(), default="statekv")
-    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--budget", type=positive_count, default=256)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--switch-interval", type=float, default=None,
+    parser.add_argument("--threads", type=positive_count, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--repeats", type=positive_count, default=3)
+    parser.add_argument("--switch-interval", type=positive_number, default=None,
                         help="sys.setswitchinterval for the run, seconds (default: Python's, 0.005)")
-    parser.add_argument("--out", type=Path, help="markdown file to write (replaces this benchmark's section)")
+    parser.add_argument("--out", type=output_file("--out"),
+                        help="markdown file to write (replaces this benchmark's section)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.switch_interval:
@@ -224,4 +225,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,7 +23,6 @@ past it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import platform
@@ -296,22 +295,24 @@ def report(args, rows: list[dict], beyond: list[dict], pairs: list[dict], depths
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from report import OneLineParser, count_or_zero, output_file, positive_count
+
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--frames", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--past-frames", type=int, default=1400, help="0: no run past the range")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default: 1)")
+    parser.add_argument("--frames", type=positive_count, default=300)
+    parser.add_argument("--repeats", type=positive_count, default=3)
+    parser.add_argument("--past-frames", type=count_or_zero, default=1400, help="0: no run past the range")
+    parser.add_argument("--threads", type=positive_count, default=1, help="torch threads on the CPU (default: 1)")
     parser.add_argument("--offload-dir", default=None,
                         help="past the range, also the handover layout on the disk tier, its folders made here")
-    parser.add_argument("--paired-frames", type=int, default=1400,
+    parser.add_argument("--paired-frames", type=count_or_zero, default=1400,
                         help="frames of the paired run past the range (0: none)")
     parser.add_argument("--depths", default="24,28",
                         help="decoder depths of tiny checkpoints whose ops are counted and pushes timed in turn "
                              "(InternVL3-1B's and -8B's language models have 24 and 28 layers); empty: none")
-    parser.add_argument("--depth-frames", type=int, default=200)
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--depth-frames", type=positive_count, default=200)
+    parser.add_argument("--out", type=output_file("--out"), default=None,
                         help=f"markdown file whose '### {SECTION}' subsection is replaced (appended if absent)")
     args = parser.parse_args()
     args.depths = [int(depth) for depth in args.depths.split(",") if depth.strip()]
@@ -334,4 +335,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from report import run_script
+
+    run_script(main)

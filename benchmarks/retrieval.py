@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import wilson  # noqa: E402
-from report import write_section  # noqa: E402
+from report import (OneLineParser, output_file, positive_count, positive_ints, run_script,  # noqa: E402
+                    write_section)
 
 METHODS = {"full": {"method": "full"}, "statekv": {"method": "statekv", "budget": 64},
            "rekv": {"method": "rekv", "frames": 16}}
@@ -390,29 +391,39 @@ def plot(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], path: 
     return path
 
 
+def methods_list(text: str) -> list[str]:
+    """--methods: names of `METHODS`, comma-separated."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method {unknown[0]!r}; known: {', '.join(METHODS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="synthetic set folder (made if missing)")
     parser.add_argument("--seed", type=int, required=True, help="its seed (a held-out one for reported numbers)")
-    parser.add_argument("--videos", type=int, default=24)
-    parser.add_argument("--methods", default="full,statekv,rekv")
+    parser.add_argument("--videos", type=positive_count, default=24)
+    parser.add_argument("--methods", type=methods_list, default="full,statekv,rekv")
     parser.add_argument("--rules", default="attention,rekv,recent")
-    parser.add_argument("--ks", default=",".join(map(str, KS)))
+    parser.add_argument("--ks", type=positive_ints, default=",".join(map(str, KS)))
     parser.add_argument("--causes", action="store_true", help="also measure the candidate causes")
-    parser.add_argument("--max-frames", type=int, default=EVERYTHING,
+    parser.add_argument("--max-frames", type=positive_count, default=EVERYTHING,
                         help="frames streamed per video (default: every frame; evidence frames left out count as "
                              "missed)")
-    parser.add_argument("--frames", type=int, default=96, help="frames per video of a set made here")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="markdown file to write a ## Measured section to")
-    parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None, help="write the per-question results here")
-    parser.add_argument("--accuracy-out", type=Path, default=None,
+    parser.add_argument("--frames", type=positive_count, default=96, help="frames per video of a set made here")
+    parser.add_argument("--threads", type=positive_count, default=2)
+    parser.add_argument("--out", type=output_file("--out"), default=None,
+                        help="markdown file to write a ## Measured section to")
+    parser.add_argument("--plot", type=output_file("--plot"), default=None)
+    parser.add_argument("--json", type=output_file("--json"), default=None, help="write the per-question results here")
+    parser.add_argument("--accuracy-out", type=output_file("--accuracy-out"), default=None,
                         help="markdown file (docs/accuracy.md) to write the accuracy rows to")
-    parser.add_argument("--accuracy-ks", default="8,16,32", help="the k of those rows")
+    parser.add_argument("--accuracy-ks", type=positive_ints, default="8,16,32", help="the k of those rows")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="no runs: write --accuracy-out and --plot from the results an earlier --json saved")
-    parser.add_argument("--segment-steps", type=int, default=None,
+    parser.add_argument("--segment-steps", type=positive_count, default=None,
                         help="steps per segment of the retrieval index (default: the engine's); small enough that a "
                              "96-frame video holds more segments than k, questions retrieve hierarchically")
     parser.add_argument("--against", type=Path, default=None,
@@ -430,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         results = {name: {"questions": questions} for name, questions in saved["results"].items()}
         if args.accuracy_out:
             write_section(args.accuracy_out, "Answering from retrieved frames",
-                          accuracy_section(results, saved["rules"], tuple(int(k) for k in args.accuracy_ks.split(",")),
+                          accuracy_section(results, saved["rules"], args.accuracy_ks,
                                            saved["command"], saved["note"]))
         if args.plot:
             plot(results, saved["rules"], tuple(saved["ks"]), args.plot)
@@ -441,9 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         if statekv_main(["synthetic", "make", "--out", str(args.data), "--videos", str(args.videos),
                          "--seed", str(args.seed), "--frames", str(args.frames)]):
             raise SystemExit("statekv synthetic make failed")
-    rules, ks = args.rules.split(","), tuple(int(k) for k in args.ks.split(","))
+    rules, ks = args.rules.split(","), args.ks
     results, causes = {}, None
-    for number, name in enumerate(args.methods.split(",")):
+    for number, name in enumerate(args.methods):
         started = time.monotonic()
         results[name] = run_method(name, args.data, rules, ks, args.causes and number == 0, args.max_frames)
         print(f"{name}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
@@ -467,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(results, rules, ks, args.plot)
     if args.accuracy_out:
-        accuracy_ks = tuple(int(k) for k in args.accuracy_ks.split(","))
+        accuracy_ks = args.accuracy_ks
         write_section(args.accuracy_out, "Answering from retrieved frames",
                       accuracy_section(results, rules, accuracy_ks, command, note))
     if args.out:
@@ -479,4 +490,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

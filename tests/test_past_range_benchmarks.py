@@ -223,7 +223,7 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
     swap = benchmark("context_swap")
     make_benchmark(tmp_path / "set", videos=1, seed=5, num_frames=40)
     swap.main(["--set", f"tiny={tmp_path / 'set'},5,1,40", "--runs", str(tmp_path / "runs"), "--out",
-               str(tmp_path / "table.md")])
+               str(tmp_path / "table.md"), "--threads", str(torch.get_num_threads())])  # as it found them
     (video,) = [json.loads(line) for line in (tmp_path / "runs" / "tiny-full-statekv.json").read_text().splitlines()]
     rows = video["questions"]
     assert [row["family"] for row in rows] == list(swap.FAMILIES)

@@ -34,6 +34,7 @@ class Feed:
     skipped: int = 0
     running: bool = True
     error: str | None = None
+    resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,

@@ -338,9 +338,11 @@ class StreamPage:
         finally:
             _discard(path)
 
-    def dismiss_feed_error(self) -> None:
-        if self.entry is not None:
-            self.registry.dismiss(self.entry)
+    async def dismiss_feed_error(self) -> None:
+        entry = self.entry
+        if entry is not None:
+            self.registry.dismiss(entry)
+            await entry.keep_record(self.registry.files, "a dismissed feed error")  # not shown again after a restart
 
     # -- the camera ------------------------------------------------------------------------------------------
     def open_camera(self) -> None:

@@ -4,6 +4,7 @@ conversions it shows values with."""
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import json
 from typing import Any
@@ -27,6 +28,15 @@ window.statekvPage = {
     window.history.replaceState(null, '', address.toString());
   },
 };
+// the uploaders' add buttons are named by their icon's ligature ("add_box"): named for a screen reader instead
+window.statekvUploadLabels = [['statekv-upload-new', 'open a video file (a new stream)'],
+                              ['statekv-upload-more', 'add a video to this stream']];
+new MutationObserver(() => {
+  for (const [name, label] of window.statekvUploadLabels)
+    document.querySelectorAll(`.${name} .q-uploader__header .q-btn`).forEach(button => {
+      if (button.getAttribute('aria-label') !== label) button.setAttribute('aria-label', label);
+    });
+}).observe(document.documentElement, {childList: true, subtree: true});
 window.statekvCamera = {
   timer: null, media: null,
   async open() {
@@ -102,10 +112,12 @@ class ErrorNote:
         self.label.set_text("")
         self.box.set_visibility(False)
 
-    def dismiss(self) -> None:
+    async def dismiss(self) -> None:
         self.clear()
         if self.on_dismiss is not None:
-            self.on_dismiss()
+            result = self.on_dismiss()
+            if inspect.isawaitable(result):
+                await result
 
     @property
     def message(self) -> str:

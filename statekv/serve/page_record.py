@@ -20,8 +20,12 @@ HISTORY_FIELDS = ("seconds", "frames", "tokens", "carried", "cache_bytes")
 
 
 def page_fields(entry: Any) -> dict[str, Any]:
-    """``{"history": [...], "last_frame": base64 JPEG or None}`` of ``entry``."""
-    return {"history": entry.history[-KEPT_POINTS:], "last_frame": _jpeg(entry.last_frame)}
+    """``{"history": [...], "last_frame": base64 JPEG or None, "feed": ...}`` of ``entry`` (``feed``: a page's
+    feed under way or stopped on an error, so a restart cannot hide that its file did not all go in)."""
+    feed = entry.feed
+    kept = feed is not None and not feed.resumable and (feed.running or feed.error)
+    return {"history": entry.history[-KEPT_POINTS:], "last_frame": _jpeg(entry.last_frame),
+            "feed": feed.describe() if kept else None}
 
 
 def recall_page(entry: Any, record: dict[str, Any]) -> None:
@@ -29,6 +33,7 @@ def recall_page(entry: Any, record: dict[str, Any]) -> None:
     history = record.get("history")
     if isinstance(history, list):
         entry.history = [point for point in history if _point(point)][-KEPT_POINTS:]
+    _recall_feed(entry, record.get("feed"))
     frame = record.get("last_frame")
     if isinstance(frame, str):
         try:
@@ -37,6 +42,24 @@ def recall_page(entry: Any, record: dict[str, Any]) -> None:
             entry.last_frame = np.asarray(Image.open(io.BytesIO(base64.b64decode(frame, validate=True))).convert("RGB"))
         except Exception as error:  # noqa: BLE001 -- a picture that cannot be read is only a picture not shown
             log.error("stream %s: its record's last frame cannot be read (%s)", entry.id, error)
+
+
+def _recall_feed(entry: Any, feed: Any) -> None:
+    """A page's feed the record names as under way (the server stopped during it) or failed: shown as stopped."""
+    from .entries import Feed
+
+    if not isinstance(feed, dict) or not isinstance(feed.get("source"), str):
+        return
+    counts = {name: feed.get(name) if isinstance(feed.get(name), int) and not isinstance(feed.get(name), bool)
+              else None for name in ("total", "offered", "kept")}
+    total, offered = counts["total"], counts["offered"] or 0
+    error = feed.get("error") if isinstance(feed.get("error"), str) else None
+    if feed.get("running") is True and (total is None or offered < total):
+        error = (f"the server stopped after {offered} of its {total if total is not None else '?'} frames; "
+                 "open the file again to feed the rest")
+    if error:
+        entry.feed = Feed(feed["source"], total, offered=offered, kept=counts["kept"] or 0, running=False,
+                          error=error, resumable=False)
 
 
 def _point(point: Any) -> bool:

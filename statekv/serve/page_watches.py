@@ -29,9 +29,10 @@ WATCH_EVERY = 4
 
 def with_choices(question: str, choices: list[str]) -> str:
     """``question`` with the options ``choices`` as the built-in model was trained to read them, unless it
-    already lists options (a line starting ``A.``) or no choice is given."""
+    already lists options (a line starting ``A.``), no choice is given or the question is blank (refused as the
+    API refuses it, not asked as the options alone)."""
     filled = [choice.strip() for choice in choices if choice and choice.strip()]
-    if not filled or any(line.strip().startswith("A.") for line in question.splitlines()):
+    if not filled or not question.strip() or any(line.strip().startswith("A.") for line in question.splitlines()):
         return question
     return question_prompt(question.strip(), filled)
 

@@ -337,7 +337,7 @@ class StreamRegistry:
         if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip))
+        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable)
         try:
             async with entry.lock:
                 shift, last_skipped = None, None

@@ -1,0 +1,284 @@
+"""Hostile checks of two surfaces: the page `statekv serve` serves to browsers, driven as a careless person would
+(an empty question, a server restarted while the page feeds a file), and the command lines of the scripts in
+benchmarks/ (bad counts, NaN, a file where a folder goes, Ctrl-C): each ends in one line naming the problem, never
+a traceback, and never destroys an existing docs file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+SCRIPT_SECONDS = 120
+
+
+def _script(*argv: str, timeout: float = SCRIPT_SECONDS) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_line_error(result: subprocess.CompletedProcess, *naming: str) -> str:
+    """The run failed (not a crash by signal), with one stderr line naming each of ``naming`` and no traceback."""
+    err = result.stderr
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert result.returncode not in (0, None) and result.returncode > 0, (result.returncode, err[-2000:])
+    assert "Traceback" not in err and "Fatal Python error" not in err, err[-2000:]
+    assert len(lines) == 1, err[-2000:]
+    for name in naming:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+_LOADED: dict[str, object] = {}
+
+
+def _refused_as_parsed(script: str, argv: list[str], flag: str, capsys, monkeypatch) -> str:
+    """``script``'s ``main`` run in this process with ``argv`` (the scripts import torch: a process each took
+    seconds) ends as argparse refuses a flag: exit 2 and one stderr line naming ``flag``, before any work."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    if script not in _LOADED:
+        spec = importlib.util.spec_from_file_location(f"hostile_{Path(script).stem}", REPO / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LOADED[script] = module
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        _LOADED[script].main()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exited.value.code == 2 and len(lines) == 1 and flag in lines[0], (exited.value.code, err[-2000:])
+    return lines[0]
+
+
+# -- benchmarks/: bad flags --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "-5", "0", "inf"])
+def test_gpu_suite_refuses_a_budget_that_is_not_a_positive_number(tmp_path, value, capsys, monkeypatch):
+    """Before: --budget-s nan/-5 ran, skipped every section for want of time, and exited 0."""
+    _refused_as_parsed("benchmarks/gpu_suite.py", ["--smoke", "--out", str(tmp_path / "out"), f"--budget-s={value}",
+                                                   "--skip", "tests", "positions", "prefill", "pipeline", "streams",
+                                                   "steps", "tiers", "ttft", "live"], "--budget-s", capsys,
+                       monkeypatch)
+
+
+def test_gpu_suite_refuses_a_file_where_its_out_folder_goes(tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("kept")
+    _refused_as_parsed("benchmarks/gpu_suite.py", ["--smoke", "--out", str(tmp_path / "afile"), "--skip", "tests",
+                                                   "step", "positions", "prefill", "pipeline", "streams", "steps",
+                                                   "tiers", "ttft", "live"], "--out", capsys, monkeypatch)
+    assert (tmp_path / "afile").read_text() == "kept"
+
+
+def test_gpu_suite_interrupted_keeps_the_docs_section_and_says_so_in_one_line(tmp_path):
+    """Before: the docs' '## GPU suite' section was replaced by an empty smoke report as the run began, so Ctrl-C
+    (or any crash) lost the recorded GPU results, and the interrupt ended in a KeyboardInterrupt traceback."""
+    docs = tmp_path / "benchmarks.md"
+    original = "# Benchmarks\n\n## GPU suite\n\nThe H200 results, measured once.\n\n## Later\n\nmore\n"
+    docs.write_text(original)
+    process = subprocess.Popen([sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--out", str(tmp_path / "out"),
+                                "--docs", str(docs), "--skip", "positions", "prefill", "pipeline", "streams", "steps",
+                                "tiers", "ttft", "live"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + SCRIPT_SECONDS
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line or line.startswith("== "):  # a section began
+                break
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert docs.read_text() == original
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and "interrupted" in lines[0], err[-2000:]
+    assert process.returncode != 0
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_pipeline_overlap_refuses_a_switch_interval_that_is_not_a_positive_number(value, capsys, monkeypatch):
+    """Before: --switch-interval nan crashed the interpreter ("Fatal Python error: take_gil"), -1 a traceback."""
+    _refused_as_parsed("benchmarks/pipeline_overlap.py", ["--frames", "4", "--repeats", "1", "--width", "64",
+                                                          "--height", "48", f"--switch-interval={value}"],
+                       "--switch-interval", capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("flag, value", [("--frames", "0"), ("--repeats", "0"), ("--width", "-64"),
+                                         ("--threads", "0")])
+def test_pipeline_overlap_refuses_counts_that_are_not_positive(flag, value, capsys, monkeypatch):
+    argv = {"--frames": "4", "--repeats": "1", "--width": "64", "--height": "48", flag: value}
+    _refused_as_parsed("benchmarks/pipeline_overlap.py", [part for pair in argv.items() for part in pair], flag,
+                       capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("flag, value", [("--new-tokens", "1"), ("--new-tokens", "0"), ("--repeats", "0"),
+                                         ("--threads", "0"), ("--checkpoints", "0"), ("--budget", "-1")])
+def test_ask_latency_refuses_counts_it_cannot_measure_with(flag, value, capsys, monkeypatch):
+    """Before: --new-tokens 1 (a plausible value) ended in ZeroDivisionError, --repeats 0 in StatisticsError."""
+    argv = {"--checkpoints": "4", "--repeats": "1", "--new-tokens": "2", flag: value}
+    _refused_as_parsed("benchmarks/ask_latency.py", [part for pair in argv.items() for part in pair], flag, capsys,
+                       monkeypatch)
+
+
+def test_ask_latency_refuses_a_folder_as_its_out_file_before_measuring(tmp_path, capsys, monkeypatch):
+    """Refused as its flags are read, before the minutes of measuring."""
+    _refused_as_parsed("benchmarks/ask_latency.py", ["--checkpoints", "4", "--repeats", "1", "--new-tokens", "2",
+                                                     "--out", str(tmp_path)], "--out", capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("flag, value", [("--repeats", "0"), ("--frames", "0"), ("--threads", "0")])
+def test_positions_cost_refuses_counts_that_are_not_positive(flag, value, capsys, monkeypatch):
+    argv = {"--frames": "4", "--repeats": "1", "--past-frames": "0", "--paired-frames": "4", "--depths": "24",
+            "--depth-frames": "4", flag: value}
+    _refused_as_parsed("benchmarks/positions_cost.py", [part for pair in argv.items() for part in pair], flag,
+                       capsys, monkeypatch)
+
+
+def test_retrieval_from_a_missing_json_says_so_in_one_line(tmp_path):
+    result = _script("benchmarks/retrieval.py", "--data", str(tmp_path / "data"), "--seed", "1", "--from-json",
+                     str(tmp_path / "missing.json"), "--accuracy-out", str(tmp_path / "a.md"))
+    _one_line_error(result, "missing.json")
+
+
+@pytest.mark.parametrize("flag, value", [("--ks", "a,b"), ("--ks", "0"), ("--threads", "0"),
+                                         ("--max-frames", "-5"), ("--segment-steps", "0"), ("--methods", "nosuch")])
+def test_retrieval_refuses_bad_flags_before_making_its_data_set(tmp_path, flag, value, capsys, monkeypatch):
+    """Before: each was found only after the synthetic set was made (minutes at the default size), as a traceback."""
+    _refused_as_parsed("benchmarks/retrieval.py", ["--data", str(tmp_path / "data"), "--seed", "1", "--videos", "1",
+                                                   "--frames", "12", "--methods", "full", flag, value], flag, capsys,
+                       monkeypatch)
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_section_is_not_mistaken_for_a_deeper_heading_of_the_same_title(tmp_path):
+    """write_section("Watches") on a file holding "### Watches" (docs/serving.md's API subsection) replaced that
+    subsection's text instead of adding a "## Watches" section."""
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    path = tmp_path / "serving.md"
+    path.write_text("# Serving\n\n## The API\n\n### Watches\n\nthe API's watches\n\n## Later\n\nmore\n")
+    report.write_section(path, "Watches", "measured")
+    text = path.read_text()
+    assert "### Watches\n\nthe API's watches\n" in text
+    assert re.search(r"^## Watches\n\nmeasured\n", text, re.MULTILINE), text
+
+
+# -- the page ------------------------------------------------------------------------------------------------------
+def test_a_blank_question_is_not_filled_with_the_options():
+    """The page adds the options A-D to a question that lists none: to a blank one too, so a blank question was
+    asked ("A. red ...") and answered with a letter, and a blank watch was made; the API refuses both."""
+    from statekv.serve.page_watches import with_choices
+
+    for blank in ("", "   \n  "):
+        assert not with_choices(blank, ["red", "green", "blue", "yellow"]).strip()
+
+
+@pytest.fixture(scope="module")
+def page_server(tmp_path_factory):
+    pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from test_serve import Server
+
+    from statekv.cli import main
+
+    media = tmp_path_factory.mktemp("media")
+    for folder, seed, frames in (("short", 4301, 12), ("long", 4302, 240)):
+        assert main(["synthetic", "make", "--out", str(media / folder), "--videos", "1", "--seed", str(seed),
+                     "--frames", str(frames)]) == 0
+    running = Server(tmp_path_factory.mktemp("page") / "state", media).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def browser_page(page_server):
+    from test_serve import CHROMIUM, KEY
+
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--no-first-run"])
+        try:
+            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+            failures = []
+            page.on("pageerror", lambda error: failures.append(str(error)))
+            page.goto(f"{page_server.url}/?key={KEY}")
+            page.wait_for_selector(".statekv-key-status:has-text('key accepted')", timeout=60_000)
+            yield page
+            assert failures == []
+        finally:
+            browser.close()
+
+
+def _note_text(page, name: str) -> str:
+    selector = f".statekv-error-{name} .statekv-error-message"
+    page.wait_for_function(f"() => {{ const note = document.querySelector({selector!r}); "
+                           "return note && note.offsetParent !== null && note.innerText.trim().length > 0; }",
+                           timeout=30_000)
+    return page.inner_text(selector)
+
+
+@pytest.mark.slow
+def test_the_page_refuses_a_blank_question_and_a_blank_watch(page_server, browser_page):
+    """Before: a blank question was asked as the options alone and answered ("B"); a blank watch was made."""
+    page = browser_page
+    page.set_input_files(".statekv-upload-new input[type=file]",
+                         str(page_server.media / "short" / "videos" / "v0000.mp4"))
+    page.wait_for_selector(".statekv-stats:has-text('12 frames ·')", timeout=60_000)
+    for blank in ("", "   \n  "):
+        page.get_by_label("Question").fill(blank)
+        page.get_by_role("button", name="Ask").click()
+        assert "question must be a non-empty string" in _note_text(page, "ask")
+        page.click(".statekv-error-ask button")
+    page.get_by_role("button", name="Watch").click()
+    assert "question must be a non-empty string" in _note_text(page, "watch")
+    time.sleep(1.0)  # (a refresh's worth)
+    assert page.locator(".statekv-answer").count() == 0 and page.locator(".statekv-watch").count() == 0
+
+
+@pytest.mark.slow
+def test_a_file_the_page_was_feeding_when_the_server_restarted_is_named_after_it(page_server, browser_page):
+    """Before: after the restart the stream read "ready" with the frames fed so far, and nothing said that the
+    rest of the file never went in (the page's upload is gone: the person's only sign is the frame count)."""
+    page = browser_page
+    page.set_input_files(".statekv-upload-new input[type=file]",
+                         str(page_server.media / "long" / "videos" / "v0000.mp4"))
+    page.wait_for_function("() => /: ([1-9]\\d) of 240/.test("
+                           "(document.querySelector('.statekv-progress') || {}).innerText || '')", timeout=60_000)
+    page.evaluate("window.beforeRestart = true")
+    page_server.stop()
+    page_server.start()
+    page.wait_for_function("() => window.beforeRestart === undefined", timeout=120_000)
+    page.wait_for_selector(".statekv-stats:has-text('frames ·')", timeout=60_000)
+    frames = int(re.match(r"(\d+) frames", page.inner_text(".statekv-stats")).group(1))
+    assert 0 < frames < 240
+    note = _note_text(page, "feed")
+    assert "v0000.mp4" in note and "240" in note, note
+
+
+@pytest.mark.slow
+def test_the_file_pickers_have_names_a_screen_reader_can_say(browser_page):
+    """The uploaders' only keyboard control (Quasar's add button) is named by its icon's ligature, "add_box": a
+    screen reader says "add_box", not what it does."""
+    page = browser_page
+    for name in ("new", "more"):
+        control = page.locator(f".statekv-upload-{name} [role=button], .statekv-upload-{name} button").first
+        label = control.get_attribute("aria-label") or control.inner_text()
+        assert "video" in label.lower(), label
