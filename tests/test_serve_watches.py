@@ -237,7 +237,7 @@ def test_a_client_following_again_with_its_last_event_id_is_sent_the_events_it_m
         last_frame = sent[-1][0][0]
         at_last = [item for item in expected if item[0].startswith(f"{last_frame}.")]
         assert followed(server, stream_id, len(at_last), f"{last_frame}.w_gone") == at_last  # a deleted watch's
-        for bad in ("soon", "w_1", "-3.w_1", "3."):
+        for bad in ("soon", "w_1", "-3.w_1", "3.", "\u00b2.w_1".encode("latin-1")):  # "²": a digit, not an int
             refused = client.get(f"/v1/streams/{stream_id}/events", headers={"Last-Event-ID": bad})
             assert refused.status_code == 400 and list(refused.json()) == ["error"], bad
             assert "Last-Event-ID" in refused.json()["error"]["message"]

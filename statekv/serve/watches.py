@@ -154,7 +154,7 @@ def last_seen(value: str | None) -> tuple[int, str] | None:
     if value is None or not value.strip():
         return None
     frame, _, watch_id = value.strip().partition(".")
-    if not frame.isdigit() or not watch_id or len(value) > 200:
+    if not (frame.isascii() and frame.isdigit()) or not watch_id or len(value) > 200:
         raise ServiceError(400, f"Last-Event-ID must be the id of an event of this stream (frame.watch, as in "
                                 f"'12.w_0123abcd'), got {shown(value[:80])}")
     return int(frame), watch_id
