@@ -132,7 +132,8 @@ def test_fields_that_change_the_answers_meaning_are_refused_or_reported(served, 
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", "hot"), ("temperature", -1), ("temperature", 99), ("top_p", 2), ("stop", 5),
+    ("temperature", "hot"), ("temperature", -1), ("temperature", 99), ("temperature", 10**400), ("top_p", 2),
+    ("stop", 5), ("top_logprobs", 1.5),
     ("seed", "x"), ("logprobs", "yes"), ("presence_penalty", "a lot"),
 ])
 def test_malformed_sampling_values_are_a_400(served, field, value):

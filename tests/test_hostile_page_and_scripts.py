@@ -206,15 +206,13 @@ def page_server(tmp_path_factory):
 
 @pytest.fixture
 def browser_page(page_server):
-    from test_serve import CHROMIUM, KEY
+    from test_serve import CHROMIUM, KEY, launched_chromium
 
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--no-first-run"])
+        browser = launched_chromium(playwright)
         try:
             page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
             failures = []

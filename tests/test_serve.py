@@ -717,6 +717,13 @@ def test_limits_answer_429_with_retry_after(server):
             client.delete(f"/v1/streams/{other}").raise_for_status()
 
 
+def launched_chromium(playwright):
+    """Debian's chromium, headless, through Playwright (the page tests' browser)."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--no-first-run"])
+
+
 def _shown(page, selector: str) -> str:
     page.wait_for_selector(selector, state="visible", timeout=60_000)
     return page.inner_text(selector)
@@ -758,9 +765,7 @@ def test_the_page_driven_as_a_new_user_would(server, qa, media, tmp_path):
     with server.client() as client:
         before = {s["id"] for s in client.get("/v1/streams").json()["data"]}
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--no-first-run"])
+        browser = launched_chromium(playwright)
         try:
             context = browser.new_context(viewport={"width": 1280, "height": 900})
             page = context.new_page()
@@ -869,9 +874,7 @@ def test_the_page_offers_the_choices_watches_and_shows_what_each_answer_read(ser
     sync_api = pytest.importorskip("playwright.sync_api")
     shots = Path(os.environ.get("STATEKV_SCREENSHOTS") or tmp_path)
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--no-first-run"])
+        browser = launched_chromium(playwright)
         try:
             page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
             page.goto(f"{server.url}/?key={KEY}")

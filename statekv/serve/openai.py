@@ -15,7 +15,6 @@ greedily: sampling fields set to anything else are named in ``"not_applied"`` (w
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
+from ..settings.values import is_finite_number
 from .errors import ServiceError, failure_body
 from .healing import check_can_ask
 from .limits import read_json
@@ -69,8 +69,7 @@ def check_sampling(body: dict) -> None:
         if value is None:
             continue
         whole = name == "top_logprobs"
-        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
-                not math.isfinite(value) or not low <= value <= high:
+        if not is_finite_number(value) or (whole and not isinstance(value, int)) or not low <= value <= high:
             kind = "an integer" if whole else "a number"
             raise ServiceError(400, f"{name} must be {kind} from {low} to {high}, got {shown(value)}")
     stop = body.get("stop")

@@ -141,6 +141,12 @@ def watch_records(stream: Any) -> list[dict[str, Any]]:
     return records(stream)
 
 
+def followed_event(watch: Watch, event: Any) -> dict[str, Any]:
+    """What a follower is sent of one of ``watch``'s events: ``{"watch", "question", "frame", "seconds",
+    "answer"}``."""
+    return {"watch": watch.id, "question": watch.question, **event.to_dict()}
+
+
 def event_id(item: dict[str, Any]) -> str:
     """A watch event's server-sent ``id``: its frame and its watch, ``"12.w_0123abcd"``; a client that follows
     again with it as ``Last-Event-ID`` (what a browser's ``EventSource`` sends when it reconnects) is first sent the
@@ -168,7 +174,7 @@ def missed_events(stream: Any, after: tuple[int, str]) -> list[dict[str, Any]]:
     watches = list(stream.watches)
     order = {watch.id: rank for rank, watch in enumerate(watches)}
     cut = (frame, order.get(watch_id, -1))
-    missed = [((event.frame, rank), {"watch": watch.id, "question": watch.question, **event.to_dict()})
+    missed = [((event.frame, rank), followed_event(watch, event))
               for rank, watch in enumerate(watches) for event in list(watch.events) if (event.frame, rank) > cut]
     return [item for _, item in sorted(missed, key=lambda pair: pair[0])]
 
@@ -226,7 +232,7 @@ class WatchHub:
             with self.lock:
                 followers = list(self.followers.get(stream_id, ()))
             for follower in followers:
-                follower.put({"watch": watch.id, "question": watch.question, **event.to_dict()})
+                follower.put(followed_event(watch, event))
 
         return heard
 

@@ -21,6 +21,7 @@ steady stream never rebuilds it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 
@@ -156,6 +157,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@functools.cache  # asked at every step's placing and every auto-backend call: the answer does not change
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
