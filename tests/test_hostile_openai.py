@@ -171,3 +171,55 @@ def test_the_streamed_deltas_add_up_to_the_answer_not_streamed(served):
     text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in _chunks(streamed.text)
                    if chunk.get("choices"))
     assert text == whole.json()["choices"][0]["message"]["content"]
+
+
+def _completion(client, stream_id: str, streamed: bool, **fields) -> tuple[str, str, dict]:
+    """The answer's text, its finish_reason and its ``statekv`` object, streamed or not."""
+    response = client.post("/v1/chat/completions", json=_body(stream_id, stream=streamed, **fields))
+    assert response.status_code == 200, response.text[:300]
+    if not streamed:
+        choice = response.json()["choices"][0]
+        return choice["message"]["content"], choice["finish_reason"], response.json()
+    chunks = [chunk for chunk in _chunks(response.text) if chunk.get("choices")]
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+    return text, chunks[-1]["choices"][0]["finish_reason"], chunks[-1]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stop", [" red", ["nothing like it", "e r"]], ids=["a word", "across two tokens"])
+def test_a_stop_sequence_ends_the_answer_before_it(served, streamed, stop):
+    """Before: ``stop`` was not applied (named in ``not_applied``): the answer ran on past it to ``max_tokens``.
+    Now the answer ends before the first stop sequence, which it does not hold (streamed, no piece of it is sent,
+    though the text that could begin one came a token earlier), its generation stops there, and its finish_reason
+    is ``stop``."""
+    client, stream_id = served
+    whole, finish, _ = _completion(client, stream_id, False, max_tokens=12)
+    assert finish == "length" and whole.startswith("square red red"), whole  # the built-in model's answer
+    text, finish, reply = _completion(client, stream_id, streamed, max_tokens=12, stop=stop,
+                                      stream_options={"include_usage": True} if streamed else None)
+    cut = min(index for index in (whole.find(s) for s in ([stop] if isinstance(stop, str) else stop)) if index >= 0)
+    assert (text, finish) == (whole[:cut], "stop")
+    assert "stop" not in reply["statekv"].get("not_applied", [])
+    if not streamed:
+        assert reply["usage"]["completion_tokens"] < 12  # the generation stopped at the stop sequence
+
+
+def test_a_stop_sequence_never_met_changes_nothing_and_a_long_one_is_a_400(served):
+    client, stream_id = served
+    whole = _completion(client, stream_id, False, max_tokens=6)
+    assert _completion(client, stream_id, False, max_tokens=6, stop=["blue", "\n"])[:2] == whole[:2]
+    assert _completion(client, stream_id, True, max_tokens=6, stop="blue")[:2] == whole[:2]
+    _one_line_400(client.post("/v1/chat/completions", json=_body(stream_id, stop="x" * 257)), "stop")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_an_answer_ending_on_its_last_allowed_token_finished_by_stopping(served, streamed):
+    """Before: finish_reason was ``length`` whenever the answer took all of ``max_tokens``, even where its last
+    token was the model's end token: the answer was whole, not cut."""
+    client, stream_id = served
+    question = [{"role": "user", "content": "How many frames?"}]  # the built-in model answers "A" and ends
+    text, finish, reply = _completion(client, stream_id, False, max_tokens=64, messages=question)
+    used = reply["usage"]["completion_tokens"]
+    assert (finish, used) == ("stop", 2), (text, finish, used)
+    assert _completion(client, stream_id, streamed, max_tokens=used, messages=question)[:2] == (text, "stop")
+    assert _completion(client, stream_id, streamed, max_tokens=used - 1, messages=question)[1] == "length"

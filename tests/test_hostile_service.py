@@ -328,7 +328,7 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
             "model": "builtin", "max_tokens": 4, "messages": [last], "statekv": {"stream_id": stream_id},
             "temperature": 0.7, "top_p": 1, "seed": 3, "stop": ["."], "logprobs": False, "n": 1})
         assert sampled.status_code == 200, sampled.text
-        assert sampled.json()["statekv"]["not_applied"] == ["temperature", "stop"]
+        assert sampled.json()["statekv"]["not_applied"] == ["temperature"]  # stop is applied
         assert sampled.json()["statekv"]["decoding"] == "greedy"
         assert sampled.json()["choices"] == alone["choices"]
         greedy = client.post("/v1/chat/completions", json={"model": "builtin", "max_tokens": 4, "messages": [last],
@@ -364,9 +364,10 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # A client that goes away stops its generation
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("route", ["ask", "chat"])
+@pytest.mark.parametrize("route", ["ask", "chat", "chat whole"])
 def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_path, monkeypatch, route):
-    """Before: the generation of a streamed answer ran to its end after its client had gone, holding the model."""
+    """Before: the generation of a streamed answer ran to its end after its client had gone, holding the model; a
+    chat answer not streamed still did."""
     generated: list[int] = []
     real_put = TokenStreamer.put
 
@@ -388,13 +389,12 @@ def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_p
             request = ("/v1/chat/completions", {"model": "builtin", "max_tokens": max_new, "stream": True,
                                                 "statekv": {"stream_id": stream_id},
                                                 "messages": [{"role": "user", "content": QUESTION}]})
-        with server.client() as leaving, leaving.stream("POST", request[0], json=request[1]) as reply:
-            assert reply.status_code == 200
-            pieces = 0
-            for line in reply.iter_lines():
-                pieces += line.startswith("data:") and ('"token"' in line or '"content"' in line)
-                if pieces >= 3:
-                    break  # the client goes away
+        if route == "chat whole":
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0,
+                                                                headers={"Authorization": f"Bearer {KEY}"}) as leaving:
+                leaving.post(request[0], json={**request[1], "stream": False})  # the client gives up waiting
+        else:
+            _leave_after_three_pieces(server, request)
         deadline = time.monotonic() + 20
         while server.service.worker.queued and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -406,6 +406,49 @@ def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_p
         assert len(answers) <= 1  # the stopped answer is not recorded as given
         again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 4})
         assert again.status_code == 200
+
+
+def _leave_after_three_pieces(server, request: tuple[str, dict]) -> None:
+    with server.client() as leaving, leaving.stream("POST", request[0], json=request[1]) as reply:
+        assert reply.status_code == 200
+        pieces = 0
+        for line in reply.iter_lines():
+            pieces += line.startswith("data:") and ('"token"' in line or '"content"' in line)
+            if pieces >= 3:
+                break  # the client goes away
+
+
+def test_a_client_gone_before_its_streamed_answer_began_stops_it_unanswered(qa, tmp_path, monkeypatch):
+    """A streamed reply waits for its answer's generation to begin, so that a refusal keeps its own status; a client
+    that leaves meanwhile (its question queued behind another answer) stops its question before it is answered."""
+    real_put, held, puts = TokenStreamer.put, threading.Event(), []
+
+    def put(self, value):
+        puts.append(id(self))
+        held.wait(30)  # the first answer holds the model until released
+        real_put(self, value)
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client)
+        monkeypatch.setattr(TokenStreamer, "put", put)
+        ask, body = f"/v1/streams/{stream_id}/ask", {"question": QUESTION, "max_new_tokens": 2, "stream": True}
+        first = threading.Thread(target=lambda: server.client().post(ask, json=body))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not puts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0,
+                                                            headers={"Authorization": f"Bearer {KEY}"}) as leaving:
+            leaving.post(ask, json=body)  # no reply while its question waits: the client leaves
+        time.sleep(1.5)  # the route notices
+        held.set()
+        first.join(30)
+        deadline = time.monotonic() + 30
+        while server.service.worker.queued and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.service.worker.queued == 0 and len(set(puts)) == 1  # the second answer never began
+        stopped = re.search(r"^statekv_answers_stopped_total (\S+)$", client.get("/metrics").text, re.M)
+        assert stopped and float(stopped.group(1)) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1080,7 +1123,8 @@ def _events(client, path: str, body: dict) -> tuple[int, list[dict]]:
 
 def test_a_question_too_long_for_the_models_range_is_a_413_on_every_route(qa, tmp_path):
     """Before: on a stream with no horizon (bounded positions) it was a 409 (its streamed answer's error event said
-    400), while the same question on a stream with a horizon was the documented 413."""
+    400), while the same question on a stream with a horizon was the documented 413. Streamed, the reply was then
+    a 200 whose one event was the 413: the status now waits for the answer's generation to begin."""
     wordy = "1," * 3900  # under 8,000 characters, 7,800 tokens: past the built-in model's 4,096 positions
     with Running(tmp_path / "state", qa) as server, server.client() as client:
         created = client.post("/v1/streams", json={})
@@ -1089,10 +1133,12 @@ def test_a_question_too_long_for_the_models_range_is_a_413_on_every_route(qa, tm
         ask = f"/v1/streams/{stream_id}/ask"
         message = _error(client.post(ask, json={"question": wordy}), 413)
         assert re.match(r"the question is \d+ tokens and its answer up to 64: .*positions", message), message
-        status, pieces = _events(client, ask, {"question": wordy, "stream": True})
-        assert status == 200 and pieces[-1]["error"]["code"] == 413, pieces
+        assert _error(client.post(ask, json={"question": wordy, "stream": True}), 413) == message
         chat = {"messages": [{"role": "user", "content": wordy}], "statekv": {"stream_id": stream_id}}
-        _error(client.post("/v1/chat/completions", json=chat), 413)
+        assert _error(client.post("/v1/chat/completions", json=chat), 413) == message
+        assert _error(client.post("/v1/chat/completions", json={**chat, "stream": True}), 413) == message
+        status, pieces = _events(client, ask, {"question": QUESTION, "stream": True})  # the stream still answers
+        assert status == 200 and "answer" in pieces[-1], pieces
 
 
 def test_a_streamed_question_to_a_stream_with_no_frame_is_refused_before_its_events(qa, tmp_path):
@@ -1196,28 +1242,43 @@ def test_numbers_past_a_floats_range_and_sizes_past_any_streams_are_one_line_400
 
 
 @pytest.mark.parametrize("route", ["ask", "chat"])
-def test_an_unexpected_error_in_a_streamed_answer_is_an_error_event(qa, tmp_path, monkeypatch, route):
+@pytest.mark.parametrize("when", ["before its generation", "during it"])
+def test_an_unexpected_error_in_a_streamed_answer_is_its_status_or_an_error_event(qa, tmp_path, monkeypatch, route,
+                                                                                 when):
     """Before: only a statekv error became an error event; any other escaped the events once they had begun, and
-    the connection was cut mid-answer with no word of why."""
+    the connection was cut mid-answer with no word of why. Met before the answer's generation begins, the error is
+    the reply's own status, as a plain answer's."""
     import statekv.serve.registry as registry
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
+    real_put = TokenStreamer.put
+
+    def put(self, value):
+        real_put(self, value)
+        if self.tokens:
+            broken()
+
     with Running(tmp_path / "state", qa) as server, server.client() as client:
         stream_id = _stream(client)
-        monkeypatch.setattr(registry, "prompt_tokens", broken)
+        if when == "before its generation":
+            monkeypatch.setattr(registry, "prompt_tokens", broken)
+        else:
+            monkeypatch.setattr(TokenStreamer, "put", put)
         if route == "ask":
             reply = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "stream": True})
-            assert reply.status_code == 200 and "event: error" in reply.text
         else:
             reply = client.post("/v1/chat/completions", json={
                 "stream": True, "statekv": {"stream_id": stream_id},
                 "messages": [{"role": "user", "content": QUESTION}]})
-            assert reply.status_code == 200
-        last = json.loads([line for line in reply.text.splitlines() if line.startswith("data:")][-1][5:])
-        assert last == {"error": {"message": "internal error (RuntimeError); the server log has the details",
-                                  "type": "server_error", "code": 500}}
+        failure = {"error": {"message": "internal error (RuntimeError); the server log has the details",
+                             "type": "server_error", "code": 500}}
+        if when == "before its generation":
+            assert reply.status_code == 500 and reply.json() == failure
+        else:
+            assert reply.status_code == 200 and ("event: error" in reply.text) == (route == "ask")
+            assert json.loads([line for line in reply.text.splitlines() if line.startswith("data:")][-1][5:]) == failure
         assert client.get(f"/v1/streams/{stream_id}").status_code == 200  # served on as before
 
 

@@ -52,14 +52,15 @@ class ServerStopped(ServiceError):
 
 def answer_arguments(stopping: threading.Event, streamer: Any = None) -> dict[str, Any]:
     """``generate``'s arguments for an answer over HTTP: a stop once ``stopping`` is set (the server can wait for
-    answers no longer) and, answering token by token through ``streamer`` (a `sse.TokenStreamer`), the streamer and
-    a stop once its client has gone away."""
+    answers no longer) and, answering token by token through ``streamer`` (a `sse.TokenStreamer`), the streamer, a
+    stop once its client has gone away and one once its text meets a stop sequence."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
     if streamer is None:
         return {"stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping)])}
+    stops = [StopOnceSet(streamer.halted)] if streamer.stops.stops else []
     return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping),
-                                                                             StopOnceSet(streamer.gone)])}
+                                                                             StopOnceSet(streamer.gone), *stops])}
 
 
 def check_answer(kwargs: dict[str, Any], tokens: Any = None, model: Any = None) -> None:

@@ -9,7 +9,8 @@ An answer reads the video and the last user message only: system messages and ea
 stream's questions are answered from the video, each on its own). The response says so: its ``statekv`` object
 (and a streamed answer's last chunk's) holds ``"read": "the video and the last user message"`` and, when the
 request had any, ``"not_read"``: how many system messages and earlier turns were left out. Answers are decoded
-greedily: sampling fields set to anything else are named in ``"not_applied"`` (with ``"decoding": "greedy"``).
+greedily: sampling fields set to anything else are named in ``"not_applied"`` (with ``"decoding": "greedy"``);
+``stop`` sequences end an answer before them (`sse.StopTexts`).
 """
 
 from __future__ import annotations
@@ -17,33 +18,37 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
+from ..core.answering.together import end_tokens
 from ..settings.values import is_finite_number
 from .errors import ServiceError, failure_body
 from .healing import check_can_ask
 from .limits import read_json
 from .media import resolve_file_url
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
-from .routes import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, answer_task, pieces_until
-from .sse import EventStream, TokenStreamer, event
+from .routes import (DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, begin_answer, pieces_until,
+                     whole_answer)
+from .sse import EventStream, StopTexts, TokenStreamer, event
 from .stream_settings import shown
 
 
 READ = "the video and the last user message"
 # OpenAI's sampling fields and the value each has under greedy decoding, the only decoding an answer uses
-GREEDY = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "stop": None,
-          "logit_bias": None, "logprobs": False, "top_logprobs": None}
+GREEDY = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+          "logprobs": False, "top_logprobs": None}
 
 
 # OpenAI's ranges of its numeric sampling fields
 RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
           "top_logprobs": (0, 20)}
 MAX_MODEL_CHARS = 256
+MAX_STOP_CHARS = 256
 TOOLS = (("tools", "tool_choice"), ("functions", "function_call"))  # what a model may call, and how it must choose
 
 
@@ -76,6 +81,8 @@ def check_sampling(body: dict) -> None:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and len(stop) <= 4 and all(isinstance(item, str) for item in stop)):
         raise ServiceError(400, f"stop must be a string or a list of at most 4 strings, got {shown(stop)}")
+    if any(len(item) > MAX_STOP_CHARS for item in stop_sequences(body)):
+        raise ServiceError(400, f"a stop sequence is at most {MAX_STOP_CHARS} characters")
     if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
         raise ServiceError(400, f"logprobs must be true or false, got {shown(body['logprobs'])}")
     seed = body.get("seed")
@@ -225,22 +232,39 @@ async def chat(request: Request, service: Served):
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"
     model = model_name(body, service.model_id)
+    stops = StopTexts(stop_sequences(body))
+    ends = end_tokens(getattr(service.qa.adapter.model, "generation_config", None))
     if streamed:
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         release = service.ask_slots.take()  # refused here (429), before the events start; held till they end
-        return EventStream(_chunks(service, work, completion, model, max_new, include_usage, reading), release)
+        try:
+            streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(),
+                                     service.metrics.first_token_seconds.observe, stops)
+            task = await begin_answer(request, streamer, work(streamer))
+        except BaseException:
+            release()
+            raise
+        finish = lambda: _finish(streamer, max_new, ends)  # noqa: E731
+        return EventStream(_chunks(service, streamer, task, completion, model, finish, include_usage, reading),
+                           release)
     async with service.ask_slots.hold():
-        started = time.perf_counter()
-        result = await work(None)
-        service.answered("chat", time.perf_counter() - started)
+        streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops)
+        result = await whole_answer(request, streamer, work(streamer))
+        service.answered("chat", time.perf_counter() - streamer.started_at)
     return JSONResponse({
         "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"]},
-                     "finish_reason": _finish(result, max_new)}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": stops.cut(result["answer"])[0]},
+                     "finish_reason": _finish(streamer, max_new, ends)}],
         "usage": result["usage"],
         "statekv": {**{key: result.get(key) for key in ("id", "frames", "seconds")}, **reading},
     })
+
+
+def stop_sequences(body: dict) -> list[str]:
+    """The request's ``stop``: a text or a list of texts (checked by `check_sampling`); [] when absent."""
+    stop = body.get("stop")
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:
@@ -263,23 +287,21 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
         raise
 
 
-def _finish(result: dict[str, Any], max_new: int) -> str:
-    """OpenAI's finish_reason: ``length`` when the answer used every token it was allowed."""
-    return "length" if result["usage"]["completion_tokens"] >= max_new else "stop"
+def _finish(streamer: TokenStreamer, max_new: int, ends: tuple[int, ...]) -> str:
+    """OpenAI's finish_reason: ``length`` when the answer used every token it was allowed without ending on one
+    of the model's end tokens (``ends``) or meeting a stop sequence."""
+    ended = streamer.halted.is_set() or bool(streamer.ids and streamer.ids[-1] in ends)
+    return "length" if streamer.tokens >= max_new and not ended else "stop"
 
 
-async def _chunks(service, work, completion: str, model: str, max_new: int, include_usage: bool,
-                  reading: dict[str, Any]):
+async def _chunks(service, streamer: TokenStreamer, task: asyncio.Future, completion: str, model: str,
+                  finish_reason: Callable[[], str], include_usage: bool, reading: dict[str, Any]):
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, **more: Any) -> str:
         return event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more})
 
-    started = time.perf_counter()
-    streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(),
-                             service.metrics.first_token_seconds.observe)
-    task = answer_task(work(streamer))
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for piece in pieces_until(streamer, task):
@@ -291,8 +313,8 @@ async def _chunks(service, work, completion: str, model: str, max_new: int, incl
             service.metrics.errors.labels(str(failure["error"]["code"])).inc()
             yield event(failure)
             return
-        service.answered("chat", time.perf_counter() - started)
-        yield chunk({}, _finish(result, max_new), statekv=reading)
+        service.answered("chat", time.perf_counter() - streamer.started_at)
+        yield chunk({}, finish_reason(), statekv=reading)
         if include_usage:
             yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [], "usage": result["usage"]})

@@ -20,6 +20,8 @@ from .media import resolve_source
 from .sse import EventStream, TokenStreamer, event
 from .stream_settings import shown
 
+DISCONNECT_CHECK_SECONDS = 0.5  # how often a reply waiting for its answer looks for its client
+
 DEFAULT_NEW_TOKENS = 64
 MAX_NEW_TOKENS = 1024
 MAX_QUESTION_CHARS = 8000
@@ -142,13 +144,18 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
         return JSONResponse(answer)
     check_can_ask(entry)  # refused with its status, before the event stream starts
     release = service.ask_slots.take()  # refused here (429), before the event stream starts; held till it ends
-    return EventStream(_sse_answer(service, entry, question, max_new, retrieve), release)
+    try:
+        streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop(),
+                                 service.metrics.first_token_seconds.observe)
+        task = await begin_answer(request, streamer,
+                                  service.registry.ask(entry, question, max_new, retrieve, streamer))
+    except BaseException:
+        release()
+        raise
+    return EventStream(_sse_answer(service, entry, streamer, task), release)
 
 
-async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any) -> Any:
-    streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop(),
-                             service.metrics.first_token_seconds.observe)
-    task = answer_task(service.registry.ask(entry, question, max_new, retrieve, streamer))
+async def _sse_answer(service, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:
     try:
         async for piece in pieces_until(streamer, task):
             yield event({"token": piece})
@@ -163,6 +170,46 @@ async def _sse_answer(service, entry, question: str, max_new: int, retrieve: Any
         yield event(answer, "answer")
     finally:
         streamer.gone.set()  # the client went away (or all is sent): a generation still running stops
+
+
+async def begin_answer(request: Request, streamer: TokenStreamer, work: Any) -> asyncio.Future:
+    """Start an answer given token by token (``work``: its coroutine, answering through ``streamer``) and wait
+    until its generation begins, so that a question refused or failing before then (too long for its stream, its
+    stream damaged meanwhile, a video that does not decode) is answered with its own status rather than a 200 and
+    an error event. A client gone meanwhile stops it. Returns the answer's task."""
+    task = answer_task(work)
+    begun = asyncio.ensure_future(streamer.begun.wait())
+    try:
+        await _while_client_waits(request, streamer, {begun, task})
+        if not begun.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    except BaseException:
+        streamer.gone.set()
+        raise
+    finally:
+        begun.cancel()
+    return task
+
+
+async def whole_answer(request: Request, streamer: TokenStreamer, work: Any) -> Any:
+    """The result of an answer given whole (``work``: its coroutine, answering through ``streamer``); a client gone
+    before it is whole stops it (`answering.ClientLeft`)."""
+    task = answer_task(work)
+    try:
+        await _while_client_waits(request, streamer, {task})
+    except BaseException:
+        streamer.gone.set()
+        raise
+    return task.result()
+
+
+async def _while_client_waits(request: Request, streamer: TokenStreamer, waits: set) -> None:
+    """Wait for the first of ``waits`` to be done; a client gone meanwhile stops the answer (at its next check;
+    its reply goes nowhere)."""
+    while not any(wait.done() for wait in waits):
+        await asyncio.wait(waits, timeout=DISCONNECT_CHECK_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        if not any(wait.done() for wait in waits) and not streamer.gone.is_set() and await request.is_disconnected():
+            streamer.gone.set()
 
 
 def answer_task(work: Any) -> asyncio.Future:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,19 +16,44 @@ from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 
+class StopTexts:
+    """OpenAI's ``stop`` sequences: an answer ends before the first of them in its text, which it does not hold."""
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = tuple(stop for stop in stops if stop)
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """``text`` up to the first stop sequence in it, and whether it held one."""
+        found = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
+        return (text[:min(found)], True) if found else (text, False)
+
+    def settled(self, text: str) -> str:
+        """``text`` less its longest end that could begin a stop sequence (shown once the next tokens tell)."""
+        longest = min(len(text), max((len(stop) for stop in self.stops), default=1) - 1)
+        for length in range(longest, 0, -1):
+            if any(stop.startswith(text[-length:]) for stop in self.stops):
+                return text[:-length]
+        return text
+
+
 class TokenStreamer(BaseStreamer):
     """Receives ``generate``'s new token ids on the model's thread; ``pieces`` yields the text they add.
     ``gone`` is set once the client has gone away (`StopOnceSet` then stops the generation at its next token);
     ``tokens``: the tokens generated so far. ``on_first_token(seconds)``, where given, is told the time from this
     streamer's making (the answer's start) to the first token generated, whether or not it shows text yet (a
-    piece waits for the tokens that complete a character or a word)."""
+    piece waits for the tokens that complete a character or a word). ``begun`` is set once ``generate`` hands
+    over the prompt: the answer's checks have passed and its generation begins. ``stops`` (`StopTexts`): the text
+    ends before the first of them, and ``halted`` is set once one is met (its generation then stops too); text that
+    could begin one waits until the next tokens tell."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
-                 on_first_token: Callable[[float], None] | None = None):
+                 on_first_token: Callable[[float], None] | None = None, stops: StopTexts | None = None):
         self.tokenizer, self.loop, self.on_first_token = tokenizer, loop, on_first_token
-        self.started = time.perf_counter()
-        self.gone = threading.Event()
+        self.stops = stops or StopTexts()
+        self.started_at = time.perf_counter()
+        self.gone, self.halted = threading.Event(), threading.Event()
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.begun = asyncio.Event()
         self.ids: list[int] = []
         self.sent = ""
         self._prompt_seen = False
@@ -36,12 +61,24 @@ class TokenStreamer(BaseStreamer):
     def put(self, value: Any) -> None:
         if not self._prompt_seen:  # generate first hands over the prompt
             self._prompt_seen = True
+            self.loop.call_soon_threadsafe(self.begun.set)
             return
         new = [int(token) for token in value.reshape(-1).tolist()]
         if new and not self.ids and self.on_first_token is not None:
-            self.on_first_token(time.perf_counter() - self.started)
+            self.on_first_token(time.perf_counter() - self.started_at)
         self.ids.extend(new)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()  # as the whole answer's text
+        if self.halted.is_set():  # what comes after a stop sequence is not the answer's
+            return
+        text, halted = self.stops.cut(self.text())
+        if halted:
+            self.halted.set()
+        self._show(text if halted else self.stops.settled(text))
+
+    def text(self) -> str:
+        """The text of the tokens generated so far, as the whole answer's."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+
+    def _show(self, text: str) -> None:
         if text.startswith(self.sent) and len(text) > len(self.sent) and not text.endswith("\ufffd"):
             piece, self.sent = text[len(self.sent):], text
             self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
@@ -51,6 +88,8 @@ class TokenStreamer(BaseStreamer):
         return len(self.ids)
 
     def end(self) -> None:
+        if self.stops.stops and not self.halted.is_set():  # what waited to tell whether a stop sequence began
+            self._show(self.text())
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     async def pieces(self):
