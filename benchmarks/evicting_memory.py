@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -237,7 +238,7 @@ def main() -> None:
         flags = (f"--frames {args.frames} --cap {args.cap} --every {args.every} --base {args.base}"
                  + (" --files" if args.files else "") + (" --asks" if args.asks else "")
                  + (" --address" if args.address else "")
-                 + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else ""))
+                 + (f" --configs {shlex.quote(args.configs)}" if args.configs != ",".join(CONFIGS) else ""))
         command = f"python benchmarks/evicting_memory.py {flags} --out {args.out}"
         if args.before:  # "before": the same command on earlier code, its samples written with --json
             command = (f"python benchmarks/evicting_memory.py {flags} --json NEW`, "

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command is None:
-        args.command = " ".join(argv if argv is not None else sys.argv[1:])
+        args.command = shlex.join(argv if argv is not None else sys.argv[1:])
     if args.child:
         args.config = args.child
         return child(args)

@@ -163,7 +163,8 @@ class VideoQA:
 
     @property
     def recent_window(self) -> int | None:
-        """N when the method answers from its last N frames alone (``simplestream``: `statekv.recent`), else None."""
+        """N when the method answers from its last N frames alone (``simplestream``: `statekv.api.recent`), else
+        None."""
         spec = method(self.method) if self.method in method_names() else None
         if spec is None or not spec.recent_window:
             return None

@@ -250,8 +250,8 @@ def keep_key(state_dir: Path | None, key: str | None) -> str | None:
 
 
 def cluster_settings(args: argparse.Namespace):
-    """The Ray settings (`statekv.serve.cluster.ClusterSettings`) with ``--ray``; None without it (then no Ray
-    flag may be given)."""
+    """The Ray settings (`statekv.serve.cluster.deployment.ClusterSettings`) with ``--ray``; None without it (then
+    no Ray flag may be given)."""
     given = [name for name in RAY_FLAGS if getattr(args, name, None) is not None]
     if args.ray is None:
         if given:

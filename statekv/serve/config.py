@@ -17,10 +17,10 @@ SAVE_EVERY_SECONDS = 30.0
 class ServeConfig:
     """options: the model and the default method settings (streams may choose their own method settings).
     state_dir: where streams are kept (created); None only for replicas on Ray that keep everything in an object
-    store (`statekv.serve.cluster.ClusterSettings.store`). media_root: the only folder server-side sources may be read
-    from (None: no server-side sources). api_keys: the keys accepted besides the key made for the state folder
-    (`auth.KeyFile`); at least one of the two. drop_unowned_streams: delete, at start, the streams of keys not
-    accepted (otherwise the server refuses to start over them). max_streams: streams held
+    store (`statekv.serve.cluster.deployment.ClusterSettings.store`). media_root: the only folder server-side
+    sources may be read from (None: no server-side sources). api_keys: the keys accepted besides the key made for
+    the state folder (`auth.KeyFile`); at least one of the two. drop_unowned_streams: delete, at start, the streams
+    of keys not accepted (otherwise the server refuses to start over them). max_streams: streams held
     at once, all keys together. max_asks: questions answered or waiting at once. max_followers: clients following
     watch events at once (``GET /v1/streams/{id}/events``), all keys together. max_body_bytes: the largest
     request body; max_image_pixels: the largest decoded frame. save_every_frames / save_every_seconds: a

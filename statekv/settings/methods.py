@@ -96,7 +96,7 @@ class MethodSpec:
     default rule). offload: keeps the
     detailed cache off the model's device by design. also_uses: settings it reads besides its size.
     recent_window: keeps no cache at all, only the last ``window`` frames, and answers each question from a fresh
-    encoding of those frames under ``policy`` (SimpleStream; see `statekv.recent`).
+    encoding of those frames under ``policy`` (SimpleStream; see `statekv.api.recent`).
     """
 
     name: str

@@ -6,7 +6,7 @@ the lmms-eval plugin and the benchmarks.
     ModelOptions.add_arguments(parser); ModelOptions.from_args(parser.parse_args())     # --model --method ...
     ModelOptions.from_strings({"model": "ckpt", "offload": "off"})                      # lmms-eval model args
 
-Every option is declared once, as a `statekv.settings.values.Setting` in `SETTINGS` (its name, default, kind of value,
+Every option is declared once, as a `statekv.settings.setting.Setting` in `SETTINGS` (its name, default, kind of value,
 help): the dataclass field, its check when the object is made (before any model is loaded), its command-line flag
 and its text form are all made from that entry, so a new option is one more entry. The engine's settings are the
 entries of `statekv.settings.engine.ENGINE_SETTINGS`, included here: `ModelOptions.engine` gathers them into the

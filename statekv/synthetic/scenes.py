@@ -2,7 +2,7 @@
 
 A `Still` names a picture; `render` draws it as an RGB uint8 array ``[FRAME_SIZE, FRAME_SIZE, 3]``. The set
 of stills is finite (`all_stills`), so a model's input for every picture can be computed once (see
-`statekv.synthetic.training`), and videos are written losslessly, so the decoded frames equal the rendered
+`statekv.builtin.batches.FrameBank`), and videos are written losslessly, so the decoded frames equal the rendered
 ones pixel for pixel.
 """
 
