@@ -294,6 +294,12 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             answer = owners[stream_id].ask(stream_id)
             assert answer["answer"] == _alone(qa, random_frames(FRAMES, seed, *SIZE)[:half])
             assert answer["frames"] == half
+        mine = next(iter(seeds))  # through Ray's proxy, a streamed reply waits for its answer's generation to begin
+        streamed = client.http.post(f"/v1/streams/{mine}/ask", json={"question": QUESTION, "stream": True,
+                                                                     "max_new_tokens": NEW_TOKENS})
+        assert streamed.status_code == 200 and "event: answer" in streamed.text, streamed.text[-300:]
+        too_long = client.http.post(f"/v1/streams/{mine}/ask", json={"question": "1," * 3900, "stream": True})
+        assert too_long.status_code == 413 and "the question is" in too_long.json()["error"]["message"]
         assert other.call("GET", f"/v1/streams/{next(iter(seeds))}").status_code == 404  # another key's
         assert other.call("POST", f"/v1/streams/{next(iter(seeds))}/ask", json={"question": "q"}).status_code == 404
         assert {s["id"] for s in other.call("GET", "/v1/streams").json()["data"]} == {theirs}
