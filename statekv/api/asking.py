@@ -87,7 +87,8 @@ def _ask_streams(qa: Any, items: Sequence[tuple], results: list) -> None:
                 results[batch[0][0]] = error
                 continue
             for index, asked, _ in batch:
-                if asked.streamer is None:  # an answer given token by token has begun: it cannot start over
+                restart = getattr(asked.streamer, "restart", None)  # one whose text was read cannot start over
+                if asked.streamer is None or restart is not None and restart():
                     alone.append(index)
                 else:
                     results[index] = error

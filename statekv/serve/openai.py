@@ -249,12 +249,14 @@ async def chat(request: Request, service: Served):
         return EventStream(_chunks(service, streamer, task, completion, model, finish, include_usage, reading),
                            release)
     async with service.ask_slots.hold():
-        streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops)
+        streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops, whole=True)
         result = await whole_answer(request, streamer, work(streamer))
         service.answered("chat", time.perf_counter() - streamer.started_at)
+    # cut where the streamer met the stop: the answer's text, stripped, may have lost a stop's last whitespace
+    content = stops.cut(streamer.text())[0].strip() if streamer.halted.is_set() else result["answer"]
     return JSONResponse({
         "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": stops.cut(result["answer"])[0]},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                      "finish_reason": _finish(streamer, max_new, ends)}],
         "usage": result["usage"],
         "statekv": {**{key: result.get(key) for key in ("id", "frames", "seconds")}, **reading},

@@ -44,11 +44,13 @@ class TokenStreamer(BaseStreamer):
     piece waits for the tokens that complete a character or a word). ``begun`` is set once ``generate`` hands
     over the prompt: the answer's checks have passed and its generation begins. ``stops`` (`StopTexts`): the text
     ends before the first of them, and ``halted`` is set once one is met (its generation then stops too); text that
-    could begin one waits until the next tokens tell."""
+    could begin one waits until the next tokens tell. ``whole``: the answer is given whole, its pieces never read
+    (`restart` may start it over whatever it generated)."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
-                 on_first_token: Callable[[float], None] | None = None, stops: StopTexts | None = None):
-        self.tokenizer, self.loop, self.on_first_token = tokenizer, loop, on_first_token
+                 on_first_token: Callable[[float], None] | None = None, stops: StopTexts | None = None,
+                 whole: bool = False):
+        self.tokenizer, self.loop, self.on_first_token, self.whole = tokenizer, loop, on_first_token, whole
         self.stops = stops or StopTexts()
         self.started_at = time.perf_counter()
         self.gone, self.halted = threading.Event(), threading.Event()
@@ -86,6 +88,16 @@ class TokenStreamer(BaseStreamer):
     @property
     def tokens(self) -> int:
         return len(self.ids)
+
+    def restart(self) -> bool:
+        """Forget the answer's tokens, for it to be generated again from its prompt (`VideoQA.ask_many` answers a
+        question whose batch failed again alone), where none of its text can have been read: an answer given whole,
+        or one given token by token before its first token. Returns whether it was."""
+        if self.ids and not self.whole:
+            return False
+        self.ids, self.sent, self._prompt_seen = [], "", False
+        self.halted.clear()
+        return True
 
     def end(self) -> None:
         if self.stops.stops and not self.halted.is_set():  # what waited to tell whether a stop sequence began
