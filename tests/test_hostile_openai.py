@@ -223,3 +223,25 @@ def test_an_answer_ending_on_its_last_allowed_token_finished_by_stopping(served,
     assert (finish, used) == ("stop", 2), (text, finish, used)
     assert _completion(client, stream_id, streamed, max_tokens=used, messages=question)[:2] == (text, "stop")
     assert _completion(client, stream_id, streamed, max_tokens=used - 1, messages=question)[1] == "length"
+
+
+def test_a_stop_sequence_stops_the_generation_at_the_token_that_meets_it_on_every_path(served):
+    """Before: where ``generate`` answered (a simplestream stream, whose questions read its last frames afresh),
+    its criteria were asked before its streamer saw the token that met the stop, so one token more was generated
+    and counted in ``usage`` than where questions are answered together."""
+    client, stream_id = served
+    recent = client.post("/v1/streams", json={"method": "simplestream", "max_fps": None}).json()["id"]
+    for frame in random_frames(3, seed=7):
+        client.post(f"/v1/streams/{recent}/frames", content=png_bytes(frame),
+                    headers={"Content-Type": "image/png"}).raise_for_status()
+    for stop in (" red", "red red"):
+        used = []
+        for target in (stream_id, recent):
+            response = client.post("/v1/chat/completions", json=_body(target, max_tokens=12, stop=stop))
+            whole = response.json()
+            assert whole["choices"][0]["finish_reason"] == "stop", whole
+            text = client.post("/v1/chat/completions", json=_body(target, max_tokens=12)).json()
+            assert whole["choices"][0]["message"]["content"] == text["choices"][0]["message"]["content"][
+                :text["choices"][0]["message"]["content"].find(stop)].strip()
+            used.append(whole["usage"]["completion_tokens"])
+        assert used[0] == used[1], (stop, used)

@@ -10,7 +10,7 @@ from typing import Any
 from ..core.answering.together import end_tokens
 from ..errors import HorizonError, QuestionTooLong
 from .errors import ServiceError
-from .sse import StopOnceSet
+from .sse import StopAtText, StopOnceSet
 
 
 def prompt_tokens(video: Any, question: str, max_new_tokens: int) -> int:
@@ -58,7 +58,7 @@ def answer_arguments(stopping: threading.Event, streamer: Any = None) -> dict[st
 
     if streamer is None:
         return {"stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping)])}
-    stops = [StopOnceSet(streamer.halted)] if streamer.stops.stops else []
+    stops = [StopAtText(streamer)] if streamer.stops.stops else []
     return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping),
                                                                              StopOnceSet(streamer.gone), *stops])}
 

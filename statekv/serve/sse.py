@@ -57,12 +57,13 @@ class TokenStreamer(BaseStreamer):
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.begun = asyncio.Event()
         self.ids: list[int] = []
+        self.prompt_length = 0
         self.sent = ""
         self._prompt_seen = False
 
     def put(self, value: Any) -> None:
         if not self._prompt_seen:  # generate first hands over the prompt
-            self._prompt_seen = True
+            self._prompt_seen, self.prompt_length = True, int(value.shape[-1])
             self.loop.call_soon_threadsafe(self.begun.set)
             return
         new = [int(token) for token in value.reshape(-1).tolist()]
@@ -107,6 +108,22 @@ class TokenStreamer(BaseStreamer):
     async def pieces(self):
         while (piece := await self.queue.get()) is not None:
             yield piece
+
+
+class StopAtText(StoppingCriteria):
+    """Stops ``generate`` at the token whose text meets one of ``streamer``'s stop sequences (`TokenStreamer.stops`),
+    read from the ids it is given: ``generate`` asks its criteria before it hands that token to its streamer."""
+
+    def __init__(self, streamer: TokenStreamer):
+        self.streamer = streamer
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        streamer = self.streamer
+        met = streamer.halted.is_set()
+        if not met:
+            answer = input_ids[0, streamer.prompt_length:].tolist()
+            met = streamer.stops.cut(streamer.tokenizer.decode(answer, skip_special_tokens=True).lstrip())[1]
+        return torch.full((input_ids.shape[0],), met, dtype=torch.bool, device=input_ids.device)
 
 
 class StopOnceSet(StoppingCriteria):
