@@ -247,7 +247,7 @@ async def chat(request: Request, service: Served):
             raise
         finish = lambda: _finish(streamer, max_new, ends)  # noqa: E731
         return EventStream(_chunks(service, streamer, task, completion, model, finish, include_usage, reading),
-                           release)
+                           release, streamer)
     async with service.ask_slots.hold():
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops, whole=True)
         result = await whole_answer(request, streamer, work(streamer))
@@ -304,22 +304,19 @@ async def _chunks(service, streamer: TokenStreamer, task: asyncio.Future, comple
         return event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more})
 
+    yield chunk({"role": "assistant", "content": ""})
+    async for piece in pieces_until(streamer, task):
+        yield chunk({"content": piece})
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece in pieces_until(streamer, task):
-            yield chunk({"content": piece})
-        try:
-            result = await task
-        except Exception as error:  # noqa: BLE001 -- the chunks have begun: every failure is an error chunk
-            failure = failure_body(error, service.public, f"the streamed completion {completion}")
-            service.metrics.errors.labels(str(failure["error"]["code"])).inc()
-            yield event(failure)
-            return
-        service.answered("chat", time.perf_counter() - streamer.started_at)
-        yield chunk({}, finish_reason(), statekv=reading)
-        if include_usage:
-            yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [], "usage": result["usage"]})
-        yield event("[DONE]")
-    finally:
-        streamer.gone.set()  # the client went away (or all is sent): a generation still running stops
+        result = await task
+    except Exception as error:  # noqa: BLE001 -- the chunks have begun: every failure is an error chunk
+        failure = failure_body(error, service.public, f"the streamed completion {completion}")
+        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+        yield event(failure)
+        return
+    service.answered("chat", time.perf_counter() - streamer.started_at)
+    yield chunk({}, finish_reason(), statekv=reading)
+    if include_usage:
+        yield event({"id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [], "usage": result["usage"]})
+    yield event("[DONE]")

@@ -152,24 +152,21 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
     except BaseException:
         release()
         raise
-    return EventStream(_sse_answer(service, entry, streamer, task), release)
+    return EventStream(_sse_answer(service, entry, streamer, task), release, streamer)
 
 
 async def _sse_answer(service, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:
+    async for piece in pieces_until(streamer, task):
+        yield event({"token": piece})
     try:
-        async for piece in pieces_until(streamer, task):
-            yield event({"token": piece})
-        try:
-            answer = await task
-        except Exception as error:  # noqa: BLE001 -- the events have begun: every failure is an error event
-            failure = failure_body(error, service.public, f"the streamed answer of stream {entry.id}")
-            service.metrics.errors.labels(str(failure["error"]["code"])).inc()
-            yield event(failure, "error")
-            return
-        service.answered("ask", answer["latency"])
-        yield event(answer, "answer")
-    finally:
-        streamer.gone.set()  # the client went away (or all is sent): a generation still running stops
+        answer = await task
+    except Exception as error:  # noqa: BLE001 -- the events have begun: every failure is an error event
+        failure = failure_body(error, service.public, f"the streamed answer of stream {entry.id}")
+        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+        yield event(failure, "error")
+        return
+    service.answered("ask", answer["latency"])
+    yield event(answer, "answer")
 
 
 async def begin_answer(request: Request, streamer: TokenStreamer, work: Any) -> asyncio.Future:

@@ -147,14 +147,17 @@ def event(data: Any, name: str | None = None) -> str:
 
 class EventStream(StreamingResponse):
     """Server-sent events holding a slot until the response is over, however it ends: ``release`` (from
-    `limits.Slots.take`) is called once the events are sent, the client left, or the response never started."""
+    `limits.Slots.take`) is called once the events are sent, the client left, or the response never started; so is
+    the stop of the answer ``streamer`` gives, where one does (its generation, if still running, stops)."""
 
-    def __init__(self, events: Any, release: Any):
+    def __init__(self, events: Any, release: Any, streamer: TokenStreamer | None = None):
         super().__init__(events, media_type="text/event-stream")
-        self.release = release
+        self.release, self.streamer = release, streamer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.streamer is not None:
+                self.streamer.gone.set()
             self.release()
