@@ -51,6 +51,10 @@ class Placement:
         """Refuse the stream's next push once (`admit_push`); ``why``: how it lost frames, after its id."""
         self.refusing[stream_id] = why
 
+    def forget(self, stream_id: str) -> None:
+        """A stream deleted here: nothing is kept of it (a refusal of its next push, which never comes, goes)."""
+        self.refusing.pop(stream_id, None)
+
     async def let_go_damaged(self, registry: StreamRegistry, stream_id: str) -> None:
         """Let go of a stream held here and quarantined while served (alone: nothing to let go)."""
 

@@ -149,9 +149,10 @@ class StreamRegistry:
         self.arriving += 1
         try:
             entry = await self._create(owner, settings, horizon, max_fps, name)
+            self.entries[entry.id] = entry
         finally:
             self.arriving -= 1
-        self.entries[entry.id] = entry
+            self.let_go_unused_models()  # also the model of a creation that failed
         return entry
 
     async def _create(self, owner: str, settings: dict[str, Any], horizon: int | None, max_fps: float | None,
@@ -198,6 +199,9 @@ class StreamRegistry:
                           "at the next start", entry.id, error)
             finally:
                 self.entries.pop(entry.id, None)
+                self.placement.forget(entry.id)
+                self.healer.unhealed.pop(entry.id, None)
+                self.let_go_unused_models()
 
     async def begin_removal(self, stream_id: str, tier: Path | None) -> None:
         """Mark the stream as being deleted where its files are (`StreamFiles.begin_removal`); a one-line 503 when
@@ -283,20 +287,30 @@ class StreamRegistry:
         return kept
 
     def batched_steps(self) -> int:
-        """Language-model forwards that stepped several streams together, over the server's models."""
-        models = [self.qa, *list(self.settings.models.values())]
-        return sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0) for qa in models)
+        """Language-model forwards that stepped several streams together, over the server's models (those let go
+        of included)."""
+        models, let_go = self.settings.counts()
+        return let_go["batched_steps"] + sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0)
+                                             for qa in models)
 
     def batch_sizes(self) -> Counter:
-        """Language-model forwards by the stream steps each took, over the server's models."""
-        models = [self.qa, *list(self.settings.models.values())]
+        """Language-model forwards by the stream steps each took, over the server's models (those let go of
+        included)."""
+        models, let_go = self.settings.counts()
         return sum((Counter(getattr(getattr(qa, "step_scheduler", None), "batch_sizes", {})) for qa in models),
-                   Counter())
+                   let_go["batch_sizes"])
 
     def question_batch_sizes(self) -> Counter:
-        """Questions answered together, by the questions each batch took, over the server's models."""
-        models = [self.qa, *list(self.settings.models.values())]
-        return sum((Counter(getattr(qa, "question_batch_sizes", {})) for qa in models), Counter())
+        """Questions answered together, by the questions each batch took, over the server's models (those let go
+        of included)."""
+        models, let_go = self.settings.counts()
+        return sum((Counter(getattr(qa, "question_batch_sizes", {})) for qa in models), let_go["question_batch_sizes"])
+
+    def let_go_unused_models(self) -> None:
+        """Let go of the VideoQAs of method settings no stream held here has any more (`StreamSettings.let_go_unused`),
+        unless a stream is being made or taken here (it may have chosen one already)."""
+        if not self.arriving:
+            self.settings.let_go_unused(getattr(entry.stream, "qa", None) for entry in list(self.entries.values()))
 
     # -- feeding a file ------------------------------------------------------------------------------------
     async def open_source(self, path: Path, shown: str) -> Any:

@@ -217,17 +217,22 @@ def answer_task(work: Any) -> asyncio.Future:
 
 
 async def pieces_until(streamer: TokenStreamer, task: asyncio.Future):
-    """The streamer's pieces, stopping also when the task fails before generating (no end() then)."""
+    """The streamer's pieces, stopping also when the task fails before generating (no end() then). A wait cut
+    short (its client went away) leaves no task waiting for a piece that may never come (an answer stopped
+    before its first token ends no streamer)."""
     while True:
         getter = asyncio.ensure_future(streamer.queue.get())
-        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
         if getter in done:
             piece = getter.result()
             if piece is None:
                 return
             yield piece
         else:
-            getter.cancel()
             while not streamer.queue.empty():
                 piece = streamer.queue.get_nowait()
                 if piece is None:

@@ -4,6 +4,9 @@ distinct choice), its horizon and frame rate, each checked against the server's 
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -14,14 +17,22 @@ from .errors import ServiceError
 
 METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
 STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
+IDLE_MODELS_KEPT = 4  # VideoQAs of settings no stream holds now, kept for the next stream that takes them
 
 
 class StreamSettings:
-    """The settings streams of one server may have: ``qa`` is its model with its default method settings."""
+    """The settings streams of one server may have: ``qa`` is its model with its default method settings.
+    ``models``: the VideoQA of each distinct choice its streams hold (`qa_for`), in the order of their use, let go
+    of once none does but the last few (`let_go_unused`), so a server whose clients choose ever other settings over
+    weeks keeps only those in use and a few more;
+    ``let_go``: what the models let go of had counted (``batched_steps``, ``batch_sizes``,
+    ``question_batch_sizes``), so the metrics summed over the models never go back."""
 
     def __init__(self, config: ServeConfig, qa: Any):
         self.config, self.qa = config, qa
         self.models: dict[tuple, Any] = {}
+        self.let_go: dict[str, Any] = {"batched_steps": 0, "batch_sizes": Counter(), "question_batch_sizes": Counter()}
+        self.changing = threading.Lock()  # ``models`` and ``let_go`` change together (`counts` reads them together)
         self._max_horizon: int | None = None
 
     def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
@@ -29,9 +40,34 @@ class StreamSettings:
         stream, which keeps the positions it was made with whatever the server's ``--positions`` is now."""
         as_made = as_made and self.qa.engine.positions is not None
         key = (*sorted(settings.items()), ("as made", as_made))
-        if key not in self.models:
-            self.models[key] = self.qa.with_options(**settings, **({"positions": None} if as_made else {}))
-        return self.models[key]
+        with self.changing:
+            model = self.models.pop(key, None)  # put back last: the models are kept in the order of their use
+            if model is None:
+                model = self.qa.with_options(**settings, **({"positions": None} if as_made else {}))
+            self.models[key] = model
+        return model
+
+    def let_go_unused(self, used: Iterable[Any]) -> None:
+        """Let go of the VideoQAs of ``models`` that none of ``used`` (the VideoQAs of the streams held) is, once a
+        stream is deleted or has left, but the `IDLE_MODELS_KEPT` used last (what they hold warm, a stream
+        deleted and made again with the same settings finds): the counts of those let go of are kept in
+        ``let_go``."""
+        used_ids = {id(qa) for qa in used}
+        with self.changing:
+            unused = [key for key, model in self.models.items() if id(model) not in used_ids]
+            for key in unused[:max(0, len(unused) - IDLE_MODELS_KEPT)]:  # the least recently used first
+                model = self.models.pop(key)
+                scheduler = getattr(model, "step_scheduler", None)
+                self.let_go["batched_steps"] += getattr(scheduler, "batched_steps", 0)
+                self.let_go["batch_sizes"].update(Counter(getattr(scheduler, "batch_sizes", {})))
+                self.let_go["question_batch_sizes"].update(Counter(getattr(model, "question_batch_sizes", {})))
+
+    def counts(self) -> tuple[list[Any], dict[str, Any]]:
+        """Every model counting now (the server's and those of ``models``) and what those let go of had counted,
+        read together."""
+        with self.changing:
+            return [self.qa, *self.models.values()], {name: (count.copy() if isinstance(count, Counter) else count)
+                                                       for name, count in self.let_go.items()}
 
     def check(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, float | None, str]:
         """(method settings, horizon_frames, max_fps, name) of a creation's body, defaults filled in; a one-line
