@@ -59,6 +59,7 @@ class StreamEntry:
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    removal: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deletion at a time (`StreamRegistry.delete`)
     feed: Feed | None = None
     last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
     updated: float | None = None  # when a frame last arrived (unix time)

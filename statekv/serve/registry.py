@@ -181,6 +181,11 @@ class StreamRegistry:
         if not isinstance(entry, StreamEntry):
             await self.remove(entry.owner or "", entry.id)
             return
+        async with entry.removal:  # a second deletion waits for the first, then finds the stream gone (404)
+            check_here(entry)
+            await self._delete(entry)
+
+    async def _delete(self, entry: StreamEntry) -> None:
         await self.begin_removal(entry.id, entry.tier)  # refused (503) with nothing changed, or the stream is gone
         await asyncio.to_thread(entry.retire, deleted=True)  # from here on `get` answers 404
         if self.end_watch_feeds is not None:
