@@ -5,7 +5,7 @@ files in the state folder, metric samples), never timed.
 A cycle: a stream made, frames pushed, a question asked (plain, streamed and as an OpenAI streamed chat, one client
 going away mid-answer), a watch opened, followed by clients that leave mid-feed, and deleted, requests refused with
 4xx, the stream saved and deleted; and a file fed into a stream deleted mid-feed. Each case says what the service
-did before (on the main this file was written against).
+did before.
 """
 
 from __future__ import annotations
@@ -29,19 +29,17 @@ from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
 from statekv import ModelOptions  # noqa: E402
-from statekv.serve import ServeConfig, create_app  # noqa: E402
-from statekv.serve.server import AppServer  # noqa: E402
 from statekv.serve.stream_settings import IDLE_MODELS_KEPT  # noqa: E402
 from statekv.synthetic.benchmark import make_benchmark  # noqa: E402
 
-KEY = "weeks-key"
-BUDGET = 64  # `statekv serve`'s default for the built-in model
+from test_serve_watches import KEY, Running as ServerInProcess  # noqa: E402 -- the in-process server
+
 QUESTION = "What colour was the triangle?"
 
 
 @pytest.fixture(scope="module")
 def qa():
-    return statekv.VideoQA.from_options(ModelOptions(model="builtin", budget=BUDGET))
+    return statekv.VideoQA.from_options(ModelOptions(model="builtin"))
 
 
 @pytest.fixture(scope="module")
@@ -51,44 +49,20 @@ def media(tmp_path_factory) -> Path:
     return folder
 
 
-class Running:
-    """A server in this process on a free loopback port."""
+class Running(ServerInProcess):
+    """A server in this process on a free loopback port, whose event loop's tasks can be counted."""
 
-    def __init__(self, state: Path, qa, **settings):
-        self.config = ServeConfig(options=ModelOptions(model="builtin", budget=BUDGET), state_dir=state,
-                                  api_keys=(KEY,), page=False, save_every_seconds=600, **settings)
-        self.app = create_app(self.config, qa=qa)
-        self.service = self.app.state.service
-        self.server = AppServer(self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=30)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.loop = self.server.servers[0].get_loop()
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    @property
+    def service(self):
+        return self.app.state.service
 
     def tasks(self) -> int:
         """The asyncio tasks of the server's event loop (this count's own left out)."""
         async def count() -> int:
             return len(asyncio.all_tasks()) - 1
 
-        return asyncio.run_coroutine_threadsafe(count(), self.loop).result(timeout=30)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive()
-
-    def __enter__(self) -> "Running":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        loop = self.server.servers[0].get_loop()
+        return asyncio.run_coroutine_threadsafe(count(), loop).result(timeout=30)
 
 
 def _png(seed: int) -> bytes:
