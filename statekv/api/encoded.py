@@ -56,6 +56,7 @@ class EncodedVideo:
     """
 
     RECORDS_FRAMES = False  # whether a step's durable record names its last frame (what a stream resumes after)
+    KEEPS_FILES = False  # whether its disk-tier file set outlives it (a stream's, which `Stream.load` resumes)
 
     def __init__(self, qa: Any, horizon: int | None, *, num_frames: int | None = None, fps: float | None = None,
                  name: str = "video", prefix_tokens: int | None = None, engine: EngineSettings | None = None,
@@ -428,12 +429,15 @@ class EncodedVideo:
             successor.close()
 
     def close(self) -> None:
-        """Release the caches and the backlog, and give the model back its own RoPE."""
+        """Release the caches and the backlog, and give the model back its own RoPE; on the disk tier, an encoding's
+        file set goes too (nothing resumes it: `Stream.load` takes a stream's)."""
         try:
             if self.successor is not None:
                 self.close_successor()
         finally:
             try:
+                if self.prefill.disk is not None and not self.KEEPS_FILES:
+                    self.prefill.disk.discard()
                 self.prefill.close()
             finally:
                 self.durability.close()

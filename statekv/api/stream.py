@@ -94,6 +94,7 @@ class Stream(EncodedVideo):
     """
 
     RECORDS_FRAMES = True
+    KEEPS_FILES = True
 
     def __init__(self, qa: Any, horizon_frames: int | None, *, max_fps: float | None = None, name: str = "stream",
                  vision_batch: int = 1, reserve_tokens: int | None = None, prefix_tokens: int | None = None,

@@ -65,7 +65,7 @@ class MappedTokenBuffer:
         self.row: tuple[int, int, int] | None = None  # (B, H_kv, X)
         self.dtype: torch.dtype | None = None
         self._capacity = 0
-        self._fds: list[int] = []
+        self._fds: list[int] = closed_with(self, [])
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
         self.adopted = False  # opened over rows already there (see load)
         self.released = ReleasedRuns()  # rows given back since it was opened or loaded
@@ -182,7 +182,8 @@ class MappedTokenBuffer:
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
                               f"{error.strerror or error}") from None
         self.row, self.dtype, self.length, self.adopted = row, dtype, length, length > 0
-        self.released, self.crc, self._fds = ReleasedRuns(), 0, fds
+        self.released, self.crc = ReleasedRuns(), 0
+        self._fds.extend(fds)
         sizes = [os.fstat(fd).st_size for fd in self._fds]
         self._block = os.fstat(self._fds[0]).st_blksize or 4096  # the file system's block (what a hole frees)
         self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
@@ -221,9 +222,7 @@ class MappedTokenBuffer:
             os.fsync(fd)
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        close_all(self._fds)
 
 
 def _mapped(path: Path, size: int) -> ctypes.Array:
@@ -244,6 +243,19 @@ def _mapped(path: Path, size: int) -> ctypes.Array:
     view = (ctypes.c_char * size).from_address(address)
     weakref.finalize(view, _libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size)).atexit = False
     return view
+
+
+def close_all(fds: list[int]) -> None:
+    """Close the descriptors in ``fds``, emptying it."""
+    while fds:
+        os.close(fds.pop())
+
+
+def closed_with(owner: object, fds: list[int]) -> list[int]:
+    """``fds`` (a list its owner adds the descriptors it opens to, and empties with `close_all` when it closes them),
+    closed when ``owner`` is collected still holding some: a stream dropped without `close` leaves none open."""
+    weakref.finalize(owner, close_all, fds)
+    return fds
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

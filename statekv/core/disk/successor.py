@@ -27,7 +27,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from ...flushing import flush_folder
-from .buffers import pwrite_all
+from .buffers import close_all, closed_with, pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
 from .tier import DiskTier
@@ -44,6 +44,7 @@ class BacklogFile:
     def __init__(self, tier: DiskTier, end: int = 0):
         self.tier, self.end = tier, end
         self._fd = -1
+        self._files: list[int] = closed_with(self, [])  # the file, while open
 
     def write(self, inputs_embeds: torch.Tensor) -> list[int]:
         """Write one step's embeddings ``[1, T, D]`` at ``end``; returns the record that vouches for them,
@@ -87,14 +88,14 @@ class BacklogFile:
         if self._fd < 0:
             try:
                 self._fd = os.open(self.tier.folder / BACKLOG_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+                self._files.append(self._fd)
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
                                   f"{error.strerror or error}") from None
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        close_all(self._files)
+        self._fd = -1
 
 
 def read_backlog(folder: Path, records: list[dict[str, Any]], step_bytes: int) -> tuple[list[list[int]], int] | str:

@@ -73,7 +73,8 @@ from ...errors import OutputError
 from ...flushing import flush_folder
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
-from .buffers import MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, pwrite_all, rows_crc, rows_of
+from .buffers import (MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, close_all, closed_with, pwrite_all, rows_crc,
+                      rows_of)
 from .compaction import BACKLOG
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
@@ -100,8 +101,10 @@ class DiskTier:
         second opener)."""
         self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
+        self._files: list[int] = closed_with(self, [])  # the journal and the checkpoint slots, while open
         try:
             self._journal = os.open(folder / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._files.append(self._journal)
             (folder / f"{JOURNAL}.partial").unlink(missing_ok=True)  # a compaction a kill cut short
             if manifest.get("version", FORMAT_VERSION) != FORMAT_VERSION:  # what this statekv writes, an earlier
                 self.manifest = {**manifest, "version": FORMAT_VERSION}  # one does not read
@@ -269,7 +272,9 @@ class DiskTier:
             partial.unlink(missing_ok=True)
             self._compaction_failed(error)
             return
+        self._files.remove(self._journal)
         os.close(self._journal)
+        self._files.append(journal)
         self._journal, self.appends = journal, self.appends + 1
         try:  # the rename itself made durable: a power cut brings the old journal back no more
             folder = os.open(self.folder, os.O_RDONLY)
@@ -351,6 +356,7 @@ class DiskTier:
                 self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+            self._files.extend(self._slots)
         pwrite_all(self._slots[slot], memoryview(data), 0)
         # the records after it in the same write, counted in it (what they vouch for is written first, beside what
         # the last checkpoint's vouch for): a kill, even one that tears the write, leaves the checkpoint with them
@@ -492,12 +498,8 @@ class DiskTier:
         return self.lock is not None and not self.lost and self.lock.owns()
 
     def _close_files(self) -> None:
-        if self._journal >= 0:
-            os.close(self._journal)
-            self._journal = -1
-        for fd in self._slots:
-            os.close(fd)
-        self._slots = []
+        close_all(self._files)
+        self._journal, self._slots = -1, []
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()
