@@ -364,10 +364,10 @@ def test_chat_says_it_reads_the_last_user_message_only(qa, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # A client that goes away stops its generation
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("route", ["ask", "chat", "chat whole"])
+@pytest.mark.parametrize("route", ["ask", "chat", "ask whole", "chat whole"])
 def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_path, monkeypatch, route):
-    """Before: the generation of a streamed answer ran to its end after its client had gone, holding the model; a
-    chat answer not streamed still did."""
+    """Before: the generation of a streamed answer ran to its end after its client had gone, holding the model; an
+    answer not streamed still did."""
     generated: list[int] = []
     real_put = TokenStreamer.put
 
@@ -382,14 +382,14 @@ def test_a_client_that_disconnects_stops_its_generation_between_tokens(qa, tmp_p
         whole = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": max_new})
         assert whole.json()["usage"]["completion_tokens"] == max_new  # left alone, it would generate them all
         monkeypatch.setattr(TokenStreamer, "put", put)
-        if route == "ask":
+        if route.startswith("ask"):
             request = (f"/v1/streams/{stream_id}/ask", {"question": QUESTION, "max_new_tokens": max_new,
                                                         "stream": True})
         else:
             request = ("/v1/chat/completions", {"model": "builtin", "max_tokens": max_new, "stream": True,
                                                 "statekv": {"stream_id": stream_id},
                                                 "messages": [{"role": "user", "content": QUESTION}]})
-        if route == "chat whole":
+        if route.endswith("whole"):
             with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0,
                                                                 headers={"Authorization": f"Bearer {KEY}"}) as leaving:
                 leaving.post(request[0], json={**request[1], "stream": False})  # the client gives up waiting

@@ -139,7 +139,9 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
     question, max_new, retrieve = question_settings(body)
     if not stream_answer:
         async with service.ask_slots.hold():
-            answer = await service.registry.ask(entry, question, max_new, retrieve)
+            streamer = TokenStreamer(entry.stream.adapter.tokenizer, asyncio.get_running_loop(), whole=True)
+            answer = await whole_answer(request, streamer,
+                                        service.registry.ask(entry, question, max_new, retrieve, streamer))
             service.answered("ask", answer["latency"])
         return JSONResponse(answer)
     check_can_ask(entry)  # refused with its status, before the event stream starts
