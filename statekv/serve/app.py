@@ -73,8 +73,8 @@ class Service:
         self.started = int(time.time())
         self.registry = self.hosting.registry(config, qa, worker)
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
-                               self.registry.batched_steps, self.registry.batch_sizes,
-                               self.registry.question_batch_sizes,
+                               self.registry.settings.batched_steps, self.registry.settings.batch_sizes,
+                               self.registry.settings.question_batch_sizes,
                                lambda: getattr(self.worker, "quiet_catch_up_steps", 0))
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)

@@ -27,13 +27,13 @@ from fastapi.responses import JSONResponse
 from ..api.encoded import METHOD_DEFAULT
 from ..core.answering.together import end_tokens
 from ..settings.values import is_finite_number
-from .errors import ServiceError, failure_body
+from .errors import ServiceError
 from .healing import check_can_ask
 from .limits import read_json
 from .media import resolve_file_url
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .routes import (DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, begin_answer, pieces_until,
-                     whole_answer)
+                     streamed_outcome, whole_answer)
 from .sse import EventStream, StopTexts, TokenStreamer, event
 from .stream_settings import shown
 
@@ -307,11 +307,8 @@ async def _chunks(service, streamer: TokenStreamer, task: asyncio.Future, comple
     yield chunk({"role": "assistant", "content": ""})
     async for piece in pieces_until(streamer, task):
         yield chunk({"content": piece})
-    try:
-        result = await task
-    except Exception as error:  # noqa: BLE001 -- the chunks have begun: every failure is an error chunk
-        failure = failure_body(error, service.public, f"the streamed completion {completion}")
-        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+    result, failure = await streamed_outcome(service, task, f"the streamed completion {completion}")
+    if failure is not None:
         yield event(failure)
         return
     service.answered("chat", time.perf_counter() - streamer.started_at)

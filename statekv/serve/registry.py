@@ -24,7 +24,6 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -290,26 +289,6 @@ class StreamRegistry:
                                   "cache_bytes": stats.cache_bytes})
             del entry.history[:-HISTORY]
         return kept
-
-    def batched_steps(self) -> int:
-        """Language-model forwards that stepped several streams together, over the server's models (those let go
-        of included)."""
-        models, let_go = self.settings.counts()
-        return let_go["batched_steps"] + sum(getattr(getattr(qa, "step_scheduler", None), "batched_steps", 0)
-                                             for qa in models)
-
-    def batch_sizes(self) -> Counter:
-        """Language-model forwards by the stream steps each took, over the server's models (those let go of
-        included)."""
-        models, let_go = self.settings.counts()
-        return sum((Counter(getattr(getattr(qa, "step_scheduler", None), "batch_sizes", {})) for qa in models),
-                   let_go["batch_sizes"])
-
-    def question_batch_sizes(self) -> Counter:
-        """Questions answered together, by the questions each batch took, over the server's models (those let go
-        of included)."""
-        models, let_go = self.settings.counts()
-        return sum((Counter(getattr(qa, "question_batch_sizes", {})) for qa in models), let_go["question_batch_sizes"])
 
     def let_go_unused_models(self) -> None:
         """Let go of the VideoQAs of method settings no stream held here has any more (`StreamSettings.let_go_unused`),

@@ -160,15 +160,23 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
 async def _sse_answer(service, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:
     async for piece in pieces_until(streamer, task):
         yield event({"token": piece})
-    try:
-        answer = await task
-    except Exception as error:  # noqa: BLE001 -- the events have begun: every failure is an error event
-        failure = failure_body(error, service.public, f"the streamed answer of stream {entry.id}")
-        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+    answer, failure = await streamed_outcome(service, task, f"the streamed answer of stream {entry.id}")
+    if failure is not None:
         yield event(failure, "error")
         return
     service.answered("ask", answer["latency"])
     yield event(answer, "answer")
+
+
+async def streamed_outcome(service: Any, task: asyncio.Future, where: str) -> tuple[Any, dict | None]:
+    """A streamed answer's result, or the error body its last event sends (counted in `statekv_errors_total`): its
+    events have begun, so every failure is an event, never the reply's status. ``where``: the answer, for the log."""
+    try:
+        return await task, None
+    except Exception as error:  # noqa: BLE001 -- every failure, as said
+        failure = failure_body(error, service.public, where)
+        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+        return None, failure
 
 
 async def begin_answer(request: Request, streamer: TokenStreamer, work: Any) -> asyncio.Future:

@@ -45,7 +45,7 @@ class TokenStreamer(BaseStreamer):
     over the prompt: the answer's checks have passed and its generation begins. ``stops`` (`StopTexts`): the text
     ends before the first of them, and ``halted`` is set once one is met (its generation then stops too); text that
     could begin one waits until the next tokens tell. ``whole``: the answer is given whole, its pieces never read
-    (`restart` may start it over whatever it generated)."""
+    (so not made, unless a stop sequence is looked for; `restart` may start it over whatever it generated)."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
                  on_first_token: Callable[[float], None] | None = None, stops: StopTexts | None = None,
@@ -70,7 +70,7 @@ class TokenStreamer(BaseStreamer):
         if new and not self.ids and self.on_first_token is not None:
             self.on_first_token(time.perf_counter() - self.started_at)
         self.ids.extend(new)
-        if self.halted.is_set():  # what comes after a stop sequence is not the answer's
+        if self.halted.is_set() or (self.whole and not self.stops.stops):  # past a stop, or no piece to read
             return
         text, halted = self.stops.cut(self.text())
         if halted:
@@ -101,8 +101,8 @@ class TokenStreamer(BaseStreamer):
         return True
 
     def end(self) -> None:
-        if self.stops.stops and not self.halted.is_set():  # what waited to tell whether a stop sequence began
-            self._show(self.text())
+        if self.stops.stops and not self.halted.is_set() and not self.whole:
+            self._show(self.text())  # what waited to tell whether a stop sequence began
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     async def pieces(self):

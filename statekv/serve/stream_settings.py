@@ -32,7 +32,7 @@ class StreamSettings:
         self.config, self.qa = config, qa
         self.models: dict[tuple, Any] = {}
         self.let_go: dict[str, Any] = {"batched_steps": 0, "batch_sizes": Counter(), "question_batch_sizes": Counter()}
-        self.changing = threading.Lock()  # ``models`` and ``let_go`` change together (`counts` reads them together)
+        self.changing = threading.Lock()  # ``models`` and ``let_go`` change together, and are read together
         self._max_horizon: int | None = None
 
     def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
@@ -56,18 +56,39 @@ class StreamSettings:
         with self.changing:
             unused = [key for key, model in self.models.items() if id(model) not in used_ids]
             for key in unused[:max(0, len(unused) - IDLE_MODELS_KEPT)]:  # the least recently used first
-                model = self.models.pop(key)
-                scheduler = getattr(model, "step_scheduler", None)
-                self.let_go["batched_steps"] += getattr(scheduler, "batched_steps", 0)
-                self.let_go["batch_sizes"].update(Counter(getattr(scheduler, "batch_sizes", {})))
-                self.let_go["question_batch_sizes"].update(Counter(getattr(model, "question_batch_sizes", {})))
+                self._add_counts(self.let_go, self.models.pop(key))
 
-    def counts(self) -> tuple[list[Any], dict[str, Any]]:
-        """Every model counting now (the server's and those of ``models``) and what those let go of had counted,
-        read together."""
-        with self.changing:
-            return [self.qa, *self.models.values()], {name: (count.copy() if isinstance(count, Counter) else count)
-                                                       for name, count in self.let_go.items()}
+    def batched_steps(self) -> int:
+        """Language-model forwards that stepped several streams together, over the server's models (those let go
+        of included)."""
+        return self._counts()["batched_steps"]
+
+    def batch_sizes(self) -> Counter:
+        """Language-model forwards by the stream steps each took, over the server's models (those let go of
+        included)."""
+        return self._counts()["batch_sizes"]
+
+    def question_batch_sizes(self) -> Counter:
+        """Questions answered together, by the questions each batch took, over the server's models (those let go
+        of included)."""
+        return self._counts()["question_batch_sizes"]
+
+    def _counts(self) -> dict[str, Any]:
+        with self.changing:  # the models and what those let go of had counted, read together
+            models = [self.qa, *self.models.values()]
+            counts = {name: (count.copy() if isinstance(count, Counter) else count)
+                      for name, count in self.let_go.items()}
+        for model in models:
+            self._add_counts(counts, model)
+        return counts
+
+    @staticmethod
+    def _add_counts(counts: dict[str, Any], model: Any) -> None:
+        """Add what ``model`` counted (``batched_steps``, ``batch_sizes``, ``question_batch_sizes``) to ``counts``."""
+        scheduler = getattr(model, "step_scheduler", None)
+        counts["batched_steps"] += getattr(scheduler, "batched_steps", 0)
+        counts["batch_sizes"].update(Counter(getattr(scheduler, "batch_sizes", {})))
+        counts["question_batch_sizes"].update(Counter(getattr(model, "question_batch_sizes", {})))
 
     def check(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, float | None, str]:
         """(method settings, horizon_frames, max_fps, name) of a creation's body, defaults filled in; a one-line
