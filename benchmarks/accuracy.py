@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {setting: tally(evaluate(setting, args.data, args.runs, args.threads))
                for setting in settings(tokens_per_frame)}
     families = [family for family in FAMILIES if family in results[Setting("full")]]
-    command = "python benchmarks/accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/accuracy.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     body = markdown(results, families, command.strip(), tokens_per_frame)
     print(body)
     if args.out:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"asking after {frames} frames...", file=sys.stderr, flush=True)
         rows.append((frames, measure_checkpoint(streams, args.new_tokens, args.repeats)))
 
-    command = "python benchmarks/ask_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/ask_latency.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = render(args, rows, command, args.device)
     print(report)
     if args.out:

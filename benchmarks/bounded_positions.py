@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -158,7 +159,7 @@ def changed(entries: list[dict], reference: list[dict], key: str) -> int:
 
 def report(results: dict, args, families: list[str]) -> tuple[str, str]:
     """(benchmarks section, accuracy section)."""
-    command = "python benchmarks/bounded_positions.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/bounded_positions.py " + shlex.join(sys.argv[1:])
     machine = (f"{platform.machine()}, {args.threads} torch thread(s), {os.cpu_count()} cores shared with other "
                f"work (load average {os.getloadavg()[0]:.1f} at the end)")
     inside = [f"Inside the range: `statekv synthetic make --videos {args.inside_videos} --seed {args.inside_seed}` "

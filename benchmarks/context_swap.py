@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         from report import write_section
 
-        command = "python benchmarks/context_swap.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python benchmarks/context_swap.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         note = (f"Command: `{command}`  \nMachine: {platform.machine()}, {args.threads} torch thread, "
                 f"{os.cpu_count()} cores shared with other work.")
         write_section(args.out, "Runs of benchmarks/context_swap.py", f"{note}\n\n{text}", level=3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
                                      f"| {shared_memory_bytes(tile, pass_name, head_dim, size)} "
                                      f"| {registers_per_thread(tile, pass_name, head_dim, size)} |")
                         print(lines[-1], f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
-    command = "python benchmarks/kernel_resources.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/kernel_resources.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = "\n".join([
         f"Command: `{command.strip()}` (Triton {triton.__version__}, compiled on the CPU, specialised as a call "
         "with contiguous head dims).  ",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -328,7 +329,7 @@ def write_report(args, argv: list[str] | None) -> None:
     runs = report.load(args.runs)
     sets = [dataset.name for dataset in args.sets]
     every = sorted({ask for videos in runs.values() for q in report.questions(videos) for ask in q["asks"]})
-    command = "python benchmarks/past_range.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/past_range.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     note = (f"Command: `{command}`  \nMachine: {platform.machine()}, {args.threads} torch thread, {os.cpu_count()} "
             f"cores shared with other work (load average {os.getloadavg()[0]:.1f} at the end).")
     accuracy, retrieval = report.sections(runs, sets, every, [a for a in every if a.startswith("rule@")

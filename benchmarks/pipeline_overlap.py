@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         times, cores = measure(stages, args.repeats)
         stats = stages.overlapped().stats
 
-    command = "python benchmarks/pipeline_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/pipeline_overlap.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = render(args, times, cores, stats, command)
     print(report)
     if args.out:

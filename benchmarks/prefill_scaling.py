@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -143,7 +144,7 @@ def main(argv=None) -> None:
         results.append(summarise(name, seconds, flops, window))
     append = append_costs(args.chunks, args.chunk_len, args.kv_heads, args.hidden // args.heads)
 
-    command = "python benchmarks/prefill_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/prefill_scaling.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = render(args, results, append, command, window)
     print(report)
     if args.out:

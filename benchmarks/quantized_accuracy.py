@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def evaluate(data: Path, runs: Path) -> None:
                     continue
                 arguments = ["eval", "synthetic", "--model", "builtin", *METHODS[method], *CONTEXTS[context],
                              "--kv-cache-dtype", stored, "--data-root", str(data), "--out", str(out)]
-                print("statekv " + " ".join(arguments), file=sys.stderr)
+                print("statekv " + shlex.join(arguments), file=sys.stderr)
                 # this interpreter's statekv, whether or not its environment is on PATH
                 if subprocess.run([sys.executable, "-m", "statekv.cli", *arguments]).returncode:
                     raise SystemExit(f"statekv eval failed for {out.name} (its message is above)")

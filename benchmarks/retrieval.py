@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         if args.causes and number == 0:
             causes = (*causes_table(results[name]["captures"], results[name]["rope"], 16), 16, name)
-    command = "python benchmarks/retrieval.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/retrieval.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     note = (f"Held-out set: `statekv synthetic make --videos {args.videos} --seed {args.seed}"
             + ("" if args.frames == 96 else f" --frames {args.frames}") + "`"
             + ("" if args.max_frames == EVERYTHING else f", {args.max_frames} frames streamed per video"))

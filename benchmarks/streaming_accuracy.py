@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         hour, held = memory_per_hour(setting, args.data / "videos" / "v0000.mp4")
         label = ModelOptions(model="builtin", method=setting.method, **setting.options()).label + setting.note
         rows.append((label, cells, hour, held, len({r.item_id for r in records}), len(records)))
-    command = "python benchmarks/streaming_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/streaming_accuracy.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     questions, asks = rows[0][4], rows[0][5]
     lines = [
         f"Command: `{command.strip()}`  ",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         low, high = np.percentile(ratios, [2.5, 97.5])
         rows.append((name, 1e3 * float(np.mean(values)), float(np.mean(values) / np.mean(alone)), low, high))
     growth = per_evaluation(qa, frames, lengths, repeats=5)
-    command = "python benchmarks/watch_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/watch_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"Command: `{command.strip()}`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__} (CPU), "

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -202,7 +203,8 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
         return self.rows[count]
 
     _probe_runs(monkeypatch, run_or_stop)
-    out = tmp_path / "sweep.json"
+    (tmp_path / "my runs").mkdir()
+    out = tmp_path / "my runs" / "sweep.json"
     argv = ["bench", "serve", "--url", "http://127.0.0.1:9/v1/", "--api-key", "secret-key", "--streams", "1,4,16",
             "--fps", "1", "--duration", "4", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", ["statekv", *argv])  # the command line the JSON records
@@ -212,6 +214,7 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
     document = json.loads(out.read_text())
     assert document["interrupted"] is True and [row["streams"] for row in document["results"]] == [1]
     assert "--api-key KEY --streams" in document["command"] and "secret-key" not in out.read_text()  # shared
+    assert shlex.split(document["command"])[-1] == str(out)  # pasted into a shell, a path with a space is one
 
 
 def test_a_server_that_dies_during_the_runs_ends_them_in_one_line_after_reporting_those_finished(

@@ -177,6 +177,15 @@ def test_a_section_is_not_mistaken_for_a_deeper_heading_of_the_same_title(tmp_pa
     assert re.search(r"^## Watches\n\nmeasured\n", text, re.MULTILINE), text
 
 
+@pytest.mark.parametrize("script", sorted(path.name for path in (REPO / "benchmarks").glob("*.py")))
+def test_a_command_a_benchmark_records_is_quoted_as_a_shell_reads_it(script):
+    """A benchmark's results name the command that made them, to be pasted into a shell: joined with spaces, a path
+    or a value holding a space, a quote or a ``$`` ran as another command."""
+    source = (REPO / "benchmarks" / script).read_text()
+    joined = re.findall(r'" "\.join\((?:argv|sys\.argv|arguments)\b[^\n]*', source)
+    assert not joined, f"{script}: {joined[0]}"
+
+
 # -- the page ------------------------------------------------------------------------------------------------------
 def test_a_blank_question_is_not_filled_with_the_options():
     """The page adds the options A-D to a question that lists none: to a blank one too, so a blank question was

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import math
 import os
+import shlex
 import sys
 import time
 import urllib.parse
@@ -383,4 +384,4 @@ def _command() -> str | None:
         return None
     shown = ["KEY" if before == "--api-key" else "--api-key=KEY" if given.startswith("--api-key=") else given
              for before, given in zip(["", *argv], argv)]
-    return "statekv " + " ".join(shown)
+    return "statekv " + shlex.join(shown)
