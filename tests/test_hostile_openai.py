@@ -91,6 +91,21 @@ def test_a_model_that_is_not_text_is_refused(served, model):
     _one_line_400(client.post("/v1/chat/completions", json=_body(stream_id, model=model)), "model")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_not_served_here_is_a_404_naming_the_one_that_is(served, stream):
+    """Before: any name was echoed as the completion's ``model``, so a client that meant another model took this
+    one's answers for its own; OpenAI's API and vllm serve answer 404. The served id, or none, is answered."""
+    client, stream_id = served
+    refused = client.post("/v1/chat/completions", json=_body(stream_id, model="gpt-4o", stream=stream))
+    assert refused.status_code == 404, (refused.status_code, refused.text[:300])
+    message = refused.json()["error"]["message"]
+    assert '"gpt-4o"' in message and '"builtin"' in message and "/v1/models" in message and "\n" not in message
+    served_id = client.get("/v1/models").json()["data"][0]["id"]
+    for named in (served_id, None):
+        answered = client.post("/v1/chat/completions", json=_body(stream_id, model=named))
+        assert answered.status_code == 200 and answered.json()["model"] == served_id, answered.text[:300]
+
+
 def test_a_streamed_answer_never_sends_invalid_json(served):
     """Before: ``"model": NaN`` was echoed into every chunk as the bare word NaN, which no JSON parser reads."""
     client, stream_id = served
@@ -177,6 +192,24 @@ def test_a_streamed_chat_that_fails_is_counted_as_an_error(served):
     failed = response.status_code != 200 or any("error" in chunk for chunk in _chunks(response.text))
     assert failed, response.text[:300]
     assert _errors_total(client) == before + 1
+
+
+def test_errors_are_counted_by_the_route_they_took_never_by_a_path_or_method_a_client_made_up(served):
+    """Before: ``statekv_errors_total`` had the status alone, so an operator could not tell a camera's refused
+    pushes from a client's bad questions. A stream's id or a made-up method would grow the labels without bound."""
+    client, stream_id = served
+    for missing in ("st_gone1", "st_gone2"):
+        assert client.post(f"/v1/streams/{missing}/frames", content=b"x").status_code == 404
+    assert client.post("/v1/chat/completions", json=_body(stream_id, model="gpt-4o")).status_code == 404
+    assert client.get("/v1/nowhere/st_gone3").status_code == 404
+    assert client.request("BREW", "/v1/streams").status_code == 405
+    counts = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+              if line.startswith("statekv_errors_total{")}
+    assert counts['statekv_errors_total{route="POST /v1/streams/{stream_id}/frames",status="404"}'] >= 2, counts
+    assert counts['statekv_errors_total{route="POST /v1/chat/completions",status="404"}'] >= 1, counts
+    assert counts['statekv_errors_total{route="unmatched",status="404"}'] >= 1, counts
+    assert counts['statekv_errors_total{route="unmatched",status="405"}'] >= 1, counts
+    assert not [label for label in counts if "st_gone" in label or "BREW" in label], counts
 
 
 def test_the_streamed_deltas_add_up_to_the_answer_not_streamed(served):

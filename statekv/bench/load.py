@@ -245,7 +245,7 @@ async def _ask(client, request: Request, stream_id: str, settings: LoadSettings)
 
     if settings.route == "chat":
         path = "/v1/chat/completions"
-        body = {"model": "statekv", "messages": [{"role": "user", "content": settings.question}],
+        body = {"messages": [{"role": "user", "content": settings.question}],  # no model: the one served
                 "max_tokens": settings.max_new_tokens, "stream": True, "statekv": {"stream_id": stream_id}}
     else:
         path = f"/v1/streams/{stream_id}/ask"

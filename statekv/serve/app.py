@@ -195,44 +195,45 @@ async def _save_loop(service: Service) -> None:
 
 
 def _error_handlers(app: FastAPI, service: Service) -> None:
-    def answer(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-        service.metrics.errors.labels(str(status)).inc()
+    def answer(request: Request, status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+        service.metrics.error(status, request.scope)
         return JSONResponse(error_body(service.public(message), kind, status), status_code=status, headers=headers)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
-        return answer(error.status, str(error), error.kind, error.headers)
+        return answer(request, error.status, str(error), error.kind, error.headers)
 
     @app.exception_handler(StorageError)
     async def storage_error(request: Request, error: StorageError) -> JSONResponse:
-        return answer(503, f"{error.strerror}; retry shortly", "server_error", {"Retry-After": "2"})
+        return answer(request, 503, f"{error.strerror}; retry shortly", "server_error", {"Retry-After": "2"})
 
     @app.exception_handler(StateKVError)
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
         if isinstance(error, OutputError):  # the server's own files (a disk tier it cannot write), not the request
-            return answer(503, str(error), "server_error", {"Retry-After": "5"})
-        return answer(status_of(error), str(error), "invalid_request_error")
+            return answer(request, 503, str(error), "server_error", {"Retry-After": "5"})
+        return answer(request, status_of(error), str(error), "invalid_request_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = (error.errors() or [{}])[0]
         where = ".".join(str(part) for part in first.get("loc", ()))
-        return answer(400, f"invalid request: {where} {first.get('msg', '')}".strip(), "invalid_request_error")
+        return answer(request, 400, f"invalid request: {where} {first.get('msg', '')}".strip(), "invalid_request_error")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         message = error.detail if isinstance(error.detail, str) else "request refused"
         if error.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return answer(error.status_code, message, "invalid_request_error", getattr(error, "headers", None))
+        return answer(request, error.status_code, message, "invalid_request_error", getattr(error, "headers", None))
 
-    def internal(method: str, path: str, error: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", method, path, exc_info=error)
-        return answer(500, f"internal error ({type(error).__name__}); the server log has the details", "server_error")
+    def internal(request: Request, error: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path, exc_info=error)
+        return answer(request, 500, f"internal error ({type(error).__name__}); the server log has the details",
+                      "server_error")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        return internal(request.method, request.url.path, error)
+        return internal(request, error)
 
     app.add_middleware(UnexpectedErrors, answer=internal)
 
@@ -260,4 +261,4 @@ class UnexpectedErrors:
         except Exception as error:
             if started:
                 raise
-            await self.answer(scope["method"], scope["path"], error)(scope, receive, send)
+            await self.answer(Request(scope), error)(scope, receive, send)

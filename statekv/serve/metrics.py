@@ -37,7 +37,8 @@ class Metrics:
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
         self.stopped = Counter("statekv_answers_stopped", "answers stopped between tokens (or not begun): their "
                                "client went away, or the server stopped", registry=self.registry)
-        self.errors = Counter("statekv_errors", "requests answered with an error", ["status"], registry=self.registry)
+        self.errors = Counter("statekv_errors", "requests answered with an error, by status and the route they took",
+                              ["status", "route"], registry=self.registry)
         self.ask_seconds = Histogram("statekv_ask_seconds", "time from a question's arrival to its full answer",
                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=self.registry)
         self.first_token_seconds = Histogram(
@@ -52,6 +53,10 @@ class Metrics:
         rate.set_function(self.frames_per_second)
         self._recent: deque[float] = deque()  # when each frame of the last window was encoded
         self._counting = threading.Lock()
+
+    def error(self, status: int, scope: dict) -> None:
+        """Count a request answered with ``status`` (an error), by the route its ASGI ``scope`` took."""
+        self.errors.labels(str(status), route_label(scope)).inc()
 
     def frame_done(self) -> None:
         self.frames.inc()
@@ -71,6 +76,20 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def route_label(scope: dict) -> str:
+    """The route a request took, as its method and path template (``POST /v1/streams/{stream_id}/frames``), or
+    ``unmatched``: a label's values must stay few, and a request's path (a stream's id) and method (any word a client
+    sends) are not."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if not path:
+        return "unmatched"
+    methods = getattr(route, "methods", None)
+    if methods is None:  # a mount: the page
+        return path
+    return f"{scope.get('method')} {path}" if scope.get("method") in methods else "unmatched"
 
 
 FIRST_TOKEN = ("statekv_time_to_first_token_seconds", "time from a streamed answer's start to its first generated "

@@ -110,16 +110,20 @@ def refuse_unsupported(body: dict) -> None:
         raise ServiceError(400, "audio output is not supported: answers are text only")
 
 
-def model_name(body: dict, default: str) -> str:
-    """The ``model`` a completion echoes: the request's (a short text; not checked against the served model), or
-    the served model's id when it gives none."""
+def model_name(body: dict, served: str) -> str:
+    """The ``model`` a completion names: the served model's id (``served``), which a request may leave out. Another
+    name is refused, as OpenAI's API and ``vllm serve`` refuse it, so a client never takes this model's answers for
+    another's."""
     model = body.get("model")
     if model is None or model == "":
-        return default
+        return served
     if not isinstance(model, str) or len(model) > MAX_MODEL_CHARS:
         raise ServiceError(400, f"model must be a model's name (text of at most {MAX_MODEL_CHARS} characters), got "
                                 f"{shown(model) if not isinstance(model, str) else f'{len(model)} characters'}")
-    return model
+    if model != served:
+        raise ServiceError(404, f"model {shown(model)} is not served here: GET /v1/models names the one that is "
+                                f"({shown(served)})")
+    return served
 
 
 def _is_greedy(value: Any, greedy: Any) -> bool:
@@ -201,6 +205,7 @@ async def chat(request: Request, service: Served):
     registry, config = service.registry, service.config
     owner = service.keys.require(request)
     body = await read_json(request, config.max_body_bytes)
+    model = model_name(body, service.model_id)
     question, videos = parse_messages(body.get("messages"))
     reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {}),
                **({"decoding": "greedy", "not_applied": ignored} if (ignored := not_applied(body)) else {})}
@@ -231,7 +236,6 @@ async def chat(request: Request, service: Served):
         path = resolve_file_url(config.media_root, videos[0])
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"
-    model = model_name(body, service.model_id)
     stops = StopTexts(stop_sequences(body))
     ends = end_tokens(getattr(service.qa.adapter.model, "generation_config", None))
     if streamed:
@@ -246,7 +250,7 @@ async def chat(request: Request, service: Served):
             release()
             raise
         finish = lambda: _finish(streamer, max_new, ends)  # noqa: E731
-        return EventStream(_chunks(service, streamer, task, completion, model, finish, include_usage, reading),
+        return EventStream(_chunks(service, request, streamer, task, completion, model, finish, include_usage, reading),
                            release, streamer)
     async with service.ask_slots.hold():
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops, whole=True)
@@ -296,7 +300,7 @@ def _finish(streamer: TokenStreamer, max_new: int, ends: tuple[int, ...]) -> str
     return "length" if streamer.tokens >= max_new and not ended else "stop"
 
 
-async def _chunks(service, streamer: TokenStreamer, task: asyncio.Future, completion: str, model: str,
+async def _chunks(service, request: Request, streamer: TokenStreamer, task: asyncio.Future, completion: str, model: str,
                   finish_reason: Callable[[], str], include_usage: bool, reading: dict[str, Any]):
     created = int(time.time())
 
@@ -307,7 +311,7 @@ async def _chunks(service, streamer: TokenStreamer, task: asyncio.Future, comple
     yield chunk({"role": "assistant", "content": ""})
     async for piece in pieces_until(streamer, task):
         yield chunk({"content": piece})
-    result, failure = await streamed_outcome(service, task, f"the streamed completion {completion}")
+    result, failure = await streamed_outcome(service, request, task, f"the streamed completion {completion}")
     if failure is not None:
         yield event(failure)
         return

@@ -154,13 +154,13 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
     except BaseException:
         release()
         raise
-    return EventStream(_sse_answer(service, entry, streamer, task), release, streamer)
+    return EventStream(_sse_answer(service, request, entry, streamer, task), release, streamer)
 
 
-async def _sse_answer(service, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:
+async def _sse_answer(service, request: Request, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:
     async for piece in pieces_until(streamer, task):
         yield event({"token": piece})
-    answer, failure = await streamed_outcome(service, task, f"the streamed answer of stream {entry.id}")
+    answer, failure = await streamed_outcome(service, request, task, f"the streamed answer of stream {entry.id}")
     if failure is not None:
         yield event(failure, "error")
         return
@@ -168,14 +168,16 @@ async def _sse_answer(service, entry, streamer: TokenStreamer, task: asyncio.Fut
     yield event(answer, "answer")
 
 
-async def streamed_outcome(service: Any, task: asyncio.Future, where: str) -> tuple[Any, dict | None]:
-    """A streamed answer's result, or the error body its last event sends (counted in `statekv_errors_total`): its
-    events have begun, so every failure is an event, never the reply's status. ``where``: the answer, for the log."""
+async def streamed_outcome(service: Any, request: Request, task: asyncio.Future,
+                           where: str) -> tuple[Any, dict | None]:
+    """A streamed answer's result, or the error body its last event sends (counted in `statekv_errors_total` under
+    ``request``'s route): its events have begun, so every failure is an event, never the reply's status. ``where``:
+    the answer, for the log."""
     try:
         return await task, None
     except Exception as error:  # noqa: BLE001 -- every failure, as said
         failure = failure_body(error, service.public, where)
-        service.metrics.errors.labels(str(failure["error"]["code"])).inc()
+        service.metrics.error(failure["error"]["code"], request.scope)
         return None, failure
 
 
