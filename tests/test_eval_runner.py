@@ -340,6 +340,7 @@ def test_two_process_gloo_run_equals_one_process_run(checkpoint, data_root, mode
     run_evaluation(config("videomme", checkpoint, data_root, single), qa=models("statekv"))
     double = tmp_path / "double"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "--log-dir", str(tmp_path / "torchrun"),  # else a folder left in the system's temporary one
               *eval_command("videomme", checkpoint, data_root, double, "--max-new-tokens", "3")]
     result = subprocess.run(launch, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -44,7 +44,8 @@ def lmms_eval(task: Path, out: Path, model_args: str, *, processes: int = 1) -> 
     """Run lmms-eval offline on the smoke task; ``processes > 1`` launches it with torchrun."""
     launcher = [sys.executable]
     if processes > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+                     "--log-dir", str(out.parent / "torchrun")]  # else a folder left in the system's temporary one
     command = [*launcher, "-m", "lmms_eval", "--model", "statekv", "--model_args", model_args,
                "--include_path", str(task.parent), "--tasks", LMMS_TASK, "--batch_size", "1",
                "--output_path", str(out), "--log_samples", "--verbosity", "WARNING"]
