@@ -7,6 +7,7 @@ a traceback, and never destroys an existing docs file.
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,3 +291,137 @@ def test_the_file_pickers_have_names_a_screen_reader_can_say(browser_page):
         control = page.locator(f".statekv-upload-{name} [role=button], .statekv-upload-{name} button").first
         label = control.get_attribute("aria-label") or control.inner_text()
         assert "video" in label.lower(), label
+
+
+# A server whose every answer token takes a while, and whose closed tabs are gone soon after: a tab closed
+# mid-answer is found gone long before its answer would be whole.
+TOKEN_SECONDS = 0.4
+SLOW_ANSWERS = f"""
+import sys, time
+import statekv.serve.page
+from statekv.cli import main
+from statekv.serve.sse import StopOnceSet
+
+statekv.serve.page.RECONNECT_SECONDS = 1.0
+checked = StopOnceSet.__call__
+
+def slowly(self, *args, **kwargs):
+    time.sleep({TOKEN_SECONDS})
+    return checked(self, *args, **kwargs)
+
+StopOnceSet.__call__ = slowly
+sys.exit(main(sys.argv[1:]))
+"""
+STOPPED = r"^statekv_answers_stopped_total (\S+)$"
+ANSWERED_ON_THE_PAGE = r'^statekv_asks_total\{route="page"\} (\S+)$'
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    pytest.importorskip("httpx")
+    from test_serve import CHROMIUM, Server
+
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    folder = tmp_path_factory.mktemp("slow")
+    (folder / "media").mkdir()
+    running = Server(folder / "state", folder / "media", launch=("-c", SLOW_ANSWERS)).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def slow_browser(slow_server):
+    from test_serve import launched_chromium
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = launched_chromium(playwright)
+        try:
+            yield browser
+        finally:
+            browser.close()
+    printed = slow_server.printed()
+    assert not re.search(r"Traceback|ERROR|WARNING|Client has been deleted", printed), printed[-3000:]
+
+
+def _get(server, path: str):
+    with server.client() as client:
+        return client.get(path)
+
+
+def _metric(server, pattern: str) -> float:
+    found = re.search(pattern, _get(server, "/metrics").text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _queued(server) -> int:
+    return _get(server, "/health").json()["queued"]
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.05)
+
+
+def _stream_of_four_frames(server) -> str:
+    from PIL import Image
+
+    with server.client() as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 16}).json()["id"]
+        for second in range(4):
+            buffer = io.BytesIO()
+            image = np.random.default_rng(second).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            Image.fromarray(image).save(buffer, "PNG")
+            pushed = client.post(f"/v1/streams/{stream_id}/frames?t={second}", content=buffer.getvalue(),
+                                 headers={"Content-Type": "image/png"})
+            assert pushed.status_code == 200, pushed.text
+    return stream_id
+
+
+def _ask_in_a_new_tab(browser, server, stream_id: str):
+    """A tab of its own (a browser context) on the stream, asking a question the built-in model answers at length."""
+    from test_serve import KEY
+
+    tab = browser.new_context().new_page()
+    tab.goto(f"{server.url}/?key={KEY}&stream={stream_id}")
+    tab.wait_for_selector(".statekv-stats:has-text('4 frames ·')", timeout=60_000)
+    for letter in "abcd":  # no options: the built-in model answers to its last token, not with a letter
+        tab.fill(f".statekv-choice-{letter} input", "")
+    tab.get_by_label("Question").fill("What colour was the triangle?")
+    tab.get_by_role("button", name="Ask").click()
+    return tab
+
+
+@pytest.mark.slow
+def test_a_question_asked_in_a_tab_that_is_closed_stops_unrecorded(slow_server, slow_browser):
+    """Before: the page asked with no way to stop its answer, so a tab closed mid-answer left the model answering
+    it to its last token, and the answer was recorded for nobody."""
+    stopped, answered = _metric(slow_server, STOPPED), _metric(slow_server, ANSWERED_ON_THE_PAGE)
+    tab = _ask_in_a_new_tab(slow_browser, slow_server, _stream_of_four_frames(slow_server))
+    _wait_for(lambda: _queued(slow_server) > 0, 30, "the question to reach the model")
+    tab.context.close()
+    _wait_for(lambda: _metric(slow_server, STOPPED) + _metric(slow_server, ANSWERED_ON_THE_PAGE) > stopped + answered,
+              60, "the answer to end")
+    assert _metric(slow_server, STOPPED) == stopped + 1
+    assert _metric(slow_server, ANSWERED_ON_THE_PAGE) == answered  # not recorded as answered
+    _wait_for(lambda: _queued(slow_server) == 0, 30, "the model to be free")
+
+
+@pytest.mark.slow
+def test_a_question_still_waiting_for_the_model_when_its_tab_is_closed_is_not_answered(slow_server, slow_browser):
+    """A question queued behind another tab's answer, its own tab closed meanwhile, is stopped before it begins: the
+    model answers the tab still open and is free right after."""
+    stopped, answered = _metric(slow_server, STOPPED), _metric(slow_server, ANSWERED_ON_THE_PAGE)
+    first, second = _stream_of_four_frames(slow_server), _stream_of_four_frames(slow_server)
+    kept = _ask_in_a_new_tab(slow_browser, slow_server, first)
+    _wait_for(lambda: _queued(slow_server) > 0, 30, "the first question to reach the model")
+    closed = _ask_in_a_new_tab(slow_browser, slow_server, second)
+    _wait_for(lambda: _queued(slow_server) > 1, 30, "the second question to wait for the model")
+    closed.context.close()
+    kept.wait_for_selector(".statekv-answer", timeout=60_000)
+    _wait_for(lambda: _queued(slow_server) == 0, 30, "the model to be free")
+    assert _metric(slow_server, ANSWERED_ON_THE_PAGE) == answered + 1  # the open tab's
+    assert _metric(slow_server, STOPPED) == stopped + 1

@@ -58,8 +58,10 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, state: Path, media: Path, *extra: str, keys: tuple[str, ...] = (KEY, OTHER_KEY)):
-        self.state, self.media, self.extra, self.keys = state, media, extra, keys
+    def __init__(self, state: Path, media: Path, *extra: str, keys: tuple[str, ...] = (KEY, OTHER_KEY),
+                 launch: tuple[str, ...] = ("-m", "statekv.cli")):
+        """``launch``: what runs the command line (``python -c SCRIPT`` to change the server first, say)."""
+        self.state, self.media, self.extra, self.keys, self.launch = state, media, extra, keys, launch
         self.process: subprocess.Popen | None = None
         self.url, self.port = "", None
 
@@ -71,7 +73,7 @@ class Server:
         self.log = open(self.state.parent / f"server-{port}.log", "w")
         keys = [argument for key in self.keys for argument in ("--api-key", key)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "statekv.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, *self.launch, "serve", "--host", "127.0.0.1", "--port", str(port),
              "--state-dir", str(self.state), "--media-root", str(self.media), *keys, *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{port}"

@@ -9,7 +9,9 @@ choice, the page says so and offers the options A-D (`page_watches.ChoicesForm`)
 with their latest answers and can be added or deleted there; a timeline draws the frames each answer read and
 where each watch's answer changed. The open stream's id is kept in the address (``?stream=``), so a
 reload or a restarted server lands back on it. Every failure is shown beside what caused it and stays until
-dismissed; the page checks questions exactly as the API does.
+dismissed; the page checks questions exactly as the API does. A question asked in a tab that is gone (closed, or
+not back within ``RECONNECT_SECONDS`` of losing its connection) stops, as one over HTTP stops once its client
+disconnects: between two tokens, or before it begins if it is still waiting for the model.
 
 The page works on the same `StreamRegistry` as the API; the camera's frames are posted to the API itself
 (``POST /v1/streams/{id}/frames``) by a few lines of script, since no component captures the camera.
@@ -34,12 +36,14 @@ from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_lite
 from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
 from .registry import frames_at_rate
 from .routes import MAX_QUESTION_CHARS, question_settings
+from .sse import TokenStreamer
 
 log = logging.getLogger("statekv.serve")
 MAX_UPLOAD_BYTES = 512 * 2**20
 PAGE_NEW_TOKENS = 16
 REFRESH_SECONDS = 0.5
 CHART_POINTS = 500
+RECONNECT_SECONDS = 10.0  # a tab that lost its connection is kept this long for it to come back
 
 
 def mount_page(app: FastAPI, service: Any) -> None:
@@ -52,8 +56,8 @@ def mount_page(app: FastAPI, service: Any) -> None:
 
     # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
-    ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False, reconnect_timeout=10.0,
-                storage_secret=None)
+    ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False,
+                reconnect_timeout=RECONNECT_SECONDS, storage_secret=None)
 
 
 class StreamPage:
@@ -65,12 +69,15 @@ class StreamPage:
         self.entry = None
         self.shown: dict[str, Any] = {}  # what the elements last showed, so a refresh changes only what changed
         self.rows: dict[str, Any] = {}
+        self.answering: set[TokenStreamer] = set()  # the tab's questions under way, stopped once it is gone
 
     # -- layout ----------------------------------------------------------------------------------------------
     def build(self) -> None:
         from nicegui import ui
 
         ui.on("statekv-camera", self.on_camera)
+        # not on_disconnect: a connection that drops and comes back (within the reconnect timeout) keeps its tab
+        ui.context.client.on_delete(self.leave)
         with ui.column().classes("w-full max-w-6xl mx-auto gap-3 p-4"):
             with ui.row().classes("w-full items-center gap-4"):
                 ui.label("statekv: ask a live video").classes("text-h5")
@@ -380,19 +387,32 @@ class StreamPage:
         self.ask_button.props("loading")
         self.ask_button.set_enabled(False)
         self.asking.set_visibility(True)
+        streamer = TokenStreamer(self.service.qa.adapter.tokenizer, asyncio.get_running_loop(), whole=True)
+        self.answering.add(streamer)
+        failure = None
         try:
             question, max_new, retrieve = question_settings({"question": self.choices.compose(self.question.value or ""),
                                                               "max_new_tokens": PAGE_NEW_TOKENS})
             async with self.service.ask_slots.hold():
-                result = await self.registry.ask(entry, question, max_new, retrieve)
+                result = await self.registry.ask(entry, question, max_new, retrieve, streamer)
             self.service.answered("page", result["latency"])
-        except StateKVError as failure:
-            self.ask_error.show(self.service.public(str(failure)))
+        except StateKVError as error:
+            failure = error
         finally:
+            self.answering.discard(streamer)
             self.ask_button.props(remove="loading")
             self.ask_button.set_enabled(self.owner is not None)
             self.asking.set_visibility(False)
+        if streamer.gone.is_set():
+            return  # the tab is gone: nothing to show it on (an answer it stopped is counted as stopped, not given)
+        if failure is not None:
+            self.ask_error.show(self.service.public(str(failure)))
         self.refresh()
+
+    def leave(self) -> None:
+        """The tab is gone for good: its questions stop, at their next token or before they begin."""
+        for streamer in self.answering:
+            streamer.gone.set()
 
     # -- showing ---------------------------------------------------------------------------------------------
     def refresh(self) -> None:
