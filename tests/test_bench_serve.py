@@ -431,6 +431,16 @@ def test_the_built_in_model_under_bench_serve(tmp_path):
         assert f"4/4 s: {8 * int(streams[0])}/{8 * int(streams[0])} frames streamed" in last, last  # 2 fps
 
 
+def test_the_chat_route_under_bench_serve_is_answered(tmp_path):
+    """Its questions named a model ("statekv") the server does not serve, which the chat route refuses."""
+    out = tmp_path / "out.json"
+    result = _bench("--model", "builtin", "--streams", "1", "--fps", "2", "--duration", "3", "--warm-frames", "2",
+                    "--question-rate", "1", "--route", "chat", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert row["failures"] == 0 and row["answers"] > 0, row
+
+
 def test_a_stop_while_the_local_server_starts_leaves_no_server_and_no_folder(monkeypatch):
     from types import SimpleNamespace
 
