@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -52,7 +53,8 @@ class EncodedVideo:
     `VideoQA.stream` return videos already started; the streaming calls and `ask` start one that is not yet).
     Read ``state`` to lay out a step only after `start`.
 
-    ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked.
+    ``ask`` decodes from the detailed cache without changing it, so any number of questions can be asked. Its
+    steps, questions and `close` from different threads take turns (``lock``).
     """
 
     RECORDS_FRAMES = False  # whether a step's durable record names its last frame (what a stream resumes after)
@@ -70,6 +72,9 @@ class EncodedVideo:
         self.qa = qa
         self.adapter: VideoAdapter = qa.adapter
         self.name = name
+        # steps, questions and close from different threads take turns: an answer is decoded into the detailed
+        # cache's room past its end, where another answer or a step meanwhile would overwrite it
+        self.lock = threading.RLock()
         self.horizon = horizon
         self.state: LayoutState = self.adapter.start(num_frames, fps)
         prefix = self.adapter.prefix(self.state) if prefix_tokens is None else None
@@ -156,7 +161,7 @@ class EncodedVideo:
                    retrieval: str | None = None, **generate_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]`` (what ``generate`` produced, undecoded). A
         stopping signal waits for the answer (`statekv.stopping.whole`)."""
-        with whole():
+        with whole(), self.lock:
             return self._answer(question, max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
                                 **generate_kwargs)
 
@@ -272,7 +277,8 @@ class EncodedVideo:
         closes it), drops the successor: the stream goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
-        catch_up_together([self], steps)  # (its count is `VideoQA.catch_up_many`'s to return)
+        with self.lock:
+            catch_up_together([self], steps)  # (its count is `VideoQA.catch_up_many`'s to return)
 
     @property
     def catch_up_due(self) -> bool:
@@ -430,18 +436,20 @@ class EncodedVideo:
 
     def close(self) -> None:
         """Release the caches and the backlog, and give the model back its own RoPE; on the disk tier, an encoding's
-        file set goes too (nothing resumes it: `Stream.load` takes a stream's)."""
-        try:
-            if self.successor is not None:
-                self.close_successor()
-        finally:
+        file set goes too (nothing resumes it: `Stream.load` takes a stream's). A question under way in another
+        thread is answered first."""
+        with self.lock:
             try:
-                if self.prefill.disk is not None and not self.KEEPS_FILES:
-                    self.prefill.disk.discard()
-                self.prefill.close()
+                if self.successor is not None:
+                    self.close_successor()
             finally:
-                self.durability.close()
-                self.backlog = self.new_backlog()
+                try:
+                    if self.prefill.disk is not None and not self.KEEPS_FILES:
+                        self.prefill.disk.discard()
+                    self.prefill.close()
+                finally:
+                    self.durability.close()
+                    self.backlog = self.new_backlog()
 
     def __enter__(self) -> "EncodedVideo":
         return self
@@ -464,10 +472,11 @@ class EncodedVideo:
         """Stream several steps on this thread, their frames vision-encoded in one call (``vision_batch``: the
         batch size asked for, for the stats): a job of one video through `statekv.steps.jobs.stream_jobs`. A
         failure leaves the steps before it streamed (``stats.chunks`` tells how many)."""
-        self.start()
-        job = StepJob(self, [list(frames) for frames in groups], vision_batch)
-        stream_jobs([job], StepBatcher())
-        job.raise_error()
+        with self.lock:
+            self.start()
+            job = StepJob(self, [list(frames) for frames in groups], vision_batch)
+            stream_jobs([job], StepBatcher())
+            job.raise_error()
 
     @torch.no_grad()
     def stream_steps(self, steps: Iterable[EncodedStep], *, vision_batch: int,
@@ -480,7 +489,8 @@ class EncodedVideo:
         batcher = StepBatcher()
         for encoded in steps:
             job = StepJob(self, vision_batch=vision_batch, encoded=[encoded])
-            stream_jobs([job], batcher)
+            with self.lock:
+                stream_jobs([job], batcher)
             job.raise_error()
             if on_step is not None:
                 on_step()
@@ -496,7 +506,8 @@ class EncodedVideo:
     def _stream_chunk(self, chunk: Chunk) -> None:
         """Stream ``chunk`` (laid out after ``state``) on this thread: a job of one step laid out already."""
         job = StepJob(self, chunks=[chunk])
-        stream_jobs([job], StepBatcher())
+        with self.lock:
+            stream_jobs([job], StepBatcher())
         job.raise_error()
 
     # -- the step protocol ------------------------------------------------------------------------------

@@ -85,8 +85,10 @@ class RecentFrames:
             self.stats.frames += 1
         if self.watching is not None:  # its due watches answer from the frames it now holds
             with self.lock:
-                self.watching.seconds = timestamp
-                run_on_cadence([watch for watch in self.watching.open if watch.due(self.frames, timestamp)])
+                # the last frame's time: another thread's push may have come in between the two turns
+                seconds = self.encoded_timestamp
+                self.watching.seconds = seconds
+                run_on_cadence([watch for watch in self.watching.open if watch.due(self.frames, seconds)])
         return True
 
     @property
@@ -127,8 +129,8 @@ class RecentFrames:
               steer: bool | None = None) -> Watch:
         """As `Stream.watch`; each evaluation answers the question from the last ``window`` frames afresh, as `ask`
         does (nothing is carried, so nothing is steered)."""
-        self._check_open()
         with self.lock:
+            self._check_open()  # in turn: a close may have come first
             return open_watch(self, question, every=every, every_seconds=every_seconds,
                               max_new_tokens=max_new_tokens, retrieve=retrieve, retrieval=retrieval,
                           steer=self.qa.steer if steer is None else steer)
@@ -151,8 +153,8 @@ class RecentFrames:
     @torch.no_grad()
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]``."""
-        self._check_open()
         with self.lock:  # the window as it stands, whatever other threads push meanwhile
+            self._check_open()  # in turn: a close may have come first
             window = list(self.recent)
         if not window:
             raise InputError(f"{self.name}: no frame has been pushed yet" if not self.frames else

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +115,6 @@ class Stream(EncodedVideo):
         super().__init__(qa, qa.horizon_for(horizon_frames, reserve_tokens=reserve_tokens),
                          num_frames=horizon_frames, fps=max_fps, name=name, prefix_tokens=prefix_tokens,
                          engine=engine, disk_tier=disk_tier, reserve_tokens=reserve_tokens)
-        self.lock = threading.RLock()
         self.horizon_frames = horizon_frames
         self.reserve_tokens = qa.reserve_tokens if reserve_tokens is None else reserve_tokens
         self.max_fps = max_fps
