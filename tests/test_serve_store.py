@@ -271,7 +271,7 @@ class _Entry:
     """What handing a stream over reads of a served stream: nothing encoded, so nothing to save."""
 
     def __init__(self, stream_id: str):
-        self.id, self.tier, self.lock = stream_id, None, asyncio.Lock()
+        self.id, self.tier, self.lock, self.removal = stream_id, None, asyncio.Lock(), asyncio.Lock()
         self.deleted = self.moved = self.feeding = False
         self.stream = SimpleNamespace(frames=0, pushed=0, close=lambda: None)
 

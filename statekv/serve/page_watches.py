@@ -110,7 +110,7 @@ class WatchPanel:
             if entry.deleted or entry.moved:
                 return
             await self.page.service.worker.run(watch.close)
-        await entry.keep_record(self.page.registry.files, "the watches")
+            await entry.keep_record(self.page.registry.files, "the watches")  # before a hand-over moves the stream
         self.refresh(entry, force=True)
 
     def refresh(self, entry, force: bool = False) -> None:

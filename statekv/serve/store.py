@@ -304,13 +304,17 @@ class StreamFiles:
                 log.error("cannot finish deleting stream %s: %s", removal["id"], error)
 
     def remove(self, stream_id: str) -> None:
-        """Remove every file of the stream in the folder: its quarantine note and moved file sets, then its save
-        and what was set aside, its record, and last the note that it is being deleted (a removal cut short is
-        done again at the next start, `removals`)."""
+        """Remove every file of the stream in the folder: its quarantine note and moved file sets, then its save,
+        what was set aside and what saves killed midway left, its record, and last the note that it is being
+        deleted (a removal cut short is done again at the next start, `removals`)."""
         self.remove_quarantined(stream_id)
         record, removal = self.record_path(stream_id), self.removal_path(stream_id)
         for path in sorted(self.folder.glob(f"{stream_id}.*")):
-            if path not in (record, removal):
+            if path in (record, removal):
+                continue
+            if path.is_dir() and not path.is_symlink():  # a save's partial folder, left by a replica killed in it
+                shutil.rmtree(path)
+            else:
                 path.unlink(missing_ok=True)
         record.unlink(missing_ok=True)
         removal.unlink(missing_ok=True)

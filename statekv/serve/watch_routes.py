@@ -84,7 +84,8 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
         check_here(entry)
         watch = find_watch(entry, watch_id)  # again: a delete that waited for the lock may have closed it
         await service.worker.run(watch.close)
-    await entry.keep_record(service.registry.files, "the watches")
+        # before the lock goes: a hand-over waiting for it would move the stream with the watch its record names
+        await entry.keep_record(service.registry.files, "the watches")
     return {"id": watch_id, "object": "watch", "deleted": True}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from ..placement import Placement
 from ..registry import StreamRegistry
 from ..store import STREAM_ID
 from .folder import SharedStreamFiles
-from .leases import Lease
+from .leases import Lease, LeaseLost
 
 log = logging.getLogger("statekv.serve")
 
@@ -103,6 +104,7 @@ class LeasedPlacement(Placement):
         self.files = files
         self.replica = files.holder
         self._taking: dict[str, asyncio.Lock] = {}
+        self._takers: Counter = Counter()  # stream -> the requests taking it or waiting for its lock in `_taking`
         self._handing: dict[str, asyncio.Task] = {}  # streams being saved to be handed over
         self._listed: tuple[float, list[HeldElsewhere]] = (0.0, [])
         self._handed: dict[str, float] = {}  # streams handed over to balance the replicas, not yet taken elsewhere
@@ -139,10 +141,13 @@ class LeasedPlacement(Placement):
         """Bring a stream here: its lease (asking its holder to let it go, or waiting for the lease to lapse when
         the holder died), then its last save."""
         lock = self._taking.setdefault(stream_id, asyncio.Lock())
+        self._takers[stream_id] += 1
         try:
             await self._take_locked(registry, stream_id, lock)
         finally:
-            self._taking.pop(stream_id, None)  # whoever still waits holds the lock itself
+            self._takers[stream_id] -= 1
+            if not self._takers[stream_id]:  # kept while a request waits for it: one taking at a time, always
+                del self._takers[stream_id], self._taking[stream_id]
 
     async def _take_locked(self, registry: StreamRegistry, stream_id: str, lock: asyncio.Lock) -> None:
         async with lock:
@@ -159,8 +164,13 @@ class LeasedPlacement(Placement):
                 try:
                     record = await asyncio.to_thread(self.files.read_record, stream_id)  # as its last holder left it
                     if record is None:
+                        await asyncio.to_thread(self._withdraw_if_gone, stream_id)
                         raise ServiceError(404, f"no stream {stream_id!r}")
                     entry = await registry.worker.run(registry.restore_one, record)
+                    if stream_id not in self.files.held:  # its hold lost while it loaded: another replica's now
+                        await registry.healer.close_quietly(entry.stream)
+                        remove_tier(entry)
+                        raise LeaseLost(stream_id)
                 except BaseException as error:
                     damaged = None
                     if record is not None and isinstance(error, Exception) and \
@@ -184,9 +194,9 @@ class LeasedPlacement(Placement):
     async def wait_for_lease(self, stream_id: str) -> Lease:
         deadline = time.monotonic() + self.files.lease_seconds + TAKE_MARGIN_SECONDS
         asked = False
-        while (lease := await asyncio.to_thread(self.files.take, stream_id)) is None:
+        while (lease := await self._changing(self.files.take, stream_id)) is None:
             if not asked:
-                await asyncio.to_thread(self.files.ask_handoff, stream_id)
+                await self._changing(self.files.ask_handoff, stream_id)
                 asked = True
             if time.monotonic() > deadline:
                 raise ServiceError(503, f"stream {stream_id} is held by another replica that has not let it go; "
@@ -194,6 +204,28 @@ class LeasedPlacement(Placement):
             await asyncio.sleep(TAKE_POLL_SECONDS)
         self._letting_go.discard(stream_id)  # taken again (its let-go refused, the hint still named this replica)
         return lease
+
+    async def _changing(self, change: Callable[[str], Any], stream_id: str) -> Any:
+        """``change(stream_id)``, a change of the shared state made off the event loop; a shared folder that cannot
+        be written (full, read-only) refuses it in one line (503), as it refuses a creation."""
+        try:
+            return await asyncio.to_thread(change, stream_id)
+        except StorageError:  # an object store's: a 503 already
+            raise
+        except OSError as error:
+            raise ServiceError(503, f"cannot take stream {stream_id} here: {self.files.where} cannot be changed "
+                               f"({error.strerror or type(error).__name__}); retry shortly",
+                               headers={"Retry-After": "5"}) from None
+
+    def _withdraw_if_gone(self, stream_id: str) -> None:
+        """The lease just taken on a stream deleted while this replica waited for it, removed as its deletion removed
+        the one before (a lease let go would be left behind for good)."""
+        try:
+            self.files.record_or_error(stream_id)
+        except FileNotFoundError:
+            self.files.withdraw(stream_id)
+        except (OSError, StateKVError) as error:  # the shared state out of reach: let go, as before
+            log.warning("cannot tell whether stream %s was deleted: %s", stream_id, error)
 
     def listed(self, registry: StreamRegistry, owner: str) -> list[Any]:
         """The owner's streams on every replica: those held here live, the others as of their last save, then the
@@ -359,12 +391,13 @@ class LeasedPlacement(Placement):
         except (StateKVError, OSError) as error:
             log.error("cannot hand stream %s over: %s", entry.id, error)
             return
-        async with entry.lock:
+        # a deletion under way goes first: its note is written under the lease, so the lease must not go before
+        # it ends (or the stream would be neither served nor deleted)
+        async with entry.removal, entry.lock:
             if entry.deleted or entry.moved or entry.feeding:
                 return
             try:
-                if entry.stream.frames:  # nothing encoded yet: nothing to save (pending frames go, as on a restart)
-                    await registry.worker.run(registry.save_now, entry)
+                await registry.worker.run(_saved_and_moved, registry, entry)
             except (StateKVError, OSError) as error:  # kept: the asking replica asks again
                 log.error("cannot save stream %s to hand it over: %s", entry.id, error)
                 return
@@ -391,6 +424,15 @@ class LeasedPlacement(Placement):
             except (OSError, StateKVError) as error:
                 log.error("cannot release the lease of stream %s: %s", stream_id, error)
         self.files.end()
+
+
+def _saved_and_moved(registry: StreamRegistry, entry: StreamEntry) -> None:
+    """On the model's thread, in one go: the stream saved (its frames waiting for their step too) and marked moved,
+    so a push queued behind the save finds it moved (503: its retry reaches the new holder) instead of being
+    streamed here after the save and lost with the stream."""
+    if entry.stream.pushed:  # nothing pushed: nothing to save
+        registry.save_now(entry)
+    entry.retire(moved=True)
 
 
 def SharedRegistry(config: Any, qa: Any, worker: Any, files: SharedStreamFiles) -> StreamRegistry:  # noqa: N802
