@@ -190,6 +190,7 @@ def run_table(args: argparse.Namespace) -> int:
 
     if args.output:
         check_output_file(args.output, "--output")
+        _check_outside_runs(args.output, args.runs)
     scored = {}
     for run_dir in args.runs:
         if not run_dir.is_dir():
@@ -199,7 +200,13 @@ def run_table(args: argparse.Namespace) -> int:
         if not (run_dir / SUMMARY_FILE).is_file() or "run" not in read_summary(run_dir):
             if not completed_qids(run_dir):
                 raise MissingFileError(f"{run_dir} holds no answers yet")
-            scored[run_dir] = build_summary(run_records(run_dir), read_expected_qids(run_dir))
+            expected = read_expected_qids(run_dir)
+            asked = None if expected is None else set(expected)
+            # a resume with a smaller --limit leaves answers the run no longer asks: scored as its finish scores
+            records = [record for record in run_records(run_dir) if asked is None or record.qid in asked]
+            if not records:
+                raise MissingFileError(f"{run_dir} holds no answers to the questions it asks yet")
+            scored[run_dir] = build_summary(records, expected)
     table = paper_table(args.runs, parser=args.parser, scored=scored)
     print(table, end="")
     if args.output:
@@ -209,6 +216,18 @@ def run_table(args: argparse.Namespace) -> int:
         except OSError as error:
             raise OutputError(f"cannot write --output {args.output}: {error.strerror or error}") from None
     return 0
+
+
+def _check_outside_runs(output, runs) -> None:
+    """Refuse a table ``output`` written into one of the ``runs``' folders, where it would replace the run's own
+    files (its answers, its ``run.json``) or be replaced by them."""
+    from statekv.errors import OutputError
+
+    folder = output.resolve().parent
+    for run_dir in runs:
+        if run_dir.resolve() == folder:
+            raise OutputError(f"--output {output} is in the run folder {run_dir}, which holds the run's own files; "
+                              "write the table elsewhere")
 
 
 def _configure_logging(rank: int | None) -> None:

@@ -45,7 +45,7 @@ from statekv.eval.annotations import (LoadNotes, find_annotation_files, parse_op
 from statekv.eval.questions import BENCHMARKS, MLVU_TASKS, AnnotationError, Question
 from statekv.eval.ovobench import ovobench_questions, seconds
 from statekv.eval.streamingbench import check_video_files, streamingbench_questions
-from statekv.synthetic.benchmark import QUESTIONS_FILE, STREAMING_FILE
+from statekv.synthetic.benchmark import MAKING_FILE, QUESTIONS_FILE, STREAMING_FILE
 from statekv.synthetic.streaming import GROUPS as STREAMING_GROUPS
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,10 @@ def load_synthetic(data_root: Path | str, *, annotation: AnnotationArg = None,
     """A set written by ``statekv synthetic make``: ``<data_root>/questions.jsonl``, videos relative to it; made
     with ``--streaming``: ``<data_root>/streaming.json`` (OVO-Bench's format, see `statekv.synthetic.streaming`)."""
     folder = Path(data_root)
+    if annotation is None and not (folder / QUESTIONS_FILE).exists() and not (folder / STREAMING_FILE).exists() \
+            and (folder / MAKING_FILE).is_file():  # its question file is written last
+        raise MissingFileError(f"{folder} holds a synthetic make that was stopped before its question file was "
+                               "written: run the same `statekv synthetic make` command again to finish it")
     if annotation is None and not (folder / QUESTIONS_FILE).exists() and (folder / STREAMING_FILE).is_file():
         path = folder / STREAMING_FILE
         return synthetic_streaming_questions(read_rows([path]), folder, check_videos=check_videos, source=str(path))

@@ -204,15 +204,16 @@ class ResultsWriter:
         self.close()
 
 
-def drop_unterminated_tail(path: Path) -> None:
-    """Cut a partial last line (left by a killed writer) so appends start on a fresh line."""
+def drop_unterminated_tail(path: Path,
+                           what: str = "an answer cut short by a stop; its question is asked again") -> None:
+    """Cut a partial last line (left by a killed writer) so appends start on a fresh line; ``what``: what the
+    warning says the line was."""
     if not path.is_file():
         return
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep < len(data):
-        logger.warning("%s: dropping an unterminated last line (%d bytes), an answer cut short by a stop; its "
-                       "question is asked again", path, len(data) - keep)
+        logger.warning("%s: dropping an unterminated last line (%d bytes), %s", path, len(data) - keep, what)
         with path.open("rb+") as file:
             file.truncate(keep)
 

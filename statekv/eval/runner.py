@@ -48,7 +48,8 @@ from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question, counted
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
-                                  drop_unterminated_tails, merge_rank_files, rank_file, written_in)
+                                  drop_unterminated_tail, drop_unterminated_tails, merge_rank_files, rank_file,
+                                  written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
@@ -517,7 +518,9 @@ def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuest
     logger.error("%s: %s (%s stay unanswered; rerun to retry)", video.video_id, error,
                  "its questions" if not answered else f"{left} of its {len(video.questions)} questions")
     entry = {"video_id": video.video_id, "qids": [q.qid for q in video.questions], "error": str(error)}
-    with (config.out / f"errors.rank{context.rank:03d}.jsonl").open("a", encoding="utf-8") as file:
+    path = config.out / f"errors.rank{context.rank:03d}.jsonl"
+    drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop")
+    with path.open("a", encoding="utf-8") as file:
         file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         file.flush()
         os.fsync(file.fileno())

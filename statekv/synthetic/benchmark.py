@@ -11,7 +11,8 @@ writes::
 Sampled at 1 frame per second (``statekv``'s default), a video gives exactly its ``num_frames`` stills. The
 question file is written last, so an interrupted ``make`` leaves no file that looks complete; it leaves
 ``making.json`` (what it was asked to make) and whole videos (each written beside its name, then renamed), so the
-same command run again makes only the videos missing.
+same command run again makes only the videos missing. A make holds the folder's lock while it writes: a second
+make into it meanwhile is refused.
 
 ``make_benchmark(..., streaming=True)`` writes ``streaming.json`` instead of ``questions.jsonl``: timestamped
 questions asked while the video plays, in OVO-Bench's format (`statekv.synthetic.streaming`).
@@ -27,8 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, OutputError
+from ..errors import ConfigurationError, OutputError, StateKVError
 from ..flushing import flush_file, flush_folder, write_whole
+from ..locks import FileLock
 from ..settings.values import check_output_dir
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
@@ -72,6 +74,26 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     resumed = _resumes(out, making, overwrite)
     _check_room(out, sum(not (out / _video_path(index)).is_file() for index in range(videos)) if resumed else videos,
                 num_frames)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock.acquire(out, what=f"the synthetic set's folder {out}", error=OutputError,
+                            advice="another make is writing it: wait for it to end, or give this one another --out")
+    try:
+        # read again under the lock: a make that held the folder until now may have finished or replaced its set
+        return _write_set(out, making, _resumes(out, making, overwrite), overwrite, progress)
+    except OSError as error:
+        if isinstance(error, StateKVError):
+            raise
+        raise OutputError(f"cannot write {error.filename or out} ({error.strerror or error}); the videos written so "
+                          "far are kept: run the same command again to go on once it can be written") from None
+    finally:
+        lock.release()
+
+
+def _write_set(out: Path, making: dict[str, Any], resumed: bool, overwrite: bool,
+               progress: Callable[[int, int], None] | None) -> Path:
+    """The set ``making`` describes, written in ``out`` (``resumed``: going on with a make that was stopped)."""
+    seed, videos, num_frames = making["seed"], making["videos"], making["num_frames"]
+    streaming, families = making["streaming"], making["families"]
     if not resumed:
         _prepare_folder(out, overwrite)
         write_whole(out / MAKING_FILE, (json.dumps(making, indent=1) + "\n").encode())

@@ -1,0 +1,157 @@
+"""Hostile uses of the long-running data and evaluation commands: a synthetic make that the disk stops or that a
+second make joins, an evaluation's error log cut short by a stop, a table of a run resumed with a smaller limit,
+a table written into a run's own folder."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+
+import statekv.eval as ev
+import statekv.synthetic.benchmark as benchmark
+from statekv.cli import main
+from statekv.errors import OutputError
+from statekv.eval.records import ResultsWriter
+from statekv.eval.runner import unresolved_errors
+from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+
+FAMILIES = ("needle", "position")  # the built-in model answers the first right and the second wrong on this set
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile-eval-runs") / "set"
+    make_benchmark(root, videos=2, seed=52, num_frames=12, families=FAMILIES)
+    return root
+
+
+def _eval(data, out, *extra: str) -> int:
+    return main(["eval", "synthetic", "--model", "builtin", "--data-root", str(data), "--out", str(out),
+                 "--budget", "16", "--no-progress", *extra])
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _make(out, *extra: str) -> int:
+    return main(["synthetic", "make", "--out", str(out), "--videos", "3", "--seed", "53", "--frames", "12", *extra])
+
+
+def test_a_make_the_disk_stops_is_one_line_and_the_same_command_finishes_it(tmp_path, monkeypatch, capsys):
+    write_video, written = benchmark.write_video, []
+
+    def full_on_the_second(plan, path):
+        written.append(path)
+        if len(written) == 2:
+            path.write_bytes(b"cut short")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_video(plan, path)
+
+    monkeypatch.setattr(benchmark, "write_video", full_on_the_second)
+    out = tmp_path / "set"
+    assert _make(out) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "No space left on device" in line and "v0001.partial.mp4" in line and "run the same command" in line
+    monkeypatch.setattr(benchmark, "write_video", write_video)
+    assert _make(out) == 0
+    assert sorted(path.name for path in (out / "videos").iterdir()) == ["v0000.mp4", "v0001.mp4", "v0002.mp4"]
+    assert len(ev.load_benchmark("synthetic", out)) == 3 * 6
+
+
+def test_a_second_make_into_a_folder_being_made_is_refused_and_the_first_finishes(tmp_path):
+    out, refusals = tmp_path / "set", []
+
+    def second_make_midway(done, total):
+        if done == 1:
+            with pytest.raises(OutputError) as refused:
+                make_benchmark(out, videos=3, seed=53, num_frames=12)
+            refusals.append(str(refused.value))
+
+    make_benchmark(out, videos=3, seed=53, num_frames=12, progress=second_make_midway)
+    (refusal,) = refusals
+    assert f"{out} is in use by process {os.getpid()}" in refusal and "another make is writing it" in refusal
+    clean = make_benchmark(tmp_path / "clean", videos=3, seed=53, num_frames=12)
+    assert (out / QUESTIONS_FILE).read_bytes() == clean.read_bytes()
+    assert sorted(path.name for path in out.iterdir()) == ["benchmark.json", QUESTIONS_FILE, "videos"]
+
+
+def test_an_error_note_cut_short_by_a_stop_is_dropped_before_the_next_is_written(data, tmp_path, capsys):
+    """Before: the next run glued its note to the half line, and every later run ended on "damaged error log line"
+    without scoring."""
+    broken = tmp_path / "set"
+    shutil.copytree(data, broken)
+    (broken / "videos" / "v0001.mp4").write_bytes(b"not a video")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "errors.rank000.jsonl").write_text('{"video_id": "v0001", "qids": ["v0001-nee')  # a stop mid-write
+    assert _eval(broken, out) == 1  # scored, with the unreadable video's questions named as unanswered
+    assert "2 question(s) unanswered: 1 video(s) could not be read" in capsys.readouterr().err
+    assert [entry["video_id"] for entry in unresolved_errors(out)] == ["v0001"]
+    assert json.loads((out / "results.json").read_text())["score"]["missing"] == 2
+
+
+def test_the_table_of_a_run_resumed_with_a_smaller_limit_and_stopped_scores_only_its_questions(
+        data, tmp_path, monkeypatch, capsys):
+    """Answers the run asked before its --limit shrank stay in its folder: an unfinished run's cell scored them too,
+    under the smaller run's count."""
+    damaged = tmp_path / "set"
+    shutil.copytree(data, damaged)
+    video = damaged / "videos" / "v0000.mp4"
+    whole = video.read_bytes()
+    video.write_bytes(b"not a video")
+    out = tmp_path / "run"
+    assert _eval(damaged, out) == 1  # v0001's questions answered, v0000's left by its error
+    video.write_bytes(whole)  # the damaged file replaced
+    write, writes = ResultsWriter.write, []
+
+    def stop_after_one(self, record):
+        if writes:
+            raise KeyboardInterrupt
+        writes.append(record.qid)
+        write(self, record)
+
+    monkeypatch.setattr(ResultsWriter, "write", stop_after_one)
+    assert _eval(damaged, out, "--limit", "2") == 130
+    assert writes == ["v0000-needle"]
+    monkeypatch.setattr(ResultsWriter, "write", write)
+    records = ev.run_records(out)
+    own = [record for record in records if record.qid in writes]
+    assert len(records) == 3 and sum(r.correct for r in records) / 3 != sum(r.correct for r in own) / len(own)
+    capsys.readouterr()
+    assert main(["eval", "table", str(out)]) == 0
+    cell = capsys.readouterr().out.splitlines()[2].split(" | ")[-1]
+    assert cell == f"{100 * sum(r.correct for r in own) / len(own):.2f} (partial 1/2) |"
+
+
+def test_a_table_written_into_a_run_folder_is_refused_and_the_runs_files_kept(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "1") == 0
+    kept = {path.name: path.read_bytes() for path in out.iterdir()}
+    capsys.readouterr()
+    for name in ("answers.rank000.jsonl", "run.json", "new.md"):
+        assert main(["eval", "table", str(out), "--output", str(out / name)]) == 2
+        assert f"--output {out / name} is in the run folder {out}" in _one_line(capsys.readouterr().err)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == kept
+    assert main(["eval", "table", str(out), "--output", str(tmp_path / "table.md")]) == 0
+
+
+def test_evaluating_a_make_that_was_stopped_says_so_in_one_line(tmp_path, capsys):
+    def stop_after_one(done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_benchmark(tmp_path / "set", videos=2, seed=53, num_frames=12, progress=stop_after_one)
+    for check in ((), ("--check",)):
+        assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "set"), "--out",
+                     str(tmp_path / "run"), "--no-progress", *check]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert "holds a synthetic make that was stopped before its question file was written" in line
+        assert "statekv synthetic make" in line
