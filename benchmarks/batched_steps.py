@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(record, indent=1))
     before = json.loads(args.before.read_text()) if args.before else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    lines = [f"Command: `python benchmarks/batched_steps.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+    lines = [f"Command: `python benchmarks/batched_steps.py {shlex.join(argv if argv is not None else sys.argv[1:])}`"
              + (f" (before: the same script over commit {before['commit']})" if before else "") + "  ",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, 1 torch thread, torch {torch.__version__}; "
              f"load average {load:.1f} at the end; commit {record['commit']}.  ",

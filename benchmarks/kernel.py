@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- device: {torch.cuda.get_device_name()}",
         f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}, {args.dtype}",
         f"- eager path: {eager_name}; SDPA: output only, causal_lower_right mask (FlashAttention path)",
-        f"- command: python {' '.join(sys.argv)}",
+        f"- command: python {shlex.join(sys.argv)}",
         "- times: triton.testing.do_bench median, ms; errors: max abs difference / max abs of the eager result",
         "",
         markdown_table(rows),

@@ -17,6 +17,7 @@ detailed cache on disk, stored int4; resident memory and disk over time, ms per 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> str:
         print(rows[-1], file=sys.stderr, flush=True)
     header = [f"{what}; {args.frames} frames of {args.tokens} tokens after a {PREFIX_TOKENS}-token prefix; a "
               f"{QUESTION_TOKENS}-token question, 8 answer tokens; {args.retrieve} frames retrieved per layer.",
-              f"Command: `python benchmarks/long_video.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+              f"Command: `python benchmarks/long_video.py {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
               f"torch {torch.__version__}."]
     text = report(rows, header)
     print(text)

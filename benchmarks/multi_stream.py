@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -168,7 +169,7 @@ def main() -> None:
                f"torch {torch.__version__}; device {device}"
                + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
                + f"; load average {load:.1f} at the end")
-    lines = [f"Command: `python benchmarks/multi_stream.py {' '.join(sys.argv[1:])}`  ",
+    lines = [f"Command: `python benchmarks/multi_stream.py {shlex.join(sys.argv[1:])}`  ",
              f"Machine: {machine}.  ",
              f"Model: {args.model} ({qa.adapter.family}, {qa.adapter.dtype}), method {args.method}"
              + (f" (budget {args.budget} tokens)" if "budget" in options else "") + f", {args.size}x{args.size} "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -244,7 +245,7 @@ def report(args, rows: list[dict], beyond: list[dict], pairs: list[dict], depths
            load: tuple[str, str]) -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)"
                if not args.device.startswith("cuda") else torch.cuda.get_device_name(0))
-    lines = [f"Command: `python benchmarks/positions_cost.py {' '.join(sys.argv[1:])}`  ",
+    lines = [f"Command: `python benchmarks/positions_cost.py {shlex.join(sys.argv[1:])}`  ",
              f"Machine: {machine} (load average {load[0]} before, {load[1]} after).", "",
              f"Model {args.model}, {args.frames} frames pushed one at a time into a live stream (stream positions: "
              "a horizon covering them; bounded: each layout), inside the model's range. Push ms: per frame, "

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -284,7 +285,7 @@ def report(args, argv: list[str], rows: list[dict[str, Any]], loads: tuple[str, 
         meaning = (f"Each node's {args.node_cpus:g} CPU is reserved for it on this {cores}-core host; the nodes "
                    "still share its memory, and the proxy, the S3 server and the cameras run beside them.")
     return "\n".join([
-        f"`python benchmarks/serve_nodes.py {' '.join(argv)}` at commit {commit}"
+        f"`python benchmarks/serve_nodes.py {shlex.join(argv)}` at commit {commit}"
         f"{f' under `nice -n {niceness}`' if niceness else ''} on {machine} (load average {loads[0]} before, "
         f"{loads[1]} after): `statekv bench serve` (model {args.model}, {load}) against `statekv serve --ray auto "
         f"--replicas N --store s3://...` with no state folder, on a Ray cluster of N nodes of this machine "

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -116,7 +117,7 @@ def main() -> None:
         shutil.rmtree(temp, ignore_errors=True)
     loads.append(" ".join(Path("/proc/loadavg").read_text().split()[:3]))
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
-    lines = [f"`python benchmarks/serve_ray_load.py {' '.join(sys.argv[1:])}` on {machine} (load average {loads[0]} "
+    lines = [f"`python benchmarks/serve_ray_load.py {shlex.join(sys.argv[1:])}` on {machine} (load average {loads[0]} "
              f"before, {loads[1]} after), a Ray cluster of this machine alone: `statekv bench serve` (model "
              f"{args.model}, cameras at {args.fps:g} fps for {args.duration:g} s, {args.question_rate:g} questions "
              f"per second per camera) against `statekv serve --ray` with each replica on {args.replica_cpus:g} CPU, "

@@ -18,6 +18,7 @@ carried state is full, recency's window holds R frames. The batched rows are ``S
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections import Counter
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"InternVL3-8B language model, random bf16 weights, {FRAME_TOKENS} tokens per frame, "
                   f"{torch.cuda.get_device_name(device)}:", ""]
         lines += gpu_tables(device, args.gpu_budget, args.gpu_window, args.prefill_frames)
-    lines += ["", f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv or sys.argv[1:])}`; "
+    lines += ["", f"Command: `python benchmarks/{Path(__file__).name} {shlex.join(argv or sys.argv[1:])}`; "
               f"torch {torch.__version__}."]
     report = "\n".join(lines)
     print(report)

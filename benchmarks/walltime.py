@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"- device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
-        f"- command: python {' '.join(sys.argv)}",
+        f"- command: python {shlex.join(sys.argv)}",
         f"- {FRAME_TOKENS} tokens per frame; full attention: decoder forward with SDPA over a synthesised "
         f"DynamicCache, {args.repeats} repeats after {args.warmup} warm-up; StateKV: streamed from frame 0, "
         f"mean ± std over the {args.window} frames ending at each index",

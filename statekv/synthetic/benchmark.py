@@ -74,19 +74,20 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     resumed = _resumes(out, making, overwrite)
     _check_room(out, sum(not (out / _video_path(index)).is_file() for index in range(videos)) if resumed else videos,
                 num_frames)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = FileLock.acquire(out, what=f"the synthetic set's folder {out}", error=OutputError,
-                            advice="another make is writing it: wait for it to end, or give this one another --out")
     try:
-        # read again under the lock: a make that held the folder until now may have finished or replaced its set
-        return _write_set(out, making, _resumes(out, making, overwrite), overwrite, progress)
+        out.mkdir(parents=True, exist_ok=True)
+        lock = FileLock.acquire(out, what=f"the synthetic set's folder {out}", error=OutputError,
+                                advice="another make is writing it: wait for it to end, or give this one another --out")
+        try:
+            # read again under the lock: a make that held the folder until now may have finished or replaced its set
+            return _write_set(out, making, _resumes(out, making, overwrite), overwrite, progress)
+        finally:
+            lock.release()
     except OSError as error:
         if isinstance(error, StateKVError):
             raise
         raise OutputError(f"cannot write {error.filename or out} ({error.strerror or error}); the videos written so "
                           "far are kept: run the same command again to go on once it can be written") from None
-    finally:
-        lock.release()
 
 
 def _write_set(out: Path, making: dict[str, Any], resumed: bool, overwrite: bool,

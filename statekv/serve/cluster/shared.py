@@ -167,10 +167,12 @@ class LeasedPlacement(Placement):
                         await asyncio.to_thread(self._withdraw_if_gone, stream_id)
                         raise ServiceError(404, f"no stream {stream_id!r}")
                     entry = await registry.worker.run(registry.restore_one, record)
-                    if stream_id not in self.files.held:  # its hold lost while it loaded: another replica's now
+                    try:
+                        self.files.check(stream_id)  # its hold lost, or run out, while it loaded: another's now
+                    except LeaseLost:
                         await registry.healer.close_quietly(entry.stream)
                         remove_tier(entry)
-                        raise LeaseLost(stream_id)
+                        raise
                 except BaseException as error:
                     damaged = None
                     if record is not None and isinstance(error, Exception) and \
