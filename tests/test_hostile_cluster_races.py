@@ -74,6 +74,19 @@ async def _asked_for(holder: SharedRegistry, stream_id: str) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _deleted_while_taken(first: SharedRegistry, second: SharedRegistry, entry) -> ServiceError:
+    """``entry`` deleted on ``first`` once ``second`` has asked for it; the error ``second``'s taking ends with (the
+    replicas' model threads stopped)."""
+    taking = asyncio.ensure_future(second.find(OWNER, entry.id))
+    await _asked_for(first, entry.id)
+    await first.delete(entry)
+    with pytest.raises(ServiceError) as taken:
+        await taking
+    for registry in (first, second):
+        registry.worker.close()
+    return taken.value
+
+
 def test_a_stream_deleted_while_it_is_handed_over_is_deleted_whole(tmp_path, qa):
     """Before: a hand-over (another replica asked for the stream) that ran while a deletion had written its note let
     the lease go under the deletion, which then answered 503 "moved to another replica; retry" and left the
@@ -97,14 +110,7 @@ def test_a_stream_deleted_while_it_is_handed_over_is_deleted_whole(tmp_path, qa)
             handed.wait(WAIT_SECONDS)
 
         first.placement.hand_over, first.files.begin_removal = hand_over_told, begin_removal_then_hand_over
-        taking = asyncio.ensure_future(second.find(OWNER, entry.id))
-        await _asked_for(first, entry.id)
-        await first.delete(entry)
-        with pytest.raises(ServiceError) as taken:
-            await taking
-        for registry in (first, second):
-            registry.worker.close()
-        return entry.id, taken.value
+        return entry.id, await _deleted_while_taken(first, second, entry)
 
     stream_id, taken = asyncio.run(scenario())
     assert taken.status == 404 and "no stream" in str(taken)
@@ -118,14 +124,7 @@ def test_a_stream_deleted_while_another_replica_waits_to_take_it_leaves_no_lease
         first, second = _replica(tmp_path, qa, "first"), _replica(tmp_path, qa, "second")
         entry = await first.create(OWNER, {"horizon_frames": 16, "max_fps": None})
         await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
-        taking = asyncio.ensure_future(second.find(OWNER, entry.id))
-        await _asked_for(first, entry.id)
-        await first.delete(entry)
-        with pytest.raises(ServiceError) as taken:
-            await taking
-        for registry in (first, second):
-            registry.worker.close()
-        return entry.id, taken.value
+        return entry.id, await _deleted_while_taken(first, second, entry)
 
     stream_id, taken = asyncio.run(scenario())
     assert taken.status == 404

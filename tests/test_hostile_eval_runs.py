@@ -16,7 +16,7 @@ import statekv.synthetic.benchmark as benchmark
 from statekv.cli import main
 from statekv.errors import OutputError
 from statekv.eval.records import ResultsWriter
-from statekv.eval.runner import unresolved_errors
+from statekv.eval.video_errors import unresolved_errors
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
 FAMILIES = ("needle", "position")  # the built-in model answers the first right and the second wrong on this set

@@ -9,7 +9,8 @@ import pytest
 
 import statekv.eval as ev
 from statekv.cli import main
-from statekv.eval.runner import EvalConfig, run_evaluation, unresolved_errors
+from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.eval.video_errors import unresolved_errors
 from statekv.api.videoqa import EncodedVideo, VideoQA
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 from statekv.synthetic.tasks import FAMILIES

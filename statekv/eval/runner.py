@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -48,11 +47,11 @@ from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
 from statekv.eval.questions import BENCHMARKS, Question, counted
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
-                                  drop_unterminated_tail, drop_unterminated_tails, merge_rank_files, rank_file,
-                                  written_in)
+                                  drop_unterminated_tails, merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
+from statekv.eval.video_errors import ERRORS_GLOB, log_video_error, unresolved_errors
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
 from statekv.settings.options import ModelOptions, is_builtin
@@ -354,7 +353,7 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
                     answered += 1
                     bar.update(1)
             except VideoError as error:  # the data's fault, not the model's: note it and go on
-                _log_video_error(config, context, video, error, answered)
+                log_video_error(config.out, context.rank, video, error, answered)
                 bar.update(len(video.questions) - answered)
 
 
@@ -497,7 +496,7 @@ def read_expected_qids(run_dir: Path | str) -> list[str] | None:
     return None if run is None else run["expected_qids"]
 
 
-def clear_run(run_dir: Path, patterns: Sequence[str] = (RANK_FILE_GLOB, "errors.rank*.jsonl", MERGED_FILE,
+def clear_run(run_dir: Path, patterns: Sequence[str] = (RANK_FILE_GLOB, ERRORS_GLOB, MERGED_FILE,
                                                          SUMMARY_FILE, TABLE_FILE, RUN_FILE)) -> None:
     """Remove what a run wrote in ``run_dir`` (answers, errors, merge, summary, table, ``run.json``; or the files
     ``patterns`` name), nothing else: ``overwrite`` answers every question again."""
@@ -507,59 +506,6 @@ def clear_run(run_dir: Path, patterns: Sequence[str] = (RANK_FILE_GLOB, "errors.
         for path in run_dir.glob(pattern):
             if path.is_file():
                 path.unlink()
-
-
-# ------------------------------------------------------------------------------------ unreadable videos
-
-
-def _log_video_error(config: EvalConfig, context: RankContext, video: VideoQuestions, error: Exception,
-                     answered: int) -> None:
-    left = len(video.questions) - answered
-    logger.error("%s: %s (%s stay unanswered; rerun to retry)", video.video_id, error,
-                 "its questions" if not answered else f"{left} of its {len(video.questions)} questions")
-    entry = {"video_id": video.video_id, "qids": [q.qid for q in video.questions], "error": str(error)}
-    path = config.out / f"errors.rank{context.rank:03d}.jsonl"
-    drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop")
-    with path.open("a", encoding="utf-8") as file:
-        file.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def unresolved_errors(run_dir: Path, asked: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Logged video errors whose questions are still unanswered (one entry per video, the latest error, with the
-    ids of its questions still unanswered), of the questions ``asked`` only (None: any; a rerun with a smaller
-    --limit asks fewer than the folder's log names)."""
-    answered, asked = completed_qids(run_dir), None if asked is None else set(asked)
-    latest: dict[str, dict[str, Any]] = {}
-    for path in sorted(run_dir.glob("errors.rank*.jsonl")):
-        for entry in _error_entries(path):
-            latest[entry["video_id"]] = entry
-    left = ({**entry, "qids": [qid for qid in entry["qids"] if qid not in answered and (asked is None or qid in asked)]}
-            for entry in latest.values())
-    return [entry for entry in left if entry["qids"]]  # a video that failed part way: its answers before count
-
-
-def _error_entries(path: Path) -> list[dict[str, Any]]:
-    """The entries of an error log; an unterminated last line (a killed writer) is ignored, any other damaged
-    line is a one-line `DataError` naming the file and the line."""
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    lines = text.split("\n")
-    entries = []
-    for number, line in enumerate(lines[:-1], start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except (ValueError, RecursionError):
-            entry = None
-        if not (isinstance(entry, dict) and isinstance(entry.get("video_id"), str)
-                and isinstance(entry.get("qids"), list) and all(isinstance(q, str) for q in entry["qids"])
-                and isinstance(entry.get("error", ""), str)):
-            raise DataError(f"{path}:{number}: damaged error log line (expected an object with video_id, qids and "
-                            "error); delete the line to retry that video")
-        entries.append(entry)
-    return entries
 
 
 # ------------------------------------------------------------------------------------ progress

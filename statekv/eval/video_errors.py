@@ -1,0 +1,69 @@
+"""The videos an evaluation could not read: logged to ``errors.rankNNN.jsonl`` in its run folder as they fail, and
+read back for those whose questions are still unanswered (a rerun retries them)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from statekv.errors import DataError
+from statekv.eval.records import completed_qids, drop_unterminated_tail
+from statekv.eval.sharding import VideoQuestions
+
+logger = logging.getLogger(__name__)
+ERRORS_GLOB = "errors.rank*.jsonl"
+
+
+def log_video_error(out: Path, rank: int, video: VideoQuestions, error: Exception, answered: int) -> None:
+    """Log that ``video`` could not be read after ``answered`` of its questions, and note it in rank ``rank``'s
+    error file in ``out`` (a rerun retries its questions still unanswered)."""
+    left = len(video.questions) - answered
+    logger.error("%s: %s (%s stay unanswered; rerun to retry)", video.video_id, error,
+                 "its questions" if not answered else f"{left} of its {len(video.questions)} questions")
+    entry = {"video_id": video.video_id, "qids": [q.qid for q in video.questions], "error": str(error)}
+    path = out / f"errors.rank{rank:03d}.jsonl"
+    drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop")
+    with path.open("a", encoding="utf-8") as file:
+        file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def unresolved_errors(run_dir: Path, asked: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Logged video errors whose questions are still unanswered (one entry per video, the latest error, with the
+    ids of its questions still unanswered), of the questions ``asked`` only (None: any; a rerun with a smaller
+    --limit asks fewer than the folder's log names)."""
+    answered, asked = completed_qids(run_dir), None if asked is None else set(asked)
+    latest: dict[str, dict[str, Any]] = {}
+    for path in sorted(run_dir.glob(ERRORS_GLOB)):
+        for entry in _error_entries(path):
+            latest[entry["video_id"]] = entry
+    left = ({**entry, "qids": [qid for qid in entry["qids"] if qid not in answered and (asked is None or qid in asked)]}
+            for entry in latest.values())
+    return [entry for entry in left if entry["qids"]]  # a video that failed part way: its answers before count
+
+
+def _error_entries(path: Path) -> list[dict[str, Any]]:
+    """The entries of an error log; an unterminated last line (a killed writer) is ignored, any other damaged
+    line is a one-line `DataError` naming the file and the line."""
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    entries = []
+    for number, line in enumerate(lines[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            entry = None
+        if not (isinstance(entry, dict) and isinstance(entry.get("video_id"), str)
+                and isinstance(entry.get("qids"), list) and all(isinstance(q, str) for q in entry["qids"])
+                and isinstance(entry.get("error", ""), str)):
+            raise DataError(f"{path}:{number}: damaged error log line (expected an object with video_id, qids and "
+                            "error); delete the line to retry that video")
+        entries.append(entry)
+    return entries
