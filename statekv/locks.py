@@ -115,7 +115,8 @@ class FileLock:
 
 def describe_holder(path: Path, fd: int | None = None, note: Path | None = None) -> str:
     """Who holds the lock of ``path``: the note its holder wrote in it (or in ``note``, if that file is locked too:
-    a note nobody holds may be anyone's), else the process the system names (Linux), else "another process"."""
+    a note nobody holds may be anyone's), else the process the system names (Linux; this one, said so), else "another
+    process"."""
     try:
         if fd is not None:
             note = os.pread(fd, MAX_HOLDER_CHARS, 0)
@@ -129,6 +130,8 @@ def describe_holder(path: Path, fd: int | None = None, note: Path | None = None)
     if note and note[0].strip() and note[0].isprintable():
         return note[0].strip()
     pid = _locking_pid(path)
+    if pid == os.getpid():  # flock refuses a second open of the same process too
+        return f"process {pid} on {socket.gethostname()}: this process, from another of its threads"
     return f"process {pid} on {socket.gethostname()}" if pid is not None else "another process"
 
 

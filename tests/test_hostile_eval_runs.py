@@ -12,12 +12,14 @@ import shutil
 import pytest
 
 import statekv.eval as ev
+import statekv.eval.runner as runner
 import statekv.synthetic.benchmark as benchmark
 from statekv.cli import main
 from statekv.errors import OutputError
 from statekv.eval.records import ResultsWriter
 from statekv.eval.video_errors import unresolved_errors
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+from hostile import run_child
 
 FAMILIES = ("needle", "position")  # the built-in model answers the first right and the second wrong on this set
 
@@ -155,3 +157,40 @@ def test_evaluating_a_make_that_was_stopped_says_so_in_one_line(tmp_path, capsys
         line = _one_line(capsys.readouterr().err)
         assert "holds a synthetic make that was stopped before its question file was written" in line
         assert "statekv synthetic make" in line
+
+
+def test_a_run_stopped_just_after_it_asks_more_questions_is_not_scored_by_its_earlier_summary(
+        data, tmp_path, monkeypatch, capsys):
+    """Before: a stop between writing run.json and removing the finished --limit 1 run's results.json left that
+    summary, which `eval table` trusted: the run's cell read 1 of 1 answered, not 1 of the 4 it now asks."""
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "1") == 0
+    whole = runner.write_whole
+
+    def stopped_after_run_file(path, content, *args):
+        whole(path, content, *args)
+        if path.name == "run.json":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "write_whole", stopped_after_run_file)
+    assert _eval(data, out) == 130
+    assert json.loads((out / "run.json").read_text())["limit"] is None
+    capsys.readouterr()
+    assert main(["eval", "table", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].endswith("(partial 1/4) |")
+
+
+def test_a_table_the_disk_stops_is_one_line_and_the_earlier_table_is_kept(data, tmp_path):
+    """Before: the table was written in place, so a full disk left the earlier file cut to what fitted."""
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "1") == 0
+    table = tmp_path / "table.md"
+    table.write_text("the earlier table\n")
+    result, child = run_child("from statekv.cli import main\n"
+                              "attempt(lambda: main(['eval', 'table', sys.argv[1], '--output', sys.argv[2]]))",
+                              out, table, max_file_bytes=40)
+    lines = [line for line in child.stderr.splitlines() if line.strip()]
+    assert result == {"ok": True, "value": 2}, (result, child.stderr[-2000:])
+    assert len(lines) == 1 and "File too large" in lines[0], child.stderr[-2000:]
+    assert table.read_text() == "the earlier table\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run", "table.md"]

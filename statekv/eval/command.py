@@ -184,6 +184,7 @@ def _groups(text: str) -> tuple[str, ...]:
 def run_table(args: argparse.Namespace) -> int:
     from statekv.errors import MissingFileError, OutputError
     from statekv.eval.records import completed_qids, run_records
+    from statekv.flushing import write_whole
     from statekv.eval.report import SUMMARY_FILE, build_summary, paper_table, read_summary
     from statekv.eval.runner import read_expected_qids
     from statekv.settings.values import check_output_file
@@ -212,7 +213,7 @@ def run_table(args: argparse.Namespace) -> int:
     if args.output:
         try:
             args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(table, encoding="utf-8")
+            write_whole(args.output, table.encode())
         except OSError as error:
             raise OutputError(f"cannot write --output {args.output}: {error.strerror or error}") from None
     return 0

@@ -255,8 +255,6 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
         content["weights"] = model_fingerprint(qa)
         check_run_file(config, expected, content, write=context.is_main, **before)
         done = completed_qids(config.out)
-        if context.is_main and not set(expected) <= done:  # a summary of fewer answers is no longer this run's
-            clear_run(config.out, (SUMMARY_FILE, TABLE_FILE))
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
         rank = f"rank {context.rank}/{context.world_size}: " if context.distributed else ""
@@ -388,7 +386,7 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
                                  f"({len(errors)} unreadable video(s), see errors.rank*.jsonl)")
     summary = write_summary(config.out, records, expected_qids=expected,
                             extra={"run": config.identity(), "errors": errors})
-    (config.out / TABLE_FILE).write_text(paper_table([config.out]), encoding="utf-8")
+    write_whole(config.out / TABLE_FILE, paper_table([config.out]).encode())
     return summary
 
 
@@ -438,6 +436,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
                                          f"{redo}")
     if write:
         config.out.mkdir(parents=True, exist_ok=True)
+        if not set(expected) <= completed_qids(config.out):  # gone before run.json names questions it lacks
+            clear_run(config.out, (SUMMARY_FILE, TABLE_FILE))
         document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected),
                     "conditions": conditions_used(config.out, config.options, run if answered else None)}
         write_whole(path, (json.dumps(document, indent=1) + "\n").encode())
