@@ -337,6 +337,46 @@ def test_a_stream_whose_replica_was_killed_in_a_save_is_deleted_whole_by_the_nex
     assert asyncio.run(scenario()) == []
 
 
+def test_what_a_save_killed_midway_left_is_removed_by_the_next_holders_save(tmp_path, qa, monkeypatch):
+    """Before: the partial folder of a replica killed in a save stayed in the shared folder for as long as the
+    stream lived (only its deletion removed it), however often the replica that took it over saved it."""
+    clock, killed, stuck = Clock(), threading.Event(), threading.Event()
+    save_file = stream_file.save_file
+
+    def save_then_freeze(*args, **kwargs):
+        save_file(*args, **kwargs)
+        stuck.set()
+        killed.wait(30)
+        raise RuntimeError("killed")
+
+    async def scenario():
+        first, second = _replica(tmp_path, qa, "first", clock), _replica(tmp_path, qa, "second", clock)
+        entry = await first.create(OWNER, {"horizon_frames": 16, "max_fps": None})
+        await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
+        with monkeypatch.context() as patched:
+            patched.setattr(stream_file, "save_file", save_then_freeze)
+            saving = asyncio.ensure_future(first.worker.run(first.save_now, entry))
+            await asyncio.to_thread(stuck.wait, 30)
+        clock.now += 120  # the first replica is gone (its process stopped dead): its lease lapses
+        left_by_kill = [name for name in _files_of(tmp_path, entry.id) if ".partial" in name]
+        taken = await second.find(OWNER, entry.id)
+        with pytest.raises(ServiceError, match="came back from its last save"):  # the pushes it lost, said once
+            await second.push(taken, random_frames(1, 32, 48, 64)[0], 1.0)
+        await second.push(taken, random_frames(1, 32, 48, 64)[0], 0.0)
+        await second.worker.run(second.save_now, taken)
+        files = _files_of(tmp_path, entry.id)
+        killed.set()
+        with pytest.raises(RuntimeError):
+            await saving
+        for registry in (first, second):
+            registry.worker.close()
+        return left_by_kill, files, taken.stream.frames
+
+    left_by_kill, files, frames = asyncio.run(scenario())
+    assert left_by_kill and frames == 1
+    assert not [name for name in files if ".partial" in name], files
+
+
 def test_a_watch_deleted_as_its_stream_moves_stays_deleted_on_the_replica_that_takes_it(tmp_path, qa):
     """Before: the deletion recorded the watch's end after letting go of the stream, so a hand-over waiting for the
     stream went first and moved it with a record still naming the watch; the replica that took it over served the

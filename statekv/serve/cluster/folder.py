@@ -10,9 +10,11 @@ one, so an object written by a replica that lost its lease is never read.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -32,6 +34,21 @@ log = logging.getLogger("statekv.serve")
 
 RENEW_FRACTION = 1 / 3  # a lease is renewed once this much of it is gone
 CLOCK_MARGIN_SECONDS = 1.0  # how far apart the replicas' clocks may be
+KILLED_SAVE = re.compile(r"\.[^/]+\.partial(\.[0-9a-f]{8}\.partial|\.lock)?")  # after a saved stream's name
+
+
+def _remove_killed_saves(final: Path) -> None:
+    """Remove what saves of ``final`` cut short by a replica's death left (the save's partial file, the folder
+    `statekv.Stream.save` writes it in, its lock file): called under the stream's lease, whose holder saves one at
+    a time, so none is a live save's but a replica's that lost the lease, whose rename is refused anyway."""
+    for path in final.parent.glob(f"{glob.escape(final.name)}.*"):
+        if not KILLED_SAVE.fullmatch(path.name[len(final.name):]):
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 class SharedStreamFiles(StreamFiles):
@@ -148,6 +165,7 @@ class SharedStreamFiles(StreamFiles):
         final = self.state_path(stream_id)
         partial = final.with_name(f"{final.name}.{self.holder}.partial")
         try:
+            _remove_killed_saves(final)
             write(partial)
             flush_file(partial)
             if self.store is None:
