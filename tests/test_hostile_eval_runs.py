@@ -194,3 +194,36 @@ def test_a_table_the_disk_stops_is_one_line_and_the_earlier_table_is_kept(data, 
     assert len(lines) == 1 and "File too large" in lines[0], child.stderr[-2000:]
     assert table.read_text() == "the earlier table\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run", "table.md"]
+
+
+def test_a_make_over_a_set_being_evaluated_is_refused_and_an_evaluation_of_a_set_being_made_too(
+        tmp_path, monkeypatch, capsys):
+    """Before: `synthetic make --overwrite` replaced the videos and questions of a set an evaluation was reading,
+    whose later answers then came from the new set, scored against the old answer key."""
+    data = tmp_path / "set"
+    make_benchmark(data, videos=2, seed=52, num_frames=12, families=FAMILIES)
+    write, refusals = ResultsWriter.write, []
+
+    def make_over_it(self, record):
+        if not refusals:
+            with pytest.raises(OutputError) as refused:
+                make_benchmark(data, videos=2, seed=54, num_frames=12, families=FAMILIES, overwrite=True)
+            refusals.append(str(refused.value))
+        write(self, record)
+
+    monkeypatch.setattr(ResultsWriter, "write", make_over_it)
+    assert _eval(data, tmp_path / "run") == 0
+    (refusal,) = refusals
+    assert f"the synthetic set's folder {data} is in use by" in refusal and "an evaluation reading it" in refusal
+    assert json.loads((data / "benchmark.json").read_text())["seed"] == 52
+    monkeypatch.setattr(ResultsWriter, "write", write)
+    capsys.readouterr()
+
+    def evaluate_midway(done, total):
+        if done == 1:
+            assert _eval(tmp_path / "new", tmp_path / "run2") == 2
+
+    make_benchmark(tmp_path / "new", videos=2, seed=54, num_frames=12, families=FAMILIES, progress=evaluate_midway)
+    line = _one_line(capsys.readouterr().err)
+    assert f"{tmp_path / 'new'} is in use by" in line and "a `statekv synthetic make` is writing it" in line
+    assert _eval(tmp_path / "new", tmp_path / "run2") == 0

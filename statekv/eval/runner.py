@@ -56,6 +56,7 @@ from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
 from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
+from statekv.synthetic.benchmark import reading_lock
 from statekv.stopping import note_kept
 
 logger = logging.getLogger(__name__)
@@ -228,10 +229,20 @@ def display_name(model: str | Path) -> str:
 
 
 def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa=None) -> dict[str, Any] | None:
-    """Run (or resume) ``config`` on this rank; rank 0 returns the summary written to ``results.json``.
+    """Run (or resume) ``config`` on this rank; rank 0 returns the summary written to ``results.json``. A synthetic
+    set is read under its folder's shared lock (`statekv.synthetic.benchmark.reading_lock`): no make replaces it
+    meanwhile.
 
     qa: an already loaded `statekv.VideoQA` with the config's method (default: load ``config.model``)."""
-    context = context or RankContext.from_env()
+    data = reading_lock(config.data_root) if config.benchmark == "synthetic" and not config.from_hub else None
+    try:
+        return _run_evaluation(config, context or RankContext.from_env(), qa)
+    finally:
+        if data is not None:
+            data.release()
+
+
+def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, Any] | None:
     every_question = load_questions(config)
     questions = every_question[: config.limit] if config.limit else every_question
     expected = [question.qid for question in questions]

@@ -12,7 +12,8 @@ Sampled at 1 frame per second (``statekv``'s default), a video gives exactly its
 question file is written last, so an interrupted ``make`` leaves no file that looks complete; it leaves
 ``making.json`` (what it was asked to make) and whole videos (each written beside its name, then renamed), so the
 same command run again makes only the videos missing. A make holds the folder's lock while it writes: a second
-make into it meanwhile is refused.
+make into it meanwhile is refused, and so is an evaluation of it, which holds the lock shared while it reads
+(`reading_lock`), so a make into a set being evaluated is refused too.
 
 ``make_benchmark(..., streaming=True)`` writes ``streaming.json`` instead of ``questions.jsonl``: timestamped
 questions asked while the video plays, in OVO-Bench's format (`statekv.synthetic.streaming`).
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, OutputError, StateKVError
+from ..errors import ConfigurationError, InputError, OutputError, StateKVError
 from ..flushing import flush_file, flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import check_output_dir
@@ -77,7 +78,8 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = FileLock.acquire(out, what=f"the synthetic set's folder {out}", error=OutputError,
-                                advice="another make is writing it: wait for it to end, or give this one another --out")
+                                advice="another make is writing it or an evaluation reading it: wait for it to end, or "
+                                "give this one another --out")
         try:
             # read again under the lock: a make that held the folder until now may have finished or replaced its set
             return _write_set(out, making, _resumes(out, making, overwrite), overwrite, progress)
@@ -88,6 +90,16 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
             raise
         raise OutputError(f"cannot write {error.filename or out} ({error.strerror or error}); the videos written so "
                           "far are kept: run the same command again to go on once it can be written") from None
+
+
+def reading_lock(folder: str | os.PathLike) -> FileLock | None:
+    """The lock of a synthetic set's ``folder``, held shared while an evaluation reads it (None when there is no
+    such folder): a one-line `InputError` while a make writes it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    return FileLock.acquire(folder, what=f"the synthetic set's folder {folder}", error=InputError, shared=True,
+                            advice="a `statekv synthetic make` is writing it: wait for it to end")
 
 
 def _write_set(out: Path, making: dict[str, Any], resumed: bool, overwrite: bool,
