@@ -218,13 +218,13 @@ def test_a_holder_that_stalled_before_pruning_its_objects_keeps_the_next_holders
     stale.save_state(STREAM, lambda path: path.write_bytes(b"one"))
     names, stalled = stale.store.objects.names, []
 
-    def listing(prefix):
+    def listing(prefix, start=""):
         if not stalled:  # the pruning lists the objects: the holder stalls there
             stalled.append(prefix)
             clock.now += 11
             assert fresh.take(STREAM)
             fresh.save_state(STREAM, lambda path: path.write_bytes(b"fresh"))
-        return names(prefix)
+        return names(prefix, start)
     monkeypatch.setattr(stale.store.objects, "names", listing)
     stale.save_state(STREAM, lambda path: path.write_bytes(b"two"))
     assert stalled

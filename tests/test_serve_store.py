@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -23,15 +24,15 @@ pytest.importorskip("fastapi")
 import statekv  # noqa: E402
 from conftest import answered_alone, png_bytes, random_frames  # noqa: E402
 from statekv.serve.auth import owner_of  # noqa: E402
-from statekv.serve.cluster.leases import LeaseLost  # noqa: E402
+from statekv.serve.cluster.leases import LeaseLost, Leases  # noqa: E402
 from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
-from statekv.serve.cluster.shared import LeasedPlacement  # noqa: E402
+from statekv.serve.cluster.shared import LeasedPlacement, SharedStreamFiles  # noqa: E402
 from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
 from statekv.serve.cluster.versions import CHECK_WAITS, KEEP, StreamVersions  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
 from statekv.serve.errors import ServiceError  # noqa: E402
 
-from s3 import S3Server  # noqa: E402
+from s3 import BUCKET, S3Server  # noqa: E402
 
 STREAM = "st_" + "0" * 24
 KEY = "store-key"
@@ -790,3 +791,21 @@ def test_the_documented_rayservice_builds_the_object_store_application_and_its_p
     assert allowed == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
     prefix = service["spec"]["serveConfigV2"].split("store: s3://", 1)[1].split()[0]
     assert any(statement["Resource"] == f"arn:aws:s3:::{prefix}/*" for statement in policy["Statement"])
+
+
+def test_a_save_beside_a_shared_folder_lists_only_its_own_streams_objects(aws, tmp_path, caplog):
+    """Before: pruning a stream's older saves (``--state-dir`` with ``--store``) listed every object of every
+    stream in the store, at each save of each stream: a listing the store bills and pages by what it returns."""
+    url, other = aws.url(), "st_" + "1" * 24
+    files = SharedStreamFiles(tmp_path / "state", Leases(tmp_path / "state", "one", 60), store=url)
+    for stream in (other, STREAM):
+        files.claim(stream)
+        files.save_state(stream, lambda path: path.write_bytes(b"first"))
+    caplog.set_level(logging.INFO, logger="werkzeug")  # the S3 server's log of the requests it answered
+    files.save_state(STREAM, lambda path: path.write_bytes(b"second"))
+    listings = [record.getMessage() for record in caplog.records if "list-type=2" in record.getMessage()]
+    prefix = url.split(f"s3://{BUCKET}/", 1)[1]
+    assert listings and all(f"prefix={prefix}/{STREAM}." in listing for listing in listings), listings
+    assert [name.split(".")[0] for name in aws.names(url)] == sorted([other, STREAM])
+    with files.local_state(STREAM) as path:
+        assert path.read_bytes() == b"second"

@@ -286,9 +286,9 @@ class SavesInStore:
         """Remove the stream's other objects made under ``token`` or an earlier one (all of them with ``token``
         None): a later holder's are its own; a failure only leaves garbage."""
         try:
-            for name in self.objects.names(""):
+            for name in self.objects.names("", f"{stream_id}."):
                 made = name.removeprefix(f"{stream_id}.").split(".", 1)[0]
-                if name.startswith(f"{stream_id}.") and name.endswith(".safetensors") and name != keep and \
+                if name.endswith(".safetensors") and name != keep and \
                         (token is None or (made.isdigit() and int(made) <= token)):
                     self.objects.remove(name)
         except OSError as error:

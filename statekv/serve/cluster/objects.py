@@ -123,16 +123,19 @@ class ObjectStore:
                 raise MissingObject(failure.strerror) from None
             raise failure from None
 
-    def names(self, prefix: str) -> list[str]:
-        """Every object's name under ``prefix`` (a folder's name, ending in ``/``; "": every object), sorted."""
+    def names(self, prefix: str, start: str = "") -> list[str]:
+        """Every object's name under ``prefix`` (a folder's name, ending in ``/``; "": every object) that begins
+        with ``prefix + start``, sorted. The store lists only those where it can (S3, GCS and Azure take a prefix):
+        a listing is billed and paged by the objects it returns."""
+        folder = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
         try:
-            found = self.fs.find(self.path(prefix.strip("/")) if prefix.strip("/") else self.root)
+            found = self.fs.find(folder, **({"prefix": start} if start else {}))
         except FileNotFoundError:
             return []
         except Exception as error:  # noqa: BLE001 - see the module's doc
-            raise self.error("list", prefix, error) from None
-        start = len(self.root) + 1
-        return sorted(path[start:] for path in found if not path.endswith("/"))
+            raise self.error("list", prefix + start, error) from None
+        begins = f"{folder}/{start}"
+        return sorted(path[len(self.root) + 1:] for path in found if not path.endswith("/") and path.startswith(begins))
 
     # -- checking -------------------------------------------------------------------------------------------
     def check(self) -> None:
