@@ -50,9 +50,9 @@ def qa():
     return statekv.VideoQA.from_pretrained("builtin", budget=64)
 
 
-def _replica(state, qa, name: str, clock=None) -> SharedRegistry:
+def _replica(state, qa, name: str, clock=None, lease_seconds: float = 60) -> SharedRegistry:
     config = ServeConfig(options=qa.options, state_dir=state, save_every_frames=1000, max_streams=4)
-    leases = Leases(state, name, seconds=60, **({"clock": clock} if clock else {}))  # no loop renews them here
+    leases = Leases(state, name, seconds=lease_seconds, **({"clock": clock} if clock else {}))  # no loop renews
     registry = SharedRegistry(config, qa, ModelWorker(), SharedStreamFiles(state, leases))
     registry.metrics = Metrics(lambda: 0, lambda: 0)
     return registry
@@ -375,6 +375,36 @@ def test_what_a_save_killed_midway_left_is_removed_by_the_next_holders_save(tmp_
     left_by_kill, files, frames = asyncio.run(scenario())
     assert left_by_kill and frames == 1
     assert not [name for name in files if ".partial" in name], files
+
+
+@pytest.mark.parametrize("request_kind", ["question", "push"])
+def test_a_request_waiting_while_its_replicas_hold_lapses_is_refused_for_a_retry(tmp_path, qa, request_kind):
+    """Before: a request found its stream held here and waited for the model's thread past the moment another
+    replica may take the stream (this one stalled: no renewal). A question was answered from this replica's copy,
+    which no longer sees the frames pushed to the new holder; a push was answered 200 and streamed into a copy that
+    could no longer be saved."""
+    lease_seconds = 2.0
+
+    async def scenario():
+        first = _replica(tmp_path, qa, "first", lease_seconds=lease_seconds)
+        entry = await first.create(OWNER, {"horizon_frames": 16, "max_fps": None})
+        taken = time.monotonic()
+        await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
+        entry = await first.find(OWNER, entry.id)  # held here, surely
+        stalled = asyncio.ensure_future(first.worker.run(time.sleep, max(0.0, taken + lease_seconds - time.monotonic())))
+        await _queued(first.worker, 1)
+        with pytest.raises(ServiceError) as refused:
+            if request_kind == "question":
+                await first.ask(entry, "What colour was the triangle?", 4, None)
+            else:
+                await first.push(entry, random_frames(1, 32, 48, 64)[0], 1.0)
+        await stalled
+        assert entry.stream.frames == 1
+        first.worker.close()
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and "moved to another replica; retry" in str(refused)
 
 
 def test_a_watch_deleted_as_its_stream_moves_stays_deleted_on_the_replica_that_takes_it(tmp_path, qa):

@@ -257,8 +257,10 @@ class StreamRegistry:
     def _before_push(self, entry: StreamEntry, stream: Any) -> int:
         """Checks before a push to ``stream`` (the entry's when it was queued), and the save that is due (before
         the push: a save that fails refuses the push, so the frame is not streamed and a retry does not stream it
-        twice)."""
+        twice). A stream whose hold lapsed while the push waited is refused (503): a frame streamed here could
+        no longer be saved."""
         check_here(entry, stream)
+        self.placement.check(entry)
         if entry.stream.pushed - entry.saved["pushed"] >= self.config.save_every_frames:
             try:
                 self.save_now(entry)
@@ -420,19 +422,19 @@ class StreamRegistry:
         await entry.keep_record(self.files, "an answer")  # the answer is given; only its note may be lost
         return result
 
-    @classmethod
-    def _ask_now(cls, entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _ask_now(self, entry: StreamEntry, question: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer with the frames and the stream time it refers to (read on the model's thread, before any
         later push). A question that does not fit the room left in the stream's horizon is refused first."""
-        prompt = cls._before_ask(entry, question, kwargs, entry.stream)
-        return cls._after_ask(entry, prompt, entry.stream.ask_tokens(question, **kwargs), kwargs)
+        prompt = self._before_ask(entry, question, kwargs, entry.stream)
+        return self._after_ask(entry, prompt, entry.stream.ask_tokens(question, **kwargs), kwargs)
 
-    @staticmethod
-    def _before_ask(entry: StreamEntry, question: str, kwargs: dict[str, Any], stream: Any) -> int:
+    def _before_ask(self, entry: StreamEntry, question: str, kwargs: dict[str, Any], stream: Any) -> int:
         """The checks before a question to ``stream`` (the entry's when it was queued; on the model's thread): the
-        stream is here and open and has a frame, and the question fits the room left in its horizon; returns its
-        prompt's length in tokens."""
+        stream is here and open, still surely this replica's (a hold that lapsed while the question waited: 503,
+        the retry reaches the new holder), and has a frame, and the question fits the room left in its horizon;
+        returns its prompt's length in tokens."""
         check_here(entry, stream)
+        self.placement.check(entry)
         check_has_frames(entry)
         prompt = prompt_tokens(entry.stream, question, kwargs["max_new_tokens"])
         check_answer(kwargs)
