@@ -391,7 +391,8 @@ def test_a_request_waiting_while_its_replicas_hold_lapses_is_refused_for_a_retry
         taken = time.monotonic()
         await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
         entry = await first.find(OWNER, entry.id)  # held here, surely
-        stalled = asyncio.ensure_future(first.worker.run(time.sleep, max(0.0, taken + lease_seconds - time.monotonic())))
+        lapse = max(0.0, taken + lease_seconds - time.monotonic())
+        stalled = asyncio.ensure_future(first.worker.run(time.sleep, lapse))
         await _queued(first.worker, 1)
         with pytest.raises(ServiceError) as refused:
             if request_kind == "question":
