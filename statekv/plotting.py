@@ -3,11 +3,13 @@ file checked before the work that draws it (`check_plot_file`) and written as na
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigurationError, OutputError
+from .flushing import write_whole
 
 NEEDS_LATEX = {"pgf"}  # matplotlib writes it only through a LaTeX installation
 
@@ -40,9 +42,16 @@ def check_plot_file(path: str | os.PathLike, name: str) -> Path:
     return path
 
 
-def save_figure(figure: Any, path: Path, dpi: int) -> Path:
+def save_figure(figure: Any, path: str | os.PathLike, dpi: int) -> Path:
     """Write ``figure`` to ``path`` as it is named (matplotlib would add ``.png`` to a name without an extension),
-    its folders made; returns ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi, format=path.suffix[1:].lower() or "png")
+    its folders made, whole or not at all: a file there before is kept as it was when the new one cannot be written
+    (a full disk), and a one-line `OutputError` says why. Returns ``path``."""
+    path = Path(path)
+    drawn = io.BytesIO()
+    figure.savefig(drawn, dpi=dpi, format=path.suffix[1:].lower() or "png")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, drawn.getvalue())
+    except OSError as error:
+        raise OutputError(f"cannot write the plot {path} ({error.strerror or error})") from None
     return path

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from statekv.console import quiet_libraries
+from statekv.errors import OutputError
 from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
 
@@ -110,13 +111,16 @@ def run(args: argparse.Namespace) -> int:
     label = args.label or Path(str(args.model).rstrip("/")).name
     document = report.build_report(statistics.result(), errors.result() if errors else None, model=str(args.model),
                                    videos=[str(v) for v in args.videos], tokens=tokens, label=label, note=args.note)
-    args.out.mkdir(parents=True, exist_ok=True)
-    figures = plots.plot_all(document, args.out)
-    document["figures"] = [p.name for p in figures]
+    document["figures"] = plots.figure_names(document)
+    summary = report.markdown_summary(document, figures=document["figures"])
+    # the measurements first, each file whole: figures that cannot be written (a full disk) lose none of them
     json_path = report.write_json(document, args.out / "analysis.json")
-    markdown_path = args.out / "analysis.md"
-    markdown_path.write_text(report.markdown_summary(document, figures=[p.name for p in figures]))
-    print(markdown_path.read_text())
+    markdown_path = report.write_text(summary, args.out / "analysis.md")
+    try:
+        figures = plots.plot_all(document, args.out)
+    except OutputError as error:
+        raise OutputError(f"{error}; {json_path.name} and {markdown_path.name} hold the analysis") from None
+    print(summary)
     for path in (json_path, markdown_path, *figures):
         print(f"wrote {path}")
     return 0

@@ -5,19 +5,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from statekv.plotting import pyplot
+from statekv.plotting import pyplot, save_figure
 
 TRANSITION_LABELS = {"recall": "recall", "weighted_recall": "weighted recall", "retention": "retention",
                      "churn": "churn"}
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=120)
+    finally:
+        pyplot().close(fig)
 
 
 def _layer_colors(plt, layers: int):
@@ -137,8 +136,14 @@ def plot_errors(errors: dict, path: str | Path, title: str = "") -> Path:
 FIGURES = ("concentration", "oracle", "recency", "distance", "error")  # plot_all's, each ``{prefix}{name}.png``
 
 
+def figure_names(report: dict, prefix: str = "analysis_") -> list[str]:
+    """The files `plot_all` writes for ``report``, in its order."""
+    return [f"{prefix}{name}.png" for name in FIGURES if name != "error" or report.get("errors")]
+
+
 def plot_all(report: dict, out: str | Path, prefix: str = "analysis_") -> list[Path]:
-    """Every figure of ``report`` (see :func:`statekv.analysis.report.build_report`) into folder ``out``."""
+    """Every figure of ``report`` (see :func:`statekv.analysis.report.build_report`) into folder ``out``
+    (`figure_names`)."""
     out = Path(out)
     stats, label = report["statistics"], report.get("label", "")
     paths = [plot_concentration(stats, out / f"{prefix}concentration.png", _titled("Concentration", label)),

@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from statekv.errors import OutputError
+from statekv.flushing import write_whole
+
 PAPER_MODELS = ("InternVL3-1B", "InternVL3-2B", "InternVL3-8B")
 # statistic -> {budget B or window R: (1B, 2B, 8B)}
 PAPER = {
@@ -28,8 +31,18 @@ def build_report(statistics: dict, errors: dict | None, *, model: str, videos: l
 
 
 def write_json(report: dict, path: str | Path) -> Path:
+    return write_text(json.dumps(report, indent=1, allow_nan=False) + "\n", path)
+
+
+def write_text(text: str, path: str | Path) -> Path:
+    """Write ``text`` to ``path`` whole or not at all, its folders made; a one-line `OutputError` when it cannot be
+    written."""
     path = Path(path)
-    path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, text.encode("utf-8"))
+    except OSError as error:
+        raise OutputError(f"cannot write {path} ({error.strerror or error})") from None
     return path
 
 

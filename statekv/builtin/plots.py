@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..plotting import pyplot
+from ..plotting import pyplot, save_figure
 
 
 def read_log(path: Path | str) -> list[dict]:
@@ -43,11 +43,10 @@ def plot_log(log: Path | str, path: Path | str) -> Path:
         _mark_stages(ax, lines)
     fig.suptitle("Training the built-in model (full attention, CPU)", fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _mark_stages(ax, lines: list[dict]) -> None:

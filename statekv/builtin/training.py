@@ -216,7 +216,10 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
                     out / STATE_FILE)
         raise
     if step >= recipe.steps:
-        save_checkpoint(model.eval(), tokenizer, out / MODEL_DIR, recipe=recipe.to_dict())
+        try:
+            save_checkpoint(model.eval(), tokenizer, out / MODEL_DIR, recipe=recipe.to_dict())
+        except OutputError as error:
+            raise OutputError(f"{error}; {out / STATE_FILE} keeps all {step} steps: rerun to write it") from None
     return out / MODEL_DIR
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from statekv.plotting import pyplot
+from statekv.plotting import pyplot, save_figure
 
 from .analytic import PrefillFlops
 from .report import TERA, BreakEven
@@ -84,8 +84,7 @@ def plot_frontier(points: list[dict], path: str | Path, benchmark: str = "videom
 
 
 def _save(fig, plt, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=130)
+    finally:
+        plt.close(fig)
