@@ -111,3 +111,12 @@ def test_an_export_of_the_trained_model_that_cannot_be_written_keeps_the_earlier
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == earlier
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]  # no partial folder left
     assert load_file(folder / "model.safetensors")  # whole: it reads
+
+
+@pytest.mark.parametrize("steps", ["65", "100000"])
+def test_flops_measures_no_more_steps_than_the_frames_it_reports(steps, capsys):
+    """Before: ``--measure`` past ``--frames`` measured steps the report does not hold, and a large one ended on an
+    error naming ``--max-frames`` and ``--positions``, options ``statekv flops`` does not have."""
+    assert main(["flops", "--models", "internvl3-1b", "--frames", "64", "--measure", steps]) == 2
+    error = _one_line(capsys)
+    assert f"--measure {steps} counts more steps than the --frames 64" in error and "--positions" not in error

@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.frames > MAX_FRAMES:  # the curves hold per-frame arrays for every model and method
         raise ConfigurationError(f"--frames {args.frames} is more than the {MAX_FRAMES} frames this report "
                                  "covers (over 27 hours at 1 frame per second)")
+    if args.measure > args.frames:
+        raise ConfigurationError(f"--measure {args.measure} counts more steps than the --frames {args.frames} the "
+                                 "report covers; measure at most that many")
     at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:
