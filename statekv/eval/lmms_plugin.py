@@ -37,7 +37,9 @@ lmms-eval adds to even out the ranks with nothing (lmms-eval discards them).
 
 lmms-eval logs an exception raised by a model and still exits 0 (and in a multi-process run the other
 ranks then wait at the next collective). The statekv model therefore ends the process itself on an error:
-exit status 2 with one line for bad model args, requests or videos, 1 with the traceback for anything else.
+exit status 2 with one line for bad model args (read strictly: `statekv.eval.lmms_inputs`), requests or missing
+videos, 1 with the traceback for anything else. A video that exists but cannot be read is the data's fault: its
+questions are answered empty, with one line (`report_unreadable`), and the run goes on.
 
 lmms-eval is optional: without it this module still imports (the class then has a stand-in base with the
 same request contract), so the request handling is usable and testable on its own.
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import numbers
 import os
 import sys
 import traceback
@@ -58,17 +59,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from statekv.errors import ConfigurationError, InputError, StateKVError
+from statekv.errors import ConfigurationError, InputError, StateKVError, VideoError
 from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
+from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
+from statekv.eval.lmms_inputs import (max_new_tokens, model_args_from_string, report_unreadable, sampling,
+                                     stop_strings)
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
-from statekv.settings.values import (LARGEST_INT, Option, check_question, integer, is_finite_number, optional_text,
-                                     parse_options, positive_int, required_text, shown, stream_rate)
+from statekv.settings.values import (Option, check_question, integer, optional_text, parse_options, positive_int,
+                                     required_text, shown, stream_rate)
 
 MODEL_ID = "statekv"
-DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
 PADDING_KEY = "__padding_only__"  # lmms-eval 0.7 marks the requests it adds to even out ranks with this
 MAX_ROUNDS = 10_000  # a multi-round document that never ends is refused
 
@@ -124,7 +127,7 @@ except ImportError:  # the optional dependency is absent: keep the same contract
 @contextmanager
 def exit_on_error(what: str) -> Iterator[None]:
     """End the process when the body raises: lmms-eval would log the error and exit 0 (see the module
-    docstring). statekv's own errors (bad model args, malformed requests, unreadable videos) give one line
+    docstring). statekv's own errors (bad model args, malformed requests, missing videos) give one line
     and status 2, anything else its traceback and status 1."""
     try:
         yield
@@ -150,6 +153,15 @@ class StateKV(_Base):
         super().__init__()
         with exit_on_error("loading the model"):
             self._setup(qa, model_args)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: Any, additional_config: dict[str, Any] | None = None) -> "StateKV":
+        """lmms-eval's way to make the model from ``--model_args`` and its own flags, read strictly
+        (`statekv.eval.lmms_inputs`): a malformed pair, a key given twice or empty, or one a flag contradicts, is
+        refused in one line."""
+        with exit_on_error("reading the model args"):
+            model_args = model_args_from_string(arg_string, additional_config)
+        return cls(**model_args)
 
     def _setup(self, qa, model_args: dict[str, Any]) -> None:
         from statekv.api.videoqa import VideoQA
@@ -211,16 +223,23 @@ class StateKV(_Base):
         rooms = self._rooms(requests, [prepared[index] for index in prepared if index not in timed])
         with tqdm(total=len(prepared), disable=self.rank != 0, desc="statekv answering") as bar:
             for video, indices in by_video.items():
-                encoded = self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
-                                         reserve_tokens=room_for_prompts(self.qa, *rooms[video]), protocol=True)
-                with encoded:
-                    for index in indices:
-                        _, prompt, gen_kwargs = prepared[index]
-                        answers[index] = self._answer(encoded, prompt, gen_kwargs)
-                        if self.cache_hook is not None:
-                            self.cache_hook.add_partial("generate_until", (requests[index].args[0], gen_kwargs),
-                                                        answers[index])
-                        bar.update(1)
+                try:
+                    room = room_for_prompts(self.qa, *rooms[video])
+                    with self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
+                                        reserve_tokens=room, protocol=True) as encoded:
+                        for index in indices:
+                            _, prompt, gen_kwargs = prepared[index]
+                            answers[index] = self._answer(encoded, prompt, gen_kwargs)
+                            if self.cache_hook is not None:
+                                self.cache_hook.add_partial("generate_until", (requests[index].args[0], gen_kwargs),
+                                                            answers[index])
+                            bar.update(1)
+                except VideoError as error:  # the data's fault, not the model's: that video's answers only
+                    left = [index for index in indices if answers[index] is None]
+                    report_unreadable(error, len(left))
+                    for index in left:
+                        answers[index] = ""
+                    bar.update(len(left))
             for index, text in self._stream_asks(requests, list(timed.values())):
                 answers[index] = text
                 bar.update(1)
@@ -247,15 +266,24 @@ class StateKV(_Base):
             answers[index] = [None] * len(rounds)
             for number, (video, prompt) in enumerate(rounds):
                 if times is None:
-                    with self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames,
-                                        reserve_tokens=room_for_prompts(self.qa, [prompt], _max_new_tokens(gen_kwargs)),
-                                        protocol=True) as encoded:
-                        answers[index][number] = self._answer(encoded, prompt, gen_kwargs)
+                    answers[index][number] = self._answer_alone(video, prompt, gen_kwargs)
                 else:
                     asks.append(_Ask((index, number), str(doc["video"]), times[number], video, prompt, gen_kwargs))
         for (index, number), text in self._stream_asks(requests, asks):
             answers[index][number] = text
         return answers  # type: ignore[return-value]
+
+    def _answer_alone(self, video: str, prompt: str, gen_kwargs: dict[str, Any]) -> str:
+        """One question about ``video``, encoded for it alone; ``""`` (and a line saying so) when the video cannot
+        be read."""
+        try:
+            room = room_for_prompts(self.qa, [prompt], max_new_tokens(gen_kwargs))
+            with self.qa.encode(video, max_fps=self.max_fps, max_frames=self.max_num_frames, reserve_tokens=room,
+                                protocol=True) as encoded:
+                return self._answer(encoded, prompt, gen_kwargs)
+        except VideoError as error:
+            report_unreadable(error, 1)
+            return ""
 
     # -- streaming ----------------------------------------------------------------------------------------
     def _timed_ask(self, index: int, request: Any, prepared: tuple[str, str, dict[str, Any]]) -> "_Ask | None":
@@ -277,28 +305,41 @@ class StateKV(_Base):
             by_source.setdefault(ask.source, []).append(ask)
         plans = self._stream_plans(requests, set(by_source))
         for source, source_asks in by_source.items():
-            last_second, prompts, longest = plans[source]
-            frames = max(1, math.ceil(math.ceil(last_second) * self.max_fps)) + 1  # clips end at ceil(time)
-            stream = self.qa.stream(frames, max_fps=self.max_fps, name=source,
-                                    reserve_tokens=room_for_prompts(self.qa, prompts, longest))
-            pushed = -math.inf
-            watches = VideoWatches([], None)
-            left = Counter((ask.key[0], ask.prompt) for ask in source_asks if isinstance(ask.key, tuple))
-            with stream:
-                try:
-                    for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
-                        pushed = _feed(stream, ask.video, pushed, self.max_fps)
-                        if not isinstance(ask.key, tuple):
-                            yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
-                            continue
-                        key = (ask.key[0], ask.prompt)
-                        text, _, _ = watches.evaluate(stream, key, ask.prompt, _max_new_tokens(ask.gen_kwargs))
-                        left[key] -= 1
-                        if left[key] <= 0:
-                            watches.close(key)
-                        yield ask.key, text
-                finally:
-                    watches.close_all()
+            done = set()
+            try:
+                for key, text in self._ask_source(source, source_asks, plans[source]):
+                    done.add(key)
+                    yield key, text
+            except VideoError as error:  # a clip of the source cannot be read: its stream's later asks get ""
+                left = [ask.key for ask in source_asks if ask.key not in done]
+                report_unreadable(error, len(left), f"on the stream of {source}")
+                yield from ((key, "") for key in left)
+
+    def _ask_source(self, source: str, source_asks: Sequence["_Ask"], plan: tuple[float, list[str], int]
+                    ) -> Iterator[tuple[Any, str]]:
+        """``(key, answer)`` of ``source_asks``, on one stream of ``source`` planned by ``plan`` (`_stream_plans`)."""
+        last_second, prompts, longest = plan
+        frames = max(1, math.ceil(math.ceil(last_second) * self.max_fps)) + 1  # clips end at ceil(time)
+        stream = self.qa.stream(frames, max_fps=self.max_fps, name=source,
+                                reserve_tokens=room_for_prompts(self.qa, prompts, longest))
+        pushed = -math.inf
+        watches = VideoWatches([], None)
+        left = Counter((ask.key[0], ask.prompt) for ask in source_asks if isinstance(ask.key, tuple))
+        with stream:
+            try:
+                for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
+                    pushed = _feed(stream, ask.video, pushed, self.max_fps)
+                    if not isinstance(ask.key, tuple):
+                        yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
+                        continue
+                    key = (ask.key[0], ask.prompt)
+                    text, _, _ = watches.evaluate(stream, key, ask.prompt, max_new_tokens(ask.gen_kwargs))
+                    left[key] -= 1
+                    if left[key] <= 0:
+                        watches.close(key)
+                    yield ask.key, text
+            finally:
+                watches.close_all()
 
     def _stream_plans(self, requests: Sequence[Any], sources: set[str]) -> dict[str, tuple[float, list[str], int]]:
         """``source -> (last query time, prompts, longest answer)`` over every document of the requests' tasks
@@ -324,7 +365,7 @@ class StateKV(_Base):
                 last, prompts, longest = plans.get(source, (0.0, [], 0))
                 plans[source] = (max([last, *(t for t in times or [] if t is not None)]),
                                  prompts + [prompt for _, prompt in rounds],
-                                 max(longest, _max_new_tokens(gen_kwargs)))
+                                 max(longest, max_new_tokens(gen_kwargs)))
         return plans
 
     def _rooms(self, requests: Sequence[Any], prepared: Iterable[tuple[str, str, dict[str, Any]]]
@@ -340,7 +381,7 @@ class StateKV(_Base):
         rooms: dict[str, tuple[list[str], int]] = {}
         for video, prompt, gen_kwargs in prepared:
             prompts, longest = rooms.get(video, ([], 0))
-            rooms[video] = ([*prompts, prompt], max(longest, _max_new_tokens(gen_kwargs)))
+            rooms[video] = ([*prompts, prompt], max(longest, max_new_tokens(gen_kwargs)))
         if not rooms:
             return rooms
         tasks: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
@@ -356,7 +397,7 @@ class StateKV(_Base):
                 if video in rooms:
                     prompts, longest = rooms[video]
                     prompts.append(prompt)
-                    rooms[video] = (prompts, max(longest, _max_new_tokens(gen_kwargs)))
+                    rooms[video] = (prompts, max(longest, max_new_tokens(gen_kwargs)))
         return rooms
 
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
@@ -380,8 +421,8 @@ class StateKV(_Base):
                              "data does not hold") from None
 
     def _answer(self, encoded, prompt: str, gen_kwargs: dict[str, Any]) -> str:
-        until = _stop_strings(gen_kwargs)
-        options: dict[str, Any] = {"max_new_tokens": _max_new_tokens(gen_kwargs), **_sampling(gen_kwargs)}
+        until = stop_strings(gen_kwargs)
+        options: dict[str, Any] = {"max_new_tokens": max_new_tokens(gen_kwargs), **sampling(gen_kwargs)}
         if until:
             options.update(stop_strings=until, tokenizer=self.qa.adapter.tokenizer)
         text = encoded.ask(prompt, **options)
@@ -451,9 +492,7 @@ def query_time(doc: Any, *, where: str = "document") -> float | None:
         questions = ovobench.row_questions(doc, Path(), where)
         return questions[0].realtime if len(questions) == 1 and not questions[0].item else None
     seconds = doc.get("realtime")
-    if not is_finite_number(seconds) or seconds < 0:
-        return None
-    return float(seconds)
+    return None if seconds is None else ovobench.seconds(seconds, f"{where}: field 'realtime'")
 
 
 def round_times(doc: Any, rounds: int, *, where: str = "document") -> list[float] | None:
@@ -467,8 +506,8 @@ def round_times(doc: Any, rounds: int, *, where: str = "document") -> list[float
     if "task" in doc:
         questions = ovobench.row_questions(doc, Path(), where)
         return [question.realtime for question in questions] if len(questions) == rounds else None
-    times = [query_time({"video": doc["video"], "realtime": poll.get("realtime")}) if isinstance(poll, dict) else None
-             for poll in polls]
+    times = [query_time({"video": doc["video"], "realtime": poll.get("realtime")}, where=f"{where} round {number}")
+             if isinstance(poll, dict) else None for number, poll in enumerate(polls)]
     return None if None in times else times  # type: ignore[return-value]
 
 
@@ -513,54 +552,6 @@ def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:
         raise InputError(f"a chat request's doc_to_messages must be callable and its gen_kwargs a mapping, got "
                          f"{type(doc_to_messages).__name__} and {type(gen_kwargs).__name__}")
     return doc_to_messages, dict(gen_kwargs or {}), doc_id, task, split
-
-
-def _finite(value: Any) -> bool:
-    """A real number (not a bool; numpy's scalars too) that a float holds finite."""
-    return isinstance(value, numbers.Real) and is_finite_number(value if isinstance(value, int) else float(value))
-
-
-def _max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
-    """The request's ``max_new_tokens`` (a whole number, 1 or more; absent or None: `DEFAULT_MAX_NEW_TOKENS`)."""
-    value = gen_kwargs.get("max_new_tokens")
-    if value is None:
-        return DEFAULT_MAX_NEW_TOKENS
-    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not (integral or _finite(value) and value == int(value)) or value < 1:
-        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got "
-                         f"{shown(value)}")
-    if value > LARGEST_INT:
-        raise InputError(f"the request's max_new_tokens must be at most {LARGEST_INT:,}; got {shown(value)}")
-    return int(value)
-
-
-def _sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The request's ``temperature`` (a number, 0 or more: 0 or absent is greedy) and ``top_p`` (in (0, 1]) as
-    `generate` options, checked."""
-    temperature = gen_kwargs.get("temperature")
-    if temperature is None:
-        temperature = 0
-    if not _finite(temperature) or temperature < 0:
-        raise InputError(f"the request's temperature must be a number, 0 or more; got {shown(temperature)}")
-    if temperature == 0:
-        return {}
-    options = {"do_sample": True, "temperature": float(temperature)}
-    top_p = gen_kwargs.get("top_p")
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-            raise InputError(f"the request's top_p must be a number in (0, 1]; got {top_p!r}")
-        options["top_p"] = float(top_p)
-    return options
-
-
-def _stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
-    """The request's ``until``: a string or a list of strings (empty ones and None dropped)."""
-    until = gen_kwargs.get("until") or []
-    if isinstance(until, str):
-        return [until]
-    if not isinstance(until, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in until):
-        raise InputError(f"the request's until must be a string or a list of strings; got {until!r}")
-    return [stop for stop in until if stop]
 
 
 def _is_padding(request: Any) -> bool:

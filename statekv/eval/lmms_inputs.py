@@ -1,0 +1,126 @@
+"""What the lmms-eval plugin (`statekv.eval.lmms_plugin`) is given, read strictly: its ``--model_args`` text
+(`model_args_from_string`), a request's generation kwargs; how a video that cannot be read is reported.
+
+lmms-eval's own reading (``lmms.create_from_arg_string``) splits the text at commas into ``key=value`` pairs,
+converts each value itself and calls the model with them and its own flags (``--batch_size``, ``--device``).
+There a pair without ``=`` (``budget4096``) and a key its flags give too (``device=cpu`` with ``--device``, or
+``batch_size=1``, which lmms-eval always passes) end with a traceback in lmms-eval, and exit status 0; a key given
+twice keeps its last value and an empty value (``budget=``) reaches the model as ``""``, read as not given: both
+are silently ignored. The statekv model refuses each in one line, and is handed the values as text, which it
+reads as the command line's (`statekv.settings.values`).
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from statekv.errors import ConfigurationError, InputError, VideoError, VideoNotFoundError
+from statekv.settings.values import LARGEST_INT, is_finite_number, shown
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # lmms-eval's chat models' default when a task sets none
+
+
+def model_args_from_string(text: Any, flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``{key: value}`` of ``--model_args`` ``text`` (``key=value`` pairs separated by commas; already a mapping:
+    its items), merged with lmms-eval's own ``flags`` (None values: not given). A one-line `ConfigurationError`
+    for a pair that is not ``key=value``, a key given twice or without a value, or one whose flag says otherwise."""
+    args = dict(text) if isinstance(text, Mapping) else _pairs(text)
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key in args and str(args[key]) != str(value):
+            raise ConfigurationError(f"--model_args gives {key}={args[key]}, but lmms-eval's --{key} is {value} (its "
+                                     f"default when not given); give {key} once, as --{key}")
+        args.setdefault(key, value)
+    return args
+
+
+def _pairs(text: Any) -> dict[str, str]:
+    if not isinstance(text, str):
+        raise ConfigurationError(f"--model_args must be text (key=value,...), got {shown(text)}")
+    args: dict[str, str] = {}
+    for pair in text.split(","):
+        if not pair.strip():
+            continue  # a trailing comma, as lmms-eval reads it
+        key, equals, value = (part.strip() for part in pair.partition("="))
+        if not equals or not key:
+            raise ConfigurationError(f"--model_args: {shown(pair.strip())} is not key=value (pairs are separated "
+                                     "by commas)")
+        if key in args:
+            raise ConfigurationError(f"--model_args gives {key} twice ({key}={args[key]} and {key}={value}); give "
+                                     "it once")
+        if not value:
+            raise ConfigurationError(f"--model_args gives {key} no value; give {key}=<value>, or leave it out for "
+                                     "its default")
+        args[key] = value
+    return args
+
+
+# -- a request's generation kwargs -----------------------------------------------------------------------------
+
+
+def finite(value: Any) -> bool:
+    """A real number (not a bool; numpy's scalars too) that a float holds finite."""
+    return isinstance(value, numbers.Real) and is_finite_number(value if isinstance(value, int) else float(value))
+
+
+def max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
+    """The request's ``max_new_tokens`` (a whole number, 1 or more; absent or None: `DEFAULT_MAX_NEW_TOKENS`)."""
+    value = gen_kwargs.get("max_new_tokens")
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not (integral or finite(value) and value == int(value)) or value < 1:
+        raise InputError(f"the request's max_new_tokens must be a whole number of tokens, 1 or more; got "
+                         f"{shown(value)}")
+    if value > LARGEST_INT:
+        raise InputError(f"the request's max_new_tokens must be at most {LARGEST_INT:,}; got {shown(value)}")
+    return int(value)
+
+
+def sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``temperature`` (a number, 0 or more: 0 or absent is greedy) and ``top_p`` (in (0, 1]) as
+    `generate` options, checked."""
+    temperature = gen_kwargs.get("temperature")
+    if temperature is None:
+        temperature = 0
+    if not finite(temperature) or temperature < 0:
+        raise InputError(f"the request's temperature must be a number, 0 or more; got {shown(temperature)}")
+    if temperature == 0:
+        return {}
+    options = {"do_sample": True, "temperature": float(temperature)}
+    top_p = gen_kwargs.get("top_p")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+            raise InputError(f"the request's top_p must be a number in (0, 1]; got {top_p!r}")
+        options["top_p"] = float(top_p)
+    return options
+
+
+def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
+    """The request's ``until``: a string or a list of strings (empty ones and None dropped)."""
+    until = gen_kwargs.get("until") or []
+    if isinstance(until, str):
+        return [until]
+    if not isinstance(until, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in until):
+        raise InputError(f"the request's until must be a string or a list of strings; got {until!r}")
+    return [stop for stop in until if stop]
+
+
+# -- the videos -------------------------------------------------------------------------------------------------
+
+
+def report_unreadable(error: VideoError, questions: int, where: str = "") -> None:
+    """Say in one line that a video could not be read (``error``) and its ``questions`` are answered empty: the
+    run goes on (lmms-eval scores them wrong), as `statekv eval` goes on past such a video. lmms-eval's
+    ``--use_cache`` keeps no empty answer, so a rerun with it asks only those again. A missing video (a wrong path,
+    not a damaged file) is raised again: it ends the run in one line, as before."""
+    if isinstance(error, VideoNotFoundError):
+        raise error
+    plural = "" if questions == 1 else "s"
+    print(f"statekv (lmms-eval model): cannot read a video{' ' + where if where else ''}: {error}; {questions} "
+          f"question{plural} answered empty (scored wrong; a rerun with --use_cache asks only them again)",
+          file=sys.stderr, flush=True)
