@@ -303,27 +303,35 @@ def test_a_stream_taken_while_the_shared_folder_is_full_is_refused_in_one_line_a
     assert frames == 1
 
 
-def test_a_stream_whose_replica_was_killed_in_a_save_is_deleted_whole_by_the_next(tmp_path, qa, monkeypatch):
-    """Before: what the killed save left in the shared folder (its partial folder) could not be removed, so the
-    deletion of the stream by the replica that took it over stopped half way, leaving its record, deletion note and
-    lease, and every later start of a replica failed to finish it again."""
-    clock, killed, stuck = Clock(), threading.Event(), threading.Event()
-    save_file = stream_file.save_file
+async def _frozen_in_a_save(replica: SharedRegistry, entry, killed: threading.Event, monkeypatch) -> asyncio.Future:
+    """A save of ``entry`` on ``replica`` that stops dead once its file is written, before its rename (as a replica
+    killed there), returned once it is there; it ends with a RuntimeError once ``killed`` is set."""
+    stuck, save_file = threading.Event(), stream_file.save_file
 
-    def save_then_freeze(*args, **kwargs):  # the replica stops dead once its save is written, before its rename
+    def save_then_freeze(*args, **kwargs):
         save_file(*args, **kwargs)
         stuck.set()
         killed.wait(30)
         raise RuntimeError("killed")
 
+    with monkeypatch.context() as patched:
+        patched.setattr(stream_file, "save_file", save_then_freeze)
+        saving = asyncio.ensure_future(replica.worker.run(replica.save_now, entry))
+        await asyncio.to_thread(stuck.wait, 30)
+    return saving
+
+
+def test_a_stream_whose_replica_was_killed_in_a_save_is_deleted_whole_by_the_next(tmp_path, qa, monkeypatch):
+    """Before: what the killed save left in the shared folder (its partial folder) could not be removed, so the
+    deletion of the stream by the replica that took it over stopped half way, leaving its record, deletion note and
+    lease, and every later start of a replica failed to finish it again."""
+    clock, killed = Clock(), threading.Event()
+
     async def scenario():
         first, second = _replica(tmp_path, qa, "first", clock), _replica(tmp_path, qa, "second", clock)
         entry = await first.create(OWNER, {"horizon_frames": 16, "max_fps": None})
         await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
-        with monkeypatch.context() as patched:
-            patched.setattr(stream_file, "save_file", save_then_freeze)
-            saving = asyncio.ensure_future(first.worker.run(first.save_now, entry))
-            await asyncio.to_thread(stuck.wait, 30)
+        saving = await _frozen_in_a_save(first, entry, killed, monkeypatch)
         clock.now += 120  # the first replica is gone: its lease lapses
         await second.remove(OWNER, entry.id)
         left = _files_of(tmp_path, entry.id)
@@ -340,23 +348,13 @@ def test_a_stream_whose_replica_was_killed_in_a_save_is_deleted_whole_by_the_nex
 def test_what_a_save_killed_midway_left_is_removed_by_the_next_holders_save(tmp_path, qa, monkeypatch):
     """Before: the partial folder of a replica killed in a save stayed in the shared folder for as long as the
     stream lived (only its deletion removed it), however often the replica that took it over saved it."""
-    clock, killed, stuck = Clock(), threading.Event(), threading.Event()
-    save_file = stream_file.save_file
-
-    def save_then_freeze(*args, **kwargs):
-        save_file(*args, **kwargs)
-        stuck.set()
-        killed.wait(30)
-        raise RuntimeError("killed")
+    clock, killed = Clock(), threading.Event()
 
     async def scenario():
         first, second = _replica(tmp_path, qa, "first", clock), _replica(tmp_path, qa, "second", clock)
         entry = await first.create(OWNER, {"horizon_frames": 16, "max_fps": None})
         await first.push(entry, random_frames(1, 31, 48, 64)[0], 0.0)
-        with monkeypatch.context() as patched:
-            patched.setattr(stream_file, "save_file", save_then_freeze)
-            saving = asyncio.ensure_future(first.worker.run(first.save_now, entry))
-            await asyncio.to_thread(stuck.wait, 30)
+        saving = await _frozen_in_a_save(first, entry, killed, monkeypatch)
         clock.now += 120  # the first replica is gone (its process stopped dead): its lease lapses
         left_by_kill = [name for name in _files_of(tmp_path, entry.id) if ".partial" in name]
         taken = await second.find(OWNER, entry.id)
