@@ -46,6 +46,7 @@ log = logging.getLogger("statekv")
 
 DEFAULT_NEW_TOKENS = 16
 MAX_EVENTS = 10_000  # the events a watch keeps (the latest), so a watch that never closes stays bounded
+KEPT_PLACES = 64  # the closed watches whose place among a stream's watches it remembers (the latest)
 
 
 @dataclass(frozen=True)
@@ -176,15 +177,22 @@ class Watch:
 
 class Watches:
     """A stream's open watches and its clock (the time of the last frame encoded), with the guide through which
-    they steer its carried state."""
+    they steer its carried state. ``places``: where each watch opened on it stands in the order they were opened
+    (an evaluation's watches are evaluated, and told of, in that order), the latest `KEPT_PLACES` closed ones
+    too."""
 
     def __init__(self, stream: Any):
         self.stream = stream
         self.open: list[Watch] = []
         self.seconds: float | None = stream.encoded_timestamp  # a frame pushed since may wait, or have been dropped
         self.guide = QuestionGuide()
+        self.places: dict[str, int] = {}  # watch id -> place, in that order
+        self.opened = 0
 
     def add(self, watch: Watch) -> None:
+        self.places.pop(watch.id, None)  # placed before it is open: a reader of both never finds it unplaced
+        self.places[watch.id] = self.opened
+        self.opened += 1
         self.open.append(watch)
         engines = getattr(self.stream, "engines", ())  # a successor is steered as its stream is
         if watch.steer and watch.standing is not None and engines and steerable(self.stream):
@@ -196,6 +204,26 @@ class Watches:
         self.open = [each for each in self.open if each is not watch]
         if watch.standing is not None:
             self.guide.remove(watch.standing)
+        self._forget()
+
+    def placed_as(self, earlier: list[str]) -> None:
+        """Take the order of an earlier run's watches (its `places`' ids, oldest first: what a restarted server's
+        record kept), so the places of those closed since stay known; the open watches it lacks come after them.
+        An order the open watches do not keep is not taken."""
+        ids = list(dict.fromkeys(earlier))
+        named = set(ids)
+        ids += [watch.id for watch in self.open if watch.id not in named]
+        places = {key: place for place, key in enumerate(ids)}
+        ranks = [places[watch.id] for watch in self.open]
+        if ranks == sorted(ranks):
+            self.places, self.opened = places, len(ids)
+            self._forget()
+
+    def _forget(self) -> None:
+        still = {each.id for each in self.open}
+        closed = [key for key in self.places if key not in still]
+        for key in closed[:max(0, len(closed) - KEPT_PLACES)]:  # the oldest closed ones go
+            del self.places[key]
 
 
 def steerable(stream: Any) -> bool:

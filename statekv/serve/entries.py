@@ -15,7 +15,7 @@ from typing import Any
 from ..api.stream import Stream
 from ..errors import InputError, StateKVError
 from .page_record import page_fields
-from .watches import watch_records
+from .watches import watch_order, watch_records
 
 log = logging.getLogger("statekv.serve")
 HISTORY = 2000  # points of a stream's history kept for the page
@@ -155,7 +155,7 @@ class StreamEntry:
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "watches": watch_records(self.stream), **page_fields(self)}
+                "watches": watch_records(self.stream), "watch_order": watch_order(self.stream), **page_fields(self)}
 
 
 @dataclass

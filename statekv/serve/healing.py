@@ -66,6 +66,9 @@ class StreamHealer:
                 damaged = registry.quarantine(entry.id, entry.owner, reason_of(error), entry.record())
                 entry.quarantined = damaged.reason
                 registry.entries.pop(entry.id, None)
+                if registry.end_watch_feeds is not None:  # at once, as for a deletion, not at their next keep-alive
+                    registry.end_watch_feeds(entry.id, f"stream {entry.id} is damaged ({damaged.reason}); it is no "
+                                                       "longer served")
                 self.unhealed.pop(entry.id, None)
                 await self.close_quietly(old)
                 await registry.placement.let_go_damaged(registry, entry.id)

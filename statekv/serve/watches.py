@@ -3,11 +3,12 @@ and the hub every evaluation reports to: the metrics (evaluations and events cou
 stream's events (server-sent events at ``GET /v1/streams/{id}/events``).
 
 A stream's watches live in its `Stream` (evaluated inside its pushes, on the model's thread) and in its record
-(``watches``: each one's settings, events and clock), written when a watch is made or deleted and whenever the
-record is (saves, answers). A restarted server reopens them from the record (`recall`), over the stream as it was
-brought back: a watch made after the stream's last save is reopened all the same, one deleted after it stays
-deleted, and a record written after the save is turned back to the frames the save holds (its later events and
-evaluations go: the frames pushed again make them again).
+(``watches``: each one's settings, events and clock; ``watch_order``: the order they were opened in, the latest
+closed ones too), written when a watch is made or deleted and whenever the record is (saves, answers). A restarted
+server reopens them from the record (`recall`), over the stream as it was brought back: a watch made after the
+stream's last save is reopened all the same, one deleted after it stays deleted, and a record written after the
+save is turned back to the frames the save holds (its later events and evaluations go: the frames pushed again
+make them again).
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
             restore(stream, missing, where=f"stream {entry.id}'s record")
     except StateKVError as error:
         log.error("stream %s: its watches cannot be reopened (%s); it is served without them", entry.id, error)
+    order = record.get("watch_order")
+    if stream.watching is not None and isinstance(order, list) and all(isinstance(key, str) for key in order):
+        stream.watching.placed_as(order)
     if listener is not None:
         for watch in stream.watches:
             watch.subscribe(listener)
@@ -139,6 +143,13 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
 def watch_records(stream: Any) -> list[dict[str, Any]]:
     """What a stream's record keeps of its watches (`statekv.api.watch.records`)."""
     return records(stream)
+
+
+def watch_order(stream: Any) -> list[str]:
+    """What a stream's record keeps of the order its watches were opened in, open and closed (`Watches.places`), so
+    a client following it again after a restart, its last event a watch's deleted before, is placed as before."""
+    watching = getattr(stream, "watching", None)
+    return [] if watching is None else list(dict(watching.places))
 
 
 def followed_event(watch: Watch, event: Any) -> dict[str, Any]:
@@ -168,14 +179,19 @@ def last_seen(value: str | None) -> tuple[int, str] | None:
 
 def missed_events(stream: Any, after: tuple[int, str]) -> list[dict[str, Any]]:
     """The kept events of ``stream``'s open watches that come after the event ``after`` (`last_seen`), oldest
-    first, as they were sent: a frame's events in the order of the watches. A client that saw an event of a watch
-    deleted since is sent every event of that frame again."""
+    first, as they were sent: a frame's events in the order the watches were opened (`Watches.places`), one deleted
+    since placed where it stood (after a restart too: `watch_order`). A client that saw an event of a watch the
+    stream does not know (closed before the latest `statekv.api.watch.KEPT_PLACES`, or never its own) is sent
+    every event of that frame again."""
     frame, watch_id = after
-    watches = list(stream.watches)
-    order = {watch.id: rank for rank, watch in enumerate(watches)}
-    cut = (frame, order.get(watch_id, -1))
-    missed = [((event.frame, rank), followed_event(watch, event))
-              for rank, watch in enumerate(watches) for event in list(watch.events) if (event.frame, rank) > cut]
+    watching = stream.watching
+    if watching is None:
+        return []
+    places = dict(watching.places)  # as they stand now: the model's thread may open or close one meanwhile
+    cut = (frame, places.get(watch_id, -1))
+    missed = [((event.frame, places[watch.id]), followed_event(watch, event))
+              for watch in list(watching.open) if watch.id in places
+              for event in list(watch.events) if (event.frame, places[watch.id]) > cut]
     return [item for _, item in sorted(missed, key=lambda pair: pair[0])]
 
 
@@ -196,11 +212,19 @@ class Follower:
         self.dropped = False
 
     def put(self, item: dict | FeedEnd | None) -> None:
+        """Queue an event, or the end of the feed (a `FeedEnd`, or None: the server is stopping). A client that
+        fell `QUEUED_EVENTS` behind is ``dropped``; the end of its feed is queued all the same, in place of the
+        events it would not be sent, so it is told why its feed ended (a stream deleted is not followed again)."""
         def offer() -> None:
             try:
                 self.queue.put_nowait(item)
             except asyncio.QueueFull:
                 self.dropped = True
+                if isinstance(item, dict):
+                    return
+                while not self.queue.empty():
+                    self.queue.get_nowait()
+                self.queue.put_nowait(item)
 
         self.loop.call_soon_threadsafe(offer)
 

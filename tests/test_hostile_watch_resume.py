@@ -1,0 +1,139 @@
+"""Following a stream's watch events again (the hunt of the events' resume): a client that reconnects with the
+last id it read as ``Last-Event-ID`` after watches were deleted (the server restarted meanwhile or not), and the
+feed of a stream found damaged as it is brought back, or deleted while its client had fallen behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+pytest.importorskip("fastapi")
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+import statekv.serve.watches as watches_module  # noqa: E402
+from statekv.api.watch import WatchEvent  # noqa: E402
+from statekv.serve.watches import FeedEnd, WatchHub  # noqa: E402
+
+import test_hostile_service as service_tests  # noqa: E402
+import test_serve_watches as serve_tests  # noqa: E402
+from test_hostile_service import KEY, _bare_registry, _moves_fail, _stopped  # noqa: E402
+from test_serve_watches import COUNT, Running, followed, push  # noqa: E402
+
+qa, pictures = serve_tests.qa, serve_tests.pictures  # its module's fixtures: one model for both files' tests
+short_range = service_tests.short_range
+
+
+def _watches(client, stream_id: str, count: int) -> list[str]:
+    return [client.post(f"/v1/streams/{stream_id}/watches",
+                        json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"] for _ in range(count)]
+
+
+def _sent(client, stream_id: str, watches: list[str]) -> list[tuple[str, dict]]:
+    """The events of ``watches`` (ids, data) in the order they were sent: by frame, a frame's in their order."""
+    kept = sorted(((event["frame"], rank), watch, event) for rank, watch in enumerate(watches)
+                  for event in client.get(f"/v1/streams/{stream_id}/watches/{watch}").json()["events"])
+    return [(f"{event['frame']}.{watch}", {"watch": watch, "question": COUNT, **event}) for _, watch, event in kept]
+
+
+def test_a_client_whose_last_event_was_of_a_watch_deleted_since_is_sent_no_event_twice(tmp_path, qa, pictures):
+    """Three watches answer at frame 3, in the order they were opened; the client read up to the middle one's
+    event, which was then deleted. Before: it was sent every event of frame 3 again, the first watch's (read
+    before the one it named) among them."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        first, middle, last = _watches(client, stream_id, 3)
+        push(client, stream_id, pictures, 3, 18)
+        sent = _sent(client, stream_id, [first, middle, last])
+        assert [event_id for event_id, _ in sent[:3]] == [f"3.{first}", f"3.{middle}", f"3.{last}"]
+        assert client.delete(f"/v1/streams/{stream_id}/watches/{middle}").status_code == 200
+        expected = [item for item in sent[2:] if item[1]["watch"] != middle]
+        assert len(expected) >= 2
+        assert followed(server, stream_id, len(expected), f"3.{middle}") == expected
+        # the first watch's deleted too: its place is remembered as well
+        assert client.delete(f"/v1/streams/{stream_id}/watches/{first}").status_code == 200
+        expected = [item for item in sent[1:] if item[1]["watch"] == last]
+        assert followed(server, stream_id, len(expected), f"3.{first}") == expected
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_after_a_restart_a_client_whose_last_event_was_of_a_watch_deleted_before_is_sent_no_event_twice(
+        tmp_path, qa, pictures, disk):
+    """As above, the server restarted between the deletion and the client's return (what a browser's EventSource
+    reconnects after). Before: a restarted server knew nothing of the deleted watch and sent every event of its
+    frame again."""
+    state = tmp_path / "state"
+    with Running(state, qa, disk=disk) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        first, middle, last = _watches(client, stream_id, 3)
+        push(client, stream_id, pictures, 3, 18)
+        sent = _sent(client, stream_id, [first, middle, last])
+        assert client.delete(f"/v1/streams/{stream_id}/watches/{middle}").status_code == 200
+    expected = [item for item in sent[2:] if item[1]["watch"] != middle]
+    with Running(state, qa, disk=disk) as server:
+        assert followed(server, stream_id, len(expected), f"3.{middle}") == expected
+
+
+def test_a_feed_of_events_ends_at_once_as_its_stream_is_found_damaged_when_brought_back(short_range, tmp_path,
+                                                                                        monkeypatch):
+    """A stream closed by its stopped handover is found damaged as it is brought back, and quarantined: its
+    followers are told at once, as for a deletion. Before: their feeds went on, silent, until their next keep-alive
+    (15 s on) found the stream damaged."""
+    registry, _ = _bare_registry(short_range[1], tmp_path)
+    hub = WatchHub(CollectorRegistry())
+    registry.end_watch_feeds = hub.end  # as the app has it
+    replace = os.replace
+    _moves_fail(monkeypatch)
+
+    async def main() -> None:
+        entry = await registry.create(KEY, {"max_fps": None})
+        follower = hub.follow(entry.id)
+        await _stopped(registry, entry)
+        monkeypatch.setattr(os, "replace", replace)
+        (entry.tier / "handover.json").write_text("{}")
+        with pytest.raises(Exception) as refused:
+            await registry.heal(entry)
+        assert getattr(refused.value, "status", None) == 409, refused.value
+        await asyncio.sleep(0)  # one turn of the loop: the hub's puts (made thread-safe) are run first
+        ended = follower.queue.get_nowait()
+        assert isinstance(ended, FeedEnd) and f"stream {entry.id} is damaged" in ended.message, ended
+        assert "\n" not in ended.message
+
+    try:
+        asyncio.run(main())
+    finally:
+        registry.close_all()
+        registry.worker.close()
+
+
+def test_a_client_fallen_behind_as_its_stream_is_deleted_is_told_it_was_deleted(tmp_path, qa, monkeypatch):
+    """Events come faster than the client reads them (its queue full), then the stream is deleted. Before: the end
+    of its feed did not fit in its queue either, and the client was told to follow again, as if it had only fallen
+    behind (its next try a 404)."""
+    monkeypatch.setattr(watches_module, "QUEUED_EVENTS", 1)
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        hub = server.app.state.service.watch_hub
+        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+            lines = events.iter_lines()
+            assert next(lines).startswith(": following")
+            (follower,) = hub.followers[stream_id]
+            busy, free = threading.Event(), threading.Event()
+            follower.loop.call_soon_threadsafe(lambda: (busy.set(), free.wait(30)))  # the server's loop held
+            assert busy.wait(30)
+            try:  # meanwhile: two events (one more than its queue holds), then the deletion
+                heard, watch = hub.listener(stream_id), SimpleNamespace(id="w_0123abcd", question=COUNT)
+                for frame in (1, 2):
+                    heard(watch, WatchEvent(frame, float(frame), "A"))
+                hub.end(stream_id, f"stream {stream_id} was deleted")
+            finally:
+                free.set()
+            rest = "\n".join(lines)
+        assert "event: error" in rest and f"stream {stream_id} was deleted" in rest, rest
