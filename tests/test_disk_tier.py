@@ -4,6 +4,7 @@ last checkpoint of the carried state; a real kill -9, then Stream.load), damaged
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -629,3 +630,41 @@ def test_an_evicting_disk_tier_stream_evicts_no_more_steps_than_it_needs(adapter
             assert keeper.make_room(step) == [1, 2, 3]
         keeper.limit = CacheLimit(before - three - 3 * JOURNAL_STEP_BYTES - 1, "evict-oldest")
         assert keeper.make_room(step) == [1, 2, 3, 4]
+
+
+UNCLOSED_CHILD = """
+import sys
+from pathlib import Path
+from statekv.models import load_adapter
+from conftest import random_frames, tiny_qa
+
+qa = tiny_qa(load_adapter(sys.argv[1], layout="chat"), offload="disk", offload_dir=sys.argv[2])
+kept = qa.encode(random_frames(3))  # alive at exit, never closed
+print("files", len(list(Path(sys.argv[2]).iterdir())), flush=True)
+"""
+
+
+def test_an_encoding_dropped_unclosed_takes_its_files_with_it_and_a_streams_stay(adapters, checkpoint, tmp_path):
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "encodings")
+    encoded = qa.encode(random_frames(3))
+    folder = encoded.prefill.disk.folder
+    assert folder.is_dir()
+    del encoded
+    gc.collect()
+    assert not folder.exists() and list((tmp_path / "encodings").iterdir()) == []
+    # at exit too: an encoding still alive when its process ends leaves nothing behind
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    child = subprocess.run([sys.executable, "-c", UNCLOSED_CHILD, str(checkpoint), str(tmp_path / "at_exit")],
+                           env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    assert child.returncode == 0 and "files 1" in child.stdout, child.stderr
+    assert list((tmp_path / "at_exit").iterdir()) == []
+    # a stream's files outlive it, closed or not: `Stream.load` resumes them
+    streams = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "streams")
+    stream = streams.stream(horizon_frames=4)
+    stream.push(random_frames(1)[0])
+    folder = stream.prefill.disk.folder
+    del stream
+    gc.collect()
+    resumed = Stream.load(folder, streams)  # as after a kill: the frame since its last checkpoint counted lost
+    assert (resumed.frames, resumed.frames_lost) == (0, 1)

@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from .stats import AnswerInfo, EncodingStats
 from ..errors import HandoverError, InputError, OutputError, StateKVError
 from ..core.answering.decoding import Prompt
 from ..core.disk.successor import BACKLOG
+from ..core.disk.tier import remove_unclosed
 from ..models import Chunk, LayoutState, PreparedFrames, VideoAdapter
 from ..steps.jobs import LaidOutStep, StepJob, catch_up_together, stream_jobs
 from ..steps.overlap import EncodedStep
@@ -94,6 +96,9 @@ class EncodedVideo:
         self._video_tokens = None if horizon is None else horizon - reserve  # the most its steps take
         self._engine_args = dict(policy=policy, horizon=horizon, protect_tokens=protect, name=name)
         self.durability = Durability(self.prefill.disk, records_frames=self.RECORDS_FRAMES)
+        disk = self.prefill.disk  # dropped unclosed, an encoding's files go with it: nothing resumes them
+        self._unclosed = (weakref.finalize(self, remove_unclosed, disk.folder, disk.lock)
+                          if disk is not None and not self.KEEPS_FILES else None)
         self.durability.watch(lambda: self.waiting_frames)
         if handing_over(self.engine):
             alone = why_alone(self.engine, policy, self.prefill.config, self._video_tokens)
@@ -439,6 +444,8 @@ class EncodedVideo:
         file set goes too (nothing resumes it: `Stream.load` takes a stream's). A question under way in another
         thread is answered first."""
         with self.lock:
+            if self._unclosed is not None:
+                self._unclosed.detach()
             try:
                 if self.successor is not None:
                     self.close_successor()

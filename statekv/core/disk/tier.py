@@ -505,6 +505,14 @@ class DiskTier:
                 buffer.close()
 
 
+def remove_unclosed(folder: Path, lock: FolderLock) -> None:
+    """Remove the file set of an encoding collected (or left at exit) without being closed, while its lock still
+    holds that folder: its own files, which nothing resumes."""
+    if lock.held and lock.owns():
+        shutil.rmtree(folder, ignore_errors=True)
+    lock.release()
+
+
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
     """What a checkpoint writes of a layer: its carried positions, keys, values, placements (None unless bounded)
     and open segment (None before the first step)."""
