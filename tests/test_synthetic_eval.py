@@ -126,6 +126,29 @@ def test_a_resume_may_change_how_it_computes_and_says_so(data, tmp_path, caplog)
     assert len(_qids(out)) == 2 * len(FAMILIES)
 
 
+def test_a_run_records_the_device_it_computed_on_and_a_resume_elsewhere_says_so(data, tmp_path, caplog):
+    out = tmp_path / "run"
+    assert _eval(data, out, "--limit", "2") == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["conditions"] == [{"vision_batch": None, "offload": None, "compile_step": False, "cuda_graph": True,
+                                  "device": "cpu"}]
+    run["conditions"][-1]["device"] = "cuda: NVIDIA H200"  # as a run begun on that GPU records it
+    (out / "run.json").write_text(json.dumps(run))
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        assert _eval(data, out, "--limit", "3") == 0
+    (line,) = [record.getMessage() for record in caplog.records if "resumed with" in record.getMessage()]
+    assert line.startswith(f"{out}: resumed with device 'cpu' (before: 'cuda: NVIDIA H200'); ")
+    assert [entry["device"] for entry in json.loads((out / "run.json").read_text())["conditions"]] == [
+        "cuda: NVIDIA H200", "cpu"]
+    run = json.loads((out / "run.json").read_text())
+    run["conditions"] = [{key: value for key, value in run["conditions"][-1].items() if key != "device"}]
+    (out / "run.json").write_text(json.dumps(run))  # as an earlier statekv recorded it: no device
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="statekv.eval"):
+        assert _eval(data, out, "--limit", "4") == 0
+    assert not [record for record in caplog.records if "resumed with" in record.getMessage()]
+
+
 def test_a_video_that_failed_part_way_counts_only_the_questions_it_left(data, tmp_path, capsys):
     out = tmp_path / "run"
     assert _eval(data, out, "--limit", "2") == 0

@@ -34,16 +34,29 @@ def unrecorded(settings: dict[str, Any], name: str) -> bool:
     return name in IDENTITY_DEFAULTS and name not in settings
 
 
-def conditions_used(out: Path, options: Any, run: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``run.json``'s ``conditions``: each set of `RUN_CONDITIONS` (read from ``options``, a `ModelOptions`) the
-    run in ``out`` answered under, the current one last; ``run``: its ``run.json`` when it holds answers. A resume
-    under another set than the last is said in one warning line."""
-    current = {name: getattr(options, name) for name in RUN_CONDITIONS}
+def conditions_used(out: Path, options: Any, run: dict[str, Any] | None, device: str | None = None
+                    ) -> list[dict[str, Any]]:
+    """``run.json``'s ``conditions``: each set of `RUN_CONDITIONS` (read from ``options``, a `ModelOptions`) and the
+    ``device`` (`device_named`) the run in ``out`` answered under, the current one last; ``run``: its ``run.json``
+    when it holds answers. A resume under another set than the last is said in one warning line (a set an earlier
+    statekv recorded without its device is not said to differ in it)."""
+    current = {**{name: getattr(options, name) for name in RUN_CONDITIONS}, "device": device}
     used = [entry for entry in (run or {}).get("conditions") or [] if isinstance(entry, dict)]
-    if used and used[-1] != current:
-        changed = ", ".join(f"{name} {current[name]!r} (before: {used[-1].get(name)!r})" for name in RUN_CONDITIONS
-                            if used[-1].get(name) != current[name])
+    changed = ", ".join(f"{name} {value!r} (before: {used[-1].get(name)!r})" for name, value in current.items()
+                        if used and (name in used[-1] or name != "device") and used[-1].get(name) != value)
+    if changed:
         logger.warning("%s: resumed with %s; these settings are not meant to change the answers (a batched, compiled "
                        "or captured computation may differ in the last bits; run.json lists each set used)", out,
                        changed)
     return [*(entry for entry in used if entry != current), current]
+
+
+def device_named(device: Any) -> str:
+    """A device as ``run.json`` records it: its type (``cpu``, ``mps``), a GPU's with its name (``cuda: NAME``),
+    since answers may differ in their last bits between GPUs, not between the ranks of one machine."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return device.type

@@ -49,7 +49,7 @@ from statekv.eval.questions import BENCHMARKS, Question, counted
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
                                   drop_unterminated_tails, merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
-from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, unrecorded, with_defaults
+from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, device_named, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
 from statekv.eval.video_errors import ERRORS_GLOB, log_video_error, unresolved_errors
 from statekv.errors import OutputError, StateKVError, VideoError
@@ -264,7 +264,8 @@ def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, A
         if qa.method != config.method:
             raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")
         content["weights"] = model_fingerprint(qa)
-        check_run_file(config, expected, content, write=context.is_main, **before)
+        check_run_file(config, expected, content, write=context.is_main, device=device_named(qa.adapter.device),
+                       **before)
         done = completed_qids(config.out)
         assigned = shard_by_video(questions, context.rank, context.world_size)
         todo = [question for question in assigned if question.qid not in done]
@@ -405,11 +406,13 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
 
 
 def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, Any] | None = None, *,
-                   write: bool, videos_before: Callable[[], dict[str, str]] | None = None) -> None:
+                   write: bool, videos_before: Callable[[], dict[str, str]] | None = None,
+                   device: str | None = None) -> None:
     """Refuse to mix settings, data, answer keys or weights in one run directory (``content``: the fingerprints
     known so far, see `statekv.eval.identity`); rank 0 (re)writes ``run.json``. A run folder holding answers
     whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too;
-    ``videos_before`` gives the videos' fingerprints as an earlier statekv recorded them (also accepted)."""
+    ``videos_before`` gives the videos' fingerprints as an earlier statekv recorded them (also accepted); ``device``:
+    what the run computes on (`statekv.eval.run_settings.device_named`), recorded in its conditions."""
     path = config.out / RUN_FILE
     identity = config.identity()
     content = dict(content or {})
@@ -450,7 +453,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         if not set(expected) <= completed_qids(config.out):  # gone before run.json names questions it lacks
             clear_run(config.out, (SUMMARY_FILE, TABLE_FILE))
         document = {"settings": identity, "content": content, "limit": config.limit, "expected_qids": list(expected),
-                    "conditions": conditions_used(config.out, config.options, run if answered else None)}
+                    "conditions": conditions_used(config.out, config.options, run if answered else None,
+                                                      device)}
         write_whole(path, (json.dumps(document, indent=1) + "\n").encode())
 
 
