@@ -117,7 +117,12 @@ def test_generation_kwargs_map_to_ask(checkpoint, qa, monkeypatch):
                                   "tokenizer": qa.adapter.tokenizer}
     assert answer({"max_new_tokens": 128}) == [video.reply]
     assert video.calls[-1][1] == {"max_new_tokens": 128}
-    assert len(video.calls) == 3
+    # do_sample as transformers reads it: false is greedy at any temperature, true samples at 1 unless told
+    answer({"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "do_sample": False, "num_beams": 1})
+    assert video.calls[-1][1] == {"max_new_tokens": 8}
+    answer({"max_new_tokens": 8, "do_sample": True})
+    assert video.calls[-1][1] == {"max_new_tokens": 8, "do_sample": True, "temperature": 1.0}
+    assert len(video.calls) == 5
 
 
 def test_messages_must_hold_one_video_and_text():
@@ -268,6 +273,8 @@ def test_errors_while_answering_end_the_process(qa, capsys, monkeypatch):
     ({"temperature": 10**400}, "temperature must be a number, 0 or more; got 1000"),
     ({"temperature": 0.5, "top_p": 0}, "top_p must be a number in (0, 1]"),
     ({"until": [1, 2]}, "until must be a string or a list of strings"),
+    ({"num_beams": 4}, "num_beams must be 1 (statekv decodes one sequence, greedy or sampled); got 4"),
+    ({"do_sample": "yes"}, "do_sample must be true or false; got 'yes'"),
 ])
 def test_malformed_generation_kwargs_end_the_run_with_one_line(gen_kwargs, message, qa, monkeypatch, capsys):
     """Before: 0 answer tokens read as the default 1024, 2.9 as 2, and the others ended with a traceback."""

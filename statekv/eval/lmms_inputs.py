@@ -82,14 +82,23 @@ def max_new_tokens(gen_kwargs: dict[str, Any]) -> int:
 
 
 def sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The request's ``temperature`` (a number, 0 or more: 0 or absent is greedy) and ``top_p`` (in (0, 1]) as
-    `generate` options, checked."""
+    """The request's ``temperature`` (a number, 0 or more: 0 or absent is greedy), ``top_p`` (in (0, 1]),
+    ``do_sample`` (false: greedy, whatever the temperature; true: sampled, at temperature 1 unless it names another)
+    and ``num_beams`` (1: statekv decodes one sequence) as `generate` options, checked. What transformers'
+    `generate` does with the same keys, except that a temperature of 0 is greedy (as lmms-eval's tasks mean it)."""
+    beams = gen_kwargs.get("num_beams")
+    if beams is not None and (isinstance(beams, bool) or not finite(beams) or beams != 1):
+        raise InputError(f"the request's num_beams must be 1 (statekv decodes one sequence, greedy or sampled); got "
+                         f"{shown(beams)}")
+    do_sample = gen_kwargs.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise InputError(f"the request's do_sample must be true or false; got {shown(do_sample)}")
     temperature = gen_kwargs.get("temperature")
     if temperature is None:
-        temperature = 0
+        temperature = 1 if do_sample else 0
     if not finite(temperature) or temperature < 0:
         raise InputError(f"the request's temperature must be a number, 0 or more; got {shown(temperature)}")
-    if temperature == 0:
+    if temperature == 0 or do_sample is False:
         return {}
     options = {"do_sample": True, "temperature": float(temperature)}
     top_p = gen_kwargs.get("top_p")

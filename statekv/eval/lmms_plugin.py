@@ -17,7 +17,8 @@ A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_me
 task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives the chat messages: one
 user turn holding one video (``{"type": "video", "url": path}``) and the prompt text. Requests about the same
 video are answered from one encoding. ``gen_kwargs`` give ``max_new_tokens``, ``until`` (stop strings) and
-``temperature`` (0: greedy).
+``temperature`` (0: greedy), ``top_p``, ``do_sample`` (false: greedy; true without a temperature: 1) and
+``num_beams`` (1 only).
 
 Streaming benchmarks (lmms-eval's ``ovo_*`` tasks): a document naming its source ``video`` and a query time
 (``realtime``; a multi-round document: one per round in ``test_info``) is asked on one live stream per source
