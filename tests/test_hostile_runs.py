@@ -30,6 +30,8 @@ from statekv.stopping import request_stop
 from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 from statekv.testing import make_tiny_checkpoint, write_test_video
 
+from hostile import run_child
+
 CHILD_TIMEOUT = 240  # seconds: a child that neither finishes nor stops fails the test instead of hanging it
 
 
@@ -746,3 +748,50 @@ def test_the_demo_refuses_a_plot_it_would_not_draw_and_says_its_own_answer_lengt
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "longest answer in tokens (default: 16)" in capsys.readouterr().out
+
+
+def test_a_stop_between_a_checkpoints_two_renames_resumes_from_the_new_checkpoint(tmp_path, caplog):
+    training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=4)
+    # what a stop between the renames leaves: step 2's checkpoint already the previous one, step 4's written whole
+    # under its unfinished name and not yet renamed
+    os.replace(tmp_path / training.STATE_FILE, tmp_path / training.UNFINISHED_STATE_FILE)
+    assert training.trained_steps(tmp_path) == 4
+    with caplog.at_level(logging.INFO, logger=training.logger.name):
+        training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=4)  # nothing left to take
+    assert any(message.endswith("from step 4") for message in caplog.messages)  # before: from step 2
+    assert torch.load(tmp_path / training.STATE_FILE, weights_only=True)["step"] == 4
+    assert torch.load(tmp_path / training.PREVIOUS_STATE_FILE, weights_only=True)["step"] == 2
+    assert not (tmp_path / training.UNFINISHED_STATE_FILE).exists()
+    # one a stop cut short as it was written is removed, and the run goes on from the checkpoint before it
+    written = (tmp_path / training.STATE_FILE).read_bytes()
+    (tmp_path / training.UNFINISHED_STATE_FILE).write_bytes(written[: len(written) // 2])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=training.logger.name):
+        training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=4)
+    assert any(message.endswith("from step 4") for message in caplog.messages)
+    assert not (tmp_path / training.UNFINISHED_STATE_FILE).exists()
+    log = (tmp_path / training.LOG_FILE).read_text()
+    assert [json.loads(line)["step"] for line in log.splitlines()] == [1, 2, 3, 4]
+
+
+FULL_DISK_TRAINING = """
+from statekv.builtin import training
+from test_hostile_runs import TINY_RECIPE
+attempt(lambda: training.train(TINY_RECIPE, sys.argv[1], threads=1, stop_after=int(sys.argv[2])))
+"""
+
+
+def test_a_full_disk_while_training_is_one_line_naming_it_and_keeps_the_log(tmp_path):
+    training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=4)
+    log = tmp_path / training.LOG_FILE
+    log.write_text(log.read_text() + "{damaged\n")  # a resume rewrites the log without it
+    before = log.read_bytes()
+    result, _ = run_child(FULL_DISK_TRAINING, tmp_path, 4, max_file_bytes=len(before) // 2)
+    assert result["kind"] == "OutputError" and "\n" not in result["message"], result
+    assert result["message"].startswith(f"cannot rewrite the training log {log}"), result
+    assert log.read_bytes() == before  # before: cut to what fitted
+    # a checkpoint the disk cannot hold: said as a full disk, not as torch's "unexpected pos"
+    result, _ = run_child(FULL_DISK_TRAINING, tmp_path, 5, max_file_bytes=64_000)
+    assert result["kind"] == "OutputError" and "\n" not in result["message"], result
+    assert "the disk is full or a file size limit was reached" in result["message"], result
+    assert training.trained_steps(tmp_path) == 4 and not (tmp_path / training.UNFINISHED_STATE_FILE).exists()

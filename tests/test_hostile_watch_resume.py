@@ -5,6 +5,7 @@ feed of a stream found damaged as it is brought back, or deleted while its clien
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ pytest.importorskip("fastapi")
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import statekv.serve.watches as watches_module  # noqa: E402
+from statekv.serve import watch_routes  # noqa: E402
 from statekv.api.watch import WatchEvent  # noqa: E402
 from statekv.serve.watches import FeedEnd, WatchHub  # noqa: E402
 
@@ -137,3 +139,71 @@ def test_a_client_fallen_behind_as_its_stream_is_deleted_is_told_it_was_deleted(
                 free.set()
             rest = "\n".join(lines)
         assert "event: error" in rest and f"stream {stream_id} was deleted" in rest, rest
+
+
+def _events_of(server, stream_id: str, count: int, *, params=None, headers=None) -> list[tuple[str, dict]]:
+    """The first ``count`` watch events (id, data) a client following with ``params`` and ``headers`` is sent."""
+    heard: list[tuple[str, dict]] = []
+    with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events", params=params,
+                                                  headers=headers or {}) as events:
+        assert events.status_code == 200
+        event_id = None
+        for line in events.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[len("id: "):]
+            elif line.startswith("data: "):
+                heard.append((event_id, json.loads(line[len("data: "):])))
+                if len(heard) >= count:
+                    return heard
+    return heard
+
+
+def test_a_client_that_cannot_set_headers_resumes_with_the_last_event_id_in_its_url(tmp_path, qa, pictures):
+    """A browser's EventSource sets Last-Event-ID only on the reconnections it makes itself; a page that opens a new
+    one after a reload names the id in the URL. Before: the query was ignored and every kept event sent again."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watches = _watches(client, stream_id, 3)
+        push(client, stream_id, pictures, 3, 12)
+        sent = _sent(client, stream_id, watches)
+        assert len(sent) >= 3
+        last_read = sent[0][0]
+        assert _events_of(server, stream_id, len(sent) - 1, params={"last_event_id": last_read}) == sent[1:]
+        assert _events_of(server, stream_id, len(sent) - 1, params={"last_event_id": last_read},
+                          headers={"Last-Event-ID": last_read}) == sent[1:]  # the same in both: taken once
+        for params, headers, named in [({"last_event_id": "seven"}, {}, "last_event_id must be the id of an event"),
+                                       ({"last_event_id": last_read}, {"Last-Event-ID": sent[1][0]}, "differ")]:
+            answer = client.get(f"/v1/streams/{stream_id}/events", params=params, headers=headers)
+            assert answer.status_code == 400 and named in answer.json()["error"]["message"], answer.text
+
+
+def test_a_resume_from_an_old_id_gathers_its_backlog_while_the_server_answers_others(tmp_path, qa, pictures,
+                                                                                   monkeypatch):
+    """The backlog of a long history (up to 16 watches of 10,000 events) is gathered off the event loop. Before:
+    on it, and no other request was answered until it was done; here the gathering waits for another request's
+    answer, which the server could not give."""
+    entered, answered, in_time, heard = threading.Event(), threading.Event(), [], []
+    gather = watch_routes.missed_events
+
+    def slow_gather(stream, after):
+        entered.set()
+        in_time.append(answered.wait(timeout=30))
+        return gather(stream, after)
+
+    monkeypatch.setattr(watch_routes, "missed_events", slow_gather)
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watches = _watches(client, stream_id, 3)
+        push(client, stream_id, pictures, 3, 9)
+        sent = _sent(client, stream_id, watches)
+        reader = threading.Thread(target=lambda: heard.extend(
+            _events_of(server, stream_id, len(sent) - 1, headers={"Last-Event-ID": sent[0][0]})), daemon=True)
+        reader.start()
+        assert entered.wait(timeout=30)
+        listed = client.get(f"/v1/streams/{stream_id}/watches")  # while the backlog is being gathered
+        answered.set()
+        reader.join(timeout=60)
+        assert listed.status_code == 200 and in_time == [True]
+        assert heard == sent[1:]

@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from ..errors import ConfigurationError, DataError, OutputError
 from ..console import one_line
-from ..flushing import flush_file
+from ..flushing import flush_file, write_whole
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
 from ..stopping import whole
@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 LOG_FILE = "log.jsonl"
 STATE_FILE = "checkpoint.pt"
 PREVIOUS_STATE_FILE = "checkpoint.previous.pt"
+UNFINISHED_STATE_FILE = STATE_FILE + ".tmp"  # written whole, then renamed over STATE_FILE
 STATE_KEYS = ("recipe", "step", "seconds", "model", "optimizer")
 MODEL_DIR = "model"
 
@@ -313,24 +314,38 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
-    """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``."""
-    temporary = out / (STATE_FILE + ".tmp")
+    """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``. Written whole
+    first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it."""
+    temporary = out / UNFINISHED_STATE_FILE
     try:
         torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
                     "optimizer": optimizer.state_dict()}, temporary)
         flush_file(temporary)
-    except (OSError, RuntimeError) as error:  # a full disk: torch's writer raises RuntimeError
+    except (OSError, RuntimeError) as error:
         temporary.unlink(missing_ok=True)
-        raise OutputError(f"cannot write the training checkpoint {out / STATE_FILE} ({one_line_reason(error)}); "
+        raise OutputError(f"cannot write the training checkpoint {out / STATE_FILE} ({write_failure(error)}); "
                           f"the run goes on from the last one written, {trained_steps(out)} steps") from None
+    _commit_state(out)
+
+
+def _commit_state(out: Path) -> None:
+    """Make the checkpoint written whole (`UNFINISHED_STATE_FILE`) the run's, the one it replaces the previous."""
     if (out / STATE_FILE).is_file():
         os.replace(out / STATE_FILE, out / PREVIOUS_STATE_FILE)
-    os.replace(temporary, out / STATE_FILE)
+    os.replace(out / UNFINISHED_STATE_FILE, out / STATE_FILE)
+
+
+def write_failure(error: BaseException) -> str:
+    """Why a file could not be written, in words: torch's writer says a full disk as a position it did not reach."""
+    if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+        return "it could not be written whole: the disk is full or a file size limit was reached"
+    return one_line_reason(error)
 
 
 def trained_steps(out: str | Path) -> int:
-    """The steps a run in ``out`` has done, as its last readable checkpoint records them (0 before its first)."""
-    for path in (Path(out) / STATE_FILE, Path(out) / PREVIOUS_STATE_FILE):
+    """The steps a run in ``out`` has done, as its last readable checkpoint records them (0 before its first): one
+    written whole that a stop kept from being renamed is the newest."""
+    for path in (Path(out) / UNFINISHED_STATE_FILE, Path(out) / STATE_FILE, Path(out) / PREVIOUS_STATE_FILE):
         try:
             return int(torch.load(path, weights_only=True, map_location="cpu")["step"])
         except Exception:  # noqa: BLE001 -- missing or damaged: the one before it, if any
@@ -342,6 +357,7 @@ def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:
     """Load the last good checkpoint (``checkpoint.pt``, else ``checkpoint.previous.pt``) if there is one;
     returns (steps done, seconds spent). A damaged checkpoint is skipped with a warning naming it; when none
     is usable, a one-line `DataError` says so."""
+    _finish_commit(out, recipe, model, optimizer)
     paths = [path for path in (out / STATE_FILE, out / PREVIOUS_STATE_FILE) if path.is_file()]
     if not paths:
         (out / LOG_FILE).unlink(missing_ok=True)
@@ -360,6 +376,20 @@ def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:
         return int(state["step"]), float(state["seconds"])
     raise DataError(f"{problems[0]}; no usable checkpoint in {out}: delete {STATE_FILE} (and "
                     f"{PREVIOUS_STATE_FILE}) to start over")
+
+
+def _finish_commit(out: Path, recipe: Recipe, model, optimizer) -> None:
+    """A checkpoint a stop left written whole but not yet renamed (it is the newest) becomes the run's; one a stop
+    cut short is removed (the checkpoints before it stand)."""
+    if not (out / UNFINISHED_STATE_FILE).is_file():
+        return
+    try:
+        _read_state(out / UNFINISHED_STATE_FILE, recipe, model, optimizer)
+    except DataError:
+        logger.info("%s: removing a checkpoint a stop cut short", out / UNFINISHED_STATE_FILE)
+        (out / UNFINISHED_STATE_FILE).unlink()
+        return
+    _commit_state(out)
 
 
 def _read_state(path: Path, recipe: Recipe, model, optimizer) -> dict[str, Any]:
@@ -416,7 +446,11 @@ def _truncate_log(path: Path, step: int) -> None:
             logger.warning("%s:%d: dropping a damaged log line", path, number)
         elif entry["step"] <= step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    try:
+        write_whole(path, "".join(line + "\n" for line in kept).encode())
+    except OSError as error:
+        raise OutputError(f"cannot rewrite the training log {path} to the checkpoint's step {step} "
+                          f"({write_failure(error)}); it is kept as it was") from None
 
 
 def log_entry(line: str) -> dict[str, Any] | None:

@@ -6,7 +6,8 @@
 watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
 "seconds", "answer"}``, ``id: {frame}.{watch}``), a comment every `KEEPALIVE_SECONDS` in between, until the
 client leaves, the stream is deleted or the server stops (`statekv.serve.server.AppServer`). A client that follows
-again with the last id it read as ``Last-Event-ID`` is first sent the kept events it missed.
+again with the last id it read as ``Last-Event-ID`` (or ``?last_event_id=``, for a first connection that cannot set
+headers) is first sent the kept events it missed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import StateKVError
 from .errors import ServiceError
@@ -92,24 +94,34 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
 @router.get("/v1/streams/{stream_id}/events")
 async def follow_events(stream_id: str, request: Request, service: Served) -> EventStream:
     entry = await service.registry.find(service.keys.require(request), stream_id)
-    after = last_seen(request.headers.get("last-event-id"))
+    after = last_seen(*_resumed_from(request))
     release = service.follow_slots.take()  # refused here (429), before the events start; held till they end
     hub = service.watch_hub
     follower = hub.follow(entry.id)  # before the kept events are read: none falls between the two
-    missed = [] if after is None else missed_events(entry.stream, after)
 
     def left() -> None:  # however the response ends, also if its events never started
         release()
         hub.leave(follower)
 
-    response = EventStream(_events(entry, follower, hub, request, missed), left)
+    response = EventStream(_events(entry, follower, hub, request, after), left)
     response.headers["Cache-Control"] = "no-cache"
     return response
 
 
-async def _events(entry, follower, hub, request: Request, missed: list[dict]) -> Any:
+def _resumed_from(request: Request) -> tuple[str | None, str]:
+    """The last event id a client read and where it was given: its ``Last-Event-ID`` header or its
+    ``last_event_id`` query parameter (a one-line 400 when both are given and differ)."""
+    header, query = request.headers.get("last-event-id"), request.query_params.get("last_event_id")
+    if header is not None and query is not None and header.strip() != query.strip():
+        raise ServiceError(400, f"Last-Event-ID {header[:80]!r} and last_event_id {query[:80]!r} differ: give one")
+    return (header, "Last-Event-ID") if header is not None else (query, "last_event_id")
+
+
+async def _events(entry, follower, hub, request: Request, after: tuple[int, str] | None) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
+        # a long history's backlog is gathered off the event loop: the server answers others meanwhile
+        missed = [] if after is None else await run_in_threadpool(missed_events, entry.stream, after)
         for item in missed:
             yield _watch_event(item)
         resent = {event_id(item) for item in missed}  # also queued if made while they were read

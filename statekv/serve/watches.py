@@ -165,14 +165,14 @@ def event_id(item: dict[str, Any]) -> str:
     return f"{item['frame']}.{item['watch']}"
 
 
-def last_seen(value: str | None) -> tuple[int, str] | None:
-    """The frame and watch of a ``Last-Event-ID`` header (an `event_id`), None without one; a one-line 400 for
-    anything else."""
+def last_seen(value: str | None, name: str = "Last-Event-ID") -> tuple[int, str] | None:
+    """The frame and watch of a ``Last-Event-ID`` header (an `event_id`; ``name``: where it was given), None
+    without one; a one-line 400 for anything else."""
     if value is None or not value.strip():
         return None
     frame, _, watch_id = value.strip().partition(".")
     if not (frame.isascii() and frame.isdigit()) or not watch_id or len(value) > 200:
-        raise ServiceError(400, f"Last-Event-ID must be the id of an event of this stream (frame.watch, as in "
+        raise ServiceError(400, f"{name} must be the id of an event of this stream (frame.watch, as in "
                                 f"'12.w_0123abcd'), got {shown(value[:80])}")
     return int(frame), watch_id
 
