@@ -109,12 +109,13 @@ async def follow_events(stream_id: str, request: Request, service: Served) -> Ev
 
 
 def _resumed_from(request: Request) -> tuple[str | None, str]:
-    """The last event id a client read and where it was given: its ``Last-Event-ID`` header or its
-    ``last_event_id`` query parameter (a one-line 400 when both are given and differ)."""
-    header, query = request.headers.get("last-event-id"), request.query_params.get("last_event_id")
-    if header is not None and query is not None and header.strip() != query.strip():
-        raise ServiceError(400, f"Last-Event-ID {header[:80]!r} and last_event_id {query[:80]!r} differ: give one")
-    return (header, "Last-Event-ID") if header is not None else (query, "last_event_id")
+    """The last event id a client read and where it was given: its ``Last-Event-ID`` header, else its
+    ``last_event_id`` query parameter. The header wins: an ``EventSource`` opened on a URL naming an id reconnects
+    to that URL with the newer id it read since as the header."""
+    header = request.headers.get("last-event-id")
+    if header is not None and header.strip():
+        return header, "Last-Event-ID"
+    return request.query_params.get("last_event_id"), "last_event_id"
 
 
 async def _events(entry, follower, hub, request: Request, after: tuple[int, str] | None) -> Any:
