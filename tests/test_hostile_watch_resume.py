@@ -5,7 +5,6 @@ feed of a stream found damaged as it is brought back, or deleted while its clien
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 from types import SimpleNamespace
@@ -141,23 +140,6 @@ def test_a_client_fallen_behind_as_its_stream_is_deleted_is_told_it_was_deleted(
         assert "event: error" in rest and f"stream {stream_id} was deleted" in rest, rest
 
 
-def _events_of(server, stream_id: str, count: int, *, params=None, headers=None) -> list[tuple[str, dict]]:
-    """The first ``count`` watch events (id, data) a client following with ``params`` and ``headers`` is sent."""
-    heard: list[tuple[str, dict]] = []
-    with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events", params=params,
-                                                  headers=headers or {}) as events:
-        assert events.status_code == 200
-        event_id = None
-        for line in events.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[len("id: "):]
-            elif line.startswith("data: "):
-                heard.append((event_id, json.loads(line[len("data: "):])))
-                if len(heard) >= count:
-                    return heard
-    return heard
-
-
 def test_a_client_that_cannot_set_headers_resumes_with_the_last_event_id_in_its_url(tmp_path, qa, pictures):
     """A browser's EventSource sets Last-Event-ID only on the reconnections it makes itself; a page that opens a new
     one after a reload names the id in the URL. Before: the query was ignored and every kept event sent again."""
@@ -169,10 +151,9 @@ def test_a_client_that_cannot_set_headers_resumes_with_the_last_event_id_in_its_
         sent = _sent(client, stream_id, watches)
         assert len(sent) >= 3
         last_read = sent[0][0]
-        assert _events_of(server, stream_id, len(sent) - 1, params={"last_event_id": last_read}) == sent[1:]
+        assert followed(server, stream_id, len(sent) - 1, params={"last_event_id": last_read}) == sent[1:]
         # an EventSource opened on that URL reconnects to it with the newer id it read since: the header wins
-        assert _events_of(server, stream_id, len(sent) - 2, params={"last_event_id": last_read},
-                          headers={"Last-Event-ID": sent[1][0]}) == sent[2:]
+        assert followed(server, stream_id, len(sent) - 2, sent[1][0], params={"last_event_id": last_read}) == sent[2:]
         for params, headers, named in [({"last_event_id": "seven"}, {}, "last_event_id must be the id of an event"),
                                        ({"last_event_id": last_read}, {"Last-Event-ID": "x"}, "Last-Event-ID must")]:
             answer = client.get(f"/v1/streams/{stream_id}/events", params=params, headers=headers)
@@ -200,7 +181,7 @@ def test_a_resume_from_an_old_id_gathers_its_backlog_while_the_server_answers_ot
         push(client, stream_id, pictures, 3, 9)
         sent = _sent(client, stream_id, watches)
         reader = threading.Thread(target=lambda: heard.extend(
-            _events_of(server, stream_id, len(sent) - 1, headers={"Last-Event-ID": sent[0][0]})), daemon=True)
+            followed(server, stream_id, len(sent) - 1, sent[0][0])), daemon=True)
         reader.start()
         assert entered.wait(timeout=30)
         listed = client.get(f"/v1/streams/{stream_id}/watches")  # while the backlog is being gathered

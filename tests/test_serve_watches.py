@@ -193,13 +193,16 @@ def test_watches_over_http_report_events_follow_and_survive_a_restart(tmp_path, 
         server.stop()
 
 
-def followed(server: Running, stream_id: str, count: int, last_event_id: str) -> list[tuple[str, dict]]:
-    """The first ``count`` watch events (id, data) a client following again with ``last_event_id`` is sent."""
+def followed(server: Running, stream_id: str, count: int, last_event_id: str | None = None,
+             params: dict | None = None) -> list[tuple[str, dict]]:
+    """The first ``count`` watch events (id, data) a client following again with ``last_event_id`` (as its header)
+    and ``params`` (in its URL) is sent."""
     heard: list[tuple[str, dict]] = []
+    headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
 
     def follow() -> None:
-        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events",
-                                                      headers={"Last-Event-ID": last_event_id}) as events:
+        with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events", params=params,
+                                                      headers=headers) as events:
             assert events.status_code == 200
             event_id = None
             for line in events.iter_lines():
