@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,7 +43,7 @@ BUILTIN_QUESTION = question_prompt("Which colour was shown first?", COLOUR_OPTIO
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="full attention, recency and StateKV side by side on held-out videos (offline built-in model)",
-        description=__doc__.split("\n\n")[1],
+        description=__doc__.split("\n\n")[1].replace("``", ""),  # the docstring's reST marks, not --help's
     )
     parser.add_argument("--model", default=None, metavar="M",
                         help="a checkpoint folder or hub id instead of the built-in model")
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         # per-frame times steady (threads that wait for each other can make a step 100 times slower)
         torch.set_num_threads(1)
     try:
+        progress(f"loading {'the built-in model' if builtin else model}")
         loaded = statekv.VideoQA.from_pretrained(model, method="full", dtype=args.dtype, device=args.device,
                                                  trust_remote_code=args.trust_remote_code)
         methods = {"full": ("full attention", {}), "recency": (f"recency R={window}", {"frames": window}),
@@ -133,7 +135,12 @@ def _held_out(args, loaded, methods: dict, model: str, builtin: bool, videos: li
     from .demo_runs import grow, plot, score
 
     scored, growths = [], []
-    for method, (label, sizes) in methods.items():
+    asked = sum(len(rows) for _, rows in videos)
+    grown = min(GROWTH_VIDEOS, len(videos))
+    for index, (method, (label, sizes)) in enumerate(methods.items(), 1):
+        stream = f"then {grown} of them back to back as one stream" if grown > 1 else "then it as one stream"
+        progress(f"{label} ({index}/{len(methods)}): answering {_count(asked, 'question')} about "
+                 f"{_count(len(videos), 'video')}, {stream}")
         qa = loaded.with_options(method=method, **sizes)
         scored.append(score(qa, method, label, videos, max_new_tokens=args.max_new_tokens, together=together))
         growths.append(grow(qa, method, label, [video for video, _ in videos[:GROWTH_VIDEOS]]))
@@ -156,7 +163,11 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
     from statekv.eval.loaders import load_synthetic
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
-    folder = _cached(f"{DEMO_SET}-{count}", lambda path: make_benchmark(path, videos=count, seed=DEMO_SEED))
+    def build(path: Path) -> None:
+        progress(f"writing {_count(count, 'held-out synthetic video')} to {cache_dir() / path.name} (first run only)")
+        make_benchmark(path, videos=count, seed=DEMO_SEED)
+
+    folder = _cached(f"{DEMO_SET}-{count}", build)
     load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)
     rows = read_table(folder / QUESTIONS_FILE)
     videos: dict[str, list[dict]] = {}
@@ -169,7 +180,8 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
     question = args.question or (BUILTIN_QUESTION if is_builtin_kind(model) else DEFAULT_QUESTION)
     warn_free_form("demo", model, [question])
     rows, answers = [], {}
-    for method, (label, sizes) in methods.items():
+    for index, (method, (label, sizes)) in enumerate(methods.items(), 1):
+        progress(f"{label} ({index}/{len(methods)}): encoding {args.video} and answering")
         qa = loaded.with_options(method=method, **sizes)
         with qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames) as encoded:
             answers[method] = encoded.ask(question, max_new_tokens=args.max_new_tokens)
@@ -191,6 +203,16 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
         print(f"{row['setting']:<20} {row['frames']:>6} {row['tokens']:>7} {row['carried']:>8} "
               f"{row['ms_per_frame_first_quarter']:>18.1f} {row['ms_per_frame_last_quarter']:>9.1f}  {row['answer']!r}")
     return 0
+
+
+def progress(message: str) -> None:
+    """One line on stderr of what the demo does next, so its minute of work is not a silent one (stdout keeps only
+    the results)."""
+    print(f"statekv demo: {message}", file=sys.stderr, flush=True)
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")
 
 
 def _windows(growth, videos: int) -> list[tuple[int, int]]:
