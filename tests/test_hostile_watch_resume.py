@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+httpx = pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -160,20 +160,23 @@ def test_a_client_that_cannot_set_headers_resumes_with_the_last_event_id_in_its_
             assert answer.status_code == 400 and named in answer.json()["error"]["message"], answer.text
 
 
-def test_a_resume_from_an_old_id_gathers_its_backlog_while_the_server_answers_others(tmp_path, qa, pictures,
-                                                                                   monkeypatch):
-    """The backlog of a long history (up to 16 watches of 10,000 events) is gathered off the event loop. Before:
-    on it, and no other request was answered until it was done; here the gathering waits for another request's
-    answer, which the server could not give."""
+@pytest.mark.parametrize("held", ["missed_events", "event_id"])
+def test_a_resume_from_an_old_id_gathers_and_writes_its_backlog_while_the_server_answers_others(
+        tmp_path, qa, pictures, monkeypatch, held):
+    """The backlog of a long history (up to 16 watches of 10,000 events) is gathered (`missed_events`) and written
+    as events (each one's `event_id`) off the event loop. Before: on it, and no other request was answered until it
+    was done; here the first gathering or writing waits for another request's answer, which the server could not
+    give."""
     entered, answered, in_time, heard = threading.Event(), threading.Event(), [], []
-    gather = watch_routes.missed_events
+    original = getattr(watch_routes, held)
 
-    def slow_gather(stream, after):
-        entered.set()
-        in_time.append(answered.wait(timeout=30))
-        return gather(stream, after)
+    def slow(*args):
+        if not entered.is_set():
+            entered.set()
+            in_time.append(answered.wait(timeout=30))
+        return original(*args)
 
-    monkeypatch.setattr(watch_routes, "missed_events", slow_gather)
+    monkeypatch.setattr(watch_routes, held, slow)
     with Running(tmp_path / "state", qa) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
         push(client, stream_id, pictures, 0, 3)
@@ -184,8 +187,32 @@ def test_a_resume_from_an_old_id_gathers_its_backlog_while_the_server_answers_ot
             followed(server, stream_id, len(sent) - 1, sent[0][0])), daemon=True)
         reader.start()
         assert entered.wait(timeout=30)
-        listed = client.get(f"/v1/streams/{stream_id}/watches")  # while the backlog is being gathered
-        answered.set()
+        try:  # while the backlog is being gathered
+            listed = client.get(f"/v1/streams/{stream_id}/watches", timeout=10).status_code
+        except httpx.TimeoutException:
+            listed = None
+        finally:
+            answered.set()
         reader.join(timeout=60)
-        assert listed.status_code == 200 and in_time == [True]
+        assert listed == 200 and in_time == [True], "a request made while a backlog was gathered was not answered"
         assert heard == sent[1:]
+
+
+def test_a_backlog_longer_than_one_part_arrives_whole_in_order_each_event_once(tmp_path, qa, pictures):
+    """Two watches keeping more events than one part of a backlog (`watch_routes.BACKLOG_EVENTS`): a client
+    following again from the oldest id is sent every later one, in the order they were sent, none twice; the same
+    id given twice on the URL is one 400."""
+    kept = watch_routes.BACKLOG_EVENTS + 150
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watches = _watches(client, stream_id, 2)
+        for watch in server.app.state.service.registry.entries[stream_id].stream.watches:
+            watch.events = [WatchEvent(frame, float(frame), str(frame % 3)) for frame in range(3, 3 + kept)]
+        sent = _sent(client, stream_id, watches)
+        assert len(sent) == 2 * kept and len({event_id for event_id, _ in sent}) == 2 * kept
+        assert followed(server, stream_id, len(sent) - 1, sent[0][0]) == sent[1:]
+        twice = client.get(f"/v1/streams/{stream_id}/events",
+                           params=[("last_event_id", sent[0][0]), ("last_event_id", sent[1][0])], timeout=10)
+        assert twice.status_code == 400 and list(twice.json()) == ["error"]
+        assert twice.json()["error"]["message"] == "last_event_id is given 2 times; give it once"

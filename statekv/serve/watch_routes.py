@@ -7,7 +7,7 @@ watch event of the stream as server-sent events (``event: watch``, ``data: {"wat
 "seconds", "answer"}``, ``id: {frame}.{watch}``), a comment every `KEEPALIVE_SECONDS` in between, until the
 client leaves, the stream is deleted or the server stops (`statekv.serve.server.AppServer`). A client that follows
 again with the last id it read as ``Last-Event-ID`` (or ``?last_event_id=``, for a first connection that cannot set
-headers) is first sent the kept events it missed.
+headers) is first sent the kept events it missed, read and written off the event loop and sent a part at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .watches import (FeedEnd, changing_watches, described, event_id, find_watch
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
+BACKLOG_EVENTS = 500  # the missed events sent together; the event loop serves others between two such parts
 
 router = APIRouter()
 
@@ -112,20 +113,25 @@ def _resumed_from(request: Request) -> tuple[str | None, str]:
     """The last event id a client read and where it was given: its ``Last-Event-ID`` header, else its
     ``last_event_id`` query parameter. The header wins: an ``EventSource`` opened on a URL naming an id reconnects
     to that URL with the newer id it read since as the header."""
+    queried = request.query_params.getlist("last_event_id")
+    if len(queried) > 1:
+        raise ServiceError(400, f"last_event_id is given {len(queried)} times; give it once")
     header = request.headers.get("last-event-id")
     if header is not None and header.strip():
         return header, "Last-Event-ID"
-    return request.query_params.get("last_event_id"), "last_event_id"
+    return (queried[0] if queried else None), "last_event_id"
 
 
 async def _events(entry, follower, hub, request: Request, after: tuple[int, str] | None) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
-        # a long history's backlog is gathered off the event loop: the server answers others meanwhile
-        missed = [] if after is None else await run_in_threadpool(missed_events, entry.stream, after)
-        for item in missed:
-            yield _watch_event(item)
-        resent = {event_id(item) for item in missed}  # also queued if made while they were read
+        resent: set[str] = set()  # also queued if made while they were read
+        if after is not None:
+            # a long history's backlog is gathered and written off the event loop, others answered meanwhile
+            parts, resent = await run_in_threadpool(_backlog, entry.stream, after)
+            for part in parts:
+                yield part
+                await asyncio.sleep(0)  # a reader that keeps up never makes a write wait: let others in between
         while True:
             try:
                 item = await asyncio.wait_for(follower.queue.get(), KEEPALIVE_SECONDS)
@@ -142,14 +148,23 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, str]
             if item is None or hub.closed:  # the server is stopping (its None may not have fit a full queue)
                 return
             if follower.dropped:
-                yield "event: error\ndata: " + json.dumps({"error": {"message": "this client fell too far "
-                                                                      "behind the stream's events; follow again"}}) + "\n\n"
+                message = "this client fell too far behind the stream's events; follow again"
+                yield "event: error\ndata: " + json.dumps({"error": {"message": message}}) + "\n\n"
                 return
             if resent and event_id(item) in resent:
                 continue
             yield _watch_event(item)
     finally:
         hub.leave(follower)
+
+
+def _backlog(stream: Any, after: tuple[int, str]) -> tuple[list[str], set[str]]:
+    """The events a follower of ``stream`` missed since ``after`` (`missed_events`): their server-sent text in parts
+    of `BACKLOG_EVENTS`, oldest first, and their ids."""
+    missed = missed_events(stream, after)
+    parts = ["".join(_watch_event(item) for item in missed[start:start + BACKLOG_EVENTS])
+             for start in range(0, len(missed), BACKLOG_EVENTS)]
+    return parts, {event_id(item) for item in missed}
 
 
 def _watch_event(item: dict) -> str:
