@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,28 @@ def add_output_arguments(parser: argparse.ArgumentParser, *,
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=max_new_tokens,
                         metavar="K", help=f"longest answer in tokens (default: {max_new_tokens})")
     parser.add_argument("--json", action="store_true", help=json_help)
+
+
+PROGRESS_SECONDS = 10.0  # off a terminal, how often a line says how far a long job is
+
+
+class ProgressLine:
+    """How far a long job is, on stderr: one line kept up to date on a terminal, else a line every
+    `PROGRESS_SECONDS` (none when done: the job's own report follows). ``label`` starts each line."""
+
+    def __init__(self, label: str = ""):
+        self.label = label
+        self.started = self.said = time.monotonic()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        """``done`` of ``total`` ``what`` (the work counted: "videos written", "steps") are done."""
+        if interactive():
+            print(f"\r{self.label}{done}/{total} {what}", end="\n" if done == total else "", file=sys.stderr,
+                  flush=True)
+        elif done < total and time.monotonic() - self.said >= PROGRESS_SECONDS:
+            self.said = time.monotonic()
+            print(f"{self.label}{done}/{total} {what} in {self.said - self.started:.0f} s", file=sys.stderr,
+                  flush=True)
 
 
 def interactive() -> bool:

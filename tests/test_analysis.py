@@ -384,6 +384,24 @@ def test_analyze_command_end_to_end(tiny_video_model, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_analyze_says_how_far_it_is_within_a_video_off_a_terminal(tiny_video_model, tmp_path, capsys,
+                                                                   monkeypatch):
+    """Before: one line per video and pass, none while a long video's hundreds of steps ran."""
+    import statekv.console as console
+
+    monkeypatch.setattr(console, "PROGRESS_SECONDS", 0.0)
+    checkpoint, video = tiny_video_model
+    assert run_cli(["analyze", "--model", str(checkpoint), str(video), "--frames", "4", "--max-fps", "4",
+                    "--budgets", "1", "4", "--recency", "1", "--max-distance", "2", "--error-budgets", "4",
+                    "--error-recency", "1", "--out", str(tmp_path / "report")]) == 0
+    lines = [line.rsplit(" in ", 1)[0] for line in capsys.readouterr().err.splitlines() if line.startswith("[1/1]")]
+    where = f"[1/1] {video}: "
+    assert lines[1:] == [*(f"{where}full attention, {done}/4 steps" for done in range(1, 4)),
+                         f"{where}2 approximation runs",
+                         *(f"{where}approximation runs (full attention, then each), {done}/12 steps"
+                           for done in range(1, 12))]
+
+
 def test_analyze_keeps_no_more_distances_apart_than_frames_sampled(tiny_video_model, tmp_path):
     """Before: --max-distance 1000000000 allocated a column per distance for every layer and step (the process was
     killed for memory); no two of the frames sampled are farther apart than their count."""

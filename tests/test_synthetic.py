@@ -118,9 +118,9 @@ def test_make_writes_decodable_videos_and_a_question_file(made):
 
 
 def test_make_says_how_far_it_is_off_a_terminal(tmp_path, capsys, monkeypatch):
-    import statekv.synthetic.command as command
+    import statekv.console as console
 
-    monkeypatch.setattr(command, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(console, "PROGRESS_SECONDS", 0.0)
     assert main(["synthetic", "make", "--out", str(tmp_path / "s"), "--videos", "3", "--seed", "13",
                  "--frames", "12"]) == 0
     lines = capsys.readouterr().err.splitlines()

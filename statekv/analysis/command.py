@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from statekv.console import quiet_libraries
+from statekv.console import ProgressLine, quiet_libraries
 from statekv.errors import OutputError
 from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
@@ -101,11 +101,15 @@ def run(args: argparse.Namespace) -> int:
     for index, video in enumerate(args.videos, 1):
         steps = video_steps(adapter, video, max_frames=args.frames, max_fps=args.max_fps)
         tokens.append(stream_tokens(steps))
-        _progress(f"[{index}/{len(args.videos)}] {video}: {len(steps)} steps, {tokens[-1]} tokens; full attention")
-        measure_attention(adapter.model, steps, statistics, attention=args.attention)
+        where = f"[{index}/{len(args.videos)}] {video}: "
+        _progress(f"{where}{len(steps)} steps, {tokens[-1]} tokens; full attention")
+        line = ProgressLine(f"{where}full attention, ")
+        measure_attention(adapter.model, steps, statistics, attention=args.attention,
+                          on_step=lambda done, planned: line(done, planned, "steps"))
         if errors is not None:
-            _progress(f"[{index}/{len(args.videos)}] {video}: {len(policies)} approximation runs")
-            errors.measure(steps)
+            _progress(f"{where}{len(policies)} approximation runs")
+            line = ProgressLine(f"{where}approximation runs (full attention, then each), ")
+            errors.measure(steps, on_step=lambda done, planned: line(done, planned, "steps"))
         del steps
 
     label = args.label or Path(str(args.model).rstrip("/")).name

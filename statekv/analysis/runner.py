@@ -8,7 +8,7 @@ is frozen exactly as in a one-shot forward over the stream, identically in all o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,19 +37,25 @@ def text_steps(model: torch.nn.Module, input_ids: Sequence[torch.Tensor]) -> lis
         return [Step(embed(ids)) for ids in input_ids]
 
 
+StepsDone = Callable[[int, int | None], None]  # (steps done, steps planned or None) after each step
+
+
 def measure_attention(model: torch.nn.Module, steps: Iterable[Any], statistics: AttentionStatistics, *,
-                      horizon: int | None = None, attention: str = "auto") -> int:
+                      horizon: int | None = None, attention: str = "auto", on_step: StepsDone | None = None) -> int:
     """Stream ``steps`` under exact full attention, folding every (layer, step)'s scores into ``statistics``.
 
     ``horizon`` must cover the stream for models with dynamic RoPE (pass a Sequence to have it counted).
-    Returns the number of tokens streamed.
+    ``on_step`` is told how far the stream is after each step. Returns the number of tokens streamed.
     """
     if horizon is None and isinstance(steps, Sequence):
         horizon = stream_tokens(steps)
+    planned = len(steps) if isinstance(steps, Sequence) else None
     statistics.start_stream()
     with StreamingPrefill(model, RecordScores(statistics.fold), attention=attention, horizon=horizon) as run:
-        for step in steps:
+        for done, step in enumerate(steps, 1):
             _run_step(run, step)
+            if on_step is not None:
+                on_step(done, planned)
         return run.seen_tokens
 
 
@@ -100,11 +106,23 @@ class ApproximationErrors:
         self.model, self.policies, self.attention = model, list(policies), attention
         self._sums = {policy_label(p): _ErrorSums.empty(_num_layers(model)) for p in self.policies}
 
-    def measure(self, steps: Sequence[Any]) -> None:
-        """Stream ``steps`` under full attention, then under each policy, and add up the differences."""
+    def measure(self, steps: Sequence[Any], on_step: StepsDone | None = None) -> None:
+        """Stream ``steps`` under full attention, then under each policy, and add up the differences. ``on_step``
+        is told the steps done of all those runs after each."""
         horizon = stream_tokens(steps)
+        planned, done = len(steps) * (1 + len(self.policies)), 0
+
+        def stepped() -> None:
+            nonlocal done
+            done += 1
+            if on_step is not None:
+                on_step(done, planned)
+
         with StreamingPrefill(self.model, FullAttention(), attention=self.attention, horizon=horizon) as reference:
-            reference_hidden = [_run_step(reference, s) for s in steps]
+            reference_hidden = []
+            for step in steps:
+                reference_hidden.append(_run_step(reference, step))
+                stepped()
             reference_cache = reference.detailed_cache
         lengths = [_step_tokens(s) for s in steps]
         for policy in self.policies:
@@ -119,6 +137,7 @@ class ApproximationErrors:
                     end = start + hidden.shape[1]
                     _add_step(meter, run.detailed_cache, reference_cache, start, end, hidden, expected)
                     start = end
+                    stepped()
 
     def result(self) -> dict[str, dict]:
         """``{label: errors}`` per policy (see ``docs/analysis.md`` for the fields)."""

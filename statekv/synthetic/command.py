@@ -9,10 +9,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-
-PROGRESS_SECONDS = 10.0  # off a terminal, how often a line says how far it is
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,30 +61,18 @@ def run_make(args: argparse.Namespace) -> int:
     from statekv.synthetic.benchmark import make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 
+    from statekv.console import ProgressLine
     from statekv.errors import ConfigurationError
 
     if args.streaming and args.families is not None:
         raise ConfigurationError("--families does not apply to --streaming (its tasks are fixed: see "
                                  "docs/accuracy.md)")
     families = tuple(FAMILIES) if args.families is None else tuple(name.strip() for name in args.families.split(","))
-    started = time.monotonic()
+    started, line = time.monotonic(), ProgressLine()
     path = make_benchmark(args.out, videos=args.videos, seed=args.seed, num_frames=args.frames, families=families,
-                          overwrite=args.overwrite, progress=_Progress(started), streaming=args.streaming)
+                          overwrite=args.overwrite, progress=lambda done, total: line(done, total, "videos written"),
+                          streaming=args.streaming)
     questions = args.videos * (5 if args.streaming else len(families))
     print(f"wrote {args.videos} videos and {questions} questions to {args.out} "
           f"({path.name}) in {time.monotonic() - started:.1f} s")
     return 0
-
-
-class _Progress:
-    """Videos written so far: one line kept up to date on a terminal, else a line every `PROGRESS_SECONDS`."""
-
-    def __init__(self, started: float):
-        self.started = self.said = started
-
-    def __call__(self, done: int, total: int) -> None:
-        if sys.stderr.isatty():
-            print(f"\r{done}/{total} videos", end="\n" if done == total else "", file=sys.stderr, flush=True)
-        elif done < total and time.monotonic() - self.said >= PROGRESS_SECONDS:
-            self.said = time.monotonic()
-            print(f"{done}/{total} videos written in {self.said - self.started:.0f} s", file=sys.stderr, flush=True)
