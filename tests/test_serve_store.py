@@ -26,8 +26,9 @@ from conftest import answered_alone, png_bytes, random_frames  # noqa: E402
 from statekv.serve.auth import owner_of  # noqa: E402
 from statekv.serve.cluster.leases import LeaseLost, Leases  # noqa: E402
 from statekv.serve.cluster.objects import ObjectStore, StoreError  # noqa: E402
+import statekv.serve.cluster.shared as shared  # noqa: E402
 from statekv.serve.cluster.shared import LeasedPlacement, SharedStreamFiles  # noqa: E402
-from statekv.serve.cluster.store_files import StoreStreamFiles  # noqa: E402
+from statekv.serve.cluster.store_files import TOMBSTONE_SECONDS, StoreStreamFiles  # noqa: E402
 from statekv.serve.cluster.versions import CHECK_WAITS, KEEP, StreamVersions  # noqa: E402
 from statekv.serve.config import ServeConfig  # noqa: E402
 from statekv.serve.errors import ServiceError  # noqa: E402
@@ -153,6 +154,46 @@ def test_a_deletion_cut_short_after_its_last_version_is_finished_at_the_next_sta
     LeasedPlacement(later).restore(None, None)  # as a replica's start does
     assert later.removals() == [] and [name for name in aws.names(url) if name.startswith("saves/")] == []
     assert len([name for name in aws.names(url) if name.startswith(f"streams/{STREAM}/")]) == 1  # the tombstone
+
+
+def test_a_store_serving_for_months_keeps_no_trace_of_streams_deleted_long_ago(aws, monkeypatch):
+    """Before: every deleted stream's last version (its tombstone) stayed in the store for good, read again by each
+    listing of the store. Now one past `TOMBSTONE_SECONDS`, its deletion whole, is removed at a replica's start
+    (after the deletions cut short are finished) and by its passes; a younger one stays, fencing late writers."""
+    clock, url = Clock(), aws.url()
+    files = StoreStreamFiles(ObjectStore(url), "a", 10, clock)
+    old, cut, young, live = (f"st_{digit * 24}" for digit in "1234")
+    for stream_id in (old, cut, young, live):
+        files.claim(stream_id)
+        files.write_record(_record(stream_id))
+        files.save_state(stream_id, lambda path: path.write_bytes(b"saved"))
+
+    def streams() -> set[str]:
+        return {name.split("/")[1] for name in aws.names(url) if name.startswith("streams/")}
+
+    files.remove(old)
+    files.begin_removal(cut, None)  # killed here: its save and older versions are left
+    clock.now += TOMBSTONE_SECONDS
+    files.remove(young)
+    assert files.forget_deletions() == 0 and streams() == {old, cut, young, live}  # none past its time yet
+    clock.now += 1
+    assert files.forget_deletions() == 1 and streams() == {cut, young, live}  # the cut deletion waits for its end
+    placement = LeasedPlacement(StoreStreamFiles(ObjectStore(url), "b", 10, clock))
+    placement.restore(None, None)  # as a replica's start does: the cut deletion finished, then forgotten
+    assert streams() == {young, live} and files.read_record(live)["id"] == live
+    assert not [name for name in aws.names(url) if name.startswith("saves/") and live not in name]
+    clock.now += TOMBSTONE_SECONDS
+    monkeypatch.setattr(shared, "FORGET_SECONDS", 0.0)
+
+    async def passes() -> None:
+        for _ in range(200):
+            await placement.keep(SimpleNamespace(entries={}))
+            if young not in streams():
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(passes())
+    assert streams() == {live}
 
 
 def test_a_writer_that_stalled_while_its_version_was_removed_writes_nothing(aws):

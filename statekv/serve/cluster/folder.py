@@ -189,6 +189,10 @@ class SharedStreamFiles(StreamFiles):
         self.held.pop(stream_id, None)
         self._valid.pop(stream_id, None)
 
+    def forget_deletions(self) -> int:
+        """Nothing: a stream deleted from a shared folder leaves nothing behind (its lease goes with it)."""
+        return 0
+
     def begin_removal(self, stream_id: str, tier: Path | None) -> None:
         with self.leases.fenced(self.lease(stream_id)):
             super().begin_removal(stream_id, tier)

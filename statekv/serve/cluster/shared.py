@@ -37,6 +37,7 @@ HANDED_SECONDS = 600.0  # how long a stream handed over to balance the replicas 
 KEEP_AT_ONCE = 8  # leases a pass renews (or lets go) at once
 TAKE_MARGIN_SECONDS = 5.0  # how much longer than a lease it waits before answering 503
 LIST_SECONDS = 2.0  # how long the listing of the other replicas' streams is reused
+FORGET_SECONDS = 3600.0  # how often the passes look for deleted streams' tombstones past their time
 
 
 @dataclass
@@ -110,6 +111,8 @@ class LeasedPlacement(Placement):
         self._handed: dict[str, float] = {}  # streams handed over to balance the replicas, not yet taken elsewhere
         self._unrenewed: set[str] = set()  # streams whose lease could not be renewed at the last pass (said once)
         self._letting_go: set[str] = set()  # streams dropped here whose lease the shared state would not release yet
+        self._forgot_at = time.monotonic()  # the last look for tombstones past their time
+        self._forgetting: asyncio.Task | None = None
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
         """Nothing is loaded (streams are taken when asked for); deletions cut short are finished, each under
@@ -122,7 +125,20 @@ class LeasedPlacement(Placement):
                     log.info("finished deleting stream %s", removal["id"])
             except (OSError, StateKVError) as error:
                 log.error("cannot finish deleting stream %s: %s", removal["id"], error)
+        self._forget_deletions()
         return 0
+
+    def _forget_deletions(self) -> None:
+        """What the streams deleted long ago left in the shared state (`StoreStreamFiles.forget_deletions`), at
+        start and then every `FORGET_SECONDS`."""
+        self._forgot_at = time.monotonic()
+        try:
+            forgotten = self.files.forget_deletions()
+        except (OSError, StateKVError) as error:
+            log.warning("cannot look for deleted streams' tombstones past their time: %s", error)
+            return
+        if forgotten:
+            log.info("removed the tombstones of %d streams deleted long ago", forgotten)
 
     # -- finding, taking, listing -------------------------------------------------------------------------------
     async def bring(self, registry: StreamRegistry, owner: str, stream_id: str) -> None:
@@ -307,6 +323,10 @@ class LeasedPlacement(Placement):
             async with room:
                 await pass_over(stream_id)
 
+        if time.monotonic() - self._forgot_at >= FORGET_SECONDS and (self._forgetting is None
+                                                                     or self._forgetting.done()):
+            # beside the pass, not in it: a slow listing of the whole store holds up no renewal
+            self._forgetting = asyncio.create_task(asyncio.to_thread(self._forget_deletions))
         letting_go = [stream_id for stream_id in self._letting_go if stream_id not in registry.entries]
         self._letting_go.intersection_update(letting_go)  # one served here again is no longer to let go
         await asyncio.gather(*(one(self._let_go, stream_id) for stream_id in letting_go),

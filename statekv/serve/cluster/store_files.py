@@ -37,6 +37,8 @@ log = logging.getLogger("statekv.serve")
 SAVES, ASKS, HOLDERS = "saves", "asks", "holders"
 ASK_SECONDS = 15.0  # how long an ask to hand a stream over stands (the asker asks again while it waits)
 COMMIT_TRIES = 20  # new versions tried before a write gives up (each try follows another writer's version)
+# a deleted stream's last version (its tombstone) fences a writer that stalled this long; then it is removed
+TOMBSTONE_SECONDS = 30 * 24 * 3600.0
 
 
 class StoreStreamFiles:
@@ -241,6 +243,30 @@ class StoreStreamFiles:
             return []
         return [{"id": stream_id, "tier": None, "deleted": True} for stream_id, version in current.items()
                 if isinstance(version, Version) and version.deleted and (stream_id in saved or kept[stream_id] > 1)]
+
+    def forget_deletions(self) -> int:
+        """Remove the tombstones of streams deleted more than `TOMBSTONE_SECONDS` ago whose deletion is whole (that
+        last version alone is left, no save): a store that serves for months keeps no trace of the streams it
+        deleted, and its listings do not grow with them. Until then a tombstone keeps a writer that stalled from
+        bringing its stream back. How many were removed (0 when the store cannot be listed: tried again later)."""
+        try:
+            saved = {name.split("/")[1] for name in self.store.names(f"{SAVES}/")}
+            kept = self.versions.counts()
+            current = self.versions.every_current()
+        except OSError as error:
+            log.warning("cannot list the deleted streams in the store: %s", error)
+            return 0
+        now, forgotten = self.clock(), 0
+        for stream_id, version in current.items():
+            if isinstance(version, Version) and version.deleted and kept[stream_id] == 1 and stream_id not in saved \
+                    and now - version.at > TOMBSTONE_SECONDS:
+                try:
+                    self.versions.forget(version)
+                except OSError as error:
+                    log.warning("cannot remove the tombstone of stream %s deleted long ago: %s", stream_id, error)
+                    continue
+                forgotten += 1
+        return forgotten
 
     def remove(self, stream_id: str) -> None:
         """Delete the stream (`begin_removal`, unless begun), then remove its saves, its older versions, its ask

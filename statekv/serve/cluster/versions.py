@@ -18,7 +18,7 @@ Older versions are removed once a few newer ones exist, except takings and letti
 last `HISTORY_LINES`). A writer that stalled between reading version N and creating N+1 might create a number
 removed long ago; it then finds a higher number present whose version does not follow its own, and counts its write
 as refused (`commit` checks the chain after every creation). A deleted stream keeps its last version (a tombstone),
-so no late writer brings it back.
+so no late writer brings it back, for a month (`store_files.TOMBSTONE_SECONDS`): then it goes too.
 """
 
 from __future__ import annotations
@@ -265,6 +265,12 @@ class StreamVersions:
                     self._read.pop(name, None)
         except OSError:
             pass
+
+
+    def forget(self, version: Version) -> None:
+        """Remove ``version`` (a tombstone past its time); an `OSError` when the store refuses."""
+        self.store.remove(version.name)
+        self._read.pop(version.name, None)
 
 
 def _parsed_names(names: list[str]) -> list[tuple[int, str]]:
