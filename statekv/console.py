@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -44,21 +45,26 @@ def add_output_arguments(parser: argparse.ArgumentParser, *,
 
 
 PROGRESS_SECONDS = 10.0  # off a terminal, how often a line says how far a long job is
+TERMINAL_SECONDS = 0.1  # on one, how often its line is redrawn
 
 
 class ProgressLine:
-    """How far a long job is, on stderr: one line kept up to date on a terminal, else a line every
-    `PROGRESS_SECONDS` (none when done: the job's own report follows). ``label`` starts each line."""
+    """How far a long job is, on stderr: one line kept up to date on a terminal (redrawn at most every
+    `TERMINAL_SECONDS`, and when done), else a line every `PROGRESS_SECONDS` (none when done: the job's own report
+    follows). ``label`` starts each line."""
 
     def __init__(self, label: str = ""):
         self.label = label
         self.started = self.said = time.monotonic()
+        self.drawn = -math.inf  # on a terminal the first step is drawn at once
 
     def __call__(self, done: int, total: int, what: str) -> None:
         """``done`` of ``total`` ``what`` (the work counted: "videos written", "steps") are done."""
         if interactive():
-            print(f"\r{self.label}{done}/{total} {what}", end="\n" if done == total else "", file=sys.stderr,
-                  flush=True)
+            if done == total or time.monotonic() - self.drawn >= TERMINAL_SECONDS:
+                self.drawn = time.monotonic()
+                print(f"\r{self.label}{done}/{total} {what}", end="\n" if done == total else "", file=sys.stderr,
+                      flush=True)
         elif done < total and time.monotonic() - self.said >= PROGRESS_SECONDS:
             self.said = time.monotonic()
             print(f"{self.label}{done}/{total} {what} in {self.said - self.started:.0f} s", file=sys.stderr,

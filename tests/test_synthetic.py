@@ -127,6 +127,20 @@ def test_make_says_how_far_it_is_off_a_terminal(tmp_path, capsys, monkeypatch):
     assert [line.split(" written")[0] for line in lines] == ["1/3 videos", "2/3 videos"]
 
 
+def test_a_progress_line_on_a_terminal_is_redrawn_at_most_every_tenth_of_a_second_and_when_done(capsys,
+                                                                                                  monkeypatch):
+    """A job of many fast steps redraws its line when the terminal can show it, not at every step."""
+    import statekv.console as console
+
+    monkeypatch.setattr(console, "interactive", lambda: True)
+    line = console.ProgressLine("clip.mp4: ")
+    for done in range(1, 1001):
+        line(done, 1000, "steps")
+    drawn = capsys.readouterr().err
+    assert drawn.startswith("\rclip.mp4: 1/1000 steps") and drawn.endswith("\rclip.mp4: 1000/1000 steps\n")
+    assert drawn.count("\r") < 100
+
+
 def test_a_stopped_make_goes_on_where_it_stopped(tmp_path, capsys):
     """Before: a make killed midway left a video cut short under its own name and a folder that a rerun refused as
     "not empty"."""
