@@ -235,14 +235,11 @@ class StoreStreamFiles:
         True}`` each (no lease needed: nobody can take a deleted stream), for `remove` to clear. None when the store
         cannot be listed (tried again at the next start)."""
         try:
-            saved = {name.split("/")[1] for name in self.store.names(f"{SAVES}/")}
-            kept = self.versions.counts()
-            current = self.versions.every_current()
+            deleted = self._deletions()
         except OSError as error:
             log.warning("cannot list the deletions left unfinished in the store: %s", error)
             return []
-        return [{"id": stream_id, "tier": None, "deleted": True} for stream_id, version in current.items()
-                if isinstance(version, Version) and version.deleted and (stream_id in saved or kept[stream_id] > 1)]
+        return [{"id": version.stream, "tier": None, "deleted": True} for version, whole in deleted if not whole]
 
     def forget_deletions(self) -> int:
         """Remove the tombstones of streams deleted more than `TOMBSTONE_SECONDS` ago whose deletion is whole (that
@@ -250,23 +247,28 @@ class StoreStreamFiles:
         deleted, and its listings do not grow with them. Until then a tombstone keeps a writer that stalled from
         bringing its stream back. How many were removed (0 when the store cannot be listed: tried again later)."""
         try:
-            saved = {name.split("/")[1] for name in self.store.names(f"{SAVES}/")}
-            kept = self.versions.counts()
-            current = self.versions.every_current()
+            deleted = self._deletions()
         except OSError as error:
             log.warning("cannot list the deleted streams in the store: %s", error)
             return 0
         now, forgotten = self.clock(), 0
-        for stream_id, version in current.items():
-            if isinstance(version, Version) and version.deleted and kept[stream_id] == 1 and stream_id not in saved \
-                    and now - version.at > TOMBSTONE_SECONDS:
-                try:
-                    self.versions.forget(version)
-                except OSError as error:
-                    log.warning("cannot remove the tombstone of stream %s deleted long ago: %s", stream_id, error)
-                    continue
-                forgotten += 1
+        for version in (version for version, whole in deleted if whole and now - version.at > TOMBSTONE_SECONDS):
+            try:
+                self.versions.forget(version)
+            except OSError as error:
+                log.warning("cannot remove the tombstone of stream %s deleted long ago: %s", version.stream, error)
+                continue
+            forgotten += 1
         return forgotten
+
+    def _deletions(self) -> list[tuple[Version, bool]]:
+        """Each deleted stream's last version, and whether its deletion is whole (that version alone is left, no
+        save); an `OSError` when the store cannot be listed."""
+        saved = {name.split("/")[1] for name in self.store.names(f"{SAVES}/")}
+        kept = self.versions.counts()
+        return [(version, stream_id not in saved and kept[stream_id] == 1)
+                for stream_id, version in self.versions.every_current().items()
+                if isinstance(version, Version) and version.deleted]
 
     def remove(self, stream_id: str) -> None:
         """Delete the stream (`begin_removal`, unless begun), then remove its saves, its older versions, its ask
