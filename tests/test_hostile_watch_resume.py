@@ -42,16 +42,22 @@ def _sent(client, stream_id: str, watches: list[str]) -> list[tuple[str, dict]]:
     return [(f"{event['frame']}.{watch}", {"watch": watch, "question": COUNT, **event}) for _, watch, event in kept]
 
 
+def _watched(client, pictures, watches: int, frames: int) -> tuple[str, list[str], list[tuple[str, dict]]]:
+    """A new stream with ``watches`` watches opened after its third frame and ``frames`` frames pushed in all: its
+    id, its watches and the events they sent (`_sent`)."""
+    stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+    push(client, stream_id, pictures, 0, 3)
+    opened = _watches(client, stream_id, watches)
+    push(client, stream_id, pictures, 3, frames)
+    return stream_id, opened, _sent(client, stream_id, opened)
+
+
 def test_a_client_whose_last_event_was_of_a_watch_deleted_since_is_sent_no_event_twice(tmp_path, qa, pictures):
     """Three watches answer at frame 3, in the order they were opened; the client read up to the middle one's
     event, which was then deleted. Before: it was sent every event of frame 3 again, the first watch's (read
     before the one it named) among them."""
     with Running(tmp_path / "state", qa) as server, server.client() as client:
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        first, middle, last = _watches(client, stream_id, 3)
-        push(client, stream_id, pictures, 3, 18)
-        sent = _sent(client, stream_id, [first, middle, last])
+        stream_id, (first, middle, last), sent = _watched(client, pictures, 3, 18)
         assert [event_id for event_id, _ in sent[:3]] == [f"3.{first}", f"3.{middle}", f"3.{last}"]
         assert client.delete(f"/v1/streams/{stream_id}/watches/{middle}").status_code == 200
         expected = [item for item in sent[2:] if item[1]["watch"] != middle]
@@ -71,11 +77,7 @@ def test_after_a_restart_a_client_whose_last_event_was_of_a_watch_deleted_before
     frame again."""
     state = tmp_path / "state"
     with Running(state, qa, disk=disk) as server, server.client() as client:
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        first, middle, last = _watches(client, stream_id, 3)
-        push(client, stream_id, pictures, 3, 18)
-        sent = _sent(client, stream_id, [first, middle, last])
+        stream_id, (first, middle, last), sent = _watched(client, pictures, 3, 18)
         assert client.delete(f"/v1/streams/{stream_id}/watches/{middle}").status_code == 200
     expected = [item for item in sent[2:] if item[1]["watch"] != middle]
     with Running(state, qa, disk=disk) as server:
@@ -144,11 +146,7 @@ def test_a_client_that_cannot_set_headers_resumes_with_the_last_event_id_in_its_
     """A browser's EventSource sets Last-Event-ID only on the reconnections it makes itself; a page that opens a new
     one after a reload names the id in the URL. Before: the query was ignored and every kept event sent again."""
     with Running(tmp_path / "state", qa) as server, server.client() as client:
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        watches = _watches(client, stream_id, 3)
-        push(client, stream_id, pictures, 3, 12)
-        sent = _sent(client, stream_id, watches)
+        stream_id, watches, sent = _watched(client, pictures, 3, 12)
         assert len(sent) >= 3
         last_read = sent[0][0]
         assert followed(server, stream_id, len(sent) - 1, params={"last_event_id": last_read}) == sent[1:]
@@ -178,11 +176,7 @@ def test_a_resume_from_an_old_id_gathers_and_writes_its_backlog_while_the_server
 
     monkeypatch.setattr(watch_routes, held, slow)
     with Running(tmp_path / "state", qa) as server, server.client() as client:
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        watches = _watches(client, stream_id, 3)
-        push(client, stream_id, pictures, 3, 9)
-        sent = _sent(client, stream_id, watches)
+        stream_id, watches, sent = _watched(client, pictures, 3, 9)
         reader = threading.Thread(target=lambda: heard.extend(
             followed(server, stream_id, len(sent) - 1, sent[0][0])), daemon=True)
         reader.start()
