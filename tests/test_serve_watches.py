@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -457,3 +458,52 @@ def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path
     moving.mkdir()
     with Running(state, qa):
         assert not any(path.exists() for path in left) and not saving.exists() and moving.is_dir()
+
+
+
+def test_a_record_leaves_the_events_its_save_holds_to_the_save_and_a_crash_or_a_restart_loses_none(tmp_path, qa,
+                                                                                                   pictures):
+    """The record is written at every answer: it holds a watch's events since the stream's last save, not every
+    event the watch ever had (before: all of them, up to 10,000 a watch, at each answer). A server killed (its
+    state folder as it stood) and one stopped both bring every event back, from the save and the record."""
+    state, body = tmp_path / "state", {"question": COUNT, "every": 3, "max_new_tokens": 4}
+
+    def events(client, stream_id: str, key: str) -> list[dict]:
+        return client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"]
+
+    def recorded(stream_id: str) -> dict[str, list[dict]]:
+        record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
+        return {watch["id"]: [{"frame": frame, "seconds": seconds, "answer": answer}
+                              for frame, seconds, answer in watch["events"]] for watch in record["watches"]}
+
+    def asked(client, stream_id: str) -> None:  # answered once its record is written
+        answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": COUNT, "max_new_tokens": 3})
+        assert answer.status_code == 200, answer.text
+
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        first = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]  # an event at frame 3
+        push(client, stream_id, pictures, 3, 9)
+    with Running(state, qa, save_every_frames=4) as server, server.client() as client:  # saved at 9 as it stopped
+        second = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]  # an event at 9, unsaved
+        push(client, stream_id, pictures, 9, 12)
+        asked(client, stream_id)
+        before = {key: events(client, stream_id, key) for key in (first, second)}
+        assert before[first][0]["frame"] == 3 and before[second][0]["frame"] == 9
+        kept = recorded(stream_id)
+        assert kept[first] == [event for event in before[first] if event["frame"] > 9]  # the save holds the rest
+        assert kept[second] == before[second]
+        shutil.copytree(state, tmp_path / "killed")  # a server killed here: its files as they stand
+        push(client, stream_id, pictures, 12, 14)  # saved at 13, before the 14th frame
+        asked(client, stream_id)
+        assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 13
+        after = {key: events(client, stream_id, key) for key in (first, second)}
+        assert recorded(stream_id) == {key: [event for event in after[key] if event["frame"] > 13]
+                                       for key in (first, second)}
+    with Running(tmp_path / "killed", qa) as server, server.client() as client:  # back at its save, frame 9
+        for key in (first, second):
+            assert events(client, stream_id, key) == [event for event in before[key] if event["frame"] <= 9]
+    with Running(state, qa) as server, server.client() as client:  # stopped: saved at 14
+        for key in (first, second):
+            assert events(client, stream_id, key) == after[key]

@@ -56,6 +56,7 @@ class StreamEntry:
     last_seconds: float | None = None
     saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
     saved_at: float = field(default_factory=time.monotonic)
+    saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -150,12 +151,14 @@ class StreamEntry:
 
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
-        file set name its id and owner (checked when they are loaded; records written before hold no ``owned``)."""
+        file set name its id and owner (checked when they are loaded; records written before hold no ``owned``).
+        ``watches``: the events a watch had by the last save are left to the save, when it holds that watch."""
         tier = self.tier
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "watches": watch_records(self.stream), "watch_order": watch_order(self.stream), **page_fields(self)}
+                "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
+                "watch_order": watch_order(self.stream), **page_fields(self)}
 
 
 @dataclass

@@ -461,9 +461,12 @@ class StreamRegistry:
         stream with no cache to save: a simplestream stream's last frames are not kept)."""
         if entry.deleted or not entry.dirty and self.files.has_state(entry.id):
             return
+        saved_watches = frozenset()  # a stream with no cache to save keeps its watches' events in its record alone
         if getattr(entry.stream, "keeps_cache", True):
+            saved_watches = frozenset(watch.id for watch in entry.stream.watches)  # what its save holds
             self.files.save_state(entry.id, entry.stream.save)
         entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
+        entry.saved_watches = saved_watches
         entry.saved_at = time.monotonic()
         entry.write_record(self.files)
 

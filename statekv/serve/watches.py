@@ -3,12 +3,12 @@ and the hub every evaluation reports to: the metrics (evaluations and events cou
 stream's events (server-sent events at ``GET /v1/streams/{id}/events``).
 
 A stream's watches live in its `Stream` (evaluated inside its pushes, on the model's thread) and in its record
-(``watches``: each one's settings, events and clock; ``watch_order``: the order they were opened in, the latest
-closed ones too), written when a watch is made or deleted and whenever the record is (saves, answers). A restarted
-server reopens them from the record (`recall`), over the stream as it was brought back: a watch made after the
-stream's last save is reopened all the same, one deleted after it stays deleted, and a record written after the
-save is turned back to the frames the save holds (its later events and evaluations go: the frames pushed again
-make them again).
+(``watches``: each one's settings, clock and the events its last save does not hold; ``watch_order``: the order
+they were opened in, the latest closed ones too), written when a watch is made or deleted and whenever the record is
+(saves, answers). A restarted server reopens them from the save and the record (`recall`), over the stream as it was
+brought back: a watch made after the stream's last save is reopened from its record all the same, one deleted after
+it stays deleted, and a record written after the save is turned back to the frames the save holds (its later events
+and evaluations go: the frames pushed again make them again).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
-from ..api.watch import Watch, holds_frames, open_watch, records, restore, run_evaluations
+from ..api.watch import Watch, holds_frames, open_watch, restore, run_evaluations
 from ..errors import StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError
@@ -140,9 +141,13 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
             watch.subscribe(listener)
 
 
-def watch_records(stream: Any) -> list[dict[str, Any]]:
-    """What a stream's record keeps of its watches (`statekv.api.watch.records`)."""
-    return records(stream)
+def watch_records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
+    """What a stream's record keeps of its watches (`statekv.api.watch.records`): of those its last save holds
+    (``saved``, their ids; the save holds the stream's first ``frames`` frames), only the events after that save,
+    so the record written at each answer does not grow with every event a watch ever had (a watch keeps thousands)."""
+    watching = getattr(stream, "watching", None)
+    return [] if watching is None else [watch.record(frames if watch.id in saved else None)
+                                        for watch in watching.open]
 
 
 def watch_order(stream: Any) -> list[str]:
