@@ -169,13 +169,14 @@ class Watch:
     def record(self, after: int | None = None) -> dict[str, Any]:
         """What a saved stream keeps of the watch (JSON-able): its settings, events and where it stands. ``after``:
         its events at that many frames or fewer are left out (kept elsewhere; None: every event)."""
-        first = 0 if after is None else bisect.bisect_right(self.events, after, key=lambda event: event.frame)
+        events = list(self.events)  # at once: a record may be written while the model's thread adds one
+        first = 0 if after is None else bisect.bisect_right(events, after, key=lambda event: event.frame)
         return {"id": self.id, "question": self.question, "every": self.every, "every_seconds": self.every_seconds,
                 "max_new_tokens": self.max_new_tokens, "retrieve": self.retrieve, "retrieval": self.retrieval,
                 "steer": self.steer, "answer": self.answer, "evaluations": self.evaluations, "since": self.since,
                 "last_frames": self.last_frames, "last_seconds": self.last_seconds,
                 "start": None if self.standing is None or self.standing.queries is None else self.standing.start,
-                "events": [[event.frame, event.seconds, event.answer] for event in self.events[first:]]}
+                "events": [[event.frame, event.seconds, event.answer] for event in events[first:]]}
 
 
 class Watches:
