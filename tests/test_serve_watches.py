@@ -507,3 +507,22 @@ def test_a_record_leaves_the_events_its_save_holds_to_the_save_and_a_crash_or_a_
     with Running(state, qa) as server, server.client() as client:  # stopped: saved at 14
         for key in (first, second):
             assert events(client, stream_id, key) == after[key]
+
+
+def test_a_disk_tier_stream_killed_after_a_save_keeps_the_events_of_a_watch_its_file_set_lacks(tmp_path, qa,
+                                                                                                pictures):
+    """A disk-tier stream comes back from its file set, whose last checkpoint can lack a watch its save holds (the
+    save took no checkpoint: its last step had one already): the record keeps that watch's events."""
+    state, frames = tmp_path / "a" / "state", pictures * 3
+    body = {"question": COUNT, "every": 3, "max_new_tokens": 4}
+    with Running(state, qa, disk=True, save_every_frames=63) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, frames, 0, 63)  # its 63rd step checkpointed (every 64 steps, from the first)
+        key = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]  # an event at frame 63
+        push(client, stream_id, frames, 63, 64)  # saved at 63 first, with no checkpoint
+        assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 63
+        before = client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"]
+        assert before and before[0]["frame"] == 63
+        shutil.copytree(tmp_path / "a", tmp_path / "killed")  # a server killed here
+    with Running(tmp_path / "killed" / "state", qa, disk=True) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"][:1] == before[:1]
