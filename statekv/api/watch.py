@@ -28,7 +28,7 @@ import bisect
 import logging
 import math
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -437,10 +437,12 @@ def tell(notices: list[tuple[Watch, WatchEvent | None]]) -> None:
 
 
 # -- saving and loading ------------------------------------------------------------------------------------------
-def records(stream: Any) -> list[dict[str, Any]]:
-    """The records of ``stream``'s open watches (`Watch.record`), as a saved stream keeps them."""
+def records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
+    """The records of ``stream``'s open watches (`Watch.record`), as a saved stream keeps them; of those in
+    ``saved`` (ids), only their events after the first ``frames`` frames (the rest are kept elsewhere)."""
     watching = getattr(stream, "watching", None)
-    return [] if watching is None else [watch.record() for watch in watching.open]
+    return [] if watching is None else [watch.record(frames if watch.id in saved else None)
+                                        for watch in watching.open]
 
 
 def tensors(stream: Any) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
-from ..api.watch import Watch, holds_frames, open_watch, restore, run_evaluations
+from ..api.watch import Watch, holds_frames, open_watch, records, restore, run_evaluations
 from ..errors import StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError
@@ -145,9 +145,7 @@ def watch_records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> 
     """What a stream's record keeps of its watches (`statekv.api.watch.records`): of those its last save holds
     (``saved``, their ids; the save holds the stream's first ``frames`` frames), only the events after that save,
     so the record written at each answer does not grow with every event a watch ever had (a watch keeps thousands)."""
-    watching = getattr(stream, "watching", None)
-    return [] if watching is None else [watch.record(frames if watch.id in saved else None)
-                                        for watch in watching.open]
+    return records(stream, saved, frames)
 
 
 def watch_order(stream: Any) -> list[str]:
