@@ -510,9 +510,10 @@ def test_a_record_leaves_the_events_its_save_holds_to_the_save_and_a_crash_or_a_
 
 
 def test_a_disk_tier_stream_killed_after_a_save_keeps_the_events_of_a_watch_its_file_set_lacks(tmp_path, qa,
-                                                                                                pictures):
+                                                                                                pictures, caplog):
     """A disk-tier stream comes back from its file set, whose last checkpoint can lack a watch its save holds (the
-    save took no checkpoint: its last step had one already): the record keeps that watch's events."""
+    save took no checkpoint: its last step had one already): its record, which leaves the events up to the save to
+    the save as any stream's does, gets them back from the save; a save that is gone is logged, naming them."""
     state, frames = tmp_path / "a" / "state", pictures * 3
     body = {"question": COUNT, "every": 3, "max_new_tokens": 4}
     with Running(state, qa, disk=True, save_every_frames=63) as server, server.client() as client:
@@ -523,6 +524,15 @@ def test_a_disk_tier_stream_killed_after_a_save_keeps_the_events_of_a_watch_its_
         assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 63
         before = client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"]
         assert before and before[0]["frame"] == 63
+        record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
+        assert [watch["events"] for watch in record["watches"]] == [[]] and record["saved_watches"] == [key]
         shutil.copytree(tmp_path / "a", tmp_path / "killed")  # a server killed here
+        shutil.copytree(tmp_path / "a", tmp_path / "unsaved")
     with Running(tmp_path / "killed" / "state", qa, disk=True) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"][:1] == before[:1]
+    assert "events up to frame" not in caplog.text
+    (tmp_path / "unsaved" / "state" / "streams" / f"{stream_id}.safetensors").unlink()
+    with Running(tmp_path / "unsaved" / "state", qa, disk=True) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"][:1] != before[:1]
+    assert f"stream {stream_id}: its save does not hold watch(es) {key}; their events up to frame 63 are lost" \
+        in caplog.text

@@ -170,6 +170,26 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
     """The metadata and tensors of a stream file, once the header, every tensor's checksum and the schema
     (`check_schema`) are verified; a one-line `InputError` naming the first problem otherwise."""
     path = Path(path)
+    metadata, tensors = _read(path, with_tensors=True)
+    checksums = metadata["checksums"]
+    missing, unlisted = sorted(set(checksums) - set(tensors)), sorted(set(tensors) - set(checksums))
+    if missing or unlisted:
+        what = f"lacks tensor {missing[0]}" if missing else f"holds a tensor it does not list, {unlisted[0]}"
+        raise InputError(f"{path}: the stream file {what}")
+    for name, tensor in tensors.items():
+        if tensor_sha256(tensor) != checksums[name]:
+            raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
+                             "damaged after it was saved")
+    return metadata, tensors
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The metadata of a stream file, once its header and schema are verified, without reading its tensors (which
+    `read_verified` verifies too); a one-line `InputError` naming the first problem otherwise."""
+    return _read(Path(path), with_tensors=False)[0]
+
+
+def _read(path: Path, with_tensors: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not path.is_file():
         raise InputError(f"{path}: " + ("not a regular file; a saved stream is one" if path.exists() else
                                         "no such saved stream"))
@@ -190,21 +210,12 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
             if header.get("statekv_sha256") != _sha256(text):
                 raise InputError(f"{path}: the stream's metadata is corrupt (its checksum does not match)")
             metadata = expanded(metadata, str(path))
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()} if with_tensors else {}
     except (SafetensorError, OSError, ValueError) as error:
         if isinstance(error, InputError):
             raise
         raise InputError(f"{path}: not a saved statekv stream ({_reason(error)})") from None
     check_schema(metadata, where=str(path))
-    checksums = metadata["checksums"]
-    missing, unlisted = sorted(set(checksums) - set(tensors)), sorted(set(tensors) - set(checksums))
-    if missing or unlisted:
-        what = f"lacks tensor {missing[0]}" if missing else f"holds a tensor it does not list, {unlisted[0]}"
-        raise InputError(f"{path}: the stream file {what}")
-    for name, tensor in tensors.items():
-        if tensor_sha256(tensor) != checksums[name]:
-            raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
-                             "damaged after it was saved")
     return metadata, tensors
 
 

@@ -152,13 +152,15 @@ class StreamEntry:
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
         file set name its id and owner (checked when they are loaded; records written before hold no ``owned``).
-        ``watches``: the events a watch had by the last save are left to the save, when it holds that watch and the
-        stream has no disk-tier file set (a restart resumes that, whose checkpoint may lack a watch the save holds)."""
+        ``watches``: the events a watch had by the last save are left to the save when it holds that watch (those
+        named in ``saved_watches``; a restart puts them back, from the save where the stream comes back from its
+        disk-tier file set, whose checkpoint may lack that watch: `with_saved_events`)."""
         tier = self.tier
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "watches": watch_records(self.stream, self.saved_watches if tier is None else (), self.saved["frames"]),
+                "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
+                "saved_watches": sorted(self.saved_watches),
                 "watch_order": watch_order(self.stream), **page_fields(self)}
 
 

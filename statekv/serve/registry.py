@@ -40,7 +40,7 @@ from .page_record import recall_page
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
-from .watches import recall
+from .watches import recall, with_saved_events
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -539,7 +539,8 @@ class StreamRegistry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
         loads."""
         entry = self.loader.load(data, healing=healing)
-        recall(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id))
+        recall(entry, with_saved_events(entry, data, self.files),
+               None if self.watch_listener is None else self.watch_listener(entry.id))
         recall_page(entry, data)
         self.damaged.pop(entry.id, None)
         return entry

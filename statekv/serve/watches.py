@@ -23,8 +23,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
-from ..api.watch import Watch, holds_frames, open_watch, records, restore, run_evaluations
-from ..errors import StateKVError
+from ..api.stream_file import read_metadata
+from ..api.watch import Watch, check_record, holds_frames, open_watch, records, restore, run_evaluations
+from ..errors import InputError, StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError
 from .stream_settings import shown
@@ -139,6 +140,44 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
     if listener is not None:
         for watch in stream.watches:
             watch.subscribe(listener)
+
+
+def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[str, Any]:
+    """``record`` (a stream's, as read) with the events its watches left to the stream's last save put back into
+    each watch it names that ``entry``'s stream was brought back without (one its disk-tier file set lacks): those
+    of the save's record of that watch up to the frames the save holds (``saved``), read from the save's metadata
+    in ``files`` (`StreamFiles`). Events the save cannot give back are logged as lost."""
+    cut, listed, frames = record.get("saved_watches"), record.get("watches"), (record.get("saved") or {}).get("frames")
+    if not isinstance(cut, list) or not isinstance(listed, list) or type(frames) is not int:
+        return record
+    held = {watch.id for watch in entry.stream.watches}
+    wanted = {data["id"] for data in listed if isinstance(data, dict) and data.get("id") in cut
+              and data["id"] not in held and isinstance(data.get("events"), list)}
+    if not wanted:
+        return record
+    try:
+        with files.local_state(entry.id) as path:
+            saved = [] if path is None else read_metadata(path).get("watches") or []
+    except (StateKVError, OSError) as error:
+        log.error("stream %s: its save cannot be read (%s); the events of watch(es) %s up to frame %d are lost",
+                  entry.id, error, ", ".join(sorted(wanted)), frames)
+        return record
+    earlier = {}
+    for number, data in enumerate(saved if isinstance(saved, list) else []):
+        try:
+            data = check_record(data, f"stream {entry.id}'s save: watches[{number}]")
+        except InputError as error:
+            log.error("%s", error)
+            continue
+        if data["id"] in wanted:
+            earlier[data["id"]] = [event for event in data["events"] if event[0] <= frames]
+    lost = sorted(wanted - set(earlier))
+    if lost:
+        log.error("stream %s: its save does not hold watch(es) %s; their events up to frame %d are lost", entry.id,
+                  ", ".join(lost), frames)
+    watches = [{**data, "events": earlier[data["id"]] + data["events"]}
+               if isinstance(data, dict) and data.get("id") in earlier else data for data in listed]
+    return {**record, "watches": watches}
 
 
 def watch_records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
