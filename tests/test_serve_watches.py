@@ -534,5 +534,31 @@ def test_a_disk_tier_stream_killed_after_a_save_keeps_the_events_of_a_watch_its_
     (tmp_path / "unsaved" / "state" / "streams" / f"{stream_id}.safetensors").unlink()
     with Running(tmp_path / "unsaved" / "state", qa, disk=True) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"][:1] != before[:1]
-    assert f"stream {stream_id}: its save does not hold watch(es) {key}; their events up to frame 63 are lost" \
-        in caplog.text
+    assert f"stream {stream_id}: it has no save; the events of watch(es) {key} up to frame 63 are lost" in caplog.text
+
+
+def test_a_watch_deleted_before_a_save_whose_record_was_never_written_stays_deleted(tmp_path, qa, pictures):
+    """A record that left a watch's events to the save, the watch deleted, the stream saved again, and neither
+    record after it written (a kill, a full disk): the latest save lacks the watch, so it was deleted before that
+    save and stays deleted (before: it came back from the old record, without its events)."""
+    state, body = tmp_path / "state", {"question": COUNT, "every": 3, "max_new_tokens": 4}
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        gone = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
+        kept = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
+        push(client, stream_id, pictures, 3, 6)  # saved at 6 as it stops
+    record = state / "streams" / f"{stream_id}.json"
+    with Running(state, qa, save_every_frames=2) as server, server.client() as client:
+        old = record.read_bytes()  # leaves both watches' events up to frame 6 to the save
+        assert json.loads(old)["saved_watches"] == sorted([gone, kept])
+        assert client.delete(f"/v1/streams/{stream_id}/watches/{gone}").status_code == 200
+        push(client, stream_id, pictures, 6, 9)  # saved at 8, before the 9th frame, without it
+        assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 8
+        events = client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"]
+        shutil.copytree(state, tmp_path / "killed")
+    (tmp_path / "killed" / "streams" / f"{stream_id}.json").write_bytes(old)  # the records since were not written
+    with Running(tmp_path / "killed", qa) as server, server.client() as client:
+        assert [watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]] == [kept]
+        assert client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"] == \
+            [event for event in events if event["frame"] <= 8]

@@ -143,10 +143,12 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
 
 
 def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[str, Any]:
-    """``record`` (a stream's, as read) with the events its watches left to the stream's last save put back into
-    each watch it names that ``entry``'s stream was brought back without (one its disk-tier file set lacks): those
-    of the save's record of that watch up to the frames the save holds (``saved``), read from the save's metadata
-    in ``files`` (`StreamFiles`). Events the save cannot give back are logged as lost."""
+    """``record`` (a stream's, as read) with the events its watches left to the stream's save (those it names in
+    ``saved_watches``) put back into each such watch that ``entry``'s stream was brought back without (one its
+    disk-tier file set lacks): those of the save's record of that watch up to the frames ``saved`` says it holds,
+    read from the save's metadata in ``files`` (`StreamFiles`). Such a watch that the save does not hold was
+    deleted before a later save (whose record was not written: a kill, a full disk) and stays deleted. Events the
+    save cannot give back are logged as lost."""
     cut, listed, frames = record.get("saved_watches"), record.get("watches"), (record.get("saved") or {}).get("frames")
     if not isinstance(cut, list) or not isinstance(listed, list) or type(frames) is not int:
         return record
@@ -157,26 +159,31 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
         return record
     try:
         with files.local_state(entry.id) as path:
-            saved = [] if path is None else read_metadata(path).get("watches") or []
+            saved = None if path is None else read_metadata(path).get("watches") or []
     except (StateKVError, OSError) as error:
-        log.error("stream %s: its save cannot be read (%s); the events of watch(es) %s up to frame %d are lost",
-                  entry.id, error, ", ".join(sorted(wanted)), frames)
-        return record
-    earlier = {}
+        saved, why = None, f"its save cannot be read ({error})"
+    else:
+        why = "it has no save"
+    earlier: dict[str, list] = {}
     for number, data in enumerate(saved if isinstance(saved, list) else []):
-        try:
-            data = check_record(data, f"stream {entry.id}'s save: watches[{number}]")
-        except InputError as error:
-            log.error("%s", error)
-            continue
-        if data["id"] in wanted:
-            earlier[data["id"]] = [event for event in data["events"] if event[0] <= frames]
-    lost = sorted(wanted - set(earlier))
-    if lost:
-        log.error("stream %s: its save does not hold watch(es) %s; their events up to frame %d are lost", entry.id,
-                  ", ".join(lost), frames)
+        if isinstance(data, dict) and data.get("id") in wanted:
+            try:
+                checked = check_record(data, f"its save's watches[{number}]")
+            except InputError as error:
+                saved, why = None, str(error)
+            else:
+                earlier[data["id"]] = [event for event in checked["events"] if event[0] <= frames]
+    if saved is None:  # reopened from the record alone
+        log.error("stream %s: %s; the events of watch(es) %s up to frame %d are lost", entry.id, why,
+                  ", ".join(sorted(wanted)), frames)
+        return record
+    gone = wanted - set(earlier)
+    if gone:
+        log.info("stream %s: watch(es) %s, deleted before its last save, stay deleted", entry.id,
+                 ", ".join(sorted(gone)))
     watches = [{**data, "events": earlier[data["id"]] + data["events"]}
-               if isinstance(data, dict) and data.get("id") in earlier else data for data in listed]
+               if isinstance(data, dict) and data.get("id") in earlier else data
+               for data in listed if not isinstance(data, dict) or data.get("id") not in gone]
     return {**record, "watches": watches}
 
 
