@@ -4,6 +4,7 @@ events, the metrics, watches surviving a restart with their stream, and bad requ
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -537,17 +538,17 @@ def test_a_disk_tier_stream_killed_after_a_save_keeps_the_events_of_a_watch_its_
     assert f"stream {stream_id}: it has no save; the events of watch(es) {key} up to frame 63 are lost" in caplog.text
 
 
-def test_a_watch_deleted_before_a_save_whose_record_was_never_written_stays_deleted(tmp_path, qa, pictures):
-    """A record that left a watch's events to the save, the watch deleted, the stream saved again, and neither
-    record after it written (a kill, a full disk): the latest save lacks the watch, so it was deleted before that
-    save and stays deleted (before: it came back from the old record, without its events)."""
+def _deleted_before_a_later_save(tmp_path, qa, pictures) -> tuple[Path, str, str, list[dict]]:
+    """A state folder whose record left both watches' events to the save at 6, one watch deleted since and the
+    stream saved at 8 without it, the records since never written (a kill, a full disk). Its folder, the stream,
+    the watch kept and its events up to that save."""
     state, body = tmp_path / "state", {"question": COUNT, "every": 3, "max_new_tokens": 4}
     with Running(state, qa) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
         push(client, stream_id, pictures, 0, 3)
         gone = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
         kept = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
-        push(client, stream_id, pictures, 3, 6)  # saved at 6 as it stops
+        push(client, stream_id, pictures, 3, 6)
     record = state / "streams" / f"{stream_id}.json"
     with Running(state, qa, save_every_frames=2) as server, server.client() as client:
         old = record.read_bytes()  # leaves both watches' events up to frame 6 to the save
@@ -557,8 +558,66 @@ def test_a_watch_deleted_before_a_save_whose_record_was_never_written_stays_dele
         assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 8
         events = client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"]
         shutil.copytree(state, tmp_path / "killed")
-    (tmp_path / "killed" / "streams" / f"{stream_id}.json").write_bytes(old)  # the records since were not written
-    with Running(tmp_path / "killed", qa) as server, server.client() as client:
+    (tmp_path / "killed" / "streams" / f"{stream_id}.json").write_bytes(old)
+    return tmp_path / "killed", stream_id, kept, [event for event in events if event["frame"] <= 8]
+
+
+def test_a_watch_deleted_before_a_save_whose_record_was_never_written_stays_deleted(tmp_path, qa, pictures):
+    """A record that left a watch's events to the save, the watch deleted, the stream saved again, and neither
+    record after it written: the latest save lacks the watch, so it was deleted before that save and stays deleted
+    (before: it came back from the old record, without its events)."""
+    killed, stream_id, kept, events = _deleted_before_a_later_save(tmp_path, qa, pictures)
+    with Running(killed, qa) as server, server.client() as client:
         assert [watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]] == [kept]
-        assert client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"] == \
-            [event for event in events if event["frame"] <= 8]
+        assert client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"] == events
+
+
+def test_a_stream_brought_back_from_its_save_reads_it_once_and_a_second_read_failing_brings_back_no_deleted_watch(
+        tmp_path, qa, pictures, monkeypatch):
+    """The stream comes back from its save, so what the save holds of its watches is known: reading the save again
+    costs a second whole download from an object store (`local_state` downloads the whole file, tensors too), and
+    a store that does not answer it for a moment (a 503, as `StoreStreamFiles.local_state` raises) brought the
+    deleted watch back, without its events."""
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.store import StreamFiles
+
+    killed, stream_id, kept, events = _deleted_before_a_later_save(tmp_path, qa, pictures)
+    reads: list[str] = []
+    local_state = StreamFiles.local_state
+
+    @contextlib.contextmanager
+    def counted(self, key):
+        reads.append(key)
+        if len(reads) > 1:  # an object store that does not answer for a moment
+            raise ServiceError(503, "the save cannot be read from the object store now; retry")
+        with local_state(self, key) as path:
+            yield path
+
+    monkeypatch.setattr(StreamFiles, "local_state", counted)
+    with Running(killed, qa) as server, server.client() as client:
+        assert [watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]] == [kept]
+        assert client.get(f"/v1/streams/{stream_id}/watches/{kept}").json()["events"] == events
+    assert reads == [stream_id]
+
+
+def test_a_save_the_object_store_cannot_give_back_now_loses_no_event_of_a_watch_a_file_set_lacks(caplog):
+    """A stream brought back from its file set (as a stopped handover's heal does on a replica) that lacks a watch
+    whose events up to the save are in the save: the object store not answering for a moment (503) is a retry,
+    never those events reopened without, for good (the next save keeps the watch as reopened)."""
+    from types import SimpleNamespace
+
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.watches import with_saved_events
+
+    class Store:
+        @contextlib.contextmanager
+        def local_state(self, stream_id):
+            raise ServiceError(503, f"stream {stream_id}'s save cannot be read from the object store now; retry")
+            yield
+
+    entry = SimpleNamespace(id="st_0123456789abcdef01234567", stream=SimpleNamespace(watches=[]), from_save=False)
+    watch = {"id": "w_0123456789abcdef", "events": [[70, 69.0, "B"]]}
+    record = {"saved_watches": [watch["id"]], "watches": [watch], "saved": {"frames": 63}}
+    with pytest.raises(ServiceError) as refused:
+        with_saved_events(entry, record, Store())
+    assert refused.value.status == 503 and "are lost" not in caplog.text

@@ -57,6 +57,7 @@ class StreamEntry:
     saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
     saved_at: float = field(default_factory=time.monotonic)
     saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
+    from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -57,7 +57,9 @@ class StreamHealer:
             old = entry.stream
             try:
                 healed = await registry.worker.run(registry.restore_one, entry.record(), True)
-            except OutputError as error:
+            except (OutputError, ServiceError) as error:  # a full disk; the object store not answering its save
+                if isinstance(error, ServiceError) and error.status != 503:
+                    raise
                 self.unhealed[entry.id] = (time.monotonic(), reason_of(error))
                 log.error("stream %s, closed by its stopped handover, cannot be brought back yet: %s", entry.id, error)
                 raise self.not_yet(entry.id, HEAL_RETRY_SECONDS) from None
@@ -78,6 +80,7 @@ class StreamHealer:
                 await self.close_quietly(healed.stream)
                 check_here(entry)
             entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
+            entry.saved_watches = healed.saved_watches  # none: its record cuts at the file set's frames, not the save's
             self.unhealed.pop(entry.id, None)
             if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
                 entry.last_seconds = healed.stream.last_timestamp

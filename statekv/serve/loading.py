@@ -46,11 +46,12 @@ class StreamLoader:
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
         stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         saved_watches = frozenset()  # those of a file set: the next save holds them
+        from_save = False
         if stream is None:
             with self.files.local_state(data["id"]) as state:
                 stream = None if state is None else Stream.load(state, qa, **ids)
             if stream is not None:
-                saved_watches = frozenset(watch.id for watch in stream.watches)
+                saved_watches, from_save = frozenset(watch.id for watch in stream.watches), True
         if stream is not None:
             recorded = data.get("saved") or {}
             try:
@@ -70,7 +71,8 @@ class StreamLoader:
         answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
-                            answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches)
+                            answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches,
+                            from_save=from_save)
         if not healing and entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it
             try:
                 entry.write_record(self.files)

@@ -465,8 +465,9 @@ class StreamRegistry:
         if getattr(entry.stream, "keeps_cache", True):
             saved_watches = frozenset(watch.id for watch in entry.stream.watches)  # what its save holds
             self.files.save_state(entry.id, entry.stream.save)
-        entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
-        entry.saved_watches = saved_watches
+        with entry.recording:  # together: a record written meanwhile cuts its watches' events where it says
+            entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
+            entry.saved_watches = saved_watches
         entry.saved_at = time.monotonic()
         entry.write_record(self.files)
 

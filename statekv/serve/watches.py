@@ -157,13 +157,15 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
               and data["id"] not in held and isinstance(data.get("events"), list)}
     if not wanted:
         return record
-    try:
-        with files.local_state(entry.id) as path:
-            saved = None if path is None else read_metadata(path).get("watches") or []
-    except (StateKVError, OSError) as error:
-        saved, why = None, f"its save cannot be read ({error})"
-    else:
-        why = "it has no save"
+    why, saved = "it has no save", []
+    if not entry.from_save:  # (brought back from its save, the stream holds every watch the save holds)
+        try:
+            with files.local_state(entry.id) as path:
+                saved = None if path is None else read_metadata(path).get("watches") or []
+        except ServiceError:  # the object store not answering now: a retry, never events lost for good
+            raise
+        except (StateKVError, OSError) as error:
+            saved, why = None, f"its save cannot be read ({error})"
     earlier: dict[str, list] = {}
     for number, data in enumerate(saved if isinstance(saved, list) else []):
         if isinstance(data, dict) and data.get("id") in wanted:
