@@ -621,3 +621,24 @@ def test_a_save_the_object_store_cannot_give_back_now_loses_no_event_of_a_watch_
     with pytest.raises(ServiceError) as refused:
         with_saved_events(entry, record, Store())
     assert refused.value.status == 503 and "are lost" not in caplog.text
+
+
+def test_a_stream_moved_to_a_new_file_set_records_the_watches_its_record_reopened(tmp_path, qa, pictures):
+    """A disk-tier stream whose file set is gone comes back from its save into a new one, and its record is written
+    at once to name it: that record names the watches made since the save too (before: it was written before they
+    were reopened from the old record, so a kill then lost them for good)."""
+    body = {"question": COUNT, "every": 3, "max_new_tokens": 4}
+    with Running(tmp_path / "a" / "state", qa, disk=True) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        saved = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
+    with Running(tmp_path / "a" / "state", qa, disk=True) as server, server.client() as client:
+        made = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]  # after the save at 3
+        shutil.copytree(tmp_path / "a" / "state", tmp_path / "b" / "state")  # killed; its file set lost with its disk
+    record = tmp_path / "b" / "state" / "streams" / f"{stream_id}.json"
+    tier = json.loads(record.read_text())["tier"]
+    with Running(tmp_path / "b" / "state", qa, disk=True) as server, server.client() as client:
+        written = json.loads(record.read_text())  # as a kill now would leave it
+        assert written["tier"] != tier and {watch["id"] for watch in written["watches"]} == {saved, made}
+        assert {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]} == \
+            {saved, made}

@@ -73,17 +73,21 @@ class StreamLoader:
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches,
                             from_save=from_save)
-        if not healing and entry.record()["tier"] != data.get("tier"):  # a new file set: the record names it
-            try:
-                entry.write_record(self.files)
-            except (OSError, StateKVError) as error:
-                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
         if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
             try:
                 self.files.remove_note(entry.id)
             except (OSError, StateKVError) as error:
                 log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
         return entry
+
+    def record_new_tier(self, entry: StreamEntry, data: dict[str, Any]) -> None:
+        """Write the record of a stream loaded (its watches and page back) into another disk-tier file set than its
+        record ``data`` names, so that it names the new one (a failure is logged)."""
+        if entry.record()["tier"] != data.get("tier"):
+            try:
+                entry.write_record(self.files)
+            except (OSError, StateKVError) as error:
+                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
 
     def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:

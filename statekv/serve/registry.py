@@ -538,11 +538,13 @@ class StreamRegistry:
 
     def restore_one(self, data: dict[str, Any], healing: bool = False) -> StreamEntry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
-        loads."""
+        loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
         entry = self.loader.load(data, healing=healing)
         recall(entry, with_saved_events(entry, data, self.files),
                None if self.watch_listener is None else self.watch_listener(entry.id))
         recall_page(entry, data)
+        if not healing:
+            self.loader.record_new_tier(entry, data)
         self.damaged.pop(entry.id, None)
         return entry
 
