@@ -153,8 +153,8 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
     if not isinstance(cut, list) or not isinstance(listed, list) or type(frames) is not int:
         return record
     held = {watch.id for watch in entry.stream.watches}
-    wanted = {data["id"] for data in listed if isinstance(data, dict) and data.get("id") in cut
-              and data["id"] not in held and isinstance(data.get("events"), list)}
+    wanted = {data["id"] for data in listed if isinstance(data, dict) and isinstance(data.get("id"), str)
+              and data["id"] in cut and data["id"] not in held and isinstance(data.get("events"), list)}
     if not wanted:
         return record
     why, saved = "it has no save", []
