@@ -153,8 +153,8 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
     if not isinstance(cut, list) or not isinstance(listed, list) or type(frames) is not int:
         return record
     held = {watch.id for watch in entry.stream.watches}
-    wanted = {data["id"] for data in listed if isinstance(data, dict) and isinstance(data.get("id"), str)
-              and data["id"] in cut and data["id"] not in held and isinstance(data.get("events"), list)}
+    wanted = {key for data in listed if (key := watch_id(data)) is not None and key in cut and key not in held
+              and isinstance(data.get("events"), list)}
     if not wanted:
         return record
     why, saved = "it has no save", []
@@ -168,7 +168,7 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
             saved, why = None, f"its save cannot be read ({error})"
     earlier: dict[str, list] = {}
     for number, data in enumerate(saved if isinstance(saved, list) else []):
-        if isinstance(data, dict) and data.get("id") in wanted:
+        if watch_id(data) in wanted:
             try:
                 checked = check_record(data, f"its save's watches[{number}]")
             except InputError as error:
@@ -183,10 +183,15 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
     if gone:
         log.info("stream %s: watch(es) %s, deleted before its last save, stay deleted", entry.id,
                  ", ".join(sorted(gone)))
-    watches = [{**data, "events": earlier[data["id"]] + data["events"]}
-               if isinstance(data, dict) and data.get("id") in earlier else data
-               for data in listed if not isinstance(data, dict) or data.get("id") not in gone]
+    watches = [{**data, "events": earlier[data["id"]] + data["events"]} if watch_id(data) in earlier else data
+               for data in listed if watch_id(data) not in gone]
     return {**record, "watches": watches}
+
+
+def watch_id(data: Any) -> str | None:
+    """The id a watch record names (None: none, or not a string)."""
+    found = data.get("id") if isinstance(data, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def watch_records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
