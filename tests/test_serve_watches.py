@@ -642,3 +642,69 @@ def test_a_stream_moved_to_a_new_file_set_records_the_watches_its_record_reopene
         assert written["tier"] != tier and {watch["id"] for watch in written["watches"]} == {saved, made}
         assert {watch["id"] for watch in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]} == \
             {saved, made}
+
+
+def test_a_heal_the_object_store_cannot_serve_now_leaves_the_file_set_free_for_its_retry(tmp_path, qa, pictures,
+                                                                                       monkeypatch):
+    """Bringing a disk-tier stream back from its file set (a stopped handover's heal: healing) that lacks a watch
+    its save holds, the object store not giving the save back now (503): a retry, so the stream resumed for it is
+    closed again and the retry resumes the file set. Before: it was left open, holding the file set's lock, so the
+    retry found the folder held and the stream was quarantined."""
+    from statekv import ModelOptions
+    from statekv.serve import ServeConfig
+    from statekv.serve.errors import ServiceError
+    from statekv.serve.registry import StreamRegistry
+    from statekv.serve.store import StreamFiles
+    from statekv.serve.worker import ModelWorker
+
+    state, frames = tmp_path / "a" / "state", pictures * 3
+    body = {"question": COUNT, "every": 3, "max_new_tokens": 4}
+    with Running(state, qa, disk=True, save_every_frames=63) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, frames, 0, 63)  # its 63rd step checkpointed
+        client.post(f"/v1/streams/{stream_id}/watches", json=body)
+        push(client, stream_id, frames, 63, 64)  # saved at 63 with no checkpoint: the file set lacks the watch
+        shutil.copytree(tmp_path / "a", tmp_path / "b")  # its files as a closed stream leaves them
+    tier = tmp_path / "b" / "tiers"
+    options = ModelOptions(model="builtin", offload="disk", offload_dir=str(tier))
+    config = ServeConfig(options=options, state_dir=tmp_path / "b" / "state", api_keys=(KEY,), page=False,
+                         save_every_seconds=600)
+    registry = StreamRegistry(config, qa.with_options(offload="disk", offload_dir=str(tier)), ModelWorker())
+    record = registry.files.read_record(stream_id)
+    try:
+        @contextlib.contextmanager
+        def unanswered(self, key):
+            raise ServiceError(503, f"stream {key}'s save cannot be read from the object store now; retry")
+            yield
+
+        with monkeypatch.context() as patched:
+            patched.setattr(StreamFiles, "local_state", unanswered)
+            with pytest.raises(ServiceError):
+                registry.worker.run_blocking(registry.restore_one, record, True)
+        healed = registry.worker.run_blocking(registry.restore_one, record, True)  # its retry
+        assert healed.stream.frames == 63  # as its file set holds it
+        registry.worker.run_blocking(healed.stream.close)
+    finally:
+        registry.worker.close()
+
+
+def test_an_object_store_failing_as_it_lists_a_save_loses_no_event_of_a_watch_a_file_set_lacks(caplog):
+    """As the 503 of the download: the store failing as its versions are listed or read (`StorageError`, what
+    `StoreStreamFiles.local_state` raises then) is a retry, never those events reopened without, for good."""
+    from types import SimpleNamespace
+
+    from statekv.serve.errors import StorageError
+    from statekv.serve.watches import with_saved_events
+
+    class Store:
+        @contextlib.contextmanager
+        def local_state(self, stream_id):
+            raise StorageError("the object store cannot list streams/st_0123456789abcdef01234567/: 503")
+            yield
+
+    entry = SimpleNamespace(id="st_0123456789abcdef01234567", stream=SimpleNamespace(watches=[]), from_save=False)
+    watch = {"id": "w_0123456789abcdef", "events": [[70, 69.0, "B"]]}
+    record = {"saved_watches": [watch["id"]], "watches": [watch], "saved": {"frames": 63}}
+    with pytest.raises(StorageError):
+        with_saved_events(entry, record, Store())
+    assert "are lost" not in caplog.text

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.disk.successor import HANDOVER_MARKER
 from ..errors import HandoverError, OutputError
 from .entries import StreamEntry
-from .errors import ServiceError
+from .errors import ServiceError, StorageError
 from .loading import reason_of
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class StreamHealer:
             old = entry.stream
             try:
                 healed = await registry.worker.run(registry.restore_one, entry.record(), True)
-            except (OutputError, ServiceError) as error:  # a full disk; the object store not answering its save
+            except (OutputError, ServiceError, StorageError) as error:  # a full disk; the store not answering
                 if isinstance(error, ServiceError) and error.status != 503:
                     raise
                 self.unhealed[entry.id] = (time.monotonic(), reason_of(error))

@@ -540,9 +540,14 @@ class StreamRegistry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
         loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
         entry = self.loader.load(data, healing=healing)
-        recall(entry, with_saved_events(entry, data, self.files),
-               None if self.watch_listener is None else self.watch_listener(entry.id))
-        recall_page(entry, data)
+        try:
+            recall(entry, with_saved_events(entry, data, self.files),
+                   None if self.watch_listener is None else self.watch_listener(entry.id))
+            recall_page(entry, data)
+        except BaseException:  # (its save not readable now: a retry) the stream loaded lets go of its file set
+            with contextlib.suppress(Exception):
+                entry.stream.close()
+            raise
         if not healing:
             self.loader.record_new_tier(entry, data)
         self.damaged.pop(entry.id, None)

@@ -27,7 +27,7 @@ from ..api.stream_file import read_metadata
 from ..api.watch import Watch, check_record, holds_frames, open_watch, records, restore, run_evaluations
 from ..errors import InputError, StateKVError
 from ..settings.values import is_finite_number
-from .errors import ServiceError
+from .errors import ServiceError, StorageError
 from .stream_settings import shown
 
 log = logging.getLogger("statekv.serve")
@@ -162,7 +162,7 @@ def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[st
         try:
             with files.local_state(entry.id) as path:
                 saved = None if path is None else read_metadata(path).get("watches") or []
-        except ServiceError:  # the object store not answering now: a retry, never events lost for good
+        except (ServiceError, StorageError):  # the object store not answering now: a retry, never events lost
             raise
         except (StateKVError, OSError) as error:
             saved, why = None, f"its save cannot be read ({error})"
