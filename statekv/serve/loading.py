@@ -5,6 +5,7 @@ counts); a file that cannot be loaded, or names another stream or owner, raises,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
@@ -15,7 +16,9 @@ from ..core.disk.files import hold
 from ..errors import InputError, OutputError, StateKVError
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
 from .errors import public_message
+from .page_record import recall_page
 from .stream_settings import StreamSettings
+from .watches import recall, with_saved_events
 
 log = logging.getLogger("statekv.serve")
 
@@ -80,10 +83,19 @@ class StreamLoader:
                 log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
         return entry
 
-    def record_new_tier(self, entry: StreamEntry, data: dict[str, Any]) -> None:
-        """Write the record of a stream loaded (its watches and page back) into another disk-tier file set than its
-        record ``data`` names, so that it names the new one (a failure is logged)."""
-        if entry.record()["tier"] != data.get("tier"):
+    def bring_back(self, entry: StreamEntry, data: dict[str, Any], listener: Any, healing: bool = False) -> None:
+        """Reopen the watches (`recall`, their saved events put back: `with_saved_events`) and page of ``entry``, a
+        stream just loaded from its record ``data``; then, for one in another disk-tier file set than ``data``
+        names, write its record so that it names the new one (a failure is logged). A stream whose watches cannot
+        be brought back now (its save not readable: a retry) is closed again, letting go of its file set."""
+        try:
+            recall(entry, with_saved_events(entry, data, self.files), listener)
+            recall_page(entry, data)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                entry.stream.close()
+            raise
+        if not healing and entry.record()["tier"] != data.get("tier"):
             try:
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:

@@ -36,11 +36,9 @@ from .errors import ServiceError, public_message, status_of
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
-from .page_record import recall_page
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
-from .watches import recall, with_saved_events
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -540,16 +538,8 @@ class StreamRegistry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
         loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
         entry = self.loader.load(data, healing=healing)
-        try:
-            recall(entry, with_saved_events(entry, data, self.files),
-                   None if self.watch_listener is None else self.watch_listener(entry.id))
-            recall_page(entry, data)
-        except BaseException:  # (its save not readable now: a retry) the stream loaded lets go of its file set
-            with contextlib.suppress(Exception):
-                entry.stream.close()
-            raise
-        if not healing:
-            self.loader.record_new_tier(entry, data)
+        self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
+                               healing)
         self.damaged.pop(entry.id, None)
         return entry
 
