@@ -439,7 +439,8 @@ def tell(notices: list[tuple[Watch, WatchEvent | None]]) -> None:
 # -- saving and loading ------------------------------------------------------------------------------------------
 def records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
     """The records of ``stream``'s open watches (`Watch.record`), as a saved stream keeps them; of those in
-    ``saved`` (ids), only their events after the first ``frames`` frames (the rest are kept elsewhere)."""
+    ``saved`` (ids), only their events after the first ``frames`` frames: a served stream's record, written at each
+    answer, leaves the earlier ones to the save that holds them rather than rewrite every event a watch kept."""
     watching = getattr(stream, "watching", None)
     return [] if watching is None else [watch.record(frames if watch.id in saved else None)
                                         for watch in watching.open]

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
+from ..api.watch import records as watch_records
 from ..errors import InputError, StateKVError
 from .page_record import page_fields
-from .watches import watch_order, watch_records
+from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
 HISTORY = 2000  # points of a stream's history kept for the page

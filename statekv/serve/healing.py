@@ -79,8 +79,9 @@ class StreamHealer:
             if entry.deleted or entry.moved:  # deleted, or lost to another replica, while it was brought back
                 await self.close_quietly(healed.stream)
                 check_here(entry)
-            entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
-            entry.saved_watches = healed.saved_watches  # none: its record cuts at the file set's frames, not the save's
+            with entry.recording:  # together: a record written meanwhile cuts its watches' events where it says
+                entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
+                entry.saved_watches = healed.saved_watches  # none: it cuts at the file set's frames, not the save's
             self.unhealed.pop(entry.id, None)
             if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
                 entry.last_seconds = healed.stream.last_timestamp

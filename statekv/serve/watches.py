@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Collection
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
 from ..api.stream_file import read_metadata
-from ..api.watch import Watch, check_record, holds_frames, open_watch, records, restore, run_evaluations
+from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
+from ..api.watch import Watch, check_record, holds_frames, open_watch, restore, run_evaluations
 from ..errors import InputError, StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError, StorageError
@@ -192,13 +191,6 @@ def watch_id(data: Any) -> str | None:
     """The id a watch record names (None: none, or not a string)."""
     found = data.get("id") if isinstance(data, dict) else None
     return found if isinstance(found, str) else None
-
-
-def watch_records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
-    """What a stream's record keeps of its watches (`statekv.api.watch.records`): of those its last save holds
-    (``saved``, their ids; the save holds the stream's first ``frames`` frames), only the events after that save,
-    so the record written at each answer does not grow with every event a watch ever had (a watch keeps thousands)."""
-    return records(stream, saved, frames)
 
 
 def watch_order(stream: Any) -> list[str]:
