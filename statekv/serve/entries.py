@@ -1,5 +1,5 @@
 """What the service knows of each stream: a live one (`StreamEntry`: its owner, settings, the `Stream`, what is
-saved, what it is doing), one that could not be brought back (`DamagedStream`), a file being fed into one (`Feed`)."""
+saved, what it is doing) and one that could not be brought back (`DamagedStream`)."""
 
 from __future__ import annotations
 
@@ -15,31 +15,12 @@ from typing import Any
 from ..api.stream import Stream
 from ..api.watch import records as watch_records
 from ..errors import InputError, StateKVError
-from .page_record import page_fields
+from .page_record import Feed, page_fields
 from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
 HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
-
-
-@dataclass
-class Feed:
-    """A video file being fed into a stream: how far it got (``total``: the frames it should give at the
-    stream's rate, estimated from its length) and, once it stopped early, why."""
-
-    source: str
-    total: int | None
-    offered: int = 0
-    kept: int = 0
-    skipped: int = 0
-    running: bool = True
-    error: str | None = None
-    resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
-
-    def describe(self) -> dict[str, Any]:
-        return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
-                "running": self.running, "error": self.error}
 
 
 @dataclass

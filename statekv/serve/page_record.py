@@ -1,11 +1,13 @@
-"""What a stream's record keeps for the page besides its state: the chart's history and the last frame (a small
-JPEG), so a restarted server shows them again (`StreamEntry.record`, `StreamRegistry.restore_one`)."""
+"""What a stream's record keeps for the page besides its state: the chart's history, the last frame (a small
+JPEG) and a file being fed into the stream (`Feed`), so a restarted server shows them again (`StreamEntry.record`,
+`StreamRegistry.restore_one`)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,25 @@ log = logging.getLogger("statekv.serve")
 KEPT_POINTS = 500  # the history points a record keeps (what the page's chart draws)
 FRAME_WIDTH = 320  # the last frame is kept at most this wide
 HISTORY_FIELDS = ("seconds", "frames", "tokens", "carried", "cache_bytes")
+
+
+@dataclass
+class Feed:
+    """A video file being fed into a stream: how far it got (``total``: the frames it should give at the
+    stream's rate, estimated from its length) and, once it stopped early, why."""
+
+    source: str
+    total: int | None
+    offered: int = 0
+    kept: int = 0
+    skipped: int = 0
+    running: bool = True
+    error: str | None = None
+    resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
+                "running": self.running, "error": self.error}
 
 
 def page_fields(entry: Any) -> dict[str, Any]:
@@ -46,8 +67,6 @@ def recall_page(entry: Any, record: dict[str, Any]) -> None:
 
 def _recall_feed(entry: Any, feed: Any) -> None:
     """A page's feed the record names as under way (the server stopped during it) or failed: shown as stopped."""
-    from .entries import Feed
-
     if not isinstance(feed, dict) or not isinstance(feed.get("source"), str):
         return
     counts = {name: feed.get(name) if isinstance(feed.get(name), int) and not isinstance(feed.get(name), bool)
