@@ -367,12 +367,12 @@ def test_bad_requests_get_one_line_json_errors(server):
         _error(client.post("/v1/chat/completions", json={"messages": "hi"}), 400)
         for part, message in (({"type": "video_url", "video_url": "file:///v.mp4"}, "a video_url part's video_url "
                                 "must be an object"), ({"type": "text", "text": 5}, "a text part's text must be a "
-                                "string"), ({"type": "image_url"}, "unsupported content part 'image_url'")):
+                                "string"), ({"type": "image_url"}, 'unsupported content part "image_url"')):
             asked = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]}
             assert _error(client.post("/v1/chat/completions", json=asked), 400).startswith(message)
         misspelt = {"messages": [{"role": "user", "content": QUESTION}], "statekv": {"stream": stream_id}}
         assert _error(client.post("/v1/chat/completions", json=misspelt), 400) == (
-            "unknown statekv field 'stream'; known: stream_id")
+            'unknown statekv field "stream"; known: stream_id')
         _error(client.get("/v1/nothing-here"), 404)
         _error(client.put("/v1/streams"), 405)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
@@ -418,6 +418,56 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert re.search(r"the question is \d+ tokens and its answer up to 64: more than the \d+ tokens", message)
         assert "reserve_tokens" not in message
         client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+
+
+def _errors_counted(client, status: int, route: str) -> float:
+    lines = client.get("/metrics").text.splitlines()
+    wanted = (f'statekv_errors_total{{route="{route}",status="{status}"}}',
+              f'statekv_errors_total{{status="{status}",route="{route}"}}')
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(wanted))
+
+
+def test_odd_requests_are_one_line_client_errors_never_server_faults(server):
+    """A file URL urllib cannot parse, a client gone before its body was whole, names of any length, a watch question
+    too long, retrieve asked of a method that retrieves nothing, sinks that overflow with the prompt, an empty form."""
+    frames_route = "POST /v1/streams/{stream_id}/frames"
+    with server.client() as client:
+        stream_id = _create(client)
+        for url in ("file://[::1/v.mp4", "file://\u2100/v.mp4"):
+            asked = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                              {"type": "text", "text": QUESTION}]}]}
+            assert "is not a URL" in _error(client.post("/v1/chat/completions", json=asked), 400)
+        faults = _errors_counted(client, 500, frames_route)
+        with socket.create_connection(("127.0.0.1", server.port)) as gone:  # a camera's upload cut off
+            gone.sendall(f"POST /v1/streams/{stream_id}/frames HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                         "\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 10)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while _errors_counted(client, 499, frames_route) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _errors_counted(client, 499, frames_route) >= 1
+        assert _errors_counted(client, 500, frames_route) == faults
+        assert "ClientDisconnect" not in server.printed()
+        for route in ("/v1/streams", f"/v1/streams/{stream_id}/ask", f"/v1/streams/{stream_id}/watches"):
+            message = _error(client.post(route, json={"x" * 100_000: 1}), 400)  # as JSON spells it, cut short
+            assert len(message) < 300 and ' "xxxxxxxx' in message, message
+        assert '"q\\u00e9\'\\n"' in _error(client.post(f"/v1/streams/{stream_id}/ask", json={"q\u00e9'\n": 1}), 400)
+        client.post(f"/v1/streams/{stream_id}/frames", content=_png(random_frames(1, 5, *SIZE)[0]),
+                    headers={"Content-Type": "image/png"}).raise_for_status()
+        unbounded = _create(client, horizon_frames=None)
+        too_long = client.post(f"/v1/streams/{unbounded}/watches", json={"question": "a" * 7000, "every": 1})
+        assert too_long.status_code == 413 and too_long.json()["error"]["type"] == "request_too_large", too_long.text
+        recent = _create(client, method="simplestream")
+        client.post(f"/v1/streams/{recent}/frames", content=_png(random_frames(1, 6, *SIZE)[0]),
+                    headers={"Content-Type": "image/png"}).raise_for_status()
+        assert "retrieve=2 is not used by method='simplestream'" in _error(
+            client.post(f"/v1/streams/{recent}/ask", json={"question": QUESTION, "retrieve": 2}), 400)
+        message = _error(client.post("/v1/streams", json={"method": "rekv", "sinks": 2**48 - 2}), 400)
+        assert "sinks" in message and "protect_tokens" not in message, message
+        empty = client.post("/v1/streams", content=b"", headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert empty.status_code == 201, empty.text
+        for made in (stream_id, unbounded, recent, empty.json()["id"]):
+            client.delete(f"/v1/streams/{made}").raise_for_status()
 
 
 def test_files_fed_at_once_step_together_and_answer_as_alone(server, qa, media):

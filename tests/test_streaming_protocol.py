@@ -222,6 +222,12 @@ def test_simplestream_answers_from_the_last_n_frames_exactly_as_the_model_does_o
     expected = one_shot_answer(qa.adapter, pictures[-3:], "Why?", 6)
     assert torch.equal(stream.ask_tokens("Why?", max_new_tokens=6), expected)
     assert torch.equal(stream.ask_tokens("Why?", max_new_tokens=6), expected)  # nothing kept between questions
+    assert torch.equal(stream.ask_tokens("Why?", max_new_tokens=6, retrieve=None), expected)  # None: all of them
+    for asked in ({"retrieve": 1}, {"retrieval": "attention"}):  # retrieving would not be SimpleStream's answer
+        with pytest.raises(ConfigurationError, match="is not used by method='simplestream'"):
+            stream.ask_tokens("Why?", max_new_tokens=6, **asked)
+    with pytest.raises(ConfigurationError, match="retrieve=1 is not used by method='simplestream'"):
+        stream.watch("Why?", every=1, retrieve=1)
     assert stream.answer_info.frames == 3 and stream.frames == 7 and stream.tokens == 0
     assert stream.held_bytes == 3 * pictures[0].nbytes  # the last frames' pixels, whatever the stream's length
     encoded = qa.encode(np.stack(pictures))  # a stored video: its last 3 sampled frames

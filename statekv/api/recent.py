@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from .encoded import EncodedVideo
+from .encoded import METHOD_DEFAULT, EncodedVideo
 from .stats import AnswerInfo, EncodingStats
 from .stream import check_max_fps, checked_timestamp
 from ..errors import InputError, StateKVError
 from ..stopping import whole
+from ..settings.methods import refuse_unread
 from ..settings.values import check_int, is_finite_number, shown
 from ..video import Frame
 from ..video.images import rgb_frame
@@ -129,6 +130,7 @@ class RecentFrames:
               steer: bool | None = None) -> Watch:
         """As `Stream.watch`; each evaluation answers the question from the last ``window`` frames afresh, as `ask`
         does (nothing is carried, so nothing is steered)."""
+        refuse_unread(self.qa.method, {"retrieve": retrieve, "retrieval": retrieval})
         with self.lock:
             self._check_open()  # in turn: a close may have come first
             return open_watch(self, question, every=every, every_seconds=every_seconds,
@@ -147,12 +149,15 @@ class RecentFrames:
 
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, **ask_kwargs: Any) -> str:
-        """Answer ``question`` from the last ``window`` frames alone (`EncodedVideo.ask`'s options)."""
+        """Answer ``question`` from the last ``window`` frames alone, all of them (`EncodedVideo.ask`'s options but
+        ``retrieve`` and ``retrieval``, refused: this method retrieves nothing)."""
         return self.qa.adapter.decode(self.ask_tokens(question, **ask_kwargs))
 
     @torch.no_grad()
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]``."""
+        refuse_unread(self.qa.method, {name: ask_kwargs[name] for name in ("retrieve", "retrieval")
+                                       if ask_kwargs.get(name, METHOD_DEFAULT) is not METHOD_DEFAULT})
         with self.lock:  # the window as it stands, whatever other threads push meanwhile
             self._check_open()  # in turn: a close may have come first
             window = list(self.recent)

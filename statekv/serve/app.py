@@ -21,7 +21,7 @@ from ..errors import ConfigurationError, OutputError, StateKVError
 from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
-from .errors import ServiceError, StorageError, error_body, status_of
+from .errors import ServiceError, StorageError, error_body, kind_of, status_of
 from .limits import Slots, raise_open_files_limit
 from .metrics import Metrics
 from .registry import StreamRegistry
@@ -211,7 +211,7 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
     async def statekv_error(request: Request, error: StateKVError) -> JSONResponse:
         if isinstance(error, OutputError):  # the server's own files (a disk tier it cannot write), not the request
             return answer(request, 503, str(error), "server_error", {"Retry-After": "5"})
-        return answer(request, status_of(error), str(error), "invalid_request_error")
+        return answer(request, status_of(error), str(error), kind_of(error))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -7,6 +7,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from .errors import ServiceError
+from .stream_settings import shown
 
 MAX_SOURCE_CHARS = 4096  # Linux's PATH_MAX: no longer path names a file
 
@@ -42,7 +43,10 @@ def resolve_file_url(media_root: Path | None, url: object) -> Path:
     """A ``file://`` URL of a file under the media root (as vLLM's --allowed-local-media-path)."""
     if not isinstance(url, str):
         raise ServiceError(400, "video_url.url must be a string")
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError as error:  # a bracket without its pair, a host NFKC makes into another
+        raise ServiceError(400, f"video_url.url {shown(url)} is not a URL ({error})") from None
     if parsed.scheme != "file":
         raise ServiceError(400, f"only file:// video URLs under the server's --media-root are read, got {parsed.scheme or 'no'} scheme")
     if parsed.netloc not in ("", "localhost"):

@@ -169,7 +169,7 @@ def parse_messages(messages: Any) -> tuple[str, list[str]]:
         elif kind == "video_url":
             raise ServiceError(400, "a video_url part's video_url must be an object, {\"url\": \"file:///...\"}")
         else:
-            raise ServiceError(400, f"unsupported content part {str(kind or part)[:60]!r}: give text and video_url parts")
+            raise ServiceError(400, f"unsupported content part {shown(kind or part)}: give text and video_url parts")
     question = " ".join(text.strip() for text in texts if text.strip())
     if not question:
         raise ServiceError(400, "the user message has no question text")
@@ -218,7 +218,7 @@ async def chat(request: Request, service: Served):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
     unknown = sorted(set(extension) - {"stream_id"})
     if unknown:  # the request's own namespace: a misspelt stream_id is not a question about a video
-        raise ServiceError(400, f"unknown statekv field {unknown[0][:60]!r}; known: stream_id")
+        raise ServiceError(400, f"unknown statekv field {shown(unknown[0])}; known: stream_id")
     stream_id = extension.get("stream_id")
     if stream_id is not None and not isinstance(stream_id, str):
         raise ServiceError(400, f"statekv.stream_id must be a stream's id (text), got {type(stream_id).__name__}")

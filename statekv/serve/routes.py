@@ -135,7 +135,8 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
         raise ServiceError(400, "stream must be true or false")
     unknown = sorted(set(body) - {"question", "max_new_tokens", "retrieve"})
     if unknown:
-        raise ServiceError(400, f"unknown ask field {unknown[0]!r}; known: question, max_new_tokens, retrieve, stream")
+        raise ServiceError(400, f"unknown ask field {shown(unknown[0])}; known: question, max_new_tokens, retrieve, "
+                           "stream")
     question, max_new, retrieve = question_settings(body)
     if not stream_answer:
         async with service.ask_slots.hold():

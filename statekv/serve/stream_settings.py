@@ -95,7 +95,7 @@ class StreamSettings:
         400 (409 for a horizon the model cannot hold) naming the first that is wrong."""
         unknown = sorted(set(body) - set(STREAM_FIELDS))
         if unknown:
-            raise ServiceError(400, f"unknown stream setting {unknown[0]!r}; known: {', '.join(STREAM_FIELDS)}")
+            raise ServiceError(400, f"unknown stream setting {shown(unknown[0])}; known: {', '.join(STREAM_FIELDS)}")
         if not isinstance(body.get("method", ""), str):
             raise ServiceError(400, f"method must be a method's name (text), got {shown(body['method'])}")
         defaults = self.qa.options

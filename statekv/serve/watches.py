@@ -44,7 +44,7 @@ def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
     checked (a one-line 400 otherwise)."""
     unknown = sorted(set(body) - set(WATCH_FIELDS))
     if unknown:
-        raise ServiceError(400, f"unknown watch field {unknown[0]!r}; known: {', '.join(WATCH_FIELDS)}")
+        raise ServiceError(400, f"unknown watch field {shown(unknown[0])}; known: {', '.join(WATCH_FIELDS)}")
     question = body.get("question")
     if not isinstance(question, str) or not question.strip():
         raise ServiceError(400, "question must be a non-empty string")
@@ -81,7 +81,7 @@ def find_watch(entry: Any, watch_id: str) -> Watch:
     for watch in entry.stream.watches:
         if watch.id == watch_id:
             return watch
-    raise ServiceError(404, f"stream {entry.id} has no watch {str(watch_id)[:80]!r}")
+    raise ServiceError(404, f"stream {entry.id} has no watch {shown(watch_id)}")
 
 
 def changing_watches(entry: Any) -> Any:

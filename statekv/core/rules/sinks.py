@@ -29,6 +29,8 @@ class WithSinks(WrappedPolicy):
             raise TypeError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
         for name in ("sinks", "prefix_tokens"):
             check_int(getattr(self, name), f"{type(self).__name__}: {name}", minimum=0)
+        check_int(self.sink_tokens, f"{type(self).__name__}: sinks with the prompt's prefix ({self.prefix_tokens:,} "
+                  "tokens)", minimum=0)
 
     def scores_needed(self, size: int) -> bool:
         return self.rule.scores_needed(max(size - self.sink_tokens, 0))
