@@ -386,6 +386,10 @@ def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
      "--streams 99999999: against --url a run drives at most 1024 cameras"),
     (["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"],
      "cannot reach http://127.0.0.1:9: "),  # a server that is not there is no table of failed requests
+    (["--url", "http://[::1", "--api-key", "x", "--streams", "1", "--duration", "1"],  # tracebacks, both
+     "--url 'http://[::1' is not a URL"),
+    (["--url", "http://127.0.0.1:abc", "--api-key", "x", "--streams", "1", "--duration", "1"],
+     "cannot reach http://127.0.0.1:abc: "),
 ])
 def test_bad_flags_are_one_line_and_start_nothing(args, message, capsys):
     from statekv.cli import main

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -143,6 +144,57 @@ def test_a_cycle_of_the_whole_library_holds_nothing_more_the_next_time(adapter, 
         assert no_more(held(), first), (number, held(), first)
     assert sorted(os.listdir(tmp_path / "tier")) == sorted(kept)
     assert sorted(os.listdir(tmp_path)) == ["stream.safetensors", "tier"]
+
+
+def test_a_closed_stream_frees_its_cache_at_once_without_the_cyclic_collector(adapter, checkpoint, video, tmp_path):
+    """A closed stream, dropped, frees its engines (their caches: gigabytes on a GPU) by reference counting alone:
+    a server that made and deleted thousands held them until a full collection, seldom made with hundreds of
+    thousands of objects alive. Each use with the collector off: watched, bounded, on the disk tier, under a cache
+    limit that evicts, quantized, stepped with another stream, encoded, saved and loaded, simplestream."""
+    plain, disk = tiny_qa(adapter), tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    evicting = tiny_qa(adapter, offload=True, max_cache_bytes=60_000, cache_limit="evict-oldest")
+    quantized = tiny_qa(adapter, kv_cache_dtype="int8")
+    recent = statekv.VideoQA.from_pretrained(checkpoint, method="simplestream", window=2, layout="chat",
+                                             attention="eager", reserve_tokens=40)
+
+    def watched(qa, **settings):
+        stream = qa.stream(**settings)
+        watch = stream.watch("Why?", every=2, max_new_tokens=2)
+        pushed(stream).ask("Why?", max_new_tokens=2)
+        watch.close()
+        return [stream]
+
+    def together():
+        streams = [plain.stream(horizon_frames=8), plain.stream(horizon_frames=8)]
+        for index, image in enumerate(FRAMES):
+            plain.push_many([(stream, image, float(index)) for stream in streams])
+        return streams
+
+    def encoded():
+        with plain.encode(video) as clip:
+            clip.ask("Why?", max_new_tokens=2)
+        return [clip]
+
+    def loaded():
+        path = watched(plain, horizon_frames=12)[0].save(tmp_path / "stream.safetensors")
+        return [pushed(statekv.Stream.load(path, plain), FRAMES[:1], 9.0)]
+
+    uses = {"watched": lambda: watched(plain, horizon_frames=12), "bounded": lambda: watched(plain),
+            "disk tier": lambda: watched(disk, horizon_frames=12), "evicting": lambda: watched(evicting),
+            "int8": lambda: watched(quantized, horizon_frames=12), "stepped together": together,
+            "encoded": encoded, "loaded": loaded, "simplestream": lambda: watched(recent, horizon_frames=12)}
+    for name, use in uses.items():
+        gc.collect()
+        gc.disable()
+        try:
+            streams = use()
+            alive = [weakref.ref(held) for stream in streams for held in (stream, *getattr(stream, "engines", ()))]
+            for stream in streams:
+                stream.close()
+            del streams, stream
+            assert [held() for held in alive if held() is not None] == [], name
+        finally:
+            gc.enable()
 
 
 def test_a_long_stream_holds_no_more_threads_descriptors_or_files_as_it_goes(adapter, tmp_path):

@@ -451,6 +451,14 @@ def test_odd_requests_are_one_line_client_errors_never_server_faults(server):
         for route in ("/v1/streams", f"/v1/streams/{stream_id}/ask", f"/v1/streams/{stream_id}/watches"):
             message = _error(client.post(route, json={"x" * 100_000: 1}), 400)  # as JSON spells it, cut short
             assert len(message) < 300 and ' "xxxxxxxx' in message, message
+        long = "h" * 100_000
+        for url in (f"file://\u2100{long}/v.mp4", f"file://{long}/v.mp4", f"{long}://x/v.mp4"):
+            asked = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                              {"type": "text", "text": QUESTION}]}]}
+            assert len(_error(client.post("/v1/chat/completions", json=asked), 400)) < 300
+        assert len(_error(client.post("/v1/streams", json={"method": long}), 400)) < 300
+        assert len(_error(client.post(f"/v1/streams/{stream_id}/ask", content=b"{}",
+                                      headers={"Content-Type": f"text/{long}"}), 415)) < 300
         assert '"q\\u00e9\'\\n"' in _error(client.post(f"/v1/streams/{stream_id}/ask", json={"q\u00e9'\n": 1}), 400)
         client.post(f"/v1/streams/{stream_id}/frames", content=_png(random_frames(1, 5, *SIZE)[0]),
                     headers={"Content-Type": "image/png"}).raise_for_status()

@@ -708,3 +708,33 @@ def test_an_object_store_failing_as_it_lists_a_save_loses_no_event_of_a_watch_a_
     with pytest.raises(StorageError):
         with_saved_events(entry, record, Store())
     assert "are lost" not in caplog.text
+
+
+def test_a_simplestream_stream_on_a_server_that_retrieves_by_default_is_watched_also_from_an_older_record(
+        qa, pictures, tmp_path):
+    """A server started with ``--retrieve 8`` gave that default to every stream, a simplestream one too, and a watch
+    opened on it passed it on: refused, since that method retrieves nothing. Its streams take none now, and a record
+    written before (its settings and its watch naming the default) is watched after a restart as well."""
+    state, options = tmp_path / "state", ModelOptions(model="builtin", retrieve=8)
+    with Running(state, qa.with_options(retrieve=8), options=options) as server, server.client() as client:
+        made = client.post("/v1/streams", json={"method": "simplestream", "max_fps": None})
+        assert made.status_code == 201 and made.json()["settings"]["retrieve"] is None, made.text
+        stream_id = made.json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches", json={"question": COUNT, "every": 1})
+        assert watch.status_code == 201, watch.text
+        watch_id = watch.json()["id"]
+        push(client, stream_id, pictures, 3, 4)
+        seen = client.get(f"/v1/streams/{stream_id}/watches/{watch_id}").json()
+        assert seen["error"] is None and seen["evaluations"] >= 2, seen
+    record_path = state / "streams" / f"{stream_id}.json"
+    record = json.loads(record_path.read_text())  # as a server before this one wrote it
+    record["settings"]["retrieve"] = 8
+    record["watches"][0]["retrieve"] = 8
+    record_path.write_text(json.dumps(record))
+    with Running(state, qa.with_options(retrieve=8), options=options) as server, server.client() as client:
+        push(client, stream_id, pictures, 4, 6)
+        seen = client.get(f"/v1/streams/{stream_id}/watches/{watch_id}").json()
+        assert seen["error"] is None and seen["evaluations"] >= 4, seen
+        again = client.post(f"/v1/streams/{stream_id}/watches", json={"question": COUNT, "every": 2})
+        assert again.status_code == 201, again.text

@@ -38,6 +38,7 @@ from .stream_identity import check_ownership
 from .watch import restore as restore_watches, run_on_cadence
 from ..video import Frame
 from ..video.sampling import tick
+from ..weak import weakly
 
 log = logging.getLogger("statekv")
 
@@ -76,7 +77,12 @@ class Durability:
         resumed file set counts them lost, `frames_lost`)."""
         self.waiting = waiting
         if self.tier is not None:
-            self.tier.waiting, self.tier.after_checkpoint = self.waiting_records, self.watches_journaled
+            self.tier.waiting, self.tier.after_checkpoint = self.tier_callbacks()
+
+    def tier_callbacks(self) -> tuple[Callable[..., list[dict[str, Any]]], Callable[[], None]]:
+        """`waiting_records` and `watches_journaled` for the disk tier to call, holding this weakly (it holds the
+        tier)."""
+        return weakly(self, Durability.waiting_records, []), weakly(self, Durability.watches_journaled)
 
     def waiting_records(self, folder: Path | None = None) -> list[dict[str, Any]]:
         """The records journaled again with a checkpoint (of the file set in ``folder``, default the video's): a
@@ -263,7 +269,7 @@ class Durability:
             finish_handover(folder)
             journal = read_file_set(folder)
             tier = DiskTier(folder, journal.manifest, lock)
-            tier.waiting, tier.after_checkpoint = self.waiting_records, self.watches_journaled
+            tier.waiting, tier.after_checkpoint = self.tier_callbacks()
             engine = engine_on(tier)
             engine.resume(journal, just_written=True)  # the pending frames' records kept
         except Exception as error:

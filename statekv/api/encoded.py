@@ -41,6 +41,7 @@ from ..steps.jobs import LaidOutStep, StepJob, catch_up_together, stream_jobs
 from ..steps.overlap import EncodedStep
 from ..stopping import whole
 from ..settings.values import check_int, check_question
+from ..weak import weakly
 from ..video import Frame
 
 log = logging.getLogger("statekv")
@@ -99,7 +100,7 @@ class EncodedVideo:
         disk = self.prefill.disk  # dropped unclosed, an encoding's files go with it: nothing resumes them
         self._unclosed = (weakref.finalize(self, remove_unclosed, disk.folder, disk.lock)
                           if disk is not None and not self.KEEPS_FILES else None)
-        self.durability.watch(lambda: self.waiting_frames)
+        self.durability.watch(weakly(self, lambda video: video.waiting_frames, []))
         if handing_over(self.engine):
             alone = why_alone(self.engine, policy, self.prefill.config, self._video_tokens)
             self.handover = "beside" if alone is None else f"alone: {alone}"

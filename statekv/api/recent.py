@@ -130,7 +130,7 @@ class RecentFrames:
               steer: bool | None = None) -> Watch:
         """As `Stream.watch`; each evaluation answers the question from the last ``window`` frames afresh, as `ask`
         does (nothing is carried, so nothing is steered)."""
-        refuse_unread(self.qa.method, {"retrieve": retrieve, "retrieval": retrieval})
+        refuse_unread(self.qa.method, {"retrieve": retrieve})
         with self.lock:
             self._check_open()  # in turn: a close may have come first
             return open_watch(self, question, every=every, every_seconds=every_seconds,
@@ -150,14 +150,14 @@ class RecentFrames:
     # -- answering --------------------------------------------------------------------------------------
     def ask(self, question: str, **ask_kwargs: Any) -> str:
         """Answer ``question`` from the last ``window`` frames alone, all of them (`EncodedVideo.ask`'s options but
-        ``retrieve`` and ``retrieval``, refused: this method retrieves nothing)."""
+        ``retrieve``, refused: this method retrieves nothing)."""
         return self.qa.adapter.decode(self.ask_tokens(question, **ask_kwargs))
 
     @torch.no_grad()
     def ask_tokens(self, question: str, **ask_kwargs: Any) -> torch.Tensor:
         """As `ask`, but return the answer's token ids ``[1, N]``."""
-        refuse_unread(self.qa.method, {name: ask_kwargs[name] for name in ("retrieve", "retrieval")
-                                       if ask_kwargs.get(name, METHOD_DEFAULT) is not METHOD_DEFAULT})
+        retrieve = ask_kwargs.get("retrieve", METHOD_DEFAULT)  # retrieval= is checked by name, as when none retrieves
+        refuse_unread(self.qa.method, {"retrieve": None if retrieve is METHOD_DEFAULT else retrieve})
         with self.lock:  # the window as it stands, whatever other threads push meanwhile
             self._check_open()  # in turn: a close may have come first
             window = list(self.recent)

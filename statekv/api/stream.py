@@ -37,6 +37,7 @@ import torch
 from .encoded import METHOD_DEFAULT, EncodedVideo
 from ..settings.engine import EngineSettings
 from ..errors import CacheLimitError, HorizonError, InputError, OutputError
+from ..weak import weakly
 from ..steps.jobs import StepJob
 from ..steps.overlap import check_vision_batch, steps_per_batch
 from ..stopping import whole
@@ -127,7 +128,8 @@ class Stream(EncodedVideo):
         self.encoded_timestamp: float | None = None  # the last encoded frame's (later kept ones may be pending)
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
-        self.durability.open_watches = lambda: (watch_records(self), watch_tensors(self))
+        self.durability.open_watches = weakly(self, lambda stream: (watch_records(stream), watch_tensors(stream)),
+                                              ([], {}))
         if disk_tier is None:  # a new file set: what `load` resumes it from
             try:
                 self.durability.describe(stream_setup(

@@ -186,7 +186,6 @@ class Watches:
     too."""
 
     def __init__(self, stream: Any):
-        self.stream = stream
         self.open: list[Watch] = []
         self.seconds: float | None = stream.encoded_timestamp  # a frame pushed since may wait, or have been dropped
         self.guide = QuestionGuide()
@@ -198,8 +197,8 @@ class Watches:
         self.places[watch.id] = self.opened
         self.opened += 1
         self.open.append(watch)
-        engines = getattr(self.stream, "engines", ())  # a successor is steered as its stream is
-        if watch.steer and watch.standing is not None and engines and steerable(self.stream):
+        engines = getattr(watch.stream, "engines", ())  # a successor is steered as its stream is
+        if watch.steer and watch.standing is not None and engines and steerable(watch.stream):
             self.guide.add(watch.standing)
             for prefill in engines:
                 prefill.cache.guide = self.guide
@@ -494,10 +493,11 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
             number: int) -> Watch:
     """Watch ``number`` of a saved stream (its checked ``record``) opened again on ``stream``."""
     queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
+    retrieve = record["retrieve"] if layers else None  # a server's default, once recorded for a simplestream stream
     try:
         watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
                            every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
-                           retrieve=record["retrieve"], retrieval=record["retrieval"], steer=record["steer"],
+                           retrieve=retrieve, retrieval=record["retrieval"], steer=record["steer"],
                            watch_id=record["id"])
     except (ConfigurationError, InputError) as error:  # a setting no watch is opened with: named with its file
         raise InputError(f"{name}: {error}") from None

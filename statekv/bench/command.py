@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..plotting import check_plot_file
 from ..settings.options import ModelOptions
-from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int
+from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int, shown
 
 ROUTES = ("ask", "chat")
 SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
@@ -255,7 +255,10 @@ def omp_threads() -> int | None:
 
 def server_root(url: str) -> str:
     """``url`` without a trailing slash, or the ``/v1`` of an OpenAI client's base URL."""
-    parts = urllib.parse.urlsplit(url.rstrip("/"))
+    try:
+        parts = urllib.parse.urlsplit(url.rstrip("/"))
+    except ValueError as error:  # a bracket without its pair, a host NFKC makes into another
+        raise ConfigurationError(f"--url {shown(url)} is not a URL ({error})") from None
     return urllib.parse.urlunsplit(parts._replace(path=parts.path.removesuffix("/v1"))).rstrip("/")
 
 
@@ -278,7 +281,7 @@ class Probe:
 
         try:
             answered = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, httpx.InvalidURL) as error:  # a port that is not a number is no HTTPError
             raise ServerError(f"cannot reach {self.url}: {one_line(error)}") from None
         if answered.status_code == 401:
             raise ServerError(f"{self.url} refused the API key")

@@ -104,7 +104,7 @@ def sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
     top_p = gen_kwargs.get("top_p")
     if top_p is not None:
         if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-            raise InputError(f"the request's top_p must be a number in (0, 1]; got {top_p!r}")
+            raise InputError(f"the request's top_p must be a number in (0, 1]; got {shown(top_p)}")
         options["top_p"] = float(top_p)
     return options
 
@@ -115,7 +115,7 @@ def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
     if isinstance(until, str):
         return [until]
     if not isinstance(until, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in until):
-        raise InputError(f"the request's until must be a string or a list of strings; got {until!r}")
+        raise InputError(f"the request's until must be a string or a list of strings; got {shown(until)}")
     return [stop for stop in until if stop]
 
 

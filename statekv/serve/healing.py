@@ -79,9 +79,10 @@ class StreamHealer:
             if entry.deleted or entry.moved:  # deleted, or lost to another replica, while it was brought back
                 await self.close_quietly(healed.stream)
                 check_here(entry)
-            with entry.recording:  # together: a record written meanwhile cuts its watches' events where it says
-                entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
-                entry.saved_watches = healed.saved_watches  # none: it cuts at the file set's frames, not the save's
+            # not under entry.recording, which a record's write holds through its I/O: the loop would wait on it;
+            # a record written between these lines is written again below (keep_record)
+            entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
+            entry.saved_watches = healed.saved_watches  # none: its record cuts at the file set's frames, not the save's
             self.unhealed.pop(entry.id, None)
             if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
                 entry.last_seconds = healed.stream.last_timestamp

@@ -36,7 +36,10 @@ def raise_open_files_limit() -> None:
 
 
 def media_type(request: Request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+    """The request's Content-Type without its parameters, cut short for messages (no type it is compared with is
+    that long)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind if len(kind) <= 80 else kind[:77] + "..."  # a header has no length limit under httptools
 
 
 async def read_body(request: Request, limit: int) -> bytes:

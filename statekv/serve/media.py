@@ -45,10 +45,11 @@ def resolve_file_url(media_root: Path | None, url: object) -> Path:
         raise ServiceError(400, "video_url.url must be a string")
     try:
         parsed = urlparse(url)
-    except ValueError as error:  # a bracket without its pair, a host NFKC makes into another
-        raise ServiceError(400, f"video_url.url {shown(url)} is not a URL ({error})") from None
+    except ValueError:  # a bracket without its pair, a host NFKC makes into another
+        raise ServiceError(400, f"video_url.url {shown(url)} is not a URL") from None
     if parsed.scheme != "file":
-        raise ServiceError(400, f"only file:// video URLs under the server's --media-root are read, got {parsed.scheme or 'no'} scheme")
+        raise ServiceError(400, "only file:// video URLs under the server's --media-root are read, got "
+                                f"{shown(parsed.scheme) if parsed.scheme else 'no'} scheme")
     if parsed.netloc not in ("", "localhost"):
-        raise ServiceError(400, f"file URL with a host ({parsed.netloc}) is not a local file")
+        raise ServiceError(400, f"file URL with a host ({shown(parsed.netloc)}) is not a local file")
     return resolve_source(media_root, unquote(parsed.path))

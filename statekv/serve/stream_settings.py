@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..settings.methods import refuse_unread
+from ..settings.methods import METHODS, refuse_unread
 from ..settings.values import HIGHEST_FPS, is_stream_rate
 from .config import ServeConfig
 from .errors import ServiceError
@@ -38,7 +38,7 @@ class StreamSettings:
     def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
         """The VideoQA of a stream's method settings (the server's model, shared). ``as_made``: to load a saved
         stream, which keeps the positions it was made with whatever the server's ``--positions`` is now."""
-        as_made = as_made and self.qa.engine.positions is not None
+        as_made, settings = as_made and self.qa.engine.positions is not None, unread_cleared(settings)
         key = (*sorted(settings.items()), ("as made", as_made))
         with self.changing:
             model = self.models.pop(key, None)  # put back last: the models are kept in the order of their use
@@ -99,7 +99,7 @@ class StreamSettings:
         if not isinstance(body.get("method", ""), str):
             raise ServiceError(400, f"method must be a method's name (text), got {shown(body['method'])}")
         defaults = self.qa.options
-        settings = {name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS}
+        settings = unread_cleared({name: body.get(name, getattr(defaults, name)) for name in METHOD_FIELDS})
         try:
             defaults.with_changes(**settings)  # checks every value, naming the bad one
         except ConfigurationError as error:
@@ -149,6 +149,13 @@ class StreamSettings:
         from ..core import rope_capacity
 
         return rope_capacity(self.qa.adapter.model.config.get_text_config())
+
+
+def unread_cleared(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the server's default ``retrieve`` under a method that retrieves nothing (a record
+    written before names it): a watch opened on such a stream would pass it on, and be refused."""
+    spec = METHODS.get(settings.get("method")) if isinstance(settings.get("method"), str) else None
+    return settings if spec is None or spec.retrieves else {**settings, "retrieve": None}
 
 
 def spelt_as_json(message: str, body: dict[str, Any]) -> str:

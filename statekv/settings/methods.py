@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigurationError
-from .values import NON_NEGATIVE, POSITIVE, Kind
+from .values import NON_NEGATIVE, POSITIVE, Kind, shown
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def with_builtins() -> None:
 def method(name: str) -> MethodSpec:
     """The registered method ``name``; a one-line ConfigurationError listing the others if there is none."""
     if name not in METHODS:
-        raise ConfigurationError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+        raise ConfigurationError(f"unknown method {shown(name)}; choose one of {', '.join(METHODS)}")
     return METHODS[name]
 
 
@@ -248,7 +248,7 @@ def retrieval_rule(name: str) -> Any:
     """The rule registered as ``name``; a one-line ConfigurationError naming the others if there is none."""
     with_builtins()
     if not isinstance(name, str) or name not in RETRIEVAL_RULES:
-        raise ConfigurationError(f"unknown retrieval rule {name!r}; choose one of {', '.join(RETRIEVAL_RULES)}")
+        raise ConfigurationError(f"unknown retrieval rule {shown(name)}; choose one of {', '.join(RETRIEVAL_RULES)}")
     return RETRIEVAL_RULES[name]
 
 

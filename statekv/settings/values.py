@@ -96,7 +96,7 @@ def check_bool(value: object, name: str) -> bool:
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
     if value not in choices:
-        raise ConfigurationError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        raise ConfigurationError(f"unknown {name} {shown(value)}; choose one of {', '.join(choices)}")
     return value
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..storage.layer_storage import SAMPLES_PER_STEP, LayerStorage
 from ..storage.paged import PagedStorage, PagePool, PageRow
+from ...weak import weakly
 
 COUNTERS = 3  # per seat: tokens seen, step index, ring slot
 KEPT_IDLE_SHAPES = 4  # slot rows of shapes no stream holds, kept (their steps recorded) for the next of that shape
@@ -197,7 +198,8 @@ class StreamPool:
         for index, layer in enumerate(cache.layers):  # the detailed cache and summaries move into pages, once
             old = layer.storage
             old.synchronize()
-            paged = PagedStorage(seat.tokens, seat.steps, index, old.detailed.capacity_hint, cache.buffers_replaced)
+            paged = PagedStorage(seat.tokens, seat.steps, index, old.detailed.capacity_hint,
+                                 weakly(cache, type(cache).buffers_replaced))
             paged.segment_steps = old.segment_steps
             paged.load(old.export(), list(cache.chunk_lengths), self.device)
             LayerStorage.prepare(paged, cache.chunk_len)  # room for every summary and index row to the horizon

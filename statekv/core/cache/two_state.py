@@ -35,6 +35,7 @@ from ..positions.rope import SettledRotary
 from ..rules.steering import steered
 from ..storage.tiers import StorageTier
 from .transaction import NotBatchable, StepContext, StepTransaction, checked
+from ...weak import weakly
 
 
 class TwoStateCache(Cache):
@@ -69,7 +70,8 @@ class TwoStateCache(Cache):
         self.tier = tier
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        self.layers = [StreamingLayer(self.buffers_replaced, i, capacity_hint, tier) for i in range(num_layers)]
+        replaced = weakly(self, TwoStateCache.buffers_replaced)  # a dropped cache is freed at once
+        self.layers = [StreamingLayer(replaced, i, capacity_hint, tier) for i in range(num_layers)]
         self.positions = positions or StreamPositions()
         self.evicted_steps = StepRuns()
         self.tally = None  # a limits.AttentionTally, only under evict-least-attended

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from ...errors import ConfigurationError, HorizonError, InputError, OutputError, QuestionTooLong
 from ...settings.values import check_int
+from ...weak import weakly
 from ..positions import rope as rotary
 from ..answering.generation_args import answer_length, check_generation_arguments
 from ..answering.answer_cache import Retrieval
@@ -126,7 +127,7 @@ class StreamingPrefill:
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
                 "kv_cache_dtype": kv_cache_dtype, "bounded_layout": layout})
-            self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, self.disk.storage)
+            self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, weakly(self.disk, type(self.disk).storage))
         else:
             offload, limit = settings.offload, settings.cache_cap
             self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
@@ -162,12 +163,13 @@ class StreamingPrefill:
             + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
-            self._other_bytes, JOURNAL_STEP_BYTES if self.disk is not None else 0)
+            weakly(self, StreamingPrefill._other_bytes, (0, 0)), JOURNAL_STEP_BYTES if self.disk is not None else 0)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
-        self.graphs = StepGraphs(lambda inputs: self.device_step(inputs), lambda: self.cache.read_host_state)
+        self.graphs = StepGraphs(weakly(self, StreamingPrefill.device_step),
+                                 weakly(self, lambda engine: engine.cache.read_host_state, False))
         self.compiled_decoder = compiled(self.decoder) if settings.compile_step else None  # steady steps'
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
