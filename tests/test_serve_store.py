@@ -850,3 +850,32 @@ def test_a_save_beside_a_shared_folder_lists_only_its_own_streams_objects(aws, t
     assert [name.split(".")[0] for name in aws.names(url)] == sorted([other, STREAM])
     with files.local_state(STREAM) as path:
         assert path.read_bytes() == b"second"
+
+
+def test_a_replica_keeps_nothing_of_the_streams_it_made_and_deleted(tmp_path):
+    """A replica kept a lock for each stream it ever took (one commit at a time per stream), for good: one more per
+    stream made and deleted, for weeks. Counted as the memory the module allocates (tracemalloc): flat after the
+    first streams."""
+    import tracemalloc
+
+    import statekv.serve.cluster.store_files as store_files
+
+    files = StoreStreamFiles(ObjectStore(f"file://{tmp_path}"), "a", 10, Clock())
+
+    def cycles(first: int, count: int) -> None:
+        for number in range(first, first + count):
+            stream_id = f"st_{number:024x}"
+            files.claim(stream_id)
+            files.write_record(_record(stream_id))
+            files.remove(stream_id)
+
+    tracemalloc.start()
+    try:
+        cycles(0, 50)
+        before = tracemalloc.take_snapshot()
+        cycles(50, 200)
+        grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename")
+                    if stat.traceback[0].filename == store_files.__file__)
+    finally:
+        tracemalloc.stop()
+    assert files.held == {} and grown < 1000, grown  # before: about 25 bytes a stream

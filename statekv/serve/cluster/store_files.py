@@ -52,7 +52,7 @@ class StoreStreamFiles:
         self.session = Session(store, holder, seconds, clock)
         self.held: dict[str, Lease] = {}
         self._epochs: dict[str, str] = {}  # stream -> the session epoch it was taken under
-        self._writing: dict[str, threading.Lock] = {}  # one commit at a time per stream in this replica
+        self._writing: dict[str, list] = {}  # stream -> [its lock, the threads holding or waiting for it]
         self._guard = threading.Lock()
         self._asks: tuple[float, dict[str, dict]] = (0.0, {})
         self._asking = threading.Lock()  # one reading of the asks at a time: a pass renews its leases at once
@@ -420,9 +420,21 @@ class StoreStreamFiles:
         self.held.pop(stream_id, None)
         self._epochs.pop(stream_id, None)
 
-    def _lock(self, stream_id: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _lock(self, stream_id: str) -> Iterator[None]:
+        """One commit at a time per stream in this replica (re-entrant), its lock kept while a thread holds or waits
+        for it: a replica serving for weeks keeps none of the streams long gone."""
         with self._guard:
-            return self._writing.setdefault(stream_id, threading.RLock())
+            entry = self._writing.setdefault(stream_id, [threading.RLock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._writing[stream_id]
 
     def _asks_now(self) -> dict[str, dict]:
         """The asks to hand streams over that stand, read at most once a second."""
