@@ -5,9 +5,11 @@ This starts ``statekv serve``'s application on the built-in model (`statekv.benc
 and runs ``--cycles`` cycles over HTTP, one stream at a time: the stream is made, given a watch (a standing question
 evaluated every two frames), pushed ``--frames`` frames, asked a question, its events feed opened and closed, and
 deleted. Every ``--every`` cycles it counts what the process holds: open file descriptors, threads, resident memory
-and the objects Python's collector tracks (after a collection), with the server's streams and the files left in its
-state folder, which must be none. A server that kept something of every stream would grow by it in every row; what a
-bounded cache holds (Python's compiled patterns, the allocator's free lists) stops growing.
+(before any collection: a server makes none of its own), the objects a full collection finds unreachable and frees
+(a deleted stream held in a reference cycle would be among them) and those it tracks after it, with the server's
+streams and the files left in its state folder, which must be none. A server that kept something of every stream
+would grow by it in every row; what a bounded cache holds (Python's compiled patterns, the allocator's free lists)
+stops growing.
 
     python benchmarks/serve_churn.py --cycles 1000 --every 200 --out docs/serving.md
 """
@@ -36,8 +38,9 @@ QUESTION = "What colour is the object?"
 
 
 def census(folder: Path) -> dict[str, int]:
-    """What this process holds now (``folder``: the server's state folder, whose files are counted)."""
-    gc.collect()
+    """What this process holds now (``folder``: the server's state folder, whose files are counted): its resident
+    memory as a server that makes no collection of its own holds it, then the objects only a full collection frees
+    (a deleted stream's, in a reference cycle, held till then) and those left tracked after it."""
     try:
         descriptors = len(os.listdir("/proc/self/fd"))
         resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -45,8 +48,9 @@ def census(folder: Path) -> dict[str, int]:
         descriptors = -1
         resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     files = sum(len(names) for _, _, names in os.walk(folder))
+    collected = gc.collect()
     return {"descriptors": descriptors, "threads": threading.active_count(), "resident_mib": resident >> 20,
-            "objects": len(gc.get_objects()), "state_files": files}
+            "collected": collected, "objects": len(gc.get_objects()), "state_files": files}
 
 
 def frames_png(count: int, size: int) -> list[bytes]:
@@ -117,10 +121,11 @@ def main() -> None:
              f"{args.frames}`. Machine: {machine}. {seconds:.0f} s. Each cycle: a stream made, a watch on it, "
              f"{args.frames} frames pushed, a question, its events feed opened and closed, the stream deleted.", "",
              "| streams made and deleted | streams held | files in the state folder | open descriptors | threads | "
-             "resident MiB | objects tracked |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "resident MiB | freed by a collection | objects tracked |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(f"| {row['cycles']} | {row['streams_held']} | {row['state_files']} | "
-                     f"{row['descriptors']} | {row['threads']} | {row['resident_mib']} | {row['objects']:,} |")
+                     f"{row['descriptors']} | {row['threads']} | {row['resident_mib']} | {row['collected']:,} | "
+                     f"{row['objects']:,} |")
     body = "\n".join(lines)
     print(body)
     if args.out is not None:
