@@ -239,6 +239,9 @@ def test_ask_takes_seconds_or_a_clock_time():
     for bad in ("1:30:", "soon:Why?", "9" * 400 + ":00:00:Why?"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"\[H:\]M:SS:QUESTION"):
             timed_question(bad)
+    for bad, clock in (("1:75:Why?", "1:75"), ("1:60:00:Why?", "1:60:00")):  # asked at 135 s, with a warning
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{clock} is not a clock time"):
+            timed_question(bad)
 
 
 def test_bad_options(files, capsys):

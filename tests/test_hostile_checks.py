@@ -273,3 +273,48 @@ def test_a_short_png_among_the_frames_of_a_folder_is_refused_naming_it(adapter, 
         small_qa(adapter).encode(tmp_path, vision_batch=1)
     assert "frame_2.png" in str(error.value) and "promises 32 rows" in str(error.value)
     assert error.value.encoded.frames == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files this user may not read
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_folder_annotations_or_a_save_this_user_may_not_read_are_one_line_naming_why(adapter, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """An image folder that cannot be listed was a traceback from every command that takes a video, an annotation
+    file that cannot be read a traceback from `statekv eval`, and a saved stream that cannot be read was said to be
+    missing (safetensors' own words): each is now one line saying the permission is what failed."""
+    import builtins
+    from pathlib import Path
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    Image.fromarray(noise_frames(1)[0]).save(folder / "f0.png")
+    data = make_benchmark(tmp_path / "set", videos=1, seed=3, num_frames=12).parent
+    stream = small_qa(adapter).stream(horizon_frames=4)
+    stream.push(noise_frames(1)[0], 0.0)
+    saved = stream.save(tmp_path / "s.safetensors")
+    stream.close()
+    locked = {folder, data / "questions.jsonl", saved}
+    real_open, real_iterdir = builtins.open, Path.iterdir
+
+    def refused(path):
+        if Path(path) in locked:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    def opening(path, *args, **kwargs):
+        refused(path)
+        return real_open(path, *args, **kwargs)
+
+    def listing(self):
+        refused(self)
+        return real_iterdir(self)
+
+    monkeypatch.setattr(builtins, "open", opening)
+    monkeypatch.setattr(Path, "iterdir", listing)
+    with pytest.raises(VideoError, match="frames: cannot list the folder \\(Permission denied\\)"):
+        open_video(folder)
+    with pytest.raises(InputError, match="s.safetensors: cannot be read \\(Permission denied\\)"):
+        Stream.load(saved, small_qa(adapter))
+    code, line = _cli(capsys, "eval", "synthetic", "--model", "builtin", "--data-root", data, "--out", tmp_path / "run",
+                      "--no-progress")
+    assert code == 2 and line.endswith("questions.jsonl: cannot be read (Permission denied)"), line

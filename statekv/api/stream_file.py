@@ -194,6 +194,10 @@ def _read(path: Path, with_tensors: bool) -> tuple[dict[str, Any], dict[str, tor
         raise InputError(f"{path}: " + ("not a regular file; a saved stream is one" if path.exists() else
                                         "no such saved stream"))
     try:
+        open(path, "rb").close()  # safetensors says a file it may not read is missing
+    except OSError as error:
+        raise InputError(f"{path}: cannot be read ({error.strerror or error})") from None
+    try:
         with safe_open(str(path), "pt") as handle:
             header = handle.metadata() or {}
             text = header.get("statekv")

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..console import add_output_arguments, print_json, quiet_libraries, warn_free_form
+from ..console import ProgressLine, add_output_arguments, print_json, quiet_libraries, warn_free_form
 from ..errors import ConfigurationError, OutputError
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
@@ -165,7 +165,8 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
 
     def build(path: Path) -> None:
         progress(f"writing {_count(count, 'held-out synthetic video')} to {cache_dir() / path.name} (first run only)")
-        make_benchmark(path, videos=count, seed=DEMO_SEED)
+        line = ProgressLine("statekv demo: ")  # thousands of videos take minutes
+        make_benchmark(path, videos=count, seed=DEMO_SEED, progress=lambda done, total: line(done, total, "written"))
 
     folder = _cached(f"{DEMO_SET}-{count}", build)
     load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)

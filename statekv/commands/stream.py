@@ -18,7 +18,7 @@ from ..errors import (CacheLimitError, ConfigurationError, FrameDecodeError, Hor
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..settings.values import POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes
+from ..settings.values import POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, shown
 from ..stopping import note_kept, whole
 
 
@@ -32,6 +32,9 @@ def timed_question(text: str) -> tuple[float, str]:
     if clock:
         hours, minutes, seconds, question = clock.groups()
         separator, time = ":", 3600 * float(hours or 0) + 60 * float(minutes) + float(seconds)
+        if float(seconds) >= 60 or hours is not None and int(minutes) >= 60:  # 1:75 is no clock time
+            raise argparse.ArgumentTypeError(f"{text[:len(text) - len(question) - 1]} is not a clock time ([H:]M:SS, "
+                                             f"minutes and seconds under 60), in {shown(text)}")
     else:
         seconds, separator, question = text.partition(":")
         try:

@@ -50,6 +50,7 @@ def read_table(path: Path) -> list[dict[str, Any]]:
         raise MissingFileError(f"annotation file not found: {path}"
                                + ("" if path.parent.is_dir() else f" ({path.parent} is a file, not a folder)"
                                   if path.parent.is_file() else f" (there is no folder {path.parent})"))
+    check_readable(path)
     if path.suffix == ".parquet":
         return _read_parquet(path)
     if path.suffix == ".jsonl":
@@ -57,6 +58,14 @@ def read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".json":
         return _read_json(path)
     raise AnnotationError(f"{path}: unsupported annotation format (use {', '.join(ANNOTATION_SUFFIXES)})")
+
+
+def check_readable(path: Path) -> None:
+    """A one-line `AnnotationError` when ``path`` (a file) cannot be read: no permission, a disk error."""
+    try:
+        open(path, "rb").close()
+    except OSError as error:
+        raise AnnotationError(f"{path}: cannot be read ({error.strerror or error})") from None
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -105,6 +114,7 @@ def read_json_document(path: Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"annotation file not found: {path}")
+    check_readable(path)
     data_bytes = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # a mark some editors put first: not text
     try:
         return json.loads(data_bytes.decode("utf-8"))

@@ -317,10 +317,13 @@ def _shown(path: Path) -> str:
 
 
 def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
-    paths = sorted(
-        (p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")),
-        key=_natural_key,
-    )
+    try:
+        paths = sorted(
+            (p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")),
+            key=_natural_key,
+        )
+    except OSError as error:
+        raise VideoError(f"{_shown(folder)}: cannot list the folder ({error.strerror or error})") from None
     if not paths:
         extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
         raise VideoError(f"{folder}: folder holds no images ({extensions})")
