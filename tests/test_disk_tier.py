@@ -234,7 +234,7 @@ def test_bad_disk_options_are_refused_with_one_line(adapters, tmp_path):
         statekv.StreamingPrefill(adapter.model, statekv.StateKV(budget=4), offload="disk")
 
 
-def test_cli_offload_takes_disk_and_stays_a_plain_flag():
+def test_cli_offload_takes_disk_and_stays_a_plain_flag(tmp_path):
     from statekv.settings.options import ModelOptions, normalize_argv
     import argparse
 
@@ -244,8 +244,9 @@ def test_cli_offload_takes_disk_and_stays_a_plain_flag():
     parse = lambda *argv: ModelOptions.from_args(parser.parse_args(normalize_argv(["--model", "m", *argv])))
     assert parse("--offload", "v.mp4").offload is True  # the flag never takes the video as its value
     assert parse("v.mp4", "--offload").offload is True
-    options = parse("--offload", "disk", "--offload-dir", "/tmp/x", "--max-cache-bytes", "20G", "v.mp4")
-    assert (options.offload, options.offload_dir, options.max_cache_bytes) == ("disk", "/tmp/x", 20 << 30)
+    tier = str(tmp_path / "tier")  # not a shared path: another program may hold a file there
+    options = parse("--offload", "disk", "--offload-dir", tier, "--max-cache-bytes", "20G", "v.mp4")
+    assert (options.offload, options.offload_dir, options.max_cache_bytes) == ("disk", tier, 20 << 30)
     with pytest.raises(SystemExit):
         parse("--max-cache-bytes", "twenty", "v.mp4")
 
