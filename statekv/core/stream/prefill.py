@@ -163,12 +163,12 @@ class StreamingPrefill:
             + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
-            weakly(self, StreamingPrefill._other_bytes, (0, 0)), JOURNAL_STEP_BYTES if self.disk is not None else 0)
+            weakly(self, type(self)._other_bytes, (0, 0)), JOURNAL_STEP_BYTES if self.disk is not None else 0)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
-        self.graphs = StepGraphs(weakly(self, StreamingPrefill.device_step),
+        self.graphs = StepGraphs(weakly(self, type(self).device_step),
                                  weakly(self, lambda engine: engine.cache.read_host_state, False))
         self.compiled_decoder = compiled(self.decoder) if settings.compile_step else None  # steady steps'
         self.track_overlap = track_overlap
