@@ -148,10 +148,17 @@ def test_the_steady_decoder_step_compiles_once(tiny_lm, policy):
         eager.step(inputs_embeds=chunk)
         compiled.step(inputs_embeds=chunk)
     torch._dynamo.reset()
-    compiled.device_step = torch.compile(compiled.device_step, fullgraph=True, backend="eager")  # switched
+    traced, calls = torch.compile(compiled.device_step, fullgraph=True, backend="eager"), []
+
+    def counted(inputs):
+        calls.append(inputs)
+        return traced(inputs)
+
+    compiled.device_step = counted  # switched on the engine: every later step runs it
     with torch._dynamo.config.patch(error_on_recompile=True):
         for chunk in chunks[6:]:
             assert torch.equal(compiled.step(inputs_embeds=chunk), eager.step(inputs_embeds=chunk))
+    assert len(calls) == len(chunks[6:])
     torch._dynamo.reset()
 
 

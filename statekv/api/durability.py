@@ -82,7 +82,8 @@ class Durability:
     def tier_callbacks(self) -> tuple[Callable[..., list[dict[str, Any]]], Callable[[], None]]:
         """`waiting_records` and `watches_journaled` for the disk tier to call, holding this weakly (it holds the
         tier)."""
-        return weakly(self, type(self).waiting_records, []), weakly(self, type(self).watches_journaled)
+        return (weakly(self, lambda durability, *folder: durability.waiting_records(*folder), []),
+                weakly(self, lambda durability: durability.watches_journaled()))
 
     def waiting_records(self, folder: Path | None = None) -> list[dict[str, Any]]:
         """The records journaled again with a checkpoint (of the file set in ``folder``, default the video's): a

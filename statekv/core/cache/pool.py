@@ -199,7 +199,7 @@ class StreamPool:
             old = layer.storage
             old.synchronize()
             paged = PagedStorage(seat.tokens, seat.steps, index, old.detailed.capacity_hint,
-                                 weakly(cache, type(cache).buffers_replaced))
+                                 weakly(cache, lambda owner: owner.buffers_replaced()))
             paged.segment_steps = old.segment_steps
             paged.load(old.export(), list(cache.chunk_lengths), self.device)
             LayerStorage.prepare(paged, cache.chunk_len)  # room for every summary and index row to the horizon

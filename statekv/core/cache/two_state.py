@@ -70,7 +70,7 @@ class TwoStateCache(Cache):
         self.tier = tier
         self.layout_version = 0  # bumped whenever a buffer that a captured step reads is replaced
         self.peak_device_bytes = 0  # most bytes of cache this stream held on the model's device at once
-        replaced = weakly(self, type(self).buffers_replaced)  # a dropped cache is freed at once
+        replaced = weakly(self, lambda cache: cache.buffers_replaced())  # a dropped cache is freed at once
         self.layers = [StreamingLayer(replaced, i, capacity_hint, tier) for i in range(num_layers)]
         self.positions = positions or StreamPositions()
         self.evicted_steps = StepRuns()

@@ -127,7 +127,8 @@ class StreamingPrefill:
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
                 "kv_cache_dtype": kv_cache_dtype, "bounded_layout": layout})
-            self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, weakly(self.disk, type(self.disk).storage))
+            storage = weakly(self.disk, lambda disk, *args, **kwargs: disk.storage(*args, **kwargs))
+            self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, storage)
         else:
             offload, limit = settings.offload, settings.cache_cap
             self.tier = StorageTier(torch.device("cpu" if offload is True else offload) if offload else None,
@@ -163,12 +164,13 @@ class StreamingPrefill:
             + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
-            weakly(self, type(self)._other_bytes, (0, 0)), JOURNAL_STEP_BYTES if self.disk is not None else 0)
+            weakly(self, lambda engine: engine._other_bytes(), (0, 0)),
+            JOURNAL_STEP_BYTES if self.disk is not None else 0)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
         tallying = cache_limit is not None and cache_limit.when_full == "evict-least-attended"
         self.cuda_graph = settings.cuda_graph and self.device.type == "cuda" and policy.capturable and not tallying
-        self.graphs = StepGraphs(weakly(self, type(self).device_step),
+        self.graphs = StepGraphs(weakly(self, lambda engine, inputs: engine.device_step(inputs)),
                                  weakly(self, lambda engine: engine.cache.read_host_state, False))
         self.compiled_decoder = compiled(self.decoder) if settings.compile_step else None  # steady steps'
         self.track_overlap = track_overlap
