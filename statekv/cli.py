@@ -100,11 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     in_main_thread = (threading.current_thread() is threading.main_thread()
                       and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     previous = signal.signal(signal.SIGINT, interrupt) if in_main_thread else None
+    previous_hook = sys.unraisablehook
+
+    def unraisable(unraised):  # a Ctrl-C that fell in a destructor is swallowed there: said once, below
+        if not (interrupted and isinstance(unraised.exc_value, KeyboardInterrupt)):
+            previous_hook(unraised)
+
+    sys.unraisablehook = unraisable
     try:
         from .console import run_command
         from .settings.options import normalize_argv
 
         args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
+        if interrupted:
+            raise KeyboardInterrupt
     except BaseException as error:
         if not (interrupted or isinstance(error, KeyboardInterrupt)):
             raise
@@ -114,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(130)
         return 130
     finally:
+        sys.unraisablehook = previous_hook
         if in_main_thread:  # a handler not installed from Python (None) cannot be put back: Python's own then
             signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
     return run_command(args.command, lambda: args.run(args))

@@ -586,6 +586,36 @@ def test_the_command_loads_no_torch_before_it_can_take_a_ctrl_c():
     assert result.stdout.strip() == "[]"  # torchvision, where installed, is checked as transformers is imported
 
 
+def test_a_ctrl_c_that_falls_in_a_destructor_while_the_command_starts_is_one_line_and_runs_nothing(monkeypatch,
+                                                                                                   capsys):
+    """A Ctrl-C whose handler ran inside an object's ``__del__`` (a module being imported drops one) was swallowed
+    there: Python printed it as an exception ignored, and the command went on and ran. Now it is the same one line,
+    and nothing runs."""
+    import gc
+    import signal
+
+    import statekv.cli as cli
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between these, inside the destructor
+                pass
+
+    built = cli.build_parser
+
+    def building():
+        Dropped()
+        gc.collect()
+        return built()
+
+    monkeypatch.setattr(cli, "build_parser", building)
+    ran = []
+    monkeypatch.setattr("statekv.console.run_command", lambda *args: ran.append(args) or 0)
+    assert cli.main(["flops", "--model", "internvl3-1b", "--frames", "4"]) == 130
+    assert capsys.readouterr().err == "statekv: interrupted while starting; nothing was done\n" and ran == []
+
+
 def test_a_ctrl_c_while_the_command_starts_is_one_line():
     """torch and transformers load for seconds while the parser is built; a Ctrl-C then (a mistyped command) ends
     with one line and status 130, not a traceback (nor transformers' report of the import it cut short). The
