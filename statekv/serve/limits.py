@@ -63,8 +63,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, limit: int, *, optional: bool = False) -> dict[str, Any]:
-    """A JSON object body (``application/json``), or a one-line 400/413/415. ``optional``: no body at all is
-    read as ``{}`` (every field it could hold is optional)."""
+    """A JSON object body (``application/json``), or a one-line 400/413/415. ``optional``: an empty body, of any
+    Content-Type or none, is read as ``{}`` (every field it could hold is optional); a required body of another
+    type is refused before it is read."""
     kind = media_type(request)
     if not optional and kind != "application/json":
         raise ServiceError(415, f"expected Content-Type application/json, got {kind or 'none'}")
