@@ -197,6 +197,30 @@ def test_a_closed_stream_frees_its_cache_at_once_without_the_cyclic_collector(ad
             gc.enable()
 
 
+def test_a_watched_stream_dropped_without_close_is_freed_at_once_and_its_watch_keeps_its_events(adapter, tmp_path):
+    """A stream dropped without `Stream.close` while a watch on it is open is freed by reference counting alone
+    (the watch held it in a cycle through the stream's watches), on the disk tier too; the watch, still held,
+    keeps its events, closes quietly and says in one line that its stream is gone when evaluated."""
+    for qa in (tiny_qa(adapter), tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")):
+        gc.collect()
+        gc.disable()
+        try:
+            stream = qa.stream(horizon_frames=12)
+            watch = stream.watch("Why?", every=2, max_new_tokens=2)
+            pushed(stream)
+            events = list(watch.events)
+            alive = [weakref.ref(held) for held in (stream, *stream.engines)]
+            del stream
+            assert [held() for held in alive if held() is not None] == []
+        finally:
+            gc.enable()
+        assert watch.events == events and len(events) >= 1
+        with pytest.raises(statekv.InputError, match=f"watch {watch.id}: its stream is gone"):
+            watch.evaluate()
+        watch.close()
+        assert watch.closed
+
+
 def test_a_long_stream_holds_no_more_threads_descriptors_or_files_as_it_goes(adapter, tmp_path):
     """One stream on the disk tier pushed hundreds of small frames, asked and saved every 100 and watched
     throughout: its threads, descriptors and files stay as they were after the first 100 (what grows with it by

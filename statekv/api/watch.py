@@ -28,6 +28,7 @@ import bisect
 import logging
 import math
 import secrets
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,10 @@ class Watch:
     Attributes: ``id``, ``question``, ``every`` (frames between evaluations) or ``every_seconds`` (stream seconds),
     ``max_new_tokens``, ``retrieve`` (frames per layer retrieved at each evaluation, None: none), ``retrieval`` (the
     rule's name), ``steer``, ``events`` (`WatchEvent` list, oldest first), ``answer`` (the latest, None before the
-    first evaluation), ``evaluations``, ``closed``, ``error`` (why the last evaluation failed, None when it did not).
+    first evaluation), ``evaluations``, ``closed``, ``error`` (why the last evaluation failed, None when it did not),
+    ``stream``. A watch does not keep its stream alive: a stream dropped without `Stream.close` is freed at once
+    (its watches would otherwise hold it in a cycle until a full collection); its watches then keep their events,
+    and only evaluating one says the stream is gone.
     """
 
     def __init__(self, stream: Any, question: str, *, every: int | None = None, every_seconds: float | None = None,
@@ -81,7 +85,7 @@ class Watch:
         check_question(question, "the watch's question")
         if every is not None and every_seconds is not None:
             raise InputError("give a watch every (frames) or every_seconds, not both")
-        self.stream = stream
+        self._stream = weakref.ref(stream)
         self.id = watch_id if watch_id is not None else f"w_{secrets.token_hex(8)}"
         self.question = question
         self.every = None if every is None else check_int(every, "every (frames between evaluations)",
@@ -105,6 +109,14 @@ class Watch:
         self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
         self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
         self.answer_tokens: list[int] | None = None  # the tokens ``answer`` was decoded from
+
+    @property
+    def stream(self) -> Any:
+        """The stream it watches (`InputError` once that stream was dropped and freed)."""
+        stream = self._stream()
+        if stream is None:
+            raise InputError(f"watch {self.id}: its stream is gone (it was dropped without close)")
+        return stream
 
     # -- what it says --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -156,7 +168,10 @@ class Watch:
 
     def close(self) -> None:
         """Stop evaluating; the stream stops being steered by it. Its events stay readable."""
-        stream = self.stream
+        stream = self._stream()
+        if stream is None:  # nothing left to steer
+            self.closed = True
+            return
         with stream.lock:
             if self.closed:
                 return
