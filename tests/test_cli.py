@@ -688,14 +688,19 @@ def test_answer_answers_from_the_frames_before_one_that_cannot_be_read(files, ca
     for index, frame in enumerate(random_frames(4)):
         Image.fromarray(frame).save(folder / f"{index:03d}.png")
     (folder / "002.png").write_bytes(b"not a png")
-    assert main(["answer", str(folder), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2", "--json"]) == 0
+    argv = ["answer", str(folder), "Why?", "--model", str(files["model"]), "--max-new-tokens", "2"]
+    assert main([*argv, "--json"]) == 2  # a broken video is a failure, as `statekv stream` says, its answers given
     captured = capsys.readouterr()
-    [warning] = [line for line in captured.err.splitlines() if line.strip()]
-    assert warning.startswith("statekv answer: warning: ") and "frame 2" in warning, warning
-    assert warning.endswith("; answering from what was encoded"), warning
-    assert ".encoded" not in warning
+    [error] = [line for line in captured.err.splitlines() if line.strip()]
+    assert error.startswith("statekv answer: error: ") and "frame 2" in error, error
+    assert error.endswith("; the answers are from the 2 frames before it"), error
+    assert ".encoded" not in error
     document = json.loads(captured.out)
-    assert document["stats"]["frames"] == 2 and document["stopped"] in warning
+    assert document["stats"]["frames"] == 2 and document["stopped"] in error and document["answers"][0]["answer"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "(stopped: see the error line)" in captured.out and "A: " in captured.out
+    assert captured.err.strip() == error
     (folder / "000.png").write_bytes(b"not a png")  # nothing before it: nothing to answer from
     assert main(["answer", str(folder), "Why?", "--model", str(files["model"])]) == 2
 

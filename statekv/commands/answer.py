@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Encode VIDEO once with the chosen method, then answer each QUESTION from that encoding. If "
                     "--max-cache-bytes stops the encoding (--cache-limit refuse), the questions are answered from the "
                     "frames that fit, with one warning line on stderr (exit status 0; with --json, \"stopped\" says "
-                    "where).",
+                    "where). A frame that cannot be decoded in the middle of VIDEO stops the encoding too: the "
+                    "questions are answered from the frames before it, then one error line says why (exit status 2).",
     )
     parser.add_argument("video", metavar="VIDEO", help="video file or folder of frames")
     parser.add_argument("questions", metavar="QUESTION", nargs="+", help="one or more questions")
@@ -43,15 +44,19 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     qa = VideoQA.from_options(options)
     refuse_what_cannot_fit(qa, source, args)
-    stopped = None
+    stopped = undecodable = None
     try:
         video = qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames, progress=interactive())
-    except (CacheLimitError, FrameDecodeError) as error:  # refused at the cap, or a frame that cannot be read:
-        if error.encoded is None or not error.encoded.frames:  # answer from the frames before it, saying so
+    except CacheLimitError as error:  # refused at the cap: answered from the frames that fit, as asked
+        if error.encoded is None or not error.encoded.frames:
             raise
-        video = error.encoded  # (a decode error's message goes on to name the Python API's way on: its reason)
-        stopped = one_line(error.reason if isinstance(error, FrameDecodeError) else error)
+        video, stopped = error.encoded, one_line(error)
         print(f"statekv answer: warning: {stopped}; answering from what was encoded", file=sys.stderr, flush=True)
+    except FrameDecodeError as error:  # a broken video: answered from the frames before it, then a failure
+        if error.encoded is None or not error.encoded.frames:
+            raise
+        video = error.encoded  # (its message goes on to name the Python API's way on: its reason is the CLI's)
+        stopped = undecodable = one_line(error.reason)
     ends = source.num_frames / source.fps  # its last frame's end (a frame of a slow time-lapse spans seconds)
     if stopped is None and cut_short(source, ends, args.max_fps):
         print(f"statekv answer: warning: the video's frames end at {ends:g} s, before the {source.duration:g} s its "
@@ -67,15 +72,26 @@ def run(args: argparse.Namespace) -> int:
                     "label": options.label, "stats": stats.to_dict(),
                     "stopped": stopped,
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
-        return 0
-    print(f"{args.video}: {stats.frames} frames{' (stopped: see the warning)' if stopped else ''}, "
+        return undecodable_end(undecodable, stats.frames)
+    why = "" if stopped is None else " (stopped: see the error line)" if undecodable else " (stopped: see the warning)"
+    print(f"{args.video}: {stats.frames} frames{why}, "
           f"{stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:
         print(stats.summary())
     for question, answer in zip(args.questions, answers):
         print(f"\nQ: {question}\nA: {answer}")
-    return 0
+    return undecodable_end(undecodable, stats.frames)
+
+
+def undecodable_end(reason: str | None, frames: int) -> int:
+    """The exit status after the answers: 2, with one error line, when a frame could not be decoded."""
+    if reason is None:
+        return 0
+    sys.stdout.flush()
+    print(f"statekv answer: error: {reason}; the answers are from the {frames} frame{'s' if frames != 1 else ''} "
+          "before it", file=sys.stderr, flush=True)
+    return 2
 
 
 def too_long(prompt: int, answer: int, room: int, *, at_most: bool = False) -> str:
