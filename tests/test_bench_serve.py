@@ -84,13 +84,32 @@ def test_a_camera_counts_in_goodput_when_held_at_real_time_with_its_ttft_under_t
     assert set(FIELDS) <= set(row) and "| 4 | 1 |" in table([row])
 
 
+def test_frames_a_run_gave_up_on_count_in_its_lag_and_requests_never_sent_are_not_failures():
+    """Before: a server that fell behind was reported behind by its finished frames' lag alone (the slowest,
+    cut off at the drain's end, left out), and requests never sent counted as failed requests, a stream that could
+    not be made once for itself and once for each of its requests."""
+    cut = [Request("frame", 0, due=k, sent=k, done=k + 1.5 + k) for k in range(5)]  # 1.5 s a frame, served in turn
+    cut += [Request("frame", 0, due=5, sent=12.0, error="not answered", given_up=14.0)]
+    cut += [Request("frame", 0, due=k, error="not sent", given_up=14.0) for k in range(6, 12)]
+    row = summarize(_run(cut), fps=1.0, duration=12.0, targets=Targets(), mean_batch=None)
+    lags = [1.5 + k for k in range(5)] + [14.0 - k for k in range(5, 12)]
+    assert row["lag_p50_s"] == pytest.approx(float(np.percentile(lags, 50)))  # 5.5, not the finished frames' 3.5
+    assert row["lag_max_s"] == pytest.approx(9.0) and row["frames_given_up"] == 7 and row["frames_done"] == 5
+    assert (row["failures"], row["unsent"]) == (1, 6) and not held_all(row)
+    never = Run(2, 0.0, _frames(0, 0.1, count=4) + [Request("frame", 1, due=k, error="its stream could not be made")
+                                                   for k in range(4)], setup_failures=["HTTP 429: too many"])
+    row = summarize(never, fps=1.0, duration=4.0, targets=Targets(), mean_batch=None)
+    assert (row["failures"], row["unsent"], row["held_streams"]) == (1, 4, 1) and not held_all(row)
+
+
 def test_find_max_doubles_then_bisects_and_stops_at_its_time_limit():
     tried = []
 
     class Fake(Probe):
         def __call__(self, count):
             tried.append(count)
-            self.rows[count] = {"streams": count, "goodput_streams": count if count <= 11 else 0, "failures": 0}
+            self.rows[count] = {"streams": count, "goodput_streams": count if count <= 11 else 0, "failures": 0,
+                               "unsent": 0}
             return self.rows[count]
 
     settings = LoadSettings(duration=0.0, drain=0.0)
@@ -132,7 +151,7 @@ def test_a_server_that_answers_its_model_list_with_an_error_is_named_before_any_
 
 def _probe_runs(monkeypatch, run) -> None:
     """The command's runs are ``run(probe, count)``, with no server to reach or warm up."""
-    monkeypatch.setattr(Probe, "reach", lambda self: None)
+    monkeypatch.setattr(Probe, "reach", lambda self, stopped=False: None)
     monkeypatch.setattr(Probe, "warm_up", lambda self: None)
     monkeypatch.setattr(Probe, "__call__", run)
 
@@ -264,8 +283,10 @@ class _SlowServer:
     """The stream routes of a server that takes ``push_seconds`` per frame, one frame at a time per stream, and
     answers every question with one token after ``ttft_seconds``, on a loopback port in a thread."""
 
-    def __init__(self, push_seconds: float, ttft_seconds: float, streams: int | None = None):
-        """streams: how many streams it makes before it refuses the key (401)."""
+    def __init__(self, push_seconds: float, ttft_seconds: float, streams: int | None = None,
+                 hang_deletes: bool = False):
+        """streams: how many streams it makes before it refuses the key (401); hang_deletes: it answers a deletion
+        only after six seconds."""
         import uvicorn
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, StreamingResponse
@@ -303,6 +324,8 @@ class _SlowServer:
         @app.delete("/v1/streams/{stream_id}")
         async def delete(stream_id: str):
             self.deleted.append(stream_id)
+            if hang_deletes:  # longer than the test's bound on deletions; not for good, so the server can stop
+                await asyncio.sleep(6)
             return {"deleted": True}
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -515,6 +538,70 @@ def test_streams_made_before_a_creation_fails_are_deleted():
         with pytest.raises(LoadError, match="refused the API key"):
             asyncio.run(run_load(url, "key", 4, settings, lambda camera: [b"jpeg"]))
     assert sorted(server.deleted) == ["st_0", "st_1"]
+
+
+def test_a_server_that_never_deletes_a_stream_is_given_up_on_and_named(monkeypatch):
+    """Before: a run waited up to ten minutes on each deletion of a server that hung, whatever its drain."""
+    import statekv.bench.load as load_module
+    from statekv.bench.server import ServerError
+
+    monkeypatch.setattr(load_module, "SETUP_SECONDS", 1.0)
+    settings = LoadSettings(fps=5.0, duration=1.0, question_rate=0.0, drain=1.0, warm_frames=1)
+    server = _SlowServer(push_seconds=0.0, ttft_seconds=0.0, hang_deletes=True)
+    with server as url:
+        started = time.monotonic()
+        run = asyncio.run(run_load(url, "key", 2, settings, lambda camera: [b"jpeg"]))
+        assert time.monotonic() - started < 5
+    assert len(run.undeleted) == 2 and "Timeout" in run.undeleted[0]
+    assert all(request.ok for request in run.requests)  # the run itself was measured
+    with pytest.raises(ServerError, match="did not delete 2 of a run's streams .*share the server with them"):
+        Probe(url, "key", settings, Targets(), None).check_deleted(run)
+
+
+def test_a_running_server_that_stops_answering_ends_the_runs_in_one_line_keeping_those_finished(
+        monkeypatch, tmp_path, capsys):
+    """Before: against --url a server that died went unnoticed: the runs after went on as tables of failures and
+    --find-max reported the most held so far as complete, exit 0. And a warm-up of nothing but failures went on."""
+    import httpx
+
+    import statekv.bench.load as load_module
+    import statekv.bench.server as server_module
+    from statekv.cli import main
+
+    runs = []
+
+    async def load(url, key, count, settings, frames, show=None, ready=None):
+        runs.append(count)
+        return _run(*[_frames(camera, 0.1, count=4) for camera in range(count)])
+
+    def models(url, **kwargs):
+        if len(runs) >= 3:  # gone after the warm-up and the first measured run
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"data": [{"id": "builtin", "owned_by": "statekv"}]})
+
+    monkeypatch.setattr(load_module, "run_load", load)
+    monkeypatch.setattr(server_module, "histogram_totals", lambda url, metric=None: None)
+    monkeypatch.setattr(httpx, "get", models)
+    out = tmp_path / "runs.json"
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--fps", "1", "--duration", "4",
+            "--json", str(out)]
+    assert main([*argv, "--find-max", "--max-streams", "8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("statekv bench: error: http://127.0.0.1:9 stopped answering during the "
+                                    "runs: connection refused")
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True and "max_streams_held" not in document
+    assert [row["streams"] for row in document["results"]] == [1] and runs == [1, 1, 2]
+
+    async def refused(url, key, count, settings, frames, show=None, ready=None):
+        failed = [Request("frame", 0, due=k, sent=k, done=k + 0.01, error="HTTP 503: not ready") for k in range(4)]
+        return _run(failed)
+
+    monkeypatch.setattr(load_module, "run_load", refused)
+    runs.clear()
+    assert main([*argv, "--streams", "1,2"]) == 2
+    assert capsys.readouterr().err.strip() == ("statekv bench: error: http://127.0.0.1:9 answered none of the "
+                                               "warm-up's requests, e.g. HTTP 503: not ready")
 
 
 @pytest.mark.parametrize("value, threads", [("4,2", 4), ("abc", None), ("0", None), ("", None), ("3", 3)])

@@ -228,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
         threads = args.server_threads or omp_threads() or max(1, (os.cpu_count() or 2) - 1)
         where = {"model": model, "options": options, "torch_threads": threads}
     try:
-        if args.url is not None:
-            rows, most = sweep(server_root(args.url), key)
+        if args.url is not None:  # a server that stopped answering ends the runs as a dead one started here does
+            rows, most = sweep(server_root(args.url), key, lambda: probes[0].reach(stopped=True))
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)
@@ -272,8 +272,9 @@ class Probe:
         self.quiet, self.progress, self.check_server = quiet, progress, check_server
         self.rows: dict[int, dict[str, Any]] = {}
 
-    def reach(self) -> None:
-        """The server answers and takes the key: one line before any camera starts, not a table of failures."""
+    def reach(self, *, stopped: bool = False) -> None:
+        """The server answers and takes the key: one line before any camera starts, not a table of failures.
+        ``stopped``: between runs, said as a server that stopped answering."""
         import httpx
 
         from ..console import one_line
@@ -282,6 +283,8 @@ class Probe:
         try:
             answered = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
         except (httpx.HTTPError, httpx.InvalidURL) as error:  # a port that is not a number is no HTTPError
+            if stopped:
+                raise ServerError(f"{self.url} stopped answering during the runs: {one_line(error)}") from None
             raise ServerError(f"cannot reach {self.url}: {one_line(error)}") from None
         if answered.status_code == 401:
             raise ServerError(f"{self.url} refused the API key")
@@ -301,10 +304,25 @@ class Probe:
         """One camera for a few frames and a question, unmeasured (the first steps and answers load and warm
         the model)."""
         from .load import run_load
+        from .server import ServerError
 
         short = replace(self.settings, duration=min(3.0, self.settings.duration), question_rate=1.0,
                         fps=max(self.settings.fps, 2.0))
-        asyncio.run(run_load(self.url, self.key, 1, short, self.cameras.frames))
+        run = asyncio.run(run_load(self.url, self.key, 1, short, self.cameras.frames))
+        self.check_server()
+        self.check_deleted(run)
+        if not any(request.ok for request in run.requests):  # every run after it would be a table of failures
+            errors = [*run.setup_failures, *(request.error for request in run.requests if request.error)]
+            raise ServerError(f"{self.url} answered none of the warm-up's requests"
+                              + (f", e.g. {errors[0]}" if errors else ""))
+
+    def check_deleted(self, run) -> None:
+        """A run whose streams the server did not delete is its last: the next would share the server with them."""
+        from .server import ServerError
+
+        if run.undeleted:
+            raise ServerError(f"{self.url} did not delete {len(run.undeleted)} of a run's streams "
+                              f"({run.undeleted[0]}); the next run would share the server with them")
 
     def __call__(self, count: int) -> dict[str, Any]:
         from .load import run_load
@@ -327,6 +345,7 @@ class Probe:
             self.check_server()  # a run against a server that died counts nothing of the server's
             self.rows[count] = summarize(run, self.settings.fps, self.settings.duration, self.targets, batch,
                                          mean_question_batch=questions, server_ttft_mean=first_token)
+            self.check_deleted(run)  # its row is kept: measured whole, then the server failed to clean up
         return self.rows[count]
 
     def find_max(self, limit: int, *, start: int = 1, deadline: float | None = None

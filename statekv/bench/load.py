@@ -15,7 +15,8 @@ primed with ``warm_frames`` frames before the clock starts (a camera that has be
 full, so its steps are the steady ones that batch; and no question finds it empty); frames go to
 ``POST /v1/streams/{id}/frames`` as JPEG bodies at their stream time; questions to ``POST /v1/streams/{id}/ask``
 with ``"stream": true`` (or the OpenAI-compatible ``POST /v1/chat/completions``), whose first streamed token
-marks the time to first token. Streams are deleted after the run.
+marks the time to first token. Streams are deleted after the run. Making a stream and deleting one are bounded
+(``SETUP_SECONDS``): a server that hangs is said, never waited on for good.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import StateKVError
+
+SETUP_SECONDS = 60.0  # making a stream, or deleting one: no model step, so a server slower than this is stuck
 
 
 class LoadError(StateKVError):
@@ -63,7 +66,7 @@ class LoadSettings:
 class Request:
     """One request of a run: ``kind`` ``frame`` or ``question``, the stream (camera) it belongs to, when it was due
     and sent, when its first answer token came (questions) and when it finished (``perf_counter`` seconds);
-    ``error``: why it failed (None: it succeeded)."""
+    ``error``: why it failed (None: it succeeded); ``given_up``: when it was given up at the drain's end."""
 
     kind: str
     stream: int
@@ -72,6 +75,7 @@ class Request:
     first_token: float | None = None
     done: float | None = None
     error: str | None = None
+    given_up: float | None = None  # still out (or not yet sent) when the drain ended: its lag was at least this
 
     @property
     def ok(self) -> bool:
@@ -80,12 +84,14 @@ class Request:
 
 @dataclass
 class Run:
-    """What a run of ``streams`` cameras measured: every request, and when the clock started."""
+    """What a run of ``streams`` cameras measured: every request, and when the clock started; ``undeleted``: why
+    streams of the run could not be deleted after it (they would share the server with the next run)."""
 
     streams: int
     start: float
     requests: list[Request] = field(default_factory=list)
     setup_failures: list[str] = field(default_factory=list)
+    undeleted: list[str] = field(default_factory=list)
 
 
 def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request]:
@@ -126,6 +132,7 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
             base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
             timeout=httpx.Timeout(settings.timeout, connect=30.0))) for _ in range(streams)]
         ids: list[str | None] = [None] * streams  # each stream's id once made: deleted whatever happens next
+        run = None
         try:
             made = await asyncio.gather(*(_create(client[stream], stream, frames(stream), settings, ids)
                                           for stream in range(streams)), return_exceptions=True)
@@ -143,8 +150,13 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
                     request.error = "its stream could not be made or warmed up"
             await _send_all(client, run, ids, settings, frames, progress)
         finally:
-            await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}")
-                                   for stream, stream_id in enumerate(ids) if stream_id), return_exceptions=True)
+            deleted = await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}", timeout=SETUP_SECONDS)
+                                             for stream, stream_id in enumerate(ids) if stream_id),
+                                           return_exceptions=True)
+            if run is not None:
+                run.undeleted = [f"{type(reply).__name__}: {reply}" if isinstance(reply, BaseException) else
+                                 f"HTTP {reply.status_code}: {_message(reply)}" for reply in deleted
+                                 if isinstance(reply, BaseException) or reply.status_code not in (200, 404)]
     return run
 
 
@@ -155,7 +167,8 @@ async def _create(client, stream: int, shown: list[bytes], settings: LoadSetting
     import httpx
 
     try:
-        reply = await client.post("/v1/streams", json={"name": f"camera-{stream}", "max_fps": None})
+        reply = await client.post("/v1/streams", json={"name": f"camera-{stream}", "max_fps": None},
+                                  timeout=SETUP_SECONDS)
         if reply.status_code == 401:
             raise LoadError(f"the server refused the API key ({_message(reply)})")
         if reply.status_code != 201:
@@ -197,9 +210,12 @@ async def _send_all(client: list, run: Run, ids: list[str | None], settings: Loa
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        given_up = time.perf_counter()
         for request in run.requests:
             if request.error is None and request.done is None:
-                request.error = f"not answered {settings.drain:g} s after the run"
+                request.given_up = given_up
+                request.error = (f"not answered {settings.drain:g} s after the run" if request.sent is not None else
+                                 f"not sent: its camera was still behind {settings.drain:g} s after the run")
     finally:
         for task in cameras + questions:
             task.cancel()

@@ -6,6 +6,10 @@ A camera is **held at real time** when every one of its requests succeeded and i
 every frame, so its lag grows without bound). **Goodput** counts the cameras held at real time whose questions'
 p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests meeting every latency target; here
 the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy's default, as vLLM reports them).
+A frame still out (or not yet sent) when the drain ends counts in the lag with the lag it had then, a lower bound:
+those are a slow server's latest frames, and leaving them out would report it behind by less than it is.
+**Failures** count the requests sent that failed and the streams that could not be made; requests never sent
+(their stream not made, or their camera still behind at the drain's end) are ``unsent``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def failed(run: Run) -> int:
+    """The requests of ``run`` sent that failed, and its streams that could not be made."""
+    return sum(r.sent is not None and not r.ok for r in run.requests) + len(run.setup_failures)
+
+
+def frame_lags(frames: Sequence[Any]) -> list[float]:
+    """Each frame's lag behind real time: streamed, or given up at the drain's end (a lower bound)."""
+    return [r.done - r.due if r.ok else r.given_up - r.due for r in frames if r.ok or r.given_up is not None]
+
+
 def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
     """A progress line on stderr (``show(run, now, final=False)``): rewritten in place on a terminal, else one line
     every five seconds, and the run's last line (``final``) in either case."""
@@ -52,7 +66,7 @@ def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
         asks = [r for r in run.requests if r.kind == "question"]
         lags = [r.done - r.due for r in frames if r.ok]
         ttfts = [r.first_token - r.sent for r in asks if r.ok]
-        failed = sum(r.error is not None for r in run.requests) + len(run.setup_failures)  # as the table counts
+        failures = failed(run)
         lag, ttft = percentile(lags, 95), percentile(ttfts, 50)
         answers = sum(r.ok for r in asks)
         line = (f"statekv bench serve: {label}, {min(max(0.0, now - run.start), settings.duration):.0f}/"
@@ -60,7 +74,7 @@ def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
                 f"streamed" + (f" (lag p95 {lag:.2f} s)" if lag is not None else "")
                 + f", {answers} answer{'s' * (answers != 1)}"
                 + (f" (TTFT p50 {ttft:.2f} s)" if ttft is not None else "")
-                + f", {failed} failed")
+                + f", {failures} failed")
         print(("\r" + line + "\033[K") if terminal else line, end="" if terminal else "\n", file=sys.stderr,
               flush=True)
 
@@ -77,14 +91,14 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
     asks = [r for r in run.requests if r.kind == "question"]
     done = [r for r in frames if r.ok]
     answered = [r for r in asks if r.ok]
-    lags = [r.done - r.due for r in done]
+    lags = frame_lags(frames)
     ttfts = [r.first_token - r.sent for r in answered]
     latencies = [r.done - r.sent for r in answered]
     late = [r.sent - r.due for r in asks if r.sent is not None]  # open loop: the load generator's own delay
     held = goodput = 0
     for stream in range(run.streams):
         own = [r for r in run.requests if r.stream == stream]
-        lag = percentile([r.done - r.due for r in own if r.kind == "frame" and r.ok], 95)
+        lag = percentile(frame_lags([r for r in own if r.kind == "frame"]), 95)
         if any(not r.ok for r in own) or lag is None or lag > targets.lag_target:
             continue
         held += 1
@@ -98,15 +112,16 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
            "frames_sent": sum(r.sent is not None for r in frames), "frames_done": len(done),
            "frames_per_s": len(done) / span if span > 0 else 0.0,
            "lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "lag_p99_s": percentile(lags, 99),
-           "lag_max_s": max(lags, default=None), "questions": len(asks),
+           "lag_max_s": max(lags, default=None), "frames_given_up": sum(r.given_up is not None for r in frames),
+           "questions": len(asks),
            "answers": len(answered)}
     for q in (50, 90, 95, 99):
         row[f"ttft_p{q}_s"] = percentile(ttfts, q)
     for q in (50, 90, 99):
         row[f"latency_p{q}_s"] = percentile(latencies, q)
-    failures = sum(not r.ok for r in run.requests) + len(run.setup_failures)
     errors = sorted({r.error for r in run.requests if r.error} | set(run.setup_failures))
-    row.update(held_streams=held, goodput_streams=goodput, failures=failures, mean_batch=mean_batch,
+    row.update(held_streams=held, goodput_streams=goodput, failures=failed(run),
+               unsent=sum(r.sent is None for r in run.requests), mean_batch=mean_batch,
                mean_question_batch=mean_question_batch, server_ttft_mean_s=server_ttft_mean,
                question_send_late_p95_s=percentile(late, 95), errors=errors[:5])
     return row
@@ -114,7 +129,7 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
 
 def held_all(row: dict[str, Any]) -> bool:
     """Every camera of the run held at real time with its p95 time to first token under the target."""
-    return row["goodput_streams"] == row["streams"] and row["failures"] == 0
+    return row["goodput_streams"] == row["streams"] and row["failures"] == 0 and row["unsent"] == 0
 
 
 def _seconds(value: float | None) -> str:
@@ -139,15 +154,17 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def failure_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """A line for each run with failed requests, naming the first of their errors (the JSON keeps up to five)."""
+    """A line for each run with failed or unsent requests, naming the first of their errors (the JSON keeps up to
+    five)."""
     return [f"{row['streams']} stream{'s' * (row['streams'] != 1)}: {row['failures']} failed request"
-            f"{'s' * (row['failures'] != 1)}" + (f", e.g. {row['errors'][0]}" if row["errors"] else "")
-            for row in rows if row["failures"]]
+            f"{'s' * (row['failures'] != 1)}" + (f", {row['unsent']} not sent" if row["unsent"] else "")
+            + (f", e.g. {row['errors'][0]}" if row["errors"] else "")
+            for row in rows if row["failures"] or row["unsent"]]
 
 
 def nothing_through(row: dict[str, Any]) -> bool:
     """Whether every request of a run failed: its zeros measure the errors, not the server."""
-    return row["failures"] > 0 and row["frames_done"] == 0 and row["answers"] == 0
+    return row["failures"] + row["unsent"] > 0 and row["frames_done"] == 0 and row["answers"] == 0
 
 
 def machine() -> str:
