@@ -474,6 +474,13 @@ def test_bad_cache_limits_are_refused_with_one_line(adapter):
         with pytest.raises(ConfigurationError) as error:
             tiny_qa(adapter, "recency", **kwargs).stream(horizon_frames=2)
         assert "\n" not in str(error.value) and needle in str(error.value), str(error.value)
+    for when_full in ("evict-oldest", "evict-least-attended"):  # before: full attention under evict-oldest grew
+        with pytest.raises(ConfigurationError) as error:  # past its cap, yet hid the frames it evicted from answers
+            tiny_qa(adapter, "full", offload=True, max_cache_bytes=1 << 20, cache_limit=when_full).stream()
+        assert str(error.value) == (f"cache_limit={when_full} cannot bound FullAttention(): it carries every token, "
+                                    "which eviction never gives back; use cache_limit=refuse, or a method with a "
+                                    "budget (statekv, recency)")
+    tiny_qa(adapter, "full", offload=True, max_cache_bytes=1 << 20).stream().close()  # refuse: bounded as asked
     with pytest.raises(ConfigurationError, match="cache_limit"):
         CacheLimit(100, "sometimes")
     options = statekv.ModelOptions.from_strings({"max_cache_bytes": "512M", "cache_limit": "evict-oldest"})

@@ -533,6 +533,34 @@ def test_frames_waiting_for_their_batch_are_kept_when_the_stream_closes(adapters
         stream.close()
 
 
+def test_a_stream_closed_before_its_first_step_says_what_it_lost_and_flush_keeps_it(adapters, tmp_path, caplog):
+    """Before: a disk-tier stream closed with frames waiting for its first vision batch and a watch open removed its
+    folder without a word (nothing resumes a folder without a step; under the chat layout its prefix is one)."""
+    qa = tiny_qa(adapters["paper"], offload="disk", offload_dir=tmp_path)
+    frames = random_frames(2)
+    for flushed in (False, True):
+        stream = qa.stream(vision_batch=4)
+        watch = stream.watch(QUESTION, every=2, max_new_tokens=2)
+        for frame in frames:
+            stream.push(frame)
+        if flushed:
+            stream.flush()
+        folder = stream.prefill.disk.folder
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="statekv"):
+            stream.close()
+        said = [record.getMessage() for record in caplog.records]
+        if not flushed:
+            assert said == [f"{stream.name}: closed before its first step: 2 frame(s) waiting for their batch are lost; "
+                            "its 1 watch(es) will not be reopened (flush() before close encodes the frames waiting, "
+                            "and the folder then keeps them)"] and not folder.exists()
+            continue
+        assert said == []
+        resumed = Stream.load(folder, qa)
+        assert resumed.frames == 2 and [kept.id for kept in resumed.watches] == [watch.id]
+        resumed.close()
+
+
 def _memory_and_swap() -> int:
     fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     return sum(int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))

@@ -16,6 +16,7 @@ import torch
 
 import statekv
 import statekv.api.watch as watch_module
+import statekv.api.watch_saving as watch_saving
 import statekv.core.answering.rows as rows_module
 from statekv.api.stream_disk import kept_watches_files
 from statekv.errors import InputError
@@ -23,6 +24,8 @@ from statekv.synthetic.plans import plan_video
 from statekv.synthetic.prompts import question_prompt
 from statekv.synthetic.scenes import render
 from statekv.synthetic.seeds import video_rng
+
+from conftest import random_frames
 
 COUNT = question_prompt("How many times did the video show red?", ["1", "2", "3", "4"])
 COLOUR = question_prompt("What colour was the circle?", ["red", "green", "blue", "yellow"])
@@ -727,7 +730,7 @@ def test_a_watch_reopened_from_a_record_newer_than_its_streams_save_evaluates_th
     watch = stream.watch(COLOUR, steer=False, max_new_tokens=2, **cadence)
     push(stream, frames, 3, 24)
     back = statekv.Stream.load(path, qa)
-    watch_module.restore(back, watch_module.records(stream))  # the record written after the save
+    watch_saving.restore(back, watch_saving.records(stream))  # the record written after the save
     assert back.watches[0].events == [event for event in watch.events if event.frame <= 3]
     push(back, frames, 3, 24)
     assert [w.to_dict() for w in back.watches] == [watch.to_dict()] and len(watch.events) > 1
@@ -745,7 +748,7 @@ def test_a_watch_opened_after_its_streams_save_and_off_its_period_reopens_as_a_v
     stream.watch(COLOUR, steer=False, max_new_tokens=2, every=4)  # opened at frame 3: evaluated at 3, 7, 11, ...
     push(stream, frames, 3, 24)
     back = statekv.Stream.load(path, qa)
-    reopened = watch_module.restore(back, watch_module.records(stream))[0]
+    reopened = watch_saving.restore(back, watch_saving.records(stream))[0]
     assert reopened.events == [] and reopened.evaluations == 0 and reopened.last_frames == 0
     push(back, frames, 2, 24)
     again = statekv.Stream.load(back.save(tmp_path / "again.safetensors"), qa)
@@ -763,12 +766,12 @@ def test_simplestream_watches_answer_from_the_last_frames(qa, frames):
     assert watch.evaluations == 4 and watch.answer == stream.ask(COLOUR, max_new_tokens=16)
     again = qa.with_options(method="simplestream").stream(max_fps=1)  # as a server reopens a record's watches:
     again.continue_from(stream.pushed, stream.frames, stream.last_timestamp)  # its counts kept, its frames not
-    reopened = watch_module.restore(again, watch_module.records(stream))
+    reopened = watch_saving.restore(again, watch_saving.records(stream))
     assert [w.to_dict() for w in reopened] == [watch.to_dict()]
     push(again, frames, 8, 10)
     assert (reopened[0].evaluations, reopened[0].last_frames) == (5, 10)
     empty = qa.with_options(method="simplestream").stream(max_fps=1)  # nothing kept: it starts again at frame 0
-    rewound = watch_module.restore(empty, watch_module.records(stream))[0]
+    rewound = watch_saving.restore(empty, watch_saving.records(stream))[0]
     assert rewound.events == [] and rewound.last_frames == 0
     push(empty, frames, 0, 2)
     assert (rewound.evaluations, rewound.last_frames) == (1, 2) and rewound.events  # on its period again
@@ -801,11 +804,11 @@ def test_watches_reopen_all_or_none(qa, frames):
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 3)
     stream.watch(COLOUR, every=2, steer=False)
-    saved = watch_module.records(stream)
+    saved = watch_saving.records(stream)
     again = qa.stream(max_fps=1)
     push(again, frames, 0, 3)
     with pytest.raises(InputError, match=r"watches\[1\]"):
-        watch_module.restore(again, [saved[0], {"question": 3}])
+        watch_saving.restore(again, [saved[0], {"question": 3}])
     assert again.watches == []
     for each in (stream, again):
         each.close()
@@ -849,9 +852,9 @@ def test_a_saved_watch_record_that_is_malformed_is_refused(qa, frames):
     record = stream.watch(COUNT).record()
     bad = {**record, "events": [[1, 0.0]]}
     with pytest.raises(InputError, match=r"watches\[0\]\.events\[0\]"):
-        watch_module.restore(stream, [bad])
+        watch_saving.restore(stream, [bad])
     with pytest.raises(InputError, match="lacks 'every'"):
-        watch_module.restore(stream, [{k: v for k, v in record.items() if k != "every"}])
+        watch_saving.restore(stream, [{k: v for k, v in record.items() if k != "every"}])
     stream.close()
 
 
@@ -933,3 +936,26 @@ def test_steering_adds_each_questions_attention_mass_placed_after_the_chunk(plac
             share = ((placed[0, head] @ keys[0, head // 2].T) * scale).softmax(-1).sum(0)
             expected[0, head // 2] += share * weight * chunk / question.length
     assert torch.allclose(guide.mass(cache, 0, keys, chunk, scale), expected, atol=1e-5)
+
+
+def test_a_watch_on_a_bounded_m_rope_stream_opens_without_the_retrieval_its_method_would_default_to(
+        tmp_path):
+    """Before: under rekv, whose questions retrieve by default, a watch on a Qwen3-VL stream with no horizon (bounded
+    positions, where a watch cannot retrieve) was refused for a retrieve its user never gave, in the library, the CLI
+    and over HTTP alike."""
+    from statekv.testing import make_tiny_checkpoint
+
+    qwen = make_tiny_checkpoint("qwen3_vl", tmp_path / "qwen", text_config={"max_position_embeddings": 512})
+    qa = statekv.VideoQA.from_pretrained(qwen, method="rekv")
+    stream = qa.stream()
+    for index, frame in enumerate(random_frames(4)):
+        stream.push(frame, float(index))
+    watch = stream.watch("Is it?", every=2, max_new_tokens=2)
+    assert qa.retrieve is not None and watch.retrieve is None and watch.answer is not None
+    with pytest.raises(InputError, match="cannot retrieve; open it without retrieve"):  # asked for: refused
+        stream.watch("Is it?", every=2, retrieve=4)
+    stream.close()
+    internvl = make_tiny_checkpoint("internvl", tmp_path / "internvl", text_config={"max_position_embeddings": 512})
+    other = statekv.VideoQA.from_pretrained(internvl, method="rekv").stream()  # one RoPE: it retrieves as asked
+    assert other.watch("Is it?", every=2, max_new_tokens=2).retrieve == other.qa.retrieve
+    other.close()

@@ -35,7 +35,8 @@ from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILES, frames_
                           read_stream_setup, read_waiting, read_watches, watches_file, write_waiting, write_watches)
 from .stream_file import check_against_model, check_same_setup
 from .stream_identity import check_ownership
-from .watch import restore as restore_watches, run_on_cadence
+from .watch import run_on_cadence
+from .watch_saving import restore as restore_watches
 from ..video import Frame
 from ..video.sampling import tick
 from ..weak import weakly
@@ -64,9 +65,10 @@ class Durability:
         # the last push record: its frame, the journal's length before and after, the tier and its appends then
         self.last_push: tuple[Any, ...] | None = None
         self.kept_waiting: dict[str, Any] | None = None  # the record of the frames a close kept beside the file set
-        # the records and tensors of a stream's open watches (`statekv.api.watch.records`, `tensors`), written beside
-        # the file set at each checkpoint; the file of them the last record journaled names (None: none open), with
-        # what it holds (folder, records, record); and those of the records not yet known to be journaled
+        # the records and tensors of a stream's open watches (`statekv.api.watch_saving.records`, `tensors`),
+        # written beside the file set at each checkpoint; the file of them the last record journaled names (None:
+        # none open), with what it holds (folder, records, record); and those of the records not yet known to be
+        # journaled
         self.open_watches: Callable[[], tuple[list[dict[str, Any]], dict[str, torch.Tensor]]] = lambda: ([], {})
         self.watches_file: str | None = None
         self.watches_written: tuple[Path, list[dict[str, Any]], dict[str, Any]] | None = None

@@ -24,7 +24,7 @@ from .durability import loaded_record, resume_stream
 from ..settings.engine import HANDOVER, EngineSettings
 from .handover import OWN_LAYOUT, resumed_engine
 from .stats import EncodingStats
-from .watch import records as watch_records, restore as restore_watches, tensors as watch_tensors
+from .watch_saving import records as watch_records, restore as restore_watches, tensors as watch_tensors
 from ..errors import HorizonError, InputError, OutputError
 from ..models import LayoutState
 from .stream_file import (FORMAT, FORMAT_VERSION, UNCHANGED, check_against_model, check_same_setup, check_values,

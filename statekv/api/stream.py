@@ -43,8 +43,8 @@ from ..steps.overlap import check_vision_batch, steps_per_batch
 from ..stopping import whole
 from .saving import engine_record, load_stream, save_stream
 from .stream_disk import stream_setup
-from .watch import (DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, open_watch, records as watch_records,
-                    tensors as watch_tensors)
+from .watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS, Watch, default_retrieve, open_watch
+from .watch_saving import records as watch_records, tensors as watch_tensors
 from .stream_file import model_identity, weights_fingerprint
 from .stream_identity import check_owner, check_stream_id, new_created, new_stream_id, ownership
 from ..settings.values import (HIGHEST_FPS, LATEST_TIMESTAMP, check_bool, check_int, is_finite_number, is_stream_rate,
@@ -251,14 +251,15 @@ class Stream(EncodedVideo):
         time; neither: only when `Watch.evaluate` is called), recording an event each time its answer changes
         (`statekv.api.watch`). Each evaluation reads the carried state and the frames since the last one (and
         ``retrieve`` frames per layer that match the question best, by ``retrieval``; default: the VideoQA's, as
-        for `ask`: none but under ``rekv``), never the whole stream.
+        for `ask`: none but under ``rekv``, and none on a bounded-positions stream of an M-RoPE model, where a watch
+        cannot retrieve), never the whole stream.
         ``steer``: while it is open, the question also steers what the stream carries (methods that carry by
         attention; default: the VideoQA's, True unless made with ``steer=False``)."""
         self.prefill.check_open()
         self.start()
         return open_watch(self, question, every=every, every_seconds=every_seconds, max_new_tokens=max_new_tokens,
-                          retrieve=self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval=retrieval,
-                          steer=self.qa.steer if steer is None else steer)
+                          retrieve=default_retrieve(self) if retrieve is METHOD_DEFAULT else retrieve,
+                          retrieval=retrieval, steer=self.qa.steer if steer is None else steer)
 
     @property
     def watches(self) -> list[Watch]:
@@ -313,12 +314,16 @@ class Stream(EncodedVideo):
         watches = (watch_records(self), watch_tensors(self))
         for watch in self.watches:
             watch.close()
-        if not self.prefill.closed and self.durability.enabled:  # what `load` takes back from the folder
+        lost = ([f"{len(self.pending)} frame(s) waiting for their batch are lost"] if self.pending else []) + (
+            [f"its {len(watches[0])} watch(es) will not be reopened"] if watches[0] else [])
+        if not self.prefill.closed and self.durability.enabled and self.durability.tier.nothing_resumable:
+            if lost:  # no step to resume from: the folder goes (a resume starts from a step's checkpoint)
+                log.warning("%s: closed before its first step: %s (flush() before close encodes the frames waiting, "
+                            "and the folder then keeps them)", self.name, "; ".join(lost))
+        elif not self.prefill.closed and self.durability.enabled:  # what `load` takes back from the folder
             try:
                 self.durability.closing(self.pending, self.pushed, self.last_timestamp, watches)
             except OutputError as error:
-                lost = ([f"{len(self.pending)} frame(s) waiting for their batch are lost"] if self.pending else []) + (
-                    [f"its {len(watches[0])} watch(es) will not be reopened"] if watches[0] else [])
                 if lost:
                     log.warning("%s: %s: %s", self.name, "; ".join(lost), error)
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released

@@ -117,8 +117,8 @@ def read_waiting(folder: Path, record: dict[str, Any], pushed: int) -> list[Fram
 
 def write_watches(folder: Path, name: str, records: list[dict[str, Any]],
                   tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch.records`, and
-    the queries they steer with, ``tensors``, `statekv.api.watch.tensors`) to ``folder / name`` (one of
+    """Write a stream's open watches, at a checkpoint or its close (``records``, `statekv.api.watch_saving.records`, and
+    the queries they steer with, ``tensors``, `statekv.api.watch_saving.tensors`) to ``folder / name`` (one of
     `WATCHES_FILES`; replaced atomically, flushed); returns the journal record vouching for it. An `OSError` when
     it cannot be written (nothing replaced)."""
     data = save_tensors({key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors.items()},
@@ -140,7 +140,7 @@ def kept_watches_files(folder: Path) -> list[Path]:
 
 def read_watches(folder: Path, record: dict[str, Any]) -> tuple[list, dict[str, torch.Tensor]] | str:
     """The watches the ``watches`` ``record`` vouches for, from the file it names in ``folder``: their records and
-    tensors (for `statekv.api.watch.restore`), or why they cannot be read."""
+    tensors (for `statekv.api.watch_saving.restore`), or why they cannot be read."""
     name = watches_file(record)
     if name is None:
         return "its record names no file of watches"

@@ -495,7 +495,7 @@ SCHEMA = record_check({
     "stats": dataclass_check(EncodingStats, optional=("evicted_frames", "earlier_seconds", "earlier_frames")),
     "cache": CACHE,
     "checksums": type_check(dict, "an object"),
-}, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `statekv.api.watch.check_record`
+}, optional={**OWNERSHIP, "watches": list_check(type_check(dict, "an object")),  # `watch_saving.check_record`
              "kept_timestamp": optional_check(TIME),  # absent: saved before it was kept
              "encoded_timestamp": optional_check(TIME),  # absent: saved before it was kept
              # the handover layout's successor (`statekv.api.handover`): the steps it replayed, those it has yet to

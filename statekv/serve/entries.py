@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.stream import Stream
-from ..api.watch import records as watch_records
+from ..api.watch_saving import records as watch_records
 from ..errors import InputError, StateKVError
 from .page_record import Feed, page_fields
 from .watches import watch_order

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..api.stream_file import read_metadata
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
-from ..api.watch import Watch, check_record, holds_frames, open_watch, restore, run_evaluations
+from ..api.watch import Watch, default_retrieve, holds_frames, open_watch, run_evaluations
+from ..api.watch_saving import check_record, restore
 from ..errors import InputError, StateKVError
 from ..settings.values import is_finite_number
 from .errors import ServiceError, StorageError
@@ -103,7 +104,7 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
             stream.start()
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
-                           steer=stream.qa.steer, retrieve=stream.qa.retrieve)
+                           steer=stream.qa.steer, retrieve=default_retrieve(stream))
         watch.subscribe(listener)
         if holds_frames(stream):
             try:

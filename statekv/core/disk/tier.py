@@ -454,6 +454,11 @@ class DiskTier:
         """Drop what the journal holds after byte ``end`` (resuming after the last checkpoint)."""
         os.ftruncate(self._journal, end)
 
+    @property
+    def nothing_resumable(self) -> bool:
+        """Whether this tier made its folder and journaled nothing a resume starts from (`close` removes it)."""
+        return self.made and not self.durable
+
     def close(self, *, keep_lock: bool = False, checkpoint: bool = True) -> FolderLock | None:
         """Close the files and give the lock back; the files stay, for the next owner, unless this tier made them
         and never journaled anything resumable (then the folder is removed). ``keep_lock``: the lock is not given
@@ -462,7 +467,7 @@ class DiskTier:
         The tier is closed for good either way (closing it again does nothing)."""
         if self.lock is None:
             return None
-        if self.made and not self.durable:
+        if self.nothing_resumable:
             self._close_files()
             self.lock.release()
             self.lock = None

@@ -20,10 +20,13 @@ class CarryPolicy:
         needs_scores: ``select`` reads ``candidates.scores`` (the attention must then compute them).
         capturable: ``select`` is a function of the candidate tensors alone (no host values that change per
             step), so a steady step may be recorded once as a CUDA graph and replayed.
+        carries_everything: ``select`` keeps every candidate, always (full attention): a cache limit that evicts
+            would free nothing, since a layer's carried tokens are never given back.
     """
 
     needs_scores: ClassVar[bool] = False
     capturable: ClassVar[bool] = False
+    carries_everything: ClassVar[bool] = False
 
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
         """Which candidates to carry: a slice over the candidate axis, or indices ``[B, H_kv, K]``."""

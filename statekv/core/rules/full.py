@@ -12,5 +12,7 @@ from .candidates import Candidates
 class FullAttention(CarryPolicy):
     """Carry everything: every step attends to the whole history. Exact, and quadratic in length."""
 
+    carries_everything = True
+
     def select(self, candidates: Candidates) -> slice:
         return KEEP_ALL

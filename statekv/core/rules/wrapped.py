@@ -21,6 +21,10 @@ class WrappedPolicy(CarryPolicy):
     def needs_scores(self) -> bool:
         return self.rule.needs_scores
 
+    @property
+    def carries_everything(self) -> bool:
+        return self.rule.carries_everything
+
     def steady_budget(self, layer: int) -> int | None:
         return self.rule.steady_budget(layer)
 

@@ -136,6 +136,10 @@ class StreamingPrefill:
             check_device_present(self.tier.device, "offload")
         cache_limit = settings.cache_cap
         check_evicting_storage(cache_limit, self.tier.device is not None)
+        if cache_limit is not None and cache_limit.evicts and policy.carries_everything:
+            raise ConfigurationError(f"cache_limit={cache_limit.when_full} cannot bound {policy}: it carries every "
+                                     "token, which eviction never gives back; use cache_limit=refuse, or a method "
+                                     "with a budget (statekv, recency)")
         if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
                 and not policy.scores_needed(1 << 30):
             raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
