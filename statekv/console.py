@@ -149,3 +149,10 @@ def _stopped(name: str, error: BaseException) -> int:
     with contextlib.suppress(OSError):  # stderr may have gone with stdout's reader (`2>&1 | head`)
         print(f"statekv {name}: {how}{_kept(error)}", file=sys.stderr)
     return stop.exit_status if isinstance(stop, Stopped) else 130
+
+
+def omp_threads() -> int | None:
+    """The threads ``OMP_NUM_THREADS`` asks for (its first level, as OpenMP reads ``4,2``); None when it is unset or
+    not a positive count (a command then takes its own default)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None

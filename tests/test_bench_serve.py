@@ -606,7 +606,7 @@ def test_a_running_server_that_stops_answering_ends_the_runs_in_one_line_keeping
 
 @pytest.mark.parametrize("value, threads", [("4,2", 4), ("abc", None), ("0", None), ("", None), ("3", 3)])
 def test_omp_num_threads_is_read_as_openmp_reads_it(monkeypatch, value, threads):
-    from statekv.bench.command import omp_threads
+    from statekv.console import omp_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert omp_threads() == threads

@@ -166,14 +166,21 @@ def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
     capsys.readouterr()
     assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", "--method", "full")) == 2
     error = capsys.readouterr().err
-    assert "holds a run with method='statekv', not 'full'; use another --out" in error and error.count("\n") == 1
+    assert ("holds a run with method='statekv', not 'full'; to resume it, give --method statekv; or use another "
+            "--out" in error and error.count("\n") == 1)  # before: it offered only --overwrite, answering it all again
     # the engine's positions and layouts change answers past the model's range: a resume takes the run's own
-    for flags, held in ((["--positions", "bounded"], "positions=None, not 'bounded'"),
-                        (["--bounded-layout", "own-then-cache"], "bounded_layout=None, not 'own-then-cache'"),
-                        (["--question-span", "0"], "question_span=384, not 0"),
-                        (["--max-cache-bytes", "1G"], "max_cache_bytes=None, not 1073741824")):
+    for flags, held in ((["--positions", "bounded"], "positions=None, not 'bounded'; to resume it, leave out "
+                                                     "--positions"),
+                        (["--bounded-layout", "own-then-cache"], "bounded_layout=None, not 'own-then-cache'; to "
+                                                                 "resume it, leave out --bounded-layout"),
+                        (["--question-span", "0"], "question_span=384, not 0; to resume it, give --question-span 384"),
+                        (["--max-cache-bytes", "1G"], "max_cache_bytes=None, not 1073741824; to resume it, leave out "
+                                                      "--max-cache-bytes"),
+                        (["--parser", "paper"], "parser='lmms-eval-0.7', not 'paper'; to resume it, give --parser "
+                                                "lmms-eval-0.7 (`statekv eval table --parser paper` reads its "
+                                                "answers the other way)")):
         assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", *flags)) == 2
-        assert f"holds a run with {held}; use another --out" in capsys.readouterr().err
+        assert f"holds a run with {held}; or use another --out" in capsys.readouterr().err
     run_file = out / "run.json"  # as a statekv that did not record them wrote it: compared with their defaults
     run = json.loads(run_file.read_text())
     for name in ("positions", "bounded_layout", "question_span", "max_cache_bytes", "cache_limit"):

@@ -659,6 +659,27 @@ def test_training_threads_beyond_the_cores_are_refused(tmp_path, capsys):
 
 
 
+@pytest.mark.parametrize("omp, threads", [("1", 1), ("3,1", 3), (None, 2), ("lots", 2)])
+def test_training_threads_default_to_what_omp_num_threads_asks(monkeypatch, tmp_path, omp, threads):
+    """Before: `OMP_NUM_THREADS=1 statekv train-builtin` trained on two threads (a shared CPU's steps far slower)."""
+    import statekv.builtin.training as training_module
+
+    used = []
+    def train(recipe, out, threads, **kwargs):
+        used.append(threads)
+        return out / "model"  # not written: a run stopped part way
+
+    monkeypatch.setattr(training_module, "train", train)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    main(["train-builtin", "--out", str(tmp_path / "t"), "--stop-after", "1"])
+    main(["train-builtin", "--out", str(tmp_path / "t"), "--stop-after", "1", "--threads", "4"])  # given: taken
+    assert used == [threads, 4]
+
+
 def test_training_outputs_named_by_folders_are_refused_before_training(tmp_path, capsys):
     """Before: a folder named loss.png (or log.jsonl, checkpoint.pt) in --out was a traceback after the training."""
     for name in (training.LOG_FILE, "loss.png", training.STATE_FILE):

@@ -14,6 +14,7 @@ import urllib.parse
 from dataclasses import replace
 from typing import Any
 
+from ..console import omp_threads
 from ..errors import ConfigurationError
 from ..plotting import check_plot_file
 from ..settings.options import ModelOptions
@@ -244,13 +245,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def omp_threads() -> int | None:
-    """The threads ``OMP_NUM_THREADS`` asks for (its first level, as OpenMP reads ``4,2``); None when it is unset or
-    not a positive count (the started server then gets the default)."""
-    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None
 
 
 def server_root(url: str) -> str:

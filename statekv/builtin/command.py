@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "following the recipe in statekv.builtin.training (seeded). Writes log.jsonl, "
                     "checkpoint.pt, model/ and loss.png to --out; rerun the same command to resume.")
     parser.add_argument("--out", required=True, type=PATH, help="run folder (log, checkpoint, final model)")
-    parser.add_argument("--threads", type=POSITIVE_INT, default=2, metavar="T", help="CPU threads (default: 2)")
+    parser.add_argument("--threads", type=POSITIVE_INT, metavar="T",
+                        help="CPU threads (default: OMP_NUM_THREADS when set, else 2)")
     parser.add_argument("--stop-after", type=POSITIVE_INT, metavar="STEPS",
                         help="stop once this many steps are done (rerun to go on)")
     parser.add_argument("--init", type=PATH, metavar="FOLDER",
@@ -39,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
     from statekv.builtin.training import (LOG_FILE, MODEL_DIR, PREVIOUS_STATE_FILE, STATE_FILE, Recipe, train,
                                           trained_steps)
 
-    from statekv.console import quiet_libraries
+    from statekv.console import omp_threads, quiet_libraries
     from statekv.errors import ConfigurationError
     from statekv.settings.values import check_output_dir, check_output_file
 
     cores = os.cpu_count() or 1
-    if args.threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory
-        raise ConfigurationError(f"--threads {args.threads} is more than this machine's {cores} CPU cores")
+    threads = args.threads or min(omp_threads() or 2, cores)
+    if threads > cores:  # each thread holds its own buffers: far more threads than cores exhausts memory
+        raise ConfigurationError(f"--threads {threads} is more than this machine's {cores} CPU cores")
     check_output_dir(args.out, "--out")
     for name in (LOG_FILE, "loss.png", STATE_FILE, PREVIOUS_STATE_FILE, STATE_FILE + ".tmp"):
         check_output_file(args.out / name, "--out")  # a folder of that name in it, say: refused before training
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     quiet_libraries()  # --init's weights load without transformers' bar in a log
     recipe = Recipe()
-    model_dir = train(recipe, args.out, threads=args.threads, stop_after=args.stop_after, init=args.init)
+    model_dir = train(recipe, args.out, threads=threads, stop_after=args.stop_after, init=args.init)
     if (args.out / LOG_FILE).is_file():  # none when no step ran (--stop-after within what --init skips)
         plot_log(args.out / LOG_FILE, args.out / "loss.png")
     if not model_dir.is_dir():

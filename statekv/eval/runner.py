@@ -432,7 +432,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             held = f"{first}={recorded.get(first)!r}"
             if unrecorded(run["settings"], first):
                 held = f"no {first} recorded (its {RUN_FILE} predates it: taken as {held})"
-            raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {redo}")
+            raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; "
+                                     f"{resume_hint(first, recorded.get(first), identity[first])}{redo}")
         answered = completed_qids(config.out)
         if "videos" in content:
             _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered, videos_before)
@@ -456,6 +457,26 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
                     "conditions": conditions_used(config.out, config.options, run if answered else None,
                                                       device)}
         write_whole(path, (json.dumps(document, indent=1) + "\n").encode())
+
+
+RESUMABLE_FLAGS = ("method", "parser", "protocol", "mode", "max_new_tokens", "sinks", "retrieve", "retrieval", "layout",
+                   "dtype", "attention", "kv_cache_dtype", "positions", "bounded_layout", "question_span",
+                   "max_cache_bytes", "cache_limit", "max_fps", "max_frames", "groups")
+
+
+def resume_hint(key: str, recorded: Any, given: Any) -> str:
+    """How to resume a run whose ``key`` setting was ``recorded`` rather than ``given`` (a flag typed at its default
+    is refused too: what decides the answers is pinned as the run recorded it), or ``""``."""
+    if key not in RESUMABLE_FLAGS:
+        return ""
+    flag = "--" + key.replace("_", "-")
+    if recorded is None:
+        hint = f"to resume it, leave out {flag}"
+    else:
+        hint = f"to resume it, give {flag} {','.join(map(str, recorded)) if isinstance(recorded, list) else recorded}"
+    if key == "parser":
+        hint += f" (`statekv eval table --parser {given}` reads its answers the other way)"
+    return hint + "; or "
 
 
 def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],
