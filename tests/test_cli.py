@@ -375,6 +375,28 @@ def test_answer_refuses_an_answer_that_cannot_fit_before_encoding_and_warns_of_a
     assert "Q: Why?" in captured.out
 
 
+def test_answer_names_where_a_file_cut_short_ends_by_what_it_compared(files, monkeypatch, capsys):
+    """Before: the warning named where the header's frame count put the end (549 s for a file of repeated
+    timestamps), while the check compared where the content ends: "frames end at 549 s, before the 301 s"."""
+    import statekv.video as video_module
+    from statekv.video.sources import cut_short
+
+    opened = video_module.open_video(files["video"])
+
+    class Header:  # the file as its header tells it; everything else as it is
+        duration, content_end, num_frames, fps = 301.0, 200.0, 549, 1.0
+
+        def __getattr__(self, name):
+            return getattr(opened, name)
+
+    header = Header()
+    assert cut_short(header, 549.0, 1.0) == 200.0 and cut_short(header, 549.0, 1.0) < header.duration
+    monkeypatch.setattr(video_module, "open_video", lambda source: header)
+    assert main(["answer", str(files["video"]), "Why?", "--model", str(files["model"]), "--max-new-tokens", "1"]) == 0
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "header gives" in line]
+    assert warning.startswith("statekv answer: warning: the video's frames end at 200 s, before the 301 s its header")
+
+
 def test_answer_does_not_call_a_file_whose_audio_outlasts_its_video_cut_short(files, tmp_path, capsys):
     """Before: the header's duration of a Matroska file counts its audio too, and a complete file whose audio
     runs past its video was warned of as cut short."""

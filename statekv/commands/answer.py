@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
         video = error.encoded  # (its message goes on to name the Python API's way on: its reason is the CLI's)
         stopped = undecodable = one_line(error.reason)
     ends = source.num_frames / source.fps  # its last frame's end (a frame of a slow time-lapse spans seconds)
-    if stopped is None and cut_short(source, ends, args.max_fps):
-        print(f"statekv answer: warning: the video's frames end at {ends:g} s, before the {source.duration:g} s its "
+    short = None if stopped is not None else cut_short(source, ends, args.max_fps)
+    if short is not None:  # (where its content ends, when the file says: its frames may claim more)
+        print(f"statekv answer: warning: the video's frames end at {short:g} s, before the {source.duration:g} s its "
               "header gives (a file cut short, or still being written); answering from them", file=sys.stderr,
               flush=True)
     try:

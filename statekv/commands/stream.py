@@ -307,7 +307,7 @@ class _Replay:
         ends well before the duration its header gives (`statekv.video.sources.cut_short`)."""
         from ..video.sources import cut_short
 
-        if seconds is None or not cut_short(video, seconds, self.args.max_fps):
+        if seconds is None or cut_short(video, seconds, self.args.max_fps) is None:
             return
         duration = video.duration
         late = [time for time, _ in self.questions if seconds < time <= duration]

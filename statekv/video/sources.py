@@ -260,12 +260,14 @@ class ImageSequenceVideo(Video):
             yield _PendingFrame(index, index / self.fps, partial(self._load, item))
 
 
-def cut_short(video: Any, frames_end: float, max_fps: float) -> bool:
-    """Whether ``video`` ends well before the duration its header gives (a file cut short, or still being
-    written): where its content ends (`Video.content_end`, when known: an audio stream running on past the video
-    is no cut), else ``frames_end``, where its frames end, more than a second and two ticks of ``max_fps`` before."""
+def cut_short(video: Any, frames_end: float, max_fps: float) -> float | None:
+    """Where ``video`` ends when that is well before the duration its header gives (a file cut short, or still being
+    written), else None: where its content ends (`Video.content_end`, when known: an audio stream running on past
+    the video is no cut), else ``frames_end``, where its frames end, more than a second and two ticks of ``max_fps``
+    before."""
     duration, content = getattr(video, "duration", None), getattr(video, "content_end", None)
-    return bool(duration) and (frames_end if content is None else content) < duration - 1.0 - 2.0 / max_fps
+    end = frames_end if content is None else content
+    return end if duration and end < duration - 1.0 - 2.0 / max_fps else None
 
 
 def open_video(source: Any, *, fps: float | None = None) -> Video:
