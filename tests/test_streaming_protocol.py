@@ -317,7 +317,7 @@ def test_every_method_answers_the_streaming_set_on_one_stream_per_video(tmp_path
 
 
 @pytest.mark.slow
-def test_modes_are_checked_and_recorded(tmp_path):
+def test_modes_are_checked_and_recorded(tmp_path, capsys):
     data = tmp_path / "data"
     make_benchmark(data, videos=1, seed=13, streaming=True, num_frames=24)
     assert EvalConfig.for_model("synthetic", "builtin", data, tmp_path / "a").mode == "offline"
@@ -335,8 +335,11 @@ def test_modes_are_checked_and_recorded(tmp_path):
     with pytest.raises(ConfigurationError, match="holds a run with mode='offline', not 'streaming'"):
         run_evaluation(EvalConfig.for_model("synthetic", "builtin", data, tmp_path / "run", mode="streaming",
                                             progress=False))
+    capsys.readouterr()
     assert main(["eval", "synthetic", "--mode", "streaming", "--model", "builtin", "--method", "simplestream",
-                 "--data-root", str(data), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+                 "--data-root", str(data), "--out", str(tmp_path / "cli"), "--no-progress", "--max-frames", "5"]) == 0
+    assert ("statekv eval: warning: --max-frames 5 does not cap a stream, which reads each question's frames up to "
+            "its time; --mode offline caps each encoding") in capsys.readouterr().err  # before: ignored unsaid
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["method_label"] == "SimpleStream N=4"
 
 

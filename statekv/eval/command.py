@@ -132,6 +132,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
         overwrite=args.overwrite,
     )
+    if args.max_frames is not None and config.mode == "streaming" and context.rank == 0:
+        print(f"statekv eval: warning: --max-frames {args.max_frames} does not cap a stream, which reads each "
+              "question's frames up to its time; --mode offline caps each encoding", file=sys.stderr, flush=True)
     summary = run_evaluation(config, context=context)
     if summary is None:  # not rank 0
         return 0
