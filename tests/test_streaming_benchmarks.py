@@ -250,6 +250,26 @@ def test_streamingbench_needs_its_real_time_file(sb_root):
         ev.load_streamingbench(sb_root, groups=["omni-source"])
 
 
+def test_streamingbench_takes_the_groups_asked_for_whatever_file_holds_them(sb_root, caplog):
+    """Before: `--groups contextual` read a contextual file's real-time rows as real-time questions, and
+    `--groups realtime,contextual` without a contextual file ran the real-time group alone without a word."""
+    folder = sb_root / "streamingbench"
+    sqa = json.loads((folder / "questions_sqa.json").read_text())
+    sqa[0][0]["questions"].append(sb_choice("Counting", "00:00:40"))  # a real-time task in a contextual file
+    (folder / "questions_sqa.json").write_text(json.dumps(sqa))
+    with caplog.at_level("WARNING"):
+        contextual = ev.load_streamingbench(sb_root, groups=["contextual"])
+    assert {q.group for q in contextual} == {"contextual"} and len(contextual) == 4
+    assert "1 question(s) of the realtime group not used (not in --groups)" in caplog.text
+    assert len(ev.load_streamingbench(sb_root)) == 7  # every group: that row as the real-time question it is
+    for name in ("questions_omni.json", "questions_sqa.json", "questions_proactive.json"):
+        (folder / name).unlink()
+    with pytest.raises(ev.MissingFileError, match="no StreamingBench question of the contextual group found in .* "
+                                                  "\\(looked in questions_omni.json, questions_sqa.json, "):
+        ev.load_streamingbench(sb_root, groups=["realtime", "contextual"])
+    assert len(ev.load_streamingbench(sb_root)) == 2  # every group, none named: the files there
+
+
 # ----------------------------------------------------------------------------- scoring
 
 

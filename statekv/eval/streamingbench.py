@@ -140,8 +140,16 @@ def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterab
     notes = LoadNotes("StreamingBench")
     for name in files:
         path = folder / name
-        questions += _file_questions(path, _entries(path, read_json_document(path)), folder, notes)
+        for question in _file_questions(path, _entries(path, read_json_document(path)), folder, notes):
+            if question.group in wanted:  # a file holds rows of its task types, whatever group it is named for
+                questions.append(question)
+            else:
+                notes.add(f"question(s) of the {question.group} group not used (not in --groups)", str(path))
     notes.warn()
+    empty = [group for group in wanted if groups is not None and not any(q.group == group for q in questions)]
+    if empty:  # asked for by name: a run of the other groups alone would look like a run of every one
+        raise MissingFileError(f"no StreamingBench question of the {empty[0]} group found in {folder} (looked in "
+                               f"{', '.join(name for name, group in FILES.items() if group == empty[0])})")
     if check_videos:
         check_video_files(questions)
     return questions
