@@ -215,6 +215,8 @@ def test_streamingbench_prompts_are_the_releases(sb_root):
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '1:xx'"),
     ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="00:00:0\u00b2"),
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '00:00:0\u00b2'"),
+    ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp=65),  # before: read as 65 s,
+     r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got int 65"),  # the release's code fails
     # before: OverflowError / ValueError tracebacks (a float, or Python's int conversion, cannot hold them)
     ("questions_real.json", lambda data: data[0]["questions"][0].update(time_stamp="9" * 400 + ":00"),
      r"entry 0 question 0: field 'time_stamp' must be a time as HH:MM:SS, got '9{40}': too long"),

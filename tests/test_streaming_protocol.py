@@ -21,7 +21,7 @@ from statekv.eval.answering import Asker, answer_afresh, answer_streamed
 from statekv.eval.fabricate import write_still_seconds_video
 from statekv.eval.prompts import GenerationSettings
 from statekv.eval.questions import Question
-from statekv.eval.runner import EvalConfig, run_evaluation
+from statekv.eval.runner import EvalConfig, check_run_file, run_evaluation
 from statekv.eval.sharding import group_by_video
 from statekv.synthetic.benchmark import MANIFEST_FILE, STREAMING_FILE, make_benchmark
 from statekv.synthetic.plans import plan_video
@@ -329,6 +329,10 @@ def test_modes_are_checked_and_recorded(tmp_path, capsys):
         EvalConfig.for_model("synthetic", "b", data, tmp_path / "a", mode="live")
     with pytest.raises(ConfigurationError, match="synthetic has no groups to choose"):
         EvalConfig.for_model("synthetic", "b", data, tmp_path / "a", groups=("realtime",))
+    check_run_file(EvalConfig.for_model("ovobench", "builtin", data, tmp_path / "ovo", mode="offline"), [], write=True)
+    with pytest.raises(ConfigurationError, match="holds a run with mode='offline', not 'streaming'; to resume it, "
+                                                 "give --mode offline"):  # before: named ovobench_videos, not a flag
+        check_run_file(EvalConfig.for_model("ovobench", "builtin", data, tmp_path / "ovo"), [], write=False)
     offline = run_evaluation(EvalConfig.for_model("synthetic", "builtin", data, tmp_path / "run", progress=False))
     assert offline["run"]["mode"] == "offline"
     assert {r.extra["mode"] for r in ev.run_records(tmp_path / "run")} == {"afresh"}

@@ -427,8 +427,8 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             recorded["groups"] = sorted(set(map(str, recorded["groups"])))
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
         redo = "use another --out for different settings, or --overwrite to answer again"
-        if changed:
-            first = changed[0]
+        if changed:  # a flag's own name first: ovobench_videos follows from --mode, say
+            first = next((key for key in changed if key in RESUMABLE_FLAGS), changed[0])
             held = f"{first}={recorded.get(first)!r}"
             if unrecorded(run["settings"], first):
                 held = f"no {first} recorded (its {RUN_FILE} predates it: taken as {held})"

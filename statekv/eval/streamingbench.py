@@ -253,8 +253,10 @@ def prompted_options(options: tuple[str, ...], where: str, notes: LoadNotes) -> 
 def clock_seconds(value: Any, what: str, notes: LoadNotes | None = None) -> float:
     """Seconds from the release's ``HH:MM:SS`` (or ``MM:SS``) time, summed as its code sums them (``00:12450`` is
     12450 s, noted in ``notes``: minutes or seconds past 59); a one-line `AnnotationError` for anything but digits
-    and colons (its code fails on those too)."""
-    parts = str(value).strip().split(":")
+    and colons, a number among them (its code splits the text: it fails on those too)."""
+    if not isinstance(value, str):
+        raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {type(value).__name__} {str(value)[:40]}")
+    parts = value.strip().split(":")
     if not 1 <= len(parts) <= 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise AnnotationError(f"{what} must be a time as HH:MM:SS, got {value!r}")
     if sum(len(part) for part in parts) > 12:  # no video is longer: past it a float or an int cannot hold the time
