@@ -173,6 +173,15 @@ def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
     assert main(["synthetic", "make", "--out", str(again), "--videos", "1", "--seed", "12"]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "not empty" in error and "--overwrite" in error
+    written = (again / "videos" / "v0000.mp4").stat().st_mtime_ns  # the same make run again: done already
+    assert make_benchmark(again, videos=2, seed=11) == again / QUESTIONS_FILE  # before: "not empty", exit 2
+    assert main(["synthetic", "make", "--out", str(again), "--videos", "2", "--seed", "11"]) == 0
+    assert capsys.readouterr().out.startswith(f"{again} holds this set already (a make of it finished); nothing "
+                                              "written")
+    assert (again / "videos" / "v0000.mp4").stat().st_mtime_ns == written
+    (again / "videos" / "v0001.mp4").unlink()  # no longer whole: refused as a folder holding something else
+    assert main(["synthetic", "make", "--out", str(again), "--videos", "2", "--seed", "11"]) == 2
+    assert "not empty" in capsys.readouterr().err
     assert main(["synthetic", "make", "--out", str(again), "--videos", "1", "--seed", "12", "--overwrite"]) == 0
     assert len(load_benchmark("synthetic", again)) == len(FAMILIES)
     assert sorted(p.name for p in (again / "videos").iterdir()) == ["v0000.mp4"]

@@ -63,15 +63,18 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     """Write ``videos`` videos of ``num_frames`` frames with one question per family each to ``out``.
 
     seed: in `EVALUATION_SEEDS` (the training range is refused). overwrite: replace the set a folder already
-    holds (its ``videos/``, question file and ``benchmark.json``); without it a non-empty folder is refused.
+    holds (its ``videos/``, question file and ``benchmark.json``); without it a non-empty folder is refused, but for
+    one that holds this very set whole (a finished make run again: nothing is written).
     progress: called as ``progress(videos done, videos)``. streaming: timestamped questions of the streaming
     tasks instead (`statekv.synthetic.streaming`; ``families`` is then unused), in ``streaming.json``. Returns the
     path of the question file.
     """
     _check_arguments(videos, seed, num_frames, families)
     out = check_output_dir(out, "the synthetic set's folder")
-    making = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
-              "num_frames": num_frames, "streaming": streaming, "families": list(families)}
+    making = _making(videos, seed, num_frames, families, streaming)
+    made = None if overwrite else _made_already(out, making)
+    if made is not None:  # a finished make run again: nothing to write
+        return made
     resumed = _resumes(out, making, overwrite)
     _check_room(out, sum(not (out / _video_path(index)).is_file() for index in range(videos)) if resumed else videos,
                 num_frames)
@@ -90,6 +93,33 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
             raise
         raise OutputError(f"cannot write {error.filename or out} ({error.strerror or error}); the videos written so "
                           "far are kept: run the same command again to go on once it can be written") from None
+
+
+def holds_set(out: Path | str, *, videos: int, seed: int, num_frames: int = DEFAULT_FRAMES,
+              families: Sequence[str] = tuple(FAMILIES), streaming: bool = False) -> bool:
+    """Whether ``out`` holds, whole, the set `make_benchmark` makes of these settings (a make of it finished)."""
+    return _made_already(Path(out), _making(videos, seed, num_frames, families, streaming)) is not None
+
+
+def _making(videos: int, seed: int, num_frames: int, families: Sequence[str], streaming: bool) -> dict[str, Any]:
+    return {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
+            "num_frames": num_frames, "streaming": streaming, "families": list(families)}
+
+
+def _made_already(out: Path, making: dict[str, Any]) -> Path | None:
+    """The question file of the set ``making`` describes when ``out`` holds it whole (its make finished), else
+    None."""
+    try:
+        manifest = json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or (out / MAKING_FILE).exists():
+        return None
+    keys = ("generator", "version", "seed", "videos", "num_frames", "streaming", *(() if making["streaming"] else
+                                                                                 ("families",)))
+    questions = out / (STREAMING_FILE if making["streaming"] else QUESTIONS_FILE)
+    whole = questions.is_file() and all((out / _video_path(index)).is_file() for index in range(making["videos"]))
+    return questions if whole and all(manifest.get(key) == making[key] for key in keys) else None
 
 
 def reading_lock(folder: str | os.PathLike) -> FileLock | None:

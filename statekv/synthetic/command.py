@@ -58,7 +58,7 @@ def _frames(text: str) -> int:
 
 
 def run_make(args: argparse.Namespace) -> int:
-    from statekv.synthetic.benchmark import make_benchmark
+    from statekv.synthetic.benchmark import holds_set, make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 
     from statekv.console import ProgressLine
@@ -68,10 +68,15 @@ def run_make(args: argparse.Namespace) -> int:
         raise ConfigurationError("--families does not apply to --streaming (its tasks are fixed: see "
                                  "docs/accuracy.md)")
     families = tuple(FAMILIES) if args.families is None else tuple(name.strip() for name in args.families.split(","))
+    settings = dict(videos=args.videos, seed=args.seed, num_frames=args.frames, families=families,
+                    streaming=args.streaming)
+    if not args.overwrite and holds_set(args.out, **settings):
+        print(f"{args.out} holds this set already (a make of it finished); nothing written (--overwrite makes it "
+              "anew)")
+        return 0
     started, line = time.monotonic(), ProgressLine()
-    path = make_benchmark(args.out, videos=args.videos, seed=args.seed, num_frames=args.frames, families=families,
-                          overwrite=args.overwrite, progress=lambda done, total: line(done, total, "videos written"),
-                          streaming=args.streaming)
+    path = make_benchmark(args.out, **settings, overwrite=args.overwrite,
+                          progress=lambda done, total: line(done, total, "videos written"))
     questions = args.videos * (5 if args.streaming else len(families))
     print(f"wrote {args.videos} videos and {questions} questions to {args.out} "
           f"({path.name}) in {time.monotonic() - started:.1f} s")
