@@ -402,6 +402,35 @@ def test_analyze_says_how_far_it_is_within_a_video_off_a_terminal(tiny_video_mod
                            for done in range(1, 12))]
 
 
+def test_analyze_stopped_keeps_the_videos_it_measured_whole(tiny_video_model, tmp_path, capsys, monkeypatch):
+    """Before: a Ctrl-C in the second of two videos wrote nothing: the first video's measurements (hours on a real
+    model) were lost. The report of the videos measured whole is written, as a run of those alone writes it."""
+    import statekv.analysis.runner as runner
+
+    checkpoint, video = tiny_video_model
+    argv = ["analyze", "--model", str(checkpoint), "--frames", "4", "--max-fps", "4", "--budgets", "1", "4",
+            "--recency", "1", "--max-distance", "2", "--error-budgets", "4", "--error-recency", "1", "--out"]
+    assert run_cli([*argv, str(tmp_path / "alone"), str(video)]) == 0
+    measure, calls = runner.measure_attention, []
+
+    def stopped_in_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "measure_attention", stopped_in_the_second)
+    capsys.readouterr()
+    assert run_cli([*argv, str(tmp_path / "stopped"), str(video), str(video)]) == 130
+    said = capsys.readouterr().err
+    assert "the 1 video(s) measured whole before the stop are in" in said
+    stopped = json.loads((tmp_path / "stopped" / "analysis.json").read_text())
+    alone = json.loads((tmp_path / "alone" / "analysis.json").read_text())
+    assert stopped["note"] == "stopped after 1 of 2 videos" and stopped["videos"] == [str(video)]
+    assert stopped["statistics"] == alone["statistics"] and stopped["errors"] == alone["errors"]
+    assert (tmp_path / "stopped" / "analysis.md").read_text().startswith("# Attention analysis")
+
+
 def test_analyze_keeps_no_more_distances_apart_than_frames_sampled(tiny_video_model, tmp_path):
     """Before: --max-distance 1000000000 allocated a column per distance for every layer and step (the process was
     killed for memory); no two of the frames sampled are farther apart than their count."""

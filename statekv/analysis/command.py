@@ -97,22 +97,37 @@ def run(args: argparse.Namespace) -> int:
                            trust_remote_code=args.trust_remote_code)
     statistics = AttentionStatistics(adapter.model.config.get_text_config().num_hidden_layers, settings)
     errors = ApproximationErrors(adapter.model, policies, attention=args.attention) if policies else None
-    tokens = []
-    for index, video in enumerate(args.videos, 1):
-        steps = video_steps(adapter, video, max_frames=args.frames, max_fps=args.max_fps)
-        tokens.append(stream_tokens(steps))
-        where = f"[{index}/{len(args.videos)}] {video}: "
-        _progress(f"{where}{len(steps)} steps, {tokens[-1]} tokens; full attention")
-        line = ProgressLine(f"{where}full attention, ")
-        measure_attention(adapter.model, steps, statistics, attention=args.attention,
-                          on_step=lambda done, planned: line(done, planned, "steps"))
-        if errors is not None:
-            _progress(f"{where}{len(policies)} approximation runs")
-            line = ProgressLine(f"{where}approximation runs (full attention, then each), ")
-            errors.measure(steps, on_step=lambda done, planned: line(done, planned, "steps"))
-        del steps
+    tokens, label = [], args.label or Path(str(args.model).rstrip("/")).name
+    finished = None  # what the videos measured whole so far come to: a stop keeps it
+    try:
+        for index, video in enumerate(args.videos, 1):
+            steps = video_steps(adapter, video, max_frames=args.frames, max_fps=args.max_fps)
+            tokens.append(stream_tokens(steps))
+            where = f"[{index}/{len(args.videos)}] {video}: "
+            _progress(f"{where}{len(steps)} steps, {tokens[-1]} tokens; full attention")
+            line = ProgressLine(f"{where}full attention, ")
+            measure_attention(adapter.model, steps, statistics, attention=args.attention,
+                              on_step=lambda done, planned: line(done, planned, "steps"))
+            if errors is not None:
+                _progress(f"{where}{len(policies)} approximation runs")
+                line = ProgressLine(f"{where}approximation runs (full attention, then each), ")
+                errors.measure(steps, on_step=lambda done, planned: line(done, planned, "steps"))
+            del steps
+            if index < len(args.videos):
+                finished = (statistics.result(), errors.result() if errors else None, index)
+    except KeyboardInterrupt:
+        if finished is not None:
+            measured, approximated, count = finished
+            note = f"stopped after {count} of {len(args.videos)} videos" + (f"; {args.note}" if args.note else "")
+            document = report.build_report(measured, approximated, model=str(args.model),
+                                           videos=[str(v) for v in args.videos[:count]], tokens=tokens[:count],
+                                           label=label, note=note)
+            written = [report.write_json(document, args.out / "analysis.json"),
+                       report.write_text(report.markdown_summary(document, figures=[]), args.out / "analysis.md")]
+            _progress(f"statekv analyze: the {count} video(s) measured whole before the stop are in "
+                      f"{written[0]} and {written[1]} (no figures)")
+        raise
 
-    label = args.label or Path(str(args.model).rstrip("/")).name
     document = report.build_report(statistics.result(), errors.result() if errors else None, model=str(args.model),
                                    videos=[str(v) for v in args.videos], tokens=tokens, label=label, note=args.note)
     document["figures"] = plots.figure_names(document)
