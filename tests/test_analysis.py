@@ -421,7 +421,10 @@ def test_analyze_stopped_keeps_the_videos_it_measured_whole(tiny_video_model, tm
 
     monkeypatch.setattr(runner, "measure_attention", stopped_in_the_second)
     capsys.readouterr()
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "analysis_error.png").write_bytes(b"an earlier run's")
     assert run_cli([*argv, str(tmp_path / "stopped"), str(video), str(video)]) == 130
+    assert not (tmp_path / "stopped" / "analysis_error.png").exists()
     said = capsys.readouterr().err
     assert "the 1 video(s) measured whole before the stop are in" in said
     stopped = json.loads((tmp_path / "stopped" / "analysis.json").read_text())

@@ -545,7 +545,7 @@ def test_a_server_that_never_deletes_a_stream_is_given_up_on_and_named(monkeypat
     import statekv.bench.load as load_module
     from statekv.bench.server import ServerError
 
-    monkeypatch.setattr(load_module, "SETUP_SECONDS", 1.0)
+    monkeypatch.setattr(load_module, "DELETE_SECONDS", 1.0)
     settings = LoadSettings(fps=5.0, duration=1.0, question_rate=0.0, drain=1.0, warm_frames=1)
     server = _SlowServer(push_seconds=0.0, ttft_seconds=0.0, hang_deletes=True)
     with server as url:
@@ -556,6 +556,21 @@ def test_a_server_that_never_deletes_a_stream_is_given_up_on_and_named(monkeypat
     assert all(request.ok for request in run.requests)  # the run itself was measured
     with pytest.raises(ServerError, match="did not delete 2 of a run's streams .*share the server with them"):
         Probe(url, "key", settings, Targets(), None).check_deleted(run)
+
+
+def test_a_slow_server_is_measured_not_stopped_at_the_warm_up_and_requests_under_way_are_not_failed(capsys):
+    """Review: requests still under way when the warm-up's drain ended were taken for a server that answers none,
+    ending the sweep; and the progress line counted every request under way as failed."""
+    from statekv.bench.summary import default_progress, failed
+
+    settings = LoadSettings(fps=1.0, duration=1.0, question_rate=0.0, drain=0.5, warm_frames=1)
+    with _SlowServer(push_seconds=2.5, ttft_seconds=0.0) as url:
+        Probe(url, "key", settings, Targets(), type("Cameras", (), {"frames": lambda self, camera: [b"jpeg"]})()
+              ).warm_up()  # before: ServerError, "answered none of the warm-up's requests"
+    under_way = Run(1, 0.0, [Request("frame", 0, due=0.0, sent=0.0, done=0.1), Request("frame", 0, due=1.0, sent=1.0)])
+    assert failed(under_way) == 0
+    default_progress("1 stream", settings)(under_way, 1.5, final=True)
+    assert capsys.readouterr().err.strip().endswith("0 answers, 0 failed")
 
 
 def test_a_running_server_that_stops_answering_ends_the_runs_in_one_line_keeping_those_finished(

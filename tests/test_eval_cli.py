@@ -181,6 +181,12 @@ def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
                                                 "answers the other way)")):
         assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", *flags)) == 2
         assert f"holds a run with {held}; or use another --out" in capsys.readouterr().err
+    both = ["--positions", "bounded", "--max-fps", "2"]  # every flag to change named; none when a setting no flag
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", *both)) == 2  # gives differs
+    assert "to resume it, give --max-fps 1.0 and leave out --positions; or" in capsys.readouterr().err
+    assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1", "--name", "other",
+                                  "--positions", "bounded")) == 2
+    assert "holds a run with name=" in capsys.readouterr().err
     run_file = out / "run.json"  # as a statekv that did not record them wrote it: compared with their defaults
     run = json.loads(run_file.read_text())
     for name in ("positions", "bounded_layout", "question_span", "max_cache_bytes", "cache_limit"):

@@ -262,8 +262,10 @@ def test_streamingbench_takes_the_groups_asked_for_whatever_file_holds_them(sb_r
     with caplog.at_level("WARNING"):
         contextual = ev.load_streamingbench(sb_root, groups=["contextual"])
     assert {q.group for q in contextual} == {"contextual"} and len(contextual) == 4
-    assert "1 question(s) of the realtime group not used (not in --groups)" in caplog.text
+    assert "1 question(s) of the realtime group in a contextual file not used (not in --groups)" in caplog.text
     assert len(ev.load_streamingbench(sb_root)) == 7  # every group: that row as the real-time question it is
+    realtime = [q.qid for q in ev.load_streamingbench(sb_root, groups=["realtime"])]  # whatever else is asked for
+    assert realtime == [q.qid for q in ev.load_streamingbench(sb_root) if q.group == "realtime"] and len(realtime) == 3
     for name in ("questions_omni.json", "questions_sqa.json", "questions_proactive.json"):
         (folder / name).unlink()
     with pytest.raises(ev.MissingFileError, match="no StreamingBench question of the contextual group found in .* "

@@ -343,7 +343,7 @@ def test_modes_are_checked_and_recorded(tmp_path, capsys):
     assert main(["eval", "synthetic", "--mode", "streaming", "--model", "builtin", "--method", "simplestream",
                  "--data-root", str(data), "--out", str(tmp_path / "cli"), "--no-progress", "--max-frames", "5"]) == 0
     assert ("statekv eval: warning: --max-frames 5 does not cap a stream, which reads each question's frames up to "
-            "its time; --mode offline caps each encoding") in capsys.readouterr().err  # before: ignored unsaid
+            "its time\n") in capsys.readouterr().err  # before: ignored unsaid
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["method_label"] == "SimpleStream N=4"
 
 

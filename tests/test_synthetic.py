@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from statekv.cli import main
-from statekv.errors import ConfigurationError
+from statekv.errors import ConfigurationError, OutputError
 from statekv.eval.loaders import load_benchmark
+from statekv.locks import FileLock
 from statekv.synthetic.benchmark import MANIFEST_FILE, QUESTIONS_FILE, make_benchmark
 from statekv.synthetic.plans import EVENTS_PER_VIDEO, plan_video, quarter_of, quiet_tail
 from statekv.synthetic.scenes import COLOURS, EMPTY, SHAPES, Still, render
@@ -179,6 +180,12 @@ def test_make_is_deterministic_and_guards_its_folder(made, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"{again} holds this set already (a make of it finished); nothing "
                                               "written")
     assert (again / "videos" / "v0000.mp4").stat().st_mtime_ns == written
+    writing = FileLock.acquire(again, what="a make")  # another make replacing it: not taken for the finished set
+    try:
+        with pytest.raises(OutputError, match="another make is writing it"):
+            make_benchmark(again, videos=2, seed=11)
+    finally:
+        writing.release()
     (again / "videos" / "v0001.mp4").unlink()  # no longer whole: refused as a folder holding something else
     assert main(["synthetic", "make", "--out", str(again), "--videos", "2", "--seed", "11"]) == 2
     assert "not empty" in capsys.readouterr().err

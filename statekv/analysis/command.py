@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
                                            label=label, note=note)
             written = [report.write_json(document, args.out / "analysis.json"),
                        report.write_text(report.markdown_summary(document, figures=[]), args.out / "analysis.md")]
+            for figure in plots.FIGURES:  # an earlier run's figures would not be this report's
+                (args.out / f"analysis_{figure}.png").unlink(missing_ok=True)
             _progress(f"statekv analyze: the {count} video(s) measured whole before the stop are in "
                       f"{written[0]} and {written[1]} (no figures)")
         raise

@@ -305,7 +305,8 @@ class Probe:
         run = asyncio.run(run_load(self.url, self.key, 1, short, self.cameras.frames))
         self.check_server()
         self.check_deleted(run)
-        if not any(request.ok for request in run.requests):  # every run after it would be a table of failures
+        if all(request.error is not None and request.given_up is None for request in run.requests):
+            # refused or failed, every one (not merely slow): every run after it would be a table of failures
             errors = [*run.setup_failures, *(request.error for request in run.requests if request.error)]
             raise ServerError(f"{self.url} answered none of the warm-up's requests"
                               + (f", e.g. {errors[0]}" if errors else ""))

@@ -16,7 +16,7 @@ full, so its steps are the steady ones that batch; and no question finds it empt
 ``POST /v1/streams/{id}/frames`` as JPEG bodies at their stream time; questions to ``POST /v1/streams/{id}/ask``
 with ``"stream": true`` (or the OpenAI-compatible ``POST /v1/chat/completions``), whose first streamed token
 marks the time to first token. Streams are deleted after the run. Making a stream and deleting one are bounded
-(``SETUP_SECONDS``): a server that hangs is said, never waited on for good.
+(``SETUP_SECONDS``, ``DELETE_SECONDS``): a server that hangs is said, never waited on for good.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import numpy as np
 
 from ..errors import StateKVError
 
-SETUP_SECONDS = 60.0  # making a stream, or deleting one: no model step, so a server slower than this is stuck
+SETUP_SECONDS = 60.0  # making a stream: no model step, so a server slower than this is stuck
+DELETE_SECONDS = 300.0  # deleting one waits for the steps a server far behind still has queued for it
 
 
 class LoadError(StateKVError):
@@ -150,7 +151,8 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
                     request.error = "its stream could not be made or warmed up"
             await _send_all(client, run, ids, settings, frames, progress)
         finally:
-            deleted = await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}", timeout=SETUP_SECONDS)
+            deleted = await asyncio.gather(*(client[stream].delete(f"/v1/streams/{stream_id}",
+                                                                   timeout=DELETE_SECONDS)
                                              for stream, stream_id in enumerate(ids) if stream_id),
                                            return_exceptions=True)
             if run is not None:

@@ -43,8 +43,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def failed(run: Run) -> int:
-    """The requests of ``run`` sent that failed, and its streams that could not be made."""
-    return sum(r.sent is not None and not r.ok for r in run.requests) + len(run.setup_failures)
+    """The requests of ``run`` sent that failed (those still under way are not, until the drain gives them up), and
+    its streams that could not be made."""
+    return sum(r.sent is not None and r.error is not None for r in run.requests) + len(run.setup_failures)
 
 
 def frame_lags(frames: Sequence[Any]) -> list[float]:

@@ -427,13 +427,18 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             recorded["groups"] = sorted(set(map(str, recorded["groups"])))
         changed = [key for key in RUN_IDENTITY if recorded.get(key) != identity[key]]
         redo = "use another --out for different settings, or --overwrite to answer again"
-        if changed:  # a flag's own name first: ovobench_videos follows from --mode, say
-            first = next((key for key in changed if key in RESUMABLE_FLAGS), changed[0])
+        if changed:  # a setting no flag gives back first (the model, say)
+            # what follows from another setting changed: ovobench_videos from --mode, a method's own defaults
+            derived = {"ovobench_videos", *(METHOD_DEFAULTS if "method" in changed else ())}
+            unflagged = [key for key in changed if key not in RESUMABLE_FLAGS and key not in derived]
+            flagged = [key for key in changed if key in RESUMABLE_FLAGS and key not in derived]
+            first = (unflagged or flagged or changed)[0]
             held = f"{first}={recorded.get(first)!r}"
             if unrecorded(run["settings"], first):
                 held = f"no {first} recorded (its {RUN_FILE} predates it: taken as {held})"
-            raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; "
-                                     f"{resume_hint(first, recorded.get(first), identity[first])}{redo}")
+            hint = "" if unflagged or not flagged else resume_hint([(key, recorded.get(key), identity[key])
+                                                                    for key in flagged])
+            raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {hint}{redo}")
         answered = completed_qids(config.out)
         if "videos" in content:
             _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered, videos_before)
@@ -459,24 +464,23 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
         write_whole(path, (json.dumps(document, indent=1) + "\n").encode())
 
 
+METHOD_DEFAULTS = ("budget", "retrieve", "retrieval", "sinks")  # what a method sets unless told
 RESUMABLE_FLAGS = ("method", "parser", "protocol", "mode", "max_new_tokens", "sinks", "retrieve", "retrieval", "layout",
                    "dtype", "attention", "kv_cache_dtype", "positions", "bounded_layout", "question_span",
                    "max_cache_bytes", "cache_limit", "max_fps", "max_frames", "groups")
 
 
-def resume_hint(key: str, recorded: Any, given: Any) -> str:
-    """How to resume a run whose ``key`` setting was ``recorded`` rather than ``given`` (a flag typed at its default
-    is refused too: what decides the answers is pinned as the run recorded it), or ``""``."""
-    if key not in RESUMABLE_FLAGS:
-        return ""
-    flag = "--" + key.replace("_", "-")
-    if recorded is None:
-        hint = f"to resume it, leave out {flag}"
-    else:
-        hint = f"to resume it, give {flag} {','.join(map(str, recorded)) if isinstance(recorded, list) else recorded}"
-    if key == "parser":
-        hint += f" (`statekv eval table --parser {given}` reads its answers the other way)"
-    return hint + "; or "
+def resume_hint(changed: list[tuple[str, Any, Any]]) -> str:
+    """How to resume a run whose settings ``(key, recorded, given)`` differ, each a flag's (a flag typed at its
+    default is refused too: what decides the answers is pinned as the run recorded it)."""
+    steps = []
+    for key, recorded, given in changed:
+        flag = "--" + key.replace("_", "-")
+        value = ",".join(map(str, recorded)) if isinstance(recorded, list) else recorded
+        steps.append(f"leave out {flag}" if recorded is None else f"give {flag} {value}")
+        if key == "parser":
+            steps[-1] += f" (`statekv eval table --parser {given}` reads its answers the other way)"
+    return f"to resume it, {' and '.join(steps)}; or "
 
 
 def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],

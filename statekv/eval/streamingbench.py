@@ -127,10 +127,12 @@ def judge(kind: str, response: str, answer: str, letters: str, answered_at: floa
 
 def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterable[str] | None = None
                              ) -> list[Question]:
-    """Questions of the files under ``folder`` (``questions_real.json`` is required when the real-time group is
-    wanted; each contextual file is read when present), in file order."""
+    """Questions of ``groups`` (None: every group) in the files under ``folder`` (``questions_real.json`` is required
+    when the real-time group is wanted; each contextual file is read when present), in file order."""
     wanted = check_groups(groups)
-    files = [name for name, group in FILES.items() if group in wanted and (folder / name).is_file()]
+    # every file there, whichever groups are wanted: a file may hold rows of another group's tasks, and a group's
+    # questions are the same whatever other group is asked for
+    files = [name for name in FILES if (folder / name).is_file()]
     if "realtime" in wanted and "questions_real.json" not in files:
         raise MissingFileError(f"StreamingBench questions not found: {folder / 'questions_real.json'}")
     if not files:
@@ -143,8 +145,9 @@ def streamingbench_questions(folder: Path, *, check_videos: bool, groups: Iterab
         for question in _file_questions(path, _entries(path, read_json_document(path)), folder, notes):
             if question.group in wanted:  # a file holds rows of its task types, whatever group it is named for
                 questions.append(question)
-            else:
-                notes.add(f"question(s) of the {question.group} group not used (not in --groups)", str(path))
+            elif question.group != FILES[name]:  # (its own group's rows, not asked for, go unsaid)
+                notes.add(f"question(s) of the {question.group} group in a {FILES[name]} file not used (not in "
+                          "--groups)", str(path))
     notes.warn()
     empty = [group for group in wanted if groups is not None and not any(q.group == group for q in questions)]
     if empty:  # asked for by name: a run of the other groups alone would look like a run of every one

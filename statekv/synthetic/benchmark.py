@@ -72,7 +72,7 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
     _check_arguments(videos, seed, num_frames, families)
     out = check_output_dir(out, "the synthetic set's folder")
     making = _making(videos, seed, num_frames, families, streaming)
-    made = None if overwrite else _made_already(out, making)
+    made = None if overwrite else _finished(out, making)
     if made is not None:  # a finished make run again: nothing to write
         return made
     resumed = _resumes(out, making, overwrite)
@@ -98,7 +98,20 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
 def holds_set(out: Path | str, *, videos: int, seed: int, num_frames: int = DEFAULT_FRAMES,
               families: Sequence[str] = tuple(FAMILIES), streaming: bool = False) -> bool:
     """Whether ``out`` holds, whole, the set `make_benchmark` makes of these settings (a make of it finished)."""
-    return _made_already(Path(out), _making(videos, seed, num_frames, families, streaming)) is not None
+    return _finished(Path(out), _making(videos, seed, num_frames, families, streaming)) is not None
+
+
+def _finished(out: Path, making: dict[str, Any]) -> Path | None:
+    """`_made_already`, read again under the folder's shared lock (a make writing it meanwhile: a one-line error
+    naming it, never a set being replaced taken for a finished one)."""
+    if _made_already(out, making) is None:
+        return None
+    lock = FileLock.acquire(out, what=f"the synthetic set's folder {out}", error=OutputError, shared=True,
+                            advice="another make is writing it: wait for it to end, or give this one another --out")
+    try:
+        return _made_already(out, making)
+    finally:
+        lock.release()
 
 
 def _making(videos: int, seed: int, num_frames: int, families: Sequence[str], streaming: bool) -> dict[str, Any]:
