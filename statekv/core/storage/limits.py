@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -314,12 +315,23 @@ def _carried_tokens(layer) -> torch.Tensor:
     return layer.positions().reshape(-1).cpu().unique()
 
 
-def check_evicting_storage(limit: CacheLimit | None, offloaded: bool) -> None:
-    """Evicting needs the detailed cache off the model's device (one contiguous buffer there cannot give part
-    of itself back)."""
-    if limit is not None and limit.evicts and not offloaded:
+def check_limit(limit: CacheLimit | None, offloaded: bool, policy: Any) -> None:
+    """A one-line `ConfigurationError` for a limit a stream cannot keep: evicting needs the detailed cache off the
+    model's device (one contiguous buffer there cannot give part of itself back) and a carry rule (``policy``, a
+    `CarryPolicy`) that gives tokens back (full attention carries them all), and evicting the least attended needs
+    the attention scores."""
+    if limit is None or not limit.evicts:
+        return
+    if not offloaded:
         raise ConfigurationError(f"cache_limit={limit.when_full} needs the detailed cache offloaded (offload=True "
                                  "or offload='disk'); with the model it can only refuse")
+    if policy.carries_everything:
+        raise ConfigurationError(f"cache_limit={limit.when_full} cannot bound {policy}: it carries every token, "
+                                 "which eviction never gives back; use cache_limit=refuse, or a method with a "
+                                 "budget (statekv, recency)")
+    if limit.when_full == "evict-least-attended" and not policy.scores_needed(1 << 30):
+        raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
+                                 "computes; choose evict-oldest or a scoring method (statekv)")
 
 
 def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
 from ..disk.tier import JOURNAL_STEP_BYTES, DiskTier
 from ..step.graphs import StepGraphs
-from ..storage.limits import CacheKeeper, check_evicting_storage, released_segments
+from ..storage.limits import CacheKeeper, check_limit, released_segments
 from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
@@ -135,15 +135,7 @@ class StreamingPrefill:
                                     kv_cache_dtype, evicts=limit is not None and limit.evicts)
             check_device_present(self.tier.device, "offload")
         cache_limit = settings.cache_cap
-        check_evicting_storage(cache_limit, self.tier.device is not None)
-        if cache_limit is not None and cache_limit.evicts and policy.carries_everything:
-            raise ConfigurationError(f"cache_limit={cache_limit.when_full} cannot bound {policy}: it carries every "
-                                     "token, which eviction never gives back; use cache_limit=refuse, or a method "
-                                     "with a budget (statekv, recency)")
-        if cache_limit is not None and cache_limit.when_full == "evict-least-attended" \
-                and not policy.scores_needed(1 << 30):
-            raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
-                                     "computes; choose evict-oldest or a scoring method (statekv)")
+        check_limit(cache_limit, self.tier.device is not None, policy)
         self.bytes_per_token = math.ceil(self.geometry.layers * stored_bytes_per_token(
             self.geometry.kv_heads, self.geometry.head_dim, self.geometry.dtype, kv_cache_dtype,
             tokens_per_step=1 << 30))  # the detailed cache's bytes per token as stored (per-step scales aside)
