@@ -397,6 +397,13 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         assert empty.status_code == 201 and empty.json()["state"] == "empty", empty.text
         assert empty.json()["horizon_frames"] is None and empty.json()["settings"]["budget"] == SERVER_BUDGET
         client.delete(f"/v1/streams/{empty.json()['id']}").raise_for_status()
+        for method in ("statekv", "full", "recency", "rekv", "simplestream"):  # settings read back make it again
+            made = client.post("/v1/streams", json={"method": method})
+            assert made.status_code == 201, made.text
+            again = client.post("/v1/streams", json=made.json()["settings"])  # before: 400, sinks not used
+            assert again.status_code == 201 and again.json()["settings"] == made.json()["settings"], again.text
+            for stream in (made, again):
+                client.delete(f"/v1/streams/{stream.json()['id']}").raise_for_status()
         stream_id = _create(client, horizon_frames=4)  # room for about 1000 tokens of question and answer
         frames, ask = f"/v1/streams/{stream_id}/frames", f"/v1/streams/{stream_id}/ask"
         bad = _error(client.post(frames, json={"source": "not-a-video.mp4"}), 400)
@@ -994,6 +1001,8 @@ def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, q
             for index, image in enumerate(images):
                 client.post(f"/v1/streams/{ids[seed]}/frames?t={index}", content=_png(image),
                             headers={"Content-Type": "image/png"}).raise_for_status()
+        asked = client.post(f"/v1/streams/{ids[201]}/ask", json={"question": QUESTION, "max_new_tokens": NEW_TOKENS})
+        asked.raise_for_status()  # its record, with the page's history of 3 frames, is written; its save holds 2
         busy = _create(client)
     stop = threading.Event()
 
@@ -1022,12 +1031,16 @@ def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, q
             stats = listed[ids[seed]]
             assert stats["settings"]["budget"] == 64 and stats["horizon_frames"] == 16
             assert stats["frames"] == 2 and stats["resume_from"] == 2 and stats["resume_after_seconds"] == 1.0
+            history = client.get(f"/v1/streams/{ids[seed]}/history").json()["history"]
+            assert [point["frames"] for point in history] == [1, 2]  # not the lost third frame's point
             client.post(f"/v1/streams/{ids[seed]}/frames?t=2", content=_png(images[2]),
                         headers={"Content-Type": "image/png"}).raise_for_status()
             answer = client.post(f"/v1/streams/{ids[seed]}/ask",
                                  json={"question": QUESTION, "max_new_tokens": NEW_TOKENS}).json()["answer"]
             assert answer == _alone(qa.with_options(budget=64), images)
             assert client.get(f"/v1/streams/{ids[seed]}").json()["saved"]["frames"] == 2  # the third is unsaved
+            history = client.get(f"/v1/streams/{ids[seed]}/history").json()["history"]
+            assert [(point["frames"], point["seconds"]) for point in history] == [(1, 0), (2, 1), (3, 2)]
     server.stop()  # SIGTERM: a graceful shutdown saves every stream
     server.start()
     with server.client() as client:

@@ -285,6 +285,19 @@ def test_bad_watch_requests_get_one_line(tmp_path, qa, pictures):
             assert client.get(f"/v1/streams/{stream_id}/watches/{made.json()['id']}").json()["events"] == []
             push(client, stream_id, pictures, 0, 2)
             assert client.get(f"/v1/streams/{stream_id}/watches/{made.json()['id']}").json()["evaluations"] == 1
+            # a question that cannot fit a horizon stream's room: 413, as asked, whether it holds frames yet or not
+            # (before: accepted on an empty stream to fail at every evaluation, a 409 on one with frames)
+            short = client.post("/v1/streams", json={"horizon_frames": 2}).json()["id"]
+            for frames in (0, 1):
+                push(client, short, pictures, frames - 1, frames) if frames else None
+                too_long = {"question": "Which colours came? " * 300, "every": 1, "max_new_tokens": 8}
+                refused = client.post(f"/v1/streams/{short}/watches", json=too_long)
+                assert refused.status_code == 413, refused.text
+                assert re.fullmatch(r"the question \(\d+ tokens\) and answer \(8\) do not fit in the \d+ tokens left "
+                                    r"before the stream's horizon; .*", refused.json()["error"]["message"])
+                asked = client.post(f"/v1/streams/{short}/ask", json={"question": too_long["question"]})
+                assert asked.status_code == (413 if frames else 409), asked.text
+                assert client.get(f"/v1/streams/{short}/watches").json()["data"] == []
     finally:
         server.stop()
 

@@ -29,6 +29,7 @@ from statekv.video import (
     FrameDecodeError,
     VideoError,
     VideoNotFoundError,
+    decode_image,
     internvl_pixel_values,
     num_sampled_frames,
     open_video,
@@ -214,6 +215,60 @@ def test_image_folder_in_natural_order(tmp_path):
     assert [f.index for f in video.sample()] == source_frame_indices(12, 2.0) == [1, 3, 5, 7, 9, 11]
     assert [f.index for f in video.sample(protocol=True)] == uniform_frame_indices(12, 2.0)
     assert open_video(tmp_path).fps == 1.0  # default rate of image sources
+
+
+def _quadrants(height: int, width: int) -> np.ndarray:
+    """A frame no quarter turn or mirror leaves as it is: four colours and a white top-left corner."""
+    image = np.zeros((height, width, 3), np.uint8)
+    image[:height // 2, :width // 2], image[:height // 2, width // 2:] = (255, 0, 0), (0, 255, 0)
+    image[height // 2:, :width // 2], image[height // 2:, width // 2:] = (0, 0, 255), (255, 255, 0)
+    image[:4, :4] = 255
+    return image
+
+
+# (display rotation, mirrored left to right, mirrored top to bottom) as PyAV writes them -> the frame as FFmpeg 7.1's
+# own tools show it (read with its command line, autorotation on): quarter turns counterclockwise, then a mirror
+SHOWN_AS = {(0, False, False): (0, False), (0, False, True): (2, True), (0, True, False): (0, True),
+            (0, True, True): (2, False), (90, False, False): (1, False), (90, False, True): (3, True),
+            (90, True, False): (1, True), (90, True, True): (3, False), (180, False, False): (2, False),
+            (-90, False, False): (3, False), (-90, False, True): (1, True), (-90, True, False): (3, True)}
+
+
+@pytest.mark.parametrize(("rotation", "hflip", "vflip"), sorted(SHOWN_AS))
+def test_a_video_file_is_read_upright_as_its_display_matrix_asks(tmp_path, rotation, hflip, vflip):
+    stored = _quadrants(32, 64)
+    path = tmp_path / "phone.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=4, options={"qp": "0"})  # lossless but for RGB to YUV rounding
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv444p"
+        stream.set_display_rotation(rotation, hflip=hflip, vflip=vflip)
+        for _ in range(3):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(stored, format="rgb24")))
+        container.mux(stream.encode())
+    quarters, mirrored = SHOWN_AS[rotation, hflip, vflip]
+    shown = np.rot90(stored, quarters)
+    shown = shown[:, ::-1] if mirrored else shown
+    video = open_video(path)
+    assert (video.width, video.height) == (shown.shape[1], shown.shape[0])
+    for frame in [*video.frames(), *video.sample(max_fps=4), *video.sample_at_rate(4)]:
+        assert frame.image.shape == shown.shape and np.abs(frame.image.astype(int) - shown).max() <= 2
+        assert frame.image.flags.c_contiguous and torch.from_numpy(frame.image).shape == shown.shape
+
+
+@pytest.mark.parametrize(("orientation", "quarters", "mirrored"), [(1, 0, False), (2, 0, True), (3, 2, False),
+                                                                   (4, 2, True), (5, 3, True), (6, 3, False),
+                                                                   (7, 1, True), (8, 1, False)])
+def test_an_image_is_read_upright_as_its_exif_orientation_asks(tmp_path, orientation, quarters, mirrored):
+    stored = _quadrants(32, 64)
+    exif = Image.Exif()
+    exif[0x0112] = orientation  # EXIF's Orientation tag: how a camera held sideways says to show its picture
+    Image.fromarray(stored).save(tmp_path / "photo.png", exif=exif)
+    shown = np.rot90(stored, quarters)
+    shown = np.ascontiguousarray(shown[:, ::-1] if mirrored else shown)
+    video = open_video(tmp_path)
+    assert (video.width, video.height) == (shown.shape[1], shown.shape[0])
+    np.testing.assert_array_equal(next(video.frames()).image, shown)
+    np.testing.assert_array_equal(decode_image((tmp_path / "photo.png").read_bytes()), shown)
 
 
 def test_array_and_image_list_sources_agree():

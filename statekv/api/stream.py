@@ -183,8 +183,8 @@ class Stream(EncodedVideo):
                 return Offer(False, timestamp, False)
         kept = self.state.frames + len(self.pending)
         if self.horizon_frames is not None and kept + 1 > self.horizon_frames:
-            raise HorizonError(f"{self.name}: the stream was declared for {self.horizon_frames} frames; create it "
-                               "with a larger horizon_frames to push more")
+            raise HorizonError(f"{self.name}: declared for {self.horizon_frames} frames; create it with a "
+                               "larger horizon_frames to push more")
         # a copy: the caller may refill its buffer (a camera loop) while this frame waits for its step or batch
         frame = Frame(self.pushed, timestamp, np.array(pixels, copy=True))
         try:

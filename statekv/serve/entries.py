@@ -16,6 +16,7 @@ from ..api.stream import Stream
 from ..api.watch_saving import records as watch_records
 from ..errors import InputError, StateKVError
 from .page_record import Feed, page_fields
+from .stream_settings import read_settings
 from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
@@ -83,8 +84,9 @@ class StreamEntry:
         stream, stats = self.stream, self.stream.stats
         return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created),
                 "updated": None if self.updated is None else int(self.updated), "state": self.state,
-                "settings": self.settings, "horizon_frames": self.horizon_frames, "max_fps": self.max_fps,
-                "frames": stream.frames, "pushed": stream.pushed, "pending": len(stream.pending),
+                "settings": read_settings(self.settings), "horizon_frames": self.horizon_frames,
+                "max_fps": self.max_fps, "frames": stream.frames, "pushed": stream.pushed,
+                "pending": len(stream.pending),
                 "seconds": self.last_seconds, "tokens": stream.tokens, "carried": stats.carried_tokens,
                 "handover": getattr(stream, "handover", None),  # its successor engine (statekv.api.handover)
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,

@@ -50,13 +50,18 @@ def page_fields(entry: Any) -> dict[str, Any]:
 
 
 def recall_page(entry: Any, record: dict[str, Any]) -> None:
-    """Give ``entry`` the history and last frame its ``record`` kept (what cannot be read is left out, logged)."""
+    """Give ``entry`` the history and last frame its ``record`` kept (what cannot be read is left out, logged),
+    but for the points of frames its stream came back without: a record is also written between two saves (an
+    answer, a watch), so after a kill it may be ahead of the save the stream resumed from, and then the last frame
+    it shows is one of those lost."""
     history = record.get("history")
+    points = [point for point in history if _point(point)] if isinstance(history, list) else []
+    held = [point for point in points if point["frames"] <= entry.stream.frames]
     if isinstance(history, list):
-        entry.history = [point for point in history if _point(point)][-KEPT_POINTS:]
+        entry.history = held[-KEPT_POINTS:]
     _recall_feed(entry, record.get("feed"))
     frame = record.get("last_frame")
-    if isinstance(frame, str):
+    if isinstance(frame, str) and len(held) == len(points):
         try:
             from PIL import Image
 

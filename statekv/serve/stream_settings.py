@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..settings.methods import METHODS, refuse_unread
+from ..settings.methods import METHODS, SIZES, refuse_unread
 from ..settings.values import HIGHEST_FPS, is_stream_rate
 from .config import ServeConfig
 from .errors import ServiceError
@@ -156,6 +156,15 @@ def unread_cleared(settings: dict[str, Any]) -> dict[str, Any]:
     written before names it): a watch opened on such a stream would pass it on, and be refused."""
     spec = METHODS.get(settings.get("method")) if isinstance(settings.get("method"), str) else None
     return settings if spec is None or spec.retrieves else {**settings, "retrieve": None}
+
+
+def read_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` as a client is shown them: without the sizes their method does not read (the server's defaults
+    for another method), so that settings read back create the same stream again."""
+    spec = METHODS.get(settings.get("method")) if isinstance(settings.get("method"), str) else None
+    if spec is None:
+        return dict(settings)
+    return {name: value for name, value in settings.items() if name not in SIZES or name in spec.uses}
 
 
 def spelt_as_json(message: str, body: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ import zlib
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..errors import InputError, VideoError
 
@@ -37,7 +37,7 @@ class ImageError(VideoError):
 
 def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pixels: int | None = None,
                  name: str = "the image") -> np.ndarray:
-    """``data`` (a whole image file's bytes) as RGB uint8 ``[H, W, 3]``.
+    """``data`` (a whole image file's bytes) as RGB uint8 ``[H, W, 3]``, turned as its EXIF orientation asks.
 
     formats: PIL format names accepted (``("JPEG", "PNG")``; None: any). max_pixels: the most pixels accepted,
     checked from the header before decoding. name: what messages call it. Raises `ImageError`."""
@@ -59,6 +59,7 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
                         raise ImageError(f"{name}: not a readable image (truncated: its PNG header promises {promised} "
                                          f"rows of {width} pixels, its image data holds {held})", "data")
                 image.load()
+                ImageOps.exif_transpose(image, in_place=True)  # a phone's portrait photo, shown upright
                 return np.asarray(image.convert("RGB"))
     except ImageError:
         raise

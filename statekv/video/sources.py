@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from .images import decode_image
+from .orientation import AS_STORED, Turn, display_turn
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
@@ -141,7 +142,9 @@ class Video(ABC):
 
 
 class FileVideo(Video):
-    """A video file decoded with PyAV, one forward pass per reading (no seeking, no frame kept).
+    """A video file decoded with PyAV, one forward pass per reading (no seeking, no frame kept), each frame turned
+    upright as its display matrix asks (``turn``, a `statekv.video.orientation.Turn`; ``width`` and ``height`` are
+    as shown).
 
     ``num_frames`` is the stream's own count when the container stores one (MP4 / MOV sample tables are exact,
     also at a variable frame rate); otherwise (Matroska, WebM, some AVI) the packets are counted in one demux
@@ -166,6 +169,9 @@ class FileVideo(Video):
             duration = self._reported_duration(container, stream)
             self.fps = self._average_rate(stream, duration)
             self.duration = duration if duration else self.num_frames / self.fps
+        self.turn = self._first_turn()
+        if self.turn.sideways:
+            self.width, self.height = self.height, self.width
 
     def _open(self) -> Any:
         try:
@@ -181,6 +187,19 @@ class FileVideo(Video):
         if stream.codec_context is None:  # a codec no decoder here knows: a damaged header, say
             raise VideoError(f"{self.name}: not a readable video file (its video stream's codec is unknown)")
         return stream
+
+    def _first_turn(self) -> Turn:
+        """How the first frame is shown, and so every frame: a display matrix belongs to the file's video track
+        (as stored when the frame cannot be decoded: the reading says so when it gets there). Read once, as a
+        frame's side data holds its frame in a reference cycle that only the collector frees."""
+        with self._open() as container:
+            frames = container.decode(container.streams[self._stream_index])
+            try:
+                return display_turn(next(frames))
+            except (av.FFmpegError, StopIteration):
+                return AS_STORED
+            finally:
+                frames.close()
 
     def _count_packets(self, container: Any, stream: Any) -> int:
         """The video stream's packets, counted in one demux pass of every stream, which also finds where the
@@ -222,6 +241,9 @@ class FileVideo(Video):
             return index / self.fps
         return float((frame.pts - self._start_pts) * self._time_base)
 
+    def _shown(self, frame: Any) -> np.ndarray:
+        return self.turn.apply(frame.to_ndarray(format="rgb24"))
+
     def _pending_frames(self) -> Iterator[_PendingFrame]:
         index, timestamp = -1, -1 / self.fps
         with self._open() as container:
@@ -230,7 +252,7 @@ class FileVideo(Video):
             try:
                 for index, frame in enumerate(container.decode(stream)):
                     timestamp = self._timestamp(frame, index)
-                    yield _PendingFrame(index, timestamp, partial(frame.to_ndarray, format="rgb24"))
+                    yield _PendingFrame(index, timestamp, partial(self._shown, frame))
             except av.FFmpegError as error:
                 failed, at = index + 1, timestamp + 1 / self.fps  # the frame after the last good one
                 raise FrameDecodeError(

@@ -35,8 +35,12 @@ def tail_room(prefill, carried: int) -> int:
 
 def check_question_fits(prefill, prompt: int, answer: int, carried: int) -> None:
     """A one-line `QuestionTooLong` when a question of ``prompt`` tokens and its answer of up to ``answer`` leave no
-    room in the tail beside ``carried`` carried tokens (bounded positions only)."""
+    room: in the tail beside ``carried`` carried tokens (bounded positions), or before the horizon (stream
+    positions: the room left now, as `StreamingPrefill.fit_question` checks a question asked now)."""
     if not prefill.positions.bounded:
+        room = None if prefill.horizon is None else prefill.horizon - prefill.seen_tokens
+        if room is not None and prompt + answer > room:
+            raise QuestionTooLong(prompt, answer, room)
         return
     room = tail_room(prefill, carried)
     if prompt + answer > room:

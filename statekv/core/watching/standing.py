@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...errors import HorizonError, InputError
+from ...errors import InputError, QuestionTooLong
 from ..answering.decoding import Prompt
 from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext, RowCache, decode_rows, finished, forward_rows, padded_left, rows_key
@@ -205,9 +205,7 @@ def _evaluate_rows(evaluations: list[Evaluation], lm_head: torch.nn.Module) -> l
         room = length + evaluation.max_new_tokens
         if not prefill.positions.bounded and prefill.horizon is not None \
                 and prefill.seen_tokens + room > prefill.horizon:
-            raise HorizonError(f"the question ({length} tokens) and its answer ({evaluation.max_new_tokens}) do not "
-                               f"fit in the {prefill.horizon - prefill.seen_tokens} tokens left before the stream's "
-                               "RoPE horizon")
+            raise QuestionTooLong(length, evaluation.max_new_tokens, prefill.horizon - prefill.seen_tokens)
         flat = prompt.position_ids is None or prompt.position_ids.dim() == 2
         carried = carried_of.get(id(prefill))
         if carried is None:
