@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from types import SimpleNamespace
 
@@ -879,3 +880,36 @@ def test_a_replica_keeps_nothing_of_the_streams_it_made_and_deleted(tmp_path):
     finally:
         tracemalloc.stop()
     assert files.held == {} and grown < 1000, grown  # before: about 25 bytes a stream
+
+
+def test_a_store_that_accepts_connections_and_never_answers_fails_in_seconds_not_minutes(monkeypatch, capsys):
+    """An endpoint that takes the connection and never answers (a stalled proxy, a store cut off behind its load
+    balancer). Before: botocore's minute a read, tried again by botocore and again by s3fs, held `statekv serve
+    --store` at its start ten minutes without a line, and each push whose save was due, with the questions and
+    health checks behind it, for minutes."""
+    from statekv.cli import main
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel completes each connection; nothing ever reads or answers it
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                            ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        with socket.socket() as closed:  # no Ray cluster: the store is checked before Ray is reached
+            closed.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{closed.getsockname()[1]}"
+        started = time.monotonic()
+        assert main(["serve", "--ray", address, "--store", "s3://silent/x", "--api-key", "k"]) == 2
+        assert time.monotonic() - started < 30
+        error = capsys.readouterr().err
+        assert "--store s3://silent/x: cannot use it (the object store s3://silent/x cannot write probes/" in error
+        assert "timed out" in error and error.count("\n") == 1, error
+        store = ObjectStore("s3://silent/x", answer_seconds=1.0)
+        for doing, request in (("read", lambda: store.read("holders/st_1.json")),  # botocore's read limit
+                               ("write", lambda: store.put("holders/st_1.json", b"{}")),  # a whole time given
+                               ("write", lambda: store.create("versions/st_1/0", b"{}"))):
+            started = time.monotonic()
+            with pytest.raises(StoreError, match=rf"^the object store s3://silent/x cannot {doing} [^\n]+ \("):
+                request()
+            assert time.monotonic() - started < 10  # two tries of a second each, and what is between them

@@ -35,6 +35,7 @@ from .store_files import StoreKeyFile, StoreStreamFiles
 log = logging.getLogger("statekv.serve")
 STOP_CHECK_SECONDS = 2.0  # how often a replica asks whether its deployment is stopping (Ray Serve's
 # drain looks every 2 s)
+PROBE_SECONDS = 5.0  # the longest the store's check at a start waits for an answer, once
 
 
 class ReplicaHosting(Hosting):
@@ -195,8 +196,8 @@ def open_store(url: str | None) -> ObjectStore:
     if not url:
         raise ConfigurationError("with no --state-dir, give --store URL: the object store replicas keep streams in")
     try:
+        ObjectStore(url, answer_seconds=PROBE_SECONDS, tries=1).check()  # a store that does not answer: one line soon
         store = ObjectStore(url)
-        store.check()
     except StoreError as error:
         raise ConfigurationError(f"--store {url}: cannot use it ({error.strerror}); give a bucket (and prefix) "
                                  "these credentials can list, read and write") from None

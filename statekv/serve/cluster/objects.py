@@ -25,6 +25,9 @@ from ..errors import StorageError
 
 log = logging.getLogger("statekv.serve")
 CONFLICTS = ("PreconditionFailed", "ConditionalRequestConflict")  # S3: another writer created the name first
+ANSWER_SECONDS = 10.0  # the longest one try of a request waits for the store to connect, or to send the next bytes
+TRIES = 2  # tries of one request (a throttled or dropped one is tried again), so a silent store fails it in 20 s
+SLOWEST_UPLOAD = 2**20  # bytes a second: an upload slower than this is given up
 
 
 class StoreError(StorageError):
@@ -38,16 +41,26 @@ class MissingObject(StoreError):
 class ObjectStore:
     """The objects under ``url`` (an fsspec URL; its filesystem's package installed: s3fs, gcsfs, adlfs).
     Names are relative to the URL, ``/``-separated. Listings are never cached: every replica sees every other's
-    writes at once (S3, GCS and Azure list with read-after-write consistency)."""
+    writes at once (S3, GCS and Azure list with read-after-write consistency). On S3 a request is given up (a
+    `StoreError`) after ``tries`` tries each waiting at most ``answer_seconds`` to connect or for the store's next
+    bytes: the client's own limits (a minute a read, tried again for minutes) would hold a push, a question behind
+    it and the replica's health check that long on a store that accepts connections and never answers."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, answer_seconds: float = ANSWER_SECONDS, tries: int = TRIES):
         import fsspec
 
         self.url = url.rstrip("/")
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
+            bounded = _bounded(self.url, answer_seconds, tries)
+            self.fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True,
+                                                  **bounded)
         except Exception as error:  # noqa: BLE001 - see the module's doc
             raise StoreError(f"fsspec cannot open {self.url} ({_first_line(error)})") from None
+        if bounded:
+            self.fs.retries = 1  # s3fs's own loop of tries around botocore's: left at one, so they do not multiply
+        # A write waits for the store's "100 Continue" before its body, a wait aiohttp bounds by nothing: each write
+        # is given a whole time (fsspec's ``timeout``), past which it is cancelled.
+        self.write_seconds = answer_seconds * tries + 2.0 if getattr(self.fs, "async_impl", False) else None
         self.root = root.rstrip("/")
         self.local = "file" in _protocols(self.fs)
         self.quiet = False
@@ -55,13 +68,17 @@ class ObjectStore:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
+    def _within(self, size: int) -> dict[str, float]:
+        """The whole time a write of ``size`` bytes is given, as fsspec takes it (none for a synchronous store)."""
+        return {} if self.write_seconds is None else {"timeout": self.write_seconds + size / SLOWEST_UPLOAD}
+
     # -- writing --------------------------------------------------------------------------------------------
     def create(self, name: str, data: bytes) -> bool:
         """Write ``data`` as ``name`` only if no object has that name; False (nothing written) when one has."""
         if self.local:
             return self._create_local(name, data)
         try:
-            self.fs.pipe_file(self.path(name), data, mode="create")
+            self.fs.pipe_file(self.path(name), data, mode="create", **self._within(len(data)))
         except FileExistsError:
             return False
         except Exception as error:  # noqa: BLE001 - see the module's doc
@@ -76,7 +93,7 @@ class ObjectStore:
             self._put_local(name, data)
             return
         try:
-            self.fs.pipe_file(self.path(name), data)
+            self.fs.pipe_file(self.path(name), data, **self._within(len(data)))
         except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("write", name, error) from None
 
@@ -87,7 +104,7 @@ class ObjectStore:
             self._upload_local(local, name)
             return
         try:
-            self.fs.put_file(str(local), self.path(name))
+            self.fs.put_file(str(local), self.path(name), **self._within(local.stat().st_size))
         except Exception as error:  # noqa: BLE001 - see the module's doc
             raise self.error("write", name, error) from None
 
@@ -199,6 +216,17 @@ class ObjectStore:
             raise self.error("write", name, error) from None
 
 
+def _bounded(url: str, answer_seconds: float, tries: int) -> dict[str, Any]:
+    """The options that bound each request to ``url``'s store (S3's: botocore's timeouts and tries); none for
+    another store."""
+    import fsspec
+
+    if fsspec.core.split_protocol(url)[0] not in ("s3", "s3a"):
+        return {}
+    return {"config_kwargs": {"connect_timeout": answer_seconds, "read_timeout": answer_seconds,
+                              "retries": {"max_attempts": tries, "mode": "standard"}}}
+
+
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -214,6 +242,10 @@ def _code(error: BaseException) -> str | None:
 
 
 def _reason(error: BaseException) -> str:
+    from fsspec.exceptions import FSTimeoutError
+
+    if isinstance(error, FSTimeoutError):
+        return "timed out: no answer in the time a write is given"
     code = _code(error)
     if isinstance(error, PermissionError) or code in ("AccessDenied", "403", "AllAccessDisabled"):
         return f"{code or 'permission denied'}: the credentials may not do this"
