@@ -65,7 +65,7 @@ def one_error_line(capsys) -> str:
     ("pretrained=m,budget=", FLAGS, "--model_args gives budget no value"),
     # before: TypeError "got multiple values for keyword argument 'device'", a traceback and exit status 0
     ("pretrained=m,device=cpu", {**FLAGS, "device": "cuda:1"},
-     "--model_args gives device=cpu, but lmms-eval's --device is cuda:1"),
+     "--model_args gives device=cpu, but lmms-eval's --device is cuda:1 (as given, or its default)"),
 ])
 def test_malformed_model_args_text_ends_the_run_with_one_line(text, flags, message, monkeypatch, capsys):
     monkeypatch.setattr(VideoQA, "from_options", lambda options: pytest.fail("loaded despite bad model args"))
@@ -83,6 +83,7 @@ def test_model_args_lmms_eval_also_passes_as_flags_are_taken_once(qa, monkeypatc
     model = StateKV.create_from_arg_string("pretrained=m, budget=64 ,batch_size=1,device=cpu,max_fps=0.5,",
                                            {**FLAGS, "device": "cpu"})
     assert (loads[-1].model, loads[-1].budget, loads[-1].device, model.max_fps) == ("m", 64, "cpu", 0.5)
+    StateKV.create_from_arg_string("pretrained=m,batch_size=01", FLAGS)  # before: refused, as text "01" is not "1"
 
 
 # -- a video that cannot be read -------------------------------------------------------------------------------

@@ -125,6 +125,33 @@ def test_generation_kwargs_map_to_ask(checkpoint, qa, monkeypatch):
     assert len(video.calls) == 5
 
 
+def test_other_generation_settings_reach_generate_and_keys_none_reads_are_named_once(checkpoint, qa, monkeypatch,
+                                                                                     capsys):
+    """Before: every key but the six read was dropped without a word (repetition_penalty, top_k, a misspelt
+    max_new_tokenz), so a task's settings changed nothing and a typo went unseen."""
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = {"t": {"test": [{"video": "/v.mp4", "text": "Q?"}]}}
+    video = RecordingVideo("B")
+    monkeypatch.setattr(qa, "encode", lambda *args, **kwargs: video)
+
+    def answer(gen_kwargs):
+        return model.generate_until([types.SimpleNamespace(args=("<ctx>", doc_to_messages, gen_kwargs, 0, "t",
+                                                                 "test"))])
+
+    answer({"max_new_tokens": 8, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "top_k": 5})
+    assert video.calls[-1][1] == {"max_new_tokens": 8, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    answer({"max_new_tokens": 8, "temperature": 0.5, "top_k": 5, "min_new_tokens": 2})  # top_k: only when sampled
+    assert video.calls[-1][1] == {"max_new_tokens": 8, "do_sample": True, "temperature": 0.5, "top_k": 5,
+                                  "min_new_tokens": 2}
+    assert "generation kwargs" not in capsys.readouterr().err
+    for _ in range(3):  # lmms-eval's visual_cot and another model's image_aspect_ratio, and a misspelling
+        answer({"max_new_tokenz": 1, "visual_cot": False, "image_aspect_ratio": "pad", "use_cache": True})
+        assert video.calls[-1][1] == {"max_new_tokens": lmms_plugin.DEFAULT_MAX_NEW_TOKENS}
+    said = [line for line in capsys.readouterr().err.splitlines() if "generation kwargs" in line]
+    assert len(said) == 1 and "generation kwargs image_aspect_ratio, max_new_tokenz, use_cache, visual_cot are " \
+        "not generation settings statekv applies" in said[0], said
+
+
 def test_messages_must_hold_one_video_and_text():
     video = {"type": "video", "url": "/v.mp4"}
     text = {"type": "text", "text": "Which? "}
@@ -175,6 +202,8 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
     ({"max_fps": "fast"}, "max_fps must be a number"),
     ({"method": "fulll"}, "method must be one of statekv, full, recency, rekv, keynorm, simplestream, got 'fulll'"),
     ({"bugdet": 64}, "unknown statekv model arg bugdet; known: pretrained, method, budget, frames,"),
+    # before: accepted and replaced by the room each video's requests need, so it changed nothing
+    ({"reserve_tokens": 1}, "unknown statekv model arg reserve_tokens; known: pretrained, method, budget,"),
     ({"batch_size": 2}, "answers one request at a time; use --batch_size 1, not 2"),
     ({"pretrained": "None"}, "the statekv model needs pretrained=<checkpoint folder or hub id>"),
 ])

@@ -31,11 +31,21 @@ def model_args_from_string(text: Any, flags: Mapping[str, Any] | None = None) ->
     for key, value in (flags or {}).items():
         if value is None:
             continue
-        if key in args and str(args[key]) != str(value):
-            raise ConfigurationError(f"--model_args gives {key}={args[key]}, but lmms-eval's --{key} is {value} (its "
-                                     f"default when not given); give {key} once, as --{key}")
+        if key in args and not _same(args[key], value):
+            raise ConfigurationError(f"--model_args gives {key}={args[key]}, but lmms-eval's --{key} is {value} (as "
+                                     f"given, or its default); give {key} once, as --{key}")
         args.setdefault(key, value)
     return args
+
+
+def _same(given: Any, flag: Any) -> bool:
+    """Whether a model arg and lmms-eval's flag say the same: as text, or as whole numbers (``01`` and 1)."""
+    if str(given) == str(flag):
+        return True
+    try:
+        return int(str(given)) == int(str(flag))
+    except ValueError:
+        return False
 
 
 def _pairs(text: Any) -> dict[str, str]:
@@ -107,6 +117,38 @@ def sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
             raise InputError(f"the request's top_p must be a number in (0, 1]; got {shown(top_p)}")
         options["top_p"] = float(top_p)
     return options
+
+
+READ = frozenset({"max_new_tokens", "until", "temperature", "top_p", "do_sample", "num_beams"})
+SAMPLING_ONLY = frozenset({"top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})  # nothing when greedy
+
+
+def passed_on(gen_kwargs: dict[str, Any], sampled: bool) -> dict[str, Any]:
+    """The request's other transformers generation settings (``top_k``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``min_new_tokens``, ...), for `generate` (`EncodedVideo.ask` checks each value): those
+    that shape sampling only when the answer is ``sampled``."""
+    from statekv.core.answering.generation_args import ENGINE_ARGUMENTS
+
+    known = _generation_settings()
+    return {name: value for name, value in gen_kwargs.items()
+            if name not in READ and name not in ENGINE_ARGUMENTS and name in known and value is not None
+            and (sampled or name not in SAMPLING_ONLY)}
+
+
+def unread(gen_kwargs: dict[str, Any]) -> list[str]:
+    """The request's generation kwargs statekv does not apply: another model's (``image_aspect_ratio``), lmms-eval's
+    own (``visual_cot``), or misspelt."""
+    from statekv.core.answering.generation_args import ENGINE_ARGUMENTS
+
+    known = _generation_settings()
+    return sorted(name for name in gen_kwargs
+                  if name not in READ and (name not in known or name in ENGINE_ARGUMENTS))
+
+
+def _generation_settings() -> frozenset[str]:
+    from transformers import GenerationConfig
+
+    return frozenset(vars(GenerationConfig()))
 
 
 def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:

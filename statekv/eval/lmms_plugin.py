@@ -9,16 +9,18 @@ model ``statekv``. Model args (``--model_args key=value,...``, parsed strictly b
     device           e.g. cuda:0, cpu    (default: cuda:<LOCAL_RANK> under a launcher, else cuda if available)
     and every other `statekv.ModelOptions` field, by the same name: method (any registered method: statekv,
     full, recency, rekv, keynorm, simplestream), budget, frames, sinks, window, retrieve, retrieval, layout,
-    attention, dtype, offload, kv_cache_dtype (auto, int8, int4), reserve_tokens, trust_remote_code, cuda_graph,
-    compile_step, positions, bounded_layout, question_span, vision_batch; booleans are true/false, 1/0, yes/no,
-    on/off
+    attention, dtype, offload, kv_cache_dtype (auto, int8, int4), trust_remote_code, cuda_graph, compile_step,
+    positions, bounded_layout, question_span, vision_batch; booleans are true/false, 1/0, yes/no, on/off (not
+    reserve_tokens: the room after a video is sized from its own requests)
 
 A request is lmms-eval 0.7's chat request: ``Instance.args = (context, doc_to_messages, gen_kwargs, doc_id,
 task, split)``, where ``doc_to_messages(task_dict[task][split][doc_id])`` gives the chat messages: one
 user turn holding one video (``{"type": "video", "url": path}``) and the prompt text. Requests about the same
 video are answered from one encoding. ``gen_kwargs`` give ``max_new_tokens``, ``until`` (stop strings) and
 ``temperature`` (0: greedy), ``top_p``, ``do_sample`` (false: greedy; true without a temperature: 1) and
-``num_beams`` (1 only).
+``num_beams`` (1 only); any other transformers generation setting (``top_k``, ``repetition_penalty``, ...) goes to
+`generate` as given, and a key that is none (another model's, lmms-eval's own, a misspelling) is named in one
+warning line, once a run, and ignored.
 
 Streaming benchmarks (lmms-eval's ``ovo_*`` tasks): a document naming its source ``video`` and a query time
 (``realtime``; a multi-round document: one per round in ``test_info``) is asked on one live stream per source
@@ -65,8 +67,8 @@ from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
-from statekv.eval.lmms_inputs import (max_new_tokens, model_args_from_string, report_unreadable, sampling,
-                                     stop_strings)
+from statekv.eval.lmms_inputs import (max_new_tokens, model_args_from_string, passed_on, report_unreadable, sampling,
+                                     stop_strings, unread)
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
 from statekv.settings.values import (Option, check_question, integer, optional_text, parse_options, positive_int,
@@ -85,8 +87,9 @@ PLUGIN_ARGS = (
     Option("batch_size", integer, 1),
     Option("max_batch_size", lambda value, name: value, None),  # only for --batch_size auto: unused
 )
+SIZED_HERE = ("model", "reserve_tokens")  # the room after a video is sized from its requests (`room_for_prompts`)
 MODEL_ARGS = PLUGIN_ARGS[:1] + tuple(option for option in ModelOptions.string_options()
-                                     if option.name != "model") + PLUGIN_ARGS[1:]
+                                     if option.name not in SIZED_HERE) + PLUGIN_ARGS[1:]
 
 
 def manifest():
@@ -181,6 +184,7 @@ class StateKV(_Base):
         if context.world_size > 1:
             atexit.register(_leave_process_group)
         self.max_num_frames, self.max_fps = args["max_num_frames"], args["max_fps"]
+        self.unread_said: set[tuple[str, ...]] = set()
         # a setting its method never reads is refused, as on the command line
         options = ModelOptions.given(model=args["pretrained"], **{name: args[name] for name in model_args
                                                                   if name not in plugin})
@@ -423,7 +427,15 @@ class StateKV(_Base):
 
     def _answer(self, encoded, prompt: str, gen_kwargs: dict[str, Any]) -> str:
         until = stop_strings(gen_kwargs)
-        options: dict[str, Any] = {"max_new_tokens": max_new_tokens(gen_kwargs), **sampling(gen_kwargs)}
+        sampled = sampling(gen_kwargs)
+        options: dict[str, Any] = {"max_new_tokens": max_new_tokens(gen_kwargs), **sampled,
+                                   **passed_on(gen_kwargs, bool(sampled))}
+        ignored = tuple(unread(gen_kwargs))
+        if ignored and ignored not in self.unread_said:  # once a run for each set of keys, not once a question
+            self.unread_said.add(ignored)
+            print(f"statekv (lmms-eval model): the request's generation kwargs {', '.join(ignored)} are not "
+                  "generation settings statekv applies (another model's, lmms-eval's own, or misspelt); ignored",
+                  file=sys.stderr, flush=True)
         if until:
             options.update(stop_strings=until, tokenizer=self.qa.adapter.tokenizer)
         text = encoded.ask(prompt, **options)
