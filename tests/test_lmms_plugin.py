@@ -293,6 +293,24 @@ def test_errors_while_answering_end_the_process(qa, capsys, monkeypatch):
         model.loglikelihood([request])
 
 
+@pytest.mark.parametrize("video", [["/a.mp4", "/b.mp4"], None, 7])
+def test_a_document_the_tasks_own_code_cannot_make_messages_of_ends_the_run_with_one_line(video, qa, capsys):
+    """lmms-eval's own user turn, built from a document whose video is a list, null or a number. Before: its
+    TypeError (or an IndexError) ended the run with a traceback and exit status 1."""
+    task = pytest.importorskip("lmms_eval.api.task", reason="lmms-eval is an optional extra")
+
+    def messages(doc):
+        return task.ConfigurableMessagesTask._build_user_turn([doc["video"]], doc["text"])
+
+    model = StateKV(qa=qa)
+    model.task_dict = {"t": {"test": [{"video": video, "text": "Q?"}]}}
+    with pytest.raises(SystemExit) as exit_info:
+        model.generate_until([types.SimpleNamespace(args=("<ctx>", messages, {}, 0, "t", "test"), metadata={})])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error, error
+    assert "t doc 0: the task cannot make its chat messages (TypeError: Unsupported visual type" in error
+
+
 @pytest.mark.parametrize("gen_kwargs, message", [
     ({"max_new_tokens": 0}, "max_new_tokens must be a whole number of tokens, 1 or more; got 0"),
     ({"max_new_tokens": "abc"}, "max_new_tokens must be a whole number"),

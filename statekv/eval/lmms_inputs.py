@@ -69,6 +69,16 @@ def _pairs(text: Any) -> dict[str, str]:
     return args
 
 
+def messages_of(doc_to_messages: Any, doc: Any, *, where: str) -> Any:
+    """The chat messages the task makes of ``doc``; a one-line `InputError` naming the document when the task's own
+    code cannot read it (a ``video`` that is a list or null: lmms-eval's own ``TypeError`` otherwise)."""
+    try:
+        return doc_to_messages(doc)
+    except (TypeError, ValueError, KeyError) as error:
+        raise InputError(f"{where}: the task cannot make its chat messages ({type(error).__name__}: "
+                         f"{str(error)[:160]}); a document names one video by its path") from None
+
+
 # -- a request's generation kwargs -----------------------------------------------------------------------------
 
 

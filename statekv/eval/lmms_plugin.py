@@ -67,8 +67,8 @@ from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
-from statekv.eval.lmms_inputs import (max_new_tokens, model_args_from_string, passed_on, report_unreadable, sampling,
-                                     stop_strings, unread)
+from statekv.eval.lmms_inputs import (max_new_tokens, messages_of, model_args_from_string, passed_on,
+                                     report_unreadable, sampling, stop_strings, unread)
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
 from statekv.settings.values import (Option, check_question, integer, optional_text, parse_options, positive_int,
@@ -414,8 +414,9 @@ class StateKV(_Base):
     def _prepare(self, request: Any) -> tuple[str, str, dict[str, Any]]:
         """``(video path, prompt text, generation kwargs)`` of one chat request."""
         doc_to_messages, gen_kwargs, doc_id, task, split = _chat_args(request)
-        messages = doc_to_messages(self._doc(task, split, doc_id))
-        return (*video_and_prompt(messages, where=f"{task} doc {doc_id}"), gen_kwargs)
+        where = f"{task} doc {doc_id}"
+        messages = messages_of(doc_to_messages, self._doc(task, split, doc_id), where=where)
+        return (*video_and_prompt(messages, where=where), gen_kwargs)
 
     def _doc(self, task: Any, split: Any, doc_id: Any) -> Any:
         """The document a request names; a one-line `InputError` when the task's data holds none."""
