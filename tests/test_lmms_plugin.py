@@ -140,6 +140,8 @@ def test_other_generation_settings_reach_generate_and_keys_none_reads_are_named_
 
     answer({"max_new_tokens": 8, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "top_k": 5})
     assert video.calls[-1][1] == {"max_new_tokens": 8, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    answer({"max_new_tokens": 8, "stop_strings": ["\n"], "until": "."})  # transformers' stop_strings, as until
+    assert video.calls[-1][1] == {"max_new_tokens": 8, "stop_strings": [".", "\n"], "tokenizer": qa.adapter.tokenizer}
     answer({"max_new_tokens": 8, "temperature": 0.5, "top_k": 5, "min_new_tokens": 2})  # top_k: only when sampled
     assert video.calls[-1][1] == {"max_new_tokens": 8, "do_sample": True, "temperature": 0.5, "top_k": 5,
                                   "min_new_tokens": 2}
@@ -203,7 +205,7 @@ def test_model_args_as_lmms_eval_passes_them(checkpoint, monkeypatch):
     ({"method": "fulll"}, "method must be one of statekv, full, recency, rekv, keynorm, simplestream, got 'fulll'"),
     ({"bugdet": 64}, "unknown statekv model arg bugdet; known: pretrained, method, budget, frames,"),
     # before: accepted and replaced by the room each video's requests need, so it changed nothing
-    ({"reserve_tokens": 1}, "unknown statekv model arg reserve_tokens; known: pretrained, method, budget,"),
+    ({"reserve_tokens": 1}, "reserve_tokens is not a statekv model arg: the room after each video is sized from"),
     ({"batch_size": 2}, "answers one request at a time; use --batch_size 1, not 2"),
     ({"pretrained": "None"}, "the statekv model needs pretrained=<checkpoint folder or hub id>"),
 ])

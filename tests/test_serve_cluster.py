@@ -313,6 +313,7 @@ def test_two_replicas_hand_a_stream_over_through_the_shared_folder_with_nothing_
         listed = second.owned(owner)
         assert [(item.id, item.describe()["replica"]) for item in listed] == [(entry.id, "first")]
         assert set(listed[0].describe()) == set(entry.describe()) | {"replica"}  # the same fields, told or not
+        assert listed[0].describe()["settings"] == entry.describe()["settings"]  # only what its method reads
 
         taking = asyncio.ensure_future(second.find(owner, entry.id))
         await asyncio.sleep(0.5)

@@ -97,3 +97,24 @@ def test_a_watch_whose_question_cannot_fit_the_range_is_refused(qa, images, fram
         stream.watch("Why?", max_new_tokens=LIMIT)
     assert "\n" not in str(refused.value) and stream.watches == []
     stream.close()
+
+
+def test_a_watch_that_would_not_fit_once_a_horizons_frames_are_in_is_refused_when_it_opens(qa, images):
+    """Stream positions: a watch is evaluated until the declared frames are all in, so its question must fit the
+    room the horizon keeps after them, not only the room left now. Before: accepted on an empty stream, then every
+    evaluation from the second frame on failed."""
+    from statekv.errors import QuestionTooLong
+
+    stream = qa.with_options(positions="stream").stream(horizon_frames=3, max_fps=None)
+    stream.start()
+    room_now = stream.prefill.horizon - stream.prefill.seen_tokens
+    question = "Why " * 5  # its tokens and answer: within the room now, more than the 24 kept after the frames
+    with pytest.raises(QuestionTooLong, match=r"do not fit in the 24 tokens left before the stream's horizon"):
+        stream.watch(question, every=1, max_new_tokens=4)
+    assert stream.watches == [] and room_now > 39 + 4
+    fitting = stream.watch("Why?", every=1, max_new_tokens=1)  # 23 tokens and 1: exactly the room kept
+    for image in images[:3]:
+        stream.push(image)
+    stream.flush()
+    assert fitting.evaluations == 3 and fitting.error is None
+    stream.close()

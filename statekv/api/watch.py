@@ -275,7 +275,8 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
         watch.standing = standing_question(prefill, prompt)
         carried = max(layer.carried_length for layer in prefill.cache.layers)
         # against the most it will carry: a watch opened before then must not fail at every evaluation after
-        check_question_fits(prefill, watch.standing.length, watch.max_new_tokens, most_carried(prefill, carried))
+        check_question_fits(prefill, watch.standing.length, watch.max_new_tokens, most_carried(prefill, carried),
+                            getattr(stream, "reserve_tokens", None))
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:

@@ -39,11 +39,11 @@ def model_args_from_string(text: Any, flags: Mapping[str, Any] | None = None) ->
 
 
 def _same(given: Any, flag: Any) -> bool:
-    """Whether a model arg and lmms-eval's flag say the same: as text, or as whole numbers (``01`` and 1)."""
+    """Whether a model arg and lmms-eval's flag say the same: as text, or as numbers (``01``, ``1.0`` and 1)."""
     if str(given) == str(flag):
         return True
     try:
-        return int(str(given)) == int(str(flag))
+        return float(str(given)) == float(str(flag))
     except ValueError:
         return False
 
@@ -129,7 +129,7 @@ def sampling(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-READ = frozenset({"max_new_tokens", "until", "temperature", "top_p", "do_sample", "num_beams"})
+READ = frozenset({"max_new_tokens", "until", "stop_strings", "temperature", "top_p", "do_sample", "num_beams"})
 SAMPLING_ONLY = frozenset({"top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})  # nothing when greedy
 
 
@@ -162,13 +162,17 @@ def _generation_settings() -> frozenset[str]:
 
 
 def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
-    """The request's ``until``: a string or a list of strings (empty ones and None dropped)."""
-    until = gen_kwargs.get("until") or []
-    if isinstance(until, str):
-        return [until]
-    if not isinstance(until, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in until):
-        raise InputError(f"the request's until must be a string or a list of strings; got {shown(until)}")
-    return [stop for stop in until if stop]
+    """The request's ``until`` and transformers' ``stop_strings``: each a string or a list of strings (empty ones
+    and None dropped)."""
+    stops: list[str] = []
+    for name in ("until", "stop_strings"):
+        given = gen_kwargs.get(name) or []
+        if isinstance(given, str):
+            given = [given]
+        if not isinstance(given, (list, tuple)) or not all(stop is None or isinstance(stop, str) for stop in given):
+            raise InputError(f"the request's {name} must be a string or a list of strings; got {shown(given)}")
+        stops += [stop for stop in given if stop and stop not in stops]
+    return stops
 
 
 # -- the videos -------------------------------------------------------------------------------------------------

@@ -174,6 +174,9 @@ class StateKV(_Base):
             model_args.setdefault("pretrained", "<given VideoQA>")
         elif optional_text(model_args.get("pretrained"), "pretrained") is None:
             raise ConfigurationError("the statekv model needs pretrained=<checkpoint folder or hub id>")
+        if "reserve_tokens" in model_args:
+            raise ConfigurationError("reserve_tokens is not a statekv model arg: the room after each video is sized "
+                                     "from that video's own requests; leave it out")
         args = parse_options(model_args, MODEL_ARGS, what="statekv model arg")
         plugin = {option.name for option in PLUGIN_ARGS}
         if args["batch_size"] != 1:

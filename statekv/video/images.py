@@ -59,7 +59,9 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
                         raise ImageError(f"{name}: not a readable image (truncated: its PNG header promises {promised} "
                                          f"rows of {width} pixels, its image data holds {held})", "data")
                 image.load()
-                ImageOps.exif_transpose(image, in_place=True)  # a phone's portrait photo, shown upright
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a damaged EXIF block: the image is read as stored
+                    ImageOps.exif_transpose(image, in_place=True)  # a phone's portrait photo, shown upright
                 return np.asarray(image.convert("RGB"))
     except ImageError:
         raise

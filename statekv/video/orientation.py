@@ -2,9 +2,9 @@
 
 A phone stores a portrait video as landscape frames plus a display matrix saying how to turn them, and a portrait
 photo as a landscape image plus an EXIF orientation. A model shown the stored pixels sees the scene on its side, so
-every source is read as FFmpeg's tools and browsers show it: a file's display matrix applied in quarter turns and a
-mirror (`display_turn`, `statekv.video.sources.FileVideo`), an image's EXIF orientation applied by Pillow
-(`statekv.video.images.decode_image`).
+files are read as FFmpeg's tools and browsers show them: a video file's display matrix applied in quarter turns and
+a mirror (`display_turn`, `statekv.video.sources.FileVideo`), an image file's (or pushed image's) EXIF orientation
+applied by Pillow (`statekv.video.images.decode_image`). PIL images and arrays given in memory are read as given.
 """
 
 from __future__ import annotations

@@ -33,12 +33,15 @@ def tail_room(prefill, carried: int) -> int:
     return positions.limit - min(carried, positions.layout.cap(positions.limit))
 
 
-def check_question_fits(prefill, prompt: int, answer: int, carried: int) -> None:
+def check_question_fits(prefill, prompt: int, answer: int, carried: int, reserve: int | None = None) -> None:
     """A one-line `QuestionTooLong` when a question of ``prompt`` tokens and its answer of up to ``answer`` leave no
     room: in the tail beside ``carried`` carried tokens (bounded positions), or before the horizon (stream
-    positions: the room left now, as `StreamingPrefill.fit_question` checks a question asked now)."""
+    positions): the room left now, and at most ``reserve``, what the horizon keeps after its declared frames (a
+    watch is evaluated until they are all in)."""
     if not prefill.positions.bounded:
         room = None if prefill.horizon is None else prefill.horizon - prefill.seen_tokens
+        if room is not None and reserve is not None:
+            room = min(room, reserve)
         if room is not None and prompt + answer > room:
             raise QuestionTooLong(prompt, answer, room)
         return

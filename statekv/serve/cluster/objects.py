@@ -224,7 +224,7 @@ def _bounded(url: str, answer_seconds: float, tries: int) -> dict[str, Any]:
     if fsspec.core.split_protocol(url)[0] not in ("s3", "s3a"):
         return {}
     return {"config_kwargs": {"connect_timeout": answer_seconds, "read_timeout": answer_seconds,
-                              "retries": {"max_attempts": tries, "mode": "standard"}}}
+                              "retries": {"total_max_attempts": tries, "mode": "standard"}}}
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from ..loading import reason_of, unreadable
 from ..placement import Placement
 from ..registry import StreamRegistry
 from ..store import STREAM_ID
+from ..stream_settings import read_settings
 from .folder import SharedStreamFiles
 from .leases import Lease, LeaseLost
 
@@ -82,7 +83,8 @@ class HeldElsewhere:
     def describe(self) -> dict[str, Any]:
         record, saved = self.record, self.saved
         return {"id": self.id, "object": "stream", "name": self.name, "created": int(self.created), "updated": None,
-                "state": self.state, "settings": record["settings"], "horizon_frames": record["horizon_frames"],
+                "state": self.state, "settings": read_settings(record["settings"]),
+                "horizon_frames": record["horizon_frames"],
                 "max_fps": record["max_fps"], "frames": self.frames, "pushed": saved.get("pushed", 0),
                 "pending": None, "seconds": saved.get("seconds"), "tokens": None, "carried": None, "handover": None,
                 "cache_bytes": None, "encode_seconds": None, "feeding": False, "feed": None, "saved": dict(saved),
