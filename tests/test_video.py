@@ -194,6 +194,35 @@ def test_variable_frame_rate_timestamps_come_from_pts(tmp_path):
     assert kept == [f.index for f in sample_at_rate(_stamped(expected), 2.0)]
 
 
+def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
+    """Six seconds at 4 fps, then six at 1 fps (a screen recording's busy minute, then a still slide). Before: the
+    frames were chosen by index at the average rate, so the busy part took most of them and seconds of the still
+    part were never seen."""
+    from fractions import Fraction
+
+    path = tmp_path / "recording.mp4"
+    times = [k / 4 for k in range(24)] + [6.0 + k for k in range(6)]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=None, options={"bf": "0"})
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        stream.time_base = Fraction(1, 1000)
+        for index, time in enumerate(times):
+            frame = av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")
+            frame.pts, frame.time_base = round(time * 1000), Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    video = open_video(path)
+    kept = list(video.sample(max_fps=1))  # about one a second over the 11 s: the still part's frames too
+    seconds = [int(frame.timestamp) for frame in kept]
+    assert [read_frame_index(frame.image) for frame in kept] == [frame.index for frame in kept]
+    assert seconds == sorted(set(seconds)) and len(kept) >= 10, seconds  # by index: 2 of the 6 still seconds
+    assert sum(second >= 6 for second in seconds) >= 5 and [frame.index for frame in video.sample(max_fps=100)] \
+        == list(range(30))
+    assert video.variable_rate and video.num_frames == 30
+    by_index = uniform_frame_indices(30, video.fps, max_fps=1)  # the benchmarks' rule stays by index
+    assert [frame.index for frame in video.sample(max_fps=1, protocol=True)] == by_index
+
+
 def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):
     path = write_test_video(tmp_path / "clip.mkv", frames=25, fps=25)
     with av.open(str(path)) as container:
@@ -201,6 +230,33 @@ def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):
     video = open_video(path)
     assert video.num_frames == 25
     assert [read_frame_index(f.image) for f in video.frames()] == list(range(25))
+
+
+@pytest.mark.parametrize("start", [0, 100])
+def test_a_matroska_file_without_a_frame_rate_is_sampled_by_its_frames_own_span(tmp_path, start):
+    """A Matroska or WebM file whose track gives no frame duration (a browser's MediaRecorder writes such files):
+    the demuxer guesses 24 fps. Before: 24 frames a second were assumed, so 1 fps sampling of a 24 s video kept 1
+    frame; and a file whose timestamps start at 100 s was taken for one of 124 s cut short after 24."""
+    from fractions import Fraction
+
+    path = tmp_path / "recorded.mkv"
+    with av.open(str(path), "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=None)
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        stream.time_base = Fraction(1, 1000)
+        for index in range(24):  # one frame a second
+            frame = av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")
+            frame.pts, frame.time_base = (start + index) * 1000, Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].average_rate == 24  # the guess this is about
+    video = open_video(path)
+    assert video.fps == pytest.approx(1.0, rel=0.05) and video.duration == pytest.approx(24, abs=1.1)
+    kept = [read_frame_index(frame.image) for frame in video.sample(max_fps=1)]
+    assert len(kept) >= 23 and kept == sorted(set(kept))
+    assert [read_frame_index(frame.image) for frame in video.sample(max_fps=0.25)] == source_frame_indices(
+        24, 1.0, max_fps=0.25)  # as a file that gives its rate
 
 
 def test_image_folder_in_natural_order(tmp_path):
@@ -331,7 +387,9 @@ def test_truncated_file_without_index(clip, tmp_path):
     data = clip.read_bytes()  # the index (moov) of a plain mp4 is at the end: cutting loses it
     path = tmp_path / "cut.mp4"
     path.write_bytes(data[: len(data) // 2])
-    assert "not a readable video file" in str(_error_for(path))
+    message = str(_error_for(path))  # before: the FFmpeg error alone ("Invalid data found when processing input")
+    assert "not a readable video file" in message and "an MP4 cut short before its index was written" in message
+    assert "\n" not in message
 
 
 def test_a_file_cut_inside_its_index_says_so(clip, tmp_path):

@@ -78,6 +78,6 @@ def run_make(args: argparse.Namespace) -> int:
     path = make_benchmark(args.out, **settings, overwrite=args.overwrite,
                           progress=lambda done, total: line(done, total, "videos written"))
     questions = args.videos * (5 if args.streaming else len(families))
-    print(f"wrote {args.videos} videos and {questions} questions to {args.out} "
-          f"({path.name}) in {time.monotonic() - started:.1f} s")
+    print(f"wrote {args.videos} video{'s' * (args.videos != 1)} and {questions} question{'s' * (questions != 1)} "
+          f"to {args.out} ({path.name}) in {time.monotonic() - started:.1f} s")
     return 0

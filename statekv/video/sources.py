@@ -28,6 +28,7 @@ from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
+MP4_SUFFIXES = frozenset({".mp4", ".m4v", ".mov"})  # an index written at the end: a cut file has none
 DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
 
 
@@ -67,7 +68,8 @@ class Video(ABC):
 
     Attributes: ``name`` (for messages), ``num_frames``, ``fps`` (average frame rate), ``duration``
     (seconds), ``width`` and ``height`` (of the first frame, pixels), ``content_end`` (seconds: where the packets of
-    every stream of a file end, when a demux pass read them all; None otherwise).
+    every stream of a file end, when a demux pass read them all; None otherwise), ``variable_rate`` (a file whose
+    frames are not evenly spaced: its average rate and its frames' own rate differ).
     Each reading method starts a new single forward pass over the source and returns a generator.
     """
 
@@ -78,6 +80,7 @@ class Video(ABC):
     width: int
     height: int
     content_end: float | None = None
+    variable_rate: bool = False
 
     @abstractmethod
     def _pending_frames(self) -> Iterator[_PendingFrame]:
@@ -104,8 +107,14 @@ class Video(ABC):
 
     def sample(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> Iterator[Frame]:
         """At most ``max_fps`` frames per second, at most ``max_frames``: every frame at most once, the last one
-        included at or above the source's rate (`source_frame_indices`); ``protocol=True``: the benchmarks'
-        published rule (`uniform_frame_indices`, which may repeat a frame), for evaluations."""
+        included at or above the source's rate (`source_frame_indices`; at a ``variable_rate`` its indices taken as
+        times at the average rate, so the video is sampled evenly in time: `_sample_at_times`); ``protocol=True``:
+        the benchmarks' published rule (`uniform_frame_indices`, by index, which may repeat a frame), for
+        evaluations."""
+        if self.variable_rate and not protocol and max_fps < self.fps:  # (at or above its rate: every frame)
+            indices = self.sample_indices(max_fps=max_fps, max_frames=max_frames)
+            yield from self._sample_at_times([index / self.fps for index in indices])
+            return
         wanted = iter(self.sample_indices(max_fps=max_fps, max_frames=max_frames, protocol=protocol))
         next_index = next(wanted)
         decoded = 0
@@ -121,6 +130,31 @@ class Video(ABC):
             if next_index is None:
                 return  # nothing more to keep: stop decoding
         raise self._truncated(decoded)
+
+    def _sample_at_times(self, times: list[float]) -> Iterator[Frame]:
+        """For each of ``times`` (increasing, seconds) the first frame at or after it, less half a frame at the
+        average rate: at a constant rate the frame of index ``time * fps`` itself. A frame is kept once, however
+        many times it is the first for (where frames are sparser than the times); the last frame is kept when times
+        remain past it."""
+        slack = 0.5 / self.fps
+        wanted = iter(times)
+        target = next(wanted)
+        decoded, passed = 0, None
+        for pending in self._pending_frames():
+            decoded += 1
+            if pending.timestamp < target - slack:
+                passed = pending  # not yet materialized: kept only if the times outrun the frames
+                continue
+            passed = None
+            yield pending.materialize(self.name)
+            while target is not None and target <= pending.timestamp + slack:
+                target = next(wanted, None)
+            if target is None:
+                return
+        if decoded < self.num_frames:
+            raise self._truncated(decoded)
+        if passed is not None:
+            yield passed.materialize(self.name)
 
     def sample_at_rate(self, fps: float) -> Iterator[Frame]:
         """Frames at a fixed rate, as a live stream would deliver them (see `sample_at_rate`)."""
@@ -156,6 +190,7 @@ class FileVideo(Video):
     def __init__(self, path: Path):
         self.path = path
         self.name = str(path)
+        self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
         with self._open() as container:
             stream = self._video_stream(container)
             self._stream_index = stream.index
@@ -167,8 +202,17 @@ class FileVideo(Video):
             if self.num_frames == 0:
                 raise VideoError(f"{self.name}: the video stream has no frames")
             duration = self._reported_duration(container, stream)
+            start = (container.start_time or 0) / av.time_base
+            if self.content_end is not None and duration and abs(duration - start - self.content_end) < 1.0 < start:
+                duration = self.content_end  # a header giving where the content ends, not how long it is
             self.fps = self._average_rate(stream, duration)
+            timed = self._frame_rate
+            if timed and not 0.9 < self.fps / timed < 1.1:  # a rate the demuxer guessed (Matroska without a frame
+                self.fps = timed  # duration: 24) that the frames' own times deny
+                duration = self.num_frames / timed
             self.duration = duration if duration else self.num_frames / self.fps
+            own = stream.base_rate or stream.guessed_rate  # the rate a frame's own duration gives
+            self.variable_rate = bool(own) and not 0.95 < self.fps / float(own) < 1.05
         self.turn = self._first_turn()
         if self.turn.sideways:
             self.width, self.height = self.height, self.width
@@ -177,7 +221,9 @@ class FileVideo(Video):
         try:
             return av.open(str(self.path))
         except av.FFmpegError as error:
-            raise VideoError(f"{self.name}: not a readable video file ({_short(error)})") from None
+            cut = isinstance(error, av.error.InvalidDataError) and self.path.suffix.lower() in MP4_SUFFIXES
+            hint = "; an MP4 cut short before its index was written, or still being written, reads so" if cut else ""
+            raise VideoError(f"{self.name}: not a readable video file ({_short(error)}{hint})") from None
 
     def _video_stream(self, container: Any) -> Any:
         if not container.streams.video:
@@ -204,7 +250,7 @@ class FileVideo(Video):
     def _count_packets(self, container: Any, stream: Any) -> int:
         """The video stream's packets, counted in one demux pass of every stream, which also finds where the
         file's content ends (`content_end`: a header's duration may count an audio stream longer than the video)."""
-        count, end = 0, None
+        count, end, first, last = 0, None, None, None
         try:
             for packet in container.demux():
                 if not packet.size:
@@ -214,10 +260,15 @@ class FileVideo(Video):
                 if at is not None and packet.time_base:
                     ends = float((at + (packet.duration or 0)) * packet.time_base)
                     end = ends if end is None else max(end, ends)
+                    if packet.stream.index == stream.index:  # in decoding order: the earliest and latest frames
+                        shown = float(at * packet.time_base)
+                        first, last = min(first, shown) if first is not None else shown, max(last or shown, shown)
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
         if end is not None:
             self.content_end = end - (container.start_time or 0) / av.time_base
+        if count > 1 and first is not None and last > first:
+            self._frame_rate = (count - 1) / (last - first)  # what the frames' own times say
         return count
 
     @staticmethod
