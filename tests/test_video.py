@@ -257,6 +257,7 @@ def test_a_matroska_file_without_a_frame_rate_is_sampled_by_its_frames_own_span(
     assert len(kept) >= 23 and kept == sorted(set(kept))
     assert [read_frame_index(frame.image) for frame in video.sample(max_fps=0.25)] == source_frame_indices(
         24, 1.0, max_fps=0.25)  # as a file that gives its rate
+    assert not video.variable_rate  # evenly spaced: its guessed rate is no evidence of a variable one
 
 
 def test_image_folder_in_natural_order(tmp_path):

@@ -101,7 +101,8 @@ class Video(ABC):
             raise self._truncated(decoded)
 
     def sample_indices(self, *, max_fps: float = 1.0, max_frames: int = 512, protocol: bool = False) -> list[int]:
-        """The frame indices `sample` yields (see `source_frame_indices`; ``protocol``: `uniform_frame_indices`)."""
+        """The frame indices `sample` yields (see `source_frame_indices`; ``protocol``: `uniform_frame_indices`): at a
+        ``variable_rate`` the most it yields, its frames then chosen by time."""
         rule = uniform_frame_indices if protocol else source_frame_indices
         return rule(self.num_frames, self.fps, max_fps=max_fps, max_frames=max_frames)
 
@@ -139,15 +140,16 @@ class Video(ABC):
         slack = 0.5 / self.fps
         wanted = iter(times)
         target = next(wanted)
-        decoded, passed = 0, None
+        decoded, passed, origin = 0, None, None
         for pending in self._pending_frames():
             decoded += 1
-            if pending.timestamp < target - slack:
+            origin = pending.timestamp if origin is None else origin  # times count from the first frame's
+            if pending.timestamp - origin < target - slack:
                 passed = pending  # not yet materialized: kept only if the times outrun the frames
                 continue
             passed = None
             yield pending.materialize(self.name)
-            while target is not None and target <= pending.timestamp + slack:
+            while target is not None and target <= pending.timestamp - origin + slack:
                 target = next(wanted, None)
             if target is None:
                 return
@@ -211,7 +213,9 @@ class FileVideo(Video):
                 self.fps = timed  # duration: 24) that the frames' own times deny
                 duration = self.num_frames / timed
             self.duration = duration if duration else self.num_frames / self.fps
-            own = stream.base_rate or stream.guessed_rate  # the rate a frame's own duration gives
+            # frames not evenly spaced: the average rate is not the rate a frame's own duration gives (a container
+            # without a frame count has neither but guesses, and is read by index as before)
+            own = None if self._frame_rate else stream.base_rate or stream.guessed_rate
             self.variable_rate = bool(own) and not 0.95 < self.fps / float(own) < 1.05
         self.turn = self._first_turn()
         if self.turn.sideways:
