@@ -68,8 +68,9 @@ class Video(ABC):
 
     Attributes: ``name`` (for messages), ``num_frames``, ``fps`` (average frame rate), ``duration``
     (seconds), ``width`` and ``height`` (of the first frame, pixels), ``content_end`` (seconds: where the packets of
-    every stream of a file end, when a demux pass read them all; None otherwise), ``variable_rate`` (a file whose
-    frames are not evenly spaced: its average rate and its frames' own rate differ).
+    every stream of a file end, when a demux pass read them all; None otherwise), ``variable_rate`` (a file that
+    gives its frame count, MP4 or MOV, whose frames are not evenly spaced: its average rate and its frames' own rate
+    differ).
     Each reading method starts a new single forward pass over the source and returns a generator.
     """
 
