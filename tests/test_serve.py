@@ -427,6 +427,44 @@ def test_limits_and_failures_are_named_without_server_paths_or_reprs(server, med
         client.delete(f"/v1/streams/{stream_id}").raise_for_status()
 
 
+def test_a_feed_keeps_every_frame_of_a_variable_rate_file_and_a_skip_on_an_empty_stream_keeps_the_files_times(
+        server, media):
+    """Before: a stream keeping every frame (max_fps null) was fed at the file's average rate, so a variable-rate
+    file lost frames where they were dense; and a feed skipping frames on a stream holding none placed the rest
+    as many seconds early as it skipped."""
+    import av
+    from fractions import Fraction
+
+    times = [k / 4 for k in range(24)] + [6.0 + k for k in range(6)]  # 4 fps, then 1 fps
+    with av.open(str(media / "recording.mp4"), "w") as container:
+        stream = container.add_stream("libx264", rate=None, options={"bf": "0"})
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        stream.time_base = Fraction(1, 1000)
+        for index, time in enumerate(times):
+            frame = av.VideoFrame.from_ndarray(random_frames(1, index, 32, 64)[0], format="rgb24")
+            frame.pts, frame.time_base = round(time * 1000), Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with server.client() as client:
+        every = _create(client, horizon_frames=64)
+        fed = client.post(f"/v1/streams/{every}/frames", json={"source": "recording.mp4"}).json()
+        assert fed["kept"] == 30, fed
+        seconds = [point["seconds"] for point in client.get(f"/v1/streams/{every}/history").json()["history"]]
+        assert seconds == pytest.approx(times, abs=1e-3)
+        skipped = _create(client, max_fps=1)
+        fed = client.post(f"/v1/streams/{skipped}/frames", json={"source": "held-out/videos/v0000.mp4", "skip": 5})
+        assert fed.status_code == 200 and fed.json()["kept"] == 7, fed.text  # seconds 5 to 11 of 12
+        seconds = [point["seconds"] for point in client.get(f"/v1/streams/{skipped}/history").json()["history"]]
+        assert seconds == [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]  # where a feed from the start puts them
+        refused = client.post(f"/v1/streams/{skipped}/frames", json={"source": "held-out/videos/v0000.mp4",
+                                                                     "skip": 500})
+        assert refused.status_code == 400 and "past the end" in refused.text, refused.text
+        state = client.get(f"/v1/streams/{skipped}").json()  # before: "failed", its frames untouched
+        assert state["state"] == "ready" and state["frames"] == 7 and state["feed"]["error"] is None, state
+        for stream_id in (every, skipped):
+            client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+
+
 def _errors_counted(client, status: int, route: str) -> float:
     lines = client.get("/metrics").text.splitlines()
     wanted = (f'statekv_errors_total{{route="{route}",status="{status}"}}',

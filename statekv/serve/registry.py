@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, StateKVError
-from ..video.sampling import tick
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, HISTORY, DamagedStream, StreamEntry, remove_tier
@@ -336,13 +335,14 @@ class StreamRegistry:
         if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
+        before = entry.feed
         entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable)
         try:
             async with entry.lock:
                 shift, last_skipped = None, None
                 if start is None and not skip:
                     shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
-                frames = iter(video.sample_at_rate(rate))
+                frames = iter(video.frames() if entry.max_fps is None else video.sample_at_rate(rate))
                 upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
                 try:
                     while (frame := await upcoming) is not None:
@@ -354,7 +354,7 @@ class StreamRegistry:
                             feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
                             continue
                         if shift is None:
-                            shift = _resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped, rate)
+                            shift = _resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped)
                         feed.kept += await self._push_held(entry, frame.image, shift + frame.timestamp)
                         feed.offered += 1
                 finally:
@@ -367,6 +367,8 @@ class StreamRegistry:
                 await self.worker.run(self.save_now, entry)
         except StateKVError as error:
             feed.error = self.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
+            if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the
+                entry.feed = before  # stream is as it was, not a failed feed
             status = status_of(error)
             headers = getattr(error, "headers", None) or ({"Retry-After": "5"} if status == 503 else None)
             raise ServiceError(status, f"{feed.error} ({feed.kept} frames fed)", headers=headers) from None
@@ -578,16 +580,16 @@ def frames_at_rate(video: Any, max_fps: float | None) -> int:
     return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
 
 
-def _resumed_shift(last: float | None, start: float | None, first: float, last_skipped: float | None,
-                   rate: float) -> float:
+def _resumed_shift(last: float | None, start: float | None, first: float, last_skipped: float | None) -> float:
     """What a feed adds to its file's timestamps: ``start`` (given) places its first frame pushed (file time
     ``first``) there; else a feed that skipped frames goes on as the feed cut short after ``last_skipped`` placed
-    them (the stream's ``last`` frame being that one; on a new stream, on the file's own ticks at ``rate``)."""
+    them (the stream's ``last`` frame being that one; on a stream holding no frame, at the file's own times, where
+    a feed from its first frame puts them)."""
     if start is not None:
         return start - first if last_skipped is not None else start
     if last is not None:
         return last - last_skipped
-    return -tick(last_skipped, rate) / rate
+    return 0.0
 
 
 def _next_time(entry: StreamEntry) -> float:

@@ -134,30 +134,28 @@ class Video(ABC):
         raise self._truncated(decoded)
 
     def _sample_at_times(self, times: list[float]) -> Iterator[Frame]:
-        """For each of ``times`` (increasing, seconds) the first frame at or after it, less half a frame at the
-        average rate: at a constant rate the frame of index ``time * fps`` itself. A frame is kept once, however
-        many times it is the first for (where frames are sparser than the times); the last frame is kept when times
-        remain past it."""
-        slack = 0.5 / self.fps
+        """For each of ``times`` (increasing, seconds from the first frame) the frame on screen then: the last one
+        at or before it (at a constant rate the frame of index ``time * fps`` itself). A frame is kept once, however
+        many times it is on screen for (where frames are sparser than the times)."""
+        close = 0.05 / self.fps  # a frame's time as its container rounds it
         wanted = iter(times)
         target = next(wanted)
-        decoded, passed, origin = 0, None, None
+        decoded, shown, kept, origin = 0, None, None, None
         for pending in self._pending_frames():
             decoded += 1
-            origin = pending.timestamp if origin is None else origin  # times count from the first frame's
-            if pending.timestamp - origin < target - slack:
-                passed = pending  # not yet materialized: kept only if the times outrun the frames
-                continue
-            passed = None
-            yield pending.materialize(self.name)
-            while target is not None and target <= pending.timestamp - origin + slack:
+            origin = pending.timestamp if origin is None else origin
+            while target is not None and shown is not None and pending.timestamp - origin > target + close:
+                if kept is not shown:  # the frame before this one was on screen at the target
+                    kept = shown
+                    yield shown.materialize(self.name)
                 target = next(wanted, None)
             if target is None:
                 return
+            shown = pending  # not yet materialized: kept only if a target falls in its time on screen
         if decoded < self.num_frames:
             raise self._truncated(decoded)
-        if passed is not None:
-            yield passed.materialize(self.name)
+        if shown is not None and kept is not shown:  # the times left fall on the last frame
+            yield shown.materialize(self.name)
 
     def sample_at_rate(self, fps: float) -> Iterator[Frame]:
         """Frames at a fixed rate, as a live stream would deliver them (see `sample_at_rate`)."""
