@@ -194,14 +194,10 @@ def test_variable_frame_rate_timestamps_come_from_pts(tmp_path):
     assert kept == [f.index for f in sample_at_rate(_stamped(expected), 2.0)]
 
 
-def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
-    """Six seconds at 4 fps, then six at 1 fps (a screen recording's busy minute, then a still slide). Before: the
-    frames were chosen by index at the average rate, so the busy part took most of them and seconds of the still
-    part were never seen."""
+def _timed_video(path: Path, times: list[float]) -> Path:
+    """An MP4 whose frame ``i`` (`draw_test_frame`) is at ``times[i]`` seconds."""
     from fractions import Fraction
 
-    path = tmp_path / "recording.mp4"
-    times = [k / 4 for k in range(24)] + [6.0 + k for k in range(6)]
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=None, options={"bf": "0"})
         stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
@@ -211,7 +207,15 @@ def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
             frame.pts, frame.time_base = round(time * 1000), Fraction(1, 1000)
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
-    video = open_video(path)
+    return path
+
+
+def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
+    """Six seconds at 4 fps, then six at 1 fps (a screen recording's busy minute, then a still slide). Before: the
+    frames were chosen by index at the average rate, so the busy part took most of them and seconds of the still
+    part were never seen."""
+    times = [k / 4 for k in range(24)] + [6.0 + k for k in range(6)]
+    video = open_video(_timed_video(tmp_path / "recording.mp4", times))
     kept = list(video.sample(max_fps=1))  # about one a second over the 11 s: the still part's frames too
     seconds = [int(frame.timestamp) for frame in kept]
     assert [read_frame_index(frame.image) for frame in kept] == [frame.index for frame in kept]
@@ -221,6 +225,17 @@ def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
     assert video.variable_rate and video.num_frames == 30
     by_index = uniform_frame_indices(30, video.fps, max_fps=1)  # the benchmarks' rule stays by index
     assert [frame.index for frame in video.sample(max_fps=1, protocol=True)] == by_index
+
+
+def test_a_variable_frame_rate_keeps_the_frame_on_screen_at_each_time(tmp_path):
+    """One frame in even seconds, three in odd ones. Taking the first frame after each time (less half a frame)
+    passed over each even second's single frame, on screen the whole second; the frame on screen is taken."""
+    times = [second + part / count for second in range(24) for count in [1 if second % 2 == 0 else 3]
+             for part in range(count)]
+    video = open_video(_timed_video(tmp_path / "uneven.mp4", times))
+    assert video.variable_rate
+    seconds = [int(frame.timestamp) for frame in video.sample(max_fps=1)]  # 23 planned: the file reads as 23.7 s
+    assert seconds == list(range(23)), seconds  # each even second's lone frame too
 
 
 def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):

@@ -12,6 +12,7 @@ reads as the command line's (`statekv.settings.values`).
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
 from collections.abc import Mapping
@@ -155,6 +156,7 @@ def unread(gen_kwargs: dict[str, Any]) -> list[str]:
                   if name not in READ and (name not in known or name in ENGINE_ARGUMENTS))
 
 
+@functools.cache
 def _generation_settings() -> frozenset[str]:
     from transformers import GenerationConfig
 

@@ -265,7 +265,8 @@ class FileVideo(Video):
                     end = ends if end is None else max(end, ends)
                     if packet.stream.index == stream.index:  # in decoding order: the earliest and latest frames
                         shown = float(at * packet.time_base)
-                        first, last = min(first, shown) if first is not None else shown, max(last or shown, shown)
+                        first = shown if first is None else min(first, shown)
+                        last = shown if last is None else max(last, shown)
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
         if end is not None:
