@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ import statekv  # noqa: E402
 from statekv.testing.videos import write_test_video  # noqa: E402
 from statekv.video import open_video  # noqa: E402
 
+import bad_videos  # noqa: E402
 from conftest import random_frames  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -294,6 +296,28 @@ def test_sources_stay_inside_the_media_root(server, media, tmp_path):
         _error(client.post("/v1/chat/completions", json=chat), 403)
         chat["messages"][0]["content"][0]["video_url"]["url"] = "http://example.com/v.mp4"
         _error(client.post("/v1/chat/completions", json=chat), 400)
+
+
+def test_a_feed_takes_a_file_url_and_a_chat_over_a_file_cut_short_says_what_to_do_over_http(server, media, tmp_path):
+    """A feed's ``source`` given as a ``file://`` URL (as a chat's ``video_url`` is) was looked for as a path under
+    the media root whose first folder is ``file:`` (a 404); a chat over a file that stops partway answered with a
+    hint to read the error's ``.encoded``, an attribute only a Python caller has."""
+    shutil.copy(bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6), media / "cut-partway.mp4")
+    with server.client() as client:
+        stream_id = _create(client, max_fps=1.0, horizon_frames=64)
+        frames = f"/v1/streams/{stream_id}/frames"
+        fed = client.post(frames, json={"source": _video(media).as_uri()})
+        assert fed.status_code == 200 and fed.json()["kept"] == 12, fed.text
+        assert "outside the media root" in _error(client.post(frames, json={"source": (tmp_path / "v.mp4").as_uri()}),
+                                                  403)
+        assert "is not a local file" in _error(client.post(frames, json={"source": "file://host/v.mp4"}), 400)
+        client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+        chat = {"model": "builtin", "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": (media / "cut-partway.mp4").as_uri()}},
+            {"type": "text", "text": QUESTION}]}]}
+        message = _error(client.post("/v1/chat/completions", json=chat), 400)
+        assert "cut-partway.mp4" in message and "cannot be decoded" in message, message
+        assert ".encoded" not in message and "feed it to a stream" in message, message
 
 
 def test_the_openai_client_works_unchanged(server, qa, media):
@@ -1027,6 +1051,23 @@ def test_the_page_offers_the_choices_watches_and_shows_what_each_answer_read(ser
                 assert len(client.get(f"/v1/streams/{stream_id}/history").json()["history"]) == 52
         finally:
             browser.close()
+
+
+def test_a_streams_record_keeps_the_whole_history_its_history_route_shows():
+    """A stream kept 2,000 points of history for ``GET /v1/streams/{id}/history`` and its record only the last 500,
+    so a restart cut a long stream's history to a quarter."""
+    from statekv.serve.page_record import HISTORY, page_fields, recall_page
+
+    points = [{"seconds": float(index), "frames": index + 1, "tokens": 6 * index, "carried": 64, "cache_bytes": index}
+              for index in range(HISTORY)]
+
+    def entry(history: list) -> SimpleNamespace:
+        return SimpleNamespace(id="st_1", history=history, last_frame=None, feed=None,
+                               stream=SimpleNamespace(frames=HISTORY))
+
+    restarted = entry([])
+    recall_page(restarted, json.loads(json.dumps(page_fields(entry(list(points))))))
+    assert HISTORY >= 2000 and restarted.history == points
 
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):

@@ -20,7 +20,6 @@ from .stream_settings import read_settings
 from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
-HISTORY = 2000  # points of a stream's history kept for the page
 ANSWERS = 50  # a stream's last answers, kept in its record
 
 

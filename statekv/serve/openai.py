@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 
 from ..api.encoded import METHOD_DEFAULT
 from ..core.answering.together import end_tokens
+from ..errors import FrameDecodeError
 from ..settings.values import is_finite_number
 from .errors import ServiceError
 from .healing import check_can_ask
@@ -291,6 +292,12 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
     except (ClientLeft, ServerStopped):
         service.metrics.stopped.inc()
         raise
+    except FrameDecodeError as error:  # its message tells a Python caller to ask `error.encoded`: no use over HTTP
+        if error.encoded is not None:
+            error.encoded.close()
+        raise FrameDecodeError(f"{error.reason}; a chat reads the whole file: re-encode it, or feed it to a stream "
+                               "(POST /v1/streams/{id}/frames) to ask about the frames before it",
+                               index=error.index, timestamp=error.timestamp) from None
 
 
 def _finish(streamer: TokenStreamer, max_new: int, ends: tuple[int, ...]) -> str:

@@ -16,7 +16,7 @@ from ..settings.values import is_finite_number
 
 log = logging.getLogger("statekv.serve")
 
-KEPT_POINTS = 500  # the history points a record keeps (what the page's chart draws)
+HISTORY = 2000  # the history points a stream keeps, in memory and in its record, so a restart keeps them all
 FRAME_WIDTH = 320  # the last frame is kept at most this wide
 HISTORY_FIELDS = ("seconds", "frames", "tokens", "carried", "cache_bytes")
 
@@ -45,7 +45,7 @@ def page_fields(entry: Any) -> dict[str, Any]:
     feed under way or stopped on an error, so a restart cannot hide that its file did not all go in)."""
     feed = entry.feed
     kept = feed is not None and not feed.resumable and (feed.running or feed.error)
-    return {"history": entry.history[-KEPT_POINTS:], "last_frame": _jpeg(entry.last_frame),
+    return {"history": entry.history[-HISTORY:], "last_frame": _jpeg(entry.last_frame),
             "feed": feed.describe() if kept else None}
 
 
@@ -58,7 +58,7 @@ def recall_page(entry: Any, record: dict[str, Any]) -> None:
     points = [point for point in history if _point(point)] if isinstance(history, list) else []
     held = [point for point in points if point["frames"] <= entry.stream.frames]
     if isinstance(history, list):
-        entry.history = held[-KEPT_POINTS:]
+        entry.history = held[-HISTORY:]
     _recall_feed(entry, record.get("feed"))
     frame = record.get("last_frame")
     if isinstance(frame, str) and len(held) == len(points):

@@ -30,12 +30,12 @@ from typing import Any
 from ..errors import InputError, StateKVError
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
-from .entries import ANSWERS, HISTORY, DamagedStream, StreamEntry, remove_tier
+from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
 from .errors import ServiceError, public_message, status_of
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
-from .page_record import Feed
+from .page_record import HISTORY, Feed
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
