@@ -195,13 +195,19 @@ def test_variable_frame_rate_timestamps_come_from_pts(tmp_path):
 
 
 def _timed_video(path: Path, times: list[float]) -> Path:
-    """An MP4 whose frame ``i`` (`draw_test_frame`) is at ``times[i]`` seconds."""
+    """A video file (MP4, Matroska or WebM, by its suffix) whose frame ``i`` (`draw_test_frame`) is at ``times[i]``
+    seconds."""
     from fractions import Fraction
 
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=None, options={"bf": "0"})
+        if path.suffix == ".webm":
+            stream = container.add_stream("libvpx-vp9", rate=None, options={"lossless": "1", "deadline": "realtime"})
+        else:
+            stream = container.add_stream("libx264", rate=None, options={"bf": "0"})
         stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
         stream.time_base = Fraction(1, 1000)
+        if path.suffix != ".mp4":  # else the encoder times the frames at its default 24 fps
+            stream.codec_context.time_base = Fraction(1, 1000)
         for index, time in enumerate(times):
             frame = av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")
             frame.pts, frame.time_base = round(time * 1000), Fraction(1, 1000)
@@ -210,12 +216,13 @@ def _timed_video(path: Path, times: list[float]) -> Path:
     return path
 
 
-def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
+@pytest.mark.parametrize("suffix", ["mp4", "mkv", "webm"])
+def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path, suffix):
     """Six seconds at 4 fps, then six at 1 fps (a screen recording's busy minute, then a still slide). Before: the
     frames were chosen by index at the average rate, so the busy part took most of them and seconds of the still
-    part were never seen."""
+    part were never seen; a Matroska or WebM file (which gives no frame count, nor a rate to compare) still was."""
     times = [k / 4 for k in range(24)] + [6.0 + k for k in range(6)]
-    video = open_video(_timed_video(tmp_path / "recording.mp4", times))
+    video = open_video(_timed_video(tmp_path / f"recording.{suffix}", times))
     kept = list(video.sample(max_fps=1))  # about one a second over the 11 s: the still part's frames too
     seconds = [int(frame.timestamp) for frame in kept]
     assert [read_frame_index(frame.image) for frame in kept] == [frame.index for frame in kept]
@@ -227,15 +234,16 @@ def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path):
     assert [frame.index for frame in video.sample(max_fps=1, protocol=True)] == by_index
 
 
-def test_a_variable_frame_rate_keeps_the_frame_on_screen_at_each_time(tmp_path):
+@pytest.mark.parametrize("suffix", ["mp4", "mkv"])
+def test_a_variable_frame_rate_keeps_the_frame_on_screen_at_each_time(tmp_path, suffix):
     """One frame in even seconds, three in odd ones. Taking the first frame after each time (less half a frame)
     passed over each even second's single frame, on screen the whole second; the frame on screen is taken."""
     times = [second + part / count for second in range(24) for count in [1 if second % 2 == 0 else 3]
              for part in range(count)]
-    video = open_video(_timed_video(tmp_path / "uneven.mp4", times))
+    video = open_video(_timed_video(tmp_path / f"uneven.{suffix}", times))
     assert video.variable_rate
-    seconds = [int(frame.timestamp) for frame in video.sample(max_fps=1)]  # 23 planned: the file reads as 23.7 s
-    assert seconds == list(range(23)), seconds  # each even second's lone frame too
+    seconds = [int(frame.timestamp) for frame in video.sample(max_fps=1)]  # 23 or 24 planned, as its file's length
+    assert seconds == list(range(len(seconds))) and len(seconds) >= 23, seconds  # each even second's lone frame too
 
 
 def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):
@@ -243,8 +251,18 @@ def test_container_without_frame_count_is_counted_by_demuxing(tmp_path):
     with av.open(str(path)) as container:
         assert container.streams.video[0].frames == 0  # Matroska stores no count: the fallback is needed
     video = open_video(path)
-    assert video.num_frames == 25
+    assert video.num_frames == 25 and not video.variable_rate
     assert [read_frame_index(f.image) for f in video.frames()] == list(range(25))
+
+
+@pytest.mark.parametrize("suffix", ["mkv", "webm"])
+@pytest.mark.parametrize("fps", [1, 30, 60, 120])
+def test_a_constant_rate_file_without_a_frame_count_is_sampled_by_index_as_before(tmp_path, suffix, fps):
+    """Times rounded to the container's milliseconds are still evenly spaced: the frames kept are those by index."""
+    video = open_video(_timed_video(tmp_path / f"steady.{suffix}", [index / fps for index in range(3 * fps)]))
+    assert not video.variable_rate and video.num_frames == 3 * fps
+    wanted = source_frame_indices(video.num_frames, video.fps, max_fps=0.5 * fps)
+    assert [frame.index for frame in video.sample(max_fps=0.5 * fps)] == wanted
 
 
 @pytest.mark.parametrize("start", [0, 100])

@@ -68,9 +68,9 @@ class Video(ABC):
 
     Attributes: ``name`` (for messages), ``num_frames``, ``fps`` (average frame rate), ``duration``
     (seconds), ``width`` and ``height`` (of the first frame, pixels), ``content_end`` (seconds: where the packets of
-    every stream of a file end, when a demux pass read them all; None otherwise), ``variable_rate`` (a file that
-    gives its frame count, MP4 or MOV, whose frames are not evenly spaced: its average rate and its frames' own rate
-    differ).
+    every stream of a file end, when a demux pass read them all; None otherwise), ``variable_rate`` (a file whose
+    frames are not evenly spaced: in an MP4 or MOV, which gives its frame count, its average rate and its frames' own
+    rate differ; in a file read by a demux pass, its frames' typical and average gaps).
     Each reading method starts a new single forward pass over the source and returns a generator.
     """
 
@@ -192,6 +192,7 @@ class FileVideo(Video):
         self.path = path
         self.name = str(path)
         self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
+        self._uneven = False  # the same pass found its frames' times unevenly spaced
         with self._open() as container:
             stream = self._video_stream(container)
             self._stream_index = stream.index
@@ -213,9 +214,9 @@ class FileVideo(Video):
                 duration = self.num_frames / timed
             self.duration = duration if duration else self.num_frames / self.fps
             # frames not evenly spaced: the average rate is not the rate a frame's own duration gives (a container
-            # without a frame count has neither but guesses, and is read by index as before)
+            # without a frame count has neither but guesses: there the spacing of its frames' times tells)
             own = None if self._frame_rate else stream.base_rate or stream.guessed_rate
-            self.variable_rate = bool(own) and not 0.95 < self.fps / float(own) < 1.05
+            self.variable_rate = self._uneven or bool(own) and not 0.95 < self.fps / float(own) < 1.05
         self.turn = self._first_turn()
         if self.turn.sideways:
             self.width, self.height = self.height, self.width
@@ -253,7 +254,7 @@ class FileVideo(Video):
     def _count_packets(self, container: Any, stream: Any) -> int:
         """The video stream's packets, counted in one demux pass of every stream, which also finds where the
         file's content ends (`content_end`: a header's duration may count an audio stream longer than the video)."""
-        count, end, first, last = 0, None, None, None
+        count, end, shown = 0, None, []
         try:
             for packet in container.demux():
                 if not packet.size:
@@ -263,16 +264,16 @@ class FileVideo(Video):
                 if at is not None and packet.time_base:
                     ends = float((at + (packet.duration or 0)) * packet.time_base)
                     end = ends if end is None else max(end, ends)
-                    if packet.stream.index == stream.index:  # in decoding order: the earliest and latest frames
-                        shown = float(at * packet.time_base)
-                        first = shown if first is None else min(first, shown)
-                        last = shown if last is None else max(last, shown)
+                    if packet.stream.index == stream.index:
+                        shown.append(float(at * packet.time_base))
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
         if end is not None:
             self.content_end = end - (container.start_time or 0) / av.time_base
-        if count > 1 and first is not None and last > first:
-            self._frame_rate = (count - 1) / (last - first)  # what the frames' own times say
+        shown.sort()  # packets come in decoding order
+        if count > 1 and len(shown) > 1 and shown[-1] > shown[0]:
+            self._frame_rate = (count - 1) / (shown[-1] - shown[0])  # what the frames' own times say
+            self._uneven = _uneven(shown, float(stream.time_base or 0))
         return count
 
     @staticmethod
@@ -335,6 +336,14 @@ class ImageSequenceVideo(Video):
     def _pending_frames(self) -> Iterator[_PendingFrame]:
         for index, item in enumerate(self._items):
             yield _PendingFrame(index, index / self.fps, partial(self._load, item))
+
+
+def _uneven(times: list[float], tick: float) -> bool:
+    """Whether frames shown at ``times`` (sorted, seconds) are unevenly spaced: their typical gap (the median) and
+    their average one differ by more than 5%, or than a gap's rounding to its container's ``tick`` can make them."""
+    gaps = sorted(later - earlier for earlier, later in zip(times, times[1:]))
+    typical, average = gaps[len(gaps) // 2], (times[-1] - times[0]) / len(gaps)
+    return abs(typical - average) > max(0.05 * average, 1.5 * tick)
 
 
 def cut_short(video: Any, frames_end: float, max_fps: float) -> float | None:
