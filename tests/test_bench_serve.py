@@ -210,7 +210,8 @@ def test_a_sweep_whose_every_request_failed_names_the_error_and_exits_1(monkeypa
 
 
 def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_path, capsys):
-    """Before: Ctrl-C in the third run of --streams 1,4,16 lost the first two (no table, no JSON)."""
+    """Before: Ctrl-C in the third run of --streams 1,4,16 lost the first two (no table, no JSON); in the first, it
+    wrote no JSON, so an earlier sweep's file at ``--json`` read as this one's."""
     from statekv.cli import main
 
     def run_or_stop(self, count):
@@ -234,6 +235,17 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
     assert document["interrupted"] is True and [row["streams"] for row in document["results"]] == [1]
     assert "--api-key KEY --streams" in document["command"] and "secret-key" not in out.read_text()  # shared
     assert shlex.split(document["command"])[-1] == str(out)  # pasted into a shell, a path with a space is one
+
+    out.write_text('{"results": "an earlier sweep"}')  # stopped in its first run: said, and the file is this run's
+
+    def stop_at_once(self, count):
+        raise KeyboardInterrupt
+
+    _probe_runs(monkeypatch, stop_at_once)
+    assert main(argv) == 130
+    assert "interrupted before a run finished: nothing was measured" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True and document["results"] == []
 
 
 def test_a_server_that_dies_during_the_runs_ends_them_in_one_line_after_reporting_those_finished(

@@ -204,12 +204,14 @@ def run(args: argparse.Namespace) -> int:
         elif args.find_max:
             document["max_streams_held"], document["search_complete"] = most
             document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
-        print(table(rows))
+        if rows:
+            print(table(rows))
         failed = failure_lines(rows)
         if failed:
             print("\n" + "\n".join(failed))
         if interrupted:
-            print("\ninterrupted: the runs above finished before the stop")
+            print("\ninterrupted: the runs above finished before the stop" if rows
+                  else "interrupted before a run finished: nothing was measured")
         elif args.find_max:
             held, complete = most
             why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
         if "json" in outputs:
             write_json(outputs["json"], document)
-        if "plot" in outputs:
+        if "plot" in outputs and rows:
             plot(rows, outputs["plot"], targets, f"statekv bench serve: {where.get('model') or where.get('url')}, "
                                                  f"{args.fps:g} fps")
 
@@ -234,9 +236,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)
-    except (KeyboardInterrupt, ServerError):  # a stop, or the server it started died: the runs that finished are
+    except (KeyboardInterrupt, ServerError) as error:  # a stop, or the server died: the runs that finished are
         finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # reported first
-        if finished:
+        if finished or isinstance(error, KeyboardInterrupt):  # stopped before any: so the JSON says, not an old one
             report(finished, None, where, interrupted=True)
         raise
     report(rows, most, where)
