@@ -345,6 +345,16 @@ def test_modes_are_checked_and_recorded(tmp_path, capsys):
     assert ("statekv eval: warning: --max-frames 5 does not cap a stream, which reads each question's frames up to "
             "its time\n") in capsys.readouterr().err  # before: ignored unsaid
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["method_label"] == "SimpleStream N=4"
+    from statekv.eval.command import uncapped_warning
+
+    sb = {mode: EvalConfig.for_model("streamingbench", "builtin", data, tmp_path / "sb", mode=mode)
+          for mode in ("streaming", "offline")}
+    assert uncapped_warning(5, sb["offline"]) == ("--max-frames 5 does not cap StreamingBench's offline mode, which "
+                                                  "reads each question's frames up to its time")  # before: unsaid
+    assert uncapped_warning(5, sb["streaming"]).endswith("does not cap a stream, which reads each question's frames "
+                                                         "up to its time")
+    assert uncapped_warning(512, sb["offline"]) is None and uncapped_warning(None, sb["offline"]) is None
+    assert uncapped_warning(5, EvalConfig.for_model("videomme", "builtin", data, tmp_path / "v")) is None
 
 
 @pytest.mark.slow

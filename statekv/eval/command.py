@@ -110,7 +110,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from statekv.errors import ConfigurationError
     from statekv.settings.options import ModelOptions
     from statekv.eval.distributed import RankContext
-    from statekv.eval.runner import EvalConfig, default_max_frames, run_evaluation
+    from statekv.eval.runner import EvalConfig, run_evaluation
 
     context = RankContext.from_env()
     _configure_logging(context.rank if context.distributed else None)
@@ -132,10 +132,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from_hub=getattr(args, "from_hub", False), max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
         overwrite=args.overwrite,
     )
-    if args.max_frames not in (None, default_max_frames(config.benchmark)) and config.mode == "streaming" \
-            and context.rank == 0:  # (the paper's cap, typed for every benchmark alike, is no surprise)
-        print(f"statekv eval: warning: --max-frames {args.max_frames} does not cap a stream, which reads each "
-              "question's frames up to its time", file=sys.stderr, flush=True)
+    uncapped = uncapped_warning(args.max_frames, config)
+    if uncapped and context.rank == 0:
+        print(f"statekv eval: warning: {uncapped}", file=sys.stderr, flush=True)
     summary = run_evaluation(config, context=context)
     if summary is None:  # not rank 0
         return 0
@@ -162,6 +161,22 @@ def run_benchmark(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return FAILED_RECORDS
     return 0
+
+
+def uncapped_warning(max_frames: int | None, config) -> str | None:
+    """What to warn of a ``--max-frames`` the run ignores (a run that reads each question's frames up to its time:
+    a stream, or StreamingBench's offline mode, a stream made for each question); None where it caps, or where it is
+    the benchmark's default (the paper's cap, typed for every benchmark alike, is no surprise)."""
+    from statekv.eval.runner import default_max_frames
+
+    if max_frames in (None, default_max_frames(config.benchmark)):
+        return None
+    if config.mode == "streaming":
+        return f"--max-frames {max_frames} does not cap a stream, which reads each question's frames up to its time"
+    if config.benchmark == "streamingbench":
+        return (f"--max-frames {max_frames} does not cap StreamingBench's offline mode, which reads each question's "
+                "frames up to its time")
+    return None
 
 
 def _families_line(families: dict[str, dict]) -> str | None:
