@@ -496,6 +496,32 @@ def _errors_counted(client, status: int, route: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(wanted))
 
 
+def test_a_streamed_answer_whose_client_leaves_is_counted_as_a_499(server):
+    """Before: only an answer not streamed was counted in ``statekv_errors_total`` when its client left; a streamed
+    one, the common case, was not, so a dashboard of abandoned answers saw none."""
+    with server.client() as client:
+        stream_id = _create(client)
+        client.post(f"/v1/streams/{stream_id}/frames", content=_png(random_frames(1, 3, *SIZE)[0]),
+                    headers={"Content-Type": "image/png"}).raise_for_status()
+        chat = {"model": "builtin", "max_tokens": 512, "stream": True, "statekv": {"stream_id": stream_id},
+                "messages": [{"role": "user", "content": QUESTION}]}
+        ask = {"question": QUESTION, "max_new_tokens": 512, "stream": True}
+        for route, path, body, short in (
+                ("POST /v1/chat/completions", "/v1/chat/completions", chat, {**chat, "max_tokens": 2}),
+                ("POST /v1/streams/{stream_id}/ask", f"/v1/streams/{stream_id}/ask", ask, {**ask, "max_new_tokens": 2})):
+            before = _errors_counted(client, 499, route)
+            with server.client() as leaving, leaving.stream("POST", path, json=body) as events:
+                assert events.status_code == 200
+                next(line for line in events.iter_lines() if line.startswith("data: "))  # then the client leaves
+            deadline = time.monotonic() + 60
+            while _errors_counted(client, 499, route) == before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _errors_counted(client, 499, route) == before + 1, route
+            finished = client.post(path, json=short)  # streamed too, and read whole
+            assert finished.status_code == 200 and _errors_counted(client, 499, route) == before + 1
+        client.delete(f"/v1/streams/{stream_id}").raise_for_status()
+
+
 def test_odd_requests_are_one_line_client_errors_never_server_faults(server):
     """A file URL urllib cannot parse, a client gone before its body was whole, names of any length, a watch question
     too long, retrieve asked of a method that retrieves nothing, sinks that overflow with the prompt, an empty form."""

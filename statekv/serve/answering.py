@@ -1,6 +1,6 @@
 """What an answer over HTTP needs around `Stream.ask_tokens`: the question's room checked (`prompt_tokens`), and an
 answer stopped between two tokens once its client has gone away (`ClientLeft`) or once the server, stopping, can wait
-no longer (`ServerStopped`): `answer_arguments` and `check_answer`."""
+no longer (`ServerStopped`) or its stream is deleted (`StreamDeleted`): `answer_arguments` and `check_answer`."""
 
 from __future__ import annotations
 
@@ -50,33 +50,59 @@ class ServerStopped(ServiceError):
                          headers={"Retry-After": "10"})
 
 
-def answer_arguments(stopping: threading.Event, streamer: Any = None) -> dict[str, Any]:
+class StreamDeleted(ServiceError):
+    """The stream was deleted while it answered: the answer was stopped between two tokens and is not recorded."""
+
+    def __init__(self, stream_id: str, tokens: int | None):
+        what = "" if tokens is None else f"; the answer was stopped after {tokens} tokens"
+        super().__init__(404, f"stream {stream_id} was deleted while answering{what}")
+
+
+class StopOnDeletion(StopOnceSet):
+    """Stops an answer once its stream is deleted (``entry.deleting`` set), so a deletion waits for no answer."""
+
+    def __init__(self, entry: Any):
+        super().__init__(entry.deleting)
+        self.stream_id = entry.id
+
+
+def answer_arguments(stopping: threading.Event, streamer: Any = None, entry: Any = None) -> dict[str, Any]:
     """``generate``'s arguments for an answer over HTTP: a stop once ``stopping`` is set (the server can wait for
-    answers no longer) and, answering token by token through ``streamer`` (a `sse.TokenStreamer`), the streamer, a
-    stop once its client has gone away and one once its text meets a stop sequence."""
+    answers no longer); asking a served stream (``entry``, a `StreamEntry`), a stop once it is deleted; and,
+    answering token by token through ``streamer`` (a `sse.TokenStreamer`), the streamer, a stop once its client has
+    gone away and one once its text meets a stop sequence."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+    criteria = [StopOnceSet(stopping)] + ([StopOnDeletion(entry)] if entry is not None else [])
     if streamer is None:
-        return {"stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping)])}
+        return {"stopping_criteria": StoppingCriteriaList(criteria)}
     stops = [StopAtText(streamer)] if streamer.stops.stops else []
-    return {"streamer": streamer, "stopping_criteria": StoppingCriteriaList([StopOnceSet(stopping),
-                                                                             StopOnceSet(streamer.gone), *stops])}
+    return {"streamer": streamer,
+            "stopping_criteria": StoppingCriteriaList([*criteria, StopOnceSet(streamer.gone), *stops])}
 
 
 def check_answer(kwargs: dict[str, Any], tokens: Any = None, model: Any = None) -> None:
-    """`ClientLeft` when the client answered through ``kwargs``' streamer has gone away; `ServerStopped` when the
-    server stopped answering before the answer (its token ids ``[1, N]``, once given, by ``model``) was whole: an
-    answer that reached its ``max_new_tokens`` or one of ``model``'s end tokens is whole, even where the stop came
-    as its last token was made. ``kwargs``: what `answer_arguments` made, among the answer's other arguments."""
+    """`ClientLeft` when the client answered through ``kwargs``' streamer has gone away; `StreamDeleted` when the
+    stream was deleted, or `ServerStopped` when the server stopped answering, before the answer (its token ids
+    ``[1, N]``, once given, by ``model``) was whole: an answer that reached its ``max_new_tokens`` or one of
+    ``model``'s end tokens is whole, even where the stop came as its last token was made. ``kwargs``: what
+    `answer_arguments` made, among the answer's other arguments."""
     streamer = kwargs.get("streamer")
     if streamer is not None and streamer.gone.is_set():
         raise ClientLeft(streamer.tokens)
     server = kwargs["stopping_criteria"][0]
+    deletion = next((stop for stop in kwargs["stopping_criteria"] if isinstance(stop, StopOnDeletion)), None)
     if tokens is None:
+        if deletion is not None and deletion.event.is_set():
+            raise StreamDeleted(deletion.stream_id, None)
         if server.event.is_set():
             raise ServerStopped(None)
         return
     count = int(tokens.shape[1])
     ended = count > 0 and int(tokens[0, -1]) in end_tokens(getattr(model, "generation_config", None))
-    if server.stopped and count < kwargs["max_new_tokens"] and not ended:
+    if count >= kwargs["max_new_tokens"] or ended:
+        return
+    if deletion is not None and deletion.stopped:
+        raise StreamDeleted(deletion.stream_id, count)
+    if server.stopped:
         raise ServerStopped(count)

@@ -49,6 +49,8 @@ class StreamEntry:
     updated: float | None = None  # when a frame last arrived (unix time)
     used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)
     deleted: bool = False
+    deleting: threading.Event = field(default_factory=threading.Event, repr=False)  # set once deleted: an answer
+    # under way stops at its next token (`answering.answer_arguments`)
     moved: bool = False  # let go to another replica sharing the state folder
     quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
@@ -132,6 +134,8 @@ class StreamEntry:
         with self.recording:
             for name, value in state.items():
                 setattr(self, name, value)
+        if state.get("deleted"):
+            self.deleting.set()
 
     def record(self) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and

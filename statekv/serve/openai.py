@@ -252,13 +252,14 @@ async def chat(request: Request, service: Served):
             raise
         finish = lambda: _finish(streamer, max_new, ends)  # noqa: E731
         return EventStream(_chunks(service, request, streamer, task, completion, model, finish, include_usage, reading),
-                           release, streamer)
+                           release, streamer, service.metrics)
     async with service.ask_slots.hold():
         streamer = TokenStreamer(service.qa.adapter.tokenizer, asyncio.get_running_loop(), stops=stops, whole=True)
         result = await whole_answer(request, streamer, work(streamer))
         service.answered("chat", time.perf_counter() - streamer.started_at)
-    # cut where the streamer met the stop: the answer's text, stripped, may have lost a stop's last whitespace
-    content = stops.cut(streamer.text())[0].strip() if streamer.halted.is_set() else result["answer"]
+    # cut where the streamer met the stop, as the streamed text is: the answer's text, stripped, may have lost a
+    # stop's last whitespace, and the text before a stop keeps its own
+    content = stops.cut(streamer.text())[0] if streamer.halted.is_set() else result["answer"]
     return JSONResponse({
         "id": completion, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, StateKVError
-from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
+from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
 from .errors import ServiceError, public_message, status_of
@@ -401,7 +401,7 @@ class StreamRegistry:
         to, the tokens it read and wrote (``usage``) and how long it took (``latency``, queueing included)."""
         await self.heal(entry)  # the page asks a stream it holds, not found again
         kwargs = {"max_new_tokens": max_new_tokens, "retrieve": retrieve,
-                  **answer_arguments(self.answers_stopping, streamer)}
+                  **answer_arguments(self.answers_stopping, streamer, entry)}
         started = time.perf_counter()
         queue = getattr(self.worker, "queue_ask", None)
         try:
@@ -412,7 +412,7 @@ class StreamRegistry:
                 result = await queue(stream, question, kwargs,
                                      before=lambda: self._before_ask(entry, question, kwargs, stream),
                                      after=lambda prompt, tokens: self._after_ask(entry, prompt, tokens, kwargs))
-        except (ClientLeft, ServerStopped):
+        except (ClientLeft, ServerStopped, StreamDeleted):
             if self.metrics:
                 self.metrics.stopped.inc()
             raise

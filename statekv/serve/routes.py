@@ -155,7 +155,7 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
     except BaseException:
         release()
         raise
-    return EventStream(_sse_answer(service, request, entry, streamer, task), release, streamer)
+    return EventStream(_sse_answer(service, request, entry, streamer, task), release, streamer, service.metrics)
 
 
 async def _sse_answer(service, request: Request, entry, streamer: TokenStreamer, task: asyncio.Future) -> Any:

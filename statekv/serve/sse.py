@@ -4,6 +4,7 @@ loop, and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -148,11 +149,20 @@ def event(data: Any, name: str | None = None) -> str:
 class EventStream(StreamingResponse):
     """Server-sent events holding a slot until the response is over, however it ends: ``release`` (from
     `limits.Slots.take`) is called once the events are sent, the client left, or the response never started; so is
-    the stop of the answer ``streamer`` gives, where one does (its generation, if still running, stops)."""
+    the stop of the answer ``streamer`` gives, where one does (its generation, if still running, stops). An answer
+    whose client left before its last event is counted as a 499 in ``metrics`` (a `metrics.Metrics`), as one not
+    streamed is."""
 
-    def __init__(self, events: Any, release: Any, streamer: TokenStreamer | None = None):
-        super().__init__(events, media_type="text/event-stream")
-        self.release, self.streamer = release, streamer
+    def __init__(self, events: Any, release: Any, streamer: TokenStreamer | None = None, metrics: Any = None):
+        self.finished = False
+        super().__init__(self._through(events), media_type="text/event-stream")
+        self.release, self.streamer, self.metrics = release, streamer, metrics
+
+    async def _through(self, events: Any):
+        async with contextlib.aclosing(events):
+            async for item in events:
+                yield item
+        self.finished = True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -160,4 +170,6 @@ class EventStream(StreamingResponse):
         finally:
             if self.streamer is not None:
                 self.streamer.gone.set()
+                if not self.finished and self.metrics is not None:
+                    self.metrics.error(499, scope)
             self.release()
