@@ -508,7 +508,8 @@ def test_a_streamed_answer_whose_client_leaves_is_counted_as_a_499(server):
         ask = {"question": QUESTION, "max_new_tokens": 512, "stream": True}
         for route, path, body, short in (
                 ("POST /v1/chat/completions", "/v1/chat/completions", chat, {**chat, "max_tokens": 2}),
-                ("POST /v1/streams/{stream_id}/ask", f"/v1/streams/{stream_id}/ask", ask, {**ask, "max_new_tokens": 2})):
+                ("POST /v1/streams/{stream_id}/ask", f"/v1/streams/{stream_id}/ask", ask,
+                 {**ask, "max_new_tokens": 2})):
             before = _errors_counted(client, 499, route)
             with server.client() as leaving, leaving.stream("POST", path, json=body) as events:
                 assert events.status_code == 200

@@ -36,7 +36,8 @@ class Metrics:
         self.frames = Counter("statekv_frames", "frames encoded into streams (kept frames)", registry=self.registry)
         self.asks = Counter("statekv_asks", "questions answered", ["route"], registry=self.registry)
         self.stopped = Counter("statekv_answers_stopped", "answers stopped between tokens (or not begun): their "
-                               "client went away, their stream was deleted, or the server stopped", registry=self.registry)
+                               "client went away, their stream was deleted, or the server stopped",
+                               registry=self.registry)
         self.errors = Counter("statekv_errors", "requests answered with an error, by status and the route they took",
                               ["status", "route"], registry=self.registry)
         self.ask_seconds = Histogram("statekv_ask_seconds", "time from a question's arrival to its full answer",
