@@ -240,8 +240,13 @@ def test_a_bad_question_fails_alone_and_bad_items_are_one_line_errors(builtin, s
     assert answers[1] == streams[1].ask(COLOUR, max_new_tokens=2)
     with pytest.raises(InputError, match="the question is empty"):
         builtin.ask_many([(streams[0], ""), (streams[1], COLOUR)])
-    with pytest.raises(InputError, match=r"ask_many takes \(stream, question\)"):
+    with pytest.raises(InputError, match=r"ask_many takes \(stream, question\) .* got tuple of 4"):
+        builtin.ask_many([(streams[0], COLOUR, {}, 4)])
+    with pytest.raises(InputError, match=r"ask_many asks streams \(from VideoQA.stream\), got str$"):
         builtin.ask_many([("not a stream", COLOUR)])
+    with builtin.encode(scenes[:3], max_fps=100) as encoded:  # before: "got tuple", of the very shape asked for
+        with pytest.raises(InputError, match="got EncodedVideo: ask it with its own .ask"):
+            builtin.ask_many([(encoded, COLOUR)])
     with pytest.raises(InputError, match="ask_many takes a list"):
         builtin.ask_many("What?")
     with pytest.raises(InputError, match="ask_kwargs must be a dict"):

@@ -426,6 +426,20 @@ def test_answer_does_not_call_a_file_whose_audio_outlasts_its_video_cut_short(fi
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_stop_while_the_model_loads_says_nothing_was_saved(files, tmp_path, capsys, monkeypatch):
+    """Before: `statekv stream --save FILE` stopped while its model loaded said "stopped by SIGTERM" and no more, so
+    whether FILE held anything was left to guess (once streaming, the stop says what it saved)."""
+    def stopped_while_loading(options, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(statekv.VideoQA, "from_options", stopped_while_loading)
+    saved = tmp_path / "kept.safetensors"
+    assert main(["stream", str(files["video"]), "--model", str(files["model"]), "--save", str(saved)]) == 130
+    assert capsys.readouterr().err.strip() == (f"statekv stream: interrupted; nothing was streamed yet, so nothing was "
+                                               f"saved to {saved}")
+    assert not saved.exists()
+
+
 def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(files, tmp_path, capsys, monkeypatch):
     """Before: a second Ctrl-C held back during the save was raised as it ended, before the command said where the
     stream was saved and printed its summary: "interrupted", and nothing more, for a stream that was saved."""

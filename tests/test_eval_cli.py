@@ -160,6 +160,12 @@ def test_errors_are_one_line(checkpoint, data_root, tmp_path, capsys):
     assert command.main(arguments("videomme", checkpoint, tmp_path / "nowhere", tmp_path / "o")) == 2
     error = capsys.readouterr().err
     assert error.startswith("statekv eval: error: no annotation file found") and error.count("\n") == 1
+    (tmp_path / "no set").mkdir()
+    for where, made in (("nowhere", "no folder"), ("no set", "a folder with no questions.jsonl")):
+        assert command.main(arguments("synthetic", checkpoint, tmp_path / where, tmp_path / "o")) == 2
+        assert capsys.readouterr().err == (  # before: "annotation file not found", with no word of how to make one
+            f"statekv eval: error: {tmp_path / where} is {made}: a synthetic set is a folder `statekv synthetic make "
+            f"--out {tmp_path / where}` writes\n")
 
     out = tmp_path / "run"
     assert command.main(arguments("mlvu", checkpoint, data_root, out, "--limit", "1")) == 0

@@ -301,7 +301,8 @@ def test_sources_stay_inside_the_media_root(server, media, tmp_path):
 def test_a_feed_takes_a_file_url_and_a_chat_over_a_file_cut_short_says_what_to_do_over_http(server, media, tmp_path):
     """A feed's ``source`` given as a ``file://`` URL (as a chat's ``video_url`` is) was looked for as a path under
     the media root whose first folder is ``file:`` (a 404); a chat over a file that stops partway answered with a
-    hint to read the error's ``.encoded``, an attribute only a Python caller has."""
+    hint to read the error's ``.encoded``, an attribute only a Python caller has; a chat's later turn, asking about
+    the video its first turn gave, was refused for want of one."""
     shutil.copy(bad_videos.cut_after_header(tmp_path, frames=40, fps=4, keep=0.6), media / "cut-partway.mp4")
     with server.client() as client:
         stream_id = _create(client, max_fps=1.0, horizon_frames=64)
@@ -318,6 +319,14 @@ def test_a_feed_takes_a_file_url_and_a_chat_over_a_file_cut_short_says_what_to_d
         message = _error(client.post("/v1/chat/completions", json=chat), 400)
         assert "cut-partway.mp4" in message and "cannot be decoded" in message, message
         assert ".encoded" not in message and "feed it to a stream" in message, message
+        video = {"type": "video_url", "video_url": {"url": _video(media).as_uri()}}
+        turns = [{"role": "user", "content": [video, {"type": "image_url", "image_url": {"url": "x"}}]},
+                 {"role": "assistant", "content": "Noted."}, {"role": "user", "content": QUESTION}]
+        later = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": NEW_TOKENS})
+        first = client.post("/v1/chat/completions", json={"max_tokens": NEW_TOKENS, "messages": [
+            {"role": "user", "content": [video, {"type": "text", "text": QUESTION}]}]})
+        assert later.status_code == 200, later.text  # before: a 400 asking for the video_url part it had
+        assert later.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
 
 
 def test_the_openai_client_works_unchanged(server, qa, media):
@@ -873,11 +882,11 @@ def test_limits_answer_429_with_retry_after(server):
             client.delete(f"/v1/streams/{other}").raise_for_status()
 
 
-def launched_chromium(playwright):
-    """Debian's chromium, headless, through Playwright (the page tests' browser)."""
+def launched_chromium(playwright, *extra: str):
+    """Debian's chromium, headless, through Playwright (the page tests' browser), with ``extra`` arguments."""
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
         "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run"])
+        "--no-first-run", *extra])
 
 
 def _shown(page, selector: str) -> str:

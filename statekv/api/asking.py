@@ -47,10 +47,12 @@ def ask_together(qa: Any, items: Iterable[Any], *, return_exceptions: bool = Fal
 
 
 def _checked_item(qa: Any, item: Any) -> tuple:
-    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3) \
-            or not isinstance(item[0], (Stream, RecentFrames)):
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
         raise InputError("ask_many takes (stream, question) or (stream, question, ask_kwargs) items, got "
-                         f"{type(item).__name__}")
+                         f"{type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else ""))
+    if not isinstance(item[0], (Stream, RecentFrames)):
+        hint = ": ask it with its own .ask" if type(item[0]).__name__ == "EncodedVideo" else ""
+        raise InputError(f"ask_many asks streams (from VideoQA.stream), got {type(item[0]).__name__}{hint}")
     stream, question, kwargs = (*item, {}) if len(item) == 2 else item
     if stream.qa is not qa:
         raise InputError(f"ask_many: {stream.name} belongs to another VideoQA")

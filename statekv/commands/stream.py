@@ -116,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
     warn_past_the_end(args.ask, video.duration)
     warn_free_form("stream", args.model, [question for _, question in [*args.ask, *args.watch]])
     quiet_libraries()
-    qa = VideoQA.from_options(options)
+    try:
+        qa = VideoQA.from_options(options)
+    except KeyboardInterrupt as stop:  # stopped while the model loads: nothing to keep, and that is said
+        if save is not None:
+            note_kept(stop, f"nothing was streamed yet, so nothing was saved to {save}")
+        raise
     if args.resume is not None:
         stream = resumed(args, qa, video.name)
     else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch

@@ -155,6 +155,11 @@ def load_synthetic(data_root: Path | str, *, annotation: AnnotationArg = None,
             and (folder / MAKING_FILE).is_file():  # its question file is written last
         raise MissingFileError(f"{folder} holds a synthetic make that was stopped before its question file was "
                                "written: run the same `statekv synthetic make` command again to finish it")
+    if annotation is None and not (folder / QUESTIONS_FILE).exists() and not (folder / STREAMING_FILE).exists():
+        made = "no folder" if not folder.exists() else "a file, not a folder" if not folder.is_dir() else \
+            f"a folder with no {QUESTIONS_FILE}"
+        raise MissingFileError(f"{folder} is {made}: a synthetic set is a folder `statekv synthetic make --out "
+                               f"{folder}` writes")
     if annotation is None and not (folder / QUESTIONS_FILE).exists() and (folder / STREAMING_FILE).is_file():
         path = folder / STREAMING_FILE
         return synthetic_streaming_questions(read_rows([path]), folder, check_videos=check_videos, source=str(path))

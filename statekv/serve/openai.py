@@ -1,8 +1,8 @@
 """OpenAI-compatible routes: ``GET /v1/models`` and ``POST /v1/chat/completions``.
 
-A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``) is encoded with the server's
-default method settings and answered; ``"statekv": {"stream_id": ID}`` asks one of the caller's live streams
-instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the
+A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``; the last user message's, or
+else the latest earlier one's) is encoded with the server's default method settings and answered;
+``"statekv": {"stream_id": ID}`` asks one of the caller's live streams instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the
 tokens the answer read (the video's tokens and the prompt's) and the tokens it generated.
 
 An answer reads the video and the last user message only: system messages and earlier turns are not read (a
@@ -147,14 +147,35 @@ def not_read(messages: list) -> dict[str, int]:
             if count}
 
 
-def parse_messages(messages: Any) -> tuple[str, list[str]]:
-    """The question (text of the last user message) and its video URLs."""
+def parse_messages(messages: Any) -> tuple[str, list[str], list[str]]:
+    """The question (text of the last user message), its video URLs, and those of the latest earlier user message
+    that gives any (a chat's later turns ask about the video its first one gave)."""
     if not isinstance(messages, list) or not messages:
         raise ServiceError(400, "messages must be a non-empty list")
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     if not users:
         raise ServiceError(400, "no user message")
-    content = users[-1].get("content")
+    texts, videos = _parts(users[-1])
+    question = " ".join(text.strip() for text in texts if text.strip())
+    if not question:
+        raise ServiceError(400, "the user message has no question text")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
+    earlier = next((found for user in reversed(users[:-1]) if (found := _video_urls(user))), [])
+    return question, videos, earlier
+
+
+def _video_urls(message: dict) -> list[Any]:
+    """The video URLs of an earlier user message (nothing else of it is read, so nothing else is checked)."""
+    content = message.get("content")
+    return [part["video_url"].get("url") for part in content if isinstance(part, dict)
+            and part.get("type") == "video_url" and isinstance(part.get("video_url"), dict)] \
+        if isinstance(content, list) else []
+
+
+def _parts(message: dict) -> tuple[list[str], list[Any]]:
+    """A user message's texts and video URLs."""
+    content = message.get("content")
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list):
         raise ServiceError(400, "a message's content is a string or a list of parts")
@@ -171,12 +192,7 @@ def parse_messages(messages: Any) -> tuple[str, list[str]]:
             raise ServiceError(400, "a video_url part's video_url must be an object, {\"url\": \"file:///...\"}")
         else:
             raise ServiceError(400, f"unsupported content part {shown(kind or part)}: give text and video_url parts")
-    question = " ".join(text.strip() for text in texts if text.strip())
-    if not question:
-        raise ServiceError(400, "the user message has no question text")
-    if len(question) > MAX_QUESTION_CHARS:
-        raise ServiceError(413, f"the question is {len(question)} characters, over the limit of {MAX_QUESTION_CHARS}")
-    return question, videos
+    return texts, videos
 
 
 router = APIRouter()
@@ -207,7 +223,7 @@ async def chat(request: Request, service: Served):
     owner = service.keys.require(request)
     body = await read_json(request, config.max_body_bytes)
     model = model_name(body, service.model_id)
-    question, videos = parse_messages(body.get("messages"))
+    question, videos, earlier = parse_messages(body.get("messages"))
     reading = {"read": READ, **({"not_read": left} if (left := not_read(body["messages"])) else {}),
                **({"decoding": "greedy", "not_applied": ignored} if (ignored := not_applied(body)) else {})}
     max_new = answer_length(body)
@@ -231,6 +247,7 @@ async def chat(request: Request, service: Served):
             check_can_ask(entry)  # refused with its status, before the events start
         work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
     else:
+        videos = videos or earlier  # a later turn asks about the video an earlier one gave
         if len(videos) != 1:
             raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
                                     "or statekv.stream_id")

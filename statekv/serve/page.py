@@ -44,6 +44,9 @@ PAGE_NEW_TOKENS = 16
 REFRESH_SECONDS = 0.5
 CHART_POINTS = 500
 RECONNECT_SECONDS = 10.0  # a tab that lost its connection is kept this long for it to come back
+RESTORE_SECONDS = 10.0  # how long a tab that just loaded may take to say what it remembers
+ACCEPTED = "video/*,.mp4,.m4v,.mov,.mkv,.webm,.avi,.ts,.m2ts,.mts,.3gp,.flv,.wmv,.mpg,.mpeg,.ogv"  # by type or
+# name: some browsers give no type for Matroska or transport streams (the server's decoding decides in the end)
 
 
 def mount_page(app: FastAPI, service: Any) -> None:
@@ -70,6 +73,7 @@ class StreamPage:
         self.shown: dict[str, Any] = {}  # what the elements last showed, so a refresh changes only what changed
         self.rows: dict[str, Any] = {}
         self.answering: set[TokenStreamer] = set()  # the tab's questions under way, stopped once it is gone
+        self.camera_stream: str | None = None  # the stream the tab's camera feeds
 
     # -- layout ----------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -87,8 +91,8 @@ class StreamPage:
                 ui.button("use key", on_click=self.use_key).props("outline")
                 self.key_status = ui.label("").classes("text-caption statekv-key-status")
             self.key_error = ErrorNote("key")
-            with ui.row().classes("w-full items-start no-wrap gap-6"):
-                with ui.column().classes("w-80 shrink-0 gap-2"):
+            with ui.row().classes("w-full items-start no-wrap gap-6 statekv-columns"):
+                with ui.column().classes("w-80 shrink-0 gap-2 statekv-sidebar"):
                     self.build_sources()
                     ui.label("Your streams").classes("text-subtitle1 mt-2")
                     self.list_box = ui.column().classes("w-full gap-1 statekv-streams")
@@ -119,7 +123,7 @@ class StreamPage:
         from nicegui import ui
 
         upload = ui.upload(label=label, auto_upload=True, max_file_size=MAX_UPLOAD_BYTES, on_upload=handler).props(
-            'accept="video/*" flat bordered').classes(f"w-full statekv-upload-{name}")
+            f'accept="{ACCEPTED}" flat bordered').classes(f"w-full statekv-upload-{name}")
         upload.on("rejected", lambda event: self.on_rejected(event, name),
                   js_handler="(entries) => emit(entries.map(e => ({name: e.file.name, type: e.file.type, "
                              "size: e.file.size, why: e.failedPropValidation})))")
@@ -134,7 +138,7 @@ class StreamPage:
             ui.space()
             self.stop_camera_button = ui.button("stop camera", icon="stop", on_click=self.stop_camera).props("outline")
             self.stop_camera_button.set_visibility(False)
-        with ui.row().classes("w-full items-start no-wrap gap-4"):
+        with ui.row().classes("w-full items-start no-wrap gap-4 statekv-wraps"):
             with ui.column().classes("shrink-0 gap-1"):
                 self.frame = ui.image("").classes("w-80 rounded bg-grey-3 statekv-frame").props(
                     'fit=contain no-spinner no-transition ratio=1.333')
@@ -161,8 +165,10 @@ class StreamPage:
         }).classes("w-full h-64 statekv-chart")
         self.choices = ChoicesForm(self.service.config.options.model)
         with ui.row().classes("w-full items-start no-wrap gap-2"):
+            limit = f"over the limit of {MAX_QUESTION_CHARS} characters" + (
+                " with the options A-D" if self.choices.shown else "")
             self.question = ui.textarea("Question", placeholder=self.choices.example, validation={
-                f"over the limit of {MAX_QUESTION_CHARS} characters": lambda text: len(text or "") <= MAX_QUESTION_CHARS,
+                limit: lambda text: len(self.choices.compose(text or "")) <= MAX_QUESTION_CHARS,
             }).props('autogrow outlined counter input-style="max-height: 12rem; overflow-y: auto"').classes(
                 "grow statekv-question")
             self.ask_button = ui.button("Ask", on_click=self.ask).classes("mt-2 statekv-ask")
@@ -181,9 +187,13 @@ class StreamPage:
         """On load: the key from ``?key=`` or the browser's memory, and the stream from ``?stream=`` or it."""
         from nicegui import ui
 
-        remembered = await ui.run_javascript("statekvPage.remembered()", timeout=5.0) or {}
-        query = await ui.run_javascript("Object.fromEntries(new URLSearchParams(window.location.search))",
-                                        timeout=5.0) or {}
+        try:
+            remembered = await ui.run_javascript("statekvPage.remembered()", timeout=RESTORE_SECONDS) or {}
+            query = await ui.run_javascript("Object.fromEntries(new URLSearchParams(window.location.search))",
+                                            timeout=RESTORE_SECONDS) or {}
+        except TimeoutError:  # the tab closed or reloaded at once (its key is entered again), or a link this slow
+            log.info("a page did not say what it remembered within %g s", RESTORE_SECONDS)
+            return
         key = query.get("key") or remembered.get("key") or ""
         if key:
             self.key_input.set_value(key)
@@ -204,7 +214,7 @@ class StreamPage:
                                 if key else "enter the API key the server printed")
             self.key_status.set_text("")
             self.set_enabled(False)
-            self.close()
+            self.close(forget=False)  # a stale ?key= must not make the browser forget the stream it had open
             return
         changed = owner != self.owner
         self.key, self.owner = key, owner
@@ -234,6 +244,7 @@ class StreamPage:
         self.ask_error.clear()
         self.more_upload_error.clear()
         self.title.set_text(entry.name)
+        self.stop_camera_button.set_visibility(entry.id == self.camera_stream)
         self.panel.set_visibility(True)
         self.placeholder.set_visibility(False)
         self.remember()
@@ -246,13 +257,14 @@ class StreamPage:
         except StateKVError as failure:
             self.close(self.service.public(str(failure)))
 
-    def close(self, note: str | None = None) -> None:
+    def close(self, note: str | None = None, forget: bool = True) -> None:
         self.entry = None
         self.shown = {}
         self.panel.set_visibility(False)
         self.placeholder.set_text(note or "No stream open: open a video file or the camera, or one of your streams.")
         self.placeholder.set_visibility(True)
-        self.remember()
+        if forget:
+            self.remember()
 
     async def delete(self, entry) -> None:
         from nicegui import ui
@@ -264,8 +276,9 @@ class StreamPage:
                 ui.button("keep it", on_click=lambda: dialog.submit(False)).props("flat")
         if not await dialog:
             return
-        if self.entry is not None and self.entry.id == entry.id:
+        if entry.id == self.camera_stream:
             self.stop_camera()
+        if self.entry is not None and self.entry.id == entry.id:
             self.close(f"The stream {entry.name} was deleted.")
         if not entry.deleted:
             try:
@@ -317,7 +330,9 @@ class StreamPage:
                                    f"{failure.strerror or failure}") from None
             video = await self.registry.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
-            frames = frames_at_rate(video, rate)
+            # the same file again after its feed was cut short: what the stream holds of it is not fed twice
+            skip = entry.feed.rest_of(name, entry.stream.frames) if entry is not None and entry.feed else 0
+            frames = frames_at_rate(video, rate) - skip
             horizon = entry.horizon_frames if entry is not None else self.registry.settings.default_horizon_frames
             room = None if horizon is None else horizon - (entry.stream.frames if entry is not None else 0)
             if room is not None and frames > room:  # None: no horizon, any length
@@ -335,11 +350,11 @@ class StreamPage:
                 _discard(path)
                 return
         self.open(entry)
-        asyncio.create_task(self.feed(entry, path, name, video))
+        asyncio.create_task(self.feed(entry, path, name, video, skip))
 
-    async def feed(self, entry, path: Path, name: str, video) -> None:
+    async def feed(self, entry, path: Path, name: str, video, skip: int = 0) -> None:
         try:
-            await self.registry.feed(entry, path, None, shown=name, video=video, resumable=False)
+            await self.registry.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:
@@ -363,20 +378,22 @@ class StreamPage:
 
         if not event.args.get("ok"):
             self.camera_error.show(str(event.args.get("message", "the camera failed"))[:300])
+            self.camera_stream = None
             self.stop_camera_button.set_visibility(False)
             return
         entry = await self.create("camera", self.camera_error)
         if entry is None:
             ui.run_javascript("statekvCamera.stop()")
             return
+        self.camera_stream = entry.id
         self.open(entry)
-        self.stop_camera_button.set_visibility(True)
         ui.run_javascript(f"statekvCamera.start({js_literal(entry.id)}, {js_literal(self.key)})")
 
     def stop_camera(self) -> None:
         from nicegui import ui
 
         ui.run_javascript("statekvCamera.stop()")
+        self.camera_stream = None
         self.stop_camera_button.set_visibility(False)
 
     # -- asking ----------------------------------------------------------------------------------------------

@@ -14,6 +14,15 @@ THUMBNAIL_WIDTH = 320
 # The page's only script: the browser's memory of the key and the open stream, and the camera, which is asked
 # for before any stream is made; it posts one JPEG per second to the stream and reports any refusal.
 PAGE_SCRIPT = """
+<style>
+@media (max-width: 767px) {  /* a phone: the stream list above the open stream, rows of fields wrapped */
+  .statekv-columns { flex-direction: column !important; flex-wrap: nowrap !important; align-items: stretch; }
+  .statekv-columns > * { width: 100% !important; }
+  .statekv-wraps { flex-wrap: wrap !important; }
+  .statekv-wraps > .statekv-choice, .statekv-wraps > .statekv-watch-question { min-width: 45%; }
+}
+.statekv-title { overflow-wrap: anywhere; min-width: 0; }
+</style>
 <script>
 window.statekvPage = {
   remembered() {
@@ -40,6 +49,7 @@ new MutationObserver(() => {
 window.statekvCamera = {
   timer: null, media: null,
   async open() {
+    this.stop();  // one capture at a time: a second press must not leave the first running unseen
     try {
       if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia)
         throw new Error('this browser offers no camera to this page (it needs https or localhost)');
@@ -51,6 +61,7 @@ window.statekvCamera = {
     emitEvent('statekv-camera', {ok: true});
   },
   async start(streamId, key) {
+    clearInterval(this.timer);
     const video = document.getElementById('statekv-camera');
     video.srcObject = this.media; await video.play();
     const canvas = document.createElement('canvas'), began = performance.now();

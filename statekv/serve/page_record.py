@@ -34,10 +34,18 @@ class Feed:
     running: bool = True
     error: str | None = None
     resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
+    held_before: int | None = None  # the stream's frames when it began (None: a record written before it was kept)
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
-                "running": self.running, "error": self.error}
+                "running": self.running, "error": self.error, "held_before": self.held_before}
+
+    def rest_of(self, name: str, frames: int) -> int:
+        """The frames of the file ``name`` to skip when it is fed again into the stream this feed stopped in, which
+        holds ``frames``: those the stream kept of it (0 for another file, or a feed not cut short)."""
+        if self.running or not self.error or name != self.source or self.held_before is None:
+            return 0
+        return max(0, frames - self.held_before)
 
 
 def page_fields(entry: Any) -> dict[str, Any]:
@@ -75,15 +83,18 @@ def _recall_feed(entry: Any, feed: Any) -> None:
     if not isinstance(feed, dict) or not isinstance(feed.get("source"), str):
         return
     counts = {name: feed.get(name) if isinstance(feed.get(name), int) and not isinstance(feed.get(name), bool)
-              else None for name in ("total", "offered", "kept")}
-    total, offered = counts["total"], counts["offered"] or 0
+              else None for name in ("total", "offered", "kept", "held_before")}
+    total, offered, held_before = counts["total"], counts["offered"] or 0, counts["held_before"]
     error = feed.get("error") if isinstance(feed.get("error"), str) else None
     if feed.get("running") is True and (total is None or offered < total):
-        error = (f"the server stopped after {offered} of its {total if total is not None else '?'} frames; "
-                 "open the file again to feed the rest")
+        of = f"of its {total if total is not None else '?'} frames"
+        error = (f"the server stopped during it, and the stream holds the first "
+                 f"{max(0, entry.stream.frames - held_before)} {of}: add the same file to this stream again to feed "
+                 "the rest" if held_before is not None else
+                 f"the server stopped after {offered} {of}; adding the file again feeds it from its start")
     if error:
         entry.feed = Feed(feed["source"], total, offered=offered, kept=counts["kept"] or 0, running=False,
-                          error=error, resumable=False)
+                          error=error, resumable=False, held_before=held_before)
 
 
 def _point(point: Any) -> bool:

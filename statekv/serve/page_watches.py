@@ -48,10 +48,10 @@ class ChoicesForm:
         self.inputs = []
         with ui.column().classes("w-full gap-1 statekv-choices") as self.box:
             ui.label(BUILTIN_HINT).classes("text-caption text-grey-8 statekv-choices-hint")
-            with ui.row().classes("w-full items-center no-wrap gap-2"):
+            with ui.row().classes("w-full items-center no-wrap gap-2 statekv-wraps"):
                 for letter, choice in zip("ABCD", CHOICES):
                     self.inputs.append(ui.input(f"{letter}.", value=choice).props("dense outlined").classes(
-                        f"grow statekv-choice-{letter.lower()}"))
+                        f"grow statekv-choice statekv-choice-{letter.lower()}"))
         self.box.set_visibility(self.shown)
 
     @property
@@ -73,7 +73,7 @@ class WatchPanel:
         self.shown: Any = None
         with ui.column().classes("w-full gap-2 statekv-watches-panel"):
             ui.label("Watches: standing questions, answered as frames arrive").classes("text-subtitle1")
-            with ui.row().classes("w-full items-start no-wrap gap-2"):
+            with ui.row().classes("w-full items-start no-wrap gap-2 statekv-wraps"):
                 self.question = ui.input("Watch for", placeholder=choices.example).props("outlined dense").classes(
                     "grow statekv-watch-question")
                 self.every = ui.number("every (frames)", value=WATCH_EVERY, min=1, step=1, format="%d").props(
@@ -87,9 +87,12 @@ class WatchPanel:
         entry = page.entry
         if entry is None:
             return
+        every = self.every.value
+        if every is None:  # the field left blank (the API's own message names a field the page has not)
+            self.error.show("every (frames) must be a whole number of frames from 1")
+            return
         self.button.props("loading")
         try:
-            every = self.every.value
             settings = watch_settings({"question": self.choices.compose(self.question.value or ""),
                                        "every": int(every) if every is not None and float(every).is_integer()
                                        else every})

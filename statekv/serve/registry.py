@@ -336,7 +336,10 @@ class StreamRegistry:
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
         before = entry.feed
-        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable)
+        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable,
+                                 held_before=entry.stream.frames - skip)
+        if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
+            await entry.keep_record(self.files, "a page's feed")
         try:
             async with entry.lock:
                 shift, last_skipped = None, None
@@ -390,7 +393,7 @@ class StreamRegistry:
                                 f"which could not be saved ({why}); once the server is back, its resume_from says "
                                 "what the stream holds", headers={"Retry-After": "10"})
         then = (f"once the server is back, send {{\"source\": {json.dumps(shown)}, \"skip\": {taken}}} to go on"
-                if resumable else "once the server is back, feed the rest again")
+                if resumable else "once the server is back, add the same file to this stream again to feed the rest")
         return ServiceError(503, f"the server is stopping: feeding {shown} stopped after {taken} of its frames, "
                             f"saved; {then}", headers={"Retry-After": "10"})
 
