@@ -29,7 +29,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from pathlib import Path
 
@@ -60,7 +60,10 @@ def recorded_retrieval():
         def choose(self, seen):
             started = time.perf_counter()
             chosen = super().choose(seen)
-            self.log.append({"layer": seen.layer, "steps": chosen, "seconds": time.perf_counter() - started,
+            seconds = time.perf_counter() - started
+            if self.keep_inputs and seen.keys is None:  # answering reads the keys lazily: keep them for --causes
+                seen = replace(seen, keys=seen.detailed_keys())
+            self.log.append({"layer": seen.layer, "steps": chosen, "seconds": seconds,
                              "seen": seen if self.keep_inputs else None})
             return chosen
 

@@ -243,7 +243,7 @@ def test_a_sweep_stopped_part_way_reports_the_runs_it_finished(monkeypatch, tmp_
 
     _probe_runs(monkeypatch, stop_at_once)
     assert main(argv) == 130
-    assert "interrupted before a run finished: nothing was measured" in capsys.readouterr().out
+    assert "stopped before a run finished: nothing was measured" in capsys.readouterr().out
     document = json.loads(out.read_text())
     assert document["interrupted"] is True and document["results"] == []
 

@@ -426,6 +426,23 @@ def test_answer_does_not_call_a_file_whose_audio_outlasts_its_video_cut_short(fi
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_hub_id_without_the_hub_says_what_to_use_instead(files, capsys, monkeypatch):
+    """Before: with no network a hub id ended in the hub's own words alone, after its retries."""
+    from transformers import PretrainedConfig
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.\nCheck your internet connection.")
+
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", unreachable)
+    assert main(["answer", str(files["video"]), "Why?", "--model", "OpenGVLab/InternVL3-1B-hf"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("statekv answer: error: cannot read the config of "
+                                                       "OpenGVLab/InternVL3-1B-hf: We couldn't connect"), error
+    assert error.rstrip().endswith("without the hub, give a checkpoint folder or --model builtin (HF_HUB_OFFLINE=1 "
+                                   "reads the hub's local cache at once, without retrying)"), error
+
+
 def test_a_stop_while_the_model_loads_says_nothing_was_saved(files, tmp_path, capsys, monkeypatch):
     """Before: `statekv stream --save FILE` stopped while its model loaded said "stopped by SIGTERM" and no more, so
     whether FILE held anything was left to guess (once streaming, the stop says what it saved)."""
@@ -796,11 +813,11 @@ def test_version_and_a_missing_data_folder(capsys, tmp_path):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"statekv {statekv.__version__}"
     assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "nosuch"), "--out",
                  str(tmp_path / "run")]) == 2
-    assert f"(there is no folder {tmp_path / 'nosuch'})" in _one_line_error(capsys.readouterr().err)
+    assert f"{tmp_path / 'nosuch'} is no folder: a synthetic set is" in _one_line_error(capsys.readouterr().err)
     (tmp_path / "a-file").write_text("not a folder")
     assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "a-file"), "--out",
                  str(tmp_path / "run")]) == 2
-    assert f"({tmp_path / 'a-file'} is a file, not a folder)" in _one_line_error(capsys.readouterr().err)
+    assert f"{tmp_path / 'a-file'} is a file, not a folder: a synthetic" in _one_line_error(capsys.readouterr().err)
     (tmp_path / "set").mkdir()
     assert main(["eval", "synthetic", "--model", "builtin", "--data-root", str(tmp_path / "set"), "--out",
                  f"{tmp_path}/set/../set"]) == 2

@@ -312,6 +312,9 @@ def test_a_feed_takes_a_file_url_and_a_chat_over_a_file_cut_short_says_what_to_d
         assert "outside the media root" in _error(client.post(frames, json={"source": (tmp_path / "v.mp4").as_uri()}),
                                                   403)
         assert "is not a local file" in _error(client.post(frames, json={"source": "file://host/v.mp4"}), 400)
+        assert "is not a URL" in _error(client.post(frames, json={"source": "file://[::1/v.mp4"}), 400)
+        single = client.post(frames, json={"source": "file:" + str(_video(media)), "t": 100})  # one slash: a URL too
+        assert single.status_code == 200 and single.json()["kept"] == 12, single.text
         client.delete(f"/v1/streams/{stream_id}").raise_for_status()
         chat = {"model": "builtin", "messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": (media / "cut-partway.mp4").as_uri()}},
@@ -326,6 +329,7 @@ def test_a_feed_takes_a_file_url_and_a_chat_over_a_file_cut_short_says_what_to_d
         first = client.post("/v1/chat/completions", json={"max_tokens": NEW_TOKENS, "messages": [
             {"role": "user", "content": [video, {"type": "text", "text": QUESTION}]}]})
         assert later.status_code == 200, later.text  # before: a 400 asking for the video_url part it had
+        assert later.json()["statekv"]["read"] == "the video of an earlier user message and the last user message"
         assert later.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
 
 
@@ -1104,6 +1108,20 @@ def test_a_streams_record_keeps_the_whole_history_its_history_route_shows():
     restarted = entry([])
     recall_page(restarted, json.loads(json.dumps(page_fields(entry(list(points))))))
     assert HISTORY >= 2000 and restarted.history == points
+
+
+def test_a_page_feed_cut_twice_counts_the_files_frames_and_skips_only_for_the_same_file():
+    """The review's cases: a file fed again (skipping 60 frames) and cut again was said to be held "the first 90 of
+    its 40 frames"; and another file of the same name would have been skipped into."""
+    from statekv.serve.page_record import Feed, recall_page
+
+    again = Feed("clip.mp4", 40, resumable=False, skip=60, held_before=0, size=1234)  # a 100-frame file, fed again
+    entry = SimpleNamespace(id="st_1", stream=SimpleNamespace(frames=90), history=[], feed=None, last_frame=None)
+    recall_page(entry, {"history": [], "feed": again.recorded()})
+    assert "the stream holds the first 90 of its 100 frames" in entry.feed.error, entry.feed.error
+    assert entry.feed.rest_of("clip.mp4", 1234, 90) == 90
+    assert entry.feed.rest_of("clip.mp4", 999, 90) == 0 and entry.feed.rest_of("other.mp4", 1234, 90) == 0
+    assert "held_before" not in again.describe()  # the API's feed is as it was
 
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + "\n".join(failed))
         if interrupted:
             print("\ninterrupted: the runs above finished before the stop" if rows
-                  else "interrupted before a run finished: nothing was measured")
+                  else "stopped before a run finished: nothing was measured")
         elif args.find_max:
             held, complete = most
             why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
@@ -236,10 +236,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)
-    except (KeyboardInterrupt, ServerError) as error:  # a stop, or the server died: the runs that finished are
-        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # reported first
-        if finished or isinstance(error, KeyboardInterrupt):  # stopped before any: so the JSON says, not an old one
-            report(finished, None, where, interrupted=True)
+    except (KeyboardInterrupt, ServerError):  # a stop, or the server died: the runs that finished are reported
+        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # first; none:
+        report(finished, None, where, interrupted=True)  # so the JSON says, where an earlier sweep's file may be
         raise
     report(rows, most, where)
     if rows and all(nothing_through(row) for row in rows):

@@ -23,7 +23,7 @@ from pathlib import Path
 from statekv.errors import ConfigurationError, VideoError
 from statekv.eval.answering import last_second, past_the_end
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
-from statekv.eval.questions import Question
+from statekv.eval.questions import Question, questions_asked
 from statekv.eval.runner import default_max_frames, resolve_mode
 from statekv.eval.sharding import group_by_video
 from statekv.eval.streamingbench import poll_times
@@ -40,6 +40,7 @@ class GroupCheck:
 
     name: str
     questions: int = 0
+    answers: int = 0  # more than the questions where a forward question is asked at each of its polls
     videos: set[Path] = field(default_factory=set)
     missing: set[Path] = field(default_factory=set)
     undecodable: set[Path] = field(default_factory=set)
@@ -100,7 +101,7 @@ def _check_group(name: str, questions: Sequence[Question], headers: dict[Path, V
                  max_frames: int | None) -> GroupCheck:
     """``questions`` as a run of them alone would read them; the questions past their video's end go to
     ``late``."""
-    group = GroupCheck(name, questions=len(questions))
+    group = GroupCheck(name, questions=questions_asked(questions), answers=len(questions))
     for video in group_by_video(questions):
         paths = [question.clip_path for question in video.questions] if clips else [video.video_path]
         for path in paths:
@@ -196,7 +197,9 @@ def report_lines(report: CheckReport) -> list[str]:
                      f"first: {question.qid} at {max(question.realtime, question.expected_time or 0):.0f} s, "
                      f"{question.video_path} lasts {duration:.1f} s)")
     videos = f"{total.found:,} of {len(total.videos):,} videos readable"
-    lines.append(f"every annotation row parses: {total.questions:,} questions; {videos}")
+    polls = (f" ({total.answers:,} answers to give: a forward question is asked at each of its polls)"
+             if total.answers != total.questions else "")
+    lines.append(f"every annotation row parses: {total.questions:,} questions{polls}; {videos}")
     return lines
 
 

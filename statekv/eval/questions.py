@@ -79,10 +79,15 @@ class Question:
         return None if self.realtime is None else math.ceil(self.realtime)
 
 
+def questions_asked(questions: Sequence[Question]) -> int:
+    """How many questions ``questions`` ask: a forward question asked at each of its polls counts once."""
+    return len({(question.video_id, question.item or question.qid) for question in questions})
+
+
 def counted(questions: Sequence[Question]) -> str:
     """What a count of ``questions`` counts, in words: questions to answer, or answers to give where a forward
     question is asked at each of its polls (one `Question` per poll, sharing its ``item``)."""
-    asked = len({(question.video_id, question.item or question.qid) for question in questions})
+    asked = questions_asked(questions)
     if asked == len(questions):
         return "questions to answer"
     return f"answers to give ({asked} questions, a forward one asked at each of its polls)"

@@ -54,7 +54,11 @@ def checkpoint_model_type(path: str | Path) -> str:
     try:
         config, _ = PretrainedConfig.get_config_dict(str(path))
     except (OSError, ValueError) as error:
-        raise InputError(f"cannot read the config of {path}: {str(error).splitlines()[0]}") from None
+        why = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        offline = "connect" in why.lower() or "offline" in why.lower()
+        hint = ("; without the hub, give a checkpoint folder or --model builtin (HF_HUB_OFFLINE=1 reads the hub's "
+                "local cache at once, without retrying)" if offline else "")
+        raise InputError(f"cannot read the config of {path}: {why}{hint}") from None
     if "model_type" not in config:
         raise UnsupportedModelError(f"{path}: its config.json names no model_type")
     return config["model_type"]

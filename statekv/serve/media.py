@@ -19,7 +19,7 @@ def resolve_source(media_root: Path | None, source: object) -> Path:
         raise ServiceError(403, "server-side sources are off: start the server with --media-root DIR")
     if not isinstance(source, str) or not source.strip() or "\x00" in source:
         raise ServiceError(400, "source must be a non-empty path (a file under the server's --media-root)")
-    if source[:7].lower() == "file://":
+    if source[:5].lower() == "file:":  # file:///srv/x.mp4, or file:/srv/x.mp4
         return resolve_source(media_root, _file_path(source, "source"))
     if len(source) > MAX_SOURCE_CHARS:
         raise ServiceError(400, f"source is {len(source)} characters long, over the limit of {MAX_SOURCE_CHARS}")

@@ -2,8 +2,9 @@
 
 A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``; the last user message's, or
 else the latest earlier one's) is encoded with the server's default method settings and answered;
-``"statekv": {"stream_id": ID}`` asks one of the caller's live streams instead. ``"stream": true`` sends ``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the
-tokens the answer read (the video's tokens and the prompt's) and the tokens it generated.
+``"statekv": {"stream_id": ID}`` asks one of the caller's live streams instead. ``"stream": true`` sends
+``chat.completion.chunk`` events and ``data: [DONE]``. ``usage`` counts the tokens the answer read (the video's
+tokens and the prompt's) and the tokens it generated.
 
 An answer reads the video and the last user message only: system messages and earlier turns are not read (a
 stream's questions are answered from the video, each on its own). The response says so: its ``statekv`` object
@@ -40,6 +41,7 @@ from .stream_settings import shown
 
 
 READ = "the video and the last user message"
+READ_EARLIER = "the video of an earlier user message and the last user message"
 # OpenAI's sampling fields and the value each has under greedy decoding, the only decoding an answer uses
 GREEDY = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
           "logprobs": False, "top_logprobs": None}
@@ -247,7 +249,8 @@ async def chat(request: Request, service: Served):
             check_can_ask(entry)  # refused with its status, before the events start
         work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
     else:
-        videos = videos or earlier  # a later turn asks about the video an earlier one gave
+        if not videos and earlier:  # a later turn asks about the video an earlier one gave
+            videos, reading["read"] = earlier, READ_EARLIER
         if len(videos) != 1:
             raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
                                     "or statekv.stream_id")

@@ -33,8 +33,8 @@ from fastapi import FastAPI
 from ..errors import StateKVError
 from .errors import ServiceError
 from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal, read_text
+from .page_record import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
-from .registry import frames_at_rate
 from .routes import MAX_QUESTION_CHARS, question_settings
 from .sse import TokenStreamer
 
@@ -330,8 +330,9 @@ class StreamPage:
                                    f"{failure.strerror or failure}") from None
             video = await self.registry.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
-            # the same file again after its feed was cut short: what the stream holds of it is not fed twice
-            skip = entry.feed.rest_of(name, entry.stream.frames) if entry is not None and entry.feed else 0
+            # the same file (name and size) again after its feed was cut: what the stream holds of it is not fed twice
+            size = path.stat().st_size
+            skip = entry.feed.rest_of(name, size, entry.stream.frames) if entry is not None and entry.feed else 0
             frames = frames_at_rate(video, rate) - skip
             horizon = entry.horizon_frames if entry is not None else self.registry.settings.default_horizon_frames
             room = None if horizon is None else horizon - (entry.stream.frames if entry is not None else 0)
@@ -350,11 +351,11 @@ class StreamPage:
                 _discard(path)
                 return
         self.open(entry)
-        asyncio.create_task(self.feed(entry, path, name, video, skip))
+        asyncio.create_task(self.feed(entry, path, name, video, skip, size))
 
-    async def feed(self, entry, path: Path, name: str, video, skip: int = 0) -> None:
+    async def feed(self, entry, path: Path, name: str, video, skip: int, size: int) -> None:
         try:
-            await self.registry.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False)
+            await self.registry.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False, size=size)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:
@@ -384,6 +385,7 @@ class StreamPage:
         entry = await self.create("camera", self.camera_error)
         if entry is None:
             ui.run_javascript("statekvCamera.stop()")
+            self.camera_stream = None  # the capture that fed it stopped when this one opened
             return
         self.camera_stream = entry.id
         self.open(entry)
@@ -451,7 +453,7 @@ class StreamPage:
         self.show("stats", (f"{info['frames']} frames · {seconds} · {info['tokens']} tokens seen · carried state "
                             f"{info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
                   self.stats.set_text)
-        self.show_feed(info["feed"])
+        self.show_feed(info["feed"], entry.feed.skip if entry.feed is not None else 0)
         self.show("frame", info["frames"], lambda _: self.show_frame(entry, info))
         self.show("chart", len(entry.history) and entry.history[-1]["tokens"], lambda _: self.show_chart(entry))
         self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
@@ -474,13 +476,14 @@ class StreamPage:
             self.shown[what] = value
             update(value)
 
-    def show_feed(self, feed: dict | None) -> None:
+    def show_feed(self, feed: dict | None, skip: int) -> None:
         running = bool(feed and feed["running"])
         self.progress_box.set_visibility(running)
         if running:
             total = feed["total"]
+            held = f" (its first {skip} the stream holds already: skipped)" if skip else ""
             self.progress_label.set_text(f"feeding {feed['source']}: {feed['offered']} of "
-                                         f"{total if total is not None else '?'} frames")
+                                         f"{total if total is not None else '?'} frames{held}")
             self.progress.set_value(min(1.0, feed["offered"] / total) if total else 0)
         error = feed["error"] if feed and not running else None
         if error and self.shown.get("feed_error") != error:

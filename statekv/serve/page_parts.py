@@ -46,23 +46,28 @@ new MutationObserver(() => {
       if (button.getAttribute('aria-label') !== label) button.setAttribute('aria-label', label);
     });
 }).observe(document.documentElement, {childList: true, subtree: true});
-window.statekvCamera = {
-  timer: null, media: null,
+window.statekvCamera = {  // one capture at a time: each open or stop starts a new generation, and what an older
+  timer: null, media: null, generation: 0,  // one finds or sends later (a camera granted, a frame's reply) is let go
   async open() {
-    this.stop();  // one capture at a time: a second press must not leave the first running unseen
+    this.stop();
+    const mine = this.generation;
+    let media;
     try {
       if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia)
         throw new Error('this browser offers no camera to this page (it needs https or localhost)');
-      this.media = await navigator.mediaDevices.getUserMedia({video: true});
+      media = await navigator.mediaDevices.getUserMedia({video: true});
     } catch (error) {
-      emitEvent('statekv-camera', {ok: false, message: `no camera: ${error.message || error.name}`});
+      if (mine === this.generation)
+        emitEvent('statekv-camera', {ok: false, message: `no camera: ${error.message || error.name}`});
       return;
     }
+    if (mine !== this.generation) { media.getTracks().forEach(track => track.stop()); return; }
+    this.media = media;
     emitEvent('statekv-camera', {ok: true});
   },
   async start(streamId, key) {
     clearInterval(this.timer);
-    const video = document.getElementById('statekv-camera');
+    const mine = this.generation, video = document.getElementById('statekv-camera');
     video.srcObject = this.media; await video.play();
     const canvas = document.createElement('canvas'), began = performance.now();
     this.timer = setInterval(() => {
@@ -70,6 +75,7 @@ window.statekvCamera = {
       canvas.getContext('2d').drawImage(video, 0, 0);
       const t = (performance.now() - began) / 1000;
       canvas.toBlob(async blob => {
+        if (mine !== this.generation) return;
         try {
           const reply = await fetch(`/v1/streams/${streamId}/frames?t=${t.toFixed(3)}`, {method: 'POST',
             headers: {'Authorization': `Bearer ${key}`, 'Content-Type': 'image/jpeg'}, body: blob});
@@ -78,6 +84,7 @@ window.statekvCamera = {
             throw new Error((body.error && body.error.message) || `HTTP ${reply.status}`);
           }
         } catch (error) {
+          if (mine !== this.generation) return;
           this.stop();
           emitEvent('statekv-camera', {ok: false, message: `the camera stopped: ${error.message}`});
         }
@@ -85,6 +92,7 @@ window.statekvCamera = {
     }, 1000);
   },
   stop() {
+    this.generation += 1;
     clearInterval(this.timer); this.timer = null;
     if (this.media) this.media.getTracks().forEach(track => track.stop());
     this.media = null;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +35,43 @@ class Feed:
     running: bool = True
     error: str | None = None
     resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
-    held_before: int | None = None  # the stream's frames when it began (None: a record written before it was kept)
+    # a page's feed, to tell what the stream holds of its file once it is cut (None: a record written before):
+    skip: int = 0  # the file's first frames it skipped
+    held_before: int | None = None  # the stream's frames before the file's first (those it skipped included)
+    size: int | None = None  # the file's bytes
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
-                "running": self.running, "error": self.error, "held_before": self.held_before}
+                "running": self.running, "error": self.error}
 
-    def rest_of(self, name: str, frames: int) -> int:
-        """The frames of the file ``name`` to skip when it is fed again into the stream this feed stopped in, which
-        holds ``frames``: those the stream kept of it (0 for another file, or a feed not cut short)."""
-        if self.running or not self.error or name != self.source or self.held_before is None:
+    def recorded(self) -> dict[str, Any]:
+        return {**self.describe(), "skip": self.skip, "held_before": self.held_before, "size": self.size}
+
+    def rest_of(self, name: str, size: int, frames: int) -> int:
+        """The frames to skip of the file ``name`` of ``size`` bytes, fed again into the stream this feed was cut
+        in, which holds ``frames``: those the stream holds of it (0 for another file, or a feed not cut short)."""
+        if self.running or not self.error or (name, size) != (self.source, self.size) or self.held_before is None:
             return 0
         return max(0, frames - self.held_before)
+
+
+def frames_at_rate(video: Any, max_fps: float | None) -> int:
+    """About how many frames a video file gives at ``max_fps`` (None: all), from its length: one per tick."""
+    if max_fps is None:
+        return video.num_frames
+    return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
+
+
+def resumed_shift(last: float | None, start: float | None, first: float, last_skipped: float | None) -> float:
+    """What a feed adds to its file's timestamps: ``start`` (given) places its first frame pushed (file time
+    ``first``) there; else a feed that skipped frames goes on as the feed cut short after ``last_skipped`` placed
+    them (the stream's ``last`` frame being that one; on a stream holding no frame, at the file's own times, where
+    a feed from its first frame puts them)."""
+    if start is not None:
+        return start - first if last_skipped is not None else start
+    if last is not None:
+        return last - last_skipped
+    return 0.0
 
 
 def page_fields(entry: Any) -> dict[str, Any]:
@@ -54,7 +80,7 @@ def page_fields(entry: Any) -> dict[str, Any]:
     feed = entry.feed
     kept = feed is not None and not feed.resumable and (feed.running or feed.error)
     return {"history": entry.history[-HISTORY:], "last_frame": _jpeg(entry.last_frame),
-            "feed": feed.describe() if kept else None}
+            "feed": feed.recorded() if kept else None}
 
 
 def recall_page(entry: Any, record: dict[str, Any]) -> None:
@@ -83,18 +109,19 @@ def _recall_feed(entry: Any, feed: Any) -> None:
     if not isinstance(feed, dict) or not isinstance(feed.get("source"), str):
         return
     counts = {name: feed.get(name) if isinstance(feed.get(name), int) and not isinstance(feed.get(name), bool)
-              else None for name in ("total", "offered", "kept", "held_before")}
-    total, offered, held_before = counts["total"], counts["offered"] or 0, counts["held_before"]
+              else None for name in ("total", "offered", "kept", "skip", "held_before", "size")}
+    total, offered, held_before, skip = counts["total"], counts["offered"] or 0, counts["held_before"], counts["skip"]
     error = feed.get("error") if isinstance(feed.get("error"), str) else None
     if feed.get("running") is True and (total is None or offered < total):
-        of = f"of its {total if total is not None else '?'} frames"
+        frames = "?" if total is None else total + (skip or 0)  # the file's, skipped ones too
         error = (f"the server stopped during it, and the stream holds the first "
-                 f"{max(0, entry.stream.frames - held_before)} {of}: add the same file to this stream again to feed "
-                 "the rest" if held_before is not None else
-                 f"the server stopped after {offered} {of}; adding the file again feeds it from its start")
+                 f"{max(0, entry.stream.frames - held_before)} of its {frames} frames: add the same file to this "
+                 "stream again to feed the rest" if held_before is not None else
+                 f"the server stopped after {offered} of its {frames} frames; adding the file again feeds it from "
+                 "its start")
     if error:
         entry.feed = Feed(feed["source"], total, offered=offered, kept=counts["kept"] or 0, running=False,
-                          error=error, resumable=False, held_before=held_before)
+                          error=error, resumable=False, skip=skip or 0, held_before=held_before, size=counts["size"])
 
 
 def _point(point: Any) -> bool:

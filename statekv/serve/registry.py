@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -35,7 +34,7 @@ from .errors import ServiceError, public_message, status_of
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
-from .page_record import HISTORY, Feed
+from .page_record import HISTORY, Feed, frames_at_rate, resumed_shift
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
@@ -317,13 +316,13 @@ class StreamRegistry:
         self.answers_stopping.set()
 
     async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
-                   video: Any = None, skip: int = 0, resumable: bool = True) -> dict[str, Any]:
+                   video: Any = None, skip: int = 0, resumable: bool = True, size: int | None = None) -> dict[str, Any]:
         """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
         ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
         the server's path); ``video``: the file already opened with `open_source`; ``skip``: the file's first
         frames at the stream's rate that are not pushed (those a feed cut short pushed already: without
         ``start``, the rest go on as that feed would have placed them); ``resumable``: a stop's message may tell
-        the client to send ``skip`` (not for a page's upload, which is gone by then).
+        the client to send ``skip`` (not for a page's upload, which is gone by then); ``size``: the file's bytes.
 
         Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
         streams step together. Progress and any error stay in ``entry.feed``."""
@@ -337,10 +336,10 @@ class StreamRegistry:
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
         before = entry.feed
         entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable,
-                                 held_before=entry.stream.frames - skip)
-        if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
-            await entry.keep_record(self.files, "a page's feed")
+                                 skip=skip, held_before=entry.stream.frames - skip, size=size)
         try:
+            if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
+                await entry.keep_record(self.files, "a page's feed")
             async with entry.lock:
                 shift, last_skipped = None, None
                 if start is None and not skip:
@@ -357,7 +356,7 @@ class StreamRegistry:
                             feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
                             continue
                         if shift is None:
-                            shift = _resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped)
+                            shift = resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped)
                         feed.kept += await self._push_held(entry, frame.image, shift + frame.timestamp)
                         feed.offered += 1
                 finally:
@@ -574,25 +573,6 @@ class StreamRegistry:
     def let_all_go(self) -> None:
         """At shutdown, once every stream is saved: the placement lets every stream go (a replica: its leases)."""
         self.placement.let_go(self)
-
-
-def frames_at_rate(video: Any, max_fps: float | None) -> int:
-    """About how many frames a video file gives at ``max_fps`` (None: all), from its length: one per tick."""
-    if max_fps is None:
-        return video.num_frames
-    return max(1, min(video.num_frames, math.ceil(video.duration * max_fps - 1e-9)))
-
-
-def _resumed_shift(last: float | None, start: float | None, first: float, last_skipped: float | None) -> float:
-    """What a feed adds to its file's timestamps: ``start`` (given) places its first frame pushed (file time
-    ``first``) there; else a feed that skipped frames goes on as the feed cut short after ``last_skipped`` placed
-    them (the stream's ``last`` frame being that one; on a stream holding no frame, at the file's own times, where
-    a feed from its first frame puts them)."""
-    if start is not None:
-        return start - first if last_skipped is not None else start
-    if last is not None:
-        return last - last_skipped
-    return 0.0
 
 
 def _next_time(entry: StreamEntry) -> float:
