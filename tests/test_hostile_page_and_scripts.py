@@ -267,21 +267,25 @@ def test_the_page_refuses_a_blank_question_and_a_blank_watch(page_server, browse
 def test_a_file_the_page_was_feeding_when_the_server_restarted_is_named_after_it(page_server, browser_page):
     """Before: after the restart the stream read "ready" with the frames fed so far, and nothing said that the
     rest of the file never went in (the page's upload is gone: the person's only sign is the frame count)."""
-    page = browser_page
+    frames, note = _restarted_mid_feed(browser_page, page_server, page_server.stop)
+    assert 0 < frames < 240
+    assert "v0000.mp4" in note and "240" in note and "add the same file to this stream again" in note, note
+    _feed_again_and_hold_it_once(browser_page, page_server)
+
+
+def _restarted_mid_feed(page, page_server, stop) -> tuple[int, str]:
+    """Feed the long file from the page, ``stop`` the server partway, start it again: the frames the stream holds
+    and the page's note on the feed."""
     page.set_input_files(".statekv-upload-new input[type=file]",
                          str(page_server.media / "long" / "videos" / "v0000.mp4"))
     page.wait_for_function("() => /: ([1-9]\\d) of 240/.test("
                            "(document.querySelector('.statekv-progress') || {}).innerText || '')", timeout=60_000)
     page.evaluate("window.beforeRestart = true")
-    page_server.stop()
+    stop()
     page_server.start()
     page.wait_for_function("() => window.beforeRestart === undefined", timeout=120_000)
     page.wait_for_selector(".statekv-stats:has-text('frames ·')", timeout=60_000)
-    frames = int(re.match(r"(\d+) frames", page.inner_text(".statekv-stats")).group(1))
-    assert 0 < frames < 240
-    note = _note_text(page, "feed")
-    assert "v0000.mp4" in note and "240" in note and "add the same file to this stream again" in note, note
-    _feed_again_and_hold_it_once(page, page_server)
+    return int(re.match(r"(\d+) frames", page.inner_text(".statekv-stats")).group(1)), _note_text(page, "feed")
 
 
 def _feed_again_and_hold_it_once(page, page_server) -> None:
@@ -299,20 +303,9 @@ def _feed_again_and_hold_it_once(page, page_server) -> None:
 def test_a_feed_cut_by_a_kill_says_what_the_stream_holds_of_its_file(page_server, browser_page):
     """Before: a page's feed was in the stream's record only once a save or an answer wrote it, so after a kill -9
     the stream came back with what its last save held and nothing said that its file had been cut."""
-    page = browser_page
-    page.set_input_files(".statekv-upload-new input[type=file]",
-                         str(page_server.media / "long" / "videos" / "v0000.mp4"))
-    page.wait_for_function("() => /: ([1-9]\\d) of 240/.test("
-                           "(document.querySelector('.statekv-progress') || {}).innerText || '')", timeout=60_000)
-    page.evaluate("window.beforeRestart = true")
-    page_server.kill()
-    page_server.start()
-    page.wait_for_function("() => window.beforeRestart === undefined", timeout=120_000)
-    page.wait_for_selector(".statekv-stats:has-text('frames ·')", timeout=60_000)
-    held = int(re.match(r"(\d+) frames", page.inner_text(".statekv-stats")).group(1))
-    note = _note_text(page, "feed")
+    held, note = _restarted_mid_feed(browser_page, page_server, page_server.kill)
     assert f"the stream holds the first {held} of its 240 frames" in note, note
-    _feed_again_and_hold_it_once(page, page_server)
+    _feed_again_and_hold_it_once(browser_page, page_server)
 
 
 @pytest.mark.slow

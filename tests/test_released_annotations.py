@@ -88,7 +88,8 @@ def test_streamingbench_times_are_read_as_the_release_reads_them(rows_root, capl
 def test_the_rows_pass_the_check_command(rows_root, capsys):
     assert main(["eval", "ovobench", "--data-root", str(rows_root), "--check"]) == 0
     out = capsys.readouterr().out
-    assert "every annotation row parses: 16 questions; 0 of 5 videos readable" in out
+    assert ("every annotation row parses: 5 questions (16 answers to give: a forward question is asked at each of its "
+            "polls); 0 of 5 videos readable") in out
     assert main(["eval", "streamingbench", "--data-root", str(rows_root), "--check"]) == 0
     out = capsys.readouterr().out
     assert "every annotation row parses: 7 questions" in out and "not used or read otherwise: StreamingBench: " in out

@@ -88,7 +88,7 @@ def test_missing_or_malformed_question_files_are_one_line_errors_naming_the_file
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _eval(empty, tmp_path / "o1") == 2
-    assert str(empty / QUESTIONS_FILE) in _one_line(capsys.readouterr().err)
+    assert f"{empty} is a folder with no {QUESTIONS_FILE}" in _one_line(capsys.readouterr().err)
 
     broken = tmp_path / "broken"
     make_benchmark(broken, videos=1, seed=32, num_frames=16)

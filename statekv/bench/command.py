@@ -236,9 +236,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             with LocalServer(options, threads=threads) as server:
                 rows, most = sweep(server.url, server.key, server.check_running)
-    except (KeyboardInterrupt, ServerError):  # a stop, or the server died: the runs that finished are reported
-        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # first; none:
-        report(finished, None, where, interrupted=True)  # so the JSON says, where an earlier sweep's file may be
+    except (KeyboardInterrupt, ServerError) as error:  # a stop, or the server died: the runs that finished are
+        finished = [probes[0].rows[count] for count in sorted(probes[0].rows)] if probes else []  # reported first
+        if finished or isinstance(error, KeyboardInterrupt):  # a stop before any run writes its JSON all the same,
+            report(finished, None, where, interrupted=True)  # so an earlier sweep's file is not taken for this one
         raise
     report(rows, most, where)
     if rows and all(nothing_through(row) for row in rows):
