@@ -1113,7 +1113,8 @@ def test_a_streams_record_keeps_the_whole_history_its_history_route_shows():
 def test_a_page_feed_cut_twice_counts_the_files_frames_and_skips_only_for_the_same_file():
     """The review's cases: a file fed again (skipping 60 frames) and cut again was said to be held "the first 90 of
     its 40 frames"; and another file of the same name would have been skipped into."""
-    from statekv.serve.page_record import Feed, recall_page
+    from statekv.serve.feeding import Feed
+    from statekv.serve.page_record import recall_page
 
     again = Feed("clip.mp4", 40, resumable=False, skip=60, held_before=0, size=1234)  # a 100-frame file, fed again
     entry = SimpleNamespace(id="st_1", stream=SimpleNamespace(frames=90), history=[], feed=None, last_frame=None)

@@ -15,7 +15,8 @@ from typing import Any
 from ..api.stream import Stream
 from ..api.watch_saving import records as watch_records
 from ..errors import InputError, StateKVError
-from .page_record import Feed, page_fields
+from .feeding import Feed
+from .page_record import page_fields
 from .stream_settings import read_settings
 from .watches import watch_order
 

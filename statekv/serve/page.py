@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from ..errors import StateKVError
 from .errors import ServiceError
 from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal, read_text
-from .page_record import frames_at_rate
+from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
 from .sse import TokenStreamer

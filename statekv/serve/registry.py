@@ -31,10 +31,11 @@ from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_argument
 from .config import ServeConfig
 from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
 from .errors import ServiceError, public_message, status_of
+from .feeding import Feed, frames_at_rate, resumed_shift
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
 from .loading import StreamLoader, reason_of, unreadable
 from .metrics import Metrics
-from .page_record import HISTORY, Feed, frames_at_rate, resumed_shift
+from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
