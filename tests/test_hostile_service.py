@@ -1283,13 +1283,22 @@ def test_an_unexpected_error_in_a_streamed_answer_is_its_status_or_an_error_even
 
 
 def test_chat_stream_given_as_text_is_a_400(qa, tmp_path):
-    """Before: ``"stream": "false"`` was answered as events (any non-empty text counted as true)."""
+    """Before: ``"stream": "false"`` was answered as events (any non-empty text counted as true). A stream's own
+    ``/ask`` takes ``stream`` as the chat does (before: null was a 400 there, and the message named no value)."""
     with Running(tmp_path / "state", qa) as server, server.client() as client:
         stream_id = _stream(client)
         reply = client.post("/v1/chat/completions", json={
             "stream": "false", "statekv": {"stream_id": stream_id},
             "messages": [{"role": "user", "content": QUESTION}]})
         assert _error(reply, 400) == 'stream must be true or false, got "false"'
+        ask = f"/v1/streams/{stream_id}/ask"
+        assert _error(client.post(ask, json={"question": QUESTION, "stream": "false"}), 400) == \
+            'stream must be true or false, got "false"'
+        for route, body in ((ask, {"question": QUESTION}), ("/v1/chat/completions", {
+                "statekv": {"stream_id": stream_id}, "messages": [{"role": "user", "content": QUESTION}]})):
+            reply = client.post(route, json={**body, "stream": None, "max_tokens" if "messages" in body else
+                                             "max_new_tokens": 2})
+            assert reply.status_code == 200 and reply.headers["content-type"] == "application/json", reply.text
 
 
 def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkeypatch):
@@ -1321,6 +1330,52 @@ def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkey
         fed = next(reply.json() for reply in replies if reply.status_code == 200)
         with server.client() as client:
             assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == fed["kept"] == fed["offered"] > 0
+
+
+def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkeypatch):
+    """The feed stops at its next frame with a 404 saying why (before: "no stream 'st_...'", as if the id were
+    wrong), and the DELETE answers without waiting for the rest of the file."""
+    import statekv.video
+
+    opened, decoding = statekv.video.open_video, threading.Event()
+
+    def slow_open(*args, **kwargs):  # each frame takes a while to decode, so the feed is long
+        video = opened(*args, **kwargs)
+        frames = video.frames
+
+        def slow_frames(*args, **kwargs):
+            for frame in frames(*args, **kwargs):
+                decoding.set()
+                time.sleep(0.25)
+                yield frame
+
+        video.frames = slow_frames
+        return video
+
+    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4247, num_frames=120)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+
+        def feed():
+            with server.client() as client:
+                return client.post(f"/v1/streams/{stream_id}/frames", json={"source": video})
+
+        with ThreadPoolExecutor(1) as pool, server.client() as client:
+            fed = pool.submit(feed)
+            assert decoding.wait(60)
+            asked = time.monotonic()
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+            deleting = time.monotonic() - asked  # the whole file: 30 s
+            reply = fed.result(timeout=120)
+            assert client.get(f"/v1/streams/{stream_id}").status_code == 404
+    message = _error(reply, 404)
+    assert re.fullmatch(f"stream {stream_id} was deleted while feeding {re.escape(video)} \\(\\d+ frames fed\\)",
+                        message), message
+    assert deleting < 10, deleting
 
 
 def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):

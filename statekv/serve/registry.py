@@ -353,6 +353,8 @@ class StreamRegistry:
                         upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
                         if self.stopping:
                             raise await self._feed_stopped(entry, shown, skip + feed.offered, resumable)
+                        if entry.deleting.is_set():
+                            raise ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}")
                         if skip > feed.skipped:
                             feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
                             continue

@@ -131,8 +131,8 @@ async def ask(stream_id: str, request: Request, service: Served) -> Response:
     entry = await service.registry.find(service.keys.require(request), stream_id)
     body = await read_json(request, service.config.max_body_bytes)
     stream_answer = body.pop("stream", False)
-    if not isinstance(stream_answer, bool):
-        raise ServiceError(400, "stream must be true or false")
+    if stream_answer is not None and not isinstance(stream_answer, bool):  # null: not streamed, as the chat takes it
+        raise ServiceError(400, f"stream must be true or false, got {shown(stream_answer)}")
     unknown = sorted(set(body) - {"question", "max_new_tokens", "retrieve"})
     if unknown:
         raise ServiceError(400, f"unknown ask field {shown(unknown[0])}; known: question, max_new_tokens, retrieve, "
