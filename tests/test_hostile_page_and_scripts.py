@@ -300,6 +300,23 @@ def _feed_again_and_hold_it_once(page, page_server) -> None:
 
 
 @pytest.mark.slow
+def test_a_feed_stopped_from_the_page_is_saved_and_the_same_file_goes_on_from_there(page_server, browser_page):
+    """Before: a feed of the wrong file ran to its end; only deleting its stream, or the server's stop, ended it."""
+    page = browser_page
+    page.set_input_files(".statekv-upload-new input[type=file]",
+                         str(page_server.media / "long" / "videos" / "v0000.mp4"))
+    page.wait_for_function("() => /: ([1-9]\\d) of 240/.test("
+                           "(document.querySelector('.statekv-progress') || {}).innerText || '')", timeout=60_000)
+    page.get_by_role("button", name="stop feeding").click()
+    note = _note_text(page, "feed")
+    stopped = re.search(r"was stopped as asked after (\d+) of its frames, saved; add the same file", note)
+    assert stopped and 10 <= int(stopped.group(1)) < 240, note
+    page.wait_for_selector(f".statekv-stats:has-text('{stopped.group(1)} frames ·')", timeout=30_000)
+    assert not page.locator(".statekv-progress").is_visible()
+    _feed_again_and_hold_it_once(page, page_server)
+
+
+@pytest.mark.slow
 def test_a_feed_cut_by_a_kill_says_what_the_stream_holds_of_its_file(page_server, browser_page):
     """Before: a page's feed was in the stream's record only once a save or an answer wrote it, so after a kill -9
     the stream came back with what its last save held and nothing said that its file had been cut."""

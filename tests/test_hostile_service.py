@@ -1378,6 +1378,63 @@ def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkey
     assert deleting < 10, deleting
 
 
+def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, tmp_path, monkeypatch):
+    """Before: a feed of the wrong file (an hour's file) could be stopped only by deleting its stream, or the server.
+    ``DELETE /v1/streams/{id}/feed`` stops it after its frame, saved; its request says how to go on, and going on
+    with that ``skip`` gives the stream the file's frames once each."""
+    import statekv.video
+
+    opened, decoding = statekv.video.open_video, threading.Event()
+
+    def slow_open(*args, **kwargs):
+        video = opened(*args, **kwargs)
+        frames = video.frames
+
+        def slow_frames(*args, **kwargs):
+            for index, frame in enumerate(frames(*args, **kwargs)):
+                if index == 3:
+                    decoding.set()
+                time.sleep(0.1)
+                yield frame
+
+        video.frames = slow_frames
+        return video
+
+    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4248, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server:
+        with server.client() as client:
+            stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+            stop = f"/v1/streams/{stream_id}/feed"
+            assert _error(client.delete(stop), 409) == f"stream {stream_id} is not being fed"
+
+        def feed(**fields):
+            with server.client() as client:
+                return client.post(f"/v1/streams/{stream_id}/frames", json={"source": video, **fields})
+
+        with ThreadPoolExecutor(1) as pool, server.client() as client:
+            fed = pool.submit(feed)
+            assert decoding.wait(60)
+            stopped = client.delete(stop)
+            reply = fed.result(timeout=120)
+            about = client.get(f"/v1/streams/{stream_id}").json()
+        frames = opened(str(media / video)).num_frames
+        assert stopped.status_code == 200, stopped.text
+        skip = stopped.json()["skip"]
+        assert stopped.json()["stopped"] and not stopped.json()["running"] and 3 <= skip < frames, stopped.text
+        assert about["frames"] == skip and about["state"] == "ready" and about["saved"]["pushed"] == skip, about
+        assert _error(reply, 409) == (f'feeding {video} was stopped as asked after {skip} of its frames, saved; '
+                                      f'send {{"source": "{video}", "skip": {skip}}} to go on ({skip} frames fed)')
+        monkeypatch.setattr(statekv.video, "open_video", opened)
+        rest = feed(skip=skip)
+        assert rest.status_code == 200 and rest.json()["offered"] == frames - skip, rest.text
+        assert rest.json()["frames"] == frames and rest.json()["state"] == "ready", rest.text
+        with server.client() as client:
+            assert _error(client.delete(stop), 409) == f"stream {stream_id} is not being fed"
+
+
 def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):
     """Before: four deletes of one watch at once were each answered 200 (each found it before any closed it)."""
     with Running(tmp_path / "state", qa) as server:

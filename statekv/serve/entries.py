@@ -75,10 +75,11 @@ class StreamEntry:
 
     @property
     def state(self) -> str:
-        """``feeding``, ``failed`` (its last feed stopped on an error), ``empty`` (no frame yet) or ``ready``."""
+        """``feeding``, ``failed`` (its last feed stopped on an error, not as asked), ``empty`` (no frame yet) or
+        ``ready``."""
         if self.feeding:
             return "feeding"
-        if self.feed is not None and self.feed.error:
+        if self.feed is not None and self.feed.error and not self.feed.stopped:
             return "failed"
         return "ready" if self.stream.frames else "empty"
 

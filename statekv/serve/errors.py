@@ -75,3 +75,9 @@ def public_message(message: str, replacements: dict[str, str]) -> str:
         if path:
             message = message.replace(path, replacements[path])
     return message
+
+
+def reason_of(error: BaseException) -> str:
+    """A one-line reason of ``error`` (a stream that could not be loaded or saved): its first line, or its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

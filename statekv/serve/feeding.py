@@ -1,11 +1,21 @@
-"""A video file fed into a served stream: its progress (`Feed`), how many frames it gives at the stream's rate
-(`frames_at_rate`) and where a feed that skips the frames a cut one pushed places the rest (`resumed_shift`)."""
+"""Video files fed into served streams: the feeds themselves (`FileFeeds`: decoding a file into its stream, stopping
+one as asked or all at the server's stop), a feed's progress (`Feed`), how many frames a file gives at the stream's
+rate (`frames_at_rate`) and where a feed that skips the frames a cut one pushed places the rest (`resumed_shift`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ..errors import InputError, StateKVError
+from .errors import ServiceError, public_message, reason_of, status_of
+
+STOP_POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -19,7 +29,8 @@ class Feed:
     kept: int = 0
     skipped: int = 0
     running: bool = True
-    error: str | None = None
+    error: str | None = None  # why it stopped before the file's end
+    stopped: bool = False  # asked to stop (`DELETE /v1/streams/{id}/feed`): it ends at its next frame, not failed
     resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
     # a page's feed, to tell what the stream holds of its file once it is cut (None: a record written before):
     skip: int = 0  # the file's first frames it skipped
@@ -28,7 +39,7 @@ class Feed:
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
-                "running": self.running, "error": self.error}
+                "running": self.running, "stopped": self.stopped, "error": self.error}
 
     def recorded(self) -> dict[str, Any]:
         return {**self.describe(), "skip": self.skip, "held_before": self.held_before, "size": self.size}
@@ -58,3 +69,127 @@ def resumed_shift(last: float | None, start: float | None, first: float, last_sk
     if last is not None:
         return last - last_skipped
     return 0.0
+
+
+class FileFeeds:
+    """The video files being fed into the streams of ``registry`` (a `StreamRegistry`), one feed per stream at a
+    time, each holding its stream's lock while it pushes."""
+
+    def __init__(self, registry: Any):
+        self.registry = registry
+        self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_all`)
+
+    async def open_source(self, path: Path, shown: str) -> Any:
+        """Open a video file (off the model's thread); a one-line 400 naming it as ``shown`` if it is not one."""
+        from ..video import open_video
+
+        try:
+            return await asyncio.to_thread(open_video, str(path))
+        except StateKVError as error:
+            raise ServiceError(400, public_message(str(error), {str(path): shown})) from None
+
+    def stop_all(self) -> None:
+        """The server is stopping: every feed ends after the frame it is pushing, answering with a one-line 503
+        that says how to go on (``skip``), so its request ends before the server's graceful shutdown does."""
+        self.stopping = True
+
+    async def feed(self, entry: Any, path: Path, start: float | None, *, shown: str | None = None,
+                   video: Any = None, skip: int = 0, resumable: bool = True, size: int | None = None) -> dict[str, Any]:
+        """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
+        ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
+        the server's path); ``video``: the file already opened with `open_source`; ``skip``: the file's first
+        frames at the stream's rate that are not pushed (those a feed cut short pushed already: without
+        ``start``, the rest go on as that feed would have placed them); ``resumable``: a stop's message may tell
+        the client to send ``skip`` (not for a page's upload, which is gone by then); ``size``: the file's bytes.
+
+        Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
+        streams step together. Progress and any error stay in ``entry.feed``."""
+        registry = self.registry
+        registry.placement.admit_push(entry)
+        await registry.heal(entry)  # the page feeds a stream it holds, not found again
+        shown = shown or path.name
+        if video is None:
+            video = await self.open_source(path, shown)
+        if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
+            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
+        rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
+        before = entry.feed
+        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable,
+                                 skip=skip, held_before=entry.stream.frames - skip, size=size)
+        try:
+            if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
+                await entry.keep_record(registry.files, "a page's feed")
+            async with entry.lock:
+                shift, last_skipped = None, None
+                if start is None and not skip:
+                    shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
+                frames = iter(video.frames() if entry.max_fps is None else video.sample_at_rate(rate))
+                upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
+                try:
+                    while (frame := await upcoming) is not None:
+                        # the next frame decodes while this one is pushed, so its push follows at once
+                        upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
+                        if entry.deleting.is_set():
+                            raise ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}")
+                        if self.stopping or feed.stopped:
+                            raise await self._stopped(entry, shown, skip + feed.offered, resumable)
+                        if skip > feed.skipped:
+                            feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
+                            continue
+                        if shift is None:
+                            shift = resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped)
+                        feed.kept += await registry.push_held(entry, frame.image, shift + frame.timestamp)
+                        feed.offered += 1
+                finally:
+                    with contextlib.suppress(BaseException):
+                        await upcoming  # never leave the decoder running on another thread
+                if skip > feed.skipped:
+                    raise InputError(f"skip {skip} is past the end of {shown}: it gives {feed.skipped} frames at the "
+                                     f"stream's rate")
+                feed.total = feed.offered
+                await registry.worker.run(registry.save_now, entry)
+        except StateKVError as error:
+            feed.error = registry.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
+            if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the
+                entry.feed = before  # stream is as it was, not a failed feed
+            status = status_of(error)
+            headers = getattr(error, "headers", None) or ({"Retry-After": "5"} if status == 503 else None)
+            raise ServiceError(status, f"{feed.error} ({feed.kept} frames fed)", headers=headers) from None
+        except BaseException as error:
+            feed.error = f"feeding stopped ({type(error).__name__}); {feed.kept} frames fed"
+            raise
+        finally:
+            feed.running = False
+        return {"source": shown, "offered": feed.offered, "kept": feed.kept}
+
+    async def _stopped(self, entry: Any, shown: str, taken: int, resumable: bool) -> ServiceError:
+        """The error of a feed stopped after ``taken`` of its file's frames, once what it pushed is saved: a 503 when
+        the server's stop ended it (a save at shutdown may never come: a second Ctrl-C skips it), a 409 when it was
+        asked to stop (`stop`)."""
+        if self.stopping:
+            status, headers, back = 503, {"Retry-After": "10"}, "once the server is back, "
+            stopped = f"the server is stopping: feeding {shown} stopped after {taken} of its frames"
+        else:
+            status, headers, back = 409, None, ""
+            stopped = f"feeding {shown} was stopped as asked after {taken} of its frames"
+        try:
+            await self.registry.worker.run(self.registry.save_now, entry)
+        except StateKVError as error:
+            reason = self.registry.config.public(reason_of(error))
+            return ServiceError(status, f"{stopped}, which could not be saved ({reason}); {back}its resume_from says "
+                                "what the stream holds", headers=headers)
+        then = (f"send {{\"source\": {json.dumps(shown)}, \"skip\": {taken}}} to go on" if resumable else
+                "add the same file to this stream again to feed the rest")
+        return ServiceError(status, f"{stopped}, saved; {back}{then}", headers=headers)
+
+    async def stop(self, entry: Any) -> dict[str, Any]:
+        """Stop the feed under way into ``entry`` after the frame it is pushing, and wait until what it pushed is
+        saved; its own request answers a 409 naming the ``skip`` that goes on. A 409 if no feed is under way."""
+        feed = entry.feed
+        if not entry.feeding:
+            raise ServiceError(409, f"stream {entry.id} is not being fed")
+        feed.stopped = True
+        while feed.running:  # the feed ends at its next frame, once saved
+            await asyncio.sleep(STOP_POLL_SECONDS)
+        feed.stopped = feed.error is not None  # not if its last frame came first
+        return {**feed.describe(), "skip": feed.skip + feed.offered}

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.disk.successor import HANDOVER_MARKER
 from ..errors import HandoverError, OutputError
 from .entries import StreamEntry
-from .errors import ServiceError, StorageError
-from .loading import reason_of
+from .errors import ServiceError, StorageError, reason_of
 
 if TYPE_CHECKING:
     from .registry import StreamRegistry

@@ -15,7 +15,7 @@ from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..errors import InputError, OutputError, StateKVError
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
-from .errors import public_message
+from .errors import public_message, reason_of
 from .page_record import recall_page
 from .stream_settings import StreamSettings
 from .watches import recall, with_saved_events
@@ -171,12 +171,6 @@ def _shown(value: Any) -> str:
 def unreadable(name: str, error: Exception) -> str:
     """Why a stream whose record (its file's name) cannot be read is damaged."""
     return f"its record {name} is unreadable: {error}"
-
-
-def reason_of(error: BaseException) -> str:
-    """A one-line reason for a stream that could not be loaded."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def counted(stream: Any, data: dict[str, Any], empty: dict[str, Any]) -> dict[str, Any]:

@@ -150,6 +150,8 @@ class StreamPage:
                 with self.progress_box:
                     self.progress_label = ui.label("").classes("text-body2 statekv-progress")
                     self.progress = ui.linear_progress(value=0, show_value=False).props("rounded size=10px")
+                    ui.button("stop feeding", icon="stop", on_click=self.stop_feed).props("outline dense").classes(
+                        "self-start statekv-stop-feed")
                 self.feed_error = ErrorNote("feed", on_dismiss=self.dismiss_feed_error)  # forgotten on the server too
                 self.more_upload = self.uploader("add a video to this stream", self.on_more_upload, "more")
                 self.more_upload_error = ErrorNote("more")
@@ -328,7 +330,7 @@ class StreamPage:
             except OSError as failure:  # a full or read-only state folder
                 raise ServiceError(503, f"cannot keep the uploaded {name} in {self.uploads}: "
                                    f"{failure.strerror or failure}") from None
-            video = await self.registry.open_source(path, name)
+            video = await self.registry.feeds.open_source(path, name)
             rate = entry.max_fps if entry is not None else self.service.config.default_max_fps
             # the same file (name and size) again after its feed was cut: what the stream holds of it is not fed twice
             size = path.stat().st_size
@@ -340,7 +342,8 @@ class StreamPage:
                 raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "
                                    f"{room} {'left in this stream' if entry else 'a stream of this model holds'}")
             if entry is not None and entry.feeding:
-                raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done")
+                raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done, or stop "
+                                   "it")
         except StateKVError as failure:
             _discard(path)
             error.show(self.service.public(str(failure)))
@@ -355,11 +358,18 @@ class StreamPage:
 
     async def feed(self, entry, path: Path, name: str, video, skip: int, size: int) -> None:
         try:
-            await self.registry.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False, size=size)
+            await self.registry.feeds.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False, size=size)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:
             _discard(path)
+
+    async def stop_feed(self) -> None:
+        """Stop the open stream's feed after its frame (`FileFeeds.stop`): its note says how far it got."""
+        entry = self.entry
+        if entry is not None and entry.feeding:
+            with contextlib.suppress(StateKVError):  # it ended by itself meanwhile
+                await self.registry.feeds.stop(entry)
 
     async def dismiss_feed_error(self) -> None:
         entry = self.entry

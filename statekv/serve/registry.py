@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import threading
@@ -26,14 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, StateKVError
+from ..errors import StateKVError
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
-from .errors import ServiceError, public_message, status_of
-from .feeding import Feed, frames_at_rate, resumed_shift
+from .errors import ServiceError, reason_of
+from .feeding import FileFeeds
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
-from .loading import StreamLoader, reason_of, unreadable
+from .loading import StreamLoader, unreadable
 from .metrics import Metrics
 from .page_record import HISTORY
 from .placement import Placement
@@ -59,7 +58,7 @@ class StreamRegistry:
         self.entries: dict[str, StreamEntry] = {}
         self.damaged: dict[str, DamagedStream] = {}  # quarantined: listed, never served
         self.arriving = 0  # streams being made or taken here (counted against max_streams before they finish)
-        self.stopping = False  # the server is stopping: feeds end at their next frame (`stop_feeds`)
+        self.feeds = FileFeeds(self)  # video files being fed into streams
         self.answers_stopping = threading.Event()  # the server can wait for answers no longer (`stop_answers`)
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
         self.end_watch_feeds = None  # (stream id, why) -> ends its clients' feeds of watch events (`WatchHub.end`)
@@ -232,14 +231,14 @@ class StreamRegistry:
         queue = getattr(self.worker, "queue_push", None)
         if queue is None:
             async with entry.lock:
-                return await self._push_held(entry, image, seconds)
+                return await self.push_held(entry, image, seconds)
         async with entry.lock:  # in order, behind a feed, hand-over or deletion under way
             stream = entry.stream
             answer = queue(stream, image, seconds, before=lambda: self._before_push(entry, stream),
                            after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
         return await self.healer.stopped_handover(entry, answer)
 
-    async def _push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
+    async def push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         batched, stream = getattr(self.worker, "push", None), entry.stream
         if batched is None:
             return await self.healer.stopped_handover(entry, self.worker.run(self.push_now, entry, image, seconds))
@@ -297,107 +296,10 @@ class StreamRegistry:
             self.settings.let_go_unused(getattr(entry.stream, "qa", None) for entry in list(self.entries.values()))
 
     # -- feeding a file ------------------------------------------------------------------------------------
-    async def open_source(self, path: Path, shown: str) -> Any:
-        """Open a video file (off the model's thread); a one-line 400 naming it as ``shown`` if it is not one."""
-        from ..video import open_video
-
-        try:
-            return await asyncio.to_thread(open_video, str(path))
-        except StateKVError as error:
-            raise ServiceError(400, public_message(str(error), {str(path): shown})) from None
-
-    def stop_feeds(self) -> None:
-        """The server is stopping: every feed ends after the frame it is pushing, answering with a one-line 503
-        that says how to go on (``skip``), so its request ends before the server's graceful shutdown does."""
-        self.stopping = True
-
     def stop_answers(self) -> None:
         """The server can wait no longer: every answer still being given stops at its next token, answering with a
         one-line 503 (`ServerStopped`), and is not recorded."""
         self.answers_stopping.set()
-
-    async def feed(self, entry: StreamEntry, path: Path, start: float | None, *, shown: str | None = None,
-                   video: Any = None, skip: int = 0, resumable: bool = True, size: int | None = None) -> dict[str, Any]:
-        """Push every frame of a video file (sampled at the stream's max_fps), then save. Frames are timed from
-        ``start`` (default: just after the stream's last frame). ``shown``: the file's name in messages (never
-        the server's path); ``video``: the file already opened with `open_source`; ``skip``: the file's first
-        frames at the stream's rate that are not pushed (those a feed cut short pushed already: without
-        ``start``, the rest go on as that feed would have placed them); ``resumable``: a stop's message may tell
-        the client to send ``skip`` (not for a page's upload, which is gone by then); ``size``: the file's bytes.
-
-        Frames are decoded off the model's thread and pushed as `push` pushes, so feeds and pushes of several
-        streams step together. Progress and any error stay in ``entry.feed``."""
-        self.placement.admit_push(entry)
-        await self.heal(entry)  # the page feeds a stream it holds, not found again
-        shown = shown or path.name
-        if video is None:
-            video = await self.open_source(path, shown)
-        if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
-            raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
-        rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        before = entry.feed
-        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable,
-                                 skip=skip, held_before=entry.stream.frames - skip, size=size)
-        try:
-            if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
-                await entry.keep_record(self.files, "a page's feed")
-            async with entry.lock:
-                shift, last_skipped = None, None
-                if start is None and not skip:
-                    shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
-                frames = iter(video.frames() if entry.max_fps is None else video.sample_at_rate(rate))
-                upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
-                try:
-                    while (frame := await upcoming) is not None:
-                        # the next frame decodes while this one is pushed, so its push follows at once
-                        upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
-                        if self.stopping:
-                            raise await self._feed_stopped(entry, shown, skip + feed.offered, resumable)
-                        if entry.deleting.is_set():
-                            raise ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}")
-                        if skip > feed.skipped:
-                            feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
-                            continue
-                        if shift is None:
-                            shift = resumed_shift(entry.last_seconds, start, frame.timestamp, last_skipped)
-                        feed.kept += await self._push_held(entry, frame.image, shift + frame.timestamp)
-                        feed.offered += 1
-                finally:
-                    with contextlib.suppress(BaseException):
-                        await upcoming  # never leave the decoder running on another thread
-                if skip > feed.skipped:
-                    raise InputError(f"skip {skip} is past the end of {shown}: it gives {feed.skipped} frames at the "
-                                     f"stream's rate")
-                feed.total = feed.offered
-                await self.worker.run(self.save_now, entry)
-        except StateKVError as error:
-            feed.error = self.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
-            if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the
-                entry.feed = before  # stream is as it was, not a failed feed
-            status = status_of(error)
-            headers = getattr(error, "headers", None) or ({"Retry-After": "5"} if status == 503 else None)
-            raise ServiceError(status, f"{feed.error} ({feed.kept} frames fed)", headers=headers) from None
-        except BaseException as error:
-            feed.error = f"feeding stopped ({type(error).__name__}); {feed.kept} frames fed"
-            raise
-        finally:
-            feed.running = False
-        return {"source": shown, "offered": feed.offered, "kept": feed.kept}
-
-    async def _feed_stopped(self, entry: StreamEntry, shown: str, taken: int, resumable: bool) -> ServiceError:
-        """The 503 of a feed the server's stop ended after ``taken`` of its file's frames, once what it pushed is
-        saved (a save at shutdown may never come: a second Ctrl-C skips it)."""
-        try:
-            await self.worker.run(self.save_now, entry)
-        except StateKVError as error:
-            why = self.config.public(reason_of(error))
-            return ServiceError(503, f"the server is stopping: feeding {shown} stopped after {taken} of its frames, "
-                                f"which could not be saved ({why}); once the server is back, its resume_from says "
-                                "what the stream holds", headers={"Retry-After": "10"})
-        then = (f"once the server is back, send {{\"source\": {json.dumps(shown)}, \"skip\": {taken}}} to go on"
-                if resumable else "once the server is back, add the same file to this stream again to feed the rest")
-        return ServiceError(503, f"the server is stopping: feeding {shown} stopped after {taken} of its frames, "
-                            f"saved; {then}", headers={"Retry-After": "10"})
 
     # -- asking --------------------------------------------------------------------------------------------
     async def ask(self, entry: StreamEntry, question: str, max_new_tokens: int, retrieve: Any,

@@ -114,7 +114,7 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
             raise ServiceError(400, f"t must be a number of seconds in a JSON body, got {shown(body['t'])}")
         start = _seconds(body.get("t"))
         path = resolve_source(config.media_root, body["source"])
-        fed = await registry.feed(entry, path, start, shown=body["source"], skip=skip)
+        fed = await registry.feeds.feed(entry, path, start, shown=body["source"], skip=skip)
         return {**fed, **entry.describe()}
     if kind not in IMAGE_TYPES:
         raise ServiceError(415, f"frames are image/jpeg or image/png bodies, or application/json "
@@ -124,6 +124,12 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
     image = decode_image(data, kind, config.max_image_pixels)
     kept = await registry.push(entry, image, seconds)
     return {"kept": kept, **entry.describe()}
+
+
+@router.delete("/v1/streams/{stream_id}/feed")
+async def stop_feed(stream_id: str, request: Request, service: Served) -> dict:
+    entry = await service.registry.find(service.keys.require(request), stream_id)
+    return {**await service.registry.feeds.stop(entry), "id": stream_id, "object": "feed"}
 
 
 @router.post("/v1/streams/{stream_id}/ask")

@@ -31,7 +31,7 @@ class AppServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self.watch_hub.close()
-        self.registry.stop_feeds()  # a feed's request ends at its next frame, answered, not cancelled
+        self.registry.feeds.stop_all()  # a feed's request ends at its next frame, answered, not cancelled
         timeout = self.config.timeout_graceful_shutdown
         stop = None if timeout is None else asyncio.get_running_loop().call_later(
             timeout - min(ANSWER_MARGIN_SECONDS, timeout / 2), self.registry.stop_answers)

@@ -128,7 +128,7 @@ class ReplicaHosting(Hosting):
                 if await asyncio.to_thread(self.stopping):
                     log.info("the deployment is stopping: ending the clients' feeds of watch events and of files")
                     service.watch_hub.close()
-                    service.registry.stop_feeds()
+                    service.registry.feeds.stop_all()
                 failing = False
             except Exception as error:  # noqa: BLE001 - asked again next time (the controller may be restarting)
                 (log.debug if failing else log.warning)("cannot tell whether the deployment is stopping (asked "

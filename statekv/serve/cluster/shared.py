@@ -21,8 +21,8 @@ from typing import Any
 
 from ...errors import StateKVError
 from ..entries import DamagedStream, StreamEntry, remove_tier
-from ..errors import ServiceError, StorageError
-from ..loading import reason_of, unreadable
+from ..errors import ServiceError, StorageError, reason_of
+from ..loading import unreadable
 from ..placement import Placement
 from ..registry import StreamRegistry
 from ..store import STREAM_ID
