@@ -401,9 +401,34 @@ def test_a_resumed_run_says_a_new_watch_first_answer_and_reopens_one_it_would_st
         assert [watch.question for watch in resumed.watches] == ["What?", "What?"]
 
 
+@pytest.mark.parametrize("watched, message", [
+    ("\u00b2:What?", "expected FRAMES:QUESTION"), ("\u0663:What?", "expected FRAMES:QUESTION"),
+    ("300000000000000:What?", "FRAMES must be at most 281,474,976,710,656")])
+def test_a_watch_flag_with_a_frame_count_no_stream_takes_is_refused_as_the_command_starts(watched, message, capsys):
+    """Before: a superscript digit got argparse's bare "invalid value", an Arabic-Indic one was taken as 3, and a
+    count too large was refused only once the model had loaded, without naming --watch."""
+    with pytest.raises(SystemExit) as stop:
+        main(["stream", "no-such-video.mp4", "--model", "builtin", "--watch", watched])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and err.startswith(f"statekv stream: error: argument --watch: {message}"), err
+
+
+def test_a_watch_the_stream_ends_before_is_said_never_evaluated(tmp_path, capsys):
+    """Before: a --watch whose period was longer than the video printed nothing and exited 0, as a watch whose
+    answer never changed does."""
+    video = write_test_video(tmp_path / "v.mp4", frames=8, fps=4)
+    model = make_tiny_checkpoint("internvl", tmp_path / "model")
+    flags = ["--model", str(model), "--budget", "20", "--attention", "eager", "--max-new-tokens", "2"]
+    assert main(["stream", str(video), *flags, "--watch", "4:What?", "--watch", "2:Which?", "--json"]) == 0
+    printed, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == ("statekv stream: warning: --watch 4:'What?' was never evaluated: the "
+                                            "stream holds 2 frames, fewer than the 4 of its first evaluation"), err
+    assert "Which?" not in err and json.loads(printed.splitlines()[-1])["watches"][0]["question"] == "Which?"
+
+
 def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_path, capsys):
     """Before: --resume FOLDER dropped the stream's watches (only a saved file kept them): each was opened afresh,
-    its events and evaluations lost."""
+    its events and evaluations lost; the resumed run's summary listed none of their events."""
     from statekv.api.stream_disk import read_watches
     from statekv.core.disk.files import read_file_set
 
@@ -412,7 +437,8 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
     flags = ["--model", str(model), "--budget", "20", "--attention", "eager", "--json", "--max-new-tokens", "2",
              "--watch", "4:What?", "--offload", "disk", "--offload-dir", str(tmp_path / "tier")]
     assert main(["stream", str(video), *flags]) == 0
-    folder = Path(json.loads(capsys.readouterr().out.splitlines()[-1])["folder"])
+    first = json.loads(capsys.readouterr().out.splitlines()[-1])
+    folder = Path(first["folder"])
 
     def kept() -> list[dict]:
         """The watches the folder would reopen (those its last record after its last checkpoint vouches for)."""
@@ -424,6 +450,7 @@ def test_a_disk_tier_folder_resumed_by_the_command_goes_on_with_its_watches(tmp_
     assert main(["stream", str(video), *flags, "--resume", str(folder)]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert not [line for line in printed if line["event"] == "watch"]  # the same watch, nothing new to say
+    assert printed[-1]["watches"] == first["watches"] and first["watches"]  # before: [], as if it had none
     assert kept() == before
     assert main(["stream", str(video), *flags[:-6], "--offload", "disk", "--offload-dir", str(tmp_path / "tier"),
                  "--resume", str(folder)]) == 0  # --watch no longer asks it: it closes, and is kept no more

@@ -18,7 +18,7 @@ from ..errors import (CacheLimitError, ConfigurationError, FrameDecodeError, Hor
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..settings.values import POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, shown
+from ..settings.values import LARGEST_INT, POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, shown
 from ..stopping import note_kept, whole
 
 
@@ -50,9 +50,12 @@ def timed_question(text: str) -> tuple[float, str]:
 def watched_question(text: str) -> tuple[int, str]:
     """``"4:Is anyone at the door?"`` -> ``(4, "Is anyone at the door?")``."""
     every, separator, question = text.partition(":")
-    if not separator or not every.strip().isdigit() or int(every) < 1 or not question.strip():
+    every = every.strip()
+    if not separator or not (every.isascii() and every.isdigit()) or int(every) < 1 or not question.strip():
         raise argparse.ArgumentTypeError(f"expected FRAMES:QUESTION (e.g. 4:\"Is anyone at the door?\"), got "
                                          f"{text!r}")
+    if int(every) > LARGEST_INT:  # said before the model loads
+        raise argparse.ArgumentTypeError(f"FRAMES must be at most {LARGEST_INT:,}, got {text!r}")
     return int(every), question.strip()
 
 
@@ -238,20 +241,36 @@ class _Replay:
         for watch in getattr(self.stream, "watches", []):
             key = (watch.question, watch.every, watch.max_new_tokens, watch.retrieve, watch.retrieval, watch.steer)
             kept.setdefault(key, []).append(watch)
+        self.watched = []
         for every, question in self.args.watch:
             same = kept.get((question, every, tokens, *how))
             watch = same.pop(0) if same else None
             opened = watch is None
+            if not opened:  # its events before the stop are the summary's too, as a run never stopped lists them
+                self.events.extend(self.event_of(watch, event) for event in watch.events)
             watch = watch or self.stream.watch(question, every=every, max_new_tokens=tokens)
             watch.subscribe(lambda watch, event: event is not None and self.heard(watch, event))
             if opened and watch.events:  # evaluated as it opened, on the frames of a resumed stream
                 self.heard(watch, watch.events[-1])
+            self.watched.append(watch)
+        self.events.sort(key=lambda event: event["frame"])
         for watch in (watch for left in kept.values() for watch in left):
             watch.close()
 
+    @staticmethod
+    def event_of(watch, event) -> dict:
+        return {"frame": event.frame, "seconds": event.seconds, "question": watch.question, "answer": event.answer}
+
+    def warn_unwatched(self) -> None:
+        """One line on stderr for each --watch never evaluated: the stream ended before its first period did."""
+        for watch in self.watched:
+            if not watch.evaluations and watch.error is None:
+                print(f"statekv stream: warning: --watch {watch.every}:{shown(watch.question, 60)} was never "
+                      f"evaluated: the stream holds {self.stream.frames} frames, fewer than the {watch.every} of its "
+                      "first evaluation", file=sys.stderr, flush=True)
+
     def heard(self, watch, event) -> None:
-        self.events.append({"frame": event.frame, "seconds": event.seconds, "question": watch.question,
-                            "answer": event.answer})
+        self.events.append(self.event_of(watch, event))
         if self.args.json:
             print(json.dumps({"event": "watch", **self.events[-1]}), flush=True)
         else:
@@ -297,6 +316,7 @@ class _Replay:
             self.ask_due(math.inf)
             raise
         self.ask_due(math.inf)  # questions at or after the end see the whole video (or what the cap let in)
+        self.warn_unwatched()
 
     def warn_stopped(self, horizon: int, seconds: float, duration: float | None) -> None:
         """One line on stderr for the questions timed after the frame the horizon stopped the stream at (those past
