@@ -245,6 +245,23 @@ def _note_text(page, name: str) -> str:
     return page.inner_text(selector)
 
 
+def test_the_servers_output_holds_no_key_given_to_it_nor_one_in_a_page_url_it_does_not_know(page_server):
+    """Before: every start printed the key given with --api-key in its `open` line (to the logs, at each restart),
+    and a page URL with a typo logged its whole URL, ?key= and all, at any length."""
+    import httpx
+    from test_serve import KEY, OTHER_KEY
+
+    for path in (f"/ui/typo?key={KEY}&stream=st_x", f"/ui/{'x' * 5000}?KEY={OTHER_KEY}"):
+        assert httpx.get(page_server.url + path, timeout=60).status_code == 404
+    deadline = time.monotonic() + 30
+    while "(hidden)&stream=st_x" not in page_server.printed():
+        assert time.monotonic() < deadline, page_server.printed()[-2000:]
+        time.sleep(0.2)
+    printed = page_server.printed()
+    assert "statekv serve: open http" in printed and KEY not in printed and OTHER_KEY not in printed
+    assert max(map(len, printed.splitlines())) < 1000
+
+
 @pytest.mark.slow
 def test_the_page_refuses_a_blank_question_and_a_blank_watch(page_server, browser_page):
     """Before: a blank question was asked as the options alone and answered ("B"); a blank watch was made."""

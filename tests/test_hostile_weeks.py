@@ -271,3 +271,49 @@ def test_a_server_through_many_lifecycles_keeps_its_quantities_flat(qa, tmp_path
         assert after["threads"] <= before["threads"] + 1 and after["tasks"] <= before["tasks"], (before, after)
         for name in ("streams", "damaged", "followers", "followed streams", "models", "samples", "files"):
             assert after[name] == before[name], (name, before[name], after[name])
+
+
+def test_a_save_that_keeps_failing_is_logged_once_counted_and_shown_until_it_saves_again(qa, tmp_path, caplog):
+    """Before: a timed save that failed (a read-only or full state folder) was tried again every second and logged
+    each time, one ERROR line a second for each stream, while /health said ok and /metrics nothing."""
+    import logging
+
+    from statekv.errors import OutputError
+
+    caplog.set_level(logging.WARNING, logger="statekv.serve")
+    with Running(tmp_path / "state", qa, save_every_seconds=0.5) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={}).json()["id"]
+        files = server.service.registry.files
+        saving = files.save_state
+
+        def read_only(*args, **kwargs):
+            raise OutputError("stream file x.safetensors: cannot write in streams (Read-only file system)")
+
+        files.save_state = read_only
+        try:
+            for index in range(2):
+                client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=_png(index),
+                            headers={"Content-Type": "image/png"}).raise_for_status()
+            deadline = time.monotonic() + 60
+            while _metric(client, "statekv_save_failures_total") < 3:
+                assert time.monotonic() < deadline, client.get("/metrics").text
+                time.sleep(0.2)
+            assert client.get("/health").json()["unsaved"] == 1 and _metric(client, "statekv_streams_unsaved") == 1
+            assert "Read-only" in client.get(f"/v1/streams/{stream_id}").json()["save_error"]
+        finally:
+            files.save_state = saving
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert client.get("/health").json()["unsaved"] == 0 and _metric(client, "statekv_streams_unsaved") == 0
+        assert client.get(f"/v1/streams/{stream_id}").json()["save_error"] is None
+    said = [record.getMessage() for record in caplog.records if stream_id in record.getMessage()]
+    assert len(said) == 2 and said[0].startswith(f"cannot save stream {stream_id}: ") and \
+        said[1].startswith(f"stream {stream_id} is saved again"), said
+
+
+def _metric(client, name: str) -> float:
+    found = re.search(rf"^{name} ([0-9.e+]+)$", client.get("/metrics").text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))

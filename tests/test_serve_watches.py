@@ -58,7 +58,7 @@ class Running:
             options = ModelOptions(model="builtin", offload="disk", offload_dir=str(state.parent / "tiers"))
             qa = qa.with_options(offload="disk", offload_dir=options.offload_dir)
         self.config = ServeConfig(options=options, state_dir=state, api_keys=(KEY, OTHER_KEY), page=False,
-                                  save_every_seconds=600, **config)
+                                  **{"save_every_seconds": 600, **config})
         self.app = create_app(self.config, qa=qa)
         # a following client left open by a failed test must not hold the stop (and hide the failure)
         self.server = AppServer(self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=30)

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
         made = keep_key(config.state_dir, pending) or made
         server = AppServer(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
-        _announce_when_up(server, args.host, made or (keys[0] if keys else None), key_note)
+        _announce_when_up(server, args.host, made, key_note)  # a key given is not printed: it would go to the logs
         server.run(sockets=claim.sockets)
         return 0
     finally:
@@ -334,7 +334,7 @@ def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pen
     else:
         check_owners(config, KeyRing.for_folder(config.state_dir, accepted))
         key_file = KeyFile(config.state_dir)
-    key = pending or made or (keys[0] if keys else None)
+    key = pending or made  # a key given is not printed: it would go to the logs at every start
     kept = []
 
     def starting() -> None:  # the replicas read the key: kept before they start, only once nothing else refuses
@@ -409,7 +409,8 @@ class _Refusing(argparse.ArgumentParser):
 
 
 def _announce_when_up(server, host: str, key: str | None, key_note: str | None) -> None:
-    """Print the address (with the key when it is known, as Jupyter prints its token) once the socket is bound."""
+    """Print the address once the socket is bound (with the key when it was made by this start, as Jupyter prints
+    its token: shown once, it is never printed again)."""
     started = server.startup
 
     async def startup(sockets=None):

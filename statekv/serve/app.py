@@ -75,13 +75,17 @@ class Service:
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.settings.batched_steps, self.registry.settings.batch_sizes,
                                self.registry.settings.question_batch_sizes,
-                               lambda: getattr(self.worker, "quiet_catch_up_steps", 0))
+                               lambda: getattr(self.worker, "quiet_catch_up_steps", 0), self.unsaved)
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.registry.end_watch_feeds = self.watch_hub.end
         self.ask_slots = Slots(config.max_asks, "questions")
         self.follow_slots = Slots(config.max_followers, "clients following watch events", retry_after=5)
+
+    def unsaved(self) -> int:
+        """The streams whose last timed save failed (`StreamRegistry.save_due`)."""
+        return sum(1 for entry in list(self.registry.entries.values()) if entry.save_error is not None)
 
     @property
     def uploads(self) -> Path:

@@ -23,7 +23,7 @@ class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
                  batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Tally] | None = None,
                  question_batch_sizes: Callable[[], Tally] | None = None,
-                 quiet_catch_up_steps: Callable[[], int] | None = None):
+                 quiet_catch_up_steps: Callable[[], int] | None = None, unsaved: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
             self.registry.register(_ReadCounter(BATCHED_STEPS, batched_steps))
@@ -49,6 +49,11 @@ class Metrics:
         streams_gauge.set_function(lambda: float(streams()))
         cache_gauge = Gauge("statekv_cache_bytes", "bytes of detailed cache held by all streams", registry=self.registry)
         cache_gauge.set_function(lambda: float(cache_bytes()))
+        self.save_failures = Counter("statekv_save_failures", "timed saves of a stream that failed (tried again a "
+                                     "save period later)", registry=self.registry)
+        unsaved_gauge = Gauge("statekv_streams_unsaved", "streams whose last timed save failed",
+                              registry=self.registry)
+        unsaved_gauge.set_function(lambda: float(unsaved()))
         rate = Gauge("statekv_frames_per_second", f"frames encoded per second over the last {RATE_WINDOW_SECONDS:g} s",
                      registry=self.registry)
         rate.set_function(self.frames_per_second)

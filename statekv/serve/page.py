@@ -32,7 +32,7 @@ from fastapi import FastAPI
 
 from ..errors import StateKVError
 from .errors import ServiceError
-from .page_parts import PAGE_SCRIPT, ErrorNote, age_text, jpeg_data_url, js_literal, read_text
+from .page_parts import PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, jpeg_data_url, js_literal, read_text
 from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
@@ -57,6 +57,9 @@ def mount_page(app: FastAPI, service: Any) -> None:
         ui.add_body_html(PAGE_SCRIPT)
         StreamPage(service, service.uploads).build()
 
+    nicegui_log = logging.getLogger("nicegui")
+    if not any(isinstance(each, HiddenKeys) for each in nicegui_log.filters):
+        nicegui_log.addFilter(HiddenKeys())
     # at start NiceGUI looks for the server among all live objects, touching torch's deprecated ones too
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
     ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False,

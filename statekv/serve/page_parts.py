@@ -7,9 +7,12 @@ import base64
 import inspect
 import io
 import json
+import logging
+import re
 from typing import Any
 
 THUMBNAIL_WIDTH = 320
+LOGGED_URL_CHARACTERS = 300
 
 # The page's only script: the browser's memory of the key and the open stream, and the camera, which is asked
 # for before any stream is made; it posts one JPEG per second to the stream and reports any refusal.
@@ -179,3 +182,16 @@ def read_text(answer: dict) -> str:
 def js_literal(text: str | None) -> str:
     """A Python string as a JavaScript literal."""
     return "null" if text is None else json.dumps(text)
+
+
+class HiddenKeys(logging.Filter):
+    """NiceGUI logs the whole URL of a page path it does not know: a page opened with ``?key=`` (a stale bookmark, a
+    typo) would put that key in the server's log, and any client could write lines of any length there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = re.sub(r"([?&]key=)[^&#\s]*", r"\1(hidden)", message, flags=re.IGNORECASE)
+        if hidden != message or len(hidden) > LOGGED_URL_CHARACTERS:
+            record.msg, record.args = hidden[:LOGGED_URL_CHARACTERS] + ("..." if len(hidden) > LOGGED_URL_CHARACTERS
+                                                                         else ""), ()
+        return True

@@ -377,18 +377,28 @@ class StreamRegistry:
             entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
             entry.saved_watches = saved_watches
         entry.saved_at = time.monotonic()
+        if entry.save_error is not None:
+            log.warning("stream %s is saved again (its saves had failed: %s)", entry.id, entry.save_error)
+            entry.save_error = None
         entry.write_record(self.files)
 
     async def save_due(self) -> None:
-        """Save every stream whose unsaved frames have waited ``save_every_seconds``."""
+        """Save every stream whose unsaved frames have waited ``save_every_seconds``. A save that fails is tried
+        again a save period later; its failure is logged once (again if its reason changes), and once it saves."""
         now = time.monotonic()
         for entry in list(self.entries.values()):
             if entry.dirty and not entry.deleted and not closed_by_handover(entry) and \
-                    now - entry.saved_at >= self.config.save_every_seconds:
+                    now - max(entry.saved_at, entry.save_tried_at) >= self.config.save_every_seconds:
                 try:
                     await self.worker.run(self.save_now, entry)
                 except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
-                    log.error("cannot save stream %s: %s", entry.id, error)
+                    entry.save_tried_at = time.monotonic()
+                    if self.metrics is not None:
+                        self.metrics.save_failures.inc()
+                    if str(error) != entry.save_error:
+                        log.error("cannot save stream %s: %s; tried again every %g s, logged again once it saves or "
+                                  "fails otherwise", entry.id, error, self.config.save_every_seconds)
+                    entry.save_error = str(error)
 
     def save_all(self) -> None:
         """Save every stream with unsaved frames (at shutdown, from outside the event loop); one a stopped handover

@@ -60,7 +60,8 @@ Served = Annotated[Any, Depends(service_of)]
 async def health(service: Served) -> dict:
     replica = service.hosting.replica
     return {"status": "ok", "model": service.model_id, "streams": len(service.registry.entries),
-            "queued": getattr(service.worker, "queued", 0), **({"replica": replica} if replica else {})}
+            "queued": getattr(service.worker, "queued", 0), "unsaved": service.unsaved(),
+            **({"replica": replica} if replica else {})}
 
 
 @router.post("/v1/streams", status_code=201)
