@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -126,6 +127,12 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
     """Run a command's body; statekv's errors become one line on stderr and status 2, Ctrl-C status 130,
     SIGTERM / SIGHUP 128 + their number (after the command kept its work, as on Ctrl-C), a closed stdout (its
     reader left) 128 + SIGPIPE, silently."""
+    # where nothing configured logging (the server and eval do), the engine's own warnings (a handover given up)
+    # are said in the command's voice rather than bare
+    said, unconfigured = logging.StreamHandler(sys.stderr), logging.lastResort
+    said.setLevel(logging.WARNING)
+    said.setFormatter(_CommandVoice(name))
+    logging.lastResort = said
     try:
         with signals_stop_like_ctrl_c():
             return run() or 0
@@ -139,6 +146,19 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again, with a traceback
         return 128 + signal.SIGPIPE if stop_of(error) is None else _stopped(name, error)
+    finally:
+        logging.lastResort = unconfigured
+
+
+class _CommandVoice(logging.Formatter):
+    """A log record as one of the command's own lines: ``statekv NAME: warning: ...``."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"statekv {self.name}: {record.levelname.lower()}: {record.getMessage()}"
 
 
 def _stopped(name: str, error: BaseException) -> int:

@@ -457,6 +457,55 @@ def test_a_stop_while_the_model_loads_says_nothing_was_saved(files, tmp_path, ca
     assert not saved.exists()
 
 
+def test_a_stream_that_never_began_still_sums_up_in_json(files, tmp_path, capsys, monkeypatch):
+    """Before: `--json` printed no summary when the stream stopped before it began (a cap it cannot start under,
+    a stop while the model loads), though the summary is promised also when the stream stops early."""
+    argv = ["stream", str(files["video"]), "--model", "builtin", "--json"]
+    assert main([*argv, "--max-cache-bytes", "10K"]) == 2  # under it the stream cannot even begin
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["event"] == "summary" and summary["stats"] is None and summary["answers"] == []
+    assert summary["error"] in captured.err and "max_cache_bytes" in summary["error"], (summary, captured.err)
+
+    def stopped_while_loading(options, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(statekv.VideoQA, "from_options", stopped_while_loading)
+    assert main(argv) == 130
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"] == "KeyboardInterrupt"
+
+
+def test_the_engines_own_warnings_are_said_in_the_commands_voice(files):
+    """Before: a warning the engine logged (a handover given up under a small cap) came out bare, the only line of
+    stderr not prefixed with the command's name."""
+    result = _run("stream", files["video"], "--model", "builtin", "--max-cache-bytes", "10K")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert lines[0].startswith("statekv stream: warning: ") and "without its successor engine" in lines[0], lines
+    assert lines[1].startswith("statekv stream: error: "), lines
+
+
+def test_a_run_resumed_without_save_says_what_it_streamed_was_not_kept(files, tmp_path, capsys, monkeypatch):
+    """Before: a run resumed from a file without --save and stopped said "interrupted" and no more: what it streamed
+    since was lost unsaid."""
+    saved, pushes, push = tmp_path / "kept.safetensors", [], statekv.Stream.push
+
+    def pushing(stream, *args, **kwargs):
+        pushes.append(1)
+        if len(pushes) in (3, 5):
+            raise KeyboardInterrupt
+        return push(stream, *args, **kwargs)
+
+    monkeypatch.setattr(statekv.Stream, "push", pushing)
+    argv = ["stream", str(files["video"]), "--model", str(files["model"])]
+    assert main([*argv, "--save", str(saved)]) == 130
+    capsys.readouterr()
+    assert main([*argv, "--resume", str(saved)]) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"statekv stream: interrupted; the frames streamed since --resume {saved} were not saved (it holds the stream "
+        "as it was; give --save to keep what a run streams)")
+
+
 def test_a_second_ctrl_c_as_the_stream_is_saved_still_says_where_and_sums_up(files, tmp_path, capsys, monkeypatch):
     """Before: a second Ctrl-C held back during the save was raised as it ended, before the command said where the
     stream was saved and printed its summary: "interrupted", and nothing more, for a stream that was saved."""

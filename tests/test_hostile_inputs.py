@@ -99,6 +99,9 @@ BEFORE_LOADING = {
     "integer dtype": (ANSWER + ["--dtype", "int8"], "must be a floating-point type"),
     "unknown dtype": (ANSWER + ["--dtype", "float17"], "unknown dtype 'float17'"),
     "empty question": (["answer", "{video}", "  ", "--model", "{model}"], "a question is empty"),
+    # before: the second video's name was asked as a question
+    "two videos": (["answer", "{video}", "{video}", "Why?", "--model", "{model}"], "names a file or folder, not a "
+                   "question: statekv answer takes one VIDEO"),
     "missing video": (["answer", "{root}/missing.mp4", "Why?", "--model", "{model}"], "no such file"),
     "text file as video": (["answer", "{file}", "Why?", "--model", "{model}"], "not a readable video file"),
     "stream save to a folder": (STREAM + ["--save", "{folder}"], "names a folder"),
@@ -109,6 +112,9 @@ BEFORE_LOADING = {
     "stream ask nothing": (["stream", "{video}", "--ask", "3:", "--model", "{model}"], "SECONDS:QUESTION"),
     "stream max-frames 0": (STREAM + ["--max-frames", "0"], "expected a positive integer"),
     "stream save over the video": (STREAM + ["--save", "{video}"], "is the video itself"),
+    # before: any file was replaced by the save, notes or another video
+    "stream save over a file": (STREAM + ["--save", "{file}"], "exists and is not a saved stream: the save would "
+                                "replace it"),
     "stream resume of nothing": (STREAM + ["--resume", "{root}/missing.safetensors"], "no such file or folder"),
     "stream save of simplestream": (STREAM + ["--method", "simplestream", "--save", "{root}/s.safetensors"],
                                     "--save: a simplestream stream keeps only its last frames"),
@@ -123,6 +129,10 @@ BEFORE_LOADING = {
     "eval table output folder": (["eval", "table", "{root}", "--output", "{folder}"], "names a folder"),
     "eval table missing run": (["eval", "table", "{root}/no-run"], "no run directory"),
     "demo device": (["demo", "--device", "cuda:3"], "'cuda:3'"),
+    # before: taken, and nothing done with them
+    "demo max-fps without a video": (["demo", "--max-fps", "2", "--max-frames", "9"],
+                                     "--max-fps and --max-frames sample --video"),
+    "demo videos with a video": (["demo", "--video", "{video}", "--videos", "3"], "--videos counts the held-out"),
     "demo dtype": (["demo", "--dtype", "nope"], "unknown dtype 'nope'"),
     "demo plot of no image kind": (["demo", "--plot", "{root}/plot.txt"], "statekv writes no .txt plots"),
     "demo plot through LaTeX": (["demo", "--plot", "{root}/plot.pgf"], "statekv writes no .pgf plots"),

@@ -235,6 +235,28 @@ def test_a_variable_frame_rate_is_sampled_evenly_in_time(tmp_path, suffix):
 
 
 @pytest.mark.parametrize("suffix", ["mp4", "mkv"])
+def test_a_hole_in_a_files_frames_is_said_once_and_its_frames_go_on(tmp_path, suffix, caplog):
+    """A damaged stretch a demuxer resynchronises past leaves its frames' times with a hole and no decoding error.
+    Before: its frames went on as if none were missing, and nothing said so (a question timed after the hole was
+    answered from fewer frames than its time gives)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="statekv.video")
+    times = [float(second) for second in [*range(18), *range(24, 40), *range(45, 50)]]
+    video = open_video(_timed_video(tmp_path / f"damaged.{suffix}", times))
+    assert [frame.timestamp for frame in video.sample_at_rate(1.0)] == times
+    said = [record.getMessage() for record in caplog.records if record.name == "statekv.video"]
+    assert said == [f"{video.name}: no frame between 17.00 s and 24.00 s, where its frames come every 1.00 s: a "
+                    "damaged stretch its decoder skipped, or a picture that did not change (later holes are not "
+                    "said)"], said
+    caplog.clear()
+    for steady in (_timed_video(tmp_path / f"steady.{suffix}", [k / 4 for k in range(40)]),
+                   _timed_video(tmp_path / f"slides.{suffix}", [k / 4 for k in range(24)] + [6.0 + k for k in range(6)])):
+        assert len(list(open_video(steady).frames())) in (40, 30)
+    assert not [record for record in caplog.records if record.name == "statekv.video"]
+
+
+@pytest.mark.parametrize("suffix", ["mp4", "mkv"])
 def test_a_variable_frame_rate_keeps_the_frame_on_screen_at_each_time(tmp_path, suffix):
     """One frame in even seconds, three in odd ones. Taking the first frame after each time (less half a frame)
     passed over each even second's single frame, on screen the whole second; the frame on screen is taken."""

@@ -31,6 +31,7 @@ from ..synthetic.tasks import COLOUR_OPTIONS
 DEMO_SET = "demo-synthetic-v3"
 DEMO_SEED = 0  # an evaluation seed: the demo's videos were never trained on (the first of docs/accuracy.md's)
 DEMO_VIDEOS = 12
+VIDEO_MAX_FPS, VIDEO_MAX_FRAMES = 1.0, 512  # how --video is sampled
 GROWTH_VIDEOS = 4  # videos fed back to back into the stream whose per-frame cost is shown
 OTHER_BUDGET, OTHER_WINDOW = 256, 4
 BUILTIN_WINDOW = 16  # frames: the built-in model's 4-token frames, as many as its budget holds (BUILTIN_BUDGET)
@@ -47,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default=None, metavar="M",
                         help="a checkpoint folder or hub id instead of the built-in model")
-    parser.add_argument("--videos", type=POSITIVE_INT, default=DEMO_VIDEOS, metavar="N",
+    parser.add_argument("--videos", type=POSITIVE_INT, default=None, metavar="N",
                         help=f"held-out synthetic videos to answer about (default: {DEMO_VIDEOS})")
     parser.add_argument("--video", default=None, help="a video of your own instead of the synthetic ones")
     parser.add_argument("--question", default=None,
@@ -63,9 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG", type=PATH,
                         help="where to write the plot (default: demo.png in statekv's cache folder)")
     parser.add_argument("--no-plot", dest="draw", action="store_false", help="write no plot")
-    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, metavar="F", help="with --video (default: 1)")
-    parser.add_argument("--max-frames", type=POSITIVE_INT, default=512, metavar="N",
-                        help="with --video (default: 512)")
+    parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=None, metavar="F",
+                        help=f"with --video (default: {VIDEO_MAX_FPS:g})")
+    parser.add_argument("--max-frames", type=POSITIVE_INT, default=None, metavar="N",
+                        help=f"with --video (default: {VIDEO_MAX_FRAMES})")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -83,6 +85,15 @@ def run(args: argparse.Namespace) -> int:
                                  "own questions: give --video too, or leave --question out")
     if args.question is not None and not args.question.strip():
         raise ConfigurationError("--question is empty")
+    if args.video is None:
+        given = [flag for flag, value in (("--max-fps", args.max_fps), ("--max-frames", args.max_frames))
+                 if value is not None]
+        if given:
+            raise ConfigurationError(f"{' and '.join(given)} sample --video; the held-out videos are streamed whole: "
+                                     "give --video too, or leave them out")
+    elif args.videos is not None:
+        raise ConfigurationError("--videos counts the held-out videos, which --video replaces: leave --videos out with "
+                                 "--video")
     if args.video is not None and args.plot is not None:
         raise ConfigurationError("--plot draws the held-out videos' comparison, which --video does not run: leave "
                                  "--plot out with --video")
@@ -105,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     budget = args.budget or (BUILTIN_BUDGET if small else OTHER_BUDGET)
     window = args.frames or (BUILTIN_WINDOW if small else OTHER_WINDOW)
     plot_path = Path(args.plot) if args.plot else cache_dir() / "demo.png"
-    videos = None if args.video else demo_set(args.videos)
+    videos = None if args.video else demo_set(args.videos or DEMO_VIDEOS)
     import torch
 
     callers_threads = torch.get_num_threads()
@@ -184,7 +195,8 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
     for index, (method, (label, sizes)) in enumerate(methods.items(), 1):
         progress(f"{label} ({index}/{len(methods)}): encoding {args.video} and answering")
         qa = loaded.with_options(method=method, **sizes)
-        with qa.encode(args.video, max_fps=args.max_fps, max_frames=args.max_frames) as encoded:
+        with qa.encode(args.video, max_fps=args.max_fps or VIDEO_MAX_FPS,
+                       max_frames=args.max_frames or VIDEO_MAX_FRAMES) as encoded:
             answers[method] = encoded.ask(question, max_new_tokens=args.max_new_tokens)
             stats = encoded.stats
         quarter = max(1, len(stats.frame_seconds) // 4)

@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
         raise OutputError(f"--save {save} is the video itself; give another file")
+    if save is not None and save.is_file() and save.stat().st_size:
+        check_replaceable(save)
     video = open_video(args.video)  # check the file before loading the model
     if args.resume is not None and not Path(args.resume).exists():
         raise InputError(f"--resume {args.resume}: no such file or folder")
@@ -120,21 +122,13 @@ def run(args: argparse.Namespace) -> int:
     warn_free_form("stream", args.model, [question for _, question in [*args.ask, *args.watch]])
     quiet_libraries()
     try:
-        qa = VideoQA.from_options(options)
-    except KeyboardInterrupt as stop:  # stopped while the model loads: nothing to keep, and that is said
-        if save is not None:
-            note_kept(stop, f"nothing was streamed yet, so nothing was saved to {save}")
-        raise
-    if args.resume is not None:
-        stream = resumed(args, qa, video.name)
-    else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
-        # named by its absolute path, which a --resume from another folder can still tell apart
-        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps,
-                           name=str(Path(video.name).absolute()), vision_batch=args.vision_batch or 1)
-    try:
-        refuse_what_cannot_fit(stream, args.ask, args.max_new_tokens)
-    except StateKVError:
-        stream.close()
+        stream = begun(args, VideoQA, options, video.name, save)
+    except (Exception, KeyboardInterrupt) as error:  # the summary --json promises, of a stream that never began
+        if args.json:
+            print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
+                              **json_sizes(options), "label": options.label, "stats": None, "answers": [],
+                              "watches": [], "saved": None, "folder": None,
+                              "error": one_line(error) if str(error) else type(error).__name__}), flush=True)
         raise
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
@@ -154,6 +148,28 @@ def run(args: argparse.Namespace) -> int:
             print(f"statekv stream: warning: the stream's folder {replay.folder} could not be closed: {problem}",
                   file=sys.stderr, flush=True)
     return 0
+
+
+def begun(args: argparse.Namespace, videoqa, options: ModelOptions, video_name: str, save: Path | None):
+    """The model loaded and the stream made, or resumed, checked against the run's questions."""
+    try:
+        qa = videoqa.from_options(options)
+    except KeyboardInterrupt as stop:  # stopped while the model loads: nothing to keep, and that is said
+        if save is not None:
+            note_kept(stop, f"nothing was streamed yet, so nothing was saved to {save}")
+        raise
+    if args.resume is not None:
+        stream = resumed(args, qa, video_name)
+    else:  # a live stream encodes each frame as it comes unless --vision-batch asks it to wait for a batch
+        # named by its absolute path, which a --resume from another folder can still tell apart
+        stream = qa.stream(horizon_frames=args.max_frames, max_fps=args.max_fps,
+                           name=str(Path(video_name).absolute()), vision_batch=args.vision_batch or 1)
+    try:
+        refuse_what_cannot_fit(stream, args.ask, args.max_new_tokens)
+    except StateKVError:
+        stream.close()
+        raise
+    return stream
 
 
 def resumed(args: argparse.Namespace, qa, video_name: str):
@@ -376,6 +392,9 @@ class _Replay:
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
         elif self.folder is not None:
             kept = self.closed_folder()
+        elif self.args.resume is not None:  # resumed from a file, and nothing names where to keep what followed
+            kept = (f"the frames streamed since --resume {self.args.resume} were not saved (it holds the stream as "
+                    "it was; give --save to keep what a run streams)")
         if kept is not None:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)
@@ -444,6 +463,17 @@ class _Replay:
                   + (f", {1e3 * stats.mean_frame_seconds:.1f} ms per frame" if timed else "")
                   + (f"; saved to {where}" if where else "")
                   + (f"; kept in {self.folder}" if self.folder is not None else ""), flush=True)
+
+
+def check_replaceable(save: Path) -> None:
+    """Refuse a --save file that holds something other than a saved stream: the save would replace it."""
+    from ..api.stream_file import read_metadata
+
+    try:
+        read_metadata(save)
+    except InputError:
+        raise OutputError(f"--save {save} exists and is not a saved stream: the save would replace it; give another "
+                          "file, or remove it first") from None
 
 
 def frames_expected(video, max_fps: float, horizon: int | None) -> int | None:

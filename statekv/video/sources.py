@@ -8,8 +8,10 @@ frames on demand. Frames are yielded as `Frame` objects whose ``image`` is an RG
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,10 @@ from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indice
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 MP4_SUFFIXES = frozenset({".mp4", ".m4v", ".mov"})  # an index written at the end: a cut file has none
+log = logging.getLogger("statekv.video")
+GAP_FRAMES_SEEN = 8  # frames whose spacing tells a file's usual gap before a hole in it is said
+GAP_TIMES = 4  # a hole: a gap this many times the usual one (and over GAP_SECONDS)
+GAP_SECONDS = 1.0
 DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
 
 
@@ -305,9 +311,11 @@ class FileVideo(Video):
         with self._open() as container:
             stream = container.streams[self._stream_index]
             stream.thread_type = "AUTO"
+            holes = Holes(self.name)
             try:
                 for index, frame in enumerate(container.decode(stream)):
                     timestamp = self._timestamp(frame, index)
+                    holes.check(timestamp)
                     yield _PendingFrame(index, timestamp, partial(self._shown, frame))
             except av.FFmpegError as error:
                 failed, at = index + 1, timestamp + 1 / self.fps  # the frame after the last good one
@@ -336,6 +344,31 @@ class ImageSequenceVideo(Video):
     def _pending_frames(self) -> Iterator[_PendingFrame]:
         for index, item in enumerate(self._items):
             yield _PendingFrame(index, index / self.fps, partial(self._load, item))
+
+
+class Holes:
+    """Says once, in the log, where a file's frames leave a hole far longer than their usual gap: a damaged stretch
+    the decoder skipped without an error (its demuxer found the next whole packet), or a picture that did not change
+    in a screen recording. Its frames go on as they are; a question can only be told of the hole."""
+
+    def __init__(self, name: str):
+        self.name, self.first, self.last, self.usual, self.said = name, [], None, None, False
+
+    def check(self, timestamp: float) -> None:
+        last, self.last = self.last, timestamp
+        if self.said:
+            return
+        if self.usual is None:
+            self.first.append(timestamp)
+            if len(self.first) > GAP_FRAMES_SEEN:  # the usual gap, from the file's first frames
+                self.usual = statistics.median(b - a for a, b in zip(self.first, self.first[1:]))
+                self.first = []
+            return
+        if timestamp - last > max(GAP_SECONDS, GAP_TIMES * self.usual):
+            self.said = True
+            log.warning("%s: no frame between %.2f s and %.2f s, where its frames come every %.2f s: a damaged "
+                        "stretch its decoder skipped, or a picture that did not change (later holes are not said)",
+                        self.name, last, timestamp, self.usual)
 
 
 def _uneven(times: list[float], tick: float) -> bool:
