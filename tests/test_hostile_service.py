@@ -160,6 +160,8 @@ def test_one_damaged_record_quarantines_its_stream_alone_and_its_files_stay(qa, 
             assert "damaged" in message and str(state) not in message
         assert "holds another stream" in listed[ids["mine"]]["damaged"]
         assert ids["theirs"] not in listed[ids["mine"]]["damaged"]  # never told another key's stream id
+        exposed = client.get("/metrics").text  # before: nothing in /metrics said any stream was damaged
+        assert "\nstatekv_streams_damaged 3.0\n" in exposed and "\nstatekv_queued 0.0\n" in exposed
         assert ids["theirs"] in {s["id"] for s in other.get("/v1/streams").json()["data"]}  # its owner's, served
         assert ids["mine"] not in {s["id"] for s in other.get("/v1/streams").json()["data"]}
         damaged = [ids[name] for name in ("record", "save", "mine")]

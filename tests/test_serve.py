@@ -640,6 +640,7 @@ def test_a_key_made_for_the_state_folder_outlives_restarts_and_unowned_streams_s
     again = Server(state, media, "--no-page", keys=()).start()  # the same folder, no key given: the made key is reused
     try:
         assert key not in again.printed() and "using the API key made for" in again.printed()
+        assert f"statekv serve: brought back 1 stream from {state}" in again.printed()  # before: the log said nothing
         with again.client(key) as client:
             listed = client.get("/v1/streams").json()["data"]
         assert [(s["id"], s["frames"], s["state"]) for s in listed] == [(made_stream, 1, "ready")]

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(replace(config, api_keys=config.api_keys + ((pending,) if pending else ())))
         made = keep_key(config.state_dir, pending) or made
         server = AppServer(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
-        _announce_when_up(server, args.host, made, key_note)  # a key given is not printed: it would go to the logs
+        brought = _brought_back(app.state.service.registry, config.state_dir)
+        _announce_when_up(server, args.host, made, key_note, brought)  # a key given is not printed: it goes to logs
         server.run(sockets=claim.sockets)
         return 0
     finally:
@@ -408,7 +409,16 @@ class _Refusing(argparse.ArgumentParser):
                                  "statekv serve --help)")
 
 
-def _announce_when_up(server, host: str, key: str | None, key_note: str | None) -> None:
+def _brought_back(registry, state_dir) -> str | None:
+    """The line saying which streams a start brought back from its state folder (None: none)."""
+    held, damaged = len(registry.entries), len(registry.damaged)
+    if not held and not damaged:
+        return None
+    found = f" ({damaged} found damaged: quarantined, listed, not served)" if damaged else ""
+    return f"statekv serve: brought back {held} stream{'s' * (held != 1)} from {state_dir}{found}"
+
+
+def _announce_when_up(server, host: str, key: str | None, key_note: str | None, brought: str | None) -> None:
     """Print the address once the socket is bound (with the key when it was made by this start, as Jupyter prints
     its token: shown once, it is never printed again)."""
     started = server.startup
@@ -418,6 +428,8 @@ def _announce_when_up(server, host: str, key: str | None, key_note: str | None) 
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else "?"
         shown = f"[{host}]" if ":" in host else host
         print(f"statekv serve: listening on http://{shown}:{port}", flush=True)
+        if brought:
+            print(brought, flush=True)
         if key_note:
             print(key_note, flush=True)
         print(f"statekv serve: open http://{shown}:{port}/" + (f"?key={key}" if key else ""), flush=True)

@@ -75,7 +75,8 @@ class Service:
         self.metrics = Metrics(lambda: len(self.registry.entries), self.registry.cache_bytes,
                                self.registry.settings.batched_steps, self.registry.settings.batch_sizes,
                                self.registry.settings.question_batch_sizes,
-                               lambda: getattr(self.worker, "quiet_catch_up_steps", 0), self.unsaved)
+                               lambda: getattr(self.worker, "quiet_catch_up_steps", 0), self.unsaved,
+                               lambda: len(self.registry.damaged), lambda: getattr(self.worker, "queued", 0))
         self.registry.metrics = self.metrics
         self.watch_hub = WatchHub(self.metrics.registry)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here

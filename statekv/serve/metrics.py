@@ -23,7 +23,8 @@ class Metrics:
     def __init__(self, streams: Callable[[], int], cache_bytes: Callable[[], int],
                  batched_steps: Callable[[], int] | None = None, batch_sizes: Callable[[], Tally] | None = None,
                  question_batch_sizes: Callable[[], Tally] | None = None,
-                 quiet_catch_up_steps: Callable[[], int] | None = None, unsaved: Callable[[], int] = lambda: 0):
+                 quiet_catch_up_steps: Callable[[], int] | None = None, unsaved: Callable[[], int] = lambda: 0,
+                 damaged: Callable[[], int] = lambda: 0, queued: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         if batched_steps is not None:
             self.registry.register(_ReadCounter(BATCHED_STEPS, batched_steps))
@@ -54,6 +55,12 @@ class Metrics:
         unsaved_gauge = Gauge("statekv_streams_unsaved", "streams whose last timed save failed",
                               registry=self.registry)
         unsaved_gauge.set_function(lambda: float(unsaved()))
+        damaged_gauge = Gauge("statekv_streams_damaged", "streams found damaged: listed, never served, their files "
+                              "kept", registry=self.registry)
+        damaged_gauge.set_function(lambda: float(damaged()))
+        queued_gauge = Gauge("statekv_queued", "pushes and questions waiting for the model's thread",
+                             registry=self.registry)
+        queued_gauge.set_function(lambda: float(queued()))
         rate = Gauge("statekv_frames_per_second", f"frames encoded per second over the last {RATE_WINDOW_SECONDS:g} s",
                      registry=self.registry)
         rate.set_function(self.frames_per_second)
