@@ -103,6 +103,9 @@ BEFORE_LOADING = {
     "two videos": (["answer", "{video}", "{video}", "Why?", "--model", "{model}"], "names a file or folder, not a "
                    "question: statekv answer takes one VIDEO"),
     "missing video": (["answer", "{root}/missing.mp4", "Why?", "--model", "{model}"], "no such file"),
+    # before: "http:/example.com/clip.mp4: no such file or folder", the address mangled
+    "video URL": (["answer", "https://example.com/clip.mp4", "Why?", "--model", "{model}"],
+                  "https://example.com/clip.mp4: URLs are not read; download the file"),
     "text file as video": (["answer", "{file}", "Why?", "--model", "{model}"], "not a readable video file"),
     "stream save to a folder": (STREAM + ["--save", "{folder}"], "names a folder"),
     "stream save unwritable": (STREAM + ["--save", UNWRITABLE], "cannot write in /sys"),
