@@ -129,10 +129,8 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
     reader left) 128 + SIGPIPE, silently."""
     # where nothing configured logging (the server and eval do), the engine's own warnings (a handover given up)
     # are said in the command's voice rather than bare
-    said, unconfigured = logging.StreamHandler(sys.stderr), logging.lastResort
-    said.setLevel(logging.WARNING)
-    said.setFormatter(_CommandVoice(name))
-    logging.lastResort = said
+    previous_last_resort = logging.lastResort
+    logging.lastResort = _CommandVoice(name, previous_last_resort)
     try:
         with signals_stop_like_ctrl_c():
             return run() or 0
@@ -147,18 +145,28 @@ def run_command(name: str, run: Callable[[], int | None]) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again, with a traceback
         return 128 + signal.SIGPIPE if stop_of(error) is None else _stopped(name, error)
     finally:
-        logging.lastResort = unconfigured
+        logging.lastResort = previous_last_resort
 
 
-class _CommandVoice(logging.Formatter):
-    """A log record as one of the command's own lines: ``statekv NAME: warning: ...``."""
+class _CommandVoice(logging.StreamHandler):
+    """The handler of last resort while a command runs: statekv's own warnings as the command's lines
+    (``statekv NAME: warning: ...``); anything else (its errors, which the command says as it raises them; other
+    libraries' records) to the handler it replaced (None: dropped, as Python drops them with none)."""
 
-    def __init__(self, name: str):
-        super().__init__()
-        self.name = name
+    def __init__(self, name: str, previous: logging.Handler | None):
+        super().__init__(sys.stderr)
+        self.setLevel(logging.WARNING)
+        self.command, self.previous = name, previous
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING and (record.name == "statekv" or record.name.startswith("statekv.")):
+            super().emit(record)
+        elif self.previous is not None and record.levelno >= self.previous.level:
+            self.previous.handle(record)
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"statekv {self.name}: {record.levelname.lower()}: {record.getMessage()}"
+        text = f"statekv {self.command}: warning: {record.getMessage().removeprefix('statekv: ')}"
+        return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
 
 
 def _stopped(name: str, error: BaseException) -> int:

@@ -465,6 +465,7 @@ def test_a_stream_that_never_began_still_sums_up_in_json(files, tmp_path, capsys
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["event"] == "summary" and summary["stats"] is None and summary["answers"] == []
+    assert {"horizon_frames", "positions", "stopped", "saved", "save_error", "folder", "watches"} <= set(summary)
     assert summary["error"] in captured.err and "max_cache_bytes" in summary["error"], (summary, captured.err)
 
     def stopped_while_loading(options, **kwargs):

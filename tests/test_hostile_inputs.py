@@ -102,6 +102,9 @@ BEFORE_LOADING = {
     # before: the second video's name was asked as a question
     "two videos": (["answer", "{video}", "{video}", "Why?", "--model", "{model}"], "names a file or folder, not a "
                    "question: statekv answer takes one VIDEO"),
+    # (a name too long for a file is a question, not an OSError)
+    "a long question, then a video": (["answer", "{video}", "\u4e00" * 300, "{video}", "--model", "{model}"],
+                                      "names a file or folder, not a question"),
     "missing video": (["answer", "{root}/missing.mp4", "Why?", "--model", "{model}"], "no such file"),
     # before: "http:/example.com/clip.mp4: no such file or folder", the address mangled
     "video URL": (["answer", "https://example.com/clip.mp4", "Why?", "--model", "{model}"],
@@ -116,8 +119,8 @@ BEFORE_LOADING = {
     "stream max-frames 0": (STREAM + ["--max-frames", "0"], "expected a positive integer"),
     "stream save over the video": (STREAM + ["--save", "{video}"], "is the video itself"),
     # before: any file was replaced by the save, notes or another video
-    "stream save over a file": (STREAM + ["--save", "{file}"], "exists and is not a saved stream: the save would "
-                                "replace it"),
+    "stream save over a file": (STREAM + ["--save", "{file}"], "exists and is not a stream this statekv saved "
+                                "(not a saved statekv stream"),
     "stream resume of nothing": (STREAM + ["--resume", "{root}/missing.safetensors"], "no such file or folder"),
     "stream save of simplestream": (STREAM + ["--method", "simplestream", "--save", "{root}/s.safetensors"],
                                     "--save: a simplestream stream keeps only its last frames"),

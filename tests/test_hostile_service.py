@@ -1337,24 +1337,32 @@ def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkey
 def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkeypatch):
     """The feed stops at its next frame with a 404 saying why (before: "no stream 'st_...'", as if the id were
     wrong), and the DELETE answers without waiting for the rest of the file."""
+    import statekv.serve.registry
     import statekv.video
 
     opened, decoding = statekv.video.open_video, threading.Event()
 
-    def slow_open(*args, **kwargs):  # each frame takes a while to decode, so the feed is long
+    def slow_open(*args, **kwargs):
         video = opened(*args, **kwargs)
         frames = video.frames
 
         def slow_frames(*args, **kwargs):
             for frame in frames(*args, **kwargs):
                 decoding.set()
-                time.sleep(0.25)
                 yield frame
 
         video.frames = slow_frames
         return video
 
     monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    registry = statekv.serve.registry.StreamRegistry
+    pushing = registry.push_held
+
+    async def slow_push(self, *args):  # the deletion lands while a push waits, as on a GPU, where pushes take longest
+        await asyncio.sleep(0.25)
+        return await pushing(self, *args)
+
+    monkeypatch.setattr(registry, "push_held", slow_push)
     media = tmp_path / "media"
     make_benchmark(media, videos=1, seed=4247, num_frames=120)
     video = str(next(media.rglob("*.mp4")).relative_to(media))
@@ -1371,7 +1379,7 @@ def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkey
             assert decoding.wait(60)
             asked = time.monotonic()
             assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
-            deleting = time.monotonic() - asked  # the whole file: 30 s
+            deleting = time.monotonic() - asked  # the whole file: two minutes
             reply = fed.result(timeout=120)
             assert client.get(f"/v1/streams/{stream_id}").status_code == 404
     message = _error(reply, 404)
@@ -1386,7 +1394,7 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
     with that ``skip`` gives the stream the file's frames once each."""
     import statekv.video
 
-    opened, decoding = statekv.video.open_video, threading.Event()
+    opened, decoding, feeds = statekv.video.open_video, threading.Event(), []
 
     def slow_open(*args, **kwargs):
         video = opened(*args, **kwargs)
@@ -1394,9 +1402,11 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
 
         def slow_frames(*args, **kwargs):
             for index, frame in enumerate(frames(*args, **kwargs)):
-                if index == 3:
+                if index == 4:  # the feed is asked to stop here, however slow the machine
                     decoding.set()
-                time.sleep(0.1)
+                    deadline = time.monotonic() + 60
+                    while not feeds[0].feed.stopping and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 yield frame
 
         video.frames = slow_frames
@@ -1409,6 +1419,7 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
     with Running(tmp_path / "state", qa, media_root=media) as server:
         with server.client() as client:
             stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+            feeds.append(server.service.registry.entries[stream_id])
             stop = f"/v1/streams/{stream_id}/feed"
             assert _error(client.delete(stop), 409) == f"stream {stream_id} is not being fed"
 
@@ -1435,6 +1446,73 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
         assert rest.json()["frames"] == frames and rest.json()["state"] == "ready", rest.text
         with server.client() as client:
             assert _error(client.delete(stop), 409) == f"stream {stream_id} is not being fed"
+
+
+def test_a_feed_that_fails_or_is_stopped_while_skipping_says_what_the_stream_holds(qa, tmp_path, monkeypatch):
+    """The feed hunt's cases. Before: a feed whose file failed part-way saved nothing of what it had pushed; a stop
+    that met such a failure answered 200 "stopped" and the stream read ready; a stop while the feed skipped
+    frames named the skip asked for, not the frames passed, and going on with it would have left some out."""
+    import statekv.video
+    from statekv.errors import FrameDecodeError
+
+    opened, plan, feeds = statekv.video.open_video, {}, []
+
+    def planned_open(*args, **kwargs):
+        video = opened(*args, **kwargs)
+        frames = video.frames
+
+        def planned_frames(*args, **kwargs):
+            for index, frame in enumerate(frames(*args, **kwargs)):
+                if index == plan["at"]:
+                    if plan.get("wait"):  # until the stop is asked, however slow the machine
+                        deadline = time.monotonic() + 60
+                        while not feeds[-1].feed.stopping and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                    if plan.get("fail"):
+                        raise FrameDecodeError(f"{video.name}: frame {index} cannot be decoded", index=index,
+                                               timestamp=frame.timestamp)
+                yield frame
+
+        video.frames = planned_frames
+        return video
+
+    monkeypatch.setattr(statekv.video, "open_video", planned_open)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4249, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        def fed(body: dict) -> tuple[str, httpx.Response, httpx.Response | None]:
+            stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+            feeds.append(server.service.registry.entries[stream_id])
+            with ThreadPoolExecutor(1) as pool, server.client() as feeder:
+                feeding = pool.submit(feeder.post, f"/v1/streams/{stream_id}/frames", json=body)
+                stopped = None
+                if plan.get("wait"):  # the frames before the planned one gone through: the feed waits for it
+                    while not feeding.done() and (feeds[-1].feed is None or
+                                                  feeds[-1].feed.offered + feeds[-1].feed.skipped < plan["at"]):
+                        time.sleep(0.01)
+                    stopped = client.delete(f"/v1/streams/{stream_id}/feed")
+                return stream_id, feeding.result(timeout=120), stopped
+
+        plan.update(at=10, fail=True)
+        stream_id, reply, _ = fed({"source": video})
+        assert "frame 10 cannot be decoded" in _error(reply, 400) and "(10 frames fed)" in reply.json()["error"][
+            "message"]
+        about = client.get(f"/v1/streams/{stream_id}").json()
+        assert about["state"] == "failed" and about["saved"]["pushed"] == 10, about  # before: 0
+
+        plan.update(at=5, fail=True, wait=True)
+        stream_id, reply, stopped = fed({"source": video})
+        assert "ended before it could be stopped: " in _error(stopped, 409) and "cannot be decoded" in \
+            stopped.json()["error"]["message"]
+        _error(reply, 400)
+        assert client.get(f"/v1/streams/{stream_id}").json()["state"] == "failed"
+
+        plan.update(at=10, fail=False, wait=True)
+        stream_id, reply, stopped = fed({"source": video, "skip": 30})
+        assert stopped.status_code == 200 and stopped.json()["skip"] == 10, stopped.text  # before: 30
+        assert "after 10 of its frames" in _error(reply, 409)
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
 
 
 def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):

@@ -475,50 +475,6 @@ def test_a_server_alone_removes_the_partial_files_writes_cut_short_left(tmp_path
 
 
 
-def test_a_client_following_again_after_a_kill_is_not_sent_again_the_events_it_read(tmp_path, qa, pictures):
-    """A killed server brings a stream back from its last save; as its lost frames are pushed again, its watches
-    fire again under the ids they had. Before: a client that followed again with the last id it read was sent
-    those events again (an alert raised twice), ids going back below the one it gave."""
-    state, body = tmp_path / "state", {"question": COUNT, "every": 3, "max_new_tokens": 4}
-    with Running(state, qa, save_every_frames=4) as server, server.client() as client:
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        first = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
-        push(client, stream_id, pictures, 3, 6)
-        shutil.copytree(state, tmp_path / "killed")  # a server killed here: its files as they stand
-        push(client, stream_id, pictures, 6, 21)
-        read = client.get(f"/v1/streams/{stream_id}/watches/{first}").json()["events"]
-    last = f"{read[-1]['frame']}.{first}"
-    with Running(tmp_path / "killed", qa) as server, server.client() as client:
-        resumed = client.get(f"/v1/streams/{stream_id}").json()["resume_from"]
-        assert [event for event in read if event["frame"] > resumed], (resumed, read)  # events to fire again
-        heard, following = [], threading.Event()
-
-        def follow() -> None:
-            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events",
-                                                          headers={"Last-Event-ID": last}) as events:
-                for line in events.iter_lines():
-                    following.set()
-                    if line.startswith("id: "):
-                        heard.append(line[len("id: "):])
-                        if not heard[-1].endswith(first):
-                            return
-
-        reader = threading.Thread(target=follow, daemon=True)
-        reader.start()
-        assert following.wait(30)
-        push(client, stream_id, pictures, resumed, 21)  # the frames the kill lost, again
-        assert client.get(f"/v1/streams/{stream_id}/watches/{first}").json()["events"] == read  # fired again
-        second = client.post(f"/v1/streams/{stream_id}/watches", json=body).json()["id"]
-        push(client, stream_id, pictures, 21, 24)
-        reader.join(timeout=30)
-        expected = [f"{frame}.{key}" for frame, _, key in sorted(
-            (event["frame"], rank, key) for rank, key in enumerate((first, second))
-            for event in client.get(f"/v1/streams/{stream_id}/watches/{key}").json()["events"]
-            if event["frame"] > read[-1]["frame"])]
-    assert heard == expected and heard[-1].endswith(second), (heard, last)
-
-
 def test_a_record_leaves_the_events_its_save_holds_to_the_save_and_a_crash_or_a_restart_loses_none(tmp_path, qa,
                                                                                                    pictures):
     """The record is written at every answer: it holds a watch's events since the stream's last save, not every

@@ -244,7 +244,9 @@ def test_a_hole_in_a_files_frames_is_said_once_and_its_frames_go_on(tmp_path, su
     caplog.set_level(logging.WARNING, logger="statekv.video")
     times = [float(second) for second in [*range(18), *range(24, 40), *range(45, 50)]]
     video = open_video(_timed_video(tmp_path / f"damaged.{suffix}", times))
-    assert [frame.timestamp for frame in video.sample_at_rate(1.0)] == times
+    for _ in range(2):  # read twice (as each method of `statekv demo --video` does): said once
+        assert [frame.timestamp for frame in video.sample_at_rate(1.0)] == times
+    assert video.hole == (17.0, 24.0)
     said = [record.getMessage() for record in caplog.records if record.name == "statekv.video"]
     assert said == [f"{video.name}: no frame between 17.00 s and 24.00 s, where its frames come every 1.00 s: a "
                     "damaged stretch its decoder skipped, or a picture that did not change (later holes are not "

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
 from ..console import (add_output_arguments, add_sampling_arguments, interactive, one_line, print_json,
                        json_sizes, quiet_libraries, warn_free_form)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not all(question.strip() for question in args.questions):
         raise InputError("a question is empty")
     for question in args.questions:
-        if "\n" not in question and len(question) < 4096 and Path(question).exists():
+        if "\n" not in question and os.path.exists(question):  # (False for a name too long to be a file's)
             raise InputError(f"QUESTION {question!r} names a file or folder, not a question: statekv answer takes one "
                              "VIDEO; answer each video with its own command")
     options = ModelOptions.from_args(args, all_used=True)  # bad settings fail before the video opens or the model loads

@@ -126,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
     except (Exception, KeyboardInterrupt) as error:  # the summary --json promises, of a stream that never began
         if args.json:
             print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              **json_sizes(options), "label": options.label, "stats": None, "answers": [],
-                              "watches": [], "saved": None, "folder": None,
+                              **json_sizes(options), "label": options.label, "horizon_frames": args.max_frames,
+                              "positions": None, "stats": None, "answers": [], "watches": [], "stopped": None,
+                              "saved": None, "save_error": None, "folder": None,
                               "error": one_line(error) if str(error) else type(error).__name__}), flush=True)
         raise
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
@@ -471,8 +472,9 @@ def check_replaceable(save: Path) -> None:
 
     try:
         read_metadata(save)
-    except InputError:
-        raise OutputError(f"--save {save} exists and is not a saved stream: the save would replace it; give another "
+    except InputError as error:
+        raise OutputError(f"--save {save} exists and is not a stream this statekv saved "
+                          f"({one_line(error).removeprefix(f'{save}: ')}); the save would replace it: give another "
                           "file, or remove it first") from None
 
 

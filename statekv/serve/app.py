@@ -85,7 +85,7 @@ class Service:
         self.follow_slots = Slots(config.max_followers, "clients following watch events", retry_after=5)
 
     def unsaved(self) -> int:
-        """The streams whose last timed save failed (`StreamRegistry.save_due`)."""
+        """The streams whose last save failed (`StreamRegistry.note_save_failure`)."""
         return sum(1 for entry in list(self.registry.entries.values()) if entry.save_error is not None)
 
     @property

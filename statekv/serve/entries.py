@@ -39,7 +39,7 @@ class StreamEntry:
     last_seconds: float | None = None
     saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
     saved_at: float = field(default_factory=time.monotonic)
-    save_error: str | None = None  # why its last timed save failed (None once it saves again)
+    save_error: str | None = None  # why its last save failed, as a client may see it (None once it saves again)
     save_tried_at: float = 0.0  # when that save was tried (monotonic): the next is tried a save period later
     saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
     from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, StateKVError
+from ..errors import InputError, OutputError, StateKVError
 from .errors import ServiceError, public_message, reason_of, status_of
 
 STOP_POLL_SECONDS = 0.05
@@ -30,7 +30,8 @@ class Feed:
     skipped: int = 0
     running: bool = True
     error: str | None = None  # why it stopped before the file's end
-    stopped: bool = False  # asked to stop (`DELETE /v1/streams/{id}/feed`): it ends at its next frame, not failed
+    stopping: bool = False  # asked to stop (`FileFeeds.stop`): it ends after the frame it is pushing
+    stopped: bool = False  # stopped as asked, its frames saved: not failed
     resumable: bool = True  # False: the page's (its file is gone once it stops; its record names a cut feed)
     # a page's feed, to tell what the stream holds of its file once it is cut (None: a record written before):
     skip: int = 0  # the file's first frames it skipped
@@ -131,8 +132,8 @@ class FileFeeds:
                         upcoming = asyncio.ensure_future(asyncio.to_thread(next, frames, None))
                         if entry.deleting.is_set():
                             raise ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}")
-                        if self.stopping or feed.stopped:
-                            raise await self._stopped(entry, shown, skip + feed.offered, resumable)
+                        if self.stopping or feed.stopping:
+                            raise await self._stopped(entry, shown, feed.skipped + feed.offered, resumable)
                         if skip > feed.skipped:
                             feed.skipped, last_skipped = feed.skipped + 1, frame.timestamp
                             continue
@@ -147,8 +148,16 @@ class FileFeeds:
                     raise InputError(f"skip {skip} is past the end of {shown}: it gives {feed.skipped} frames at the "
                                      f"stream's rate")
                 feed.total = feed.offered
-                await registry.worker.run(registry.save_now, entry)
-        except StateKVError as error:
+                unsaved = await self._save(entry)
+                if unsaved is not None:
+                    raise OutputError(f"{shown} was fed whole, but the stream could not be saved ({unsaved})")
+        except StateKVError as raised:
+            # deleted between its frames, or its push met the deletion ("no stream ...")
+            error = ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}") \
+                if entry.deleting.is_set() else raised
+            if feed.offered and error is raised and not (feed.stopped or self.stopping or
+                                                         isinstance(error, OutputError)):
+                await self._save(entry)  # what it pushed before the failure is kept, as a stop keeps it
             feed.error = registry.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
             if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the
                 entry.feed = before  # stream is as it was, not a failed feed
@@ -160,7 +169,20 @@ class FileFeeds:
             raise
         finally:
             feed.running = False
+            if not resumable:  # a page's: its record names how it ended (a restart shows it so)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await entry.keep_record(registry.files, "the end of a page's feed")
         return {"source": shown, "offered": feed.offered, "kept": feed.kept}
+
+    async def _save(self, entry: Any) -> str | None:
+        """Save what a feed pushed into ``entry``; None, or why it could not be (a failed save as any other:
+        `StreamRegistry.note_save_failure`)."""
+        try:
+            await self.registry.worker.run(self.registry.save_now, entry)
+        except (StateKVError, OSError) as error:
+            self.registry.note_save_failure(entry, error)
+            return self.registry.config.public(reason_of(error))
+        return None
 
     async def _stopped(self, entry: Any, shown: str, taken: int, resumable: bool) -> ServiceError:
         """The error of a feed stopped after ``taken`` of its file's frames, once what it pushed is saved: a 503 when
@@ -172,10 +194,9 @@ class FileFeeds:
         else:
             status, headers, back = 409, None, ""
             stopped = f"feeding {shown} was stopped as asked after {taken} of its frames"
-        try:
-            await self.registry.worker.run(self.registry.save_now, entry)
-        except StateKVError as error:
-            reason = self.registry.config.public(reason_of(error))
+            entry.feed.stopped = True
+        reason = await self._save(entry)
+        if reason is not None:
             return ServiceError(status, f"{stopped}, which could not be saved ({reason}); {back}its resume_from says "
                                 "what the stream holds", headers=headers)
         then = (f"send {{\"source\": {json.dumps(shown)}, \"skip\": {taken}}} to go on" if resumable else
@@ -188,8 +209,10 @@ class FileFeeds:
         feed = entry.feed
         if not entry.feeding:
             raise ServiceError(409, f"stream {entry.id} is not being fed")
-        feed.stopped = True
+        feed.stopping = True
         while feed.running:  # the feed ends at its next frame, once saved
             await asyncio.sleep(STOP_POLL_SECONDS)
-        feed.stopped = feed.error is not None  # not if its last frame came first
-        return {**feed.describe(), "skip": feed.skip + feed.offered}
+        if not feed.stopped:  # it ended otherwise first: its file's end, an error, a deletion, the server's stop
+            raise ServiceError(409, f"feeding {feed.source} ended before it could be stopped: "
+                                    f"{feed.error or 'its file was fed whole'}")
+        return {**feed.describe(), "skip": feed.skipped + feed.offered}

@@ -50,9 +50,9 @@ class Metrics:
         streams_gauge.set_function(lambda: float(streams()))
         cache_gauge = Gauge("statekv_cache_bytes", "bytes of detailed cache held by all streams", registry=self.registry)
         cache_gauge.set_function(lambda: float(cache_bytes()))
-        self.save_failures = Counter("statekv_save_failures", "timed saves of a stream that failed (tried again a "
+        self.save_failures = Counter("statekv_save_failures", "saves of a stream that failed (a timed one tried again a "
                                      "save period later)", registry=self.registry)
-        unsaved_gauge = Gauge("statekv_streams_unsaved", "streams whose last timed save failed",
+        unsaved_gauge = Gauge("statekv_streams_unsaved", "streams whose last save failed",
                               registry=self.registry)
         unsaved_gauge.set_function(lambda: float(unsaved()))
         damaged_gauge = Gauge("statekv_streams_damaged", "streams found damaged: listed, never served, their files "

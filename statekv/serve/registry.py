@@ -1,7 +1,7 @@
 """The streams a server holds, who owns each, what each is doing, and keeping them on disk (`store.StreamFiles`).
 
 `StreamRegistry` is the one stream service behind the routes, the OpenAI route and the page: creating, finding (per
-owner), pushing, feeding files, asking, saving, deleting and listing streams. Where its streams are held is its
+owner), pushing, feeding files (its ``feeds``, `feeding.FileFeeds`), asking, saving, deleting and listing streams. Where its streams are held is its
 `Placement` (this process alone, or a replica of several under leases); the registry's work is the same under
 either.
 
@@ -267,7 +267,7 @@ class StreamRegistry:
                 why = str(error).split(";")[0] if isinstance(error, StateKVError) else \
                     f"cannot save the stream ({error.strerror or type(error).__name__})"
                 unsaved = entry.stream.pushed - entry.saved["pushed"]
-                log.error("cannot save stream %s before a push: %s", entry.id, error)
+                self.note_save_failure(entry, error)
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
                                    f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
                                    f"memory only); push the frame again once {self.files.where} can be written",
@@ -295,13 +295,12 @@ class StreamRegistry:
         if not self.arriving:
             self.settings.let_go_unused(getattr(entry.stream, "qa", None) for entry in list(self.entries.values()))
 
-    # -- feeding a file ------------------------------------------------------------------------------------
+    # -- asking --------------------------------------------------------------------------------------------
     def stop_answers(self) -> None:
         """The server can wait no longer: every answer still being given stops at its next token, answering with a
         one-line 503 (`ServerStopped`), and is not recorded."""
         self.answers_stopping.set()
 
-    # -- asking --------------------------------------------------------------------------------------------
     async def ask(self, entry: StreamEntry, question: str, max_new_tokens: int, retrieve: Any,
                   streamer: Any = None) -> dict[str, Any]:
         """Answer from everything the stream holds; the result also names the frames and stream time it refers
@@ -392,13 +391,20 @@ class StreamRegistry:
                 try:
                     await self.worker.run(self.save_now, entry)
                 except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
-                    entry.save_tried_at = time.monotonic()
-                    if self.metrics is not None:
-                        self.metrics.save_failures.inc()
-                    if str(error) != entry.save_error:
-                        log.error("cannot save stream %s: %s; tried again every %g s, logged again once it saves or "
-                                  "fails otherwise", entry.id, error, self.config.save_every_seconds)
-                    entry.save_error = str(error)
+                    self.note_save_failure(entry, error)
+
+    def note_save_failure(self, entry: StreamEntry, error: BaseException) -> None:
+        """A save of ``entry`` failed (timed, or due before a push): counted, kept as its ``save_error`` (the
+        server's paths left out, as in every message a client sees), and logged once until it saves or fails for
+        another reason; the next timed try waits a save period."""
+        entry.save_tried_at = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.save_failures.inc()
+        reason = self.config.public(reason_of(error))
+        if reason != entry.save_error:
+            log.error("cannot save stream %s: %s; tried again every %g s and at each push that needs it, logged "
+                      "again once it saves or fails otherwise", entry.id, error, self.config.save_every_seconds)
+        entry.save_error = reason
 
     def save_all(self) -> None:
         """Save every stream with unsaved frames (at shutdown, from outside the event loop); one a stopped handover

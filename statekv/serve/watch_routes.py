@@ -27,7 +27,7 @@ from .limits import read_json
 from .routes import Served
 from .sse import EventStream
 from .watches import (FeedEnd, changing_watches, described, event_id, find_watch, last_seen, missed_events, open_on,
-                      read_before, watch_settings)
+                      watch_settings)
 
 log = logging.getLogger("statekv.serve")
 KEEPALIVE_SECONDS = 15.0
@@ -126,7 +126,6 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, str]
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
         resent: set[str] = set()  # also queued if made while they were read
-        read = None if after is None else read_before(entry.stream, after)
         if after is not None:
             # a long history's backlog is gathered and written off the event loop, others answered meanwhile
             parts, resent = await run_in_threadpool(_backlog, entry.stream, after)
@@ -152,7 +151,7 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, str]
                 message = "this client fell too far behind the stream's events; follow again"
                 yield "event: error\ndata: " + json.dumps({"error": {"message": message}}) + "\n\n"
                 return
-            if resent and event_id(item) in resent or read is not None and read(item):
+            if resent and event_id(item) in resent:
                 continue
             yield _watch_event(item)
     finally:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -225,21 +224,6 @@ def last_seen(value: str | None, name: str = "Last-Event-ID") -> tuple[int, str]
         raise ServiceError(400, f"{name} must be the id of an event of this stream (frame.watch, as in "
                                 f"'12.w_0123abcd'), got {shown(value[:80])}")
     return int(frame), watch_id
-
-
-def read_before(stream: Any, after: tuple[int, str]) -> Callable[[dict[str, Any]], bool]:
-    """Whether an event (`followed_event`) comes at or before the event ``after`` (`last_seen`) in the order
-    `missed_events` sends them, so a client that read ``after`` read it: a stream brought back from a save older
-    than that event (a server killed) evaluates its frames again as they are pushed again, under the same ids."""
-    frame, watch_id = after
-
-    def read(item: dict[str, Any]) -> bool:
-        if item["frame"] != frame:
-            return item["frame"] < frame
-        places = dict(stream.watching.places) if stream.watching is not None else {}
-        return places.get(item["watch"], -1) <= places.get(watch_id, -1)
-
-    return read
 
 
 def missed_events(stream: Any, after: tuple[int, str]) -> list[dict[str, Any]]:

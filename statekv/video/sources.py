@@ -199,6 +199,7 @@ class FileVideo(Video):
         self.name = str(path)
         self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
         self._uneven = False  # the same pass found its frames' times unevenly spaced
+        self.hole: tuple[float, float] | None = None  # the first hole in its frames' times a reading found (`Holes`)
         with self._open() as container:
             stream = self._video_stream(container)
             self._stream_index = stream.index
@@ -311,7 +312,7 @@ class FileVideo(Video):
         with self._open() as container:
             stream = container.streams[self._stream_index]
             stream.thread_type = "AUTO"
-            holes = Holes(self.name)
+            holes = Holes(self)
             try:
                 for index, frame in enumerate(container.decode(stream)):
                     timestamp = self._timestamp(frame, index)
@@ -347,28 +348,29 @@ class ImageSequenceVideo(Video):
 
 
 class Holes:
-    """Says once, in the log, where a file's frames leave a hole far longer than their usual gap: a damaged stretch
-    the decoder skipped without an error (its demuxer found the next whole packet), or a picture that did not change
-    in a screen recording. Its frames go on as they are; a question can only be told of the hole."""
+    """Says once for a file (``video.hole``, the first found), in the log, where its frames leave a hole far longer
+    than their usual gap: a damaged stretch the decoder skipped without an error (its demuxer found the next whole
+    packet), or a picture that did not change in a screen recording. Its frames go on as they are."""
 
-    def __init__(self, name: str):
-        self.name, self.first, self.last, self.usual, self.said = name, [], None, None, False
+    def __init__(self, video: Any):
+        self.video, self.first, self.last, self.usual = video, [], None, None
 
     def check(self, timestamp: float) -> None:
         last, self.last = self.last, timestamp
-        if self.said:
+        if self.video.hole is not None:
             return
         if self.usual is None:
             self.first.append(timestamp)
             if len(self.first) > GAP_FRAMES_SEEN:  # the usual gap, from the file's first frames
-                self.usual = statistics.median(b - a for a, b in zip(self.first, self.first[1:]))
+                gaps = [b - a for a, b in zip(self.first, self.first[1:])]
+                self.usual = max(statistics.median(gaps), 1e-3)  # (first frames sharing a time: no zero gap)
                 self.first = []
             return
         if timestamp - last > max(GAP_SECONDS, GAP_TIMES * self.usual):
-            self.said = True
+            self.video.hole = (last, timestamp)
             log.warning("%s: no frame between %.2f s and %.2f s, where its frames come every %.2f s: a damaged "
                         "stretch its decoder skipped, or a picture that did not change (later holes are not said)",
-                        self.name, last, timestamp, self.usual)
+                        self.video.name, last, timestamp, self.usual)
 
 
 def _uneven(times: list[float], tick: float) -> bool:
