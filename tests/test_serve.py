@@ -1124,6 +1124,14 @@ def test_a_page_feed_cut_twice_counts_the_files_frames_and_skips_only_for_the_sa
     assert entry.feed.rest_of("clip.mp4", 1234, 90) == 90
     assert entry.feed.rest_of("clip.mp4", 999, 90) == 0 and entry.feed.rest_of("other.mp4", 1234, 90) == 0
     assert "held_before" not in again.describe()  # the API's feed is as it was
+    # a feed that ended here (stopped as asked, or failed) knows what it fed: frames pushed since are not the file's
+    # (before: 10 frames pushed after a stop at 31 made the file's frames 31 to 40 skipped when it was added again)
+    stopped = Feed("clip.mp4", 240, offered=31, kept=31, running=False, error="stopped as asked", stopped=True,
+                   resumable=False, held_before=0, size=1234)
+    assert stopped.rest_of("clip.mp4", 1234, 41) == 31
+    recalled = SimpleNamespace(id="st_2", stream=SimpleNamespace(frames=41), history=[], feed=None, last_frame=None)
+    recall_page(recalled, {"history": [], "feed": stopped.recorded()})
+    assert recalled.feed.stopped and recalled.feed.rest_of("clip.mp4", 1234, 41) == 31
 
 
 def test_kill_9_under_load_then_restart_keeps_all_but_the_unsaved_tail(server, qa):

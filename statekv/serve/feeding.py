@@ -37,6 +37,7 @@ class Feed:
     skip: int = 0  # the file's first frames it skipped
     held_before: int | None = None  # the stream's frames before the file's first (those it skipped included)
     size: int | None = None  # the file's bytes
+    counted: bool = True  # ``offered`` counts what it fed (False: recalled from a record written while it ran)
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "total": self.total, "offered": self.offered, "kept": self.kept,
@@ -50,6 +51,8 @@ class Feed:
         in, which holds ``frames``: those the stream holds of it (0 for another file, or a feed not cut short)."""
         if self.running or not self.error or (name, size) != (self.source, self.size) or self.held_before is None:
             return 0
+        if self.counted:  # (frames pushed into the stream since are none of the file's)
+            return self.skip + self.offered
         return max(0, frames - self.held_before)
 
 

@@ -69,7 +69,8 @@ def _recall_feed(entry: Any, feed: Any) -> None:
     if error:
         entry.feed = Feed(feed["source"], total, offered=offered, kept=counts["kept"] or 0, running=False,
                           error=error, resumable=False, skip=skip or 0, held_before=held_before, size=counts["size"],
-                          stopped=feed.get("stopped") is True and feed.get("running") is not True)
+                          stopped=feed.get("stopped") is True and feed.get("running") is not True,
+                          counted=feed.get("running") is not True)
 
 
 def _point(point: Any) -> bool:
