@@ -1515,6 +1515,39 @@ def test_a_feed_that_fails_or_is_stopped_while_skipping_says_what_the_stream_hol
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
 
 
+def test_a_feed_is_shown_and_can_be_stopped_while_its_file_opens(qa, tmp_path, monkeypatch):
+    """A long Matroska file is read through once as it opens (its frames counted). Before: meanwhile the stream read
+    empty, a stop answered that it was not being fed, and the feed then ran anyway."""
+    import statekv.video
+
+    opened, feeds = statekv.video.open_video, []
+
+    def slow_open(*args, **kwargs):
+        deadline = time.monotonic() + 60
+        while not (feeds and feeds[0].feed is not None and feeds[0].feed.stopping) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4250, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+        feeds.append(server.service.registry.entries[stream_id])
+        with ThreadPoolExecutor(1) as pool, server.client() as feeder:
+            feeding = pool.submit(feeder.post, f"/v1/streams/{stream_id}/frames", json={"source": video})
+            deadline = time.monotonic() + 30
+            while client.get(f"/v1/streams/{stream_id}").json()["state"] != "feeding":
+                assert time.monotonic() < deadline and not feeding.done(), "the feed was not shown while it opened"
+                time.sleep(0.05)
+            stopped = client.delete(f"/v1/streams/{stream_id}/feed")
+            reply = feeding.result(timeout=120)
+        assert stopped.status_code == 200 and stopped.json()["skip"] == 0, stopped.text
+        assert "was stopped as asked after 0 of its frames" in _error(reply, 409)
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
+
+
 def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):
     """Before: four deletes of one watch at once were each answered 200 (each found it before any closed it)."""
     with Running(tmp_path / "state", qa) as server:

@@ -110,16 +110,21 @@ class FileFeeds:
         streams step together. Progress and any error stay in ``entry.feed``."""
         registry = self.registry
         registry.placement.admit_push(entry)
-        await registry.heal(entry)  # the page feeds a stream it holds, not found again
         shown = shown or path.name
-        if video is None:
-            video = await self.open_source(path, shown)
-        if entry.feeding:  # checked after the last wait: two feeds arriving together both wait above
+        if entry.feeding:  # before any wait: of two feeds arriving together, the second is refused
             raise ServiceError(409, f"stream {entry.id} is being fed {entry.feed.source} already")
+        before = entry.feed  # shown, and stoppable, from here on: a long file takes a while to open
+        entry.feed = feed = Feed(shown, None, resumable=resumable, skip=skip, size=size)
+        try:
+            await registry.heal(entry)  # the page feeds a stream it holds, not found again
+            if video is None:
+                video = await self.open_source(path, shown)
+        except BaseException as error:
+            feed.running, feed.error = False, str(error) or type(error).__name__  # (a stop waiting on it is told)
+            entry.feed = before  # the stream is as it was
+            raise
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
-        before = entry.feed
-        entry.feed = feed = Feed(shown, max(0, frames_at_rate(video, entry.max_fps) - skip), resumable=resumable,
-                                 skip=skip, held_before=entry.stream.frames - skip, size=size)
+        feed.total, feed.held_before = max(0, frames_at_rate(video, entry.max_fps) - skip), entry.stream.frames - skip
         try:
             if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
                 await entry.keep_record(registry.files, "a page's feed")
