@@ -1548,6 +1548,29 @@ def test_a_feed_is_shown_and_can_be_stopped_while_its_file_opens(qa, tmp_path, m
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
 
 
+def test_a_feed_arriving_behind_pushes_still_queued_places_its_frames_after_theirs(qa, tmp_path):
+    """Before: a feed read where the stream's frames ended as soon as it held the stream, while pushes answered 200
+    before it still waited for the model: it was refused (timestamps going back) or its first frame was lost."""
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4251, num_frames=12)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        busy = threading.Thread(target=server.service.worker.run_blocking, args=(time.sleep, 3.0))
+        busy.start()  # the model's thread is busy: the pushes below wait for it, queued
+        time.sleep(0.1)
+        with ThreadPoolExecutor(3) as pool:
+            pushes = [pool.submit(client.post, f"/v1/streams/{stream_id}/frames", content=_png(index),
+                                  headers={"Content-Type": "image/png"}) for index in range(3)]
+            time.sleep(0.5)  # (queued at once: the model is busy for seconds more)
+            fed = client.post(f"/v1/streams/{stream_id}/frames", json={"source": video})
+            assert all(push.result(timeout=60).status_code == 200 for push in pushes)
+        busy.join()
+        assert fed.status_code == 200 and fed.json()["kept"] == fed.json()["offered"] > 0, fed.text
+        about = client.get(f"/v1/streams/{stream_id}").json()
+        assert about["frames"] == about["pushed"] == 3 + fed.json()["offered"], about
+
+
 def test_deletes_of_one_watch_arriving_together_delete_it_once(qa, tmp_path):
     """Before: four deletes of one watch at once were each answered 200 (each found it before any closed it)."""
     with Running(tmp_path / "state", qa) as server:

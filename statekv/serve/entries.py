@@ -48,6 +48,7 @@ class StreamEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     removal: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deletion at a time (`StreamRegistry.delete`)
     feed: Feed | None = None
+    pushing: int = 0  # pushes queued and not yet answered: a feed waits for them, its frames placed after theirs
     last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
     updated: float | None = None  # when a frame last arrived (unix time)
     used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)

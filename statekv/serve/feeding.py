@@ -129,6 +129,9 @@ class FileFeeds:
             if not resumable:  # a page's: its record says it began, so a kill cannot hide what it did not feed
                 await entry.keep_record(registry.files, "a page's feed")
             async with entry.lock:
+                while entry.pushing:  # pushes queued before it: its frames go after theirs
+                    await asyncio.sleep(STOP_POLL_SECONDS)
+                feed.held_before = entry.stream.frames - skip
                 shift, last_skipped = None, None
                 if start is None and not skip:
                     shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate

@@ -236,7 +236,11 @@ class StreamRegistry:
             stream = entry.stream
             answer = queue(stream, image, seconds, before=lambda: self._before_push(entry, stream),
                            after=lambda frames, kept: self._after_push(entry, image, seconds, frames, kept))
-        return await self.healer.stopped_handover(entry, answer)
+            entry.pushing += 1
+        try:
+            return await self.healer.stopped_handover(entry, answer)
+        finally:
+            entry.pushing -= 1
 
     async def push_held(self, entry: StreamEntry, image: Any, seconds: float | None) -> bool:
         batched, stream = getattr(self.worker, "push", None), entry.stream
