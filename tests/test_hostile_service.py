@@ -22,6 +22,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1334,27 +1335,43 @@ def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkey
             assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == fed["kept"] == fed["offered"] > 0
 
 
+def _frames_through(monkeypatch, each) -> Any:
+    """Make every frame a reading of a video file gives pass through ``each(index, frame, video)`` first (to hold
+    a feed at a frame, or fail it there); returns the real `statekv.video.open_video`."""
+    import statekv.video
+
+    opened = statekv.video.open_video
+
+    def open_video(*args, **kwargs):
+        video = opened(*args, **kwargs)
+        frames = video.frames
+
+        def through(*args, **kwargs):
+            for index, frame in enumerate(frames(*args, **kwargs)):
+                each(index, frame, video)
+                yield frame
+
+        video.frames = through
+        return video
+
+    monkeypatch.setattr(statekv.video, "open_video", open_video)
+    return opened
+
+
+def _until(done, seconds: float = 60) -> None:
+    """Wait (on a decoding thread) until ``done()``, however slow the machine, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkeypatch):
     """The feed stops at its next frame with a 404 saying why (before: "no stream 'st_...'", as if the id were
     wrong), and the DELETE answers without waiting for the rest of the file."""
     import statekv.serve.registry
-    import statekv.video
 
-    opened, decoding = statekv.video.open_video, threading.Event()
-
-    def slow_open(*args, **kwargs):
-        video = opened(*args, **kwargs)
-        frames = video.frames
-
-        def slow_frames(*args, **kwargs):
-            for frame in frames(*args, **kwargs):
-                decoding.set()
-                yield frame
-
-        video.frames = slow_frames
-        return video
-
-    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    decoding = threading.Event()
+    _frames_through(monkeypatch, lambda index, frame, video: decoding.set())
     registry = statekv.serve.registry.StreamRegistry
     pushing = registry.push_held
 
@@ -1394,25 +1411,14 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
     with that ``skip`` gives the stream the file's frames once each."""
     import statekv.video
 
-    opened, decoding, feeds = statekv.video.open_video, threading.Event(), []
+    decoding, feeds = threading.Event(), []
 
-    def slow_open(*args, **kwargs):
-        video = opened(*args, **kwargs)
-        frames = video.frames
+    def held(index, frame, video) -> None:
+        if index == 4:  # the feed is asked to stop here
+            decoding.set()
+            _until(lambda: feeds[0].feed.stopping)
 
-        def slow_frames(*args, **kwargs):
-            for index, frame in enumerate(frames(*args, **kwargs)):
-                if index == 4:  # the feed is asked to stop here, however slow the machine
-                    decoding.set()
-                    deadline = time.monotonic() + 60
-                    while not feeds[0].feed.stopping and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                yield frame
-
-        video.frames = slow_frames
-        return video
-
-    monkeypatch.setattr(statekv.video, "open_video", slow_open)
+    opened = _frames_through(monkeypatch, held)
     media = tmp_path / "media"
     make_benchmark(media, videos=1, seed=4248, num_frames=12)
     video = str(next(media.rglob("*.mp4")).relative_to(media))
@@ -1452,31 +1458,19 @@ def test_a_feed_that_fails_or_is_stopped_while_skipping_says_what_the_stream_hol
     """The feed hunt's cases. Before: a feed whose file failed part-way saved nothing of what it had pushed; a stop
     that met such a failure answered 200 "stopped" and the stream read ready; a stop while the feed skipped
     frames named the skip asked for, not the frames passed, and going on with it would have left some out."""
-    import statekv.video
     from statekv.errors import FrameDecodeError
 
-    opened, plan, feeds = statekv.video.open_video, {}, []
+    plan, feeds = {}, []
 
-    def planned_open(*args, **kwargs):
-        video = opened(*args, **kwargs)
-        frames = video.frames
+    def planned(index, frame, video) -> None:
+        if index == plan["at"]:
+            if plan.get("wait"):  # until the stop is asked
+                _until(lambda: feeds[-1].feed.stopping)
+            if plan.get("fail"):
+                raise FrameDecodeError(f"{video.name}: frame {index} cannot be decoded", index=index,
+                                       timestamp=frame.timestamp)
 
-        def planned_frames(*args, **kwargs):
-            for index, frame in enumerate(frames(*args, **kwargs)):
-                if index == plan["at"]:
-                    if plan.get("wait"):  # until the stop is asked, however slow the machine
-                        deadline = time.monotonic() + 60
-                        while not feeds[-1].feed.stopping and time.monotonic() < deadline:
-                            time.sleep(0.01)
-                    if plan.get("fail"):
-                        raise FrameDecodeError(f"{video.name}: frame {index} cannot be decoded", index=index,
-                                               timestamp=frame.timestamp)
-                yield frame
-
-        video.frames = planned_frames
-        return video
-
-    monkeypatch.setattr(statekv.video, "open_video", planned_open)
+    _frames_through(monkeypatch, planned)
     media = tmp_path / "media"
     make_benchmark(media, videos=1, seed=4249, num_frames=12)
     video = str(next(media.rglob("*.mp4")).relative_to(media))
