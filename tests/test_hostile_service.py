@@ -1316,9 +1316,7 @@ def test_feeds_of_one_stream_arriving_together_feed_it_once(qa, tmp_path, monkey
         return opened(*args, **kwargs)
 
     monkeypatch.setattr(statekv.video, "open_video", slow_open)
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4246, num_frames=12)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4246)
     with Running(tmp_path / "state", qa, media_root=media) as server:
         with server.client() as client:
             stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
@@ -1358,6 +1356,13 @@ def _frames_through(monkeypatch, each) -> Any:
     return opened
 
 
+def _one_video(tmp_path: Path, seed: int, frames: int = 12) -> tuple[Path, str]:
+    """A media root holding one synthetic video (``frames`` sampled frames), and the video's path under it."""
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=seed, num_frames=frames)
+    return media, str(next(media.rglob("*.mp4")).relative_to(media))
+
+
 def _until(done, seconds: float = 60) -> None:
     """Wait (on a decoding thread) until ``done()``, however slow the machine, for at most ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -1380,9 +1385,7 @@ def test_deleting_a_stream_stops_its_feed_under_way_at_once(qa, tmp_path, monkey
         return await pushing(self, *args)
 
     monkeypatch.setattr(registry, "push_held", slow_push)
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4247, num_frames=120)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4247, 120)
     with Running(tmp_path / "state", qa, media_root=media) as server:
         with server.client() as client:
             stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
@@ -1419,9 +1422,7 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
             _until(lambda: feeds[0].feed.stopping)
 
     opened = _frames_through(monkeypatch, held)
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4248, num_frames=12)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4248)
     with Running(tmp_path / "state", qa, media_root=media) as server:
         with server.client() as client:
             stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
@@ -1471,9 +1472,7 @@ def test_a_feed_that_fails_or_is_stopped_while_skipping_says_what_the_stream_hol
                                        timestamp=frame.timestamp)
 
     _frames_through(monkeypatch, planned)
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4249, num_frames=12)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4249)
     with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
         def fed(body: dict) -> tuple[str, httpx.Response, httpx.Response | None]:
             stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
@@ -1517,15 +1516,11 @@ def test_a_feed_is_shown_and_can_be_stopped_while_its_file_opens(qa, tmp_path, m
     opened, feeds = statekv.video.open_video, []
 
     def slow_open(*args, **kwargs):
-        deadline = time.monotonic() + 60
-        while not (feeds and feeds[0].feed is not None and feeds[0].feed.stopping) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: feeds and feeds[0].feed is not None and feeds[0].feed.stopping)
         return opened(*args, **kwargs)
 
     monkeypatch.setattr(statekv.video, "open_video", slow_open)
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4250, num_frames=12)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4250)
     with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
         feeds.append(server.service.registry.entries[stream_id])
@@ -1545,9 +1540,7 @@ def test_a_feed_is_shown_and_can_be_stopped_while_its_file_opens(qa, tmp_path, m
 def test_a_feed_arriving_behind_pushes_still_queued_places_its_frames_after_theirs(qa, tmp_path):
     """Before: a feed read where the stream's frames ended as soon as it held the stream, while pushes answered 200
     before it still waited for the model: it was refused (timestamps going back) or its first frame was lost."""
-    media = tmp_path / "media"
-    make_benchmark(media, videos=1, seed=4251, num_frames=12)
-    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    media, video = _one_video(tmp_path, 4251)
     with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
         busy = threading.Thread(target=server.service.worker.run_blocking, args=(time.sleep, 3.0))
