@@ -120,7 +120,8 @@ class FileFeeds:
             if video is None:
                 video = await self.open_source(path, shown)
         except BaseException as error:
-            feed.running, feed.error = False, str(error) or type(error).__name__  # (a stop waiting on it is told)
+            # a stop waiting on it is told why, as a client may see it
+            feed.running, feed.error = False, registry.config.public(str(error)) or type(error).__name__
             entry.feed = before  # the stream is as it was
             raise
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)

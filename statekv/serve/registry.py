@@ -1,9 +1,9 @@
 """The streams a server holds, who owns each, what each is doing, and keeping them on disk (`store.StreamFiles`).
 
 `StreamRegistry` is the one stream service behind the routes, the OpenAI route and the page: creating, finding (per
-owner), pushing, feeding files (its ``feeds``, `feeding.FileFeeds`), asking, saving, deleting and listing streams. Where its streams are held is its
-`Placement` (this process alone, or a replica of several under leases); the registry's work is the same under
-either.
+owner), pushing, feeding files (its ``feeds``, `feeding.FileFeeds`), asking, saving, deleting and listing streams.
+Where its streams are held is its `Placement` (this process alone, or a replica of several under leases); the
+registry's work is the same under either.
 
 A stream is saved once it holds ``save_every_frames`` unsaved frames (before its next push, so a save that fails
 refuses that push and changes nothing), after ``save_every_seconds`` with unsaved frames, when a file source has
