@@ -361,7 +361,8 @@ class StreamPage:
 
     async def feed(self, entry, path: Path, name: str, video, skip: int, size: int) -> None:
         try:
-            await self.registry.feeds.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False, size=size)
+            await self.registry.feeds.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False,
+                                           size=size)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
         finally:
