@@ -326,7 +326,7 @@ def test_a_feed_stopped_from_the_page_is_saved_and_the_same_file_goes_on_from_th
                            "(document.querySelector('.statekv-progress') || {}).innerText || '')", timeout=60_000)
     page.get_by_role("button", name="stop feeding").click()
     note = _note_text(page, "feed")
-    stopped = re.search(r"was stopped as asked after (\d+) of its frames, saved; add the same file", note)
+    stopped = re.search(r"was stopped as asked after (\d+) of its 240 frames, saved; add the same file", note)
     assert stopped and 10 <= int(stopped.group(1)) < 240, note
     page.wait_for_selector(f".statekv-stats:has-text('{stopped.group(1)} frames ·')", timeout=30_000)
     assert not page.locator(".statekv-progress").is_visible()

@@ -1445,7 +1445,8 @@ def test_a_feed_under_way_stops_when_asked_saved_and_goes_on_with_its_skip(qa, t
         skip = stopped.json()["skip"]
         assert stopped.json()["stopped"] and not stopped.json()["running"] and 3 <= skip < frames, stopped.text
         assert about["frames"] == skip and about["state"] == "ready" and about["saved"]["pushed"] == skip, about
-        assert _error(reply, 409) == (f'feeding {video} was stopped as asked after {skip} of its frames, saved; '
+        assert _error(reply, 409) == (f'feeding {video} was stopped as asked after {skip} of its {frames} frames, '
+                                      f'saved; '
                                       f'send {{"source": "{video}", "skip": {skip}}} to go on ({skip} frames fed)')
         monkeypatch.setattr(statekv.video, "open_video", opened)
         rest = feed(skip=skip)
@@ -1504,7 +1505,7 @@ def test_a_feed_that_fails_or_is_stopped_while_skipping_says_what_the_stream_hol
         plan.update(at=10, fail=False, wait=True)
         stream_id, reply, stopped = fed({"source": video, "skip": 30})
         assert stopped.status_code == 200 and stopped.json()["skip"] == 10, stopped.text  # before: 30
-        assert "after 10 of its frames" in _error(reply, 409)
+        assert "after 10 of its 48 frames" in _error(reply, 409)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
 
 
@@ -1533,7 +1534,7 @@ def test_a_feed_is_shown_and_can_be_stopped_while_its_file_opens(qa, tmp_path, m
             stopped = client.delete(f"/v1/streams/{stream_id}/feed")
             reply = feeding.result(timeout=120)
         assert stopped.status_code == 200 and stopped.json()["skip"] == 0, stopped.text
-        assert "was stopped as asked after 0 of its frames" in _error(reply, 409)
+        assert "was stopped as asked after 0 of its 48 frames" in _error(reply, 409)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0
 
 

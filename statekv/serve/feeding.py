@@ -200,12 +200,14 @@ class FileFeeds:
         """The error of a feed stopped after ``taken`` of its file's frames, once what it pushed is saved: a 503 when
         the server's stop ended it (a save at shutdown may never come: a second Ctrl-C skips it), a 409 when it was
         asked to stop (`stop`)."""
+        whole = entry.feed.total
+        of = f"{taken} of its {whole + entry.feed.skip} frames" if whole is not None else f"{taken} of its frames"
         if self.stopping:
             status, headers, back = 503, {"Retry-After": "10"}, "once the server is back, "
-            stopped = f"the server is stopping: feeding {shown} stopped after {taken} of its frames"
+            stopped = f"the server is stopping: feeding {shown} stopped after {of}"
         else:
             status, headers, back = 409, None, ""
-            stopped = f"feeding {shown} was stopped as asked after {taken} of its frames"
+            stopped = f"feeding {shown} was stopped as asked after {of}"
             entry.feed.stopped = True
         reason = await self._save(entry)
         if reason is not None:
