@@ -316,9 +316,3 @@ def test_a_save_that_keeps_failing_is_logged_once_counted_and_shown_until_it_sav
     said = [record.getMessage() for record in caplog.records if stream_id in record.getMessage()]
     assert len(said) == 2 and said[0].startswith(f"cannot save stream {stream_id}: ") and \
         said[1].startswith(f"stream {stream_id} is saved again"), said
-
-
-def _metric(client, name: str) -> float:
-    found = re.search(rf"^{name} ([0-9.e+]+)$", client.get("/metrics").text, re.MULTILINE)
-    assert found, name
-    return float(found.group(1))

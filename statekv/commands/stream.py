@@ -11,6 +11,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..console import add_output_arguments, interactive, json_sizes, one_line, quiet_libraries, warn_free_form
 from ..errors import (CacheLimitError, ConfigurationError, FrameDecodeError, HorizonError, InputError, OutputError,
@@ -125,11 +126,9 @@ def run(args: argparse.Namespace) -> int:
         stream = begun(args, VideoQA, options, video.name, save)
     except (Exception, KeyboardInterrupt) as error:  # the summary --json promises, of a stream that never began
         if args.json:
-            print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              **json_sizes(options), "label": options.label, "horizon_frames": args.max_frames,
-                              "positions": None, "stats": None, "answers": [], "watches": [], "stopped": None,
-                              "saved": None, "save_error": None, "folder": None,
-                              "error": one_line(error) if str(error) else type(error).__name__}), flush=True)
+            print_summary(args, options, horizon_frames=args.max_frames, positions=None, stats=None, answers=[],
+                          watches=[], stopped=None, saved=None, save_error=None, folder=None,
+                          error=one_line(error) if str(error) else type(error).__name__)
         raise
     horizon = getattr(stream, "horizon_frames", args.max_frames)  # None: no horizon, as qa.stream()
     replay = _Replay(args, options, stream, save)
@@ -447,16 +446,12 @@ class _Replay:
     def summary(self, where: Path | None, problem: str | None, error: str | None = None) -> None:
         stats, args = self.stream.stats, self.args
         if args.json:  # the last line, also when the stream stopped early
-            print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
-                              **json_sizes(self.options),
-                              "label": self.options.label,
-                              "horizon_frames": getattr(self.stream, "horizon_frames", args.max_frames),
-                              "positions": getattr(getattr(self.stream, "engine", None), "positions", None),
-                              "stats": stats.to_dict(), "answers": self.answers, "watches": self.events,
-                              "stopped": self.cache_full,
-                              "saved": None if where is None else str(where), "save_error": problem,
-                              "folder": None if self.folder is None else str(self.folder),
-                              "error": error}), flush=True)
+            print_summary(args, self.options,
+                          horizon_frames=getattr(self.stream, "horizon_frames", args.max_frames),
+                          positions=getattr(getattr(self.stream, "engine", None), "positions", None),
+                          stats=stats.to_dict(), answers=self.answers, watches=self.events, stopped=self.cache_full,
+                          saved=None if where is None else str(where), save_error=problem,
+                          folder=None if self.folder is None else str(self.folder), error=error)
         elif error is None:
             timed = stats.frame_seconds or stats.earlier_frames  # none when a resumed stream was pushed no frame
             print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
@@ -464,6 +459,17 @@ class _Replay:
                   + (f", {1e3 * stats.mean_frame_seconds:.1f} ms per frame" if timed else "")
                   + (f"; saved to {where}" if where else "")
                   + (f"; kept in {self.folder}" if self.folder is not None else ""), flush=True)
+
+
+def print_summary(args: argparse.Namespace, options: ModelOptions, *, horizon_frames: int | None, positions: Any,
+                  stats: dict | None, answers: list, watches: list, stopped: str | None, saved: str | None,
+                  save_error: str | None, folder: str | None, error: str | None) -> None:
+    """The --json summary line, of a stream that ran or of one that never began (``stats`` None)."""
+    print(json.dumps({"event": "summary", "video": args.video, "model": args.model, "method": args.method,
+                      **json_sizes(options), "label": options.label, "horizon_frames": horizon_frames,
+                      "positions": positions, "stats": stats, "answers": answers, "watches": watches,
+                      "stopped": stopped, "saved": saved, "save_error": save_error, "folder": folder,
+                      "error": error}), flush=True)
 
 
 def check_replaceable(save: Path) -> None:
