@@ -51,7 +51,7 @@ def test_benchmark_subcommand_runs_and_reports(checkpoint, data_root, tmp_path, 
                                "--name", "Tiny-1B")]
     assert statekv_with_eval(argv) == 0
     printed = capsys.readouterr().out
-    assert "Tiny-1B Recency R=2 on mlvu:" in printed and "3 answered" in printed and "unparsable" in printed
+    assert "Tiny-1B Recency R=2 on mlvu:" in printed and "3 questions answered" in printed and "unparsable" in printed
     assert f"wrote {out / 'results.json'} and {out / 'table.md'}" in printed
     run = json.loads((out / "run.json").read_text())
     assert run["settings"]["method"] == "recency" and run["settings"]["budget"] == 2

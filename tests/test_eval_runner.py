@@ -331,7 +331,7 @@ def test_sigkill_mid_run_then_rerun_loses_nothing_and_repeats_nothing(checkpoint
     lines = rank_lines(out)
     assert sorted(line["qid"] for line in lines) == expected  # complete, and no question twice
     assert json.loads((out / "results.json").read_text())["score"]["missing"] == 0
-    assert f"{len(expected)} answered" in rerun.stdout
+    assert f"{len(expected)} questions answered" in rerun.stdout
     assert "INFO statekv.eval.runner: " in rerun.stderr and "rank" not in rerun.stderr  # one process: no rank named
 
 

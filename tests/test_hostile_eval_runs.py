@@ -99,6 +99,72 @@ def test_an_error_note_cut_short_by_a_stop_is_dropped_before_the_next_is_written
     assert json.loads((out / "results.json").read_text())["score"]["missing"] == 2
 
 
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile-eval-streaming") / "set"
+    make_benchmark(root, videos=2, seed=53, num_frames=24, streaming=True)
+    return root
+
+
+def _cut_in_the_middle(video, keep: float = 0.6) -> bytes:
+    """Rewrite ``video`` with its index up front, cut after ``keep`` of its bytes (it opens, and decoding stops part
+    way); returns its bytes as they were."""
+    import av
+
+    whole = video.read_bytes()
+    fast = video.with_name("fast.mp4")
+    with av.open(str(video)) as source, av.open(str(fast), "w", options={"movflags": "faststart"}) as target:
+        taken = source.streams.video[0]
+        written = target.add_stream_from_template(taken)
+        for packet in source.demux(taken):
+            if packet.dts is not None:
+                packet.stream = written
+                target.mux(packet)
+    data = fast.read_bytes()
+    fast.unlink()
+    video.write_bytes(data[: int(len(data) * keep)])
+    return whole
+
+
+def test_a_video_replaced_after_it_failed_part_way_is_answered_again_and_the_others_kept(streaming, tmp_path,
+                                                                                         caplog):
+    """Before: a video that could not be read part way (some of its questions answered before) and was then replaced
+    by a whole file refused the rerun ("holds answers made from other videos"): only --overwrite went on, throwing
+    away every other video's answers."""
+    damaged = tmp_path / "set"
+    shutil.copytree(streaming, damaged)
+    whole = _cut_in_the_middle(damaged / "videos" / "v0000.mp4")
+    out = tmp_path / "run"
+    assert _eval(damaged, out) == 1
+    before = {record.qid: record for record in ev.run_records(out)}
+    partly = sorted(qid for qid, record in before.items() if "v0000" in record.video_id)
+    assert partly and unresolved_errors(out), "v0000 did not fail part way"
+    (damaged / "videos" / "v0000.mp4").write_bytes(whole)
+    assert _eval(damaged, out) == 0
+    after = {record.qid: record for record in ev.run_records(out)}
+    expected = json.loads((out / "run.json").read_text())["expected_qids"]
+    assert sorted(after) == sorted(expected) and not unresolved_errors(out)
+    assert all(after[qid] == record for qid, record in before.items() if "v0000" not in record.video_id)
+    assert f"its {len(partly)} earlier answer(s) are dropped" in caplog.text
+    (damaged / "videos" / "v0000.mp4").write_bytes(b"not the video")  # a whole run's video changed: refused still
+    assert _eval(damaged, out) == 2
+
+
+def test_a_limit_keeps_whole_questions_with_all_their_polls(streaming, tmp_path, capsys):
+    """Before: --limit N kept the first N polls, so it could keep part of a forward question's polls, and scored
+    that question as if it were whole (nothing said missing)."""
+    assert _eval(streaming, tmp_path / "all", "--limit", "100") == 0
+    every = json.loads((tmp_path / "all" / "run.json").read_text())["expected_qids"]
+    item = [qid.split("_")[0] for qid in every]
+    cut = next(n for n in range(1, len(every)) if item[n] == item[n - 1])  # N polls end inside a question
+    wanted = list(dict.fromkeys(item))[:cut]
+    assert _eval(streaming, tmp_path / "limited", "--limit", str(cut)) == 0
+    kept = json.loads((tmp_path / "limited" / "run.json").read_text())["expected_qids"]
+    assert kept == [qid for qid in every if qid.split("_")[0] in wanted] and len(kept) > cut
+    printed = capsys.readouterr().out
+    assert f"{cut} questions answered ({len(kept)} answers" in printed and "missing" not in printed
+
+
 def test_the_table_of_a_run_resumed_with_a_smaller_limit_and_stopped_scores_only_its_questions(
         data, tmp_path, monkeypatch, capsys):
     """Answers the run asked before its --limit shrank stay in its folder: an unfinished run's cell scored them too,

@@ -110,7 +110,7 @@ def test_a_resume_on_other_data_is_refused_and_overwrite_redoes_it(case, data, t
     assert code == 2 and phrase in _one_line(err) and "--overwrite" in err
     assert (out / "answers.rank000.jsonl").read_text() == before  # nothing reused, nothing lost
     code, out_text, _ = _eval(capsys, root, out, "--overwrite", "--limit", "2")
-    assert code == 0 and "2 answered" in out_text
+    assert code == 0 and "2 questions answered" in out_text
     questions = {q.qid: q for q in ev.load_benchmark("synthetic", root)}
     for record in ev.read_records(out / "answers.jsonl"):  # scored against the answer key now in the set
         assert record.answer == questions[record.qid].answer
@@ -148,7 +148,7 @@ def test_a_smaller_limit_on_resume_scores_only_its_questions(data, tmp_path, cap
     out = tmp_path / "run"
     assert _eval(capsys, data, out, "--limit", "4")[0] == 0
     code, text, _ = _eval(capsys, data, out, "--limit", "1")
-    assert code == 0 and "1 answered" in text
+    assert code == 0 and "1 question answered" in text
     summary = json.loads((out / "results.json").read_text())
     assert summary["score"]["overall"]["questions"] == 1 and summary["score"]["expected"] == 1
 
@@ -722,7 +722,7 @@ def test_training_from_a_folder_without_weights_is_one_line(tmp_path, capsys):
     init = tmp_path / "init"
     init.mkdir()
     (init / "config.json").write_text(json.dumps({"model_type": "internvl"}))
-    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "1",
+    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "3601",
                  "--init", str(init)])
     assert code == 2 and "cannot load its weights" in _one_line(capsys.readouterr().err)
 
@@ -732,7 +732,7 @@ def test_training_from_another_models_weights_or_over_a_run_is_one_line(tmp_path
     holding a run was ignored without a word (the run went on from its own checkpoint)."""
     other = make_tiny_checkpoint("internvl", tmp_path / "other", layout="chat")
     capsys.readouterr()
-    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "1",
+    code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "3601",
                  "--init", str(other)])
     said = _one_line(capsys.readouterr().err)  # and no loading bar: stderr is not a terminal
     assert code == 2 and "not the built-in model's architecture" in said and "in state_dict" in said, said
@@ -742,15 +742,79 @@ def test_training_from_another_models_weights_or_over_a_run_is_one_line(tmp_path
     assert code == 2 and "holds a run already (step 3)" in _one_line(capsys.readouterr().err)
 
 
-def test_training_that_runs_no_step_from_given_weights_ends_cleanly(tmp_path, capsys):
+def test_training_that_would_run_no_step_from_given_weights_is_refused_as_it_starts(tmp_path, capsys):
     """Before: --init (which starts at the long-range phase) with a --stop-after inside the curriculum ran no step,
-    then failed reading the log it never wrote."""
+    then failed reading the log it never wrote; later it said "stopped at step 0; rerun to go on", and a rerun
+    without --init, as it had advised, began the curriculum from its first step."""
     from statekv.builtin.install import WEIGHTS_DIR
 
     code = main(["train-builtin", "--out", str(tmp_path / "run"), "--threads", "1", "--stop-after", "3",
                  "--init", str(WEIGHTS_DIR)])
-    printed = capsys.readouterr()
-    assert code == 0 and "Traceback" not in printed.err and "rerun to go on" in printed.out
+    said = _one_line(capsys.readouterr().err)
+    assert code == 2 and "--stop-after 3" in said and "starts at step 3600" in said, said
+    assert not (tmp_path / "run").exists()
+
+
+def _only(recipe):
+    """A stand-in for `Recipe` whose default is ``recipe`` (the command trains the default recipe)."""
+    def made():
+        return recipe
+    made.from_dict = training.Recipe.from_dict
+    return made
+
+
+def test_a_run_from_given_weights_goes_on_when_begun_again_the_same_way_and_says_another_thread_count(
+        tmp_path, capsys, monkeypatch, caplog):
+    """Before: a run begun with --init was refused when the same command was run again to go on ("holds a run
+    already"), and a run resumed on another thread count, whose weights differ from an uninterrupted run's, went on
+    without a word."""
+    from statekv.builtin.install import WEIGHTS_DIR
+
+    recipe = training.Recipe(**{**TINY_RECIPE.__dict__, "long_range": LongRange(steps=2, frames=(4,))})
+    monkeypatch.setattr(training, "Recipe", _only(recipe))
+    run = tmp_path / "run"
+    begun = ["train-builtin", "--out", str(run), "--init", str(WEIGHTS_DIR)]
+    assert main([*begun, "--threads", "1", "--stop-after", str(recipe.curriculum_steps + 1)]) == 0
+    assert "ran on" not in caplog.text
+    assert main([*begun, "--threads", "2"]) == 0
+    assert "wrote" in capsys.readouterr().out and training.trained_steps(run) == recipe.steps
+    assert "the run's steps so far ran on 1 threads: going on with 2" in caplog.text
+    other = make_tiny_checkpoint("internvl", tmp_path / "other", layout="chat")
+    capsys.readouterr()
+    assert main(["train-builtin", "--out", str(run), "--threads", "1", "--init", str(other)]) == 2
+    assert "did not start from these weights" in _one_line(capsys.readouterr().err)
+
+
+def test_a_run_stopped_early_beside_an_earlier_runs_model_says_so_and_installs_nothing(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Before: a model/ folder left by an earlier run (its checkpoints deleted to start over) made a run stopped
+    after one step say it wrote its model, and --install ship the earlier run's weights."""
+    import shutil
+
+    from statekv.builtin.install import WEIGHTS_DIR
+
+    installed = []
+    monkeypatch.setattr("statekv.builtin.install.install_weights", lambda *given, **named: installed.append(given))
+    monkeypatch.setattr(training, "Recipe", _only(TINY_RECIPE))
+    run = tmp_path / "run"
+    shutil.copytree(WEIGHTS_DIR, run / training.MODEL_DIR)
+    assert main(["train-builtin", "--out", str(run), "--threads", "1", "--stop-after", "1", "--install"]) == 0
+    assert "stopped at step 1 of 6" in capsys.readouterr().out and installed == []
+
+
+def test_two_trainings_in_one_folder_are_refused(tmp_path):
+    """Before: a second run in the folder of one under way went on beside it, each writing the log and the
+    checkpoints the other was writing."""
+    from statekv.errors import OutputError
+    from statekv.locks import FileLock
+
+    lock = FileLock.acquire(tmp_path, what="the folder")
+    try:
+        with pytest.raises(OutputError, match="in use by .*another train-builtin is writing it"):
+            training.train(TINY_RECIPE, tmp_path, threads=1, stop_after=1)
+    finally:
+        lock.release()
+    assert not (tmp_path / training.STATE_FILE).exists()
 
 
 def test_a_training_checkpoint_the_disk_cannot_hold_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):

@@ -284,6 +284,31 @@ def test_max_tokens_zero_is_a_clear_400_on_both_routes(qa, tmp_path):
         assert same.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_chat_over_a_stream_retrieves_as_ask_does_and_a_streams_setting_in_it_is_never_ignored(qa, tmp_path):
+    """Before: a chat over a stream could not retrieve (\"unknown statekv field\"), and a stream's setting given at
+    the request's top level (``retrieve``, ``budget``, ``method``) was answered 200 as if it had been applied."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=6)
+        for retrieve in (2, None):
+            asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 8,
+                                                                        "retrieve": retrieve}).json()
+            chat = client.post("/v1/chat/completions", json={
+                "model": "builtin", "max_tokens": 8, "statekv": {"stream_id": stream_id, "retrieve": retrieve},
+                "messages": [{"role": "user", "content": QUESTION}]})
+            assert chat.json()["choices"][0]["message"]["content"] == asked["answer"], chat.text
+        told = server.service.registry.entries[stream_id].answers
+        assert [answer.get("read_frames") is None for answer in told[-4:]] == [False, False, True, True]
+        base = {"model": "builtin", "messages": [{"role": "user", "content": QUESTION}]}
+        for field, value, says in (("retrieve", 2, 'retrieve goes under "statekv"'),
+                                   ("stream_id", stream_id, 'stream_id goes under "statekv"'),
+                                   ("budget", 8, "budget is a stream's setting (POST /v1/streams)")):
+            reply = client.post("/v1/chat/completions", json={**base, "statekv": {"stream_id": stream_id},
+                                                              field: value})
+            assert says in _error(reply, 400)
+        bad = client.post("/v1/chat/completions", json={**base, "statekv": {"stream_id": stream_id, "retrieve": 0}})
+        assert "statekv.retrieve must be a positive integer" in _error(bad, 400)
+
+
 def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_the_next_request(qa, tmp_path, monkeypatch):
     import statekv.serve.registry as registry
 
@@ -1112,6 +1137,80 @@ def test_a_server_restarted_with_other_positions_serves_its_intact_streams(qa, t
         _push(client, stream_id, 3, 3.0).raise_for_status()
         made = client.post("/v1/streams", json={"horizon_frames": 16}).json()["id"]  # new ones: the server's
         assert server.service.registry.entries[made].stream.engine.positions == "bounded"
+
+
+def test_a_server_restarted_with_another_kv_cache_dtype_serves_each_stream_as_it_was_made(qa, tmp_path, options):
+    """Before: every saved stream was listed as damaged by a server restarted with --kv-cache-dtype int8 ("load it
+    with kv_cache_dtype=auto", which no client can do), as positions had been."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=3)
+        first = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6}).json()
+    int8 = options.with_changes(kv_cache_dtype="int8")
+    with Running(state, qa.with_options(kv_cache_dtype="int8"), options=int8) as server, server.client() as client:
+        assert [(s["id"], s["state"]) for s in client.get("/v1/streams").json()["data"]] == [(stream_id, "ready")]
+        again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
+        assert again.json()["answer"] == first["answer"]
+        _push(client, stream_id, 3, 3.0).raise_for_status()
+        made = _stream(client, frames=2)
+        assert server.service.registry.entries[made].stream.qa.engine.kv_cache_dtype == "int8"
+        assert server.service.registry.entries[stream_id].stream.qa.engine.kv_cache_dtype is None
+    with Running(state, qa) as server, server.client() as client:
+        listed = {(s["id"], s["state"], s["frames"]) for s in client.get("/v1/streams").json()["data"]}
+        assert listed == {(stream_id, "ready", 4), (made, "ready", 2)}
+        assert server.service.registry.entries[made].stream.qa.engine.kv_cache_dtype == "int8"
+
+
+def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_until_one_with_it(
+        qa, tmp_path, options, monkeypatch, caplog):
+    """Before: a server started after a kill without --offload disk served a disk-tier stream from its last save,
+    dropped without a word the frames journaled since, and wrote its record without its file set, so that no later
+    start found them (and one started with another --offload-dir said nothing of them either). A stop's save holds
+    every frame: a start without the disk tier serves it."""
+    import statekv.core.disk.tier
+
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)
+    tier, state, killed = tmp_path / "tier", tmp_path / "state", tmp_path / "state-killed"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk, save_every_frames=100) as server, server.client() as client:
+        stream_id = _stream(client, frames=4, horizon_frames=None)
+        shutil.copytree(state, killed)  # what a kill leaves: the steps journaled, no save
+        shutil.copytree(tier, tmp_path / "tier-killed")
+    shutil.copytree(killed, tmp_path / "state-elsewhere")
+    with Running(killed, qa, options=options) as server, server.client() as client:
+        listed = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}
+        assert listed[stream_id]["state"] == "damaged" and "--offload disk" in listed[stream_id]["damaged"], listed
+    elsewhere = options.with_changes(offload="disk", offload_dir=str(tmp_path / "elsewhere"))
+    with Running(tmp_path / "state-elsewhere", qa, options=elsewhere) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0  # its last save's
+        assert "the frames it took since are lost" in caplog.text
+    back = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier-killed"))
+    with Running(killed, qa, options=back) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
+    with Running(state, qa, options=options) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
+
+
+def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restarts(qa, tmp_path, options):
+    """Before: a client could not set SimpleStream's window nor the retrieval rule ("unknown stream setting"),
+    and a stream took the server's, so a restart with other --window or --retrieval changed its answers."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        recent = client.post("/v1/streams", json={"method": "simplestream", "window": 3})
+        assert recent.status_code == 201 and recent.json()["settings"] == {"method": "simplestream", "window": 3,
+                                                                             "retrieve": None}, recent.text
+        ruled = client.post("/v1/streams", json={"retrieve": 2, "retrieval": "recent"})
+        assert ruled.status_code == 201 and ruled.json()["settings"]["retrieval"] == "recent", ruled.text
+        assert "window" in _error(client.post("/v1/streams", json={"method": "statekv", "window": 3}), 400)
+        assert "retrieval" in _error(client.post("/v1/streams", json={"method": "simplestream",
+                                                                       "retrieval": "recent"}), 400)
+        assert "retrieval" in _error(client.post("/v1/streams", json={"retrieval": "nearest"}), 400)
+        made = {"recent": recent.json()["id"], "ruled": ruled.json()["id"]}
+    other = options.with_changes(window=5, retrieval="rekv")
+    with Running(state, qa.with_options(window=5, retrieval="rekv"), options=other) as server:
+        entries = server.service.registry.entries
+        assert entries[made["recent"]].stream.qa.recent_window == 3
+        assert entries[made["ruled"]].stream.qa.options.retrieval_rule == "recent"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -409,7 +409,7 @@ def test_bad_requests_get_one_line_json_errors(server):
             assert _error(client.post("/v1/chat/completions", json=asked), 400).startswith(message)
         misspelt = {"messages": [{"role": "user", "content": QUESTION}], "statekv": {"stream": stream_id}}
         assert _error(client.post("/v1/chat/completions", json=misspelt), 400) == (
-            'unknown statekv field "stream"; known: stream_id')
+            'unknown statekv field "stream"; known: stream_id, retrieve')
         _error(client.get("/v1/nothing-here"), 404)
         _error(client.put("/v1/streams"), 405)
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0

@@ -154,7 +154,7 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
     stream = full.stream(horizon, max_fps=1)
     push(stream, frames, 0, 6)
     watch = stream.watch(COUNT, max_new_tokens=4)
-    for stop in (13, 21, 30, 30):  # the last: nothing new, the carried state alone
+    for stop in (13, 21, 30):
         push(stream, frames, stream.frames, stop)
         read.clear()
         assert watch.evaluate() == stream.ask(COUNT, max_new_tokens=4)
@@ -162,6 +162,9 @@ def test_under_full_attention_an_evaluation_is_the_answer_to_ask(full, frames, h
         assert valid - tokens == stream.tokens  # read every token of the stream once
     layers = len(stream.prefill.cache.layers)
     assert len(read) == layers  # the answer did not change: the prompt's forward checked it whole, no other forward
+    read.clear()
+    evaluations = watch.evaluations
+    assert watch.evaluate() == watch.answer and read == [] and watch.evaluations == evaluations  # nothing new
     stream.close()
 
 
@@ -196,6 +199,50 @@ def test_evaluating_a_watch_with_frames_pending_evaluates_it_once(qa, frames):
     before = watch.evaluations
     watch.evaluate()  # the waiting steps encoded, then the watch evaluated: once
     assert stream.frames == 7 and watch.evaluations == before + 1 and heard[-1] == 7 and heard.count(7) == 1
+
+
+def test_a_listener_that_asks_saves_or_evaluates_sees_each_frame_pushed_once(qa, frames, tmp_path, caplog):
+    plain = qa.stream(max_fps=None)
+    plain_watch = plain.watch(COUNT, every=4)
+    push(plain, frames, 0, 12)
+    stream = qa.stream(max_fps=None)
+    watch = stream.watch(COUNT, every=4)
+    saved = []
+
+    def listener(watch, event):
+        stream.ask(COUNT, max_new_tokens=2)
+        path = tmp_path / f"at{stream.frames}.safetensors"
+        stream.save(path)
+        saved.append((path, stream.frames, watch.evaluate(), watch.answer))  # the answer at these frames, as given
+
+    watch.subscribe(listener)
+    push(stream, frames, 0, 12)
+    assert stream.frames == stream.pushed == 12 and list(stream.step_frames) == list(plain.step_frames)
+    assert watch.evaluations == plain_watch.evaluations == 3 and "failed" not in caplog.text
+    assert [event.to_dict() for event in watch.events] == [event.to_dict() for event in plain_watch.events]
+    assert stream.ask(COLOUR) == plain.ask(COLOUR)
+    assert [frames_then for _, frames_then, _, _ in saved] == [4, 8, 12]
+    assert all(evaluated == answer for _, _, evaluated, answer in saved)
+    for path, frames_then, _, _ in saved:
+        loaded = statekv.Stream.load(path, qa)
+        assert loaded.frames == loaded.pushed == frames_then
+        loaded.close()
+    for one in (stream, plain):
+        one.close()
+
+
+def test_a_listener_told_after_streams_pushed_together_sees_its_stream_as_pushed(qa, frames, caplog):
+    first, second = qa.stream(max_fps=None), qa.stream(max_fps=None)
+    watch = first.watch(COUNT, every=4)
+    heard = []
+    watch.subscribe(lambda watch, event: heard.append((watch.evaluate(), first.frames, first.pushed)))
+    for k in range(8):
+        qa.push_many([(first, frames[k], float(k)), (second, frames[47 - k], float(k))])
+    assert first.frames == first.pushed == second.frames == 8
+    assert [(frames_then, pushed) for _, frames_then, pushed in heard] == [(4, 4), (8, 8)]
+    assert "failed" not in caplog.text
+    for one in (first, second):
+        one.close()
 
 
 def test_a_watch_keeps_its_cadence_when_a_batch_passes_its_frame(qa, frames):

@@ -116,3 +116,5 @@ def _push_streams(scheduler: StepScheduler, items, wave: list[int], results: lis
             continue
         items[index][0].accept(offer)
         results[index] = offer.kept
+    for _, job in jobs:  # with every stream of the wave settled: a listener sees its frame pushed once
+        job.tell()

@@ -159,14 +159,9 @@ class Stream(EncodedVideo):
         """
         offer = self.offer(image, timestamp)
         if offer.ready:
-            taken = self.state.frames + len(self.pending)
-            try:
-                self.encode_pending(offered=True)
-            except BaseException:
-                if self.state.frames + len(self.pending) == taken:  # its frame streamed before the error
-                    self.accept(offer)
-                raise
-        self.accept(offer)
+            self.encode_pending(offer=offer)
+        else:
+            self.accept(offer)
         return offer.kept
 
     def offer(self, image: Any, timestamp: float | None) -> Offer:
@@ -290,20 +285,32 @@ class Stream(EncodedVideo):
         if failed and offered and job.streamed < len(job.groups):
             self.durability.withdrawn(self.pending.pop())
 
-    def encode_pending(self, complete_steps_only: bool = False, *, offered: bool = False) -> None:
+    def encode_pending(self, complete_steps_only: bool = False, *, offer: Offer | None = None) -> None:
         """Encode the pending frames (see `pending_job`), one vision call for all, batched by the `VideoQA`'s
-        step scheduler with other threads' pushes; steps streamed before a failure stay streamed."""
+        step scheduler with other threads' pushes; steps streamed before a failure stay streamed. ``offer``: the
+        frame `push` just offered, which made a step ready: accepted unless a failure withdrew it. The watches'
+        listeners are told last, with the stream as pushed."""
         job = self.pending_job(complete_steps_only)
+        taken = self.state.frames + len(self.pending)
         if job is None:
+            self.accept_kept(offer, taken)
             return
         self.start()
         try:
             self.qa.step_scheduler.run([job])
         except BaseException:
-            self.settle(job, failed=True, offered=offered)
+            self.settle(job, failed=True, offered=offer is not None)
+            self.accept_kept(offer, taken)
             raise
-        self.settle(job, failed=job.error is not None, offered=offered)
+        self.settle(job, failed=job.error is not None, offered=offer is not None)
+        self.accept_kept(offer, taken)
+        job.tell()
         job.raise_error()
+
+    def accept_kept(self, offer: Offer | None, taken: int) -> None:
+        """`accept` ``offer`` unless `settle` withdrew its frame (the frames held are no longer ``taken``)."""
+        if offer is not None and self.state.frames + len(self.pending) == taken:
+            self.accept(offer)
 
     @property
     def waiting_frames(self) -> list[Frame]:

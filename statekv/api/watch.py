@@ -108,6 +108,7 @@ class Watch:
         self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
         self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
         self.answer_tokens: list[int] | None = None  # the tokens ``answer`` was decoded from
+        self.answered_frames: int | None = None  # frames encoded when ``answer`` was given
 
     @property
     def stream(self) -> Any:
@@ -152,7 +153,8 @@ class Watch:
 
     def evaluate(self) -> str:
         """Evaluate the question now (after encoding every complete step still waiting) and return its answer; an
-        event is recorded when it changed."""
+        event is recorded when it changed. A watch evaluated since the last frame was encoded answers as it did
+        (without telling its listeners again: one may call this)."""
         stream = self.stream
         with whole(), stream.lock:
             if self.closed:
@@ -161,7 +163,8 @@ class Watch:
             stream.flush_complete_steps()  # its due watches evaluated after the steps: this one perhaps
             if stream.frames == 0:
                 raise InputError(f"{stream.name}: no frame has been encoded yet")
-            if self.evaluations == evaluations or self.error is not None:
+            fresh = self.answered_frames == stream.frames and self.error is None
+            if (self.evaluations == evaluations and not fresh) or self.error is not None:
                 run_evaluations([self], raise_errors=True)
             return self.answer
 
@@ -434,7 +437,7 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEve
     watch.evaluations += 1
     prefill = getattr(stream, "prefill", None)
     watch.since = 0 if prefill is None else prefill.seen_tokens
-    watch.last_frames = stream.frames
+    watch.last_frames = watch.answered_frames = stream.frames
     seconds = stream.watching.seconds if stream.watching is not None else None
     watch.last_seconds = seconds
     watch.read_steps = retrieved

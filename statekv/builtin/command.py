@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from statekv.builtin.install import install_weights
     from statekv.builtin.plots import plot_log
-    from statekv.builtin.training import (LOG_FILE, MODEL_DIR, PREVIOUS_STATE_FILE, STATE_FILE, Recipe, train,
-                                          trained_steps)
+    from statekv.builtin.training import (LOG_FILE, MODEL_DIR, PREVIOUS_STATE_FILE, STATE_FILE, Recipe, run_field,
+                                          train, trained_steps)
 
     from statekv.console import omp_threads, quiet_libraries
     from statekv.errors import ConfigurationError
@@ -54,17 +54,20 @@ def run(args: argparse.Namespace) -> int:
     if (args.out / MODEL_DIR).exists() and not (args.out / MODEL_DIR).is_dir():
         raise ConfigurationError(f"--out {args.out}: {args.out / MODEL_DIR} is a file where the trained model's "
                                  "folder goes")
-    if args.init is not None and trained_steps(args.out):
+    recipe = Recipe()
+    if args.init is not None and args.stop_after is not None and args.stop_after <= recipe.curriculum_steps:
+        raise ConfigurationError(f"--stop-after {args.stop_after}: a run from --init starts at step "
+                                 f"{recipe.curriculum_steps} (the curriculum's steps are in its weights); give more")
+    if args.init is not None and trained_steps(args.out) and run_field(args.out, "init") != str(args.init.resolve()):
         raise ConfigurationError(f"--init {args.init}: {args.out} holds a run already (step "
-                                 f"{trained_steps(args.out)}), which goes on from its own checkpoint; give a new "
-                                 "--out for a phase from these weights, or rerun without --init to go on")
+                                 f"{trained_steps(args.out)}) that did not start from these weights; give a new "
+                                 "--out for a phase from them, or rerun as that run was begun to go on")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     quiet_libraries()  # --init's weights load without transformers' bar in a log
-    recipe = Recipe()
     model_dir = train(recipe, args.out, threads=threads, stop_after=args.stop_after, init=args.init)
-    if (args.out / LOG_FILE).is_file():  # none when no step ran (--stop-after within what --init skips)
+    if (args.out / LOG_FILE).is_file():
         plot_log(args.out / LOG_FILE, args.out / "loss.png")
-    if not model_dir.is_dir():
+    if trained_steps(args.out) < recipe.steps or not model_dir.is_dir():  # a model/ there may be an earlier run's
         print(f"stopped at step {trained_steps(args.out)} of {recipe.steps}; rerun to go on")
         return 0
     print(f"wrote {model_dir}" + (f" and {args.out / 'loss.png'}" if (args.out / "loss.png").is_file() else ""))

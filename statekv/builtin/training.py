@@ -55,6 +55,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigurationError, DataError, OutputError
+from ..locks import FileLock
 from ..console import one_line
 from ..flushing import flush_file, write_whole
 from ..models import InternVLAdapter
@@ -158,7 +159,7 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # tiny gradients and Adam moments would otherwise take the slow path
     try:
-        return _train(recipe, Path(out), stop_after, init, lean_tokens)
+        return _train(recipe, Path(out), stop_after, init, lean_tokens, threads)
     finally:  # the caller's arithmetic back (flushed, a subnormal such as max_fps=1e-310 reads as 0), and its
         # threads (left at two, a one-thread caller's work contends with itself and spins on a shared CPU)
         torch.set_flush_denormal(False)
@@ -166,9 +167,20 @@ def train(recipe: Recipe, out: str | Path, *, threads: int = 2, stop_after: int 
 
 
 def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path | None,
-           lean_tokens: int | None) -> Path:
+           lean_tokens: int | None, threads: int) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock.acquire(out, what=f"the training run's folder {out}", error=OutputError,
+                            advice="another train-builtin is writing it: wait for it to end, or give this one "
+                                   "another --out")
+    try:
+        return _train_locked(recipe, out, stop_after, init, lean_tokens, threads)
+    finally:
+        lock.release()
+
+
+def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path | None,
+                  lean_tokens: int | None, threads: int) -> Path:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=recipe.seed)
     adapter = InternVLAdapter(model, tokenizer, layout=LAYOUT, image_size=IMAGE_SIZE, image_mean=IMAGENET_MEAN,
@@ -177,6 +189,11 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
     model.set_attn_implementation("eager")  # training reads attention probabilities (the evidence loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     step, elapsed = _resume(out, recipe, model, optimizer)
+    ran_on = run_field(out, "threads") if step else None
+    began = run_field(out, "init") if step else None if init is None else str(Path(init).resolve())
+    if ran_on is not None and ran_on != threads:
+        logger.warning("the run's steps so far ran on %d threads: going on with %d, its weights differ in their "
+                       "last bits from those of a run on one thread count throughout", ran_on, threads)
     if step == 0 and init is not None:
         try:
             model.load_state_dict(_weights(init))
@@ -184,6 +201,7 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
             raise DataError(f"{init}: not the built-in model's architecture, so its weights cannot start the "
                             f"long-range phase ({one_line_reason(error)})") from None
         step = recipe.curriculum_steps
+    marks = {"threads": threads, "init": began}
     logger.info("%d parameters; training %d steps from step %d", count_parameters(model.parameters()),
                 recipe.steps, step)
     bank, maker = FrameBank(adapter), BatchMaker(adapter)
@@ -208,11 +226,11 @@ def _train(recipe: Recipe, out: Path, stop_after: int | None, init: str | Path |
             if step % recipe.log_every == 0 or step == last:
                 _log(out, window.flush(step, recipe, time.monotonic() - started))
             if step % recipe.checkpoint_every == 0 or step == last:
-                _save_state(out, recipe, model, optimizer, step, time.monotonic() - started)
+                _save_state(out, recipe, model, optimizer, step, time.monotonic() - started, marks)
                 saved = step
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: keep every step finished (an interrupted one is redone)
         if step > saved:
-            _save_state(out, recipe, model, optimizer, step, time.monotonic() - started)
+            _save_state(out, recipe, model, optimizer, step, time.monotonic() - started, marks)
         logger.info("stopped after step %d of %d; checkpoint saved to %s (rerun to go on)", step, recipe.steps,
                     out / STATE_FILE)
         raise
@@ -313,13 +331,15 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
                         f"({one_line_reason(error)})") from None
 
 
-def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float) -> None:
+def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float,
+                marks: dict[str, Any]) -> None:
     """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``. Written whole
-    first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it."""
+    first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it. ``marks``:
+    how the run was made that its recipe does not say (``threads``, ``init``: `run_field`)."""
     temporary = out / UNFINISHED_STATE_FILE
     try:
         torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict()}, temporary)
+                    "optimizer": optimizer.state_dict(), **marks}, temporary)
         flush_file(temporary)
     except (OSError, RuntimeError) as error:
         temporary.unlink(missing_ok=True)
@@ -345,12 +365,18 @@ def write_failure(error: BaseException) -> str:
 def trained_steps(out: str | Path) -> int:
     """The steps a run in ``out`` has done, as its last readable checkpoint records them (0 before its first): one
     written whole that a stop kept from being renamed is the newest."""
+    return int(run_field(out, "step") or 0)
+
+
+def run_field(out: str | Path, name: str) -> Any:
+    """Field ``name`` of the last readable checkpoint of the run in ``out`` (``step``; ``threads`` and ``init``,
+    None in a checkpoint written before they were kept; None before its first)."""
     for path in (Path(out) / UNFINISHED_STATE_FILE, Path(out) / STATE_FILE, Path(out) / PREVIOUS_STATE_FILE):
         try:
-            return int(torch.load(path, weights_only=True, map_location="cpu")["step"])
+            return torch.load(path, weights_only=True, map_location="cpu").get(name)
         except Exception:  # noqa: BLE001 -- missing or damaged: the one before it, if any
             continue
-    return 0
+    return None
 
 
 def _resume(out: Path, recipe: Recipe, model, optimizer) -> tuple[int, float]:

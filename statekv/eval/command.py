@@ -66,7 +66,8 @@ def _add_benchmark_parser(benchmarks: argparse._SubParsersAction, benchmark: str
                              "undecodable, and the frames a run would encode; exit 0 when every row parses, 2 "
                              "naming the first bad row")
     parser.add_argument("--limit", type=POSITIVE_INT, metavar="N",
-                        help="only the first N questions (a resume scores the first N of this run)")
+                        help="only the first N questions, each with all its polls (a resume scores the first N of "
+                             "this run)")
     parser.add_argument("--overwrite", action="store_true",
                         help="answer every question again, replacing the answers --out holds (a resume with "
                              "other settings, data, answer key or weights is refused without it)")
@@ -139,11 +140,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if summary is None:  # not rank 0
         return 0
     score = summary["score"]
+    answered = score["overall"]["questions"]
+    given = answered if score.get("expected") is None else score["expected"] - score["missing"]
+    answers = " answers" if given != answered else ""  # a forward question asked at each of its polls
     line = f"{summary['model']} {summary['method_label']} on {config.benchmark}: {score['headline']:.2f} " \
-           f"({score['metric']}, parser {score['parser']}; {score['overall']['questions']} answered"
+           f"({score['metric']}, parser {score['parser']}; {answered} question{'s' * (answered != 1)} answered" + \
+           (f" ({given} answers: a forward question is answered at each of its polls)" if answers else "")
     if score.get("missing"):
-        line += f", {score['missing']} of {score['expected']} missing"
-    print(line + f", {score['overall']['unparsable']} unparsable)")
+        line += f", {score['missing']} of {score['expected']}{answers} missing"
+    print(line + f", {score['overall']['unparsable']} unparsable{answers})")
     if score.get("group_scores"):
         groups = ", ".join(f"{group} {value:.2f}" for group, value in score["group_scores"].items())
         official = f"; the release's own scoring: {score['official']:.2f}" if score.get("official") is not None else ""

@@ -295,6 +295,17 @@ def completed_qids(run_dir: Path | str) -> set[str]:
     return {record.qid for record in run_records(run_dir)}
 
 
+def drop_answers(run_dir: Path | str, qids: set[str]) -> None:
+    """Remove the answers to ``qids`` from every file of the run in ``run_dir`` (each file rewritten whole)."""
+    run_dir = Path(run_dir)
+    for path in [run_dir / MERGED_FILE, *sorted(run_dir.glob(RANK_FILE_GLOB))]:
+        if path.is_file():
+            records = read_records(path)
+            kept = [record for record in records if record.qid not in qids]
+            if len(kept) != len(records):
+                write_records_atomically(path, kept)
+
+
 def merge_rank_files(run_dir: Path | str) -> list[AnswerRecord]:
     """Write ``answers.jsonl`` from all rank files (deduplicated, sorted by qid) and return it."""
     run_dir = Path(run_dir)

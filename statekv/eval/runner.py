@@ -45,9 +45,9 @@ from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
-from statekv.eval.questions import BENCHMARKS, Question, counted
+from statekv.eval.questions import BENCHMARKS, Question, counted, questions_asked
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
-                                  drop_unterminated_tails, merge_rank_files, rank_file, written_in)
+                                  drop_answers, drop_unterminated_tails, merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, device_named, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
@@ -244,7 +244,7 @@ def run_evaluation(config: EvalConfig, *, context: RankContext | None = None, qa
 
 def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, Any] | None:
     every_question = load_questions(config)
-    questions = every_question[: config.limit] if config.limit else every_question
+    questions = first_questions(every_question, config.limit)
     expected = [question.qid for question in questions]
     content = {"data": data_fingerprint(every_question), "answer_key": answer_key_fingerprint(every_question),
                "videos": video_fingerprints(every_question, clips=config.benchmark == "ovobench"
@@ -256,6 +256,8 @@ def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, A
         lock_for_every_rank(lock, context)
         if config.overwrite and context.is_main:
             clear_run(config.out)
+        if context.is_main:
+            retry_replaced_videos(config.out, every_question, content["videos"])
         context.barrier()
         check_run_file(config, expected, content, write=False, **before)  # before the model loads: settings, data
         if context.is_main:  # this run's: a killed writer's half line is cut here, and said, once
@@ -278,8 +280,9 @@ def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, A
                                  answered_before=[question for question in assigned if question.qid in done])
             except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every answer so far is on disk already
                 answered = len(completed_qids(config.out) & set(expected))
-                note_kept(stop, f"{answered} of {len(expected)} questions answered in {config.out}; rerun the "
-                                "same command to resume")
+                given = "questions answered" if questions_asked(questions) == len(questions) else "answers given"
+                note_kept(stop, f"{answered} of {len(expected)} {given} in {config.out}; rerun the same command to "
+                                "resume")
                 raise
         context.barrier()
         if not context.is_main:
@@ -481,6 +484,42 @@ def resume_hint(changed: list[tuple[str, Any, Any]]) -> str:
         if key == "parser":
             steps[-1] += f" (`statekv eval table --parser {given}` reads its answers the other way)"
     return f"to resume it, {' and '.join(steps)}; or "
+
+
+def first_questions(questions: Sequence[Question], limit: int | None) -> list[Question]:
+    """The first ``limit`` questions of ``questions`` (None: all), each with all its polls (a forward question asked
+    at several times is one question)."""
+    if not limit:
+        return list(questions)
+    kept: set[tuple[str, str]] = set()
+    for question in questions:
+        if len(kept) == limit:
+            break
+        kept.add((question.video_id, question.item_id))
+    return [question for question in questions if (question.video_id, question.item_id) in kept]
+
+
+def retry_replaced_videos(out: Path, questions: Sequence[Question], videos: dict[str, str]) -> None:
+    """A video that could not be read part way (its error logged, some of its questions answered) and whose file
+    has changed since (replaced by a whole one): its earlier answers are dropped, so that a rerun answers all its
+    questions from the new file, as those of a video that failed at once are; every other answer is kept."""
+    run = read_run_file(out) if (out / RUN_FILE).is_file() else None
+    recorded = run["content"].get("videos") if run is not None else None
+    if not isinstance(recorded, dict):
+        return
+    answered = completed_qids(out)
+    by_video: dict[str, list[str]] = {}
+    for question in questions:
+        by_video.setdefault(question.video_id, []).append(question.qid)
+    dropped: set[str] = set()
+    for entry in unresolved_errors(out):
+        qids = [qid for qid in by_video.get(entry["video_id"], []) if qid in answered]
+        if any(recorded.get(qid) != videos.get(qid) for qid in qids):
+            logger.warning("%s: its file changed since it could not be read part way: its %d earlier answer(s) are "
+                           "dropped and all its questions answered from the new file", entry["video_id"], len(qids))
+            dropped.update(qids)
+    if dropped:
+        drop_answers(out, dropped)
 
 
 def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],

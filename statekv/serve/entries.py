@@ -17,7 +17,7 @@ from ..api.watch_saving import records as watch_records
 from ..errors import InputError, StateKVError
 from .feeding import Feed
 from .page_record import page_fields
-from .stream_settings import read_settings
+from .stream_settings import made_with, read_settings
 from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
@@ -58,6 +58,7 @@ class StreamEntry:
     moved: bool = False  # let go to another replica sharing the state folder
     quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
+    stopped: bool = False  # saved with every frame it took as the server stopped (its disk-tier file set not needed)
     owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
     closed: bool = False  # closed at shutdown, once saved
     recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
@@ -153,6 +154,7 @@ class StreamEntry:
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
+                "engine": made_with(self.stream), "stopped": self.stopped,
                 "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
                 "saved_watches": sorted(self.saved_watches),
                 "watch_order": watch_order(self.stream), **page_fields(self)}

@@ -45,7 +45,7 @@ class StreamLoader:
             where = f"quarantine/{moved[-1]}"
             raise Quarantined(note["reason"] if note is not None and where in note["reason"] else
                               f"its disk-tier file set was moved to {where} in the state folder")
-        qa = self.settings.qa_for(data["settings"], as_made=True)
+        qa = self.settings.qa_for(data["settings"], made=data.get("engine") or {})
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
         stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         saved_watches = frozenset()  # those of a file set: the next save holds them
@@ -103,18 +103,32 @@ class StreamLoader:
 
     def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
-        none). A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
+        none, or its save holds every frame it took: the server stopped after saving it, its record ``stopped``).
+        One a server without a disk tier cannot read raises `Quarantined`: its frames since its save would be lost;
+        one missing from ``--offload-dir`` (lost with its disk, or elsewhere) comes back from its save, the loss
+        logged. A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
         quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
         since the last save, so the stream is not served from its save without them. ``healing``: as `load`."""
-        if not data.get("tier") or qa.engine.offload != "disk" or not (self.resume_tiers or healing):
+        if not data.get("tier") or (qa.engine.offload != "disk" and healing) or not (self.resume_tiers or healing):
             if healing:
                 raise Quarantined("it has no disk-tier file set to be brought back from")
             return None
+        if qa.engine.offload != "disk":
+            if data.get("stopped"):
+                return None
+            raise Quarantined(f"the frames it took since its last save are journaled in its disk-tier file set "
+                              f"{data['tier']}, which a server without --offload disk does not read: start the "
+                              "server with --offload disk and the --offload-dir it was served with")
         root = Path(qa.engine.offload_dir)
         folder = root / data["tier"]
         if not folder.is_dir():
             if healing:
                 raise Quarantined(f"its disk-tier file set {folder.name} is missing")
+            if not data.get("stopped"):  # lost with its disk, or in another folder: said, the stream served
+                log.error("stream %s: its disk-tier file set %s is not in --offload-dir: it comes back from its last "
+                          "save (%s frames) and the frames it took since are lost; if that file set is elsewhere, "
+                          "stop the server now and start it with the --offload-dir that holds it", data["id"],
+                          folder.name, (data.get("saved") or {}).get("frames", 0))
             return None
         try:
             return Stream.load(folder, qa, **ids)

@@ -34,10 +34,10 @@ from .healing import check_can_ask
 from .limits import read_json
 from .media import resolve_file_url
 from .answering import ClientLeft, ServerStopped, answer_arguments, check_answer, prompt_tokens
-from .routes import (DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, begin_answer, pieces_until,
-                     streamed_outcome, whole_answer)
+from .routes import (DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, Served, begin_answer, checked_retrieve,
+                     pieces_until, streamed_outcome, whole_answer)
 from .sse import EventStream, StopTexts, TokenStreamer, event
-from .stream_settings import shown
+from .stream_settings import METHOD_FIELDS, shown
 
 
 READ = "the video and the last user message"
@@ -53,6 +53,7 @@ RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "
 MAX_MODEL_CHARS = 256
 MAX_STOP_CHARS = 256
 TOOLS = (("tools", "tool_choice"), ("functions", "function_call"))  # what a model may call, and how it must choose
+EXTENSION = ("stream_id", "retrieve")  # a chat's own fields, under "statekv"
 
 
 def not_applied(body: dict) -> list[str]:
@@ -235,9 +236,15 @@ async def chat(request: Request, service: Served):
     extension = body.get("statekv") or {}
     if not isinstance(extension, dict):
         raise ServiceError(400, "statekv must be an object, e.g. {\"stream_id\": ID}")
-    unknown = sorted(set(extension) - {"stream_id"})
+    unknown = sorted(set(extension) - set(EXTENSION))
     if unknown:  # the request's own namespace: a misspelt stream_id is not a question about a video
-        raise ServiceError(400, f"unknown statekv field {shown(unknown[0])}; known: stream_id")
+        raise ServiceError(400, f"unknown statekv field {shown(unknown[0])}; known: {', '.join(EXTENSION)}")
+    misplaced = [name for name in (*EXTENSION, *METHOD_FIELDS) if name in body]
+    if misplaced:  # never ignored: an answer would read otherwise than the client asked
+        name = misplaced[0]
+        raise ServiceError(400, f'{name} goes under "statekv" ({{"statekv": {{"{name}": ...}}}})' if name in EXTENSION
+                           else f"{name} is a stream's setting (POST /v1/streams), not a chat request's")
+    retrieve = checked_retrieve(extension, "statekv.retrieve")
     stream_id = extension.get("stream_id")
     if stream_id is not None and not isinstance(stream_id, str):
         raise ServiceError(400, f"statekv.stream_id must be a stream's id (text), got {type(stream_id).__name__}")
@@ -247,13 +254,16 @@ async def chat(request: Request, service: Served):
         entry = await registry.find(owner, stream_id)
         if streamed:
             check_can_ask(entry)  # refused with its status, before the events start
-        work = lambda streamer: registry.ask(entry, question, max_new, METHOD_DEFAULT, streamer)  # noqa: E731
+        work = lambda streamer: registry.ask(entry, question, max_new, retrieve, streamer)  # noqa: E731
     else:
         if not videos and earlier:  # a later turn asks about the video an earlier one gave
             videos, reading["read"] = earlier, READ_EARLIER
         if len(videos) != 1:
             raise ServiceError(400, "give one video_url part (a file:// URL under the server's --media-root) "
                                     "or statekv.stream_id")
+        if retrieve is not METHOD_DEFAULT:
+            raise ServiceError(400, "statekv.retrieve is for a question to a stream (statekv.stream_id); a video "
+                                    "file is answered as the server's method answers")
         path = resolve_file_url(config.media_root, videos[0])
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"

@@ -418,6 +418,9 @@ class StreamRegistry:
                 continue
             try:
                 self.worker.run_blocking(self.save_now, entry)
+                if entry.tier is not None and not entry.deleted:  # a start without the disk tier may load its save
+                    entry.stopped = True
+                    entry.write_record(self.files)
             except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
                 since = entry.stream.pushed - entry.saved["pushed"]
                 lost = ("the next start resumes it from its disk-tier folder, at its last durable step" if entry.tier

@@ -37,12 +37,17 @@ def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
     max_new = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
         raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
+    return question.strip(), max_new, checked_retrieve(body)
+
+
+def checked_retrieve(body: dict[str, Any], name: str = "retrieve") -> Any:
+    """A question's ``retrieve`` (frames per layer, null: every frame; absent: the stream's), checked."""
     retrieve = body.get("retrieve", METHOD_DEFAULT)
     if retrieve is not METHOD_DEFAULT and retrieve is not None and (
             isinstance(retrieve, bool) or not isinstance(retrieve, int) or not 1 <= retrieve <= LARGEST_INT):
-        raise ServiceError(400, f"retrieve must be a positive integer (frames per layer, at most {LARGEST_INT:,}) "
+        raise ServiceError(400, f"{name} must be a positive integer (frames per layer, at most {LARGEST_INT:,}) "
                            f"or null, got {shown(retrieve)}")
-    return question.strip(), max_new, retrieve
+    return retrieve
 
 
 router = APIRouter()

@@ -15,7 +15,7 @@ from ..settings.values import HIGHEST_FPS, is_stream_rate
 from .config import ServeConfig
 from .errors import ServiceError
 
-METHOD_FIELDS = ("method", "budget", "frames", "sinks", "retrieve")
+METHOD_FIELDS = ("method", "budget", "frames", "sinks", "window", "retrieve", "retrieval")
 STREAM_FIELDS = METHOD_FIELDS + ("horizon_frames", "max_fps", "name")
 IDLE_MODELS_KEPT = 4  # VideoQAs of settings no stream holds now, kept for the next stream that takes them
 
@@ -35,15 +35,22 @@ class StreamSettings:
         self.changing = threading.Lock()  # ``models`` and ``let_go`` change together, and are read together
         self._max_horizon: int | None = None
 
-    def qa_for(self, settings: dict[str, Any], *, as_made: bool = False) -> Any:
-        """The VideoQA of a stream's method settings (the server's model, shared). ``as_made``: to load a saved
-        stream, which keeps the positions it was made with whatever the server's ``--positions`` is now."""
-        as_made, settings = as_made and self.qa.engine.positions is not None, unread_cleared(settings)
-        key = (*sorted(settings.items()), ("as made", as_made))
+    def qa_for(self, settings: dict[str, Any], *, made: dict[str, Any] | None = None) -> Any:
+        """The VideoQA of a stream's method settings (the server's model, shared). ``made``: to load a saved
+        stream, the engine settings its record names (`made_with`; {} in a record written before them): it keeps
+        the positions (as its file says) and the ``kv_cache_dtype`` it was made with, whatever the server's
+        ``--positions`` and ``--kv-cache-dtype`` are now."""
+        settings, engine = unread_cleared(settings), {}
+        if made is not None:
+            if self.qa.engine.positions is not None:
+                engine["positions"] = None
+            if made.get("kv_cache_dtype", self.qa.engine.kv_cache_dtype) != self.qa.engine.kv_cache_dtype:
+                engine["kv_cache_dtype"] = made["kv_cache_dtype"]
+        key = (*sorted(settings.items()), ("engine", *sorted(engine.items())))
         with self.changing:
             model = self.models.pop(key, None)  # put back last: the models are kept in the order of their use
             if model is None:
-                model = self.qa.with_options(**settings, **({"positions": None} if as_made else {}))
+                model = self.qa.with_options(**settings, **engine)
             self.models[key] = model
         return model
 
@@ -151,11 +158,20 @@ class StreamSettings:
         return rope_capacity(self.qa.adapter.model.config.get_text_config())
 
 
+def made_with(stream: Any) -> dict[str, Any]:
+    """The engine settings ``stream`` was made with that a saved stream must be loaded with, and the server's
+    flags may change between starts (its ``positions`` its file records)."""
+    return {"kv_cache_dtype": stream.qa.engine.kv_cache_dtype}
+
+
 def unread_cleared(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` without the server's default ``retrieve`` under a method that retrieves nothing (a record
-    written before names it): a watch opened on such a stream would pass it on, and be refused."""
+    """``settings`` without the server's default ``retrieve`` and ``retrieval`` under a method that retrieves
+    nothing (a record written before names it): a watch opened on such a stream would pass it on, and be
+    refused."""
     spec = METHODS.get(settings.get("method")) if isinstance(settings.get("method"), str) else None
-    return settings if spec is None or spec.retrieves else {**settings, "retrieve": None}
+    if spec is None or spec.retrieves:
+        return settings
+    return {**settings, "retrieve": None, **({"retrieval": None} if "retrieval" in settings else {})}
 
 
 def read_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +180,8 @@ def read_settings(settings: dict[str, Any]) -> dict[str, Any]:
     spec = METHODS.get(settings.get("method")) if isinstance(settings.get("method"), str) else None
     if spec is None:
         return dict(settings)
-    return {name: value for name, value in settings.items() if name not in SIZES or name in spec.uses}
+    return {name: value for name, value in settings.items()
+            if (name not in SIZES or name in spec.uses) and (name != "retrieval" or spec.retrieves)}
 
 
 def spelt_as_json(message: str, body: dict[str, Any]) -> str:

@@ -47,7 +47,8 @@ class StepJob:
     (text, such as the prompt prefix). ``vision_batch``: the frames per vision call asked for (for its
     statistics). ``streamed`` counts the steps streamed; ``error`` is set if one failed (the steps before it stay
     streamed). ``after``: calls made on the thread that queued the job once it is done (its watches' listeners),
-    not on the thread that ran its batch, which may not hold the job's stream."""
+    not on the thread that ran its batch, which may not hold the job's stream; the caller makes them (`tell`)
+    once it has settled the stream, so that a listener that asks or saves it sees its frames streamed once."""
 
     video: Any
     groups: list[list[Frame]] = field(default_factory=list)
@@ -71,6 +72,12 @@ class StepJob:
         if index + 1 < self.steps:
             step.request = replace(step.request, ends_vision_call=False)
         return step
+
+    def tell(self) -> None:
+        """Make the ``after`` calls (once)."""
+        calls, self.after = self.after, []
+        for call in calls:
+            call()
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -296,8 +303,9 @@ class StepScheduler:
 
     def run(self, jobs: Sequence[StepJob]) -> None:
         """Queue ``jobs`` and return once each is done (its ``error`` set if it failed), batched with whatever
-        other threads queue meanwhile. A stopping signal waits for the call to end (`whole`): a stop raised while
-        this thread holds the queue's condition would leave it unreleased, or another caller's job unfinished."""
+        other threads queue meanwhile; their ``after`` calls are the caller's to make (`StepJob.tell`). A stopping
+        signal waits for the call to end (`whole`): a stop raised while this thread holds the queue's condition
+        would leave it unreleased, or another caller's job unfinished."""
         with whole(), self.changed:
             self.queue.extend(jobs)
             while not all(job.done for job in jobs):
@@ -313,10 +321,6 @@ class StepScheduler:
                     self.changed.acquire()
                     self.running = False
                     self.changed.notify_all()
-        for job in jobs:  # on this thread, which holds the jobs' streams, and with the queue let go
-            calls, job.after = job.after, []
-            for call in calls:
-                call()
 
     def run_batch(self, batch: list[StepJob]) -> None:
         """Stream ``batch`` on this thread (one job: exactly the single-video path)."""
