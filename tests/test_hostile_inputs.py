@@ -743,7 +743,7 @@ def test_a_run_with_an_unreadable_video_ends_non_zero_with_a_summary(files, caps
     (folder / "data" / "fab001.mp4").write_bytes(b"not a video")
     out = tmp_path / "run"
     code, stdout, err = _cli(capsys, _eval_argv(files, out, "--data-root", data))
-    assert code == 1 and "3 answered, 3 of 6 missing" in stdout
+    assert code == 1 and "3 questions answered, 3 of 6 missing" in stdout
     last = err.strip().splitlines()[-1]
     assert last == (f"statekv eval: 3 question(s) unanswered: 1 video(s) could not be read (errors logged in "
                     f"{out}/errors.rank*.jsonl); rerun the same command to retry them")

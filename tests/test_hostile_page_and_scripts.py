@@ -445,22 +445,30 @@ def test_the_file_pickers_have_names_a_screen_reader_can_say(browser_page):
 
 
 # A server whose every answer token takes a while, and whose closed tabs are gone soon after: a tab closed
-# mid-answer is found gone long before its answer would be whole.
+# mid-answer is found gone long before its answer would be whole. Its watches take a while to open too: the page
+# is used meanwhile.
 TOKEN_SECONDS = 0.8  # sixteen tokens outlast a closed tab found gone, on a loaded machine too
+OPEN_SECONDS = 3.0
 SLOW_ANSWERS = f"""
 import sys, time
 import statekv.serve.page
+import statekv.serve.watch_routes
 from statekv.cli import main
 from statekv.serve.sse import StopOnceSet
 
 statekv.serve.page.RECONNECT_SECONDS = 1.0
-checked = StopOnceSet.__call__
+checked, opened = StopOnceSet.__call__, statekv.serve.watch_routes.open_on
 
 def slowly(self, *args, **kwargs):
     time.sleep({TOKEN_SECONDS})
     return checked(self, *args, **kwargs)
 
+def opened_slowly(*args, **kwargs):
+    time.sleep({OPEN_SECONDS})
+    return opened(*args, **kwargs)
+
 StopOnceSet.__call__ = slowly
+statekv.serve.watch_routes.open_on = opened_slowly
 sys.exit(main(sys.argv[1:]))
 """
 STOPPED = r"^statekv_answers_stopped_total (\S+)$"
@@ -576,3 +584,58 @@ def test_a_question_still_waiting_for_the_model_when_its_tab_is_closed_is_not_an
     _wait_for(lambda: _queued(slow_server) == 0, 30, "the model to be free")
     assert _metric(slow_server, ANSWERED_ON_THE_PAGE) == answered + 1  # the open tab's
     assert _metric(slow_server, STOPPED) == stopped + 1
+
+
+@pytest.mark.slow
+def test_a_watch_added_as_another_stream_opens_stays_with_its_own_stream(slow_server, slow_browser):
+    """Before: a watch add that ended after another stream was opened drew the first stream's watches under the
+    second (a delete there closed the first's watch but rewrote the second's record, so a kill brought it back),
+    wiped what was typed for the second, and left the first's error note under it; a double click on Watch made
+    two watches."""
+    from test_serve import KEY
+
+    first, second = _stream_of_four_frames(slow_server), _stream_of_four_frames(slow_server)
+    page = slow_browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+    page.goto(f"{slow_server.url}/?key={KEY}&stream={first}")
+    page.wait_for_selector(".statekv-stats:has-text('4 frames ·')", timeout=60_000)
+    page.get_by_role("button", name="Watch").click()  # blank: refused at once, its note shown
+    assert "question must be a non-empty string" in _note_text(page, "watch")
+    page.evaluate("""second => { window.foreign = []; new MutationObserver(() => {
+        if (!location.search.includes(second)) return;  // a watch card drawn while the second is open: the first's
+        document.querySelectorAll('.statekv-watch').forEach(card => window.foreign.push(card.className)); })
+        .observe(document.body, {subtree: true, childList: true}); }""", second)
+    page.fill(".statekv-watch-question input", "What colour was the circle?")
+    page.click(".statekv-watch-add")
+    time.sleep(0.3)
+    page.click(f".statekv-stream-{second} [aria-label=open]")
+    page.wait_for_function(f"() => location.search.includes({second!r})", timeout=30_000)
+    page.fill(".statekv-watch-question input", "typed for the second")
+    _wait_for(lambda: len(_get(slow_server, f"/v1/streams/{first}/watches").json()["data"]) == 1, 60,
+              "the first stream's watch")
+    time.sleep(1.5)  # (refreshes of the page's panel)
+    assert page.input_value(".statekv-watch-question input") == "typed for the second"
+    assert page.locator(".statekv-watch").count() == 0 and page.evaluate("window.foreign") == []
+    assert not page.locator(".statekv-error-watch .statekv-error-message").is_visible()
+    page.dblclick(".statekv-watch-add")
+    _wait_for(lambda: _get(slow_server, f"/v1/streams/{second}/watches").json()["data"], 60, "the second's watch")
+    time.sleep(OPEN_SECONDS + 1)
+    assert len(_get(slow_server, f"/v1/streams/{second}/watches").json()["data"]) == 1
+    page.wait_for_selector(".statekv-watch", timeout=30_000)
+
+
+def test_the_timeline_draws_each_watch_on_a_row_of_its_own_and_every_rows_label():
+    """Before: two watches whose questions began alike were drawn on one row (a category axis merges rows of one
+    name), and a timeline of many rows hid every other label."""
+    from types import SimpleNamespace
+
+    from statekv.serve.page_watches import timeline_height, timeline_options, timeline_rows
+
+    question = "What colour was the circle?\nA. red\nB. green"
+    watches = [SimpleNamespace(question=question, events=[SimpleNamespace(frame=frame, answer="A")])
+               for frame in (3, 5)]
+    entry = SimpleNamespace(answers=[{"question": question, "frames": 4}] * 2, stream=SimpleNamespace(watches=watches))
+    rows, read, events = timeline_rows(entry)
+    assert len(set(rows)) == len(rows) == 4
+    assert [row for _, row, _ in events] == rows[2:]
+    assert timeline_options()["yAxis"]["axisLabel"]["interval"] == 0
+    assert timeline_height(4) == 224 and timeline_height(24) >= 24 * 18

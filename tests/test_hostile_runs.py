@@ -782,7 +782,7 @@ def test_a_run_from_given_weights_goes_on_when_begun_again_the_same_way_and_says
     other = make_tiny_checkpoint("internvl", tmp_path / "other", layout="chat")
     capsys.readouterr()
     assert main(["train-builtin", "--out", str(run), "--threads", "1", "--init", str(other)]) == 2
-    assert "did not start from these weights" in _one_line(capsys.readouterr().err)
+    assert "does not name these weights as its start" in _one_line(capsys.readouterr().err)
 
 
 def test_a_run_stopped_early_beside_an_earlier_runs_model_says_so_and_installs_nothing(tmp_path, capsys,

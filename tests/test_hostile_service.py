@@ -1183,12 +1183,17 @@ def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_unt
     elsewhere = options.with_changes(offload="disk", offload_dir=str(tmp_path / "elsewhere"))
     with Running(tmp_path / "state-elsewhere", qa, options=elsewhere) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0  # its last save's
-        assert "the frames it took since are lost" in caplog.text
+        assert "in a new file set, without the frames journaled in" in caplog.text
     back = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier-killed"))
     with Running(killed, qa, options=back) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
+    with Running(state, qa, options=disk, save_every_frames=100) as server, server.client() as client:
+        _push(client, stream_id, 4, 4.0).raise_for_status()  # going on after a clean stop: its mark is gone
+        shutil.copytree(state, tmp_path / "state-again")  # a kill
+    with Running(tmp_path / "state-again", qa, options=options) as server, server.client() as client:
+        assert client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
     with Running(state, qa, options=options) as server, server.client() as client:
-        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 5
 
 
 def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restarts(qa, tmp_path, options):
@@ -1201,6 +1206,10 @@ def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restar
                                                                              "retrieve": None}, recent.text
         ruled = client.post("/v1/streams", json={"retrieve": 2, "retrieval": "recent"})
         assert ruled.status_code == 201 and ruled.json()["settings"]["retrieval"] == "recent", ruled.text
+        alone = client.post("/v1/streams", json={"retrieval": "recent"})  # the rule of questions that retrieve
+        assert alone.status_code == 201, alone.text
+        again = client.post("/v1/streams", json=alone.json()["settings"])  # settings read back make it again
+        assert again.status_code == 201 and again.json()["settings"] == alone.json()["settings"], again.text
         assert "window" in _error(client.post("/v1/streams", json={"method": "statekv", "window": 3}), 400)
         assert "retrieval" in _error(client.post("/v1/streams", json={"method": "simplestream",
                                                                        "retrieval": "recent"}), 400)

@@ -22,7 +22,8 @@ def simplestream() -> statekv.VideoQA:
 @pytest.mark.parametrize("offload", ["cuda:banana", "mps9", "cuda:", "cuda:٣"])
 def test_an_offload_device_torch_cannot_read_is_refused_when_the_options_are_made(offload):
     # it was accepted, then raised torch's "Invalid device string" when the first stream was made
-    with pytest.raises(ConfigurationError, match=f"offload must be True, False, 'disk' or a device, got '{offload}'"):
+    with pytest.raises(ConfigurationError,
+                       match=f"offload must be True, False, 'memory', 'disk' or a device, got '{offload}'"):
         ModelOptions(model="builtin", offload=offload)
 
 
@@ -30,6 +31,18 @@ def test_an_offload_device_torch_cannot_read_is_refused_when_the_options_are_mad
                                      torch.device("cuda", 1)], ids=str)
 def test_offload_device_names_are_still_taken(offload):
     assert ModelOptions(model="builtin", offload=offload).offload == offload
+
+
+def test_a_setting_takes_the_words_the_command_line_takes_and_no_other_spelling(tmp_path):
+    """Before: ``offload="memory"`` (``--offload memory``) was refused in Python, and ``kv_cache_dtype="INT8"``,
+    which the command line refuses, was taken."""
+    from statekv.cli import main
+
+    assert ModelOptions(model="builtin", offload="memory").engine.offload is True
+    with pytest.raises(ConfigurationError, match="kv_cache_dtype must be auto, int8 or int4, got 'INT8'"):
+        ModelOptions(model="builtin", kv_cache_dtype="INT8")
+    with pytest.raises(SystemExit):
+        main(["stream", str(tmp_path / "v.mp4"), "--kv-cache-dtype", "INT8"])
 
 
 @pytest.mark.parametrize(("arguments", "error", "message"), [

@@ -226,8 +226,9 @@ def test_saved_quantized_streams_resume_identically_and_refuse_another_dtype(ada
                            whole.ask_tokens(QUESTION, max_new_tokens=6, retrieve=retrieve))
     unquantized = plain.stream(horizon_frames=7, max_fps=1)
     unquantized.push_many((image, float(t)) for t, image in enumerate(frames[:3]))
-    with pytest.raises(statekv.InputError, match="saved with kv_cache_dtype=auto"):
+    with pytest.raises(statekv.InputError, match="saved with kv_cache_dtype=auto") as refused:
         Stream.load(unquantized.save(tmp_path / "plain.safetensors"), qa)
+    assert "(--kv-cache-dtype auto on the command line)" in str(refused.value)  # the flag a command takes too
 
 
 def test_per_stream_kv_cache_dtype_and_the_cli_flag(adapter):

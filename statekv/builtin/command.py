@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
                                  f"{recipe.curriculum_steps} (the curriculum's steps are in its weights); give more")
     if args.init is not None and trained_steps(args.out) and run_field(args.out, "init") != str(args.init.resolve()):
         raise ConfigurationError(f"--init {args.init}: {args.out} holds a run already (step "
-                                 f"{trained_steps(args.out)}) that did not start from these weights; give a new "
-                                 "--out for a phase from them, or rerun as that run was begun to go on")
+                                 f"{trained_steps(args.out)}) whose checkpoint does not name these weights as its "
+                                 "start; give a new --out for a phase from them, or rerun without --init to go on")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     quiet_libraries()  # --init's weights load without transformers' bar in a log
     model_dir = train(recipe, args.out, threads=threads, stop_after=args.stop_after, init=args.init)

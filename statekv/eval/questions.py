@@ -91,3 +91,16 @@ def counted(questions: Sequence[Question]) -> str:
     if asked == len(questions):
         return "questions to answer"
     return f"answers to give ({asked} questions, a forward one asked at each of its polls)"
+
+
+def first_questions(questions: Sequence[Question], limit: int | None) -> list[Question]:
+    """The first ``limit`` questions of ``questions`` (None: all), each with all its polls (a forward question asked
+    at several times is one question)."""
+    if not limit:
+        return list(questions)
+    kept: set[tuple[str, str]] = set()
+    for question in questions:
+        if len(kept) == limit:
+            break
+        kept.add((question.video_id, question.item_id))
+    return [question for question in questions if (question.video_id, question.item_id) in kept]

@@ -297,6 +297,8 @@ def completed_qids(run_dir: Path | str) -> set[str]:
 
 def drop_answers(run_dir: Path | str, qids: set[str]) -> None:
     """Remove the answers to ``qids`` from every file of the run in ``run_dir`` (each file rewritten whole)."""
+    if not qids:
+        return
     run_dir = Path(run_dir)
     for path in [run_dir / MERGED_FILE, *sorted(run_dir.glob(RANK_FILE_GLOB))]:
         if path.is_file():

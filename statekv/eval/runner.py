@@ -45,13 +45,13 @@ from statekv.eval.lock import RunLock
 from statekv.eval.loaders import load_benchmark, load_benchmark_from_hub
 from statekv.eval.parsing import check_parser
 from statekv.eval.prompts import check_protocol, generation_settings
-from statekv.eval.questions import BENCHMARKS, Question, counted, questions_asked
+from statekv.eval.questions import BENCHMARKS, Question, counted, first_questions, questions_asked
 from statekv.eval.records import (MERGED_FILE, RANK_FILE_GLOB, AnswerRecord, ResultsWriter, completed_qids,
                                   drop_answers, drop_unterminated_tails, merge_rank_files, rank_file, written_in)
 from statekv.eval.report import SUMMARY_FILE, paper_table, write_summary
 from statekv.eval.run_settings import RUN_IDENTITY, conditions_used, device_named, unrecorded, with_defaults
 from statekv.eval.sharding import VideoQuestions, group_by_video, shard_by_video
-from statekv.eval.video_errors import ERRORS_GLOB, log_video_error, unresolved_errors
+from statekv.eval.video_errors import ERRORS_GLOB, log_video_error, replaced_answers, unresolved_errors
 from statekv.errors import OutputError, StateKVError, VideoError
 from statekv.builtin import resolve_model
 from statekv.settings.options import ModelOptions, is_builtin
@@ -256,12 +256,19 @@ def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, A
         lock_for_every_rank(lock, context)
         if config.overwrite and context.is_main:
             clear_run(config.out)
-        if context.is_main:
-            retry_replaced_videos(config.out, every_question, content["videos"])
         context.barrier()
-        check_run_file(config, expected, content, write=False, **before)  # before the model loads: settings, data
+        run = read_run_file(config.out)
+        replaced = replaced_answers(config.out, every_question, content["videos"],
+                                    None if run is None else run["content"].get("videos"), before["videos_before"])
+        dropped = {qid for qids in replaced.values() for qid in qids}
+        check_run_file(config, expected, content, write=False, replaced=dropped, **before)  # settings, data
         if context.is_main:  # this run's: a killed writer's half line is cut here, and said, once
             drop_unterminated_tails(config.out)
+            for video_id, qids in replaced.items():
+                logger.warning("%s: its file changed since it could not be read part way: its %d earlier answer(s) "
+                               "are dropped and all its questions answered from the new file", video_id, len(qids))
+            drop_answers(config.out, dropped)
+        context.barrier()
         qa = qa if qa is not None else load_model(config, context)
         if qa.method != config.method:
             raise ConfigurationError(f"the model was set up for {qa.method!r}, the run asks for {config.method!r}")
@@ -410,12 +417,13 @@ def finish(config: EvalConfig, expected: Sequence[str]) -> dict[str, Any]:
 
 def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[str, Any] | None = None, *,
                    write: bool, videos_before: Callable[[], dict[str, str]] | None = None,
-                   device: str | None = None) -> None:
+                   device: str | None = None, replaced: set[str] = frozenset()) -> None:
     """Refuse to mix settings, data, answer keys or weights in one run directory (``content``: the fingerprints
     known so far, see `statekv.eval.identity`); rank 0 (re)writes ``run.json``. A run folder holding answers
     whose ``run.json`` records no fingerprints (an earlier statekv) cannot be checked, so it is refused too;
-    ``videos_before`` gives the videos' fingerprints as an earlier statekv recorded them (also accepted); ``device``:
-    what the run computes on (`statekv.eval.run_settings.device_named`), recorded in its conditions."""
+    ``videos_before`` gives the videos' fingerprints as an earlier statekv recorded them (also accepted);
+    ``replaced``: answers the run drops (`replaced_answers`), whose videos may have changed; ``device``: what the
+    run computes on (`statekv.eval.run_settings.device_named`), recorded in its conditions."""
     path = config.out / RUN_FILE
     identity = config.identity()
     content = dict(content or {})
@@ -442,7 +450,7 @@ def check_run_file(config: EvalConfig, expected: Sequence[str], content: dict[st
             hint = "" if unflagged or not flagged else resume_hint([(key, recorded.get(key), identity[key])
                                                                     for key in flagged])
             raise ConfigurationError(f"{config.out} holds a run with {held}, not {identity[first]!r}; {hint}{redo}")
-        answered = completed_qids(config.out)
+        answered = completed_qids(config.out) - replaced
         if "videos" in content:
             _check_answered_videos(config.out, run["content"].get("videos"), content["videos"], answered, videos_before)
         for key, value in content.items():
@@ -484,42 +492,6 @@ def resume_hint(changed: list[tuple[str, Any, Any]]) -> str:
         if key == "parser":
             steps[-1] += f" (`statekv eval table --parser {given}` reads its answers the other way)"
     return f"to resume it, {' and '.join(steps)}; or "
-
-
-def first_questions(questions: Sequence[Question], limit: int | None) -> list[Question]:
-    """The first ``limit`` questions of ``questions`` (None: all), each with all its polls (a forward question asked
-    at several times is one question)."""
-    if not limit:
-        return list(questions)
-    kept: set[tuple[str, str]] = set()
-    for question in questions:
-        if len(kept) == limit:
-            break
-        kept.add((question.video_id, question.item_id))
-    return [question for question in questions if (question.video_id, question.item_id) in kept]
-
-
-def retry_replaced_videos(out: Path, questions: Sequence[Question], videos: dict[str, str]) -> None:
-    """A video that could not be read part way (its error logged, some of its questions answered) and whose file
-    has changed since (replaced by a whole one): its earlier answers are dropped, so that a rerun answers all its
-    questions from the new file, as those of a video that failed at once are; every other answer is kept."""
-    run = read_run_file(out) if (out / RUN_FILE).is_file() else None
-    recorded = run["content"].get("videos") if run is not None else None
-    if not isinstance(recorded, dict):
-        return
-    answered = completed_qids(out)
-    by_video: dict[str, list[str]] = {}
-    for question in questions:
-        by_video.setdefault(question.video_id, []).append(question.qid)
-    dropped: set[str] = set()
-    for entry in unresolved_errors(out):
-        qids = [qid for qid in by_video.get(entry["video_id"], []) if qid in answered]
-        if any(recorded.get(qid) != videos.get(qid) for qid in qids):
-            logger.warning("%s: its file changed since it could not be read part way: its %d earlier answer(s) are "
-                           "dropped and all its questions answered from the new file", entry["video_id"], len(qids))
-            dropped.update(qids)
-    if dropped:
-        drop_answers(out, dropped)
 
 
 def _check_answered_videos(out: Path, recorded: Any, current: dict[str, str], answered: set[str],

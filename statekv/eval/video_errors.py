@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
 from statekv.eval.records import completed_qids, drop_unterminated_tail
+from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
 
 logger = logging.getLogger(__name__)
@@ -67,3 +68,35 @@ def _error_entries(path: Path) -> list[dict[str, Any]]:
                             "error); delete the line to retry that video")
         entries.append(entry)
     return entries
+
+
+def replaced_answers(out: Path, questions: Sequence[Question], videos: dict[str, str], recorded: Any,
+                     before: Callable[[], dict[str, str]] | None = None) -> dict[str, list[str]]:
+    """The answered questions (by video) of each video that could not be read part way (its error logged, some of its
+    questions answered) and whose file has changed since, replaced by one that reads (``videos``: the questions'
+    fingerprints now; ``recorded``: as the run's ``run.json`` records them; ``before``: as an earlier statekv
+    recorded them, also unchanged). The run drops them once
+    its checks pass, and answers all that video's questions from the new file, as those of a video that failed at
+    once are; every other answer is kept."""
+    if not isinstance(recorded, dict):
+        return {}
+    answered = completed_qids(out)
+    by_video: dict[str, list[str]] = {}
+    missing: set[str] = set()  # a video not there now (its drive not mounted, say) is no replaced one
+    for question in questions:
+        by_video.setdefault(question.video_id, []).append(question.qid)
+        if not all(Path(path).is_file() for path in (question.video_path, question.clip_path) if path is not None):
+            missing.add(question.video_id)
+    earlier: dict[str, str] | None = None
+    replaced: dict[str, list[str]] = {}
+    for entry in unresolved_errors(out):
+        if entry["video_id"] in missing:
+            continue
+        qids = [qid for qid in by_video.get(entry["video_id"], []) if qid in answered]
+        changed = [qid for qid in qids if recorded.get(qid) != videos.get(qid)]
+        if changed and before is not None:
+            earlier = before() if earlier is None else earlier
+            changed = [qid for qid in changed if recorded.get(qid) != earlier.get(qid)]
+        if changed:
+            replaced[entry["video_id"]] = qids
+    return replaced

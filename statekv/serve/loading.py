@@ -95,11 +95,12 @@ class StreamLoader:
             with contextlib.suppress(Exception):
                 entry.stream.close()
             raise
-        if not healing and entry.record()["tier"] != data.get("tier"):
-            try:
+        if not healing and (entry.record()["tier"] != data.get("tier") or data.get("stopped")):
+            try:  # its new file set named; a stop's mark cleared, since pushes from now on are its file set's alone
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:
-                log.error("cannot record stream %s's new disk-tier folder: %s", entry.id, error)
+                log.error("cannot record stream %s's new disk-tier folder, or that it runs again: %s", entry.id,
+                          error)
 
     def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:
@@ -126,9 +127,9 @@ class StreamLoader:
                 raise Quarantined(f"its disk-tier file set {folder.name} is missing")
             if not data.get("stopped"):  # lost with its disk, or in another folder: said, the stream served
                 log.error("stream %s: its disk-tier file set %s is not in --offload-dir: it comes back from its last "
-                          "save (%s frames) and the frames it took since are lost; if that file set is elsewhere, "
-                          "stop the server now and start it with the --offload-dir that holds it", data["id"],
-                          folder.name, (data.get("saved") or {}).get("frames", 0))
+                          "save (%s frames) in a new file set, without the frames journaled in %s since (a file "
+                          "set of that name elsewhere is left as it is)", data["id"], folder.name,
+                          (data.get("saved") or {}).get("frames", 0), folder.name)
             return None
         try:
             return Stream.load(folder, qa, **ids)

@@ -34,7 +34,7 @@ from ..errors import StateKVError
 from .errors import ServiceError
 from .page_parts import PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, jpeg_data_url, js_literal, read_text
 from .feeding import frames_at_rate
-from .page_watches import ChoicesForm, WatchPanel, timeline_options, timeline_rows
+from .page_watches import ChoicesForm, WatchPanel, timeline_height, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
 from .sse import TokenStreamer
 
@@ -248,6 +248,7 @@ class StreamPage:
         self.answers.clear()
         self.ask_error.clear()
         self.more_upload_error.clear()
+        self.watch_panel.error.clear()
         self.title.set_text(entry.name)
         self.stop_camera_button.set_visibility(entry.id == self.camera_stream)
         self.panel.set_visibility(True)
@@ -483,6 +484,7 @@ class StreamPage:
         self.timeline.options["yAxis"]["data"] = rows
         self.timeline.options["series"][0]["data"] = read
         self.timeline.options["series"][1]["data"] = events
+        self.timeline.style(f"height: {timeline_height(len(rows))}px")
         self.timeline.update()
 
     def show(self, what: str, value: Any, update) -> None:

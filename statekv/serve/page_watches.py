@@ -24,6 +24,7 @@ BUILTIN_HINT = ("The built-in model answers only multiple-choice questions like 
                 "with a letter: give its options A-D below.")
 TIMELINE_ANSWERS = 8  # the latest answers drawn on the timeline
 TIMELINE_POINTS = 400  # the most points a row of the timeline draws (an answer that read every frame: sampled)
+TIMELINE_ROW_PIXELS = 18  # each row's height on the timeline, which grows with its rows (every label drawn)
 WATCH_EVERY = 4
 
 
@@ -71,56 +72,64 @@ class WatchPanel:
 
         self.page, self.choices = page, choices
         self.shown: Any = None
+        self.adding = False  # one add at a time: a second click arrives before the button shows it is busy
         with ui.column().classes("w-full gap-2 statekv-watches-panel"):
             ui.label("Watches: standing questions, answered as frames arrive").classes("text-subtitle1")
             with ui.row().classes("w-full items-start no-wrap gap-2 statekv-wraps"):
                 self.question = ui.input("Watch for", placeholder=choices.example).props("outlined dense").classes(
                     "grow statekv-watch-question")
-                self.every = ui.number("every (frames)", value=WATCH_EVERY, min=1, step=1, format="%d").props(
+                self.every = ui.number("every (frames)", value=WATCH_EVERY, step=1).props(
                     "outlined dense").classes("w-32 statekv-watch-every")
                 self.button = ui.button("Watch", on_click=self.add).classes("statekv-watch-add")
             self.error = ErrorNote("watch")
             self.list = ui.column().classes("w-full gap-1 statekv-watches")
 
     async def add(self) -> None:
+        """Open the form's watch on the stream open as it was clicked; the form and the list answer for that stream
+        only while it is still the one open."""
         page = self.page
         entry = page.entry
-        if entry is None:
+        if entry is None or self.adding:
             return
         every = self.every.value
         if every is None:  # the field left blank (the API's own message names a field the page has not)
             self.error.show("every (frames) must be a whole number of frames from 1")
             return
+        self.adding = True
         self.button.props("loading")
         try:
             settings = watch_settings({"question": self.choices.compose(self.question.value or ""),
-                                       "every": int(every) if every is not None and float(every).is_integer()
-                                       else every})
+                                       "every": int(every) if float(every).is_integer() else every})
             await open_recorded(page.service, entry, settings)
-            self.error.clear()
-            self.question.set_value("")
+            if page.entry is entry:
+                self.error.clear()
+                self.question.set_value("")
         except StateKVError as failure:
-            self.error.show(page.service.public(str(failure)))
+            if page.entry is entry:
+                self.error.show(page.service.public(str(failure)))
         finally:
+            self.adding = False
             self.button.props(remove="loading")
-        self.refresh(entry, force=True)
+        if page.entry is entry:
+            self.refresh(entry, force=True)
 
-    async def delete(self, watch) -> None:
-        entry = self.page.entry
-        if entry is None:
-            return
+    async def delete(self, entry, watch) -> None:
+        """Close ``watch`` of ``entry``'s stream (the stream its card was drawn for) and rewrite that stream's
+        record."""
         async with changing_watches(entry):
-            if entry.deleted or entry.moved:
+            if entry.deleted or entry.moved or watch not in entry.stream.watches:
                 return
             await self.page.service.worker.run(watch.close)
             await entry.keep_record(self.page.registry.files, "the watches")  # before a hand-over moves the stream
-        self.refresh(entry, force=True)
+        if self.page.entry is entry:
+            self.refresh(entry, force=True)
 
     def refresh(self, entry, force: bool = False) -> None:
         from nicegui import ui
 
         watches = list(entry.stream.watches)
-        state = [(watch.id, watch.evaluations, watch.answer, watch.error) for watch in watches]
+        state = (entry.id, id(entry.stream), [(watch.id, watch.evaluations, watch.answer, watch.error)
+                                              for watch in watches])
         if state == self.shown and not force:
             return
         self.shown = state
@@ -135,7 +144,7 @@ class WatchPanel:
                 with ui.card().classes(f"w-full p-2 statekv-watch statekv-watch-{watch.id}").props("flat bordered"):
                     with ui.row().classes("w-full items-start no-wrap gap-2"):
                         ui.label(watch.question).classes("grow text-body2 whitespace-pre-wrap statekv-watch-text")
-                        ui.button(icon="delete", on_click=lambda w=watch: self.delete(w)).props(
+                        ui.button(icon="delete", on_click=lambda w=watch, e=entry: self.delete(e, w)).props(
                             "flat dense round size=sm aria-label=delete-watch").tooltip("delete this watch")
                     answer = info["answer"] if info["answer"] is not None else "(no answer yet)"
                     ui.label(f"{answer}").classes("text-body1 statekv-watch-answer")
@@ -152,7 +161,7 @@ def timeline_options() -> dict[str, Any]:
         "tooltip": {"trigger": "item"},
         "legend": {"top": 0, "data": ["frames an answer read", "a watch's answer changed"]},
         "xAxis": {"type": "value", "name": "frame", "nameLocation": "middle", "nameGap": 26, "min": 0},
-        "yAxis": {"type": "category", "data": [], "axisLabel": {"width": 140, "overflow": "truncate"}},
+        "yAxis": {"type": "category", "data": [], "axisLabel": {"width": 140, "overflow": "truncate", "interval": 0}},
         "series": [
             {"name": "frames an answer read", "type": "scatter", "symbol": "rect", "symbolSize": [4, 10],
              "data": []},
@@ -162,11 +171,19 @@ def timeline_options() -> dict[str, Any]:
     }
 
 
+def timeline_height(rows: int) -> int:
+    """The timeline's height in pixels for ``rows`` rows: the chart's margins and each row's share (at least the
+    height it has with a few rows)."""
+    options = timeline_options()["grid"]
+    return max(224, options["top"] + options["bottom"] + TIMELINE_ROW_PIXELS * rows)
+
+
 def timeline_rows(entry) -> tuple[list[str], list[list], list[list]]:
     """``(rows, read, events)`` for the timeline: row names (answers, then watches), the points ``[frame, row]``
     of the frames each of the latest answers read (every frame it held when it read them all: sampled), and the
     points ``[frame, row, answer]`` where each watch's answer changed (frames counted from 0: an event after
-    ``n`` frames sits at frame ``n - 1``)."""
+    ``n`` frames sits at frame ``n - 1``). Each row's name is its own (numbered): a category axis draws rows of one
+    name as one."""
     rows, read, events = [], [], []
     for number, answer in enumerate(entry.answers[-TIMELINE_ANSWERS:]):
         name = f"{number + 1}. {answer['question'].splitlines()[0][:40]}"
@@ -176,8 +193,8 @@ def timeline_rows(entry) -> tuple[list[str], list[list], list[list]]:
             held = int(answer.get("frames") or 0)
             frames = range(0, held, max(1, math.ceil(held / TIMELINE_POINTS)))
         read.extend([frame, name] for frame in list(frames)[:TIMELINE_POINTS])
-    for watch in entry.stream.watches:
-        name = f"watch: {watch.question.splitlines()[0][:40]}"
+    for number, watch in enumerate(entry.stream.watches):
+        name = f"watch {number + 1}: {watch.question.splitlines()[0][:40]}"
         rows.append(name)
         events.extend([max(event.frame - 1, 0), name, event.answer[:8]] for event in watch.events[-TIMELINE_POINTS:])
     return rows, read, events

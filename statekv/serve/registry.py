@@ -418,9 +418,6 @@ class StreamRegistry:
                 continue
             try:
                 self.worker.run_blocking(self.save_now, entry)
-                if entry.tier is not None and not entry.deleted:  # a start without the disk tier may load its save
-                    entry.stopped = True
-                    entry.write_record(self.files)
             except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
                 since = entry.stream.pushed - entry.saved["pushed"]
                 lost = ("the next start resumes it from its disk-tier folder, at its last durable step" if entry.tier
@@ -428,6 +425,14 @@ class StreamRegistry:
                 log.error("cannot save stream %s at shutdown: %s; %s", entry.id, error, lost)
                 with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
                     entry.write_record(self.files)
+                continue
+            if entry.tier is not None and not entry.deleted:  # its save holds every frame: a start without the
+                entry.stopped = True  # disk tier may serve it from there
+                try:
+                    entry.write_record(self.files)
+                except (StateKVError, OSError) as error:
+                    log.error("cannot record that stream %s was saved whole at shutdown (%s): a start without "
+                              "--offload disk will not serve it", entry.id, error)
 
     def close_all(self) -> None:
         """Close every stream (at shutdown, once saved): a disk-tier stream lets go of its file set's lock."""

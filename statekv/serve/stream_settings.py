@@ -111,7 +111,10 @@ class StreamSettings:
             defaults.with_changes(**settings)  # checks every value, naming the bad one
         except ConfigurationError as error:
             raise ServiceError(400, spelt_as_json(str(error), body)) from None
-        refuse_unread(settings["method"], {name: body[name] for name in METHOD_FIELDS if name in body})
+        given = {name: body[name] for name in METHOD_FIELDS if name in body}
+        if METHODS[settings["method"]].retrieves:  # its rule also picks the frames of a question giving a retrieve
+            given.pop("retrieval", None)
+        refuse_unread(settings["method"], given)
         horizon = body.get("horizon_frames", self.default_horizon_frames)
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int)
                                     or not 1 <= horizon <= 10**7):

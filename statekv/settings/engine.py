@@ -61,8 +61,8 @@ def check_kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> str | N
     otherwise."""
     if value is None or value == "auto":
         return None
-    if isinstance(value, str) and value.lower() in KV_CACHE_BITS:
-        return value.lower()
+    if isinstance(value, str) and value in KV_CACHE_BITS:  # spelt as the command line takes it
+        return value
     raise ConfigurationError(f"{name} must be auto, int8 or int4, got {value!r}")
 
 
@@ -80,13 +80,15 @@ def is_torch_device(value: Any) -> bool:
 
 
 def check_offload(value: Any, name: str = "offload") -> Any:
-    """None or False (with the model), True (CPU memory), ``"disk"``, or a device name (``cpu``, ``cuda``,
-    ``cuda:1``, ``mps``) or `torch.device`."""
+    """None or False (with the model), True or ``"memory"`` (CPU memory, as ``--offload memory``), ``"disk"``, or a
+    device name (``cpu``, ``cuda``, ``cuda:1``, ``mps``) or `torch.device`."""
+    if value == "memory":
+        return True
     if value is None or isinstance(value, bool) or is_torch_device(value) or value == "disk":
         return value
     if isinstance(value, str) and OFFLOAD_DEVICE.fullmatch(value):
         return value
-    raise ConfigurationError(f"{name} must be True, False, 'disk' or a device, got {value!r}")
+    raise ConfigurationError(f"{name} must be True, False, 'memory', 'disk' or a device, got {value!r}")
 
 
 def parse_offload(value: Any, name: str) -> bool | str | None:
@@ -220,6 +222,7 @@ class EngineSettings:
         for setting in self.SETTINGS:
             setting.validate(getattr(self, setting.name))
         object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        object.__setattr__(self, "offload", check_offload(self.offload))  # "memory" as True
         if isinstance(self.max_cache_bytes, str):  # "20G", as the command line takes it
             object.__setattr__(self, "max_cache_bytes", byte_size(self.max_cache_bytes, "max_cache_bytes"))
         check_cache_options(self.offload, self.offload_dir, self.max_cache_bytes, self.cache_limit)
@@ -263,7 +266,8 @@ class EngineSettings:
                 saved, current = saved or "stream", current or saved or "stream"
             if saved != current:
                 return (f"{where}: saved with {setting.name}={_shown(saved)}, but it is being loaded as "
-                        f"{_shown(current)}; load it with {setting.name}={_shown(saved)}")
+                        f"{_shown(current)}; load it with {setting.name}={_shown(saved)} ({setting.flag} "
+                        f"{_shown(saved)} on the command line)")
         return None
 
 
