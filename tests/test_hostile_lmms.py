@@ -168,3 +168,62 @@ def test_an_unreadable_clip_of_a_multi_round_document_empties_only_that_round(qa
     (answers,) = model.generate_until_multi_round([request])
     assert answers[1] == "" and len(answers) == 3
     assert "cannot read a video: " in one_error_line(capsys)
+
+
+# -- a source's stream: what each of its questions is shown and how its forward rounds are answered ---------------
+
+
+def _forward(tmp_path):
+    """The mini OVO-Bench's first forward document and the lmms-eval multi-round protocol over its clips."""
+    from statekv.eval.fabricate import write_mini_ovobench
+
+    root = write_mini_ovobench(tmp_path / "data")
+    forward = next(row for row in json.loads((root / "ovo_bench_new.json").read_text()) if "test_info" in row)
+
+    def rounds(doc, round_idx=None, previous_output=None, previous_round_info=None):
+        index = round_idx or 0
+        if index == len(doc["test_info"]):
+            return (None, True, previous_output, None)
+        messages = doc_to_messages({"clip": str(root / "chunked_videos" / f"{doc['clip']}_{index}.mp4"),
+                                    "question": doc["question"]})
+        return messages if round_idx is None else (messages, False, previous_output, None)
+
+    doc = {"video": forward["video"], "clip": forward["id"], "test_info": forward["test_info"],
+           "question": "Is there a red square now? Answer yes or no."}
+    return root, forward, doc, rounds
+
+
+def test_a_streamed_forward_round_is_cut_at_the_requests_stops_and_refuses_what_a_watch_cannot_apply(
+        tmp_path, capsys):
+    """Before: the rounds of a forward document on its source's stream, each its watch's evaluation, kept every word
+    after the request's ``until`` (lmms-eval's ovo_forward stops at a blank line, and its REC scorer reads every
+    digit of the answer), and num_beams or sampling, which a watch cannot apply, were dropped without a word."""
+    _, _, doc, rounds = _forward(tmp_path)
+    model = StateKV.create_from_arg_string("pretrained=builtin,device=cpu,budget=4", FLAGS)
+    model.task_dict = {"fwd": {"test": [doc]}}
+
+    def asked(gen_kwargs):
+        request = types.SimpleNamespace(args=("", rounds, gen_kwargs, 0, "fwd", "test"), metadata={},
+                                        request_type="generate_until_multi_round")
+        return model.generate_until_multi_round([request])[0]
+
+    whole = asked({"max_new_tokens": 24})
+    assert any("red" in answer for answer in whole), whole
+    assert asked({"max_new_tokens": 24, "until": ["red"]}) == [answer.split("red")[0] for answer in whole]
+    capsys.readouterr()
+    for refused in ({"num_beams": 4}, {"temperature": 0.7}, {"repetition_penalty": 1.3}):
+        with pytest.raises(SystemExit) as exit_info:
+            asked({"max_new_tokens": 8, **refused})
+        assert exit_info.value.code == 2 and next(iter(refused)) in one_error_line(capsys)
+
+
+def test_a_question_on_a_stream_sees_its_clip_up_to_its_time_only(tmp_path):
+    """Before: a question's whole clip was pushed, so a clip running past its time showed it later frames, and as
+    its source's last question it ended the run ("declared for 2 frames"), naming no document."""
+    root, forward, _, _ = _forward(tmp_path)
+    model = StateKV.create_from_arg_string("pretrained=builtin,device=cpu", FLAGS)
+    longest = max((root / "chunked_videos").glob("*.mp4"), key=lambda path: path.stat().st_size)
+    docs = [{"video": forward["video"], "realtime": 1.0, "clip": str(longest), "question": "What shape is shown?"}]
+    model.task_dict = {"t": {"test": docs}}
+    (answer,) = model.generate_until(requests_for(docs))
+    assert answer.strip()

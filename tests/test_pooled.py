@@ -122,6 +122,29 @@ def test_pooled_streams_joining_and_leaving_get_bit_for_bit_what_they_get_alone(
         assert prefills[s].cache.chunk_lengths == reference.cache.chunk_lengths
 
 
+def test_a_seated_stream_stepping_alone_holds_its_pool_while_it_writes_the_pools_pages(tiny_lm):
+    """Before: a stream seated by a pooled step, stepping alone (a catch-up, or another VideoQA of the same model,
+    on another thread), wrote its pool's pages without the pool's lock, while a pooled step of other streams could
+    move those pages to new memory meanwhile (the write then lost)."""
+    import threading
+
+    model = tiny_lm("qwen3")
+    data = [chunks(model, 50 + seed) for seed in range(2)]
+    prefills = [prefill_for(model, "statekv") for _ in data]
+    batcher = StepBatcher()
+    for step in range(4):
+        batcher.step([StepRequest(prefills[s], data[s][step]) for s in range(2)])
+    assert all(isinstance(layer.storage, PagedStorage) for layer in prefills[0].cache.layers)
+    pool = pool_of(prefills[0].decoder, prefills[0].geometry, prefills[0].device)
+    done = threading.Event()
+    with pool.lock:  # as a pooled step on another thread holds it
+        alone = threading.Thread(target=lambda: (prefills[0].step(inputs_embeds=data[0][4]), done.set()))
+        alone.start()
+        assert not done.wait(1.0)
+    alone.join(60)
+    assert done.is_set() and prefills[0].cache.step_index == prefills[1].cache.step_index + 1
+
+
 @pytest.mark.parametrize("method", ["statekv", "recency"])
 def test_a_pooled_stream_steps_alone_and_with_a_new_chunk_length_as_it_would_alone(tiny_lm, method, buckets):
     """Three pooled streams: one steps alone at some steps (through the same pooled memory), then every chunk grows

@@ -295,7 +295,11 @@ class Stream(EncodedVideo):
         if job is None:
             self.accept_kept(offer, taken)
             return
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # nothing streamed: the frames wait, the offered one with them
+            self.accept_kept(offer, taken)
+            raise
         try:
             self.qa.step_scheduler.run([job])
         except BaseException:

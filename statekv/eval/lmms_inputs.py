@@ -163,6 +163,24 @@ def _generation_settings() -> frozenset[str]:
     return frozenset(vars(GenerationConfig()))
 
 
+def greedy_only(gen_kwargs: dict[str, Any]) -> None:
+    """Refuse (one line) the request's settings a watch's evaluation cannot apply (it decodes greedily, without
+    transformers' other generation settings): a forward round is answered by its watch."""
+    sampled = sampling(gen_kwargs)
+    applied = sorted({*sampled, *passed_on(gen_kwargs, bool(sampled))})
+    if applied:
+        raise InputError(f"a forward round is answered by its watch, greedily, without {', '.join(applied)}: leave "
+                         "them out of the task's generation kwargs")
+
+
+def before_stops(text: str, stops: list[str]) -> str:
+    """``text`` cut before the first of ``stops`` it holds (generate() keeps the stop string; lmms-eval's answers
+    end before it)."""
+    for stop in stops:
+        text = text.split(stop)[0]
+    return text
+
+
 def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
     """The request's ``until`` and transformers' ``stop_strings``: each a string or a list of strings (empty ones
     and None dropped)."""
@@ -191,3 +209,18 @@ def report_unreadable(error: VideoError, questions: int, where: str = "") -> Non
     print(f"statekv (lmms-eval model): cannot read a video{' ' + where if where else ''}: {error}; {questions} "
           f"question{plural} answered empty (scored wrong; a rerun with --use_cache asks only them again)",
           file=sys.stderr, flush=True)
+
+
+def feed_clip(stream: Any, clip: str, pushed: float, max_fps: float, until: float) -> float:
+    """Push the frames of ``clip`` (a prefix of the stream's source) after the one pushed last (at ``pushed``
+    seconds) up to ``until`` seconds (a question's time, rounded up: what `statekv eval` shows it, whatever the
+    clip holds past it); return the timestamp of the last frame pushed."""
+    from statekv.video import open_video
+
+    for frame in open_video(clip).sample_at_rate(max_fps):
+        if frame.timestamp > until + 1e-6:
+            break
+        if frame.timestamp > pushed + 1e-6:
+            stream.push(frame)
+            pushed = frame.timestamp
+    return pushed

@@ -67,8 +67,9 @@ from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
-from statekv.eval.lmms_inputs import (max_new_tokens, messages_of, model_args_from_string, passed_on,
-                                     report_unreadable, sampling, stop_strings, unread)
+from statekv.eval.lmms_inputs import (before_stops, feed_clip, greedy_only, max_new_tokens, messages_of,
+                                     model_args_from_string, passed_on, report_unreadable, sampling, stop_strings,
+                                     unread)
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
 from statekv.settings.values import (Option, check_question, integer, optional_text, parse_options, positive_int,
@@ -336,12 +337,15 @@ class StateKV(_Base):
         with stream:
             try:
                 for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
-                    pushed = _feed(stream, ask.video, pushed, self.max_fps)
+                    pushed = feed_clip(stream, ask.video, pushed, self.max_fps, math.ceil(ask.seconds))
                     if not isinstance(ask.key, tuple):
                         yield ask.key, self._answer(stream, ask.prompt, ask.gen_kwargs)
                         continue
                     key = (ask.key[0], ask.prompt)
+                    greedy_only(ask.gen_kwargs)
+                    self._say_unread(ask.gen_kwargs)
                     text, _, _ = watches.evaluate(stream, key, ask.prompt, max_new_tokens(ask.gen_kwargs))
+                    text = before_stops(text, stop_strings(ask.gen_kwargs))  # as `_answer` cuts its answers
                     left[key] -= 1
                     if left[key] <= 0:
                         watches.close(key)
@@ -434,18 +438,19 @@ class StateKV(_Base):
         sampled = sampling(gen_kwargs)
         options: dict[str, Any] = {"max_new_tokens": max_new_tokens(gen_kwargs), **sampled,
                                    **passed_on(gen_kwargs, bool(sampled))}
+        self._say_unread(gen_kwargs)
+        if until:
+            options.update(stop_strings=until, tokenizer=self.qa.adapter.tokenizer)
+        return before_stops(encoded.ask(prompt, **options), until)
+
+    def _say_unread(self, gen_kwargs: dict[str, Any]) -> None:
+        """Say the request's generation kwargs statekv does not apply: once a run for each set of them."""
         ignored = tuple(unread(gen_kwargs))
-        if ignored and ignored not in self.unread_said:  # once a run for each set of keys, not once a question
+        if ignored and ignored not in self.unread_said:
             self.unread_said.add(ignored)
             print(f"statekv (lmms-eval model): the request's generation kwargs {', '.join(ignored)} are not "
                   "generation settings statekv applies (another model's, lmms-eval's own, or misspelt); ignored",
                   file=sys.stderr, flush=True)
-        if until:
-            options.update(stop_strings=until, tokenizer=self.qa.adapter.tokenizer)
-        text = encoded.ask(prompt, **options)
-        for stop in until:  # generate() keeps the stop string; lmms-eval's answers end before it
-            text = text.split(stop)[0]
-        return text
 
 
 def video_and_prompt(messages: Any, *, where: str = "request") -> tuple[str, str]:
@@ -544,18 +549,6 @@ def task_rounds(doc_to_messages: Any, doc: Any, *, where: str = "request") -> li
             return rounds
         rounds.append(video_and_prompt(messages, where=f"{where} round {len(rounds)}"))
     raise InputError(f"{where}: a multi-round task gave more than {MAX_ROUNDS} rounds without ending")
-
-
-def _feed(stream: Any, clip: str, pushed: float, max_fps: float) -> float:
-    """Push the frames of ``clip`` (a prefix of the stream's source) after the one pushed last (at ``pushed``
-    seconds); return the timestamp of the last frame pushed."""
-    from statekv.video import open_video
-
-    for frame in open_video(clip).sample_at_rate(max_fps):
-        if frame.timestamp > pushed + 1e-6:
-            stream.push(frame)
-            pushed = frame.timestamp
-    return pushed
 
 
 def _chat_args(request: Any) -> tuple[Any, dict[str, Any], int, str, str]:

@@ -338,6 +338,15 @@ def pool_of(decoder: torch.nn.Module, geometry, device: torch.device) -> StreamP
         return pools[key]
 
 
+def holding(cache) -> StreamPool | None:
+    """The pool ``cache`` has a seat in (its detailed cache in that pool's pages), if any."""
+    for pools in list(_pools.values()):
+        for pool in list(pools.values()):
+            if pool.seated(cache) is not None:
+                return pool
+    return None
+
+
 def release(cache) -> None:
     """Give back the seat ``cache`` holds in any pool (its stream closed)."""
     for pools in list(_pools.values()):

@@ -290,8 +290,9 @@ class StepBatcher:
             else:
                 cache, graphs = self._graphs_for(prefills)
             try:
-                hidden = run_rows(steps, cache, graphs, inputs=inputs,
-                                  replay=all(prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
+                with nullcontext() if inputs is not None else pooled.pages_held(prefills):
+                    hidden = run_rows(steps, cache, graphs, inputs=inputs, replay=all(
+                        prefill.cuda_graph and prefill.cache.is_steady() for prefill in prefills))
             finally:
                 if inputs is not None:  # a pooled batch holds its streams for this step only
                     cache.members = []

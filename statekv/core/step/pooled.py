@@ -35,7 +35,7 @@ from ..attention.scored import resolve_backend
 from ..attention.untraced import engine_call
 from ..cache import two_state
 from ..cache.engine_layer import EngineLayer
-from ..cache.pool import SlotRows, SlotShape, StreamPool, pool_of
+from ..cache.pool import SlotRows, SlotShape, StreamPool, holding, pool_of
 from ..cache.transaction import NotBatchable
 from ..positions.rotation import place_carried
 from ..storage.layer_storage import LayerStorage, sample_index
@@ -331,3 +331,12 @@ def rows(prefills: Sequence, key: tuple, device_step: Callable) -> tuple[PooledB
         padding = (0,) * (size - len(seats))
         return batch, batch.graphs, batch.rows((*(seat.row for seat in seats), *padding,
                                                 *(seat.slot for seat in seats), *padding))
+
+
+def pages_held(prefills: Sequence):
+    """The lock of the pool whose pages the streams of ``prefills`` stepping without it hold (a stream seated by an
+    earlier pooled step writes its pages still, and a pooled step of other streams, another `VideoQA`'s of the same
+    model or a catch-up on another thread, may move those pages meanwhile), or a null context. The streams of one
+    step share a model, so one pool at most."""
+    pool = next((pool for pool in (holding(prefill.cache) for prefill in prefills) if pool is not None), None)
+    return nullcontext() if pool is None else pool.lock
