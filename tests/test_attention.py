@@ -185,3 +185,18 @@ def test_a_questions_layers_share_a_mask_only_where_their_contexts_are_as_long(t
     assert all(mask.tk == length and mask.tq == 5 for length, mask in prompt)
     for length, mask in prompt:
         assert all(other is mask for other_length, other in prompt if other_length == length)
+
+
+def test_the_masks_of_shapes_no_longer_used_are_let_go():
+    """Before: every chunk shape's mask was kept for good, and a full-attention stream makes a new shape at every
+    step (its keys grow), so a long one held memory quadratic in its length after it closed. A shape in use stays
+    one mask."""
+    from statekv.core.attention.scored import MASKS_KEPT, ChunkMask
+
+    cpu = torch.device("cpu")
+    first, steady = ChunkMask.of(1, 3, 1, cpu), ChunkMask.of(2, 6, 1, cpu)
+    for tk in range(4, 4 + 2 * MASKS_KEPT):  # a growing stream's steps
+        ChunkMask.of(1, tk, 1, cpu)
+        if tk % 64 == 0:
+            assert ChunkMask.of(2, 6, 1, cpu) is steady  # used all along: kept
+    assert ChunkMask.of(2, 6, 1, cpu) is steady and ChunkMask.of(1, 3, 1, cpu) is not first

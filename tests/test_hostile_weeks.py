@@ -180,6 +180,39 @@ def test_streamed_answers_whose_client_left_before_their_first_token_leave_no_ta
         assert left <= 0, f"{left} tasks left after {drops} streamed answers whose client went away"
 
 
+def test_a_question_that_fails_on_the_models_thread_leaves_its_stream_to_be_freed_at_once(qa):
+    """Before: the failure of a question (or a push) settled on the model's thread held that thread's frame in its
+    traceback, and the frame held every stream of its batch: a stream deleted afterwards stayed in memory, its
+    whole cache with it, until Python's next full collection, which a long-running server seldom runs."""
+    import weakref
+
+    from statekv.serve.worker import ModelWorker
+
+    stream = qa.stream(max_fps=None)
+    for second in range(2):
+        stream.push(np.asarray(Image.open(io.BytesIO(_png(second)))), float(second))
+    gone = weakref.ref(stream)
+
+    def refused(context, tokens):
+        raise ValueError("refused after its answer")
+
+    async def asked():
+        with pytest.raises(ValueError):
+            await worker.ask(stream, "What colour?", {"max_new_tokens": 2}, before=lambda: None, after=refused)
+
+    worker = ModelWorker()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        asyncio.run(asked())
+        stream.close()
+        del stream
+        assert gone() is None, "the stream outlived its last reference"
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_a_deleted_stream_leaves_nothing_in_the_tables_of_refused_pushes_and_failed_heals(qa, tmp_path):
     """Before: a stream deleted while its next push was to be refused (it lost frames when a stopped handover closed
     it, or when its replica stopped) or while bringing it back had failed kept its id in

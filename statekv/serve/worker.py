@@ -87,29 +87,33 @@ def _settle_together(items: list, run_many: Callable[[Any, list], list],
     group)`` (a result or an exception per item), then each one's ``after``; each future is settled (just after
     ``settled(item)``, when given), one item's failure its own."""
     ready: dict[int, list] = {}
-    for item in items:
-        try:
-            item.context = item.before()
-        except BaseException as error:
-            item.future.set_exception(error)
-            continue
-        ready.setdefault(id(item.stream.qa), []).append(item)
-    for group in ready.values():
-        try:
-            results = run_many(group[0].stream.qa, group)
-        except BaseException as error:
-            results = [error] * len(group)
-        for item, result in zip(group, results):
-            if isinstance(result, BaseException):
-                outcome = (item.future.set_exception, result)
-            else:
-                try:
-                    outcome = (item.future.set_result, item.after(item.context, result))
-                except BaseException as error:
-                    outcome = (item.future.set_exception, error)
-            if settled is not None:
-                settled(item)
-            outcome[0](outcome[1])
+    group = results = item = result = outcome = None
+    try:
+        for item in items:
+            try:
+                item.context = item.before()
+            except BaseException as error:
+                item.future.set_exception(error)
+                continue
+            ready.setdefault(id(item.stream.qa), []).append(item)
+        for group in ready.values():
+            try:
+                results = run_many(group[0].stream.qa, group)
+            except BaseException as error:
+                results = [error] * len(group)
+            for item, result in zip(group, results):
+                if isinstance(result, BaseException):
+                    outcome = (item.future.set_exception, result)
+                else:
+                    try:
+                        outcome = (item.future.set_result, item.after(item.context, result))
+                    except BaseException as error:
+                        outcome = (item.future.set_exception, error)
+                if settled is not None:
+                    settled(item)
+                outcome[0](outcome[1])
+    finally:  # an exception set on a future holds this frame in its traceback: the frame must not hold the streams
+        items = ready = group = results = item = result = outcome = None
 
 
 class ModelWorker:

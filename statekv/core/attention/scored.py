@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ BLOCK_KEYS = 4096
 
 
 _building = threading.Lock()
+MASKS_KEPT = 256  # masks no recorded graph reads, kept for their next use (full attention makes one a step)
 
 
 class ChunkMask:
@@ -49,12 +51,13 @@ class ChunkMask:
     that every layer reads.
     """
 
-    _built: dict[tuple, "ChunkMask"] = {}
+    _built: "OrderedDict[tuple, ChunkMask]" = OrderedDict()
 
     def __init__(self, tq: int, tk: int, groups: int, device: torch.device):
         self.tq, self.tk, self.groups, self.device = tq, tk, groups, device
         self._bias: torch.Tensor | None = None
         self._sdpa: dict[torch.dtype, torch.Tensor] = {}
+        self.recorded = False  # read by a recorded CUDA graph: kept for good
 
     @property
     def bias(self) -> torch.Tensor:
@@ -75,12 +78,22 @@ class ChunkMask:
 
     @classmethod
     def of(cls, tq: int, tk: int, groups: int, device: torch.device) -> "ChunkMask":
-        """The mask of this shape, built on first use and kept for good (a stream uses a handful of shapes, and
-        a recorded CUDA graph may read it at any later replay)."""
+        """The mask of this shape, built on first use and kept: for good once a recorded CUDA graph reads it (it
+        may at any later replay), else among the `MASKS_KEPT` used last (a full-attention stream's keys grow at
+        every step: each step's shape kept would hold memory quadratic in its length)."""
         key = (tq, tk, groups, device)
-        mask = cls._built.get(key)
-        if mask is None:  # never replaced once kept: a thread that made one too takes the kept one
-            mask = cls._built.setdefault(key, cls(tq, tk, groups, device))
+        with _building:  # one mask per shape while it is kept: a thread that made one too takes the kept one
+            mask = cls._built.get(key)
+            if mask is None:
+                mask = cls._built[key] = cls(tq, tk, groups, device)
+                over = len(cls._built) - MASKS_KEPT
+                if over > 0:
+                    for old in [old for old, kept in cls._built.items() if not kept.recorded][:over]:
+                        del cls._built[old]
+            else:
+                cls._built.move_to_end(key)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            mask.recorded = True
         return mask
 
     def sdpa(self, dtype: torch.dtype):
