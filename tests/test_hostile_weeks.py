@@ -196,15 +196,15 @@ def test_a_question_that_fails_on_the_models_thread_leaves_its_stream_to_be_free
     def refused(context, tokens):
         raise ValueError("refused after its answer")
 
-    async def asked():
+    async def asked(asked_of):
         with pytest.raises(ValueError):
-            await worker.ask(stream, "What colour?", {"max_new_tokens": 2}, before=lambda: None, after=refused)
+            await worker.ask(asked_of, "What colour?", {"max_new_tokens": 2}, before=lambda: None, after=refused)
 
     worker = ModelWorker()
     collecting = gc.isenabled()
     gc.disable()
     try:
-        asyncio.run(asked())
+        asyncio.run(asked(stream))
         stream.close()
         del stream
         assert gone() is None, "the stream outlived its last reference"
