@@ -1121,44 +1121,32 @@ def test_a_record_that_does_not_describe_its_save_is_not_served(qa, tmp_path, ed
         assert listed[intact]["state"] == "ready" and client.get(f"/v1/streams/{intact}").json()["frames"] == 2
 
 
-def test_a_server_restarted_with_other_positions_serves_its_intact_streams(qa, tmp_path, options):
+@pytest.mark.parametrize(("setting", "value", "made_as"), [("positions", "bounded", "stream"),
+                                                        ("kv_cache_dtype", "int8", None)])
+def test_a_server_restarted_with_another_binding_setting_serves_each_stream_as_it_was_made(setting, value, made_as,
+                                                                                          qa, tmp_path, options):
     """Before: a stream made under the default positions (the paper's, its horizon fitting the model) was listed as
-    damaged by a server restarted with --positions bounded, though nothing of it was wrong."""
+    damaged by a server restarted with --positions bounded, though nothing of it was wrong; and every saved stream
+    by one restarted with --kv-cache-dtype int8 ("load it with kv_cache_dtype=auto", which no client can do). Each
+    stream keeps what it was made with; new streams take the server's setting."""
     state = tmp_path / "state"
     with Running(state, qa) as server, server.client() as client:
         stream_id = _stream(client, frames=3)
         first = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6}).json()
-    bounded = options.with_changes(positions="bounded")
-    with Running(state, qa.with_options(positions="bounded"), options=bounded) as server, server.client() as client:
-        listed = client.get("/v1/streams").json()["data"]
-        assert [(s["id"], s["state"]) for s in listed] == [(stream_id, "ready")], listed
-        again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
-        assert again.json()["answer"] == first["answer"]  # the stream keeps the positions it was made with
-        _push(client, stream_id, 3, 3.0).raise_for_status()
-        made = client.post("/v1/streams", json={"horizon_frames": 16}).json()["id"]  # new ones: the server's
-        assert server.service.registry.entries[made].stream.engine.positions == "bounded"
-
-
-def test_a_server_restarted_with_another_kv_cache_dtype_serves_each_stream_as_it_was_made(qa, tmp_path, options):
-    """Before: every saved stream was listed as damaged by a server restarted with --kv-cache-dtype int8 ("load it
-    with kv_cache_dtype=auto", which no client can do), as positions had been."""
-    state = tmp_path / "state"
-    with Running(state, qa) as server, server.client() as client:
-        stream_id = _stream(client, frames=3)
-        first = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6}).json()
-    int8 = options.with_changes(kv_cache_dtype="int8")
-    with Running(state, qa.with_options(kv_cache_dtype="int8"), options=int8) as server, server.client() as client:
+    changed = options.with_changes(**{setting: value})
+    with Running(state, qa.with_options(**{setting: value}), options=changed) as server, server.client() as client:
         assert [(s["id"], s["state"]) for s in client.get("/v1/streams").json()["data"]] == [(stream_id, "ready")]
         again = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
         assert again.json()["answer"] == first["answer"]
         _push(client, stream_id, 3, 3.0).raise_for_status()
         made = _stream(client, frames=2)
-        assert server.service.registry.entries[made].stream.qa.engine.kv_cache_dtype == "int8"
-        assert server.service.registry.entries[stream_id].stream.qa.engine.kv_cache_dtype is None
+        entries = server.service.registry.entries
+        assert getattr(entries[made].stream.engine, setting) == value
+        assert getattr(entries[stream_id].stream.engine, setting) == made_as
     with Running(state, qa) as server, server.client() as client:
         listed = {(s["id"], s["state"], s["frames"]) for s in client.get("/v1/streams").json()["data"]}
         assert listed == {(stream_id, "ready", 4), (made, "ready", 2)}
-        assert server.service.registry.entries[made].stream.qa.engine.kv_cache_dtype == "int8"
+        assert getattr(server.service.registry.entries[made].stream.engine, setting) == value
 
 
 def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_until_one_with_it(
