@@ -205,6 +205,7 @@ def test_a_question_that_fails_on_the_models_thread_leaves_its_stream_to_be_free
     gc.disable()
     try:
         asyncio.run(asked(stream))
+        worker.close()  # its thread done with the question (it settles the future, then returns)
         stream.close()
         del stream
         assert gone() is None, "the stream outlived its last reference"

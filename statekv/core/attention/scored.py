@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +50,7 @@ class ChunkMask:
     that every layer reads.
     """
 
-    _built: "OrderedDict[tuple, ChunkMask]" = OrderedDict()
+    _built: dict[tuple, "ChunkMask"] = {}  # in the order of their last use
 
     def __init__(self, tq: int, tk: int, groups: int, device: torch.device):
         self.tq, self.tk, self.groups, self.device = tq, tk, groups, device
@@ -82,16 +81,18 @@ class ChunkMask:
         may at any later replay), else among the `MASKS_KEPT` used last (a full-attention stream's keys grow at
         every step: each step's shape kept would hold memory quadratic in its length)."""
         key = (tq, tk, groups, device)
-        with _building:  # one mask per shape while it is kept: a thread that made one too takes the kept one
+        if torch.compiler.is_compiling():  # traced into a compiled step, which holds what it reads: no lock
             mask = cls._built.get(key)
+            return mask if mask is not None else cls._built.setdefault(key, cls(tq, tk, groups, device))
+        with _building:  # one mask per shape while it is kept: a thread that made one too takes the kept one
+            mask = cls._built.pop(key, None)
             if mask is None:
-                mask = cls._built[key] = cls(tq, tk, groups, device)
-                over = len(cls._built) - MASKS_KEPT
+                mask = cls(tq, tk, groups, device)
+                over = len(cls._built) + 1 - MASKS_KEPT
                 if over > 0:
                     for old in [old for old, kept in cls._built.items() if not kept.recorded][:over]:
                         del cls._built[old]
-            else:
-                cls._built.move_to_end(key)
+            cls._built[key] = mask  # last: the most recently used
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             mask.recorded = True
         return mask
