@@ -190,7 +190,10 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
     step, elapsed = _resume(out, recipe, model, optimizer)
     ran_on = run_field(out, "threads") if step else None
-    began = run_field(out, "init") if step else None if init is None else str(Path(init).resolve())
+    if step:
+        began = run_field(out, "init")  # as the run was begun: a resume without --init goes on from it
+    else:
+        began = None if init is None else str(Path(init).resolve())
     if ran_on is not None and ran_on != threads:
         logger.warning("the run's steps so far ran on %d threads: going on with %d, its weights differ in their "
                        "last bits from those of a run on one thread count throughout", ran_on, threads)

@@ -75,21 +75,24 @@ def replaced_answers(out: Path, questions: Sequence[Question], videos: dict[str,
     """The answered questions (by video) of each video that could not be read part way (its error logged, some of its
     questions answered) and whose file has changed since, replaced by one that reads (``videos``: the questions'
     fingerprints now; ``recorded``: as the run's ``run.json`` records them; ``before``: as an earlier statekv
-    recorded them, also unchanged). The run drops them once
-    its checks pass, and answers all that video's questions from the new file, as those of a video that failed at
-    once are; every other answer is kept."""
-    if not isinstance(recorded, dict):
+    recorded them, also unchanged). The run drops them once its checks pass, and answers all that video's
+    questions from the new file, as those of a video that failed at once are; every other answer is kept."""
+    failed = unresolved_errors(out) if isinstance(recorded, dict) else []
+    if not failed:
         return {}
+    failed_ids = {entry["video_id"] for entry in failed}
     answered = completed_qids(out)
     by_video: dict[str, list[str]] = {}
     missing: set[str] = set()  # a video not there now (its drive not mounted, say) is no replaced one
     for question in questions:
+        if question.video_id not in failed_ids:
+            continue
         by_video.setdefault(question.video_id, []).append(question.qid)
         if not all(Path(path).is_file() for path in (question.video_path, question.clip_path) if path is not None):
             missing.add(question.video_id)
     earlier: dict[str, str] | None = None
     replaced: dict[str, list[str]] = {}
-    for entry in unresolved_errors(out):
+    for entry in failed:
         if entry["video_id"] in missing:
             continue
         qids = [qid for qid in by_video.get(entry["video_id"], []) if qid in answered]

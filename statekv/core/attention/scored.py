@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import threading
 
 import torch
@@ -50,13 +51,15 @@ class ChunkMask:
     that every layer reads.
     """
 
-    _built: dict[tuple, "ChunkMask"] = {}  # in the order of their last use
+    _built: dict[tuple, "ChunkMask"] = {}
+    _uses = itertools.count()  # a mask's ``used``: when it was last looked up, in lookups
 
     def __init__(self, tq: int, tk: int, groups: int, device: torch.device):
         self.tq, self.tk, self.groups, self.device = tq, tk, groups, device
         self._bias: torch.Tensor | None = None
         self._sdpa: dict[torch.dtype, torch.Tensor] = {}
         self.recorded = False  # read by a recorded CUDA graph: kept for good
+        self.used = 0
 
     @property
     def bias(self) -> torch.Tensor:
@@ -81,18 +84,19 @@ class ChunkMask:
         may at any later replay), else among the `MASKS_KEPT` used last (a full-attention stream's keys grow at
         every step: each step's shape kept would hold memory quadratic in its length)."""
         key = (tq, tk, groups, device)
-        if torch.compiler.is_compiling():  # traced into a compiled step, which holds what it reads: no lock
-            mask = cls._built.get(key)
+        mask = cls._built.get(key)
+        if torch.compiler.is_compiling():  # traced into a compiled step, which holds what it reads
             return mask if mask is not None else cls._built.setdefault(key, cls(tq, tk, groups, device))
-        with _building:  # one mask per shape while it is kept: a thread that made one too takes the kept one
-            mask = cls._built.pop(key, None)
-            if mask is None:
-                mask = cls(tq, tk, groups, device)
-                over = len(cls._built) + 1 - MASKS_KEPT
+        if mask is None:  # a new shape: built, and the least recently used let go beyond the kept ones
+            with _building:  # a thread that made one too takes the kept one
+                mask = cls._built.setdefault(key, cls(tq, tk, groups, device))
+                over = len(cls._built) - MASKS_KEPT
                 if over > 0:
-                    for old in [old for old, kept in cls._built.items() if not kept.recorded][:over]:
+                    idle = sorted((old for old, kept in cls._built.items() if not kept.recorded and old != key),
+                                  key=lambda old: cls._built[old].used)
+                    for old in idle[:over]:
                         del cls._built[old]
-            cls._built[key] = mask  # last: the most recently used
+        mask.used = next(cls._uses)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             mask.recorded = True
         return mask
