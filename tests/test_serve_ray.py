@@ -67,6 +67,16 @@ print(json.dumps([handle.record_routing_stats.remote().result(timeout_s=60) for 
 """
 
 
+RAY_FORWARDED = re.compile(r"^\((?:raylet|\w+ pid=\d+)[^)]*\) ")  # a line Ray forwards from one of its processes
+
+
+def _own_lines(printed: str) -> list[str]:
+    """What statekv itself printed: ``printed`` less the lines Ray forwards from its own processes (its controller
+    may log a traceback for a replica that statekv ends before it was placed; that is Ray's log, not an error)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", printed)
+    return [line for line in plain.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -257,7 +267,7 @@ def test_two_replicas_on_a_local_ray_cluster_survive_a_kill_9_with_only_the_unsa
             printed = (tmp_path / "serve.log").read_text()
             if server.poll() is None or "Ray Serve's proxy could not bind it" not in printed or attempt == 2:
                 break
-            assert "Traceback" not in printed  # one line, not a traceback
+            assert not any("Traceback" in line for line in _own_lines(printed))  # one line, not a traceback
             log.close()
         assert "ready (pid" in printed and server.poll() is None, printed[-3000:]
         assert f"listening on http://127.0.0.1:{port} (Ray Serve, 2 replicas)" in printed
@@ -511,7 +521,8 @@ def test_a_sigterm_while_the_replicas_wait_for_room_stops_the_start(cluster, ray
                 server.wait()
     printed = log.read_text()
     assert server.returncode == 128 + signal.SIGTERM, printed[-3000:]
-    assert printed.strip().splitlines()[-1] == "statekv serve: stopped by SIGTERM" and "Traceback" not in printed
+    own = _own_lines(printed)
+    assert own[-1] == "statekv serve: stopped by SIGTERM" and not any("Traceback" in line for line in own), own
     assert "the key above was not kept" in printed and not (tmp_path / "state" / "keys.json").exists()
     # the replica never placed is ended at once (before: the deletion waited 60 s for it, then failed in the log)
     assert stopping < 30 and "stopping the application failed" not in printed, (stopping, printed[-3000:])
