@@ -434,6 +434,50 @@ def test_analyze_stopped_keeps_the_videos_it_measured_whole(tiny_video_model, tm
     assert (tmp_path / "stopped" / "analysis.md").read_text().startswith("# Attention analysis")
 
 
+def test_analyze_stopped_by_an_unreadable_frame_keeps_the_videos_it_measured_whole(tiny_video_model, tmp_path,
+                                                                                    capsys):
+    """Before: a frame of the second video that cannot be read (found only when it is decoded, midway) ended the run
+    with nothing written, the first video's measurements lost; it now stops the run as a Ctrl-C does."""
+    from PIL import Image
+
+    checkpoint, video = tiny_video_model
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for index in range(6):
+        Image.new("RGB", (64, 48), (40 * index, 90, 200)).save(frames / f"f{index:02d}.png")
+    (frames / "f03.png").write_bytes(b"not a picture")
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "analysis_concentration.png").write_bytes(b"an earlier run's")
+    argv = ["analyze", "--model", str(checkpoint), "--frames", "6", "--max-fps", "4", "--budgets", "1", "4",
+            "--recency", "1", "--error-budgets", "4", "--error-recency", "1", "--out", str(out)]
+    assert run_cli([*argv, str(video), str(frames)]) == 2
+    said = capsys.readouterr().err
+    assert "the 1 video(s) measured whole before the error below are in" in said and "f03.png" in said
+    kept = json.loads((out / "analysis.json").read_text())
+    assert kept["note"] == "stopped after 1 of 2 videos" and kept["videos"] == [str(video)] and kept["errors"]
+    assert sorted(path.name for path in out.iterdir()) == ["analysis.json", "analysis.md"]
+
+
+def test_analyze_writes_no_figure_of_an_earlier_run_and_carries_no_more_tokens_than_the_history(
+        tiny_video_model, tmp_path, capsys):
+    """Before: a run with --no-errors left an earlier run's error figure beside its report, and the report said a
+    StateKV budget larger than the whole video carried the budget's count of tokens."""
+    checkpoint, video = tiny_video_model
+    out = tmp_path / "report"
+    argv = ["analyze", "--model", str(checkpoint), str(video), "--frames", "4", "--max-fps", "4", "--recency", "1",
+            "--out", str(out)]
+    assert run_cli([*argv, "--budgets", "1", "100000"]) == 0
+    report = json.loads((out / "analysis.json").read_text())
+    history = report["tokens_per_video"][0] * 3 // 4  # four steps of one length: the three before the last
+    assert report["errors"]["statekv B=100000"]["budget_tokens"] == history
+    assert report["errors"]["statekv B=1"]["budget_tokens"] == 1
+    assert f"| statekv B=100000 | {history} |" in (out / "analysis.md").read_text()
+    assert (out / "analysis_error.png").exists()
+    assert run_cli([*argv, "--budgets", "1", "--no-errors"]) == 0
+    assert not (out / "analysis_error.png").exists() and (out / "analysis_concentration.png").exists()
+
+
 def test_analyze_keeps_no_more_distances_apart_than_frames_sampled(tiny_video_model, tmp_path):
     """Before: --max-distance 1000000000 allocated a column per distance for every layer and step (the process was
     killed for memory); no two of the frames sampled are farther apart than their count."""

@@ -241,3 +241,33 @@ def test_a_long_stream_holds_no_more_threads_descriptors_or_files_as_it_goes(ada
     assert len(counts) == 4 and all(value <= start for row in counts for value, start in zip(row, counts[0])), counts
     assert watch.evaluations >= 400 // 50 and not watch.closed
     stream.close()
+
+
+def test_a_closed_stream_still_referenced_holds_none_of_its_cache(adapter, video, tmp_path):
+    """A closed stream that something still references (a client's variable, a server's task not yet collected)
+    holds none of its keys and values: before, it held its whole cache (gigabytes on a GPU) until it was dropped.
+    What the process holds with the closed stream kept is compared to what it holds once it is dropped."""
+    plain, disk = tiny_qa(adapter), tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    quantized = tiny_qa(adapter, kv_cache_dtype="int8")
+
+    def together():
+        streams = [plain.stream(horizon_frames=8), plain.stream(horizon_frames=8)]
+        for index, image in enumerate(FRAMES):
+            plain.push_many([(stream, image, float(index)) for stream in streams])
+        return streams
+
+    uses = {"stream": lambda: [pushed(plain.stream())], "horizon": lambda: [pushed(plain.stream(horizon_frames=8))],
+            "disk tier": lambda: [pushed(disk.stream(horizon_frames=8))],
+            "int8": lambda: [pushed(quantized.stream(horizon_frames=8))], "stepped together": together,
+            "encoded": lambda: [plain.encode(video)]}
+    for name, use in uses.items():
+        streams = use()
+        for stream in streams:
+            stream.ask("Why?", max_new_tokens=2)
+        cache = sum(stream.stats.cache_bytes for stream in streams)
+        for stream in streams:
+            stream.close()
+        kept = held()["tensor bytes"]
+        del streams, stream
+        dropped = held()["tensor bytes"]
+        assert cache > 0 and kept - dropped < cache / 10, (name, kept - dropped, cache)

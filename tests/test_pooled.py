@@ -216,11 +216,12 @@ def test_a_closed_or_dropped_stream_gives_its_rows_and_pages_back(tiny_lm):
     pool = pool_of(prefills[0].decoder, prefills[0].geometry, prefills[0].device)
     seat = pool.seated(prefills[0].cache)
     row, pages, free = seat.row, list(seat.tokens.pages), len(pool.tokens.free)
+    storage = prefills[0].cache.layers[0].storage  # as a reader that outlives the stream would hold it
     prefills[0].close()
-    assert pool.seated(prefills[0].cache) is None and row in pool.free
+    assert pool.seated(prefills[0].cache) is None and row in pool.free and prefills[0].cache.layers == []
     assert len(pool.tokens.free) == free + len(pages)
     with pytest.raises(InputError, match="closed"):
-        prefills[0].cache.layers[0].storage.read_range(0, 4)
+        storage.read_range(0, 4)
     dropped = prefills.pop(1)
     dropped_row = pool.seated(dropped.cache).row
     del dropped

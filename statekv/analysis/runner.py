@@ -76,7 +76,7 @@ class _ErrorSums:
     values: torch.Tensor         # [2, L]
     hidden: torch.Tensor         # [2]
     by_step: list[list[list[float]]] = field(default_factory=list)  # per stream, per step: key, value, hidden
-    window_tokens: list[int] = field(default_factory=list)  # per stream: tokens a recency window holds at the end
+    carried_tokens: list[int] = field(default_factory=list)  # per stream: tokens the policy carries at the end
 
     @classmethod
     def empty(cls, layers: int) -> "_ErrorSums":
@@ -129,7 +129,9 @@ class ApproximationErrors:
             meter = self._sums[policy_label(policy)]
             meter.by_step.append([])
             if isinstance(policy, Recency):
-                meter.window_tokens.append(sum(lengths[-policy.frames - 1 : -1]))
+                meter.carried_tokens.append(sum(lengths[-policy.frames - 1 : -1]))
+            elif isinstance(policy, StateKV):  # a budget past the history carries the history
+                meter.carried_tokens.append(min(policy.budget, sum(lengths[:-1])))
             with StreamingPrefill(self.model, policy, attention=self.attention, horizon=horizon) as run:
                 start = 0
                 for step, expected in zip(steps, reference_hidden, strict=True):
@@ -178,10 +180,11 @@ def _relative(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 def _error_result(policy: CarryPolicy, sums: _ErrorSums) -> dict:
     if isinstance(policy, StateKV):
-        kind, budget, budget_tokens = "statekv", policy.budget, policy.budget
+        kind, budget = "statekv", policy.budget
+        budget_tokens = sum(sums.carried_tokens) / len(sums.carried_tokens)
     elif isinstance(policy, Recency):
         kind, budget = "recency", policy.frames
-        budget_tokens = sum(sums.window_tokens) / len(sums.window_tokens)
+        budget_tokens = sum(sums.carried_tokens) / len(sums.carried_tokens)
     else:
         kind, budget, budget_tokens = policy.name, None, None
     keys, values = _relative(sums.keys[0], sums.keys[1]), _relative(sums.values[0], sums.values[1])

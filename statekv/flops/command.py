@@ -69,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
     if args.measure > args.frames:
         raise ConfigurationError(f"--measure {args.measure} counts more steps than the --frames {args.frames} the "
                                  "report covers; measure at most that many")
-    at = args.at or sorted({f for f in (1, 64, args.frames) if f <= args.frames})
+    at = sorted(set(args.at or (f for f in (1, 64, args.frames) if f <= args.frames)))  # each once, in order
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:
         raise ConfigurationError(f"--at frames {bad} are outside 1..{args.frames}")
-    curves = report.sweep(models, args.budgets, args.recency, args.frames, args.score, args.rekv)
+    budgets, windows = (list(dict.fromkeys(values)) for values in (args.budgets, args.recency))  # each once
+    curves = report.sweep(models, budgets, windows, args.frames, args.score, args.rekv)
     pairs = report.break_even_pairs(curves)
     output = report.to_json(curves, pairs, at, args.score)
     output["questions"] = report.question_costs(models, args.frames, args.retrieve)

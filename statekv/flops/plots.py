@@ -54,8 +54,8 @@ def plot_flops_vs_frames(curves: list[PrefillFlops], pairs: list[BreakEven], pat
                 ax.set_xlabel("frame index")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
-    fig.suptitle("Video-prefill compute vs frame index (dotted: Full SA, dashed: ReKV, solid: StateKV; "
-                 "circles: break-even)", fontsize=11)
+    fig.suptitle("Video-prefill compute vs frame index (dotted: Full SA, dashed: recency, dash-dot: ReKV, solid: "
+                 "StateKV; circles: break-even)", fontsize=11)
     fig.tight_layout(rect=(0, 0.05 + 0.015 * ((len(labels) - 1) // 4), 1, 0.97))
     return _save(fig, plt, path)
 

@@ -294,6 +294,7 @@ class StreamPool:
             if self.seats.get(seat.row) is not seat:
                 return
             del self.seats[seat.row]
+            seat.views.clear()  # a closed stream still referenced keeps no view of the rows it held
             seat.tokens.close()
             seat.steps.close()
             if seat.slots is not None:

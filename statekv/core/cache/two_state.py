@@ -169,6 +169,14 @@ class TwoStateCache(Cache):
                 getattr(layer.slots, "placements", None) is not None for layer in self.layers)):
             self.place_slots()
 
+    def release(self) -> None:
+        """Let go of every layer's keys and values and the step's device buffers, for good (a closed stream's):
+        a stream object still referenced after its close then holds none of its cache. Its lengths stay."""
+        self.layers, self.shared_ring, self.transaction = [], forms.SharedRing(), None
+        self.seen_device = self.step_device = None
+        self._aranges.clear()
+        self.layout_version += 1
+
     def buffers_replaced(self) -> None:
         """Some buffer a captured step reads moved: recorded steps are no longer valid."""
         self.layout_version += 1

@@ -505,6 +505,7 @@ class DiskTier:
     def _close_files(self) -> None:
         close_all(self._files)
         self._journal, self._slots = -1, []
+        self.storages, self.remembered = [], None  # a closed stream still referenced holds none of its cache
         for layer in range(len(self.buffers)):
             for _, buffer in self.layer_files(layer):
                 buffer.close()

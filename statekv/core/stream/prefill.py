@@ -247,7 +247,9 @@ class StreamingPrefill:
     def counted_bytes(self) -> int:
         """What ``max_cache_bytes`` would count now (`CacheKeeper.held_bytes`) for a stream without a cap: the
         bytes of every token and step held as stored (a stream saved under a cap and loaded without one holds
-        none of its evicted steps), whatever was allocated ahead of them."""
+        none of its evicted steps), whatever was allocated ahead of them. A closed stream holds nothing."""
+        if not self.cache.layers:
+            return 0
         rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
         tokens = self.seen_tokens - self.cache.evicted_tokens()
         steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
@@ -499,7 +501,7 @@ class StreamingPrefill:
         return self.cache.peak_device_bytes
 
     def close(self) -> None:
-        """Release the stream's recorded graphs; it can no longer step or decode (the model was never changed
+        """Release the stream's recorded graphs and its cache's keys and values; it can no longer step or decode (the model was never changed
         by it, beyond the attention switched once per model)."""
         self.closed = True
         self.rope = None
@@ -507,6 +509,7 @@ class StreamingPrefill:
         pool.release(self.cache)  # its seat in its model's pool, if it took one (`statekv.core.cache.pool`)
         if self.disk is not None:
             self.disk.close()  # the files stay: Stream.load resumes from them
+        self.cache.release()
 
     def __enter__(self) -> "StreamingPrefill":
         return self
