@@ -1184,6 +1184,38 @@ def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_unt
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 5
 
 
+def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(qa, tmp_path, options, caplog,
+                                                                                monkeypatch):
+    """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file
+    set that no record named: no deletion reached it, and kills over weeks piled them up. The next start removes
+    it; the streams made whole keep theirs."""
+    from statekv.serve.store import StreamFiles
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    claim = StreamFiles.claim
+
+    def killed_here(files, stream_id):  # what a kill at this point leaves
+        shutil.copytree(state, tmp_path / "state-killed")
+        shutil.copytree(tier, tmp_path / "tier-killed")
+        return claim(files, stream_id)
+
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        kept = _stream(client, frames=2)
+        monkeypatch.setattr(StreamFiles, "claim", killed_here)
+        assert client.post("/v1/streams", json={}).status_code == 201
+        monkeypatch.setattr(StreamFiles, "claim", claim)
+    assert len([path for path in (tmp_path / "tier-killed").iterdir() if path.is_dir()]) == 2
+    for name in ("state", "tier"):
+        shutil.rmtree(tmp_path / name)
+        (tmp_path / f"{name}-killed").rename(tmp_path / name)
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert [listed["id"] for listed in client.get("/v1/streams").json()["data"]] == [kept]
+        assert "whose creation a stop cut short" in caplog.text
+        assert client.delete(f"/v1/streams/{kept}").status_code == 200
+    assert list(tier.iterdir()) == []
+
+
 def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restarts(qa, tmp_path, options):
     """Before: a client could not set SimpleStream's window nor the retrieval rule ("unknown stream setting"),
     and a stream took the server's, so a restart with other --window or --retrieval changed its answers."""
