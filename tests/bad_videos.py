@@ -64,6 +64,36 @@ def audio_only(folder: Path) -> Path:
     return path
 
 
+def add_cover_art(container) -> list:
+    """A still picture attached to ``container`` (a file opened for writing) as its cover art: its stream added, its
+    packets returned, to be muxed once every stream is added."""
+    from av.stream import Disposition
+
+    cover = container.add_stream("mjpeg")
+    cover.width, cover.height, cover.pix_fmt = 64, 48, "yuvj420p"
+    cover.disposition = Disposition.attached_pic
+    picture = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 200, np.uint8), format="rgb24")
+    packets = [*cover.encode(picture), *cover.encode(None)]
+    for packet in packets:
+        packet.pts = packet.dts = 0
+    return packets
+
+
+def audio_with_cover_art(folder: Path) -> Path:
+    """An MP3 of a second of silence with its album's cover: a picture, no video."""
+    path = folder / "song.mp3"
+    with av.open(str(path), "w") as container:
+        sound = container.add_stream("libmp3lame", rate=44100)
+        sound.layout = "mono"
+        container.mux(add_cover_art(container))
+        for index in range(40):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 44100, index * 1152
+            container.mux(sound.encode(frame))
+        container.mux(sound.encode(None))
+    return path
+
+
 def zero_frames(folder: Path) -> Path:
     """A Matroska file whose video track has no packets (beside an audio track)."""
     path = folder / "empty.mkv"
@@ -89,5 +119,6 @@ BAD_VIDEOS = {
     "truncated": (truncated, "not a readable video file"),
     "unknown_codec": (unknown_codec, "codec is unknown"),
     "audio_only": (audio_only, "no video stream"),
+    "cover_art": (audio_with_cover_art, "no video stream"),
     "zero_frames": (zero_frames, "no frames"),
 }

@@ -317,6 +317,104 @@ def test_a_matroska_file_without_a_frame_rate_is_sampled_by_its_frames_own_span(
     assert not video.variable_rate  # evenly spaced: its guessed rate is no evidence of a variable one
 
 
+def _encoded(path: Path, frames: int, fps: int, **options) -> Path:
+    """A video file (its format by its suffix, or ``options``' format) of ``frames`` frames drawn by
+    `draw_test_frame`, encoded with libx264 at its defaults (B-frames: decoding order is not showing order)."""
+    with av.open(str(path), "w", **options) as container:
+        stream = container.add_stream("libx264", rate=fps, options={"crf": "12"})
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        for index in range(frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def test_an_mp4_trimmed_at_its_start_by_an_edit_list_reads_the_frames_it_shows(tmp_path):
+    """``ffmpeg -ss 1 -c copy`` (or a phone's trim) keeps every packet and an edit list that starts a second in: its
+    sample table counts 30 frames, FFmpeg shows the last 20. Before: refused as truncated or corrupt after 20."""
+    whole = _encoded(tmp_path / "whole.mp4", 30, 10)
+    path = tmp_path / "trimmed.mp4"
+    with av.open(str(whole)) as source, av.open(str(path), "w") as trimmed:
+        stream = source.streams.video[0]
+        copy = trimmed.add_stream_from_template(stream)
+        second = int(1 / stream.time_base)
+        for packet in source.demux(stream):
+            if packet.dts is not None:  # (not the demuxer's last, empty packet)
+                packet.pts, packet.dts, packet.stream = packet.pts - second, packet.dts - second, copy
+                trimmed.mux(packet)
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 30  # the case: a count over the frames shown
+    video = open_video(path)
+    assert (video.num_frames, video.fps, video.duration) == (20, 10, pytest.approx(2.0))
+    frames = list(video.frames())
+    assert [read_frame_index(frame.image) for frame in frames] == list(range(10, 30))
+    assert [frame.timestamp for frame in frames] == pytest.approx([index / 10 for index in range(20)])
+    assert [frame.index for frame in video.sample(max_fps=1)] == source_frame_indices(20, 10) == [5, 15]
+    assert [frame.index for frame in video.sample_at_rate(1)] == [0, 10]
+    assert open_video(whole).num_frames == 30
+
+
+def test_mpeg_ts_parts_joined_end_to_end_read_as_one_video(tmp_path, caplog):
+    """``cat a.ts a.ts a.ts``: each part's timestamps start again. Before: the rate was measured over the first part's
+    span (76 fps, a 2 s video), one frame was sampled and the fixed-rate reading kept the first part only."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="statekv.video")
+    part = _encoded(tmp_path / "part.ts", 50, 25).read_bytes()
+    path = tmp_path / "joined.ts"
+    path.write_bytes(part * 3)
+    video = open_video(path)
+    assert (video.num_frames, video.fps, video.duration) == (150, pytest.approx(25), pytest.approx(6.0, abs=0.05))
+    assert video.content_end == pytest.approx(6.0, abs=0.05)
+    said = [record.getMessage() for record in caplog.records if record.name == "statekv.video"]
+    assert said == [f"{video.name}: its timestamps start again 2 times (parts joined end to end): read as one video "
+                    f"of {video.duration:.2f} s, each part timed after the one before"], said
+    frames = list(video.frames())
+    assert [frame.timestamp for frame in frames] == pytest.approx([index / 25 for index in range(150)], abs=1e-3)
+    assert [read_frame_index(frame.image) for frame in frames] == [index % 50 for index in range(150)]
+    assert [frame.index for frame in video.sample_at_rate(1)] == [0, 25, 50, 75, 100, 125]
+    assert [frame.index for frame in video.sample(max_fps=1)] == source_frame_indices(150, 25) == [
+        12, 37, 62, 87, 112, 137]
+    assert not video.variable_rate and video.hole is None
+
+
+def test_times_that_go_back_continue_one_period_after_the_latest():
+    """Each part keeps its own spacing; a frame out of order within a part is moved past the latest too."""
+    from statekv.video.continuity import Continuous
+
+    continuous = Continuous()
+    assert [continuous(time, 1.0) for time in [0, 1, 2, 0.5, 1.5, 0, 1, 1]] == [0, 1, 2, 3, 4, 5, 6, 6]
+    assert continuous.restarts == 2
+
+
+def test_a_sparse_matroska_file_lasts_as_long_as_its_content(tmp_path):
+    """Seven frames five seconds apart (a slideshow), its header saying 30.1 s. Before: the duration was taken as
+    seven gaps of five seconds, 35 s, so a reading that ended at its last frame was said to be cut short."""
+    from fractions import Fraction
+
+    from statekv.video.sources import cut_short
+
+    path = tmp_path / "slides.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mjpeg", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuvj420p"
+        stream.time_base = Fraction(1, 1000)
+        for index in range(7):
+            frame = av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1, 10)
+            for packet in stream.encode(frame):
+                packet.pts = packet.dts = index * 5000
+                packet.time_base = Fraction(1, 1000)
+                container.mux(packet)
+    with av.open(str(path)) as container:
+        assert container.duration / av.time_base == pytest.approx(30.1)
+    video = open_video(path)
+    assert (video.num_frames, video.fps, video.duration) == (7, pytest.approx(0.2), pytest.approx(30.1))
+    times = [frame.timestamp for frame in video.sample(max_fps=1)]
+    assert times == pytest.approx([5.0 * index for index in range(7)])
+    assert cut_short(video, times[-1], 1.0) is None
+
+
 def test_image_folder_in_natural_order(tmp_path):
     for i in range(12):  # frame_2 must come before frame_10
         Image.fromarray(draw_test_frame(i, (64, 32))).save(tmp_path / f"frame_{i}.png")
@@ -383,6 +481,31 @@ def test_an_image_is_read_upright_as_its_exif_orientation_asks(tmp_path, orienta
     assert (video.width, video.height) == (shown.shape[1], shown.shape[0])
     np.testing.assert_array_equal(next(video.frames()).image, shown)
     np.testing.assert_array_equal(decode_image((tmp_path / "photo.png").read_bytes()), shown)
+
+
+@pytest.mark.parametrize(("mode", "values", "expected"), [
+    ("I;16", np.array([[0, 257, 32768, 65535]], np.uint16), [0, 1, 128, 255]),
+    ("I", np.array([[0, 257, 32768, 65535]], np.int32), [0, 1, 128, 255]),
+    ("I", np.array([[-100, 0, 100, 100_000]], np.int32), [0, 0, 1, 255]),  # out of 16-bit range: stretched
+    ("F", np.array([[0.0, 0.25, 0.5, 1.0]], np.float32), [0, 64, 128, 255]),
+])
+def test_grey_of_more_than_8_bits_is_scaled_to_8(tmp_path, mode, values, expected):
+    """A 16-bit grey PNG, a 32-bit integer or a float image, as a file, in a folder, as a PIL image and as a frame
+    pushed to a stream. Before: PIL's conversion to RGB clipped them, so a 16-bit mid-grey came out white and a float
+    image black."""
+    from statekv.video.images import rgb_frame
+
+    image = Image.fromarray(values) if mode != "I;16" else Image.fromarray(values).convert("I;16")
+    assert image.mode == mode
+    name = "grey.png" if mode == "I;16" else "grey.tif"
+    image.save(tmp_path / name)
+    with Image.open(tmp_path / name) as saved:
+        assert saved.mode == mode
+    shown = np.repeat(np.array(expected, np.uint8)[None, :, None], 3, axis=2)
+    np.testing.assert_array_equal(decode_image((tmp_path / name).read_bytes()), shown)
+    np.testing.assert_array_equal(next(open_video(tmp_path).frames()).image, shown)
+    np.testing.assert_array_equal(next(open_video([image]).frames()).image, shown)
+    np.testing.assert_array_equal(rgb_frame(image), shown)
 
 
 def test_array_and_image_list_sources_agree():
@@ -472,6 +595,29 @@ def test_truncated_file_with_index_up_front(tmp_path):
 
 def test_file_without_video_stream(tmp_path):
     assert "no video stream" in str(_error_for(bad_videos.audio_only(tmp_path)))
+
+
+def test_cover_art_is_no_video(tmp_path):
+    """An MP3 with its album's cover. Before: taken for a video of one frame at 90000 fps. A video file that also
+    carries a cover picture is read from its video."""
+    from av.stream import Disposition
+
+    assert "no video stream" in str(_error_for(bad_videos.audio_with_cover_art(tmp_path)))
+    path = tmp_path / "covered.mp4"
+    with av.open(str(path), "w") as container:
+        cover = bad_videos.add_cover_art(container)
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        container.mux(cover)
+        for index in range(20):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(draw_test_frame(index, (64, 32)), format="rgb24")))
+        container.mux(stream.encode())
+    with av.open(str(path)) as container:
+        assert [bool(stream.disposition & Disposition.attached_pic) for stream in container.streams.video] == [
+            False, True]  # (an MP4 lists its cover after its tracks)
+    video = open_video(path)
+    assert (video.num_frames, video.fps, video.width, video.height) == (20, 10, 64, 32)
+    assert [read_frame_index(frame.image) for frame in video.frames()] == list(range(20))
 
 
 def test_zero_frame_video(tmp_path):

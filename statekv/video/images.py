@@ -62,7 +62,7 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a damaged EXIF block: the image is read as stored
                     ImageOps.exif_transpose(image, in_place=True)  # a phone's portrait photo, shown upright
-                return np.asarray(image.convert("RGB"))
+                return rgb_image(image)
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -79,6 +79,30 @@ def decode_image(data: bytes, *, formats: tuple[str, ...] | None = None, max_pix
         raise ImageError(f"{name} is too large to decode (an image{pixels}, {limit} pixels)", "size") from None
     except (OSError, ValueError, SyntaxError, struct.error, zlib.error) as error:
         raise ImageError(f"{name}: not a readable image ({str(error).strip() or type(error).__name__})", "data") from None
+
+
+def rgb_image(image: Image.Image) -> np.ndarray:
+    """A PIL image in any mode as RGB uint8 ``[H, W, 3]``. Grey of more than 8 bits is scaled to 8 (PIL's own
+    conversion clips it: mid-grey came out white): 16-bit (``I;16``) by ``1/257``; 32-bit integers (``I``) as 16-bit
+    data when they lie in its range (PIL stores 16-bit PNG and TIFF data so on some paths; an 8-bit picture converted
+    to ``I`` so comes out dark), else stretched from their least to their greatest; floats (``F``) as ``0..1``."""
+    if image.mode.startswith("I;16"):
+        return _grey(np.asarray(image, dtype=np.float64) / 257)
+    if image.mode == "I":
+        values = np.asarray(image, dtype=np.float64)
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if 0 <= low and high <= 65535:
+            return _grey(values / 257)
+        return _grey((values - low) * (255 / (high - low)))  # (out of 16-bit range: high > low)
+    if image.mode == "F":
+        return _grey(np.nan_to_num(np.asarray(image, dtype=np.float64)) * 255)
+    return np.asarray(image.convert("RGB"))
+
+
+def _grey(values: np.ndarray) -> np.ndarray:
+    """Grey ``values`` (0..255, any number type) as RGB uint8 ``[H, W, 3]``, rounded and clipped."""
+    levels = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+    return np.repeat(levels[..., None], 3, axis=-1)
 
 
 def png_rows(data: bytes) -> tuple[int, int]:
@@ -118,7 +142,7 @@ def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
     array ``[H, W, 3]``, a copy of it when ``copy``. Anything else is an `InputError` that says what it was."""
     wanted = "a frame must be an RGB uint8 array [H, W, 3] or a PIL image"
     if isinstance(image, Image.Image):
-        image = image.convert("RGB")
+        image = rgb_image(image)
     kind = type(image).__name__
     named = f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
     try:

@@ -22,9 +22,11 @@ from typing import Any, NamedTuple
 
 import av
 import numpy as np
+from av.stream import Disposition
 from PIL import Image
 
-from .images import decode_image
+from .continuity import Continuous
+from .images import decode_image, rgb_image
 from .orientation import AS_STORED, Turn, display_turn
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
@@ -35,6 +37,7 @@ log = logging.getLogger("statekv.video")
 GAP_FRAMES_SEEN = 8  # frames whose spacing tells a file's usual gap before a hole in it is said
 GAP_TIMES = 4  # a hole: a gap this many times the usual one (and over GAP_SECONDS)
 GAP_SECONDS = 1.0
+COUNT_AGREES = 0.01  # a stream's frame count agrees with its duration at its rate within this share (and a frame)
 DEFAULT_IMAGE_FPS = 1.0  # image sources carry no timing; frames are taken as 1 s apart unless told
 
 
@@ -188,10 +191,12 @@ class FileVideo(Video):
     as shown).
 
     ``num_frames`` is the stream's own count when the container stores one (MP4 / MOV sample tables are exact,
-    also at a variable frame rate); otherwise (Matroska, WebM, some AVI) the packets are counted in one demux
-    pass, which reads the file but decodes nothing. ``fps`` is the stream's average rate; timestamps are
-    ``(pts - start_time) * time_base``, so variable frame rates keep their true times. A file that ends
-    before its reported count raises `VideoError` when the reading gets there.
+    also at a variable frame rate) and its duration at its rate agrees; otherwise (Matroska, WebM, some AVI, an MP4
+    whose edit list hides frames it keeps) the packets shown are counted in one demux pass, which reads the file but
+    decodes nothing. ``fps`` is the stream's average rate; timestamps are ``(pts - start_time) * time_base``, so
+    variable frame rates keep their true times, made continuous where they start again (`Continuous`: MPEG-TS parts
+    joined end to end). A cover picture attached to an audio file is no video stream. A file that ends before its
+    reported count raises `VideoError` when the reading gets there.
     """
 
     def __init__(self, path: Path):
@@ -199,6 +204,7 @@ class FileVideo(Video):
         self.name = str(path)
         self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
         self._uneven = False  # the same pass found its frames' times unevenly spaced
+        self._restarts = 0  # the same pass found its frames' times going back this often (parts joined end to end)
         self.hole: tuple[float, float] | None = None  # the first hole in its frames' times a reading found (`Holes`)
         with self._open() as container:
             stream = self._video_stream(container)
@@ -207,18 +213,21 @@ class FileVideo(Video):
             self._start_pts = stream.start_time or 0
             self.width = stream.codec_context.width
             self.height = stream.codec_context.height
-            self.num_frames = stream.frames or self._count_packets(container, stream)
+            self.num_frames = self._frame_count(container, stream)
             if self.num_frames == 0:
                 raise VideoError(f"{self.name}: the video stream has no frames")
             duration = self._reported_duration(container, stream)
             start = (container.start_time or 0) / av.time_base
             if self.content_end is not None and duration and abs(duration - start - self.content_end) < 1.0 < start:
                 duration = self.content_end  # a header giving where the content ends, not how long it is
+            if self._restarts:  # a header timing its first part only
+                duration = self.content_end
+                log.warning("%s: its timestamps start again %d times (parts joined end to end): read as one video of "
+                            "%.2f s, each part timed after the one before", self.name, self._restarts, duration)
             self.fps = self._average_rate(stream, duration)
             timed = self._frame_rate
             if timed and not 0.9 < self.fps / timed < 1.1:  # a rate the demuxer guessed (Matroska without a frame
                 self.fps = timed  # duration: 24) that the frames' own times deny
-                duration = self.num_frames / timed
             self.duration = duration if duration else self.num_frames / self.fps
             # frames not evenly spaced: the average rate is not the rate a frame's own duration gives (a container
             # without a frame count has neither but guesses: there the spacing of its frames' times tells)
@@ -237,10 +246,12 @@ class FileVideo(Video):
             raise VideoError(f"{self.name}: not a readable video file ({_short(error)}{hint})") from None
 
     def _video_stream(self, container: Any) -> Any:
-        if not container.streams.video:
+        """The first video stream that is not a still picture attached to the file (an audio file's cover art)."""
+        moving = [stream for stream in container.streams.video if not stream.disposition & Disposition.attached_pic]
+        if not moving:
             raise VideoError(f"{self.name}: the file has no video stream (or no index of its streams: an MP4 cut "
                              "short before its index was written reads so)")
-        stream = container.streams.video[0]
+        stream = moving[0]
         if stream.codec_context is None:  # a codec no decoder here knows: a damaged header, say
             raise VideoError(f"{self.name}: not a readable video file (its video stream's codec is unknown)")
         return stream
@@ -258,25 +269,44 @@ class FileVideo(Video):
             finally:
                 frames.close()
 
+    def _frame_count(self, container: Any, stream: Any) -> int:
+        """The stream's own count when it agrees with its duration at its average rate, else its packets counted
+        (`_count_packets`): an MP4 trimmed by an edit list (``ffmpeg -ss 1 -c copy``, a phone's trim) keeps in its
+        sample table the frames it no longer shows."""
+        count, rate, duration = stream.frames, stream.average_rate, stream.duration
+        if count and rate and duration and stream.time_base:
+            shown = float(duration * stream.time_base * rate)
+            if abs(count - shown) > max(1.0, COUNT_AGREES * count):
+                return self._count_packets(container, stream)
+        return count or self._count_packets(container, stream)
+
     def _count_packets(self, container: Any, stream: Any) -> int:
-        """The video stream's packets, counted in one demux pass of every stream, which also finds where the
-        file's content ends (`content_end`: a header's duration may count an audio stream longer than the video)."""
-        count, end, shown = 0, None, []
+        """The video stream's packets, counted in one demux pass of every stream (those its container marks as not
+        shown left out), which also finds where the file's content ends (`content_end`: a header's duration may count
+        an audio stream longer than the video). Times that start again are made continuous (`Continuous`, from
+        each stream's decoding times)."""
+        count, end, shown, timelines = 0, None, [], {}
+        period = 1 / float(stream.average_rate or stream.guessed_rate or 1)
         try:
             for packet in container.demux():
-                if not packet.size:
+                if not packet.size or packet.is_discard:
                     continue
                 count += packet.stream.index == stream.index
                 at = packet.pts if packet.pts is not None else packet.dts
                 if at is not None and packet.time_base:
-                    ends = float((at + (packet.duration or 0)) * packet.time_base)
+                    timeline = timelines.setdefault(packet.stream.index, Continuous())
+                    order = None if packet.dts is None else float(packet.dts * packet.time_base)
+                    lasts = float((packet.duration or 0) * packet.time_base)
+                    offset = timeline.shift(order, lasts or period * (packet.stream.index == stream.index))
+                    ends = float((at + (packet.duration or 0)) * packet.time_base) + offset
                     end = ends if end is None else max(end, ends)
                     if packet.stream.index == stream.index:
-                        shown.append(float(at * packet.time_base))
+                        shown.append(float(at * packet.time_base) + offset)
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
         if end is not None:
             self.content_end = end - (container.start_time or 0) / av.time_base
+        self._restarts = timelines[stream.index].restarts if stream.index in timelines else 0
         shown.sort()  # packets come in decoding order
         if count > 1 and len(shown) > 1 and shown[-1] > shown[0]:
             self._frame_rate = (count - 1) / (shown[-1] - shown[0])  # what the frames' own times say
@@ -308,14 +338,14 @@ class FileVideo(Video):
         return self.turn.apply(frame.to_ndarray(format="rgb24"))
 
     def _pending_frames(self) -> Iterator[_PendingFrame]:
-        index, timestamp = -1, -1 / self.fps
+        index, timestamp, continuous = -1, -1 / self.fps, Continuous()
         with self._open() as container:
             stream = container.streams[self._stream_index]
             stream.thread_type = "AUTO"
             holes = Holes(self)
             try:
                 for index, frame in enumerate(container.decode(stream)):
-                    timestamp = self._timestamp(frame, index)
+                    timestamp = continuous(self._timestamp(frame, index), 1 / self.fps)
                     holes.check(timestamp)
                     yield _PendingFrame(index, timestamp, partial(self._shown, frame))
             except av.FFmpegError as error:
@@ -481,7 +511,7 @@ def _read_image_file(path: Path) -> np.ndarray:
 
 def _image_to_rgb_array(image: Any) -> np.ndarray:
     if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
+        return rgb_image(image)
     if (isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3 and image.dtype == np.uint8
             and 0 not in image.shape):
         return image
