@@ -874,3 +874,19 @@ def test_version_and_a_missing_data_folder(capsys, tmp_path):
     assert _one_line_error(capsys.readouterr().err).endswith(
         f"out (the run folder) {tmp_path}/set/../set is the data root: give a folder of its own")
     assert not list((tmp_path / "set").iterdir())  # nothing written into the set
+
+
+def test_demo_on_a_video_with_a_frame_that_cannot_be_read_says_so_in_the_commands_voice(tmp_path, capsys):
+    """Before: the one-line error ended with the Python API's way on ("the error's .encoded answers from them"),
+    which means nothing on the command line."""
+    from PIL import Image
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for index in range(6):
+        Image.new("RGB", (64, 48), (40 * index, 90, 200)).save(frames / f"f{index:02d}.png")
+    (frames / "f03.png").write_bytes(b"not a picture")
+    assert main(["demo", "--video", str(frames), "--no-plot", "--max-new-tokens", "1", "--json"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("statekv demo: error: ") and "f03.png" in said and ".encoded" not in said, said
+    assert said.endswith("give one that reads to its end, or ask from the frames before it with statekv answer")

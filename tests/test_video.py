@@ -803,3 +803,30 @@ def test_qwen_video_equals_transformers_video_processor():
     pixel_values, grid_thw = qwen_pixel_values(list(frames), (64, 96))
     assert grid_thw.tolist() == expected["video_grid_thw"].tolist()
     torch.testing.assert_close(pixel_values, expected["pixel_values_videos"].float(), atol=1e-5, rtol=0)
+
+
+def test_a_path_with_a_character_a_line_cannot_show_is_named_on_one_line(tmp_path):
+    """Before: a newline in a video's path cut the one-line error to the path's first part ("error: no"), the
+    problem lost."""
+    missing = tmp_path / "no\nsuch.mp4"
+    with pytest.raises(VideoNotFoundError) as error:
+        open_video(missing)
+    assert "\n" not in str(error.value) and str(error.value).endswith("no\\nsuch.mp4: no such file or folder")
+    broken = tmp_path / "bad\tname.mp4"
+    broken.write_bytes(b"junk")
+    with pytest.raises(VideoError) as error:
+        open_video(broken)
+    assert "\t" not in str(error.value) and "bad\\tname.mp4: not a readable video file" in str(error.value)
+
+
+def test_a_rate_that_is_not_a_number_or_is_infinite_is_refused_in_one_line(tmp_path):
+    """Before: `sample_at_rate(nan)` raised numpy's "cannot convert float NaN to integer", `sample(max_fps=nan)` kept
+    every frame, and `open_video(folder, fps=inf)` put every frame at 0 s."""
+    video = open_video(np.zeros((4, 8, 8, 3), np.uint8))
+    for rate in (float("nan"), float("inf"), 1e308, 0.0):
+        with pytest.raises(ValueError, match=r"^fps must be a number above 0 and at most"):
+            list(video.sample_at_rate(rate))
+    with pytest.raises(ValueError, match="max_fps must be > 0"):
+        list(video.sample(max_fps=float("nan")))
+    with pytest.raises(VideoError, match="fps must be a number above 0"):
+        open_video(np.zeros((4, 8, 8, 3), np.uint8), fps=float("inf"))

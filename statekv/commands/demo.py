@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ..console import ProgressLine, add_output_arguments, print_json, quiet_libraries, warn_free_form
-from ..errors import ConfigurationError, OutputError
+from ..errors import ConfigurationError, FrameDecodeError, OutputError, VideoError
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET, is_builtin_kind
@@ -195,8 +195,15 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
     for index, (method, (label, sizes)) in enumerate(methods.items(), 1):
         progress(f"{label} ({index}/{len(methods)}): encoding {args.video} and answering")
         qa = loaded.with_options(method=method, **sizes)
-        with qa.encode(args.video, max_fps=args.max_fps or VIDEO_MAX_FPS,
-                       max_frames=args.max_frames or VIDEO_MAX_FRAMES) as encoded:
+        try:
+            encoding = qa.encode(args.video, max_fps=args.max_fps or VIDEO_MAX_FPS,
+                                 max_frames=args.max_frames or VIDEO_MAX_FRAMES)
+        except FrameDecodeError as error:  # its message names the Python API's way on; the demo compares whole videos
+            if error.encoded is not None:
+                error.encoded.close()
+            raise VideoError(f"{error.reason}; the demo compares the methods over the whole video: give one that "
+                             "reads to its end, or ask from the frames before it with statekv answer") from None
+        with encoding as encoded:
             answers[method] = encoded.ask(question, max_new_tokens=args.max_new_tokens)
             stats = encoded.stats
         quarter = max(1, len(stats.frame_seconds) // 4)

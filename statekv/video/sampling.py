@@ -8,6 +8,9 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Protocol, TypeVar
 
+from ..errors import InputError
+from ..settings.values import HIGHEST_FPS
+
 
 class _Timed(Protocol):
     timestamp: float
@@ -23,9 +26,9 @@ def num_sampled_frames(total_frames: int, avg_fps: float, *, max_fps: float = 1.
     frame cap.
     """
     if total_frames < 1:
-        raise ValueError(f"total_frames must be >= 1, got {total_frames}")
-    if avg_fps <= 0 or max_fps <= 0 or max_frames < 1:
-        raise ValueError(f"avg_fps and max_fps must be > 0 and max_frames >= 1, got {avg_fps}, {max_fps}, {max_frames}")
+        raise InputError(f"total_frames must be >= 1, got {total_frames}")
+    if not (avg_fps > 0 and max_fps > 0 and max_frames >= 1):  # a NaN fails each comparison
+        raise InputError(f"avg_fps and max_fps must be > 0 and max_frames >= 1, got {avg_fps}, {max_fps}, {max_frames}")
     wanted = total_frames / avg_fps * max_fps  # past any number for a max_fps near the largest float: no FPS cap
     return min(max(1, math.floor(wanted)) if math.isfinite(wanted) else max_frames, max_frames)
 
@@ -88,8 +91,8 @@ def sample_at_rate(frames: Iterable[TimedT], fps: float) -> Iterator[TimedT]:
     tick; the pending tick then moves to the first tick after that frame, so a gap in the stream yields
     one frame, not a burst. Works lazily on any iterable (a live stream never ends).
     """
-    if fps <= 0:
-        raise ValueError(f"fps must be > 0, got {fps}")
+    if not 0 < fps <= HIGHEST_FPS:
+        raise InputError(f"fps must be a number above 0 and at most {HIGHEST_FPS:g}, got {fps}")
     next_tick = 0
     for frame in frames:
         last_tick_reached = tick(frame.timestamp, fps)

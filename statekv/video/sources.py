@@ -29,6 +29,7 @@ from .continuity import Continuous
 from .images import decode_image, rgb_image
 from .orientation import AS_STORED, Turn, display_turn
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
+from ..settings.values import HIGHEST_FPS
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
@@ -201,7 +202,7 @@ class FileVideo(Video):
 
     def __init__(self, path: Path):
         self.path = path
-        self.name = str(path)
+        self.name = printable(path)
         self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
         self._uneven = False  # the same pass found its frames' times unevenly spaced
         self._restarts = 0  # the same pass found its frames' times going back this often (parts joined end to end)
@@ -362,8 +363,8 @@ class ImageSequenceVideo(Video):
     def __init__(self, items: Sequence[Any], load: Callable[[Any], np.ndarray], *, fps: float, name: str):
         if not len(items):
             raise VideoError(f"{name}: the video has no frames")
-        if not fps > 0:
-            raise VideoError(f"{name}: fps must be > 0, got {fps}")
+        if not 0 < fps <= HIGHEST_FPS:  # an infinite rate would put every frame at 0 s
+            raise VideoError(f"{name}: fps must be a number above 0 and at most {HIGHEST_FPS:g}, got {fps}")
         self._items = items
         self._load = load
         self.name = name
@@ -453,7 +454,7 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
             return _open_image_folder(path, fps=fps if fps is not None else DEFAULT_IMAGE_FPS)
         _check_regular_file(path)
         if fps is not None:
-            raise VideoError(f"{path}: fps= applies to image sources only; a video file has its own timestamps")
+            raise VideoError(f"{_shown(path)}: fps= applies to image sources only; a video file has its own timestamps")
         return FileVideo(path)
     fps = fps if fps is not None else DEFAULT_IMAGE_FPS
     if isinstance(source, np.ndarray):
@@ -467,9 +468,16 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
 
 
 def _shown(path: Path) -> str:
-    """``path`` as a message shows it: a very long one cut in its middle."""
-    text = str(path)
+    """``path`` as a message shows it: on one line (`printable`), a very long one cut in its middle."""
+    text = printable(path)
     return text if len(text) <= 200 else f"{text[:120]}...{text[-60:]} ({len(text)} characters)"
+
+
+def printable(path: Any) -> str:
+    """``path`` with each character a line cannot show (a newline, say) escaped: a one-line error naming it keeps
+    what it says after it."""
+    text = str(path)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
@@ -485,7 +493,7 @@ def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
         raise VideoError(f"{folder}: folder holds no images ({extensions})")
     for path in paths:
         _check_regular_file(path)
-    return ImageSequenceVideo(paths, _read_image_file, fps=fps, name=str(folder))
+    return ImageSequenceVideo(paths, _read_image_file, fps=fps, name=printable(folder))
 
 
 def _check_regular_file(path: Path) -> None:
@@ -494,7 +502,7 @@ def _check_regular_file(path: Path) -> None:
     if not path.is_file():
         kind = ("a folder" if path.is_dir() else "a broken link" if path.is_symlink() and not path.exists()
                 else "a named pipe, device or socket")
-        raise VideoError(f"{path}: not a regular file ({kind}); give a video file or a folder of images")
+        raise VideoError(f"{_shown(path)}: not a regular file ({kind}); give a video file or a folder of images")
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -505,8 +513,8 @@ def _read_image_file(path: Path) -> np.ndarray:
     try:
         data = path.read_bytes()
     except OSError as error:
-        raise VideoError(f"{path}: not a readable image ({error.strerror or error})") from None
-    return decode_image(data, name=str(path))
+        raise VideoError(f"{_shown(path)}: not a readable image ({error.strerror or error})") from None
+    return decode_image(data, name=printable(path))
 
 
 def _image_to_rgb_array(image: Any) -> np.ndarray:
