@@ -242,11 +242,11 @@ def test_a_budget_window_or_frame_named_twice_is_reported_once_in_order(capsys):
     from statekv.cli import main
 
     assert main(["flops", "--frames", "64", "--models", "internvl3-1b", "--budgets", "256", "256", "--recency", "2",
-                 "2", "--at", "5", "5", "3"]) == 0
+                 "2", "--rekv", "4", "4", "--at", "5", "5", "3"]) == 0
     table = capsys.readouterr().out.split("\n\n")[1]
     assert table.splitlines()[0].split()[-4:] == ["marg@3", "cum@3", "marg@5", "cum@5"]
     assert [line.split("  ")[0] for line in table.splitlines()[2:]] == [
-        "internvl3-1b Full SA", "internvl3-1b Recency R=2", "internvl3-1b StateKV B=256"]
+        "internvl3-1b Full SA", "internvl3-1b Recency R=2", "internvl3-1b ReKV R=4", "internvl3-1b StateKV B=256"]
 
 
 def test_the_question_cost_names_the_frames_a_short_horizon_has(capsys):

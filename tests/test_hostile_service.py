@@ -1188,7 +1188,8 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
                                                                                 monkeypatch):
     """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file
     set that no record named: no deletion reached it, and kills over weeks piled them up. The next start removes
-    it; the streams made whole keep theirs."""
+    it, also when the kill came before the file set described its stream; the streams made whole keep theirs, and
+    another server's notes in a shared folder (or a note that is no note) are left as they are."""
     from statekv.serve.store import StreamFiles
 
     tier, state = tmp_path / "tier", tmp_path / "state"
@@ -1205,15 +1206,24 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
         monkeypatch.setattr(StreamFiles, "claim", killed_here)
         assert client.post("/v1/streams", json={}).status_code == 201
         monkeypatch.setattr(StreamFiles, "claim", claim)
-    assert len([path for path in (tmp_path / "tier-killed").iterdir() if path.is_dir()]) == 2
+    file_sets = [path for path in (tmp_path / "tier-killed").iterdir() if path.is_dir()]
+    assert len(file_sets) == 2
     for name in ("state", "tier"):
         shutil.rmtree(tmp_path / name)
         (tmp_path / f"{name}-killed").rename(tmp_path / name)
+    orphan = next(path for path in tier.iterdir() if path.is_dir() and kept not in (path / "stream.json").read_text())
+    (orphan / "stream.json").unlink()  # a kill before the file set described its stream
+    others = {tier / f".creating-st_{'0' * 24}.json": {"id": f"st_{'0' * 24}", "state": "another server", "at": 0},
+              tier / f".creating-st_{'1' * 24}.json": [1]}
+    for path, note in others.items():
+        path.write_text(json.dumps(note))
+    (tier / "elsewhere").mkdir()
+    (tier / "elsewhere" / "stream.json").write_text(json.dumps({"stream_id": f"st_{'0' * 24}"}))
     with Running(state, qa, options=disk) as server, server.client() as client:
         assert [listed["id"] for listed in client.get("/v1/streams").json()["data"]] == [kept]
         assert "whose creation a stop cut short" in caplog.text
         assert client.delete(f"/v1/streams/{kept}").status_code == 200
-    assert list(tier.iterdir()) == []
+    assert sorted(path.name for path in tier.iterdir()) == sorted(["elsewhere", *(path.name for path in others)])
 
 
 def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restarts(qa, tmp_path, options):

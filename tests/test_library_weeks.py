@@ -249,6 +249,8 @@ def test_a_closed_stream_still_referenced_holds_none_of_its_cache(adapter, video
     What the process holds with the closed stream kept is compared to what it holds once it is dropped."""
     plain, disk = tiny_qa(adapter), tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
     quantized = tiny_qa(adapter, kv_cache_dtype="int8")
+    capped = tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "capped", max_cache_bytes=60_000,
+                     cache_limit="evict-oldest")
 
     def together():
         streams = [plain.stream(horizon_frames=8), plain.stream(horizon_frames=8)]
@@ -257,7 +259,7 @@ def test_a_closed_stream_still_referenced_holds_none_of_its_cache(adapter, video
         return streams
 
     uses = {"stream": lambda: [pushed(plain.stream())], "horizon": lambda: [pushed(plain.stream(horizon_frames=8))],
-            "disk tier": lambda: [pushed(disk.stream(horizon_frames=8))],
+            "disk tier": lambda: [pushed(disk.stream(horizon_frames=8))], "capped": lambda: [pushed(capped.stream())],
             "int8": lambda: [pushed(quantized.stream(horizon_frames=8))], "stepped together": together,
             "encoded": lambda: [plain.encode(video)]}
     for name, use in uses.items():
@@ -267,6 +269,11 @@ def test_a_closed_stream_still_referenced_holds_none_of_its_cache(adapter, video
         cache = sum(stream.stats.cache_bytes for stream in streams)
         for stream in streams:
             stream.close()
+            assert stream.peak_device_bytes >= 0  # read after the close (under a cache cap: an IndexError)
+            for read in (lambda: stream.prefill.carried(0), lambda: stream.prefill.state_dict(),
+                         lambda: stream.prefill.detailed_cache):  # before: a wrong error, or a state with no tensors
+                with pytest.raises(statekv.InputError, match="closed"):
+                    read()
         kept = held()["tensor bytes"]
         del streams, stream
         dropped = held()["tensor bytes"]

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from statekv.console import ProgressLine, quiet_libraries
-from statekv.errors import OutputError, StateKVError
+from statekv.errors import OutputError
 from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
 
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             del steps
             if index < len(args.videos):
                 finished = (statistics.result(), errors.result() if errors else None, index)
-    except (KeyboardInterrupt, StateKVError) as stop:  # a video found unreadable midway stops the run as Ctrl-C
+    except (KeyboardInterrupt, Exception) as stop:  # an error midway (a video found unreadable) stops it as Ctrl-C
         if finished is not None:
             measured, approximated, count = finished
             note = f"stopped after {count} of {len(args.videos)} videos" + (f"; {args.note}" if args.note else "")
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                                            label=label, note=note)
             written = [report.write_json(document, args.out / "analysis.json"),
                        report.write_text(report.markdown_summary(document, figures=[]), args.out / "analysis.md")]
-            _remove_figures(args.out, keep=[])
+            _remove_figures(args.out)
             what = "stop" if isinstance(stop, KeyboardInterrupt) else "error below"
             _progress(f"statekv analyze: the {count} video(s) measured whole before the {what} are in "
                       f"{written[0]} and {written[1]} (no figures)")
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     # the measurements first, each file whole: figures that cannot be written (a full disk) lose none of them
     json_path = report.write_json(document, args.out / "analysis.json")
     markdown_path = report.write_text(summary, args.out / "analysis.md")
-    _remove_figures(args.out, keep=document["figures"])
+    _remove_figures(args.out)  # all: a figure this run fails to write is not left as an earlier run's
     try:
         figures = plots.plot_all(document, args.out)
     except OutputError as error:
@@ -148,13 +148,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove_figures(out: Path, keep: list[str]) -> None:
-    """Remove an earlier run's figures that this report does not write (they would not be its own)."""
+def _remove_figures(out: Path) -> None:
+    """Remove an earlier run's figures: they would not be this report's."""
     from .plots import FIGURES
 
-    for name in (f"analysis_{figure}.png" for figure in FIGURES):
-        if name not in keep:
-            (out / name).unlink(missing_ok=True)
+    for figure in FIGURES:
+        (out / f"analysis_{figure}.png").unlink(missing_ok=True)
 
 
 def _progress(message: str) -> None:

@@ -123,7 +123,7 @@ def plot_errors(errors: dict, path: str | Path, title: str = "") -> Path:
                                      [r["hidden_error"] for r in runs]), strict=True):
             ax.plot(x, values, color=color, marker=marker, label=label)
     for ax, name in zip(axes, ("detailed-cache keys", "detailed-cache values", "last hidden states"), strict=True):
-        ax.set(xscale="log", xlabel="carried tokens (B, or tokens of the last R frames)",
+        ax.set(xscale="log", xlabel="tokens carried at the end",
                ylabel="relative Frobenius error", title=name)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

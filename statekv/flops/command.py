@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [f for f in at if not 1 <= f <= args.frames]
     if bad:
         raise ConfigurationError(f"--at frames {bad} are outside 1..{args.frames}")
-    budgets, windows = (list(dict.fromkeys(values)) for values in (args.budgets, args.recency))  # each once
-    curves = report.sweep(models, budgets, windows, args.frames, args.score, args.rekv)
+    budgets, windows, rekv = (list(dict.fromkeys(values)) for values in (args.budgets, args.recency, args.rekv))
+    curves = report.sweep(models, budgets, windows, args.frames, args.score, rekv)  # each value once
     pairs = report.break_even_pairs(curves)
     output = report.to_json(curves, pairs, at, args.score)
     output["questions"] = report.question_costs(models, args.frames, args.retrieve)

@@ -2,32 +2,59 @@
 
 A server on the disk tier makes a stream's file set under ``offload_dir`` before it writes the stream's record: a
 kill in between would leave a file set that no record names, and no deletion would ever reach it. So, before it
-makes the stream, the server writes a note beside the file sets (``.creating-ID.json``, naming the stream and the
-server's state), and removes it once the record is written. At the next start, a note of this server's state
-whose stream has no record is a creation cut short: the file sets whose ``stream.json`` names that stream are
-removed (one log line each), then the note. A file set another process holds (its lock taken) is left as it is,
-and so is its note. Notes of another server's state (two servers sharing ``offload_dir``) are never followed."""
+makes the stream, the server writes a note beside the file sets (``.creating-ID.json``, naming the stream, the
+server's state and when), and removes it once the record is written, or once a failed creation's file set is gone.
+At the next start, a note of this server's state whose stream has no record is a creation cut short: its file sets
+are removed (one log line each), then the note. Its file sets are those whose ``stream.json`` names the stream, and
+those made after the note that no ``stream.json`` describes yet (a kill between the two). A file set another process
+holds (its lock taken) is left as it is, and so is its note. Notes of another server's state (two servers sharing
+``offload_dir``) are never followed."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import shutil
+import socket
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from ..core.disk.files import hold
+from ..core.disk.files import MANIFEST, hold
 from ..errors import StateKVError
+from .errors import ServiceError
 from .store import STREAM_ID, write_atomic
 
 log = logging.getLogger("statekv.serve")
 
 PREFIX = ".creating-"
+SETUP = "stream.json"  # a stream's description in its file set (`statekv.api.stream_disk`)
 
 
-def note_path(offload_dir: Path, stream_id: str) -> Path:
-    return offload_dir / f"{PREFIX}{stream_id}.json"
+class CreationNotes:
+    """The creation notes of one server: ``state`` names where it keeps its streams (its host and state folder, or
+    its object store), ``recorded(id)`` whether a stream has a record (True when that cannot be told)."""
+
+    def __init__(self, state: str, recorded: Callable[[str], bool]):
+        self.state, self.recorded = f"{socket.gethostname()} {state}", recorded
+
+    async def begin(self, stream_id: str, engine: Any) -> Path | None:
+        """Note a stream's creation before its file set is made; None off the disk tier. A one-line 503 when the
+        note cannot be written (then no stream is made)."""
+        if engine.offload != "disk":
+            return None
+        try:
+            return await asyncio.to_thread(begin_creation, engine.offload_dir, stream_id, self.state)
+        except OSError as error:
+            raise ServiceError(503, f"cannot write in the disk tier's folder ({error.strerror or error}); no stream "
+                               "was made") from None
+
+    def finish(self, offload_dir: str | Path | None) -> None:
+        """At start: `finish_creations` of this server's notes."""
+        finish_creations(offload_dir, self.state, self.recorded)
 
 
 def begin_creation(offload_dir: str | Path, stream_id: str, state: str) -> Path:
@@ -35,8 +62,8 @@ def begin_creation(offload_dir: str | Path, stream_id: str, state: str) -> Path:
     remove (`end_creation`) once the stream's record is written. An `OSError` when it cannot be written."""
     folder = Path(offload_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    note = note_path(folder, stream_id)
-    write_atomic(note, json.dumps({"id": stream_id, "state": state}).encode())
+    note = folder / f"{PREFIX}{stream_id}.json"
+    write_atomic(note, json.dumps({"id": stream_id, "state": state, "at": time.time()}).encode())
     return note
 
 
@@ -55,25 +82,38 @@ def finish_creations(offload_dir: str | Path | None, state: str, recorded: Calla
     for note in sorted(folder.glob(f"{PREFIX}st_*.json")):
         try:
             noted = json.loads(note.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
-        stream_id = noted.get("id") if isinstance(noted, dict) else None
-        if noted.get("state") != state or not isinstance(stream_id, str) or not STREAM_ID.match(stream_id):
+        if not isinstance(noted, dict) or noted.get("state") != state:
             continue
-        if recorded(stream_id) or all(_remove_orphan(file_set, stream_id) for file_set in _file_sets_of(folder,
-                                                                                                         stream_id)):
+        stream_id, since = noted.get("id"), noted.get("at")
+        if not isinstance(stream_id, str) or not STREAM_ID.match(stream_id) or not isinstance(since, (int, float)):
+            continue
+        if recorded(stream_id) or all([_remove_orphan(file_set, stream_id)
+                                       for file_set in _file_sets_of(folder, stream_id, since)]):
             end_creation(note)
 
 
-def _file_sets_of(folder: Path, stream_id: str) -> list[Path]:
-    """The file sets under ``folder`` whose ``stream.json`` names stream ``stream_id``."""
+def _file_sets_of(folder: Path, stream_id: str, since: float) -> list[Path]:
+    """The file sets under ``folder`` of stream ``stream_id``: those whose description names it, and those made
+    at or after ``since`` (seconds since the epoch) that no description names yet."""
     found = []
     for file_set in folder.iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            if file_set.is_dir() and not file_set.is_symlink() and \
-                    json.loads((file_set / "stream.json").read_text()).get("stream_id") == stream_id:
+        with contextlib.suppress(OSError, ValueError, RecursionError, TypeError, AttributeError):
+            if not file_set.is_dir() or file_set.is_symlink():
+                continue
+            if (file_set / SETUP).exists():
+                if json.loads((file_set / SETUP).read_text()).get("stream_id") == stream_id:
+                    found.append(file_set)
+            elif _made_at(file_set) >= since:
                 found.append(file_set)
     return found
+
+
+def _made_at(file_set: Path) -> float:
+    """When the file set was made, as its manifest says (seconds since the epoch)."""
+    made = json.loads((file_set / MANIFEST).read_text())["created"]
+    return datetime.datetime.fromisoformat(made).timestamp()
 
 
 def _remove_orphan(file_set: Path, stream_id: str) -> bool:
@@ -86,6 +126,8 @@ def _remove_orphan(file_set: Path, stream_id: str) -> bool:
         shutil.rmtree(file_set, ignore_errors=True)
     finally:
         lock.release()
+    if file_set.exists():
+        return False
     log.warning("removed the disk-tier file set %s of stream %s, whose creation a stop cut short (the stream was "
                 "never made)", file_set.name, stream_id)
-    return not file_set.exists()
+    return True

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import StateKVError
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
-from .creations import begin_creation, end_creation, finish_creations
+from .creations import CreationNotes, end_creation
 from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
 from .errors import ServiceError, reason_of
 from .feeding import FileFeeds
@@ -64,6 +64,9 @@ class StreamRegistry:
         self.watch_listener = None  # (stream id) -> what its watches report each evaluation to (`serve.watches`)
         self.end_watch_feeds = None  # (stream id, why) -> ends its clients' feeds of watch events (`WatchHub.end`)
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
+        kept_in = (str(Path(config.state_dir).resolve()) if config.state_dir is not None
+                   else f"store {getattr(getattr(self.files, 'store', None), 'url', '')}")
+        self.creations = CreationNotes(kept_in, self.recorded)  # disk-tier creations a kill cut short
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
@@ -156,33 +159,31 @@ class StreamRegistry:
                       name: str) -> StreamEntry:
         stream_id = f"st_{secrets.token_hex(12)}"
         qa = self.settings.qa_for(settings)
-        note = await self.note_creation(stream_id, qa)
+        # a note beside its file set until its record is written: a kill in between leaves no file set for good
+        note = await self.creations.begin(stream_id, qa.engine)
         try:
             stream = await self.worker.run(qa.stream, horizon, max_fps=max_fps, name=name, stream_id=stream_id,
                                            owner=owner)
-            entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream,
-                                replica=self.placement.replica)
-            try:
-                self.files.claim(stream_id)
-                entry.write_record(self.files)  # the creation is durable before it is answered
-            except (OSError, StateKVError) as error:
-                await self.worker.run(stream.close)
-                remove_tier(entry)
-                await asyncio.to_thread(self.files.withdraw, stream_id)
-                if isinstance(error, StateKVError):
-                    raise
-                raise ServiceError(503, f"cannot record the stream in {self.files.where} "
-                                   f"({error.strerror or error}); no stream was made") from None
-        finally:
+        except StateKVError:  # nothing made: the stream's own failure let its file set go
             await asyncio.to_thread(end_creation, note)
+            raise
+        entry = StreamEntry(stream_id, owner, settings, horizon, max_fps, name, time.time(), stream,
+                            replica=self.placement.replica)
+        try:
+            self.files.claim(stream_id)
+            entry.write_record(self.files)  # the creation is durable before it is answered
+        except (OSError, StateKVError) as error:
+            await self.worker.run(stream.close)
+            remove_tier(entry)
+            await asyncio.to_thread(self.files.withdraw, stream_id)
+            if entry.tier is None or not entry.tier.exists():
+                await asyncio.to_thread(end_creation, note)
+            if isinstance(error, StateKVError):
+                raise
+            raise ServiceError(503, f"cannot record the stream in {self.files.where} "
+                               f"({error.strerror or error}); no stream was made") from None
+        await asyncio.to_thread(end_creation, note)
         return entry
-
-    @property
-    def state(self) -> str:
-        """Where this server keeps its streams, as its creation notes name it (`statekv.serve.creations`)."""
-        if self.config.state_dir is not None:
-            return str(Path(self.config.state_dir).resolve())
-        return f"store {getattr(getattr(self.files, 'store', None), 'url', '')}"
 
     def recorded(self, stream_id: str) -> bool:
         """Whether the stream has a record, damaged or not (True when that cannot be told)."""
@@ -193,17 +194,6 @@ class StreamRegistry:
         except Exception:  # noqa: BLE001 -- a folder or store that cannot answer now: nothing is removed
             return True
         return True
-
-    async def note_creation(self, stream_id: str, qa: Any) -> Path | None:
-        """Note a disk-tier stream's creation beside its file set before it is made (`begin_creation`): a kill
-        before its record is written leaves no file set the next start does not remove. None off the disk tier."""
-        if qa.engine.offload != "disk":
-            return None
-        try:
-            return await asyncio.to_thread(begin_creation, qa.engine.offload_dir, stream_id, self.state)
-        except OSError as error:
-            raise ServiceError(503, f"cannot write in the disk tier's folder ({error.strerror or error}); no stream "
-                               "was made") from None
 
     async def delete(self, entry: Any) -> None:
         """Delete a stream as listed (`owned`): one held here, or one damaged or held elsewhere (by its id)."""
@@ -486,7 +476,7 @@ class StreamRegistry:
         these owner digests (the others are left on disk untouched). Deletions cut short are finished first."""
         self.files.sweep_partials()
         self.finish_removals()
-        finish_creations(self.settings.qa.engine.offload_dir, self.state, self.recorded)
+        self.creations.finish(self.settings.qa.engine.offload_dir)
         for stream_id, record in self.files.records():
             if isinstance(record, Exception):
                 reason = unreadable(self.files.record_name(stream_id), record)

@@ -185,6 +185,7 @@ class StreamingPrefill:
     def detailed_cache(self) -> DynamicCache:
         """Every token's keys/values, in order, as a fresh ``DynamicCache`` of views (decoding never mutates it);
         copies on the model's device when the detailed cache is offloaded."""
+        self.check_open()
         return self.cache.to_dynamic_cache(self.device if self.tier.device is not None else None)
 
     def carried_positions(self, layer: int) -> torch.Tensor:
@@ -197,6 +198,7 @@ class StreamingPrefill:
 
     def _stepped_layer(self, layer: int):
         """Layer ``layer`` of the cache, once a step has written it; a one-line `InputError` otherwise."""
+        self.check_open()
         layers = self.cache.layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not -len(layers) <= layer < len(layers):
             raise InputError(f"layer must be an index of the model's {len(layers)} layers, got {layer!r}")
@@ -216,7 +218,7 @@ class StreamingPrefill:
             carried_tokens=tuple(layer.carried_length for layer in layers),
             detailed_bytes=detailed, summary_bytes=summaries,
             scale_bytes=sum(layer.storage.scale_nbytes for layer in layers), journal_bytes=journal,
-            held_bytes=self.counted_bytes() if self.keeper is None else self.keeper.held_bytes,
+            held_bytes=self.counted_bytes() if self.keeper is None or self.closed else self.keeper.held_bytes,
             device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
@@ -225,6 +227,7 @@ class StreamingPrefill:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and metadata (`TwoStateCache.state_dict`), settled first."""
+        self.check_open()
         if not self.cache.chunk_lengths:
             raise InputError("the stream has taken no step yet: there is no state to save")
         if self.keeper is not None:
@@ -259,6 +262,8 @@ class StreamingPrefill:
         """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
         journal, as `DiskTier.counted_bytes` counts it), and what the next step adds to it (a segment row, a
         step's share of the journal)."""
+        if not self.cache.layers:  # closed: it holds nothing
+            return 0, 0
         storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_open is not None]
         row = sum(s.segment_open.numel() * s.segment_open.element_size() for s in storages)  # all layers
         index = row * (storages[0].segment_index.length - released_segments(self.cache, self.keeper)) if storages else 0
@@ -501,8 +506,8 @@ class StreamingPrefill:
         return self.cache.peak_device_bytes
 
     def close(self) -> None:
-        """Release the stream's recorded graphs and its cache's keys and values; it can no longer step or decode (the model was never changed
-        by it, beyond the attention switched once per model)."""
+        """Release the stream's recorded graphs and its cache's keys and values; it can no longer step or decode
+        (the model was never changed by it, beyond the attention switched once per model)."""
         self.closed = True
         self.rope = None
         self.graphs.clear()
