@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..api.stream_disk import SETUP
 from ..core.disk.files import MANIFEST, hold
 from ..errors import StateKVError
 from .errors import ServiceError
@@ -31,7 +32,7 @@ from .store import STREAM_ID, write_atomic
 log = logging.getLogger("statekv.serve")
 
 PREFIX = ".creating-"
-SETUP = "stream.json"  # a stream's description in its file set (`statekv.api.stream_disk`)
+DESCRIPTION = f"{SETUP}.json"  # a stream's description in its file set
 
 
 class CreationNotes:
@@ -102,8 +103,8 @@ def _file_sets_of(folder: Path, stream_id: str, since: float) -> list[Path]:
         with contextlib.suppress(OSError, ValueError, RecursionError, TypeError, AttributeError):
             if not file_set.is_dir() or file_set.is_symlink():
                 continue
-            if (file_set / SETUP).exists():
-                if json.loads((file_set / SETUP).read_text()).get("stream_id") == stream_id:
+            if (file_set / DESCRIPTION).exists():
+                if json.loads((file_set / DESCRIPTION).read_text()).get("stream_id") == stream_id:
                     found.append(file_set)
             elif _made_at(file_set) >= since:
                 found.append(file_set)

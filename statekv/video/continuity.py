@@ -1,4 +1,4 @@
-"""Timestamps made continuous where a source's start again: MPEG-TS files joined end to end (``cat a.ts b.ts``), an
+"""Timestamps made continuous where a source's times start again: MPEG-TS files joined end to end (``cat a.ts b.ts``), an
 HLS or camera recording whose clock starts again in each part. A player shows such a file whole, one part after
 the other; its raw times would put every part over the first one."""
 
