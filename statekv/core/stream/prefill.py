@@ -40,7 +40,7 @@ from ..disk.files import Journaled, read_file_set
 from ..disk.resume import resume
 from ..disk.tier import JOURNAL_STEP_BYTES, DiskTier
 from ..step.graphs import StepGraphs
-from ..storage.limits import CacheKeeper, check_limit, released_segments
+from ..storage.limits import CacheKeeper, check_limit
 from ..storage.memory import CacheGeometry, check_cache_fits
 from ..attention.switch import language_decoder, prepared_mask, share_language_attention, streaming_through
 from ..cache.persistence import check_state_dict
@@ -51,6 +51,7 @@ from ..storage.tiers import StorageTier
 from ..storage.quantized import scale_bytes_per_step, stored_bytes_per_token, summary_bytes_per_step
 from ..positions.rope import FrozenRope, check_horizon, model_frequencies, trained_range
 from ...settings.engine import EngineSettings
+from .holding import counted_bytes, other_bytes
 from .inputs import (check_device_present, check_embeds, check_plain_causal, check_positions, check_step_arguments,
                      check_supported)
 from .stats import StepRecord, StreamStats, kept_fraction
@@ -160,7 +161,7 @@ class StreamingPrefill:
             + scale_bytes_per_step(geometry.kv_heads, geometry.head_dim, geometry.dtype, kv_cache_dtype))
         self.keeper = None if cache_limit is None else CacheKeeper(
             cache_limit, self.cache, self.bytes_per_token, self.protect_tokens, name, self.bytes_per_step,
-            weakly(self, lambda engine: engine._other_bytes(), (0, 0)),
+            weakly(self, other_bytes, (0, 0)),
             JOURNAL_STEP_BYTES if self.disk is not None else 0)
         self.evictions: list[int] = []  # the steps evicted by make_room, in order, until the caller takes them
         # the attention tally of evict-least-attended is kept on the host, which a CUDA graph cannot replay
@@ -218,7 +219,7 @@ class StreamingPrefill:
             carried_tokens=tuple(layer.carried_length for layer in layers),
             detailed_bytes=detailed, summary_bytes=summaries,
             scale_bytes=sum(layer.storage.scale_nbytes for layer in layers), journal_bytes=journal,
-            held_bytes=self.counted_bytes() if self.keeper is None or self.closed else self.keeper.held_bytes,
+            held_bytes=counted_bytes(self) if self.keeper is None or self.closed else self.keeper.held_bytes,
             device_bytes=self.cache.device_bytes(),
             peak_device_bytes=self.cache.peak_device_bytes, graph_replays=self.graphs.replays,
             history=tuple(self.history), evicted_steps=len(self.cache.evicted_steps),
@@ -246,32 +247,6 @@ class StreamingPrefill:
         self.cache.load_state_dict(tensors, metadata, self.device)
         if self.keeper is not None:
             self.keeper.adopt()
-
-    def counted_bytes(self) -> int:
-        """What ``max_cache_bytes`` would count now (`CacheKeeper.held_bytes`) for a stream without a cap: the
-        bytes of every token and step held as stored (a stream saved under a cap and loaded without one holds
-        none of its evicted steps), whatever was allocated ahead of them. A closed stream holds nothing."""
-        if not self.cache.layers:
-            return 0
-        rows = (self.cache.layers[0].storage.batch_heads or (1, 0))[0]
-        tokens = self.seen_tokens - self.cache.evicted_tokens()
-        steps = len(self.cache.chunk_lengths) - len(self.cache.evicted_steps)
-        return (tokens * self.bytes_per_token + steps * self.bytes_per_step) * rows + self._other_bytes()[0]
-
-    def _other_bytes(self) -> tuple[int, int]:
-        """What a cache limit counts besides the tokens and steps held (the segment index, the disk tier's
-        journal, as `DiskTier.counted_bytes` counts it), and what the next step adds to it (a segment row, a
-        step's share of the journal)."""
-        if not self.cache.layers:  # closed: it holds nothing
-            return 0, 0
-        storages = [layer.storage for layer in self.cache.layers if layer.storage.segment_open is not None]
-        row = sum(s.segment_open.numel() * s.segment_open.element_size() for s in storages)  # all layers
-        index = row * (storages[0].segment_index.length - released_segments(self.cache, self.keeper)) if storages else 0
-        completes = (len(self.cache.chunk_lengths) + 1) % self.cache.layers[0].storage.segment_steps == 0
-        growth = row if completes else 0
-        if self.disk is None:
-            return index, growth
-        return index + self.disk.counted_bytes(self.cache), growth + JOURNAL_STEP_BYTES
 
     @property
     def evicted_steps(self) -> StepRuns:
