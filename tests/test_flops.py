@@ -305,3 +305,16 @@ def test_rekv_prefill_and_the_cost_of_answering_from_retrieved_frames():
 
     whole, retrieved = question_flops(spec, 100_000), question_flops(spec, 64 * 259)
     assert whole - retrieved == lm_attention_flops(spec.language, 32 + 16, 100_000 - 64 * 259)
+
+
+def test_measuring_says_how_far_it_is(capsys, monkeypatch):
+    """Before: --measure counted every step of every curve (minutes at real horizons) without a line."""
+    from statekv import console
+    from statekv.cli import main
+
+    monkeypatch.setattr(console, "PROGRESS_SECONDS", 0.0)
+    assert main(["flops", "--frames", "4", "--models", "internvl3-1b", "--budgets", "8", "--recency", "1",
+                 "--measure", "2"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" in ")[0] for line in lines] == [f"statekv flops: measuring {done}/6 steps"
+                                                          for done in range(1, 6)]

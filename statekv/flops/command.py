@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from statekv.console import ProgressLine
 from statekv.errors import ConfigurationError
 from statekv.settings.values import NON_NEGATIVE_INT, PATH, POSITIVE_INT, check_output_dir, check_output_file
 
@@ -112,9 +113,11 @@ def _measure(curves, n_steps: int, score: str) -> list[dict]:
     if score != "eager":
         raise ConfigurationError("--measure runs the eager score path (the only one meta tensors support); "
                                  "drop --score recompute")
-    rows = []
-    for c in curves:
-        measured = measure_prefill(c.model, c.method, n_steps)
+    rows, line = [], ProgressLine("statekv flops: measuring ")
+    for done, c in enumerate(curves):
+        measured = measure_prefill(c.model, c.method, n_steps,
+                                   on_step=lambda step, before=done * n_steps: line(before + step,
+                                                                                   len(curves) * n_steps, "steps"))
         worst = 0.0
         for step, m in enumerate(measured):
             expected = sum(step_flops(c.model, c.method, step).values())

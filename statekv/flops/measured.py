@@ -23,6 +23,7 @@ decomposes into the matrix products it performs.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -118,7 +119,8 @@ def policy_for(method: Method, frames_per_step: int = 1):
 
 
 def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_steps: int,
-                     attention: str = "eager", seed: int = 0) -> list[dict[str, int]]:
+                     attention: str = "eager", seed: int = 0,
+                     on_step: Callable[[int], None] | None = None) -> list[dict[str, int]]:
     """FLOPs of ``n_steps`` chunks through :class:`statekv.StreamingPrefill`, on ``model``'s device.
 
     On meta (the normal case) the chunks are shapes only. On a real device random chunks are drawn: useful to
@@ -127,7 +129,8 @@ def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_
     CPU, so on CPU only StateKV with a budget below one step's tokens is accepted.
 
     Returns one ``{"lm_linear": ..., "lm_attention": ...}`` per step; ``lm_attention`` is everything outside
-    the q/k/v/o projections and MLPs: attention itself and StateKV's score pass.
+    the q/k/v/o projections and MLPs: attention itself and StateKV's score pass. ``on_step(done)`` is called after
+    each step.
     """
     import statekv
 
@@ -154,18 +157,22 @@ def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_
         with FlopCounterMode(display=False) as total, _flops_inside(linear) as inside:
             stream.step(inputs_embeds=chunk)
         steps.append({"lm_linear": sum(inside), "lm_attention": total.get_total_flops() - sum(inside)})
+        if on_step is not None:
+            on_step(len(steps))
     return steps
 
 
 def measure_prefill(model, method: str | Method, n_steps: int, *, budget: int | None = None,
-                    frames: int | None = None, attention: str = "eager") -> list[dict[str, int]]:
+                    frames: int | None = None, attention: str = "eager",
+                    on_step: Callable[[int], None] | None = None) -> list[dict[str, int]]:
     """Measured FLOPs of the first ``n_steps`` steps of ``model`` (preset name, spec or config) under ``method``.
 
     Each entry holds ``vision``, ``projector``, ``lm_linear``, ``lm_attention`` (score pass included) and
-    ``total``. The vision side is measured once: it is the same for every step.
+    ``total``. The vision side is measured once: it is the same for every step. ``on_step(done)`` is called after
+    each language step.
     """
     spec, method = resolve_model(model), make_method(method, budget, frames)
     hf_model = meta_model(spec)
     vision = measure_vision(hf_model, spec)
     return [{**vision, **lm, "total": sum(vision.values()) + sum(lm.values())}
-            for lm in measure_language(hf_model, spec, method, n_steps, attention)]
+            for lm in measure_language(hf_model, spec, method, n_steps, attention, on_step=on_step)]
