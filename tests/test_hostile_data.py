@@ -203,6 +203,14 @@ def test_non_regular_files_are_refused_at_once(kind, tmp_path, capsys):
     assert code == 2 and f"not a regular file ({kind.split(' among')[0]}" in _one_line(err)
 
 
+def test_a_broken_link_given_as_the_video_is_called_one(tmp_path, capsys):
+    """Before: it was "no such file or folder", though the link is right there."""
+    link = tmp_path / "video.mp4"
+    link.symlink_to(tmp_path / "moved.mp4")
+    code, err = _cli(capsys, "answer", link, "What?", "--model", "builtin")
+    assert code == 2 and "video.mp4: a broken link (to " in _one_line(err) and "moved.mp4, which does not exist" in err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The home folder
 # ---------------------------------------------------------------------------------------------------------------

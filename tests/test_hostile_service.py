@@ -986,6 +986,19 @@ def test_long_names_deep_json_and_short_pngs_are_one_line_4xx_on_a_kept_connecti
         assert client.get("/health").status_code == 200  # the same client, its connection kept
 
 
+def test_a_named_pipe_under_the_media_root_is_a_400_saying_so(qa, tmp_path):
+    """Before: a named pipe (or a device's node) under the media root was a 404, "no such file"."""
+    media = tmp_path / "media"
+    media.mkdir()
+    os.mkfifo(media / "camera.mp4")
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = _stream(client, frames=1)
+        reply = client.post(f"/v1/streams/{stream_id}/frames", json={"source": "camera.mp4"})
+        assert "is not a regular file (a named pipe" in _error(reply, 400)
+        assert "no such file" in _error(client.post(f"/v1/streams/{stream_id}/frames", json={"source": "gone.mp4"}),
+                                        404)
+
+
 def test_a_stream_that_cannot_close_is_still_deleted_and_stays_deleted_after_a_restart(qa, tmp_path, monkeypatch):
     """Before: a close that failed (say the disk tier's last checkpoint on a full disk) left the stream's record
     and files behind while the stream was gone from memory, so a restart brought the deleted stream back."""

@@ -35,8 +35,11 @@ def resolve_source(media_root: Path | None, source: object) -> Path:
             raise ServiceError(403, f"source {shown} is outside the media root")
         if real.is_dir():
             raise ServiceError(400, f"source {shown} is a folder: name a video file in it")
-        if not real.is_file():
+        if not real.exists():
             raise ServiceError(404, f"source {shown}: no such file under the media root")
+        if not real.is_file():
+            raise ServiceError(400, f"source {shown} is not a regular file (a named pipe, device or socket): name a "
+                                    "video file")
     except OSError as error:  # a name too long for the filesystem, a component that is not a folder...
         raise ServiceError(400, f"source {shown}: cannot be opened ({error.strerror or type(error).__name__})") from None
     return real

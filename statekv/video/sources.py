@@ -447,6 +447,9 @@ def open_video(source: Any, *, fps: float | None = None) -> Video:
             if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", text):  # a URL: its '//' would read as one '/'
                 raise VideoNotFoundError(f"{text[:200]}: URLs are not read; download the file and give its path, "
                                          "or a file:// URL's path") from None
+            if path.is_symlink():
+                raise VideoNotFoundError(f"{_shown(path)}: a broken link (to {_shown(Path(os.readlink(path)))}, "
+                                         "which does not exist)") from None
             raise VideoNotFoundError(f"{_shown(path)}: no such file or folder") from None
         except OSError as error:  # a name too long, a symbolic link loop, a folder that cannot be entered
             raise VideoError(f"{_shown(path)}: {error.strerror or type(error).__name__}") from None
