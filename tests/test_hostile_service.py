@@ -1201,7 +1201,7 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
                                                                                 monkeypatch):
     """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file
     set that no record named: no deletion reached it, and kills over weeks piled them up. The next start removes
-    it, also when the kill came before the file set described its stream; the streams made whole keep theirs, and
+    it, also when the kill came before the file set described its stream, and a note that a kill cut short mid-write; the streams made whole keep theirs, and
     another server's notes in a shared folder (or a note that is no note) are left as they are."""
     from statekv.serve.store import StreamFiles
 
@@ -1230,13 +1230,57 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
               tier / f".creating-st_{'1' * 24}.json": [1]}
     for path, note in others.items():
         path.write_text(json.dumps(note))
+    cut, writing = tier / f".creating-{kept}.json.0badcafe.partial", tier / f".creating-{kept}.json.12345678.partial"
+    for partial in (cut, writing):  # a kill mid-write left one; another server is writing the other
+        partial.write_text("{")
+    os.utime(cut, (0, 0))
     (tier / "elsewhere").mkdir()
     (tier / "elsewhere" / "stream.json").write_text(json.dumps({"stream_id": f"st_{'0' * 24}"}))
     with Running(state, qa, options=disk) as server, server.client() as client:
         assert [listed["id"] for listed in client.get("/v1/streams").json()["data"]] == [kept]
         assert "whose creation a stop cut short" in caplog.text
         assert client.delete(f"/v1/streams/{kept}").status_code == 200
-    assert sorted(path.name for path in tier.iterdir()) == sorted(["elsewhere", *(path.name for path in others)])
+    assert sorted(path.name for path in tier.iterdir()) == sorted(["elsewhere", writing.name,
+                                                                   *(path.name for path in others)])
+
+
+def test_a_start_that_a_kill_cut_short_while_it_loaded_a_stream_into_a_new_file_set_leaves_no_file_set(
+        qa, tmp_path, options, caplog, monkeypatch):
+    """Before: a start that loaded a stream from its save into a new disk-tier file set (its own lost with a disk)
+    and was killed before the record named the new one left that file set for good: the stream's record named
+    another, and each such start and kill made one more."""
+    from statekv.serve.entries import StreamEntry
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        kept = _stream(client, frames=2)
+
+    def file_sets():
+        return sorted(path.name for path in tier.iterdir() if path.is_dir())
+
+    shutil.rmtree(tier / file_sets()[0])  # lost with its disk: the next start loads it from its save
+    write_record = StreamEntry.write_record
+
+    def killed_here(entry, files):  # what a kill as the record is written leaves
+        if not (tmp_path / "state-killed").exists():
+            shutil.copytree(state, tmp_path / "state-killed")
+            shutil.copytree(tier, tmp_path / "tier-killed")
+        return write_record(entry, files)
+
+    monkeypatch.setattr(StreamEntry, "write_record", killed_here)
+    with Running(state, qa, options=disk):
+        pass
+    monkeypatch.setattr(StreamEntry, "write_record", write_record)
+    for name in ("state", "tier"):
+        shutil.rmtree(tmp_path / name)
+        (tmp_path / f"{name}-killed").rename(tmp_path / name)
+    assert len(file_sets()) == 1  # the load's, which the record does not name
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{kept}").json()["frames"] == 2
+        assert "made by a load that a stop cut short" in caplog.text
+    assert len(file_sets()) == 1 and f".creating-{kept}.json" not in os.listdir(tier)
+    assert json.loads((state / "streams" / f"{kept}.json").read_text())["tier"] == file_sets()[0]
 
 
 def test_a_streams_window_and_retrieval_are_set_over_http_and_kept_across_restarts(qa, tmp_path, options):

@@ -66,7 +66,7 @@ class StreamRegistry:
         self.healer = StreamHealer(self)  # streams a stopped handover closed, brought back (`heal`)
         kept_in = (str(Path(config.state_dir).resolve()) if config.state_dir is not None
                    else f"store {getattr(getattr(self.files, 'store', None), 'url', '')}")
-        self.creations = CreationNotes(kept_in, self.recorded)  # disk-tier creations a kill cut short
+        self.creations = CreationNotes(kept_in, self.record_of)  # disk-tier creations a kill cut short
 
     # -- lookup --------------------------------------------------------------------------------------------
     def get(self, owner: str, stream_id: str) -> StreamEntry:
@@ -185,15 +185,15 @@ class StreamRegistry:
         await asyncio.to_thread(end_creation, note)
         return entry
 
-    def recorded(self, stream_id: str) -> bool:
-        """Whether the stream has a record, damaged or not (True when that cannot be told)."""
+    def record_of(self, stream_id: str) -> dict[str, Any] | Exception | None:
+        """The stream's record; None when it has none; the error when it cannot be read (damaged, or a folder or store
+        that cannot answer now)."""
         try:
-            self.files.record_or_error(stream_id)
+            return self.files.record_or_error(stream_id)
         except FileNotFoundError:
-            return False
-        except Exception:  # noqa: BLE001 -- a folder or store that cannot answer now: nothing is removed
-            return True
-        return True
+            return None
+        except Exception as error:  # noqa: BLE001 -- told apart from no record: nothing is removed for it
+            return error
 
     async def delete(self, entry: Any) -> None:
         """Delete a stream as listed (`owned`): one held here, or one damaged or held elsewhere (by its id)."""
@@ -499,9 +499,14 @@ class StreamRegistry:
     def restore_one(self, data: dict[str, Any], healing: bool = False) -> StreamEntry:
         """Load one recorded stream (`StreamLoader.load`, ``healing`` as there); it is no longer damaged once it
         loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
-        entry = self.loader.load(data, healing=healing)
-        self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
-                               healing)
+        # a load from the save makes a new file set: a note until the record names it (a kill in between)
+        note = None if healing else self.creations.begin_load(data["id"], self.settings.qa.engine)
+        try:
+            entry = self.loader.load(data, healing=healing)
+            self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
+                                   healing)
+        finally:
+            end_creation(note)
         self.damaged.pop(entry.id, None)
         return entry
 
