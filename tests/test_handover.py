@@ -601,11 +601,13 @@ def test_on_the_disk_tier_it_hands_over_its_folder_and_resumes_in_either_phase(c
             stream.push(frame)
         folder, phase = stream.durability.folder, stream.handover
     assert phase == ("handed over" if count == 30 else "beside")
-    assert not any(path.is_dir() for path in folder.iterdir())  # a closed stream's successor goes with it
+    kept = phase == "beside" and caught_up > 0  # a closed stream keeps a successor that replayed steps, else none
+    assert any(path.is_dir() for path in folder.iterdir()) == kept
     with Stream.load(folder, qa) as resumed:
         assert resumed.handover == phase and resumed.frames == count
-        if phase == "beside":  # rebuilt from the backlog kept in the folder, read back only when replayed
-            assert len(resumed.backlog.steps) == len(resumed.step_frames) >= count
+        if phase == "beside":  # what it had not replayed, from the backlog kept in the folder, read when replayed
+            replayed = len(resumed.successor.cache.chunk_lengths)
+            assert len(resumed.backlog.steps) == len(resumed.step_frames) - replayed and (replayed > 0) == kept
             assert all(isinstance(step, StoredStep) for step in resumed.backlog.steps)
         for frame in FRAMES[count:]:
             resumed.push(frame)
@@ -1184,3 +1186,57 @@ def test_on_the_disk_tier_it_evicts_as_the_cache_layout_stream(checkpoint, tmp_p
         assert stream.stats.evicted_frames == reference.stats.evicted_frames
         assert stream.prefill.cache.evicted_steps == reference.prefill.cache.evicted_steps
         assert fingerprint(stream.prefill) == fingerprint(reference.prefill)
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_on_the_disk_tier_a_steered_stream_caught_up_resumes_its_successor_as_it_was(checkpoint, tmp_path, moved):
+    """Caught up under a steering watch, closed and resumed from its folder: its successor goes on from the steps it
+    replayed, as steered then, so past the range it is the stream that never stopped (rebuilt from the backlog, its
+    replay would be steered by the watches open at the resume). ``moved``: the folder resumed elsewhere."""
+    qa = on_disk(checkpoint, tmp_path)
+    with qa.stream() as alone:
+        alone.watch("what is shown?", every=4)
+        for frame in FRAMES[:20]:
+            alone.push(frame)
+        alone.catch_up()
+        for frame in FRAMES[20:]:
+            alone.push(frame)
+        assert alone.handover == "handed over"
+        expected = fingerprint(alone.prefill)
+    with qa.stream() as stream:
+        stream.watch("what is shown?", every=4)
+        for frame in FRAMES[:20]:
+            stream.push(frame)
+        stream.catch_up()
+        folder = stream.durability.folder
+    if moved:
+        folder = Path(shutil.move(str(folder), str(tmp_path / "moved")))
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.handover == "beside" and not resumed.backlog.steps
+        assert [watch.question for watch in resumed.watches] == ["what is shown?"]
+        for frame in FRAMES[20:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over" and not any(path.is_dir() for path in folder.iterdir())
+        assert fingerprint(resumed.prefill) == expected
+
+
+@pytest.mark.parametrize("damage", ["journal", "gone"])
+def test_on_the_disk_tier_a_kept_successor_that_does_not_resume_is_rebuilt_from_the_backlog(checkpoint, tmp_path,
+                                                                                         references, damage):
+    qa = on_disk(checkpoint, tmp_path)
+    with pushed(qa, FRAMES[:20]) as stream:
+        stream.catch_up(5)
+        folder = stream.durability.folder
+    [kept] = [path for path in folder.iterdir() if path.is_dir()]
+    if damage == "gone":
+        shutil.rmtree(kept)
+    else:
+        journal = next(path for path in kept.iterdir() if path.name.startswith("journal"))
+        journal.write_bytes(journal.read_bytes()[:-40])
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.handover == "beside" and len(resumed.backlog.steps) == len(resumed.step_frames)
+        assert [path for path in folder.iterdir() if path.is_dir()] == [resumed.successor.disk.folder] != [kept]
+        for frame in FRAMES[20:]:
+            resumed.push(frame)
+        assert resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == fingerprint(references["cache", 40].prefill)

@@ -22,7 +22,7 @@ import torch
 from ..core.disk.files import (FILE_SET, check_file_set, check_plain_files, hold, read_checked, read_file_set,
                                read_manifest)
 from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
-                                   mark_handover, read_backlog, remove_successors)
+                                   kept_record, kept_successor, mark_handover, read_backlog, remove_successors)
 from ..core.disk.resume import check_durable
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
@@ -233,8 +233,21 @@ class Durability:
                         {key: record[key] for key in REPLAYED if key in record})
         return None
 
+    def keep_successor(self, successor: Any) -> bool:
+        """At close, after `closing`: whether ``successor`` (which replayed steps) is kept beside the stream, its
+        file set synced and then named in the journal (`statekv.core.disk.successor.kept_record`), for a resume to
+        go on with it as it was (`resume_kept`) instead of replaying those steps again. The caller closes it,
+        keeping its files; a successor not kept it discards."""
+        steps = len(successor.cache.chunk_lengths)
+        if self.tier is None or successor.disk is None or not steps or not successor.disk.owned:
+            return False
+        successor.sync()
+        self.tier.append(kept_record(successor.disk, steps))
+        return True
+
     def remove_successors(self) -> None:
-        """Remove the successor file sets left in the stream's folder (they are rebuilt from the backlog)."""
+        """Remove the successor file sets left in the stream's folder, but one a resume holds (`resume_kept`): they
+        are rebuilt from the backlog."""
         remove_successors(self.tier.folder)
 
     def no_successor(self) -> None:
@@ -309,6 +322,35 @@ class Durability:
             self.pushed(frame)
 
 
+def resume_kept(stream: Any, kept: tuple[Path, str, int, Any], steps: list[dict[str, Any]]) -> Any:
+    """The successor ``stream`` kept at its close (`statekv.core.disk.successor.kept_successor`: its folder, file
+    set, steps and lock) resumed in place of the new one, and the steps it replayed gone from the backlog, if its
+    file set resumes as it was journaled (its steps the first of the stream's ``steps``); returns its lock when it
+    does not (the new successor then replays the backlog), else None."""
+    path, file_set, count, lock = kept
+    engine = None
+    try:
+        journal = read_file_set(path)
+        if journal.manifest.get(FILE_SET) != file_set or len(journal.steps) != count or count > len(steps) or any(
+                mine["tokens"] != its["tokens"] for mine, its in zip(journal.steps, steps)):
+            return lock
+        engine = stream.engine_on(DiskTier(path, journal.manifest, lock))
+        engine.resume(journal)
+    except Exception as error:  # noqa: BLE001 -- however its files fail, the backlog rebuilds it
+        log.warning("%s: its successor's files in %s do not resume (%s); it replays its backlog again",
+                    stream.name, path, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        if engine is None:
+            return lock
+        engine.disk.discard()
+        engine.close()
+        return None
+    stream.close_successor()  # the new one, unwritten
+    stream.successor = engine
+    for _ in range(count):
+        stream.backlog.replayed_first()
+    return None
+
+
 def loaded_record(state: LayoutState, last_frame: list, encoded_timestamp: float | None) -> dict[str, Any]:
     """What the journal record of a loaded stream's last step adds (with its placements): its layout ``state``,
     the last frame it streamed ``[index, timestamp]`` and the time of the last it kept."""
@@ -371,6 +413,8 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     except BaseException:
         tier.close()
         raise
+    kept = kept_successor(folder, journal.after)  # its lock held: the stream's new successor leaves it
+    kept_lock = None if kept is None else kept[3]
     try:
         stream = cls(qa, setup["horizon_frames"], max_fps=setup["max_fps"], name=setup["name"],
                      vision_batch=setup["vision_batch"], reserve_tokens=setup["engine"]["reserve_tokens"],
@@ -378,6 +422,8 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
                      disk_tier=tier, stream_id=setup.get("stream_id"), owner=owner, created=setup.get("created"))
     except BaseException:
         tier.close()
+        if kept_lock is not None:
+            kept_lock.release()
         raise
     try:
         stream.prefill.resume(journal)
@@ -393,10 +439,18 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
                                                     stream.adapter.language_embeddings.weight)
             if why is not None:
                 stream.drop_successor(why)
+            elif kept is not None:
+                kept_lock = resume_kept(stream, kept, journal.steps)
             stream.keep_to_cap()
+        if kept_lock is not None:  # not resumed: it goes with the others
+            kept_lock.release()
+            kept_lock = None
+            stream.durability.remove_successors()
         if stream.successor is None:  # resumed whole: what an earlier run kept for a successor goes
             stream.durability.no_successor()
     except BaseException:
+        if kept_lock is not None:
+            kept_lock.release()
         stream.close()
         raise
     stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]

@@ -19,8 +19,9 @@ for its successor. `EncodedVideo.catch_up` replays the backlog earlier, at a mom
 A successor is made only where it can take over and the stream has one record of itself (`why_alone` says
 otherwise): a horizon that can take the stream past the range, a rule whose carried state settles at a fixed size
 or in a ring (not full attention) and 1-D RoPE (not M-RoPE). On the disk tier the successor is a file set in a
-subfolder of the stream's, rebuilt from the backlog (kept durable in the stream's file set) when the stream is
-resumed before its handover, and given the stream's folder at the handover (`statekv.core.disk.successor`). At the
+subfolder of the stream's, kept at the stream's close when it replayed steps and otherwise rebuilt from the
+backlog (kept durable in the stream's file set) when the stream is resumed before its handover, and given the
+stream's folder at the handover (`statekv.core.disk.successor`). At the
 first frame step, whose size is then known,
 `cannot_place` leaves it behind where no step could take the stream past its engine's ceiling, or where the
 carried state and a step do not fit the range in cache order. Under a cache cap each engine keeps to the cap, and

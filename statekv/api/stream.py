@@ -334,6 +334,9 @@ class Stream(EncodedVideo):
         elif not self.prefill.closed and self.durability.enabled:  # what `load` takes back from the folder
             try:
                 self.durability.closing(self.pending, self.pushed, self.last_timestamp, watches)
+                if self.successor is not None and self.durability.keep_successor(self.successor):
+                    successor, self.successor = self.successor, None
+                    successor.close()  # its files stay, for `load` to go on with (not replaying its steps again)
             except OutputError as error:
                 if lost:
                     log.warning("%s: %s: %s", self.name, "; ".join(lost), error)

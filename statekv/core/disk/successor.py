@@ -1,12 +1,15 @@
 """A disk-tier stream's successor (`statekv.api.handover`): its backlog, kept durable in the stream's file set, and
 the handover of the file set to it.
 
-While a ``handover`` stream on the disk tier fits the model's range, its successor is derived state: a file set of
-its own in a subfolder of the stream's folder (`successor_folders`), which nothing resumes. What a resumed stream
-rebuilds it from is the backlog: each step's embeddings are written to ``backlog.bin`` before the journal record
+While a ``handover`` stream on the disk tier fits the model's range, its successor is a file set of its own in a
+subfolder of the stream's folder (`successor_folders`). What a stream resumed after a kill rebuilds it from is the
+backlog: each step's embeddings are written to ``backlog.bin`` before the journal record
 that vouches for them, and that record names where they lie and their CRC-32 (`BacklogFile`, `read_backlog`). A
 stream resumed before its handover removes any successor folder left behind and replays its backlog into a new
-successor; at worst it replays the steps again.
+successor; at worst it replays the steps again. A stream closed with a successor that replayed steps keeps it:
+its file set is synced, then a record naming it (`kept_record`) is journaled after the stream's last checkpoint, and
+a stream resumed from that checkpoint resumes the successor too (`kept_successor`): the steps it replayed are not
+replayed again, which a steering watch (its replays steered by the watches open then) would make another stream.
 
 The handover gives the stream's folder to the successor's file set in an order that a kill at any point resumes
 from: the successor's file set is checkpointed and synced, then ``handover.json`` is written atomically naming its
@@ -34,6 +37,7 @@ from .tier import DiskTier
 
 BACKLOG_FILE = "backlog.bin"
 HANDOVER_MARKER = "handover.json"
+KEPT = "successor"  # a journal record's field at close: the successor's file set kept beside the stream
 
 
 class BacklogFile:
@@ -132,9 +136,31 @@ def successor_folders(folder: Path) -> list[Path]:
         return []
 
 
+def kept_record(tier: DiskTier, steps: int) -> dict[str, Any]:
+    """The journal record of a stream closed with its successor kept: the successor's file set (``tier``, synced
+    at its last step) and the ``steps`` it replayed."""
+    return {KEPT: {"folder": tier.folder.name, FILE_SET: tier.file_set, "steps": steps}}
+
+
+def kept_successor(folder: Path, records: list[dict[str, Any]]) -> tuple[Path, str, int, Any] | None:
+    """The successor a stream in ``folder`` kept at its close, as the last of the journal's ``records`` after its
+    last checkpoint names it (`kept_record`): its folder, file set and steps, and its lock, taken (so that making
+    the stream's new successor leaves it, `remove_successors`); None when none is named, or it is gone or held."""
+    kept = next((record[KEPT] for record in reversed(records) if KEPT in record), None)
+    if (not isinstance(kept, dict) or not isinstance(kept.get("folder"), str) or not _plain(kept["folder"])
+            or not isinstance(kept.get(FILE_SET), str) or type(kept.get("steps")) is not int or kept["steps"] < 1
+            or not (folder / kept["folder"]).is_dir()):
+        return None
+    try:
+        lock = hold(folder / kept["folder"], "a stream resuming its successor")
+    except InputError:
+        return None
+    return folder / kept["folder"], kept[FILE_SET], kept["steps"], lock
+
+
 def remove_successors(folder: Path, *, backlog: bool = False) -> None:
-    """Remove the successor file sets left in ``folder`` (by a stream stopped before its handover: nothing resumes
-    them, the backlog rebuilds its successor), each once its lock is taken (one another process opened is left);
+    """Remove the successor file sets left in ``folder`` by a stream stopped before its handover (the backlog
+    rebuilds its successor), each once its lock is taken (one another process opened, or a resume holds, is left);
     ``backlog``: the backlog file too (a stream going on without a successor)."""
     for path in successor_folders(folder):
         try:
