@@ -227,3 +227,17 @@ def test_a_question_on_a_stream_sees_its_clip_up_to_its_time_only(tmp_path):
     model.task_dict = {"t": {"test": docs}}
     (answer,) = model.generate_until(requests_for(docs))
     assert answer.strip()
+
+
+@pytest.mark.parametrize("realtime", [-1, "00:05"])
+def test_a_bad_realtime_of_a_document_not_asked_leaves_the_run_alone(realtime, qa, tmp_path):
+    """Before: a document of the task about the same source but not asked (another rank's, past a --limit) ended the
+    run in one line naming it, while its stream was being planned; now it is refused only where it is asked."""
+    root, forward, _, _ = _forward(tmp_path)
+    clip = str(root / "chunked_videos" / f"{forward['id']}_1.mp4")
+    docs = [{"video": forward["video"], "realtime": 1.0, "clip": clip, "question": "What shape is shown?"},
+            {"video": forward["video"], "realtime": realtime, "clip": clip, "question": "What colour is it?"}]
+    model = StateKV(qa=qa)
+    model.task_dict = {"t": {"test": docs}}
+    (answer,) = model.generate_until(requests_for(docs)[:1])
+    assert isinstance(answer, str)

@@ -373,7 +373,11 @@ class StateKV(_Base):
                 except (Exception, SystemExit):  # noqa: BLE001 -- fails where it is asked, if it is (a missing
                     continue  # clip: lmms-eval's ovobench task asserts, its videomme task exits); it plans nothing
                 where = f"{task} document of {source}"
-                times = round_times(doc, len(rounds), where=where) if multi_round else [query_time(doc, where=where)]
+                try:
+                    times = round_times(doc, len(rounds), where=where) if multi_round else \
+                        [query_time(doc, where=where)]
+                except StateKVError:  # a malformed time: refused where the document is asked, if it is
+                    continue
                 last, prompts, longest = plans.get(source, (0.0, [], 0))
                 plans[source] = (max([last, *(t for t in times or [] if t is not None)]),
                                  prompts + [prompt for _, prompt in rounds],
