@@ -471,3 +471,33 @@ def test_an_ovo_document_statekv_eval_refuses_stops_the_run_in_one_line(checkpoi
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == ("statekv (lmms-eval model): error while answering: ovo_realtime doc 1: "
                                                "field 'realtime' must be a number of seconds from 0 to 1e+11, got -1")
+
+
+@pytest.mark.parametrize("multi_round", [False, True])
+def test_a_missing_ovo_clip_ends_the_run_in_one_line_naming_it(multi_round, checkpoint, qa, tmp_path, capsys):
+    """lmms-eval's ovobench task asserts that a document's clip exists. Before: that bare AssertionError ended the
+    run with a traceback (exit status 1)."""
+    utils = pytest.importorskip("lmms_eval.tasks.ovobench.utils")
+    folder = write_mini_ovobench(tmp_path / "data")
+    single, multi, task_dict = ovo_requests(folder)
+    clips = {"data_dir": str(folder / "chunked_videos")}
+
+    def lmms_evals(doc, round_idx=None, **rest):  # the clip as lmms-eval's own task code finds it
+        asked = {**clips, "round_idx": round_idx or 0} if multi_round else clips
+        turn = [{"role": "user", "content": [{"type": "video", "url": utils.ovo_doc_to_visual(doc, asked)[0]},
+                                             {"type": "text", "text": "Q?"}]}]
+        return turn if round_idx is None else (turn, round_idx == len(doc["test_info"]), None, None)
+
+    request = (multi if multi_round else single)[0]
+    request.args = (*request.args[:1], lmms_evals, *request.args[2:])
+    doc = task_dict["ovo_forward" if multi_round else "ovo_realtime"]["test"][0]
+    missing = folder / "chunked_videos" / (f"{doc['id']}_1.mp4" if multi_round else f"{doc['id']}.mp4")
+    missing.unlink()
+    model = StateKV(pretrained=str(checkpoint), qa=qa)
+    model.task_dict = task_dict
+    with pytest.raises(SystemExit) as exit_info:
+        (model.generate_until_multi_round if multi_round else model.generate_until)([request])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error, error
+    (line,) = [line for line in error.splitlines() if line.startswith("statekv")]
+    assert str(missing) in line and "missing" in line, line

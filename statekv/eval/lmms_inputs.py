@@ -70,11 +70,16 @@ def _pairs(text: Any) -> dict[str, str]:
     return args
 
 
-def messages_of(doc_to_messages: Any, doc: Any, *, where: str) -> Any:
-    """The chat messages the task makes of ``doc``; a one-line `InputError` naming the document when the task's own
-    code cannot read it (a ``video`` that is a list or null: lmms-eval's own ``TypeError`` otherwise)."""
+def messages_of(doc_to_messages: Any, doc: Any, *, where: str, **round_args: Any) -> Any:
+    """The chat messages the task makes of ``doc`` (``round_args``: a multi-round task's round); a one-line
+    `InputError` naming the document when the task's own code cannot read it (a ``video`` that is a list or null:
+    lmms-eval's own ``TypeError`` otherwise) or its own check of the video fails (lmms-eval's ovobench task asserts
+    that a clip exists, naming it)."""
     try:
-        return doc_to_messages(doc)
+        return doc_to_messages(doc, **round_args)
+    except AssertionError as error:
+        said = " ".join(str(error).split())[:300] or "no message"
+        raise InputError(f"{where}: the task's own check failed ({said}); is a video file it names missing?") from None
     except (TypeError, ValueError, KeyError) as error:
         raise InputError(f"{where}: the task cannot make its chat messages ({type(error).__name__}: "
                          f"{str(error)[:160]}); a document names one video by its path") from None

@@ -541,10 +541,12 @@ def task_rounds(doc_to_messages: Any, doc: Any, *, where: str = "request") -> li
     """``[(video, prompt)]`` of every round of a multi-round document, asking the task round by round (lmms-eval
     0.7's protocol: round 0 is ``doc_to_messages(doc)``, round ``i`` ``doc_to_messages(doc, round_idx=i,
     previous_output=..., previous_round_info=...)``, which returns ``(messages, terminal, output, info)``)."""
-    rounds = [video_and_prompt(doc_to_messages(doc), where=f"{where} round 0")]
+    first = f"{where} round 0"
+    rounds = [video_and_prompt(messages_of(doc_to_messages, doc, where=first), where=first)]
     info = None
     while len(rounds) <= MAX_ROUNDS:
-        payload = doc_to_messages(doc, round_idx=len(rounds), previous_output=[], previous_round_info=info)
+        payload = messages_of(doc_to_messages, doc, where=f"{where} round {len(rounds)}", round_idx=len(rounds),
+                              previous_output=[], previous_round_info=info)
         if not (isinstance(payload, tuple) and len(payload) == 4):
             raise InputError(f"{where}: round {len(rounds)} of a multi-round task must give (messages, terminal, "
                              f"output, info), got {type(payload).__name__}")
