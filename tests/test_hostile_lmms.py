@@ -241,3 +241,24 @@ def test_a_bad_realtime_of_a_document_not_asked_leaves_the_run_alone(realtime, q
     model.task_dict = {"t": {"test": docs}}
     (answer,) = model.generate_until(requests_for(docs)[:1])
     assert isinstance(answer, str)
+
+
+def test_a_forward_documents_answers_do_not_depend_on_the_other_forward_documents_asked(tmp_path):
+    """Before: the forward documents of one source shared its stream, each one's watch steering what it carried for
+    all of them, so a document's answers depended on which others a process held (its rank's share, a --limit).
+    Each is now answered on a stream of its own, as if asked alone."""
+    _, _, doc, rounds = _forward(tmp_path)
+    model = StateKV.create_from_arg_string("pretrained=builtin,device=cpu,budget=4", FLAGS)
+    questions = ["Is there a red square now? Answer yes or no.", "What colour is the background? Answer briefly.",
+                 "Is a blue circle moving now? Answer yes or no."]
+    model.task_dict = {"fwd": {"test": [{**doc, "question": question} for question in questions]}}
+
+    def asked(doc_ids):
+        requests = [types.SimpleNamespace(args=("", rounds, {"max_new_tokens": 12}, doc_id, "fwd", "test"),
+                                          metadata={}, request_type="generate_until_multi_round")
+                    for doc_id in doc_ids]
+        return model.generate_until_multi_round(requests)
+
+    alone = [asked([doc_id])[0] for doc_id in range(len(questions))]
+    assert asked(range(len(questions))) == alone
+    assert asked([2, 0]) == [alone[2], alone[0]]

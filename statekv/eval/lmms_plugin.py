@@ -24,7 +24,7 @@ warning line, once a run, and ignored.
 
 Streaming benchmarks (lmms-eval's ``ovo_*`` tasks): a document naming its source ``video`` and a query time
 (``realtime``; a multi-round document: one per round in ``test_info``) is asked on one live stream per source
-video, at its time, the source's questions (and rounds) in time order on the same stream, its cache reused.
+video (a multi-round one: per document, its watches steering only it), at its time, in time order, cache reused.
 The stream is fed from the documents' own clips, which are prefixes of the source cut at the query time: each
 question pushes the frames of its clip the stream has not seen yet. `generate_until_multi_round` (``ovo_forward``)
 takes each document's rounds from the task up front (``doc_to_messages(doc, round_idx=i, ...)``, until it says
@@ -305,16 +305,16 @@ class StateKV(_Base):
         return _Ask(index, str(self._doc(task, split, doc_id)["video"]), seconds, video, prompt, gen_kwargs)
 
     def _stream_asks(self, requests: Sequence[Any], asks: Sequence["_Ask"]) -> Iterator[tuple[Any, str]]:
-        """``(key, answer)`` of every ask: one stream per source video, its asks in time order, each after the
-        frames of its clip up to its time. A round of a multi-round document (``ovo_forward``'s polls) is an
-        evaluation of its prompt's watch on the stream, as ``statekv eval --mode streaming`` answers forward polls
-        (`statekv.eval.watching`): opened at its first round, closed after its last."""
-        by_source: dict[str, list[_Ask]] = {}
-        for ask in asks:
-            by_source.setdefault(ask.source, []).append(ask)
-        plans = self._stream_plans(requests, set(by_source))
-        for source, source_asks in by_source.items():
-            done = set()
+        """``(key, answer)`` of every ask: one stream per source video (per forward document), its asks in time
+        order, each after the frames of its clip up to its time. A round of a multi-round document (``ovo_forward``'s
+        polls) is an evaluation of its prompt's watch on the stream, as ``statekv eval --mode streaming`` answers
+        forward polls (`statekv.eval.watching`): opened at its first round, closed after its last."""
+        by_stream: dict[Any, list[_Ask]] = {}
+        for ask in asks:  # a forward document's watches steer its stream: one of its own, as if it were asked alone
+            by_stream.setdefault((ask.source, ask.key[0]) if isinstance(ask.key, tuple) else ask.source, []).append(ask)
+        plans = self._stream_plans(requests, {ask.source for ask in asks})
+        for source_asks in by_stream.values():
+            source, done = source_asks[0].source, set()
             try:
                 for key, text in self._ask_source(source, source_asks, plans[source]):
                     done.add(key)
