@@ -297,7 +297,7 @@ def test_a_chat_over_a_stream_retrieves_as_ask_does_and_a_streams_setting_in_it_
                 "messages": [{"role": "user", "content": QUESTION}]})
             assert chat.json()["choices"][0]["message"]["content"] == asked["answer"], chat.text
         told = server.service.registry.entries[stream_id].answers
-        assert [answer.get("read_frames") is None for answer in told[-4:]] == [False, False, True, True]
+        assert [answer.get("read_ranges") is None for answer in told[-4:]] == [False, False, True, True]
         base = {"model": "builtin", "messages": [{"role": "user", "content": QUESTION}]}
         for field, value, says in (("retrieve", 2, 'retrieve goes under "statekv"'),
                                    ("stream_id", stream_id, 'stream_id goes under "statekv"'),

@@ -14,6 +14,7 @@ from typing import Any
 from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..errors import InputError, OutputError, StateKVError
+from .answer_notes import recalled
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
 from .errors import public_message, reason_of
 from .page_record import recall_page
@@ -71,7 +72,7 @@ class StreamLoader:
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
             if not getattr(stream, "keeps_cache", True):  # its counts alone were kept: it goes on from them
                 saved = counted(stream, data, saved)
-        answers = [a for a in data.get("answers") or [] if isinstance(a, dict)][-ANSWERS:]
+        answers = recalled(data.get("answers"))[-ANSWERS:]
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches,

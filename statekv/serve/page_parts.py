@@ -6,10 +6,13 @@ from __future__ import annotations
 import base64
 import inspect
 import io
+import itertools
 import json
 import logging
 import re
 from typing import Any
+
+from .answer_notes import read_count, read_frames
 
 THUMBNAIL_WIDTH = 320
 LOGGED_URL_CHARACTERS = 300
@@ -171,12 +174,12 @@ def jpeg_data_url(image: Any) -> str:
 
 def read_text(answer: dict) -> str:
     """What an answer read, for its card: the frames it retrieved, or every frame the stream held."""
-    frames = answer.get("read_frames")
+    frames, count = read_frames(answer), read_count(answer)
     if frames is None:
         held = answer.get("frames") or 0
         return f"read every frame held ({held})"
-    shown = ", ".join(str(frame) for frame in frames[:12]) + (" …" if len(frames) > 12 else "")
-    return f"read {len(frames)} frame{'s' * (len(frames) != 1)}: {shown}"
+    shown = ", ".join(str(frame) for frame in itertools.islice(frames, 12)) + (" …" if count > 12 else "")
+    return f"read {count} frame{'s' * (count != 1)}: {shown}"
 
 
 def js_literal(text: str | None) -> str:

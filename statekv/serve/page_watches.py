@@ -7,12 +7,14 @@ They work on the same registry and watch hub as the API (`statekv.serve.watches`
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 from ..builtin import is_builtin_kind
 from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
+from .answer_notes import read_frames
 from .page_parts import ErrorNote
 from .watch_routes import open_recorded
 from .watches import changing_watches, described, watch_settings
@@ -188,11 +190,11 @@ def timeline_rows(entry) -> tuple[list[str], list[list], list[list]]:
     for number, answer in enumerate(entry.answers[-TIMELINE_ANSWERS:]):
         name = f"{number + 1}. {answer['question'].splitlines()[0][:40]}"
         rows.append(name)
-        frames = answer.get("read_frames")
+        frames = read_frames(answer)
         if frames is None:
             held = int(answer.get("frames") or 0)
             frames = range(0, held, max(1, math.ceil(held / TIMELINE_POINTS)))
-        read.extend([frame, name] for frame in list(frames)[:TIMELINE_POINTS])
+        read.extend([frame, name] for frame in itertools.islice(frames, TIMELINE_POINTS))
     for number, watch in enumerate(entry.stream.watches):
         name = f"watch {number + 1}: {watch.question.splitlines()[0][:40]}"
         rows.append(name)

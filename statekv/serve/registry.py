@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StateKVError
+from .answer_notes import answer_note
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .creations import CreationNotes, end_creation
@@ -350,8 +351,7 @@ class StreamRegistry:
                 self.metrics.stopped.inc()
             raise
         result["latency"] = round(time.perf_counter() - started, 4)
-        entry.answers.append({"question": question, "at": int(time.time()),
-                              **{key: result[key] for key in ("answer", "frames", "seconds", "latency", "read_frames")}})
+        entry.answers.append(answer_note(question, result))
         del entry.answers[:-ANSWERS]
         await entry.keep_record(self.files, "an answer")  # the answer is given; only its note may be lost
         return result
