@@ -1010,3 +1010,29 @@ def test_a_watch_on_a_bounded_m_rope_stream_opens_without_the_retrieval_its_meth
     other = statekv.VideoQA.from_pretrained(internvl, method="rekv").stream()  # one RoPE: it retrieves as asked
     assert other.watch("Is it?", every=2, max_new_tokens=2).retrieve == other.qa.retrieve
     other.close()
+
+
+def test_a_watch_whose_long_answers_keep_changing_leaves_its_stream_savable(qa, frames, tmp_path, monkeypatch):
+    """A watch kept its latest 10,000 events however long their answers (up to its max_new_tokens): every save
+    writes them whole into a saved stream's bounded metadata, so a watch whose long answers kept changing made its
+    stream refuse every save from then on. Its events now also stay within `MAX_EVENT_CHARS` characters."""
+    import statekv.api.stream_file as stream_file
+
+    bound = getattr(watch_module, "MAX_EVENT_CHARS", 1 << 20)
+    monkeypatch.setattr(stream_file, "MAX_METADATA_CHARS", 3 * bound)
+    stream = qa.stream(max_fps=1)
+    push(stream, frames, 0, 2)
+    watch = stream.watch(COUNT, every=1)
+    long = 4 * bound // 1000  # a thousand such answers: four times the bound
+    watch.events[:] = [watch_module.WatchEvent(frame, None, f"{frame} " + "x" * long) for frame in range(1000)]
+    told = iter(range(10**6))
+    monkeypatch.setattr(stream.adapter, "decode", lambda tokens: f"new {next(told)} " + "y" * long)
+    watch.answer_tokens = None
+    push(stream, frames, 2, 3)
+    assert watch.events[-1].answer.startswith("new 0 ")
+    stream.save(tmp_path / "s.safetensors")
+    back = statekv.Stream.load(tmp_path / "s.safetensors", qa)
+    assert [event.answer for event in back.watches[0].events] == [event.answer for event in watch.events]
+    assert sum(len(event.answer) for event in watch.events) <= bound
+    back.close()
+    stream.close()

@@ -30,6 +30,7 @@ import secrets
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ log = logging.getLogger("statekv")
 
 DEFAULT_NEW_TOKENS = 16
 MAX_EVENTS = 10_000  # the events a watch keeps (the latest), so a watch that never closes stays bounded
+# and the characters of their answers (an answer may be `max_new_tokens` long): every save and disk-tier checkpoint
+# writes a stream's watches' events whole, and a saved stream's metadata is bounded (`stream_file.MAX_METADATA_CHARS`)
+MAX_EVENT_CHARS = 1 << 20
 KEPT_PLACES = 64  # the closed watches whose place among a stream's watches it remembers (the latest)
 
 
@@ -429,6 +433,19 @@ def _evaluation(watch: Watch) -> Evaluation:
                       retrieval)
 
 
+def keep_latest(events: list[WatchEvent]) -> None:
+    """Cut ``events`` to the latest `MAX_EVENTS`, and to the latest whose answers hold `MAX_EVENT_CHARS` characters
+    (the newest one kept whatever its length)."""
+    del events[:-MAX_EVENTS]
+    if sum(map(len, map(attrgetter("answer"), events))) <= MAX_EVENT_CHARS:
+        return
+    chars, first = 0, len(events)
+    while first > 0 and (first == len(events) or chars + len(events[first - 1].answer) <= MAX_EVENT_CHARS):
+        first -= 1
+        chars += len(events[first].answer)
+    del events[:first]
+
+
 def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEvent | None:
     """Book an evaluation's answer ``tokens`` ``[1, N]``: the watch's clock, its answer, an event when it changed
     (returned)."""
@@ -448,7 +465,7 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEve
     if answer != watch.answer:
         event = WatchEvent(stream.frames, seconds, answer)
         watch.events.append(event)
-        del watch.events[:-MAX_EVENTS]
+        keep_latest(watch.events)
     watch.answer = answer
     return event
 
