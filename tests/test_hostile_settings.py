@@ -65,6 +65,24 @@ def test_a_simplestream_streams_kv_cache_dtype_is_its_questions(simplestream):
         assert stream.clip_engine.kv_cache_dtype is None
 
 
+def test_a_cache_cap_under_simplestream_is_refused_as_unread(tmp_path, capsys):
+    # it was taken, and every question then failed on its own window: "the detailed cache is full"
+    from statekv.cli import main
+    with pytest.raises(ConfigurationError, match="max_cache_bytes=10000 is not used by method='simplestream'"):
+        ModelOptions.given(model="builtin", method="simplestream", max_cache_bytes=10**4)
+    assert main(["stream", str(tmp_path / "v.mp4"), "--model", "builtin", "--method", "simplestream",
+                 "--max-cache-bytes", "10K"]) == 2
+    assert "--max-cache-bytes 10240 is not used by --method simplestream" in capsys.readouterr().err
+
+
+def test_a_simplestream_made_from_a_capped_videoqa_still_answers(simplestream):
+    capped = statekv.VideoQA.from_pretrained("builtin", device="cpu", max_cache_bytes=10**4)
+    with capped.with_options(method="simplestream").stream() as stream:
+        for seconds in range(3):
+            stream.push(torch.zeros(32, 32, 3, dtype=torch.uint8).numpy(), float(seconds))
+        assert stream.ask("Which?\nA. a\nB. b\nC. c\nD. d\nAnswer with the letter.", max_new_tokens=1)
+
+
 def test_an_evicting_cap_without_offload_is_refused_before_the_model_loads():
     with pytest.raises(ConfigurationError, match="cache_limit=evict-oldest needs the detailed cache offloaded"):
         ModelOptions.given(model="builtin", max_cache_bytes=10**6, cache_limit="evict-oldest")

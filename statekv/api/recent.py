@@ -186,8 +186,11 @@ class RecentFrames:
     def clip_engine(self) -> Any:
         """The engine settings a question's encoding runs with: the VideoQA's, but never on the disk tier (a file
         set per question, thrown away after it, would only be left behind: nothing resumes it), whose cache is
-        then kept in host memory instead."""
+        then kept in host memory instead, and never under a cache cap (a service's, for its cached streams),
+        which would refuse the question's own window however often it is asked; the window bounds it."""
         engine = self.engine
+        if engine.max_cache_bytes is not None:
+            engine = engine.with_changes(max_cache_bytes=None, cache_limit="refuse")
         return engine.with_changes(offload=True, offload_dir=None) if engine.offload == "disk" else engine
 
     # -- the rest of a stream's surface ---------------------------------------------------------------

@@ -189,14 +189,14 @@ def method_names() -> tuple[str, ...]:
 
 SIZES = tuple(size.name for size in fields(MethodSettings))
 # what `refuse_unread` checks: the sizes, how many frames a question retrieves and by which rule, where the cache goes
-READ_BY_SOME = SIZES + ("retrieve", "retrieval", "offload")
+READ_BY_SOME = SIZES + ("retrieve", "retrieval", "offload", "max_cache_bytes")
 
 
 def refuse_unread(name: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
     """Refuse (one-line `ConfigurationError`) a setting in ``given`` that method ``name`` never reads, so nothing is
     run or recorded as if it had changed something: a size it is not sized by (``window`` under ``statekv``),
     ``retrieve`` or ``retrieval`` under a method that keeps no cache to retrieve from, ``retrieval`` when nothing
-    is retrieved, ``offload="disk"`` under a method that keeps no cache.
+    is retrieved, ``offload="disk"`` or ``max_cache_bytes`` under a method that keeps no cache.
 
     ``given``: the settings given explicitly, by name (None: not given; names outside `READ_BY_SOME` are not
     looked at). flags: name them as command-line flags (``--window 4``), else as keywords (``window=4``). Every
@@ -227,6 +227,10 @@ def refuse_unread(name: str, given: Mapping[str, Any], *, flags: bool = False) -
             raise ConfigurationError(f"{named('offload', 'disk')} is not used by {which}: the disk tier keeps a "
                                      "stream's cache in files to resume it, and this method keeps no cache (only "
                                      "its last frames); leave it out")
+        if "max_cache_bytes" in given:
+            raise ConfigurationError(f"{named('max_cache_bytes', given['max_cache_bytes'])} is not used by {which}: "
+                                     "it keeps no cache to cap (only its last frames, encoded afresh for each "
+                                     "question); leave it out")
     if "retrieval" in given and given.get("retrieve") is None and spec.retrieve is None:
         raise ConfigurationError(f"{named('retrieval', given['retrieval'])} picks the frames {named('retrieve')} "
                                  f"answers from, and {which} retrieves none: give {named('retrieve')} K too")
