@@ -458,3 +458,22 @@ def test_a_save_killed_at_any_moment_leaves_the_file_before_it_loadable(adapter,
     assert saved >= 4, child.stderr
     resumed = Stream.load(target, small_qa(adapter))
     assert resumed.frames >= saved + 1
+
+
+def test_a_close_the_full_disk_refuses_still_closes_and_the_folder_resumes(adapter, tmp_path, monkeypatch):
+    """Before: the close's checkpoint failed with the disk full, and the stream kept its files and its folder's lock,
+    so `Stream.load` of the folder was refused as in use by this very process until it ended."""
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(max_fps=1)
+    for index, frame in enumerate(noise_frames(3)):
+        stream.push(frame, float(index))
+    folder = stream.folder
+    for name in ("write", "pwrite"):  # every write fails: the disk stays full
+        monkeypatch.setattr(os, name, lambda *args: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    with pytest.raises(OutputError, match="the stream is closed and .* resumes from its last checkpoint") as error:
+        stream.close()
+    assert "\n" not in str(error.value)
+    monkeypatch.undo()
+    resumed = Stream.load(folder, qa)
+    assert 1 <= resumed.frames < 3
+    resumed.close()

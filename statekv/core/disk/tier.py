@@ -473,17 +473,24 @@ class DiskTier:
             self.lock = None
             shutil.rmtree(self.folder, ignore_errors=True)
             return None
+        refused = None
         if self._journal >= 0 and checkpoint:
             try:
                 self.checkpoint()  # a closed stream resumes with nothing lost
-            except OutputError:
-                if not self.lost:  # a folder moved away is not written to, even on close
+            except OutputError as error:
+                if keep_lock and not self.lost:
                     raise
+                # a folder moved away is not written to, even on close; a full disk still closes: the folder
+                # resumes from its last checkpoint, as after a kill, and a lock kept would refuse that resume
+                refused = None if self.lost else error
         self._close_files()
         lock, self.lock = self.lock, None
         if keep_lock:
             return lock
         lock.release()  # the files stay, for the next owner
+        if refused is not None:
+            raise OutputError(f"{refused}; the stream is closed and {self.folder} resumes from its last checkpoint "
+                              "(Stream.load), without the frames after it") from None
         return None
 
     def discard(self) -> None:

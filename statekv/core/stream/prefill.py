@@ -487,9 +487,11 @@ class StreamingPrefill:
         self.rope = None
         self.graphs.clear()
         pool.release(self.cache)  # its seat in its model's pool, if it took one (`statekv.core.cache.pool`)
-        if self.disk is not None:
-            self.disk.close()  # the files stay: Stream.load resumes from them
-        self.cache.release()
+        try:
+            if self.disk is not None:
+                self.disk.close()  # the files stay: Stream.load resumes from them
+        finally:
+            self.cache.release()
 
     def __enter__(self) -> "StreamingPrefill":
         return self
