@@ -301,6 +301,25 @@ def test_video_config_falls_back_to_the_preprocessor_config(tmp_path):
     assert settings.image_mean == (0.1, 0.2, 0.3) and settings.merge_size == Qwen3VLVideoProcessor.merge_size
 
 
+@pytest.mark.parametrize("field, value", [("merge_size", 1), ("patch_size", 14)])
+def test_a_video_config_that_disagrees_with_the_vision_tower_is_refused(adapter, tmp_path, field, value):
+    """Patches laid out for another patch or merge size would reach the tower in an order it does not read."""
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({field: value}))
+    settings = QwenVideoSettings.from_pretrained(tmp_path)
+    with pytest.raises(InputError, match=f"says {field} {value}, but the vision tower") as error:
+        Qwen3VLAdapter(adapter.model, adapter.tokenizer, settings)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("config", [{"patch_size": None}, {"patch_size": 0}, {"image_mean": 0.5},
+                                    {"size": {"shortest_edge": 10, "longest_edge": "lots"}}, ["not", "a", "dict"]])
+def test_a_malformed_video_config_is_refused_in_one_line(tmp_path, config):
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="video preprocessing config is malformed") as error:
+        QwenVideoSettings.from_pretrained(tmp_path)
+    assert "\n" not in str(error.value)
+
+
 def test_bad_inputs_raise_one_line_errors(adapter, frames, full_run, tmp_path):
     state = adapter.start(7)
     cases = [

@@ -78,9 +78,16 @@ class QwenVideoSettings:
         """Read ``video_preprocessor_config.json`` (else ``preprocessor_config.json``); unset fields take the
         processor class's defaults."""
         config = checkpoint_json(path, "video_preprocessor_config.json", "preprocessor_config.json") or {}
+        try:
+            return cls._from_config(config)
+        except (AttributeError, TypeError, ValueError) as error:
+            raise InputError(f"{path}: its video preprocessing config is malformed ({error})") from None
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> "QwenVideoSettings":
         defaults = Qwen3VLVideoProcessor
         size = config.get("size") or {}
-        return cls(
+        settings = cls(
             patch_size=int(config.get("patch_size", defaults.patch_size)),
             temporal_patch_size=int(config.get("temporal_patch_size", defaults.temporal_patch_size)),
             merge_size=int(config.get("merge_size", defaults.merge_size)),
@@ -91,6 +98,13 @@ class QwenVideoSettings:
             max_frame_tokens=int(config.get("max_video_tokens", defaults.max_video_tokens)),
             cap_pixels_per_frame=bool(config.get("cap_pixels_per_frame", defaults.cap_pixels_per_frame)),
         )
+        sizes = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "max_frame_tokens")
+        for name in sizes:
+            if getattr(settings, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(settings, name)}")
+        if len(settings.image_mean) != 3 or len(settings.image_std) != 3:
+            raise ValueError("image_mean and image_std must hold one value per colour channel")
+        return settings
 
     # -- resolution -------------------------------------------------------------------------------------
     def frame_size(self, height: int, width: int, num_frames: int | None,
@@ -159,6 +173,14 @@ class Qwen3VLAdapter(VideoAdapter):
                  layout: str | None = None, tokens_per_frame: int | None = None,
                  chat_template: str | None = None):
         super().__init__(model, tokenizer, layout=layout)
+        vision = model.config.vision_config
+        # a disagreement would lay patches out in an order the tower does not read, silently
+        for field, tower_field in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                   ("temporal_patch_size", "temporal_patch_size")):
+            ours, tower = getattr(settings, field), getattr(vision, tower_field)
+            if ours != tower:
+                raise InputError(f"the video preprocessing config says {field} {ours}, but the vision tower's "
+                                 f"{tower_field} is {tower}")
         if settings.temporal_patch_size != self.frames_per_step:
             raise UnsupportedModelError(f"{self.family} streams {self.frames_per_step} frames per chunk, but this "
                                         f"checkpoint's temporal patch is {settings.temporal_patch_size} frames")
