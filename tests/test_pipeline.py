@@ -8,6 +8,9 @@ one-shot model's dynamic RoPE never rescales and the comparison is exact.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -261,3 +264,37 @@ def test_unsupported_or_missing_model(tmp_path):
         statekv.VideoQA.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(statekv.InputError, match="no config.json"):
         statekv.VideoQA.from_pretrained(tmp_path)
+
+
+def _broken_copy(checkpoint, tmp_path, edit):
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    edit(broken)
+    return broken
+
+
+def _edit_config(change):
+    def edit(folder):
+        config = json.loads((folder / "config.json").read_text())
+        change(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _remove_tokenizer(folder):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (_remove_tokenizer, "no tokenizer files"),
+    (_edit_config(lambda config: config["text_config"].update(num_hidden_layers="three")),
+     "config.json is malformed: Validation error for field 'num_hidden_layers'"),
+    (_edit_config(lambda config: config["text_config"].update(num_key_value_heads=1)),
+     "its weights do not have the shapes its config.json describes"),
+], ids=["no-tokenizer", "malformed-field", "weights-unlike-config"])
+def test_a_broken_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, edit, expected):
+    broken = _broken_copy(checkpoint, tmp_path, edit)
+    with pytest.raises(statekv.InputError) as info:
+        statekv.VideoQA.from_pretrained(broken)
+    assert expected in _one_line(info.value)

@@ -26,6 +26,15 @@ def checkpoint_json(path: str | Path, *names: str) -> dict[str, Any] | None:
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint folder or hub repo ships a tokenizer (without one, transformers builds an empty one)."""
+    return any(cached_file(str(path), name, _raise_exceptions_for_missing_entries=False) is not None
+               for name in TOKENIZER_FILES)
+
+
 def normalisation(path: str | Path, default: tuple[Sequence[float], Sequence[float]]
                   ) -> tuple[Sequence[float], Sequence[float]]:
     """Image mean and std from ``preprocessor_config.json``, else ``default``."""

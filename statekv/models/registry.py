@@ -6,12 +6,14 @@ import difflib
 import json
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import PretrainedConfig
 
 from ..errors import InputError, StateKVError, UnsupportedModelError
 from ..settings.options import BUILTIN_NAME
 from .base import VideoAdapter
+from .checkpoint_files import TOKENIZER_FILES, has_tokenizer
 
 _ADAPTERS: dict[str, type[VideoAdapter]] = {}
 
@@ -73,9 +75,18 @@ def load_adapter(path: str | Path, **kwargs) -> VideoAdapter:
             "(--trust-remote-code) if you trust it"
         )
     try:
+        if not has_tokenizer(path):
+            raise InputError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); cannot lay out a prompt")
         return adapter.from_pretrained(path, **kwargs)
     except StateKVError:
         raise
+    except StrictDataclassError as error:
+        why = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise InputError(f"cannot load {path}: its config.json is malformed: {why}") from None
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise InputError(f"cannot load {path}: its weights do not have the shapes its config.json describes") from None
     except (OSError, json.JSONDecodeError, SafetensorError) as error:  # missing, unreadable or corrupt files
         raise InputError(f"cannot load {path}: {str(error).strip().splitlines()[0]}") from None
 
