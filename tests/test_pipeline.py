@@ -298,3 +298,15 @@ def test_a_broken_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, edit, 
     with pytest.raises(statekv.InputError) as info:
         statekv.VideoQA.from_pretrained(broken)
     assert expected in _one_line(info.value)
+
+
+def test_a_checkpoint_with_sizes_as_lists_streams_as_its_one_shot_generate(tmp_path):
+    """Real InternVL3 ``-hf`` configs give the tower's image and patch sizes as [height, width] lists."""
+    path = make_tiny_checkpoint("internvl", tmp_path / "lists", vision_config={"image_size": [112, 112],
+                                                                                "patch_size": [14, 14]})
+    adapter = load_adapter(path)
+    assert adapter.image_size == 112 and adapter.tokens_per_image == 16
+    video = open_video(_video(4), fps=2)
+    encoded = tiny_qa(adapter, statekv.make_policy("statekv", budget=10_000)).encode(video)
+    assert torch.equal(encoded.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS),
+                       _one_shot_answer(adapter, video, QUESTION))

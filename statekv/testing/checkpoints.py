@@ -392,7 +392,7 @@ def _config_kwargs(family: str, tokenizer: Qwen2Tokenizer, overrides: dict[str, 
         kwargs["text_config"].setdefault("pad_token_id", ids["<|endoftext|>"])
     if family == "internvl":
         vision = kwargs["vision_config"]
-        grid = vision["image_size"] // vision["patch_size"]
+        grid = _side(vision["image_size"]) // _side(vision["patch_size"])
         kwargs["image_seq_length"] = int(grid**2 * kwargs["downsample_ratio"] ** 2)
     kwargs.update(overrides)
     return kwargs
