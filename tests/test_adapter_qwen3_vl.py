@@ -16,7 +16,7 @@ from statekv import FullAttention, StateKV, StreamingPrefill
 from statekv.errors import ConfigurationError, InputError, UnsupportedModelError
 from statekv.models import load_adapter
 from statekv.models.qwen3_vl import Qwen3VLAdapter, QwenVideoSettings
-from statekv.testing import write_test_video
+from statekv.testing import make_tiny_checkpoint, write_test_video
 from statekv.video import Frame, open_video, temporal_groups
 
 QUESTION = "What happens in the video?"
@@ -356,3 +356,40 @@ def test_a_stream_with_no_horizon_saved_with_its_first_frame_waiting_loads(adapt
         assert back.frames == live.frames == 2
         assert torch.equal(back.ask_tokens(QUESTION, max_new_tokens=2), live.ask_tokens(QUESTION, max_new_tokens=2))
     live.close()
+
+
+# -- exactness over configurations real checkpoints have ---------------------------------------------------
+VARIANTS = {
+    "one-kv-head": dict(text_config={"num_key_value_heads": 1}),
+    "kv-heads-equal-heads": dict(text_config={"num_key_value_heads": 4}),
+    "head-dim-unlike-hidden-over-heads": dict(text_config={"head_dim": 32}),
+    "untied": dict(tie_word_embeddings=False, text_config={"tie_word_embeddings": False}),
+    "mrope-not-interleaved": dict(text_config={"rope_parameters": {
+        "rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": False}}),
+    "patch-14-no-merge": dict(vision_config={"patch_size": 14, "spatial_merge_size": 1}),
+    "eager": dict(attn_implementation="eager"),
+    "bfloat16": dict(dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("variant, count", [*((name, 7) for name in VARIANTS), ("frames", 1), ("frames", 3),
+                                            ("frames", 5)])
+def test_streaming_equals_one_shot_generate_across_configurations(tmp_path, variant, count):
+    """Full attention and StateKV with room for every token answer as the model's own one-shot generate."""
+    overrides = dict(VARIANTS.get(variant, {}))
+    attention = overrides.pop("attn_implementation", None)
+    path = make_tiny_checkpoint("qwen3_vl", tmp_path / "ckpt", **overrides)
+    loaded = load_adapter(path, **({"attn_implementation": attention} if attention else {}))
+    assert loaded.dtype == overrides.get("dtype", torch.float32)
+    video = write_test_video(tmp_path / "clip.mp4", frames=count, fps=FPS, size=(96, 64))
+    clip = list(open_video(video).frames())
+    full, state, chunks, _ = stream(loaded, clip)
+    question = loaded.question_ids(QUESTION, state)
+    prompt = torch.cat([chunk.input_ids for chunk in chunks] + [question], dim=1)
+    inputs = video_inputs(loaded, prompt, clip, state)
+    inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(loaded.dtype)
+    expected = loaded.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[:, prompt.shape[1]:]
+    roomy, roomy_state, _, _ = stream(loaded, clip, StateKV(budget=state.tokens))
+    for prefill, at in ((full, state), (roomy, roomy_state)):
+        loaded.model.model.rope_deltas = None
+        assert prefill.generate(loaded.prompt(question, at), max_new_tokens=NEW_TOKENS).tolist() == expected.tolist()
