@@ -1222,7 +1222,7 @@ def test_on_the_disk_tier_a_steered_stream_caught_up_resumes_its_successor_as_it
 
 @pytest.mark.parametrize("damage", ["journal", "gone"])
 def test_on_the_disk_tier_a_kept_successor_that_does_not_resume_is_rebuilt_from_the_backlog(checkpoint, tmp_path,
-                                                                                         references, damage):
+                                                                                         references, damage, caplog):
     qa = on_disk(checkpoint, tmp_path)
     with pushed(qa, FRAMES[:20]) as stream:
         stream.catch_up(5)
@@ -1235,6 +1235,7 @@ def test_on_the_disk_tier_a_kept_successor_that_does_not_resume_is_rebuilt_from_
         journal.write_bytes(journal.read_bytes()[:-40])
     with Stream.load(folder, qa) as resumed:
         assert resumed.handover == "beside" and len(resumed.backlog.steps) == len(resumed.step_frames)
+        assert "it replays its backlog again" in caplog.text
         assert [path for path in folder.iterdir() if path.is_dir()] == [resumed.successor.disk.folder] != [kept]
         for frame in FRAMES[20:]:
             resumed.push(frame)

@@ -1244,11 +1244,13 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
                                                                    *(path.name for path in others)])
 
 
+@pytest.mark.parametrize("unrecorded", [False, True])
 def test_a_start_that_a_kill_cut_short_while_it_loaded_a_stream_into_a_new_file_set_leaves_no_file_set(
-        qa, tmp_path, options, caplog, monkeypatch):
+        qa, tmp_path, options, caplog, monkeypatch, unrecorded):
     """Before: a start that loaded a stream from its save into a new disk-tier file set (its own lost with a disk)
     and was killed before the record named the new one left that file set for good: the stream's record named
-    another, and each such start and kill made one more."""
+    another, and each such start and kill made one more. ``unrecorded``: the record could not be written then
+    (logged, the stream served), and the kill came later."""
     from statekv.serve.entries import StreamEntry
 
     tier, state = tmp_path / "tier", tmp_path / "state"
@@ -1268,9 +1270,14 @@ def test_a_start_that_a_kill_cut_short_while_it_loaded_a_stream_into_a_new_file_
             shutil.copytree(tier, tmp_path / "tier-killed")
         return write_record(entry, files)
 
-    monkeypatch.setattr(StreamEntry, "write_record", killed_here)
+    def refused(entry, files):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(StreamEntry, "write_record", refused if unrecorded else killed_here)
     with Running(state, qa, options=disk):
-        pass
+        if unrecorded:  # a kill later on
+            shutil.copytree(state, tmp_path / "state-killed")
+            shutil.copytree(tier, tmp_path / "tier-killed")
     monkeypatch.setattr(StreamEntry, "write_record", write_record)
     for name in ("state", "tier"):
         shutil.rmtree(tmp_path / name)

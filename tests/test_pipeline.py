@@ -9,7 +9,11 @@ one-shot model's dynamic RoPE never rescales and the comparison is exact.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -298,6 +302,21 @@ def test_a_broken_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, edit, 
     with pytest.raises(statekv.InputError) as info:
         statekv.VideoQA.from_pretrained(broken)
     assert expected in _one_line(info.value)
+
+
+def test_a_hub_checkpoint_out_of_reach_is_not_called_one_without_a_tokenizer(checkpoint, tmp_path):
+    """Before: offline, a hub id whose config alone was cached was refused as having "no tokenizer files"."""
+    snapshot = tmp_path / "hub" / "models--someorg--tinyvl" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(checkpoint) / "config.json", snapshot / "config.json")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    code = ("import statekv.models as m\ntry: m.load_adapter('someorg/tinyvl')\n"
+            "except Exception as e: print(type(e).__name__, e)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.startswith("InputError cannot load someorg/tinyvl"), result.stdout[-500:]
+    assert "no tokenizer files" not in result.stdout
 
 
 def test_a_checkpoint_with_sizes_as_lists_streams_as_its_one_shot_generate(tmp_path):

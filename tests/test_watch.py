@@ -7,6 +7,7 @@ steering, and bad input."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -1012,27 +1013,31 @@ def test_a_watch_on_a_bounded_m_rope_stream_opens_without_the_retrieval_its_meth
     other.close()
 
 
-def test_a_watch_whose_long_answers_keep_changing_leaves_its_stream_savable(qa, frames, tmp_path, monkeypatch):
+def test_watches_whose_long_answers_keep_changing_leave_their_stream_savable(qa, frames, tmp_path, monkeypatch):
     """A watch kept its latest 10,000 events however long their answers (up to its max_new_tokens): every save
-    writes them whole into a saved stream's bounded metadata, so a watch whose long answers kept changing made its
-    stream refuse every save from then on. Its events now also stay within `MAX_EVENT_CHARS` characters."""
+    writes them whole into a saved stream's bounded metadata, so watches whose long answers kept changing made their
+    stream refuse every save from then on. Their events now share `MAX_EVENT_CHARS` characters of the save's JSON,
+    where a non-ASCII character takes six."""
     import statekv.api.stream_file as stream_file
 
-    bound = getattr(watch_module, "MAX_EVENT_CHARS", 1 << 20)
-    monkeypatch.setattr(stream_file, "MAX_METADATA_CHARS", 3 * bound)
+    bound = 1 << 16
+    monkeypatch.setattr(watch_module, "MAX_EVENT_CHARS", bound)
+    monkeypatch.setattr(stream_file, "MAX_METADATA_CHARS", 2 * bound)
     stream = qa.stream(max_fps=1)
     push(stream, frames, 0, 2)
-    watch = stream.watch(COUNT, every=1)
-    long = 4 * bound // 1000  # a thousand such answers: four times the bound
-    watch.events[:] = [watch_module.WatchEvent(frame, None, f"{frame} " + "x" * long) for frame in range(1000)]
+    watches = [stream.watch(COUNT, every=1), stream.watch("Anything else?", every=1)]
+    long = bound // 100  # each answer's JSON six times as long: hundreds of them, many times the bound
+    for watch in watches:
+        watch.events[:] = [watch_module.WatchEvent(frame, None, f"{frame} " + "字" * long) for frame in range(300)]
+        watch.answer_tokens = None
     told = iter(range(10**6))
-    monkeypatch.setattr(stream.adapter, "decode", lambda tokens: f"new {next(told)} " + "y" * long)
-    watch.answer_tokens = None
+    monkeypatch.setattr(stream.adapter, "decode", lambda tokens: f"new {next(told)} " + "語" * long)
     push(stream, frames, 2, 3)
-    assert watch.events[-1].answer.startswith("new 0 ")
+    assert all(watch.events[-1].answer.startswith("new ") for watch in watches)
     stream.save(tmp_path / "s.safetensors")
     back = statekv.Stream.load(tmp_path / "s.safetensors", qa)
-    assert [event.answer for event in back.watches[0].events] == [event.answer for event in watch.events]
-    assert sum(len(event.answer) for event in watch.events) <= bound
+    for watch, loaded in zip(watches, back.watches):
+        assert [event.answer for event in loaded.events] == [event.answer for event in watch.events]
+    assert sum(len(json.dumps(event.answer)) for watch in watches for event in watch.events) <= bound
     back.close()
     stream.close()

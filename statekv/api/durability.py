@@ -333,6 +333,8 @@ def resume_kept(stream: Any, kept: tuple[Path, str, int, Any], steps: list[dict[
         journal = read_file_set(path)
         if journal.manifest.get(FILE_SET) != file_set or len(journal.steps) != count or count > len(steps) or any(
                 mine["tokens"] != its["tokens"] for mine, its in zip(journal.steps, steps)):
+            log.warning("%s: its successor's files in %s are not the %d steps its close named; it replays its "
+                        "backlog again", stream.name, path, count)
             return lock
         engine = stream.engine_on(DiskTier(path, journal.manifest, lock))
         engine.resume(journal)

@@ -25,12 +25,13 @@ them (`statekv.api.watch_saving`), as they stood: their events, clocks and the q
 from __future__ import annotations
 
 import bisect
+import functools
+import json
 import logging
 import secrets
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -48,9 +49,10 @@ log = logging.getLogger("statekv")
 
 DEFAULT_NEW_TOKENS = 16
 MAX_EVENTS = 10_000  # the events a watch keeps (the latest), so a watch that never closes stays bounded
-# and the characters of their answers (an answer may be `max_new_tokens` long): every save and disk-tier checkpoint
-# writes a stream's watches' events whole, and a saved stream's metadata is bounded (`stream_file.MAX_METADATA_CHARS`)
-MAX_EVENT_CHARS = 1 << 20
+# and the characters their answers take in JSON, shared by a stream's open watches (an answer may be
+# `max_new_tokens` long): every save and disk-tier checkpoint writes a stream's watches' events whole, and a saved
+# stream's metadata is bounded (`stream_file.MAX_METADATA_CHARS`), which the runs' step lists share
+MAX_EVENT_CHARS = 16 << 20
 KEPT_PLACES = 64  # the closed watches whose place among a stream's watches it remembers (the latest)
 
 
@@ -433,16 +435,22 @@ def _evaluation(watch: Watch) -> Evaluation:
                       retrieval)
 
 
-def keep_latest(events: list[WatchEvent]) -> None:
-    """Cut ``events`` to the latest `MAX_EVENTS`, and to the latest whose answers hold `MAX_EVENT_CHARS` characters
+@functools.lru_cache(maxsize=4096)
+def json_chars(answer: str) -> int:
+    """The characters ``answer`` takes in a save's JSON (a non-ASCII character as its escape)."""
+    return len(json.dumps(answer))
+
+
+def keep_latest(events: list[WatchEvent], budget: int = MAX_EVENT_CHARS) -> None:
+    """Cut ``events`` to the latest `MAX_EVENTS`, and to the latest whose answers take ``budget`` characters of JSON
     (the newest one kept whatever its length)."""
     del events[:-MAX_EVENTS]
-    if sum(map(len, map(attrgetter("answer"), events))) <= MAX_EVENT_CHARS:
+    if sum(json_chars(event.answer) for event in events) <= budget:
         return
     chars, first = 0, len(events)
-    while first > 0 and (first == len(events) or chars + len(events[first - 1].answer) <= MAX_EVENT_CHARS):
+    while first > 0 and (first == len(events) or chars + json_chars(events[first - 1].answer) <= budget):
         first -= 1
-        chars += len(events[first].answer)
+        chars += json_chars(events[first].answer)
     del events[:first]
 
 
@@ -465,7 +473,7 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEve
     if answer != watch.answer:
         event = WatchEvent(stream.frames, seconds, answer)
         watch.events.append(event)
-        keep_latest(watch.events)
+        keep_latest(watch.events, MAX_EVENT_CHARS // max(1, len(stream.watches)))
     watch.answer = answer
     return event
 

@@ -29,10 +29,9 @@ def checkpoint_json(path: str | Path, *names: str) -> dict[str, Any] | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def has_tokenizer(path: str | Path) -> bool:
-    """Whether a checkpoint folder or hub repo ships a tokenizer (without one, transformers builds an empty one)."""
-    return any(cached_file(str(path), name, _raise_exceptions_for_missing_entries=False) is not None
-               for name in TOKENIZER_FILES)
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether a checkpoint folder holds a tokenizer (without one, transformers builds an empty one)."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def normalisation(path: str | Path, default: tuple[Sequence[float], Sequence[float]]

@@ -75,7 +75,7 @@ def load_adapter(path: str | Path, **kwargs) -> VideoAdapter:
             "(--trust-remote-code) if you trust it"
         )
     try:
-        if not has_tokenizer(path):
+        if Path(path).is_dir() and not has_tokenizer(path):  # a hub id's files may be out of reach, not missing
             raise InputError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); cannot lay out a prompt")
         return adapter.from_pretrained(path, **kwargs)
     except StateKVError:

@@ -84,11 +84,12 @@ class StreamLoader:
                 log.error("cannot remove stream %s's quarantine note: %s", entry.id, error)
         return entry
 
-    def bring_back(self, entry: StreamEntry, data: dict[str, Any], listener: Any, healing: bool = False) -> None:
+    def bring_back(self, entry: StreamEntry, data: dict[str, Any], listener: Any, healing: bool = False) -> bool:
         """Reopen the watches (`recall`, their saved events put back: `with_saved_events`) and page of ``entry``, a
         stream just loaded from its record ``data``; then, for one in another disk-tier file set than ``data``
-        names, write its record so that it names the new one (a failure is logged). A stream whose watches cannot
-        be brought back now (its save not readable: a retry) is closed again, letting go of its file set."""
+        names, write its record so that it names the new one (a failure is logged); whether its record names its file
+        set. A stream whose watches cannot be brought back now (its save not readable: a retry) is closed again,
+        letting go of its file set."""
         try:
             recall(entry, with_saved_events(entry, data, self.files), listener)
             recall_page(entry, data)
@@ -102,6 +103,8 @@ class StreamLoader:
             except (OSError, StateKVError) as error:
                 log.error("cannot record stream %s's new disk-tier folder, or that it runs again: %s", entry.id,
                           error)
+                return False
+        return True
 
     def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:
         """The stream resumed in its own disk-tier file set, when its record names one that is there (None:

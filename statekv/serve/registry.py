@@ -501,12 +501,10 @@ class StreamRegistry:
         loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
         # a load from the save makes a new file set: a note until the record names it (a kill in between)
         note = None if healing else self.creations.begin_load(data["id"], self.settings.qa.engine)
-        try:
-            entry = self.loader.load(data, healing=healing)
-            self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
-                                   healing)
-        finally:
-            end_creation(note)
+        entry = self.loader.load(data, healing=healing)
+        if self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
+                                  healing):
+            end_creation(note)  # else kept: the next start removes the file sets its record does not name
         self.damaged.pop(entry.id, None)
         return entry
 

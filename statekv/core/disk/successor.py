@@ -20,6 +20,7 @@ the marker; a stream resumed from a folder that holds the marker finishes it fir
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import zlib
@@ -34,6 +35,8 @@ from .buffers import close_all, closed_with, pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
 from .tier import DiskTier
+
+log = logging.getLogger("statekv")
 
 BACKLOG_FILE = "backlog.bin"
 HANDOVER_MARKER = "handover.json"
@@ -148,12 +151,17 @@ def kept_successor(folder: Path, records: list[dict[str, Any]]) -> tuple[Path, s
     the stream's new successor leaves it, `remove_successors`); None when none is named, or it is gone or held."""
     kept = next((record[KEPT] for record in reversed(records) if KEPT in record), None)
     if (not isinstance(kept, dict) or not isinstance(kept.get("folder"), str) or not _plain(kept["folder"])
-            or not isinstance(kept.get(FILE_SET), str) or type(kept.get("steps")) is not int or kept["steps"] < 1
-            or not (folder / kept["folder"]).is_dir()):
+            or not isinstance(kept.get(FILE_SET), str) or type(kept.get("steps")) is not int or kept["steps"] < 1):
+        return None
+    if not (folder / kept["folder"]).is_dir():
+        log.warning("%s: the successor its close kept, %s, is gone; it replays its backlog again", folder,
+                    kept["folder"])
         return None
     try:
         lock = hold(folder / kept["folder"], "a stream resuming its successor")
-    except InputError:
+    except InputError as error:
+        log.warning("%s: the successor its close kept cannot be taken (%s); it replays its backlog again", folder,
+                    str(error).splitlines()[0])
         return None
     return folder / kept["folder"], kept[FILE_SET], kept["steps"], lock
 
