@@ -227,3 +227,31 @@ def test_a_read_only_cache_folder_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("STATEKV_CACHE", "/sys/statekv-cache")  # read-only for everyone, root included (sysfs)
     code, err = _cli(capsys, "demo", "--model", "builtin")
     assert code == 2 and "cannot write statekv's cache in /sys/statekv-cache" in _one_line(err)
+
+
+def test_a_stopped_make_says_how_many_videos_it_kept_and_a_rerun_finishes_the_same_set(tmp_path, capsys,
+                                                                                        monkeypatch):
+    import signal
+
+    import statekv.synthetic.benchmark as benchmark
+    from statekv.console import Stopped
+
+    write, calls = benchmark.write_video, []
+
+    def stopped_at_the_third(plan, path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise Stopped(signal.SIGTERM)
+        return write(plan, path)
+
+    monkeypatch.setattr(benchmark, "write_video", stopped_at_the_third)
+    argv = ["synthetic", "make", "--videos", "4", "--seed", "52", "--frames", "12", "--out"]
+    code, err = _cli(capsys, *argv, tmp_path / "set")
+    assert code == 128 + signal.SIGTERM
+    assert _one_line(err) == (f"statekv synthetic: stopped by SIGTERM; 2 of 4 videos written in {tmp_path / 'set'}; "
+                              "rerun the same command to go on")
+    monkeypatch.setattr(benchmark, "write_video", write)
+    assert _cli(capsys, *argv, tmp_path / "set")[0] == 0
+    make_benchmark(tmp_path / "whole", videos=4, seed=52, num_frames=12)
+    for name in ("questions.jsonl", *(f"videos/v000{index}.mp4" for index in range(4))):
+        assert (tmp_path / "set" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

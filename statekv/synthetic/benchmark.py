@@ -33,6 +33,7 @@ from ..errors import ConfigurationError, InputError, OutputError, StateKVError
 from ..flushing import flush_file, flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import check_output_dir
+from ..stopping import note_kept
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
 from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
@@ -86,6 +87,10 @@ def make_benchmark(out: Path | str, *, videos: int, seed: int, num_frames: int =
         try:
             # read again under the lock: a make that held the folder until now may have finished or replaced its set
             return _write_set(out, making, _resumes(out, making, overwrite), overwrite, progress)
+        except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: every video renamed whole is kept
+            written = sum((out / _video_path(index)).is_file() for index in range(videos))
+            note_kept(stop, f"{written} of {videos} videos written in {out}; rerun the same command to go on")
+            raise
         finally:
             lock.release()
     except OSError as error:
