@@ -517,3 +517,31 @@ def test_analyze_command_reports_a_missing_video_before_loading_the_model(tmp_pa
                     "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err.strip()
     assert "missing.mp4" in error and "no such file" in error and "\n" not in error
+
+
+def test_analyze_stopped_in_its_first_video_says_nothing_was_written_and_whose_analysis_is_there(
+        tiny_video_model, tmp_path, capsys, monkeypatch):
+    """Before: a stop before any video was measured whole said only "stopped", beside an earlier run's complete
+    analysis in --out that read as this run's."""
+    import signal
+
+    import statekv.analysis.runner as runner
+    from statekv.console import Stopped
+
+    checkpoint, video = tiny_video_model
+    out = tmp_path / "report"
+    argv = ["analyze", "--model", str(checkpoint), "--frames", "4", "--max-fps", "4", "--budgets", "1", "4",
+            "--recency", "1", "--max-distance", "2", "--no-errors", "--out", str(out)]
+    assert run_cli([*argv, str(video)]) == 0
+    earlier = (out / "analysis.json").read_bytes()
+
+    def stopped(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(runner, "measure_attention", stopped)
+    capsys.readouterr()
+    assert run_cli([*argv, str(video), str(video)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"statekv analyze: stopped by SIGTERM; no video was measured whole, so nothing was written to {out} "
+        "(the analysis in it is an earlier run's)")
+    assert (out / "analysis.json").read_bytes() == earlier

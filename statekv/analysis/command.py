@@ -10,6 +10,7 @@ from statekv.console import ProgressLine, quiet_libraries
 from statekv.errors import OutputError
 from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
+from statekv.stopping import note_kept
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -128,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
             what = "stop" if isinstance(stop, KeyboardInterrupt) else "error below"
             _progress(f"statekv analyze: the {count} video(s) measured whole before the {what} are in "
                       f"{written[0]} and {written[1]} (no figures)")
+        elif isinstance(stop, KeyboardInterrupt):
+            earlier = (" (the analysis in it is an earlier run's)" if (args.out / "analysis.json").exists()
+                       else "")
+            note_kept(stop, f"no video was measured whole, so nothing was written to {args.out}{earlier}")
         raise
 
     document = report.build_report(statistics.result(), errors.result() if errors else None, model=str(args.model),
